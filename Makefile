@@ -1,0 +1,19 @@
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install test lint demo bench
+
+install:
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+
+lint:
+	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks
+
+test: install lint
+	$(PYTHON) -m pytest
+
+demo: install
+	canzona plan
+
+bench: install
+	$(PYTHON) benchmarks/bench_plan.py

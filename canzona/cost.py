@@ -1,0 +1,258 @@
+"""Optimizer cost models (DESIGN section 5): FLOPs, memory traffic, state bytes and time in seconds.
+
+Each optimizer step on one full `m x n` matrix is decomposed into kernels (GEMMs, elementwise
+passes, eigendecompositions / QR). A kernel's time is a roofline `max(flops/rate, bytes/bw)` plus a
+launch overhead; kernels that run every `f` steps carry an amortised `count = 1/f`. The simulator
+applies its own hardware profile to the same kernels, so the formulas live here only.
+
+Allocation loops use `CostModel.seconds`, never raw element counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from canzona.errors import SpecError
+from canzona.optimizers import (
+    AdamWConfig,
+    MuonConfig,
+    ShampooConfig,
+    SOAPConfig,
+    default_config,
+)
+from canzona.spec import DTYPE_BYTES
+
+FP32 = DTYPE_BYTES["fp32"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch of an optimizer step. `gemm` is (M, N, K) for GEMMs, (k,) for solvers."""
+
+    name: str
+    kind: str  # "gemm" | "elementwise" | "solver"
+    flops: float
+    bytes: float
+    dtype: str
+    count: float = 1.0
+    gemm: tuple[int, ...] = ()
+
+
+def _gemm(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
+    b = DTYPE_BYTES[dtype]
+    return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n + m * n)), dtype, count, (m, n, k))
+
+
+def _elementwise(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
+    return Kernel(name, "elementwise", flops_per * numel, bytes_per * numel, dtype)
+
+
+def _solver(name: str, k: int, flops: float, count: float, dtype: str) -> Kernel:
+    return Kernel(name, "solver", flops, float(DTYPE_BYTES[dtype] * 2 * k * k), dtype, count, (k,))
+
+
+def muon_kernels(m: int, n: int, cfg: MuonConfig) -> list[Kernel]:
+    """Momentum, Nesterov blend, normalisation, `ns_steps` quintic iterations, decay and update."""
+    s, big = min(m, n), max(m, n)
+    mn, dt = m * n, cfg.ns_dtype
+    nb = DTYPE_BYTES[dt]
+    ks = [
+        _elementwise("momentum", mn, 4, 6 * FP32),
+        _elementwise("normalize", mn, 3, FP32 + 2 * nb),
+    ]
+    for i in range(cfg.ns_steps):
+        ks += [
+            _gemm(f"ns{i}.gram", s, s, big, dt),  # A = X Xᵀ
+            _gemm(f"ns{i}.square", s, s, s, dt),  # B = bA + cA²
+            _gemm(f"ns{i}.update", s, big, s, dt),  # X = aX + BX
+        ]
+    ks.append(_elementwise("apply", mn, 4, 2 * FP32 + nb))
+    return ks
+
+
+def _preconditioned_sides(m: int, n: int, max_dim: int) -> list[tuple[int, int]]:
+    """(k, other) for each side whose dimension k may carry a preconditioner."""
+    return [(k, (m * n) // k) for k in (m, n) if k <= max_dim]
+
+
+def soap_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
+    """Statistics, projections into and out of the eigenbasis, rotated Adam, amortised refresh."""
+    dt, f = cfg.compute_dtype, cfg.precondition_frequency
+    ks: list[Kernel] = []
+    for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim)):
+        ks += [
+            _gemm(f"side{side}.stats", k, k, other, dt),
+            _gemm(f"side{side}.project_grad", k, other, k, dt),
+            _gemm(f"side{side}.project_exp_avg", k, other, k, dt),
+            _gemm(f"side{side}.project_back", k, other, k, dt),
+            _gemm(f"side{side}.power_iter", k, k, k, dt, count=1.0 / f),
+            _solver(f"side{side}.qr", k, 4.0 / 3.0 * k**3, 1.0 / f, dt),
+        ]
+    ks.append(_elementwise("rotated_adam", m * n, 12, 8 * FP32))
+    return ks
+
+
+def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
+    """Statistics, two-sided preconditioning, amortised inverse roots, AdamW grafting."""
+    dt, f = cfg.compute_dtype, cfg.precondition_frequency
+    ks: list[Kernel] = []
+    for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_preconditioner_dim)):
+        ks += [
+            _gemm(f"side{side}.stats", k, k, other, dt),
+            _gemm(f"side{side}.precondition", k, other, k, dt),
+            _solver(f"side{side}.eigh_root", k, 9.0 * k**3, 1.0 / f, dt),
+        ]
+    if cfg.grafting:
+        ks.append(_elementwise("adam_grafting", m * n, 12, 8 * FP32))
+    ks.append(_elementwise("apply", m * n, 3, 3 * FP32))
+    return ks
+
+
+def adamw_kernels(numel: int, cfg: AdamWConfig) -> list[Kernel]:
+    """One fused pass: read param, grad, two moments; write param and moments."""
+    return [_elementwise("adamw", numel, 10, 7 * FP32)]
+
+
+def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> list[Kernel]:
+    """Kernels of one step of `optimizer` on one full parameter of `shape`."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    if optimizer == "adamw":
+        numel = 1
+        for d in shape:
+            numel *= d
+        return adamw_kernels(numel, cfg)
+    if len(shape) != 2:
+        raise SpecError(f"{optimizer} needs a 2-D matrix, got shape {shape}")
+    m, n = shape
+    builders = {"muon": muon_kernels, "soap": soap_kernels, "shampoo": shampoo_kernels}
+    try:
+        return builders[optimizer](m, n, cfg)
+    except KeyError:
+        raise SpecError(f"unknown optimizer {optimizer!r}") from None
+
+
+def init_kernels(optimizer: str, shape: tuple[int, int], cfg: object | None = None) -> list[Kernel]:
+    """One-off work at the first step: SOAP's initial eigendecomposition (~9k³ per side)."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    if optimizer != "soap":
+        return []
+    m, n = shape
+    return [
+        _solver(f"side{i}.eigh_init", k, 9.0 * k**3, 1.0, cfg.compute_dtype)
+        for i, (k, _) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim))
+    ]
+
+
+def step_flops(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> float:
+    return sum(k.flops * k.count for k in optimizer_kernels(optimizer, shape, cfg))
+
+
+def step_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> float:
+    return sum(k.bytes * k.count for k in optimizer_kernels(optimizer, shape, cfg))
+
+
+def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
+    """fp32 optimizer state of one full parameter (DESIGN section 5)."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if optimizer == "adamw":
+        return 2 * FP32 * numel
+    m, n = shape
+    if optimizer == "muon":
+        return FP32 * numel
+    if optimizer == "soap":
+        sides = _preconditioned_sides(m, n, cfg.max_precond_dim)
+        return 2 * FP32 * numel + 2 * FP32 * sum(k * k for k, _ in sides)  # GG and Q per side
+    if optimizer == "shampoo":
+        sides = _preconditioned_sides(m, n, cfg.max_preconditioner_dim)
+        graft = 2 * FP32 * numel if cfg.grafting else 0
+        return 2 * FP32 * sum(k * k for k, _ in sides) + graft  # statistics and root per side
+    raise SpecError(f"unknown optimizer {optimizer!r}")
+
+
+@dataclass(frozen=True)
+class DeviceRate:
+    """Achieved rates of one accelerator, enough to turn kernels into seconds.
+
+    `gemm_flops` is per compute dtype; `solver_flops` covers eigh / QR (far below GEMM speed on
+    GPUs and version dependent: a calibrated table should replace it).
+    """
+
+    name: str
+    gemm_flops: dict[str, float]
+    elementwise_flops: float
+    hbm_bytes_per_s: float
+    solver_flops: float
+    launch_s: float
+    source: str = ""
+
+    def kernel_seconds(self, k: Kernel) -> float:
+        if k.kind == "gemm":
+            rate = self.gemm_flops[k.dtype]
+        elif k.kind == "solver":
+            rate = self.solver_flops
+        else:
+            rate = self.elementwise_flops
+        return k.count * (max(k.flops / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
+
+
+# Datasheet-derived defaults (DESIGN section 10): H100 SXM, bf16 GEMMs at ~790 TFLOP/s of the
+# 989 peak; fp32 GEMMs on TF32-off CUDA cores at ~80% of the 67 TFLOP/s peak; 3.35 TB/s HBM3.
+H100_SXM = DeviceRate(
+    name="h100-sxm",
+    gemm_flops={"bf16": 790e12, "fp16": 790e12, "fp32": 54e12, "fp64": 54e12},
+    elementwise_flops=30e12,
+    hbm_bytes_per_s=3.35e12,
+    solver_flops=2e12,
+    launch_s=5e-6,
+    source="datasheet (DESIGN section 10); not calibrated",
+)
+
+
+class CostModel(Protocol):
+    """Seconds of one optimizer step on one full matrix."""
+
+    @property
+    def name(self) -> str: ...
+
+    def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float: ...
+
+
+@dataclass(frozen=True)
+class AnalyticCost:
+    """Roofline over the kernel decomposition on a `DeviceRate`."""
+
+    rate: DeviceRate = H100_SXM
+    configs: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"analytic:{self.rate.name}"
+
+    def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float:
+        cfg = self.configs.get(optimizer)
+        return sum(self.rate.kernel_seconds(k) for k in optimizer_kernels(optimizer, shape, cfg))
+
+
+@dataclass(frozen=True)
+class TableCost:
+    """Measured seconds per `(optimizer, m, n, dtype)`; shapes not in the table use `fallback`."""
+
+    table: dict[tuple[str, int, int, str], float]
+    dtypes: dict[str, str]  # optimizer -> compute dtype used as the table key
+    fallback: CostModel = field(default_factory=AnalyticCost)
+    label: str = "measured"
+
+    @property
+    def name(self) -> str:
+        return f"table:{self.label}"
+
+    def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float:
+        if len(shape) == 2:
+            key = (optimizer, shape[0], shape[1], self.dtypes.get(optimizer, "fp32"))
+            if key in self.table:
+                return self.table[key]
+        return self.fallback.seconds(optimizer, shape)

@@ -1,0 +1,211 @@
+"""ZeRO-1 gradient-buffer geometry: buckets, parameter placements, rank segments, plan metrics.
+
+A bucket is a contiguous range of the flat gradient buffer. Its reduce-scatter gives rank `r` the
+segment `[cuts[r], cuts[r+1])`: segments are contiguous, in rank order, and cover the bucket, which
+is what keeps ZeRO-1's communication geometry. A policy decides the parameter order inside each
+bucket, the cut points, and the owner (the DP rank that computes the full-matrix update).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from canzona.errors import SpecError
+
+
+@dataclass(frozen=True)
+class DPItem:
+    """One matrix as the DP partitioner sees it."""
+
+    name: str
+    numel: int  # elements in this rank's gradient buffer (local TP shard)
+    cost: float  # seconds of full-matrix optimizer work
+    state_bytes: int  # full-matrix optimizer state
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    offset: int
+    numel: int
+    cost: float
+    state_bytes: int
+    owner: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    index: int
+    params: tuple[Placement, ...]  # in layout order
+    size: int  # padded length in elements
+    cuts: tuple[int, ...]  # dp + 1 cut points: rank r holds [cuts[r], cuts[r + 1])
+
+    def segment(self, rank: int) -> tuple[int, int]:
+        return self.cuts[rank], self.cuts[rank + 1]
+
+    def segment_lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.cuts, self.cuts[1:])]
+
+    def ranks_overlapping(self, p: Placement) -> range:
+        """Ranks whose segment holds at least one element of `p`."""
+        first = bisect.bisect_right(self.cuts, p.offset) - 1
+        last = bisect.bisect_right(self.cuts, p.end - 1) - 1
+        return range(first, last + 1)
+
+
+def ceil_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]]:
+    """Group items (given in forward order) into buckets in backward order.
+
+    A bucket holds at most `bucket_size` elements; the next parameter that would overflow it
+    opens a new bucket, so each bucket's reduce-scatter can start as soon as backward has produced
+    its gradients.
+    """
+    if not items:
+        return []
+    largest = max(it.numel for it in items)
+    if bucket_size < largest:
+        name = next(it.name for it in items if it.numel == largest)
+        raise SpecError(
+            f"bucket size {bucket_size} is smaller than the largest parameter {name} ({largest} elements)"
+        )
+    buckets: list[list[DPItem]] = [[]]
+    filled = 0
+    for it in reversed(items):
+        if buckets[-1] and filled + it.numel > bucket_size:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(it)
+        filled += it.numel
+    return buckets
+
+
+def lay_out(items: Sequence[DPItem], align: int, dp: int) -> tuple[list[int], int]:
+    """Offsets of `items` packed in order with each start aligned, and the padded bucket size.
+
+    The size is a multiple of `align * dp` so that even segments start aligned too.
+    """
+    offsets, pos = [], 0
+    for it in items:
+        pos = ceil_to(pos, align)
+        offsets.append(pos)
+        pos += it.numel
+    return offsets, max(ceil_to(pos, align * dp), align * dp)
+
+
+def place(items: Sequence[DPItem], owners: Sequence[int], align: int, dp: int) -> tuple[tuple[Placement, ...], int]:
+    offsets, size = lay_out(items, align, dp)
+    placements = tuple(
+        Placement(it.name, off, it.numel, it.cost, it.state_bytes, owner)
+        for it, off, owner in zip(items, offsets, owners)
+    )
+    return placements, size
+
+
+def even_cuts(size: int, dp: int) -> tuple[int, ...]:
+    return tuple(r * size // dp for r in range(dp + 1))
+
+
+def owner_of(offset: int, cuts: Sequence[int]) -> int:
+    """The rank whose segment holds element `offset` (empty segments hold nothing)."""
+    return bisect.bisect_right(cuts, offset) - 1
+
+
+@dataclass(frozen=True)
+class DPMetrics:
+    rank_loads: tuple[float, ...]  # seconds of optimizer work per DP rank (its whole TP group)
+    total: float  # seconds of distinct work: each matrix counted once
+    makespan: float
+    mean: float
+    imbalance: float  # makespan / mean
+    lower_bound: float  # max(total / dp, largest single cost)
+    lower_bound_gap: float  # makespan / lower_bound - 1
+    comm_ratio: float  # sum over buckets of the longest segment / sum of the even segment
+    rank_state_bytes: tuple[int, ...]
+    state_imbalance: float
+    atomicity_violations: int  # matrices not wholly inside the segment of a rank that computes them
+    extra_comm_elements: int  # gradient elements computing ranks must fetch beyond their segment
+    redundant_s: float  # seconds of work computed more than once: sum of loads = total + redundant
+
+    @property
+    def atomic(self) -> bool:
+        return self.atomicity_violations == 0
+
+
+def _ratio(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """The DP part of a plan. With `split_compute`, every rank whose segment overlaps a matrix
+    computes its full update (ZeRO-1 + gather); otherwise only the owner does."""
+
+    policy: str
+    dp: int
+    alpha: float | None
+    align: int
+    bucket_size: int
+    split_compute: bool
+    buckets: tuple[BucketPlan, ...]  # backward order
+    fell_back: bool = False  # alpha-balanced kept the whole-start plan because it was not worse
+
+    def placements(self) -> list[Placement]:
+        return [p for b in self.buckets for p in b.params]
+
+    def owners(self) -> dict[str, int]:
+        return {p.name: p.owner for p in self.placements()}
+
+    def computing_ranks(self, bucket: BucketPlan, p: Placement) -> Sequence[int]:
+        return bucket.ranks_overlapping(p) if self.split_compute else (p.owner,)
+
+    @cached_property
+    def metrics(self) -> DPMetrics:
+        d = self.dp
+        loads, state = [0.0] * d, [0] * d
+        total, largest, redundant, violations, extra = 0.0, 0.0, 0.0, 0, 0
+        for b in self.buckets:
+            for p in b.params:
+                total += p.cost
+                largest = max(largest, p.cost)
+                missing = 0
+                ranks = self.computing_ranks(b, p)
+                redundant += p.cost * (len(ranks) - 1)
+                for r in ranks:
+                    loads[r] += p.cost
+                    state[r] += p.state_bytes
+                    lo, hi = b.segment(r)
+                    missing += p.numel - max(0, min(hi, p.end) - max(lo, p.offset))
+                violations += missing > 0
+                extra += missing
+        makespan = max(loads) if loads else 0.0
+        mean = sum(loads) / d
+        lb = max(total / d, largest)
+        longest = sum(max(b.segment_lengths()) for b in self.buckets)
+        even = sum(b.size / d for b in self.buckets)
+        return DPMetrics(
+            rank_loads=tuple(loads),
+            total=total,
+            makespan=makespan,
+            mean=mean,
+            imbalance=makespan / mean if mean > 0 else 1.0,
+            lower_bound=lb,
+            lower_bound_gap=makespan / lb - 1.0 if lb > 0 else 0.0,
+            comm_ratio=longest / even if even > 0 else 1.0,
+            rank_state_bytes=tuple(state),
+            state_imbalance=_ratio(state) if any(state) else 1.0,
+            atomicity_violations=violations,
+            extra_comm_elements=extra,
+            redundant_s=redundant,
+        )

@@ -1,0 +1,222 @@
+"""DP partitioning policies (DESIGN section 6): pure functions from buckets of items to a DPPlan.
+
+All costs are seconds. Buckets arrive in backward order; loads carry across buckets.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from canzona.dp.layout import (
+    BucketPlan,
+    DPItem,
+    DPPlan,
+    even_cuts,
+    make_buckets,
+    owner_of,
+    place,
+)
+from canzona.dp.reorder import reorder_assign
+from canzona.errors import SpecError
+from canzona.scheduling import lpt_assign
+
+Buckets = Sequence[Sequence[DPItem]]
+
+DEFAULT_ALIGN = 64  # elements; Megatron pads each parameter start to 64 elements
+MIN_BUCKET = 40_000_000  # Megatron's default bucket size in elements
+
+
+def default_bucket_size(items: Sequence[DPItem], dp: int) -> int:
+    """About one matrix per rank per bucket (the authors size buckets in whole matrices per rank so
+    segments can be balanced), never below Megatron's `max(40M, 1M * dp)` or the largest matrix."""
+    if not items:
+        return MIN_BUCKET
+    largest = max(it.numel for it in items)
+    per_rank = dp * sum(it.numel for it in items) // len(items)
+    return max(MIN_BUCKET, 1_000_000 * dp, largest, per_rank)
+
+
+def _plan(policy: str, dp: int, alpha: float | None, align: int, bucket_size: int,
+          buckets: list[BucketPlan], split_compute: bool = False, fell_back: bool = False) -> DPPlan:
+    return DPPlan(policy, dp, alpha, align, bucket_size, split_compute, tuple(buckets), fell_back)
+
+
+def _fixed_order(index: int, items: Sequence[DPItem], dp: int, align: int,
+                 cuts_of: Callable[[Sequence[int], int], tuple[int, ...]],
+                 owners: Sequence[int] | None = None) -> BucketPlan:
+    """Bucket in its given order; cut points from `cuts_of(starts, size)`; owner = first element's
+    rank unless `owners` are given."""
+    placements, size = place(items, [0] * len(items), align, dp)
+    starts = [p.offset for p in placements]
+    cuts = cuts_of(starts, size)
+    own = owners if owners is not None else [owner_of(s, cuts) for s in starts]
+    placements, _ = place(items, own, align, dp)
+    return BucketPlan(index, placements, size, cuts)
+
+
+def zero1_even(buckets: Buckets, dp: int, align: int, bucket_size: int) -> DPPlan:
+    """Stock ZeRO-1: even segments; a matrix may straddle ranks, each of which then computes it."""
+    plans = [_fixed_order(i, b, dp, align, lambda starts, size: even_cuts(size, dp))
+             for i, b in enumerate(buckets)]
+    return _plan("zero1-even", dp, None, align, bucket_size, plans, split_compute=True)
+
+
+def whole_start_cuts(starts: Sequence[int], size: int, dp: int) -> tuple[int, ...]:
+    """Rank r's segment starts at the first parameter whose first element lies in even segment r."""
+    cuts = [0]
+    for r in range(1, dp):
+        i = bisect.bisect_left(starts, r * size // dp)
+        cuts.append(starts[i] if i < len(starts) else size)
+    return tuple(cuts + [size])
+
+
+def whole_start(buckets: Buckets, dp: int, align: int, bucket_size: int) -> DPPlan:
+    plans = [_fixed_order(i, b, dp, align, lambda starts, size: whole_start_cuts(starts, size, dp))
+             for i, b in enumerate(buckets)]
+    return _plan("whole-start", dp, None, align, bucket_size, plans)
+
+
+def layerwise(buckets: Buckets, dp: int, align: int, bucket_size: int) -> DPPlan:
+    """Whole matrices to owners by global LPT; the buffer keeps even ZeRO segments, so owners
+    must fetch the parts of their gradients that other ranks hold (extra communication)."""
+    flat = [it for b in buckets for it in b]
+    owners = lpt_assign([it.cost for it in flat], dp)
+    plans, k = [], 0
+    for i, b in enumerate(buckets):
+        own = owners[k:k + len(b)]
+        k += len(b)
+        plans.append(_fixed_order(i, b, dp, align, lambda starts, size: even_cuts(size, dp), own))
+    return _plan("layerwise", dp, None, align, bucket_size, plans)
+
+
+def _check_alpha(alpha: float) -> float:
+    if not 0.0 <= alpha <= 1.0:
+        raise SpecError(f"alpha must be in [0, 1], got {alpha}")
+    return float(alpha)
+
+
+def _blended_score(plan: DPPlan, alpha: float) -> float:
+    """What alpha trades: compute balance (alpha = 1) against segment-length balance (alpha = 0)."""
+    m = plan.metrics
+    return alpha * (m.makespan / m.lower_bound if m.lower_bound > 0 else 1.0) + (1 - alpha) * m.comm_ratio
+
+
+def _nearest_cut(starts: Sequence[int], cum: Sequence[float], lo: int, even_target: float,
+                 cost_target: float, size: int, bucket_cost: float, alpha: float) -> int:
+    """Index of the legal boundary (>= lo) nearest the blended target.
+
+    Boundary i sits before parameter i (i == len: the bucket end). Its distance blends how far it
+    is from the even cut in elements and from the deficit-fill target in seconds, each normalised by
+    the bucket's total. Both coordinates grow with i, so the minimum lies between the two crossings.
+    """
+    def score(i: int) -> float:
+        d_even = abs(starts[i] - even_target) / size
+        d_cost = abs(cum[i] - cost_target) / bucket_cost if bucket_cost > 0 else 0.0
+        return (1 - alpha) * d_even + alpha * d_cost
+
+    i_even = bisect.bisect_left(starts, even_target)
+    i_cost = bisect.bisect_left(cum, cost_target)
+    first = max(lo, min(i_even, i_cost) - 1)
+    last = min(len(starts) - 1, max(i_even, i_cost))
+    best = max(first, lo)
+    for i in range(first, max(last, first) + 1):
+        if score(i) < score(best):
+            best = i
+    return best
+
+
+def alpha_balanced(buckets: Buckets, dp: int, align: int, bucket_size: int, alpha: float = 1.0) -> DPPlan:
+    """The paper's policy: cut points at parameter boundaries, targets blending an even split with a
+    deficit fill of the global per-rank target; largest buckets first; kept only if it beats
+    `whole-start` on the same blended objective."""
+    alpha = _check_alpha(alpha)
+    total = sum(it.cost for b in buckets for it in b)
+    target = total / dp
+    loads = [0.0] * dp
+    plans: list[BucketPlan | None] = [None] * len(buckets)
+    order = sorted(range(len(buckets)), key=lambda i: (-sum(it.cost for it in buckets[i]), i))
+    for bi in order:
+        items = buckets[bi]
+        placements, size = place(items, [0] * len(items), align, dp)
+        starts = [p.offset for p in placements] + [size]
+        cum = [0.0, *accumulate(it.cost for it in items)]
+        bucket_cost = cum[-1]
+        deficits = [max(0.0, target - load) for load in loads]
+        total_deficit = sum(deficits)
+        shares = ([bucket_cost * d / total_deficit for d in deficits] if total_deficit > 1e-15
+                  else [bucket_cost / dp] * dp)
+        idx, cost_target = [0], 0.0
+        for r in range(dp - 1):
+            cost_target += shares[r]
+            idx.append(_nearest_cut(starts, cum, idx[-1], (r + 1) * size / dp, cost_target,
+                                    size, bucket_cost, alpha))
+        idx.append(len(items))
+        cuts = tuple(starts[i] for i in idx)
+        owners = [owner_of(p.offset, cuts) for p in placements]
+        for it, r in zip(items, owners):
+            loads[r] += it.cost
+        placements, _ = place(items, owners, align, dp)
+        plans[bi] = BucketPlan(bi, placements, size, cuts)
+    plan = _plan("alpha-balanced", dp, alpha, align, bucket_size, plans)
+    baseline = whole_start(buckets, dp, align, bucket_size)
+    if _blended_score(plan, alpha) < _blended_score(baseline, alpha):
+        return plan
+    return _plan("alpha-balanced", dp, alpha, align, bucket_size, list(baseline.buckets), fell_back=True)
+
+
+def alpha_balanced_reorder(buckets: Buckets, dp: int, align: int, bucket_size: int,
+                           alpha: float = 1.0) -> DPPlan:
+    """Ours: the order inside a bucket is free, so pick each rank's subset by LPT with loads carried
+    across buckets (plus local search), then lay each bucket out grouped by owner. `alpha` caps each
+    segment at `(bucket / dp) * dp**alpha` elements: alpha = 0 asks for even segments, 1 for none."""
+    alpha = _check_alpha(alpha)
+    owners = reorder_assign(buckets, dp, alpha)
+    plans = []
+    for bi, (items, own) in enumerate(zip(buckets, owners)):
+        order = sorted(range(len(items)), key=lambda i: (own[i], i))
+        ordered = [items[i] for i in order]
+        ordered_owners = [own[i] for i in order]
+        placements, size = place(ordered, ordered_owners, align, dp)
+        cuts = [0]
+        for r in range(1, dp):
+            k = bisect.bisect_left(ordered_owners, r)
+            cuts.append(placements[k].offset if k < len(placements) else size)
+        plans.append(BucketPlan(bi, placements, size, tuple(cuts + [size])))
+    return _plan("alpha-balanced-reorder", dp, alpha, align, bucket_size, plans)
+
+
+DP_POLICIES: dict[str, Callable[..., DPPlan]] = {
+    "zero1-even": zero1_even,
+    "whole-start": whole_start,
+    "layerwise": layerwise,
+    "alpha-balanced": alpha_balanced,
+    "alpha-balanced-reorder": alpha_balanced_reorder,
+}
+ALPHA_POLICIES = ("alpha-balanced", "alpha-balanced-reorder")
+
+
+def check_dp_policy(name: str) -> str:
+    if name not in DP_POLICIES:
+        raise SpecError(f"unknown DP policy {name!r}; choose one of {', '.join(DP_POLICIES)}")
+    return name
+
+
+def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
+            bucket_size: int | None = None, align: int = DEFAULT_ALIGN) -> DPPlan:
+    """Plan the matrices `items` (forward order) over `dp` ranks with `policy`."""
+    check_dp_policy(policy)
+    if dp < 1:
+        raise SpecError(f"dp must be >= 1, got {dp}")
+    if align < 1:
+        raise SpecError(f"alignment must be >= 1 element, got {align}")
+    _check_alpha(alpha)
+    size = bucket_size if bucket_size is not None else default_bucket_size(items, dp)
+    if size < 1:
+        raise SpecError(f"bucket size must be positive, got {size}")
+    buckets = make_buckets(items, size)
+    fn = DP_POLICIES[policy]
+    if policy in ALPHA_POLICIES:
+        return fn(buckets, dp, align, size, alpha)
+    return fn(buckets, dp, align, size)

@@ -1,0 +1,378 @@
+"""`Plan`: what the simulator and the runtime execute. Built from specs by the policies, saved as
+versioned JSON, and validated on load (structure, and agreement with the model it is used with).
+
+Metrics are derived from the plan's structure, never trusted from the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from canzona.cost import AnalyticCost, CostModel, state_bytes
+from canzona.dp import ALPHA_POLICIES, DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
+from canzona.dp.layout import BucketPlan, Placement
+from canzona.errors import PlanError, SpecError
+from canzona.optimizers import check_matrix_optimizer
+from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.tp import EVERY_RANK, Capacity, MicroGroup, TPPlan, TPTask, check_tp_policy, plan_tp
+
+SCHEMA = "canzona.plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    fingerprint: str
+    dp: int
+    tp: int
+    optimizer: str
+    cost_model: str
+    dp_plan: DPPlan
+    tp_plan: TPPlan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "version": VERSION, **_body(self), "metrics": self.summary()}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(indent=1) + "\n")
+
+    def hash(self) -> str:
+        """Identity of what ranks execute (metrics excluded): ranks compare it before collectives."""
+        blob = json.dumps(_body(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def summary(self) -> dict[str, Any]:
+        """The `canzona plan --json` object."""
+        d, t = self.dp_plan.metrics, self.tp_plan.metrics
+        return {
+            "model": self.model,
+            "dp_size": self.dp,
+            "tp_size": self.tp,
+            "optimizer": self.optimizer,
+            "cost_model": self.cost_model,
+            "dp": {
+                "policy": self.dp_plan.policy,
+                "alpha": self.dp_plan.alpha,
+                "buckets": len(self.dp_plan.buckets),
+                "bucket_size": self.dp_plan.bucket_size,
+                "makespan_s": d.makespan,
+                "mean_s": d.mean,
+                "imbalance": d.imbalance,
+                "lower_bound_s": d.lower_bound,
+                "lower_bound_gap": d.lower_bound_gap,
+                "comm_ratio": d.comm_ratio,
+                "state_imbalance": d.state_imbalance,
+                "atomic": d.atomic,
+                "atomicity_violations": d.atomicity_violations,
+                "extra_comm_elements": d.extra_comm_elements,
+                "redundant_s": d.redundant_s,
+                "fell_back": self.dp_plan.fell_back,
+                "rank_loads": list(d.rank_loads),
+                "rank_state_bytes": list(d.rank_state_bytes),
+            },
+            "tp": {
+                "policy": self.tp_plan.policy,
+                "capacity": _capacity_dict(self.tp_plan.capacity),
+                "groups": t.groups,
+                "max_groups_per_rank": t.max_groups_per_rank,
+                "efficiency": t.efficiency,
+                "mean_group_imbalance": t.mean_group_imbalance,
+                "optimizer_compute_s": t.makespan,
+            },
+        }
+
+
+def _capacity_dict(c: Capacity | None) -> dict[str, Any] | None:
+    return None if c is None else {"value": c.value, "unit": c.unit}
+
+
+def _body(plan: Plan) -> dict[str, Any]:
+    dpp, tpp = plan.dp_plan, plan.tp_plan
+    return {
+        "model": {"name": plan.model, "fingerprint": plan.fingerprint},
+        "layout": {"dp": plan.dp, "tp": plan.tp},
+        "optimizer": plan.optimizer,
+        "cost_model": plan.cost_model,
+        "dp_plan": {
+            "policy": dpp.policy,
+            "alpha": dpp.alpha,
+            "align": dpp.align,
+            "bucket_size": dpp.bucket_size,
+            "split_compute": dpp.split_compute,
+            "fell_back": dpp.fell_back,
+            "buckets": [
+                {
+                    "index": b.index,
+                    "size": b.size,
+                    "cuts": list(b.cuts),
+                    "params": [[p.name, p.offset, p.numel, p.cost, p.state_bytes, p.owner] for p in b.params],
+                }
+                for b in dpp.buckets
+            ],
+        },
+        "tp_plan": {
+            "policy": tpp.policy,
+            "capacity": _capacity_dict(tpp.capacity),
+            "groups": [
+                [{"tasks": list(g.tasks), "hosts": list(g.hosts), "costs": list(g.costs)} for g in rank]
+                for rank in tpp.groups
+            ],
+        },
+    }
+
+
+def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -> list[DPItem]:
+    """Matrices in forward order: local shard size for the buffer, full-matrix cost and state."""
+    return [
+        DPItem(p.name, p.local_numel(tp), cost_model.seconds(optimizer, p.shape), state_bytes(optimizer, p.shape))
+        for p in model.matrix_params()
+    ]
+
+
+def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
+    """Per DP rank, the matrices it computes, in forward order."""
+    order = {p.name: i for i, p in enumerate(model.params)}
+    full = {p.name: p for p in model.params}
+    per_rank: list[list[Placement]] = [[] for _ in range(dp_plan.dp)]
+    for b in dp_plan.buckets:
+        for p in b.params:
+            for r in dp_plan.computing_ranks(b, p):
+                per_rank[r].append(p)
+    return [
+        [TPTask(p.name, p.cost, 2 * full[p.name].numel * DTYPE_BYTES["fp32"])
+         for p in sorted(rank, key=lambda p: order[p.name])]
+        for rank in per_rank
+    ]
+
+
+def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
+              dp_policy: str = "alpha-balanced", tp_policy: str = "greedy-rollback",
+              alpha: float = 1.0, bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
+              capacity: Capacity | None = None, cost_model: CostModel | None = None) -> Plan:
+    """Run the DP policy, then the TP policy on each DP rank's matrices."""
+    if dp < 1:
+        raise SpecError(f"dp must be >= 1, got {dp}")
+    if tp < 1:
+        raise SpecError(f"tp must be >= 1, got {tp}")
+    optimizer = check_matrix_optimizer(optimizer)
+    check_dp_policy(dp_policy)
+    check_tp_policy(tp_policy)
+    model.check_tp(tp)
+    if not model.matrix_params():
+        raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
+    cost_model = cost_model or AnalyticCost()
+    dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align)
+    tpp = plan_tp(tp_tasks(model, dpp), tp, tp_policy, capacity)
+    return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
+
+
+# --- loading and validation -------------------------------------------------------------------
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise PlanError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise PlanError(f"{where}: field {key!r} has the wrong type")
+    return value
+
+
+def _placement(row: Any, where: str) -> Placement:
+    if not (isinstance(row, list) and len(row) == 6):
+        raise PlanError(f"{where}: each parameter must be [name, offset, numel, cost, state_bytes, owner]")
+    name, offset, numel, cost, sbytes, owner = row
+    ints = (offset, numel, sbytes, owner)
+    if not isinstance(name, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) \
+            or not isinstance(cost, (int, float)):
+        raise PlanError(f"{where}: parameter {row[0]!r} has a field of the wrong type")
+    return Placement(name, offset, numel, float(cost), sbytes, owner)
+
+
+def _dp_from(d: dict[str, Any], dp: int) -> DPPlan:
+    where = "dp_plan"
+    policy = _get(d, "policy", str, where)
+    try:
+        check_dp_policy(policy)
+    except SpecError as e:
+        raise PlanError(f"{where}: {e}") from None
+    alpha = d.get("alpha")
+    if alpha is not None and not isinstance(alpha, (int, float)):
+        raise PlanError(f"{where}: field 'alpha' has the wrong type")
+    buckets = []
+    for i, b in enumerate(_get(d, "buckets", list, where)):
+        bw = f"{where}: bucket {i}"
+        params = tuple(_placement(row, bw) for row in _get(b, "params", list, bw))
+        cuts = tuple(_get(b, "cuts", list, bw))
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts):
+            raise PlanError(f"{bw}: cut points must be integers")
+        buckets.append(BucketPlan(_get(b, "index", int, bw), params, _get(b, "size", int, bw), cuts))
+    return DPPlan(policy, dp, None if alpha is None else float(alpha), _get(d, "align", int, where),
+                  _get(d, "bucket_size", int, where), _get(d, "split_compute", bool, where),
+                  tuple(buckets), _get(d, "fell_back", bool, where))
+
+
+def _tp_from(d: dict[str, Any], tp: int) -> TPPlan:
+    where = "tp_plan"
+    policy = _get(d, "policy", str, where)
+    try:
+        check_tp_policy(policy)
+    except SpecError as e:
+        raise PlanError(f"{where}: {e}") from None
+    cap = d.get("capacity")
+    capacity = None
+    if cap is not None:
+        try:
+            capacity = Capacity(float(_get(cap, "value", float, where)), _get(cap, "unit", str, where))
+        except SpecError as e:
+            raise PlanError(f"{where}: {e}") from None
+    groups = []
+    for r, rank in enumerate(_get(d, "groups", list, where)):
+        rw = f"{where}: DP rank {r}"
+        if not isinstance(rank, list):
+            raise PlanError(f"{rw}: groups must be a list")
+        row = []
+        for g in rank:
+            tasks, hosts, costs = (_get(g, k, list, rw) for k in ("tasks", "hosts", "costs"))
+            if not (len(tasks) == len(hosts) == len(costs)):
+                raise PlanError(f"{rw}: a micro-group's tasks, hosts and costs differ in length")
+            row.append(MicroGroup(tuple(tasks), tuple(hosts), tuple(float(c) for c in costs)))
+        groups.append(tuple(row))
+    return TPPlan(policy, tp, capacity, tuple(groups))
+
+
+def plan_from_dict(data: Any) -> Plan:
+    if not isinstance(data, dict):
+        raise PlanError("plan: not a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise PlanError(f"plan: not a canzona plan (schema {data.get('schema')!r}, expected {SCHEMA!r})")
+    version = data.get("version")
+    if version != VERSION:
+        raise PlanError(f"plan: unsupported version {version!r} (this canzona reads version {VERSION})")
+    model = _get(data, "model", dict, "plan")
+    layout = _get(data, "layout", dict, "plan")
+    dp, tp = _get(layout, "dp", int, "layout"), _get(layout, "tp", int, "layout")
+    if dp < 1 or tp < 1:
+        raise PlanError(f"layout: dp and tp must be >= 1, got dp={dp} tp={tp}")
+    plan = Plan(
+        _get(model, "name", str, "model"),
+        _get(model, "fingerprint", str, "model"),
+        dp,
+        tp,
+        _get(data, "optimizer", str, "plan"),
+        _get(data, "cost_model", str, "plan"),
+        _dp_from(_get(data, "dp_plan", dict, "plan"), dp),
+        _tp_from(_get(data, "tp_plan", dict, "plan"), tp),
+    )
+    validate_plan(plan)
+    return plan
+
+
+def validate_plan(plan: Plan, model: ModelSpec | None = None) -> None:
+    """Raise PlanError, in one line, on the first inconsistency (or mismatch with `model`)."""
+    try:
+        check_matrix_optimizer(plan.optimizer)
+    except SpecError as e:
+        raise PlanError(f"plan: {e}") from None
+    _validate_dp(plan.dp_plan)
+    _validate_tp(plan)
+    if model is not None:
+        check_plan_matches(plan, model)
+
+
+def _validate_dp(d: DPPlan) -> None:
+    seen: set[str] = set()
+    keeps_geometry = not d.split_compute and d.policy != "layerwise"
+    for b in d.buckets:
+        w = f"dp_plan: bucket {b.index}"
+        if len(b.cuts) != d.dp + 1:
+            raise PlanError(f"{w}: has {len(b.cuts)} cut points, expected dp + 1 = {d.dp + 1}")
+        if b.cuts[0] != 0 or b.cuts[-1] != b.size or any(x > y for x, y in zip(b.cuts, b.cuts[1:])):
+            raise PlanError(f"{w}: segments must be contiguous, in rank order, and cover [0, {b.size})")
+        end = 0
+        for p in b.params:
+            if p.name in seen:
+                raise PlanError(f"{w}: parameter {p.name} appears more than once in the plan")
+            seen.add(p.name)
+            if p.numel < 1 or p.offset < end or p.offset % d.align or p.end > b.size:
+                raise PlanError(f"{w}: parameter {p.name} is misplaced (overlap, misalignment or overflow)")
+            if not 0 <= p.owner < d.dp:
+                raise PlanError(f"{w}: parameter {p.name} has owner {p.owner} outside 0..{d.dp - 1}")
+            if keeps_geometry and list(b.ranks_overlapping(p)) != [p.owner]:
+                raise PlanError(f"{w}: parameter {p.name} is not whole inside its owner's segment")
+            end = p.end
+
+
+def _validate_tp(plan: Plan) -> None:
+    t, d = plan.tp_plan, plan.dp_plan
+    if len(t.groups) != plan.dp:
+        raise PlanError(f"tp_plan: has groups for {len(t.groups)} DP ranks, expected {plan.dp}")
+    expected: list[set[str]] = [set() for _ in range(plan.dp)]
+    for b in d.buckets:
+        for p in b.params:
+            for r in d.computing_ranks(b, p):
+                expected[r].add(p.name)
+    for r, rank in enumerate(t.groups):
+        got = [name for g in rank for name in g.tasks]
+        if len(got) != len(set(got)) or set(got) != expected[r]:
+            raise PlanError(f"tp_plan: DP rank {r}'s micro-groups do not hold exactly the matrices it computes")
+        for g in rank:
+            for h in g.hosts:
+                if not (0 <= h < plan.tp or (h == EVERY_RANK and t.policy == "tp-sync")):
+                    raise PlanError(f"tp_plan: DP rank {r} has host {h} outside 0..{plan.tp - 1}")
+
+
+def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None) -> None:
+    """The plan was made for this model (and, if given, this layout)."""
+    if plan.fingerprint != model.fingerprint():
+        raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), "
+                        f"not {model.name!r} ({model.fingerprint()})")
+    if dp is not None and plan.dp != dp:
+        raise PlanError(f"plan is for dp={plan.dp}, but the job has dp={dp}")
+    if tp is not None and plan.tp != tp:
+        raise PlanError(f"plan is for tp={plan.tp}, but the job has tp={tp}")
+    want = {p.name: p.local_numel(plan.tp) for p in model.matrix_params()}
+    got = {p.name: p.numel for p in plan.dp_plan.placements()}
+    if got != want:
+        missing = sorted(set(want) - set(got))
+        extra = sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(got) & set(want) if got[n] != want[n])
+        detail = (f"missing {missing[0]}" if missing else f"unknown {extra[0]}" if extra
+                  else f"wrong size for {wrong[0]}")
+        raise PlanError(f"plan does not match model {model.name!r}: {detail}")
+
+
+def plan_from_json(text: str) -> Plan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return plan_from_dict(data)
+
+
+def load_plan(path: str | Path, model: ModelSpec | None = None) -> Plan:
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read plan file {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        plan = plan_from_json(text)
+        if model is not None:
+            check_plan_matches(plan, model)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
+    return plan
+
+
+def alpha_applies(dp_policy: str) -> bool:
+    return dp_policy in ALPHA_POLICIES

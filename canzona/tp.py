@@ -1,0 +1,187 @@
+"""TP micro-group scheduling (DESIGN section 7), composed with the DP plan.
+
+DP rank `i` owns a matrix on all its TP ranks `(i, *)`; those ranks split the full-matrix work by
+giving each matrix one host TP rank. Tasks are packed into micro-groups: per group one fused
+all-to-all gathers shards to hosts, hosts compute, one fused all-to-all scatters updates back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from canzona.errors import SpecError
+
+EVERY_RANK = -1  # host value of `tp-sync`: every TP rank computes the full update redundantly
+CAPACITY_UNITS = ("s", "bytes")
+
+
+@dataclass(frozen=True)
+class TPTask:
+    name: str
+    cost: float  # seconds of full-matrix optimizer work
+    bytes: int  # host memory for the gathered full gradient and the full update
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Micro-group capacity: seconds of host compute, or bytes of host workspace."""
+
+    value: float
+    unit: str = "s"
+
+    def __post_init__(self) -> None:
+        if self.unit not in CAPACITY_UNITS:
+            raise SpecError(f"capacity unit must be one of {', '.join(CAPACITY_UNITS)}, got {self.unit!r}")
+        if not self.value > 0:
+            raise SpecError(f"capacity must be positive, got {self.value}")
+
+    def measure(self, task: TPTask) -> float:
+        return task.cost if self.unit == "s" else float(task.bytes)
+
+
+@dataclass(frozen=True)
+class MicroGroup:
+    tasks: tuple[str, ...]
+    hosts: tuple[int, ...]
+    costs: tuple[float, ...]
+
+    def host_loads(self, tp: int) -> list[float]:
+        loads = [0.0] * tp
+        for host, c in zip(self.hosts, self.costs):
+            for r in range(tp) if host == EVERY_RANK else (host,):
+                loads[r] += c
+        return loads
+
+    def makespan(self, tp: int) -> float:
+        return max(self.host_loads(tp))
+
+    def imbalance(self, tp: int) -> float:
+        loads = self.host_loads(tp)
+        mean = sum(loads) / tp
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def efficiency(self, tp: int) -> float:
+        """Distinct work over the TP group's time: `sum(cost) / (tp * max host load)`."""
+        peak = self.makespan(tp)
+        return sum(self.costs) / (tp * peak) if peak > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class TPMetrics:
+    groups: int
+    max_groups_per_rank: int
+    efficiency: float  # sum of all costs / (tp * sum of group makespans)
+    mean_group_imbalance: float
+    rank_seconds: tuple[float, ...]  # per DP rank: sum of its groups' makespans (compute only)
+    makespan: float  # the slowest DP rank's optimizer compute time per GPU
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    policy: str
+    tp: int
+    capacity: Capacity | None
+    groups: tuple[tuple[MicroGroup, ...], ...]  # per DP rank, in execution order
+
+    @cached_property
+    def metrics(self) -> TPMetrics:
+        flat = [g for rank in self.groups for g in rank]
+        spans = [g.makespan(self.tp) for g in flat]
+        work = sum(sum(g.costs) for g in flat)
+        rank_s = tuple(sum(g.makespan(self.tp) for g in rank) for rank in self.groups)
+        return TPMetrics(
+            groups=len(flat),
+            max_groups_per_rank=max((len(r) for r in self.groups), default=0),
+            efficiency=work / (self.tp * sum(spans)) if sum(spans) > 0 else 1.0,
+            mean_group_imbalance=sum(g.imbalance(self.tp) for g in flat) / len(flat) if flat else 1.0,
+            rank_seconds=rank_s,
+            makespan=max(rank_s, default=0.0),
+        )
+
+
+def _group(tasks: Sequence[TPTask], hosts: Sequence[int]) -> MicroGroup:
+    return MicroGroup(tuple(t.name for t in tasks), tuple(hosts), tuple(t.cost for t in tasks))
+
+
+def tp_sync(tasks: Sequence[TPTask], tp: int, capacity: Capacity | None) -> list[MicroGroup]:
+    """Baseline: all-gather every shard; every TP rank computes every update and keeps its chunk."""
+    return [_group(tasks, [EVERY_RANK] * len(tasks))] if tasks else []
+
+
+def tp_chunk(tasks: Sequence[TPTask], tp: int, capacity: Capacity | None) -> list[MicroGroup]:
+    """Baseline: groups of `tp` consecutive tasks in original order, task j of a group on host j."""
+    return [_group(tasks[i:i + tp], range(len(tasks[i:i + tp]))) for i in range(0, len(tasks), tp)]
+
+
+def greedy_rollback(tasks: Sequence[TPTask], tp: int, capacity: Capacity | None) -> list[MicroGroup]:
+    """The paper's scheduler: grow a candidate set in cost order while its LPT assignment fits the
+    capacity; when a task saturates it, roll it back, emit the set, and retry the task in a new set.
+
+    Tasks arrive by size descending, so LPT of the set equals adding each task to the least-loaded
+    host as it comes: the assignment is maintained incrementally. (DESIGN also rolls back when the
+    mean load exceeds the capacity; the mean never exceeds the makespan, so one test covers both.)
+    """
+    if capacity is None:
+        raise SpecError("greedy-rollback needs a capacity")
+    order = sorted(range(len(tasks)), key=lambda i: (-capacity.measure(tasks[i]), -tasks[i].cost, i))
+    groups: list[MicroGroup] = []
+    members: list[int] = []
+    hosts: list[int] = []
+    heap: list[tuple[float, int]] = [(0.0, h) for h in range(tp)]
+
+    def emit() -> None:
+        nonlocal members, hosts, heap
+        if members:
+            groups.append(_group([tasks[i] for i in members], hosts))
+        members, hosts, heap = [], [], [(0.0, h) for h in range(tp)]
+
+    for i in order:
+        size = capacity.measure(tasks[i])
+        load, host = heap[0]
+        new_peak = max(max(used for used, _ in heap), load + size)
+        if members and new_peak > capacity.value:
+            emit()  # roll back: the set without task i becomes a micro-group
+            load, host = heap[0]
+        heapq.heapreplace(heap, (load + size, host))
+        members.append(i)
+        hosts.append(host)
+        if len(members) == 1 and size > capacity.value:
+            emit()  # a task larger than the capacity forms its own micro-group
+    emit()
+    return groups
+
+
+TP_POLICIES: dict[str, Callable[[Sequence[TPTask], int, Capacity | None], list[MicroGroup]]] = {
+    "tp-sync": tp_sync,
+    "tp-chunk": tp_chunk,
+    "greedy-rollback": greedy_rollback,
+}
+
+
+def check_tp_policy(name: str) -> str:
+    if name not in TP_POLICIES:
+        raise SpecError(f"unknown TP policy {name!r}; choose one of {', '.join(TP_POLICIES)}")
+    return name
+
+
+def default_capacity(tasks_by_rank: Sequence[Sequence[TPTask]]) -> Capacity:
+    """The largest task's seconds: the smallest capacity that never isolates a task on its own."""
+    largest = max((t.cost for rank in tasks_by_rank for t in rank), default=0.0)
+    return Capacity(largest if largest > 0 else 1.0, "s")
+
+
+def plan_tp(tasks_by_rank: Sequence[Sequence[TPTask]], tp: int, policy: str,
+            capacity: Capacity | None = None) -> TPPlan:
+    """Schedule each DP rank's tasks (given in forward order) over its `tp` TP ranks."""
+    check_tp_policy(policy)
+    if tp < 1:
+        raise SpecError(f"tp must be >= 1, got {tp}")
+    if policy == "greedy-rollback" and capacity is None:
+        capacity = default_capacity(tasks_by_rank)
+    fn = TP_POLICIES[policy]
+    groups = tuple(tuple(fn(list(rank), tp, capacity)) for rank in tasks_by_rank)
+    return TPPlan(policy, tp, capacity if policy == "greedy-rollback" else None, groups)
+

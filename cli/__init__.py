@@ -1,0 +1,1 @@
+"""The `canzona` command line (Typer): thin wrappers that parse, call the library, and render."""

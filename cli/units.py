@@ -1,0 +1,33 @@
+"""Parsing of human-friendly quantities given on the command line."""
+
+from __future__ import annotations
+
+import re
+
+from canzona.errors import SpecError
+from canzona.tp import Capacity
+
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_capacity(text: str | None) -> Capacity | None:
+    """`auto` (None), seconds like `20ms` / `0.02s`, or bytes like `4GiB` / `512MB`."""
+    if text is None or text.strip().lower() == "auto":
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]+)\s*", text)
+    if not m:
+        raise SpecError(f"capacity {text!r} is not a number with a unit (e.g. 20ms, 0.02s, 4GiB) or 'auto'")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit in _TIME:
+        return Capacity(value * _TIME[unit], "s")
+    if unit in _BYTES:
+        return Capacity(value * _BYTES[unit], "bytes")
+    raise SpecError(f"capacity unit {m.group(2)!r} is unknown; use s, ms, us, B, KB, MB, GB, KiB, MiB or GiB")
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
