@@ -11,6 +11,7 @@ lint:
 
 test: install lint
 	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest --nbmake notebooks
 
 demo: install
 	canzona plan

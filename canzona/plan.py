@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from canzona.cost import AnalyticCost, CostModel, state_bytes
-from canzona.dp import ALPHA_POLICIES, DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
+from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import BucketPlan, Placement
+from canzona.dp.policies import BALANCE_UNITS
 from canzona.errors import PlanError, SpecError
 from canzona.optimizers import check_matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
@@ -75,6 +76,7 @@ class Plan:
                 "extra_comm_elements": d.extra_comm_elements,
                 "redundant_s": d.redundant_s,
                 "fell_back": self.dp_plan.fell_back,
+                "balance_by": self.dp_plan.balance_by,
                 "rank_loads": list(d.rank_loads),
                 "rank_state_bytes": list(d.rank_state_bytes),
             },
@@ -108,6 +110,7 @@ def _body(plan: Plan) -> dict[str, Any]:
             "bucket_size": dpp.bucket_size,
             "split_compute": dpp.split_compute,
             "fell_back": dpp.fell_back,
+            "balance_by": dpp.balance_by,
             "buckets": [
                 {
                     "index": b.index,
@@ -156,7 +159,8 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               dp_policy: str = "alpha-balanced", tp_policy: str = "greedy-rollback",
               alpha: float = 1.0, bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
-              capacity: Capacity | None = None, cost_model: CostModel | None = None) -> Plan:
+              capacity: Capacity | None = None, cost_model: CostModel | None = None,
+              balance_by: str = "seconds") -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices."""
     if dp < 1:
         raise SpecError(f"dp must be >= 1, got {dp}")
@@ -169,7 +173,8 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     if not model.matrix_params():
         raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
     cost_model = cost_model or AnalyticCost()
-    dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align)
+    dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,
+                  balance_by)
     tpp = plan_tp(tp_tasks(model, dpp), tp, tp_policy, capacity)
     return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
 
@@ -219,7 +224,7 @@ def _dp_from(d: dict[str, Any], dp: int) -> DPPlan:
         buckets.append(BucketPlan(_get(b, "index", int, bw), params, _get(b, "size", int, bw), cuts))
     return DPPlan(policy, dp, None if alpha is None else float(alpha), _get(d, "align", int, where),
                   _get(d, "bucket_size", int, where), _get(d, "split_compute", bool, where),
-                  tuple(buckets), _get(d, "fell_back", bool, where))
+                  tuple(buckets), _get(d, "fell_back", bool, where), _get(d, "balance_by", str, where))
 
 
 def _tp_from(d: dict[str, Any], tp: int) -> TPPlan:
@@ -292,6 +297,8 @@ def validate_plan(plan: Plan, model: ModelSpec | None = None) -> None:
 
 def _validate_dp(d: DPPlan) -> None:
     seen: set[str] = set()
+    if d.balance_by not in BALANCE_UNITS:
+        raise PlanError(f"dp_plan: balance unit must be one of {', '.join(BALANCE_UNITS)}, got {d.balance_by!r}")
     keeps_geometry = not d.split_compute and d.policy != "layerwise"
     for b in d.buckets:
         w = f"dp_plan: bucket {b.index}"
@@ -373,6 +380,3 @@ def load_plan(path: str | Path, model: ModelSpec | None = None) -> Plan:
         raise PlanError(f"{path}: {e}") from None
     return plan
 
-
-def alpha_applies(dp_policy: str) -> bool:
-    return dp_policy in ALPHA_POLICIES

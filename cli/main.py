@@ -52,6 +52,7 @@ def plan(
     bucket_size: Annotated[int | None, typer.Option(help="Gradient bucket size in elements (default: about one matrix per rank).")] = None,
     align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = 64,
     capacity: Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")] = "auto",
+    balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = "seconds",
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan's summary as one JSON object.")] = False,
 ) -> None:
@@ -60,8 +61,9 @@ def plan(
         spec = get_model(model, tp)
         cap = parse_capacity(capacity)
 
-        def make(dpp: str, tpp: str):
-            return make_plan(spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap)
+        def make(dpp: str, tpp: str, unit: str = balance_by):
+            return make_plan(spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
+                             balance_by=unit)
 
         chosen = make(dp_policy, tp_policy)
         if out is not None:
@@ -72,11 +74,16 @@ def plan(
         if as_json:
             print(json.dumps(chosen.summary()))
             return
-        dp_rows = [chosen if name == dp_policy else make(name, tp_policy) for name in DP_POLICIES]
+        # every DP policy, plus the paper's policy balanced by elements as the authors' code does
+        variants = [(name, "seconds") for name in DP_POLICIES]
+        variants.insert(variants.index(("alpha-balanced", "seconds")) + 1, ("alpha-balanced", "elements"))
+        if (dp_policy, balance_by) not in variants:
+            variants.append((dp_policy, balance_by))
+        dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
         tp_rows = [chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
     except CanzonaError as e:
         fail(str(e))
-    console.print(dp_table(dp_rows, dp_policy))
+    console.print(dp_table(dp_rows, chosen))
     console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
         console.print(f"plan written to {out} (hash {chosen.hash()[:12]})")
@@ -102,7 +109,7 @@ def inspect(
     if as_json:
         print(json.dumps({**loaded.summary(), "hash": loaded.hash()}))
         return
-    console.print(dp_table([loaded], loaded.dp_plan.policy))
+    console.print(dp_table([loaded], loaded))
     console.print(tp_table([loaded], loaded.tp_plan.policy))
     console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
 

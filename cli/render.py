@@ -27,7 +27,7 @@ def models_table() -> Table:
     return t
 
 
-def dp_table(plans: Sequence[Plan], chosen: str) -> Table:
+def dp_table(plans: Sequence[Plan], chosen: Plan) -> Table:
     p0 = plans[0]
     t = Table(title=f"DP policies: {p0.model}, dp={p0.dp}, tp={p0.tp}, {p0.optimizer}, "
                     f"TP policy {p0.tp_plan.policy}")
@@ -37,11 +37,12 @@ def dp_table(plans: Sequence[Plan], chosen: str) -> Table:
     for p in plans:
         d = p.dp_plan.metrics
         atomic = "yes" if d.atomic else f"no ({d.atomicity_violations})"
-        name = p.dp_plan.policy + (" (kept whole-start)" if p.dp_plan.fell_back else "")
+        name = p.dp_plan.policy + (" by elements" if p.dp_plan.balance_by == "elements" else "") \
+            + (" (kept whole-start)" if p.dp_plan.fell_back else "")
         t.add_row(name, _ms(d.makespan), f"{d.imbalance:.3f}", f"{d.lower_bound_gap * 100:.1f}%",
                   f"{d.comm_ratio:.2f}", f"{d.state_imbalance:.3f}", atomic,
                   human_bytes(2 * d.extra_comm_elements), _ms(p.tp_plan.metrics.makespan),
-                  style="bold green" if p.dp_plan.policy == chosen else None)
+                  style="bold green" if p is chosen else None)
     t.caption = (f"Seconds from {p0.cost_model}. Load: optimizer work per DP rank (its TP group); "
                  f"lower bound {_ms(p0.dp_plan.metrics.lower_bound)} ms. Comm: longest / even "
                  "reduce-scatter segment. Extra comm: bf16 gradient bytes fetched beyond the segment. "

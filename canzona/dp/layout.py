@@ -160,6 +160,7 @@ class DPPlan:
     split_compute: bool
     buckets: tuple[BucketPlan, ...]  # backward order
     fell_back: bool = False  # alpha-balanced kept the whole-start plan because it was not worse
+    balance_by: str = "seconds"  # or "elements": the authors' code balances element counts
 
     def placements(self) -> list[Placement]:
         return [p for b in self.buckets for p in b.params]
@@ -201,7 +202,7 @@ class DPPlan:
             mean=mean,
             imbalance=makespan / mean if mean > 0 else 1.0,
             lower_bound=lb,
-            lower_bound_gap=makespan / lb - 1.0 if lb > 0 else 0.0,
+            lower_bound_gap=max(0.0, makespan / lb - 1.0) if lb > 0 else 0.0,  # >= 0 up to rounding
             comm_ratio=longest / even if even > 0 else 1.0,
             rank_state_bytes=tuple(state),
             state_imbalance=_ratio(state) if any(state) else 1.0,

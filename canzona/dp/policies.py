@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import accumulate
 
 from canzona.dp.layout import (
@@ -203,9 +204,29 @@ def check_dp_policy(name: str) -> str:
     return name
 
 
+BALANCE_UNITS = ("seconds", "elements")
+
+
+def _with_costs(plan: DPPlan, items: Sequence[DPItem], balance_by: str) -> DPPlan:
+    """The same layout with each placement's real cost and state: how an element-balanced plan
+    really performs."""
+    real = {it.name: it for it in items}
+    buckets = tuple(
+        replace(b, params=tuple(replace(p, cost=real[p.name].cost, state_bytes=real[p.name].state_bytes)
+                                for p in b.params))
+        for b in plan.buckets
+    )
+    return replace(plan, buckets=buckets, balance_by=balance_by)
+
+
 def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
-            bucket_size: int | None = None, align: int = DEFAULT_ALIGN) -> DPPlan:
-    """Plan the matrices `items` (forward order) over `dp` ranks with `policy`."""
+            bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
+            balance_by: str = "seconds") -> DPPlan:
+    """Plan the matrices `items` (forward order) over `dp` ranks with `policy`.
+
+    `balance_by="elements"` reproduces the authors' code, which balances element counts inside the
+    allocation loop; the returned plan carries the real costs so its metrics are in seconds.
+    """
     check_dp_policy(policy)
     if dp < 1:
         raise SpecError(f"dp must be >= 1, got {dp}")
@@ -215,8 +236,10 @@ def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
     size = bucket_size if bucket_size is not None else default_bucket_size(items, dp)
     if size < 1:
         raise SpecError(f"bucket size must be positive, got {size}")
-    buckets = make_buckets(items, size)
+    if balance_by not in BALANCE_UNITS:
+        raise SpecError(f"balance unit must be one of {', '.join(BALANCE_UNITS)}, got {balance_by!r}")
+    planned = items if balance_by == "seconds" else [replace(it, cost=float(it.numel)) for it in items]
+    buckets = make_buckets(planned, size)
     fn = DP_POLICIES[policy]
-    if policy in ALPHA_POLICIES:
-        return fn(buckets, dp, align, size, alpha)
-    return fn(buckets, dp, align, size)
+    plan = fn(buckets, dp, align, size, alpha) if policy in ALPHA_POLICIES else fn(buckets, dp, align, size)
+    return plan if balance_by == "seconds" else _with_costs(plan, items, balance_by)
