@@ -135,7 +135,8 @@ def _body(plan: Plan) -> dict[str, Any]:
 def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -> list[DPItem]:
     """Matrices in forward order: local shard size for the buffer, full-matrix cost and state."""
     return [
-        DPItem(p.name, p.local_numel(tp), cost_model.seconds(optimizer, p.shape), state_bytes(optimizer, p.shape))
+        DPItem(p.name, p.local_numel(tp), float(cost_model.seconds(optimizer, p.shape)),
+               state_bytes(optimizer, p.shape))
         for p in model.matrix_params()
     ]
 
@@ -182,6 +183,14 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
 # --- loading and validation -------------------------------------------------------------------
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
 def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise PlanError(f"{where}: missing field {key!r}")
@@ -197,10 +206,11 @@ def _placement(row: Any, where: str) -> Placement:
     if not (isinstance(row, list) and len(row) == 6):
         raise PlanError(f"{where}: each parameter must be [name, offset, numel, cost, state_bytes, owner]")
     name, offset, numel, cost, sbytes, owner = row
-    ints = (offset, numel, sbytes, owner)
-    if not isinstance(name, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) \
-            or not isinstance(cost, (int, float)):
+    if not isinstance(name, str) or not all(_is_int(v) for v in (offset, numel, sbytes, owner)) \
+            or not _is_number(cost):
         raise PlanError(f"{where}: parameter {row[0]!r} has a field of the wrong type")
+    if offset < 0 or numel < 1 or cost < 0 or sbytes < 0:
+        raise PlanError(f"{where}: parameter {name} has a negative offset, cost or size")
     return Placement(name, offset, numel, float(cost), sbytes, owner)
 
 
@@ -212,8 +222,11 @@ def _dp_from(d: dict[str, Any], dp: int) -> DPPlan:
     except SpecError as e:
         raise PlanError(f"{where}: {e}") from None
     alpha = d.get("alpha")
-    if alpha is not None and not isinstance(alpha, (int, float)):
-        raise PlanError(f"{where}: field 'alpha' has the wrong type")
+    if alpha is not None and not (_is_number(alpha) and 0 <= alpha <= 1):
+        raise PlanError(f"{where}: alpha must be a number in [0, 1], got {alpha!r}")
+    align = _get(d, "align", int, where)
+    if align < 1:
+        raise PlanError(f"{where}: alignment must be >= 1 element, got {align}")
     buckets = []
     for i, b in enumerate(_get(d, "buckets", list, where)):
         bw = f"{where}: bucket {i}"
@@ -222,7 +235,7 @@ def _dp_from(d: dict[str, Any], dp: int) -> DPPlan:
         if not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts):
             raise PlanError(f"{bw}: cut points must be integers")
         buckets.append(BucketPlan(_get(b, "index", int, bw), params, _get(b, "size", int, bw), cuts))
-    return DPPlan(policy, dp, None if alpha is None else float(alpha), _get(d, "align", int, where),
+    return DPPlan(policy, dp, None if alpha is None else float(alpha), align,
                   _get(d, "bucket_size", int, where), _get(d, "split_compute", bool, where),
                   tuple(buckets), _get(d, "fell_back", bool, where), _get(d, "balance_by", str, where))
 
@@ -238,7 +251,7 @@ def _tp_from(d: dict[str, Any], tp: int) -> TPPlan:
     capacity = None
     if cap is not None:
         try:
-            capacity = Capacity(float(_get(cap, "value", float, where)), _get(cap, "unit", str, where))
+            capacity = Capacity(_get(cap, "value", float, where), _get(cap, "unit", str, where))
         except SpecError as e:
             raise PlanError(f"{where}: {e}") from None
     groups = []
@@ -251,18 +264,31 @@ def _tp_from(d: dict[str, Any], tp: int) -> TPPlan:
             tasks, hosts, costs = (_get(g, k, list, rw) for k in ("tasks", "hosts", "costs"))
             if not (len(tasks) == len(hosts) == len(costs)):
                 raise PlanError(f"{rw}: a micro-group's tasks, hosts and costs differ in length")
+            if not all(isinstance(t, str) for t in tasks) or not all(_is_int(h) for h in hosts) \
+                    or not all(_is_number(c) and c >= 0 for c in costs):
+                raise PlanError(f"{rw}: micro-group tasks must be names, hosts integers, costs non-negative numbers")
             row.append(MicroGroup(tuple(tasks), tuple(hosts), tuple(float(c) for c in costs)))
         groups.append(tuple(row))
     return TPPlan(policy, tp, capacity, tuple(groups))
 
 
 def plan_from_dict(data: Any) -> Plan:
+    """Build and validate a plan from parsed JSON; anything malformed is a one-line PlanError."""
+    try:
+        return _plan_from_dict(data)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(f"plan: malformed ({type(e).__name__}: {e})") from None
+
+
+def _plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
         raise PlanError("plan: not a JSON object")
     if data.get("schema") != SCHEMA:
         raise PlanError(f"plan: not a canzona plan (schema {data.get('schema')!r}, expected {SCHEMA!r})")
     version = data.get("version")
-    if version != VERSION:
+    if not _is_int(version) or version != VERSION:
         raise PlanError(f"plan: unsupported version {version!r} (this canzona reads version {VERSION})")
     model = _get(data, "model", dict, "plan")
     layout = _get(data, "layout", dict, "plan")

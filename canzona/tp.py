@@ -33,6 +33,7 @@ class Capacity:
     unit: str = "s"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "value", float(self.value))  # one JSON spelling, one plan hash
         if self.unit not in CAPACITY_UNITS:
             raise SpecError(f"capacity unit must be one of {', '.join(CAPACITY_UNITS)}, got {self.unit!r}")
         if not self.value > 0:
