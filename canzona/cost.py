@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from canzona.errors import SpecError
+from canzona.hardware import HardwareProfile, load_profile
 from canzona.optimizers import (
     AdamWConfig,
     MuonConfig,
@@ -177,8 +178,10 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = Non
 class DeviceRate:
     """Achieved rates of one accelerator, enough to turn kernels into seconds.
 
-    `gemm_flops` is per compute dtype; `solver_flops` covers eigh / QR (far below GEMM speed on
-    GPUs and version dependent: a calibrated table should replace it).
+    `gemm_flops` is per compute dtype (what large GEMMs reach). With `sms` set, a GEMM also pays for
+    wave quantisation: its `ceil(M/tile) * ceil(N/tile)` output tiles run in whole waves over the
+    SMs, so a small GEMM uses a fraction of the machine. `solver_flops` covers eigh / QR (far below
+    GEMM speed on GPUs and version dependent: a calibrated table should replace it).
     """
 
     name: str
@@ -188,10 +191,25 @@ class DeviceRate:
     solver_flops: float
     launch_s: float
     source: str = ""
+    sms: int | None = None
+    tile: int = 128
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile) -> DeviceRate:
+        g = profile.gpu
+        return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
+                   g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile)
+
+    def wave_efficiency(self, m: int, n: int) -> float:
+        if self.sms is None:
+            return 1.0
+        tiles = -(-m // self.tile) * -(-n // self.tile)
+        waves = -(-tiles // self.sms)
+        return tiles / (waves * self.sms)
 
     def kernel_seconds(self, k: Kernel) -> float:
         if k.kind == "gemm":
-            rate = self.gemm_flops[k.dtype]
+            rate = self.gemm_flops[k.dtype] * self.wave_efficiency(k.gemm[0], k.gemm[1])
         elif k.kind == "solver":
             rate = self.solver_flops
         else:
@@ -199,17 +217,7 @@ class DeviceRate:
         return k.count * (max(k.flops / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
 
 
-# Datasheet-derived defaults (DESIGN section 10): H100 SXM, bf16 GEMMs at ~790 TFLOP/s of the
-# 989 peak; fp32 GEMMs on TF32-off CUDA cores at ~80% of the 67 TFLOP/s peak; 3.35 TB/s HBM3.
-H100_SXM = DeviceRate(
-    name="h100-sxm",
-    gemm_flops={"bf16": 790e12, "fp16": 790e12, "fp32": 54e12, "fp64": 54e12},
-    elementwise_flops=30e12,
-    hbm_bytes_per_s=3.35e12,
-    solver_flops=2e12,
-    launch_s=5e-6,
-    source="datasheet (DESIGN section 10); not calibrated",
-)
+H100_SXM = DeviceRate.from_profile(load_profile("h100-sxm"))
 
 
 class CostModel(Protocol):

@@ -1,0 +1,142 @@
+"""Hardware profiles: versioned JSON files of datasheet or measured figures, each naming its sources.
+
+One definition of each hardware fact: the cost model (policy core) and the simulator both read
+these profiles. `canzona calibrate` will write measured ones in the same format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from canzona.errors import SpecError
+
+SCHEMA = "canzona.hardware"
+VERSION = 1
+DEFAULT_PROFILE = "h100-sxm"
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    memory_bytes: float
+    sms: int
+    gemm_tile: int  # output tile edge used for wave quantisation
+    peak_flops: dict[str, float]  # dense GEMM peak per dtype
+    gemm_efficiency: dict[str, float]  # fraction of peak reached by large GEMMs
+    elementwise_flops: float
+    hbm_bytes_per_s: float
+    solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)
+    launch_s: float
+    model_flops_utilization: float  # of bf16 peak, for the model's forward and backward
+
+    def gemm_flops(self) -> dict[str, float]:
+        return {k: v * self.gemm_efficiency.get(k, 1.0) for k, v in self.peak_flops.items()}
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    gpus: int
+    nvlink_bytes_per_s: float  # per direction, per GPU
+    nvlink_ring_busbw: float
+    nvls_allreduce_busbw: float
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    nic_bytes_per_s: float  # one NIC per GPU
+    nic_busbw: float  # reached by NCCL
+
+
+@dataclass(frozen=True)
+class NCCLSpec:
+    base_latency_s: float
+    nvlink_step_latency_s: float
+    network_step_latency_s: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    measured: bool
+    sources: tuple[str, ...]
+    gpu: GPUSpec
+    node: NodeSpec
+    network: NetworkSpec
+    nccl: NCCLSpec
+
+
+def profile_names() -> list[str]:
+    folder = resources.files("canzona") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
+    raw = data.get(key)
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: missing section {key!r}")
+    names = [f for f in cls.__dataclass_fields__]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise SpecError(f"{where}: section {key!r} lacks {', '.join(missing)}")
+    values = {}
+    for n in names:
+        v = raw[n]
+        if isinstance(v, dict):
+            if not all(isinstance(x, (int, float)) and x > 0 for x in v.values()):
+                raise SpecError(f"{where}: {key}.{n} must map to positive numbers")
+            v = {k: float(x) for k, x in v.items()}
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise SpecError(f"{where}: {key}.{n} must be a positive number, got {v!r}")
+        values[n] = v
+    return cls(**values)
+
+
+def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise SpecError(f"{where}: not a canzona hardware profile (schema {SCHEMA!r} expected)")
+    if data.get("version") != VERSION or isinstance(data.get("version"), bool):
+        raise SpecError(f"{where}: unsupported profile version {data.get('version')!r} (expected {VERSION})")
+    name = data.get("name")
+    sources = data.get("sources")
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{where}: a profile needs a name")
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) for s in sources):
+        raise SpecError(f"{where}: a profile must name its sources (a non-empty list of strings)")
+    gpu = _section(data, "gpu", GPUSpec, where)
+    object.__setattr__(gpu, "sms", int(gpu.sms))
+    object.__setattr__(gpu, "gemm_tile", int(gpu.gemm_tile))
+    return HardwareProfile(
+        name=name,
+        description=str(data.get("description", "")),
+        measured=bool(data.get("measured", False)),
+        sources=tuple(sources),
+        gpu=gpu,
+        node=_section(data, "node", NodeSpec, where),
+        network=_section(data, "network", NetworkSpec, where),
+        nccl=_section(data, "nccl", NCCLSpec, where),
+    )
+
+
+def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
+    """A shipped profile by name (`h100-sxm`, `h200`, `a100-sxm`) or a JSON file by path."""
+    text = str(name_or_path)
+    if text in profile_names():
+        raw = (resources.files("canzona") / "profiles" / f"{text}.json").read_text()
+        where = text
+    elif text.endswith(".json") or Path(text).exists():
+        try:
+            raw = Path(text).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(f"cannot read hardware profile {text}: {getattr(e, 'strerror', None) or e}") from None
+        where = text
+    else:
+        raise SpecError(f"unknown hardware {text!r}; known profiles: {', '.join(profile_names())} (or a .json path)")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return profile_from_dict(data, where)
