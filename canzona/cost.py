@@ -180,7 +180,7 @@ class DeviceRate:
 
     `gemm_flops` is per compute dtype (what large GEMMs reach). With `sms` set, a GEMM also pays for
     wave quantisation: its `ceil(M/tile) * ceil(N/tile)` output tiles run in whole waves over the
-    SMs, so a small GEMM uses a fraction of the machine. `solver_flops` covers eigh / QR (far below
+    SMs, so a small GEMM uses a fraction of the machine and time never falls as a dimension grows. `solver_flops` covers eigh / QR (far below
     GEMM speed on GPUs and version dependent: a calibrated table should replace it).
     """
 
@@ -200,21 +200,24 @@ class DeviceRate:
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
                    g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile)
 
-    def wave_efficiency(self, m: int, n: int) -> float:
+    def gemm_flops_issued(self, k: Kernel) -> float:
+        """FLOPs the GPU spends: with `sms` set, whole waves of `tile x tile` output tiles (a partial
+        tile or a partial wave costs as much as a full one), else the GEMM's own FLOPs."""
         if self.sms is None:
-            return 1.0
+            return k.flops
+        m, n, depth = k.gemm
         tiles = -(-m // self.tile) * -(-n // self.tile)
         waves = -(-tiles // self.sms)
-        return tiles / (waves * self.sms)
+        return 2.0 * depth * self.tile * self.tile * self.sms * waves
 
     def kernel_seconds(self, k: Kernel) -> float:
         if k.kind == "gemm":
-            rate = self.gemm_flops[k.dtype] * self.wave_efficiency(k.gemm[0], k.gemm[1])
+            work, rate = self.gemm_flops_issued(k), self.gemm_flops[k.dtype]
         elif k.kind == "solver":
-            rate = self.solver_flops
+            work, rate = k.flops, self.solver_flops
         else:
-            rate = self.elementwise_flops
-        return k.count * (max(k.flops / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
+            work, rate = k.flops, self.elementwise_flops
+        return k.count * (max(work / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
 
 
 H100_SXM = DeviceRate.from_profile(load_profile("h100-sxm"))

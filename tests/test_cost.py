@@ -218,7 +218,8 @@ def test_small_soap_counts_amortised_launches():
     ks = optimizer_kernels("soap", (8, 8))
     launches = sum(k.count for k in ks)
     assert launches == pytest.approx(2 * (4 + 2 / 10) + 1)
-    assert launches * H100_SXM.launch_s <= cost.seconds("soap", (8, 8)) <= 1.05 * launches * H100_SXM.launch_s
+    # one wave of one 128x128 tile per GEMM (about 0.6 us) on top of each 5 us launch
+    assert launches * H100_SXM.launch_s <= cost.seconds("soap", (8, 8)) <= 1.2 * launches * H100_SXM.launch_s
 
 
 def test_kernel_seconds_is_roofline_plus_launch():
