@@ -14,7 +14,7 @@ test: install lint
 	$(PYTHON) -m pytest --nbmake notebooks
 
 demo: install
-	canzona plan
+	canzona compare
 
 bench: install
 	$(PYTHON) benchmarks/bench_plan.py

@@ -13,9 +13,10 @@ from rich.console import Console
 from canzona.catalog import DEFAULT_MODEL, get_model
 from canzona.dp import DP_POLICIES
 from canzona.errors import CanzonaError
+from canzona.hardware import DEFAULT_PROFILE
 from canzona.plan import check_plan_matches, load_plan, make_plan
 from canzona.tp import TP_POLICIES
-from cli.render import dp_table, models_table, tp_table
+from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table
 from cli.units import parse_capacity
 
 app = typer.Typer(
@@ -112,6 +113,108 @@ def inspect(
     console.print(dp_table([loaded], loaded))
     console.print(tp_table([loaded], loaded.tp_plan.policy))
     console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
+
+
+def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str, tp_policy: str,
+                alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
+                global_batch: int, micro_batch: int):
+    from sim.simulate import SimConfig
+    from sim.workload import Workload
+
+    return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
+                     tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=parse_capacity(capacity),
+                     hardware=hardware, workload=Workload(seq_len, global_batch, micro_batch))
+
+
+Model = Annotated[str, typer.Option(help="Catalog model name.")]
+Gpus = Annotated[int, typer.Option(help="Number of GPUs.")]
+Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
+Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
+DpPolicy = Annotated[str, typer.Option(help="canzona's DP policy.")]
+TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
+Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
+BucketSize = Annotated[int | None, typer.Option(help="Gradient bucket size in elements.")]
+CapacityOpt = Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")]
+Hardware = Annotated[str, typer.Option(help="Hardware profile name (h100-sxm, h200, a100-sxm) or a JSON path.")]
+SeqLen = Annotated[int, typer.Option(help="Sequence length in tokens.")]
+GlobalBatch = Annotated[int, typer.Option(help="Sequences per iteration.")]
+MicroBatch = Annotated[int, typer.Option(help="Sequences per micro-batch per DP rank.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+
+@app.command()
+def simulate(
+    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
+    policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise or canzona.")] = "canzona",
+    dp_policy: DpPolicy = "alpha-balanced", tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
+    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
+    trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Simulate one training iteration of a layout under one policy."""
+    from sim.simulate import simulate as run
+    from sim.simulate import write_trace
+
+    try:
+        result = run(_sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
+                                 capacity, hardware, seq_len, global_batch, micro_batch))
+        if trace is not None:
+            try:
+                write_trace(result, trace)
+            except OSError as e:
+                fail(f"cannot write {trace}: {e.strerror}")
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    console.print(simulate_table(result))
+    if trace is not None:
+        console.print(f"trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
+
+
+@app.command()
+def compare(
+    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
+    dp_policy: DpPolicy = "alpha-balanced", tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
+    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
+    plot: Annotated[Path | None, typer.Option(help="Save a bar chart (PNG) of the comparison here.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Simulate every policy on the same layout, side by side (default: Qwen3-32B on 256 H100, TP 8)."""
+    from rich.progress import Progress
+
+    from sim.iteration import SIM_POLICIES
+    from sim.simulate import compare as run
+
+    try:
+        base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
+                           capacity, hardware, seq_len, global_batch, micro_batch)
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("simulating", total=len(SIM_POLICIES))
+
+            def tick(name: str) -> None:
+                progress.update(task, description=f"simulating {name}")
+
+            results = run(base, progress=tick)
+            progress.update(task, completed=len(SIM_POLICIES))
+        if plot is not None:
+            from cli.plots import compare_plot
+
+            try:
+                compare_plot(results, plot)
+            except OSError as e:
+                fail(f"cannot write {plot}: {e.strerror}")
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps([r.to_dict() for r in results]))
+        return
+    console.print(compare_table(results))
+    if plot is not None:
+        console.print(f"plot written to {plot}")
 
 
 def main() -> None:

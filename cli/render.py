@@ -63,3 +63,60 @@ def tp_table(plans: Sequence[Plan], chosen: str) -> Table:
                   f"{tm.efficiency:.2f}", f"{tm.mean_group_imbalance:.2f}", _ms(tm.makespan),
                   style="bold green" if p.tp_plan.policy == chosen else None)
     return t
+
+
+def _ratio(x: float, y: float) -> str:
+    return f"{x / y:.2f}x" if y > 0 else "-"
+
+
+def simulate_table(result) -> Table:
+    c, b, o = result.config, result.breakdown, result.optimizer_breakdown
+    loads = result.rank_optimizer_s
+    mean = sum(loads) / len(loads)
+    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}, DP {c.gpus // c.tp}), {c.optimizer}, "
+                    f"policy {c.policy} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
+    t.add_column("quantity", no_wrap=True)
+    t.add_column("ms", justify="right")
+    rows = [
+        ("iteration time", result.iteration_time_s),
+        ("optimizer-step latency", result.optimizer_step_s),
+        ("forward + backward compute end", result.forward_backward_s),
+        ("gradient sync end", result.grad_sync_end_s),
+        ("iteration: compute (mean rank)", b["compute_s"]),
+        ("iteration: exposed communication", b["exposed_comm_s"]),
+        ("iteration: idle", b["idle_s"]),
+        ("optimizer: compute (mean rank)", o["compute_s"]),
+        ("optimizer: exposed communication", o["exposed_comm_s"]),
+        ("optimizer: idle from imbalance", o["idle_s"]),
+        ("optimizer compute per rank: min", min(loads)),
+        ("optimizer compute per rank: mean", mean),
+        ("optimizer compute per rank: max", max(loads)),
+    ]
+    for name, seconds in rows:
+        t.add_row(name, _ms(seconds))
+    t.caption = ("Iteration: start of the first forward to parameters ready for the next. Optimizer step: "
+                 f"end of gradient sync to parameters updated and gathered. Rank imbalance "
+                 f"{max(loads) / mean if mean > 0 else 1.0:.3f}.")
+    return t
+
+
+def compare_table(results) -> Table:
+    c = results[0].config
+    by = {r.config.policy: r for r in results}
+    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}), {c.optimizer}, seq {c.workload.seq_len}, "
+                    f"global batch {c.workload.global_batch}")
+    t.add_column("policy", no_wrap=True)
+    t.add_column("plan", no_wrap=True)
+    for col in ("iteration ms", "optimizer ms", "exposed comm ms", "idle ms",
+                "iter vs sc", "iter vs zero1", "opt vs sc", "opt vs zero1"):
+        t.add_column(col, justify="right")
+    for r in results:
+        o = r.optimizer_breakdown
+        row = [r.config.policy, f"{r.plan.dp_plan.policy} + {r.plan.tp_plan.policy}",
+               _ms(r.iteration_time_s), _ms(r.optimizer_step_s), _ms(o["exposed_comm_s"]), _ms(o["idle_s"])]
+        for attr in ("iteration_time_s", "optimizer_step_s"):
+            for base in ("sc", "zero1-gather"):
+                row.append(_ratio(getattr(by[base], attr), getattr(r, attr)) if base in by else "-")
+        t.add_row(*row, style="bold green" if r.config.policy == "canzona" else None)
+    t.caption = "Speedups are baseline time / policy time (higher is better for the policy)."
+    return t

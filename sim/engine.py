@@ -1,0 +1,111 @@
+"""GPU streams, kernels and collectives as SimPy processes.
+
+Streams keep CUDA semantics: work runs in the order it was enqueued, and an op waiting for an event
+blocks its stream. Each op requests its stream when created (so requests queue in program order),
+then waits for its dependencies while holding it. A collective starts when every participant has
+reached it on its stream, pays its latency, then moves its bytes over the fabric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import simpy
+
+from sim.collectives import CollectiveCost
+from sim.fabric import Fabric
+
+
+@dataclass(frozen=True)
+class Span:
+    """Something a rank's stream did: `kind` is "compute" or "comm"."""
+
+    rank: int
+    stream: str
+    name: str
+    kind: str
+    start: float
+    end: float
+
+
+class Collective:
+    def __init__(self, engine: Engine, name: str, ranks: Sequence[int], cost: CollectiveCost):
+        self.engine = engine
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.cost = cost
+        self.arrived = 0
+        self.start: float | None = None
+        self.done = engine.env.event()
+
+    def links(self) -> list[str]:
+        prefix = "nic" if self.cost.link == "network" else "nvl"
+        return [f"{prefix}:{r}" for r in self.ranks]
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        if self.arrived == len(self.ranks):
+            self.engine.env.process(self._run())
+
+    def _run(self):
+        env = self.engine.env
+        self.start = env.now
+        if self.cost.latency_s > 0:
+            yield env.timeout(self.cost.latency_s)
+        if self.cost.transfer_s > 0:
+            yield self.engine.fabric.transfer(self.links(), self.cost.transfer_s)
+        self.done.succeed()
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.env = simpy.Environment()
+        self.fabric = Fabric(self.env)
+        self._streams: dict[tuple[int, str], simpy.Resource] = {}
+        self.spans: list[Span] = []
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    def stream(self, rank: int, name: str) -> simpy.Resource:
+        key = (rank, name)
+        if key not in self._streams:
+            self._streams[key] = simpy.Resource(self.env, capacity=1)
+        return self._streams[key]
+
+    def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
+                stream: str = "compute") -> simpy.Event:
+        """A kernel of `seconds` on `rank`'s stream, after `after` fire."""
+        return self.env.process(self._compute(rank, stream, name, seconds, list(after)))
+
+    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event]):
+        with self.stream(rank, stream).request() as req:
+            yield req
+            if after:
+                yield self.env.all_of(after)
+            start = self.env.now
+            if seconds > 0:
+                yield self.env.timeout(seconds)
+            self.spans.append(Span(rank, stream, name, "compute", start, self.env.now))
+
+    def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
+                   after: dict[int, Iterable[simpy.Event]] | None = None) -> dict[int, simpy.Event]:
+        """One collective over `ranks`, enqueued on each rank's `stream`; per-rank done events."""
+        coll = Collective(self, name, ranks, cost)
+        after = after or {}
+        return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())))) for r in ranks}
+
+    def _participate(self, coll: Collective, rank: int, stream: str, after: list[simpy.Event]):
+        with self.stream(rank, stream).request() as req:
+            yield req
+            if after:
+                yield self.env.all_of(after)
+            coll.arrive()
+            yield coll.done
+            self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now))
+
+    def run(self) -> float:
+        self.env.run()
+        return self.env.now

@@ -1,0 +1,68 @@
+"""Cluster layout: nodes of GPUs, Megatron rank order (TP fastest), TP groups inside nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canzona.errors import SpecError
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """How a process group sits on the cluster, which decides its links."""
+
+    size: int
+    nodes: int
+    per_node: int  # members on each node it touches
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    tp: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.tp < 1:
+            raise SpecError(f"gpus and tp must be >= 1, got gpus={self.gpus} tp={self.tp}")
+        if self.gpus % self.tp:
+            raise SpecError(f"{self.gpus} GPUs are not divisible by tp={self.tp}")
+        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+            raise SpecError(f"tp={self.tp} must divide the {self.gpus_per_node} GPUs of a node "
+                            "(TP groups stay inside a node)")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise SpecError(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def rank(self, dp_index: int, tp_index: int) -> int:
+        return dp_index * self.tp + tp_index
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def tp_group(self, dp_index: int) -> list[int]:
+        return [self.rank(dp_index, t) for t in range(self.tp)]
+
+    def dp_group(self, tp_index: int) -> list[int]:
+        return [self.rank(i, tp_index) for i in range(self.dp)]
+
+    def geometry(self, ranks: list[int]) -> GroupGeometry:
+        nodes = {self.node_of(r) for r in ranks}
+        return GroupGeometry(len(ranks), len(nodes), -(-len(ranks) // len(nodes)))
+
+    def tp_geometry(self) -> GroupGeometry:
+        return self.geometry(self.tp_group(0))
+
+    def dp_geometry(self) -> GroupGeometry:
+        return self.geometry(self.dp_group(0))

@@ -1,0 +1,62 @@
+"""The training workload of one Megatron-style iteration: batch geometry and model FLOPs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canzona.catalog import Qwen3Config
+from canzona.errors import SpecError
+from canzona.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    global_batch: int = 128  # sequences per iteration
+    micro_batch: int = 1  # sequences per micro-batch per DP rank
+    grad_bytes: int = 4  # Megatron reduces gradients in fp32 by default
+    param_bytes: int = 2  # bf16 parameters are all-gathered
+    activation_bytes: int = 2  # bf16 activations cross TP (sequence parallel)
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes"):
+            if getattr(self, field) < 1:
+                raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
+
+    def micro_batches(self, dp: int) -> int:
+        per_step = dp * self.micro_batch
+        if self.global_batch % per_step:
+            raise SpecError(f"global batch {self.global_batch} is not divisible by dp x micro batch "
+                            f"= {dp} x {self.micro_batch}")
+        return self.global_batch // per_step
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs of one micro-batch, whole model (divide by TP for one rank)."""
+
+    per_layer: tuple[float, ...]
+    head: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.per_layer) + self.head
+
+
+def forward_flops(cfg: Qwen3Config, spec: ModelSpec, wl: Workload) -> LayerFlops:
+    """`2 * params * tokens` for the layer matrices and the head, plus attention scores and values
+    (`4 * seq * q_dim` per token, halved when causal)."""
+    tokens = wl.tokens_per_micro_batch
+    matrices = [0] * cfg.layers
+    for p in spec.matrix_params():
+        if p.layer is not None:
+            matrices[p.layer] += p.numel
+    q_dim = cfg.q_heads * cfg.head_dim
+    attention = 4.0 * wl.seq_len * q_dim * tokens * (0.5 if wl.causal else 1.0)
+    per_layer = tuple(2.0 * m * tokens + attention for m in matrices)
+    return LayerFlops(per_layer, 2.0 * cfg.hidden * cfg.vocab * tokens)
