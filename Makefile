@@ -18,3 +18,4 @@ demo: install
 
 bench: install
 	$(PYTHON) benchmarks/bench_plan.py
+	$(PYTHON) benchmarks/bench_sim.py
