@@ -10,6 +10,7 @@ Allocation loops use `CostModel.seconds`, never raw element counts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,7 @@ class Kernel:
     dtype: str
     count: float = 1.0
     gemm: tuple[int, ...] = ()
+    solver: str = ""  # "eigh" or "qr" for solver kernels
 
 
 def _gemm(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
@@ -49,8 +51,8 @@ def _elementwise(name: str, numel: int, flops_per: float, bytes_per: float, dtyp
     return Kernel(name, "elementwise", flops_per * numel, bytes_per * numel, dtype)
 
 
-def _solver(name: str, k: int, flops: float, count: float, dtype: str) -> Kernel:
-    return Kernel(name, "solver", flops, float(DTYPE_BYTES[dtype] * 2 * k * k), dtype, count, (k,))
+def _solver(name: str, op: str, k: int, flops: float, count: float, dtype: str) -> Kernel:
+    return Kernel(name, "solver", flops, float(DTYPE_BYTES[dtype] * 2 * k * k), dtype, count, (k,), op)
 
 
 def muon_kernels(m: int, n: int, cfg: MuonConfig) -> list[Kernel]:
@@ -88,7 +90,7 @@ def soap_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
             _gemm(f"side{side}.project_exp_avg", k, other, k, dt),
             _gemm(f"side{side}.project_back", k, other, k, dt),
             _gemm(f"side{side}.power_iter", k, k, k, dt, count=1.0 / f),
-            _solver(f"side{side}.qr", k, 4.0 / 3.0 * k**3, 1.0 / f, dt),
+            _solver(f"side{side}.qr", "qr", k, 4.0 / 3.0 * k**3, 1.0 / f, dt),
         ]
     ks.append(_elementwise("rotated_adam", m * n, 12, 8 * FP32))
     return ks
@@ -102,7 +104,7 @@ def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
         ks += [
             _gemm(f"side{side}.stats", k, k, other, dt),
             _gemm(f"side{side}.precondition", k, other, k, dt),
-            _solver(f"side{side}.eigh_root", k, 9.0 * k**3, 1.0 / f, dt),
+            _solver(f"side{side}.eigh_root", "eigh", k, 9.0 * k**3, 1.0 / f, dt),
         ]
     if cfg.grafting:
         ks.append(_elementwise("adam_grafting", m * n, 12, 8 * FP32))
@@ -140,7 +142,7 @@ def init_kernels(optimizer: str, shape: tuple[int, int], cfg: object | None = No
         return []
     m, n = shape
     return [
-        _solver(f"side{i}.eigh_init", k, 9.0 * k**3, 1.0, cfg.compute_dtype)
+        _solver(f"side{i}.eigh_init", "eigh", k, 9.0 * k**3, 1.0, cfg.compute_dtype)
         for i, (k, _) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim))
     ]
 
@@ -193,12 +195,31 @@ class DeviceRate:
     source: str = ""
     sms: int | None = None
     tile: int = 128
+    solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile) -> DeviceRate:
         g = profile.gpu
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
-                   g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile)
+                   g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds)
+
+    def solver_time(self, k: Kernel) -> float | None:
+        """Measured seconds of one eigh / QR of size k, interpolated log-log in the profile's table
+        and extrapolated as k**3 beyond it; None without a table for that solver."""
+        table = self.solver_seconds.get(k.solver)
+        if not table:
+            return None
+        size = k.gemm[0]
+        pts = sorted(table)
+        if size <= pts[0][0]:
+            return pts[0][1] * (size / pts[0][0]) ** 3 if size < pts[0][0] else pts[0][1]
+        if size >= pts[-1][0]:
+            return pts[-1][1] * (size / pts[-1][0]) ** 3
+        for (k0, t0), (k1, t1) in zip(pts, pts[1:]):
+            if k0 <= size <= k1:
+                w = math.log(size / k0) / math.log(k1 / k0)
+                return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+        return None
 
     def gemm_flops_issued(self, k: Kernel) -> float:
         """FLOPs the GPU spends: with `sms` set, whole waves of `tile x tile` output tiles (a partial
@@ -214,6 +235,9 @@ class DeviceRate:
         if k.kind == "gemm":
             work, rate = self.gemm_flops_issued(k), self.gemm_flops[k.dtype]
         elif k.kind == "solver":
+            measured = self.solver_time(k)
+            if measured is not None:
+                return k.count * (measured + self.launch_s)
             work, rate = k.flops, self.solver_flops
         else:
             work, rate = k.flops, self.elementwise_flops

@@ -7,7 +7,7 @@ these profiles. `canzona calibrate` will write measured ones in the same format.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,8 @@ class HardwareProfile:
     node: NodeSpec
     network: NetworkSpec
     nccl: NCCLSpec
+    # measured seconds of one fp32 eigh / QR per size: {"eigh": ((k, s), ...), "qr": (...)}
+    solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 def profile_names() -> list[str]:
@@ -95,6 +97,24 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     return cls(**values)
 
 
+SOLVERS = ("eigh", "qr")
+
+
+def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Optional measured solver times: {"eigh": [[k, seconds], ...], "qr": [[k, seconds], ...]}."""
+    if not isinstance(raw, dict) or set(raw) - set(SOLVERS):
+        raise SpecError(f"{where}: solver_seconds must map {' / '.join(SOLVERS)} to [[size, seconds], ...]")
+    out = {}
+    for op, rows in raw.items():
+        ok = isinstance(rows, list) and rows and all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         and x > 0 for x in r) for r in rows)
+        if not ok:
+            raise SpecError(f"{where}: solver_seconds.{op} must be a non-empty list of [size, seconds] pairs")
+        out[op] = tuple(sorted((int(k), float(t)) for k, t in rows))
+    return out
+
+
 def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise SpecError(f"{where}: not a canzona hardware profile (schema {SCHEMA!r} expected)")
@@ -110,6 +130,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     object.__setattr__(gpu, "sms", int(gpu.sms))
     object.__setattr__(gpu, "gemm_tile", int(gpu.gemm_tile))
     return HardwareProfile(
+        solver_seconds=_solver_table(data.get("solver_seconds", {}), where),
         name=name,
         description=str(data.get("description", "")),
         measured=bool(data.get("measured", False)),
