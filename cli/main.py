@@ -195,8 +195,11 @@ def compare(
         with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
             task = progress.add_task("simulating", total=len(SIM_POLICIES))
 
-            def tick(name: str) -> None:
-                progress.update(task, description=f"simulating {name}")
+            started: list[str] = []
+
+            def tick(name: str) -> None:  # called before each policy, so the ones before are done
+                progress.update(task, completed=len(started), description=f"simulating {name}")
+                started.append(name)
 
             results = run(base, progress=tick)
             progress.update(task, completed=len(SIM_POLICIES))
