@@ -115,6 +115,26 @@ def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ..
     return out
 
 
+REQUIRED_DTYPES = ("bf16", "fp32")  # the model's GEMMs and the optimizers' default compute dtypes
+
+
+def _check_gpu(gpu: GPUSpec, node: NodeSpec, where: str) -> None:
+    for name, value in (("gpu.sms", gpu.sms), ("gpu.gemm_tile", gpu.gemm_tile), ("node.gpus", node.gpus)):
+        if value != int(value):
+            raise SpecError(f"{where}: {name} must be a whole number, got {value}")
+    object.__setattr__(gpu, "sms", int(gpu.sms))
+    object.__setattr__(gpu, "gemm_tile", int(gpu.gemm_tile))
+    object.__setattr__(node, "gpus", int(node.gpus))
+    missing = [d for d in REQUIRED_DTYPES if d not in gpu.peak_flops]
+    if missing:
+        raise SpecError(f"{where}: gpu.peak_flops lacks {', '.join(missing)}")
+    fractions = [("gpu.model_flops_utilization", gpu.model_flops_utilization)]
+    fractions += [(f"gpu.gemm_efficiency.{k}", v) for k, v in gpu.gemm_efficiency.items()]
+    for name, value in fractions:
+        if value > 1:
+            raise SpecError(f"{where}: {name} is a fraction of peak and must be <= 1, got {value}")
+
+
 def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise SpecError(f"{where}: not a canzona hardware profile (schema {SCHEMA!r} expected)")
@@ -127,8 +147,8 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     if not isinstance(sources, list) or not sources or not all(isinstance(s, str) for s in sources):
         raise SpecError(f"{where}: a profile must name its sources (a non-empty list of strings)")
     gpu = _section(data, "gpu", GPUSpec, where)
-    object.__setattr__(gpu, "sms", int(gpu.sms))
-    object.__setattr__(gpu, "gemm_tile", int(gpu.gemm_tile))
+    node = _section(data, "node", NodeSpec, where)
+    _check_gpu(gpu, node, where)
     return HardwareProfile(
         solver_seconds=_solver_table(data.get("solver_seconds", {}), where),
         name=name,
@@ -136,7 +156,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         measured=bool(data.get("measured", False)),
         sources=tuple(sources),
         gpu=gpu,
-        node=_section(data, "node", NodeSpec, where),
+        node=node,
         network=_section(data, "network", NetworkSpec, where),
         nccl=_section(data, "nccl", NCCLSpec, where),
     )

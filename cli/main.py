@@ -192,7 +192,9 @@ def compare(
     try:
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch)
-        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        base.check()  # bad input fails here, before a progress bar is drawn
+        err = Console(stderr=True)
+        with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
             task = progress.add_task("simulating", total=len(SIM_POLICIES))
 
             started: list[str] = []

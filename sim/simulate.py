@@ -46,10 +46,15 @@ class SimConfig:
     hardware: str = DEFAULT_PROFILE
     workload: Workload = field(default_factory=Workload)
 
-    def check(self) -> None:
+    def check(self) -> Cluster:
+        """Validate everything that can be wrong before any simulation; returns the cluster."""
         if self.policy not in SIM_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
+        cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
+        get_model(self.model, self.tp)
+        self.workload.micro_batches(cluster.dp)
+        return cluster
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
     comm = _union((max(s.start, start), min(s.end, end)) for s in spans if s.kind == "comm")
     compute = _length(comp)
     exposed = _length(comm) - _overlap(comp, comm)
-    return {"compute_s": compute, "exposed_comm_s": exposed, "idle_s": (end - start) - compute - exposed}
+    idle = max(0.0, (end - start) - compute - exposed)  # >= 0 up to rounding
+    return {"compute_s": compute, "exposed_comm_s": exposed, "idle_s": idle}
 
 
 def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True) -> SimResult:
@@ -142,10 +148,8 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
     every rank (they are identical); without it every rank runs it, for checking that claim."""
-    cfg.check()
+    cluster = cfg.check()
     hw = load_profile(cfg.hardware)
-    cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus)
-    cfg.workload.micro_batches(cluster.dp)
     plan = plan or _plan_for(cfg, cluster)
     spec = get_model(cfg.model, cfg.tp)
     engine = Engine()

@@ -4,18 +4,21 @@ Because the layout inside a bucket is free, the only coupling between buckets is
 of each rank, so this is multiprocessor scheduling with one side constraint: rank r's share of
 bucket b may not exceed `cap_b` elements. LPT (global cost order, loads carried across buckets)
 gives the start; moves and swaps of single matrices off the most loaded rank improve it, and where
-two ranks hold few matrices between them their union is re-split exactly.
+two or three ranks hold few matrices between them their union is re-split exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import combinations
 
 import numpy as np
 
 from canzona.dp.layout import DPItem
 
-EXACT_PAIR_LIMIT = 12  # re-split two ranks exactly when they hold at most this many matrices
+# Re-split k ranks exactly (k**n assignments) when they hold at most this many matrices together.
+EXACT_RESPLIT_LIMITS = {2: 12, 3: 11, 4: 10}
+RESPLIT_CANDIDATES = 6  # partners tried: the least loaded ranks
 MAX_ROUNDS = 10_000
 
 
@@ -109,25 +112,34 @@ def _try_swap(s: _State, top: int, eps: float) -> bool:
     return True
 
 
-def _try_exact_pair(s: _State, top: int, eps: float) -> bool:
-    """Re-split the matrices of the top rank and one other rank optimally (small unions, no caps)."""
+def _best_split(costs: np.ndarray, ways: int) -> tuple[float, np.ndarray]:
+    """Optimal assignment of `costs` to `ways` ranks by enumeration: (makespan, rank of each)."""
+    n = costs.size
+    labels = ((np.arange(ways**n)[:, None] // ways ** np.arange(n)) % ways).astype(np.int8)
+    loads = np.stack([(labels == q) @ costs for q in range(ways)], axis=1)
+    peaks = loads.max(axis=1)
+    best = int(np.argmin(peaks))
+    return float(peaks[best]), labels[best]
+
+
+def _try_exact_resplit(s: _State, top: int, eps: float) -> bool:
+    """Re-split the matrices of the most loaded rank together with one, two, then three of the least
+    loaded ranks, optimally, when they hold few matrices between them (no caps). Pairs catch most
+    local optima; some need three or more ranks to change at once (e.g. 2,5,5,6,6,11 on three)."""
     if s.capped:
         return False
-    for r in np.argsort(s.loads, kind="stable"):
-        r = int(r)
-        if r == top:
-            continue
-        union = np.flatnonzero((s.owner == top) | (s.owner == r))
-        if union.size > EXACT_PAIR_LIMIT:
-            continue
-        bits = (np.arange(2**union.size)[:, None] >> np.arange(union.size)) & 1
-        part = bits @ s.cost[union]
-        peaks = np.maximum(part, s.cost[union].sum() - part)
-        best = int(np.argmin(peaks))
-        if peaks[best] < s.loads[top] - eps:
-            for k, i in enumerate(union):
-                s.assign(int(i), top if bits[best, k] else r)
-            return True
+    others = [int(r) for r in np.argsort(s.loads, kind="stable") if int(r) != top][:RESPLIT_CANDIDATES]
+    for ways, limit in EXACT_RESPLIT_LIMITS.items():
+        for partners in combinations(others, ways - 1):
+            ranks = (top, *partners)
+            union = np.flatnonzero(np.isin(s.owner, ranks))
+            if union.size > limit:
+                continue
+            peak, labels = _best_split(s.cost[union], ways)
+            if peak < s.loads[top] - eps:
+                for k, i in enumerate(union):
+                    s.assign(int(i), ranks[int(labels[k])])
+                return True
     return False
 
 
@@ -140,7 +152,7 @@ def reorder_assign(buckets: Sequence[Sequence[DPItem]], dp: int, alpha: float) -
     eps = 1e-12 * max(float(s.cost.max()), 1e-300)
     for _ in range(MAX_ROUNDS):
         top = int(np.argmax(s.loads))
-        if not (_try_move(s, top, eps) or _try_swap(s, top, eps) or _try_exact_pair(s, top, eps)):
+        if not (_try_move(s, top, eps) or _try_swap(s, top, eps) or _try_exact_resplit(s, top, eps)):
             break
     out, k = [], 0
     for b in buckets:

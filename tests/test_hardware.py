@@ -1,0 +1,278 @@
+"""Hardware profiles (`canzona.hardware`): shipped figures, relations, loading and validation."""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+
+import pytest
+
+from canzona.cost import H100_SXM, DeviceRate
+from canzona.errors import SpecError
+from canzona.hardware import (
+    DEFAULT_PROFILE,
+    GPUSpec,
+    HardwareProfile,
+    NCCLSpec,
+    NetworkSpec,
+    NodeSpec,
+    load_profile,
+    profile_from_dict,
+    profile_names,
+)
+
+SECTIONS = {"gpu": GPUSpec, "node": NodeSpec, "network": NetworkSpec, "nccl": NCCLSpec}
+
+
+def raw(name: str) -> dict:
+    return json.loads((resources.files("canzona") / "profiles" / f"{name}.json").read_text())
+
+
+def test_shipped_profiles():
+    names = profile_names()
+    assert {"h100-sxm", "h200", "a100-sxm"} <= set(names)
+    assert DEFAULT_PROFILE in names
+    assert names == sorted(names)
+
+
+@pytest.mark.parametrize("name", profile_names())
+def test_every_profile_loads_and_names_its_sources(name):
+    p = load_profile(name)
+    assert isinstance(p, HardwareProfile)
+    assert p.name == name
+    assert p.sources and all(isinstance(s, str) and s.strip() for s in p.sources)
+    assert p.description
+    assert isinstance(p.measured, bool)
+    g = p.gpu
+    assert isinstance(g.sms, int) and isinstance(g.gemm_tile, int)
+    assert 0 < g.model_flops_utilization <= 1
+    for dtype, eff in g.gemm_efficiency.items():
+        assert 0 < eff <= 1
+        assert dtype in g.peak_flops
+    # large-GEMM rate = peak * efficiency
+    for dtype, rate in g.gemm_flops().items():
+        assert rate == pytest.approx(g.peak_flops[dtype] * g.gemm_efficiency[dtype], rel=1e-15)
+        assert rate <= g.peak_flops[dtype]
+    assert g.peak_flops["bf16"] >= g.peak_flops["fp32"]
+    n = p.node
+    assert isinstance(n.gpus, int) and n.gpus >= 1
+    assert n.nvlink_ring_busbw <= n.nvlink_bytes_per_s  # bus bandwidth never beats the link
+    assert n.nvls_allreduce_busbw >= n.nvlink_ring_busbw
+    assert p.network.nic_busbw <= p.network.nic_bytes_per_s
+    assert p.network.nic_busbw < n.nvlink_ring_busbw  # a NIC is slower than NVLink
+    c = p.nccl
+    assert c.network_step_latency_s > c.nvlink_step_latency_s > 0
+    assert c.base_latency_s < 1e-3  # microseconds, not milliseconds
+
+
+def test_h100_datasheet_figures():
+    p = load_profile("h100-sxm")
+    assert p.gpu.peak_flops["bf16"] == 989e12
+    assert p.gpu.gemm_flops()["bf16"] == pytest.approx(790e12, rel=0.01)
+    assert p.gpu.hbm_bytes_per_s == 3.35e12
+    assert p.gpu.sms == 132
+    assert p.gpu.launch_s == 5e-6
+    assert p.gpu.memory_bytes == 80e9
+    assert p.node.nvlink_bytes_per_s == 450e9
+    assert p.node.nvlink_ring_busbw == 370e9
+    assert p.node.nvls_allreduce_busbw == 480e9
+    assert p.network.nic_bytes_per_s == 50e9  # 400 Gb/s
+    assert p.network.nic_busbw == 48e9
+
+
+def test_h200_has_h100_compute_and_more_memory_bandwidth():
+    h100, h200 = load_profile("h100-sxm"), load_profile("h200")
+    assert h200.gpu.peak_flops == h100.gpu.peak_flops
+    assert h200.gpu.gemm_efficiency == h100.gpu.gemm_efficiency
+    assert h200.gpu.gemm_flops() == h100.gpu.gemm_flops()
+    assert h200.gpu.sms == h100.gpu.sms
+    assert h200.gpu.hbm_bytes_per_s > h100.gpu.hbm_bytes_per_s
+    assert h200.gpu.hbm_bytes_per_s == 4.8e12
+    assert h200.gpu.memory_bytes == 141e9 > h100.gpu.memory_bytes
+    assert h200.node == h100.node
+
+
+def test_shipped_profiles_are_datasheet_defaults_on_8_gpu_nodes():
+    for name in ("h100-sxm", "h200", "a100-sxm"):
+        p = load_profile(name)
+        assert p.measured is False
+        assert p.node.gpus == 8
+
+
+def test_a100_is_slower_than_h100():
+    a100, h100 = load_profile("a100-sxm"), load_profile("h100-sxm")
+    assert a100.gpu.peak_flops["bf16"] < h100.gpu.peak_flops["bf16"]
+    assert a100.gpu.hbm_bytes_per_s < h100.gpu.hbm_bytes_per_s
+    assert a100.node.nvlink_bytes_per_s < h100.node.nvlink_bytes_per_s
+    assert a100.network.nic_busbw < h100.network.nic_busbw
+
+
+def test_default_profile_is_h100():
+    assert load_profile() == load_profile("h100-sxm")
+
+
+def test_loading_a_json_path(tmp_path):
+    path = tmp_path / "mine.json"
+    data = raw("h100-sxm")
+    data["name"] = "my-h100"
+    data["measured"] = True
+    data["gpu"]["hbm_bytes_per_s"] = 3.0e12
+    path.write_text(json.dumps(data))
+    for arg in (path, str(path)):
+        p = load_profile(arg)
+        assert p.name == "my-h100"
+        assert p.measured is True
+        assert p.gpu.hbm_bytes_per_s == 3.0e12
+        assert p.node == load_profile("h100-sxm").node
+
+
+def test_a_copied_shipped_profile_loads_identically(tmp_path):
+    for name in profile_names():
+        path = tmp_path / f"copy-{name}.json"
+        path.write_text(json.dumps(raw(name)))
+        assert load_profile(path) == load_profile(name)
+
+
+# --- malformed profiles -----------------------------------------------------------------------
+
+
+def broken(mutate) -> dict:
+    data = copy.deepcopy(raw("h100-sxm"))
+    mutate(data)
+    return data
+
+
+def _del(*keys):
+    def f(d):
+        for k in keys[:-1]:
+            d = d[k]
+        del d[keys[-1]]
+    return f
+
+
+def _set(value, *keys):
+    def f(d):
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return f
+
+
+MALFORMED = {
+    "wrong schema": (_set("canzona.plan", "schema"), "schema"),
+    "no schema": (_del("schema"), "schema"),
+    "wrong version": (_set(2, "version"), "version"),
+    "bool version": (_set(True, "version"), "version"),
+    "missing section": (_del("nccl"), "nccl"),
+    "section not a dict": (_set([1, 2], "node"), "node"),
+    "missing field": (_del("gpu", "hbm_bytes_per_s"), "hbm_bytes_per_s"),
+    "missing node field": (_del("node", "nvls_allreduce_busbw"), "nvls_allreduce_busbw"),
+    "zero number": (_set(0, "network", "nic_busbw"), "nic_busbw"),
+    "negative number": (_set(-1.0, "nccl", "base_latency_s"), "base_latency_s"),
+    "string number": (_set("fast", "gpu", "launch_s"), "launch_s"),
+    "bool number": (_set(True, "node", "gpus"), "gpus"),
+    "null number": (_set(None, "gpu", "sms"), "sms"),
+    "negative in a map": (_set({"bf16": -1.0}, "gpu", "peak_flops"), "peak_flops"),
+    "empty sources": (_set([], "sources"), "sources"),
+    "sources not a list": (_set("datasheet", "sources"), "sources"),
+    "non-string source": (_set(["ok", 3], "sources"), "sources"),
+    "no sources": (_del("sources"), "sources"),
+    "empty name": (_set("", "name"), "name"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_profiles_are_spec_errors(case, tmp_path):
+    mutate, needle = MALFORMED[case]
+    data = broken(mutate)
+    with pytest.raises(SpecError) as e:
+        profile_from_dict(data, "x")
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError) as e:
+        load_profile(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("data", [None, [], "h100", 3])
+def test_non_objects_are_rejected(data):
+    with pytest.raises(SpecError):
+        profile_from_dict(data)
+
+
+@pytest.mark.parametrize("text", ["{", "not json at all", '{"schema": "canzona.hardware",}', ""])
+def test_not_json_is_a_spec_error(tmp_path, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(SpecError) as e:
+        load_profile(path)
+    msg = str(e.value)
+    assert "JSON" in msg and str(path) in msg and "\n" not in msg
+
+
+def test_unreadable_or_unknown_profiles(tmp_path):
+    with pytest.raises(SpecError) as e:
+        load_profile(tmp_path / "missing.json")
+    assert "cannot read" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError) as e:
+        load_profile("nope")
+    assert "h100-sxm" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError):
+        load_profile(tmp_path)  # a directory
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"name": "\xff"}')
+    with pytest.raises(SpecError):
+        load_profile(bad)
+
+
+# --- DeviceRate -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", profile_names())
+def test_device_rate_from_profile(name):
+    p = load_profile(name)
+    r = DeviceRate.from_profile(p)
+    assert r.name == name
+    assert r.gemm_flops == p.gpu.gemm_flops()
+    assert r.elementwise_flops == p.gpu.elementwise_flops
+    assert r.hbm_bytes_per_s == p.gpu.hbm_bytes_per_s
+    assert r.solver_flops == p.gpu.solver_flops
+    assert r.launch_s == p.gpu.launch_s
+    assert r.sms == p.gpu.sms
+    assert r.tile == p.gpu.gemm_tile
+    for s in p.sources:
+        assert s in r.source
+
+
+def test_cost_module_h100_rate_is_the_profile():
+    assert H100_SXM == DeviceRate.from_profile(load_profile("h100-sxm"))
+    assert H100_SXM.gemm_flops["bf16"] == pytest.approx(989e12 * 0.8)
+
+
+# --- validation of values a profile could get wrong -------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["sms", "gemm_tile"])
+def test_fractional_integer_fields_are_rejected(key):
+    with pytest.raises(SpecError):
+        profile_from_dict(broken(_set(0.5, "gpu", key)))
+
+
+def test_fractional_gpus_per_node_is_rejected():
+    with pytest.raises(SpecError):
+        profile_from_dict(broken(_set(8.5, "node", "gpus")))
+
+
+def test_profile_without_bf16_rate_is_rejected():
+    with pytest.raises(SpecError):
+        profile_from_dict(broken(_set({"fp16": 1e15}, "gpu", "peak_flops")))
+
+
+@pytest.mark.parametrize("mutate", [_set({"bf16": 1.5}, "gpu", "gemm_efficiency"),
+                                    _set(3.0, "gpu", "model_flops_utilization")], ids=["eff", "mfu"])
+def test_fractions_above_one_are_rejected(mutate):
+    with pytest.raises(SpecError):
+        profile_from_dict(broken(mutate))

@@ -1,0 +1,402 @@
+"""One simulated iteration (`sim.simulate.simulate`): conservation, determinism, the phase-A
+replication claim, policy ordering, monotonicity, breakdown sanity, errors and traces."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canzona.catalog import get_config, get_model
+from canzona.cost import AnalyticCost, DeviceRate, adamw_kernels
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from canzona.optimizers import default_config
+from sim.collectives import collective_cost
+from sim.iteration import SIM_POLICIES
+from sim.simulate import SimConfig, compare, simulate, write_trace
+from sim.topology import GroupGeometry
+from sim.workload import Workload, forward_flops
+
+POLICIES = tuple(SIM_POLICIES)
+SMALL = SimConfig(model="qwen3-0.6b", gpus=16, tp=2, workload=Workload(seq_len=512, global_batch=16))
+# Optimizer-heavy: tiny batch, so the optimizer step dominates the iteration.
+OPT_HEAVY = SimConfig(model="qwen3-1.7b", gpus=16, tp=8, workload=Workload(seq_len=128, global_batch=2))
+GROUP_COMPUTE = re.compile(r"group \d+ compute")
+MATRIX_SPAN = "matrix optimizer (full matrices)"
+
+_cache: dict[SimConfig, object] = {}
+
+
+def sim(cfg: SimConfig):
+    if cfg not in _cache:
+        _cache[cfg] = simulate(cfg)
+    return _cache[cfg]
+
+
+def all_matrix_costs(cfg: SimConfig) -> float:
+    """Every matrix of the model once, priced like the simulator's plan."""
+    cost = AnalyticCost(DeviceRate.from_profile(load_profile(cfg.hardware)))
+    return sum(cost.seconds(cfg.optimizer, p.shape) for p in get_model(cfg.model, cfg.tp).matrix_params())
+
+
+def union_length(intervals) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def clipped(spans, lo: float, hi: float):
+    return [(max(s.start, lo), min(s.end, hi)) for s in spans]
+
+
+# --- conservation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [
+    SMALL,
+    replace(SMALL, gpus=32, tp=8),
+    replace(SMALL, tp=1),
+    OPT_HEAVY,
+    replace(SMALL, gpus=8, tp=4, optimizer="soap"),
+], ids=["0.6b-16-tp2", "0.6b-32-tp8", "0.6b-16-tp1", "1.7b-16-tp8", "0.6b-8-tp4-soap"])
+def test_canzona_computes_every_matrix_once(cfg):
+    cfg = replace(cfg, policy="canzona")
+    r = sim(cfg)
+    plan_total = sum(c for rank in r.plan.tp_plan.groups for g in rank for c in g.costs)
+    spans_total = sum(s.end - s.start for s in r.spans if s.kind == "compute" and GROUP_COMPUTE.fullmatch(s.name))
+    assert spans_total == pytest.approx(plan_total, rel=1e-9)
+    assert r.plan.dp_plan.metrics.atomic
+    assert spans_total == pytest.approx(all_matrix_costs(cfg), rel=1e-9)
+    # Every GPU's group computes run on its compute stream exactly as planned (host loads).
+    for i, groups in enumerate(r.plan.tp_plan.groups):
+        for t in range(cfg.tp):
+            rank = i * cfg.tp + t
+            got = sum(s.end - s.start for s in r.spans if s.rank == rank and GROUP_COMPUTE.fullmatch(s.name))
+            assert got == pytest.approx(sum(g.host_loads(cfg.tp)[t] for g in groups), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, OPT_HEAVY], ids=["small", "opt-heavy"])
+def test_sc_every_rank_computes_every_matrix(cfg):
+    cfg = replace(cfg, policy="sc")
+    r = sim(cfg)
+    total = all_matrix_costs(cfg)
+    spans = [s for s in r.spans if s.name == MATRIX_SPAN]
+    assert sorted(s.rank for s in spans) == list(range(cfg.gpus))
+    for s in spans:
+        assert s.end - s.start == pytest.approx(total, rel=1e-9)
+    assert len(set(r.rank_optimizer_s)) == 1
+
+
+@pytest.mark.parametrize("policy", ["zero1-gather", "layerwise"])
+def test_synchronous_policies_compute_their_dp_share_on_every_tp_rank(policy):
+    cfg = replace(SMALL, policy=policy)
+    r = sim(cfg)
+    groups = r.plan.tp_plan.groups
+    assert len(groups) == cfg.gpus // cfg.tp
+    for i, rank_groups in enumerate(groups):
+        share = sum(c for g in rank_groups for c in g.costs)
+        for t in range(cfg.tp):
+            (s,) = [s for s in r.spans if s.rank == i * cfg.tp + t and s.name == MATRIX_SPAN]
+            assert s.end - s.start == pytest.approx(share, rel=1e-9, abs=1e-15)
+    per_dp = sum(sum(c for g in rg for c in g.costs) for rg in groups)
+    assert per_dp >= all_matrix_costs(cfg) * (1 - 1e-9)
+    if policy == "layerwise":  # whole matrices: each computed by exactly one DP rank
+        assert per_dp == pytest.approx(all_matrix_costs(cfg), rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_rank_finishes_before_its_last_task(policy):
+    r = sim(replace(SMALL, policy=policy))
+    ends = [s.end for s in r.spans]
+    assert r.iteration_time_s >= max(ends)
+    assert r.iteration_time_s == pytest.approx(max(ends), rel=1e-12)
+    assert r.grad_sync_end_s <= r.iteration_time_s
+    assert r.optimizer_step_s == pytest.approx(r.iteration_time_s - r.grad_sync_end_s, rel=1e-12)
+    assert 0 < r.forward_backward_s <= r.grad_sync_end_s
+    # every GPU does optimizer work after the gradient sync
+    ranks = {s.rank for s in r.spans if s.start >= r.grad_sync_end_s and s.kind == "compute"}
+    assert ranks == set(range(SMALL.gpus))
+    for s in r.spans:
+        assert s.end >= s.start >= 0
+
+
+# --- closed forms on a single TP group (no DP traffic) -----------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_phase_a_closed_form_without_dp(tp):
+    """DP 1: forward + backward is 3x the forward FLOPs at peak * MFU, plus per layer two
+    sequence-parallel blocks forward and two backward, each an all-gather and a reduce-scatter."""
+    wl = Workload(256, 3)
+    r = simulate(SimConfig(model="qwen3-0.6b", gpus=tp, tp=tp, policy="sc", workload=wl))
+    cfg, hw = get_config("qwen3-0.6b"), load_profile("h100-sxm")
+    flops = forward_flops(cfg, get_model("qwen3-0.6b", tp), wl).total
+    rate = hw.gpu.peak_flops["bf16"] * hw.gpu.model_flops_utilization
+    act = wl.seq_len * cfg.hidden * wl.activation_bytes
+    geo = GroupGeometry(tp, 1, tp)
+    rs = collective_cost("reduce-scatter", act, geo, hw).seconds
+    block = collective_cost("all-gather", act, geo, hw).seconds + rs
+    want = wl.global_batch * (3 * flops / tp / rate + 4 * cfg.layers * block)
+    assert r.grad_sync_end_s == pytest.approx(want, rel=1e-12)
+    assert r.forward_backward_s == pytest.approx(want - rs, rel=1e-12)  # the last block's reduce-scatter
+
+
+def test_single_gpu_sc_step_is_every_matrix_plus_adamw():
+    cfg = SimConfig(model="qwen3-0.6b", gpus=1, tp=1, policy="sc", workload=Workload(128, 1))
+    r = simulate(cfg)
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    adamw_numel = sum(p.numel for p in get_model("qwen3-0.6b", 1).adamw_params())
+    adamw = sum(rate.kernel_seconds(k) for k in adamw_kernels(adamw_numel, default_config("adamw")))
+    assert r.optimizer_step_s == pytest.approx(all_matrix_costs(cfg) + adamw, rel=1e-12)
+    assert r.rank_optimizer_s == pytest.approx((r.optimizer_step_s,), rel=1e-12)
+    assert r.optimizer_breakdown["exposed_comm_s"] == pytest.approx(0.0, abs=1e-15)
+
+
+# --- determinism and the phase-A replication claim --------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_same_config_same_numbers(policy):
+    cfg = replace(SMALL, policy=policy, gpus=8, tp=4, workload=Workload(256, 8))
+    a, b = simulate(cfg), simulate(cfg)
+    assert json.dumps(a.to_dict(), sort_keys=True) == json.dumps(b.to_dict(), sort_keys=True)
+    assert a.spans == b.spans
+
+
+def test_explicit_plan_gives_the_same_result():
+    r = sim(replace(SMALL, policy="canzona"))
+    again = simulate(r.config, plan=r.plan)
+    assert json.dumps(again.to_dict()) == json.dumps(r.to_dict())
+
+
+@pytest.mark.parametrize("gpus,tp,policies", [
+    (16, 1, POLICIES),
+    (16, 2, ("sc", "canzona")),
+    (8, 4, ("zero1-gather", "layerwise", "canzona")),
+])
+def test_phase_a_on_rank_0_stands_for_every_rank(gpus, tp, policies):
+    for policy in policies:
+        dp = gpus // tp
+        cfg = replace(SMALL, gpus=gpus, tp=tp, policy=policy, workload=Workload(256, 2 * dp))
+        a = sim(cfg)
+        b = simulate(cfg, replicate_phase_a=False)
+        for attr in ("iteration_time_s", "grad_sync_end_s", "optimizer_step_s", "forward_backward_s"):
+            assert getattr(b, attr) == pytest.approx(getattr(a, attr), rel=1e-12), (policy, attr)
+        assert b.rank_optimizer_s == pytest.approx(a.rank_optimizer_s, rel=1e-12)
+        for key, value in a.optimizer_breakdown.items():
+            assert b.optimizer_breakdown[key] == pytest.approx(value, rel=1e-9, abs=1e-15)
+
+
+# --- policy ordering --------------------------------------------------------------------------
+
+
+def test_policy_ordering_when_the_optimizer_dominates():
+    results = {r.config.policy: r for r in compare(OPT_HEAVY)}
+    _cache.update({r.config: r for r in results.values()})
+    assert list(results) == list(POLICIES)
+    opt = {p: r.optimizer_step_s for p, r in results.items()}
+    load = {p: max(r.rank_optimizer_s) for p, r in results.items()}
+    # sc computes every matrix on every GPU: the slowest optimizer step
+    assert opt["sc"] == max(opt.values())
+    assert all(opt["sc"] > v for p, v in opt.items() if p != "sc")
+    assert load["canzona"] < load["zero1-gather"]
+    assert load["canzona"] < load["sc"]
+    assert load["canzona"] < load["layerwise"]
+    assert opt["canzona"] == min(opt.values())
+    assert results["canzona"].iteration_time_s == min(r.iteration_time_s for r in results.values())
+    # sc's per-GPU matrix load is the whole model; canzona's is about 1/(dp*tp) of it, plus overheads
+    total = all_matrix_costs(OPT_HEAVY)
+    assert load["sc"] >= total
+    assert load["canzona"] < total / 2
+
+
+def test_compare_defaults_to_every_policy_in_order():
+    seen = []
+    results = compare(replace(SMALL, gpus=8, tp=8, workload=Workload(128, 1)), progress=seen.append)
+    assert [r.config.policy for r in results] == list(POLICIES)
+    assert seen == list(POLICIES)
+
+
+# --- monotonicity -----------------------------------------------------------------------------
+
+
+def test_forward_flops_grow_with_sequence_length():
+    cfg, spec = get_config("qwen3-0.6b"), get_model("qwen3-0.6b", 1)
+    totals = [forward_flops(cfg, spec, Workload(seq_len=s)).total for s in (64, 128, 512, 2048, 8192)]
+    assert all(a < b for a, b in zip(totals, totals[1:]))
+    # more than linear once attention counts: doubling tokens more than doubles FLOPs
+    assert totals[-1] > 4 * totals[-2]
+    # non-causal attention costs more
+    assert forward_flops(cfg, spec, Workload(seq_len=512, causal=False)).total > totals[2]
+
+
+def test_simulated_forward_time_grows_with_sequence_length():
+    base = SimConfig(model="qwen3-0.6b", gpus=8, tp=8, policy="canzona")
+    times = [simulate(replace(base, workload=Workload(s, 1))).forward_backward_s for s in (128, 256, 512, 1024)]
+    assert all(a < b for a, b in zip(times, times[1:])), times
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["muon", "adamw"]), st.integers(1, 16384), st.integers(1, 16384),
+       st.integers(0, 2048), st.integers(0, 2048))
+def test_analytic_cost_is_monotone_in_matrix_dims(optimizer, m, n, dm, dn):
+    cost = AnalyticCost()
+    assert cost.seconds(optimizer, (m + dm, n + dn)) >= cost.seconds(optimizer, (m, n))
+    assert cost.seconds(optimizer, (m, n)) > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["soap", "shampoo"]), st.integers(1, 8000), st.integers(1, 8000),
+       st.integers(0, 150), st.integers(0, 150))
+def test_preconditioned_cost_is_monotone_below_the_max_dim(optimizer, m, n, dm, dn):
+    cost = AnalyticCost()
+    assert cost.seconds(optimizer, (m + dm, n + dn)) >= cost.seconds(optimizer, (m, n))
+
+
+def test_analytic_cost_strictly_grows_across_large_sizes():
+    cost = AnalyticCost()
+    xs = [cost.seconds("muon", (d, d)) for d in (1024, 2048, 4096, 8192, 16384)]
+    assert all(a < b for a, b in zip(xs, xs[1:]))
+
+
+# --- breakdown sanity -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cfg", [SMALL, OPT_HEAVY], ids=["small", "opt-heavy"])
+def test_breakdown_adds_up(cfg, policy):
+    r = sim(replace(cfg, policy=policy))
+    t0, t1 = r.grad_sync_end_s, r.iteration_time_s
+    tol = 1e-12
+    o = r.optimizer_breakdown
+    assert set(o) == {"compute_s", "exposed_comm_s", "idle_s"}
+    assert o["compute_s"] + o["exposed_comm_s"] + o["idle_s"] == pytest.approx(r.optimizer_step_s, rel=1e-9)
+    assert all(v >= -tol for v in o.values()), o
+    b = r.breakdown
+    assert b["compute_s"] + b["exposed_comm_s"] + b["idle_s"] == pytest.approx(r.iteration_time_s, rel=1e-9)
+    assert all(v >= -tol for v in b.values()), b
+    # Recompute each rank's window independently and check the reported loads and means.
+    assert len(r.rank_optimizer_s) == cfg.gpus
+    computes, exposed = [], []
+    for rank in range(cfg.gpus):
+        mine = [s for s in r.spans if s.rank == rank]
+        comp = clipped([s for s in mine if s.kind == "compute"], t0, t1)
+        every = clipped(mine, t0, t1)
+        c, busy = union_length(comp), union_length(every)
+        assert r.rank_optimizer_s[rank] == pytest.approx(c, rel=1e-9, abs=1e-15)
+        # a stream runs one kernel at a time: busy compute == sum of compute spans in the window
+        assert c == pytest.approx(sum(b - a for a, b in comp if b > a), rel=1e-9, abs=1e-15)
+        idle = (t1 - t0) - busy
+        assert c >= 0 and busy - c >= -tol and idle >= -tol
+        computes.append(c)
+        exposed.append(busy - c)
+    n = cfg.gpus
+    assert o["compute_s"] == pytest.approx(sum(computes) / n, rel=1e-9)
+    assert o["exposed_comm_s"] == pytest.approx(sum(exposed) / n, rel=1e-9, abs=1e-15)
+
+
+def test_breakdown_is_never_negative_exactly():
+    r = sim(replace(SMALL, policy="sc"))
+    assert r.optimizer_breakdown["idle_s"] >= 0.0, r.optimizer_breakdown
+
+
+# --- result shape -----------------------------------------------------------------------------
+
+
+def test_to_dict_has_the_documented_keys():
+    r = sim(replace(SMALL, policy="canzona"))
+    d = json.loads(json.dumps(r.to_dict()))
+    for key in ("iteration_time_s", "optimizer_step_s", "forward_backward_s", "grad_sync_end_s"):
+        assert isinstance(d[key], float) and d[key] > 0
+    assert isinstance(d["breakdown"], dict) and set(d["breakdown"]) == {"compute_s", "exposed_comm_s", "idle_s"}
+    assert isinstance(d["rank_optimizer_s"], list) and len(d["rank_optimizer_s"]) == SMALL.gpus
+    assert d["policy"] == "canzona" and d["gpus"] == 16 and d["tp"] == 2 and d["dp"] == 8
+    assert d["dp_policy"] == "alpha-balanced" and d["tp_policy"] == "greedy-rollback"
+    assert set(d["definitions"]) == {"iteration_time_s", "optimizer_step_s"}
+    assert d["workload"]["seq_len"] == 512
+
+
+def test_baselines_use_their_own_plans():
+    for policy, want in (("sc", "whole-start"), ("zero1-gather", "zero1-even"), ("layerwise", "layerwise")):
+        r = sim(replace(SMALL, policy=policy))
+        assert r.plan.dp_plan.policy == want
+        assert r.plan.tp_plan.policy == "tp-sync"
+        assert r.plan.dp == (1 if policy == "sc" else SMALL.gpus // SMALL.tp)
+
+
+def test_h200_same_compute_faster_memory():
+    h100 = sim(replace(OPT_HEAVY, policy="canzona"))
+    h200 = simulate(replace(OPT_HEAVY, policy="canzona", hardware="h200"))
+    assert h200.forward_backward_s == pytest.approx(h100.forward_backward_s, rel=1e-12)
+    assert max(h200.rank_optimizer_s) <= max(h100.rank_optimizer_s)
+    a100 = simulate(replace(OPT_HEAVY, policy="canzona", hardware="a100-sxm"))
+    assert a100.iteration_time_s > h100.iteration_time_s
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(gpus=100, tp=8), "divisible"),
+    (dict(tp=16), "node"),
+    (dict(tp=3, gpus=24), "node"),
+    (dict(workload=Workload(512, 3)), "global batch"),
+    (dict(workload=Workload(512, 16, micro_batch=3)), "global batch"),
+    (dict(policy="nope"), "policy"),
+    (dict(hardware="nope"), "hardware"),
+    (dict(optimizer="adamw"), ""),
+    (dict(model="nope"), ""),
+])
+def test_invalid_configs_raise_spec_error(change, needle):
+    with pytest.raises(SpecError) as e:
+        simulate(replace(SMALL, **change))
+    msg = str(e.value)
+    assert needle in msg
+    assert msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("field", ["seq_len", "global_batch", "micro_batch"])
+def test_workload_rejects_non_positive_sizes(field):
+    with pytest.raises(SpecError):
+        Workload(**{field: 0})
+
+
+# --- trace ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["canzona", "zero1-gather"])
+def test_write_trace(tmp_path, policy):
+    r = sim(replace(SMALL, policy=policy))
+    path = tmp_path / "trace.json"
+    write_trace(r, path)
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert spans
+    for e in spans:
+        for key in ("name", "pid", "tid", "ts", "dur"):
+            assert key in e, e
+        assert e["dur"] >= 0 and e["ts"] >= 0
+        assert e["ts"] + e["dur"] <= r.iteration_time_s * 1e6 * (1 + 1e-9)
+    procs = [e for e in events if e.get("ph") == "M" and e.get("name") == "process_name"]
+    assert sorted(e["pid"] for e in procs) == list(range(SMALL.gpus))
+    assert {e["args"]["name"] for e in procs} == {f"rank {i}" for i in range(SMALL.gpus)}
+    assert {e["pid"] for e in spans} == set(range(SMALL.gpus))
+    # every simulated span is in the trace
+    assert len(spans) >= len(r.spans)
+    last_end = max(e["ts"] + e["dur"] for e in spans)
+    assert last_end == pytest.approx(r.iteration_time_s * 1e6, rel=1e-9)
