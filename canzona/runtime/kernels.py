@@ -1,0 +1,239 @@
+"""Per-matrix update kernels: what a host runs on one full matrix (DESIGN section 4, rung 2).
+
+Written from the pinned math in `canzona.optimizers` (the config docstrings), independently of
+`reference/`, so that the two check each other. A kernel maps `(grad, state, config, lr)` to an
+`Update`: a full-matrix direction plus the scalars that say how every TP rank applies its chunk of
+it to its own shard (`apply_update_`). State lives only with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.optimizers import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+State = dict[str, Any]
+
+
+@dataclass
+class Update:
+    """`p <- p - scale * direction`, with decoupled decay `p *= 1 - decay` before (decay_first) or
+    `p -= decay * p` after the step (SOAP's order)."""
+
+    direction: Tensor
+    scale: float
+    decay: float
+    decay_first: bool = True
+
+
+def apply_update_(param: Tensor, direction: Tensor, update: Update) -> None:
+    """Apply (a chunk of) an update to (the matching shard of) a parameter, in place."""
+    if update.decay_first:
+        if update.decay:
+            param.mul_(1 - update.decay)
+        param.add_(direction, alpha=-update.scale)
+    else:
+        param.add_(direction, alpha=-update.scale)
+        if update.decay:
+            param.add_(param, alpha=-update.decay)
+
+
+def _work_dtype(t: Tensor) -> torch.dtype:
+    """Second-order statistics run in the parameter's dtype, never below fp32."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+# --- Muon -------------------------------------------------------------------------------------
+
+
+def newton_schulz(u: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> Tensor:
+    """Quintic Newton-Schulz orthogonalisation of a matrix, computed in `dtype`."""
+    a, b, c = coefficients
+    x = u.to(dtype, copy=True)
+    tall = u.size(0) > u.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str) -> float:
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+
+
+def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float) -> Update:
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - cfg.momentum)
+    u = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
+    ortho = newton_schulz(u, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
+    return Update(ortho, lr * muon_lr_ratio(tuple(grad.shape), cfg.adjust_lr_fn), lr * cfg.weight_decay)
+
+
+# --- SOAP -------------------------------------------------------------------------------------
+
+
+def _soap_sides(shape: tuple[int, ...], max_dim: int) -> tuple[bool, bool]:
+    return shape[0] <= max_dim, shape[1] <= max_dim
+
+
+def _rotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
+    """Q_L^T x Q_R (identity where a side has no preconditioner)."""
+    if q_left is not None:
+        x = q_left.T @ x
+    if q_right is not None:
+        x = x @ q_right
+    return x
+
+
+def _rotate_back(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
+    """Q_L x Q_R^T."""
+    if q_left is not None:
+        x = q_left @ x
+    if q_right is not None:
+        x = x @ q_right.T
+    return x
+
+
+def _soap_statistics_(g: Tensor, state: State, beta: float) -> None:
+    if state["GG_L"] is not None:
+        state["GG_L"].lerp_(g @ g.T, 1 - beta)
+    if state["GG_R"] is not None:
+        state["GG_R"].lerp_(g.T @ g, 1 - beta)
+
+
+def _descending_eigenvectors(m: Tensor, eps: float) -> Tensor:
+    _, vectors = torch.linalg.eigh(m + eps * torch.eye(m.size(0), dtype=m.dtype, device=m.device))
+    return torch.flip(vectors, dims=[1])
+
+
+def _soap_refresh_(state: State) -> None:
+    """One power iteration + QR per preconditioned side, with exp_avg_sq following the new order."""
+    for key, gg_key, dim in (("Q_L", "GG_L", 0), ("Q_R", "GG_R", 1)):
+        q, gg = state[key], state[gg_key]
+        if q is None:
+            continue
+        order = torch.argsort(torch.diag(q.T @ gg @ q), descending=True)
+        q = q[:, order]
+        state["exp_avg_sq"] = state["exp_avg_sq"].index_select(dim, order)
+        state[key] = torch.linalg.qr(gg @ q).Q
+
+
+def soap_update(grad: Tensor, state: State, cfg: SOAPConfig, lr: float) -> Update | None:
+    """None on the first call, which only initialises the eigenbases (no update, no decay)."""
+    dtype = _work_dtype(grad)
+    g = grad.to(dtype)
+    beta1, beta2 = cfg.betas
+    beta_s = cfg.shampoo_beta if cfg.shampoo_beta >= 0 else beta2
+    if "step" not in state:
+        left, right = _soap_sides(tuple(g.shape), cfg.max_precond_dim)
+        m, n = g.shape
+        state.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g),
+                     GG_L=torch.zeros(m, m, dtype=dtype, device=g.device) if left else None,
+                     GG_R=torch.zeros(n, n, dtype=dtype, device=g.device) if right else None)
+        _soap_statistics_(g, state, beta_s)
+        state["Q_L"] = _descending_eigenvectors(state["GG_L"], cfg.eig_eps) if left else None
+        state["Q_R"] = _descending_eigenvectors(state["GG_R"], cfg.eig_eps) if right else None
+        return None
+    q_left, q_right = state["Q_L"], state["Q_R"]
+    g_rot = _rotate(g, q_left, q_right)
+    state["step"] += 1
+    step = state["step"]
+    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).add_(g_rot * g_rot, alpha=1 - beta2)
+    denom = state["exp_avg_sq"].sqrt().add_(cfg.eps)
+    direction = _rotate_back(_rotate(state["exp_avg"], q_left, q_right) / denom, q_left, q_right)
+    scale = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if cfg.correct_bias else lr
+    _soap_statistics_(g, state, beta_s)
+    if step % cfg.precondition_frequency == 0:
+        _soap_refresh_(state)
+    return Update(direction, scale, lr * cfg.weight_decay, decay_first=False)
+
+
+# --- Shampoo ----------------------------------------------------------------------------------
+
+
+def inverse_root(s: Tensor, root: int, eps: float) -> Tensor:
+    """(S + eps I)^(-1/root) of a symmetric PSD matrix, eigenvalues clamped at zero first."""
+    values, vectors = torch.linalg.eigh(s)
+    powered = (values.clamp(min=0) + eps).pow(-1.0 / root)
+    return (vectors * powered) @ vectors.T
+
+
+def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
+    dtype = _work_dtype(grad)
+    g = grad.to(dtype)
+    beta1, beta2 = cfg.betas
+    m, n = g.shape
+    if "step" not in state:
+        max_dim = cfg.max_preconditioner_dim
+        eye = lambda k: torch.eye(k, dtype=dtype, device=g.device)  # noqa: E731
+        state.update(step=0,
+                     L=torch.zeros(m, m, dtype=dtype, device=g.device) if m <= max_dim else None,
+                     R=torch.zeros(n, n, dtype=dtype, device=g.device) if n <= max_dim else None,
+                     L_root=eye(m) if m <= max_dim else None, R_root=eye(n) if n <= max_dim else None,
+                     graft_m=torch.zeros_like(g), graft_v=torch.zeros_like(g))
+    state["step"] += 1
+    step = state["step"]
+    for key, outer in (("L", lambda: g @ g.T), ("R", lambda: g.T @ g)):
+        if state[key] is None:
+            continue
+        if beta2 == 1:
+            state[key].add_(outer())
+        else:
+            state[key].mul_(beta2).add_(outer(), alpha=1 - beta2)
+    if (step - 1) % cfg.precondition_frequency == 0:
+        for key in ("L", "R"):
+            if state[key] is not None:
+                state[f"{key}_root"] = inverse_root(state[key], cfg.root_order, cfg.epsilon)
+    p = g
+    if state["L_root"] is not None:
+        p = state["L_root"] @ p
+    if state["R_root"] is not None:
+        p = p @ state["R_root"]
+    if cfg.grafting:
+        state["graft_m"].mul_(beta1).add_(g, alpha=1 - beta1)
+        state["graft_v"].mul_(beta2).add_(g * g, alpha=1 - beta2)
+        adam = (state["graft_m"] / (1 - beta1**step)) / ((state["graft_v"] / (1 - beta2**step)).sqrt() + cfg.graft_eps)
+        p_norm = p.norm()
+        p = p * (adam.norm() / p_norm) if p_norm > 0 else torch.zeros_like(p)
+    return Update(p, lr, lr * cfg.weight_decay)
+
+
+# --- AdamW (elementwise, applied to shards directly) ------------------------------------------
+
+
+def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float) -> None:
+    """torch.optim.AdamW's single-tensor step, in the same operation order."""
+    if "step" not in state:
+        state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+    beta1, beta2 = cfg.betas
+    state["step"] += 1
+    step = state["step"]
+    param.mul_(1 - lr * cfg.weight_decay)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(cfg.eps)
+    param.addcdiv_(state["exp_avg"], denom, value=-step_size)
+
+
+MATRIX_KERNELS = {"muon": muon_update, "soap": soap_update, "shampoo": shampoo_update}
