@@ -291,3 +291,22 @@ class TableCost:
             if key in self.table:
                 return self.table[key]
         return self.fallback.seconds(optimizer, shape)
+
+
+def load_cost_table(path: str, fallback: CostModel | None = None) -> TableCost:
+    """A measured table written by `benchmarks/bench_kernels.py --out` (rows of optimizer, m, n,
+    dtype, seconds); shapes it lacks fall back to the analytic model."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+        rows = data["rows"]
+        table = {(str(o), int(m), int(n), str(d)): float(t) for o, m, n, d, t in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecError(f"cannot read cost table {path}: {e}") from None
+    if any(t <= 0 for t in table.values()):
+        raise SpecError(f"cost table {path}: times must be positive")
+    dtypes = {o: d for o, _, _, d in table}
+    label = str(data.get("device", path))
+    return TableCost(table, dtypes, fallback or AnalyticCost(), label)

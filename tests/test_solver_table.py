@@ -53,3 +53,17 @@ def _raw(name: str) -> dict:
     from importlib import resources
 
     return json.loads((resources.files("canzona") / "profiles" / f"{name}.json").read_text())
+
+
+def test_measured_kernel_tables_load_and_fall_back(tmp_path):
+    from canzona.cost import AnalyticCost, load_cost_table
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": "test", "rows": [["muon", 64, 32, "bf16", 0.5]]}))
+    table = load_cost_table(str(path))
+    assert table.seconds("muon", (64, 32)) == 0.5
+    assert table.seconds("muon", (32, 64)) == AnalyticCost().seconds("muon", (32, 64))
+    for bad in ("not json", json.dumps({"rows": [["muon", 64]]}), json.dumps({"rows": [["muon", 1, 1, "bf16", 0]]})):
+        path.write_text(bad)
+        with pytest.raises(SpecError):
+            load_cost_table(str(path))
