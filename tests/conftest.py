@@ -1,0 +1,7 @@
+"""Suite-wide settings."""
+
+import torch
+
+# The test matrices are tiny: on this 2-core machine one thread is several times faster than two,
+# and it keeps CPU reductions in one order run to run.
+torch.set_num_threads(1)
