@@ -131,7 +131,7 @@ def _soap_refresh_(state: State) -> None:
         q, gg = state[key], state[gg_key]
         if q is None:
             continue
-        order = torch.argsort(torch.diag(q.T @ gg @ q), descending=True)
+        order = torch.argsort(torch.diag(q.T @ gg @ q), descending=True, stable=True)
         q = q[:, order]
         state["exp_avg_sq"] = state["exp_avg_sq"].index_select(dim, order)
         state[key] = torch.linalg.qr(gg @ q).Q
@@ -179,6 +179,8 @@ def inverse_root(s: Tensor, root: int, eps: float) -> Tensor:
 
 
 def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
+    if cfg.grafting and cfg.betas[1] == 1:
+        raise ValueError("Shampoo grafting needs betas[1] < 1 (its AdamW second moment would be 0/0)")
     dtype = _work_dtype(grad)
     g = grad.to(dtype)
     beta1, beta2 = cfg.betas
@@ -190,7 +192,7 @@ def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) ->
                      L=torch.zeros(m, m, dtype=dtype, device=g.device) if m <= max_dim else None,
                      R=torch.zeros(n, n, dtype=dtype, device=g.device) if n <= max_dim else None,
                      L_root=eye(m) if m <= max_dim else None, R_root=eye(n) if n <= max_dim else None,
-                     graft_m=torch.zeros_like(g), graft_v=torch.zeros_like(g))
+                     exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))
     state["step"] += 1
     step = state["step"]
     for key, outer in (("L", lambda: g @ g.T), ("R", lambda: g.T @ g)):
@@ -210,9 +212,9 @@ def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) ->
     if state["R_root"] is not None:
         p = p @ state["R_root"]
     if cfg.grafting:
-        state["graft_m"].mul_(beta1).add_(g, alpha=1 - beta1)
-        state["graft_v"].mul_(beta2).add_(g * g, alpha=1 - beta2)
-        adam = (state["graft_m"] / (1 - beta1**step)) / ((state["graft_v"] / (1 - beta2**step)).sqrt() + cfg.graft_eps)
+        state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).add_(g * g, alpha=1 - beta2)
+        adam = (state["exp_avg"] / (1 - beta1**step)) / ((state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + cfg.graft_eps)
         p_norm = p.norm()
         p = p * (adam.norm() / p_norm) if p_norm > 0 else torch.zeros_like(p)
     return Update(p, lr, lr * cfg.weight_decay)

@@ -1,0 +1,129 @@
+"""One optimizer for a whole model: the matrix optimizer for the parameters the routing rule sends
+to it (`canzona.spec.routes_to_matrix_optimizer`), AdamW for the rest.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from canzona.optimizers import (
+    AdamWConfig,
+    MuonConfig,
+    ShampooConfig,
+    SOAPConfig,
+    check_matrix_optimizer,
+    config_from_dict,
+)
+from canzona.spec import ModelSpec, routes_to_matrix_optimizer
+from reference.adamw import AdamW
+from reference.muon import Muon
+from reference.shampoo import Shampoo
+from reference.soap import SOAP
+
+MATRIX_CLASSES = {"muon": (Muon, MuonConfig), "soap": (SOAP, SOAPConfig), "shampoo": (Shampoo, ShampooConfig)}
+
+
+def _config(name: str, cls: type, config: Any) -> Any:
+    """A config dataclass of type `cls` from None (defaults), an instance, or a dict of overrides."""
+    if config is None:
+        return cls()
+    if isinstance(config, Mapping):
+        return config_from_dict(name, dict(config))
+    if not isinstance(config, cls):
+        raise ValueError(f"{name} needs a {cls.__name__} (or a dict of its fields), got {type(config).__name__}")
+    return config
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Matrix optimizer ("muon" | "soap" | "shampoo") + AdamW, routed by the model spec.
+
+    `param_groups` lists the matrix optimizer's groups, then AdamW's (the same dicts, so LR
+    schedulers drive both); `state` is a live view of both optimizers' states (for reading);
+    `state_dict()` is {"matrix_optimizer": name, "matrix": ..., "adamw": ...}. Parameters of the
+    spec that are not passed are simply not optimised; a name the spec does not know, a repeated
+    name, or a shape differing from the spec's is a ValueError.
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.Tensor]],
+        spec: ModelSpec,
+        matrix_optimizer: str = "muon",
+        matrix_config: Any = None,
+        adamw_config: AdamWConfig | Mapping | None = None,
+    ) -> None:
+        self.matrix_optimizer = check_matrix_optimizer(matrix_optimizer)
+        matrix_cls, config_cls = MATRIX_CLASSES[self.matrix_optimizer]
+        matrix_cfg = _config(self.matrix_optimizer, config_cls, matrix_config)
+        adamw_cfg = _config("adamw", AdamWConfig, adamw_config)
+
+        self.names: dict[str, torch.Tensor] = {}
+        matrix_params, adamw_params = [], []
+        for name, p in named_params:
+            if name in self.names:
+                raise ValueError(f"parameter {name!r} is given twice")
+            pspec = spec.param(name)  # SpecError (a ValueError) for unknown names
+            if tuple(p.shape) != tuple(pspec.shape):
+                raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)}, the spec says {pspec.shape}")
+            self.names[name] = p
+            (matrix_params if routes_to_matrix_optimizer(pspec) else adamw_params).append(p)
+        if not self.names:
+            raise ValueError("CombinedOptimizer got no parameters")
+
+        self.matrix = matrix_cls(matrix_params, **asdict(matrix_cfg)) if matrix_params else None
+        self.adamw = AdamW(adamw_params, **asdict(adamw_cfg)) if adamw_params else None
+        super().__init__(list(self.names.values()), {})
+        self._link()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.matrix, self.adamw) if o is not None]
+
+    def _link(self) -> None:
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.state = ChainMap(*(o.state for o in self.optimizers))
+        self._linked = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_linked", False):  # torch.optim.Optimizer.__init__ calls this first
+            raise NotImplementedError("CombinedOptimizer routes parameters by the spec; build a new one")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "matrix_optimizer": self.matrix_optimizer,
+            "matrix": None if self.matrix is None else self.matrix.state_dict(),
+            "adamw": None if self.adamw is None else self.adamw.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("matrix_optimizer") != self.matrix_optimizer:
+            raise ValueError(
+                f"state dict is for matrix optimizer {state_dict.get('matrix_optimizer')!r}, "
+                f"this optimizer uses {self.matrix_optimizer!r}"
+            )
+        for key, o in (("matrix", self.matrix), ("adamw", self.adamw)):
+            if (state_dict[key] is None) != (o is None):
+                raise ValueError(f"state dict and optimizer disagree on whether there are {key} parameters")
+            if o is not None:
+                o.load_state_dict(state_dict[key])
+        self._link()  # loading replaces the sub-optimizers' group dicts
