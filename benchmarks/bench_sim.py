@@ -22,7 +22,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
-from sim.iteration import SIM_POLICIES
+from canzona.step_policies import STEP_POLICIES
 from sim.simulate import SimConfig, SimResult, simulate
 from sim.workload import Workload
 
@@ -45,7 +45,7 @@ def wall_table() -> tuple[Table, bool]:
     ok_all = True
     for gpus, bar in WALL_BARS.items():
         cfg = replace(PAPER_SETUP, gpus=gpus, workload=Workload(seq_len=2048, global_batch=max(128, gpus // 4)))
-        for policy in SIM_POLICIES:
+        for policy in STEP_POLICIES:
             t0 = time.perf_counter()
             r = simulate(replace(cfg, policy=policy))
             wall = time.perf_counter() - t0

@@ -186,7 +186,7 @@ def compare(
     """Simulate every policy on the same layout, side by side (default: Qwen3-32B on 256 H100, TP 8)."""
     from rich.progress import Progress
 
-    from sim.iteration import SIM_POLICIES
+    from canzona.step_policies import STEP_POLICIES
     from sim.simulate import compare as run
 
     try:
@@ -195,7 +195,7 @@ def compare(
         base.check()  # bad input fails here, before a progress bar is drawn
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
-            task = progress.add_task("simulating", total=len(SIM_POLICIES))
+            task = progress.add_task("simulating", total=len(STEP_POLICIES))
 
             started: list[str] = []
 
@@ -204,7 +204,7 @@ def compare(
                 started.append(name)
 
             results = run(base, progress=tick)
-            progress.update(task, completed=len(SIM_POLICIES))
+            progress.update(task, completed=len(STEP_POLICIES))
         if plot is not None:
             from cli.plots import compare_plot
 

@@ -21,6 +21,7 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
+from canzona.step_policies import StepPolicy
 from canzona.tp import MicroGroup
 from sim.collectives import all_to_all_cost, collective_cost, uneven_cost
 from sim.engine import Engine
@@ -30,25 +31,6 @@ from sim.workload import Workload, forward_flops
 COMPUTE, TP_COMM, DP_COMM = "compute", "tp-comm", "dp-comm"
 
 
-@dataclass(frozen=True)
-class SimPolicy:
-    """How a DESIGN section 8 policy syncs gradients and runs its optimizer step."""
-
-    name: str
-    grad_sync: str  # "all-reduce" or "reduce-scatter"
-    replicated: bool  # every DP rank computes every matrix (sc)
-    dp_policy: str | None  # None: the user's choice (canzona)
-    tp_policy: str | None
-    gather_split: bool  # zero1-gather: fetch the other ranks' parts of split matrices
-    gather_params: bool  # all-gather updated parameters over DP after the step
-
-
-SIM_POLICIES: dict[str, SimPolicy] = {
-    "sc": SimPolicy("sc", "all-reduce", True, "whole-start", "tp-sync", False, False),
-    "zero1-gather": SimPolicy("zero1-gather", "reduce-scatter", False, "zero1-even", "tp-sync", True, True),
-    "layerwise": SimPolicy("layerwise", "all-reduce", False, "layerwise", "tp-sync", False, True),
-    "canzona": SimPolicy("canzona", "reduce-scatter", False, None, None, False, True),
-}
 
 
 @dataclass
@@ -61,7 +43,7 @@ class Context:
     spec: ModelSpec
     workload: Workload
     plan: Plan
-    policy: SimPolicy
+    policy: StepPolicy
 
     @property
     def tp(self) -> int:

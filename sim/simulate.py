@@ -19,9 +19,10 @@ from canzona.errors import SpecError
 from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.optimizers import check_matrix_optimizer
 from canzona.plan import Plan, make_plan
+from canzona.step_policies import STEP_POLICIES
 from canzona.tp import Capacity
 from sim.engine import Engine, Span
-from sim.iteration import SIM_POLICIES, Context, canzona_step, forward_backward, synchronous_step
+from sim.iteration import Context, canzona_step, forward_backward, synchronous_step
 from sim.topology import Cluster
 from sim.workload import Workload
 
@@ -48,8 +49,8 @@ class SimConfig:
 
     def check(self) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
-        if self.policy not in SIM_POLICIES:
-            raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}")
+        if self.policy not in STEP_POLICIES:
+            raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
         get_model(self.model, self.tp)
@@ -95,7 +96,7 @@ class SimResult:
 
 
 def _plan_for(cfg: SimConfig, cluster: Cluster) -> Plan:
-    policy = SIM_POLICIES[cfg.policy]
+    policy = STEP_POLICIES[cfg.policy]
     spec = get_model(cfg.model, cfg.tp)
     dp = 1 if policy.replicated else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
@@ -154,7 +155,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     spec = get_model(cfg.model, cfg.tp)
     engine = Engine()
     ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), get_config(cfg.model), spec, cfg.workload,
-                  plan, SIM_POLICIES[cfg.policy])
+                  plan, STEP_POLICIES[cfg.policy])
 
     _, synced = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
     engine.run()
@@ -190,7 +191,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     )
 
 
-def compare(base: SimConfig, policies: Iterable[str] = tuple(SIM_POLICIES),
+def compare(base: SimConfig, policies: Iterable[str] = tuple(STEP_POLICIES),
             progress: Callable[[str], None] | None = None) -> list[SimResult]:
     from dataclasses import replace
 

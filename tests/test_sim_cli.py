@@ -10,8 +10,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from canzona.step_policies import STEP_POLICIES
 from cli.main import app
-from sim.iteration import SIM_POLICIES
 
 SMALL = ["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--seq-len", "256", "--global-batch", "16"]
 TINY = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "8", "--seq-len", "128", "--global-batch", "1"]
@@ -105,7 +105,7 @@ def test_compare_json_lists_every_policy():
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert isinstance(rows, list) and len(rows) == 4
-    assert [r["policy"] for r in rows] == list(SIM_POLICIES)
+    assert [r["policy"] for r in rows] == list(STEP_POLICIES)
     assert {r["policy"] for r in rows} == POLICY_NAMES
     for r in rows:
         assert REQUIRED <= set(r)

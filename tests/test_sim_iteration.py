@@ -17,13 +17,13 @@ from canzona.cost import AnalyticCost, DeviceRate, adamw_kernels
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.optimizers import default_config
+from canzona.step_policies import STEP_POLICIES
 from sim.collectives import collective_cost
-from sim.iteration import SIM_POLICIES
 from sim.simulate import SimConfig, compare, simulate, write_trace
 from sim.topology import GroupGeometry
 from sim.workload import Workload, forward_flops
 
-POLICIES = tuple(SIM_POLICIES)
+POLICIES = tuple(STEP_POLICIES)
 SMALL = SimConfig(model="qwen3-0.6b", gpus=16, tp=2, workload=Workload(seq_len=512, global_batch=16))
 # Optimizer-heavy: tiny batch, so the optimizer step dominates the iteration.
 OPT_HEAVY = SimConfig(model="qwen3-1.7b", gpus=16, tp=8, workload=Workload(seq_len=128, global_batch=2))
