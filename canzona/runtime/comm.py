@@ -1,0 +1,159 @@
+"""Collectives of the DP runtime, portable to gloo and NCCL, with a log and timeouts.
+
+Reduce-scatter(-v) is built from one `all_to_all_single` (rank j receives every rank's chunk j)
+followed by a local sum in rank order. Two reasons, both measured / checked:
+- uneven segments: gloo has no reduce-scatter-v, and `all_gather` of uneven tensors fails there,
+  while `all_to_all_single` takes uneven split sizes on both backends (DESIGN section 9);
+- determinism: summing in rank order is reproducible in one process, which is what makes the
+  distributed step equal the single-process step bit for bit (rung 3). A backend's own reduction
+  order is unspecified.
+All-gather(-v) is the mirror all-to-all (pure copies, so exact whatever the route).
+`benchmarks/bench_comm.py` compares these against padded `reduce_scatter_tensor` /
+`all_gather_into_tensor` on the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.errors import CanzonaError, PlanError
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    step: int
+    order: int
+    op: str
+    group: str
+    name: str
+    bytes_per_rank: tuple[int, ...]  # bytes each rank contributes
+
+
+@dataclass
+class CollectiveLog:
+    """What the runtime really sent, in order: checked against the simulator's model."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+    step: int = 0
+
+    def add(self, op: str, group: str, name: str, bytes_per_rank: Sequence[int]) -> None:
+        self.records.append(CollectiveRecord(self.step, len(self.records), op, group, name, tuple(bytes_per_rank)))
+
+    def for_step(self, step: int) -> list[CollectiveRecord]:
+        return [r for r in self.records if r.step == step]
+
+    def to_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+
+class Comm:
+    """One process group, its timeout, and the log of everything sent on it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, name: str = "dp"):
+        self.group = group
+        self.name = name
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.log = CollectiveLog()
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            raise CanzonaError(f"{what} on group {self.name} failed or timed out after "
+                               f"{self.timeout.total_seconds():g} s (a peer died or disagrees): "
+                               f"{str(e).splitlines()[0]}") from None
+        if ok is False:
+            raise CanzonaError(f"{what} on group {self.name} timed out after {self.timeout.total_seconds():g} s")
+
+    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                   what: str) -> PendingWork:
+        work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group,
+                                      async_op=True)
+        return PendingWork(self, work, what)
+
+    def reduce_scatter_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
+        """Average `flat` over ranks; rank r ends up with the mean of segment [cuts[r], cuts[r+1])
+        written back into `flat` (the rest of `flat` is left as it was)."""
+        lengths = [b - a for a, b in zip(cuts, cuts[1:])]
+        mine = lengths[self.rank]
+        recv = torch.empty(mine * self.size, dtype=flat.dtype, device=flat.device)
+        self.log.add("reduce-scatter-v", self.name, name, [flat.numel() * flat.element_size()] * self.size)
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+
+        def finish() -> None:
+            parts = recv.view(self.size, mine)
+            acc = parts[0].clone()
+            for j in range(1, self.size):
+                acc += parts[j]
+            flat[a:b].copy_(acc.div_(self.size))
+
+        pending = self.all_to_all(recv, flat, [mine] * self.size, lengths, f"reduce-scatter of {name}")
+        pending.then = finish
+        return pending
+
+    def all_gather_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
+        """Every rank receives every segment of `flat` from its owner (in place)."""
+        lengths = [b - a for a, b in zip(cuts, cuts[1:])]
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+        send = flat[a:b].repeat(self.size) if b > a else flat.new_empty(0)
+        self.log.add("all-gather-v", self.name, name, [n * flat.element_size() for n in lengths])
+        recv = torch.empty(cuts[-1], dtype=flat.dtype, device=flat.device)
+
+        def finish() -> None:
+            flat[: cuts[-1]].copy_(recv)
+
+        pending = self.all_to_all(recv, send, lengths, [b - a] * self.size, f"all-gather of {name}")
+        pending.then = finish
+        return pending
+
+    def check_agreement(self, facts: dict[str, str]) -> None:
+        """Every rank must run the same plan on the same model: compare digests before any other
+        collective, so a mismatch is an error instead of a hang or silent corruption."""
+        names = sorted(facts)
+        digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
+        mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
+        every = torch.empty(self.size * len(names), dtype=torch.int64)
+        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
+        self._wait(work, "plan agreement check")
+        table = every.view(self.size, len(names))
+        for k, name in enumerate(names):
+            column = table[:, k]
+            if not torch.all(column == column[0]):
+                ranks = [r for r in range(self.size) if column[r] != mine[k]]
+                raise PlanError(f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) "
+                                f"{ranks} ({name} {facts[name][:16]} here)")
+
+    def any_flags(self, flags: Tensor, name: str) -> Tensor:
+        """Elementwise OR of a uint8 vector across ranks (which parameters got a gradient anywhere)."""
+        every = torch.empty(self.size * flags.numel(), dtype=flags.dtype)
+        self.log.add("all-gather", self.name, name, [flags.numel()] * self.size)
+        self._wait(dist.all_gather_single(every, flags, group=self.group, async_op=True), name)
+        return every.view(self.size, -1).amax(dim=0)
+
+
+class PendingWork:
+    """An in-flight collective; `wait()` completes it (and its local finishing step)."""
+
+    def __init__(self, comm: Comm, work, what: str):
+        self.comm = comm
+        self.work = work
+        self.what = what
+        self.then = None
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.comm._wait(self.work, self.what)
+        if self.then is not None:
+            self.then()
+        self.done = True

@@ -1,0 +1,234 @@
+"""The training run every numerical check uses: the tiny model on synthetic data, three ways.
+
+- `distributed_worker`: one DP rank running `DistributedOptimizer` (spawned by `run_ranks`).
+- `emulate`: the same kernels in one process, given the same global gradients — each rank's
+  gradient computed exactly as that rank computes it, summed in rank order and averaged, as the
+  runtime's reduce-scatter does. Rung 3 says the distributed run equals this bit for bit.
+- `reference_run`: the reference optimizers (`reference/`) stepped with those global gradients.
+
+Data: step s uses a fixed global batch of `global_batch` sequences; DP rank r takes rows
+`[r * B / dp, (r + 1) * B / dp)` and splits them into `accumulation` micro-batches, each loss
+divided by `accumulation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.errors import SpecError
+from canzona.optimizers import config_from_dict
+from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    preset: str = "tiny"
+    model_seed: int = 0
+    data_seed: int = 1
+    optimizer: str = "muon"
+    policy: str = "canzona"
+    dp_policy: str = "alpha-balanced"
+    alpha: float = 1.0
+    bucket_size: int | None = None
+    steps: int = 4
+    global_batch: int = 8
+    seq_len: int = 16
+    accumulation: int = 1
+    matrix_config: dict[str, Any] = field(default_factory=dict)
+    adamw_config: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "fp32"
+
+    def check(self, dp: int) -> None:
+        if self.global_batch % (dp * self.accumulation):
+            raise SpecError(f"global batch {self.global_batch} is not divisible by dp x accumulation "
+                            f"= {dp} x {self.accumulation}")
+
+
+RANK_THREADS = 1  # torch threads per rank; BLAS / LAPACK results depend on it
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = RANK_THREADS) -> Iterator[None]:
+    """Run with `n` torch threads (as the ranks do): GEMM, eigh and QR results depend on the count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def build_model(spec: TrainSpec):
+    from reference.tiny_model import TinyQwen3
+
+    return TinyQwen3(spec.preset, seed=spec.model_seed, dtype=spec.dtype)
+
+
+def global_batches(spec: TrainSpec, vocab: int) -> list[Tensor]:
+    from reference.data import synthetic_batches
+
+    return list(synthetic_batches(vocab, spec.global_batch, spec.seq_len, spec.steps, seed=spec.data_seed))
+
+
+def micro_batches(tokens: Tensor, rank: int, dp: int, accumulation: int) -> list[Tensor]:
+    rows = tokens.shape[0] // dp
+    shard = tokens[rank * rows:(rank + 1) * rows]
+    return list(shard.chunk(accumulation))
+
+
+def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, Any] | None = None) -> dict:
+    """One DP rank: train `spec.steps` steps; return final parameters, losses, state, log."""
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    extra = extra or {}
+    spec.check(world)
+    model = build_model(spec)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
+                               spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
+                               dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size)
+    if "load" in extra:
+        params, state = extra["load"]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+        opt.load_state_dict(state)
+    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
+    losses = []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        total = 0.0
+        mbs = micro_batches(tokens, rank, world, spec.accumulation)
+        for k, mb in enumerate(mbs):
+            ctx = opt.no_sync() if k < len(mbs) - 1 else _nullcontext()
+            with ctx:
+                loss = model.loss(mb) / spec.accumulation
+                loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "losses": losses,
+        "state": opt.state_dict() if extra.get("state_dict", True) else None,
+        "log": opt.comm.log.to_dicts(),
+        "owned": list(opt._computes),
+    }
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[dict[str, Tensor], set[str]]:
+    """The gradients the runtime's reduce-scatter produces: each rank's accumulated gradient,
+    summed in rank order, divided by dp. Also the names that got a gradient on some rank."""
+    params = dict(model.named_parameters())
+    got: set[str] = set()
+    handles = [p.register_post_accumulate_grad_hook(lambda _, n=n: got.add(n)) for n, p in params.items()]
+    try:
+        per_rank = []
+        for rank in range(dp):
+            for p in params.values():
+                p.grad = torch.zeros_like(p)
+            for mb in micro_batches(tokens, rank, dp, spec.accumulation):
+                (model.loss(mb) / spec.accumulation).backward()
+            per_rank.append({n: p.grad.clone() for n, p in params.items()})
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for n in params:
+        acc = per_rank[0][n].clone()
+        for r in range(1, dp):
+            acc += per_rank[r][n]
+        out[n] = acc.div_(dp)
+    return out, got
+
+
+@torch_threads()
+def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> dict[str, Tensor]:
+    """The same kernels in one process, fed the global gradients of a `dp`-rank run."""
+    from canzona.runtime.optimizer import STATE_FORMAT
+
+    spec.check(dp)
+    model = build_model(spec)
+    mspec = model.spec()
+    matrix_cfg = config_from_dict(spec.optimizer, spec.matrix_config)
+    adamw_cfg = config_from_dict("adamw", spec.adamw_config)
+    states: dict[str, dict] = {}
+    if load is not None:
+        params, saved = load
+        assert saved["format"] == STATE_FORMAT
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name])
+        states = {n: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
+                  for n, s in saved["state"].items()}
+    kernel = MATRIX_KERNELS[spec.optimizer]
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    for tokens in global_batches(spec, vocab):
+        grads, got = global_gradients(model, spec, tokens, dp)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name not in got:
+                    continue
+                state = states.setdefault(name, {})
+                if mspec.param(name).uses_matrix_optimizer:
+                    update = kernel(grads[name], state, matrix_cfg, matrix_cfg.lr)
+                    if update is not None:
+                        apply_update_(p, update.direction, update)
+                else:
+                    adamw_step_(p.view(-1), grads[name].view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _flat_state(state: dict) -> dict:
+    """AdamW state kept flat (as the runtime's slices are); reshaped views share storage."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key] = state[key].reshape(-1)
+    return state
+
+
+@torch_threads()
+def reference_run(spec: TrainSpec, dp: int) -> dict[str, Tensor]:
+    """The reference optimizers stepped with the same global gradients."""
+    from reference import CombinedOptimizer
+
+    spec.check(dp)
+    model = build_model(spec)
+    opt = CombinedOptimizer(model.named_parameters(), model.spec(), spec.optimizer,
+                            spec.matrix_config or None, spec.adamw_config or None)
+    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
+    for tokens in global_batches(spec, vocab):
+        grads, got = global_gradients(model, spec, tokens, dp)
+        for name, p in model.named_parameters():
+            p.grad = grads[name] if name in got else None
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, Any]:
+    """Bitwise equality and the worst relative difference (max |a - b| / max |b| per tensor)."""
+    equal = all(torch.equal(got[n], want[n]) for n in want)
+    worst, where = 0.0, ""
+    for n in want:
+        scale = want[n].abs().max().item() or 1.0
+        rel = (got[n] - want[n]).abs().max().item() / scale
+        if rel > worst:
+            worst, where = rel, n
+    return {"bit_identical": equal, "max_rel_diff": worst, "worst_param": where}
+
+
+def spec_dict(spec: TrainSpec) -> dict[str, Any]:
+    return asdict(spec)
