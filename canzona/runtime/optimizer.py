@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
 from canzona.dp.policies import DEFAULT_ALIGN
@@ -105,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dp_policy: str = "alpha-balanced",
         alpha: float = 1.0,
         bucket_size: int | None = None,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         timeout_s: float = 120.0,
         align: int = DEFAULT_ALIGN,
     ) -> None:
@@ -126,7 +127,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
 
-        self.comm = Comm(group, timeout_s)
+        self.comm = Comm(_dp_group(group), timeout_s)
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.plan = self._resolve_plan(plan, dp_policy, alpha, bucket_size, align)
         self.comm.check_agreement({
@@ -385,6 +386,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "exp_avg": full["exp_avg"].reshape(-1)[off:off + e - s].clone().to(device),
                     "exp_avg_sq": full["exp_avg_sq"].reshape(-1)[off:off + e - s].clone().to(device),
                 }
+
+
+def _dp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
+    """A process group, or the data-parallel group of a device mesh (1-D, or named "dp")."""
+    if not isinstance(group, DeviceMesh):
+        return group
+    if group.ndim == 1:
+        return group.get_group()
+    if "dp" in (group.mesh_dim_names or ()):
+        return group.get_group("dp")
+    raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {group.mesh_dim_names})")
 
 
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:

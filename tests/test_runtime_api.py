@@ -1,0 +1,46 @@
+"""The torch.optim-style surface of DistributedOptimizer on real gloo ranks: DeviceMesh groups,
+LR schedulers driving param_groups, and the plan file path."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from canzona.runtime.launch import run_ranks
+from canzona.runtime.optimizer import DistributedOptimizer
+from reference.data import fixed_batch
+from reference.tiny_model import TinyQwen3
+
+
+def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", {"lr": 0.02}, {"lr": 1e-3},
+                               plan=plan_path, group=mesh)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    tokens = fixed_batch(256, 2 * world, 16, seed=3)
+    for _ in range(3):
+        opt.zero_grad()
+        model.loss(tokens[rank * 2:(rank + 1) * 2]).backward()
+        opt.step()
+        sched.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    saved = opt.state_dict()
+    return {"lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
+            "plan_hash": opt.plan.hash(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
+    from canzona.plan import make_plan
+
+    plan = make_plan(TinyQwen3("tiny", seed=0).spec(), 2, 1, "muon", "alpha-balanced-reorder")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    results = run_ranks(_mesh_and_scheduler_worker, 2, str(path), deadline_s=120)
+    for r in results:
+        assert r["lrs"] == [[0.01, 5e-4], [0.005, 2.5e-4], [0.0025, 1.25e-4]]
+        assert r["saved_lrs"] == [0.0025, 1.25e-4]
+        assert r["plan_hash"] == plan.hash()
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), name
