@@ -16,7 +16,7 @@ from canzona.errors import CanzonaError
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.plan import check_plan_matches, load_plan, make_plan
 from canzona.tp import TP_POLICIES
-from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table
+from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table, verify_table
 from cli.units import parse_capacity
 
 app = typer.Typer(
@@ -220,6 +220,56 @@ def compare(
     console.print(compare_table(results))
     if plot is not None:
         console.print(f"plot written to {plot}")
+
+
+@app.command()
+def verify(
+    dp: Annotated[int, typer.Option(help="Data-parallel ranks to spawn (gloo, CPU).")] = 2,
+    optimizer: Annotated[str, typer.Option(help="muon, soap, shampoo or all.")] = "muon",
+    policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise, canzona or all.")] = "canzona",
+    steps: Annotated[int, typer.Option(help="Training steps of the tiny model.")] = 10,
+    dp_policy: DpPolicy = "alpha-balanced",
+    accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
+    preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied or small.")] = "tiny",
+    global_batch: Annotated[int | None, typer.Option(help="Sequences per step (default: 4 x dp x accumulation).")] = None,
+    alpha: Alpha = 1.0,
+    bucket_size: BucketSize = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size (the runtime executes TP 1 only).")] = 1,
+    as_json: AsJson = False,
+) -> None:
+    """Check the distributed runtime numerically (rung 3): train the tiny model on spawned gloo ranks
+    and compare every rank's parameters with the same kernels in one process (bit for bit) and the
+    reference optimizers (1e-5 relative). Exit code 1 on any mismatch."""
+    from rich.progress import Progress
+
+    from canzona.runtime import verify as checks
+
+    try:
+        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy, accumulation, preset, global_batch,
+                               tp, alpha, bucket_size)
+    except CanzonaError as e:
+        fail(str(e))
+    err = Console(stderr=True)
+    try:
+        with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
+            task = progress.add_task("verifying", total=None)
+
+            def tick(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=what)
+
+            rows = checks.run(cases, dp, progress=tick)
+    except CanzonaError as e:  # a rank failed, died or hung: the run failed, the input was fine
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
+    summary = checks.report(rows)
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        console.print(verify_table(rows))
+        verdict = "all checks passed" if summary["ok"] else f"{summary['failed']} of {summary['checks']} checks FAILED"
+        console.print(verdict, style="bold green" if summary["ok"] else "bold red")
+    if not summary["ok"]:
+        raise typer.Exit(code=1)
 
 
 def main() -> None:

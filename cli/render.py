@@ -8,6 +8,7 @@ from rich.table import Table
 
 from canzona.catalog import QWEN3_DENSE, build_qwen3
 from canzona.plan import Plan
+from canzona.runtime.verify import REFERENCE_RTOL
 from cli.units import human_bytes
 
 
@@ -119,4 +120,29 @@ def compare_table(results) -> Table:
                 row.append(_ratio(getattr(by[base], attr), getattr(r, attr)) if base in by else "-")
         t.add_row(*row, style="bold green" if r.config.policy == "canzona" else None)
     t.caption = "Speedups are baseline time / policy time (higher is better for the policy)."
+    return t
+
+
+_RUNG_LABELS = {"ranks": "ranks agree", "3a": "3a same kernels", "3b": "3b reference"}
+
+
+def verify_table(rows) -> Table:
+    """`canzona verify`: one row per (optimizer, policy, rung), PASS / FAIL; a rule between cases."""
+    r0 = rows[0]
+    t = Table(title=f"Runtime verification (rung 3): {r0['dp']} gloo rank(s), {r0['steps']} steps, "
+                    f"global batch {r0['global_batch']}, accumulation {r0['accumulation']}, fp32")
+    for col in ("optimizer", "policy", "plan", "rung", "result"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("max rel diff", justify="right")
+    t.add_column("verdict", justify="center")
+    for i, r in enumerate(rows):
+        diff = r["max_rel_diff"]
+        last_of_case = i + 1 == len(rows) or (rows[i + 1]["optimizer"], rows[i + 1]["policy"]) != (r["optimizer"], r["policy"])
+        t.add_row(r["optimizer"], r["policy"], f"{r['plan']} {r['plan_hash'][:8]}", _RUNG_LABELS.get(r["rung"], r["rung"]),
+                  r["result"], "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",
+                  "[bold green]PASS[/]" if r["ok"] else "[bold red]FAIL[/]", end_section=last_of_case)
+    t.caption = ("ranks agree: every DP rank holds the same parameters. 3a: the distributed run equals the "
+                 "same kernels run in one process on the same global gradients, bit for bit. 3b: it stays "
+                 f"within {REFERENCE_RTOL:g} relative (max |a - b| / max |b| "
+                 "per tensor) of the reference optimizers.")
     return t

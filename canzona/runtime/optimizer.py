@@ -171,6 +171,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wanted = self.policy.dp_policy
         if wanted is not None and plan.dp_plan.policy != wanted:
             raise PlanError(f"policy {self.policy.name} needs a {wanted} plan, got {plan.dp_plan.policy}")
+        if wanted is None and (plan.dp_plan.split_compute or plan.dp_plan.policy == "layerwise"):
+            raise PlanError(f"policy {self.policy.name} needs a plan that keeps every matrix whole inside "
+                            f"its owner's segment; {plan.dp_plan.policy} does not")
         return plan
 
     def _matrices_computed_here(self) -> list[str]:
@@ -191,11 +194,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         def on_grad_ready(_: Tensor) -> None:
             self._got_grad[self._index[name]] = 1
             k = self._bucket_of.get(name)
-            if k is None:
-                return
+            if k is None or not self._sync:
+                return  # accumulation micro-batch: nothing is synchronised yet
             self._ready[k] += 1
-            if self._sync:
-                self._launch_ready_buckets()
+            self._launch_ready_buckets()
         return on_grad_ready
 
     def _launch_ready_buckets(self) -> None:

@@ -14,6 +14,7 @@ divided by `accumulation`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -225,6 +226,8 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, Any]:
     for n in want:
         scale = want[n].abs().max().item() or 1.0
         rel = (got[n] - want[n]).abs().max().item() / scale
+        if not math.isfinite(rel):
+            rel = math.inf  # NaN compares false with everything: count it as the worst
         if rel > worst:
             worst, where = rel, n
     return {"bit_identical": equal, "max_rel_diff": worst, "worst_param": where}

@@ -1,0 +1,242 @@
+"""`canzona verify`: rung 3 of the verification ladder (DESIGN section 4) on spawned gloo ranks.
+
+For each (optimizer, policy) the tiny model is trained for `steps` steps by `dp` CPU ranks running
+`DistributedOptimizer`, and the final parameters of every rank are checked three ways:
+
+- `ranks`: every rank holds the same parameters as rank 0, bit for bit;
+- `3a`: they equal `training.emulate` (the same kernels in one process, fed the same global
+  gradients) bit for bit in fp32;
+- `3b`: they stay within `REFERENCE_RTOL` relative of `training.reference_run` (the reference
+  optimizers of `reference/`).
+
+Two phases, so the CLI can tell bad input from a failed run: `prepare` validates everything the
+runtime would reject and builds each configuration's plan in this process (raises `CanzonaError`:
+exit 2, nothing spawned); `run` trains every configuration in ONE spawned process group (a spawn
+costs seconds, a tiny run a fraction of one) and returns one row dict per (optimizer, policy, rung).
+A rank that fails raises `launch.RankError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from canzona.errors import SpecError
+from canzona.optimizers import MATRIX_OPTIMIZERS
+from canzona.plan import Plan, make_plan
+from canzona.step_policies import STEP_POLICIES, get_step_policy
+
+POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
+OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
+REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
+MAX_DP = 64  # every rank is a process on this machine
+RUNGS = {
+    "ranks": "every rank equals rank 0 (bit for bit)",
+    "3a": "equals the same kernels in one process (bit for bit, fp32)",
+    "3b": f"within {REFERENCE_RTOL:g} relative of the reference optimizers",
+}
+
+Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    """One (optimizer, policy) to train and check, with the plan its ranks will execute."""
+
+    spec: Any  # training.TrainSpec (imported lazily: torch)
+    plan: Plan
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.optimizer} / {self.spec.policy}"
+
+
+def _choices(value: str, known: Sequence[str], what: str) -> list[str]:
+    if value == "all":
+        return list(known)
+    if value not in known:
+        raise SpecError(f"unknown {what} {value!r}; choose one of {', '.join(known)} or all")
+    return [value]
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: int = 10,
+            dp_policy: str = "alpha-balanced", accumulation: int = 1, preset: str = "tiny",
+            global_batch: int | None = None, tp: int = 1, alpha: float = 1.0,
+            bucket_size: int | None = None, seq_len: int = 16) -> list[VerifyCase]:
+    """Validate the request and plan every (optimizer, policy); raise `CanzonaError` on bad input.
+
+    `global_batch` defaults to `4 * dp * accumulation` (always divisible)."""
+    from canzona.runtime.training import TrainSpec
+    from reference.tiny_model import get_preset, model_spec
+
+    _positive("dp", dp)
+    if dp > MAX_DP:
+        raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
+    _positive("steps", steps)
+    _positive("accumulation", accumulation)
+    _positive("seq_len", seq_len)
+    if tp != 1:
+        raise SpecError(f"the runtime executes TP = 1 only (got tp {tp}); the TP part of a plan is "
+                        "checked by the simulator")
+    if global_batch is None:
+        global_batch = 4 * dp * accumulation
+    _positive("global batch", global_batch)
+    cfg = get_preset(preset)
+    if seq_len > cfg.max_seq_len:
+        raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
+    optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
+    policies = _choices(policy, POLICIES, "policy")
+    mspec = model_spec(cfg)
+    cases = []
+    for opt in optimizers:
+        for pol in policies:
+            step = get_step_policy(pol)
+            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
+                             bucket_size=bucket_size, steps=steps, global_batch=global_batch,
+                             seq_len=seq_len, accumulation=accumulation)
+            spec.check(dp)
+            # the plan the runtime would make (DistributedOptimizer._resolve_plan), made here so
+            # that bad plan settings fail before any spawn and the table names what ran
+            plan = make_plan(mspec, dp, 1, opt, step.dp_policy or dp_policy,
+                             step.tp_policy or "greedy-rollback", alpha, bucket_size)
+            cases.append(VerifyCase(spec, plan))
+    return cases
+
+
+def deadline_for(cases: Sequence[VerifyCase], dp: int) -> float:
+    """Generous wall-clock bound for the spawned run (a hang must still end)."""
+    work = sum(c.spec.steps * c.spec.accumulation for c in cases)
+    return 120.0 + 2.0 * work * max(1, dp)
+
+
+def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
+        deadline_s: float | None = None) -> list[dict[str, Any]]:
+    """Train every case on `dp` spawned gloo ranks (one spawn) and check rungs 3a / 3b."""
+    from canzona.runtime.launch import run_ranks
+    from canzona.runtime.training import many_specs_worker
+
+    tick = progress or (lambda done, total, what: None)
+    baselines = _baseline_keys(cases)
+    total = 1 + 2 * len(baselines) + len(cases)
+    done = 0
+    tick(done, total, f"training {len(cases)} configuration(s) on {dp} gloo rank(s)")
+    per_rank = run_ranks(many_specs_worker, dp, [c.spec for c in cases],
+                         [{"plan": c.plan, "state_dict": False} for c in cases],
+                         deadline_s=deadline_s or deadline_for(cases, dp))
+    done += 1
+    rows: list[dict[str, Any]] = []
+    expected: dict[str, tuple[dict, dict]] = {}
+    for i, case in enumerate(cases):
+        key = _baseline_key(case.spec)
+        if key not in expected:
+            expected[key] = _expected(case.spec, dp, lambda what, d=done: tick(d, total, what))
+            done += 2
+        tick(done, total, f"checking {case.label}")
+        emulated, reference = expected[key]
+        rows.extend(check_case(case, dp, [r[i]["params"] for r in per_rank], emulated, reference,
+                               losses=per_rank[0][i]["losses"]))
+        done += 1
+    tick(total, total, "done")
+    return rows
+
+
+def _baseline_key(spec) -> str:
+    """Emulation and reference runs do not depend on the policy fields: share them across policies."""
+    neutral = replace(spec, policy="canzona", dp_policy="alpha-balanced", alpha=1.0, bucket_size=None)
+    return json.dumps(asdict(neutral), sort_keys=True, default=str)
+
+
+def _baseline_keys(cases: Sequence[VerifyCase]) -> set[str]:
+    return {_baseline_key(c.spec) for c in cases}
+
+
+def _expected(spec, dp: int, tick: Callable[[str], None]) -> tuple[dict, dict]:
+    from canzona.runtime.training import emulate, reference_run
+
+    tick(f"emulating {spec.optimizer} in one process")
+    emulated = emulate(spec, dp)
+    tick(f"running the reference {spec.optimizer}")
+    reference = reference_run(spec, dp)
+    return emulated, reference
+
+
+def _worst(got_by_rank: Sequence[dict], want: dict) -> dict[str, Any]:
+    """`training.compare` over ranks, keeping the worst. Non-finite parameters fail outright:
+    `compare` would score a NaN difference 0 (NaN is never larger than the running maximum)."""
+    import torch
+
+    from canzona.runtime.training import compare
+
+    out = {"bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
+    for rank, got in enumerate(got_by_rank):
+        bad = [n for n in want if not torch.isfinite(got[n]).all()]
+        c = {"bit_identical": False, "max_rel_diff": math.inf, "worst_param": bad[0]} if bad \
+            else compare(got, want)
+        first_difference = not c["bit_identical"] and out["bit_identical"]
+        out["bit_identical"] = out["bit_identical"] and c["bit_identical"]
+        if c["max_rel_diff"] > out["max_rel_diff"] or (first_difference and out["max_rel_diff"] == 0.0):
+            out.update(max_rel_diff=c["max_rel_diff"], worst_param=c["worst_param"], worst_rank=rank)
+    return out
+
+
+def check_case(case: VerifyCase, dp: int, params_by_rank: Sequence[dict], emulated: dict,
+               reference: dict, losses: Sequence[float] | None = None) -> list[dict[str, Any]]:
+    """The three rows of one case: ranks agree, rung 3a, rung 3b."""
+    spec = case.spec
+    base = {
+        "optimizer": spec.optimizer,
+        "policy": spec.policy,
+        "plan": case.plan.dp_plan.policy,
+        "plan_hash": case.plan.hash(),
+        "dp": dp,
+        "steps": spec.steps,
+        "accumulation": spec.accumulation,
+        "global_batch": spec.global_batch,
+        "final_loss": float(losses[-1]) if losses else None,
+    }
+    ranks = _worst(params_by_rank[1:], params_by_rank[0]) if dp > 1 else {
+        "bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
+    if ranks["worst_rank"] is not None:
+        ranks["worst_rank"] += 1  # compared from rank 1 on
+    same = _worst(params_by_rank, emulated)
+    ref = _worst(params_by_rank, reference)
+    rows = []
+    for rung, c, ok, tol in (
+        ("ranks", ranks, ranks["bit_identical"], 0.0),
+        ("3a", same, same["bit_identical"], 0.0),
+        ("3b", ref, ref["max_rel_diff"] <= REFERENCE_RTOL, REFERENCE_RTOL),
+    ):
+        if rung == "ranks" and dp == 1:
+            result = "single rank"
+        elif rung == "3b":
+            result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
+        else:
+            result = "bit-identical" if c["bit_identical"] else "differs"
+        rows.append({**base, "rung": rung, "check": RUNGS[rung], "result": result,
+                     "bit_identical": c["bit_identical"], "max_rel_diff": c["max_rel_diff"],
+                     "tolerance": tol, "worst_param": c["worst_param"], "worst_rank": c["worst_rank"],
+                     "ok": bool(ok)})
+    return rows
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.2e}"
+
+
+def report(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The `--json` object: every row and the overall verdict."""
+    return {"ok": all(r["ok"] for r in rows), "checks": len(rows),
+            "failed": sum(not r["ok"] for r in rows), "rows": [_jsonable(r) for r in rows]}
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no infinity: a non-finite difference is reported as null (and fails)
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

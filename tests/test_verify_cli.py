@@ -1,0 +1,188 @@
+"""`canzona verify`: rung 3 on spawned gloo ranks, its JSON and table, bad input (exit 2, one line),
+mismatches and rank failures (exit 1). Each real run spawns one process group (seconds), so the
+real runs here are few and tiny; the verdict logic is tested on synthetic parameters."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from canzona.runtime import verify as checks
+from canzona.runtime.launch import RankError
+from canzona.step_policies import STEP_POLICIES
+from cli.main import app
+
+QUICK = ["--dp", "2", "--steps", "2"]
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        return CliRunner()
+
+
+def run(*args: str):
+    result = _runner().invoke(app, ["verify", *[str(a) for a in args]])
+    return result, result.stdout, result.stderr
+
+
+def one_error_line(result, stdout: str, stderr: str, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, stdout, stderr, result.exception)
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert stdout == ""
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    return lines[0]
+
+
+# --- real runs (one spawn each) -------------------------------------------------------------
+
+
+def test_one_configuration_passes_every_rung():
+    result, out, err = run(*QUICK, "--optimizer", "muon", "--policy", "canzona", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and report["failed"] == 0
+    rows = report["rows"]
+    assert [r["rung"] for r in rows] == ["ranks", "3a", "3b"]
+    for r in rows:
+        assert (r["optimizer"], r["policy"], r["plan"]) == ("muon", "canzona", "alpha-balanced")
+        assert (r["dp"], r["steps"], r["accumulation"], r["global_batch"]) == (2, 2, 1, 8)  # 4 x dp x accumulation
+        assert r["ok"] is True and len(r["plan_hash"]) == 64
+        assert math.isfinite(r["final_loss"])
+    assert rows[1]["bit_identical"] is True and rows[1]["max_rel_diff"] == 0.0  # 3a: bit for bit
+    assert rows[2]["max_rel_diff"] <= checks.REFERENCE_RTOL == rows[2]["tolerance"]
+
+
+def test_every_policy_in_one_run():
+    result, out, err = run(*QUICK, "--optimizer", "soap", "--policy", "all", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and report["checks"] == 3 * len(STEP_POLICIES)
+    rows = report["rows"]
+    assert [r["policy"] for r in rows[::3]] == list(STEP_POLICIES)
+    plans = {r["policy"]: r["plan"] for r in rows}
+    assert plans == {"sc": "whole-start", "zero1-gather": "zero1-even", "layerwise": "layerwise",
+                     "canzona": "alpha-balanced"}
+    assert all(r["bit_identical"] for r in rows if r["rung"] in ("ranks", "3a"))
+    # SOAP's eigendecompositions: the reference differs in round-off only
+    assert all(0 <= r["max_rel_diff"] <= checks.REFERENCE_RTOL for r in rows if r["rung"] == "3b")
+    assert len({r["final_loss"] for r in rows}) == 1  # every policy trains the same model
+
+
+def test_table_on_a_single_rank():
+    result, out, err = run("--dp", "1", "--steps", "2", "--policy", "sc")
+    assert result.exit_code == 0, (out, err)
+    for text in ("Runtime verification", "sc", "whole-start", "3a same kernels", "3b reference",
+                 "single rank", "PASS", "all checks passed"):
+        assert text in out, text
+    assert "FAIL" not in out
+    assert err == ""
+
+
+def test_gradient_accumulation():
+    result, out, err = run("--dp", "2", "--steps", "2", "--accumulation", "2", "--json")
+    assert result.exit_code == 0 and json.loads(out)["ok"] is True, (out, err)
+
+
+# --- bad input: one line, exit 2, nothing spawned ----------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dp", "0"], "dp must be"),
+    (["--steps", "0"], "steps must be"),
+    (["--accumulation", "0"], "accumulation must be"),
+    (["--optimizer", "adam"], "unknown optimizer 'adam'"),
+    (["--policy", "zero3"], "unknown policy 'zero3'"),
+    (["--preset", "huge"], "unknown tiny model 'huge'"),
+    (["--dp", "3", "--global-batch", "8"], "not divisible by dp x accumulation"),
+    (["--dp", "2", "--accumulation", "3", "--global-batch", "9"], "not divisible"),
+    (["--tp", "2"], "TP = 1 only"),
+    (["--dp-policy", "nope"], "unknown DP policy"),
+    (["--alpha", "1.5"], "alpha"),
+    (["--bucket-size", "10"], "bucket size"),
+    (["--dp", "1000"], "dp must be <="),
+])
+def test_bad_input_is_one_line_exit_2(monkeypatch, args, needle):
+    def no_spawn(*a, **k):
+        raise AssertionError("bad input must fail before any spawn")
+
+    monkeypatch.setattr(checks, "run", no_spawn)
+    line = one_error_line(*run(*args))
+    assert needle in line, line
+
+
+def test_default_global_batch_divides():
+    cases = checks.prepare(3, "all", "all", steps=1, accumulation=2)
+    assert len(cases) == 12
+    assert {c.spec.global_batch for c in cases} == {24}
+    assert {(c.spec.optimizer, c.spec.policy) for c in cases} == {
+        (o, p) for o in checks.OPTIMIZERS for p in checks.POLICIES}
+
+
+# --- failures: exit 1 ----------------------------------------------------------------------------
+
+
+def test_rank_failure_is_one_line_exit_1(monkeypatch):
+    def failing(*a, **k):
+        raise RankError(1, "RuntimeError: boom\nmore", "Traceback ...")
+
+    monkeypatch.setattr(checks, "run", failing)
+    line = one_error_line(*run(*QUICK), code=1)
+    assert line == "error: rank 1: RuntimeError: boom"
+
+
+def _synthetic(dp: int = 2):
+    case = checks.prepare(dp, "muon", "canzona", steps=1)[0]
+    want = {"a": torch.tensor([1.0, 2.0, 4.0]), "b": torch.tensor([[0.5, -0.5]])}
+    return case, want
+
+
+def test_check_case_verdicts():
+    case, want = _synthetic()
+    same = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
+    rows = checks.check_case(case, 2, same, want, want)
+    assert [r["ok"] for r in rows] == [True, True, True]
+
+    off = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
+    off[1]["a"][2] += 4.0 * 1e-6  # rank 1 off by 1e-6 relative: 3a fails, 3b passes, ranks disagree
+    ranks, same_kernels, reference = checks.check_case(case, 2, off, want, want)
+    assert not ranks["ok"] and ranks["worst_rank"] == 1 and ranks["worst_param"] == "a"
+    assert not same_kernels["ok"] and same_kernels["result"] == "differs"
+    assert reference["ok"] and reference["max_rel_diff"] == pytest.approx(1e-6, rel=0.1)
+
+    off[0]["b"][0, 0] += 1e-3  # both ranks now far from the reference
+    reference = checks.check_case(case, 2, off, want, want)[2]
+    assert not reference["ok"] and reference["worst_param"] == "b" and reference["worst_rank"] == 0
+
+
+def test_non_finite_parameters_fail_and_serialise():
+    case, want = _synthetic()
+    nan = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
+    for p in nan:
+        p["a"][0] = float("nan")
+    rows = checks.check_case(case, 2, nan, want, want)
+    assert not any(r["ok"] for r in rows)  # NaN equals nothing, not even rank 0's NaN
+    assert rows[2]["max_rel_diff"] == math.inf and rows[2]["worst_param"] == "a"
+    report = checks.report(rows)
+    assert report["ok"] is False and report["failed"] == 3
+    assert json.loads(json.dumps(report, allow_nan=False))["rows"][2]["max_rel_diff"] is None
+
+
+def test_mismatch_exits_1_with_the_table(monkeypatch):
+    case, want = _synthetic()
+    bad = [{n: t + 1 for n, t in want.items()} for _ in range(2)]
+    monkeypatch.setattr(checks, "run", lambda cases, dp, progress=None: checks.check_case(case, 2, bad, want, want))
+    result, out, err = run(*QUICK)
+    assert result.exit_code == 1, (out, err)
+    assert "FAIL" in out and "2 of 3 checks FAILED" in out
+    result, out, err = run(*QUICK, "--json")
+    assert result.exit_code == 1
+    assert json.loads(out)["ok"] is False
