@@ -248,15 +248,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _uninitialised(module: nn.Module, device) -> nn.Module:
+    """Allocate a module built on the meta device, without its default (global-RNG) initialisation:
+    TinyQwen3.init_weights fills it."""
+    return module.to_empty(device=torch.device("cpu") if device is None else torch.device(device))
+
+
 def _linear(in_features: int, out_features: int, dtype: torch.dtype, device) -> nn.Linear:
-    # skip_init: no default (global-RNG) initialisation; TinyQwen3.init_weights fills it.
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype,
-                              device=_device(device))
-
-
-def _device(device) -> torch.device:
-    # skip_init treats an explicit device=None as "stay on meta"; default to the CPU instead.
-    return torch.device("cpu") if device is None else torch.device(device)
+    return _uninitialised(nn.Linear(in_features, out_features, bias=False, dtype=dtype, device="meta"), device)
 
 
 class Attention(nn.Module):
@@ -333,8 +332,9 @@ class _Backbone(nn.Module):
 
     def __init__(self, cfg: TinyQwen3Config, dtype: torch.dtype, device=None):
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab, cfg.hidden, dtype=dtype,
-                                               device=_device(device))
+        # `_weight` skips Embedding's default init (its normal_ on meta imports torch._dynamo)
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(
+            cfg.vocab, cfg.hidden, dtype=dtype, device=torch.device("cpu") if device is None else device))
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps, dtype, device)
 

@@ -37,8 +37,14 @@ def _worker(rank: int, world: int, port: int, outdir: str, timeout_s: float, thr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
     out = Path(outdir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001
+            if "address already in use" in str(e).lower() or "EADDRINUSE" in str(e):
+                torch.save({"ok": False, "port_taken": True, "error": str(e), "trace": ""}, out)
+                return
+            raise
         try:
             result = fn(rank, world, *args)
         finally:
@@ -48,12 +54,30 @@ def _worker(rank: int, world: int, port: int, outdir: str, timeout_s: float, thr
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, out)
 
 
+PORT_ATTEMPTS = 3  # a free port can be taken by someone else before rank 0 binds it
+
+
+class _PortTaken(Exception):
+    pass
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, deadline_s: float = 300.0,
               collective_timeout_s: float = 60.0, threads: int = 1) -> list[Any]:
-    # `threads` is torch's per-rank thread count; single-process comparisons must use the same.
-    """Run `fn(rank, world, *args)` on `world` gloo ranks; return the results in rank order."""
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; return the results in rank order.
+
+    `threads` is torch's per-rank thread count; single-process comparisons must use the same."""
     if world < 1:
         raise CanzonaError(f"world size must be >= 1, got {world}")
+    for _ in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world, args, deadline_s, collective_timeout_s, threads)
+        except _PortTaken:
+            continue
+    raise CanzonaError(f"could not get a free port for the process group in {PORT_ATTEMPTS} attempts")
+
+
+def _run_once(fn: Callable[..., Any], world: int, args: tuple, deadline_s: float,
+              collective_timeout_s: float, threads: int) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="canzona-ranks-") as outdir:
         ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, collective_timeout_s, threads, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
@@ -70,12 +94,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, deadline_s: float 
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
-        results = []
+        records = []
         for rank in range(world):
             path = Path(outdir) / f"rank{rank}.pt"
             if not path.exists():
                 raise CanzonaError(f"rank {rank} exited without a result")
-            record = torch.load(path, weights_only=False)
+            records.append(torch.load(path, weights_only=False))
+        if any(r.get("port_taken") for r in records):
+            raise _PortTaken()
+        results = []
+        for rank, record in enumerate(records):
             if not record["ok"]:
                 raise RankError(rank, record["error"], record["trace"])
             results.append(record["result"])

@@ -196,6 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             k = self._bucket_of.get(name)
             if k is None or not self._sync:
                 return  # accumulation micro-batch: nothing is synchronised yet
+            if self._launched[k] is not None:
+                raise CanzonaError("gradients were synchronised twice in one step: wrap the backward of "
+                                   "accumulation micro-batches in `with optimizer.no_sync():`")
             self._ready[k] += 1
             self._launch_ready_buckets()
         return on_grad_ready

@@ -1,0 +1,218 @@
+"""Checkpoints of the DP runtime are layout-independent (DESIGN section 9): `state_dict()` is keyed
+by parameter name with full tensors, identical on every rank and under every step policy; a
+checkpoint taken at one DP size loads at another and continues bit for bit as the same kernels in
+one process continue from it; save -> load -> save is the identity.
+
+Chain of spawned groups (each cached, each running several configurations):
+  DP 4 trains SAVE_STEPS steps under several policies and saves;
+  DP 2 and DP 1 load the DP 4 checkpoint and train RESUME_STEPS more (DP 2 also round-trips it);
+  DP 3 loads the DP 2 checkpoint and trains RESUME_STEPS more.
+The uninterrupted comparator is `emulate`: SAVE_STEPS steps at DP 4, then (`load=`) the remaining
+steps at the new DP size from the same parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from canzona.runtime.launch import run_ranks
+from canzona.runtime.training import TrainSpec, build_model, compare, emulate, many_specs_worker
+
+DEADLINE_S = 120.0
+OPTIMIZERS = ("muon", "soap", "shampoo")
+MATRIX_CONFIG = {"muon": {}, "soap": {"precondition_frequency": 2}, "shampoo": {"precondition_frequency": 2}}
+SAVE_STEPS = 3  # SOAP: initialise, update, update + refresh; Shampoo: roots at steps 1 and 3
+RESUME_STEPS = 2
+SAVE_POLICY = ("canzona", "alpha-balanced-reorder")
+# The same run at DP 4 under another layout (one per optimizer, to keep the spawn short): the
+# checkpoint must be the same, bit for bit.
+OTHER_POLICY = {"muon": ("layerwise", None), "soap": ("sc", None), "shampoo": ("zero1-gather", None)}
+RESUME_POLICY = {2: ("canzona", "alpha-balanced"), 1: ("sc", None), 3: ("layerwise", None)}
+
+
+def save_spec(optimizer: str, policy=SAVE_POLICY) -> TrainSpec:
+    return TrainSpec(optimizer=optimizer, policy=policy[0], dp_policy=policy[1] or "alpha-balanced",
+                     steps=SAVE_STEPS, global_batch=12, seq_len=16, matrix_config=dict(MATRIX_CONFIG[optimizer]))
+
+
+def resume_spec(optimizer: str, dp: int, steps: int = RESUME_STEPS) -> TrainSpec:
+    """Fresh data (another seed) for the continuation."""
+    policy = RESUME_POLICY[dp]
+    return replace(save_spec(optimizer, policy), steps=steps, data_seed=7)
+
+
+def _run(dp: int, jobs: list[tuple[Any, TrainSpec, dict]]) -> dict:
+    try:
+        results = run_ranks(many_specs_worker, dp, [s for _, s, _ in jobs], [e for _, _, e in jobs],
+                            deadline_s=DEADLINE_S, collective_timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - replayed by every test that needs it
+        return {"error": e}
+    return {label: [results[r][i] for r in range(dp)] for i, (label, _, _) in enumerate(jobs)}
+
+
+def _get(runs: dict, label) -> list[dict]:
+    if "error" in runs:
+        err = runs["error"]
+        pytest.fail(f"a spawned group failed: {err}\n{getattr(err, 'trace', '')}")
+    return runs[label]
+
+
+@functools.cache
+def saved_at_4() -> dict:
+    jobs = []
+    for opt in OPTIMIZERS:
+        jobs.append((("save", opt, SAVE_POLICY), save_spec(opt), {}))
+        jobs.append((("save", opt, OTHER_POLICY[opt]), save_spec(opt, OTHER_POLICY[opt]), {}))
+    return _run(4, jobs)
+
+
+def checkpoint_4(optimizer: str) -> tuple[dict, dict]:
+    res = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))[0]
+    return res["params"], res["state"]
+
+
+@functools.cache
+def resumed(dp: int) -> dict:
+    """DP 2 and DP 1 resume from the DP 4 checkpoint (and round-trip it); DP 3 from DP 2's."""
+    jobs = []
+    for opt in OPTIMIZERS:
+        ckpt = checkpoint_4(opt) if dp in (1, 2) else checkpoint_2(opt)
+        jobs.append((("resume", opt), resume_spec(opt, dp), {"load": ckpt}))
+        if dp in (1, 2):
+            jobs.append((("round trip", opt), resume_spec(opt, dp, steps=0), {"load": ckpt}))
+    return _run(dp, jobs)
+
+
+def checkpoint_2(optimizer: str) -> tuple[dict, dict]:
+    """What DP 2 saved after resuming: the checkpoint DP 3 loads."""
+    res = _get(resumed(2), ("resume", optimizer))[0]
+    return res["params"], res["state"]
+
+
+def nested_equal(a: Any, b: Any, where: str = "state") -> None:
+    """Exact equality of nested dicts / lists of tensors and scalars (tensors: dtype, shape, bits)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b) if isinstance(b, dict) else b}"
+        for k in a:
+            nested_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            nested_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def model_shapes() -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in build_model(TrainSpec()).named_parameters()}
+
+
+def matrix_names() -> set[str]:
+    return {p.name for p in build_model(TrainSpec()).spec().matrix_params()}
+
+
+# --- the state dict's form -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_state_dict_is_keyed_by_parameter_name_with_full_tensors(optimizer):
+    ranks = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))
+    sd = ranks[0]["state"]
+    assert sd["format"] == "canzona.optimizer_state" and sd["version"] == 1
+    assert sd["optimizer"] == optimizer
+    assert [g["name"] for g in sd["param_groups"]] == ["matrix", "adamw"]
+    shapes = model_shapes()
+    matrices = matrix_names()
+    state = sd["state"]
+    assert set(state) == set(shapes)  # every parameter got gradients, so every one has state
+    for name, s in state.items():
+        m, *rest = shapes[name]
+        if name not in matrices:  # AdamW: full moments with the parameter's shape
+            assert s["step"] == SAVE_STEPS
+            assert s["exp_avg"].shape == shapes[name] and s["exp_avg_sq"].shape == shapes[name]
+            continue
+        n = rest[0]
+        full = {"muon": {"momentum_buffer": (m, n)},
+                "soap": {"exp_avg": (m, n), "exp_avg_sq": (m, n), "GG_L": (m, m), "GG_R": (n, n),
+                         "Q_L": (m, m), "Q_R": (n, n)},
+                "shampoo": {"exp_avg": (m, n), "exp_avg_sq": (m, n), "L": (m, m), "R": (n, n),
+                            "L_root": (m, m), "R_root": (n, n)}}[optimizer]
+        for key, shape in full.items():
+            assert tuple(s[key].shape) == shape, (name, key)
+        if optimizer == "soap":
+            assert s["step"] == SAVE_STEPS - 1  # the first call only initialises the eigenbases
+        elif optimizer == "shampoo":
+            assert s["step"] == SAVE_STEPS
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_state_dict_is_identical_on_every_rank(optimizer):
+    ranks = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))
+    assert len(ranks) == 4
+    for r in range(1, 4):
+        nested_equal(ranks[r]["state"], ranks[0]["state"], f"rank {r}")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_state_dict_does_not_depend_on_the_layout(optimizer):
+    """Same DP size, same gradients, another partition of the work: the same checkpoint."""
+    want = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))[0]
+    got = _get(saved_at_4(), ("save", optimizer, OTHER_POLICY[optimizer]))
+    for r, res in enumerate(got):
+        nested_equal(res["state"], want["state"], f"rank {r}")
+        assert compare(res["params"], want["params"])["bit_identical"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_saved_run_equals_single_process_run(optimizer):
+    params, _ = checkpoint_4(optimizer)
+    assert compare(params, emulate(save_spec(optimizer), 4))["bit_identical"]
+
+
+# --- resuming at another DP size --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dp,source", [(2, 4), (1, 4), (3, 2)], ids=["4-to-2", "4-to-1", "2-to-3"])
+def test_checkpoint_resumes_bit_identically_at_another_dp(dp, source, optimizer):
+    ckpt = checkpoint_4(optimizer) if source == 4 else checkpoint_2(optimizer)
+    ranks = _get(resumed(dp), ("resume", optimizer))
+    want = emulate(resume_spec(optimizer, dp), dp, load=ckpt)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], want)
+        assert cmp["bit_identical"], f"rank {r} resumed at dp={dp} differs: {cmp}"
+        nested_equal(res["state"], ranks[0]["state"], f"rank {r}")
+    # the loaded optimizer state mattered: starting the same steps from fresh state differs
+    params, state = ckpt
+    fresh = emulate(resume_spec(optimizer, dp), dp, load=(params, {**state, "state": {}}))
+    assert not compare(ranks[0]["params"], fresh)["bit_identical"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_resumed_checkpoint_keeps_counting_steps(optimizer):
+    _, state = checkpoint_4(optimizer)
+    _, resumed_state = checkpoint_2(optimizer)
+    for name, s in resumed_state["state"].items():
+        if "step" in s:
+            assert s["step"] == state["state"][name]["step"] + RESUME_STEPS, name
+
+
+# --- round trip ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dp", [2, 1])
+def test_save_load_save_is_the_identity(dp, optimizer):
+    """DP 4's checkpoint loaded at another DP size and saved again, without a step in between."""
+    params, state = checkpoint_4(optimizer)
+    for r, res in enumerate(_get(resumed(dp), ("round trip", optimizer))):
+        nested_equal(res["state"], state, f"rank {r}")
+        assert compare(res["params"], params)["bit_identical"]
