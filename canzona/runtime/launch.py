@@ -37,21 +37,27 @@ def _worker(rank: int, world: int, port: int, outdir: str, timeout_s: float, thr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
     out = Path(outdir) / f"rank{rank}.pt"
     try:
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001
-            if "address already in use" in str(e).lower() or "EADDRINUSE" in str(e):
-                torch.save({"ok": False, "port_taken": True, "error": str(e), "trace": ""}, out)
-                return
-            raise
-        try:
-            result = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, out)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001
+        taken = "address already in use" in str(e).lower() or "EADDRINUSE" in str(e)
+        _save({"ok": False, "port_taken": taken, "error": f"{type(e).__name__}: {e}",
+               "trace": traceback.format_exc()}, out)
+        os._exit(1)
+    try:
+        record = {"ok": True, "result": fn(rank, world, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, out)
+        record = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(),
+                  "at": time.time()}
+    _save(record, out)  # before any teardown: a failed group can abort in its destructor
+    if not record["ok"]:
+        # Stay alive: a peer that vanishes mid-collective can make gloo abort its partners
+        # (std::terminate), while a silent peer makes their collectives time out cleanly. The parent
+        # stops this process once the others have recorded their outcome.
+        (Path(outdir) / f"rank{rank}.failed").touch()
+        while True:
+            time.sleep(1.0)
+    dist.destroy_process_group()
 
 
 PORT_ATTEMPTS = 3  # a free port can be taken by someone else before rank 0 binds it
@@ -82,32 +88,60 @@ def _run_once(fn: Callable[..., Any], world: int, args: tuple, deadline_s: float
         ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, collective_timeout_s, threads, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
         end = time.monotonic() + deadline_s
+        grace_end: float | None = None
+        exited: str | None = None
         try:
-            while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
-                if time.monotonic() > end:
+            while not ctx.join(timeout=0.25):
+                now = time.monotonic()
+                if now > end:
                     raise CanzonaError(f"ranks did not finish within {deadline_s:g} s (a hang?)")
-        except mp.ProcessRaisedException as e:
-            raise CanzonaError(f"a rank failed: {str(e).strip().splitlines()[-1]}") from None
-        except mp.ProcessExitedException as e:
-            raise CanzonaError(f"a rank died: {e}") from None
-        finally:
+                failed = [r for r in range(world) if (Path(outdir) / f"rank{r}.failed").exists()]
+                if failed and grace_end is None:
+                    # the others' collectives fail within their timeout: let them record why
+                    grace_end = min(end, now + collective_timeout_s + 5.0)
+                settled = all((Path(outdir) / f"rank{r}.pt").exists() for r in range(world))
+                if grace_end is not None and (settled or now > grace_end):
+                    break
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            exited = str(e).strip().splitlines()[-1]
+            grace_end = min(end, time.monotonic() + collective_timeout_s + 5.0)
             for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        records = []
-        for rank in range(world):
-            path = Path(outdir) / f"rank{rank}.pt"
-            if not path.exists():
-                raise CanzonaError(f"rank {rank} exited without a result")
-            records.append(torch.load(path, weights_only=False))
-        if any(r.get("port_taken") for r in records):
-            raise _PortTaken()
-        results = []
-        for rank, record in enumerate(records):
-            if not record["ok"]:
-                raise RankError(rank, record["error"], record["trace"])
-            results.append(record["result"])
-        return results
+                p.join(timeout=max(0.0, grace_end - time.monotonic()))
+        finally:
+            killed = {r for r, p in enumerate(ctx.processes) if p.is_alive()}
+            for r in killed:
+                ctx.processes[r].terminate()
+        records = [_read(Path(outdir) / f"rank{rank}.pt") for rank in range(world)]
+    if any(r is not None and r.get("port_taken") for r in records):
+        raise _PortTaken()
+    died = [r for r, record in enumerate(records) if record is None and r not in killed]
+    if died:  # a rank that died on its own explains its peers' failures
+        status = ", ".join(f"rank {r} ({_exit_status(ctx.processes[r].exitcode)})" for r in died)
+        raise CanzonaError(f"{status} died without a result{f': {exited}' if exited else ''}")
+    failed = [(r.get("at", 0.0), rank) for rank, r in enumerate(records) if r is not None and not r["ok"]]
+    if failed:  # so does the first rank that raised (its peers' collectives lost a partner)
+        _, rank = min(failed)
+        raise RankError(rank, records[rank]["error"], records[rank]["trace"])
+    if killed:
+        raise CanzonaError(f"rank(s) {sorted(killed)} were stopped without a result")
+    return [r["result"] for r in records]
+
+
+def _save(record: dict, path: Path) -> None:
+    """Write atomically: the parent may stop this process at any moment."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(record, tmp)
+    os.replace(tmp, path)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _read(path: Path) -> dict | None:
+    return torch.load(path, weights_only=False) if path.exists() else None
 
 
 class RankError(CanzonaError):
