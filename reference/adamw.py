@@ -64,7 +64,18 @@ def check_positive_int(name: str, value, minimum: int = 1) -> None:
 
 
 class ReferenceOptimizer(torch.optim.Optimizer):
-    """Shared plumbing: validation on every param group, defaults restored on load_state_dict."""
+    """Shared plumbing: defaults from the optimizer's config dataclass (`config`), validation on
+    every param group, defaults restored on load_state_dict."""
+
+    config: type
+
+    def __init__(self, params, **hyper) -> None:
+        defaults = asdict(self.config())
+        unknown = set(hyper) - set(defaults)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no hyper-parameter(s) {', '.join(sorted(unknown))}")
+        defaults.update(hyper)
+        super().__init__(params, defaults)
 
     def _check_group(self, group: dict) -> None:
         raise NotImplementedError
@@ -88,13 +99,7 @@ class ReferenceOptimizer(torch.optim.Optimizer):
 class AdamW(ReferenceOptimizer):
     """AdamW as `torch.optim.AdamW`; state keys `step` (fp32 0-d tensor), `exp_avg`, `exp_avg_sq`."""
 
-    def __init__(self, params, **hyper) -> None:
-        defaults = asdict(AdamWConfig())
-        unknown = set(hyper) - set(defaults)
-        if unknown:
-            raise ValueError(f"AdamW has no hyper-parameter(s) {', '.join(sorted(unknown))}")
-        defaults.update(hyper)
-        super().__init__(params, defaults)
+    config = AdamWConfig
 
     def _check_group(self, group: dict) -> None:
         check_common(group)

@@ -13,7 +13,6 @@ momentum buffer; here Newton-Schulz always works on a copy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 
 import torch
 
@@ -57,13 +56,7 @@ class Muon(ReferenceOptimizer):
     adjust_lr_fn None is accepted and means "original" (torch's convention).
     """
 
-    def __init__(self, params, **hyper) -> None:
-        defaults = asdict(MuonConfig())
-        unknown = set(hyper) - set(defaults)
-        if unknown:
-            raise ValueError(f"Muon has no hyper-parameter(s) {', '.join(sorted(unknown))}")
-        defaults.update(hyper)
-        super().__init__(params, defaults)
+    config = MuonConfig
 
     def _check_group(self, group: dict) -> None:
         check_common(group)

@@ -33,8 +33,6 @@ differs in (labels as in tests/test_reference_heavyball.py):
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
 from canzona.optimizers import ShampooConfig
@@ -56,13 +54,7 @@ def inverse_root(S: torch.Tensor, root_order: int, epsilon: float) -> torch.Tens
 class Shampoo(ReferenceOptimizer):
     """Shampoo for 2-D parameters with AdamW grafting (on by default)."""
 
-    def __init__(self, params, **hyper) -> None:
-        defaults = asdict(ShampooConfig())
-        unknown = set(hyper) - set(defaults)
-        if unknown:
-            raise ValueError(f"Shampoo has no hyper-parameter(s) {', '.join(sorted(unknown))}")
-        defaults.update(hyper)
-        super().__init__(params, defaults)
+    config = ShampooConfig
 
     def _check_group(self, group: dict) -> None:
         check_common(group)

@@ -38,8 +38,6 @@ and to 1e-10 with heavyball's QR lift removed):
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
 from canzona.optimizers import SOAPConfig
@@ -79,13 +77,7 @@ def project_back(X, Q_L, Q_R):
 class SOAP(ReferenceOptimizer):
     """SOAP for 2-D parameters. The first call per parameter only initialises (no update)."""
 
-    def __init__(self, params, **hyper) -> None:
-        defaults = asdict(SOAPConfig())
-        unknown = set(hyper) - set(defaults)
-        if unknown:
-            raise ValueError(f"SOAP has no hyper-parameter(s) {', '.join(sorted(unknown))}")
-        defaults.update(hyper)
-        super().__init__(params, defaults)
+    config = SOAPConfig
 
     def _check_group(self, group: dict) -> None:
         check_common(group)
