@@ -80,6 +80,19 @@ class ReferenceOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         raise NotImplementedError
 
+    def _step_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         try:
@@ -107,36 +120,29 @@ class AdamW(ReferenceOptimizer):
         if not group["eps"] > 0.0:
             raise ValueError(f"eps must be > 0, got {group['eps']}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = compute_dtype(p.dtype, group["compute_dtype"])
-                w = p if p.dtype == dtype else p.to(dtype)
-                g = p.grad.to(dtype)
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(w)
-                    state["exp_avg_sq"] = torch.zeros_like(w)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                state["step"] += 1
-                t = state["step"].item()
+    def _step_group(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            dtype = compute_dtype(p.dtype, group["compute_dtype"])
+            w = p if p.dtype == dtype else p.to(dtype)
+            g = p.grad.to(dtype)
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(w)
+                state["exp_avg_sq"] = torch.zeros_like(w)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"].item()
 
-                w.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                step_size = lr / (1 - beta1**t)
-                denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
-                w.addcdiv_(m, denom, value=-step_size)
-                if w is not p:
-                    p.copy_(w)
-        return loss
+            w.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            step_size = lr / (1 - beta1**t)
+            denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+            w.addcdiv_(m, denom, value=-step_size)
+            if w is not p:
+                p.copy_(w)

@@ -76,26 +76,19 @@ class Muon(ReferenceOptimizer):
             if p.ndim != 2:
                 raise ValueError(f"Muon only takes 2-D parameters, got one of shape {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
-                buf.lerp_(g, 1 - mu)
-                u = g.lerp(buf, mu) if group["nesterov"] else buf
-                ns_dtype = torch_dtype(group["ns_dtype"])
-                ortho = zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
-                p.mul_(1 - lr * wd)
-                p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
-        return loss
+    def _step_group(self, group: dict) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            u = g.lerp(buf, mu) if group["nesterov"] else buf
+            ns_dtype = torch_dtype(group["ns_dtype"])
+            ortho = zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
+            p.mul_(1 - lr * wd)
+            p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))

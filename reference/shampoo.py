@@ -72,63 +72,56 @@ class Shampoo(ReferenceOptimizer):
             if p.ndim != 2:
                 raise ValueError(f"Shampoo only takes 2-D parameters, got one of shape {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
+    def _step_group(self, group: dict) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            dtype = compute_dtype(p.dtype, group["compute_dtype"])
+            G = p.grad.to(dtype)
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(G)
+                state["exp_avg_sq"] = torch.zeros_like(G)
+                for side, k in (("L", G.shape[0]), ("R", G.shape[1])):
+                    if k <= group["max_preconditioner_dim"]:
+                        state[side] = torch.zeros(k, k, dtype=dtype)
+                        state[f"{side}_root"] = torch.eye(k, dtype=dtype)
+
+            state["step"] += 1
+            t = state["step"]
+            for side in ("L", "R"):
+                if side not in state:
                     continue
-                dtype = compute_dtype(p.dtype, group["compute_dtype"])
-                G = p.grad.to(dtype)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(G)
-                    state["exp_avg_sq"] = torch.zeros_like(G)
-                    for side, k in (("L", G.shape[0]), ("R", G.shape[1])):
-                        if k <= group["max_preconditioner_dim"]:
-                            state[side] = torch.zeros(k, k, dtype=dtype)
-                            state[f"{side}_root"] = torch.eye(k, dtype=dtype)
+                GGT = G @ G.T if side == "L" else G.T @ G
+                if beta2 == 1.0:
+                    state[side].add_(GGT)
+                else:
+                    state[side].mul_(beta2).add_(GGT, alpha=1 - beta2)
+                if (t - 1) % group["precondition_frequency"] == 0:
+                    state[f"{side}_root"] = inverse_root(
+                        state[side], group["root_order"], group["epsilon"]
+                    )
 
-                state["step"] += 1
-                t = state["step"]
-                for side in ("L", "R"):
-                    if side not in state:
-                        continue
-                    GGT = G @ G.T if side == "L" else G.T @ G
-                    if beta2 == 1.0:
-                        state[side].add_(GGT)
-                    else:
-                        state[side].mul_(beta2).add_(GGT, alpha=1 - beta2)
-                    if (t - 1) % group["precondition_frequency"] == 0:
-                        state[f"{side}_root"] = inverse_root(
-                            state[side], group["root_order"], group["epsilon"]
-                        )
+            P = G
+            if "L" in state:
+                P = state["L_root"] @ P
+            if "R" in state:
+                P = P @ state["R_root"]
 
-                P = G
-                if "L" in state:
-                    P = state["L_root"] @ P
-                if "R" in state:
-                    P = P @ state["R_root"]
+            D = P
+            if group["grafting"]:
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(G, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(G, G, value=1 - beta2)
+                A = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["graft_eps"])
+                norm_P = P.norm()
+                D = P * (A.norm() / norm_P) if norm_P > 0 else torch.zeros_like(P)
 
-                D = P
-                if group["grafting"]:
-                    m, v = state["exp_avg"], state["exp_avg_sq"]
-                    m.mul_(beta1).add_(G, alpha=1 - beta1)
-                    v.mul_(beta2).addcmul_(G, G, value=1 - beta2)
-                    A = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["graft_eps"])
-                    norm_P = P.norm()
-                    D = P * (A.norm() / norm_P) if norm_P > 0 else torch.zeros_like(P)
-
-                w = p if p.dtype == dtype else p.to(dtype)
-                w.mul_(1 - lr * wd)
-                w.add_(D, alpha=-lr)
-                if w is not p:
-                    p.copy_(w)
-        return loss
+            w = p if p.dtype == dtype else p.to(dtype)
+            w.mul_(1 - lr * wd)
+            w.add_(D, alpha=-lr)
+            if w is not p:
+                p.copy_(w)

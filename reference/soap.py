@@ -101,62 +101,55 @@ class SOAP(ReferenceOptimizer):
         if "GG_R" in state:
             state["GG_R"].lerp_(G.T @ G, 1 - beta_s)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            beta1, beta2 = group["betas"]
-            beta_s = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                dtype = compute_dtype(p.dtype, group["compute_dtype"])
-                G = p.grad.to(dtype)
-                state = self.state[p]
+    def _step_group(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        beta_s = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            dtype = compute_dtype(p.dtype, group["compute_dtype"])
+            G = p.grad.to(dtype)
+            state = self.state[p]
 
-                if not state:  # initialising call: statistics and eigenbases, no update
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(G)
-                    state["exp_avg_sq"] = torch.zeros_like(G)
-                    for side, k in (("L", G.shape[0]), ("R", G.shape[1])):
-                        if k <= group["max_precond_dim"]:
-                            state[f"GG_{side}"] = torch.zeros(k, k, dtype=dtype)
-                    self._update_statistics(state, G, beta_s)
-                    for side in ("L", "R"):
-                        if f"GG_{side}" in state:
-                            state[f"Q_{side}"] = eigenbasis(state[f"GG_{side}"], group["eig_eps"])
-                    continue
-
-                Q_L, Q_R = state.get("Q_L"), state.get("Q_R")
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                Gp = project(G, Q_L, Q_R)
-                state["step"] += 1
-                t = state["step"]
-                m.mul_(beta1).add_(G, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(Gp, Gp, value=1 - beta2)
-                N = project_back(project(m, Q_L, Q_R) / (v.sqrt() + eps), Q_L, Q_R)
-                s = lr
-                if group["correct_bias"]:
-                    s = lr * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-
-                w = p if p.dtype == dtype else p.to(dtype)
-                w.add_(N, alpha=-s)
-                w.add_(w, alpha=-lr * wd)
-                if w is not p:
-                    p.copy_(w)
-
+            if not state:  # initialising call: statistics and eigenbases, no update
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(G)
+                state["exp_avg_sq"] = torch.zeros_like(G)
+                for side, k in (("L", G.shape[0]), ("R", G.shape[1])):
+                    if k <= group["max_precond_dim"]:
+                        state[f"GG_{side}"] = torch.zeros(k, k, dtype=dtype)
                 self._update_statistics(state, G, beta_s)
-                if t % group["precondition_frequency"] == 0:
-                    for dim, side in ((0, "L"), (1, "R")):
-                        if f"Q_{side}" not in state:
-                            continue
-                        GG, Q = state[f"GG_{side}"], state[f"Q_{side}"]
-                        order = torch.argsort(torch.diag(Q.T @ GG @ Q), descending=True, stable=True)
-                        Q = Q[:, order]
-                        state["exp_avg_sq"] = state["exp_avg_sq"].index_select(dim, order)
-                        state[f"Q_{side}"] = torch.linalg.qr(GG @ Q).Q
-        return loss
+                for side in ("L", "R"):
+                    if f"GG_{side}" in state:
+                        state[f"Q_{side}"] = eigenbasis(state[f"GG_{side}"], group["eig_eps"])
+                continue
+
+            Q_L, Q_R = state.get("Q_L"), state.get("Q_R")
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            Gp = project(G, Q_L, Q_R)
+            state["step"] += 1
+            t = state["step"]
+            m.mul_(beta1).add_(G, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(Gp, Gp, value=1 - beta2)
+            N = project_back(project(m, Q_L, Q_R) / (v.sqrt() + eps), Q_L, Q_R)
+            s = lr
+            if group["correct_bias"]:
+                s = lr * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+
+            w = p if p.dtype == dtype else p.to(dtype)
+            w.add_(N, alpha=-s)
+            w.add_(w, alpha=-lr * wd)
+            if w is not p:
+                p.copy_(w)
+
+            self._update_statistics(state, G, beta_s)
+            if t % group["precondition_frequency"] == 0:
+                for dim, side in ((0, "L"), (1, "R")):
+                    if f"Q_{side}" not in state:
+                        continue
+                    GG, Q = state[f"GG_{side}"], state[f"Q_{side}"]
+                    order = torch.argsort(torch.diag(Q.T @ GG @ Q), descending=True, stable=True)
+                    Q = Q[:, order]
+                    state["exp_avg_sq"] = state["exp_avg_sq"].index_select(dim, order)
+                    state[f"Q_{side}"] = torch.linalg.qr(GG @ Q).Q
