@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,7 +106,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         total = 0.0
         mbs = micro_batches(tokens, rank, world, spec.accumulation)
         for k, mb in enumerate(mbs):
-            ctx = opt.no_sync() if k < len(mbs) - 1 else _nullcontext()
+            ctx = opt.no_sync() if k < len(mbs) - 1 else contextlib.nullcontext()
             with ctx:
                 loss = model.loss(mb) / spec.accumulation
                 loss.backward()
@@ -120,14 +120,6 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "log": opt.comm.log.to_dicts(),
         "owned": list(opt._computes),
     }
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[dict[str, Tensor], set[str]]:
@@ -231,10 +223,6 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, Any]:
         if rel > worst:
             worst, where = rel, n
     return {"bit_identical": equal, "max_rel_diff": worst, "worst_param": where}
-
-
-def spec_dict(spec: TrainSpec) -> dict[str, Any]:
-    return asdict(spec)
 
 
 def many_specs_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict] | None = None) -> list[dict]:
