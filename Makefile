@@ -1,8 +1,9 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test lint demo bench
+.PHONY: install test test-fast lint demo bench lock
 
+# constraints.txt pins the whole environment (runtime, test and lint tools) to exact versions.
 install:
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 
@@ -13,9 +14,21 @@ test: install lint
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest --nbmake notebooks
 
+# The policy core and simulator tests only (no spawned gloo ranks): seconds, not minutes.
+test-fast: install
+	$(PYTHON) -m pytest -m "not distributed"
+
 demo: install
-	canzona compare
+	$(PYTHON) -m cli.main compare
 
 bench: install
 	$(PYTHON) benchmarks/bench_plan.py
 	$(PYTHON) benchmarks/bench_sim.py
+
+# Re-resolve constraints.txt in a fresh virtual environment (today's releases, torch held at 2.13.0).
+lock:
+	venv=$$(mktemp -d /tmp/canzona-lock.XXXXXX) && trap 'rm -rf "$$venv"' EXIT && \
+	$(PYTHON) -m venv "$$venv" && "$$venv/bin/pip" install -q torch==2.13.0 -e ".[dev]" && \
+	{ sed -n '/^#/p' constraints.txt; \
+	  "$$venv/bin/pip" freeze --exclude-editable | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > constraints.txt.new && \
+	mv constraints.txt.new constraints.txt

@@ -3,13 +3,16 @@ LR schedulers driving param_groups, and the plan file path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from canzona.runtime import DistributedOptimizer  # the documented import
 from canzona.runtime.launch import run_ranks
-from canzona.runtime.optimizer import DistributedOptimizer
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
 
 def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> dict:

@@ -1,4 +1,4 @@
-"""Checkpoints of the DP runtime are layout-independent (DESIGN section 9): `state_dict()` is keyed
+"""Checkpoints of the DP runtime are layout-independent (docs/design.md §8.4): `state_dict()` is keyed
 by parameter name with full tensors, identical on every rank and under every step policy; a
 checkpoint taken at one DP size loads at another and continues bit for bit as the same kernels in
 one process continue from it; save -> load -> save is the identity.
@@ -22,6 +22,8 @@ import torch
 
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import TrainSpec, build_model, compare, emulate, many_specs_worker
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
 DEADLINE_S = 120.0
 OPTIMIZERS = ("muon", "soap", "shampoo")

@@ -1,4 +1,4 @@
-"""Rung 3 of the verification ladder (DESIGN section 4): the DP runtime on gloo equals the same
+"""Rung 3 of the verification ladder (docs/architecture.md §5): the DP runtime on gloo equals the same
 kernels run in one process, bit for bit in fp32, when given the same global gradients; and it
 stays within 1e-5 relative of the reference optimizers over a multi-step run of the tiny model.
 
@@ -29,6 +29,8 @@ from canzona.runtime.training import (
 from canzona.spec import ModelSpec
 from canzona.tp import plan_tp
 
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
 DEADLINE_S = 120.0  # per spawned group: a hang fails the test instead of the suite
 COLLECTIVE_TIMEOUT_S = 60.0
 DPS = (1, 2, 3, 4)
@@ -42,6 +44,7 @@ VARIANTS = (
     ("layerwise", None),
     ("sc", None),
 )
+
 # fp32 Newton-Schulz; SOAP / Shampoo refresh their preconditioners every 2 steps, so a 4-step run
 # initialises, updates, refreshes and updates with the refreshed bases.
 MATRIX_CONFIG = {

@@ -1,5 +1,5 @@
 """The DP runtime fails loudly and in bounded time, skips parameters without gradients as torch
-optimizers do, and records what it sends (DESIGN sections 2 and 9).
+optimizers do, and records what it sends (docs/architecture.md §4.4, docs/design.md §8.3).
 
 - ranks that disagree on the plan, policy, optimizer configuration or model raise a clear error on
   every rank before any other collective; a plan for another model, DP size, optimizer or policy is
@@ -40,6 +40,8 @@ from canzona.runtime.training import (
     micro_batches,
 )
 from canzona.spec import ModelSpec, ParamSpec, Role
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
 DEADLINE_S = 120.0
 STEP_TIMEOUT_S = 3.0  # the optimizer's collective timeout in the failure tests

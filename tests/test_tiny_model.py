@@ -1,7 +1,7 @@
 """The tiny Qwen3-style decoder (reference/tiny_model.py) and its synthetic data (reference/data.py).
 
 The model is checked against an independent functional forward written here from the Qwen3
-definition (DESIGN section 3), against an explicit per-head GQA loop, against complex-number RoPE,
+definition (docs/design.md §2.4), against an explicit per-head GQA loop, against complex-number RoPE,
 and against the catalog's naming / order / TP conventions.
 """
 
@@ -296,7 +296,7 @@ def test_rope_relative_position(m, n, shift, half, seed):
 
     def score(pq, pk):
         cos, sin = rope_cos_sin(torch.tensor([pq, pk]), d, 10000.0, torch.float64)
-        return apply_rope(q, cos[0], sin[0]) @ apply_rope(k, cos[1], sin[1])
+        return (apply_rope(q, cos[0], sin[0]) @ apply_rope(k, cos[1], sin[1])).item()
 
     assert score(m, n) == pytest.approx(score(m + shift, n + shift), rel=1e-9, abs=1e-9)
 
