@@ -1,6 +1,6 @@
 """Uneven ("-v") reduce-scatter and all-gather on gloo: the measurement behind `canzona.runtime.comm`.
 
-gloo has no reduce-scatter-v and fails on `all_gather` of uneven tensors (DESIGN section 9), so a
+gloo has no reduce-scatter-v and fails on `all_gather` of uneven tensors (docs/design.md §8.1), so a
 segment split like canzona's (cut points at parameter boundaries) must be built portably. On
 2 spawned gloo ranks, for a few flat buffer sizes split unevenly (30 / 70 by default), in one run:
 

@@ -1,4 +1,4 @@
-"""Planning bars of DESIGN section 11, measured.
+"""Planning bars of docs/design.md §10, measured.
 
 1. Wall time to plan Qwen3-32B (model build + DP policy + greedy-rollback TP micro-groups) at
    DP 32 x TP 8 (bar < 1 s) and DP 256 x TP 8 (bar < 5 s), per DP policy, median of repeats.

@@ -1,4 +1,4 @@
-"""Optimizer-step time of the DP runtime, every policy side by side in one run (DESIGN section 11).
+"""Optimizer-step time of the DP runtime, every policy side by side in one run (docs/design.md §10).
 
 On spawned gloo ranks (CPU, one torch thread per rank; DP 2 on a 2-core machine), a Qwen3-style
 decoder scaled up from the tiny preset so its matrices have a few hundred rows (hidden 384, four

@@ -1,4 +1,4 @@
-"""Simulator bars (DESIGN section 11) and the paper's headline ratios, measured in one run.
+"""Simulator bars (docs/design.md §10) and the paper's headline ratios, measured in one run.
 
 1. Wall time to simulate one iteration of Qwen3-32B on 256 GPUs (bar < 2 s) and 4096 GPUs
    (bar < 30 s), every policy, on one core.

@@ -1,4 +1,4 @@
-"""The Qwen3 dense model catalog (DESIGN section 3), the single source of these configurations."""
+"""The Qwen3 dense model catalog (docs/design.md §2.4), the single source of these configurations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Optimizer names and hyper-parameters (DESIGN section 4), defined once.
+"""Optimizer names and hyper-parameters (docs/design.md §3), defined once.
 
 The cost model reads the fields that drive work (NS steps, preconditioner dims and frequencies,
 compute dtypes); the reference optimizers and runtime kernels take their defaults from here too.

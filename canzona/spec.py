@@ -1,4 +1,4 @@
-"""Model description shared by the policy core, the simulator and the runtime (DESIGN section 3).
+"""Model description shared by the policy core, the simulator and the runtime (docs/design.md §2).
 
 A `ModelSpec` is an ordered (forward-order) tuple of `ParamSpec`s. The routing rule that decides
 whether a parameter goes to the matrix optimizer or to AdamW is defined here, once.

@@ -1,4 +1,4 @@
-"""Single-device numerical references: Muon, SOAP, Shampoo, AdamW (DESIGN section 4), each a
+"""Single-device numerical references: Muon, SOAP, Shampoo, AdamW (docs/design.md §3), each a
 `torch.optim.Optimizer` taking its defaults from `canzona.optimizers`, and `CombinedOptimizer`
 (matrix optimizer + AdamW, routed by the model spec). The distributed runtime is verified against
 these. (A tiny Qwen3-style model is added separately.)

@@ -1,4 +1,4 @@
-"""Reference Muon: the update of `torch.optim.Muon` (DESIGN section 4, `MuonConfig`), written out.
+"""Reference Muon: the update of `torch.optim.Muon` (docs/design.md §3.1, `MuonConfig`), written out.
 
 With ns_dtype="bf16" (the default) this performs the same operations in the same order as
 torch/optim/_muon.py (torch 2.13), so the results are bit-identical. Other ns_dtype values

@@ -1,6 +1,6 @@
 """A tiny Qwen3-style dense decoder in pure torch: the model every numerical test trains.
 
-Architecture (as Qwen3, DESIGN section 3): token embedding; per layer an input RMSNorm, attention
+Architecture (as Qwen3, docs/design.md §2.4): token embedding; per layer an input RMSNorm, attention
 with separate q / k / v / o projections (no biases), per-head RMSNorm on q and k over `head_dim`,
 rotary embeddings (Hugging Face `rotate_half` convention), grouped-query attention with a causal
 mask, a post-attention RMSNorm and a SwiGLU MLP (gate / up / down); a final RMSNorm and an output

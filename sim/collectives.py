@@ -1,4 +1,4 @@
-"""Alpha-beta cost of NCCL collectives (DESIGN section 10), as closed forms.
+"""Alpha-beta cost of NCCL collectives (docs/design.md §9.2), as closed forms.
 
 `t = alpha + S * f / B_bus`: `S` is the collective's buffer size (the full reduce-scatter input or
 all-gather output), `f` the bus factor of the algorithm, `B_bus` the bus bandwidth NCCL reaches on

@@ -1,5 +1,5 @@
 """One training iteration as SimPy programs: forward / backward with gradient sync (phase A), then
-the optimizer step of a DESIGN section 8 policy (phase B).
+the optimizer step of a step policy (docs/design.md §7) (phase B).
 
 Phase A is identical on every rank: micro-batches, layers, TP collectives and the DP gradient
 collectives (which finish at the same moment for all members) do not depend on the rank. It is
@@ -268,7 +268,7 @@ def _exchange(ctx: Context, members: Sequence[int], group: MicroGroup, name: str
 
 def _pipeline(ctx: Context, members: Sequence[int], groups: Sequence[MicroGroup],
               start: simpy.Event) -> dict[int, list[simpy.Event]]:
-    """DESIGN section 7: gather g+1 is enqueued before the scatter of g; the apply of g is enqueued
+    """docs/design.md §6.3: gather g+1 is enqueued before the scatter of g; the apply of g is enqueued
     after the compute of g+1. Streams run in enqueue order, so communication hides behind compute."""
     eng = ctx.engine
     begin = {r: start for r in members}

@@ -1,4 +1,4 @@
-"""The Qwen3 catalog and the routing rule (DESIGN section 3)."""
+"""The Qwen3 catalog and the routing rule (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ MATRIX_SUFFIXES = (
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
-# DESIGN section 3, copied by hand so the catalog is checked against the table, not against itself.
-DESIGN_TABLE = {
+# The table of docs/design.md §2.4 (from the Qwen3 technical report, arXiv 2505.09388, and the
+# Hugging Face config.json of each model), copied by hand so the catalog is checked against the
+# table, not against itself.
+CATALOG_TABLE = {
     "qwen3-0.6b": (28, 1024, 16, 3072, True, 0.6e9),
     "qwen3-1.7b": (28, 2048, 16, 6144, True, 1.7e9),
     "qwen3-4b": (36, 2560, 32, 9728, True, 4.0e9),
@@ -53,9 +55,9 @@ def closed_form_params(layers: int, h: int, heads: int, ffn: int, tied: bool) ->
 
 
 def test_catalog_has_exactly_the_six_dense_models_of_the_design_table():
-    assert sorted(model_names()) == sorted(DESIGN_TABLE)
+    assert sorted(model_names()) == sorted(CATALOG_TABLE)
     assert DEFAULT_MODEL == "qwen3-32b"
-    for name, (layers, h, heads, ffn, tied, size) in DESIGN_TABLE.items():
+    for name, (layers, h, heads, ffn, tied, size) in CATALOG_TABLE.items():
         c = QWEN3_DENSE[name]
         assert (c.layers, c.hidden, c.q_heads, c.ffn, c.tied_embeddings, c.official_params) == (
             layers, h, heads, ffn, tied, size)
@@ -64,7 +66,7 @@ def test_catalog_has_exactly_the_six_dense_models_of_the_design_table():
 
 @pytest.mark.parametrize("name", ALL_MODELS)
 def test_parameter_total_matches_closed_form_and_rounds_to_published_size(name):
-    layers, h, heads, ffn, tied, official = DESIGN_TABLE[name]
+    layers, h, heads, ffn, tied, official = CATALOG_TABLE[name]
     spec = build_qwen3(get_config(name))
     assert spec.numel == closed_form_params(layers, h, heads, ffn, tied)
     # The published sizes are given to one decimal place in billions: the exact count rounds to it.

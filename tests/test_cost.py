@@ -1,4 +1,4 @@
-"""Cost models (DESIGN section 5): FLOP formulas, state bytes, seconds, measured tables."""
+"""Cost models (docs/design.md §4): FLOP formulas, state bytes, seconds, measured tables."""
 
 from __future__ import annotations
 
@@ -125,14 +125,14 @@ def test_soap_initial_eigh_is_one_off_9k3_per_side():
 @pytest.mark.parametrize("f", [1, 100])
 def test_shampoo_flops(m, n, f):
     """Statistics (G Gᵀ, Gᵀ G) and two-sided preconditioning are 2 GEMMs per side, each 2·k·m·n:
-    4·m·n·(m+n) in all. DESIGN section 5 quotes 2·m·n·(m+n) "for statistics and preconditioning";
+    4·m·n·(m+n) in all. An earlier design note (docs/design.md §4.1) quoted 2·m·n·(m+n) "for statistics and preconditioning";
     that figure is the statistics alone (or counts multiply-adds, not FLOPs)."""
     cfg = ShampooConfig(precondition_frequency=f)
     ks = optimizer_kernels("shampoo", (m, n), cfg)
     per_step_gemm = sum(k.flops for k in kinds(ks, "gemm"))
     assert per_step_gemm == 4 * m * n * (m + n)
     stats = sum(k.flops for k in ks if k.name.endswith(".stats"))
-    assert stats == 2 * m * n * (m + n)  # DESIGN's figure
+    assert stats == 2 * m * n * (m + n)  # the earlier note's figure (docs/design.md §4.1)
     roots = [k for k in kinds(ks, "solver")]
     assert sum(k.flops * k.count for k in roots) == pytest.approx((9 * m**3 + 9 * n**3) / f, rel=1e-12)
     assert all(k.count == 1.0 / f for k in roots)

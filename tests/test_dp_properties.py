@@ -1,4 +1,4 @@
-"""Property tests for the DP partitioning policies (DESIGN section 6) on random instances."""
+"""Property tests for the DP partitioning policies (docs/design.md §5) on random instances."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _run(inst, policy: str):
 
 
 def _blended(plan, alpha: float) -> float:
-    """The objective alpha-balanced trades (DESIGN 6): compute balance vs segment-length balance."""
+    """The objective alpha-balanced trades (docs/design.md §5.4): compute balance vs segment-length balance."""
     m = plan.metrics
     lb_ratio = m.makespan / m.lower_bound if m.lower_bound > 0 else 1.0
     return alpha * lb_ratio + (1 - alpha) * m.comm_ratio
@@ -86,7 +86,7 @@ def _check_backward_order(plan, inst) -> None:
 
 
 def _check_policy_geometry(plan, inst) -> None:
-    """What each policy promises about order, cuts and owners (DESIGN 6)."""
+    """What each policy promises about order, cuts and owners (docs/design.md §5.4)."""
     dp, align = inst["dp"], inst["align"]
     rev = [it.name for it in reversed(inst["items"])]
     layout = [p.name for b in plan.buckets for p in b.params]
@@ -123,7 +123,7 @@ def _check_policy_geometry(plan, inst) -> None:
 
 
 def _check_alpha_cuts(plan, inst) -> None:
-    """alpha-balanced (DESIGN 6): buckets largest first, loads carried; for rank r the target is
+    """alpha-balanced (docs/design.md §5.4): buckets largest first, loads carried; for rank r the target is
     t_r = (1-a) S/d + a S deficit_r / sum(deficit); each cut sits at the legal boundary (at or after
     the previous cut) nearest the blended running target. Checked against every legal boundary."""
     if plan.fell_back:

@@ -1,4 +1,4 @@
-"""Simulator collective model (DESIGN section 10) against its closed forms, and cluster placement."""
+"""Simulator collective model (docs/design.md §9.2) against its closed forms, and cluster placement."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from sim.topology import Cluster, GroupGeometry
 HW = load_profile("h100-sxm")
 NODE = HW.node.gpus
 
-# Datasheet figures (DESIGN section 10) the closed forms below are built from.
+# Figures of the h100-sxm profile (docs/design.md §4.5, §9.2) the closed forms below are built from.
 BASE = 8.4e-6
 NVL_STEP = 3.4e-6
 NET_STEP = 14e-6

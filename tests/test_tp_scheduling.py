@@ -1,4 +1,4 @@
-"""TP micro-group scheduling (DESIGN section 7): properties on random inputs and known answers."""
+"""TP micro-group scheduling (docs/design.md §6): properties on random inputs and known answers."""
 
 from __future__ import annotations
 

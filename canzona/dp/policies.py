@@ -1,4 +1,4 @@
-"""DP partitioning policies (DESIGN section 6): pure functions from buckets of items to a DPPlan.
+"""DP partitioning policies (docs/design.md §5): pure functions from buckets of items to a DPPlan.
 
 All costs are seconds. Buckets arrive in backward order; loads carry across buckets.
 """

@@ -3,7 +3,7 @@
 Reduce-scatter(-v) is built from one `all_to_all_single` (rank j receives every rank's chunk j)
 followed by a local sum in rank order. Two reasons, both measured / checked:
 - uneven segments: gloo has no reduce-scatter-v, and `all_gather` of uneven tensors fails there,
-  while `all_to_all_single` takes uneven split sizes on both backends (DESIGN section 9);
+  while `all_to_all_single` takes uneven split sizes on both backends (docs/design.md §8.1);
 - determinism: summing in rank order is reproducible in one process, which is what makes the
   distributed step equal the single-process step bit for bit (rung 3). A backend's own reduction
   order is unspecified.

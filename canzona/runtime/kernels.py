@@ -1,4 +1,4 @@
-"""Per-matrix update kernels: what a host runs on one full matrix (DESIGN section 4, rung 2).
+"""Per-matrix update kernels: what a host runs on one full matrix (docs/design.md §3; rung 2 of docs/architecture.md §5).
 
 Written from the pinned math in `canzona.optimizers` (the config docstrings), independently of
 `reference/`, so that the two check each other. A kernel maps `(grad, state, config, lr)` to an
