@@ -1,4 +1,4 @@
-"""Optimizer cost models (DESIGN section 5): FLOPs, memory traffic, state bytes and time in seconds.
+"""Optimizer cost models (docs/design.md §4): FLOPs, memory traffic, state bytes and time in seconds.
 
 Each optimizer step on one full `m x n` matrix is decomposed into kernels (GEMMs, elementwise
 passes, eigendecompositions / QR). A kernel's time is a roofline `max(flops/rate, bytes/bw)` plus a
@@ -156,7 +156,7 @@ def step_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None
 
 
 def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
-    """fp32 optimizer state of one full parameter (DESIGN section 5)."""
+    """fp32 optimizer state of one full parameter (docs/design.md §4.2)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
     numel = 1
     for d in shape:
@@ -296,17 +296,17 @@ class TableCost:
 def load_cost_table(path: str, fallback: CostModel | None = None) -> TableCost:
     """A measured table written by `benchmarks/bench_kernels.py --out` (rows of optimizer, m, n,
     dtype, seconds); shapes it lacks fall back to the analytic model."""
-    import json
-    from pathlib import Path
+    from canzona.fileio import is_finite_number, read_json
 
+    data = read_json(path, "cost table", SpecError)
     try:
-        data = json.loads(Path(path).read_text())
         rows = data["rows"]
-        table = {(str(o), int(m), int(n), str(d)): float(t) for o, m, n, d, t in rows}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        table = {(str(o), int(m), int(n), str(d)): t for o, m, n, d, t in rows}
+    except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"cannot read cost table {path}: {e}") from None
-    if any(t <= 0 for t in table.values()):
-        raise SpecError(f"cost table {path}: times must be positive")
+    if not all(is_finite_number(t) and t > 0 for t in table.values()):
+        raise SpecError(f"cost table {path}: times must be positive finite numbers")
+    table = {k: float(t) for k, t in table.items()}
     dtypes = {o: d for o, _, _, d in table}
     label = str(data.get("device", path))
     return TableCost(table, dtypes, fallback or AnalyticCost(), label)

@@ -1,18 +1,19 @@
 """Hardware profiles: versioned JSON files of datasheet or measured figures, each naming its sources.
 
 One definition of each hardware fact: the cost model (policy core) and the simulator both read
-these profiles. `canzona calibrate` will write measured ones in the same format.
+these profiles. Measured profiles use the same format and say so (`"measured": true`).
 """
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from canzona.errors import SpecError
+from canzona.fileio import is_finite_number, parse_json, read_text
 
 SCHEMA = "canzona.hardware"
 VERSION = 1
@@ -88,11 +89,11 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     for n in names:
         v = raw[n]
         if isinstance(v, dict):
-            if not all(isinstance(x, (int, float)) and x > 0 for x in v.values()):
-                raise SpecError(f"{where}: {key}.{n} must map to positive numbers")
+            if not all(is_finite_number(x) and x > 0 for x in v.values()):
+                raise SpecError(f"{where}: {key}.{n} must map to positive finite numbers")
             v = {k: float(x) for k, x in v.items()}
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise SpecError(f"{where}: {key}.{n} must be a positive number, got {v!r}")
+        elif not (is_finite_number(v) and v > 0):
+            raise SpecError(f"{where}: {key}.{n} must be a positive finite number, got {v!r}")
         values[n] = v
     return cls(**values)
 
@@ -107,8 +108,8 @@ def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ..
     out = {}
     for op, rows in raw.items():
         ok = isinstance(rows, list) and rows and all(
-            isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                         and x > 0 for x in r) for r in rows)
+            isinstance(r, list) and len(r) == 2 and all(is_finite_number(x) and x > 0 for x in r)
+            and float(r[0]).is_integer() for r in rows)
         if not ok:
             raise SpecError(f"{where}: solver_seconds.{op} must be a non-empty list of [size, seconds] pairs")
         out[op] = tuple(sorted((int(k), float(t)) for k, t in rows))
@@ -146,6 +147,9 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         raise SpecError(f"{where}: a profile needs a name")
     if not isinstance(sources, list) or not sources or not all(isinstance(s, str) for s in sources):
         raise SpecError(f"{where}: a profile must name its sources (a non-empty list of strings)")
+    measured = data.get("measured", False)
+    if not isinstance(measured, bool):
+        raise SpecError(f"{where}: measured must be true or false, got {measured!r}")
     gpu = _section(data, "gpu", GPUSpec, where)
     node = _section(data, "node", NodeSpec, where)
     _check_gpu(gpu, node, where)
@@ -153,7 +157,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         solver_seconds=_solver_table(data.get("solver_seconds", {}), where),
         name=name,
         description=str(data.get("description", "")),
-        measured=bool(data.get("measured", False)),
+        measured=measured,
         sources=tuple(sources),
         gpu=gpu,
         node=node,
@@ -168,16 +172,9 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     if text in profile_names():
         raw = (resources.files("canzona") / "profiles" / f"{text}.json").read_text()
         where = text
-    elif text.endswith(".json") or Path(text).exists():
-        try:
-            raw = Path(text).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise SpecError(f"cannot read hardware profile {text}: {getattr(e, 'strerror', None) or e}") from None
+    elif text.endswith(".json") or os.path.lexists(text):
+        raw = read_text(text, "hardware profile", SpecError)
         where = text
     else:
         raise SpecError(f"unknown hardware {text!r}; known profiles: {', '.join(profile_names())} (or a .json path)")
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return profile_from_dict(data, where)
+    return profile_from_dict(parse_json(raw, where, SpecError), where)

@@ -17,12 +17,14 @@ from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import BucketPlan, Placement
 from canzona.dp.policies import BALANCE_UNITS
 from canzona.errors import PlanError, SpecError
+from canzona.fileio import dumps_json, is_finite_number, parse_json, read_text, write_text_atomic
 from canzona.optimizers import check_matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.tp import EVERY_RANK, Capacity, MicroGroup, TPPlan, TPTask, check_tp_policy, plan_tp
 
 SCHEMA = "canzona.plan"
 VERSION = 1
+MAX_DP = 65536  # planned in about half a second; far beyond any cluster a plan is made for
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,11 @@ class Plan:
         return {"schema": SCHEMA, "version": VERSION, **_body(self), "metrics": self.summary()}
 
     def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return dumps_json(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(indent=1) + "\n")
+        """Write atomically: a failed write never leaves a truncated plan over a good one."""
+        write_text_atomic(path, self.to_json(indent=1) + "\n", "plan")
 
     def hash(self) -> str:
         """Identity of what ranks execute (metrics excluded): ranks compare it before collectives."""
@@ -163,8 +166,8 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               capacity: Capacity | None = None, cost_model: CostModel | None = None,
               balance_by: str = "seconds") -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices."""
-    if dp < 1:
-        raise SpecError(f"dp must be >= 1, got {dp}")
+    if not 1 <= dp <= MAX_DP:
+        raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
     if tp < 1:
         raise SpecError(f"tp must be >= 1, got {tp}")
     optimizer = check_matrix_optimizer(optimizer)
@@ -187,10 +190,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-
-
 def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise PlanError(f"{where}: missing field {key!r}")
@@ -207,7 +206,7 @@ def _placement(row: Any, where: str) -> Placement:
         raise PlanError(f"{where}: each parameter must be [name, offset, numel, cost, state_bytes, owner]")
     name, offset, numel, cost, sbytes, owner = row
     if not isinstance(name, str) or not all(_is_int(v) for v in (offset, numel, sbytes, owner)) \
-            or not _is_number(cost):
+            or not is_finite_number(cost):
         raise PlanError(f"{where}: parameter {row[0]!r} has a field of the wrong type")
     if offset < 0 or numel < 1 or cost < 0 or sbytes < 0:
         raise PlanError(f"{where}: parameter {name} has a negative offset, cost or size")
@@ -222,7 +221,7 @@ def _dp_from(d: dict[str, Any], dp: int) -> DPPlan:
     except SpecError as e:
         raise PlanError(f"{where}: {e}") from None
     alpha = d.get("alpha")
-    if alpha is not None and not (_is_number(alpha) and 0 <= alpha <= 1):
+    if alpha is not None and not (is_finite_number(alpha) and 0 <= alpha <= 1):
         raise PlanError(f"{where}: alpha must be a number in [0, 1], got {alpha!r}")
     align = _get(d, "align", int, where)
     if align < 1:
@@ -265,7 +264,7 @@ def _tp_from(d: dict[str, Any], tp: int) -> TPPlan:
             if not (len(tasks) == len(hosts) == len(costs)):
                 raise PlanError(f"{rw}: a micro-group's tasks, hosts and costs differ in length")
             if not all(isinstance(t, str) for t in tasks) or not all(_is_int(h) for h in hosts) \
-                    or not all(_is_number(c) and c >= 0 for c in costs):
+                    or not all(is_finite_number(c) and c >= 0 for c in costs):
                 raise PlanError(f"{rw}: micro-group tasks must be names, hosts integers, costs non-negative numbers")
             row.append(MicroGroup(tuple(tasks), tuple(hosts), tuple(float(c) for c in costs)))
         groups.append(tuple(row))
@@ -325,7 +324,6 @@ def _validate_dp(d: DPPlan) -> None:
     seen: set[str] = set()
     if d.balance_by not in BALANCE_UNITS:
         raise PlanError(f"dp_plan: balance unit must be one of {', '.join(BALANCE_UNITS)}, got {d.balance_by!r}")
-    keeps_geometry = not d.split_compute and d.policy != "layerwise"
     for b in d.buckets:
         w = f"dp_plan: bucket {b.index}"
         if len(b.cuts) != d.dp + 1:
@@ -341,7 +339,7 @@ def _validate_dp(d: DPPlan) -> None:
                 raise PlanError(f"{w}: parameter {p.name} is misplaced (overlap, misalignment or overflow)")
             if not 0 <= p.owner < d.dp:
                 raise PlanError(f"{w}: parameter {p.name} has owner {p.owner} outside 0..{d.dp - 1}")
-            if keeps_geometry and list(b.ranks_overlapping(p)) != [p.owner]:
+            if d.keeps_geometry and list(b.ranks_overlapping(p)) != [p.owner]:
                 raise PlanError(f"{w}: parameter {p.name} is not whole inside its owner's segment")
             end = p.end
 
@@ -386,18 +384,11 @@ def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: 
 
 
 def plan_from_json(text: str) -> Plan:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(f"plan: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return plan_from_dict(data)
+    return plan_from_dict(parse_json(text, "plan", PlanError))
 
 
 def load_plan(path: str | Path, model: ModelSpec | None = None) -> Plan:
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanError(f"cannot read plan file {path}: {getattr(e, 'strerror', None) or e}") from None
+    text = read_text(path, "plan file", PlanError)
     try:
         plan = plan_from_json(text)
         if model is not None:

@@ -1,4 +1,4 @@
-"""The optimizer-step policies compared by the simulator and run by the runtime (DESIGN section 8).
+"""The optimizer-step policies compared by the simulator and run by the runtime (docs/design.md §7).
 
 One definition, shared: how each policy synchronises gradients, which DP and TP plans it uses, and
 what it communicates around the step.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canzona.dp.layout import KEEPS_GEOMETRY, DPPlan
 from canzona.errors import SpecError
 
 
@@ -20,6 +21,24 @@ class StepPolicy:
     tp_policy: str | None
     gather_split: bool  # zero1-gather: fetch the other ranks' parts of split matrices
     gather_params: bool  # all-gather updated parameters over DP after the step
+
+    def check_dp_policy(self, dp_policy: str) -> None:
+        """The user's DP policy is one this step policy can execute (policies with their own plan
+        ignore it); raise SpecError (one line) otherwise."""
+        if self.dp_policy is None and dp_policy not in KEEPS_GEOMETRY:
+            raise self._needs_whole_matrices(dp_policy)
+
+    def check_dp_plan(self, dp_plan: DPPlan) -> None:
+        """The DP plan is one this policy can execute; raise SpecError (one line) otherwise."""
+        if self.dp_policy is not None and dp_plan.policy != self.dp_policy:
+            raise SpecError(f"policy {self.name} needs a {self.dp_policy} plan, got {dp_plan.policy}")
+        if self.dp_policy is None and not dp_plan.keeps_geometry:
+            raise self._needs_whole_matrices(dp_plan.policy)
+
+    def _needs_whole_matrices(self, dp_policy: str) -> SpecError:
+        return SpecError(f"policy {self.name} needs a DP plan that keeps every matrix whole inside its "
+                         f"owner's segment; {dp_policy} does not (choose one of "
+                         f"{', '.join(sorted(KEEPS_GEOMETRY))})")
 
 
 STEP_POLICIES: dict[str, StepPolicy] = {

@@ -1,4 +1,4 @@
-"""TP micro-group scheduling (DESIGN section 7), composed with the DP plan.
+"""TP micro-group scheduling (docs/design.md §6), composed with the DP plan.
 
 DP rank `i` owns a matrix on all its TP ranks `(i, *)`; those ranks split the full-matrix work by
 giving each matrix one host TP rank. Tasks are packed into micro-groups: per group one fused
@@ -8,6 +8,7 @@ all-to-all gathers shards to hosts, hosts compute, one fused all-to-all scatters
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,8 +37,8 @@ class Capacity:
         object.__setattr__(self, "value", float(self.value))  # one JSON spelling, one plan hash
         if self.unit not in CAPACITY_UNITS:
             raise SpecError(f"capacity unit must be one of {', '.join(CAPACITY_UNITS)}, got {self.unit!r}")
-        if not self.value > 0:
-            raise SpecError(f"capacity must be positive, got {self.value}")
+        if not (math.isfinite(self.value) and self.value > 0):
+            raise SpecError(f"capacity must be a positive finite number, got {self.value}")
 
     def measure(self, task: TPTask) -> float:
         return task.cost if self.unit == "s" else float(task.bytes)
@@ -122,8 +123,9 @@ def greedy_rollback(tasks: Sequence[TPTask], tp: int, capacity: Capacity | None)
     capacity; when a task saturates it, roll it back, emit the set, and retry the task in a new set.
 
     Tasks arrive by size descending, so LPT of the set equals adding each task to the least-loaded
-    host as it comes: the assignment is maintained incrementally. (DESIGN also rolls back when the
-    mean load exceeds the capacity; the mean never exceeds the makespan, so one test covers both.)
+    host as it comes: the assignment is maintained incrementally. (docs/design.md §6.2: a rule that
+    also rolls back when the mean load exceeds the capacity adds nothing, since the mean never
+    exceeds the makespan; one test covers both.)
     """
     if capacity is None:
         raise SpecError("greedy-rollback needs a capacity")

@@ -9,17 +9,55 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+try:  # recent typer vendors click; older releases use click itself
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException
 
 from canzona.catalog import DEFAULT_MODEL, get_model
 from canzona.dp import DP_POLICIES
+from canzona.dp.policies import MATRICES_PER_RANK
 from canzona.errors import CanzonaError
+from canzona.fileio import check_output_path
 from canzona.hardware import DEFAULT_PROFILE
-from canzona.plan import check_plan_matches, load_plan, make_plan
+from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
+from canzona.runtime import verify as checks
 from canzona.tp import TP_POLICIES
+from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table, verify_table
 from cli.units import parse_capacity
+from sim.topology import MAX_GPUS
+from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (`--dp abc`, an unknown option) end like every other bad input: one `error:`
+    line on stderr and exit code 2, instead of click's multi-line usage box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(args=args or ["--help"], prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        except ClickException as e:
+            message = " ".join(e.format_message().split())
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print(f"error: {message}{hint}", file=sys.stderr)
+            code = e.exit_code
+        except typer.Abort:
+            print("error: aborted", file=sys.stderr)
+            code = 1
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Canzona: plan, simulate and verify distributed matrix optimizers (Muon, SOAP, Shampoo).",
     add_completion=False,
     no_args_is_help=True,
@@ -44,13 +82,13 @@ def models() -> None:
 @app.command()
 def plan(
     model: Annotated[str, typer.Option(help="Catalog model name.")] = DEFAULT_MODEL,
-    dp: Annotated[int, typer.Option(help="Data-parallel size.")] = 32,
+    dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")] = "muon",
     dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = "alpha-balanced",
     tp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(TP_POLICIES)}.")] = "greedy-rollback",
     alpha: Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")] = 1.0,
-    bucket_size: Annotated[int | None, typer.Option(help="Gradient bucket size in elements (default: about one matrix per rank).")] = None,
+    bucket_size: Annotated[int | None, typer.Option(help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, at least max(40M, 1M x dp) and the largest matrix).")] = None,
     align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = 64,
     capacity: Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")] = "auto",
     balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = "seconds",
@@ -59,6 +97,8 @@ def plan(
 ) -> None:
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
+        if out is not None:
+            check_output_path(out, "plan")
         spec = get_model(model, tp)
         cap = parse_capacity(capacity)
 
@@ -68,10 +108,7 @@ def plan(
 
         chosen = make(dp_policy, tp_policy)
         if out is not None:
-            try:
-                chosen.save(out)
-            except OSError as e:
-                fail(f"cannot write {out}: {e.strerror}")
+            chosen.save(out)
         if as_json:
             print(json.dumps(chosen.summary()))
             return
@@ -127,17 +164,19 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 
 Model = Annotated[str, typer.Option(help="Catalog model name.")]
-Gpus = Annotated[int, typer.Option(help="Number of GPUs.")]
+Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
 DpPolicy = Annotated[str, typer.Option(help="canzona's DP policy.")]
 TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
-BucketSize = Annotated[int | None, typer.Option(help="Gradient bucket size in elements.")]
+BucketSize = Annotated[int | None, typer.Option(
+    help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket).")]
 CapacityOpt = Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")]
 Hardware = Annotated[str, typer.Option(help="Hardware profile name (h100-sxm, h200, a100-sxm) or a JSON path.")]
-SeqLen = Annotated[int, typer.Option(help="Sequence length in tokens.")]
-GlobalBatch = Annotated[int, typer.Option(help="Sequences per iteration.")]
+SeqLen = Annotated[int, typer.Option(help=f"Sequence length in tokens (at most {MAX_SEQ_LEN}).")]
+GlobalBatch = Annotated[int, typer.Option(
+    help=f"Sequences per iteration (at most {MAX_MICRO_BATCHES} micro-batches per DP rank).")]
 MicroBatch = Annotated[int, typer.Option(help="Sequences per micro-batch per DP rank.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 
@@ -157,13 +196,14 @@ def simulate(
     from sim.simulate import write_trace
 
     try:
-        result = run(_sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
-                                 capacity, hardware, seq_len, global_batch, micro_batch))
+        config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
+                             capacity, hardware, seq_len, global_batch, micro_batch)
+        config.check()
         if trace is not None:
-            try:
-                write_trace(result, trace)
-            except OSError as e:
-                fail(f"cannot write {trace}: {e.strerror}")
+            check_output_path(trace, "trace")
+        result = run(config)
+        if trace is not None:
+            write_trace(result, trace)
     except CanzonaError as e:
         fail(str(e))
     if as_json:
@@ -180,7 +220,7 @@ def compare(
     dp_policy: DpPolicy = "alpha-balanced", tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
-    plot: Annotated[Path | None, typer.Option(help="Save a bar chart (PNG) of the comparison here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Simulate every policy on the same layout, side by side (default: Qwen3-32B on 256 H100, TP 8)."""
@@ -193,6 +233,8 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch)
         base.check()  # bad input fails here, before a progress bar is drawn
+        if plot is not None:
+            check_output_path(plot, "plot", PLOT_SUFFIXES)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
             task = progress.add_task("simulating", total=len(STEP_POLICIES))
@@ -206,12 +248,7 @@ def compare(
             results = run(base, progress=tick)
             progress.update(task, completed=len(STEP_POLICIES))
         if plot is not None:
-            from cli.plots import compare_plot
-
-            try:
-                compare_plot(results, plot)
-            except OSError as e:
-                fail(f"cannot write {plot}: {e.strerror}")
+            compare_plot(results, plot)
     except CanzonaError as e:
         fail(str(e))
     if as_json:
@@ -224,14 +261,15 @@ def compare(
 
 @app.command()
 def verify(
-    dp: Annotated[int, typer.Option(help="Data-parallel ranks to spawn (gloo, CPU).")] = 2,
+    dp: Annotated[int, typer.Option(help=f"Data-parallel ranks to spawn (gloo, CPU; 1..{checks.MAX_DP}).")] = 2,
     optimizer: Annotated[str, typer.Option(help="muon, soap, shampoo or all.")] = "muon",
     policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise, canzona or all.")] = "canzona",
-    steps: Annotated[int, typer.Option(help="Training steps of the tiny model.")] = 10,
+    steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
     dp_policy: DpPolicy = "alpha-balanced",
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
     preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied or small.")] = "tiny",
-    global_batch: Annotated[int | None, typer.Option(help="Sequences per step (default: 4 x dp x accumulation).")] = None,
+    global_batch: Annotated[int | None, typer.Option(
+        help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
     alpha: Alpha = 1.0,
     bucket_size: BucketSize = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size (the runtime executes TP 1 only).")] = 1,
@@ -241,8 +279,6 @@ def verify(
     and compare every rank's parameters with the same kernels in one process (bit for bit) and the
     reference optimizers (1e-5 relative). Exit code 1 on any mismatch."""
     from rich.progress import Progress
-
-    from canzona.runtime import verify as checks
 
     try:
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy, accumulation, preset, global_batch,

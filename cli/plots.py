@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from canzona.fileio import write_atomic
 from sim.simulate import SimResult
+
+# What `savefig` writes, chosen by the extension (checked before a comparison starts).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def compare_plot(results: Sequence[SimResult], path: str | Path) -> None:
@@ -30,5 +34,7 @@ def compare_plot(results: Sequence[SimResult], path: str | Path) -> None:
     fig.suptitle(f"{c.model}, {c.gpus} x {c.hardware} GPUs, TP {c.tp}, {c.optimizer} "
                  f"(seq {c.workload.seq_len}, global batch {c.workload.global_batch})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120), "plot")
+    finally:
+        plt.close(fig)

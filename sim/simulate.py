@@ -7,7 +7,6 @@ gradient synchronisation to the parameters being updated and gathered.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 from canzona.catalog import get_config, get_model
 from canzona.cost import AnalyticCost, DeviceRate
 from canzona.errors import SpecError
+from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.optimizers import check_matrix_optimizer
 from canzona.plan import Plan, make_plan
@@ -52,6 +52,7 @@ class SimConfig:
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
+        STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
         get_model(self.model, self.tp)
         self.workload.micro_batches(cluster.dp)
@@ -152,6 +153,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     cluster = cfg.check()
     hw = load_profile(cfg.hardware)
     plan = plan or _plan_for(cfg, cluster)
+    STEP_POLICIES[cfg.policy].check_dp_plan(plan.dp_plan)
     spec = get_model(cfg.model, cfg.tp)
     engine = Engine()
     ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), get_config(cfg.model), spec, cfg.workload,
@@ -223,5 +225,5 @@ def write_trace(result: SimResult, path: str | Path) -> None:
                            "dur": (s.end - s.start) * 1e6, "pid": r, "tid": s.stream})
     for r in range(gpus):
         events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                      "otherData": {"definitions": DEFINITIONS}}))
+    write_text_atomic(path, dumps_json({"traceEvents": events, "displayTimeUnit": "ms",
+                                        "otherData": {"definitions": DEFINITIONS}}), "trace")

@@ -20,6 +20,9 @@ class GroupGeometry:
         return self.nodes > 1
 
 
+MAX_GPUS = 16384  # about 10 s per simulated iteration on one core, and memory to match
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpus: int
@@ -29,6 +32,8 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.tp < 1:
             raise SpecError(f"gpus and tp must be >= 1, got gpus={self.gpus} tp={self.tp}")
+        if self.gpus > MAX_GPUS:
+            raise SpecError(f"the simulator runs at most {MAX_GPUS} GPUs, got {self.gpus}")
         if self.gpus % self.tp:
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp={self.tp}")
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:

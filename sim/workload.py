@@ -8,6 +8,11 @@ from canzona.catalog import Qwen3Config
 from canzona.errors import SpecError
 from canzona.spec import ModelSpec
 
+# Simulated time grows with the micro-batches each rank runs (every forward and backward is a
+# process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
+MAX_MICRO_BATCHES = 256
+MAX_SEQ_LEN = 2**20
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -23,13 +28,20 @@ class Workload:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes"):
             if getattr(self, field) < 1:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
 
     def micro_batches(self, dp: int) -> int:
         per_step = dp * self.micro_batch
         if self.global_batch % per_step:
             raise SpecError(f"global batch {self.global_batch} is not divisible by dp x micro batch "
                             f"= {dp} x {self.micro_batch}")
-        return self.global_batch // per_step
+        count = self.global_batch // per_step
+        if count > MAX_MICRO_BATCHES:
+            raise SpecError(f"global batch {self.global_batch} means {count} micro-batches per DP rank; the "
+                            f"simulator runs at most {MAX_MICRO_BATCHES} (raise --micro-batch or lower "
+                            "--global-batch)")
+        return count
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -1,4 +1,4 @@
-"""Plan files (DESIGN sections 2, 6, 7): round trips, summaries and validation of malformed files."""
+"""Plan files (docs/architecture.md §3.5, docs/design.md §5 and §6): round trips, summaries and validation of malformed files."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_policies_keep_their_defining_properties():
     for pol in ("whole-start", "alpha-balanced", "alpha-balanced-reorder"):
         assert s[pol]["atomic"], pol
     assert s["alpha-balanced"]["imbalance"] <= s["whole-start"]["imbalance"]
-    assert s["alpha-balanced-reorder"]["lower_bound_gap"] < 0.01  # DESIGN section 11 bar
+    assert s["alpha-balanced-reorder"]["lower_bound_gap"] < 0.01  # docs/design.md §10 bar
     assert s["alpha-balanced-reorder"]["imbalance"] <= s["alpha-balanced"]["imbalance"]
     # Every matrix is placed exactly once in each plan, and TP groups hold each owner's matrices.
     names = sorted(p.name for p in model.matrix_params())
@@ -235,7 +235,7 @@ MALFORMED = {
     "unknown tp policy": (_set(("tp_plan", "policy"), "magic"), "unknown TP policy 'magic'"),
     "unknown optimizer": (_set(("optimizer",), "sgd"), "unknown matrix optimizer 'sgd'"),
     "bad capacity unit": (_set(("tp_plan", "capacity", "unit"), "ms"), "capacity unit"),
-    "negative capacity": (_set(("tp_plan", "capacity", "value"), -1.0), "capacity must be positive"),
+    "negative capacity": (_set(("tp_plan", "capacity", "value"), -1.0), "capacity must be a positive finite number"),
     "tp group missing a task": (_missing_task, "do not hold exactly the matrices it computes"),
     "tp group lengths differ": (lambda d: d["tp_plan"]["groups"][0][0]["hosts"].pop(), "differ in length"),
     "tp groups for too few ranks": (lambda d: d["tp_plan"]["groups"].pop(), "groups for 3 DP ranks, expected 4"),

@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 from canzona.step_policies import STEP_POLICIES
-from cli.main import app
+
+try:
+    from cli_helpers import error_line, invoke
+except ImportError:  # run from the repository root as a package
+    from tests.cli_helpers import error_line, invoke
 
 SMALL = ["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--seq-len", "256", "--global-batch", "16"]
 TINY = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "8", "--seq-len", "128", "--global-batch", "1"]
@@ -20,29 +23,8 @@ REQUIRED = {"iteration_time_s", "optimizer_step_s", "breakdown", "rank_optimizer
 POLICY_NAMES = {"sc", "zero1-gather", "layerwise", "canzona"}
 
 
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
-def run(*args: str):
-    return _runner().invoke(app, [str(a) for a in args])
-
-
-def assert_one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr, result.exception)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error:"), lines[0]
-    assert result.stdout == ""
-    for text in (result.stdout, result.stderr, result.output):
-        assert "Traceback" not in text
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+run = invoke
+assert_one_error_line = error_line
 
 
 # --- simulate ---------------------------------------------------------------------------------
@@ -186,7 +168,7 @@ def test_unwritable_plot_path_is_reported():
     result = run("compare", *TINY, "--plot", "/nonexistent/dir/x.png")
     assert result.exit_code == 2
     lines = [x for x in result.stderr.splitlines() if x.strip()]
-    assert lines == [lines[-1]] and lines[-1].startswith("error: cannot write /nonexistent/dir/x.png")
+    assert lines == [lines[-1]] and lines[-1].startswith("error: cannot write plot /nonexistent/dir/x.png")
     assert "Traceback" not in result.output
 
 

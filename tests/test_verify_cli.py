@@ -9,42 +9,32 @@ import math
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from canzona.runtime import verify as checks
 from canzona.runtime.launch import RankError
 from canzona.step_policies import STEP_POLICIES
-from cli.main import app
+
+try:
+    from cli_helpers import error_line, invoke
+except ImportError:  # run from the repository root as a package
+    from tests.cli_helpers import error_line, invoke
 
 QUICK = ["--dp", "2", "--steps", "2"]
 
 
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
-    except TypeError:
-        return CliRunner()
-
-
 def run(*args: str):
-    result = _runner().invoke(app, ["verify", *[str(a) for a in args]])
+    result = invoke("verify", *args)
     return result, result.stdout, result.stderr
 
 
 def one_error_line(result, stdout: str, stderr: str, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, stdout, stderr, result.exception)
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert stdout == ""
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    return lines[0]
+    return error_line(result, code=code)
 
 
 # --- real runs (one spawn each) -------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_one_configuration_passes_every_rung():
     result, out, err = run(*QUICK, "--optimizer", "muon", "--policy", "canzona", "--json")
     assert result.exit_code == 0, (out, err)
@@ -61,6 +51,7 @@ def test_one_configuration_passes_every_rung():
     assert rows[2]["max_rel_diff"] <= checks.REFERENCE_RTOL == rows[2]["tolerance"]
 
 
+@pytest.mark.distributed
 def test_every_policy_in_one_run():
     result, out, err = run(*QUICK, "--optimizer", "soap", "--policy", "all", "--json")
     assert result.exit_code == 0, (out, err)
@@ -77,6 +68,7 @@ def test_every_policy_in_one_run():
     assert len({r["final_loss"] for r in rows}) == 1  # every policy trains the same model
 
 
+@pytest.mark.distributed
 def test_table_on_a_single_rank():
     result, out, err = run("--dp", "1", "--steps", "2", "--policy", "sc")
     assert result.exit_code == 0, (out, err)
@@ -87,6 +79,7 @@ def test_table_on_a_single_rank():
     assert err == ""
 
 
+@pytest.mark.distributed
 def test_gradient_accumulation():
     result, out, err = run("--dp", "2", "--steps", "2", "--accumulation", "2", "--json")
     assert result.exit_code == 0 and json.loads(out)["ok"] is True, (out, err)
@@ -186,3 +179,17 @@ def test_mismatch_exits_1_with_the_table(monkeypatch):
     result, out, err = run(*QUICK, "--json")
     assert result.exit_code == 1
     assert json.loads(out)["ok"] is False
+
+
+@pytest.mark.distributed
+def test_progress_follows_the_training_step_by_step():
+    cases = checks.prepare(2, "muon", "canzona", steps=3) + checks.prepare(2, "muon", "sc", steps=3)
+    seen: list[tuple[int, int, str]] = []
+    rows = checks.run(cases, 2, progress=lambda done, total, what: seen.append((done, total, what)))
+    assert all(r["ok"] for r in rows)
+    total = 6 + 2 * 1 + 2  # training steps, one emulation + reference pair, two checks
+    assert {t for _, t, _ in seen} == {total}
+    done = [d for d, _, _ in seen]
+    assert done == sorted(done) and done[-1] == total
+    training = [(d, w) for d, _, w in seen if "step" in w]
+    assert training and training[-1] == (6, "training muon / sc on 2 rank(s): step 3 of 3")

@@ -147,6 +147,12 @@ def _ratio(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else 1.0
 
 
+# DP policies whose plans put every matrix whole inside its owner's contiguous segment, so the
+# reduce-scatter lands each gradient on the rank that updates it (zero1-even splits matrices,
+# layerwise scatters owners over the buffer).
+KEEPS_GEOMETRY = frozenset({"whole-start", "alpha-balanced", "alpha-balanced-reorder"})
+
+
 @dataclass(frozen=True)
 class DPPlan:
     """The DP part of a plan. With `split_compute`, every rank whose segment overlaps a matrix
@@ -161,6 +167,11 @@ class DPPlan:
     buckets: tuple[BucketPlan, ...]  # backward order
     fell_back: bool = False  # alpha-balanced kept the whole-start plan because it was not worse
     balance_by: str = "seconds"  # or "elements": the authors' code balances element counts
+
+    @property
+    def keeps_geometry(self) -> bool:
+        """Every matrix lies whole inside its owner's contiguous segment (see `KEEPS_GEOMETRY`)."""
+        return self.policy in KEEPS_GEOMETRY and not self.split_compute
 
     def placements(self) -> list[Placement]:
         return [p for b in self.buckets for p in b.params]

@@ -7,7 +7,7 @@ gradient is accumulated (post-accumulate-grad hooks), in bucket order on every r
 finishes the gradient sync, runs the matrix kernels on the matrices this rank computes and AdamW
 on its slice, then all-gathers the updated parameters.
 
-Policies (DESIGN section 8): `canzona` (reduce-scatter-v on the plan's segments, owners compute),
+Policies (docs/design.md §7): `canzona` (reduce-scatter-v on the plan's segments, owners compute),
 `zero1-gather` (even segments; every rank whose segment touches a matrix gathers and computes it),
 `layerwise` (all-reduce; LPT owners compute; owners' parameters are gathered), `sc` (all-reduce;
 every rank computes everything).
@@ -161,19 +161,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, alpha: float,
                       bucket_size: int | None, align: int) -> Plan:
         if plan is None:
-            return make_plan(self.spec, self.dp, 1, self.optimizer, self.policy.dp_policy or dp_policy,
+            plan = make_plan(self.spec, self.dp, 1, self.optimizer, self.policy.dp_policy or dp_policy,
                              self.policy.tp_policy or "greedy-rollback", alpha, bucket_size, align)
-        if not isinstance(plan, Plan):
+        elif not isinstance(plan, Plan):
             plan = load_plan(plan)
         check_plan_matches(plan, self.spec, dp=self.dp, tp=1)
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
-        wanted = self.policy.dp_policy
-        if wanted is not None and plan.dp_plan.policy != wanted:
-            raise PlanError(f"policy {self.policy.name} needs a {wanted} plan, got {plan.dp_plan.policy}")
-        if wanted is None and (plan.dp_plan.split_compute or plan.dp_plan.policy == "layerwise"):
-            raise PlanError(f"policy {self.policy.name} needs a plan that keeps every matrix whole inside "
-                            f"its owner's segment; {plan.dp_plan.policy} does not")
+        try:
+            self.policy.check_dp_plan(plan.dp_plan)
+        except SpecError as e:
+            raise PlanError(str(e)) from None
         return plan
 
     def _matrices_computed_here(self) -> list[str]:

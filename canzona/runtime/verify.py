@@ -1,4 +1,4 @@
-"""`canzona verify`: rung 3 of the verification ladder (DESIGN section 4) on spawned gloo ranks.
+"""`canzona verify`: rung 3 of the verification ladder (docs/architecture.md §5) on spawned gloo ranks.
 
 For each (optimizer, policy) the tiny model is trained for `steps` steps by `dp` CPU ranks running
 `DistributedOptimizer`, and the final parameters of every rank are checked three ways:
@@ -32,7 +32,11 @@ from canzona.step_policies import STEP_POLICIES, get_step_policy
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
-MAX_DP = 64  # every rank is a process on this machine
+# Every rank is a process on this machine (about 300 MB each with torch), and every process holds
+# all steps' batches: these bounds keep a run within a few GB.
+MAX_DP = 16
+MAX_STEPS = 1000
+MAX_GLOBAL_BATCH = 1024
 RUNGS = {
     "ranks": "every rank equals rank 0 (bit for bit)",
     "3a": "equals the same kernels in one process (bit for bit, fp32)",
@@ -81,6 +85,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     if dp > MAX_DP:
         raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
     _positive("steps", steps)
+    if steps > MAX_STEPS:
+        raise SpecError(f"steps must be <= {MAX_STEPS}, got {steps}")
     _positive("accumulation", accumulation)
     _positive("seq_len", seq_len)
     if tp != 1:
@@ -89,6 +95,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     if global_batch is None:
         global_batch = 4 * dp * accumulation
     _positive("global batch", global_batch)
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise SpecError(f"global batch must be <= {MAX_GLOBAL_BATCH} sequences, got {global_batch}")
     cfg = get_preset(preset)
     if seq_len > cfg.max_seq_len:
         raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
@@ -107,6 +115,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
             # that bad plan settings fail before any spawn and the table names what ran
             plan = make_plan(mspec, dp, 1, opt, step.dp_policy or dp_policy,
                              step.tp_policy or "greedy-rollback", alpha, bucket_size)
+            step.check_dp_plan(plan.dp_plan)
             cases.append(VerifyCase(spec, plan))
     return cases
 
@@ -125,13 +134,15 @@ def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
 
     tick = progress or (lambda done, total, what: None)
     baselines = _baseline_keys(cases)
-    total = 1 + 2 * len(baselines) + len(cases)
+    steps = sum(c.spec.steps for c in cases)  # the training advances one unit per step
+    total = steps + 2 * len(baselines) + len(cases)
     done = 0
-    tick(done, total, f"training {len(cases)} configuration(s) on {dp} gloo rank(s)")
+    tick(done, total, f"starting {dp} gloo rank(s) for {len(cases)} configuration(s)")
     per_rank = run_ranks(many_specs_worker, dp, [c.spec for c in cases],
                          [{"plan": c.plan, "state_dict": False} for c in cases],
-                         deadline_s=deadline_s or deadline_for(cases, dp))
-    done += 1
+                         deadline_s=deadline_s or deadline_for(cases, dp),
+                         progress=lambda step, _, what: tick(step, total, what))
+    done += steps
     rows: list[dict[str, Any]] = []
     expected: dict[str, tuple[dict, dict]] = {}
     for i, case in enumerate(cases):
