@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,8 +83,10 @@ def micro_batches(tokens: Tensor, rank: int, dp: int, accumulation: int) -> list
     return list(shard.chunk(accumulation))
 
 
-def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, Any] | None = None) -> dict:
-    """One DP rank: train `spec.steps` steps; return final parameters, losses, state, log."""
+def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, Any] | None = None,
+                       on_step: Callable[[int], None] | None = None) -> dict:
+    """One DP rank: train `spec.steps` steps; return final parameters, losses, state, log.
+    `on_step(k)` is called after step k (1-based)."""
     from canzona.runtime.optimizer import DistributedOptimizer
 
     extra = extra or {}
@@ -113,6 +115,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
             total += loss.item()
         opt.step()
         losses.append(total)
+        if on_step is not None:
+            on_step(len(losses))
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
@@ -228,5 +232,17 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, Any]:
 def many_specs_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict] | None = None) -> list[dict]:
     """Run several training specs one after another in the same process group (one spawn, many
     checks): spawning costs seconds, a tiny run costs a fraction of one."""
+    from canzona.runtime.launch import report_progress
+
     extras = extras or [{} for _ in specs]
-    return [distributed_worker(rank, world, spec, extra) for spec, extra in zip(specs, extras)]
+    total = sum(spec.steps for spec in specs)
+    results, done = [], 0
+    for spec, extra in zip(specs, extras):
+        label = f"training {spec.optimizer} / {spec.policy} on {world} rank(s)"
+
+        def on_step(k: int, before: int = done, label: str = label, steps: int = spec.steps) -> None:
+            report_progress(before + k, total, f"{label}: step {k} of {steps}")
+
+        results.append(distributed_worker(rank, world, spec, extra, on_step=on_step))
+        done += spec.steps
+    return results
