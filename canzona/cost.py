@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from canzona.errors import SpecError
@@ -310,3 +311,9 @@ def load_cost_table(path: str, fallback: CostModel | None = None) -> TableCost:
     dtypes = {o: d for o, _, _, d in table}
     label = str(data.get("device", path))
     return TableCost(table, dtypes, fallback or AnalyticCost(), label)
+
+
+def cost_model_for(hardware: str | Path = "h100-sxm", table: str | Path | None = None) -> CostModel:
+    """The analytic model on a hardware profile, or a measured table falling back to it."""
+    analytic = AnalyticCost(DeviceRate.from_profile(load_profile(hardware)))
+    return analytic if table is None else load_cost_table(str(table), fallback=analytic)

@@ -6,6 +6,7 @@ compute dtypes); the reference optimizers and runtime kernels take their default
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -145,11 +146,80 @@ def default_config(name: str) -> Any:
 
 
 def config_from_dict(name: str, values: dict[str, Any]) -> Any:
-    """A config of optimizer `name` with `values` overriding defaults; unknown keys are an error."""
+    """A config of optimizer `name` with `values` overriding defaults; unknown keys are an error,
+    and the result is validated (`check_config`)."""
     cfg = default_config(name)
     known = {f.name for f in fields(cfg)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise SpecError(f"{name} has no hyper-parameter(s) {', '.join(unknown)}")
-    cast = {k: tuple(v) if isinstance(getattr(cfg, k), tuple) else v for k, v in values.items()}
-    return replace(cfg, **cast)
+    cast = {k: tuple(v) if isinstance(getattr(cfg, k), (tuple, list)) and isinstance(v, (tuple, list)) else v
+            for k, v in values.items()}
+    return check_config(name, replace(cfg, **cast))
+
+
+COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")
+LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+
+# Per field, beyond its type: (lowest, highest, whether the lowest itself is allowed).
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "lr": (0.0, math.inf, True),
+    "weight_decay": (0.0, math.inf, True),
+    "momentum": (0.0, 1.0, True),
+    "eps": (0.0, math.inf, False),
+    "epsilon": (0.0, math.inf, False),
+    "graft_eps": (0.0, math.inf, False),
+    "eig_eps": (0.0, math.inf, False),
+    "ns_steps": (0.0, math.inf, False),
+    "precondition_frequency": (1.0, math.inf, True),
+    "max_precond_dim": (0.0, math.inf, True),
+    "max_preconditioner_dim": (0.0, math.inf, True),
+    "root_order": (1.0, math.inf, True),
+}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_config(name: str, cfg: Any) -> Any:
+    """Raise SpecError (one line) on the first hyper-parameter of the wrong type or out of range;
+    return `cfg`. Runs at construction on every rank, before any collective."""
+    default = default_config(name)
+    whole: dict[str, int] = {}  # 5.0 for ns_steps means 5: kernels count with it
+    if type(cfg) is not type(default):
+        raise SpecError(f"{name} config must be a {type(default).__name__} or a dict, got {type(cfg).__name__}")
+    for f in fields(cfg):
+        v, d = getattr(cfg, f.name), getattr(default, f.name)
+        what = f"{name} {f.name}"
+        if isinstance(d, bool):
+            ok, kind = isinstance(v, bool), "true or false"
+        elif isinstance(d, int):
+            ok, kind = _finite(v) and float(v).is_integer(), "a whole number"
+            if ok:
+                whole[f.name] = int(v)
+        elif isinstance(d, float):
+            ok, kind = _finite(v), "a finite number"
+        elif isinstance(d, tuple):
+            ok = isinstance(v, tuple) and len(v) == len(d) and all(_finite(x) for x in v)
+            kind = f"{len(d)} finite numbers"
+        else:
+            ok, kind = isinstance(v, str), "a string"
+        if not ok:
+            raise SpecError(f"{what} must be {kind}, got {v!r}")
+        if f.name in _RANGES:
+            lo, hi, closed = _RANGES[f.name]
+            if not ((lo <= v if closed else lo < v) and v < hi):
+                raise SpecError(f"{what} must be {'>=' if closed else '>'} {lo:g}"
+                                f"{f' and < {hi:g}' if math.isfinite(hi) else ''}, got {v!r}")
+    if hasattr(cfg, "betas") and not all(0.0 <= b < 1.0 for b in cfg.betas) \
+            and not (name == "shampoo" and 0.0 <= cfg.betas[0] < 1.0 and cfg.betas[1] == 1.0):
+        raise SpecError(f"{name} betas must lie in [0, 1), got {cfg.betas!r}")
+    if getattr(cfg, "shampoo_beta", -1.0) >= 1.0:
+        raise SpecError(f"{name} shampoo_beta must be < 1 (negative: use betas[1]), got {cfg.shampoo_beta!r}")
+    if getattr(cfg, "adjust_lr_fn", "original") not in LR_ADJUSTMENTS:
+        raise SpecError(f"{name} adjust_lr_fn must be one of {', '.join(LR_ADJUSTMENTS)}, got {cfg.adjust_lr_fn!r}")
+    for key in ("ns_dtype", "compute_dtype"):
+        if getattr(cfg, key, "fp32") not in COMPUTE_DTYPES:
+            raise SpecError(f"{name} {key} must be one of {', '.join(COMPUTE_DTYPES)}, got {getattr(cfg, key)!r}")
+    return replace(cfg, **whole)

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
 from canzona.catalog import DEFAULT_MODEL, get_model
+from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
 from canzona.dp.policies import MATRICES_PER_RANK
 from canzona.errors import CanzonaError
@@ -93,6 +94,8 @@ def plan(
     capacity: Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")] = "auto",
     balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = "seconds",
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
+    hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
+    cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan's summary as one JSON object.")] = False,
 ) -> None:
     """Plan a layout and compare the chosen policies with the baselines."""
@@ -102,9 +105,11 @@ def plan(
         spec = get_model(model, tp)
         cap = parse_capacity(capacity)
 
+        costs = cost_model_for(hardware, cost_table)
+
         def make(dpp: str, tpp: str, unit: str = balance_by):
             return make_plan(spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
-                             balance_by=unit)
+                             cost_model=costs, balance_by=unit)
 
         chosen = make(dp_policy, tp_policy)
         if out is not None:

@@ -197,3 +197,20 @@ def test_real_executable_plan_json_and_error(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == ["error: tp=3 does not divide the 64 attention heads of qwen3-32b"]
     assert bad.stdout == "" and "Traceback" not in bad.stderr
+
+
+def test_plan_prices_work_on_the_given_hardware_or_measured_table(tmp_path):
+    result, out, err = run("plan", *SMALL, "--hardware", "a100-sxm", "--json")
+    assert result.exit_code == 0, err
+    a100 = json.loads(out)
+    assert a100["cost_model"] == "analytic:a100-sxm"
+    h100 = json.loads(run("plan", *SMALL, "--json")[1])
+    assert a100["dp"]["makespan_s"] > h100["dp"]["makespan_s"]  # the slower GPU takes longer
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"device": "cpu-test", "rows": [["muon", 1024, 1024, "bf16", 1.0]]}))
+    result, out, err = run("plan", *SMALL, "--cost-table", table, "--json")
+    assert result.exit_code == 0, err
+    measured = json.loads(out)
+    assert measured["cost_model"] == "table:cpu-test"
+    assert measured["dp"]["makespan_s"] > 1.0  # the measured 1 s matrices dominate
+    assert_one_error_line(*run("plan", *SMALL, "--cost-table", tmp_path / "missing.json"), "cost table")

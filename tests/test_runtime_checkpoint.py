@@ -128,9 +128,10 @@ def matrix_names() -> set[str]:
 def test_state_dict_is_keyed_by_parameter_name_with_full_tensors(optimizer):
     ranks = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))
     sd = ranks[0]["state"]
-    assert sd["format"] == "canzona.optimizer_state" and sd["version"] == 1
+    assert sd["format"] == "canzona.optimizer_state" and sd["version"] == 2
+    assert sd["model"]["fingerprint"] and set(sd["model"]["shapes"]) == set(sd["state"]) | set(sd["model"]["shapes"])
     assert sd["optimizer"] == optimizer
-    assert [g["name"] for g in sd["param_groups"]] == ["matrix", "adamw"]
+    assert [g["kind"] for g in sd["param_groups"]] == ["matrix", "adamw"]
     shapes = model_shapes()
     matrices = matrix_names()
     state = sd["state"]

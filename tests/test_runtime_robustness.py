@@ -493,7 +493,7 @@ def expected_step_log(policy: str, dp_policy: str | None, dp: int) -> list[tuple
                 for b in buckets]
     if policy == "sc":
         log.append(("all-gather-v", "dp", "adamw gradients", lengths(even_cuts(adamw, dp))))
-    log.append(("all-gather", "dp", "parameters with gradients", (n_params,) * dp))
+    log.append(("all-gather", "dp", "step check", (8 * (n_params + 3),) * dp))
     if policy == "layerwise":
         log += [("all-gather-v", "dp", f"owned parameters of bucket {b.index}",
                  tuple(4 * sum(p.numel for p in b.params if p.owner == r) for r in range(dp)))

@@ -15,9 +15,11 @@ All-gather(-v) is the mirror all-to-all (pure copies, so exact whatever the rout
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,21 +106,17 @@ class Comm:
         """Every rank receives every segment of `flat` from its owner (in place)."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
         a, b = cuts[self.rank], cuts[self.rank + 1]
+        # every rank gets this rank's segment; the received segments land in `flat` itself, so
+        # there is no receive buffer to copy back (the send buffer must be separate: the
+        # collective writes the segment it reads from)
         send = flat[a:b].repeat(self.size) if b > a else flat.new_empty(0)
         self.log.add("all-gather-v", self.name, name, [n * flat.element_size() for n in lengths])
-        recv = torch.empty(cuts[-1], dtype=flat.dtype, device=flat.device)
-
-        def finish() -> None:
-            flat[: cuts[-1]].copy_(recv)
-
-        pending = self.all_to_all(recv, send, lengths, [b - a] * self.size, f"all-gather of {name}")
-        pending.then = finish
-        return pending
+        return self.all_to_all(flat[: cuts[-1]], send, lengths, [b - a] * self.size, f"all-gather of {name}")
 
     def check_agreement(self, facts: dict[str, str]) -> None:
         """Every rank must run the same plan on the same model: compare digests before any other
         collective, so a mismatch is an error instead of a hang or silent corruption."""
-        names = sorted(facts)
+        names = list(facts)  # in the order given: the most telling disagreement is reported first
         digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
         mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
         every = torch.empty(self.size * len(names), dtype=torch.int64)
@@ -132,12 +130,23 @@ class Comm:
                 raise PlanError(f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) "
                                 f"{ranks} ({name} {facts[name][:16]} here)")
 
-    def any_flags(self, flags: Tensor, name: str) -> Tensor:
-        """Elementwise OR of a uint8 vector across ranks (which parameters got a gradient anywhere)."""
-        every = torch.empty(self.size * flags.numel(), dtype=flags.dtype)
-        self.log.add("all-gather", self.name, name, [flags.numel()] * self.size)
-        self._wait(dist.all_gather_single(every, flags, group=self.group, async_op=True), name)
-        return every.view(self.size, -1).amax(dim=0)
+    def all_gather_values(self, values: Tensor, name: str) -> Tensor:
+        """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank)."""
+        every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)
+        self.log.add("all-gather", self.name, name, [values.numel() * values.element_size()] * self.size)
+        self._wait(dist.all_gather_single(every, values, group=self.group, async_op=True), name)
+        return every.view(self.size, -1)
+
+    def all_gather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order, within this group's timeout (unlike
+        `dist.all_gather_object`, which waits for the process group's own, often 30 minutes)."""
+        blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather_values(torch.tensor([blob.numel()], dtype=torch.int64), f"{name} sizes")[:, 0]
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:blob.numel()] = blob
+        table = self.all_gather_values(padded, name)
+        return [pickle.loads(table[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
 
 
 class PendingWork:

@@ -16,8 +16,10 @@ every rank computes everything).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +28,31 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
 from canzona.dp.policies import DEFAULT_ALIGN
 from canzona.errors import CanzonaError, PlanError, SpecError
-from canzona.optimizers import AdamWConfig, check_matrix_optimizer, config_from_dict, default_config
+from canzona.fileio import is_finite_number
+from canzona.optimizers import (
+    AdamWConfig,
+    check_config,
+    check_matrix_optimizer,
+    config_from_dict,
+    default_config,
+)
 from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
+from canzona.runtime import checkpoint
+from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.groups import (
+    GroupConfigs,
+    build_param_groups,
+    hyper_parameters_digest,
+    user_groups,
+)
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
 from canzona.spec import ModelSpec
 from canzona.step_policies import StepPolicy, get_step_policy
-
-STATE_FORMAT = "canzona.optimizer_state"
-STATE_VERSION = 1
 
 
 def _config(name: str, given: Any) -> Any:
@@ -45,58 +60,23 @@ def _config(name: str, given: Any) -> Any:
         return default_config(name)
     if isinstance(given, Mapping):
         return config_from_dict(name, dict(given))
-    if type(given) is not type(default_config(name)):
-        raise SpecError(f"{name} config must be a {type(default_config(name)).__name__} or a dict")
-    return given
-
-
-class _Bucket:
-    """Flat gradient and parameter buffers of one plan bucket, and the views into them."""
-
-    def __init__(self, plan: BucketPlan, params: dict[str, Tensor]):
-        self.plan = plan
-        first = params[plan.params[0].name]
-        self.grad = torch.zeros(plan.size, dtype=first.dtype, device=first.device)
-        self.data = torch.zeros(plan.size, dtype=first.dtype, device=first.device)
-        self.names = [p.name for p in plan.params]
-        for p in plan.params:
-            t = params[p.name]
-            if t.dtype != first.dtype:
-                raise SpecError(f"parameters of one bucket must share a dtype ({p.name} is {t.dtype})")
-            self.data[p.offset:p.end].copy_(t.detach().reshape(-1))
-            t.data = self.data[p.offset:p.end].view(t.shape)
-            t.grad = self.grad[p.offset:p.end].view(t.shape)
-
-
-class _FlatAdamW:
-    """AdamW parameters in one flat buffer, sliced evenly over DP ranks (elementwise updates)."""
-
-    def __init__(self, names: list[str], params: dict[str, Tensor], dp: int, align: int):
-        self.names = names
-        self.offsets: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for n in names:
-            self.offsets[n] = (pos, pos + params[n].numel())
-            pos += params[n].numel()
-        self.size = ceil_to(max(pos, 1), align * dp)
-        self.cuts = even_cuts(self.size, dp)
-        ref = params[names[0]] if names else torch.zeros(0)
-        self.grad = torch.zeros(self.size, dtype=ref.dtype, device=ref.device)
-        self.data = torch.zeros(self.size, dtype=ref.dtype, device=ref.device)
-        for n in names:
-            a, b = self.offsets[n]
-            t = params[n]
-            self.data[a:b].copy_(t.detach().reshape(-1))
-            t.data = self.data[a:b].view(t.shape)
-            t.grad = self.grad[a:b].view(t.shape)
+    return check_config(name, given)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """A matrix optimizer (muon | soap | shampoo) plus AdamW, data-parallel over `group`."""
+    """A matrix optimizer (muon | soap | shampoo) plus AdamW, data-parallel over `group`.
+
+    `params`: `(name, parameter)` pairs (e.g. `model.named_parameters()`), or torch-style groups of
+    them with hyper-parameter overrides (`canzona.runtime.groups`). `matrix_config` and
+    `adamw_config` are the defaults of every group.
+
+    Collective calls, which every rank must make together: construction, `step()`,
+    `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
+    """
 
     def __init__(
         self,
-        named_params: Iterable[tuple[str, Tensor]],
+        params: Iterable[tuple[str, Tensor]] | Iterable[Mapping[str, Any]],
         spec: ModelSpec,
         optimizer: str = "muon",
         matrix_config: Any = None,
@@ -109,43 +89,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group: dist.ProcessGroup | DeviceMesh | None = None,
         timeout_s: float = 120.0,
         align: int = DEFAULT_ALIGN,
+        cost_model: CostModel | None = None,
     ) -> None:
+        # everything that can be wrong locally fails here, on every rank, before any collective
+        if not (is_finite_number(timeout_s) and timeout_s > 0):
+            raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
         self.matrix_cfg = _config(self.optimizer, matrix_config)
         self.adamw_cfg = _config("adamw", adamw_config)
         self.spec = spec
+        groups = user_groups(params)
         self.params: dict[str, Tensor] = {}
-        for name, p in named_params:
-            if name in self.params:
-                raise SpecError(f"parameter {name!r} is given twice")
-            if tuple(p.shape) != spec.param(name).shape:
-                raise PlanError(f"parameter {name!r} has shape {tuple(p.shape)}, the model spec says "
-                                f"{spec.param(name).shape}")
-            self.params[name] = p
+        for pairs, _ in groups:
+            for name, p in pairs:
+                if name in self.params:
+                    raise SpecError(f"parameter {name!r} is given twice")
+                if tuple(p.shape) != spec.param(name).shape:
+                    raise PlanError(f"parameter {name!r} has shape {tuple(p.shape)}, the model spec says "
+                                    f"{spec.param(name).shape}")
+                self.params[name] = p
         missing = [p.name for p in spec.params if p.name not in self.params]
         if missing:
             raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
+        matrix_names = [p.name for p in spec.matrix_params()]
+        adamw_names = [p.name for p in spec.adamw_params()]
+        param_groups = build_param_groups(groups, set(matrix_names), self.optimizer, self.matrix_cfg,
+                                          self.adamw_cfg)
 
         self.comm = Comm(_dp_group(group), timeout_s)
         self.dp, self.rank = self.comm.size, self.comm.rank
-        self.plan = self._resolve_plan(plan, dp_policy, alpha, bucket_size, align)
+        self.plan = self._resolve_plan(plan, dp_policy, alpha, bucket_size, align, cost_model)
         self.comm.check_agreement({
-            "plan": self.plan.hash(),
             "model fingerprint": spec.fingerprint(),
-            "policy": self.policy.name,
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
+            "plan": self.plan.hash(),
+            "policy": self.policy.name,
+            "parameter groups": str(hyper_parameters_digest(param_groups)),
+            "initial parameters": _parameters_checksum(self.params.values()),
         })
 
-        matrix_names = [p.name for p in spec.matrix_params()]
-        adamw_names = [p.name for p in spec.adamw_params()]
-        super().__init__([
-            {"params": [self.params[n] for n in matrix_names], "lr": self.matrix_cfg.lr, "name": "matrix"},
-            {"params": [self.params[n] for n in adamw_names], "lr": self.adamw_cfg.lr, "name": "adamw"},
-        ], {})
+        super().__init__(param_groups, {})
+        self._configs = GroupConfigs({"matrix": self.matrix_cfg, "adamw": self.adamw_cfg})
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
 
-        self.buckets = [_Bucket(b, self.params) for b in self.plan.dp_plan.buckets]
-        self.adamw = _FlatAdamW(adamw_names, self.params, self.dp, align)
+        self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
+                                   b.size, self.params) for b in self.plan.dp_plan.buckets]
+        offsets, used = packed_offsets(adamw_names, self.params)
+        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * self.dp), self.params)
+        self.adamw_cuts = even_cuts(self.adamw.size, self.dp)
+        self._buffer_of = {n: buf for buf in (*self.buckets, self.adamw) for n in buf.names}
         self._index = {n: i for i, n in enumerate(self.params)}
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
         self._computes = self._matrices_computed_here()
@@ -159,10 +153,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- construction helpers ----------------------------------------------------------------
 
     def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, alpha: float,
-                      bucket_size: int | None, align: int) -> Plan:
+                      bucket_size: int | None, align: int, cost_model: CostModel | None) -> Plan:
         if plan is None:
             plan = make_plan(self.spec, self.dp, 1, self.optimizer, self.policy.dp_policy or dp_policy,
-                             self.policy.tp_policy or "greedy-rollback", alpha, bucket_size, align)
+                             self.policy.tp_policy or "greedy-rollback", alpha, bucket_size, align,
+                             cost_model=cost_model)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
         check_plan_matches(plan, self.spec, dp=self.dp, tp=1)
@@ -184,12 +179,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ready = [0] * len(self.buckets)
         self._launched: list[PendingWork | None] = [None] * len(self.buckets)
         self._next = 0
-        self._got_grad = torch.zeros(len(self.params), dtype=torch.uint8)
+        self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
+        self._grads_ready = False  # gradients reduced and checked (by clip_grad_norm_ or step)
 
     # --- gradient synchronisation ------------------------------------------------------------
 
     def _hook(self, name: str):
+        buffer = self._buffer_of[name]
+
         def on_grad_ready(_: Tensor) -> None:
+            if any(n == name for n in buffer.unlinked()):
+                raise CanzonaError(_unlinked_message(name))
+            buffer.claim(name)  # after model.zero_grad(): the fresh gradient goes into the buffer
             self._got_grad[self._index[name]] = 1
             k = self._bucket_of.get(name)
             if k is None or not self._sync:
@@ -207,15 +208,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(self._next)
             self._next += 1
 
-    def _grad_cuts(self, b: _Bucket) -> tuple[int, ...]:
-        return b.plan.cuts if self.policy.grad_sync == "reduce-scatter" else even_cuts(b.plan.size, self.dp)
+    def _grad_cuts(self, k: int) -> tuple[int, ...]:
+        b = self.plan.dp_plan.buckets[k]
+        return b.cuts if self.policy.grad_sync == "reduce-scatter" else even_cuts(b.size, self.dp)
 
     def _launch(self, k: int) -> None:
         if self._launched[k] is not None:
             raise CanzonaError("gradients were synchronised twice in one step: wrap the backward of "
                                "accumulation micro-batches in `with optimizer.no_sync():`")
         b = self.buckets[k]
-        self._launched[k] = self.comm.reduce_scatter_v(b.grad, self._grad_cuts(b), f"bucket {b.plan.index}")
+        b.claim_all()  # a gradient dropped by set_to_none and not recomputed counts as zero
+        self._launched[k] = self.comm.reduce_scatter_v(b.grad, self._grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -230,17 +233,76 @@ class DistributedOptimizer(torch.optim.Optimizer):
         while self._next < len(self.buckets):  # buckets whose gradients did not all arrive
             self._launch(self._next)
             self._next += 1
-        adamw = self.comm.reduce_scatter_v(self.adamw.grad, self.adamw.cuts, "adamw")
+        self.adamw.claim_all()
+        adamw = self.comm.reduce_scatter_v(self.adamw.grad, self.adamw_cuts, "adamw")
         for pending in self._launched:
             pending.wait()
         adamw.wait()
         if self.policy.grad_sync == "all-reduce" or self.policy.gather_split:
-            gathers = [self.comm.all_gather_v(b.grad, self._grad_cuts(b), f"gradients of bucket {b.plan.index}")
-                       for b in self.buckets]
+            gathers = [self.comm.all_gather_v(b.grad, self._grad_cuts(k),
+                                              f"gradients of bucket {self.plan.dp_plan.buckets[k].index}")
+                       for k, b in enumerate(self.buckets)]
             for g in gathers:
                 g.wait()
         if self.policy.replicated:
-            self.comm.all_gather_v(self.adamw.grad, self.adamw.cuts, "adamw gradients").wait()
+            self.comm.all_gather_v(self.adamw.grad, self.adamw_cuts, "adamw gradients").wait()
+
+    def _prepare_step(self) -> Tensor:
+        """Reduce the gradients and check, on every rank alike, that the step is sound; return
+        which parameters got a gradient on any rank. Once per step (clip_grad_norm_, then step)."""
+        if self._grads_ready:
+            return self._got_anywhere
+        self._finish_grad_sync()
+        unlinked = next((n for buf in (*self.buckets, self.adamw) for n in buf.unlinked()), None)
+        header = torch.cat([self._got_grad, torch.tensor(
+            [int(self._got_grad.sum()), int(unlinked is not None), hyper_parameters_digest(self.param_groups)],
+            dtype=torch.int64)])
+        table = self.comm.all_gather_values(header, "step check")
+        flags, fired, broken, digests = table[:, :-3], table[:, -3], table[:, -2], table[:, -1]
+        if broken.any():
+            raise CanzonaError(_unlinked_message(unlinked) if unlinked is not None else
+                               f"rank(s) {_ranks(broken != 0)}: {_unlinked_message(None)}")
+        if not torch.all(digests == digests[0]):
+            raise CanzonaError(f"ranks disagree on the hyper-parameters in param_groups: rank(s) "
+                               f"{_ranks(digests != digests[self.rank])} differ from rank {self.rank}")
+        if not fired.any():
+            raise CanzonaError("step() found no gradient on any rank: call backward() before step(), on "
+                               "the parameters given to the optimizer")
+        if not fired.all():
+            raise CanzonaError(f"rank(s) {_ranks(fired == 0)} ran no backward in this step while others "
+                               "did: their zero gradients would be averaged in")
+        self._got_anywhere = flags.amax(dim=0)
+        self._grads_ready = True
+        return self._got_anywhere
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the *reduced* gradients to a global norm of at most `max_norm`; return the norm
+        before clipping (for logging). Collective: call it on every rank, after backward and before
+        `step()`. Every gradient element counts once across DP ranks, as in a single-device run.
+
+        `torch.nn.utils.clip_grad_norm_` on the model is wrong here: it sees each rank's local,
+        unreduced gradients, so ranks would clip by different factors."""
+        if not (is_finite_number(max_norm) and max_norm > 0):
+            raise SpecError(f"max_norm must be a positive number, got {max_norm!r}")
+        if norm_type not in (2.0, math.inf):
+            raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
+        self._prepare_step()
+        segments = [b.grad[c[self.rank]:c[self.rank + 1]] for k, b in enumerate(self.buckets)
+                    for c in (self._grad_cuts(k),)]
+        segments.append(self.adamw.grad[self.adamw_cuts[self.rank]:self.adamw_cuts[self.rank + 1]])
+        segments = [s.double() for s in segments if s.numel()]
+        if norm_type == 2.0:
+            local = sum((s.square().sum() for s in segments), torch.zeros((), dtype=torch.float64))
+        else:
+            local = max((s.abs().max() for s in segments), default=torch.zeros((), dtype=torch.float64))
+        every = self.comm.all_gather_values(local.reshape(1).cpu(), "gradient norm")[:, 0]
+        total = every.sum().sqrt() if norm_type == 2.0 else every.max()  # summed in rank order: reproducible
+        coefficient = min(1.0, max_norm / (float(total) + 1e-6))
+        if coefficient < 1.0:
+            for buf in (*self.buckets, self.adamw):
+                buf.grad.mul_(coefficient)
+        return total.to(torch.float32)
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -250,18 +312,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._finish_grad_sync()
-        got = self.comm.any_flags(self._got_grad, "parameters with gradients")
-        matrix_lr, adamw_lr = self.param_groups[0]["lr"], self.param_groups[1]["lr"]
+        got = self._prepare_step()
         kernel = MATRIX_KERNELS[self.optimizer]
         for name in self._computes:
             if not got[self._index[name]]:
                 continue  # as torch optimizers do: no gradient, no update, no decay
-            p = self.params[name]
-            update = kernel(p.grad, self.matrix_state[name], self.matrix_cfg, matrix_lr)
+            p, g = self.params[name], self._group_of[name]
+            group = self.param_groups[g]
+            update = kernel(p.grad, self.matrix_state[name], self._configs.config(g, group), group["lr"])
             if update is not None:
                 apply_update_(p, update.direction, update)
-        self._adamw_step(got, adamw_lr)
+        self._adamw_step(got)
         self._gather_params()
         self.comm.log.step += 1
         self._reset_step_tracking()
@@ -269,35 +330,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
         """(name, start, end within the flat buffer, offset within the parameter) of this rank's slice."""
-        lo, hi = (0, self.adamw.size) if self.policy.replicated else (self.adamw.cuts[self.rank], self.adamw.cuts[self.rank + 1])
+        lo, hi = (0, self.adamw.size) if self.policy.replicated else (self.adamw_cuts[self.rank], self.adamw_cuts[self.rank + 1])
         for name in self.adamw.names:
             a, b = self.adamw.offsets[name]
             s, e = max(a, lo), min(b, hi)
             if s < e:
                 yield name, s, e, s - a
 
-    def _adamw_step(self, got: Tensor, lr: float) -> None:
+    def _adamw_step(self, got: Tensor) -> None:
         for name, s, e, _ in self._adamw_parts():
             if got[self._index[name]]:
+                g = self._group_of[name]
+                group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
-                adamw_step_(self.adamw.data[s:e], self.adamw.grad[s:e], state, self.adamw_cfg, lr)
+                adamw_step_(self.adamw.data[s:e], self.adamw.grad[s:e], state, self._configs.config(g, group),
+                            group["lr"])
 
     def _gather_params(self) -> None:
         pending: list[PendingWork] = []
         if self.policy.gather_params:
-            for b in self.buckets:
+            for k, b in enumerate(self.buckets):
+                bp = self.plan.dp_plan.buckets[k]
                 if self.plan.dp_plan.policy == "layerwise":
-                    pending.append(self._gather_owned(b))
+                    pending.append(self._gather_owned(b, bp))
                 else:
-                    pending.append(self.comm.all_gather_v(b.data, b.plan.cuts, f"parameters of bucket {b.plan.index}"))
-            pending.append(self.comm.all_gather_v(self.adamw.data, self.adamw.cuts, "adamw parameters"))
+                    pending.append(self.comm.all_gather_v(b.data, bp.cuts, f"parameters of bucket {bp.index}"))
+            pending.append(self.comm.all_gather_v(self.adamw.data, self.adamw_cuts, "adamw parameters"))
         for w in pending:
             w.wait()
 
-    def _gather_owned(self, b: _Bucket) -> PendingWork:
+    def _gather_owned(self, b: FlatBuffer, bp: BucketPlan) -> PendingWork:
         """Layerwise: owners' matrices are scattered over the bucket, so each rank packs what it owns
         and an all-gather-v of the packs rebuilds the bucket."""
-        owned = [[p for p in b.plan.params if p.owner == r] for r in range(self.dp)]
+        owned = [[p for p in bp.params if p.owner == r] for r in range(self.dp)]
         sizes = [sum(p.numel for p in ps) for ps in owned]
         cuts = [0]
         for n in sizes:
@@ -307,11 +372,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in owned[self.rank]:
             packed[pos:pos + p.numel].copy_(b.data[p.offset:p.end])
             pos += p.numel
-        pending = self.comm.all_gather_v(packed, cuts, f"owned parameters of bucket {b.plan.index}")
+        pending = self.comm.all_gather_v(packed, cuts, f"owned parameters of bucket {bp.index}")
         gather_then = pending.then
 
         def unpack() -> None:
-            gather_then()
+            if gather_then is not None:
+                gather_then()
             for r, ps in enumerate(owned):
                 q = cuts[r]
                 for p in ps:
@@ -321,74 +387,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return pending
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (the `.grad` views stay attached)."""
-        for b in self.buckets:
-            b.grad.zero_()
-        self.adamw.grad.zero_()
+        """Zero the flat gradient buffers; the `.grad` views stay attached (`set_to_none` is
+        accepted for compatibility: a view cannot be None). `model.zero_grad()` works too."""
+        for buf in (*self.buckets, self.adamw):
+            buf.grad.zero_()
+            buf.claim_all()
         self._reset_step_tracking()
 
     # --- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Layout-independent: per parameter name, full tensors, identical on every rank."""
-        local_matrix = {n: _to_cpu(s) for n, s in self.matrix_state.items() if s and self._first_computer(n)}
-        local_adamw = {n: (off, _to_cpu(self.adamw_state[n])) for n, _, _, off in self._adamw_parts()
-                       if n in self.adamw_state and (not self.policy.replicated or self.rank == 0)}
-        every: list[Any] = [None] * self.dp
-        dist.all_gather_object(every, (local_matrix, local_adamw), group=self.comm.group)
-        state: dict[str, dict] = {}
-        for matrix, _ in every:
-            state.update(matrix)
-        for _, adamw in every:
-            for name, (offset, part) in adamw.items():
-                full = state.setdefault(name, {"step": part["step"]})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in full:
-                        full[key] = torch.zeros(self.params[name].numel(), dtype=part[key].dtype)
-                    full[key][offset:offset + part[key].numel()] = part[key]
-        for name in self.adamw.names:
-            if name in state:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[name][key] = state[name][key].view(self.params[name].shape)
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "optimizer": self.optimizer,
-            "matrix_config": asdict(self.matrix_cfg),
-            "adamw_config": asdict(self.adamw_cfg),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "state": state,
-        }
-
-    def _first_computer(self, name: str) -> bool:
-        """Replicated matrices are saved by the lowest rank that computes them."""
-        if self.policy.replicated:
-            return self.rank == 0
-        k = self._bucket_of[name]
-        p = next(p for p in self.plan.dp_plan.buckets[k].params if p.name == name)
-        return self.rank == min(self.plan.dp_plan.computing_ranks(self.plan.dp_plan.buckets[k], p))
+        """Layout-independent: per parameter name, full tensors, identical on every rank.
+        Collective (every rank must call it), bounded by `timeout_s`."""
+        return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if state_dict.get("format") != STATE_FORMAT or state_dict.get("version") != STATE_VERSION:
-            raise PlanError("not a canzona optimizer state (format/version mismatch)")
-        if state_dict.get("optimizer") != self.optimizer:
-            raise PlanError(f"checkpoint is for {state_dict.get('optimizer')}, this optimizer runs {self.optimizer}")
-        self.matrix_cfg = replace(self.matrix_cfg, **_tuples(state_dict["matrix_config"]))
-        self.adamw_cfg = replace(self.adamw_cfg, **_tuples(state_dict["adamw_config"]))
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        state = state_dict["state"]
-        device = next(iter(self.params.values())).device
-        self.matrix_state = {n: _to_device(state[n], device) if n in state else {} for n in self._computes}
-        self.adamw_state = {}
-        for name, s, e, off in self._adamw_parts():
-            if name in state:
-                full = state[name]
-                self.adamw_state[name] = {
-                    "step": full["step"],
-                    "exp_avg": full["exp_avg"].reshape(-1)[off:off + e - s].clone().to(device),
-                    "exp_avg_sq": full["exp_avg_sq"].reshape(-1)[off:off + e - s].clone().to(device),
-                }
+        """Load a `state_dict()` taken at any DP size; checks it belongs to this model and optimizer."""
+        checkpoint.load_state(self, state_dict)
+
+
+def _unlinked_message(name: str | None) -> str:
+    which = f"parameter {name!r} no longer lives" if name else "parameters no longer live"
+    return (f"{which} in the optimizer's buffers: the model was moved, cast or had parameters replaced "
+            "after the optimizer was built (model.to(...), load_state_dict(assign=True), ...); build the "
+            "optimizer after those, and load weights with load_state_dict() without assign")
+
+
+def _ranks(mask: Tensor) -> list[int]:
+    return [int(r) for r in torch.nonzero(mask).flatten()]
+
+
+@torch.no_grad()
+def _parameters_checksum(params: Iterable[Tensor]) -> str:
+    """Cheap and position-aware: per parameter, its sum and its row sums weighted by row index,
+    reduced on the parameter's device (no copy of the weights to the host)."""
+    parts = []
+    for p in params:
+        rows = p.detach().reshape(p.shape[0], -1) if p.dim() > 1 else p.detach().reshape(1, -1)
+        sums = rows.sum(dim=1, dtype=torch.float64)
+        weights = torch.arange(1, sums.numel() + 1, dtype=torch.float64, device=sums.device)
+        parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
+    blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+    return hashlib.sha256(blob).hexdigest()
 
 
 def _dp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
@@ -400,15 +440,3 @@ def _dp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup
     if "dp" in (group.mesh_dim_names or ()):
         return group.get_group("dp")
     raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {group.mesh_dim_names})")
-
-
-def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
-
-
-def _to_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.detach().to(device, copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
-
-
-def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}

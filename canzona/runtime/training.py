@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ class TrainSpec:
     matrix_config: dict[str, Any] = field(default_factory=dict)
     adamw_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
+    clip_norm: float | None = None  # clip the global gradient norm to this before each update
+    zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -102,9 +104,9 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                 p.copy_(params[name])
         opt.load_state_dict(state)
     vocab = model.spec().param("model.embed_tokens.weight").shape[0]
-    losses = []
+    losses, norms = [], []
     for tokens in global_batches(spec, vocab):
-        opt.zero_grad()
+        (model if spec.zero_grad == "model" else opt).zero_grad()
         total = 0.0
         mbs = micro_batches(tokens, rank, world, spec.accumulation)
         for k, mb in enumerate(mbs):
@@ -113,6 +115,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                 loss = model.loss(mb) / spec.accumulation
                 loss.backward()
             total += loss.item()
+        if spec.clip_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
         opt.step()
         losses.append(total)
         if on_step is not None:
@@ -120,6 +124,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
+        "norms": norms,
         "state": opt.state_dict() if extra.get("state_dict", True) else None,
         "log": opt.comm.log.to_dicts(),
         "owned": list(opt._computes),
@@ -155,7 +160,7 @@ def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[d
 @torch_threads()
 def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> dict[str, Tensor]:
     """The same kernels in one process, fed the global gradients of a `dp`-rank run."""
-    from canzona.runtime.optimizer import STATE_FORMAT
+    from canzona.runtime.checkpoint import STATE_FORMAT
 
     spec.check(dp)
     model = build_model(spec)
@@ -175,6 +180,8 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
     for tokens in global_batches(spec, vocab):
         grads, got = global_gradients(model, spec, tokens, dp)
+        if spec.clip_norm is not None:
+            clip_(grads.values(), spec.clip_norm)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name not in got:
@@ -187,6 +194,19 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
                 else:
                     adamw_step_(p.view(-1), grads[name].view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def clip_(grads: Iterable[Tensor], max_norm: float) -> float:
+    """Scale global gradients to a 2-norm of at most `max_norm` (norm taken in fp64), as
+    `DistributedOptimizer.clip_grad_norm_` does; return the norm before clipping."""
+    grads = list(grads)
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    coefficient = min(1.0, max_norm / (norm + 1e-6))
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return norm
 
 
 def _flat_state(state: dict) -> dict:
@@ -209,6 +229,8 @@ def reference_run(spec: TrainSpec, dp: int) -> dict[str, Tensor]:
     vocab = model.spec().param("model.embed_tokens.weight").shape[0]
     for tokens in global_batches(spec, vocab):
         grads, got = global_gradients(model, spec, tokens, dp)
+        if spec.clip_norm is not None:
+            clip_(grads.values(), spec.clip_norm)
         for name, p in model.named_parameters():
             p.grad = grads[name] if name in got else None
         opt.step()

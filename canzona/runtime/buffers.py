@@ -1,0 +1,84 @@
+"""Flat parameter and gradient buffers whose slices are the model's `.data` and `.grad`.
+
+The optimizer owns the storage: every parameter's `.data` and `.grad` are views into one flat
+buffer per plan bucket (and one for the AdamW parameters), so that a bucket's gradients can be
+reduce-scattered, and its parameters all-gathered, as one tensor.
+
+Training loops break that link in ordinary ways, and a broken link must never pass silently:
+- `model.zero_grad()` (torch's default `set_to_none=True`, what HF Trainer and Accelerate call)
+  drops the `.grad` views; autograd then writes the next gradient into a fresh tensor. `claim`
+  copies such a gradient back into the buffer and re-attaches the view; a parameter whose
+  gradient was dropped and never recomputed counts as zero, as torch optimizers treat `None`.
+- `model.to(dtype)`, `model.to(device)` or `load_state_dict(assign=True)` give parameters new
+  storage: updates would land in the buffer and never reach the model. `unlinked` finds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from canzona.errors import SpecError
+
+
+class FlatBuffer:
+    """Parameters `names` at `offsets[name] = (start, end)` of flat buffers of `size` elements."""
+
+    def __init__(self, names: Sequence[str], offsets: Mapping[str, tuple[int, int]], size: int,
+                 params: Mapping[str, Tensor]) -> None:
+        self.names = list(names)
+        self.offsets = dict(offsets)
+        self.size = size
+        ref = params[self.names[0]] if self.names else torch.zeros(0)
+        for name in self.names:
+            if params[name].dtype != ref.dtype or params[name].device != ref.device:
+                raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is "
+                                f"{params[name].dtype} on {params[name].device}, {self.names[0]} is "
+                                f"{ref.dtype} on {ref.device}")
+        self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        self.grad = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        self.params = {n: params[n] for n in self.names}
+        self.data_views: dict[str, Tensor] = {}
+        self.grad_views: dict[str, Tensor] = {}
+        for name in self.names:
+            a, b = self.offsets[name]
+            p = params[name]
+            self.data[a:b].copy_(p.detach().reshape(-1))
+            self.data_views[name] = self.data[a:b].view(p.shape)
+            self.grad_views[name] = self.grad[a:b].view(p.shape)
+            p.data = self.data_views[name]
+            p.grad = self.grad_views[name]
+
+    def claim(self, name: str) -> None:
+        """Make the buffer hold `name`'s current gradient and its `.grad` the buffer's view again."""
+        p, view = self.params[name], self.grad_views[name]
+        if p.grad is view:
+            return
+        if p.grad is None:  # dropped (set_to_none) and not recomputed: a zero gradient
+            view.zero_()
+        else:  # recomputed into a fresh tensor after set_to_none (or assigned by the user)
+            view.copy_(p.grad)
+        p.grad = view
+
+    def claim_all(self) -> None:
+        for name in self.names:
+            self.claim(name)
+
+    def unlinked(self) -> Iterator[str]:
+        """Parameters whose storage is no longer this buffer's (moved, cast or replaced)."""
+        for name in self.names:
+            p, view = self.params[name], self.data_views[name]
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device \
+                    or p.shape != view.shape:
+                yield name
+
+
+def packed_offsets(names: Sequence[str], params: Mapping[str, Tensor]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Offsets of `names` laid end to end, and the total size."""
+    offsets, pos = {}, 0
+    for name in names:
+        offsets[name] = (pos, pos + params[name].numel())
+        pos += params[name].numel()
+    return offsets, pos

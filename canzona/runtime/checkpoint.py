@@ -1,0 +1,133 @@
+"""Layout-independent checkpoints of `DistributedOptimizer`: per parameter name, full tensors.
+
+`gather_state` assembles the whole state on every rank (matrix states from the ranks that compute
+them, AdamW slices stitched back into full tensors), so a checkpoint taken at one DP size loads at
+another. It records which model it belongs to; `load_state` refuses a checkpoint of another model
+or optimizer, and one whose tensors do not fit this model, with one line saying what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from canzona.errors import PlanError
+from canzona.optimizers import check_config
+
+if TYPE_CHECKING:
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+STATE_FORMAT = "canzona.optimizer_state"
+STATE_VERSION = 2  # 2: records the model (fingerprint and parameter shapes)
+
+
+def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    local_matrix = {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and _first_computer(opt, n)}
+    local_adamw = {n: (off, _to_cpu(opt.adamw_state[n])) for n, _, _, off in opt._adamw_parts()
+                   if n in opt.adamw_state and (not opt.policy.replicated or opt.rank == 0)}
+    every = opt.comm.all_gather_object((local_matrix, local_adamw), "optimizer state")
+    state: dict[str, dict] = {}
+    for matrix, _ in every:
+        state.update(matrix)
+    for _, adamw in every:
+        for name, (offset, part) in adamw.items():
+            full = state.setdefault(name, {"step": part["step"]})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in full:
+                    full[key] = torch.zeros(opt.params[name].numel(), dtype=part[key].dtype)
+                full[key][offset:offset + part[key].numel()] = part[key]
+    for name in opt.adamw.names:
+        if name in state:
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[name][key] = state[name][key].view(opt.params[name].shape)
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "model": {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint(),
+                  "shapes": {n: list(p.shape) for n, p in opt.params.items()}},
+        "optimizer": opt.optimizer,
+        "matrix_config": asdict(opt.matrix_cfg),
+        "adamw_config": asdict(opt.adamw_cfg),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "state": state,
+    }
+
+
+def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
+    _check_compatible(opt, state_dict)
+    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(state_dict["matrix_config"])))
+    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(state_dict["adamw_config"])))
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    state = state_dict["state"]
+    device = next(iter(opt.params.values())).device
+    opt.matrix_state = {n: _to_device(state[n], device) if n in state else {} for n in opt._computes}
+    opt.adamw_state = {}
+    for name, s, e, off in opt._adamw_parts():
+        if name in state:
+            full = state[name]
+            opt.adamw_state[name] = {
+                "step": full["step"],
+                "exp_avg": full["exp_avg"].reshape(-1)[off:off + e - s].clone().to(device),
+                "exp_avg_sq": full["exp_avg_sq"].reshape(-1)[off:off + e - s].clone().to(device),
+            }
+
+
+def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
+    """Everything a wrong checkpoint gets wrong, checked before anything is changed."""
+    if not isinstance(sd, Mapping) or sd.get("format") != STATE_FORMAT:
+        raise PlanError("not a canzona optimizer state (format mismatch)")
+    if sd.get("version") != STATE_VERSION:
+        raise PlanError(f"optimizer state version {sd.get('version')!r}; this canzona reads version {STATE_VERSION}")
+    if sd.get("optimizer") != opt.optimizer:
+        raise PlanError(f"checkpoint is for {sd.get('optimizer')}, this optimizer runs {opt.optimizer}")
+    model = sd.get("model", {})
+    shapes = {n: tuple(s) for n, s in model.get("shapes", {}).items()}
+    mine = {n: tuple(p.shape) for n, p in opt.params.items()}
+    if model.get("fingerprint") != opt.spec.fingerprint() or shapes != mine:
+        raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
+                        f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {_first_difference(shapes, mine)}")
+    unknown = sorted(set(sd["state"]) - set(mine))
+    if unknown:
+        raise PlanError(f"checkpoint has state for unknown parameter {unknown[0]!r}")
+    saved_groups = [(g.get("kind"), g.get("optimizer")) for g in sd["param_groups"]]
+    my_groups = [(g["kind"], g["optimizer"]) for g in opt.param_groups]
+    if saved_groups != my_groups:
+        raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
+
+
+def _first_difference(saved: dict[str, tuple], mine: dict[str, tuple]) -> str:
+    for name in sorted(set(saved) | set(mine)):
+        if name not in mine:
+            return f"this model has no parameter {name!r}"
+        if name not in saved:
+            return f"the checkpoint has no parameter {name!r}"
+        if saved[name] != mine[name]:
+            return f"{name} is {list(saved[name])} there, {list(mine[name])} here"
+    return "same parameter names and shapes, but other roles or tensor-parallel layout"
+
+
+def _first_computer(opt: DistributedOptimizer, name: str) -> bool:
+    """Replicated matrices are saved by the lowest rank that computes them."""
+    if opt.policy.replicated:
+        return opt.rank == 0
+    dpp = opt.plan.dp_plan
+    bucket = dpp.buckets[opt._bucket_of[name]]
+    p = next(p for p in bucket.params if p.name == name)
+    return opt.rank == min(dpp.computing_ranks(bucket, p))
+
+
+def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def _to_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.detach().to(device, copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}

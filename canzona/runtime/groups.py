@@ -1,0 +1,105 @@
+"""Parameter groups: the user's groups (as for any torch optimizer) split by the routing rule into
+matrix-optimizer and AdamW groups, each carrying every hyper-parameter of its optimizer.
+
+Every hyper-parameter in `param_groups` is live, as users of torch optimizers expect: an LR
+scheduler, a weight-decay schedule or a hand edit of `momentum` changes the next step. Groups are
+how users give norms, biases and embeddings no weight decay:
+
+    DistributedOptimizer([
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0},
+    ], spec, "muon")
+
+A key applies to the parameters of the group whose optimizer has that hyper-parameter (`lr` and
+`weight_decay` to both); a key no optimizer of the group's parameters has is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, fields, replace
+from typing import Any
+
+from torch import Tensor
+
+from canzona.errors import SpecError
+from canzona.optimizers import check_config
+
+KINDS = ("matrix", "adamw")
+NamedParams = Iterable[tuple[str, Tensor]]
+
+
+def user_groups(given: NamedParams | Iterable[Mapping[str, Any]]) -> list[tuple[list[tuple[str, Tensor]], dict]]:
+    """(named parameters, overrides) per user group; a plain iterable of pairs is one group."""
+    items = list(given)
+    if not items:
+        raise SpecError("the optimizer got no parameters")
+    groups = [dict(g) for g in items] if isinstance(items[0], Mapping) else [{"params": items}]
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise SpecError(f"parameter group {i} must be a dict with 'params' (mixing groups and pairs?)")
+        pairs = list(group.pop("params"))
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], Tensor)):
+                raise SpecError("give parameters as (name, parameter) pairs, e.g. model.named_parameters(): "
+                                "the plan refers to parameters by name")
+        out.append((pairs, group))
+    return out
+
+
+def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matrix_names: set[str],
+                       optimizer: str, matrix_cfg: Any, adamw_cfg: Any) -> list[dict[str, Any]]:
+    """torch-style param_groups: per user group, one group per kind that has parameters."""
+    out = []
+    for i, (pairs, overrides) in enumerate(groups):
+        usable: set[str] = set()
+        for kind, name, cfg in (("matrix", optimizer, matrix_cfg), ("adamw", "adamw", adamw_cfg)):
+            members = [p for n, p in pairs if (n in matrix_names) == (kind == "matrix")]
+            if not members:
+                continue
+            own = {f.name for f in fields(cfg)}
+            usable |= own
+            values = {**asdict(cfg), **{k: v for k, v in overrides.items() if k in own}}
+            check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
+            out.append({"params": members, "kind": kind, "optimizer": name, **values})
+        unknown = sorted(set(overrides) - usable)
+        if unknown:
+            raise SpecError(f"parameter group {i}: no optimizer of its parameters has hyper-parameter(s) "
+                            f"{', '.join(unknown)}")
+    return out
+
+
+class GroupConfigs:
+    """The config of each param group as it stands now, validated once per change."""
+
+    def __init__(self, base: Mapping[str, Any]) -> None:
+        self.base = dict(base)  # kind -> default config object
+        self._cache: dict[int, tuple[tuple, Any]] = {}
+
+    def config(self, index: int, group: Mapping[str, Any]) -> Any:
+        cfg = self.base[group["kind"]]
+        names = [f.name for f in fields(cfg)]
+        key = tuple(_plain(group[n]) for n in names)
+        cached = self._cache.get(index)
+        if cached is None or cached[0] != key:
+            current = replace(cfg, **dict(zip(names, key)))
+            cached = (key, check_config(group["optimizer"], current))
+            self._cache[index] = cached
+        return cached[1]
+
+
+def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
+    """A signed 64-bit digest of every group's hyper-parameters: ranks compare it each step."""
+    rows = [sorted((k, repr(_plain(v))) for k, v in g.items() if k != "params") for g in param_groups]
+    digest = hashlib.sha256(repr(rows).encode()).digest()[:8]
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _plain(v: Any) -> Any:
+    """A hyper-parameter as a config field holds it (lists as tuples, one-element tensors as numbers)."""
+    if isinstance(v, Tensor):  # some schedulers store tensor lrs
+        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
+    return tuple(v) if isinstance(v, list) else v
