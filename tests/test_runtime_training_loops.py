@@ -65,6 +65,36 @@ def train_job(rank: int, world: int, spec: TrainSpec) -> dict:
     return {"params": out["params"], "norms": out["norms"]}
 
 
+def bf16_checkpoint_job(rank: int, world: int) -> dict:
+    """Two steps, a checkpoint (model weights + optimizer state), a fresh model and optimizer that
+    load it, one more step: the fp32 masters travel with the checkpoint."""
+    spec = replace(BASE, dtype="bf16")
+    model = build_model(spec)
+    opt = _optimizer(model)
+    batches = global_batches(replace(spec, steps=3), 256)
+
+    def train(m, o, tokens) -> None:
+        o.zero_grad()
+        m.loss(micro_batches(tokens, rank, world, 1)[0]).backward()
+        o.step()
+    for tokens in batches[:2]:
+        train(model, opt, tokens)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = opt.state_dict()
+    resumed = build_model(replace(spec, model_seed=7))  # other weights until the checkpoint loads
+    with torch.no_grad():
+        for n, p in resumed.named_parameters():
+            p.copy_(weights[n])
+    opt2 = _optimizer(resumed)
+    opt2.load_state_dict(state)
+    train(resumed, opt2, batches[2])
+    train(model, opt, batches[2])
+    masters = {n: s["master"].dtype for n, s in state["state"].items() if "master" in s}
+    return {"resumed": {n: p.detach().clone() for n, p in resumed.named_parameters()},
+            "uninterrupted": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "master dtypes": sorted({str(d) for d in masters.values()}), "with master": len(masters)}
+
+
 def cast_after_build_job(rank: int, world: int) -> dict:
     model = build_model(BASE)
     opt = _optimizer(model)
@@ -168,6 +198,10 @@ JOBS = {
     "model zero_grad sc": ("train_job", (replace(BASE, zero_grad="model", policy="sc"),)),
     "clip": ("train_job", (replace(BASE, clip_norm=0.05),)),
     "clip loose": ("train_job", (replace(BASE, clip_norm=1e6),)),
+    "bf16": ("train_job", (replace(BASE, dtype="bf16"),)),
+    "bf16 soap sc": ("train_job", (replace(BASE, dtype="bf16", optimizer="soap", policy="sc"),)),
+    "bf16 state": ("train_job", (replace(BASE, dtype="bf16", master_weights=False),)),
+    "bf16 checkpoint": ("bf16_checkpoint_job", ()),
     "cast": ("cast_after_build_job", ()),
     "skipped backward": ("skipped_backward_job", ()),
     "different init": ("different_init_job", ()),
@@ -215,6 +249,24 @@ def test_a_gradient_dropped_by_set_to_none_counts_as_zero():
     buf.claim_all()
     assert buf.grad.tolist() == [0.0, 0.0, 0.0, 7.0, 2.0, 2.0, 7.0, 7.0]  # padding untouched
     assert params["a"].grad is buf.grad_views["a"] and params["b"].grad is buf.grad_views["b"]
+
+
+@pytest.mark.parametrize("case", ["bf16", "bf16 soap sc", "bf16 state"])
+def test_bf16_models_equal_the_same_kernels_in_one_process(runs, case):
+    """fp32 masters, fp32 reduction and fp32 state by default; master_weights=False keeps bf16."""
+    spec = dict(JOBS[case][1][0].__dict__)
+    want = emulate(TrainSpec(**spec), DP)
+    for r, out in enumerate(runs[case]):
+        assert all(p.dtype == torch.bfloat16 for p in out["params"].values())
+        assert compare(out["params"], want)["bit_identical"], f"rank {r}"
+    if case == "bf16":  # the masters matter: keeping bf16 state trains differently
+        assert not compare(runs["bf16"][0]["params"], runs["bf16 state"][0]["params"])["bit_identical"]
+
+
+def test_bf16_checkpoint_carries_fp32_masters(runs):
+    for r, out in enumerate(runs["bf16 checkpoint"]):
+        assert out["master dtypes"] == ["torch.float32"] and out["with master"] == len(out["resumed"])
+        assert compare(out["resumed"], out["uninterrupted"])["bit_identical"], f"rank {r}"
 
 
 def test_casting_the_model_after_building_is_an_error(runs):

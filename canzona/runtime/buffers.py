@@ -27,7 +27,7 @@ class FlatBuffer:
     """Parameters `names` at `offsets[name] = (start, end)` of flat buffers of `size` elements."""
 
     def __init__(self, names: Sequence[str], offsets: Mapping[str, tuple[int, int]], size: int,
-                 params: Mapping[str, Tensor]) -> None:
+                 params: Mapping[str, Tensor], reduce_dtype: torch.dtype | None = None) -> None:
         self.names = list(names)
         self.offsets = dict(offsets)
         self.size = size
@@ -39,6 +39,10 @@ class FlatBuffer:
                                 f"{ref.dtype} on {ref.device}")
         self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
         self.grad = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        # what is reduced across ranks and read by the optimizer: the gradients themselves, or an
+        # fp32 copy of low-precision ones (reduced and updated in fp32, as Megatron's main grads)
+        self.reduced = self.grad if reduce_dtype in (None, ref.dtype) else \
+            torch.zeros(size, dtype=reduce_dtype, device=ref.device)
         self.params = {n: params[n] for n in self.names}
         self.data_views: dict[str, Tensor] = {}
         self.grad_views: dict[str, Tensor] = {}
@@ -65,6 +69,17 @@ class FlatBuffer:
     def claim_all(self) -> None:
         for name in self.names:
             self.claim(name)
+
+    def stage(self) -> Tensor:
+        """Every gradient claimed and copied into `reduced`; returns `reduced`, ready to reduce."""
+        self.claim_all()
+        if self.reduced is not self.grad:
+            self.reduced.copy_(self.grad)
+        return self.reduced
+
+    def reduced_view(self, name: str) -> Tensor:
+        a, b = self.offsets[name]
+        return self.reduced[a:b].view(self.params[name].shape)
 
     def unlinked(self) -> Iterator[str]:
         """Parameters whose storage is no longer this buffer's (moved, cast or replaced)."""

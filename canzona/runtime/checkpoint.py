@@ -26,8 +26,9 @@ STATE_VERSION = 2  # 2: records the model (fingerprint and parameter shapes)
 
 
 def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
-    local_matrix = {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and _first_computer(opt, n)}
-    local_adamw = {n: (off, _to_cpu(opt.adamw_state[n])) for n, _, _, off in opt._adamw_parts()
+    local_matrix = {n: _to_cpu(_with_master(opt, n, s)) for n, s in opt.matrix_state.items()
+                    if s and _first_computer(opt, n)}
+    local_adamw = {n: (off, _to_cpu(_with_master(opt, n, opt.adamw_state[n]))) for n, _, _, off in opt._adamw_parts()
                    if n in opt.adamw_state and (not opt.policy.replicated or opt.rank == 0)}
     every = opt.comm.all_gather_object((local_matrix, local_adamw), "optimizer state")
     state: dict[str, dict] = {}
@@ -36,13 +37,13 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
     for _, adamw in every:
         for name, (offset, part) in adamw.items():
             full = state.setdefault(name, {"step": part["step"]})
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in SLICED & set(part):
                 if key not in full:
                     full[key] = torch.zeros(opt.params[name].numel(), dtype=part[key].dtype)
                 full[key][offset:offset + part[key].numel()] = part[key]
     for name in opt.adamw.names:
         if name in state:
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in SLICED & set(state[name]):
                 state[name][key] = state[name][key].view(opt.params[name].shape)
     return {
         "format": STATE_FORMAT,
@@ -63,7 +64,8 @@ def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None
     opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(state_dict["adamw_config"])))
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    state = state_dict["state"]
+    state = {n: dict(s) for n, s in state_dict["state"].items()}
+    masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     device = next(iter(opt.params.values())).device
     opt.matrix_state = {n: _to_device(state[n], device) if n in state else {} for n in opt._computes}
     opt.adamw_state = {}
@@ -75,6 +77,22 @@ def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None
                 "exp_avg": full["exp_avg"].reshape(-1)[off:off + e - s].clone().to(device),
                 "exp_avg_sq": full["exp_avg_sq"].reshape(-1)[off:off + e - s].clone().to(device),
             }
+    if opt.master_weights:
+        opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
+        for name, s, e, off in opt._adamw_parts():
+            if name in masters:
+                opt.master[name] = masters[name].reshape(-1)[off:off + e - s].float().to(device)
+        for name in opt._computes:
+            if name in masters:
+                opt.master[name] = masters[name].float().to(device)
+
+
+SLICED = {"exp_avg", "exp_avg_sq", "master"}  # AdamW state kept as per-rank slices of the flat buffer
+
+
+def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer state of `name` plus its fp32 master weights, when it has them."""
+    return {**state, "master": opt.master[name]} if name in opt.master else dict(state)
 
 
 def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:

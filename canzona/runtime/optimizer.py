@@ -70,6 +70,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     them with hyper-parameter overrides (`canzona.runtime.groups`). `matrix_config` and
     `adamw_config` are the defaults of every group.
 
+    Low-precision (bf16 / fp16) parameters get fp32 master weights, fp32 gradient reduction and
+    fp32 optimizer state by default; the bf16 working copy is refreshed after each step.
+    `master_weights=False` keeps everything in the parameters' dtype.
+
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
@@ -90,6 +94,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout_s: float = 120.0,
         align: int = DEFAULT_ALIGN,
         cost_model: CostModel | None = None,
+        master_weights: bool = True,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -134,10 +139,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
 
+        # bf16 / fp16 models: fp32 master weights, gradients reduced in fp32 and fp32 optimizer
+        # state (as Megatron's distributed optimizer); master_weights=False keeps all of it in the
+        # parameters' dtype
+        low = {p.dtype for p in self.params.values()} & {torch.bfloat16, torch.float16}
+        self.master_weights = bool(master_weights and low)
+        reduce_dtype = torch.float32 if self.master_weights else None
         self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
-                                   b.size, self.params) for b in self.plan.dp_plan.buckets]
+                                   b.size, self.params, reduce_dtype) for b in self.plan.dp_plan.buckets]
         offsets, used = packed_offsets(adamw_names, self.params)
-        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * self.dp), self.params)
+        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * self.dp), self.params,
+                                reduce_dtype)
         self.adamw_cuts = even_cuts(self.adamw.size, self.dp)
         self._buffer_of = {n: buf for buf in (*self.buckets, self.adamw) for n in buf.names}
         self._index = {n: i for i, n in enumerate(self.params)}
@@ -145,6 +157,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._computes = self._matrices_computed_here()
         self.matrix_state: dict[str, dict] = {n: {} for n in self._computes}
         self.adamw_state: dict[str, dict] = {}
+        self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
+        if self.master_weights:
+            self.reset_master_weights()
         self._sync = True
         self._reset_step_tracking()
         for name, p in self.params.items():
@@ -217,8 +232,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise CanzonaError("gradients were synchronised twice in one step: wrap the backward of "
                                "accumulation micro-batches in `with optimizer.no_sync():`")
         b = self.buckets[k]
-        b.claim_all()  # a gradient dropped by set_to_none and not recomputed counts as zero
-        self._launched[k] = self.comm.reduce_scatter_v(b.grad, self._grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
+        # stage() claims first: a gradient dropped by set_to_none and not recomputed counts as zero
+        self._launched[k] = self.comm.reduce_scatter_v(b.stage(), self._grad_cuts(k),
+                                                       f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -233,19 +249,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         while self._next < len(self.buckets):  # buckets whose gradients did not all arrive
             self._launch(self._next)
             self._next += 1
-        self.adamw.claim_all()
-        adamw = self.comm.reduce_scatter_v(self.adamw.grad, self.adamw_cuts, "adamw")
+        adamw = self.comm.reduce_scatter_v(self.adamw.stage(), self.adamw_cuts, "adamw")
         for pending in self._launched:
             pending.wait()
         adamw.wait()
         if self.policy.grad_sync == "all-reduce" or self.policy.gather_split:
-            gathers = [self.comm.all_gather_v(b.grad, self._grad_cuts(k),
+            gathers = [self.comm.all_gather_v(b.reduced, self._grad_cuts(k),
                                               f"gradients of bucket {self.plan.dp_plan.buckets[k].index}")
                        for k, b in enumerate(self.buckets)]
             for g in gathers:
                 g.wait()
         if self.policy.replicated:
-            self.comm.all_gather_v(self.adamw.grad, self.adamw_cuts, "adamw gradients").wait()
+            self.comm.all_gather_v(self.adamw.reduced, self.adamw_cuts, "adamw gradients").wait()
 
     def _prepare_step(self) -> Tensor:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
@@ -288,9 +303,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         self._prepare_step()
-        segments = [b.grad[c[self.rank]:c[self.rank + 1]] for k, b in enumerate(self.buckets)
+        segments = [b.reduced[c[self.rank]:c[self.rank + 1]] for k, b in enumerate(self.buckets)
                     for c in (self._grad_cuts(k),)]
-        segments.append(self.adamw.grad[self.adamw_cuts[self.rank]:self.adamw_cuts[self.rank + 1]])
+        segments.append(self.adamw.reduced[self.adamw_cuts[self.rank]:self.adamw_cuts[self.rank + 1]])
         segments = [s.double() for s in segments if s.numel()]
         if norm_type == 2.0:
             local = sum((s.square().sum() for s in segments), torch.zeros((), dtype=torch.float64))
@@ -301,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         coefficient = min(1.0, max_norm / (float(total) + 1e-6))
         if coefficient < 1.0:
             for buf in (*self.buckets, self.adamw):
-                buf.grad.mul_(coefficient)
+                buf.reduced.mul_(coefficient)
         return total.to(torch.float32)
 
     # --- the step ----------------------------------------------------------------------------
@@ -317,16 +332,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name in self._computes:
             if not got[self._index[name]]:
                 continue  # as torch optimizers do: no gradient, no update, no decay
-            p, g = self.params[name], self._group_of[name]
+            g = self._group_of[name]
             group = self.param_groups[g]
-            update = kernel(p.grad, self.matrix_state[name], self._configs.config(g, group), group["lr"])
+            grad = self._buffer_of[name].reduced_view(name)
+            update = kernel(grad, self.matrix_state[name], self._configs.config(g, group), group["lr"])
             if update is not None:
-                apply_update_(p, update.direction, update)
+                target = self._master_for(name, self.params[name])
+                apply_update_(target, update.direction, update)
+                if target is not self.params[name]:
+                    self.params[name].copy_(target)  # the working copy the next forward uses
         self._adamw_step(got)
         self._gather_params()
         self.comm.log.step += 1
         self._reset_step_tracking()
         return loss
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """fp32 master copies of the matrices this rank updates and of its AdamW slice, taken from
+        the parameters as they are now (after loading weights into a bf16 model, say)."""
+        self.master = {n: self.params[n].detach().float().clone() for n in self._computes}
+        for name, s, e, _ in self._adamw_parts():
+            self.master[name] = self.adamw.data[s:e].float().clone()
+
+    def _master_for(self, name: str, working: Tensor) -> Tensor:
+        """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written
+        into the model since the last step (model.load_state_dict, a hand edit) win over a master
+        that no longer matches them."""
+        master = self.master.get(name)
+        if master is None:
+            return working
+        if not torch.equal(master.to(working.dtype), working):
+            master.copy_(working)
+        return master
 
     def _adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
         """(name, start, end within the flat buffer, offset within the parameter) of this rank's slice."""
@@ -343,8 +381,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 g = self._group_of[name]
                 group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
-                adamw_step_(self.adamw.data[s:e], self.adamw.grad[s:e], state, self._configs.config(g, group),
-                            group["lr"])
+                target = self._master_for(name, self.adamw.data[s:e])
+                adamw_step_(target, self.adamw.reduced[s:e], state, self._configs.config(g, group), group["lr"])
+                if self.master_weights:
+                    self.adamw.data[s:e].copy_(target)
 
     def _gather_params(self) -> None:
         pending: list[PendingWork] = []

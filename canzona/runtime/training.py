@@ -45,6 +45,7 @@ class TrainSpec:
     adamw_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
     clip_norm: float | None = None  # clip the global gradient norm to this before each update
+    master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
 
     def check(self, dp: int) -> None:
@@ -96,7 +97,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
     model = build_model(spec)
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
-                               dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size)
+                               dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
+                               master_weights=spec.master_weights)
     if "load" in extra:
         params, state = extra["load"]
         with torch.no_grad():
@@ -150,11 +152,18 @@ def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[d
             h.remove()
     out = {}
     for n in params:
-        acc = per_rank[0][n].clone()
+        acc = per_rank[0][n].to(reduce_dtype(spec, per_rank[0][n].dtype), copy=True)
         for r in range(1, dp):
             acc += per_rank[r][n]
         out[n] = acc.div_(dp)
     return out, got
+
+
+def reduce_dtype(spec: TrainSpec, dtype: torch.dtype) -> torch.dtype:
+    """Gradients are reduced (and the optimizer runs) in fp32 for low-precision models with
+    master weights, in the parameters' dtype otherwise."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if low and spec.master_weights else dtype
 
 
 @torch_threads()
@@ -178,6 +187,10 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
                   for n, s in saved["state"].items()}
     kernel = MATRIX_KERNELS[spec.optimizer]
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    masters = {n: p.detach().to(reduce_dtype(spec, p.dtype), copy=True) for n, p in model.named_parameters()}
+    for name, state in states.items():  # a checkpoint's fp32 masters are the weights to continue from
+        if "master" in state:
+            masters[name] = state.pop("master").reshape(masters[name].shape).to(masters[name].dtype)
     for tokens in global_batches(spec, vocab):
         grads, got = global_gradients(model, spec, tokens, dp)
         if spec.clip_norm is not None:
@@ -187,12 +200,14 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
                 if name not in got:
                     continue
                 state = states.setdefault(name, {})
+                master = masters[name]
                 if mspec.param(name).uses_matrix_optimizer:
                     update = kernel(grads[name], state, matrix_cfg, matrix_cfg.lr)
                     if update is not None:
-                        apply_update_(p, update.direction, update)
+                        apply_update_(master, update.direction, update)
                 else:
-                    adamw_step_(p.view(-1), grads[name].view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
+                    adamw_step_(master.view(-1), grads[name].view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
+                p.copy_(master)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
