@@ -8,6 +8,7 @@ or optimizer, and one whose tensors do not fit this model, with one line saying 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
@@ -45,17 +46,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
         if name in state:
             for key in SLICED & set(state[name]):
                 state[name][key] = state[name][key].view(opt.params[name].shape)
-    return {
-        "format": STATE_FORMAT,
-        "version": STATE_VERSION,
-        "model": {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint(),
-                  "shapes": {n: list(p.shape) for n, p in opt.params.items()}},
-        "optimizer": opt.optimizer,
-        "matrix_config": asdict(opt.matrix_cfg),
-        "adamw_config": asdict(opt.adamw_cfg),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "state": state,
-    }
+    return {**_header(opt), "state": state}
 
 
 def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
@@ -149,3 +140,101 @@ def _to_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 
 def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+# --- torch.distributed.checkpoint: every rank writes only what it owns ----------------------------
+
+DCP_PREFIX = "canzona_optimizer"
+
+
+def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrices it
+    is the first to compute, its AdamW slices (keyed by their element offset in the parameter), and
+    the small metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
+    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
+    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(_header(opt), default=_json_scalar)}
+    for name, state in opt.matrix_state.items():
+        if state and _first_computer(opt, name):
+            for key, value in _with_master(opt, name, state).items():
+                out[f"{prefix}/matrix/{name}/{key}"] = value
+    if not opt.policy.replicated or opt.rank == 0:
+        for name, _, _, off in opt._adamw_parts():
+            if name in opt.adamw_state:
+                for key, value in _with_master(opt, name, opt.adamw_state[name]).items():
+                    out[f"{prefix}/adamw/{name}/{key}@{off}"] = value
+    return out
+
+
+def _header(opt: DistributedOptimizer) -> dict[str, Any]:
+    """Everything but the tensors: what `load_state` checks and restores (identical on every rank)."""
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "model": {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint(),
+                  "shapes": {n: list(p.shape) for n, p in opt.params.items()}},
+        "optimizer": opt.optimizer,
+        "matrix_config": asdict(opt.matrix_cfg),
+        "adamw_config": asdict(opt.adamw_cfg),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    }
+
+
+def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+    """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
+    at any DP size (whole matrices it computes, the saved AdamW pieces overlapping its slices)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, str) else checkpoint_id
+    entries = reader.read_metadata().state_dict_metadata
+
+    def placeholder(key: str) -> Any:
+        m = entries[key]
+        if isinstance(m, TensorStorageMetadata):
+            return torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        return None  # a pickled object: dcp.load replaces the entry
+
+    if f"{prefix}/meta" not in entries:
+        raise PlanError(f"no canzona optimizer state under {prefix!r} in this checkpoint")
+    matrix_keys = {n: [k for k in entries if k.startswith(f"{prefix}/matrix/{n}/")] for n in opt._computes}
+    pieces: dict[str, list[tuple[str, int, str]]] = {}  # name -> (state key, offset, entry key)
+    for key in entries:
+        if key.startswith(f"{prefix}/adamw/"):
+            name, rest = key[len(f"{prefix}/adamw/"):].rsplit("/", 1)
+            field_name, offset = rest.rsplit("@", 1)
+            pieces.setdefault(name, []).append((field_name, int(offset), key))
+    wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
+    for keys in matrix_keys.values():
+        wanted.update({k: placeholder(k) for k in keys})
+    mine = {name: (off, e - s) for name, s, e, off in opt._adamw_parts()}
+    for name, (off, length) in mine.items():
+        for _, start, key in pieces.get(name, []):
+            size = entries[key].size[0] if isinstance(entries[key], TensorStorageMetadata) else None
+            if size is None or (start < off + length and start + size > off):
+                wanted[key] = placeholder(key)
+    dcp.load(wanted, storage_reader=reader)
+
+    # rebuild the layout-independent form for the slices this rank needs, then load it as usual
+    state: dict[str, dict[str, Any]] = {}
+    for name, keys in matrix_keys.items():
+        if keys:
+            state[name] = {k.rsplit("/", 1)[1]: wanted[k] for k in keys}
+    for name in mine:
+        got = [(f, start, wanted[key]) for f, start, key in pieces.get(name, []) if key in wanted]
+        if not got:
+            continue
+        numel = opt.params[name].numel()
+        full: dict[str, Any] = {}
+        for field_name, start, value in got:
+            if isinstance(value, Tensor):
+                full.setdefault(field_name, torch.zeros(numel, dtype=value.dtype))[start:start + value.numel()] = value
+            else:
+                full[field_name] = value
+        state[name] = {k: v.view(opt.params[name].shape) if isinstance(v, Tensor) else v for k, v in full.items()}
+    load_state(opt, {**json.loads(wanted[f"{prefix}/meta"]), "state": state})
+
+
+def _json_scalar(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.numel() == 1:  # a scheduler's tensor learning rate
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in the checkpoint's metadata")

@@ -445,6 +445,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load a `state_dict()` taken at any DP size; checks it belongs to this model and optimizer."""
         checkpoint.load_state(self, state_dict)
 
+    def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
+        """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
+        only what it owns); merge it with the model's state dict to save both in one call."""
+        return checkpoint.sharded_state(self, prefix)
+
+    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
+        """Load from a `torch.distributed.checkpoint` saved at any DP size (a path or a storage
+        reader): each rank reads only what its layout needs. Collective."""
+        checkpoint.load_sharded(self, checkpoint_id, prefix)
+
 
 def _unlinked_message(name: str | None) -> str:
     which = f"parameter {name!r} no longer lives" if name else "parameters no longer live"

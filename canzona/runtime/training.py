@@ -99,12 +99,15 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights)
-    if "load" in extra:
+    if "load" in extra:  # (parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(params[name])
-        opt.load_state_dict(state)
+        if isinstance(state, str):
+            opt.load_sharded_state_dict(state)
+        else:
+            opt.load_state_dict(state)
     vocab = model.spec().param("model.embed_tokens.weight").shape[0]
     losses, norms = [], []
     for tokens in global_batches(spec, vocab):
@@ -123,6 +126,10 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         losses.append(total)
         if on_step is not None:
             on_step(len(losses))
+    if "save_sharded" in extra:  # a torch.distributed.checkpoint directory
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=extra["save_sharded"])
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
