@@ -364,23 +364,37 @@ def _validate_tp(plan: Plan) -> None:
 
 
 def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None) -> None:
-    """The plan was made for this model (and, if given, this layout)."""
+    """The plan was made for this model (and, if given, this layout); a mismatch says what differs."""
+    detail = _placement_difference(plan, model)
     if plan.fingerprint != model.fingerprint():
-        raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), "
-                        f"not {model.name!r} ({model.fingerprint()})")
+        why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"
+        raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), not {model.name!r} "
+                        f"({model.fingerprint()}): {why}")
     if dp is not None and plan.dp != dp:
         raise PlanError(f"plan is for dp={plan.dp}, but the job has dp={dp}")
     if tp is not None and plan.tp != tp:
         raise PlanError(f"plan is for tp={plan.tp}, but the job has tp={tp}")
-    want = {p.name: p.local_numel(plan.tp) for p in model.matrix_params()}
-    got = {p.name: p.numel for p in plan.dp_plan.placements()}
-    if got != want:
-        missing = sorted(set(want) - set(got))
-        extra = sorted(set(got) - set(want))
-        wrong = sorted(n for n in set(got) & set(want) if got[n] != want[n])
-        detail = (f"missing {missing[0]}" if missing else f"unknown {extra[0]}" if extra
-                  else f"wrong size for {wrong[0]}")
+    if detail:
         raise PlanError(f"plan does not match model {model.name!r}: {detail}")
+
+
+def _placement_difference(plan: Plan, model: ModelSpec) -> str:
+    """The first matrix the plan places differently from the model ('' if none)."""
+    try:
+        want = {p.name: p.local_numel(plan.tp) for p in model.matrix_params()}
+    except SpecError as e:
+        return str(e)
+    got = {p.name: p.numel for p in plan.dp_plan.placements()}
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    wrong = sorted(n for n in set(got) & set(want) if got[n] != want[n])
+    if missing:
+        return f"the plan lacks {missing[0]}"
+    if extra:
+        return f"the model has no matrix {extra[0]}"
+    if wrong:
+        return f"{wrong[0]} has {got[wrong[0]]} elements per shard in the plan, {want[wrong[0]]} in the model"
+    return ""
 
 
 def plan_from_json(text: str) -> Plan:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from canzona.errors import SpecError
 
@@ -118,7 +120,61 @@ class ModelSpec:
             p.local_shape(tp)
 
     def fingerprint(self) -> str:
-        """Hash of everything a plan depends on: names, order, global shapes, roles, TP dims."""
-        rows = [[p.name, list(p.shape), p.role.value, p.tp_dim] for p in self.params]
+        """Hash of the model a plan is for: names, global shapes, roles and TP dims.
+
+        Not of the order: the same model listed in another order (registration order versus a
+        measured forward order) is the same model. A plan records its own order in its
+        placements, whose names and sizes `check_plan_matches` checks against the model.
+        """
+        rows = sorted([p.name, list(p.shape), p.role.value, p.tp_dim] for p in self.params)
         blob = json.dumps(rows, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def describe_difference(self, other: ModelSpec) -> str:
+        """One line naming the first difference from `other`, for comparing two specs (a plan keeps
+        only the fingerprint): a parameter only one of them has, then a parameter whose shape,
+        role, TP dim, layer or dtype differs, then the order."""
+        mine, theirs = _spec_labels(self, other)
+        other_by_name = {p.name: p for p in other.params}
+        own_names = {p.name for p in self.params}
+        for p in self.params:
+            if p.name not in other_by_name:
+                return f"parameter {p.name!r} is in {mine} but not in {theirs}"
+        for p in other.params:
+            if p.name not in own_names:
+                return f"parameter {p.name!r} is in {theirs} but not in {mine}"
+        for p in self.params:
+            q = other_by_name[p.name]
+            for field, a, b in (("shape", p.shape, q.shape), ("role", p.role.value, q.role.value),
+                                ("tp_dim", p.tp_dim, q.tp_dim), ("layer", p.layer, q.layer),
+                                ("dtype", p.dtype, q.dtype)):
+                if a != b:
+                    return f"parameter {p.name!r} has {field} {a} in {mine} but {b} in {theirs}"
+        for i, (p, q) in enumerate(zip(self.params, other.params)):
+            if p.name != q.name:
+                return (f"same parameters in another order: position {i} is {p.name!r} in {mine}, "
+                        f"{q.name!r} in {theirs}")
+        return f"no difference between {mine} and {theirs}"
+
+    @classmethod
+    def from_module(cls, model: Any, *, tp_plan: Mapping[str, int] | None = None, tp_size: int = 1,
+                    name: str | None = None, order: Sequence[str] | None = None) -> ModelSpec:
+        """The spec of a `torch.nn.Module`'s trainable parameters (`canzona.runtime.modules`).
+
+        Names are canonical (wrapper prefixes such as `module.` and `_orig_mod.` removed): give the
+        optimizer `canzona.runtime.modules.named_parameters(model)`. `tp_plan` maps fnmatch
+        patterns over those names to the split dimension of the local shards the module holds
+        (0 column-, 1 row-parallel), `tp_size` the TP size that multiplies it. `order` is the
+        forward order, e.g. `backward_order(model, loss_fn)`; registration order otherwise.
+        """
+        # imported here: it needs torch, and the policy core must import without it
+        from canzona.runtime.modules import spec_from_module
+
+        return spec_from_module(model, tp_plan=tp_plan, tp_size=tp_size, name=name, order=order)
+
+
+def _spec_labels(a: ModelSpec, b: ModelSpec) -> tuple[str, str]:
+    """How to name the two sides of a comparison; specs often share a name."""
+    if a.name != b.name:
+        return repr(a.name), repr(b.name)
+    return "this spec", "the other spec"

@@ -269,12 +269,12 @@ def test_fingerprint_stable_and_distinct():
         assert get_model(name, 2).fingerprint() == fp  # the TP size is not part of the model
 
 
-def test_fingerprint_sees_shape_order_and_tp_dim_changes():
+def test_fingerprint_sees_shape_and_tp_dim_changes_but_not_order():
     base = get_model("qwen3-0.6b")
     fp = base.fingerprint()
     params = list(base.params)
     swapped = ModelSpec(base.name, tuple([params[1], params[0], *params[2:]]))
-    assert swapped.fingerprint() != fp
+    assert swapped.fingerprint() == fp  # the model, not its registration order (plans carry the order)
     p = params[2]
     reshaped = ParamSpec(p.name, (p.shape[0] * 2, p.shape[1]), p.role, p.layer, p.tp_dim)
     assert ModelSpec(base.name, tuple([*params[:2], reshaped, *params[3:]])).fingerprint() != fp

@@ -127,6 +127,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.plan = self._resolve_plan(plan, dp_policy, alpha, bucket_size, align, cost_model)
         self.comm.check_agreement({
             "model fingerprint": spec.fingerprint(),
+            # the fingerprint ignores order, but buffers are laid out in spec order
+            "parameter order": ",".join(p.name for p in spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             "plan": self.plan.hash(),
             "policy": self.policy.name,

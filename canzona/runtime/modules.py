@@ -1,0 +1,292 @@
+"""`ModelSpec`s from live `torch.nn.Module`s: Hugging Face, torchtitan and Megatron-style models.
+
+`ModelSpec.from_module(model, ...)` (canzona/spec.py) delegates here, so the policy core stays
+torch-free (docs/architecture.md §4.1). What is read from the module, and how:
+
+- names: `named_parameters()` with wrapper components (`module.`, `_orig_mod.`,
+  `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`) removed anywhere in the path
+  (`canonical_name`). The optimizer must be given the *same* names, so pass it
+  `named_parameters(model)` from this module, not `model.named_parameters()`;
+- trainable parameters only (`requires_grad`); a Parameter reachable under two names (tied
+  embeddings) appears once, under the first name `named_parameters()` gives;
+- roles (docs/design.md §2.1): 1-D parameters are `vector`; weights of an `nn.Embedding` or of a
+  module named like an embedding are `embedding`; the output head (`get_output_embeddings()` on
+  Hugging Face models, else a module named `lm_head`, `output_layer` or a top-level `output`) is
+  `head`, unless its weight is also an embedding (tied); every other parameter is `matrix`. That
+  includes parameters of 3 or more dimensions (convolutions, stacked expert weights): the routing
+  rule (`canzona.spec.routes_to_matrix_optimizer`) sends only *2-D* matrices to the matrix
+  optimizer, so they go to AdamW while still saying what they are, a weight rather than a vector;
+- layer index: the integer right after a `layers` / `layer` / `h` / `blocks` component;
+- dtype: the parameter's, which must be fp64, fp32, bf16 or fp16;
+- TP: the module holds local shards; `tp_plan` says which dimension of which parameter is split
+  (fnmatch patterns over canonical names) and the spec's global shape multiplies it by `tp_size`;
+- order: registration order unless `order` is given; `backward_order(model, loss_fn)` measures
+  the forward order from one backward pass.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from canzona.errors import SpecError
+from canzona.runtime.kernels import TORCH_DTYPES
+from canzona.spec import ModelSpec, ParamSpec, Role
+
+__all__ = [
+    "WRAPPER_COMPONENTS",
+    "backward_order",
+    "canonical_name",
+    "named_parameters",
+    "spec_from_module",
+]
+
+# Attribute names that wrappers insert between a model and its parameters: DDP / DataParallel /
+# Megatron's Float16Module, torch.compile, FSDP (v1), activation checkpointing.
+WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks"})
+# HF Llama/Qwen, torchtitan, Megatron, GPT-2 (token and position embeddings)
+EMBEDDING_MODULE_NAMES = frozenset({"embed_tokens", "tok_embeddings", "word_embeddings", "wte", "wpe"})
+# HF and Megatron; anywhere in the path, as these names are specific
+HEAD_MODULE_NAMES = frozenset({"lm_head", "output_layer"})
+# torchtitan; only at the top level, as `output` is a common name for inner blocks (BERT)
+TOP_LEVEL_HEAD_MODULE_NAMES = frozenset({"output"})
+
+SPEC_DTYPES: dict[torch.dtype, str] = {td: name for name, td in TORCH_DTYPES.items()}
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+def canonical_name(name: str) -> str:
+    """`name` without wrapper components: `module._orig_mod.model.x` -> `model.x`."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(canonical name, parameter) for the trainable parameters: what to give the optimizer."""
+    yield from _trainable_parameters(model)
+
+
+def _trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """`named_parameters()` deduplicates shared Parameters (tied embeddings): the first name wins."""
+    found: list[tuple[str, nn.Parameter]] = []
+    raw_name: dict[str, str] = {}
+    for raw, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        name = canonical_name(raw)
+        if name in raw_name:
+            raise SpecError(f"parameters {raw_name[name]!r} and {raw!r} have the same canonical name {name!r}")
+        raw_name[name] = raw
+        found.append((name, p))
+    return found
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for container, index in zip(parts, parts[1:]):
+        if container in LAYER_CONTAINERS and index.isdigit():
+            return int(index)
+    return None
+
+
+# --- roles ------------------------------------------------------------------------------------
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP / torch.compile / FSDP / checkpoint wrappers (for HF methods and config)."""
+    while not hasattr(model, "get_output_embeddings"):
+        inner = next((getattr(model, a) for a in WRAPPER_COMPONENTS
+                      if isinstance(getattr(model, a, None), nn.Module)), None)
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def _declared_head(model: nn.Module) -> nn.Module | None:
+    """Hugging Face's own answer; base models without a head return None or raise."""
+    getter = getattr(_unwrapped(model), "get_output_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        head = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _is_head_module(module_name: str, module: nn.Module, declared: nn.Module | None) -> bool:
+    if declared is not None:
+        return module is declared
+    parts = module_name.split(".")
+    return parts[-1] in HEAD_MODULE_NAMES or (len(parts) == 1 and parts[0] in TOP_LEVEL_HEAD_MODULE_NAMES)
+
+
+def _is_embedding_module(module_name: str, module: nn.Module) -> bool:
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or \
+        module_name.split(".")[-1] in EMBEDDING_MODULE_NAMES
+
+
+def _owner_roles(model: nn.Module) -> dict[int, Role]:
+    """Role by the modules that own each Parameter (by id); a tied weight is owned by both the
+    embedding and the head, and is an embedding."""
+    declared = _declared_head(model)
+    roles: dict[int, Role] = {}
+    for raw, module in model.named_modules():
+        name = canonical_name(raw)
+        if _is_embedding_module(name, module):
+            role = Role.EMBEDDING
+        elif _is_head_module(name, module, declared):
+            role = Role.HEAD
+        else:
+            continue
+        for p in module.parameters(recurse=False):
+            if roles.get(id(p)) is not Role.EMBEDDING:
+                roles[id(p)] = role
+    return roles
+
+
+def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
+    if p.dim() == 1:
+        return Role.VECTOR  # a head's or an embedding's bias is a vector like any other
+    return owner_role or Role.MATRIX
+
+
+def _dtype(name: str, p: nn.Parameter) -> str:
+    try:
+        return SPEC_DTYPES[p.dtype]
+    except KeyError:
+        raise SpecError(f"parameter {name!r} has dtype {p.dtype}; canzona specs support "
+                        f"{', '.join(map(str, SPEC_DTYPES))}") from None
+
+
+# --- tensor parallelism -----------------------------------------------------------------------
+
+
+def _check_tp_size(tp_size: int) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise SpecError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+
+
+def _tp_dims(names: Sequence[str], tp_plan: Mapping[str, int] | None) -> dict[str, int]:
+    """tp_dim per matched name. A pattern matching nothing is an error: a typo would otherwise
+    silently replicate what it meant to split."""
+    if not tp_plan:
+        return {}
+    dims: dict[str, int] = {}
+    for pattern, dim in tp_plan.items():
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise SpecError(f"tp_plan[{pattern!r}] must be a dimension index (0 or 1), got {dim!r}")
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise SpecError(f"tp_plan pattern {pattern!r} matches no trainable parameter")
+        for name in matched:
+            if dims.setdefault(name, dim) != dim:
+                raise SpecError(f"tp_plan gives parameter {name!r} two tp dims ({dims[name]} and {dim})")
+    return dims
+
+
+def _global_shape(local: tuple[int, ...], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
+    if tp_dim is None or tp_dim >= len(local):
+        return local  # an out-of-range tp_dim is reported by ParamSpec, with the parameter's name
+    shape = list(local)
+    shape[tp_dim] *= tp_size
+    return tuple(shape)
+
+
+# --- order ------------------------------------------------------------------------------------
+
+
+def _ordered(names: list[str], order: Sequence[str] | None) -> list[str]:
+    """`order` must list every trainable parameter once and nothing else."""
+    if order is None:
+        return names
+    if isinstance(order, str):
+        raise SpecError("order must be a list of parameter names, not a string")
+    order = list(order)
+    known = set(names)
+    seen: set[str] = set()
+    for name in order:
+        if name not in known:
+            raise SpecError(f"order names {name!r}, which is not a trainable parameter of the model")
+        if name in seen:
+            raise SpecError(f"order lists {name!r} twice")
+        seen.add(name)
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise SpecError(f"order is missing {len(missing)} trainable parameter(s), the first {missing[0]!r}")
+    return order
+
+
+def backward_order(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> list[str]:
+    """Canonical names in forward order, measured: the reverse of the order in which gradients
+    become ready in one `loss_fn(model).backward()`.
+
+    Registration order is only a guess at forward order (HF Qwen3 registers o_proj before the
+    norms it runs after). Parameters that get no gradient follow, in registration order. Hooks are
+    removed and every `.grad` is left as it was (the same tensor, or None). Call it on the plain
+    module, before wrapping it in DDP or FSDP, whose hooks would communicate.
+    """
+    params = _trainable_parameters(model)
+    ready: list[str] = []
+    saved = {name: p.grad for name, p in params}
+    handles = []
+    try:
+        for name, p in params:
+            p.grad = None  # so this backward cannot add into the caller's gradients
+            handles.append(p.register_post_accumulate_grad_hook(lambda _p, n=name: ready.append(n)))
+        with torch.enable_grad():
+            loss = loss_fn(model)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise SpecError("backward_order: loss_fn(model) must return a scalar tensor")
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for name, p in params:
+            p.grad = saved[name]
+    # A weight used twice (tied) is ready after its last use in backward: its first in forward.
+    forward = list(dict.fromkeys(reversed(ready)))
+    got_grad = set(forward)
+    return forward + [name for name, _ in params if name not in got_grad]
+
+
+# --- the spec ---------------------------------------------------------------------------------
+
+
+def _default_name(model: nn.Module) -> str:
+    inner = _unwrapped(model)
+    config = getattr(inner, "config", None)
+    for attr in ("_name_or_path", "model_type"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(inner).__name__
+
+
+def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None, tp_size: int = 1,
+                     name: str | None = None, order: Sequence[str] | None = None) -> ModelSpec:
+    """The `ModelSpec` of `model`'s trainable parameters (see the module docstring)."""
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"from_module needs a torch.nn.Module, got {type(model).__name__}")
+    _check_tp_size(tp_size)
+    params = dict(_trainable_parameters(model))
+    if not params:
+        raise SpecError(f"model {type(model).__name__} has no trainable parameters")
+    tp_dims = _tp_dims(list(params), tp_plan)
+    owner_roles = _owner_roles(model)
+    specs = []
+    for pname in _ordered(list(params), order):
+        p = params[pname]
+        if p.dim() == 0:
+            raise SpecError(f"parameter {pname!r} is a 0-d scalar; canzona specs need at least one dimension")
+        tp_dim = tp_dims.get(pname)
+        specs.append(ParamSpec(pname, _global_shape(tuple(p.shape), tp_dim, tp_size),
+                               _role(p, owner_roles.get(id(p))), _layer_index(pname), tp_dim,
+                               _dtype(pname, p)))
+    return ModelSpec(name or _default_name(model), tuple(specs))
