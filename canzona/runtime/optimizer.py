@@ -308,13 +308,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         segments = [b.reduced[c[self.rank]:c[self.rank + 1]] for k, b in enumerate(self.buckets)
                     for c in (self._grad_cuts(k),)]
         segments.append(self.adamw.reduced[self.adamw_cuts[self.rank]:self.adamw_cuts[self.rank + 1]])
-        segments = [s.double() for s in segments if s.numel()]
-        if norm_type == 2.0:
-            local = sum((s.square().sum() for s in segments), torch.zeros((), dtype=torch.float64))
-        else:
-            local = max((s.abs().max() for s in segments), default=torch.zeros((), dtype=torch.float64))
+        local = local_norm_term(segments, norm_type)
         every = self.comm.all_gather_values(local.reshape(1).cpu(), "gradient norm")[:, 0]
-        total = every.sum().sqrt() if norm_type == 2.0 else every.max()  # summed in rank order: reproducible
+        total = global_norm(every, norm_type)
         coefficient = min(1.0, max_norm / (float(total) + 1e-6))
         if coefficient < 1.0:
             for buf in (*self.buckets, self.adamw):
@@ -456,6 +452,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load from a `torch.distributed.checkpoint` saved at any DP size (a path or a storage
         reader): each rank reads only what its layout needs. Collective."""
         checkpoint.load_sharded(self, checkpoint_id, prefix)
+
+
+def local_norm_term(segments: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """One rank's share of the global gradient norm, in fp64: the sum of squares of its segments
+    (in order), or their largest magnitude for the inf-norm."""
+    segments = [s.double() for s in segments if s.numel()]
+    if norm_type == 2.0:
+        return sum((s.square().sum() for s in segments), torch.zeros((), dtype=torch.float64))
+    return max((s.abs().max() for s in segments), default=torch.zeros((), dtype=torch.float64))
+
+
+def global_norm(terms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """The norm from every rank's term, combined in rank order (reproducible in one process)."""
+    return terms.sum().sqrt() if norm_type == 2.0 else terms.max()
 
 
 def _unlinked_message(name: str | None) -> str:
