@@ -297,17 +297,20 @@ class TableCost:
 def load_cost_table(path: str, fallback: CostModel | None = None) -> TableCost:
     """A measured table written by `benchmarks/bench_kernels.py --out` (rows of optimizer, m, n,
     dtype, seconds); shapes it lacks fall back to the analytic model."""
-    from canzona.fileio import is_finite_number, read_json
+    from canzona.fileio import is_finite_number, is_whole_number, read_json
 
     data = read_json(path, "cost table", SpecError)
-    try:
-        rows = data["rows"]
-        table = {(str(o), int(m), int(n), str(d)): t for o, m, n, d, t in rows}
-    except (ValueError, KeyError, TypeError) as e:
-        raise SpecError(f"cannot read cost table {path}: {e}") from None
-    if not all(is_finite_number(t) and t > 0 for t in table.values()):
-        raise SpecError(f"cost table {path}: times must be positive finite numbers")
-    table = {k: float(t) for k, t in table.items()}
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise SpecError(f"cost table {path}: expected an object with 'rows': [[optimizer, m, n, dtype, seconds], ...]")
+    table = {}
+    for i, row in enumerate(rows):
+        ok = isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[3], str) \
+            and all(is_whole_number(x, 1, 2**31) for x in row[1:3]) and is_finite_number(row[4]) and row[4] > 0
+        if not ok:
+            raise SpecError(f"cost table {path}: row {i} must be [optimizer, rows, cols, dtype, positive seconds] "
+                            f"with whole sizes, got {str(row)[:80]}")
+        table[(row[0], row[1], row[2], row[3])] = float(row[4])
     dtypes = {o: d for o, _, _, d in table}
     label = str(data.get("device", path))
     return TableCost(table, dtypes, fallback or AnalyticCost(), label)

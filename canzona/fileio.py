@@ -77,25 +77,55 @@ def dumps_json(obj: Any, indent: int | None = None) -> str:
 
 
 def is_finite_number(value: Any) -> bool:
-    """A real number as JSON means it: booleans are not numbers, NaN and infinities are not finite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number as JSON means it: booleans are not numbers, NaN and infinities are not finite,
+    and neither is an integer too large for a float (10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def is_whole_number(value: Any, low: int, high: int) -> bool:
+    """An integer (not a boolean) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters (a newline in a path) escaped, so an error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def check_output_path(path: str | Path, what: str, suffixes: tuple[str, ...] | None = None) -> Path:
-    """Fail before any work if `path` cannot be written: missing or unwritable folder, a directory
-    in its place, or (with `suffixes`) an extension the writer does not produce."""
+    """Fail before any work if `path` cannot be written: missing or unwritable folder, something
+    other than a regular file in its place (a directory, a device, a symlink: renaming over them
+    would replace them), or (with `suffixes`) an extension the writer does not produce."""
     p = Path(path)
     if suffixes is not None and p.suffix.lower() not in suffixes:
         got = f"unsupported extension '{p.suffix}'" if p.suffix else "no extension"
         raise CanzonaError(f"{what} {p}: {got}; use one of {', '.join(suffixes)}")
-    if p.is_dir():
-        raise CanzonaError(f"cannot write {what} {p}: it is a directory")
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise CanzonaError(f"cannot write {what} {p}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise CanzonaError(f"cannot write {what} {p}: folder {folder} is not writable")
+    if len(p.name.encode()) > NAME_MAX:
+        raise CanzonaError(f"cannot write {what}: the file name is longer than {NAME_MAX} bytes")
+    try:
+        if p.is_symlink():
+            raise CanzonaError(f"cannot write {what} {p}: it is a symbolic link (give the file it points to)")
+        if p.exists() and not p.is_file():
+            kind = "a directory" if p.is_dir() else "not a regular file"
+            raise CanzonaError(f"cannot write {what} {p}: it is {kind}")
+        folder = p.parent if str(p.parent) else Path(".")
+        if not folder.exists():
+            raise CanzonaError(f"cannot write {what} {p}: folder {folder} does not exist")
+        if not folder.is_dir():
+            raise CanzonaError(f"cannot write {what} {p}: {folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise CanzonaError(f"cannot write {what} {p}: folder {folder} is not writable")
+    except OSError as e:
+        raise CanzonaError(f"cannot write {what} {p}: {e.strerror or e}") from None
     return p
+
+
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file systems
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], None], what: str = "file") -> None:
@@ -106,7 +136,8 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], what: str = "f
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=f".tmp{p.suffix}", dir=folder)
+        # a short name of its own: the target's name may already be as long as names can be
+        fd, tmp = tempfile.mkstemp(prefix=".canzona-", suffix=f".tmp{p.suffix[:16]}", dir=folder)
         os.close(fd)
     except OSError as e:
         raise CanzonaError(f"cannot write {what} {p}: {e.strerror or e}") from None

@@ -89,13 +89,22 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     for n in names:
         v = raw[n]
         if isinstance(v, dict):
-            if not all(is_finite_number(x) and x > 0 for x in v.values()):
-                raise SpecError(f"{where}: {key}.{n} must map to positive finite numbers")
+            if not all(_plausible(x) for x in v.values()):
+                raise SpecError(f"{where}: {key}.{n} must map to numbers in [{LOWEST:g}, {HIGHEST:g}]")
             v = {k: float(x) for k, x in v.items()}
-        elif not (is_finite_number(v) and v > 0):
-            raise SpecError(f"{where}: {key}.{n} must be a positive finite number, got {v!r}")
+        elif not _plausible(v):
+            raise SpecError(f"{where}: {key}.{n} must be a number in [{LOWEST:g}, {HIGHEST:g}], got {v!r}")
         values[n] = v
     return cls(**values)
+
+
+# Every figure of a profile (rates, bandwidths, latencies, fractions, counts) lies far inside this
+# range; beyond it, times computed from the profile overflow to inf or underflow to 0.
+LOWEST, HIGHEST = 1e-9, 1e18
+
+
+def _plausible(v: Any) -> bool:
+    return is_finite_number(v) and LOWEST <= v <= HIGHEST
 
 
 SOLVERS = ("eigh", "qr")
@@ -108,7 +117,7 @@ def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ..
     out = {}
     for op, rows in raw.items():
         ok = isinstance(rows, list) and rows and all(
-            isinstance(r, list) and len(r) == 2 and all(is_finite_number(x) and x > 0 for x in r)
+            isinstance(r, list) and len(r) == 2 and all(_plausible(x) for x in r)
             and float(r[0]).is_integer() for r in rows)
         if not ok:
             raise SpecError(f"{where}: solver_seconds.{op} must be a non-empty list of [size, seconds] pairs")

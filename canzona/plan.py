@@ -17,7 +17,14 @@ from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import BucketPlan, Placement
 from canzona.dp.policies import BALANCE_UNITS
 from canzona.errors import PlanError, SpecError
-from canzona.fileio import dumps_json, is_finite_number, parse_json, read_text, write_text_atomic
+from canzona.fileio import (
+    dumps_json,
+    is_finite_number,
+    is_whole_number,
+    parse_json,
+    read_text,
+    write_text_atomic,
+)
 from canzona.optimizers import check_matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.tp import EVERY_RANK, Capacity, MicroGroup, TPPlan, TPTask, check_tp_policy, plan_tp
@@ -25,6 +32,10 @@ from canzona.tp import EVERY_RANK, Capacity, MicroGroup, TPPlan, TPTask, check_t
 SCHEMA = "canzona.plan"
 VERSION = 1
 MAX_DP = 65536  # planned in about half a second; far beyond any cluster a plan is made for
+MAX_TP = 1024  # TP groups live inside a node (and must divide the attention heads)
+MAX_ELEMENTS = 2**50  # bucket sizes, offsets and alignment, in elements (a petabyte of fp32)
+MAX_ALIGN = 2**20
+MAX_STATE_BYTES = 2**62
 
 
 @dataclass(frozen=True)
@@ -137,11 +148,16 @@ def _body(plan: Plan) -> dict[str, Any]:
 
 def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -> list[DPItem]:
     """Matrices in forward order: local shard size for the buffer, full-matrix cost and state."""
-    return [
-        DPItem(p.name, p.local_numel(tp), float(cost_model.seconds(optimizer, p.shape)),
-               state_bytes(optimizer, p.shape))
-        for p in model.matrix_params()
-    ]
+    items = [DPItem(p.name, p.local_numel(tp), float(cost_model.seconds(optimizer, p.shape)),
+                    state_bytes(optimizer, p.shape))
+             for p in model.matrix_params()]
+    for it in items:  # extreme hardware or table figures must not become inf / NaN plans
+        if not (is_finite_number(it.cost) and it.cost >= 0):
+            raise SpecError(f"the cost model {cost_model.name} gives {it.cost} s for {it.name}: check the "
+                            "hardware profile's or cost table's figures")
+    if not is_finite_number(sum(it.cost for it in items)):
+        raise SpecError(f"the cost model {cost_model.name} gives an infinite total: check its figures")
+    return items
 
 
 def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
@@ -168,8 +184,12 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     """Run the DP policy, then the TP policy on each DP rank's matrices."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
-    if tp < 1:
-        raise SpecError(f"tp must be >= 1, got {tp}")
+    if not 1 <= tp <= MAX_TP:
+        raise SpecError(f"tp must be in 1..{MAX_TP}, got {tp}")
+    if not is_whole_number(align, 1, MAX_ALIGN):
+        raise SpecError(f"align must be a whole number of elements in 1..{MAX_ALIGN}, got {align}")
+    if bucket_size is not None and not is_whole_number(bucket_size, 1, MAX_ELEMENTS):
+        raise SpecError(f"bucket size must be in 1..{MAX_ELEMENTS} elements, got {bucket_size}")
     optimizer = check_matrix_optimizer(optimizer)
     check_dp_policy(dp_policy)
     check_tp_policy(tp_policy)
@@ -194,7 +214,9 @@ def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise PlanError(f"{where}: missing field {key!r}")
     value = obj[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float:
+        if not is_finite_number(value):
+            raise PlanError(f"{where}: field {key!r} must be a finite number")
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise PlanError(f"{where}: field {key!r} has the wrong type")
@@ -210,6 +232,8 @@ def _placement(row: Any, where: str) -> Placement:
         raise PlanError(f"{where}: parameter {row[0]!r} has a field of the wrong type")
     if offset < 0 or numel < 1 or cost < 0 or sbytes < 0:
         raise PlanError(f"{where}: parameter {name} has a negative offset, cost or size")
+    if offset > MAX_ELEMENTS or numel > MAX_ELEMENTS or sbytes > MAX_STATE_BYTES or not 0 <= owner <= MAX_DP:
+        raise PlanError(f"{where}: parameter {name} has an offset, size or owner beyond any real model")
     return Placement(name, offset, numel, float(cost), sbytes, owner)
 
 
@@ -292,8 +316,8 @@ def _plan_from_dict(data: Any) -> Plan:
     model = _get(data, "model", dict, "plan")
     layout = _get(data, "layout", dict, "plan")
     dp, tp = _get(layout, "dp", int, "layout"), _get(layout, "tp", int, "layout")
-    if dp < 1 or tp < 1:
-        raise PlanError(f"layout: dp and tp must be >= 1, got dp={dp} tp={tp}")
+    if not (1 <= dp <= MAX_DP and 1 <= tp <= MAX_TP):
+        raise PlanError(f"layout: dp must be in 1..{MAX_DP} and tp in 1..{MAX_TP}, got dp={dp} tp={tp}")
     plan = Plan(
         _get(model, "name", str, "model"),
         _get(model, "fingerprint", str, "model"),
@@ -324,8 +348,19 @@ def _validate_dp(d: DPPlan) -> None:
     seen: set[str] = set()
     if d.balance_by not in BALANCE_UNITS:
         raise PlanError(f"dp_plan: balance unit must be one of {', '.join(BALANCE_UNITS)}, got {d.balance_by!r}")
+    if not 1 <= d.align <= MAX_ALIGN or not 1 <= d.bucket_size <= MAX_ELEMENTS:
+        raise PlanError(f"dp_plan: align must be in 1..{MAX_ALIGN} and bucket_size in 1..{MAX_ELEMENTS}")
+    if d.split_compute != (d.policy == "zero1-even"):
+        raise PlanError(f"dp_plan: split_compute is {d.split_compute} under {d.policy} (only zero1-even splits)")
+    indices = [b.index for b in d.buckets]
+    if len(set(indices)) != len(indices):
+        raise PlanError("dp_plan: bucket indices repeat")
+    if not is_finite_number(sum(p.cost for p in d.placements())):
+        raise PlanError("dp_plan: the costs add up to more than a float holds")
     for b in d.buckets:
         w = f"dp_plan: bucket {b.index}"
+        if not 1 <= b.size <= MAX_ELEMENTS:
+            raise PlanError(f"{w}: size must be in 1..{MAX_ELEMENTS} elements, got {b.size}")
         if len(b.cuts) != d.dp + 1:
             raise PlanError(f"{w}: has {len(b.cuts)} cut points, expected dp + 1 = {d.dp + 1}")
         if b.cuts[0] != 0 or b.cuts[-1] != b.size or any(x > y for x, y in zip(b.cuts, b.cuts[1:])):
@@ -348,6 +383,8 @@ def _validate_tp(plan: Plan) -> None:
     t, d = plan.tp_plan, plan.dp_plan
     if len(t.groups) != plan.dp:
         raise PlanError(f"tp_plan: has groups for {len(t.groups)} DP ranks, expected {plan.dp}")
+    if not is_finite_number(sum(c for rank in t.groups for g in rank for c in g.costs)):
+        raise PlanError("tp_plan: the micro-group costs add up to more than a float holds")
     expected: list[set[str]] = [set() for _ in range(plan.dp)]
     for b in d.buckets:
         for p in b.params:

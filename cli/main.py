@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -20,11 +20,12 @@ from canzona.catalog import DEFAULT_MODEL, get_model
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
 from canzona.dp.policies import MATRICES_PER_RANK
-from canzona.errors import CanzonaError
-from canzona.fileio import check_output_path
+from canzona.errors import CanzonaError, SpecError
+from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.runtime import verify as checks
+from canzona.step_policies import STEP_POLICIES
 from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table, verify_table
@@ -46,10 +47,13 @@ class OneLineErrors(TyperGroup):
             message = " ".join(e.format_message().split())
             ctx = getattr(e, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-            print(f"error: {message}{hint}", file=sys.stderr)
+            print(f"error: {one_line(message)}{hint}", file=sys.stderr)
             code = e.exit_code
         except typer.Abort:
             print("error: aborted", file=sys.stderr)
+            code = 1
+        except OSError as e:  # the output itself failed (stdout on a full disk)
+            print(f"error: cannot write the output: {e.strerror or e}", file=sys.stderr)
             code = 1
         code = code if isinstance(code, int) else 0
         if standalone_mode:
@@ -70,8 +74,18 @@ console = Console(width=None if sys.stdout.isatty() else 140)
 
 def fail(message: str) -> None:
     """One clear line on stderr and exit code 2: how every bad input ends."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {one_line(message)}", file=sys.stderr)
     raise typer.Exit(code=2)
+
+
+def emit_json(obj: object) -> None:
+    """Strict JSON on stdout: a non-finite figure is an error, never `Infinity` or `NaN`."""
+    try:
+        text = dumps_json(obj)
+    except ValueError:
+        fail("the result has non-finite figures (infinite or NaN times): check the hardware profile, "
+             "cost table or plan values")
+    print(text)
 
 
 @app.command()
@@ -101,7 +115,7 @@ def plan(
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
         if out is not None:
-            check_output_path(out, "plan")
+            check_output_path(out, "plan", (".json",))
         spec = get_model(model, tp)
         cap = parse_capacity(capacity)
 
@@ -115,7 +129,7 @@ def plan(
         if out is not None:
             chosen.save(out)
         if as_json:
-            print(json.dumps(chosen.summary()))
+            emit_json(chosen.summary())
             return
         # every DP policy, plus the paper's policy balanced by elements as the authors' code does
         variants = [(name, "seconds") for name in DP_POLICIES]
@@ -150,20 +164,30 @@ def inspect(
     except CanzonaError as e:
         fail(str(e))
     if as_json:
-        print(json.dumps({**loaded.summary(), "hash": loaded.hash()}))
+        emit_json({**loaded.summary(), "hash": loaded.hash()})
         return
     console.print(dp_table([loaded], loaded))
     console.print(tp_table([loaded], loaded.tp_plan.policy))
     console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
 
 
-def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str, tp_policy: str,
+def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None:
+    """A --dp-policy that none of the chosen step policies would use is a mistake, not a no-op."""
+    own = [STEP_POLICIES[p].dp_policy for p in policies if p in STEP_POLICIES]
+    if dp_policy is not None and own and all(own):
+        raise SpecError(f"--dp-policy applies to the canzona policy only; {', '.join(policies)} "
+                        f"use{'s' if len(policies) == 1 else ''} {', '.join(sorted(set(own)))}")
+
+
+def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
-    return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
+    _check_dp_policy_applies([policy], dp_policy)
+    return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
+                     dp_policy=dp_policy or "alpha-balanced",
                      tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=parse_capacity(capacity),
                      hardware=hardware, workload=Workload(seq_len, global_batch, micro_batch))
 
@@ -172,7 +196,7 @@ Model = Annotated[str, typer.Option(help="Catalog model name.")]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
-DpPolicy = Annotated[str, typer.Option(help="canzona's DP policy.")]
+DpPolicy = Annotated[str | None, typer.Option(help="canzona's DP policy (default alpha-balanced); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
 BucketSize = Annotated[int | None, typer.Option(
@@ -190,7 +214,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 def simulate(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
     policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise or canzona.")] = "canzona",
-    dp_policy: DpPolicy = "alpha-balanced", tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
@@ -205,14 +229,14 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch)
         config.check()
         if trace is not None:
-            check_output_path(trace, "trace")
+            check_output_path(trace, "trace", (".json",))
         result = run(config)
         if trace is not None:
             write_trace(result, trace)
     except CanzonaError as e:
         fail(str(e))
     if as_json:
-        print(json.dumps(result.to_dict()))
+        emit_json(result.to_dict())
         return
     console.print(simulate_table(result))
     if trace is not None:
@@ -222,7 +246,7 @@ def simulate(
 @app.command()
 def compare(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    dp_policy: DpPolicy = "alpha-balanced", tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
@@ -257,7 +281,7 @@ def compare(
     except CanzonaError as e:
         fail(str(e))
     if as_json:
-        print(json.dumps([r.to_dict() for r in results]))
+        emit_json([r.to_dict() for r in results])
         return
     console.print(compare_table(results))
     if plot is not None:
@@ -270,7 +294,7 @@ def verify(
     optimizer: Annotated[str, typer.Option(help="muon, soap, shampoo or all.")] = "muon",
     policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise, canzona or all.")] = "canzona",
     steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
-    dp_policy: DpPolicy = "alpha-balanced",
+    dp_policy: DpPolicy = None,
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
     preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied or small.")] = "tiny",
     global_batch: Annotated[int | None, typer.Option(
@@ -286,8 +310,9 @@ def verify(
     from rich.progress import Progress
 
     try:
-        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy, accumulation, preset, global_batch,
-                               tp, alpha, bucket_size)
+        _check_dp_policy_applies(list(STEP_POLICIES) if policy == "all" else [policy], dp_policy)
+        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or "alpha-balanced", accumulation, preset,
+                               global_batch, tp, alpha, bucket_size)
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)
@@ -300,11 +325,11 @@ def verify(
 
             rows = checks.run(cases, dp, progress=tick)
     except CanzonaError as e:  # a rank failed, died or hung: the run failed, the input was fine
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         raise typer.Exit(code=1) from None
     summary = checks.report(rows)
     if as_json:
-        print(json.dumps(summary))
+        emit_json(summary)
     else:
         console.print(verify_table(rows))
         verdict = "all checks passed" if summary["ok"] else f"{summary['failed']} of {summary['checks']} checks FAILED"
@@ -314,6 +339,8 @@ def verify(
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so temporary files are removed and spawned ranks stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     app()
 
 

@@ -12,6 +12,7 @@ from canzona.spec import ModelSpec
 # process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
 MAX_MICRO_BATCHES = 256
 MAX_SEQ_LEN = 2**20
+MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Workload:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
+        if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:
+            raise SpecError(f"global batch must be <= {MAX_GLOBAL_BATCH} sequences and micro batch <= global "
+                            f"batch, got {self.global_batch} and {self.micro_batch}")
 
     def micro_batches(self, dp: int) -> int:
         per_step = dp * self.micro_batch

@@ -62,8 +62,40 @@ def test_plot_formats_by_extension(tmp_path):
 
 def test_trace_and_plan_paths_are_checked_first(tmp_path, no_simulation):
     error_line(invoke("simulate", *SIM, "--trace", tmp_path / "no" / "t.json"), "does not exist")
-    error_line(invoke("simulate", *SIM, "--trace", tmp_path), "is a directory")
-    error_line(invoke("plan", *PLAN, "--out", tmp_path), "is a directory")
+    (tmp_path / "d.json").mkdir()
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "d.json"), "is a directory")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "d.json"), "is a directory")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "plan.txt"), "unsupported extension '.txt'")
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "trace"), "no extension")
+
+
+def test_outputs_never_replace_devices_links_or_files_in_the_way(tmp_path, no_simulation):
+    """Renaming over a device or a symlink would replace it (as root, /dev/null itself)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    error_line(invoke("plan", *PLAN, "--out", fifo), "not a regular file")
+    target = tmp_path / "real.json"
+    target.write_text("keep")
+    (tmp_path / "link.json").symlink_to(target)
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "link.json"), "symbolic link")
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "link.json"), "symbolic link")
+    assert target.read_text() == "keep" and (tmp_path / "link.json").is_symlink() and fifo.is_fifo()
+    (tmp_path / "file").write_text("")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "file" / "x.json"), "is not a folder")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / ("x" * 300 + ".json")), "longer than 255 bytes")
+    error_line(invoke("compare", *SIM, "--plot", tmp_path / ("x" * 300 + ".png")), "longer than 255 bytes")
+
+
+def test_a_long_name_that_fits_is_written(tmp_path):
+    name = "p" * 250 + ".json"
+    assert invoke("plan", *PLAN, "--out", tmp_path / name, "--json").exit_code == 0
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_control_characters_in_paths_stay_on_one_line(tmp_path):
+    line = error_line(invoke("inspect", tmp_path / "no\nsuch.json"))
+    assert "\\n" in line or "\n" in line
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "miss\ning" / "p.json"), "does not exist")
 
 
 # --- files read: size, kind, nesting, numbers ---------------------------------------------------
@@ -135,6 +167,10 @@ def _profile(tmp_path: Path, path: tuple[str, ...], value_json: str) -> Path:
     (("measured",), '"yes"'),
     (("solver_seconds",), '{"eigh": [[true, 0.1]]}'),
     (("solver_seconds",), '{"eigh": [[64.5, 0.1]]}'),
+    (("gpu", "launch_s"), "1e305"),
+    (("gpu", "model_flops_utilization"), "5e-324"),
+    (("node", "nvlink_ring_busbw"), "1e-300"),
+    (("gpu", "peak_flops", "bf16"), str(10**400)),
 ])
 def test_profiles_reject_non_finite_and_boolean_numbers(tmp_path, path, value):
     profile = _profile(tmp_path, path, value)
@@ -148,13 +184,21 @@ def test_profile_from_python_rejects_non_finite_numbers():
 
     data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
     data["gpu"]["elementwise_flops"] = float("inf")
-    with pytest.raises(SpecError, match="positive finite number"):
+    with pytest.raises(SpecError, match="must be a number in"):
         profile_from_dict(data)
 
 
 def test_cost_table_rejects_non_finite_and_boolean_times(tmp_path):
     from canzona.cost import load_cost_table
 
+    for row in ('["muon", "8", 8, "fp32", 1.0]', '["muon", 8.5, 8, "fp32", 1.0]', '["muon", true, 8, "fp32", 1.0]',
+                '["muon", -8, 8, "fp32", 1.0]', '["muon", 8, 8, "fp32", ' + str(10**400) + "]", '"row"'):
+        path = _file(tmp_path, '{"rows": [' + row + "]}", "table.json")
+        with pytest.raises(SpecError, match="row 0 must be"):
+            load_cost_table(str(path))
+        error_line(invoke("plan", *PLAN, "--cost-table", path), "row 0 must be")
+    with pytest.raises(SpecError, match="expected an object with 'rows'"):
+        load_cost_table(str(_file(tmp_path, "[]", "table.json")))
     for value in ("1e999", "true", "NaN"):
         path = _file(tmp_path, '{"rows": [["muon", 8, 8, "fp32", ' + value + "]]}", "table.json")
         with pytest.raises(SpecError):
@@ -181,6 +225,10 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
     (["simulate", "--gpus", "100000"], "at most 16384 GPUs"),
     (["simulate", "--seq-len", "100000000"], "seq len must be <="),
     (["plan", "--alpha", "nan"], "alpha"),
+    (["plan", "--align", str(10**400)], "align must be"),
+    (["plan", "--bucket-size", str(10**400)], "bucket size must be"),
+    (["simulate", "--global-batch", str(10**307), "--micro-batch", str(10**307)], "global batch must be <="),
+    (["simulate", "--policy", "sc", "--dp-policy", "whole-start"], "applies to the canzona policy only"),
     (["plan", "--dp", "abc"], "Invalid value for '--dp'"),
     (["simulate", "--gpus", "1.5"], "Invalid value for '--gpus'"),
     (["plan", "--bogus"], "No such option: --bogus"),
@@ -205,6 +253,7 @@ def test_limits_are_stated_in_help():
     (["--dp", "17"], "dp must be <= 16"),
     (["--dp-policy", "layerwise"], "needs a DP plan that keeps every matrix whole"),
     (["--dp-policy", "zero1-even", "--policy", "all"], "zero1-even does not"),
+    (["--policy", "layerwise", "--dp-policy", "alpha-balanced"], "applies to the canzona policy only"),
 ])
 def test_verify_rejects_before_spawning(monkeypatch, args, needle):
     from canzona.runtime import verify as checks
@@ -255,3 +304,91 @@ def test_write_atomic_cleans_up_after_any_error(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as open() would create it, not 0600
+
+
+# --- plan files with values beyond any real model -----------------------------------------------
+
+
+def _mutated_plan(tmp_path: Path, mutate) -> Path:
+    good = tmp_path / "good.json"
+    assert invoke("plan", *PLAN, "--out", good, "--json").exit_code == 0
+    data = json.loads(good.read_text())
+    mutate(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    return bad
+
+
+def _bucket(d: dict) -> dict:
+    return d["dp_plan"]["buckets"][0]
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d["layout"].update(tp=10**9), "tp in 1..1024"),
+    (lambda d: d["layout"].update(tp=10**400), "tp in 1..1024"),
+    (lambda d: d["layout"].update(dp=10**6), "dp must be in 1..65536"),
+    (lambda d: _bucket(d)["params"][0].__setitem__(3, 10**400), "wrong type"),
+    (lambda d: _bucket(d)["params"][0].__setitem__(4, 10**400), "beyond any real model"),
+    (lambda d: (_bucket(d).update(size=10**400), _bucket(d)["cuts"].__setitem__(-1, 10**400)), "size must be in"),
+    (lambda d: d["tp_plan"].update(capacity={"value": 10**400, "unit": "s"}), "finite number"),
+    (lambda d: d["tp_plan"]["groups"][0][0]["costs"].__setitem__(0, 10**400), "non-negative numbers"),
+    (lambda d: d["dp_plan"].update(bucket_size=-1), "bucket_size in 1.."),
+    (lambda d: d["dp_plan"].update(split_compute=True), "only zero1-even splits"),
+    (lambda d: d["dp_plan"]["buckets"][1].update(index=_bucket(d)["index"]), "bucket indices repeat"),
+    (lambda d: [p.__setitem__(3, 1e308) for b in d["dp_plan"]["buckets"] for p in b["params"]],
+     "more than a float holds"),
+])
+def test_inspect_rejects_values_beyond_any_real_model(tmp_path, mutate, needle):
+    import time
+
+    bad = _mutated_plan(tmp_path, mutate)
+    start = time.monotonic()
+    error_line(invoke("inspect", bad), needle)
+    error_line(invoke("inspect", bad, "--json"), needle)
+    assert time.monotonic() - start < 10  # never proportional to a forged dp or tp
+
+
+def test_results_never_print_non_finite_json(tmp_path):
+    """Every figure of a plan or simulation that passes validation is finite: --json is strict."""
+    for args in (["plan", *PLAN, "--json"], ["simulate", *SIM, "--json"], ["compare", *SIM, "--json"]):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.stderr
+        parse_json(result.stdout, "output")
+
+
+def test_stdout_on_a_full_disk_is_one_error_line():
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "models"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: cannot write the output: No space left on device"]
+
+
+def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
+    """SIGTERM unwinds the CLI like Ctrl-C (the default would kill it mid-write, leaving the
+    temporary file beside the target)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, signal, time, pathlib; import canzona.fileio as f; from cli.main import main;"
+            "orig = f.write_atomic;"
+            "f.write_atomic = lambda p, w, what='file': orig(p, lambda t: (w(t), print('writing', flush=True),"
+            " time.sleep(30)), what);"
+            "import canzona.plan as pl; pl.write_text_atomic = lambda p, text, what='file': "
+            "f.write_atomic(p, lambda t: t.write_text(text), what);"
+            "import sys; sys.argv = ['canzona', 'plan', '--model', 'qwen3-0.6b', '--dp', '4', '--tp', '2',"
+            f" '--out', {str(tmp_path / 'p.json')!r}, '--json']; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []

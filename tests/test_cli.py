@@ -122,7 +122,7 @@ ERRORS = {
     "alpha -0.1 separate": (["plan", *SMALL, "--alpha", "-0.1"], ["alpha must be in [0, 1]"]),
     "small bucket": (["plan", *SMALL, "--bucket-size", "1000"], ["smaller than the largest parameter"]),
     "zero bucket": (["plan", *SMALL, "--bucket-size", "0"], ["bucket size"]),
-    "zero align": (["plan", *SMALL, "--align", "0"], ["alignment"]),
+    "zero align": (["plan", *SMALL, "--align", "0"], ["align must be"]),
     "unknown optimizer": (["plan", *SMALL, "--optimizer", "lion"], ["lion", "muon, soap, shampoo"]),
     "capacity not a number": (["plan", *SMALL, "--capacity", "lots"], ["capacity 'lots'"]),
     "capacity unit": (["plan", *SMALL, "--capacity", "5parsec"], ["unit 'parsec'"]),

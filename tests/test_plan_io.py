@@ -222,7 +222,7 @@ MALFORMED = {
     "short param row": (_set(("dp_plan", "buckets", 0, "params", 0), ["x", 0]), "each parameter must be"),
     "float cut": (_set(("dp_plan", "buckets", 0, "cuts", 1), 0.5), "cut points must be integers"),
     "alpha as string": (_set(("dp_plan", "alpha"), "1"), "alpha must be a number in [0, 1]"),
-    "dp zero": (_set(("layout", "dp"), 0), "dp and tp must be >= 1"),
+    "dp zero": (_set(("layout", "dp"), 0), "dp must be in 1..65536 and tp in 1..1024"),
     "cuts out of order": (_swap_cuts, "segments must be contiguous"),
     "last cut short": (lambda d: d["dp_plan"]["buckets"][0]["cuts"].__setitem__(-1, 1), "cover"),
     "too few cuts": (lambda d: d["dp_plan"]["buckets"][0]["cuts"].pop(1), "expected dp + 1 = 5"),
