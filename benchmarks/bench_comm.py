@@ -11,7 +11,7 @@ reduce-scatter (every rank ends with the mean of its own segment)
   even    `reduce_scatter_tensor` on the same bytes split evenly (the native even collective: the
           floor an uneven method would hope for; on gloo the all-to-all route can beat it)
 all-gather (every rank ends with every segment)
-  a2a     `Comm.all_gather_v`: the mirror `all_to_all_single`
+  a2a     `Comm.all_gather_v`: one in-place broadcast per owner (the column keeps its name)
   padded  own segment padded to the longest, `all_gather_into_tensor`, unpack
   even    `all_gather_into_tensor` of even segments (the floor)
 
@@ -189,13 +189,14 @@ def main() -> int:
             t.add_row(f"{n / 2**20:g}M", f"{n * 4 / 2**20:.0f}", op, f"{a2a * 1e3:.2f}", f"{padded * 1e3:.2f}",
                       f"{even * 1e3:.2f}", f"{padded / a2a:.2f}x", f"{a2a / even:.2f}x",
                       "yes" if same[(n, op, "padded")] else "[bold red]NO[/]")
-    t.caption = ("a2a: all_to_all_single + ordered local sum (canzona.runtime.comm); padded: segments "
+    t.caption = ("a2a: canzona.runtime.comm (reduce-scatter: all_to_all_single + ordered local sum; all-gather: "
+                 "an in-place broadcast per owner); padded: segments "
                  "padded to the longest, reduce_scatter_tensor / all_gather_into_tensor; even: the same "
-                 "bytes split evenly through the native collective. padded / a2a > 1: the all-to-all route is faster. "
+                 "bytes split evenly through the native collective. padded / a2a > 1: canzona's route is faster. "
                  "'padded same': padded result equals the a2a result bit for bit.")
     console = Console(width=140)
     console.print(t)
-    console.print(f"all-to-all no slower than padding in {sum(verdicts)} of {len(verdicts)} cases "
+    console.print(f"canzona's collectives no slower than padding in {sum(verdicts)} of {len(verdicts)} cases "
                   f"(wall {wall:.1f} s)")
     return 0
 

@@ -7,7 +7,7 @@ followed by a local sum in rank order. Two reasons, both measured / checked:
 - determinism: summing in rank order is reproducible in one process, which is what makes the
   distributed step equal the single-process step bit for bit (rung 3). A backend's own reduction
   order is unspecified.
-All-gather(-v) is the mirror all-to-all (pure copies, so exact whatever the route).
+All-gather(-v) is one in-place broadcast per owner (pure copies, so exact whatever the route).
 `benchmarks/bench_comm.py` compares these against padded `reduce_scatter_tensor` /
 `all_gather_into_tensor` on the same data.
 """
@@ -103,15 +103,16 @@ class Comm:
         return pending
 
     def all_gather_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
-        """Every rank receives every segment of `flat` from its owner (in place)."""
+        """Every rank receives every segment of `flat` from its owner, in place: one broadcast per
+        owner of its segment, straight from and into `flat`. No send or receive buffer is built
+        (the all-to-all form needs a send buffer of dp copies, and allocating it cost more than
+        the copy itself: `benchmarks/bench_runtime.py` prints the comparison)."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
-        a, b = cuts[self.rank], cuts[self.rank + 1]
-        # every rank gets this rank's segment; the received segments land in `flat` itself, so
-        # there is no receive buffer to copy back (the send buffer must be separate: the
-        # collective writes the segment it reads from)
-        send = flat[a:b].repeat(self.size) if b > a else flat.new_empty(0)
         self.log.add("all-gather-v", self.name, name, [n * flat.element_size() for n in lengths])
-        return self.all_to_all(flat[: cuts[-1]], send, lengths, [b - a] * self.size, f"all-gather of {name}")
+        works = [dist.broadcast(flat[cuts[r]:cuts[r + 1]], dist.get_global_rank(self.group, r)
+                                if self.group is not None else r, group=self.group, async_op=True)
+                 for r in range(self.size) if lengths[r]]
+        return PendingWork(self, works, f"all-gather of {name}")
 
     def check_agreement(self, facts: dict[str, str]) -> None:
         """Every rank must run the same plan on the same model: compare digests before any other
@@ -162,7 +163,8 @@ class PendingWork:
     def wait(self) -> None:
         if self.done:
             return
-        self.comm._wait(self.work, self.what)
+        for work in self.work if isinstance(self.work, list) else [self.work]:
+            self.comm._wait(work, self.what)
         if self.then is not None:
             self.then()
         self.done = True
