@@ -22,7 +22,7 @@ from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
 from canzona.runtime.optimizer import global_norm, local_norm_term  # noqa: E402
-from canzona.runtime.training import compare  # noqa: E402
+from canzona.runtime.training import _flat_state, compare  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def emulate(setup: example.Setup, dps: list[int]) -> dict[str, torch.Tensor]:
                 state = states.setdefault(n, {})
                 if n in adamw_names:
                     lr = setup.adamw_lr * factor
-                    adamw_step_(p.view(-1), g.view(-1), _flat(state), AdamWConfig(lr=lr, weight_decay=decay[n]), lr)
+                    adamw_step_(p.view(-1), g.view(-1), _flat_state(state), AdamWConfig(lr=lr, weight_decay=decay[n]), lr)
                 else:
                     lr = setup.matrix_lr * factor
                     update = MATRIX_KERNELS["muon"](g, state, MuonConfig(lr=lr, weight_decay=decay[n]), lr)
@@ -116,13 +116,6 @@ def _clip_coefficient(grads, plan, adamw_names, dp, max_norm) -> float:
         segments[r].append(flat[cuts[r]:cuts[r + 1]])
     norm = global_norm(torch.stack([local_norm_term(s) for s in segments]))
     return min(1.0, max_norm / (float(norm) + 1e-6))
-
-
-def _flat(state: dict) -> dict:
-    for key in ("exp_avg", "exp_avg_sq"):
-        if key in state:
-            state[key] = state[key].reshape(-1)
-    return state
 
 
 def test_the_example_equals_the_same_kernels_in_one_process(runs):
