@@ -81,13 +81,14 @@ class FlatBuffer:
         a, b = self.offsets[name]
         return self.reduced[a:b].view(self.params[name].shape)
 
+    def is_linked(self, name: str) -> bool:
+        """The parameter's storage is still this buffer's (not moved, cast or replaced)."""
+        p, view = self.params[name], self.data_views[name]
+        return p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.device == view.device \
+            and p.shape == view.shape
+
     def unlinked(self) -> Iterator[str]:
-        """Parameters whose storage is no longer this buffer's (moved, cast or replaced)."""
-        for name in self.names:
-            p, view = self.params[name], self.data_views[name]
-            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device \
-                    or p.shape != view.shape:
-                yield name
+        return (name for name in self.names if not self.is_linked(name))
 
 
 def packed_offsets(names: Sequence[str], params: Mapping[str, Tensor]) -> tuple[dict[str, tuple[int, int]], int]:

@@ -205,7 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buffer = self._buffer_of[name]
 
         def on_grad_ready(_: Tensor) -> None:
-            if any(n == name for n in buffer.unlinked()):
+            if not buffer.is_linked(name):
                 raise CanzonaError(_unlinked_message(name))
             buffer.claim(name)  # after model.zero_grad(): the fresh gradient goes into the buffer
             self._got_grad[self._index[name]] = 1
