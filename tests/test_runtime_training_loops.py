@@ -269,6 +269,14 @@ def test_bf16_checkpoint_carries_fp32_masters(runs):
         assert compare(out["resumed"], out["uninterrupted"])["bit_identical"], f"rank {r}"
 
 
+def test_zero_grads_drops_an_assigned_gradient():
+    params = {"a": torch.nn.Parameter(torch.ones(3))}
+    buf = FlatBuffer(["a"], {"a": (0, 3)}, 4, params)
+    params["a"].grad = torch.full((3,), 5.0)  # assigned by hand, then the optimizer's zero_grad
+    buf.zero_grads()
+    assert params["a"].grad is buf.grad_views["a"] and buf.grad.tolist() == [0.0] * 4
+
+
 def test_casting_the_model_after_building_is_an_error(runs):
     for out in runs["cast"]:
         assert out["canzona"] and "no longer lives in the optimizer's buffers" in out["message"], out

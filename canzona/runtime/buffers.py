@@ -66,6 +66,13 @@ class FlatBuffer:
             view.copy_(p.grad)
         p.grad = view
 
+    def zero_grads(self) -> None:
+        """Every gradient zero and every `.grad` the buffer's view (a gradient the user assigned
+        is dropped, as `optimizer.zero_grad()` drops it in torch)."""
+        for name in self.names:
+            self.params[name].grad = self.grad_views[name]
+        self.grad.zero_()
+
     def claim_all(self) -> None:
         for name in self.names:
             self.claim(name)

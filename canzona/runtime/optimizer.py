@@ -428,8 +428,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the flat gradient buffers; the `.grad` views stay attached (`set_to_none` is
         accepted for compatibility: a view cannot be None). `model.zero_grad()` works too."""
         for buf in (*self.buckets, self.adamw):
-            buf.grad.zero_()
-            buf.claim_all()
+            buf.zero_grads()
         self._reset_step_tracking()
 
     # --- checkpoints -------------------------------------------------------------------------
