@@ -144,7 +144,7 @@ def build_canzona(optimizer: str, policy: str, cfg: TinyQwen3Config, bucket_size
                                bucket_size=bucket_size)
     buckets = len(opt.plan.dp_plan.buckets)
     c = Contender(optimizer, policy, f"{opt.plan.dp_plan.policy} plan, {buckets} bucket{'s' * (buckets > 1)}",
-                  model, model.loss, [opt], len(opt._computes))
+                  model, model.loss, [opt], len(opt.applies))
     c.clock(opt, "_prepare_step", "grad sync")
     c.clock(opt, "_gather_params", "param sync")
     return c

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from canzona.dp.layout import KEEPS_GEOMETRY, DPPlan
 from canzona.errors import SpecError
 
+PARAMS_NONE = "none"  # every rank updated everything itself
+PARAMS_BY_SEGMENT = "segments"  # all-gather(-v) of each bucket on the plan's segments
+PARAMS_BY_OWNER = "owners"  # owners' matrices are scattered over the bucket: all-gather what each packs
+
 
 @dataclass(frozen=True)
 class StepPolicy:
@@ -20,7 +24,7 @@ class StepPolicy:
     dp_policy: str | None  # None: the user's choice (canzona)
     tp_policy: str | None
     gather_split: bool  # zero1-gather: fetch the other ranks' parts of split matrices
-    gather_params: bool  # all-gather updated parameters over DP after the step
+    param_gather: str  # after the step, over DP: PARAMS_NONE, PARAMS_BY_SEGMENT or PARAMS_BY_OWNER
 
     def check_dp_policy(self, dp_policy: str) -> None:
         """The user's DP policy is one this step policy can execute (policies with their own plan
@@ -35,6 +39,16 @@ class StepPolicy:
         if self.dp_policy is None and not dp_plan.keeps_geometry:
             raise self._needs_whole_matrices(dp_plan.policy)
 
+    def check_tp_plan(self, tp_policy: str, tp: int) -> None:
+        """The plan's TP scheduler is the one this policy runs (the baselines run `tp-sync`); at
+        TP = 1 nothing moves between TP ranks and any scheduler's groups run alike."""
+        if tp > 1 and self.tp_policy is not None and tp_policy != self.tp_policy:
+            raise SpecError(f"policy {self.name} runs TP policy {self.tp_policy}, but the plan's is {tp_policy}")
+
+    @property
+    def gathers_params(self) -> bool:
+        return self.param_gather != PARAMS_NONE
+
     def _needs_whole_matrices(self, dp_policy: str) -> SpecError:
         return SpecError(f"policy {self.name} needs a DP plan that keeps every matrix whole inside its "
                          f"owner's segment; {dp_policy} does not (choose one of "
@@ -42,10 +56,11 @@ class StepPolicy:
 
 
 STEP_POLICIES: dict[str, StepPolicy] = {
-    "sc": StepPolicy("sc", "all-reduce", True, "whole-start", "tp-sync", False, False),
-    "zero1-gather": StepPolicy("zero1-gather", "reduce-scatter", False, "zero1-even", "tp-sync", True, True),
-    "layerwise": StepPolicy("layerwise", "all-reduce", False, "layerwise", "tp-sync", False, True),
-    "canzona": StepPolicy("canzona", "reduce-scatter", False, None, None, False, True),
+    "sc": StepPolicy("sc", "all-reduce", True, "whole-start", "tp-sync", False, PARAMS_NONE),
+    "zero1-gather": StepPolicy("zero1-gather", "reduce-scatter", False, "zero1-even", "tp-sync", True,
+                               PARAMS_BY_SEGMENT),
+    "layerwise": StepPolicy("layerwise", "all-reduce", False, "layerwise", "tp-sync", False, PARAMS_BY_OWNER),
+    "canzona": StepPolicy("canzona", "reduce-scatter", False, None, None, False, PARAMS_BY_SEGMENT),
 }
 
 

@@ -301,18 +301,25 @@ def verify(
         help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
     alpha: Alpha = 1.0,
     bucket_size: BucketSize = None,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel size (the runtime executes TP 1 only).")] = 1,
+    tp: Annotated[int, typer.Option(help=f"Tensor-parallel size: dp x tp ranks are spawned (at most {checks.MAX_RANKS}).")] = 1,
+    tp_policy: Annotated[str, typer.Option(
+        help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = "greedy-rollback",
+    tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups: pipelined, serial or all.")] = "pipelined",
+    tp_style: Annotated[str, typer.Option(
+        help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
     as_json: AsJson = False,
 ) -> None:
     """Check the distributed runtime numerically (rung 3): train the tiny model on spawned gloo ranks
-    and compare every rank's parameters with the same kernels in one process (bit for bit) and the
-    reference optimizers (1e-5 relative). Exit code 1 on any mismatch."""
+    (dp x tp; under TP on a (dp, tp) mesh) and compare every rank's parameters with the same kernels
+    in one process (bit for bit) and the reference optimizers (1e-5 relative). Exit code 1 on any
+    mismatch."""
     from rich.progress import Progress
 
     try:
         _check_dp_policy_applies(list(STEP_POLICIES) if policy == "all" else [policy], dp_policy)
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or "alpha-balanced", accumulation, preset,
-                               global_batch, tp, alpha, bucket_size)
+                               global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
+                               tp_style=tp_style)
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)

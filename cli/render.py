@@ -129,20 +129,30 @@ _RUNG_LABELS = {"ranks": "ranks agree", "3a": "3a same kernels", "3b": "3b refer
 def verify_table(rows) -> Table:
     """`canzona verify`: one row per (optimizer, policy, rung), PASS / FAIL; a rule between cases."""
     r0 = rows[0]
-    t = Table(title=f"Runtime verification (rung 3): {r0['dp']} gloo rank(s), {r0['steps']} steps, "
+    tp = r0.get("tp", 1)
+    layout = f"{r0['dp']} gloo rank(s)" if tp == 1 else f"DP {r0['dp']} x TP {tp} = {r0['dp'] * tp} gloo ranks"
+    t = Table(title=f"Runtime verification (rung 3): {layout}, {r0['steps']} steps, "
                     f"global batch {r0['global_batch']}, accumulation {r0['accumulation']}, fp32")
-    for col in ("optimizer", "policy", "plan", "rung", "result"):
+    columns = ("optimizer", "policy", "plan") + (("TP", "mode") if tp > 1 else ()) + ("rung", "result")
+    for col in columns:
         t.add_column(col, no_wrap=True)
     t.add_column("max rel diff", justify="right")
     t.add_column("verdict", justify="center")
+
+    def case(r: dict) -> tuple:
+        return r["optimizer"], r["policy"], r.get("tp_policy"), r.get("tp_mode")
+
     for i, r in enumerate(rows):
         diff = r["max_rel_diff"]
-        last_of_case = i + 1 == len(rows) or (rows[i + 1]["optimizer"], rows[i + 1]["policy"]) != (r["optimizer"], r["policy"])
-        t.add_row(r["optimizer"], r["policy"], f"{r['plan']} {r['plan_hash'][:8]}", _RUNG_LABELS.get(r["rung"], r["rung"]),
-                  r["result"], "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",
+        last_of_case = i + 1 == len(rows) or case(rows[i + 1]) != case(r)
+        tp_cells = (r["tp_policy"], r["tp_mode"]) if tp > 1 else ()
+        plan = r["plan"] if tp > 1 else f"{r['plan']} {r['plan_hash'][:8]}"  # the hash is in --json
+        t.add_row(r["optimizer"], r["policy"], plan, *tp_cells,
+                  _RUNG_LABELS.get(r["rung"], r["rung"]), r["result"],
+                  "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",
                   "[bold green]PASS[/]" if r["ok"] else "[bold red]FAIL[/]", end_section=last_of_case)
-    t.caption = ("ranks agree: every DP rank holds the same parameters. 3a: the distributed run equals the "
-                 "same kernels run in one process on the same global gradients, bit for bit. 3b: it stays "
-                 f"within {REFERENCE_RTOL:g} relative (max |a - b| / max |b| "
-                 "per tensor) of the reference optimizers.")
+    t.caption = ("ranks agree: every DP rank holds the same parameters (as DP rank 0 of its TP index). 3a: the "
+                 "distributed run equals the same kernels run in one process on the same global gradients, bit "
+                 f"for bit (each rank its shard). 3b: it stays within {REFERENCE_RTOL:g} relative (max |a - b| / "
+                 "max |b| per tensor) of the reference optimizers.")
     return t

@@ -275,16 +275,18 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         d = cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(b, t, cfg.q_heads, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, cfg.kv_heads, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.kv_heads, d).transpose(1, 2)
+        # heads as -1: under tensor parallelism (reference.tiny_model_tp.parallelize_tiny) this
+        # rank's projections give its share of the heads
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cfg.attn_impl == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=cfg.kv_groups > 1)
         else:
             out = causal_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.q_heads * d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,22 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
-from canzona.step_policies import StepPolicy
-from canzona.tp import MicroGroup
+from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy
+from canzona.step_schedule import (
+    ALL_TO_ALL,
+    COMPUTE,
+    GATHER,
+    SCATTER,
+    Exchange,
+    TPSchedule,
+    tp_schedule,
+)
 from sim.collectives import all_to_all_cost, collective_cost, uneven_cost
 from sim.engine import Engine
 from sim.topology import Cluster
 from sim.workload import Workload, forward_flops
 
-COMPUTE, TP_COMM, DP_COMM = "compute", "tp-comm", "dp-comm"
-
-
+TP_COMM, DP_COMM = "tp-comm", "dp-comm"
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Context:
     workload: Workload
     plan: Plan
     policy: StepPolicy
+    tp_mode: str = "pipelined"
 
     @property
     def tp(self) -> int:
@@ -155,7 +162,7 @@ def forward_backward(ctx: Context, ranks: Sequence[int] = (0,)) -> tuple[dict[in
 
 def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Event]:
     """All-gather(-v) of the updated parameters over each DP group, bucket by bucket."""
-    if not ctx.policy.gather_params:
+    if not ctx.policy.gathers_params:
         return list(ready.values())
     eng, dpp, nbytes = ctx.engine, ctx.plan.dp_plan, ctx.workload.param_bytes
     geo = ctx.cluster.dp_geometry()
@@ -164,7 +171,7 @@ def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Ev
         group = ctx.cluster.dp_group(t)
         after = {r: [ready[r]] for r in group}
         for b in dpp.buckets:
-            if dpp.policy == "layerwise":
+            if ctx.policy.param_gather == PARAMS_BY_OWNER:
                 owned = [0] * ctx.cluster.dp
                 for p in b.params:
                     owned[p.owner] += p.numel
@@ -201,11 +208,11 @@ def _split_gather_costs(ctx: Context):
     return all_to_all_cost(send, recv, ctx.cluster.dp_geometry(), ctx.hw)
 
 
-def synchronous_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
-    """sc, zero1-gather, layerwise: every TP rank gathers the full matrices its DP rank computes and
-    computes every one of them (TP sync)."""
+def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
+    """Phase B of every policy: the DP-level extras (zero1-gather's split gathers), then each DP
+    rank's TP group runs its step schedule (`canzona.step_schedule`: micro-groups under canzona, one
+    tp-sync group under the baselines), then AdamW and the parameter all-gather."""
     eng, cl = ctx.engine, ctx.cluster
-    ready: dict[int, simpy.Event] = {}
     gathered: dict[int, simpy.Event] = {r: start for r in range(cl.gpus)}
     if ctx.policy.gather_split:
         cost = _split_gather_costs(ctx)
@@ -213,88 +220,55 @@ def synchronous_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
             group = cl.dp_group(t)
             gathered.update(eng.collective("gather split gradients", group, cost, DP_COMM,
                                            {r: [start] for r in group}))
-    for i in range(cl.dp):
-        groups = ctx.plan.tp_plan.groups[0 if ctx.policy.replicated else i]
-        names = [n for g in groups for n in g.tasks]
-        seconds = sum(c for g in groups for c in g.costs)
-        tp_bytes = sum(ctx.full_numel(n) for n in names) * ctx.workload.grad_bytes
-        members = cl.tp_group(i)
-        have = {r: [gathered[r]] for r in members}
-        if ctx.tp > 1:
-            cost = collective_cost("all-gather", tp_bytes, cl.tp_geometry(), ctx.hw)
-            have = {r: [e] for r, e in eng.collective("tp gather matrices", members, cost, TP_COMM, have).items()}
-        for r in members:
-            matrices = eng.compute(r, "matrix optimizer (full matrices)", seconds, have[r])
-            ready[r] = _adamw_step(ctx, r, [matrices])
-    return _param_gathers(ctx, ready)
-
-
-def _a2a_bytes(ctx: Context, group: MicroGroup) -> tuple[list[float], list[float]]:
-    """Gather stage: each TP rank sends its shard of every matrix hosted elsewhere; a host receives
-    the other `tp - 1` shards of each matrix it hosts. The scatter stage mirrors it."""
-    send, recv = [0.0] * ctx.tp, [0.0] * ctx.tp
-    for name, host in zip(group.tasks, group.hosts):
-        shard = ctx.local_numel(name) * ctx.workload.grad_bytes
-        for t in range(ctx.tp):
-            if t != host:
-                send[t] += shard
-        recv[host] += shard * (ctx.tp - 1)
-    return send, recv
-
-
-def canzona_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
-    """Each DP rank's TP group runs its micro-groups through the pipeline, then AdamW and the
-    parameter all-gather."""
     ready: dict[int, simpy.Event] = {}
-    for i in range(ctx.cluster.dp):
-        members = ctx.cluster.tp_group(i)
-        applied = _pipeline(ctx, members, ctx.plan.tp_plan.groups[i], start)
+    for i in range(cl.dp):
+        # a replicated policy's plan is made for one DP rank (sim.simulate): every group runs it
+        schedule = tp_schedule(ctx.plan, ctx.spec, ctx.policy, 0 if ctx.policy.replicated else i,
+                               ctx.tp_mode, ctx.workload.grad_bytes, ctx.workload.grad_bytes)
+        members = cl.tp_group(i)
+        applied = run_schedule(ctx, members, schedule, {r: gathered[r] for r in members})
         for r in members:
-            ready[r] = _adamw_step(ctx, r, applied[r] or [start])
+            ready[r] = _adamw_step(ctx, r, applied[r] or [gathered[r]])
     return _param_gathers(ctx, ready)
 
 
-def _exchange(ctx: Context, members: Sequence[int], group: MicroGroup, name: str, gather: bool,
-              after: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
-    """The fused all-to-all of a micro-group: shards to hosts (gather) or update chunks back."""
-    if ctx.tp == 1:
-        return after
-    send, recv = _a2a_bytes(ctx, group)
-    if not gather:
-        send, recv = recv, send
-    cost = all_to_all_cost(send, recv, ctx.cluster.tp_geometry(), ctx.hw)
-    return ctx.engine.collective(name, members, cost, TP_COMM, {r: [after[r]] for r in members})
-
-
-def _pipeline(ctx: Context, members: Sequence[int], groups: Sequence[MicroGroup],
-              start: simpy.Event) -> dict[int, list[simpy.Event]]:
-    """docs/design.md §6.3: gather g+1 is enqueued before the scatter of g; the apply of g is enqueued
-    after the compute of g+1. Streams run in enqueue order, so communication hides behind compute."""
+def run_schedule(ctx: Context, members: Sequence[int], schedule: TPSchedule,
+                 begin: dict[int, simpy.Event]) -> dict[int, list[simpy.Event]]:
+    """The schedule's operations in its order (docs/design.md §6.3). Streams run in enqueue order,
+    so a collective issued before a compute overlaps it; each compute waits for its group's gather,
+    each apply for its group's scatter."""
     eng = ctx.engine
-    begin = {r: start for r in members}
+    gathered: dict[int, dict[int, simpy.Event]] = {}
+    computed: dict[int, dict[int, simpy.Event]] = {}
+    scattered: dict[int, dict[int, simpy.Event]] = {}
     applied: dict[int, list[simpy.Event]] = {r: [] for r in members}
-    if not groups:
-        return applied
-    gathered = {0: _exchange(ctx, members, groups[0], "group 0 gather", True, begin)}
-    pending: tuple[int, dict[int, simpy.Event]] | None = None
-    for g, group in enumerate(groups):
-        if g + 1 < len(groups):
-            gathered[g + 1] = _exchange(ctx, members, groups[g + 1], f"group {g + 1} gather", True, begin)
-        loads = group.host_loads(ctx.tp)
-        computed = {r: eng.compute(r, f"group {g} compute", loads[t], [gathered[g][r]])
-                    for t, r in enumerate(members)}
-        scattered = _exchange(ctx, members, group, f"group {g} scatter", False, computed)
-        if pending is not None:
-            _apply(ctx, groups, *pending, applied)
-        pending = (g, scattered)
-    _apply(ctx, groups, *pending, applied)
+    for op in schedule.ops:
+        group = schedule.groups[op.group]
+        if op.kind == GATHER:
+            gathered[op.group] = _exchange(ctx, members, group.gather, begin)
+        elif op.kind == COMPUTE:
+            after = gathered.get(op.group, begin)
+            computed[op.group] = {r: eng.compute(r, f"group {op.group} compute", group.loads[t], [after[r]])
+                                  for t, r in enumerate(members)}
+        elif op.kind == SCATTER:
+            scattered[op.group] = _exchange(ctx, members, group.scatter, computed[op.group])
+        elif group.scatter is None:  # APPLY where the computing rank applies: inside the task's cost
+            applied.update({r: applied[r] + [computed[op.group][r]] for r in members})
+        else:  # APPLY of scattered chunks: every TP rank adds its chunks to its shards (memory-bound)
+            seconds = group.apply_numel * 3 * 4 / ctx.rate.hbm_bytes_per_s + ctx.rate.launch_s
+            for r in members:
+                applied[r].append(eng.compute(r, f"group {op.group} apply", seconds, [scattered[op.group][r]]))
     return applied
 
 
-def _apply(ctx: Context, groups: Sequence[MicroGroup], g: int, scattered: dict[int, simpy.Event],
-           applied: dict[int, list[simpy.Event]]) -> None:
-    """Every TP rank adds its chunk of group g's updates to its shards (memory-bound)."""
-    numel = sum(ctx.local_numel(n) for n in groups[g].tasks)
-    seconds = numel * 3 * 4 / ctx.rate.hbm_bytes_per_s + ctx.rate.launch_s
-    for r, done in scattered.items():
-        applied[r].append(ctx.engine.compute(r, f"group {g} apply", seconds, [done]))
+def _exchange(ctx: Context, members: Sequence[int], exchange: Exchange,
+              after: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
+    """One collective of the TP group, priced from the schedule's bytes."""
+    if exchange.op == ALL_TO_ALL:
+        send = [float(exchange.bytes_out(t)) for t in range(ctx.tp)]
+        recv = [float(exchange.bytes_in(t)) for t in range(ctx.tp)]
+        cost = all_to_all_cost(send, recv, ctx.cluster.tp_geometry(), ctx.hw)
+    else:  # all-gather: the collective model takes the gathered total
+        full = exchange.bytes_in(0) + max(exchange.sent[0])
+        cost = collective_cost("all-gather", full, ctx.cluster.tp_geometry(), ctx.hw)
+    return ctx.engine.collective(exchange.name, members, cost, TP_COMM, {r: [after[r]] for r in members})

@@ -20,9 +20,10 @@ from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.optimizers import check_matrix_optimizer
 from canzona.plan import Plan, make_plan
 from canzona.step_policies import STEP_POLICIES
+from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import Capacity
 from sim.engine import Engine, Span
-from sim.iteration import Context, canzona_step, forward_backward, synchronous_step
+from sim.iteration import Context, forward_backward, optimizer_step
 from sim.topology import Cluster
 from sim.workload import Workload
 
@@ -41,6 +42,7 @@ class SimConfig:
     policy: str = "canzona"
     dp_policy: str = "alpha-balanced"
     tp_policy: str = "greedy-rollback"
+    tp_mode: str = PIPELINED  # or "serial": the order of the micro-groups' operations
     alpha: float = 1.0
     bucket_size: int | None = None
     capacity: Capacity | None = None
@@ -53,6 +55,7 @@ class SimConfig:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
+        check_tp_mode(self.tp_mode)
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
         get_model(self.model, self.tp)
         self.workload.micro_batches(cluster.dp)
@@ -83,6 +86,7 @@ class SimResult:
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
             "tp_policy": self.plan.tp_plan.policy,
+            "tp_mode": cfg.tp_mode,
             "hardware": cfg.hardware,
             "workload": asdict(cfg.workload),
             "iteration_time_s": self.iteration_time_s,
@@ -154,10 +158,11 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     hw = load_profile(cfg.hardware)
     plan = plan or _plan_for(cfg, cluster)
     STEP_POLICIES[cfg.policy].check_dp_plan(plan.dp_plan)
+    STEP_POLICIES[cfg.policy].check_tp_plan(plan.tp_plan.policy, plan.tp)
     spec = get_model(cfg.model, cfg.tp)
     engine = Engine()
     ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), get_config(cfg.model), spec, cfg.workload,
-                  plan, STEP_POLICIES[cfg.policy])
+                  plan, STEP_POLICIES[cfg.policy], cfg.tp_mode)
 
     _, synced = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
     engine.run()
@@ -167,8 +172,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     fb_end = max((s.end for s in phase_a if s.kind == "compute"), default=0.0)
 
     start = engine.env.event().succeed()
-    step = canzona_step if cfg.policy == "canzona" else synchronous_step
-    step(ctx, start)
+    optimizer_step(ctx, start)
     t_end = engine.run()
     assert synced.triggered
 

@@ -21,7 +21,7 @@ from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
-from canzona.runtime.optimizer import global_norm, local_norm_term  # noqa: E402
+from canzona.runtime.optimizer import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.training import _flat_state, compare  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
 
@@ -114,7 +114,7 @@ def _clip_coefficient(grads, plan, adamw_names, dp, max_norm) -> float:
     cuts = even_cuts(flat.numel(), dp)
     for r in range(dp):
         segments[r].append(flat[cuts[r]:cuts[r + 1]])
-    norm = global_norm(torch.stack([local_norm_term(s) for s in segments]))
+    norm = combine_norm_terms(torch.stack([local_norm_term(s) for s in segments])).sqrt()
     return min(1.0, max_norm / (float(norm) + 1e-6))
 
 

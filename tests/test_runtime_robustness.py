@@ -97,7 +97,7 @@ def double_sync_job(rank: int, world: int) -> dict:
     mbs = micro_batches(tokens, rank, world, 2)
     model.loss(mbs[0]).backward()
     out = _outcome(lambda: model.loss(mbs[1]).backward())
-    for pending in opt._launched:  # let the first backward's reduce-scatters complete
+    for pending in opt.grads._launched:  # let the first backward's reduce-scatters complete
         if pending is not None:
             pending.wait()
     out["healthy"] = _group_is_healthy(world)
@@ -198,7 +198,7 @@ def branchy_job(rank: int, world: int, policy: str) -> dict:
         model.loss(branchy_tokens(step, world)[2 * rank:2 * rank + 2], branch=rank == 0).backward()
         opt.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "owned": list(opt._computes)}
+            "owned": list(opt.applies)}
 
 
 def branchy_reference(world: int) -> dict[str, torch.Tensor]:

@@ -97,7 +97,13 @@ def test_gradient_accumulation():
     (["--preset", "huge"], "unknown tiny model 'huge'"),
     (["--dp", "3", "--global-batch", "8"], "not divisible by dp x accumulation"),
     (["--dp", "2", "--accumulation", "3", "--global-batch", "9"], "not divisible"),
-    (["--tp", "2"], "TP = 1 only"),
+    (["--tp", "0"], "tp must be"),
+    (["--tp", "3"], "tp=3 does not divide"),
+    (["--dp", "4", "--tp", "8"], "dp x tp must be <= 16"),
+    (["--tp", "2", "--tp-policy", "round-robin"], "unknown TP policy 'round-robin'"),
+    (["--tp", "2", "--tp-mode", "eager"], "unknown TP mode 'eager'"),
+    (["--tp", "2", "--tp-style", "fsdp"], "unknown TP style 'fsdp'"),
+    (["--tp", "2", "--tp-style", "dtensor"], "needs an untied preset"),
     (["--dp-policy", "nope"], "unknown DP policy"),
     (["--alpha", "1.5"], "alpha"),
     (["--bucket-size", "10"], "bucket size"),
@@ -138,21 +144,27 @@ def _synthetic(dp: int = 2):
     return case, want
 
 
+def results(params_by_rank: list[dict]) -> list[dict]:
+    """What spawned DP ranks (TP 1) return, around their final parameters."""
+    return [{"params": p, "losses": [], "dp_rank": r, "tp_rank": 0, "tp_dims": {}}
+            for r, p in enumerate(params_by_rank)]
+
+
 def test_check_case_verdicts():
     case, want = _synthetic()
     same = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
-    rows = checks.check_case(case, 2, same, want, want)
+    rows = checks.check_case(case, 2, results(same), want, want)
     assert [r["ok"] for r in rows] == [True, True, True]
 
     off = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
     off[1]["a"][2] += 4.0 * 1e-6  # rank 1 off by 1e-6 relative: 3a fails, 3b passes, ranks disagree
-    ranks, same_kernels, reference = checks.check_case(case, 2, off, want, want)
+    ranks, same_kernels, reference = checks.check_case(case, 2, results(off), want, want)
     assert not ranks["ok"] and ranks["worst_rank"] == 1 and ranks["worst_param"] == "a"
     assert not same_kernels["ok"] and same_kernels["result"] == "differs"
     assert reference["ok"] and reference["max_rel_diff"] == pytest.approx(1e-6, rel=0.1)
 
     off[0]["b"][0, 0] += 1e-3  # both ranks now far from the reference
-    reference = checks.check_case(case, 2, off, want, want)[2]
+    reference = checks.check_case(case, 2, results(off), want, want)[2]
     assert not reference["ok"] and reference["worst_param"] == "b" and reference["worst_rank"] == 0
 
 
@@ -161,7 +173,7 @@ def test_non_finite_parameters_fail_and_serialise():
     nan = [{n: t.clone() for n, t in want.items()} for _ in range(2)]
     for p in nan:
         p["a"][0] = float("nan")
-    rows = checks.check_case(case, 2, nan, want, want)
+    rows = checks.check_case(case, 2, results(nan), want, want)
     assert not any(r["ok"] for r in rows)  # NaN equals nothing, not even rank 0's NaN
     assert rows[2]["max_rel_diff"] == math.inf and rows[2]["worst_param"] == "a"
     report = checks.report(rows)
@@ -172,7 +184,7 @@ def test_non_finite_parameters_fail_and_serialise():
 def test_mismatch_exits_1_with_the_table(monkeypatch):
     case, want = _synthetic()
     bad = [{n: t + 1 for n, t in want.items()} for _ in range(2)]
-    monkeypatch.setattr(checks, "run", lambda cases, dp, progress=None: checks.check_case(case, 2, bad, want, want))
+    monkeypatch.setattr(checks, "run", lambda cases, dp, progress=None: checks.check_case(case, 2, results(bad), want, want))
     result, out, err = run(*QUICK)
     assert result.exit_code == 1, (out, err)
     assert "FAIL" in out and "2 of 3 checks FAILED" in out

@@ -11,6 +11,9 @@ Training loops break that link in ordinary ways, and a broken link must never pa
   gradient was dropped and never recomputed counts as zero, as torch optimizers treat `None`.
 - `model.to(dtype)`, `model.to(device)` or `load_state_dict(assign=True)` give parameters new
   storage: updates would land in the buffer and never reach the model. `unlinked` finds them.
+
+Parameters are TP-local tensors: DTensor parameters link their local tensor to the buffer and get
+a DTensor gradient over it (`canzona.runtime.shards`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from canzona.errors import SpecError
+from canzona.runtime.shards import grad_holder, link_data, local_grad, local_tensor, same_storage
 
 
 class FlatBuffer:
@@ -31,11 +35,11 @@ class FlatBuffer:
         self.names = list(names)
         self.offsets = dict(offsets)
         self.size = size
-        ref = params[self.names[0]] if self.names else torch.zeros(0)
+        ref = local_tensor(params[self.names[0]]) if self.names else torch.zeros(0)
         for name in self.names:
-            if params[name].dtype != ref.dtype or params[name].device != ref.device:
+            if params[name].dtype != ref.dtype or local_tensor(params[name]).device != ref.device:
                 raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is "
-                                f"{params[name].dtype} on {params[name].device}, {self.names[0]} is "
+                                f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
                                 f"{ref.dtype} on {ref.device}")
         self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
         self.grad = torch.zeros(size, dtype=ref.dtype, device=ref.device)
@@ -46,31 +50,35 @@ class FlatBuffer:
         self.params = {n: params[n] for n in self.names}
         self.data_views: dict[str, Tensor] = {}
         self.grad_views: dict[str, Tensor] = {}
+        self.grad_holders: dict[str, Tensor] = {}  # what `.grad` is while linked (a view or a DTensor)
         for name in self.names:
             a, b = self.offsets[name]
             p = params[name]
-            self.data[a:b].copy_(p.detach().reshape(-1))
-            self.data_views[name] = self.data[a:b].view(p.shape)
-            self.grad_views[name] = self.grad[a:b].view(p.shape)
-            p.data = self.data_views[name]
-            p.grad = self.grad_views[name]
+            local = local_tensor(p)
+            self.data[a:b].copy_(local.detach().reshape(-1))
+            self.data_views[name] = self.data[a:b].view(local.shape)
+            self.grad_views[name] = self.grad[a:b].view(local.shape)
+            self.grad_holders[name] = grad_holder(p, self.grad_views[name])
+            link_data(p, self.data_views[name])
+            p.grad = self.grad_holders[name]
 
     def claim(self, name: str) -> None:
         """Make the buffer hold `name`'s current gradient and its `.grad` the buffer's view again."""
         p, view = self.params[name], self.grad_views[name]
-        if p.grad is view:
+        if p.grad is self.grad_holders[name]:
             return
-        if p.grad is None:  # dropped (set_to_none) and not recomputed: a zero gradient
+        fresh = local_grad(p)
+        if fresh is None:  # dropped (set_to_none) and not recomputed: a zero gradient
             view.zero_()
         else:  # recomputed into a fresh tensor after set_to_none (or assigned by the user)
-            view.copy_(p.grad)
-        p.grad = view
+            view.copy_(fresh)
+        p.grad = self.grad_holders[name]
 
     def zero_grads(self) -> None:
         """Every gradient zero and every `.grad` the buffer's view (a gradient the user assigned
         is dropped, as `optimizer.zero_grad()` drops it in torch)."""
         for name in self.names:
-            self.params[name].grad = self.grad_views[name]
+            self.params[name].grad = self.grad_holders[name]
         self.grad.zero_()
 
     def claim_all(self) -> None:
@@ -86,22 +94,21 @@ class FlatBuffer:
 
     def reduced_view(self, name: str) -> Tensor:
         a, b = self.offsets[name]
-        return self.reduced[a:b].view(self.params[name].shape)
+        return self.reduced[a:b].view(self.data_views[name].shape)
 
     def is_linked(self, name: str) -> bool:
         """The parameter's storage is still this buffer's (not moved, cast or replaced)."""
-        p, view = self.params[name], self.data_views[name]
-        return p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.device == view.device \
-            and p.shape == view.shape
+        return same_storage(self.params[name], self.data_views[name])
 
     def unlinked(self) -> Iterator[str]:
         return (name for name in self.names if not self.is_linked(name))
 
 
 def packed_offsets(names: Sequence[str], params: Mapping[str, Tensor]) -> tuple[dict[str, tuple[int, int]], int]:
-    """Offsets of `names` laid end to end, and the total size."""
+    """Offsets of `names`' local tensors laid end to end, and the total size."""
     offsets, pos = {}, 0
     for name in names:
-        offsets[name] = (pos, pos + params[name].numel())
-        pos += params[name].numel()
+        numel = local_tensor(params[name]).numel()
+        offsets[name] = (pos, pos + numel)
+        pos += numel
     return offsets, pos

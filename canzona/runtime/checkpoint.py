@@ -1,15 +1,27 @@
-"""Layout-independent checkpoints of `DistributedOptimizer`: per parameter name, full tensors.
+"""Checkpoints of `DistributedOptimizer` that load at any DP x TP layout (docs/design.md §8.4).
 
-`gather_state` assembles the whole state on every rank (matrix states from the ranks that compute
-them, AdamW slices stitched back into full tensors), so a checkpoint taken at one DP size loads at
-another. It records which model it belongs to; `load_state` refuses a checkpoint of another model
-or optimizer, and one whose tensors do not fit this model, with one line saying what differs.
+The layout-independent form (`gather_state` / `load_state`) is keyed by parameter name with full
+tensors, identical on every rank:
+- a matrix's optimizer state is full-matrix already (it lives on the matrix's host) and is taken
+  from the lowest DP rank that computes it, from its host TP rank;
+- fp32 master weights of matrices are per TP shard (every TP rank of the owning DP rank updates its
+  shard) and are stitched along `tp_dim`;
+- AdamW state and masters are per (TP shard, DP slice of the flat AdamW buffer) and are stitched
+  back: slices into shards, shards along `tp_dim` (a TP-replicated parameter from TP rank 0).
+Loading cuts each full tensor to what this rank's layout holds. The checkpoint records which model
+it belongs to; a checkpoint of another model or optimizer is refused with one line.
+
+The sharded form (`sharded_state` / `load_sharded`) goes through `torch.distributed.checkpoint`:
+each rank writes only what it holds (the matrix states it hosts first, its pieces of shards), keyed
+so that any layout can find what it needs. At the same TP size a rank reads only the pieces that
+overlap its own; at another TP size it reads every piece of the parameters it needs.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,35 +30,108 @@ from torch import Tensor
 
 from canzona.errors import PlanError
 from canzona.optimizers import check_config
+from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.tp import EVERY_RANK
 
 if TYPE_CHECKING:
     from canzona.runtime.optimizer import DistributedOptimizer
 
 STATE_FORMAT = "canzona.optimizer_state"
 STATE_VERSION = 2  # 2: records the model (fingerprint and parameter shapes)
+SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
+
+
+# --- who holds what ---------------------------------------------------------------------------
+
+
+def _first_dp_rank(opt: DistributedOptimizer, name: str) -> int:
+    """The lowest DP rank that computes matrix `name` (its state is saved from there)."""
+    if opt.policy.replicated:
+        return 0
+    dpp = opt.plan.dp_plan
+    for b in dpp.buckets:
+        for p in b.params:
+            if p.name == name:
+                return min(dpp.computing_ranks(b, p))
+    raise KeyError(name)
+
+
+def _saves_state(opt: DistributedOptimizer, name: str) -> bool:
+    """This rank holds and saves the (full-matrix) optimizer state of matrix `name`."""
+    if name not in opt.matrix_state or opt.rank != _first_dp_rank(opt, name):
+        return False
+    host = next(t.host for t in opt.schedule.tasks() if t.name == name)
+    return opt.tp_rank == (0 if host == EVERY_RANK else host)
+
+
+def _saves_master(opt: DistributedOptimizer, name: str) -> bool:
+    """This rank saves its shard of matrix `name`'s fp32 master weights."""
+    return name in opt.master and opt.rank == _first_dp_rank(opt, name)
+
+
+def _tp_dim(opt: DistributedOptimizer, name: str) -> int | None:
+    return opt.spec.param(name).tp_dim if opt.tp > 1 else None
+
+
+def _adamw_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(name, offset within the local tensor, state with master) of the AdamW slices this rank
+    saves: under a replicated policy DP rank 0's; a TP-replicated parameter's from TP rank 0."""
+    if opt.policy.replicated and opt.rank != 0:
+        return
+    for name, _s, _e, off in opt._adamw_parts():
+        if name in opt.adamw_state and (opt.tp_rank == 0 or _tp_dim(opt, name) is not None):
+            yield name, off, _with_master(opt, name, opt.adamw_state[name])
+
+
+def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer state of `name` plus its fp32 master weights, when it has them."""
+    return {**state, "master": opt.master[name]} if name in opt.master else dict(state)
+
+
+# --- layout-independent state dicts -----------------------------------------------------------
 
 
 def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
-    local_matrix = {n: _to_cpu(_with_master(opt, n, s)) for n, s in opt.matrix_state.items()
-                    if s and _first_computer(opt, n)}
-    local_adamw = {n: (off, _to_cpu(_with_master(opt, n, opt.adamw_state[n]))) for n, _, _, off in opt._adamw_parts()
-                   if n in opt.adamw_state and (not opt.policy.replicated or opt.rank == 0)}
-    every = opt.comm.all_gather_object((local_matrix, local_adamw), "optimizer state")
+    mine = {
+        "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and _saves_state(opt, n)},
+        "masters": {n: opt.master[n].detach().cpu().clone() for n in opt.applies if _saves_master(opt, n)},
+        "adamw": [(n, off, _to_cpu(s)) for n, off, s in _adamw_pieces(opt)],
+    }
+    every = opt.comm.all_gather_object(mine, "optimizer state")  # per DP rank
+    by_tp = opt.tp_comm.all_gather_object(every, "optimizer state") if opt.tp_comm is not None else [every]
     state: dict[str, dict] = {}
-    for matrix, _ in every:
-        state.update(matrix)
-    for _, adamw in every:
-        for name, (offset, part) in adamw.items():
-            full = state.setdefault(name, {"step": part["step"]})
-            for key in SLICED & set(part):
-                if key not in full:
-                    full[key] = torch.zeros(opt.params[name].numel(), dtype=part[key].dtype)
-                full[key][offset:offset + part[key].numel()] = part[key]
-    for name in opt.adamw.names:
-        if name in state:
-            for key in SLICED & set(state[name]):
-                state[name][key] = state[name][key].view(opt.params[name].shape)
+    for per_dp in by_tp:
+        for part in per_dp:
+            state.update(part["matrix"])
+    for name in sorted({n for per_dp in by_tp for part in per_dp for n in part["masters"]}):
+        shards = [part["masters"][name] for per_dp in by_tp for part in per_dp if name in part["masters"]]
+        if shards:
+            state.setdefault(name, {})["master"] = unshard(shards, _tp_dim(opt, name))
+    for name in opt.grads.adamw.names:
+        shards = [_stitch(opt, name, [p for part in per_dp for p in part["adamw"] if p[0] == name])
+                  for per_dp in by_tp]
+        shards = [s for s in shards if s is not None]
+        if shards:
+            full = {k: v for k, v in shards[0].items() if k not in SLICED}
+            for key in SLICED:
+                if key in shards[0]:
+                    full[key] = unshard([s[key] for s in shards], _tp_dim(opt, name))
+            state[name] = full
     return {**_header(opt), "state": state}
+
+
+def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any] | None:
+    """One TP shard of an AdamW parameter's state from its DP slices (None: none were saved)."""
+    if not pieces:
+        return None
+    shape = tuple(local_tensor(opt.params[name]).shape)
+    numel = local_tensor(opt.params[name]).numel()
+    out: dict[str, Any] = {"step": pieces[0][2]["step"]}
+    for _, offset, part in pieces:
+        for key in SLICED:
+            if key in part:
+                out.setdefault(key, torch.zeros(numel, dtype=part[key].dtype))[offset:offset + part[key].numel()] = part[key]
+    return {k: v.view(shape) if isinstance(v, Tensor) else v for k, v in out.items()}
 
 
 def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
@@ -57,33 +142,31 @@ def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None
         group.update({k: v for k, v in saved.items() if k != "params"})
     state = {n: dict(s) for n, s in state_dict["state"].items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
-    device = next(iter(opt.params.values())).device
-    opt.matrix_state = {n: _to_device(state[n], device) if n in state else {} for n in opt._computes}
+    device = local_tensor(next(iter(opt.params.values()))).device
+    opt.matrix_state.clear()  # the executor holds this dict: fill it in place
+    opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
     opt.adamw_state = {}
     for name, s, e, off in opt._adamw_parts():
         if name in state:
             full = state[name]
-            opt.adamw_state[name] = {
-                "step": full["step"],
-                "exp_avg": full["exp_avg"].reshape(-1)[off:off + e - s].clone().to(device),
-                "exp_avg_sq": full["exp_avg_sq"].reshape(-1)[off:off + e - s].clone().to(device),
-            }
+            opt.adamw_state[name] = {"step": full["step"], **{
+                key: _slice(opt, name, full[key], off, e - s).clone().to(device)
+                for key in ("exp_avg", "exp_avg_sq")}}
     if opt.master_weights:
         opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
         for name, s, e, off in opt._adamw_parts():
             if name in masters:
-                opt.master[name] = masters[name].reshape(-1)[off:off + e - s].float().to(device)
-        for name in opt._computes:
+                opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
+        for name in opt.applies:
             if name in masters:
-                opt.master[name] = masters[name].float().to(device)
+                shard = shard_of(masters[name], _tp_dim(opt, name), opt.tp, opt.tp_rank)
+                opt.master[name] = shard.float().contiguous().to(device)
 
 
-SLICED = {"exp_avg", "exp_avg_sq", "master"}  # AdamW state kept as per-rank slices of the flat buffer
-
-
-def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer state of `name` plus its fp32 master weights, when it has them."""
-    return {**state, "master": opt.master[name]} if name in opt.master else dict(state)
+def _slice(opt: DistributedOptimizer, name: str, full: Tensor, offset: int, length: int) -> Tensor:
+    """This rank's piece of a full tensor: its TP shard, flattened, `[offset, offset + length)`."""
+    shard = shard_of(full.reshape(opt.spec.param(name).shape), _tp_dim(opt, name), opt.tp, opt.tp_rank)
+    return shard.reshape(-1)[offset:offset + length]
 
 
 def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
@@ -96,7 +179,7 @@ def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
         raise PlanError(f"checkpoint is for {sd.get('optimizer')}, this optimizer runs {opt.optimizer}")
     model = sd.get("model", {})
     shapes = {n: tuple(s) for n, s in model.get("shapes", {}).items()}
-    mine = {n: tuple(p.shape) for n, p in opt.params.items()}
+    mine = _global_shapes(opt)
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes != mine:
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {_first_difference(shapes, mine)}")
@@ -109,6 +192,11 @@ def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
 
 
+def _global_shapes(opt: DistributedOptimizer) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape (what the checkpoint's full tensors have)."""
+    return {n: opt.spec.param(n).shape for n in opt.params}
+
+
 def _first_difference(saved: dict[str, tuple], mine: dict[str, tuple]) -> str:
     for name in sorted(set(saved) | set(mine)):
         if name not in mine:
@@ -118,16 +206,6 @@ def _first_difference(saved: dict[str, tuple], mine: dict[str, tuple]) -> str:
         if saved[name] != mine[name]:
             return f"{name} is {list(saved[name])} there, {list(mine[name])} here"
     return "same parameter names and shapes, but other roles or tensor-parallel layout"
-
-
-def _first_computer(opt: DistributedOptimizer, name: str) -> bool:
-    """Replicated matrices are saved by the lowest rank that computes them."""
-    if opt.policy.replicated:
-        return opt.rank == 0
-    dpp = opt.plan.dp_plan
-    bucket = dpp.buckets[opt._bucket_of[name]]
-    p = next(p for p in bucket.params if p.name == name)
-    return opt.rank == min(dpp.computing_ranks(bucket, p))
 
 
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,36 +220,13 @@ def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-# --- torch.distributed.checkpoint: every rank writes only what it owns ----------------------------
-
-DCP_PREFIX = "canzona_optimizer"
-
-
-def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
-    """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrices it
-    is the first to compute, its AdamW slices (keyed by their element offset in the parameter), and
-    the small metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
-    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
-    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(_header(opt), default=_json_scalar)}
-    for name, state in opt.matrix_state.items():
-        if state and _first_computer(opt, name):
-            for key, value in _with_master(opt, name, state).items():
-                out[f"{prefix}/matrix/{name}/{key}"] = value
-    if not opt.policy.replicated or opt.rank == 0:
-        for name, _, _, off in opt._adamw_parts():
-            if name in opt.adamw_state:
-                for key, value in _with_master(opt, name, opt.adamw_state[name]).items():
-                    out[f"{prefix}/adamw/{name}/{key}@{off}"] = value
-    return out
-
-
 def _header(opt: DistributedOptimizer) -> dict[str, Any]:
     """Everything but the tensors: what `load_state` checks and restores (identical on every rank)."""
     return {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "model": {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint(),
-                  "shapes": {n: list(p.shape) for n, p in opt.params.items()}},
+                  "shapes": {n: list(s) for n, s in _global_shapes(opt).items()}},
         "optimizer": opt.optimizer,
         "matrix_config": asdict(opt.matrix_cfg),
         "adamw_config": asdict(opt.adamw_cfg),
@@ -179,9 +234,48 @@ def _header(opt: DistributedOptimizer) -> dict[str, Any]:
     }
 
 
+# --- torch.distributed.checkpoint: every rank writes only what it holds -------------------------
+
+DCP_PREFIX = "canzona_optimizer"
+
+
+def _piece_key(prefix: str, kind: str, name: str, field: str, tp_rank: int, tp: int, offset: int) -> str:
+    """A flat piece of TP shard `tp_rank` of `tp` of a full tensor, starting at element `offset`."""
+    return f"{prefix}/{kind}/{name}/{field}@{tp_rank}.{tp}:{offset}"
+
+
+def _parse_piece(rest: str) -> tuple[str, int, int, int]:
+    """`field@t.T:offset` -> (field, t, T, offset); `field@offset` (written at TP = 1) is shard 0 of 1."""
+    field, where = rest.rsplit("@", 1)
+    if ":" not in where:
+        return field, 0, 1, int(where)
+    shard, offset = where.split(":")
+    t, tp = shard.split(".")
+    return field, int(t), int(tp), int(offset)
+
+
+def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
+    states it saves (full), its shards of their master weights, its AdamW pieces, and the small
+    metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
+    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
+    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(_header(opt), default=_json_scalar)}
+    for name, state in opt.matrix_state.items():
+        if state and _saves_state(opt, name):
+            for key, value in state.items():
+                out[f"{prefix}/matrix/{name}/{key}"] = value
+    for name in opt.applies:
+        if _saves_master(opt, name):
+            out[_piece_key(prefix, "matrix", name, "master", opt.tp_rank, opt.tp, 0)] = opt.master[name]
+    for name, off, state in _adamw_pieces(opt):
+        for key, value in state.items():
+            out[_piece_key(prefix, "adamw", name, key, opt.tp_rank, opt.tp, off)] = value
+    return out
+
+
 def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
-    at any DP size (whole matrices it computes, the saved AdamW pieces overlapping its slices)."""
+    at any DP x TP layout, rebuild the layout-independent form for it, and load that."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -196,42 +290,75 @@ def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DC
 
     if f"{prefix}/meta" not in entries:
         raise PlanError(f"no canzona optimizer state under {prefix!r} in this checkpoint")
-    matrix_keys = {n: [k for k in entries if k.startswith(f"{prefix}/matrix/{n}/")] for n in opt._computes}
-    pieces: dict[str, list[tuple[str, int, str]]] = {}  # name -> (state key, offset, entry key)
+    full_keys: dict[str, list[str]] = {}  # matrix name -> keys of its full-matrix state fields
+    pieces: dict[str, list[tuple[str, int, int, int, str]]] = {}  # name -> (field, t, T, offset, key)
     for key in entries:
-        if key.startswith(f"{prefix}/adamw/"):
-            name, rest = key[len(f"{prefix}/adamw/"):].rsplit("/", 1)
-            field_name, offset = rest.rsplit("@", 1)
-            pieces.setdefault(name, []).append((field_name, int(offset), key))
+        for kind in ("matrix", "adamw"):
+            head = f"{prefix}/{kind}/"
+            if key.startswith(head):
+                name, rest = key[len(head):].rsplit("/", 1)
+                if "@" in rest:
+                    pieces.setdefault(name, []).append((*_parse_piece(rest), key))
+                else:
+                    full_keys.setdefault(name, []).append(key)
     wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
-    for keys in matrix_keys.values():
-        wanted.update({k: placeholder(k) for k in keys})
-    mine = {name: (off, e - s) for name, s, e, off in opt._adamw_parts()}
-    for name, (off, length) in mine.items():
-        for _, start, key in pieces.get(name, []):
-            size = entries[key].size[0] if isinstance(entries[key], TensorStorageMetadata) else None
-            if size is None or (start < off + length and start + size > off):
+    for name in opt.hosted:
+        wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
+    needs = _local_ranges(opt)
+    for name, (lo, hi) in needs.items():
+        # a TP-replicated parameter's pieces were written by TP rank 0 only
+        source = opt.tp_rank if _tp_dim(opt, name) is not None else 0
+        for _field, t, tp, offset, key in pieces.get(name, []):
+            if tp != opt.tp or (t == source and _overlaps(entries[key], offset, lo, hi)):
                 wanted[key] = placeholder(key)
     dcp.load(wanted, storage_reader=reader)
 
-    # rebuild the layout-independent form for the slices this rank needs, then load it as usual
     state: dict[str, dict[str, Any]] = {}
-    for name, keys in matrix_keys.items():
+    for name in opt.hosted:
+        keys = full_keys.get(name, [])
         if keys:
             state[name] = {k.rsplit("/", 1)[1]: wanted[k] for k in keys}
-    for name in mine:
-        got = [(f, start, wanted[key]) for f, start, key in pieces.get(name, []) if key in wanted]
-        if not got:
-            continue
-        numel = opt.params[name].numel()
-        full: dict[str, Any] = {}
-        for field_name, start, value in got:
-            if isinstance(value, Tensor):
-                full.setdefault(field_name, torch.zeros(numel, dtype=value.dtype))[start:start + value.numel()] = value
-            else:
-                full[field_name] = value
-        state[name] = {k: v.view(opt.params[name].shape) if isinstance(v, Tensor) else v for k, v in full.items()}
+    for name in needs:
+        got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
+        if got:
+            state.setdefault(name, {}).update(_assemble(opt, name, got))
     load_state(opt, {**json.loads(wanted[f"{prefix}/meta"]), "state": state})
+
+
+def _local_ranges(opt: DistributedOptimizer) -> dict[str, tuple[int, int]]:
+    """Per parameter whose pieces this rank needs, the range of its local tensor it holds."""
+    out = {name: (off, off + e - s) for name, s, e, off in opt._adamw_parts()}
+    for name in opt.applies:
+        out[name] = (0, local_tensor(opt.params[name]).numel())
+    return out
+
+
+def _overlaps(meta: Any, offset: int, lo: int, hi: int) -> bool:
+    size = getattr(meta, "size", None)
+    return size is None or (offset < hi and offset + size[0] > lo)
+
+
+def _assemble(opt: DistributedOptimizer, name: str, got: list) -> dict[str, Any]:
+    """A parameter's pieces in the layout-independent form: full tensors (zeros where no piece was
+    read, outside what this rank loads) and the scalars."""
+    spec = opt.spec.param(name)
+    out: dict[str, Any] = {}
+    shards: dict[str, dict[int, Tensor]] = {}  # field -> saved TP rank -> its flat shard
+    saved_tp = 1
+    for field, t, tp, offset, value in got:
+        if not isinstance(value, Tensor):
+            out[field] = value
+            continue
+        saved_tp = tp
+        numel = math.prod(spec.local_shape(tp))
+        flat = shards.setdefault(field, {}).setdefault(t, torch.zeros(numel, dtype=value.dtype))
+        flat[offset:offset + value.numel()] = value.reshape(-1)
+    shape = spec.local_shape(saved_tp)
+    for field, by_rank in shards.items():
+        dtype = next(iter(by_rank.values())).dtype
+        parts = [by_rank.get(t, torch.zeros(math.prod(shape), dtype=dtype)).view(shape) for t in range(saved_tp)]
+        out[field] = unshard(parts, spec.tp_dim if saved_tp > 1 else None)
+    return out
 
 
 def _json_scalar(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Collectives of the DP runtime, portable to gloo and NCCL, with a log and timeouts.
+"""Collectives of the runtime, portable to gloo and NCCL, with a log and timeouts.
 
 Reduce-scatter(-v) is built from one `all_to_all_single` (rank j receives every rank's chunk j)
 followed by a local sum in rank order. Two reasons, both measured / checked:
@@ -35,7 +35,7 @@ class CollectiveRecord:
     op: str
     group: str
     name: str
-    bytes_per_rank: tuple[int, ...]  # bytes each rank contributes
+    bytes_per_rank: tuple[int, ...]  # bytes each rank contributes; all-to-all: bytes sent to each member
 
 
 @dataclass
@@ -76,11 +76,24 @@ class Comm:
         if ok is False:
             raise CanzonaError(f"{what} on group {self.name} timed out after {self.timeout.total_seconds():g} s")
 
-    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                   what: str) -> PendingWork:
+    def _all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                    what: str) -> PendingWork:
         work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group,
                                       async_op=True)
         return PendingWork(self, work, what)
+
+    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                   name: str) -> PendingWork:
+        """`inp[in_splits[j] block]` goes to member j; `out` receives member j's block at `out_splits[j]`.
+        Logged as the bytes this rank sends to each member."""
+        self.log.add("all-to-all", self.name, name, [n * inp.element_size() for n in in_splits])
+        return self._all_to_all(out, inp, out_splits, in_splits, f"all-to-all of {name}")
+
+    def all_gather_into(self, out: Tensor, inp: Tensor, name: str) -> PendingWork:
+        """Every member's equal-sized `inp`, in member order, into `out`."""
+        self.log.add("all-gather", self.name, name, [inp.numel() * inp.element_size()] * self.size)
+        work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+        return PendingWork(self, work, f"all-gather of {name}")
 
     def reduce_scatter_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
         """Average `flat` over ranks; rank r ends up with the mean of segment [cuts[r], cuts[r+1])
@@ -98,7 +111,7 @@ class Comm:
                 acc += parts[j]
             flat[a:b].copy_(acc.div_(self.size))
 
-        pending = self.all_to_all(recv, flat, [mine] * self.size, lengths, f"reduce-scatter of {name}")
+        pending = self._all_to_all(recv, flat, [mine] * self.size, lengths, f"reduce-scatter of {name}")
         pending.then = finish
         return pending
 

@@ -34,7 +34,24 @@ class Update:
 
 
 def apply_update_(param: Tensor, direction: Tensor, update: Update) -> None:
-    """Apply (a chunk of) an update to (the matching shard of) a parameter, in place."""
+    """Apply (a chunk of) an update to (the matching shard of) a parameter, in place.
+
+    The direction is rounded to the parameter's dtype first, so that what a TP host sends (its
+    chunks, in the dtype of the parameters they update) is exactly what it applies itself; Muon's
+    bf16 Newton-Schulz result widens exactly, as in `torch.optim.Muon`. A bf16 / fp16 parameter is
+    updated in fp32 and rounded once: CPU kernels round half-precision arithmetic differently on
+    their vectorised and scalar paths, so the result would otherwise depend on where a chunk starts
+    in memory, and a shard would not equal the same rows of the whole matrix."""
+    direction = direction.to(param.dtype)
+    if param.dtype in (torch.bfloat16, torch.float16):
+        work = param.float()
+        _apply_(work, direction.float(), update)
+        param.copy_(work)
+        return
+    _apply_(param, direction, update)
+
+
+def _apply_(param: Tensor, direction: Tensor, update: Update) -> None:
     if update.decay_first:
         if update.decay:
             param.mul_(1 - update.decay)

@@ -18,8 +18,12 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
   optimizer, so they go to AdamW while still saying what they are, a weight rather than a vector;
 - layer index: the integer right after a `layers` / `layer` / `h` / `blocks` component;
 - dtype: the parameter's, which must be fp64, fp32, bf16 or fp16;
-- TP: the module holds local shards; `tp_plan` says which dimension of which parameter is split
-  (fnmatch patterns over canonical names) and the spec's global shape multiplies it by `tp_size`;
+- TP: the module holds local shards. The split dimension of a parameter comes from, in this
+  order: its DTensor placement (`parallelize_module`: `Shard(d)`, or `Replicate()`; the global
+  shape is the DTensor's and `tp_size` its mesh's), Megatron's annotations (`tensor_model_parallel`
+  and `partition_dim`), or `tp_plan` (fnmatch patterns over canonical names); for the last two the
+  global shape multiplies the local one by `tp_size`. A `tp_plan` entry that contradicts a
+  parameter's own placement or annotation is an error;
 - order: registration order unless `order` is given; `backward_order(model, loss_fn)` measures
   the forward order from one backward pass.
 """
@@ -32,8 +36,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from canzona.errors import SpecError
+from canzona.errors import PlanError, SpecError
 from canzona.runtime.kernels import TORCH_DTYPES
+from canzona.runtime.shards import dtensor_tp_dim, is_dtensor, megatron_tp_dim
 from canzona.spec import ModelSpec, ParamSpec, Role
 
 __all__ = [
@@ -191,6 +196,28 @@ def _tp_dims(names: Sequence[str], tp_plan: Mapping[str, int] | None) -> dict[st
     return dims
 
 
+def _own_tp_dim(name: str, p: nn.Parameter) -> tuple[bool, int | None]:
+    """(whether the parameter says how it is split, the split dimension) from a DTensor placement
+    or Megatron's annotations."""
+    if is_dtensor(p):
+        return True, dtensor_tp_dim(name, p)
+    dim = megatron_tp_dim(p)
+    return dim is not None, dim
+
+
+def _dtensor_tp_size(params: Mapping[str, nn.Parameter], tp_size: int) -> int:
+    """The TP size of the model's DTensors (their 1-D mesh), checked against `tp_size`."""
+    sizes = {p.device_mesh.size() for p in params.values() if is_dtensor(p)}
+    if not sizes:
+        return tp_size
+    if len(sizes) > 1:
+        raise SpecError(f"the model's DTensor parameters live on meshes of different sizes {sorted(sizes)}")
+    (size,) = sizes
+    if tp_size not in (1, size):
+        raise SpecError(f"tp_size={tp_size}, but the model's DTensors are split over {size} ranks")
+    return size
+
+
 def _global_shape(local: tuple[int, ...], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
     if tp_dim is None or tp_dim >= len(local):
         return local  # an out-of-range tp_dim is reported by ParamSpec, with the parameter's name
@@ -279,14 +306,22 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
     if not params:
         raise SpecError(f"model {type(model).__name__} has no trainable parameters")
     tp_dims = _tp_dims(list(params), tp_plan)
+    tp_size = _dtensor_tp_size(params, tp_size)
     owner_roles = _owner_roles(model)
     specs = []
     for pname in _ordered(list(params), order):
         p = params[pname]
         if p.dim() == 0:
             raise SpecError(f"parameter {pname!r} is a 0-d scalar; canzona specs need at least one dimension")
-        tp_dim = tp_dims.get(pname)
-        specs.append(ParamSpec(pname, _global_shape(tuple(p.shape), tp_dim, tp_size),
-                               _role(p, owner_roles.get(id(p))), _layer_index(pname), tp_dim,
+        try:
+            says, own = _own_tp_dim(pname, p)
+        except PlanError as e:
+            raise SpecError(str(e)) from None
+        if says and pname in tp_dims and tp_dims[pname] != own:
+            raise SpecError(f"tp_plan splits {pname!r} along dimension {tp_dims[pname]}, but the parameter "
+                            f"itself says {'no dimension' if own is None else f'dimension {own}'}")
+        tp_dim = own if says else tp_dims.get(pname)
+        shape = tuple(p.shape) if is_dtensor(p) else _global_shape(tuple(p.shape), tp_dim, tp_size)
+        specs.append(ParamSpec(pname, shape, _role(p, owner_roles.get(id(p))), _layer_index(pname), tp_dim,
                                _dtype(pname, p)))
     return ModelSpec(name or _default_name(model), tuple(specs))

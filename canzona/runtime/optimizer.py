@@ -1,16 +1,18 @@
-"""`DistributedOptimizer`: executes the DP part of a `Plan` on a real process group (TP = 1).
+"""`DistributedOptimizer`: executes a `Plan` on real process groups, DP x TP.
 
-Layout: per plan bucket, a flat gradient buffer and a flat parameter buffer laid out by the plan;
-every parameter's `.data` and `.grad` are views into them. AdamW parameters share one flat buffer
-sliced evenly (ZeRO-1). During backward, each bucket's reduce-scatter starts as soon as its last
-gradient is accumulated (post-accumulate-grad hooks), in bucket order on every rank; `step()`
-finishes the gradient sync, runs the matrix kernels on the matrices this rank computes and AdamW
-on its slice, then all-gathers the updated parameters.
+Composed of one part per job (docs/architecture.md §3.8):
+- `GradientSync` (`gradients.py`): flat per-bucket gradient buffers laid out by the plan, whose
+  reduce-scatter starts from post-accumulate-grad hooks in bucket order, and the per-step checks;
+- `MatrixStep` (`executor.py`): this DP rank's TP schedule (`canzona.step_schedule`) on its TP
+  group: micro-groups gathered to hosts, computed, scattered back and applied, pipelined or serial
+  (at TP = 1, compute and apply);
+- AdamW on this rank's even slice of the flat AdamW buffer (ZeRO-1), then the parameter all-gather
+  the step policy asks for (`PARAM_GATHERS`);
+- the checkpoint adapter (`checkpoint.py`): layout-independent and sharded state dicts.
 
-Policies (docs/design.md §7): `canzona` (reduce-scatter-v on the plan's segments, owners compute),
-`zero1-gather` (even segments; every rank whose segment touches a matrix gathers and computes it),
-`layerwise` (all-reduce; LPT owners compute; owners' parameters are gathered), `sc` (all-reduce;
-every rank computes everything).
+Each is chosen once, at construction, from the step policy's definition
+(`canzona.step_policies`): `canzona` (reduce-scatter-v on the plan's segments, the plan's TP
+micro-groups), `zero1-gather`, `layerwise` and `sc` (their own DP plans, `tp-sync`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,9 +31,9 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from canzona.cost import CostModel
-from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
+from canzona.dp.layout import BucketPlan
 from canzona.dp.policies import DEFAULT_ALIGN
-from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.errors import PlanError, SpecError
 from canzona.fileio import is_finite_number
 from canzona.optimizers import (
     AdamWConfig,
@@ -42,17 +44,27 @@ from canzona.optimizers import (
 )
 from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
 from canzona.runtime import checkpoint
-from canzona.runtime.buffers import FlatBuffer, packed_offsets
+from canzona.runtime.buffers import FlatBuffer
 from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.executor import MatrixStep, hosted_names
+from canzona.runtime.gradients import GradientSync
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
+from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_
+from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.spec import ModelSpec
-from canzona.step_policies import StepPolicy, get_step_policy
+from canzona.step_policies import (
+    PARAMS_BY_OWNER,
+    PARAMS_BY_SEGMENT,
+    PARAMS_NONE,
+    StepPolicy,
+    get_step_policy,
+)
+from canzona.step_schedule import PIPELINED, TPSchedule, check_tp_mode, tp_schedule
 
 
 def _config(name: str, given: Any) -> Any:
@@ -64,11 +76,17 @@ def _config(name: str, given: Any) -> Any:
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """A matrix optimizer (muon | soap | shampoo) plus AdamW, data-parallel over `group`.
+    """A matrix optimizer (muon | soap | shampoo) plus AdamW, data- and tensor-parallel.
 
     `params`: `(name, parameter)` pairs (e.g. `model.named_parameters()`), or torch-style groups of
     them with hyper-parameter overrides (`canzona.runtime.groups`). `matrix_config` and
-    `adamw_config` are the defaults of every group.
+    `adamw_config` are the defaults of every group. `spec` describes the *global* model; under TP
+    the parameters are this rank's shards (plain tensors, Megatron-annotated ones, or DTensors from
+    `parallelize_module`, `canzona.runtime.shards`).
+
+    `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
+    `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when `group` is a process
+    group. `tp_mode`: `pipelined` (default) or `serial` order of the TP micro-groups.
 
     Low-precision (bf16 / fp16) parameters get fp32 master weights, fp32 gradient reduction and
     fp32 optimizer state by default; the bf16 working copy is refreshed after each step.
@@ -95,46 +113,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         align: int = DEFAULT_ALIGN,
         cost_model: CostModel | None = None,
         master_weights: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_policy: str = "greedy-rollback",
+        tp_mode: str = PIPELINED,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
             raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
+        self.tp_mode = check_tp_mode(tp_mode)
         self.matrix_cfg = _config(self.optimizer, matrix_config)
         self.adamw_cfg = _config("adamw", adamw_config)
         self.spec = spec
         groups = user_groups(params)
-        self.params: dict[str, Tensor] = {}
-        for pairs, _ in groups:
-            for name, p in pairs:
-                if name in self.params:
-                    raise SpecError(f"parameter {name!r} is given twice")
-                if tuple(p.shape) != spec.param(name).shape:
-                    raise PlanError(f"parameter {name!r} has shape {tuple(p.shape)}, the model spec says "
-                                    f"{spec.param(name).shape}")
-                self.params[name] = p
-        missing = [p.name for p in spec.params if p.name not in self.params]
-        if missing:
-            raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
-        matrix_names = [p.name for p in spec.matrix_params()]
-        adamw_names = [p.name for p in spec.adamw_params()]
-        param_groups = build_param_groups(groups, set(matrix_names), self.optimizer, self.matrix_cfg,
-                                          self.adamw_cfg)
-
-        self.comm = Comm(_dp_group(group), timeout_s)
+        matrix_names = {p.name for p in spec.matrix_params()}
+        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
+        dp_group, tp_pg = _process_groups(group, tp_group)
+        if tp_pg is not None and dist.get_world_size(tp_pg) == 1:
+            tp_pg = None
+        tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
+        self.tp = len(tp_ranks) if tp_ranks else 1
+        self.params = self._local_params(groups, tp_ranks)
+        self.comm = Comm(dp_group, timeout_s)
+        self.tp_comm = Comm(tp_pg, timeout_s, "tp") if tp_pg is not None else None
         self.dp, self.rank = self.comm.size, self.comm.rank
-        self.plan = self._resolve_plan(plan, dp_policy, alpha, bucket_size, align, cost_model)
-        self.comm.check_agreement({
-            "model fingerprint": spec.fingerprint(),
-            # the fingerprint ignores order, but buffers are laid out in spec order
-            "parameter order": ",".join(p.name for p in spec.params),
-            "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
-            "plan": self.plan.hash(),
-            "policy": self.policy.name,
-            "parameter groups": str(hyper_parameters_digest(param_groups)),
-            "initial parameters": _parameters_checksum(self.params.values()),
-        })
+        self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
+        self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)
+        self._check_agreement(param_groups)
 
         super().__init__(param_groups, {})
         self._configs = GroupConfigs({"matrix": self.matrix_cfg, "adamw": self.adamw_cfg})
@@ -147,156 +153,96 @@ class DistributedOptimizer(torch.optim.Optimizer):
         low = {p.dtype for p in self.params.values()} & {torch.bfloat16, torch.float16}
         self.master_weights = bool(master_weights and low)
         reduce_dtype = torch.float32 if self.master_weights else None
-        self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
-                                   b.size, self.params, reduce_dtype) for b in self.plan.dp_plan.buckets]
-        offsets, used = packed_offsets(adamw_names, self.params)
-        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * self.dp), self.params,
-                                reduce_dtype)
-        self.adamw_cuts = even_cuts(self.adamw.size, self.dp)
-        self._buffer_of = {n: buf for buf in (*self.buckets, self.adamw) for n in buf.names}
-        self._index = {n: i for i, n in enumerate(self.params)}
-        self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
-        self._computes = self._matrices_computed_here()
-        self.matrix_state: dict[str, dict] = {n: {} for n in self._computes}
+        self.grads = GradientSync(self.params, spec, self.plan, self.policy, self.comm, self.tp_comm, align,
+                                  reduce_dtype)
+        self._index = self.grads.index
+        grad_dtype = self.grads.adamw.reduced.dtype
+        update_dtype = torch.float32 if self.master_weights else grad_dtype
+        self.schedule: TPSchedule = tp_schedule(
+            self.plan, spec, self.policy, self.rank, self.tp_mode,
+            grad_bytes=_itemsize(grad_dtype), update_bytes=_itemsize(update_dtype))
+        # the matrices whose shards this rank updates, and those whose full update (and optimizer
+        # state) it computes: the same at TP = 1
+        self.applies = [t.name for t in self.schedule.tasks()]
+        self.hosted = hosted_names(self.schedule, self.tp_rank)
+        self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
         self.adamw_state: dict[str, dict] = {}
         self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
         if self.master_weights:
             self.reset_master_weights()
-        self._sync = True
-        self._reset_step_tracking()
-        for name, p in self.params.items():
-            p.register_post_accumulate_grad_hook(self._hook(name))
+        device = local_tensor(next(iter(self.params.values()))).device
+        self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, MATRIX_KERNELS[self.optimizer],
+                                      self.matrix_state, grad_dtype, update_dtype, device)
+        self._param_gather = PARAM_GATHERS[self.policy.param_gather]
 
     # --- construction helpers ----------------------------------------------------------------
 
-    def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, alpha: float,
+    def _local_params(self, groups: list, tp_ranks: list[int] | None) -> dict[str, Tensor]:
+        params: dict[str, Tensor] = {}
+        for pairs, _ in groups:
+            for name, p in pairs:
+                if name in params:
+                    raise SpecError(f"parameter {name!r} is given twice")
+                check_local_param(name, p, self.spec.param(name), self.tp, tp_ranks)
+                params[name] = p
+        missing = [p.name for p in self.spec.params if p.name not in params]
+        if missing:
+            raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
+        return params
+
+    def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, tp_policy: str, alpha: float,
                       bucket_size: int | None, align: int, cost_model: CostModel | None) -> Plan:
         if plan is None:
-            plan = make_plan(self.spec, self.dp, 1, self.optimizer, self.policy.dp_policy or dp_policy,
-                             self.policy.tp_policy or "greedy-rollback", alpha, bucket_size, align,
+            plan = make_plan(self.spec, self.dp, self.tp, self.optimizer, self.policy.dp_policy or dp_policy,
+                             self.policy.tp_policy or tp_policy, alpha, bucket_size, align,
                              cost_model=cost_model)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
-        check_plan_matches(plan, self.spec, dp=self.dp, tp=1)
+        check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp)
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
         try:
             self.policy.check_dp_plan(plan.dp_plan)
+            self.policy.check_tp_plan(plan.tp_plan.policy, plan.tp)
         except SpecError as e:
             raise PlanError(str(e)) from None
         return plan
 
-    def _matrices_computed_here(self) -> list[str]:
-        dpp = self.plan.dp_plan
-        if self.policy.replicated:
-            return [n for b in self.buckets for n in b.names]
-        return [p.name for b in dpp.buckets for p in b.params if self.rank in dpp.computing_ranks(b, p)]
-
-    def _reset_step_tracking(self) -> None:
-        self._ready = [0] * len(self.buckets)
-        self._launched: list[PendingWork | None] = [None] * len(self.buckets)
-        self._next = 0
-        self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
-        self._grads_ready = False  # gradients reduced and checked (by clip_grad_norm_ or step)
+    def _check_agreement(self, param_groups: list[dict[str, Any]]) -> None:
+        """Every rank runs the same plan on the same model: DP peers compare everything, TP peers
+        everything but the sharded weights (which differ by design)."""
+        shared = {
+            "model fingerprint": self.spec.fingerprint(),
+            # the fingerprint ignores order, but buffers are laid out in spec order
+            "parameter order": ",".join(p.name for p in self.spec.params),
+            "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
+            "plan": self.plan.hash(),
+            "policy": f"{self.policy.name} ({self.tp_mode})",
+            "parameter groups": str(hyper_parameters_digest(param_groups)),
+        }
+        self.comm.check_agreement({**shared, "TP rank": str(self.tp_rank),
+                                   "initial parameters": _parameters_checksum(self.params.values())})
+        if self.tp_comm is not None:
+            replicated = [self.params[p.name] for p in self.spec.params if p.tp_dim is None]
+            self.tp_comm.check_agreement({**shared, "DP rank": str(self.rank),
+                                          "initial TP-replicated parameters": _parameters_checksum(replicated)})
 
     # --- gradient synchronisation ------------------------------------------------------------
-
-    def _hook(self, name: str):
-        buffer = self._buffer_of[name]
-
-        def on_grad_ready(_: Tensor) -> None:
-            if not buffer.is_linked(name):
-                raise CanzonaError(_unlinked_message(name))
-            buffer.claim(name)  # after model.zero_grad(): the fresh gradient goes into the buffer
-            self._got_grad[self._index[name]] = 1
-            k = self._bucket_of.get(name)
-            if k is None or not self._sync:
-                return  # accumulation micro-batch: nothing is synchronised yet
-            if self._launched[k] is not None:
-                raise CanzonaError("gradients were synchronised twice in one step: wrap the backward of "
-                                   "accumulation micro-batches in `with optimizer.no_sync():`")
-            self._ready[k] += 1
-            self._launch_ready_buckets()
-        return on_grad_ready
-
-    def _launch_ready_buckets(self) -> None:
-        """Launch in bucket order only, so every rank issues the same collectives in the same order."""
-        while self._next < len(self.buckets) and self._ready[self._next] >= len(self.buckets[self._next].names):
-            self._launch(self._next)
-            self._next += 1
-
-    def _grad_cuts(self, k: int) -> tuple[int, ...]:
-        b = self.plan.dp_plan.buckets[k]
-        return b.cuts if self.policy.grad_sync == "reduce-scatter" else even_cuts(b.size, self.dp)
-
-    def _launch(self, k: int) -> None:
-        if self._launched[k] is not None:
-            raise CanzonaError("gradients were synchronised twice in one step: wrap the backward of "
-                               "accumulation micro-batches in `with optimizer.no_sync():`")
-        b = self.buckets[k]
-        # stage() claims first: a gradient dropped by set_to_none and not recomputed counts as zero
-        self._launched[k] = self.comm.reduce_scatter_v(b.stage(), self._grad_cuts(k),
-                                                       f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (micro-batches); the backward after it synchronises once."""
-        previous, self._sync = self._sync, False
-        try:
+        with self.grads.no_sync():
             yield
-        finally:
-            self._sync = previous
-
-    def _finish_grad_sync(self) -> None:
-        while self._next < len(self.buckets):  # buckets whose gradients did not all arrive
-            self._launch(self._next)
-            self._next += 1
-        adamw = self.comm.reduce_scatter_v(self.adamw.stage(), self.adamw_cuts, "adamw")
-        for pending in self._launched:
-            pending.wait()
-        adamw.wait()
-        if self.policy.grad_sync == "all-reduce" or self.policy.gather_split:
-            gathers = [self.comm.all_gather_v(b.reduced, self._grad_cuts(k),
-                                              f"gradients of bucket {self.plan.dp_plan.buckets[k].index}")
-                       for k, b in enumerate(self.buckets)]
-            for g in gathers:
-                g.wait()
-        if self.policy.replicated:
-            self.comm.all_gather_v(self.adamw.reduced, self.adamw_cuts, "adamw gradients").wait()
 
     def _prepare_step(self) -> Tensor:
-        """Reduce the gradients and check, on every rank alike, that the step is sound; return
-        which parameters got a gradient on any rank. Once per step (clip_grad_norm_, then step)."""
-        if self._grads_ready:
-            return self._got_anywhere
-        self._finish_grad_sync()
-        unlinked = next((n for buf in (*self.buckets, self.adamw) for n in buf.unlinked()), None)
-        header = torch.cat([self._got_grad, torch.tensor(
-            [int(self._got_grad.sum()), int(unlinked is not None), hyper_parameters_digest(self.param_groups)],
-            dtype=torch.int64)])
-        table = self.comm.all_gather_values(header, "step check")
-        flags, fired, broken, digests = table[:, :-3], table[:, -3], table[:, -2], table[:, -1]
-        if broken.any():
-            raise CanzonaError(_unlinked_message(unlinked) if unlinked is not None else
-                               f"rank(s) {_ranks(broken != 0)}: {_unlinked_message(None)}")
-        if not torch.all(digests == digests[0]):
-            raise CanzonaError(f"ranks disagree on the hyper-parameters in param_groups: rank(s) "
-                               f"{_ranks(digests != digests[self.rank])} differ from rank {self.rank}")
-        if not fired.any():
-            raise CanzonaError("step() found no gradient on any rank: call backward() before step(), on "
-                               "the parameters given to the optimizer")
-        if not fired.all():
-            raise CanzonaError(f"rank(s) {_ranks(fired == 0)} ran no backward in this step while others "
-                               "did: their zero gradients would be averaged in")
-        self._got_anywhere = flags.amax(dim=0)
-        self._grads_ready = True
-        return self._got_anywhere
+        return self.grads.prepare(hyper_parameters_digest(self.param_groups))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *reduced* gradients to a global norm of at most `max_norm`; return the norm
         before clipping (for logging). Collective: call it on every rank, after backward and before
-        `step()`. Every gradient element counts once across DP ranks, as in a single-device run.
+        `step()`. Every gradient element counts once across DP and TP ranks, as in a single-device run.
 
         `torch.nn.utils.clip_grad_norm_` on the model is wrong here: it sees each rank's local,
         unreduced gradients, so ranks would clip by different factors."""
@@ -305,17 +251,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         self._prepare_step()
-        segments = [b.reduced[c[self.rank]:c[self.rank + 1]] for k, b in enumerate(self.buckets)
-                    for c in (self._grad_cuts(k),)]
-        segments.append(self.adamw.reduced[self.adamw_cuts[self.rank]:self.adamw_cuts[self.rank + 1]])
-        local = local_norm_term(segments, norm_type)
-        every = self.comm.all_gather_values(local.reshape(1).cpu(), "gradient norm")[:, 0]
-        total = global_norm(every, norm_type)
+        term = local_norm_term(self._norm_segments(), norm_type)
+        term = combine_norm_terms(self.comm.all_gather_values(term.reshape(1).cpu(), "gradient norm")[:, 0], norm_type)
+        if self.tp_comm is not None:  # each TP rank's DP total, combined in TP-rank order
+            term = combine_norm_terms(self.tp_comm.all_gather_values(term.reshape(1), "gradient norm")[:, 0],
+                                      norm_type)
+        total = term.sqrt() if norm_type == 2.0 else term
         coefficient = min(1.0, max_norm / (float(total) + 1e-6))
         if coefficient < 1.0:
-            for buf in (*self.buckets, self.adamw):
+            for buf in self.grads.all_buffers():
                 buf.reduced.mul_(coefficient)
         return total.to(torch.float32)
+
+    def _norm_segments(self) -> list[Tensor]:
+        """This rank's share of the gradient elements, each element of the model counted once in the
+        cluster: TP-replicated parameters count on TP rank 0 only."""
+        if self.tp_comm is None or self.tp_rank == 0:
+            return self.grads.segments()
+        replicated = {p.name for p in self.spec.params if p.tp_dim is None}
+        r = self.rank
+        out = []
+        for k, buf in enumerate(self.grads.buckets):
+            c = self.grads.grad_cuts(k)
+            out += _exclude(buf, replicated, c[r], c[r + 1])
+        cuts = self.grads.adamw_cuts
+        out += _exclude(self.grads.adamw, replicated, cuts[r], cuts[r + 1])
+        return out
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -326,32 +287,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         got = self._prepare_step()
-        kernel = MATRIX_KERNELS[self.optimizer]
-        for name in self._computes:
-            if not got[self._index[name]]:
-                continue  # as torch optimizers do: no gradient, no update, no decay
-            g = self._group_of[name]
-            group = self.param_groups[g]
-            grad = self._buffer_of[name].reduced_view(name)
-            update = kernel(grad, self.matrix_state[name], self._configs.config(g, group), group["lr"])
-            if update is not None:
-                target = self._master_for(name, self.params[name])
-                apply_update_(target, update.direction, update)
-                if target is not self.params[name]:
-                    self.params[name].copy_(target)  # the working copy the next forward uses
+        self.matrix_step.run(grad=self.grads.reduced, target=self._target, applied=self._refresh_working_copy,
+                             config=self._matrix_config, got=lambda name: bool(got[self._index[name]]))
         self._adamw_step(got)
         self._gather_params()
         self.comm.log.step += 1
-        self._reset_step_tracking()
+        if self.tp_comm is not None:
+            self.tp_comm.log.step += 1
+        self.grads.reset()
         return loss
+
+    def _gather_params(self) -> None:
+        for pending in self._param_gather(self):
+            pending.wait()
+
+    def _matrix_config(self, name: str) -> tuple[Any, float]:
+        g = self._group_of[name]
+        group = self.param_groups[g]
+        return self._configs.config(g, group), group["lr"]
+
+    def _target(self, name: str) -> Tensor:
+        return self._master_for(name, local_tensor(self.params[name]))
+
+    def _refresh_working_copy(self, name: str) -> None:
+        """After an update to a master: the working copy the next forward uses."""
+        master = self.master.get(name)
+        if master is not None:
+            local_tensor(self.params[name]).copy_(master)
 
     @torch.no_grad()
     def reset_master_weights(self) -> None:
         """fp32 master copies of the matrices this rank updates and of its AdamW slice, taken from
         the parameters as they are now (after loading weights into a bf16 model, say)."""
-        self.master = {n: self.params[n].detach().float().clone() for n in self._computes}
+        self.master = {n: local_tensor(self.params[n]).detach().float().clone() for n in self.applies}
         for name, s, e, _ in self._adamw_parts():
-            self.master[name] = self.adamw.data[s:e].float().clone()
+            self.master[name] = self.grads.adamw.data[s:e].float().clone()
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
         """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written
@@ -365,71 +335,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return master
 
     def _adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
-        """(name, start, end within the flat buffer, offset within the parameter) of this rank's slice."""
-        lo, hi = (0, self.adamw.size) if self.policy.replicated else (self.adamw_cuts[self.rank], self.adamw_cuts[self.rank + 1])
-        for name in self.adamw.names:
-            a, b = self.adamw.offsets[name]
+        """(name, start, end within the flat buffer, offset within the local tensor) of this rank's slice."""
+        adamw, cuts = self.grads.adamw, self.grads.adamw_cuts
+        lo, hi = (0, adamw.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
+        for name in adamw.names:
+            a, b = adamw.offsets[name]
             s, e = max(a, lo), min(b, hi)
             if s < e:
                 yield name, s, e, s - a
 
     def _adamw_step(self, got: Tensor) -> None:
+        adamw = self.grads.adamw
         for name, s, e, _ in self._adamw_parts():
             if got[self._index[name]]:
                 g = self._group_of[name]
                 group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
-                target = self._master_for(name, self.adamw.data[s:e])
-                adamw_step_(target, self.adamw.reduced[s:e], state, self._configs.config(g, group), group["lr"])
+                target = self._master_for(name, adamw.data[s:e])
+                adamw_step_(target, adamw.reduced[s:e], state, self._configs.config(g, group), group["lr"])
                 if self.master_weights:
-                    self.adamw.data[s:e].copy_(target)
-
-    def _gather_params(self) -> None:
-        pending: list[PendingWork] = []
-        if self.policy.gather_params:
-            for k, b in enumerate(self.buckets):
-                bp = self.plan.dp_plan.buckets[k]
-                if self.plan.dp_plan.policy == "layerwise":
-                    pending.append(self._gather_owned(b, bp))
-                else:
-                    pending.append(self.comm.all_gather_v(b.data, bp.cuts, f"parameters of bucket {bp.index}"))
-            pending.append(self.comm.all_gather_v(self.adamw.data, self.adamw_cuts, "adamw parameters"))
-        for w in pending:
-            w.wait()
-
-    def _gather_owned(self, b: FlatBuffer, bp: BucketPlan) -> PendingWork:
-        """Layerwise: owners' matrices are scattered over the bucket, so each rank packs what it owns
-        and an all-gather-v of the packs rebuilds the bucket."""
-        owned = [[p for p in bp.params if p.owner == r] for r in range(self.dp)]
-        sizes = [sum(p.numel for p in ps) for ps in owned]
-        cuts = [0]
-        for n in sizes:
-            cuts.append(cuts[-1] + n)
-        packed = torch.empty(cuts[-1], dtype=b.data.dtype, device=b.data.device)
-        pos = cuts[self.rank]
-        for p in owned[self.rank]:
-            packed[pos:pos + p.numel].copy_(b.data[p.offset:p.end])
-            pos += p.numel
-        pending = self.comm.all_gather_v(packed, cuts, f"owned parameters of bucket {bp.index}")
-        gather_then = pending.then
-
-        def unpack() -> None:
-            if gather_then is not None:
-                gather_then()
-            for r, ps in enumerate(owned):
-                q = cuts[r]
-                for p in ps:
-                    b.data[p.offset:p.end].copy_(packed[q:q + p.numel])
-                    q += p.numel
-        pending.then = unpack
-        return pending
+                    adamw.data[s:e].copy_(target)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers; the `.grad` views stay attached (`set_to_none` is
         accepted for compatibility: a view cannot be None). `model.zero_grad()` works too."""
-        for buf in (*self.buckets, self.adamw):
-            buf.zero_grads()
-        self._reset_step_tracking()
+        self.grads.zero_grad()
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -439,7 +369,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a `state_dict()` taken at any DP size; checks it belongs to this model and optimizer."""
+        """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
         checkpoint.load_state(self, state_dict)
 
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
@@ -448,9 +378,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
-        """Load from a `torch.distributed.checkpoint` saved at any DP size (a path or a storage
-        reader): each rank reads only what its layout needs. Collective."""
+        """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
+        reader): each rank reads what its layout needs. Collective."""
         checkpoint.load_sharded(self, checkpoint_id, prefix)
+
+
+# --- the parameter all-gather after the step, one per step policy (docs/design.md §7) ---------
+
+
+def _no_gather(opt: DistributedOptimizer) -> list[PendingWork]:
+    return []
+
+
+def _gather_segments(opt: DistributedOptimizer) -> list[PendingWork]:
+    """Each rank's segment of every bucket, and its AdamW slice, to everyone."""
+    pending = [opt.comm.all_gather_v(b.data, bp.cuts, f"parameters of bucket {bp.index}")
+               for b, bp in zip(opt.grads.buckets, opt.plan.dp_plan.buckets)]
+    pending.append(opt.comm.all_gather_v(opt.grads.adamw.data, opt.grads.adamw_cuts, "adamw parameters"))
+    return pending
+
+
+def _gather_owned(opt: DistributedOptimizer) -> list[PendingWork]:
+    """Layerwise: owners' matrices are scattered over the bucket, so each rank packs what it owns
+    and an all-gather-v of the packs rebuilds the bucket."""
+    pending = [_gather_owned_bucket(opt, b, bp) for b, bp in zip(opt.grads.buckets, opt.plan.dp_plan.buckets)]
+    pending.append(opt.comm.all_gather_v(opt.grads.adamw.data, opt.grads.adamw_cuts, "adamw parameters"))
+    return pending
+
+
+def _gather_owned_bucket(opt: DistributedOptimizer, b: FlatBuffer, bp: BucketPlan) -> PendingWork:
+    owned = [[p for p in bp.params if p.owner == r] for r in range(opt.dp)]
+    cuts = [0]
+    for ps in owned:
+        cuts.append(cuts[-1] + sum(p.numel for p in ps))
+    packed = torch.empty(cuts[-1], dtype=b.data.dtype, device=b.data.device)
+    pos = cuts[opt.rank]
+    for p in owned[opt.rank]:
+        packed[pos:pos + p.numel].copy_(b.data[p.offset:p.end])
+        pos += p.numel
+    pending = opt.comm.all_gather_v(packed, cuts, f"owned parameters of bucket {bp.index}")
+    gather_then = pending.then
+
+    def unpack() -> None:
+        if gather_then is not None:
+            gather_then()
+        for r, ps in enumerate(owned):
+            q = cuts[r]
+            for p in ps:
+                b.data[p.offset:p.end].copy_(packed[q:q + p.numel])
+                q += p.numel
+    pending.then = unpack
+    return pending
+
+
+PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = {
+    PARAMS_NONE: _no_gather,
+    PARAMS_BY_SEGMENT: _gather_segments,
+    PARAMS_BY_OWNER: _gather_owned,
+}
+
+
+# --- helpers ----------------------------------------------------------------------------------
 
 
 def local_norm_term(segments: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -462,20 +450,26 @@ def local_norm_term(segments: Iterable[Tensor], norm_type: float = 2.0) -> Tenso
     return max((s.abs().max() for s in segments), default=torch.zeros((), dtype=torch.float64))
 
 
-def global_norm(terms: Tensor, norm_type: float = 2.0) -> Tensor:
-    """The norm from every rank's term, combined in rank order (reproducible in one process)."""
-    return terms.sum().sqrt() if norm_type == 2.0 else terms.max()
+def combine_norm_terms(terms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """Every rank's term, combined in rank order (reproducible in one process): still a sum of
+    squares (take its square root for the 2-norm) or a largest magnitude."""
+    return terms.sum() if norm_type == 2.0 else terms.max()
 
 
-def _unlinked_message(name: str | None) -> str:
-    which = f"parameter {name!r} no longer lives" if name else "parameters no longer live"
-    return (f"{which} in the optimizer's buffers: the model was moved, cast or had parameters replaced "
-            "after the optimizer was built (model.to(...), load_state_dict(assign=True), ...); build the "
-            "optimizer after those, and load weights with load_state_dict() without assign")
+def _exclude(buf: FlatBuffer, names: set[str], lo: int, hi: int) -> list[Tensor]:
+    """The pieces of `buf.reduced[lo:hi]` that do not belong to `names`."""
+    cut = sorted((max(a, lo), min(b, hi)) for n, (a, b) in buf.offsets.items()
+                 if n in names and max(a, lo) < min(b, hi))
+    out, pos = [], lo
+    for s, e in cut:
+        out.append(buf.reduced[pos:s])
+        pos = e
+    out.append(buf.reduced[pos:hi])
+    return out
 
 
-def _ranks(mask: Tensor) -> list[int]:
-    return [int(r) for r in torch.nonzero(mask).flatten()]
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 @torch.no_grad()
@@ -484,7 +478,8 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
     reduced on the parameter's device (no copy of the weights to the host)."""
     parts = []
     for p in params:
-        rows = p.detach().reshape(p.shape[0], -1) if p.dim() > 1 else p.detach().reshape(1, -1)
+        p = local_tensor(p).detach()
+        rows = p.reshape(p.shape[0], -1) if p.dim() > 1 else p.reshape(1, -1)
         sums = rows.sum(dim=1, dtype=torch.float64)
         weights = torch.arange(1, sums.numel() + 1, dtype=torch.float64, device=sums.device)
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
@@ -492,12 +487,21 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _dp_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup | None:
-    """A process group, or the data-parallel group of a device mesh (1-D, or named "dp")."""
+def _process_groups(group: dist.ProcessGroup | DeviceMesh | None,
+                    tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(DP group, TP group or None): from a process group (plus `tp_group`), a 1-D mesh, or a mesh
+    with a `dp` dimension and, optionally, a `tp` dimension."""
     if not isinstance(group, DeviceMesh):
-        return group
+        return group, tp_group
+    names = group.mesh_dim_names or ()
+    if tp_group is not None:
+        raise SpecError("give the TP group either as the mesh's 'tp' dimension or as tp_group, not both")
     if group.ndim == 1:
-        return group.get_group()
-    if "dp" in (group.mesh_dim_names or ()):
-        return group.get_group("dp")
-    raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {group.mesh_dim_names})")
+        return group.get_group(), None
+    if "dp" not in names:
+        raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")
+    other = [n for n in names if n not in ("dp", "tp")]
+    if other:
+        raise SpecError(f"the device mesh has dimensions {names}; canzona runs over 'dp' and 'tp' only "
+                        "(give it mesh['dp', 'tp'])")
+    return group.get_group("dp"), group.get_group("tp") if "tp" in names else None

@@ -1,30 +1,38 @@
 """The training run every numerical check uses: the tiny model on synthetic data, three ways.
 
-- `distributed_worker`: one DP rank running `DistributedOptimizer` (spawned by `run_ranks`).
+- `distributed_worker`: one rank running `DistributedOptimizer` (spawned by `run_ranks`): a DP
+  rank of the tiny model, or, with `tp > 1`, a rank of a 2-D (`dp`, `tp`) mesh running the model
+  split over its TP group (`reference.tiny_model_tp`: Megatron-style layers, or DTensors from
+  `parallelize_module`).
 - `emulate`: the same kernels in one process, given the same global gradients — each rank's
   gradient computed exactly as that rank computes it, summed in rank order and averaged, as the
-  runtime's reduce-scatter does. Rung 3 says the distributed run equals this bit for bit.
+  runtime's reduce-scatter does. Rung 3 says the distributed run equals this bit for bit. Under TP
+  a rank's gradient comes from the TP model, which one process cannot run: the ranks record each
+  step's gradients with hooks of their own (`GradientRecorder`, independent of the optimizer's
+  buffers) and `global_gradients_from` assembles them (DP mean in rank order, TP shards
+  concatenated along `tp_dim`).
 - `reference_run`: the reference optimizers (`reference/`) stepped with those global gradients.
 
 Data: step s uses a fixed global batch of `global_batch` sequences; DP rank r takes rows
 `[r * B / dp, (r + 1) * B / dp)` and splits them into `accumulation` micro-batches, each loss
-divided by `accumulation`.
+divided by `accumulation`. The TP ranks of one DP rank see the same rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from canzona.errors import SpecError
+from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
+from canzona.runtime.shards import local_tensor, shard_of, unshard
 
 
 @dataclass(frozen=True)
@@ -47,11 +55,25 @@ class TrainSpec:
     clip_norm: float | None = None  # clip the global gradient norm to this before each update
     master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
+    tp: int = 1  # ranks per TP group; the world is dp x tp
+    tp_policy: str = "greedy-rollback"  # the canzona policy's TP scheduler (the baselines run tp-sync)
+    tp_mode: str = "pipelined"  # or "serial"
+    tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
             raise SpecError(f"global batch {self.global_batch} is not divisible by dp x accumulation "
                             f"= {dp} x {self.accumulation}")
+        if self.tp_style not in TP_STYLES:
+            raise SpecError(f"unknown TP style {self.tp_style!r}; choose one of {', '.join(TP_STYLES)}")
+
+    def dp_size(self, world: int) -> int:
+        if world % self.tp:
+            raise SpecError(f"world size {world} is not a multiple of tp {self.tp}")
+        return world // self.tp
+
+
+TP_STYLES = ("megatron", "dtensor")
 
 
 RANK_THREADS = 1  # torch threads per rank; BLAS / LAPACK results depend on it
@@ -86,19 +108,45 @@ def micro_batches(tokens: Tensor, rank: int, dp: int, accumulation: int) -> list
     return list(shard.chunk(accumulation))
 
 
+def build_tp_model(spec: TrainSpec, mesh):
+    """The tiny model split over the mesh's TP group, and the (global) spec the optimizer gets."""
+    from canzona.spec import ModelSpec
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import TinyQwen3TP, parallelize_tiny
+
+    if spec.tp_style == "megatron":
+        model = TinyQwen3TP(spec.preset, mesh.get_group("tp"), seed=spec.model_seed, dtype=spec.dtype)
+        return model, model.spec()
+    model = parallelize_tiny(TinyQwen3(spec.preset, seed=spec.model_seed, dtype=spec.dtype), mesh["tp"])
+    return model, ModelSpec.from_module(model, name=model.spec().name)  # placements read from the DTensors
+
+
 def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, Any] | None = None,
                        on_step: Callable[[int], None] | None = None) -> dict:
-    """One DP rank: train `spec.steps` steps; return final parameters, losses, state, log.
-    `on_step(k)` is called after step k (1-based)."""
+    """One rank: train `spec.steps` steps; return final (local) parameters, losses, state, log.
+    `on_step(k)` is called after step k (1-based). Under TP the ranks form a (dp, tp) mesh and also
+    return each step's gradients as their own hooks saw them."""
     from canzona.runtime.optimizer import DistributedOptimizer
 
     extra = extra or {}
-    spec.check(world)
-    model = build_model(spec)
-    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
+    dp = spec.dp_size(world)
+    spec.check(dp)
+    group, dp_rank, recorder = None, rank, None
+    if spec.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (dp, spec.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = group.get_local_rank("dp")
+        model, mspec = build_tp_model(spec, group)
+        recorder = GradientRecorder(model.named_parameters())
+    else:
+        model = build_model(spec)
+        mspec = model.spec()
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
-                               master_weights=spec.master_weights)
+                               master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
+                               tp_mode=spec.tp_mode)
     if "load" in extra:  # (parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
@@ -108,18 +156,20 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
             opt.load_sharded_state_dict(state)
         else:
             opt.load_state_dict(state)
-    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
-    losses, norms = [], []
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    losses, norms, grads = [], [], []
     for tokens in global_batches(spec, vocab):
         (model if spec.zero_grad == "model" else opt).zero_grad()
         total = 0.0
-        mbs = micro_batches(tokens, rank, world, spec.accumulation)
+        mbs = micro_batches(tokens, dp_rank, dp, spec.accumulation)
         for k, mb in enumerate(mbs):
             ctx = opt.no_sync() if k < len(mbs) - 1 else contextlib.nullcontext()
             with ctx:
                 loss = model.loss(mb) / spec.accumulation
                 loss.backward()
             total += loss.item()
+        if recorder is not None:
+            grads.append(recorder.take())
         if spec.clip_norm is not None:
             norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
         opt.step()
@@ -131,13 +181,55 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
 
         dcp.save(opt.sharded_state_dict(), checkpoint_id=extra["save_sharded"])
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
         "norms": norms,
         "state": opt.state_dict() if extra.get("state_dict", True) else None,
         "log": opt.comm.log.to_dicts(),
-        "owned": list(opt._computes),
+        "tp_log": opt.tp_comm.log.to_dicts() if opt.tp_comm is not None else [],
+        "owned": list(opt.applies),
+        "hosted": list(opt.hosted),
+        "state_bytes": matrix_state_bytes(opt.matrix_state),
+        "dp_rank": opt.rank,
+        "tp_rank": opt.tp_rank,
+        "tp_dims": {p.name: p.tp_dim if spec.tp > 1 else None for p in mspec.params},
+        "grads": grads,
     }
+
+
+def matrix_state_bytes(state: dict[str, dict]) -> int:
+    """Bytes of every tensor in the matrix optimizers' state on this rank."""
+    return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if isinstance(v, Tensor))
+
+
+class GradientRecorder:
+    """Each step's gradient of every parameter's local tensor, accumulated over micro-batches as
+    autograd accumulates it, seen by tensor hooks of its own (not through the optimizer's
+    buffers): what a rank's backward produced, for the single-process emulation under TP.
+    A DTensor gradient is first brought to its parameter's placement (a `Partial` gradient of a
+    replicated weight summed over TP), as the optimizer does."""
+
+    def __init__(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        self._acc: dict[str, Tensor] = {}
+        for name, p in named:
+            p.register_hook(lambda g, n=name, p=p: self._add(n, p, g))
+
+    def _add(self, name: str, p: Tensor, g: Tensor) -> None:
+        from canzona.runtime.shards import is_dtensor
+
+        if is_dtensor(g):
+            if tuple(g.placements) != tuple(p.placements):
+                g = g.redistribute(p.device_mesh, p.placements)
+            g = g.to_local()
+        g = g.detach()
+        if name in self._acc:
+            self._acc[name] += g
+        else:
+            self._acc[name] = g.clone()
+
+    def take(self) -> dict[str, Tensor]:
+        out, self._acc = self._acc, {}
+        return out
 
 
 def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[dict[str, Tensor], set[str]]:
@@ -173,9 +265,67 @@ def reduce_dtype(spec: TrainSpec, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if low and spec.master_weights else dtype
 
 
+Gradients = Sequence[tuple[dict[str, Tensor], set[str]]]  # per step: global gradients, names that got one
+
+
+def global_gradients_from(results: Sequence[dict], spec: TrainSpec) -> list[tuple[dict[str, Tensor], set[str]]]:
+    """Per step, the global gradients a (dp x tp) run's reductions produce, from the gradients its
+    ranks recorded (`distributed_worker(...)["grads"]`, rank order): per TP rank, the DP ranks'
+    gradients summed in DP rank order and divided by dp; then the TP shards concatenated along
+    `tp_dim`. A TP-replicated parameter must have had the same gradient on every TP rank."""
+    tp = spec.tp
+    dp = spec.dp_size(len(results))
+    tp_dims = results[0]["tp_dims"]
+    by_coord = {(r["dp_rank"], r["tp_rank"]): r for r in results}
+    steps = []
+    for s in range(len(results[0]["grads"])):
+        got = {n for r in results for n in r["grads"][s]}
+        grads = {}
+        for name, tp_dim in tp_dims.items():
+            shards = []
+            for t in range(tp):
+                parts = [by_coord[(i, t)]["grads"][s].get(name) for i in range(dp)]
+                like = next((x for x in parts if x is not None), None)
+                if like is None:
+                    shards.append(None)
+                    continue
+                parts = [torch.zeros_like(like) if x is None else x for x in parts]
+                acc = parts[0].to(reduce_dtype(spec, like.dtype), copy=True)
+                for x in parts[1:]:
+                    acc += x
+                shards.append(acc.div_(dp))
+            if all(x is None for x in shards):
+                continue
+            if tp_dim is None:
+                if not all(x is not None and torch.equal(x, shards[0]) for x in shards):
+                    raise CanzonaError(f"step {s + 1}: the TP ranks' gradients of replicated {name!r} differ")
+                grads[name] = shards[0]
+            else:
+                grads[name] = unshard(shards, tp_dim)
+        steps.append((grads, got))
+    return steps
+
+
+def expected_shards(full: dict[str, Tensor], tp_dims: dict[str, int | None], tp: int, tp_rank: int) -> dict[str, Tensor]:
+    """What TP rank `tp_rank` holds of full tensors (contiguous copies)."""
+    return {n: shard_of(t, tp_dims[n], tp, tp_rank).contiguous() for n, t in full.items()}
+
+
+def _steps(model, spec: TrainSpec, dp: int, grads: Gradients | None) -> Iterator[tuple[dict[str, Tensor], set[str]]]:
+    """Each step's global gradients: recorded ones, or recomputed from the model as it is now."""
+    if grads is not None:
+        yield from grads
+        return
+    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
+    for tokens in global_batches(spec, vocab):
+        yield global_gradients(model, spec, tokens, dp)
+
+
 @torch_threads()
-def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> dict[str, Tensor]:
-    """The same kernels in one process, fed the global gradients of a `dp`-rank run."""
+def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
+            grads: Gradients | None = None) -> dict[str, Tensor]:
+    """The same kernels in one process, fed the global gradients of a `dp`-rank run (recomputed
+    with the single-device model, or `grads` as recorded by the ranks of a TP run)."""
     from canzona.runtime.checkpoint import STATE_FORMAT
 
     spec.check(dp)
@@ -193,15 +343,14 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
         states = {n: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
                   for n, s in saved["state"].items()}
     kernel = MATRIX_KERNELS[spec.optimizer]
-    vocab = mspec.param("model.embed_tokens.weight").shape[0]
     masters = {n: p.detach().to(reduce_dtype(spec, p.dtype), copy=True) for n, p in model.named_parameters()}
     for name, state in states.items():  # a checkpoint's fp32 masters are the weights to continue from
         if "master" in state:
             masters[name] = state.pop("master").reshape(masters[name].shape).to(masters[name].dtype)
-    for tokens in global_batches(spec, vocab):
-        grads, got = global_gradients(model, spec, tokens, dp)
+    for step_grads, got in _steps(model, spec, dp, grads):
+        step_grads = {n: g.clone() for n, g in step_grads.items()}
         if spec.clip_norm is not None:
-            clip_(grads.values(), spec.clip_norm)
+            clip_(step_grads.values(), spec.clip_norm)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name not in got:
@@ -209,11 +358,12 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None) -> 
                 state = states.setdefault(name, {})
                 master = masters[name]
                 if mspec.param(name).uses_matrix_optimizer:
-                    update = kernel(grads[name], state, matrix_cfg, matrix_cfg.lr)
+                    update = kernel(step_grads[name], state, matrix_cfg, matrix_cfg.lr)
                     if update is not None:
                         apply_update_(master, update.direction, update)
                 else:
-                    adamw_step_(master.view(-1), grads[name].view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
+                    adamw_step_(master.view(-1), step_grads[name].view(-1), _flat_state(state), adamw_cfg,
+                                adamw_cfg.lr)
                 p.copy_(master)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -240,7 +390,7 @@ def _flat_state(state: dict) -> dict:
 
 
 @torch_threads()
-def reference_run(spec: TrainSpec, dp: int) -> dict[str, Tensor]:
+def reference_run(spec: TrainSpec, dp: int, grads: Gradients | None = None) -> dict[str, Tensor]:
     """The reference optimizers stepped with the same global gradients."""
     from reference import CombinedOptimizer
 
@@ -248,13 +398,12 @@ def reference_run(spec: TrainSpec, dp: int) -> dict[str, Tensor]:
     model = build_model(spec)
     opt = CombinedOptimizer(model.named_parameters(), model.spec(), spec.optimizer,
                             spec.matrix_config or None, spec.adamw_config or None)
-    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
-    for tokens in global_batches(spec, vocab):
-        grads, got = global_gradients(model, spec, tokens, dp)
+    for step_grads, got in _steps(model, spec, dp, grads):
+        step_grads = {n: g.clone() for n, g in step_grads.items()}
         if spec.clip_norm is not None:
-            clip_(grads.values(), spec.clip_norm)
+            clip_(step_grads.values(), spec.clip_norm)
         for name, p in model.named_parameters():
-            p.grad = grads[name] if name in got else None
+            p.grad = step_grads[name] if name in got else None
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -1,11 +1,13 @@
 """`canzona verify`: rung 3 of the verification ladder (docs/architecture.md §5) on spawned gloo ranks.
 
-For each (optimizer, policy) the tiny model is trained for `steps` steps by `dp` CPU ranks running
-`DistributedOptimizer`, and the final parameters of every rank are checked three ways:
+For each (optimizer, policy, TP scheduler, TP mode) the tiny model is trained for `steps` steps by
+`dp x tp` CPU ranks running `DistributedOptimizer` (under TP on a (`dp`, `tp`) mesh, with the model
+split Megatron-style or as DTensors), and the final parameters of every rank are checked three ways:
 
-- `ranks`: every rank holds the same parameters as rank 0, bit for bit;
+- `ranks`: every rank holds the same parameters as the DP rank 0 of its TP index, bit for bit;
 - `3a`: they equal `training.emulate` (the same kernels in one process, fed the same global
-  gradients) bit for bit in fp32;
+  gradients; under TP the ranks' recorded gradients) bit for bit in fp32, each rank against its
+  shard of the full result;
 - `3b`: they stay within `REFERENCE_RTOL` relative of `training.reference_run` (the reference
   optimizers of `reference/`).
 
@@ -28,13 +30,18 @@ from canzona.errors import SpecError
 from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.plan import Plan, make_plan
 from canzona.step_policies import STEP_POLICIES, get_step_policy
+from canzona.step_schedule import TP_MODES
+from canzona.tp import TP_POLICIES
 
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
+TP_SCHEDULERS: tuple[str, ...] = tuple(TP_POLICIES)
+TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # training.TP_STYLES (torch-free here)
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
 # Every rank is a process on this machine (about 300 MB each with torch), and every process holds
 # all steps' batches: these bounds keep a run within a few GB.
 MAX_DP = 16
+MAX_RANKS = 16  # dp x tp
 MAX_STEPS = 1000
 MAX_GLOBAL_BATCH = 1024
 RUNGS = {
@@ -55,7 +62,9 @@ class VerifyCase:
 
     @property
     def label(self) -> str:
-        return f"{self.spec.optimizer} / {self.spec.policy}"
+        if self.spec.tp == 1:
+            return f"{self.spec.optimizer} / {self.spec.policy}"
+        return f"{self.spec.optimizer} / {self.spec.policy} / {self.plan.tp_plan.policy} {self.spec.tp_mode}"
 
 
 def _choices(value: str, known: Sequence[str], what: str) -> list[str]:
@@ -74,24 +83,32 @@ def _positive(name: str, value: int) -> None:
 def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: int = 10,
             dp_policy: str = "alpha-balanced", accumulation: int = 1, preset: str = "tiny",
             global_batch: int | None = None, tp: int = 1, alpha: float = 1.0,
-            bucket_size: int | None = None, seq_len: int = 16) -> list[VerifyCase]:
-    """Validate the request and plan every (optimizer, policy); raise `CanzonaError` on bad input.
+            bucket_size: int | None = None, seq_len: int = 16, tp_policy: str = "greedy-rollback",
+            tp_mode: str = "pipelined", tp_style: str = "megatron") -> list[VerifyCase]:
+    """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
+    `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`. The
+    baselines run `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
 
     `global_batch` defaults to `4 * dp * accumulation` (always divisible)."""
     from canzona.runtime.training import TrainSpec
-    from reference.tiny_model import get_preset, model_spec
+    from reference.tiny_model import check_tp, get_preset, model_spec
 
     _positive("dp", dp)
     if dp > MAX_DP:
         raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
+    _positive("tp", tp)
+    if dp * tp > MAX_RANKS:
+        raise SpecError(f"dp x tp must be <= {MAX_RANKS} ranks (every rank is a process on this machine), "
+                        f"got {dp} x {tp}")
     _positive("steps", steps)
     if steps > MAX_STEPS:
         raise SpecError(f"steps must be <= {MAX_STEPS}, got {steps}")
     _positive("accumulation", accumulation)
     _positive("seq_len", seq_len)
-    if tp != 1:
-        raise SpecError(f"the runtime executes TP = 1 only (got tp {tp}); the TP part of a plan is "
-                        "checked by the simulator")
+    tp_policies = _choices(tp_policy, TP_SCHEDULERS, "TP policy")
+    tp_modes = _choices(tp_mode, TP_MODES, "TP mode")
+    if tp_style not in TP_STYLES:
+        raise SpecError(f"unknown TP style {tp_style!r}; choose one of {', '.join(TP_STYLES)}")
     if global_batch is None:
         global_batch = 4 * dp * accumulation
     _positive("global batch", global_batch)
@@ -100,6 +117,10 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     cfg = get_preset(preset)
     if seq_len > cfg.max_seq_len:
         raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
+    check_tp(cfg, tp)
+    if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings:
+        raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
+                        "head, which cannot be both rowwise and colwise): use tiny-untied or small")
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
     policies = _choices(policy, POLICIES, "policy")
     mspec = model_spec(cfg)
@@ -107,87 +128,100 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     for opt in optimizers:
         for pol in policies:
             step = get_step_policy(pol)
-            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
-                             bucket_size=bucket_size, steps=steps, global_batch=global_batch,
-                             seq_len=seq_len, accumulation=accumulation)
-            spec.check(dp)
-            # the plan the runtime would make (DistributedOptimizer._resolve_plan), made here so
-            # that bad plan settings fail before any spawn and the table names what ran
-            plan = make_plan(mspec, dp, 1, opt, step.dp_policy or dp_policy,
-                             step.tp_policy or "greedy-rollback", alpha, bucket_size)
-            step.check_dp_plan(plan.dp_plan)
-            cases.append(VerifyCase(spec, plan))
+            # the baselines run tp-sync; at TP = 1 the TP choices change nothing
+            schedulers = [step.tp_policy] if step.tp_policy and tp > 1 else tp_policies if tp > 1 else ["greedy-rollback"]
+            for scheduler in schedulers:
+                for mode in tp_modes if tp > 1 else ["pipelined"]:
+                    spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
+                                     bucket_size=bucket_size, steps=steps, global_batch=global_batch,
+                                     seq_len=seq_len, accumulation=accumulation, tp=tp, tp_policy=scheduler,
+                                     tp_mode=mode, tp_style=tp_style)
+                    spec.check(dp)
+                    # the plan the runtime would make (DistributedOptimizer._resolve_plan), made
+                    # here so that bad plan settings fail before any spawn and the table names
+                    # what ran
+                    plan = make_plan(mspec, dp, tp, opt, step.dp_policy or dp_policy, step.tp_policy or scheduler,
+                                     alpha, bucket_size)
+                    step.check_dp_plan(plan.dp_plan)
+                    cases.append(VerifyCase(spec, plan))
     return cases
 
 
-def deadline_for(cases: Sequence[VerifyCase], dp: int) -> float:
+def deadline_for(cases: Sequence[VerifyCase], ranks: int) -> float:
     """Generous wall-clock bound for the spawned run (a hang must still end)."""
     work = sum(c.spec.steps * c.spec.accumulation for c in cases)
-    return 120.0 + 2.0 * work * max(1, dp)
+    return 120.0 + 2.0 * work * max(1, ranks)
 
 
 def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
         deadline_s: float | None = None) -> list[dict[str, Any]]:
-    """Train every case on `dp` spawned gloo ranks (one spawn) and check rungs 3a / 3b."""
+    """Train every case on `dp x tp` spawned gloo ranks (one spawn) and check rungs 3a / 3b."""
     from canzona.runtime.launch import run_ranks
     from canzona.runtime.training import many_specs_worker
 
     tick = progress or (lambda done, total, what: None)
+    tp = cases[0].spec.tp if cases else 1
     baselines = _baseline_keys(cases)
     steps = sum(c.spec.steps for c in cases)  # the training advances one unit per step
     total = steps + 2 * len(baselines) + len(cases)
     done = 0
-    tick(done, total, f"starting {dp} gloo rank(s) for {len(cases)} configuration(s)")
-    per_rank = run_ranks(many_specs_worker, dp, [c.spec for c in cases],
+    ranks = dp * tp
+    tick(done, total, f"starting {ranks} gloo rank(s) for {len(cases)} configuration(s)")
+    per_rank = run_ranks(many_specs_worker, ranks, [c.spec for c in cases],
                          [{"plan": c.plan, "state_dict": False} for c in cases],
-                         deadline_s=deadline_s or deadline_for(cases, dp),
+                         deadline_s=deadline_s or deadline_for(cases, ranks),
                          progress=lambda step, _, what: tick(step, total, what))
     done += steps
     rows: list[dict[str, Any]] = []
     expected: dict[str, tuple[dict, dict]] = {}
     for i, case in enumerate(cases):
-        key = _baseline_key(case.spec)
+        results = [r[i] for r in per_rank]
+        key = _baseline_key(case.spec) if tp == 1 else f"case {i}"
         if key not in expected:
-            expected[key] = _expected(case.spec, dp, lambda what, d=done: tick(d, total, what))
+            expected[key] = _expected(case.spec, dp, results, lambda what, d=done: tick(d, total, what))
             done += 2
         tick(done, total, f"checking {case.label}")
         emulated, reference = expected[key]
-        rows.extend(check_case(case, dp, [r[i]["params"] for r in per_rank], emulated, reference,
-                               losses=per_rank[0][i]["losses"]))
+        rows.extend(check_case(case, dp, results, emulated, reference))
         done += 1
     tick(total, total, "done")
     return rows
 
 
 def _baseline_key(spec) -> str:
-    """Emulation and reference runs do not depend on the policy fields: share them across policies."""
+    """At TP = 1, emulation and reference runs do not depend on the policy fields: share them across
+    policies. (Under TP they are fed each run's own recorded gradients.)"""
     neutral = replace(spec, policy="canzona", dp_policy="alpha-balanced", alpha=1.0, bucket_size=None)
     return json.dumps(asdict(neutral), sort_keys=True, default=str)
 
 
 def _baseline_keys(cases: Sequence[VerifyCase]) -> set[str]:
+    if cases and cases[0].spec.tp > 1:
+        return {f"case {i}" for i in range(len(cases))}
     return {_baseline_key(c.spec) for c in cases}
 
 
-def _expected(spec, dp: int, tick: Callable[[str], None]) -> tuple[dict, dict]:
-    from canzona.runtime.training import emulate, reference_run
+def _expected(spec, dp: int, results: Sequence[dict], tick: Callable[[str], None]) -> tuple[dict, dict]:
+    from canzona.runtime.training import emulate, global_gradients_from, reference_run
 
+    grads = global_gradients_from(results, spec) if spec.tp > 1 else None
     tick(f"emulating {spec.optimizer} in one process")
-    emulated = emulate(spec, dp)
+    emulated = emulate(spec, dp, grads=grads)
     tick(f"running the reference {spec.optimizer}")
-    reference = reference_run(spec, dp)
+    reference = reference_run(spec, dp, grads=grads)
     return emulated, reference
 
 
-def _worst(got_by_rank: Sequence[dict], want: dict) -> dict[str, Any]:
-    """`training.compare` over ranks, keeping the worst. Non-finite parameters fail outright:
-    `compare` would score a NaN difference 0 (NaN is never larger than the running maximum)."""
+def _worst(got_by_rank: Sequence[dict], want_by_rank: Sequence[dict]) -> dict[str, Any]:
+    """`training.compare` of each rank with what it should hold, keeping the worst. Non-finite
+    parameters fail outright: `compare` would score a NaN difference 0 (NaN is never larger than
+    the running maximum)."""
     import torch
 
     from canzona.runtime.training import compare
 
     out = {"bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
-    for rank, got in enumerate(got_by_rank):
+    for rank, (got, want) in enumerate(zip(got_by_rank, want_by_rank)):
         bad = [n for n in want if not torch.isfinite(got[n]).all()]
         c = {"bit_identical": False, "max_rel_diff": math.inf, "worst_param": bad[0]} if bad \
             else compare(got, want)
@@ -198,27 +232,40 @@ def _worst(got_by_rank: Sequence[dict], want: dict) -> dict[str, Any]:
     return out
 
 
-def check_case(case: VerifyCase, dp: int, params_by_rank: Sequence[dict], emulated: dict,
-               reference: dict, losses: Sequence[float] | None = None) -> list[dict[str, Any]]:
-    """The three rows of one case: ranks agree, rung 3a, rung 3b."""
+def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dict,
+               reference: dict) -> list[dict[str, Any]]:
+    """The three rows of one case: ranks agree, rung 3a, rung 3b. `results`: every rank's
+    `training.distributed_worker` result (its local parameters, losses, TP coordinates);
+    `emulated` and `reference` hold full tensors, which each rank is compared with its shard of."""
+    from canzona.runtime.training import expected_shards
+
     spec = case.spec
+    losses = results[0]["losses"]
     base = {
         "optimizer": spec.optimizer,
         "policy": spec.policy,
         "plan": case.plan.dp_plan.policy,
         "plan_hash": case.plan.hash(),
         "dp": dp,
+        "tp": spec.tp,
+        "tp_policy": case.plan.tp_plan.policy,
+        "tp_mode": spec.tp_mode,
         "steps": spec.steps,
         "accumulation": spec.accumulation,
         "global_batch": spec.global_batch,
         "final_loss": float(losses[-1]) if losses else None,
     }
-    ranks = _worst(params_by_rank[1:], params_by_rank[0]) if dp > 1 else {
+    params = [r["params"] for r in results]
+
+    def shards(full: dict, r: dict) -> dict:
+        return expected_shards(full, r["tp_dims"], spec.tp, r["tp_rank"]) if spec.tp > 1 else full
+
+    # every rank against the DP rank 0 of its TP index
+    first = {r["tp_rank"]: r["params"] for r in results if r["dp_rank"] == 0}
+    ranks = _worst(params, [first[r["tp_rank"]] for r in results]) if dp > 1 else {
         "bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
-    if ranks["worst_rank"] is not None:
-        ranks["worst_rank"] += 1  # compared from rank 1 on
-    same = _worst(params_by_rank, emulated)
-    ref = _worst(params_by_rank, reference)
+    same = _worst(params, [shards(emulated, r) for r in results])
+    ref = _worst(params, [shards(reference, r) for r in results])
     rows = []
     for rung, c, ok, tol in (
         ("ranks", ranks, ranks["bit_identical"], 0.0),
@@ -226,7 +273,7 @@ def check_case(case: VerifyCase, dp: int, params_by_rank: Sequence[dict], emulat
         ("3b", ref, ref["max_rel_diff"] <= REFERENCE_RTOL, REFERENCE_RTOL),
     ):
         if rung == "ranks" and dp == 1:
-            result = "single rank"
+            result = "single rank" if spec.tp == 1 else "one DP rank"
         elif rung == "3b":
             result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
         else:

@@ -1,0 +1,259 @@
+"""The matrix phase of the optimizer step: one DP rank's TP schedule (`canzona.step_schedule`)
+executed on its TP group (docs/design.md §6.3).
+
+Per micro-group, in the schedule's order (pipelined or serial):
+1. gather: one `all_to_all_single` carries each TP rank's reduced gradient shards to their hosts,
+   which concatenate them along `tp_dim` in TP-rank order (under `tp-sync`: one all-gather, and
+   every TP rank is a host);
+2. compute: each host runs the matrix kernel on the full gradients of its tasks; optimizer state
+   lives only on the host;
+3. scatter: one `all_to_all_single` returns chunk j of each update to TP rank j, each chunk after
+   a header with the update's scalars;
+4. apply: every TP rank applies its chunk to its shard (`kernels.apply_update_`).
+
+Collectives are asynchronous: in pipelined order the gather of group g+1 and the scatter of g are in
+flight while g+1 computes (gloo runs them on its own threads; on CUDA they are issued from a side
+stream whose work the compute stream waits for through events). At TP = 1 nothing moves and the
+schedule is compute and apply per group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.kernels import Update, apply_update_
+from canzona.runtime.shards import shard_of, unshard
+from canzona.step_schedule import (
+    ALL_GATHER,
+    APPLY,
+    COMPUTE,
+    GATHER,
+    SCATTER,
+    UPDATE_HEADER_BYTES,
+    GroupStep,
+    Task,
+    TPSchedule,
+)
+from canzona.tp import EVERY_RANK
+
+NO_UPDATE, DECAY_FIRST, DECAY_AFTER = 0.0, 1.0, 2.0  # the header's first value
+
+
+class Streams:
+    """Where communication is issued. On CPU (gloo) there are no streams: gloo runs collectives on
+    its own threads. On CUDA, packing and collectives go to a side stream that first waits for the
+    compute stream, and the compute stream waits for the side stream before it reads what arrived."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def comm(self) -> Iterator[None]:
+        if self.side is None:
+            yield
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        with torch.cuda.stream(self.side):
+            yield
+
+    def join(self, *tensors: Tensor) -> None:
+        """The compute stream waits for the side stream; its buffers are in use by the compute stream."""
+        if self.side is None:
+            return
+        current = torch.cuda.current_stream(self.side.device)
+        current.wait_stream(self.side)
+        for t in tensors:
+            t.record_stream(current)
+
+
+@dataclass
+class _Group:
+    """One micro-group's tensors while it moves through the stages."""
+
+    gather: PendingWork | None = None
+    received: Tensor | None = None
+    sent: Tensor | None = None
+    updates: dict[str, Update | None] = field(default_factory=dict)
+    scatter: PendingWork | None = None
+    chunks: Tensor | None = None
+    scatter_sent: Tensor | None = None
+
+
+class MatrixStep:
+    """Runs a `TPSchedule` for TP rank `tp_rank`. Everything it touches comes through callables,
+    so the same executor serves every step policy and TP layout:
+
+    - `grad(name)`: the reduced gradient of this rank's shard;
+    - `target(name)`: the tensor this rank's chunk of the update is applied to (its shard, or its
+      fp32 master), and `applied(name)` after it changed;
+    - `config(name)`: the (config, lr) of the matrix's param group now;
+    - `got(name)`: whether the matrix got a gradient on any rank this step (no gradient, no update).
+    """
+
+    def __init__(self, schedule: TPSchedule, comm: Comm | None, tp_rank: int, kernel: Callable[..., Update | None],
+                 state: dict[str, dict[str, Any]], grad_dtype: torch.dtype, update_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.schedule = schedule
+        self.comm = comm
+        self.tp_rank = tp_rank
+        self.kernel = kernel
+        self.state = state
+        self.grad_dtype = grad_dtype
+        self.update_dtype = update_dtype
+        self.device = device
+        self.streams = Streams(device)
+        self.header_words = UPDATE_HEADER_BYTES // torch.empty(0, dtype=update_dtype).element_size()
+
+    def run(self, grad: Callable[[str], Tensor], target: Callable[[str], Tensor], applied: Callable[[str], None],
+            config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
+        groups = [_Group() for _ in self.schedule.groups]
+        for op in self.schedule.ops:
+            step, live = self.schedule.groups[op.group], groups[op.group]
+            if op.kind == GATHER:
+                self._gather(step, live, grad)
+            elif op.kind == COMPUTE:
+                self._compute(step, live, grad, config, got)
+            elif op.kind == SCATTER:
+                self._scatter(step, live)
+            elif op.kind == APPLY:
+                self._apply(step, live, target, applied)
+                groups[op.group] = _Group()  # free the group's buffers
+
+    # --- stage 1: gradient shards to their hosts ----------------------------------------------
+
+    def _gather(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor]) -> None:
+        me, tp = self.tp_rank, self.schedule.tp
+        with self.streams.comm():
+            if step.gather.op == ALL_GATHER:
+                mine = [grad(t.name).reshape(-1) for t in step.tasks if t.tp_dim is not None]
+                live.sent = torch.cat(mine)
+                live.received = torch.empty(tp * live.sent.numel(), dtype=self.grad_dtype, device=self.device)
+                live.gather = self.comm.all_gather_into(live.received, live.sent, step.gather.name)
+                return
+            to = [[grad(t.name).reshape(-1) for t in step.tasks if t.host == d and t.tp_dim is not None]
+                  if d != me else [] for d in range(tp)]
+            in_splits = [sum(x.numel() for x in pieces) for pieces in to]
+            live.sent = torch.cat([x for pieces in to for x in pieces]) if any(in_splits) else \
+                torch.empty(0, dtype=self.grad_dtype, device=self.device)
+            mine = sum(t.shard_numel for t in step.tasks if t.host == me and t.tp_dim is not None)
+            out_splits = [0 if s == me else mine for s in range(tp)]
+            live.received = torch.empty(sum(out_splits), dtype=self.grad_dtype, device=self.device)
+            live.gather = self.comm.all_to_all(live.received, live.sent, out_splits, in_splits, step.gather.name)
+
+    def _full_grads(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor]) -> dict[str, Tensor]:
+        """The full gradient of every task hosted here, shards concatenated in TP-rank order."""
+        me, tp = self.tp_rank, self.schedule.tp
+        hosted = step.hosted(me)
+        if live.gather is not None:
+            live.gather.wait()
+            self.streams.join(live.received, live.sent)
+        split = [t for t in hosted if t.tp_dim is not None]
+        pieces: dict[str, list[Tensor]] = {t.name: [] for t in split}
+        if step.gather is not None and step.gather.op == ALL_GATHER:
+            per_rank = live.received.view(tp, -1)
+            for s in range(tp):
+                pos = 0
+                for t in split:
+                    pieces[t.name].append(per_rank[s, pos:pos + t.shard_numel].view(t.shard_shape))
+                    pos += t.shard_numel
+        else:
+            pos = 0
+            for s in range(tp):  # the receive buffer holds each source's shards in task order
+                for t in split:
+                    if s == me:
+                        pieces[t.name].append(grad(t.name))
+                    else:
+                        pieces[t.name].append(live.received[pos:pos + t.shard_numel].view(t.shard_shape))
+                        pos += t.shard_numel
+        return {t.name: grad(t.name) if t.tp_dim is None else unshard(pieces[t.name], t.tp_dim) for t in hosted}
+
+    # --- stage 2: hosts compute ---------------------------------------------------------------
+
+    def _compute(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor],
+                 config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
+        full = self._full_grads(step, live, grad)
+        for name, g in full.items():
+            if not got(name):
+                live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
+                continue
+            cfg, lr = config(name)
+            live.updates[name] = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
+        live.received = live.sent = None
+
+    # --- stage 3: update chunks back ----------------------------------------------------------
+
+    def _header(self, update: Update | None) -> Tensor:
+        if update is None:
+            values = [NO_UPDATE, 0.0, 0.0]
+        else:
+            values = [DECAY_FIRST if update.decay_first else DECAY_AFTER, update.scale, update.decay]
+        return torch.tensor(values, dtype=torch.float64, device=self.device).view(self.update_dtype)
+
+    def _chunk(self, task: Task, update: Update | None, tp_rank: int) -> Tensor:
+        if update is None:
+            return torch.zeros(task.shard_numel, dtype=self.update_dtype, device=self.device)
+        full = update.direction.to(self.update_dtype)
+        return shard_of(full, task.tp_dim, self.schedule.tp, tp_rank).reshape(-1)
+
+    def _scatter(self, step: GroupStep, live: _Group) -> None:
+        me, tp = self.tp_rank, self.schedule.tp
+        with self.streams.comm():
+            mine = step.hosted(me)
+            parts = [[x for t in mine for x in (self._header(live.updates[t.name]),
+                                                self._chunk(t, live.updates[t.name], d))]
+                     if d != me else [] for d in range(tp)]
+            in_splits = [sum(x.numel() for x in p) for p in parts]
+            live.scatter_sent = torch.cat([x for p in parts for x in p]) if any(in_splits) else \
+                torch.empty(0, dtype=self.update_dtype, device=self.device)
+            out_splits = [sum(self.header_words + t.shard_numel for t in tasks) for _, tasks in step.sources(me)]
+            out_splits.insert(me, 0)
+            live.chunks = torch.empty(sum(out_splits), dtype=self.update_dtype, device=self.device)
+            live.scatter = self.comm.all_to_all(live.chunks, live.scatter_sent, out_splits, in_splits,
+                                                step.scatter.name)
+
+    # --- stage 4: every TP rank applies its chunks --------------------------------------------
+
+    def _apply(self, step: GroupStep, live: _Group, target: Callable[[str], Tensor],
+               applied: Callable[[str], None]) -> None:
+        me = self.tp_rank
+        for t in step.tasks:
+            if t.hosted_on(me):
+                update = live.updates[t.name]
+                if update is not None:
+                    chunk = shard_of(update.direction.to(self.update_dtype), t.tp_dim, self.schedule.tp, me)
+                    self._apply_one(t, chunk.contiguous(), update, target, applied)
+        if live.scatter is None:
+            return
+        live.scatter.wait()
+        self.streams.join(live.chunks, live.scatter_sent)
+        pos = 0
+        for _source, tasks in step.sources(me):
+            for t in tasks:
+                flag, scale, decay = live.chunks[pos:pos + self.header_words].clone().view(torch.float64).tolist()
+                pos += self.header_words
+                if flag != NO_UPDATE:
+                    chunk = live.chunks[pos:pos + t.shard_numel].view(t.shard_shape)
+                    self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
+                pos += t.shard_numel
+
+    @staticmethod
+    def _apply_one(task: Task, chunk: Tensor, update: Update, target: Callable[[str], Tensor],
+                   applied: Callable[[str], None]) -> None:
+        into = target(task.name)
+        apply_update_(into, chunk.view(into.shape), update)
+        applied(task.name)
+
+
+def hosted_names(schedule: TPSchedule, tp_rank: int) -> list[str]:
+    """The matrices whose optimizer state lives on TP rank `tp_rank` (EVERY_RANK: on all)."""
+    return [t.name for t in schedule.hosted(tp_rank)]
+
+
+__all__ = ["EVERY_RANK", "MatrixStep", "Streams", "hosted_names"]
