@@ -57,6 +57,7 @@ class Task:
     tp_dim: int | None  # None: every TP rank holds the whole matrix
     cost: float  # seconds of full-matrix optimizer work
     tp: int
+    state_bytes: int = 0  # full-matrix optimizer state, held by the host (by every TP rank under tp-sync)
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -165,6 +166,10 @@ class TPSchedule:
     def hosted(self, tp_rank: int) -> list[Task]:
         return [t for g in self.groups for t in g.hosted(tp_rank)]
 
+    def state_bytes(self, tp_rank: int) -> int:
+        """Optimizer-state bytes of the matrices TP rank `tp_rank` hosts (the plan's prediction)."""
+        return sum(t.state_bytes for t in self.hosted(tp_rank))
+
 
 def _exchanges(index: int, tasks: Sequence[Task], tp: int, grad_bytes: int,
                update_bytes: int) -> tuple[Exchange | None, Exchange | None]:
@@ -248,12 +253,13 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
     if not 0 <= dp_rank < plan.dp:
         raise SpecError(f"dp rank {dp_rank} is outside 0..{plan.dp - 1}")
     tp = plan.tp
+    state = {p.name: p.state_bytes for p in plan.dp_plan.placements()}
     steps = []
     for index, group in enumerate(micro_groups(plan, policy, dp_rank)):
         tasks = []
         for name, host, cost in zip(group.tasks, group.hosts, group.costs):
             p = spec.param(name)
-            tasks.append(Task(name, host, p.shape, p.tp_dim if tp > 1 else None, cost, tp))
+            tasks.append(Task(name, host, p.shape, p.tp_dim if tp > 1 else None, cost, tp, state[name]))
         gather, scatter = _exchanges(index, tasks, tp, grad_bytes, update_bytes)
         steps.append(GroupStep(index, tuple(tasks), gather, scatter, tuple(group.host_loads(tp))))
     groups = tuple(steps)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from canzona.dp import DPItem
+from canzona.spec import ModelSpec, ParamSpec, Role
 from canzona.tp import TPTask
 
 # Positive costs: mostly arbitrary floats, sometimes small integers so that ties are common.
@@ -110,3 +111,20 @@ def optimal_makespan(costs: Sequence[float], bins: int) -> float:
 
 def close(a: float, b: float, rel: float = 1e-9) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
+
+
+@st.composite
+def models(draw) -> tuple[ModelSpec, int]:
+    """A small decoder-like model whose TP-split dimensions are multiples of the drawn TP size."""
+    tp = draw(st.sampled_from([1, 2, 4]))
+    layers = draw(st.integers(1, 4))
+    hidden = tp * draw(st.integers(1, 24))
+    params = [ParamSpec("embed", (tp * draw(st.integers(1, 40)), hidden), Role.EMBEDDING, None, tp_dim=0)]
+    for i in range(layers):
+        params.append(ParamSpec(f"l{i}.norm", (hidden,), Role.VECTOR, i))
+        for k in range(draw(st.integers(1, 4))):
+            col = draw(st.booleans())
+            rows = tp * draw(st.integers(1, 48)) if col else draw(st.integers(1, 64))
+            cols = draw(st.integers(1, 64)) if col else tp * draw(st.integers(1, 48))
+            params.append(ParamSpec(f"l{i}.w{k}", (rows, cols), Role.MATRIX, i, tp_dim=0 if col else 1))
+    return ModelSpec("random", tuple(params)), tp

@@ -10,25 +10,13 @@ from hypothesis import strategies as st
 from canzona.dp import DP_POLICIES
 from canzona.errors import PlanError
 from canzona.plan import check_plan_matches, make_plan, plan_from_json, validate_plan
-from canzona.spec import ModelSpec, ParamSpec, Role
+from canzona.spec import ModelSpec, ParamSpec
 from canzona.tp import EVERY_RANK, TP_POLICIES
 
-
-@st.composite
-def models(draw) -> tuple[ModelSpec, int]:
-    """A small decoder-like model whose TP-split dimensions are multiples of the drawn TP size."""
-    tp = draw(st.sampled_from([1, 2, 4]))
-    layers = draw(st.integers(1, 4))
-    hidden = tp * draw(st.integers(1, 24))
-    params = [ParamSpec("embed", (tp * draw(st.integers(1, 40)), hidden), Role.EMBEDDING, None, tp_dim=0)]
-    for i in range(layers):
-        params.append(ParamSpec(f"l{i}.norm", (hidden,), Role.VECTOR, i))
-        for k in range(draw(st.integers(1, 4))):
-            col = draw(st.booleans())
-            rows = tp * draw(st.integers(1, 48)) if col else draw(st.integers(1, 64))
-            cols = draw(st.integers(1, 64)) if col else tp * draw(st.integers(1, 48))
-            params.append(ParamSpec(f"l{i}.w{k}", (rows, cols), Role.MATRIX, i, tp_dim=0 if col else 1))
-    return ModelSpec("random", tuple(params)), tp
+try:
+    from strategies import models
+except ImportError:  # tests/ imported as a package
+    from tests.strategies import models
 
 
 @settings(max_examples=40, deadline=None)
