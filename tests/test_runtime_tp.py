@@ -70,9 +70,10 @@ def cases(layout: str) -> dict[tuple, tuple[TrainSpec, dict]]:
     for opt in OPTIMIZERS:
         base = base_spec(layout, opt)
         for scheduler in SCHEDULERS:
-            for mode in MODES:
+            # TP 4 runs the larger preset on 4 processes: serial order once per optimizer there
+            for mode in MODES if layout != "tp4" or scheduler == "greedy-rollback" else (PIPELINED,):
                 out[("canzona", opt, scheduler, mode)] = (replace(base, tp_policy=scheduler, tp_mode=mode), {})
-        for policy in BASELINES:
+        for policy in BASELINES if layout != "tp4" or opt == "muon" else ():
             out[(policy, opt, "tp-sync", PIPELINED)] = (replace(base, policy=policy), {})
     base = base_spec(layout)
     out[("alone",)] = (base, {"plan": capacity_plan(layout, Capacity(1e-12))})  # every task > capacity
@@ -209,10 +210,9 @@ def test_capacity_extremes_really_ran_as_planned():
 
 def test_pipelined_and_serial_train_the_same_model():
     for layout in LAYOUTS:
-        for opt in OPTIMIZERS:
-            for scheduler in SCHEDULERS:
-                a = runs(layout, ("canzona", opt, scheduler, PIPELINED))
-                b = runs(layout, ("canzona", opt, scheduler, SERIAL))
+        for key in cases(layout):
+            if key[-1] == SERIAL:
+                a, b = runs(layout, key[:-1] + (PIPELINED,)), runs(layout, key)
                 for x, y in zip(a, b):
                     assert compare(x["params"], y["params"])["bit_identical"]
 

@@ -80,6 +80,34 @@ def test_table_on_a_single_rank():
 
 
 @pytest.mark.distributed
+def test_tensor_parallel_every_tp_policy_pipelined_and_serial():
+    result, out, err = run("--dp", "1", "--tp", "2", "--steps", "2", "--policy", "all", "--tp-policy", "all",
+                           "--tp-mode", "all", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    rows = report["rows"]
+    assert report["ok"] is True
+    # canzona under each TP scheduler, the baselines under tp-sync; each pipelined and serial
+    cases = {(r["policy"], r["tp_policy"], r["tp_mode"]) for r in rows}
+    assert cases == {(p, s, m) for m in ("pipelined", "serial")
+                     for p, s in [("canzona", "tp-sync"), ("canzona", "tp-chunk"), ("canzona", "greedy-rollback"),
+                                  ("sc", "tp-sync"), ("zero1-gather", "tp-sync"), ("layerwise", "tp-sync")]}
+    assert all(r["tp"] == 2 and r["dp"] == 1 for r in rows)
+    assert all(r["bit_identical"] for r in rows if r["rung"] == "3a")
+    assert {r["result"] for r in rows if r["rung"] == "ranks"} == {"one DP rank"}
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_table_with_dtensors():
+    result, out, err = run("--dp", "2", "--tp", "2", "--steps", "2", "--preset", "tiny-untied", "--tp-style",
+                           "dtensor")
+    assert result.exit_code == 0, (out, err)
+    for text in ("DP 2 x TP 2 = 4 gloo ranks", "greedy-rollback", "pipelined", "3a same kernels", "PASS",
+                 "all checks passed"):
+        assert text in out, text
+
+
+@pytest.mark.distributed
 def test_gradient_accumulation():
     result, out, err = run("--dp", "2", "--steps", "2", "--accumulation", "2", "--json")
     assert result.exit_code == 0 and json.loads(out)["ok"] is True, (out, err)

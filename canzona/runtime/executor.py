@@ -20,6 +20,7 @@ schedule is compute and apply per group.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,20 @@ class MatrixStep:
         self.device = device
         self.streams = Streams(device)
         self.header_words = UPDATE_HEADER_BYTES // torch.empty(0, dtype=update_dtype).element_size()
+        # seconds per stage ("issue", "wait", "compute", "apply"), added up while a dict is set
+        # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
+        self.profile: dict[str, float] | None = None
+
+    @contextlib.contextmanager
+    def _timed(self, stage: str) -> Iterator[None]:
+        if self.profile is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.profile[stage] = self.profile.get(stage, 0.0) + time.perf_counter() - start
 
     def run(self, grad: Callable[[str], Tensor], target: Callable[[str], Tensor], applied: Callable[[str], None],
             config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
@@ -117,11 +132,13 @@ class MatrixStep:
         for op in self.schedule.ops:
             step, live = self.schedule.groups[op.group], groups[op.group]
             if op.kind == GATHER:
-                self._gather(step, live, grad)
+                with self._timed("issue"):
+                    self._gather(step, live, grad)
             elif op.kind == COMPUTE:
                 self._compute(step, live, grad, config, got)
             elif op.kind == SCATTER:
-                self._scatter(step, live)
+                with self._timed("issue"):
+                    self._scatter(step, live)
             elif op.kind == APPLY:
                 self._apply(step, live, target, applied)
                 groups[op.group] = _Group()  # free the group's buffers
@@ -152,7 +169,8 @@ class MatrixStep:
         me, tp = self.tp_rank, self.schedule.tp
         hosted = step.hosted(me)
         if live.gather is not None:
-            live.gather.wait()
+            with self._timed("wait"):
+                live.gather.wait()
             self.streams.join(live.received, live.sent)
         split = [t for t in hosted if t.tp_dim is not None]
         pieces: dict[str, list[Tensor]] = {t.name: [] for t in split}
@@ -179,12 +197,13 @@ class MatrixStep:
     def _compute(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor],
                  config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
         full = self._full_grads(step, live, grad)
-        for name, g in full.items():
-            if not got(name):
-                live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
-                continue
-            cfg, lr = config(name)
-            live.updates[name] = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
+        with self._timed("compute"):
+            for name, g in full.items():
+                if not got(name):
+                    live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
+                    continue
+                cfg, lr = config(name)
+                live.updates[name] = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
         live.received = live.sent = None
 
     # --- stage 3: update chunks back ----------------------------------------------------------
@@ -223,25 +242,29 @@ class MatrixStep:
     def _apply(self, step: GroupStep, live: _Group, target: Callable[[str], Tensor],
                applied: Callable[[str], None]) -> None:
         me = self.tp_rank
-        for t in step.tasks:
-            if t.hosted_on(me):
-                update = live.updates[t.name]
-                if update is not None:
-                    chunk = shard_of(update.direction.to(self.update_dtype), t.tp_dim, self.schedule.tp, me)
-                    self._apply_one(t, chunk.contiguous(), update, target, applied)
+        with self._timed("apply"):
+            for t in step.tasks:
+                if t.hosted_on(me):
+                    update = live.updates[t.name]
+                    if update is not None:
+                        chunk = shard_of(update.direction.to(self.update_dtype), t.tp_dim, self.schedule.tp, me)
+                        self._apply_one(t, chunk.contiguous(), update, target, applied)
         if live.scatter is None:
             return
-        live.scatter.wait()
+        with self._timed("wait"):
+            live.scatter.wait()
         self.streams.join(live.chunks, live.scatter_sent)
         pos = 0
-        for _source, tasks in step.sources(me):
-            for t in tasks:
-                flag, scale, decay = live.chunks[pos:pos + self.header_words].clone().view(torch.float64).tolist()
-                pos += self.header_words
-                if flag != NO_UPDATE:
-                    chunk = live.chunks[pos:pos + t.shard_numel].view(t.shard_shape)
-                    self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
-                pos += t.shard_numel
+        with self._timed("apply"):
+            for _source, tasks in step.sources(me):
+                for t in tasks:
+                    header = live.chunks[pos:pos + self.header_words].clone().view(torch.float64).tolist()
+                    flag, scale, decay = header
+                    pos += self.header_words
+                    if flag != NO_UPDATE:
+                        chunk = live.chunks[pos:pos + t.shard_numel].view(t.shard_shape)
+                        self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
+                    pos += t.shard_numel
 
     @staticmethod
     def _apply_one(task: Task, chunk: Tensor, update: Update, target: Callable[[str], Tensor],

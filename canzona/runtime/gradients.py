@@ -172,39 +172,45 @@ class GradientSync:
                      "zero gradients would be averaged in")
         got = flags.amax(dim=0)
         if self.tp is not None:
-            self._check_tp(error, got)  # raises on every TP rank if any of them fails
+            error = self._check_tp(error, got)
+            # a TP group's failure reaches the other DP ranks too, so that every rank in the
+            # cluster stops here instead of waiting in the step's collectives
+            failed = self.dp.all_gather_values(torch.tensor([int(error is not None)]), "tp verdict")[:, 0]
+            if error is None and failed.any():
+                error = (f"the TP group of DP rank(s) {ranks_of(failed != 0)} failed this step's check "
+                         "(see their error)")
         if error is not None:
             raise CanzonaError(error)
         self.got_anywhere = got
         self.grads_ready = True
         return got
 
-    def _check_tp(self, error: str | None, got: Tensor) -> None:
+    def _check_tp(self, error: str | None, got: Tensor) -> str | None:
         """The TP ranks of one DP index must all pass, agree on which parameters got a gradient,
         and hold the same gradient of every TP-replicated parameter: a model that forgets to
         reduce one (say, a QK norm's weight over the heads it was split by) would otherwise train
-        its replicas apart without a word."""
+        its replicas apart without a word. Returns this rank's error, the same on the TP group."""
         digests = self._replicated_digests()
         row = torch.cat([torch.tensor([int(error is not None)], dtype=torch.int64), got, digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
         if error is not None:
-            return  # the caller raises this rank's own error
+            return error
         failed = table[:, 0] != 0
         if failed.any():
-            raise CanzonaError(f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's "
-                               "check (see their error)")
+            return f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's check (see their error)"
         got_table = table[:, 1:1 + got.numel()]
         if not torch.all(got_table == got_table[0]):
             differs = int(torch.nonzero((got_table != got_table[0]).any(dim=0))[0])
-            raise CanzonaError(f"TP ranks disagree on whether {list(self.params)[differs]!r} got a gradient "
-                               "this step: every TP rank must run the same backward")
+            return (f"TP ranks disagree on whether {list(self.params)[differs]!r} got a gradient this step: "
+                    "every TP rank must run the same backward")
         reps = table[:, 1 + got.numel():].view(self.tp.size, -1, 2)
         bad = torch.nonzero((reps != reps[0]).any(dim=2).any(dim=0)).flatten()
         if bad.numel():
             name = self._replicated[int(bad[0])]
-            raise CanzonaError(f"the gradient of TP-replicated parameter {name!r} differs between TP ranks: "
-                               "the model must reduce it over the TP group (as Megatron's "
-                               "finalize_model_grads or a Replicate DTensor does), or its replicas drift apart")
+            return (f"the gradient of TP-replicated parameter {name!r} differs between TP ranks: the model "
+                    "must reduce it over the TP group (as Megatron's finalize_model_grads or a Replicate "
+                    "DTensor does), or its replicas drift apart")
+        return None
 
     def _replicated_digests(self) -> Tensor:
         """Per TP-replicated parameter, (sum, position-weighted sum) in fp64 of this rank's reduced

@@ -147,11 +147,12 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
                                tp_mode=spec.tp_mode)
-    if "load" in extra:  # (parameters, a state_dict() or the path of a sharded checkpoint)
+    if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(params[name])
+                tp_dim = mspec.param(name).tp_dim if spec.tp > 1 else None
+                local_tensor(p).copy_(shard_of(params[name], tp_dim, spec.tp, opt.tp_rank))
         if isinstance(state, str):
             opt.load_sharded_state_dict(state)
         else:
@@ -305,6 +306,12 @@ def global_gradients_from(results: Sequence[dict], spec: TrainSpec) -> list[tupl
                 grads[name] = unshard(shards, tp_dim)
         steps.append((grads, got))
     return steps
+
+
+def full_parameters(results: Sequence[dict]) -> dict[str, Tensor]:
+    """The whole model from the ranks' local parameters (DP rank 0's shards, in TP order)."""
+    first = sorted((r for r in results if r["dp_rank"] == 0), key=lambda r: r["tp_rank"])
+    return {n: unshard([r["params"][n] for r in first], tp_dim) for n, tp_dim in first[0]["tp_dims"].items()}
 
 
 def expected_shards(full: dict[str, Tensor], tp_dims: dict[str, int | None], tp: int, tp_rank: int) -> dict[str, Tensor]:

@@ -1,0 +1,219 @@
+"""Mistakes under tensor parallelism end in one clear error on every rank, never a hang and never
+silently wrong numbers: plans for another TP size, ranks that disagree, unsharded weights given to
+a TP job, DTensors placed against the spec or without a TP group, groups that mix DP indices, a
+model that forgets to reduce a replicated weight's gradient over TP, a TP rank that skips
+backward. All jobs run in ONE spawned group of 4 ranks (DP 2 x TP 2); after each, a fresh
+all-reduce over the world still pairs up, so no rank was left inside a collective."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.runtime.launch import run_ranks
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+WORLD, DP, TP = 4, 2, 2
+
+
+def _outcome(fn) -> dict:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
+        return {"type": type(e).__name__, "canzona": isinstance(e, CanzonaError), "message": str(e)}
+    return {"type": None, "canzona": False, "message": ""}
+
+
+def _healthy() -> bool:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == WORLD
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+
+
+def _tp_model(mesh, preset: str = "tiny"):
+    from reference.tiny_model_tp import TinyQwen3TP
+
+    return TinyQwen3TP(preset, mesh.get_group("tp"))
+
+
+def _optimizer(model, spec, group, **kwargs):
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    return DistributedOptimizer(model.named_parameters(), spec, group=group, timeout_s=20, **kwargs)
+
+
+def _train_step(model, opt, mesh, backward: bool = True) -> None:
+    from reference.data import fixed_batch
+
+    tokens = fixed_batch(256, 4, 16, seed=1)
+    i = mesh.get_local_rank("dp")
+    opt.zero_grad()
+    if backward:
+        model.loss(tokens[2 * i:2 * i + 2]).backward()
+    opt.step()
+
+
+# --- the jobs (each runs on every rank) ---------------------------------------------------------
+
+
+def plan_for_another_tp(rank: int) -> dict:
+    from canzona.plan import make_plan
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    plan = make_plan(model.spec(), DP, 1, "muon")
+    return _outcome(lambda: _optimizer(model, model.spec(), mesh, plan=plan))
+
+
+def ranks_disagree_on_the_mode(rank: int) -> dict:
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    mode = "serial" if mesh.get_local_rank("tp") == 1 else "pipelined"
+    return _outcome(lambda: _optimizer(model, model.spec(), mesh, tp_mode=mode))
+
+
+def unsharded_weights(rank: int) -> dict:
+    from reference.tiny_model import TinyQwen3
+
+    mesh = _mesh()
+    model = TinyQwen3("tiny")  # the whole model on every rank, but a TP mesh
+    return _outcome(lambda: _optimizer(model, model.spec(), mesh))
+
+
+def dtensor_against_the_spec(rank: int) -> dict:
+    from dataclasses import replace
+
+    from canzona.spec import ModelSpec
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = _mesh()
+    model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+    spec = model.spec()
+    name = "model.layers.0.self_attn.o_proj.weight"  # rowwise: Shard(1); the spec now says dim 0
+    wrong = ModelSpec(spec.name, tuple(replace(p, tp_dim=0) if p.name == name else p for p in spec.params))
+    return _outcome(lambda: _optimizer(model, wrong, mesh))
+
+
+def dtensor_without_a_tp_group(rank: int) -> dict:
+    from canzona.spec import ModelSpec
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = _mesh()
+    model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+    return _outcome(lambda: _optimizer(model, ModelSpec.from_module(model), mesh["dp"]))
+
+
+def mesh_with_another_dimension(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "cp"))
+    model = _tp_model(_mesh())
+    return _outcome(lambda: _optimizer(model, model.spec(), mesh))
+
+
+def groups_mixing_dp_indices(rank: int) -> dict:
+    """DP groups {0, 1}, {2, 3} but TP groups {0, 3}, {1, 2}: TP peers of different DP indices."""
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp_groups = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    dp_group = dp_groups[rank // 2]
+    tp_group = tp_groups[0 if rank in (0, 3) else 1]
+    model = _tp_model_on(tp_group)
+    return _outcome(lambda: _optimizer(model, model.spec(), dp_group, tp_group=tp_group))
+
+
+def _tp_model_on(group):
+    from reference.tiny_model_tp import TinyQwen3TP
+
+    return TinyQwen3TP("tiny", group)
+
+
+def replicated_gradient_not_reduced(rank: int) -> dict:
+    """A model whose per-head QK norm forgets to sum its weight's gradient over TP."""
+    from reference.tiny_model import RMSNorm
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    norm = model.model.layers[1].self_attn.k_norm
+    norm.forward = lambda x: RMSNorm.forward(norm, x)  # the plain norm: no reduction over TP
+    opt = _optimizer(model, model.spec(), mesh)
+    return _outcome(lambda: _train_step(model, opt, mesh))
+
+
+def tp_rank_skips_backward(rank: int) -> dict:
+    """TP rank 1 of each DP index runs no backward; TP rank 0 runs one that needs no TP peer."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+
+    def step() -> None:
+        opt.zero_grad()
+        if mesh.get_local_rank("tp") == 0:
+            sum(p.sum() for p in model.parameters()).backward()
+        opt.step()
+    return _outcome(step)
+
+
+def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
+    out = []
+    for name in jobs:
+        result = globals()[name](rank)
+        result["healthy"] = _healthy()
+        out.append(result)
+    return out
+
+
+JOBS = {
+    "plan_for_another_tp": (PlanError, "plan is for tp=1, but the job has tp=2"),
+    "ranks_disagree_on_the_mode": (PlanError, "ranks disagree on the policy"),
+    "unsharded_weights": (PlanError, "'model.embed_tokens.weight': its local shard has shape (256, 64), but the "
+                                     "model spec at tp=2 needs (128, 64)"),
+    "dtensor_against_the_spec": (PlanError, "'model.layers.0.self_attn.o_proj.weight' is placed S(1), but the model "
+                                            "spec splits dimension 0"),
+    "dtensor_without_a_tp_group": (PlanError, "has no TP group: give it a device mesh with a 'tp' dimension"),
+    "mesh_with_another_dimension": (SpecError, "canzona runs over 'dp' and 'tp' only"),
+    "groups_mixing_dp_indices": (PlanError, "ranks disagree on the DP rank"),
+    # the TP group that holds the norm's slice finds it; the others learn it failed
+    "replicated_gradient_not_reduced": (CanzonaError, ("the gradient of TP-replicated parameter "
+                                                       "'model.layers.1.self_attn.k_norm.weight' differs between TP "
+                                                       "ranks", "the TP group of DP rank(s) [1] failed")),
+    # the ranks that skipped, and their TP peers, whose own DP group was fine
+    "tp_rank_skips_backward": (CanzonaError, ("found no gradient on any rank", "failed this step's check")),
+}
+
+
+@functools.cache
+def outcomes() -> dict:
+    try:
+        per_rank = run_ranks(jobs_worker, WORLD, list(JOBS), deadline_s=240, collective_timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - replayed by every test
+        return {"error": e}
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(JOBS)}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_mistake_is_one_error_on_every_rank(job):
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    kind, needle = JOBS[job]
+    for rank, out in enumerate(got[job]):
+        assert out["type"] == kind.__name__ or (out["canzona"] and issubclass(kind, CanzonaError)), (rank, out)
+        assert any(n in out["message"] for n in ((needle,) if isinstance(needle, str) else needle)), \
+            (rank, out["message"])
+        assert "\n" not in out["message"]
+        assert out["healthy"], rank
+    if not isinstance(needle, str):  # the cause is named where it was found
+        assert any(needle[0] in out["message"] for out in got[job])
