@@ -181,15 +181,16 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
 
 def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
-                global_batch: int, micro_batch: int):
+                global_batch: int, micro_batch: int, tp_mode: str):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
     _check_dp_policy_applies([policy], dp_policy)
     return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
                      dp_policy=dp_policy or "alpha-balanced",
-                     tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=parse_capacity(capacity),
-                     hardware=hardware, workload=Workload(seq_len, global_batch, micro_batch))
+                     tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
+                     capacity=parse_capacity(capacity), hardware=hardware,
+                     workload=Workload(seq_len, global_batch, micro_batch))
 
 
 Model = Annotated[str, typer.Option(help="Catalog model name.")]
@@ -198,6 +199,7 @@ Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
 DpPolicy = Annotated[str | None, typer.Option(help="canzona's DP policy (default alpha-balanced); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
+TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
 BucketSize = Annotated[int | None, typer.Option(
     help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket).")]
@@ -217,6 +219,7 @@ def simulate(
     dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
+    tp_mode: TpMode = "pipelined",
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -226,7 +229,7 @@ def simulate(
 
     try:
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
-                             capacity, hardware, seq_len, global_batch, micro_batch)
+                             capacity, hardware, seq_len, global_batch, micro_batch, tp_mode)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -249,6 +252,7 @@ def compare(
     dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
+    tp_mode: TpMode = "pipelined",
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -260,7 +264,7 @@ def compare(
 
     try:
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
-                           capacity, hardware, seq_len, global_batch, micro_batch)
+                           capacity, hardware, seq_len, global_batch, micro_batch, tp_mode)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)
@@ -304,7 +308,7 @@ def verify(
     tp: Annotated[int, typer.Option(help=f"Tensor-parallel size: dp x tp ranks are spawned (at most {checks.MAX_RANKS}).")] = 1,
     tp_policy: Annotated[str, typer.Option(
         help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = "greedy-rollback",
-    tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups: pipelined, serial or all.")] = "pipelined",
+    tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = "pipelined",
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
     as_json: AsJson = False,

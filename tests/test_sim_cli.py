@@ -53,6 +53,18 @@ def test_simulate_json_matches_the_library():
     assert json.loads(result.stdout) == json.loads(json.dumps(lib.to_dict()))
 
 
+def test_simulate_tp_mode():
+    """Serial micro-groups wait for every collective; the pipeline overlaps them with compute."""
+    steps = {}
+    for mode in ("pipelined", "serial"):
+        result = run("simulate", *SMALL, "--tp-mode", mode, "--tp-policy", "tp-chunk", "--json")
+        assert result.exit_code == 0, result.stderr
+        d = json.loads(result.stdout)
+        assert d["tp_mode"] == mode
+        steps[mode] = d["optimizer_step_s"]
+    assert steps["pipelined"] < steps["serial"]
+
+
 def test_simulate_table():
     result = run("simulate", *SMALL)
     assert result.exit_code == 0, result.stderr
@@ -124,6 +136,7 @@ BAD = [
     (["--model", "nope"], ()),
     (["--seq-len", "0"], ("seq len",)),
     (["--capacity", "lots"], ()),
+    (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
 ]
 
 
