@@ -36,18 +36,15 @@ if str(ROOT) not in sys.path:  # benchmark this checkout (spawned ranks inherit 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from bench_runtime import BATCH_PER_RANK, MODEL, SEQ_LEN  # noqa: E402 - the same model and batches
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.launch import run_ranks  # noqa: E402
 from canzona.tp import Capacity  # noqa: E402
-from reference.tiny_model import TinyQwen3Config, model_spec  # noqa: E402
+from reference.tiny_model import model_spec  # noqa: E402
 
-MODEL = TinyQwen3Config(vocab=1024, hidden=384, layers=4, q_heads=6, kv_heads=2, head_dim=64, ffn=1024,
-                        tied_embeddings=True, max_seq_len=64, name="bench-384")
-SEQ_LEN = 32
-BATCH_PER_RANK = 4
 CONTENDERS = (("tp-sync", "tp-sync", "pipelined"), ("serial", "greedy-rollback", "serial"),
               ("pipelined", "greedy-rollback", "pipelined"))
 STAGES = ("issue", "wait", "compute", "apply")

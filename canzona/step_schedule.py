@@ -20,6 +20,7 @@ group after another.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -69,10 +70,7 @@ class Task:
 
     @property
     def shard_numel(self) -> int:
-        n = 1
-        for d in self.shard_shape:
-            n *= d
-        return n
+        return math.prod(self.shard_shape)
 
     def hosted_on(self, tp_rank: int) -> bool:
         return self.host in (tp_rank, EVERY_RANK)

@@ -216,9 +216,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalized(x)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """`x / sqrt(mean(x^2) + eps)`, in `x`'s dtype."""
         xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return xf.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,

@@ -1,6 +1,7 @@
 """The tiny Qwen3-style decoder under tensor parallelism, two ways users build it.
 
-`TinyQwen3TP`: Megatron style, explicit layers holding this rank's shard as plain tensors:
+`TinyQwen3TP`: Megatron style, the single-device model with its layers swapped for parallel ones
+that hold this rank's shard as plain tensors (its forward code is the single-device model's):
 - column-parallel linears (q, k, v, gate, up; and the vocab-parallel output head) hold rows
   `[r * out / tp, (r + 1) * out / tp)` of the weight; their input is copied to every TP rank
   (backward: the input gradients are summed over TP);
@@ -28,19 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from canzona.errors import SpecError
-from canzona.spec import ModelSpec
-from reference.tiny_model import (
-    RMSNorm,
-    TinyQwen3,
-    TinyQwen3Config,
-    apply_rope,
-    causal_attention,
-    check_tp,
-    get_preset,
-    model_spec,
-    rope_cos_sin,
-)
+from reference.tiny_model import RMSNorm, TinyQwen3, TinyQwen3Config, check_tp, get_preset
 
 __all__ = ["TinyQwen3TP", "parallelize_tiny", "tp_all_reduce"]
 
@@ -176,117 +165,41 @@ class HeadRMSNorm(RMSNorm):
             self.weight.copy_(full.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _CopyToTP.apply(self.weight, self.group) * xf.to(x.dtype)
+        return _CopyToTP.apply(self.weight, self.group) * self.normalized(x)
 
 
-def _replicated_norm(full: RMSNorm) -> RMSNorm:
-    norm = RMSNorm(full.weight.shape[0], full.eps, full.weight.dtype, full.weight.device)
-    with torch.no_grad():
-        norm.weight.copy_(full.weight)
-    return norm
-
-
-class _Attention(nn.Module):
-    def __init__(self, full, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.head_dim = full.cfg.head_dim
-        self.q_proj = ColumnParallelLinear(full.q_proj, group)
-        self.k_proj = ColumnParallelLinear(full.k_proj, group)
-        self.v_proj = ColumnParallelLinear(full.v_proj, group)
-        self.q_norm = HeadRMSNorm(full.q_norm, group)
-        self.k_norm = HeadRMSNorm(full.k_norm, group)
-        self.o_proj = RowParallelLinear(full.o_proj, group)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        d = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, full, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(full.gate_proj, group)
-        self.up_proj = ColumnParallelLinear(full.up_proj, group)
-        self.down_proj = RowParallelLinear(full.down_proj, group)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Layer(nn.Module):
-    def __init__(self, full, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.input_layernorm = _replicated_norm(full.input_layernorm)
-        self.self_attn = _Attention(full.self_attn, group)
-        self.post_attention_layernorm = _replicated_norm(full.post_attention_layernorm)
-        self.mlp = _MLP(full.mlp, group)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Backbone(nn.Module):
-    def __init__(self, full, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(full.embed_tokens, group)
-        self.layers = nn.ModuleList(_Layer(layer, group) for layer in full.layers)
-        self.norm = _replicated_norm(full.norm)
-
-
-class TinyQwen3TP(nn.Module):
+class TinyQwen3TP(TinyQwen3):
     """`TinyQwen3(cfg, seed)` split over the TP group `group` (Megatron style, see the module
-    docstring). Parameter names and the spec are the single-device model's; each rank holds its
-    shards."""
+    docstring): the single-device model with its linears, embedding, head and QK norms swapped for
+    their parallel versions, so its forward code, parameter names and spec are the single-device
+    model's; each rank holds its shards."""
 
     def __init__(self, cfg: TinyQwen3Config | str = "tiny", group: dist.ProcessGroup | None = None,
                  seed: int = 0, dtype: torch.dtype | str = torch.float32) -> None:
-        super().__init__()
         cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
         group = group or dist.group.WORLD
-        self.tp = dist.get_world_size(group)
-        check_tp(cfg, self.tp)
-        full = TinyQwen3(cfg, seed=seed, dtype=dtype)
-        self.cfg = cfg
+        check_tp(cfg, dist.get_world_size(group))
+        super().__init__(cfg, seed=seed, dtype=dtype)  # the full weights, then cut to this rank's shards
         self.group = group
-        self.model = _Backbone(full.model, group)
-        self.lm_head = ColumnParallelLinear(full.lm_head, group)
+        self.tp = dist.get_world_size(group)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
+            attn.o_proj = RowParallelLinear(attn.o_proj, group)
+            attn.q_norm = HeadRMSNorm(attn.q_norm, group)
+            attn.k_norm = HeadRMSNorm(attn.k_norm, group)
+            mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
+            mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+        self.model.embed_tokens = VocabParallelEmbedding(self.model.embed_tokens, group)
+        self.lm_head = ColumnParallelLinear(self.lm_head, group)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    def spec(self) -> ModelSpec:
-        """The global model's spec (each rank's parameters are shards of it)."""
-        return model_spec(self.cfg, self.dtype)
-
     def forward(self, tokens: Tensor) -> Tensor:
-        """Full logits `B x T x vocab` on every TP rank."""
-        t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise SpecError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(torch.arange(t, device=tokens.device), self.cfg.head_dim, self.cfg.rope_theta,
-                                self.dtype)
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return _GatherLastDim.apply(self.lm_head(self.model.norm(x)), self.group)
-
-    def loss(self, tokens: Tensor) -> Tensor:
-        """Mean next-token cross-entropy, as `TinyQwen3.loss`."""
-        logits = self(tokens[:, :-1])
-        if logits.dtype in (torch.bfloat16, torch.float16):
-            logits = logits.float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        """Full logits `B x T x vocab` on every TP rank (the head's are gathered over TP)."""
+        return _GatherLastDim.apply(self.lm_head(self.hidden_states(tokens)), self.group)
 
 
 def parallelize_tiny(model: TinyQwen3, tp_mesh) -> TinyQwen3:
