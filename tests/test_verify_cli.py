@@ -132,6 +132,7 @@ def test_gradient_accumulation():
     (["--tp", "2", "--tp-mode", "eager"], "unknown TP mode 'eager'"),
     (["--tp", "2", "--tp-style", "fsdp"], "unknown TP style 'fsdp'"),
     (["--tp", "2", "--tp-style", "dtensor"], "needs an untied preset"),
+    (["--tp", "4", "--dp", "1", "--preset", "small", "--steps", "1000"], "keeps each step's gradients"),
     (["--dp-policy", "nope"], "unknown DP policy"),
     (["--alpha", "1.5"], "alpha"),
     (["--bucket-size", "10"], "bucket size"),

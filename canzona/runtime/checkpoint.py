@@ -44,29 +44,18 @@ SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank sl
 # --- who holds what ---------------------------------------------------------------------------
 
 
-def _first_dp_rank(opt: DistributedOptimizer, name: str) -> int:
-    """The lowest DP rank that computes matrix `name` (its state is saved from there)."""
-    if opt.policy.replicated:
-        return 0
-    dpp = opt.plan.dp_plan
-    for b in dpp.buckets:
-        for p in b.params:
-            if p.name == name:
-                return min(dpp.computing_ranks(b, p))
-    raise KeyError(name)
-
-
-def _saves_state(opt: DistributedOptimizer, name: str) -> bool:
-    """This rank holds and saves the (full-matrix) optimizer state of matrix `name`."""
-    if name not in opt.matrix_state or opt.rank != _first_dp_rank(opt, name):
-        return False
-    host = next(t.host for t in opt.schedule.tasks() if t.name == name)
-    return opt.tp_rank == (0 if host == EVERY_RANK else host)
-
-
-def _saves_master(opt: DistributedOptimizer, name: str) -> bool:
-    """This rank saves its shard of matrix `name`'s fp32 master weights."""
-    return name in opt.master and opt.rank == _first_dp_rank(opt, name)
+def _saved_here(opt: DistributedOptimizer) -> tuple[set[str], set[str]]:
+    """(matrices whose full-matrix optimizer state this rank saves, matrices whose master-weight
+    shard it saves). Each matrix is saved from the lowest DP rank that computes it: its state from
+    the host TP rank (TP rank 0 under tp-sync), its masters from every TP rank."""
+    first: dict[str, int] = {}
+    if not opt.policy.replicated:
+        dpp = opt.plan.dp_plan
+        first = {p.name: min(dpp.computing_ranks(b, p)) for b in dpp.buckets for p in b.params}
+    mine = {t.name for t in opt.schedule.tasks() if first.get(t.name, 0) == opt.rank}
+    hosts = {t.name: 0 if t.host == EVERY_RANK else t.host for t in opt.schedule.tasks()}
+    state = {n for n in mine if n in opt.matrix_state and hosts[n] == opt.tp_rank}
+    return state, {n for n in mine if n in opt.master}
 
 
 def _tp_dim(opt: DistributedOptimizer, name: str) -> int | None:
@@ -92,9 +81,10 @@ def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any])
 
 
 def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    states, masters = _saved_here(opt)
     mine = {
-        "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and _saves_state(opt, n)},
-        "masters": {n: opt.master[n].detach().cpu().clone() for n in opt.applies if _saves_master(opt, n)},
+        "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and n in states},
+        "masters": {n: opt.master[n].detach().cpu().clone() for n in sorted(masters)},
         "adamw": [(n, off, _to_cpu(s)) for n, off, s in _adamw_pieces(opt)],
     }
     every = opt.comm.all_gather_object(mine, "optimizer state")  # per DP rank
@@ -260,13 +250,13 @@ def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[s
     metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
     out: dict[str, Any] = {f"{prefix}/meta": json.dumps(_header(opt), default=_json_scalar)}
+    states, masters = _saved_here(opt)
     for name, state in opt.matrix_state.items():
-        if state and _saves_state(opt, name):
+        if state and name in states:
             for key, value in state.items():
                 out[f"{prefix}/matrix/{name}/{key}"] = value
-    for name in opt.applies:
-        if _saves_master(opt, name):
-            out[_piece_key(prefix, "matrix", name, "master", opt.tp_rank, opt.tp, 0)] = opt.master[name]
+    for name in sorted(masters):
+        out[_piece_key(prefix, "matrix", name, "master", opt.tp_rank, opt.tp, 0)] = opt.master[name]
     for name, off, state in _adamw_pieces(opt):
         for key, value in state.items():
             out[_piece_key(prefix, "adamw", name, key, opt.tp_rank, opt.tp, off)] = value

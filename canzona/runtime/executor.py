@@ -42,7 +42,6 @@ from canzona.step_schedule import (
     Task,
     TPSchedule,
 )
-from canzona.tp import EVERY_RANK
 
 NO_UPDATE, DECAY_FIRST, DECAY_AFTER = 0.0, 1.0, 2.0  # the header's first value
 
@@ -273,10 +272,3 @@ class MatrixStep:
         apply_update_(into, chunk.view(into.shape), update)
         applied(task.name)
 
-
-def hosted_names(schedule: TPSchedule, tp_rank: int) -> list[str]:
-    """The matrices whose optimizer state lives on TP rank `tp_rank` (EVERY_RANK: on all)."""
-    return [t.name for t in schedule.hosted(tp_rank)]
-
-
-__all__ = ["EVERY_RANK", "MatrixStep", "Streams", "hosted_names"]

@@ -219,11 +219,8 @@ class GradientSync:
         r = self.dp.rank
         for i, name in enumerate(self._replicated):
             buf = self.buffer_of[name]
-            if buf is self.adamw:
-                lo, hi = self.adamw_cuts[r], self.adamw_cuts[r + 1]
-            else:
-                c = self.grad_cuts(self.buckets.index(buf))
-                lo, hi = c[r], c[r + 1]
+            c = self.adamw_cuts if buf is self.adamw else self.grad_cuts(self._bucket_of[name])
+            lo, hi = c[r], c[r + 1]
             a, b = buf.offsets[name]
             s, e = max(a, lo), min(b, hi)
             if s < e:

@@ -46,7 +46,7 @@ from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
 from canzona.runtime import checkpoint
 from canzona.runtime.buffers import FlatBuffer
 from canzona.runtime.comm import Comm, PendingWork
-from canzona.runtime.executor import MatrixStep, hosted_names
+from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import GradientSync
 from canzona.runtime.groups import (
     GroupConfigs,
@@ -164,7 +164,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the matrices whose shards this rank updates, and those whose full update (and optimizer
         # state) it computes: the same at TP = 1
         self.applies = [t.name for t in self.schedule.tasks()]
-        self.hosted = hosted_names(self.schedule, self.tp_rank)
+        self.hosted = [t.name for t in self.schedule.hosted(self.tp_rank)]
         self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
         self.adamw_state: dict[str, dict] = {}
         self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
@@ -497,6 +497,9 @@ def _process_groups(group: dist.ProcessGroup | DeviceMesh | None,
     if tp_group is not None:
         raise SpecError("give the TP group either as the mesh's 'tp' dimension or as tp_group, not both")
     if group.ndim == 1:
+        if names == ("tp",):
+            raise SpecError("a 1-D device mesh named 'tp' holds no data-parallel dimension: give the 2-D "
+                            "mesh with dimensions 'dp' and 'tp' (a TP-only job: dp of size 1)")
         return group.get_group(), None
     if "dp" not in names:
         raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")

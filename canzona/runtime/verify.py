@@ -42,6 +42,9 @@ REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizer
 # all steps' batches: these bounds keep a run within a few GB.
 MAX_DP = 16
 MAX_RANKS = 16  # dp x tp
+# Under TP each rank returns every step's gradients for the single-process check, and this process
+# holds all ranks' (256 MB per rank in fp32 at the bound).
+MAX_RECORDED_ELEMENTS = 2**26
 MAX_STEPS = 1000
 MAX_GLOBAL_BATCH = 1024
 RUNGS = {
@@ -124,14 +127,22 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
     policies = _choices(policy, POLICIES, "policy")
     mspec = model_spec(cfg)
+    recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
+    if tp > 1 and recorded > MAX_RECORDED_ELEMENTS:
+        raise SpecError(f"under TP every rank keeps each step's gradients for the check: {steps} steps of the "
+                        f"{preset} model at tp={tp} are {recorded:,} values per rank, above {MAX_RECORDED_ELEMENTS:,}; "
+                        f"run at most {MAX_RECORDED_ELEMENTS // (recorded // steps)} steps")
     cases = []
     for opt in optimizers:
         for pol in policies:
             step = get_step_policy(pol)
             # the baselines run tp-sync; at TP = 1 the TP choices change nothing
-            schedulers = [step.tp_policy] if step.tp_policy and tp > 1 else tp_policies if tp > 1 else ["greedy-rollback"]
+            if tp == 1:
+                schedulers, modes = ["greedy-rollback"], ["pipelined"]
+            else:
+                schedulers, modes = [step.tp_policy] if step.tp_policy else tp_policies, tp_modes
             for scheduler in schedulers:
-                for mode in tp_modes if tp > 1 else ["pipelined"]:
+                for mode in modes:
                     spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
                                      bucket_size=bucket_size, steps=steps, global_batch=global_batch,
                                      seq_len=seq_len, accumulation=accumulation, tp=tp, tp_policy=scheduler,
