@@ -300,7 +300,7 @@ def verify(
     steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
     dp_policy: DpPolicy = None,
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
-    preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied or small.")] = "tiny",
+    preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied, tiny-tp4 or small (TP 4: tiny-tp4, small).")] = "tiny",
     global_batch: Annotated[int | None, typer.Option(
         help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
     alpha: Alpha = 1.0,

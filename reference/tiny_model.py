@@ -143,7 +143,7 @@ class TinyQwen3Config:
 
 
 # Sizes chosen so a CPU training step takes milliseconds. "tiny" and "tiny-untied" split over
-# tp in {1, 2}; "small" over tp in {1, 2, 4}.
+# tp in {1, 2}; "tiny-tp4" (as many KV heads as query heads) and "small" over tp in {1, 2, 4}.
 PRESETS: dict[str, TinyQwen3Config] = {
     "tiny": TinyQwen3Config(
         vocab=256, hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=16, ffn=128,
@@ -152,6 +152,10 @@ PRESETS: dict[str, TinyQwen3Config] = {
     "tiny-untied": TinyQwen3Config(
         vocab=256, hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=16, ffn=128,
         tied_embeddings=False, max_seq_len=64, name="tiny-untied",
+    ),
+    "tiny-tp4": TinyQwen3Config(
+        vocab=256, hidden=64, layers=2, q_heads=4, kv_heads=4, head_dim=16, ffn=128,
+        tied_embeddings=False, max_seq_len=64, name="tiny-tp4",
     ),
     "small": TinyQwen3Config(
         vocab=512, hidden=128, layers=4, q_heads=8, kv_heads=4, head_dim=32, ffn=384,

@@ -4,7 +4,7 @@ gradients each rank's own hooks recorded, reduced over DP in rank order and conc
 and stays within 1e-5 relative of the reference optimizers.
 
 Three layouts, each ONE spawned group running every configuration: TP 2 (tiny model), TP 4 (the
-small preset: the tiny one has 2 KV heads) and DP 2 x TP 2 (tiny). Per layout: every optimizer
+tiny-tp4 preset: the tiny one has 2 KV heads) and DP 2 x TP 2 (tiny). Per layout: every optimizer
 under canzona with every TP scheduler, pipelined and serial, and the baselines (tp-sync); on top,
 micro-groups of one task each (capacity below every task), one group of every shape (capacity
 above all), the DTensor model, gradient accumulation and bf16 weights. Besides the numbers, each
@@ -48,7 +48,7 @@ MATRIX_CONFIG = {"muon": {"ns_dtype": "fp32"}, "soap": {"precondition_frequency"
                  "shampoo": {"precondition_frequency": 2}}
 STEPS = 4
 REL_TOL = 1e-5
-LAYOUTS = {"tp2": (1, 2, "tiny"), "tp4": (1, 4, "small"), "dp2xtp2": (2, 2, "tiny")}
+LAYOUTS = {"tp2": (1, 2, "tiny"), "tp4": (1, 4, "tiny-tp4"), "dp2xtp2": (2, 2, "tiny")}
 
 
 def base_spec(layout: str, optimizer: str = "muon") -> TrainSpec:
@@ -70,7 +70,7 @@ def cases(layout: str) -> dict[tuple, tuple[TrainSpec, dict]]:
     for opt in OPTIMIZERS:
         base = base_spec(layout, opt)
         for scheduler in SCHEDULERS:
-            # TP 4 runs the larger preset on 4 processes: serial order once per optimizer there
+            # TP 4 runs 4 processes on this 2-core machine: serial order once per optimizer there
             for mode in MODES if layout != "tp4" or scheduler == "greedy-rollback" else (PIPELINED,):
                 out[("canzona", opt, scheduler, mode)] = (replace(base, tp_policy=scheduler, tp_mode=mode), {})
         for policy in BASELINES if layout != "tp4" or opt == "muon" else ():

@@ -4,7 +4,7 @@ DP 2 x TP 2 loads at DP 1 x TP 4 and one taken at DP 1 x TP 4 loads at DP 2 x TP
 writes only what it holds); loading and saving again is the identity, and a resumed run continues
 bit for bit as the same kernels in one process continue from the checkpoint.
 
-Two spawned groups of 4 ranks (the small preset: TP 4 needs 4 KV heads): the first trains and saves
+Two spawned groups of 4 ranks (the tiny-tp4 preset: TP 4 needs 4 KV heads): the first trains and saves
 at both layouts, the second loads each checkpoint at the other layout.
 """
 
@@ -41,7 +41,7 @@ SAVE_STEPS, RESUME_STEPS = 3, 2
 def save_spec(optimizer: str, layout: str) -> TrainSpec:
     # canzona with micro-groups at the first layout; a tp-sync baseline (state on every TP rank) at the other
     policy = ("canzona", "greedy-rollback") if layout == "dp2xtp2" else ("layerwise", "tp-sync")
-    return TrainSpec(preset="small", optimizer=optimizer, steps=SAVE_STEPS, global_batch=8, seq_len=16,
+    return TrainSpec(preset="tiny-tp4", optimizer=optimizer, steps=SAVE_STEPS, global_batch=8, seq_len=16,
                      tp=LAYOUTS[layout], policy=policy[0], tp_policy=policy[1],
                      matrix_config=dict(MATRIX_CONFIG[optimizer]))
 

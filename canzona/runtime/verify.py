@@ -123,7 +123,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     check_tp(cfg, tp)
     if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings:
         raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
-                        "head, which cannot be both rowwise and colwise): use tiny-untied or small")
+                        "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
     policies = _choices(policy, POLICIES, "policy")
     mspec = model_spec(cfg)
