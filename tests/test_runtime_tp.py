@@ -70,10 +70,9 @@ def cases(layout: str) -> dict[tuple, tuple[TrainSpec, dict]]:
     for opt in OPTIMIZERS:
         base = base_spec(layout, opt)
         for scheduler in SCHEDULERS:
-            # TP 4 runs 4 processes on this 2-core machine: serial order once per optimizer there
-            for mode in MODES if layout != "tp4" or scheduler == "greedy-rollback" else (PIPELINED,):
+            for mode in MODES:
                 out[("canzona", opt, scheduler, mode)] = (replace(base, tp_policy=scheduler, tp_mode=mode), {})
-        for policy in BASELINES if layout != "tp4" or opt == "muon" else ():
+        for policy in BASELINES:
             out[(policy, opt, "tp-sync", PIPELINED)] = (replace(base, policy=policy), {})
     base = base_spec(layout)
     out[("alone",)] = (base, {"plan": capacity_plan(layout, Capacity(1e-12))})  # every task > capacity

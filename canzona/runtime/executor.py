@@ -202,7 +202,10 @@ class MatrixStep:
                     live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
                     continue
                 cfg, lr = config(name)
-                live.updates[name] = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
+                update = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
+                if update is not None:  # in the dtype it is sent and applied in (kernels.apply_update_)
+                    update.direction = update.direction.to(self.update_dtype)
+                live.updates[name] = update
         live.received = live.sent = None
 
     # --- stage 3: update chunks back ----------------------------------------------------------
@@ -217,15 +220,14 @@ class MatrixStep:
     def _chunk(self, task: Task, update: Update | None, tp_rank: int) -> Tensor:
         if update is None:
             return torch.zeros(task.shard_numel, dtype=self.update_dtype, device=self.device)
-        full = update.direction.to(self.update_dtype)
-        return shard_of(full, task.tp_dim, self.schedule.tp, tp_rank).reshape(-1)
+        return shard_of(update.direction, task.tp_dim, self.schedule.tp, tp_rank).reshape(-1)
 
     def _scatter(self, step: GroupStep, live: _Group) -> None:
         me, tp = self.tp_rank, self.schedule.tp
         with self.streams.comm():
             mine = step.hosted(me)
-            parts = [[x for t in mine for x in (self._header(live.updates[t.name]),
-                                                self._chunk(t, live.updates[t.name], d))]
+            headers = {t.name: self._header(live.updates[t.name]) for t in mine}
+            parts = [[x for t in mine for x in (headers[t.name], self._chunk(t, live.updates[t.name], d))]
                      if d != me else [] for d in range(tp)]
             in_splits = [sum(x.numel() for x in p) for p in parts]
             live.scatter_sent = torch.cat([x for p in parts for x in p]) if any(in_splits) else \
@@ -246,7 +248,7 @@ class MatrixStep:
                 if t.hosted_on(me):
                     update = live.updates[t.name]
                     if update is not None:
-                        chunk = shard_of(update.direction.to(self.update_dtype), t.tp_dim, self.schedule.tp, me)
+                        chunk = shard_of(update.direction, t.tp_dim, self.schedule.tp, me)
                         self._apply_one(t, chunk.contiguous(), update, target, applied)
         if live.scatter is None:
             return

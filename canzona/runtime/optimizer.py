@@ -156,7 +156,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grads = GradientSync(self.params, spec, self.plan, self.policy, self.comm, self.tp_comm, align,
                                   reduce_dtype)
         self._index = self.grads.index
-        grad_dtype = self.grads.adamw.reduced.dtype
+        grad_dtype = self.grads.buckets[0].reduced.dtype  # what the matrices' gradients are reduced in
         update_dtype = torch.float32 if self.master_weights else grad_dtype
         self.schedule: TPSchedule = tp_schedule(
             self.plan, spec, self.policy, self.rank, self.tp_mode,
