@@ -33,6 +33,7 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
 from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.runtime.verify import TP_STYLES
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,6 @@ class TrainSpec:
         if world % self.tp:
             raise SpecError(f"world size {world} is not a multiple of tp {self.tp}")
         return world // self.tp
-
-
-TP_STYLES = ("megatron", "dtensor")
 
 
 RANK_THREADS = 1  # torch threads per rank; BLAS / LAPACK results depend on it

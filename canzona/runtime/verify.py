@@ -36,7 +36,7 @@ from canzona.tp import TP_POLICIES
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
 TP_SCHEDULERS: tuple[str, ...] = tuple(TP_POLICIES)
-TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # training.TP_STYLES (torch-free here)
+TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # how training.distributed_worker splits the model
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
 # Every rank is a process on this machine (about 300 MB each with torch), and every process holds
 # all steps' batches: these bounds keep a run within a few GB.
