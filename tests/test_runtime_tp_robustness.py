@@ -91,6 +91,15 @@ def unsharded_weights(rank: int) -> dict:
     return _outcome(lambda: _optimizer(model, model.spec(), mesh))
 
 
+def spec_of_the_local_shards(rank: int) -> dict:
+    """`ModelSpec.from_module` on Megatron-style shards without `tp_size`: the local shapes as global."""
+    from canzona.spec import ModelSpec
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    return _outcome(lambda: _optimizer(model, ModelSpec.from_module(model), mesh))
+
+
 def dtensor_against_the_spec(rank: int) -> dict:
     from dataclasses import replace
 
@@ -166,6 +175,64 @@ def tp_rank_skips_backward(rank: int) -> dict:
     return _outcome(step)
 
 
+def one_rank_another_tp_policy(rank: int) -> dict:
+    """One rank plans with another TP scheduler: its DP group finds out first, and everyone else
+    must hear of it at once rather than wait out the timeout."""
+    import time
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    scheduler = "tp-chunk" if rank == WORLD - 1 else "greedy-rollback"
+    start = time.monotonic()
+    out = _outcome(lambda: _optimizer(model, model.spec(), mesh, tp_policy=scheduler))
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def scheduler_on_one_tp_rank(rank: int) -> dict:
+    """An LR edit on TP rank 0 only (a `if rank == 0: scheduler.step()` habit): the replicated norms
+    would get different updates on the two TP ranks."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+    if mesh.get_local_rank("tp") == 0:
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+    return _outcome(lambda: _train_step(model, opt, mesh))
+
+
+def backward_without_zero_grad(rank: int) -> dict:
+    from reference.data import fixed_batch
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+    i = mesh.get_local_rank("dp")
+    tokens = fixed_batch(256, 4, 16, seed=2)
+    return _outcome(lambda: model.loss(tokens[2 * i:2 * i + 2]).backward())  # no zero_grad since the step
+
+
+def grad_scaler(rank: int) -> dict:
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    from reference.data import fixed_batch
+
+    i = mesh.get_local_rank("dp")
+    scaler.scale(model.loss(fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2])).backward()
+
+    def step() -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # GradScaler's note on its own API
+            scaler.step(opt)
+    return _outcome(step)
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -180,6 +247,8 @@ JOBS = {
     "ranks_disagree_on_the_mode": (PlanError, "ranks disagree on the policy"),
     "unsharded_weights": (PlanError, "'model.embed_tokens.weight': its local shard has shape (256, 64), but the "
                                      "model spec at tp=2 needs (128, 64)"),
+    "spec_of_the_local_shards": (PlanError, "the spec must describe the global model: "
+                                            "ModelSpec.from_module(model, tp_size=tp)"),
     "dtensor_against_the_spec": (PlanError, "'model.layers.0.self_attn.o_proj.weight' is placed S(1), but the model "
                                             "spec splits dimension 0"),
     "dtensor_without_a_tp_group": (PlanError, "has no TP group: give it a device mesh with a 'tp' dimension"),
@@ -191,6 +260,12 @@ JOBS = {
                                                        "ranks", "the TP group of DP rank(s) [1] failed")),
     # the ranks that skipped, and their TP peers, whose own DP group was fine
     "tp_rank_skips_backward": (CanzonaError, ("found no gradient on any rank", "failed this step's check")),
+    "one_rank_another_tp_policy": (PlanError, ("ranks disagree on the plan", "ranks disagree on the data-parallel "
+                                               "agreement check", "failed the agreement check")),
+    "scheduler_on_one_tp_rank": (CanzonaError, "TP ranks disagree on the hyper-parameters in param_groups"),
+    "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
+                                                 "model.zero_grad() between steps"),
+    "grad_scaler": (CanzonaError, "torch.amp.GradScaler is not supported"),
 }
 
 
@@ -217,3 +292,4 @@ def test_mistake_is_one_error_on_every_rank(job):
         assert out["healthy"], rank
     if not isinstance(needle, str):  # the cause is named where it was found
         assert any(needle[0] in out["message"] for out in got[job])
+    assert not any("timed out" in out["message"] for out in got[job])  # nobody waited for a silent peer

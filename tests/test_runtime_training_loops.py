@@ -356,6 +356,13 @@ def test_bad_configuration_fails_before_any_collective(kwargs, needle):
         _optimizer(model, **kwargs)
 
 
+def test_frozen_parameter_given_to_the_optimizer_is_one_error_before_any_collective():
+    model = build_model(BASE)
+    model.model.norm.weight.requires_grad_(False)  # frozen, but still in model.named_parameters()
+    with pytest.raises(SpecError, match="'model.norm.weight' does not require gradients: leave frozen"):
+        _optimizer(model)
+
+
 def test_bad_parameter_groups_fail_before_any_collective():
     model = build_model(BASE)
     pairs = list(model.named_parameters())

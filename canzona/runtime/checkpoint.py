@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from canzona.errors import PlanError
+from canzona.errors import CanzonaError, PlanError
 from canzona.optimizers import check_config
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.tp import EVERY_RANK
@@ -87,8 +87,12 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
         "masters": {n: opt.master[n].detach().cpu().clone() for n in sorted(masters)},
         "adamw": [(n, off, _to_cpu(s)) for n, off, s in _adamw_pieces(opt)],
     }
-    every = opt.comm.all_gather_object(mine, "optimizer state")  # per DP rank
-    by_tp = opt.tp_comm.all_gather_object(every, "optimizer state") if opt.tp_comm is not None else [every]
+    try:
+        every = opt.comm.all_gather_object(mine, "optimizer state")  # per DP rank
+        by_tp = opt.tp_comm.all_gather_object(every, "optimizer state") if opt.tp_comm is not None else [every]
+    except CanzonaError as e:
+        raise CanzonaError(f"{e}; state_dict() is collective: call it on every rank (each gets the whole "
+                           "state), or save with sharded_state_dict()") from None
     state: dict[str, dict] = {}
     for per_dp in by_tp:
         for part in per_dp:

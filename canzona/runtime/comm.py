@@ -130,6 +130,13 @@ class Comm:
     def check_agreement(self, facts: dict[str, str]) -> None:
         """Every rank must run the same plan on the same model: compare digests before any other
         collective, so a mismatch is an error instead of a hang or silent corruption."""
+        error = self.agreement_error(facts)
+        if error is not None:
+            raise PlanError(error)
+
+    def agreement_error(self, facts: dict[str, str]) -> str | None:
+        """`check_agreement`'s verdict as a message (None: every rank agrees), for callers that must
+        finish further collectives before raising."""
         names = list(facts)  # in the order given: the most telling disagreement is reported first
         digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
         mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
@@ -141,8 +148,9 @@ class Comm:
             column = table[:, k]
             if not torch.all(column == column[0]):
                 ranks = [r for r in range(self.size) if column[r] != mine[k]]
-                raise PlanError(f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) "
-                                f"{ranks} ({name} {facts[name][:16]} here)")
+                return (f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) {ranks} "
+                        f"({name} {facts[name][:16]} here)")
+        return None
 
     def all_gather_values(self, values: Tensor, name: str) -> Tensor:
         """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank)."""

@@ -48,6 +48,7 @@ class GradientSync:
         # TP-replicated parameters: every TP rank must hold (and be given) the same gradient
         self._replicated = [p.name for p in spec.params if p.tp_dim is None] if tp is not None else []
         self._sync = True
+        self._stale: set[str] = set()  # reduced in the last step and not zeroed since
         self.reset()
         for name, p in params.items():
             p.register_post_accumulate_grad_hook(self._hook(name))
@@ -67,6 +68,13 @@ class GradientSync:
     def zero_grad(self) -> None:
         for buf in self.all_buffers():
             buf.zero_grads()
+        self._stale.clear()
+        self.reset()
+
+    def stepped(self) -> None:
+        """The step consumed the gradients: the buffers hold reduced values, not this rank's sums,
+        so a backward must not accumulate onto them before a zero_grad."""
+        self._stale = set(self.params)
         self.reset()
 
     def reduced(self, name: str) -> Tensor:
@@ -93,6 +101,10 @@ class GradientSync:
         def on_grad_ready(_: Tensor) -> None:
             if not buffer.is_linked(name):
                 raise CanzonaError(unlinked_message(name))
+            if name in self._stale:
+                if self.params[name].grad is buffer.grad_holders[name]:
+                    raise CanzonaError(STALE_GRADIENTS.format(name=name))
+                self._stale.discard(name)  # model.zero_grad() dropped it: a fresh gradient
             buffer.claim(name)  # after model.zero_grad(): the fresh gradient goes into the buffer
             self._got_grad[self.index[name]] = 1
             k = self._bucket_of.get(name)
@@ -172,7 +184,7 @@ class GradientSync:
                      "zero gradients would be averaged in")
         got = flags.amax(dim=0)
         if self.tp is not None:
-            error = self._check_tp(error, got)
+            error = self._check_tp(error, got, hyper_parameters)
             # a TP group's failure reaches the other DP ranks too, so that every rank in the
             # cluster stops here instead of waiting in the step's collectives
             failed = self.dp.all_gather_values(torch.tensor([int(error is not None)]), "tp verdict")[:, 0]
@@ -185,19 +197,27 @@ class GradientSync:
         self.grads_ready = True
         return got
 
-    def _check_tp(self, error: str | None, got: Tensor) -> str | None:
-        """The TP ranks of one DP index must all pass, agree on which parameters got a gradient,
-        and hold the same gradient of every TP-replicated parameter: a model that forgets to
-        reduce one (say, a QK norm's weight over the heads it was split by) would otherwise train
-        its replicas apart without a word. Returns this rank's error, the same on the TP group."""
+    def _check_tp(self, error: str | None, got: Tensor, hyper_parameters: int) -> str | None:
+        """The TP ranks of one DP index must all pass, agree on the hyper-parameters and on which
+        parameters got a gradient, and hold the same gradient of every TP-replicated parameter: a
+        model that forgets to reduce one (say, a QK norm's weight over the heads it was split by),
+        or a scheduler stepped on one TP rank only, would otherwise train the replicas apart without
+        a word. Returns this rank's error, the same on the TP group."""
         digests = self._replicated_digests()
-        row = torch.cat([torch.tensor([int(error is not None)], dtype=torch.int64), got, digests.view(torch.int64)])
+        row = torch.cat([torch.tensor([int(error is not None), hyper_parameters], dtype=torch.int64), got,
+                         digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
         if error is not None:
             return error
         failed = table[:, 0] != 0
         if failed.any():
             return f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's check (see their error)"
+        hyper = table[:, 1]
+        if not torch.all(hyper == hyper[0]):
+            return (f"TP ranks disagree on the hyper-parameters in param_groups: TP rank(s) "
+                    f"{ranks_of(hyper != hyper[self.tp.rank])} differ from TP rank {self.tp.rank} (a scheduler "
+                    "or an edit that ran on some ranks only?)")
+        table = torch.cat([table[:, :1], table[:, 2:]], dim=1)  # drop the digest column
         got_table = table[:, 1:1 + got.numel()]
         if not torch.all(got_table == got_table[0]):
             differs = int(torch.nonzero((got_table != got_table[0]).any(dim=0))[0])
@@ -209,7 +229,8 @@ class GradientSync:
             name = self._replicated[int(bad[0])]
             return (f"the gradient of TP-replicated parameter {name!r} differs between TP ranks: the model "
                     "must reduce it over the TP group (as Megatron's finalize_model_grads or a Replicate "
-                    "DTensor does), or its replicas drift apart")
+                    "DTensor does), and nothing may edit one rank's gradients (clip with "
+                    "optimizer.clip_grad_norm_, not torch.nn.utils.clip_grad_norm_), or the replicas drift apart")
         return None
 
     def _replicated_digests(self) -> Tensor:
@@ -230,6 +251,9 @@ class GradientSync:
         return out.flatten()
 
 
+STALE_GRADIENTS = ("backward accumulated the gradient of {name!r} onto the last step's: call "
+                   "optimizer.zero_grad() or model.zero_grad() between steps (after a step the buffers hold "
+                   "reduced gradients, which a backward must not add to)")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
 

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan
 from canzona.dp.policies import DEFAULT_ALIGN
-from canzona.errors import PlanError, SpecError
+from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fileio import is_finite_number
 from canzona.optimizers import (
     AdamWConfig,
@@ -183,6 +183,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, p in pairs:
                 if name in params:
                     raise SpecError(f"parameter {name!r} is given twice")
+                if not p.requires_grad:
+                    raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
+                                    "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
+                                    "and ModelSpec.from_module skip them)")
                 check_local_param(name, p, self.spec.param(name), self.tp, tp_ranks)
                 params[name] = p
         missing = [p.name for p in self.spec.params if p.name not in params]
@@ -220,12 +224,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "policy": f"{self.policy.name} ({self.tp_mode})",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
-        self.comm.check_agreement({**shared, "TP rank": str(self.tp_rank),
-                                   "initial parameters": _parameters_checksum(self.params.values())})
-        if self.tp_comm is not None:
-            replicated = [self.params[p.name] for p in self.spec.params if p.tp_dim is None]
-            self.tp_comm.check_agreement({**shared, "DP rank": str(self.rank),
-                                          "initial TP-replicated parameters": _parameters_checksum(replicated)})
+        dp_facts = {**shared, "TP rank": str(self.tp_rank),
+                    "initial parameters": _parameters_checksum(self.params.values())}
+        if self.tp_comm is None:
+            self.comm.check_agreement(dp_facts)
+            return
+        # three rounds, so that every rank of the cluster ends with an error when any group fails
+        # (a DP group that failed alone would leave its TP peers waiting in the TP check)
+        error = self.comm.agreement_error(dp_facts)
+        replicated = [self.params[p.name] for p in self.spec.params if p.tp_dim is None]
+        tp_error = self.tp_comm.agreement_error({
+            **shared, "DP rank": str(self.rank),
+            "initial TP-replicated parameters": _parameters_checksum(replicated),
+            "data-parallel agreement check (failed on the ranks named; see their error)":
+                "failed" if error is not None else "passed"})
+        error = error or tp_error
+        failed = self.comm.all_gather_values(torch.tensor([int(error is not None)]), "agreement verdict")[:, 0]
+        if error is None and failed.any():
+            error = (f"the TP group of DP rank(s) {[int(r) for r in torch.nonzero(failed).flatten()]} failed "
+                     "the agreement check (see their error)")
+        if error is not None:
+            raise PlanError(error)
 
     # --- gradient synchronisation ------------------------------------------------------------
 
@@ -280,8 +299,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- the step ----------------------------------------------------------------------------
 
+    # torch.amp.GradScaler hands optimizers that say so their scaler instead of unscaling their
+    # gradients itself: here it must not touch them at all (see step)
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D401 - torch.optim signature
+    def step(self, closure=None, grad_scaler=None):  # noqa: D401 - torch.optim signature
+        if grad_scaler is not None:
+            raise CanzonaError("torch.amp.GradScaler is not supported: gradients are reduced from backward "
+                               "hooks, before GradScaler.unscale_ could scale them; train in bf16, or scale "
+                               "the loss and the learning rate yourself")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -294,7 +321,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm.log.step += 1
         if self.tp_comm is not None:
             self.tp_comm.log.step += 1
-        self.grads.reset()
+        self.grads.stepped()
         return loss
 
     def _gather_params(self) -> None:

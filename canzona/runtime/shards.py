@@ -124,8 +124,12 @@ def check_local_param(name: str, p: Tensor, spec: ParamSpec, tp: int, tp_ranks: 
     local = tuple(local_tensor(p).shape)
     if local != want_local:
         what = "its local shard" if tp > 1 else "it"
+        hint = ""
+        if tp > 1 and local == spec.shape:
+            hint = ("; the spec must describe the global model: ModelSpec.from_module(model, tp_size=tp) for "
+                    "Megatron-style shards, or give each rank its shard")
         raise PlanError(f"parameter {name!r}: {what} has shape {local}, but the model spec at tp={tp} needs "
-                        f"{want_local}")
+                        f"{want_local}{hint}")
 
 
 def same_storage(p: Tensor, view: Tensor) -> bool:
