@@ -221,10 +221,14 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
             gathered.update(eng.collective("gather split gradients", group, cost, DP_COMM,
                                            {r: [start] for r in group}))
     ready: dict[int, simpy.Event] = {}
+    schedules: dict[int, TPSchedule] = {}
     for i in range(cl.dp):
         # a replicated policy's plan is made for one DP rank (sim.simulate): every group runs it
-        schedule = tp_schedule(ctx.plan, ctx.spec, ctx.policy, 0 if ctx.policy.replicated else i,
-                               ctx.tp_mode, ctx.workload.grad_bytes, ctx.workload.grad_bytes)
+        plan_rank = 0 if ctx.policy.replicated else i
+        if plan_rank not in schedules:
+            schedules[plan_rank] = tp_schedule(ctx.plan, ctx.spec, ctx.policy, plan_rank, ctx.tp_mode,
+                                               ctx.workload.grad_bytes, ctx.workload.grad_bytes)
+        schedule = schedules[plan_rank]
         members = cl.tp_group(i)
         applied = run_schedule(ctx, members, schedule, {r: gathered[r] for r in members})
         for r in members:
