@@ -152,6 +152,16 @@ class Comm:
                         f"({name} {facts[name][:16]} here)")
         return None
 
+    def spread_failure(self, error: str | None, name: str, failed_what: str) -> str | None:
+        """Every member learns whether any member has an error (one small all-gather, logged as
+        `name`): returns this rank's own error, or one naming the members that failed
+        (`failed_what` says what they are), or None."""
+        failed = self.all_gather_values(torch.tensor([int(error is not None)]), name)[:, 0]
+        if error is None and failed.any():
+            ranks = [int(r) for r in torch.nonzero(failed).flatten()]
+            return f"{failed_what.format(ranks=ranks)} (see their error)"
+        return error
+
     def all_gather_values(self, values: Tensor, name: str) -> Tensor:
         """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank)."""
         every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)

@@ -109,7 +109,7 @@ class MatrixStep:
         self.update_dtype = update_dtype
         self.device = device
         self.streams = Streams(device)
-        self.header_words = UPDATE_HEADER_BYTES // torch.empty(0, dtype=update_dtype).element_size()
+        self.header_words = UPDATE_HEADER_BYTES // update_dtype.itemsize
         # seconds per stage ("issue", "wait", "compute", "apply"), added up while a dict is set
         # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
         self.profile: dict[str, float] | None = None

@@ -187,10 +187,8 @@ class GradientSync:
             error = self._check_tp(error, got, hyper_parameters)
             # a TP group's failure reaches the other DP ranks too, so that every rank in the
             # cluster stops here instead of waiting in the step's collectives
-            failed = self.dp.all_gather_values(torch.tensor([int(error is not None)]), "tp verdict")[:, 0]
-            if error is None and failed.any():
-                error = (f"the TP group of DP rank(s) {ranks_of(failed != 0)} failed this step's check "
-                         "(see their error)")
+            error = self.dp.spread_failure(error, "tp verdict",
+                                           "the TP group of DP rank(s) {ranks} failed this step's check")
         if error is not None:
             raise CanzonaError(error)
         self.got_anywhere = got

@@ -160,7 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         update_dtype = torch.float32 if self.master_weights else grad_dtype
         self.schedule: TPSchedule = tp_schedule(
             self.plan, spec, self.policy, self.rank, self.tp_mode,
-            grad_bytes=_itemsize(grad_dtype), update_bytes=_itemsize(update_dtype))
+            grad_bytes=grad_dtype.itemsize, update_bytes=update_dtype.itemsize)
         # the matrices whose shards this rank updates, and those whose full update (and optimizer
         # state) it computes: the same at TP = 1
         self.applies = [t.name for t in self.schedule.tasks()]
@@ -239,10 +239,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "data-parallel agreement check (failed on the ranks named; see their error)":
                 "failed" if error is not None else "passed"})
         error = error or tp_error
-        failed = self.comm.all_gather_values(torch.tensor([int(error is not None)]), "agreement verdict")[:, 0]
-        if error is None and failed.any():
-            error = (f"the TP group of DP rank(s) {[int(r) for r in torch.nonzero(failed).flatten()]} failed "
-                     "the agreement check (see their error)")
+        error = self.comm.spread_failure(error, "agreement verdict",
+                                         "the TP group of DP rank(s) {ranks} failed the agreement check")
         if error is not None:
             raise PlanError(error)
 
@@ -493,10 +491,6 @@ def _exclude(buf: FlatBuffer, names: set[str], lo: int, hi: int) -> list[Tensor]
         pos = e
     out.append(buf.reduced[pos:hi])
     return out
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 @torch.no_grad()
