@@ -43,12 +43,12 @@ class Kernel:
     solver: str = ""  # "eigh" or "qr" for solver kernels
 
 
-def _gemm(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
+def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
     b = DTYPE_BYTES[dtype]
     return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n + m * n)), dtype, count, (m, n, k))
 
 
-def _elementwise(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
+def elementwise_kernel(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
     return Kernel(name, "elementwise", flops_per * numel, bytes_per * numel, dtype)
 
 
@@ -62,16 +62,16 @@ def muon_kernels(m: int, n: int, cfg: MuonConfig) -> list[Kernel]:
     mn, dt = m * n, cfg.ns_dtype
     nb = DTYPE_BYTES[dt]
     ks = [
-        _elementwise("momentum", mn, 4, 6 * FP32),
-        _elementwise("normalize", mn, 3, FP32 + 2 * nb),
+        elementwise_kernel("momentum", mn, 4, 6 * FP32),
+        elementwise_kernel("normalize", mn, 3, FP32 + 2 * nb),
     ]
     for i in range(cfg.ns_steps):
         ks += [
-            _gemm(f"ns{i}.gram", s, s, big, dt),  # A = X Xᵀ
-            _gemm(f"ns{i}.square", s, s, s, dt),  # B = bA + cA²
-            _gemm(f"ns{i}.update", s, big, s, dt),  # X = aX + BX
+            gemm_kernel(f"ns{i}.gram", s, s, big, dt),  # A = X Xᵀ
+            gemm_kernel(f"ns{i}.square", s, s, s, dt),  # B = bA + cA²
+            gemm_kernel(f"ns{i}.update", s, big, s, dt),  # X = aX + BX
         ]
-    ks.append(_elementwise("apply", mn, 4, 2 * FP32 + nb))
+    ks.append(elementwise_kernel("apply", mn, 4, 2 * FP32 + nb))
     return ks
 
 
@@ -86,14 +86,14 @@ def soap_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
     ks: list[Kernel] = []
     for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim)):
         ks += [
-            _gemm(f"side{side}.stats", k, k, other, dt),
-            _gemm(f"side{side}.project_grad", k, other, k, dt),
-            _gemm(f"side{side}.project_exp_avg", k, other, k, dt),
-            _gemm(f"side{side}.project_back", k, other, k, dt),
-            _gemm(f"side{side}.power_iter", k, k, k, dt, count=1.0 / f),
+            gemm_kernel(f"side{side}.stats", k, k, other, dt),
+            gemm_kernel(f"side{side}.project_grad", k, other, k, dt),
+            gemm_kernel(f"side{side}.project_exp_avg", k, other, k, dt),
+            gemm_kernel(f"side{side}.project_back", k, other, k, dt),
+            gemm_kernel(f"side{side}.power_iter", k, k, k, dt, count=1.0 / f),
             _solver(f"side{side}.qr", "qr", k, 4.0 / 3.0 * k**3, 1.0 / f, dt),
         ]
-    ks.append(_elementwise("rotated_adam", m * n, 12, 8 * FP32))
+    ks.append(elementwise_kernel("rotated_adam", m * n, 12, 8 * FP32))
     return ks
 
 
@@ -103,19 +103,19 @@ def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
     ks: list[Kernel] = []
     for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_preconditioner_dim)):
         ks += [
-            _gemm(f"side{side}.stats", k, k, other, dt),
-            _gemm(f"side{side}.precondition", k, other, k, dt),
+            gemm_kernel(f"side{side}.stats", k, k, other, dt),
+            gemm_kernel(f"side{side}.precondition", k, other, k, dt),
             _solver(f"side{side}.eigh_root", "eigh", k, 9.0 * k**3, 1.0 / f, dt),
         ]
     if cfg.grafting:
-        ks.append(_elementwise("adam_grafting", m * n, 12, 8 * FP32))
-    ks.append(_elementwise("apply", m * n, 3, 3 * FP32))
+        ks.append(elementwise_kernel("adam_grafting", m * n, 12, 8 * FP32))
+    ks.append(elementwise_kernel("apply", m * n, 3, 3 * FP32))
     return ks
 
 
 def adamw_kernels(numel: int, cfg: AdamWConfig) -> list[Kernel]:
     """One fused pass: read param, grad, two moments; write param and moments."""
-    return [_elementwise("adamw", numel, 10, 7 * FP32)]
+    return [elementwise_kernel("adamw", numel, 10, 7 * FP32)]
 
 
 def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> list[Kernel]:
@@ -197,12 +197,33 @@ class DeviceRate:
     sms: int | None = None
     tile: int = 128
     solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # measured efficiency (of `peak_flops`) by FLOPs of one GEMM, per dtype: replaces the
+    # datasheet efficiency and the wave model for the dtypes it covers
+    gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    peak_flops: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile) -> DeviceRate:
         g = profile.gpu
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
-                   g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds)
+                   g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds,
+                   dict(getattr(profile, "gemm_curve", {}) or {}), dict(g.peak_flops))
+
+    def curve_efficiency(self, dtype: str, flops: float) -> float | None:
+        """Measured efficiency at `flops`, interpolated linearly in log(flops) and held flat
+        beyond the measured range; None without a curve for `dtype`."""
+        pts = self.gemm_curve.get(dtype)
+        if not pts:
+            return None
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        if flops >= pts[-1][0]:
+            return pts[-1][1]
+        for (f0, e0), (f1, e1) in zip(pts, pts[1:]):
+            if f0 <= flops <= f1:
+                w = math.log(flops / f0) / math.log(f1 / f0) if f1 > f0 else 0.0
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
 
     def solver_time(self, k: Kernel) -> float | None:
         """Measured seconds of one eigh / QR of size k, interpolated log-log in the profile's table
@@ -222,19 +243,36 @@ class DeviceRate:
                 return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
         return None
 
-    def gemm_flops_issued(self, k: Kernel) -> float:
+    def gemm_flops_issued(self, k: Kernel, split: int = 1) -> float:
         """FLOPs the GPU spends: with `sms` set, whole waves of `tile x tile` output tiles (a partial
-        tile or a partial wave costs as much as a full one), else the GEMM's own FLOPs."""
+        tile or a partial wave costs as much as a full one), each tile's depth cut into `split`
+        slices (split-K), else the GEMM's own FLOPs."""
         if self.sms is None:
             return k.flops
         m, n, depth = k.gemm
         tiles = -(-m // self.tile) * -(-n // self.tile)
-        waves = -(-tiles // self.sms)
-        return 2.0 * depth * self.tile * self.tile * self.sms * waves
+        waves = -(-(tiles * split) // self.sms)
+        return 2.0 * depth / split * self.tile * self.tile * self.sms * waves
+
+    def _gemm_seconds(self, k: Kernel) -> float:
+        """Roofline of one GEMM. An output of too few tiles to fill the SMs may have its depth split
+        (split-K, as cuBLAS does for deep, narrow GEMMs), paying for the fp32 partial sums it writes
+        and reads back; the cheapest split counts (each split's time grows with every dimension, so
+        the minimum does too)."""
+        rate = self.gemm_flops[k.dtype]
+        m, n, _ = k.gemm
+        best = math.inf
+        for split in (1, 2, 4, 8, 16) if self.sms is not None else (1,):
+            partials = 2 * 4 * (split - 1) * m * n
+            best = min(best, max(self.gemm_flops_issued(k, split) / rate, (k.bytes + partials) / self.hbm_bytes_per_s))
+        return best
 
     def kernel_seconds(self, k: Kernel) -> float:
         if k.kind == "gemm":
-            work, rate = self.gemm_flops_issued(k), self.gemm_flops[k.dtype]
+            measured = self.curve_efficiency(k.dtype, k.flops)
+            if measured is None or k.dtype not in self.peak_flops:
+                return k.count * (self._gemm_seconds(k) + self.launch_s)
+            work, rate = k.flops, self.peak_flops[k.dtype] * measured
         elif k.kind == "solver":
             measured = self.solver_time(k)
             if measured is not None:

@@ -181,7 +181,7 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
 
 def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
-                global_batch: int, micro_batch: int, tp_mode: str):
+                global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -190,7 +190,15 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
                      dp_policy=dp_policy or "alpha-balanced",
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
-                     workload=Workload(seq_len, global_batch, micro_batch))
+                     workload=Workload(seq_len, global_batch, micro_batch), options=options,
+                     zero1_fallback=zero1_fallback)
+
+
+def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
+                 uneven: str):
+    from sim.options import RunOptions
+
+    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven)
 
 
 Model = Annotated[str, typer.Option(help="Catalog model name.")]
@@ -210,6 +218,12 @@ GlobalBatch = Annotated[int, typer.Option(
     help=f"Sequences per iteration (at most {MAX_MICRO_BATCHES} micro-batches per DP rank).")]
 MicroBatch = Annotated[int, typer.Option(help="Sequences per micro-batch per DP rank.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
+OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
+TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
+Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
+Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's: all-to-all, broadcasts), loops (grouped reduce / broadcast) or padded.")]
 
 
 @app.command()
@@ -220,6 +234,9 @@ def simulate(
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
+    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
+    zero1_fallback: Fallback = True,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -229,7 +246,9 @@ def simulate(
 
     try:
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
-                             capacity, hardware, seq_len, global_batch, micro_batch, tp_mode)
+                             capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
+                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
+                             zero1_fallback)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -253,6 +272,9 @@ def compare(
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
+    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
+    zero1_fallback: Fallback = True,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -264,7 +286,9 @@ def compare(
 
     try:
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
-                           capacity, hardware, seq_len, global_batch, micro_batch, tp_mode)
+                           capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
+                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
+                           zero1_fallback)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

@@ -31,10 +31,12 @@ from canzona.step_schedule import (
     TPSchedule,
     tp_schedule,
 )
-from sim.collectives import all_to_all_cost, collective_cost, uneven_cost
+from sim.collectives import CollectiveCost, all_to_all_cost, collective_cost, uneven_cost
 from sim.engine import Engine
+from sim.model_work import MicroBatchWork
+from sim.options import RunOptions
 from sim.topology import Cluster
-from sim.workload import Workload, forward_flops
+from sim.workload import Workload
 
 TP_COMM, DP_COMM = "tp-comm", "dp-comm"
 
@@ -50,7 +52,13 @@ class Context:
     workload: Workload
     plan: Plan
     policy: StepPolicy
+    work: MicroBatchWork
     tp_mode: str = "pipelined"
+    options: RunOptions = RunOptions()
+
+    @property
+    def hidden(self) -> int:
+        return self.cfg.hidden
 
     @property
     def tp(self) -> int:
@@ -68,16 +76,13 @@ class Context:
     def adamw_seconds(self, numel: int) -> float:
         return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))
 
-    def flops_seconds(self, flops: float) -> float:
-        g = self.hw.gpu
-        return flops / (g.peak_flops["bf16"] * g.model_flops_utilization)
-
 
 # --- phase A ----------------------------------------------------------------------------------
 
 
 def _bucket_first_layers(ctx: Context) -> list[int]:
-    """Backward reaches a bucket's gradients all computed after the lowest layer it holds."""
+    """Backward reaches a bucket's gradients all computed after the lowest layer it holds; forward
+    needs a bucket's parameters at that same layer."""
     firsts = []
     for b in ctx.plan.dp_plan.buckets:
         layers = [ctx.spec.param(p.name).layer for p in b.params]
@@ -90,7 +95,8 @@ def grad_sync_cost(ctx: Context, bucket: BucketPlan):
     nbytes = ctx.workload.grad_bytes
     if ctx.policy.grad_sync == "all-reduce":
         return collective_cost("all-reduce", bucket.size * nbytes, geo, ctx.hw)
-    return uneven_cost("reduce-scatter", [n * nbytes for n in bucket.segment_lengths()], geo, ctx.hw)
+    return uneven_cost("reduce-scatter", [n * nbytes for n in bucket.segment_lengths()], geo, ctx.hw,
+                       ctx.options.uneven)
 
 
 def adamw_sync_cost(ctx: Context):
@@ -98,18 +104,44 @@ def adamw_sync_cost(ctx: Context):
     return collective_cost(op, ctx.adamw_local_numel() * ctx.workload.grad_bytes, ctx.cluster.dp_geometry(), ctx.hw)
 
 
+def param_gather_costs(ctx: Context) -> list[tuple[str, CollectiveCost]]:
+    """The all-gather(-v) of the updated parameters over one DP group: AdamW's, then each bucket's."""
+    if not ctx.policy.gathers_params:
+        return []
+    geo, nbytes = ctx.cluster.dp_geometry(), ctx.workload.param_bytes
+    out = [("param gather adamw", collective_cost("all-gather", ctx.adamw_local_numel() * nbytes, geo, ctx.hw))]
+    for b in ctx.plan.dp_plan.buckets:
+        if ctx.policy.param_gather == PARAMS_BY_OWNER:
+            segments = [0] * ctx.cluster.dp
+            for p in b.params:
+                segments[p.owner] += p.numel
+        else:
+            segments = list(b.segment_lengths())
+        out.append((f"param gather bucket {b.index}",
+                    uneven_cost("all-gather", [n * nbytes for n in segments], geo, ctx.hw, ctx.options.uneven)))
+    return out
+
+
 def _groups(ranks: Sequence[int], groups: Sequence[Sequence[int]]) -> list[list[int]]:
     chosen = set(ranks)
     return [[r for r in g if r in chosen] for g in groups if any(r in chosen for r in g)]
 
 
-def forward_backward(ctx: Context, ranks: Sequence[int] = (0,)) -> tuple[dict[int, simpy.Event], simpy.Event]:
+@dataclass
+class PhaseA:
+    last: dict[int, simpy.Event]  # each rank's last backward kernel
+    synced: simpy.Event  # every gradient synchronised
+    stalls: list[float]  # forward waits for parameters still being gathered
+
+
+def forward_backward(ctx: Context, ranks: Sequence[int] = (0,)) -> PhaseA:
     """Phase A on `ranks` (by default rank 0 alone, which stands for every rank: see the module
-    docstring). Collectives are priced for their real groups either way. Returns each rank's last
-    backward kernel and the event of all gradients synchronised."""
-    eng, wl, cl = ctx.engine, ctx.workload, ctx.cluster
-    flops = forward_flops(ctx.cfg, ctx.spec, wl)
-    act = wl.tokens_per_micro_batch * ctx.cfg.hidden * wl.activation_bytes
+    docstring). Collectives are priced for their real groups either way. With overlapped parameter
+    gathers (steady state), the previous step's all-gathers run under this forward, bucket by
+    bucket in the order the forward needs them."""
+    eng, wl, cl, opts = ctx.engine, ctx.workload, ctx.cluster, ctx.options
+    work = ctx.work
+    act = wl.tokens_per_micro_batch * ctx.hidden * wl.activation_bytes
     ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
     rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
     tp_groups = _groups(ranks, [cl.tp_group(i) for i in range(cl.dp)])
@@ -119,69 +151,108 @@ def forward_backward(ctx: Context, ranks: Sequence[int] = (0,)) -> tuple[dict[in
 
     done = eng.env.event().succeed()
     last: dict[int, simpy.Event] = {r: done for r in ranks}
+    stalls: list[float] = []
 
-    def collective(name: str, groups: list[list[int]], cost, stream: str) -> dict[int, simpy.Event]:
+    def collective(name: str, groups: list[list[int]], cost, stream: str,
+                   after: dict[int, list[simpy.Event]] | None = None) -> dict[int, simpy.Event]:
         out: dict[int, simpy.Event] = {}
         for g in groups:
-            out.update(eng.collective(name, g, cost, stream, {r: [last[r]] for r in g}))
+            out.update(eng.collective(name, g, cost, stream, {r: (after or {}).get(r, [last[r]]) for r in g}))
         return out
 
-    def compute(name: str, seconds: float) -> None:
+    def compute(name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None) -> None:
         for r in ranks:
-            last[r] = eng.compute(r, name, seconds, [last[r]])
+            last[r] = eng.compute(r, name, seconds, [last[r]] + (extra or {}).get(r, []))
 
-    def block(name: str, seconds: float) -> None:
-        """Sequence-parallel block: all-gather in, compute, reduce-scatter out (TP > 1)."""
-        if ctx.tp > 1:
-            last.update(collective(f"{name} all-gather", tp_groups, ag, TP_COMM))
-        compute(name, seconds)
-        if ctx.tp > 1:
+    def block(name: str, b, gathers_input: int) -> None:
+        """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
+        overlapped as Transformer Engine's TP communication overlap does, or in series."""
+        if ctx.tp == 1:
+            compute(name, b.seconds)
+            return
+        if not opts.tp_comm_overlap:
+            for _ in range(gathers_input):
+                last.update(collective(f"{name} all-gather", tp_groups, ag, TP_COMM))
+            compute(name, b.seconds)
             last.update(collective(f"{name} reduce-scatter", tp_groups, rs, TP_COMM))
+            return
+        start = dict(last)
+        gathered = start
+        for _ in range(gathers_input):
+            gathered = collective(f"{name} all-gather", tp_groups, ag, TP_COMM, {r: [gathered[r]] for r in ranks})
+        compute(f"{name} first", b.first_s)
+        compute(f"{name} middle", b.middle_s, {r: [gathered[r]] for r in ranks})
+        before_last = dict(last)
+        compute(f"{name} last", b.last_s)
+        scattered = collective(f"{name} reduce-scatter", tp_groups, rs, TP_COMM, {r: [before_last[r]] for r in ranks})
+        joined = {r: eng.env.all_of([last[r], scattered[r]]) for r in ranks}
+        last.update(joined)
+
+    # steady state: the last step's parameter all-gathers, issued as the forward needs them
+    needed: dict[int, list[simpy.Event]] = {}
+    if opts.overlap_param_gather:
+        gathers = param_gather_costs(ctx)
+        order = sorted(range(1, len(gathers)), key=lambda i: firsts[i - 1])  # forward order
+        for i in [0] + order if gathers else []:
+            name, cost = gathers[i]
+            evs = collective(name, dp_groups, cost, DP_COMM, {r: [] for r in ranks})
+            needed.setdefault(0 if i == 0 else firsts[i - 1], []).extend(evs.values())
+
+    def stall_probe(before: simpy.Event, wanted: list[simpy.Event]):
+        yield before
+        t0 = eng.now
+        yield eng.env.all_of(wanted)
+        stalls.append(eng.now - t0)
 
     syncs: list[simpy.Event] = []
     for mb in range(micro_batches):
-        for layer, f in enumerate(flops.per_layer):
-            for part in (1, 2):
-                block(f"mb{mb} fwd layer {layer}.{part}", ctx.flops_seconds(f / 2 / ctx.tp))
-        compute(f"mb{mb} fwd head", ctx.flops_seconds(flops.head / ctx.tp))
-        compute(f"mb{mb} bwd head", ctx.flops_seconds(2 * flops.head / ctx.tp))
-        for layer in reversed(range(len(flops.per_layer))):
-            for part in (2, 1):
-                block(f"mb{mb} bwd layer {layer}.{part}", ctx.flops_seconds(2 * flops.per_layer[layer] / 2 / ctx.tp))
-            if mb == micro_batches - 1:
-                for bi, first in enumerate(firsts):
-                    if first == layer:
-                        cost = grad_sync_cost(ctx, ctx.plan.dp_plan.buckets[bi])
-                        syncs += collective(f"grad sync bucket {bi}", dp_groups, cost, DP_COMM).values()
+        for layer in range(work.layers):
+            if mb == 0 and layer in needed:
+                waits = needed[layer]
+                eng.env.process(stall_probe(last[ranks[0]], waits))
+                for r in ranks:
+                    last[r] = eng.env.all_of([last[r]] + waits)
+            for b in work.forward[layer]:
+                block(f"mb{mb} fwd {b.name}", b, 1)
+        compute(f"mb{mb} fwd head", work.head_forward_s)
+        compute(f"mb{mb} bwd head", work.head_backward_s)
+        for layer in reversed(range(work.layers)):
+            for b in work.backward[layer]:
+                # backward re-gathers the block input for the weight gradients (sequence parallel)
+                block(f"mb{mb} bwd {b.name}", b, 2)
+            if mb == micro_batches - 1 and opts.overlap_grad_reduce:
+                syncs += _grad_syncs(ctx, layer, firsts, collective, dp_groups)
+    if not opts.overlap_grad_reduce:
+        for layer in reversed(range(work.layers)):
+            syncs += _grad_syncs(ctx, layer, firsts, collective, dp_groups)
     syncs += collective("grad sync adamw", dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
-    return dict(last), eng.env.all_of(syncs)
+    return PhaseA(dict(last), eng.env.all_of(syncs), stalls)
+
+
+def _grad_syncs(ctx: Context, layer: int, firsts: list[int], collective, dp_groups) -> list[simpy.Event]:
+    out: list[simpy.Event] = []
+    for bi, first in enumerate(firsts):
+        if first == layer:
+            cost = grad_sync_cost(ctx, ctx.plan.dp_plan.buckets[bi])
+            out += collective(f"grad sync bucket {bi}", dp_groups, cost, DP_COMM).values()
+    return out
 
 
 # --- phase B ----------------------------------------------------------------------------------
 
 
 def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Event]:
-    """All-gather(-v) of the updated parameters over each DP group, bucket by bucket."""
-    if not ctx.policy.gathers_params:
+    """All-gather(-v) of the updated parameters over each DP group, bucket by bucket, at the end of
+    the step (when they are not overlapped with the next forward)."""
+    if not ctx.policy.gathers_params or ctx.options.overlap_param_gather:
         return list(ready.values())
-    eng, dpp, nbytes = ctx.engine, ctx.plan.dp_plan, ctx.workload.param_bytes
-    geo = ctx.cluster.dp_geometry()
     done: list[simpy.Event] = []
+    costs = param_gather_costs(ctx)
     for t in range(ctx.tp):
         group = ctx.cluster.dp_group(t)
         after = {r: [ready[r]] for r in group}
-        for b in dpp.buckets:
-            if ctx.policy.param_gather == PARAMS_BY_OWNER:
-                owned = [0] * ctx.cluster.dp
-                for p in b.params:
-                    owned[p.owner] += p.numel
-                segments = owned
-            else:
-                segments = b.segment_lengths()
-            cost = uneven_cost("all-gather", [n * nbytes for n in segments], geo, ctx.hw)
-            done += eng.collective(f"param gather bucket {b.index}", group, cost, DP_COMM, after).values()
-        adamw = collective_cost("all-gather", ctx.adamw_local_numel() * nbytes, geo, ctx.hw)
-        done += eng.collective("param gather adamw", group, adamw, DP_COMM, after).values()
+        for name, cost in costs[1:] + costs[:1]:
+            done += ctx.engine.collective(name, group, cost, DP_COMM, after).values()
     return done
 
 
@@ -194,7 +265,9 @@ def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Even
 def _split_gather_costs(ctx: Context):
     """zero1-gather: bytes each DP rank sends and receives to assemble its split matrices."""
     dpp, d, nbytes = ctx.plan.dp_plan, ctx.cluster.dp, ctx.workload.grad_bytes
-    send, recv = [0.0] * d, [0.0] * d
+    cl = ctx.cluster
+    node = [cl.node_of(cl.rank(i, 0)) for i in range(d)]
+    send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
     for b in dpp.buckets:
         for p in b.params:
             holders = b.ranks_overlapping(p)
@@ -205,7 +278,10 @@ def _split_gather_costs(ctx: Context):
                         part = (min(hi, p.end) - max(lo, p.offset)) * nbytes
                         send[j] += part
                         recv[r] += part
-    return all_to_all_cost(send, recv, ctx.cluster.dp_geometry(), ctx.hw)
+                        if node[j] != node[r]:
+                            send_off[j] += part
+                            recv_off[r] += part
+    return all_to_all_cost(send, recv, cl.dp_geometry(), ctx.hw, send_off, recv_off)
 
 
 def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:

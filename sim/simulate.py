@@ -8,7 +8,7 @@ gradient synchronisation to the parameters being updated and gathered.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,21 @@ from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import Capacity
 from sim.engine import Engine, Span
 from sim.iteration import Context, forward_backward, optimizer_step
+from sim.model_work import micro_batch_work
+from sim.options import RunOptions
 from sim.topology import Cluster
-from sim.workload import Workload
+from sim.workload import Workload, forward_flops
 
 DEFINITIONS = {
-    "iteration_time_s": "start of the first forward to parameters ready for the next iteration",
-    "optimizer_step_s": "end of gradient synchronisation to parameters updated and gathered",
+    "iteration_time_s": "start of the first forward to parameters ready for the next iteration (steady "
+                        "state: with overlapped parameter gathers, the previous step's all-gathers run "
+                        "under this forward and the iteration ends when every rank has updated its parameters)",
+    "optimizer_step_s": "end of gradient synchronisation to parameters updated (and all-gathered, when the "
+                        "parameter all-gather is not overlapped with the next forward)",
+    "param_gather_exposed_s": "time the forward waited for parameters still being all-gathered (overlapped "
+                              "parameter gathers only)",
+    "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
+           "second per GPU, over the bf16 dense peak",
 }
 
 
@@ -48,6 +57,8 @@ class SimConfig:
     capacity: Capacity | None = None
     hardware: str = DEFAULT_PROFILE
     workload: Workload = field(default_factory=Workload)
+    options: RunOptions = field(default_factory=RunOptions)
+    zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
 
     def check(self) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
@@ -56,6 +67,7 @@ class SimConfig:
         check_matrix_optimizer(self.optimizer)
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         check_tp_mode(self.tp_mode)
+        self.options.check()
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
         get_model(self.model, self.tp)
         self.workload.micro_batches(cluster.dp)
@@ -70,10 +82,13 @@ class SimResult:
     optimizer_step_s: float
     forward_backward_s: float
     grad_sync_end_s: float
+    param_gather_exposed_s: float
+    mfu: float
     breakdown: dict[str, float]
     optimizer_breakdown: dict[str, float]
     rank_optimizer_s: tuple[float, ...]
     spans: tuple[Span, ...] = field(repr=False)
+    fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
 
     def to_dict(self) -> dict[str, Any]:
         cfg = self.config
@@ -93,6 +108,10 @@ class SimResult:
             "optimizer_step_s": self.optimizer_step_s,
             "forward_backward_s": self.forward_backward_s,
             "grad_sync_end_s": self.grad_sync_end_s,
+            "param_gather_exposed_s": self.param_gather_exposed_s,
+            "fell_back_to": self.fell_back_to,
+            "mfu": self.mfu,
+            "options": asdict(cfg.options),
             "breakdown": self.breakdown,
             "optimizer_breakdown": self.optimizer_breakdown,
             "rank_optimizer_s": list(self.rank_optimizer_s),
@@ -153,18 +172,40 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
-    every rank (they are identical); without it every rank runs it, for checking that claim."""
+    every rank (they are identical); without it every rank runs it, for checking that claim.
+
+    canzona with `zero1_fallback` (its own plan only) is also simulated as its ZeRO-1 fallback
+    (`zero1-gather`: even segments, split matrices computed redundantly) and the faster of the two
+    is returned, marked in `fell_back_to`. Whole matrices force uneven collectives; once the DP
+    group outnumbers the matrices of a bucket (DP 512+ on Qwen3-32B) those cost more than the
+    optimizer work they save, and a planner should say so rather than lose."""
+    result = _simulate(cfg, plan, replicate_phase_a)
+    if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
+        return result
+    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a)
+    if fallback.iteration_time_s < result.iteration_time_s:
+        return replace(fallback, config=cfg, fell_back_to="zero1-gather")
+    return result
+
+
+def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> SimResult:
     cluster = cfg.check()
     hw = load_profile(cfg.hardware)
     plan = plan or _plan_for(cfg, cluster)
     STEP_POLICIES[cfg.policy].check_dp_plan(plan.dp_plan)
     STEP_POLICIES[cfg.policy].check_tp_plan(plan.tp_plan.policy, plan.tp)
     spec = get_model(cfg.model, cfg.tp)
+    arch = get_config(cfg.model)
+    rate = DeviceRate.from_profile(hw)
+    wl = cfg.workload
+    work = micro_batch_work(spec, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_heads * arch.head_dim,
+                            arch.hidden, arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal)
     engine = Engine()
-    ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), get_config(cfg.model), spec, cfg.workload,
-                  plan, STEP_POLICIES[cfg.policy], cfg.tp_mode)
+    ctx = Context(engine, cluster, hw, rate, arch, spec, wl, plan, STEP_POLICIES[cfg.policy], work,
+                  cfg.tp_mode, cfg.options)
 
-    _, synced = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
+    phase = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
+    synced = phase.synced
     engine.run()
     t_sync = engine.now
     phase_a = [s for s in engine.spans if s.rank == 0]
@@ -183,6 +224,8 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     a = _window_breakdown(phase_a, 0.0, t_sync)
     opt = [_window_breakdown(by_rank[r], t_sync, t_end) for r in range(cluster.gpus)]
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
+    model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
+    mfu = model_flops / (t_end * cluster.gpus * hw.gpu.peak_flops["bf16"]) if t_end > 0 else 0.0
     return SimResult(
         config=cfg,
         plan=plan,
@@ -190,6 +233,8 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
         optimizer_step_s=t_end - t_sync,
         forward_backward_s=fb_end,
         grad_sync_end_s=t_sync,
+        param_gather_exposed_s=sum(phase.stalls),
+        mfu=mfu,
         breakdown={k: a[k] + mean[k] for k in a},
         optimizer_breakdown=mean,
         rank_optimizer_s=tuple(o["compute_s"] for o in opt),
@@ -199,8 +244,6 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
 def compare(base: SimConfig, policies: Iterable[str] = tuple(STEP_POLICIES),
             progress: Callable[[str], None] | None = None) -> list[SimResult]:
-    from dataclasses import replace
-
     out = []
     for name in policies:
         if progress:

@@ -57,12 +57,23 @@ def test_simulate_tp_mode():
     """Serial micro-groups wait for every collective; the pipeline overlaps them with compute."""
     steps = {}
     for mode in ("pipelined", "serial"):
-        result = run("simulate", *SMALL, "--tp-mode", mode, "--tp-policy", "tp-chunk", "--json")
+        result = run("simulate", *SMALL, "--tp-mode", mode, "--tp-policy", "tp-chunk", "--no-zero1-fallback",
+                     "--json")
         assert result.exit_code == 0, result.stderr
         d = json.loads(result.stdout)
         assert d["tp_mode"] == mode
         steps[mode] = d["optimizer_step_s"]
     assert steps["pipelined"] < steps["serial"]
+
+
+def test_simulate_run_options_reach_the_result():
+    result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
+                 "--uneven", "padded", "--no-zero1-fallback", "--json")
+    assert result.exit_code == 0, result.stderr
+    d = json.loads(result.stdout)
+    assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
+                            "recompute": "full", "uneven": "padded"}
+    assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 
 def test_simulate_table():
@@ -137,6 +148,8 @@ BAD = [
     (["--seq-len", "0"], ("seq len",)),
     (["--capacity", "lots"], ()),
     (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
+    (["--recompute", "some"], ("unknown recompute mode 'some'",)),
+    (["--uneven", "ring"], ("uneven-collective implementation 'ring'",)),
 ]
 
 

@@ -10,14 +10,15 @@ from hypothesis import strategies as st
 
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
+from sim import nccl
 from sim.collectives import (
     OPS,
+    UNEVEN_IMPLS,
     CollectiveCost,
     all_to_all_cost,
     bus_bandwidth,
     bus_factor,
     collective_cost,
-    latency,
     uneven_cost,
 )
 from sim.topology import Cluster, GroupGeometry
@@ -52,35 +53,63 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
 
 
-# --- closed forms -----------------------------------------------------------------------------
+# --- NCCL's algorithm / protocol selection --------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("size", [1.0, 4096.0, 1e6, 3.7e9])
-def test_all_reduce_inside_a_node_is_alpha_plus_ring_over_nvls(n, size):
-    c = collective_cost("all-reduce", size, intra(n), HW)
-    alpha = BASE + 2 * (n - 1) * NVL_STEP
-    assert c.link == "nvlink"
-    assert close(c.latency_s, alpha)
-    assert close(c.transfer_s, size * 2 * (n - 1) / n / NVLS)
-    assert close(c.seconds, alpha + size * 2 * (n - 1) / n / NVLS)
+def ring_simple(op: str, n: int, nodes: int) -> nccl.Choice:
+    return next(c for c in nccl.candidates(op, n, nodes, n // nodes, HW)
+                if (c.algorithm, c.protocol) == (nccl.RING, nccl.SIMPLE))
 
 
-@pytest.mark.parametrize("op", ["reduce-scatter", "all-gather"])
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_reduce_scatter_and_all_gather_inside_a_node(op, n):
-    size = 123_456_789.0
-    c = collective_cost(op, size, intra(n), HW)
-    assert c.link == "nvlink"
-    assert close(c.latency_s, BASE + (n - 1) * NVL_STEP)
-    assert close(c.transfer_s, size * (n - 1) / n / RING)
+@pytest.mark.parametrize("op,n,nodes,steps,net_steps", [
+    ("reduce-scatter", 8, 1, 7, 0),
+    ("all-gather", 32, 4, 31, 3),
+    ("reduce-scatter", 32, 32, 31, 31),
+    ("all-reduce", 8, 1, 14, 0),
+    ("all-reduce", 64, 8, 126, 16),  # NCCL counts 2 nNodes network steps for a ring all-reduce
+])
+def test_ring_simple_latency_charges_network_latency_only_on_steps_that_cross_nodes(op, n, nodes, steps, net_steps):
+    intra_step = NVL_STEP if nodes == 1 else max(NVL_STEP, 3e-6)  # NCCL floors it at 3x the net overhead
+    want = BASE + (steps - net_steps) * intra_step + net_steps * NET_STEP
+    assert close(ring_simple(op, n, nodes).latency_s, want)
 
 
-def test_all_to_all_inside_a_node_pays_one_step():
-    size = 1e8
-    c = collective_cost("all-to-all", size, intra(8), HW)
-    assert close(c.latency_s, BASE + NVL_STEP)
-    assert close(c.transfer_s, size * 7 / 8 / RING)
+@pytest.mark.parametrize("op", ["all-reduce", "reduce-scatter", "all-gather"])
+@pytest.mark.parametrize("geo", [GroupGeometry(8, 1, 8), GroupGeometry(32, 32, 1), GroupGeometry(64, 8, 8),
+                                 GroupGeometry(2, 1, 2), GroupGeometry(1024, 128, 8)])
+@pytest.mark.parametrize("size", [64.0, 4096.0, 1e6, 1e8, 4e9])
+def test_the_cheapest_candidate_is_chosen(op, geo, size):
+    c = collective_cost(op, size, geo, HW)
+    others = [nccl.sized(x, op, size, geo.size, geo.nodes).seconds(op, size, geo.size)
+              for x in nccl.candidates(op, geo.size, geo.nodes, geo.per_node, HW)]
+    assert c.seconds <= min(others) * (1 + 1e-12)
+    assert c.seconds > 0
+
+
+def test_small_messages_take_ll_large_ones_full_bandwidth():
+    small = collective_cost("all-gather", 4096.0, intra(8), HW)
+    assert small.algorithm == "ring/LL"
+    large = collective_cost("all-gather", 4e9, intra(8), HW)
+    assert large.algorithm in ("ring/Simple", "nvls/Simple")
+    assert close(large.transfer_s, 4e9 * 7 / 8 / RING)
+    ar = collective_cost("all-reduce", 4e9, intra(8), HW)
+    assert ar.algorithm == "nvls/Simple" and close(ar.transfer_s, 4e9 * 2 * 7 / 8 / NVLS)
+
+
+def test_a_1mb_collective_across_nodes_costs_far_less_than_every_step_at_network_latency():
+    """The audit's finding: charging every ring step the network latency priced a 1 MB collective
+    2x-9x above NCCL's own model."""
+    for geo in (GroupGeometry(32, 4, 8), GroupGeometry(64, 8, 8), GroupGeometry(256, 32, 8)):
+        for op in ("reduce-scatter", "all-gather", "all-reduce"):
+            steps = 2 * (geo.size - 1) if op == "all-reduce" else geo.size - 1
+            old = BASE + steps * NET_STEP + 1e6 * bus_factor(op, geo.size) / bus_bandwidth(op, geo, HW)
+            assert collective_cost(op, 1e6, geo, HW).seconds < old / 2
+
+
+def test_all_reduce_across_many_nodes_uses_a_tree_for_medium_sizes():
+    geo = GroupGeometry(128, 128, 1)
+    assert collective_cost("all-reduce", 1e6, geo, HW).algorithm.startswith("tree/")
+    assert collective_cost("all-reduce", 1e10, geo, HW).algorithm.startswith("ring/")
 
 
 def test_dp_group_of_tp8_layout_uses_one_nic():
@@ -88,16 +117,11 @@ def test_dp_group_of_tp8_layout_uses_one_nic():
     cl = Cluster(256, 8, NODE)
     geo = cl.dp_geometry()
     assert (geo.size, geo.nodes, geo.per_node) == (32, 32, 1)
-    n, size = 32, 2.5e9
-    ar = collective_cost("all-reduce", size, geo, HW)
-    assert ar.link == "network"
-    assert close(ar.latency_s, BASE + 2 * (n - 1) * NET_STEP)
-    assert close(ar.transfer_s, size * 2 * (n - 1) / n / NIC)
-    rs = collective_cost("reduce-scatter", size, geo, HW)
-    assert close(rs.latency_s, BASE + (n - 1) * NET_STEP)
-    assert close(rs.transfer_s, size * (n - 1) / n / NIC)
-    ag = collective_cost("all-gather", size, geo, HW)
-    assert close(ag.seconds, rs.seconds)
+    rs = collective_cost("reduce-scatter", 2.5e9, geo, HW)
+    assert rs.link == "network" and rs.algorithm == "ring/Simple"
+    assert close(rs.latency_s, BASE + 31 * NET_STEP)
+    assert close(rs.transfer_s, 2.5e9 * 31 / 32 / NIC)
+    assert close(collective_cost("all-gather", 2.5e9, geo, HW).seconds, rs.seconds)
 
 
 def test_cross_node_bandwidth_scales_with_members_per_node_and_is_capped_by_nvlink():
@@ -108,74 +132,33 @@ def test_cross_node_bandwidth_scales_with_members_per_node_and_is_capped_by_nvli
         assert close(bus_bandwidth(op, geo, HW), 4 * NIC)
     # TP 1 on 16 GPUs: 8 members per node -> 8 * 48 = 384 GB/s, capped by the NVLink ring figure.
     geo1 = Cluster(16, 1, NODE).dp_geometry()
-    assert geo1.per_node == 8
     assert 8 * NIC > RING
     for op in ("all-reduce", "reduce-scatter", "all-gather"):
         assert close(bus_bandwidth(op, geo1, HW), RING)
-    c = collective_cost("all-reduce", 1e9, geo1, HW)
-    assert close(c.transfer_s, 1e9 * 2 * 15 / 16 / RING)
-    assert close(c.latency_s, BASE + 2 * 15 * NET_STEP)
+    assert close(ring_simple("reduce-scatter", 16, 2).busbw, RING)
 
 
-def test_all_to_all_across_nodes_uses_a_single_nic():
-    geo = Cluster(16, 1, NODE).dp_geometry()  # 8 members per node
-    assert close(bus_bandwidth("all-to-all", geo, HW), NIC)
-    c = collective_cost("all-to-all", 1e9, geo, HW)
+# --- all-to-all: hierarchical -----------------------------------------------------------------
+
+
+def test_all_to_all_inside_a_node_pays_one_step():
+    c = collective_cost("all-to-all", 1e8, intra(8), HW)
+    assert close(c.latency_s, BASE + NVL_STEP)
+    assert close(c.transfer_s, 1e8 * 7 / 8 / RING)
+
+
+def test_all_to_all_across_nodes_splits_nvlink_and_nic_bytes():
+    """16 GPUs on 2 nodes: 7 of a rank's 15 peers are on its node (NVLink), 8 are not (its NIC)."""
+    geo = Cluster(16, 1, NODE).dp_geometry()
+    c = collective_cost("all-to-all", 1.6e9, geo, HW)
+    out = 1.6e9 * 15 / 16
     assert c.link == "network"
     assert close(c.latency_s, BASE + NET_STEP)
-    assert close(c.transfer_s, 1e9 * 15 / 16 / NIC)
-
-
-def test_inside_a_node_all_reduce_uses_nvls_others_ring():
-    geo = intra(8)
-    assert bus_bandwidth("all-reduce", geo, HW) == NVLS
-    for op in ("reduce-scatter", "all-gather", "all-to-all"):
-        assert bus_bandwidth(op, geo, HW) == RING
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_bus_factors(op):
-    for n in (2, 3, 8, 64):
-        expected = 2 * (n - 1) / n if op == "all-reduce" else (n - 1) / n
-        assert close(bus_factor(op, n), expected)
-    assert bus_factor(op, 1) == 0.0
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_trivial_collectives_cost_nothing(op):
-    assert collective_cost(op, 1e9, GroupGeometry(1, 1, 1), HW) == CollectiveCost(0.0, 0.0, "none")
-    assert collective_cost(op, 0.0, intra(8), HW).seconds == 0.0
-    assert collective_cost(op, 0.0, Cluster(256, 8, NODE).dp_geometry(), HW).seconds == 0.0
-    assert latency(op, GroupGeometry(1, 1, 1), HW) == 0.0
-    assert uneven_cost(op, [], intra(4), HW).seconds == 0.0
-    assert uneven_cost(op, [0, 0, 0, 0], intra(4), HW).seconds == 0.0
-    assert uneven_cost(op, [5e6], GroupGeometry(1, 1, 1), HW).seconds == 0.0
-
-
-def test_all_to_all_cost_trivial_cases():
-    assert all_to_all_cost([1e6], [1e6], GroupGeometry(1, 1, 1), HW).seconds == 0.0
-    assert all_to_all_cost([0, 0], [0, 0], intra(2), HW).seconds == 0.0
-
-
-def test_unknown_collective_is_rejected():
-    with pytest.raises(ValueError):
-        collective_cost("broadcast", 1e6, intra(2), HW)
-    with pytest.raises(ValueError):
-        bus_factor("broadcast", 4)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["reduce-scatter", "all-gather"]),
-       st.lists(st.integers(0, 10**9), min_size=2, max_size=32),
-       st.booleans())
-def test_uneven_cost_is_even_cost_of_n_times_largest_segment(op, segments, cross):
-    n = len(segments)
-    geo = GroupGeometry(n, n, 1) if cross else GroupGeometry(n, 1, n)
-    got = uneven_cost(op, segments, geo, HW)
-    want = collective_cost(op, n * max(segments), geo, HW)
-    assert got == want
-    # Padding never makes it cheaper than the even collective of the same total.
-    assert got.seconds >= collective_cost(op, sum(segments), geo, HW).seconds - 1e-18
+    assert close(c.transfer_s, max(out * 7 / 15 / RING, out * 8 / 15 / NIC))
+    assert c.transfer_s < out / NIC  # the old model ran every byte at NIC speed
+    # one GPU per node: everything crosses
+    one = collective_cost("all-to-all", 1e9, GroupGeometry(4, 4, 1), HW)
+    assert close(one.transfer_s, 1e9 * 3 / 4 / NIC)
 
 
 def test_uneven_all_to_all_pays_the_busiest_port():
@@ -188,13 +171,105 @@ def test_uneven_all_to_all_pays_the_busiest_port():
     cross = all_to_all_cost([1e6, 1e6], [1e6, 1e6], GroupGeometry(2, 2, 1), HW)
     assert cross.link == "network"
     assert close(cross.seconds, BASE + NET_STEP + 1e6 / NIC)
+    # explicit off-node bytes: 1 MB over NVLink and 1 MB over the NIC, the NIC decides
+    mixed = all_to_all_cost([2e6, 0], [0, 2e6], GroupGeometry(2, 1, 2), HW, [1e6, 0], [0, 1e6])
+    assert close(mixed.transfer_s, 1e6 / NIC)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.sampled_from(OPS), st.integers(2, 8), st.floats(1.0, 1e10), st.floats(1.0, 1e10))
-def test_cost_is_monotone_in_bytes(op, n, a, b):
+# --- uneven collectives by implementation -----------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["reduce-scatter", "all-gather"])
+@pytest.mark.parametrize("impl", UNEVEN_IMPLS)
+def test_even_segments_are_the_even_collective_whatever_the_implementation(op, impl):
+    geo = Cluster(256, 8, NODE).dp_geometry()
+    assert uneven_cost(op, [3e6] * 32, geo, HW, impl) == collective_cost(op, 3e6 * 32, geo, HW)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["reduce-scatter", "all-gather"]),
+       st.lists(st.integers(0, 10**9), min_size=2, max_size=32).filter(lambda s: len(set(s)) > 1),
+       st.booleans())
+def test_uneven_implementations(op, segments, cross):
+    n = len(segments)
+    geo = GroupGeometry(n, n, 1) if cross else GroupGeometry(n, 1, n)
+    padded = uneven_cost(op, segments, geo, HW, "padded")
+    assert padded == collective_cost(op, n * max(segments), geo, HW)
+    assert padded.seconds >= collective_cost(op, sum(segments), geo, HW).seconds - 1e-18
+    rooted = "reduce" if op == "reduce-scatter" else "broadcast"
+    parts = [collective_cost(rooted, x, geo, HW) for x in segments if x > 0]
+    loops = uneven_cost(op, segments, geo, HW, "loops")
+    assert close(loops.seconds, sum(c.seconds for c in parts))
+    assert close(loops.latency_s, sum(c.latency_s for c in parts))  # every grouped operation's latency
+    runtime = uneven_cost(op, segments, geo, HW, "runtime")
+    if op == "all-gather":
+        assert runtime == loops  # the runtime broadcasts each owner's segment
+    else:  # one all-to-all: rank r receives n - 1 copies of its segment
+        total = sum(segments)
+        assert runtime == all_to_all_cost([total - x for x in segments], [x * (n - 1) for x in segments], geo, HW)
+
+
+def test_loops_beat_padding_when_one_segment_dwarfs_the_rest():
+    """canzona's owners hold whole matrices: one 64 MB segment among small ones is padded to
+    n x 64 MB by an even collective, while a broadcast loop moves each byte once."""
+    geo = Cluster(1024, 8, NODE).dp_geometry()
+    segments = [64e6] + [0.0] * 127
+    assert uneven_cost("all-gather", segments, geo, HW, "loops").seconds < \
+        uneven_cost("all-gather", segments, geo, HW, "padded").seconds / 10
+
+
+def test_unknown_uneven_implementation_is_one_line():
+    with pytest.raises(SpecError, match="uneven-collective implementation"):
+        uneven_cost("all-gather", [1, 2], intra(2), HW, "magic")
+
+
+# --- basics -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bus_factors(op):
+    for n in (2, 3, 8, 64):
+        if op == "all-reduce":
+            expected = 2 * (n - 1) / n
+        elif op in ("broadcast", "reduce"):
+            expected = 1.0
+        else:
+            expected = (n - 1) / n
+        assert close(bus_factor(op, n), expected)
+    assert bus_factor(op, 1) == 0.0
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_trivial_collectives_cost_nothing(op):
+    assert collective_cost(op, 1e9, GroupGeometry(1, 1, 1), HW) == CollectiveCost(0.0, 0.0, "none")
+    assert collective_cost(op, 0.0, intra(8), HW).seconds == 0.0
+    assert collective_cost(op, 0.0, Cluster(256, 8, NODE).dp_geometry(), HW).seconds == 0.0
+    if op in ("reduce-scatter", "all-gather"):
+        for impl in UNEVEN_IMPLS:
+            assert uneven_cost(op, [], intra(4), HW, impl).seconds == 0.0
+            assert uneven_cost(op, [0, 0, 0, 0], intra(4), HW, impl).seconds == 0.0
+            assert uneven_cost(op, [5e6], GroupGeometry(1, 1, 1), HW, impl).seconds == 0.0
+
+
+def test_all_to_all_cost_trivial_cases():
+    assert all_to_all_cost([1e6], [1e6], GroupGeometry(1, 1, 1), HW).seconds == 0.0
+    assert all_to_all_cost([0, 0], [0, 0], intra(2), HW).seconds == 0.0
+
+
+def test_unknown_collective_is_rejected():
+    with pytest.raises(ValueError):
+        collective_cost("gather", 1e6, intra(2), HW)
+    with pytest.raises(ValueError):
+        bus_factor("scatter", 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(OPS), st.sampled_from([GroupGeometry(4, 1, 4), GroupGeometry(8, 1, 8),
+                                              GroupGeometry(32, 32, 1), GroupGeometry(64, 8, 8)]),
+       st.floats(1.0, 1e10), st.floats(1.0, 1e10))
+def test_cost_is_monotone_in_bytes(op, geo, a, b):
     lo, hi = sorted((a, b))
-    assert collective_cost(op, lo, intra(n), HW).seconds <= collective_cost(op, hi, intra(n), HW).seconds
+    assert collective_cost(op, lo, geo, HW).seconds <= collective_cost(op, hi, geo, HW).seconds * (1 + 1e-12)
 
 
 # --- cluster placement ------------------------------------------------------------------------

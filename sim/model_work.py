@@ -1,0 +1,141 @@
+"""The compute of one micro-batch, kernel by kernel, on one TP rank (docs/design.md §9.3).
+
+Every layer is a run of sequence-parallel blocks as Megatron builds them: an all-gather of the
+block input, the column-parallel GEMMs (q, k, v; gate, up), the block's core (attention; the
+activation function), the row-parallel GEMMs (o; down), a reduce-scatter of the output. Blocks are
+read off the spec (a run of column-parallel matrices closed by a row-parallel one), so any
+Megatron-style dense model works, not only the catalog.
+
+Each GEMM is priced by the device's GEMM model (`canzona.cost.DeviceRate`: wave quantisation on the
+SMs and the datasheet efficiency, or a calibrated efficiency curve), on its real shape: forward
+`tokens x out/t x in`, backward a data-gradient and a weight-gradient GEMM of the same FLOPs.
+Attention runs at a flash-attention efficiency; norms, rotary embeddings, SwiGLU and residual adds
+are memory-bound passes over the activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel
+from canzona.errors import SpecError
+from canzona.spec import ModelSpec, ParamSpec
+
+# FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
+# backward pass (Shah et al. 2024, arXiv 2407.08608, Fig. 5-7); Megatron's cuDNN fused attention is
+# in the same range. One figure for both passes, as a fraction of the bf16 peak:
+ATTENTION_EFFICIENCY = 0.6
+# A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two:
+# Dao 2023, arXiv 2307.08691, section 3.1).
+ATTENTION_BACKWARD = 2.5
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One sequence-parallel block of one pass: `first` (the GEMMs the input all-gather overlaps),
+    `middle`, `last` (the GEMMs the output reduce-scatter overlaps), in seconds."""
+
+    name: str
+    first_s: float
+    middle_s: float
+    last_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.first_s + self.middle_s + self.last_s
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    layers: int
+    forward: tuple[tuple[Block, ...], ...]  # per layer, blocks in forward order
+    backward: tuple[tuple[Block, ...], ...]  # per layer, blocks in backward order
+    head_forward_s: float
+    head_backward_s: float
+
+    def layer_forward_s(self, layer: int) -> float:
+        return sum(b.seconds for b in self.forward[layer])
+
+
+def check_recompute(mode: str) -> str:
+    if mode not in RECOMPUTE_MODES:
+        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    return mode
+
+
+def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
+    """Runs of matrices closed by a row-parallel one (tp_dim 1); a trailing run stands alone."""
+    out: list[list[ParamSpec]] = [[]]
+    for p in params:
+        out[-1].append(p)
+        if p.tp_dim == 1:
+            out.append([])
+    return [b for b in out if b]
+
+
+def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
+                     vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
+                     recompute: str = "none", causal: bool = True, dtype: str = "bf16") -> MicroBatchWork:
+    """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks."""
+    check_recompute(recompute)
+    layers = 1 + max((p.layer for p in spec.params if p.layer is not None), default=-1)
+    by_layer: list[list[ParamSpec]] = [[] for _ in range(layers)]
+    for p in spec.matrix_params():
+        if p.layer is not None:
+            by_layer[p.layer].append(p)
+
+    def run(kernels: Sequence[Kernel]) -> float:
+        return sum(rate.kernel_seconds(k) for k in kernels)
+
+    def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
+        ks = []
+        for p in params:
+            out, inp = p.local_shape(tp)
+            if backward:
+                ks += [gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, dtype),
+                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, dtype)]
+            else:
+                ks.append(gemm_kernel(p.name, tokens, out, inp, dtype))
+        return run(ks)
+
+    seqs = tokens // seq_len if tokens >= seq_len else 1
+    attn_flops = 4.0 * seq_len * seq_len * (q_dim / tp) * seqs * (0.5 if causal else 1.0)
+    attn_fwd = attn_flops / (rate.peak_flops.get("bf16", rate.gemm_flops["bf16"]) * attention_efficiency)
+    two = 2  # bf16 activations
+
+    def elementwise(params: Sequence[ParamSpec], passes: float) -> float:
+        # the block's norm on its (sequence-parallel) input, the column GEMMs' outputs read and
+        # written once (rotary / activation), the residual add on the output
+        width = sum(p.local_shape(tp)[0] for p in params if p.tp_dim == 0)
+        per_token = 3 * hidden / tp + 2 * width + 3 * hidden / tp
+        return passes * rate.kernel_seconds(elementwise_kernel("block", tokens, 1, per_token * two, dtype))
+
+    forward, backward = [], []
+    for layer, params in enumerate(by_layer):
+        fwd_blocks, bwd_blocks = [], []
+        for i, block in enumerate(_blocks_of(params)):
+            column = [p for p in block if p.tp_dim != 1]
+            row = [p for p in block if p.tp_dim == 1]
+            core_f = attn_fwd if i == 0 and q_dim else 0.0
+            core_b = core_f * ATTENTION_BACKWARD
+            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1), gemms(row, False))
+            redo = 0.0
+            if recompute == "full":
+                redo = fwd.seconds
+            elif recompute == "selective":
+                redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
+            bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2),
+                        gemms(column, True))
+            fwd_blocks.append(fwd)
+            bwd_blocks.append(bwd)
+        forward.append(tuple(fwd_blocks))
+        backward.append(tuple(reversed(bwd_blocks)))
+    head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
+                  # softmax cross-entropy over the vocab-parallel logits: fp32, a few passes
+                  elementwise_kernel("loss", tokens * (vocab // tp), 5, 4 * 4)])
+    head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
+                  gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
+                  elementwise_kernel("loss.grad", tokens * (vocab // tp), 3, 3 * 4)])
+    return MicroBatchWork(layers, tuple(forward), tuple(backward), head_f, head_b)

@@ -1,0 +1,25 @@
+"""How the simulated training job runs: the Megatron options that decide what overlaps what."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.collectives import DEFAULT_UNEVEN, check_uneven_impl
+from sim.model_work import check_recompute
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Defaults follow NVIDIA's Megatron performance recipes for large dense models on H100:
+    `--overlap-grad-reduce`, `--overlap-param-gather` and Transformer Engine's TP communication
+    overlap on, no activation recompute."""
+
+    overlap_grad_reduce: bool = True  # bucket reduce-scatters start during the last backward
+    overlap_param_gather: bool = True  # the step's parameter all-gathers run under the next forward
+    tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
+    recompute: str = "none"  # "none", "selective" (attention core) or "full" (every layer)
+    uneven: str = DEFAULT_UNEVEN  # how uneven reduce-scatter / all-gather are implemented
+
+    def check(self) -> None:
+        check_recompute(self.recompute)
+        check_uneven_impl(self.uneven)
