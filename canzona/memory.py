@@ -1,0 +1,590 @@
+"""Memory per GPU of a DP x TP (x PP) layout under each step policy (docs/design.md §7.1).
+
+A pure model, no torch: it counts what each policy stores, as the runtime (`canzona/runtime/`)
+stores it, so that a layout that cannot fit is reported before anything is launched.
+
+Per GPU, in bytes:
+
+- persistent: bf16 weights (the local TP shards, in the plan's padded buckets), gradient buffers
+  (whole buckets on every rank, `grad_bytes` per element: Megatron's fp32 main grads), fp32 master
+  weights of what the rank updates, matrix-optimizer state (by owner: `TPSchedule.state_bytes`),
+  AdamW state (sharded over DP except under `sc`);
+- the larger of two transient peaks that never coexist: the activations of forward / backward
+  (Korthikanti et al. 2022, arXiv 2205.05198), and the buffers of the optimizer step (TP gather /
+  scatter buffers, full gradients and updates, kernel workspace, AdamW temporaries, packed
+  parameter gathers);
+- an allowance for the CUDA context, NCCL buffers and allocator fragmentation.
+
+`memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
+rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from canzona.cost import state_bytes
+from canzona.dp.layout import ceil_to
+from canzona.errors import SpecError
+from canzona.optimizers import default_config
+from canzona.plan import Plan, check_plan_matches
+from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
+from canzona.step_schedule import (
+    PIPELINED,
+    SERIAL,
+    UPDATE_HEADER_BYTES,
+    GroupStep,
+    Task,
+    check_tp_mode,
+    tp_schedule,
+)
+from canzona.tp import EVERY_RANK
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+FP32 = DTYPE_BYTES["fp32"]
+GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
+
+# **Assumption** (docs/design.md §7.1): what no tensor count gives. The CUDA context with its
+# kernels, cuBLAS / cuDNN workspaces and NCCL's communicator buffers take a roughly fixed amount
+# per process; the caching allocator's fragmentation grows with what is allocated.
+DEFAULT_FIXED_OVERHEAD = 3 * GB
+DEFAULT_FRAGMENTATION = 0.05
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The architecture numbers activations depend on. Decoupled from the catalog: `from_config`
+    reads any object with the fields of `canzona.catalog.Qwen3Config`.
+
+    The defaults describe the paper's GPT layer (multi-head attention, a 4h GeLU MLP, dropout after
+    attention scores and after each block), for which the per-layer count is exactly
+    `s*b*h*(34 + 5*a*s/h)` bytes; `from_config` describes a Qwen3 layer (grouped-query attention,
+    SwiGLU MLP, no dropout, RMSNorm on q and k)."""
+
+    layers: int
+    hidden: int
+    q_heads: int
+    ffn: int
+    vocab: int
+    kv_heads: int | None = None  # None: as many as q_heads
+    head_dim: int | None = None  # None: hidden // q_heads
+    gated_mlp: bool = False  # SwiGLU: gate and up projections feed an elementwise product
+    dropout: bool = True  # 1-byte dropout masks (the paper's GPT); Qwen3 trains without dropout
+    qk_norm: bool = False  # per-head norms on q and k store their inputs
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "q_heads", "ffn", "vocab"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise SpecError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
+        for name in ("kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise SpecError(f"{name} must be a whole number >= 1 or None, got {value!r}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.q_heads * (self.head_dim or self.hidden // self.q_heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return (self.kv_heads or self.q_heads) * (self.head_dim or self.hidden // self.q_heads)
+
+    @classmethod
+    def gpt(cls, layers: int, hidden: int, heads: int, vocab: int) -> LayerDims:
+        """The paper's GPT layer: `h = heads * head_dim`, MLP width 4h, GeLU, dropout."""
+        return cls(layers, hidden, heads, 4 * hidden, vocab)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LayerDims:
+        """A Qwen3 configuration (`layers`, `hidden`, `q_heads`, `ffn`, `vocab`, `kv_heads`,
+        `head_dim`); the layer flags may be overridden by fields of the same names on `cfg`."""
+        return cls(cfg.layers, cfg.hidden, cfg.q_heads, cfg.ffn, cfg.vocab,
+                   getattr(cfg, "kv_heads", None), getattr(cfg, "head_dim", None),
+                   gated_mlp=bool(getattr(cfg, "gated_mlp", True)), dropout=bool(getattr(cfg, "dropout", False)),
+                   qk_norm=bool(getattr(cfg, "qk_norm", True)))
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """Workload and implementation choices the memory depends on (defaults: the simulator's
+    workload, Megatron's mixed precision, flash attention, sequence parallelism)."""
+
+    seq_len: int = 4096
+    micro_batch: int = 1  # sequences per micro-batch
+    param_bytes: int = 2  # working weights (bf16)
+    grad_bytes: int = 4  # main gradients, reduced and read by the optimizer (Megatron: fp32)
+    activation_bytes: int = 2
+    master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
+    param_dtype_grads: bool = False  # also a gradient buffer in the weights' dtype (the canzona runtime)
+    recompute: str = "none"  # "none", "selective" or "full"
+    flash_attention: bool = True  # no s x s attention scores are stored
+    sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
+    micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
+    tp_mode: str = PIPELINED  # the order of the micro-groups' operations (step_schedule)
+    stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
+    fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
+    fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError(f"unknown recompute mode {self.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+        if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
+            raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
+        check_tp_mode(self.tp_mode)
+        if not (isinstance(self.fixed_overhead_bytes, int) and self.fixed_overhead_bytes >= 0):
+            raise SpecError(f"fixed overhead must be a whole number of bytes >= 0, got {self.fixed_overhead_bytes!r}")
+        if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
+            raise SpecError(f"fragmentation must be a fraction in [0, 1), got {self.fragmentation!r}")
+
+    @property
+    def master_bytes(self) -> int:
+        return FP32 if self.master_weights and self.param_bytes < FP32 else 0
+
+    @property
+    def update_bytes(self) -> int:
+        """Bytes per element of an update direction as sent and applied (the runtime: fp32 with
+        masters, the gradients' dtype without)."""
+        return FP32 if self.master_bytes else self.grad_bytes
+
+    @classmethod
+    def from_workload(cls, workload: Any, **overrides: Any) -> MemorySetup:
+        """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
+        names = {f.name for f in fields(cls)}
+        values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
+                                                    "activation_bytes") if hasattr(workload, k)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise SpecError(f"unknown memory setting {unknown[0]!r}")
+        return cls(**{**values, **overrides})
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+PERSISTENT = ("weights", "grads", "master_weights", "matrix_state", "adamw_state")
+LABELS = {
+    "weights": "weights",
+    "grads": "gradient buffers",
+    "master_weights": "fp32 master weights",
+    "matrix_state": "matrix-optimizer state",
+    "adamw_state": "AdamW state",
+    "activations": "activations",
+    "step_buffers": "optimizer-step buffers",
+    "overhead": "CUDA/NCCL/fragmentation allowance",
+}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one GPU. `total` = the persistent components + the larger of `activations` and
+    `step_buffers` (forward / backward and the optimizer step never overlap) + `overhead`."""
+
+    rank: int  # Megatron order: TP fastest, then DP, then the pipeline stage
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    weights: int
+    grads: int
+    master_weights: int
+    matrix_state: int
+    adamw_state: int
+    activations: int
+    step_buffers: int
+    overhead: int
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.grads + self.master_weights + self.matrix_state + self.adamw_state
+
+    @property
+    def transient(self) -> int:
+        return max(self.activations, self.step_buffers)
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.transient + self.overhead
+
+    def components(self) -> dict[str, int]:
+        """What `total` adds up, largest first (the smaller transient peak left out)."""
+        parts = {k: getattr(self, k) for k in PERSISTENT}
+        peak = "activations" if self.activations >= self.step_buffers else "step_buffers"
+        parts[peak] = getattr(self, peak)
+        parts["overhead"] = self.overhead
+        return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+    def fits(self, capacity_bytes: float) -> bool:
+        return self.total <= capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """Every GPU of one pipeline stage (`dp * tp` ranks, in rank order) under one step policy."""
+
+    policy: str
+    optimizer: str
+    dp: int
+    tp: int
+    pp: int
+    stage: int
+    ranks: tuple[RankMemory, ...]
+
+    @property
+    def worst(self) -> RankMemory:
+        """The rank that needs the most (the lowest such rank)."""
+        return max(self.ranks, key=lambda r: (r.total, -r.rank))
+
+    def fits(self, capacity_bytes: float) -> bool:
+        return self.worst.fits(capacity_bytes)
+
+    def explain(self, capacity_bytes: float) -> str:
+        """One line: why the layout does not fit (its largest components), or its headroom."""
+        w = self.worst
+        where = f"rank {w.rank} (stage {w.stage}, dp {w.dp_rank}, tp {w.tp_rank})"
+        if w.fits(capacity_bytes):
+            return (f"{self.policy} fits: the fullest GPU, {where}, needs {_gb(w.total)} of "
+                    f"{_gb(capacity_bytes)}")
+        largest = ", ".join(f"{LABELS[k]} {_gb(v)}" for k, v in list(w.components().items())[:3])
+        return (f"{self.policy} does not fit: {where} needs {_gb(w.total)} > {_gb(capacity_bytes)} per GPU; "
+                f"largest: {largest}")
+
+    def to_dict(self, capacity_bytes: float | None = None, ranks: bool = False) -> dict[str, Any]:
+        totals = [r.total for r in self.ranks]
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "optimizer": self.optimizer,
+            "layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "stage": self.stage},
+            "worst": self.worst.to_dict(),
+            "min_total": min(totals),
+            "mean_total": sum(totals) / len(totals),
+            "units": "bytes",
+        }
+        if capacity_bytes is not None:
+            out["capacity"] = capacity_bytes
+            out["fits"] = self.fits(capacity_bytes)
+            out["explanation"] = self.explain(capacity_bytes)
+        if ranks:
+            out["ranks"] = [r.to_dict() for r in self.ranks]
+        return out
+
+
+def worst_rank(layouts: Sequence[LayoutMemory]) -> RankMemory:
+    """The fullest GPU over several stages (or layouts)."""
+    return max((lm.worst for lm in layouts), key=lambda r: (r.total, -r.rank))
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+# --- pipeline stages ----------------------------------------------------------------------------
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> range:
+    """The layer indices of pipeline stage `stage` of `pp`: split evenly, the first stages taking
+    one more when `pp` does not divide `layers`."""
+    if not (isinstance(pp, int) and pp >= 1):
+        raise SpecError(f"pp must be a whole number >= 1, got {pp!r}")
+    if not 0 <= stage < pp:
+        raise SpecError(f"stage {stage} is outside 0..{pp - 1}")
+    if pp > layers:
+        raise SpecError(f"pp={pp} is more than the {layers} layers")
+    base, extra = divmod(layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_spec(spec: ModelSpec, pp: int, stage: int, layers: int | None = None) -> ModelSpec:
+    """The parameters pipeline stage `stage` holds: its layers; the embedding on the first stage;
+    the parameters outside any layer (final norm, head) on the last. With tied embeddings (no head)
+    the last stage also holds a copy of the embedding, as Megatron does for its output layer."""
+    indices = [p.layer for p in spec.params if p.layer is not None]
+    count = layers if layers is not None else (max(indices) + 1 if indices else 0)
+    if pp == 1 and stage == 0:
+        return spec
+    mine = stage_layers(count, pp, stage)
+    tied = not any(p.role == Role.HEAD for p in spec.params)
+    out = []
+    for p in spec.params:
+        if p.layer is not None:
+            keep = p.layer in mine
+        elif p.role == Role.EMBEDDING:
+            keep = stage == 0 or (tied and stage == pp - 1)
+        else:
+            keep = stage == pp - 1
+        if keep:
+            out.append(p)
+    return ModelSpec(f"{spec.name}[stage {stage}/{pp}]", tuple(out))
+
+
+# --- activations --------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompute: str | None = None) -> float:
+    """Bytes one transformer layer stores for the backward of one micro-batch on one GPU.
+
+    Per token, with e = activation bytes and 1-byte dropout masks (Korthikanti et al. 2022, §4.1,
+    generalised to grouped-query attention, SwiGLU and QK norms): two norm inputs `2eh`; attention:
+    the QKV input `eh`, Q and K `e(q+kv)`, V `e*kv`, the output projection's input `e*q`, a dropout
+    mask `h`; MLP: its input `eh`, then `2*e*ffn` (GeLU input, second linear's input) or `3*e*ffn`
+    gated (gate and up outputs, the product), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
+    Attention scores: `a*s*(2e + 1)` with dropout (softmax output, mask, dropout output), `a*s*e`
+    without; flash attention stores only a fp32 log-sum-exp per head and token instead (`4a`).
+    For a GPT layer this is the paper's `s*b*h*(34 + 5*a*s/h)`.
+
+    With TP (t), the matrices' outputs and the scores are split over t; with sequence parallelism
+    everything is. Selective recompute drops the scores (and the log-sum-exp); full recompute
+    stores only the layer's input `e*h` (split over t with sequence parallelism).
+    """
+    recompute = recompute or setup.recompute
+    if recompute not in RECOMPUTE_MODES:
+        raise SpecError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    e, h, s, a = setup.activation_bytes, dims.hidden, setup.seq_len, dims.q_heads
+    tokens = s * setup.micro_batch
+    mask = 1 if dims.dropout else 0
+    sp_div = tp if setup.sequence_parallel else 1
+    if recompute == "full":
+        return tokens * e * h / sp_div
+    # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
+    replicated = 2 * e * h + e * h + e * h + 2 * mask * h
+    q, kv = dims.q_dim, dims.kv_dim
+    sharded = e * (q + kv) + e * kv + e * q + (3 if dims.gated_mlp else 2) * e * dims.ffn
+    if dims.qk_norm:
+        sharded += e * (q + kv)
+    if recompute == "none":
+        sharded += 4 * a if setup.flash_attention else a * s * ((2 * e + 1) if dims.dropout else e)
+    return tokens * (replicated / sp_div + sharded / tp)
+
+
+def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0) -> dict[str, float]:
+    """The activation peak of one GPU of pipeline stage `stage`, by part (bytes):
+
+    - `layers`: the stage's layers times the micro-batches in flight (1F1B: stage i holds up to
+      `pp - i` micro-batches, capped by `setup.micro_batches`; one at a time without pipelining);
+    - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
+    - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
+    - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
+      copy the loss keeps (`4*s*b*V`, the paper's) plus the bf16 logits it is made from, split
+      over t by the vocabulary-parallel head (last stage)."""
+    rng = stage_layers(dims.layers, pp, stage)
+    in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
+    tokens = setup.seq_len * setup.micro_batch
+    sp_div = tp if setup.sequence_parallel else 1
+    e = setup.activation_bytes
+    out = {
+        "layers": len(rng) * in_flight * layer_activation_bytes(dims, setup, tp),
+        "recompute_working_set": layer_activation_bytes(dims, setup, tp, "none") if setup.recompute == "full" else 0.0,
+        "embedding": in_flight * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
+        "output": 0.0,
+    }
+    if stage == pp - 1:
+        out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (FP32 + e) / tp
+    return out
+
+
+def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0) -> int:
+    return math.ceil(sum(activation_breakdown(dims, setup, tp, pp, stage).values()))
+
+
+# --- optimizer step -----------------------------------------------------------------------------
+
+
+def kernel_workspace_bytes(optimizer: str, shape: tuple[int, ...], grad_bytes: int = 4,
+                           cfg: object | None = None) -> int:
+    """Temporaries of one full-matrix update beyond its input gradient, its state and its output
+    direction, counted from `canzona/runtime/kernels.py` as written (whole tensors alive at the
+    kernel's peak):
+
+    - Muon: the Nesterov blend `u` (gradient dtype), the NS iterate and the next one (`ns_dtype`),
+      the Gram matrix and the polynomial (`s x s`, s = min(m, n), `ns_dtype`);
+    - SOAP: four `m x n` fp32 temporaries (rotated gradient, denominator, rotated moment, the
+      quotient) and four `k x k` of the refresh (k the largest preconditioned side);
+    - Shampoo: four `m x n` fp32 temporaries (preconditioned gradient, grafting's Adam terms) and
+      three `k x k` of the inverse root.
+    """
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    m, n = shape
+    mn = m * n
+    work = max(FP32, grad_bytes)
+    if optimizer == "muon":
+        nb = DTYPE_BYTES[cfg.ns_dtype]
+        s = min(m, n)
+        return (grad_bytes * mn if cfg.nesterov else 0) + 2 * nb * mn + 2 * nb * s * s
+    if optimizer == "soap":
+        k = max([d for d in (m, n) if d <= cfg.max_precond_dim], default=0)
+        return work * (4 * mn + 4 * k * k)
+    if optimizer == "shampoo":
+        k = max([d for d in (m, n) if d <= cfg.max_preconditioner_dim], default=0)
+        return work * (4 * mn + 3 * k * k)
+    raise SpecError(f"unknown matrix optimizer {optimizer!r}")
+
+
+@dataclass(frozen=True)
+class _GroupBytes:
+    gather: int  # send and receive buffers of the gather (all-to-all, or tp-sync's all-gather)
+    full: int  # full gradients assembled from shards on the host
+    updates: int  # full update directions the host keeps until they are applied
+    workspace: int  # the largest hosted kernel's temporaries
+    scatter: int  # send and receive buffers of the update chunks
+
+
+def _group_bytes(tasks: Sequence[Task], tp: int, me: int, gb: int, ub: int,
+                 workspace: dict[str, int]) -> _GroupBytes:
+    """What TP rank `me` allocates for one micro-group, as `canzona.runtime.executor` does."""
+    split = [t for t in tasks if t.tp_dim is not None]
+    hosted = [t for t in tasks if t.hosted_on(me)]
+    ws = max((workspace[t.name] for t in hosted), default=0)
+    updates = sum(t.shape[0] * t.shape[1] for t in hosted) * ub
+    if tasks and tasks[0].host == EVERY_RANK:  # tp-sync: all-gather of every shard, no scatter
+        mine = sum(t.shard_numel for t in split) * gb
+        full = sum(t.shape[0] * t.shape[1] for t in split) * gb
+        return _GroupBytes(mine * (1 + tp) if tp > 1 else 0, full, updates, ws, 0)
+    if tp == 1:
+        return _GroupBytes(0, 0, updates, ws, 0)
+    send = sum(t.shard_numel for t in split if t.host != me) * gb
+    recv = sum((tp - 1) * t.shard_numel for t in split if t.host == me) * gb
+    full = sum(t.shape[0] * t.shape[1] for t in split if t.host == me) * gb
+    chunk = {t.name: UPDATE_HEADER_BYTES + t.shard_numel * ub for t in tasks}
+    scatter = sum((tp - 1) * chunk[t.name] for t in hosted) + sum(chunk[t.name] for t in tasks if t.host != me)
+    return _GroupBytes(send + recv, full, updates, ws, scatter)
+
+
+def _tp_phase_peak(groups: Sequence[_GroupBytes], mode: str) -> int:
+    """Peak of the matrix phase. A group computes with its gather buffers, full gradients, updates
+    and the kernel's workspace alive (upper bound: all at once), then scatters with its updates and
+    scatter buffers alive. Pipelined, group g computes and scatters while group g-1 waits for its
+    apply (updates and scatter buffers) and group g+1's gather is in flight."""
+    peak = 0
+    for g, cur in enumerate(groups):
+        own = max(cur.gather + cur.full + cur.updates + cur.workspace, cur.updates + cur.scatter)
+        if mode == PIPELINED:
+            if g > 0:
+                own += groups[g - 1].updates + groups[g - 1].scatter
+            if g + 1 < len(groups):
+                own += groups[g + 1].gather
+        peak = max(peak, own)
+    return peak
+
+
+def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -> tuple[int, int, list[int]]:
+    """The flat AdamW buffer as the runtime lays it out: (padded size, slice per rank, and per DP
+    rank the largest piece of one parameter inside its slice)."""
+    used = sum(sizes)
+    size = ceil_to(max(used, 1), align * dp)
+    if replicated:
+        return size, used, [max(sizes, default=0)] * dp
+    share = size // dp
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    largest = []
+    for r in range(dp):
+        lo, hi = r * share, (r + 1) * share
+        best = 0
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(sizes) and starts[i] < hi:
+            best = max(best, min(hi, starts[i + 1]) - max(lo, starts[i]))
+            i += 1
+        largest.append(best)
+    return size, share, largest
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: LayerDims,
+                   setup: MemorySetup | None = None, *, dp: int | None = None, pp: int = 1, stage: int = 0,
+                   matrix_config: object | None = None) -> LayoutMemory:
+    """Memory of every GPU of one pipeline stage (`dp x tp` ranks) running `plan` under `policy`.
+
+    `spec` and `plan` are the stage's (with `pp > 1`: `stage_spec(...)` and a plan made for it;
+    `dims` describes the whole model). `dp` is the cluster's DP size: by default the plan's; a
+    replicated policy's plan may be made for one DP rank (as the simulator makes `sc`'s).
+    `matrix_config` overrides the optimizer's default configuration for the kernel workspace.
+    """
+    setup = setup or MemorySetup()
+    policy = get_step_policy(policy) if isinstance(policy, str) else policy
+    tp = plan.tp
+    dp = plan.dp if dp is None else dp
+    if not (isinstance(dp, int) and dp >= 1):
+        raise SpecError(f"dp must be a whole number >= 1, got {dp!r}")
+    if plan.dp != dp and not (policy.replicated and plan.dp == 1):
+        raise SpecError(f"the plan is for dp={plan.dp}, not dp={dp}")
+    check_plan_matches(plan, spec)
+    policy.check_dp_plan(plan.dp_plan)
+    policy.check_tp_plan(plan.tp_plan.policy, tp)
+    rng = stage_layers(dims.layers, pp, stage)
+    outside = next((p.name for p in spec.params if p.layer is not None and p.layer not in rng), None)
+    if outside is not None:
+        raise SpecError(f"{outside} is not in pipeline stage {stage} of {pp} (layers {rng.start}..{rng.stop - 1}): "
+                        "give the stage's spec and plan (canzona.memory.stage_spec)")
+
+    if matrix_config is not None and type(matrix_config) is not type(default_config(plan.optimizer)):
+        raise SpecError(f"matrix_config is a {type(matrix_config).__name__}, but the plan is for {plan.optimizer}")
+
+    pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
+    adamw_sizes = [p.local_numel(tp) for p in spec.adamw_params()]
+    adamw_size, adamw_share, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
+    buffer = sum(b.size for b in plan.dp_plan.buckets) + adamw_size
+    weights = buffer * pb
+    grads = buffer * (gb + (pb if setup.param_dtype_grads else 0))
+    adamw_state = state_bytes("adamw", (adamw_share,))
+    activations = activation_bytes(dims, setup, tp, pp, stage)
+    gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
+    workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
+                 for p in spec.matrix_params()}
+
+    # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
+    rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
+    for i in range(1 if policy.replicated else dp):
+        sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub)
+        master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_share * mb
+        adamw_temps = 2 * FP32 * adamw_largest[i]
+        tasks, mode = _streamed(sched.groups, setup)
+        row = []
+        for r in range(tp):
+            groups = [_group_bytes(g, tp, r, gb, ub, workspace) for g in tasks]
+            step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
+            row.append((master, sched.state_bytes(r), step))
+        rows.append(row)
+
+    ranks = []
+    for i in range(dp):
+        row = rows[0 if policy.replicated else i]
+        for r in range(tp):
+            master, state, step = row[r]
+            counted = weights + grads + master + state + adamw_state + max(activations, step)
+            overhead = setup.fixed_overhead_bytes + math.ceil(setup.fragmentation * counted)
+            ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
+                                    adamw_state, activations, step, overhead))
+    return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks))
+
+
+def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tuple[Task, ...]], str]:
+    """The tasks of each group as the schedule runs them, and the order; with `stream_tp_sync`, a
+    tp-sync group is run one matrix at a time, serially (what a streaming implementation needs)."""
+    if setup.stream_tp_sync and any(g.tasks and g.tasks[0].host == EVERY_RANK for g in groups):
+        return [(t,) for g in groups for t in g.tasks], SERIAL
+    return [g.tasks for g in groups], setup.tp_mode
+
+
+__all__ = [
+    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "LayerDims", "LayoutMemory",
+    "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
+    "layer_activation_bytes", "memory_per_gpu", "stage_layers", "stage_spec", "worst_rank",
+]
