@@ -113,10 +113,16 @@ def simulate_table(result) -> Table:
     for name, seconds in rows:
         t.add_row(name, _ms(seconds))
     t.add_row("MFU (model FLOPs / bf16 peak)", f"{result.mfu * 100:.1f}%")
+    worst = result.memory.worst
+    t.add_row("memory of the fullest GPU (GB)", f"{worst.total / 1e9:.1f}" + ("" if result.fits else " [bold red]NO FIT[/]"),
+              end_section=False)
+    for part, size in worst.components().items():
+        t.add_row(f"  {part}", f"{size / 1e9:.2f}")
     t.caption = (f"{_options_text(c)}. Iteration: start of the first forward to parameters ready for the "
                  "next (steady state). Optimizer step: end of gradient sync to parameters updated "
                  f"(and gathered when the gather is not overlapped). Rank imbalance "
-                 f"{max(loads) / mean if mean > 0 else 1.0:.3f}. Published MFU: {PUBLISHED_MFU}.")
+                 f"{max(loads) / mean if mean > 0 else 1.0:.3f}. Published MFU: {PUBLISHED_MFU}. "
+                 f"Memory: {result.memory.explain(result.memory_capacity_bytes)}.")
     return t
 
 
@@ -126,13 +132,15 @@ def compare_table(results) -> Table:
     t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
-    for col in ("iter ms", "MFU", "opt ms", "opt comm", "opt idle", "gather wait",
+    for col in ("iter ms", "MFU", "GB/GPU", "fits", "opt ms", "opt comm", "opt idle", "gather wait",
                 "iter vs lw", "iter vs z1", "opt vs lw", "opt vs z1"):
         t.add_column(col, justify="right", min_width=7)
     for r in results:
         o = r.optimizer_breakdown
         name = r.config.policy + (f" (fell back to {r.fell_back_to})" if r.fell_back_to else "")
-        row = [name, _ms(r.iteration_time_s), f"{r.mfu * 100:.1f}%", _ms(r.optimizer_step_s), _ms(o["exposed_comm_s"]),
+        fits = "yes" if r.fits else "[bold red]NO[/]"
+        row = [name, _ms(r.iteration_time_s), f"{r.mfu * 100:.1f}%", f"{r.memory.worst.total / 1e9:.1f}", fits,
+               _ms(r.optimizer_step_s), _ms(o["exposed_comm_s"]),
                _ms(o["idle_s"]), _ms(r.param_gather_exposed_s)]
         for attr in ("iteration_time_s", "optimizer_step_s"):
             for base in ("layerwise", "zero1-gather"):
@@ -149,6 +157,7 @@ def compare_table(results) -> Table:
                        f"optimizer step {_ratio(lw.optimizer_step_s, cz.optimizer_step_s)} "
                        f"(paper {PAPER_RATIOS['optimizer_step_s']}x).")
     caption.append(f"{_options_text(c)}. Published MFU: {PUBLISHED_MFU}.")
+    caption += [r.memory.explain(r.memory_capacity_bytes) + "." for r in results if not r.fits]
     t.caption = " ".join(caption)
     return t
 

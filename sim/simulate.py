@@ -17,6 +17,7 @@ from canzona.cost import AnalyticCost, DeviceRate
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.optimizers import check_matrix_optimizer
 from canzona.plan import Plan, make_plan
 from canzona.step_policies import STEP_POLICIES
@@ -37,6 +38,9 @@ DEFINITIONS = {
                         "parameter all-gather is not overlapped with the next forward)",
     "param_gather_exposed_s": "time the forward waited for parameters still being all-gathered (overlapped "
                               "parameter gathers only)",
+    "memory": "bytes per GPU of the fullest GPU (weights, gradient buffers, fp32 masters, optimizer state "
+              "by owner, the larger of activations and optimizer-step buffers, an allowance for the CUDA "
+              "context, NCCL and fragmentation); fits: every GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
            "second per GPU, over the bf16 dense peak",
 }
@@ -87,8 +91,15 @@ class SimResult:
     breakdown: dict[str, float]
     optimizer_breakdown: dict[str, float]
     rank_optimizer_s: tuple[float, ...]
+    memory: LayoutMemory
+    memory_capacity_bytes: float
     spans: tuple[Span, ...] = field(repr=False)
     fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
+
+    @property
+    def fits(self) -> bool:
+        """Every GPU's memory (docs/design.md §7.1) fits the profile's capacity."""
+        return self.memory.fits(self.memory_capacity_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         cfg = self.config
@@ -115,6 +126,8 @@ class SimResult:
             "breakdown": self.breakdown,
             "optimizer_breakdown": self.optimizer_breakdown,
             "rank_optimizer_s": list(self.rank_optimizer_s),
+            "memory": self.memory.to_dict(self.memory_capacity_bytes),
+            "fits": self.fits,
             "definitions": DEFINITIONS,
         }
 
@@ -226,6 +239,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> Sim
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
     model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
     mfu = model_flops / (t_end * cluster.gpus * hw.gpu.peak_flops["bf16"]) if t_end > 0 else 0.0
+    memory = memory_per_gpu(spec, plan, STEP_POLICIES[cfg.policy], LayerDims.from_config(arch),
+                            MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode),
+                            dp=cluster.dp)
     return SimResult(
         config=cfg,
         plan=plan,
@@ -238,6 +254,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> Sim
         breakdown={k: a[k] + mean[k] for k in a},
         optimizer_breakdown=mean,
         rank_optimizer_s=tuple(o["compute_s"] for o in opt),
+        memory=memory,
+        memory_capacity_bytes=hw.gpu.memory_bytes,
         spans=tuple(phase_a) + tuple(phase_b),
     )
 

@@ -362,7 +362,8 @@ def test_to_dict_has_the_documented_keys():
     assert isinstance(d["rank_optimizer_s"], list) and len(d["rank_optimizer_s"]) == SMALL.gpus
     assert d["policy"] == "canzona" and d["gpus"] == 16 and d["tp"] == 2 and d["dp"] == 8
     assert d["dp_policy"] == "alpha-balanced" and d["tp_policy"] == "greedy-rollback"
-    assert set(d["definitions"]) == {"iteration_time_s", "optimizer_step_s", "param_gather_exposed_s", "mfu"}
+    assert set(d["definitions"]) == {"iteration_time_s", "optimizer_step_s", "param_gather_exposed_s", "mfu", "memory"}
+    assert d["fits"] is True and d["memory"]["worst"]["total"] > 0
     assert d["workload"]["seq_len"] == 512
 
 
@@ -460,3 +461,14 @@ def test_canzona_reports_its_zero1_fallback_when_that_is_faster_and_says_so():
 def test_no_fallback_where_canzona_wins():
     r = simulate(SimConfig(model="qwen3-1.7b", gpus=16, tp=8, workload=Workload(seq_len=128, global_batch=2)))
     assert r.fell_back_to is None and r.plan.dp_plan.policy == "alpha-balanced"
+
+
+def test_memory_flags_the_layout_that_does_not_fit():
+    """sc replicates every full-matrix Muon state on every GPU: on Qwen3-32B, 256 H100, TP 8 that
+    alone is ~125 GB, so the layout is flagged with its breakdown; canzona fits."""
+    base = SimConfig(workload=Workload(seq_len=4096, global_batch=128))
+    sc, cz = simulate(replace(base, policy="sc")), simulate(base)
+    assert not sc.fits and sc.to_dict()["fits"] is False
+    assert sc.memory.worst.matrix_state > 100e9
+    assert "does not fit" in sc.memory.explain(sc.memory_capacity_bytes)
+    assert cz.fits and cz.memory.worst.total < 80e9
