@@ -31,8 +31,9 @@ from canzona.cost import state_bytes
 from canzona.dp.layout import ceil_to
 from canzona.errors import SpecError
 from canzona.optimizers import default_config
+from canzona.pipeline import stage_layers
 from canzona.plan import Plan, check_plan_matches
-from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
     PIPELINED,
@@ -46,6 +47,12 @@ from canzona.step_schedule import (
 from canzona.tp import EVERY_RANK
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def check_recompute(mode: str) -> str:
+    if mode not in RECOMPUTE_MODES:
+        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    return mode
 FP32 = DTYPE_BYTES["fp32"]
 GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
 
@@ -138,8 +145,7 @@ class MemorySetup:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise SpecError(f"unknown recompute mode {self.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+        check_recompute(self.recompute)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
         check_tp_mode(self.tp_mode)
@@ -290,46 +296,6 @@ def worst_rank(layouts: Sequence[LayoutMemory]) -> RankMemory:
 
 def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
-
-
-# --- pipeline stages ----------------------------------------------------------------------------
-
-
-def stage_layers(layers: int, pp: int, stage: int) -> range:
-    """The layer indices of pipeline stage `stage` of `pp`: split evenly, the first stages taking
-    one more when `pp` does not divide `layers`."""
-    if not (isinstance(pp, int) and pp >= 1):
-        raise SpecError(f"pp must be a whole number >= 1, got {pp!r}")
-    if not 0 <= stage < pp:
-        raise SpecError(f"stage {stage} is outside 0..{pp - 1}")
-    if pp > layers:
-        raise SpecError(f"pp={pp} is more than the {layers} layers")
-    base, extra = divmod(layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (stage < extra))
-
-
-def stage_spec(spec: ModelSpec, pp: int, stage: int, layers: int | None = None) -> ModelSpec:
-    """The parameters pipeline stage `stage` holds: its layers; the embedding on the first stage;
-    the parameters outside any layer (final norm, head) on the last. With tied embeddings (no head)
-    the last stage also holds a copy of the embedding, as Megatron does for its output layer."""
-    indices = [p.layer for p in spec.params if p.layer is not None]
-    count = layers if layers is not None else (max(indices) + 1 if indices else 0)
-    if pp == 1 and stage == 0:
-        return spec
-    mine = stage_layers(count, pp, stage)
-    tied = not any(p.role == Role.HEAD for p in spec.params)
-    out = []
-    for p in spec.params:
-        if p.layer is not None:
-            keep = p.layer in mine
-        elif p.role == Role.EMBEDDING:
-            keep = stage == 0 or (tied and stage == pp - 1)
-        else:
-            keep = stage == pp - 1
-        if keep:
-            out.append(p)
-    return ModelSpec(f"{spec.name}[stage {stage}/{pp}]", tuple(out))
 
 
 # --- activations --------------------------------------------------------------------------------
@@ -532,7 +498,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     outside = next((p.name for p in spec.params if p.layer is not None and p.layer not in rng), None)
     if outside is not None:
         raise SpecError(f"{outside} is not in pipeline stage {stage} of {pp} (layers {rng.start}..{rng.stop - 1}): "
-                        "give the stage's spec and plan (canzona.memory.stage_spec)")
+                        "give the stage's spec and plan (canzona.pipeline.stage_spec)")
 
     if matrix_config is not None and type(matrix_config) is not type(default_config(plan.optimizer)):
         raise SpecError(f"matrix_config is a {type(matrix_config).__name__}, but the plan is for {plan.optimizer}")
@@ -584,7 +550,7 @@ def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tup
 
 
 __all__ = [
-    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "LayerDims", "LayoutMemory",
+    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
-    "layer_activation_bytes", "memory_per_gpu", "stage_layers", "stage_spec", "worst_rank",
+    "layer_activation_bytes", "memory_per_gpu", "worst_rank",
 ]

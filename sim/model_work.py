@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel
-from canzona.errors import SpecError
+from canzona.memory import check_recompute
 from canzona.spec import ModelSpec, ParamSpec
 
 # FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
@@ -29,7 +29,6 @@ ATTENTION_EFFICIENCY = 0.6
 # A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two:
 # Dao 2023, arXiv 2307.08691, section 3.1).
 ATTENTION_BACKWARD = 2.5
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -57,12 +56,6 @@ class MicroBatchWork:
 
     def layer_forward_s(self, layer: int) -> float:
         return sum(b.seconds for b in self.forward[layer])
-
-
-def check_recompute(mode: str) -> str:
-    if mode not in RECOMPUTE_MODES:
-        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canzona.memory import check_recompute
 from sim.collectives import DEFAULT_UNEVEN, check_uneven_impl
-from sim.model_work import check_recompute
 
 
 @dataclass(frozen=True)

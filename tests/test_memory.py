@@ -26,11 +26,10 @@ from canzona.memory import (
     kernel_workspace_bytes,
     layer_activation_bytes,
     memory_per_gpu,
-    stage_layers,
-    stage_spec,
     worst_rank,
 )
 from canzona.optimizers import MuonConfig, SOAPConfig
+from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import make_plan
 from canzona.spec import ModelSpec, ParamSpec, Role
 from canzona.step_policies import STEP_POLICIES
