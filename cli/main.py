@@ -181,7 +181,8 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
 
 def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
-                global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True):
+                global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
+                pp: int = 1):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -191,7 +192,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback)
+                     zero1_fallback=zero1_fallback, pp=pp)
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
@@ -222,6 +223,7 @@ OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient re
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
+Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
 Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's: all-to-all, broadcasts), loops (grouped reduce / broadcast) or padded.")]
 
@@ -236,7 +238,7 @@ def simulate(
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
-    zero1_fallback: Fallback = True,
+    zero1_fallback: Fallback = True, pp: Pp = 1,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -248,7 +250,7 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
-                             zero1_fallback)
+                             zero1_fallback, pp)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -274,7 +276,7 @@ def compare(
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
-    zero1_fallback: Fallback = True,
+    zero1_fallback: Fallback = True, pp: Pp = 1,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -288,7 +290,7 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
-                           zero1_fallback)
+                           zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

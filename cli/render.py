@@ -90,7 +90,7 @@ def simulate_table(result) -> Table:
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}, DP {c.gpus // c.tp}), {c.optimizer}, "
+    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, DP {c.gpus // (c.tp * c.pp)}), {c.optimizer}, "
                     f"policy {c.policy}{fell} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
@@ -129,7 +129,8 @@ def simulate_table(result) -> Table:
 def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}), {c.optimizer}, seq {c.workload.seq_len}, "
+    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "")
+    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
     for col in ("iter ms", "MFU", "GB/GPU", "fits", "opt ms", "opt comm", "opt idle", "gather wait",

@@ -19,6 +19,7 @@ from canzona.cost import DeviceRate, adamw_kernels
 from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config
+from canzona.pipeline import one_f_one_b
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy
@@ -55,6 +56,7 @@ class Context:
     work: MicroBatchWork
     tp_mode: str = "pipelined"
     options: RunOptions = RunOptions()
+    stage: int = 0  # pipeline stage: `spec`, `plan` and `work` are this stage's
 
     @property
     def hidden(self) -> int:
@@ -129,113 +131,174 @@ def _groups(ranks: Sequence[int], groups: Sequence[Sequence[int]]) -> list[list[
 
 @dataclass
 class PhaseA:
-    last: dict[int, simpy.Event]  # each rank's last backward kernel
-    synced: simpy.Event  # every gradient synchronised
-    stalls: list[float]  # forward waits for parameters still being gathered
+    synced: simpy.Event  # every gradient of every stage synchronised
+    stalls: list[float]  # forward waits for parameters still being gathered (stage 0's first rank)
 
 
-def forward_backward(ctx: Context, ranks: Sequence[int] = (0,)) -> PhaseA:
-    """Phase A on `ranks` (by default rank 0 alone, which stands for every rank: see the module
-    docstring). Collectives are priced for their real groups either way. With overlapped parameter
+PP_COMM = "pp-comm"
+
+
+def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False) -> PhaseA:
+    """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`),
+    one stage's activations reaching the next by point-to-point sends. Each stage is simulated on
+    its first rank, which stands for the stage's ranks (see the module docstring), unless
+    `all_ranks`; collectives are priced for their real groups either way. With overlapped parameter
     gathers (steady state), the previous step's all-gathers run under this forward, bucket by
     bucket in the order the forward needs them."""
-    eng, wl, cl, opts = ctx.engine, ctx.workload, ctx.cluster, ctx.options
-    work = ctx.work
-    act = wl.tokens_per_micro_batch * ctx.hidden * wl.activation_bytes
-    ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
-    rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
-    tp_groups = _groups(ranks, [cl.tp_group(i) for i in range(cl.dp)])
-    dp_groups = _groups(ranks, [cl.dp_group(t) for t in range(cl.tp)])
-    firsts = _bucket_first_layers(ctx)
-    micro_batches = wl.micro_batches(cl.dp)
-
+    eng, cl, wl = ctxs[0].engine, ctxs[0].cluster, ctxs[0].workload
+    pp, m = len(ctxs), wl.micro_batches(cl.dp)
+    ranks = [list(cl.stage_ranks(s)) if all_ranks else [cl.rank(0, 0, s)] for s in range(pp)]
     done = eng.env.event().succeed()
-    last: dict[int, simpy.Event] = {r: done for r in ranks}
+    # activation (gradient) of micro-batch i arrived at stage s: set by the neighbour's send
+    fwd_in = [[done if s == 0 else eng.env.event() for _ in range(m)] for s in range(pp)]
+    bwd_in = [[done if s == pp - 1 else eng.env.event() for _ in range(m)] for s in range(pp)]
     stalls: list[float] = []
+    syncs: list[simpy.Event] = []
+    for s, ctx in enumerate(ctxs):
+        syncs += _Stage(ctx, s, ranks, fwd_in, bwd_in, stalls).run(m)
+    return PhaseA(eng.env.all_of(syncs), stalls)
 
-    def collective(name: str, groups: list[list[int]], cost, stream: str,
+
+class _Stage:
+    """The program of one pipeline stage's ranks: forwards and backwards with their TP
+    collectives, sends to the neighbouring stages, DP gradient and parameter collectives."""
+
+    def __init__(self, ctx: Context, stage: int, ranks: list[list[int]], fwd_in: list[list[simpy.Event]],
+                 bwd_in: list[list[simpy.Event]], stalls: list[float]):
+        self.ctx, self.stage, self.all_ranks = ctx, stage, ranks
+        self.ranks = ranks[stage]
+        self.fwd_in, self.bwd_in, self.stalls = fwd_in, bwd_in, stalls
+        self.eng = ctx.engine
+        cl, wl = ctx.cluster, ctx.workload
+        act = wl.tokens_per_micro_batch * ctx.hidden * wl.activation_bytes
+        self.ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
+        self.rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
+        shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
+        self.p2p = all_to_all_cost([shard, 0.0], [0.0, shard], cl.pp_geometry(), ctx.hw)
+        self.tp_groups = _groups(self.ranks, [cl.tp_group(i, stage) for i in range(cl.dp)])
+        self.dp_groups = _groups(self.ranks, [cl.dp_group(t, stage) for t in range(cl.tp)])
+        self.firsts = _bucket_first_layers(ctx)
+        done = self.eng.env.event().succeed()
+        self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
+
+    def collective(self, name: str, groups: list[list[int]], cost, stream: str,
                    after: dict[int, list[simpy.Event]] | None = None) -> dict[int, simpy.Event]:
         out: dict[int, simpy.Event] = {}
         for g in groups:
-            out.update(eng.collective(name, g, cost, stream, {r: (after or {}).get(r, [last[r]]) for r in g}))
+            out.update(self.eng.collective(name, g, cost, stream, {r: (after or {}).get(r, [self.last[r]]) for r in g}))
         return out
 
-    def compute(name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None) -> None:
-        for r in ranks:
-            last[r] = eng.compute(r, name, seconds, [last[r]] + (extra or {}).get(r, []))
+    def compute(self, name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None) -> None:
+        for r in self.ranks:
+            self.last[r] = self.eng.compute(r, name, seconds, [self.last[r]] + (extra or {}).get(r, []))
 
-    def block(name: str, b, gathers_input: int) -> None:
+    def wait(self, events: list[simpy.Event]) -> None:
+        for r in self.ranks:
+            self.last[r] = self.eng.env.all_of([self.last[r]] + events)
+
+    def block(self, name: str, b, gathers_input: int) -> None:
         """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
+        ctx, ranks = self.ctx, self.ranks
         if ctx.tp == 1:
-            compute(name, b.seconds)
+            self.compute(name, b.seconds)
             return
-        if not opts.tp_comm_overlap:
+        if not ctx.options.tp_comm_overlap:
             for _ in range(gathers_input):
-                last.update(collective(f"{name} all-gather", tp_groups, ag, TP_COMM))
-            compute(name, b.seconds)
-            last.update(collective(f"{name} reduce-scatter", tp_groups, rs, TP_COMM))
+                self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM))
+            self.compute(name, b.seconds)
+            self.last.update(self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM))
             return
-        start = dict(last)
-        gathered = start
+        gathered = dict(self.last)
         for _ in range(gathers_input):
-            gathered = collective(f"{name} all-gather", tp_groups, ag, TP_COMM, {r: [gathered[r]] for r in ranks})
-        compute(f"{name} first", b.first_s)
-        compute(f"{name} middle", b.middle_s, {r: [gathered[r]] for r in ranks})
-        before_last = dict(last)
-        compute(f"{name} last", b.last_s)
-        scattered = collective(f"{name} reduce-scatter", tp_groups, rs, TP_COMM, {r: [before_last[r]] for r in ranks})
-        joined = {r: eng.env.all_of([last[r], scattered[r]]) for r in ranks}
-        last.update(joined)
+            gathered = self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM,
+                                       {r: [gathered[r]] for r in ranks})
+        self.compute(f"{name} first", b.first_s)
+        self.compute(f"{name} middle", b.middle_s, {r: [gathered[r]] for r in ranks})
+        before_last = dict(self.last)
+        self.compute(f"{name} last", b.last_s)
+        scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
+                                    {r: [before_last[r]] for r in ranks})
+        self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
 
-    # steady state: the last step's parameter all-gathers, issued as the forward needs them
-    needed: dict[int, list[simpy.Event]] = {}
-    if opts.overlap_param_gather:
-        gathers = param_gather_costs(ctx)
-        order = sorted(range(1, len(gathers)), key=lambda i: firsts[i - 1])  # forward order
+    def send(self, to: int, name: str, arrived: simpy.Event) -> None:
+        """Point-to-point sends of every rank's activation (gradient) slice to stage `to`."""
+        stream = f"{PP_COMM} {self.stage}->{to}"
+        evs = []
+        for src, dst in zip(self.ranks, self.all_ranks[to]):
+            evs += self.eng.collective(name, [src, dst], self.p2p, stream, {src: [self.last[src]], dst: []}).values()
+        self.eng.env.process(_relay(self.eng.env.all_of(evs), arrived))
+
+    def param_gathers(self) -> dict[int, list[simpy.Event]]:
+        """Steady state: the last step's parameter all-gathers, issued as the forward needs them."""
+        needed: dict[int, list[simpy.Event]] = {}
+        if not self.ctx.options.overlap_param_gather:
+            return needed
+        gathers = param_gather_costs(self.ctx)
+        order = sorted(range(1, len(gathers)), key=lambda i: self.firsts[i - 1])  # forward order
+        first_layer = self.ctx.work.layer_ids[0] if self.ctx.work.layer_ids else 0
         for i in [0] + order if gathers else []:
             name, cost = gathers[i]
-            evs = collective(name, dp_groups, cost, DP_COMM, {r: [] for r in ranks})
-            needed.setdefault(0 if i == 0 else firsts[i - 1], []).extend(evs.values())
+            evs = self.collective(name, self.dp_groups, cost, DP_COMM, {r: [] for r in self.ranks})
+            needed.setdefault(first_layer if i == 0 else self.firsts[i - 1], []).extend(evs.values())
+        return needed
 
-    def stall_probe(before: simpy.Event, wanted: list[simpy.Event]):
+    def _probe(self, before: simpy.Event, wanted: list[simpy.Event]):
         yield before
-        t0 = eng.now
-        yield eng.env.all_of(wanted)
-        stalls.append(eng.now - t0)
+        t0 = self.eng.now
+        yield self.eng.env.all_of(wanted)
+        self.stalls.append(self.eng.now - t0)
 
-    syncs: list[simpy.Event] = []
-    for mb in range(micro_batches):
-        for layer in range(work.layers):
-            if mb == 0 and layer in needed:
-                waits = needed[layer]
-                eng.env.process(stall_probe(last[ranks[0]], waits))
-                for r in ranks:
-                    last[r] = eng.env.all_of([last[r]] + waits)
-            for b in work.forward[layer]:
-                block(f"mb{mb} fwd {b.name}", b, 1)
-        compute(f"mb{mb} fwd head", work.head_forward_s)
-        compute(f"mb{mb} bwd head", work.head_backward_s)
-        for layer in reversed(range(work.layers)):
-            for b in work.backward[layer]:
-                # backward re-gathers the block input for the weight gradients (sequence parallel)
-                block(f"mb{mb} bwd {b.name}", b, 2)
-            if mb == micro_batches - 1 and opts.overlap_grad_reduce:
-                syncs += _grad_syncs(ctx, layer, firsts, collective, dp_groups)
-    if not opts.overlap_grad_reduce:
-        for layer in reversed(range(work.layers)):
-            syncs += _grad_syncs(ctx, layer, firsts, collective, dp_groups)
-    syncs += collective("grad sync adamw", dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
-    return PhaseA(dict(last), eng.env.all_of(syncs), stalls)
+    def grad_syncs(self, layer: int) -> list[simpy.Event]:
+        out: list[simpy.Event] = []
+        for bi, first in enumerate(self.firsts):
+            if first == layer:
+                cost = grad_sync_cost(self.ctx, self.ctx.plan.dp_plan.buckets[bi])
+                out += self.collective(f"grad sync bucket {bi}", self.dp_groups, cost, DP_COMM).values()
+        return out
+
+    def run(self, micro_batches: int) -> list[simpy.Event]:
+        ctx, work, s = self.ctx, self.ctx.work, self.stage
+        pp = len(self.all_ranks)
+        needed = self.param_gathers()
+        syncs: list[simpy.Event] = []
+        last_head = s == pp - 1
+        for kind, mb in one_f_one_b(s, pp, micro_batches):
+            if kind == "F":
+                self.wait([self.fwd_in[s][mb]])
+                for layer, blocks in zip(work.layer_ids, work.forward):
+                    if mb == 0 and layer in needed:
+                        if s == 0 and self.ranks:
+                            self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
+                        self.wait(needed[layer])
+                    for b in blocks:
+                        self.block(f"mb{mb} fwd {b.name}", b, 1)
+                if last_head:
+                    self.compute(f"mb{mb} fwd head", work.head_forward_s)
+                else:
+                    self.send(s + 1, f"mb{mb} send activations", self.fwd_in[s + 1][mb])
+            else:
+                self.wait([self.bwd_in[s][mb]])
+                if last_head:
+                    self.compute(f"mb{mb} bwd head", work.head_backward_s)
+                for layer, blocks in reversed(list(zip(work.layer_ids, work.backward))):
+                    for b in blocks:
+                        # backward re-gathers the block input for the weight gradients (sequence parallel)
+                        self.block(f"mb{mb} bwd {b.name}", b, 2)
+                    if mb == micro_batches - 1 and ctx.options.overlap_grad_reduce:
+                        syncs += self.grad_syncs(layer)
+                if s > 0:
+                    self.send(s - 1, f"mb{mb} send gradients", self.bwd_in[s - 1][mb])
+        if not ctx.options.overlap_grad_reduce:
+            for layer in reversed(work.layer_ids):
+                syncs += self.grad_syncs(layer)
+        syncs += self.collective("grad sync adamw", self.dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
+        return syncs
 
 
-def _grad_syncs(ctx: Context, layer: int, firsts: list[int], collective, dp_groups) -> list[simpy.Event]:
-    out: list[simpy.Event] = []
-    for bi, first in enumerate(firsts):
-        if first == layer:
-            cost = grad_sync_cost(ctx, ctx.plan.dp_plan.buckets[bi])
-            out += collective(f"grad sync bucket {bi}", dp_groups, cost, DP_COMM).values()
-    return out
+def _relay(source: simpy.Event, target: simpy.Event):
+    yield source
+    target.succeed()
 
 
 # --- phase B ----------------------------------------------------------------------------------
@@ -249,7 +312,7 @@ def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Ev
     done: list[simpy.Event] = []
     costs = param_gather_costs(ctx)
     for t in range(ctx.tp):
-        group = ctx.cluster.dp_group(t)
+        group = ctx.cluster.dp_group(t, ctx.stage)
         after = {r: [ready[r]] for r in group}
         for name, cost in costs[1:] + costs[:1]:
             done += ctx.engine.collective(name, group, cost, DP_COMM, after).values()
@@ -289,11 +352,11 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
     rank's TP group runs its step schedule (`canzona.step_schedule`: micro-groups under canzona, one
     tp-sync group under the baselines), then AdamW and the parameter all-gather."""
     eng, cl = ctx.engine, ctx.cluster
-    gathered: dict[int, simpy.Event] = {r: start for r in range(cl.gpus)}
+    gathered: dict[int, simpy.Event] = {r: start for r in cl.stage_ranks(ctx.stage)}
     if ctx.policy.gather_split:
         cost = _split_gather_costs(ctx)
         for t in range(ctx.tp):
-            group = cl.dp_group(t)
+            group = cl.dp_group(t, ctx.stage)
             gathered.update(eng.collective("gather split gradients", group, cost, DP_COMM,
                                            {r: [start] for r in group}))
     ready: dict[int, simpy.Event] = {}
@@ -305,7 +368,7 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
             schedules[plan_rank] = tp_schedule(ctx.plan, ctx.spec, ctx.policy, plan_rank, ctx.tp_mode,
                                                ctx.workload.grad_bytes, ctx.workload.grad_bytes)
         schedule = schedules[plan_rank]
-        members = cl.tp_group(i)
+        members = cl.tp_group(i, ctx.stage)
         applied = run_schedule(ctx, members, schedule, {r: gathered[r] for r in members})
         for r in members:
             ready[r] = _adamw_step(ctx, r, applied[r] or [gathered[r]])

@@ -48,14 +48,11 @@ class Block:
 
 @dataclass(frozen=True)
 class MicroBatchWork:
-    layers: int
+    layer_ids: tuple[int, ...]  # the model's layer indices this work covers (a pipeline stage's)
     forward: tuple[tuple[Block, ...], ...]  # per layer, blocks in forward order
     backward: tuple[tuple[Block, ...], ...]  # per layer, blocks in backward order
-    head_forward_s: float
+    head_forward_s: float  # 0 on a pipeline stage without the output layer
     head_backward_s: float
-
-    def layer_forward_s(self, layer: int) -> float:
-        return sum(b.seconds for b in self.forward[layer])
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
@@ -70,14 +67,18 @@ def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
 
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
                      vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
-                     recompute: str = "none", causal: bool = True, dtype: str = "bf16") -> MicroBatchWork:
-    """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks."""
+                     recompute: str = "none", causal: bool = True, dtype: str = "bf16",
+                     head: bool = True) -> MicroBatchWork:
+    """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
+    the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
+    output layer and the loss."""
     check_recompute(recompute)
-    layers = 1 + max((p.layer for p in spec.params if p.layer is not None), default=-1)
-    by_layer: list[list[ParamSpec]] = [[] for _ in range(layers)]
+    layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
+    by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
     for p in spec.matrix_params():
         if p.layer is not None:
-            by_layer[p.layer].append(p)
+            by_id[p.layer].append(p)
+    by_layer = [by_id[i] for i in layer_ids]
 
     def run(kernels: Sequence[Kernel]) -> float:
         return sum(rate.kernel_seconds(k) for k in kernels)
@@ -106,7 +107,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         return passes * rate.kernel_seconds(elementwise_kernel("block", tokens, 1, per_token * two, dtype))
 
     forward, backward = [], []
-    for layer, params in enumerate(by_layer):
+    for layer, params in zip(layer_ids, by_layer):
         fwd_blocks, bwd_blocks = [], []
         for i, block in enumerate(_blocks_of(params)):
             column = [p for p in block if p.tp_dim != 1]
@@ -125,10 +126,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             bwd_blocks.append(bwd)
         forward.append(tuple(fwd_blocks))
         backward.append(tuple(reversed(bwd_blocks)))
+    if not head:
+        return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0)
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
                   # softmax cross-entropy over the vocab-parallel logits: fp32, a few passes
                   elementwise_kernel("loss", tokens * (vocab // tp), 5, 4 * 4)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
                   elementwise_kernel("loss.grad", tokens * (vocab // tp), 3, 3 * 4)])
-    return MicroBatchWork(layers, tuple(forward), tuple(backward), head_f, head_b)
+    return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b)

@@ -19,7 +19,9 @@ from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.optimizers import check_matrix_optimizer
+from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import Plan, make_plan
+from canzona.spec import ModelSpec
 from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import Capacity
@@ -63,6 +65,7 @@ class SimConfig:
     workload: Workload = field(default_factory=Workload)
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
+    pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
 
     def check(self) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
@@ -72,8 +75,9 @@ class SimConfig:
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         check_tp_mode(self.tp_mode)
         self.options.check()
-        cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
+        cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus, self.pp)
         get_model(self.model, self.tp)
+        stage_layers(get_config(self.model).layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
         return cluster
 
@@ -91,7 +95,7 @@ class SimResult:
     breakdown: dict[str, float]
     optimizer_breakdown: dict[str, float]
     rank_optimizer_s: tuple[float, ...]
-    memory: LayoutMemory
+    memory: LayoutMemory  # the pipeline stage with the fullest GPU
     memory_capacity_bytes: float
     spans: tuple[Span, ...] = field(repr=False)
     fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
@@ -108,7 +112,8 @@ class SimResult:
             "model": cfg.model,
             "gpus": cfg.gpus,
             "tp": cfg.tp,
-            "dp": cfg.gpus // cfg.tp,
+            "pp": cfg.pp,
+            "dp": cfg.gpus // (cfg.tp * cfg.pp),
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
             "tp_policy": self.plan.tp_plan.policy,
@@ -132,9 +137,9 @@ class SimResult:
         }
 
 
-def _plan_for(cfg: SimConfig, cluster: Cluster) -> Plan:
+def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
+    """The policy's plan for one pipeline stage's `spec` (the whole model without PP)."""
     policy = STEP_POLICIES[cfg.policy]
-    spec = get_model(cfg.model, cfg.tp)
     dp = 1 if policy.replicated else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
                      policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
@@ -203,30 +208,44 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> SimResult:
     cluster = cfg.check()
+    if plan is not None and cfg.pp > 1:
+        raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
     hw = load_profile(cfg.hardware)
-    plan = plan or _plan_for(cfg, cluster)
-    STEP_POLICIES[cfg.policy].check_dp_plan(plan.dp_plan)
-    STEP_POLICIES[cfg.policy].check_tp_plan(plan.tp_plan.policy, plan.tp)
+    policy = STEP_POLICIES[cfg.policy]
     spec = get_model(cfg.model, cfg.tp)
     arch = get_config(cfg.model)
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
-    work = micro_batch_work(spec, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_heads * arch.head_dim,
-                            arch.hidden, arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal)
     engine = Engine()
-    ctx = Context(engine, cluster, hw, rate, arch, spec, wl, plan, STEP_POLICIES[cfg.policy], work,
-                  cfg.tp_mode, cfg.options)
+    ctxs, plans, memories = [], [], []
+    for stage in range(cfg.pp):
+        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers)
+        stage_plan = plan or _plan_for(cfg, cluster, stage_model)
+        policy.check_dp_plan(stage_plan.dp_plan)
+        policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
+        work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
+                                arch.q_heads * arch.head_dim, arch.hidden, arch.vocab, rate,
+                                recompute=cfg.options.recompute, causal=wl.causal, head=stage == cfg.pp - 1)
+        ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
+                            cfg.tp_mode, cfg.options, stage))
+        plans.append(stage_plan)
+        memories.append(memory_per_gpu(stage_model, stage_plan, policy, LayerDims.from_config(arch),
+                                       MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
+                                                                 tp_mode=cfg.tp_mode),
+                                       dp=cluster.dp, pp=cfg.pp, stage=stage))
+    memory = max(memories, key=lambda m: m.worst.total)
 
-    phase = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
+    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a)
     synced = phase.synced
     engine.run()
     t_sync = engine.now
     phase_a = [s for s in engine.spans if s.rank == 0]
     n_phase_a = len(engine.spans)
-    fb_end = max((s.end for s in phase_a if s.kind == "compute"), default=0.0)
+    fb_end = max((s.end for s in engine.spans if s.kind == "compute"), default=0.0)
 
     start = engine.env.event().succeed()
-    optimizer_step(ctx, start)
+    for ctx in ctxs:
+        optimizer_step(ctx, start)
     t_end = engine.run()
     assert synced.triggered
 
@@ -239,12 +258,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> Sim
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
     model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
     mfu = model_flops / (t_end * cluster.gpus * hw.gpu.peak_flops["bf16"]) if t_end > 0 else 0.0
-    memory = memory_per_gpu(spec, plan, STEP_POLICIES[cfg.policy], LayerDims.from_config(arch),
-                            MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode),
-                            dp=cluster.dp)
     return SimResult(
         config=cfg,
-        plan=plan,
+        plan=plans[0],
         iteration_time_s=t_end,
         optimizer_step_s=t_end - t_sync,
         forward_backward_s=fb_end,

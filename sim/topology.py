@@ -25,17 +25,23 @@ MAX_GPUS = 16384  # about 10 s per simulated iteration on one core, and memory t
 
 @dataclass(frozen=True)
 class Cluster:
+    """`gpus` = dp x tp x pp, ranks ordered TP fastest, then DP, then the pipeline stage (PP
+    outermost, Megatron's default order)."""
+
     gpus: int
     tp: int
     gpus_per_node: int
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.tp < 1:
-            raise SpecError(f"gpus and tp must be >= 1, got gpus={self.gpus} tp={self.tp}")
+        if self.gpus < 1 or self.tp < 1 or self.pp < 1:
+            raise SpecError(f"gpus, tp and pp must be >= 1, got gpus={self.gpus} tp={self.tp} pp={self.pp}")
         if self.gpus > MAX_GPUS:
             raise SpecError(f"the simulator runs at most {MAX_GPUS} GPUs, got {self.gpus}")
         if self.gpus % self.tp:
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp={self.tp}")
+        if self.gpus % (self.tp * self.pp):
+            raise SpecError(f"{self.gpus} GPUs are not divisible by tp x pp = {self.tp} x {self.pp}")
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise SpecError(f"tp={self.tp} must divide the {self.gpus_per_node} GPUs of a node "
                             "(TP groups stay inside a node)")
@@ -44,23 +50,30 @@ class Cluster:
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def stage_gpus(self) -> int:
+        return self.dp * self.tp
 
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
 
-    def rank(self, dp_index: int, tp_index: int) -> int:
-        return dp_index * self.tp + tp_index
+    def rank(self, dp_index: int, tp_index: int, stage: int = 0) -> int:
+        return stage * self.stage_gpus + dp_index * self.tp + tp_index
+
+    def stage_ranks(self, stage: int = 0) -> range:
+        return range(stage * self.stage_gpus, (stage + 1) * self.stage_gpus)
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
-    def tp_group(self, dp_index: int) -> list[int]:
-        return [self.rank(dp_index, t) for t in range(self.tp)]
+    def tp_group(self, dp_index: int, stage: int = 0) -> list[int]:
+        return [self.rank(dp_index, t, stage) for t in range(self.tp)]
 
-    def dp_group(self, tp_index: int) -> list[int]:
-        return [self.rank(i, tp_index) for i in range(self.dp)]
+    def dp_group(self, tp_index: int, stage: int = 0) -> list[int]:
+        return [self.rank(i, tp_index, stage) for i in range(self.dp)]
 
     def geometry(self, ranks: list[int]) -> GroupGeometry:
         nodes = {self.node_of(r) for r in ranks}
@@ -71,3 +84,7 @@ class Cluster:
 
     def dp_geometry(self) -> GroupGeometry:
         return self.geometry(self.dp_group(0))
+
+    def pp_geometry(self) -> GroupGeometry:
+        """Two neighbouring stages' ranks of the same (DP, TP) index: a point-to-point link."""
+        return self.geometry([self.rank(0, 0, 0), self.rank(0, 0, min(1, self.pp - 1))])

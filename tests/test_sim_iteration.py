@@ -17,6 +17,7 @@ from canzona.cost import AnalyticCost, DeviceRate, adamw_kernels
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.optimizers import default_config
+from canzona.pipeline import one_f_one_b
 from canzona.step_policies import STEP_POLICIES
 from sim.collectives import collective_cost
 from sim.model_work import micro_batch_work
@@ -472,3 +473,64 @@ def test_memory_flags_the_layout_that_does_not_fit():
     assert sc.memory.worst.matrix_state > 100e9
     assert "does not fit" in sc.memory.explain(sc.memory_capacity_bytes)
     assert cz.fits and cz.memory.worst.total < 80e9
+
+
+# --- pipeline parallelism (1F1B) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 4), (4, 2), (3, 7)])
+def test_one_f_one_b_runs_every_micro_batch_once_forward_before_backward(pp, m):
+    for s in range(pp):
+        order = one_f_one_b(s, pp, m)
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+        in_flight = peak = 0
+        for kind, _ in order:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == min(pp - s, m)  # 1F1B holds at most pp - s micro-batches
+
+
+def test_pipeline_bubble_closed_form_on_one_gpu_per_stage():
+    """DP 1, TP 1, equal stages: 1F1B takes (m + pp - 1) slots of one stage's forward + backward,
+    plus the sends between stages (one forward and one backward hop per extra stage)."""
+    wl = Workload(512, 6)
+    pp = 4
+    cfg = SimConfig(model="qwen3-0.6b", gpus=pp, tp=1, pp=pp, policy="sc", workload=wl)
+    r = simulate(cfg)
+    arch = get_config("qwen3-0.6b")
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    full = _work("qwen3-0.6b", 1, wl)
+    per_stage = (sum(b.seconds for layer in full.forward + full.backward for b in layer)) / pp
+    ideal = wl.global_batch * per_stage
+    bubble = (pp - 1) * per_stage
+    assert arch.layers % pp == 0
+    assert r.forward_backward_s >= ideal + 0.9 * bubble
+    assert r.forward_backward_s <= ideal + bubble + wl.global_batch * (full.head_forward_s + full.head_backward_s) \
+        + 2 * wl.global_batch * (pp - 1) * 1e-3
+    assert rate  # the profile the bound is built on
+
+
+@pytest.mark.parametrize("policy", ["canzona", "layerwise"])
+def test_pipeline_stage_ranks_stand_for_their_stage(policy):
+    cfg = SimConfig(model="qwen3-0.6b", gpus=16, tp=2, pp=2, policy=policy, zero1_fallback=False,
+                    workload=Workload(256, 16))
+    a, b = simulate(cfg), simulate(cfg, replicate_phase_a=False)
+    assert a.iteration_time_s == pytest.approx(b.iteration_time_s, rel=1e-12)
+    assert a.grad_sync_end_s == pytest.approx(b.grad_sync_end_s, rel=1e-12)
+
+
+def test_pipeline_splits_the_optimizer_work_and_the_memory():
+    base = SimConfig(model="qwen3-1.7b", gpus=32, tp=2, zero1_fallback=False, workload=Workload(512, 32))
+    one, two = simulate(base), simulate(replace(base, pp=2))
+    assert two.to_dict()["pp"] == 2 and two.to_dict()["dp"] == 8
+    stage_matrices = {p.name for p in two.plan.dp_plan.placements()}
+    assert 0 < len(stage_matrices) < len(one.plan.dp_plan.placements())
+    assert two.memory.worst.weights < one.memory.worst.weights
+
+
+def test_recipe_of_nvidia_qwen3_32b_runs():
+    """NVIDIA's published Qwen3-32B layout: TP 8 x PP 2 with full recompute."""
+    r = simulate(SimConfig(gpus=64, tp=8, pp=2, options=RunOptions(recompute="full"),
+                           workload=Workload(4096, 64)))
+    assert r.fits and 0.2 < r.mfu < 0.6
