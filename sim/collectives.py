@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.hardware import HardwareProfile
+from canzona.hardware import COLLECTIVE_OPS as OPS  # one definition, shared with calibration
+from canzona.hardware import HardwareProfile, bus_factor, latency_steps
 from sim.topology import GroupGeometry
-
-OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -27,20 +26,6 @@ class CollectiveCost:
     @property
     def seconds(self) -> float:
         return self.latency_s + self.transfer_s
-
-
-def bus_factor(op: str, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    if op == "all-reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("reduce-scatter", "all-gather", "all-to-all"):
-        return (n - 1) / n
-    raise ValueError(f"unknown collective {op!r}")
-
-
-def ring_steps(op: str, n: int) -> int:
-    return 2 * (n - 1) if op == "all-reduce" else n - 1
 
 
 def bus_bandwidth(op: str, geo: GroupGeometry, hw: HardwareProfile) -> float:
@@ -59,8 +44,7 @@ def latency(op: str, geo: GroupGeometry, hw: HardwareProfile) -> float:
     if geo.size <= 1:
         return 0.0
     step = hw.nccl.network_step_latency_s if geo.crosses_nodes else hw.nccl.nvlink_step_latency_s
-    steps = 1 if op == "all-to-all" else ring_steps(op, geo.size)
-    return hw.nccl.base_latency_s + steps * step
+    return hw.nccl.base_latency_s + latency_steps(op, geo.size) * step
 
 
 def collective_cost(op: str, nbytes: float, geo: GroupGeometry, hw: HardwareProfile) -> CollectiveCost:
