@@ -68,10 +68,12 @@ class Measurements:
     backend: str = ""
     world_size: int = 1
     local_size: int = 1  # ranks per machine during the collective measurement
+    launcher: str = ""  # "spawned" (gloo ranks on this machine) or "torchrun"
     versions: dict[str, str] = field(default_factory=dict)  # torch, python, canzona
     date: str = ""
     command: str = ""
     threads: int | None = None  # torch's CPU threads
+    matmul_precision: str = ""  # torch.get_float32_matmul_precision(): "highest" is true fp32 (no TF32)
     model: str | None = None
     shapes: list[tuple[int, int]] = field(default_factory=list)
 
@@ -215,7 +217,7 @@ def collective_figures(fits: Sequence[CollectiveFit], local_size: int, single_ma
         base, step = fit_latency(intra)
         how = (f"least squares alpha = base + steps x step over the {len(intra)} fitted alphas of groups "
                f"of <= {local_size} ranks (steps: 2(n-1) all-reduce, n-1 reduce-scatter / all-gather, 1 "
-               "all-to-all)")
+               "all-to-all), both kept >= 0 (a 0 is written as 1e-9, the smallest figure a profile holds)")
         out["nccl.base_latency_s"] = (base, how)
         out["nccl.nvlink_step_latency_s"] = (step, how)
     network = cross or (intra if single_machine else [])
@@ -308,7 +310,7 @@ def assemble_profile(m: Measurements, base: dict[str, Any], base_name: str, name
         raw["gpu"]["sms"] = int(m.sms)
         measured.add("gpu.sms")
         what = ("multi_processor_count of torch.cuda.get_device_properties()" if m.device == "cuda"
-                else f"os.cpu_count() (logical CPUs; torch used {m.threads} threads)")
+                else f"os.cpu_count() (logical CPUs; torch threads while measuring: {m.threads})")
         sources.append(f"gpu.sms {m.sms}: {what}")
 
     if m.solver_rows:
@@ -330,7 +332,7 @@ def assemble_profile(m: Measurements, base: dict[str, Any], base_name: str, name
         raw["collectives"] = {"backend": m.backend, "rows": [list(r) for r in m.collective_rows],
                               "fits": [[f.op, f.group_size, f.alpha_s, f.busbw] for f in fits]}
         single = m.local_size >= m.world_size
-        ranks = f"{m.world_size} {'spawned ' if m.backend == 'gloo' and single else ''}ranks on {m.backend}"
+        ranks = f"{m.world_size} ranks ({m.launcher or 'launched'}, {m.local_size} per machine) on {m.backend}"
         sizes = sorted({r[2] for r in m.collective_rows})
         groups = sorted({r[1] for r in m.collective_rows})
         sources.append(
@@ -357,7 +359,7 @@ def assemble_profile(m: Measurements, base: dict[str, Any], base_name: str, name
     raw.update({
         "schema": SCHEMA,
         "version": VERSION,
-        "name": name or f"{m.device}-{m.hostname}",
+        "name": name or default_name(m),
         "description": description or (f"Measured by canzona calibrate on {m.device_name} ({m.hostname}), "
                                        f"{m.date}; figures not measured come from {base_name}"),
         "measured": True,
@@ -366,12 +368,22 @@ def assemble_profile(m: Measurements, base: dict[str, Any], base_name: str, name
             "device": m.device_name, "device_type": m.device, "hostname": m.hostname,
             "torch": m.versions.get("torch", ""), "canzona": m.versions.get("canzona", ""),
             "python": m.versions.get("python", ""), "date": m.date, "world_size": m.world_size,
-            "backend": m.backend or None, "ranks_per_machine": m.local_size if m.collective_rows else None,
-            "threads": m.threads, "repeats": m.repeats, "warmup": m.warmup, "command": m.command,
+            "backend": m.backend or None, "launcher": m.launcher or None, "ranks_per_machine": m.local_size if m.collective_rows else None,
+            "threads": m.threads, "fp32_matmul_precision": m.matmul_precision or None,
+            "repeats": m.repeats, "warmup": m.warmup, "command": m.command,
             "base": base_name, "model": m.model, "shapes": [list(s) for s in m.shapes],
         },
     })
     return raw
+
+
+def default_name(m: Measurements) -> str:
+    """`cpu-<host>` or `<gpu>-<host>`, in the characters profile names use."""
+    host = re.sub(r"[^a-z0-9.-]+", "-", m.hostname.lower()).strip("-") or "host"
+    if m.device == "cpu":
+        return f"cpu-{host}"
+    gpu = re.sub(r"[^a-z0-9]+", "-", m.device_name.lower()).strip("-") or "cuda"
+    return f"{gpu}-{host}"
 
 
 def _figures(profile: dict[str, Any]) -> list[str]:

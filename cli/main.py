@@ -367,7 +367,7 @@ def calibrate(
     world_size: Annotated[int | None, typer.Option(
         help=f"Also measure collectives on this many spawned gloo ranks (CPU; 2..{calibration.MAX_SPAWNED_RANKS}); under torchrun the launched group is used.")] = None,
     base: Annotated[str, typer.Option(help="Profile (name or JSON path) that supplies every figure not measured.")] = DEFAULT_PROFILE,
-    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (seconds on a CPU, not minutes).")] = False,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes, group sizes and repeats.")] = False,
     repeats: Annotated[int | None, typer.Option(help="Timed repeats per measurement (default 5, 3 with --quick).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads while measuring (default: torch's).")] = None,
     name: Annotated[str | None, typer.Option(help="Profile name (default: cpu-<host> or <gpu>-<host>).")] = None,
@@ -402,6 +402,10 @@ def calibrate(
             calibration.write_profile(profile, out)
     except CanzonaError as e:  # a rank failed or the write failed: the input was fine
         print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
+    except RuntimeError as e:  # torch on this device (out of memory, a missing kernel): the run failed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: measurement failed: {one_line(first)}", file=sys.stderr)
         raise typer.Exit(code=1) from None
     if profile is None:  # a torchrun rank other than 0: it took part in the collectives
         return

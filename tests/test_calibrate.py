@@ -17,6 +17,7 @@ from canzona.calibration import (
     Measurements,
     assemble_profile,
     collective_figures,
+    default_name,
     dumps_profile,
     fit_alpha_beta,
     fit_collectives,
@@ -150,8 +151,41 @@ def test_world_size_2_measures_collectives_and_fits_them(tmp_path):
     assert p.network.nic_busbw == pytest.approx(fits["all-to-all"][1])
     assert p.nccl.base_latency_s > 0
     assert raw["calibration"]["world_size"] == 2 and raw["calibration"]["backend"] == "gloo"
+    assert raw["calibration"]["launcher"] == "spawned"
     assert any(s.startswith("collectives:") for s in raw["sources"])
     assert any(s.startswith("node.nvlink_ring_busbw") for s in raw["sources"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_under_torchrun_the_launched_group_is_measured_and_rank_0_writes(tmp_path):
+    """torchrun on CPU (gloo): the same command as on a GPU node, where the group is NCCL's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from canzona.runtime.launch import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "launched.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(free_port()), "-m", "cli.main", "calibrate", "--device", "cpu", "--quick", "--shapes", "32x64",
+         "--threads", "1", "--out", str(out), "--json"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    raw = json.loads(done.stdout)  # rank 0 alone prints the profile
+    assert raw == json.loads(out.read_text())
+    assert raw["calibration"]["world_size"] == 2 and raw["collectives"]["backend"] == "gloo"
+    assert {row[1] for row in raw["collectives"]["rows"]} == {2}
+    assert raw["calibration"]["launcher"] == "torchrun"
+
+
+def test_default_names_use_the_device_and_host():
+    m = Measurements(device="cpu", device_name="x", hostname="My_Host.lab", repeats=1, warmup=2)
+    assert default_name(m) == "cpu-my-host.lab"
+    gpu = replace(m, device="cuda", device_name="NVIDIA H100 80GB HBM3")
+    assert default_name(gpu) == "nvidia-h100-80gb-hbm3-my-host.lab"
 
 
 # --- the fits, on synthetic data -----------------------------------------------------------------
@@ -326,3 +360,13 @@ def test_world_size_on_cuda_asks_for_torchrun(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     error_line(invoke("calibrate", "--device", "cuda", "--world-size", 2), "torchrun")
+
+
+def test_a_failed_measurement_is_one_error_line_and_exit_1(monkeypatch):
+    from canzona.runtime import calibrate as measuring
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+
+    monkeypatch.setattr(measuring, "measure", out_of_memory)
+    error_line(invoke("calibrate", "--quick", "--shapes", "8x8"), "measurement failed: CUDA out of memory", code=1)

@@ -179,13 +179,15 @@ def prepare(device: str | None = None, model: str | None = DEFAULT_MODEL, shapes
     data, where = load_profile_data(base)
     profile_from_dict(data, where)  # the base must be a valid profile
     full = 1 if quick else 0
+    groups = _group_sizes(world, quick)
+    rows = len(groups) * len(COLLECTIVE_OPS) * len(MESSAGE_SIZES[full])
     return CalibrationSettings(
         device=device, model=model, shapes=chosen, world_size=world, launched=env is not None, base=base,
         quick=quick, repeats=repeats or (3 if quick else 5),
         gemm_sizes=GEMM_SIZES[device][full], solver_sizes=SOLVER_SIZES[device][full],
         copy_bytes=COPY_BYTES[device][full], message_sizes=MESSAGE_SIZES[full],
-        group_sizes=_group_sizes(world, quick), name=name, command=command, threads=threads,
-        deadline_s=300.0 if quick else 900.0)
+        group_sizes=groups, name=name, command=command, threads=threads,
+        deadline_s=120.0 + 3.0 * rows)  # a spawned run that outlasts this has hung
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -462,13 +464,14 @@ def _measure(s: CalibrationSettings, progress: Progress | None) -> Measurements 
 
         if s.launched:
             rank, rows, m.backend, m.local_size = _launched_collectives(s, sub)
+            m.launcher = "torchrun"
             if rank != 0:
                 return None
         else:
             per_rank = run_ranks(_spawned_worker, s.world_size, s.message_sizes, s.group_sizes, s.repeats,
                                  WARMUP, deadline_s=s.deadline_s, collective_timeout_s=s.collective_timeout_s,
                                  progress=sub)
-            rows, m.backend, m.local_size = per_rank[0], "gloo", s.world_size
+            rows, m.backend, m.local_size, m.launcher = per_rank[0], "gloo", s.world_size, "spawned"
         m.collective_rows = [(op, int(n), int(b), float(t)) for op, n, b, t in rows]
         tick("collectives measured", collectives)
 
@@ -479,6 +482,7 @@ def _measure(s: CalibrationSettings, progress: Progress | None) -> Measurements 
         device = torch.device("cpu")
     m.device_name = device_name(device)
     m.threads = torch.get_num_threads()
+    m.matmul_precision = torch.get_float32_matmul_precision()
     m.memory_bytes = memory_bytes(device)
     m.sms = processors(device)
     for dtype in s.gemm_dtypes:
@@ -502,15 +506,6 @@ def _measure(s: CalibrationSettings, progress: Progress | None) -> Measurements 
     return m
 
 
-def default_name(m: Measurements) -> str:
-    """`cpu-<host>` or `<gpu>-<host>`, in the characters profile names use."""
-    host = re.sub(r"[^a-z0-9.-]+", "-", m.hostname.lower()).strip("-") or "host"
-    if m.device == "cpu":
-        return f"cpu-{host}"
-    gpu = re.sub(r"[^a-z0-9]+", "-", m.device_name.lower()).strip("-") or "cuda"
-    return f"{gpu}-{host}"
-
-
 def calibrate(s: CalibrationSettings, progress: Progress | None = None) -> dict[str, Any] | None:
     """Measure and assemble the profile's JSON (validated by `profile_from_dict`); None on a torchrun
     rank other than 0."""
@@ -518,6 +513,6 @@ def calibrate(s: CalibrationSettings, progress: Progress | None = None) -> dict[
     if m is None:
         return None
     base, where = load_profile_data(s.base)
-    profile = assemble_profile(m, base, str(s.base), name=s.name or default_name(m))
+    profile = assemble_profile(m, base, str(s.base), name=s.name)
     profile_from_dict(profile, "calibrated profile")  # what is written must load
     return profile
