@@ -1,8 +1,9 @@
-"""Per-matrix optimizer kernel time for Qwen3 shapes on the local device: the seed of calibration.
+"""Per-matrix optimizer kernel time for Qwen3 shapes on the local device, beside the H100 roofline.
 
 For each distinct matrix shape of a catalog model and each matrix optimizer, time one steady-state
-step of the runtime kernel (`canzona.runtime.kernels`) plus its apply, median of a few repeats, and
-print it beside the analytic cost model's prediction for the H100 profile. `--out table.json` writes
+step of the runtime kernel (`canzona.runtime.kernels`) plus its apply, median of a few repeats
+(`canzona.runtime.calibrate.time_step`, which `canzona calibrate` uses too), and print it beside the
+analytic cost model's prediction for the H100 profile. `--out table.json` writes
 the measurements as `[optimizer, m, n, dtype, seconds]` rows, the format `TableCost` reads.
 
 Run: python3 benchmarks/bench_kernels.py [--model qwen3-0.6b] [--device cpu|cuda] [--repeats 3]
@@ -13,48 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from canzona.catalog import get_model
-from canzona.cost import AnalyticCost
-from canzona.optimizers import default_config
-from canzona.runtime.kernels import MATRIX_KERNELS, apply_update_
-
-DTYPE_KEYS = {"muon": "ns_dtype", "soap": "compute_dtype", "shampoo": "compute_dtype"}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_step(optimizer: str, shape: tuple[int, int], device: torch.device, repeats: int) -> float:
-    """Median seconds of one steady-state step (state already initialised)."""
-    cfg = default_config(optimizer)
-    kernel = MATRIX_KERNELS[optimizer]
-    gen = torch.Generator(device=device).manual_seed(0)
-    param = torch.randn(shape, device=device, generator=gen)
-    grad = torch.randn(shape, device=device, generator=gen)
-    state: dict = {}
-    for _ in range(2):  # initialise state (SOAP's first call) and warm up
-        update = kernel(grad, state, cfg, 1e-3)
-        if update is not None:
-            apply_update_(param, update.direction, update)
-    runs = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        update = kernel(grad, state, cfg, 1e-3)
-        apply_update_(param, update.direction, update)
-        sync(device)
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+from canzona.cost import AnalyticCost, step_dtype
+from canzona.runtime.calibrate import time_step  # the one timing definition (`canzona calibrate`)
 
 
 def main() -> int:
@@ -75,7 +43,7 @@ def main() -> int:
         t.add_column(col, justify="right" if "ms" in col or "/" in col else "left")
     rows = []
     for optimizer in args.optimizers.split(","):
-        dtype = getattr(default_config(optimizer), DTYPE_KEYS[optimizer])
+        dtype = step_dtype(optimizer)
         for shape in shapes:
             seconds = time_step(optimizer, shape, device, args.repeats)
             predicted = analytic.seconds(optimizer, shape)

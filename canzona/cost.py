@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Protocol
 
 from canzona.errors import SpecError
-from canzona.hardware import HardwareProfile, load_profile
+from canzona.hardware import HardwareProfile, efficiency_on, load_profile, parse_cost_rows
 from canzona.optimizers import (
+    MATRIX_OPTIMIZERS,
     AdamWConfig,
     MuonConfig,
     ShampooConfig,
@@ -207,23 +208,11 @@ class DeviceRate:
         g = profile.gpu
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
                    g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds,
-                   dict(getattr(profile, "gemm_curve", {}) or {}), dict(g.peak_flops))
+                   dict(profile.gemm_curve), dict(g.peak_flops))
 
     def curve_efficiency(self, dtype: str, flops: float) -> float | None:
-        """Measured efficiency at `flops`, interpolated linearly in log(flops) and held flat
-        beyond the measured range; None without a curve for `dtype`."""
-        pts = self.gemm_curve.get(dtype)
-        if not pts:
-            return None
-        if flops <= pts[0][0]:
-            return pts[0][1]
-        if flops >= pts[-1][0]:
-            return pts[-1][1]
-        for (f0, e0), (f1, e1) in zip(pts, pts[1:]):
-            if f0 <= flops <= f1:
-                w = math.log(flops / f0) / math.log(f1 / f0) if f1 > f0 else 0.0
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        """Measured efficiency at `flops` (the profile's `gemm_curve`); None without one."""
+        return efficiency_on(self.gemm_curve.get(dtype, ()), flops)
 
     def solver_time(self, k: Kernel) -> float | None:
         """Measured seconds of one eigh / QR of size k, interpolated log-log in the profile's table
@@ -332,29 +321,42 @@ class TableCost:
         return self.fallback.seconds(optimizer, shape)
 
 
+def step_dtype(optimizer: str, cfg: object | None = None) -> str:
+    """The dtype an optimizer's step computes in (the key of its rows in a measured table)."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    return getattr(cfg, "ns_dtype", None) or getattr(cfg, "compute_dtype", "fp32")
+
+
 def load_cost_table(path: str, fallback: CostModel | None = None) -> TableCost:
     """A measured table written by `benchmarks/bench_kernels.py --out` (rows of optimizer, m, n,
     dtype, seconds); shapes it lacks fall back to the analytic model."""
-    from canzona.fileio import is_finite_number, is_whole_number, read_json
+    from canzona.fileio import read_json
 
     data = read_json(path, "cost table", SpecError)
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise SpecError(f"cost table {path}: expected an object with 'rows': [[optimizer, m, n, dtype, seconds], ...]")
-    table = {}
-    for i, row in enumerate(rows):
-        ok = isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[3], str) \
-            and all(is_whole_number(x, 1, 2**31) for x in row[1:3]) and is_finite_number(row[4]) and row[4] > 0
-        if not ok:
-            raise SpecError(f"cost table {path}: row {i} must be [optimizer, rows, cols, dtype, positive seconds] "
-                            f"with whole sizes, got {str(row)[:80]}")
-        table[(row[0], row[1], row[2], row[3])] = float(row[4])
+    table = parse_cost_rows(rows, f"cost table {path}")
     dtypes = {o: d for o, _, _, d in table}
     label = str(data.get("device", path))
     return TableCost(table, dtypes, fallback or AnalyticCost(), label)
 
 
+def profile_cost_table(profile: HardwareProfile, fallback: CostModel) -> TableCost:
+    """A calibrated profile's measured `optimizer_seconds`, keyed by each optimizer's default compute
+    dtype (Muon's rows in bf16, not its fp32 ones); shapes and optimizers it lacks use `fallback`."""
+    table = {(o, m, n, d): s for o, m, n, d, s in profile.optimizer_seconds}
+    dtypes = {o: step_dtype(o) for o, _, _, _ in table if o in (*MATRIX_OPTIMIZERS, "adamw")}
+    return TableCost(table, dtypes, fallback, profile.name)
+
+
 def cost_model_for(hardware: str | Path = "h100-sxm", table: str | Path | None = None) -> CostModel:
-    """The analytic model on a hardware profile, or a measured table falling back to it."""
-    analytic = AnalyticCost(DeviceRate.from_profile(load_profile(hardware)))
-    return analytic if table is None else load_cost_table(str(table), fallback=analytic)
+    """The analytic model on a hardware profile, or measured seconds falling back to it: the explicit
+    `table` when given, else the profile's own `optimizer_seconds` when it has them (calibrated)."""
+    profile = load_profile(hardware)
+    analytic = AnalyticCost(DeviceRate.from_profile(profile))
+    if table is not None:
+        return load_cost_table(str(table), fallback=analytic)
+    if profile.optimizer_seconds:
+        return profile_cost_table(profile, analytic)
+    return analytic

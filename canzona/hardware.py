@@ -6,6 +6,7 @@ these profiles. Measured profiles use the same format and say so (`"measured": t
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from canzona.errors import SpecError
-from canzona.fileio import is_finite_number, parse_json, read_text
+from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
+from canzona.spec import DTYPE_BYTES
 
 SCHEMA = "canzona.hardware"
 VERSION = 1
@@ -58,6 +60,64 @@ class NCCLSpec:
     network_step_latency_s: float
 
 
+COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: `busbw = S * f / t` for a buffer of S bytes on n ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all-reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce-scatter", "all-gather", "all-to-all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0  # a pipelined chain: every link carries the buffer once
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def ring_steps(op: str, n: int) -> int:
+    return 2 * (n - 1) if op == "all-reduce" else n - 1
+
+
+def latency_steps(op: str, n: int) -> int:
+    """Steps that pay the per-step latency: a ring's steps, one for an all-to-all (docs/design.md §9.2)."""
+    return 1 if op == "all-to-all" else ring_steps(op, n)
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """Measured collective times (`canzona calibrate --world-size N`).
+
+    `rows`: (op, group size, bytes, median seconds), bytes by the simulator's convention (the
+    all-reduce buffer, the full reduce-scatter input, the full all-gather output, the bytes one rank
+    sends in an all-to-all); `fits`: (op, group size, alpha seconds, bus bandwidth in bytes/s) of the
+    line `t = alpha + S * bus_factor / busbw` fitted to the rows of that op and group size."""
+
+    backend: str = ""
+    rows: tuple[tuple[str, int, int, float], ...] = ()
+    fits: tuple[tuple[str, int, float, float], ...] = ()
+
+    def seconds(self, op: str, group_size: int, nbytes: float) -> float | None:
+        """Measured time of `op` over `nbytes` on `group_size` ranks: interpolated linearly between
+        the measured sizes, the fitted line beyond them; None where this op and group size were
+        not measured (the simulator then uses its model)."""
+        points = sorted((b, t) for o, n, b, t in self.rows if o == op and n == group_size)
+        if not points:
+            return None
+        if points[0][0] <= nbytes <= points[-1][0]:
+            for (b0, t0), (b1, t1) in zip(points, points[1:]):
+                if b0 <= nbytes <= b1:
+                    return t0 if b1 == b0 else t0 + (nbytes - b0) / (b1 - b0) * (t1 - t0)
+            return points[0][1]
+        fit = next(((a, bw) for o, n, a, bw in self.fits if o == op and n == group_size), None)
+        if fit is None:  # no line: scale the nearest measurement by its bytes
+            b, t = points[0] if nbytes < points[0][0] else points[-1]
+            return t * max(nbytes, 1.0) / max(b, 1.0) if nbytes > b else t
+        alpha, busbw = fit
+        return alpha + nbytes * bus_factor(op, group_size) / busbw
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -70,6 +130,34 @@ class HardwareProfile:
     nccl: NCCLSpec
     # measured seconds of one fp32 eigh / QR per size: {"eigh": ((k, s), ...), "qr": (...)}
     solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # measured GEMM efficiency against the size of one GEMM: {"bf16": ((flops, efficiency), ...)}
+    gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
+    optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
+    collectives: CollectiveTable = field(default_factory=CollectiveTable)
+
+    def gemm_efficiency_at(self, dtype: str, flops: float) -> float | None:
+        """Measured efficiency of one GEMM of `flops` FLOPs, interpolated linearly in log(flops)
+        between the curve's points and held at its end points; None without a curve for `dtype`."""
+        return efficiency_on(self.gemm_curve.get(dtype, ()), flops)
+
+
+def efficiency_on(curve: tuple[tuple[float, float], ...], flops: float) -> float | None:
+    """A GEMM efficiency curve's value at `flops`: linear in log(flops) between its sorted points,
+    held at its end points; None for an empty curve."""
+    if not curve:
+        return None
+    if flops <= curve[0][0]:
+        return curve[0][1]
+    if flops >= curve[-1][0]:
+        return curve[-1][1]
+    for (f0, e0), (f1, e1) in zip(curve, curve[1:]):
+        if f0 <= flops <= f1:
+            if f1 == f0:
+                return e1
+            w = math.log(flops / f0) / math.log(f1 / f0)
+            return e0 + w * (e1 - e0)
+    return curve[-1][1]  # pragma: no cover - the points are sorted
 
 
 def profile_names() -> list[str]:
@@ -125,6 +213,72 @@ def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ..
     return out
 
 
+def _gemm_curve(raw: Any, where: str) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Optional measured GEMM curve: {"bf16": [[flops, efficiency], ...], ...}, efficiency in (0, 1]."""
+    if not isinstance(raw, dict) or set(raw) - set(DTYPE_BYTES):
+        raise SpecError(f"{where}: gemm_curve must map dtypes ({', '.join(DTYPE_BYTES)}) to "
+                        "[[flops, efficiency], ...]")
+    out = {}
+    for dtype, rows in raw.items():
+        ok = isinstance(rows, list) and rows and all(
+            isinstance(r, list) and len(r) == 2 and all(_plausible(x) for x in r) and r[1] <= 1
+            for r in rows)
+        if not ok:
+            raise SpecError(f"{where}: gemm_curve.{dtype} must be a non-empty list of [flops, efficiency] "
+                            "pairs with efficiency in (0, 1]")
+        out[dtype] = tuple(sorted((float(f), float(e)) for f, e in rows))
+    return out
+
+
+def parse_cost_rows(rows: Any, where: str) -> dict[tuple[str, int, int, str], float]:
+    """Measured optimizer-step seconds, `[[optimizer, m, n, dtype, seconds], ...]`: the rows of a
+    profile's `optimizer_seconds` and of a cost table (`canzona.cost.load_cost_table`)."""
+    if not isinstance(rows, list):
+        raise SpecError(f"{where}: expected a list of [optimizer, m, n, dtype, seconds] rows")
+    table = {}
+    for i, row in enumerate(rows):
+        ok = isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and row[0] \
+            and row[3] in DTYPE_BYTES and all(is_whole_number(x, 1, 2**31) for x in row[1:3]) \
+            and _plausible(row[4])
+        if not ok:
+            raise SpecError(f"{where}: row {i} must be [optimizer, rows, cols, dtype, positive seconds] "
+                            f"with whole sizes and a dtype of {', '.join(DTYPE_BYTES)}, got {str(row)[:80]}")
+        table[(row[0], row[1], row[2], row[3])] = float(row[4])
+    return table
+
+
+def _optimizer_seconds(raw: Any, where: str) -> tuple[tuple[str, int, int, str, float], ...]:
+    table = parse_cost_rows(raw, f"{where}: optimizer_seconds")
+    return tuple(sorted((*key, seconds) for key, seconds in table.items()))
+
+
+MAX_GROUP = 2**20  # ranks in one measured collective group
+
+
+def _collectives(raw: Any, where: str) -> CollectiveTable:
+    """Optional measured collectives: {"backend": name, "rows": [[op, group, bytes, seconds], ...],
+    "fits": [[op, group, alpha_s, busbw], ...] (optional)}."""
+    if not isinstance(raw, dict) or set(raw) - {"backend", "rows", "fits"}:
+        raise SpecError(f"{where}: collectives must be an object with backend, rows and (optionally) fits")
+    backend, rows, fits = raw.get("backend"), raw.get("rows"), raw.get("fits", [])
+    if not isinstance(backend, str) or not backend:
+        raise SpecError(f"{where}: collectives.backend must name the backend (gloo, nccl, ...)")
+
+    def row_ok(r: Any, whole_third: bool) -> bool:
+        return isinstance(r, list) and len(r) == 4 and r[0] in COLLECTIVE_OPS \
+            and is_whole_number(r[1], 2, MAX_GROUP) \
+            and (is_whole_number(r[2], 1, 2**62) if whole_third else _plausible(r[2])) and _plausible(r[3])
+
+    if not isinstance(rows, list) or not rows or not all(row_ok(r, True) for r in rows):
+        raise SpecError(f"{where}: collectives.rows must be a non-empty list of [op, group size >= 2, bytes, "
+                        f"seconds] with op one of {', '.join(COLLECTIVE_OPS)}")
+    if not isinstance(fits, list) or not all(row_ok(r, False) for r in fits):
+        raise SpecError(f"{where}: collectives.fits must be a list of [op, group size >= 2, alpha seconds, "
+                        "bus bytes/s]")
+    return CollectiveTable(backend, tuple((o, int(n), int(b), float(t)) for o, n, b, t in rows),
+                           tuple((o, int(n), float(a), float(bw)) for o, n, a, bw in fits))
+
+
 REQUIRED_DTYPES = ("bf16", "fp32")  # the model's GEMMs and the optimizers' default compute dtypes
 
 
@@ -164,6 +318,9 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     _check_gpu(gpu, node, where)
     return HardwareProfile(
         solver_seconds=_solver_table(data.get("solver_seconds", {}), where),
+        gemm_curve=_gemm_curve(data.get("gemm_curve", {}), where),
+        optimizer_seconds=_optimizer_seconds(data.get("optimizer_seconds", []), where),
+        collectives=_collectives(data["collectives"], where) if "collectives" in data else CollectiveTable(),
         name=name,
         description=str(data.get("description", "")),
         measured=measured,
@@ -177,6 +334,12 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
 
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     """A shipped profile by name (`h100-sxm`, `h200`, `a100-sxm`) or a JSON file by path."""
+    data, where = load_profile_data(name_or_path)
+    return profile_from_dict(data, where)
+
+
+def load_profile_data(name_or_path: str | Path = DEFAULT_PROFILE) -> tuple[Any, str]:
+    """The parsed but unvalidated JSON of a profile (by name or path), and where it came from."""
     text = str(name_or_path)
     if text in profile_names():
         raw = (resources.files("canzona") / "profiles" / f"{text}.json").read_text()
@@ -186,4 +349,4 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
         where = text
     else:
         raise SpecError(f"unknown hardware {text!r}; known profiles: {', '.join(profile_names())} (or a .json path)")
-    return profile_from_dict(parse_json(raw, where, SpecError), where)
+    return parse_json(raw, where, SpecError), where

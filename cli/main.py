@@ -16,6 +16,7 @@ try:  # recent typer vendors click; older releases use click itself
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
+from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL, get_model
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
@@ -28,7 +29,15 @@ from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
 from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
-from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table, verify_table
+from cli.render import (
+    calibration_tables,
+    compare_table,
+    dp_table,
+    models_table,
+    simulate_table,
+    tp_table,
+    verify_table,
+)
 from cli.units import parse_capacity
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
@@ -373,6 +382,68 @@ def verify(
         console.print(verdict, style="bold green" if summary["ok"] else "bold red")
     if not summary["ok"]:
         raise typer.Exit(code=1)
+
+
+@app.command()
+def calibrate(
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available, else cpu).")] = None,
+    model: Annotated[str, typer.Option(help="Time the optimizer kernels on this catalog model's matrix shapes.")] = calibration.DEFAULT_MODEL,
+    shapes: Annotated[str | None, typer.Option(help="Time the optimizer kernels on these shapes instead, e.g. 256x512,512x512.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the measured hardware profile (.json) here.")] = None,
+    world_size: Annotated[int | None, typer.Option(
+        help=f"Also measure collectives on this many spawned gloo ranks (CPU; 2..{calibration.MAX_SPAWNED_RANKS}); under torchrun the launched group is used.")] = None,
+    base: Annotated[str, typer.Option(help="Profile (name or JSON path) that supplies every figure not measured.")] = DEFAULT_PROFILE,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes, group sizes and repeats.")] = False,
+    repeats: Annotated[int | None, typer.Option(help="Timed repeats per measurement (default 5, 3 with --quick).")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads while measuring (default: torch's).")] = None,
+    name: Annotated[str | None, typer.Option(help="Profile name (default: cpu-<host> or <gpu>-<host>).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Measure this machine (GEMMs, optimizer kernels, solvers, launch overhead, memory bandwidth and,
+    with --world-size or under torchrun, collectives) into a hardware profile for --hardware."""
+    from rich.progress import Progress
+
+    try:
+        from canzona.runtime import calibrate as measuring  # torch
+    except ImportError as e:
+        fail(f"canzona calibrate needs torch: {e}")
+    try:
+        settings = measuring.prepare(device, model, shapes, world_size, base, quick, repeats, name,
+                                     command=" ".join(["canzona", *sys.argv[1:]]), threads=threads)
+        writer = measuring.is_writer()
+        if out is not None and writer:
+            check_output_path(out, "hardware profile", (".json",))
+    except CanzonaError as e:
+        fail(str(e))
+    err = Console(stderr=True)
+    try:
+        with Progress(console=err, transient=True, disable=as_json or not writer or not err.is_terminal) as progress:
+            task = progress.add_task("calibrating", total=None)
+
+            def tick(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=what)
+
+            profile = measuring.calibrate(settings, progress=tick)
+        if profile is not None and out is not None:
+            calibration.write_profile(profile, out)
+    except CanzonaError as e:  # a rank failed or the write failed: the input was fine
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
+    except RuntimeError as e:  # torch on this device (out of memory, a missing kernel): the run failed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: measurement failed: {one_line(first)}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
+    if profile is None:  # a torchrun rank other than 0: it took part in the collectives
+        return
+    if as_json:
+        emit_json(profile)
+        return
+    for table in calibration_tables(profile):
+        console.print(table)
+    if out is not None:
+        console.print(f"profile written to {out}: use it with --hardware {out}")
+    else:
+        console.print("profile not written (give --out profile.json to keep it)")
 
 
 def main() -> None:

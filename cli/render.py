@@ -196,3 +196,85 @@ def verify_table(rows) -> Table:
                  f"for bit (each rank its shard). 3b: it stays within {REFERENCE_RTOL:g} relative (max |a - b| / "
                  "max |b| per tensor) of the reference optimizers.")
     return t
+
+
+def _rate(per_s: float, unit: str) -> str:
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if per_s >= size:
+            return f"{per_s / size:.3g} {prefix}{unit}/s"
+    return f"{per_s:.3g} {unit}/s"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def calibration_tables(profile: dict) -> list[Table]:
+    """`canzona calibrate`: the measured figures of a profile's JSON (GEMMs, launch, bandwidth,
+    solvers, optimizer kernels, collectives)."""
+    cal, gpu = profile.get("calibration", {}), profile["gpu"]
+    tables = []
+    t = Table(title=f"Calibrated profile {profile['name']}: {cal.get('device', '?')}, torch {cal.get('torch', '?')}, "
+                    f"{cal.get('repeats', '?')} repeats (median)")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    curve = profile.get("gemm_curve", {})
+    for dtype in curve:
+        t.add_row(f"GEMM peak {dtype} (best measured)", _rate(gpu["peak_flops"][dtype], "FLOP"))
+    t.add_row("launch overhead", _time(gpu["launch_s"]))
+    t.add_row("memory bandwidth (copy)", _rate(gpu["hbm_bytes_per_s"], "B"))
+    t.add_row("memory", human_bytes(gpu["memory_bytes"]))
+    t.add_row("SMs" if cal.get("device_type") == "cuda" else "logical CPUs", str(gpu["sms"]))
+    t.caption = f"Figures not measured come from {cal.get('base', 'the base profile')} (see the profile's sources)."
+    tables.append(t)
+
+    if curve:
+        t = Table(title="GEMM efficiency against the size of one GEMM (achieved / peak)")
+        t.add_column("FLOPs of one GEMM", justify="right")
+        dtypes = list(curve)
+        for dtype in dtypes:
+            t.add_column(dtype, justify="right")
+        points = {dt: dict((f, e) for f, e in curve[dt]) for dt in dtypes}
+        for flops in sorted({f for dt in dtypes for f in points[dt]}):
+            t.add_row(f"{flops:.3g}", *(f"{points[dt][flops]:.3f}" if flops in points[dt] else "-" for dt in dtypes))
+        tables.append(t)
+
+    solvers = profile.get("solver_seconds", {})
+    if solvers:
+        t = Table(title="fp32 solvers")
+        t.add_column("k", justify="right")
+        ops = list(solvers)
+        for op in ops:
+            t.add_column(f"{op} ms", justify="right")
+        by_size = {op: dict((k, s) for k, s in solvers[op]) for op in ops}
+        for k in sorted({k for op in ops for k in by_size[op]}):
+            t.add_row(str(k), *(_ms(by_size[op][k]) if k in by_size[op] else "-" for op in ops))
+        tables.append(t)
+
+    rows = profile.get("optimizer_seconds", [])
+    if rows:
+        t = Table(title="Optimizer kernels: one steady-state step plus apply")
+        for col in ("optimizer", "shape", "dtype", "ms"):
+            t.add_column(col, justify="right" if col == "ms" else "left")
+        for opt, m, n, dtype, seconds in rows:
+            t.add_row(opt, f"{m}x{n}", dtype, _ms(seconds))
+        tables.append(t)
+
+    coll = profile.get("collectives")
+    if coll:
+        t = Table(title=f"Collectives on {coll['backend']}, world size {cal.get('world_size', '?')}: "
+                        "t = alpha + S x busfactor / busbw")
+        for col in ("op", "ranks", "sizes", "alpha", "bus bandwidth"):
+            t.add_column(col, justify="left" if col == "op" else "right")
+        counts: dict[tuple[str, int], int] = {}
+        for op, n, _, _ in coll["rows"]:
+            counts[(op, n)] = counts.get((op, n), 0) + 1
+        for op, n, alpha, busbw in coll.get("fits", []):
+            t.add_row(op, str(n), str(counts.get((op, n), 0)), _time(alpha), _rate(busbw, "B"))
+        nccl, node, net = profile["nccl"], profile["node"], profile["network"]
+        t.caption = (f"Profile figures: nccl.base_latency_s {_time(nccl['base_latency_s'])}, per step "
+                     f"{_time(nccl['nvlink_step_latency_s'])}; node.nvls_allreduce_busbw "
+                     f"{_rate(node['nvls_allreduce_busbw'], 'B')}, node.nvlink_ring_busbw "
+                     f"{_rate(node['nvlink_ring_busbw'], 'B')}, network.nic_busbw {_rate(net['nic_busbw'], 'B')}.")
+        tables.append(t)
+    return tables

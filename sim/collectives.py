@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canzona.errors import SpecError
-from canzona.hardware import HardwareProfile
+from canzona.hardware import COLLECTIVE_OPS, HardwareProfile
 from sim import nccl
 from sim.topology import GroupGeometry
 
-OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "broadcast", "reduce")
+OPS = (*COLLECTIVE_OPS, "broadcast", "reduce")
 UNEVEN_IMPLS = ("runtime", "loops", "padded")
 DEFAULT_UNEVEN = "runtime"
 
@@ -46,17 +46,6 @@ class CollectiveCost:
 
 
 FREE = CollectiveCost(0.0, 0.0, "none")
-
-
-def bus_factor(op: str, n: int) -> float:
-    """Bytes each rank moves per byte of `S`, for ring algorithms."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}")
-    if n <= 1:
-        return 0.0
-    if op in ("broadcast", "reduce"):
-        return 1.0  # a pipelined chain: every link carries the buffer once
-    return nccl.ring_factor(op, n) if op != "all-to-all" else (n - 1) / n
 
 
 def bus_bandwidth(op: str, geo: GroupGeometry, hw: HardwareProfile) -> float:
@@ -98,12 +87,11 @@ def collective_cost(op: str, nbytes: float, geo: GroupGeometry, hw: HardwareProf
 
 
 def _measured(op: str, nbytes: float, geo: GroupGeometry, hw: HardwareProfile) -> CollectiveCost | None:
-    """A calibrated profile's measured time for this op and group size, interpolated in bytes."""
-    table = getattr(hw, "collectives", None)
-    seconds = table.seconds(op, geo.size, nbytes) if table is not None and hasattr(table, "seconds") else None
+    """A calibrated profile's measured time for this op and group size (`CollectiveTable.seconds`)."""
+    seconds = hw.collectives.seconds(op, geo.size, nbytes)
     if seconds is None:
         return None
-    return CollectiveCost(seconds, 0.0, _link(geo), "measured")
+    return CollectiveCost(seconds, 0.0, _link(geo), f"measured ({hw.collectives.backend})")
 
 
 def _all_to_all(intra: Sequence[float], inter: Sequence[float], geo: GroupGeometry,

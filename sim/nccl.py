@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from canzona.hardware import HardwareProfile
+from canzona.hardware import HardwareProfile, bus_factor
 
 RING, TREE, NVLS, NVLS_TREE = "ring", "tree", "nvls", "nvls-tree"
 LL, LL128, SIMPLE = "LL", "LL128", "Simple"
@@ -61,17 +61,11 @@ class Choice:
     shape: str = "ring"  # factor: "ring" the ring's bus factor, "tree" 2 (NCCL's algBw = busBw / 2), "alg" 1
 
     def transfer_s(self, op: str, nbytes: float, n: int) -> float:
-        factor = {"ring": ring_factor(op, n), "tree": 2.0, "alg": 1.0}[self.shape]
+        factor = {"ring": bus_factor(op, n), "tree": 2.0, "alg": 1.0}[self.shape]
         return nbytes * factor / self.busbw
 
     def seconds(self, op: str, nbytes: float, n: int) -> float:
         return self.latency_s + self.transfer_s(op, nbytes, n)
-
-
-def ring_factor(op: str, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    return 2.0 * (n - 1) / n if op == "all-reduce" else (n - 1) / n
 
 
 def _steps(op: str, n: int, nodes: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from canzona.catalog import get_config, get_model
-from canzona.cost import AnalyticCost, DeviceRate
+from canzona.cost import DeviceRate, cost_model_for
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
@@ -143,7 +143,7 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
     dp = 1 if policy.replicated else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
                      policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
-                     capacity=cfg.capacity, cost_model=AnalyticCost(DeviceRate.from_profile(load_profile(cfg.hardware))))
+                     capacity=cfg.capacity, cost_model=cost_model_for(cfg.hardware))
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.errors import SpecError
-from canzona.hardware import load_profile
+from canzona.hardware import bus_factor, load_profile
 from sim import nccl
 from sim.collectives import (
     OPS,
@@ -17,7 +17,6 @@ from sim.collectives import (
     CollectiveCost,
     all_to_all_cost,
     bus_bandwidth,
-    bus_factor,
     collective_cost,
     uneven_cost,
 )
@@ -326,3 +325,23 @@ def test_bad_layouts_are_spec_errors(gpus, tp, needle):
         Cluster(gpus, tp, NODE)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# --- a calibrated profile's measured collectives ----------------------------------------------
+
+
+def test_measured_collectives_replace_the_model_where_measured():
+    from dataclasses import replace as dc_replace
+
+    from canzona.hardware import CollectiveTable
+
+    table = CollectiveTable("gloo", rows=(("all-reduce", 2, 1000, 1e-4), ("all-reduce", 2, 3000, 3e-4)),
+                            fits=(("all-reduce", 2, 5e-5, 1e7),))
+    hw = dc_replace(HW, collectives=table)
+    geo = GroupGeometry(2, 1, 2)
+    assert close(collective_cost("all-reduce", 2000, geo, hw).seconds, 2e-4)  # between measured sizes
+    assert close(collective_cost("all-reduce", 1e6, geo, hw).seconds, 5e-5 + 1e6 * 1.0 / 1e7)  # the fitted line
+    assert collective_cost("all-reduce", 2000, geo, hw).algorithm == "measured (gloo)"
+    # not measured: the model
+    assert collective_cost("all-gather", 2000, geo, hw) == collective_cost("all-gather", 2000, geo, HW)
+    assert collective_cost("all-reduce", 2000, intra(4), hw) == collective_cost("all-reduce", 2000, intra(4), HW)
