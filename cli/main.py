@@ -446,6 +446,98 @@ def calibrate(
         console.print("profile not written (give --out profile.json to keep it)")
 
 
+VALIDATE_MAX_DP = 4
+
+
+@app.command()
+def validate(
+    hardware: Annotated[str | None, typer.Option(
+        help="A profile calibrated on this machine (canzona calibrate --device cpu --world-size DP --threads 1); "
+             "default: calibrate one now (quick).")] = None,
+    dp: Annotated[int, typer.Option(help=f"Spawned gloo ranks (2..{VALIDATE_MAX_DP}).")] = 2,
+    optimizer: Optimizer = "muon",
+    policies: Annotated[str, typer.Option(help="Comma-separated step policies, or all.")] = "all",
+    rounds: Annotated[int, typer.Option(help="Measured rounds per policy (after 3 warm-up rounds).")] = 10,
+    profile_out: Annotated[Path | None, typer.Option(help="Keep the calibrated profile here (.json).")] = None,
+    strict: Annotated[bool, typer.Option(help="Exit 1 unless the ranking is preserved and every step error is within 30%.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Check the simulator against the runtime: train a scaled-up tiny model under every policy on
+    spawned gloo ranks, predict the same runs with a profile calibrated on this machine, and print
+    measured vs predicted step and iteration times, the error per policy and whether the ranking is
+    preserved (Kendall tau)."""
+    import tempfile
+
+    from rich.progress import Progress
+
+    from canzona.optimizers import check_matrix_optimizer
+
+    try:
+        check_matrix_optimizer(optimizer)
+        chosen = list(STEP_POLICIES) if policies == "all" else [p.strip() for p in policies.split(",") if p.strip()]
+        for p in chosen:
+            if p not in STEP_POLICIES:
+                raise SpecError(f"unknown policy {p!r}; choose from {', '.join(STEP_POLICIES)} or all")
+        if not chosen:
+            raise SpecError("--policies names no policy")
+        if not 2 <= dp <= VALIDATE_MAX_DP:
+            raise SpecError(f"--dp must be in 2..{VALIDATE_MAX_DP}, got {dp}")
+        if not 3 <= rounds <= 200:
+            raise SpecError(f"--rounds must be in 3..200, got {rounds}")
+        if profile_out is not None:
+            check_output_path(profile_out, "hardware profile", (".json",))
+        if hardware is not None:
+            from canzona.hardware import load_profile
+
+            load_profile(hardware)
+    except CanzonaError as e:
+        fail(str(e))
+    from canzona import calibration
+    from canzona.runtime import calibrate as measuring
+    from canzona.runtime import validate as runtime_validation
+    from cli.render import validate_table
+    from sim import validate as sim_validation
+
+    cfg = runtime_validation.VALIDATION_MODEL
+    spec = runtime_validation.validation_spec()
+    err = Console(stderr=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="canzona-validate-") as tmp, \
+                Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
+            task = progress.add_task("validating", total=None)
+
+            def tick(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=what)
+
+            if hardware is None:
+                shapes = ",".join(sorted({f"{m}x{n}" for m, n in (p.shape for p in spec.matrix_params())}))
+                settings = measuring.prepare("cpu", None, shapes, dp, None, True, None, None,
+                                             command="canzona validate", threads=1)
+                progress.update(task, description="calibrating this machine")
+                profile = measuring.calibrate(settings, progress=tick)
+                hardware = str(profile_out or Path(tmp) / "profile.json")
+                calibration.write_profile(profile, hardware)
+            progress.update(task, description="measuring the runtime")
+            measured = runtime_validation.measure(chosen, optimizer, dp, rounds, progress=tick)
+            predicted = sim_validation.predict(chosen, spec, cfg.as_catalog(), dp, runtime_validation.SEQ_LEN,
+                                               runtime_validation.BATCH_PER_RANK, optimizer, hardware)
+            report = sim_validation.compare(measured, predicted)
+    except CanzonaError as e:  # a rank failed or hung: the run failed, the input was fine
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
+    ok = report.ranking_preserved and report.worst_step_error <= 0.3
+    if as_json:
+        emit_json({**report.to_dict(), "dp": dp, "optimizer": optimizer, "model": cfg.name,
+                   "hardware": hardware if profile_out or hardware else "calibrated now", "aims_met": ok})
+    else:
+        console.print(validate_table(report, dp, optimizer, cfg.name))
+        verdict = ("ranking preserved" if report.ranking_preserved else "ranking NOT preserved") + \
+            f"; worst step error {report.worst_step_error * 100:.0f}% (aim: within 30%)"
+        console.print(verdict, style="bold green" if ok else "bold yellow")
+    if strict and not ok:
+        raise typer.Exit(code=1)
+
+
 def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so temporary files are removed and spawned ranks stopped
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -278,3 +278,19 @@ def calibration_tables(profile: dict) -> list[Table]:
                      f"{_rate(node['nvlink_ring_busbw'], 'B')}, network.nic_busbw {_rate(net['nic_busbw'], 'B')}.")
         tables.append(t)
     return tables
+
+
+def validate_table(report, dp: int, optimizer: str, model: str) -> Table:
+    """`canzona validate`: measured against predicted, per policy."""
+    t = Table(title=f"Simulator vs runtime: {model}, DP {dp} gloo ranks (CPU), {optimizer}")
+    t.add_column("policy", no_wrap=True)
+    for col in ("step ms measured", "predicted", "error", "iteration ms measured", "predicted", "error"):
+        t.add_column(col, justify="right")
+    for r in report.rows:
+        t.add_row(r.policy, _ms(r.measured_step_s), _ms(r.predicted_step_s), f"{r.step_error * 100:+.0f}%",
+                  _ms(r.measured_iteration_s), _ms(r.predicted_iteration_s), f"{r.iteration_error * 100:+.0f}%")
+    flips = ", ".join(f"{a} < {b}" for a, b in report.discordant) or "none"
+    t.caption = (f"Kendall tau of the policies' order: step {report.step_tau:.2f}, iteration {report.iteration_tau:.2f} "
+                 f"(1: same order; ties lower it). Measured order predicted the other way round (beyond 5% noise): {flips}. Step: end of backward to parameters updated and gathered (optimizer.step()); "
+                 "medians over interleaved rounds of the slowest rank.")
+    return t

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel
 from canzona.memory import check_recompute
-from canzona.spec import ModelSpec, ParamSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec
 
 # FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
 # backward pass (Shah et al. 2024, arXiv 2407.08608, Fig. 5-7); Megatron's cuDNN fused attention is
@@ -96,8 +96,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
     seqs = tokens // seq_len if tokens >= seq_len else 1
     attn_flops = 4.0 * seq_len * seq_len * (q_dim / tp) * seqs * (0.5 if causal else 1.0)
-    attn_fwd = attn_flops / (rate.peak_flops.get("bf16", rate.gemm_flops["bf16"]) * attention_efficiency)
-    two = 2  # bf16 activations
+    attn_fwd = attn_flops / (rate.peak_flops.get(dtype, rate.gemm_flops[dtype]) * attention_efficiency)
+    two = DTYPE_BYTES[dtype]  # activations in the model's dtype
 
     def elementwise(params: Sequence[ParamSpec], passes: float) -> float:
         # the block's norm on its (sequence-parallel) input, the column GEMMs' outputs read and

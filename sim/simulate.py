@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from canzona.catalog import get_config, get_model
+from canzona.catalog import Qwen3Config, get_config, get_model
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
@@ -44,7 +44,7 @@ DEFINITIONS = {
               "by owner, the larger of activations and optimizer-step buffers, an allowance for the CUDA "
               "context, NCCL and fragmentation); fits: every GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
-           "second per GPU, over the bf16 dense peak",
+           "second per GPU, over the dense peak of the model dtype (bf16 by default)",
 }
 
 
@@ -67,7 +67,7 @@ class SimConfig:
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
 
-    def check(self) -> Cluster:
+    def check(self, model: tuple[ModelSpec, Qwen3Config] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
@@ -76,10 +76,22 @@ class SimConfig:
         check_tp_mode(self.tp_mode)
         self.options.check()
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus, self.pp)
-        get_model(self.model, self.tp)
-        stage_layers(get_config(self.model).layers, self.pp, 0)
+        _, arch = model_of(self, model)
+        stage_layers(arch.layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
         return cluster
+
+
+def model_of(cfg: SimConfig, model: tuple[ModelSpec, Qwen3Config] | None = None) -> tuple[ModelSpec, Qwen3Config]:
+    """The spec and architecture to simulate: `model` when given (a model outside the catalog,
+    e.g. a spec built with `ModelSpec.from_module`), else the catalog's `cfg.model`; checked
+    against the TP size."""
+    if model is None:
+        return get_model(cfg.model, cfg.tp), get_config(cfg.model)
+    spec, arch = model
+    arch.check_tp(cfg.tp)
+    spec.check_tp(cfg.tp)
+    return spec, arch
 
 
 @dataclass(frozen=True)
@@ -186,7 +198,8 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
     return {"compute_s": compute, "exposed_comm_s": exposed, "idle_s": idle}
 
 
-def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True) -> SimResult:
+def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True,
+             model: tuple[ModelSpec, Qwen3Config] | None = None) -> SimResult:
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
@@ -197,23 +210,23 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     is returned, marked in `fell_back_to`. Whole matrices force uneven collectives; once the DP
     group outnumbers the matrices of a bucket (DP 512+ on Qwen3-32B) those cost more than the
     optimizer work they save, and a planner should say so rather than lose."""
-    result = _simulate(cfg, plan, replicate_phase_a)
+    result = _simulate(cfg, plan, replicate_phase_a, model)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
-    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a)
+    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a, model)
     if fallback.iteration_time_s < result.iteration_time_s:
         return replace(fallback, config=cfg, fell_back_to="zero1-gather")
     return result
 
 
-def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> SimResult:
-    cluster = cfg.check()
+def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
+              model: tuple[ModelSpec, Qwen3Config] | None) -> SimResult:
+    cluster = cfg.check(model)
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
     hw = load_profile(cfg.hardware)
     policy = STEP_POLICIES[cfg.policy]
-    spec = get_model(cfg.model, cfg.tp)
-    arch = get_config(cfg.model)
+    spec, arch = model_of(cfg, model)
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
     engine = Engine()
@@ -225,7 +238,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> Sim
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                                 arch.q_heads * arch.head_dim, arch.hidden, arch.vocab, rate,
-                                recompute=cfg.options.recompute, causal=wl.causal, head=stage == cfg.pp - 1)
+                                recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
+                                head=stage == cfg.pp - 1)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
                             cfg.tp_mode, cfg.options, stage))
         plans.append(stage_plan)
@@ -257,7 +271,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool) -> Sim
     opt = [_window_breakdown(by_rank[r], t_sync, t_end) for r in range(cluster.gpus)]
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
     model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
-    mfu = model_flops / (t_end * cluster.gpus * hw.gpu.peak_flops["bf16"]) if t_end > 0 else 0.0
+    peak = hw.gpu.peak_flops.get(wl.dtype, hw.gpu.peak_flops["bf16"])
+    mfu = model_flops / (t_end * cluster.gpus * peak) if t_end > 0 else 0.0
     return SimResult(
         config=cfg,
         plan=plans[0],

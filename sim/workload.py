@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from canzona.catalog import Qwen3Config
 from canzona.errors import SpecError
-from canzona.spec import ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec
 
 # Simulated time grows with the micro-batches each rank runs (every forward and backward is a
 # process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
@@ -24,11 +24,14 @@ class Workload:
     param_bytes: int = 2  # bf16 parameters are all-gathered
     activation_bytes: int = 2  # bf16 activations cross TP (sequence parallel)
     causal: bool = True
+    dtype: str = "bf16"  # the model's GEMMs
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes"):
             if getattr(self, field) < 1:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise SpecError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:
