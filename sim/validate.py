@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scipy.stats import kendalltau
-
 from canzona.catalog import Qwen3Config
 from canzona.spec import ModelSpec
 from sim.options import RunOptions
@@ -110,6 +108,8 @@ def predicted_step_s(r: SimResult) -> float:
 
 
 def _tau(a: Sequence[float], b: Sequence[float]) -> float:
+    from scipy.stats import kendalltau  # on use: scipy.stats is slow to import
+
     if len(a) < 2:
         return 1.0
     tau = kendalltau(a, b).statistic
