@@ -33,7 +33,6 @@ class GPUSpec:
     hbm_bytes_per_s: float
     solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)
     launch_s: float
-    model_flops_utilization: float  # of bf16 peak, for the model's forward and backward
 
     def gemm_flops(self) -> dict[str, float]:
         return {k: v * self.gemm_efficiency.get(k, 1.0) for k, v in self.peak_flops.items()}
@@ -292,8 +291,7 @@ def _check_gpu(gpu: GPUSpec, node: NodeSpec, where: str) -> None:
     missing = [d for d in REQUIRED_DTYPES if d not in gpu.peak_flops]
     if missing:
         raise SpecError(f"{where}: gpu.peak_flops lacks {', '.join(missing)}")
-    fractions = [("gpu.model_flops_utilization", gpu.model_flops_utilization)]
-    fractions += [(f"gpu.gemm_efficiency.{k}", v) for k, v in gpu.gemm_efficiency.items()]
+    fractions = [(f"gpu.gemm_efficiency.{k}", v) for k, v in gpu.gemm_efficiency.items()]
     for name, value in fractions:
         if value > 1:
             raise SpecError(f"{where}: {name} is a fraction of peak and must be <= 1, got {value}")

@@ -168,7 +168,7 @@ def _profile(tmp_path: Path, path: tuple[str, ...], value_json: str) -> Path:
     (("solver_seconds",), '{"eigh": [[true, 0.1]]}'),
     (("solver_seconds",), '{"eigh": [[64.5, 0.1]]}'),
     (("gpu", "launch_s"), "1e305"),
-    (("gpu", "model_flops_utilization"), "5e-324"),
+    (("gpu", "elementwise_flops"), "5e-324"),
     (("node", "nvlink_ring_busbw"), "1e-300"),
     (("gpu", "peak_flops", "bf16"), str(10**400)),
 ])
