@@ -306,3 +306,19 @@ def test_table_cost_drives_a_plan():
     assert costs["model.layers.0.self_attn.q_proj.weight"] == 1.0
     other = model.param("model.layers.0.mlp.down_proj.weight").shape
     assert costs["model.layers.0.mlp.down_proj.weight"] == AnalyticCost().seconds("muon", other)
+
+
+def test_a_calibrated_gemm_curve_replaces_the_wave_model():
+    """With a measured curve, a GEMM runs at peak x the curve's efficiency at its FLOPs (log-linear
+    between points), never also paying wave quantisation; dtypes without a curve keep the model."""
+    from canzona.cost import gemm_kernel
+    from canzona.hardware import load_profile
+
+    hw = load_profile("h100-sxm")
+    rate = DeviceRate.from_profile(replace(hw, gemm_curve={"bf16": ((1e6, 0.1), (1e12, 0.7))}))
+    k = gemm_kernel("g", 1000, 1000, 500, "bf16")  # 1e9 FLOPs: halfway in log between the points
+    assert rate.kernel_seconds(k) == pytest.approx(k.flops / (hw.gpu.peak_flops["bf16"] * 0.4) + rate.launch_s)
+    tiny = gemm_kernel("t", 1, 1, 1, "bf16")
+    assert rate.curve_efficiency("bf16", tiny.flops) == 0.1  # held at the end points
+    fp32 = gemm_kernel("f", 1000, 1000, 500, "fp32")
+    assert rate.kernel_seconds(fp32) == DeviceRate.from_profile(hw).kernel_seconds(fp32)
