@@ -253,7 +253,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     synced = phase.synced
     engine.run()
     t_sync = engine.now
-    phase_a = [s for s in engine.spans if s.rank == 0]
+    simulated_a = list(engine.spans)  # each stage's first rank (every rank without replication)
+    phase_a = [s for s in simulated_a if s.rank == 0]
     n_phase_a = len(engine.spans)
     fb_end = max((s.end for s in engine.spans if s.kind == "compute"), default=0.0)
 
@@ -287,7 +288,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         rank_optimizer_s=tuple(o["compute_s"] for o in opt),
         memory=memory,
         memory_capacity_bytes=hw.gpu.memory_bytes,
-        spans=tuple(phase_a) + tuple(phase_b),
+        spans=tuple(simulated_a) + tuple(phase_b),
     )
 
 
@@ -303,23 +304,30 @@ def compare(base: SimConfig, policies: Iterable[str] = tuple(STEP_POLICIES),
 
 def write_trace(result: SimResult, path: str | Path) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stream. Phase A is simulated on
-    rank 0 and identical elsewhere: other ranks show it as one span per stream kind."""
+    each pipeline stage's first rank and identical on the stage's other ranks: they show it as one
+    span per stream kind."""
     events: list[dict[str, Any]] = []
     t_sync = result.grad_sync_end_s
-    gpus = result.config.gpus
-    phase_a = [s for s in result.spans if s.end <= t_sync and s.rank == 0]
+    c = result.config
+    stage_gpus = c.gpus // c.pp
+    reps = {stage * stage_gpus for stage in range(c.pp)}
+    simulated = {s.rank for s in result.spans if s.end <= t_sync}
     for s in result.spans:
         events.append({"name": s.name, "cat": s.kind, "ph": "X", "ts": s.start * 1e6,
                        "dur": (s.end - s.start) * 1e6, "pid": s.rank, "tid": s.stream})
-    fb_end = result.forward_backward_s
-    dp_spans = [s for s in phase_a if s.stream == "dp-comm"]
-    for r in range(1, gpus):
-        events.append({"name": "forward/backward (as rank 0)", "cat": "compute", "ph": "X", "ts": 0.0,
-                       "dur": fb_end * 1e6, "pid": r, "tid": "compute"})
-        for s in dp_spans:
-            events.append({"name": s.name, "cat": s.kind, "ph": "X", "ts": s.start * 1e6,
-                           "dur": (s.end - s.start) * 1e6, "pid": r, "tid": s.stream})
-    for r in range(gpus):
+    for rep in sorted(reps & simulated):
+        phase_a = [s for s in result.spans if s.end <= t_sync and s.rank == rep]
+        fb_end = max((s.end for s in phase_a if s.kind == "compute"), default=0.0)
+        dp_spans = [s for s in phase_a if s.stream == "dp-comm"]
+        for r in range(rep, rep + stage_gpus):
+            if r in simulated:
+                continue
+            events.append({"name": f"forward/backward (as rank {rep})", "cat": "compute", "ph": "X", "ts": 0.0,
+                           "dur": fb_end * 1e6, "pid": r, "tid": "compute"})
+            for s in dp_spans:
+                events.append({"name": s.name, "cat": s.kind, "ph": "X", "ts": s.start * 1e6,
+                               "dur": (s.end - s.start) * 1e6, "pid": r, "tid": s.stream})
+    for r in range(c.gpus):
         events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
     write_text_atomic(path, dumps_json({"traceEvents": events, "displayTimeUnit": "ms",
                                         "otherData": {"definitions": DEFINITIONS}}), "trace")

@@ -94,6 +94,18 @@ def test_simulate_trace(tmp_path):
     assert {e["pid"] for e in data["traceEvents"] if e.get("ph") == "M"} == set(range(16))
 
 
+def test_pipeline_trace_shows_every_stage(tmp_path):
+    """Each stage's first rank is simulated; the stage's other ranks show its phase A."""
+    path = tmp_path / "t.json"
+    result = run("simulate", "--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--pp", "2", "--seq-len", "256",
+                 "--global-batch", "16", "--trace", path)
+    assert result.exit_code == 0, result.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    copied = {e["pid"]: e["name"] for e in events if e.get("name", "").startswith("forward/backward (as rank")}
+    assert copied[1] == "forward/backward (as rank 0)" and copied[9] == "forward/backward (as rank 8)"
+    assert any(e["pid"] == 8 and "send" in e.get("name", "") for e in events)  # stage 1's own sends
+
+
 def test_simulate_trace_with_json(tmp_path):
     path = tmp_path / "t.json"
     result = run("simulate", *TINY, "--trace", path, "--json")
