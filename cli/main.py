@@ -16,19 +16,28 @@ try:  # recent typer vendors click; older releases use click itself
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
-from canzona.catalog import DEFAULT_MODEL, get_model
+from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
 from canzona.dp.policies import MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
+from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
 from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
-from cli.render import compare_table, dp_table, models_table, simulate_table, tp_table, verify_table
+from cli.render import (
+    compare_table,
+    dp_table,
+    models_table,
+    simulate_table,
+    spec_table,
+    tp_table,
+    verify_table,
+)
 from cli.units import parse_capacity
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
@@ -94,9 +103,40 @@ def models() -> None:
     console.print(models_table())
 
 
+MODEL_HELP = "Catalog model name, Hugging Face config.json (dense qwen3, qwen2, llama, mistral) or canzona spec file."
+
+
+@app.command()
+def spec(
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
+    out: Annotated[Path | None, typer.Option(help="Write the model as a canzona spec file (.json): a template to edit.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the spec file's content as one JSON object.")] = False,
+) -> None:
+    """Show a model's parameters and architecture, or write them as a spec file."""
+    try:
+        if out is not None:
+            check_output_path(out, "spec file", (".json",))
+        source = read_model(model)
+        sizes, unknown = source.sizes(), None
+        try:
+            source.architecture()
+        except CanzonaError as e:  # a spec the simulator cannot use yet: say what it lacks
+            unknown = str(e)
+        if out is not None:
+            save_spec(source.spec, out, sizes)
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        emit_json(spec_to_dict(source.spec, sizes))
+        return
+    console.print(spec_table(source.spec, source.kind, sizes, unknown))
+    if out is not None:
+        console.print(f"spec written to {out}")
+
+
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option(help="Catalog model name.")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")] = "muon",
@@ -116,13 +156,13 @@ def plan(
     try:
         if out is not None:
             check_output_path(out, "plan", (".json",))
-        spec = get_model(model, tp)
+        model_spec = resolve_spec(model, tp)
         cap = parse_capacity(capacity)
 
         costs = cost_model_for(hardware, cost_table)
 
         def make(dpp: str, tpp: str, unit: str = balance_by):
-            return make_plan(spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
+            return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
                              cost_model=costs, balance_by=unit)
 
         chosen = make(dp_policy, tp_policy)
@@ -149,7 +189,7 @@ def plan(
 @app.command()
 def inspect(
     path: Annotated[Path, typer.Argument(help="A plan file written by `canzona plan --out`.")],
-    model: Annotated[str | None, typer.Option(help="Check the plan against this catalog model.")] = None,
+    model: Annotated[str | None, typer.Option(help="Check the plan against this model: " + MODEL_HELP[0].lower() + MODEL_HELP[1:])] = None,
     dp: Annotated[int | None, typer.Option(help="Check the plan's DP size.")] = None,
     tp: Annotated[int | None, typer.Option(help="Check the plan's TP size.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
@@ -158,7 +198,7 @@ def inspect(
     try:
         loaded = load_plan(path)
         if model is not None:
-            check_plan_matches(loaded, get_model(model, loaded.tp), dp, tp)
+            check_plan_matches(loaded, resolve_spec(model, loaded.tp), dp, tp)
         elif dp is not None or tp is not None:
             fail("--dp and --tp are checked together with --model")
     except CanzonaError as e:
@@ -193,7 +233,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
                      workload=Workload(seq_len, global_batch, micro_batch))
 
 
-Model = Annotated[str, typer.Option(help="Catalog model name.")]
+Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]

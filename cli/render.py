@@ -1,4 +1,4 @@
-"""Rich tables for plans and the model catalog."""
+"""Rich tables for plans, models and the model catalog."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from canzona.catalog import QWEN3_DENSE, build_qwen3
+from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
 from canzona.runtime.verify import REFERENCE_RTOL
+from canzona.spec import ModelSpec
 from cli.units import human_bytes
 
 
@@ -25,6 +27,24 @@ def models_table() -> Table:
         t.add_row(cfg.name, str(cfg.layers), str(cfg.hidden), str(cfg.q_heads), str(cfg.kv_heads),
                   str(cfg.ffn), "yes" if cfg.tied_embeddings else "no", f"{spec.numel / 1e9:.2f}B",
                   str(len(spec.matrix_params())))
+    return t
+
+
+_SOURCES = {"catalog": "catalog", "hf-config": "Hugging Face config.json", "spec": "canzona spec file"}
+
+
+def spec_table(spec: ModelSpec, kind: str, sizes: dict[str, int], unknown: str | None) -> Table:
+    """`canzona spec`: what canzona makes of a model, and what the simulator would still need."""
+    t = Table(title=f"Model {spec.name} ({_SOURCES.get(kind, kind)})")
+    t.add_column("quantity", no_wrap=True)
+    t.add_column("value", justify="right")
+    matrices = spec.matrix_params()
+    t.add_row("parameters", f"{spec.numel:,} ({spec.numel / 1e9:.2f}B)")
+    t.add_row("matrix-optimizer parameters", f"{len(matrices)} ({sum(p.numel for p in matrices):,} elements)")
+    t.add_row("AdamW parameters", str(len(spec.adamw_params())))
+    for key in ARCHITECTURE_FIELDS:
+        t.add_row(f"architecture: {key}", str(sizes[key]) if key in sizes else "unknown")
+    t.caption = unknown or "Matrix-optimizer parameters: 2-D, neither embedding nor head (the routing rule)."
     return t
 
 
@@ -74,7 +94,7 @@ def simulate_table(result) -> Table:
     c, b, o = result.config, result.breakdown, result.optimizer_breakdown
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}, DP {c.gpus // c.tp}), {c.optimizer}, "
+    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, DP {c.gpus // c.tp}), {c.optimizer}, "
                     f"policy {c.policy} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
@@ -104,7 +124,7 @@ def simulate_table(result) -> Table:
 def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}), {c.optimizer}, seq {c.workload.seq_len}, "
+    t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
     t.add_column("plan", no_wrap=True)

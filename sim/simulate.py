@@ -12,13 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canzona.catalog import get_config, get_model
 from canzona.cost import AnalyticCost, DeviceRate
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.plan import Plan, make_plan
+from canzona.spec import ModelSpec
 from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import Capacity
@@ -35,7 +36,7 @@ DEFINITIONS = {
 
 @dataclass(frozen=True)
 class SimConfig:
-    model: str = "qwen3-32b"
+    model: str = "qwen3-32b"  # catalog name, Hugging Face config.json or spec file (canzona.models)
     gpus: int = 256
     tp: int = 8
     optimizer: str = "muon"
@@ -57,7 +58,7 @@ class SimConfig:
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         check_tp_mode(self.tp_mode)
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus)
-        get_model(self.model, self.tp)
+        resolve_model(self.model, self.tp)
         self.workload.micro_batches(cluster.dp)
         return cluster
 
@@ -79,7 +80,8 @@ class SimResult:
         cfg = self.config
         return {
             "policy": cfg.policy,
-            "model": cfg.model,
+            "model": self.plan.model,
+            "model_source": cfg.model,
             "gpus": cfg.gpus,
             "tp": cfg.tp,
             "dp": cfg.gpus // cfg.tp,
@@ -100,9 +102,8 @@ class SimResult:
         }
 
 
-def _plan_for(cfg: SimConfig, cluster: Cluster) -> Plan:
+def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
     policy = STEP_POLICIES[cfg.policy]
-    spec = get_model(cfg.model, cfg.tp)
     dp = 1 if policy.replicated else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
                      policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
@@ -156,12 +157,12 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     every rank (they are identical); without it every rank runs it, for checking that claim."""
     cluster = cfg.check()
     hw = load_profile(cfg.hardware)
-    plan = plan or _plan_for(cfg, cluster)
+    spec, arch = resolve_model(cfg.model, cfg.tp)
+    plan = plan or _plan_for(cfg, cluster, spec)
     STEP_POLICIES[cfg.policy].check_dp_plan(plan.dp_plan)
     STEP_POLICIES[cfg.policy].check_tp_plan(plan.tp_plan.policy, plan.tp)
-    spec = get_model(cfg.model, cfg.tp)
     engine = Engine()
-    ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), get_config(cfg.model), spec, cfg.workload,
+    ctx = Context(engine, cluster, hw, DeviceRate.from_profile(hw), arch, spec, cfg.workload,
                   plan, STEP_POLICIES[cfg.policy], cfg.tp_mode)
 
     _, synced = forward_backward(ctx, (0,) if replicate_phase_a else range(cluster.gpus))
