@@ -63,8 +63,8 @@ HF_TYPES: dict[str, dict[str, Any]] = {
 HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
-# Module names that identify a projection when a spec has no architecture block (HF, torchtitan,
-# BERT-style and Megatron-style spellings). A fused qkv cannot be split by name.
+# Module names that identify a projection when a spec has no architecture block (the spellings of
+# Hugging Face, torchtitan, BERT-style and diffusers models). A fused qkv cannot be split by name.
 Q_NAMES = frozenset({"q_proj", "query", "wq", "q", "to_q", "linear_q", "q_lin"})
 K_NAMES = frozenset({"k_proj", "key", "wk", "k", "to_k", "linear_k", "k_lin"})
 FFN_NAMES = frozenset({"gate_proj", "up_proj", "w1", "w3", "fc1"})

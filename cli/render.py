@@ -27,6 +27,8 @@ def models_table() -> Table:
         t.add_row(cfg.name, str(cfg.layers), str(cfg.hidden), str(cfg.q_heads), str(cfg.kv_heads),
                   str(cfg.ffn), "yes" if cfg.tied_embeddings else "no", f"{spec.numel / 1e9:.2f}B",
                   str(len(spec.matrix_params())))
+    t.caption = ("Any other dense decoder: --model path/to/config.json (qwen3, qwen2, llama, mistral) or a spec "
+                 "file (canzona spec MODEL --out spec.json).")
     return t
 
 
