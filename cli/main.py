@@ -17,13 +17,14 @@ except ImportError:  # pragma: no cover
     from click.exceptions import ClickException
 
 from canzona import calibration
-from canzona.catalog import DEFAULT_MODEL, get_model
+from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
 from canzona.dp.policies import MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
+from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
@@ -35,6 +36,7 @@ from cli.render import (
     dp_table,
     models_table,
     simulate_table,
+    spec_table,
     tp_table,
     verify_table,
 )
@@ -103,9 +105,40 @@ def models() -> None:
     console.print(models_table())
 
 
+MODEL_HELP = "Catalog model name, Hugging Face config.json (dense qwen3, qwen2, llama, mistral) or canzona spec file."
+
+
+@app.command()
+def spec(
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
+    out: Annotated[Path | None, typer.Option(help="Write the model as a canzona spec file (.json): a template to edit.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the spec file's content as one JSON object.")] = False,
+) -> None:
+    """Show a model's parameters and architecture, or write them as a spec file."""
+    try:
+        if out is not None:
+            check_output_path(out, "spec file", (".json",))
+        source = read_model(model)
+        sizes, unknown = source.sizes(), None
+        try:
+            source.architecture()
+        except CanzonaError as e:  # a spec the simulator cannot use yet: say what it lacks
+            unknown = str(e)
+        if out is not None:
+            save_spec(source.spec, out, sizes)
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        emit_json(spec_to_dict(source.spec, sizes))
+        return
+    console.print(spec_table(source.spec, source.kind, sizes, unknown))
+    if out is not None:
+        console.print(f"spec written to {out}")
+
+
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option(help="Catalog model name.")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")] = "muon",
@@ -125,13 +158,13 @@ def plan(
     try:
         if out is not None:
             check_output_path(out, "plan", (".json",))
-        spec = get_model(model, tp)
+        model_spec = resolve_spec(model, tp)
         cap = parse_capacity(capacity)
 
         costs = cost_model_for(hardware, cost_table)
 
         def make(dpp: str, tpp: str, unit: str = balance_by):
-            return make_plan(spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
+            return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
                              cost_model=costs, balance_by=unit)
 
         chosen = make(dp_policy, tp_policy)
@@ -158,7 +191,7 @@ def plan(
 @app.command()
 def inspect(
     path: Annotated[Path, typer.Argument(help="A plan file written by `canzona plan --out`.")],
-    model: Annotated[str | None, typer.Option(help="Check the plan against this catalog model.")] = None,
+    model: Annotated[str | None, typer.Option(help="Check the plan against this model: " + MODEL_HELP[0].lower() + MODEL_HELP[1:])] = None,
     dp: Annotated[int | None, typer.Option(help="Check the plan's DP size.")] = None,
     tp: Annotated[int | None, typer.Option(help="Check the plan's TP size.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
@@ -167,7 +200,7 @@ def inspect(
     try:
         loaded = load_plan(path)
         if model is not None:
-            check_plan_matches(loaded, get_model(model, loaded.tp), dp, tp)
+            check_plan_matches(loaded, resolve_spec(model, loaded.tp), dp, tp)
         elif dp is not None or tp is not None:
             fail("--dp and --tp are checked together with --model")
     except CanzonaError as e:
@@ -211,7 +244,7 @@ def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_
     return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven)
 
 
-Model = Annotated[str, typer.Option(help="Catalog model name.")]
+Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
@@ -519,7 +552,7 @@ def validate(
                 calibration.write_profile(profile, hardware)
             progress.update(task, description="measuring the runtime")
             measured = runtime_validation.measure(chosen, optimizer, dp, rounds, progress=tick)
-            predicted = sim_validation.predict(chosen, spec, cfg.as_catalog(), dp, runtime_validation.SEQ_LEN,
+            predicted = sim_validation.predict(chosen, spec, cfg.as_catalog().architecture(), dp, runtime_validation.SEQ_LEN,
                                                runtime_validation.BATCH_PER_RANK, optimizer, hardware)
             report = sim_validation.compare(measured, predicted)
     except CanzonaError as e:  # a rank failed or hung: the run failed, the input was fine

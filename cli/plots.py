@@ -31,7 +31,7 @@ def compare_plot(results: Sequence[SimResult], path: str | Path) -> None:
         ax.set_yscale("log")
         ax.tick_params(axis="x", labelrotation=20)
     c = results[0].config
-    fig.suptitle(f"{c.model}, {c.gpus} x {c.hardware} GPUs, TP {c.tp}, {c.optimizer} "
+    fig.suptitle(f"{results[0].plan.model}, {c.gpus} x {c.hardware} GPUs, TP {c.tp}, {c.optimizer} "
                  f"(seq {c.workload.seq_len}, global batch {c.workload.global_batch})", fontsize=10)
     fig.tight_layout()
     try:

@@ -1,4 +1,4 @@
-"""Rich tables for plans and the model catalog."""
+"""Rich tables for plans, models and the model catalog."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from canzona.catalog import QWEN3_DENSE, build_qwen3
+from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
 from canzona.runtime.verify import REFERENCE_RTOL
+from canzona.spec import ModelSpec
 from cli.units import human_bytes
 
 
@@ -25,6 +27,26 @@ def models_table() -> Table:
         t.add_row(cfg.name, str(cfg.layers), str(cfg.hidden), str(cfg.q_heads), str(cfg.kv_heads),
                   str(cfg.ffn), "yes" if cfg.tied_embeddings else "no", f"{spec.numel / 1e9:.2f}B",
                   str(len(spec.matrix_params())))
+    t.caption = ("Any other dense decoder: --model path/to/config.json (qwen3, qwen2, llama, mistral) or a spec "
+                 "file (canzona spec MODEL --out spec.json).")
+    return t
+
+
+_SOURCES = {"catalog": "catalog", "hf-config": "Hugging Face config.json", "spec": "canzona spec file"}
+
+
+def spec_table(spec: ModelSpec, kind: str, sizes: dict[str, int], unknown: str | None) -> Table:
+    """`canzona spec`: what canzona makes of a model, and what the simulator would still need."""
+    t = Table(title=f"Model {spec.name} ({_SOURCES.get(kind, kind)})")
+    t.add_column("quantity", no_wrap=True)
+    t.add_column("value", justify="right")
+    matrices = spec.matrix_params()
+    t.add_row("parameters", f"{spec.numel:,} ({spec.numel / 1e9:.2f}B)")
+    t.add_row("matrix-optimizer parameters", f"{len(matrices)} ({sum(p.numel for p in matrices):,} elements)")
+    t.add_row("AdamW parameters", str(len(spec.adamw_params())))
+    for key in ARCHITECTURE_FIELDS:
+        t.add_row(f"architecture: {key}", str(sizes[key]) if key in sizes else "unknown")
+    t.caption = unknown or "Matrix-optimizer parameters: 2-D, neither embedding nor head (the routing rule)."
     return t
 
 
@@ -90,7 +112,8 @@ def simulate_table(result) -> Table:
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, DP {c.gpus // (c.tp * c.pp)}), {c.optimizer}, "
+    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, "
+                    f"DP {c.gpus // (c.tp * c.pp)}), {c.optimizer}, "
                     f"policy {c.policy}{fell} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
@@ -130,7 +153,7 @@ def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
     layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "")
-    t = Table(title=f"{c.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
+    t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
     for col in ("iter ms", "MFU", "GB/GPU", "fits", "opt ms", "opt comm", "opt idle", "gather wait",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from canzona.catalog import Qwen3Config, build_qwen3
+from canzona.decoder import DecoderConfig
 from canzona.errors import SpecError
 from canzona.spec import ModelSpec
 
@@ -133,8 +134,9 @@ class TinyQwen3Config:
     def replace(self, **changes) -> TinyQwen3Config:
         return dataclasses.replace(self, **changes)
 
-    def as_catalog(self) -> Qwen3Config:
-        """The same shape as a `canzona.catalog.Qwen3Config` (official_params = 0: not published)."""
+    def as_catalog(self) -> DecoderConfig:
+        """The same shape as a catalog model (`canzona.catalog.Qwen3Config`; official_params = 0: not
+        published)."""
         return Qwen3Config(
             name=self.name, layers=self.layers, hidden=self.hidden, q_heads=self.q_heads,
             ffn=self.ffn, tied_embeddings=self.tied_embeddings, official_params=0.0,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import simpy
 
-from canzona.catalog import Qwen3Config
 from canzona.cost import DeviceRate, adamw_kernels
+from canzona.decoder import Architecture
 from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config
@@ -48,7 +48,7 @@ class Context:
     cluster: Cluster
     hw: HardwareProfile
     rate: DeviceRate
-    cfg: Qwen3Config
+    cfg: Architecture  # the model's sizes (canzona.models.resolve_model)
     spec: ModelSpec
     workload: Workload
     plan: Plan

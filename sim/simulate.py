@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from canzona.catalog import Qwen3Config, get_config, get_model
 from canzona.cost import DeviceRate, cost_model_for
+from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
+from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import Plan, make_plan
@@ -67,7 +68,7 @@ class SimConfig:
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
 
-    def check(self, model: tuple[ModelSpec, Qwen3Config] | None = None) -> Cluster:
+    def check(self, model: tuple[ModelSpec, Architecture] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
@@ -82,16 +83,30 @@ class SimConfig:
         return cluster
 
 
-def model_of(cfg: SimConfig, model: tuple[ModelSpec, Qwen3Config] | None = None) -> tuple[ModelSpec, Qwen3Config]:
+def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
     """The spec and architecture to simulate: `model` when given (a model outside the catalog,
     e.g. a spec built with `ModelSpec.from_module`), else the catalog's `cfg.model`; checked
     against the TP size."""
     if model is None:
-        return get_model(cfg.model, cfg.tp), get_config(cfg.model)
+        return resolve_model(cfg.model, cfg.tp)
     spec, arch = model
     arch.check_tp(cfg.tp)
     spec.check_tp(cfg.tp)
     return spec, arch
+
+
+def layer_dims(arch: Architecture, spec: ModelSpec) -> LayerDims:
+    """What the memory model needs of the architecture: a SwiGLU decoder without dropout, with
+    per-head q/k norms when the spec has them."""
+    qk_norm = any(p.name.endswith(("q_norm.weight", "k_norm.weight")) for p in spec.params)
+    # A spec without head counts (e.g. from ModelSpec.from_module) still gives q_dim and kv_dim; the
+    # head count then only sizes flash attention's log-sum-exp (4 bytes per head and token), so
+    # 128-wide heads, the common width, are assumed.
+    head_dim = arch.head_dim or (arch.q_dim // arch.q_heads if arch.q_heads else min(128, arch.q_dim))
+    q_heads = arch.q_heads or max(1, arch.q_dim // head_dim)
+    kv_heads = arch.kv_heads or (max(1, arch.kv_dim // head_dim) if arch.kv_dim else None)
+    return LayerDims(arch.layers, arch.hidden, q_heads, arch.require("ffn"), arch.vocab, kv_heads, head_dim,
+                     gated_mlp=True, dropout=False, qk_norm=qk_norm)
 
 
 @dataclass(frozen=True)
@@ -121,7 +136,8 @@ class SimResult:
         cfg = self.config
         return {
             "policy": cfg.policy,
-            "model": cfg.model,
+            "model": self.plan.model,
+            "model_source": cfg.model,
             "gpus": cfg.gpus,
             "tp": cfg.tp,
             "pp": cfg.pp,
@@ -199,7 +215,7 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
 
 
 def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True,
-             model: tuple[ModelSpec, Qwen3Config] | None = None) -> SimResult:
+             model: tuple[ModelSpec, Architecture] | None = None) -> SimResult:
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
@@ -220,7 +236,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
-              model: tuple[ModelSpec, Qwen3Config] | None) -> SimResult:
+              model: tuple[ModelSpec, Architecture] | None) -> SimResult:
     cluster = cfg.check(model)
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
@@ -230,6 +246,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
     engine = Engine()
+    dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers)
@@ -237,13 +254,13 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         policy.check_dp_plan(stage_plan.dp_plan)
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
-                                arch.q_heads * arch.head_dim, arch.hidden, arch.vocab, rate,
+                                arch.q_dim, arch.hidden, arch.vocab, rate,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
                             cfg.tp_mode, cfg.options, stage))
         plans.append(stage_plan)
-        memories.append(memory_per_gpu(stage_model, stage_plan, policy, LayerDims.from_config(arch),
+        memories.append(memory_per_gpu(stage_model, stage_plan, policy, dims,
                                        MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
                                                                  tp_mode=cfg.tp_mode),
                                        dp=cluster.dp, pp=cfg.pp, stage=stage))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from canzona.catalog import Qwen3Config
+from canzona.decoder import Architecture
 from canzona.spec import ModelSpec
 from sim.options import RunOptions
 from sim.simulate import SimConfig, SimResult, simulate
@@ -96,7 +96,7 @@ def runtime_config(policy: str, dp: int, seq_len: int, batch_per_rank: int, opti
                      options=RunOptions(overlap_param_gather=False, tp_comm_overlap=False), zero1_fallback=False)
 
 
-def predict(policies: Sequence[str], spec: ModelSpec, arch: Qwen3Config, dp: int, seq_len: int,
+def predict(policies: Sequence[str], spec: ModelSpec, arch: Architecture, dp: int, seq_len: int,
             batch_per_rank: int, optimizer: str, hardware: str) -> dict[str, SimResult]:
     return {p: simulate(runtime_config(p, dp, seq_len, batch_per_rank, optimizer, hardware, spec.name),
                         model=(spec, arch)) for p in policies}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.catalog import Qwen3Config
+from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec
 
@@ -67,15 +67,15 @@ class LayerFlops:
         return sum(self.per_layer) + self.head
 
 
-def forward_flops(cfg: Qwen3Config, spec: ModelSpec, wl: Workload) -> LayerFlops:
-    """`2 * params * tokens` for the layer matrices and the head, plus attention scores and values
-    (`4 * seq * q_dim` per token, halved when causal)."""
+def forward_flops(arch: Architecture, spec: ModelSpec, wl: Workload) -> LayerFlops:
+    """`2 * params * tokens` for the layer matrices (by layer, from the spec) and the head
+    (`vocab x hidden`), plus attention scores and values (`4 * seq * q_dim` per token, halved when
+    causal)."""
     tokens = wl.tokens_per_micro_batch
-    matrices = [0] * cfg.layers
+    matrices = [0] * arch.layers
     for p in spec.matrix_params():
         if p.layer is not None:
             matrices[p.layer] += p.numel
-    q_dim = cfg.q_heads * cfg.head_dim
-    attention = 4.0 * wl.seq_len * q_dim * tokens * (0.5 if wl.causal else 1.0)
+    attention = 4.0 * wl.seq_len * arch.q_dim * tokens * (0.5 if wl.causal else 1.0)
     per_layer = tuple(2.0 * m * tokens + attention for m in matrices)
-    return LayerFlops(per_layer, 2.0 * cfg.hidden * cfg.vocab * tokens)
+    return LayerFlops(per_layer, 2.0 * arch.hidden * arch.vocab * tokens)

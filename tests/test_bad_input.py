@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import sim.simulate
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fileio import parse_json, read_text, write_atomic, write_text_atomic
 from canzona.hardware import load_profile
+from canzona.models import resolve_model
 from canzona.plan import load_plan
 
 try:
@@ -391,4 +393,119 @@ def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- models from files: each mistake is one line, before any planning or simulation ---------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1024}
+ROW = {"name": "layers.0.q_proj.weight", "shape": [64, 64], "role": "matrix", "layer": 0, "tp_dim": 0, "dtype": "bf16"}
+EMBED = {"name": "embed.weight", "shape": [128, 64], "role": "embedding", "layer": None, "tp_dim": 0}
+
+
+def _spec_doc(*rows, **top) -> dict:
+    return {"schema": "canzona.model", "version": 1, "name": "m", "params": list(rows) or [ROW], **top}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+# (file content: dict, raw text or None for a missing file; needle; TP size)
+MODEL_FILES = {
+    "missing file": (None, "cannot read model file", 1),
+    "malformed JSON": ('{"model_type": "llama",', "not valid JSON", 1),
+    "NaN in JSON": ('{"model_type": "llama", "hidden_size": NaN}', "NaN", 1),
+    "neither kind": ({"foo": 1}, "neither a Hugging Face config.json", 1),
+    "a list": ([1, 2], "neither a Hugging Face config.json", 1),
+    "missing config field": (_without(LLAMA, "intermediate_size"), "missing field 'intermediate_size'", 1),
+    "missing model_type": (_without(LLAMA, "model_type"), "missing field 'model_type'", 1),
+    "string size": ({**LLAMA, "hidden_size": "256"}, "hidden_size must be a whole number", 1),
+    "boolean size": ({**LLAMA, "num_hidden_layers": True}, "num_hidden_layers must be a whole number", 1),
+    "too many layers": ({**LLAMA, "num_hidden_layers": 10**6}, "num_hidden_layers must be a whole number in 1..1024", 1),
+    "tie not a bool": ({**LLAMA, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false", 1),
+    "no head_dim": ({**LLAMA, "hidden_size": 100}, "give head_dim", 1),
+    "heads not multiple of kv": ({**LLAMA, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads", 1),
+    "qwen3_moe": ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 128}, "mixture-of-experts", 1),
+    "mixtral": ({**LLAMA, "model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts", 1),
+    "experts in a llama config": ({**LLAMA, "num_local_experts": 8}, "mixture-of-experts", 1),
+    "unknown model_type": ({**LLAMA, "model_type": "gpt2"}, "model_type 'gpt2' is not supported", 1),
+    "tp vs heads": ({**LLAMA, "num_attention_heads": 12, "num_key_value_heads": 12, "hidden_size": 384},
+                    "tp=8 does not divide the 12 attention heads", 8),
+    "tp vs kv heads": (LLAMA, "tp=8 does not divide the 4 KV heads", 8),
+    "tp vs vocab": ({**LLAMA, "vocab_size": 1001}, "tp=2 does not divide the 1001 vocabulary", 2),
+    "wrong schema": ({**_spec_doc(), "schema": "canzona.plan"}, "schema is 'canzona.plan', not 'canzona.model'", 1),
+    "wrong version": (_spec_doc(version=2), "version 2 is not supported", 1),
+    "unknown top field": (_spec_doc(architecure={}), "unknown field 'architecure'", 1),
+    "no params": ({**_spec_doc(), "params": []}, "params must be a non-empty list", 1),
+    "no name": ({**_spec_doc(), "name": ""}, "name must be a non-empty string", 1),
+    "row not an object": (_spec_doc("w"), "params[0] must be an object", 1),
+    "row without name": (_spec_doc(_without(ROW, "name")), "params[0]: name must be", 1),
+    "bad role": (_spec_doc({**ROW, "role": "weights"}), "role must be one of matrix, embedding, head, vector", 1),
+    "bad shape": (_spec_doc({**ROW, "shape": [0, 4]}), "shape must be a list", 1),
+    "shape as text": (_spec_doc({**ROW, "shape": "64x64"}), "shape must be a list", 1),
+    "huge param": (_spec_doc({**ROW, "shape": [2**30, 2**30]}), "beyond any real model", 1),
+    "bad layer": (_spec_doc({**ROW, "layer": -1}), "layer must be null or a whole number", 1),
+    "bad tp_dim": (_spec_doc({**ROW, "tp_dim": 2}), "tp_dim must be null or a dimension", 1),
+    "bad dtype": (_spec_doc({**ROW, "dtype": "int8"}), "dtype must be one of", 1),
+    "unknown row field": (_spec_doc({**ROW, "bias": True}), "unknown field 'bias'", 1),
+    "duplicate names": (_spec_doc(ROW, ROW), "two parameters named 'layers.0.q_proj.weight'", 1),
+    "bad architecture field": (_spec_doc(architecture={"heads": 8}), "unknown architecture field 'heads'", 1),
+    "bad architecture value": (_spec_doc(architecture={"layers": 0}), "architecture.layers must be", 1),
+    "tp vs spec dim": (_spec_doc({**ROW, "shape": [66, 64]}), "tp=4 does not divide dimension 0 (66)", 4),
+    "tp vs declared heads": (_spec_doc(architecture={"q_heads": 6}), "tp=4 does not divide the 6 attention heads", 4),
+}
+
+# Only the simulator needs the architecture: planning such a spec works.
+NO_ARCHITECTURE = {
+    "no embedding": (_spec_doc(ROW), "cannot infer 'hidden' of model 'm' (no embedding or head parameter)"),
+    "no query projection": (_spec_doc(EMBED, {**ROW, "name": "layers.0.qkv.weight"}),
+                            "cannot infer 'q_dim'"),
+    "no layers": (_spec_doc(EMBED, {**ROW, "layer": None}), "cannot infer 'layers'"),
+    "layer beyond the block": (_spec_doc(EMBED, {**ROW, "layer": 3}, architecture={"layers": 2}),
+                               "is in layer 3, but the architecture has 2 layers"),
+}
+
+
+def _model_file(tmp_path: Path, content) -> Path:
+    path = tmp_path / "model" / "config.json"
+    if content is None:
+        return path
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+@pytest.mark.parametrize("what", list(MODEL_FILES))
+def test_bad_model_files_are_one_line(tmp_path, no_simulation, what):
+    content, needle, tp = MODEL_FILES[what]
+    path = _model_file(tmp_path, content)
+    error_line(invoke("plan", "--model", path, "--dp", "2", "--tp", tp), needle)
+    error_line(invoke("simulate", "--model", path, "--gpus", 8, "--tp", tp, "--global-batch", 8), needle)
+    error_line(invoke("inspect", tmp_path / "no-plan.json", "--model", path), "cannot read plan file")
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        resolve_model(path, tp)
+
+
+@pytest.mark.parametrize("what", list(NO_ARCHITECTURE))
+def test_architecture_not_inferable_is_one_line_for_the_simulator(tmp_path, no_simulation, what):
+    content, needle = NO_ARCHITECTURE[what]
+    path = _model_file(tmp_path, content)
+    for command in ("simulate", "compare"):
+        line = error_line(invoke(command, "--model", path, "--gpus", 8, "--tp", 1, "--global-batch", 8), needle)
+        assert "architecture" in line
+    if what != "layer beyond the block":
+        assert invoke("plan", "--model", path, "--dp", "2", "--tp", "1", "--json").exit_code == 0
+
+
+def test_unknown_model_name_lists_the_catalog_and_the_files_it_takes(no_simulation):
+    line = error_line(invoke("simulate", "--model", "llama-3-8b"), "unknown model 'llama-3-8b'")
+    assert "qwen3-0.6b" in line and "config.json" in line and "spec file" in line
+
+
+def test_spec_output_path_is_checked_and_written_atomically(tmp_path):
+    error_line(invoke("spec", "qwen3-0.6b", "--out", tmp_path / "spec.txt"), "unsupported extension '.txt'")
+    error_line(invoke("spec", "qwen3-0.6b", "--out", tmp_path / "no" / "spec.json"), "does not exist")
+    error_line(invoke("spec", tmp_path / "missing.json"), "cannot read model file")
     assert list(tmp_path.iterdir()) == []
