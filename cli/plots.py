@@ -24,8 +24,11 @@ def compare_plot(results: Sequence[SimResult], path: str | Path) -> None:
     for ax, attr, title in ((axes[0], "iteration_time_s", "iteration time"),
                             (axes[1], "optimizer_step_s", "optimizer-step latency")):
         values = [getattr(r, attr) * 1e3 for r in results]
-        bars = ax.bar(names, values, color=["#888" if n != "canzona" else "#2a7" for n in names])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        bars = ax.bar(names, values, color=["#888" if n != "canzona" else "#2a7" for n in names],
+                      hatch=["" if r.fits else "//" for r in results])
+        # a layout that does not fit in the GPU's memory is marked, not hidden
+        ax.bar_label(bars, labels=[f"{v:.0f}" + ("" if r.fits else "\ndoes not fit") for v, r in zip(values, results)],
+                     fontsize=8)
         ax.set_title(title)
         ax.set_ylabel("ms")
         ax.set_yscale("log")
