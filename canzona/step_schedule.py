@@ -154,10 +154,6 @@ class TPSchedule:
                 out.append(ex)
         return tuple(out)
 
-    def expected_log(self, tp_rank: int) -> list[tuple[str, str, str, tuple[int, ...]]]:
-        """(op, group, name, bytes) of each TP collective `tp_rank` logs, in order."""
-        return [(ex.op, TP_GROUP, ex.name, ex.record(tp_rank)) for ex in self.exchanges]
-
     def tasks(self) -> list[Task]:
         return [t for g in self.groups for t in g.tasks]
 

@@ -27,8 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from canzona.dp.layout import ceil_to, even_cuts
-from canzona.dp.policies import DEFAULT_ALIGN
 from canzona.errors import CanzonaError, PlanError
 from canzona.plan import make_plan
 from canzona.runtime.launch import RankError, run_ranks
@@ -40,6 +38,7 @@ from canzona.runtime.training import (
     micro_batches,
 )
 from canzona.spec import ModelSpec, ParamSpec, Role
+from canzona.step_collectives import step_collectives, step_records
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -470,48 +469,18 @@ def test_buckets_launch_only_when_their_gradients_are_complete_under_no_sync(gro
         assert all(x["unchanged"] for x in report), f"rank {r}: {report}"
 
 
-def _adamw_size(model: ModelSpec, dp: int) -> int:
-    return ceil_to(max(sum(p.numel for p in model.adamw_params()), 1), DEFAULT_ALIGN * dp)
-
-
-def expected_step_log(policy: str, dp_policy: str | None, dp: int) -> list[tuple]:
-    """(op, group, name, bytes per rank) of one step, derived from the plan and the policy."""
-    model = tiny_spec()
-    plan_policy = {"zero1-gather": "zero1-even", "layerwise": "layerwise", "sc": "whole-start"}.get(policy, dp_policy)
-    plan = make_plan(model, dp, 1, "muon", plan_policy, bucket_size=BUCKET)
-    buckets = plan.dp_plan.buckets
-    adamw = _adamw_size(model, dp)
-    n_params = len(model.params)
-
-    def lengths(cuts):
-        return tuple(4 * (b - a) for a, b in zip(cuts, cuts[1:]))
-
-    log = [("reduce-scatter-v", "dp", f"bucket {b.index}", (4 * b.size,) * dp) for b in buckets]
-    log.append(("reduce-scatter-v", "dp", "adamw", (4 * adamw,) * dp))
-    if policy in ("sc", "layerwise", "zero1-gather"):  # whole gradients on every computing rank
-        log += [("all-gather-v", "dp", f"gradients of bucket {b.index}", lengths(even_cuts(b.size, dp)))
-                for b in buckets]
-    if policy == "sc":
-        log.append(("all-gather-v", "dp", "adamw gradients", lengths(even_cuts(adamw, dp))))
-    log.append(("all-gather", "dp", "step check", (8 * (n_params + 3),) * dp))
-    if policy == "layerwise":
-        log += [("all-gather-v", "dp", f"owned parameters of bucket {b.index}",
-                 tuple(4 * sum(p.numel for p in b.params if p.owner == r) for r in range(dp)))
-                for b in buckets]
-    elif policy != "sc":
-        log += [("all-gather-v", "dp", f"parameters of bucket {b.index}", lengths(b.cuts)) for b in buckets]
-    if policy != "sc":
-        log.append(("all-gather-v", "dp", "adamw parameters", lengths(even_cuts(adamw, dp))))
-    return log
-
-
 @pytest.mark.parametrize("key", list(LOG_SPECS), ids=[f"{p}-{d or ''}-acc{a}" for p, d, a in LOG_SPECS])
 def test_collective_log_matches_the_plan(group, key):
+    """Each rank's log, step by step, is `step_collectives` of the plan the policy makes (the one
+    definition the simulator prices too; tests/test_step_collectives.py checks it at DP 2 and
+    DP 2 x TP 2)."""
     policy, dp_policy, accumulation = key
     ranks = group[("log",) + key]
-    want = expected_step_log(policy, dp_policy, MAIN_DP)
     steps = LOG_SPECS[key].steps
+    plan_policy = {"zero1-gather": "zero1-even", "layerwise": "layerwise", "sc": "whole-start"}.get(policy, dp_policy)
+    plan = make_plan(tiny_spec(), MAIN_DP, 1, "muon", plan_policy, bucket_size=BUCKET)
     for r, res in enumerate(ranks):
+        want = step_records(step_collectives(plan, tiny_spec(), policy, dp_rank=r))
         log = res["log"]
         assert [rec["order"] for rec in log] == list(range(len(log)))
         assert [rec["step"] for rec in log] == [s for s in range(steps) for _ in want]

@@ -31,6 +31,7 @@ from canzona.runtime.training import (
     many_specs_worker,
     reference_run,
 )
+from canzona.step_collectives import STEP, step_collectives, step_records
 from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, SERIAL, TP_GROUP, tp_schedule
 from canzona.tp import EVERY_RANK, Capacity
@@ -158,21 +159,21 @@ def _schedule(r: dict, spec: TrainSpec):
 
 @pytest.mark.parametrize("layout_key", all_keys(), ids=ids)
 def test_tp_collectives_are_the_schedules(layout_key):
+    """The TP log of each step is the TP part of `step_collectives` (the step checks, the gradient
+    norm when clipping, then the schedule's exchanges in order); tests/test_step_collectives.py
+    checks the DP and TP logs together, interleaved, at DP 2 x TP 2."""
     layout, key = layout_key
     spec = cases(layout)[key][0]
+    mspec = model_spec(get_preset(spec.preset), spec.dtype)
     for r in runs(layout, key):
-        sched = _schedule(r, spec)
-        want = sched.expected_log(r["tp_rank"])
+        want = step_collectives(r["plan"], mspec, spec.policy, r["dp_rank"], r["tp_rank"], tp_mode=spec.tp_mode,
+                                clip=spec.clip_norm is not None)
+        exchanges = [(c.op, c.name, c.sent) for c in want if c.group == TP_GROUP and c.phase == STEP]
+        assert exchanges == [(e.op, e.name, e.sent) for e in _schedule(r, spec).exchanges]
         for step in range(spec.steps):
             records = [(x["op"], x["group"], x["name"], tuple(x["bytes_per_rank"]))
                        for x in r["tp_log"] if x["step"] == step]
-            # small all-gathers check the step (and sum the gradient norm when clipping); everything
-            # else is the schedule's, in order
-            checks = [("all-gather", TP_GROUP, "tp step check")]
-            if spec.clip_norm is not None:
-                checks.append(("all-gather", TP_GROUP, "gradient norm"))
-            assert [x[:3] for x in records[:len(checks)]] == checks
-            assert records[len(checks):] == want, (r["dp_rank"], r["tp_rank"], step)
+            assert records == step_records(want, TP_GROUP), (r["dp_rank"], r["tp_rank"], step)
 
 
 @pytest.mark.parametrize("layout_key", all_keys(), ids=ids)

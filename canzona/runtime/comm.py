@@ -36,17 +36,24 @@ class CollectiveRecord:
     group: str
     name: str
     bytes_per_rank: tuple[int, ...]  # bytes each rank contributes; all-to-all: bytes sent to each member
+    seq: int = 0  # issue order among the records of every log sharing this log's clock (DP and TP together)
 
 
 @dataclass
 class CollectiveLog:
-    """What the runtime really sent, in order: checked against the simulator's model."""
+    """What the runtime really sent, in order: checked against the collectives of a step
+    (`canzona.step_collectives`), which the simulator prices. `order` counts this log's records;
+    logs that share a `clock` (an optimizer's DP and TP logs) also number their records in the
+    order they were issued across both (`seq`)."""
 
     records: list[CollectiveRecord] = field(default_factory=list)
     step: int = 0
+    clock: list[int] = field(default_factory=lambda: [0])  # one counter, shared by reference
 
     def add(self, op: str, group: str, name: str, bytes_per_rank: Sequence[int]) -> None:
-        self.records.append(CollectiveRecord(self.step, len(self.records), op, group, name, tuple(bytes_per_rank)))
+        self.records.append(CollectiveRecord(self.step, len(self.records), op, group, name, tuple(bytes_per_rank),
+                                             self.clock[0]))
+        self.clock[0] += 1
 
     def for_step(self, step: int) -> list[CollectiveRecord]:
         return [r for r in self.records if r.step == step]

@@ -137,6 +137,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = self._local_params(groups, tp_ranks)
         self.comm = Comm(dp_group, timeout_s)
         self.tp_comm = Comm(tp_pg, timeout_s, "tp") if tp_pg is not None else None
+        if self.tp_comm is not None:  # one issue order over both logs (CollectiveRecord.seq)
+            self.tp_comm.log.clock = self.comm.log.clock
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
         self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)

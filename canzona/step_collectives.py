@@ -1,0 +1,205 @@
+"""Every collective of one training step, as the runtime issues and logs it (docs/design.md §8.6).
+
+One definition, two users: the simulator prices these collectives, and the runtime's collective
+logs (`canzona.runtime.comm.CollectiveLog`) are checked against them record for record (op, group,
+name, bytes per rank, order), on every rank, for every step policy, DP and DP x TP
+(`tests/test_step_collectives.py`). The TP part comes from `canzona.step_schedule.tp_schedule`.
+
+`step_collectives(plan, spec, policy, dp_rank, tp_rank)` lists, in the order the runtime issues
+them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a normal step:
+
+1. backward: per plan bucket, in the plan's bucket order, one reduce-scatter-v of the whole bucket
+   ("bucket i"), launched from gradient hooks once the bucket's gradients are complete; on the plan's
+   segments under a reduce-scatter policy (canzona, zero1-gather), on even segments under an
+   all-reduce policy (sc, layerwise), which finish the all-reduce by the all-gather of step 2;
+2. step, before the checks: the reduce-scatter-v of the AdamW buffer ("adamw", even segments);
+   then, for the all-reduce policies and zero1-gather, one all-gather-v per bucket of the reduced
+   gradients on the same segments ("gradients of bucket i": every rank ends with the whole bucket);
+   for the replicated policy (sc), an all-gather-v of the AdamW gradients ("adamw gradients");
+3. check: the step check over DP ("step check"); under TP also the TP step check ("tp step check")
+   and the TP verdict over DP ("tp verdict");
+4. clip, only when `clip_grad_norm_` is called: the norm over DP, then over TP ("gradient norm");
+5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order;
+6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
+   of bucket i" on the plan's segments, or, for layerwise, "owned parameters of bucket i": what
+   each owner packs), then "adamw parameters" (even segments); nothing under sc.
+
+The DP collectives are the same on every DP rank (each record lists every member's bytes); the TP
+all-to-alls differ per TP rank (a record is the bytes that rank sends to each member).
+
+Differences between steps: the first step's DP log also holds, at its start, the agreement verdict
+that construction spreads over DP under TP (`first_step=True`); construction's agreement
+all-gathers of digests are not logged. Gradient accumulation changes nothing: `no_sync()`
+micro-batches launch no collective and the synchronising backward launches each bucket once (a
+bucket whose gradients did not all arrive in it is launched at the start of `step()` instead,
+same record, same order).
+
+Sizes come from the plan and the spec: bucket sizes and segments from the DP plan, the AdamW
+buffer (the local AdamW parameters packed end to end, padded to a multiple of `align x dp`, with
+the plan's alignment unless `adamw_align` says otherwise), the step checks (one int64 per
+parameter plus three; under TP two more plus two per TP-replicated parameter), dtypes from the
+spec: gradients are reduced in fp32 when the model has bf16 / fp16 parameters and master weights
+are on (the runtime's default), otherwise in the parameters' dtype; parameters are gathered in
+their own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
+from canzona.errors import SpecError
+from canzona.plan import Plan, check_plan_matches
+from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec
+from canzona.step_policies import PARAMS_BY_OWNER, PARAMS_NONE, StepPolicy, get_step_policy
+from canzona.step_schedule import ALL_GATHER, PIPELINED, TP_GROUP, tp_schedule
+
+DP_GROUP = "dp"  # the name the runtime's DP Comm logs under (TP_GROUP: "tp")
+REDUCE_SCATTER_V, ALL_GATHER_V = "reduce-scatter-v", "all-gather-v"
+# phases: launched by gradient hooks during backward; inside step() (or clip_grad_norm_) before any
+# parameter changes; the runtime's own checks; the gradient norm of clip_grad_norm_; the parameter
+# all-gathers after the update
+BACKWARD, STEP, CHECK, CLIP, PARAMS = "backward", "step", "check", "clip", "params"
+PHASES = (BACKWARD, STEP, CHECK, CLIP, PARAMS)
+CHECK_WORD_BYTES = 8  # the step checks and verdicts are int64 (the gradient norm float64) values
+LOW_PRECISION = frozenset({"bf16", "fp16"})
+FP32_BYTES = DTYPE_BYTES["fp32"]
+
+
+@dataclass(frozen=True)
+class StepCollective:
+    """One collective as the runtime logs it, plus what the simulator needs to price it."""
+
+    op: str  # "reduce-scatter-v", "all-gather-v", "all-gather" or "all-to-all", as logged
+    group: str  # DP_GROUP or TP_GROUP
+    name: str  # as logged
+    bytes_per_rank: tuple[int, ...]  # as logged: each member's bytes (all-to-all: sent to each member)
+    phase: str  # one of PHASES
+    segments: tuple[int, ...] = ()  # -v ops: bytes of each member's segment, in rank order
+    bucket: int | None = None  # the DP plan bucket (its index) it belongs to
+    sent: tuple[tuple[int, ...], ...] = ()  # TP exchanges: bytes from member s to member d, whole group
+
+    def logged(self) -> tuple[str, str, str, tuple[int, ...]]:
+        """(op, group, name, bytes per rank): the fields of the runtime's `CollectiveRecord`."""
+        return self.op, self.group, self.name, self.bytes_per_rank
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """One flat buffer of the runtime: its elements, and bytes per element reduced and gathered."""
+
+    size: int
+    grad_bytes: int
+    param_bytes: int
+
+
+def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
+                     *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
+                     master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
+                     clip: bool = False) -> list[StepCollective]:
+    """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
+
+    `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
+    of reduced gradients / of gathered parameters, for every buffer; by default derived per buffer
+    from the spec's dtypes and `master_weights` (as the runtime derives them). `adamw_align`: the
+    runtime's `align` argument, when it differs from the plan's alignment. `first_step`: include
+    what the first step's log also holds. `clip`: `clip_grad_norm_` is called before `step()`."""
+    if isinstance(policy, str):
+        policy = get_step_policy(policy)
+    dp, tp = plan.dp, plan.tp
+    if not 0 <= tp_rank < tp:
+        raise SpecError(f"tp rank {tp_rank} is outside 0..{tp - 1}")
+    check_plan_matches(plan, spec)
+    policy.check_dp_plan(plan.dp_plan)
+    policy.check_tp_plan(plan.tp_plan.policy, tp)
+    buckets = plan.dp_plan.buckets
+    master = master_weights and any(p.dtype in LOW_PRECISION for p in spec.params)
+    by_name = {p.name: p for p in spec.params}
+    grads = [_buffer(f"bucket {b.index}", [by_name[p.name] for p in b.params], b.size, master, grad_bytes,
+                     param_bytes) for b in buckets]
+    adamw_params = spec.adamw_params()
+    align = plan.dp_plan.align if adamw_align is None else adamw_align
+    adamw_size = ceil_to(max(sum(p.local_numel(tp) for p in adamw_params), 1), align * dp)
+    adamw = _buffer("the AdamW buffer", adamw_params, adamw_size, master, grad_bytes, param_bytes)
+    adamw_cuts = even_cuts(adamw.size, dp)
+    reduce_scatter = policy.grad_sync == "reduce-scatter"
+
+    def grad_cuts(b: BucketPlan) -> tuple[int, ...]:
+        return b.cuts if reduce_scatter else even_cuts(b.size, dp)
+
+    def v(op: str, name: str, cuts: Sequence[int], per_element: int, phase: str, bucket: int | None = None,
+          whole: int | None = None) -> StepCollective:
+        """A -v collective on segments `cuts`; `whole`: every member sends the whole buffer (reduce-scatter)."""
+        segments = tuple(per_element * (b - a) for a, b in zip(cuts, cuts[1:]))
+        sent = segments if whole is None else (whole * per_element,) * dp
+        return StepCollective(op, DP_GROUP, name, sent, phase, segments, bucket)
+
+    def check(group: str, name: str, words: int, members: int, phase: str = CHECK) -> StepCollective:
+        return StepCollective(ALL_GATHER, group, name, (words * CHECK_WORD_BYTES,) * members, phase)
+
+    out: list[StepCollective] = []
+    if first_step and tp > 1:
+        out.append(check(DP_GROUP, "agreement verdict", 1, dp))
+    # 1. backward: the buckets' reduce-scatters, in bucket order
+    out += [v(REDUCE_SCATTER_V, f"bucket {b.index}", grad_cuts(b), buf.grad_bytes, BACKWARD, b.index, b.size)
+            for b, buf in zip(buckets, grads)]
+    # 2. the AdamW reduce-scatter, and the gradient all-gathers of the policies that need whole gradients
+    out.append(v(REDUCE_SCATTER_V, "adamw", adamw_cuts, adamw.grad_bytes, STEP, whole=adamw.size))
+    if not reduce_scatter or policy.gather_split:
+        out += [v(ALL_GATHER_V, f"gradients of bucket {b.index}", grad_cuts(b), buf.grad_bytes, STEP, b.index)
+                for b, buf in zip(buckets, grads)]
+    if policy.replicated:
+        out.append(v(ALL_GATHER_V, "adamw gradients", adamw_cuts, adamw.grad_bytes, STEP))
+    # 3. the step checks
+    out.append(check(DP_GROUP, "step check", len(spec.params) + 3, dp))
+    if tp > 1:
+        replicated = sum(p.tp_dim is None for p in spec.params)
+        out.append(check(TP_GROUP, "tp step check", 2 + len(spec.params) + 2 * replicated, tp))
+        out.append(check(DP_GROUP, "tp verdict", 1, dp))
+    # 4. clip_grad_norm_: each rank's term over DP, then each TP rank's DP total over TP
+    if clip:
+        out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
+        if tp > 1:
+            out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
+    # 5. the TP schedule: gradients are gathered in the dtype of the first bucket's reduction,
+    # updates scattered in the dtype they are applied in (the fp32 masters, or that dtype)
+    tp_grad_bytes = grads[0].grad_bytes if grads else FP32_BYTES
+    schedule = tp_schedule(plan, spec, policy, dp_rank, tp_mode, grad_bytes=tp_grad_bytes,
+                           update_bytes=FP32_BYTES if master else tp_grad_bytes)
+    out += [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
+            for ex in schedule.exchanges]
+    # 6. the parameter all-gathers
+    if policy.param_gather != PARAMS_NONE:
+        for b, buf in zip(buckets, grads):
+            if policy.param_gather == PARAMS_BY_OWNER:
+                packed = [sum(p.numel for p in b.params if p.owner == r) for r in range(dp)]
+                cuts = [0]
+                for n in packed:
+                    cuts.append(cuts[-1] + n)
+                out.append(v(ALL_GATHER_V, f"owned parameters of bucket {b.index}", cuts, buf.param_bytes,
+                             PARAMS, b.index))
+            else:
+                out.append(v(ALL_GATHER_V, f"parameters of bucket {b.index}", b.cuts, buf.param_bytes, PARAMS,
+                             b.index))
+        out.append(v(ALL_GATHER_V, "adamw parameters", adamw_cuts, adamw.param_bytes, PARAMS))
+    return out
+
+
+def _buffer(what: str, params: Sequence[ParamSpec], size: int, master: bool, grad_bytes: int | None,
+            param_bytes: int | None) -> _Buffer:
+    """Bytes per element as the runtime's `FlatBuffer` holds them: the parameters' dtype (one per
+    buffer; fp32 for an empty one), reduced in fp32 when master weights are on."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise SpecError(f"parameters sharing {what} must share a dtype, got {', '.join(sorted(dtypes))}")
+    own = DTYPE_BYTES[dtypes.pop()] if dtypes else FP32_BYTES
+    reduced = (FP32_BYTES if master else own) if grad_bytes is None else grad_bytes
+    return _Buffer(size, reduced, own if param_bytes is None else param_bytes)
+
+
+def step_records(collectives: Sequence[StepCollective], group: str | None = None
+                 ) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    """(op, group, name, bytes per rank) of each collective (of one group, if given), in order: what
+    the runtime's log holds for one step."""
+    return [c.logged() for c in collectives if group is None or c.group == group]
