@@ -238,10 +238,10 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 uneven: str):
+                 uneven: str, collectives: str = "megatron"):
     from sim.options import RunOptions
 
-    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven)
+    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven, collectives)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -266,6 +266,7 @@ OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
+Collectives = Annotated[str, typer.Option(help="DP collectives as Megatron runs each policy (megatron) or exactly as canzona's runtime issues them (runtime).")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
 Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's: all-to-all, broadcasts), loops (grouped reduce / broadcast) or padded.")]
 
@@ -280,7 +281,7 @@ def simulate(
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
-    zero1_fallback: Fallback = True, pp: Pp = 1,
+    zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -291,7 +292,8 @@ def simulate(
     try:
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
+                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
+                                          collectives),
                              zero1_fallback, pp)
         config.check()
         if trace is not None:
@@ -318,7 +320,7 @@ def compare(
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
-    zero1_fallback: Fallback = True, pp: Pp = 1,
+    zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -331,7 +333,8 @@ def compare(
     try:
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven),
+                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
+                                          collectives),
                            zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:

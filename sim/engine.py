@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import simpy
 
@@ -64,6 +65,9 @@ class Engine:
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
+        # (members, logged record or {member: record}) of collectives issued with a record, in
+        # issue order: what a runtime collective log would show (sim.iteration, runtime mode)
+        self.records: list[tuple[tuple[int, ...], Any]] = []
 
     @property
     def now(self) -> float:
@@ -91,8 +95,11 @@ class Engine:
             self.spans.append(Span(rank, stream, name, "compute", start, self.env.now))
 
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
-                   after: dict[int, Iterable[simpy.Event]] | None = None) -> dict[int, simpy.Event]:
-        """One collective over `ranks`, enqueued on each rank's `stream`; per-rank done events."""
+                   after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None) -> dict[int, simpy.Event]:
+        """One collective over `ranks`, enqueued on each rank's `stream`; per-rank done events.
+        `record`: what a runtime log would hold for it (one tuple, or one per member)."""
+        if record is not None:
+            self.records.append((tuple(ranks), record))
         coll = Collective(self, name, ranks, cost)
         after = after or {}
         return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())))) for r in ranks}
@@ -109,3 +116,12 @@ class Engine:
     def run(self) -> float:
         self.env.run()
         return self.env.now
+
+
+def issued_records(records: Sequence[tuple[tuple[int, ...], Any]], rank: int) -> list[tuple]:
+    """Of `Engine.records`, those of the collectives `rank` took part in, in issue order."""
+    out = []
+    for ranks, record in records:
+        if rank in ranks:
+            out.append(record[rank] if isinstance(record, dict) else record)
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import simpy
 
@@ -22,12 +23,24 @@ from canzona.optimizers import default_config
 from canzona.pipeline import one_f_one_b
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
+from canzona.step_collectives import (
+    ALL_GATHER_V,
+    BACKWARD,
+    CHECK,
+    DP_GROUP,
+    PARAMS,
+    REDUCE_SCATTER_V,
+    STEP,
+    StepCollective,
+    step_collectives,
+)
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy
 from canzona.step_schedule import (
     ALL_TO_ALL,
     COMPUTE,
     GATHER,
     SCATTER,
+    TP_GROUP,
     Exchange,
     TPSchedule,
     tp_schedule,
@@ -57,6 +70,22 @@ class Context:
     tp_mode: str = "pipelined"
     options: RunOptions = RunOptions()
     stage: int = 0  # pipeline stage: `spec`, `plan` and `work` are this stage's
+
+    @property
+    def runtime_mode(self) -> bool:
+        """Issue exactly the runtime's collectives (`canzona.step_collectives`)."""
+        return self.options.collectives == "runtime"
+
+    @cached_property
+    def records(self) -> list[StepCollective]:
+        """The collectives of one step of DP rank 0, TP rank 0, as the runtime issues them (the DP
+        ones are the same on every DP rank; TP exchanges come from each group's own schedule)."""
+        return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
+                                grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes)
+
+    def dp_records(self, *phases: str) -> list[StepCollective]:
+        """The runtime's collectives of these phases other than the TP schedule's exchanges."""
+        return [r for r in self.records if r.phase in phases and not (r.group != DP_GROUP and r.phase == STEP)]
 
     @property
     def hidden(self) -> int:
@@ -110,6 +139,9 @@ def param_gather_costs(ctx: Context) -> list[tuple[str, CollectiveCost]]:
     """The all-gather(-v) of the updated parameters over one DP group: AdamW's, then each bucket's."""
     if not ctx.policy.gathers_params:
         return []
+    if ctx.runtime_mode:
+        recs = ctx.dp_records(PARAMS)
+        return [(r.name, record_cost(ctx, r)) for r in recs[-1:] + recs[:-1]]
     geo, nbytes = ctx.cluster.dp_geometry(), ctx.workload.param_bytes
     out = [("param gather adamw", collective_cost("all-gather", ctx.adamw_local_numel() * nbytes, geo, ctx.hw))]
     for b in ctx.plan.dp_plan.buckets:
@@ -122,6 +154,36 @@ def param_gather_costs(ctx: Context) -> list[tuple[str, CollectiveCost]]:
         out.append((f"param gather bucket {b.index}",
                     uneven_cost("all-gather", [n * nbytes for n in segments], geo, ctx.hw, ctx.options.uneven)))
     return out
+
+
+def record_cost(ctx: Context, rec: StepCollective) -> CollectiveCost:
+    """A runtime collective priced on its group: -v ops by the uneven implementation on their
+    segments, the others as even collectives of their whole buffer."""
+    geo = ctx.cluster.dp_geometry() if rec.group == DP_GROUP else ctx.cluster.tp_geometry()
+    if rec.op == REDUCE_SCATTER_V:
+        return uneven_cost("reduce-scatter", rec.segments, geo, ctx.hw, ctx.options.uneven)
+    if rec.op == ALL_GATHER_V:
+        return uneven_cost("all-gather", rec.segments, geo, ctx.hw, ctx.options.uneven)
+    if rec.op == "all-gather":
+        return collective_cost("all-gather", sum(rec.bytes_per_rank), geo, ctx.hw)
+    return collective_cost("all-to-all", sum(rec.bytes_per_rank), geo, ctx.hw)
+
+
+def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
+    """The runtime's collectives `records` one after another on every group of the stage, each
+    recorded as the runtime logs it; per-rank events of the last one."""
+    cl, eng = ctx.cluster, ctx.engine
+    done = dict(begin)
+    for rec in records:
+        if rec.group == DP_GROUP:
+            groups = [cl.dp_group(t, ctx.stage) for t in range(ctx.tp)]
+        else:
+            groups = [cl.tp_group(i, ctx.stage) for i in range(cl.dp)]
+        cost = record_cost(ctx, rec)
+        stream = DP_COMM if rec.group == DP_GROUP else TP_COMM
+        for g in groups:
+            done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g}, record=rec.logged()))
+    return done
 
 
 def _groups(ranks: Sequence[int], groups: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -252,9 +314,22 @@ class _Stage:
     def grad_syncs(self, layer: int) -> list[simpy.Event]:
         out: list[simpy.Event] = []
         for bi, first in enumerate(self.firsts):
-            if first == layer:
+            if first != layer:
+                continue
+            if self.ctx.runtime_mode:
+                for rec in self.ctx.dp_records(BACKWARD):
+                    if rec.bucket == bi:
+                        out += self.collective_record(rec).values()
+            else:
                 cost = grad_sync_cost(self.ctx, self.ctx.plan.dp_plan.buckets[bi])
                 out += self.collective(f"grad sync bucket {bi}", self.dp_groups, cost, DP_COMM).values()
+        return out
+
+    def collective_record(self, rec: StepCollective) -> dict[int, simpy.Event]:
+        out: dict[int, simpy.Event] = {}
+        for g in self.dp_groups:
+            out.update(self.eng.collective(rec.name, g, record_cost(self.ctx, rec), DP_COMM,
+                                           {r: [self.last[r]] for r in g}, record=rec.logged()))
         return out
 
     def run(self, micro_batches: int) -> list[simpy.Event]:
@@ -292,7 +367,8 @@ class _Stage:
         if not ctx.options.overlap_grad_reduce:
             for layer in reversed(work.layer_ids):
                 syncs += self.grad_syncs(layer)
-        syncs += self.collective("grad sync adamw", self.dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
+        if not ctx.runtime_mode:  # the runtime reduces the AdamW buffer inside step()
+            syncs += self.collective("grad sync adamw", self.dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
         return syncs
 
 
@@ -353,7 +429,9 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
     tp-sync group under the baselines), then AdamW and the parameter all-gather."""
     eng, cl = ctx.engine, ctx.cluster
     gathered: dict[int, simpy.Event] = {r: start for r in cl.stage_ranks(ctx.stage)}
-    if ctx.policy.gather_split:
+    if ctx.runtime_mode:
+        gathered = issue_records(ctx, ctx.dp_records(STEP, CHECK), gathered)
+    elif ctx.policy.gather_split:
         cost = _split_gather_costs(ctx)
         for t in range(ctx.tp):
             group = cl.dp_group(t, ctx.stage)
@@ -372,6 +450,8 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
         applied = run_schedule(ctx, members, schedule, {r: gathered[r] for r in members})
         for r in members:
             ready[r] = _adamw_step(ctx, r, applied[r] or [gathered[r]])
+    if ctx.runtime_mode and not ctx.options.overlap_param_gather:
+        return list(issue_records(ctx, ctx.dp_records(PARAMS), ready).values())
     return _param_gathers(ctx, ready)
 
 
@@ -414,4 +494,7 @@ def _exchange(ctx: Context, members: Sequence[int], exchange: Exchange,
     else:  # all-gather: the collective model takes the gathered total
         full = exchange.bytes_in(0) + max(exchange.sent[0])
         cost = collective_cost("all-gather", full, ctx.cluster.tp_geometry(), ctx.hw)
-    return ctx.engine.collective(exchange.name, members, cost, TP_COMM, {r: [after[r]] for r in members})
+    record = ({r: (exchange.op, TP_GROUP, exchange.name, exchange.record(t)) for t, r in enumerate(members)}
+              if ctx.runtime_mode else None)
+    return ctx.engine.collective(exchange.name, members, cost, TP_COMM, {r: [after[r]] for r in members},
+                                 record=record)

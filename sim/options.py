@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canzona.errors import SpecError
 from canzona.memory import check_recompute
 from sim.collectives import DEFAULT_UNEVEN, check_uneven_impl
+
+COLLECTIVE_MODES = ("megatron", "runtime")
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,13 @@ class RunOptions:
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
     recompute: str = "none"  # "none", "selective" (attention core) or "full" (every layer)
     uneven: str = DEFAULT_UNEVEN  # how uneven reduce-scatter / all-gather are implemented
+    # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and
+    # layerwise, only the split parts of matrices for zero1-gather); "runtime": exactly the
+    # collectives canzona's runtime issues and logs (canzona.step_collectives)
+    collectives: str = "megatron"
 
     def check(self) -> None:
         check_recompute(self.recompute)
         check_uneven_impl(self.uneven)
+        if self.collectives not in COLLECTIVE_MODES:
+            raise SpecError(f"unknown collectives mode {self.collectives!r}; choose one of {', '.join(COLLECTIVE_MODES)}")

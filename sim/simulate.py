@@ -126,6 +126,9 @@ class SimResult:
     memory_capacity_bytes: float
     spans: tuple[Span, ...] = field(repr=False)
     fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
+    # with RunOptions(collectives="runtime"): (members, logged record) of every collective issued,
+    # in issue order, as the runtime's logs would hold them (sim.engine.issued_records)
+    collective_records: tuple = field(default=(), repr=False)
 
     @property
     def fits(self) -> bool:
@@ -168,7 +171,9 @@ class SimResult:
 def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
     """The policy's plan for one pipeline stage's `spec` (the whole model without PP)."""
     policy = STEP_POLICIES[cfg.policy]
-    dp = 1 if policy.replicated else cluster.dp
+    # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
+    # for the runtime's collectives, which are laid out on a plan of the whole DP group
+    dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
                      policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
                      capacity=cfg.capacity, cost_model=cost_model_for(cfg.hardware))
@@ -306,6 +311,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         memory=memory,
         memory_capacity_bytes=hw.gpu.memory_bytes,
         spans=tuple(simulated_a) + tuple(phase_b),
+        collective_records=tuple(engine.records),
     )
 
 

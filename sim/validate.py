@@ -93,7 +93,8 @@ def runtime_config(policy: str, dp: int, seq_len: int, batch_per_rank: int, opti
                   grad_bytes=RUNTIME_BYTES, param_bytes=RUNTIME_BYTES, activation_bytes=RUNTIME_BYTES,
                   dtype="fp32")
     return SimConfig(model=name, gpus=dp, tp=1, optimizer=optimizer, policy=policy, hardware=hardware, workload=wl,
-                     options=RunOptions(overlap_param_gather=False, tp_comm_overlap=False), zero1_fallback=False)
+                     options=RunOptions(overlap_param_gather=False, tp_comm_overlap=False, collectives="runtime"),
+                     zero1_fallback=False)
 
 
 def predict(policies: Sequence[str], spec: ModelSpec, arch: Architecture, dp: int, seq_len: int,

@@ -72,7 +72,7 @@ def test_simulate_run_options_reach_the_result():
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
-                            "recompute": "full", "uneven": "padded"}
+                            "recompute": "full", "uneven": "padded", "collectives": "megatron"}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 
@@ -162,6 +162,7 @@ BAD = [
     (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
     (["--recompute", "some"], ("unknown recompute mode 'some'",)),
     (["--uneven", "ring"], ("uneven-collective implementation 'ring'",)),
+    (["--collectives", "nccl"], ("unknown collectives mode 'nccl'",)),
 ]
 
 

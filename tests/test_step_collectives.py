@@ -330,3 +330,66 @@ def test_dp2xtp2_logs_are_the_step_collectives():
             assert_logs_are_the_step_collectives(tp.runs(TP_LAYOUT, key), train)
         except AssertionError as e:
             raise AssertionError(f"{key}: {e}") from None
+
+
+# --- the simulator issues the same collectives -------------------------------------------------
+
+
+def simulated_step(res: dict, train) -> list[tuple]:
+    """What the simulator, run in the runtime's collectives mode on the run's own plan, issues on
+    that rank in one step (the simulator models neither the first step's agreement verdict nor
+    clip_grad_norm_)."""
+    from canzona.spec import DTYPE_BYTES
+    from reference.tiny_model import get_preset, model_spec
+    from sim.engine import issued_records
+    from sim.options import RunOptions
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    plan, model = res["plan"], model_spec(get_preset(train.preset), train.dtype)
+    arch = get_preset(train.preset).as_catalog().architecture()
+    low = train.dtype in ("bf16", "fp16") and train.master_weights
+    wl = Workload(seq_len=16, global_batch=plan.dp, grad_bytes=4 if low else DTYPE_BYTES[train.dtype],
+                  param_bytes=DTYPE_BYTES[train.dtype], dtype="fp32")
+    cfg = SimConfig(model=model.name, gpus=plan.dp * plan.tp, tp=plan.tp, optimizer=plan.optimizer,
+                    policy=train.policy, tp_mode=train.tp_mode, workload=wl, zero1_fallback=False,
+                    options=RunOptions(overlap_param_gather=False, collectives="runtime"))
+    result = simulate(cfg, plan=plan, model=(model, arch), replicate_phase_a=False)  # every rank's own records
+    rank = res["dp_rank"] * plan.tp + res["tp_rank"]  # TP fastest, as the simulator orders ranks
+    return [tuple(r) for r in issued_records(result.collective_records, rank)]
+
+
+def assert_simulator_issues_the_logged_collectives(results: list[dict], train) -> None:
+    if train.clip_norm is not None:
+        return
+    for res in results:
+        logged = runtime_steps(res)[-1]  # a step after the first
+        assert simulated_step(res, train) == logged, (res["dp_rank"], res["tp_rank"])
+
+
+@pytest.mark.distributed
+def test_the_simulator_issues_what_the_runtime_logs_at_dp2():
+    """The structure half of validating the simulator against the runtime: on the same plan, every
+    collective of a step (op, group, name, bytes per rank, order) the simulator issues in the
+    runtime's collectives mode is what each rank's runtime logged."""
+    equivalence = _import("test_runtime_equivalence")
+    for label, train, _ in equivalence.jobs_for(2):
+        try:
+            assert_simulator_issues_the_logged_collectives(equivalence.distributed(2, label), train)
+        except AssertionError as e:
+            raise AssertionError(f"{label}: {e}") from None
+
+
+@pytest.mark.distributed
+def test_the_simulator_issues_what_the_runtime_logs_at_dp2xtp2():
+    tp = _import("test_runtime_tp")
+    checked = 0
+    for key, (train, _) in tp.cases(TP_LAYOUT).items():
+        if train.tp_style != "megatron" or train.clip_norm is not None:
+            continue
+        try:
+            assert_simulator_issues_the_logged_collectives(tp.runs(TP_LAYOUT, key), train)
+        except AssertionError as e:
+            raise AssertionError(f"{key}: {e}") from None
+        checked += 1
+    assert checked >= 4
