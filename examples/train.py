@@ -1,0 +1,477 @@
+"""Train from a canzona plan under torchrun: plan file, DP x TP mesh, training loop, checkpoints.
+
+    canzona plan --model examples/tiny_qwen3/config.json --dp 2 --tp 2 --out plan.json
+    torchrun --nproc-per-node 4 examples/train.py --plan plan.json --steps 20 --save ckpt --save-every 10
+    torchrun --nproc-per-node 4 examples/train.py --plan plan.json --steps 20 --resume ckpt/step_10
+
+The plan fixes the layout: torchrun must start `dp x tp` ranks, which form a (`dp`, `tp`) device
+mesh (TP groups are consecutive ranks). The model is built from the description the plan was made
+from (`--model`: a Qwen3 `config.json` or a catalog name, read by the same resolver as `canzona
+plan`), so its fingerprint is the plan's; the optimizer checks the plan against the model and the
+ranks against each other. The model is the project's pure-torch Qwen3 (`reference.tiny_model`),
+split Megatron-style over the TP ranks (`reference.tiny_model_tp.TinyQwen3TP`) when tp > 1. The
+data are synthetic Markov-chain tokens: step s uses the same global batch in every run and at every
+layout, DP rank r its rows `[r B / dp, (r + 1) B / dp)`.
+
+A checkpoint (`--save DIR` writes `DIR/step_K`) is one `torch.distributed.checkpoint`: the weights
+(under TP as DTensors over the mesh's `tp` dimension, so any TP size reads them), the optimizer's
+sharded state (each rank writes what it holds) and the run's settings. `--resume` reads it at any
+DP x TP layout: give a plan for the new layout. A resume at the same layout continues bit for bit.
+
+Bad input (a missing or malformed plan, a plan for another model, a world size that is not the
+plan's `dp x tp`, a checkpoint of another model or data stream) is one `error:` line on every rank
+and exit code 2, before training starts; a failure during the run is one `error:` line and exit
+code 1 (torchrun itself then exits with 1 and prints its failure summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.models import read_model, resolve_spec
+from canzona.plan import Plan, check_plan_matches, load_plan
+from canzona.spec import ModelSpec
+from canzona.step_policies import get_step_policy
+
+# reference.tiny_model_tp gathers with all_gather_into_tensor, which torch 2.13 marks deprecated
+warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL = HERE / "tiny_qwen3" / "config.json"
+POLICY = "canzona"  # the step policy that executes a plan made by `canzona plan`
+MATRIX_LR = {"muon": 0.02, "soap": 3e-3, "shampoo": 3e-3}  # --lr when not given
+RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
+SAME_DATA = ("seed", "batch", "seq_len")  # a resumed run must see the same data stream
+
+
+def error_line(text: str) -> None:
+    """One write, so that lines of ranks sharing a terminal or pipe never interleave."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def describe(e: BaseException) -> str:
+    """The first line of an error; for a checkpoint failure, of the first rank's cause."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        rank, (cause, _) = min(e.failures.items(), key=lambda item: item[0])
+        return f"checkpoint failed on rank {rank}: {describe(cause)}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class BadInput(Exception):
+    """Bad input: one `error:` line and exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise BadInput(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True, help="plan file written by `canzona plan --out` (fixes dp x tp)")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL),
+                    help="the model the plan was made for: a Qwen3 config.json or a catalog name "
+                         "(default: examples/tiny_qwen3/config.json)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu (gloo) or cuda (NCCL, one GPU per rank by LOCAL_RANK)")
+    ap.add_argument("--steps", type=positive(int), default=20, help="total steps (the LR schedule's length)")
+    ap.add_argument("--lr", type=positive(float), default=None,
+                    help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3)")
+    ap.add_argument("--adamw-lr", type=positive(float), default=3e-3, help="AdamW's peak learning rate")
+    ap.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="on 2-D weights only")
+    ap.add_argument("--warmup", type=non_negative_float, default=0.1,
+                    help="linear warm-up, as a fraction of --steps; then cosine decay to 10%%")
+    ap.add_argument("--clip", type=non_negative_float, default=1.0,
+                    help="clip the global gradient norm to this (0: no clipping)")
+    ap.add_argument("--batch", type=positive(int), default=8, help="global batch, in sequences (divisible by dp)")
+    ap.add_argument("--seq-len", type=positive(int), default=32, help="tokens per sequence")
+    ap.add_argument("--seed", type=non_negative_int, default=0, help="model initialisation and data")
+    ap.add_argument("--save", default=None, help="write checkpoints to DIR/step_K (at the end, and see --save-every)")
+    ap.add_argument("--save-every", type=positive(int), default=None, help="also checkpoint every this many steps")
+    ap.add_argument("--resume", default=None,
+                    help="a checkpoint folder (DIR/step_K), or DIR for its latest; any DP x TP layout")
+    ap.add_argument("--out", default=None, help="rank 0 writes the final weights here (torch.save, full tensors)")
+    ap.add_argument("--timeout", type=positive(float), default=300.0,
+                    help="seconds any collective may wait for the other ranks")
+    args = ap.parse_args(argv)
+    if args.save_every is not None and args.save is None:
+        raise BadInput("--save-every needs --save DIR")
+    return args
+
+
+# --- everything checked before the process group starts -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    rank: int
+    world: int
+    local_rank: int
+    plan: Plan
+    spec: ModelSpec
+    model_cfg: Any  # reference.tiny_model.TinyQwen3Config
+    resume: Path | None
+    start: int  # the step the run starts from (the checkpoint's)
+    scheduler: dict[str, Any] | None  # the checkpoint's LR scheduler state
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+
+def launched_world() -> tuple[int, int, int]:
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    except (KeyError, ValueError):
+        raise BadInput("RANK and WORLD_SIZE are not set: launch with torchrun "
+                       "(torchrun --nproc-per-node N examples/train.py ...)") from None
+
+
+def tiny_config(model: str, seq_len: int):
+    """The Qwen3 the script builds from `model`, checked to be one it can build."""
+    from reference.tiny_model import TinyQwen3Config
+
+    source = read_model(model)
+    cfg = source.config
+    if cfg is None:
+        what = "a spec file (no configuration to build the model from)"
+    elif cfg.family != "qwen3":
+        what = f"a {cfg.family} model"
+    elif cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+        what = "a Qwen3 with biases"
+    else:
+        what = None
+    if what is not None:
+        raise SpecError(f"{model}: this script builds Qwen3 models (a qwen3 config.json or a catalog name), "
+                        f"not {what}")
+    extra: dict[str, Any] = {"max_seq_len": seq_len}  # a catalog model: rotary positions have no limit
+    if source.kind == "hf-config":  # sizes the planner does not need, as the config gives them
+        raw = json.loads(Path(source.path).read_text())
+        for key, field in (("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_eps"),
+                           ("max_position_embeddings", "max_seq_len")):
+            if raw.get(key) is not None:
+                extra[field] = raw[key]
+    tiny = TinyQwen3Config(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, q_heads=cfg.q_heads,
+                           kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
+                           tied_embeddings=cfg.tied_embeddings, name=cfg.name, **extra)
+    if seq_len > tiny.max_seq_len:
+        raise SpecError(f"--seq-len {seq_len} is longer than the model's {tiny.max_seq_len} positions")
+    return tiny
+
+
+def prepare(args: argparse.Namespace) -> Job:
+    """Everything that can be wrong locally, identically on every rank: no collective yet."""
+    rank, world, local_rank = launched_world()
+    plan = load_plan(args.plan)
+    if plan.dp * plan.tp != world:
+        raise PlanError(f"{args.plan} is a plan for dp {plan.dp} x tp {plan.tp} = {plan.dp * plan.tp} ranks, "
+                        f"but torchrun started {world}: launch {plan.dp * plan.tp} ranks, or make a plan "
+                        f"for {world} (canzona plan --dp ... --tp ... --out)")
+    model_cfg = tiny_config(args.model, args.seq_len)
+    spec = resolve_spec(args.model, plan.tp)  # as `canzona plan --model` read it: the same fingerprint
+    try:
+        check_plan_matches(plan, spec)
+        policy = get_step_policy(POLICY)
+        policy.check_dp_plan(plan.dp_plan)
+        policy.check_tp_plan(plan.tp_plan.policy, plan.tp)
+    except CanzonaError as e:
+        raise PlanError(f"{args.plan}: {e}") from None
+    if args.batch % plan.dp:
+        raise SpecError(f"--batch {args.batch} is not divisible by the plan's dp {plan.dp}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device cuda, but CUDA is not available here")
+    for flag, path in (("--out", args.out), ("--save", args.save)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise SpecError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
+    resume, run = None, {"step": 0, "scheduler": None}
+    if args.resume is not None:
+        resume = find_checkpoint(args.resume)
+        run = check_checkpoint(resume, spec, plan, args)
+    return Job(rank, world, local_rank, plan, spec, model_cfg, resume, run["step"], run["scheduler"])
+
+
+def find_checkpoint(path: str) -> Path:
+    """`path` itself if it holds a checkpoint, else its latest `step_K` folder."""
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    if not p.is_dir():
+        raise SpecError(f"--resume {path}: no such checkpoint folder")
+    steps = [(int(c.name[5:]), c) for c in p.glob("step_*") if c.name[5:].isdigit() and (c / ".metadata").is_file()]
+    if not steps:
+        raise SpecError(f"--resume {path}: not a checkpoint, and holds no step_K checkpoint")
+    return max(steps)[1]
+
+
+def read_run(folder: Path) -> dict[str, Any]:
+    """The run settings saved with a checkpoint (read by this rank alone: no process group yet)."""
+    holder = {RUN_KEY: ""}
+    try:
+        with warnings.catch_warnings():  # that it loads in this process alone: as meant
+            warnings.simplefilter("ignore")
+            dcp.load(holder, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - dcp wraps every failure
+        raise SpecError(f"--resume {folder}: not a checkpoint written by examples/train.py ({describe(e)})") from None
+    return json.loads(holder[RUN_KEY])
+
+
+def check_checkpoint(folder: Path, spec: ModelSpec, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    run = read_run(folder)
+    if run["fingerprint"] != spec.fingerprint():
+        raise SpecError(f"--resume {folder}: a checkpoint of model {run['model']!r} ({run['fingerprint']}), "
+                        f"not {spec.name!r} ({spec.fingerprint()})")
+    if run["optimizer"] != plan.optimizer:
+        raise SpecError(f"--resume {folder}: a checkpoint of a {run['optimizer']} run, but the plan is for "
+                        f"{plan.optimizer}")
+    differ = [k for k in SAME_DATA if run[k] != getattr(args, k)]
+    if differ:
+        given = " ".join(f"--{k.replace('_', '-')} {run[k]}" for k in differ)
+        raise SpecError(f"--resume {folder}: the checkpoint's run had {given}; resume with the same data "
+                        "settings")
+    if run["step"] > args.steps:
+        raise SpecError(f"--resume {folder}: the checkpoint is at step {run['step']}, past --steps {args.steps}")
+    return run
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, steps: int, warmup: float) -> float:
+    """Linear warm-up over `warmup x steps` steps, then cosine decay to 10% at `steps`."""
+    w = round(warmup * steps)
+    if step < w:
+        return (step + 1) / w
+    progress = (step - w) / max(1, steps - w)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_model(job: Job, mesh, seed: int, device: torch.device) -> torch.nn.Module:
+    """Every rank builds the same weights; under TP each keeps its shards."""
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import TinyQwen3TP
+
+    if job.tp == 1:
+        model = TinyQwen3(job.model_cfg, seed=seed)
+    else:
+        model = TinyQwen3TP(job.model_cfg, mesh.get_group("tp"), seed=seed)
+    return model.to(device)
+
+
+def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Namespace):
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    pairs = list(named_parameters(model))
+    groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = job.plan.optimizer
+    lr = args.lr if args.lr is not None else MATRIX_LR[optimizer]
+    return DistributedOptimizer(groups, job.spec, optimizer, {"lr": lr}, {"lr": args.adamw_lr},
+                                plan=job.plan, policy=POLICY, group=mesh, timeout_s=args.timeout)
+
+
+def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
+    """The model's weights as checkpoint entries: plain tensors at TP 1; under TP, each rank's shard
+    as a DTensor over the mesh's `tp` dimension, so that any TP size can read them. They share
+    storage with the parameters: loading writes into the model."""
+    from canzona.runtime.modules import named_parameters
+
+    out = {}
+    for name, p in named_parameters(model):
+        t = p.detach()
+        if job.tp > 1:
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
+            d = job.spec.param(name).tp_dim
+            t = DTensor.from_local(t, mesh["tp"], [Replicate() if d is None else Shard(d)], run_check=False)
+        out[f"model/{name}"] = t
+    return out
+
+
+def run_settings(job: Job, args: argparse.Namespace, step: int, sched) -> str:
+    return json.dumps({"step": step, "scheduler": sched.state_dict(), "steps": args.steps, "model": job.spec.name,
+                       "fingerprint": job.spec.fingerprint(), "optimizer": job.plan.optimizer,
+                       "dp": job.dp, "tp": job.tp, **{k: getattr(args, k) for k in SAME_DATA}})
+
+
+def train(job: Job, args: argparse.Namespace) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from reference.data import synthetic_batches
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", job.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (job.dp, job.tp), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    dp_group = mesh.get_group("dp")
+    say = print if job.rank == 0 else (lambda *a, **k: None)
+
+    model = build_model(job, mesh, args.seed, device)
+    opt = build_optimizer(job, model, mesh, args)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, args.warmup))
+    params = sum(p.numel for p in job.spec.params)
+    say(f"plan {args.plan}: {job.plan.optimizer}, dp {job.dp} x tp {job.tp}, hash {job.plan.hash()[:12]}; "
+        f"model {job.spec.name} ({params:,} parameters); {job.world} ranks on {args.device} "
+        f"({dist.get_backend()})", flush=True)
+
+    if job.resume is not None:
+        dcp.load(weights(job, model, mesh), checkpoint_id=str(job.resume))  # into the parameters
+        opt.load_sharded_state_dict(str(job.resume))  # the pieces this rank's layout needs
+        sched.load_state_dict(job.scheduler)  # its step count (the learning rates came with the optimizer)
+        say(f"resumed from {job.resume} at step {job.start}", flush=True)
+
+    rows = args.batch // job.dp
+    data = synthetic_batches(job.model_cfg.vocab, args.batch, args.seq_len, args.steps, seed=args.seed + 1)
+    for step, tokens in enumerate(data):
+        if step < job.start:
+            continue
+        t0 = time.perf_counter()
+        model.zero_grad()
+        loss = model.loss(tokens[dp_rank * rows:(dp_rank + 1) * rows].to(device))
+        loss.backward()
+        norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)  # for the log: the global batch's loss
+        mean = mean.item() / job.dp
+        if not math.isfinite(mean):
+            raise CanzonaError(f"the loss is {mean} at step {step + 1}: lower --lr or --adamw-lr")
+        clipped = f"  grad norm {norm.item():.4f}" if norm is not None else ""
+        say(f"step {step + 1:4d}/{args.steps}  loss {mean:.4f}{clipped}  lr {lr:.5f}  "
+            f"{time.perf_counter() - t0:.3f} s", flush=True)
+        done = step + 1
+        if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            folder = Path(args.save) / f"step_{done}"
+            dcp.save({**weights(job, model, mesh), RUN_KEY: run_settings(job, args, done, sched),
+                      **opt.sharded_state_dict()}, storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
+            say(f"saved {folder}", flush=True)
+
+    if args.out:
+        full = {}
+        for key, t in weights(job, model, mesh).items():
+            full[key[len("model/"):]] = (t.full_tensor() if job.tp > 1 else t).detach().cpu().clone()
+        if job.rank == 0:
+            torch.save(full, args.out)
+            say(f"final weights written to {args.out}", flush=True)
+
+
+def exit_together(status: torch.Tensor, wait_s: float) -> torch.Tensor:
+    """Every rank's status (a small CPU tensor), over gloo: torchrun stops all ranks as soon as one
+    exits with an error, so ranks meet here before any of them leaves (at most `wait_s`)."""
+    every = torch.zeros(dist.get_world_size() * status.numel(), dtype=status.dtype)
+    work = dist.all_gather_single(every, status, async_op=True)
+    work.wait(timedelta(seconds=wait_s))
+    return every
+
+
+def fail_together(error: str | None, rank: int, wait_s: float) -> bool:
+    """Bad input found before training, on some ranks or all: every rank prints one `error:`
+    line (its own, or one naming the ranks that found it) and all return True together."""
+    failed = exit_together(torch.tensor([int(error is not None)]), wait_s)
+    if not failed.any():
+        return False
+    if error is None:
+        ranks = [int(r) for r in torch.nonzero(failed).flatten()]
+        error = f"rank {rank}: rank(s) {ranks} found bad input (see their error)"
+    error_line(f"error: {error}")
+    exit_together(torch.zeros(1, dtype=torch.int64), wait_s)  # everyone has printed
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        rank, _, _ = launched_world()
+    except BadInput as e:  # not under torchrun: no peers to wait for
+        error_line(f"error: {e}")
+        return 2
+    args, error = None, None
+    try:
+        args = parse_args(argv)
+        job = prepare(args)
+    except (BadInput, CanzonaError) as e:
+        error = str(e)
+    cuda = args is not None and args.device == "cuda" and torch.cuda.is_available()
+    timeout = args.timeout if args is not None else 300.0
+    # NCCL for the model's and the optimizer's GPU tensors, gloo for their small CPU tensors
+    # (agreement checks, norms, checkpoint metadata) and for the start and exit handshakes
+    try:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
+    except (dist.DistError, RuntimeError, ValueError) as e:
+        error_line(f"error: rank {rank}: cannot start the process group: {describe(e)}")
+        return 1
+    try:
+        if fail_together(error, rank, timeout):
+            return 2
+        train(job, args)
+    except (CanzonaError, dist.DistError, dcp.CheckpointException, OSError) as e:
+        error_line(f"error: rank {rank}: {describe(e)}")
+        try:  # ranks that failed alike leave together; a rank whose peers are gone waits briefly
+            exit_together(torch.ones(1, dtype=torch.int64), 10.0)
+        except Exception:  # noqa: BLE001, S110 - leaving anyway
+            pass
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
