@@ -47,3 +47,21 @@ def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
         assert r["plan_hash"] == plan.hash()
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), name
+
+
+def test_checks_travel_on_cuda_under_a_nccl_only_group(monkeypatch):
+    """`init_process_group("nccl")` carries CUDA tensors only: the runtime's small check and
+    agreement tensors then go through the current CUDA device; under gloo (or "cpu:gloo,cuda:nccl")
+    they stay on the CPU."""
+    import torch
+
+    from canzona.runtime import comm
+
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert comm._check_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert comm._check_device(None) == torch.device("cpu")
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    assert comm._check_device(None) == torch.device("cpu")

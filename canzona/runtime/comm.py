@@ -72,6 +72,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.timeout = timedelta(seconds=timeout_s)
         self.log = CollectiveLog()
+        self.check_device = _check_device(group)
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -147,10 +148,10 @@ class Comm:
         names = list(facts)  # in the order given: the most telling disagreement is reported first
         digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
         mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
-        every = torch.empty(self.size * len(names), dtype=torch.int64)
-        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
+        every = torch.empty(self.size * len(names), dtype=torch.int64, device=self.check_device)
+        work = dist.all_gather_single(every, mine.to(self.check_device), group=self.group, async_op=True)
         self._wait(work, "plan agreement check")
-        table = every.view(self.size, len(names))
+        table = every.view(self.size, len(names)).cpu()
         for k, name in enumerate(names):
             column = table[:, k]
             if not torch.all(column == column[0]):
@@ -170,11 +171,14 @@ class Comm:
         return error
 
     def all_gather_values(self, values: Tensor, name: str) -> Tensor:
-        """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank)."""
+        """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank),
+        on the CPU. The values cross the group on the device its backend carries (a CUDA device
+        under a NCCL-only group, which cannot carry CPU tensors)."""
+        values = values.to(self.check_device)
         every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)
         self.log.add("all-gather", self.name, name, [values.numel() * values.element_size()] * self.size)
         self._wait(dist.all_gather_single(every, values, group=self.group, async_op=True), name)
-        return every.view(self.size, -1)
+        return every.view(self.size, -1).cpu()
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable `obj`, in rank order, within this group's timeout (unlike
@@ -206,3 +210,12 @@ class PendingWork:
         if self.then is not None:
             self.then()
         self.done = True
+
+
+def _check_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the small check and agreement tensors travel: the CPU, unless the group's backend is
+    NCCL alone (`init_process_group("nccl")`, the usual GPU setup), which carries CUDA tensors only."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
