@@ -8,7 +8,7 @@ install:
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 
 lint:
-	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples
+	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples notebooks
 
 test: install lint
 	$(PYTHON) -m pytest

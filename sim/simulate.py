@@ -228,9 +228,9 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
     canzona with `zero1_fallback` (its own plan only) is also simulated as its ZeRO-1 fallback
     (`zero1-gather`: even segments, split matrices computed redundantly) and the faster of the two
-    is returned, marked in `fell_back_to`. Whole matrices force uneven collectives; once the DP
-    group outnumbers the matrices of a bucket (DP 512+ on Qwen3-32B) those cost more than the
-    optimizer work they save, and a planner should say so rather than lose."""
+    is returned, marked in `fell_back_to`. Whole matrices make the DP collectives uneven; once the
+    optimizer step is a small part of the iteration (docs/design.md §9.3) that costs more than the
+    optimizer work saved, and a planner should say so rather than lose."""
     result = _simulate(cfg, plan, replicate_phase_a, model)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
