@@ -84,36 +84,21 @@ class Parser(argparse.ArgumentParser):
         raise BadInput(f"{message} (see --help)")
 
 
-def positive(kind):
+def number(kind, allow_zero: bool = False):
+    """An argparse type: a finite `kind` above 0 (or at least 0 with `allow_zero`)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'positive'}, got {text}")
         return value
     return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+non_negative_int = number(int, allow_zero=True)
+non_negative_float = number(float, allow_zero=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,24 +109,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: examples/tiny_qwen3/config.json)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cpu (gloo) or cuda (NCCL, one GPU per rank by LOCAL_RANK)")
-    ap.add_argument("--steps", type=positive(int), default=20, help="total steps (the LR schedule's length)")
-    ap.add_argument("--lr", type=positive(float), default=None,
+    ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
+    ap.add_argument("--lr", type=number(float), default=None,
                     help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3)")
-    ap.add_argument("--adamw-lr", type=positive(float), default=3e-3, help="AdamW's peak learning rate")
+    ap.add_argument("--adamw-lr", type=number(float), default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="on 2-D weights only")
     ap.add_argument("--warmup", type=non_negative_float, default=0.1,
                     help="linear warm-up, as a fraction of --steps; then cosine decay to 10%%")
     ap.add_argument("--clip", type=non_negative_float, default=1.0,
                     help="clip the global gradient norm to this (0: no clipping)")
-    ap.add_argument("--batch", type=positive(int), default=8, help="global batch, in sequences (divisible by dp)")
-    ap.add_argument("--seq-len", type=positive(int), default=32, help="tokens per sequence")
+    ap.add_argument("--batch", type=number(int), default=8, help="global batch, in sequences (divisible by dp)")
+    ap.add_argument("--seq-len", type=number(int), default=32, help="tokens per sequence")
     ap.add_argument("--seed", type=non_negative_int, default=0, help="model initialisation and data")
     ap.add_argument("--save", default=None, help="write checkpoints to DIR/step_K (at the end, and see --save-every)")
-    ap.add_argument("--save-every", type=positive(int), default=None, help="also checkpoint every this many steps")
+    ap.add_argument("--save-every", type=number(int), default=None, help="also checkpoint every this many steps")
     ap.add_argument("--resume", default=None,
                     help="a checkpoint folder (DIR/step_K), or DIR for its latest; any DP x TP layout")
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights here (torch.save, full tensors)")
-    ap.add_argument("--timeout", type=positive(float), default=300.0,
+    ap.add_argument("--timeout", type=number(float), default=300.0,
                     help="seconds any collective may wait for the other ranks")
     args = ap.parse_args(argv)
     if args.save_every is not None and args.save is None:
