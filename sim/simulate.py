@@ -70,6 +70,11 @@ class SimConfig:
 
     def check(self, model: tuple[ModelSpec, Architecture] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
+        return self.checked(model)[0]
+
+    def checked(self, model: tuple[ModelSpec, Architecture] | None = None
+                ) -> tuple[Cluster, tuple[ModelSpec, Architecture]]:
+        """`check`, also returning the model (`model_of`): a model file is read here, once."""
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
@@ -77,10 +82,10 @@ class SimConfig:
         check_tp_mode(self.tp_mode)
         self.options.check()
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus, self.pp)
-        _, arch = model_of(self, model)
-        stage_layers(arch.layers, self.pp, 0)
+        resolved = model_of(self, model)
+        stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
-        return cluster
+        return cluster, resolved
 
 
 def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
@@ -231,6 +236,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     is returned, marked in `fell_back_to`. Whole matrices make the DP collectives uneven; once the
     optimizer step is a small part of the iteration (docs/design.md §9.3) that costs more than the
     optimizer work saved, and a planner should say so rather than lose."""
+    _, model = cfg.checked(model)  # a model file is read here, not again by each run below
     result = _simulate(cfg, plan, replicate_phase_a, model)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
@@ -241,13 +247,13 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
-              model: tuple[ModelSpec, Architecture] | None) -> SimResult:
-    cluster = cfg.check(model)
+              model: tuple[ModelSpec, Architecture]) -> SimResult:
+    cluster, _ = cfg.checked(model)
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
     hw = load_profile(cfg.hardware)
     policy = STEP_POLICIES[cfg.policy]
-    spec, arch = model_of(cfg, model)
+    spec, arch = model
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
     engine = Engine()
