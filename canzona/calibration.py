@@ -92,12 +92,18 @@ class CollectiveFit:
         return bus_factor(self.op, self.group_size) / self.beta_s_per_byte
 
 
+# A fitted line whose size term is less than this share of the time at the largest message reads
+# no bandwidth: measure larger messages instead.
+MIN_SIZE_SHARE = 0.05
+
+
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares line `t = alpha + beta * S`, weighted by 1/t (relative errors, so the small
     messages that fix alpha count as much as the large ones that fix beta), with alpha >= 0.
 
-    Raises `CanzonaError` with fewer than two distinct sizes or when the times do not grow with size
-    (no bandwidth can be read from them)."""
+    Raises `CanzonaError` with fewer than two distinct sizes or when the times do not grow with size,
+    or grow so little that the size term is under `MIN_SIZE_SHARE` of the largest message's time (no
+    bandwidth can be read from them)."""
     s = np.asarray(sizes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     if s.shape != t.shape or len(set(s.tolist())) < 2:
@@ -112,6 +118,12 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[fl
         beta = float(np.sum(s * w) / np.sum((s * w) ** 2))
     if not beta > 0:
         raise CanzonaError("collective times do not grow with the message size: no bandwidth to fit")
+    largest = int(np.argmax(s))
+    if beta * s[largest] < MIN_SIZE_SHARE * t[largest]:
+        # Near-flat times (noise at the small sizes pressed down by the envelope) leave beta at the
+        # rounding level, and the bandwidth it implies is absurd (1e25 B/s was seen).
+        raise CanzonaError(f"the size term explains under {MIN_SIZE_SHARE:.0%} of the time at the largest "
+                           "message: the times are latency or noise, no bandwidth to fit")
     return float(alpha), float(beta)
 
 

@@ -331,6 +331,40 @@ def test_blame_prefers_the_cause_over_its_victims():
     assert str(err) == "ranks did not finish within 60 s (a hang?); still running: rank 0, rank 1 (stopped)"
 
 
+class _FinishingRank:
+    """A rank that writes its record and exits just as the supervisor looks at it: its exit code,
+    once read, is 0 and its record is there (the order a real rank does it in)."""
+
+    def __init__(self, record: Path):
+        self.record, self.pid = record, None
+        self.sentinel = os.open(os.devnull, os.O_RDONLY)  # always ready: wait() returns at once
+        self._reads = 0
+
+    @property
+    def exitcode(self) -> int | None:
+        self._reads += 1
+        if self._reads < 2:  # alive at the supervisor's first look, finished by its second
+            return None
+        self.record.write_bytes(b"result")
+        return 0
+
+
+def test_a_rank_finishing_between_two_looks_is_not_taken_for_one_that_exited_early(tmp_path):
+    """CI once reported 'rank(s) [1] were stopped without a result' for a run where every rank
+    succeeded: rank 0 wrote its record and exited between the supervisor's look at the records and
+    its look at the exit codes, and seemed to have exited without one, so rank 1 was stopped."""
+    finishing = _FinishingRank(tmp_path / "rank0.pt")
+    read_end, write_end = os.pipe()  # never written: a rank that stays alive
+    running = SimpleNamespace(exitcode=None, pid=None, sentinel=read_end)
+    try:
+        ending = launch._supervise([finishing, running], tmp_path, deadline_s=0.5, collective_timeout_s=1.0,
+                                   progress=None)
+    finally:
+        for fd in (finishing.sentinel, read_end, write_end):
+            os.close(fd)
+    assert ending == "deadline"  # not "exited": rank 0 finished properly, rank 1 is merely slow
+
+
 # --- tests: progress -----------------------------------------------------------------------------
 
 

@@ -314,16 +314,19 @@ def _supervise(procs: list[Any], outdir: Path, deadline_s: float, collective_tim
         now = time.monotonic()
         if now > end:
             return "deadline"
+        # Exit codes before the files: a rank writes its record and then exits, so one that had
+        # exited before the files were looked at and has none really exited without a result
+        # (looked at the other way round, a rank finishing between the two reads seemed to).
+        exits = [p.exitcode for p in procs]
         recorded = [(outdir / f"rank{r}.pt").exists() for r in range(world)]
-        if any(p.exitcode is not None and (p.exitcode != 0 or not recorded[r])
-               for r, p in enumerate(procs)):
+        if any(code is not None and (code != 0 or not recorded[r]) for r, code in enumerate(exits)):
             return "exited"  # it died or was interrupted: its peers cannot complete
         if grace_end is None and any((outdir / f"rank{r}.failed").exists() for r in range(world)):
             # the others' collectives fail within their timeout: let them record why
             grace_end = min(end, now + collective_timeout_s + 5.0)
         if grace_end is not None:
             # a stopped rank will not record anything: waiting longer for it is pointless
-            settled = all(recorded[r] or p.exitcode is not None or _is_stopped(p.pid)
+            settled = all(recorded[r] or exits[r] is not None or _is_stopped(p.pid)
                           for r, p in enumerate(procs))
             if settled or now > grace_end:
                 return "settled"
