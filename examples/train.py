@@ -446,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         if fail_together(error, rank, timeout):
             return 2
         train(job, args)
+        # leave together: a rank tearing down gloo while a peer still talks to it can abort it
+        exit_together(torch.zeros(1, dtype=torch.int64), timeout)
     except (CanzonaError, dist.DistError, dcp.CheckpointException, OSError) as e:
         error_line(f"error: rank {rank}: {describe(e)}")
         try:  # ranks that failed alike leave together; a rank whose peers are gone waits briefly

@@ -5,6 +5,8 @@
 - a rank interrupted by SIGINT exits instead of staying alive;
 - a stopped rank neither hangs the parent nor takes the blame away from itself: the error names
   it, not the peer whose collective timed out;
+- a rank that recorded its result and then exits non-zero (an abort while tearing down) does not
+  stop peers that are still finishing, nor does a rank finishing between two of the parent's looks;
 - rank 0's `report_progress` calls reach the parent's `progress` callback.
 
 Rank functions are module-level, so that spawned ranks can import them (also from the driver
@@ -14,6 +16,7 @@ variable, to find any that outlive it and kill only those.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -98,6 +101,17 @@ def progress_worker(rank: int, world: int, pause: float) -> int:
     for step in range(1, 4):
         time.sleep(pause)
         report_progress(step, 3, f"step {step} on rank {rank}")
+    return rank
+
+
+def aborting_at_exit_worker(rank: int, world: int, linger: float) -> int:
+    """Both ranks finish their collectives; rank 1 returns at once and aborts while its process
+    exits (as gloo's teardown once did), rank 0 still works for `linger` seconds."""
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        atexit.register(os._exit, 134)  # after the record and the group's teardown
+    else:
+        time.sleep(linger)
     return rank
 
 
@@ -363,6 +377,13 @@ def test_a_rank_finishing_between_two_looks_is_not_taken_for_one_that_exited_ear
         for fd in (finishing.sentinel, read_end, write_end):
             os.close(fd)
     assert ending == "deadline"  # not "exited": rank 0 finished properly, rank 1 is merely slow
+
+
+def test_a_rank_that_aborts_after_recording_its_result_does_not_stop_its_peers(marker):
+    """CI once reported 'rank(s) [0] were stopped without a result': rank 1 recorded its result and
+    then exited non-zero while tearing down, and rank 0, still finishing, was stopped."""
+    assert run_ranks(aborting_at_exit_worker, 2, 2.0, deadline_s=120, collective_timeout_s=30) == [0, 1]
+    assert not _marked(marker)
 
 
 # --- tests: progress -----------------------------------------------------------------------------

@@ -142,6 +142,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
         taken = "address already in use" in str(e).lower() or "EADDRINUSE" in str(e)
         _save({"ok": False, "port_taken": taken, "error": _describe(e),
                "trace": traceback.format_exc()}, out)
+        _mark_failed(outdir, rank)
         os._exit(1)
     try:
         record = {"ok": True, "result": fn(rank, world, *args)}
@@ -151,6 +152,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
         if _parent_alive(parent):
             _save({"ok": False, "error": _describe(e), "trace": traceback.format_exc(),
                    "at": time.time()}, out)
+            _mark_failed(outdir, rank)
         _leave(EXIT_INTERRUPTED, parent, outdir)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         record = {"ok": False, "error": _describe(e), "trace": traceback.format_exc(),
@@ -160,8 +162,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
         # Stay alive: a peer that vanishes mid-collective can make gloo abort its partners
         # (std::terminate), while a silent peer makes their collectives time out cleanly. The parent
         # stops this process once the others have recorded their outcome, unless it dies first.
-        with _dir_lock:
-            (Path(outdir) / f"rank{rank}.failed").touch()
+        _mark_failed(outdir, rank)
         try:
             while _parent_alive(parent):
                 time.sleep(POLL_S)
@@ -169,6 +170,12 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
             pass
         _leave(EXIT_INTERRUPTED if _parent_alive(parent) else EXIT_ORPHANED, parent, outdir)
     dist.destroy_process_group()
+
+
+def _mark_failed(outdir: str, rank: int) -> None:
+    """Tell the parent, without it loading the record, that this rank's record is a failure."""
+    with _dir_lock:
+        (Path(outdir) / f"rank{rank}.failed").touch()
 
 
 # --- in the parent ------------------------------------------------------------------------------
@@ -319,9 +326,12 @@ def _supervise(procs: list[Any], outdir: Path, deadline_s: float, collective_tim
         # (looked at the other way round, a rank finishing between the two reads seemed to).
         exits = [p.exitcode for p in procs]
         recorded = [(outdir / f"rank{r}.pt").exists() for r in range(world)]
-        if any(code is not None and (code != 0 or not recorded[r]) for r, code in enumerate(exits)):
-            return "exited"  # it died or was interrupted: its peers cannot complete
-        if grace_end is None and any((outdir / f"rank{r}.failed").exists() for r in range(world)):
+        failed = [(outdir / f"rank{r}.failed").exists() for r in range(world)]
+        # A rank whose success is recorded is done whatever its exit code (an abort while tearing
+        # down gloo after the record must not stop peers that are finishing their own work).
+        if any(code is not None and (not recorded[r] or failed[r]) for r, code in enumerate(exits)):
+            return "exited"  # it died, was interrupted or failed to join: its peers cannot complete
+        if grace_end is None and any(failed):
             # the others' collectives fail within their timeout: let them record why
             grace_end = min(end, now + collective_timeout_s + 5.0)
         if grace_end is not None:
