@@ -268,7 +268,7 @@ Recompute = Annotated[str, typer.Option(help="Activation recompute: none, select
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Collectives = Annotated[str, typer.Option(help="DP collectives as Megatron runs each policy (megatron) or exactly as canzona's runtime issues them (runtime).")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
-Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's: all-to-all, broadcasts), loops (grouped reduce / broadcast) or padded.")]
+Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's default: all-to-all, broadcasts), loops (grouped reduce / broadcast: the runtime with reduce_scatter=\"loops\") or padded.")]
 
 
 @app.command()

@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
 from canzona.plan import Plan, check_plan_matches, load_plan
+from canzona.runtime.comm import REDUCE_SCATTER_IMPLS
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
 
@@ -128,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights here (torch.save, full tensors)")
     ap.add_argument("--timeout", type=number(float), default=300.0,
                     help="seconds any collective may wait for the other ranks")
+    ap.add_argument("--reduce-scatter", default="exact", choices=REDUCE_SCATTER_IMPLS,
+                    help="DP gradient reduce-scatter: exact (all-to-all, bit-reproducible) or loops (one "
+                         "reduce per owner: every NIC across nodes; simulate both with --uneven runtime|loops)")
     args = ap.parse_args(argv)
     if args.save_every is not None and args.save is None:
         raise BadInput("--save-every needs --save DIR")
@@ -306,7 +310,8 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Names
     optimizer = job.plan.optimizer
     lr = args.lr if args.lr is not None else MATRIX_LR[optimizer]
     return DistributedOptimizer(groups, job.spec, optimizer, {"lr": lr}, {"lr": args.adamw_lr},
-                                plan=job.plan, policy=POLICY, group=mesh, timeout_s=args.timeout)
+                                plan=job.plan, policy=POLICY, group=mesh, timeout_s=args.timeout,
+                                reduce_scatter=args.reduce_scatter)
 
 
 def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:

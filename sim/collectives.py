@@ -9,11 +9,12 @@ receiver's NICs; the busiest port decides.
 Uneven (-v) collectives are priced by their implementation (`UNEVEN_IMPLS`):
 - `padded`: the even collective over `n` times the largest segment;
 - `loops`: one reduce (reduce-scatter) or broadcast (all-gather) per non-empty segment in one NCCL
-  group, what `torch.distributed` issues on NCCL for uneven tensor lists; NCCL itself charges the
-  latency of every grouped ring operation (`numPipeOps` in `ncclTopoGetAlgoTime`), and each link
-  carries every segment once;
-- `runtime`: what canzona's runtime does (`canzona.runtime.comm`): reduce-scatter as one
-  all-to-all (rank `r` receives every rank's copy of segment `r`), all-gather as a broadcast loop.
+  group, what `torch.distributed` issues on NCCL for uneven tensor lists and what canzona's runtime
+  runs with `reduce_scatter="loops"`; NCCL itself charges the latency of every grouped ring
+  operation (`numPipeOps` in `ncclTopoGetAlgoTime`), and each link carries every segment once;
+- `runtime`: what canzona's runtime does by default (`canzona.runtime.comm`, `reduce_scatter=
+  "exact"`): reduce-scatter as one all-to-all (rank `r` receives every rank's copy of segment `r`),
+  all-gather as a broadcast loop.
 A profile with a measured collective table (`canzona calibrate --world-size`) replaces the model
 for the ops and group sizes it measured.
 """

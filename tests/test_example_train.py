@@ -2,8 +2,8 @@
 config, and `examples/train.py` trains from it under torchrun (gloo ranks): DP 2 on 2 ranks and
 DP 2 x TP 2 on 4. A run checkpointed half-way and resumed at the same layout ends bit for bit
 where the straight run ends; a checkpoint resumes at another layout (TP 2 -> TP 1 and TP 1 -> TP 2,
-equal up to the rounding of TP's sums); a plan for another layout or model is one error line on
-every rank and a non-zero exit."""
+equal up to the rounding of TP's sums); `--reduce-scatter loops` resumes bit for bit at DP 2; a
+plan for another layout or model is one error line on every rank and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -117,6 +117,16 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(layout, requ
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     assert all(got[s] == want[s] for s in got)
     assert f"resumed from ckpt/step_{HALF} at step {HALF}" in runs["logs"]["resumed"]
+
+
+def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
+    """`--reduce-scatter loops` (one reduce per owner): at DP 2 a sum of two is the same in any
+    order, so the run resumed with it ends where the exact straight run ends."""
+    plan = make_plan(tmp_path, 2, 1)
+    trained(tmp_path, 2, "--plan", plan, "--steps", STEPS, "--resume", dp2["folder"] / "ckpt" / f"step_{HALF}",
+            "--reduce-scatter", "loops", "--out", "loops.pt")
+    got = torch.load(tmp_path / "loops.pt")
+    assert all(torch.equal(got[n], t) for n, t in dp2["straight"].items())
 
 
 @pytest.mark.parametrize("source", ["dp2_tp2", "dp2"])

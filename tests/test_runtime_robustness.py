@@ -304,6 +304,7 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         "planned alpha": one_rank_differs({"alpha": 1.0}, {"alpha": 0.0}),
         "step policy": one_rank_differs({"plan": ws, "policy": "canzona"}, {"plan": ws, "policy": "sc"}),
         "optimizer config": one_rank_differs({}, {"matrix_config": {"lr": 0.5}}),
+        "reduce-scatter": one_rank_differs({}, {"reduce_scatter": "loops"}),
         "model": one_rank_differs({}, {"preset": "tiny-untied"}),
         # every rank has the same wrong plan: a local PlanError
         "plan for another dp": every({"plan": make_plan(tiny, dp * 2, 1, "muon", "alpha-balanced")}),
@@ -320,6 +321,7 @@ MISMATCH_WANT = {
     "planned alpha": "disagree on the plan",
     "step policy": "disagree on the policy",
     "optimizer config": "disagree on the optimizer configuration",
+    "reduce-scatter": "disagree on the policy",
     "model": "disagree on the model fingerprint",
     "plan for another dp": f"plan is for dp={MAIN_DP * 2}, but the job has dp={MAIN_DP}",
     "plan file for another dp": f"plan is for dp=1, but the job has dp={MAIN_DP}",

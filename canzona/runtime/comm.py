@@ -1,12 +1,16 @@
 """Collectives of the runtime, portable to gloo and NCCL, with a log and timeouts.
 
-Reduce-scatter(-v) is built from one `all_to_all_single` (rank j receives every rank's chunk j)
-followed by a local sum in rank order. Two reasons, both measured / checked:
-- uneven segments: gloo has no reduce-scatter-v, and `all_gather` of uneven tensors fails there,
-  while `all_to_all_single` takes uneven split sizes on both backends (docs/design.md §8.1);
-- determinism: summing in rank order is reproducible in one process, which is what makes the
-  distributed step equal the single-process step bit for bit (rung 3). A backend's own reduction
-  order is unspecified.
+Reduce-scatter(-v) has two implementations (`REDUCE_SCATTER_IMPLS`, chosen per optimizer):
+- `exact` (the default): one `all_to_all_single` (rank j receives every rank's chunk j) followed
+  by a local sum in rank order. Uneven segments: gloo has no reduce-scatter-v, and `all_gather` of
+  uneven tensors fails there, while `all_to_all_single` takes uneven split sizes on both backends
+  (docs/design.md §8.1). Determinism: summing in rank order is reproducible in one process, which
+  is what makes the distributed step equal the single-process step bit for bit (rung 3).
+- `loops`: one `reduce` per non-empty segment, to its owner. Across nodes an all-to-all moves
+  every byte through the one NIC of each GPU pair, while NCCL runs a reduce over its rings and
+  trees on every NIC (the simulator prices both: `--uneven runtime` and `--uneven loops`,
+  docs/design.md §9.3). The backend's reduction order is unspecified, so the step equals the
+  reference within rounding instead of bit for bit.
 All-gather(-v) is one in-place broadcast per owner (pure copies, so exact whatever the route).
 `benchmarks/bench_comm.py` compares these against padded `reduce_scatter_tensor` /
 `all_gather_into_tensor` on the same data.
@@ -25,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.errors import CanzonaError, PlanError
+from canzona.errors import CanzonaError, PlanError, SpecError
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,22 @@ class CollectiveLog:
         return [asdict(r) for r in self.records]
 
 
-class Comm:
-    """One process group, its timeout, and the log of everything sent on it."""
+REDUCE_SCATTER_IMPLS = ("exact", "loops")
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, name: str = "dp"):
+
+def check_reduce_scatter_impl(impl: str) -> str:
+    if impl not in REDUCE_SCATTER_IMPLS:
+        raise SpecError(f"unknown reduce_scatter {impl!r}; choose one of {', '.join(REDUCE_SCATTER_IMPLS)} "
+                        "(exact: bit-reproducible all-to-all; loops: one reduce per owner, every NIC)")
+    return impl
+
+
+class Comm:
+    """One process group, its timeout, how it reduce-scatters, and the log of everything sent on it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, name: str = "dp",
+                 reduce_scatter: str = "exact"):
+        self.reduce_scatter_impl = check_reduce_scatter_impl(reduce_scatter)
         self.group = group
         self.name = name
         self.size = dist.get_world_size(group)
@@ -103,14 +119,20 @@ class Comm:
         work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
         return PendingWork(self, work, f"all-gather of {name}")
 
+    def _owner(self, r: int) -> int:
+        """Member r's rank in the default group (what rooted collectives name)."""
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
     def reduce_scatter_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
         """Average `flat` over ranks; rank r ends up with the mean of segment [cuts[r], cuts[r+1])
         written back into `flat` (the rest of `flat` is left as it was)."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
         mine = lengths[self.rank]
-        recv = torch.empty(mine * self.size, dtype=flat.dtype, device=flat.device)
         self.log.add("reduce-scatter-v", self.name, name, [flat.numel() * flat.element_size()] * self.size)
         a, b = cuts[self.rank], cuts[self.rank + 1]
+        if self.reduce_scatter_impl == "loops":
+            return self._reduce_loops(flat, cuts, lengths, name)
+        recv = torch.empty(mine * self.size, dtype=flat.dtype, device=flat.device)
 
         def finish() -> None:
             parts = recv.view(self.size, mine)
@@ -123,6 +145,19 @@ class Comm:
         pending.then = finish
         return pending
 
+    def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], name: str) -> PendingWork:
+        """`reduce_scatter_v` as one sum-reduce per owner. The others' segments are sent from a
+        copy: a reduce may use a non-root's buffer as scratch (gloo does), and `flat` outside this
+        rank's segment must be left as it was."""
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+        scratch = flat.clone()
+        works = [dist.reduce(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]], self._owner(r),
+                             op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                 for r in range(self.size) if lengths[r]]
+        pending = PendingWork(self, works, f"reduce-scatter of {name}")
+        pending.then = lambda: flat[a:b].div_(self.size)
+        return pending
+
     def all_gather_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
         """Every rank receives every segment of `flat` from its owner, in place: one broadcast per
         owner of its segment, straight from and into `flat`. No send or receive buffer is built
@@ -130,8 +165,7 @@ class Comm:
         the copy itself: `benchmarks/bench_runtime.py` prints the comparison)."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
         self.log.add("all-gather-v", self.name, name, [n * flat.element_size() for n in lengths])
-        works = [dist.broadcast(flat[cuts[r]:cuts[r + 1]], dist.get_global_rank(self.group, r)
-                                if self.group is not None else r, group=self.group, async_op=True)
+        works = [dist.broadcast(flat[cuts[r]:cuts[r + 1]], self._owner(r), group=self.group, async_op=True)
                  for r in range(self.size) if lengths[r]]
         return PendingWork(self, works, f"all-gather of {name}")
 

@@ -45,7 +45,7 @@ from canzona.optimizers import (
 from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
 from canzona.runtime import checkpoint
 from canzona.runtime.buffers import FlatBuffer
-from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.comm import Comm, PendingWork, check_reduce_scatter_impl
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import GradientSync
 from canzona.runtime.groups import (
@@ -88,6 +88,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when `group` is a process
     group. `tp_mode`: `pipelined` (default) or `serial` order of the TP micro-groups.
 
+    `reduce_scatter`: how gradients are reduce-scattered over DP (`canzona.runtime.comm`): `exact`
+    (default; one all-to-all and a sum in rank order, so the step equals the single-process
+    reference bit for bit) or `loops` (one reduce per owner, which NCCL runs over every NIC; equal
+    to the reference within rounding). Across nodes `loops` is usually the faster: simulate both
+    with `canzona simulate --uneven runtime` and `--uneven loops`.
+
     Low-precision (bf16 / fp16) parameters get fp32 master weights, fp32 gradient reduction and
     fp32 optimizer state by default; the bf16 working copy is refreshed after each step.
     `master_weights=False` keeps everything in the parameters' dtype.
@@ -116,6 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tp_group: dist.ProcessGroup | None = None,
         tp_policy: str = "greedy-rollback",
         tp_mode: str = PIPELINED,
+        reduce_scatter: str = "exact",
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -123,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
         self.tp_mode = check_tp_mode(tp_mode)
+        check_reduce_scatter_impl(reduce_scatter)
         self.matrix_cfg = _config(self.optimizer, matrix_config)
         self.adamw_cfg = _config("adamw", adamw_config)
         self.spec = spec
@@ -135,7 +143,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
         self.tp = len(tp_ranks) if tp_ranks else 1
         self.params = self._local_params(groups, tp_ranks)
-        self.comm = Comm(dp_group, timeout_s)
+        self.comm = Comm(dp_group, timeout_s, reduce_scatter=reduce_scatter)
         self.tp_comm = Comm(tp_pg, timeout_s, "tp") if tp_pg is not None else None
         if self.tp_comm is not None:  # one issue order over both logs (CollectiveRecord.seq)
             self.tp_comm.log.clock = self.comm.log.clock
@@ -223,7 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             "plan": self.plan.hash(),
-            "policy": f"{self.policy.name} ({self.tp_mode})",
+            "policy": f"{self.policy.name} ({self.tp_mode}, reduce-scatter {self.comm.reduce_scatter_impl})",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
         dp_facts = {**shared, "TP rank": str(self.tp_rank),

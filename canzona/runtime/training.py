@@ -60,6 +60,7 @@ class TrainSpec:
     tp_policy: str = "greedy-rollback"  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = "pipelined"  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
+    reduce_scatter: str = "exact"  # DP gradient reduce-scatter: "exact" (all-to-all) or "loops" (reduces)
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -144,7 +145,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
-                               tp_mode=spec.tp_mode)
+                               tp_mode=spec.tp_mode, reduce_scatter=spec.reduce_scatter)
     if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
