@@ -131,7 +131,7 @@ class Comm:
         self.log.add("reduce-scatter-v", self.name, name, [flat.numel() * flat.element_size()] * self.size)
         a, b = cuts[self.rank], cuts[self.rank + 1]
         if self.reduce_scatter_impl == "loops":
-            return self._reduce_loops(flat, cuts, lengths, name)
+            return self._reduce_loops(flat, cuts, lengths, (a, b), name)
         recv = torch.empty(mine * self.size, dtype=flat.dtype, device=flat.device)
 
         def finish() -> None:
@@ -145,11 +145,12 @@ class Comm:
         pending.then = finish
         return pending
 
-    def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], name: str) -> PendingWork:
+    def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], mine: tuple[int, int],
+                      name: str) -> PendingWork:
         """`reduce_scatter_v` as one sum-reduce per owner. The others' segments are sent from a
         copy: a reduce may use a non-root's buffer as scratch (gloo does), and `flat` outside this
-        rank's segment must be left as it was."""
-        a, b = cuts[self.rank], cuts[self.rank + 1]
+        rank's segment (`mine`) must be left as it was."""
+        a, b = mine
         scratch = flat.clone()
         works = [dist.reduce(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]], self._owner(r),
                              op=dist.ReduceOp.SUM, group=self.group, async_op=True)
