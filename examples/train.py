@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         if fail_together(error, rank, timeout):
             return 2
         train(job, args)
-        # leave together: a rank tearing down gloo while a peer still talks to it can abort it
+        # meet before leaving: the exit below closes this rank's connections at once, which a peer
+        # still finishing a collective with it would see as a lost peer
         exit_together(torch.zeros(1, dtype=torch.int64), timeout)
     except (CanzonaError, dist.DistError, dcp.CheckpointException, OSError) as e:
         error_line(f"error: rank {rank}: {describe(e)}")
