@@ -6,8 +6,9 @@ runs over every NIC) instead of the default exact all-to-all (docs/design.md §8
   owners (empty segments) included; both forms log the same record.
 - Training: at DP 2 a sum of two is the same in any order, so `loops` ends bit for bit where `exact`
   does; at DP 3 (uneven segments, three addends) every rank ends with the same weights, within
-  rounding of the single-process run, and the logged collectives equal the exact run's. Gradient
-  accumulation, clipping and SOAP run through it.
+  rounding of the single-process run, and the logged collectives equal the exact run's; under TP
+  (DP 2 x TP 2) the DP subgroups name their owners right. Gradient accumulation, clipping and SOAP
+  run through it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ def test_at_dp_2_loops_ends_bit_for_bit_where_exact_does():
         for exact, loops in zip(runs[(opt, "exact")], runs[(opt, "loops")]):
             assert compare(loops["params"], exact["params"])["bit_identical"], opt
             assert loops["log"] == exact["log"]
+
+
+def test_under_tp_the_dp_subgroups_reduce_to_their_own_owners():
+    """DP 2 x TP 2 (4 ranks): each DP group is a subgroup, whose owners the reduces name by their
+    global rank; bit for bit with the exact form at DP 2, every step's records the same."""
+    specs = [replace(MUON, tp=2, reduce_scatter=impl) for impl in IMPLS]
+    results = run_ranks(many_specs_worker, 4, specs, [{"state_dict": False}] * 2, deadline_s=DEADLINE_S,
+                        collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    for rank in results:
+        exact, loops = rank
+        assert compare(loops["params"], exact["params"])["bit_identical"]
+        assert loops["log"] == exact["log"] and loops["tp_log"] == exact["tp_log"]
 
 
 def test_at_dp_3_ranks_agree_within_rounding_of_the_single_process_run():
