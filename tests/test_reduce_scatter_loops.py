@@ -63,9 +63,14 @@ def test_each_owner_gets_the_mean_and_the_rest_is_left_as_it_was(world):
     assert all(r["loops"]["log"] == r["exact"]["log"] for r in ranks)
 
 
+BASELINES = ("zero1-gather", "layerwise", "sc")  # their reduce-scatters (and all-reduce forms) too
+
+
 @functools.cache
 def trained(dp: int) -> dict[tuple[str, str], list[dict]]:
     jobs = [(spec.optimizer, impl, replace(spec, reduce_scatter=impl)) for spec in (MUON, SOAP) for impl in IMPLS]
+    if dp > 2:  # at DP 2 loops is bit for bit the exact form, which test_runtime_equivalence covers
+        jobs += [(policy, "loops", replace(MUON, policy=policy, reduce_scatter="loops")) for policy in BASELINES]
     results = run_ranks(many_specs_worker, dp, [s for _, _, s in jobs], [{"state_dict": False} for _ in jobs],
                         deadline_s=DEADLINE_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     return {(opt, impl): [results[r][i] for r in range(dp)] for i, (opt, impl, _) in enumerate(jobs)}
@@ -103,3 +108,11 @@ def test_at_dp_3_ranks_agree_within_rounding_of_the_single_process_run():
             assert all(len(r["norms"]) == spec.steps for r in loops)
         if opt == "muon":  # SOAP's eigenbases amplify rounding; its agreement and records are checked
             assert compare(first, emulate(spec, 3))["max_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("policy", BASELINES)
+def test_the_baseline_policies_run_on_loops_too(policy):
+    runs = trained(3)[(policy, "loops")]
+    for r in runs[1:]:
+        assert compare(r["params"], runs[0]["params"])["bit_identical"]
+    assert compare(runs[0]["params"], emulate(MUON, 3))["max_rel_diff"] < 1e-5
