@@ -236,19 +236,20 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     is returned, marked in `fell_back_to`. Whole matrices make the DP collectives uneven; once the
     optimizer step is a small part of the iteration (docs/design.md §9.3) that costs more than the
     optimizer work saved, and a planner should say so rather than lose."""
-    _, model = cfg.checked(model)  # a model file is read here, not again by each run below
-    result = _simulate(cfg, plan, replicate_phase_a, model)
+    cluster, model = cfg.checked(model)  # a model file is read here, not again by each run below
+    result = _simulate(cfg, plan, replicate_phase_a, model, cluster)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
-    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a, model)
+    # only the policy differs: the checks passed, and the cluster is the same
+    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a, model, cluster)
     if fallback.iteration_time_s < result.iteration_time_s:
         return replace(fallback, config=cfg, fell_back_to="zero1-gather")
     return result
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
-              model: tuple[ModelSpec, Architecture]) -> SimResult:
-    cluster, _ = cfg.checked(model)
+              model: tuple[ModelSpec, Architecture], cluster: Cluster) -> SimResult:
+    """One run of a checked configuration (`SimConfig.checked` gave `model` and `cluster`)."""
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
     hw = load_profile(cfg.hardware)
