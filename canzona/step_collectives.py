@@ -16,9 +16,11 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
    then, for the all-reduce policies and zero1-gather, one all-gather-v per bucket of the reduced
    gradients on the same segments ("gradients of bucket i": every rank ends with the whole bucket);
    for the replicated policy (sc), an all-gather-v of the AdamW gradients ("adamw gradients");
-3. check: the step check over DP ("step check"); under TP also the TP step check ("tp step check")
-   and the TP verdict over DP ("tp verdict");
-4. clip, only when `clip_grad_norm_` is called: the norm over DP, then over TP ("gradient norm");
+3. check: the step check over DP ("step check", which also carries each rank's share of the global
+   gradient norm and its clip threshold); under TP also the TP step check ("tp step check") and
+   the TP verdict over DP ("tp verdict");
+4. clip, only when `clip_grad_norm_(norm_type=inf)` is called: the largest magnitude over DP, then
+   over TP ("gradient norm"; the 2-norm travels in the step check);
 5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order;
 6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
    of bucket i" on the plan's segments, or, for layerwise, "owned parameters of bucket i": what
@@ -36,8 +38,8 @@ same record, same order).
 
 Sizes come from the plan and the spec: bucket sizes and segments from the DP plan, the AdamW
 buffer (the local AdamW parameters packed end to end, padded to a multiple of `align x dp`, with
-the plan's alignment unless `adamw_align` says otherwise), the step checks (one int64 per
-parameter plus three; under TP two more plus two per TP-replicated parameter), dtypes from the
+the plan's alignment unless `adamw_align` says otherwise), the step checks (one 8-byte word per
+parameter plus five; under TP four more plus two per TP-replicated parameter), dtypes from the
 spec: gradients are reduced in fp32 when the model has bf16 / fp16 parameters and master weights
 are on (the runtime's default), otherwise in the parameters' dtype; parameters are gathered in
 their own dtype.
@@ -97,14 +99,15 @@ class _Buffer:
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
-                     clip: bool = False) -> list[StepCollective]:
+                     inf_norm: bool = False) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
     of reduced gradients / of gathered parameters, for every buffer; by default derived per buffer
     from the spec's dtypes and `master_weights` (as the runtime derives them). `adamw_align`: the
     runtime's `align` argument, when it differs from the plan's alignment. `first_step`: include
-    what the first step's log also holds. `clip`: `clip_grad_norm_` is called before `step()`."""
+    what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
+    called before `step()`."""
     if isinstance(policy, str):
         policy = get_step_policy(policy)
     dp, tp = plan.dp, plan.tp
@@ -152,13 +155,13 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     if policy.replicated:
         out.append(v(ALL_GATHER_V, "adamw gradients", adamw_cuts, adamw.grad_bytes, STEP))
     # 3. the step checks
-    out.append(check(DP_GROUP, "step check", len(spec.params) + 3, dp))
+    out.append(check(DP_GROUP, "step check", len(spec.params) + 5, dp))
     if tp > 1:
         replicated = sum(p.tp_dim is None for p in spec.params)
-        out.append(check(TP_GROUP, "tp step check", 2 + len(spec.params) + 2 * replicated, tp))
+        out.append(check(TP_GROUP, "tp step check", 4 + len(spec.params) + 2 * replicated, tp))
         out.append(check(DP_GROUP, "tp verdict", 1, dp))
-    # 4. clip_grad_norm_: each rank's term over DP, then each TP rank's DP total over TP
-    if clip:
+    # 4. clip_grad_norm_ by the inf-norm: each rank's largest magnitude over DP, then over TP
+    if inf_norm:
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))

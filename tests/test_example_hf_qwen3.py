@@ -18,10 +18,10 @@ from canzona.dp.layout import ceil_to, even_cuts  # noqa: E402
 from canzona.dp.policies import DEFAULT_ALIGN  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
+from canzona.runtime.gradients import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
-from canzona.runtime.optimizer import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.training import _flat_state, compare  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
 

@@ -14,12 +14,14 @@ steps at the new DP size from the same parameters and optimizer state.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
+from canzona.runtime.checkpoint import state_by_name
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import TrainSpec, build_model, compare, emulate, many_specs_worker
 
@@ -125,16 +127,22 @@ def matrix_names() -> set[str]:
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_state_dict_is_keyed_by_parameter_name_with_full_tensors(optimizer):
+def test_state_dict_has_torchs_layout_with_full_tensors(optimizer):
     ranks = _get(saved_at_4(), ("save", optimizer, SAVE_POLICY))
     sd = ranks[0]["state"]
-    assert sd["format"] == "canzona.optimizer_state" and sd["version"] == 2
-    assert sd["model"]["fingerprint"] and set(sd["model"]["shapes"]) == set(sd["state"]) | set(sd["model"]["shapes"])
-    assert sd["optimizer"] == optimizer
-    assert [g["kind"] for g in sd["param_groups"]] == ["matrix", "adamw"]
+    assert set(sd) == {"state", "param_groups"}
+    groups = sd["param_groups"]
+    assert [g["kind"] for g in groups] == ["matrix", "adamw"]
+    # torch's layout: state by index, each group lists its indices and names, in order
+    assert [i for g in groups for i in g["params"]] == list(range(len(sd["state"])))
+    assert all(sd["state"][i]["canzona_stepped"] for i in sd["state"])
+    header, _, state = state_by_name(sd)
+    assert header["format"] == "canzona.optimizer_state" and header["version"] == 3
+    assert all(json.loads(g["canzona"]) == header for g in groups)
+    assert header["model"]["fingerprint"] and set(header["model"]["shapes"]) == set(state)
+    assert header["optimizer"] == optimizer
     shapes = model_shapes()
     matrices = matrix_names()
-    state = sd["state"]
     assert set(state) == set(shapes)  # every parameter got gradients, so every one has state
     for name, s in state.items():
         m, *rest = shapes[name]
@@ -203,9 +211,10 @@ def test_checkpoint_resumes_bit_identically_at_another_dp(dp, source, optimizer)
 def test_resumed_checkpoint_keeps_counting_steps(optimizer):
     _, state = checkpoint_4(optimizer)
     _, resumed_state = checkpoint_2(optimizer)
-    for name, s in resumed_state["state"].items():
+    before, after = state_by_name(state)[2], state_by_name(resumed_state)[2]
+    for name, s in after.items():
         if "step" in s:
-            assert s["step"] == state["state"][name]["step"] + RESUME_STEPS, name
+            assert s["step"] == before[name]["step"] + RESUME_STEPS, name
 
 
 # --- round trip ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from canzona.runtime.checkpoint import state_by_name
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import (
     TrainSpec,
@@ -108,7 +109,7 @@ def nested_equal(a, b, where: str = "") -> None:
 def test_state_dict_is_full_and_identical_on_every_rank(runs, optimizer, layout):
     saved, _ = runs
     results = _get(saved, (optimizer, layout))
-    state = results[0]["state"]["state"]
+    state = state_by_name(results[0]["state"])[2]
     params = full_parameters(results)
     for name, s in state.items():
         for key, value in s.items():

@@ -67,10 +67,10 @@ def small_plan(dp_policy: str):
 
 def test_known_answers_on_a_small_model():
     """Bucket: 192 fp32 elements, 768 bytes. AdamW buffer: 128 + 8 elements padded to 144 (576
-    bytes), even halves of 288. Step check: 4 parameters + 3 int64 values = 56 bytes."""
+    bytes), even halves of 288. Step check: 4 parameters + 5 more 8-byte words = 72 bytes."""
     bucket = ("reduce-scatter-v", "dp", "bucket 0", (768, 768))
     adamw = ("reduce-scatter-v", "dp", "adamw", (576, 576))
-    check = ("all-gather", "dp", "step check", (56, 56))
+    check = ("all-gather", "dp", "step check", (72, 72))
     adamw_params = ("all-gather-v", "dp", "adamw parameters", (288, 288))
     # canzona on alpha-balanced: w2 on rank 0 ([0, 64)), w1 on rank 1 ([64, 192))
     plan = small_plan("alpha-balanced")
@@ -123,11 +123,12 @@ def test_tp_first_step_and_clipping():
     normal = step_collectives(plan, model, "canzona", 1, 1)
     first = step_collectives(plan, model, "canzona", 1, 1, first_step=True)
     assert first[0].logged() == ("all-gather", "dp", "agreement verdict", (8, 8)) and first[1:] == normal
-    # checks: DP step check; TP step check with 2 flags, 4 parameters and 2 words per replicated one
+    # checks: DP step check (4 parameters, 3 flags, norm and clip threshold); TP step check with 2
+    # flags, norm and clip threshold, 4 parameters and 2 words per replicated one
     checks = [c.logged() for c in normal if c.phase == CHECK]
-    assert checks == [("all-gather", "dp", "step check", (56, 56)), ("all-gather", "tp", "tp step check", (64, 64)),
+    assert checks == [("all-gather", "dp", "step check", (72, 72)), ("all-gather", "tp", "tp step check", (80, 80)),
                       ("all-gather", "dp", "tp verdict", (8, 8))]
-    clipped = step_collectives(plan, model, "canzona", 1, 1, clip=True)
+    clipped = step_collectives(plan, model, "canzona", 1, 1, inf_norm=True)
     at = len([c for c in normal if c.phase in (BACKWARD, CHECK) or c.name == "adamw"])
     assert [c.logged() for c in clipped[at:at + 2]] == [("all-gather", "dp", "gradient norm", (8, 8)),
                                                         ("all-gather", "tp", "gradient norm", (8, 8))]
@@ -194,7 +195,7 @@ def test_step_collectives_on_random_models(s):
     for i in range(dp):
         for t in range(tp):
             got = step_collectives(plan, model, policy, i, t, tp_mode=mode, master_weights=s["master"],
-                                   first_step=s["first"], clip=s["clip"])
+                                   first_step=s["first"], inf_norm=s["clip"])
             assert all(isinstance(c, StepCollective) for c in got)
             # the phases come in the runtime's order
             codes = "".join(PHASE_CODE[c.phase] for c in got)
@@ -237,9 +238,10 @@ def test_step_collectives_on_random_models(s):
                         assert sum(c.bytes_per_rank) == sum(p.numel for p in b.params) * pbytes
                     else:
                         assert c.bytes_per_rank == tuple(pbytes * (y - x) for x, y in zip(b.cuts, b.cuts[1:]))
-            # the step check carries one int64 per parameter and three more
+            # the step check carries one int64 per parameter and five more words (three flags, the
+            # rank's share of the gradient norm, its clip threshold)
             (check,) = [c for c in got if c.name == "step check"]
-            assert check.bytes_per_rank == (8 * (len(model.params) + 3),) * dp
+            assert check.bytes_per_rank == (8 * (len(model.params) + 5),) * dp
             # the TP records are the schedule's, in its order; an all-to-all logs the row this rank sends
             tp_records = [c for c in got if c.group == TP_GROUP and c.phase == STEP]
             sched = tp_schedule(plan, model, policy, i, mode, gbytes, 4 if s["master"] and low else gbytes)
@@ -279,7 +281,7 @@ def assert_logs_are_the_step_collectives(results: list[dict], train) -> None:
         for s, got in enumerate(steps):
             want = step_collectives(res["plan"], model, train.policy, res["dp_rank"], res["tp_rank"],
                                     tp_mode=train.tp_mode, master_weights=train.master_weights,
-                                    first_step=s == 0, clip=train.clip_norm is not None)
+                                    first_step=s == 0)
             assert got == step_records(want), (res["dp_rank"], res["tp_rank"], s)
 
 

@@ -1,19 +1,20 @@
-"""Flat parameter and gradient buffers whose slices are the model's `.data` and `.grad`.
+"""Flat parameter and gradient buffers: the parameters' `.data` are views into them, gradients are
+moved into them.
 
-The optimizer owns the storage: every parameter's `.data` and `.grad` are views into one flat
-buffer per plan bucket (and one for the AdamW parameters), so that a bucket's gradients can be
-reduce-scattered, and its parameters all-gathered, as one tensor.
+The optimizer owns the storage: every parameter's `.data` is a view into one flat buffer per plan
+bucket (and one for the AdamW parameters), so that a bucket's parameters can be all-gathered as
+one tensor; each parameter's gradient is written into the bucket's flat gradient buffer by a
+backward hook, so that the bucket can be reduce-scattered as one tensor. `.grad` is never a view
+of these buffers: collectives read and write them while the user's code runs, so the parameter's
+`.grad` holds a guard instead (`canzona.runtime.grad_guard`).
 
-Training loops break that link in ordinary ways, and a broken link must never pass silently:
-- `model.zero_grad()` (torch's default `set_to_none=True`, what HF Trainer and Accelerate call)
-  drops the `.grad` views; autograd then writes the next gradient into a fresh tensor. `claim`
-  copies such a gradient back into the buffer and re-attaches the view; a parameter whose
-  gradient was dropped and never recomputed counts as zero, as torch optimizers treat `None`.
-- `model.to(dtype)`, `model.to(device)` or `load_state_dict(assign=True)` give parameters new
-  storage: updates would land in the buffer and never reach the model. `unlinked` finds them.
+Training loops break the storage link in ordinary ways, and a broken link must never pass
+silently: `model.to(dtype)`, `model.to(device)` (even `cpu` -> `cpu:0`, which copies) or
+`load_state_dict(assign=True)` give parameters new storage, so updates would land in the buffer
+and never reach the model. `unlinked` finds them.
 
-Parameters are TP-local tensors: DTensor parameters link their local tensor to the buffer and get
-a DTensor gradient over it (`canzona.runtime.shards`).
+Parameters are TP-local tensors: for DTensor parameters the local tensor lives in the buffer
+(`canzona.runtime.shards`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from canzona.errors import SpecError
-from canzona.runtime.shards import grad_holder, link_data, local_grad, local_tensor, same_storage
+from canzona.runtime.shards import link_data, local_tensor, same_storage
 
 
 class FlatBuffer:
@@ -42,6 +43,8 @@ class FlatBuffer:
                                 f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
                                 f"{ref.dtype} on {ref.device}")
         self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        # the gradients as backward produces them, accumulated over micro-batches in the
+        # parameters' dtype; padding between parameters stays zero
         self.grad = torch.zeros(size, dtype=ref.dtype, device=ref.device)
         # what is reduced across ranks and read by the optimizer: the gradients themselves, or an
         # fp32 copy of low-precision ones (reduced and updated in fp32, as Megatron's main grads)
@@ -50,44 +53,28 @@ class FlatBuffer:
         self.params = {n: params[n] for n in self.names}
         self.data_views: dict[str, Tensor] = {}
         self.grad_views: dict[str, Tensor] = {}
-        self.grad_holders: dict[str, Tensor] = {}  # what `.grad` is while linked (a view or a DTensor)
         for name in self.names:
             a, b = self.offsets[name]
-            p = params[name]
-            local = local_tensor(p)
+            local = local_tensor(params[name])
             self.data[a:b].copy_(local.detach().reshape(-1))
             self.data_views[name] = self.data[a:b].view(local.shape)
             self.grad_views[name] = self.grad[a:b].view(local.shape)
-            self.grad_holders[name] = grad_holder(p, self.grad_views[name])
-            link_data(p, self.data_views[name])
-            p.grad = self.grad_holders[name]
+            link_data(params[name], self.data_views[name])
 
-    def claim(self, name: str) -> None:
-        """Make the buffer hold `name`'s current gradient and its `.grad` the buffer's view again."""
-        p, view = self.params[name], self.grad_views[name]
-        if p.grad is self.grad_holders[name]:
-            return
-        fresh = local_grad(p)
-        if fresh is None:  # dropped (set_to_none) and not recomputed: a zero gradient
-            view.zero_()
-        else:  # recomputed into a fresh tensor after set_to_none (or assigned by the user)
-            view.copy_(fresh)
-        p.grad = self.grad_holders[name]
+    def write(self, name: str, grad: Tensor) -> None:
+        """`name`'s gradient is `grad` (this rank's local values)."""
+        self.grad_views[name].copy_(grad)
 
-    def zero_grads(self) -> None:
-        """Every gradient zero and every `.grad` the buffer's view (a gradient the user assigned
-        is dropped, as `optimizer.zero_grad()` drops it in torch)."""
-        for name in self.names:
-            self.params[name].grad = self.grad_holders[name]
-        self.grad.zero_()
+    def add(self, name: str, grad: Tensor) -> None:
+        """Accumulate `grad` onto `name`'s gradient, in the parameters' dtype, as autograd would."""
+        self.grad_views[name].add_(grad)
 
-    def claim_all(self) -> None:
-        for name in self.names:
-            self.claim(name)
+    def zero(self, name: str) -> None:
+        """`name` has no gradient this step: it counts as zero, as torch optimizers treat None."""
+        self.grad_views[name].zero_()
 
     def stage(self) -> Tensor:
-        """Every gradient claimed and copied into `reduced`; returns `reduced`, ready to reduce."""
-        self.claim_all()
+        """The gradients copied into `reduced` (when it is a copy); returns `reduced`, ready to reduce."""
         if self.reduced is not self.grad:
             self.reduced.copy_(self.grad)
         return self.reduced

@@ -1,7 +1,17 @@
 """Checkpoints of `DistributedOptimizer` that load at any DP x TP layout (docs/design.md §8.4).
 
-The layout-independent form (`gather_state` / `load_state`) is keyed by parameter name with full
-tensors, identical on every rank:
+The layout-independent form (`gather_state` / `load_state`) holds full tensors, identical on every
+rank, in torch.optim's layout, so that torch's own tools take it (`torch.save`,
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` / `set_optimizer_state_dict`):
+`state` by parameter index (the order of the parameters in `param_groups`), each group with its
+hyper-parameters, `params` (the indices) and `param_names`, and canzona's header (format, model,
+optimizer and configurations, as JSON) in every group, where torch's tools carry it along. Every
+parameter has an entry, with every field its optimizer's state will have: those that never
+stepped hold zeros marked `canzona_stepped: False`, so that a state dict taken from a fresh
+optimizer is a complete template for `torch.distributed.checkpoint.load` to fill. Loading maps
+entries to parameters by position and checks the names. Version 2 (by name) still loads.
+
+Where the full tensors come from:
 - a matrix's optimizer state is full-matrix already (it lives on the matrix's host) and is taken
   from the lowest DP rank that computes it, from its host TP rank;
 - fp32 master weights of matrices are per TP shard (every TP rank of the owning DP rank updates its
@@ -30,6 +40,7 @@ from torch import Tensor
 
 from canzona.errors import CanzonaError, PlanError
 from canzona.optimizers import check_config
+from canzona.runtime.kernels import INITIAL_STATES, adamw_state
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.tp import EVERY_RANK
 
@@ -37,7 +48,11 @@ if TYPE_CHECKING:
     from canzona.runtime.optimizer import DistributedOptimizer
 
 STATE_FORMAT = "canzona.optimizer_state"
-STATE_VERSION = 2  # 2: records the model (fingerprint and parameter shapes)
+STATE_VERSION = 3  # 3: torch.optim's layout (2: keyed by name, header at the top)
+READABLE_VERSIONS = (2, 3)
+HEADER_KEY = "canzona"  # in every param group: the header, as JSON
+NAMES_KEY = "param_names"  # torch.optim's own key for named parameters
+STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros
 SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
 
 
@@ -111,7 +126,71 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
                 if key in shards[0]:
                     full[key] = unshard([s[key] for s in shards], _tp_dim(opt, name))
             state[name] = full
-    return {**_header(opt), "state": state}
+    return _torch_layout(opt, state)
+
+
+def _torch_layout(opt: DistributedOptimizer, by_name: Mapping[str, dict]) -> dict[str, Any]:
+    """The full state by name, in torch.optim's layout (see the module's docstring)."""
+    header = json.dumps(_header(opt), default=_json_scalar)
+    name_of = {id(p): n for n, p in opt.params.items()}
+    state: dict[int, dict] = {}
+    groups = []
+    for g, group in enumerate(opt.param_groups):
+        names = [name_of[id(p)] for p in group["params"]]
+        first = len(state)
+        for name in names:
+            saved = dict(by_name.get(name, {}))
+            stepped = any(k != "master" for k in saved)
+            entry = {} if stepped else _template(opt, g, name)
+            entry.update(saved)
+            entry[STEPPED_KEY] = stepped
+            state[len(state)] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(first, len(state))), NAMES_KEY: names, HEADER_KEY: header})
+    return {"state": state, "param_groups": groups}
+
+
+def _template(opt: DistributedOptimizer, g: int, name: str) -> dict[str, Any]:
+    """Zeros in the shape and dtype of every field `name`'s optimizer state will have."""
+    shape = opt.spec.param(name).shape
+    like = torch.zeros(shape, dtype=opt.grads.buffer_of[name].reduced.dtype)
+    group = opt.param_groups[g]
+    if group["kind"] == "adamw":
+        return adamw_state(like)
+    return INITIAL_STATES[opt.optimizer](like, opt._configs.config(g, group))
+
+
+def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict]]:
+    """(header, hyper-parameters of each group, state of each parameter that has one, by name) of
+    a state dict of either version, as written (templates of zeros dropped, masters kept)."""
+    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or "state" not in state_dict:
+        raise PlanError("not a canzona optimizer state (no state and param_groups)")
+    groups = state_dict["param_groups"]
+    if state_dict.get("format") == STATE_FORMAT:  # version 2: by name, header at the top
+        header = {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")}
+        return header, [dict(g) for g in groups], {n: dict(s) for n, s in state_dict["state"].items()}
+    if not groups or not all(isinstance(g, Mapping) and HEADER_KEY in g and NAMES_KEY in g for g in groups):
+        raise PlanError("not a canzona optimizer state (format mismatch: no canzona header in param_groups)")
+    try:
+        header = json.loads(groups[0][HEADER_KEY])
+    except (TypeError, ValueError):
+        raise PlanError("not a canzona optimizer state (its header is not JSON)") from None
+    by_name: dict[str, dict] = {}
+    for group in groups:
+        keys, names = list(group.get("params", [])), list(group[NAMES_KEY])
+        if len(keys) != len(names):
+            raise PlanError(f"optimizer state: a parameter group lists {len(keys)} parameters and {len(names)} names")
+        for key, name in zip(keys, names):
+            entry = state_dict["state"].get(key)
+            if entry is None:
+                continue
+            entry = dict(entry)
+            if not entry.pop(STEPPED_KEY, True):
+                entry = {k: v for k, v in entry.items() if k == "master"}
+            if entry:
+                by_name[name] = entry
+    hyper = [{k: v for k, v in g.items() if k not in ("params", NAMES_KEY, HEADER_KEY)} for g in groups]
+    return header, hyper, by_name
 
 
 def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any] | None:
@@ -129,12 +208,36 @@ def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any
 
 
 def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
-    _check_compatible(opt, state_dict)
-    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(state_dict["matrix_config"])))
-    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(state_dict["adamw_config"])))
-    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    state = {n: dict(s) for n, s in state_dict["state"].items()}
+    header, groups, state = state_by_name(state_dict)
+    if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
+        name_of = {id(p): n for n, p in opt.params.items()}
+        mine = [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]
+        saved = [list(g[NAMES_KEY]) for g in state_dict["param_groups"]]
+        if len(saved) == len(mine) and saved != mine:
+            raise PlanError(f"checkpoint's parameter groups hold other parameters: {_first_name_difference(saved, mine)}")
+    load_by_name(opt, header, groups, state)
+
+
+def _first_name_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
+    for i, (a, b) in enumerate(zip(saved, mine)):
+        if a != b:
+            extra = sorted(set(a) - set(b))
+            missing = sorted(set(b) - set(a))
+            if extra or missing:
+                return f"group {i} has {extra[:1] or 'no'} there and {missing[:1] or 'no'} here"
+            return f"group {i} lists them in another order"
+    return "another number of groups"
+
+
+def load_by_name(opt: DistributedOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                 state: Mapping[str, dict]) -> None:
+    """Load a state given by name (`state_by_name`'s form): checks first, then everything."""
+    _check_compatible(opt, header, groups, state)
+    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(header["matrix_config"])))
+    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(header["adamw_config"])))
+    for group, saved in zip(opt.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
+    state = {n: dict(s) for n, s in state.items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     device = local_tensor(next(iter(opt.params.values()))).device
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
@@ -163,12 +266,14 @@ def _slice(opt: DistributedOptimizer, name: str, full: Tensor, offset: int, leng
     return shard.reshape(-1)[offset:offset + length]
 
 
-def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
-    """Everything a wrong checkpoint gets wrong, checked before anything is changed."""
+def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                      state: Mapping[str, dict]) -> None:
+    """Everything a wrong checkpoint gets wrong, checked before anything is changed (`sd`: the header)."""
     if not isinstance(sd, Mapping) or sd.get("format") != STATE_FORMAT:
         raise PlanError("not a canzona optimizer state (format mismatch)")
-    if sd.get("version") != STATE_VERSION:
-        raise PlanError(f"optimizer state version {sd.get('version')!r}; this canzona reads version {STATE_VERSION}")
+    if sd.get("version") not in READABLE_VERSIONS:
+        raise PlanError(f"optimizer state version {sd.get('version')!r}; this canzona reads versions "
+                        f"{', '.join(map(str, READABLE_VERSIONS))}")
     if sd.get("optimizer") != opt.optimizer:
         raise PlanError(f"checkpoint is for {sd.get('optimizer')}, this optimizer runs {opt.optimizer}")
     model = sd.get("model", {})
@@ -177,10 +282,10 @@ def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any]) -> None:
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes != mine:
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {_first_difference(shapes, mine)}")
-    unknown = sorted(set(sd["state"]) - set(mine))
+    unknown = sorted(set(state) - set(mine))
     if unknown:
         raise PlanError(f"checkpoint has state for unknown parameter {unknown[0]!r}")
-    saved_groups = [(g.get("kind"), g.get("optimizer")) for g in sd["param_groups"]]
+    saved_groups = [(g.get("kind"), g.get("optimizer")) for g in groups]
     my_groups = [(g["kind"], g["optimizer"]) for g in opt.param_groups]
     if saved_groups != my_groups:
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
@@ -224,7 +329,6 @@ def _header(opt: DistributedOptimizer) -> dict[str, Any]:
         "optimizer": opt.optimizer,
         "matrix_config": asdict(opt.matrix_cfg),
         "adamw_config": asdict(opt.adamw_cfg),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
     }
 
 
@@ -253,7 +357,8 @@ def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[s
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
     metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
-    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(_header(opt), default=_json_scalar)}
+    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
     states, masters = _saved_here(opt)
     for name, state in opt.matrix_state.items():
         if state and name in states:
@@ -316,7 +421,8 @@ def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DC
         got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    load_state(opt, {**json.loads(wanted[f"{prefix}/meta"]), "state": state})
+    meta = json.loads(wanted[f"{prefix}/meta"])
+    load_by_name(opt, meta, meta.get("param_groups", []), state)
 
 
 def _local_ranges(opt: DistributedOptimizer) -> dict[str, tuple[int, int]]:

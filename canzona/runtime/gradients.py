@@ -1,17 +1,25 @@
-"""Gradient buffers and their synchronisation over DP, and the per-step soundness check
+"""Gradient buffers, their synchronisation over DP, and the per-step soundness check
 (docs/design.md §8.2, §8.3).
 
-Per plan bucket a flat buffer (and one for the AdamW parameters, sliced evenly as ZeRO-1 does);
-every parameter's `.grad` is a view into it. During backward each bucket's reduce-scatter (or
-all-reduce, by the step policy) starts as soon as its last gradient is accumulated, in bucket
-order on every rank. `prepare()` finishes the synchronisation and checks, on every rank alike,
-that the step is sound before anything is updated.
+Per plan bucket a flat gradient buffer (and one for the AdamW parameters, sliced evenly as ZeRO-1
+does). A post-accumulate-grad hook moves each parameter's gradient into its bucket and leaves a
+guard in `.grad` (`canzona.runtime.grad_guard`): nothing outside the optimizer reads or writes
+memory that a collective may still touch. During backward each bucket's reduce-scatter (or
+all-reduce, by the step policy) starts as soon as its last gradient has arrived, in bucket order
+on every rank. `prepare()` finishes the synchronisation and checks, on every rank alike, that the
+step is sound before anything is updated: every rank ran backward, no gradient was dropped or
+replaced after it was handed to the reduction, the ranks agree on the hyper-parameters and the
+clip threshold, and the global gradient norm (one scalar per rank, carried by the same check) is
+finite.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,8 +29,21 @@ from canzona.errors import CanzonaError
 from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.grad_guard import GradGuard, GradState
+from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
+from canzona.runtime.wrappers import wrapper_holding, wrapper_message
 from canzona.spec import ModelSpec
 from canzona.step_policies import StepPolicy
+
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCheck:
+    """What `prepare()` established, identically on every rank."""
+
+    got: Tensor  # per parameter (optimizer order): 1 if it got a gradient on any rank
+    norm: float  # the global 2-norm of the reduced gradients, every element counted once (nan / inf: not finite)
 
 
 class GradientSync:
@@ -30,12 +51,14 @@ class GradientSync:
     the optimizer reads them."""
 
     def __init__(self, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
-                 dp: Comm, tp: Comm | None, align: int, reduce_dtype: torch.dtype | None) -> None:
+                 dp: Comm, tp: Comm | None, align: int, reduce_dtype: torch.dtype | None,
+                 nonfinite: str = "raise") -> None:
         self.params = params
         self.plan = plan
         self.policy = policy
         self.dp = dp
         self.tp = tp
+        self.nonfinite = nonfinite
         self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
                                    b.size, params, reduce_dtype) for b in plan.dp_plan.buckets]
         adamw_names = [p.name for p in spec.adamw_params()]
@@ -45,37 +68,50 @@ class GradientSync:
         self.buffer_of = {n: buf for buf in self.all_buffers() for n in buf.names}
         self.index = {n: i for i, n in enumerate(params)}
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
-        # TP-replicated parameters: every TP rank must hold (and be given) the same gradient
+        # TP-replicated parameters: every TP rank must hold (and be given) the same gradient; they
+        # count once (on TP rank 0) in the global norm
         self._replicated = [p.name for p in spec.params if p.tp_dim is None] if tp is not None else []
         self._sync = True
-        self._stale: set[str] = set()  # reduced in the last step and not zeroed since
+        # the guard standing in each parameter's `.grad` while the buffer holds its gradient, and
+        # that gradient's state (a name is absent when the buffer holds nothing of this step)
+        owner = weakref.ref(self)  # hooks and guards must not keep the optimizer alive
+        self._guards = {name: _guard_for(p, name, owner) for name, p in params.items()}
+        self._states: dict[str, GradState] = {}
         self.reset()
-        for name, p in params.items():
-            p.register_post_accumulate_grad_hook(self._hook(name))
+        self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
 
     def all_buffers(self) -> tuple[FlatBuffer, ...]:
         return (*self.buckets, self.adamw)
 
     def reset(self) -> None:
         """Forget this step's progress (after `step()` and `zero_grad()`)."""
-        self._ready = [0] * len(self.buckets)
+        self._arrived: list[set[str]] = [set() for _ in self.buckets]
         self._launched: list[PendingWork | None] = [None] * len(self.buckets)
         self._next = 0
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
-        self.grads_ready = False  # reduced and checked (by clip_grad_norm_ or step)
-        self.got_anywhere = torch.zeros(0, dtype=torch.int64)
+        self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
+        self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
 
     def zero_grad(self) -> None:
-        for buf in self.all_buffers():
-            buf.zero_grads()
-        self._stale.clear()
+        """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch. Collectives still in
+        flight (a backward without its step) are completed first: they read the buffers."""
+        self._drain()
+        for p in self.params.values():
+            p.grad = None
+        self._states.clear()
         self.reset()
 
     def stepped(self) -> None:
-        """The step consumed the gradients: the buffers hold reduced values, not this rank's sums,
-        so a backward must not accumulate onto them before a zero_grad."""
-        self._stale = set(self.params)
+        """The step consumed the gradients: the guards say so, so that a backward cannot add onto
+        them before a zero_grad (`model.zero_grad()`, `opt.zero_grad()`, or `set_to_none=False`)."""
+        for name in self._states:
+            self._states[name] = GradState.STEPPED
         self.reset()
+
+    def _drain(self) -> None:
+        for pending in self._launched:
+            if pending is not None:
+                pending.wait()
 
     def reduced(self, name: str) -> Tensor:
         """The synchronised gradient of `name`'s local tensor (valid where this rank reads it)."""
@@ -93,32 +129,46 @@ class GradientSync:
         out.append(self.adamw.reduced[self.adamw_cuts[r]:self.adamw_cuts[r + 1]])
         return out
 
+    def norm_segments(self) -> list[Tensor]:
+        """This rank's share of the gradient elements, each element of the model counted once in the
+        cluster: TP-replicated parameters count on TP rank 0 only."""
+        if self.tp is None or self.tp.rank == 0:
+            return self.segments()
+        replicated = set(self._replicated)
+        r = self.dp.rank
+        out = []
+        for k, buf in enumerate(self.buckets):
+            c = self.grad_cuts(k)
+            out += _exclude(buf, replicated, c[r], c[r + 1])
+        out += _exclude(self.adamw, replicated, self.adamw_cuts[r], self.adamw_cuts[r + 1])
+        return out
+
     # --- during backward ---------------------------------------------------------------------
 
-    def _hook(self, name: str) -> Callable[[Tensor], None]:
+    def _arrive(self, name: str) -> None:
+        """`name`'s gradient of this backward is complete (post-accumulate-grad hook)."""
         buffer = self.buffer_of[name]
-
-        def on_grad_ready(_: Tensor) -> None:
-            if not buffer.is_linked(name):
-                raise CanzonaError(unlinked_message(name))
-            if name in self._stale:
-                if self.params[name].grad is buffer.grad_holders[name]:
-                    raise CanzonaError(STALE_GRADIENTS.format(name=name))
-                self._stale.discard(name)  # model.zero_grad() dropped it: a fresh gradient
-            buffer.claim(name)  # after model.zero_grad(): the fresh gradient goes into the buffer
-            self._got_grad[self.index[name]] = 1
-            k = self._bucket_of.get(name)
-            if k is None or not self._sync:
-                return  # accumulation micro-batch: nothing is synchronised yet
-            if self._launched[k] is not None:
-                raise CanzonaError(SYNCED_TWICE)
-            self._ready[k] += 1
-            self._launch_ready_buckets()
-        return on_grad_ready
+        if not buffer.is_linked(name):
+            raise CanzonaError(self.unlinked_message(name))
+        p, guard = self.params[name], self._guards[name]
+        if p.grad is not guard:
+            # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
+            # backward), or the user assigned one: it replaces what the buffer held, as in torch
+            buffer.write(name, local_grad(p))
+            p.grad = guard
+        self._got_grad[self.index[name]] = 1
+        self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
+        k = self._bucket_of.get(name)
+        if k is None or not self._sync:
+            return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
+        if self._launched[k] is not None:
+            raise CanzonaError(SYNCED_TWICE)
+        self._arrived[k].add(name)
+        self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         """Launch in bucket order only, so every rank issues the same collectives in the same order."""
-        while self._next < len(self.buckets) and self._ready[self._next] >= len(self.buckets[self._next].names):
+        while self._next < len(self.buckets) and len(self._arrived[self._next]) == len(self.buckets[self._next].names):
             self._launch(self._next)
             self._next += 1
 
@@ -126,9 +176,28 @@ class GradientSync:
         if self._launched[k] is not None:
             raise CanzonaError(SYNCED_TWICE)
         b = self.buckets[k]
-        # stage() claims first: a gradient dropped by set_to_none and not recomputed counts as zero
+        self._take_all(b)
         self._launched[k] = self.dp.reduce_scatter_v(b.stage(), self.grad_cuts(k),
                                                      f"bucket {self.plan.dp_plan.buckets[k].index}")
+
+    def _take_all(self, buffer: FlatBuffer) -> None:
+        """Before a buffer is reduced: every parameter's gradient of this step is in it (a gradient
+        assigned by hand is taken in; no gradient counts as zero), and every `.grad` holding one is
+        its guard, now `REDUCING`."""
+        for name in buffer.names:
+            p, guard = self.params[name], self._guards[name]
+            if p.grad is guard:
+                if self._states.get(name) is GradState.STEPPED:
+                    raise CanzonaError(STALE_GRADIENTS.format(name=name))
+            elif p.grad is None:
+                buffer.zero(name)
+                self._states.pop(name, None)
+                continue
+            else:
+                buffer.write(name, local_grad(p))
+                p.grad = guard
+                self._got_grad[self.index[name]] = 1
+            self._states[name] = GradState.REDUCING
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -138,12 +207,47 @@ class GradientSync:
         finally:
             self._sync = previous
 
+    # --- what the guards ask (canzona.runtime.grad_guard.GuardOwner) --------------------------
+
+    def guard_state(self, name: str) -> GradState:
+        # a guard whose name has no state was left over (its gradient was zeroed at a launch)
+        return self._states.get(name, GradState.STEPPED)
+
+    def accumulate(self, name: str, grad: Tensor) -> None:
+        self.buffer_of[name].add(name, grad)
+
+    def dropped(self, name: str) -> None:
+        self.params[name].grad = None
+        self._states.pop(name, None)
+
+    def refusal(self, name: str, what: str, in_backward: bool) -> str:
+        state = self.guard_state(name)
+        if state is not GradState.STEPPED or in_backward:
+            wrapper = wrapper_holding(self.params.values())
+            if wrapper is not None:
+                return wrapper_message(wrapper)
+        if state is GradState.STEPPED:
+            if in_backward:
+                return STALE_GRADIENTS.format(name=name)
+            return (f"after step() the gradient of {name!r} lives in the optimizer's buffers, reduced, and is not "
+                    f"readable as .grad ({what}): read the global norm from opt.clip_grad_norm_() before step(), "
+                    "and call zero_grad() before the next backward")
+        if in_backward:
+            return (SYNCED_TWICE if state is GradState.REDUCING else
+                    f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "
+                    "double backward is not supported by canzona's DistributedOptimizer")
+        where = ("accumulating in the optimizer's buffers (under no_sync())" if state is GradState.ACCUMULATING
+                 else "being reduced across ranks by the optimizer")
+        return (f"the gradient of {name!r} is {where}: nothing may read or change .grad between backward and step() "
+                f"({what}). {GUARD_ADVICE}")
+
     # --- before the step ---------------------------------------------------------------------
 
     def _finish(self) -> None:
         while self._next < len(self.buckets):  # buckets whose gradients did not all arrive
             self._launch(self._next)
             self._next += 1
+        self._take_all(self.adamw)
         adamw = self.dp.reduce_scatter_v(self.adamw.stage(), self.adamw_cuts, "adamw")
         for pending in self._launched:
             pending.wait()
@@ -157,25 +261,47 @@ class GradientSync:
         if self.policy.replicated:
             self.dp.all_gather_v(self.adamw.reduced, self.adamw_cuts, "adamw gradients").wait()
 
-    def prepare(self, hyper_parameters: int) -> Tensor:
-        """Reduce the gradients and check, on every rank alike, that the step is sound; return
-        which parameters got a gradient on any rank. Once per step (clip_grad_norm_, then step).
-        `hyper_parameters`: this rank's digest of its param_groups (ranks must agree)."""
-        if self.grads_ready:
-            return self.got_anywhere
-        self._finish()
+    def _local_problem(self) -> str | None:
+        """What is wrong on this rank alone, if anything: a parameter moved out of the buffers, or
+        a gradient dropped or replaced after it was handed to the reduction."""
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None)
+        if unlinked is not None:
+            return self.unlinked_message(unlinked)
+        for name, p in self.params.items():
+            held = name in self._states
+            if (p.grad is not self._guards[name]) if held else (p.grad is not None):
+                change = "dropped (zero_grad() or .grad = None)" if p.grad is None else "replaced"
+                return (f"the gradient of {name!r} was {change} between backward and step(), after backward had "
+                        f"handed it to the reduction: zero gradients before backward, not after. {GUARD_ADVICE}")
+        return None
+
+    def prepare(self, hyper_parameters: int, max_norm: float | None = None) -> StepCheck:
+        """Reduce the gradients and check, on every rank alike, that the step is sound; return
+        which parameters got a gradient on any rank and the global gradient norm. Once per step
+        (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
+        `max_norm`: the clip threshold this call applies (ranks must agree on both)."""
+        if self.checked is not None:
+            if max_norm is not None and max_norm != self._clip_agreed:
+                self._check_clip_agreement(max_norm)
+            return self.checked
+        self._finish()
+        problem = self._local_problem()
+        term = local_norm_term(self.norm_segments())
         header = torch.cat([self._got_grad, torch.tensor(
-            [int(self._got_grad.sum()), int(unlinked is not None), hyper_parameters], dtype=torch.int64)])
+            [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64),
+            torch.tensor([term.item(), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
         table = self.dp.all_gather_values(header, "step check")
-        flags, fired, broken, digests = table[:, :-3], table[:, -3], table[:, -2], table[:, -1]
+        flags, fired, broken, digests = table[:, :-5], table[:, -5], table[:, -4], table[:, -3]
+        terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
         error = None
         if broken.any():
-            error = unlinked_message(unlinked) if unlinked is not None else \
-                f"rank(s) {ranks_of(broken != 0)}: {unlinked_message(None)}"
+            error = problem if problem is not None else \
+                f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
         elif not torch.all(digests == digests[0]):
             error = (f"ranks disagree on the hyper-parameters in param_groups: rank(s) "
                      f"{ranks_of(digests != digests[self.dp.rank])} differ from rank {self.dp.rank}")
+        elif not _all_same(clips):
+            error = _clip_disagreement(clips, self.dp.rank, "rank")
         elif not fired.any():
             error = ("step() found no gradient on any rank: call backward() before step(), on the "
                      "parameters given to the optimizer")
@@ -183,53 +309,77 @@ class GradientSync:
             error = (f"rank(s) {ranks_of(fired == 0)} ran no backward in this step while others did: their "
                      "zero gradients would be averaged in")
         got = flags.amax(dim=0)
+        total = combine_norm_terms(terms)
         if self.tp is not None:
-            error = self._check_tp(error, got, hyper_parameters)
+            error, total = self._check_tp(error, got, hyper_parameters, total, max_norm)
             # a TP group's failure reaches the other DP ranks too, so that every rank in the
             # cluster stops here instead of waiting in the step's collectives
             error = self.dp.spread_failure(error, "tp verdict",
                                            "the TP group of DP rank(s) {ranks} failed this step's check")
         if error is not None:
             raise CanzonaError(error)
-        self.got_anywhere = got
-        self.grads_ready = True
-        return got
+        norm = math.sqrt(float(total))
+        if not math.isfinite(norm) and self.nonfinite == "raise":
+            raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient, from a NaN loss, an "
+                               "overflow or bad data): nothing was updated. Lower the learning rate, check the "
+                               "data, or pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
+        self.checked = StepCheck(got=got, norm=norm)
+        self._clip_agreed = max_norm
+        return self.checked
 
-    def _check_tp(self, error: str | None, got: Tensor, hyper_parameters: int) -> str | None:
-        """The TP ranks of one DP index must all pass, agree on the hyper-parameters and on which
-        parameters got a gradient, and hold the same gradient of every TP-replicated parameter: a
-        model that forgets to reduce one (say, a QK norm's weight over the heads it was split by),
-        or a scheduler stepped on one TP rank only, would otherwise train the replicas apart without
-        a word. Returns this rank's error, the same on the TP group."""
+    def _check_clip_agreement(self, max_norm: float) -> None:
+        """A second clip in one step, with a threshold the step check did not see: one more small
+        all-gather, so that ranks can never clip by different factors."""
+        clips = self.dp.all_gather_values(torch.tensor([max_norm], dtype=torch.float64), "clip threshold")[:, 0]
+        error = None if _all_same(clips) else _clip_disagreement(clips, self.dp.rank, "rank")
+        if self.tp is not None:
+            tp_clips = self.tp.all_gather_values(torch.tensor([max_norm], dtype=torch.float64), "clip threshold")[:, 0]
+            error = error or (None if _all_same(tp_clips) else _clip_disagreement(tp_clips, self.tp.rank, "TP rank"))
+        if error is not None:
+            raise CanzonaError(error)
+        self._clip_agreed = max_norm
+
+    def _check_tp(self, error: str | None, got: Tensor, hyper_parameters: int, dp_total: Tensor,
+                  max_norm: float | None) -> tuple[str | None, Tensor]:
+        """The TP ranks of one DP index must all pass, agree on the hyper-parameters, the clip
+        threshold and on which parameters got a gradient, and hold the same gradient of every
+        TP-replicated parameter: a model that forgets to reduce one (say, a QK norm's weight over
+        the heads it was split by), or a scheduler stepped on one TP rank only, would otherwise
+        train the replicas apart without a word. Returns this rank's error (the same on the TP
+        group) and the sum of squares over the whole cluster (each TP rank's DP total, in TP order)."""
         digests = self._replicated_digests()
-        row = torch.cat([torch.tensor([int(error is not None), hyper_parameters], dtype=torch.int64), got,
+        words = torch.tensor([float(dp_total), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)
+        row = torch.cat([torch.tensor([int(error is not None), hyper_parameters], dtype=torch.int64), words, got,
                          digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
+        total = combine_norm_terms(table[:, 2].view(torch.float64))
         if error is not None:
-            return error
+            return error, total
         failed = table[:, 0] != 0
         if failed.any():
-            return f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's check (see their error)"
+            return (f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's check (see their "
+                    "error)"), total
         hyper = table[:, 1]
         if not torch.all(hyper == hyper[0]):
             return (f"TP ranks disagree on the hyper-parameters in param_groups: TP rank(s) "
                     f"{ranks_of(hyper != hyper[self.tp.rank])} differ from TP rank {self.tp.rank} (a scheduler "
-                    "or an edit that ran on some ranks only?)")
-        table = torch.cat([table[:, :1], table[:, 2:]], dim=1)  # drop the digest column
-        got_table = table[:, 1:1 + got.numel()]
+                    "or an edit that ran on some ranks only?)"), total
+        clips = table[:, 3].view(torch.float64)
+        if not _all_same(clips):
+            return _clip_disagreement(clips, self.tp.rank, "TP rank"), total
+        got_table = table[:, 4:4 + got.numel()]
         if not torch.all(got_table == got_table[0]):
             differs = int(torch.nonzero((got_table != got_table[0]).any(dim=0))[0])
             return (f"TP ranks disagree on whether {list(self.params)[differs]!r} got a gradient this step: "
-                    "every TP rank must run the same backward")
-        reps = table[:, 1 + got.numel():].view(self.tp.size, -1, 2)
+                    "every TP rank must run the same backward"), total
+        reps = table[:, 4 + got.numel():].view(self.tp.size, -1, 2)
         bad = torch.nonzero((reps != reps[0]).any(dim=2).any(dim=0)).flatten()
         if bad.numel():
             name = self._replicated[int(bad[0])]
             return (f"the gradient of TP-replicated parameter {name!r} differs between TP ranks: the model "
                     "must reduce it over the TP group (as Megatron's finalize_model_grads or a Replicate "
-                    "DTensor does), and nothing may edit one rank's gradients (clip with "
-                    "optimizer.clip_grad_norm_, not torch.nn.utils.clip_grad_norm_), or the replicas drift apart")
-        return None
+                    "DTensor does), or the replicas drift apart"), total
+        return None, total
 
     def _replicated_digests(self) -> Tensor:
         """Per TP-replicated parameter, (sum, position-weighted sum) in fp64 of this rank's reduced
@@ -248,8 +398,79 @@ class GradientSync:
                 out[i, 0], out[i, 1] = part.sum().cpu(), (part * weights).sum().cpu()
         return out.flatten()
 
+    def unlinked_message(self, name: str) -> str:
+        wrapper = wrapper_holding(self.params.values())
+        return wrapper_message(wrapper) if wrapper is not None else unlinked_message(name)
 
-STALE_GRADIENTS = ("backward accumulated the gradient of {name!r} onto the last step's: call "
+
+def _guard_for(p: Tensor, name: str, owner: Callable[[], GradientSync | None]) -> Tensor:
+    """The guard that stands in `p.grad`: for a DTensor parameter, a DTensor over a guard with the
+    parameter's placements (autograd accumulates a DTensor gradient into it, Partial included)."""
+    local = local_tensor(p)
+    guard = GradGuard(local, local.dtype, local.device, owner, name)
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(guard, p.device_mesh, p.placements, run_check=False)
+    return guard
+
+
+def _on_grad_ready(owner: Callable[[], GradientSync | None], name: str) -> Callable[[Tensor], None]:
+    def hook(_: Tensor) -> None:
+        sync = owner()
+        if sync is not None:  # the optimizer is gone: its hooks do nothing
+            sync._arrive(name)
+    return hook
+
+
+def _clip_word(max_norm: float | None) -> float:
+    """The clip threshold as the checks carry it (0: no clipping in this call)."""
+    return 0.0 if max_norm is None else float(max_norm)
+
+
+def _all_same(values: Tensor) -> bool:
+    return bool(torch.all(values == values[0])) or bool(torch.all(torch.isnan(values)))
+
+
+def _clip_disagreement(clips: Tensor, me: int, member: str) -> str:
+    shown = ", ".join("none" if float(c) == 0 else f"{float(c):g}" for c in clips)
+    return (f"{member}s disagree on the clip threshold (max_norm per {member}: {shown}; {member} {me} is this one): "
+            "every rank must clip alike, or the replicas drift apart")
+
+
+def local_norm_term(segments: list[Tensor]) -> Tensor:
+    """One rank's share of the global gradient norm: the sum of squares of its segments, in order,
+    in fp64 (accumulated in the kernel: no fp64 copy of the gradients)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for s in segments:
+        if s.numel():
+            total += torch.linalg.vector_norm(s, dtype=torch.float64).square().cpu()
+    return total
+
+
+def combine_norm_terms(terms: Tensor) -> Tensor:
+    """Every rank's sum of squares, combined in rank order (reproducible in one process)."""
+    return terms.sum()
+
+
+def _exclude(buf: FlatBuffer, names: set[str], lo: int, hi: int) -> list[Tensor]:
+    """The pieces of `buf.reduced[lo:hi]` that do not belong to `names`."""
+    cut = sorted((max(a, lo), min(b, hi)) for n, (a, b) in buf.offsets.items()
+                 if n in names and max(a, lo) < min(b, hi))
+    out, pos = [], lo
+    for s, e in cut:
+        out.append(buf.reduced[pos:s])
+        pos = e
+    out.append(buf.reduced[pos:hi])
+    return out
+
+
+GUARD_ADVICE = ("Clip with opt.clip_grad_norm_(max_norm) (it returns the global norm of the reduced gradients; "
+                "max_norm=inf only measures it) or DistributedOptimizer(max_grad_norm=...), not "
+                "torch.nn.utils.clip_grad_norm_; with Hugging Face Trainer use canzona.integrations.hf.CanzonaTrainer, "
+                "with accelerate canzona.integrations.accelerate.CanzonaAccelerator; torch.amp.GradScaler is not "
+                "supported (train in bf16)")
+STALE_GRADIENTS = ("backward would accumulate the gradient of {name!r} onto the last step's: call "
                    "optimizer.zero_grad() or model.zero_grad() between steps (after a step the buffers hold "
                    "reduced gradients, which a backward must not add to)")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
@@ -259,8 +480,8 @@ SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backwar
 def unlinked_message(name: str | None) -> str:
     which = f"parameter {name!r} no longer lives" if name else "parameters no longer live"
     return (f"{which} in the optimizer's buffers: the model was moved, cast or had parameters replaced "
-            "after the optimizer was built (model.to(...), load_state_dict(assign=True), ...); build the "
-            "optimizer after those, and load weights with load_state_dict() without assign")
+            "after the optimizer was built (model.to(...), even from cpu to cpu:0, load_state_dict(assign=True), "
+            "...); build the optimizer after those, and load weights with load_state_dict() without assign")
 
 
 def ranks_of(mask: Tensor) -> list[int]:

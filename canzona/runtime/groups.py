@@ -82,13 +82,36 @@ class GroupConfigs:
     def config(self, index: int, group: Mapping[str, Any]) -> Any:
         cfg = self.base[group["kind"]]
         names = [f.name for f in fields(cfg)]
-        key = tuple(_plain(group[n]) for n in names)
+        key = tuple(_plain(_value(group, n)) for n in names)
         cached = self._cache.get(index)
         if cached is None or cached[0] != key:
             current = replace(cfg, **dict(zip(names, key)))
             cached = (key, check_config(group["optimizer"], current))
             self._cache[index] = cached
         return cached[1]
+
+
+def _value(group: Mapping[str, Any], name: str) -> Any:
+    """`group[name]`, except that a `momentum` in a group whose optimizer has `betas` instead (an
+    AdamW group beside Muon) is its beta1: momentum-cycling schedulers (OneCycleLR, CyclicLR) set
+    one key in every group, `momentum` when the optimizer's `defaults` have it, and AdamW's beta1
+    is what they cycle in torch's own AdamW."""
+    if name == "betas" and "momentum" in group:
+        betas = tuple(_plain(group["betas"]))
+        return (_plain(group["momentum"]), *betas[1:])
+    return group[name]
+
+
+def defaults_of(configs: Mapping[str, Any]) -> dict[str, Any]:
+    """torch.optim's `defaults` for a matrix optimizer routed beside AdamW: every hyper-parameter of
+    the matrix optimizer's config, then AdamW's that it lacks (what LR schedulers look up). A
+    momentum optimizer (Muon) hides AdamW's `betas`, so that OneCycleLR / CyclicLR cycle the
+    `momentum` key of every group (AdamW groups read it as beta1) instead of a `betas` key Muon's
+    groups do not have."""
+    matrix, adamw = asdict(configs["matrix"]), asdict(configs["adamw"])
+    if "momentum" in matrix:
+        adamw.pop("betas", None)
+    return {**adamw, **matrix}
 
 
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:

@@ -95,9 +95,14 @@ def muon_lr_ratio(shape: tuple[int, ...], adjust_lr_fn: str) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
 
 
+def muon_state(grad: Tensor, cfg: MuonConfig) -> State:
+    """The state a first step starts from (zeros)."""
+    return {"momentum_buffer": torch.zeros_like(grad)}
+
+
 def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float) -> Update:
     if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(grad)
+        state.update(muon_state(grad, cfg))
     buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - cfg.momentum)
     u = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
@@ -154,6 +159,19 @@ def _soap_refresh_(state: State) -> None:
         state[key] = torch.linalg.qr(gg @ q).Q
 
 
+def soap_state(grad: Tensor, cfg: SOAPConfig) -> State:
+    """The state's fields, zero (the eigenbases too: the first call sets them)."""
+    dtype = _work_dtype(grad)
+    left, right = _soap_sides(tuple(grad.shape), cfg.max_precond_dim)
+    m, n = grad.shape
+
+    def square(k: int, used: bool) -> Tensor | None:
+        return torch.zeros(k, k, dtype=dtype, device=grad.device) if used else None
+    exp = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+    return {"step": 0, "exp_avg": exp, "exp_avg_sq": exp.clone(), "GG_L": square(m, left), "GG_R": square(n, right),
+            "Q_L": square(m, left), "Q_R": square(n, right)}
+
+
 def soap_update(grad: Tensor, state: State, cfg: SOAPConfig, lr: float) -> Update | None:
     """None on the first call, which only initialises the eigenbases (no update, no decay)."""
     dtype = _work_dtype(grad)
@@ -162,10 +180,7 @@ def soap_update(grad: Tensor, state: State, cfg: SOAPConfig, lr: float) -> Updat
     beta_s = cfg.shampoo_beta if cfg.shampoo_beta >= 0 else beta2
     if "step" not in state:
         left, right = _soap_sides(tuple(g.shape), cfg.max_precond_dim)
-        m, n = g.shape
-        state.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g),
-                     GG_L=torch.zeros(m, m, dtype=dtype, device=g.device) if left else None,
-                     GG_R=torch.zeros(n, n, dtype=dtype, device=g.device) if right else None)
+        state.update(soap_state(g, cfg))
         _soap_statistics_(g, state, beta_s)
         state["Q_L"] = _descending_eigenvectors(state["GG_L"], cfg.eig_eps) if left else None
         state["Q_R"] = _descending_eigenvectors(state["GG_R"], cfg.eig_eps) if right else None
@@ -195,21 +210,27 @@ def inverse_root(s: Tensor, root: int, eps: float) -> Tensor:
     return (vectors * powered) @ vectors.T
 
 
+def shampoo_state(grad: Tensor, cfg: ShampooConfig) -> State:
+    """The state a first step starts from: zero statistics, identity roots."""
+    dtype = _work_dtype(grad)
+    m, n = grad.shape
+    max_dim = cfg.max_preconditioner_dim
+    eye = lambda k: torch.eye(k, dtype=dtype, device=grad.device)  # noqa: E731
+    zeros = lambda k: torch.zeros(k, k, dtype=dtype, device=grad.device)  # noqa: E731
+    exp = torch.zeros(grad.shape, dtype=dtype, device=grad.device)
+    return {"step": 0, "L": zeros(m) if m <= max_dim else None, "R": zeros(n) if n <= max_dim else None,
+            "L_root": eye(m) if m <= max_dim else None, "R_root": eye(n) if n <= max_dim else None,
+            "exp_avg": exp, "exp_avg_sq": exp.clone()}
+
+
 def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
     if cfg.grafting and cfg.betas[1] == 1:
         raise ValueError("Shampoo grafting needs betas[1] < 1 (its AdamW second moment would be 0/0)")
     dtype = _work_dtype(grad)
     g = grad.to(dtype)
     beta1, beta2 = cfg.betas
-    m, n = g.shape
     if "step" not in state:
-        max_dim = cfg.max_preconditioner_dim
-        eye = lambda k: torch.eye(k, dtype=dtype, device=g.device)  # noqa: E731
-        state.update(step=0,
-                     L=torch.zeros(m, m, dtype=dtype, device=g.device) if m <= max_dim else None,
-                     R=torch.zeros(n, n, dtype=dtype, device=g.device) if n <= max_dim else None,
-                     L_root=eye(m) if m <= max_dim else None, R_root=eye(n) if n <= max_dim else None,
-                     exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))
+        state.update(shampoo_state(g, cfg))
     state["step"] += 1
     step = state["step"]
     for key, outer in (("L", lambda: g @ g.T), ("R", lambda: g.T @ g)):
@@ -240,10 +261,15 @@ def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) ->
 # --- AdamW (elementwise, applied to shards directly) ------------------------------------------
 
 
+def adamw_state(param: Tensor) -> State:
+    """The state a first step starts from (zeros, in the dtype of what it updates)."""
+    return {"step": 0, "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+
 def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float) -> None:
     """torch.optim.AdamW's single-tensor step, in the same operation order."""
     if "step" not in state:
-        state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+        state.update(adamw_state(param))
     beta1, beta2 = cfg.betas
     state["step"] += 1
     step = state["step"]
@@ -256,3 +282,5 @@ def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr:
 
 
 MATRIX_KERNELS = {"muon": muon_update, "soap": soap_update, "shampoo": shampoo_update}
+# each kernel's state before its first step, from a gradient of the matrix's shape and dtype
+INITIAL_STATES = {"muon": muon_state, "soap": soap_state, "shampoo": shampoo_state}

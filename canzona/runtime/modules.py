@@ -39,6 +39,7 @@ from torch import nn
 from canzona.errors import PlanError, SpecError
 from canzona.runtime.kernels import TORCH_DTYPES
 from canzona.runtime.shards import dtensor_tp_dim, is_dtensor, megatron_tp_dim
+from canzona.runtime.wrappers import module_wrapper, wrapper_message
 from canzona.spec import ModelSpec, ParamSpec, Role
 
 __all__ = [
@@ -49,8 +50,9 @@ __all__ = [
     "spec_from_module",
 ]
 
-# Attribute names that wrappers insert between a model and its parameters: DDP / DataParallel /
-# Megatron's Float16Module, torch.compile, FSDP (v1), activation checkpointing.
+# Attribute names that wrappers insert between a model and its parameters: Megatron's Float16Module (and
+# DDP / DataParallel, whose models the optimizer refuses: canzona.runtime.wrappers),
+# torch.compile, FSDP (v1, refused too), activation checkpointing.
 WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks"})
 # HF Llama/Qwen, torchtitan, Megatron, GPT-2 (token and position embeddings)
@@ -72,8 +74,16 @@ def canonical_name(name: str) -> str:
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """(canonical name, parameter) for the trainable parameters: what to give the optimizer."""
+    """(canonical name, parameter) for the trainable parameters: what to give the optimizer. A
+    model wrapped in DDP or sharded by FSDP is refused (`canzona.runtime.wrappers`)."""
+    _refuse_data_parallel_wrappers(model)
     yield from _trainable_parameters(model)
+
+
+def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
+    kind = module_wrapper(model)
+    if kind is not None:
+        raise SpecError(wrapper_message(kind))
 
 
 def _trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -301,6 +311,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
     """The `ModelSpec` of `model`'s trainable parameters (see the module docstring)."""
     if not isinstance(model, nn.Module):
         raise SpecError(f"from_module needs a torch.nn.Module, got {type(model).__name__}")
+    _refuse_data_parallel_wrappers(model)
     _check_tp_size(tp_size)
     params = dict(_trainable_parameters(model))
     if not params:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +48,17 @@ from canzona.runtime import checkpoint
 from canzona.runtime.buffers import FlatBuffer
 from canzona.runtime.comm import Comm, PendingWork, check_reduce_scatter_impl
 from canzona.runtime.executor import MatrixStep
-from canzona.runtime.gradients import GradientSync
+from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
+    defaults_of,
     hyper_parameters_digest,
     user_groups,
 )
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_
 from canzona.runtime.shards import check_local_param, local_tensor
+from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec
 from canzona.step_policies import (
     PARAMS_BY_OWNER,
@@ -65,6 +68,8 @@ from canzona.step_policies import (
     get_step_policy,
 )
 from canzona.step_schedule import PIPELINED, TPSchedule, check_tp_mode, tp_schedule
+
+log = logging.getLogger("canzona")
 
 
 def _config(name: str, given: Any) -> Any:
@@ -98,6 +103,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     fp32 optimizer state by default; the bf16 working copy is refreshed after each step.
     `master_weights=False` keeps everything in the parameters' dtype.
 
+    `max_grad_norm`: clip the reduced gradients to this global 2-norm inside `step()` (Megatron's
+    `clip_grad`; None: no clipping there, `clip_grad_norm_()` still clips). `nonfinite`: what a
+    step whose global gradient norm is NaN or Inf does, before anything is updated: `raise` (a
+    `CanzonaError` on every rank) or `skip` (every rank skips it, as `torch.amp.GradScaler`
+    skips; counted in `skipped_steps` and logged on the `canzona` logger).
+
+    Gradients: backward hooks move each gradient into the optimizer's buffers and leave a guard
+    in `.grad` until `zero_grad()` (`canzona.runtime.grad_guard`): reading or writing it between
+    backward and `step()` (torch's `clip_grad_norm_`, GradScaler, DDP) is one error on every rank.
+
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
@@ -123,10 +138,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tp_policy: str = "greedy-rollback",
         tp_mode: str = PIPELINED,
         reduce_scatter: str = "exact",
+        max_grad_norm: float | None = None,
+        nonfinite: str = "raise",
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
             raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if max_grad_norm is not None and not (is_finite_number(max_grad_norm) and max_grad_norm > 0):
+            raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._nonfinite = nonfinite
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
         self.tp_mode = check_tp_mode(tp_mode)
@@ -152,8 +176,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)
         self._check_agreement(param_groups)
 
-        super().__init__(param_groups, {})
-        self._configs = GroupConfigs({"matrix": self.matrix_cfg, "adamw": self.adamw_cfg})
+        configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
+        super().__init__(param_groups, {})  # every group holds all of its optimizer's keys already
+        # what LR schedulers read (OneCycleLR's momentum cycling); set after the groups are added,
+        # as torch fills every key of `defaults` into every group, including the other optimizer's
+        self.defaults = defaults_of(configs)
+        # torch.distributed.checkpoint's get/set_optimizer_state_dict take an empty `state` for an
+        # optimizer that never stepped and run a zero-gradient step to fill it (a collective, and
+        # a change of momentum); this optimizer's state lives in its own structures
+        self.state = _StateHeldElsewhere()
+        self._configs = GroupConfigs(configs)
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
 
@@ -164,7 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights and low)
         reduce_dtype = torch.float32 if self.master_weights else None
         self.grads = GradientSync(self.params, spec, self.plan, self.policy, self.comm, self.tp_comm, align,
-                                  reduce_dtype)
+                                  reduce_dtype, nonfinite)
         self._index = self.grads.index
         grad_dtype = self.grads.buckets[0].reduced.dtype  # what the matrices' gradients are reduced in
         update_dtype = torch.float32 if self.master_weights else grad_dtype
@@ -193,6 +225,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, p in pairs:
                 if name in params:
                     raise SpecError(f"parameter {name!r} is given twice")
+                if _is_fsdp_flat_parameter(p):
+                    raise SpecError(wrapper_message("FSDP (FullyShardedDataParallel)"))
                 if not p.requires_grad:
                     raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
                                     "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
@@ -232,6 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             "plan": self.plan.hash(),
             "policy": f"{self.policy.name} ({self.tp_mode}, reduce-scatter {self.comm.reduce_scatter_impl})",
+            "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
         dp_facts = {**shared, "TP rank": str(self.tp_rank),
@@ -262,48 +297,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with self.grads.no_sync():
             yield
 
-    def _prepare_step(self) -> Tensor:
-        return self.grads.prepare(hyper_parameters_digest(self.param_groups))
+    def _prepare_step(self, max_norm: float | None = None) -> StepCheck:
+        return self.grads.prepare(hyper_parameters_digest(self.param_groups), max_norm)
+
+    @property
+    def nonfinite(self) -> str:
+        """What a step with a NaN / Inf gradient norm does: `raise` or `skip` (fixed at construction,
+        as the ranks must agree on it)."""
+        return self._nonfinite
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *reduced* gradients to a global norm of at most `max_norm`; return the norm
-        before clipping (for logging). Collective: call it on every rank, after backward and before
-        `step()`. Every gradient element counts once across DP and TP ranks, as in a single-device run.
+        before clipping (for logging). `max_norm=inf` only measures it. Collective: call it on every
+        rank, after backward and before `step()`, with the same `max_norm` (ranks are checked to
+        agree). Every gradient element counts once across DP and TP ranks, as in a single-device run.
 
-        `torch.nn.utils.clip_grad_norm_` on the model is wrong here: it sees each rank's local,
-        unreduced gradients, so ranks would clip by different factors."""
-        if not (is_finite_number(max_norm) and max_norm > 0):
-            raise SpecError(f"max_norm must be a positive number, got {max_norm!r}")
+        `torch.nn.utils.clip_grad_norm_` on the model cannot work here: `.grad` holds guards while
+        the gradients are being reduced, and it raises (one line naming this method)."""
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        self._prepare_step()
-        term = local_norm_term(self._norm_segments(), norm_type)
-        term = combine_norm_terms(self.comm.all_gather_values(term.reshape(1).cpu(), "gradient norm")[:, 0], norm_type)
-        if self.tp_comm is not None:  # each TP rank's DP total, combined in TP-rank order
-            term = combine_norm_terms(self.tp_comm.all_gather_values(term.reshape(1), "gradient norm")[:, 0],
-                                      norm_type)
-        total = term.sqrt() if norm_type == 2.0 else term
-        coefficient = min(1.0, max_norm / (float(total) + 1e-6))
+        check = self._prepare_step(float(max_norm))
+        if norm_type == math.inf:
+            total = self._inf_norm()
+        else:
+            total = check.norm
+        if math.isfinite(total):
+            self._clip(float(max_norm), total)
+        return torch.tensor(total, dtype=torch.float32)
+
+    def _clip(self, max_norm: float, norm: float) -> None:
+        """Scale the reduced gradients by `max_norm / norm` when that is below 1 (torch's rule), and
+        remember the norm they now have, so that clipping twice does not clip twice."""
+        coefficient = min(1.0, max_norm / (norm + 1e-6))
         if coefficient < 1.0:
             for buf in self.grads.all_buffers():
                 buf.reduced.mul_(coefficient)
-        return total.to(torch.float32)
+            self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
 
-    def _norm_segments(self) -> list[Tensor]:
-        """This rank's share of the gradient elements, each element of the model counted once in the
-        cluster: TP-replicated parameters count on TP rank 0 only."""
-        if self.tp_comm is None or self.tp_rank == 0:
-            return self.grads.segments()
-        replicated = {p.name for p in self.spec.params if p.tp_dim is None}
-        r = self.rank
-        out = []
-        for k, buf in enumerate(self.grads.buckets):
-            c = self.grads.grad_cuts(k)
-            out += _exclude(buf, replicated, c[r], c[r + 1])
-        cuts = self.grads.adamw_cuts
-        out += _exclude(self.grads.adamw, replicated, cuts[r], cuts[r + 1])
-        return out
+    def _inf_norm(self) -> float:
+        """The largest gradient magnitude in the cluster (two more small all-gathers: the step check
+        carries the 2-norm only)."""
+        segments = [s for s in self.grads.norm_segments() if s.numel()]
+        term = max((s.abs().max().double().cpu() for s in segments), default=torch.zeros((), dtype=torch.float64))
+        term = self.comm.all_gather_values(term.reshape(1), "gradient norm")[:, 0].max()
+        if self.tp_comm is not None:
+            term = self.tp_comm.all_gather_values(term.reshape(1), "gradient norm")[:, 0].max()
+        return float(term)
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -321,11 +363,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        got = self._prepare_step()
-        self.matrix_step.run(grad=self.grads.reduced, target=self._target, applied=self._refresh_working_copy,
-                             config=self._matrix_config, got=lambda name: bool(got[self._index[name]]))
-        self._adamw_step(got)
-        self._gather_params()
+        check = self._prepare_step(self.max_grad_norm)
+        for i, group in enumerate(self.param_groups):  # every hyper-parameter valid before anything changes
+            self._configs.config(i, group)
+        if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
+            self.skipped_steps += 1
+            log.warning("canzona: skipped step %d: the global gradient norm is %s (%d skipped so far)",
+                        self.comm.log.step + 1, check.norm, self.skipped_steps)
+        else:
+            if self.max_grad_norm is not None:
+                self._clip(self.max_grad_norm, check.norm)
+            got = check.got
+            self.matrix_step.run(grad=self.grads.reduced, target=self._target, applied=self._refresh_working_copy,
+                                 config=self._matrix_config, got=lambda name: bool(got[self._index[name]]))
+            self._adamw_step(got)
+            self._gather_params()
         self.comm.log.step += 1
         if self.tp_comm is not None:
             self.tp_comm.log.step += 1
@@ -392,9 +444,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     adamw.data[s:e].copy_(target)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers; the `.grad` views stay attached (`set_to_none` is
-        accepted for compatibility: a view cannot be None). `model.zero_grad()` works too."""
+        """Every `.grad` becomes None (`set_to_none=False` too: the gradients live in the
+        optimizer's buffers, and the next backward replaces them). `model.zero_grad()`, with either
+        setting, works the same."""
         self.grads.zero_grad()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "grads", None) is not None:  # torch's __init__ adds the constructor's groups
+            raise SpecError("parameters cannot be added to a DistributedOptimizer after construction: its plan "
+                            "lays out every parameter; build it with all the groups")
+        super().add_param_group(param_group)
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -476,33 +535,6 @@ PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = 
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def local_norm_term(segments: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """One rank's share of the global gradient norm, in fp64: the sum of squares of its segments
-    (in order), or their largest magnitude for the inf-norm."""
-    segments = [s.double() for s in segments if s.numel()]
-    if norm_type == 2.0:
-        return sum((s.square().sum() for s in segments), torch.zeros((), dtype=torch.float64))
-    return max((s.abs().max() for s in segments), default=torch.zeros((), dtype=torch.float64))
-
-
-def combine_norm_terms(terms: Tensor, norm_type: float = 2.0) -> Tensor:
-    """Every rank's term, combined in rank order (reproducible in one process): still a sum of
-    squares (take its square root for the 2-norm) or a largest magnitude."""
-    return terms.sum() if norm_type == 2.0 else terms.max()
-
-
-def _exclude(buf: FlatBuffer, names: set[str], lo: int, hi: int) -> list[Tensor]:
-    """The pieces of `buf.reduced[lo:hi]` that do not belong to `names`."""
-    cut = sorted((max(a, lo), min(b, hi)) for n, (a, b) in buf.offsets.items()
-                 if n in names and max(a, lo) < min(b, hi))
-    out, pos = [], lo
-    for s, e in cut:
-        out.append(buf.reduced[pos:s])
-        pos = e
-    out.append(buf.reduced[pos:hi])
-    return out
-
-
 @torch.no_grad()
 def _parameters_checksum(params: Iterable[Tensor]) -> str:
     """Cheap and position-aware: per parameter, its sum and its row sums weighted by row index,
@@ -539,3 +571,20 @@ def _process_groups(group: dist.ProcessGroup | DeviceMesh | None,
         raise SpecError(f"the device mesh has dimensions {names}; canzona runs over 'dp' and 'tp' only "
                         "(give it mesh['dp', 'tp'])")
     return group.get_group("dp"), group.get_group("tp") if "tp" in names else None
+
+
+def _is_fsdp_flat_parameter(p: Tensor) -> bool:
+    """FSDP (v1) flattens a module's parameters into one FlatParameter per wrapped unit."""
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # pragma: no cover - builds without distributed support
+        return False
+    return isinstance(p, FlatParameter)
+
+
+class _StateHeldElsewhere(dict):
+    """torch.optim's `state`, always true: see the constructor. The optimizer's state lives in
+    `matrix_state`, `adamw_state` and `master`, on the ranks that hold it."""
+
+    def __bool__(self) -> bool:
+        return True

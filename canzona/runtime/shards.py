@@ -51,15 +51,6 @@ def link_data(p: Tensor, view: Tensor) -> None:
     local_tensor(p).data = view
 
 
-def grad_holder(p: Tensor, view: Tensor) -> Tensor:
-    """What to assign to `p.grad` so that backward accumulates into `view`: the view itself, or,
-    for a DTensor, a DTensor over it with the parameter's placements (autograd then reduces a
-    `Partial` gradient into it)."""
-    if is_dtensor(p):
-        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
-    return view
-
-
 def local_grad(p: Tensor) -> Tensor | None:
     """The local part of `p.grad` in the parameter's own placement (None if there is none)."""
     g = p.grad
@@ -107,8 +98,12 @@ def check_local_param(name: str, p: Tensor, spec: ParamSpec, tp: int, tp_ranks: 
                             f"spec says {spec.shape}")
         mesh_ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
         if tp_ranks is None and len(mesh_ranks) > 1:
-            raise PlanError(f"parameter {name!r} is a DTensor split over ranks {mesh_ranks}, but the optimizer "
-                            "has no TP group: give it a device mesh with a 'tp' dimension (or tp_group=)")
+            dims = p.device_mesh.mesh_dim_names or ()
+            raise PlanError(f"parameter {name!r} is a DTensor split over ranks {mesh_ranks} (mesh dimensions "
+                            f"{dims or 'unnamed'}), but the optimizer has no TP group: a model sharded by FSDP2 "
+                            "(fully_shard) cannot be given to canzona's DistributedOptimizer, which needs whole "
+                            "parameters on every data-parallel rank (give it the model without FSDP); a "
+                            "tensor-parallel model needs the device mesh with its 'tp' dimension (or tp_group=)")
         if tp_ranks is not None and mesh_ranks != list(tp_ranks):
             raise PlanError(f"parameter {name!r} is a DTensor on ranks {mesh_ranks}, but this rank's TP "
                             f"group is {list(tp_ranks)}")

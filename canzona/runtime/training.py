@@ -333,7 +333,7 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
             grads: Gradients | None = None) -> dict[str, Tensor]:
     """The same kernels in one process, fed the global gradients of a `dp`-rank run (recomputed
     with the single-device model, or `grads` as recorded by the ranks of a TP run)."""
-    from canzona.runtime.checkpoint import STATE_FORMAT
+    from canzona.runtime.checkpoint import state_by_name
 
     spec.check(dp)
     model = build_model(spec)
@@ -343,12 +343,11 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
     states: dict[str, dict] = {}
     if load is not None:
         params, saved = load
-        assert saved["format"] == STATE_FORMAT
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(params[name])
         states = {n: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
-                  for n, s in saved["state"].items()}
+                  for n, s in state_by_name(saved)[2].items()}
     kernel = MATRIX_KERNELS[spec.optimizer]
     masters = {n: p.detach().to(reduce_dtype(spec, p.dtype), copy=True) for n, p in model.named_parameters()}
     for name, state in states.items():  # a checkpoint's fp32 masters are the weights to continue from

@@ -1,0 +1,124 @@
+"""What a parameter's `.grad` holds while the optimizer owns its gradient (docs/design.md §8.3).
+
+The optimizer reduces gradients out of its own flat buffers, from backward hooks, while the user's
+code still runs: a collective may be reading or writing that memory until `step()`. So `.grad` is
+never a view of it. Backward writes a gradient into a fresh `.grad` (torch's `set_to_none`
+default), the hook moves it into the buffer and leaves a `GradGuard` in its place: a tensor with
+the gradient's shape, dtype and device but no storage, whose every use is refused with one line
+saying what to use instead. A guard has one of three states, kept by the optimizer:
+
+- `ACCUMULATING` (a backward under `no_sync()`): autograd's next accumulation (`grad += g`) is
+  routed into the buffer; anything else is refused (the gradient is local and incomplete);
+- `REDUCING` (after the synchronising backward, until `step()`): the gradient is being reduced
+  across ranks. Reading it (torch's `clip_grad_norm_`, logging a norm, DDP's reducer, GradScaler)
+  or writing it (`clip_grad_value_`, scaling) is refused, and so is a second backward;
+- `STEPPED` (after `step()`): the buffer holds what the step consumed; a backward that would add
+  onto it is refused.
+
+`zero_()` (what `model.zero_grad(set_to_none=False)` calls) drops an accumulating or stepped
+gradient, as `set_to_none` would; a gradient being reduced cannot be zeroed.
+
+`model.zero_grad()` (set_to_none) replaces a guard by None, which the optimizer sees. Metadata
+(`.shape`, `.dtype`, `is not None`) works, and so do aliases (`.detach()`, `.data`): DTensor
+gradients wrap a guard as their local tensor.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from canzona.errors import CanzonaError
+
+aten = torch.ops.aten
+
+
+class GradState(enum.Enum):
+    ACCUMULATING = "accumulating"
+    REDUCING = "reducing"
+    STEPPED = "stepped"
+
+
+# alias-making ops: the result is another guard of the same gradient (DTensor.from_local views its
+# local tensor; `.data` and `.detach()` alias)
+_ALIASES = frozenset({aten.alias.default, aten.detach.default, aten.view.default, aten._unsafe_view.default,
+                      aten.reshape.default, aten.view_as.default, aten.expand.default, aten.t.default,
+                      aten.transpose.int, aten.as_strided.default})
+_IN_PLACE_ADDS = frozenset({aten.add_.Tensor})
+_ZEROS = frozenset({aten.zero_.default})
+
+
+class GuardOwner(Protocol):
+    """What a guard asks of the optimizer (`GradientSync` implements it)."""
+
+    def guard_state(self, name: str) -> GradState:
+        """The state of `name`'s gradient."""
+
+    def accumulate(self, name: str, grad: Tensor) -> None:
+        """Add `grad` (local) to `name`'s gradient in the buffer."""
+
+    def dropped(self, name: str) -> None:
+        """`name`'s gradient was zeroed by the user: drop it (its `.grad` becomes None)."""
+
+    def refusal(self, name: str, what: str, in_backward: bool) -> str:
+        """The one-line error for using `name`'s guarded gradient with op `what`."""
+
+
+class GradGuard(Tensor):
+    """Stands in `param.grad` (or, for a DTensor parameter, in its gradient's local tensor)."""
+
+    _owner: Callable[[], GuardOwner | None]
+    _name: str
+
+    @staticmethod
+    def __new__(cls, like: Tensor | torch.Size, dtype: torch.dtype, device: torch.device,
+                owner: Callable[[], GuardOwner | None], name: str) -> GradGuard:
+        shape = like.shape if isinstance(like, Tensor) else like
+        guard = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        guard._owner = owner  # a weak reference: a guard left in a model must not keep the optimizer alive
+        guard._name = name
+        return guard
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # everything happens in __new__
+        pass
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # printing must not fail (debuggers, logs)
+        owner = self._owner()
+        state = owner.guard_state(self._name).value if owner is not None else "released"
+        return (f"GradGuard({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, {state}: the "
+                "gradient lives in canzona's DistributedOptimizer)")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        guard = next(a for a in (*args, *kwargs.values()) if isinstance(a, GradGuard))
+        owner = guard._owner()
+        if owner is None:
+            raise CanzonaError(f"the gradient of {guard._name!r} belonged to a DistributedOptimizer that no longer "
+                               "exists: call model.zero_grad() before using the model with another optimizer")
+        if func in _ALIASES:
+            shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
+            return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
+        state = owner.guard_state(guard._name)
+        if func in _IN_PLACE_ADDS and args[0] is guard and state is GradState.ACCUMULATING \
+                and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard):
+            owner.accumulate(guard._name, args[1])  # autograd's accumulation under no_sync()
+            return guard
+        if func in _ZEROS and state is not GradState.REDUCING:
+            # model.zero_grad(set_to_none=False) after a step, or between micro-batches: the
+            # gradient is dropped, as set_to_none would drop it
+            owner.dropped(guard._name)
+            return guard
+        in_backward = torch._C._current_graph_task_id() != -1
+        raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
+
+
+def is_guard(t: Tensor | None) -> bool:
+    """`t` is a guard, or a DTensor gradient whose local tensor is one."""
+    if t is None:
+        return False
+    return isinstance(t, GradGuard) or isinstance(getattr(t, "_local_tensor", None), GradGuard)
