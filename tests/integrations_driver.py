@@ -112,11 +112,24 @@ def run_loop(out: Path) -> dict[str, Any]:
 
 
 def refusals(accelerator: CanzonaAccelerator, model: torch.nn.Module) -> dict[str, str]:
-    """What the accelerator refuses, each a local check (no collective)."""
+    """What the accelerator refuses, each found by a local check (no collective) on every rank."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
     params = list(model.parameters())
+    other = trainer_example.build_model(SETUP)  # a second model and its optimizer, to prepare wrongly
+    other_opt = DistributedOptimizer(named_parameters(other), ModelSpec.from_module(other))
+    wrapped = torch.nn.parallel.DistributedDataParallel(other)
+
+    def loose_parameter() -> None:
+        other.extra = torch.nn.Parameter(torch.zeros(1))  # trainable, and no optimizer holds it
+        accelerator.prepare(other, other_opt)
+
     attempts = {
         "clip a subset": lambda: accelerator.clip_grad_norm_(params[:3], 1.0),
         "clip_grad_value_": lambda: accelerator.clip_grad_value_(params, 0.1),
+        "a DDP model": lambda: accelerator.prepare(wrapped, other_opt),
+        "a loose parameter": loose_parameter,
     }
     out = {}
     for what, attempt in attempts.items():

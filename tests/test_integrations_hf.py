@@ -230,10 +230,13 @@ def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
 
 
 @pytest.mark.distributed
-def test_the_accelerator_refuses_clipping_it_cannot_do_right(ranks):
+def test_the_accelerator_refuses_what_it_cannot_do_right(ranks):
     refused = scenario(ranks, "accelerate")[0]["refusals"]
     assert refused["clip a subset"].startswith("CanzonaError: clip_grad_norm_ got a subset")
     assert refused["clip_grad_value_"].startswith("CanzonaError: clip_grad_value_ is not supported")
+    assert refused["a DDP model"].startswith("CanzonaError: the model is wrapped in DistributedDataParallel")
+    assert refused["a loose parameter"].startswith("CanzonaError: parameter 'extra' requires gradients but no "
+                                                   "canzona optimizer holds it")
     assert all("\n" not in message for message in refused.values())
 
 
