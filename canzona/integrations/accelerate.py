@@ -1,0 +1,349 @@
+"""`CanzonaAccelerator`: accelerate's training loop over canzona's `DistributedOptimizer`.
+
+A canzona optimizer owns its parameters' storage (`.data` and `.grad` are views into its flat
+buffers) and reduces the gradients itself, from backward hooks. A plain `accelerate.Accelerator`
+breaks both: `prepare()` moves the model to `accelerator.device` (on CPU that is `cpu:0`, and
+`tensor.to("cpu:0")` copies even a CPU tensor), which takes the parameters out of the buffers, and
+wraps it in `DistributedDataParallel`, which would reduce the gradients a second time; its
+`clip_grad_norm_` would clip each rank's local gradients by a local norm.
+
+`CanzonaAccelerator` is a drop-in subclass: a standard loop changes in the class name only.
+
+    accelerator = CanzonaAccelerator(gradient_accumulation_steps=2)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    for batch in loader:
+        with accelerator.accumulate(model):           # micro-batches run under opt.no_sync()
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:            # the global norm of the reduced gradients
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); sched.step(); opt.zero_grad()
+
+For a model whose parameters a canzona optimizer holds:
+- `prepare` neither moves it (its parameters must be on `accelerator.device` already, in any
+  spelling: `cpu` is `cpu:0`) nor wraps it in DDP; mixed-precision autocast and `torch.compile`
+  still apply. fp16 (its GradScaler), DeepSpeed, FSDP, Megatron-LM, XLA and a
+  `parallelism_config` are refused: each reduces or shards gradients or parameters itself;
+- `no_sync(model)` and `accumulate(model)` enter `opt.no_sync()`;
+- `clip_grad_norm_(model.parameters(), max_norm)` is `opt.clip_grad_norm_(max_norm)`: clips by the
+  global norm of the reduced gradients and returns it (`max_norm=inf`: the norm only). Any other
+  set of parameters (a subset, or one mixing in another optimizer's) is refused, as is
+  `clip_grad_value_`;
+- `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
+  accelerate's safetensors writer drops every tensor that shares storage with another, and all the
+  parameters share the optimizer's buffers;
+- `save_state` / `load_state` write and read the optimizer with `torch.distributed.checkpoint`
+  (`canzona_optimizer_<i>/` beside accelerate's files): each rank writes what it holds and any DP
+  size reads it back. Call both on every rank, as accelerate asks.
+
+Everything else (data loaders, schedulers, other models and optimizers) is accelerate's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import Tensor, nn
+
+from canzona.errors import CanzonaError
+from canzona.runtime.optimizer import DistributedOptimizer
+from canzona.runtime.shards import local_tensor
+
+TESTED_ACCELERATE = "1.15.0"
+OPTIMIZER_DIR = "canzona_optimizer"  # save_state writes canzona optimizer i to <dir>/canzona_optimizer_<i>
+# Distributed types that reduce or shard gradients or parameters themselves
+REFUSED_TYPES = {
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.FSDP: "FSDP",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+    DistributedType.XLA: "XLA",
+}
+DDP_REFUSED = ("the model is wrapped in DistributedDataParallel, which would reduce the gradients a second "
+               "time: give the plain model and its canzona optimizer to one accelerator.prepare(model, optimizer, "
+               "...) call")
+CLIP_VALUE_REFUSED = ("clip_grad_value_ is not supported with a canzona DistributedOptimizer (each rank holds only "
+                      "its share of the reduced gradients): clip by the global norm with "
+                      "accelerator.clip_grad_norm_(model.parameters(), max_norm)")
+
+
+def canzona_optimizer(optimizer: Any) -> DistributedOptimizer | None:
+    """The canzona optimizer `optimizer` is or wraps (accelerate's `AcceleratedOptimizer` keeps
+    the wrapped one in `.optimizer`), else None."""
+    for _ in range(8):  # a wrapper of a wrapper at most, in practice
+        if optimizer is None or isinstance(optimizer, DistributedOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether `a` and `b` name the same memory: `cpu` and `cpu:0` do (yet `.to()` between them
+    copies), as do `cuda` and `cuda:<current device>`."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.type == "cpu" or _index(a) == _index(b)
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    current = getattr(getattr(torch, device.type, None), "current_device", None)
+    return int(current()) if current is not None else 0
+
+
+def check_on_device(params: Iterable[tuple[str, Tensor]], device: torch.device | str) -> None:
+    """Every parameter already lives on `device`: a canzona model cannot be moved after its
+    optimizer was built (the move would copy the parameters out of the optimizer's buffers)."""
+    for name, p in params:
+        where = local_tensor(p).device
+        if not same_device(where, device):
+            raise CanzonaError(f"parameter {name!r} is on {where} but training runs on {device}: move the model "
+                               "there before building the DistributedOptimizer (a move afterwards would copy the "
+                               "parameters out of the optimizer's buffers)")
+
+
+def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """`state` with every tensor copied into storage of its own; entries that were one tensor
+    (tied weights) stay one copy, so that safetensors writers drop the duplicate as usual."""
+    copies: dict[tuple, Tensor] = {}
+    out: OrderedDict[str, Any] = OrderedDict()  # accelerate's writer cleans aliases of OrderedDicts only
+    for key, value in state.items():
+        if isinstance(value, Tensor):
+            same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+            if same not in copies:
+                copies[same] = value.detach().clone()
+            value = copies[same]
+        out[key] = value
+    return out
+
+
+def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
+    return [parameters] if isinstance(parameters, Tensor) else list(parameters)
+
+
+def _ids(opt: DistributedOptimizer) -> set[int]:
+    return {id(p) for p in opt.params.values()}
+
+
+class _LoadInPlace(nn.Module):
+    """What `load_state` hands accelerate in place of a model whose parameters a canzona optimizer
+    holds. safetensors' `load_model` refuses a model whose tensors are views of a larger storage
+    (it looks for one covering the whole storage to keep); this stand-in shows it the values in
+    storage of their own and loads into the real parameters in place (no `assign`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = [model]  # a list, so that the model is not registered as a submodule
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return own_storage(self._model[0].state_dict(*args, **kwargs))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise CanzonaError("load_state_dict(assign=True) would take the parameters out of the canzona "
+                               "optimizer's buffers: load without assign")
+        return self._model[0].load_state_dict(state_dict, strict=strict)
+
+
+class CanzonaAccelerator(Accelerator):
+    """`accelerate.Accelerator` for models whose parameters a canzona `DistributedOptimizer` holds
+    (see the module's docstring). It keeps no state of its own beyond what `prepare` is given, so
+    that `CanzonaTrainer` can make the Trainer's accelerator one after the Trainer built it."""
+
+    # --- preparation -------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        given = [o for o in map(canzona_optimizer, args) if o is not None]
+        # prepare_model may run before prepare_optimizer (argument order): it looks here too
+        self._canzona_given = given
+        try:
+            return super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._canzona_given = []
+
+    def canzona_optimizers(self) -> list[DistributedOptimizer]:
+        """The canzona optimizers prepared so far (and those of the `prepare` call under way)."""
+        out: list[DistributedOptimizer] = list(getattr(self, "_canzona_given", []))
+        for o in getattr(self, "_optimizers", []):
+            inner = canzona_optimizer(o)
+            if inner is not None and all(inner is not x for x in out):
+                out.append(inner)
+        return out
+
+    def _holders(self, params: Iterable[Tensor]) -> list[DistributedOptimizer]:
+        """The canzona optimizers holding any of `params`."""
+        ids = {id(p) for p in params}
+        return [o for o in self.canzona_optimizers() if ids & _ids(o)]
+
+    def _check_supported(self) -> None:
+        kind = REFUSED_TYPES.get(self.distributed_type)
+        if kind is not None:
+            raise CanzonaError(f"{kind} is not supported with a canzona DistributedOptimizer, which reduces the "
+                               "gradients and shards the optimizer state itself: run accelerate's plain multi-GPU "
+                               "(or multi-CPU) data parallelism")
+        if self.scaler is not None:
+            raise CanzonaError("mixed_precision='fp16' needs a GradScaler, which canzona does not support (gradients "
+                               "are reduced during backward, before it could unscale them): use mixed_precision="
+                               "'bf16' or 'no'")
+        if getattr(self, "parallelism_config", None) is not None:
+            raise CanzonaError("accelerate's parallelism_config is not supported with a canzona DistributedOptimizer: "
+                               "give the optimizer its data- and tensor-parallel groups (group=mesh) instead")
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        holders = self._holders(model.parameters())
+        if not holders:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._check_supported()
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise CanzonaError(DDP_REFUSED)
+        held = set().union(*map(_ids, holders))
+        loose = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+        if loose:
+            raise CanzonaError(f"parameter {loose[0]!r} requires gradients but no canzona optimizer holds it "
+                               f"({len(loose)} such): without DDP nothing would reduce its gradient; give every "
+                               "trainable parameter to the DistributedOptimizer, or freeze it")
+        if self.device_placement if device_placement is None else device_placement:
+            for opt in holders:
+                check_on_device(opt.params.items(), self.device)
+        # the optimizer reduces the gradients (DDP would reduce them again) and holds the parameters
+        # (a move would copy them out): autocast and torch.compile are all accelerate adds here
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        inner = canzona_optimizer(optimizer)
+        if inner is None:
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        self._check_supported()
+        ids = _ids(inner)
+        for model in self._models:
+            if isinstance(model, nn.parallel.DistributedDataParallel) and any(id(p) in ids for p in model.parameters()):
+                raise CanzonaError(DDP_REFUSED)
+        # its state lives with its parameters already; accelerate's placement would send the whole
+        # state through state_dict() (a collective gather) and load_state_dict() for nothing
+        return super().prepare_optimizer(optimizer, device_placement=False)
+
+    # --- gradients ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        holders = self._holders(model.parameters())
+        if not holders:
+            with super().no_sync(model):
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            for opt in holders:
+                stack.enter_context(opt.no_sync())
+            yield
+
+    def clip_grad_norm_(self, parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2) -> Any:
+        params = parameter_list(parameters)
+        opt = self._clipped_optimizer(params)
+        if opt is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        return opt.clip_grad_norm_(float(max_norm), float(norm_type))
+
+    def _clipped_optimizer(self, params: list[Tensor]) -> DistributedOptimizer | None:
+        """The canzona optimizer holding exactly the trainable ones of `params`, or None if none
+        holds any; refuses anything in between."""
+        holders = self._holders(params)
+        if not holders:
+            return None
+        if len(holders) > 1:
+            raise CanzonaError("clip_grad_norm_ got the parameters of several canzona optimizers: clip each with its "
+                               "own optimizer.clip_grad_norm_(max_norm)")
+        opt = holders[0]
+        given = {id(p) for p in params}
+        missing = [n for n, p in opt.params.items() if id(p) not in given]
+        if missing:
+            raise CanzonaError(f"clip_grad_norm_ got a subset of the canzona optimizer's parameters ({missing[0]!r} "
+                               f"and {len(missing) - 1} more are missing): it clips by the global norm of all of "
+                               "them; pass model.parameters()")
+        ids = _ids(opt)
+        foreign = [p for p in params if id(p) not in ids and p.requires_grad]
+        if foreign:
+            raise CanzonaError(f"clip_grad_norm_ got {len(foreign)} trainable parameter(s) the canzona optimizer does "
+                               f"not hold (the first of shape {tuple(foreign[0].shape)}) with those it holds: clip "
+                               "each optimizer's parameters on their own")
+        return opt
+
+    def clip_grad_value_(self, parameters: Tensor | Iterable[Tensor], clip_value: float) -> None:
+        params = parameter_list(parameters)
+        if self._holders(params):
+            raise CanzonaError(CLIP_VALUE_REFUSED)
+        return super().clip_grad_value_(params, clip_value)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Any:
+        state = super().get_state_dict(model, unwrap=unwrap)
+        if state is None or not self._holders(model.parameters()):
+            return state
+        return own_storage(state)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> Any:
+        """accelerate's `save_state`, with each canzona optimizer written sharded (every rank its
+        share) to `<dir>/canzona_optimizer_<i>` by `torch.distributed.checkpoint`. Every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        opts = self.canzona_optimizers()
+        if not opts:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        with self._without(opts):
+            location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        for i, opt in enumerate(opts):
+            dcp.save(opt.sharded_state_dict(), checkpoint_id=os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"))
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """accelerate's `load_state`; each canzona optimizer reads what its layout needs from
+        `<dir>/canzona_optimizer_<i>` (saved at any DP size), and the models whose parameters
+        they hold are loaded in place. Every rank."""
+        opts = self.canzona_optimizers()
+        if not opts:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        found: dict[str, str] = {}
+
+        def in_place(models: list[nn.Module], where: str) -> None:  # a public pre-hook: sees the resolved dir
+            found["dir"] = str(where)
+            for i, model in enumerate(models):
+                if self._holders(model.parameters()):
+                    models[i] = _LoadInPlace(model)
+
+        handle = self.register_load_state_pre_hook(in_place)
+        try:
+            with self._without(opts):
+                super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        finally:
+            handle.remove()
+        for i, opt in enumerate(opts):
+            path = os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")
+            if not os.path.isdir(path):
+                raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
+                                   "CanzonaAccelerator.save_state wrote")
+            opt.load_sharded_state_dict(path)
+
+    @contextlib.contextmanager
+    def _without(self, opts: list[DistributedOptimizer]) -> Iterator[None]:
+        """accelerate's own checkpointing skips the canzona optimizers: it would save their whole
+        state from every rank with torch.save."""
+        if not isinstance(getattr(self, "_optimizers", None), list):
+            raise CanzonaError("this accelerate keeps no Accelerator._optimizers list: canzona.integrations.accelerate "
+                               f"was tested with accelerate {TESTED_ACCELERATE}")
+        kept, given = self._optimizers, getattr(self, "_canzona_given", [])
+        self._optimizers = [o for o in kept if all(canzona_optimizer(o) is not c for c in opts)]
+        self._canzona_given = opts  # still known to get_state_dict and the load hook meanwhile
+        try:
+            yield
+        finally:
+            self._optimizers, self._canzona_given = kept, given

@@ -1,0 +1,197 @@
+"""`CanzonaTrainer`: transformers' `Trainer` training with canzona's `DistributedOptimizer`.
+
+A plain `Trainer` cannot drive a canzona optimizer: its accelerator moves the model to
+`cpu:0` (a copy, which takes the parameters out of the optimizer's buffers) and wraps it in DDP
+(which would reduce the gradients twice), it clips with `accelerator.clip_grad_norm_` on each
+rank's local gradients, and it checkpoints the optimizer with `torch.save(optimizer.state_dict())`
+from rank 0 alone, while canzona's `state_dict()` is a collective every rank must join.
+
+    trainer = CanzonaTrainer(model=model, args=TrainingArguments(output_dir="out", max_grad_norm=1.0),
+                             train_dataset=data, matrix_config={"lr": 0.02})
+    trainer.train()                    # under torchrun, on CPU (gloo) or GPUs (NCCL) alike
+
+`CanzonaTrainer`:
+- trains with the `DistributedOptimizer` given in `optimizers=(optimizer, scheduler)`, or builds
+  one in `create_optimizer` (`build_optimizer`): `matrix_optimizer` (Muon by default) with
+  `matrix_config` on the 2-D weights, AdamW with the arguments' `learning_rate`, `adam_beta1`,
+  `adam_beta2` and `adam_epsilon` on the rest, `weight_decay` on the Trainer's decay parameters
+  (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
+  order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
+- runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
+  accumulation micro-batches under `opt.no_sync()`, `max_grad_norm` clipping by the global norm of
+  the reduced gradients (`max_grad_norm=0`: the norm is only measured), which is the `grad_norm`
+  the Trainer logs;
+- checkpoints (`save_strategy`, `resume_from_checkpoint`) the optimizer sharded: every rank writes
+  its share to `<checkpoint>/canzona_optimizer/` (`torch.distributed.checkpoint`, readable at any
+  DP size); the scheduler and the model are saved as the Trainer saves them.
+
+It overrides three private Trainer methods (`_move_model_to_device`,
+`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), checked at construction; it was
+tested with transformers 5.23.0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import transformers
+from accelerate import Accelerator
+from torch import nn
+from transformers import Trainer
+
+from canzona.errors import CanzonaError
+from canzona.integrations.accelerate import (
+    CanzonaAccelerator,
+    canzona_optimizer,
+    check_on_device,
+    same_device,
+)
+from canzona.optimizers import check_matrix_optimizer
+from canzona.runtime.optimizer import DistributedOptimizer
+from canzona.runtime.shards import local_tensor
+from canzona.spec import ModelSpec
+
+TESTED_TRANSFORMERS = "5.23.0"
+# the private Trainer methods CanzonaTrainer overrides, with the parameters it overrides them with
+PRIVATE_METHODS = {
+    "_move_model_to_device": ("self", "model", "device"),
+    "_save_optimizer_and_scheduler": ("self", "output_dir"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+}
+OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded optimizer state
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+# DistributedOptimizer arguments that CanzonaTrainer fills in itself
+BUILT_ARGUMENTS = ("self", "params", "spec", "optimizer", "matrix_config", "adamw_config")
+
+
+def check_trainer(trainer_cls: type = Trainer) -> None:
+    """The installed Trainer still has the private methods CanzonaTrainer overrides, with the
+    same parameters."""
+    for name, params in PRIVATE_METHODS.items():
+        method = getattr(trainer_cls, name, None)
+        if not callable(method):
+            problem = f"has no Trainer.{name}"
+        elif tuple(inspect.signature(method).parameters) != params:
+            problem = f"changed Trainer.{name}{inspect.signature(method)}"
+        else:
+            continue
+        raise CanzonaError(f"transformers {transformers.__version__} {problem}: canzona.integrations.hf."
+                           f"CanzonaTrainer overrides it and was tested with transformers {TESTED_TRANSFORMERS}")
+
+
+def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    known = set(inspect.signature(DistributedOptimizer.__init__).parameters) - set(BUILT_ARGUMENTS)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise CanzonaError(f"optimizer_kwargs: DistributedOptimizer has no argument {unknown[0]!r} "
+                           f"(it takes {', '.join(sorted(known))})")
+    return dict(kwargs)
+
+
+class CanzonaTrainer(Trainer):
+    """`transformers.Trainer` whose optimizer is a canzona `DistributedOptimizer` (see the
+    module's docstring). Takes every `Trainer` argument, plus:
+
+    `matrix_optimizer`: muon | soap | shampoo, for the optimizer built when none is given;
+    `matrix_config`: its configuration (a mapping or a config object; e.g. `{"lr": 0.02}`);
+    `spec`: the `ModelSpec` to build it with (default: `ModelSpec.from_module(model)`);
+    `optimizer_kwargs`: further `DistributedOptimizer` arguments (`policy`, `plan`, ...)."""
+
+    def __init__(self, *args: Any, matrix_optimizer: str = "muon", matrix_config: Any = None,
+                 spec: ModelSpec | None = None, optimizer_kwargs: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        check_trainer()
+        given = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
+        optimizer = (given.get("optimizers") or (None, None))[0]
+        if optimizer is not None and canzona_optimizer(optimizer) is None:
+            raise CanzonaError(f"CanzonaTrainer trains with a canzona DistributedOptimizer, but optimizers= holds a "
+                               f"{type(optimizer).__name__}: pass (DistributedOptimizer, scheduler), or no optimizer to "
+                               "have one built from the TrainingArguments")
+        if given.get("optimizer_cls_and_kwargs") is not None:
+            raise CanzonaError("CanzonaTrainer does not take optimizer_cls_and_kwargs: it builds a DistributedOptimizer "
+                               "(matrix_optimizer=, matrix_config=, optimizer_kwargs=) or takes one in optimizers=")
+        # the Trainer's constructor moves the model (_move_model_to_device) before it stores the
+        # optimizer: what was given must be known by then
+        self._given_optimizer = canzona_optimizer(optimizer)
+        self.matrix_optimizer = check_matrix_optimizer(matrix_optimizer)
+        self.matrix_config = matrix_config
+        self.canzona_spec = spec
+        self.optimizer_kwargs = check_optimizer_kwargs(optimizer_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    # --- the accelerator and the model's place ----------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if isinstance(self.accelerator, CanzonaAccelerator):
+            return
+        if type(self.accelerator) is not Accelerator:
+            raise CanzonaError(f"the Trainer built a {type(self.accelerator).__name__}, not an accelerate.Accelerator: "
+                               f"CanzonaTrainer was tested with transformers {TESTED_TRANSFORMERS}")
+        # CanzonaAccelerator adds behaviour and no state, so the Trainer's accelerator, built with
+        # all of the Trainer's arguments, can simply become one
+        self.accelerator.__class__ = CanzonaAccelerator
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        params = list(model.parameters())
+        if params and all(same_device(local_tensor(p).device, device) for p in params):
+            return  # there already (cpu is cpu:0): .to() would copy every parameter
+        if self._given_optimizer is not None:
+            check_on_device(self._given_optimizer.params.items(), device)
+        super()._move_model_to_device(model, device)
+
+    # --- the optimizer -----------------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        if self.optimizer is None:
+            self.optimizer = self.build_optimizer(self.model if model is None else model)
+        return self.optimizer
+
+    def build_optimizer(self, model: nn.Module) -> DistributedOptimizer:
+        """The optimizer trained with when none is given: the matrix optimizer on the 2-D weights,
+        AdamW from the TrainingArguments on the rest; weight decay as the Trainer applies it."""
+        from canzona.runtime.modules import named_parameters
+
+        args = self.args
+        decay_names = set(self.get_decay_parameter_names(model))
+        decay = {id(p) for n, p in model.named_parameters() if n in decay_names}
+        pairs = list(named_parameters(model))
+        groups = [{"params": [(n, p) for n, p in pairs if id(p) in decay], "weight_decay": args.weight_decay},
+                  {"params": [(n, p) for n, p in pairs if id(p) not in decay], "weight_decay": 0.0}]
+        adamw = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+        spec = self.canzona_spec if self.canzona_spec is not None else ModelSpec.from_module(model)
+        return DistributedOptimizer([g for g in groups if g["params"]], spec, self.matrix_optimizer,
+                                    self.matrix_config, adamw, **self.optimizer_kwargs)
+
+    def distributed_optimizer(self) -> DistributedOptimizer:
+        """The canzona optimizer trained with (the Trainer's `optimizer` wraps it)."""
+        opt = canzona_optimizer(self.optimizer)
+        if opt is None:
+            raise CanzonaError("CanzonaTrainer has no DistributedOptimizer yet: it is built when training starts")
+        return opt
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        # every rank writes its share (the Trainer saves optimizer.state_dict() from one rank, and
+        # canzona's state_dict() is a collective the others would never join)
+        dcp.save(self.distributed_optimizer().sharded_state_dict(), checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state = os.path.join(checkpoint, OPTIMIZER_DIR)
+        scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+        for path, what in ((state, f"{OPTIMIZER_DIR}/"), (scheduler, SCHEDULER_FILE)):
+            if not os.path.exists(path):
+                raise CanzonaError(f"{checkpoint} holds no {what}: resume from a checkpoint that CanzonaTrainer saved")
+        self.distributed_optimizer().load_sharded_state_dict(state)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
