@@ -31,10 +31,10 @@ from canzona.integrations.accelerate import check_on_device, own_storage, same_d
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
+from canzona.runtime.gradients import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
-from canzona.runtime.optimizer import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.training import _flat_state, compare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +46,6 @@ import integrations_driver as driver  # noqa: E402
 
 DP = 2
 SETUP = driver.SETUP
-NEEDS_CORE = ("needs the optimizer core's loud plain path and clip_grad_norm_(inf) (issue 17, lead's branch): "
-              "remove this mark when they are merged")
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +197,6 @@ def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=NEEDS_CORE)
 def test_the_trainer_without_clipping_logs_the_global_norm(ranks):
     results = scenario(ranks, "trainer unclipped")  # max_grad_norm=0: the Trainer asks for the norm with inf
     norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
@@ -252,7 +249,6 @@ def test_the_plain_frameworks_fail_with_one_canzona_error(ranks, name):
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=NEEDS_CORE)
 @pytest.mark.parametrize("name", ["plain trainer", "plain accelerate"])
 def test_the_plain_frameworks_name_the_integration(ranks, name):
     error = ranks[0][name].get("error", "")

@@ -1,7 +1,7 @@
 """`CanzonaAccelerator`: accelerate's training loop over canzona's `DistributedOptimizer`.
 
-A canzona optimizer owns its parameters' storage (`.data` and `.grad` are views into its flat
-buffers) and reduces the gradients itself, from backward hooks. A plain `accelerate.Accelerator`
+A canzona optimizer owns its parameters' storage (`.data` is a view into its flat buffers, and
+backward hooks move each gradient into them) and reduces the gradients itself. A plain `accelerate.Accelerator`
 breaks both: `prepare()` moves the model to `accelerator.device` (on CPU that is `cpu:0`, and
 `tensor.to("cpu:0")` copies even a CPU tensor), which takes the parameters out of the buffers, and
 wraps it in `DistributedDataParallel`, which would reduce the gradients a second time; its

@@ -481,7 +481,9 @@ def unlinked_message(name: str | None) -> str:
     which = f"parameter {name!r} no longer lives" if name else "parameters no longer live"
     return (f"{which} in the optimizer's buffers: the model was moved, cast or had parameters replaced "
             "after the optimizer was built (model.to(...), even from cpu to cpu:0, load_state_dict(assign=True), "
-            "...); build the optimizer after those, and load weights with load_state_dict() without assign")
+            "...); build the optimizer after those, and load weights with load_state_dict() without assign. "
+            "Hugging Face Trainer and accelerate move the model themselves: use "
+            "canzona.integrations.hf.CanzonaTrainer or canzona.integrations.accelerate.CanzonaAccelerator")
 
 
 def ranks_of(mask: Tensor) -> list[int]:

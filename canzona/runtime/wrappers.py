@@ -46,7 +46,8 @@ def wrapper_message(kind: str) -> str:
     return (f"the model is wrapped in {kind}, which reduces the gradients that canzona's DistributedOptimizer "
             "already reduces (they would be reduced twice): give the optimizer the unwrapped model and train "
             "that; the optimizer's backward hooks synchronise the gradients, and opt.no_sync() replaces "
-            "DDP's no_sync()")
+            "DDP's no_sync(). Hugging Face Trainer and accelerate wrap the model in DDP themselves: use "
+            "canzona.integrations.hf.CanzonaTrainer or canzona.integrations.accelerate.CanzonaAccelerator")
 
 
 def module_wrapper(model: nn.Module) -> str | None:
