@@ -119,6 +119,16 @@ def adamw_kernels(numel: int, cfg: AdamWConfig) -> list[Kernel]:
     return [elementwise_kernel("adamw", numel, 10, 7 * FP32)]
 
 
+def gradient_norm_kernels(numel: int, clip: bool) -> list[Kernel]:
+    """A rank's share of the global gradient norm, every step (the runtime checks it is finite
+    before any update): one read of its reduced gradients; and, with `max_grad_norm`, the clip: one
+    scaling pass over them."""
+    out = [elementwise_kernel("gradient norm", numel, 2, FP32)]
+    if clip:
+        out.append(elementwise_kernel("gradient clip", numel, 1, 2 * FP32))
+    return out
+
+
 def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> list[Kernel]:
     """Kernels of one step of `optimizer` on one full parameter of `shape`."""
     cfg = cfg if cfg is not None else default_config(optimizer)

@@ -238,10 +238,11 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 uneven: str, collectives: str = "megatron"):
+                 uneven: str, collectives: str = "megatron", max_grad_norm: float | None = None):
     from sim.options import RunOptions
 
-    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven, collectives)
+    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven, collectives,
+                      max_grad_norm)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -268,6 +269,9 @@ Recompute = Annotated[str, typer.Option(help="Activation recompute: none, select
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Collectives = Annotated[str, typer.Option(help="DP collectives as Megatron runs each policy (megatron) or exactly as canzona's runtime issues them (runtime).")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
+MaxGradNorm = Annotated[float | None, typer.Option(
+    help="Clip the reduced gradients to this global norm inside the step (DistributedOptimizer's max_grad_norm; "
+         "default: measure the norm only, as the runtime does every step).")]
 Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's default: all-to-all, broadcasts), loops (grouped reduce / broadcast: the runtime with reduce_scatter=\"loops\") or padded.")]
 
 
@@ -282,6 +286,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
+    max_grad_norm: MaxGradNorm = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -293,7 +298,7 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
-                                          collectives),
+                                          collectives, max_grad_norm),
                              zero1_fallback, pp)
         config.check()
         if trace is not None:
@@ -321,6 +326,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
+    max_grad_norm: MaxGradNorm = None,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -334,7 +340,7 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
-                                          collectives),
+                                          collectives, max_grad_norm),
                            zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import simpy
 
-from canzona.cost import DeviceRate, adamw_kernels
+from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
@@ -395,6 +395,18 @@ def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Ev
     return done
 
 
+def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
+    """Each rank's share of the global gradient norm (and the clip), on its share of the reduced
+    gradients: its segment of every bucket and its slice of the AdamW buffer."""
+    dp = ctx.cluster.dp
+    i = (rank - ctx.stage * ctx.cluster.stage_gpus) // ctx.cluster.tp  # ranks go TP fastest, then DP
+    by_plan = ctx.policy.grad_sync == "reduce-scatter" and ctx.plan.dp == dp
+    numel = sum(b.segment_lengths()[i] if by_plan else -(-b.size // dp) for b in ctx.plan.dp_plan.buckets)
+    numel += -(-ctx.adamw_local_numel() // dp)
+    kernels = gradient_norm_kernels(numel, ctx.options.max_grad_norm is not None)
+    return ctx.engine.compute(rank, "gradient norm", sum(ctx.rate.kernel_seconds(k) for k in kernels), [start])
+
+
 def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Event:
     numel = ctx.adamw_local_numel()
     share = numel if ctx.policy.replicated else -(-numel // ctx.cluster.dp)
@@ -428,7 +440,7 @@ def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
     rank's TP group runs its step schedule (`canzona.step_schedule`: micro-groups under canzona, one
     tp-sync group under the baselines), then AdamW and the parameter all-gather."""
     eng, cl = ctx.engine, ctx.cluster
-    gathered: dict[int, simpy.Event] = {r: start for r in cl.stage_ranks(ctx.stage)}
+    gathered: dict[int, simpy.Event] = {r: _gradient_norm(ctx, r, start) for r in cl.stage_ranks(ctx.stage)}
     if ctx.runtime_mode:
         gathered = issue_records(ctx, ctx.dp_records(STEP, CHECK), gathered)
     elif ctx.policy.gather_split:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from canzona.errors import SpecError
@@ -26,8 +27,13 @@ class RunOptions:
     # layerwise, only the split parts of matrices for zero1-gather); "runtime": exactly the
     # collectives canzona's runtime issues and logs (canzona.step_collectives)
     collectives: str = "megatron"
+    # DistributedOptimizer's max_grad_norm: clip the reduced gradients inside the step (one more
+    # pass over each rank's share); None measures the norm only, as the runtime does every step
+    max_grad_norm: float | None = None
 
     def check(self) -> None:
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
         check_uneven_impl(self.uneven)
         if self.collectives not in COLLECTIVE_MODES:
