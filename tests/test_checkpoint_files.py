@@ -54,8 +54,9 @@ def state(rank: int, version: int) -> dict:
             "shared": torch.full((SHARED,), float(version)), "note": f"v{version}"}
 
 
-def version_of(folder: Path) -> int:
+def version_of(folder: Path | None) -> int:
     """The save a checkpoint holds, verified and read safely; an AssertionError if it mixes saves."""
+    assert folder is not None, "no complete checkpoint to resume from"
     manifest = verify_checkpoint(folder)
     reader = SafeFileSystemReader(folder, manifest)
     keys = reader.read_metadata().state_dict_metadata

@@ -137,7 +137,8 @@ class _Ranks:
         failed = [(r, text) for r, (ok, text) in enumerate(every) if not ok]
         if failed:
             rank, text = failed[0]
-            raise CheckpointError(f"rank {rank}: {text}" if self.world > 1 else text)
+            alike = len(failed) == self.world and all(t == text for _, t in failed)
+            raise CheckpointError(text if alike else f"rank {rank}: {text}")
         return [value for _, value in every]
 
 
