@@ -354,7 +354,9 @@ def test_ranks_stop_within_seconds_when_torchrun_is_killed(tmp_path):
         after = visible_checkpoints(tmp_path / "ckpt")
         time.sleep(1.0)
         assert visible_checkpoints(tmp_path / "ckpt") == after  # nothing is written any more
-        assert len(after - at_kill) <= 1  # at most the save the ranks were finishing
+        # at most the saves finished before the watchdog's next look (every 0.25 s; a step and its
+        # save take about 0.15 s here when the machine is idle)
+        assert len(after - at_kill) <= 2
         for name in after:  # every visible checkpoint is complete and verified
             verify_checkpoint(tmp_path / "ckpt" / name)
         assert latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / max(after, key=lambda n: int(n[5:]))
