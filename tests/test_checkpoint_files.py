@@ -177,8 +177,9 @@ def test_replacing_a_checkpoint_never_shows_a_partial_or_mixed_one(spawned):
 
 @pytest.mark.distributed
 def test_a_save_killed_midway_leaves_the_old_checkpoint_whole(spawned):
-    assert "rank 0 (signal SIGKILL)" in spawned["ending"] and "died without a result" in spawned["ending"], \
-        spawned["ending"]
+    # rank 1 SIGKILLs rank 0, then itself: the parent sees one or both die (it may stop rank 0 itself
+    # if it looks between the two kills)
+    assert "(signal SIGKILL) died without a result" in spawned["ending"], spawned["ending"]
     root = spawned["killed"]
     staging = [p for p in root.iterdir() if p.name.startswith("step_1.tmp-")]
     # the kill came after rank 0 wrote its new file and before rank 1 wrote its own
