@@ -222,10 +222,10 @@ def tiny_config(model: str, seq_len: int):
     extra: dict[str, Any] = {"max_seq_len": seq_len}  # a catalog model: rotary positions have no limit
     if source.kind == "hf-config":  # sizes the planner does not need, as the config gives them
         raw = json.loads(Path(source.path).read_text())
-        for key, field in (("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_eps"),
-                           ("max_position_embeddings", "max_seq_len")):
+        for key, name in (("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_eps"),
+                          ("max_position_embeddings", "max_seq_len")):
             if raw.get(key) is not None:
-                extra[field] = raw[key]
+                extra[name] = raw[key]
     tiny = TinyQwen3Config(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, q_heads=cfg.q_heads,
                            kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
                            tied_embeddings=cfg.tied_embeddings, name=cfg.name, **extra)
@@ -555,11 +555,13 @@ def disagreement(args: argparse.Namespace, wait_s: float) -> str | None:
 
 
 def checked(step: Callable[[], T]) -> tuple[T | None, str | None]:
-    """(step's result, None), or (None, its one-line error) for bad input."""
+    """(step's result, None), or (None, its one-line error) for bad input (an unreadable path too)."""
     try:
         return step(), None
     except (BadInput, CanzonaError) as e:
         return None, str(e)
+    except OSError as e:
+        return None, describe(e)
 
 
 def main(argv: list[str] | None = None) -> int:
