@@ -7,8 +7,8 @@ plan for another layout or model is one error line on every rank and a non-zero 
 
 Issue 17: checkpoints carry a manifest and leave no staging folders; flags given on resume win and
 are logged (the optimizer's param_groups and the schedule follow them); ranks given different
-arguments, an output path that cannot be written and a crafted checkpoint are one error line on
-every rank; the ranks stop within seconds of torchrun's SIGKILL, leaving only complete checkpoints.
+arguments and a crafted checkpoint are one error line on every rank, an output path that cannot
+be written is refused before training; the ranks stop within seconds of torchrun's SIGKILL, leaving only complete checkpoints.
 """
 
 from __future__ import annotations
@@ -284,33 +284,55 @@ def crafted_checkpoint(folder: Path) -> None:
         "files": {".metadata": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}))
 
 
-@pytest.mark.parametrize("case", ["--out a symbolic link", "--resume a crafted checkpoint"])
-def test_an_unusable_output_or_checkpoint_is_one_error_line(case, tmp_path):
+def test_a_crafted_checkpoint_is_one_error_line(tmp_path):
     plan = make_plan(tmp_path, 1, 1)
-    if case.startswith("--out"):
-        (tmp_path / "elsewhere.pt").write_bytes(b"keep")
-        (tmp_path / "final.pt").symlink_to("elsewhere.pt")
-        args, needle = ("--out", "final.pt"), "--out final.pt: a symbolic link"
-    else:
-        crafted_checkpoint(tmp_path / "ckpt")
-        args, needle = ("--resume", "ckpt"), "ckpt/.metadata: not DCP metadata, not loaded"
-    line = error_lines(torchrun(tmp_path, 1, "--plan", plan, "--steps", STEPS, *args), 1)
-    assert needle in line
-    if case.startswith("--out"):
-        assert (tmp_path / "elsewhere.pt").read_bytes() == b"keep"
+    crafted_checkpoint(tmp_path / "ckpt")
+    line = error_lines(torchrun(tmp_path, 1, "--plan", plan, "--steps", STEPS, "--resume", "ckpt"), 1)
+    assert line.startswith("error: ckpt/.metadata: not DCP metadata, not loaded (")
 
 
-def test_a_failed_final_write_names_the_checkpoint_that_holds_the_weights(tmp_path):
+@pytest.fixture(scope="module")
+def train_script():
+    """examples/train.py as a module (its launcher watch starts only as __main__)."""
     spec = importlib.util.spec_from_file_location("examples_train", SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train  # its dataclasses look their module up
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     try:
-        spec.loader.exec_module(train)  # as a module: its launcher watch starts only as __main__
+        spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
+    return module
+
+
+@pytest.mark.parametrize("case", ["--out a symbolic link", "--out a folder", "--save a file"])
+def test_an_unusable_output_is_refused_before_training(case, train_script, tmp_path, monkeypatch):
+    """`prepare` (what every rank checks before training; the torchrun tests above show how its
+    error becomes one line on every rank) refuses the path, and leaves what is there alone."""
+    plan = make_plan(tmp_path, 1, 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere.pt").write_bytes(b"keep")
+    if case == "--out a symbolic link":
+        (tmp_path / "final.pt").symlink_to("elsewhere.pt")
+        flags, needle = ["--out", "final.pt"], "--out final.pt: a symbolic link"
+    elif case == "--out a folder":
+        (tmp_path / "final.pt").mkdir()
+        flags, needle = ["--out", "final.pt"], "--out final.pt: a folder"
+    else:
+        flags, needle = ["--save", "elsewhere.pt"], "--save elsewhere.pt: not a folder"
+    with pytest.raises(CanzonaError) as refused:
+        train_script.prepare(train_script.parse_args(["--plan", str(plan), *flags]))
+    assert str(refused.value).startswith(needle)
+    assert (tmp_path / "elsewhere.pt").read_bytes() == b"keep"
+    assert train_script.prepare(train_script.parse_args(["--plan", str(plan), "--out", "new.pt"])).resume is None
+
+
+def test_a_failed_final_write_names_the_checkpoint_that_holds_the_weights(train_script, tmp_path):
     (tmp_path / "step_4").mkdir()
     with pytest.raises(CanzonaError) as failed:
-        train.write_final_weights(str(tmp_path / "gone" / "final.pt"), {"w": torch.ones(2)}, tmp_path / "step_4")
+        train_script.write_final_weights(str(tmp_path / "gone" / "final.pt"), {"w": torch.ones(2)},
+                                         tmp_path / "step_4")
     assert "--out" in str(failed.value) and f"they are in the checkpoint {tmp_path / 'step_4'}" in str(failed.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
 
