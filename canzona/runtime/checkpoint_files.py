@@ -374,12 +374,12 @@ def latest_checkpoint(directory: str | os.PathLike, prefix: str = STEP_PREFIX) -
     folder counts only when `{prefix}K` is missing: a replacement killed between its two renames
     where no atomic swap was available."""
     pattern = re.compile(rf"{re.escape(prefix)}(\d+)({re.escape(ASIDE)}[0-9a-f]+)?")
-    found = []
-    for child in Path(directory).iterdir():
-        m = pattern.fullmatch(child.name)
-        if m and child.is_dir() and is_complete(child):
-            found.append((int(m[1]), m[2] is None, child.name, child))
-    return max(found)[3] if found else None
+    named = [(int(m[1]), m[2] is None, child.name, child) for child in Path(directory).iterdir()
+             if (m := pattern.fullmatch(child.name))]
+    for *_, child in sorted(named, reverse=True):  # newest first: the older ones are not even read
+        if child.is_dir() and is_complete(child):
+            return child
+    return None
 
 
 # --- reading without running anything -----------------------------------------------------------
