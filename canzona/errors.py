@@ -13,3 +13,8 @@ class SpecError(CanzonaError):
 
 class PlanError(CanzonaError):
     """A plan file that cannot be read, is malformed, or does not match the model it is used with."""
+
+
+class CheckpointError(CanzonaError):
+    """A checkpoint that is incomplete, damaged, mixed from several saves, not the one expected, or
+    that cannot be written: refused before anything in it is unpickled or loaded."""

@@ -15,36 +15,63 @@ layout, DP rank r its rows `[r B / dp, (r + 1) B / dp)`.
 
 A checkpoint (`--save DIR` writes `DIR/step_K`) is one `torch.distributed.checkpoint`: the weights
 (under TP as DTensors over the mesh's `tp` dimension, so any TP size reads them), the optimizer's
-sharded state (each rank writes what it holds) and the run's settings. `--resume` reads it at any
-DP x TP layout: give a plan for the new layout. A resume at the same layout continues bit for bit.
+sharded state (each rank writes what it holds) and the run's settings. It is saved with
+`canzona.runtime.checkpoint_files.save_checkpoint`: written beside its final name, listed with the
+size and sha256 of every file in `manifest.json`, and made visible by one rename, so a killed save
+never leaves a partial or mixed checkpoint. `--resume` verifies the manifest before reading
+anything, reads the files without running code from them, and continues at any DP x TP layout
+(give a plan for the new layout); at the same layout and with the same flags, bit for bit. Flags
+given on resume win over the checkpoint's (`--lr`, `--adamw-lr`, `--weight-decay`, `--warmup`,
+`--clip`, `--steps`); each difference is logged.
 
 Bad input (a missing or malformed plan, a plan for another model, a world size that is not the
-plan's `dp x tp`, a checkpoint of another model or data stream) is one `error:` line on every rank
-and exit code 2, before training starts; a failure during the run is one `error:` line and exit
-code 1 (torchrun itself then exits with 1 and prints its failure summary).
+plan's `dp x tp`, ranks given different arguments, an output path that cannot be written, a
+checkpoint that is incomplete, damaged, or of another model or data stream) is one `error:` line on
+every rank and exit code 2, before training starts; a failure during the run is one `error:` line
+and exit code 1 (torchrun itself then exits with 1 and prints its failure summary). The ranks stop
+within a second when torchrun dies (`canzona.runtime.lifecycle.exit_with_launcher`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from canzona.runtime.lifecycle import exit_with_launcher
+
+# ruff: noqa: E402 - the imports below come after the launcher watch starts
+if __name__ == "__main__":
+    # First, before the seconds that importing torch takes: a rank whose torchrun is killed
+    # meanwhile would otherwise wait for torchrun's store until --timeout.
+    exit_with_launcher()
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
 from canzona.plan import Plan, check_plan_matches, load_plan
+from canzona.runtime.atomic_files import check_output_file, check_output_folder, write_atomically
+from canzona.runtime.checkpoint_files import (
+    MANIFEST,
+    Manifest,
+    SafeFileSystemReader,
+    latest_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from canzona.runtime.comm import REDUCE_SCATTER_IMPLS
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
@@ -59,6 +86,10 @@ POLICY = "canzona"  # the step policy that executes a plan made by `canzona plan
 MATRIX_LR = {"muon": 0.02, "soap": 3e-3, "shampoo": 3e-3}  # --lr when not given
 RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
 SAME_DATA = ("seed", "batch", "seq_len")  # a resumed run must see the same data stream
+# recorded with each checkpoint; on resume the command line's values win, and differences are logged
+HYPER_FLAGS = ("steps", "lr", "adamw_lr", "weight_decay", "warmup", "clip")
+MAX_ERROR_BYTES = 2048  # of an error line carried to every rank
+T = TypeVar("T")
 
 
 def error_line(text: str) -> None:
@@ -141,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- everything checked before the process group starts -----------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     rank: int
     world: int
@@ -149,9 +180,10 @@ class Job:
     plan: Plan
     spec: ModelSpec
     model_cfg: Any  # reference.tiny_model.TinyQwen3Config
-    resume: Path | None
-    start: int  # the step the run starts from (the checkpoint's)
-    scheduler: dict[str, Any] | None  # the checkpoint's LR scheduler state
+    resume: Path | None  # the checkpoint folder, verified by `with_checkpoint` before it is read
+    manifest: Manifest | None = None  # the verified checkpoint's
+    start: int = 0  # the step the run starts from (the checkpoint's)
+    saved_flags: dict[str, Any] = field(default_factory=dict)  # HYPER_FLAGS of the checkpoint's run
 
     @property
     def dp(self) -> int:
@@ -190,10 +222,10 @@ def tiny_config(model: str, seq_len: int):
     extra: dict[str, Any] = {"max_seq_len": seq_len}  # a catalog model: rotary positions have no limit
     if source.kind == "hf-config":  # sizes the planner does not need, as the config gives them
         raw = json.loads(Path(source.path).read_text())
-        for key, field in (("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_eps"),
-                           ("max_position_embeddings", "max_seq_len")):
+        for key, name in (("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_eps"),
+                          ("max_position_embeddings", "max_seq_len")):
             if raw.get(key) is not None:
-                extra[field] = raw[key]
+                extra[name] = raw[key]
     tiny = TinyQwen3Config(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, q_heads=cfg.q_heads,
                            kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
                            tied_embeddings=cfg.tied_embeddings, name=cfg.name, **extra)
@@ -203,7 +235,7 @@ def tiny_config(model: str, seq_len: int):
 
 
 def prepare(args: argparse.Namespace) -> Job:
-    """Everything that can be wrong locally, identically on every rank: no collective yet."""
+    """Everything that can be wrong locally, identically on every rank: no collective."""
     rank, world, local_rank = launched_world()
     plan = load_plan(args.plan)
     if plan.dp * plan.tp != world:
@@ -223,43 +255,65 @@ def prepare(args: argparse.Namespace) -> Job:
         raise SpecError(f"--batch {args.batch} is not divisible by the plan's dp {plan.dp}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SpecError("--device cuda, but CUDA is not available here")
-    for flag, path in (("--out", args.out), ("--save", args.save)):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise SpecError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
-    resume, run = None, {"step": 0, "scheduler": None}
-    if args.resume is not None:
-        resume = find_checkpoint(args.resume)
-        run = check_checkpoint(resume, spec, plan, args)
-    return Job(rank, world, local_rank, plan, spec, model_cfg, resume, run["step"], run["scheduler"])
+    # only rank 0 writes --out (its folder may be on a disk the other ranks do not see); every
+    # rank writes into --save
+    if args.out is not None and rank == 0:
+        check_output_file(args.out, "--out")
+    if args.save is not None:
+        check_output_folder(args.save, "--save")
+    resume = find_checkpoint(args.resume) if args.resume is not None else None
+    return Job(rank=rank, world=world, local_rank=local_rank, plan=plan, spec=spec, model_cfg=model_cfg,
+               resume=resume)
 
 
 def find_checkpoint(path: str) -> Path:
-    """`path` itself if it holds a checkpoint, else its latest `step_K` folder."""
+    """`path` itself if it is a checkpoint folder (complete or not: `with_checkpoint` says what is
+    wrong with it), else its latest complete `step_K` folder."""
     p = Path(path)
-    if (p / ".metadata").is_file():
+    if (p / MANIFEST).exists() or (p / ".metadata").exists():
         return p
     if not p.is_dir():
         raise SpecError(f"--resume {path}: no such checkpoint folder")
-    steps = [(int(c.name[5:]), c) for c in p.glob("step_*") if c.name[5:].isdigit() and (c / ".metadata").is_file()]
-    if not steps:
-        raise SpecError(f"--resume {path}: not a checkpoint, and holds no step_K checkpoint")
-    return max(steps)[1]
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise SpecError(f"--resume {path}: not a checkpoint, and holds no complete step_K checkpoint")
+    return latest
 
 
-def read_run(folder: Path) -> dict[str, Any]:
-    """The run settings saved with a checkpoint (read by this rank alone: no process group yet)."""
+def with_checkpoint(job: Job, args: argparse.Namespace) -> Job:
+    """The job resuming from its verified checkpoint. Collective: the ranks share the hashing."""
+    manifest = verify_checkpoint(job.resume, {"model": job.spec.name, "fingerprint": job.spec.fingerprint()},
+                                 process_group=dist.group.WORLD)
+    run = check_checkpoint(job.resume, manifest, job.spec, job.plan, args)
+    return replace(job, manifest=manifest, start=run["step"], saved_flags=run.get("flags", {}))
+
+
+RUN_FIELDS = ("step", "model", "fingerprint", "optimizer", *SAME_DATA)
+
+
+def read_run(folder: Path, manifest: Manifest) -> dict[str, Any]:
+    """The run settings saved with a verified checkpoint (read by this rank alone)."""
+    reader = SafeFileSystemReader(folder, manifest)
     holder = {RUN_KEY: ""}
     try:
+        reader.read_metadata()  # its refusal as it is, before DCP (which logs a traceback for it)
         with warnings.catch_warnings():  # that it loads in this process alone: as meant
             warnings.simplefilter("ignore")
-            dcp.load(holder, checkpoint_id=str(folder), no_dist=True)
+            dcp.load(holder, storage_reader=reader, no_dist=True)
+        run = json.loads(holder[RUN_KEY])
+        missing = [k for k in RUN_FIELDS if k not in run]
+        if missing:
+            raise ValueError(f"no {missing[0]!r} in its run settings")
+    except CheckpointError:
+        raise
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - dcp wraps every failure
         raise SpecError(f"--resume {folder}: not a checkpoint written by examples/train.py ({describe(e)})") from None
-    return json.loads(holder[RUN_KEY])
+    return run
 
 
-def check_checkpoint(folder: Path, spec: ModelSpec, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    run = read_run(folder)
+def check_checkpoint(folder: Path, manifest: Manifest, spec: ModelSpec, plan: Plan,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    run = read_run(folder, manifest)
     if run["fingerprint"] != spec.fingerprint():
         raise SpecError(f"--resume {folder}: a checkpoint of model {run['model']!r} ({run['fingerprint']}), "
                         f"not {spec.name!r} ({spec.fingerprint()})")
@@ -300,6 +354,12 @@ def build_model(job: Job, mesh, seed: int, device: torch.device) -> torch.nn.Mod
     return model.to(device)
 
 
+def hyper_flags(job: Job, args: argparse.Namespace) -> dict[str, Any]:
+    """The HYPER_FLAGS of this run, as it uses them (--lr resolved to the optimizer's default)."""
+    lr = args.lr if args.lr is not None else MATRIX_LR[job.plan.optimizer]
+    return {**{k: getattr(args, k) for k in HYPER_FLAGS}, "lr": lr}
+
+
 def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Namespace):
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
@@ -307,11 +367,30 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Names
     pairs = list(named_parameters(model))
     groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = job.plan.optimizer
-    lr = args.lr if args.lr is not None else MATRIX_LR[optimizer]
-    return DistributedOptimizer(groups, job.spec, optimizer, {"lr": lr}, {"lr": args.adamw_lr},
-                                plan=job.plan, policy=POLICY, group=mesh, timeout_s=args.timeout,
-                                reduce_scatter=args.reduce_scatter)
+    return DistributedOptimizer(groups, job.spec, job.plan.optimizer, {"lr": hyper_flags(job, args)["lr"]},
+                                {"lr": args.adamw_lr}, plan=job.plan, policy=POLICY, group=mesh,
+                                timeout_s=args.timeout, reduce_scatter=args.reduce_scatter)
+
+
+def hyper_parameters(opt) -> list[dict[str, Any]]:
+    """Every parameter group's hyper-parameters (peak learning rate, weight decay, betas, ...)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """One log line per flag given otherwise than in the checkpoint's run (the command line wins)."""
+    return [f"resume: --{k.replace('_', '-')} {now[k]} (the checkpoint's run had {saved[k]})"
+            for k in HYPER_FLAGS if k in saved and saved[k] != now[k]]
+
+
+def schedule(opt, args: argparse.Namespace, start: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up + cosine from each group's `lr` as the peak, at step `start`. Built after a resume
+    has loaded the optimizer, from the command line's peaks: a resumed run follows the schedule
+    its flags describe, and with unchanged flags the learning rates of the run it continues."""
+    for group in opt.param_groups:
+        group["initial_lr"] = group["lr"]
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, args.warmup),
+                                             last_epoch=start - 1)
 
 
 def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
@@ -332,10 +411,16 @@ def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_settings(job: Job, args: argparse.Namespace, step: int, sched) -> str:
-    return json.dumps({"step": step, "scheduler": sched.state_dict(), "steps": args.steps, "model": job.spec.name,
-                       "fingerprint": job.spec.fingerprint(), "optimizer": job.plan.optimizer,
-                       "dp": job.dp, "tp": job.tp, **{k: getattr(args, k) for k in SAME_DATA}})
+def run_settings(job: Job, args: argparse.Namespace, step: int) -> str:
+    return json.dumps({"step": step, "model": job.spec.name, "fingerprint": job.spec.fingerprint(),
+                       "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp,
+                       **{k: getattr(args, k) for k in SAME_DATA}, "flags": hyper_flags(job, args)})
+
+
+def manifest_info(job: Job, step: int) -> dict[str, Any]:
+    """What `verify_checkpoint` can check before reading anything (the writer's layout, for people)."""
+    return {"step": step, "model": job.spec.name, "fingerprint": job.spec.fingerprint(),
+            "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp}
 
 
 def train(job: Job, args: argparse.Namespace) -> None:
@@ -343,10 +428,7 @@ def train(job: Job, args: argparse.Namespace) -> None:
 
     from reference.data import synthetic_batches
 
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", job.local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = torch.device("cuda", job.local_rank) if args.device == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (job.dp, job.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     dp_group = mesh.get_group("dp")
@@ -354,19 +436,25 @@ def train(job: Job, args: argparse.Namespace) -> None:
 
     model = build_model(job, mesh, args.seed, device)
     opt = build_optimizer(job, model, mesh, args)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, args.warmup))
+    chosen = hyper_parameters(opt)  # the command line's, before a checkpoint's are loaded
     params = sum(p.numel for p in job.spec.params)
     say(f"plan {args.plan}: {job.plan.optimizer}, dp {job.dp} x tp {job.tp}, hash {job.plan.hash()[:12]}; "
         f"model {job.spec.name} ({params:,} parameters); {job.world} ranks on {args.device} "
         f"({dist.get_backend()})", flush=True)
 
     if job.resume is not None:
-        dcp.load(weights(job, model, mesh), checkpoint_id=str(job.resume))  # into the parameters
-        opt.load_sharded_state_dict(str(job.resume))  # the pieces this rank's layout needs
-        sched.load_state_dict(job.scheduler)  # its step count (the learning rates came with the optimizer)
+        reader = SafeFileSystemReader(job.resume, job.manifest)
+        dcp.load(weights(job, model, mesh), storage_reader=reader)  # into the parameters
+        opt.load_sharded_state_dict(reader)  # the pieces this rank's layout needs
+        for group, mine in zip(opt.param_groups, chosen):  # loading restored the checkpoint's
+            group.update(mine)
         say(f"resumed from {job.resume} at step {job.start}", flush=True)
+        for line in resume_changes(job.saved_flags, hyper_flags(job, args)):
+            say(line, flush=True)
+    sched = schedule(opt, args, job.start)
 
     rows = args.batch // job.dp
+    saved: Path | None = None  # the last checkpoint written
     data = synthetic_batches(job.model_cfg.vocab, args.batch, args.seq_len, args.steps, seed=args.seed + 1)
     for step, tokens in enumerate(data):
         if step < job.start:
@@ -389,57 +477,104 @@ def train(job: Job, args: argparse.Namespace) -> None:
             f"{time.perf_counter() - t0:.3f} s", flush=True)
         done = step + 1
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
-            folder = Path(args.save) / f"step_{done}"
-            dcp.save({**weights(job, model, mesh), RUN_KEY: run_settings(job, args, done, sched),
-                      **opt.sharded_state_dict()}, storage_writer=dcp.FileSystemWriter(folder, overwrite=True))
-            say(f"saved {folder}", flush=True)
+            saved = Path(args.save) / f"step_{done}"
+            save_checkpoint({**weights(job, model, mesh), RUN_KEY: run_settings(job, args, done),
+                             **opt.sharded_state_dict()}, saved, manifest_info=manifest_info(job, done))
+            say(f"saved {saved}", flush=True)
 
     if args.out:
         full = {}
         for key, t in weights(job, model, mesh).items():
             full[key[len("model/"):]] = (t.full_tensor() if job.tp > 1 else t).detach().cpu().clone()
         if job.rank == 0:
-            torch.save(full, args.out)
+            write_final_weights(args.out, full, saved)
             say(f"final weights written to {args.out}", flush=True)
 
 
-def exit_together(status: torch.Tensor, wait_s: float) -> torch.Tensor:
-    """Every rank's status (a small CPU tensor), over gloo: torchrun stops all ranks as soon as one
-    exits with an error, so ranks meet here before any of them leaves (at most `wait_s`)."""
-    every = torch.zeros(dist.get_world_size() * status.numel(), dtype=status.dtype)
-    work = dist.all_gather_single(every, status, async_op=True)
+def write_final_weights(path: str, full: dict[str, torch.Tensor], saved: Path | None) -> None:
+    """All of it or nothing at `path`; a failure says where else the result is."""
+    try:
+        write_atomically(path, lambda f: torch.save(full, f))
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        kept = f"; they are in the checkpoint {saved}" if saved is not None and saved.is_dir() else ""
+        raise CanzonaError(f"--out {path}: cannot write the final weights ({describe(e)}){kept}") from None
+
+
+def gather(mine: torch.Tensor, wait_s: float) -> torch.Tensor:
+    """Every rank's `mine` (a small CPU tensor of the same shape on each), concatenated in rank
+    order, over gloo; waits at most `wait_s` for the other ranks."""
+    every = torch.zeros(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
+    work = dist.all_gather_single(every, mine.flatten(), async_op=True)
     work.wait(timedelta(seconds=wait_s))
-    return every
+    return every.view(dist.get_world_size(), -1)
 
 
-def fail_together(error: str | None, rank: int, wait_s: float) -> bool:
-    """Bad input found before training, on some ranks or all: every rank prints one `error:`
-    line (its own, or one naming the ranks that found it) and all return True together."""
-    failed = exit_together(torch.tensor([int(error is not None)]), wait_s)
+def exit_together(status: torch.Tensor, wait_s: float) -> torch.Tensor:
+    """Every rank's status: torchrun stops all ranks as soon as one exits with an error, so ranks
+    meet here before any of them leaves (at most `wait_s`)."""
+    return gather(status, wait_s)
+
+
+def fail_together(error: str | None, wait_s: float) -> bool:
+    """Bad input found before training, on some ranks or all: every rank prints the same `error:`
+    line (the lowest failing rank's error, naming that rank unless every rank found the same) and
+    all return True together."""
+    failed = exit_together(torch.tensor([int(error is not None)]), wait_s).flatten()
     if not failed.any():
         return False
-    if error is None:
-        ranks = [int(r) for r in torch.nonzero(failed).flatten()]
-        error = f"rank {rank}: rank(s) {ranks} found bad input (see their error)"
-    error_line(f"error: {error}")
+    text = torch.zeros(MAX_ERROR_BYTES, dtype=torch.uint8)
+    encoded = list((error or "").encode()[:MAX_ERROR_BYTES])
+    text[:len(encoded)] = torch.tensor(encoded, dtype=torch.uint8)
+    texts = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in gather(text, wait_s)]
+    ranks = [int(r) for r in torch.nonzero(failed).flatten()]
+    first = texts[ranks[0]]
+    alike = len(ranks) == len(texts) and all(t == first for t in texts)
+    error_line(f"error: {first}" if alike else f"error: rank {ranks[0]}: {first}")
     exit_together(torch.zeros(1, dtype=torch.int64), wait_s)  # everyone has printed
     return True
 
 
+def value_digest(value: Any) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(value, default=str).encode()).digest()[:8], "little",
+                          signed=True)
+
+
+def disagreement(args: argparse.Namespace, wait_s: float) -> str | None:
+    """The flags the ranks were given differently (compared by a digest of each parsed value), in a
+    message that is the same on every rank; None when they agree. Collective."""
+    names = sorted(vars(args))
+    every = gather(torch.tensor([value_digest(getattr(args, n)) for n in names], dtype=torch.int64), wait_s)
+    differ = []
+    for i, name in enumerate(names):
+        others = [int(r) for r in torch.nonzero(every[:, i] != every[0, i]).flatten()]
+        if others:
+            differ.append(f"--{name.replace('_', '-')} (rank(s) {others} differ from rank 0)")
+    if not differ:
+        return None
+    return f"the ranks were given different arguments: {', '.join(differ)}; give every rank the same"
+
+
+def checked(step: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(step's result, None), or (None, its one-line error) for bad input (an unreadable path too)."""
+    try:
+        return step(), None
+    except (BadInput, CanzonaError) as e:
+        return None, str(e)
+    except OSError as e:
+        return None, describe(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        rank, _, _ = launched_world()
+        rank, _, local_rank = launched_world()
     except BadInput as e:  # not under torchrun: no peers to wait for
         error_line(f"error: {e}")
         return 2
-    args, error = None, None
-    try:
-        args = parse_args(argv)
-        job = prepare(args)
-    except (BadInput, CanzonaError) as e:
-        error = str(e)
+    args, error = checked(lambda: parse_args(argv))
     cuda = args is not None and args.device == "cuda" and torch.cuda.is_available()
     timeout = args.timeout if args is not None else 300.0
+    if cuda:  # before any collective: NCCL (and DCP's object collectives) use the current device
+        torch.cuda.set_device(local_rank)
     # NCCL for the model's and the optimizer's GPU tensors, gloo for their small CPU tensors
     # (agreement checks, norms, checkpoint metadata) and for the start and exit handshakes
     try:
@@ -448,8 +583,17 @@ def main(argv: list[str] | None = None) -> int:
         error_line(f"error: rank {rank}: cannot start the process group: {describe(e)}")
         return 1
     try:
-        if fail_together(error, rank, timeout):
+        # each check that can refuse the run ends with a meeting of every rank, so that all print
+        # the same error line and leave together, before any training
+        if fail_together(error, timeout) or fail_together(disagreement(args, timeout), timeout):
             return 2
+        job, error = checked(lambda: prepare(args))
+        if fail_together(error, timeout):
+            return 2
+        if job.resume is not None:
+            job, error = checked(lambda: with_checkpoint(job, args))
+            if fail_together(error, timeout):
+                return 2
         train(job, args)
         # meet before leaving: the exit below closes this rank's connections at once, which a peer
         # still finishing a collective with it would see as a lost peer

@@ -378,7 +378,9 @@ def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DC
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, str) else checkpoint_id
+    from canzona.runtime.checkpoint_files import SafeFileSystemReader  # runs no code from the files
+
+    reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else SafeFileSystemReader(checkpoint_id)
     entries = reader.read_metadata().state_dict_metadata
 
     def placeholder(key: str) -> Any:

@@ -116,9 +116,3 @@ class GradGuard(Tensor):
         in_backward = torch._C._current_graph_task_id() != -1
         raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
 
-
-def is_guard(t: Tensor | None) -> bool:
-    """`t` is a guard, or a DTensor gradient whose local tensor is one."""
-    if t is None:
-        return False
-    return isinstance(t, GradGuard) or isinstance(getattr(t, "_local_tensor", None), GradGuard)

@@ -40,15 +40,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from canzona.errors import CanzonaError
+from canzona.runtime.lifecycle import EXIT_ORPHANED, POLL_S, parent_alive, watch_parent
 
 Progress = Callable[[int, int, str], None]
 
 RUN_DIR_PREFIX = "canzona-ranks-"  # followed by the parent's pid: stale directories can be swept
 PORT_ATTEMPTS = 3  # a free port can be taken by someone else before rank 0 binds it
-POLL_S = 0.25  # the parent's join loop; also how often a rank checks that its parent is alive
+# POLL_S (from lifecycle) also paces the parent's join loop
 TERM_GRACE_S = 2.0  # after SIGTERM, before SIGKILL (SIGTERM stays pending on a stopped process)
 REAP_TIMEOUT_S = 10.0  # after SIGKILL: only a process stuck in the kernel takes longer
-EXIT_ORPHANED = 70  # a rank whose parent died
 EXIT_INTERRUPTED = 130  # a rank interrupted by SIGINT (Ctrl-C, or torch's parent-death signal)
 PROGRESS_FILE = "progress.json"
 
@@ -85,16 +85,10 @@ def report_progress(done: int, total: int, what: str) -> None:
         pass  # progress is advisory: a vanished run directory is handled by the watchdog
 
 
-def _parent_alive(parent: int) -> bool:
-    # an orphan is re-parented (to init or a subreaper), so its ppid changes; a recycled pid cannot
-    # be mistaken for the parent
-    return os.getppid() == parent
-
-
 def _leave(code: int, parent: int, outdir: str) -> None:
     """Exit now, skipping interpreter and process-group teardown (either can block on peers)."""
     _dir_lock.acquire()  # never released: this rank writes nothing after the removal
-    if not _parent_alive(parent):
+    if not parent_alive(parent):
         # nobody else will remove it; each orphan removes it after its own last write, so
         # whichever leaves last leaves nothing
         shutil.rmtree(outdir, ignore_errors=True)
@@ -104,13 +98,7 @@ def _leave(code: int, parent: int, outdir: str) -> None:
 def _watch_parent(parent: int, outdir: str) -> None:
     """Exit when the parent is gone. A thread, so it works while the main thread is blocked in C
     (a gloo collective), where torch's parent-death SIGINT is never acted upon."""
-
-    def watch() -> None:
-        while _parent_alive(parent):
-            time.sleep(POLL_S)
-        _leave(EXIT_ORPHANED, parent, outdir)
-
-    threading.Thread(target=watch, name="canzona-parent-watchdog", daemon=True).start()
+    watch_parent(parent, lambda: _leave(EXIT_ORPHANED, parent, outdir), POLL_S)
 
 
 def _describe(e: BaseException) -> str:
@@ -123,7 +111,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, timeout_s: float, thr
     try:
         _rank_main(rank, world, port, outdir, timeout_s, threads, parent, fn, args)
     finally:
-        if not _parent_alive(parent):  # whatever happened: do not leave the directory behind
+        if not parent_alive(parent):  # whatever happened: do not leave the directory behind
             _leave(EXIT_ORPHANED, parent, outdir)
 
 
@@ -149,7 +137,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
     except KeyboardInterrupt as e:
         # Ctrl-C reaches the whole process group, and torch turns the parent's death into SIGINT:
         # either way nobody will stop this rank later, so it must not stay alive
-        if _parent_alive(parent):
+        if parent_alive(parent):
             _save({"ok": False, "error": _describe(e), "trace": traceback.format_exc(),
                    "at": time.time()}, out)
             _mark_failed(outdir, rank)
@@ -164,11 +152,11 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, timeout_s: float, 
         # stops this process once the others have recorded their outcome, unless it dies first.
         _mark_failed(outdir, rank)
         try:
-            while _parent_alive(parent):
+            while parent_alive(parent):
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             pass
-        _leave(EXIT_INTERRUPTED if _parent_alive(parent) else EXIT_ORPHANED, parent, outdir)
+        _leave(EXIT_INTERRUPTED if parent_alive(parent) else EXIT_ORPHANED, parent, outdir)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,63 @@
+"""Processes that do not outlive the process that launched them.
+
+A rank started by `torchrun` (or any launcher) is its child. When the launcher is killed outright
+(SIGKILL, the OOM killer), nothing stops the rank: it is re-parented and goes on training, writing
+checkpoints and holding GPUs. `exit_with_launcher()` starts a watchdog thread that notices the
+launcher is gone and stops the process: SIGTERM to itself first, so that a handler the script
+installed can run, then a hard exit after a grace period. A thread, because the main thread may be
+blocked in C (a collective), where Python never runs a signal handler:
+
+    from canzona.runtime.lifecycle import exit_with_launcher
+    exit_with_launcher()        # first thing in a torchrun script
+
+`canzona.runtime.launch` uses the same watch for the ranks it spawns (`watch_parent`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+POLL_S = 0.25  # how often the watchdog looks at the parent
+EXIT_GRACE_S = 5.0  # after SIGTERM to itself, before the hard exit
+EXIT_ORPHANED = 70  # the exit code of a process whose launcher died
+
+
+def parent_alive(parent: int) -> bool:
+    """Whether `parent` is still this process's parent. An orphan is re-parented (to init or a
+    subreaper), so its ppid changes; a recycled pid cannot be mistaken for the parent."""
+    return os.getppid() == parent
+
+
+def watch_parent(parent: int, on_gone: Callable[[], None], poll_s: float = POLL_S) -> threading.Thread:
+    """Call `on_gone()` from a daemon thread as soon as `parent` is no longer this process's
+    parent (at once if it already is not)."""
+
+    def watch() -> None:
+        while parent_alive(parent):
+            time.sleep(poll_s)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name="canzona-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_with_launcher(grace_s: float = EXIT_GRACE_S, poll_s: float = POLL_S,
+                       exit_code: int = EXIT_ORPHANED) -> threading.Thread:
+    """Stop this process within about `poll_s` once the process that started it is gone.
+
+    SIGTERM to itself first: with the default disposition the process ends at once; a script's own
+    SIGTERM handler gets `grace_s` seconds to clean up, after which the process exits with
+    `exit_code` without running any more Python (`os._exit`). Call it once, at the start."""
+    parent = os.getppid()
+
+    def stop() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)  # a handler that returned, or a main thread blocked in C
+        os._exit(exit_code)
+
+    return watch_parent(parent, stop, poll_s)

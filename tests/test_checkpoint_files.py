@@ -1,0 +1,343 @@
+"""Checkpoint folders are complete or invisible, and checked before anything in them is trusted
+(`canzona.runtime.checkpoint_files`, issue 17 findings 7 and 8).
+
+- Replacing a checkpoint of 2 gloo ranks (an atomic swap, and the rename-aside fallback of file
+  systems without one): at every file-system step of the save, the checkpoint a resume would pick
+  is complete, verified and wholly one save's, the old one or the new one.
+- A job killed while its ranks write a re-save leaves the old checkpoint as it was (never the new
+  rank-0 file beside the old rank-1 file) and a staging folder that nothing takes for a
+  checkpoint; the next save of the name removes it.
+- A bit flip, a truncated, missing or added file, a shard or `.metadata` from another save, a
+  missing or malformed manifest: one-line `CheckpointError` before anything is unpickled.
+- A crafted `.metadata` or non-tensor entry, even with a consistent manifest, runs no code (plain
+  DCP runs it: the tests show both), and metadata pointing outside the checkpoint's files or
+  claiming huge tensors is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from canzona.errors import CanzonaError, CheckpointError
+from canzona.runtime import checkpoint_files
+from canzona.runtime.checkpoint_files import (
+    MANIFEST,
+    SafeFileSystemReader,
+    is_complete,
+    latest_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from canzona.runtime.launch import run_ranks
+
+DEADLINE_S = 120.0
+PART, SHARED = 256, 64  # elements of each rank's own tensor and of the tensor every rank holds
+
+
+def state(rank: int, version: int) -> dict:
+    """What rank `rank` saves in save number `version`: every value says which save it is from."""
+    return {f"part{rank}": torch.full((PART,), float(100 * version + rank)),
+            "shared": torch.full((SHARED,), float(version)), "note": f"v{version}"}
+
+
+def version_of(folder: Path | None) -> int:
+    """The save a checkpoint holds, verified and read safely; an AssertionError if it mixes saves."""
+    assert folder is not None, "no complete checkpoint to resume from"
+    manifest = verify_checkpoint(folder)
+    reader = SafeFileSystemReader(folder, manifest)
+    keys = reader.read_metadata().state_dict_metadata
+    holder = {k: "" if k == "note" else torch.empty(SHARED if k == "shared" else PART) for k in keys}
+    with warnings.catch_warnings():  # loaded in this process alone: as meant
+        warnings.simplefilter("ignore")
+        dcp.load(holder, storage_reader=reader, no_dist=True)
+    versions = {int(holder["note"][1:]), int(holder["shared"][0])}
+    versions |= {int(v[0]) // 100 for k, v in holder.items() if k.startswith("part")}
+    assert len(versions) == 1, f"{folder} mixes saves {sorted(versions)}"
+    return versions.pop()
+
+
+def save_alone(folder: Path, version: int, **info) -> None:
+    """A single-process save (no process group): the state of ranks 0 and 1 together."""
+    save_checkpoint({**state(0, version), **state(1, version)}, folder, manifest_info=info)
+
+
+# --- in spawned gloo ranks ---------------------------------------------------------------------
+
+
+def _replace_while_watching(rank: int, root: Path) -> dict[str, list[int]]:
+    """Replace a checkpoint twice (swap, then rename-aside); rank 0, which publishes, looks at what a
+    resume would pick before and after every rename and removal."""
+    save_checkpoint(state(rank, 1), root / "step_1", manifest_info={"step": 1})
+    seen: list[int] = []
+    originals = [(module, name, getattr(module, name)) for module, name in (
+        (os, "rename"), (os, "replace"), (shutil, "rmtree"), (checkpoint_files, "_exchange"))]
+    if rank == 0:
+        (root / "step_1.tmp-0123abcd").mkdir()  # leftovers of killed saves of this name
+        (root / "step_1.tmp-0123abcd" / "__0_0.distcp").write_bytes(b"half a shard")
+        (root / "step_1.old-4567").mkdir()
+
+        def watching(fn):
+            def watched(*args, **kwargs):
+                seen.append(version_of(latest_checkpoint(root)))
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    seen.append(version_of(latest_checkpoint(root)))
+            return watched
+
+        for module, name, fn in originals:
+            setattr(module, name, watching(fn))
+    try:
+        save_checkpoint(state(rank, 2), root / "step_1", manifest_info={"step": 1})
+        swapped, seen[:] = list(seen), []
+        if rank == 0:
+            checkpoint_files._exchange = lambda a, b: False  # a file system without an atomic swap
+        save_checkpoint(state(rank, 3), root / "step_1", manifest_info={"step": 1})
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+    save_checkpoint(state(rank, 9), root / "other", manifest_info={"step": 1})
+    return {"swapped": swapped, "aside": list(seen)}
+
+
+def _killed_while_writing(rank: int, world: int, root: Path) -> None:
+    """Save step_1, then re-save it: once rank 0's new file is written, rank 1 kills both ranks
+    (as a scheduler kills a job) before writing its own."""
+    save_checkpoint(state(rank, 1), root / "step_1", manifest_info={"step": 1})
+    pids: list[int] = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    written = root / "rank0-wrote"
+    original = dcp.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if rank == 1:
+            end = time.monotonic() + 60
+            while not written.exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            os.kill(pids[0], signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(self, plan, planner)
+        written.touch()
+        return result
+
+    dcp.FileSystemWriter.write_data = write_data
+    save_checkpoint(state(rank, 2), root / "step_1", manifest_info={"step": 1})
+
+
+def _replace_then_get_killed(rank: int, world: int, root: str) -> None:
+    """Both scenarios in one spawn (a spawn costs seconds): the first one's observations go to a
+    file, since the second one ends with the ranks killed."""
+    seen = _replace_while_watching(rank, Path(root) / "replaced")
+    if rank == 0:
+        (Path(root) / "seen.json").write_text(json.dumps(seen))
+    (Path(root) / "killed").mkdir(exist_ok=True)
+    dist.barrier()
+    _killed_while_writing(rank, world, Path(root) / "killed")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("spawned")
+    try:
+        run_ranks(_replace_then_get_killed, 2, str(root), deadline_s=DEADLINE_S, collective_timeout_s=60)
+        ending = "the ranks finished, but they were to be killed"
+    except CanzonaError as e:
+        ending = str(e)
+    seen = json.loads((root / "seen.json").read_text()) if (root / "seen.json").exists() else {}
+    return {"replaced": root / "replaced", "killed": root / "killed", "ending": ending, **seen}
+
+
+@pytest.mark.distributed
+def test_replacing_a_checkpoint_never_shows_a_partial_or_mixed_one(spawned):
+    # every look at a rename or removal found a complete checkpoint of one save: the old one until
+    # the new one was in, the new one after (version_of raises on anything else)
+    assert "swapped" in spawned, spawned["ending"]
+    assert spawned["swapped"] == sorted(spawned["swapped"]) and set(spawned["swapped"]) == {1, 2}
+    assert spawned["aside"] == sorted(spawned["aside"]) and set(spawned["aside"]) == {2, 3}
+    root = spawned["replaced"]
+    assert version_of(root / "step_1") == 3 and version_of(root / "other") == 9
+    assert sorted(p.name for p in root.iterdir()) == ["other", "step_1"]  # leftovers removed
+    files = json.loads((root / "step_1" / MANIFEST).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its file
+
+
+@pytest.mark.distributed
+def test_a_save_killed_midway_leaves_the_old_checkpoint_whole(spawned):
+    # rank 1 SIGKILLs rank 0, then itself: the parent sees one or both die (it may stop rank 0 itself
+    # if it looks between the two kills)
+    assert "(signal SIGKILL) died without a result" in spawned["ending"], spawned["ending"]
+    root = spawned["killed"]
+    staging = [p for p in root.iterdir() if p.name.startswith("step_1.tmp-")]
+    # the kill came after rank 0 wrote its new file and before rank 1 wrote its own
+    assert len(staging) == 1 and sorted(p.name for p in staging[0].iterdir()) == ["__0_0.distcp"]
+    assert latest_checkpoint(root) == root / "step_1"
+    assert version_of(root / "step_1") == 1
+    save_alone(root / "step_1", 5, step=1)  # the next save of the name
+    assert version_of(root / "step_1") == 5
+    assert sorted(p.name for p in root.iterdir()) == ["rank0-wrote", "step_1"]
+
+
+# --- integrity: checked before anything is unpickled -------------------------------------------
+
+
+def rewrite_manifest(folder: Path) -> None:
+    """Make the manifest consistent with whatever the folder now holds (as a forger would)."""
+    raw = json.loads((folder / MANIFEST).read_text())
+    raw["files"] = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                    for p in folder.iterdir() if p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps(raw))
+
+
+def flip_a_bit(folder: Path, other: Path) -> None:
+    data = bytearray((folder / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (folder / "__1_0.distcp").write_bytes(bytes(data))
+
+
+TAMPERING = {
+    "a bit flip": (flip_a_bit, "__1_0.distcp differs from the manifest"),
+    "a shard from another save": (lambda f, o: shutil.copy(o / "__1_0.distcp", f), "__1_0.distcp differs from the manifest"),
+    "metadata from another save": (lambda f, o: shutil.copy(o / ".metadata", f), r"\.metadata (differs from the manifest|has \d+ bytes)"),
+    "a truncated file": (lambda f, o: os.truncate(f / "__0_0.distcp", 100), "__0_0.distcp has 100 bytes, the manifest says"),
+    "a missing file": (lambda f, o: (f / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+    "an added file": (lambda f, o: shutil.copy(o / "__1_0.distcp", f / "__2_0.distcp"), "__2_0.distcp is not in the manifest"),
+    "no manifest": (lambda f, o: (f / MANIFEST).unlink(), "no manifest.json: not a complete checkpoint"),
+    "a malformed manifest": (lambda f, o: (f / MANIFEST).write_text("{"), "not a valid manifest"),
+    "a manifest listing a path": (lambda f, o: (f / MANIFEST).write_text(
+        (f / MANIFEST).read_text().replace('"__0_0.distcp"', '"../__0_0.distcp"')), "not a file name in the folder"),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(TAMPERING))
+def test_a_tampered_checkpoint_is_refused_with_one_line(case, spawned, tmp_path):
+    folder = tmp_path / "step_1"
+    shutil.copytree(spawned["replaced"] / "step_1", folder)
+    assert version_of(folder) == 3  # the copy itself is fine
+    tamper, needle = TAMPERING[case]
+    tamper(folder, spawned["replaced"] / "other")
+    with pytest.raises(CheckpointError) as refused:
+        verify_checkpoint(folder)
+    assert re.search(needle, str(refused.value)) and "\n" not in str(refused.value)
+
+
+def test_verify_checks_the_expected_manifest_info(tmp_path):
+    save_alone(tmp_path / "step_4", 1, step=4, fingerprint="abc")
+    assert verify_checkpoint(tmp_path / "step_4", {"step": 4, "fingerprint": "abc"}).info["step"] == 4
+    with pytest.raises(CheckpointError, match="a checkpoint of fingerprint 'abc', not 'xyz'"):
+        verify_checkpoint(tmp_path / "step_4", {"fingerprint": "xyz"})
+
+
+# --- reading runs no code ------------------------------------------------------------------------
+
+
+class Payload:
+    """A pickle that creates a folder when it is loaded: the stand-in for any code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def crafted_metadata(folder: Path, marker: Path, case: str) -> bytes:
+    if case == "code":
+        return pickle.dumps(Payload(marker))
+    if case in ("empty", "random"):
+        return b"" if case == "empty" else os.urandom(2000)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own save: trusted here
+    if case == "a path outside the checkpoint":
+        next(iter(metadata.storage_data.values())).relative_path = "../outside.distcp"
+    else:  # a huge tensor: the reader would allocate it before reading a byte
+        metadata.state_dict_metadata["shared"].size = torch.Size([1 << 40])
+    return pickle.dumps(metadata)
+
+
+@pytest.mark.parametrize("case", ["code", "empty", "random", "a path outside the checkpoint", "a huge tensor"])
+def test_crafted_metadata_with_a_consistent_manifest_is_refused(case, tmp_path):
+    folder, marker = tmp_path / "step_1", tmp_path / "code-ran"
+    save_alone(folder, 1, step=1)
+    (folder / ".metadata").write_bytes(crafted_metadata(folder, marker, case))
+    rewrite_manifest(folder)
+    manifest = verify_checkpoint(folder)  # consistent: the manifest alone cannot tell
+    with pytest.raises(CheckpointError, match="(not DCP metadata|malformed DCP metadata), not loaded"):
+        SafeFileSystemReader(folder, manifest).read_metadata()
+    assert not marker.exists()
+    if case == "code":  # what plain DCP does with the same folder
+        with pytest.raises(Exception):  # noqa: B017 - whatever it fails with, after running the code
+            dcp.FileSystemReader(folder).read_metadata()
+        assert marker.is_dir()
+
+
+def test_a_crafted_entry_with_a_consistent_manifest_runs_no_code(tmp_path):
+    folder, marker = tmp_path / "step_1", tmp_path / "code-ran"
+    save_checkpoint({"w": torch.ones(4), "note": Payload(marker)}, folder)  # a manifest that matches
+    assert not marker.exists()
+    holder = {"w": torch.empty(4), "note": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(dcp.CheckpointException, match="'note' is not plain data, not loaded"):
+            dcp.load(holder, storage_reader=SafeFileSystemReader(folder, verify_checkpoint(folder)), no_dist=True)
+        assert not marker.exists()
+        dcp.load(holder, checkpoint_id=str(folder), no_dist=True)  # plain DCP runs it
+    assert marker.is_dir()
+
+
+# --- which folders count as checkpoints ---------------------------------------------------------
+
+
+def test_latest_checkpoint_takes_only_complete_ones(tmp_path):
+    for step in (1, 3, 5):
+        save_alone(tmp_path / f"step_{step}", step, step=step)
+    (tmp_path / "step_5" / "__0_0.distcp").unlink()  # incomplete
+    shutil.copytree(tmp_path / "step_3", tmp_path / "step_7.tmp-00ff")  # a killed save's staging folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state(0, 9), checkpoint_id=str(tmp_path / "step_9"), no_dist=True)  # no manifest
+    (tmp_path / "step_11").write_text("not a folder")
+    assert not is_complete(tmp_path / "step_5") and not is_complete(tmp_path / "step_9")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
+    # a replacement killed between its two renames (no atomic swap): the complete old one counts
+    shutil.copytree(tmp_path / "step_3", tmp_path / "step_4.old-0a")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4.old-0a"
+    save_alone(tmp_path / "step_4", 4, step=4)  # the next save of step_4 replaces it
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+    assert not (tmp_path / "step_4.old-0a").exists()
+    assert latest_checkpoint(tmp_path / "step_3") is None  # no step_K inside a checkpoint
+
+
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("keep me too")
+    for target in ("mine", "file"):
+        with pytest.raises(CheckpointError, match="not replaced"):
+            save_alone(tmp_path / target, 1)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "file").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]
+
+
+def test_the_file_system_here_swaps_atomically(tmp_path):
+    """The atomic swap is used where available (Linux local file systems); elsewhere the
+    rename-aside fallback, which the spawned test also runs."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "from-a").touch()
+    assert checkpoint_files._exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b" / "from-a").exists() and not (tmp_path / "a" / "from-a").exists()
