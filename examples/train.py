@@ -73,6 +73,7 @@ from canzona.runtime.checkpoint_files import (
     verify_checkpoint,
 )
 from canzona.runtime.comm import REDUCE_SCATTER_IMPLS
+from canzona.runtime.gradients import NONFINITE_POLICIES
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
 
@@ -163,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reduce-scatter", default="exact", choices=REDUCE_SCATTER_IMPLS,
                     help="DP gradient reduce-scatter: exact (all-to-all, bit-reproducible) or loops (one "
                          "reduce per owner: every NIC across nodes; simulate both with --uneven runtime|loops)")
+    ap.add_argument("--nonfinite", default="raise", choices=NONFINITE_POLICIES,
+                    help="a step whose global gradient norm is NaN or Inf (a NaN loss, an overflow): raise (stop "
+                         "with an error, nothing updated or saved) or skip it on every rank (counted and logged)")
     args = ap.parse_args(argv)
     if args.save_every is not None and args.save is None:
         raise BadInput("--save-every needs --save DIR")
@@ -369,7 +373,7 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Names
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
     return DistributedOptimizer(groups, job.spec, job.plan.optimizer, {"lr": hyper_flags(job, args)["lr"]},
                                 {"lr": args.adamw_lr}, plan=job.plan, policy=POLICY, group=mesh,
-                                timeout_s=args.timeout, reduce_scatter=args.reduce_scatter)
+                                timeout_s=args.timeout, reduce_scatter=args.reduce_scatter, nonfinite=args.nonfinite)
 
 
 def hyper_parameters(opt) -> list[dict[str, Any]]:
@@ -463,18 +467,22 @@ def train(job: Job, args: argparse.Namespace) -> None:
         model.zero_grad()
         loss = model.loss(tokens[dp_rank * rows:(dp_rank + 1) * rows].to(device))
         loss.backward()
-        norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=dp_group)  # for the log: the global batch's loss
         mean = mean.item() / job.dp
-        if not math.isfinite(mean):
-            raise CanzonaError(f"the loss is {mean} at step {step + 1}: lower --lr or --adamw-lr")
-        clipped = f"  grad norm {norm.item():.4f}" if norm is not None else ""
-        say(f"step {step + 1:4d}/{args.steps}  loss {mean:.4f}{clipped}  lr {lr:.5f}  "
-            f"{time.perf_counter() - t0:.3f} s", flush=True)
+        # the optimizer checks the global gradient norm before any update: a NaN loss's gradients
+        # stop the run there (--nonfinite raise) or skip the step on every rank (skip)
+        norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else math.inf)
+        lr = opt.param_groups[0]["lr"]
+        skipped = opt.skipped_steps
+        opt.step()
+        sched.step()
+        if opt.skipped_steps > skipped:
+            say(f"step {step + 1:4d}/{args.steps}  skipped: loss {mean}, grad norm {norm.item()} "
+                f"({opt.skipped_steps} skipped so far)", flush=True)
+        else:
+            say(f"step {step + 1:4d}/{args.steps}  loss {mean:.4f}  grad norm {norm.item():.4f}  lr {lr:.5f}  "
+                f"{time.perf_counter() - t0:.3f} s", flush=True)
         done = step + 1
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             saved = Path(args.save) / f"step_{done}"

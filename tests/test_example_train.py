@@ -150,6 +150,21 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(layout, requ
     assert "resume:" not in runs["logs"]["resumed"]  # the same flags: nothing to report
 
 
+def test_a_nan_gradient_stops_the_run_before_it_reaches_the_weights_or_a_checkpoint(dp2, tmp_path):
+    """A learning rate of 1e12 makes the second step's gradients NaN: every rank stops with one
+    error line before updating, and no checkpoint holds weights updated with NaN gradients."""
+    plan = make_plan(tmp_path, 2, 1)
+    done = torchrun(tmp_path, 2, "--plan", plan, "--steps", STEPS, "--lr", 1e12, "--adamw-lr", 1e12,
+                    "--save", "ckpt", "--save-every", 1)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert sorted(e.split(":")[1] for e in errors) == [" rank 0", " rank 1"], done.stderr[-3000:]
+    assert all("the global gradient norm is nan" in e and "nothing was updated" in e for e in errors)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]  # the last sound step
+    weights = checkpoint_weights(tmp_path / "ckpt" / "step_1", dp2["straight"])
+    assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
 def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
     """`--reduce-scatter loops` (one reduce per owner): at DP 2 a sum of two is the same in any
     order, so the run resumed with it ends where the exact straight run ends."""

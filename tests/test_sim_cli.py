@@ -68,12 +68,24 @@ def test_simulate_tp_mode():
 
 def test_simulate_run_options_reach_the_result():
     result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
-                 "--uneven", "padded", "--no-zero1-fallback", "--json")
+                 "--uneven", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0", "--json")
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
-                            "recompute": "full", "uneven": "padded", "collectives": "megatron"}
+                            "recompute": "full", "uneven": "padded", "collectives": "megatron", "max_grad_norm": 1.0}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
+
+
+def test_max_grad_norm_prices_the_clip_and_is_checked():
+    """The runtime's max_grad_norm scales each rank's share of the gradients once more: priced."""
+    steps = {}
+    for extra in ([], ["--max-grad-norm", "1.0"]):
+        result = run("simulate", *SMALL, "--no-zero1-fallback", *extra, "--json")
+        assert result.exit_code == 0, result.stderr
+        steps[bool(extra)] = json.loads(result.stdout)["optimizer_step_s"]
+    assert steps[True] > steps[False]
+    bad = run("simulate", *SMALL, "--max-grad-norm", "0")
+    assert bad.exit_code == 2 and "error: max_grad_norm must be a positive number" in bad.stderr
 
 
 def test_simulate_table():

@@ -209,6 +209,7 @@ def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any
 
 def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
     header, groups, state = state_by_name(state_dict)
+    _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
     if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
         name_of = {id(p): n for n, p in opt.params.items()}
         mine = [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]
