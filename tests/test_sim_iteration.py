@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.catalog import get_config, get_model
-from canzona.cost import AnalyticCost, DeviceRate, adamw_kernels
+from canzona.cost import AnalyticCost, DeviceRate, adamw_kernels, gradient_norm_kernels
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.optimizers import default_config
@@ -193,12 +193,15 @@ def test_recompute_adds_forward_work_to_backward():
 
 
 def test_single_gpu_sc_step_is_every_matrix_plus_adamw():
+    """... plus the gradient norm's pass over every gradient (the runtime checks it every step)."""
     cfg = SimConfig(model="qwen3-0.6b", gpus=1, tp=1, policy="sc", workload=Workload(128, 1))
     r = simulate(cfg)
     rate = DeviceRate.from_profile(load_profile("h100-sxm"))
     adamw_numel = sum(p.numel for p in get_model("qwen3-0.6b", 1).adamw_params())
     adamw = sum(rate.kernel_seconds(k) for k in adamw_kernels(adamw_numel, default_config("adamw")))
-    assert r.optimizer_step_s == pytest.approx(all_matrix_costs(cfg) + adamw, rel=1e-12)
+    buckets = sum(b.size for b in r.plan.dp_plan.buckets)
+    norm = sum(rate.kernel_seconds(k) for k in gradient_norm_kernels(buckets + adamw_numel, clip=False))
+    assert r.optimizer_step_s == pytest.approx(all_matrix_costs(cfg) + adamw + norm, rel=1e-12)
     assert r.rank_optimizer_s == pytest.approx((r.optimizer_step_s,), rel=1e-12)
     assert r.optimizer_breakdown["exposed_comm_s"] == pytest.approx(0.0, abs=1e-15)
 
