@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
 from canzona.plan import Plan, check_plan_matches, load_plan
-from canzona.runtime.comm import REDUCE_SCATTER_IMPLS
+from canzona.runtime.comm import REDUCE_SCATTER_IMPLS, Comm
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
 
@@ -404,12 +404,12 @@ def train(job: Job, args: argparse.Namespace) -> None:
 
 
 def exit_together(status: torch.Tensor, wait_s: float) -> torch.Tensor:
-    """Every rank's status (a small CPU tensor), over gloo: torchrun stops all ranks as soon as one
-    exits with an error, so ranks meet here before any of them leaves (at most `wait_s`)."""
-    every = torch.zeros(dist.get_world_size() * status.numel(), dtype=status.dtype)
-    work = dist.all_gather_single(every, status, async_op=True)
-    work.wait(timedelta(seconds=wait_s))
-    return every
+    """Every rank's status (a small 1-D CPU tensor), over gloo: torchrun stops all ranks as soon as
+    one exits with an error, so ranks meet here before any of them leaves (at most `wait_s`). It is
+    the script's last collective, so it goes through canzona's `Comm`, which returns only once gloo
+    has let go of the tensors (a gloo thread releasing them while the interpreter exits aborts the
+    process: `canzona.runtime.comm.Handoff`)."""
+    return Comm(None, wait_s, "world").all_gather_values(status, "exit status").flatten()
 
 
 def fail_together(error: str | None, rank: int, wait_s: float) -> bool:
@@ -468,10 +468,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # DTensor's collectives keep their process groups alive past destroy_process_group, so gloo's
-    # worker threads are never joined; one still releasing the last collective's tensors (which
-    # takes the GIL) while the interpreter finalizes aborts a run that succeeded ("terminate called
-    # without an active exception", SIGABRT). Everything is written: leave without finalizing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    if status:
+        # A run that failed can leave a collective in flight that a failed peer never joins: gloo
+        # cannot cancel it, and its worker thread releases the collective's tensors (taking the
+        # GIL) only when it ends, which during interpreter finalization aborts the process
+        # (SIGABRT instead of this exit code). Everything is printed: leave without finalizing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
