@@ -72,7 +72,7 @@ from canzona.runtime.checkpoint_files import (
     save_checkpoint,
     verify_checkpoint,
 )
-from canzona.runtime.comm import REDUCE_SCATTER_IMPLS
+from canzona.runtime.comm import REDUCE_SCATTER_IMPLS, Comm
 from canzona.runtime.gradients import NONFINITE_POLICIES
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
@@ -509,12 +509,12 @@ def write_final_weights(path: str, full: dict[str, torch.Tensor], saved: Path | 
 
 
 def gather(mine: torch.Tensor, wait_s: float) -> torch.Tensor:
-    """Every rank's `mine` (a small CPU tensor of the same shape on each), concatenated in rank
-    order, over gloo; waits at most `wait_s` for the other ranks."""
-    every = torch.zeros(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
-    work = dist.all_gather_single(every, mine.flatten(), async_op=True)
-    work.wait(timedelta(seconds=wait_s))
-    return every.view(dist.get_world_size(), -1)
+    """Every rank's `mine` (a small CPU tensor of the same shape on each), one row per rank in rank
+    order, over gloo; waits at most `wait_s` for the other ranks. Through canzona's `Comm`, which
+    returns only once gloo has let go of the tensors: the script's last collective is one of these,
+    and a gloo thread releasing them while the interpreter exits aborts the process
+    (`canzona.runtime.comm.Handoff`)."""
+    return Comm(None, wait_s, "world").all_gather_values(mine.flatten(), "exit status")
 
 
 def exit_together(status: torch.Tensor, wait_s: float) -> torch.Tensor:
@@ -620,10 +620,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # DTensor's collectives keep their process groups alive past destroy_process_group, so gloo's
-    # worker threads are never joined; one still releasing the last collective's tensors (which
-    # takes the GIL) while the interpreter finalizes aborts a run that succeeded ("terminate called
-    # without an active exception", SIGABRT). Everything is written: leave without finalizing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    if status:
+        # A run that failed can leave a collective in flight that a failed peer never joins: gloo
+        # cannot cancel it, and its worker thread releases the collective's tensors (taking the
+        # GIL) only when it ends, which during interpreter finalization aborts the process
+        # (SIGABRT instead of this exit code). Everything is printed: leave without finalizing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

@@ -188,6 +188,19 @@ def fsdp2_job(rank: int, world: int) -> dict:
     return _outcome(lambda: DistributedOptimizer(list(model.named_parameters()), spec))
 
 
+def fsdp1_job(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = build_model(BASE)
+    spec = model.spec()
+    fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    return {"from_module": _outcome(lambda: ModelSpec.from_module(fsdp)),
+            "optimizer": _outcome(lambda: DistributedOptimizer(list(fsdp.named_parameters()), spec))}
+
+
 def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     """Rank 1's loss is NaN / Inf at the second step."""
     model = build_model(BASE)
@@ -302,6 +315,7 @@ JOBS = {
     "ddp after": ("ddp_after_job", ()),
     "ddp before": ("ddp_before_job", ()),
     "fsdp2": ("fsdp2_job", ()),
+    "fsdp1": ("fsdp1_job", ()),
     "nan raise": ("nonfinite_job", ("raise", math.nan)),
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
@@ -406,6 +420,12 @@ def test_a_model_wrapped_in_ddp_after_the_optimizer_is_refused_on_every_rank(run
 def test_a_ddp_model_is_refused_by_from_module(runs):
     for out in runs["ddp before"]:
         assert out["error"] == "SpecError" and "DistributedDataParallel" in out["message"], out
+
+
+def test_an_fsdp1_model_is_refused_naming_fsdp(runs):
+    for out in runs["fsdp1"]:
+        for what in ("from_module", "optimizer"):
+            assert out[what]["error"] == "SpecError" and "sharded by FSDP" in out[what]["message"], out
 
 
 def test_an_fsdp2_model_is_refused_naming_fsdp(runs):

@@ -14,12 +14,17 @@ Reduce-scatter(-v) has two implementations (`REDUCE_SCATTER_IMPLS`, chosen per o
 All-gather(-v) is one in-place broadcast per owner (pure copies, so exact whatever the route).
 `benchmarks/bench_comm.py` compares these against padded `reduce_scatter_tensor` /
 `all_gather_into_tensor` on the same data.
+
+A collective's `wait()` returns once the backend has also let go of its CPU tensors (`Handoff`):
+otherwise a script that ends right after its last `step()` can abort at interpreter exit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -89,6 +94,7 @@ class Comm:
         self.timeout = timedelta(seconds=timeout_s)
         self.log = CollectiveLog()
         self.check_device = _check_device(group)
+        self.unreleased = 0  # collectives whose tensors gloo still held RELEASE_LIMIT_S after completing
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -102,9 +108,10 @@ class Comm:
 
     def _all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
                     what: str) -> PendingWork:
-        work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group,
+        hand = Handoff()
+        work = dist.all_to_all_single(hand(out), hand(inp), list(out_splits), list(in_splits), group=self.group,
                                       async_op=True)
-        return PendingWork(self, work, what)
+        return PendingWork(self, work, what, hand)
 
     def all_to_all(self, out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
                    name: str) -> PendingWork:
@@ -116,8 +123,9 @@ class Comm:
     def all_gather_into(self, out: Tensor, inp: Tensor, name: str) -> PendingWork:
         """Every member's equal-sized `inp`, in member order, into `out`."""
         self.log.add("all-gather", self.name, name, [inp.numel() * inp.element_size()] * self.size)
-        work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
-        return PendingWork(self, work, f"all-gather of {name}")
+        hand = Handoff()
+        work = dist.all_gather_into_tensor(hand(out), hand(inp), group=self.group, async_op=True)
+        return PendingWork(self, work, f"all-gather of {name}", hand)
 
     def _owner(self, r: int) -> int:
         """Member r's rank in the default group (what rooted collectives name)."""
@@ -152,10 +160,11 @@ class Comm:
         rank's segment (`mine`) must be left as it was."""
         a, b = mine
         scratch = flat.clone()
-        works = [dist.reduce(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]], self._owner(r),
+        hand = Handoff()
+        works = [dist.reduce(hand(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]]), self._owner(r),
                              op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                  for r in range(self.size) if lengths[r]]
-        pending = PendingWork(self, works, f"reduce-scatter of {name}")
+        pending = PendingWork(self, works, f"reduce-scatter of {name}", hand)
         pending.then = lambda: flat[a:b].div_(self.size)
         return pending
 
@@ -166,9 +175,10 @@ class Comm:
         the copy itself: `benchmarks/bench_runtime.py` prints the comparison)."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
         self.log.add("all-gather-v", self.name, name, [n * flat.element_size() for n in lengths])
-        works = [dist.broadcast(flat[cuts[r]:cuts[r + 1]], self._owner(r), group=self.group, async_op=True)
+        hand = Handoff()
+        works = [dist.broadcast(hand(flat[cuts[r]:cuts[r + 1]]), self._owner(r), group=self.group, async_op=True)
                  for r in range(self.size) if lengths[r]]
-        return PendingWork(self, works, f"all-gather of {name}")
+        return PendingWork(self, works, f"all-gather of {name}", hand)
 
     def check_agreement(self, facts: dict[str, str]) -> None:
         """Every rank must run the same plan on the same model: compare digests before any other
@@ -184,8 +194,7 @@ class Comm:
         digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
         mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
         every = torch.empty(self.size * len(names), dtype=torch.int64, device=self.check_device)
-        work = dist.all_gather_single(every, mine.to(self.check_device), group=self.group, async_op=True)
-        self._wait(work, "plan agreement check")
+        self._gather_single(every, mine.to(self.check_device), "plan agreement check")
         table = every.view(self.size, len(names)).cpu()
         for k, name in enumerate(names):
             column = table[:, k]
@@ -212,8 +221,15 @@ class Comm:
         values = values.to(self.check_device)
         every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)
         self.log.add("all-gather", self.name, name, [values.numel() * values.element_size()] * self.size)
-        self._wait(dist.all_gather_single(every, values, group=self.group, async_op=True), name)
+        self._gather_single(every, values, name)
         return every.view(self.size, -1).cpu()
+
+    def _gather_single(self, every: Tensor, values: Tensor, what: str) -> None:
+        """Every member's `values` into `every`, in member order, waited for (not logged)."""
+        hand = Handoff()
+        # no local name for the work handle: PendingWork must hold the only one (see Handoff)
+        PendingWork(self, dist.all_gather_single(hand(every), hand(values), group=self.group, async_op=True),
+                    what, hand).wait()
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable `obj`, in rank order, within this group's timeout (unlike
@@ -227,24 +243,87 @@ class Comm:
         return [pickle.loads(table[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
 
 
-class PendingWork:
-    """An in-flight collective; `wait()` completes it (and its local finishing step)."""
+# How long `PendingWork.wait` waits for gloo to let go of a completed collective's tensors: it
+# takes microseconds, the GIL handed over once; past this the step goes on (the run's results do
+# not depend on it, only its clean exit) and the collective is counted in `Comm.unreleased`.
+RELEASE_LIMIT_S = 2.0
 
-    def __init__(self, comm: Comm, work, what: str):
+
+class Handoff:
+    """The tensors handed to one collective, as fresh aliases that only the backend holds.
+
+    Why: gloo runs a collective on a worker thread, which drops its references to the collective's
+    tensors just *after* completing it, so possibly after `wait()` has returned here. torch keeps
+    the Python object of a tensor alive while C++ holds the tensor, and the thread that drops the
+    last C++ reference takes the GIL to release it (`TensorImpl::decref_pyobject`, torch 2.13). If
+    the main thread reaches interpreter finalization first (a script's last `step()`,
+    `destroy_process_group()`, return), the worker takes the GIL during `Py_FinalizeEx`, CPython
+    ends the thread with `pthread_exit`, and the forced unwind through the work's destructor
+    (noexcept) aborts the process: SIGABRT, "terminate called without an active exception", after
+    a successful run. `destroy_process_group()` does not prevent it: the default group outlives it
+    whenever `torch.distributed.nn` was first imported after `init_process_group` (its functions
+    take `group.WORLD` as a default argument; building any `torch.optim.Optimizer` imports it), so
+    gloo's threads are never joined. An alias held here only weakly dies exactly when the last
+    holder drops it, so `release` can wait for that moment, with the GIL free for the worker.
+
+    CUDA tensors are handed over as they are: NCCL's `wait()` only orders streams, and waiting for
+    its watchdog to drop them would synchronize the host with the GPU."""
+
+    def __init__(self) -> None:
+        self.aliases: list[weakref.ref[Tensor]] = []
+
+    def __call__(self, t: Tensor) -> Tensor:
+        if t.device.type != "cpu":
+            return t
+        alias = t.detach()  # the same storage; a tensor object nothing else refers to
+        self.aliases.append(weakref.ref(alias))
+        return alias
+
+    def release(self, limit_s: float = RELEASE_LIMIT_S) -> bool:
+        """After the collective completed and its work handle was dropped: wait until the backend
+        has dropped every alias (False: it still held one after `limit_s` seconds)."""
+        pause, deadline = 1e-5, None
+        while any(ref() is not None for ref in self.aliases):
+            now = time.monotonic()
+            deadline = now + limit_s if deadline is None else deadline
+            if now > deadline:
+                return False
+            time.sleep(pause)  # without the GIL: the worker may be waiting for it to drop the alias
+            pause = min(2 * pause, 1e-3)
+        self.aliases.clear()
+        return True
+
+
+class PendingWork:
+    """An in-flight collective; `wait()` completes it (and its local finishing step) and returns
+    once the backend has let go of its tensors (`Handoff`)."""
+
+    def __init__(self, comm: Comm, work, what: str, handoff: Handoff | None = None):
         self.comm = comm
         self.work = work
         self.what = what
         self.then = None
         self.done = False
+        self.handoff = handoff
 
     def wait(self) -> None:
         if self.done:
             return
-        for work in self.work if isinstance(self.work, list) else [self.work]:
-            self.comm._wait(work, self.what)
+        self._wait_backend()
         if self.then is not None:
             self.then()
         self.done = True
+        if self.handoff is not None and not self.handoff.release():
+            self.comm.unreleased += 1
+        self.handoff = None
+
+    def _wait_backend(self) -> None:
+        works = self.work if isinstance(self.work, list) else [self.work]
+        for work in works:
+            self.comm._wait(work, self.what)
+        # the work handles hold the tensors too: dropped (with this frame's references) before
+        # `Handoff.release` waits for the backend's
+        self.work = None
 
 
 def _check_device(group: dist.ProcessGroup | None) -> torch.device:
