@@ -31,7 +31,7 @@ from canzona.runtime.launch import free_port, run_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]  # spawns gloo ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = 6
+RUNS = 4
 RANKS = 2
 RUN_TIMEOUT_S = 90  # one launch; a hang fails the test instead of blocking the suite
 

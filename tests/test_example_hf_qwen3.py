@@ -14,15 +14,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from canzona.dp.layout import ceil_to, even_cuts  # noqa: E402
-from canzona.dp.policies import DEFAULT_ALIGN  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
-from canzona.runtime.gradients import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
-from canzona.runtime.training import _flat_state, compare  # noqa: E402
+from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +80,7 @@ def emulate(setup: example.Setup, dps: list[int]) -> dict[str, torch.Tensor]:
             for r in range(1, dp):
                 acc += per_rank[r][n]
             grads[n] = acc.div_(dp)
-        coefficient = _clip_coefficient(grads, plans[dp], adamw_names, dp, setup.clip_norm)
+        coefficient = _clip_coefficient(grads, plans[dp], adamw_names, setup.clip_norm)
         factor = example.lr_factor(setup, step)
         with torch.no_grad():
             for n, p in params.items():
@@ -99,23 +96,8 @@ def emulate(setup: example.Setup, dps: list[int]) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params.items()}
 
 
-def _clip_coefficient(grads, plan, adamw_names, dp, max_norm) -> float:
-    """Lay the global gradients out as the runtime's buffers and take each rank's segments."""
-    segments = [[] for _ in range(dp)]
-    for b in plan.dp_plan.buckets:
-        flat = torch.zeros(b.size)
-        for p in b.params:
-            flat[p.offset:p.end] = grads[p.name].reshape(-1)
-        for r in range(dp):
-            segments[r].append(flat[b.cuts[r]:b.cuts[r + 1]])
-    used = sum(grads[n].numel() for n in adamw_names)
-    flat = torch.zeros(ceil_to(max(used, 1), DEFAULT_ALIGN * dp))
-    torch.cat([grads[n].reshape(-1) for n in adamw_names], out=flat[:used])
-    cuts = even_cuts(flat.numel(), dp)
-    for r in range(dp):
-        segments[r].append(flat[cuts[r]:cuts[r + 1]])
-    norm = combine_norm_terms(torch.stack([local_norm_term(s) for s in segments])).sqrt()
-    return min(1.0, max_norm / (float(norm) + 1e-6))
+def _clip_coefficient(grads, plan, adamw_names, max_norm) -> float:
+    return min(1.0, max_norm / (runtime_norm(grads, plan, adamw_names) + 1e-6))
 
 
 def test_the_example_equals_the_same_kernels_in_one_process(runs):

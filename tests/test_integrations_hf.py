@@ -24,18 +24,15 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from canzona.dp.layout import ceil_to, even_cuts  # noqa: E402
-from canzona.dp.policies import DEFAULT_ALIGN  # noqa: E402
 from canzona.errors import CanzonaError  # noqa: E402
 from canzona.integrations.accelerate import check_on_device, own_storage, same_device  # noqa: E402
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
-from canzona.runtime.gradients import combine_norm_terms, local_norm_term  # noqa: E402
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
-from canzona.runtime.training import _flat_state, compare  # noqa: E402
+from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -92,26 +89,6 @@ def trainer_schedule(steps: int) -> list[tuple[float, float]]:
     return learning_rates(lambda o: get_scheduler("linear", o, num_warmup_steps=0, num_training_steps=steps), steps)
 
 
-def global_norm(grads: dict[str, torch.Tensor], plan, adamw_names: list[str]) -> torch.Tensor:
-    """The global gradient norm as the runtime takes it: the gradients laid out as its buffers,
-    each rank's segments (its part of every bucket, its slice of the AdamW buffer) squared and
-    summed in order, the ranks' sums added in rank order (fp64)."""
-    segments: list[list[torch.Tensor]] = [[] for _ in range(DP)]
-    for b in plan.dp_plan.buckets:
-        flat = torch.zeros(b.size)
-        for p in b.params:
-            flat[p.offset:p.end] = grads[p.name].reshape(-1)
-        for r in range(DP):
-            segments[r].append(flat[b.cuts[r]:b.cuts[r + 1]])
-    used = sum(grads[n].numel() for n in adamw_names)
-    flat = torch.zeros(ceil_to(max(used, 1), DEFAULT_ALIGN * DP))
-    torch.cat([grads[n].reshape(-1) for n in adamw_names], out=flat[:used])
-    cuts = even_cuts(flat.numel(), DP)
-    for r in range(DP):
-        segments[r].append(flat[cuts[r]:cuts[r + 1]])
-    return combine_norm_terms(torch.stack([local_norm_term(s) for s in segments])).sqrt()
-
-
 def emulate(results: list[dict], lrs: list[tuple[float, float]],
             max_norm: float | None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Final parameters and each step's gradient norm (as the optimizer returns it, fp32) of the
@@ -133,7 +110,7 @@ def emulate(results: list[dict], lrs: list[tuple[float, float]],
             for r in range(1, DP):
                 acc += steps[r][step][n]
             grads[n] = acc.div_(DP)
-        norm = global_norm(grads, plan, adamw_names)
+        norm = torch.tensor(runtime_norm(grads, plan, adamw_names), dtype=torch.float64)
         norms.append(float(norm.to(torch.float32)))
         coefficient = 1.0 if max_norm is None else min(1.0, max_norm / (float(norm) + 1e-6))
         with torch.no_grad():

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.errors import CanzonaError, SpecError
+from canzona.errors import SpecError
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import (
     TrainSpec,
@@ -29,6 +29,7 @@ from canzona.runtime.training import (
     global_batches,
     micro_batches,
 )
+from tests.outcomes import outcome as _outcome
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -42,14 +43,6 @@ def _optimizer(model, **kwargs):
     from canzona.runtime.modules import named_parameters
 
     return DistributedOptimizer(list(named_parameters(model)), model.spec(), **kwargs)
-
-
-def _outcome(fn) -> dict:
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-        return {"error": type(e).__name__, "canzona": isinstance(e, CanzonaError), "message": str(e)}
-    return {"error": None, "value": value}
 
 
 def _batches(rank: int, world: int, spec: TrainSpec = BASE) -> list[torch.Tensor]:

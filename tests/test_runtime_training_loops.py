@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.errors import PlanError, SpecError
 from canzona.runtime.checkpoint import state_by_name
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import (
@@ -31,6 +31,7 @@ from canzona.runtime.training import (
     global_gradients,
     micro_batches,
 )
+from tests.outcomes import outcome as _outcome
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -44,14 +45,6 @@ def _optimizer(model, **kwargs):
     from canzona.runtime import DistributedOptimizer
 
     return DistributedOptimizer(model.named_parameters(), model.spec(), **kwargs)
-
-
-def _outcome(fn) -> dict:
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-        return {"error": type(e).__name__, "canzona": isinstance(e, CanzonaError), "message": str(e)}
-    return {"error": None, "value": value}
 
 
 def _batch(rank: int, world: int, spec: TrainSpec = BASE):

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from canzona.dp.layout import ceil_to, even_cuts
+from canzona.dp.policies import DEFAULT_ALIGN
 from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
+from canzona.plan import Plan
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.runtime.verify import TP_STYLES
@@ -385,6 +388,31 @@ def clip_(grads: Iterable[Tensor], max_norm: float) -> float:
         for g in grads:
             g.mul_(coefficient)
     return norm
+
+
+def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[str], align: int = DEFAULT_ALIGN) -> float:
+    """The global 2-norm of global gradients as the runtime takes it, to the last bit: laid out as
+    its buffers (the plan's buckets, the AdamW buffer padded to a multiple of `align x dp`), each
+    DP rank's segments (its part of every bucket, its slice of the AdamW buffer) summed in order in
+    fp64, the ranks' sums added in rank order."""
+    from canzona.runtime.gradients import combine_norm_terms, local_norm_term
+
+    dp = plan.dp
+    segments: list[list[Tensor]] = [[] for _ in range(dp)]
+    for b in plan.dp_plan.buckets:
+        flat = torch.zeros(b.size)
+        for p in b.params:
+            flat[p.offset:p.end] = grads[p.name].reshape(-1)
+        for r in range(dp):
+            segments[r].append(flat[b.cuts[r]:b.cuts[r + 1]])
+    used = sum(grads[n].numel() for n in adamw_names)
+    flat = torch.zeros(ceil_to(max(used, 1), align * dp))
+    if adamw_names:
+        torch.cat([grads[n].reshape(-1) for n in adamw_names], out=flat[:used])
+    cuts = even_cuts(flat.numel(), dp)
+    for r in range(dp):
+        segments[r].append(flat[cuts[r]:cuts[r + 1]])
+    return math.sqrt(float(combine_norm_terms(torch.stack([local_norm_term(s) for s in segments]))))
 
 
 def _flat_state(state: dict) -> dict:
