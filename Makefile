@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test test-fast lint demo bench lock
+.PHONY: install test test-all test-fast lint demo bench lock
 
 # constraints.txt pins the whole environment (runtime, test and lint tools) to exact versions.
 install:
@@ -10,7 +10,15 @@ install:
 lint:
 	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples notebooks
 
+# The tests without spawned ranks and the notebooks run on every core; the spawned gloo groups one
+# test at a time (each uses the cores itself). `slow`: larger variants of checks made already.
 test: install lint
+	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto
+	$(PYTHON) -m pytest -m "distributed and not slow"
+	$(PYTHON) -m pytest --nbmake -n auto notebooks
+
+# Everything, the slow variants included.
+test-all: install lint
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest --nbmake notebooks
 

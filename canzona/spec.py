@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 from canzona.errors import SpecError
@@ -103,16 +104,26 @@ class ModelSpec:
         return sum(p.numel for p in self.params)
 
     def matrix_params(self) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if p.uses_matrix_optimizer)
+        return self._routed[0]
 
     def adamw_params(self) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if not p.uses_matrix_optimizer)
+        return self._routed[1]
 
     def param(self, name: str) -> ParamSpec:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise SpecError(f"model {self.name!r} has no parameter named {name!r}")
+        p = self._by_name.get(name)
+        if p is None:
+            raise SpecError(f"model {self.name!r} has no parameter named {name!r}")
+        return p
+
+    # Computed once per spec (it is frozen): the simulator asks these questions millions of times.
+    @cached_property
+    def _routed(self) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
+        return (tuple(p for p in self.params if p.uses_matrix_optimizer),
+                tuple(p for p in self.params if not p.uses_matrix_optimizer))
+
+    @cached_property
+    def _by_name(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
 
     def check_tp(self, tp: int) -> None:
         """Raise a SpecError naming the first parameter that `tp` cannot split evenly."""

@@ -541,7 +541,7 @@ def validate(
     from sim import validate as sim_validation
 
     cfg = runtime_validation.VALIDATION_MODEL
-    spec = runtime_validation.validation_spec()
+    spec = runtime_validation.validation_spec(cfg)
     err = Console(stderr=True)
     try:
         with tempfile.TemporaryDirectory(prefix="canzona-validate-") as tmp, \
@@ -560,7 +560,7 @@ def validate(
                 hardware = str(profile_out or Path(tmp) / "profile.json")
                 calibration.write_profile(profile, hardware)
             progress.update(task, description="measuring the runtime")
-            measured = runtime_validation.measure(chosen, optimizer, dp, rounds, progress=tick)
+            measured = runtime_validation.measure(chosen, optimizer, dp, rounds, cfg=cfg, progress=tick)
             predicted = sim_validation.predict(chosen, spec, cfg.as_catalog().architecture(), dp, runtime_validation.SEQ_LEN,
                                                runtime_validation.BATCH_PER_RANK, optimizer, hardware)
             report = sim_validation.compare(measured, predicted)

@@ -102,6 +102,10 @@ class Context:
         return self.spec.param(name).numel
 
     def adamw_local_numel(self) -> int:
+        return self._adamw_local_numel
+
+    @cached_property
+    def _adamw_local_numel(self) -> int:
         return sum(p.local_numel(self.tp) for p in self.spec.adamw_params())
 
     def adamw_seconds(self, numel: int) -> float:

@@ -85,6 +85,25 @@ def test_quick_cpu_calibration_writes_a_profile_that_loads(measured):
     assert cal["threads"] == 1
 
 
+def test_a_dtype_whose_gemm_is_slow_stops_growing_and_the_progress_still_ends(monkeypatch):
+    """bf16 on a CPU without native bf16 takes 100x fp32's time: once one of a dtype's GEMMs takes
+    longer than the cap, its larger shapes are skipped (the smaller ones still make its curve)."""
+    from canzona.runtime import calibrate as measuring
+
+    monkeypatch.setattr(measuring, "time_gemm", lambda m, n, k, dtype, device, repeats:
+                        (1.0 if dtype == "bf16" and m * n * k > 64**3 else 1e-4) * m * n * k / 64**3)
+    settings = replace(measuring.prepare("cpu", shapes="32x64", quick=True, threads=1),
+                       gemm_sizes=(32, 64, 128), solver_sizes=(16,), copy_bytes=2**20)
+    seen = []
+    profile = measuring.calibrate(settings, progress=lambda done, total, what: seen.append((done, total, what)))
+    sizes = {dt: sorted(m * n * k for d, m, n, k, _ in profile["gemm_points"] if d == dt) for dt in ("bf16", "fp32")}
+    assert len(sizes["fp32"]) == 9  # three shapes per size, none over the cap
+    # bf16: every shape up to the first one over the cap (64x64x256: 1 s), and nothing larger
+    assert sizes["bf16"][-1] == 64 * 64 * 256 and len(sizes["bf16"]) < len(sizes["fp32"])
+    assert any("skipped" in what for *_, what in seen) and seen[-1][0] == seen[-1][1]
+    assert len(profile["gemm_curve"]["bf16"]) >= 2
+
+
 def test_sources_say_how_each_figure_was_measured_and_which_were_copied(measured):
     raw, _ = measured
     sources = raw["sources"]

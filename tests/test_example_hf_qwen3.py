@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import hf_qwen3 as example  # noqa: E402
 
-pytestmark = pytest.mark.distributed  # torchrun spawns gloo ranks
+# torchrun spawns gloo ranks; four launches of a transformers model: `make test-all` (the HF
+# integration tests check a transformers Qwen3 on canzona bit for bit in `make test`)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 6
 

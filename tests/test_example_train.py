@@ -108,6 +108,10 @@ def layout_runs(folder: Path, dp: int, tp: int) -> dict:
             "straight": torch.load(folder / "straight.pt"), "resumed": torch.load(folder / "resumed.pt")}
 
 
+# DP 2 x TP 2 is four ranks: `make test-all` (the runtime's TP tests check DP 2 x TP 2 in `make test`)
+LAYOUTS = ["dp2", pytest.param("dp2_tp2", marks=pytest.mark.slow)]
+
+
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory) -> dict:
     return layout_runs(tmp_path_factory.mktemp("dp2"), dp=2, tp=1)
@@ -118,7 +122,7 @@ def dp2_tp2(tmp_path_factory) -> dict:
     return layout_runs(tmp_path_factory.mktemp("dp2-tp2"), dp=2, tp=2)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_trains_from_the_plan_and_logs_falling_loss(layout, request):
     runs = request.getfixturevalue(layout)
     log = runs["logs"]["straight"]
@@ -136,7 +140,7 @@ def test_trains_from_the_plan_and_logs_falling_loss(layout, request):
     assert manifest.world == dp * tp and len(manifest.files) == dp * tp + 1  # a file per rank, .metadata
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(layout, request):
     runs = request.getfixturevalue(layout)
     straight, resumed = runs["straight"], runs["resumed"]
@@ -175,7 +179,7 @@ def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
     assert all(torch.equal(got[n], t) for n, t in dp2["straight"].items())
 
 
-@pytest.mark.parametrize("source", ["dp2_tp2", "dp2"])
+@pytest.mark.parametrize("source", [pytest.param("dp2_tp2", marks=pytest.mark.slow), "dp2"])
 def test_a_checkpoint_resumes_at_another_layout(source, request, tmp_path):
     """DP 2 x TP 2 -> DP 2 x TP 1 and DP 2 x TP 1 -> DP 1 x TP 2 (2 ranks each): the run continues
     from the checkpoint, equal to the straight run up to the rounding of the other layout's sums."""

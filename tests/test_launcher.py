@@ -125,22 +125,36 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _marked(marker: str) -> list[int]:
-    """Live ranks (not zombies) carrying this test's marker (not multiprocessing's resource tracker,
-    which this process shares across tests)."""
+    """Live ranks (not zombies) carrying this test's marker, and the fork servers that started them
+    (not multiprocessing's resource tracker, which this process shares across tests). Ranks forked
+    by this process's own fork server carry the environment that server started with: every live
+    child of that server counts (tests run one at a time, and their ranks must all be gone)."""
     needle = f"{MARKER}={marker}".encode()
+    from multiprocessing import forkserver
+
+    own_server = forkserver._forkserver._forkserver_pid  # noqa: SLF001
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), own_server):
+            continue  # this process's fork server lives on, as this process does
+        pid = int(entry.name)
         try:
             environ = (entry / "environ").read_bytes()
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if (needle in environ.split(b"\0") and b"spawn_main" in cmdline
-                and _state(int(entry.name)) not in (None, "Z")):
-            found.append(int(entry.name))
+        rank_like = b"spawn_main" in cmdline or b"multiprocessing.forkserver" in cmdline
+        ours = needle in environ.split(b"\0") or (own_server is not None and _ppid(pid) == own_server)
+        if rank_like and ours and _state(pid) not in (None, "Z"):
+            found.append(pid)
     return found
 
 
@@ -301,7 +315,7 @@ def test_a_stopped_rank_is_blamed_and_does_not_hang_the_parent(driver):
     assert out["message"].startswith("rank 1: stalled without a result (stopped"), out["message"]
     assert "rank 0:" in out["message"]  # the victim's error, for context
     assert time.monotonic() - start < START_S + 30
-    assert not _marked(d.marker)
+    _wait_for(lambda: not _marked(d.marker), 5, "a rank or its fork server is still alive")
     assert not _run_dirs(d.tmpdir)
 
 

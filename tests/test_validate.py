@@ -61,9 +61,17 @@ def test_simulated_counterpart_runs_as_the_runtime_does():
 
 
 @pytest.mark.distributed
-def test_validate_end_to_end_on_two_gloo_ranks():
+def test_validate_end_to_end_on_two_gloo_ranks(monkeypatch):
     """Calibrate this machine (quick), train under two policies, predict, compare: the command runs
-    and reports every figure; the aims (ranking, 30%) are printed, not asserted (shared machine)."""
+    and reports every figure; the aims (ranking, 30%) are printed, not asserted (shared machine).
+    The model is shrunk: the real one's bf16 Newton-Schulz takes seconds per step on CPUs without
+    native bf16, and every path of the command runs the same on a small one."""
+    from canzona.runtime import validate as runtime_validation
+    from reference.tiny_model import TinyQwen3Config
+
+    monkeypatch.setattr(runtime_validation, "VALIDATION_MODEL", TinyQwen3Config(
+        vocab=256, hidden=96, layers=2, q_heads=3, kv_heads=1, head_dim=32, ffn=256, tied_embeddings=True,
+        max_seq_len=64, name="validate-96"))
     result = invoke("validate", "--policies", "sc,canzona", "--rounds", "3", "--json")
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
@@ -71,6 +79,7 @@ def test_validate_end_to_end_on_two_gloo_ranks():
     for r in d["rows"]:
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
     assert isinstance(d["ranking_preserved"], bool) and isinstance(d["aims_met"], bool)
+    assert d["model"] == "validate-96"
 
 
 @pytest.mark.parametrize("args,needle", [

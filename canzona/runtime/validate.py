@@ -41,8 +41,8 @@ class Measured:
     log: tuple[dict, ...]  # the DP collectives of one step, as rank 0's runtime recorded them
 
 
-def validation_spec(cfg: TinyQwen3Config = VALIDATION_MODEL) -> ModelSpec:
-    return model_spec(cfg)
+def validation_spec(cfg: TinyQwen3Config | None = None) -> ModelSpec:
+    return model_spec(cfg or VALIDATION_MODEL)
 
 
 def _worker(rank: int, world: int, policies: Sequence[str], optimizer: str, cfg: TinyQwen3Config,
@@ -81,10 +81,11 @@ def _worker(rank: int, world: int, policies: Sequence[str], optimizer: str, cfg:
 
 
 def measure(policies: Sequence[str], optimizer: str = "muon", dp: int = 2, rounds: int = 10, warmup: int = 3,
-            cfg: TinyQwen3Config = VALIDATION_MODEL,
+            cfg: TinyQwen3Config | None = None,
             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Measured]:
     """Median times of every policy's training step on `dp` spawned gloo ranks (one torch thread
     each, as calibration measures with `--threads 1`)."""
+    cfg = cfg or VALIDATION_MODEL
     results = run_ranks(_worker, dp, tuple(policies), optimizer, cfg, rounds, warmup, threads=1,
                         deadline_s=60.0 + 30.0 * (rounds + warmup) * len(policies), progress=progress)
     out = {}
