@@ -143,6 +143,7 @@ def main() -> None:
     if args.save:
         dcp.save({"model": model.state_dict(), "step": args.steps, **opt.sharded_state_dict()},
                  checkpoint_id=args.save)
+    opt.wait_params()  # model.state_dict() waits by itself; named_parameters() by hand does not
     if args.out and rank == 0:
         torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, args.out)
     dist.destroy_process_group()

@@ -486,11 +486,13 @@ def train(job: Job, args: argparse.Namespace) -> None:
         done = step + 1
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             saved = Path(args.save) / f"step_{done}"
+            opt.wait_params()  # the step's parameter all-gathers run under the next forward
             save_checkpoint({**weights(job, model, mesh), RUN_KEY: run_settings(job, args, done),
                              **opt.sharded_state_dict()}, saved, manifest_info=manifest_info(job, done))
             say(f"saved {saved}", flush=True)
 
     if args.out:
+        opt.wait_params()
         full = {}
         for key, t in weights(job, model, mesh).items():
             full[key[len("model/"):]] = (t.full_tensor() if job.tp > 1 else t).detach().cpu().clone()

@@ -88,12 +88,13 @@ class Report:
 
 def runtime_config(policy: str, dp: int, seq_len: int, batch_per_rank: int, optimizer: str, hardware: str,
                    name: str) -> SimConfig:
-    """The simulated counterpart of the runtime's validation run."""
+    """The simulated counterpart of the runtime's validation run (the runtime's defaults: the step's
+    parameter all-gathers under the next forward)."""
     wl = Workload(seq_len=seq_len, global_batch=dp * batch_per_rank, micro_batch=batch_per_rank,
                   grad_bytes=RUNTIME_BYTES, param_bytes=RUNTIME_BYTES, activation_bytes=RUNTIME_BYTES,
                   dtype="fp32")
     return SimConfig(model=name, gpus=dp, tp=1, optimizer=optimizer, policy=policy, hardware=hardware, workload=wl,
-                     options=RunOptions(overlap_param_gather=False, tp_comm_overlap=False, collectives="runtime"),
+                     options=RunOptions(overlap_param_gather=True, tp_comm_overlap=False, collectives="runtime"),
                      zero1_fallback=False)
 
 

@@ -50,6 +50,7 @@ class StepGradients:
 
 
 def final_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model.state_dict()  # waits for the last step's parameter all-gathers
     return {n: p.detach().cpu().clone() for n, p in named_parameters(model)}
 
 

@@ -15,3 +15,10 @@ def outcome(fn: Callable[[], Any]) -> dict:
     except Exception as e:  # noqa: BLE001 - the test inspects the type and message
         return {"error": type(e).__name__, "canzona": isinstance(e, CanzonaError), "message": str(e)}
     return {"error": None, "value": value}
+
+
+def weights(model: Any) -> dict:
+    """A copy of the model's parameters, read as user code must read them after `step()`: through
+    `model.state_dict()`, which waits for the step's parameter all-gathers (overlap_param_gather)."""
+    model.state_dict()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -11,6 +11,7 @@ from canzona.runtime import DistributedOptimizer  # the documented import
 from canzona.runtime.launch import run_ranks
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
+from tests.outcomes import weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -31,7 +32,7 @@ def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> 
         lrs.append([g["lr"] for g in opt.param_groups])
     saved = opt.state_dict()
     return {"lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
-            "plan_hash": opt.plan.hash(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "plan_hash": opt.plan.hash(), "params": weights(model)}
 
 
 def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):

@@ -30,6 +30,7 @@ from canzona.runtime.training import (
     micro_batches,
 )
 from tests.outcomes import outcome as _outcome
+from tests.outcomes import weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -50,7 +51,7 @@ def _batches(rank: int, world: int, spec: TrainSpec = BASE) -> list[torch.Tensor
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights(model)
 
 
 def _train(model, opt, batches, between=None, zero="optimizer") -> list[float]:

@@ -39,6 +39,7 @@ from canzona.runtime.training import (
 )
 from canzona.spec import ModelSpec, ParamSpec, Role
 from canzona.step_collectives import step_collectives, step_records
+from tests.outcomes import weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -196,7 +197,7 @@ def branchy_job(rank: int, world: int, policy: str) -> dict:
         opt.zero_grad()
         model.loss(branchy_tokens(step, world)[2 * rank:2 * rank + 2], branch=rank == 0).backward()
         opt.step()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"params": weights(model),
             "owned": list(opt.applies)}
 
 
@@ -227,7 +228,7 @@ def branchy_reference(world: int) -> dict[str, torch.Tensor]:
                 acc += g
             p.grad = acc.div_(world)
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights(model)
 
 
 # --- the collective log and the gradient-sync launch points ----------------------------------

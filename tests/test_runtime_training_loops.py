@@ -32,6 +32,7 @@ from canzona.runtime.training import (
     micro_batches,
 )
 from tests.outcomes import outcome as _outcome
+from tests.outcomes import weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -73,19 +74,19 @@ def bf16_checkpoint_job(rank: int, world: int) -> dict:
         o.step()
     for tokens in batches[:2]:
         train(model, opt, tokens)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = weights(model)
     state = opt.state_dict()
     resumed = build_model(replace(spec, model_seed=7))  # other weights until the checkpoint loads
     with torch.no_grad():
         for n, p in resumed.named_parameters():
-            p.copy_(weights[n])
+            p.copy_(saved[n])
     opt2 = _optimizer(resumed)
     opt2.load_state_dict(state)
     train(resumed, opt2, batches[2])
     train(model, opt, batches[2])
     masters = {n: s["master"].dtype for n, s in state_by_name(state)[2].items() if "master" in s}
-    return {"resumed": {n: p.detach().clone() for n, p in resumed.named_parameters()},
-            "uninterrupted": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"resumed": weights(resumed),
+            "uninterrupted": weights(model),
             "master dtypes": sorted({str(d) for d in masters.values()}), "with master": len(masters)}
 
 
@@ -148,7 +149,7 @@ def live_hyper_parameters_job(rank: int, world: int, spec: TrainSpec) -> dict:
         opt.zero_grad()
         model.loss(micro_batches(tokens, rank, world, 1)[0]).backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights(model)
 
 
 def _optimizer_groups(model, groups):

@@ -55,7 +55,7 @@ def test_a_clear_flip_breaks_the_ranking_a_tie_does_not():
 def test_simulated_counterpart_runs_as_the_runtime_does():
     cfg = runtime_config("canzona", 2, 32, 4, "muon", "h100-sxm", "m")
     assert cfg.gpus == 2 and cfg.tp == 1 and cfg.workload.global_batch == 8 and cfg.workload.micro_batch == 4
-    assert not cfg.options.overlap_param_gather and not cfg.zero1_fallback
+    assert cfg.options.overlap_param_gather and not cfg.zero1_fallback  # the runtime's default
     assert cfg.workload.dtype == "fp32" and cfg.workload.param_bytes == 4 and cfg.workload.grad_bytes == 4
     assert Comparison("x", 2.0, 3.0, 4.0, 2.0).iteration_error == -0.5
 

@@ -57,6 +57,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_
+from canzona.runtime.param_gather import ParamsInFlight, modules_holding
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec
@@ -113,6 +114,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     in `.grad` until `zero_grad()` (`canzona.runtime.grad_guard`): reading or writing it between
     backward and `step()` (torch's `clip_grad_norm_`, GradScaler, DDP) is one error on every rank.
 
+    `overlap_param_gather` (default, Megatron's name): `step()` launches the parameter all-gathers
+    and returns; the next forward waits for each bucket just before the first module holding one of
+    its parameters runs, and `state_dict()` / `load_state_dict()` of those modules, this
+    optimizer's methods and `wait_params()` wait for all (`canzona.runtime.param_gather`: what that
+    covers and the one path it does not). False: the step returns with the parameters gathered.
+
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
@@ -140,6 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reduce_scatter: str = "exact",
         max_grad_norm: float | None = None,
         nonfinite: str = "raise",
+        overlap_param_gather: bool = True,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -216,8 +224,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, MATRIX_KERNELS[self.optimizer],
                                       self.matrix_state, grad_dtype, update_dtype, device)
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
+        self._in_flight = self._params_in_flight(overlap_param_gather)
+        self.overlap_param_gather = self._in_flight is not None
 
     # --- construction helpers ----------------------------------------------------------------
+
+    def _params_in_flight(self, overlap: bool) -> ParamsInFlight | None:
+        """The step's gathers left in flight for the next forward to wait for (None: waited inside
+        `step()`, as with overlap_param_gather=False, a policy that gathers nothing, or parameters
+        that no module holds, which no hook could guard)."""
+        if not overlap or self.policy.param_gather == PARAMS_NONE:
+            return None
+        modules = modules_holding(self.params)
+        if modules is None:
+            log.warning("canzona: overlap_param_gather needs every parameter held by a module (its forward "
+                        "waits for the parameters); some are not: the step gathers them before it returns")
+            return None
+        work_of = {name: k for k, buf in enumerate(self.grads.buckets) for name in buf.names}
+        work_of.update({name: len(self.grads.buckets) for name in self.grads.adamw.names})
+        return ParamsInFlight(work_of, modules)
+
+    def wait_params(self) -> None:
+        """Wait for the last step's parameter all-gathers (overlap_param_gather): for code that reads
+        parameter values outside a module's forward, `state_dict()` and this optimizer's methods
+        (an EMA, logging a weight, `named_parameters()` by hand). Local: no collective."""
+        if self._in_flight is not None:
+            self._in_flight.wait_all()
 
     def _local_params(self, groups: list, tp_ranks: list[int] | None) -> dict[str, Tensor]:
         params: dict[str, Tensor] = {}
@@ -298,6 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             yield
 
     def _prepare_step(self, max_norm: float | None = None) -> StepCheck:
+        self.wait_params()  # the check reads parameters (links, TP digests); the update writes them
         return self.grads.prepare(hyper_parameters_digest(self.param_groups), max_norm)
 
     @property
@@ -385,6 +418,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _gather_params(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.launch(lambda: self._param_gather(self))
+            return
         for pending in self._param_gather(self):
             pending.wait()
 
@@ -406,6 +442,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def reset_master_weights(self) -> None:
         """fp32 master copies of the matrices this rank updates and of its AdamW slice, taken from
         the parameters as they are now (after loading weights into a bf16 model, say)."""
+        self.wait_params()
         self.master = {n: local_tensor(self.params[n]).detach().float().clone() for n in self.applies}
         for name, s, e, _ in self._adamw_parts():
             self.master[name] = self.grads.adamw.data[s:e].float().clone()
@@ -460,20 +497,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent: per parameter name, full tensors, identical on every rank.
         Collective (every rank must call it), bounded by `timeout_s`."""
+        self.wait_params()
         return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
+        self.wait_params()
         checkpoint.load_state(self, state_dict)
 
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
         only what it owns); merge it with the model's state dict to save both in one call."""
+        self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
         reader): each rank reads what its layout needs. Collective."""
+        self.wait_params()
         checkpoint.load_sharded(self, checkpoint_id, prefix)
 
 

@@ -179,6 +179,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         losses.append(total)
         if on_step is not None:
             on_step(len(losses))
+    opt.wait_params()  # the parameters are read below, outside a forward
     if "save_sharded" in extra:  # a torch.distributed.checkpoint directory
         import torch.distributed.checkpoint as dcp
 

@@ -4,8 +4,9 @@ Every step policy trains its own copy of one model on the same batches. Rounds a
 each round every policy runs one iteration, in an order rotated each round, after a barrier), so
 load from other processes hits all policies alike. A policy's time for a round is its slowest
 rank's; reported are medians over the rounds after warm-up, split at the end of backward:
-`fwd+bwd` (zero_grad, forward, backward with the hooks' reduce-scatters in flight) and `step`
-(`optimizer.step()`: waiting for the gradients, the update, the parameter all-gather). The
+`fwd+bwd` (zero_grad, forward, waiting there for the last step's parameter all-gathers, backward
+with the hooks' reduce-scatters in flight) and `step` (`optimizer.step()`: waiting for the
+gradients, the update, launching the parameter all-gathers). The
 collective log of one step is returned too, for the structure check.
 """
 

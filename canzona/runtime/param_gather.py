@@ -1,0 +1,117 @@
+"""The step's parameter all-gathers, left in flight until something reads the parameters
+(Megatron's `overlap_param_gather`): `step()` launches them and returns, and the next forward
+waits for each bucket just before the first module that holds one of its parameters runs.
+
+Everything documented that reads parameters waits first:
+- a module's forward (training or eval, under `no_grad` too): a forward pre-hook on every module
+  that holds one of the optimizer's parameters waits for the buckets of *its own* parameters;
+- `module.state_dict()` (so `torch.save(model.state_dict())`, DCP's `get_model_state_dict`,
+  `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
+  what was loaded): pre-hooks on the same modules wait for every bucket;
+- the optimizer itself: `step()`, `clip_grad_norm_()`, its state dicts and checkpoints;
+- `opt.wait_params()`, for code that reads `.data` directly (an EMA, logging a weight).
+
+What remains, undocumented: reading a parameter's values outside those paths between `step()` and
+the next forward, e.g. `model.parameters()` / `named_parameters()` iterated by hand, or a module
+whose forward reads *another* module's parameter (`F.linear(x, self.other.weight)`) before that
+module has run. Call `opt.wait_params()` first, or build with `overlap_param_gather=False`.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+
+from torch import Tensor, nn
+
+from canzona.runtime.comm import PendingWork
+
+
+def modules_holding(params: Mapping[str, Tensor]) -> dict[nn.Module, list[str]] | None:
+    """Every live module that holds one of `params` as its own (not a child's) parameter, with the
+    names of those it holds; None when some parameter is held by no module (a bare tensor)."""
+    by_id = {id(p): name for name, p in params.items()}
+    found: dict[nn.Module, list[str]] = {}
+    held: set[str] = set()
+    for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
+        if isinstance(obj, nn.Module):
+            names = [by_id[id(p)] for p in obj._parameters.values() if p is not None and id(p) in by_id]
+            if names:
+                found[obj] = names
+                held.update(names)
+    return found if len(held) == len(by_id) else None
+
+
+class ParamsInFlight:
+    """The pending all-gathers of one step and the hooks that wait for them."""
+
+    def __init__(self, work_of: Mapping[str, int], modules: Mapping[nn.Module, list[str]]) -> None:
+        self._work_of = dict(work_of)  # parameter name -> index of the gather that writes it
+        self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
+        self._handles: list = []
+        me = weakref.ref(self)
+        for module, names in modules.items():
+            works = sorted({self._work_of[n] for n in names})
+            self._handles.append(module.register_forward_pre_hook(_before_forward(me, works)))
+            self._handles.append(module.register_state_dict_pre_hook(_wait_all_hook(me)))
+            self._handles.append(module.register_load_state_dict_pre_hook(_wait_all_hook(me)))
+        # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
+        # modules may live on, under another optimizer) and gathers still in flight land first,
+        # so that gloo lets go of their tensors before the interpreter finalizes
+        # (`canzona.runtime.comm.Handoff`; a script that returns right after its last step).
+        self._finalizer = weakref.finalize(self, _close, self._pending, self._handles)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(w is not None for w in self._pending[0])
+
+    def launch(self, gathers: Callable[[], list[PendingWork]]) -> None:
+        """Start the gathers (after anything still pending has landed)."""
+        self.wait_all()
+        self._pending[0] = list(gathers())
+
+    def wait(self, works: Iterable[int]) -> None:
+        pending = self._pending[0]
+        for k in works:
+            work = pending[k] if k < len(pending) else None
+            if work is not None:
+                pending[k] = None  # first: a failed wait is not waited for again
+                work.wait()
+        if not self.in_flight:
+            self._pending[0] = []
+
+    def wait_all(self) -> None:
+        self.wait(range(len(self._pending[0])))
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close(pending: list[list[PendingWork | None]], handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    works, pending[0] = pending[0], []
+    for work in works:
+        if work is not None:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the group may be gone: nothing reads these weights now
+                pass
+
+
+def _before_forward(me: weakref.ref[ParamsInFlight], works: list[int]) -> Callable[..., None]:
+    def hook(module: nn.Module, args) -> None:
+        gathers = me()
+        if gathers is not None and gathers._pending[0]:
+            gathers.wait(works)
+    return hook
+
+
+def _wait_all_hook(me: weakref.ref[ParamsInFlight]) -> Callable[..., None]:
+    def hook(*_args, **_kwargs) -> None:
+        gathers = me()
+        if gathers is not None:
+            gathers.wait_all()
+    return hook
