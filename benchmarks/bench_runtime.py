@@ -253,6 +253,7 @@ def all_gather_variants(c: Contender, reps: int = 20) -> dict[str, float] | None
 def distances(model: nn.Module, reference: nn.Module) -> tuple[list[float], float]:
     """(per parameter ||p - q||_F / ||q||_F, max absolute difference over all parameters)."""
     rel, absolute = [], 0.0
+    model.state_dict(), reference.state_dict()  # wait for canzona's overlapped parameter all-gathers
     for (name, p), (ref_name, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert name == ref_name, (name, ref_name)
         d = p - q
@@ -355,7 +356,8 @@ def phase_table(rows: list[dict]) -> Table:
                   f"{gather:.1f}" if gather else "none")
     t.caption = ("Each column is its own median of the slowest rank, so they need not add up. grad-sync "
                  "tail: canzona's wait for its reduce-scatters and the step check; math: kernels and AdamW "
-                 "(ZeRO: its local step); param sync: canzona's all-gather / ZeRO's broadcasts. Collectives "
+                 "(ZeRO: its local step); param sync: launching canzona's all-gathers (overlap_param_gather: "
+                 "the next forward waits for them) / ZeRO's broadcasts. Collectives "
                  "include waiting for the slower rank.")
     return t
 

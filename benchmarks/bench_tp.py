@@ -95,6 +95,8 @@ def worker(rank: int, world: int, tp: int, optimizer: str, rounds: int, warmup: 
                 c["step"].append(elapsed)
                 for s in STAGES:
                     c["stages"][s].append(profile.get(s, 0.0))
+    for c in contenders:
+        c["opt"].wait_params()  # the last step's parameter all-gathers run under the next forward
     first = contenders[0]["model"]
     same = all(torch.equal(p, q) for c in contenders[1:]
                for p, q in zip(c["model"].parameters(), first.parameters()))

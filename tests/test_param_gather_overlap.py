@@ -18,7 +18,8 @@ import torch
 
 from canzona.runtime.launch import run_ranks
 from canzona.runtime.training import TrainSpec, build_model, compare, global_batches, micro_batches
-from tests.outcomes import weights
+from canzona.spec import ModelSpec, ParamSpec, Role
+from tests.outcomes import outcome, weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -97,6 +98,42 @@ def reading_job(rank: int, world: int, how: str) -> dict:
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"seen": seen, "final": final, "in flight": in_flight,
             "loaded kept": all(torch.equal(final[n], loaded[n]) for n in loaded)}
+
+
+class ReadsOutsideForward(torch.nn.Module):
+    """Its loss reads its own parameters in a method of its own, never through forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(0.3 * torch.randn(32, 16, generator=g))
+        self.w = torch.nn.Parameter(0.3 * torch.randn(16, 16, generator=g))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.embed[tokens] @ self.w.T).square().mean()
+
+    @staticmethod
+    def spec() -> ModelSpec:
+        return ModelSpec("reads-outside-forward", (ParamSpec("embed", (32, 16), Role.EMBEDDING, dtype="fp32"),
+                                                   ParamSpec("w", (16, 16), Role.MATRIX, dtype="fp32")))
+
+
+def outside_forward_job(rank: int, world: int) -> dict:
+    from canzona.runtime import DistributedOptimizer
+
+    model = ReadsOutsideForward()
+    opt = DistributedOptimizer(list(model.named_parameters()), model.spec())
+    tokens = torch.arange(8).reshape(2, 4) + 4 * rank
+    model.loss(tokens).backward()
+    opt.step()
+    opt.zero_grad()
+    return outcome(lambda: model.loss(tokens).backward())  # read before the gathers landed
+
+
+def test_a_read_outside_any_forward_is_one_error_in_the_next_backward():
+    for r in run_ranks(outside_forward_job, DP, deadline_s=120.0):
+        assert r["error"] == "CanzonaError", r
+        assert "was read before the last step's all-gather" in r["message"] and "wait_params" in r["message"]
 
 
 @pytest.fixture(scope="module")

@@ -162,6 +162,9 @@ class Branchy(nn.Module):
         self.head = draw(VOCAB, HIDDEN)
 
     def loss(self, tokens: torch.Tensor, branch: bool) -> torch.Tensor:
+        return self(tokens, branch)  # through forward: its pre-hook waits for the parameter gathers
+
+    def forward(self, tokens: torch.Tensor, branch: bool) -> torch.Tensor:
         x = self.embed[tokens[:, :-1]]
         h = x @ self.w_used.T
         if branch:

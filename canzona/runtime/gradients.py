@@ -76,6 +76,9 @@ class GradientSync:
         # that gradient's state (a name is absent when the buffer holds nothing of this step)
         owner = weakref.ref(self)  # hooks and guards must not keep the optimizer alive
         self._guards = {name: _guard_for(p, name, owner) for name, p in params.items()}
+        # set by the optimizer when its parameter all-gathers run under the next forward: raises
+        # for a gradient whose parameter's gather no forward waited for (it was read stale)
+        self.read_check: Callable[[str], None] | None = None
         self._states: dict[str, GradState] = {}
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -147,6 +150,8 @@ class GradientSync:
 
     def _arrive(self, name: str) -> None:
         """`name`'s gradient of this backward is complete (post-accumulate-grad hook)."""
+        if self.read_check is not None:
+            self.read_check(name)
         buffer = self.buffer_of[name]
         if not buffer.is_linked(name):
             raise CanzonaError(self.unlinked_message(name))

@@ -226,6 +226,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         self._in_flight = self._params_in_flight(overlap_param_gather)
         self.overlap_param_gather = self._in_flight is not None
+        if self._in_flight is not None:
+            self.grads.read_check = self._in_flight.check_read
 
     # --- construction helpers ----------------------------------------------------------------
 
@@ -381,6 +383,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return float(term)
 
     # --- the step ----------------------------------------------------------------------------
+
+    # the step's parameter all-gathers in flight (overlap_param_gather); None until construction
+    # sets it, so that what construction calls (reset_master_weights) finds nothing to wait for
+    _in_flight: ParamsInFlight | None = None
 
     # torch.amp.GradScaler hands optimizers that say so their scaler instead of unscaling their
     # gradients itself: here it must not touch them at all (see step)

@@ -12,9 +12,13 @@ Everything documented that reads parameters waits first:
 - `opt.wait_params()`, for code that reads `.data` directly (an EMA, logging a weight).
 
 What remains, undocumented: reading a parameter's values outside those paths between `step()` and
-the next forward, e.g. `model.parameters()` / `named_parameters()` iterated by hand, or a module
-whose forward reads *another* module's parameter (`F.linear(x, self.other.weight)`) before that
-module has run. Call `opt.wait_params()` first, or build with `overlap_param_gather=False`.
+the next forward, e.g. `model.parameters()` / `named_parameters()` iterated by hand, a custom
+method (`model.loss()`) that reads the module's own parameters without going through `forward`, or
+a module whose forward reads *another* module's parameter (`F.linear(x, self.other.weight)`) before
+that module has run. Call `opt.wait_params()` first, or build with `overlap_param_gather=False`.
+Where such a read feeds the loss, backward catches most of it: a gradient arriving for a parameter
+whose gather no hook waited for is one `CanzonaError` before anything is updated (`check_read`);
+what it cannot see is a stale read of a parameter whose bucket a later module's hook then waited for.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch import Tensor, nn
 
+from canzona.errors import CanzonaError
 from canzona.runtime.comm import PendingWork
 
 
@@ -83,6 +88,19 @@ class ParamsInFlight:
 
     def wait_all(self) -> None:
         self.wait(range(len(self._pending[0])))
+
+    def check_read(self, name: str) -> None:
+        """Called as `name`'s gradient arrives: the forward that produced it used the parameter, so
+        its gather must have landed; if no hook waited for it, the forward read last step's values
+        (or half-written ones). One error, in backward, before anything is updated."""
+        k = self._work_of[name]
+        pending = self._pending[0]
+        if k < len(pending) and pending[k] is not None:
+            raise CanzonaError(
+                f"parameter {name!r} was read before the last step's all-gather of it landed: its values "
+                "were read outside the forward of a module holding it (a custom method such as loss(), or "
+                "another module's forward reading it first). Run the model through module forwards, call "
+                "opt.wait_params() before such reads, or build the optimizer with overlap_param_gather=False")
 
     def close(self) -> None:
         self._finalizer()
