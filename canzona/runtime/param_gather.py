@@ -40,7 +40,9 @@ def modules_holding(params: Mapping[str, Tensor]) -> dict[nn.Module, list[str]] 
     found: dict[nn.Module, list[str]] = {}
     held: set[str] = set()
     for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
-        if isinstance(obj, nn.Module):
+        # type(), not isinstance(): that asks some objects for __class__, and deprecated proxies
+        # (torch.distributed.reduce_op) warn when asked
+        if issubclass(type(obj), nn.Module):
             names = [by_id[id(p)] for p in obj._parameters.values() if p is not None and id(p) in by_id]
             if names:
                 found[obj] = names
