@@ -128,7 +128,6 @@ def _watched(launcher: int) -> int:
     parent = os.getppid()
     if parent == launcher:
         return launcher
-    _let_go_of_the_fork_server()
     try:
         os.kill(launcher, 0)
     except ProcessLookupError:
@@ -156,6 +155,7 @@ def _let_go_of_the_fork_server() -> None:
 
 def _worker(rank: int, world: int, port: int, outdir: str, timeout_s: float, threads: int,
             launcher: int, env: dict[str, str]) -> None:
+    _let_go_of_the_fork_server()  # a no-op in a spawned rank
     parent = _watched(launcher)
     _watch_parent(parent, outdir)  # first: the parent may already be gone
     if os.environ != env:  # a forked rank has the fork server's environment: take the caller's

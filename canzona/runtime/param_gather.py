@@ -58,16 +58,17 @@ class ParamsInFlight:
         self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
         self._handles: list = []
         me = weakref.ref(self)
+        wait_all = _wait_all_hook(me)
         for module, names in modules.items():
             works = sorted({self._work_of[n] for n in names})
             self._handles.append(module.register_forward_pre_hook(_before_forward(me, works)))
-            self._handles.append(module.register_state_dict_pre_hook(_wait_all_hook(me)))
-            self._handles.append(module.register_load_state_dict_pre_hook(_wait_all_hook(me)))
+            self._handles.append(module.register_state_dict_pre_hook(wait_all))
+            self._handles.append(module.register_load_state_dict_pre_hook(wait_all))
         # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
         # modules may live on, under another optimizer) and gathers still in flight land first,
         # so that gloo lets go of their tensors before the interpreter finalizes
         # (`canzona.runtime.comm.Handoff`; a script that returns right after its last step).
-        self._finalizer = weakref.finalize(self, _close, self._pending, self._handles)
+        weakref.finalize(self, _close, self._pending, self._handles)
 
     @property
     def in_flight(self) -> bool:
@@ -103,9 +104,6 @@ class ParamsInFlight:
                 "were read outside the forward of a module holding it (a custom method such as loss(), or "
                 "another module's forward reading it first). Run the model through module forwards, call "
                 "opt.wait_params() before such reads, or build the optimizer with overlap_param_gather=False")
-
-    def close(self) -> None:
-        self._finalizer()
 
 
 def _close(pending: list[list[PendingWork | None]], handles: list) -> None:
