@@ -6,11 +6,14 @@ stores it, so that a layout that cannot fit is reported before anything is launc
 Per GPU, in bytes:
 
 - persistent: bf16 weights (the local TP shards, in the plan's padded buckets), gradient buffers
-  (whole buckets on every rank, `grad_bytes` per element: Megatron's fp32 main grads), fp32 master
+  (whole buckets on every rank, `grad_bytes` per element: Megatron's fp32 main grads, into which
+  the runtime accumulates backward's bf16 gradients directly), fp32 master
   weights of what the rank updates, matrix-optimizer state (by owner: `TPSchedule.state_bytes`),
   AdamW state (sharded over DP except under `sc`);
 - the larger of two transient peaks that never coexist: the activations of forward / backward
-  (Korthikanti et al. 2022, arXiv 2205.05198), and the buffers of the optimizer step (TP gather /
+  (Korthikanti et al. 2022, arXiv 2205.05198) with the buffers of the gradient reduce-scatters in
+  flight during backward (`canzona.reductions.temporary_elements`: every bucket's, as the runtime
+  waits for them all before the step), and the buffers of the optimizer step (TP gather /
   scatter buffers, full gradients and updates, kernel workspace, AdamW temporaries, packed
   parameter gathers);
 - an allowance for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -28,11 +31,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from canzona.cost import state_bytes
-from canzona.dp.layout import ceil_to
+from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.optimizers import default_config
 from canzona.pipeline import stage_layers
 from canzona.plan import Plan, check_plan_matches
+from canzona.reductions import (
+    DEFAULT_REDUCE_SCATTER,
+    check_reduce_scatter,
+    temporary_elements_by_rank,
+)
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
@@ -130,7 +138,7 @@ class MemorySetup:
     grad_bytes: int = 4  # main gradients, reduced and read by the optimizer (Megatron: fp32)
     activation_bytes: int = 2
     master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
-    param_dtype_grads: bool = False  # also a gradient buffer in the weights' dtype (the canzona runtime)
+    reduce_scatter: str = DEFAULT_REDUCE_SCATTER  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # "none", "selective" or "full"
     flash_attention: bool = True  # no s x s attention scores are stored
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
@@ -146,6 +154,7 @@ class MemorySetup:
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
         check_recompute(self.recompute)
+        check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
         check_tp_mode(self.tp_mode)
@@ -186,6 +195,7 @@ LABELS = {
     "matrix_state": "matrix-optimizer state",
     "adamw_state": "AdamW state",
     "activations": "activations",
+    "reduction": "reduce-scatter buffers",
     "step_buffers": "optimizer-step buffers",
     "overhead": "CUDA/NCCL/fragmentation allowance",
 }
@@ -193,8 +203,9 @@ LABELS = {
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes on one GPU. `total` = the persistent components + the larger of `activations` and
-    `step_buffers` (forward / backward and the optimizer step never overlap) + `overhead`."""
+    """Bytes on one GPU. `total` = the persistent components + the larger of `activations` with
+    `reduction` (the gradient reduce-scatters in flight during backward) and `step_buffers`
+    (forward / backward and the optimizer step never overlap) + `overhead`."""
 
     rank: int  # Megatron order: TP fastest, then DP, then the pipeline stage
     stage: int
@@ -206,6 +217,7 @@ class RankMemory:
     matrix_state: int
     adamw_state: int
     activations: int
+    reduction: int
     step_buffers: int
     overhead: int
 
@@ -215,7 +227,7 @@ class RankMemory:
 
     @property
     def transient(self) -> int:
-        return max(self.activations, self.step_buffers)
+        return max(self.activations + self.reduction, self.step_buffers)
 
     @property
     def total(self) -> int:
@@ -224,8 +236,10 @@ class RankMemory:
     def components(self) -> dict[str, int]:
         """What `total` adds up, largest first (the smaller transient peak left out)."""
         parts = {k: getattr(self, k) for k in PERSISTENT}
-        peak = "activations" if self.activations >= self.step_buffers else "step_buffers"
-        parts[peak] = getattr(self, peak)
+        if self.activations + self.reduction >= self.step_buffers:
+            parts["activations"], parts["reduction"] = self.activations, self.reduction
+        else:
+            parts["step_buffers"] = self.step_buffers
         parts["overhead"] = self.overhead
         return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
@@ -447,27 +461,29 @@ def _tp_phase_peak(groups: Sequence[_GroupBytes], mode: str) -> int:
     return peak
 
 
-def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -> tuple[int, int, list[int]]:
-    """The flat AdamW buffer as the runtime lays it out: (padded size, slice per rank, and per DP
-    rank the largest piece of one parameter inside its slice)."""
+def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -> tuple[int, list[int], list[int]]:
+    """The flat AdamW buffer as the runtime lays it out: (padded size, and per DP rank the
+    parameters' elements inside its slice, which it keeps state and masters for, and the largest
+    piece of one parameter there)."""
     used = sum(sizes)
     size = ceil_to(max(used, 1), align * dp)
     if replicated:
-        return size, used, [max(sizes, default=0)] * dp
+        return size, [used] * dp, [max(sizes, default=0)] * dp
     share = size // dp
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
-    largest = []
+    inside, largest = [], []
     for r in range(dp):
         lo, hi = r * share, (r + 1) * share
+        inside.append(max(0, min(hi, used) - lo))  # the padding at the end holds no parameter
         best = 0
         i = max(0, bisect.bisect_right(starts, lo) - 1)
         while i < len(sizes) and starts[i] < hi:
             best = max(best, min(hi, starts[i + 1]) - max(lo, starts[i]))
             i += 1
         largest.append(best)
-    return size, share, largest
+    return size, inside, largest
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -505,11 +521,10 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
 
     pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
     adamw_sizes = [p.local_numel(tp) for p in spec.adamw_params()]
-    adamw_size, adamw_share, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
+    adamw_size, adamw_inside, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
     buffer = sum(b.size for b in plan.dp_plan.buckets) + adamw_size
     weights = buffer * pb
-    grads = buffer * (gb + (pb if setup.param_dtype_grads else 0))
-    adamw_state = state_bytes("adamw", (adamw_share,))
+    grads = buffer * gb
     activations = activation_bytes(dims, setup, tp, pp, stage)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
@@ -519,7 +534,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
     for i in range(1 if policy.replicated else dp):
         sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub)
-        master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_share * mb
+        master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
         adamw_temps = 2 * FP32 * adamw_largest[i]
         tasks, mode = _streamed(sched.groups, setup)
         row = []
@@ -529,16 +544,40 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)
 
+    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb)
     ranks = []
     for i in range(dp):
         row = rows[0 if policy.replicated else i]
         for r in range(tp):
             master, state, step = row[r]
-            counted = weights + grads + master + state + adamw_state + max(activations, step)
+            reduction = reductions[i]
+            adamw_state = state_bytes("adamw", (adamw_inside[i],))
+            counted = weights + grads + master + state + adamw_state + max(activations + reduction, step)
             overhead = setup.fixed_overhead_bytes + math.ceil(setup.fragmentation * counted)
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
-                                    adamw_state, activations, step, overhead))
+                                    adamw_state, activations, reduction, step, overhead))
     return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks))
+
+
+def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, impl: str, grad_bytes: int, *,
+                    scratch: bool = False) -> list[int]:
+    """What each DP rank allocates for the gradient reduce-scatters of one step, all in flight at
+    once at the end of backward (each bucket's by its plan cuts, or evenly under an all-reduce
+    policy, then the AdamW buffer's even slices), as `canzona.runtime.comm` runs them. `scratch`:
+    the backend writes a non-root's buffer during a reduce (gloo)."""
+    lengths = [b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp)
+               for b in plan.dp_plan.buckets]
+    lengths.append(_even_lengths(adamw_size, dp))
+    total = [0] * dp
+    for seg in lengths:
+        for r, n in enumerate(temporary_elements_by_rank(impl, seg, scratch=scratch)):
+            total[r] += n * grad_bytes
+    return total
+
+
+def _even_lengths(size: int, dp: int) -> list[int]:
+    cuts = even_cuts(size, dp)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
 def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tuple[Task, ...]], str]:

@@ -26,6 +26,8 @@ from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
+from canzona.reductions import DEFAULT_REDUCE_SCATTER
+from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
 from canzona.tp import TP_POLICIES
@@ -238,11 +240,12 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 uneven: str, collectives: str = "megatron", max_grad_norm: float | None = None):
+                 reduce_scatter: str, collectives: str = "megatron", max_grad_norm: float | None = None):
     from sim.options import RunOptions
 
-    return RunOptions(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven, collectives,
-                      max_grad_norm)
+    return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                      tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+                      collectives=collectives, max_grad_norm=max_grad_norm)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -272,7 +275,7 @@ Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (
 MaxGradNorm = Annotated[float | None, typer.Option(
     help="Clip the reduced gradients to this global norm inside the step (DistributedOptimizer's max_grad_norm; "
          "default: measure the norm only, as the runtime does every step).")]
-Uneven = Annotated[str, typer.Option(help="Uneven reduce-scatter / all-gather implementation: runtime (canzona's default: all-to-all, broadcasts), loops (grouped reduce / broadcast: the runtime with reduce_scatter=\"loops\") or padded.")]
+ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
 @app.command()
@@ -284,7 +287,7 @@ def simulate(
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
@@ -297,7 +300,7 @@ def simulate(
     try:
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
+                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm),
                              zero1_fallback, pp)
         config.check()
@@ -324,7 +327,7 @@ def compare(
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", uneven: Uneven = "runtime",
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = None,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
@@ -339,7 +342,7 @@ def compare(
     try:
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, uneven,
+                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm),
                            zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn

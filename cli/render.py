@@ -104,7 +104,7 @@ def _options_text(c) -> str:
     on = [name for name, flag in (("grad-reduce overlap", o.overlap_grad_reduce),
                                   ("param-gather overlap", o.overlap_param_gather),
                                   ("TP comm overlap", o.tp_comm_overlap)) if flag]
-    return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; uneven collectives {o.uneven}"
+    return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; reduce-scatter {o.reduce_scatter}"
 
 
 def simulate_table(result) -> Table:

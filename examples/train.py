@@ -63,6 +63,8 @@ import torch.distributed.checkpoint as dcp
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
 from canzona.plan import Plan, check_plan_matches, load_plan
+from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
+from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.runtime.atomic_files import check_output_file, check_output_folder, write_atomically
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
@@ -72,7 +74,7 @@ from canzona.runtime.checkpoint_files import (
     save_checkpoint,
     verify_checkpoint,
 )
-from canzona.runtime.comm import REDUCE_SCATTER_IMPLS, Comm
+from canzona.runtime.comm import Comm
 from canzona.runtime.gradients import NONFINITE_POLICIES
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_step_policy
@@ -161,9 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="rank 0 writes the final weights here (torch.save, full tensors)")
     ap.add_argument("--timeout", type=number(float), default=300.0,
                     help="seconds any collective may wait for the other ranks")
-    ap.add_argument("--reduce-scatter", default="exact", choices=REDUCE_SCATTER_IMPLS,
-                    help="DP gradient reduce-scatter: exact (all-to-all, bit-reproducible) or loops (one "
-                         "reduce per owner: every NIC across nodes; simulate both with --uneven runtime|loops)")
+    ap.add_argument("--reduce-scatter", default=DEFAULT_REDUCE_SCATTER, choices=REDUCE_SCATTER_IMPLS,
+                    help=f"DP gradient reduce-scatter ({REDUCE_SCATTER_HELP}); canzona simulate "
+                         "--reduce-scatter prices the same choice")
     ap.add_argument("--nonfinite", default="raise", choices=NONFINITE_POLICIES,
                     help="a step whose global gradient norm is NaN or Inf (a NaN loss, an overflow): raise (stop "
                          "with an error, nothing updated or saved) or skip it on every rank (counted and logged)")

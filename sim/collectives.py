@@ -6,15 +6,18 @@ buffer (the full reduce-scatter input or all-gather output, the all-reduce buffe
 hierarchical: bytes between GPUs of one node cross NVLink, bytes between nodes the sender's and the
 receiver's NICs; the busiest port decides.
 
-Uneven (-v) collectives are priced by their implementation (`UNEVEN_IMPLS`):
-- `padded`: the even collective over `n` times the largest segment;
-- `loops`: one reduce (reduce-scatter) or broadcast (all-gather) per non-empty segment in one NCCL
-  group, what `torch.distributed` issues on NCCL for uneven tensor lists and what canzona's runtime
-  runs with `reduce_scatter="loops"`; NCCL itself charges the latency of every grouped ring
-  operation (`numPipeOps` in `ncclTopoGetAlgoTime`), and each link carries every segment once;
-- `runtime`: what canzona's runtime does by default (`canzona.runtime.comm`, `reduce_scatter=
-  "exact"`): reduce-scatter as one all-to-all (rank `r` receives every rank's copy of segment `r`),
-  all-gather as a broadcast loop.
+Uneven (-v) collectives are priced as the runtime runs them (`canzona.runtime.comm`). A
+reduce-scatter-v takes the route `canzona.reductions.bucket_route` gives the `reduce_scatter`
+implementation (the same option, name and default as `DistributedOptimizer`'s):
+- `even`: the even collective over the whole buffer;
+- `padded`: the even collective over `n` times the largest segment, plus the passes that copy the
+  buffer into the padded one and the owner's sum out of it;
+- `loops`: one reduce per non-empty segment in one NCCL group (the coalescing manager); NCCL
+  charges the latency of every grouped ring operation (`numPipeOps` in `ncclTopoGetAlgoTime`), and
+  each link carries every segment once;
+- `exact`: one all-to-all (rank `r` receives every rank's copy of segment `r`), then the owner's
+  sum in rank order: `n` passes over its received copies and one write, at HBM bandwidth.
+An all-gather-v is the runtime's broadcast per owner (the even all-gather when segments are even).
 A profile with a measured collective table (`canzona calibrate --world-size`) replaces the model
 for the ops and group sizes it measured.
 """
@@ -24,14 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.errors import SpecError
 from canzona.hardware import COLLECTIVE_OPS, HardwareProfile
+from canzona.reductions import DEFAULT_REDUCE_SCATTER, EVEN, EXACT, PADDED, bucket_route
 from sim import nccl
 from sim.topology import GroupGeometry
 
 OPS = (*COLLECTIVE_OPS, "broadcast", "reduce")
-UNEVEN_IMPLS = ("runtime", "loops", "padded")
-DEFAULT_UNEVEN = "runtime"
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,11 @@ class CollectiveCost:
     transfer_s: float  # at the full bus bandwidth; shared links stretch it
     link: str  # "nvlink", "network" or "none"
     algorithm: str = ""  # e.g. "ring/LL128", "tree/Simple", "nvls/Simple", "p2p"
+    local_s: float = 0.0  # passes over device memory around the transfer (copies, sums), no link used
 
     @property
     def seconds(self) -> float:
-        return self.latency_s + self.transfer_s
+        return self.latency_s + self.transfer_s + self.local_s
 
 
 FREE = CollectiveCost(0.0, 0.0, "none")
@@ -125,32 +127,43 @@ def all_to_all_cost(send: Sequence[float], recv: Sequence[float], geo: GroupGeom
     return _all_to_all(intra, inter, geo, hw)
 
 
-def check_uneven_impl(impl: str) -> str:
-    if impl not in UNEVEN_IMPLS:
-        raise SpecError(f"unknown uneven-collective implementation {impl!r}; choose one of {', '.join(UNEVEN_IMPLS)}")
-    return impl
+def reduce_scatter_v_cost(segment_bytes: Sequence[float], geo: GroupGeometry, hw: HardwareProfile,
+                          impl: str = DEFAULT_REDUCE_SCATTER) -> CollectiveCost:
+    """Reduce-scatter-v over segments of `segment_bytes` (in rank order), by the route the runtime
+    takes for `impl`. Segments proportional to elements: the route depends on their ratios only."""
+    segments = [float(s) for s in segment_bytes]
+    if geo.size <= 1 or max(segments, default=0.0) <= 0:
+        return FREE
+    route = bucket_route(impl, segments)
+    total, widest = sum(segments), max(segments)
+    if route == EVEN:
+        return collective_cost("reduce-scatter", total, geo, hw)
+    if route == PADDED:
+        cost = collective_cost("reduce-scatter", widest * geo.size, geo, hw)
+        copies = (total + widest * geo.size + 2 * widest) / hw.gpu.hbm_bytes_per_s  # pad in, sum out
+        return CollectiveCost(cost.latency_s, cost.transfer_s, cost.link, f"padded {cost.algorithm}", copies)
+    if route == EXACT:
+        send = [total - s for s in segments]  # every other rank's segment
+        recv = [s * (geo.size - 1) for s in segments]  # its own segment from every other rank
+        cost = all_to_all_cost(send, recv, geo, hw)
+        passes = (geo.size + 2) * widest / hw.gpu.hbm_bytes_per_s  # read every copy, write the sum, the mean
+        return CollectiveCost(cost.latency_s, cost.transfer_s, cost.link, "all-to-all + sum", passes)
+    return _rooted_loop("reduce", segments, geo, hw)
 
 
-def uneven_cost(op: str, segment_bytes: Sequence[float], geo: GroupGeometry, hw: HardwareProfile,
-                impl: str = DEFAULT_UNEVEN) -> CollectiveCost:
-    """Reduce-scatter-v / all-gather-v over segments of `segment_bytes` (in rank order)."""
-    if op not in ("reduce-scatter", "all-gather"):
-        raise ValueError(f"uneven collectives are reduce-scatter or all-gather, got {op!r}")
-    check_uneven_impl(impl)
+def all_gather_v_cost(segment_bytes: Sequence[float], geo: GroupGeometry, hw: HardwareProfile) -> CollectiveCost:
+    """All-gather-v over segments of `segment_bytes`: the even all-gather when they are even, else
+    one broadcast per owner, in place (the runtime's `Comm.all_gather_v`)."""
     segments = [float(s) for s in segment_bytes]
     if geo.size <= 1 or max(segments, default=0.0) <= 0:
         return FREE
     if len(set(segments)) == 1 and len(segments) == geo.size:
-        return collective_cost(op, sum(segments), geo, hw)  # even: every implementation runs the collective
-    if impl == "padded":
-        return collective_cost(op, max(segments) * geo.size, geo, hw)
-    if impl == "runtime" and op == "reduce-scatter":
-        total = sum(segments)
-        send = [total - s for s in segments]  # every other rank's segment
-        recv = [s * (geo.size - 1) for s in segments]  # its own segment from every other rank
-        return all_to_all_cost(send, recv, geo, hw)
-    # a loop of rooted collectives, one per non-empty segment, in one group
-    rooted = "reduce" if op == "reduce-scatter" else "broadcast"
+        return collective_cost("all-gather", sum(segments), geo, hw)
+    return _rooted_loop("broadcast", segments, geo, hw)
+
+
+def _rooted_loop(rooted: str, segments: Sequence[float], geo: GroupGeometry, hw: HardwareProfile) -> CollectiveCost:
+    """One rooted collective per non-empty segment, grouped: every latency, every segment's bytes."""
     costs = [collective_cost(rooted, s, geo, hw) for s in segments if s > 0]
     return CollectiveCost(sum(c.latency_s for c in costs), sum(c.transfer_s for c in costs), _link(geo),
                           f"{rooted} loop")

@@ -56,6 +56,8 @@ class Collective:
             yield env.timeout(self.cost.latency_s)
         if self.cost.transfer_s > 0:
             yield self.engine.fabric.transfer(self.links(), self.cost.transfer_s)
+        if self.cost.local_s > 0:
+            yield env.timeout(self.cost.local_s)
         self.done.succeed()
 
 

@@ -45,7 +45,13 @@ from canzona.step_schedule import (
     TPSchedule,
     tp_schedule,
 )
-from sim.collectives import CollectiveCost, all_to_all_cost, collective_cost, uneven_cost
+from sim.collectives import (
+    CollectiveCost,
+    all_gather_v_cost,
+    all_to_all_cost,
+    collective_cost,
+    reduce_scatter_v_cost,
+)
 from sim.engine import Engine
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
@@ -130,8 +136,8 @@ def grad_sync_cost(ctx: Context, bucket: BucketPlan):
     nbytes = ctx.workload.grad_bytes
     if ctx.policy.grad_sync == "all-reduce":
         return collective_cost("all-reduce", bucket.size * nbytes, geo, ctx.hw)
-    return uneven_cost("reduce-scatter", [n * nbytes for n in bucket.segment_lengths()], geo, ctx.hw,
-                       ctx.options.uneven)
+    return reduce_scatter_v_cost([n * nbytes for n in bucket.segment_lengths()], geo, ctx.hw,
+                                 ctx.options.reduce_scatter)
 
 
 def adamw_sync_cost(ctx: Context):
@@ -156,18 +162,18 @@ def param_gather_costs(ctx: Context) -> list[tuple[str, CollectiveCost]]:
         else:
             segments = list(b.segment_lengths())
         out.append((f"param gather bucket {b.index}",
-                    uneven_cost("all-gather", [n * nbytes for n in segments], geo, ctx.hw, ctx.options.uneven)))
+                    all_gather_v_cost([n * nbytes for n in segments], geo, ctx.hw)))
     return out
 
 
 def record_cost(ctx: Context, rec: StepCollective) -> CollectiveCost:
-    """A runtime collective priced on its group: -v ops by the uneven implementation on their
-    segments, the others as even collectives of their whole buffer."""
+    """A runtime collective priced on its group: -v ops as the runtime runs them on their segments,
+    the others as even collectives of their whole buffer."""
     geo = ctx.cluster.dp_geometry() if rec.group == DP_GROUP else ctx.cluster.tp_geometry()
     if rec.op == REDUCE_SCATTER_V:
-        return uneven_cost("reduce-scatter", rec.segments, geo, ctx.hw, ctx.options.uneven)
+        return reduce_scatter_v_cost(rec.segments, geo, ctx.hw, ctx.options.reduce_scatter)
     if rec.op == ALL_GATHER_V:
-        return uneven_cost("all-gather", rec.segments, geo, ctx.hw, ctx.options.uneven)
+        return all_gather_v_cost(rec.segments, geo, ctx.hw)
     if rec.op == "all-gather":
         return collective_cost("all-gather", sum(rec.bytes_per_rank), geo, ctx.hw)
     return collective_cost("all-to-all", sum(rec.bytes_per_rank), geo, ctx.hw)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
-from sim.collectives import DEFAULT_UNEVEN, check_uneven_impl
+from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
 
 COLLECTIVE_MODES = ("megatron", "runtime")
 
@@ -22,7 +22,8 @@ class RunOptions:
     overlap_param_gather: bool = True  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
     recompute: str = "none"  # "none", "selective" (attention core) or "full" (every layer)
-    uneven: str = DEFAULT_UNEVEN  # how uneven reduce-scatter / all-gather are implemented
+    # how gradients are reduce-scattered (canzona.reductions): the runtime's option, name and default
+    reduce_scatter: str = DEFAULT_REDUCE_SCATTER
     # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and
     # layerwise, only the split parts of matrices for zero1-gather); "runtime": exactly the
     # collectives canzona's runtime issues and logs (canzona.step_collectives)
@@ -35,6 +36,6 @@ class RunOptions:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
-        check_uneven_impl(self.uneven)
+        check_reduce_scatter(self.reduce_scatter)
         if self.collectives not in COLLECTIVE_MODES:
             raise SpecError(f"unknown collectives mode {self.collectives!r}; choose one of {', '.join(COLLECTIVE_MODES)}")

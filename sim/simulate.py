@@ -274,7 +274,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         plans.append(stage_plan)
         memories.append(memory_per_gpu(stage_model, stage_plan, policy, dims,
                                        MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
-                                                                 tp_mode=cfg.tp_mode),
+                                                                 tp_mode=cfg.tp_mode,
+                                                                 reduce_scatter=cfg.options.reduce_scatter),
                                        dp=cluster.dp, pp=cfg.pp, stage=stage))
     memory = max(memories, key=lambda m: m.worst.total)
 

@@ -102,6 +102,16 @@ HAND_EXPECTED = {
                 dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=280)],
 }
 
+# The gradient reduce-scatters in flight at the end of backward (canzona.reductions), fp32:
+# native: the AdamW buffer is even (36 per rank: each receives its 36 -> 144); the bucket is even
+# under zero1-gather and the all-reduce policies (80 each -> 320 more: 464), and [96, 64] under
+# canzona's owners, which native reduces in place with one reduce per owner (padding 32 > 160 / 16)
+REDUCTION = {"sc": [464] * 4, "zero1-gather": [464] * 4, "layerwise": [464] * 4, "canzona": [144] * 4}
+# exact receives both ranks' copies of its segment (summed in place): 2 x (80 + 36) x 4 = 928,
+# canzona's owner of w1 2 x (96 + 36) x 4 = 1056, of w0 2 x (64 + 36) x 4 = 800
+EXACT_REDUCTION = {"sc": [928] * 4, "zero1-gather": [928] * 4, "layerwise": [928] * 4,
+                   "canzona": [1056, 1056, 800, 800]}
+
 
 @pytest.mark.parametrize("policy", list(STEP_POLICIES))
 def test_hand_computed_figures_for_every_policy(policy):
@@ -114,12 +124,14 @@ def test_hand_computed_figures_for_every_policy(policy):
         assert [g.hosts for rank in plan.tp_plan.groups for g in rank] == [(0,), (0,)], "the plan changed"
     got = memory_per_gpu(HAND, plan, policy, HAND_DIMS, HAND_SETUP, dp=2)
     assert [(r.rank, r.dp_rank, r.tp_rank) for r in got.ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-    for r, want in zip(got.ranks, HAND_EXPECTED[policy]):
-        want = {**COMMON, **want}
+    for r, want, reduction in zip(got.ranks, HAND_EXPECTED[policy], REDUCTION[policy]):
+        want = {**COMMON, **want, "reduction": reduction}
         assert {k: getattr(r, k) for k in want} == want, r
         assert r.total == (464 + 928 + want["master_weights"] + want["matrix_state"] + want["adamw_state"]
-                           + max(896, want["step_buffers"]))
+                           + max(896 + reduction, want["step_buffers"]))
     assert got.worst.total == max(r.total for r in got.ranks)
+    exact = memory_per_gpu(HAND, plan, policy, HAND_DIMS, replace(HAND_SETUP, reduce_scatter="exact"), dp=2)
+    assert [r.reduction for r in exact.ranks] == EXACT_REDUCTION[policy]
 
 
 def test_hand_overhead_and_streamed_tp_sync():

@@ -245,10 +245,12 @@ def log_job(rank: int, world: int, spec: TrainSpec) -> dict:
 def launch_spy_job(rank: int, world: int, accumulation: int) -> list[dict]:
     """Snapshot each bucket's gradient buffer when its reduce-scatter is launched; after backward
     (before step) the buffer must still hold the same values: a bucket is only launched once all
-    of its gradients of the step are accumulated."""
+    of its gradients of the step are accumulated. With the exact reduce-scatter, which receives
+    into a buffer of its own (the native routes write the owner's sum into its segment in place
+    when the collective completes, before step() waits for it)."""
     spec = TrainSpec(global_batch=2 * accumulation * world, accumulation=accumulation)
     model = build_model(spec)
-    opt = _optimizer(model, bucket_size=BUCKET)
+    opt = _optimizer(model, bucket_size=BUCKET, reduce_scatter="exact")
     launched = []
     real = opt.comm.reduce_scatter_v
 

@@ -328,7 +328,7 @@ def test_clip_grad_norm_uses_the_global_norm_of_reduced_gradients(runs):
     ({"timeout_s": 0}, "timeout_s must be a positive"),
     ({"timeout_s": float("inf")}, "timeout_s must be a positive"),
     ({"optimizer": "adam"}, "unknown matrix optimizer"),
-    ({"reduce_scatter": "nccl"}, "unknown reduce_scatter 'nccl'; choose one of exact, loops"),
+    ({"reduce_scatter": "nccl"}, "unknown reduce_scatter 'nccl'; choose one of native, exact, loops, padded"),
 ])
 def test_bad_configuration_fails_before_any_collective(kwargs, needle):
     """No process group exists here: reaching a collective would raise something else."""

@@ -68,11 +68,11 @@ def test_simulate_tp_mode():
 
 def test_simulate_run_options_reach_the_result():
     result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
-                 "--uneven", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0", "--json")
+                 "--reduce-scatter", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0", "--json")
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
-                            "recompute": "full", "uneven": "padded", "collectives": "megatron", "max_grad_norm": 1.0}
+                            "recompute": "full", "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 
@@ -173,7 +173,7 @@ BAD = [
     (["--capacity", "lots"], ()),
     (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
     (["--recompute", "some"], ("unknown recompute mode 'some'",)),
-    (["--uneven", "ring"], ("uneven-collective implementation 'ring'",)),
+    (["--reduce-scatter", "ring"], ("unknown reduce_scatter 'ring'",)),
     (["--collectives", "nccl"], ("unknown collectives mode 'nccl'",)),
 ]
 

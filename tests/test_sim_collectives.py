@@ -10,15 +10,16 @@ from hypothesis import strategies as st
 
 from canzona.errors import SpecError
 from canzona.hardware import bus_factor, load_profile
+from canzona.reductions import PADDING_LIMIT, REDUCE_SCATTER_IMPLS
 from sim import nccl
 from sim.collectives import (
     OPS,
-    UNEVEN_IMPLS,
     CollectiveCost,
+    all_gather_v_cost,
     all_to_all_cost,
     bus_bandwidth,
     collective_cost,
-    uneven_cost,
+    reduce_scatter_v_cost,
 )
 from sim.topology import Cluster, GroupGeometry
 
@@ -175,51 +176,68 @@ def test_uneven_all_to_all_pays_the_busiest_port():
     assert close(mixed.transfer_s, 1e6 / NIC)
 
 
-# --- uneven collectives by implementation -----------------------------------------------------
+# --- uneven collectives, as the runtime runs them ---------------------------------------------
+
+
+def uneven(op, segments, geo, impl="native"):
+    if op == "reduce-scatter":
+        return reduce_scatter_v_cost(segments, geo, HW, impl)
+    return all_gather_v_cost(segments, geo, HW)
 
 
 @pytest.mark.parametrize("op", ["reduce-scatter", "all-gather"])
-@pytest.mark.parametrize("impl", UNEVEN_IMPLS)
-def test_even_segments_are_the_even_collective_whatever_the_implementation(op, impl):
+@pytest.mark.parametrize("impl", [i for i in REDUCE_SCATTER_IMPLS if i != "exact"])
+def test_even_segments_are_the_even_collective(op, impl):
     geo = Cluster(256, 8, NODE).dp_geometry()
-    assert uneven_cost(op, [3e6] * 32, geo, HW, impl) == collective_cost(op, 3e6 * 32, geo, HW)
+    assert uneven(op, [3e6] * 32, geo, impl) == collective_cost(op, 3e6 * 32, geo, HW)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["reduce-scatter", "all-gather"]),
-       st.lists(st.integers(0, 10**9), min_size=2, max_size=32).filter(lambda s: len(set(s)) > 1),
-       st.booleans())
-def test_uneven_implementations(op, segments, cross):
+@given(st.lists(st.integers(0, 10**9), min_size=2, max_size=32).filter(lambda s: len(set(s)) > 1), st.booleans())
+def test_each_reduce_scatter_route_is_priced_as_the_runtime_runs_it(segments, cross):
     n = len(segments)
     geo = GroupGeometry(n, n, 1) if cross else GroupGeometry(n, 1, n)
-    padded = uneven_cost(op, segments, geo, HW, "padded")
-    assert padded == collective_cost(op, n * max(segments), geo, HW)
-    assert padded.seconds >= collective_cost(op, sum(segments), geo, HW).seconds - 1e-18
-    rooted = "reduce" if op == "reduce-scatter" else "broadcast"
-    parts = [collective_cost(rooted, x, geo, HW) for x in segments if x > 0]
-    loops = uneven_cost(op, segments, geo, HW, "loops")
+    hbm = HW.gpu.hbm_bytes_per_s
+    total, widest = sum(segments), max(segments)
+    padded = reduce_scatter_v_cost(segments, geo, HW, "padded")
+    even = collective_cost("reduce-scatter", n * widest, geo, HW)
+    assert (padded.latency_s, padded.transfer_s) == (even.latency_s, even.transfer_s)
+    assert close(padded.local_s, (total + (n + 2) * widest) / hbm)  # the padded copy in, the sum out
+    assert padded.seconds >= collective_cost("reduce-scatter", total, geo, HW).seconds - 1e-18
+    parts = [collective_cost("reduce", x, geo, HW) for x in segments if x > 0]
+    loops = reduce_scatter_v_cost(segments, geo, HW, "loops")
     assert close(loops.seconds, sum(c.seconds for c in parts))
     assert close(loops.latency_s, sum(c.latency_s for c in parts))  # every grouped operation's latency
-    runtime = uneven_cost(op, segments, geo, HW, "runtime")
-    if op == "all-gather":
-        assert runtime == loops  # the runtime broadcasts each owner's segment
-    else:  # one all-to-all: rank r receives n - 1 copies of its segment
-        total = sum(segments)
-        assert runtime == all_to_all_cost([total - x for x in segments], [x * (n - 1) for x in segments], geo, HW)
+    exact = reduce_scatter_v_cost(segments, geo, HW, "exact")  # one all-to-all, then the owner's sum
+    a2a = all_to_all_cost([total - x for x in segments], [x * (n - 1) for x in segments], geo, HW)
+    assert (exact.latency_s, exact.transfer_s) == (a2a.latency_s, a2a.transfer_s)
+    assert close(exact.local_s, (n + 2) * widest / hbm)
+    native = reduce_scatter_v_cost(segments, geo, HW, "native")
+    assert native == (padded if n * widest - total <= PADDING_LIMIT * total else loops)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 10**9), min_size=2, max_size=32).filter(lambda s: len(set(s)) > 1))
+def test_an_uneven_all_gather_is_a_broadcast_per_owner(segments):
+    geo = GroupGeometry(len(segments), 1, len(segments))
+    parts = [collective_cost("broadcast", x, geo, HW) for x in segments if x > 0]
+    assert close(all_gather_v_cost(segments, geo, HW).seconds, sum(c.seconds for c in parts))
 
 
 def test_loops_beat_padding_when_one_segment_dwarfs_the_rest():
     """canzona's owners hold whole matrices: one 64 MB segment among small ones is padded to
-    n x 64 MB by an even collective, while a broadcast loop moves each byte once."""
+    n x 64 MB by an even collective, while a loop of reduces moves each byte once; native takes
+    the loop."""
     geo = Cluster(1024, 8, NODE).dp_geometry()
     segments = [64e6] + [0.0] * 127
-    assert uneven_cost("all-gather", segments, geo, HW, "loops").seconds < \
-        uneven_cost("all-gather", segments, geo, HW, "padded").seconds / 10
+    loops = reduce_scatter_v_cost(segments, geo, HW, "loops")
+    assert loops.seconds < reduce_scatter_v_cost(segments, geo, HW, "padded").seconds / 10
+    assert reduce_scatter_v_cost(segments, geo, HW, "native") == loops
 
 
-def test_unknown_uneven_implementation_is_one_line():
-    with pytest.raises(SpecError, match="uneven-collective implementation"):
-        uneven_cost("all-gather", [1, 2], intra(2), HW, "magic")
+def test_unknown_reduce_scatter_is_one_line():
+    with pytest.raises(SpecError, match="unknown reduce_scatter 'magic'"):
+        reduce_scatter_v_cost([1, 2], intra(2), HW, "magic")
 
 
 # --- basics -----------------------------------------------------------------------------------
@@ -244,10 +262,10 @@ def test_trivial_collectives_cost_nothing(op):
     assert collective_cost(op, 0.0, intra(8), HW).seconds == 0.0
     assert collective_cost(op, 0.0, Cluster(256, 8, NODE).dp_geometry(), HW).seconds == 0.0
     if op in ("reduce-scatter", "all-gather"):
-        for impl in UNEVEN_IMPLS:
-            assert uneven_cost(op, [], intra(4), HW, impl).seconds == 0.0
-            assert uneven_cost(op, [0, 0, 0, 0], intra(4), HW, impl).seconds == 0.0
-            assert uneven_cost(op, [5e6], GroupGeometry(1, 1, 1), HW, impl).seconds == 0.0
+        for impl in REDUCE_SCATTER_IMPLS:
+            assert uneven(op, [], intra(4), impl).seconds == 0.0
+            assert uneven(op, [0, 0, 0, 0], intra(4), impl).seconds == 0.0
+            assert uneven(op, [5e6], GroupGeometry(1, 1, 1), impl).seconds == 0.0
 
 
 def test_all_to_all_cost_trivial_cases():

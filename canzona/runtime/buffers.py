@@ -43,13 +43,12 @@ class FlatBuffer:
                                 f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
                                 f"{ref.dtype} on {ref.device}")
         self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
-        # the gradients as backward produces them, accumulated over micro-batches in the
-        # parameters' dtype; padding between parameters stays zero
-        self.grad = torch.zeros(size, dtype=ref.dtype, device=ref.device)
-        # what is reduced across ranks and read by the optimizer: the gradients themselves, or an
-        # fp32 copy of low-precision ones (reduced and updated in fp32, as Megatron's main grads)
-        self.reduced = self.grad if reduce_dtype in (None, ref.dtype) else \
-            torch.zeros(size, dtype=reduce_dtype, device=ref.device)
+        # the gradients, accumulated over micro-batches, reduced across ranks and read by the
+        # optimizer, in `reduce_dtype` (default: the parameters'). Low-precision models keep one
+        # fp32 buffer, as Megatron's main grads: backward's bf16 gradient of each micro-batch is
+        # widened (exactly) and added in fp32, with no second buffer in the parameters' dtype.
+        # Padding between parameters stays zero.
+        self.grad = torch.zeros(size, dtype=reduce_dtype or ref.dtype, device=ref.device)
         self.params = {n: params[n] for n in self.names}
         self.data_views: dict[str, Tensor] = {}
         self.grad_views: dict[str, Tensor] = {}
@@ -66,22 +65,20 @@ class FlatBuffer:
         self.grad_views[name].copy_(grad)
 
     def add(self, name: str, grad: Tensor) -> None:
-        """Accumulate `grad` onto `name`'s gradient, in the parameters' dtype, as autograd would."""
-        self.grad_views[name].add_(grad)
+        """Accumulate `grad` onto `name`'s gradient, in the buffer's dtype (`accumulate_`)."""
+        accumulate_(self.grad_views[name], grad)
 
     def zero(self, name: str) -> None:
         """`name` has no gradient this step: it counts as zero, as torch optimizers treat None."""
         self.grad_views[name].zero_()
 
-    def stage(self) -> Tensor:
-        """The gradients copied into `reduced` (when it is a copy); returns `reduced`, ready to reduce."""
-        if self.reduced is not self.grad:
-            self.reduced.copy_(self.grad)
-        return self.reduced
+    @property
+    def reduced(self) -> Tensor:
+        """What is reduced across ranks and read by the optimizer: the gradient buffer itself."""
+        return self.grad
 
     def reduced_view(self, name: str) -> Tensor:
-        a, b = self.offsets[name]
-        return self.reduced[a:b].view(self.data_views[name].shape)
+        return self.grad_views[name]
 
     def is_linked(self, name: str) -> bool:
         """The parameter's storage is still this buffer's (not moved, cast or replaced)."""
@@ -89,6 +86,20 @@ class FlatBuffer:
 
     def unlinked(self) -> Iterator[str]:
         return (name for name in self.names if not self.is_linked(name))
+
+
+def accumulation_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
+    """What gradients of parameters of `dtype` are accumulated, reduced and updated in: fp32 for
+    low-precision parameters with master weights, the parameters' dtype otherwise."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if low and master_weights else dtype
+
+
+def accumulate_(acc: Tensor, grad: Tensor) -> None:
+    """`acc += grad`, in `acc`'s dtype: a bf16 gradient is widened exactly and added in fp32.
+    The one definition of gradient accumulation over micro-batches, which the single-process
+    references (`canzona.runtime.training`) use too."""
+    acc.add_(grad)  # mixed dtypes compute in the wider one, with no widened copy
 
 
 def packed_offsets(names: Sequence[str], params: Mapping[str, Tensor]) -> tuple[dict[str, tuple[int, int]], int]:

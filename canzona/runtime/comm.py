@@ -1,19 +1,14 @@
 """Collectives of the runtime, portable to gloo and NCCL, with a log and timeouts.
 
-Reduce-scatter(-v) has two implementations (`REDUCE_SCATTER_IMPLS`, chosen per optimizer):
-- `exact` (the default): one `all_to_all_single` (rank j receives every rank's chunk j) followed
-  by a local sum in rank order. Uneven segments: gloo has no reduce-scatter-v, and `all_gather` of
-  uneven tensors fails there, while `all_to_all_single` takes uneven split sizes on both backends
-  (docs/design.md §8.1). Determinism: summing in rank order is reproducible in one process, which
-  is what makes the distributed step equal the single-process step bit for bit (rung 3).
-- `loops`: one `reduce` per non-empty segment, to its owner. Across nodes an all-to-all moves
-  every byte through the one NIC of each GPU pair, while NCCL runs a reduce over its rings and
-  trees on every NIC (the simulator prices both: `--uneven runtime` and `--uneven loops`,
-  docs/design.md §9.3). The backend's reduction order is unspecified, so the step equals the
-  reference within rounding instead of bit for bit.
+Reduce-scatter(-v) runs the route `canzona.reductions.bucket_route` chooses per bucket for the
+optimizer's `reduce_scatter` implementation (`native` by default: the backend's own reductions;
+`exact`: one all-to-all and a sum in rank order, bit for bit at any DP size, the verification
+mode). The module docstring of `canzona.reductions` says what each route does and allocates; the
+simulator prices the same routes. gloo has no reduce-scatter-v and `all_gather` of uneven tensors
+fails there, while `all_to_all_single` and rooted reduces take any sizes on both backends
+(docs/design.md §8.1).
 All-gather(-v) is one in-place broadcast per owner (pure copies, so exact whatever the route).
-`benchmarks/bench_comm.py` compares these against padded `reduce_scatter_tensor` /
-`all_gather_into_tensor` on the same data.
+`benchmarks/bench_comm.py` compares the routes on the same data.
 
 A collective's `wait()` returns once the backend has also let go of its CPU tensors (`Handoff`):
 otherwise a script that ends right after its last `step()` can abort at interpreter exit.
@@ -34,7 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.errors import CanzonaError, PlanError
+from canzona.reductions import (
+    DEFAULT_REDUCE_SCATTER,
+    EVEN,
+    EXACT,
+    LOOPS,
+    bucket_route,
+    check_reduce_scatter,
+)
 
 
 @dataclass(frozen=True)
@@ -71,22 +74,14 @@ class CollectiveLog:
         return [asdict(r) for r in self.records]
 
 
-REDUCE_SCATTER_IMPLS = ("exact", "loops")
-
-
-def check_reduce_scatter_impl(impl: str) -> str:
-    if impl not in REDUCE_SCATTER_IMPLS:
-        raise SpecError(f"unknown reduce_scatter {impl!r}; choose one of {', '.join(REDUCE_SCATTER_IMPLS)} "
-                        "(exact: bit-reproducible all-to-all; loops: one reduce per owner, every NIC)")
-    return impl
 
 
 class Comm:
     """One process group, its timeout, how it reduce-scatters, and the log of everything sent on it."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, name: str = "dp",
-                 reduce_scatter: str = "exact"):
-        self.reduce_scatter_impl = check_reduce_scatter_impl(reduce_scatter)
+                 reduce_scatter: str = DEFAULT_REDUCE_SCATTER):
+        self.reduce_scatter_impl = check_reduce_scatter(reduce_scatter)
         self.group = group
         self.name = name
         self.size = dist.get_world_size(group)
@@ -95,6 +90,8 @@ class Comm:
         self.log = CollectiveLog()
         self.check_device = _check_device(group)
         self.unreleased = 0  # collectives whose tensors gloo still held RELEASE_LIMIT_S after completing
+        self.in_flight_bytes = 0  # buffers allocated for collectives not yet waited for (`_holding`)
+        self.peak_in_flight_bytes = 0
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -124,7 +121,7 @@ class Comm:
         """Every member's equal-sized `inp`, in member order, into `out`."""
         self.log.add("all-gather", self.name, name, [inp.numel() * inp.element_size()] * self.size)
         hand = Handoff()
-        work = dist.all_gather_into_tensor(hand(out), hand(inp), group=self.group, async_op=True)
+        work = dist.all_gather_single(hand(out), hand(inp), group=self.group, async_op=True)
         return PendingWork(self, work, f"all-gather of {name}", hand)
 
     def _owner(self, r: int) -> int:
@@ -133,39 +130,95 @@ class Comm:
 
     def reduce_scatter_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
         """Average `flat` over ranks; rank r ends up with the mean of segment [cuts[r], cuts[r+1])
-        written back into `flat` (the rest of `flat` is left as it was)."""
+        written back into `flat`. The rest of `flat` is left as it was, except under a loop of
+        reduces on gloo, which sends the other segments from a copy for that reason."""
         lengths = [b - a for a, b in zip(cuts, cuts[1:])]
-        mine = lengths[self.rank]
         self.log.add("reduce-scatter-v", self.name, name, [flat.numel() * flat.element_size()] * self.size)
+        route = bucket_route(self.reduce_scatter_impl, lengths)
+        what = f"reduce-scatter of {name}"
+        if self.size == 1:
+            return PendingWork(self, [], what)  # the mean over one rank is its own gradient
+        if route == EXACT:
+            return self._reduce_exact(flat, cuts, lengths, what)
+        if route == LOOPS:
+            return self._reduce_loops(flat, cuts, lengths, what)
+        return self._reduce_scatter(flat, cuts, lengths, route == EVEN, what)
+
+    def _reduce_exact(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], what: str) -> PendingWork:
+        """One all-to-all (this rank receives every rank's copy of its segment), then a sum in
+        rank order: the same arithmetic as one process summing the ranks' gradients."""
         a, b = cuts[self.rank], cuts[self.rank + 1]
-        if self.reduce_scatter_impl == "loops":
-            return self._reduce_loops(flat, cuts, lengths, (a, b), name)
+        mine = lengths[self.rank]
         recv = torch.empty(mine * self.size, dtype=flat.dtype, device=flat.device)
 
         def finish() -> None:
             parts = recv.view(self.size, mine)
-            acc = parts[0].clone()
+            acc = parts[0]  # summed in place: the received copies are this collective's own
             for j in range(1, self.size):
                 acc += parts[j]
             flat[a:b].copy_(acc.div_(self.size))
 
-        pending = self._all_to_all(recv, flat, [mine] * self.size, lengths, f"reduce-scatter of {name}")
+        pending = self._all_to_all(recv, flat, [mine] * self.size, lengths, what)
         pending.then = finish
-        return pending
+        return self._holding(pending, recv)
 
-    def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], mine: tuple[int, int],
-                      name: str) -> PendingWork:
-        """`reduce_scatter_v` as one sum-reduce per owner. The others' segments are sent from a
-        copy: a reduce may use a non-root's buffer as scratch (gloo does), and `flat` outside this
-        rank's segment (`mine`) must be left as it was."""
-        a, b = mine
-        scratch = flat.clone()
+    def _reduce_scatter(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], even: bool,
+                        what: str) -> PendingWork:
+        """The backend's reduce-scatter: of `flat` itself when its segments are even, else of a
+        copy with every segment padded to the longest; this rank's (unpadded) sum lands in its
+        segment of `flat`."""
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+        widest = max(lengths)
+        if even:
+            send = flat[cuts[0]:cuts[-1]]
+        else:
+            send = torch.zeros(self.size * widest, dtype=flat.dtype, device=flat.device)
+            for r, n in enumerate(lengths):
+                send[r * widest:r * widest + n].copy_(flat[cuts[r]:cuts[r + 1]])
+        out = torch.empty(widest, dtype=flat.dtype, device=flat.device)
         hand = Handoff()
-        works = [dist.reduce(hand(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]]), self._owner(r),
-                             op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                 for r in range(self.size) if lengths[r]]
-        pending = PendingWork(self, works, f"reduce-scatter of {name}", hand)
+        # through the process group with this group's timeout: gloo's reduce-scatter ignores the one
+        # given to `wait()` (measured: it waited out the process group's instead)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = self.timeout
+        opts.asyncOp = True
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        work = group.reduce_scatter_single(hand(out), hand(send), opts)
+        pending = PendingWork(self, work, what, hand)
+        pending.then = lambda: flat[a:b].copy_(out[:b - a]).div_(self.size)
+        return self._holding(pending, out, *([] if even else [send]))
+
+    def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], what: str) -> PendingWork:
+        """One sum-reduce per non-empty segment, to its owner; on NCCL grouped into one launch.
+        gloo uses a non-root's buffer as scratch, so there the other ranks' segments are sent from
+        a copy (NCCL never writes a non-root's buffer)."""
+        a, b = cuts[self.rank], cuts[self.rank + 1]
+        scratch = flat.clone() if flat.device.type == "cpu" else flat
+        hand = Handoff()
+        owners = [r for r in range(self.size) if lengths[r]]
+
+        def issue() -> list:
+            return [dist.reduce(hand(flat[a:b] if r == self.rank else scratch[cuts[r]:cuts[r + 1]]), self._owner(r),
+                                op=dist.ReduceOp.SUM, group=self.group, async_op=True) for r in owners]
+
+        if flat.device.type == "cuda" and owners:
+            with dist._coalescing_manager(self.group, flat.device, async_ops=True) as grouped:
+                issue()
+            works = list(grouped.works)  # NCCL's one work for the group
+        else:
+            works = issue()
+        pending = PendingWork(self, works, what, hand)
         pending.then = lambda: flat[a:b].div_(self.size)
+        return self._holding(pending, *([scratch] if scratch is not flat else []))
+
+    def _holding(self, pending: PendingWork, *buffers: Tensor) -> PendingWork:
+        """`pending` holds `buffers`, allocated for it, until it is waited for: counted in
+        `in_flight_bytes` and its high-water mark `peak_in_flight_bytes` (what `canzona.memory`
+        prices as the reduce-scatter buffers)."""
+        pending.held_bytes = sum(t.numel() * t.element_size() for t in buffers)
+        self.in_flight_bytes += pending.held_bytes
+        self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self.in_flight_bytes)
         return pending
 
     def all_gather_v(self, flat: Tensor, cuts: Sequence[int], name: str) -> PendingWork:
@@ -305,6 +358,7 @@ class PendingWork:
         self.then = None
         self.done = False
         self.handoff = handoff
+        self.held_bytes = 0  # buffers allocated for this collective, released when it is waited for
 
     def wait(self) -> None:
         if self.done:
@@ -313,6 +367,7 @@ class PendingWork:
         if self.then is not None:
             self.then()
         self.done = True
+        self.comm.in_flight_bytes -= self.held_bytes
         if self.handoff is not None and not self.handoff.release():
             self.comm.unreleased += 1
         self.handoff = None
@@ -324,6 +379,14 @@ class PendingWork:
         # the work handles hold the tensors too: dropped (with this frame's references) before
         # `Handoff.release` waits for the backend's
         self.work = None
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A small CPU tensor on `device` without a host sync: from page-locked memory, asynchronously,
+    for a CUDA device (a copy from pageable memory waits for the stream first)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _check_device(group: dist.ProcessGroup | None) -> torch.device:

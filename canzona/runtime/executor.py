@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.kernels import Update, apply_update_
 from canzona.runtime.shards import shard_of, unshard
 from canzona.step_schedule import (
@@ -210,12 +210,18 @@ class MatrixStep:
 
     # --- stage 3: update chunks back ----------------------------------------------------------
 
-    def _header(self, update: Update | None) -> Tensor:
-        if update is None:
-            values = [NO_UPDATE, 0.0, 0.0]
-        else:
-            values = [DECAY_FIRST if update.decay_first else DECAY_AFTER, update.scale, update.decay]
-        return torch.tensor(values, dtype=torch.float64, device=self.device).view(self.update_dtype)
+    def _headers(self, tasks: list[Task], updates: dict[str, Update | None]) -> dict[str, Tensor]:
+        """Each task's header (how its chunks are applied), built on the host and copied to the
+        device once per micro-group, without waiting for the device (`comm.to_device`)."""
+        rows = []
+        for t in tasks:
+            update = updates[t.name]
+            rows.append([NO_UPDATE, 0.0, 0.0] if update is None else
+                        [DECAY_FIRST if update.decay_first else DECAY_AFTER, update.scale, update.decay])
+        if not rows:
+            return {}
+        words = to_device(torch.tensor(rows, dtype=torch.float64), self.device).view(self.update_dtype)
+        return {t.name: words[i] for i, t in enumerate(tasks)}
 
     def _chunk(self, task: Task, update: Update | None, tp_rank: int) -> Tensor:
         if update is None:
@@ -226,7 +232,7 @@ class MatrixStep:
         me, tp = self.tp_rank, self.schedule.tp
         with self.streams.comm():
             mine = step.hosted(me)
-            headers = {t.name: self._header(live.updates[t.name]) for t in mine}
+            headers = self._headers(mine, live.updates)
             parts = [[x for t in mine for x in (headers[t.name], self._chunk(t, live.updates[t.name], d))]
                      if d != me else [] for d in range(tp)]
             in_splits = [sum(x.numel() for x in p) for p in parts]
@@ -255,17 +261,21 @@ class MatrixStep:
         with self._timed("wait"):
             live.scatter.wait()
         self.streams.join(live.chunks, live.scatter_sent)
-        pos = 0
+        received, pos = [], 0  # (task, where its chunk starts) in the order the hosts sent them
+        for _source, tasks in step.sources(me):
+            for t in tasks:
+                received.append((t, pos + self.header_words))
+                pos += self.header_words + t.shard_numel
+        if not received:
+            return
         with self._timed("apply"):
-            for _source, tasks in step.sources(me):
-                for t in tasks:
-                    header = live.chunks[pos:pos + self.header_words].clone().view(torch.float64).tolist()
-                    flag, scale, decay = header
-                    pos += self.header_words
-                    if flag != NO_UPDATE:
-                        chunk = live.chunks[pos:pos + t.shard_numel].view(t.shard_shape)
-                        self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
-                    pos += t.shard_numel
+            # every header of the micro-group read by the host at once: one device read per group
+            words = torch.cat([live.chunks[at - self.header_words:at] for _, at in received])
+            headers = words.view(torch.float64).view(len(received), 3).tolist()
+            for (t, at), (flag, scale, decay) in zip(received, headers):
+                if flag != NO_UPDATE:
+                    chunk = live.chunks[at:at + t.shard_numel].view(t.shard_shape)
+                    self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
 
     @staticmethod
     def _apply_one(task: Task, chunk: Tensor, update: Update, target: Callable[[str], Tensor],

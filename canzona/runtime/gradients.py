@@ -28,7 +28,7 @@ from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import CanzonaError
 from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
-from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
 from canzona.runtime.wrappers import wrapper_holding, wrapper_message
@@ -182,7 +182,7 @@ class GradientSync:
             raise CanzonaError(SYNCED_TWICE)
         b = self.buckets[k]
         self._take_all(b)
-        self._launched[k] = self.dp.reduce_scatter_v(b.stage(), self.grad_cuts(k),
+        self._launched[k] = self.dp.reduce_scatter_v(b.grad, self.grad_cuts(k),
                                                      f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     def _take_all(self, buffer: FlatBuffer) -> None:
@@ -253,7 +253,7 @@ class GradientSync:
             self._launch(self._next)
             self._next += 1
         self._take_all(self.adamw)
-        adamw = self.dp.reduce_scatter_v(self.adamw.stage(), self.adamw_cuts, "adamw")
+        adamw = self.dp.reduce_scatter_v(self.adamw.grad, self.adamw_cuts, "adamw")
         for pending in self._launched:
             pending.wait()
         adamw.wait()
@@ -291,10 +291,15 @@ class GradientSync:
             return self.checked
         self._finish()
         problem = self._local_problem()
-        term = local_norm_term(self.norm_segments())
-        header = torch.cat([self._got_grad, torch.tensor(
-            [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64),
-            torch.tensor([term.item(), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
+        # the header is assembled on the device the check travels on: the norm term never comes to
+        # the host on its own, so the table below is the step's one read of device values
+        device = self.dp.check_device
+        term = local_norm_term(self.norm_segments()).to(device)
+        header = torch.cat([
+            to_device(torch.cat([self._got_grad, torch.tensor(
+                [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),
+            term.reshape(1).view(torch.int64),
+            to_device(torch.tensor([_clip_word(max_norm)], dtype=torch.float64), device).view(torch.int64)])
         table = self.dp.all_gather_values(header, "step check")
         flags, fired, broken, digests = table[:, :-5], table[:, -5], table[:, -4], table[:, -3]
         terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
@@ -352,9 +357,11 @@ class GradientSync:
         the heads it was split by), or a scheduler stepped on one TP rank only, would otherwise
         train the replicas apart without a word. Returns this rank's error (the same on the TP
         group) and the sum of squares over the whole cluster (each TP rank's DP total, in TP order)."""
-        digests = self._replicated_digests()
+        device = self.tp.check_device
+        digests = self._replicated_digests().to(device)
         words = torch.tensor([float(dp_total), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)
-        row = torch.cat([torch.tensor([int(error is not None), hyper_parameters], dtype=torch.int64), words, got,
+        row = torch.cat([to_device(torch.cat([torch.tensor([int(error is not None), hyper_parameters],
+                                                           dtype=torch.int64), words, got]), device),
                          digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
         total = combine_norm_terms(table[:, 2].view(torch.float64))
@@ -389,7 +396,8 @@ class GradientSync:
     def _replicated_digests(self) -> Tensor:
         """Per TP-replicated parameter, (sum, position-weighted sum) in fp64 of this rank's reduced
         share of its gradient: equal on every TP rank when the gradients are equal."""
-        out = torch.zeros(len(self._replicated), 2, dtype=torch.float64)
+        device = self.adamw.reduced.device
+        out = torch.zeros(len(self._replicated), 2, dtype=torch.float64, device=device)
         r = self.dp.rank
         for i, name in enumerate(self._replicated):
             buf = self.buffer_of[name]
@@ -400,7 +408,7 @@ class GradientSync:
             if s < e:
                 part = buf.reduced[s:e].double()
                 weights = torch.arange(s - a + 1, e - a + 1, dtype=torch.float64, device=part.device)
-                out[i, 0], out[i, 1] = part.sum().cpu(), (part * weights).sum().cpu()
+                out[i, 0], out[i, 1] = part.sum(), (part * weights).sum()  # on the device: no host read
         return out.flatten()
 
     def unlinked_message(self, name: str) -> str:
@@ -445,11 +453,13 @@ def _clip_disagreement(clips: Tensor, me: int, member: str) -> str:
 
 def local_norm_term(segments: list[Tensor]) -> Tensor:
     """One rank's share of the global gradient norm: the sum of squares of its segments, in order,
-    in fp64 (accumulated in the kernel: no fp64 copy of the gradients)."""
-    total = torch.zeros((), dtype=torch.float64)
+    in fp64 (accumulated in the kernel: no fp64 copy of the gradients), on the segments' device
+    (read by the host only inside the step check's table)."""
+    device = next((s.device for s in segments), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for s in segments:
         if s.numel():
-            total += torch.linalg.vector_norm(s, dtype=torch.float64).square().cpu()
+            total += torch.linalg.vector_norm(s, dtype=torch.float64).square()
     return total
 
 

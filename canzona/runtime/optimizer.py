@@ -21,7 +21,7 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,10 @@ from canzona.optimizers import (
     default_config,
 )
 from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
+from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.buffers import FlatBuffer
-from canzona.runtime.comm import Comm, PendingWork, check_reduce_scatter_impl
+from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck
 from canzona.runtime.groups import (
@@ -94,11 +95,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when `group` is a process
     group. `tp_mode`: `pipelined` (default) or `serial` order of the TP micro-groups.
 
-    `reduce_scatter`: how gradients are reduce-scattered over DP (`canzona.runtime.comm`): `exact`
-    (default; one all-to-all and a sum in rank order, so the step equals the single-process
-    reference bit for bit) or `loops` (one reduce per owner, which NCCL runs over every NIC; equal
-    to the reference within rounding). Across nodes `loops` is usually the faster: simulate both
-    with `canzona simulate --uneven runtime` and `--uneven loops`.
+    `reduce_scatter`: how gradients are reduce-scattered over DP (`canzona.reductions`): `native`
+    (default; the backend's own reductions, per bucket a reduce-scatter or one reduce per owner,
+    no receive buffer larger than the segment; equal to the single-process reference within
+    rounding, bit for bit at DP 2), `exact` (one all-to-all and a sum in rank order: bit for bit
+    at any DP size, what `canzona verify` checks, at `n x` the segment of temporary memory),
+    `loops` or `padded`. `canzona simulate --reduce-scatter` prices each.
 
     Low-precision (bf16 / fp16) parameters get fp32 master weights, fp32 gradient reduction and
     fp32 optimizer state by default; the bf16 working copy is refreshed after each step.
@@ -144,7 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tp_group: dist.ProcessGroup | None = None,
         tp_policy: str = "greedy-rollback",
         tp_mode: str = PIPELINED,
-        reduce_scatter: str = "exact",
+        reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
         max_grad_norm: float | None = None,
         nonfinite: str = "raise",
         overlap_param_gather: bool = True,
@@ -162,7 +164,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
         self.tp_mode = check_tp_mode(tp_mode)
-        check_reduce_scatter_impl(reduce_scatter)
+        check_reduce_scatter(reduce_scatter)
         self.matrix_cfg = _config(self.optimizer, matrix_config)
         self.adamw_cfg = _config("adamw", adamw_config)
         self.spec = spec
@@ -412,9 +414,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             if self.max_grad_norm is not None:
                 self._clip(self.max_grad_norm, check.norm)
-            got = check.got
+            got = [bool(g) for g in check.got.tolist()]  # a host table already: read once, not per matrix
             self.matrix_step.run(grad=self.grads.reduced, target=self._target, applied=self._refresh_working_copy,
-                                 config=self._matrix_config, got=lambda name: bool(got[self._index[name]]))
+                                 config=self._matrix_config, got=lambda name: got[self._index[name]])
             self._adamw_step(got)
             self._gather_params()
         self.comm.log.step += 1
@@ -474,7 +476,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if s < e:
                 yield name, s, e, s - a
 
-    def _adamw_step(self, got: Tensor) -> None:
+    def _adamw_step(self, got: Sequence[bool]) -> None:
         adamw = self.grads.adamw
         for name, s, e, _ in self._adamw_parts():
             if got[self._index[name]]:

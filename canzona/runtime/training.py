@@ -34,6 +34,7 @@ from canzona.dp.policies import DEFAULT_ALIGN
 from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
 from canzona.plan import Plan
+from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.runtime.verify import TP_STYLES
@@ -63,7 +64,9 @@ class TrainSpec:
     tp_policy: str = "greedy-rollback"  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = "pipelined"  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
-    reduce_scatter: str = "exact"  # DP gradient reduce-scatter: "exact" (all-to-all) or "loops" (reduces)
+    # DP gradient reduce-scatter (canzona.reductions): "exact", the verification mode, unlike the
+    # optimizer's default "native", so that every check is bit for bit at any DP size
+    reduce_scatter: str = "exact"
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -140,7 +143,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         group = init_device_mesh("cpu", (dp, spec.tp), mesh_dim_names=("dp", "tp"))
         dp_rank = group.get_local_rank("dp")
         model, mspec = build_tp_model(spec, group)
-        recorder = GradientRecorder(model.named_parameters())
+        recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
     else:
         model = build_model(spec)
         mspec = model.spec()
@@ -209,13 +212,15 @@ def matrix_state_bytes(state: dict[str, dict]) -> int:
 
 class GradientRecorder:
     """Each step's gradient of every parameter's local tensor, accumulated over micro-batches as
-    autograd accumulates it, seen by tensor hooks of its own (not through the optimizer's
-    buffers): what a rank's backward produced, for the single-process emulation under TP.
-    A DTensor gradient is first brought to its parameter's placement (a `Partial` gradient of a
-    replicated weight summed over TP), as the optimizer does."""
+    the optimizer's buffers accumulate it (in fp32 for a low-precision model with master weights,
+    `buffers.accumulate_`), seen by tensor hooks of its own (not through the optimizer's buffers):
+    what a rank's backward produced, for the single-process emulation under TP. A DTensor
+    gradient is first brought to its parameter's placement (a `Partial` gradient of a replicated
+    weight summed over TP), as the optimizer does."""
 
-    def __init__(self, named: Iterable[tuple[str, Tensor]]) -> None:
+    def __init__(self, named: Iterable[tuple[str, Tensor]], master_weights: bool = True) -> None:
         self._acc: dict[str, Tensor] = {}
+        self._master_weights = master_weights
         for name, p in named:
             p.register_hook(lambda g, n=name, p=p: self._add(n, p, g))
 
@@ -228,9 +233,9 @@ class GradientRecorder:
             g = g.to_local()
         g = g.detach()
         if name in self._acc:
-            self._acc[name] += g
+            accumulate_(self._acc[name], g)
         else:
-            self._acc[name] = g.clone()
+            self._acc[name] = g.to(accumulation_dtype(g.dtype, self._master_weights), copy=True)
 
     def take(self) -> dict[str, Tensor]:
         out, self._acc = self._acc, {}
@@ -245,12 +250,15 @@ def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[d
     handles = [p.register_post_accumulate_grad_hook(lambda _, n=n: got.add(n)) for n, p in params.items()]
     try:
         per_rank = []
-        for rank in range(dp):
-            for p in params.values():
-                p.grad = torch.zeros_like(p)
+        for rank in range(dp):  # each rank's gradients, accumulated over micro-batches as its buffers do
+            acc = {n: torch.zeros_like(p, dtype=reduce_dtype(spec, p.dtype)) for n, p in params.items()}
             for mb in micro_batches(tokens, rank, dp, spec.accumulation):
+                for p in params.values():
+                    p.grad = torch.zeros_like(p)
                 (model.loss(mb) / spec.accumulation).backward()
-            per_rank.append({n: p.grad.clone() for n, p in params.items()})
+                for n, p in params.items():
+                    accumulate_(acc[n], p.grad)
+            per_rank.append(acc)
     finally:
         for h in handles:
             h.remove()
@@ -264,10 +272,9 @@ def global_gradients(model, spec: TrainSpec, tokens: Tensor, dp: int) -> tuple[d
 
 
 def reduce_dtype(spec: TrainSpec, dtype: torch.dtype) -> torch.dtype:
-    """Gradients are reduced (and the optimizer runs) in fp32 for low-precision models with
-    master weights, in the parameters' dtype otherwise."""
-    low = dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if low and spec.master_weights else dtype
+    """Gradients are accumulated, reduced (and the optimizer runs) in fp32 for low-precision
+    models with master weights, in the parameters' dtype otherwise."""
+    return accumulation_dtype(dtype, spec.master_weights)
 
 
 Gradients = Sequence[tuple[dict[str, Tensor], set[str]]]  # per step: global gradients, names that got one

@@ -1,0 +1,125 @@
+"""The memory model (`canzona.memory`) against the tensors the runtime allocates (docs/design.md §7.1).
+
+A bf16 tiny model with fp32 masters, trained one step by `DistributedOptimizer` on spawned gloo
+ranks (DP 4, and DP 2 x TP 2), under every step policy and reduce-scatter implementation. Per rank,
+the bytes of the tensors the optimizer holds equal the model's figures exactly:
+
+- weights: the flat parameter buffers (the plan's padded buckets and the AdamW buffer);
+- gradients: one fp32 buffer per bucket (main grads), no second one in the weights' dtype;
+- fp32 masters of what the rank updates; the matrix optimizer's state where it is hosted; AdamW
+  state for the parameters inside the rank's slice;
+- the reduce-scatter's buffers at their high-water mark (`Comm.peak_in_flight_bytes`): what
+  `canzona.memory.reduction_bytes` prices, counting gloo's scratch copy for a loop of reduces
+  (NCCL's reduces need none: the simulator's figure).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+
+from canzona.memory import LayerDims, MemorySetup, memory_per_gpu, reduction_bytes
+from canzona.reductions import REDUCE_SCATTER_IMPLS
+from canzona.runtime.launch import run_ranks
+from canzona.runtime.training import TrainSpec
+from canzona.step_policies import STEP_POLICIES, get_step_policy
+
+pytestmark = pytest.mark.distributed
+
+DEADLINE_S = 180.0
+TIMEOUT_S = 60.0
+BASE = TrainSpec(optimizer="muon", steps=1, global_batch=8, seq_len=8, bucket_size=12000, dtype="bf16",
+                 matrix_config={"ns_steps": 1})
+DIMS = LayerDims.gpt(layers=2, hidden=64, heads=4, vocab=256)
+SETUP = MemorySetup(param_bytes=2, grad_bytes=4, fixed_overhead_bytes=0, fragmentation=0.0)
+CASES = [(policy, impl) for policy in STEP_POLICIES for impl in ("native", "exact")] + \
+    [("canzona", impl) for impl in REDUCE_SCATTER_IMPLS if impl not in ("native", "exact")]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.runtime.training import (
+        build_model,
+        build_tp_model,
+        global_batches,
+        matrix_state_bytes,
+        micro_batches,
+    )
+
+    out = []
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
+    for policy, impl in CASES:
+        spec = replace(BASE, policy=policy, tp=tp, reduce_scatter=impl)
+        model, mspec = build_tp_model(spec, mesh) if tp > 1 else (build_model(spec), None)
+        mspec = mspec or model.spec()
+        opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config, policy=policy,
+                                   bucket_size=spec.bucket_size, group=mesh, reduce_scatter=impl, timeout_s=TIMEOUT_S)
+        dp_rank = opt.rank
+        (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])
+        for mb in micro_batches(tokens, dp_rank, world // tp, 1):
+            with contextlib.nullcontext():
+                model.loss(mb).backward()
+        opt.step()
+        opt.wait_params()
+        buffers = opt.grads.all_buffers()
+        out.append({
+            "case": (policy, impl), "plan": opt.plan, "spec": mspec, "dp_rank": dp_rank, "tp_rank": opt.tp_rank,
+            "weights": nbytes(b.data for b in buffers),
+            "grads": nbytes(b.grad for b in buffers),
+            "grad_dtypes": {str(b.grad.dtype) for b in buffers},
+            "master_weights": nbytes(opt.master.values()),
+            "matrix_state": matrix_state_bytes(opt.matrix_state),
+            "adamw_state": sum(nbytes(v for v in s.values() if hasattr(v, "numel")) for s in opt.adamw_state.values()),
+            "reduction": opt.comm.peak_in_flight_bytes,
+            "adamw_size": opt.grads.adamw.size,
+        })
+    return out
+
+
+@functools.cache
+def allocations(world: int, tp: int) -> list[list[dict]]:
+    return run_ranks(allocations_worker, world, tp, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("world", "tp"), [(4, 1), (4, 2)])
+def test_every_persistent_buffer_is_what_the_memory_model_counts(world, tp):
+    ranks = allocations(world, tp)
+    dp = world // tp
+    for c, (policy, impl) in enumerate(CASES):
+        first = ranks[0][c]
+        predicted = memory_per_gpu(first["spec"], first["plan"], policy, DIMS, replace(SETUP, reduce_scatter=impl),
+                                   dp=dp)
+        for got in (r[c] for r in ranks):
+            want = predicted.ranks[got["dp_rank"] * tp + got["tp_rank"]]
+            assert got["grad_dtypes"] == {"torch.float32"}  # one fp32 gradient buffer, no bf16 copy
+            for k in ("weights", "grads", "master_weights", "matrix_state", "adamw_state"):
+                assert got[k] == getattr(want, k), (policy, impl, got["dp_rank"], got["tp_rank"], k)
+
+
+@pytest.mark.parametrize(("world", "tp"), [(4, 1), (4, 2)])
+def test_the_reduce_scatter_buffers_peak_where_the_model_says(world, tp):
+    ranks = allocations(world, tp)
+    dp = world // tp
+    for c, (policy, impl) in enumerate(CASES):
+        first = ranks[0][c]
+        step_policy = get_step_policy(policy)
+        on_gloo = reduction_bytes(first["plan"], step_policy, dp, first["adamw_size"], impl, 4, scratch=True)
+        on_nccl = reduction_bytes(first["plan"], step_policy, dp, first["adamw_size"], impl, 4)
+        predicted = memory_per_gpu(first["spec"], first["plan"], policy, DIMS, replace(SETUP, reduce_scatter=impl),
+                                   dp=dp)
+        for got in (r[c] for r in ranks):
+            assert got["reduction"] == on_gloo[got["dp_rank"]], (policy, impl, got["dp_rank"])
+            assert predicted.ranks[got["dp_rank"] * tp + got["tp_rank"]].reduction == on_nccl[got["dp_rank"]]
+        if impl == "exact" and policy == "canzona":  # the verification mode's n copies of a segment
+            assert max(on_nccl) > 2 * max(reduction_bytes(first["plan"], step_policy, dp, first["adamw_size"],
+                                                          "native", 4))
