@@ -89,13 +89,18 @@ class Comm:
         self.timeout = timedelta(seconds=timeout_s)
         self.log = CollectiveLog()
         self.check_device = _check_device(group)
+        self.nccl = self.check_device.type == "cuda"
         self.unreleased = 0  # collectives whose tensors gloo still held RELEASE_LIMIT_S after completing
         self.in_flight_bytes = 0  # buffers allocated for collectives not yet waited for (`_holding`)
         self.peak_in_flight_bytes = 0
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, host_reads: bool = False) -> None:
         try:
-            ok = work.wait(self.timeout)
+            # NCCL: a wait with a timeout polls the work from the host until it completes; without
+            # one it only orders the current stream after it (the process group's timeout and
+            # watchdog still bound it). So only the small checks, whose values the host reads
+            # anyway, wait with this group's timeout there. gloo: the host always waits, bounded.
+            ok = work.wait() if self.nccl and not host_reads else work.wait(self.timeout)
         except RuntimeError as e:
             raise CanzonaError(f"{what} on group {self.name} failed or timed out after "
                                f"{self.timeout.total_seconds():g} s (a peer died or disagrees): "
@@ -281,8 +286,10 @@ class Comm:
         """Every member's `values` into `every`, in member order, waited for (not logged)."""
         hand = Handoff()
         # no local name for the work handle: PendingWork must hold the only one (see Handoff)
-        PendingWork(self, dist.all_gather_single(hand(every), hand(values), group=self.group, async_op=True),
-                    what, hand).wait()
+        check = PendingWork(self, dist.all_gather_single(hand(every), hand(values), group=self.group, async_op=True),
+                            what, hand)
+        check.host_reads = True
+        check.wait()
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's picklable `obj`, in rank order, within this group's timeout (unlike
@@ -359,6 +366,7 @@ class PendingWork:
         self.done = False
         self.handoff = handoff
         self.held_bytes = 0  # buffers allocated for this collective, released when it is waited for
+        self.host_reads = False  # the host reads the result right after: wait with the group's timeout
 
     def wait(self) -> None:
         if self.done:
@@ -375,7 +383,7 @@ class PendingWork:
     def _wait_backend(self) -> None:
         works = self.work if isinstance(self.work, list) else [self.work]
         for work in works:
-            self.comm._wait(work, self.what)
+            self.comm._wait(work, self.what, self.host_reads)
         # the work handles hold the tensors too: dropped (with this frame's references) before
         # `Handoff.release` waits for the backend's
         self.work = None

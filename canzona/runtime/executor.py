@@ -49,26 +49,34 @@ NO_UPDATE, DECAY_FIRST, DECAY_AFTER = 0.0, 1.0, 2.0  # the header's first value
 class Streams:
     """Where communication is issued. On CPU (gloo) there are no streams: gloo runs collectives on
     its own threads. On CUDA, packing and collectives go to a side stream that first waits for the
-    compute stream, and the compute stream waits for the side stream before it reads what arrived."""
+    compute stream; each block issued there records an event, and the compute stream waits for
+    that event (not for the whole side stream, which may already hold the next micro-group's
+    packing: waiting for all of it would serialise the pipelined order) before it reads what
+    arrived. The collective's own completion is ordered by its work's `wait()`."""
 
     def __init__(self, device: torch.device) -> None:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @contextlib.contextmanager
-    def comm(self) -> Iterator[None]:
+    def comm(self, live: _Group, key: str) -> Iterator[None]:
+        """Issue a block on the side stream; its event goes to `live.issued[key]`."""
         if self.side is None:
             yield
             return
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         with torch.cuda.stream(self.side):
             yield
+        event = torch.cuda.Event()
+        event.record(self.side)
+        live.issued[key] = event
 
-    def join(self, *tensors: Tensor) -> None:
-        """The compute stream waits for the side stream; its buffers are in use by the compute stream."""
+    def join(self, live: _Group, key: str, *tensors: Tensor) -> None:
+        """The compute stream waits for the block issued as `key`; its buffers are now in use by
+        the compute stream."""
         if self.side is None:
             return
         current = torch.cuda.current_stream(self.side.device)
-        current.wait_stream(self.side)
+        current.wait_event(live.issued.pop(key))
         for t in tensors:
             t.record_stream(current)
 
@@ -84,6 +92,7 @@ class _Group:
     scatter: PendingWork | None = None
     chunks: Tensor | None = None
     scatter_sent: Tensor | None = None
+    issued: dict[str, Any] = field(default_factory=dict)  # CUDA events of the blocks issued on the side stream
 
 
 class MatrixStep:
@@ -146,7 +155,7 @@ class MatrixStep:
 
     def _gather(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor]) -> None:
         me, tp = self.tp_rank, self.schedule.tp
-        with self.streams.comm():
+        with self.streams.comm(live, GATHER):
             if step.gather.op == ALL_GATHER:
                 mine = [grad(t.name).reshape(-1) for t in step.tasks if t.tp_dim is not None]
                 live.sent = torch.cat(mine)
@@ -170,7 +179,7 @@ class MatrixStep:
         if live.gather is not None:
             with self._timed("wait"):
                 live.gather.wait()
-            self.streams.join(live.received, live.sent)
+            self.streams.join(live, GATHER, live.received, live.sent)
         split = [t for t in hosted if t.tp_dim is not None]
         pieces: dict[str, list[Tensor]] = {t.name: [] for t in split}
         if step.gather is not None and step.gather.op == ALL_GATHER:
@@ -230,7 +239,7 @@ class MatrixStep:
 
     def _scatter(self, step: GroupStep, live: _Group) -> None:
         me, tp = self.tp_rank, self.schedule.tp
-        with self.streams.comm():
+        with self.streams.comm(live, SCATTER):
             mine = step.hosted(me)
             headers = self._headers(mine, live.updates)
             parts = [[x for t in mine for x in (headers[t.name], self._chunk(t, live.updates[t.name], d))]
@@ -260,7 +269,7 @@ class MatrixStep:
             return
         with self._timed("wait"):
             live.scatter.wait()
-        self.streams.join(live.chunks, live.scatter_sent)
+        self.streams.join(live, SCATTER, live.chunks, live.scatter_sent)
         received, pos = [], 0  # (task, where its chunk starts) in the order the hosts sent them
         for _source, tasks in step.sources(me):
             for t in tasks:
