@@ -11,6 +11,7 @@ Allocation loops use `CostModel.seconds`, never raw element counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -280,6 +281,21 @@ class DeviceRate:
         else:
             work, rate = k.flops, self.elementwise_flops
         return k.count * (max(work / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
+
+
+    def batched_seconds(self, kernels: Sequence[Kernel], batch: int) -> float:
+        """Seconds of `batch` same-shape matrices' kernels run as one batched kernel
+        (`canzona.batching`): each GEMM one launch over all of them (its tiles fill the waves
+        together), everything else per matrix, as the runtime's batched kernels do."""
+        total = 0.0
+        for k in kernels:
+            if k.kind == "gemm" and batch > 1:
+                m, n, depth = k.gemm
+                stacked = Kernel(k.name, "gemm", k.flops * batch, k.bytes * batch, k.dtype, k.count, (m * batch, n, depth))
+                total += self.kernel_seconds(stacked)
+            else:
+                total += batch * self.kernel_seconds(k)
+        return total
 
 
 H100_SXM = DeviceRate.from_profile(load_profile("h100-sxm"))

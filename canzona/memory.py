@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from canzona.batching import compute_windows, shape_batches
 from canzona.cost import state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
@@ -144,6 +145,7 @@ class MemorySetup:
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
     tp_mode: str = PIPELINED  # the order of the micro-groups' operations (step_schedule)
+    batch_kernels: bool = True  # same-shape matrices of a host as one kernel (canzona.batching)
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors
@@ -414,6 +416,18 @@ def kernel_workspace_bytes(optimizer: str, shape: tuple[int, ...], grad_bytes: i
     raise SpecError(f"unknown matrix optimizer {optimizer!r}")
 
 
+def batched_stack_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
+    """Copies a batched kernel stacks per matrix beyond the per-matrix kernel's temporaries
+    (`canzona.runtime.batched`): SOAP the gradient, its first moment and both eigenbases, Shampoo
+    the gradient and both roots (fp32); Muon's stack replaces the copy it makes anyway."""
+    m, n = shape
+    if optimizer == "soap":
+        return FP32 * (2 * m * n + m * m + n * n)
+    if optimizer == "shampoo":
+        return FP32 * (m * n + m * m + n * n)
+    return 0
+
+
 @dataclass(frozen=True)
 class _GroupBytes:
     gather: int  # send and receive buffers of the gather (all-to-all, or tp-sync's all-gather)
@@ -424,11 +438,15 @@ class _GroupBytes:
 
 
 def _group_bytes(tasks: Sequence[Task], tp: int, me: int, gb: int, ub: int,
-                 workspace: dict[str, int]) -> _GroupBytes:
-    """What TP rank `me` allocates for one micro-group, as `canzona.runtime.executor` does."""
+                 workspace: dict[str, int], batched: bool = False, stack: dict[str, int] | None = None) -> _GroupBytes:
+    """What TP rank `me` allocates for one micro-group (or compute window), as
+    `canzona.runtime.executor` does: the kernel's temporaries are the largest batch's, `k` times
+    one matrix's plus the stacked copies a batched kernel makes (`stack`, per matrix)."""
     split = [t for t in tasks if t.tp_dim is not None]
     hosted = [t for t in tasks if t.hosted_on(me)]
-    ws = max((workspace[t.name] for t in hosted), default=0)
+    ws = max((sum(workspace[t.name] for t in batch) + (sum((stack or {}).get(t.name, 0) for t in batch)
+                                                         if len(batch) > 1 else 0)
+              for batch in shape_batches(hosted, batched)), default=0)
     updates = sum(t.shape[0] * t.shape[1] for t in hosted) * ub
     if tasks and tasks[0].host == EVERY_RANK:  # tp-sync: all-gather of every shard, no scatter
         mine = sum(t.shard_numel for t in split) * gb
@@ -529,6 +547,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
                  for p in spec.matrix_params()}
+    stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
 
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
@@ -537,9 +556,12 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
         adamw_temps = 2 * FP32 * adamw_largest[i]
         tasks, mode = _streamed(sched.groups, setup)
+        if setup.batch_kernels and len(tasks) == len(sched.groups):  # TP 1: consecutive groups compute together
+            windows = compute_windows(sched.groups, 0, True)
+            tasks = [tuple(t for g in members for t in tasks[g]) for members in windows.values()]
         row = []
         for r in range(tp):
-            groups = [_group_bytes(g, tp, r, gb, ub, workspace) for g in tasks]
+            groups = [_group_bytes(g, tp, r, gb, ub, workspace, setup.batch_kernels, stack) for g in tasks]
             step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)

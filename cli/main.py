@@ -240,12 +240,14 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 reduce_scatter: str, collectives: str = "megatron", max_grad_norm: float | None = None):
+                 reduce_scatter: str, collectives: str = "megatron", max_grad_norm: float | None = None,
+                 batch_kernels: bool = True, compile_kernels: bool = False):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
-                      collectives=collectives, max_grad_norm=max_grad_norm)
+                      collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
+                      compile_kernels=compile_kernels)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -275,6 +277,8 @@ Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (
 MaxGradNorm = Annotated[float | None, typer.Option(
     help="Clip the reduced gradients to this global norm inside the step (DistributedOptimizer's max_grad_norm; "
          "default: measure the norm only, as the runtime does every step).")]
+BatchKernels = Annotated[bool, typer.Option(help="Same-shape matrices of a host as one batched kernel (DistributedOptimizer's batch_kernels).")]
+CompileKernels = Annotated[bool, typer.Option(help="Newton-Schulz through torch.compile (DistributedOptimizer's compile_kernels; priced as eager).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
@@ -289,7 +293,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = None,
+    max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -301,7 +305,7 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels),
                              zero1_fallback, pp)
         config.check()
         if trace is not None:
@@ -329,7 +333,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = None,
+    max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -343,7 +347,7 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels),
                            zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:

@@ -15,7 +15,8 @@ from functools import cached_property
 
 import simpy
 
-from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
+from canzona.batching import compute_windows, shape_batches
+from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels, optimizer_kernels
 from canzona.decoder import Architecture
 from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
@@ -42,6 +43,7 @@ from canzona.step_schedule import (
     SCATTER,
     TP_GROUP,
     Exchange,
+    Task,
     TPSchedule,
     tp_schedule,
 )
@@ -487,14 +489,23 @@ def run_schedule(ctx: Context, members: Sequence[int], schedule: TPSchedule,
     computed: dict[int, dict[int, simpy.Event]] = {}
     scattered: dict[int, dict[int, simpy.Event]] = {}
     applied: dict[int, list[simpy.Event]] = {r: [] for r in members}
+    # the groups each COMPUTE batches together (TP 1: consecutive groups, as the runtime's executor)
+    windows = compute_windows(schedule.groups, 0, ctx.options.batch_kernels)
+    saving = {r: 0.0 for r in members}
     for op in schedule.ops:
         group = schedule.groups[op.group]
         if op.kind == GATHER:
             gathered[op.group] = _exchange(ctx, members, group.gather, begin)
         elif op.kind == COMPUTE:
             after = gathered.get(op.group, begin)
-            computed[op.group] = {r: eng.compute(r, f"group {op.group} compute", group.loads[t], [after[r]])
-                                  for t, r in enumerate(members)}
+            computed[op.group] = {}
+            for t, r in enumerate(members):
+                if op.group in windows:  # a window's first group: what batching saves over the window
+                    saving[r] = batching_saving(ctx, [task for g in windows[op.group]
+                                                      for task in schedule.groups[g].hosted(t)])
+                seconds = max(group.loads[t] - saving[r], 0.0)
+                saving[r] -= group.loads[t] - seconds  # the rest comes off the window's next groups
+                computed[op.group][r] = eng.compute(r, f"group {op.group} compute", seconds, [after[r]])
         elif op.kind == SCATTER:
             scattered[op.group] = _exchange(ctx, members, group.scatter, computed[op.group])
         elif group.scatter is None:  # APPLY where the computing rank applies: inside the task's cost
@@ -504,6 +515,21 @@ def run_schedule(ctx: Context, members: Sequence[int], schedule: TPSchedule,
             for r in members:
                 applied[r].append(eng.compute(r, f"group {op.group} apply", seconds, [scattered[op.group][r]]))
     return applied
+
+
+def batching_saving(ctx: Context, hosted: Sequence[Task]) -> float:
+    """Seconds `batch_kernels` saves on a host's matrices of one micro-group: per batch of `k`
+    same-shape matrices (`canzona.batching`), `k` matrices' kernels less the batched ones
+    (`DeviceRate.batched_seconds`: one launch per GEMM, tiles filling the waves together)."""
+    if not ctx.options.batch_kernels:
+        return 0.0
+    saving = 0.0
+    for batch in shape_batches(hosted, True):
+        if len(batch) > 1:
+            kernels = optimizer_kernels(ctx.plan.optimizer, tuple(batch[0].shape))
+            saving += len(batch) * sum(ctx.rate.kernel_seconds(k) for k in kernels) - \
+                ctx.rate.batched_seconds(kernels, len(batch))
+    return max(saving, 0.0)
 
 
 def _exchange(ctx: Context, members: Sequence[int], exchange: Exchange,

@@ -31,6 +31,12 @@ class RunOptions:
     # DistributedOptimizer's max_grad_norm: clip the reduced gradients inside the step (one more
     # pass over each rank's share); None measures the norm only, as the runtime does every step
     max_grad_norm: float | None = None
+    # DistributedOptimizer's batch_kernels: same-shape matrices of a host as one kernel, each GEMM
+    # one launch over the batch (canzona.batching, DeviceRate.batched_seconds)
+    batch_kernels: bool = True
+    # DistributedOptimizer's compile_kernels: Newton-Schulz through torch.compile. Priced as eager:
+    # inductor fuses the elementwise steps around GEMMs it leaves to cuBLAS (calibrate to see more)
+    compile_kernels: bool = False
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):

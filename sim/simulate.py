@@ -275,7 +275,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         memories.append(memory_per_gpu(stage_model, stage_plan, policy, dims,
                                        MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
                                                                  tp_mode=cfg.tp_mode,
-                                                                 reduce_scatter=cfg.options.reduce_scatter),
+                                                                 reduce_scatter=cfg.options.reduce_scatter,
+                                                                 batch_kernels=cfg.options.batch_kernels),
                                        dp=cluster.dp, pp=cfg.pp, stage=stage))
     memory = max(memories, key=lambda m: m.worst.total)
 

@@ -6,7 +6,12 @@ Per micro-group, in the schedule's order (pipelined or serial):
    which concatenate them along `tp_dim` in TP-rank order (under `tp-sync`: one all-gather, and
    every TP rank is a host);
 2. compute: each host runs the matrix kernel on the full gradients of its tasks; optimizer state
-   lives only on the host;
+   lives only on the host. With a batched kernel, the tasks of one compute window that share
+   shape, dtype, hyper-parameters and state layout run as one batched call
+   (`canzona.runtime.batched`), bit-identical to one call per matrix on CPU. A window is one
+   micro-group, or, where the schedule moves nothing (TP = 1), consecutive groups up to
+   `batched.MAX_BATCH_NUMEL` elements: with no collective to overlap there, computing them
+   together changes no result, only when their updates are computed;
 3. scatter: one `all_to_all_single` returns chunk j of each update to TP rank j, each chunk after
    a header with the update's scalars;
 4. apply: every TP rank applies its chunk to its shard (`kernels.apply_update_`).
@@ -21,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from canzona.batching import MAX_BATCH_NUMEL, batches, compute_windows
+from canzona.runtime.batched import BatchedKernel, Kernel, batch_key
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.kernels import Update, apply_update_
 from canzona.runtime.shards import shard_of, unshard
@@ -95,6 +102,18 @@ class _Group:
     issued: dict[str, Any] = field(default_factory=dict)  # CUDA events of the blocks issued on the side stream
 
 
+@dataclass
+class _Work:
+    """One matrix to compute: where its update goes, its full gradient, state and hyper-parameters."""
+
+    live: _Group
+    name: str
+    grad: Tensor
+    state: dict[str, Any]
+    config: Any
+    lr: float
+
+
 class MatrixStep:
     """Runs a `TPSchedule` for TP rank `tp_rank`. Everything it touches comes through callables,
     so the same executor serves every step policy and TP layout:
@@ -104,15 +123,22 @@ class MatrixStep:
       fp32 master), and `applied(name)` after it changed;
     - `config(name)`: the (config, lr) of the matrix's param group now;
     - `got(name)`: whether the matrix got a gradient on any rank this step (no gradient, no update).
+
+    `kernel` computes one matrix; `batched` (None: every matrix alone) several of one batch key
+    (`batched.batch_key`) at once, at most `max_batch_numel` elements a batch and a window.
     """
 
-    def __init__(self, schedule: TPSchedule, comm: Comm | None, tp_rank: int, kernel: Callable[..., Update | None],
+    max_batch_numel = MAX_BATCH_NUMEL
+
+    def __init__(self, schedule: TPSchedule, comm: Comm | None, tp_rank: int, kernel: Kernel,
                  state: dict[str, dict[str, Any]], grad_dtype: torch.dtype, update_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, batched: BatchedKernel | None = None) -> None:
         self.schedule = schedule
         self.comm = comm
         self.tp_rank = tp_rank
         self.kernel = kernel
+        self.batched = batched
+        self.windows = self._compute_windows()
         self.state = state
         self.grad_dtype = grad_dtype
         self.update_dtype = update_dtype
@@ -122,6 +148,10 @@ class MatrixStep:
         # seconds per stage ("issue", "wait", "compute", "apply"), added up while a dict is set
         # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
         self.profile: dict[str, float] | None = None
+
+    def _compute_windows(self) -> dict[int, tuple[int, ...]]:
+        """The groups computed together (`canzona.batching.compute_windows`)."""
+        return compute_windows(self.schedule.groups, self.tp_rank, self.batched is not None, self.max_batch_numel)
 
     @contextlib.contextmanager
     def _timed(self, stage: str) -> Iterator[None]:
@@ -143,7 +173,8 @@ class MatrixStep:
                 with self._timed("issue"):
                     self._gather(step, live, grad)
             elif op.kind == COMPUTE:
-                self._compute(step, live, grad, config, got)
+                if op.group in self.windows:  # else computed with the window it belongs to
+                    self._compute(self.windows[op.group], groups, grad, config, got)
             elif op.kind == SCATTER:
                 with self._timed("issue"):
                     self._scatter(step, live)
@@ -202,20 +233,52 @@ class MatrixStep:
 
     # --- stage 2: hosts compute ---------------------------------------------------------------
 
-    def _compute(self, step: GroupStep, live: _Group, grad: Callable[[str], Tensor],
+    def _compute(self, window: tuple[int, ...], groups: list[_Group], grad: Callable[[str], Tensor],
                  config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
-        full = self._full_grads(step, live, grad)
-        with self._timed("compute"):
-            for name, g in full.items():
+        work: list[_Work] = []
+        for index in window:
+            live = groups[index]
+            for name, g in self._full_grads(self.schedule.groups[index], live, grad).items():
                 if not got(name):
                     live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
                     continue
                 cfg, lr = config(name)
-                update = self.kernel(g, self.state.setdefault(name, {}), cfg, lr)
-                if update is not None:  # in the dtype it is sent and applied in (kernels.apply_update_)
-                    update.direction = update.direction.to(self.update_dtype)
-                live.updates[name] = update
-        live.received = live.sent = None
+                work.append(_Work(live, name, g, self.state.setdefault(name, {}), cfg, lr))
+        with self._timed("compute"):
+            if self.batched is None:
+                for w in work:
+                    self._run([w])
+            else:
+                keyed = ((w, self._batch_key(w), w.grad.numel()) for w in work)
+                for batch in batches(keyed, self.max_batch_numel):
+                    self._run(batch)
+        for index in window:
+            groups[index].received = groups[index].sent = None
+
+    @staticmethod
+    def _batch_key(w: _Work) -> Hashable | None:
+        """Matrices that may run as one batched call (None: alone)."""
+        key = batch_key(w.grad, w.state)
+        if key is None:
+            return None
+        key = (key, w.config, w.lr)
+        try:
+            hash(key)
+        except TypeError:  # a configuration with an unhashable field: alone
+            return None
+        return key
+
+    def _run(self, batch: list[_Work]) -> None:
+        """Compute a batch (one batch key), one kernel call for all, and file the updates."""
+        w = batch[0]  # a batch shares its configuration and lr
+        if len(batch) == 1:
+            updates = [self.kernel(w.grad, w.state, w.config, w.lr)]
+        else:
+            updates = self.batched([x.grad for x in batch], [x.state for x in batch], w.config, w.lr)
+        for x, update in zip(batch, updates):
+            if update is not None:  # in the dtype it is sent and applied in (kernels.apply_update_)
+                update.direction = update.direction.to(self.update_dtype)
+            x.live.updates[x.name] = update
 
     # --- stage 3: update chunks back ----------------------------------------------------------
 

@@ -9,6 +9,7 @@ it to its own shard (`apply_update_`). State lives only with the host.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ def _apply_(param: Tensor, direction: Tensor, update: Update) -> None:
             param.add_(param, alpha=-update.decay)
 
 
-def _work_dtype(t: Tensor) -> torch.dtype:
+def work_dtype(t: Tensor) -> torch.dtype:
     """Second-order statistics run in the parameter's dtype, never below fp32."""
     return torch.promote_types(t.dtype, torch.float32)
 
@@ -70,19 +71,31 @@ def _work_dtype(t: Tensor) -> torch.dtype:
 # --- Muon -------------------------------------------------------------------------------------
 
 
+def quintic_steps(x: Tensor, coefficients: tuple[float, float, float], steps: int,
+                  mm: Callable[[Tensor, Tensor], Tensor], addmm: Callable[..., Tensor]) -> Tensor:
+    """`steps` quintic Newton-Schulz steps X <- a X + (b A + c A A) X, A = X X^T, on a normalised X.
+
+    The one formulation of every Newton-Schulz here: the per-matrix kernel passes `torch.mm` /
+    `torch.addmm` (the operations, in the order, of `reference/muon.py` and `torch.optim.Muon`),
+    the batched one products over [k, m, n] stacks that equal them slice for slice
+    (`canzona.runtime.batched`), the compiled one torch's own (`torch.compile` traces this)."""
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = mm(x, x.mT)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, poly, x, beta=a)
+    return x
+
+
 def newton_schulz(u: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> Tensor:
     """Quintic Newton-Schulz orthogonalisation of a matrix, computed in `dtype`."""
-    a, b, c = coefficients
     x = u.to(dtype, copy=True)
     tall = u.size(0) > u.size(1)
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
+    x = quintic_steps(x, coefficients, steps, torch.mm, torch.addmm)
     return x.T if tall else x
 
 
@@ -100,14 +113,26 @@ def muon_state(grad: Tensor, cfg: MuonConfig) -> State:
     return {"momentum_buffer": torch.zeros_like(grad)}
 
 
-def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float) -> Update:
+def muon_momentum(grad: Tensor, state: State, cfg: MuonConfig) -> Tensor:
+    """Advance the momentum buffer; return what Newton-Schulz orthogonalises (Nesterov or not)."""
     if "momentum_buffer" not in state:
         state.update(muon_state(grad, cfg))
     buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - cfg.momentum)
-    u = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
-    ortho = newton_schulz(u, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
-    return Update(ortho, lr * muon_lr_ratio(tuple(grad.shape), cfg.adjust_lr_fn), lr * cfg.weight_decay)
+    return grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
+
+
+def muon_scalars(shape: tuple[int, ...], cfg: MuonConfig, lr: float) -> tuple[float, float]:
+    """(scale, decay) of a Muon update of a matrix of `shape`."""
+    return lr * muon_lr_ratio(shape, cfg.adjust_lr_fn), lr * cfg.weight_decay
+
+
+def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float,
+                orthogonalize: Callable[..., Tensor] = newton_schulz) -> Update:
+    """`orthogonalize`: `newton_schulz`, or its compiled form (`canzona.runtime.batched`)."""
+    u = muon_momentum(grad, state, cfg)
+    ortho = orthogonalize(u, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
+    return Update(ortho, *muon_scalars(tuple(grad.shape), cfg, lr))
 
 
 # --- SOAP -------------------------------------------------------------------------------------
@@ -147,7 +172,7 @@ def _descending_eigenvectors(m: Tensor, eps: float) -> Tensor:
     return torch.flip(vectors, dims=[1])
 
 
-def _soap_refresh_(state: State) -> None:
+def soap_refresh_(state: State) -> None:
     """One power iteration + QR per preconditioned side, with exp_avg_sq following the new order."""
     for key, gg_key, dim in (("Q_L", "GG_L", 0), ("Q_R", "GG_R", 1)):
         q, gg = state[key], state[gg_key]
@@ -161,7 +186,7 @@ def _soap_refresh_(state: State) -> None:
 
 def soap_state(grad: Tensor, cfg: SOAPConfig) -> State:
     """The state's fields, zero (the eigenbases too: the first call sets them)."""
-    dtype = _work_dtype(grad)
+    dtype = work_dtype(grad)
     left, right = _soap_sides(tuple(grad.shape), cfg.max_precond_dim)
     m, n = grad.shape
 
@@ -172,32 +197,51 @@ def soap_state(grad: Tensor, cfg: SOAPConfig) -> State:
             "Q_L": square(m, left), "Q_R": square(n, right)}
 
 
+def soap_betas(cfg: SOAPConfig) -> tuple[float, float, float]:
+    """(beta1, beta2, beta_s): the moments' and the statistics' (`shampoo_beta`, or beta2) rates."""
+    beta1, beta2 = cfg.betas
+    return beta1, beta2, cfg.shampoo_beta if cfg.shampoo_beta >= 0 else beta2
+
+
+def soap_moments_(g: Tensor, g_rot: Tensor, state: State, cfg: SOAPConfig) -> Tensor:
+    """Advance the step and both moments (exp_avg unrotated, exp_avg_sq rotated); return the
+    rotated denominator sqrt(exp_avg_sq) + eps."""
+    beta1, beta2, _ = soap_betas(cfg)
+    state["step"] += 1
+    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).add_(g_rot * g_rot, alpha=1 - beta2)
+    return state["exp_avg_sq"].sqrt().add_(cfg.eps)
+
+
+def soap_scale(cfg: SOAPConfig, lr: float, step: int) -> float:
+    beta1, beta2, _ = soap_betas(cfg)
+    return lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if cfg.correct_bias else lr
+
+
+def soap_first_call(g: Tensor, state: State, cfg: SOAPConfig) -> None:
+    """The first call: statistics of the first gradient and the eigenbases from them."""
+    left, right = _soap_sides(tuple(g.shape), cfg.max_precond_dim)
+    state.update(soap_state(g, cfg))
+    _soap_statistics_(g, state, soap_betas(cfg)[2])
+    state["Q_L"] = _descending_eigenvectors(state["GG_L"], cfg.eig_eps) if left else None
+    state["Q_R"] = _descending_eigenvectors(state["GG_R"], cfg.eig_eps) if right else None
+
+
 def soap_update(grad: Tensor, state: State, cfg: SOAPConfig, lr: float) -> Update | None:
     """None on the first call, which only initialises the eigenbases (no update, no decay)."""
-    dtype = _work_dtype(grad)
-    g = grad.to(dtype)
-    beta1, beta2 = cfg.betas
-    beta_s = cfg.shampoo_beta if cfg.shampoo_beta >= 0 else beta2
+    g = grad.to(work_dtype(grad))
     if "step" not in state:
-        left, right = _soap_sides(tuple(g.shape), cfg.max_precond_dim)
-        state.update(soap_state(g, cfg))
-        _soap_statistics_(g, state, beta_s)
-        state["Q_L"] = _descending_eigenvectors(state["GG_L"], cfg.eig_eps) if left else None
-        state["Q_R"] = _descending_eigenvectors(state["GG_R"], cfg.eig_eps) if right else None
+        soap_first_call(g, state, cfg)
         return None
     q_left, q_right = state["Q_L"], state["Q_R"]
     g_rot = _rotate(g, q_left, q_right)
-    state["step"] += 1
+    denom = soap_moments_(g, g_rot, state, cfg)
     step = state["step"]
-    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-    state["exp_avg_sq"].mul_(beta2).add_(g_rot * g_rot, alpha=1 - beta2)
-    denom = state["exp_avg_sq"].sqrt().add_(cfg.eps)
     direction = _rotate_back(_rotate(state["exp_avg"], q_left, q_right) / denom, q_left, q_right)
-    scale = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if cfg.correct_bias else lr
-    _soap_statistics_(g, state, beta_s)
+    _soap_statistics_(g, state, soap_betas(cfg)[2])
     if step % cfg.precondition_frequency == 0:
-        _soap_refresh_(state)
-    return Update(direction, scale, lr * cfg.weight_decay, decay_first=False)
+        soap_refresh_(state)
+    return Update(direction, soap_scale(cfg, lr, step), lr * cfg.weight_decay, decay_first=False)
 
 
 # --- Shampoo ----------------------------------------------------------------------------------
@@ -212,7 +256,7 @@ def inverse_root(s: Tensor, root: int, eps: float) -> Tensor:
 
 def shampoo_state(grad: Tensor, cfg: ShampooConfig) -> State:
     """The state a first step starts from: zero statistics, identity roots."""
-    dtype = _work_dtype(grad)
+    dtype = work_dtype(grad)
     m, n = grad.shape
     max_dim = cfg.max_preconditioner_dim
     eye = lambda k: torch.eye(k, dtype=dtype, device=grad.device)  # noqa: E731
@@ -223,39 +267,62 @@ def shampoo_state(grad: Tensor, cfg: ShampooConfig) -> State:
             "exp_avg": exp, "exp_avg_sq": exp.clone()}
 
 
-def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
+def check_shampoo(cfg: ShampooConfig) -> None:
     if cfg.grafting and cfg.betas[1] == 1:
         raise ValueError("Shampoo grafting needs betas[1] < 1 (its AdamW second moment would be 0/0)")
-    dtype = _work_dtype(grad)
-    g = grad.to(dtype)
-    beta1, beta2 = cfg.betas
+
+
+def shampoo_accumulate_(statistic: Tensor, outer: Tensor, cfg: ShampooConfig) -> None:
+    """L (or R) <- L + G G^T if betas[1] == 1, else the moving average with rate betas[1]."""
+    beta2 = cfg.betas[1]
+    if beta2 == 1:
+        statistic.add_(outer)
+    else:
+        statistic.mul_(beta2).add_(outer, alpha=1 - beta2)
+
+
+def shampoo_step(g: Tensor, state: State, cfg: ShampooConfig) -> int:
+    """Start the state on the first call; advance and return the step."""
     if "step" not in state:
         state.update(shampoo_state(g, cfg))
     state["step"] += 1
-    step = state["step"]
-    for key, outer in (("L", lambda: g @ g.T), ("R", lambda: g.T @ g)):
-        if state[key] is None:
-            continue
-        if beta2 == 1:
-            state[key].add_(outer())
-        else:
-            state[key].mul_(beta2).add_(outer(), alpha=1 - beta2)
+    return state["step"]
+
+
+def shampoo_refresh_(state: State, cfg: ShampooConfig, step: int) -> None:
+    """New inverse roots every `precondition_frequency` steps, from the first."""
     if (step - 1) % cfg.precondition_frequency == 0:
         for key in ("L", "R"):
             if state[key] is not None:
                 state[f"{key}_root"] = inverse_root(state[key], cfg.root_order, cfg.epsilon)
+
+
+def shampoo_graft(p: Tensor, g: Tensor, state: State, cfg: ShampooConfig, step: int) -> Tensor:
+    """P rescaled to the norm of the bias-corrected AdamW direction (grafting), or P."""
+    if not cfg.grafting:
+        return p
+    beta1, beta2 = cfg.betas
+    state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).add_(g * g, alpha=1 - beta2)
+    adam = (state["exp_avg"] / (1 - beta1**step)) / ((state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + cfg.graft_eps)
+    p_norm = p.norm()
+    return p * (adam.norm() / p_norm) if p_norm > 0 else torch.zeros_like(p)
+
+
+def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
+    check_shampoo(cfg)
+    g = grad.to(work_dtype(grad))
+    step = shampoo_step(g, state, cfg)
+    for key, outer in (("L", lambda: g @ g.T), ("R", lambda: g.T @ g)):
+        if state[key] is not None:
+            shampoo_accumulate_(state[key], outer(), cfg)
+    shampoo_refresh_(state, cfg, step)
     p = g
     if state["L_root"] is not None:
         p = state["L_root"] @ p
     if state["R_root"] is not None:
         p = p @ state["R_root"]
-    if cfg.grafting:
-        state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).add_(g * g, alpha=1 - beta2)
-        adam = (state["exp_avg"] / (1 - beta1**step)) / ((state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + cfg.graft_eps)
-        p_norm = p.norm()
-        p = p * (adam.norm() / p_norm) if p_norm > 0 else torch.zeros_like(p)
-    return Update(p, lr, lr * cfg.weight_decay)
+    return Update(shampoo_graft(p, g, state, cfg, step), lr, lr * cfg.weight_decay)
 
 
 # --- AdamW (elementwise, applied to shards directly) ------------------------------------------

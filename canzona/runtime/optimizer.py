@@ -46,6 +46,7 @@ from canzona.optimizers import (
 from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
 from canzona.runtime import checkpoint
+from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.executor import MatrixStep
@@ -57,7 +58,7 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_
+from canzona.runtime.kernels import adamw_step_
 from canzona.runtime.param_gather import ParamsInFlight, modules_holding
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
@@ -122,6 +123,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer's methods and `wait_params()` wait for all (`canzona.runtime.param_gather`: what that
     covers and the one path it does not). False: the step returns with the parameters gathered.
 
+    `batch_kernels` (default): the same-shape matrices a rank computes in one micro-group (at TP = 1:
+    in consecutive ones) run as one batched kernel, their GEMMs as one `bmm` over a stack; on CPU
+    the result is the per-matrix kernel's bit for bit (`canzona.runtime.batched`: how, and what
+    stays per matrix). `compile_kernels`: Muon's Newton-Schulz iterations through `torch.compile`
+    (inductor: a C++ compiler on CPU, Triton on CUDA, checked here); close to the eager result,
+    not bit-identical (inductor reorders arithmetic), so keep it the same on every rank.
+
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
@@ -150,6 +158,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         nonfinite: str = "raise",
         overlap_param_gather: bool = True,
+        *,
+        batch_kernels: bool = True,
+        compile_kernels: bool = False,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -158,6 +169,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        for option, value in (("batch_kernels", batch_kernels), ("compile_kernels", compile_kernels)):
+            if not isinstance(value, bool):
+                raise SpecError(f"{option} must be True or False, got {value!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
@@ -169,6 +183,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.adamw_cfg = _config("adamw", adamw_config)
         self.spec = spec
         groups = user_groups(params)
+        if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
+            check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
+        self.batch_kernels, self.compile_kernels = batch_kernels, compile_kernels
         matrix_names = {p.name for p in spec.matrix_params()}
         param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
         dp_group, tp_pg = _process_groups(group, tp_group)
@@ -223,8 +240,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.master_weights:
             self.reset_master_weights()
         device = local_tensor(next(iter(self.params.values()))).device
-        self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, MATRIX_KERNELS[self.optimizer],
-                                      self.matrix_state, grad_dtype, update_dtype, device)
+        kernel, batched = matrix_kernels(self.optimizer, batch=batch_kernels, compile=compile_kernels)
+        self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, kernel, self.matrix_state,
+                                      grad_dtype, update_dtype, device, batched=batched)
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         self._in_flight = self._params_in_flight(overlap_param_gather)
         self.overlap_param_gather = self._in_flight is not None
@@ -303,6 +321,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "plan": self.plan.hash(),
             "policy": f"{self.policy.name} ({self.tp_mode}, reduce-scatter {self.comm.reduce_scatter_impl})",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
+            # compiled kernels round otherwise: tp-sync ranks computing one matrix must agree
+            "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
         dp_facts = {**shared, "TP rank": str(self.tp_rank),

@@ -67,6 +67,8 @@ class TrainSpec:
     # DP gradient reduce-scatter (canzona.reductions): "exact", the verification mode, unlike the
     # optimizer's default "native", so that every check is bit for bit at any DP size
     reduce_scatter: str = "exact"
+    batch_kernels: bool = True  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
+    compile_kernels: bool = False  # Newton-Schulz through torch.compile (close to, not equal to, eager)
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -151,7 +153,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
-                               tp_mode=spec.tp_mode, reduce_scatter=spec.reduce_scatter)
+                               tp_mode=spec.tp_mode, reduce_scatter=spec.reduce_scatter,
+                               batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels)
     if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
