@@ -322,7 +322,7 @@ def test_dp2xtp2_logs_are_the_step_collectives():
     canzona with every TP scheduler, pipelined and serial, the baselines, capacity extremes, the
     DTensor model, accumulation, bf16 weights and clipping."""
     tp = _import("test_runtime_tp")
-    cases = tp.cases(TP_LAYOUT)
+    cases = tp.fast_cases(TP_LAYOUT)  # SOAP / Shampoo at DP x TP: make test-all (their logs: the random models above)
     specs = [spec for spec, _ in cases.values()]
     assert {("greedy-rollback", PIPELINED), ("greedy-rollback", SERIAL)} <= \
         {(s.tp_policy, s.tp_mode) for s in specs if s.policy == "canzona"}
