@@ -44,6 +44,7 @@ from canzona.runtime.kernels import (
     muon_momentum,
     muon_scalars,
     muon_update,
+    newton_schulz,
     quintic_steps,
     shampoo_accumulate_,
     shampoo_graft,
@@ -340,13 +341,7 @@ def _compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
 def newton_schulz_compiled(u: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                            dtype: torch.dtype) -> Tensor:
     """`kernels.newton_schulz` with its iterations compiled."""
-    x = u.to(dtype, copy=True)
-    tall = u.size(0) > u.size(1)
-    if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    x = _compiled(_quintic_mm)(x, tuple(coefficients), steps)
-    return x.T if tall else x
+    return newton_schulz(u, coefficients, steps, eps, dtype, iterate=_compiled(_quintic_mm))
 
 
 def newton_schulz_batched_compiled(us: Sequence[Tensor], coefficients: tuple[float, float, float], steps: int,

@@ -88,14 +88,19 @@ def quintic_steps(x: Tensor, coefficients: tuple[float, float, float], steps: in
 
 
 def newton_schulz(u: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> Tensor:
-    """Quintic Newton-Schulz orthogonalisation of a matrix, computed in `dtype`."""
+                  dtype: torch.dtype, iterate: Callable[..., Tensor] | None = None) -> Tensor:
+    """Quintic Newton-Schulz orthogonalisation of a matrix, computed in `dtype`. `iterate(x,
+    coefficients, steps)` runs the iterations (default: `quintic_steps` with `torch.mm` /
+    `torch.addmm`; `canzona.runtime.batched` passes a compiled one)."""
     x = u.to(dtype, copy=True)
     tall = u.size(0) > u.size(1)
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
-    x = quintic_steps(x, coefficients, steps, torch.mm, torch.addmm)
+    if iterate is None:
+        x = quintic_steps(x, coefficients, steps, torch.mm, torch.addmm)
+    else:
+        x = iterate(x, tuple(coefficients), steps)
     return x.T if tall else x
 
 
