@@ -43,8 +43,6 @@ def nbytes(tensors) -> int:
 
 
 def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
-    import contextlib
-
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.runtime.optimizer import DistributedOptimizer
@@ -67,8 +65,7 @@ def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
         dp_rank = opt.rank
         (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])
         for mb in micro_batches(tokens, dp_rank, world // tp, 1):
-            with contextlib.nullcontext():
-                model.loss(mb).backward()
+            model.loss(mb).backward()
         opt.step()
         opt.wait_params()
         buffers = opt.grads.all_buffers()
@@ -91,14 +88,18 @@ def allocations(world: int, tp: int) -> list[list[dict]]:
     return run_ranks(allocations_worker, world, tp, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
 
 
+def predicted_memory(run: dict, policy: str, impl: str, dp: int):
+    """What `canzona.memory` says the run's ranks hold."""
+    return memory_per_gpu(run["spec"], run["plan"], policy, DIMS, replace(SETUP, reduce_scatter=impl), dp=dp)
+
+
 @pytest.mark.parametrize(("world", "tp"), [(4, 1), (4, 2)])
 def test_every_persistent_buffer_is_what_the_memory_model_counts(world, tp):
     ranks = allocations(world, tp)
     dp = world // tp
     for c, (policy, impl) in enumerate(CASES):
         first = ranks[0][c]
-        predicted = memory_per_gpu(first["spec"], first["plan"], policy, DIMS, replace(SETUP, reduce_scatter=impl),
-                                   dp=dp)
+        predicted = predicted_memory(first, policy, impl, dp)
         for got in (r[c] for r in ranks):
             want = predicted.ranks[got["dp_rank"] * tp + got["tp_rank"]]
             assert got["grad_dtypes"] == {"torch.float32"}  # one fp32 gradient buffer, no bf16 copy
@@ -115,8 +116,7 @@ def test_the_reduce_scatter_buffers_peak_where_the_model_says(world, tp):
         step_policy = get_step_policy(policy)
         on_gloo = reduction_bytes(first["plan"], step_policy, dp, first["adamw_size"], impl, 4, scratch=True)
         on_nccl = reduction_bytes(first["plan"], step_policy, dp, first["adamw_size"], impl, 4)
-        predicted = memory_per_gpu(first["spec"], first["plan"], policy, DIMS, replace(SETUP, reduce_scatter=impl),
-                                   dp=dp)
+        predicted = predicted_memory(first, policy, impl, dp)
         for got in (r[c] for r in ranks):
             assert got["reduction"] == on_gloo[got["dp_rank"]], (policy, impl, got["dp_rank"])
             assert predicted.ranks[got["dp_rank"] * tp + got["tp_rank"]].reduction == on_nccl[got["dp_rank"]]
