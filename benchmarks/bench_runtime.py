@@ -27,8 +27,11 @@ alternatives, and how far each contender's final parameters are from canzona's a
 steps on the same data (same math per matrix: like for like).
 The bar: canzona's iteration time at or below both DDP+Muon and ZeRO(Muon).
 
+A policy named with `+overlap` (`canzona+overlap`) runs it with `overlap_step=True` (each bucket's
+updates computed while the later buckets reduce; give `--bucket-size` so there is more than one).
+
 Run: python3 benchmarks/bench_runtime.py [--quick] [--rounds 20] [--warmup 3]
-     [--optimizers muon,soap] [--policies sc,zero1-gather,canzona,layerwise] [--bucket-size N]
+     [--optimizers muon,soap] [--policies sc,zero1-gather,canzona,layerwise,canzona+overlap] [--bucket-size N]
 (about a minute with the defaults on an otherwise idle 2-core machine, up to two and a half under
 load from other processes; --quick: about 40 s)
 """
@@ -135,15 +138,19 @@ def split_by_route(model: TinyQwen3) -> tuple[list[Tensor], list[Tensor]]:
     return [p for n, p in named if n in matrices], [p for n, p in named if n not in matrices]
 
 
-def build_canzona(optimizer: str, policy: str, cfg: TinyQwen3Config, bucket_size: int | None) -> Contender:
+OVERLAP = "+overlap"  # a policy name with this suffix: that policy with overlap_step=True
+
+
+def build_canzona(optimizer: str, name: str, cfg: TinyQwen3Config, bucket_size: int | None) -> Contender:
     from canzona.runtime.optimizer import DistributedOptimizer
 
     model = TinyQwen3(cfg, seed=0)
+    policy = name.removesuffix(OVERLAP)
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), optimizer,
                                MUON if optimizer == "muon" else None, ADAMW, policy=policy,
-                               bucket_size=bucket_size)
+                               bucket_size=bucket_size, overlap_step=name.endswith(OVERLAP))
     buckets = len(opt.plan.dp_plan.buckets)
-    c = Contender(optimizer, policy, f"{opt.plan.dp_plan.policy} plan, {buckets} bucket{'s' * (buckets > 1)}",
+    c = Contender(optimizer, name, f"{opt.plan.dp_plan.policy} plan, {buckets} bucket{'s' * (buckets > 1)}",
                   model, model.loss, [opt], len(opt.applies))
     c.clock(opt, "_prepare_step", "grad sync")
     c.clock(opt, "_gather_params", "param sync")

@@ -146,6 +146,9 @@ class MemorySetup:
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
     tp_mode: str = PIPELINED  # the order of the micro-groups' operations (step_schedule)
     batch_kernels: bool = True  # same-shape matrices of a host as one kernel (canzona.batching)
+    # overlap_step: every micro-group's updates, its scatter buffers and a copy of the state they
+    # advance are held until the step check commits them, while the reduce-scatters are in flight
+    overlap_step: bool = False
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors
@@ -479,6 +482,16 @@ def _tp_phase_peak(groups: Sequence[_GroupBytes], mode: str) -> int:
     return peak
 
 
+def _deferred_peak(groups: Sequence[_GroupBytes], state: int, mode: str) -> int:
+    """Peak of an overlapped step (`overlap_step`): a copy of the hosted state (advanced on the
+    copy, adopted at the commit) and every group's updates and scatter buffers held until the
+    check, plus the largest group's compute buffers (and, pipelined, the next gather)."""
+    held = sum(g.updates + g.scatter for g in groups)
+    computing = max((g.gather + g.full + g.workspace for g in groups), default=0)
+    ahead = max((g.gather for g in groups), default=0) if mode == PIPELINED else 0
+    return state + held + computing + ahead
+
+
 def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -> tuple[int, list[int], list[int]]:
     """The flat AdamW buffer as the runtime lays it out: (padded size, and per DP rank the
     parameters' elements inside its slice, which it keeps state and masters for, and the largest
@@ -549,10 +562,14 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
                  for p in spec.matrix_params()}
     stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
 
+    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb)
+    if setup.overlap_step:
+        policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
     for i in range(1 if policy.replicated else dp):
-        sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub)
+        sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub,
+                            overlap_step=setup.overlap_step)
         master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
         adamw_temps = 2 * FP32 * adamw_largest[i]
         tasks, mode = _streamed(sched.groups, setup)
@@ -562,11 +579,13 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         row = []
         for r in range(tp):
             groups = [_group_bytes(g, tp, r, gb, ub, workspace, setup.batch_kernels, stack) for g in tasks]
-            step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
+            if setup.overlap_step:  # under the reductions still in flight
+                step = max(_deferred_peak(groups, sched.state_bytes(r), mode) + reductions[i], adamw_temps, gathered)
+            else:
+                step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)
 
-    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb)
     ranks = []
     for i in range(dp):
         row = rows[0 if policy.replicated else i]

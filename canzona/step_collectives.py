@@ -99,7 +99,7 @@ class _Buffer:
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
-                     inf_norm: bool = False) -> list[StepCollective]:
+                     inf_norm: bool = False, overlap_step: bool = False) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
@@ -107,7 +107,8 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     from the spec's dtypes and `master_weights` (as the runtime derives them). `adamw_align`: the
     runtime's `align` argument, when it differs from the plan's alignment. `first_step`: include
     what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
-    called before `step()`."""
+    called before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
+    (a step whose gradients clipping scales issues them again after the checks: not listed)."""
     if isinstance(policy, str):
         policy = get_step_policy(policy)
     dp, tp = plan.dp, plan.tp
@@ -154,6 +155,16 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                 for b, buf in zip(buckets, grads)]
     if policy.replicated:
         out.append(v(ALL_GATHER_V, "adamw gradients", adamw_cuts, adamw.grad_bytes, STEP))
+    # the TP schedule: gradients are gathered in the dtype of the first bucket's reduction,
+    # updates scattered in the dtype they are applied in (the fp32 masters, or that dtype)
+    tp_grad_bytes = grads[0].grad_bytes if grads else FP32_BYTES
+    schedule = tp_schedule(plan, spec, policy, dp_rank, tp_mode, grad_bytes=tp_grad_bytes,
+                           update_bytes=FP32_BYTES if master else tp_grad_bytes, overlap_step=overlap_step)
+    exchanges = [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
+                 for ex in schedule.exchanges]
+    if overlap_step:  # computed as the buckets land, before the checks (applied after them)
+        policy.check_overlap_step(True)
+        out += exchanges
     # 3. the step checks
     out.append(check(DP_GROUP, "step check", len(spec.params) + 5, dp))
     if tp > 1:
@@ -165,13 +176,9 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
-    # 5. the TP schedule: gradients are gathered in the dtype of the first bucket's reduction,
-    # updates scattered in the dtype they are applied in (the fp32 masters, or that dtype)
-    tp_grad_bytes = grads[0].grad_bytes if grads else FP32_BYTES
-    schedule = tp_schedule(plan, spec, policy, dp_rank, tp_mode, grad_bytes=tp_grad_bytes,
-                           update_bytes=FP32_BYTES if master else tp_grad_bytes)
-    out += [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
-            for ex in schedule.exchanges]
+    # 5. the TP schedule, after the checks (unless overlapped)
+    if not overlap_step:
+        out += exchanges
     # 6. the parameter all-gathers
     if policy.param_gather != PARAMS_NONE:
         for b, buf in zip(buckets, grads):

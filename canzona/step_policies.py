@@ -49,6 +49,19 @@ class StepPolicy:
     def gathers_params(self) -> bool:
         return self.param_gather != PARAMS_NONE
 
+    @property
+    def can_overlap_step(self) -> bool:
+        """Each matrix's owner reads its gradient straight from its bucket's reduce-scatter (no
+        all-reduce, no second gather of split matrices), so its update can be computed as soon as
+        that bucket has landed (`overlap_step`)."""
+        return self.grad_sync == "reduce-scatter" and not self.gather_split and not self.replicated
+
+    def check_overlap_step(self, overlap_step: bool) -> None:
+        """`overlap_step` is an option this policy can run; raise SpecError (one line) otherwise."""
+        if overlap_step and not self.can_overlap_step:
+            raise SpecError(f"overlap_step needs a policy whose owners read their gradients straight from the "
+                            f"reduce-scatter (canzona); {self.name} does not")
+
     def _needs_whole_matrices(self, dp_policy: str) -> SpecError:
         return SpecError(f"policy {self.name} needs a DP plan that keeps every matrix whole inside its "
                          f"owner's segment; {dp_policy} does not (choose one of "

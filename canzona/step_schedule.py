@@ -238,11 +238,13 @@ def micro_groups(plan: Plan, policy: StepPolicy, dp_rank: int) -> tuple[MicroGro
 
 
 def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, mode: str = PIPELINED,
-                grad_bytes: int = 4, update_bytes: int = 4) -> TPSchedule:
+                grad_bytes: int = 4, update_bytes: int = 4, *, overlap_step: bool = False) -> TPSchedule:
     """The TP phase of DP rank `dp_rank`: its micro-groups as operations, in `mode` order.
 
     `grad_bytes`: bytes per element of the reduced gradients that are gathered; `update_bytes`: of
-    the update chunks that are scattered (the dtype updates are applied in)."""
+    the update chunks that are scattered (the dtype updates are applied in). `overlap_step`: the
+    micro-groups in the order their gradients land (by the last bucket each needs: buckets are
+    reduced in index order), as an overlapped step starts them; else the plan's order."""
     check_tp_mode(mode)
     if not 0 <= dp_rank < plan.dp:
         raise SpecError(f"dp rank {dp_rank} is outside 0..{plan.dp - 1}")
@@ -256,5 +258,8 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
             tasks.append(Task(name, host, p.shape, p.tp_dim if tp > 1 else None, cost, tp, state[name]))
         gather, scatter = _exchanges(index, tasks, tp, grad_bytes, update_bytes)
         steps.append(GroupStep(index, tuple(tasks), gather, scatter, tuple(group.host_loads(tp))))
+    if overlap_step:
+        bucket_of = {p.name: k for k, b in enumerate(plan.dp_plan.buckets) for p in b.params}
+        steps.sort(key=lambda g: max((bucket_of[t.name] for t in g.tasks), default=0))
     groups = tuple(steps)
     return TPSchedule(dp_rank, tp, mode, groups, _ops(groups, mode))

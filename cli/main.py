@@ -241,13 +241,13 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str = "megatron", max_grad_norm: float | None = None,
-                 batch_kernels: bool = True, compile_kernels: bool = False):
+                 batch_kernels: bool = True, compile_kernels: bool = False, overlap_step: bool = False):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -279,6 +279,10 @@ MaxGradNorm = Annotated[float | None, typer.Option(
          "default: measure the norm only, as the runtime does every step).")]
 BatchKernels = Annotated[bool, typer.Option(help="Same-shape matrices of a host as one batched kernel (DistributedOptimizer's batch_kernels).")]
 CompileKernels = Annotated[bool, typer.Option(help="Newton-Schulz through torch.compile (DistributedOptimizer's compile_kernels; priced as eager).")]
+OverlapStep = Annotated[bool, typer.Option(
+    help="Compute each micro-group's updates as soon as its buckets are reduced, under the remaining reductions, "
+         "and apply them after the step check (DistributedOptimizer's overlap_step; canzona only, compare "
+         "runs the baselines without it).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
@@ -294,6 +298,7 @@ def simulate(
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
+    overlap_step: OverlapStep = False,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -305,7 +310,7 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp)
         config.check()
         if trace is not None:
@@ -334,6 +339,7 @@ def compare(
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
+    overlap_step: OverlapStep = False,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -347,7 +353,7 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                            zero1_fallback, pp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:

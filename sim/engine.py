@@ -28,6 +28,7 @@ class Span:
     kind: str
     start: float
     end: float
+    phase: str = "A"  # "A": forward, backward, gradient sync; "B": the optimizer step (sim.iteration)
 
 
 class Collective:
@@ -67,6 +68,7 @@ class Engine:
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
+        self.phase = "A"  # the phase of the ops created from now on (their spans say it)
         # (members, logged record or {member: record}) of collectives issued with a record, in
         # issue order: what a runtime collective log would show (sim.iteration, runtime mode)
         self.records: list[tuple[tuple[int, ...], Any]] = []
@@ -84,9 +86,9 @@ class Engine:
     def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
                 stream: str = "compute") -> simpy.Event:
         """A kernel of `seconds` on `rank`'s stream, after `after` fire."""
-        return self.env.process(self._compute(rank, stream, name, seconds, list(after)))
+        return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase))
 
-    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event]):
+    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str):
         with self.stream(rank, stream).request() as req:
             yield req
             if after:
@@ -94,7 +96,7 @@ class Engine:
             start = self.env.now
             if seconds > 0:
                 yield self.env.timeout(seconds)
-            self.spans.append(Span(rank, stream, name, "compute", start, self.env.now))
+            self.spans.append(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
                    after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None) -> dict[int, simpy.Event]:
@@ -104,16 +106,17 @@ class Engine:
             self.records.append((tuple(ranks), record))
         coll = Collective(self, name, ranks, cost)
         after = after or {}
-        return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())))) for r in ranks}
+        return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())), self.phase))
+                for r in ranks}
 
-    def _participate(self, coll: Collective, rank: int, stream: str, after: list[simpy.Event]):
+    def _participate(self, coll: Collective, rank: int, stream: str, after: list[simpy.Event], phase: str):
         with self.stream(rank, stream).request() as req:
             yield req
             if after:
                 yield self.env.all_of(after)
             coll.arrive()
             yield coll.done
-            self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now))
+            self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
 
     def run(self) -> float:
         self.env.run()

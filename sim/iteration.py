@@ -38,11 +38,13 @@ from canzona.step_collectives import (
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy
 from canzona.step_schedule import (
     ALL_TO_ALL,
+    APPLY,
     COMPUTE,
     GATHER,
     SCATTER,
     TP_GROUP,
     Exchange,
+    GroupStep,
     Task,
     TPSchedule,
     tp_schedule,
@@ -89,7 +91,8 @@ class Context:
         """The collectives of one step of DP rank 0, TP rank 0, as the runtime issues them (the DP
         ones are the same on every DP rank; TP exchanges come from each group's own schedule)."""
         return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
-                                grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes)
+                                grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes,
+                                overlap_step=self.options.overlap_step)
 
     def dp_records(self, *phases: str) -> list[StepCollective]:
         """The runtime's collectives of these phases other than the TP schedule's exchanges."""
@@ -207,6 +210,10 @@ def _groups(ranks: Sequence[int], groups: Sequence[Sequence[int]]) -> list[list[
 class PhaseA:
     synced: simpy.Event  # every gradient of every stage synchronised
     stalls: list[float]  # forward waits for parameters still being gathered (stage 0's first rank)
+    # per stage: each bucket's gradient sync done, and the stage's last backward kernel done (on the
+    # stage's simulated rank, which stands for all): where an overlapped step may start
+    bucket_synced: list[dict[int, simpy.Event]]
+    backward_done: list[simpy.Event]
 
 
 PP_COMM = "pp-comm"
@@ -228,9 +235,12 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False) -> PhaseA
     bwd_in = [[done if s == pp - 1 else eng.env.event() for _ in range(m)] for s in range(pp)]
     stalls: list[float] = []
     syncs: list[simpy.Event] = []
-    for s, ctx in enumerate(ctxs):
-        syncs += _Stage(ctx, s, ranks, fwd_in, bwd_in, stalls).run(m)
-    return PhaseA(eng.env.all_of(syncs), stalls)
+    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls) for s, ctx in enumerate(ctxs)]
+    for stage in stages:
+        syncs += stage.run(m)
+    return PhaseA(eng.env.all_of(syncs), stalls,
+                  [{k: eng.env.all_of(evs) for k, evs in st.bucket_synced.items()} for st in stages],
+                  [eng.env.all_of([st.last[r] for r in st.ranks]) for st in stages])
 
 
 class _Stage:
@@ -252,6 +262,7 @@ class _Stage:
         self.tp_groups = _groups(self.ranks, [cl.tp_group(i, stage) for i in range(cl.dp)])
         self.dp_groups = _groups(self.ranks, [cl.dp_group(t, stage) for t in range(cl.tp)])
         self.firsts = _bucket_first_layers(ctx)
+        self.bucket_synced: dict[int, list[simpy.Event]] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
 
@@ -328,13 +339,16 @@ class _Stage:
         for bi, first in enumerate(self.firsts):
             if first != layer:
                 continue
+            bucket: list[simpy.Event] = []
             if self.ctx.runtime_mode:
                 for rec in self.ctx.dp_records(BACKWARD):
                     if rec.bucket == bi:
-                        out += self.collective_record(rec).values()
+                        bucket += self.collective_record(rec).values()
             else:
                 cost = grad_sync_cost(self.ctx, self.ctx.plan.dp_plan.buckets[bi])
-                out += self.collective(f"grad sync bucket {bi}", self.dp_groups, cost, DP_COMM).values()
+                bucket += self.collective(f"grad sync bucket {bi}", self.dp_groups, cost, DP_COMM).values()
+            self.bucket_synced.setdefault(bi, []).extend(bucket)
+            out += bucket
         return out
 
     def collective_record(self, rec: StepCollective) -> dict[int, simpy.Event]:
@@ -447,74 +461,154 @@ def _split_gather_costs(ctx: Context):
     return all_to_all_cost(send, recv, cl.dp_geometry(), ctx.hw, send_off, recv_off)
 
 
-def optimizer_step(ctx: Context, start: simpy.Event) -> list[simpy.Event]:
+@dataclass(frozen=True)
+class EarlyStart:
+    """Where an overlapped step (`RunOptions.overlap_step`) may start a micro-group: once the
+    buckets holding its matrices are reduced and the stage's backward kernels are done (the runtime
+    enqueues the step after backward, on the same compute stream)."""
+
+    bucket_synced: dict[int, simpy.Event]
+    backward_done: simpy.Event
+
+
+def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = None) -> list[simpy.Event]:
     """Phase B of every policy: the DP-level extras (zero1-gather's split gathers), then each DP
     rank's TP group runs its step schedule (`canzona.step_schedule`: micro-groups under canzona, one
-    tp-sync group under the baselines), then AdamW and the parameter all-gather."""
+    tp-sync group under the baselines), then AdamW and the parameter all-gather.
+
+    With `overlap_step` (and `early`), each micro-group's gather, compute and scatter start as soon
+    as its buckets are reduced, before the gradient norm and the step check, and every apply waits
+    for the check (the runtime computes the updates early and commits them after it)."""
     eng, cl = ctx.engine, ctx.cluster
-    gathered: dict[int, simpy.Event] = {r: _gradient_norm(ctx, r, start) for r in cl.stage_ranks(ctx.stage)}
-    if ctx.runtime_mode:
-        gathered = issue_records(ctx, ctx.dp_records(STEP, CHECK), gathered)
-    elif ctx.policy.gather_split:
-        cost = _split_gather_costs(ctx)
-        for t in range(ctx.tp):
-            group = cl.dp_group(t, ctx.stage)
-            gathered.update(eng.collective("gather split gradients", group, cost, DP_COMM,
-                                           {r: [start] for r in group}))
-    ready: dict[int, simpy.Event] = {}
     schedules: dict[int, TPSchedule] = {}
-    for i in range(cl.dp):
+
+    def schedule_of(i: int) -> TPSchedule:
         # a replicated policy's plan is made for one DP rank (sim.simulate): every group runs it
         plan_rank = 0 if ctx.policy.replicated else i
         if plan_rank not in schedules:
             schedules[plan_rank] = tp_schedule(ctx.plan, ctx.spec, ctx.policy, plan_rank, ctx.tp_mode,
-                                               ctx.workload.grad_bytes, ctx.workload.grad_bytes)
-        schedule = schedules[plan_rank]
-        members = cl.tp_group(i, ctx.stage)
-        applied = run_schedule(ctx, members, schedule, {r: gathered[r] for r in members})
-        for r in members:
-            ready[r] = _adamw_step(ctx, r, applied[r] or [gathered[r]])
+                                               ctx.workload.grad_bytes, ctx.workload.grad_bytes,
+                                               overlap_step=ctx.options.overlap_step)
+        return schedules[plan_rank]
+
+    runs = [_ScheduleRun(ctx, cl.tp_group(i, ctx.stage), schedule_of(i)) for i in range(cl.dp)]
+    ranks = cl.stage_ranks(ctx.stage)
+    # the runtime's step reductions (AdamW's, the baselines' gathers) first: the norm reads them
+    reduced = issue_records(ctx, ctx.dp_records(STEP), {r: start for r in ranks}) if ctx.runtime_mode else {}
+    if early is not None and ctx.options.overlap_step:
+        ready = _group_ready(ctx, early, start)
+        for run in runs:
+            run.early = True
+            for op in run.schedule.ops:
+                if op.kind != APPLY:
+                    # a compute window (TP 1: consecutive groups) starts when all of its groups can
+                    together = run.windows.get(op.group, (op.group,)) if op.kind == COMPUTE else (op.group,)
+                    event = ready([run.schedule.groups[g] for g in together])
+                    run.issue(op, {r: event for r in run.members})
+    if ctx.runtime_mode:
+        checked = issue_records(ctx, ctx.dp_records(CHECK), {r: _gradient_norm(ctx, r, reduced[r]) for r in ranks})
+    else:
+        checked = {r: _gradient_norm(ctx, r, start) for r in ranks}
+    if not ctx.runtime_mode and ctx.policy.gather_split:
+        cost = _split_gather_costs(ctx)
+        for t in range(ctx.tp):
+            group = cl.dp_group(t, ctx.stage)
+            checked.update(eng.collective("gather split gradients", group, cost, DP_COMM,
+                                          {r: [start] for r in group}))
+    params_ready: dict[int, simpy.Event] = {}
+    for run in runs:
+        begin = {r: checked[r] for r in run.members}
+        for op in run.schedule.ops:
+            if run.issued(op):
+                continue
+            if op.kind == APPLY:
+                run.apply(op, begin if run.early else None)
+            else:
+                run.issue(op, begin)
+        for r in run.members:
+            params_ready[r] = _adamw_step(ctx, r, run.applied[r] or [checked[r]])
     if ctx.runtime_mode and not ctx.options.overlap_param_gather:
-        return list(issue_records(ctx, ctx.dp_records(PARAMS), ready).values())
-    return _param_gathers(ctx, ready)
+        return list(issue_records(ctx, ctx.dp_records(PARAMS), params_ready).values())
+    return _param_gathers(ctx, params_ready)
 
 
-def run_schedule(ctx: Context, members: Sequence[int], schedule: TPSchedule,
-                 begin: dict[int, simpy.Event]) -> dict[int, list[simpy.Event]]:
-    """The schedule's operations in its order (docs/design.md §6.3). Streams run in enqueue order,
-    so a collective issued before a compute overlaps it; each compute waits for its group's gather,
-    each apply for its group's scatter."""
-    eng = ctx.engine
-    gathered: dict[int, dict[int, simpy.Event]] = {}
-    computed: dict[int, dict[int, simpy.Event]] = {}
-    scattered: dict[int, dict[int, simpy.Event]] = {}
-    applied: dict[int, list[simpy.Event]] = {r: [] for r in members}
-    # the groups each COMPUTE batches together (TP 1: consecutive groups, as the runtime's executor)
-    windows = compute_windows(schedule.groups, 0, ctx.options.batch_kernels)
-    saving = {r: 0.0 for r in members}
-    for op in schedule.ops:
-        group = schedule.groups[op.group]
+def _group_ready(ctx: Context, early: EarlyStart, synced: simpy.Event):
+    """When micro-groups may start under `overlap_step`: their buckets reduced, backward's kernels done."""
+    bucket_of = {p.name: k for k, b in enumerate(ctx.plan.dp_plan.buckets) for p in b.params}
+    env = ctx.engine.env
+    cache: dict[tuple[int, ...], simpy.Event] = {}
+
+    def ready(groups: Sequence[GroupStep]) -> simpy.Event:
+        key = tuple(g.index for g in groups)
+        if key not in cache:
+            buckets = sorted({bucket_of[t.name] for g in groups for t in g.tasks})
+            cache[key] = env.all_of([early.backward_done] + [early.bucket_synced.get(k, synced) for k in buckets])
+        return cache[key]
+    return ready
+
+
+class _ScheduleRun:
+    """One DP rank's TP schedule on its TP group (docs/design.md §6.3), operation by operation, in
+    the schedule's order. Streams run in enqueue order, so a collective issued before a compute
+    overlaps it; each compute waits for its group's gather, each apply for its group's scatter."""
+
+    def __init__(self, ctx: Context, members: Sequence[int], schedule: TPSchedule) -> None:
+        self.ctx, self.members, self.schedule = ctx, list(members), schedule
+        self.gathered: dict[int, dict[int, simpy.Event]] = {}
+        self.computed: dict[int, dict[int, simpy.Event]] = {}
+        self.scattered: dict[int, dict[int, simpy.Event]] = {}
+        self.applied: dict[int, list[simpy.Event]] = {r: [] for r in members}
+        self.early = False  # operations issued before the step check (overlap_step)
+        self._issued: set[tuple[int, str]] = set()
+        # the groups each COMPUTE batches together (TP 1: consecutive groups, as the runtime's executor)
+        self.windows = compute_windows(schedule.groups, 0, ctx.options.batch_kernels)
+        self.saving = {r: 0.0 for r in members}
+
+    def issued(self, op) -> bool:
+        return (op.group, op.kind) in self._issued
+
+    def issue(self, op, begin: dict[int, simpy.Event]) -> None:
+        """A gather, compute or scatter (an apply: `apply`), its group's inputs ready at `begin`."""
+        ctx, eng, members = self.ctx, self.ctx.engine, self.members
+        self._issued.add((op.group, op.kind))
+        group = self.schedule.groups[op.group]
         if op.kind == GATHER:
-            gathered[op.group] = _exchange(ctx, members, group.gather, begin)
+            self.gathered[op.group] = _exchange(ctx, members, group.gather, begin)
         elif op.kind == COMPUTE:
-            after = gathered.get(op.group, begin)
-            computed[op.group] = {}
+            after = self.gathered.get(op.group, begin)
+            self.computed[op.group] = {}
             for t, r in enumerate(members):
-                if op.group in windows:  # a window's first group: what batching saves over the window
-                    saving[r] = batching_saving(ctx, [task for g in windows[op.group]
-                                                      for task in schedule.groups[g].hosted(t)])
-                seconds = max(group.loads[t] - saving[r], 0.0)
-                saving[r] -= group.loads[t] - seconds  # the rest comes off the window's next groups
-                computed[op.group][r] = eng.compute(r, f"group {op.group} compute", seconds, [after[r]])
+                if op.group in self.windows:  # a window's first group: what batching saves over the window
+                    self.saving[r] = batching_saving(ctx, [task for g in self.windows[op.group]
+                                                           for task in self.schedule.groups[g].hosted(t)])
+                seconds = max(group.loads[t] - self.saving[r], 0.0)
+                self.saving[r] -= group.loads[t] - seconds  # the rest comes off the window's next groups
+                self.computed[op.group][r] = eng.compute(r, f"group {op.group} compute", seconds, [after[r]])
         elif op.kind == SCATTER:
-            scattered[op.group] = _exchange(ctx, members, group.scatter, computed[op.group])
-        elif group.scatter is None:  # APPLY where the computing rank applies: inside the task's cost
-            applied.update({r: applied[r] + [computed[op.group][r]] for r in members})
-        else:  # APPLY of scattered chunks: every TP rank adds its chunks to its shards (memory-bound)
-            seconds = group.apply_numel * 3 * 4 / ctx.rate.hbm_bytes_per_s + ctx.rate.launch_s
+            self.scattered[op.group] = _exchange(ctx, members, group.scatter, self.computed[op.group])
+        else:
+            self.apply(op)
+
+    def apply(self, op, commit: dict[int, simpy.Event] | None = None) -> None:
+        """Every TP rank applies the group's update to its shards: where the schedule says (inside
+        the host's task cost, or after the scatter), or, with `commit` (an overlapped step), as one
+        pass over its shards once the step check is done."""
+        eng, members = self.ctx.engine, self.members
+        self._issued.add((op.group, op.kind))
+        group = self.schedule.groups[op.group]
+        apply_s = group.apply_numel * 3 * 4 / self.ctx.rate.hbm_bytes_per_s + self.ctx.rate.launch_s
+        if commit is not None:
             for r in members:
-                applied[r].append(eng.compute(r, f"group {op.group} apply", seconds, [scattered[op.group][r]]))
-    return applied
+                after = [commit[r], self.computed[op.group][r]]
+                if op.group in self.scattered:
+                    after.append(self.scattered[op.group][r])
+                self.applied[r].append(eng.compute(r, f"group {op.group} apply", apply_s, after))
+        elif group.scatter is None:  # where the computing rank applies: inside the task's cost
+            self.applied.update({r: self.applied[r] + [self.computed[op.group][r]] for r in members})
+        else:  # scattered chunks: every TP rank adds its chunks to its shards (memory-bound)
+            for r in members:
+                self.applied[r].append(eng.compute(r, f"group {op.group} apply", apply_s,
+                                                   [self.scattered[op.group][r]]))
 
 
 def batching_saving(ctx: Context, hosted: Sequence[Task]) -> float:

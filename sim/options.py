@@ -37,11 +37,17 @@ class RunOptions:
     # DistributedOptimizer's compile_kernels: Newton-Schulz through torch.compile. Priced as eager:
     # inductor fuses the elementwise steps around GEMMs it leaves to cuBLAS (calibrate to see more)
     compile_kernels: bool = False
+    # DistributedOptimizer's overlap_step: each micro-group's gather and update computed as soon as
+    # the buckets holding its matrices have been reduced (and backward's kernels are done), under
+    # the remaining reductions; the updates applied after the step check (canzona only)
+    overlap_step: bool = False
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
+        if not isinstance(self.overlap_step, bool):
+            raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         if self.collectives not in COLLECTIVE_MODES:
             raise SpecError(f"unknown collectives mode {self.collectives!r}; choose one of {', '.join(COLLECTIVE_MODES)}")

@@ -27,7 +27,7 @@ from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import Capacity
 from sim.engine import Engine, Span
-from sim.iteration import Context, forward_backward, optimizer_step
+from sim.iteration import Context, EarlyStart, forward_backward, optimizer_step
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -79,6 +79,7 @@ class SimConfig:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
+        STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
         self.options.check()
         cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus, self.pp)
@@ -241,7 +242,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
     # only the policy differs: the checks passed, and the cluster is the same
-    fallback = _simulate(replace(cfg, policy="zero1-gather"), None, replicate_phase_a, model, cluster)
+    fallback = _simulate(with_policy(cfg, "zero1-gather"), None, replicate_phase_a, model, cluster)
     if fallback.iteration_time_s < result.iteration_time_s:
         return replace(fallback, config=cfg, fell_back_to="zero1-gather")
     return result
@@ -276,26 +277,33 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                        MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
                                                                  tp_mode=cfg.tp_mode,
                                                                  reduce_scatter=cfg.options.reduce_scatter,
-                                                                 batch_kernels=cfg.options.batch_kernels),
+                                                                 batch_kernels=cfg.options.batch_kernels,
+                                                                 overlap_step=cfg.options.overlap_step),
                                        dp=cluster.dp, pp=cfg.pp, stage=stage))
     memory = max(memories, key=lambda m: m.worst.total)
 
     phase = forward_backward(ctxs, all_ranks=not replicate_phase_a)
     synced = phase.synced
-    engine.run()
-    t_sync = engine.now
-    simulated_a = list(engine.spans)  # each stage's first rank (every rank without replication)
-    phase_a = [s for s in simulated_a if s.rank == 0]
-    n_phase_a = len(engine.spans)
-    fb_end = max((s.end for s in engine.spans if s.kind == "compute"), default=0.0)
-
-    start = engine.env.event().succeed()
-    for ctx in ctxs:
-        optimizer_step(ctx, start)
+    sync_times: list[float] = []
+    synced.callbacks.append(lambda _: sync_times.append(engine.now))
+    if cfg.options.overlap_step:
+        # the step's micro-groups start inside phase A, as their buckets land: one run of both
+        engine.phase = "B"
+        for stage, ctx in enumerate(ctxs):
+            optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]))
+    else:
+        engine.run()
+        engine.phase = "B"
+        start = engine.env.event().succeed()
+        for ctx in ctxs:
+            optimizer_step(ctx, start)
     t_end = engine.run()
     assert synced.triggered
-
-    phase_b = engine.spans[n_phase_a:]
+    t_sync = sync_times[0]
+    simulated_a = [s for s in engine.spans if s.phase == "A"]  # each stage's first rank (every rank without replication)
+    phase_a = [s for s in simulated_a if s.rank == 0]
+    fb_end = max((s.end for s in simulated_a if s.kind == "compute"), default=0.0)
+    phase_b = [s for s in engine.spans if s.phase == "B"]
     by_rank: dict[int, list[Span]] = {r: [] for r in range(cluster.gpus)}
     for s in phase_b:
         by_rank[s.rank].append(s)
@@ -324,13 +332,23 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     )
 
 
+def with_policy(cfg: SimConfig, name: str) -> SimConfig:
+    """`cfg` under step policy `name`; `overlap_step` only where the policy can run it (canzona):
+    the baselines' owners cannot start before every gradient is reduced and gathered."""
+    options = cfg.options
+    if options.overlap_step and not STEP_POLICIES[name].can_overlap_step:
+        options = replace(options, overlap_step=False)
+    return replace(cfg, policy=name, options=options)
+
+
 def compare(base: SimConfig, policies: Iterable[str] = tuple(STEP_POLICIES),
             progress: Callable[[str], None] | None = None) -> list[SimResult]:
+    """Every policy on `base`'s layout (`with_policy`: options a baseline cannot run are off for it)."""
     out = []
     for name in policies:
         if progress:
             progress(name)
-        out.append(simulate(replace(base, policy=name)))
+        out.append(simulate(with_policy(base, name)))
     return out
 
 
@@ -339,16 +357,15 @@ def write_trace(result: SimResult, path: str | Path) -> None:
     each pipeline stage's first rank and identical on the stage's other ranks: they show it as one
     span per stream kind."""
     events: list[dict[str, Any]] = []
-    t_sync = result.grad_sync_end_s
     c = result.config
     stage_gpus = c.gpus // c.pp
     reps = {stage * stage_gpus for stage in range(c.pp)}
-    simulated = {s.rank for s in result.spans if s.end <= t_sync}
+    simulated = {s.rank for s in result.spans if s.phase == "A"}
     for s in result.spans:
         events.append({"name": s.name, "cat": s.kind, "ph": "X", "ts": s.start * 1e6,
                        "dur": (s.end - s.start) * 1e6, "pid": s.rank, "tid": s.stream})
     for rep in sorted(reps & simulated):
-        phase_a = [s for s in result.spans if s.end <= t_sync and s.rank == rep]
+        phase_a = [s for s in result.spans if s.phase == "A" and s.rank == rep]
         fb_end = max((s.end for s in phase_a if s.kind == "compute"), default=0.0)
         dp_spans = [s for s in phase_a if s.stream == "dp-comm"]
         for r in range(rep, rep + stage_gpus):

@@ -7,7 +7,7 @@ Three layouts, each ONE spawned group running every configuration: TP 2 (tiny mo
 tiny-tp4 preset: the tiny one has 2 KV heads) and DP 2 x TP 2 (tiny). Per layout: every optimizer
 under canzona with every TP scheduler, pipelined and serial, and the baselines (tp-sync); on top,
 micro-groups of one task each (capacity below every task), one group of every shape (capacity
-above all), the DTensor model, gradient accumulation and bf16 weights. Besides the numbers, each
+above all), the DTensor model, gradient accumulation, bf16 weights and the overlapped step. Besides the numbers, each
 run's TP collectives equal the step schedule (`canzona.step_schedule`) record for record, every
 matrix is computed exactly once in the cluster, and each rank's optimizer state is the plan's
 prediction to the byte.
@@ -100,6 +100,7 @@ def cases(layout: str) -> dict[tuple, tuple[TrainSpec, dict]]:
         out[("accumulation",)] = (replace(base, accumulation=2, global_batch=8 * dp), {})
         out[("bf16",)] = (replace(base, dtype="bf16", optimizer="soap", matrix_config=MATRIX_CONFIG["soap"]), {})
         out[("clip",)] = (replace(base, clip_norm=0.05), {})
+        out[("overlap step",)] = (replace(base, overlap_step=True), {})
     return out
 
 
@@ -171,7 +172,7 @@ def _schedule(r: dict, spec: TrainSpec):
     mspec = model_spec(get_preset(spec.preset))
     grad_bytes = 4  # fp32 reductions and fp32 masters, also for bf16 weights
     return tp_schedule(r["plan"], mspec, STEP_POLICIES[spec.policy], r["dp_rank"], spec.tp_mode, grad_bytes,
-                       grad_bytes)
+                       grad_bytes, overlap_step=spec.overlap_step)
 
 
 @pytest.mark.parametrize("layout_key", all_keys(), ids=ids)
@@ -183,7 +184,8 @@ def test_tp_collectives_are_the_schedules(layout_key):
     spec = cases(layout)[key][0]
     mspec = model_spec(get_preset(spec.preset), spec.dtype)
     for r in runs(layout, key):
-        want = step_collectives(r["plan"], mspec, spec.policy, r["dp_rank"], r["tp_rank"], tp_mode=spec.tp_mode)
+        want = step_collectives(r["plan"], mspec, spec.policy, r["dp_rank"], r["tp_rank"], tp_mode=spec.tp_mode,
+                                overlap_step=spec.overlap_step)
         exchanges = [(c.op, c.name, c.sent) for c in want if c.group == TP_GROUP and c.phase == STEP]
         assert exchanges == [(e.op, e.name, e.sent) for e in _schedule(r, spec).exchanges]
         for step in range(spec.steps):

@@ -281,7 +281,7 @@ def assert_logs_are_the_step_collectives(results: list[dict], train) -> None:
         for s, got in enumerate(steps):
             want = step_collectives(res["plan"], model, train.policy, res["dp_rank"], res["tp_rank"],
                                     tp_mode=train.tp_mode, master_weights=train.master_weights,
-                                    first_step=s == 0)
+                                    first_step=s == 0, overlap_step=train.overlap_step)
             assert got == step_records(want), (res["dp_rank"], res["tp_rank"], s)
 
 
@@ -360,7 +360,8 @@ def simulated_step(res: dict, train) -> list[tuple]:
                   param_bytes=DTYPE_BYTES[train.dtype], dtype="fp32")
     cfg = SimConfig(model=model.name, gpus=plan.dp * plan.tp, tp=plan.tp, optimizer=plan.optimizer,
                     policy=train.policy, tp_mode=train.tp_mode, workload=wl, zero1_fallback=False,
-                    options=RunOptions(overlap_param_gather=False, collectives="runtime"))
+                    options=RunOptions(overlap_param_gather=False, collectives="runtime",
+                                       overlap_step=train.overlap_step))
     result = simulate(cfg, plan=plan, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     rank = res["dp_rank"] * plan.tp + res["tp_rank"]  # TP fastest, as the simulator orders ranks
     return [tuple(r) for r in issued_records(result.collective_records, rank)]

@@ -25,6 +25,7 @@ schedule is compute and apply per group.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -103,6 +104,21 @@ class _Group:
 
 
 @dataclass
+class _Speculation:
+    """An overlapped step's work before its commit (`MatrixStep.speculate`): the micro-groups with
+    their updates and in-flight scatters, the state each update advanced (a copy: the optimizer's
+    own is untouched until the commit), and the hyper-parameters each was computed with."""
+
+    groups: list[_Group]
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    configs: dict[str, tuple[Any, float]] = field(default_factory=dict)
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+@dataclass
 class _Work:
     """One matrix to compute: where its update goes, its full gradient, state and hyper-parameters."""
 
@@ -148,6 +164,7 @@ class MatrixStep:
         # seconds per stage ("issue", "wait", "compute", "apply"), added up while a dict is set
         # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
         self.profile: dict[str, float] | None = None
+        self._speculation: _Speculation | None = None
 
     def _compute_windows(self) -> dict[int, tuple[int, ...]]:
         """The groups computed together (`canzona.batching.compute_windows`)."""
@@ -168,19 +185,73 @@ class MatrixStep:
             config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
         groups = [_Group() for _ in self.schedule.groups]
         for op in self.schedule.ops:
-            step, live = self.schedule.groups[op.group], groups[op.group]
-            if op.kind == GATHER:
-                with self._timed("issue"):
-                    self._gather(step, live, grad)
-            elif op.kind == COMPUTE:
-                if op.group in self.windows:  # else computed with the window it belongs to
-                    self._compute(self.windows[op.group], groups, grad, config, got)
-            elif op.kind == SCATTER:
-                with self._timed("issue"):
-                    self._scatter(step, live)
-            elif op.kind == APPLY:
-                self._apply(step, live, target, applied)
+            if op.kind == APPLY:
+                self._apply(self.schedule.groups[op.group], groups[op.group], target, applied)
                 groups[op.group] = _Group()  # free the group's buffers
+            else:
+                self._issue(op.kind, op.group, groups, grad, config, got)
+
+    def _issue(self, kind: str, index: int, groups: list[_Group], grad: Callable[[str], Tensor],
+               config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
+               speculation: _Speculation | None = None) -> None:
+        step, live = self.schedule.groups[index], groups[index]
+        if kind == GATHER:
+            with self._timed("issue"):
+                self._gather(step, live, grad)
+        elif kind == COMPUTE:
+            if index in self.windows:  # else computed with the window it belongs to
+                self._compute(self.windows[index], groups, grad, config, got, speculation)
+        elif kind == SCATTER:
+            with self._timed("issue"):
+                self._scatter(step, live)
+
+    # --- an overlapped step (overlap_step) ----------------------------------------------------
+
+    def speculate(self, grad: Callable[[str], Tensor], config: Callable[[str], tuple[Any, float]]) -> None:
+        """Gather, compute and scatter every micro-group now, in the schedule's order, each as soon
+        as `grad` returns its gradients (it waits for their bucket's reduce-scatter), before the step
+        check: every update is computed on a copy of its state and held, and nothing is applied.
+        `commit` applies them once the check has passed; `discard` drops them."""
+        self.discard()
+        speculation = _Speculation([_Group() for _ in self.schedule.groups])
+        self._speculation = speculation
+        for op in self.schedule.ops:
+            if op.kind != APPLY:  # whether a matrix got a gradient is known after the check
+                self._issue(op.kind, op.group, speculation.groups, grad, config, lambda _: True, speculation)
+
+    def commit(self, target: Callable[[str], Tensor], applied: Callable[[str], None],
+               config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> bool:
+        """Apply the speculated step (False: there is none, or hyper-parameters changed since it was
+        computed; it is dropped and the caller runs the plain step). The matrices that got a gradient
+        adopt their advanced state and take their update; the others keep theirs, as in `run`."""
+        speculation = self._speculation
+        if speculation is None:
+            return False
+        if any(config(name) != used for name, used in speculation.configs.items()):
+            self.discard()
+            return False
+        self._speculation = None
+        for name, state in speculation.states.items():
+            if got(name):
+                kept = self.state.setdefault(name, {})
+                kept.clear()
+                kept.update(state)
+        for op in self.schedule.ops:
+            if op.kind == APPLY:
+                self._apply(self.schedule.groups[op.group], speculation.groups[op.group], target, applied, got)
+                speculation.groups[op.group] = _Group()
+        return True
+
+    def discard(self) -> None:
+        """Drop a speculated step: its collectives are completed (every rank issued them), its
+        updates and state copies freed."""
+        speculation, self._speculation = self._speculation, None
+        if speculation is None:
+            return
+        for live in speculation.groups:
+            for pending in (live.gather, live.scatter):
+                if pending is not None:
+                    pending.wait()
 
     # --- stage 1: gradient shards to their hosts ----------------------------------------------
 
@@ -234,7 +305,8 @@ class MatrixStep:
     # --- stage 2: hosts compute ---------------------------------------------------------------
 
     def _compute(self, window: tuple[int, ...], groups: list[_Group], grad: Callable[[str], Tensor],
-                 config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
+                 config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
+                 speculation: _Speculation | None = None) -> None:
         work: list[_Work] = []
         for index in window:
             live = groups[index]
@@ -243,7 +315,12 @@ class MatrixStep:
                     live.updates[name] = None  # as torch optimizers do: no gradient, no update, no decay
                     continue
                 cfg, lr = config(name)
-                work.append(_Work(live, name, g, self.state.setdefault(name, {}), cfg, lr))
+                if speculation is None:
+                    state = self.state.setdefault(name, {})
+                else:  # advanced on a copy, adopted at the commit
+                    state = speculation.states[name] = _copy_state(self.state.get(name, {}))
+                    speculation.configs[name] = (cfg, lr)
+                work.append(_Work(live, name, g, state, cfg, lr))
         with self._timed("compute"):
             if self.batched is None:
                 for w in work:
@@ -319,13 +396,14 @@ class MatrixStep:
     # --- stage 4: every TP rank applies its chunks --------------------------------------------
 
     def _apply(self, step: GroupStep, live: _Group, target: Callable[[str], Tensor],
-               applied: Callable[[str], None]) -> None:
+               applied: Callable[[str], None], got: Callable[[str], bool] = lambda _: True) -> None:
+        """`got`: a speculated step computed every matrix; those without a gradient are skipped here."""
         me = self.tp_rank
         with self._timed("apply"):
             for t in step.tasks:
                 if t.hosted_on(me):
                     update = live.updates[t.name]
-                    if update is not None:
+                    if update is not None and got(t.name):
                         chunk = shard_of(update.direction, t.tp_dim, self.schedule.tp, me)
                         self._apply_one(t, chunk.contiguous(), update, target, applied)
         if live.scatter is None:
@@ -345,7 +423,7 @@ class MatrixStep:
             words = torch.cat([live.chunks[at - self.header_words:at] for _, at in received])
             headers = words.view(torch.float64).view(len(received), 3).tolist()
             for (t, at), (flag, scale, decay) in zip(received, headers):
-                if flag != NO_UPDATE:
+                if flag != NO_UPDATE and got(t.name):
                     chunk = live.chunks[at:at + t.shard_numel].view(t.shard_shape)
                     self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
 

@@ -79,6 +79,9 @@ class GradientSync:
         # set by the optimizer when its parameter all-gathers run under the next forward: raises
         # for a gradient whose parameter's gather no forward waited for (it was read stale)
         self.read_check: Callable[[str], None] | None = None
+        # set by the optimizer under overlap_step: called once per step with every reduction
+        # launched, given `landed` (a matrix's reduced gradient, once its bucket has landed)
+        self.speculate: Callable[[Callable[[str], Tensor]], None] | None = None
         self._states: dict[str, GradState] = {}
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -119,6 +122,11 @@ class GradientSync:
     def reduced(self, name: str) -> Tensor:
         """The synchronised gradient of `name`'s local tensor (valid where this rank reads it)."""
         return self.buffer_of[name].reduced_view(name)
+
+    def landed(self, name: str) -> Tensor:
+        """`reduced(name)` once its bucket's reduce-scatter has landed (waits for it)."""
+        self._launched[self._bucket_of[name]].wait()
+        return self.reduced(name)
 
     def grad_cuts(self, k: int) -> tuple[int, ...]:
         b = self.plan.dp_plan.buckets[k]
@@ -254,6 +262,8 @@ class GradientSync:
             self._next += 1
         self._take_all(self.adamw)
         adamw = self.dp.reduce_scatter_v(self.adamw.grad, self.adamw_cuts, "adamw")
+        if self.speculate is not None:
+            self.speculate(self.landed)
         for pending in self._launched:
             pending.wait()
         adamw.wait()

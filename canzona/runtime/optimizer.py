@@ -123,6 +123,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer's methods and `wait_params()` wait for all (`canzona.runtime.param_gather`: what that
     covers and the one path it does not). False: the step returns with the parameters gathered.
 
+    `overlap_step`: each micro-group's update is computed as soon as the buckets holding its
+    matrices have been reduced, under the reductions still in flight (on CUDA: after backward's
+    kernels, on the same stream), from a copy of its state, and held; after the step check (finite
+    norm, agreement, clipping) the updates are applied and the copies adopted, bit for bit what the
+    plain step computes. A step whose gradients clipping scales, or whose hyper-parameters changed
+    since, drops them and runs the plain step; a skipped step drops them. It costs a copy of the
+    state this rank hosts and every update held until the check (`canzona.memory` counts both);
+    canzona's policy only (the baselines' owners need every gradient first).
+
     `batch_kernels` (default): the same-shape matrices a rank computes in one micro-group (at TP = 1:
     in consecutive ones) run as one batched kernel, their GEMMs as one `bmm` over a stack; on CPU
     the result is the per-matrix kernel's bit for bit (`canzona.runtime.batched`: how, and what
@@ -161,6 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         batch_kernels: bool = True,
         compile_kernels: bool = False,
+        overlap_step: bool = False,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -169,14 +179,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        for option, value in (("batch_kernels", batch_kernels), ("compile_kernels", compile_kernels)):
+        for option, value in (("batch_kernels", batch_kernels), ("compile_kernels", compile_kernels),
+                              ("overlap_step", overlap_step)):
             if not isinstance(value, bool):
                 raise SpecError(f"{option} must be True or False, got {value!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
+        self.overlapped_steps = 0  # steps that applied the updates overlap_step computed early
         self.optimizer = check_matrix_optimizer(optimizer)
         self.policy: StepPolicy = get_step_policy(policy)
+        self.policy.check_overlap_step(overlap_step)
+        self.overlap_step = overlap_step
         self.tp_mode = check_tp_mode(tp_mode)
         check_reduce_scatter(reduce_scatter)
         self.matrix_cfg = _config(self.optimizer, matrix_config)
@@ -229,7 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         update_dtype = torch.float32 if self.master_weights else grad_dtype
         self.schedule: TPSchedule = tp_schedule(
             self.plan, spec, self.policy, self.rank, self.tp_mode,
-            grad_bytes=grad_dtype.itemsize, update_bytes=update_dtype.itemsize)
+            grad_bytes=grad_dtype.itemsize, update_bytes=update_dtype.itemsize, overlap_step=overlap_step)
         # the matrices whose shards this rank updates, and those whose full update (and optimizer
         # state) it computes: the same at TP = 1
         self.applies = [t.name for t in self.schedule.tasks()]
@@ -248,6 +262,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
             self.grads.read_check = self._in_flight.check_read
+        if overlap_step:
+            self.grads.speculate = self._speculate
 
     # --- construction helpers ----------------------------------------------------------------
 
@@ -323,6 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
             # compiled kernels round otherwise: tp-sync ranks computing one matrix must agree
             "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
+            "overlapped step": f"overlap_step {self.overlap_step}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
         dp_facts = {**shared, "TP rank": str(self.tp_rank),
@@ -390,6 +407,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         remember the norm they now have, so that clipping twice does not clip twice."""
         coefficient = min(1.0, max_norm / (norm + 1e-6))
         if coefficient < 1.0:
+            self.matrix_step.discard()  # its updates were computed from the gradients before clipping
             for buf in self.grads.all_buffers():
                 buf.reduced.mul_(coefficient)
             self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
@@ -428,6 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):  # every hyper-parameter valid before anything changes
             self._configs.config(i, group)
         if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
+            self.matrix_step.discard()
             self.skipped_steps += 1
             log.warning("canzona: skipped step %d: the global gradient norm is %s (%d skipped so far)",
                         self.comm.log.step + 1, check.norm, self.skipped_steps)
@@ -435,8 +454,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 self._clip(self.max_grad_norm, check.norm)
             got = [bool(g) for g in check.got.tolist()]  # a host table already: read once, not per matrix
-            self.matrix_step.run(grad=self.grads.reduced, target=self._target, applied=self._refresh_working_copy,
-                                 config=self._matrix_config, got=lambda name: got[self._index[name]])
+            how = dict(target=self._target, applied=self._refresh_working_copy, config=self._matrix_config,
+                       got=lambda name: got[self._index[name]])
+            if self.matrix_step.commit(**how):
+                self.overlapped_steps += 1
+            else:  # no overlapped step to commit: the plain one
+                self.matrix_step.run(grad=self.grads.reduced, **how)
             self._adamw_step(got)
             self._gather_params()
         self.comm.log.step += 1
@@ -444,6 +467,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.tp_comm.log.step += 1
         self.grads.stepped()
         return loss
+
+    def _speculate(self, landed: Callable[[str], Tensor]) -> None:
+        """overlap_step: the matrices' updates computed as their buckets land, before the step
+        check; `step()` commits them (or drops them, and runs the plain step, when clipping scaled
+        the gradients or the hyper-parameters changed since). Hyper-parameters that fail validation
+        are left for `step()` to report, before anything changes."""
+        try:
+            for i, group in enumerate(self.param_groups):
+                self._configs.config(i, group)
+        except CanzonaError:
+            return
+        self.matrix_step.speculate(grad=landed, config=self._matrix_config)
 
     def _gather_params(self) -> None:
         if self._in_flight is not None:
@@ -513,6 +548,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer's buffers, and the next backward replaces them). `model.zero_grad()`, with either
         setting, works the same."""
         self.grads.zero_grad()
+        self.matrix_step.discard()  # an overlapped step computed and never committed (no step() came)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "grads", None) is not None:  # torch's __init__ adds the constructor's groups
@@ -531,6 +567,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
         self.wait_params()
+        self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_state(self, state_dict)
 
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
@@ -543,6 +580,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
         reader): each rank reads what its layout needs. Collective."""
         self.wait_params()
+        self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix)
 
 

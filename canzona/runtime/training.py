@@ -69,6 +69,7 @@ class TrainSpec:
     reduce_scatter: str = "exact"
     batch_kernels: bool = True  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
     compile_kernels: bool = False  # Newton-Schulz through torch.compile (close to, not equal to, eager)
+    overlap_step: bool = False  # updates computed as buckets land, applied after the check (bit for bit)
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -154,7 +155,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
                                tp_mode=spec.tp_mode, reduce_scatter=spec.reduce_scatter,
-                               batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels)
+                               batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels,
+                               overlap_step=spec.overlap_step)
     if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
@@ -194,6 +196,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
         "losses": losses,
         "norms": norms,
+        "overlapped_steps": opt.overlapped_steps,
         "state": opt.state_dict() if extra.get("state_dict", True) else None,
         "log": opt.comm.log.to_dicts(),
         "tp_log": opt.tp_comm.log.to_dicts() if opt.tp_comm is not None else [],
