@@ -25,6 +25,7 @@ from canzona.optimizers import (
     ShampooConfig,
     SOAPConfig,
     default_config,
+    matrix_optimizer,
 )
 from canzona.spec import DTYPE_BYTES
 
@@ -131,29 +132,28 @@ def gradient_norm_kernels(numel: int, clip: bool) -> list[Kernel]:
 
 
 def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> list[Kernel]:
-    """Kernels of one step of `optimizer` on one full parameter of `shape`."""
+    """Kernels of one step of `optimizer` on one full parameter of `shape` (a matrix optimizer's
+    registry entry says how: `MatrixOptimizer.cost_kernels`)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
     if optimizer == "adamw":
-        numel = 1
-        for d in shape:
-            numel *= d
-        return adamw_kernels(numel, cfg)
+        return adamw_kernels(math.prod(shape), cfg)
+    return matrix_optimizer(optimizer).part("cost_kernels")(*_matrix_shape(optimizer, shape), cfg)
+
+
+def _matrix_shape(optimizer: str, shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) != 2:
         raise SpecError(f"{optimizer} needs a 2-D matrix, got shape {shape}")
-    m, n = shape
-    builders = {"muon": muon_kernels, "soap": soap_kernels, "shampoo": shampoo_kernels}
-    try:
-        return builders[optimizer](m, n, cfg)
-    except KeyError:
-        raise SpecError(f"unknown optimizer {optimizer!r}") from None
+    return shape[0], shape[1]
 
 
 def init_kernels(optimizer: str, shape: tuple[int, int], cfg: object | None = None) -> list[Kernel]:
-    """One-off work at the first step: SOAP's initial eigendecomposition (~9k³ per side)."""
+    """One-off work at the first step (SOAP's initial eigendecomposition, ~9k³ per side)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
-    if optimizer != "soap":
-        return []
-    m, n = shape
+    build = matrix_optimizer(optimizer).part("init_kernels")
+    return [] if build is None else build(*shape, cfg)
+
+
+def soap_init_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
     return [
         _solver(f"side{i}.eigh_init", "eigh", k, 9.0 * k**3, 1.0, cfg.compute_dtype)
         for i, (k, _) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim))
@@ -164,29 +164,27 @@ def step_flops(optimizer: str, shape: tuple[int, ...], cfg: object | None = None
     return sum(k.flops * k.count for k in optimizer_kernels(optimizer, shape, cfg))
 
 
-def step_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> float:
-    return sum(k.bytes * k.count for k in optimizer_kernels(optimizer, shape, cfg))
-
-
 def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
     """fp32 optimizer state of one full parameter (docs/design.md §4.2)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
-    numel = 1
-    for d in shape:
-        numel *= d
     if optimizer == "adamw":
-        return 2 * FP32 * numel
-    m, n = shape
-    if optimizer == "muon":
-        return FP32 * numel
-    if optimizer == "soap":
-        sides = _preconditioned_sides(m, n, cfg.max_precond_dim)
-        return 2 * FP32 * numel + 2 * FP32 * sum(k * k for k, _ in sides)  # GG and Q per side
-    if optimizer == "shampoo":
-        sides = _preconditioned_sides(m, n, cfg.max_preconditioner_dim)
-        graft = 2 * FP32 * numel if cfg.grafting else 0
-        return 2 * FP32 * sum(k * k for k, _ in sides) + graft  # statistics and root per side
-    raise SpecError(f"unknown optimizer {optimizer!r}")
+        return 2 * FP32 * math.prod(shape)
+    return matrix_optimizer(optimizer).part("state_bytes")(*_matrix_shape(optimizer, shape), cfg)
+
+
+def muon_state_bytes(m: int, n: int, cfg: MuonConfig) -> int:
+    return FP32 * m * n  # the momentum buffer
+
+
+def soap_state_bytes(m: int, n: int, cfg: SOAPConfig) -> int:
+    sides = _preconditioned_sides(m, n, cfg.max_precond_dim)
+    return 2 * FP32 * m * n + 2 * FP32 * sum(k * k for k, _ in sides)  # two moments; GG and Q per side
+
+
+def shampoo_state_bytes(m: int, n: int, cfg: ShampooConfig) -> int:
+    sides = _preconditioned_sides(m, n, cfg.max_preconditioner_dim)
+    graft = 2 * FP32 * m * n if cfg.grafting else 0
+    return 2 * FP32 * sum(k * k for k, _ in sides) + graft  # statistics and root per side
 
 
 @dataclass(frozen=True)

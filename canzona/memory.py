@@ -34,7 +34,13 @@ from canzona.batching import compute_windows, shape_batches
 from canzona.cost import state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
-from canzona.optimizers import default_config
+from canzona.optimizers import (
+    MuonConfig,
+    ShampooConfig,
+    SOAPConfig,
+    default_config,
+    matrix_optimizer,
+)
 from canzona.pipeline import stage_layers
 from canzona.plan import Plan, check_plan_matches
 from canzona.reductions import (
@@ -392,43 +398,49 @@ def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, 
 def kernel_workspace_bytes(optimizer: str, shape: tuple[int, ...], grad_bytes: int = 4,
                            cfg: object | None = None) -> int:
     """Temporaries of one full-matrix update beyond its input gradient, its state and its output
-    direction, counted from `canzona/runtime/kernels.py` as written (whole tensors alive at the
-    kernel's peak):
-
-    - Muon: the Nesterov blend `u` (gradient dtype), the NS iterate and the next one (`ns_dtype`),
-      the Gram matrix and the polynomial (`s x s`, s = min(m, n), `ns_dtype`);
-    - SOAP: four `m x n` fp32 temporaries (rotated gradient, denominator, rotated moment, the
-      quotient) and four `k x k` of the refresh (k the largest preconditioned side);
-    - Shampoo: four `m x n` fp32 temporaries (preconditioned gradient, grafting's Adam terms) and
-      three `k x k` of the inverse root.
-    """
+    direction (the optimizer's registry entry: `MatrixOptimizer.workspace_bytes`)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
     m, n = shape
-    mn = m * n
-    work = max(FP32, grad_bytes)
-    if optimizer == "muon":
-        nb = DTYPE_BYTES[cfg.ns_dtype]
-        s = min(m, n)
-        return (grad_bytes * mn if cfg.nesterov else 0) + 2 * nb * mn + 2 * nb * s * s
-    if optimizer == "soap":
-        k = max([d for d in (m, n) if d <= cfg.max_precond_dim], default=0)
-        return work * (4 * mn + 4 * k * k)
-    if optimizer == "shampoo":
-        k = max([d for d in (m, n) if d <= cfg.max_preconditioner_dim], default=0)
-        return work * (4 * mn + 3 * k * k)
-    raise SpecError(f"unknown matrix optimizer {optimizer!r}")
+    return matrix_optimizer(optimizer).part("workspace_bytes")(m, n, grad_bytes, cfg)
+
+
+def muon_workspace_bytes(m: int, n: int, grad_bytes: int, cfg: MuonConfig) -> int:
+    """Counted from `canzona/runtime/kernels.py` as written (whole tensors alive at the kernel's
+    peak): the Nesterov blend `u` (gradient dtype), the NS iterate and the next one (`ns_dtype`),
+    the Gram matrix and the polynomial (`s x s`, s = min(m, n), `ns_dtype`)."""
+    nb = DTYPE_BYTES[cfg.ns_dtype]
+    s = min(m, n)
+    return (grad_bytes * m * n if cfg.nesterov else 0) + 2 * nb * m * n + 2 * nb * s * s
+
+
+def soap_workspace_bytes(m: int, n: int, grad_bytes: int, cfg: SOAPConfig) -> int:
+    """Four `m x n` fp32 temporaries (rotated gradient, denominator, rotated moment, the quotient)
+    and four `k x k` of the refresh (k the largest preconditioned side)."""
+    k = max([d for d in (m, n) if d <= cfg.max_precond_dim], default=0)
+    return max(FP32, grad_bytes) * (4 * m * n + 4 * k * k)
+
+
+def shampoo_workspace_bytes(m: int, n: int, grad_bytes: int, cfg: ShampooConfig) -> int:
+    """Four `m x n` fp32 temporaries (preconditioned gradient, grafting's Adam terms) and three
+    `k x k` of the inverse root."""
+    k = max([d for d in (m, n) if d <= cfg.max_preconditioner_dim], default=0)
+    return max(FP32, grad_bytes) * (4 * m * n + 3 * k * k)
 
 
 def batched_stack_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
     """Copies a batched kernel stacks per matrix beyond the per-matrix kernel's temporaries
-    (`canzona.runtime.batched`): SOAP the gradient, its first moment and both eigenbases, Shampoo
-    the gradient and both roots (fp32); Muon's stack replaces the copy it makes anyway."""
-    m, n = shape
-    if optimizer == "soap":
-        return FP32 * (2 * m * n + m * m + n * n)
-    if optimizer == "shampoo":
-        return FP32 * (m * n + m * m + n * n)
-    return 0
+    (`canzona.runtime.batched`; the registry's `stack_bytes`): Muon's stack replaces the copy it
+    makes anyway."""
+    stack = matrix_optimizer(optimizer).part("stack_bytes")
+    return 0 if stack is None else stack(*shape)
+
+
+def soap_stack_bytes(m: int, n: int) -> int:
+    return FP32 * (2 * m * n + m * m + n * n)  # the gradient, its first moment and both eigenbases
+
+
+def shampoo_stack_bytes(m: int, n: int) -> int:
+    return FP32 * (m * n + m * m + n * n)  # the gradient and both roots
 
 
 @dataclass(frozen=True)
@@ -561,6 +573,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
                  for p in spec.matrix_params()}
     stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
+    batching = setup.batch_kernels and matrix_optimizer(plan.optimizer).batchable  # as the runtime's executor
 
     reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb)
     if setup.overlap_step:
@@ -573,12 +586,12 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
         adamw_temps = 2 * FP32 * adamw_largest[i]
         tasks, mode = _streamed(sched.groups, setup)
-        if setup.batch_kernels and len(tasks) == len(sched.groups):  # TP 1: consecutive groups compute together
+        if batching and len(tasks) == len(sched.groups):  # TP 1: consecutive groups compute together
             windows = compute_windows(sched.groups, 0, True)
             tasks = [tuple(t for g in members for t in tasks[g]) for members in windows.values()]
         row = []
         for r in range(tp):
-            groups = [_group_bytes(g, tp, r, gb, ub, workspace, setup.batch_kernels, stack) for g in tasks]
+            groups = [_group_bytes(g, tp, r, gb, ub, workspace, batching, stack) for g in tasks]
             if setup.overlap_step:  # under the reductions still in flight
                 step = max(_deferred_peak(groups, sched.state_bytes(r), mode) + reductions[i], adamw_temps, gathered)
             else:

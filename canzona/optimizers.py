@@ -1,4 +1,6 @@
-"""Optimizer names and hyper-parameters (docs/design.md §3), defined once.
+"""Optimizer names and hyper-parameters (docs/design.md §3), defined once, and the registry of
+matrix optimizers (`MATRIX_REGISTRY`): one entry per optimizer naming everything the toolkit
+dispatches on (docs/extending.md: adding one).
 
 The cost model reads the fields that drive work (NS steps, preconditioner dims and frequencies,
 compute dtypes); the reference optimizers and runtime kernels take their defaults from here too.
@@ -6,13 +8,13 @@ compute dtypes); the reference optimizers and runtime kernels take their default
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from canzona.errors import SpecError
-
-MATRIX_OPTIMIZERS = ("muon", "soap", "shampoo")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,36 @@ class ShampooConfig:
 
 
 @dataclass(frozen=True)
+class NorMuonConfig:
+    """NorMuon (Li et al. 2025, arXiv 2510.05491): Muon whose orthogonalised update is normalised
+    per neuron (row) by a running second moment, then rescaled to the norm it had (as the authors'
+    code does), then applied as Muon's. One step on a matrix p (rows x cols) with gradient G:
+
+        buf <- buf.lerp(G, 1 - momentum)                      (buf starts at zero)
+        u   <- G.lerp(buf, momentum) if nesterov else buf
+        O   <- Newton-Schulz of u exactly as Muon's (ns_dtype, ns_coefficients, ns_steps, eps),
+               then in fp32 (fp64 for fp64 gradients)
+        v   <- v.lerp(mean over columns of O * O, 1 - beta2)  (v: rows x 1, starts at zero)
+        N   <- O / (sqrt(v) + normuon_eps)                     (each row by its own v)
+        N   <- N * (||O||_F / (||N||_F + normuon_eps))
+        r   <- as Muon's adjust_lr_fn ("original": sqrt(max(1, rows / cols)))
+        p   <- p * (1 - lr * weight_decay);   p <- p - lr * r * N
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    eps: float = 1e-7
+    ns_steps: int = 5
+    adjust_lr_fn: str = "original"  # or "match_rms_adamw"
+    ns_dtype: str = "bf16"
+    beta2: float = 0.95
+    normuon_eps: float = 1e-10
+
+
+@dataclass(frozen=True)
 class AdamWConfig:
     """Same defaults as `torch.optim.AdamW`."""
 
@@ -121,20 +153,109 @@ class AdamWConfig:
     compute_dtype: str = "fp32"
 
 
-OptimizerConfig = MuonConfig | SOAPConfig | ShampooConfig | AdamWConfig
+# --- the registry of matrix optimizers --------------------------------------------------------
 
-_CONFIGS: dict[str, type] = {
-    "muon": MuonConfig,
-    "soap": SOAPConfig,
-    "shampoo": ShampooConfig,
-    "adamw": AdamWConfig,
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixOptimizer:
+    """Everything the toolkit dispatches on for one matrix optimizer. Its parts are named as
+    `module:attribute` and imported when first used, so that this torch-free module names the
+    runtime's kernels without importing torch, and no part imports another's module at load time.
+
+    Torch-free (the planner, the simulator, the memory model):
+    - `cost_kernels(m, n, cfg) -> list[cost.Kernel]`: one step on a full m x n matrix;
+    - `init_kernels(m, n, cfg)`: one-off work of the first step (None: nothing);
+    - `state_bytes(m, n, cfg) -> int`: optimizer state of one matrix;
+    - `workspace_bytes(m, n, grad_bytes, cfg) -> int`: the kernel's temporaries at its peak;
+    - `stack_bytes(m, n) -> int`: what a batched kernel copies per matrix beyond that (None: 0).
+    Runtime (torch):
+    - `kernel(grad, state, cfg, lr) -> kernels.Update | None`: one full matrix;
+    - `initial_state(grad, cfg)`: the state before its first step (checkpoint loading);
+    - `batched(grads, states, cfg, lr) -> list[Update | None]`: same-shape matrices as one call,
+      bit for bit the per-matrix kernel on CPU (None: every matrix alone; the simulator then
+      prices no batching);
+    - `compiled() -> (kernel, batched)`: the kernels with `torch.compile` (None: run eager).
+    Reference (the single-process check, `reference/`): `reference`, a `torch.optim.Optimizer`
+    taking the config's fields as keyword arguments.
+    """
+
+    name: str
+    config: type
+    summary: str  # one line for the CLI's help
+    cost_kernels: str
+    state_bytes: str
+    workspace_bytes: str
+    kernel: str
+    initial_state: str
+    reference: str
+    init_kernels: str | None = None
+    stack_bytes: str | None = None
+    batched: str | None = None
+    compiled: str | None = None
+
+    def part(self, name: str) -> Callable[..., Any] | None:
+        """The entry's part `name`, imported (None where the entry has none)."""
+        where = getattr(self, name)
+        return None if where is None else _resolve(where)
+
+    @property
+    def batchable(self) -> bool:
+        return self.batched is not None
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def _resolve(where: str) -> Any:
+    if where not in _LOADED:
+        module, _, attribute = where.partition(":")
+        _LOADED[where] = getattr(importlib.import_module(module), attribute)
+    return _LOADED[where]
+
+
+MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
+    "muon": MatrixOptimizer(
+        name="muon", config=MuonConfig, summary="Muon (momentum, Newton-Schulz orthogonalisation)",
+        cost_kernels="canzona.cost:muon_kernels", state_bytes="canzona.cost:muon_state_bytes",
+        workspace_bytes="canzona.memory:muon_workspace_bytes", kernel="canzona.runtime.kernels:muon_update",
+        initial_state="canzona.runtime.kernels:muon_state", batched="canzona.runtime.batched:muon_update_batched",
+        compiled="canzona.runtime.batched:muon_compiled", reference="reference.muon:Muon"),
+    "soap": MatrixOptimizer(
+        name="soap", config=SOAPConfig, summary="SOAP (Adam in Shampoo's eigenbasis)",
+        cost_kernels="canzona.cost:soap_kernels", init_kernels="canzona.cost:soap_init_kernels",
+        state_bytes="canzona.cost:soap_state_bytes", workspace_bytes="canzona.memory:soap_workspace_bytes",
+        stack_bytes="canzona.memory:soap_stack_bytes", kernel="canzona.runtime.kernels:soap_update",
+        initial_state="canzona.runtime.kernels:soap_state", batched="canzona.runtime.batched:soap_update_batched",
+        reference="reference.soap:SOAP"),
+    "shampoo": MatrixOptimizer(
+        name="shampoo", config=ShampooConfig, summary="Shampoo (Kronecker-factored, AdamW grafting)",
+        cost_kernels="canzona.cost:shampoo_kernels", state_bytes="canzona.cost:shampoo_state_bytes",
+        workspace_bytes="canzona.memory:shampoo_workspace_bytes", stack_bytes="canzona.memory:shampoo_stack_bytes",
+        kernel="canzona.runtime.kernels:shampoo_update", initial_state="canzona.runtime.kernels:shampoo_state",
+        batched="canzona.runtime.batched:shampoo_update_batched", reference="reference.shampoo:Shampoo"),
+    "normuon": MatrixOptimizer(
+        name="normuon", config=NorMuonConfig, summary="NorMuon (Muon with a per-neuron second moment)",
+        cost_kernels="canzona.normuon:cost_kernels", state_bytes="canzona.normuon:state_bytes",
+        workspace_bytes="canzona.normuon:workspace_bytes", kernel="canzona.runtime.normuon:normuon_update",
+        initial_state="canzona.runtime.normuon:normuon_state", reference="reference.normuon:NorMuon"),
 }
+MATRIX_OPTIMIZERS = tuple(MATRIX_REGISTRY)
+
+
+def matrix_optimizer(name: str) -> MatrixOptimizer:
+    """The registry entry of matrix optimizer `name` (SpecError, one line, for an unknown one)."""
+    return MATRIX_REGISTRY[check_matrix_optimizer(name)]
+
+
+OptimizerConfig = MuonConfig | SOAPConfig | ShampooConfig | NorMuonConfig | AdamWConfig
+
+_CONFIGS: dict[str, type] = {**{name: e.config for name, e in MATRIX_REGISTRY.items()}, "adamw": AdamWConfig}
 
 
 def check_matrix_optimizer(name: str) -> str:
     name = name.lower()
-    if name not in MATRIX_OPTIMIZERS:
-        raise SpecError(f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_OPTIMIZERS)}")
+    if name not in MATRIX_REGISTRY:
+        raise SpecError(f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_REGISTRY)}")
     return name
 
 
@@ -167,6 +288,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "weight_decay": (0.0, math.inf, True),
     "momentum": (0.0, 1.0, True),
     "eps": (0.0, math.inf, False),
+    "normuon_eps": (0.0, math.inf, False),
+    "beta2": (0.0, 1.0, True),
     "epsilon": (0.0, math.inf, False),
     "graft_eps": (0.0, math.inf, False),
     "eig_eps": (0.0, math.inf, False),

@@ -25,6 +25,7 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
+from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
@@ -73,6 +74,9 @@ class OneLineErrors(TyperGroup):
             sys.exit(code)
         return code
 
+
+# the matrix optimizers of the registry, each with its one line
+OPTIMIZER_HELP = "Matrix optimizer: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -143,7 +147,7 @@ def plan(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
-    optimizer: Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")] = "muon",
+    optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
     dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = "alpha-balanced",
     tp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(TP_POLICIES)}.")] = "greedy-rollback",
     alpha: Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")] = 1.0,
@@ -253,7 +257,7 @@ def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
-Optimizer = Annotated[str, typer.Option(help="Matrix optimizer: muon, soap or shampoo.")]
+Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
 DpPolicy = Annotated[str | None, typer.Option(help="canzona's DP policy (default alpha-balanced); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
@@ -385,7 +389,7 @@ def compare(
 @app.command()
 def verify(
     dp: Annotated[int, typer.Option(help=f"Data-parallel ranks to spawn (gloo, CPU; 1..{checks.MAX_DP}).")] = 2,
-    optimizer: Annotated[str, typer.Option(help="muon, soap, shampoo or all.")] = "muon",
+    optimizer: Annotated[str, typer.Option(help=f"{OPTIMIZER_HELP[:-1]}, or all.")] = "muon",
     policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise, canzona or all.")] = "canzona",
     steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
     dp_policy: DpPolicy = None,

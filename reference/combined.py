@@ -11,21 +11,10 @@ from typing import Any
 
 import torch
 
-from canzona.optimizers import (
-    AdamWConfig,
-    MuonConfig,
-    ShampooConfig,
-    SOAPConfig,
-    check_matrix_optimizer,
-    config_from_dict,
-)
+from canzona.optimizers import AdamWConfig, config_from_dict
+from canzona.optimizers import matrix_optimizer as registry_entry
 from canzona.spec import ModelSpec, routes_to_matrix_optimizer
 from reference.adamw import AdamW
-from reference.muon import Muon
-from reference.shampoo import Shampoo
-from reference.soap import SOAP
-
-MATRIX_CLASSES = {"muon": (Muon, MuonConfig), "soap": (SOAP, SOAPConfig), "shampoo": (Shampoo, ShampooConfig)}
 
 
 def _config(name: str, cls: type, config: Any) -> Any:
@@ -40,7 +29,7 @@ def _config(name: str, cls: type, config: Any) -> Any:
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
-    """Matrix optimizer ("muon" | "soap" | "shampoo") + AdamW, routed by the model spec.
+    """A matrix optimizer (any of `canzona.optimizers.MATRIX_REGISTRY`) + AdamW, routed by the model spec.
 
     `param_groups` lists the matrix optimizer's groups, then AdamW's (the same dicts, so LR
     schedulers drive both); `state` is a live view of both optimizers' states (for reading);
@@ -57,8 +46,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         matrix_config: Any = None,
         adamw_config: AdamWConfig | Mapping | None = None,
     ) -> None:
-        self.matrix_optimizer = check_matrix_optimizer(matrix_optimizer)
-        matrix_cls, config_cls = MATRIX_CLASSES[self.matrix_optimizer]
+        entry = registry_entry(matrix_optimizer)
+        self.matrix_optimizer = entry.name
+        matrix_cls, config_cls = entry.part("reference"), entry.config
         matrix_cfg = _config(self.matrix_optimizer, config_cls, matrix_config)
         adamw_cfg = _config("adamw", AdamWConfig, adamw_config)
 

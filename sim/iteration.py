@@ -20,7 +20,7 @@ from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels, optim
 from canzona.decoder import Architecture
 from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
-from canzona.optimizers import default_config
+from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import one_f_one_b
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
@@ -97,6 +97,11 @@ class Context:
     def dp_records(self, *phases: str) -> list[StepCollective]:
         """The runtime's collectives of these phases other than the TP schedule's exchanges."""
         return [r for r in self.records if r.phase in phases and not (r.group != DP_GROUP and r.phase == STEP)]
+
+    @property
+    def batching(self) -> bool:
+        """`batch_kernels`, where the optimizer has a batched kernel (as the runtime's executor)."""
+        return self.options.batch_kernels and matrix_optimizer(self.plan.optimizer).batchable
 
     @property
     def hidden(self) -> int:
@@ -561,7 +566,7 @@ class _ScheduleRun:
         self.early = False  # operations issued before the step check (overlap_step)
         self._issued: set[tuple[int, str]] = set()
         # the groups each COMPUTE batches together (TP 1: consecutive groups, as the runtime's executor)
-        self.windows = compute_windows(schedule.groups, 0, ctx.options.batch_kernels)
+        self.windows = compute_windows(schedule.groups, 0, ctx.batching)
         self.saving = {r: 0.0 for r in members}
 
     def issued(self, op) -> bool:
@@ -615,7 +620,7 @@ def batching_saving(ctx: Context, hosted: Sequence[Task]) -> float:
     """Seconds `batch_kernels` saves on a host's matrices of one micro-group: per batch of `k`
     same-shape matrices (`canzona.batching`), `k` matrices' kernels less the batched ones
     (`DeviceRate.batched_seconds`: one launch per GEMM, tiles filling the waves together)."""
-    if not ctx.options.batch_kernels:
+    if not ctx.batching:
         return 0.0
     saving = 0.0
     for batch in shape_batches(hosted, True):

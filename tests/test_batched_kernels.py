@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from canzona.errors import CanzonaError, SpecError
-from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig
+from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
 from canzona.plan import make_plan
 from canzona.runtime import batched as B
 from canzona.runtime.executor import MatrixStep
-from canzona.runtime.kernels import MATRIX_KERNELS, newton_schulz
+from canzona.runtime.kernels import matrix_kernel, newton_schulz
 from canzona.step_policies import get_step_policy
 from canzona.step_schedule import PIPELINED, SERIAL, tp_schedule
 from reference.tiny_model import get_preset, model_spec
@@ -136,8 +136,8 @@ def test_batched_kernel_is_the_per_matrix_kernel(name, index, shape):
     alone, together = [{} for _ in range(k)], [{} for _ in range(k)]
     for _ in range(steps):
         grads = [torch.randn(shape, generator=gen) for _ in range(k)]
-        want = [MATRIX_KERNELS[name](g.clone(), s, cfg, 0.01) for g, s in zip(grads, alone)]
-        got = B.BATCHED_KERNELS[name]([g.clone() for g in grads], together, cfg, 0.01)
+        want = [matrix_kernel(name)(g.clone(), s, cfg, 0.01) for g, s in zip(grads, alone)]
+        got = matrix_optimizer(name).part("batched")([g.clone() for g in grads], together, cfg, 0.01)
         for one, many in zip(want, got):
             _assert_same_update(one, many)
         for one, many in zip(alone, together):
@@ -155,7 +155,7 @@ def test_batched_shampoo_refuses_what_the_per_matrix_kernel_refuses():
 def test_batch_key_separates_steps_layouts_and_shapes():
     g = torch.randn(6, 4)
     fresh, stepped = {}, {}
-    MATRIX_KERNELS["soap"](g, stepped, SOAPConfig(), 0.1)
+    matrix_kernel("soap")(g, stepped, SOAPConfig(), 0.1)
     assert B.batch_key(g, fresh) == B.batch_key(torch.randn(6, 4), {})
     assert B.batch_key(g, fresh) != B.batch_key(g, stepped)
     later = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stepped.items()}
@@ -205,8 +205,8 @@ def _train(optimizer: str, batch: bool, mode: str = PIPELINED, policy: str = "ca
     cfg = STEP_CONFIGS[optimizer]
     other = replace(cfg, weight_decay=0.5)
     state: dict[str, dict] = {n: {} for n in names}
-    counting = _Counting(B.BATCHED_KERNELS[optimizer]) if batch else None
-    ms = MatrixStep(schedule, None, 0, MATRIX_KERNELS[optimizer], state, torch.float32, torch.float32,
+    counting = _Counting(matrix_optimizer(optimizer).part("batched")) if batch else None
+    ms = MatrixStep(schedule, None, 0, matrix_kernel(optimizer), state, torch.float32, torch.float32,
                     torch.device("cpu"), batched=counting)
     if max_numel is not None:
         ms.max_batch_numel = max_numel
@@ -242,7 +242,7 @@ def test_executor_batches_a_tp_sync_group_and_caps_windows(optimizer):
 def test_windows_join_groups_only_where_nothing_moves():
     plan = make_plan(MATRIX_SPEC, 1, 1, "muon", "alpha-balanced", "greedy-rollback")
     schedule = tp_schedule(plan, MATRIX_SPEC, get_step_policy("canzona"), 0, PIPELINED, 4, 4)
-    kernel, batched = MATRIX_KERNELS["muon"], B.BATCHED_KERNELS["muon"]
+    kernel, batched = matrix_kernel("muon"), B.muon_update_batched
     alone = MatrixStep(schedule, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"))
     assert alone.windows == {i: (i,) for i in range(len(schedule.groups))}
     joined = MatrixStep(schedule, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"),
@@ -294,9 +294,9 @@ def test_compile_without_a_compiler_is_one_error_at_construction(no_cpp_compiler
 
 
 def test_matrix_kernels_choose_per_matrix_batched_and_compiled():
-    assert B.matrix_kernels("soap", batch=False, compile=False) == (MATRIX_KERNELS["soap"], None)
-    assert B.matrix_kernels("shampoo", batch=True, compile=True) == (MATRIX_KERNELS["shampoo"],
-                                                                     B.BATCHED_KERNELS["shampoo"])
+    assert B.matrix_kernels("soap", batch=False, compile=False) == (matrix_kernel("soap"), None)
+    assert B.matrix_kernels("shampoo", batch=True, compile=True) == (matrix_kernel("shampoo"),
+                                                                     B.shampoo_update_batched)
     kernel, batched = B.matrix_kernels("muon", batch=True, compile=True)
     assert isinstance(kernel, functools.partial) and isinstance(batched, functools.partial)
 
@@ -336,7 +336,7 @@ def test_compiled_muon_kernels_match_eager():
     cfg = replace(MuonConfig(), ns_dtype="fp32")
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(16, 24, generator=gen) for _ in range(2)]
-    eager = [MATRIX_KERNELS["muon"](g, {}, cfg, 0.01) for g in grads]
+    eager = [matrix_kernel("muon")(g, {}, cfg, 0.01) for g in grads]
     for got in ([kernel(g, {}, cfg, 0.01) for g in grads], batched(grads, [{}, {}], cfg, 0.01)):
         for e, u in zip(eager, got):
             assert (u.direction - e.direction).abs().max().item() <= COMPILE_ATOL[torch.float32]

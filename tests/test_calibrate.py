@@ -36,6 +36,7 @@ from canzona.hardware import (
     load_profile_data,
     profile_from_dict,
 )
+from canzona.optimizers import MATRIX_REGISTRY, default_config
 from tests.cli_helpers import error_line, invoke
 
 SHAPES = ((32, 64), (64, 64))
@@ -75,8 +76,9 @@ def test_quick_cpu_calibration_writes_a_profile_that_loads(measured):
     assert [k for k, _ in p.solver_seconds["eigh"]] == [16, 32]
     assert all(s > 0 for rows in p.solver_seconds.values() for _, s in rows)
     rows = {(o, m, n, d) for o, m, n, d, _ in p.optimizer_seconds}
-    want = {(o, m, n, d) for m, n in SHAPES
-            for o, d in (("muon", "bf16"), ("muon", "fp32"), ("soap", "fp32"), ("shampoo", "fp32"))}
+    # every registered optimizer; those with a Newton-Schulz dtype in bf16 (their default) and fp32
+    want = {(o, m, n, d) for m, n in SHAPES for o in MATRIX_REGISTRY
+            for d in (("bf16", "fp32") if hasattr(default_config(o), "ns_dtype") else ("fp32",))}
     assert rows == want and all(s > 0 for *_, s in p.optimizer_seconds)
     assert p.collectives.rows == ()  # no --world-size
     cal = raw["calibration"]

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
+from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
 from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
@@ -93,7 +93,7 @@ def emulate(setup: example.Setup, dps: list[int]) -> dict[str, torch.Tensor]:
                     adamw_step_(p.view(-1), g.view(-1), _flat_state(state), AdamWConfig(lr=lr, weight_decay=decay[n]), lr)
                 else:
                     lr = setup.matrix_lr * factor
-                    update = MATRIX_KERNELS["muon"](g, state, MuonConfig(lr=lr, weight_decay=decay[n]), lr)
+                    update = matrix_kernel("muon")(g, state, MuonConfig(lr=lr, weight_decay=decay[n]), lr)
                     apply_update_(p, update.direction, update)
     return {n: p.detach().clone() for n, p in params.items()}
 

@@ -29,7 +29,7 @@ from canzona.integrations.accelerate import check_on_device, own_storage, same_d
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_  # noqa: E402
+from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
 from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
 from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
@@ -119,7 +119,7 @@ def emulate(results: list[dict], lrs: list[tuple[float, float]],
                 decay = SETUP.weight_decay if p.dim() >= 2 else 0.0
                 state = states.setdefault(n, {})
                 if n in matrices:
-                    update = MATRIX_KERNELS["muon"](g, state, MuonConfig(lr=matrix_lr, weight_decay=decay), matrix_lr)
+                    update = matrix_kernel("muon")(g, state, MuonConfig(lr=matrix_lr, weight_decay=decay), matrix_lr)
                     apply_update_(p, update.direction, update)
                 else:
                     adamw_step_(p.view(-1), g.view(-1), _flat_state(state),

@@ -11,7 +11,7 @@ import torch
 
 import reference
 from canzona.optimizers import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
+from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 
 STEPS = 12
 SHAPES = [(24, 16), (16, 24), (20, 20)]
@@ -40,7 +40,7 @@ def _run(name, cfg, shape, dtype, lr=0.01):
         g = torch.randn(shape, generator=gen, dtype=dtype)
         p_ref.grad = g.clone()
         opt.step()
-        update = MATRIX_KERNELS[name](g.clone(), state, cfg, lr)
+        update = matrix_kernel(name)(g.clone(), state, cfg, lr)
         if update is not None:
             apply_update_(p_ker, update.direction.to(dtype), update)
         scale = p_ref.detach().abs().max().item()
@@ -75,10 +75,10 @@ def test_adamw_kernel_equals_reference_bit_for_bit():
 
 def test_soap_first_call_initialises_without_updating():
     state: dict = {}
-    assert MATRIX_KERNELS["soap"](torch.randn(6, 4), state, SOAPConfig(), 0.1) is None
+    assert matrix_kernel("soap")(torch.randn(6, 4), state, SOAPConfig(), 0.1) is None
     assert state["step"] == 0 and state["Q_L"].shape == (6, 6) and state["Q_R"].shape == (4, 4)
 
 
 def test_shampoo_kernel_rejects_grafting_with_sum_statistics():
     with pytest.raises(ValueError):
-        MATRIX_KERNELS["shampoo"](torch.randn(4, 4), {}, replace(ShampooConfig(), betas=(0.9, 1.0)), 0.1)
+        matrix_kernel("shampoo")(torch.randn(4, 4), {}, replace(ShampooConfig(), betas=(0.9, 1.0)), 0.1)

@@ -2,7 +2,7 @@
 
 The executor (`executor.MatrixStep`) hands a batched kernel the matrices of one compute window that
 share shape, dtype, hyper-parameters and state layout; the kernel runs their GEMMs as one `bmm` /
-`baddbmm` over a [k, m, n] stack, and returns what the per-matrix kernel (`kernels.MATRIX_KERNELS`)
+`baddbmm` over a [k, m, n] stack, and returns what the per-matrix kernel (the registry's `kernel`)
 returns for each matrix, bit for bit on CPU (tests/test_batched_kernels.py). What that takes:
 
 - every matrix of a stack starts 64-byte aligned, as a fresh allocation does (`empty_stack`): MKL's
@@ -34,9 +34,8 @@ from torch import Tensor
 
 from canzona.batching import MAX_BATCH_NUMEL, batches  # noqa: F401  (re-exported: the runtime's batching rules)
 from canzona.errors import CanzonaError
-from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig
+from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
 from canzona.runtime.kernels import (
-    MATRIX_KERNELS,
     TORCH_DTYPES,
     State,
     Update,
@@ -254,10 +253,6 @@ def shampoo_update_batched(grads: Sequence[Tensor], states: Sequence[State], cfg
             for d, g, s in zip(p, gs, states)]
 
 
-BATCHED_KERNELS: dict[str, BatchedKernel] = {
-    "muon": muon_update_batched, "soap": soap_update_batched, "shampoo": shampoo_update_batched}
-
-
 # --- which matrices batch together ------------------------------------------------------------
 
 
@@ -356,15 +351,24 @@ def newton_schulz_batched_compiled(us: Sequence[Tensor], coefficients: tuple[flo
     return x.mT if tall else x
 
 
-def matrix_kernels(optimizer: str, *, batch: bool, compile: bool) -> tuple[Kernel, BatchedKernel | None]:
-    """The per-matrix kernel and the batched one (None: every matrix alone) the executor runs.
-    `compile`: Muon's Newton-Schulz iterations through `torch.compile`. SOAP and Shampoo run eager:
-    their time is GEMMs, eigh and QR, which inductor calls as they are."""
-    kernel: Kernel = MATRIX_KERNELS[optimizer]
-    batched: BatchedKernel | None = BATCHED_KERNELS[optimizer] if batch else None
-    if compile and optimizer == "muon":
-        kernel = functools.partial(muon_update, orthogonalize=newton_schulz_compiled)
-        if batch:
-            batched = functools.partial(muon_update_batched, orthogonalize=newton_schulz_batched_compiled)
-    return kernel, batched
+def muon_compiled() -> tuple[Kernel, BatchedKernel]:
+    """Muon's kernels with the Newton-Schulz iterations through `torch.compile` (the registry's
+    `compiled`)."""
+    return (functools.partial(muon_update, orthogonalize=newton_schulz_compiled),
+            functools.partial(muon_update_batched, orthogonalize=newton_schulz_batched_compiled))
 
+
+def matrix_kernels(optimizer: str, *, batch: bool, compile: bool) -> tuple[Kernel, BatchedKernel | None]:
+    """The per-matrix kernel and the batched one (None: every matrix alone, also for an optimizer
+    without one) the executor runs. `compile`: through `torch.compile` where the optimizer's entry
+    has a compiled form (Muon's Newton-Schulz); SOAP and Shampoo run eager: their time is GEMMs,
+    eigh and QR, which inductor calls as they are."""
+    entry = matrix_optimizer(optimizer)
+    kernel: Kernel = entry.part("kernel")
+    batched: BatchedKernel | None = entry.part("batched") if batch else None
+    compiled = entry.part("compiled") if compile else None
+    if compiled is not None:
+        kernel, compiled_batched = compiled()
+        if batched is not None:
+            batched = compiled_batched
+    return kernel, batched

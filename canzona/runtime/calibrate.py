@@ -43,7 +43,7 @@ from canzona.cost import step_dtype
 from canzona.errors import CanzonaError
 from canzona.hardware import COLLECTIVE_OPS, DEFAULT_PROFILE, load_profile_data, profile_from_dict
 from canzona.optimizers import MATRIX_OPTIMIZERS, default_config
-from canzona.runtime.kernels import MATRIX_KERNELS, TORCH_DTYPES, apply_update_
+from canzona.runtime.kernels import TORCH_DTYPES, apply_update_, matrix_kernel
 from canzona.runtime.launch import report_progress, run_ranks
 
 Progress = Callable[[int, int, str], None]
@@ -231,7 +231,7 @@ def time_step(optimizer: str, shape: tuple[int, int], device: torch.device, repe
     """Median seconds of one steady-state step of a runtime kernel plus its apply (the warm-ups
     initialise the state: SOAP's first call computes no update)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
-    kernel = MATRIX_KERNELS[optimizer]
+    kernel = matrix_kernel(optimizer)
     gen = torch.Generator(device=device).manual_seed(0)
     param = torch.randn(shape, device=device, generator=gen)
     grad = torch.randn(shape, device=device, generator=gen)
@@ -251,7 +251,7 @@ def kernel_variants(optimizers: tuple[str, ...]) -> list[tuple[str, object, str]
     for opt in optimizers:
         cfg = default_config(opt)
         out.append((opt, cfg, step_dtype(opt, cfg)))
-        if opt == "muon":
+        if hasattr(cfg, "ns_dtype"):  # Newton-Schulz's dtype is a choice: time both
             other = "fp32" if cfg.ns_dtype != "fp32" else "bf16"
             out.append((opt, replace(cfg, ns_dtype=other), other))
     return out

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from canzona.errors import CanzonaError, PlanError
 from canzona.optimizers import check_config
-from canzona.runtime.kernels import INITIAL_STATES, adamw_state
+from canzona.runtime.kernels import adamw_state, initial_state
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.tp import EVERY_RANK
 
@@ -157,7 +157,7 @@ def _template(opt: DistributedOptimizer, g: int, name: str) -> dict[str, Any]:
     group = opt.param_groups[g]
     if group["kind"] == "adamw":
         return adamw_state(like)
-    return INITIAL_STATES[opt.optimizer](like, opt._configs.config(g, group))
+    return initial_state(opt.optimizer, like, opt._configs.config(g, group))
 
 
 def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict]]:

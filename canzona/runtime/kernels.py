@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from canzona.optimizers import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+from canzona.optimizers import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -353,6 +353,11 @@ def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr:
     param.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
 
-MATRIX_KERNELS = {"muon": muon_update, "soap": soap_update, "shampoo": shampoo_update}
-# each kernel's state before its first step, from a gradient of the matrix's shape and dtype
-INITIAL_STATES = {"muon": muon_state, "soap": soap_state, "shampoo": shampoo_state}
+def matrix_kernel(optimizer: str) -> Callable[..., Update | None]:
+    """The runtime kernel of a matrix optimizer (its registry entry's `kernel`)."""
+    return matrix_optimizer(optimizer).part("kernel")
+
+
+def initial_state(optimizer: str, grad: Tensor, cfg: Any) -> State:
+    """A matrix's state before its first step, from a gradient of its shape and dtype."""
+    return matrix_optimizer(optimizer).part("initial_state")(grad, cfg)

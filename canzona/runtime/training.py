@@ -35,7 +35,7 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
 from canzona.plan import Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
-from canzona.runtime.kernels import MATRIX_KERNELS, adamw_step_, apply_update_
+from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.runtime.verify import TP_STYLES
 
@@ -365,7 +365,7 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
                 p.copy_(params[name])
         states = {n: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
                   for n, s in state_by_name(saved)[2].items()}
-    kernel = MATRIX_KERNELS[spec.optimizer]
+    kernel = matrix_kernel(spec.optimizer)
     masters = {n: p.detach().to(reduce_dtype(spec, p.dtype), copy=True) for n, p in model.named_parameters()}
     for name, state in states.items():  # a checkpoint's fp32 masters are the weights to continue from
         if "master" in state:
