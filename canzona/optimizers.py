@@ -16,6 +16,33 @@ from typing import Any
 
 from canzona.errors import SpecError
 
+# Newton-Schulz coefficients per iteration, by name (`ns_coefficient_type`; "simple" is the
+# config's one `ns_coefficients` triple at every iteration, as torch.optim.Muon runs it)
+NS_COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    # five iterations tuned by You Jiacheng for modded-nanogpt (bf16), each its own quintic
+    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+    # Polar Express (Amsel et al. 2025, arXiv 2505.16932): minimax-optimal quintics per iteration,
+    # five of them as the authors' sets run in nanochat and modded-nanogpt
+    "polar_express": ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                      (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                      (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                      (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                      (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)),
+}
+NS_COEFFICIENT_TYPES = ("simple", *NS_COEFFICIENT_SETS)
+
+
+def ns_schedule(cfg: Any) -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) of each of `cfg.ns_steps` Newton-Schulz iterations: "simple" repeats
+    `cfg.ns_coefficients`; a named set gives the i-th of its quintics, its last one repeating
+    beyond its end."""
+    kind = getattr(cfg, "ns_coefficient_type", "simple")
+    if kind == "simple":
+        return (tuple(cfg.ns_coefficients),) * cfg.ns_steps
+    sets = NS_COEFFICIENT_SETS[kind]
+    return tuple(sets[min(i, len(sets) - 1)] for i in range(cfg.ns_steps))
+
 
 @dataclass(frozen=True)
 class MuonConfig:
@@ -24,7 +51,9 @@ class MuonConfig:
         buf <- buf.lerp(G, 1 - momentum)                      (buf starts at zero)
         u   <- G.lerp(buf, momentum) if nesterov else buf
         X   <- u in ns_dtype, transposed if rows > cols, divided by max(||X||_F, eps)
-        ns_steps times:  A = X X^T;  B = b A + c A A;  X = a X + B X      ((a, b, c) = ns_coefficients)
+        ns_steps times:  A = X X^T;  B = b A + c A A;  X = a X + B X
+            ((a, b, c): `ns_coefficients` at every iteration with ns_coefficient_type "simple",
+            torch's; else iteration i's of the named set, `ns_schedule`)
         O   <- X transposed back if it was transposed
         r   <- sqrt(max(1, rows / cols))  ("original")  or  0.2 sqrt(max(rows, cols))  ("match_rms_adamw")
         p   <- p * (1 - lr * weight_decay);   p <- p - lr * r * O
@@ -39,6 +68,7 @@ class MuonConfig:
     ns_steps: int = 5
     adjust_lr_fn: str = "original"  # or "match_rms_adamw"
     ns_dtype: str = "bf16"
+    ns_coefficient_type: str = "simple"  # or "quintic", "polar_express" (NS_COEFFICIENT_SETS)
 
 
 @dataclass(frozen=True)
@@ -120,7 +150,7 @@ class NorMuonConfig:
 
         buf <- buf.lerp(G, 1 - momentum)                      (buf starts at zero)
         u   <- G.lerp(buf, momentum) if nesterov else buf
-        O   <- Newton-Schulz of u exactly as Muon's (ns_dtype, ns_coefficients, ns_steps, eps),
+        O   <- Newton-Schulz of u exactly as Muon's (ns_dtype, ns_coefficients or its type, ns_steps, eps),
                then in fp32 (fp64 for fp64 gradients)
         v   <- v.lerp(mean over columns of O * O, 1 - beta2)  (v: rows x 1, starts at zero)
         N   <- O / (sqrt(v) + normuon_eps)                     (each row by its own v)
@@ -138,6 +168,7 @@ class NorMuonConfig:
     ns_steps: int = 5
     adjust_lr_fn: str = "original"  # or "match_rms_adamw"
     ns_dtype: str = "bf16"
+    ns_coefficient_type: str = "simple"  # or "quintic", "polar_express" (NS_COEFFICIENT_SETS)
     beta2: float = 0.95
     normuon_eps: float = 1e-10
 
@@ -342,6 +373,9 @@ def check_config(name: str, cfg: Any) -> Any:
         raise SpecError(f"{name} shampoo_beta must be < 1 (negative: use betas[1]), got {cfg.shampoo_beta!r}")
     if getattr(cfg, "adjust_lr_fn", "original") not in LR_ADJUSTMENTS:
         raise SpecError(f"{name} adjust_lr_fn must be one of {', '.join(LR_ADJUSTMENTS)}, got {cfg.adjust_lr_fn!r}")
+    if getattr(cfg, "ns_coefficient_type", "simple") not in NS_COEFFICIENT_TYPES:
+        raise SpecError(f"{name} ns_coefficient_type must be one of {', '.join(NS_COEFFICIENT_TYPES)}, "
+                        f"got {cfg.ns_coefficient_type!r}")
     for key in ("ns_dtype", "compute_dtype"):
         if getattr(cfg, key, "fp32") not in COMPUTE_DTYPES:
             raise SpecError(f"{name} {key} must be one of {', '.join(COMPUTE_DTYPES)}, got {getattr(cfg, key)!r}")

@@ -13,10 +13,11 @@ momentum buffer; here Newton-Schulz always works on a copy.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
-from canzona.optimizers import MuonConfig
+from canzona.optimizers import NS_COEFFICIENT_TYPES, MuonConfig, ns_schedule
 from reference.adamw import ReferenceOptimizer, check_common, check_positive_int, torch_dtype
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -25,19 +26,29 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw")
 def zeropower_via_newtonschulz(
     G: torch.Tensor, ns_coefficients, ns_steps: int, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Approximate U V^T of G = U S V^T by `ns_steps` quintic Newton-Schulz steps in `dtype`."""
-    a, b, c = ns_coefficients
+    """Approximate U V^T of G = U S V^T by `ns_steps` quintic Newton-Schulz steps in `dtype`;
+    `ns_coefficients`: one (a, b, c) for every step, or one per step."""
+    per_step = isinstance(ns_coefficients[0], (tuple, list))
     X = G.to(dtype, copy=True)
     if G.size(0) > G.size(1):
         X = X.T
     X = X / X.norm().clamp(min=eps)
-    for _ in range(ns_steps):
+    for i in range(ns_steps):
+        a, b, c = ns_coefficients[i] if per_step else ns_coefficients
         A = X @ X.T
         B = torch.addmm(A, A, A, beta=b, alpha=c)  # b A + c A A
         X = torch.addmm(X, B, X, beta=a)  # a X + B X
     if G.size(0) > G.size(1):
         X = X.T
     return X
+
+
+def coefficients_of(group: dict):
+    """A group's Newton-Schulz coefficients: its `ns_coefficients` triple ("simple", torch's), or
+    the named set's per iteration (`canzona.optimizers.ns_schedule`)."""
+    if group.get("ns_coefficient_type", "simple") == "simple":
+        return group["ns_coefficients"]
+    return ns_schedule(SimpleNamespace(**group))
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -67,6 +78,9 @@ class Muon(ReferenceOptimizer):
         check_positive_int("ns_steps", group["ns_steps"])
         if len(group["ns_coefficients"]) != 3:
             raise ValueError(f"ns_coefficients must be 3 numbers, got {group['ns_coefficients']!r}")
+        if group.get("ns_coefficient_type", "simple") not in NS_COEFFICIENT_TYPES:
+            raise ValueError(f"unknown ns_coefficient_type {group['ns_coefficient_type']!r}; choose one of "
+                             f"{', '.join(NS_COEFFICIENT_TYPES)}")
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(
                 f"unknown adjust_lr_fn {group['adjust_lr_fn']!r}; choose one of {', '.join(ADJUST_LR_FNS)}"
@@ -89,6 +103,6 @@ class Muon(ReferenceOptimizer):
             buf.lerp_(g, 1 - mu)
             u = g.lerp(buf, mu) if group["nesterov"] else buf
             ns_dtype = torch_dtype(group["ns_dtype"])
-            ortho = zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
+            ortho = zeropower_via_newtonschulz(u, coefficients_of(group), group["ns_steps"], group["eps"], ns_dtype)
             p.mul_(1 - lr * wd)
             p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))

@@ -9,7 +9,7 @@ import torch
 
 from canzona.optimizers import NorMuonConfig
 from reference.adamw import ReferenceOptimizer, torch_dtype
-from reference.muon import Muon, adjusted_lr, zeropower_via_newtonschulz
+from reference.muon import Muon, adjusted_lr, coefficients_of, zeropower_via_newtonschulz
 
 
 class NorMuon(ReferenceOptimizer):
@@ -38,7 +38,7 @@ class NorMuon(ReferenceOptimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(g, 1 - mu)
             u = g.lerp(buf, mu) if group["nesterov"] else buf
-            ortho = zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"],
+            ortho = zeropower_via_newtonschulz(u, coefficients_of(group), group["ns_steps"], group["eps"],
                                                torch_dtype(group["ns_dtype"])).to(wide)
             second = state["second_moment"]
             second.lerp_((ortho * ortho).mean(dim=1, keepdim=True), 1 - beta2)

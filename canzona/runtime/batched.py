@@ -34,12 +34,13 @@ from torch import Tensor
 
 from canzona.batching import MAX_BATCH_NUMEL, batches  # noqa: F401  (re-exported: the runtime's batching rules)
 from canzona.errors import CanzonaError
-from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
+from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer, ns_schedule
 from canzona.runtime.kernels import (
     TORCH_DTYPES,
     State,
     Update,
     check_shampoo,
+    constant_coefficients,
     muon_momentum,
     muon_scalars,
     muon_update,
@@ -156,7 +157,7 @@ def muon_update_batched(grads: Sequence[Tensor], states: Sequence[State], cfg: M
     """`kernels.muon_update` of same-shape matrices: momentum per matrix (elementwise), one batched
     Newton-Schulz."""
     us = [muon_momentum(g, s, cfg) for g, s in zip(grads, states)]
-    ortho = orthogonalize(us, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
+    ortho = orthogonalize(us, ns_schedule(cfg), cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
     scale, decay = muon_scalars(tuple(grads[0].shape), cfg, lr)
     return [Update(o, scale, decay) for o in ortho]
 
@@ -347,7 +348,7 @@ def newton_schulz_batched_compiled(us: Sequence[Tensor], coefficients: tuple[flo
     if tall:
         x = x.mT
     x = x / torch.stack([m.norm() for m in x]).clamp(min=eps).view(-1, 1, 1)
-    x = _compiled(_quintic_bmm)(x, tuple(coefficients), steps)
+    x = _compiled(_quintic_bmm)(x, constant_coefficients(coefficients), steps)
     return x.mT if tall else x
 
 

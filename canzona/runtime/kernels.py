@@ -9,14 +9,21 @@ it to its own shard (`apply_update_`). State lives only with the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from canzona.optimizers import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
+from canzona.optimizers import (
+    AdamWConfig,
+    MuonConfig,
+    ShampooConfig,
+    SOAPConfig,
+    matrix_optimizer,
+    ns_schedule,
+)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -71,20 +78,28 @@ def work_dtype(t: Tensor) -> torch.dtype:
 # --- Muon -------------------------------------------------------------------------------------
 
 
-def quintic_steps(x: Tensor, coefficients: tuple[float, float, float], steps: int,
+def quintic_steps(x: Tensor, coefficients: Sequence[float] | Sequence[Sequence[float]], steps: int,
                   mm: Callable[[Tensor, Tensor], Tensor], addmm: Callable[..., Tensor]) -> Tensor:
-    """`steps` quintic Newton-Schulz steps X <- a X + (b A + c A A) X, A = X X^T, on a normalised X.
+    """`steps` quintic Newton-Schulz steps X <- a X + (b A + c A A) X, A = X X^T, on a normalised X;
+    `coefficients`: one (a, b, c) for every step, or one per step (`optimizers.ns_schedule`).
 
     The one formulation of every Newton-Schulz here: the per-matrix kernel passes `torch.mm` /
     `torch.addmm` (the operations, in the order, of `reference/muon.py` and `torch.optim.Muon`),
     the batched one products over [k, m, n] stacks that equal them slice for slice
     (`canzona.runtime.batched`), the compiled one torch's own (`torch.compile` traces this)."""
-    a, b, c = coefficients
-    for _ in range(steps):
+    per_step = isinstance(coefficients[0], (tuple, list))
+    for i in range(steps):
+        a, b, c = coefficients[i] if per_step else coefficients
         gram = mm(x, x.mT)
         poly = addmm(gram, gram, gram, beta=b, alpha=c)
         x = addmm(x, poly, x, beta=a)
     return x
+
+
+def constant_coefficients(coefficients: Sequence[float] | Sequence[Sequence[float]]) -> tuple:
+    """The coefficients as nested tuples: what `torch.compile` takes as a constant (a guard on
+    their values, not a graph input)."""
+    return tuple(tuple(c) if isinstance(c, (tuple, list)) else c for c in coefficients)
 
 
 def newton_schulz(u: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -100,7 +115,7 @@ def newton_schulz(u: Tensor, coefficients: tuple[float, float, float], steps: in
     if iterate is None:
         x = quintic_steps(x, coefficients, steps, torch.mm, torch.addmm)
     else:
-        x = iterate(x, tuple(coefficients), steps)
+        x = iterate(x, constant_coefficients(coefficients), steps)
     return x.T if tall else x
 
 
@@ -136,7 +151,7 @@ def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float,
                 orthogonalize: Callable[..., Tensor] = newton_schulz) -> Update:
     """`orthogonalize`: `newton_schulz`, or its compiled form (`canzona.runtime.batched`)."""
     u = muon_momentum(grad, state, cfg)
-    ortho = orthogonalize(u, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
+    ortho = orthogonalize(u, ns_schedule(cfg), cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
     return Update(ortho, *muon_scalars(tuple(grad.shape), cfg, lr))
 
 

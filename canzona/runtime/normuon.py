@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from canzona.optimizers import NorMuonConfig
+from canzona.optimizers import NorMuonConfig, ns_schedule
 from canzona.runtime.kernels import (
     TORCH_DTYPES,
     State,
@@ -30,7 +30,7 @@ def normuon_update(grad: Tensor, state: State, cfg: NorMuonConfig, lr: float) ->
     if not state:
         state.update(normuon_state(grad, cfg))
     u = muon_momentum(grad, state, cfg)
-    ortho = newton_schulz(u, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
+    ortho = newton_schulz(u, ns_schedule(cfg), cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
     o = ortho.to(work_dtype(grad))
     second = state["second_moment"]
     second.lerp_((o * o).mean(dim=1, keepdim=True), 1 - cfg.beta2)
