@@ -10,6 +10,7 @@ Allocation loops use `CostModel.seconds`, never raw element counts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,13 @@ from pathlib import Path
 from typing import Protocol
 
 from canzona.errors import SpecError
-from canzona.hardware import HardwareProfile, efficiency_on, load_profile, parse_cost_rows
+from canzona.hardware import (
+    DEFAULT_PROFILE,
+    HardwareProfile,
+    efficiency_on,
+    load_profile,
+    parse_cost_rows,
+)
 from canzona.optimizers import (
     MATRIX_OPTIMIZERS,
     AdamWConfig,
@@ -296,7 +303,12 @@ class DeviceRate:
         return total
 
 
-H100_SXM = DeviceRate.from_profile(load_profile("h100-sxm"))
+@functools.cache
+def default_rate() -> DeviceRate:
+    """The rates of the default hardware profile (`hardware.DEFAULT_PROFILE`), read on first use:
+    what `AnalyticCost()` prices with when no profile is given (say `cost_model_for(profile)` to
+    plan for another device)."""
+    return DeviceRate.from_profile(load_profile(DEFAULT_PROFILE))
 
 
 class CostModel(Protocol):
@@ -312,7 +324,7 @@ class CostModel(Protocol):
 class AnalyticCost:
     """Roofline over the kernel decomposition on a `DeviceRate`."""
 
-    rate: DeviceRate = H100_SXM
+    rate: DeviceRate = field(default_factory=default_rate)
     configs: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -374,10 +386,11 @@ def profile_cost_table(profile: HardwareProfile, fallback: CostModel) -> TableCo
     return TableCost(table, dtypes, fallback, profile.name)
 
 
-def cost_model_for(hardware: str | Path = "h100-sxm", table: str | Path | None = None) -> CostModel:
-    """The analytic model on a hardware profile, or measured seconds falling back to it: the explicit
-    `table` when given, else the profile's own `optimizer_seconds` when it has them (calibrated)."""
-    profile = load_profile(hardware)
+def cost_model_for(hardware: str | Path | HardwareProfile = DEFAULT_PROFILE, table: str | Path | None = None) -> CostModel:
+    """The analytic model on a hardware profile (a name, a path, or one already loaded), or measured
+    seconds falling back to it: the explicit `table` when given, else the profile's own
+    `optimizer_seconds` when it has them (calibrated)."""
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     analytic = AnalyticCost(DeviceRate.from_profile(profile))
     if table is not None:
         return load_cost_table(str(table), fallback=analytic)

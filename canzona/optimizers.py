@@ -278,8 +278,6 @@ def matrix_optimizer(name: str) -> MatrixOptimizer:
     return MATRIX_REGISTRY[check_matrix_optimizer(name)]
 
 
-OptimizerConfig = MuonConfig | SOAPConfig | ShampooConfig | NorMuonConfig | AdamWConfig
-
 _CONFIGS: dict[str, type] = {**{name: e.config for name, e in MATRIX_REGISTRY.items()}, "adamw": AdamWConfig}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from canzona.cost import AnalyticCost, CostModel, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import BucketPlan, Placement
-from canzona.dp.policies import BALANCE_UNITS
+from canzona.dp.policies import BALANCE_UNITS, DEFAULT_DP_POLICY, DP_REGISTRY
 from canzona.errors import PlanError, SpecError
 from canzona.fileio import (
     dumps_json,
@@ -27,7 +27,17 @@ from canzona.fileio import (
 )
 from canzona.optimizers import check_matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
-from canzona.tp import EVERY_RANK, Capacity, MicroGroup, TPPlan, TPTask, check_tp_policy, plan_tp
+from canzona.tp import (
+    DEFAULT_TP_POLICY,
+    EVERY_RANK,
+    TP_REGISTRY,
+    Capacity,
+    MicroGroup,
+    TPPlan,
+    TPTask,
+    check_tp_policy,
+    plan_tp,
+)
 
 SCHEMA = "canzona.plan"
 VERSION = 1
@@ -177,7 +187,7 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
 
 
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
-              dp_policy: str = "alpha-balanced", tp_policy: str = "greedy-rollback",
+              dp_policy: str = DEFAULT_DP_POLICY, tp_policy: str = DEFAULT_TP_POLICY,
               alpha: float = 1.0, bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
               capacity: Capacity | None = None, cost_model: CostModel | None = None,
               balance_by: str = "seconds") -> Plan:
@@ -350,8 +360,11 @@ def _validate_dp(d: DPPlan) -> None:
         raise PlanError(f"dp_plan: balance unit must be one of {', '.join(BALANCE_UNITS)}, got {d.balance_by!r}")
     if not 1 <= d.align <= MAX_ALIGN or not 1 <= d.bucket_size <= MAX_ELEMENTS:
         raise PlanError(f"dp_plan: align must be in 1..{MAX_ALIGN} and bucket_size in 1..{MAX_ELEMENTS}")
-    if d.split_compute != (d.policy == "zero1-even"):
-        raise PlanError(f"dp_plan: split_compute is {d.split_compute} under {d.policy} (only zero1-even splits)")
+    if d.policy not in DP_REGISTRY:
+        raise PlanError(f"dp_plan: unknown DP policy {d.policy!r}; choose one of {', '.join(DP_REGISTRY)}")
+    if d.split_compute != DP_REGISTRY[d.policy].splits_compute:
+        splitting = ", ".join(n for n, e in DP_REGISTRY.items() if e.splits_compute)
+        raise PlanError(f"dp_plan: split_compute is {d.split_compute} under {d.policy} (only {splitting} splits)")
     indices = [b.index for b in d.buckets]
     if len(set(indices)) != len(indices):
         raise PlanError("dp_plan: bucket indices repeat")
@@ -396,7 +409,7 @@ def _validate_tp(plan: Plan) -> None:
             raise PlanError(f"tp_plan: DP rank {r}'s micro-groups do not hold exactly the matrices it computes")
         for g in rank:
             for h in g.hosts:
-                if not (0 <= h < plan.tp or (h == EVERY_RANK and t.policy == "tp-sync")):
+                if not (0 <= h < plan.tp or (h == EVERY_RANK and t.policy in TP_REGISTRY and TP_REGISTRY[t.policy].every_rank)):
                     raise PlanError(f"tp_plan: DP rank {r} has host {h} outside 0..{plan.tp - 1}")
 
 

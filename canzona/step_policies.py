@@ -7,8 +7,10 @@ what it communicates around the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from canzona.dp.layout import KEEPS_GEOMETRY, DPPlan
+from canzona.dp.layout import DPPlan
+from canzona.dp.policies import KEEPS_GEOMETRY
 from canzona.errors import SpecError
 
 PARAMS_NONE = "none"  # every rank updated everything itself
@@ -16,15 +18,19 @@ PARAMS_BY_SEGMENT = "segments"  # all-gather(-v) of each bucket on the plan's se
 PARAMS_BY_OWNER = "owners"  # owners' matrices are scattered over the bucket: all-gather what each packs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepPolicy:
+    """A step policy's registry entry (`STEP_POLICIES`): its properties, which every part of the
+    toolkit reads instead of comparing names."""
+
     name: str
-    grad_sync: str  # "all-reduce" or "reduce-scatter"
+    grad_sync: Literal["all-reduce", "reduce-scatter"]
     replicated: bool  # every DP rank computes every matrix (sc)
-    dp_policy: str | None  # None: the user's choice (canzona)
-    tp_policy: str | None
+    dp_policy: str | None  # its own DP policy; None: the user's choice (canzona)
+    tp_policy: str | None  # its own TP scheduler; None: the user's choice
     gather_split: bool  # zero1-gather: fetch the other ranks' parts of split matrices
-    param_gather: str  # after the step, over DP: PARAMS_NONE, PARAMS_BY_SEGMENT or PARAMS_BY_OWNER
+    # after the step, over DP: PARAMS_NONE, PARAMS_BY_SEGMENT or PARAMS_BY_OWNER
+    param_gather: Literal["none", "segments", "owners"]
 
     def check_dp_policy(self, dp_policy: str) -> None:
         """The user's DP policy is one this step policy can execute (policies with their own plan
@@ -69,11 +75,15 @@ class StepPolicy:
 
 
 STEP_POLICIES: dict[str, StepPolicy] = {
-    "sc": StepPolicy("sc", "all-reduce", True, "whole-start", "tp-sync", False, PARAMS_NONE),
-    "zero1-gather": StepPolicy("zero1-gather", "reduce-scatter", False, "zero1-even", "tp-sync", True,
-                               PARAMS_BY_SEGMENT),
-    "layerwise": StepPolicy("layerwise", "all-reduce", False, "layerwise", "tp-sync", False, PARAMS_BY_OWNER),
-    "canzona": StepPolicy("canzona", "reduce-scatter", False, None, None, False, PARAMS_BY_SEGMENT),
+    "sc": StepPolicy(name="sc", grad_sync="all-reduce", replicated=True, dp_policy="whole-start",
+                     tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_NONE),
+    "zero1-gather": StepPolicy(name="zero1-gather", grad_sync="reduce-scatter", replicated=False,
+                               dp_policy="zero1-even", tp_policy="tp-sync", gather_split=True,
+                               param_gather=PARAMS_BY_SEGMENT),
+    "layerwise": StepPolicy(name="layerwise", grad_sync="all-reduce", replicated=False, dp_policy="layerwise",
+                            tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_BY_OWNER),
+    "canzona": StepPolicy(name="canzona", grad_sync="reduce-scatter", replicated=False, dp_policy=None,
+                          tp_policy=None, gather_split=False, param_gather=PARAMS_BY_SEGMENT),
 }
 
 

@@ -157,17 +157,35 @@ def greedy_rollback(tasks: Sequence[TPTask], tp: int, capacity: Capacity | None)
     return groups
 
 
-TP_POLICIES: dict[str, Callable[[Sequence[TPTask], int, Capacity | None], list[MicroGroup]]] = {
-    "tp-sync": tp_sync,
-    "tp-chunk": tp_chunk,
-    "greedy-rollback": greedy_rollback,
+@dataclass(frozen=True, kw_only=True)
+class TPPolicy:
+    """A TP scheduler's registry entry: how it forms micro-groups, and the properties the rest of
+    the toolkit asks of its plans (nothing outside this registry compares scheduler names)."""
+
+    name: str
+    build: Callable[[Sequence[TPTask], int, Capacity | None], list[MicroGroup]]
+    uses_capacity: bool = False  # micro-groups cut at a capacity (default: the largest task's seconds)
+    every_rank: bool = False  # every TP rank computes every matrix (hosts are EVERY_RANK)
+
+
+TP_REGISTRY: dict[str, TPPolicy] = {
+    "tp-sync": TPPolicy(name="tp-sync", build=tp_sync, every_rank=True),
+    "tp-chunk": TPPolicy(name="tp-chunk", build=tp_chunk),
+    "greedy-rollback": TPPolicy(name="greedy-rollback", build=greedy_rollback, uses_capacity=True),
 }
+TP_POLICIES = tuple(TP_REGISTRY)
+DEFAULT_TP_POLICY = "greedy-rollback"
 
 
 def check_tp_policy(name: str) -> str:
-    if name not in TP_POLICIES:
-        raise SpecError(f"unknown TP policy {name!r}; choose one of {', '.join(TP_POLICIES)}")
+    if name not in TP_REGISTRY:
+        raise SpecError(f"unknown TP policy {name!r}; choose one of {', '.join(TP_REGISTRY)}")
     return name
+
+
+def tp_policy(name: str) -> TPPolicy:
+    """The registry entry of TP scheduler `name` (SpecError, one line, for an unknown one)."""
+    return TP_REGISTRY[check_tp_policy(name)]
 
 
 def default_capacity(tasks_by_rank: Sequence[Sequence[TPTask]]) -> Capacity:
@@ -179,12 +197,11 @@ def default_capacity(tasks_by_rank: Sequence[Sequence[TPTask]]) -> Capacity:
 def plan_tp(tasks_by_rank: Sequence[Sequence[TPTask]], tp: int, policy: str,
             capacity: Capacity | None = None) -> TPPlan:
     """Schedule each DP rank's tasks (given in forward order) over its `tp` TP ranks."""
-    check_tp_policy(policy)
+    entry = tp_policy(policy)
     if tp < 1:
         raise SpecError(f"tp must be >= 1, got {tp}")
-    if policy == "greedy-rollback" and capacity is None:
+    if entry.uses_capacity and capacity is None:
         capacity = default_capacity(tasks_by_rank)
-    fn = TP_POLICIES[policy]
-    groups = tuple(tuple(fn(list(rank), tp, capacity)) for rank in tasks_by_rank)
-    return TPPlan(policy, tp, capacity if policy == "greedy-rollback" else None, groups)
+    groups = tuple(tuple(entry.build(list(rank), tp, capacity)) for rank in tasks_by_rank)
+    return TPPlan(policy, tp, capacity if entry.uses_capacity else None, groups)
 

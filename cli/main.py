@@ -20,7 +20,7 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
-from canzona.dp.policies import MATRICES_PER_RANK
+from canzona.dp.policies import DEFAULT_DP_POLICY, MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
@@ -31,7 +31,7 @@ from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
-from canzona.tp import TP_POLICIES
+from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
     calibration_tables,
@@ -148,8 +148,8 @@ def plan(
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
-    dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = "alpha-balanced",
-    tp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(TP_POLICIES)}.")] = "greedy-rollback",
+    dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = DEFAULT_DP_POLICY,
+    tp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(TP_POLICIES)}.")] = DEFAULT_TP_POLICY,
     alpha: Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")] = 1.0,
     bucket_size: Annotated[int | None, typer.Option(help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, at least max(40M, 1M x dp) and the largest matrix).")] = None,
     align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = 64,
@@ -181,7 +181,7 @@ def plan(
             return
         # every DP policy, plus the paper's policy balanced by elements as the authors' code does
         variants = [(name, "seconds") for name in DP_POLICIES]
-        variants.insert(variants.index(("alpha-balanced", "seconds")) + 1, ("alpha-balanced", "elements"))
+        variants.insert(variants.index((DEFAULT_DP_POLICY, "seconds")) + 1, (DEFAULT_DP_POLICY, "elements"))
         if (dp_policy, balance_by) not in variants:
             variants.append((dp_policy, balance_by))
         dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
@@ -236,7 +236,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_
 
     _check_dp_policy_applies([policy], dp_policy)
     return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
-                     dp_policy=dp_policy or "alpha-balanced",
+                     dp_policy=dp_policy or DEFAULT_DP_POLICY,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
@@ -294,7 +294,7 @@ ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scat
 def simulate(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
     policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise or canzona.")] = "canzona",
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
@@ -335,7 +335,7 @@ def simulate(
 @app.command()
 def compare(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = "greedy-rollback", alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = "pipelined",
@@ -401,7 +401,7 @@ def verify(
     bucket_size: BucketSize = None,
     tp: Annotated[int, typer.Option(help=f"Tensor-parallel size: dp x tp ranks are spawned (at most {checks.MAX_RANKS}).")] = 1,
     tp_policy: Annotated[str, typer.Option(
-        help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = "greedy-rollback",
+        help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = DEFAULT_TP_POLICY,
     tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = "pipelined",
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
@@ -415,7 +415,7 @@ def verify(
 
     try:
         _check_dp_policy_applies(list(STEP_POLICIES) if policy == "all" else [policy], dp_policy)
-        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or "alpha-balanced", accumulation, preset,
+        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or DEFAULT_DP_POLICY, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style)
     except CanzonaError as e:

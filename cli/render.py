@@ -12,6 +12,9 @@ from canzona.plan import Plan
 from canzona.runtime.verify import REFERENCE_RTOL
 from canzona.spec import ModelSpec
 from cli.units import human_bytes
+from sim.workload import Workload
+
+GRAD_BYTES = Workload().grad_bytes  # the gradient dtype the simulator prices (fp32, as Megatron reduces)
 
 
 def _ms(seconds: float) -> str:
@@ -64,11 +67,11 @@ def dp_table(plans: Sequence[Plan], chosen: Plan) -> Table:
             + (" (kept whole-start)" if p.dp_plan.fell_back else "")
         t.add_row(name, _ms(d.makespan), f"{d.imbalance:.3f}", f"{d.lower_bound_gap * 100:.1f}%",
                   f"{d.comm_ratio:.2f}", f"{d.state_imbalance:.3f}", atomic,
-                  human_bytes(2 * d.extra_comm_elements), _ms(p.tp_plan.metrics.makespan),
+                  human_bytes(GRAD_BYTES * d.extra_comm_elements), _ms(p.tp_plan.metrics.makespan),
                   style="bold green" if p is chosen else None)
     t.caption = (f"Seconds from {p0.cost_model}. Load: optimizer work per DP rank (its TP group); "
                  f"lower bound {_ms(p0.dp_plan.metrics.lower_bound)} ms. Comm: longest / even "
-                 "reduce-scatter segment. Extra comm: bf16 gradient bytes fetched beyond the segment. "
+                 "reduce-scatter segment. Extra comm: fp32 gradient bytes (the simulator's default) fetched beyond the segment. "
                  "GPU ms: optimizer compute on the slowest GPU after TP scheduling.")
     return t
 

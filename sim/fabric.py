@@ -12,8 +12,6 @@ from collections.abc import Iterable
 
 import simpy
 
-_EPS = 1e-15
-
 
 class _Flow:
     __slots__ = ("links", "remaining", "rate", "since", "done", "proc")

@@ -14,9 +14,10 @@ from typing import Any
 
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
+from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
-from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
@@ -25,7 +26,7 @@ from canzona.plan import Plan, make_plan
 from canzona.spec import ModelSpec
 from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, check_tp_mode
-from canzona.tp import Capacity
+from canzona.tp import DEFAULT_TP_POLICY, Capacity
 from sim.engine import Engine, Span
 from sim.iteration import Context, EarlyStart, forward_backward, optimizer_step
 from sim.model_work import micro_batch_work
@@ -56,8 +57,8 @@ class SimConfig:
     tp: int = 8
     optimizer: str = "muon"
     policy: str = "canzona"
-    dp_policy: str = "alpha-balanced"
-    tp_policy: str = "greedy-rollback"
+    dp_policy: str = DEFAULT_DP_POLICY
+    tp_policy: str = DEFAULT_TP_POLICY
     tp_mode: str = PIPELINED  # or "serial": the order of the micro-groups' operations
     alpha: float = 1.0
     bucket_size: int | None = None
@@ -73,8 +74,9 @@ class SimConfig:
         return self.checked(model)[0]
 
     def checked(self, model: tuple[ModelSpec, Architecture] | None = None
-                ) -> tuple[Cluster, tuple[ModelSpec, Architecture]]:
-        """`check`, also returning the model (`model_of`): a model file is read here, once."""
+                ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
+        """`check`, also returning the model (`model_of`) and the hardware profile: a model file
+        and a profile are read here, once per simulation."""
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
@@ -82,11 +84,12 @@ class SimConfig:
         STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
         self.options.check()
-        cluster = Cluster(self.gpus, self.tp, load_profile(self.hardware).node.gpus, self.pp)
+        hw = load_profile(self.hardware)
+        cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp)
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
-        return cluster, resolved
+        return cluster, resolved, hw
 
 
 def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
@@ -174,7 +177,7 @@ class SimResult:
         }
 
 
-def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
+def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile) -> Plan:
     """The policy's plan for one pipeline stage's `spec` (the whole model without PP)."""
     policy = STEP_POLICIES[cfg.policy]
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
@@ -182,7 +185,7 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec) -> Plan:
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
     return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
                      policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
-                     capacity=cfg.capacity, cost_model=cost_model_for(cfg.hardware))
+                     capacity=cfg.capacity, cost_model=cost_model_for(hw))
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -237,23 +240,22 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     is returned, marked in `fell_back_to`. Whole matrices make the DP collectives uneven; once the
     optimizer step is a small part of the iteration (docs/design.md §9.3) that costs more than the
     optimizer work saved, and a planner should say so rather than lose."""
-    cluster, model = cfg.checked(model)  # a model file is read here, not again by each run below
-    result = _simulate(cfg, plan, replicate_phase_a, model, cluster)
+    cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
+    result = _simulate(cfg, plan, replicate_phase_a, model, cluster, hw)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
     # only the policy differs: the checks passed, and the cluster is the same
-    fallback = _simulate(with_policy(cfg, "zero1-gather"), None, replicate_phase_a, model, cluster)
+    fallback = _simulate(with_policy(cfg, "zero1-gather"), None, replicate_phase_a, model, cluster, hw)
     if fallback.iteration_time_s < result.iteration_time_s:
         return replace(fallback, config=cfg, fell_back_to="zero1-gather")
     return result
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
-              model: tuple[ModelSpec, Architecture], cluster: Cluster) -> SimResult:
-    """One run of a checked configuration (`SimConfig.checked` gave `model` and `cluster`)."""
+              model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile) -> SimResult:
+    """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`)."""
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
-    hw = load_profile(cfg.hardware)
     policy = STEP_POLICIES[cfg.policy]
     spec, arch = model
     rate = DeviceRate.from_profile(hw)
@@ -263,7 +265,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     ctxs, plans, memories = [], [], []
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers)
-        stage_plan = plan or _plan_for(cfg, cluster, stage_model)
+        stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw)
         policy.check_dp_plan(stage_plan.dp_plan)
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.cost import (
-    H100_SXM,
     AnalyticCost,
     DeviceRate,
     TableCost,
+    default_rate,
     init_kernels,
     optimizer_kernels,
     state_bytes,
@@ -197,20 +197,20 @@ def test_seconds_positive_and_at_least_launch_overhead(opt, m, n):
     ks = optimizer_kernels(opt, (m, n))
     t = cost.seconds(opt, (m, n))
     assert t > 0
-    assert t >= sum(k.count for k in ks) * H100_SXM.launch_s * (1 - 1e-12)
-    assert t == pytest.approx(sum(H100_SXM.kernel_seconds(k) for k in ks), rel=1e-12)
+    assert t >= sum(k.count for k in ks) * default_rate().launch_s * (1 - 1e-12)
+    assert t == pytest.approx(sum(default_rate().kernel_seconds(k) for k in ks), rel=1e-12)
 
 
 @pytest.mark.parametrize("opt, n_kernels", [("muon", 18), ("adamw", 1)])
 def test_small_matrices_are_dominated_by_launch_overhead(opt, n_kernels):
     cost = AnalyticCost()
     assert len(optimizer_kernels(opt, (16, 16))) == n_kernels
-    overhead = n_kernels * H100_SXM.launch_s
+    overhead = n_kernels * default_rate().launch_s
     t = cost.seconds(opt, (16, 16))
     assert overhead <= t <= 1.05 * overhead
     # A large matrix is not: its time is far above its launch overhead.
     n_big = len(optimizer_kernels(opt, (8192, 8192)))
-    assert cost.seconds(opt, (8192, 8192)) > 20 * n_big * H100_SXM.launch_s
+    assert cost.seconds(opt, (8192, 8192)) > 20 * n_big * default_rate().launch_s
 
 
 def test_small_soap_counts_amortised_launches():
@@ -219,7 +219,7 @@ def test_small_soap_counts_amortised_launches():
     launches = sum(k.count for k in ks)
     assert launches == pytest.approx(2 * (4 + 2 / 10) + 1)
     # one wave of one 128x128 tile per GEMM (about 0.6 us) on top of each 5 us launch
-    assert launches * H100_SXM.launch_s <= cost.seconds("soap", (8, 8)) <= 1.2 * launches * H100_SXM.launch_s
+    assert launches * default_rate().launch_s <= cost.seconds("soap", (8, 8)) <= 1.2 * launches * default_rate().launch_s
 
 
 def test_kernel_seconds_is_roofline_plus_launch():

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.cost import H100_SXM, optimizer_kernels
+from canzona.cost import default_rate, optimizer_kernels
 from canzona.errors import SpecError
 from canzona.hardware import load_profile, profile_from_dict
 
@@ -19,7 +19,7 @@ def _solver(opt: str, shape: tuple[int, int], op: str, size: int):
 
 
 def test_table_points_are_returned_exactly_and_interpolated_log_log():
-    rate = replace(H100_SXM, solver_seconds=TABLE)
+    rate = replace(default_rate(), solver_seconds=TABLE)
     assert rate.solver_time(_solver("shampoo", (1024, 4096), "eigh", 1024)) == 0.02
     assert rate.solver_time(_solver("shampoo", (1024, 4096), "eigh", 4096)) == 0.5
     mid = rate.solver_time(_solver("shampoo", (2048, 4096), "eigh", 2048))
@@ -27,16 +27,16 @@ def test_table_points_are_returned_exactly_and_interpolated_log_log():
 
 
 def test_outside_the_table_time_scales_as_k_cubed():
-    rate = replace(H100_SXM, solver_seconds=TABLE)
+    rate = replace(default_rate(), solver_seconds=TABLE)
     assert rate.solver_time(_solver("soap", (4096, 8192), "qr", 4096)) == pytest.approx(0.004 * 8)
     assert rate.solver_time(_solver("soap", (1024, 512), "qr", 1024)) == pytest.approx(0.004 / 8)
 
 
 def test_table_replaces_the_rate_and_keeps_amortisation():
     k = _solver("shampoo", (1024, 4096), "eigh", 1024)
-    rate = replace(H100_SXM, solver_seconds=TABLE)
-    assert rate.kernel_seconds(k) == pytest.approx(k.count * (0.02 + H100_SXM.launch_s))
-    assert H100_SXM.kernel_seconds(k) != rate.kernel_seconds(k)  # datasheet profile: no table
+    rate = replace(default_rate(), solver_seconds=TABLE)
+    assert rate.kernel_seconds(k) == pytest.approx(k.count * (0.02 + default_rate().launch_s))
+    assert default_rate().kernel_seconds(k) != rate.kernel_seconds(k)  # datasheet profile: no table
 
 
 def test_profiles_carry_tables_and_reject_malformed_ones():

@@ -24,7 +24,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.dp.layout import KEEPS_GEOMETRY, ceil_to, even_cuts
+from canzona.dp.layout import ceil_to, even_cuts
+from canzona.dp.policies import KEEPS_GEOMETRY
 from canzona.errors import PlanError, SpecError
 from canzona.plan import make_plan
 from canzona.spec import ModelSpec, ParamSpec, Role

@@ -147,12 +147,6 @@ def _ratio(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else 1.0
 
 
-# DP policies whose plans put every matrix whole inside its owner's contiguous segment, so the
-# reduce-scatter lands each gradient on the rank that updates it (zero1-even splits matrices,
-# layerwise scatters owners over the buffer).
-KEEPS_GEOMETRY = frozenset({"whole-start", "alpha-balanced", "alpha-balanced-reorder"})
-
-
 @dataclass(frozen=True)
 class DPPlan:
     """The DP part of a plan. With `split_compute`, every rank whose segment overlaps a matrix
@@ -170,8 +164,14 @@ class DPPlan:
 
     @property
     def keeps_geometry(self) -> bool:
-        """Every matrix lies whole inside its owner's contiguous segment (see `KEEPS_GEOMETRY`)."""
-        return self.policy in KEEPS_GEOMETRY and not self.split_compute
+        """Every matrix lies whole inside its owner's contiguous segment (its policy's
+        `DPPolicy.keeps_geometry`)."""
+        from canzona.dp.policies import (
+            DP_REGISTRY,  # the registry builds plans: imported when asked
+        )
+
+        entry = DP_REGISTRY.get(self.policy)
+        return entry is not None and entry.keeps_geometry and not self.split_compute
 
     def placements(self) -> list[Placement]:
         return [p for b in self.buckets for p in b.params]

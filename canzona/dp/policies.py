@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from canzona.dp.layout import (
@@ -197,20 +197,45 @@ def alpha_balanced_reorder(buckets: Buckets, dp: int, align: int, bucket_size: i
     return _plan("alpha-balanced-reorder", dp, alpha, align, bucket_size, plans)
 
 
-DP_POLICIES: dict[str, Callable[..., DPPlan]] = {
-    "zero1-even": zero1_even,
-    "whole-start": whole_start,
-    "layerwise": layerwise,
-    "alpha-balanced": alpha_balanced,
-    "alpha-balanced-reorder": alpha_balanced_reorder,
+@dataclass(frozen=True, kw_only=True)
+class DPPolicy:
+    """A DP policy's registry entry: how it plans and the properties the rest of the toolkit asks
+    of its plans (nothing outside this registry compares policy names)."""
+
+    name: str
+    build: Callable[..., DPPlan]  # (buckets, dp, align, bucket size[, alpha]) -> DPPlan
+    # every matrix lies whole inside its owner's contiguous segment, so the reduce-scatter lands
+    # each gradient on the rank that updates it (ZeRO-1's geometry kept; canzona's step needs it)
+    keeps_geometry: bool
+    # matrices are cut by even segments: every rank whose segment overlaps one computes it
+    splits_compute: bool = False
+    takes_alpha: bool = False  # balances compute against segment size by `alpha`
+
+
+DP_REGISTRY: dict[str, DPPolicy] = {
+    "zero1-even": DPPolicy(name="zero1-even", build=zero1_even, keeps_geometry=False, splits_compute=True),
+    "whole-start": DPPolicy(name="whole-start", build=whole_start, keeps_geometry=True),
+    # owners scattered over the buffer, one matrix's segment is not its owner's
+    "layerwise": DPPolicy(name="layerwise", build=layerwise, keeps_geometry=False),
+    "alpha-balanced": DPPolicy(name="alpha-balanced", build=alpha_balanced, keeps_geometry=True, takes_alpha=True),
+    "alpha-balanced-reorder": DPPolicy(name="alpha-balanced-reorder", build=alpha_balanced_reorder,
+                                       keeps_geometry=True, takes_alpha=True),
 }
-ALPHA_POLICIES = ("alpha-balanced", "alpha-balanced-reorder")
+DP_POLICIES = tuple(DP_REGISTRY)
+DEFAULT_DP_POLICY = "alpha-balanced"
+ALPHA_POLICIES = tuple(name for name, e in DP_REGISTRY.items() if e.takes_alpha)
+KEEPS_GEOMETRY = frozenset(name for name, e in DP_REGISTRY.items() if e.keeps_geometry)
 
 
 def check_dp_policy(name: str) -> str:
-    if name not in DP_POLICIES:
-        raise SpecError(f"unknown DP policy {name!r}; choose one of {', '.join(DP_POLICIES)}")
+    if name not in DP_REGISTRY:
+        raise SpecError(f"unknown DP policy {name!r}; choose one of {', '.join(DP_REGISTRY)}")
     return name
+
+
+def dp_policy(name: str) -> DPPolicy:
+    """The registry entry of DP policy `name` (SpecError, one line, for an unknown one)."""
+    return DP_REGISTRY[check_dp_policy(name)]
 
 
 BALANCE_UNITS = ("seconds", "elements")
@@ -249,6 +274,6 @@ def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
         raise SpecError(f"balance unit must be one of {', '.join(BALANCE_UNITS)}, got {balance_by!r}")
     planned = items if balance_by == "seconds" else [replace(it, cost=float(it.numel)) for it in items]
     buckets = make_buckets(planned, size)
-    fn = DP_POLICIES[policy]
-    plan = fn(buckets, dp, align, size, alpha) if policy in ALPHA_POLICIES else fn(buckets, dp, align, size)
+    entry = DP_REGISTRY[policy]
+    plan = entry.build(buckets, dp, align, size, alpha) if entry.takes_alpha else entry.build(buckets, dp, align, size)
     return plan if balance_by == "seconds" else _with_costs(plan, items, balance_by)

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan
-from canzona.dp.policies import DEFAULT_ALIGN
+from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fileio import is_finite_number
 from canzona.optimizers import (
@@ -71,6 +71,7 @@ from canzona.step_policies import (
     get_step_policy,
 )
 from canzona.step_schedule import PIPELINED, TPSchedule, check_tp_mode, tp_schedule
+from canzona.tp import DEFAULT_TP_POLICY
 
 log = logging.getLogger("canzona")
 
@@ -152,7 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         adamw_config: AdamWConfig | Mapping | None = None,
         plan: Plan | str | Path | None = None,
         policy: str = "canzona",
-        dp_policy: str = "alpha-balanced",
+        dp_policy: str = DEFAULT_DP_POLICY,
         alpha: float = 1.0,
         bucket_size: int | None = None,
         group: dist.ProcessGroup | DeviceMesh | None = None,
@@ -161,7 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cost_model: CostModel | None = None,
         master_weights: bool = True,
         tp_group: dist.ProcessGroup | None = None,
-        tp_policy: str = "greedy-rollback",
+        tp_policy: str = DEFAULT_TP_POLICY,
         tp_mode: str = PIPELINED,
         reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
         max_grad_norm: float | None = None,

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from canzona.dp.layout import ceil_to, even_cuts
-from canzona.dp.policies import DEFAULT_ALIGN
+from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict
 from canzona.plan import Plan
@@ -38,6 +38,7 @@ from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.runtime.verify import TP_STYLES
+from canzona.tp import DEFAULT_TP_POLICY
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class TrainSpec:
     data_seed: int = 1
     optimizer: str = "muon"
     policy: str = "canzona"
-    dp_policy: str = "alpha-balanced"
+    dp_policy: str = DEFAULT_DP_POLICY
     alpha: float = 1.0
     bucket_size: int | None = None
     steps: int = 4
@@ -61,7 +62,7 @@ class TrainSpec:
     master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
-    tp_policy: str = "greedy-rollback"  # the canzona policy's TP scheduler (the baselines run tp-sync)
+    tp_policy: str = DEFAULT_TP_POLICY  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = "pipelined"  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
     # DP gradient reduce-scatter (canzona.reductions): "exact", the verification mode, unlike the

@@ -26,12 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.plan import Plan, make_plan
 from canzona.step_policies import STEP_POLICIES, get_step_policy
 from canzona.step_schedule import TP_MODES
-from canzona.tp import TP_POLICIES
+from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
@@ -84,9 +85,9 @@ def _positive(name: str, value: int) -> None:
 
 
 def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: int = 10,
-            dp_policy: str = "alpha-balanced", accumulation: int = 1, preset: str = "tiny",
+            dp_policy: str = DEFAULT_DP_POLICY, accumulation: int = 1, preset: str = "tiny",
             global_batch: int | None = None, tp: int = 1, alpha: float = 1.0,
-            bucket_size: int | None = None, seq_len: int = 16, tp_policy: str = "greedy-rollback",
+            bucket_size: int | None = None, seq_len: int = 16, tp_policy: str = DEFAULT_TP_POLICY,
             tp_mode: str = "pipelined", tp_style: str = "megatron") -> list[VerifyCase]:
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
     `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`. The
@@ -138,7 +139,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
             step = get_step_policy(pol)
             # the baselines run tp-sync; at TP = 1 the TP choices change nothing
             if tp == 1:
-                schedulers, modes = ["greedy-rollback"], ["pipelined"]
+                schedulers, modes = [DEFAULT_TP_POLICY], ["pipelined"]
             else:
                 schedulers, modes = [step.tp_policy] if step.tp_policy else tp_policies, tp_modes
             for scheduler in schedulers:
@@ -202,7 +203,7 @@ def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
 def _baseline_key(spec) -> str:
     """At TP = 1, emulation and reference runs do not depend on the policy fields: share them across
     policies. (Under TP they are fed each run's own recorded gradients.)"""
-    neutral = replace(spec, policy="canzona", dp_policy="alpha-balanced", alpha=1.0, bucket_size=None)
+    neutral = replace(spec, policy="canzona", dp_policy=DEFAULT_DP_POLICY, alpha=1.0, bucket_size=None)
     return json.dumps(asdict(neutral), sort_keys=True, default=str)
 
 
