@@ -27,6 +27,7 @@ from canzona.fileio import (
 )
 from canzona.optimizers import check_matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.step_policies import StepPolicy, get_step_policy
 from canzona.tp import (
     DEFAULT_TP_POLICY,
     EVERY_RANK,
@@ -184,6 +185,32 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
          for p in sorted(rank, key=lambda p: order[p.name])]
         for rank in per_rank
     ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """How to plan, with its defaults defined once: the DP policy, the TP scheduler and their
+    knobs. A step policy with its own DP or TP policy (the baselines) overrides those two
+    (`plan_for`)."""
+
+    dp_policy: str = DEFAULT_DP_POLICY
+    tp_policy: str = DEFAULT_TP_POLICY
+    alpha: float = 1.0  # compute (1) vs segment-size (0) balance of the alpha policies
+    bucket_size: int | None = None  # elements; None: about MATRICES_PER_RANK matrices per rank per bucket
+    align: int = DEFAULT_ALIGN
+    capacity: Capacity | None = None  # micro-group capacity of greedy-rollback; None: the largest task
+    balance_by: str = "seconds"  # or "elements", as the authors' code balances
+
+
+def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
+             settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None) -> Plan:
+    """The plan step policy `policy` executes: its own DP and TP policies where it has them
+    (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
+    `canzona verify` and the simulator make a policy's plan."""
+    policy = get_step_policy(policy) if isinstance(policy, str) else policy
+    return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
+                     policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
+                     capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by)
 
 
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",

@@ -22,7 +22,7 @@ from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
-from canzona.plan import Plan, make_plan
+from canzona.plan import Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_policies import STEP_POLICIES
 from canzona.step_schedule import PIPELINED, check_tp_mode
@@ -68,6 +68,12 @@ class SimConfig:
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
+
+    @property
+    def settings(self) -> PlanSettings:
+        """The planning settings of this configuration."""
+        return PlanSettings(dp_policy=self.dp_policy, tp_policy=self.tp_policy, alpha=self.alpha,
+                            bucket_size=self.bucket_size, capacity=self.capacity)
 
     def check(self, model: tuple[ModelSpec, Architecture] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
@@ -183,9 +189,7 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwarePro
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
     # for the runtime's collectives, which are laid out on a plan of the whole DP group
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
-    return make_plan(spec, dp, cfg.tp, cfg.optimizer, policy.dp_policy or cfg.dp_policy,
-                     policy.tp_policy or cfg.tp_policy, cfg.alpha, cfg.bucket_size,
-                     capacity=cfg.capacity, cost_model=cost_model_for(hw))
+    return plan_for(spec, dp, cfg.tp, cfg.optimizer, policy, cfg.settings, cost_model_for(hw))
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

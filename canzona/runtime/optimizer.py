@@ -43,7 +43,7 @@ from canzona.optimizers import (
     config_from_dict,
     default_config,
 )
-from canzona.plan import Plan, check_plan_matches, load_plan, make_plan
+from canzona.plan import Plan, PlanSettings, check_plan_matches, load_plan, plan_for
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
@@ -312,9 +312,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, tp_policy: str, alpha: float,
                       bucket_size: int | None, align: int, cost_model: CostModel | None) -> Plan:
         if plan is None:
-            plan = make_plan(self.spec, self.dp, self.tp, self.optimizer, self.policy.dp_policy or dp_policy,
-                             self.policy.tp_policy or tp_policy, alpha, bucket_size, align,
-                             cost_model=cost_model)
+            settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
+                                    align=align)
+            plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
         check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp)

@@ -29,7 +29,7 @@ from typing import Any
 from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.optimizers import MATRIX_OPTIMIZERS
-from canzona.plan import Plan, make_plan
+from canzona.plan import Plan, PlanSettings, plan_for
 from canzona.step_policies import STEP_POLICIES, get_step_policy
 from canzona.step_schedule import TP_MODES
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
@@ -152,8 +152,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
                     # the plan the runtime would make (DistributedOptimizer._resolve_plan), made
                     # here so that bad plan settings fail before any spawn and the table names
                     # what ran
-                    plan = make_plan(mspec, dp, tp, opt, step.dp_policy or dp_policy, step.tp_policy or scheduler,
-                                     alpha, bucket_size)
+                    plan = plan_for(mspec, dp, tp, opt, step, PlanSettings(
+                        dp_policy=dp_policy, tp_policy=scheduler, alpha=alpha, bucket_size=bucket_size))
                     step.check_dp_plan(plan.dp_plan)
                     cases.append(VerifyCase(spec, plan))
     return cases

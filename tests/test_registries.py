@@ -1,0 +1,78 @@
+"""The extension seams (issue 19): every optimizer, DP policy, TP scheduler and step policy is a
+registry entry whose fields say what the rest of the toolkit asks of it; one settings object and
+one `plan_for` make every policy's plan.
+
+- Every part an optimizer entry names resolves to something callable (a new entry with a typo
+  fails here, not in a user's run), its config is the entry's, and `default_config` agrees.
+- The DP and TP entries carry the properties the code used to infer from names, with the same
+  answers; the step policies are keyword-only.
+- `plan_for` gives each baseline its own DP / TP policies and canzona the settings', and equals
+  `make_plan` with those; `PlanSettings`' defaults are `make_plan`'s.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from canzona.dp.policies import DP_REGISTRY, KEEPS_GEOMETRY
+from canzona.models import resolve_model
+from canzona.optimizers import MATRIX_REGISTRY, MatrixOptimizer, default_config
+from canzona.plan import PlanSettings, make_plan, plan_for
+from canzona.step_policies import STEP_POLICIES, StepPolicy
+from canzona.tp import TP_REGISTRY, Capacity
+
+PARTS = ("cost_kernels", "state_bytes", "workspace_bytes", "kernel", "initial_state", "reference",
+         "init_kernels", "stack_bytes", "batched", "compiled")
+
+
+@pytest.mark.parametrize("name", list(MATRIX_REGISTRY))
+def test_every_part_of_an_optimizer_entry_resolves(name):
+    entry = MATRIX_REGISTRY[name]
+    assert entry.name == name and type(default_config(name)) is entry.config
+    assert entry.summary and "\n" not in entry.summary
+    for part in PARTS:
+        where = getattr(entry, part)
+        resolved = entry.part(part)
+        assert (resolved is None) == (where is None), (name, part)
+        if resolved is not None:
+            assert callable(resolved), (name, part)
+    assert entry.batchable == (entry.batched is not None)
+    assert {f.name for f in fields(MatrixOptimizer)} >= set(PARTS)
+
+
+def test_dp_and_tp_entries_carry_what_names_used_to_say():
+    assert KEEPS_GEOMETRY == {"whole-start", "alpha-balanced", "alpha-balanced-reorder"}
+    assert {n for n, e in DP_REGISTRY.items() if e.splits_compute} == {"zero1-even"}
+    assert {n for n, e in DP_REGISTRY.items() if e.takes_alpha} == {"alpha-balanced", "alpha-balanced-reorder"}
+    assert {n for n, e in TP_REGISTRY.items() if e.every_rank} == {"tp-sync"}
+    assert {n for n, e in TP_REGISTRY.items() if e.uses_capacity} == {"greedy-rollback"}
+    assert all(e.name == n for n, e in (*DP_REGISTRY.items(), *TP_REGISTRY.items()))
+
+
+def test_step_policies_are_keyword_only_entries():
+    canzona = STEP_POLICIES["canzona"]
+    with pytest.raises(TypeError):
+        StepPolicy("x", "reduce-scatter", False, None, None, False, "segments")  # type: ignore[misc]
+    assert canzona.can_overlap_step and not any(p.can_overlap_step for n, p in STEP_POLICIES.items() if n != "canzona")
+
+
+def test_plan_settings_defaults_are_make_plans():
+    defaults = {k: v.default for k, v in inspect.signature(make_plan).parameters.items()}
+    for f in fields(PlanSettings):
+        assert getattr(PlanSettings(), f.name) == defaults[f.name], f.name
+
+
+def test_plan_for_gives_each_policy_its_own_plan():
+    spec, _ = resolve_model("qwen3-0.6b", 2)
+    settings = PlanSettings(dp_policy="alpha-balanced-reorder", tp_policy="tp-chunk", alpha=0.5,
+                            capacity=Capacity(1e-3, "s"))
+    for name, policy in STEP_POLICIES.items():
+        plan = plan_for(spec, 4, 2, "muon", name, settings)
+        assert plan.dp_plan.policy == (policy.dp_policy or settings.dp_policy), name
+        assert plan.tp_plan.policy == (policy.tp_policy or settings.tp_policy), name
+        want = make_plan(spec, 4, 2, "muon", plan.dp_plan.policy, plan.tp_plan.policy, settings.alpha,
+                         capacity=settings.capacity)
+        assert plan.hash() == want.hash(), name
