@@ -40,8 +40,8 @@ import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from canzona.harness.launch import run_ranks  # noqa: E402
 from canzona.runtime.comm import Comm  # noqa: E402
-from canzona.runtime.launch import run_ranks  # noqa: E402
 
 WARMUP = 2
 # torch >= 2.13 names (the *_tensor names are deprecated aliases of the same collectives)

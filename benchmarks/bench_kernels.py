@@ -2,7 +2,7 @@
 
 For each distinct matrix shape of a catalog model and each matrix optimizer, time one steady-state
 step of the runtime kernel (`canzona.runtime.kernels`) plus its apply, median of a few repeats
-(`canzona.runtime.calibrate.time_step`, which `canzona calibrate` uses too), and print it beside the
+(`canzona.harness.calibrate.time_step`, which `canzona calibrate` uses too), and print it beside the
 analytic cost model's prediction for the H100 profile. `--out table.json` writes
 the measurements as `[optimizer, m, n, dtype, seconds]` rows, the format `TableCost` reads.
 
@@ -39,9 +39,9 @@ from rich.table import Table  # noqa: E402
 
 from canzona.catalog import get_model  # noqa: E402
 from canzona.cost import AnalyticCost, step_dtype  # noqa: E402
+from canzona.harness.calibrate import time_step  # noqa: E402 - the one timing definition (`canzona calibrate`)
 from canzona.optimizers import MuonConfig  # noqa: E402
 from canzona.runtime.batched import newton_schulz_batched  # noqa: E402
-from canzona.runtime.calibrate import time_step  # noqa: E402 - the one timing definition (`canzona calibrate`)
 from canzona.runtime.kernels import newton_schulz  # noqa: E402
 
 # (rows, cols, k): many small matrices (launch- and dispatch-bound), mid-size, tall and wide

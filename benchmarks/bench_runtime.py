@@ -57,8 +57,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from canzona.harness.launch import run_ranks  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
-from canzona.runtime.launch import run_ranks  # noqa: E402
 from reference.tiny_model import TinyQwen3, TinyQwen3Config  # noqa: E402
 
 MODEL = TinyQwen3Config(vocab=1024, hidden=384, layers=4, q_heads=6, kv_heads=2, head_dim=64, ffn=1024,

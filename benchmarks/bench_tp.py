@@ -40,8 +40,8 @@ from bench_runtime import BATCH_PER_RANK, MODEL, SEQ_LEN  # noqa: E402 - the sam
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from canzona.harness.launch import run_ranks  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
-from canzona.runtime.launch import run_ranks  # noqa: E402
 from canzona.tp import Capacity  # noqa: E402
 from reference.tiny_model import model_spec  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Turning calibration measurements into a hardware profile (docs/design.md §4.5): pure and torch-free.
 
-`canzona.runtime.calibrate` measures the machine (GEMMs, optimizer steps, solvers, launch overhead,
+`canzona.harness.calibrate` measures the machine (GEMMs, optimizer steps, solvers, launch overhead,
 memory bandwidth, collectives) into a `Measurements`; `assemble_profile` turns those into the JSON
 of a `canzona.hardware` profile, starting from a base profile's JSON for whatever was not measured
 and saying, in `sources`, how every figure was obtained. The fits live here so that they can be

@@ -143,7 +143,7 @@ class ShampooConfig:
 
 
 @dataclass(frozen=True)
-class NorMuonConfig:
+class NorMuonConfig(MuonConfig):
     """NorMuon (Li et al. 2025, arXiv 2510.05491): Muon whose orthogonalised update is normalised
     per neuron (row) by a running second moment, then rescaled to the norm it had (as the authors'
     code does), then applied as Muon's. One step on a matrix p (rows x cols) with gradient G:
@@ -159,16 +159,7 @@ class NorMuonConfig:
         p   <- p * (1 - lr * weight_decay);   p <- p - lr * r * N
     """
 
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-    eps: float = 1e-7
-    ns_steps: int = 5
-    adjust_lr_fn: str = "original"  # or "match_rms_adamw"
-    ns_dtype: str = "bf16"
-    ns_coefficient_type: str = "simple"  # or "quintic", "polar_express" (NS_COEFFICIENT_SETS)
+    # Muon's fields and defaults (inherited), and:
     beta2: float = 0.95
     normuon_eps: float = 1e-10
 

@@ -15,7 +15,7 @@ from typing import Any
 from canzona.cost import AnalyticCost, CostModel, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import BucketPlan, Placement
-from canzona.dp.policies import BALANCE_UNITS, DEFAULT_DP_POLICY, DP_REGISTRY
+from canzona.dp.policies import BALANCE_UNITS, DEFAULT_DP_POLICY, DP_REGISTRY, keeps_geometry
 from canzona.errors import PlanError, SpecError
 from canzona.fileio import (
     dumps_json,
@@ -414,7 +414,7 @@ def _validate_dp(d: DPPlan) -> None:
                 raise PlanError(f"{w}: parameter {p.name} is misplaced (overlap, misalignment or overflow)")
             if not 0 <= p.owner < d.dp:
                 raise PlanError(f"{w}: parameter {p.name} has owner {p.owner} outside 0..{d.dp - 1}")
-            if d.keeps_geometry and list(b.ranks_overlapping(p)) != [p.owner]:
+            if keeps_geometry(d) and list(b.ranks_overlapping(p)) != [p.owner]:
                 raise PlanError(f"{w}: parameter {p.name} is not whole inside its owner's segment")
             end = p.end
 

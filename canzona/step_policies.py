@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from canzona.dp.layout import DPPlan
-from canzona.dp.policies import KEEPS_GEOMETRY
+from canzona.dp.policies import KEEPS_GEOMETRY, keeps_geometry
 from canzona.errors import SpecError
 
 PARAMS_NONE = "none"  # every rank updated everything itself
@@ -42,7 +42,7 @@ class StepPolicy:
         """The DP plan is one this policy can execute; raise SpecError (one line) otherwise."""
         if self.dp_policy is not None and dp_plan.policy != self.dp_policy:
             raise SpecError(f"policy {self.name} needs a {self.dp_policy} plan, got {dp_plan.policy}")
-        if self.dp_policy is None and not dp_plan.keeps_geometry:
+        if self.dp_policy is None and not keeps_geometry(dp_plan):
             raise self._needs_whole_matrices(dp_plan.policy)
 
     def check_tp_plan(self, tp_policy: str, tp: int) -> None:

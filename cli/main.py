@@ -24,12 +24,12 @@ from canzona.dp.policies import DEFAULT_DP_POLICY, MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
+from canzona.harness import verify as checks
 from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
-from canzona.runtime import verify as checks
 from canzona.step_policies import STEP_POLICIES
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
@@ -463,7 +463,7 @@ def calibrate(
     from rich.progress import Progress
 
     try:
-        from canzona.runtime import calibrate as measuring  # torch
+        from canzona.harness import calibrate as measuring  # torch
     except ImportError as e:
         fail(f"canzona calibrate needs torch: {e}")
     try:
@@ -552,8 +552,8 @@ def validate(
     except CanzonaError as e:
         fail(str(e))
     from canzona import calibration
-    from canzona.runtime import calibrate as measuring
-    from canzona.runtime import validate as runtime_validation
+    from canzona.harness import calibrate as measuring
+    from canzona.harness import validate as runtime_validation
     from cli.render import validate_table
     from sim import validate as sim_validation
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from canzona.catalog import QWEN3_DENSE, build_qwen3
+from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
-from canzona.runtime.verify import REFERENCE_RTOL
 from canzona.spec import ModelSpec
 from cli.units import human_bytes
 from sim.workload import Workload

@@ -23,7 +23,7 @@ def _config(name: str, cls: type, config: Any) -> Any:
         return cls()
     if isinstance(config, Mapping):
         return config_from_dict(name, dict(config))
-    if not isinstance(config, cls):
+    if type(config) is not cls:  # exactly: one optimizer's config class may extend another's
         raise ValueError(f"{name} needs a {cls.__name__} (or a dict of its fields), got {type(config).__name__}")
     return config
 

@@ -63,6 +63,8 @@ from sim.topology import Cluster
 from sim.workload import Workload
 
 TP_COMM, DP_COMM = "tp-comm", "dp-comm"
+APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
+FP32_BYTES = 4  # the masters and update chunks are fp32 (MemorySetup.update_bytes with masters)
 
 
 @dataclass
@@ -601,7 +603,8 @@ class _ScheduleRun:
         eng, members = self.ctx.engine, self.members
         self._issued.add((op.group, op.kind))
         group = self.schedule.groups[op.group]
-        apply_s = group.apply_numel * 3 * 4 / self.ctx.rate.hbm_bytes_per_s + self.ctx.rate.launch_s
+        # one memory-bound pass: read the shard and the update chunk, write the shard, in fp32
+        apply_s = group.apply_numel * APPLY_PASSES * FP32_BYTES / self.ctx.rate.hbm_bytes_per_s + self.ctx.rate.launch_s
         if commit is not None:
             for r in members:
                 after = [commit[r], self.computed[op.group][r]]

@@ -1,7 +1,7 @@
 """The simulator against the runtime (`canzona validate`): predicted against measured step times.
 
 The runtime trains one model under every step policy on spawned gloo ranks
-(`canzona.runtime.validate`); the simulator is given the same model, world, batch and a hardware
+(`canzona.harness.validate`); the simulator is given the same model, world, batch and a hardware
 profile calibrated on the same machine, with the runtime's way of running: parameters all-gathered
 inside `step()` (not overlapped with the next forward), no TP, fp32 model. Compared per policy:
 
@@ -119,7 +119,7 @@ def _tau(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def compare(measured: Mapping[str, object], predicted: Mapping[str, SimResult]) -> Report:
-    """`measured[policy]` has `step_s` and `iteration_s` (a `canzona.runtime.validate.Measured`)."""
+    """`measured[policy]` has `step_s` and `iteration_s` (a `canzona.harness.validate.Measured`)."""
     rows = tuple(Comparison(p, m.step_s, predicted_step_s(predicted[p]), m.iteration_s,
                             predicted[p].iteration_time_s)
                  for p, m in measured.items())

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 import accelerate_loop as loop_example  # noqa: E402
 import hf_trainer as trainer_example  # noqa: E402
 
+from canzona.harness.training import GradientRecorder  # noqa: E402
 from canzona.integrations.accelerate import CanzonaAccelerator, canzona_optimizer  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
-from canzona.runtime.training import GradientRecorder  # noqa: E402
 
 SETUP = trainer_example.Setup()
 TRAINER_STEPS = 4  # accumulation 2, checkpoints at steps 2 and 4

@@ -258,7 +258,7 @@ def test_limits_are_stated_in_help():
     (["--policy", "layerwise", "--dp-policy", "alpha-balanced"], "applies to the canzona policy only"),
 ])
 def test_verify_rejects_before_spawning(monkeypatch, args, needle):
-    from canzona.runtime import verify as checks
+    from canzona.harness import verify as checks
 
     def no_spawn(*a, **k):
         raise AssertionError("bad input must fail before any spawn")

@@ -353,7 +353,7 @@ def _dist_cases(tp: int) -> dict[tuple, tuple]:
     """(optimizer, variant, batch) -> (TrainSpec, extra). At TP 1 the plan's own layout (consecutive
     groups join); at TP 2 one micro-group of every matrix (hosts batch their same-shape ones) and
     `sc` (tp-sync: every rank computes every matrix in one group)."""
-    from canzona.runtime.training import TrainSpec
+    from canzona.harness.training import TrainSpec
     from canzona.tp import Capacity
 
     out = {}
@@ -372,8 +372,8 @@ def _dist_cases(tp: int) -> dict[tuple, tuple]:
 
 @functools.cache
 def _spawned(tp: int) -> dict:
-    from canzona.runtime.launch import run_ranks
-    from canzona.runtime.training import many_specs_worker
+    from canzona.harness.launch import run_ranks
+    from canzona.harness.training import many_specs_worker
 
     jobs = _dist_cases(tp)
     results = run_ranks(many_specs_worker, tp, [s for s, _ in jobs.values()], [e for _, e in jobs.values()],

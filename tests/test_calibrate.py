@@ -45,7 +45,7 @@ SHAPES = ((32, 64), (64, 64))
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """One quick CPU calibration on tiny sizes, shared by the tests below: (profile JSON, path)."""
-    from canzona.runtime.calibrate import calibrate, prepare
+    from canzona.harness.calibrate import calibrate, prepare
 
     settings = prepare("cpu", shapes="32x64,64x64", quick=True, name="test-cpu", threads=1)
     settings = replace(settings, gemm_sizes=(32, 64), solver_sizes=(16, 32), copy_bytes=4 * 2**20)
@@ -90,7 +90,7 @@ def test_quick_cpu_calibration_writes_a_profile_that_loads(measured):
 def test_a_dtype_whose_gemm_is_slow_stops_growing_and_the_progress_still_ends(monkeypatch):
     """bf16 on a CPU without native bf16 takes 100x fp32's time: once one of a dtype's GEMMs takes
     longer than the cap, its larger shapes are skipped (the smaller ones still make its curve)."""
-    from canzona.runtime import calibrate as measuring
+    from canzona.harness import calibrate as measuring
 
     monkeypatch.setattr(measuring, "time_gemm", lambda m, n, k, dtype, device, repeats:
                         (1.0 if dtype == "bf16" and m * n * k > 64**3 else 1e-4) * m * n * k / 64**3)
@@ -192,7 +192,7 @@ def test_under_torchrun_the_launched_group_is_measured_and_rank_0_writes(tmp_pat
     import sys
     from pathlib import Path
 
-    from canzona.runtime.launch import free_port
+    from canzona.harness.launch import free_port
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "launched.json"
@@ -410,7 +410,7 @@ def test_world_size_on_cuda_asks_for_torchrun(monkeypatch):
 
 
 def test_a_failed_measurement_is_one_error_line_and_exit_1(monkeypatch):
-    from canzona.runtime import calibrate as measuring
+    from canzona.harness import calibrate as measuring
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from canzona.errors import CanzonaError, CheckpointError
+from canzona.harness.launch import run_ranks
 from canzona.runtime import checkpoint_files
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
@@ -42,7 +43,6 @@ from canzona.runtime.checkpoint_files import (
     save_checkpoint,
     verify_checkpoint,
 )
-from canzona.runtime.launch import run_ranks
 
 DEADLINE_S = 120.0
 PART, SHARED = 256, 64  # elements of each rank's own tensor and of the tensor every rank holds

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from canzona.runtime.launch import free_port, run_ranks
+from canzona.harness.launch import free_port, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]  # spawns gloo ranks
 

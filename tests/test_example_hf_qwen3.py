@@ -14,12 +14,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from canzona.harness.launch import free_port  # noqa: E402
+from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
-from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
-from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,14 +25,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from canzona.errors import CanzonaError  # noqa: E402
+from canzona.harness.launch import free_port  # noqa: E402
+from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.integrations.accelerate import check_on_device, own_storage, same_device  # noqa: E402
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
-from canzona.runtime.launch import free_port  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
-from canzona.runtime.training import _flat_state, compare, runtime_norm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

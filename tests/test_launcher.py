@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from canzona.errors import CanzonaError
-from canzona.runtime import launch
-from canzona.runtime.launch import RankError, report_progress, run_ranks
+from canzona.harness import launch
+from canzona.harness.launch import RankError, report_progress, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -183,7 +183,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import test_launcher as t
 from canzona.errors import CanzonaError
-from canzona.runtime.launch import run_ranks
+from canzona.harness.launch import run_ranks
 try:
     run_ranks(getattr(t, sys.argv[2]), 2, sys.argv[3], deadline_s=float(sys.argv[4]),
               collective_timeout_s=30)

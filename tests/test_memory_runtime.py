@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import pytest
 
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec
 from canzona.memory import LayerDims, MemorySetup, memory_per_gpu, reduction_bytes
 from canzona.reductions import REDUCE_SCATTER_IMPLS
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec
 from canzona.step_policies import STEP_POLICIES, get_step_policy
 
 pytestmark = pytest.mark.distributed
@@ -45,14 +45,14 @@ def nbytes(tensors) -> int:
 def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from canzona.runtime.optimizer import DistributedOptimizer
-    from canzona.runtime.training import (
+    from canzona.harness.training import (
         build_model,
         build_tp_model,
         global_batches,
         matrix_state_bytes,
         micro_batches,
     )
+    from canzona.runtime.optimizer import DistributedOptimizer
 
     out = []
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None

@@ -23,11 +23,8 @@ import torch
 
 import reference
 from canzona.cost import state_bytes, step_flops
-from canzona.memory import kernel_workspace_bytes
-from canzona.optimizers import MATRIX_REGISTRY, NorMuonConfig, config_from_dict
-from canzona.runtime.kernels import apply_update_, matrix_kernel
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     compare,
     emulate,
@@ -36,6 +33,9 @@ from canzona.runtime.training import (
     many_specs_worker,
     reference_run,
 )
+from canzona.memory import kernel_workspace_bytes
+from canzona.optimizers import MATRIX_REGISTRY, NorMuonConfig, config_from_dict
+from canzona.runtime.kernels import apply_update_, matrix_kernel
 
 try:
     from cli_helpers import invoke
@@ -171,11 +171,28 @@ SPECS = {
 }
 
 
+SAVE = TrainSpec(optimizer="normuon", steps=2, global_batch=8, matrix_config=NS_FP32)
+RESUME = replace(SAVE, data_seed=7)  # fresh data for the continuation
+
+
+def normuon_worker(rank: int, world: int) -> tuple[list[dict], dict, dict]:
+    """The runs of SPECS; then a DP 2 run saved with `state_dict()` and another resumed from it."""
+    from canzona.harness.training import distributed_worker
+
+    out = many_specs_worker(rank, world, list(SPECS.values()), [{"state_dict": False}] * len(SPECS))
+    saved = distributed_worker(rank, world, SAVE, {})
+    resumed = distributed_worker(rank, world, RESUME, {"load": (saved["params"], saved["state"]), "state_dict": False})
+    return out, saved, resumed
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    results = run_ranks(many_specs_worker, 2, list(SPECS.values()), [{"state_dict": False}] * len(SPECS),
-                        deadline_s=240.0, collective_timeout_s=60)
-    return {label: [r[i] for r in results] for i, label in enumerate(SPECS)}
+def spawned() -> list[tuple[list[dict], dict, dict]]:
+    return run_ranks(normuon_worker, 2, deadline_s=240.0, collective_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def runs(spawned) -> dict[str, list[dict]]:
+    return {label: [r[0][i] for r in spawned] for i, label in enumerate(SPECS)}
 
 
 @pytest.mark.distributed
@@ -193,3 +210,16 @@ def test_distributed_equals_the_same_kernels_in_one_process(runs, label):
         assert compare(r["params"], mine)["bit_identical"], (label, r["dp_rank"], r["tp_rank"])
         near = compare(r["params"], expected_shards(ref, tp_dims, spec.tp, r["tp_rank"]))
         assert near["max_rel_diff"] <= 1e-5, (label, near)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_resumes_bit_for_bit(spawned):
+    """`state_dict()` carries the per-row second moment with the momentum; a run loaded from it
+    continues as the same kernels in one process continue from it."""
+    (_, saved, _), _ = spawned
+    params, state = saved["params"], saved["state"]
+    second = [s["second_moment"] for s in state["state"].values() if "second_moment" in s]
+    assert second and all(v.dim() == 2 and v.shape[1] == 1 for v in second)
+    want = emulate(RESUME, 2, load=(params, state))
+    for _, _, resumed in spawned:
+        assert compare(resumed["params"], want)["bit_identical"]

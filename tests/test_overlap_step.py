@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from canzona.errors import SpecError
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec, build_model, compare, global_batches, micro_batches
 from canzona.memory import MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.plan import make_plan
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec, build_model, compare, global_batches, micro_batches
 from canzona.step_policies import STEP_POLICIES
 from sim.options import RunOptions
 from sim.simulate import SimConfig, layer_dims, simulate
@@ -194,7 +194,7 @@ def unused_matrix_job(rank: int, world: int, overlap: bool) -> dict:
 
 def tp_job(rank: int, world: int, overlap: bool, clip: float | None) -> dict:
     """TP 2 (DP 1): the micro-groups' exchanges run before the checks; clipping (0.05) drops them."""
-    from canzona.runtime.training import distributed_worker
+    from canzona.harness.training import distributed_worker
 
     spec = TrainSpec(steps=3, global_batch=4, tp=2, matrix_config=CONFIGS["muon"], clip_norm=clip,
                      overlap_step=overlap)

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec, build_model, compare, global_batches, micro_batches
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec, build_model, compare, global_batches, micro_batches
 from canzona.spec import ModelSpec, ParamSpec, Role
 from tests.outcomes import outcome, weights
 

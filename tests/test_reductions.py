@@ -25,6 +25,8 @@ import pytest
 import torch
 
 from canzona.errors import SpecError
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec, compare, emulate, many_specs_worker
 from canzona.reductions import (
     EVEN,
     EXACT,
@@ -35,8 +37,6 @@ from canzona.reductions import (
     check_reduce_scatter,
     temporary_elements,
 )
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec, compare, emulate, many_specs_worker
 
 DEADLINE_S = 120.0
 COLLECTIVE_TIMEOUT_S = 60.0

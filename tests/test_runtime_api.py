@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from canzona.harness.launch import run_ranks
 from canzona.runtime import DistributedOptimizer  # the documented import
-from canzona.runtime.launch import run_ranks
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
 from tests.outcomes import weights

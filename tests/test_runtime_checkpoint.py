@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec, build_model, compare, emulate, many_specs_worker
 from canzona.runtime.checkpoint import state_by_name
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec, build_model, compare, emulate, many_specs_worker
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 

@@ -16,9 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.plan import Plan, make_plan, tp_tasks, validate_plan
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     build_model,
     compare,
@@ -26,6 +25,7 @@ from canzona.runtime.training import (
     many_specs_worker,
     reference_run,
 )
+from canzona.plan import Plan, make_plan, tp_tasks, validate_plan
 from canzona.spec import ModelSpec
 from canzona.tp import plan_tp
 

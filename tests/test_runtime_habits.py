@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from canzona.errors import SpecError
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     build_model,
     compare,

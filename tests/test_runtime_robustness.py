@@ -28,15 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from canzona.errors import CanzonaError, PlanError
-from canzona.plan import make_plan
-from canzona.runtime.launch import RankError, run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import RankError, run_ranks
+from canzona.harness.training import (
     TrainSpec,
     build_model,
     distributed_worker,
     global_batches,
     micro_batches,
 )
+from canzona.plan import make_plan
 from canzona.spec import ModelSpec, ParamSpec, Role
 from canzona.step_collectives import step_collectives, step_records
 from tests.outcomes import weights

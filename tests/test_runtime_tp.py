@@ -21,8 +21,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     compare,
     emulate,

@@ -16,9 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.runtime.checkpoint import state_by_name
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     compare,
     emulate,
@@ -27,6 +26,7 @@ from canzona.runtime.training import (
     global_gradients_from,
     many_specs_worker,
 )
+from canzona.runtime.checkpoint import state_by_name
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 

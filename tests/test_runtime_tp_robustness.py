@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.errors import CanzonaError, PlanError, SpecError
-from canzona.runtime.launch import run_ranks
+from canzona.harness.launch import run_ranks
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from canzona.errors import PlanError, SpecError
-from canzona.runtime.checkpoint import state_by_name
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import (
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
     TrainSpec,
     build_model,
     compare,
@@ -31,6 +30,7 @@ from canzona.runtime.training import (
     global_gradients,
     micro_batches,
 )
+from canzona.runtime.checkpoint import state_by_name
 from tests.outcomes import outcome as _outcome
 from tests.outcomes import weights
 

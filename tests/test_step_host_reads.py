@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.runtime.launch import run_ranks
-from canzona.runtime.training import TrainSpec
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec
 
 pytestmark = pytest.mark.distributed
 
@@ -56,8 +56,8 @@ def counting_reads(counts: Counter):
 def reads_worker(rank: int, world: int, tp: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from canzona.harness.training import build_model, build_tp_model, global_batches, micro_batches
     from canzona.runtime.optimizer import DistributedOptimizer
-    from canzona.runtime.training import build_model, build_tp_model, global_batches, micro_batches
     from reference.tiny_model import get_preset
 
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from canzona.errors import SpecError
-from canzona.runtime.launch import run_ranks
+from canzona.harness.launch import run_ranks
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 

@@ -66,7 +66,7 @@ def test_validate_end_to_end_on_two_gloo_ranks(monkeypatch):
     and reports every figure; the aims (ranking, 30%) are printed, not asserted (shared machine).
     The model is shrunk: the real one's bf16 Newton-Schulz takes seconds per step on CPUs without
     native bf16, and every path of the command runs the same on a small one."""
-    from canzona.runtime import validate as runtime_validation
+    from canzona.harness import validate as runtime_validation
     from reference.tiny_model import TinyQwen3Config
 
     monkeypatch.setattr(runtime_validation, "VALIDATION_MODEL", TinyQwen3Config(

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from canzona.runtime import verify as checks
-from canzona.runtime.launch import RankError
+from canzona.harness import verify as checks
+from canzona.harness.launch import RankError
 from canzona.step_policies import STEP_POLICIES
 
 try:

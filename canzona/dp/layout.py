@@ -162,17 +162,6 @@ class DPPlan:
     fell_back: bool = False  # alpha-balanced kept the whole-start plan because it was not worse
     balance_by: str = "seconds"  # or "elements": the authors' code balances element counts
 
-    @property
-    def keeps_geometry(self) -> bool:
-        """Every matrix lies whole inside its owner's contiguous segment (its policy's
-        `DPPolicy.keeps_geometry`)."""
-        from canzona.dp.policies import (
-            DP_REGISTRY,  # the registry builds plans: imported when asked
-        )
-
-        entry = DP_REGISTRY.get(self.policy)
-        return entry is not None and entry.keeps_geometry and not self.split_compute
-
     def placements(self) -> list[Placement]:
         return [p for b in self.buckets for p in b.params]
 

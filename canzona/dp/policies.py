@@ -227,6 +227,13 @@ ALPHA_POLICIES = tuple(name for name, e in DP_REGISTRY.items() if e.takes_alpha)
 KEEPS_GEOMETRY = frozenset(name for name, e in DP_REGISTRY.items() if e.keeps_geometry)
 
 
+def keeps_geometry(plan: DPPlan) -> bool:
+    """Every matrix of `plan` lies whole inside its owner's contiguous segment (its policy's
+    `DPPolicy.keeps_geometry`, and nothing split)."""
+    entry = DP_REGISTRY.get(plan.policy)
+    return entry is not None and entry.keeps_geometry and not plan.split_compute
+
+
 def check_dp_policy(name: str) -> str:
     if name not in DP_REGISTRY:
         raise SpecError(f"unknown DP policy {name!r}; choose one of {', '.join(DP_REGISTRY)}")

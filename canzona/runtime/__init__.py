@@ -1,7 +1,7 @@
 """The torch.distributed runtime that executes a `Plan` (docs/architecture.md).
 
 `from canzona.runtime import DistributedOptimizer` is the entry point; it is imported on first use
-so that `canzona.runtime.verify`'s limits and the CLI load without torch.
+so that `canzona.harness.verify`'s limits and the CLI load without torch.
 """
 
 from typing import Any

@@ -98,7 +98,7 @@ def accumulation_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
 def accumulate_(acc: Tensor, grad: Tensor) -> None:
     """`acc += grad`, in `acc`'s dtype: a bf16 gradient is widened exactly and added in fp32.
     The one definition of gradient accumulation over micro-batches, which the single-process
-    references (`canzona.runtime.training`) use too."""
+    references (`canzona.harness.training`) use too."""
     acc.add_(grad)  # mixed dtypes compute in the wider one, with no widened copy
 
 

@@ -37,9 +37,9 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
-from canzona.runtime.verify import TP_STYLES
 from canzona.tp import DEFAULT_TP_POLICY
 
+TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # how distributed_worker splits the model over TP
 
 @dataclass(frozen=True)
 class TrainSpec:
@@ -474,7 +474,7 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor]) -> dict[str, Any]:
 def many_specs_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict] | None = None) -> list[dict]:
     """Run several training specs one after another in the same process group (one spawn, many
     checks): spawning costs seconds, a tiny run costs a fraction of one."""
-    from canzona.runtime.launch import report_progress
+    from canzona.harness.launch import report_progress
 
     extras = extras or [{} for _ in specs]
     total = sum(spec.steps for spec in specs)

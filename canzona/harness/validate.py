@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from canzona.runtime.launch import report_progress, run_ranks
+from canzona.harness.launch import report_progress, run_ranks
 from canzona.spec import ModelSpec
 from reference.tiny_model import TinyQwen3, TinyQwen3Config, model_spec
 

@@ -58,8 +58,8 @@ EXIT_INTERRUPTED = 130  # a rank interrupted by SIGINT (Ctrl-C, or torch's paren
 PROGRESS_FILE = "progress.json"
 JOB_FILE = "job.pt"  # the function and arguments every rank runs
 # imported once by the fork server, so that every rank starts with them (what ranks run: the runtime)
-PRELOAD = ("torch", "torch.distributed", "canzona.runtime.launch", "canzona.runtime.optimizer",
-           "canzona.runtime.training", "reference.tiny_model")
+PRELOAD = ("torch", "torch.distributed", "canzona.harness.launch", "canzona.runtime.optimizer",
+           "canzona.harness.training", "reference.tiny_model")
 
 
 def free_port() -> int:

@@ -37,7 +37,6 @@ from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
 TP_SCHEDULERS: tuple[str, ...] = tuple(TP_POLICIES)
-TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # how training.distributed_worker splits the model
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
 # Every rank is a process on this machine (about 300 MB each with torch), and every process holds
 # all steps' batches: these bounds keep a run within a few GB.
@@ -94,7 +93,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
     baselines run `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
 
     `global_batch` defaults to `4 * dp * accumulation` (always divisible)."""
-    from canzona.runtime.training import TrainSpec
+    from canzona.harness.training import TP_STYLES, TrainSpec
     from reference.tiny_model import check_tp, get_preset, model_spec
 
     _positive("dp", dp)
@@ -168,8 +167,8 @@ def deadline_for(cases: Sequence[VerifyCase], ranks: int) -> float:
 def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
         deadline_s: float | None = None) -> list[dict[str, Any]]:
     """Train every case on `dp x tp` spawned gloo ranks (one spawn) and check rungs 3a / 3b."""
-    from canzona.runtime.launch import run_ranks
-    from canzona.runtime.training import many_specs_worker
+    from canzona.harness.launch import run_ranks
+    from canzona.harness.training import many_specs_worker
 
     tick = progress or (lambda done, total, what: None)
     tp = cases[0].spec.tp if cases else 1
@@ -214,7 +213,7 @@ def _baseline_keys(cases: Sequence[VerifyCase]) -> set[str]:
 
 
 def _expected(spec, dp: int, results: Sequence[dict], tick: Callable[[str], None]) -> tuple[dict, dict]:
-    from canzona.runtime.training import emulate, global_gradients_from, reference_run
+    from canzona.harness.training import emulate, global_gradients_from, reference_run
 
     grads = global_gradients_from(results, spec) if spec.tp > 1 else None
     tick(f"emulating {spec.optimizer} in one process")
@@ -230,7 +229,7 @@ def _worst(got_by_rank: Sequence[dict], want_by_rank: Sequence[dict]) -> dict[st
     the running maximum)."""
     import torch
 
-    from canzona.runtime.training import compare
+    from canzona.harness.training import compare
 
     out = {"bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
     for rank, (got, want) in enumerate(zip(got_by_rank, want_by_rank)):
@@ -249,7 +248,7 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     """The three rows of one case: ranks agree, rung 3a, rung 3b. `results`: every rank's
     `training.distributed_worker` result (its local parameters, losses, TP coordinates);
     `emulated` and `reference` hold full tensors, which each rank is compared with its shard of."""
-    from canzona.runtime.training import expected_shards
+    from canzona.harness.training import expected_shards
 
     spec = case.spec
     losses = results[0]["losses"]

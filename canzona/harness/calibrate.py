@@ -42,9 +42,9 @@ from canzona.catalog import get_model
 from canzona.cost import step_dtype
 from canzona.errors import CanzonaError
 from canzona.hardware import COLLECTIVE_OPS, DEFAULT_PROFILE, load_profile_data, profile_from_dict
+from canzona.harness.launch import report_progress, run_ranks
 from canzona.optimizers import MATRIX_OPTIMIZERS, default_config
 from canzona.runtime.kernels import TORCH_DTYPES, apply_update_, matrix_kernel
-from canzona.runtime.launch import report_progress, run_ranks
 
 Progress = Callable[[int, int, str], None]
 
