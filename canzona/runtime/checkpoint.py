@@ -33,7 +33,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -45,7 +45,47 @@ from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.tp import EVERY_RANK
 
 if TYPE_CHECKING:
-    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.plan import Plan
+    from canzona.runtime.comm import Comm
+    from canzona.runtime.gradients import GradientSync
+    from canzona.spec import ModelSpec
+    from canzona.step_policies import StepPolicy
+    from canzona.step_schedule import TPSchedule
+
+
+class Checkpointable(Protocol):
+    """What this module reads and writes of an optimizer, all of it public: `DistributedOptimizer`
+    is one (this module never imports it). Layout: the model, plan, policy, schedule and this
+    rank's place in it; state: the containers it fills on load; and the two collectives a
+    layout-independent `state_dict()` needs."""
+
+    spec: ModelSpec
+    plan: Plan
+    policy: StepPolicy
+    schedule: TPSchedule
+    optimizer: str  # the matrix optimizer's name
+    matrix_cfg: Any
+    adamw_cfg: Any
+    rank: int  # DP rank
+    tp: int
+    tp_rank: int
+    params: dict[str, Tensor]  # this rank's local parameters, by name
+    param_groups: list[dict[str, Any]]
+    hosted: list[str]  # matrices whose full update and state this rank computes
+    applies: list[str]  # matrices whose shards this rank updates
+    matrix_state: dict[str, dict]
+    adamw_state: dict[str, dict]
+    master: dict[str, Tensor]  # fp32 masters by name (empty without master weights)
+    master_weights: bool
+    grads: GradientSync  # the flat buffers: where each parameter's gradient and AdamW slice live
+    comm: Comm
+    tp_comm: Comm | None
+
+    def adamw_parts(self) -> Iterator[tuple[str, int, int, int]]: ...
+
+    def group_config(self, g: int) -> Any: ...
+
+    def reset_master_weights(self) -> None: ...
 
 STATE_FORMAT = "canzona.optimizer_state"
 STATE_VERSION = 3  # 3: torch.optim's layout (2: keyed by name, header at the top)
@@ -59,7 +99,7 @@ SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank sl
 # --- who holds what ---------------------------------------------------------------------------
 
 
-def _saved_here(opt: DistributedOptimizer) -> tuple[set[str], set[str]]:
+def _saved_here(opt: Checkpointable) -> tuple[set[str], set[str]]:
     """(matrices whose full-matrix optimizer state this rank saves, matrices whose master-weight
     shard it saves). Each matrix is saved from the lowest DP rank that computes it: its state from
     the host TP rank (TP rank 0 under tp-sync), its masters from every TP rank."""
@@ -73,21 +113,21 @@ def _saved_here(opt: DistributedOptimizer) -> tuple[set[str], set[str]]:
     return state, {n for n in mine if n in opt.master}
 
 
-def _tp_dim(opt: DistributedOptimizer, name: str) -> int | None:
+def _tp_dim(opt: Checkpointable, name: str) -> int | None:
     return opt.spec.param(name).tp_dim if opt.tp > 1 else None
 
 
-def _adamw_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, int, dict[str, Any]]]:
+def _adamw_pieces(opt: Checkpointable) -> Iterator[tuple[str, int, dict[str, Any]]]:
     """(name, offset within the local tensor, state with master) of the AdamW slices this rank
     saves: under a replicated policy DP rank 0's; a TP-replicated parameter's from TP rank 0."""
     if opt.policy.replicated and opt.rank != 0:
         return
-    for name, _s, _e, off in opt._adamw_parts():
+    for name, _s, _e, off in opt.adamw_parts():
         if name in opt.adamw_state and (opt.tp_rank == 0 or _tp_dim(opt, name) is not None):
             yield name, off, _with_master(opt, name, opt.adamw_state[name])
 
 
-def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
+def _with_master(opt: Checkpointable, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
     """The optimizer state of `name` plus its fp32 master weights, when it has them."""
     return {**state, "master": opt.master[name]} if name in opt.master else dict(state)
 
@@ -95,7 +135,7 @@ def _with_master(opt: DistributedOptimizer, name: str, state: Mapping[str, Any])
 # --- layout-independent state dicts -----------------------------------------------------------
 
 
-def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
+def gather_state(opt: Checkpointable) -> dict[str, Any]:
     states, masters = _saved_here(opt)
     mine = {
         "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and n in states},
@@ -129,7 +169,7 @@ def gather_state(opt: DistributedOptimizer) -> dict[str, Any]:
     return _torch_layout(opt, state)
 
 
-def _torch_layout(opt: DistributedOptimizer, by_name: Mapping[str, dict]) -> dict[str, Any]:
+def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str, Any]:
     """The full state by name, in torch.optim's layout (see the module's docstring)."""
     header = json.dumps(_header(opt), default=_json_scalar)
     name_of = {id(p): n for n, p in opt.params.items()}
@@ -150,14 +190,14 @@ def _torch_layout(opt: DistributedOptimizer, by_name: Mapping[str, dict]) -> dic
     return {"state": state, "param_groups": groups}
 
 
-def _template(opt: DistributedOptimizer, g: int, name: str) -> dict[str, Any]:
+def _template(opt: Checkpointable, g: int, name: str) -> dict[str, Any]:
     """Zeros in the shape and dtype of every field `name`'s optimizer state will have."""
     shape = opt.spec.param(name).shape
     like = torch.zeros(shape, dtype=opt.grads.buffer_of[name].reduced.dtype)
     group = opt.param_groups[g]
     if group["kind"] == "adamw":
         return adamw_state(like)
-    return initial_state(opt.optimizer, like, opt._configs.config(g, group))
+    return initial_state(opt.optimizer, like, opt.group_config(g))
 
 
 def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict]]:
@@ -193,7 +233,7 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
     return header, hyper, by_name
 
 
-def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any] | None:
+def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | None:
     """One TP shard of an AdamW parameter's state from its DP slices (None: none were saved)."""
     if not pieces:
         return None
@@ -207,7 +247,7 @@ def _stitch(opt: DistributedOptimizer, name: str, pieces: list) -> dict[str, Any
     return {k: v.view(shape) if isinstance(v, Tensor) else v for k, v in out.items()}
 
 
-def load_state(opt: DistributedOptimizer, state_dict: Mapping[str, Any]) -> None:
+def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
     header, groups, state = state_by_name(state_dict)
     _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
     if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
@@ -230,7 +270,7 @@ def _first_name_difference(saved: list[list[str]], mine: list[list[str]]) -> str
     return "another number of groups"
 
 
-def load_by_name(opt: DistributedOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
+def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
                  state: Mapping[str, dict]) -> None:
     """Load a state given by name (`state_by_name`'s form): checks first, then everything."""
     _check_compatible(opt, header, groups, state)
@@ -244,7 +284,7 @@ def load_by_name(opt: DistributedOptimizer, header: Mapping[str, Any], groups: l
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
     opt.adamw_state = {}
-    for name, s, e, off in opt._adamw_parts():
+    for name, s, e, off in opt.adamw_parts():
         if name in state:
             full = state[name]
             opt.adamw_state[name] = {"step": full["step"], **{
@@ -252,7 +292,7 @@ def load_by_name(opt: DistributedOptimizer, header: Mapping[str, Any], groups: l
                 for key in ("exp_avg", "exp_avg_sq")}}
     if opt.master_weights:
         opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
-        for name, s, e, off in opt._adamw_parts():
+        for name, s, e, off in opt.adamw_parts():
             if name in masters:
                 opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
         for name in opt.applies:
@@ -261,13 +301,13 @@ def load_by_name(opt: DistributedOptimizer, header: Mapping[str, Any], groups: l
                 opt.master[name] = shard.float().contiguous().to(device)
 
 
-def _slice(opt: DistributedOptimizer, name: str, full: Tensor, offset: int, length: int) -> Tensor:
+def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:
     """This rank's piece of a full tensor: its TP shard, flattened, `[offset, offset + length)`."""
     shard = shard_of(full.reshape(opt.spec.param(name).shape), _tp_dim(opt, name), opt.tp, opt.tp_rank)
     return shard.reshape(-1)[offset:offset + length]
 
 
-def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
+def _check_compatible(opt: Checkpointable, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
                       state: Mapping[str, dict]) -> None:
     """Everything a wrong checkpoint gets wrong, checked before anything is changed (`sd`: the header)."""
     if not isinstance(sd, Mapping) or sd.get("format") != STATE_FORMAT:
@@ -292,7 +332,7 @@ def _check_compatible(opt: DistributedOptimizer, sd: Mapping[str, Any], groups: 
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
 
 
-def _global_shapes(opt: DistributedOptimizer) -> dict[str, tuple[int, ...]]:
+def _global_shapes(opt: Checkpointable) -> dict[str, tuple[int, ...]]:
     """Every parameter's global shape (what the checkpoint's full tensors have)."""
     return {n: opt.spec.param(n).shape for n in opt.params}
 
@@ -320,7 +360,7 @@ def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-def _header(opt: DistributedOptimizer) -> dict[str, Any]:
+def _header(opt: Checkpointable) -> dict[str, Any]:
     """Everything but the tensors: what `load_state` checks and restores (identical on every rank)."""
     return {
         "format": STATE_FORMAT,
@@ -353,7 +393,7 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
     return field, int(t), int(tp), int(offset)
 
 
-def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, Any]:
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
     metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
@@ -373,7 +413,7 @@ def sharded_state(opt: DistributedOptimizer, prefix: str = DCP_PREFIX) -> dict[s
     return out
 
 
-def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
     at any DP x TP layout, rebuild the layout-independent form for it, and load that."""
     import torch.distributed.checkpoint as dcp
@@ -428,9 +468,9 @@ def load_sharded(opt: DistributedOptimizer, checkpoint_id: Any, prefix: str = DC
     load_by_name(opt, meta, meta.get("param_groups", []), state)
 
 
-def _local_ranges(opt: DistributedOptimizer) -> dict[str, tuple[int, int]]:
+def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
     """Per parameter whose pieces this rank needs, the range of its local tensor it holds."""
-    out = {name: (off, off + e - s) for name, s, e, off in opt._adamw_parts()}
+    out = {name: (off, off + e - s) for name, s, e, off in opt.adamw_parts()}
     for name in opt.applies:
         out[name] = (0, local_tensor(opt.params[name]).numel())
     return out
@@ -441,7 +481,7 @@ def _overlaps(meta: Any, offset: int, lo: int, hi: int) -> bool:
     return size is None or (offset < hi and offset + size[0] > lo)
 
 
-def _assemble(opt: DistributedOptimizer, name: str, got: list) -> dict[str, Any]:
+def _assemble(opt: Checkpointable, name: str, got: list) -> dict[str, Any]:
     """A parameter's pieces in the layout-independent form: full tensors (zeros where no piece was
     read, outside what this rank loads) and the scalars."""
     spec = opt.spec.param(name)

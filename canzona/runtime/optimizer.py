@@ -508,7 +508,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the parameters as they are now (after loading weights into a bf16 model, say)."""
         self.wait_params()
         self.master = {n: local_tensor(self.params[n]).detach().float().clone() for n in self.applies}
-        for name, s, e, _ in self._adamw_parts():
+        for name, s, e, _ in self.adamw_parts():
             self.master[name] = self.grads.adamw.data[s:e].float().clone()
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
@@ -522,8 +522,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             master.copy_(working)
         return master
 
-    def _adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
-        """(name, start, end within the flat buffer, offset within the local tensor) of this rank's slice."""
+    def group_config(self, g: int) -> Any:
+        """The optimizer config of param group `g` as its hyper-parameters say now (validated)."""
+        return self._configs.config(g, self.param_groups[g])
+
+    def adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
+        """(name, start, end within the flat AdamW buffer, offset within the local tensor) of each
+        AdamW parameter's piece inside this rank's slice (all of them under a replicated policy)."""
         adamw, cuts = self.grads.adamw, self.grads.adamw_cuts
         lo, hi = (0, adamw.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
         for name in adamw.names:
@@ -534,7 +539,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _adamw_step(self, got: Sequence[bool]) -> None:
         adamw = self.grads.adamw
-        for name, s, e, _ in self._adamw_parts():
+        for name, s, e, _ in self.adamw_parts():
             if got[self._index[name]]:
                 g = self._group_of[name]
                 group = self.param_groups[g]
