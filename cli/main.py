@@ -20,7 +20,7 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
-from canzona.dp.policies import DEFAULT_DP_POLICY, MATRICES_PER_RANK
+from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY, MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
@@ -149,11 +149,11 @@ def plan(
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
     dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = DEFAULT_DP_POLICY,
-    tp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(TP_POLICIES)}.")] = DEFAULT_TP_POLICY,
-    alpha: Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")] = 1.0,
-    bucket_size: Annotated[int | None, typer.Option(help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, at least max(40M, 1M x dp) and the largest matrix).")] = None,
-    align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = 64,
-    capacity: Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")] = "auto",
+    tp_policy: TpPolicy = DEFAULT_TP_POLICY,
+    alpha: Alpha = 1.0,
+    bucket_size: BucketSize = None,
+    align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = DEFAULT_ALIGN,
+    capacity: CapacityOpt = "auto",
     balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = "seconds",
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
@@ -259,11 +259,12 @@ Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
 DpPolicy = Annotated[str | None, typer.Option(help="canzona's DP policy (default alpha-balanced); the baselines use their own.")]
-TpPolicy = Annotated[str, typer.Option(help="canzona's TP policy.")]
+TpPolicy = Annotated[str, typer.Option(help=f"canzona's TP scheduler: {', '.join(TP_POLICIES)} (the baselines run tp-sync).")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
 BucketSize = Annotated[int | None, typer.Option(
-    help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket).")]
+    help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, "
+         "at least max(40M, 1M x dp) and the largest matrix).")]
 CapacityOpt = Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")]
 Hardware = Annotated[str, typer.Option(help="Hardware profile name (h100-sxm, h200, a100-sxm) or a JSON path.")]
 SeqLen = Annotated[int, typer.Option(help=f"Sequence length in tokens (at most {MAX_SEQ_LEN}).")]
