@@ -29,6 +29,12 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
 The DP collectives are the same on every DP rank (each record lists every member's bytes); the TP
 all-to-alls differ per TP rank (a record is the bytes that rank sends to each member).
 
+`style="megatron"` lists instead the DP collectives each policy runs under Megatron-LM (an
+all-reduce per bucket for sc and layerwise, a reduce-scatter-v on the plan's segments otherwise;
+AdamW's parameters reduced at the end of backward; zero1-gather's all-to-all of the parts of split
+matrices other ranks compute; no checks; the parameter all-gathers), with the same TP exchanges:
+the simulator prices every collective from these records, in either style (`sim.iteration`).
+
 Differences between steps: the first step's DP log also holds, at its start, the agreement verdict
 that construction spreads over DP under TP (`first_step=True`); construction's agreement
 all-gathers of digests are not logged. Gradient accumulation changes nothing: `no_sync()`
@@ -59,6 +65,13 @@ from canzona.step_schedule import ALL_GATHER, PIPELINED, TP_GROUP, tp_schedule
 
 DP_GROUP = "dp"  # the name the runtime's DP Comm logs under (TP_GROUP: "tp")
 REDUCE_SCATTER_V, ALL_GATHER_V = "reduce-scatter-v", "all-gather-v"
+# even collectives priced by their whole buffer (`StepCollective.total`): the Megatron style's
+ALL_REDUCE, REDUCE_SCATTER, DP_ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-to-all"
+# whose collectives: exactly the runtime's (logged and checked), or each policy's as Megatron-LM runs
+# it (all-reduce for sc and layerwise, AdamW's reduced in backward, only the split parts of
+# zero1-gather's matrices gathered, no checks); the simulator prices either from these records
+RUNTIME_STYLE, MEGATRON_STYLE = "runtime", "megatron"
+COLLECTIVE_STYLES = (MEGATRON_STYLE, RUNTIME_STYLE)
 # phases: launched by gradient hooks during backward; inside step() (or clip_grad_norm_) before any
 # parameter changes; the runtime's own checks; the gradient norm of clip_grad_norm_; the parameter
 # all-gathers after the update
@@ -80,7 +93,8 @@ class StepCollective:
     phase: str  # one of PHASES
     segments: tuple[int, ...] = ()  # -v ops: bytes of each member's segment, in rank order
     bucket: int | None = None  # the DP plan bucket (its index) it belongs to
-    sent: tuple[tuple[int, ...], ...] = ()  # TP exchanges: bytes from member s to member d, whole group
+    sent: tuple[tuple[int, ...], ...] = ()  # all-to-alls: bytes from member s to member d, whole group
+    total: int | None = None  # even collectives of the Megatron style: bytes of the whole buffer, as priced
 
     def logged(self) -> tuple[str, str, str, tuple[int, ...]]:
         """(op, group, name, bytes per rank): the fields of the runtime's `CollectiveRecord`."""
@@ -99,7 +113,8 @@ class _Buffer:
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
-                     inf_norm: bool = False, overlap_step: bool = False) -> list[StepCollective]:
+                     inf_norm: bool = False, overlap_step: bool = False,
+                     style: str = RUNTIME_STYLE) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
@@ -108,7 +123,11 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     runtime's `align` argument, when it differs from the plan's alignment. `first_step`: include
     what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
     called before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
-    (a step whose gradients clipping scales issues them again after the checks: not listed)."""
+    (a step whose gradients clipping scales issues them again after the checks: not listed).
+    `style="megatron"`: the collectives each policy runs under Megatron-LM instead (`_megatron`),
+    which the simulator prices by default; only the runtime's are logged."""
+    if style not in COLLECTIVE_STYLES:
+        raise SpecError(f"unknown collectives style {style!r}; choose one of {', '.join(COLLECTIVE_STYLES)}")
     if isinstance(policy, str):
         policy = get_step_policy(policy)
     dp, tp = plan.dp, plan.tp
@@ -142,6 +161,17 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     def check(group: str, name: str, words: int, members: int, phase: str = CHECK) -> StepCollective:
         return StepCollective(ALL_GATHER, group, name, (words * CHECK_WORD_BYTES,) * members, phase)
 
+    # the TP schedule: gradients are gathered in the dtype of the first bucket's reduction,
+    # updates scattered in the dtype they are applied in (the fp32 masters, or that dtype)
+    tp_grad_bytes = grads[0].grad_bytes if grads else FP32_BYTES
+    schedule = tp_schedule(plan, spec, policy, dp_rank, tp_mode, grad_bytes=tp_grad_bytes,
+                           update_bytes=FP32_BYTES if master else tp_grad_bytes, overlap_step=overlap_step)
+    exchanges = [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
+                 for ex in schedule.exchanges]
+    if style == MEGATRON_STYLE:
+        used = sum(p.local_numel(tp) for p in adamw_params)
+        return _megatron(plan, policy, grads, used, adamw, exchanges)
+
     out: list[StepCollective] = []
     if first_step and tp > 1:
         out.append(check(DP_GROUP, "agreement verdict", 1, dp))
@@ -155,13 +185,6 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                 for b, buf in zip(buckets, grads)]
     if policy.replicated:
         out.append(v(ALL_GATHER_V, "adamw gradients", adamw_cuts, adamw.grad_bytes, STEP))
-    # the TP schedule: gradients are gathered in the dtype of the first bucket's reduction,
-    # updates scattered in the dtype they are applied in (the fp32 masters, or that dtype)
-    tp_grad_bytes = grads[0].grad_bytes if grads else FP32_BYTES
-    schedule = tp_schedule(plan, spec, policy, dp_rank, tp_mode, grad_bytes=tp_grad_bytes,
-                           update_bytes=FP32_BYTES if master else tp_grad_bytes, overlap_step=overlap_step)
-    exchanges = [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
-                 for ex in schedule.exchanges]
     if overlap_step:  # computed as the buckets land, before the checks (applied after them)
         policy.check_overlap_step(True)
         out += exchanges
@@ -193,6 +216,56 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                 out.append(v(ALL_GATHER_V, f"parameters of bucket {b.index}", b.cuts, buf.param_bytes, PARAMS,
                              b.index))
         out.append(v(ALL_GATHER_V, "adamw parameters", adamw_cuts, adamw.param_bytes, PARAMS))
+    return out
+
+
+def _megatron(plan: Plan, policy: StepPolicy, grads: Sequence[_Buffer], adamw_used: int, adamw: _Buffer,
+              exchanges: list[StepCollective]) -> list[StepCollective]:
+    """The DP collectives of a step as Megatron-LM runs `policy` (names as the simulator shows
+    them): per bucket in backward an all-reduce of the whole bucket (sc, layerwise) or a
+    reduce-scatter-v on the plan's segments; at the end of backward AdamW's parameters (their
+    elements, unpadded) all-reduced or reduce-scattered; zero1-gather's all-to-all of the parts of
+    split matrices that other ranks compute; the TP exchanges; the parameter all-gathers per bucket
+    (segments, or what each owner packs) and AdamW's."""
+    dp, buckets = plan.dp, plan.dp_plan.buckets
+    all_reduce = policy.grad_sync == "all-reduce"
+    out: list[StepCollective] = []
+    for b, buf in zip(buckets, grads):
+        name = f"grad sync bucket {b.index}"
+        if all_reduce:
+            out.append(StepCollective(ALL_REDUCE, DP_GROUP, name, (b.size * buf.grad_bytes,) * dp, BACKWARD,
+                                      bucket=b.index, total=b.size * buf.grad_bytes))
+        else:
+            segments = tuple(n * buf.grad_bytes for n in b.segment_lengths())
+            out.append(StepCollective(REDUCE_SCATTER_V, DP_GROUP, name, segments, BACKWARD, segments, b.index))
+    adamw_bytes = adamw_used * adamw.grad_bytes
+    out.append(StepCollective(ALL_REDUCE if all_reduce else REDUCE_SCATTER, DP_GROUP, "grad sync adamw",
+                              (adamw_bytes,) * dp, BACKWARD, total=adamw_bytes))
+    if policy.gather_split:
+        sent = [[0] * dp for _ in range(dp)]
+        for b, buf in zip(buckets, grads):
+            for p in b.params:
+                holders = b.ranks_overlapping(p)
+                for r in plan.dp_plan.computing_ranks(b, p):
+                    for j in holders:
+                        if j != r:
+                            lo, hi = b.segment(j)
+                            sent[j][r] += (min(hi, p.end) - max(lo, p.offset)) * buf.grad_bytes
+        out.append(StepCollective(DP_ALL_TO_ALL, DP_GROUP, "gather split gradients", tuple(map(sum, sent)), STEP,
+                                  sent=tuple(map(tuple, sent))))
+    out += exchanges
+    if policy.param_gather != PARAMS_NONE:
+        for b, buf in zip(buckets, grads):
+            if policy.param_gather == PARAMS_BY_OWNER:
+                lengths = [sum(p.numel for p in b.params if p.owner == r) for r in range(dp)]
+            else:
+                lengths = list(b.segment_lengths())
+            segments = tuple(n * buf.param_bytes for n in lengths)
+            out.append(StepCollective(ALL_GATHER_V, DP_GROUP, f"param gather bucket {b.index}", segments, PARAMS,
+                                      segments, b.index))
+        params_bytes = adamw_used * adamw.param_bytes
+        out.append(StepCollective(ALL_GATHER, DP_GROUP, "param gather adamw", (params_bytes,) * dp, PARAMS,
+                                  total=params_bytes))
     return out
 
 

@@ -18,7 +18,6 @@ import simpy
 from canzona.batching import compute_windows, shape_batches
 from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels, optimizer_kernels
 from canzona.decoder import Architecture
-from canzona.dp.layout import BucketPlan
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import one_f_one_b
@@ -28,6 +27,7 @@ from canzona.step_collectives import (
     ALL_GATHER_V,
     BACKWARD,
     CHECK,
+    DP_ALL_TO_ALL,
     DP_GROUP,
     PARAMS,
     REDUCE_SCATTER_V,
@@ -35,7 +35,7 @@ from canzona.step_collectives import (
     StepCollective,
     step_collectives,
 )
-from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy
+from canzona.step_policies import StepPolicy
 from canzona.step_schedule import (
     ALL_TO_ALL,
     APPLY,
@@ -94,7 +94,7 @@ class Context:
         ones are the same on every DP rank; TP exchanges come from each group's own schedule)."""
         return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
                                 grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes,
-                                overlap_step=self.options.overlap_step)
+                                overlap_step=self.options.overlap_step, style=self.options.collectives)
 
     def dp_records(self, *phases: str) -> list[StepCollective]:
         """The runtime's collectives of these phases other than the TP schedule's exchanges."""
@@ -143,57 +143,50 @@ def _bucket_first_layers(ctx: Context) -> list[int]:
     return firsts
 
 
-def grad_sync_cost(ctx: Context, bucket: BucketPlan):
-    geo = ctx.cluster.dp_geometry()
-    nbytes = ctx.workload.grad_bytes
-    if ctx.policy.grad_sync == "all-reduce":
-        return collective_cost("all-reduce", bucket.size * nbytes, geo, ctx.hw)
-    return reduce_scatter_v_cost([n * nbytes for n in bucket.segment_lengths()], geo, ctx.hw,
-                                 ctx.options.reduce_scatter)
-
-
-def adamw_sync_cost(ctx: Context):
-    op = "all-reduce" if ctx.policy.grad_sync == "all-reduce" else "reduce-scatter"
-    return collective_cost(op, ctx.adamw_local_numel() * ctx.workload.grad_bytes, ctx.cluster.dp_geometry(), ctx.hw)
-
-
 def param_gather_costs(ctx: Context) -> list[tuple[str, CollectiveCost]]:
-    """The all-gather(-v) of the updated parameters over one DP group: AdamW's, then each bucket's."""
-    if not ctx.policy.gathers_params:
-        return []
-    if ctx.runtime_mode:
-        recs = ctx.dp_records(PARAMS)
-        return [(r.name, record_cost(ctx, r)) for r in recs[-1:] + recs[:-1]]
-    geo, nbytes = ctx.cluster.dp_geometry(), ctx.workload.param_bytes
-    out = [("param gather adamw", collective_cost("all-gather", ctx.adamw_local_numel() * nbytes, geo, ctx.hw))]
-    for b in ctx.plan.dp_plan.buckets:
-        if ctx.policy.param_gather == PARAMS_BY_OWNER:
-            segments = [0] * ctx.cluster.dp
-            for p in b.params:
-                segments[p.owner] += p.numel
-        else:
-            segments = list(b.segment_lengths())
-        out.append((f"param gather bucket {b.index}",
-                    all_gather_v_cost([n * nbytes for n in segments], geo, ctx.hw)))
-    return out
+    """The all-gather(-v)s of the updated parameters over one DP group: AdamW's, then each bucket's."""
+    recs = ctx.dp_records(PARAMS)
+    return [(r.name, record_cost(ctx, r)) for r in recs[-1:] + recs[:-1]]
 
 
 def record_cost(ctx: Context, rec: StepCollective) -> CollectiveCost:
-    """A runtime collective priced on its group: -v ops as the runtime runs them on their segments,
-    the others as even collectives of their whole buffer."""
+    """A collective priced on its group: -v ops as the runtime runs them on their segments, the
+    Megatron style's even ones by their whole buffer, a DP all-to-all by what each member sends and
+    receives (and how much of it crosses nodes), the others as even collectives of their bytes."""
     geo = ctx.cluster.dp_geometry() if rec.group == DP_GROUP else ctx.cluster.tp_geometry()
     if rec.op == REDUCE_SCATTER_V:
         return reduce_scatter_v_cost(rec.segments, geo, ctx.hw, ctx.options.reduce_scatter)
     if rec.op == ALL_GATHER_V:
         return all_gather_v_cost(rec.segments, geo, ctx.hw)
+    if rec.total is not None:
+        return collective_cost(rec.op, rec.total, geo, ctx.hw)
+    if rec.op == DP_ALL_TO_ALL and rec.group == DP_GROUP and rec.sent:
+        return _dp_all_to_all_cost(ctx, rec.sent)
     if rec.op == "all-gather":
         return collective_cost("all-gather", sum(rec.bytes_per_rank), geo, ctx.hw)
     return collective_cost("all-to-all", sum(rec.bytes_per_rank), geo, ctx.hw)
 
 
+def _dp_all_to_all_cost(ctx: Context, sent: Sequence[Sequence[int]]) -> CollectiveCost:
+    """`sent[s][d]` bytes from DP rank s to DP rank d, the part between nodes on the NICs."""
+    cl, d = ctx.cluster, len(sent)
+    node = [cl.node_of(cl.rank(i, 0)) for i in range(d)]
+    send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
+    for j in range(d):
+        for r in range(d):
+            part = sent[j][r]
+            if part:
+                send[j] += part
+                recv[r] += part
+                if node[j] != node[r]:
+                    send_off[j] += part
+                    recv_off[r] += part
+    return all_to_all_cost(send, recv, cl.dp_geometry(), ctx.hw, send_off, recv_off)
+
+
 def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
-    """The runtime's collectives `records` one after another on every group of the stage, each
-    recorded as the runtime logs it; per-rank events of the last one."""
+    """The collectives `records` one after another on every group of the stage (in runtime mode
+    each recorded as the runtime logs it); per-rank events of the last one."""
     cl, eng = ctx.cluster, ctx.engine
     done = dict(begin)
     for rec in records:
@@ -204,7 +197,8 @@ def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[i
         cost = record_cost(ctx, rec)
         stream = DP_COMM if rec.group == DP_GROUP else TP_COMM
         for g in groups:
-            done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g}, record=rec.logged()))
+            done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g},
+                                       record=rec.logged() if ctx.runtime_mode else None))
     return done
 
 
@@ -347,13 +341,10 @@ class _Stage:
             if first != layer:
                 continue
             bucket: list[simpy.Event] = []
-            if self.ctx.runtime_mode:
-                for rec in self.ctx.dp_records(BACKWARD):
-                    if rec.bucket == bi:
-                        bucket += self.collective_record(rec).values()
-            else:
-                cost = grad_sync_cost(self.ctx, self.ctx.plan.dp_plan.buckets[bi])
-                bucket += self.collective(f"grad sync bucket {bi}", self.dp_groups, cost, DP_COMM).values()
+            index = self.ctx.plan.dp_plan.buckets[bi].index
+            for rec in self.ctx.dp_records(BACKWARD):
+                if rec.bucket == index:
+                    bucket += self.collective_record(rec).values()
             self.bucket_synced.setdefault(bi, []).extend(bucket)
             out += bucket
         return out
@@ -362,7 +353,8 @@ class _Stage:
         out: dict[int, simpy.Event] = {}
         for g in self.dp_groups:
             out.update(self.eng.collective(rec.name, g, record_cost(self.ctx, rec), DP_COMM,
-                                           {r: [self.last[r]] for r in g}, record=rec.logged()))
+                                           {r: [self.last[r]] for r in g},
+                                           record=rec.logged() if self.ctx.runtime_mode else None))
         return out
 
     def run(self, micro_batches: int) -> list[simpy.Event]:
@@ -400,8 +392,9 @@ class _Stage:
         if not ctx.options.overlap_grad_reduce:
             for layer in reversed(work.layer_ids):
                 syncs += self.grad_syncs(layer)
-        if not ctx.runtime_mode:  # the runtime reduces the AdamW buffer inside step()
-            syncs += self.collective("grad sync adamw", self.dp_groups, adamw_sync_cost(ctx), DP_COMM).values()
+        for rec in ctx.dp_records(BACKWARD):  # Megatron reduces AdamW's in backward (the runtime: in step())
+            if rec.bucket is None:
+                syncs += self.collective_record(rec).values()
         return syncs
 
 
@@ -411,21 +404,6 @@ def _relay(source: simpy.Event, target: simpy.Event):
 
 
 # --- phase B ----------------------------------------------------------------------------------
-
-
-def _param_gathers(ctx: Context, ready: dict[int, simpy.Event]) -> list[simpy.Event]:
-    """All-gather(-v) of the updated parameters over each DP group, bucket by bucket, at the end of
-    the step (when they are not overlapped with the next forward)."""
-    if not ctx.policy.gathers_params or ctx.options.overlap_param_gather:
-        return list(ready.values())
-    done: list[simpy.Event] = []
-    costs = param_gather_costs(ctx)
-    for t in range(ctx.tp):
-        group = ctx.cluster.dp_group(t, ctx.stage)
-        after = {r: [ready[r]] for r in group}
-        for name, cost in costs[1:] + costs[:1]:
-            done += ctx.engine.collective(name, group, cost, DP_COMM, after).values()
-    return done
 
 
 def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
@@ -446,28 +424,6 @@ def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Even
     return ctx.engine.compute(rank, "adamw step", ctx.adamw_seconds(share), after)
 
 
-def _split_gather_costs(ctx: Context):
-    """zero1-gather: bytes each DP rank sends and receives to assemble its split matrices."""
-    dpp, d, nbytes = ctx.plan.dp_plan, ctx.cluster.dp, ctx.workload.grad_bytes
-    cl = ctx.cluster
-    node = [cl.node_of(cl.rank(i, 0)) for i in range(d)]
-    send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
-    for b in dpp.buckets:
-        for p in b.params:
-            holders = b.ranks_overlapping(p)
-            for r in dpp.computing_ranks(b, p):
-                for j in holders:
-                    if j != r:
-                        lo, hi = b.segment(j)
-                        part = (min(hi, p.end) - max(lo, p.offset)) * nbytes
-                        send[j] += part
-                        recv[r] += part
-                        if node[j] != node[r]:
-                            send_off[j] += part
-                            recv_off[r] += part
-    return all_to_all_cost(send, recv, cl.dp_geometry(), ctx.hw, send_off, recv_off)
-
-
 @dataclass(frozen=True)
 class EarlyStart:
     """Where an overlapped step (`RunOptions.overlap_step`) may start a micro-group: once the
@@ -486,7 +442,7 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
     With `overlap_step` (and `early`), each micro-group's gather, compute and scatter start as soon
     as its buckets are reduced, before the gradient norm and the step check, and every apply waits
     for the check (the runtime computes the updates early and commits them after it)."""
-    eng, cl = ctx.engine, ctx.cluster
+    cl = ctx.cluster
     schedules: dict[int, TPSchedule] = {}
 
     def schedule_of(i: int) -> TPSchedule:
@@ -500,8 +456,10 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
 
     runs = [_ScheduleRun(ctx, cl.tp_group(i, ctx.stage), schedule_of(i)) for i in range(cl.dp)]
     ranks = cl.stage_ranks(ctx.stage)
-    # the runtime's step reductions (AdamW's, the baselines' gathers) first: the norm reads them
-    reduced = issue_records(ctx, ctx.dp_records(STEP), {r: start for r in ranks}) if ctx.runtime_mode else {}
+    # the step's DP collectives first: the runtime's reductions (AdamW's, the baselines' gathers),
+    # which the norm reads; Megatron's split gather of zero1-gather, which the schedule waits for
+    step_records = ctx.dp_records(STEP)
+    reduced = issue_records(ctx, step_records, {r: start for r in ranks})
     if early is not None and ctx.options.overlap_step:
         ready = _group_ready(ctx, early, start)
         for run in runs:
@@ -514,14 +472,10 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
                     run.issue(op, {r: event for r in run.members})
     if ctx.runtime_mode:
         checked = issue_records(ctx, ctx.dp_records(CHECK), {r: _gradient_norm(ctx, r, reduced[r]) for r in ranks})
-    else:
+    else:  # Megatron: the norm beside the split gather; no checks
         checked = {r: _gradient_norm(ctx, r, start) for r in ranks}
-    if not ctx.runtime_mode and ctx.policy.gather_split:
-        cost = _split_gather_costs(ctx)
-        for t in range(ctx.tp):
-            group = cl.dp_group(t, ctx.stage)
-            checked.update(eng.collective("gather split gradients", group, cost, DP_COMM,
-                                          {r: [start] for r in group}))
+        if step_records:
+            checked.update(reduced)
     params_ready: dict[int, simpy.Event] = {}
     for run in runs:
         begin = {r: checked[r] for r in run.members}
@@ -534,9 +488,9 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
                 run.issue(op, begin)
         for r in run.members:
             params_ready[r] = _adamw_step(ctx, r, run.applied[r] or [checked[r]])
-    if ctx.runtime_mode and not ctx.options.overlap_param_gather:
-        return list(issue_records(ctx, ctx.dp_records(PARAMS), params_ready).values())
-    return _param_gathers(ctx, params_ready)
+    if ctx.options.overlap_param_gather:  # they run under the next forward (phase A)
+        return list(params_ready.values())
+    return list(issue_records(ctx, ctx.dp_records(PARAMS), params_ready).values())
 
 
 def _group_ready(ctx: Context, early: EarlyStart, synced: simpy.Event):

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
-
-COLLECTIVE_MODES = ("megatron", "runtime")
+from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
 
 
 @dataclass(frozen=True)

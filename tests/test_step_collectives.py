@@ -94,6 +94,32 @@ def test_known_answers_on_a_small_model():
         bucket, adamw, even, ("all-gather-v", "dp", "adamw gradients", (288, 288)), check]
 
 
+def test_known_answers_of_the_megatron_style():
+    """What the simulator prices by default: each policy's DP collectives as Megatron-LM runs them.
+    AdamW's 136 elements (unpadded) = 544 bytes; the bucket 192 elements = 768 bytes."""
+    def dp_part(plan, policy):
+        return [(c.op, c.name, c.bytes_per_rank, c.phase, c.total)
+                for c in step_collectives(plan, SMALL, policy, style="megatron")]
+
+    grads_ar = ("all-reduce", "grad sync bucket 0", (768, 768), BACKWARD, 768)
+    adamw_ar = ("all-reduce", "grad sync adamw", (544, 544), BACKWARD, 544)
+    adamw_rs = ("reduce-scatter", "grad sync adamw", (544, 544), BACKWARD, 544)
+    adamw_ag = ("all-gather", "param gather adamw", (544, 544), PARAMS, 544)
+    assert dp_part(small_plan("whole-start"), "sc") == [grads_ar, adamw_ar]  # nothing gathered after
+    assert dp_part(small_plan("alpha-balanced"), "canzona") == [
+        ("reduce-scatter-v", "grad sync bucket 0", (256, 512), BACKWARD, None), adamw_rs,
+        ("all-gather-v", "param gather bucket 0", (256, 512), PARAMS, None), adamw_ag]
+    assert dp_part(small_plan("layerwise"), "layerwise") == [
+        grads_ar, adamw_ar, ("all-gather-v", "param gather bucket 0", (512, 256), PARAMS, None), adamw_ag]
+    # zero1-gather: the even cut at 96 splits w1 ([64, 192)); both ranks compute it, each fetching
+    # the other's part: 32 elements from rank 0 to 1, 96 from rank 1 to 0
+    zero1 = step_collectives(small_plan("zero1-even"), SMALL, "zero1-gather", style="megatron")
+    (split,) = [c for c in zero1 if c.phase == STEP]
+    assert split.op == "all-to-all" and split.sent == ((0, 128), (384, 0)) and split.bytes_per_rank == (128, 384)
+    with pytest.raises(SpecError, match="unknown collectives style 'nccl'"):
+        step_collectives(small_plan("zero1-even"), SMALL, "zero1-gather", style="nccl")
+
+
 def test_an_empty_segment_sends_nothing():
     """whole-start gives both matrices to rank 0 here (w1 starts in rank 0's even half)."""
     got = step_collectives(small_plan("whole-start"), SMALL, "canzona")
