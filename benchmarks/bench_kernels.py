@@ -40,7 +40,7 @@ from rich.table import Table  # noqa: E402
 from canzona.catalog import get_model  # noqa: E402
 from canzona.cost import AnalyticCost, step_dtype  # noqa: E402
 from canzona.harness.calibrate import time_step  # noqa: E402 - the one timing definition (`canzona calibrate`)
-from canzona.optimizers import MuonConfig  # noqa: E402
+from canzona.optimizers import MATRIX_OPTIMIZERS, MuonConfig  # noqa: E402
 from canzona.runtime.batched import newton_schulz_batched  # noqa: E402
 from canzona.runtime.kernels import newton_schulz  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--optimizers", default="muon,soap,shampoo")
+    ap.add_argument("--optimizers", default=",".join(MATRIX_OPTIMIZERS))
     ap.add_argument("--out", default=None, help="write a measured table (TableCost format) here")
     ap.add_argument("--batched", action="store_true", help="per-matrix against batched Newton-Schulz instead")
     ap.add_argument("--rounds", type=int, default=15, help="--batched: measured rounds")

@@ -24,13 +24,14 @@ from rich.table import Table
 
 from canzona.catalog import get_model
 from canzona.dp import DP_POLICIES
+from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.plan import make_plan
 
 MODEL = "qwen3-32b"
 TP = 8
 TIME_BARS = {32: 1.0, 256: 5.0}  # seconds per plan
 GAP_BAR = 0.01
-OPTIMIZERS = ("muon", "soap", "shampoo")
+OPTIMIZERS = MATRIX_OPTIMIZERS  # every registered matrix optimizer
 ROLE = {
     "zero1-even": "baseline (not atomic)",
     "whole-start": "baseline",

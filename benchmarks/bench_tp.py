@@ -41,6 +41,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from canzona.harness.launch import run_ranks  # noqa: E402
+from canzona.optimizers import MATRIX_OPTIMIZERS  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.tp import Capacity  # noqa: E402
 from reference.tiny_model import model_spec  # noqa: E402
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--optimizer", default="muon", choices=("muon", "soap", "shampoo"))
+    parser.add_argument("--optimizer", default="muon", choices=MATRIX_OPTIMIZERS)
     parser.add_argument("--capacity-groups", type=int, default=6,
                         help="micro-groups per DP rank the capacity aims at (pipelining needs several)")
     args = parser.parse_args()
