@@ -8,6 +8,7 @@ compute dtypes); the reference optimizers and runtime kernels take their default
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -34,14 +35,17 @@ NS_COEFFICIENT_TYPES = ("simple", *NS_COEFFICIENT_SETS)
 
 
 def ns_schedule(cfg: Any) -> tuple[tuple[float, float, float], ...]:
-    """The (a, b, c) of each of `cfg.ns_steps` Newton-Schulz iterations: "simple" repeats
-    `cfg.ns_coefficients`; a named set gives the i-th of its quintics, its last one repeating
-    beyond its end."""
-    kind = getattr(cfg, "ns_coefficient_type", "simple")
+    """The (a, b, c) of each of `cfg.ns_steps` Newton-Schulz iterations (`coefficient_schedule`)."""
+    return coefficient_schedule(cfg.ns_coefficient_type, cfg.ns_coefficients, cfg.ns_steps)
+
+
+def coefficient_schedule(kind: str, coefficients: Any, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """"simple" repeats `coefficients`; a named set gives the i-th of its quintics, its last one
+    repeating beyond its end."""
     if kind == "simple":
-        return (tuple(cfg.ns_coefficients),) * cfg.ns_steps
+        return (tuple(coefficients),) * steps
     sets = NS_COEFFICIENT_SETS[kind]
-    return tuple(sets[min(i, len(sets) - 1)] for i in range(cfg.ns_steps))
+    return tuple(sets[min(i, len(sets) - 1)] for i in range(steps))
 
 
 @dataclass(frozen=True)
@@ -225,14 +229,10 @@ class MatrixOptimizer:
         return self.batched is not None
 
 
-_LOADED: dict[str, Any] = {}
-
-
+@functools.cache
 def _resolve(where: str) -> Any:
-    if where not in _LOADED:
-        module, _, attribute = where.partition(":")
-        _LOADED[where] = getattr(importlib.import_module(module), attribute)
-    return _LOADED[where]
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {

@@ -13,11 +13,10 @@ momentum buffer; here Newton-Schulz always works on a copy.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import torch
 
-from canzona.optimizers import NS_COEFFICIENT_TYPES, MuonConfig, ns_schedule
+from canzona.optimizers import NS_COEFFICIENT_TYPES, MuonConfig, coefficient_schedule
 from reference.adamw import ReferenceOptimizer, check_common, check_positive_int, torch_dtype
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -46,9 +45,9 @@ def zeropower_via_newtonschulz(
 def coefficients_of(group: dict):
     """A group's Newton-Schulz coefficients: its `ns_coefficients` triple ("simple", torch's), or
     the named set's per iteration (`canzona.optimizers.ns_schedule`)."""
-    if group.get("ns_coefficient_type", "simple") == "simple":
+    if group["ns_coefficient_type"] == "simple":
         return group["ns_coefficients"]
-    return ns_schedule(SimpleNamespace(**group))
+    return coefficient_schedule(group["ns_coefficient_type"], group["ns_coefficients"], group["ns_steps"])
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -78,7 +77,7 @@ class Muon(ReferenceOptimizer):
         check_positive_int("ns_steps", group["ns_steps"])
         if len(group["ns_coefficients"]) != 3:
             raise ValueError(f"ns_coefficients must be 3 numbers, got {group['ns_coefficients']!r}")
-        if group.get("ns_coefficient_type", "simple") not in NS_COEFFICIENT_TYPES:
+        if group["ns_coefficient_type"] not in NS_COEFFICIENT_TYPES:
             raise ValueError(f"unknown ns_coefficient_type {group['ns_coefficient_type']!r}; choose one of "
                              f"{', '.join(NS_COEFFICIENT_TYPES)}")
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:

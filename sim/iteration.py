@@ -480,11 +480,9 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
     for run in runs:
         begin = {r: checked[r] for r in run.members}
         for op in run.schedule.ops:
-            if run.issued(op):
-                continue
             if op.kind == APPLY:
                 run.apply(op, begin if run.early else None)
-            else:
+            elif not run.early:  # else issued as its buckets landed
                 run.issue(op, begin)
         for r in run.members:
             params_ready[r] = _adamw_step(ctx, r, run.applied[r] or [checked[r]])
@@ -519,19 +517,14 @@ class _ScheduleRun:
         self.computed: dict[int, dict[int, simpy.Event]] = {}
         self.scattered: dict[int, dict[int, simpy.Event]] = {}
         self.applied: dict[int, list[simpy.Event]] = {r: [] for r in members}
-        self.early = False  # operations issued before the step check (overlap_step)
-        self._issued: set[tuple[int, str]] = set()
+        self.early = False  # gathers, computes and scatters issued before the step check (overlap_step)
         # the groups each COMPUTE batches together (TP 1: consecutive groups, as the runtime's executor)
         self.windows = compute_windows(schedule.groups, 0, ctx.batching)
         self.saving = {r: 0.0 for r in members}
 
-    def issued(self, op) -> bool:
-        return (op.group, op.kind) in self._issued
-
     def issue(self, op, begin: dict[int, simpy.Event]) -> None:
-        """A gather, compute or scatter (an apply: `apply`), its group's inputs ready at `begin`."""
+        """A gather, compute or scatter (applies: `apply`), its group's inputs ready at `begin`."""
         ctx, eng, members = self.ctx, self.ctx.engine, self.members
-        self._issued.add((op.group, op.kind))
         group = self.schedule.groups[op.group]
         if op.kind == GATHER:
             self.gathered[op.group] = _exchange(ctx, members, group.gather, begin)
@@ -547,15 +540,12 @@ class _ScheduleRun:
                 self.computed[op.group][r] = eng.compute(r, f"group {op.group} compute", seconds, [after[r]])
         elif op.kind == SCATTER:
             self.scattered[op.group] = _exchange(ctx, members, group.scatter, self.computed[op.group])
-        else:
-            self.apply(op)
 
     def apply(self, op, commit: dict[int, simpy.Event] | None = None) -> None:
         """Every TP rank applies the group's update to its shards: where the schedule says (inside
         the host's task cost, or after the scatter), or, with `commit` (an overlapped step), as one
         pass over its shards once the step check is done."""
         eng, members = self.ctx.engine, self.members
-        self._issued.add((op.group, op.kind))
         group = self.schedule.groups[op.group]
         # one memory-bound pass: read the shard and the update chunk, write the shard, in fp32
         apply_s = group.apply_numel * APPLY_PASSES * FP32_BYTES / self.ctx.rate.hbm_bytes_per_s + self.ctx.rate.launch_s

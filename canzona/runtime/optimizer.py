@@ -444,8 +444,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check = self._prepare_step(self.max_grad_norm)
-        for i, group in enumerate(self.param_groups):  # every hyper-parameter valid before anything changes
-            self._configs.config(i, group)
+        self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
         if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
             self.matrix_step.discard()
             self.skipped_steps += 1
@@ -475,8 +474,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the gradients or the hyper-parameters changed since). Hyper-parameters that fail validation
         are left for `step()` to report, before anything changes."""
         try:
-            for i, group in enumerate(self.param_groups):
-                self._configs.config(i, group)
+            self._check_hyper_parameters()
         except CanzonaError:
             return
         self.matrix_step.speculate(grad=landed, config=self._matrix_config)
@@ -491,7 +489,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _matrix_config(self, name: str) -> tuple[Any, float]:
         g = self._group_of[name]
         group = self.param_groups[g]
-        return self._configs.config(g, group), group["lr"]
+        return self.group_config(g), group["lr"]
 
     def _target(self, name: str) -> Tensor:
         return self._master_for(name, local_tensor(self.params[name]))
@@ -526,6 +524,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The optimizer config of param group `g` as its hyper-parameters say now (validated)."""
         return self._configs.config(g, self.param_groups[g])
 
+    def _check_hyper_parameters(self) -> None:
+        """Every param group's hyper-parameters valid now (one CanzonaError otherwise)."""
+        for g in range(len(self.param_groups)):
+            self.group_config(g)
+
     def adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
         """(name, start, end within the flat AdamW buffer, offset within the local tensor) of each
         AdamW parameter's piece inside this rank's slice (all of them under a replicated policy)."""
@@ -545,7 +548,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
                 target = self._master_for(name, adamw.data[s:e])
-                adamw_step_(target, adamw.reduced[s:e], state, self._configs.config(g, group), group["lr"])
+                adamw_step_(target, adamw.reduced[s:e], state, self.group_config(g), group["lr"])
                 if self.master_weights:
                     adamw.data[s:e].copy_(target)
 
