@@ -26,7 +26,7 @@ from canzona.hardware import (
     parse_cost_rows,
 )
 from canzona.optimizers import (
-    MATRIX_OPTIMIZERS,
+    OPTIMIZERS,
     AdamWConfig,
     MuonConfig,
     ShampooConfig,
@@ -128,6 +128,15 @@ def adamw_kernels(numel: int, cfg: AdamWConfig) -> list[Kernel]:
     return [elementwise_kernel("adamw", numel, 10, 7 * FP32)]
 
 
+def adamw_matrix_kernels(m: int, n: int, cfg: AdamWConfig) -> list[Kernel]:
+    """AdamW as the optimizer of an m x n matrix (the elementwise baseline's registry entry)."""
+    return adamw_kernels(m * n, cfg)
+
+
+def adamw_state_bytes(m: int, n: int, cfg: AdamWConfig) -> int:
+    return 2 * FP32 * m * n  # the two moments
+
+
 def gradient_norm_kernels(numel: int, clip: bool) -> list[Kernel]:
     """A rank's share of the global gradient norm, every step (the runtime checks it is finite
     before any update): one read of its reduced gradients; and, with `max_grad_norm`, the clip: one
@@ -142,7 +151,7 @@ def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None
     """Kernels of one step of `optimizer` on one full parameter of `shape` (a matrix optimizer's
     registry entry says how: `MatrixOptimizer.cost_kernels`)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
-    if optimizer == "adamw":
+    if optimizer == "adamw":  # any shape: norms and biases too
         return adamw_kernels(math.prod(shape), cfg)
     return matrix_optimizer(optimizer).part("cost_kernels")(*_matrix_shape(optimizer, shape), cfg)
 
@@ -174,8 +183,8 @@ def step_flops(optimizer: str, shape: tuple[int, ...], cfg: object | None = None
 def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
     """fp32 optimizer state of one full parameter (docs/design.md §4.2)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
-    if optimizer == "adamw":
-        return 2 * FP32 * math.prod(shape)
+    if optimizer == "adamw":  # any shape
+        return adamw_state_bytes(1, math.prod(shape), cfg)
     return matrix_optimizer(optimizer).part("state_bytes")(*_matrix_shape(optimizer, shape), cfg)
 
 
@@ -382,7 +391,7 @@ def profile_cost_table(profile: HardwareProfile, fallback: CostModel) -> TableCo
     """A calibrated profile's measured `optimizer_seconds`, keyed by each optimizer's default compute
     dtype (Muon's rows in bf16, not its fp32 ones); shapes and optimizers it lacks use `fallback`."""
     table = {(o, m, n, d): s for o, m, n, d, s in profile.optimizer_seconds}
-    dtypes = {o: step_dtype(o) for o, _, _, _ in table if o in (*MATRIX_OPTIMIZERS, "adamw")}
+    dtypes = {o: step_dtype(o) for o, _, _, _ in table if o in OPTIMIZERS}
     return TableCost(table, dtypes, fallback, profile.name)
 
 

@@ -35,6 +35,7 @@ from canzona.cost import state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.optimizers import (
+    AdamWConfig,
     MuonConfig,
     ShampooConfig,
     SOAPConfig,
@@ -427,6 +428,11 @@ def shampoo_workspace_bytes(m: int, n: int, grad_bytes: int, cfg: ShampooConfig)
     return max(FP32, grad_bytes) * (4 * m * n + 3 * k * k)
 
 
+def adamw_workspace_bytes(m: int, n: int, grad_bytes: int, cfg: AdamWConfig) -> int:
+    """`adamw_step_`'s two fp32 temporaries of the piece it updates (the root and the denominator)."""
+    return 2 * FP32 * m * n
+
+
 def batched_stack_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
     """Copies a batched kernel stacks per matrix beyond the per-matrix kernel's temporaries
     (`canzona.runtime.batched`; the registry's `stack_bytes`): Muon's stack replaces the copy it
@@ -565,6 +571,11 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
     adamw_sizes = [p.local_numel(tp) for p in spec.adamw_params()]
     adamw_size, adamw_inside, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
+    if matrix_optimizer(plan.optimizer).elementwise:  # AdamW also on the matrices' pieces in each segment
+        for i in range(dp):
+            pieces = [e - s for b in plan.dp_plan.buckets for _, s, e in b.pieces(i)]
+            adamw_inside[i] += sum(pieces)
+            adamw_largest[i] = max([adamw_largest[i], *pieces])
     buffer = sum(b.size for b in plan.dp_plan.buckets) + adamw_size
     weights = buffer * pb
     grads = buffer * gb

@@ -203,6 +203,12 @@ class MatrixOptimizer:
     - `compiled() -> (kernel, batched)`: the kernels with `torch.compile` (None: run eager).
     Reference (the single-process check, `reference/`): `reference`, a `torch.optim.Optimizer`
     taking the config's fields as keyword arguments.
+
+    An `elementwise` entry (AdamW: the baseline every published run used) needs no whole matrix:
+    its `kernel` is `(param, grad, state, cfg, lr) -> None`, in place on any slice, and it runs
+    under the step policies that say so (`StepPolicy.elementwise`: ZeRO-1's even segments, each
+    rank updating the pieces of matrices its segments hold, as Megatron's distributed optimizer
+    does); every parameter then takes its AdamW hyper-parameters (`adamw_config`).
     """
 
     name: str
@@ -218,6 +224,7 @@ class MatrixOptimizer:
     stack_bytes: str | None = None
     batched: str | None = None
     compiled: str | None = None
+    elementwise: bool = False
 
     def part(self, name: str) -> Callable[..., Any] | None:
         """The entry's part `name`, imported (None where the entry has none)."""
@@ -260,8 +267,15 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
         cost_kernels="canzona.normuon:cost_kernels", state_bytes="canzona.normuon:state_bytes",
         workspace_bytes="canzona.normuon:workspace_bytes", kernel="canzona.runtime.normuon:normuon_update",
         initial_state="canzona.runtime.normuon:normuon_state", reference="reference.normuon:NorMuon"),
+    "adamw": MatrixOptimizer(
+        name="adamw", config=AdamWConfig, summary="AdamW on every parameter (ZeRO-1, the baseline)",
+        cost_kernels="canzona.cost:adamw_matrix_kernels", state_bytes="canzona.cost:adamw_state_bytes",
+        workspace_bytes="canzona.memory:adamw_workspace_bytes", kernel="canzona.runtime.kernels:adamw_step_",
+        initial_state="canzona.runtime.kernels:adamw_initial_state", reference="reference.adamw:AdamW",
+        elementwise=True),
 }
-MATRIX_OPTIMIZERS = tuple(MATRIX_REGISTRY)
+OPTIMIZERS = tuple(MATRIX_REGISTRY)  # what `optimizer=` / `--optimizer` accepts
+MATRIX_OPTIMIZERS = tuple(name for name, e in MATRIX_REGISTRY.items() if not e.elementwise)  # whole-matrix ones
 
 
 def matrix_optimizer(name: str) -> MatrixOptimizer:
@@ -269,13 +283,13 @@ def matrix_optimizer(name: str) -> MatrixOptimizer:
     return MATRIX_REGISTRY[check_matrix_optimizer(name)]
 
 
-_CONFIGS: dict[str, type] = {**{name: e.config for name, e in MATRIX_REGISTRY.items()}, "adamw": AdamWConfig}
+_CONFIGS: dict[str, type] = {name: e.config for name, e in MATRIX_REGISTRY.items()}
 
 
 def check_matrix_optimizer(name: str) -> str:
     name = name.lower()
     if name not in MATRIX_REGISTRY:
-        raise SpecError(f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_REGISTRY)}")
+        raise SpecError(f"unknown optimizer {name!r}; choose one of {', '.join(MATRIX_REGISTRY)}")
     return name
 
 

@@ -25,7 +25,7 @@ from canzona.fileio import (
     read_text,
     write_text_atomic,
 )
-from canzona.optimizers import check_matrix_optimizer
+from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import StepPolicy, get_step_policy
 from canzona.tp import (
@@ -41,6 +41,7 @@ from canzona.tp import (
 )
 
 SCHEMA = "canzona.plan"
+PLAN_AXES = ("dp", "tp")  # the named parallel axes of a plan's `layout` (and the runtime's mesh)
 VERSION = 1
 MAX_DP = 65536  # planned in about half a second; far beyond any cluster a plan is made for
 MAX_TP = 1024  # TP groups live inside a node (and must divide the attention heads)
@@ -59,6 +60,11 @@ class Plan:
     cost_model: str
     dp_plan: DPPlan
     tp_plan: TPPlan
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """The size of each named axis (`PLAN_AXES`), as the file records it."""
+        return {"dp": self.dp, "tp": self.tp}
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "version": VERSION, **_body(self), "metrics": self.summary()}
@@ -125,7 +131,7 @@ def _body(plan: Plan) -> dict[str, Any]:
     dpp, tpp = plan.dp_plan, plan.tp_plan
     return {
         "model": {"name": plan.model, "fingerprint": plan.fingerprint},
-        "layout": {"dp": plan.dp, "tp": plan.tp},
+        "layout": plan.layout,
         "optimizer": plan.optimizer,
         "cost_model": plan.cost_model,
         "dp_plan": {
@@ -171,8 +177,11 @@ def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -
     return items
 
 
-def tp_tasks(model: ModelSpec, dp_plan: DPPlan) -> list[list[TPTask]]:
-    """Per DP rank, the matrices it computes, in forward order."""
+def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str) -> list[list[TPTask]]:
+    """Per DP rank, the matrices it computes whole, in forward order: none under an elementwise
+    optimizer (each rank updates the pieces its segments hold, with no TP exchange)."""
+    if matrix_optimizer(optimizer).elementwise:
+        return [[] for _ in range(dp_plan.dp)]
     order = {p.name: i for i, p in enumerate(model.params)}
     full = {p.name: p for p in model.params}
     per_rank: list[list[Placement]] = [[] for _ in range(dp_plan.dp)]
@@ -208,6 +217,7 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
     `canzona verify` and the simulator make a policy's plan."""
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
+    policy.check_optimizer(optimizer)
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by)
@@ -236,7 +246,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     cost_model = cost_model or AnalyticCost()
     dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,
                   balance_by)
-    tpp = plan_tp(tp_tasks(model, dpp), tp, tp_policy, capacity)
+    tpp = plan_tp(tp_tasks(model, dpp, optimizer), tp, tp_policy, capacity)
     return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
 
 
@@ -352,6 +362,9 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlanError(f"plan: unsupported version {version!r} (this canzona reads version {VERSION})")
     model = _get(data, "model", dict, "plan")
     layout = _get(data, "layout", dict, "plan")
+    unknown = sorted(set(layout) - set(PLAN_AXES))
+    if unknown:
+        raise PlanError(f"layout: axis {unknown[0]!r} is not one this canzona plans for ({', '.join(PLAN_AXES)})")
     dp, tp = _get(layout, "dp", int, "layout"), _get(layout, "tp", int, "layout")
     if not (1 <= dp <= MAX_DP and 1 <= tp <= MAX_TP):
         raise PlanError(f"layout: dp must be in 1..{MAX_DP} and tp in 1..{MAX_TP}, got dp={dp} tp={tp}")
@@ -426,10 +439,11 @@ def _validate_tp(plan: Plan) -> None:
     if not is_finite_number(sum(c for rank in t.groups for g in rank for c in g.costs)):
         raise PlanError("tp_plan: the micro-group costs add up to more than a float holds")
     expected: list[set[str]] = [set() for _ in range(plan.dp)]
-    for b in d.buckets:
-        for p in b.params:
-            for r in d.computing_ranks(b, p):
-                expected[r].add(p.name)
+    if not matrix_optimizer(plan.optimizer).elementwise:  # which computes no matrix whole
+        for b in d.buckets:
+            for p in b.params:
+                for r in d.computing_ranks(b, p):
+                    expected[r].add(p.name)
     for r, rank in enumerate(t.groups):
         got = [name for g in rank for name in g.tasks]
         if len(got) != len(set(got)) or set(got) != expected[r]:

@@ -12,6 +12,7 @@ from typing import Literal
 from canzona.dp.layout import DPPlan
 from canzona.dp.policies import KEEPS_GEOMETRY, keeps_geometry
 from canzona.errors import SpecError
+from canzona.optimizers import matrix_optimizer
 
 PARAMS_NONE = "none"  # every rank updated everything itself
 PARAMS_BY_SEGMENT = "segments"  # all-gather(-v) of each bucket on the plan's segments
@@ -31,6 +32,17 @@ class StepPolicy:
     gather_split: bool  # zero1-gather: fetch the other ranks' parts of split matrices
     # after the step, over DP: PARAMS_NONE, PARAMS_BY_SEGMENT or PARAMS_BY_OWNER
     param_gather: Literal["none", "segments", "owners"]
+    # runs elementwise optimizers (AdamW), each rank updating the pieces its segments hold, and
+    # only those; the others run whole-matrix optimizers only
+    elementwise: bool = False
+
+    def check_optimizer(self, optimizer: str) -> None:
+        """`optimizer` is one this policy runs; raise SpecError (one line) otherwise."""
+        entry = matrix_optimizer(optimizer)
+        if entry.elementwise != self.elementwise:
+            fits = [p.name for p in STEP_POLICIES.values() if p.elementwise == entry.elementwise]
+            kind = "elementwise optimizers (adamw)" if self.elementwise else "whole-matrix optimizers"
+            raise SpecError(f"policy {self.name} runs {kind}; {entry.name} runs under {', '.join(fits)}")
 
     def check_dp_policy(self, dp_policy: str) -> None:
         """The user's DP policy is one this step policy can execute (policies with their own plan
@@ -60,7 +72,8 @@ class StepPolicy:
         """Each matrix's owner reads its gradient straight from its bucket's reduce-scatter (no
         all-reduce, no second gather of split matrices), so its update can be computed as soon as
         that bucket has landed (`overlap_step`)."""
-        return self.grad_sync == "reduce-scatter" and not self.gather_split and not self.replicated
+        return (self.grad_sync == "reduce-scatter" and not self.gather_split and not self.replicated
+                and not self.elementwise)
 
     def check_overlap_step(self, overlap_step: bool) -> None:
         """`overlap_step` is an option this policy can run; raise SpecError (one line) otherwise."""
@@ -84,7 +97,26 @@ STEP_POLICIES: dict[str, StepPolicy] = {
                             tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_BY_OWNER),
     "canzona": StepPolicy(name="canzona", grad_sync="reduce-scatter", replicated=False, dp_policy=None,
                           tp_policy=None, gather_split=False, param_gather=PARAMS_BY_SEGMENT),
+    # Megatron's distributed optimizer with AdamW on every parameter: what users run today
+    "zero1": StepPolicy(name="zero1", grad_sync="reduce-scatter", replicated=False, dp_policy="zero1-even",
+                        tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_BY_SEGMENT, elementwise=True),
 }
+MATRIX_POLICY = "canzona"  # the default step policy of a whole-matrix optimizer
+ELEMENTWISE_POLICY = "zero1"  # of an elementwise one
+ELEMENTWISE_BASELINE = "adamw"  # the optimizer of the baseline row beside the matrix policies (compare)
+
+
+def default_policy(optimizer: str) -> str:
+    """The step policy `optimizer` runs unless told otherwise: canzona, or zero1 for AdamW."""
+    return ELEMENTWISE_POLICY if matrix_optimizer(optimizer).elementwise else MATRIX_POLICY
+
+
+def policy_optimizer(policy: str, optimizer: str) -> str:
+    """The optimizer policy `policy` runs in a comparison of `optimizer`'s policies: `optimizer`,
+    or the elementwise baseline (AdamW) under an elementwise policy."""
+    if get_step_policy(policy).elementwise and not matrix_optimizer(optimizer).elementwise:
+        return ELEMENTWISE_BASELINE
+    return optimizer
 
 
 def get_step_policy(name: str) -> StepPolicy:

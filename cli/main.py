@@ -30,7 +30,7 @@ from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
-from canzona.step_policies import STEP_POLICIES
+from canzona.step_policies import STEP_POLICIES, default_policy
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
@@ -76,7 +76,8 @@ class OneLineErrors(TyperGroup):
 
 
 # the matrix optimizers of the registry, each with its one line
-OPTIMIZER_HELP = "Matrix optimizer: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
+POLICY_HELP = "Step policy: " + ", ".join(STEP_POLICIES)
+OPTIMIZER_HELP = "Optimizer of the matrices: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -148,7 +149,8 @@ def plan(
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
-    dp_policy: Annotated[str, typer.Option(help=f"One of: {', '.join(DP_POLICIES)}.")] = DEFAULT_DP_POLICY,
+    dp_policy: Annotated[str | None, typer.Option(
+        help=f"One of: {', '.join(DP_POLICIES)} (default: {DEFAULT_DP_POLICY}; zero1-even for adamw).")] = None,
     tp_policy: TpPolicy = DEFAULT_TP_POLICY,
     alpha: Alpha = 1.0,
     bucket_size: BucketSize = None,
@@ -166,6 +168,8 @@ def plan(
             check_output_path(out, "plan", (".json",))
         model_spec = resolve_spec(model, tp)
         cap = parse_capacity(capacity)
+        # the DP plan the optimizer's default step policy runs (AdamW: ZeRO-1's even segments)
+        dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or DEFAULT_DP_POLICY
 
         costs = cost_model_for(hardware, cost_table)
 
@@ -227,14 +231,14 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
                         f"use{'s' if len(policies) == 1 else ''} {', '.join(sorted(set(own)))}")
 
 
-def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str, dp_policy: str | None, tp_policy: str,
+def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
-    _check_dp_policy_applies([policy], dp_policy)
+    _check_dp_policy_applies([policy or default_policy(optimizer)], dp_policy)
     return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
                      dp_policy=dp_policy or DEFAULT_DP_POLICY,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
@@ -294,7 +298,7 @@ ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scat
 @app.command()
 def simulate(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise or canzona.")] = "canzona",
+    policy: Annotated[str | None, typer.Option(help=f"{POLICY_HELP} (default: canzona; zero1 for adamw).")] = None,
     dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
@@ -351,11 +355,11 @@ def compare(
     """Simulate every policy on the same layout, side by side (default: Qwen3-32B on 256 H100, TP 8)."""
     from rich.progress import Progress
 
-    from canzona.step_policies import STEP_POLICIES
     from sim.simulate import compare as run
+    from sim.simulate import compared_policies
 
     try:
-        base = _sim_config(model, gpus, tp, optimizer, "canzona", dp_policy, tp_policy, alpha, bucket_size,
+        base = _sim_config(model, gpus, tp, optimizer, None, dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
@@ -365,7 +369,7 @@ def compare(
             check_output_path(plot, "plot", PLOT_SUFFIXES)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
-            task = progress.add_task("simulating", total=len(STEP_POLICIES))
+            task = progress.add_task("simulating", total=len(compared_policies(optimizer)))
 
             started: list[str] = []
 
@@ -374,7 +378,7 @@ def compare(
                 started.append(name)
 
             results = run(base, progress=tick)
-            progress.update(task, completed=len(STEP_POLICIES))
+            progress.update(task, completed=len(compared_policies(optimizer)))
         if plot is not None:
             compare_plot(results, plot)
     except CanzonaError as e:
@@ -391,7 +395,7 @@ def compare(
 def verify(
     dp: Annotated[int, typer.Option(help=f"Data-parallel ranks to spawn (gloo, CPU; 1..{checks.MAX_DP}).")] = 2,
     optimizer: Annotated[str, typer.Option(help=f"{OPTIMIZER_HELP[:-1]}, or all.")] = "muon",
-    policy: Annotated[str, typer.Option(help="sc, zero1-gather, layerwise, canzona or all.")] = "canzona",
+    policy: Annotated[str | None, typer.Option(help=f"{POLICY_HELP}, or all that run the optimizer (default: canzona; zero1 for adamw).")] = None,
     steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
     dp_policy: DpPolicy = None,
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
@@ -415,7 +419,9 @@ def verify(
     from rich.progress import Progress
 
     try:
-        _check_dp_policy_applies(list(STEP_POLICIES) if policy == "all" else [policy], dp_policy)
+        optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
+        chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
+        _check_dp_policy_applies(chosen, dp_policy)
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or DEFAULT_DP_POLICY, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style)

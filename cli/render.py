@@ -165,6 +165,8 @@ def compare_table(results) -> Table:
     for r in results:
         o = r.optimizer_breakdown
         name = r.config.policy + (f" (fell back to {r.fell_back_to})" if r.fell_back_to else "")
+        if r.config.optimizer != c.optimizer:  # the AdamW baseline beside the matrix policies
+            name += f" ({r.config.optimizer})"
         fits = "yes" if r.fits else "[bold red]NO[/]"
         row = [name, _ms(r.iteration_time_s), f"{r.mfu * 100:.1f}%", f"{r.memory.worst.total / 1e9:.1f}", fits,
                _ms(r.optimizer_step_s), _ms(o["exposed_comm_s"]),
@@ -183,6 +185,12 @@ def compare_table(results) -> Table:
                        f"{_ratio(lw.iteration_time_s, cz.iteration_time_s)} (paper {PAPER_RATIOS['iteration_time_s']}x), "
                        f"optimizer step {_ratio(lw.optimizer_step_s, cz.optimizer_step_s)} "
                        f"(paper {PAPER_RATIOS['optimizer_step_s']}x).")
+    baseline = next((r for r in results if r.config.optimizer != c.optimizer), None)
+    if baseline is not None and "canzona" in by:
+        cz = by["canzona"]
+        caption.append(f"{c.optimizer} under canzona vs {baseline.config.optimizer} under {baseline.config.policy} "
+                       f"(the run most users have today): iteration {_ratio(baseline.iteration_time_s, cz.iteration_time_s)}, "
+                       f"{(cz.iteration_time_s - baseline.iteration_time_s) * 1e3:+.1f} ms per iteration.")
     caption.append(f"{_options_text(c)}. Published MFU: {PUBLISHED_MFU}.")
     caption += [r.memory.explain(r.memory_capacity_bytes) + "." for r in results if not r.fits]
     t.caption = " ".join(caption)

@@ -29,7 +29,8 @@ def _config(name: str, cls: type, config: Any) -> Any:
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
-    """A matrix optimizer (any of `canzona.optimizers.MATRIX_REGISTRY`) + AdamW, routed by the model spec.
+    """A matrix optimizer (any of `canzona.optimizers.MATRIX_REGISTRY`) + AdamW, routed by the model spec
+    (`adamw`, the elementwise entry: AdamW with `adamw_config` on every parameter).
 
     `param_groups` lists the matrix optimizer's groups, then AdamW's (the same dicts, so LR
     schedulers drive both); `state` is a live view of both optimizers' states (for reading);
@@ -49,6 +50,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         entry = registry_entry(matrix_optimizer)
         self.matrix_optimizer = entry.name
         matrix_cls, config_cls = entry.part("reference"), entry.config
+        if entry.elementwise and matrix_config is not None:
+            raise ValueError(f"{entry.name} runs every parameter with adamw_config; matrix_config is for a "
+                             "matrix optimizer")
         matrix_cfg = _config(self.matrix_optimizer, config_cls, matrix_config)
         adamw_cfg = _config("adamw", AdamWConfig, adamw_config)
 
@@ -61,7 +65,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if tuple(p.shape) != tuple(pspec.shape):
                 raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)}, the spec says {pspec.shape}")
             self.names[name] = p
-            (matrix_params if routes_to_matrix_optimizer(pspec) else adamw_params).append(p)
+            # an elementwise optimizer (AdamW) takes every parameter: all of them are AdamW's
+            routed = routes_to_matrix_optimizer(pspec) and not entry.elementwise
+            (matrix_params if routed else adamw_params).append(p)
         if not self.names:
             raise ValueError("CombinedOptimizer got no parameters")
 

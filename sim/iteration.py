@@ -126,6 +126,17 @@ class Context:
     def _adamw_local_numel(self) -> int:
         return sum(p.local_numel(self.tp) for p in self.spec.adamw_params())
 
+    def dp_index(self, rank: int) -> int:
+        """`rank`'s DP rank in its stage (ranks go TP fastest, then DP)."""
+        return (rank - self.stage * self.cluster.stage_gpus) // self.cluster.tp
+
+    def elementwise_numel(self, i: int) -> int:
+        """Under an elementwise optimizer, the matrices' elements DP rank `i` updates with AdamW:
+        their pieces inside its segments (none otherwise)."""
+        if not matrix_optimizer(self.plan.optimizer).elementwise:
+            return 0
+        return sum(e - s for b in self.plan.dp_plan.buckets for _, s, e in b.pieces(i))
+
     def adamw_seconds(self, numel: int) -> float:
         return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))
 
@@ -410,7 +421,7 @@ def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
     """Each rank's share of the global gradient norm (and the clip), on its share of the reduced
     gradients: its segment of every bucket and its slice of the AdamW buffer."""
     dp = ctx.cluster.dp
-    i = (rank - ctx.stage * ctx.cluster.stage_gpus) // ctx.cluster.tp  # ranks go TP fastest, then DP
+    i = ctx.dp_index(rank)
     by_plan = ctx.policy.grad_sync == "reduce-scatter" and ctx.plan.dp == dp
     numel = sum(b.segment_lengths()[i] if by_plan else -(-b.size // dp) for b in ctx.plan.dp_plan.buckets)
     numel += -(-ctx.adamw_local_numel() // dp)
@@ -421,6 +432,7 @@ def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
 def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Event:
     numel = ctx.adamw_local_numel()
     share = numel if ctx.policy.replicated else -(-numel // ctx.cluster.dp)
+    share += ctx.elementwise_numel(ctx.dp_index(rank))
     return ctx.engine.compute(rank, "adamw step", ctx.adamw_seconds(share), after)
 
 

@@ -20,11 +20,11 @@ from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
-from canzona.optimizers import check_matrix_optimizer
+from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
-from canzona.step_policies import STEP_POLICIES
+from canzona.step_policies import STEP_POLICIES, default_policy, policy_optimizer
 from canzona.step_schedule import PIPELINED, check_tp_mode
 from canzona.tp import DEFAULT_TP_POLICY, Capacity
 from sim.engine import Engine, Span
@@ -56,7 +56,7 @@ class SimConfig:
     gpus: int = 256
     tp: int = 8
     optimizer: str = "muon"
-    policy: str = "canzona"
+    policy: str | None = None  # None: the optimizer's default (canzona; zero1 for adamw)
     dp_policy: str = DEFAULT_DP_POLICY
     tp_policy: str = DEFAULT_TP_POLICY
     tp_mode: str = PIPELINED  # or "serial": the order of the micro-groups' operations
@@ -68,6 +68,10 @@ class SimConfig:
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            object.__setattr__(self, "policy", default_policy(self.optimizer))
 
     @property
     def settings(self) -> PlanSettings:
@@ -86,6 +90,7 @@ class SimConfig:
         if self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
+        STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
@@ -340,18 +345,28 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
 
 def with_policy(cfg: SimConfig, name: str) -> SimConfig:
     """`cfg` under step policy `name`; `overlap_step` only where the policy can run it (canzona):
-    the baselines' owners cannot start before every gradient is reduced and gathered."""
+    the baselines' owners cannot start before every gradient is reduced and gathered. Under an
+    elementwise policy (zero1) a matrix optimizer's configuration becomes the AdamW baseline's."""
     options = cfg.options
     if options.overlap_step and not STEP_POLICIES[name].can_overlap_step:
         options = replace(options, overlap_step=False)
-    return replace(cfg, policy=name, options=options)
+    return replace(cfg, policy=name, optimizer=policy_optimizer(name, cfg.optimizer), options=options)
 
 
-def compare(base: SimConfig, policies: Iterable[str] = tuple(STEP_POLICIES),
+def compared_policies(optimizer: str) -> tuple[str, ...]:
+    """What `compare` runs for `optimizer`: a matrix optimizer's policies and the AdamW baseline
+    (zero1) beside them; for AdamW itself, the policies that run it."""
+    if matrix_optimizer(optimizer).elementwise:
+        return tuple(n for n, p in STEP_POLICIES.items() if p.elementwise)
+    return tuple(STEP_POLICIES)
+
+
+def compare(base: SimConfig, policies: Iterable[str] | None = None,
             progress: Callable[[str], None] | None = None) -> list[SimResult]:
-    """Every policy on `base`'s layout (`with_policy`: options a baseline cannot run are off for it)."""
+    """Every policy on `base`'s layout (`compared_policies`; `with_policy`: options a baseline
+    cannot run are off for it)."""
     out = []
-    for name in policies:
+    for name in compared_policies(base.optimizer) if policies is None else policies:
         if progress:
             progress(name)
         out.append(simulate(with_policy(base, name)))

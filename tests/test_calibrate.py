@@ -36,7 +36,7 @@ from canzona.hardware import (
     load_profile_data,
     profile_from_dict,
 )
-from canzona.optimizers import MATRIX_REGISTRY, default_config
+from canzona.optimizers import MATRIX_OPTIMIZERS, default_config
 from tests.cli_helpers import error_line, invoke
 
 SHAPES = ((32, 64), (64, 64))
@@ -77,7 +77,7 @@ def test_quick_cpu_calibration_writes_a_profile_that_loads(measured):
     assert all(s > 0 for rows in p.solver_seconds.values() for _, s in rows)
     rows = {(o, m, n, d) for o, m, n, d, _ in p.optimizer_seconds}
     # every registered optimizer; those with a Newton-Schulz dtype in bf16 (their default) and fp32
-    want = {(o, m, n, d) for m, n in SHAPES for o in MATRIX_REGISTRY
+    want = {(o, m, n, d) for m, n in SHAPES for o in MATRIX_OPTIMIZERS
             for d in (("bf16", "fp32") if hasattr(default_config(o), "ns_dtype") else ("fp32",))}
     assert rows == want and all(s > 0 for *_, s in p.optimizer_seconds)
     assert p.collectives.rows == ()  # no --world-size

@@ -32,7 +32,7 @@ from canzona.optimizers import MuonConfig, SOAPConfig
 from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import make_plan
 from canzona.spec import ModelSpec, ParamSpec, Role
-from canzona.step_policies import STEP_POLICIES
+from canzona.step_policies import STEP_POLICIES, policy_optimizer
 from canzona.step_schedule import PIPELINED, SERIAL, tp_schedule
 from canzona.tp import EVERY_RANK
 
@@ -44,6 +44,7 @@ except ImportError:  # tests/ imported as a package
 
 def plan_for(spec, policy, dp, tp, optimizer="muon", align=8, dp_policy="alpha-balanced"):
     p = STEP_POLICIES[policy]
+    optimizer = policy_optimizer(policy, optimizer)  # zero1 runs the AdamW baseline
     return make_plan(spec, dp, tp, optimizer, p.dp_policy or dp_policy, p.tp_policy or "greedy-rollback",
                      align=align)
 
@@ -100,17 +101,24 @@ HAND_EXPECTED = {
                 dict(master_weights=528, matrix_state=0, adamw_state=288, step_buffers=408),
                 dict(master_weights=400, matrix_state=512, adamw_state=288, step_buffers=2560),
                 dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=280)],
+    # AdamW on every parameter, even cuts [0, 80, 160): DP rank 0 updates w1[0:80), rank 1 w1[80:96)
+    # and w0; each its 36 of the AdamW buffer. Masters (80 + 36) x 4 = 464, state (80 + 36) x 8 =
+    # 928, no matrix state; the step's temporaries are AdamW's, 2 x 4 x the largest piece: rank 0's
+    # 80 elements of w1 (640), rank 1's w0 (64: 512)
+    "zero1": [dict(master_weights=464, matrix_state=0, adamw_state=928, step_buffers=640)] * 2
+    + [dict(master_weights=464, matrix_state=0, adamw_state=928, step_buffers=512)] * 2,
 }
 
 # The gradient reduce-scatters in flight at the end of backward (canzona.reductions), fp32:
 # native: the AdamW buffer is even (36 per rank: each receives its 36 -> 144); the bucket is even
 # under zero1-gather and the all-reduce policies (80 each -> 320 more: 464), and [96, 64] under
 # canzona's owners, which native reduces in place with one reduce per owner (padding 32 > 160 / 16)
-REDUCTION = {"sc": [464] * 4, "zero1-gather": [464] * 4, "layerwise": [464] * 4, "canzona": [144] * 4}
+REDUCTION = {"sc": [464] * 4, "zero1-gather": [464] * 4, "layerwise": [464] * 4, "canzona": [144] * 4,
+             "zero1": [464] * 4}
 # exact receives both ranks' copies of its segment (summed in place): 2 x (80 + 36) x 4 = 928,
 # canzona's owner of w1 2 x (96 + 36) x 4 = 1056, of w0 2 x (64 + 36) x 4 = 800
 EXACT_REDUCTION = {"sc": [928] * 4, "zero1-gather": [928] * 4, "layerwise": [928] * 4,
-                   "canzona": [1056, 1056, 800, 800]}
+                   "canzona": [1056, 1056, 800, 800], "zero1": [928] * 4}
 
 
 @pytest.mark.parametrize("policy", list(STEP_POLICIES))
@@ -182,6 +190,12 @@ def test_state_and_masters_are_conserved_over_the_cluster(model_tp, dp, optimize
             assert state == dp * tp * total_state
         elif policy == "layerwise":  # once per DP owner, on every TP rank of its group
             assert state == tp * total_state
+        elif STEP_POLICIES[policy].elementwise:  # AdamW on the pieces: no matrix state, each element once
+            assert state == 0
+            pieces = sum(r.adamw_state for r in lm.ranks) // (8 * tp)
+            assert local + adamw_used <= pieces < local + adamw_used + plan.dp_plan.align * dp
+            assert sum(r.master_weights for r in lm.ranks) == 4 * tp * pieces
+            continue
         else:  # zero1-gather: on every TP rank of every DP rank whose segment the matrix touches
             dpp = plan.dp_plan
             want = tp * sum(p.state_bytes * len(dpp.computing_ranks(b, p)) for b in dpp.buckets for p in b.params)

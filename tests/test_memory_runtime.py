@@ -24,7 +24,7 @@ from canzona.harness.launch import run_ranks
 from canzona.harness.training import TrainSpec
 from canzona.memory import LayerDims, MemorySetup, memory_per_gpu, reduction_bytes
 from canzona.reductions import REDUCE_SCATTER_IMPLS
-from canzona.step_policies import STEP_POLICIES, get_step_policy
+from canzona.step_policies import STEP_POLICIES, get_step_policy, policy_optimizer
 
 pytestmark = pytest.mark.distributed
 
@@ -57,10 +57,12 @@ def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
     out = []
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
     for policy, impl in CASES:
-        spec = replace(BASE, policy=policy, tp=tp, reduce_scatter=impl)
+        optimizer = policy_optimizer(policy, BASE.optimizer)  # zero1: the AdamW baseline, its pieces
+        spec = replace(BASE, policy=policy, tp=tp, reduce_scatter=impl, optimizer=optimizer,
+                       matrix_config=BASE.matrix_config if optimizer == BASE.optimizer else {})
         model, mspec = build_tp_model(spec, mesh) if tp > 1 else (build_model(spec), None)
         mspec = mspec or model.spec()
-        opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config, policy=policy,
+        opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None, policy=policy,
                                    bucket_size=spec.bucket_size, group=mesh, reduce_scatter=impl, timeout_s=TIMEOUT_S)
         dp_rank = opt.rank
         (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])

@@ -427,7 +427,7 @@ def test_compare_accepts_a_spec_file(tmp_path, qwen3_config):
     rows = invoke("compare", "--model", path, *SIM, "--json")
     assert rows.exit_code == 0, rows.stderr
     rows = json.loads(rows.stdout)
-    assert len(rows) == 4 and {r["model"] for r in rows} == {"Qwen3-0.6B"}
+    assert len(rows) == 5 and {r["model"] for r in rows} == {"Qwen3-0.6B"}
     assert {r["model_source"] for r in rows} == {str(path)}
 
 

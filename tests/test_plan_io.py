@@ -10,7 +10,7 @@ import pytest
 
 from canzona.catalog import get_model
 from canzona.dp import DP_POLICIES
-from canzona.errors import PlanError
+from canzona.errors import PlanError, SpecError
 from canzona.plan import (
     SCHEMA,
     VERSION,
@@ -233,7 +233,7 @@ MALFORMED = {
                              "misplaced"),
     "unknown dp policy": (_set(("dp_plan", "policy"), "magic"), "unknown DP policy 'magic'"),
     "unknown tp policy": (_set(("tp_plan", "policy"), "magic"), "unknown TP policy 'magic'"),
-    "unknown optimizer": (_set(("optimizer",), "sgd"), "unknown matrix optimizer 'sgd'"),
+    "unknown optimizer": (_set(("optimizer",), "sgd"), "unknown optimizer 'sgd'"),
     "bad capacity unit": (_set(("tp_plan", "capacity", "unit"), "ms"), "capacity unit"),
     "negative capacity": (_set(("tp_plan", "capacity", "value"), -1.0), "capacity must be a positive finite number"),
     "tp group missing a task": (_missing_task, "do not hold exactly the matrices it computes"),
@@ -416,3 +416,39 @@ def test_hash_survives_round_trip_with_integer_table_cost():
     back = plan_from_json(plan.to_json())
     assert back == plan
     assert back.hash() == plan.hash()
+
+
+# --- named axes -------------------------------------------------------------------------------
+
+
+def test_the_layout_names_its_axes_and_refuses_unknown_ones(tmp_path):
+    from canzona.plan import PLAN_AXES
+
+    plan = make_plan(get_model("qwen3-0.6b", 2), 4, 2)
+    assert plan.layout == {"dp": 4, "tp": 2} and tuple(plan.layout) == PLAN_AXES
+    data = json.loads(plan.to_json())
+    assert data["layout"] == plan.layout
+    data["layout"]["ep"] = 2  # an axis of a later canzona (expert parallelism)
+    with pytest.raises(PlanError, match="layout: axis 'ep' is not one this canzona plans for"):
+        plan_from_dict(data)
+
+
+def test_the_runtime_mesh_holds_one_communicator_per_named_axis():
+    from types import SimpleNamespace
+
+    from canzona.runtime.comm import CollectiveLog
+    from canzona.runtime.mesh import Mesh
+
+    def comm(size, rank):
+        return SimpleNamespace(size=size, rank=rank, log=CollectiveLog())
+
+    dp, tp = comm(4, 1), comm(2, 0)
+    mesh = Mesh({"dp": dp, "tp": tp})
+    assert mesh.layout == {"dp": 4, "tp": 2} and mesh.comm("tp") is tp and mesh.rank("dp") == 1
+    assert dp.log.clock is tp.log.clock  # one issue order over every axis's log
+    alone = Mesh({"dp": comm(4, 0)})
+    assert alone.comm("tp") is None and alone.size("tp") == 1 and alone.rank("tp") == 0
+    with pytest.raises(SpecError, match="unknown mesh axis 'ep'"):
+        alone.comm("ep")
+    with pytest.raises(SpecError, match="dp always"):
+        Mesh({"tp": tp})

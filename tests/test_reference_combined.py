@@ -144,7 +144,7 @@ def test_only_one_kind_of_parameter():
         ([[("w1", torch.zeros(12, 8)), ("w1", torch.zeros(12, 8))], SPEC], {}, "twice"),
         ([[("w1", torch.zeros(8, 12))], SPEC], {}, "shape"),
         ([[], SPEC], {}, "no parameters"),
-        ([[("w1", torch.zeros(12, 8))], SPEC, "adam"], {}, "unknown matrix optimizer"),
+        ([[("w1", torch.zeros(12, 8))], SPEC, "adam"], {}, "unknown optimizer"),
         ([[("w1", torch.zeros(12, 8))], SPEC, "soap"], {"matrix_config": MuonConfig()}, "SOAPConfig"),
         ([[("w1", torch.zeros(12, 8))], SPEC, "muon"], {"matrix_config": {"betas": (0.9, 0.9)}}, "no hyper-parameter"),
         ([[("w1", torch.zeros(12, 8))], SPEC, "muon"], {"matrix_config": {"lr": -1.0}}, "lr"),

@@ -21,7 +21,7 @@ from canzona.dp.policies import DP_REGISTRY, KEEPS_GEOMETRY
 from canzona.models import resolve_model
 from canzona.optimizers import MATRIX_REGISTRY, MatrixOptimizer, default_config
 from canzona.plan import PlanSettings, make_plan, plan_for
-from canzona.step_policies import STEP_POLICIES, StepPolicy
+from canzona.step_policies import STEP_POLICIES, StepPolicy, policy_optimizer
 from canzona.tp import TP_REGISTRY, Capacity
 
 PARTS = ("cost_kernels", "state_bytes", "workspace_bytes", "kernel", "initial_state", "reference",
@@ -70,9 +70,10 @@ def test_plan_for_gives_each_policy_its_own_plan():
     settings = PlanSettings(dp_policy="alpha-balanced-reorder", tp_policy="tp-chunk", alpha=0.5,
                             capacity=Capacity(1e-3, "s"))
     for name, policy in STEP_POLICIES.items():
-        plan = plan_for(spec, 4, 2, "muon", name, settings)
+        optimizer = policy_optimizer(name, "muon")  # zero1: the AdamW baseline
+        plan = plan_for(spec, 4, 2, optimizer, name, settings)
         assert plan.dp_plan.policy == (policy.dp_policy or settings.dp_policy), name
         assert plan.tp_plan.policy == (policy.tp_policy or settings.tp_policy), name
-        want = make_plan(spec, 4, 2, "muon", plan.dp_plan.policy, plan.tp_plan.policy, settings.alpha,
+        want = make_plan(spec, 4, 2, optimizer, plan.dp_plan.policy, plan.tp_plan.policy, settings.alpha,
                          capacity=settings.capacity)
         assert plan.hash() == want.hash(), name

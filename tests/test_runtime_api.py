@@ -16,11 +16,27 @@ from tests.outcomes import weights
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
 
+class _RecordingSource:
+    """A gradient source plugged in front of the default one (the seam FSDP2's will use)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def launch(self, buffer, cuts, name):
+        self.calls.append(("launch", name))
+        return self.inner.launch(buffer, cuts, name)
+
+    def gather_rest(self, buffer, cuts, name, *, matrices):
+        self.calls.append(("gather_rest", name))
+        return self.inner.gather_rest(buffer, cuts, name, matrices=matrices)
+
+
 def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = TinyQwen3("tiny", seed=0)
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", {"lr": 0.02}, {"lr": 1e-3},
                                plan=plan_path, group=mesh)
+    source = opt.grads.source = _RecordingSource(opt.grads.source)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     lrs = []
     tokens = fixed_batch(256, 2 * world, 16, seed=3)
@@ -32,7 +48,8 @@ def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> 
         lrs.append([g["lr"] for g in opt.param_groups])
     saved = opt.state_dict()
     return {"lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
-            "plan_hash": opt.plan.hash(), "params": weights(model)}
+            "plan_hash": opt.plan.hash(), "params": weights(model), "layout": opt.mesh.layout,
+            "calls": source.calls, "buckets": len(opt.plan.dp_plan.buckets)}
 
 
 def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
@@ -46,6 +63,12 @@ def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
         assert r["lrs"] == [[0.01, 5e-4], [0.005, 2.5e-4], [0.0025, 1.25e-4]]
         assert r["saved_lrs"] == [0.0025, 1.25e-4]
         assert r["plan_hash"] == plan.hash()
+        assert r["layout"] == {"dp": 2, "tp": 1}
+        # the gradient source was asked for every buffer of every step, in order
+        buckets = [f"bucket {k}" for k in range(r["buckets"])]
+        one_step = [("launch", b) for b in buckets] + [("launch", "adamw")] + \
+            [("gather_rest", f"gradients of {b}") for b in buckets] + [("gather_rest", "adamw gradients")]
+        assert r["calls"] == one_step * 3
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), name
 

@@ -44,6 +44,9 @@ VARIANTS = (
     ("layerwise", None),
     ("sc", None),
 )
+# AdamW on every parameter (the baseline: Megatron's distributed optimizer), its one policy
+ELEMENTWISE = ("adamw", "zero1")
+CASES = [(o, p, d) for o in OPTIMIZERS for p, d in VARIANTS] + [(*ELEMENTWISE, None)]
 
 # fp32 Newton-Schulz; SOAP / Shampoo refresh their preconditioners every 2 steps, so a 4-step run
 # initialises, updates, refreshes and updates with the refreshed bases.
@@ -69,7 +72,7 @@ def idle_plan_optimizers(dp: int) -> tuple[str, ...]:
     return OPTIMIZERS if dp == 4 else ("muon",)
 
 
-def spec_for(optimizer: str, policy: str = "canzona", dp_policy: str | None = None, *,
+def spec_for(optimizer: str, policy: str | None = None, dp_policy: str | None = None, *,
              accumulation: int = 1, bucket_size: int | None = BUCKET) -> TrainSpec:
     return TrainSpec(
         optimizer=optimizer,
@@ -80,7 +83,7 @@ def spec_for(optimizer: str, policy: str = "canzona", dp_policy: str | None = No
         seq_len=16,
         accumulation=accumulation,
         bucket_size=bucket_size,
-        matrix_config=dict(MATRIX_CONFIG[optimizer]),
+        matrix_config=dict(MATRIX_CONFIG.get(optimizer, {})),
     )
 
 
@@ -106,7 +109,7 @@ def plan_with_idle_rank(model: ModelSpec, dp: int, optimizer: str, idle: int) ->
             cuts[r] = mine[0].offset if mine else cuts[r + 1]
         buckets.append(replace(b, params=params, cuts=tuple(cuts)))
     dpp = replace(base.dp_plan, buckets=tuple(buckets))
-    tpp = plan_tp(tp_tasks(model, dpp), 1, "greedy-rollback")
+    tpp = plan_tp(tp_tasks(model, dpp, optimizer), 1, "greedy-rollback")
     plan = Plan(base.model, base.fingerprint, dp, 1, optimizer, base.cost_model, dpp, tpp)
     validate_plan(plan, model)
     return plan
@@ -124,10 +127,8 @@ def owners_of(plan: Plan) -> list[list[str]]:
 
 def jobs_for(dp: int) -> list[tuple[tuple, TrainSpec, dict]]:
     """(label, spec, extra) of every distributed run at this DP size."""
-    jobs = []
-    for opt in OPTIMIZERS:
-        for policy, dp_policy in VARIANTS:
-            jobs.append((("variant", opt, policy, dp_policy), spec_for(opt, policy, dp_policy), {}))
+    jobs = [(("variant", opt, policy, dp_policy), spec_for(opt, policy, dp_policy), {})
+            for opt, policy, dp_policy in CASES]
     if dp in ACCUMULATION_DPS:
         for opt, (policy, dp_policy) in zip(OPTIMIZERS, VARIANTS[1:4]):
             jobs.append((("accumulation", opt), spec_for(opt, policy, dp_policy, accumulation=2), {}))
@@ -142,6 +143,8 @@ def jobs_for(dp: int) -> list[tuple[tuple, TrainSpec, dict]]:
             jobs.append((("one-matrix-buckets", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192), {}))
     for _, _, extra in jobs:
         extra["state_dict"] = False
+    # the AdamW pieces' state, stitched by state_dict() (a collective after the steps)
+    jobs.append((("adamw-state",), spec_for(*ELEMENTWISE), {"state_dict": True}))
     return jobs
 
 
@@ -193,8 +196,7 @@ def assert_ranks_agree(ranks: list[dict]) -> None:
 # --- the full matrix: DP 1-4 x optimizers x step policies ------------------------------------
 
 
-@pytest.mark.parametrize("policy,dp_policy", VARIANTS, ids=[f"{p}-{d}" if d else p for p, d in VARIANTS])
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer,policy,dp_policy", CASES, ids=[f"{o}-{p}-{d}" if d else f"{o}-{p}" for o, p, d in CASES])
 @pytest.mark.parametrize("dp", DPS)
 def test_distributed_equals_single_process_bit_for_bit(dp, optimizer, policy, dp_policy):
     ranks = distributed(dp, ("variant", optimizer, policy, dp_policy))
@@ -208,11 +210,11 @@ def test_distributed_equals_single_process_bit_for_bit(dp, optimizer, policy, dp
     assert len(moved) == len(init)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer", (*OPTIMIZERS, ELEMENTWISE[0]))
 @pytest.mark.parametrize("dp", DPS)
 def test_distributed_within_tolerance_of_reference_optimizers(dp, optimizer):
     ref = referenced(optimizer, dp)
-    for policy, dp_policy in VARIANTS:
+    for _, policy, dp_policy in [c for c in CASES if c[0] == optimizer]:
         ranks = distributed(dp, ("variant", optimizer, policy, dp_policy))
         cmp = compare(ranks[0]["params"], ref)
         assert cmp["max_rel_diff"] <= REL_TOL, (policy, dp_policy, cmp)
@@ -236,6 +238,30 @@ def test_each_rank_computes_what_the_plan_gives_it(dp, optimizer):
         assert owned == [sorted(names) for names in owners_of(plan)], (policy, dp_policy)
         if policy != "zero1-gather":
             assert sorted(n for names in owned for n in names) == matrices, (policy, dp_policy)
+
+
+@pytest.mark.parametrize("dp", DPS)
+def test_adamw_ranks_update_the_pieces_their_even_segments_hold(dp):
+    """AdamW on every parameter (zero1): no rank computes a matrix whole; each keeps AdamW state for
+    exactly the elements of its even segments, split matrices included, and the layout-independent
+    state dict stitches the pieces back into full tensors equal on every rank."""
+    ranks = distributed(dp, ("adamw-state",))
+    assert_bit_identical(ranks, emulated(ELEMENTWISE[0], dp))
+    model = tiny_model_spec()
+    plan = ranks[0]["plan"]
+    assert plan.dp_plan.policy == "zero1-even" and plan.optimizer == "adamw"
+    assert all(r["owned"] == [] and r["hosted"] == [] for r in ranks)
+    if dp > 1:  # the layout splits matrices between ranks, which then update one piece each
+        assert any(len(b.ranks_overlapping(p)) > 1 for b in plan.dp_plan.buckets for p in b.params)
+    from canzona.runtime.checkpoint import state_by_name
+
+    state = state_by_name(ranks[0]["state"])[2]
+    for r in ranks[1:]:
+        other = state_by_name(r["state"])[2]
+        assert all(torch.equal(other[n]["exp_avg"], s["exp_avg"]) for n, s in state.items())
+    for p in model.params:
+        assert state[p.name]["exp_avg"].shape == p.shape and state[p.name]["step"] == STEPS
+        assert bool(state[p.name]["exp_avg_sq"].gt(0).all())  # every element stepped, on some rank
 
 
 # --- gradient accumulation -------------------------------------------------------------------

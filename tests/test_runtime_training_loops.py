@@ -327,7 +327,7 @@ def test_clip_grad_norm_uses_the_global_norm_of_reduced_gradients(runs):
     ({"matrix_config": {"momentum": 1.0}}, "momentum must be"),
     ({"timeout_s": 0}, "timeout_s must be a positive"),
     ({"timeout_s": float("inf")}, "timeout_s must be a positive"),
-    ({"optimizer": "adam"}, "unknown matrix optimizer"),
+    ({"optimizer": "adam"}, "unknown optimizer"),
     ({"reduce_scatter": "nccl"}, "unknown reduce_scatter 'nccl'; choose one of native, exact, loops, padded"),
 ])
 def test_bad_configuration_fails_before_any_collective(kwargs, needle):

@@ -20,7 +20,7 @@ SMALL = ["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--seq-len", "256
 TINY = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "8", "--seq-len", "128", "--global-batch", "1"]
 REQUIRED = {"iteration_time_s", "optimizer_step_s", "breakdown", "rank_optimizer_s", "policy",
             "grad_sync_end_s", "optimizer_breakdown", "definitions"}
-POLICY_NAMES = {"sc", "zero1-gather", "layerwise", "canzona"}
+POLICY_NAMES = {"sc", "zero1-gather", "layerwise", "canzona", "zero1"}
 
 
 run = invoke
@@ -134,8 +134,10 @@ def test_compare_json_lists_every_policy():
     result = run("compare", *SMALL, "--json")
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert isinstance(rows, list) and len(rows) == 4
+    assert isinstance(rows, list) and len(rows) == 5
     assert [r["policy"] for r in rows] == list(STEP_POLICIES)
+    # the matrix policies run the optimizer asked for; zero1, beside them, the AdamW baseline
+    assert [r["optimizer"] for r in rows] == ["muon"] * 4 + ["adamw"]
     assert {r["policy"] for r in rows} == POLICY_NAMES
     for r in rows:
         assert REQUIRED <= set(r)
@@ -147,6 +149,7 @@ def test_compare_table():
     assert result.exit_code == 0, result.stderr
     for name in POLICY_NAMES:
         assert name in result.stdout
+    assert "zero1 (adamw)" in result.stdout and "the run most users have today" in result.stdout
 
 
 def test_compare_plot_writes_a_png(tmp_path):

@@ -332,7 +332,7 @@ def test_dp2_logs_are_the_step_collectives():
     simulator issues on the same plan in the runtime's collectives mode (the structure half of
     validating the simulator against the runtime)."""
     equivalence = _import("test_runtime_equivalence")
-    jobs = {label: spec for label, spec, _ in equivalence.jobs_for(2)}
+    jobs = {label: spec for label, spec, extra in equivalence.jobs_for(2) if not extra["state_dict"]}
     assert {spec.policy for spec in jobs.values()} == set(STEP_POLICIES)
     assert any(spec.accumulation > 1 for spec in jobs.values())
     for label, train in jobs.items():

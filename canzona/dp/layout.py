@@ -9,7 +9,7 @@ bucket, the cut points, and the owner (the DP rank that computes the full-matrix
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -53,11 +53,21 @@ class BucketPlan:
     def segment_lengths(self) -> list[int]:
         return [b - a for a, b in zip(self.cuts, self.cuts[1:])]
 
+    def pieces(self, rank: int) -> list[tuple[str, int, int]]:
+        """(name, start, end) in the bucket of each parameter's elements inside `rank`'s segment:
+        what an elementwise optimizer's rank updates (and keeps state for)."""
+        return pieces_inside(((p.name, p.offset, p.end) for p in self.params), *self.segment(rank))
+
     def ranks_overlapping(self, p: Placement) -> range:
         """Ranks whose segment holds at least one element of `p`."""
         first = bisect.bisect_right(self.cuts, p.offset) - 1
         last = bisect.bisect_right(self.cuts, p.end - 1) - 1
         return range(first, last + 1)
+
+
+def pieces_inside(spans: Iterable[tuple[str, int, int]], lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """The parts of the (name, start, end) spans of a flat buffer that lie inside [lo, hi)."""
+    return [(name, max(a, lo), min(b, hi)) for name, a, b in spans if max(a, lo) < min(b, hi)]
 
 
 def ceil_to(x: int, multiple: int) -> int:

@@ -32,11 +32,12 @@ from torch import Tensor
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
-from canzona.optimizers import config_from_dict
+from canzona.optimizers import config_from_dict, matrix_optimizer
 from canzona.plan import Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.step_policies import default_policy
 from canzona.tp import DEFAULT_TP_POLICY
 
 TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # how distributed_worker splits the model over TP
@@ -47,7 +48,7 @@ class TrainSpec:
     model_seed: int = 0
     data_seed: int = 1
     optimizer: str = "muon"
-    policy: str = "canzona"
+    policy: str | None = None  # None: the optimizer's default (canzona; zero1 for adamw)
     dp_policy: str = DEFAULT_DP_POLICY
     alpha: float = 1.0
     bucket_size: int | None = None
@@ -71,6 +72,10 @@ class TrainSpec:
     batch_kernels: bool = True  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
     compile_kernels: bool = False  # Newton-Schulz through torch.compile (close to, not equal to, eager)
     overlap_step: bool = False  # updates computed as buckets land, applied after the check (bit for bit)
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            object.__setattr__(self, "policy", default_policy(self.optimizer))
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.accumulation):
@@ -151,7 +156,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
     else:
         model = build_model(spec)
         mspec = model.spec()
-    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
@@ -356,8 +361,9 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
     spec.check(dp)
     model = build_model(spec)
     mspec = model.spec()
-    matrix_cfg = config_from_dict(spec.optimizer, spec.matrix_config)
     adamw_cfg = config_from_dict("adamw", spec.adamw_config)
+    elementwise = matrix_optimizer(spec.optimizer).elementwise  # AdamW on every parameter
+    matrix_cfg = adamw_cfg if elementwise else config_from_dict(spec.optimizer, spec.matrix_config)
     states: dict[str, dict] = {}
     if load is not None:
         params, saved = load
@@ -381,7 +387,7 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
                     continue
                 state = states.setdefault(name, {})
                 master = masters[name]
-                if mspec.param(name).uses_matrix_optimizer:
+                if mspec.param(name).uses_matrix_optimizer and not elementwise:
                     update = kernel(step_grads[name], state, matrix_cfg, matrix_cfg.lr)
                     if update is not None:
                         apply_update_(master, update.direction, update)

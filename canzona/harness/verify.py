@@ -28,14 +28,15 @@ from typing import Any
 
 from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
-from canzona.optimizers import MATRIX_OPTIMIZERS
+from canzona.optimizers import OPTIMIZERS as REGISTERED
+from canzona.optimizers import matrix_optimizer
 from canzona.plan import Plan, PlanSettings, plan_for
-from canzona.step_policies import STEP_POLICIES, get_step_policy
+from canzona.step_policies import STEP_POLICIES, default_policy, get_step_policy
 from canzona.step_schedule import TP_MODES
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
-OPTIMIZERS: tuple[str, ...] = MATRIX_OPTIMIZERS
+OPTIMIZERS: tuple[str, ...] = REGISTERED
 TP_SCHEDULERS: tuple[str, ...] = tuple(TP_POLICIES)
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
 # Every rank is a process on this machine (about 300 MB each with torch), and every process holds
@@ -83,14 +84,15 @@ def _positive(name: str, value: int) -> None:
         raise SpecError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: int = 10,
+def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: int = 10,
             dp_policy: str = DEFAULT_DP_POLICY, accumulation: int = 1, preset: str = "tiny",
             global_batch: int | None = None, tp: int = 1, alpha: float = 1.0,
             bucket_size: int | None = None, seq_len: int = 16, tp_policy: str = DEFAULT_TP_POLICY,
             tp_mode: str = "pipelined", tp_style: str = "megatron") -> list[VerifyCase]:
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
-    `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`. The
-    baselines run `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
+    `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`
+    (`policy="all"`: every policy that runs the optimizer; None: its default). The baselines run
+    `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
 
     `global_batch` defaults to `4 * dp * accumulation` (always divisible)."""
     from canzona.harness.training import TP_STYLES, TrainSpec
@@ -125,7 +127,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
         raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
                         "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
-    policies = _choices(policy, POLICIES, "policy")
+    if policy is not None:
+        _choices(policy, POLICIES, "policy")
     mspec = model_spec(cfg)
     recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
     if tp > 1 and recorded > MAX_RECORDED_ELEMENTS:
@@ -134,8 +137,13 @@ def prepare(dp: int, optimizer: str = "muon", policy: str = "canzona", steps: in
                         f"run at most {MAX_RECORDED_ELEMENTS // (recorded // steps)} steps")
     cases = []
     for opt in optimizers:
+        if policy == "all":
+            policies = [p for p in POLICIES if STEP_POLICIES[p].elementwise == matrix_optimizer(opt).elementwise]
+        else:
+            policies = [policy or default_policy(opt)]
         for pol in policies:
             step = get_step_policy(pol)
+            step.check_optimizer(opt)
             # the baselines run tp-sync; at TP = 1 the TP choices change nothing
             if tp == 1:
                 schedulers, modes = [DEFAULT_TP_POLICY], ["pipelined"]

@@ -20,6 +20,7 @@ Parameters are TP-local tensors: for DTensor parameters the local tensor lives i
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,6 +87,26 @@ class FlatBuffer:
 
     def unlinked(self) -> Iterator[str]:
         return (name for name in self.names if not self.is_linked(name))
+
+
+class Piece(NamedTuple):
+    """A parameter's elements that one rank updates elementwise (AdamW): `buffer[start:end]`, which
+    is `[offset, offset + end - start)` of the parameter's flattened local tensor."""
+
+    name: str
+    buffer: FlatBuffer
+    start: int
+    end: int
+    offset: int
+
+
+def pieces_of(buffer: FlatBuffer, lo: int, hi: int) -> Iterator[Piece]:
+    """The pieces of `buffer`'s parameters inside `[lo, hi)`, in layout order."""
+    for name in buffer.names:
+        a, b = buffer.offsets[name]
+        s, e = max(a, lo), min(b, hi)
+        if s < e:
+            yield Piece(name, buffer, s, e, s - a)
 
 
 def accumulation_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:

@@ -16,8 +16,9 @@ Where the full tensors come from:
   from the lowest DP rank that computes it, from its host TP rank;
 - fp32 master weights of matrices are per TP shard (every TP rank of the owning DP rank updates its
   shard) and are stitched along `tp_dim`;
-- AdamW state and masters are per (TP shard, DP slice of the flat AdamW buffer) and are stitched
-  back: slices into shards, shards along `tp_dim` (a TP-replicated parameter from TP rank 0).
+- AdamW state and masters are per (TP shard, DP slice of the flat AdamW buffer; under an
+  elementwise optimizer also DP piece of a bucket, `DistributedOptimizer.adamw_parts`) and are
+  stitched back: pieces into shards, shards along `tp_dim` (a TP-replicated parameter from TP rank 0).
 Loading cuts each full tensor to what this rank's layout holds. The checkpoint records which model
 it belongs to; a checkpoint of another model or optimizer is refused with one line.
 
@@ -46,6 +47,7 @@ from canzona.tp import EVERY_RANK
 
 if TYPE_CHECKING:
     from canzona.plan import Plan
+    from canzona.runtime.buffers import Piece
     from canzona.runtime.comm import Comm
     from canzona.runtime.gradients import GradientSync
     from canzona.spec import ModelSpec
@@ -81,7 +83,7 @@ class Checkpointable(Protocol):
     comm: Comm
     tp_comm: Comm | None
 
-    def adamw_parts(self) -> Iterator[tuple[str, int, int, int]]: ...
+    def adamw_parts(self) -> Iterator[Piece]: ...
 
     def group_config(self, g: int) -> Any: ...
 
@@ -122,9 +124,10 @@ def _adamw_pieces(opt: Checkpointable) -> Iterator[tuple[str, int, dict[str, Any
     saves: under a replicated policy DP rank 0's; a TP-replicated parameter's from TP rank 0."""
     if opt.policy.replicated and opt.rank != 0:
         return
-    for name, _s, _e, off in opt.adamw_parts():
+    for piece in opt.adamw_parts():
+        name = piece.name
         if name in opt.adamw_state and (opt.tp_rank == 0 or _tp_dim(opt, name) is not None):
-            yield name, off, _with_master(opt, name, opt.adamw_state[name])
+            yield name, piece.offset, _with_master(opt, name, opt.adamw_state[name])
 
 
 def _with_master(opt: Checkpointable, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,7 +159,7 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
         shards = [part["masters"][name] for per_dp in by_tp for part in per_dp if name in part["masters"]]
         if shards:
             state.setdefault(name, {})["master"] = unshard(shards, _tp_dim(opt, name))
-    for name in opt.grads.adamw.names:
+    for name in opt.params:  # AdamW's pieces: of its parameters, and of every one under an elementwise optimizer
         shards = [_stitch(opt, name, [p for part in per_dp for p in part["adamw"] if p[0] == name])
                   for per_dp in by_tp]
         shards = [s for s in shards if s is not None]
@@ -284,7 +287,7 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
     opt.adamw_state = {}
-    for name, s, e, off in opt.adamw_parts():
+    for name, _, s, e, off in opt.adamw_parts():
         if name in state:
             full = state[name]
             opt.adamw_state[name] = {"step": full["step"], **{
@@ -292,7 +295,7 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
                 for key in ("exp_avg", "exp_avg_sq")}}
     if opt.master_weights:
         opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
-        for name, s, e, off in opt.adamw_parts():
+        for name, _, s, e, off in opt.adamw_parts():
             if name in masters:
                 opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
         for name in opt.applies:
@@ -470,7 +473,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
 
 def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
     """Per parameter whose pieces this rank needs, the range of its local tensor it holds."""
-    out = {name: (off, off + e - s) for name, s, e, off in opt.adamw_parts()}
+    out = {name: (off, off + e - s) for name, _, s, e, off in opt.adamw_parts()}
     for name in opt.applies:
         out[name] = (0, local_tensor(opt.params[name]).numel())
     return out

@@ -20,6 +20,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -46,6 +47,40 @@ class StepCheck:
     norm: float  # the global 2-norm of the reduced gradients, every element counted once (nan / inf: not finite)
 
 
+class GradientSource(Protocol):
+    """Where the reduced gradients of the optimizer's flat buffers come from, once backward has
+    written this step's local gradients into them (`FlatBuffer.grad`). Calls come in the same order
+    on every rank: each bucket as its last gradient arrives, in bucket order, then the AdamW buffer;
+    after all of them have landed, `gather_rest` for each."""
+
+    def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
+        """Start the reduction that leaves this rank's part of `buffer.reduced` (`[cuts[r],
+        cuts[r + 1])`, r its DP rank) holding the gradients' mean over the DP axis."""
+        ...
+
+    def gather_rest(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str, *, matrices: bool) -> PendingWork | None:
+        """What the step policy reads beyond this rank's part (None: nothing): the rest of the
+        reduced matrices (`matrices`) or of the AdamW buffer."""
+        ...
+
+
+class DPReduction:
+    """The default source: a reduce-scatter(-v) of each flat buffer over the DP axis on its cuts
+    (the route `canzona.reductions` picks); policies whose ranks read more than their part (every
+    rank computing everything, the split matrices of zero1-gather) all-gather the rest."""
+
+    def __init__(self, dp: Comm, policy: StepPolicy) -> None:
+        self.dp = dp
+        self.policy = policy
+
+    def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
+        return self.dp.reduce_scatter_v(buffer.grad, cuts, name)
+
+    def gather_rest(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str, *, matrices: bool) -> PendingWork | None:
+        needed = (self.policy.grad_sync == "all-reduce" or self.policy.gather_split) if matrices else self.policy.replicated
+        return self.dp.all_gather_v(buffer.reduced, cuts, name) if needed else None
+
+
 class GradientSync:
     """Owns the flat buffers of a DP (x TP) rank and everything that happens to gradients before
     the optimizer reads them."""
@@ -59,6 +94,9 @@ class GradientSync:
         self.dp = dp
         self.tp = tp
         self.nonfinite = nonfinite
+        # where each buffer's reduced gradients come from: the seam a wrapper that reduces and
+        # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
+        self.source: GradientSource = DPReduction(dp, policy)
         self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
                                    b.size, params, reduce_dtype) for b in plan.dp_plan.buckets]
         adamw_names = [p.name for p in spec.adamw_params()]
@@ -190,8 +228,7 @@ class GradientSync:
             raise CanzonaError(SYNCED_TWICE)
         b = self.buckets[k]
         self._take_all(b)
-        self._launched[k] = self.dp.reduce_scatter_v(b.grad, self.grad_cuts(k),
-                                                     f"bucket {self.plan.dp_plan.buckets[k].index}")
+        self._launched[k] = self.source.launch(b, self.grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     def _take_all(self, buffer: FlatBuffer) -> None:
         """Before a buffer is reduced: every parameter's gradient of this step is in it (a gradient
@@ -261,20 +298,20 @@ class GradientSync:
             self._launch(self._next)
             self._next += 1
         self._take_all(self.adamw)
-        adamw = self.dp.reduce_scatter_v(self.adamw.grad, self.adamw_cuts, "adamw")
+        adamw = self.source.launch(self.adamw, self.adamw_cuts, "adamw")
         if self.speculate is not None:
             self.speculate(self.landed)
         for pending in self._launched:
             pending.wait()
         adamw.wait()
-        if self.policy.grad_sync == "all-reduce" or self.policy.gather_split:
-            gathers = [self.dp.all_gather_v(b.reduced, self.grad_cuts(k),
-                                            f"gradients of bucket {self.plan.dp_plan.buckets[k].index}")
-                       for k, b in enumerate(self.buckets)]
-            for g in gathers:
-                g.wait()
-        if self.policy.replicated:
-            self.dp.all_gather_v(self.adamw.reduced, self.adamw_cuts, "adamw gradients").wait()
+        rest = [self.source.gather_rest(b, self.grad_cuts(k), f"gradients of bucket {self.plan.dp_plan.buckets[k].index}",
+                                        matrices=True) for k, b in enumerate(self.buckets)]
+        for pending in rest:
+            if pending is not None:
+                pending.wait()
+        adamw_rest = self.source.gather_rest(self.adamw, self.adamw_cuts, "adamw gradients", matrices=False)
+        if adamw_rest is not None:
+            adamw_rest.wait()
 
     def _local_problem(self) -> str | None:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers, or

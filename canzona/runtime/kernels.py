@@ -353,6 +353,11 @@ def adamw_state(param: Tensor) -> State:
     return {"step": 0, "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
 
 
+def adamw_initial_state(grad: Tensor, cfg: AdamWConfig) -> State:
+    """AdamW as the matrices' optimizer (its registry entry's `initial_state`)."""
+    return adamw_state(grad)
+
+
 def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float) -> None:
     """torch.optim.AdamW's single-tensor step, in the same operation order."""
     if "step" not in state:

@@ -42,13 +42,14 @@ from canzona.optimizers import (
     check_matrix_optimizer,
     config_from_dict,
     default_config,
+    matrix_optimizer,
 )
 from canzona.plan import Plan, PlanSettings, check_plan_matches, load_plan, plan_for
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
-from canzona.runtime.buffers import FlatBuffer
-from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
+from canzona.runtime.comm import PendingWork
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck
 from canzona.runtime.groups import (
@@ -59,6 +60,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import adamw_step_
+from canzona.runtime.mesh import DP, TP, build_mesh
 from canzona.runtime.param_gather import ParamsInFlight, modules_holding
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
@@ -68,6 +70,7 @@ from canzona.step_policies import (
     PARAMS_BY_SEGMENT,
     PARAMS_NONE,
     StepPolicy,
+    default_policy,
     get_step_policy,
 )
 from canzona.step_schedule import PIPELINED, TPSchedule, check_tp_mode, tp_schedule
@@ -85,7 +88,10 @@ def _config(name: str, given: Any) -> Any:
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """A matrix optimizer (muon | soap | shampoo) plus AdamW, data- and tensor-parallel.
+    """A matrix optimizer (`canzona.optimizers.MATRIX_REGISTRY`) plus AdamW, data- and tensor-parallel;
+    or, with `optimizer="adamw"`, AdamW on every parameter as Megatron's distributed optimizer runs
+    it (policy `zero1`: even segments, each rank updating the pieces of matrices they hold; its
+    hyper-parameters in `adamw_config`), the run to price the matrix optimizers against.
 
     `params`: `(name, parameter)` pairs (e.g. `model.named_parameters()`), or torch-style groups of
     them with hyper-parameter overrides (`canzona.runtime.groups`). `matrix_config` and
@@ -94,8 +100,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `parallelize_module`, `canzona.runtime.shards`).
 
     `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
-    `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when `group` is a process
-    group. `tp_mode`: `pipelined` (default) or `serial` order of the TP micro-groups.
+    after the axes, `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when
+    `group` is a process group. `self.mesh` holds one communicator per named axis
+    (`canzona.runtime.mesh`). `tp_mode`: `pipelined` (default) or `serial` order of the TP
+    micro-groups.
 
     `reduce_scatter`: how gradients are reduce-scattered over DP (`canzona.reductions`): `native`
     (default; the backend's own reductions, per bucket a reduce-scatter or one reduce per owner,
@@ -152,7 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         matrix_config: Any = None,
         adamw_config: AdamWConfig | Mapping | None = None,
         plan: Plan | str | Path | None = None,
-        policy: str = "canzona",
+        policy: str | None = None,
         dp_policy: str = DEFAULT_DP_POLICY,
         alpha: float = 1.0,
         bucket_size: int | None = None,
@@ -189,30 +197,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
         self.overlapped_steps = 0  # steps that applied the updates overlap_step computed early
         self.optimizer = check_matrix_optimizer(optimizer)
-        self.policy: StepPolicy = get_step_policy(policy)
+        # AdamW on every parameter (the baseline): each rank updates the pieces its segments hold
+        self.elementwise = matrix_optimizer(self.optimizer).elementwise
+        self.policy: StepPolicy = get_step_policy(policy or default_policy(self.optimizer))
+        self.policy.check_optimizer(self.optimizer)
         self.policy.check_overlap_step(overlap_step)
         self.overlap_step = overlap_step
         self.tp_mode = check_tp_mode(tp_mode)
         check_reduce_scatter(reduce_scatter)
-        self.matrix_cfg = _config(self.optimizer, matrix_config)
+        if self.elementwise and matrix_config is not None:
+            raise SpecError(f"{self.optimizer} runs every parameter with adamw_config; give its hyper-parameters "
+                            "there (matrix_config is for a matrix optimizer)")
         self.adamw_cfg = _config("adamw", adamw_config)
+        self.matrix_cfg = self.adamw_cfg if self.elementwise else _config(self.optimizer, matrix_config)
         self.spec = spec
         groups = user_groups(params)
         if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
             check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
         self.batch_kernels, self.compile_kernels = batch_kernels, compile_kernels
-        matrix_names = {p.name for p in spec.matrix_params()}
+        # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
+        matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
         param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
-        dp_group, tp_pg = _process_groups(group, tp_group)
-        if tp_pg is not None and dist.get_world_size(tp_pg) == 1:
-            tp_pg = None
-        tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
-        self.tp = len(tp_ranks) if tp_ranks else 1
+        self.mesh = build_mesh(group, tp_group, timeout_s, reduce_scatter)
+        self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
+        tp_ranks = dist.get_process_group_ranks(self.tp_comm.group) if self.tp_comm is not None else None
+        self.tp = self.mesh.size(TP)
         self.params = self._local_params(groups, tp_ranks)
-        self.comm = Comm(dp_group, timeout_s, reduce_scatter=reduce_scatter)
-        self.tp_comm = Comm(tp_pg, timeout_s, "tp") if tp_pg is not None else None
-        if self.tp_comm is not None:  # one issue order over both logs (CollectiveRecord.seq)
-            self.tp_comm.log.clock = self.comm.log.clock
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
         self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)
@@ -506,8 +516,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the parameters as they are now (after loading weights into a bf16 model, say)."""
         self.wait_params()
         self.master = {n: local_tensor(self.params[n]).detach().float().clone() for n in self.applies}
-        for name, s, e, _ in self.adamw_parts():
-            self.master[name] = self.grads.adamw.data[s:e].float().clone()
+        for piece in self.adamw_parts():
+            self.master[piece.name] = piece.buffer.data[piece.start:piece.end].float().clone()
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
         """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written
@@ -529,28 +539,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g in range(len(self.param_groups)):
             self.group_config(g)
 
-    def adamw_parts(self) -> Iterator[tuple[str, int, int, int]]:
-        """(name, start, end within the flat AdamW buffer, offset within the local tensor) of each
-        AdamW parameter's piece inside this rank's slice (all of them under a replicated policy)."""
-        adamw, cuts = self.grads.adamw, self.grads.adamw_cuts
-        lo, hi = (0, adamw.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
-        for name in adamw.names:
-            a, b = adamw.offsets[name]
-            s, e = max(a, lo), min(b, hi)
-            if s < e:
-                yield name, s, e, s - a
+    def adamw_parts(self) -> Iterator[Piece]:
+        """The pieces this rank updates with AdamW (and keeps AdamW state and masters for): those
+        of the AdamW parameters inside its slice of the flat AdamW buffer (all of them under a
+        replicated policy), and under an elementwise optimizer the matrices' pieces inside its
+        segments of the buckets too."""
+        buffers = [(self.grads.adamw, self.grads.adamw_cuts)]
+        if self.elementwise:
+            buffers += [(b, self.grads.grad_cuts(k)) for k, b in enumerate(self.grads.buckets)]
+        for buffer, cuts in buffers:
+            lo, hi = (0, buffer.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
+            yield from pieces_of(buffer, lo, hi)
 
     def _adamw_step(self, got: Sequence[bool]) -> None:
-        adamw = self.grads.adamw
-        for name, s, e, _ in self.adamw_parts():
+        for piece in self.adamw_parts():
+            name = piece.name
             if got[self._index[name]]:
                 g = self._group_of[name]
                 group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
-                target = self._master_for(name, adamw.data[s:e])
-                adamw_step_(target, adamw.reduced[s:e], state, self.group_config(g), group["lr"])
+                data = piece.buffer.data[piece.start:piece.end]
+                target = self._master_for(name, data)
+                adamw_step_(target, piece.buffer.reduced[piece.start:piece.end], state, self.group_config(g),
+                            group["lr"])
                 if self.master_weights:
-                    adamw.data[s:e].copy_(target)
+                    data.copy_(target)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` becomes None (`set_to_none=False` too: the gradients live in the
@@ -664,29 +677,6 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()
-
-
-def _process_groups(group: dist.ProcessGroup | DeviceMesh | None,
-                    tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(DP group, TP group or None): from a process group (plus `tp_group`), a 1-D mesh, or a mesh
-    with a `dp` dimension and, optionally, a `tp` dimension."""
-    if not isinstance(group, DeviceMesh):
-        return group, tp_group
-    names = group.mesh_dim_names or ()
-    if tp_group is not None:
-        raise SpecError("give the TP group either as the mesh's 'tp' dimension or as tp_group, not both")
-    if group.ndim == 1:
-        if names == ("tp",):
-            raise SpecError("a 1-D device mesh named 'tp' holds no data-parallel dimension: give the 2-D "
-                            "mesh with dimensions 'dp' and 'tp' (a TP-only job: dp of size 1)")
-        return group.get_group(), None
-    if "dp" not in names:
-        raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")
-    other = [n for n in names if n not in ("dp", "tp")]
-    if other:
-        raise SpecError(f"the device mesh has dimensions {names}; canzona runs over 'dp' and 'tp' only "
-                        "(give it mesh['dp', 'tp'])")
-    return group.get_group("dp"), group.get_group("tp") if "tp" in names else None
 
 
 def _is_fsdp_flat_parameter(p: Tensor) -> bool:

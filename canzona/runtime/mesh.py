@@ -1,0 +1,96 @@
+"""The runtime's mesh: one communicator (`Comm`) per named parallel axis.
+
+Axes are named as in the plan file's `layout` (`canzona.plan.PLAN_AXES`): `dp` (data parallel:
+gradients reduced over it, optimizer work partitioned across it) and `tp` (tensor parallel: each
+rank holds shards, micro-groups gather them to hosts). Mixture-of-experts (`ep`) and FSDP2
+(`fsdp`) axes come next (issues 20 and 21); each adds its name to `PLAN_AXES` and its groups here,
+and the parts of the runtime that work on it ask `Mesh.comm(name)`, never a positional group.
+
+The groups come from a `torch.distributed.DeviceMesh` with named dimensions (as torchtitan and
+`init_device_mesh(..., mesh_dim_names=("dp", "tp"))` build it), or from process groups (the DP
+group, and the TP group beside it), as Megatron's parallel state hands them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from canzona.errors import SpecError
+from canzona.plan import PLAN_AXES
+from canzona.runtime.comm import Comm
+
+DP, TP = "dp", "tp"
+
+
+class Mesh:
+    """One `Comm` per axis of size > 1 (and always `dp`, which the step's checks travel on), their
+    logs numbering collectives in one issue order (`CollectiveRecord.seq`)."""
+
+    def __init__(self, comms: Mapping[str, Comm]) -> None:
+        unknown = sorted(set(comms) - set(PLAN_AXES))
+        if unknown or DP not in comms:
+            raise SpecError(f"a mesh has the axes {', '.join(PLAN_AXES)} (dp always), got {sorted(comms)}")
+        self._comms = dict(comms)
+        clock = self._comms[DP].log.clock
+        for comm in self._comms.values():  # one issue order over every log
+            comm.log.clock = clock
+
+    def comm(self, axis: str) -> Comm | None:
+        """The communicator of `axis` (None: the axis has size 1 here: nothing to communicate)."""
+        self._check(axis)
+        return self._comms.get(axis)
+
+    def size(self, axis: str) -> int:
+        comm = self.comm(axis)
+        return 1 if comm is None else comm.size
+
+    def rank(self, axis: str) -> int:
+        comm = self.comm(axis)
+        return 0 if comm is None else comm.rank
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Each axis's size, as the plan file's `layout` records it."""
+        return {axis: self.size(axis) for axis in PLAN_AXES}
+
+    def _check(self, axis: str) -> None:
+        if axis not in PLAN_AXES:
+            raise SpecError(f"unknown mesh axis {axis!r}; this canzona runs {', '.join(PLAN_AXES)}")
+
+
+def build_mesh(group: dist.ProcessGroup | DeviceMesh | None, tp_group: dist.ProcessGroup | None,
+               timeout_s: float, reduce_scatter: str) -> Mesh:
+    """The mesh of `group` (a DP process group, None for the default group, or a `DeviceMesh`)
+    and `tp_group`; every check that can fail locally runs before any collective."""
+    groups = axis_groups(group, tp_group)
+    comms = {DP: Comm(groups[DP], timeout_s, DP, reduce_scatter=reduce_scatter)}
+    for axis, pg in groups.items():
+        if axis != DP and pg is not None and dist.get_world_size(pg) > 1:
+            comms[axis] = Comm(pg, timeout_s, axis)
+    return Mesh(comms)
+
+
+def axis_groups(group: dist.ProcessGroup | DeviceMesh | None,
+                tp_group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup | None]:
+    """The process group of each axis: from a process group (plus `tp_group`), a 1-D mesh, or a
+    mesh whose dimensions are named after axes (`dp`, and `tp` for tensor parallelism)."""
+    if not isinstance(group, DeviceMesh):
+        return {DP: group, TP: tp_group}
+    names = group.mesh_dim_names or ()
+    if tp_group is not None:
+        raise SpecError("give the TP group either as the mesh's 'tp' dimension or as tp_group, not both")
+    if group.ndim == 1:
+        if names == (TP,):
+            raise SpecError("a 1-D device mesh named 'tp' holds no data-parallel dimension: give the 2-D "
+                            "mesh with dimensions 'dp' and 'tp' (a TP-only job: dp of size 1)")
+        return {DP: group.get_group(), TP: None}
+    if DP not in names:
+        raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")
+    other = [n for n in names if n not in PLAN_AXES]
+    if other:
+        raise SpecError(f"the device mesh has dimensions {names}; canzona runs over {', '.join(PLAN_AXES)} "
+                        f"only (give it mesh[{', '.join(repr(a) for a in PLAN_AXES if a in names)}])")
+    return {axis: group.get_group(axis) if axis in names else None for axis in PLAN_AXES}
