@@ -113,7 +113,9 @@ def own_optimizer(setup: Setup, model: nn.Module, args, data: MarkovTokens):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(setup, args.max_steps, s))
 
 
-def build_trainer(setup: Setup, model: nn.Module, args, data: MarkovTokens, own: bool = False):
+def build_trainer(setup: Setup, model: nn.Module, args, data: MarkovTokens, own: bool = False,
+                  optimizer_kwargs: dict | None = None):
+    """`optimizer_kwargs`: further DistributedOptimizer arguments (e.g. `{"overlap_step": True}`)."""
     from canzona.integrations.hf import CanzonaTrainer
 
     if own:
@@ -122,7 +124,8 @@ def build_trainer(setup: Setup, model: nn.Module, args, data: MarkovTokens, own:
     # the optimizer is built when training starts: Muon (matrix_config) on the 2-D weights, AdamW
     # (learning_rate, adam_beta1/2, adam_epsilon) on the rest, weight_decay on the Trainer's decay set
     return CanzonaTrainer(model=model, args=args, train_dataset=data, matrix_optimizer="muon",
-                          matrix_config={"lr": setup.matrix_lr}, spec=model_spec(model, data))
+                          matrix_config={"lr": setup.matrix_lr}, spec=model_spec(model, data),
+                          optimizer_kwargs=optimizer_kwargs)
 
 
 def main() -> None:

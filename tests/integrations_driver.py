@@ -58,13 +58,13 @@ def final_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_steps: int = 0, own: bool = False,
-                resume: str | None = None, **overrides: Any) -> dict[str, Any]:
+                resume: str | None = None, optimizer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     args = trainer_example.training_arguments(SETUP, str(out / name), steps, accumulation, save_steps, **overrides)
     data = trainer_example.MarkovTokens(SETUP)
     model = trainer_example.build_model(SETUP)
-    trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own)
+    trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own, optimizer_kwargs=optimizer_kwargs)
     grads = StepGradients(model)
 
     class Attach(TrainerCallback):  # the optimizer exists once training begins
@@ -73,8 +73,9 @@ def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_st
 
     trainer.add_callback(Attach())
     trainer.train(resume_from_checkpoint=resume)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
     return {"params": final_parameters(model), "grads": grads.steps, "logs": trainer.state.log_history,
-            "accelerator": type(trainer.accelerator).__name__}
+            "accelerator": type(trainer.accelerator).__name__, "overlapped_steps": optimizer.overlapped_steps}
 
 
 def plain_trainer(out: Path) -> dict[str, Any]:
@@ -177,6 +178,9 @@ def main() -> None:
                                                 resume=str(out / "trainer" / "checkpoint-2"))),
         ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
         ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),
+        # the step computed under backward's last reductions (nothing clips it: every step commits)
+        ("trainer overlapped", lambda: run_trainer(out, "overlapped", 2, max_grad_norm=0.0,
+                                                   optimizer_kwargs={"overlap_step": True})),
         ("accelerate", lambda: run_loop(out)),
         ("accelerate resumed", lambda: resumed_loop(out)),
         # last: these fail in the middle of training, with the model wrapped in DDP

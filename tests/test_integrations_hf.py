@@ -180,6 +180,19 @@ def test_the_trainer_without_clipping_logs_the_global_norm(ranks):
     assert logged_norms(results[0]["logs"]) == norms
 
 
+@pytest.mark.distributed
+def test_the_trainer_runs_the_overlapped_step_bit_for_bit(ranks):
+    """`optimizer_kwargs={"overlap_step": True}`: every step's updates computed under backward's
+    reductions and committed after the check, the same numbers as the plain step."""
+    results = scenario(ranks, "trainer overlapped")
+    norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
+    assert logged_norms(results[0]["logs"]) == norms
+    assert [r["overlapped_steps"] for r in results] == [2] * DP
+    for plain, overlapped in zip(scenario(ranks, "trainer unclipped"), results):
+        assert plain["overlapped_steps"] == 0
+        assert compare(overlapped["params"], plain["params"])["bit_identical"]
+
+
 # --- accelerate --------------------------------------------------------------------------------
 
 
