@@ -207,7 +207,7 @@ class PlanSettings:
     alpha: float = 1.0  # compute (1) vs segment-size (0) balance of the alpha policies
     bucket_size: int | None = None  # elements; None: about MATRICES_PER_RANK matrices per rank per bucket
     align: int = DEFAULT_ALIGN
-    capacity: Capacity | None = None  # micro-group capacity of greedy-rollback; None: the largest task
+    capacity: Capacity | None = None  # micro-group capacity of greedy-rollback; None: searched (tp.plan_tp)
     balance_by: str = "seconds"  # or "elements", as the authors' code balances
 
 

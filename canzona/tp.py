@@ -164,7 +164,7 @@ class TPPolicy:
 
     name: str
     build: Callable[[Sequence[TPTask], int, Capacity | None], list[MicroGroup]]
-    uses_capacity: bool = False  # micro-groups cut at a capacity (default: the largest task's seconds)
+    uses_capacity: bool = False  # micro-groups cut at a capacity (default: searched, `plan_tp`)
     every_rank: bool = False  # every TP rank computes every matrix (hosts are EVERY_RANK)
 
 
@@ -194,14 +194,38 @@ def default_capacity(tasks_by_rank: Sequence[Sequence[TPTask]]) -> Capacity:
     return Capacity(largest if largest > 0 else 1.0, "s")
 
 
+# Multiples of the largest task's seconds the default capacity tries (`plan_tp`). At the largest
+# task itself, a DP rank whose work is a few large matrices plus many small ones gets two or three
+# micro-groups each as long as its largest task: on the demo layout (Qwen3-32B, TP 8) 1.25x gives
+# one group per rank and a planned TP makespan 17% shorter (28.2 -> 23.3 ms; simulated step 30.2
+# -> 26.5 ms). Larger multiples only merge groups that are already balanced.
+CAPACITY_STEPS = (1.0, 1.25, 1.5, 2.0)
+
+
 def plan_tp(tasks_by_rank: Sequence[Sequence[TPTask]], tp: int, policy: str,
             capacity: Capacity | None = None) -> TPPlan:
-    """Schedule each DP rank's tasks (given in forward order) over its `tp` TP ranks."""
+    """Schedule each DP rank's tasks (given in forward order) over its `tp` TP ranks. A scheduler
+    with a capacity and none given: the multiple of the largest task (`CAPACITY_STEPS`) whose plan
+    has the shortest makespan (the slowest DP rank's sum of group makespans); ties go to the
+    smallest (more, smaller groups: more to pipeline, less host memory)."""
     entry = tp_policy(policy)
     if tp < 1:
         raise SpecError(f"tp must be >= 1, got {tp}")
-    if entry.uses_capacity and capacity is None:
-        capacity = default_capacity(tasks_by_rank)
-    groups = tuple(tuple(entry.build(list(rank), tp, capacity)) for rank in tasks_by_rank)
-    return TPPlan(policy, tp, capacity if entry.uses_capacity else None, groups)
+    if not entry.uses_capacity:
+        return TPPlan(policy, tp, None, _build(entry, tasks_by_rank, tp, capacity))
+    if capacity is not None:
+        return TPPlan(policy, tp, capacity, _build(entry, tasks_by_rank, tp, capacity))
+    largest = default_capacity(tasks_by_rank)
+    best: TPPlan | None = None
+    for k in CAPACITY_STEPS:
+        cap = Capacity(largest.value * k, largest.unit)
+        plan = TPPlan(policy, tp, cap, _build(entry, tasks_by_rank, tp, cap))
+        if best is None or plan.metrics.makespan < best.metrics.makespan * (1 - 1e-9):
+            best = plan
+    return best
+
+
+def _build(entry: TPPolicy, tasks_by_rank: Sequence[Sequence[TPTask]], tp: int,
+           capacity: Capacity | None) -> tuple[tuple[MicroGroup, ...], ...]:
+    return tuple(tuple(entry.build(list(rank), tp, capacity)) for rank in tasks_by_rank)
 
