@@ -45,11 +45,11 @@ from canzona.optimizers import (
 from canzona.pipeline import stage_layers
 from canzona.plan import Plan, check_plan_matches
 from canzona.reductions import (
-    DEFAULT_REDUCE_SCATTER,
     check_reduce_scatter,
     temporary_elements_by_rank,
 )
 from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
     PIPELINED,
@@ -146,16 +146,16 @@ class MemorySetup:
     grad_bytes: int = 4  # main gradients, reduced and read by the optimizer (Megatron: fp32)
     activation_bytes: int = 2
     master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
-    reduce_scatter: str = DEFAULT_REDUCE_SCATTER  # the gradient reduce-scatter (canzona.reductions)
+    reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # "none", "selective" or "full"
     flash_attention: bool = True  # no s x s attention scores are stored
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
-    tp_mode: str = PIPELINED  # the order of the micro-groups' operations (step_schedule)
-    batch_kernels: bool = True  # same-shape matrices of a host as one kernel (canzona.batching)
+    tp_mode: str = STEP_DEFAULTS.tp_mode  # the order of the micro-groups' operations (step_schedule)
+    batch_kernels: bool = STEP_DEFAULTS.batch_kernels  # same-shape matrices of a host as one kernel (canzona.batching)
     # overlap_step: every micro-group's updates, its scatter buffers and a copy of the state they
     # advance are held until the step check commits them, while the reduce-scatters are in flight
-    overlap_step: bool = False
+    overlap_step: bool = STEP_DEFAULTS.overlap_step
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors

@@ -28,8 +28,8 @@ from canzona.harness import verify as checks
 from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
-from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
@@ -248,8 +248,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 reduce_scatter: str, collectives: str = "megatron", max_grad_norm: float | None = None,
-                 batch_kernels: bool = True, compile_kernels: bool = False, overlap_step: bool = False):
+                 reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
+                 compile_kernels: bool, overlap_step: bool):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
@@ -302,12 +302,13 @@ def simulate(
     dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
-    tp_mode: TpMode = "pipelined",
-    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
+    tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
+    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
-    overlap_step: OverlapStep = False,
+    max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
+    compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
+    overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -343,12 +344,13 @@ def compare(
     dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
-    tp_mode: TpMode = "pipelined",
-    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = True,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = DEFAULT_REDUCE_SCATTER,
+    tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
+    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = None, batch_kernels: BatchKernels = True, compile_kernels: CompileKernels = False,
-    overlap_step: OverlapStep = False,
+    max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
+    compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
+    overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -407,7 +409,7 @@ def verify(
     tp: Annotated[int, typer.Option(help=f"Tensor-parallel size: dp x tp ranks are spawned (at most {checks.MAX_RANKS}).")] = 1,
     tp_policy: Annotated[str, typer.Option(
         help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = DEFAULT_TP_POLICY,
-    tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = "pipelined",
+    tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = STEP_DEFAULTS.tp_mode,
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
     as_json: AsJson = False,

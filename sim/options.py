@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
-from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
+from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
+from canzona.step_options import STEP_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -18,28 +19,28 @@ class RunOptions:
     overlap on, no activation recompute."""
 
     overlap_grad_reduce: bool = True  # bucket reduce-scatters start during the last backward
-    overlap_param_gather: bool = True  # the step's parameter all-gathers run under the next forward
+    overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
     recompute: str = "none"  # "none", "selective" (attention core) or "full" (every layer)
     # how gradients are reduce-scattered (canzona.reductions): the runtime's option, name and default
-    reduce_scatter: str = DEFAULT_REDUCE_SCATTER
+    reduce_scatter: str = STEP_DEFAULTS.reduce_scatter
     # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and
     # layerwise, only the split parts of matrices for zero1-gather); "runtime": exactly the
     # collectives canzona's runtime issues and logs (canzona.step_collectives)
     collectives: str = "megatron"
     # DistributedOptimizer's max_grad_norm: clip the reduced gradients inside the step (one more
     # pass over each rank's share); None measures the norm only, as the runtime does every step
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = STEP_DEFAULTS.max_grad_norm
     # DistributedOptimizer's batch_kernels: same-shape matrices of a host as one kernel, each GEMM
     # one launch over the batch (canzona.batching, DeviceRate.batched_seconds)
-    batch_kernels: bool = True
+    batch_kernels: bool = STEP_DEFAULTS.batch_kernels
     # DistributedOptimizer's compile_kernels: Newton-Schulz through torch.compile. Priced as eager:
     # inductor fuses the elementwise steps around GEMMs it leaves to cuBLAS (calibrate to see more)
-    compile_kernels: bool = False
+    compile_kernels: bool = STEP_DEFAULTS.compile_kernels
     # DistributedOptimizer's overlap_step: each micro-group's gather and update computed as soon as
     # the buckets holding its matrices have been reduced (and backward's kernels are done), under
     # the remaining reductions; the updates applied after the step check (canzona only)
-    overlap_step: bool = False
+    overlap_step: bool = STEP_DEFAULTS.overlap_step
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):

@@ -24,8 +24,9 @@ from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, policy_optimizer
-from canzona.step_schedule import PIPELINED, check_tp_mode
+from canzona.step_schedule import check_tp_mode
 from canzona.tp import DEFAULT_TP_POLICY, Capacity
 from sim.engine import Engine, Span
 from sim.iteration import Context, EarlyStart, forward_backward, optimizer_step
@@ -59,7 +60,7 @@ class SimConfig:
     policy: str | None = None  # None: the optimizer's default (canzona; zero1 for adamw)
     dp_policy: str = DEFAULT_DP_POLICY
     tp_policy: str = DEFAULT_TP_POLICY
-    tp_mode: str = PIPELINED  # or "serial": the order of the micro-groups' operations
+    tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial": the order of the micro-groups' operations
     alpha: float = 1.0
     bucket_size: int | None = None
     capacity: Capacity | None = None

@@ -77,3 +77,33 @@ def test_plan_for_gives_each_policy_its_own_plan():
         want = make_plan(spec, 4, 2, optimizer, plan.dp_plan.policy, plan.tp_plan.policy, settings.alpha,
                          capacity=settings.capacity)
         assert plan.hash() == want.hash(), name
+
+
+def test_every_step_option_has_one_default_wherever_it_appears():
+    """`canzona.step_options.STEP_DEFAULTS` is the one definition: the runtime's keyword arguments,
+    the simulator's options, the memory model's setup, the harness's TrainSpec and the CLI's flags
+    of the same names take its defaults (TrainSpec's reduce_scatter is the verification mode)."""
+    from canzona.harness.training import TrainSpec
+    from canzona.memory import MemorySetup
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.step_options import STEP_DEFAULTS, StepOptions
+    from cli import main as cli
+    from sim.options import RunOptions
+    from sim.simulate import SimConfig
+
+    def defaults(obj) -> dict:
+        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
+            return {f.name: f.default for f in fields(obj)}
+        return {k: p.default for k, p in inspect.signature(obj).parameters.items()}
+
+    consumers = {"DistributedOptimizer": defaults(DistributedOptimizer), "RunOptions": defaults(RunOptions),
+                 "SimConfig": defaults(SimConfig), "MemorySetup": defaults(MemorySetup),
+                 "TrainSpec": defaults(TrainSpec), "canzona simulate": defaults(cli.simulate),
+                 "canzona compare": defaults(cli.compare), "canzona verify": defaults(cli.verify)}
+    exceptions = {("TrainSpec", "reduce_scatter"): "exact"}
+    for f in fields(StepOptions):
+        want = getattr(STEP_DEFAULTS, f.name)
+        seen = [name for name, d in consumers.items() if f.name in d]
+        assert "DistributedOptimizer" in seen and ("RunOptions" in seen or "SimConfig" in seen), f.name
+        for name in seen:
+            assert consumers[name][f.name] == exceptions.get((name, f.name), want), (name, f.name)

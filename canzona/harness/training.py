@@ -37,6 +37,7 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import default_policy
 from canzona.tp import DEFAULT_TP_POLICY
 
@@ -64,14 +65,14 @@ class TrainSpec:
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
     tp_policy: str = DEFAULT_TP_POLICY  # the canzona policy's TP scheduler (the baselines run tp-sync)
-    tp_mode: str = "pipelined"  # or "serial"
+    tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
     # DP gradient reduce-scatter (canzona.reductions): "exact", the verification mode, unlike the
     # optimizer's default "native", so that every check is bit for bit at any DP size
     reduce_scatter: str = "exact"
-    batch_kernels: bool = True  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
-    compile_kernels: bool = False  # Newton-Schulz through torch.compile (close to, not equal to, eager)
-    overlap_step: bool = False  # updates computed as buckets land, applied after the check (bit for bit)
+    batch_kernels: bool = STEP_DEFAULTS.batch_kernels  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
+    compile_kernels: bool = STEP_DEFAULTS.compile_kernels  # Newton-Schulz through torch.compile (close to, not equal to, eager)
+    overlap_step: bool = STEP_DEFAULTS.overlap_step  # updates computed as buckets land, applied after the check (bit for bit)
 
     def __post_init__(self) -> None:
         if self.policy is None:

@@ -45,7 +45,7 @@ from canzona.optimizers import (
     matrix_optimizer,
 )
 from canzona.plan import Plan, PlanSettings, check_plan_matches, load_plan, plan_for
-from canzona.reductions import DEFAULT_REDUCE_SCATTER, check_reduce_scatter
+from canzona.reductions import check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
@@ -65,6 +65,7 @@ from canzona.runtime.param_gather import ParamsInFlight, modules_holding
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     PARAMS_BY_OWNER,
     PARAMS_BY_SEGMENT,
@@ -73,7 +74,7 @@ from canzona.step_policies import (
     default_policy,
     get_step_policy,
 )
-from canzona.step_schedule import PIPELINED, TPSchedule, check_tp_mode, tp_schedule
+from canzona.step_schedule import TPSchedule, check_tp_mode, tp_schedule
 from canzona.tp import DEFAULT_TP_POLICY
 
 log = logging.getLogger("canzona")
@@ -171,15 +172,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         master_weights: bool = True,
         tp_group: dist.ProcessGroup | None = None,
         tp_policy: str = DEFAULT_TP_POLICY,
-        tp_mode: str = PIPELINED,
-        reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
-        max_grad_norm: float | None = None,
+        tp_mode: str = STEP_DEFAULTS.tp_mode,
+        reduce_scatter: str = STEP_DEFAULTS.reduce_scatter,
+        max_grad_norm: float | None = STEP_DEFAULTS.max_grad_norm,
         nonfinite: str = "raise",
-        overlap_param_gather: bool = True,
+        overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather,
         *,
-        batch_kernels: bool = True,
-        compile_kernels: bool = False,
-        overlap_step: bool = False,
+        batch_kernels: bool = STEP_DEFAULTS.batch_kernels,
+        compile_kernels: bool = STEP_DEFAULTS.compile_kernels,
+        overlap_step: bool = STEP_DEFAULTS.overlap_step,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
