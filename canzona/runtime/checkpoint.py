@@ -48,8 +48,7 @@ from canzona.tp import EVERY_RANK
 if TYPE_CHECKING:
     from canzona.plan import Plan
     from canzona.runtime.buffers import Piece
-    from canzona.runtime.comm import Comm
-    from canzona.runtime.gradients import GradientSync
+    from canzona.runtime.mesh import Mesh
     from canzona.spec import ModelSpec
     from canzona.step_policies import StepPolicy
     from canzona.step_schedule import TPSchedule
@@ -58,8 +57,8 @@ if TYPE_CHECKING:
 class Checkpointable(Protocol):
     """What this module reads and writes of an optimizer, all of it public: `DistributedOptimizer`
     is one (this module never imports it). Layout: the model, plan, policy, schedule and this
-    rank's place in it; state: the containers it fills on load; and the two collectives a
-    layout-independent `state_dict()` needs."""
+    rank's place in it; state: the containers it fills on load, the dtype it is kept in; and the
+    mesh whose dp and tp communicators a layout-independent `state_dict()` gathers over."""
 
     spec: ModelSpec
     plan: Plan
@@ -79,11 +78,11 @@ class Checkpointable(Protocol):
     adamw_state: dict[str, dict]
     master: dict[str, Tensor]  # fp32 masters by name (empty without master weights)
     master_weights: bool
-    grads: GradientSync  # the flat buffers: where each parameter's gradient and AdamW slice live
-    comm: Comm
-    tp_comm: Comm | None
+    mesh: Mesh  # one communicator per named axis (a state dict gathers over dp, then tp)
 
     def adamw_parts(self) -> Iterator[Piece]: ...
+
+    def state_dtype(self, name: str) -> torch.dtype: ...
 
     def group_config(self, g: int) -> Any: ...
 
@@ -146,8 +145,9 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
         "adamw": [(n, off, _to_cpu(s)) for n, off, s in _adamw_pieces(opt)],
     }
     try:
-        every = opt.comm.all_gather_object(mine, "optimizer state")  # per DP rank
-        by_tp = opt.tp_comm.all_gather_object(every, "optimizer state") if opt.tp_comm is not None else [every]
+        every = opt.mesh.comm("dp").all_gather_object(mine, "optimizer state")  # per DP rank
+        tp = opt.mesh.comm("tp")
+        by_tp = tp.all_gather_object(every, "optimizer state") if tp is not None else [every]
     except CanzonaError as e:
         raise CanzonaError(f"{e}; state_dict() is collective: call it on every rank (each gets the whole "
                            "state), or save with sharded_state_dict()") from None
@@ -196,7 +196,7 @@ def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str,
 def _template(opt: Checkpointable, g: int, name: str) -> dict[str, Any]:
     """Zeros in the shape and dtype of every field `name`'s optimizer state will have."""
     shape = opt.spec.param(name).shape
-    like = torch.zeros(shape, dtype=opt.grads.buffer_of[name].reduced.dtype)
+    like = torch.zeros(shape, dtype=opt.state_dtype(name))
     group = opt.param_groups[g]
     if group["kind"] == "adamw":
         return adamw_state(like)

@@ -540,6 +540,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g in range(len(self.param_groups)):
             self.group_config(g)
 
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype `name`'s optimizer state is kept in: its reduced gradient's."""
+        return self.grads.buffer_of[name].reduced.dtype
+
     def adamw_parts(self) -> Iterator[Piece]:
         """The pieces this rank updates with AdamW (and keeps AdamW state and masters for): those
         of the AdamW parameters inside its slice of the flat AdamW buffer (all of them under a
