@@ -3,7 +3,8 @@
 One definition, two users: the simulator prices these collectives, and the runtime's collective
 logs (`canzona.runtime.comm.CollectiveLog`) are checked against them record for record (op, group,
 name, bytes per rank, order), on every rank, for every step policy, DP and DP x TP
-(`tests/test_step_collectives.py`). The TP part comes from `canzona.step_schedule.tp_schedule`.
+(`tests/policy/test_step_collectives.py`). The TP part comes from
+`canzona.step_schedule.tp_schedule`.
 
 `step_collectives(plan, spec, policy, dp_rank, tp_rank)` lists, in the order the runtime issues
 them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a normal step:

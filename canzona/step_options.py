@@ -4,7 +4,7 @@
 `SimConfig`, the memory model's `MemorySetup`, the harness's `TrainSpec` and the CLI's flags take
 their defaults from `STEP_DEFAULTS`, so that "simulate, then deploy what you simulated" holds by
 construction: an option that changes what the runtime does has the same name and default wherever
-it appears (`tests/test_registries.py` checks every consumer). The one deliberate exception is
+it appears (`tests/policy/test_registries.py` checks every consumer). The one deliberate exception is
 `TrainSpec.reduce_scatter`, the verification harness's `exact` (bit for bit at any DP size).
 Planning settings (DP and TP policies, alpha, buckets, capacity) are `canzona.plan.PlanSettings`.
 """

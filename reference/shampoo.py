@@ -13,7 +13,7 @@ each preconditioned side d in {"L", "R"}, the statistic `d` and its inverse root
 with more than `max_preconditioner_dim` rows/columns has neither (identity).
 
 heavyball 3.2.1 has no Shampoo with this rule. Its closest optimizer, `heavyball.KLShampoo`,
-differs in (labels as in tests/test_reference_heavyball.py):
+differs in (labels as in tests/reference/test_reference_heavyball.py):
  K1. Statistics: KL-corrected two-sided factor updates (each side's G G^T weighted by the other
      side's inverse eigenvalues; plain G G^T only when the other side is unpreconditioned),
      bias-corrected EMA with shampoo_beta, seeded with init_factor I (or the first G G^T when

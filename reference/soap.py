@@ -12,9 +12,9 @@ State per parameter: `step` (int, 0 after the initialising call), `exp_avg` (unr
 `exp_avg_sq` (rotated basis), and for each preconditioned side d in {"L", "R"}: `GG_d`, `Q_d`.
 A side with more than `max_precond_dim` rows/columns has no GG/Q entry (identity).
 
-Differences from heavyball 3.2.1's `heavyball.SOAP` (labels as in tests/test_reference_heavyball.py,
-which checks that with eps -> 0, wd = 0, f = 1 (or its counter offset) the updates agree to 1e-6,
-and to 1e-10 with heavyball's QR lift removed):
+Differences from heavyball 3.2.1's `heavyball.SOAP` (labels as in
+tests/reference/test_reference_heavyball.py, which checks that with eps -> 0, wd = 0, f = 1 (or its
+counter offset) the updates agree to 1e-6, and to 1e-10 with heavyball's QR lift removed):
  S1. heavyball seeds GG with the first G G^T, then lerps with the bias-corrected
      beta_debias(shampoo_beta, t): its GG = ours / (1 - beta_s^t), a scalar (same bases).
  S2. Its Adam step is m_hat / max(sqrt(v_hat), eps), always bias-corrected; ours is

@@ -3,7 +3,8 @@
 The executor (`executor.MatrixStep`) hands a batched kernel the matrices of one compute window that
 share shape, dtype, hyper-parameters and state layout; the kernel runs their GEMMs as one `bmm` /
 `baddbmm` over a [k, m, n] stack, and returns what the per-matrix kernel (the registry's `kernel`)
-returns for each matrix, bit for bit on CPU (tests/test_batched_kernels.py). What that takes:
+returns for each matrix, bit for bit on CPU (tests/runtime/test_batched_kernels.py). What that
+takes:
 
 - every matrix of a stack starts 64-byte aligned, as a fresh allocation does (`empty_stack`): MKL's
   GEMM rounds differently when an operand or the result is not (e.g. A @ A^T of a 7 x 300 matrix

@@ -1,0 +1,507 @@
+"""Hostile and mistaken input found by trying the CLI hard: each case ends in one `error:` line and
+exit code 2 before any work starts, and leaves no partial file behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+import canzona.fileio as fileio
+import sim.simulate
+from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.fileio import parse_json, read_text, write_atomic, write_text_atomic
+from canzona.hardware import load_profile
+from canzona.models import resolve_model
+from canzona.plan import load_plan
+from tests.cli_helpers import error_line, help_text, invoke
+
+PLAN = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2"]
+SIM = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "8", "--seq-len", "128", "--global-batch", "1"]
+
+
+@pytest.fixture
+def no_simulation(monkeypatch):
+    """Output paths are checked before the (long) simulation: running it is a failure here."""
+    def refuse(*a, **k):
+        raise AssertionError("bad input must be rejected before simulating")
+
+    monkeypatch.setattr(sim.simulate, "simulate", refuse)
+    monkeypatch.setattr(sim.simulate, "compare", refuse)
+
+
+# --- output paths -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("x.xyz", "unsupported extension '.xyz'"),
+    ("noext", "no extension"),
+    ("missing/x.png", "does not exist"),
+])
+def test_plot_path_is_checked_before_simulating(tmp_path, no_simulation, name, needle):
+    error_line(invoke("compare", *SIM, "--plot", tmp_path / name), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_formats_by_extension(tmp_path):
+    for name in ("cmp.svg", "cmp.pdf"):
+        result = invoke("compare", *SIM, "--plot", tmp_path / name)
+        assert result.exit_code == 0, result.stderr
+        assert f"plot written to {tmp_path / name}" in result.stdout
+    assert (tmp_path / "cmp.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert (tmp_path / "cmp.pdf").read_bytes().startswith(b"%PDF")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.pdf", "cmp.svg"]  # no temporaries left
+
+
+def test_trace_and_plan_paths_are_checked_first(tmp_path, no_simulation):
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "no" / "t.json"), "does not exist")
+    (tmp_path / "d.json").mkdir()
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "d.json"), "is a directory")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "d.json"), "is a directory")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "plan.txt"), "unsupported extension '.txt'")
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "trace"), "no extension")
+
+
+def test_outputs_never_replace_devices_links_or_files_in_the_way(tmp_path, no_simulation):
+    """Renaming over a device or a symlink would replace it (as root, /dev/null itself)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    error_line(invoke("plan", *PLAN, "--out", fifo), "not a regular file")
+    target = tmp_path / "real.json"
+    target.write_text("keep")
+    (tmp_path / "link.json").symlink_to(target)
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "link.json"), "symbolic link")
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "link.json"), "symbolic link")
+    assert target.read_text() == "keep" and (tmp_path / "link.json").is_symlink() and fifo.is_fifo()
+    (tmp_path / "file").write_text("")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "file" / "x.json"), "is not a folder")
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / ("x" * 300 + ".json")), "longer than 255 bytes")
+    error_line(invoke("compare", *SIM, "--plot", tmp_path / ("x" * 300 + ".png")), "longer than 255 bytes")
+
+
+def test_a_long_name_that_fits_is_written(tmp_path):
+    name = "p" * 250 + ".json"
+    assert invoke("plan", *PLAN, "--out", tmp_path / name, "--json").exit_code == 0
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_control_characters_in_paths_stay_on_one_line(tmp_path):
+    line = error_line(invoke("inspect", tmp_path / "no\nsuch.json"))
+    assert "\\n" in line or "\n" in line
+    error_line(invoke("plan", *PLAN, "--out", tmp_path / "miss\ning" / "p.json"), "does not exist")
+
+
+# --- files read: size, kind, nesting, numbers ---------------------------------------------------
+
+
+def _file(tmp_path: Path, text: str, name: str = "f.json") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"schema": "canzona.plan", "version": ' + "9" * 5000 + "}", "too many digits"),
+    ('{"schema": "canzona.plan", "version": 1, "x": NaN}', "NaN"),
+    ('{"schema": "canzona.plan", "version": 1, "x": -Infinity}', "-Infinity"),
+    ("\xff\xfe", "not valid JSON"),
+])
+def test_inspect_hostile_json(tmp_path, text, needle):
+    error_line(invoke("inspect", _file(tmp_path, text)), needle)
+
+
+def test_inspect_rejects_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it would block until a writer appears
+    for path in (fifo, "/dev/zero", tmp_path):
+        error_line(invoke("inspect", path), "not a regular file")
+    error_line(invoke("simulate", *SIM, "--hardware", "/dev/zero"), "not a regular file")
+    error_line(invoke("simulate", *SIM, "--hardware", fifo), "not a regular file")
+
+
+def test_size_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(fileio, "MAX_INPUT_BYTES", 100)
+    error_line(invoke("inspect", _file(tmp_path, " " * 101 + "{}")), "more than the 100")
+    with pytest.raises(PlanError, match="more than the 100"):
+        load_plan(_file(tmp_path, " " * 200))
+
+
+def test_read_text_bounds_a_growing_file(tmp_path):
+    path = _file(tmp_path, "x" * 64)
+    assert read_text(path, "file", max_bytes=64) == "x" * 64
+    with pytest.raises(CanzonaError, match="64 bytes"):
+        read_text(path, "file", max_bytes=63)
+
+
+def test_parse_json_is_strict():
+    assert parse_json('{"a": [1, 2.5, "x"]}', "doc") == {"a": [1, 2.5, "x"]}
+    for text in ("NaN", "Infinity", "[1, -Infinity]"):
+        with pytest.raises(CanzonaError, match="not a number JSON allows"):
+            parse_json(text, "doc")
+
+
+def _profile(tmp_path: Path, path: tuple[str, ...], value_json: str) -> Path:
+    data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = "__VALUE__"
+    return _file(tmp_path, json.dumps(data).replace('"__VALUE__"', value_json), "profile.json")
+
+
+@pytest.mark.parametrize("path, value", [
+    (("gpu", "launch_s"), "NaN"),
+    (("gpu", "hbm_bytes_per_s"), "Infinity"),
+    (("gpu", "sms"), "true"),
+    (("gpu", "peak_flops", "bf16"), "Infinity"),
+    (("gpu", "peak_flops", "fp32"), "false"),
+    (("network", "nic_busbw"), "1e999"),
+    (("measured",), '"yes"'),
+    (("solver_seconds",), '{"eigh": [[true, 0.1]]}'),
+    (("solver_seconds",), '{"eigh": [[64.5, 0.1]]}'),
+    (("gpu", "launch_s"), "1e305"),
+    (("gpu", "elementwise_flops"), "5e-324"),
+    (("node", "nvlink_ring_busbw"), "1e-300"),
+    (("gpu", "peak_flops", "bf16"), str(10**400)),
+])
+def test_profiles_reject_non_finite_and_boolean_numbers(tmp_path, path, value):
+    profile = _profile(tmp_path, path, value)
+    with pytest.raises(SpecError):
+        load_profile(profile)
+    error_line(invoke("simulate", *SIM, "--hardware", profile))
+
+
+def test_profile_from_python_rejects_non_finite_numbers():
+    from canzona.hardware import profile_from_dict
+
+    data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
+    data["gpu"]["elementwise_flops"] = float("inf")
+    with pytest.raises(SpecError, match="must be a number in"):
+        profile_from_dict(data)
+
+
+def test_cost_table_rejects_non_finite_and_boolean_times(tmp_path):
+    from canzona.cost import load_cost_table
+
+    for row in ('["muon", "8", 8, "fp32", 1.0]', '["muon", 8.5, 8, "fp32", 1.0]', '["muon", true, 8, "fp32", 1.0]',
+                '["muon", -8, 8, "fp32", 1.0]', '["muon", 8, 8, "fp32", ' + str(10**400) + "]", '"row"'):
+        path = _file(tmp_path, '{"rows": [' + row + "]}", "table.json")
+        with pytest.raises(SpecError, match="row 0 must be"):
+            load_cost_table(str(path))
+        error_line(invoke("plan", *PLAN, "--cost-table", path), "row 0 must be")
+    with pytest.raises(SpecError, match="expected an object with 'rows'"):
+        load_cost_table(str(_file(tmp_path, "[]", "table.json")))
+    for value in ("1e999", "true", "NaN"):
+        path = _file(tmp_path, '{"rows": [["muon", 8, 8, "fp32", ' + value + "]]}", "table.json")
+        with pytest.raises(SpecError):
+            load_cost_table(str(path))
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_cost_table("/dev/zero")
+
+
+# --- values: finite, bounded --------------------------------------------------------------------
+
+
+def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
+    error_line(invoke("plan", *PLAN, "--capacity", "1e999GiB", "--out", tmp_path / "p.json"), "finite")
+    assert not (tmp_path / "p.json").exists()
+    result = invoke("plan", *PLAN, "--capacity", "1.5GiB", "--out", tmp_path / "p.json", "--json")
+    assert result.exit_code == 0, result.stderr
+    parse_json((tmp_path / "p.json").read_text(), "plan")  # strict: no NaN / Infinity anywhere
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--dp", "10000000"], "dp must be in 1..65536"),
+    (["simulate", "--global-batch", "100000"], "at most 256"),
+    (["compare", "--global-batch", "100000"], "at most 256"),
+    (["simulate", "--gpus", "100000"], "at most 16384 GPUs"),
+    (["simulate", "--seq-len", "100000000"], "seq len must be <="),
+    (["plan", "--alpha", "nan"], "alpha"),
+    (["plan", "--align", str(10**400)], "align must be"),
+    (["plan", "--bucket-size", str(10**400)], "bucket size must be"),
+    (["simulate", "--global-batch", str(10**307), "--micro-batch", str(10**307)], "global batch must be <="),
+    (["simulate", "--policy", "sc", "--dp-policy", "whole-start"], "applies to the canzona policy only"),
+    (["plan", "--dp", "abc"], "Invalid value for '--dp'"),
+    (["simulate", "--gpus", "1.5"], "Invalid value for '--gpus'"),
+    (["plan", "--bogus"], "No such option: --bogus"),
+    (["frobnicate"], "No such command"),
+    (["inspect"], "Missing argument"),
+])
+def test_sizes_and_usage_errors_are_one_line(no_simulation, args, needle):
+    error_line(invoke(*args), needle)
+
+
+def test_limits_are_stated_in_help():
+    assert "(1..65536)" in help_text("plan")
+    sim_help = help_text("simulate")
+    assert "at most 16384" in sim_help and "256 micro-batches" in sim_help
+    verify_help = help_text("verify")
+    assert "1..16" in verify_help and "at most 1000" in verify_help and "at most 1024" in verify_help
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--global-batch", "1000000"], "global batch must be <= 1024"),
+    (["--steps", "1000000"], "steps must be <= 1000"),
+    (["--dp", "17"], "dp must be <= 16"),
+    (["--dp-policy", "layerwise"], "needs a DP plan that keeps every matrix whole"),
+    (["--dp-policy", "zero1-even", "--policy", "all"], "zero1-even does not"),
+    (["--policy", "layerwise", "--dp-policy", "alpha-balanced"], "applies to the canzona policy only"),
+])
+def test_verify_rejects_before_spawning(monkeypatch, args, needle):
+    from canzona.harness import verify as checks
+
+    def no_spawn(*a, **k):
+        raise AssertionError("bad input must fail before any spawn")
+
+    monkeypatch.setattr(checks, "run", no_spawn)
+    error_line(invoke("verify", *args), needle)
+
+
+def test_simulator_rejects_plans_its_policy_cannot_execute(no_simulation):
+    error_line(invoke("simulate", "--dp-policy", "layerwise"), "layerwise does not")
+    error_line(invoke("compare", "--dp-policy", "zero1-even"), "zero1-even does not")
+
+
+# --- writes are atomic --------------------------------------------------------------------------
+
+
+def _no_space(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    good = tmp_path / "plan.json"
+    assert invoke("plan", *PLAN, "--out", good, "--json").exit_code == 0
+    before = good.read_bytes()
+    monkeypatch.setattr(fileio.os, "fsync", _no_space)  # the disk fills up while writing
+    error_line(invoke("plan", *PLAN, "--dp", "2", "--out", good), "No space left on device")
+    error_line(invoke("simulate", *SIM, "--trace", tmp_path / "t.json"), "No space left on device")
+    error_line(invoke("compare", *SIM, "--plot", tmp_path / "c.png"), "No space left on device")
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_write_atomic_cleans_up_after_any_error(tmp_path):
+    target = tmp_path / "out.txt"
+    write_text_atomic(target, "old")
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("partial")
+        raise RuntimeError("writer crashed")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, half_then_fail)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as open() would create it, not 0600
+
+
+# --- plan files with values beyond any real model -----------------------------------------------
+
+
+def _mutated_plan(tmp_path: Path, mutate) -> Path:
+    good = tmp_path / "good.json"
+    assert invoke("plan", *PLAN, "--out", good, "--json").exit_code == 0
+    data = json.loads(good.read_text())
+    mutate(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    return bad
+
+
+def _bucket(d: dict) -> dict:
+    return d["dp_plan"]["buckets"][0]
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d["layout"].update(tp=10**9), "tp in 1..1024"),
+    (lambda d: d["layout"].update(tp=10**400), "tp in 1..1024"),
+    (lambda d: d["layout"].update(dp=10**6), "dp must be in 1..65536"),
+    (lambda d: _bucket(d)["params"][0].__setitem__(3, 10**400), "wrong type"),
+    (lambda d: _bucket(d)["params"][0].__setitem__(4, 10**400), "beyond any real model"),
+    (lambda d: (_bucket(d).update(size=10**400), _bucket(d)["cuts"].__setitem__(-1, 10**400)), "size must be in"),
+    (lambda d: d["tp_plan"].update(capacity={"value": 10**400, "unit": "s"}), "finite number"),
+    (lambda d: d["tp_plan"]["groups"][0][0]["costs"].__setitem__(0, 10**400), "non-negative numbers"),
+    (lambda d: d["dp_plan"].update(bucket_size=-1), "bucket_size in 1.."),
+    (lambda d: d["dp_plan"].update(split_compute=True), "only zero1-even splits"),
+    (lambda d: d["dp_plan"]["buckets"][1].update(index=_bucket(d)["index"]), "bucket indices repeat"),
+    (lambda d: [p.__setitem__(3, 1e308) for b in d["dp_plan"]["buckets"] for p in b["params"]],
+     "more than a float holds"),
+])
+def test_inspect_rejects_values_beyond_any_real_model(tmp_path, mutate, needle):
+    import time
+
+    bad = _mutated_plan(tmp_path, mutate)
+    start = time.monotonic()
+    error_line(invoke("inspect", bad), needle)
+    error_line(invoke("inspect", bad, "--json"), needle)
+    assert time.monotonic() - start < 10  # never proportional to a forged dp or tp
+
+
+def test_results_never_print_non_finite_json(tmp_path):
+    """Every figure of a plan or simulation that passes validation is finite: --json is strict."""
+    for args in (["plan", *PLAN, "--json"], ["simulate", *SIM, "--json"], ["compare", *SIM, "--json"]):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.stderr
+        parse_json(result.stdout, "output")
+
+
+def test_stdout_on_a_full_disk_is_one_error_line():
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "models"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["error: cannot write the output: No space left on device"]
+
+
+def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
+    """SIGTERM unwinds the CLI like Ctrl-C (the default would kill it mid-write, leaving the
+    temporary file beside the target)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, signal, time, pathlib; import canzona.fileio as f; from cli.main import main;"
+            "orig = f.write_atomic;"
+            "f.write_atomic = lambda p, w, what='file': orig(p, lambda t: (w(t), print('writing', flush=True),"
+            " time.sleep(30)), what);"
+            "import canzona.plan as pl; pl.write_text_atomic = lambda p, text, what='file': "
+            "f.write_atomic(p, lambda t: t.write_text(text), what);"
+            "import sys; sys.argv = ['canzona', 'plan', '--model', 'qwen3-0.6b', '--dp', '4', '--tp', '2',"
+            f" '--out', {str(tmp_path / 'p.json')!r}, '--json']; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- models from files: each mistake is one line, before any planning or simulation ---------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1024}
+ROW = {"name": "layers.0.q_proj.weight", "shape": [64, 64], "role": "matrix", "layer": 0, "tp_dim": 0, "dtype": "bf16"}
+EMBED = {"name": "embed.weight", "shape": [128, 64], "role": "embedding", "layer": None, "tp_dim": 0}
+
+
+def _spec_doc(*rows, **top) -> dict:
+    return {"schema": "canzona.model", "version": 1, "name": "m", "params": list(rows) or [ROW], **top}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+# (file content: dict, raw text or None for a missing file; needle; TP size)
+MODEL_FILES = {
+    "missing file": (None, "cannot read model file", 1),
+    "malformed JSON": ('{"model_type": "llama",', "not valid JSON", 1),
+    "NaN in JSON": ('{"model_type": "llama", "hidden_size": NaN}', "NaN", 1),
+    "neither kind": ({"foo": 1}, "neither a Hugging Face config.json", 1),
+    "a list": ([1, 2], "neither a Hugging Face config.json", 1),
+    "missing config field": (_without(LLAMA, "intermediate_size"), "missing field 'intermediate_size'", 1),
+    "missing model_type": (_without(LLAMA, "model_type"), "missing field 'model_type'", 1),
+    "string size": ({**LLAMA, "hidden_size": "256"}, "hidden_size must be a whole number", 1),
+    "boolean size": ({**LLAMA, "num_hidden_layers": True}, "num_hidden_layers must be a whole number", 1),
+    "too many layers": ({**LLAMA, "num_hidden_layers": 10**6}, "num_hidden_layers must be a whole number in 1..1024", 1),
+    "tie not a bool": ({**LLAMA, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false", 1),
+    "no head_dim": ({**LLAMA, "hidden_size": 100}, "give head_dim", 1),
+    "heads not multiple of kv": ({**LLAMA, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads", 1),
+    "qwen3_moe": ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 128}, "mixture-of-experts", 1),
+    "mixtral": ({**LLAMA, "model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts", 1),
+    "experts in a llama config": ({**LLAMA, "num_local_experts": 8}, "mixture-of-experts", 1),
+    "unknown model_type": ({**LLAMA, "model_type": "gpt2"}, "model_type 'gpt2' is not supported", 1),
+    "tp vs heads": ({**LLAMA, "num_attention_heads": 12, "num_key_value_heads": 12, "hidden_size": 384},
+                    "tp=8 does not divide the 12 attention heads", 8),
+    "tp vs kv heads": (LLAMA, "tp=8 does not divide the 4 KV heads", 8),
+    "tp vs vocab": ({**LLAMA, "vocab_size": 1001}, "tp=2 does not divide the 1001 vocabulary", 2),
+    "wrong schema": ({**_spec_doc(), "schema": "canzona.plan"}, "schema is 'canzona.plan', not 'canzona.model'", 1),
+    "wrong version": (_spec_doc(version=2), "version 2 is not supported", 1),
+    "unknown top field": (_spec_doc(architecure={}), "unknown field 'architecure'", 1),
+    "no params": ({**_spec_doc(), "params": []}, "params must be a non-empty list", 1),
+    "no name": ({**_spec_doc(), "name": ""}, "name must be a non-empty string", 1),
+    "row not an object": (_spec_doc("w"), "params[0] must be an object", 1),
+    "row without name": (_spec_doc(_without(ROW, "name")), "params[0]: name must be", 1),
+    "bad role": (_spec_doc({**ROW, "role": "weights"}), "role must be one of matrix, embedding, head, vector", 1),
+    "bad shape": (_spec_doc({**ROW, "shape": [0, 4]}), "shape must be a list", 1),
+    "shape as text": (_spec_doc({**ROW, "shape": "64x64"}), "shape must be a list", 1),
+    "huge param": (_spec_doc({**ROW, "shape": [2**30, 2**30]}), "beyond any real model", 1),
+    "bad layer": (_spec_doc({**ROW, "layer": -1}), "layer must be null or a whole number", 1),
+    "bad tp_dim": (_spec_doc({**ROW, "tp_dim": 2}), "tp_dim must be null or a dimension", 1),
+    "bad dtype": (_spec_doc({**ROW, "dtype": "int8"}), "dtype must be one of", 1),
+    "unknown row field": (_spec_doc({**ROW, "bias": True}), "unknown field 'bias'", 1),
+    "duplicate names": (_spec_doc(ROW, ROW), "two parameters named 'layers.0.q_proj.weight'", 1),
+    "bad architecture field": (_spec_doc(architecture={"heads": 8}), "unknown architecture field 'heads'", 1),
+    "bad architecture value": (_spec_doc(architecture={"layers": 0}), "architecture.layers must be", 1),
+    "tp vs spec dim": (_spec_doc({**ROW, "shape": [66, 64]}), "tp=4 does not divide dimension 0 (66)", 4),
+    "tp vs declared heads": (_spec_doc(architecture={"q_heads": 6}), "tp=4 does not divide the 6 attention heads", 4),
+}
+
+# Only the simulator needs the architecture: planning such a spec works.
+NO_ARCHITECTURE = {
+    "no embedding": (_spec_doc(ROW), "cannot infer 'hidden' of model 'm' (no embedding or head parameter)"),
+    "no query projection": (_spec_doc(EMBED, {**ROW, "name": "layers.0.qkv.weight"}),
+                            "cannot infer 'q_dim'"),
+    "no layers": (_spec_doc(EMBED, {**ROW, "layer": None}), "cannot infer 'layers'"),
+    "layer beyond the block": (_spec_doc(EMBED, {**ROW, "layer": 3}, architecture={"layers": 2}),
+                               "is in layer 3, but the architecture has 2 layers"),
+}
+
+
+def _model_file(tmp_path: Path, content) -> Path:
+    path = tmp_path / "model" / "config.json"
+    if content is None:
+        return path
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+@pytest.mark.parametrize("what", list(MODEL_FILES))
+def test_bad_model_files_are_one_line(tmp_path, no_simulation, what):
+    content, needle, tp = MODEL_FILES[what]
+    path = _model_file(tmp_path, content)
+    error_line(invoke("plan", "--model", path, "--dp", "2", "--tp", tp), needle)
+    error_line(invoke("simulate", "--model", path, "--gpus", 8, "--tp", tp, "--global-batch", 8), needle)
+    error_line(invoke("inspect", tmp_path / "no-plan.json", "--model", path), "cannot read plan file")
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        resolve_model(path, tp)
+
+
+@pytest.mark.parametrize("what", list(NO_ARCHITECTURE))
+def test_architecture_not_inferable_is_one_line_for_the_simulator(tmp_path, no_simulation, what):
+    content, needle = NO_ARCHITECTURE[what]
+    path = _model_file(tmp_path, content)
+    for command in ("simulate", "compare"):
+        line = error_line(invoke(command, "--model", path, "--gpus", 8, "--tp", 1, "--global-batch", 8), needle)
+        assert "architecture" in line
+    if what != "layer beyond the block":
+        assert invoke("plan", "--model", path, "--dp", "2", "--tp", "1", "--json").exit_code == 0
+
+
+def test_unknown_model_name_lists_the_catalog_and_the_files_it_takes(no_simulation):
+    line = error_line(invoke("simulate", "--model", "llama-3-8b"), "unknown model 'llama-3-8b'")
+    assert "qwen3-0.6b" in line and "config.json" in line and "spec file" in line
+
+
+def test_spec_output_path_is_checked_and_written_atomically(tmp_path):
+    error_line(invoke("spec", "qwen3-0.6b", "--out", tmp_path / "spec.txt"), "unsupported extension '.txt'")
+    error_line(invoke("spec", "qwen3-0.6b", "--out", tmp_path / "no" / "spec.json"), "does not exist")
+    error_line(invoke("spec", tmp_path / "missing.json"), "cannot read model file")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,260 @@
+"""The `canzona simulate` and `canzona compare` commands: JSON, trace, plot, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from canzona.step_policies import STEP_POLICIES
+from tests.cli_helpers import error_line, invoke
+
+SMALL = ["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--seq-len", "256", "--global-batch", "16"]
+TINY = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "8", "--seq-len", "128", "--global-batch", "1"]
+REQUIRED = {"iteration_time_s", "optimizer_step_s", "breakdown", "rank_optimizer_s", "policy",
+            "grad_sync_end_s", "optimizer_breakdown", "definitions"}
+POLICY_NAMES = {"sc", "zero1-gather", "layerwise", "canzona", "zero1"}
+
+
+run = invoke
+assert_one_error_line = error_line
+
+
+# --- simulate ---------------------------------------------------------------------------------
+
+
+def test_simulate_json_prints_one_object():
+    result = run("simulate", *SMALL, "--policy", "layerwise", "--json")
+    assert result.exit_code == 0, result.stderr
+    d = json.loads(result.stdout)
+    assert isinstance(d, dict)
+    assert REQUIRED <= set(d)
+    assert d["policy"] == "layerwise" and d["gpus"] == 16 and d["tp"] == 2
+    assert len(d["rank_optimizer_s"]) == 16
+    assert d["iteration_time_s"] >= d["optimizer_step_s"] > 0
+    assert set(d["breakdown"]) == {"compute_s", "exposed_comm_s", "idle_s"}
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_simulate_json_matches_the_library():
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    result = run("simulate", *SMALL, "--json")
+    assert result.exit_code == 0, result.stderr
+    lib = simulate(SimConfig(model="qwen3-0.6b", gpus=16, tp=2, workload=Workload(256, 16)))
+    assert json.loads(result.stdout) == json.loads(json.dumps(lib.to_dict()))
+
+
+def test_simulate_tp_mode():
+    """Serial micro-groups wait for every collective; the pipeline overlaps them with compute."""
+    steps = {}
+    for mode in ("pipelined", "serial"):
+        result = run("simulate", *SMALL, "--tp-mode", mode, "--tp-policy", "tp-chunk", "--no-zero1-fallback",
+                     "--json")
+        assert result.exit_code == 0, result.stderr
+        d = json.loads(result.stdout)
+        assert d["tp_mode"] == mode
+        steps[mode] = d["optimizer_step_s"]
+    assert steps["pipelined"] < steps["serial"]
+
+
+def test_simulate_run_options_reach_the_result():
+    result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
+                 "--reduce-scatter", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0", "--json")
+    assert result.exit_code == 0, result.stderr
+    d = json.loads(result.stdout)
+    assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
+                            "recompute": "full", "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
+                            "batch_kernels": True, "compile_kernels": False, "overlap_step": False}
+    assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
+
+
+def test_max_grad_norm_prices_the_clip_and_is_checked():
+    """The runtime's max_grad_norm scales each rank's share of the gradients once more: priced."""
+    steps = {}
+    for extra in ([], ["--max-grad-norm", "1.0"]):
+        result = run("simulate", *SMALL, "--no-zero1-fallback", *extra, "--json")
+        assert result.exit_code == 0, result.stderr
+        steps[bool(extra)] = json.loads(result.stdout)["optimizer_step_s"]
+    assert steps[True] > steps[False]
+    bad = run("simulate", *SMALL, "--max-grad-norm", "0")
+    assert bad.exit_code == 2 and "error: max_grad_norm must be a positive number" in bad.stderr
+
+
+def test_simulate_table():
+    result = run("simulate", *SMALL)
+    assert result.exit_code == 0, result.stderr
+    for text in ("iteration time", "optimizer-step latency", "qwen3-0.6b", "canzona"):
+        assert text in result.stdout
+
+
+def test_simulate_trace(tmp_path):
+    path = tmp_path / "t.json"
+    result = run("simulate", *SMALL, "--trace", path)
+    assert result.exit_code == 0, result.stderr
+    assert "trace written" in result.stdout
+    data = json.loads(path.read_text())
+    spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    assert spans and all({"pid", "tid", "ts", "dur"} <= set(e) for e in spans)
+    assert {e["pid"] for e in data["traceEvents"] if e.get("ph") == "M"} == set(range(16))
+
+
+def test_pipeline_trace_shows_every_stage(tmp_path):
+    """Each stage's first rank is simulated; the stage's other ranks show its phase A."""
+    path = tmp_path / "t.json"
+    result = run("simulate", "--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--pp", "2", "--seq-len", "256",
+                 "--global-batch", "16", "--trace", path)
+    assert result.exit_code == 0, result.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    copied = {e["pid"]: e["name"] for e in events if e.get("name", "").startswith("forward/backward (as rank")}
+    assert copied[1] == "forward/backward (as rank 0)" and copied[9] == "forward/backward (as rank 8)"
+    assert any(e["pid"] == 8 and "send" in e.get("name", "") for e in events)  # stage 1's own sends
+
+
+def test_simulate_trace_with_json(tmp_path):
+    path = tmp_path / "t.json"
+    result = run("simulate", *TINY, "--trace", path, "--json")
+    assert result.exit_code == 0, result.stderr
+    json.loads(result.stdout)
+    assert "traceEvents" in json.loads(path.read_text())
+
+
+# --- compare ----------------------------------------------------------------------------------
+
+
+def test_compare_json_lists_every_policy():
+    result = run("compare", *SMALL, "--json")
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert isinstance(rows, list) and len(rows) == 5
+    assert [r["policy"] for r in rows] == list(STEP_POLICIES)
+    # the matrix policies run the optimizer asked for; zero1, beside them, the AdamW baseline
+    assert [r["optimizer"] for r in rows] == ["muon"] * 4 + ["adamw"]
+    assert {r["policy"] for r in rows} == POLICY_NAMES
+    for r in rows:
+        assert REQUIRED <= set(r)
+        assert len(r["rank_optimizer_s"]) == 16
+
+
+def test_compare_table():
+    result = run("compare", *TINY)
+    assert result.exit_code == 0, result.stderr
+    for name in POLICY_NAMES:
+        assert name in result.stdout
+    assert "zero1 (adamw)" in result.stdout and "the run most users have today" in result.stdout
+
+
+def test_compare_plot_writes_a_png(tmp_path):
+    path = tmp_path / "x.png"
+    result = run("compare", *TINY, "--plot", path)
+    assert result.exit_code == 0, result.stderr
+    assert "plot written" in result.stdout
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 1000
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+BAD = [
+    (["--gpus", "100", "--tp", "8"], ("100",)),
+    (["--tp", "16"], ("tp=16",)),
+    (["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--global-batch", "3"], ("global batch",)),
+    (["--hardware", "nope"], ("nope",)),
+    (["--hardware", "/nonexistent/profile.json"], ("/nonexistent/profile.json",)),
+    (["--optimizer", "nope"], ()),
+    (["--model", "nope"], ()),
+    (["--seq-len", "0"], ("seq len",)),
+    (["--capacity", "lots"], ()),
+    (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
+    (["--recompute", "some"], ("unknown recompute mode 'some'",)),
+    (["--reduce-scatter", "ring"], ("unknown reduce_scatter 'ring'",)),
+    (["--collectives", "nccl"], ("unknown collectives mode 'nccl'",)),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD)
+def test_simulate_bad_inputs_exit_2_with_one_line(args, needles):
+    assert_one_error_line(run("simulate", *args), *needles)
+
+
+@pytest.mark.parametrize("args,needles", BAD)
+def test_compare_bad_inputs_exit_2_with_one_line(args, needles):
+    assert_one_error_line(run("compare", *args), *needles)
+
+
+@pytest.mark.parametrize("args,needles", BAD)
+def test_compare_bad_inputs_exit_2_with_an_error_line(args, needles):
+    """What holds today despite the blank line: exit 2, no traceback, the last stderr line is the error."""
+    result = run("compare", *args)
+    assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unknown_policy():
+    assert_one_error_line(run("simulate", *TINY, "--policy", "nope"), "nope")
+
+
+def test_unwritable_trace_path():
+    line = assert_one_error_line(run("simulate", *TINY, "--trace", "/nonexistent/dir/t.json"))
+    assert "/nonexistent/dir/t.json" in line
+
+
+def test_unwritable_plot_path():
+    line = assert_one_error_line(run("compare", *TINY, "--plot", "/nonexistent/dir/x.png"))
+    assert "/nonexistent/dir/x.png" in line
+
+
+def test_unwritable_plot_path_is_reported():
+    result = run("compare", *TINY, "--plot", "/nonexistent/dir/x.png")
+    assert result.exit_code == 2
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("error: cannot write plot /nonexistent/dir/x.png")
+    assert "Traceback" not in result.output
+
+
+def _profile(tmp_path, section: str, key: str, value) -> str:
+    from importlib import resources
+
+    data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
+    data[section][key] = value
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_malformed_profile_is_one_error_line(tmp_path):
+    path = _profile(tmp_path, "network", "nic_busbw", -1)
+    assert_one_error_line(run("simulate", *TINY, "--hardware", path), "nic_busbw")
+
+
+@pytest.mark.parametrize("section,key,value", [("gpu", "sms", 0.5),
+                                               ("gpu", "peak_flops", {"fp16": 1e15})], ids=["sms", "no-bf16"])
+def test_bad_profile_values_do_not_crash(tmp_path, section, key, value):
+    assert_one_error_line(run("simulate", *TINY, "--hardware", _profile(tmp_path, section, key, value)))
+
+
+# --- the default comparison, as a user runs it -------------------------------------------------
+
+
+def test_default_compare_subprocess():
+    """`canzona compare` with no arguments: Qwen3-32B on 256 H100s, TP 8."""
+    exe = shutil.which("canzona")
+    cmd = [exe, "compare"] if exe else [sys.executable, "-m", "cli.main", "compare"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for name in POLICY_NAMES:
+        assert name in proc.stdout
+    assert "qwen3-32b" in proc.stdout.lower()
+    assert "256" in proc.stdout

@@ -1,0 +1,201 @@
+"""One rank of the `tests/runtime/test_integrations_hf.py` runs, under torchrun (2 gloo ranks).
+
+Runs the examples' `Trainer` (`examples/hf_trainer.py`) and accelerate (`examples/accelerate_loop.py`)
+code in one process group, scenario after scenario, and writes `OUT/rank<r>.pt` after each: per
+scenario its final parameters, logs and each optimizer step's local gradients (seen by tensor
+hooks of its own, as autograd accumulated them over micro-batches), or the error it ended in.
+A failure is recorded and the next scenario runs; failures that the tests expect happen alike on
+every rank, before any collective could be left waiting.
+
+    torchrun --nproc-per-node 2 tests/runtime/integrations_driver.py OUT
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import accelerate_loop as loop_example  # noqa: E402
+import hf_trainer as trainer_example  # noqa: E402
+
+from canzona.harness.training import GradientRecorder  # noqa: E402
+from canzona.integrations.accelerate import CanzonaAccelerator, canzona_optimizer  # noqa: E402
+from canzona.runtime.modules import named_parameters  # noqa: E402
+
+SETUP = trainer_example.Setup()
+TRAINER_STEPS = 4  # accumulation 2, checkpoints at steps 2 and 4
+GIVEN_STEPS = 3
+LOOP_STEPS = 4  # accumulation 2, save_state at step 2
+LOOP_SAVE_AT = 2
+
+
+class StepGradients:
+    """Each optimizer step's local gradients of `model`: `GradientRecorder`'s accumulation, cut
+    by a pre-hook on the canzona optimizer's `step()` (whatever calls it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.recorder = GradientRecorder(named_parameters(model))
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def attach(self, optimizer: Any) -> None:
+        canzona_optimizer(optimizer).register_step_pre_hook(lambda *_: self.steps.append(self.recorder.take()))
+
+
+def final_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model.state_dict()  # waits for the last step's parameter all-gathers
+    return {n: p.detach().cpu().clone() for n, p in named_parameters(model)}
+
+
+# --- transformers' Trainer -----------------------------------------------------------------------
+
+
+def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_steps: int = 0, own: bool = False,
+                resume: str | None = None, optimizer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    args = trainer_example.training_arguments(SETUP, str(out / name), steps, accumulation, save_steps, **overrides)
+    data = trainer_example.MarkovTokens(SETUP)
+    model = trainer_example.build_model(SETUP)
+    trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own, optimizer_kwargs=optimizer_kwargs)
+    grads = StepGradients(model)
+
+    class Attach(TrainerCallback):  # the optimizer exists once training begins
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            grads.attach(optimizer)
+
+    trainer.add_callback(Attach())
+    trainer.train(resume_from_checkpoint=resume)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    return {"params": final_parameters(model), "grads": grads.steps, "logs": trainer.state.log_history,
+            "accelerator": type(trainer.accelerator).__name__, "overlapped_steps": optimizer.overlapped_steps}
+
+
+def plain_trainer(out: Path) -> dict[str, Any]:
+    """transformers.Trainer itself, given a canzona optimizer: must fail loudly."""
+    from transformers import Trainer
+
+    args = trainer_example.training_arguments(SETUP, str(out / "plain"), 1)
+    data = trainer_example.MarkovTokens(SETUP)
+    model = trainer_example.build_model(SETUP)
+    Trainer(model=model, args=args, train_dataset=data,
+            optimizers=trainer_example.own_optimizer(SETUP, model, args, data)).train()
+    return {}
+
+
+# --- accelerate ----------------------------------------------------------------------------------
+
+
+def run_loop(out: Path) -> dict[str, Any]:
+    """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way."""
+    accelerator = loop_example.make_accelerator(2, cpu=True)
+    model, opt, loader, sched = loop_example.build(SETUP, accelerator, LOOP_STEPS)
+    grads = StepGradients(model)
+    grads.attach(opt)
+    progress = loop_example.Progress()
+    accelerator.register_for_checkpointing(progress)
+    norms: list[float] = []
+
+    def on_step(step: int, loss: float, norm: float) -> None:
+        norms.append(norm)
+        if step == LOOP_SAVE_AT:
+            accelerator.save_state(str(out / "loop_state"))
+
+    loop_example.train(accelerator, model, opt, loader, sched, progress, LOOP_STEPS, SETUP.max_grad_norm, on_step)
+    return {"params": final_parameters(model), "grads": grads.steps, "norms": norms,
+            "prepared": type(model).__name__, "refusals": refusals(accelerator, model)}
+
+
+def refusals(accelerator: CanzonaAccelerator, model: torch.nn.Module) -> dict[str, str]:
+    """What the accelerator refuses, each found by a local check (no collective) on every rank."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    params = list(model.parameters())
+    other = trainer_example.build_model(SETUP)  # a second model and its optimizer, to prepare wrongly
+    other_opt = DistributedOptimizer(named_parameters(other), ModelSpec.from_module(other))
+    wrapped = torch.nn.parallel.DistributedDataParallel(other)
+
+    def loose_parameter() -> None:
+        other.extra = torch.nn.Parameter(torch.zeros(1))  # trainable, and no optimizer holds it
+        accelerator.prepare(other, other_opt)
+
+    attempts = {
+        "clip a subset": lambda: accelerator.clip_grad_norm_(params[:3], 1.0),
+        "clip_grad_value_": lambda: accelerator.clip_grad_value_(params, 0.1),
+        "a DDP model": lambda: accelerator.prepare(wrapped, other_opt),
+        "a loose parameter": loose_parameter,
+    }
+    out = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+            out[what] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def resumed_loop(out: Path) -> dict[str, Any]:
+    """A fresh model and optimizer, load_state from LOOP_SAVE_AT, on to LOOP_STEPS."""
+    accelerator = loop_example.make_accelerator(2, cpu=True)
+    model, opt, loader, sched = loop_example.build(SETUP, accelerator, LOOP_STEPS)
+    progress = loop_example.Progress()
+    accelerator.register_for_checkpointing(progress)
+    accelerator.load_state(str(out / "loop_state"))
+    start = progress.step
+    loop_example.train(accelerator, model, opt, loader, sched, progress, LOOP_STEPS, SETUP.max_grad_norm)
+    return {"params": final_parameters(model), "start": start}
+
+
+def plain_accelerator(out: Path) -> dict[str, Any]:
+    """accelerate.Accelerator itself, given a canzona optimizer: must fail loudly."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=1, cpu=True)
+    model, opt, loader, sched = loop_example.build(SETUP, accelerator, 1)
+    loop_example.train(accelerator, model, opt, loader, sched, loop_example.Progress(), 1, SETUP.max_grad_norm)
+    return {}
+
+
+def main() -> None:
+    from accelerate import PartialState
+
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    PartialState(cpu=True)  # the gloo process group, as the Trainer's arguments would set it up
+    rank = dist.get_rank()  # (accelerator.end_training() would destroy the group: not called here)
+    scenarios: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("trainer", lambda: run_trainer(out, "trainer", TRAINER_STEPS, accumulation=2, save_steps=2)),
+        ("trainer resumed", lambda: run_trainer(out, "resumed", TRAINER_STEPS, accumulation=2,
+                                                resume=str(out / "trainer" / "checkpoint-2"))),
+        ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
+        ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),
+        # the step computed under backward's last reductions (nothing clips it: every step commits)
+        ("trainer overlapped", lambda: run_trainer(out, "overlapped", 2, max_grad_norm=0.0,
+                                                   optimizer_kwargs={"overlap_step": True})),
+        ("accelerate", lambda: run_loop(out)),
+        ("accelerate resumed", lambda: resumed_loop(out)),
+        # last: these fail in the middle of training, with the model wrapped in DDP
+        ("plain trainer", lambda: plain_trainer(out)),
+        ("plain accelerate", lambda: plain_accelerator(out)),
+    ]
+    results: dict[str, Any] = {}
+    for name, scenario in scenarios:
+        try:
+            results[name] = scenario()
+        except Exception as e:  # noqa: BLE001 - recorded for the test, which says what it expected
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""transformers' `Trainer` and accelerate driving canzona's optimizer (`canzona.integrations`).
+
+One torchrun run (2 gloo ranks, `tests/runtime/integrations_driver.py`) trains the examples'
+`CanzonaTrainer` and `CanzonaAccelerator` code in several scenarios; every check here reads its
+outputs. Each scenario equals, bit for bit, the same kernels in one process fed the same global
+gradients: each step, the ranks' local gradients (recorded by hooks of the driver's own, after
+accumulation over micro-batches) summed in rank order and halved, clipped by their global norm
+taken as the runtime takes it, then Muon / AdamW at the step's learning rates. The logged
+gradient norms are that global norm. The plain `Trainer` and `Accelerator` must fail loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from canzona.errors import CanzonaError  # noqa: E402
+from canzona.harness.launch import free_port  # noqa: E402
+from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
+from canzona.integrations.accelerate import check_on_device, own_storage, same_device  # noqa: E402
+from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
+from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
+from canzona.plan import make_plan  # noqa: E402
+from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
+from canzona.runtime.modules import named_parameters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import accelerate_loop as loop_example  # noqa: E402
+import hf_trainer as example  # noqa: E402
+
+from tests.runtime import integrations_driver as driver  # noqa: E402
+
+DP = 2
+SETUP = driver.SETUP
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("integrations")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DP), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), driver.__file__, str(tmp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(DP)]
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's result of `name`; a scenario that ended in an error fails the test with it."""
+    results = [r[name] for r in ranks]
+    for r in results:
+        assert "error" not in r, r["error"] + "\n" + r["trace"]
+    return results
+
+
+# --- the emulation -----------------------------------------------------------------------------
+
+
+def learning_rates(make_scheduler: Callable[[torch.optim.Optimizer], object], steps: int,
+                   per_step: int = 1) -> list[tuple[float, float]]:
+    """(matrix, AdamW) learning rate of each step, from the run's scheduler class and schedule
+    stepped `per_step` times per optimizer step (accelerate steps it once per process)."""
+    dummy = torch.optim.SGD([{"params": [torch.zeros(1)], "lr": SETUP.matrix_lr},
+                             {"params": [torch.zeros(1)], "lr": SETUP.adamw_lr}])
+    scheduler = make_scheduler(dummy)
+    out = []
+    for _ in range(steps):
+        out.append((dummy.param_groups[0]["lr"], dummy.param_groups[1]["lr"]))
+        dummy.step()
+        for _ in range(per_step):
+            scheduler.step()
+    return out
+
+
+def trainer_schedule(steps: int) -> list[tuple[float, float]]:
+    from transformers import get_scheduler
+
+    return learning_rates(lambda o: get_scheduler("linear", o, num_warmup_steps=0, num_training_steps=steps), steps)
+
+
+def emulate(results: list[dict], lrs: list[tuple[float, float]],
+            max_norm: float | None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Final parameters and each step's gradient norm (as the optimizer returns it, fp32) of the
+    run in one process, fed the ranks' recorded gradients."""
+    model = example.build_model(SETUP)
+    spec = example.model_spec(model, example.MarkovTokens(SETUP))
+    plan = make_plan(spec, DP, 1, "muon", "alpha-balanced")
+    params = dict(named_parameters(model))
+    matrices = {p.name for p in spec.matrix_params()}
+    adamw_names = [p.name for p in spec.adamw_params()]
+    steps = [r["grads"] for r in results]
+    assert len({len(s) for s in steps}) == 1 and len(steps[0]) == len(lrs), "a step more or less than scheduled"
+    states: dict[str, dict] = {}
+    norms = []
+    for step, (matrix_lr, adamw_lr) in enumerate(lrs):
+        grads = {}
+        for n in params:
+            acc = steps[0][step][n].clone()
+            for r in range(1, DP):
+                acc += steps[r][step][n]
+            grads[n] = acc.div_(DP)
+        norm = torch.tensor(runtime_norm(grads, plan, adamw_names), dtype=torch.float64)
+        norms.append(float(norm.to(torch.float32)))
+        coefficient = 1.0 if max_norm is None else min(1.0, max_norm / (float(norm) + 1e-6))
+        with torch.no_grad():
+            for n, p in params.items():
+                g = grads[n] * coefficient if coefficient < 1.0 else grads[n]
+                decay = SETUP.weight_decay if p.dim() >= 2 else 0.0
+                state = states.setdefault(n, {})
+                if n in matrices:
+                    update = matrix_kernel("muon")(g, state, MuonConfig(lr=matrix_lr, weight_decay=decay), matrix_lr)
+                    apply_update_(p, update.direction, update)
+                else:
+                    adamw_step_(p.view(-1), g.view(-1), _flat_state(state),
+                                AdamWConfig(lr=adamw_lr, weight_decay=decay), adamw_lr)
+    return {n: p.detach().clone() for n, p in params.items()}, norms
+
+
+def assert_trained_as_emulated(results: list[dict], lrs: list[tuple[float, float]], max_norm: float | None) -> list[float]:
+    want, norms = emulate(results, lrs, max_norm)
+    for r in results:  # every rank ends with the same parameters, those of one process
+        verdict = compare(r["params"], want)
+        assert verdict["bit_identical"], verdict
+    return norms
+
+
+def logged_norms(logs: list[dict], after: int = 0) -> list[float]:
+    """The grad_norm the Trainer logged at each step after step `after`."""
+    return [entry["grad_norm"] for entry in logs if "grad_norm" in entry and entry["step"] > after]
+
+
+# --- transformers' Trainer ---------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_the_trainer_trains_as_one_process_with_accumulation_and_clipping(ranks):
+    results = scenario(ranks, "trainer")
+    assert results[0]["accelerator"] == "CanzonaAccelerator"
+    norms = assert_trained_as_emulated(results, trainer_schedule(driver.TRAINER_STEPS), SETUP.max_grad_norm)
+    for r in results:  # the grad_norm the Trainer logs is the global norm of the averaged gradients
+        assert logged_norms(r["logs"]) == norms
+    assert max(norms) > SETUP.max_grad_norm  # the clip was active
+
+
+@pytest.mark.distributed
+def test_the_trainer_resumes_from_its_checkpoint_exactly(ranks):
+    straight, resumed = scenario(ranks, "trainer"), scenario(ranks, "trainer resumed")
+    for a, b in zip(straight, resumed):
+        assert compare(b["params"], a["params"])["bit_identical"]
+    half = driver.TRAINER_STEPS // 2  # the resumed log starts with the checkpoint's entries
+    assert logged_norms(resumed[0]["logs"], after=half) == logged_norms(straight[0]["logs"], after=half)
+    assert len(logged_norms(resumed[0]["logs"], after=half)) == driver.TRAINER_STEPS - half
+
+
+@pytest.mark.distributed
+def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
+    results = scenario(ranks, "trainer given optimizer")
+    steps = driver.GIVEN_STEPS
+    lrs = learning_rates(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: example.lr_factor(SETUP, steps, s)),
+                         steps)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
+    assert logged_norms(results[0]["logs"]) == norms
+
+
+@pytest.mark.distributed
+def test_the_trainer_without_clipping_logs_the_global_norm(ranks):
+    results = scenario(ranks, "trainer unclipped")  # max_grad_norm=0: the Trainer asks for the norm with inf
+    norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
+    assert logged_norms(results[0]["logs"]) == norms
+
+
+@pytest.mark.distributed
+def test_the_trainer_runs_the_overlapped_step_bit_for_bit(ranks):
+    """`optimizer_kwargs={"overlap_step": True}`: every step's updates computed under backward's
+    reductions and committed after the check, the same numbers as the plain step."""
+    results = scenario(ranks, "trainer overlapped")
+    norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
+    assert logged_norms(results[0]["logs"]) == norms
+    assert [r["overlapped_steps"] for r in results] == [2] * DP
+    for plain, overlapped in zip(scenario(ranks, "trainer unclipped"), results):
+        assert plain["overlapped_steps"] == 0
+        assert compare(overlapped["params"], plain["params"])["bit_identical"]
+
+
+# --- accelerate --------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_the_accelerate_loop_trains_as_one_process_with_accumulation_and_clipping(ranks):
+    results = scenario(ranks, "accelerate")
+    assert results[0]["prepared"] == "Qwen3ForCausalLM"  # not wrapped in DDP
+    lrs = learning_rates(lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, loop_example.schedule(SETUP, driver.LOOP_STEPS, DP)), driver.LOOP_STEPS, per_step=DP)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
+    for r in results:
+        assert r["norms"] == norms
+    assert max(norms) > SETUP.max_grad_norm
+
+
+@pytest.mark.distributed
+def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
+    straight, resumed = scenario(ranks, "accelerate"), scenario(ranks, "accelerate resumed")
+    for a, b in zip(straight, resumed):
+        assert b["start"] == driver.LOOP_SAVE_AT
+        assert compare(b["params"], a["params"])["bit_identical"]
+
+
+@pytest.mark.distributed
+def test_the_accelerator_refuses_what_it_cannot_do_right(ranks):
+    refused = scenario(ranks, "accelerate")[0]["refusals"]
+    assert refused["clip a subset"].startswith("CanzonaError: clip_grad_norm_ got a subset")
+    assert refused["clip_grad_value_"].startswith("CanzonaError: clip_grad_value_ is not supported")
+    assert refused["a DDP model"].startswith("CanzonaError: the model is wrapped in DistributedDataParallel")
+    assert refused["a loose parameter"].startswith("CanzonaError: parameter 'extra' requires gradients but no "
+                                                   "canzona optimizer holds it")
+    assert all("\n" not in message for message in refused.values())
+
+
+# --- the plain frameworks ----------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["plain trainer", "plain accelerate"])
+def test_the_plain_frameworks_fail_with_one_canzona_error(ranks, name):
+    for r in ranks:
+        error = r[name].get("error", "trained without an error")
+        assert error.startswith("CanzonaError: ") and "\n" not in error, error
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["plain trainer", "plain accelerate"])
+def test_the_plain_frameworks_name_the_integration(ranks, name):
+    error = ranks[0][name].get("error", "")
+    assert "canzona.integrations" in error, error
+
+
+# --- without processes -------------------------------------------------------------------------
+
+
+def test_devices_are_the_same_memory_however_spelled():
+    assert same_device("cpu", "cpu:0") and same_device(torch.device("cpu", 3), "cpu")
+    assert not same_device("cpu", "meta")
+    assert same_device("cuda:1", torch.device("cuda", 1)) and not same_device("cuda:0", "cuda:1")
+
+
+def test_a_parameter_on_another_device_is_one_error_line():
+    with pytest.raises(CanzonaError, match=r"^parameter 'w' is on meta but training runs on cpu:0: move") as e:
+        check_on_device([("w", torch.empty(2, device="meta"))], "cpu:0")
+    assert "\n" not in str(e.value)
+    check_on_device([("w", torch.empty(2))], "cpu:0")  # the same memory: nothing to say
+
+
+def test_state_dicts_get_storage_of_their_own_and_keep_tied_weights_tied():
+    buffer = torch.arange(10.0)
+    state = {"a": buffer[:4].view(2, 2), "b": buffer[4:], "tied": buffer[:4].view(2, 2), "step": 3}
+    out = own_storage(state)
+    assert type(out).__name__ == "OrderedDict" and list(out) == list(state) and out["step"] == 3
+    assert out["a"] is out["tied"]  # one copy, as the tied weights were one tensor
+    assert out["a"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()
+    assert out["a"].untyped_storage().nbytes() == 16 and torch.equal(out["b"], buffer[4:])
+
+
+def test_the_trainer_takes_canzona_optimizers_only():
+    model = nn.Linear(2, 2)
+    with pytest.raises(CanzonaError, match="^CanzonaTrainer trains with a canzona DistributedOptimizer, but optimizers= "
+                                           "holds a SGD"):
+        CanzonaTrainer(model=model, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    with pytest.raises(CanzonaError, match="^CanzonaTrainer does not take optimizer_cls_and_kwargs"):
+        CanzonaTrainer(model=model, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    with pytest.raises(CanzonaError, match="^optimizer_kwargs: DistributedOptimizer has no argument 'polcy'"):
+        check_optimizer_kwargs({"polcy": "canzona"})
+    assert check_optimizer_kwargs({"policy": "sc", "reduce_scatter": "loops"}) == {"policy": "sc", "reduce_scatter": "loops"}
+
+
+def test_a_transformers_without_the_overridden_methods_is_named_in_one_line():
+    from transformers import Trainer
+
+    class Lost(Trainer):  # a transformers whose Trainer lost a private method CanzonaTrainer overrides
+        _load_optimizer_and_scheduler = None
+
+    class Changed(Trainer):  # ... or takes other parameters in it
+        def _move_model_to_device(self, model, device, non_blocking):
+            pass
+
+    with pytest.raises(CanzonaError, match=r"has no Trainer\._load_optimizer_and_scheduler: .* tested with transformers 5\.23\.0"):
+        check_trainer(Lost)
+    with pytest.raises(CanzonaError, match=r"changed Trainer\._move_model_to_device\(self, model, device, non_blocking\): "):
+        check_trainer(Changed)
+    check_trainer()  # the installed one has them

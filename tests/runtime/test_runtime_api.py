@@ -1,0 +1,91 @@
+"""The torch.optim-style surface of DistributedOptimizer on real gloo ranks: DeviceMesh groups,
+LR schedulers driving param_groups, and the plan file path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from canzona.harness.launch import run_ranks
+from canzona.runtime import DistributedOptimizer  # the documented import
+from reference.data import fixed_batch
+from reference.tiny_model import TinyQwen3
+from tests.runtime.outcomes import weights
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+
+class _RecordingSource:
+    """A gradient source plugged in front of the default one (the seam FSDP2's will use)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def launch(self, buffer, cuts, name):
+        self.calls.append(("launch", name))
+        return self.inner.launch(buffer, cuts, name)
+
+    def gather_rest(self, buffer, cuts, name, *, matrices):
+        self.calls.append(("gather_rest", name))
+        return self.inner.gather_rest(buffer, cuts, name, matrices=matrices)
+
+
+def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", {"lr": 0.02}, {"lr": 1e-3},
+                               plan=plan_path, group=mesh)
+    source = opt.grads.source = _RecordingSource(opt.grads.source)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    tokens = fixed_batch(256, 2 * world, 16, seed=3)
+    for _ in range(3):
+        opt.zero_grad()
+        model.loss(tokens[rank * 2:(rank + 1) * 2]).backward()
+        opt.step()
+        sched.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    saved = opt.state_dict()
+    return {"lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
+            "plan_hash": opt.plan.hash(), "params": weights(model), "layout": opt.mesh.layout,
+            "calls": source.calls, "buckets": len(opt.plan.dp_plan.buckets)}
+
+
+def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
+    from canzona.plan import make_plan
+
+    plan = make_plan(TinyQwen3("tiny", seed=0).spec(), 2, 1, "muon", "alpha-balanced-reorder")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    results = run_ranks(_mesh_and_scheduler_worker, 2, str(path), deadline_s=120)
+    for r in results:
+        assert r["lrs"] == [[0.01, 5e-4], [0.005, 2.5e-4], [0.0025, 1.25e-4]]
+        assert r["saved_lrs"] == [0.0025, 1.25e-4]
+        assert r["plan_hash"] == plan.hash()
+        assert r["layout"] == {"dp": 2, "tp": 1}
+        # the gradient source was asked for every buffer of every step, in order
+        buckets = [f"bucket {k}" for k in range(r["buckets"])]
+        one_step = [("launch", b) for b in buckets] + [("launch", "adamw")] + \
+            [("gather_rest", f"gradients of {b}") for b in buckets] + [("gather_rest", "adamw gradients")]
+        assert r["calls"] == one_step * 3
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), name
+
+
+def test_checks_travel_on_cuda_under_a_nccl_only_group(monkeypatch):
+    """`init_process_group("nccl")` carries CUDA tensors only: the runtime's small check and
+    agreement tensors then go through the current CUDA device; under gloo (or "cpu:gloo,cuda:nccl")
+    they stay on the CPU."""
+    import torch
+
+    from canzona.runtime import comm
+
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert comm._check_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert comm._check_device(None) == torch.device("cpu")
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    assert comm._check_device(None) == torch.device("cpu")

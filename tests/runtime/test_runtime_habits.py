@@ -1,0 +1,491 @@
+"""The habits and tools of common training stacks against the runtime (issue 17): each is right, or
+one error on every rank before anything is updated; none is silently wrong.
+
+- torch's `clip_grad_norm_` / `clip_grad_value_`, scaling or reading `.grad` between backward and
+  `step()` (what HF Trainer, accelerate and GradScaler do) meet a guard, not memory a collective
+  may still touch; clipping goes through `opt.clip_grad_norm_()` or `max_grad_norm=`;
+- a model wrapped in DistributedDataParallel or sharded by FSDP is refused, naming the wrapper;
+- torch's `get_optimizer_state_dict` / `set_optimizer_state_dict` with `dcp.save` / `dcp.load`;
+- `model.zero_grad(set_to_none=False)`, `OneCycleLR` with its defaults;
+- a NaN / Inf gradient never reaches the weights or the state (`nonfinite="raise"` or `"skip"`);
+- ranks that disagree on the clip threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from canzona.errors import SpecError
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    compare,
+    emulate,
+    global_batches,
+    micro_batches,
+)
+from tests.runtime.outcomes import outcome as _outcome
+from tests.runtime.outcomes import weights
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+DP = 2
+DEADLINE_S = 240.0
+BASE = TrainSpec(steps=3, global_batch=4 * DP)
+
+
+def _optimizer(model, **kwargs):
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    return DistributedOptimizer(list(named_parameters(model)), model.spec(), **kwargs)
+
+
+def _batches(rank: int, world: int, spec: TrainSpec = BASE) -> list[torch.Tensor]:
+    return [micro_batches(t, rank, world, 1)[0] for t in global_batches(spec, 256)]
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return weights(model)
+
+
+def _train(model, opt, batches, between=None, zero="optimizer") -> list[float]:
+    """Steps of the usual loop; `between(model, opt)` runs between backward and step()."""
+    norms = []
+    for tokens in batches:
+        (model if zero == "model" else opt).zero_grad()
+        if zero == "model-false":
+            model.zero_grad(set_to_none=False)
+        model.loss(tokens).backward()
+        if between is not None:
+            norms.append(between(model, opt))
+        opt.step()
+    return norms
+
+
+# --- jobs, run in one spawned group --------------------------------------------------------------
+
+
+def touched_grad_job(rank: int, world: int, how: str) -> dict:
+    """Something between backward and step() that reads or writes `.grad`: one error, nothing updated."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    before = _params(model)
+    touch = {
+        "torch clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
+        "torch clip value": lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.1),
+        "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()],
+        "log norm": lambda m: torch.stack([p.grad.norm() for p in m.parameters()]).norm().item(),
+        "zero between": lambda m: m.zero_grad(),
+        "assign between": lambda m: [setattr(p, "grad", torch.zeros_like(p)) for p in m.parameters()],
+    }[how]
+    out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1], lambda m, o: touch(m)))
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    return out
+
+
+def clip_job(rank: int, world: int, how: str) -> dict:
+    spec = replace(BASE, clip_norm=0.05)
+    model = build_model(spec)
+    if how == "max_grad_norm":
+        opt = _optimizer(model, max_grad_norm=0.05)
+        norms = _train(model, opt, _batches(rank, world, spec))
+    elif how == "explicit":
+        opt = _optimizer(model)
+        norms = _train(model, opt, _batches(rank, world, spec), lambda m, o: float(o.clip_grad_norm_(0.05)))
+    elif how == "twice":  # as torch's: the second call sees (and returns) the clipped norm
+        opt = _optimizer(model)
+        norms = _train(model, opt, _batches(rank, world, spec),
+                       lambda m, o: [float(o.clip_grad_norm_(0.05)), float(o.clip_grad_norm_(0.05))])
+    else:  # measure only: inf
+        opt = _optimizer(model)
+        norms = _train(model, opt, _batches(rank, world, spec), lambda m, o: float(o.clip_grad_norm_(math.inf)))
+    return {"params": _params(model), "norms": norms}
+
+
+def zero_grad_habit_job(rank: int, world: int, zero: str) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, _batches(rank, world), zero=zero)
+    return _params(model)
+
+
+def dropped_micro_batch_job(rank: int, world: int, drop: bool) -> dict:
+    """Accumulate micro-batch A under no_sync(), then (drop) model.zero_grad(), then B: torch drops A."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    a, b = _batches(rank, world)[:2]
+    opt.zero_grad()
+    if drop:
+        with opt.no_sync():
+            model.loss(a).backward()
+        model.zero_grad(set_to_none=rank == 0)  # either way: the accumulated gradient is gone
+    model.loss(b).backward()
+    opt.step()
+    return _params(model)
+
+
+def one_cycle_job(rank: int, world: int) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model, matrix_config={"lr": 0.02})
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.003], total_steps=BASE.steps)
+    seen = [[(g["kind"], g["lr"], g["momentum"], opt._configs.config(i, g)) for i, g in enumerate(opt.param_groups)]]
+    for tokens in _batches(rank, world):
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.step()
+        sched.step()
+        seen.append([(g["kind"], g["lr"], g["momentum"], opt._configs.config(i, g))
+                     for i, g in enumerate(opt.param_groups)])
+    return {"seen": [[(k, lr, m, getattr(c, "betas", None), getattr(c, "momentum", None)) for k, lr, m, c in s]
+                     for s in seen], "finite": all(torch.isfinite(p).all() for p in model.parameters())}
+
+
+def ddp_after_job(rank: int, world: int) -> dict:
+    """The habit: build the optimizer, then wrap the model in DDP as always."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    before = _params(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+    def train() -> None:
+        tokens = _batches(rank, world)[0]
+        opt.zero_grad()
+        logits = ddp(tokens[:, :-1])  # through DDP's forward, which arms its reducer
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+    out = _outcome(train)
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    return out
+
+
+def ddp_before_job(rank: int, world: int) -> dict:
+    from canzona.spec import ModelSpec
+
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model(BASE))
+    return _outcome(lambda: ModelSpec.from_module(ddp))
+
+
+def fsdp2_job(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    model = build_model(BASE)
+    spec = model.spec()
+    fully_shard(model)
+    return _outcome(lambda: DistributedOptimizer(list(model.named_parameters()), spec))
+
+
+def fsdp1_job(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = build_model(BASE)
+    spec = model.spec()
+    fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    return {"from_module": _outcome(lambda: ModelSpec.from_module(fsdp)),
+            "optimizer": _outcome(lambda: DistributedOptimizer(list(fsdp.named_parameters()), spec))}
+
+
+def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
+    """Rank 1's loss is NaN / Inf at the second step."""
+    model = build_model(BASE)
+    opt = _optimizer(model, nonfinite=policy)
+    batches = _batches(rank, world)
+    _train(model, opt, batches[:1])
+    before, state = _params(model), opt.state_dict()
+    opt.zero_grad()
+    loss = model.loss(batches[1])
+    (loss * what if rank == 1 else loss).backward()
+    out = _outcome(opt.step)
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    out["state unchanged"] = _nested_equal(opt.state_dict(), state)
+    out["skipped"] = opt.skipped_steps
+    if out["error"] is None:  # skipped: training goes on
+        _train(model, opt, batches[2:])
+        out["finite after"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def clip_disagreement_job(rank: int, world: int) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    before = _params(model)
+    out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1],
+                                  lambda m, o: o.clip_grad_norm_(1.0 if rank == 0 else 0.5)))
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    return out
+
+
+def max_grad_norm_disagreement_job(rank: int, world: int) -> dict:
+    return _outcome(lambda: _optimizer(build_model(BASE), max_grad_norm=1.0 + rank))
+
+
+def add_param_group_job(rank: int, world: int) -> dict:
+    opt = _optimizer(build_model(BASE))
+    return _outcome(lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
+
+
+def dcp_job(rank: int, world: int, path: str) -> dict:
+    """torch's state-dict API: save after 2 steps, load into a fresh model and optimizer, one more
+    step; against three steps straight through. Also: taking the state dict changes nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    batches = _batches(rank, world)
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, batches[:2])
+    before = opt.state_dict()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    untouched = _nested_equal(opt.state_dict(), before)
+    _train(model, opt, batches[2:])
+
+    resumed = build_model(replace(BASE, model_seed=7))  # other weights until the checkpoint loads
+    opt2 = _optimizer(resumed)
+    fresh = get_optimizer_state_dict(resumed, opt2)
+    template = (len(fresh["state"]), any(s["canzona_stepped"] for s in fresh["state"].values()))
+    state = {"model": get_model_state_dict(resumed), "optim": fresh}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, opt2, state["optim"])
+    _train(resumed, opt2, batches[2:])
+    return {"straight": _params(model), "resumed": _params(resumed), "untouched": untouched,
+            "template entries": template[0], "template stepped": template[1]}
+
+
+def dcp_other_layout_job(rank: int, world: int, path: str) -> dict:
+    """The DP 2 checkpoint of `dcp_job`, loaded at another DP size, one more step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = build_model(replace(BASE, model_seed=7))
+    opt = _optimizer(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    _train(model, opt, _batches(rank, world)[2:])
+    return _params(model)
+
+
+def _nested_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_nested_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+TOUCHES = ("torch clip", "torch clip value", "scale", "log norm", "zero between", "assign between")
+JOBS = {
+    **{f"touch {how}": ("touched_grad_job", (how,)) for how in TOUCHES},
+    **{f"clip {how}": ("clip_job", (how,)) for how in ("max_grad_norm", "explicit", "twice", "measure")},
+    **{f"zero {z}": ("zero_grad_habit_job", (z,)) for z in ("optimizer", "model", "model-false")},
+    "micro-batch dropped": ("dropped_micro_batch_job", (True,)),
+    "micro-batch kept": ("dropped_micro_batch_job", (False,)),
+    "one cycle": ("one_cycle_job", ()),
+    "ddp after": ("ddp_after_job", ()),
+    "ddp before": ("ddp_before_job", ()),
+    "fsdp2": ("fsdp2_job", ()),
+    "fsdp1": ("fsdp1_job", ()),
+    "nan raise": ("nonfinite_job", ("raise", math.nan)),
+    "inf raise": ("nonfinite_job", ("raise", math.inf)),
+    "nan skip": ("nonfinite_job", ("skip", math.nan)),
+    "clip disagreement": ("clip_disagreement_job", ()),
+    "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
+    "add_param_group": ("add_param_group_job", ()),
+}
+
+
+def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
+    out = {name: globals()[JOBS[name][0]](rank, world, *JOBS[name][1]) for name in names}
+    out["dcp"] = dcp_job(rank, world, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp"]}
+    out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
+    return out
+
+
+# --- reading or writing .grad between backward and step ------------------------------------------
+
+
+@pytest.mark.parametrize("how", TOUCHES)
+def test_touching_grad_between_backward_and_step_is_one_error_before_any_update(runs, how):
+    for out in runs[f"touch {how}"]:
+        assert out["canzona"] and out["unchanged"], out
+        assert "\n" not in out["message"]
+        if how in ("zero between", "assign between"):
+            assert "between backward and step()" in out["message"], out
+        else:
+            assert "opt.clip_grad_norm_" in out["message"] and "canzona.integrations.hf" in out["message"], out
+
+
+@pytest.mark.parametrize("how", ["max_grad_norm", "explicit"])
+def test_clipping_by_the_optimizer(runs, how):
+    want = emulate(replace(BASE, clip_norm=0.05), DP)
+    explicit = runs["clip explicit"][0]["params"]
+    for r, out in enumerate(runs[f"clip {how}"]):
+        assert compare(out["params"], want)["max_rel_diff"] < 1e-5, r
+        assert compare(out["params"], explicit)["bit_identical"], r  # one rule, wherever it is asked for
+    norms = [out["norms"] for out in runs["clip explicit"]]
+    assert norms[0] == norms[1] and all(n > 0.05 for n in norms[0])  # it really clipped, alike on every rank
+
+
+def test_clipping_twice_sees_the_clipped_norm_as_torch_does(runs):
+    explicit = runs["clip explicit"][0]
+    for out in runs["clip twice"]:
+        assert out["norms"][0][0] == explicit["norms"][0]  # the same first step (then they part, slightly)
+        assert all(second == pytest.approx(0.05, rel=1e-5) for _, second in out["norms"])
+        assert compare(out["params"], explicit["params"])["max_rel_diff"] < 1e-3
+
+
+def test_clip_by_inf_only_measures(runs):
+    want = emulate(BASE, DP)
+    measured = runs["clip measure"]
+    for out in measured:
+        assert compare(out["params"], want)["bit_identical"]
+    assert measured[0]["norms"][0] == runs["clip explicit"][0]["norms"][0]  # the same first step
+
+
+# --- habits that must simply work ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model", "model-false"])
+def test_every_zero_grad_habit_trains_exactly(runs, zero):
+    want = emulate(BASE, DP)
+    for out in runs[f"zero {zero}"]:
+        assert compare(out, want)["bit_identical"]
+
+
+def test_zeroing_between_micro_batches_drops_the_accumulated_gradient_as_torch_does(runs):
+    for dropped, kept in zip(runs["micro-batch dropped"], runs["micro-batch kept"]):
+        assert compare(dropped, kept)["bit_identical"]
+
+
+def test_one_cycle_lr_with_its_defaults_cycles_momentum_and_beta1(runs):
+    out = runs["one cycle"]
+    assert out[0]["seen"] == out[1]["seen"] and out[0]["finite"]
+    first, last = out[0]["seen"][0], out[0]["seen"][-1]
+    for (kind, lr, momentum, betas, muon_momentum), (_, lr2, momentum2, _, _) in zip(first, last):
+        assert lr != lr2 and momentum != momentum2  # both cycle
+        if kind == "adamw":
+            assert betas[0] == momentum  # AdamW's beta1 is what OneCycleLR cycles
+        else:
+            assert muon_momentum == momentum
+
+
+# --- wrappers -----------------------------------------------------------------------------------
+
+
+def test_a_model_wrapped_in_ddp_after_the_optimizer_is_refused_on_every_rank(runs):
+    for out in runs["ddp after"]:
+        assert out["canzona"] and out["unchanged"], out
+        assert "DistributedDataParallel" in out["message"] and "reduced twice" in out["message"], out
+
+
+def test_a_ddp_model_is_refused_by_from_module(runs):
+    for out in runs["ddp before"]:
+        assert out["error"] == "SpecError" and "DistributedDataParallel" in out["message"], out
+
+
+def test_an_fsdp1_model_is_refused_naming_fsdp(runs):
+    for out in runs["fsdp1"]:
+        for what in ("from_module", "optimizer"):
+            assert out[what]["error"] == "SpecError" and "sharded by FSDP" in out[what]["message"], out
+
+
+def test_an_fsdp2_model_is_refused_naming_fsdp(runs):
+    for out in runs["fsdp2"]:
+        assert out["canzona"] and "FSDP2" in out["message"], out
+
+
+# --- non-finite gradients -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["nan raise", "inf raise"])
+def test_a_nonfinite_gradient_on_one_rank_is_an_error_on_every_rank_before_any_update(runs, case):
+    for out in runs[case]:
+        assert out["canzona"] and "global gradient norm is" in out["message"], out
+        assert out["unchanged"] and out["state unchanged"], out
+
+
+def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
+    for out in runs["nan skip"]:
+        assert out["error"] is None and out["skipped"] == 1, out
+        assert out["unchanged"] and out["state unchanged"] and out["finite after"], out
+
+
+# --- agreement ----------------------------------------------------------------------------------
+
+
+def test_ranks_clipping_by_different_thresholds_fail_before_any_update(runs):
+    for out in runs["clip disagreement"]:
+        assert out["canzona"] and "disagree on the clip threshold" in out["message"] and out["unchanged"], out
+
+
+def test_parameters_cannot_be_added_after_construction(runs):
+    for out in runs["add_param_group"]:
+        assert out["error"] == "SpecError" and "cannot be added" in out["message"], out
+
+
+def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
+    for out in runs["max_grad_norm disagreement"]:
+        assert out["error"] == "PlanError" and "gradient clipping" in out["message"], out
+
+
+# --- torch's state-dict API ---------------------------------------------------------------------
+
+
+def test_torch_state_dict_api_resumes_bit_for_bit(runs):
+    for out in runs["dcp"]:
+        assert out["untouched"]  # get_optimizer_state_dict ran no step of its own
+        assert out["template entries"] > 0 and not out["template stepped"]  # a fresh optimizer's template
+        assert compare(out["resumed"], out["straight"])["bit_identical"]
+
+
+def test_torch_state_dict_api_resumes_at_another_layout(runs):
+    """DP 2's checkpoint, one more step at DP 1: that step's gradient is the same sum in another
+    order, so the weights part in the last bits (README: Muon 4e-4 after 10 steps of DP 1 vs 2)."""
+    straight = runs["dcp"][0]["straight"]
+    assert compare(runs["dcp other layout"][0], straight)["max_rel_diff"] < 1e-3
+
+
+# --- configuration errors, before any collective ------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_grad_norm": 0}, "max_grad_norm must be a positive number"),
+    ({"max_grad_norm": float("nan")}, "max_grad_norm must be a positive number"),
+    ({"nonfinite": "ignore"}, "nonfinite must be one of raise, skip"),
+])
+def test_bad_clip_and_nonfinite_settings_fail_before_any_collective(kwargs, needle):
+    with pytest.raises(SpecError, match=needle):
+        _optimizer(build_model(BASE), **kwargs)

@@ -1,0 +1,357 @@
+"""The runtime under the habits of real training loops (HF Trainer, Accelerate, torchtitan): each
+habit either keeps working exactly or fails loudly on every rank; none corrupts training silently.
+
+- `model.zero_grad()` (set_to_none) instead of `optimizer.zero_grad()`;
+- `model.to(dtype)` after the optimizer was built;
+- a rank that skips backward; ranks built with different initial weights;
+- a checkpoint of another model;
+- hyper-parameters edited in `param_groups`, no-decay groups, ranks that disagree on them;
+- global gradient clipping; configuration errors; `state_dict()` with a missing peer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from canzona.errors import PlanError, SpecError
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    compare,
+    distributed_worker,
+    emulate,
+    global_batches,
+    global_gradients,
+    micro_batches,
+)
+from canzona.runtime.checkpoint import state_by_name
+from tests.runtime.outcomes import outcome as _outcome
+from tests.runtime.outcomes import weights
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+DP = 2
+DEADLINE_S = 180.0
+STEP_TIMEOUT_S = 4.0
+BASE = TrainSpec(steps=3, global_batch=4 * DP)
+
+
+def _optimizer(model, **kwargs):
+    from canzona.runtime import DistributedOptimizer
+
+    return DistributedOptimizer(model.named_parameters(), model.spec(), **kwargs)
+
+
+def _batch(rank: int, world: int, spec: TrainSpec = BASE):
+    return micro_batches(global_batches(spec, 256)[0], rank, world, 1)[0]
+
+
+# --- jobs, run in one spawned group --------------------------------------------------------------
+
+
+def train_job(rank: int, world: int, spec: TrainSpec) -> dict:
+    out = distributed_worker(rank, world, spec, {"state_dict": False})
+    return {"params": out["params"], "norms": out["norms"]}
+
+
+def bf16_checkpoint_job(rank: int, world: int) -> dict:
+    """Two steps, a checkpoint (model weights + optimizer state), a fresh model and optimizer that
+    load it, one more step: the fp32 masters travel with the checkpoint."""
+    spec = replace(BASE, dtype="bf16")
+    model = build_model(spec)
+    opt = _optimizer(model)
+    batches = global_batches(replace(spec, steps=3), 256)
+
+    def train(m, o, tokens) -> None:
+        o.zero_grad()
+        m.loss(micro_batches(tokens, rank, world, 1)[0]).backward()
+        o.step()
+    for tokens in batches[:2]:
+        train(model, opt, tokens)
+    saved = weights(model)
+    state = opt.state_dict()
+    resumed = build_model(replace(spec, model_seed=7))  # other weights until the checkpoint loads
+    with torch.no_grad():
+        for n, p in resumed.named_parameters():
+            p.copy_(saved[n])
+    opt2 = _optimizer(resumed)
+    opt2.load_state_dict(state)
+    train(resumed, opt2, batches[2])
+    train(model, opt, batches[2])
+    masters = {n: s["master"].dtype for n, s in state_by_name(state)[2].items() if "master" in s}
+    return {"resumed": weights(resumed),
+            "uninterrupted": weights(model),
+            "master dtypes": sorted({str(d) for d in masters.values()}), "with master": len(masters)}
+
+
+def cast_after_build_job(rank: int, world: int) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    model.double()  # the user casts the model after building the optimizer
+
+    def train() -> None:
+        opt.zero_grad()
+        model.loss(_batch(rank, world)).backward()
+        opt.step()
+    return _outcome(train)
+
+
+def skipped_backward_job(rank: int, world: int) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+
+    def train() -> None:
+        opt.zero_grad()
+        if rank != 1:  # rank 1 forgets backward (a data-loader branch, an exception swallowed)
+            model.loss(_batch(rank, world)).backward()
+        opt.step()
+    return _outcome(train)
+
+
+def different_init_job(rank: int, world: int) -> dict:
+    model = build_model(replace(BASE, model_seed=rank))  # each rank seeds its own weights
+    return _outcome(lambda: _optimizer(model))
+
+
+def group_disagreement_job(rank: int, world: int) -> dict:
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    if rank == 1:
+        opt.param_groups[0]["lr"] *= 2  # one rank's scheduler went its own way
+
+    def train() -> None:
+        opt.zero_grad()
+        model.loss(_batch(rank, world)).backward()
+        opt.step()
+    return _outcome(train)
+
+
+def live_hyper_parameters_job(rank: int, world: int, spec: TrainSpec) -> dict:
+    """Edit momentum and weight decay in param_groups after construction; put every AdamW
+    parameter in a no-decay group."""
+    model = build_model(spec)
+    names = {p.name for p in model.spec().matrix_params()}
+    pairs = list(model.named_parameters())
+    opt = _optimizer_groups(model, [
+        {"params": [(n, p) for n, p in pairs if n in names]},
+        {"params": [(n, p) for n, p in pairs if n not in names], "weight_decay": 0.0},
+    ])
+    for g in opt.param_groups:
+        if g["kind"] == "matrix":
+            g["momentum"], g["weight_decay"] = 0.8, 0.0
+    for tokens in global_batches(spec, 256):
+        opt.zero_grad()
+        model.loss(micro_batches(tokens, rank, world, 1)[0]).backward()
+        opt.step()
+    return weights(model)
+
+
+def _optimizer_groups(model, groups):
+    from canzona.runtime import DistributedOptimizer
+
+    return DistributedOptimizer(groups, model.spec(), "muon")
+
+
+def foreign_checkpoint_job(rank: int, world: int) -> dict:
+    tied = build_model(BASE)
+    untied = build_model(replace(BASE, preset="tiny-untied"))
+    opt_tied, opt_untied = _optimizer(tied), _optimizer(untied)
+    for model, opt in ((tied, opt_tied), (untied, opt_untied)):
+        opt.zero_grad()
+        model.loss(_batch(rank, world)).backward()
+        opt.step()
+    state = opt_untied.state_dict()
+    renamed = opt_tied.state_dict()
+    for g in renamed["param_groups"]:
+        g["param_names"] = ["model.bogus.weight" if n == "model.norm.weight" else n for n in g["param_names"]]
+    other = opt_tied.state_dict()
+    for g in other["param_groups"]:
+        g["canzona"] = json.dumps({**json.loads(g["canzona"]), "optimizer": "soap"})
+    return {"other model": _outcome(lambda: opt_tied.load_state_dict(state)),
+            "unknown parameter": _outcome(lambda: opt_tied.load_state_dict(renamed)),
+            "other optimizer": _outcome(lambda: opt_tied.load_state_dict(other))}
+
+
+def state_dict_timeout_job(rank: int, world: int) -> dict:
+    import time
+
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    if rank == 1:
+        time.sleep(3 * STEP_TIMEOUT_S)  # never joins the collective in time
+        return {"error": None}
+    start = time.monotonic()
+    out = _outcome(opt.state_dict)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+JOBS = {
+    "model zero_grad": ("train_job", (replace(BASE, zero_grad="model"),)),
+    "model zero_grad sc": ("train_job", (replace(BASE, zero_grad="model", policy="sc"),)),
+    "clip": ("train_job", (replace(BASE, clip_norm=0.05),)),
+    "clip loose": ("train_job", (replace(BASE, clip_norm=1e6),)),
+    "bf16": ("train_job", (replace(BASE, dtype="bf16"),)),
+    "bf16 soap sc": ("train_job", (replace(BASE, dtype="bf16", optimizer="soap", policy="sc"),)),
+    "bf16 state": ("train_job", (replace(BASE, dtype="bf16", master_weights=False),)),
+    "bf16 checkpoint": ("bf16_checkpoint_job", ()),
+    "cast": ("cast_after_build_job", ()),
+    "skipped backward": ("skipped_backward_job", ()),
+    "different init": ("different_init_job", ()),
+    "group disagreement": ("group_disagreement_job", ()),
+    "live groups": ("live_hyper_parameters_job", (BASE,)),
+    "foreign checkpoint": ("foreign_checkpoint_job", ()),
+    "state_dict timeout": ("state_dict_timeout_job", ()),
+}
+
+
+def jobs_worker(rank: int, world: int, names: list[str]) -> dict:
+    """Every job in one process group; a job that leaves the group unusable comes last."""
+    return {name: globals()[JOBS[name][0]](rank, world, *JOBS[name][1]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    # the failing jobs run in a group of their own: a timed-out collective can poison a gloo group
+    healthy = [n for n in JOBS if n not in ("skipped backward", "group disagreement", "state_dict timeout")]
+    first = run_ranks(jobs_worker, DP, healthy, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    out = {name: [first[r][name] for r in range(DP)] for name in healthy}
+    for name in ("skipped backward", "group disagreement", "state_dict timeout"):
+        ranks = run_ranks(jobs_worker, DP, [name], deadline_s=DEADLINE_S, collective_timeout_s=60)
+        out[name] = [ranks[r][name] for r in range(DP)]
+    return out
+
+
+# --- silent corruption, now caught or made right ------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["model zero_grad", "model zero_grad sc"])
+def test_model_zero_grad_trains_exactly_like_optimizer_zero_grad(runs, case):
+    spec = replace(BASE, zero_grad="model", policy="sc" if case.endswith("sc") else "canzona")
+    want = emulate(spec, DP)
+    for r, out in enumerate(runs[case]):
+        assert compare(out["params"], want)["bit_identical"], f"rank {r}"
+
+
+@pytest.mark.parametrize("case", ["bf16", "bf16 soap sc", "bf16 state"])
+def test_bf16_models_equal_the_same_kernels_in_one_process(runs, case):
+    """fp32 masters, fp32 reduction and fp32 state by default; master_weights=False keeps bf16."""
+    spec = dict(JOBS[case][1][0].__dict__)
+    want = emulate(TrainSpec(**spec), DP)
+    for r, out in enumerate(runs[case]):
+        assert all(p.dtype == torch.bfloat16 for p in out["params"].values())
+        assert compare(out["params"], want)["bit_identical"], f"rank {r}"
+    if case == "bf16":  # the masters matter: keeping bf16 state trains differently
+        assert not compare(runs["bf16"][0]["params"], runs["bf16 state"][0]["params"])["bit_identical"]
+
+
+def test_bf16_checkpoint_carries_fp32_masters(runs):
+    for r, out in enumerate(runs["bf16 checkpoint"]):
+        assert out["master dtypes"] == ["torch.float32"] and out["with master"] == len(out["resumed"])
+        assert compare(out["resumed"], out["uninterrupted"])["bit_identical"], f"rank {r}"
+
+
+def test_casting_the_model_after_building_is_an_error(runs):
+    for out in runs["cast"]:
+        assert out["canzona"] and "no longer lives in the optimizer's buffers" in out["message"], out
+
+
+def test_a_rank_that_skips_backward_is_named_on_every_rank(runs):
+    for out in runs["skipped backward"]:
+        assert out["canzona"] and "rank(s) [1] ran no backward" in out["message"], out
+
+
+def test_ranks_with_different_initial_weights_are_caught_at_construction(runs):
+    for out in runs["different init"]:
+        assert out["canzona"] and "disagree on the initial parameters" in out["message"], out
+
+
+def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
+    for out in runs["group disagreement"]:
+        assert out["canzona"] and "disagree on the hyper-parameters in param_groups" in out["message"], out
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused(runs):
+    for out in runs["foreign checkpoint"]:
+        other, unknown, opt = out["other model"], out["unknown parameter"], out["other optimizer"]
+        assert other["error"] == "PlanError" and "checkpoint is of model" in other["message"], other
+        assert "lm_head.weight" in other["message"], other  # says what differs
+        assert unknown["error"] == "PlanError" and "model.bogus.weight" in unknown["message"], unknown
+        assert opt["error"] == "PlanError" and "checkpoint is for soap" in opt["message"], opt
+
+
+def test_state_dict_is_bounded_by_the_optimizer_timeout(runs):
+    out = runs["state_dict timeout"][0]
+    assert out["canzona"] and "timed out" in out["message"], out
+    assert out["seconds"] < 3 * STEP_TIMEOUT_S
+
+
+# --- what real loops need ----------------------------------------------------------------------
+
+
+def test_hyper_parameters_in_param_groups_are_live(runs):
+    spec = replace(BASE, matrix_config={"momentum": 0.8, "weight_decay": 0.0}, adamw_config={"weight_decay": 0.0})
+    want = emulate(spec, DP)
+    for r, params in enumerate(runs["live groups"]):
+        assert compare(params, want)["bit_identical"], f"rank {r}"
+    assert not compare(runs["live groups"][0], emulate(BASE, DP))["bit_identical"]  # the edits mattered
+
+
+def test_clip_grad_norm_uses_the_global_norm_of_reduced_gradients(runs):
+    spec = replace(BASE, clip_norm=0.05)
+    norms = [out["norms"] for out in runs["clip"]]
+    assert norms[0] == norms[1] and len(norms[0]) == BASE.steps  # every rank clips alike
+    model = build_model(BASE)
+    grads, _ = global_gradients(model, BASE, global_batches(BASE, 256)[0], DP)
+    first = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    assert norms[0][0] == pytest.approx(first, rel=1e-6)
+    assert norms[0][0] > 0.05  # so it really clipped
+    want = emulate(spec, DP)
+    for out in runs["clip"]:
+        assert compare(out["params"], want)["max_rel_diff"] < 1e-5
+    unclipped = emulate(BASE, DP)
+    for out in runs["clip loose"]:  # a bound above the norm changes nothing, bit for bit
+        assert compare(out["params"], unclipped)["bit_identical"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"matrix_config": {"adjust_lr_fn": None}}, "adjust_lr_fn must be a string"),
+    ({"matrix_config": {"lr": float("nan")}}, "lr must be a finite number"),
+    ({"adamw_config": {"betas": (0.9, 1.5)}}, "betas must lie in [0, 1)"),
+    ({"matrix_config": {"momentum": 1.0}}, "momentum must be"),
+    ({"timeout_s": 0}, "timeout_s must be a positive"),
+    ({"timeout_s": float("inf")}, "timeout_s must be a positive"),
+    ({"optimizer": "adam"}, "unknown optimizer"),
+    ({"reduce_scatter": "nccl"}, "unknown reduce_scatter 'nccl'; choose one of native, exact, loops, padded"),
+])
+def test_bad_configuration_fails_before_any_collective(kwargs, needle):
+    """No process group exists here: reaching a collective would raise something else."""
+    model = build_model(BASE)
+    with pytest.raises(SpecError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        _optimizer(model, **kwargs)
+
+
+def test_frozen_parameter_given_to_the_optimizer_is_one_error_before_any_collective():
+    model = build_model(BASE)
+    model.model.norm.weight.requires_grad_(False)  # frozen, but still in model.named_parameters()
+    with pytest.raises(SpecError, match="'model.norm.weight' does not require gradients: leave frozen"):
+        _optimizer(model)
+
+
+def test_bad_parameter_groups_fail_before_any_collective():
+    model = build_model(BASE)
+    pairs = list(model.named_parameters())
+    with pytest.raises(SpecError, match="no optimizer of its parameters has hyper-parameter"):
+        _optimizer_groups(model, [{"params": pairs, "momentun": 0.9}])
+    with pytest.raises(SpecError, match="momentum must be"):
+        _optimizer_groups(model, [{"params": pairs, "momentum": 2.0}])
+    with pytest.raises(SpecError, match=r"\(name, parameter\) pairs"):
+        _optimizer_groups(model, [{"params": [p for _, p in pairs]}])
+    with pytest.raises(PlanError, match="not given"):
+        _optimizer_groups(model, [{"params": pairs[1:]}])
