@@ -61,11 +61,9 @@ class Mesh:
             raise SpecError(f"unknown mesh axis {axis!r}; this canzona runs {', '.join(PLAN_AXES)}")
 
 
-def build_mesh(group: dist.ProcessGroup | DeviceMesh | None, tp_group: dist.ProcessGroup | None,
-               timeout_s: float, reduce_scatter: str) -> Mesh:
-    """The mesh of `group` (a DP process group, None for the default group, or a `DeviceMesh`)
-    and `tp_group`; every check that can fail locally runs before any collective."""
-    groups = axis_groups(group, tp_group)
+def build_mesh(groups: Mapping[str, dist.ProcessGroup | None], timeout_s: float, reduce_scatter: str) -> Mesh:
+    """The mesh of each axis's process group (`axis_groups`; None for dp: the default group).
+    No collective: the groups' sizes and ranks only."""
     comms = {DP: Comm(groups[DP], timeout_s, DP, reduce_scatter=reduce_scatter)}
     for axis, pg in groups.items():
         if axis != DP and pg is not None and dist.get_world_size(pg) > 1:

@@ -60,7 +60,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import adamw_step_
-from canzona.runtime.mesh import DP, TP, build_mesh
+from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.param_gather import ParamsInFlight, modules_holding
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
@@ -219,11 +219,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
         matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
         param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
-        self.mesh = build_mesh(group, tp_group, timeout_s, reduce_scatter)
-        self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
-        tp_ranks = dist.get_process_group_ranks(self.tp_comm.group) if self.tp_comm is not None else None
-        self.tp = self.mesh.size(TP)
+        # the parameters are checked before anything asks the process groups (which may not exist)
+        axes = axis_groups(group, tp_group)
+        tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
+        tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
+        self.tp = len(tp_ranks) if tp_ranks else 1
         self.params = self._local_params(groups, tp_ranks)
+        self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
+        self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
         self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)
