@@ -573,7 +573,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     adamw_size, adamw_inside, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
     if matrix_optimizer(plan.optimizer).elementwise:  # AdamW also on the matrices' pieces in each segment
         for i in range(dp):
-            pieces = [e - s for b in plan.dp_plan.buckets for _, s, e in b.pieces(i)]
+            pieces = plan.dp_plan.piece_lengths(i)
             adamw_inside[i] += sum(pieces)
             adamw_largest[i] = max([adamw_largest[i], *pieces])
     buffer = sum(b.size for b in plan.dp_plan.buckets) + adamw_size

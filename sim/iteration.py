@@ -135,7 +135,7 @@ class Context:
         their pieces inside its segments (none otherwise)."""
         if not matrix_optimizer(self.plan.optimizer).elementwise:
             return 0
-        return sum(e - s for b in self.plan.dp_plan.buckets for _, s, e in b.pieces(i))
+        return sum(self.plan.dp_plan.piece_lengths(i))
 
     def adamw_seconds(self, numel: int) -> float:
         return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))

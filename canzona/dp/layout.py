@@ -178,6 +178,11 @@ class DPPlan:
     def owners(self) -> dict[str, int]:
         return {p.name: p.owner for p in self.placements()}
 
+    def piece_lengths(self, rank: int) -> list[int]:
+        """The lengths of the pieces `rank` updates under an elementwise optimizer, every bucket's
+        (`BucketPlan.pieces`)."""
+        return [e - s for b in self.buckets for _, s, e in b.pieces(rank)]
+
     def computing_ranks(self, bucket: BucketPlan, p: Placement) -> Sequence[int]:
         return bucket.ranks_overlapping(p) if self.split_compute else (p.owner,)
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from canzona.dp.layout import pieces_inside
 from canzona.errors import SpecError
 from canzona.runtime.shards import link_data, local_tensor, same_storage
 
@@ -102,11 +103,9 @@ class Piece(NamedTuple):
 
 def pieces_of(buffer: FlatBuffer, lo: int, hi: int) -> Iterator[Piece]:
     """The pieces of `buffer`'s parameters inside `[lo, hi)`, in layout order."""
-    for name in buffer.names:
-        a, b = buffer.offsets[name]
-        s, e = max(a, lo), min(b, hi)
-        if s < e:
-            yield Piece(name, buffer, s, e, s - a)
+    spans = ((name, *buffer.offsets[name]) for name in buffer.names)
+    for name, s, e in pieces_inside(spans, lo, hi):
+        yield Piece(name, buffer, s, e, s - buffer.offsets[name][0])
 
 
 def accumulation_dtype(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
