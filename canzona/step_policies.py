@@ -40,7 +40,7 @@ class StepPolicy:
         """`optimizer` is one this policy runs; raise SpecError (one line) otherwise."""
         entry = matrix_optimizer(optimizer)
         if entry.elementwise != self.elementwise:
-            fits = [p.name for p in STEP_POLICIES.values() if p.elementwise == entry.elementwise]
+            fits = policies_running(optimizer)
             kind = "elementwise optimizers (adamw)" if self.elementwise else "whole-matrix optimizers"
             raise SpecError(f"policy {self.name} runs {kind}; {entry.name} runs under {', '.join(fits)}")
 
@@ -109,6 +109,12 @@ ELEMENTWISE_BASELINE = "adamw"  # the optimizer of the baseline row beside the m
 def default_policy(optimizer: str) -> str:
     """The step policy `optimizer` runs unless told otherwise: canzona, or zero1 for AdamW."""
     return ELEMENTWISE_POLICY if matrix_optimizer(optimizer).elementwise else MATRIX_POLICY
+
+
+def policies_running(optimizer: str) -> tuple[str, ...]:
+    """The step policies that run `optimizer` (`StepPolicy.check_optimizer` accepts), in order."""
+    elementwise = matrix_optimizer(optimizer).elementwise
+    return tuple(name for name, p in STEP_POLICIES.items() if p.elementwise == elementwise)
 
 
 def policy_optimizer(policy: str, optimizer: str) -> str:

@@ -25,7 +25,7 @@ from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy, policy_optimizer
+from canzona.step_policies import STEP_POLICIES, default_policy, policies_running, policy_optimizer
 from canzona.step_schedule import check_tp_mode
 from canzona.tp import DEFAULT_TP_POLICY, Capacity
 from sim.engine import Engine, Span
@@ -358,7 +358,7 @@ def compared_policies(optimizer: str) -> tuple[str, ...]:
     """What `compare` runs for `optimizer`: a matrix optimizer's policies and the AdamW baseline
     (zero1) beside them; for AdamW itself, the policies that run it."""
     if matrix_optimizer(optimizer).elementwise:
-        return tuple(n for n, p in STEP_POLICIES.items() if p.elementwise)
+        return policies_running(optimizer)
     return tuple(STEP_POLICIES)
 
 

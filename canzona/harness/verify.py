@@ -29,9 +29,8 @@ from typing import Any
 from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.optimizers import OPTIMIZERS as REGISTERED
-from canzona.optimizers import matrix_optimizer
 from canzona.plan import Plan, PlanSettings, plan_for
-from canzona.step_policies import STEP_POLICIES, default_policy, get_step_policy
+from canzona.step_policies import STEP_POLICIES, default_policy, get_step_policy, policies_running
 from canzona.step_schedule import TP_MODES
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 
@@ -138,7 +137,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     cases = []
     for opt in optimizers:
         if policy == "all":
-            policies = [p for p in POLICIES if STEP_POLICIES[p].elementwise == matrix_optimizer(opt).elementwise]
+            policies = list(policies_running(opt))
         else:
             policies = [policy or default_policy(opt)]
         for pol in policies:
