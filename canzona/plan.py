@@ -14,7 +14,7 @@ from typing import Any
 
 from canzona.cost import AnalyticCost, CostModel, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
-from canzona.dp.layout import BucketPlan, Placement
+from canzona.dp.layout import BucketPlan, DPMetrics, Placement
 from canzona.dp.policies import BALANCE_UNITS, DEFAULT_DP_POLICY, DP_REGISTRY, keeps_geometry
 from canzona.errors import PlanError, SpecError
 from canzona.fileio import (
@@ -66,6 +66,23 @@ class Plan:
         """The size of each named axis (`PLAN_AXES`), as the file records it."""
         return {"dp": self.dp, "tp": self.tp}
 
+    @property
+    def elementwise(self) -> bool:
+        """Whether the optimizer updates pieces where they lie (AdamW) rather than whole matrices."""
+        return matrix_optimizer(self.optimizer).elementwise
+
+    @property
+    def dp_metrics(self) -> DPMetrics:
+        """The DP plan's metrics for this plan's optimizer (pieces for an elementwise one)."""
+        return self.dp_plan.piece_metrics if self.elementwise else self.dp_plan.metrics
+
+    @property
+    def optimizer_compute_s(self) -> float:
+        """Optimizer compute on the slowest GPU: after TP scheduling, or for an elementwise
+        optimizer the slowest DP rank's pieces, spread over its TP group (each GPU updates its
+        TP shard of them)."""
+        return self.dp_metrics.makespan / self.tp if self.elementwise else self.tp_plan.metrics.makespan
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "version": VERSION, **_body(self), "metrics": self.summary()}
 
@@ -83,7 +100,7 @@ class Plan:
 
     def summary(self) -> dict[str, Any]:
         """The `canzona plan --json` object."""
-        d, t = self.dp_plan.metrics, self.tp_plan.metrics
+        d, t = self.dp_metrics, self.tp_plan.metrics
         return {
             "model": self.model,
             "dp_size": self.dp,
@@ -118,7 +135,7 @@ class Plan:
                 "max_groups_per_rank": t.max_groups_per_rank,
                 "efficiency": t.efficiency,
                 "mean_group_imbalance": t.mean_group_imbalance,
-                "optimizer_compute_s": t.makespan,
+                "optimizer_compute_s": self.optimizer_compute_s,
             },
         }
 

@@ -211,6 +211,8 @@ def plan_tp(tasks_by_rank: Sequence[Sequence[TPTask]], tp: int, policy: str,
     entry = tp_policy(policy)
     if tp < 1:
         raise SpecError(f"tp must be >= 1, got {tp}")
+    if not any(tasks_by_rank):  # nothing computed whole (an elementwise optimizer): no capacity
+        return TPPlan(policy, tp, None, tuple(() for _ in tasks_by_rank))
     if not entry.uses_capacity:
         return TPPlan(policy, tp, None, _build(entry, tasks_by_rank, tp, capacity))
     if capacity is not None:

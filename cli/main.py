@@ -30,7 +30,7 @@ from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy
+from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
@@ -183,17 +183,24 @@ def plan(
         if as_json:
             emit_json(chosen.summary())
             return
-        # every DP policy, plus the paper's policy balanced by elements as the authors' code does
-        variants = [(name, "seconds") for name in DP_POLICIES]
-        variants.insert(variants.index((DEFAULT_DP_POLICY, "seconds")) + 1, (DEFAULT_DP_POLICY, "elements"))
+        if chosen.elementwise:
+            # the DP plans the step policies running it execute: no matrix is computed whole, so
+            # the whole-matrix policies and the TP schedule do not apply
+            variants = [(name, "seconds") for name in _dp_policies_running(optimizer)]
+        else:
+            # every DP policy, plus the paper's policy balanced by elements as the authors' code does
+            variants = [(name, "seconds") for name in DP_POLICIES]
+            variants.insert(variants.index((DEFAULT_DP_POLICY, "seconds")) + 1, (DEFAULT_DP_POLICY, "elements"))
         if (dp_policy, balance_by) not in variants:
             variants.append((dp_policy, balance_by))
         dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
-        tp_rows = [chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
+        tp_rows = [] if chosen.elementwise else [
+            chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
     except CanzonaError as e:
         fail(str(e))
     console.print(dp_table(dp_rows, chosen))
-    console.print(tp_table(tp_rows, tp_policy))
+    if tp_rows:
+        console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
         console.print(f"plan written to {out} (hash {chosen.hash()[:12]})")
 
@@ -219,8 +226,15 @@ def inspect(
         emit_json({**loaded.summary(), "hash": loaded.hash()})
         return
     console.print(dp_table([loaded], loaded))
-    console.print(tp_table([loaded], loaded.tp_plan.policy))
+    if not loaded.elementwise:
+        console.print(tp_table([loaded], loaded.tp_plan.policy))
     console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
+
+
+def _dp_policies_running(optimizer: str) -> list[str]:
+    """The DP plans of the step policies that run `optimizer`, in order, each once."""
+    named = (STEP_POLICIES[name].dp_policy for name in policies_running(optimizer))
+    return list(dict.fromkeys(name for name in named if name is not None))
 
 
 def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None:

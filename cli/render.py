@@ -55,24 +55,30 @@ def spec_table(spec: ModelSpec, kind: str, sizes: dict[str, int], unknown: str |
 
 def dp_table(plans: Sequence[Plan], chosen: Plan) -> Table:
     p0 = plans[0]
-    t = Table(title=f"DP policies: {p0.model}, dp={p0.dp}, tp={p0.tp}, {p0.optimizer}, "
-                    f"TP policy {p0.tp_plan.policy}")
+    schedule = "updates its pieces in place" if p0.elementwise else f"TP policy {p0.tp_plan.policy}"
+    t = Table(title=f"DP policies: {p0.model}, dp={p0.dp}, tp={p0.tp}, {p0.optimizer}, {schedule}")
     t.add_column("DP policy", no_wrap=True)
     for col in ("max load ms", "imb.", "LB gap", "comm", "state imb.", "atomic", "extra comm", "GPU ms"):
         t.add_column(col, justify="right")
     for p in plans:
-        d = p.dp_plan.metrics
-        atomic = "yes" if d.atomic else f"no ({d.atomicity_violations})"
+        d = p.dp_metrics
+        # an elementwise optimizer needs no whole matrix: atomicity does not apply
+        atomic = "-" if p.elementwise else "yes" if d.atomic else f"no ({d.atomicity_violations})"
         name = p.dp_plan.policy + (" by elements" if p.dp_plan.balance_by == "elements" else "") \
             + (" (kept whole-start)" if p.dp_plan.fell_back else "")
         t.add_row(name, _ms(d.makespan), f"{d.imbalance:.3f}", f"{d.lower_bound_gap * 100:.1f}%",
                   f"{d.comm_ratio:.2f}", f"{d.state_imbalance:.3f}", atomic,
-                  human_bytes(GRAD_BYTES * d.extra_comm_elements), _ms(p.tp_plan.metrics.makespan),
+                  human_bytes(GRAD_BYTES * d.extra_comm_elements), _ms(p.optimizer_compute_s),
                   style="bold green" if p is chosen else None)
+    if p0.elementwise:
+        gpu = (f"{p0.optimizer} updates the pieces of each rank's segments where they lie (no matrix "
+               "is gathered, no TP schedule); GPU ms: the slowest DP rank's pieces over its TP group.")
+    else:
+        gpu = "GPU ms: optimizer compute on the slowest GPU after TP scheduling."
     t.caption = (f"Seconds from {p0.cost_model}. Load: optimizer work per DP rank (its TP group); "
-                 f"lower bound {_ms(p0.dp_plan.metrics.lower_bound)} ms. Comm: longest / even "
+                 f"lower bound {_ms(p0.dp_metrics.lower_bound)} ms. Comm: longest / even "
                  "reduce-scatter segment. Extra comm: fp32 gradient bytes (the simulator's default) fetched beyond the segment. "
-                 "GPU ms: optimizer compute on the slowest GPU after TP scheduling.")
+                 + gpu)
     return t
 
 

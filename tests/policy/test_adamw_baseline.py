@@ -63,6 +63,41 @@ def test_the_plan_has_even_segments_and_no_matrix_computed_whole():
         assert sum(pieces) == sum(p.numel for p in b.params)
 
 
+def test_the_plan_prices_each_rank_s_pieces_not_whole_matrices():
+    """AdamW's ranks update their pieces where they lie: nothing is fetched beyond a segment,
+    nothing computed twice, and the work splits evenly (the whole-matrix metrics of the same
+    zero1-even plan count every matrix on each rank that holds part of it)."""
+    spec, _ = resolve_model("qwen3-0.6b", 2)
+    plan = plan_for(spec, 4, 2, "adamw", "zero1")
+    m, whole = plan.dp_metrics, plan.dp_plan.metrics
+    assert m is plan.dp_plan.piece_metrics
+    assert m.extra_comm_elements == 0 and m.redundant_s == 0 and m.atomicity_violations == 0
+    assert whole.redundant_s > 0 and whole.extra_comm_elements > 0
+    assert sum(m.rank_loads) == pytest.approx(m.total) and m.total == pytest.approx(whole.total)
+    assert m.lower_bound == pytest.approx(m.total / 4) and m.imbalance < 1.1
+    states = sum(p.state_bytes for p in plan.dp_plan.placements())
+    assert states - len(plan.dp_plan.placements()) * 4 <= sum(m.rank_state_bytes) <= states
+    assert plan.optimizer_compute_s == pytest.approx(m.makespan / 2) and m.makespan > 0  # a TP group shares each piece
+    summary = plan.summary()
+    assert summary["tp"]["capacity"] is None and summary["tp"]["groups"] == 0
+    assert summary["tp"]["optimizer_compute_s"] == plan.optimizer_compute_s
+    muon = plan_for(spec, 4, 2, "muon", "canzona")
+    assert muon.dp_metrics is muon.dp_plan.metrics
+    assert muon.optimizer_compute_s == muon.tp_plan.metrics.makespan
+
+
+def test_cli_plan_shows_only_what_runs_adamw():
+    """The plan table of an elementwise optimizer lists the DP plans its step policies run, with
+    no atomicity and no TP schedule (nothing is computed whole)."""
+    out = invoke_cli("plan", "--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--optimizer", "adamw")
+    assert out.exit_code == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 and "zero1-even" in rows[0] and " - " in rows[0]
+    assert "TP policies" not in out.stdout and "updates its pieces in place" in out.stdout
+    muon = invoke_cli("plan", "--model", "qwen3-0.6b", "--dp", "4", "--tp", "2")
+    assert "TP policies" in muon.stdout and "alpha-balanced" in muon.stdout
+
+
 # --- the simulator and the CLI ------------------------------------------------------------------
 
 
