@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -310,48 +310,75 @@ RELEASE_LIMIT_S = 2.0
 
 
 class Handoff:
-    """The tensors handed to one collective, as fresh aliases that only the backend holds.
+    """The tensors handed to one collective, as fresh aliases held here until the backend has let
+    go of them, then freed on the calling thread.
 
     Why: gloo runs a collective on a worker thread, which drops its references to the collective's
-    tensors just *after* completing it, so possibly after `wait()` has returned here. torch keeps
-    the Python object of a tensor alive while C++ holds the tensor, and the thread that drops the
-    last C++ reference takes the GIL to release it (`TensorImpl::decref_pyobject`, torch 2.13). If
-    the main thread reaches interpreter finalization first (a script's last `step()`,
-    `destroy_process_group()`, return), the worker takes the GIL during `Py_FinalizeEx`, CPython
-    ends the thread with `pthread_exit`, and the forced unwind through the work's destructor
-    (noexcept) aborts the process: SIGABRT, "terminate called without an active exception", after
-    a successful run. `destroy_process_group()` does not prevent it: the default group outlives it
-    whenever `torch.distributed.nn` was first imported after `init_process_group` (its functions
-    take `group.WORLD` as a default argument; building any `torch.optim.Optimizer` imports it), so
-    gloo's threads are never joined. An alias held here only weakly dies exactly when the last
-    holder drops it, so `release` can wait for that moment, with the GIL free for the worker.
+    tensors just *after* completing it, so possibly after `wait()` has returned here. While C++
+    holds a tensor that has a Python object, it holds a reference to that object too, and the
+    thread whose drop leaves Python the only holder gives it back under the GIL
+    (`intrusive_ptr::reset_` -> `TensorImpl::decref_pyobject`, torch 2.13); the thread that drops the
+    last reference of all frees the object, which inside (`THPVariable_clear`) hands the GIL over
+    and takes it once more. If the main thread reaches interpreter finalization first (a script's
+    last `step()`, `destroy_process_group()`, return), the worker's taking of the GIL ends the
+    thread (`pthread_exit`) and the forced unwind through the work's destructor (noexcept) aborts
+    the process: SIGABRT, "terminate called without an active exception", after a successful run.
+    `destroy_process_group()` does not prevent it: the default group outlives it whenever
+    `torch.distributed.nn` was first imported after `init_process_group` (its functions take
+    `group.WORLD` as a default argument; building any `torch.optim.Optimizer` imports it), so
+    gloo's threads are never joined.
+
+    So `release` waits until the worker is done with Python: C++ holds the alias no more (use count
+    one, the Python object's own) *and* has given back its reference to the Python object (the
+    object's reference count is this module's alone). The worker gives it back holding the GIL, so
+    once the main thread sees it, the worker has left Python. The alias is then freed here.
+    (Watching the aliases through weak references, as this did first, left about one run in a
+    hundred aborting on a loaded 2-core machine: a weak reference dies while the worker frees the
+    object, before it takes the GIL the second time. Reading the use count alone would leave the
+    moment between the worker's decrement and its taking of the GIL.)
 
     CUDA tensors are handed over as they are: NCCL's `wait()` only orders streams, and waiting for
     its watchdog to drop them would synchronize the host with the GPU."""
 
     def __init__(self) -> None:
-        self.aliases: list[weakref.ref[Tensor]] = []
+        self.aliases: list[Tensor] = []
 
     def __call__(self, t: Tensor) -> Tensor:
         if t.device.type != "cpu":
             return t
-        alias = t.detach()  # the same storage; a tensor object nothing else refers to
-        self.aliases.append(weakref.ref(alias))
+        alias = t.detach()  # the same storage; a tensor object that only this and the backend hold
+        self.aliases.append(alias)
         return alias
+
+    def held(self) -> bool:
+        """Whether the backend still holds an alias, or still has to give back its reference to one."""
+        return any(alias._use_count() > 1 or sys.getrefcount(alias) > _OWN_REFS for alias in self.aliases)
 
     def release(self, limit_s: float = RELEASE_LIMIT_S) -> bool:
         """After the collective completed and its work handle was dropped: wait until the backend
-        has dropped every alias (False: it still held one after `limit_s` seconds)."""
+        is done with every alias, then free them (False: it was not after `limit_s` seconds; they
+        are dropped all the same)."""
         pause, deadline = 1e-5, None
-        while any(ref() is not None for ref in self.aliases):
+        while held := self.held():
             now = time.monotonic()
             deadline = now + limit_s if deadline is None else deadline
             if now > deadline:
-                return False
-            time.sleep(pause)  # without the GIL: the worker may be waiting for it to drop the alias
+                break
+            time.sleep(pause)  # without the GIL: the worker takes it to give its reference back
             pause = min(2 * pause, 1e-3)
         self.aliases.clear()
-        return True
+        return not held
+
+
+def _own_refs() -> int:
+    """The reference count `Handoff.held` reads for an alias nothing else holds (its list, the
+    generator's name, getrefcount's argument), measured the same way on a tensor C++ never held."""
+    probe = Handoff()
+    probe.aliases.append(torch.empty(0))
+    return max(sys.getrefcount(alias) for alias in probe.aliases)
+
+
+_OWN_REFS = _own_refs()
 
 
 class PendingWork:
