@@ -228,6 +228,11 @@ class PlanSettings:
     balance_by: str = "seconds"  # or "elements", as the authors' code balances
 
 
+# The one definition of the planning defaults: the runtime, the simulator, the harness and the CLI
+# take theirs from here (tests/policy/test_registries.py checks every consumer).
+PLAN_DEFAULTS = PlanSettings()
+
+
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
@@ -241,10 +246,10 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
 
 
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
-              dp_policy: str = DEFAULT_DP_POLICY, tp_policy: str = DEFAULT_TP_POLICY,
-              alpha: float = 1.0, bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
-              capacity: Capacity | None = None, cost_model: CostModel | None = None,
-              balance_by: str = "seconds") -> Plan:
+              dp_policy: str = PLAN_DEFAULTS.dp_policy, tp_policy: str = PLAN_DEFAULTS.tp_policy,
+              alpha: float = PLAN_DEFAULTS.alpha, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
+              align: int = PLAN_DEFAULTS.align, capacity: Capacity | None = PLAN_DEFAULTS.capacity,
+              cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by) -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")

@@ -211,12 +211,12 @@ def plan_tp(tasks_by_rank: Sequence[Sequence[TPTask]], tp: int, policy: str,
     entry = tp_policy(policy)
     if tp < 1:
         raise SpecError(f"tp must be >= 1, got {tp}")
-    if not any(tasks_by_rank):  # nothing computed whole (an elementwise optimizer): no capacity
-        return TPPlan(policy, tp, None, tuple(() for _ in tasks_by_rank))
     if not entry.uses_capacity:
         return TPPlan(policy, tp, None, _build(entry, tasks_by_rank, tp, capacity))
     if capacity is not None:
         return TPPlan(policy, tp, capacity, _build(entry, tasks_by_rank, tp, capacity))
+    if not any(tasks_by_rank):  # nothing computed whole (an elementwise optimizer): none to search
+        return TPPlan(policy, tp, None, tuple(() for _ in tasks_by_rank))
     largest = default_capacity(tasks_by_rank)
     best: TPPlan | None = None
     for k in CAPACITY_STEPS:

@@ -20,18 +20,18 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
-from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY, MATRICES_PER_RANK
+from canzona.dp.policies import MATRICES_PER_RANK
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.harness import verify as checks
 from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
 from canzona.optimizers import MATRIX_REGISTRY
-from canzona.plan import MAX_DP, check_plan_matches, load_plan, make_plan
+from canzona.plan import MAX_DP, PLAN_DEFAULTS, check_plan_matches, load_plan, make_plan
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
-from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
+from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
     calibration_tables,
@@ -150,13 +150,13 @@ def plan(
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
     dp_policy: Annotated[str | None, typer.Option(
-        help=f"One of: {', '.join(DP_POLICIES)} (default: {DEFAULT_DP_POLICY}; zero1-even for adamw).")] = None,
-    tp_policy: TpPolicy = DEFAULT_TP_POLICY,
-    alpha: Alpha = 1.0,
-    bucket_size: BucketSize = None,
-    align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = DEFAULT_ALIGN,
+        help=f"One of: {', '.join(DP_POLICIES)} (default: {PLAN_DEFAULTS.dp_policy}; zero1-even for adamw).")] = None,
+    tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy,
+    alpha: Alpha = PLAN_DEFAULTS.alpha,
+    bucket_size: BucketSize = PLAN_DEFAULTS.bucket_size,
+    align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = PLAN_DEFAULTS.align,
     capacity: CapacityOpt = "auto",
-    balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = "seconds",
+    balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = PLAN_DEFAULTS.balance_by,
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
     cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
@@ -169,7 +169,7 @@ def plan(
         model_spec = resolve_spec(model, tp)
         cap = parse_capacity(capacity)
         # the DP plan the optimizer's default step policy runs (AdamW: ZeRO-1's even segments)
-        dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or DEFAULT_DP_POLICY
+        dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or PLAN_DEFAULTS.dp_policy
 
         costs = cost_model_for(hardware, cost_table)
 
@@ -186,11 +186,12 @@ def plan(
         if chosen.elementwise:
             # the DP plans the step policies running it execute: no matrix is computed whole, so
             # the whole-matrix policies and the TP schedule do not apply
-            variants = [(name, "seconds") for name in _dp_policies_running(optimizer)]
+            variants = [(name, PLAN_DEFAULTS.balance_by) for name in _dp_policies_running(optimizer)]
         else:
             # every DP policy, plus the paper's policy balanced by elements as the authors' code does
-            variants = [(name, "seconds") for name in DP_POLICIES]
-            variants.insert(variants.index((DEFAULT_DP_POLICY, "seconds")) + 1, (DEFAULT_DP_POLICY, "elements"))
+            variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
+            default = (PLAN_DEFAULTS.dp_policy, PLAN_DEFAULTS.balance_by)
+            variants.insert(variants.index(default) + 1, (PLAN_DEFAULTS.dp_policy, "elements"))
         if (dp_policy, balance_by) not in variants:
             variants.append((dp_policy, balance_by))
         dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
@@ -254,7 +255,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
 
     _check_dp_policy_applies([policy or default_policy(optimizer)], dp_policy)
     return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
-                     dp_policy=dp_policy or DEFAULT_DP_POLICY,
+                     dp_policy=dp_policy or PLAN_DEFAULTS.dp_policy,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
@@ -313,7 +314,7 @@ ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scat
 def simulate(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
     policy: Annotated[str | None, typer.Option(help=f"{POLICY_HELP} (default: canzona; zero1 for adamw).")] = None,
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy, alpha: Alpha = PLAN_DEFAULTS.alpha,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
@@ -355,7 +356,7 @@ def simulate(
 @app.command()
 def compare(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = DEFAULT_TP_POLICY, alpha: Alpha = 1.0,
+    dp_policy: DpPolicy = None, tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy, alpha: Alpha = PLAN_DEFAULTS.alpha,
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
@@ -418,11 +419,11 @@ def verify(
     preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied, tiny-tp4 or small (TP 4: tiny-tp4, small).")] = "tiny",
     global_batch: Annotated[int | None, typer.Option(
         help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
-    alpha: Alpha = 1.0,
+    alpha: Alpha = PLAN_DEFAULTS.alpha,
     bucket_size: BucketSize = None,
     tp: Annotated[int, typer.Option(help=f"Tensor-parallel size: dp x tp ranks are spawned (at most {checks.MAX_RANKS}).")] = 1,
     tp_policy: Annotated[str, typer.Option(
-        help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = DEFAULT_TP_POLICY,
+        help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = PLAN_DEFAULTS.tp_policy,
     tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = STEP_DEFAULTS.tp_mode,
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
@@ -438,7 +439,7 @@ def verify(
         optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
         chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
         _check_dp_policy_applies(chosen, dp_policy)
-        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or DEFAULT_DP_POLICY, accumulation, preset,
+        cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style)
     except CanzonaError as e:

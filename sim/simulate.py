@@ -14,7 +14,6 @@ from typing import Any
 
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
-from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
@@ -22,12 +21,12 @@ from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
-from canzona.plan import Plan, PlanSettings, plan_for
+from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running, policy_optimizer
 from canzona.step_schedule import check_tp_mode
-from canzona.tp import DEFAULT_TP_POLICY, Capacity
+from canzona.tp import Capacity
 from sim.engine import Engine, Span
 from sim.iteration import Context, EarlyStart, forward_backward, optimizer_step
 from sim.model_work import micro_batch_work
@@ -58,12 +57,14 @@ class SimConfig:
     tp: int = 8
     optimizer: str = "muon"
     policy: str | None = None  # None: the optimizer's default (canzona; zero1 for adamw)
-    dp_policy: str = DEFAULT_DP_POLICY
-    tp_policy: str = DEFAULT_TP_POLICY
+    dp_policy: str = PLAN_DEFAULTS.dp_policy
+    tp_policy: str = PLAN_DEFAULTS.tp_policy
     tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial": the order of the micro-groups' operations
-    alpha: float = 1.0
-    bucket_size: int | None = None
-    capacity: Capacity | None = None
+    alpha: float = PLAN_DEFAULTS.alpha
+    bucket_size: int | None = PLAN_DEFAULTS.bucket_size
+    capacity: Capacity | None = PLAN_DEFAULTS.capacity
+    align: int = PLAN_DEFAULTS.align
+    balance_by: str = PLAN_DEFAULTS.balance_by
     hardware: str = DEFAULT_PROFILE
     workload: Workload = field(default_factory=Workload)
     options: RunOptions = field(default_factory=RunOptions)
@@ -78,7 +79,8 @@ class SimConfig:
     def settings(self) -> PlanSettings:
         """The planning settings of this configuration."""
         return PlanSettings(dp_policy=self.dp_policy, tp_policy=self.tp_policy, alpha=self.alpha,
-                            bucket_size=self.bucket_size, capacity=self.capacity)
+                            bucket_size=self.bucket_size, align=self.align, capacity=self.capacity,
+                            balance_by=self.balance_by)
 
     def check(self, model: tuple[ModelSpec, Architecture] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""

@@ -30,16 +30,14 @@ import torch
 from torch import Tensor
 
 from canzona.dp.layout import ceil_to, even_cuts
-from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict, matrix_optimizer
-from canzona.plan import Plan
+from canzona.plan import PLAN_DEFAULTS, Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import default_policy
-from canzona.tp import DEFAULT_TP_POLICY
 
 TP_STYLES: tuple[str, ...] = ("megatron", "dtensor")  # how distributed_worker splits the model over TP
 
@@ -50,9 +48,9 @@ class TrainSpec:
     data_seed: int = 1
     optimizer: str = "muon"
     policy: str | None = None  # None: the optimizer's default (canzona; zero1 for adamw)
-    dp_policy: str = DEFAULT_DP_POLICY
-    alpha: float = 1.0
-    bucket_size: int | None = None
+    dp_policy: str = PLAN_DEFAULTS.dp_policy
+    alpha: float = PLAN_DEFAULTS.alpha
+    bucket_size: int | None = PLAN_DEFAULTS.bucket_size
     steps: int = 4
     global_batch: int = 8
     seq_len: int = 16
@@ -64,7 +62,7 @@ class TrainSpec:
     master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
-    tp_policy: str = DEFAULT_TP_POLICY  # the canzona policy's TP scheduler (the baselines run tp-sync)
+    tp_policy: str = PLAN_DEFAULTS.tp_policy  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
     # DP gradient reduce-scatter (canzona.reductions): "exact", the verification mode, unlike the
@@ -412,7 +410,7 @@ def clip_(grads: Iterable[Tensor], max_norm: float) -> float:
     return norm
 
 
-def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[str], align: int = DEFAULT_ALIGN) -> float:
+def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[str], align: int = PLAN_DEFAULTS.align) -> float:
     """The global 2-norm of global gradients as the runtime takes it, to the last bit: laid out as
     its buffers (the plan's buckets, the AdamW buffer padded to a multiple of `align x dp`), each
     DP rank's segments (its part of every bucket, its slice of the AdamW buffer) summed in order in

@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from canzona.dp.policies import DEFAULT_DP_POLICY
 from canzona.errors import SpecError
 from canzona.optimizers import OPTIMIZERS as REGISTERED
-from canzona.plan import Plan, PlanSettings, plan_for
+from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, plan_for
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, get_step_policy, policies_running
 from canzona.step_schedule import TP_MODES
-from canzona.tp import DEFAULT_TP_POLICY, TP_POLICIES
+from canzona.tp import TP_POLICIES
 
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = REGISTERED
@@ -84,10 +84,11 @@ def _positive(name: str, value: int) -> None:
 
 
 def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: int = 10,
-            dp_policy: str = DEFAULT_DP_POLICY, accumulation: int = 1, preset: str = "tiny",
-            global_batch: int | None = None, tp: int = 1, alpha: float = 1.0,
-            bucket_size: int | None = None, seq_len: int = 16, tp_policy: str = DEFAULT_TP_POLICY,
-            tp_mode: str = "pipelined", tp_style: str = "megatron") -> list[VerifyCase]:
+            dp_policy: str = PLAN_DEFAULTS.dp_policy, accumulation: int = 1, preset: str = "tiny",
+            global_batch: int | None = None, tp: int = 1, alpha: float = PLAN_DEFAULTS.alpha,
+            bucket_size: int | None = PLAN_DEFAULTS.bucket_size, seq_len: int = 16,
+            tp_policy: str = PLAN_DEFAULTS.tp_policy, tp_mode: str = STEP_DEFAULTS.tp_mode,
+            tp_style: str = "megatron") -> list[VerifyCase]:
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
     `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`
     (`policy="all"`: every policy that runs the optimizer; None: its default). The baselines run
@@ -145,7 +146,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
             step.check_optimizer(opt)
             # the baselines run tp-sync; at TP = 1 the TP choices change nothing
             if tp == 1:
-                schedulers, modes = [DEFAULT_TP_POLICY], ["pipelined"]
+                schedulers, modes = [PLAN_DEFAULTS.tp_policy], [STEP_DEFAULTS.tp_mode]
             else:
                 schedulers, modes = [step.tp_policy] if step.tp_policy else tp_policies, tp_modes
             for scheduler in schedulers:
@@ -209,7 +210,8 @@ def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
 def _baseline_key(spec) -> str:
     """At TP = 1, emulation and reference runs do not depend on the policy fields: share them across
     policies. (Under TP they are fed each run's own recorded gradients.)"""
-    neutral = replace(spec, policy="canzona", dp_policy=DEFAULT_DP_POLICY, alpha=1.0, bucket_size=None)
+    neutral = replace(spec, policy="canzona", dp_policy=PLAN_DEFAULTS.dp_policy, alpha=PLAN_DEFAULTS.alpha,
+                      bucket_size=PLAN_DEFAULTS.bucket_size)
     return json.dumps(asdict(neutral), sort_keys=True, default=str)
 
 

@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan
-from canzona.dp.policies import DEFAULT_ALIGN, DEFAULT_DP_POLICY
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fileio import is_finite_number
 from canzona.optimizers import (
@@ -44,7 +43,7 @@ from canzona.optimizers import (
     default_config,
     matrix_optimizer,
 )
-from canzona.plan import Plan, PlanSettings, check_plan_matches, load_plan, plan_for
+from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, check_plan_matches, load_plan, plan_for
 from canzona.reductions import check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
@@ -75,7 +74,7 @@ from canzona.step_policies import (
     get_step_policy,
 )
 from canzona.step_schedule import TPSchedule, check_tp_mode, tp_schedule
-from canzona.tp import DEFAULT_TP_POLICY
+from canzona.tp import Capacity
 
 log = logging.getLogger("canzona")
 
@@ -99,6 +98,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `adamw_config` are the defaults of every group. `spec` describes the *global* model; under TP
     the parameters are this rank's shards (plain tensors, Megatron-annotated ones, or DTensors from
     `parallelize_module`, `canzona.runtime.shards`).
+
+    Planning (without a `plan`): `dp_policy`, `tp_policy`, `alpha`, `bucket_size`, `align`,
+    `capacity` and `balance_by` are `canzona.plan.PlanSettings`'s, with its defaults
+    (`PLAN_DEFAULTS`), as `canzona plan` and `canzona simulate` take them; a step policy with its
+    own DP or TP policy (the baselines) overrides those two.
 
     `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
     after the axes, `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when
@@ -162,16 +166,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         adamw_config: AdamWConfig | Mapping | None = None,
         plan: Plan | str | Path | None = None,
         policy: str | None = None,
-        dp_policy: str = DEFAULT_DP_POLICY,
-        alpha: float = 1.0,
-        bucket_size: int | None = None,
+        dp_policy: str = PLAN_DEFAULTS.dp_policy,
+        alpha: float = PLAN_DEFAULTS.alpha,
+        bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
         group: dist.ProcessGroup | DeviceMesh | None = None,
         timeout_s: float = 120.0,
-        align: int = DEFAULT_ALIGN,
+        align: int = PLAN_DEFAULTS.align,
         cost_model: CostModel | None = None,
         master_weights: bool = True,
         tp_group: dist.ProcessGroup | None = None,
-        tp_policy: str = DEFAULT_TP_POLICY,
+        tp_policy: str = PLAN_DEFAULTS.tp_policy,
         tp_mode: str = STEP_DEFAULTS.tp_mode,
         reduce_scatter: str = STEP_DEFAULTS.reduce_scatter,
         max_grad_norm: float | None = STEP_DEFAULTS.max_grad_norm,
@@ -181,6 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         batch_kernels: bool = STEP_DEFAULTS.batch_kernels,
         compile_kernels: bool = STEP_DEFAULTS.compile_kernels,
         overlap_step: bool = STEP_DEFAULTS.overlap_step,
+        capacity: Capacity | None = PLAN_DEFAULTS.capacity,
+        balance_by: str = PLAN_DEFAULTS.balance_by,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -229,7 +235,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
-        self.plan = self._resolve_plan(plan, dp_policy, tp_policy, alpha, bucket_size, align, cost_model)
+        settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
+                                align=align, capacity=capacity, balance_by=balance_by)
+        self.plan = self._resolve_plan(plan, settings, cost_model)
         self._check_agreement(param_groups)
 
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
@@ -323,11 +331,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
         return params
 
-    def _resolve_plan(self, plan: Plan | str | Path | None, dp_policy: str, tp_policy: str, alpha: float,
-                      bucket_size: int | None, align: int, cost_model: CostModel | None) -> Plan:
+    def _resolve_plan(self, plan: Plan | str | Path | None, settings: PlanSettings,
+                      cost_model: CostModel | None) -> Plan:
         if plan is None:
-            settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
-                                    align=align)
             plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)

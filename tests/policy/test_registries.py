@@ -59,10 +59,40 @@ def test_step_policies_are_keyword_only_entries():
     assert canzona.can_overlap_step and not any(p.can_overlap_step for n, p in STEP_POLICIES.items() if n != "canzona")
 
 
-def test_plan_settings_defaults_are_make_plans():
-    defaults = {k: v.default for k, v in inspect.signature(make_plan).parameters.items()}
+def test_every_planning_setting_has_one_default_wherever_it_appears():
+    """`canzona.plan.PLAN_DEFAULTS` is the one definition: `make_plan`, the runtime, the simulator,
+    the harness and the CLI take its defaults; the runtime and the simulator take every setting
+    (what is simulated can be deployed). The CLI's None DP policy means the optimizer's default
+    (zero1-even for AdamW) and its `auto` capacity is the searched one (None)."""
+    from canzona.harness.training import TrainSpec
+    from canzona.harness.verify import prepare
+    from canzona.plan import PLAN_DEFAULTS
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from cli import main as cli
+    from sim.simulate import SimConfig
+
+    def defaults(obj) -> dict:
+        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
+            return {f.name: f.default for f in fields(obj)}
+        return {k: p.default for k, p in inspect.signature(obj).parameters.items()}
+
+    consumers = {"make_plan": defaults(make_plan), "DistributedOptimizer": defaults(DistributedOptimizer),
+                 "SimConfig": defaults(SimConfig), "TrainSpec": defaults(TrainSpec),
+                 "canzona.harness.verify.prepare": defaults(prepare), "canzona plan": defaults(cli.plan),
+                 "canzona simulate": defaults(cli.simulate), "canzona compare": defaults(cli.compare),
+                 "canzona verify": defaults(cli.verify)}
+    cli_names = ("canzona plan", "canzona simulate", "canzona compare", "canzona verify")
+    exceptions = {**{(c, "dp_policy"): None for c in cli_names}, **{(c, "capacity"): "auto" for c in cli_names}}
     for f in fields(PlanSettings):
-        assert getattr(PlanSettings(), f.name) == defaults[f.name], f.name
+        want = getattr(PLAN_DEFAULTS, f.name)
+        assert want == f.default, f.name
+        for name in ("make_plan", "DistributedOptimizer", "SimConfig"):
+            assert f.name in consumers[name], (name, f.name)
+        for name, d in consumers.items():
+            if f.name in d:
+                assert d[f.name] == exceptions.get((name, f.name), want), (name, f.name)
+    assert SimConfig(align=128, balance_by="elements").settings == \
+        PlanSettings(align=128, balance_by="elements")
 
 
 def test_plan_for_gives_each_policy_its_own_plan():
