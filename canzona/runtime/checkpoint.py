@@ -42,6 +42,7 @@ from torch import Tensor
 from canzona.errors import CanzonaError, PlanError
 from canzona.optimizers import check_config
 from canzona.runtime.kernels import adamw_state, initial_state
+from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.tp import EVERY_RANK
 
@@ -56,9 +57,11 @@ if TYPE_CHECKING:
 
 class Checkpointable(Protocol):
     """What this module reads and writes of an optimizer, all of it public: `DistributedOptimizer`
-    is one (this module never imports it). Layout: the model, plan, policy, schedule and this
-    rank's place in it; state: the containers it fills on load, the dtype it is kept in; and the
-    mesh whose dp and tp communicators a layout-independent `state_dict()` gathers over."""
+    is one (this module never imports it). Layout: the model, plan, policy and schedule, and the
+    mesh: this rank's place (its dp and tp ranks and sizes) and the communicators a
+    layout-independent `state_dict()` gathers over; state: the containers it fills on load, the
+    dtype it is kept in. `tests/runtime/test_runtime_checkpoint.py` saves, loads and shards through
+    an object that offers nothing else."""
 
     spec: ModelSpec
     plan: Plan
@@ -67,9 +70,6 @@ class Checkpointable(Protocol):
     optimizer: str  # the matrix optimizer's name
     matrix_cfg: Any
     adamw_cfg: Any
-    rank: int  # DP rank
-    tp: int
-    tp_rank: int
     params: dict[str, Tensor]  # this rank's local parameters, by name
     param_groups: list[dict[str, Any]]
     hosted: list[str]  # matrices whose full update and state this rank computes
@@ -78,7 +78,7 @@ class Checkpointable(Protocol):
     adamw_state: dict[str, dict]
     master: dict[str, Tensor]  # fp32 masters by name (empty without master weights)
     master_weights: bool
-    mesh: Mesh  # one communicator per named axis (a state dict gathers over dp, then tp)
+    mesh: Mesh  # this rank's place (dp and tp ranks and sizes); a state dict gathers over dp, then tp
 
     def adamw_parts(self) -> Iterator[Piece]: ...
 
@@ -108,24 +108,24 @@ def _saved_here(opt: Checkpointable) -> tuple[set[str], set[str]]:
     if not opt.policy.replicated:
         dpp = opt.plan.dp_plan
         first = {p.name: min(dpp.computing_ranks(b, p)) for b in dpp.buckets for p in b.params}
-    mine = {t.name for t in opt.schedule.tasks() if first.get(t.name, 0) == opt.rank}
+    mine = {t.name for t in opt.schedule.tasks() if first.get(t.name, 0) == opt.mesh.rank(DP)}
     hosts = {t.name: 0 if t.host == EVERY_RANK else t.host for t in opt.schedule.tasks()}
-    state = {n for n in mine if n in opt.matrix_state and hosts[n] == opt.tp_rank}
+    state = {n for n in mine if n in opt.matrix_state and hosts[n] == opt.mesh.rank(TP)}
     return state, {n for n in mine if n in opt.master}
 
 
 def _tp_dim(opt: Checkpointable, name: str) -> int | None:
-    return opt.spec.param(name).tp_dim if opt.tp > 1 else None
+    return opt.spec.param(name).tp_dim if opt.mesh.size(TP) > 1 else None
 
 
 def _adamw_pieces(opt: Checkpointable) -> Iterator[tuple[str, int, dict[str, Any]]]:
     """(name, offset within the local tensor, state with master) of the AdamW slices this rank
     saves: under a replicated policy DP rank 0's; a TP-replicated parameter's from TP rank 0."""
-    if opt.policy.replicated and opt.rank != 0:
+    if opt.policy.replicated and opt.mesh.rank(DP) != 0:
         return
     for piece in opt.adamw_parts():
         name = piece.name
-        if name in opt.adamw_state and (opt.tp_rank == 0 or _tp_dim(opt, name) is not None):
+        if name in opt.adamw_state and (opt.mesh.rank(TP) == 0 or _tp_dim(opt, name) is not None):
             yield name, piece.offset, _with_master(opt, name, opt.adamw_state[name])
 
 
@@ -300,13 +300,13 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
                 opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
         for name in opt.applies:
             if name in masters:
-                shard = shard_of(masters[name], _tp_dim(opt, name), opt.tp, opt.tp_rank)
+                shard = shard_of(masters[name], _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
                 opt.master[name] = shard.float().contiguous().to(device)
 
 
 def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:
     """This rank's piece of a full tensor: its TP shard, flattened, `[offset, offset + length)`."""
-    shard = shard_of(full.reshape(opt.spec.param(name).shape), _tp_dim(opt, name), opt.tp, opt.tp_rank)
+    shard = shard_of(full.reshape(opt.spec.param(name).shape), _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
     return shard.reshape(-1)[offset:offset + length]
 
 
@@ -409,10 +409,10 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
             for key, value in state.items():
                 out[f"{prefix}/matrix/{name}/{key}"] = value
     for name in sorted(masters):
-        out[_piece_key(prefix, "matrix", name, "master", opt.tp_rank, opt.tp, 0)] = opt.master[name]
+        out[_piece_key(prefix, "matrix", name, "master", opt.mesh.rank(TP), opt.mesh.size(TP), 0)] = opt.master[name]
     for name, off, state in _adamw_pieces(opt):
         for key, value in state.items():
-            out[_piece_key(prefix, "adamw", name, key, opt.tp_rank, opt.tp, off)] = value
+            out[_piece_key(prefix, "adamw", name, key, opt.mesh.rank(TP), opt.mesh.size(TP), off)] = value
     return out
 
 
@@ -452,9 +452,9 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = _local_ranges(opt)
     for name, (lo, hi) in needs.items():
         # a TP-replicated parameter's pieces were written by TP rank 0 only
-        source = opt.tp_rank if _tp_dim(opt, name) is not None else 0
+        source = opt.mesh.rank(TP) if _tp_dim(opt, name) is not None else 0
         for _field, t, tp, offset, key in pieces.get(name, []):
-            if tp != opt.tp or (t == source and _overlaps(entries[key], offset, lo, hi)):
+            if tp != opt.mesh.size(TP) or (t == source and _overlaps(entries[key], offset, lo, hi)):
                 wanted[key] = placeholder(key)
     dcp.load(wanted, storage_reader=reader)
 

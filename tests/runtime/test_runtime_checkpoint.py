@@ -277,3 +277,57 @@ def test_each_rank_writes_only_what_it_owns(sharded_runs, tmp_path_factory):
     owned = [set(out["owned"]) for out in saved]
     assert len(files) == 2 and sorted(map(frozenset, files.values()), key=len) == sorted(map(frozenset, owned), key=len)
     assert not set.intersection(*files.values())  # no matrix state written twice
+
+
+# --- what the checkpoint module reads of the optimizer -----------------------------------------
+
+
+def _only_the_view_worker(rank: int, world: int) -> bool:
+    """Save, load and shard the state of a DP x TP optimizer through an object that offers only
+    `checkpoint.Checkpointable`'s members (anything else read or written raises): the same results
+    as through the optimizer itself."""
+    from canzona.runtime import DistributedOptimizer, checkpoint
+
+    allowed = set(checkpoint.Checkpointable.__annotations__) | {
+        name for name in vars(checkpoint.Checkpointable) if not name.startswith("_")}
+
+    class OnlyTheView:
+        def __init__(self, opt):
+            object.__setattr__(self, "_opt", opt)
+
+        def __getattr__(self, name):
+            if name not in allowed:
+                raise AttributeError(f"the checkpoint read {name!r}, outside its view")
+            return getattr(object.__getattribute__(self, "_opt"), name)
+
+        def __setattr__(self, name, value):
+            if name not in allowed:
+                raise AttributeError(f"the checkpoint wrote {name!r}, outside its view")
+            setattr(object.__getattribute__(self, "_opt"), name, value)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from reference.tiny_model_tp import TinyQwen3TP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TinyQwen3TP("tiny", mesh.get_group("tp"))
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), group=mesh, matrix_config={"ns_steps": 1})
+    tokens = torch.randint(0, model.cfg.vocab, (2, 2, 8), generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
+    for step in range(2):
+        opt.zero_grad()
+        model.loss(tokens[step]).backward()
+        opt.step()
+    opt.wait_params()
+    view = OnlyTheView(opt)
+    full = checkpoint.gather_state(view)
+    nested_equal(full, opt.state_dict())
+    checkpoint.load_state(view, full)
+    nested_equal(checkpoint.gather_state(view), full)
+    shards, mine = checkpoint.sharded_state(view), opt.sharded_state_dict()
+    assert shards.keys() == mine.keys()
+    nested_equal(shards, mine, "sharded state")
+    return True
+
+
+def test_the_checkpoint_reads_only_its_public_view():
+    assert run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S) == [True] * 4
