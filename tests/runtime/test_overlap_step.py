@@ -156,6 +156,28 @@ def nan_skip_job(rank: int, world: int, overlap: bool) -> dict:
             "overlapped_steps": opt.overlapped_steps}
 
 
+def mid_step_checkpoint_job(rank: int, world: int, overlap: bool) -> dict:
+    """A checkpoint taken between the step check and `step()` (after `clip_grad_norm_`, which
+    reduces the gradients: an overlapped step's updates are computed then, not applied) holds the
+    state before the step; one loaded there drops the early updates, and the step runs from the
+    loaded state."""
+    model = build_model(BASE)
+    opt = _optimizer(model, overlap, matrix_config=CONFIGS["muon"])
+    saved, shards = None, None
+    for k, tokens in enumerate(_tokens(rank, world)):
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.clip_grad_norm_(1e6)  # scales nothing: the early updates stand
+        if k == 1:  # cloned: a sharded state dict holds the live tensors, as torch.distributed.checkpoint reads them
+            saved = opt.state_dict()
+            shards = {key: v.clone() for key, v in opt.sharded_state_dict().items() if isinstance(v, torch.Tensor)}
+        if k == 2:
+            opt.load_state_dict(saved)
+        opt.step()
+    return {"params": weights(model), "state": opt.state_dict(), "saved": saved, "shards": shards,
+            "log": opt.comm.log.to_dicts(), "overlapped_steps": opt.overlapped_steps}
+
+
 class _Branches(torch.nn.Module):
     """Three matrices; `b` takes part only when asked (a step where it gets no gradient anywhere)."""
 
@@ -204,6 +226,7 @@ JOBS = {
     ("lr changed", "muon"): ("optimizer_job", ("muon", math.inf, True)),
     ("nan skipped", "muon"): ("nan_skip_job", ()),
     ("unused matrix", "muon"): ("unused_matrix_job", ()),
+    ("checkpoint mid-step", "muon"): ("mid_step_checkpoint_job", ()),
     ("tp", "muon"): ("tp_job", (None,)),
     ("tp clipped", "muon"): ("tp_job", (0.05,)),
 }
@@ -239,8 +262,9 @@ def test_bit_for_bit_the_plain_step(runs, key):
             if field in plain:
                 assert overlapped[field] == plain[field], (key, field)
         assert _records(overlapped["log"]) == _records(plain["log"]), key  # the DP log: the same collectives
-        if "state" in plain:
-            assert _state_equal(overlapped["state"], plain["state"]), key
+        for field in ("state", "saved", "shards"):
+            if field in plain:
+                assert _state_equal(overlapped[field], plain[field]), (key, field)
         if key[0].startswith("tp"):
             early = _tp_step(overlapped, 1)
             check = early.index("tp step check")
@@ -261,7 +285,7 @@ def _tp_step(result: dict, step: int) -> list[str]:
 
 # steps whose early updates were committed (the rest dropped them and ran the plain step)
 COMMITTED = {"plain": 3, "clipped": 0, "not clipped": 3, "lr changed": 0, "nan skipped": 2, "unused matrix": 3,
-             "tp": 3, "tp clipped": 0}
+             "checkpoint mid-step": 2, "tp": 3, "tp clipped": 0}
 
 
 @pytest.mark.distributed
