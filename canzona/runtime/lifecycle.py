@@ -10,7 +10,8 @@ blocked in C (a collective), where Python never runs a signal handler:
     from canzona.runtime.lifecycle import exit_with_launcher
     exit_with_launcher()        # first thing in a torchrun script
 
-`canzona.harness.launch` uses the same watch for the ranks it spawns (`watch_parent`).
+`canzona.harness.worker` uses the same watch in the ranks that `canzona.harness.launch` starts
+(`watch_parent`).
 """
 
 from __future__ import annotations

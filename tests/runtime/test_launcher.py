@@ -5,9 +5,13 @@
 - a rank interrupted by SIGINT exits instead of staying alive;
 - a stopped rank neither hangs the parent nor takes the blame away from itself: the error names
   it, not the peer whose collective timed out;
-- a rank that recorded its result and then exits non-zero (an abort while tearing down) does not
-  stop peers that are still finishing, nor does a rank finishing between two of the parent's looks;
-- rank 0's `report_progress` calls reach the parent's `progress` callback.
+- a rank that saved its result and then exits non-zero (an abort while tearing down) neither stops
+  peers that are still finishing nor fails the run, a rank finishing between two of the parent's
+  looks is not taken for one that exited early, and a rank ends once its result is taken, whatever
+  it leaves running;
+- rank 0's `report_progress` calls reach the parent's `progress` callback;
+- a rank's exception reaches the parent through its error file (as torch's `record` writes it): one
+  line naming the rank and the error, and the rank's traceback.
 
 Rank functions are module-level, so that spawned ranks can import them (also from the driver
 scripts, which put this directory on sys.path). Each test marks its processes with an environment
@@ -16,12 +20,13 @@ variable, to find any that outlive it and kill only those.
 
 from __future__ import annotations
 
-import atexit
 import json
+import multiprocessing.util
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from canzona.errors import CanzonaError
 from canzona.harness import launch
 from canzona.harness.launch import RankError, report_progress, run_ranks
+from canzona.harness.worker import result_path
 
 pytestmark = pytest.mark.distributed
 
@@ -97,6 +103,18 @@ def interrupted_worker(rank: int, world: int, piddir: str) -> None:
         _blocked_all_reduce(BLOCK_S)
 
 
+def thread_leaving_worker(rank: int, world: int) -> int:
+    """Returns with a thread still running, which a process would wait for as it exits."""
+    threading.Thread(target=time.sleep, args=(BLOCK_S,), daemon=False).start()
+    return rank
+
+
+def multiline_error_worker(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("the first line\nand more")
+    return rank
+
+
 def progress_worker(rank: int, world: int, pause: float) -> int:
     for step in range(1, 4):
         time.sleep(pause)
@@ -109,7 +127,9 @@ def aborting_at_exit_worker(rank: int, world: int, linger: float) -> int:
     exits (as gloo's teardown once did), rank 0 still works for `linger` seconds."""
     dist.all_reduce(torch.ones(1))
     if rank == 1:
-        atexit.register(os._exit, 134)  # after the record and the group's teardown
+        # after the result is handed over, as the process ends (a rank forked from the fork server
+        # ends with os._exit: `atexit` handlers never run there, multiprocessing's finalizers do)
+        multiprocessing.util.Finalize(None, os._exit, args=(134,), exitpriority=0)
     else:
         time.sleep(linger)
     return rank
@@ -267,8 +287,8 @@ def test_ranks_and_run_directory_do_not_outlive_a_killed_parent(driver, worker, 
     d = driver(worker)
     pids = d.rank_pids()
     if worker == "raising_worker":
-        _wait_for(lambda: list(d.tmpdir.glob(f"{launch.RUN_DIR_PREFIX}*/rank1.failed")), 30,
-                  "rank 1 did not record its failure")
+        _wait_for(lambda: list(d.tmpdir.glob(f"{launch.RUN_DIR_PREFIX}*/**/error.json")), 30,
+                  "rank 1 did not write its error file")
     time.sleep(0.5)  # rank 0 is inside its collective by now
     assert [p.name.split("-")[2] for p in _run_dirs(d.tmpdir)] == [str(d.proc.pid)]
     os.kill(d.proc.pid, sig)
@@ -360,20 +380,19 @@ def test_blame_prefers_the_cause_over_its_victims():
 
 
 class _FinishingRank:
-    """A rank that writes its record and exits just as the supervisor looks at it: its exit code,
-    once read, is 0 and its record is there (the order a real rank does it in)."""
+    """A rank that saves its result and exits just as the watch looks at it: its exit code, once
+    read, is 0 and its result is there (the order a real rank does it in)."""
 
-    def __init__(self, record: Path):
-        self.record, self.pid = record, None
-        self.sentinel = os.open(os.devnull, os.O_RDONLY)  # always ready: wait() returns at once
+    def __init__(self, result: Path):
+        self.result, self.pid = result, None
         self._reads = 0
 
     @property
     def exitcode(self) -> int | None:
         self._reads += 1
-        if self._reads < 2:  # alive at the supervisor's first look, finished by its second
+        if self._reads < 2:  # alive at the watch's first look, finished by its second
             return None
-        self.record.write_bytes(b"result")
+        self.result.write_bytes(b"result")
         return 0
 
 
@@ -381,22 +400,27 @@ def test_a_rank_finishing_between_two_looks_is_not_taken_for_one_that_exited_ear
     """CI once reported 'rank(s) [1] were stopped without a result' for a run where every rank
     succeeded: rank 0 wrote its record and exited between the supervisor's look at the records and
     its look at the exit codes, and seemed to have exited without one, so rank 1 was stopped."""
-    finishing = _FinishingRank(tmp_path / "rank0.pt")
-    read_end, write_end = os.pipe()  # never written: a rank that stays alive
-    running = SimpleNamespace(exitcode=None, pid=None, sentinel=read_end)
-    try:
-        ending = launch._supervise([finishing, running], tmp_path, deadline_s=0.5, collective_timeout_s=1.0,
-                                   progress=None)
-    finally:
-        for fd in (finishing.sentinel, read_end, write_end):
-            os.close(fd)
-    assert ending == "deadline"  # not "exited": rank 0 finished properly, rank 1 is merely slow
+    finishing = _FinishingRank(result_path(tmp_path, 0))
+    running = SimpleNamespace(exitcode=None, pid=None)  # a rank that stays alive
+    error_files = {r: str(tmp_path / f"error{r}.json") for r in range(2)}  # none written
+    watch = launch._Watch(tmp_path, 2, deadline_s=0.5, collective_timeout_s=1.0, progress=None)
+    while not watch.ended([finishing, running], error_files):
+        time.sleep(launch.MONITOR_S)
+    assert watch.ending == "deadline"  # not "exited": rank 0 finished properly, rank 1 is merely slow
 
 
 def test_a_rank_that_aborts_after_recording_its_result_does_not_stop_its_peers(marker):
     """CI once reported 'rank(s) [0] were stopped without a result': rank 1 recorded its result and
-    then exited non-zero while tearing down, and rank 0, still finishing, was stopped."""
+    then exited non-zero while tearing down, and rank 0, still finishing, was stopped. (The elastic
+    agent holds a rank until every rank has returned; then it takes a non-zero exit for a failure.)"""
     assert run_ranks(aborting_at_exit_worker, 2, 2.0, deadline_s=120, collective_timeout_s=30) == [0, 1]
+    assert not _marked(marker)
+
+
+def test_a_rank_ends_once_its_result_is_taken_whatever_it_leaves_running(marker):
+    start = time.monotonic()
+    assert run_ranks(thread_leaving_worker, 2, deadline_s=120, collective_timeout_s=30) == [0, 1]
+    assert time.monotonic() - start < BLOCK_S / 2  # not held until the thread ends (or the deadline)
     assert not _marked(marker)
 
 
@@ -412,4 +436,17 @@ def test_rank_0_progress_reaches_the_callback(marker):
     assert results == [0, 1]
     assert seen == [(s, 3, f"step {s} on rank 0") for s in (1, 2, 3)]
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    assert not _marked(marker)
+
+
+# --- tests: errors -------------------------------------------------------------------------------
+
+
+def test_a_ranks_exception_reaches_the_parent_through_its_error_file(marker):
+    with pytest.raises(RankError) as info:
+        run_ranks(multiline_error_worker, 2, deadline_s=120, collective_timeout_s=30)
+    assert info.value.rank == 1
+    assert str(info.value) == "rank 1: ValueError: the first line"
+    assert "in multiline_error_worker" in info.value.trace
+    assert info.value.trace.rstrip().endswith("ValueError: the first line\nand more")
     assert not _marked(marker)
