@@ -34,8 +34,10 @@ What the elastic launcher lacks is kept here and in `canzona.harness.worker`:
 - Nothing outlives the caller. Each rank watches its launcher and exits, removing the run directory,
   when it is gone, even while blocked in a collective (the agent has no such watch: torch turns its
   death into a SIGINT, which a rank blocked in a collective never acts upon); directories left by
-  callers killed outright are swept at the next run. The agent installs its SIGTERM handler for good: the caller's comes back
-  after the run, and a SIGTERM that stopped the run is passed on to it once the run is cleaned up.
+  callers killed outright are swept at the next run. The agent installs its SIGTERM handler for
+  good: the caller's comes back after the run, and a SIGTERM that stopped the run is passed on to
+  it once the run is cleaned up (the agent stops the run even where the caller ignores SIGTERM:
+  `run_ranks` then raises).
 """
 
 from __future__ import annotations
