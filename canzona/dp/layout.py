@@ -202,24 +202,7 @@ class DPPlan:
                     loads[r] += p.cost * (end - start) / p.numel
                     state[r] += p.state_bytes * (end - start) // p.numel
         total = sum(p.cost for p in self.placements())
-        makespan = max(loads) if loads else 0.0
-        mean = sum(loads) / d
-        lb = total / d
-        return DPMetrics(
-            rank_loads=tuple(loads),
-            total=total,
-            makespan=makespan,
-            mean=mean,
-            imbalance=makespan / mean if mean > 0 else 1.0,
-            lower_bound=lb,
-            lower_bound_gap=max(0.0, makespan / lb - 1.0) if lb > 0 else 0.0,
-            comm_ratio=self._comm_ratio(),
-            rank_state_bytes=tuple(state),
-            state_imbalance=_ratio(state) if any(state) else 1.0,
-            atomicity_violations=0,
-            extra_comm_elements=0,
-            redundant_s=0.0,
-        )
+        return self._metrics(loads, state, total, lower_bound=total / d)
 
     def _comm_ratio(self) -> float:
         """The longest reduce-scatter segment over the even one, summed over buckets."""
@@ -248,17 +231,21 @@ class DPPlan:
                     missing += p.numel - max(0, min(hi, p.end) - max(lo, p.offset))
                 violations += missing > 0
                 extra += missing
+        return self._metrics(loads, state, total, lower_bound=max(total / d, largest), violations=violations,
+                             extra=extra, redundant=redundant)
+
+    def _metrics(self, loads: list[float], state: list[int], total: float, lower_bound: float,
+                 violations: int = 0, extra: int = 0, redundant: float = 0.0) -> DPMetrics:
         makespan = max(loads) if loads else 0.0
-        mean = sum(loads) / d
-        lb = max(total / d, largest)
+        mean = sum(loads) / self.dp
         return DPMetrics(
             rank_loads=tuple(loads),
             total=total,
             makespan=makespan,
             mean=mean,
             imbalance=makespan / mean if mean > 0 else 1.0,
-            lower_bound=lb,
-            lower_bound_gap=max(0.0, makespan / lb - 1.0) if lb > 0 else 0.0,  # >= 0 up to rounding
+            lower_bound=lower_bound,
+            lower_bound_gap=max(0.0, makespan / lower_bound - 1.0) if lower_bound > 0 else 0.0,  # >= 0 up to rounding
             comm_ratio=self._comm_ratio(),
             rank_state_bytes=tuple(state),
             state_imbalance=_ratio(state) if any(state) else 1.0,

@@ -59,6 +59,13 @@ def test_step_policies_are_keyword_only_entries():
     assert canzona.can_overlap_step and not any(p.can_overlap_step for n, p in STEP_POLICIES.items() if n != "canzona")
 
 
+def defaults(obj) -> dict:
+    """The default of each field of a dataclass, or of each parameter of a function."""
+    if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
+        return {f.name: f.default for f in fields(obj)}
+    return {k: p.default for k, p in inspect.signature(obj).parameters.items()}
+
+
 def test_every_planning_setting_has_one_default_wherever_it_appears():
     """`canzona.plan.PLAN_DEFAULTS` is the one definition: `make_plan`, the runtime, the simulator,
     the harness and the CLI take its defaults; the runtime and the simulator take every setting
@@ -70,11 +77,6 @@ def test_every_planning_setting_has_one_default_wherever_it_appears():
     from canzona.runtime.optimizer import DistributedOptimizer
     from cli import main as cli
     from sim.simulate import SimConfig
-
-    def defaults(obj) -> dict:
-        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
-            return {f.name: f.default for f in fields(obj)}
-        return {k: p.default for k, p in inspect.signature(obj).parameters.items()}
 
     consumers = {"make_plan": defaults(make_plan), "DistributedOptimizer": defaults(DistributedOptimizer),
                  "SimConfig": defaults(SimConfig), "TrainSpec": defaults(TrainSpec),
@@ -120,11 +122,6 @@ def test_every_step_option_has_one_default_wherever_it_appears():
     from cli import main as cli
     from sim.options import RunOptions
     from sim.simulate import SimConfig
-
-    def defaults(obj) -> dict:
-        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
-            return {f.name: f.default for f in fields(obj)}
-        return {k: p.default for k, p in inspect.signature(obj).parameters.items()}
 
     consumers = {"DistributedOptimizer": defaults(DistributedOptimizer), "RunOptions": defaults(RunOptions),
                  "SimConfig": defaults(SimConfig), "MemorySetup": defaults(MemorySetup),
