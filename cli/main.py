@@ -20,7 +20,7 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
-from canzona.dp.policies import MATRICES_PER_RANK
+from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
@@ -190,8 +190,8 @@ def plan(
         else:
             # every DP policy, plus the paper's policy balanced by elements as the authors' code does
             variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
-            default = (PLAN_DEFAULTS.dp_policy, PLAN_DEFAULTS.balance_by)
-            variants.insert(variants.index(default) + 1, (PLAN_DEFAULTS.dp_policy, "elements"))
+            paper = (PAPER_DP_POLICY, PLAN_DEFAULTS.balance_by)
+            variants.insert(variants.index(paper) + 1, (PAPER_DP_POLICY, "elements"))
         if (dp_policy, balance_by) not in variants:
             variants.append((dp_policy, balance_by))
         dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
@@ -277,7 +277,7 @@ Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
-DpPolicy = Annotated[str | None, typer.Option(help="canzona's DP policy (default alpha-balanced); the baselines use their own.")]
+DpPolicy = Annotated[str | None, typer.Option(help=f"canzona's DP policy (default {PLAN_DEFAULTS.dp_policy}; {PAPER_DP_POLICY}: the paper's); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help=f"canzona's TP scheduler: {', '.join(TP_POLICIES)} (the baselines run tp-sync).")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]

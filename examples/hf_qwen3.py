@@ -96,7 +96,7 @@ def build_optimizer(model: nn.Module, setup: Setup, sample: torch.Tensor):
 
     spec = ModelSpec.from_module(model, order=backward_order(model, lambda m: loss_of(m, sample)))
     return DistributedOptimizer(param_groups(model, setup), spec, "muon", {"lr": setup.matrix_lr},
-                                {"lr": setup.adamw_lr}, policy="canzona", dp_policy="alpha-balanced")
+                                {"lr": setup.adamw_lr}, policy="canzona")
 
 
 def main() -> None:

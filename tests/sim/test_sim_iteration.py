@@ -18,6 +18,7 @@ from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.optimizers import default_config
 from canzona.pipeline import one_f_one_b
+from canzona.plan import PLAN_DEFAULTS
 from canzona.step_policies import STEP_POLICIES
 from sim.collectives import collective_cost
 from sim.model_work import micro_batch_work
@@ -377,7 +378,7 @@ def test_to_dict_has_the_documented_keys():
     assert isinstance(d["breakdown"], dict) and set(d["breakdown"]) == {"compute_s", "exposed_comm_s", "idle_s"}
     assert isinstance(d["rank_optimizer_s"], list) and len(d["rank_optimizer_s"]) == SMALL.gpus
     assert d["policy"] == "canzona" and d["gpus"] == 16 and d["tp"] == 2 and d["dp"] == 8
-    assert d["dp_policy"] == "alpha-balanced" and d["tp_policy"] == "greedy-rollback"
+    assert d["dp_policy"] == PLAN_DEFAULTS.dp_policy and d["tp_policy"] == PLAN_DEFAULTS.tp_policy
     assert set(d["definitions"]) == {"iteration_time_s", "optimizer_step_s", "param_gather_exposed_s", "mfu", "memory"}
     assert d["fits"] is True and d["memory"]["worst"]["total"] > 0
     assert d["workload"]["seq_len"] == 512
@@ -476,7 +477,7 @@ def test_canzona_reports_its_zero1_fallback_when_that_is_faster_and_says_so():
 
 def test_no_fallback_where_canzona_wins():
     r = simulate(SimConfig(model="qwen3-1.7b", gpus=16, tp=8, workload=Workload(seq_len=128, global_batch=2)))
-    assert r.fell_back_to is None and r.plan.dp_plan.policy == "alpha-balanced"
+    assert r.fell_back_to is None and r.plan.dp_plan.policy == PLAN_DEFAULTS.dp_policy
 
 
 def test_memory_flags_the_layout_that_does_not_fit():
