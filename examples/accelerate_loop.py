@@ -59,9 +59,10 @@ def make_accelerator(accumulation: int, cpu: bool) -> Any:
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
 
 
-def build(setup: Setup, accelerator: Any, steps: int):
+def build(setup: Setup, accelerator: Any, steps: int, optimizer_kwargs: dict[str, Any] | None = None):
     """Model, optimizer, data loader and scheduler, prepared: the optimizer is built on the model
-    as it will train, on `accelerator.device`."""
+    as it will train, on `accelerator.device`. `optimizer_kwargs` go to `DistributedOptimizer`
+    (e.g. `{"overlap_step": True}`)."""
     from torch.utils.data import DataLoader
 
     from canzona.runtime import DistributedOptimizer
@@ -72,7 +73,8 @@ def build(setup: Setup, accelerator: Any, steps: int):
     pairs = list(named_parameters(model))
     groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": setup.weight_decay},
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
-    opt = DistributedOptimizer(groups, model_spec(model, data), "muon", {"lr": setup.matrix_lr}, {"lr": setup.adamw_lr})
+    opt = DistributedOptimizer(groups, model_spec(model, data), "muon", {"lr": setup.matrix_lr}, {"lr": setup.adamw_lr},
+                               **(optimizer_kwargs or {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(setup, steps, accelerator.num_processes))
     loader = DataLoader(data, batch_size=setup.batch, shuffle=True)
     return accelerator.prepare(model, opt, loader, sched)

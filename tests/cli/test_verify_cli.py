@@ -12,6 +12,7 @@ import torch
 
 from canzona.harness import verify as checks
 from canzona.harness.launch import RankError
+from canzona.plan import PLAN_DEFAULTS
 from canzona.step_policies import STEP_POLICIES
 from tests.cli_helpers import error_line, invoke
 
@@ -39,7 +40,7 @@ def test_one_configuration_passes_every_rung():
     rows = report["rows"]
     assert [r["rung"] for r in rows] == ["ranks", "3a", "3b"]
     for r in rows:
-        assert (r["optimizer"], r["policy"], r["plan"]) == ("muon", "canzona", "alpha-balanced")
+        assert (r["optimizer"], r["policy"], r["plan"]) == ("muon", "canzona", PLAN_DEFAULTS.dp_policy)
         assert (r["dp"], r["steps"], r["accumulation"], r["global_batch"]) == (2, 2, 1, 8)  # 4 x dp x accumulation
         assert r["ok"] is True and len(r["plan_hash"]) == 64
         assert math.isfinite(r["final_loss"])
@@ -58,7 +59,7 @@ def test_every_policy_in_one_run():
     assert [r["policy"] for r in rows[::3]] == matrix_policies
     plans = {r["policy"]: r["plan"] for r in rows}
     assert plans == {"sc": "whole-start", "zero1-gather": "zero1-even", "layerwise": "layerwise",
-                     "canzona": "alpha-balanced"}
+                     "canzona": PLAN_DEFAULTS.dp_policy}
     assert all(r["bit_identical"] for r in rows if r["rung"] in ("ranks", "3a"))
     # SOAP's eigendecompositions: the reference differs in round-off only
     assert all(0 <= r["max_rel_diff"] <= checks.REFERENCE_RTOL for r in rows if r["rung"] == "3b")

@@ -35,6 +35,7 @@ TRAINER_STEPS = 4  # accumulation 2, checkpoints at steps 2 and 4
 GIVEN_STEPS = 3
 LOOP_STEPS = 4  # accumulation 2, save_state at step 2
 LOOP_SAVE_AT = 2
+LOOSE_NORM = 1e6  # a clipping bound no gradient norm reaches
 
 
 class StepGradients:
@@ -93,10 +94,11 @@ def plain_trainer(out: Path) -> dict[str, Any]:
 # --- accelerate ----------------------------------------------------------------------------------
 
 
-def run_loop(out: Path) -> dict[str, Any]:
-    """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way."""
+def run_loop(out: Path, overlap_step: bool = False, max_norm: float = SETUP.max_grad_norm,
+             save: bool = True) -> dict[str, Any]:
+    """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way (`save`)."""
     accelerator = loop_example.make_accelerator(2, cpu=True)
-    model, opt, loader, sched = loop_example.build(SETUP, accelerator, LOOP_STEPS)
+    model, opt, loader, sched = loop_example.build(SETUP, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
     grads = StepGradients(model)
     grads.attach(opt)
     progress = loop_example.Progress()
@@ -105,12 +107,13 @@ def run_loop(out: Path) -> dict[str, Any]:
 
     def on_step(step: int, loss: float, norm: float) -> None:
         norms.append(norm)
-        if step == LOOP_SAVE_AT:
+        if step == LOOP_SAVE_AT and save:
             accelerator.save_state(str(out / "loop_state"))
 
-    loop_example.train(accelerator, model, opt, loader, sched, progress, LOOP_STEPS, SETUP.max_grad_norm, on_step)
+    loop_example.train(accelerator, model, opt, loader, sched, progress, LOOP_STEPS, max_norm, on_step)
     return {"params": final_parameters(model), "grads": grads.steps, "norms": norms,
-            "prepared": type(model).__name__, "refusals": refusals(accelerator, model)}
+            "prepared": type(model).__name__, "overlapped_steps": opt.optimizer.overlapped_steps,  # accelerate wraps it
+            **({"refusals": refusals(accelerator, model)} if save else {})}
 
 
 def refusals(accelerator: CanzonaAccelerator, model: torch.nn.Module) -> dict[str, str]:
@@ -183,6 +186,11 @@ def main() -> None:
                                                    optimizer_kwargs={"overlap_step": True})),
         ("accelerate", lambda: run_loop(out)),
         ("accelerate resumed", lambda: resumed_loop(out)),
+        # overlapped: clipping scales every step of the plain loop (the early updates dropped);
+        # with a norm bound nothing reaches, every step commits them
+        ("accelerate overlapped", lambda: run_loop(out, overlap_step=True, save=False)),
+        ("accelerate unclipped", lambda: run_loop(out, max_norm=LOOSE_NORM, save=False)),
+        ("accelerate unclipped overlapped", lambda: run_loop(out, overlap_step=True, max_norm=LOOSE_NORM, save=False)),
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),

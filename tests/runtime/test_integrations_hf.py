@@ -209,6 +209,21 @@ def test_the_accelerate_loop_trains_as_one_process_with_accumulation_and_clippin
 
 
 @pytest.mark.distributed
+def test_the_accelerate_loop_runs_the_overlapped_step_bit_for_bit(ranks):
+    """`overlap_step=True` under accelerate's loop: steps whose gradients clipping scales drop
+    their early updates and run the plain step, the others commit them; the same numbers as the
+    plain loop either way."""
+    for plain_name, max_norm in (("accelerate", SETUP.max_grad_norm), ("accelerate unclipped", driver.LOOSE_NORM)):
+        plain, overlapped = scenario(ranks, plain_name), scenario(ranks, f"{plain_name} overlapped")
+        for a, b in zip(plain, overlapped):
+            assert b["norms"] == a["norms"]
+            assert compare(b["params"], a["params"])["bit_identical"], plain_name
+            committed = sum(n <= max_norm for n in a["norms"])
+            assert b["overlapped_steps"] == committed and a["overlapped_steps"] == 0, plain_name
+        assert committed == (0 if plain_name == "accelerate" else driver.LOOP_STEPS), (plain_name, committed)
+
+
+@pytest.mark.distributed
 def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
     straight, resumed = scenario(ranks, "accelerate"), scenario(ranks, "accelerate resumed")
     for a, b in zip(straight, resumed):
