@@ -107,12 +107,13 @@ def double_sync_job(rank: int, world: int) -> dict:
 # --- failures: a rank that dies or never joins -----------------------------------------------
 
 
-def failing_worker(rank: int, world: int, mode: str, outdir: str) -> str:
+def failing_worker(rank: int, world: int, mode: str, outdir: str, overlap_step: bool = False) -> str:
     """Rank 1 fails before step() (`raise`: an exception; `exit`: the process dies; `stall`: it
-    never joins the step's collectives); rank 0 records what its step() did."""
+    never joins the step's collectives); rank 0 records what its step() did (`overlap_step`: the
+    step computing its updates under the reductions, which the missing peer never completes)."""
     spec = TrainSpec(global_batch=2 * world)
     model = build_model(spec)
-    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S, overlap_step=overlap_step)
     model.loss(micro_batches(global_batches(spec, 256)[0], rank, world, 1)[0]).backward()
     done = Path(outdir) / "rank0.json"
     if rank == 1:
@@ -406,10 +407,11 @@ def test_rank_that_raises_before_step_is_an_error_within_the_timeout(tmp_path):
     assert rank0["elapsed_s"] < STEP_TIMEOUT_S + 5
 
 
-def test_rank_that_never_joins_is_a_timeout_error_on_its_peer(tmp_path):
+@pytest.mark.parametrize("overlap_step", [False, True], ids=["plain", "overlapped"])
+def test_rank_that_never_joins_is_a_timeout_error_on_its_peer(tmp_path, overlap_step):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(failing_worker, 2, "stall", str(tmp_path), deadline_s=60, collective_timeout_s=10)
+        run_ranks(failing_worker, 2, "stall", str(tmp_path), overlap_step, deadline_s=60, collective_timeout_s=10)
     assert time.monotonic() - start < 60
     assert info.value.rank == 0
     assert "CanzonaError" in info.value.trace
@@ -418,10 +420,11 @@ def test_rank_that_never_joins_is_a_timeout_error_on_its_peer(tmp_path):
     assert STEP_TIMEOUT_S - 0.5 <= rank0["elapsed_s"] < STEP_TIMEOUT_S + 5
 
 
-def test_rank_process_that_dies_is_an_error_not_a_hang(tmp_path):
+@pytest.mark.parametrize("overlap_step", [False, True], ids=["plain", "overlapped"])
+def test_rank_process_that_dies_is_an_error_not_a_hang(tmp_path, overlap_step):
     start = time.monotonic()
     with pytest.raises(CanzonaError, match="died|exited|failed"):
-        run_ranks(failing_worker, 2, "exit", str(tmp_path), deadline_s=60, collective_timeout_s=10)
+        run_ranks(failing_worker, 2, "exit", str(tmp_path), overlap_step, deadline_s=60, collective_timeout_s=10)
     assert time.monotonic() - start < 60
 
 
