@@ -108,9 +108,10 @@ def _saved_here(opt: Checkpointable) -> tuple[set[str], set[str]]:
     if not opt.policy.replicated:
         dpp = opt.plan.dp_plan
         first = {p.name: min(dpp.computing_ranks(b, p)) for b in dpp.buckets for p in b.params}
-    mine = {t.name for t in opt.schedule.tasks() if first.get(t.name, 0) == opt.mesh.rank(DP)}
+    dp_rank, tp_rank = opt.mesh.rank(DP), opt.mesh.rank(TP)
+    mine = {t.name for t in opt.schedule.tasks() if first.get(t.name, 0) == dp_rank}
     hosts = {t.name: 0 if t.host == EVERY_RANK else t.host for t in opt.schedule.tasks()}
-    state = {n for n in mine if n in opt.matrix_state and hosts[n] == opt.mesh.rank(TP)}
+    state = {n for n in mine if n in opt.matrix_state and hosts[n] == tp_rank}
     return state, {n for n in mine if n in opt.master}
 
 
@@ -450,11 +451,12 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     for name in opt.hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
     needs = _local_ranges(opt)
+    tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
     for name, (lo, hi) in needs.items():
         # a TP-replicated parameter's pieces were written by TP rank 0 only
-        source = opt.mesh.rank(TP) if _tp_dim(opt, name) is not None else 0
+        source = tp_rank if _tp_dim(opt, name) is not None else 0
         for _field, t, tp, offset, key in pieces.get(name, []):
-            if tp != opt.mesh.size(TP) or (t == source and _overlaps(entries[key], offset, lo, hi)):
+            if tp != tp_size or (t == source and _overlaps(entries[key], offset, lo, hi)):
                 wanted[key] = placeholder(key)
     dcp.load(wanted, storage_reader=reader)
 
