@@ -117,6 +117,13 @@ def policies_running(optimizer: str) -> tuple[str, ...]:
     return tuple(name for name, p in STEP_POLICIES.items() if p.elementwise == elementwise)
 
 
+def dp_policies_running(optimizer: str) -> tuple[str, ...]:
+    """The DP policies of the step policies that run `optimizer` and bring their own, in order,
+    each once (AdamW: zero1-even); what `canzona plan` compares for an elementwise optimizer."""
+    named = (STEP_POLICIES[name].dp_policy for name in policies_running(optimizer))
+    return tuple(dict.fromkeys(name for name in named if name is not None))
+
+
 def policy_optimizer(policy: str, optimizer: str) -> str:
     """The optimizer policy `policy` runs in a comparison of `optimizer`'s policies: `optimizer`,
     or the elementwise baseline (AdamW) under an elementwise policy."""

@@ -30,7 +30,7 @@ from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, PLAN_DEFAULTS, check_plan_matches, load_plan, make_plan
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
+from canzona.step_policies import STEP_POLICIES, default_policy, dp_policies_running
 from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
@@ -186,7 +186,7 @@ def plan(
         if chosen.elementwise:
             # the DP plans the step policies running it execute: no matrix is computed whole, so
             # the whole-matrix policies and the TP schedule do not apply
-            variants = [(name, PLAN_DEFAULTS.balance_by) for name in _dp_policies_running(optimizer)]
+            variants = [(name, PLAN_DEFAULTS.balance_by) for name in dp_policies_running(optimizer)]
         else:
             # every DP policy, plus the paper's policy balanced by elements as the authors' code does
             variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
@@ -230,12 +230,6 @@ def inspect(
     if not loaded.elementwise:
         console.print(tp_table([loaded], loaded.tp_plan.policy))
     console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
-
-
-def _dp_policies_running(optimizer: str) -> list[str]:
-    """The DP plans of the step policies that run `optimizer`, in order, each once."""
-    named = (STEP_POLICIES[name].dp_policy for name in policies_running(optimizer))
-    return list(dict.fromkeys(name for name in named if name is not None))
 
 
 def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None:
