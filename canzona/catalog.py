@@ -1,7 +1,9 @@
-"""The Qwen3 dense model catalog (docs/design.md §2.4), the single source of these configurations.
+"""The Qwen3 model catalog (docs/design.md §2.4), the single source of these configurations.
 
 Each model is a `canzona.decoder.DecoderConfig` of the Qwen3 family (per-head q/k RMSNorm, no
-biases); `Qwen3Config` makes one with the family's shared sizes as defaults.
+biases); `Qwen3Config` makes a dense one with the family's shared sizes as defaults,
+`Qwen3MoeConfig` a mixture-of-experts one (128 experts, 8 per token, 4 KV heads: the published
+Qwen3-30B-A3B and Qwen3-235B-A22B `config.json`s).
 """
 
 from __future__ import annotations
@@ -35,18 +37,41 @@ QWEN3_DENSE: dict[str, DecoderConfig] = {
     )
 }
 
+
+
+def Qwen3MoeConfig(name: str, layers: int, hidden: int, q_heads: int, moe_ffn: int, official_params: float,
+                   official_active_params: float, experts: int = 128, experts_per_token: int = 8,
+                   kv_heads: int = 4) -> DecoderConfig:
+    """A Qwen3 mixture-of-experts model: every layer sparse (no mlp_only_layers), untied embeddings;
+    `ffn` (the dense MLP width no layer uses) is experts_per_token x moe_ffn, as published."""
+    return DecoderConfig(name, layers, hidden, q_heads, kv_heads, HEAD_DIM, experts_per_token * moe_ffn, VOCAB,
+                         False, family="qwen3_moe", qk_norm=True, official_params=official_params,
+                         experts=experts, experts_per_token=experts_per_token, moe_ffn=moe_ffn,
+                         official_active_params=official_active_params)
+
+
+QWEN3_MOE: dict[str, DecoderConfig] = {
+    c.name: c
+    for c in (
+        Qwen3MoeConfig("qwen3-30b-a3b", 48, 2048, 32, 768, 30.5e9, 3.3e9),
+        Qwen3MoeConfig("qwen3-235b-a22b", 94, 4096, 64, 1536, 235e9, 22e9),
+    )
+}
+
+CATALOG: dict[str, DecoderConfig] = {**QWEN3_DENSE, **QWEN3_MOE}
+
 DEFAULT_MODEL = "qwen3-32b"
 
 
 def model_names() -> list[str]:
-    return list(QWEN3_DENSE)
+    return list(CATALOG)
 
 
 def get_config(name: str) -> DecoderConfig:
     try:
-        return QWEN3_DENSE[name.lower()]
+        return CATALOG[name.lower()]
     except KeyError:
-        raise SpecError(f"unknown model {name!r}; known models: {', '.join(QWEN3_DENSE)}") from None
+        raise SpecError(f"unknown model {name!r}; known models: {', '.join(CATALOG)}") from None
 
 
 def build_qwen3(cfg: DecoderConfig) -> ModelSpec:

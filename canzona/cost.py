@@ -58,6 +58,14 @@ def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.
     return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n + m * n)), dtype, count, (m, n, k))
 
 
+def grouped_gemm_kernel(name: str, m: int, n: int, k: int, groups: int, dtype: str, count: float = 1.0) -> Kernel:
+    """`groups` same-shape `m x n x k` GEMMs as one launch (a grouped GEMM: a mixture-of-experts
+    layer's experts, a batched kernel's matrices): their tiles fill the SM waves together, and
+    each group reads its own operands."""
+    one = gemm_kernel(name, m, n, k, dtype)
+    return Kernel(name, "gemm", one.flops * groups, one.bytes * groups, dtype, count, (m * groups, n, k))
+
+
 def elementwise_kernel(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
     return Kernel(name, "elementwise", flops_per * numel, bytes_per * numel, dtype)
 
@@ -227,6 +235,9 @@ class DeviceRate:
     # datasheet efficiency and the wave model for the dtypes it covers
     gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     peak_flops: dict[str, float] = field(default_factory=dict)
+    # seconds by kernel, filled as kernels are priced: a mixture-of-experts model has tens of
+    # thousands of matrices of a few shapes, priced again by every planner and simulator pass
+    _seconds: dict[Kernel, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile) -> DeviceRate:
@@ -282,6 +293,12 @@ class DeviceRate:
         return best
 
     def kernel_seconds(self, k: Kernel) -> float:
+        seconds = self._seconds.get(k)
+        if seconds is None:
+            seconds = self._seconds[k] = self._kernel_seconds(k)
+        return seconds
+
+    def _kernel_seconds(self, k: Kernel) -> float:
         if k.kind == "gemm":
             measured = self.curve_efficiency(k.dtype, k.flops)
             if measured is None or k.dtype not in self.peak_flops:
@@ -305,8 +322,7 @@ class DeviceRate:
         for k in kernels:
             if k.kind == "gemm" and batch > 1:
                 m, n, depth = k.gemm
-                stacked = Kernel(k.name, "gemm", k.flops * batch, k.bytes * batch, k.dtype, k.count, (m * batch, n, depth))
-                total += self.kernel_seconds(stacked)
+                total += self.kernel_seconds(grouped_gemm_kernel(k.name, m, n, depth, batch, k.dtype, k.count))
             else:
                 total += batch * self.kernel_seconds(k)
         return total
@@ -335,14 +351,20 @@ class AnalyticCost:
 
     rate: DeviceRate = field(default_factory=default_rate)
     configs: dict[str, object] = field(default_factory=dict)
+    # by (optimizer, shape): a model's matrices come in a few shapes
+    _seconds: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
 
     @property
     def name(self) -> str:
         return f"analytic:{self.rate.name}"
 
     def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float:
-        cfg = self.configs.get(optimizer)
-        return sum(self.rate.kernel_seconds(k) for k in optimizer_kernels(optimizer, shape, cfg))
+        key = (optimizer, tuple(shape))
+        if key not in self._seconds:
+            cfg = self.configs.get(optimizer)
+            self._seconds[key] = sum(self.rate.kernel_seconds(k) for k in optimizer_kernels(optimizer, shape, cfg))
+        return self._seconds[key]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Dense decoder-only transformers of the Llama lineage (Llama, Mistral, Qwen2, Qwen3) and the
-`Architecture` the simulator reads (docs/design.md §2.5).
+"""Decoder-only transformers of the Llama lineage (Llama, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral) and the `Architecture` the simulator reads
+(docs/design.md §2.5, §2.6).
 
 `DecoderConfig` is the one description of such a model: the catalog's Qwen3 facts are
 `DecoderConfig`s, and Hugging Face `config.json` files become `DecoderConfig`s
@@ -16,7 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from canzona.errors import SpecError
 from canzona.spec import ModelSpec, ParamSpec, Role
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+ROUTER_OPTIMIZERS = ("adamw", "matrix")  # where a mixture-of-experts model's routers go
 
 # Bounds far beyond any dense model (the largest have about 130 layers, hidden 25k, vocabularies
 # of 256k): a forged file cannot make canzona build millions of parameters or layers.
@@ -60,13 +62,38 @@ class Architecture:
     kv_heads: int | None = None
     head_dim: int | None = None
     ffn: int | None = None
+    experts: int | None = None  # routed experts per mixture-of-experts layer (None: a dense model)
+    experts_per_token: int | None = None  # top-k: the experts each token is routed to
 
     def __post_init__(self) -> None:
+        if (self.experts is None) != (self.experts_per_token is None):
+            raise SpecError(f"architecture of {self.name}: a mixture-of-experts model gives both experts and "
+                            "experts_per_token")
+        if self.experts is not None and self.experts_per_token is not None and self.experts_per_token > self.experts:
+            raise SpecError(f"architecture of {self.name}: experts_per_token {self.experts_per_token} is more "
+                            f"than the {self.experts} experts")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name != "name" and value is not None:
                 _check_positive(f"architecture of {self.name}", f.name, value,
                                 MAX_LAYERS if f.name == "layers" else MAX_DIM)
+
+    @property
+    def moe(self) -> tuple[int, int] | None:
+        """(experts, experts_per_token) of a mixture-of-experts model; None for a dense one."""
+        if self.experts is None or self.experts_per_token is None:
+            return None
+        return self.experts, self.experts_per_token
+
+    def tokens_share(self, param: ParamSpec) -> float:
+        """The share of a micro-batch's tokens a parameter's GEMM processes: an expert's, the
+        experts each token is routed to over all experts (a balanced router); 1 otherwise."""
+        if param.role is not Role.EXPERT:
+            return 1.0
+        if self.moe is None:
+            raise SpecError(f"model {self.name!r} has experts ({param.name!r}): its architecture must give "
+                            "experts and experts_per_token")
+        return self.moe[1] / self.moe[0]
 
     def require(self, field: str) -> int:
         """The value of `field`, or one error naming the field to add to the spec file."""
@@ -87,7 +114,8 @@ class Architecture:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """A dense decoder: per layer RMSNorm, attention (q, k, v, o), RMSNorm, SwiGLU MLP (gate, up, down).
+    """A decoder: per layer RMSNorm, attention (q, k, v, o), RMSNorm, SwiGLU MLP (gate, up, down),
+    or, in a mixture-of-experts layer, a router and stacked SwiGLU experts (docs/design.md §2.6).
 
     `qk_norm`: per-head RMSNorm weights on q and k (Qwen3). `qkv_bias`: biases on q, k and v (Qwen2,
     or `attention_bias` of Llama and Qwen3, which also sets `o_bias`). `mlp_bias`: biases on gate, up
@@ -110,6 +138,22 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     official_params: float = 0.0
+    # Mixture of experts (experts = 0: a dense model). Each MoE layer has a router
+    # (`mlp.gate.weight`, experts x hidden) and the experts stacked as transformers 5 stores them
+    # (`mlp.experts.gate_up_proj` experts x 2 moe_ffn x hidden, `mlp.experts.down_proj` experts x
+    # hidden x moe_ffn); `dense_layers` keep a dense MLP of width `ffn` (Qwen3-MoE's
+    # mlp_only_layers, DeepSeek's first dense layers); `shared_ffn` adds an always-on shared
+    # expert of that width (DeepSeek's `mlp.shared_experts`).
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # Whether an expert's fused gate/up block is two matrices for the matrix optimizer (gate and
+    # up, as a dense layer's separate projections are: the default) or one (2 moe_ffn x hidden).
+    split_fc1: bool = True
+    router_optimizer: str = "adamw"
+    official_active_params: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -118,6 +162,23 @@ class DecoderConfig:
             _check_positive(self.name, field, getattr(self, field), MAX_LAYERS if field == "layers" else MAX_DIM)
         if self.family not in FAMILIES:
             raise SpecError(f"{self.name}: unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.experts:
+            for field in ("experts", "experts_per_token", "moe_ffn"):
+                _check_positive(self.name, field, getattr(self, field))
+            if self.experts_per_token > self.experts:
+                raise SpecError(f"{self.name}: experts_per_token {self.experts_per_token} is more than the "
+                                f"{self.experts} experts")
+            if self.shared_ffn:
+                _check_positive(self.name, "shared_ffn", self.shared_ffn)
+            bad = [i for i in self.dense_layers if isinstance(i, bool) or not isinstance(i, int)
+                   or not 0 <= i < self.layers]
+            if bad:
+                raise SpecError(f"{self.name}: dense layer {bad[0]!r} is not a layer in 0..{self.layers - 1}")
+        elif self.experts_per_token or self.moe_ffn or self.shared_ffn or self.dense_layers:
+            raise SpecError(f"{self.name}: expert settings without experts (experts = 0 is a dense model)")
+        if self.router_optimizer not in ROUTER_OPTIMIZERS:
+            raise SpecError(f"{self.name}: router_optimizer must be one of {', '.join(ROUTER_OPTIMIZERS)}, "
+                            f"got {self.router_optimizer!r}")
 
     @property
     def q_dim(self) -> int:
@@ -128,8 +189,12 @@ class DecoderConfig:
         return self.kv_heads * self.head_dim
 
     def architecture(self) -> Architecture:
+        moe = (self.experts, self.experts_per_token) if self.experts else (None, None)
         return Architecture(self.name, self.layers, self.hidden, self.vocab, self.q_dim, self.kv_dim,
-                            self.q_heads, self.kv_heads, self.head_dim, self.ffn)
+                            self.q_heads, self.kv_heads, self.head_dim, self.ffn, *moe)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.experts) and layer not in self.dense_layers
 
     def check_tp(self, tp: int) -> None:
         """TP must split attention heads, KV heads, the MLP and the vocabulary evenly."""
@@ -165,6 +230,9 @@ def build_decoder(cfg: DecoderConfig) -> ModelSpec:
                        ParamSpec(f"{attn}.k_norm.weight", (cfg.head_dim,), Role.VECTOR, i)]
         params += linear(f"{attn}.o_proj", h, q_out, i, 1, cfg.o_bias)
         params.append(ParamSpec(f"{pre}.post_attention_layernorm.weight", (h,), Role.VECTOR, i))
+        if cfg.is_moe_layer(i):
+            params += _moe_block(cfg, mlp, i)
+            continue
         params += linear(f"{mlp}.gate_proj", cfg.ffn, h, i, 0, cfg.mlp_bias)
         params += linear(f"{mlp}.up_proj", cfg.ffn, h, i, 0, cfg.mlp_bias)
         params += linear(f"{mlp}.down_proj", h, cfg.ffn, i, 1, cfg.mlp_bias)
@@ -172,3 +240,20 @@ def build_decoder(cfg: DecoderConfig) -> ModelSpec:
     if not cfg.tied_embeddings:
         params.append(ParamSpec("lm_head.weight", (cfg.vocab, h), Role.HEAD, None, tp_dim=0))
     return ModelSpec(cfg.name, tuple(params))
+
+
+def _moe_block(cfg: DecoderConfig, mlp: str, layer: int) -> list[ParamSpec]:
+    """A mixture-of-experts MLP in forward order: the router, the shared expert (if any, Megatron
+    TP like a dense MLP), the stacked routed experts (whole on every TP rank: expert TP 1)."""
+    h, e, f = cfg.hidden, cfg.experts, cfg.moe_ffn
+    router_role = Role.ROUTER if cfg.router_optimizer == "adamw" else Role.MATRIX
+    params = [ParamSpec(f"{mlp}.gate.weight", (e, h), router_role, layer)]
+    if cfg.shared_ffn:
+        shared = f"{mlp}.shared_experts"
+        params += [ParamSpec(f"{shared}.gate_proj.weight", (cfg.shared_ffn, h), Role.MATRIX, layer, tp_dim=0),
+                   ParamSpec(f"{shared}.up_proj.weight", (cfg.shared_ffn, h), Role.MATRIX, layer, tp_dim=0),
+                   ParamSpec(f"{shared}.down_proj.weight", (h, cfg.shared_ffn), Role.MATRIX, layer, tp_dim=1)]
+    fc1 = (f, h) if cfg.split_fc1 else (2 * f, h)
+    params += [ParamSpec(f"{mlp}.experts.gate_up_proj", (e, 2 * f, h), Role.EXPERT, layer, matrix_shape=fc1),
+               ParamSpec(f"{mlp}.experts.down_proj", (e, h, f), Role.EXPERT, layer, matrix_shape=(h, f))]
+    return params

@@ -1,5 +1,5 @@
 """Where models come from (docs/design.md §2.5): a catalog name, a Hugging Face `config.json` of a
-dense decoder, or a canzona spec file. `resolve_model` turns any of them into the `ModelSpec` the
+dense or mixture-of-experts decoder, or a canzona spec file. `resolve_model` turns any of them into the `ModelSpec` the
 planner, the simulator and the runtime consume and the `Architecture` the simulator's FLOPs model
 reads; `save_spec` / `load_spec` write and read spec files.
 
@@ -11,8 +11,12 @@ A spec file is JSON:
                  "layer": null, "tp_dim": 0, "dtype": "bf16"}, ...]}
 
 `params` lists the parameters in forward order with their global shapes (`canzona.spec.ParamSpec`;
-`layer`, `tp_dim` and `dtype` may be left out: none, none, bf16). The `architecture` block gives
-any of `Architecture`'s sizes; those it leaves out are inferred from the parameters.
+`layer`, `tp_dim`, `dtype` and `matrix_shape` may be left out: none, none, bf16, none). Experts
+have role "expert": a stacked expert tensor gives `matrix_shape`, the shape of each matrix it
+stacks (e.g. [768, 2048] on a [128, 1536, 2048] fused gate/up: gate and up of each expert are two
+matrices), and routers role "router". The `architecture` block gives any of `Architecture`'s
+sizes (a mixture-of-experts model: `experts` and `experts_per_token`); those it leaves out are
+inferred from the parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canzona.catalog import QWEN3_DENSE, get_config
+from canzona.catalog import CATALOG, get_config
 from canzona.decoder import (
     MAX_DIM,
     MAX_LAYERS,
@@ -40,15 +44,16 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 SPEC_SCHEMA = "canzona.model"
 SPEC_VERSION = 1
 SPEC_FIELDS = ("schema", "version", "name", "architecture", "params")
-PARAM_FIELDS = ("name", "shape", "role", "layer", "tp_dim", "dtype")
-ARCHITECTURE_FIELDS = ("layers", "hidden", "vocab", "q_dim", "kv_dim", "q_heads", "kv_heads", "head_dim", "ffn")
+PARAM_FIELDS = ("name", "shape", "role", "layer", "tp_dim", "dtype", "matrix_shape")
+ARCHITECTURE_FIELDS = ("layers", "hidden", "vocab", "q_dim", "kv_dim", "q_heads", "kv_heads", "head_dim", "ffn",
+                       "experts", "experts_per_token")
 REQUIRED_ARCHITECTURE = ("layers", "hidden", "vocab", "q_dim")
 MAX_PARAMS = 2**20
 MAX_PARAM_DIM = 2**40
 MAX_PARAM_NUMEL = 2**48  # elements in one parameter; far beyond any real model
 MAX_NDIM = 8
 
-SUPPORTED = "dense qwen3, qwen2, llama and mistral configs"
+SUPPORTED = "dense qwen3, qwen2, llama and mistral configs, and qwen3_moe and mixtral mixture-of-experts ones"
 # What transformers (4.51 to 5.x) does with each supported model type: the default of
 # num_key_value_heads when a config.json leaves it out (None: as many as the attention heads; an
 # explicit null always means that), the default of head_dim (None: hidden_size / num_attention_heads),
@@ -59,7 +64,21 @@ HF_TYPES: dict[str, dict[str, Any]] = {
     "qwen2": {"kv_heads": 32, "head_dim": None, "qk_norm": False, "reads_attention_bias": False, "reads_mlp_bias": False},
     "llama": {"kv_heads": None, "head_dim": None, "qk_norm": False, "reads_attention_bias": True, "reads_mlp_bias": True},
     "mistral": {"kv_heads": 8, "head_dim": None, "qk_norm": False, "reads_attention_bias": False, "reads_mlp_bias": False},
+    "qwen3_moe": {"kv_heads": 4, "head_dim": None, "qk_norm": True, "reads_attention_bias": True, "reads_mlp_bias": False},
+    "mixtral": {"kv_heads": 8, "head_dim": None, "qk_norm": False, "reads_attention_bias": False, "reads_mlp_bias": False},
 }
+# The mixture-of-experts types (transformers 5): the key of the expert count, of the expert MLP
+# width (mixtral's experts are `intermediate_size` wide) and the defaults of the fields a config
+# may leave out. qwen3_moe layers are dense where `mlp_only_layers` lists them or where
+# (layer + 1) % decoder_sparse_step != 0 (Qwen3MoeDecoderLayer).
+HF_MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"experts": (("num_experts", "num_local_experts"), 128), "per_token": 8,
+                  "width": ("moe_intermediate_size", 768), "ffn": 6144, "dense_rule": True},
+    "mixtral": {"experts": (("num_local_experts", "num_experts"), 8), "per_token": 2,
+                "width": ("intermediate_size", 14336), "ffn": 14336, "dense_rule": False},
+}
+# transformers 5 writes both types' expert count as num_local_experts (num_experts is its alias);
+# the published Qwen3-MoE configs, written by transformers 4, say num_experts
 HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -96,16 +115,18 @@ def _hf_bool(data: Mapping[str, Any], key: str, where: str) -> bool:
 
 def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (parsed) of a dense qwen3, qwen2, llama or
-    mistral model. Fields it leaves out take transformers' defaults for that model type
-    (`HF_TYPES`; `tie_word_embeddings` false for all four). Mixture-of-experts configs and other
-    model types are refused."""
+    mistral model, or a qwen3_moe or mixtral mixture-of-experts one (`HF_MOE`). Fields it leaves
+    out take transformers' defaults for that model type (`HF_TYPES`; `tie_word_embeddings` false
+    for all). Other mixture-of-experts configs and other model types are refused."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: expected a JSON object")
     model_type = data.get("model_type")
     moe = [k for k in MOE_KEYS if data.get(k) not in (None, 0, False)]
-    if moe or (isinstance(model_type, str) and ("moe" in model_type or model_type in ("mixtral", "dbrx"))):
+    if model_type not in HF_MOE and (moe or (isinstance(model_type, str) and (
+            "moe" in model_type or model_type == "dbrx"))):
         what = f"model_type {model_type!r}" if isinstance(model_type, str) else f"field {moe[0]!r}"
-        raise SpecError(f"{where}: mixture-of-experts models are not supported ({what}); canzona reads {SUPPORTED}")
+        raise SpecError(f"{where}: this mixture-of-experts model is not supported ({what}); canzona reads "
+                        f"{SUPPORTED}, or any model as a spec file")
     if model_type is None:
         raise SpecError(f"{where}: missing field 'model_type'; canzona reads {SUPPORTED}")
     if model_type not in HF_TYPES:
@@ -115,7 +136,10 @@ def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig
     layers = _hf_int(data, "num_hidden_layers", where, high=MAX_LAYERS)
     hidden = _hf_int(data, "hidden_size", where)
     heads = _hf_int(data, "num_attention_heads", where)
-    ffn = _hf_int(data, "intermediate_size", where)
+    if model_type in HF_MOE and data.get("intermediate_size") is None:
+        ffn = HF_MOE[model_type]["ffn"]  # transformers' default: these configs may leave it out
+    else:
+        ffn = _hf_int(data, "intermediate_size", where)
     vocab = _hf_int(data, "vocab_size", where)
     if "num_key_value_heads" not in data:
         kv_heads = kind["kv_heads"] or heads
@@ -137,7 +161,34 @@ def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig
         tied_embeddings=_hf_bool(data, "tie_word_embeddings", where), family=model_type,
         qk_norm=kind["qk_norm"], qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
         mlp_bias=kind["reads_mlp_bias"] and _hf_bool(data, "mlp_bias", where),
+        **(_hf_experts(data, model_type, layers, where) if model_type in HF_MOE else {}),
     )
+
+
+def _hf_experts(data: Mapping[str, Any], model_type: str, layers: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe or mixtral config (`HF_MOE`), as
+    `DecoderConfig` keywords."""
+    kind = HF_MOE[model_type]
+    keys, default = kind["experts"]
+    given = {k: data[k] for k in keys if data.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise SpecError(f"{where}: {keys[0]} and {keys[1]} disagree ({given[keys[0]]!r} and {given[keys[1]]!r})")
+    key = next(iter(given), keys[0])
+    experts = _whole(given.get(key, default), key, where)
+    per_token = _whole(data.get("num_experts_per_tok", kind["per_token"]), "num_experts_per_tok", where)
+    width_key, width_default = kind["width"]
+    width = _whole(data.get(width_key, width_default), width_key, where)
+    if per_token > experts:
+        raise SpecError(f"{where}: num_experts_per_tok {per_token} is more than the {experts} experts")
+    dense: list[int] = []
+    if kind["dense_rule"]:
+        only = data.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(is_whole_number(i, 0, layers - 1) for i in only):
+            raise SpecError(f"{where}: mlp_only_layers must be a list of layer indices in 0..{layers - 1}, "
+                            f"got {only!r}")
+        step = _whole(data.get("decoder_sparse_step", 1), "decoder_sparse_step", where, high=MAX_LAYERS)
+        dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    return {"experts": experts, "experts_per_token": per_token, "moe_ffn": width, "dense_layers": tuple(dense)}
 
 
 def _name_from_file(data: Mapping[str, Any], path: Path) -> str:
@@ -159,7 +210,9 @@ def spec_to_dict(spec: ModelSpec, architecture: Architecture | Mapping[str, int]
         block = architecture.to_dict() if isinstance(architecture, Architecture) else dict(architecture)
         out["architecture"] = {k: block[k] for k in ARCHITECTURE_FIELDS if block.get(k) is not None}
     out["params"] = [{"name": p.name, "shape": list(p.shape), "role": p.role.value, "layer": p.layer,
-                      "tp_dim": p.tp_dim, "dtype": p.dtype} for p in spec.params]
+                      "tp_dim": p.tp_dim, "dtype": p.dtype}
+                     | ({"matrix_shape": list(p.matrix_shape)} if p.matrix_shape is not None else {})
+                     for p in spec.params]
     return out
 
 
@@ -208,7 +261,16 @@ def _row(raw: Any, i: int, where: str) -> ParamSpec:
     dtype = raw.get("dtype", "bf16")
     if dtype not in DTYPE_BYTES:
         raise SpecError(f"{at}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    return ParamSpec(name, tuple(shape), Role(role), layer, tp_dim, dtype)
+    matrix_shape = raw.get("matrix_shape")
+    if matrix_shape is not None and (not isinstance(matrix_shape, list) or len(matrix_shape) != 2
+                                     or not all(is_whole_number(d, 1, MAX_PARAM_DIM) for d in matrix_shape)):
+        raise SpecError(f"{at}: matrix_shape must be null or a list of two positive whole numbers (the shape of "
+                        f"each matrix the parameter stacks), got {matrix_shape!r}")
+    try:
+        return ParamSpec(name, tuple(shape), Role(role), layer, tp_dim, dtype,
+                         tuple(matrix_shape) if matrix_shape is not None else None)
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 def _architecture_block(raw: Any, where: str) -> dict[str, int]:
@@ -293,6 +355,10 @@ def infer_sizes(spec: ModelSpec) -> dict[str, int]:
                     sizes[key] = p.shape[0]
         elif module in QK_NORM_NAMES and len(p.shape) == 1 and norm is None:
             norm = p.shape[0]
+    stacks = [p for p in spec.params if p.role is Role.EXPERT and len(p.shape) == 3]
+    routers = [p for p in spec.params if p.role is Role.ROUTER and len(p.shape) == 2]
+    if stacks or routers:  # a router's rows, a stack's first dimension: one per expert
+        sizes["experts"] = (stacks or routers)[0].shape[0]
     q_dim = sizes.get("q_dim")
     if norm is not None and q_dim is not None and norm < q_dim and q_dim % norm == 0:
         sizes["head_dim"] = norm  # a per-head norm (Qwen3), not one over all of q (OLMo 2)
@@ -362,7 +428,11 @@ class ModelSource:
     def architecture(self) -> Architecture:
         if self.config is not None:
             return self.config.architecture()
-        arch = architecture_from_sizes(self.spec.name, self.sizes())
+        sizes = self.sizes()
+        if any(p.role is Role.EXPERT for p in self.spec.params) and sizes.get("experts_per_token") is None:
+            raise SpecError(f"model {self.spec.name!r} has experts but its spec does not say how many each token "
+                            f"is routed to: give experts_per_token (and experts, if it has no router): {_HOW_TO_ADD}")
+        arch = architecture_from_sizes(self.spec.name, sizes)
         deepest = max((p for p in self.spec.params if p.layer is not None), key=lambda p: p.layer, default=None)
         if deepest is not None and deepest.layer >= arch.layers:
             raise SpecError(f"model {self.spec.name!r}: parameter {deepest.name!r} is in layer {deepest.layer}, "
@@ -378,11 +448,11 @@ def read_model(name_or_path: str | Path) -> ModelSource:
     """A catalog name (case-insensitive), else a Hugging Face `config.json` (or the model folder that
     holds it) or a canzona spec file."""
     text = str(name_or_path)
-    if text.lower() in QWEN3_DENSE:
+    if text.lower() in CATALOG:
         cfg = get_config(text)
         return ModelSource(build_decoder(cfg), "catalog", cfg)
     if not _looks_like_path(text):
-        raise SpecError(f"unknown model {text!r}: not one of the catalog's ({', '.join(QWEN3_DENSE)}) nor a "
+        raise SpecError(f"unknown model {text!r}: not one of the catalog's ({', '.join(CATALOG)}) nor a "
                         "file; give a Hugging Face config.json or a canzona spec file")
     path = Path(text)
     if os.path.isdir(path) and os.path.isfile(path / "config.json"):  # a Hugging Face model folder

@@ -199,8 +199,9 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str) -> list[list[TPT
     optimizer (each rank updates the pieces its segments hold, with no TP exchange)."""
     if matrix_optimizer(optimizer).elementwise:
         return [[] for _ in range(dp_plan.dp)]
-    order = {p.name: i for i, p in enumerate(model.params)}
-    full = {p.name: p for p in model.params}
+    matrices = model.matrix_params()  # a stack's matrices one by one
+    order = {p.name: i for i, p in enumerate(matrices)}
+    full = {p.name: p for p in matrices}
     per_rank: list[list[Placement]] = [[] for _ in range(dp_plan.dp)]
     for b in dp_plan.buckets:
         for p in b.params:

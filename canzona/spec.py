@@ -24,6 +24,18 @@ class Role(str, Enum):
     EMBEDDING = "embedding"
     HEAD = "head"
     VECTOR = "vector"
+    # a mixture-of-experts layer's expert weights: one expert's 2-D matrix, or a stack of them
+    # (`ParamSpec.matrix_shape`); each expert matrix goes to the matrix optimizer and processes
+    # only the tokens routed to its expert
+    EXPERT = "expert"
+    # a mixture-of-experts router (token -> expert logits): AdamW, as the authors' code and
+    # Megatron do; a model built with `router_optimizer="matrix"` gives its routers Role.MATRIX
+    ROUTER = "router"
+
+
+# The separator of a stacked parameter's matrix names: 'model.layers.0.mlp.experts.down_proj[3]'.
+# Brackets never occur in torch parameter names, so a matrix name cannot collide with a parameter's.
+STACK_OPEN, STACK_CLOSE = "[", "]"
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,13 @@ class ParamSpec:
     layer: int | None = None
     tp_dim: int | None = None
     dtype: str = "bf16"
+    # A stack of matrices of this shape, laid out one after another in the parameter's memory
+    # (transformers' fused experts `[experts, 2 x ffn, hidden]`, torchtitan's grouped-GEMM weights):
+    # each is one matrix for the matrix optimizer, never the stack as a whole. `(ffn, hidden)` on a
+    # fused gate/up stack makes gate and up two matrices per expert (split FC1).
+    matrix_shape: tuple[int, int] | None = None
+    # Set on the matrices `stacked_matrices` makes of a stack: (the stack's name, the index).
+    stacked_in: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.shape or any(int(d) <= 0 for d in self.shape):
@@ -48,6 +67,31 @@ class ParamSpec:
             raise SpecError(f"parameter {self.name!r}: tp_dim {self.tp_dim} is outside shape {self.shape}")
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"parameter {self.name!r}: unknown dtype {self.dtype!r}")
+        if self.matrix_shape is not None:
+            self._check_stack()
+
+    def _check_stack(self) -> None:
+        rows, cols = self.matrix_shape if len(self.matrix_shape or ()) == 2 else (0, 0)
+        if not (isinstance(rows, int) and isinstance(cols, int) and rows > 0 and cols > 0):
+            raise SpecError(f"parameter {self.name!r}: matrix_shape must be two positive whole numbers, got "
+                            f"{self.matrix_shape!r}")
+        if len(self.shape) < 3 or cols != self.shape[-1] or self.shape[-2] % rows:
+            raise SpecError(f"parameter {self.name!r}: a stack of {rows} x {cols} matrices needs a shape of 3 or "
+                            f"more dimensions ending in (a multiple of {rows}, {cols}), got {self.shape}")
+        if self.role not in (Role.EXPERT, Role.MATRIX):
+            raise SpecError(f"parameter {self.name!r}: only expert or matrix parameters stack matrices, not "
+                            f"{self.role.value!r} ones")
+        if self.tp_dim is not None:
+            # expert tensor parallelism (experts split over TP) is not built yet: say so, never guess
+            raise SpecError(f"parameter {self.name!r}: a stack of matrices cannot be split by TP (tp_dim "
+                            f"{self.tp_dim}); experts are whole on every TP rank (expert TP 1)")
+
+    @property
+    def stack_size(self) -> int:
+        """How many matrices the parameter stacks (0: it is not a stack)."""
+        if self.matrix_shape is None:
+            return 0
+        return self.numel // (self.matrix_shape[0] * self.matrix_shape[1])
 
     @property
     def numel(self) -> int:
@@ -83,8 +127,22 @@ class ParamSpec:
 
 
 def routes_to_matrix_optimizer(param: ParamSpec) -> bool:
-    """The one routing rule: 2-D parameters that are neither embeddings nor the output head."""
-    return len(param.shape) == 2 and param.role not in (Role.EMBEDDING, Role.HEAD)
+    """The one routing rule: 2-D parameters that are neither embeddings, the output head nor
+    routers, and stacks of matrices (each of their matrices: `stacked_matrices`)."""
+    if param.matrix_shape is not None:
+        return True
+    return len(param.shape) == 2 and param.role not in (Role.EMBEDDING, Role.HEAD, Role.ROUTER)
+
+
+def stacked_matrices(param: ParamSpec) -> tuple[ParamSpec, ...]:
+    """The matrices of a stack, in memory order: matrix `k` is the parameter's elements
+    `[k * m * n, (k + 1) * m * n)` seen as `m x n`, named `'<param>[k]'`; a parameter that is not a
+    stack is itself."""
+    if param.matrix_shape is None:
+        return (param,)
+    return tuple(ParamSpec(f"{param.name}{STACK_OPEN}{k}{STACK_CLOSE}", param.matrix_shape, param.role,
+                           param.layer, None, param.dtype, stacked_in=(param.name, k))
+                 for k in range(param.stack_size))
 
 
 @dataclass(frozen=True)
@@ -97,6 +155,9 @@ class ModelSpec:
         for p in self.params:
             if p.name in seen:
                 raise SpecError(f"model {self.name!r} has two parameters named {p.name!r}")
+            if STACK_OPEN in p.name and p.stacked_in is None:
+                raise SpecError(f"model {self.name!r}: parameter name {p.name!r} has a {STACK_OPEN!r}, which "
+                                "names the matrices of a stack")
             seen.add(p.name)
 
     @property
@@ -104,7 +165,14 @@ class ModelSpec:
         return sum(p.numel for p in self.params)
 
     def matrix_params(self) -> tuple[ParamSpec, ...]:
+        """The matrices of the matrix optimizer, in forward order: a stack of matrices (experts)
+        contributes each of its matrices (`stacked_matrices`), never itself."""
         return self._routed[0]
+
+    @property
+    def stacks(self) -> tuple[ParamSpec, ...]:
+        """The parameters that stack matrices (`ParamSpec.matrix_shape`)."""
+        return tuple(p for p in self.params if p.matrix_shape is not None)
 
     def adamw_params(self) -> tuple[ParamSpec, ...]:
         return self._routed[1]
@@ -118,12 +186,13 @@ class ModelSpec:
     # Computed once per spec (it is frozen): the simulator asks these questions millions of times.
     @cached_property
     def _routed(self) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
-        return (tuple(p for p in self.params if p.uses_matrix_optimizer),
+        return (tuple(m for p in self.params if p.uses_matrix_optimizer for m in stacked_matrices(p)),
                 tuple(p for p in self.params if not p.uses_matrix_optimizer))
 
     @cached_property
     def _by_name(self) -> dict[str, ParamSpec]:
-        return {p.name: p for p in self.params}
+        # a stack's matrices are found by their names too: plans place and own them one by one
+        return {p.name: p for p in self.params} | {m.name: m for p in self.stacks for m in stacked_matrices(p)}
 
     def check_tp(self, tp: int) -> None:
         """Raise a SpecError naming the first parameter that `tp` cannot split evenly."""
@@ -137,7 +206,9 @@ class ModelSpec:
         measured forward order) is the same model. A plan records its own order in its
         placements, whose names and sizes `check_plan_matches` checks against the model.
         """
-        rows = sorted([p.name, list(p.shape), p.role.value, p.tp_dim] for p in self.params)
+        # a stack's matrix shape only where there is one: a dense model's fingerprint is unchanged
+        rows = sorted([p.name, list(p.shape), p.role.value, p.tp_dim] +
+                      ([list(p.matrix_shape)] if p.matrix_shape is not None else []) for p in self.params)
         blob = json.dumps(rows, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -158,7 +229,7 @@ class ModelSpec:
             q = other_by_name[p.name]
             for field, a, b in (("shape", p.shape, q.shape), ("role", p.role.value, q.role.value),
                                 ("tp_dim", p.tp_dim, q.tp_dim), ("layer", p.layer, q.layer),
-                                ("dtype", p.dtype, q.dtype)):
+                                ("dtype", p.dtype, q.dtype), ("matrix_shape", p.matrix_shape, q.matrix_shape)):
                 if a != b:
                     return f"parameter {p.name!r} has {field} {a} in {mine} but {b} in {theirs}"
         for i, (p, q) in enumerate(zip(self.params, other.params)):

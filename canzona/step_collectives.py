@@ -139,8 +139,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     policy.check_tp_plan(plan.tp_plan.policy, tp)
     buckets = plan.dp_plan.buckets
     master = master_weights and any(p.dtype in LOW_PRECISION for p in spec.params)
-    by_name = {p.name: p for p in spec.params}
-    grads = [_buffer(f"bucket {b.index}", [by_name[p.name] for p in b.params], b.size, master, grad_bytes,
+    grads = [_buffer(f"bucket {b.index}", [spec.param(p.name) for p in b.params], b.size, master, grad_bytes,
                      param_bytes) for b in buckets]
     adamw_params = spec.adamw_params()
     align = plan.dp_plan.align if adamw_align is None else adamw_align

@@ -249,7 +249,7 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
     if not 0 <= dp_rank < plan.dp:
         raise SpecError(f"dp rank {dp_rank} is outside 0..{plan.dp - 1}")
     tp = plan.tp
-    state = {p.name: p.state_bytes for p in plan.dp_plan.placements()}
+    state = plan.dp_plan.state_bytes
     steps = []
     for index, group in enumerate(micro_groups(plan, policy, dp_rank)):
         tasks = []

@@ -112,7 +112,8 @@ def models() -> None:
     console.print(models_table())
 
 
-MODEL_HELP = "Catalog model name, Hugging Face config.json (dense qwen3, qwen2, llama, mistral) or canzona spec file."
+MODEL_HELP = ("Catalog model name, Hugging Face config.json (qwen3, qwen2, llama, mistral; qwen3_moe, mixtral) or "
+              "canzona spec file.")
 
 
 @app.command()

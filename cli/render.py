@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-from canzona.catalog import QWEN3_DENSE, build_qwen3
+from canzona.catalog import CATALOG, build_qwen3
 from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
@@ -22,16 +22,19 @@ def _ms(seconds: float) -> str:
 
 
 def models_table() -> Table:
-    t = Table(title="Model catalog (Qwen3 dense)")
-    for col in ("model", "layers", "hidden", "q heads", "kv heads", "ffn", "tied", "params", "matrices"):
+    t = Table(title="Model catalog (Qwen3)")
+    for col in ("model", "layers", "hidden", "q heads", "kv heads", "ffn", "experts", "tied", "params", "matrices"):
         t.add_column(col, justify="left" if col == "model" else "right")
-    for cfg in QWEN3_DENSE.values():
+    for cfg in CATALOG.values():
         spec = build_qwen3(cfg)
+        ffn, experts = (f"{cfg.moe_ffn}", f"{cfg.experts}, top {cfg.experts_per_token}") if cfg.experts else \
+            (str(cfg.ffn), "-")
         t.add_row(cfg.name, str(cfg.layers), str(cfg.hidden), str(cfg.q_heads), str(cfg.kv_heads),
-                  str(cfg.ffn), "yes" if cfg.tied_embeddings else "no", f"{spec.numel / 1e9:.2f}B",
+                  ffn, experts, "yes" if cfg.tied_embeddings else "no", f"{spec.numel / 1e9:.2f}B",
                   str(len(spec.matrix_params())))
-    t.caption = ("Any other dense decoder: --model path/to/config.json (qwen3, qwen2, llama, mistral) or a spec "
-                 "file (canzona spec MODEL --out spec.json).")
+    t.caption = ("ffn: an expert's width in a mixture-of-experts model, whose matrices count each expert's gate, "
+                 "up and down. Any other decoder: --model path/to/config.json (qwen3, qwen2, llama, mistral, "
+                 "qwen3_moe, mixtral) or a spec file (canzona spec MODEL --out spec.json).")
     return t
 
 
@@ -45,11 +48,15 @@ def spec_table(spec: ModelSpec, kind: str, sizes: dict[str, int], unknown: str |
     t.add_column("value", justify="right")
     matrices = spec.matrix_params()
     t.add_row("parameters", f"{spec.numel:,} ({spec.numel / 1e9:.2f}B)")
-    t.add_row("matrix-optimizer parameters", f"{len(matrices)} ({sum(p.numel for p in matrices):,} elements)")
+    t.add_row("matrix-optimizer matrices", f"{len(matrices)} ({sum(p.numel for p in matrices):,} elements)")
+    if spec.stacks:
+        t.add_row("of them in stacked expert tensors",
+                  f"{sum(p.stack_size for p in spec.stacks)} (in {len(spec.stacks)} tensors)")
     t.add_row("AdamW parameters", str(len(spec.adamw_params())))
     for key in ARCHITECTURE_FIELDS:
         t.add_row(f"architecture: {key}", str(sizes[key]) if key in sizes else "unknown")
-    t.caption = unknown or "Matrix-optimizer parameters: 2-D, neither embedding nor head (the routing rule)."
+    t.caption = unknown or ("Matrix-optimizer matrices: 2-D parameters that are neither embedding, head nor "
+                            "router, and each matrix of a stacked expert tensor (the routing rule).")
     return t
 
 

@@ -297,7 +297,7 @@ class _Stage:
         """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
         ctx, ranks = self.ctx, self.ranks
-        if ctx.tp == 1:
+        if ctx.tp == 1 or not b.tp_collectives:
             self.compute(name, b.seconds)
             return
         if not ctx.options.tp_comm_overlap:

@@ -11,6 +11,14 @@ SMs and the datasheet efficiency, or a calibrated efficiency curve), on its real
 `tokens x out/t x in`, backward a data-gradient and a weight-gradient GEMM of the same FLOPs.
 Attention runs at a flash-attention efficiency; norms, rotary embeddings, SwiGLU and residual adds
 are memory-bound passes over the activations.
+
+A mixture-of-experts layer's experts (expert TP 1, all experts local: expert parallelism is not
+modelled yet) are one more block without TP collectives: each TP rank routes its own
+sequence-parallel tokens, `tokens / tp x experts_per_token` token-expert pairs, spread evenly over
+the experts (a balanced router); each stacked expert weight is one grouped GEMM of its experts,
+every expert's weights read once (at the experts' few rows each, the weights' reads dominate). The
+router is a GEMM over the rank's tokens; the tokens' local permutation to and from expert order
+and SwiGLU are memory-bound passes.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel
+from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
+from canzona.errors import SpecError
 from canzona.memory import check_recompute
-from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 
 # FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
 # backward pass (Shah et al. 2024, arXiv 2407.08608, Fig. 5-7); Megatron's cuDNN fused attention is
@@ -40,6 +49,7 @@ class Block:
     first_s: float
     middle_s: float
     last_s: float
+    tp_collectives: bool = True  # False: the block moves nothing across TP (experts at expert TP 1)
 
     @property
     def seconds(self) -> float:
@@ -65,19 +75,36 @@ def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
     return [b for b in out if b]
 
 
+def _is_expert_gemm(p: ParamSpec) -> bool:
+    """A mixture-of-experts layer's router or expert weight (a whole stack, not its matrices)."""
+    return p.role in (Role.EXPERT, Role.ROUTER)
+
+
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
                      vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
                      recompute: str = "none", causal: bool = True, dtype: str = "bf16",
-                     head: bool = True) -> MicroBatchWork:
+                     head: bool = True, experts: tuple[int, int] | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
-    output layer and the loss."""
+    output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
+    model (`Architecture`)."""
     check_recompute(recompute)
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
+    moe_by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
     for p in spec.matrix_params():
-        if p.layer is not None:
+        if p.layer is not None and p.stacked_in is None and not _is_expert_gemm(p):
             by_id[p.layer].append(p)
+    for p in spec.params:
+        if p.layer is not None and _is_expert_gemm(p) and (p.matrix_shape or len(p.shape) == 2):
+            moe_by_id[p.layer].append(p)
+    if any(moe_by_id.values()) and experts is None:
+        raise SpecError(f"model {spec.name!r} has experts: its architecture must give experts and experts_per_token")
+    for i in layer_ids:
+        if moe_by_id[i]:  # a router on the matrix optimizer is still the router: it runs with the experts
+            replicated = [p for p in by_id[i] if p.tp_dim is None]
+            by_id[i] = [p for p in by_id[i] if p.tp_dim is not None]
+            moe_by_id[i] = replicated + moe_by_id[i]
     by_layer = [by_id[i] for i in layer_ids]
 
     def run(kernels: Sequence[Kernel]) -> float:
@@ -124,6 +151,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                         gemms(column, True))
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
+        if moe_by_id[layer]:
+            assert experts is not None
+            fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
+                                     rate, dtype, recompute)
+            fwd_blocks.append(fwd)
+            bwd_blocks.append(bwd)
         forward.append(tuple(fwd_blocks))
         backward.append(tuple(reversed(bwd_blocks)))
     if not head:
@@ -135,3 +168,40 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
                   elementwise_kernel("loss.grad", tokens * (vocab // tp), 3, 3 * 4)])
     return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b)
+
+
+def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
+                  rate: DeviceRate, dtype: str, recompute: str) -> tuple[Block, Block]:
+    """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
+    other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
+    token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear)."""
+    count, per_token = experts
+    pairs = tokens * per_token  # token-expert pairs on this rank
+    fwd_k: list[Kernel] = []
+    bwd_k: list[Kernel] = []
+    width = 0
+    for p in params:
+        out, inp = p.shape[-2], p.shape[-1]
+        if p.role is Role.EXPERT:
+            groups = p.shape[0] if len(p.shape) == 3 else 1
+            rows = max(1, round(pairs / count))  # each expert's share of the pairs (a balanced router)
+            fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, dtype))
+            bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, dtype),
+                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, dtype)]
+            if out != hidden:
+                width = max(width, out)
+        else:
+            m = max(1, round(tokens))
+            fwd_k.append(gemm_kernel(p.name, m, out, inp, dtype))
+            bwd_k += [gemm_kernel(f"{p.name}.dgrad", m, inp, out, dtype), gemm_kernel(f"{p.name}.wgrad", out, inp, m, dtype)]
+    two = DTYPE_BYTES[dtype]
+    # permute the tokens to expert order and back (read + write hidden per pair, each way), SwiGLU
+    # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts' outputs
+    per_pair = (4 * hidden + 1.5 * width + 2 * hidden) * two
+    passes = elementwise_kernel(f"{name} permute", max(1, round(pairs)), 1, per_pair, dtype)
+    fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
+    bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
+    redo = fwd_s if recompute == "full" else 0.0
+    ew = rate.kernel_seconds(passes)
+    return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False),
+            Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False))

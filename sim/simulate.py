@@ -283,7 +283,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                                 arch.q_dim, arch.hidden, arch.vocab, rate,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1)
+                                head=stage == cfg.pp - 1, experts=arch.moe)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
                             cfg.tp_mode, cfg.options, stage))
         plans.append(stage_plan)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
-from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 
 # Simulated time grows with the micro-batches each rank runs (every forward and backward is a
 # process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
@@ -68,14 +68,16 @@ class LayerFlops:
 
 
 def forward_flops(arch: Architecture, spec: ModelSpec, wl: Workload) -> LayerFlops:
-    """`2 * params * tokens` for the layer matrices (by layer, from the spec) and the head
-    (`vocab x hidden`), plus attention scores and values (`4 * seq * q_dim` per token, halved when
-    causal)."""
+    """`2 * params * tokens` for the layer matrices (by layer, from the spec; an expert's matrices
+    over the tokens routed to it: the active parameters) and the head (`vocab x hidden`), plus
+    attention scores and values (`4 * seq * q_dim` per token, halved when causal)."""
     tokens = wl.tokens_per_micro_batch
-    matrices = [0] * arch.layers
-    for p in spec.matrix_params():
+    matrices = [0.0] * arch.layers
+    gemms = [p for p in spec.matrix_params() if p.stacked_in is None] + \
+        [p for p in spec.params if p.matrix_shape is not None or (p.role is Role.ROUTER and len(p.shape) == 2)]
+    for p in gemms:
         if p.layer is not None:
-            matrices[p.layer] += p.numel
+            matrices[p.layer] += p.numel * arch.tokens_share(p)
     attention = 4.0 * wl.seq_len * arch.q_dim * tokens * (0.5 if wl.causal else 1.0)
     per_layer = tuple(2.0 * m * tokens + attention for m in matrices)
     return LayerFlops(per_layer, 2.0 * arch.hidden * arch.vocab * tokens)

@@ -175,6 +175,11 @@ class DPPlan:
     def placements(self) -> list[Placement]:
         return [p for b in self.buckets for p in b.params]
 
+    @cached_property
+    def state_bytes(self) -> dict[str, int]:
+        """Each matrix's full optimizer state (bytes), by name: asked once per DP rank's schedule."""
+        return {p.name: p.state_bytes for p in self.placements()}
+
     def owners(self) -> dict[str, int]:
         return {p.name: p.owner for p in self.placements()}
 

@@ -217,6 +217,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "there (matrix_config is for a matrix optimizer)")
         self.adamw_cfg = _config("adamw", adamw_config)
         self.matrix_cfg = self.adamw_cfg if self.elementwise else _config(self.optimizer, matrix_config)
+        if spec.stacks:
+            # planned and simulated, not run yet: never let a stack reach the buffers as one matrix
+            raise SpecError(f"parameter {spec.stacks[0].name!r} stacks {spec.stacks[0].stack_size} expert matrices: "
+                            "canzona plans and simulates stacked experts, but its runtime does not run them yet")
         self.spec = spec
         groups = user_groups(params)
         if compile_kernels:  # before any collective: a missing compiler fails construction, not a step

@@ -288,7 +288,7 @@ def test_compare_defaults_to_every_policy_in_order():
 
 
 def test_forward_flops_grow_with_sequence_length():
-    cfg, spec = get_config("qwen3-0.6b"), get_model("qwen3-0.6b", 1)
+    cfg, spec = get_config("qwen3-0.6b").architecture(), get_model("qwen3-0.6b", 1)
     totals = [forward_flops(cfg, spec, Workload(seq_len=s)).total for s in (64, 128, 512, 2048, 8192)]
     assert all(a < b for a, b in zip(totals, totals[1:]))
     # more than linear once attention counts: doubling tokens more than doubles FLOPs
