@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from canzona.errors import SpecError
-from canzona.spec import ModelSpec, ParamSpec, Role
+from canzona.spec import ROUTER_OPTIMIZERS, ModelSpec, ParamSpec, Role
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
-ROUTER_OPTIMIZERS = ("adamw", "matrix")  # where a mixture-of-experts model's routers go
 
 # Bounds far beyond any dense model (the largest have about 130 layers, hidden 25k, vocabularies
 # of 256k): a forged file cannot make canzona build millions of parameters or layers.

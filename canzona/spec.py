@@ -33,6 +33,9 @@ class Role(str, Enum):
     ROUTER = "router"
 
 
+# Where a mixture-of-experts model's routers go: AdamW (role router), or the matrix optimizer (role matrix)
+ROUTER_OPTIMIZERS = ("adamw", "matrix")
+
 # The separator of a stacked parameter's matrix names: 'model.layers.0.mlp.experts.down_proj[3]'.
 # Brackets never occur in torch parameter names, so a matrix name cannot collide with a parameter's.
 STACK_OPEN, STACK_CLOSE = "[", "]"
@@ -240,7 +243,8 @@ class ModelSpec:
 
     @classmethod
     def from_module(cls, model: Any, *, tp_plan: Mapping[str, int] | None = None, tp_size: int = 1,
-                    name: str | None = None, order: Sequence[str] | None = None) -> ModelSpec:
+                    name: str | None = None, order: Sequence[str] | None = None, split_fc1: bool = True,
+                    router_optimizer: str = "adamw") -> ModelSpec:
         """The spec of a `torch.nn.Module`'s trainable parameters (`canzona.runtime.modules`).
 
         Names are canonical (wrapper prefixes such as `module.` and `_orig_mod.` removed): give the
@@ -248,11 +252,14 @@ class ModelSpec:
         patterns over those names to the split dimension of the local shards the module holds
         (0 column-, 1 row-parallel), `tp_size` the TP size that multiplies it. `order` is the
         forward order, e.g. `backward_order(model, loss_fn)`; registration order otherwise.
+        `split_fc1` and `router_optimizer`: how a mixture-of-experts model's fused gate/up experts
+        and routers are read (docs/design.md §2.6), as `DecoderConfig` builds them.
         """
         # imported here: it needs torch, and the policy core must import without it
         from canzona.runtime.modules import spec_from_module
 
-        return spec_from_module(model, tp_plan=tp_plan, tp_size=tp_size, name=name, order=order)
+        return spec_from_module(model, tp_plan=tp_plan, tp_size=tp_size, name=name, order=order,
+                                split_fc1=split_fc1, router_optimizer=router_optimizer)
 
 
 def _spec_labels(a: ModelSpec, b: ModelSpec) -> tuple[str, str]:

@@ -1,5 +1,9 @@
 """One optimizer for a whole model: the matrix optimizer for the parameters the routing rule sends
 to it (`canzona.spec.routes_to_matrix_optimizer`), AdamW for the rest.
+
+A stack of matrices (a mixture-of-experts layer's stacked experts, `ParamSpec.matrix_shape`) is
+that many matrices here too: the matrix optimizer is given one view per matrix of the stack's
+storage, and each step hands each view its slice of the stack's gradient (docs/design.md §2.6).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         adamw_cfg = _config("adamw", AdamWConfig, adamw_config)
 
         self.names: dict[str, torch.Tensor] = {}
+        self.stacks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (stack, a view per matrix)
         matrix_params, adamw_params = [], []
         for name, p in named_params:
             if name in self.names:
@@ -67,6 +72,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self.names[name] = p
             # an elementwise optimizer (AdamW) takes every parameter: all of them are AdamW's
             routed = routes_to_matrix_optimizer(pspec) and not entry.elementwise
+            if routed and pspec.matrix_shape is not None:
+                views = _matrix_views(name, p, pspec.matrix_shape)
+                self.stacks.append((p, views))
+                matrix_params += views
+                continue
             (matrix_params if routed else adamw_params).append(p)
         if not self.names:
             raise ValueError("CombinedOptimizer got no parameters")
@@ -96,6 +106,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for stack, views in self.stacks:  # each matrix of a stack sees its slice of the gradient
+            flat = None if stack.grad is None else stack.grad.reshape(-1)
+            for view in views:
+                view.grad = None if flat is None else flat[_span(stack, view)].view(view.shape)
         for o in self.optimizers:
             o.step()
         return loss
@@ -103,6 +117,14 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
+        for stack, views in self.stacks:
+            for view in views:
+                view.grad = None
+            if stack.grad is not None:
+                if set_to_none:
+                    stack.grad = None
+                else:
+                    stack.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -123,3 +145,19 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if o is not None:
                 o.load_state_dict(state_dict[key])
         self._link()  # loading replaces the sub-optimizers' group dicts
+
+
+def _matrix_views(name: str, stack: torch.Tensor, matrix_shape: tuple[int, int]) -> list[torch.Tensor]:
+    """One `m x n` view per matrix of a stack, in memory order: leaves sharing the stack's storage,
+    so updating a view updates the stack."""
+    if not stack.is_contiguous():
+        raise ValueError(f"parameter {name!r} stacks matrices but is not contiguous")
+    m, n = matrix_shape
+    flat = stack.detach().view(-1)
+    return [flat[k * m * n:(k + 1) * m * n].view(m, n) for k in range(stack.numel() // (m * n))]
+
+
+def _span(stack: torch.Tensor, view: torch.Tensor) -> slice:
+    """Where `view` lies in the flattened `stack` (a view made by `_matrix_views`)."""
+    start = view.storage_offset() - stack.storage_offset()
+    return slice(start, start + view.numel())

@@ -137,6 +137,20 @@ class Context:
             return 0
         return sum(self.plan.dp_plan.piece_lengths(i))
 
+    def batch_saving(self, shape: tuple[int, ...], count: int) -> float:
+        """Seconds one batched kernel over `count` matrices of `shape` saves over `count` calls
+        (kept: a mixture-of-experts plan asks for the same few batches thousands of times)."""
+        key = (shape, count)
+        if key not in self._batch_savings:
+            kernels = optimizer_kernels(self.plan.optimizer, shape)
+            self._batch_savings[key] = count * sum(self.rate.kernel_seconds(k) for k in kernels) - \
+                self.rate.batched_seconds(kernels, count)
+        return self._batch_savings[key]
+
+    @cached_property
+    def _batch_savings(self) -> dict[tuple[tuple[int, ...], int], float]:
+        return {}
+
     def adamw_seconds(self, numel: int) -> float:
         return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))
 
@@ -584,9 +598,7 @@ def batching_saving(ctx: Context, hosted: Sequence[Task]) -> float:
     saving = 0.0
     for batch in shape_batches(hosted, True):
         if len(batch) > 1:
-            kernels = optimizer_kernels(ctx.plan.optimizer, tuple(batch[0].shape))
-            saving += len(batch) * sum(ctx.rate.kernel_seconds(k) for k in kernels) - \
-                ctx.rate.batched_seconds(kernels, len(batch))
+            saving += ctx.batch_saving(tuple(batch[0].shape), len(batch))
     return max(saving, 0.0)
 
 

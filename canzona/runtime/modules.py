@@ -12,10 +12,19 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
 - roles (docs/design.md §2.1): 1-D parameters are `vector`; weights of an `nn.Embedding` or of a
   module named like an embedding are `embedding`; the output head (`get_output_embeddings()` on
   Hugging Face models, else a module named `lm_head`, `output_layer` or a top-level `output`) is
-  `head`, unless its weight is also an embedding (tied); every other parameter is `matrix`. That
-  includes parameters of 3 or more dimensions (convolutions, stacked expert weights): the routing
-  rule (`canzona.spec.routes_to_matrix_optimizer`) sends only *2-D* matrices to the matrix
-  optimizer, so they go to AdamW while still saying what they are, a weight rather than a vector;
+  `head`, unless its weight is also an embedding (tied); a mixture-of-experts layer's parameters
+  are `expert` and `router` (below); every other parameter is `matrix`. That includes other
+  parameters of 3 or more dimensions (convolutions): the routing rule
+  (`canzona.spec.routes_to_matrix_optimizer`) sends only *2-D* matrices and stacks of them to the
+  matrix optimizer, so they go to AdamW while still saying what they are, a weight rather than a
+  vector;
+- experts (docs/design.md §2.6): a parameter inside a module named `experts` is an expert's. One
+  of 3 or more dimensions is a stack of matrices over its first dimension (transformers 5's fused
+  experts, torchtitan's grouped-GEMM weights), each `shape[-2] x shape[-1]`, except a fused
+  gate/up (`gate_up_proj`), which `split_fc1` (default) makes two matrices per expert; a 2-D one
+  (`experts.3.w1.weight`, one `nn.Linear` per expert) is one expert matrix. The 2-D weight of a
+  module named `gate` or `router` beside an `experts` module is the router: AdamW, unless
+  `router_optimizer="matrix"``;
 - layer index: the integer right after a `layers` / `layer` / `h` / `blocks` component;
 - dtype: the parameter's, which must be fp64, fp32, bf16 or fp16;
 - TP: the module holds local shards. The split dimension of a parameter comes from, in this
@@ -40,7 +49,7 @@ from canzona.errors import PlanError, SpecError
 from canzona.runtime.kernels import TORCH_DTYPES
 from canzona.runtime.shards import dtensor_tp_dim, is_dtensor, megatron_tp_dim
 from canzona.runtime.wrappers import module_wrapper, wrapper_message
-from canzona.spec import ModelSpec, ParamSpec, Role
+from canzona.spec import ROUTER_OPTIMIZERS, ModelSpec, ParamSpec, Role
 
 __all__ = [
     "WRAPPER_COMPONENTS",
@@ -170,6 +179,44 @@ def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
     if p.dim() == 1:
         return Role.VECTOR  # a head's or an embedding's bias is a vector like any other
     return owner_role or Role.MATRIX
+
+
+EXPERTS_MODULE = "experts"
+ROUTER_MODULES = frozenset({"gate", "router"})
+FUSED_FC1 = frozenset({"gate_up_proj"})
+
+
+def _moe_parts(model: nn.Module) -> tuple[set[str], set[str]]:
+    """Canonical names of the modules named `experts` and of the routers (a `gate` / `router`
+    module beside one)."""
+    experts, routers = set(), set()
+    for raw, module in model.named_modules():
+        name = canonical_name(raw)
+        children = {n for n, _ in module.named_children()}
+        if EXPERTS_MODULE in children:
+            experts.add(f"{name}.{EXPERTS_MODULE}" if name else EXPERTS_MODULE)
+            routers.update(f"{name}.{r}" if name else r for r in children & ROUTER_MODULES)
+    return experts, routers
+
+
+def _moe_role(pname: str, p: nn.Parameter, experts: set[str], routers: set[str], split_fc1: bool,
+              router_optimizer: str) -> tuple[Role, tuple[int, int] | None] | None:
+    """The role (and stack shape) of an expert's or router's parameter; None for any other."""
+    module = pname.rsplit(".", 1)[0] if "." in pname else ""
+    if module in routers and p.dim() == 2:
+        return (Role.ROUTER if router_optimizer == "adamw" else Role.MATRIX), None
+    inside = any(module == e or module.startswith(e + ".") for e in experts)
+    if not inside or p.dim() < 2:
+        return None
+    if p.dim() == 2:
+        return Role.EXPERT, None
+    rows, cols = p.shape[-2], p.shape[-1]
+    if split_fc1 and pname.rsplit(".", 1)[-1] in FUSED_FC1:
+        if rows % 2:
+            raise SpecError(f"parameter {pname!r}: a fused gate/up block of {rows} rows cannot be split in two "
+                            "(split_fc1=False keeps it one matrix)")
+        rows //= 2
+    return Role.EXPERT, (rows, cols)
 
 
 def _dtype(name: str, p: nn.Parameter) -> str:
@@ -307,10 +354,14 @@ def _default_name(model: nn.Module) -> str:
 
 
 def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None, tp_size: int = 1,
-                     name: str | None = None, order: Sequence[str] | None = None) -> ModelSpec:
+                     name: str | None = None, order: Sequence[str] | None = None, *, split_fc1: bool = True,
+                     router_optimizer: str = "adamw") -> ModelSpec:
     """The `ModelSpec` of `model`'s trainable parameters (see the module docstring)."""
     if not isinstance(model, nn.Module):
         raise SpecError(f"from_module needs a torch.nn.Module, got {type(model).__name__}")
+    if router_optimizer not in ROUTER_OPTIMIZERS:
+        raise SpecError(f"router_optimizer must be one of {', '.join(ROUTER_OPTIMIZERS)}, got {router_optimizer!r}")
+    experts, routers = _moe_parts(model)
     _refuse_data_parallel_wrappers(model)
     _check_tp_size(tp_size)
     params = dict(_trainable_parameters(model))
@@ -333,6 +384,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
                             f"itself says {'no dimension' if own is None else f'dimension {own}'}")
         tp_dim = own if says else tp_dims.get(pname)
         shape = tuple(p.shape) if is_dtensor(p) else _global_shape(tuple(p.shape), tp_dim, tp_size)
-        specs.append(ParamSpec(pname, shape, _role(p, owner_roles.get(id(p))), _layer_index(pname), tp_dim,
-                               _dtype(pname, p)))
+        moe = _moe_role(pname, p, experts, routers, split_fc1, router_optimizer)
+        role, matrix_shape = moe if moe is not None else (_role(p, owner_roles.get(id(p))), None)
+        specs.append(ParamSpec(pname, shape, role, _layer_index(pname), tp_dim, _dtype(pname, p), matrix_shape))
     return ModelSpec(name or _default_name(model), tuple(specs))

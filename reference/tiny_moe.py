@@ -1,0 +1,171 @@
+"""A tiny mixture-of-experts model in pure torch, its experts either stacked or one linear each.
+
+What it is for: checking that a stacked expert tensor is that many matrices (docs/design.md §2.6),
+by training the same model stored both ways. Per layer: an RMSNorm, a top-k router
+(`mlp.gate.weight`, softmax over the experts, the k largest renormalised, as Qwen3-MoE with
+`norm_topk_prob`), SwiGLU experts, a residual add; then a final RMSNorm and the head. Attention is
+left out: the dense layers are the catalog's (`reference.tiny_model`), and this model is about the
+experts.
+
+- `stacked=True` stores the experts as transformers 5 does: `mlp.experts.gate_up_proj`
+  `[experts, 2 ffn, hidden]` (gate rows, then up) and `mlp.experts.down_proj` `[experts, hidden, ffn]`;
+- `stacked=False` gives every expert its own `nn.Linear`s: `mlp.experts.<e>.gate_proj` /
+  `up_proj` / `down_proj`.
+
+Both compute the same function with the same kernels (a stacked expert's gate and up are its two
+row blocks, each applied by `F.linear` as its linear would be), so their gradients are equal bit
+for bit, and a matrix optimizer that treats each expert matrix as a matrix trains them identically.
+Initialisation draws in float64 from a seeded generator, stacked order, so both are the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyMoeConfig:
+    layers: int = 2
+    hidden: int = 16
+    ffn: int = 8  # each expert's width
+    experts: int = 4
+    experts_per_token: int = 2
+    vocab: int = 32
+    eps: float = 1e-6
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _Expert(nn.Module):
+    def __init__(self, cfg: TinyMoeConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _StackedExperts(nn.Module):
+    def __init__(self, cfg: TinyMoeConfig) -> None:
+        super().__init__()
+        self.ffn = cfg.ffn
+        self.gate_up_proj = nn.Parameter(torch.zeros(cfg.experts, 2 * cfg.ffn, cfg.hidden))
+        self.down_proj = nn.Parameter(torch.zeros(cfg.experts, cfg.hidden, cfg.ffn))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj[e, :self.ffn], self.gate_up_proj[e, self.ffn:]
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), self.down_proj[e])
+
+
+class _Moe(nn.Module):
+    def __init__(self, cfg: TinyMoeConfig, stacked: bool) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = _StackedExperts(cfg) if stacked else nn.ModuleList(_Expert(cfg) for _ in range(cfg.experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e in range(self.gate.out_features):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = flat[rows]
+            y = self.experts.expert(e, h) if isinstance(self.experts, _StackedExperts) else self.experts[e](h)
+            out = out.index_add(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        return out.reshape(x.shape)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: TinyMoeConfig, stacked: bool) -> None:
+        super().__init__()
+        self.post_attention_layernorm = _Norm(cfg.hidden, cfg.eps)
+        self.mlp = _Moe(cfg, stacked)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: TinyMoeConfig, stacked: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(_Layer(cfg, stacked) for _ in range(cfg.layers))
+        self.norm = _Norm(cfg.hidden, cfg.eps)
+
+
+class TinyMoe(nn.Module):
+    """The model (see the module docstring); `forward(ids)` gives logits."""
+
+    def __init__(self, cfg: TinyMoeConfig | None = None, *, stacked: bool = True, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or TinyMoeConfig()
+        self.model = _Backbone(cfg, stacked)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self._initialise(seed)
+        self.to(dtype)
+
+    @torch.no_grad()
+    def _initialise(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        cfg = self.cfg
+
+        def draw(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).float()
+
+        self.model.embed_tokens.weight.copy_(draw(cfg.vocab, cfg.hidden, scale=1.0))
+        for layer in self.model.layers:
+            layer.mlp.gate.weight.copy_(draw(cfg.experts, cfg.hidden, scale=cfg.hidden ** -0.5))
+            gate_up = draw(cfg.experts, 2 * cfg.ffn, cfg.hidden, scale=cfg.hidden ** -0.5)
+            down = draw(cfg.experts, cfg.hidden, cfg.ffn, scale=cfg.ffn ** -0.5)
+            experts = layer.mlp.experts
+            if isinstance(experts, _StackedExperts):
+                experts.gate_up_proj.copy_(gate_up)
+                experts.down_proj.copy_(down)
+            else:
+                for e, expert in enumerate(experts):
+                    expert.gate_proj.weight.copy_(gate_up[e, :cfg.ffn])
+                    expert.up_proj.weight.copy_(gate_up[e, cfg.ffn:])
+                    expert.down_proj.weight.copy_(down[e])
+        self.lm_head.weight.copy_(draw(cfg.vocab, cfg.hidden, scale=cfg.hidden ** -0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+
+def expert_matrices(model: TinyMoe) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Every expert matrix by (layer, expert, 'gate' | 'up' | 'down'), whichever way it is stored:
+    for comparing a stacked model with a linear one."""
+    out = {}
+    f = model.cfg.ffn
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for e in range(model.cfg.experts):
+            if isinstance(experts, _StackedExperts):
+                parts = (experts.gate_up_proj[e, :f], experts.gate_up_proj[e, f:], experts.down_proj[e])
+            else:
+                parts = (experts[e].gate_proj.weight, experts[e].up_proj.weight, experts[e].down_proj.weight)
+            out.update({(i, e, kind): t.detach() for kind, t in zip(("gate", "up", "down"), parts)})
+    return out
