@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
@@ -275,6 +275,24 @@ class LayoutMemory:
     pp: int
     stage: int
     ranks: tuple[RankMemory, ...]
+
+    def with_experts(self, experts: LayoutMemory, ep: int, setup: MemorySetup) -> LayoutMemory:
+        """This dense part's memory with the expert part of the same GPUs added (expert
+        parallelism, `canzona.experts`): `experts` is the expert plan's memory over the EDP
+        groups (TP 1), where stage rank `s` is EDP rank `s // ep`. Weights, gradients, masters
+        and state add; the expert gradients' reductions are in flight with the dense ones; the
+        step buffers are the larger of the two steps'; activations are the dense part's (the
+        whole model's layers)."""
+        ranks = []
+        for r in self.ranks:
+            e = experts.ranks[(r.dp_rank * self.tp + r.tp_rank) // ep]
+            merged = replace(r, weights=r.weights + e.weights, grads=r.grads + e.grads,
+                             master_weights=r.master_weights + e.master_weights,
+                             matrix_state=r.matrix_state + e.matrix_state, adamw_state=r.adamw_state + e.adamw_state,
+                             reduction=r.reduction + e.reduction, step_buffers=max(r.step_buffers, e.step_buffers))
+            counted = merged.persistent + merged.transient
+            ranks.append(replace(merged, overhead=setup.fixed_overhead_bytes + math.ceil(setup.fragmentation * counted)))
+        return replace(self, ranks=tuple(ranks))
 
     @property
     def worst(self) -> RankMemory:

@@ -194,9 +194,12 @@ def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -
     return items
 
 
-def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str) -> list[list[TPTask]]:
+def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str, tp: int = 0) -> list[list[TPTask]]:
     """Per DP rank, the matrices it computes whole, in forward order: none under an elementwise
-    optimizer (each rank updates the pieces its segments hold, with no TP exchange)."""
+    optimizer (each rank updates the pieces its segments hold, with no TP exchange). At `tp` 1
+    nothing is exchanged, so the order only decides what is batched (`canzona.batching`: a batch
+    is same-shape matrices of consecutive groups): same-shape matrices together, each shape's in
+    forward order, the shapes in the order they first appear."""
     if matrix_optimizer(optimizer).elementwise:
         return [[] for _ in range(dp_plan.dp)]
     matrices = model.matrix_params()  # a stack's matrices one by one
@@ -207,9 +210,16 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str) -> list[list[TPT
         for p in b.params:
             for r in dp_plan.computing_ranks(b, p):
                 per_rank[r].append(p)
+    first_of_shape: dict[tuple[int, ...], int] = {}
+    for i, p in enumerate(matrices):
+        first_of_shape.setdefault(p.shape, i)
+
+    def key(p: Placement) -> tuple[int, int]:
+        i = order[p.name]
+        return (first_of_shape[full[p.name].shape], i) if tp == 1 else (0, i)
+
     return [
-        [TPTask(p.name, p.cost, 2 * full[p.name].numel * DTYPE_BYTES["fp32"])
-         for p in sorted(rank, key=lambda p: order[p.name])]
+        [TPTask(p.name, p.cost, 2 * full[p.name].numel * DTYPE_BYTES["fp32"]) for p in sorted(rank, key=key)]
         for rank in per_rank
     ]
 
@@ -269,7 +279,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     cost_model = cost_model or AnalyticCost()
     dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,
                   balance_by)
-    tpp = plan_tp(tp_tasks(model, dpp, optimizer), tp, tp_policy, capacity)
+    tpp = plan_tp(tp_tasks(model, dpp, optimizer, tp), tp, tp_policy, capacity)
     return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
 
 

@@ -62,7 +62,7 @@ from sim.options import RunOptions
 from sim.topology import Cluster
 from sim.workload import Workload
 
-TP_COMM, DP_COMM = "tp-comm", "dp-comm"
+TP_COMM, DP_COMM, EP_COMM = "tp-comm", "dp-comm", "ep-comm"
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
 FP32_BYTES = 4  # the masters and update chunks are fp32 (MemorySetup.update_bytes with masters)
 
@@ -82,6 +82,16 @@ class Context:
     tp_mode: str = "pipelined"
     options: RunOptions = RunOptions()
     stage: int = 0  # pipeline stage: `spec`, `plan` and `work` are this stage's
+    # expert parallelism (canzona.experts): the expert part's context, whose cluster is the same
+    # GPUs in expert order (EP groups as its TP groups, EDP groups as its DP groups) and whose
+    # plan owns one EP rank's expert matrices over EDP; `spec` and `plan` above are the dense part
+    experts: Context | None = None
+
+    def expert_records(self, *phases: str) -> list[StepCollective]:
+        """The expert part's gradient and parameter collectives of these phases: its buckets' (the
+        dense part runs the AdamW buffer and the step checks)."""
+        return [r for r in self.dp_records(*phases)
+                if r.bucket is not None or (r.phase == STEP and r.group == DP_GROUP and "adamw" not in r.name)]
 
     @property
     def runtime_mode(self) -> bool:
@@ -289,6 +299,13 @@ class _Stage:
         self.dp_groups = _groups(self.ranks, [cl.dp_group(t, stage) for t in range(cl.tp)])
         self.firsts = _bucket_first_layers(ctx)
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
+        self.experts = ctx.experts
+        if self.experts is not None:
+            ecl = self.experts.cluster
+            self.ep_groups = _groups(self.ranks, [ecl.tp_group(i, stage) for i in range(ecl.dp)])
+            self.edp_groups = _groups(self.ranks, [ecl.dp_group(j, stage) for j in range(ecl.tp)])
+            self.expert_firsts = _bucket_first_layers(self.experts)
+            self.ep_costs: dict[float, CollectiveCost] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
 
@@ -311,6 +328,11 @@ class _Stage:
         """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
         ctx, ranks = self.ctx, self.ranks
+        if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
+            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, self._ep_cost(b.ep_bytes), EP_COMM))
+            self.compute(name, b.seconds)
+            self.last.update(self.collective(f"{name} combine", self.ep_groups, self._ep_cost(b.ep_bytes), EP_COMM))
+            return
         if ctx.tp == 1 or not b.tp_collectives:
             self.compute(name, b.seconds)
             return
@@ -332,6 +354,14 @@ class _Stage:
                                     {r: [before_last[r]] for r in ranks})
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
 
+    def _ep_cost(self, sent: float) -> CollectiveCost:
+        """An EP group's all-to-all where every member sends `sent` bytes, evenly to the others."""
+        if sent not in self.ep_costs:
+            ep = self.experts.cluster.tp
+            self.ep_costs[sent] = all_to_all_cost([sent] * ep, [sent] * ep, self.experts.cluster.tp_geometry(),
+                                                  self.ctx.hw)
+        return self.ep_costs[sent]
+
     def send(self, to: int, name: str, arrived: simpy.Event) -> None:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`."""
         stream = f"{PP_COMM} {self.stage}->{to}"
@@ -352,6 +382,12 @@ class _Stage:
             name, cost = gathers[i]
             evs = self.collective(name, self.dp_groups, cost, DP_COMM, {r: [] for r in self.ranks})
             needed.setdefault(first_layer if i == 0 else self.firsts[i - 1], []).extend(evs.values())
+        if self.experts is not None:  # the expert buckets' gathers over EDP, on the same stream, in forward order
+            records = self.experts.expert_records(PARAMS)
+            for k in sorted(range(len(records)), key=lambda k: self.expert_firsts[k]):
+                evs = self.collective(f"experts {records[k].name}", self.edp_groups,
+                                      record_cost(self.experts, records[k]), DP_COMM, {r: [] for r in self.ranks})
+                needed.setdefault(self.expert_firsts[k], []).extend(evs.values())
         return needed
 
     def _probe(self, before: simpy.Event, wanted: list[simpy.Event]):
@@ -372,6 +408,15 @@ class _Stage:
                     bucket += self.collective_record(rec).values()
             self.bucket_synced.setdefault(bi, []).extend(bucket)
             out += bucket
+        if self.experts is not None:  # the expert buckets whose gradients this layer completes, over EDP
+            for bi, first in enumerate(self.expert_firsts):
+                if first != layer:
+                    continue
+                index = self.experts.plan.dp_plan.buckets[bi].index
+                for rec in self.experts.expert_records(BACKWARD):
+                    if rec.bucket == index:
+                        out += self.collective(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec),
+                                               DP_COMM, {r: [self.last[r]] for r in self.ranks}).values()
         return out
 
     def collective_record(self, rec: StepCollective) -> dict[int, simpy.Event]:
@@ -503,18 +548,58 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
         if step_records:
             checked.update(reduced)
     params_ready: dict[int, simpy.Event] = {}
+    # the expert part (expert parallelism) on each rank's compute stream right after the dense
+    # part's last compute: it needs no TP exchange, so the dense part's last scatter and applies
+    # run under it instead of after it
+    expert_step = _ExpertStep(ctx.experts, checked) if ctx.experts is not None else None
     for run in runs:
         begin = {r: checked[r] for r in run.members}
-        for op in run.schedule.ops:
+        computes = [k for k, op in enumerate(run.schedule.ops) if op.kind == COMPUTE]
+        if expert_step is not None and not computes:
+            expert_step.issue(run.members)
+        for k, op in enumerate(run.schedule.ops):
             if op.kind == APPLY:
                 run.apply(op, begin if run.early else None)
             elif not run.early:  # else issued as its buckets landed
                 run.issue(op, begin)
+            if expert_step is not None and computes and k == computes[-1]:
+                expert_step.issue(run.members)
         for r in run.members:
             params_ready[r] = _adamw_step(ctx, r, run.applied[r] or [checked[r]])
+    experts = expert_step.done if expert_step is not None else {}
     if ctx.options.overlap_param_gather:  # they run under the next forward (phase A)
-        return list(params_ready.values())
-    return list(issue_records(ctx, ctx.dp_records(PARAMS), params_ready).values())
+        return list(params_ready.values()) + list(experts.values())
+    gathered = issue_records(ctx, ctx.dp_records(PARAMS), params_ready)
+    if experts:
+        gathered.update(issue_records(ctx.experts, ctx.experts.expert_records(PARAMS), experts))
+    return list(gathered.values()) + list(experts.values())
+
+
+class _ExpertStep:
+    """The expert part's step (expert parallelism): the expert plan's DP collectives of the step
+    (zero1-gather's gradient gathers) over EDP, then on each rank the expert matrices its EDP rank
+    owns, computed whole and applied (TP 1: no exchange), with the dense part's batching."""
+
+    def __init__(self, ectx: Context, begin: dict[int, simpy.Event]) -> None:
+        self.ectx = ectx
+        self.reduced = issue_records(ectx, ectx.expert_records(STEP), begin)
+        self.schedules: dict[int, TPSchedule] = {}
+        self.done: dict[int, simpy.Event] = {}  # per rank: its last expert update
+
+    def issue(self, ranks: Sequence[int]) -> None:
+        ectx = self.ectx
+        for r in ranks:
+            i = 0 if ectx.policy.replicated else ectx.dp_index(r)
+            if i not in self.schedules:
+                self.schedules[i] = tp_schedule(ectx.plan, ectx.spec, ectx.policy, i, ectx.tp_mode,
+                                                ectx.workload.grad_bytes, ectx.workload.grad_bytes)
+            run = _ScheduleRun(ectx, [r], self.schedules[i])
+            for op in run.schedule.ops:
+                if op.kind == APPLY:
+                    run.apply(op)
+                else:
+                    run.issue(op, {r: self.reduced[r]})
+            self.done[r] = ectx.engine.env.all_of(run.applied[r] or [self.reduced[r]])
 
 
 def _group_ready(ctx: Context, early: EarlyStart, synced: simpy.Event):

@@ -15,6 +15,7 @@ from typing import Any
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
@@ -70,6 +71,7 @@ class SimConfig:
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
+    ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts; expert TP 1)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -103,7 +105,19 @@ class SimConfig:
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
+        check_ep(resolved[0], self.ep, cluster.dp, self.tp)
+        if self.ep > 1:
+            if hw.node.gpus % self.ep:
+                raise SpecError(f"ep={self.ep} must divide the {hw.node.gpus} GPUs of a node (the simulator keeps "
+                                "EP groups inside a node)")
+            if self.options.collectives == "runtime":
+                raise SpecError("the runtime does not run expert parallelism yet: --collectives runtime needs ep=1")
         return cluster, resolved, hw
+
+    def expert_cluster(self, cluster: Cluster) -> Cluster:
+        """The same GPUs in expert order (canzona.experts): EP groups of `ep` consecutive ranks in
+        place of TP groups, EDP groups in place of DP groups."""
+        return Cluster(cluster.gpus, self.ep, cluster.gpus_per_node, cluster.pp)
 
 
 def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
@@ -191,13 +205,16 @@ class SimResult:
         }
 
 
-def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile) -> Plan:
-    """The policy's plan for one pipeline stage's `spec` (the whole model without PP)."""
-    policy = STEP_POLICIES[cfg.policy]
+def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile, tp: int | None = None,
+              policy: str | None = None) -> Plan:
+    """The policy's plan (`cfg.policy` unless given) for one pipeline stage's `spec` (the whole
+    model without PP) on `cluster`'s DP groups (an expert cluster's EDP groups, with `tp` 1:
+    experts are whole)."""
+    policy = STEP_POLICIES[policy or cfg.policy]
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
     # for the runtime's collectives, which are laid out on a plan of the whole DP group
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
-    return plan_for(spec, dp, cfg.tp, cfg.optimizer, policy, cfg.settings, cost_model_for(hw))
+    return plan_for(spec, dp, cfg.tp if tp is None else tp, cfg.optimizer, policy, cfg.settings, cost_model_for(hw))
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -258,42 +275,58 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
         return result
     # only the policy differs: the checks passed, and the cluster is the same
     fallback = _simulate(with_policy(cfg, "zero1-gather"), None, replicate_phase_a, model, cluster, hw)
-    if fallback.iteration_time_s < result.iteration_time_s:
-        return replace(fallback, config=cfg, fell_back_to="zero1-gather")
-    return result
+    fallback = replace(fallback, config=cfg, fell_back_to="zero1-gather")
+    candidates = [result, fallback]
+    if cfg.ep > 1 and not cfg.options.overlap_step:  # two plans: the fallback may pay for one of them only
+        dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather")
+        candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
+    return min(candidates, key=lambda r: r.iteration_time_s)  # the first of equals: canzona's own
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
-              model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile) -> SimResult:
-    """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`)."""
+              model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
+              dense_policy: str | None = None) -> SimResult:
+    """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`);
+    `dense_policy`: under expert parallelism, another policy for the dense part (canzona's
+    fallback for that part alone)."""
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
-    policy = STEP_POLICIES[cfg.policy]
+    expert_policy = STEP_POLICIES[cfg.policy]
+    policy = STEP_POLICIES[dense_policy or cfg.policy]
     spec, arch = model
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
     engine = Engine()
     dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
+    experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
+    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
+                                      reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
+                                      overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers)
-        stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw)
-        policy.check_dp_plan(stage_plan.dp_plan)
-        policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                                 arch.q_dim, arch.hidden, arch.vocab, rate,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1, experts=arch.moe)
+                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep)
+        expert_ctx = None
+        if experts is not None:  # the experts are a plan of their own, over EDP (canzona.experts)
+            expert_model = expert_part(stage_model, cfg.ep)
+            expert_plan = _plan_for(cfg, experts, expert_model, hw, tp=1)
+            expert_ctx = Context(engine, experts, hw, rate, arch, expert_model, wl, expert_plan, expert_policy, work,
+                                 cfg.tp_mode, cfg.options, stage)
+            stage_model = dense_part(stage_model)
+        stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw, policy=policy.name)
+        policy.check_dp_plan(stage_plan.dp_plan)
+        policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
-                            cfg.tp_mode, cfg.options, stage))
+                            cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
         plans.append(stage_plan)
-        memories.append(memory_per_gpu(stage_model, stage_plan, policy, dims,
-                                       MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
-                                                                 tp_mode=cfg.tp_mode,
-                                                                 reduce_scatter=cfg.options.reduce_scatter,
-                                                                 batch_kernels=cfg.options.batch_kernels,
-                                                                 overlap_step=cfg.options.overlap_step),
-                                       dp=cluster.dp, pp=cfg.pp, stage=stage))
+        memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage)
+        if expert_ctx is not None:
+            memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
+                                                        dp=experts.dp, pp=cfg.pp, stage=stage), cfg.ep, setup)
+        memories.append(memory)
     memory = max(memories, key=lambda m: m.worst.total)
 
     phase = forward_backward(ctxs, all_ranks=not replicate_phase_a)
@@ -344,6 +377,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         spans=tuple(simulated_a) + tuple(phase_b),
         collective_records=tuple(engine.records),
     )
+
+
+DENSE_FALLBACK = "zero1-gather for the dense part"
 
 
 def with_policy(cfg: SimConfig, name: str) -> SimConfig:
