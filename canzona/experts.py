@@ -62,3 +62,21 @@ def expert_part(spec: ModelSpec, ep: int) -> ModelSpec:
         shape = (p.shape[0] // ep, *p.shape[1:])
         stacks.append(replace(p, shape=shape))
     return ModelSpec(f"{spec.name} experts / ep {ep}", tuple(stacks))
+
+
+def router_imbalance(loads: float | tuple[float, ...] | list[float], experts: int, ep: int) -> float:
+    """How much more the busiest EP rank of a group receives than the mean: `loads` is that
+    factor itself (>= 1), or the router's histogram, one share of the tokens per expert (any
+    non-negative scale), whose EP ranks' sums (experts in blocks of `experts / ep`) give it."""
+    if isinstance(loads, (int, float)) and not isinstance(loads, bool):
+        if not 1.0 <= float(loads) < float("inf"):
+            raise SpecError(f"router imbalance must be a number >= 1 (busiest EP rank / mean), got {loads!r}")
+        return float(loads)
+    shares = list(loads)
+    if len(shares) != experts or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and
+                                         0 <= x < float("inf") for x in shares) or sum(shares) <= 0:
+        raise SpecError(f"a router histogram gives one non-negative share per expert ({experts}), not all zero; "
+                        f"got {len(shares)} values")
+    per_rank = experts // ep
+    ranks = [sum(shares[j * per_rank:(j + 1) * per_rank]) for j in range(ep)]
+    return max(ranks) / (sum(ranks) / ep)

@@ -244,7 +244,7 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
 def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
-                pp: int = 1, ep: int = 1):
+                pp: int = 1, ep: int = 1, router_imbalance: str = "1"):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -254,7 +254,17 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, ep=ep)
+                     zero1_fallback=zero1_fallback, pp=pp, ep=ep,
+                     router_imbalance=_router_imbalance(router_imbalance))
+
+
+def _router_imbalance(text: str) -> float | tuple[float, ...]:
+    """`--router-imbalance`: one number, or a comma-separated histogram (checked against the model later)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise SpecError(f"--router-imbalance takes a number or comma-separated numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
 
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
@@ -291,6 +301,9 @@ OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
+RouterImbalance = Annotated[str, typer.Option(
+    help="Under --ep: the busiest EP rank's token-expert pairs over the mean (a number >= 1), or the router's "
+         "histogram, one share of the tokens per expert, comma-separated (default 1: balanced).")]
 Ep = Annotated[int, typer.Option(help="Expert parallelism of a mixture-of-experts model: each GPU holds experts / EP "
                                       "of every layer's experts, whole (expert TP 1), their gradients reduced over "
                                       "the DP x TP / EP ranks that hold the same ones; the simulator only.")]
@@ -318,7 +331,8 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, collectives: Collectives = "megatron",
+    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
@@ -334,7 +348,7 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                             zero1_fallback, pp, ep)
+                             zero1_fallback, pp, ep, router_imbalance)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -360,7 +374,8 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, collectives: Collectives = "megatron",
+    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
@@ -378,7 +393,7 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                           zero1_fallback, pp, ep)
+                           zero1_fallback, pp, ep, router_imbalance)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

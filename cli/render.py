@@ -129,7 +129,7 @@ def simulate_table(result) -> Table:
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
     t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, "
-                    f"DP {c.gpus // (c.tp * c.pp)}), {c.optimizer}, "
+                    f"DP {c.gpus // (c.tp * c.pp)}{f', EP {c.ep}' if c.ep > 1 else ''}), {c.optimizer}, "
                     f"policy {c.policy}{fell} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
@@ -168,7 +168,7 @@ def simulate_table(result) -> Table:
 def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
-    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "")
+    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "") + (f", EP {c.ep}" if c.ep > 1 else "")
     t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)

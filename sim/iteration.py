@@ -305,7 +305,7 @@ class _Stage:
             self.ep_groups = _groups(self.ranks, [ecl.tp_group(i, stage) for i in range(ecl.dp)])
             self.edp_groups = _groups(self.ranks, [ecl.dp_group(j, stage) for j in range(ecl.tp)])
             self.expert_firsts = _bucket_first_layers(self.experts)
-            self.ep_costs: dict[float, CollectiveCost] = {}
+            self.ep_costs: dict[tuple[float, float], CollectiveCost] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
 
@@ -329,9 +329,10 @@ class _Stage:
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
         ctx, ranks = self.ctx, self.ranks
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
-            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, self._ep_cost(b.ep_bytes), EP_COMM))
+            cost = self._ep_cost(b.ep_bytes, b.ep_received)
+            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, cost, EP_COMM))
             self.compute(name, b.seconds)
-            self.last.update(self.collective(f"{name} combine", self.ep_groups, self._ep_cost(b.ep_bytes), EP_COMM))
+            self.last.update(self.collective(f"{name} combine", self.ep_groups, cost, EP_COMM))
             return
         if ctx.tp == 1 or not b.tp_collectives:
             self.compute(name, b.seconds)
@@ -354,13 +355,16 @@ class _Stage:
                                     {r: [before_last[r]] for r in ranks})
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
 
-    def _ep_cost(self, sent: float) -> CollectiveCost:
-        """An EP group's all-to-all where every member sends `sent` bytes, evenly to the others."""
-        if sent not in self.ep_costs:
+    def _ep_cost(self, sent: float, received: float) -> CollectiveCost:
+        """An EP group's all-to-all where every member sends `sent` bytes to the others and the
+        busiest receives `received` (the combine returns the same bytes the other way: its busiest
+        sender sends `received`, which takes as long)."""
+        key = (sent, received)
+        if key not in self.ep_costs:
             ep = self.experts.cluster.tp
-            self.ep_costs[sent] = all_to_all_cost([sent] * ep, [sent] * ep, self.experts.cluster.tp_geometry(),
-                                                  self.ctx.hw)
-        return self.ep_costs[sent]
+            self.ep_costs[key] = all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1),
+                                                 self.experts.cluster.tp_geometry(), self.ctx.hw)
+        return self.ep_costs[key]
 
     def send(self, to: int, name: str, arrived: simpy.Event) -> None:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`."""

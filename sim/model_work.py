@@ -53,6 +53,7 @@ class Block:
     # expert parallelism: bytes each rank sends in the token dispatch all-to-all before the block
     # and in the combine after it (forward; backward sends the gradients back the same way)
     ep_bytes: float = 0.0
+    ep_received: float = 0.0  # what the busiest rank of the EP group receives (an unbalanced router)
 
     @property
     def seconds(self) -> float:
@@ -86,12 +87,14 @@ def _is_expert_gemm(p: ParamSpec) -> bool:
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
                      vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
                      recompute: str = "none", causal: bool = True, dtype: str = "bf16",
-                     head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1) -> MicroBatchWork:
+                     head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
+                     router_imbalance: float = 1.0) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
     model (`Architecture`); `ep`: its expert parallelism (each rank computes `experts / ep` of
-    the experts, on the token-expert pairs dispatched to them)."""
+    the experts, on the token-expert pairs dispatched to them); `router_imbalance`: the busiest EP
+    rank's pairs over the mean, which every rank of its EP group waits for."""
     check_recompute(recompute)
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -158,7 +161,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         if moe_by_id[layer]:
             assert experts is not None
             fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep)
+                                     rate, dtype, recompute, ep, router_imbalance)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         forward.append(tuple(fwd_blocks))
@@ -175,15 +178,19 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
-                  rate: DeviceRate, dtype: str, recompute: str, ep: int = 1) -> tuple[Block, Block]:
+                  rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
+                  imbalance: float = 1.0) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
     Under expert parallelism the rank holds `experts / ep` of each stack and, with a balanced
     router, receives as many pairs as its tokens make (`tokens x experts_per_token`), of which
-    `(ep - 1) / ep` come from the other ranks of its EP group (and return there)."""
+    `(ep - 1) / ep` come from the other ranks of its EP group (and return there). With an
+    unbalanced router the block is the busiest rank's: `imbalance` times the pairs, received and
+    computed (under EP only: at EP 1 every rank computes every expert on its own tokens)."""
     count, per_token = experts
-    pairs = tokens * per_token  # token-expert pairs on this rank
+    pairs = tokens * per_token  # token-expert pairs this rank sends out
+    busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives and computes
     local = count // ep  # the experts this rank computes
     fwd_k: list[Kernel] = []
     bwd_k: list[Kernel] = []
@@ -192,7 +199,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
         out, inp = p.shape[-2], p.shape[-1]
         if p.role is Role.EXPERT:
             groups = p.shape[0] // ep if len(p.shape) == 3 else 1
-            rows = max(1, round(pairs / local))  # each expert's share of the pairs (a balanced router)
+            rows = max(1, round(busiest / local))  # each expert's share of the pairs
             fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, dtype))
             bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, dtype),
                       grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, dtype)]
@@ -206,11 +213,13 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     # permute the tokens to expert order and back (read + write hidden per pair, each way), SwiGLU
     # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts' outputs
     per_pair = (4 * hidden + 1.5 * width + 2 * hidden) * two
-    passes = elementwise_kernel(f"{name} permute", max(1, round(pairs)), 1, per_pair, dtype)
+    passes = elementwise_kernel(f"{name} permute", max(1, round(busiest)), 1, per_pair, dtype)
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
     bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
     redo = fwd_s if recompute == "full" else 0.0
     ew = rate.kernel_seconds(passes)
     sent = pairs * hidden * two * (ep - 1) / ep
-    return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent),
-            Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent))
+    received = busiest * hidden * two * (ep - 1) / ep
+    return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received),
+            Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
+                  ep_received=received))

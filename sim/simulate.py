@@ -15,7 +15,7 @@ from typing import Any
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
-from canzona.experts import check_ep, dense_part, expert_part
+from canzona.experts import check_ep, dense_part, expert_part, router_imbalance
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
@@ -72,6 +72,9 @@ class SimConfig:
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
     ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts; expert TP 1)
+    # the busiest EP rank's token-expert pairs over the mean (>= 1), or the router's histogram of
+    # tokens per expert (canzona.experts.router_imbalance); 1: a balanced router
+    router_imbalance: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -106,18 +109,20 @@ class SimConfig:
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp)
+        if resolved[1].moe is not None:
+            router_imbalance(self.router_imbalance, resolved[1].moe[0], self.ep)
+        elif self.router_imbalance != 1.0:
+            raise SpecError(f"a router imbalance is for a mixture-of-experts model; {resolved[0].name!r} has no experts")
         if self.ep > 1:
-            if hw.node.gpus % self.ep:
-                raise SpecError(f"ep={self.ep} must divide the {hw.node.gpus} GPUs of a node (the simulator keeps "
-                                "EP groups inside a node)")
             if self.options.collectives == "runtime":
                 raise SpecError("the runtime does not run expert parallelism yet: --collectives runtime needs ep=1")
+            self.expert_cluster(cluster)
         return cluster, resolved, hw
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
         """The same GPUs in expert order (canzona.experts): EP groups of `ep` consecutive ranks in
         place of TP groups, EDP groups in place of DP groups."""
-        return Cluster(cluster.gpus, self.ep, cluster.gpus_per_node, cluster.pp)
+        return Cluster(cluster.gpus, self.ep, cluster.gpus_per_node, cluster.pp, tp_spans_nodes=True)
 
 
 def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
@@ -181,6 +186,8 @@ class SimResult:
             "gpus": cfg.gpus,
             "tp": cfg.tp,
             "pp": cfg.pp,
+            "ep": cfg.ep,
+            "router_imbalance": cfg.router_imbalance,
             "dp": cfg.gpus // (cfg.tp * cfg.pp),
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
@@ -308,7 +315,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                                 arch.q_dim, arch.hidden, arch.vocab, rate,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep)
+                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
+                                router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
+                                if arch.moe else 1.0)
         expert_ctx = None
         if experts is not None:  # the experts are a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep)

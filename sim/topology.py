@@ -32,6 +32,9 @@ class Cluster:
     tp: int
     gpus_per_node: int
     pp: int = 1
+    # the expert order of the same GPUs (sim.simulate.SimConfig.expert_cluster): `tp` is the EP
+    # size, whose groups may span whole nodes (the token all-to-alls cross the NICs)
+    tp_spans_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.tp < 1 or self.pp < 1:
@@ -42,7 +45,11 @@ class Cluster:
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp={self.tp}")
         if self.gpus % (self.tp * self.pp):
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp x pp = {self.tp} x {self.pp}")
-        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+        if self.tp_spans_nodes:
+            if self.gpus_per_node % self.tp and self.tp % self.gpus_per_node:
+                raise SpecError(f"ep={self.tp} must divide the {self.gpus_per_node} GPUs of a node or be a multiple "
+                                "of them (EP groups are parts of a node or whole nodes)")
+        elif self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise SpecError(f"tp={self.tp} must divide the {self.gpus_per_node} GPUs of a node "
                             "(TP groups stay inside a node)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

@@ -90,9 +90,12 @@ def test_the_runtime_collectives_and_bad_layouts_refuse_ep():
     cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))
     with pytest.raises(SpecError, match="the runtime does not run expert parallelism yet"):
         cfg.check(model)
-    cfg, model = _config(ep=16, gpus=32)
-    with pytest.raises(SpecError, match="ep=16 must divide the 8 GPUs of a node"):
-        cfg.check(model)
+    odd = DecoderConfig(**{**TINY.__dict__, "experts": 24})
+    cfg = SimConfig(model="unused", gpus=48, tp=2, ep=12, workload=Workload(seq_len=512, global_batch=24))
+    with pytest.raises(SpecError, match="ep=12 must divide the 8 GPUs of a node or be a multiple"):
+        cfg.check((build_decoder(odd), odd.architecture()))
+    cfg, model = _config(ep=16, gpus=32)  # EP groups of two whole nodes: their all-to-alls cross the NICs
+    assert cfg.check(model) is not None
 
 
 @pytest.mark.slow
@@ -116,3 +119,33 @@ def test_qwen3_30b_a3b_at_ep_8_canzona_steps_below_layerwise_and_iterates_no_slo
 ])
 def test_cli_ep_errors_are_one_line(args, needle):
     error_line(invoke("simulate", *args), needle)
+
+
+def test_a_router_histogram_gives_the_busiest_ep_rank_over_the_mean():
+    from canzona.experts import router_imbalance
+
+    assert router_imbalance(1.25, 8, 4) == 1.25
+    assert router_imbalance([1.0] * 8, 8, 4) == 1.0
+    # experts 0-1 on EP rank 0 take half the tokens: 4 EP ranks, mean 1/4, busiest 1/2
+    assert router_imbalance([3, 1, 1, 1, 0.5, 0.5, 1, 0], 8, 4) == pytest.approx((4 / 8) / (1 / 4))
+    for bad, needle in ((0.9, ">= 1"), (float("nan"), ">= 1"), ([1.0] * 7, "one non-negative share per expert"),
+                        ([0.0] * 8, "not all zero"), ([1, -1, 1, 1, 1, 1, 1, 1], "non-negative")):
+        with pytest.raises(SpecError, match=needle):
+            router_imbalance(bad, 8, 4)
+
+
+def test_an_unbalanced_router_slows_the_expert_layers_only_under_ep():
+    balanced, skewed = _run(ep=4), _run(ep=4, router_imbalance=2.0)
+    assert skewed.forward_backward_s > balanced.forward_backward_s
+    # at EP 1 every rank computes every expert on its own tokens: nothing to wait for
+    assert _run(ep=1, router_imbalance=2.0).forward_backward_s == _run(ep=1).forward_backward_s
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("0.5", "router imbalance must be a number >= 1"),
+    ("1,2", "one non-negative share per expert (128)"),
+    ("x", "--router-imbalance takes a number or comma-separated numbers"),
+])
+def test_cli_router_imbalance_errors_are_one_line(value, needle):
+    error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "256", "--tp", "4", "--ep", "8",
+                      "--router-imbalance", value), needle)
