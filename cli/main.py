@@ -22,6 +22,7 @@ from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
 from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
+from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.harness import verify as checks
@@ -162,49 +163,72 @@ def plan(
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
     cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan's summary as one JSON object.")] = False,
+    ep: Annotated[int, typer.Option(help="Expert parallelism of a mixture-of-experts model: plan the dense part on "
+                                         "DP x TP and one EP rank's experts over the DP x TP / EP ranks that hold "
+                                         "them (TP 1), each with the same policies.")] = 1,
 ) -> None:
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
         if out is not None:
             check_output_path(out, "plan", (".json",))
         model_spec = resolve_spec(model, tp)
+        edp = check_ep(model_spec, ep, dp, tp)
+        if ep > 1 and out is not None:
+            raise SpecError("--out with --ep: plan files for expert parallelism are not written yet (the runtime "
+                            "does not run it); the tables show both plans")
         cap = parse_capacity(capacity)
         # the DP plan the optimizer's default step policy runs (AdamW: ZeRO-1's even segments)
         dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or PLAN_DEFAULTS.dp_policy
-
         costs = cost_model_for(hardware, cost_table)
-
-        def make(dpp: str, tpp: str, unit: str = balance_by):
-            return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
-                             cost_model=costs, balance_by=unit)
-
-        chosen = make(dp_policy, tp_policy)
+        # under expert parallelism two plans: the dense part on DP x TP, one EP rank's experts over EDP
+        parts = [(model_spec, dp, tp)] if ep == 1 else \
+            [(dense_part(model_spec), dp, tp), (expert_part(model_spec, ep), edp, 1)]
+        planned = [_plan_part(spec, part_dp, part_tp, optimizer, dp_policy, tp_policy, alpha, bucket_size, align,
+                              cap, costs, balance_by, tables=not as_json)
+                   for spec, part_dp, part_tp in parts]
         if out is not None:
-            chosen.save(out)
+            planned[0][0].save(out)
         if as_json:
-            emit_json(chosen.summary())
+            summaries = [chosen.summary() for chosen, _, _ in planned]
+            emit_json(summaries[0] if ep == 1 else {"dense": summaries[0], "experts": summaries[1]})
             return
-        if chosen.elementwise:
-            # the DP plans the step policies running it execute: no matrix is computed whole, so
-            # the whole-matrix policies and the TP schedule do not apply
-            variants = [(name, PLAN_DEFAULTS.balance_by) for name in dp_policies_running(optimizer)]
-        else:
-            # every DP policy, plus the paper's policy balanced by elements as the authors' code does
-            variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
-            paper = (PAPER_DP_POLICY, PLAN_DEFAULTS.balance_by)
-            variants.insert(variants.index(paper) + 1, (PAPER_DP_POLICY, "elements"))
-        if (dp_policy, balance_by) not in variants:
-            variants.append((dp_policy, balance_by))
-        dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
-        tp_rows = [] if chosen.elementwise else [
-            chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
     except CanzonaError as e:
         fail(str(e))
-    console.print(dp_table(dp_rows, chosen))
-    if tp_rows:
-        console.print(tp_table(tp_rows, tp_policy))
+    for chosen, dp_rows, tp_rows in planned:
+        console.print(dp_table(dp_rows, chosen))
+        if tp_rows:
+            console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
-        console.print(f"plan written to {out} (hash {chosen.hash()[:12]})")
+        console.print(f"plan written to {out} (hash {planned[0][0].hash()[:12]})")
+
+
+def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,
+               bucket_size: int | None, align: int, cap, costs, balance_by: str, tables: bool):
+    """`canzona plan` for one model (or one part of it under expert parallelism): the chosen plan,
+    and with `tables` the plans of its DP table (every DP policy) and TP table (every TP policy)."""
+
+    def make(dpp: str, tpp: str, unit: str = balance_by):
+        return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
+                         cost_model=costs, balance_by=unit)
+
+    chosen = make(dp_policy, tp_policy)
+    if not tables:
+        return chosen, [], []
+    if chosen.elementwise:
+        # the DP plans the step policies running it execute: no matrix is computed whole, so
+        # the whole-matrix policies and the TP schedule do not apply
+        variants = [(name, PLAN_DEFAULTS.balance_by) for name in dp_policies_running(optimizer)]
+    else:
+        # every DP policy, plus the paper's policy balanced by elements as the authors' code does
+        variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
+        paper = (PAPER_DP_POLICY, PLAN_DEFAULTS.balance_by)
+        variants.insert(variants.index(paper) + 1, (PAPER_DP_POLICY, "elements"))
+    if (dp_policy, balance_by) not in variants:
+        variants.append((dp_policy, balance_by))
+    dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
+    tp_rows = [] if chosen.elementwise else [
+        chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
+    return chosen, dp_rows, tp_rows
 
 
 @app.command()

@@ -149,3 +149,20 @@ def test_an_unbalanced_router_slows_the_expert_layers_only_under_ep():
 def test_cli_router_imbalance_errors_are_one_line(value, needle):
     error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "256", "--tp", "4", "--ep", "8",
                       "--router-imbalance", value), needle)
+
+
+def test_plan_under_ep_plans_the_dense_part_and_the_experts_with_the_same_policies(tmp_path):
+    import json
+
+    result = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4", "--json")
+    assert result.exit_code == 0, result.stdout
+    both = json.loads(result.stdout)
+    assert (both["dense"]["dp_size"], both["dense"]["tp_size"]) == (8, 2)
+    assert (both["experts"]["dp_size"], both["experts"]["tp_size"]) == (4, 1)  # EDP = 8 x 2 / 4
+    assert both["experts"]["dp"]["policy"] == both["dense"]["dp"]["policy"] == "alpha-balanced-reorder"
+    tables = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4")
+    assert tables.exit_code == 0 and "experts / ep 4, dp=4, tp=1" in tables.stdout.replace("\n", " ")
+    error_line(invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4",
+                      "--out", str(tmp_path / "p.json")), "plan files for expert parallelism are not written yet")
+    assert not (tmp_path / "p.json").exists()
+    error_line(invoke("plan", "--model", "qwen3-8b", "--dp", "8", "--tp", "2", "--ep", "2"), "has no experts")
