@@ -237,7 +237,7 @@ class DeviceRate:
     peak_flops: dict[str, float] = field(default_factory=dict)
     # seconds by kernel, filled as kernels are priced: a mixture-of-experts model has tens of
     # thousands of matrices of a few shapes, priced again by every planner and simulator pass
-    _seconds: dict[Kernel, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _seconds: dict[tuple, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile) -> DeviceRate:
@@ -293,9 +293,10 @@ class DeviceRate:
         return best
 
     def kernel_seconds(self, k: Kernel) -> float:
-        seconds = self._seconds.get(k)
+        key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver)  # what prices it: not its name
+        seconds = self._seconds.get(key)
         if seconds is None:
-            seconds = self._seconds[k] = self._kernel_seconds(k)
+            seconds = self._seconds[key] = self._kernel_seconds(k)
         return seconds
 
     def _kernel_seconds(self, k: Kernel) -> float:

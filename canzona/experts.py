@@ -26,6 +26,29 @@ def expert_params(spec: ModelSpec) -> list:
     return [p for p in spec.params if p.role is Role.EXPERT]
 
 
+def check_experts(spec: ModelSpec, moe: tuple[int, int] | None) -> None:
+    """The model's experts agree with its architecture's (experts, experts_per_token): every stack
+    holds that many experts and every router scores that many."""
+    experts = expert_params(spec)
+    if not experts:
+        return
+    if moe is None:
+        raise SpecError(f"model {spec.name!r} has experts ({experts[0].name!r}): its architecture must give "
+                        "experts and experts_per_token")
+    for p in experts + [p for p in spec.params if p.role is Role.ROUTER]:
+        count = p.shape[0]
+        if (p.matrix_shape is not None or p.role is Role.ROUTER) and count != moe[0]:
+            raise SpecError(f"parameter {p.name!r} has {count} experts, but the architecture of {spec.name!r} "
+                            f"says {moe[0]}")
+
+
+def expert_width(spec: ModelSpec, moe: tuple[int, int], hidden: int) -> float:
+    """An expert's SwiGLU width, from its weights (gate, up and down: 3 x width x hidden each)."""
+    total = sum(p.numel for p in expert_params(spec))
+    layers = len({p.layer for p in expert_params(spec)}) or 1
+    return total / (layers * moe[0] * 3 * hidden)
+
+
 def check_ep(spec: ModelSpec, ep: int, dp: int, tp: int) -> int:
     """The EDP size of `ep` on a stage of `dp x tp` GPUs, after checking that EP fits the model."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:

@@ -38,6 +38,7 @@ from canzona.decoder import (
     check_tp_sizes,
 )
 from canzona.errors import SpecError
+from canzona.experts import check_experts
 from canzona.fileio import is_whole_number, parse_json, read_text, write_text_atomic
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 
@@ -427,12 +428,13 @@ class ModelSource:
 
     def architecture(self) -> Architecture:
         if self.config is not None:
-            return self.config.architecture()
+            return self.config.architecture()  # built from it: the experts agree
         sizes = self.sizes()
         if any(p.role is Role.EXPERT for p in self.spec.params) and sizes.get("experts_per_token") is None:
             raise SpecError(f"model {self.spec.name!r} has experts but its spec does not say how many each token "
                             f"is routed to: give experts_per_token (and experts, if it has no router): {_HOW_TO_ADD}")
         arch = architecture_from_sizes(self.spec.name, sizes)
+        check_experts(self.spec, arch.moe)
         deepest = max((p for p in self.spec.params if p.layer is not None), key=lambda p: p.layer, default=None)
         if deepest is not None and deepest.layer >= arch.layers:
             raise SpecError(f"model {self.spec.name!r}: parameter {deepest.name!r} is in layer {deepest.layer}, "

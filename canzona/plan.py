@@ -199,7 +199,8 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str, tp: int = 0) -> 
     optimizer (each rank updates the pieces its segments hold, with no TP exchange). At `tp` 1
     nothing is exchanged, so the order only decides what is batched (`canzona.batching`: a batch
     is same-shape matrices of consecutive groups): same-shape matrices together, each shape's in
-    forward order, the shapes in the order they first appear."""
+    forward order, the shapes in the order they first appear (an overlapped step reorders them by
+    bucket: `step_schedule.tp_schedule`)."""
     if matrix_optimizer(optimizer).elementwise:
         return [[] for _ in range(dp_plan.dp)]
     matrices = model.matrix_params()  # a stack's matrices one by one

@@ -72,6 +72,10 @@ class ParamSpec:
             raise SpecError(f"parameter {self.name!r}: unknown dtype {self.dtype!r}")
         if self.matrix_shape is not None:
             self._check_stack()
+        elif self.role is Role.EXPERT and len(self.shape) > 2:
+            # never guess how a stack is laid out, nor let a whole stack become one AdamW parameter
+            raise SpecError(f"parameter {self.name!r}: an expert parameter of shape {self.shape} is a stack of "
+                            "matrices and must give matrix_shape (the shape of each)")
 
     def _check_stack(self) -> None:
         rows, cols = self.matrix_shape if len(self.matrix_shape or ()) == 2 else (0, 0)
@@ -81,8 +85,9 @@ class ParamSpec:
         if len(self.shape) < 3 or cols != self.shape[-1] or self.shape[-2] % rows:
             raise SpecError(f"parameter {self.name!r}: a stack of {rows} x {cols} matrices needs a shape of 3 or "
                             f"more dimensions ending in (a multiple of {rows}, {cols}), got {self.shape}")
-        if self.role not in (Role.EXPERT, Role.MATRIX):
-            raise SpecError(f"parameter {self.name!r}: only expert or matrix parameters stack matrices, not "
+        if self.role is not Role.EXPERT:
+            # what a stack computes is an expert's (a share of the tokens): nothing else stacks
+            raise SpecError(f"parameter {self.name!r}: only expert parameters stack matrices, not "
                             f"{self.role.value!r} ones")
         if self.tp_dim is not None:
             # expert tensor parallelism (experts split over TP) is not built yet: say so, never guess
@@ -130,11 +135,12 @@ class ParamSpec:
 
 
 def routes_to_matrix_optimizer(param: ParamSpec) -> bool:
-    """The one routing rule: 2-D parameters that are neither embeddings, the output head nor
-    routers, and stacks of matrices (each of their matrices: `stacked_matrices`)."""
+    """The one routing rule: 2-D parameters that are neither embeddings, the output head, routers
+    nor vectors (a 2-D vector: one bias per expert, stacked), and stacks of matrices (each of
+    their matrices: `stacked_matrices`)."""
     if param.matrix_shape is not None:
         return True
-    return len(param.shape) == 2 and param.role not in (Role.EMBEDDING, Role.HEAD, Role.ROUTER)
+    return len(param.shape) == 2 and param.role not in (Role.EMBEDDING, Role.HEAD, Role.ROUTER, Role.VECTOR)
 
 
 def stacked_matrices(param: ParamSpec) -> tuple[ParamSpec, ...]:

@@ -260,6 +260,11 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
         steps.append(GroupStep(index, tuple(tasks), gather, scatter, tuple(group.host_loads(tp))))
     if overlap_step:
         bucket_of = {p.name: k for k, b in enumerate(plan.dp_plan.buckets) for p in b.params}
-        steps.sort(key=lambda g: max((bucket_of[t.name] for t in g.tasks), default=0))
+        if tp == 1:  # nothing is exchanged: each matrix may start as soon as its own bucket lands
+            tasks = sorted(((bucket_of[t.name], k, t) for k, t in enumerate(t for g in steps for t in g.tasks)),
+                           key=lambda x: x[:2])
+            steps = [GroupStep(i, (t,), None, None, (t.cost,)) for i, (_, _, t) in enumerate(tasks)]
+        else:
+            steps.sort(key=lambda g: max((bucket_of[t.name] for t in g.tasks), default=0))
     groups = tuple(steps)
     return TPSchedule(dp_rank, tp, mode, groups, _ops(groups, mode))

@@ -387,11 +387,11 @@ class _Stage:
             evs = self.collective(name, self.dp_groups, cost, DP_COMM, {r: [] for r in self.ranks})
             needed.setdefault(first_layer if i == 0 else self.firsts[i - 1], []).extend(evs.values())
         if self.experts is not None:  # the expert buckets' gathers over EDP, on the same stream, in forward order
-            records = self.experts.expert_records(PARAMS)
-            for k in sorted(range(len(records)), key=lambda k: self.expert_firsts[k]):
-                evs = self.collective(f"experts {records[k].name}", self.edp_groups,
-                                      record_cost(self.experts, records[k]), DP_COMM, {r: [] for r in self.ranks})
-                needed.setdefault(self.expert_firsts[k], []).extend(evs.values())
+            first = {b.index: layer for b, layer in zip(self.experts.plan.dp_plan.buckets, self.expert_firsts)}
+            for rec in sorted(self.experts.expert_records(PARAMS), key=lambda rec: first[rec.bucket]):
+                evs = self.collective(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec), DP_COMM,
+                                      {r: [] for r in self.ranks})
+                needed.setdefault(first[rec.bucket], []).extend(evs.values())
         return needed
 
     def _probe(self, before: simpy.Event, wanted: list[simpy.Event]):
@@ -545,10 +545,14 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
                     together = run.windows.get(op.group, (op.group,)) if op.kind == COMPUTE else (op.group,)
                     event = ready([run.schedule.groups[g] for g in together])
                     run.issue(op, {r: event for r in run.members})
+    def norm(r: int, after: simpy.Event) -> simpy.Event:  # over the dense part's gradients, then the experts'
+        done = _gradient_norm(ctx, r, after)
+        return _gradient_norm(ctx.experts, r, done) if ctx.experts is not None else done
+
     if ctx.runtime_mode:
-        checked = issue_records(ctx, ctx.dp_records(CHECK), {r: _gradient_norm(ctx, r, reduced[r]) for r in ranks})
+        checked = issue_records(ctx, ctx.dp_records(CHECK), {r: norm(r, reduced[r]) for r in ranks})
     else:  # Megatron: the norm beside the split gather; no checks
-        checked = {r: _gradient_norm(ctx, r, start) for r in ranks}
+        checked = {r: norm(r, start) for r in ranks}
         if step_records:
             checked.update(reduced)
     params_ready: dict[int, simpy.Event] = {}
@@ -603,7 +607,10 @@ class _ExpertStep:
                     run.apply(op)
                 else:
                     run.issue(op, {r: self.reduced[r]})
-            self.done[r] = ectx.engine.env.all_of(run.applied[r] or [self.reduced[r]])
+            if matrix_optimizer(ectx.plan.optimizer).elementwise:  # AdamW on the pieces of its segments
+                self.done[r] = _adamw_step(ectx, r, [self.reduced[r]])
+            else:
+                self.done[r] = ectx.engine.env.all_of(run.applied[r] or [self.reduced[r]])
 
 
 def _group_ready(ctx: Context, early: EarlyStart, synced: simpy.Event):

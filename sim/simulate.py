@@ -15,7 +15,15 @@ from typing import Any
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
-from canzona.experts import check_ep, dense_part, expert_part, router_imbalance
+from canzona.experts import (
+    check_ep,
+    check_experts,
+    dense_part,
+    expert_params,
+    expert_part,
+    expert_width,
+    router_imbalance,
+)
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
@@ -109,10 +117,14 @@ class SimConfig:
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp)
-        if resolved[1].moe is not None:
+        if self.router_imbalance != 1.0:
+            if resolved[1].moe is None:
+                raise SpecError(f"a router imbalance is for a mixture-of-experts model; {resolved[0].name!r} has "
+                                "no experts")
+            if self.ep == 1:
+                raise SpecError("a router imbalance needs expert parallelism (ep > 1): at ep 1 every GPU computes "
+                                "every expert on its own tokens")
             router_imbalance(self.router_imbalance, resolved[1].moe[0], self.ep)
-        elif self.router_imbalance != 1.0:
-            raise SpecError(f"a router imbalance is for a mixture-of-experts model; {resolved[0].name!r} has no experts")
         if self.ep > 1:
             if self.options.collectives == "runtime":
                 raise SpecError("the runtime does not run expert parallelism yet: --collectives runtime needs ep=1")
@@ -134,6 +146,7 @@ def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None
     spec, arch = model
     arch.check_tp(cfg.tp)
     spec.check_tp(cfg.tp)
+    check_experts(spec, arch.moe)
     return spec, arch
 
 
@@ -147,7 +160,12 @@ def layer_dims(arch: Architecture, spec: ModelSpec) -> LayerDims:
     head_dim = arch.head_dim or (arch.q_dim // arch.q_heads if arch.q_heads else min(128, arch.q_dim))
     q_heads = arch.q_heads or max(1, arch.q_dim // head_dim)
     kv_heads = arch.kv_heads or (max(1, arch.kv_dim // head_dim) if arch.kv_dim else None)
-    return LayerDims(arch.layers, arch.hidden, q_heads, arch.require("ffn"), arch.vocab, kv_heads, head_dim,
+    # a mixture-of-experts MLP holds each token's activations in each of the experts it is routed
+    # to: experts_per_token x an expert's width (Qwen3-MoE publishes that as its ffn; Mixtral's
+    # intermediate_size is one expert's)
+    ffn = round(arch.moe[1] * expert_width(spec, arch.moe, arch.hidden)) if arch.moe and expert_params(spec) \
+        else arch.require("ffn")
+    return LayerDims(arch.layers, arch.hidden, q_heads, ffn, arch.vocab, kv_heads, head_dim,
                      gated_mlp=True, dropout=False, qk_norm=qk_norm)
 
 
@@ -298,6 +316,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     fallback for that part alone)."""
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
+    if plan is not None and cfg.ep > 1:
+        raise SpecError("an explicit plan is for one layout of the whole model; with ep > 1 the simulator plans the "
+                        "dense part and the experts")
     expert_policy = STEP_POLICIES[cfg.policy]
     policy = STEP_POLICIES[dense_policy or cfg.policy]
     spec, arch = model
@@ -319,7 +340,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
                                 if arch.moe else 1.0)
         expert_ctx = None
-        if experts is not None:  # the experts are a plan of their own, over EDP (canzona.experts)
+        if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep)
             expert_plan = _plan_for(cfg, experts, expert_model, hw, tp=1)
             expert_ctx = Context(engine, experts, hw, rate, arch, expert_model, wl, expert_plan, expert_policy, work,

@@ -21,10 +21,12 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
 - experts (docs/design.md §2.6): a parameter inside a module named `experts` is an expert's. One
   of 3 or more dimensions is a stack of matrices over its first dimension (transformers 5's fused
   experts, torchtitan's grouped-GEMM weights), each `shape[-2] x shape[-1]`, except a fused
-  gate/up (`gate_up_proj`), which `split_fc1` (default) makes two matrices per expert; a 2-D one
-  (`experts.3.w1.weight`, one `nn.Linear` per expert) is one expert matrix. The 2-D weight of a
-  module named `gate` or `router` beside an `experts` module is the router: AdamW, unless
-  `router_optimizer="matrix"``;
+  gate/up (`gate_up_proj`), which `split_fc1` (default) makes two matrices per expert where it is
+  `[experts, 2 x ffn, hidden]` beside a `down_proj` `[experts, hidden, ffn]` (any other layout is
+  one error: give `split_fc1=False`); a 2-D one inside a submodule (`experts.3.w1.weight`, one
+  `nn.Linear` per expert) is one expert matrix, and a 2-D one on the experts module itself (stacked
+  biases) is a vector. The 2-D weight of a module named `gate`, `router` or `shared_expert_gate`
+  beside an `experts` module is a router: AdamW, unless `router_optimizer="matrix"`;
 - layer index: the integer right after a `layers` / `layer` / `h` / `blocks` component;
 - dtype: the parameter's, which must be fp64, fp32, bf16 or fp16;
 - TP: the module holds local shards. The split dimension of a parameter comes from, in this
@@ -182,8 +184,9 @@ def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
 
 
 EXPERTS_MODULE = "experts"
-ROUTER_MODULES = frozenset({"gate", "router"})
-FUSED_FC1 = frozenset({"gate_up_proj"})
+# a router, and Qwen2-MoE's gate of its shared expert (1 x hidden), beside an `experts` module
+ROUTER_MODULES = frozenset({"gate", "router", "shared_expert_gate"})
+FUSED_FC1, FC2 = "gate_up_proj", "down_proj"
 
 
 def _moe_parts(model: nn.Module) -> tuple[set[str], set[str]]:
@@ -200,21 +203,26 @@ def _moe_parts(model: nn.Module) -> tuple[set[str], set[str]]:
 
 
 def _moe_role(pname: str, p: nn.Parameter, experts: set[str], routers: set[str], split_fc1: bool,
-              router_optimizer: str) -> tuple[Role, tuple[int, int] | None] | None:
+              router_optimizer: str, params: Mapping[str, nn.Parameter]) -> tuple[Role, tuple[int, int] | None] | None:
     """The role (and stack shape) of an expert's or router's parameter; None for any other."""
-    module = pname.rsplit(".", 1)[0] if "." in pname else ""
+    module, _, leaf = pname.rpartition(".")
     if module in routers and p.dim() == 2:
         return (Role.ROUTER if router_optimizer == "adamw" else Role.MATRIX), None
-    inside = any(module == e or module.startswith(e + ".") for e in experts)
-    if not inside or p.dim() < 2:
+    if p.dim() < 2 or not any(module == e or module.startswith(e + ".") for e in experts):
         return None
     if p.dim() == 2:
-        return Role.EXPERT, None
+        # one expert's linear (`experts.3.w1.weight`), or, on the experts module itself, one vector
+        # per expert (GPT-OSS's stacked biases `[experts, width]`): AdamW's, as any bias
+        return (Role.VECTOR if module in experts else Role.EXPERT), None
     rows, cols = p.shape[-2], p.shape[-1]
-    if split_fc1 and pname.rsplit(".", 1)[-1] in FUSED_FC1:
-        if rows % 2:
-            raise SpecError(f"parameter {pname!r}: a fused gate/up block of {rows} rows cannot be split in two "
-                            "(split_fc1=False keeps it one matrix)")
+    if split_fc1 and leaf == FUSED_FC1:
+        down = params.get(f"{module}.{FC2}")
+        # gate and up can be split only where they are row blocks of [experts, 2 x ffn, hidden]
+        # (transformers' Qwen3-MoE and Mixtral); Llama 4 and GPT-OSS store [experts, hidden, 2 x ffn]
+        if down is None or down.dim() != p.dim() or tuple(down.shape[-2:]) != (cols, rows // 2) or rows % 2:
+            raise SpecError(f"parameter {pname!r} of shape {tuple(p.shape)} is not laid out as [experts, 2 x ffn, "
+                            f"hidden] beside a {FC2} of [experts, hidden, ffn], so its gate and up cannot be split: "
+                            "give split_fc1=False to optimize each expert's block as one matrix")
         rows //= 2
     return Role.EXPERT, (rows, cols)
 
@@ -384,7 +392,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
                             f"itself says {'no dimension' if own is None else f'dimension {own}'}")
         tp_dim = own if says else tp_dims.get(pname)
         shape = tuple(p.shape) if is_dtensor(p) else _global_shape(tuple(p.shape), tp_dim, tp_size)
-        moe = _moe_role(pname, p, experts, routers, split_fc1, router_optimizer)
+        moe = _moe_role(pname, p, experts, routers, split_fc1, router_optimizer, params)
         role, matrix_shape = moe if moe is not None else (_role(p, owner_roles.get(id(p))), None)
         specs.append(ParamSpec(pname, shape, role, _layer_index(pname), tp_dim, _dtype(pname, p), matrix_shape))
     return ModelSpec(name or _default_name(model), tuple(specs))

@@ -171,7 +171,9 @@ def test_a_spec_file_with_experts_must_say_how_many_each_token_uses(tmp_path):
     ({"shape": [6, 8], "matrix_shape": [6, 8]}, "needs a shape of 3 or more dimensions"),
     ({"shape": [4, 6, 8], "matrix_shape": [6]}, "matrix_shape must be null or a list of two"),
     ({"shape": [4, 6, 8], "matrix_shape": "6x8"}, "matrix_shape must be null or a list of two"),
-    ({"shape": [4, 6, 8], "matrix_shape": [6, 8], "role": "vector"}, "only expert or matrix parameters stack"),
+    ({"shape": [4, 6, 8], "matrix_shape": [6, 8], "role": "vector"}, "only expert parameters stack"),
+    ({"shape": [4, 6, 8], "matrix_shape": [6, 8], "role": "matrix"}, "only expert parameters stack"),
+    ({"shape": [4, 6, 8]}, "must give matrix_shape"),
     ({"shape": [4, 6, 8], "matrix_shape": [6, 8], "tp_dim": 1}, "cannot be split by TP"),
     ({"name": "w[0]", "shape": [6, 8]}, "names the matrices of a stack"),
 ])

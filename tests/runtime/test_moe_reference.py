@@ -112,3 +112,30 @@ def test_transformers_moe_models_read_as_canzona_builds_their_configs(kind):
 
     with pytest.raises(SpecError, match="runtime does not run them yet"):
         DistributedOptimizer(named_parameters(model), read)
+
+
+def test_expert_layouts_canzona_does_not_know_are_refused_or_routed_safely():
+    from torch import nn
+
+    class Experts(nn.Module):  # Llama 4 / GPT-OSS: [experts, hidden, 2 x ffn], biases stacked
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 16, 16))
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 16))
+            self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(16, 4, bias=False)
+            self.shared_expert_gate = nn.Linear(16, 1, bias=False)
+            self.experts = Experts()
+
+    with pytest.raises(SpecError, match="cannot be split: give split_fc1=False"):
+        ModelSpec.from_module(Moe())
+    spec = ModelSpec.from_module(Moe(), split_fc1=False)
+    assert spec.param("experts.gate_up_proj").matrix_shape == (16, 16)
+    assert spec.param("experts.gate_up_proj_bias").role is Role.VECTOR  # one bias per expert: AdamW
+    assert spec.param("shared_expert_gate.weight").role is Role.ROUTER
+    assert {p.name for p in spec.adamw_params()} >= {"experts.gate_up_proj_bias", "router.weight",
+                                                      "shared_expert_gate.weight"}

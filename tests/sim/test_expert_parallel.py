@@ -137,8 +137,10 @@ def test_a_router_histogram_gives_the_busiest_ep_rank_over_the_mean():
 def test_an_unbalanced_router_slows_the_expert_layers_only_under_ep():
     balanced, skewed = _run(ep=4), _run(ep=4, router_imbalance=2.0)
     assert skewed.forward_backward_s > balanced.forward_backward_s
-    # at EP 1 every rank computes every expert on its own tokens: nothing to wait for
-    assert _run(ep=1, router_imbalance=2.0).forward_backward_s == _run(ep=1).forward_backward_s
+    # at EP 1 every rank computes every expert on its own tokens: there is nothing to wait for
+    cfg, model = _config(ep=1, router_imbalance=2.0)
+    with pytest.raises(SpecError, match="a router imbalance needs expert parallelism"):
+        cfg.check(model)
 
 
 @pytest.mark.parametrize("value, needle", [
@@ -166,3 +168,28 @@ def test_plan_under_ep_plans_the_dense_part_and_the_experts_with_the_same_polici
                       "--out", str(tmp_path / "p.json")), "plan files for expert parallelism are not written yet")
     assert not (tmp_path / "p.json").exists()
     error_line(invoke("plan", "--model", "qwen3-8b", "--dp", "8", "--tp", "2", "--ep", "2"), "has no experts")
+
+
+def test_the_experts_adamw_and_gradient_norm_are_simulated_under_ep():
+    """AdamW on every parameter: the experts' pieces are updated on their EDP ranks (the step the
+    memory model counts state for), and the gradient norm covers them too."""
+    for ep in (1, 4):
+        spans = [s for s in _run(ep=ep, optimizer="adamw", policy="zero1").spans if s.phase == "B" and s.rank == 0]
+        adamw = sum(s.end - s.start for s in spans if s.name == "adamw step")
+        norms = [s for s in spans if s.name == "gradient norm"]
+        assert adamw > 0 and len(norms) == (2 if ep > 1 else 1)
+
+
+def test_a_pipeline_stage_without_experts_has_no_expert_part():
+    cfg = DecoderConfig(**{**TINY.__dict__, "dense_layers": (0, 1)})
+    config = SimConfig(model="unused", gpus=16, tp=2, pp=2, ep=4, workload=WL)
+    assert simulate(config, model=(build_decoder(cfg), cfg.architecture())).iteration_time_s > 0
+
+
+def test_the_architecture_and_the_stacks_must_agree_on_the_experts():
+    from canzona.decoder import Architecture
+
+    arch = Architecture("tiny-moe", 4, 256, 1024, 256, experts=8, experts_per_token=2)
+    cfg, _ = _config()
+    with pytest.raises(SpecError, match="has 16 experts, but the architecture of 'tiny-moe' says 8"):
+        cfg.check((build_decoder(TINY), arch))
