@@ -25,8 +25,9 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
   `[experts, 2 x ffn, hidden]` beside a `down_proj` `[experts, hidden, ffn]` (any other layout is
   one error: give `split_fc1=False`); a 2-D one inside a submodule (`experts.3.w1.weight`, one
   `nn.Linear` per expert) is one expert matrix, and a 2-D one on the experts module itself (stacked
-  biases) is a vector. The 2-D weight of a module named `gate`, `router` or `shared_expert_gate`
-  beside an `experts` module is a router: AdamW, unless `router_optimizer="matrix"`;
+  biases, `*bias`) is a vector; any other 2-D parameter on the experts module is one error. The
+  2-D weight of a module named `gate` or `router` beside an `experts` module is a router: AdamW,
+  unless `router_optimizer="matrix"`; a `shared_expert_gate` (one row) is a vector;
 - layer index: the integer right after a `layers` / `layer` / `h` / `blocks` component;
 - dtype: the parameter's, which must be fp64, fp32, bf16 or fp16;
 - TP: the module holds local shards. The split dimension of a parameter comes from, in this
@@ -184,8 +185,9 @@ def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
 
 
 EXPERTS_MODULE = "experts"
-# a router, and Qwen2-MoE's gate of its shared expert (1 x hidden), beside an `experts` module
-ROUTER_MODULES = frozenset({"gate", "router", "shared_expert_gate"})
+ROUTER_MODULES = frozenset({"gate", "router"})  # beside an `experts` module
+# Qwen2-MoE's gate of its shared expert: one row (1 x hidden), a vector however it is stored
+SHARED_EXPERT_GATE = "shared_expert_gate"
 FUSED_FC1, FC2 = "gate_up_proj", "down_proj"
 
 
@@ -198,7 +200,7 @@ def _moe_parts(model: nn.Module) -> tuple[set[str], set[str]]:
         children = {n for n, _ in module.named_children()}
         if EXPERTS_MODULE in children:
             experts.add(f"{name}.{EXPERTS_MODULE}" if name else EXPERTS_MODULE)
-            routers.update(f"{name}.{r}" if name else r for r in children & ROUTER_MODULES)
+            routers.update(f"{name}.{r}" if name else r for r in children & (ROUTER_MODULES | {SHARED_EXPERT_GATE}))
     return experts, routers
 
 
@@ -207,13 +209,20 @@ def _moe_role(pname: str, p: nn.Parameter, experts: set[str], routers: set[str],
     """The role (and stack shape) of an expert's or router's parameter; None for any other."""
     module, _, leaf = pname.rpartition(".")
     if module in routers and p.dim() == 2:
+        if module.rpartition(".")[2] == SHARED_EXPERT_GATE:
+            return Role.VECTOR, None
         return (Role.ROUTER if router_optimizer == "adamw" else Role.MATRIX), None
     if p.dim() < 2 or not any(module == e or module.startswith(e + ".") for e in experts):
         return None
     if p.dim() == 2:
-        # one expert's linear (`experts.3.w1.weight`), or, on the experts module itself, one vector
-        # per expert (GPT-OSS's stacked biases `[experts, width]`): AdamW's, as any bias
-        return (Role.VECTOR if module in experts else Role.EXPERT), None
+        if module not in experts:
+            return Role.EXPERT, None  # one expert's linear: `experts.3.w1.weight`
+        if leaf.endswith("bias"):
+            return Role.VECTOR, None  # one bias per expert, stacked (GPT-OSS): AdamW's, as any bias
+        # e.g. Megatron's legacy GroupedMLP `weight1` [hidden, experts x ffn]: never guess
+        raise SpecError(f"parameter {pname!r} of shape {tuple(p.shape)} on an experts module is neither one "
+                        "expert's linear, a stack [experts, m, n] nor a stacked bias: canzona does not know "
+                        "how its experts' matrices lie in it")
     rows, cols = p.shape[-2], p.shape[-1]
     if split_fc1 and leaf == FUSED_FC1:
         down = params.get(f"{module}.{FC2}")
@@ -370,6 +379,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
     if router_optimizer not in ROUTER_OPTIMIZERS:
         raise SpecError(f"router_optimizer must be one of {', '.join(ROUTER_OPTIMIZERS)}, got {router_optimizer!r}")
     experts, routers = _moe_parts(model)
+    every = {canonical_name(n): p for n, p in model.named_parameters()}  # frozen ones too: layouts are checked on them
     _refuse_data_parallel_wrappers(model)
     _check_tp_size(tp_size)
     params = dict(_trainable_parameters(model))
@@ -392,7 +402,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
                             f"itself says {'no dimension' if own is None else f'dimension {own}'}")
         tp_dim = own if says else tp_dims.get(pname)
         shape = tuple(p.shape) if is_dtensor(p) else _global_shape(tuple(p.shape), tp_dim, tp_size)
-        moe = _moe_role(pname, p, experts, routers, split_fc1, router_optimizer, params)
+        moe = _moe_role(pname, p, experts, routers, split_fc1, router_optimizer, every)
         role, matrix_shape = moe if moe is not None else (_role(p, owner_roles.get(id(p))), None)
         specs.append(ParamSpec(pname, shape, role, _layer_index(pname), tp_dim, _dtype(pname, p), matrix_shape))
     return ModelSpec(name or _default_name(model), tuple(specs))

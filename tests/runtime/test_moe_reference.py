@@ -136,6 +136,19 @@ def test_expert_layouts_canzona_does_not_know_are_refused_or_routed_safely():
     spec = ModelSpec.from_module(Moe(), split_fc1=False)
     assert spec.param("experts.gate_up_proj").matrix_shape == (16, 16)
     assert spec.param("experts.gate_up_proj_bias").role is Role.VECTOR  # one bias per expert: AdamW
-    assert spec.param("shared_expert_gate.weight").role is Role.ROUTER
+    assert spec.param("shared_expert_gate.weight").role is Role.VECTOR  # one row: not a router of the experts
     assert {p.name for p in spec.adamw_params()} >= {"experts.gate_up_proj_bias", "router.weight",
                                                       "shared_expert_gate.weight"}
+    # the spec agrees with an architecture of 4 experts (the router's rows)
+    from canzona.experts import check_experts
+
+    check_experts(spec, (4, 2))
+    # a frozen down_proj still shows the layout; a 2-D weight on the experts module is not guessed
+    model = Moe()
+    model.experts.down_proj.requires_grad_(False)
+    with pytest.raises(SpecError, match="cannot be split"):
+        ModelSpec.from_module(model)
+    model = Moe()
+    model.experts.weight1 = nn.Parameter(torch.zeros(16, 4 * 8))  # Megatron's legacy GroupedMLP
+    with pytest.raises(SpecError, match="does not know how its experts' matrices lie in it"):
+        ModelSpec.from_module(model, split_fc1=False)
