@@ -185,6 +185,10 @@ class MemorySetup:
         masters, the gradients' dtype without)."""
         return FP32 if self.master_bytes else self.grad_bytes
 
+    def overhead(self, counted: int) -> int:
+        """The allowance for the CUDA context, NCCL and fragmentation beside `counted` bytes of tensors."""
+        return self.fixed_overhead_bytes + math.ceil(self.fragmentation * counted)
+
     @classmethod
     def from_workload(cls, workload: Any, **overrides: Any) -> MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
@@ -290,8 +294,7 @@ class LayoutMemory:
                              master_weights=r.master_weights + e.master_weights,
                              matrix_state=r.matrix_state + e.matrix_state, adamw_state=r.adamw_state + e.adamw_state,
                              reduction=r.reduction + e.reduction, step_buffers=max(r.step_buffers, e.step_buffers))
-            counted = merged.persistent + merged.transient
-            ranks.append(replace(merged, overhead=setup.fixed_overhead_bytes + math.ceil(setup.fragmentation * counted)))
+            ranks.append(replace(merged, overhead=setup.overhead(merged.persistent + merged.transient)))
         return replace(self, ranks=tuple(ranks))
 
     @property
@@ -636,7 +639,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             reduction = reductions[i]
             adamw_state = state_bytes("adamw", (adamw_inside[i],))
             counted = weights + grads + master + state + adamw_state + max(activations + reduction, step)
-            overhead = setup.fixed_overhead_bytes + math.ceil(setup.fragmentation * counted)
+            overhead = setup.overhead(counted)
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
                                     adamw_state, activations, reduction, step, overhead))
     return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks))

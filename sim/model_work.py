@@ -12,10 +12,12 @@ SMs and the datasheet efficiency, or a calibrated efficiency curve), on its real
 Attention runs at a flash-attention efficiency; norms, rotary embeddings, SwiGLU and residual adds
 are memory-bound passes over the activations.
 
-A mixture-of-experts layer's experts (expert TP 1, all experts local: expert parallelism is not
-modelled yet) are one more block without TP collectives: each TP rank routes its own
-sequence-parallel tokens, `tokens / tp x experts_per_token` token-expert pairs, spread evenly over
-the experts (a balanced router); each stacked expert weight is one grouped GEMM of its experts,
+A mixture-of-experts layer's experts (expert TP 1) are one more block without TP collectives: each
+TP rank routes its own sequence-parallel tokens, `tokens / tp x experts_per_token` token-expert
+pairs, spread evenly over the experts (a balanced router; under expert parallelism its local
+experts receive as many pairs, through the EP group's dispatch and combine all-to-alls, and the
+busiest rank of an unbalanced router sets the pace); each stacked expert weight is one grouped
+GEMM of its experts,
 every expert's weights read once (at the experts' few rows each, the weights' reads dominate). The
 router is a GEMM over the rank's tokens; the tokens' local permutation to and from expert order
 and SwiGLU are memory-bound passes.
