@@ -106,7 +106,12 @@ def stack(ts: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _per_matrix(a: Tensor, b: Tensor) -> bool:
-    return a.device.type == "cpu" and a.size(1) * a.size(2) * b.size(2) < CPU_BMM_LOOP_BELOW
+    # On CPU with more than one thread, torch's GEMM of one matrix splits it across the threads
+    # with other kernels than a batched GEMM, which gives each matrix one thread: measured on an
+    # AVX-512 / AMX Xeon (2 threads, 96 x 96 x 96: baddbmm and addmm round differently), though
+    # not on an AVX2 EPYC. The per-matrix products are then the only bit-identical batch.
+    return a.device.type == "cpu" and (a.size(1) * a.size(2) * b.size(2) < CPU_BMM_LOOP_BELOW
+                                       or torch.get_num_threads() > 1)
 
 
 def bmm(a: Tensor, b: Tensor) -> Tensor:
