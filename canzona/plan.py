@@ -183,7 +183,7 @@ def _body(plan: Plan) -> dict[str, Any]:
 def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -> list[DPItem]:
     """Matrices in forward order: local shard size for the buffer, full-matrix cost and state."""
     items = [DPItem(p.name, p.local_numel(tp), float(cost_model.seconds(optimizer, p.shape)),
-                    state_bytes(optimizer, p.shape))
+                    state_bytes(optimizer, p.shape), stack=p.stacked_in[0] if p.stacked_in else None)
              for p in model.matrix_params()]
     for it in items:  # extreme hardware or table figures must not become inf / NaN plans
         if not (is_finite_number(it.cost) and it.cost >= 0):
@@ -457,7 +457,9 @@ def _validate_dp(d: DPPlan) -> None:
             if p.name in seen:
                 raise PlanError(f"{w}: parameter {p.name} appears more than once in the plan")
             seen.add(p.name)
-            if p.numel < 1 or p.offset < end or p.offset % d.align or p.end > b.size:
+            # a stack's matrices are packed as the stacked parameter holds them (`make_buckets`):
+            # a start off the alignment is one that follows the previous matrix directly
+            if p.numel < 1 or p.offset < end or (p.offset % d.align and p.offset != end) or p.end > b.size:
                 raise PlanError(f"{w}: parameter {p.name} is misplaced (overlap, misalignment or overflow)")
             if not 0 <= p.owner < d.dp:
                 raise PlanError(f"{w}: parameter {p.name} has owner {p.owner} outside 0..{d.dp - 1}")

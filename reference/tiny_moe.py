@@ -70,6 +70,25 @@ class _StackedExperts(nn.Module):
         gate, up = self.gate_up_proj[e, :self.ffn], self.gate_up_proj[e, self.ffn:]
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), self.down_proj[e])
 
+    def forward(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # the experts run inside this module's forward, as transformers' fused experts modules
+        # do: what reads the stacks is a forward of the module holding them (an optimizer that
+        # gathers parameters under the next forward waits in that module's forward pre-hook)
+        return _dispatch(flat, chosen, weights, self.gate_up_proj.shape[0], self.expert)
+
+
+def _dispatch(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: int,
+              expert) -> torch.Tensor:
+    """Each token's output: the weighted sum of its chosen experts' outputs, expert by expert."""
+    out = torch.zeros_like(flat)
+    for e in range(experts):
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        y = expert(e, flat[rows])
+        out = out.index_add(0, rows, y * weights[rows, slot].unsqueeze(-1))
+    return out
+
 
 class _Moe(nn.Module):
     def __init__(self, cfg: TinyMoeConfig, stacked: bool) -> None:
@@ -83,14 +102,10 @@ class _Moe(nn.Module):
         probs = torch.softmax(self.gate(flat).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
-        out = torch.zeros_like(flat)
-        for e in range(self.gate.out_features):
-            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            h = flat[rows]
-            y = self.experts.expert(e, h) if isinstance(self.experts, _StackedExperts) else self.experts[e](h)
-            out = out.index_add(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        if isinstance(self.experts, _StackedExperts):
+            out = self.experts(flat, chosen, weights)
+        else:
+            out = _dispatch(flat, chosen, weights, self.gate.out_features, lambda e, h: self.experts[e](h))
         return out.reshape(x.shape)
 
 
@@ -153,6 +168,44 @@ class TinyMoe(nn.Module):
         for layer in self.model.layers:
             x = layer(x)
         return self.lm_head(self.model.norm(x))
+
+    def spec(self, name: str = "tiny-moe"):
+        """The model's spec as `ModelSpec.from_module` reads it (experts stacked, split FC1)."""
+        from canzona.spec import ModelSpec
+
+        return ModelSpec.from_module(self, name=name)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over `tokens[:, 1:]`, in fp32 at least (as `TinyQwen3.loss`)."""
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def tiny_hf_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """transformers' `Qwen3MoeForCausalLM` at a tiny size (its experts fused and stacked, as
+    transformers 5 stores them), seeded, with the harness's `spec()` and `loss(tokens)`."""
+    import transformers
+
+    from canzona.spec import ModelSpec
+
+    config = transformers.Qwen3MoeConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=64, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    with torch.random.fork_rng():  # transformers initialises from the global generator
+        torch.manual_seed(seed)
+        model = transformers.Qwen3MoeForCausalLM(config).to(dtype)
+    model.spec = lambda name="hf-qwen3-moe": ModelSpec.from_module(model, name=name)
+    model.loss = lambda tokens: model(tokens, labels=tokens).loss.float()
+    return model
+
+
+# What the training harness builds by name (`canzona.harness.training.build_model`), beside the
+# dense presets of `reference.tiny_model`: sizes that make a CPU step take milliseconds, a stack
+# of 2 x 4 gate / up matrices and one of 4 down matrices per layer.
+MOE_PRESETS: dict[str, TinyMoeConfig] = {
+    "tiny-moe": TinyMoeConfig(layers=2, hidden=32, ffn=16, experts=4, experts_per_token=2, vocab=64),
+}
+HF_MOE_PRESET = "hf-qwen3-moe"  # `tiny_hf_qwen3_moe`
 
 
 def expert_matrices(model: TinyMoe) -> dict[tuple[int, int, str], torch.Tensor]:

@@ -24,6 +24,9 @@ class DPItem:
     numel: int  # elements in this rank's gradient buffer (local TP shard)
     cost: float  # seconds of full-matrix optimizer work
     state_bytes: int  # full-matrix optimizer state
+    # the stacked parameter (a mixture-of-experts layer's experts) this matrix is one of: stack
+    # matrices fill buckets of their own, in memory order and unpadded (`make_buckets`)
+    stack: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,15 @@ def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]
     A bucket holds at most `bucket_size` elements; the next parameter that would overflow it
     opens a new bucket, so each bucket's reduce-scatter can start as soon as backward has produced
     its gradients.
+
+    The matrices of stacks (`DPItem.stack`: experts stored as one `[experts, m, n]` tensor) fill
+    buckets of their own, never beside another parameter, and only beside matrices of as many
+    elements, in forward order (each stack's matrices in memory order): read from the last bucket
+    to the first, consecutive stack buckets hold their stacks exactly as the stacked parameters lie
+    one after another, unpadded, so the runtime keeps them in one storage of which the parameters
+    and the buckets' parameter buffers are views (`canzona.runtime.stacks`: no copy of the
+    experts' weights). A bucket of alike matrices also lets `alpha-balanced-reorder` keep its
+    owners' loads and segments while it lays them out in that order.
     """
     if not items:
         return []
@@ -92,19 +104,36 @@ def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]
     buckets: list[list[DPItem]] = [[]]
     filled = 0
     for it in reversed(items):
-        if buckets[-1] and filled + it.numel > bucket_size:
+        current = buckets[-1]
+        if current and (filled + it.numel > bucket_size or _kind(current[-1]) != _kind(it)):
             buckets.append([])
             filled = 0
         buckets[-1].append(it)
         filled += it.numel
-    return buckets
+    return [b[::-1] if is_stack_run(b) else b for b in buckets]
+
+
+def _kind(it: DPItem) -> int | None:
+    """What may share a bucket: other parameters (None), or stack matrices of as many elements."""
+    return None if it.stack is None else it.numel
+
+
+def is_stack_run(items: Sequence[DPItem]) -> bool:
+    """The bucket holds stack matrices (in forward order: `make_buckets`)."""
+    return bool(items) and items[0].stack is not None
 
 
 def lay_out(items: Sequence[DPItem], align: int, dp: int) -> tuple[list[int], int]:
     """Offsets of `items` packed in order with each start aligned, and the padded bucket size.
 
-    The size is a multiple of `align * dp` so that even segments start aligned too.
+    The size is a multiple of `align * dp` so that even segments start aligned too. Stack
+    matrices are packed as the stacked parameters hold them, without padding (`make_buckets`).
     """
+    if is_stack_run(items):
+        starts = [0]
+        for it in items[:-1]:
+            starts.append(starts[-1] + it.numel)
+        return starts, starts[-1] + items[-1].numel
     offsets, pos = [], 0
     for it in items:
         pos = ceil_to(pos, align)

@@ -15,6 +15,7 @@ from canzona.dp.layout import (
     DPItem,
     DPPlan,
     even_cuts,
+    is_stack_run,
     make_buckets,
     owner_of,
     place,
@@ -185,6 +186,10 @@ def alpha_balanced_reorder(buckets: Buckets, dp: int, align: int, bucket_size: i
     owners = reorder_assign(buckets, dp, alpha)
     plans = []
     for bi, (items, own) in enumerate(zip(buckets, owners)):
+        if is_stack_run(items):
+            # matrices of as many elements (alike, for every stack's matrices): the same owners in
+            # rank order keep every segment (and load), and the stacks' memory order
+            own = sorted(own)
         order = sorted(range(len(items)), key=lambda i: (own[i], i))
         ordered = [items[i] for i in order]
         ordered_owners = [own[i] for i in order]

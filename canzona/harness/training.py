@@ -36,6 +36,7 @@ from canzona.plan import PLAN_DEFAULTS, Plan
 from canzona.runtime.buffers import accumulate_, accumulation_dtype
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel
 from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.spec import stacked_matrices
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import default_policy
 
@@ -104,8 +105,13 @@ def torch_threads(n: int = RANK_THREADS) -> Iterator[None]:
 
 
 def build_model(spec: TrainSpec):
-    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model import TinyQwen3, _torch_dtype
+    from reference.tiny_moe import HF_MOE_PRESET, MOE_PRESETS, TinyMoe, tiny_hf_qwen3_moe
 
+    if spec.preset in MOE_PRESETS:  # stacked experts (docs/design.md §2.6)
+        return TinyMoe(MOE_PRESETS[spec.preset], seed=spec.model_seed, dtype=_torch_dtype(spec.dtype))
+    if spec.preset == HF_MOE_PRESET:
+        return tiny_hf_qwen3_moe(seed=spec.model_seed, dtype=_torch_dtype(spec.dtype))
     return TinyQwen3(spec.preset, seed=spec.model_seed, dtype=spec.dtype)
 
 
@@ -375,7 +381,9 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
     masters = {n: p.detach().to(reduce_dtype(spec, p.dtype), copy=True) for n, p in model.named_parameters()}
     for name, state in states.items():  # a checkpoint's fp32 masters are the weights to continue from
         if "master" in state:
-            masters[name] = state.pop("master").reshape(masters[name].shape).to(masters[name].dtype)
+            stacked_in = mspec.param(name).stacked_in  # a matrix of a stack: its view of the stack's master
+            target = _entry_view(mspec, masters, name) if stacked_in else masters[name]
+            target.copy_(state.pop("master").reshape(target.shape))
     for step_grads, got in _steps(model, spec, dp, grads):
         step_grads = {n: g.clone() for n, g in step_grads.items()}
         if spec.clip_norm is not None:
@@ -384,17 +392,36 @@ def emulate(spec: TrainSpec, dp: int, load: tuple[dict, dict] | None = None,
             for name, p in model.named_parameters():
                 if name not in got:
                     continue
-                state = states.setdefault(name, {})
                 master = masters[name]
-                if mspec.param(name).uses_matrix_optimizer and not elementwise:
-                    update = kernel(step_grads[name], state, matrix_cfg, matrix_cfg.lr)
-                    if update is not None:
-                        apply_update_(master, update.direction, update)
-                else:
-                    adamw_step_(master.view(-1), step_grads[name].view(-1), _flat_state(state), adamw_cfg,
-                                adamw_cfg.lr)
+                for entry, matrix, grad, whole in _entries(mspec.param(name), master, step_grads[name]):
+                    state = states.setdefault(entry, {})
+                    if whole and not elementwise:
+                        update = kernel(grad, state, matrix_cfg, matrix_cfg.lr)
+                        if update is not None:
+                            apply_update_(matrix, update.direction, update)
+                    else:
+                        adamw_step_(matrix.view(-1), grad.view(-1), _flat_state(state), adamw_cfg, adamw_cfg.lr)
                 p.copy_(master)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _entry_view(mspec, tensors: Mapping[str, Tensor], matrix: str) -> Tensor:
+    """Matrix `matrix` of a stack, as a view of the stack's tensor in `tensors`."""
+    stack, k = mspec.param(matrix).stacked_in
+    numel = mspec.param(matrix).numel
+    return tensors[stack].view(-1)[k * numel:(k + 1) * numel].view(mspec.param(matrix).shape)
+
+
+def _entries(pspec, master: Tensor, grad: Tensor) -> Iterator[tuple[str, Tensor, Tensor, bool]]:
+    """(entry name, its master, its gradient, whether the matrix optimizer runs it) of a parameter:
+    itself, or each matrix of a stack as a view (the runtime's entries, `canzona.runtime.stacks`)."""
+    if pspec.matrix_shape is None:
+        yield pspec.name, master, grad, pspec.uses_matrix_optimizer
+        return
+    for mspec in stacked_matrices(pspec):
+        k, numel = mspec.stacked_in[1], mspec.numel
+        yield (mspec.name, master.view(-1)[k * numel:(k + 1) * numel].view(mspec.shape),
+               grad.reshape(-1)[k * numel:(k + 1) * numel].view(mspec.shape), True)
 
 
 @torch.no_grad()

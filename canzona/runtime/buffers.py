@@ -34,7 +34,11 @@ class FlatBuffer:
     """Parameters `names` at `offsets[name] = (start, end)` of flat buffers of `size` elements."""
 
     def __init__(self, names: Sequence[str], offsets: Mapping[str, tuple[int, int]], size: int,
-                 params: Mapping[str, Tensor], reduce_dtype: torch.dtype | None = None) -> None:
+                 params: Mapping[str, Tensor], reduce_dtype: torch.dtype | None = None,
+                 data: Tensor | None = None) -> None:
+        """`data`: the parameter buffer, given when it exists already (a range of a stack's storage,
+        `canzona.runtime.stacks`, whose matrices `params` are views of it); allocated, filled and
+        linked to the parameters otherwise."""
         self.names = list(names)
         self.offsets = dict(offsets)
         self.size = size
@@ -44,7 +48,8 @@ class FlatBuffer:
                 raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is "
                                 f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
                                 f"{ref.dtype} on {ref.device}")
-        self.data = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        given = data is not None
+        self.data = data if given else torch.zeros(size, dtype=ref.dtype, device=ref.device)
         # the gradients, accumulated over micro-batches, reduced across ranks and read by the
         # optimizer, in `reduce_dtype` (default: the parameters'). Low-precision models keep one
         # fp32 buffer, as Megatron's main grads: backward's bf16 gradient of each micro-batch is
@@ -57,10 +62,12 @@ class FlatBuffer:
         for name in self.names:
             a, b = self.offsets[name]
             local = local_tensor(params[name])
-            self.data[a:b].copy_(local.detach().reshape(-1))
+            if not given:
+                self.data[a:b].copy_(local.detach().reshape(-1))
             self.data_views[name] = self.data[a:b].view(local.shape)
             self.grad_views[name] = self.grad[a:b].view(local.shape)
-            link_data(params[name], self.data_views[name])
+            if not given:
+                link_data(params[name], self.data_views[name])
 
     def write(self, name: str, grad: Tensor) -> None:
         """`name`'s gradient is `grad` (this rank's local values)."""

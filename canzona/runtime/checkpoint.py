@@ -44,6 +44,7 @@ from canzona.optimizers import check_config
 from canzona.runtime.kernels import adamw_state, initial_state
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
+from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
 from canzona.tp import EVERY_RANK
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ class Checkpointable(Protocol):
 
     def adamw_parts(self) -> Iterator[Piece]: ...
 
+    def tensor(self, entry: str) -> Tensor: ...  # this rank's local tensor of a plan entry
+
     def state_dtype(self, name: str) -> torch.dtype: ...
 
     def group_config(self, g: int) -> Any: ...
@@ -94,6 +97,7 @@ READABLE_VERSIONS = (2, 3)
 HEADER_KEY = "canzona"  # in every param group: the header, as JSON
 NAMES_KEY = "param_names"  # torch.optim's own key for named parameters
 STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros
+STACK_KEY = "canzona_matrices"  # in a stacked parameter's entry: how many matrices its fields stack
 SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
 
 
@@ -160,7 +164,8 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
         shards = [part["masters"][name] for per_dp in by_tp for part in per_dp if name in part["masters"]]
         if shards:
             state.setdefault(name, {})["master"] = unshard(shards, _tp_dim(opt, name))
-    for name in opt.params:  # AdamW's pieces: of its parameters, and of every one under an elementwise optimizer
+    # AdamW's pieces: of its parameters, and of every entry under an elementwise optimizer
+    for name in sorted({p[0] for per_dp in by_tp for part in per_dp for p in part["adamw"]}):
         shards = [_stitch(opt, name, [p for part in per_dp for p in part["adamw"] if p[0] == name])
                   for per_dp in by_tp]
         shards = [s for s in shards if s is not None]
@@ -183,6 +188,9 @@ def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str,
         names = [name_of[id(p)] for p in group["params"]]
         first = len(state)
         for name in names:
+            if opt.spec.param(name).matrix_shape is not None:
+                state[len(state)] = _stacked_entry(opt, g, name, by_name)
+                continue
             saved = dict(by_name.get(name, {}))
             stepped = any(k != "master" for k in saved)
             entry = {} if stepped else _template(opt, g, name)
@@ -192,6 +200,40 @@ def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str,
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(first, len(state))), NAMES_KEY: names, HEADER_KEY: header})
     return {"state": state, "param_groups": groups}
+
+
+def _stacked_entry(opt: Checkpointable, g: int, name: str, by_name: Mapping[str, dict]) -> dict[str, Any]:
+    """A stacked parameter's entry: its matrices' states (or templates), each tensor field stacked
+    over the matrices in memory order (`[matrices, ...]`), each scalar field the one value they
+    share (the matrices of a stack step together), and `STACK_KEY` saying how many there are."""
+    matrices = [m.name for m in stacked_matrices(opt.spec.param(name))]
+    saved = [dict(by_name.get(m, {})) for m in matrices]
+    stepped = any(k != "master" for s in saved for k in s)
+    parts = [{**({} if stepped else _template(opt, g, m)), **s} for m, s in zip(matrices, saved)]
+    entry: dict[str, Any] = {}
+    for field in parts[0]:
+        values = [p[field] for p in parts]
+        if isinstance(values[0], Tensor):
+            entry[field] = torch.stack(values)
+        elif all(v == values[0] for v in values):
+            entry[field] = values[0]
+        else:
+            raise CanzonaError(f"the matrices of stack {name!r} hold different {field!r} ({values[:4]}...): "
+                               "they step together, so the state cannot be saved as one entry")
+    entry[STEPPED_KEY] = stepped
+    entry[STACK_KEY] = len(matrices)
+    return entry
+
+
+def _split_stack(name: str, entry: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """`_stacked_entry` undone: each matrix's state by its name (`'<param>[k]'`)."""
+    count = entry[STACK_KEY]
+    if not (isinstance(count, int) and count >= 1) or any(
+            isinstance(v, Tensor) and (v.dim() == 0 or v.shape[0] != count) for v in entry.values()):
+        raise PlanError(f"optimizer state of stack {name!r} is damaged: its fields do not stack {count!r} matrices")
+    return {f"{name}{STACK_OPEN}{k}{STACK_CLOSE}": {
+        field: v[k].clone() if isinstance(v, Tensor) else v for field, v in entry.items() if field != STACK_KEY}
+        for k in range(count)}
 
 
 def _template(opt: Checkpointable, g: int, name: str) -> dict[str, Any]:
@@ -229,10 +271,12 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
             if entry is None:
                 continue
             entry = dict(entry)
-            if not entry.pop(STEPPED_KEY, True):
-                entry = {k: v for k, v in entry.items() if k == "master"}
-            if entry:
-                by_name[name] = entry
+            stepped = entry.pop(STEPPED_KEY, True)
+            for key, part in (_split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
+                if not stepped:
+                    part = {k: v for k, v in part.items() if k == "master"}
+                if part:
+                    by_name[key] = part
     hyper = [{k: v for k, v in g.items() if k not in ("params", NAMES_KEY, HEADER_KEY)} for g in groups]
     return header, hyper, by_name
 
@@ -241,8 +285,8 @@ def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | No
     """One TP shard of an AdamW parameter's state from its DP slices (None: none were saved)."""
     if not pieces:
         return None
-    shape = tuple(local_tensor(opt.params[name]).shape)
-    numel = local_tensor(opt.params[name]).numel()
+    shape = tuple(opt.tensor(name).shape)
+    numel = opt.tensor(name).numel()
     out: dict[str, Any] = {"step": pieces[0][2]["step"]}
     for _, offset, part in pieces:
         for key in SLICED:
@@ -327,7 +371,7 @@ def _check_compatible(opt: Checkpointable, sd: Mapping[str, Any], groups: list[M
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes != mine:
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {_first_difference(shapes, mine)}")
-    unknown = sorted(set(state) - set(mine))
+    unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})
     if unknown:
         raise PlanError(f"checkpoint has state for unknown parameter {unknown[0]!r}")
     saved_groups = [(g.get("kind"), g.get("optimizer")) for g in groups]
@@ -477,7 +521,7 @@ def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
     """Per parameter whose pieces this rank needs, the range of its local tensor it holds."""
     out = {name: (off, off + e - s) for name, _, s, e, off in opt.adamw_parts()}
     for name in opt.applies:
-        out[name] = (0, local_tensor(opt.params[name]).numel())
+        out[name] = (0, opt.tensor(name).numel())
     return out
 
 

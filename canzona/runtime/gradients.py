@@ -32,6 +32,7 @@ from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
+from canzona.runtime.stacks import Stacks
 from canzona.runtime.wrappers import wrapper_holding, wrapper_message
 from canzona.spec import ModelSpec
 from canzona.step_policies import StepPolicy
@@ -89,6 +90,9 @@ class GradientSync:
                  dp: Comm, tp: Comm | None, align: int, reduce_dtype: torch.dtype | None,
                  nonfinite: str = "raise") -> None:
         self.params = params
+        # the buffers hold entries: a parameter, or each matrix of a stacked one (`stacks`)
+        self.stacks = Stacks(spec, params, plan.dp_plan.buckets)
+        tensors = self.stacks.tensors()
         self.plan = plan
         self.policy = policy
         self.dp = dp
@@ -98,17 +102,24 @@ class GradientSync:
         # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
         self.source: GradientSource = DPReduction(dp, policy)
         self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
-                                   b.size, params, reduce_dtype) for b in plan.dp_plan.buckets]
+                                   b.size, tensors, reduce_dtype, data=self.stacks.bucket_data(b))
+                        for b in plan.dp_plan.buckets]
         adamw_names = [p.name for p in spec.adamw_params()]
         offsets, used = packed_offsets(adamw_names, params)
         self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * dp.size), params, reduce_dtype)
         self.adamw_cuts = even_cuts(self.adamw.size, dp.size)
         self.buffer_of = {n: buf for buf in self.all_buffers() for n in buf.names}
+        # the "got a gradient" table's position of every parameter and of every entry
         self.index = {n: i for i, n in enumerate(params)}
+        self.index.update({e: self.index[n] for e, n in self.stacks.param_of.items()})
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
-        # TP-replicated parameters: every TP rank must hold (and be given) the same gradient; they
+        # each parameter's buckets (a stack may span several), in bucket order
+        self.buckets_of = {n: sorted({self._bucket_of[e] for e in self.stacks.members[n] if e in self._bucket_of})
+                            for n in params}
+        # TP-replicated entries: every TP rank must hold (and be given) the same gradient; they
         # count once (on TP rank 0) in the global norm
-        self._replicated = [p.name for p in spec.params if p.tp_dim is None] if tp is not None else []
+        self._replicated = [e for p in spec.params if p.tp_dim is None for e in self.stacks.members[p.name]] \
+            if tp is not None else []
         self._sync = True
         # the guard standing in each parameter's `.grad` while the buffer holds its gradient, and
         # that gradient's state (a name is absent when the buffer holds nothing of this step)
@@ -198,24 +209,40 @@ class GradientSync:
         """`name`'s gradient of this backward is complete (post-accumulate-grad hook)."""
         if self.read_check is not None:
             self.read_check(name)
-        buffer = self.buffer_of[name]
-        if not buffer.is_linked(name):
+        if not self.is_linked(name):
             raise CanzonaError(self.unlinked_message(name))
         p, guard = self.params[name], self._guards[name]
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
             # backward), or the user assigned one: it replaces what the buffer held, as in torch
-            buffer.write(name, local_grad(p))
+            self._write(name, local_grad(p))
             p.grad = guard
         self._got_grad[self.index[name]] = 1
         self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
-        k = self._bucket_of.get(name)
-        if k is None or not self._sync:
+        buckets = self.buckets_of[name]
+        if not buckets or not self._sync:
             return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
-        if self._launched[k] is not None:
+        if any(self._launched[k] is not None for k in buckets):
             raise CanzonaError(SYNCED_TWICE)
-        self._arrived[k].add(name)
+        for entry in self.stacks.members[name]:
+            self._arrived[self._bucket_of[entry]].add(entry)
         self._launch_ready_buckets()
+
+    def _write(self, name: str, grad: Tensor, add: bool = False) -> None:
+        """Parameter `name`'s local gradient into its entries' buffers (added to what they hold
+        with `add`)."""
+        for entry, part in self.stacks.parts(name, grad):
+            buffer = self.buffer_of[entry]
+            if add:
+                buffer.add(entry, part)
+            else:
+                buffer.write(entry, part)
+
+    def is_linked(self, name: str) -> bool:
+        """Parameter `name` still lives in the optimizer's storage."""
+        if name in self.stacks.storage:
+            return self.stacks.is_linked(name)
+        return self.buffer_of[name].is_linked(name)
 
     def _launch_ready_buckets(self) -> None:
         """Launch in bucket order only, so every rank issues the same collectives in the same order."""
@@ -234,17 +261,22 @@ class GradientSync:
         """Before a buffer is reduced: every parameter's gradient of this step is in it (a gradient
         assigned by hand is taken in; no gradient counts as zero), and every `.grad` holding one is
         its guard, now `REDUCING`."""
-        for name in buffer.names:
+        for name in dict.fromkeys(self.stacks.param_of[e] for e in buffer.names):
             p, guard = self.params[name], self._guards[name]
             if p.grad is guard:
                 if self._states.get(name) is GradState.STEPPED:
                     raise CanzonaError(STALE_GRADIENTS.format(name=name))
             elif p.grad is None:
-                buffer.zero(name)
+                for entry in self.stacks.members[name]:
+                    if self.buffer_of[entry] is buffer:
+                        buffer.zero(entry)
                 self._states.pop(name, None)
                 continue
             else:
-                buffer.write(name, local_grad(p))
+                # every entry of the parameter, in this buffer and in those launched after it (a
+                # stack spanning buckets: this is the first of them to launch, as the guard
+                # now stands in `.grad`)
+                self._write(name, local_grad(p))
                 p.grad = guard
                 self._got_grad[self.index[name]] = 1
             self._states[name] = GradState.REDUCING
@@ -264,7 +296,7 @@ class GradientSync:
         return self._states.get(name, GradState.STEPPED)
 
     def accumulate(self, name: str, grad: Tensor) -> None:
-        self.buffer_of[name].add(name, grad)
+        self._write(name, grad, add=True)
 
     def dropped(self, name: str) -> None:
         self.params[name].grad = None
@@ -316,7 +348,8 @@ class GradientSync:
     def _local_problem(self) -> str | None:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers, or
         a gradient dropped or replaced after it was handed to the reduction."""
-        unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None)
+        unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
+            next(self.stacks.unlinked(), None)
         if unlinked is not None:
             return self.unlinked_message(unlinked)
         for name, p in self.params.items():

@@ -217,17 +217,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "there (matrix_config is for a matrix optimizer)")
         self.adamw_cfg = _config("adamw", adamw_config)
         self.matrix_cfg = self.adamw_cfg if self.elementwise else _config(self.optimizer, matrix_config)
-        if spec.stacks:
-            # planned and simulated, not run yet: never let a stack reach the buffers as one matrix
-            raise SpecError(f"parameter {spec.stacks[0].name!r} stacks {spec.stacks[0].stack_size} expert matrices: "
-                            "canzona plans and simulates stacked experts, but its runtime does not run them yet")
         self.spec = spec
         groups = user_groups(params)
         if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
             check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
         self.batch_kernels, self.compile_kernels = batch_kernels, compile_kernels
         # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
-        matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
+        # (a stacked expert parameter is the matrix optimizer's: each of its matrices is one)
+        matrix_names = set() if self.elementwise else {p.name for p in (*spec.matrix_params(), *spec.stacks)}
         param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
         # the parameters are checked before anything asks the process groups (which may not exist)
         axes = axis_groups(group, tp_group)
@@ -266,6 +263,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grads = GradientSync(self.params, spec, self.plan, self.policy, self.comm, self.tp_comm, align,
                                   reduce_dtype, nonfinite)
         self._index = self.grads.index
+        # the entries the plan places (a stack's matrices) in their parameter's group
+        self._group_of.update({e: self._group_of[n] for e, n in self.grads.stacks.param_of.items()})
         grad_dtype = self.grads.buckets[0].reduced.dtype  # what the matrices' gradients are reduced in
         update_dtype = torch.float32 if self.master_weights else grad_dtype
         self.schedule: TPSchedule = tp_schedule(
@@ -305,9 +304,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             log.warning("canzona: overlap_param_gather needs every parameter held by a module (its forward "
                         "waits for the parameters); some are not: the step gathers them before it returns")
             return None
-        work_of = {name: k for k, buf in enumerate(self.grads.buckets) for name in buf.names}
-        work_of.update({name: len(self.grads.buckets) for name in self.grads.adamw.names})
-        return ParamsInFlight(work_of, modules)
+        works_of = {name: tuple(self.grads.buckets_of[name]) or (len(self.grads.buckets),) for name in self.params}
+        return ParamsInFlight(works_of, modules)
 
     def wait_params(self) -> None:
         """Wait for the last step's parameter all-gathers (overlap_param_gather): for code that reads
@@ -516,22 +514,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.group_config(g), group["lr"]
 
     def _target(self, name: str) -> Tensor:
-        return self._master_for(name, local_tensor(self.params[name]))
+        return self._master_for(name, self.tensor(name))
 
     def _refresh_working_copy(self, name: str) -> None:
         """After an update to a master: the working copy the next forward uses."""
         master = self.master.get(name)
         if master is not None:
-            local_tensor(self.params[name]).copy_(master)
+            self.tensor(name).copy_(master)
 
     @torch.no_grad()
     def reset_master_weights(self) -> None:
         """fp32 master copies of the matrices this rank updates and of its AdamW slice, taken from
         the parameters as they are now (after loading weights into a bf16 model, say)."""
         self.wait_params()
-        self.master = {n: local_tensor(self.params[n]).detach().float().clone() for n in self.applies}
+        self.master = {n: self.tensor(n).detach().float().clone() for n in self.applies}
         for piece in self.adamw_parts():
             self.master[piece.name] = piece.buffer.data[piece.start:piece.end].float().clone()
+
+    def tensor(self, entry: str) -> Tensor:
+        """This rank's local tensor of a plan entry: a parameter's, or one matrix of a stacked
+        parameter (a view of it)."""
+        return self.grads.stacks.tensor(entry)
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
         """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written

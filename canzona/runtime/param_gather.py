@@ -53,14 +53,15 @@ def modules_holding(params: Mapping[str, Tensor]) -> dict[nn.Module, list[str]] 
 class ParamsInFlight:
     """The pending all-gathers of one step and the hooks that wait for them."""
 
-    def __init__(self, work_of: Mapping[str, int], modules: Mapping[nn.Module, list[str]]) -> None:
-        self._work_of = dict(work_of)  # parameter name -> index of the gather that writes it
+    def __init__(self, works_of: Mapping[str, tuple[int, ...]], modules: Mapping[nn.Module, list[str]]) -> None:
+        # parameter name -> the gathers that write it (several for a stack spanning buckets)
+        self._works_of = dict(works_of)
         self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
         self._handles: list = []
         me = weakref.ref(self)
         wait_all = _wait_all_hook(me)
         for module, names in modules.items():
-            works = sorted({self._work_of[n] for n in names})
+            works = sorted({k for n in names for k in self._works_of[n]})
             self._handles.append(module.register_forward_pre_hook(_before_forward(me, works)))
             self._handles.append(module.register_state_dict_pre_hook(wait_all))
             self._handles.append(module.register_load_state_dict_pre_hook(wait_all))
@@ -96,9 +97,8 @@ class ParamsInFlight:
         """Called as `name`'s gradient arrives: the forward that produced it used the parameter, so
         its gather must have landed; if no hook waited for it, the forward read last step's values
         (or half-written ones). One error, in backward, before anything is updated."""
-        k = self._work_of[name]
         pending = self._pending[0]
-        if k < len(pending) and pending[k] is not None:
+        if any(k < len(pending) and pending[k] is not None for k in self._works_of[name]):
             raise CanzonaError(
                 f"parameter {name!r} was read before the last step's all-gather of it landed: its values "
                 "were read outside the forward of a module holding it (a custom method such as loss(), or "

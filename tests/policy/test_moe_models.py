@@ -223,10 +223,3 @@ def test_a_parameter_spec_stack_is_checked_where_it_is_made():
         ParamSpec("w", (2, 4, 4), Role.EXPERT, matrix_shape=(0, 4))
     assert ParamSpec("w", (2, 4, 4), Role.EXPERT, matrix_shape=(2, 4)).stack_size == 4
 
-
-def test_the_runtime_refuses_a_stack_it_does_not_run_yet_before_any_work():
-    from canzona.runtime.optimizer import DistributedOptimizer
-
-    spec = ModelSpec("m", (ParamSpec("experts.w", (2, 4, 4), Role.EXPERT, matrix_shape=(4, 4)),))
-    with pytest.raises(SpecError, match="stacks 2 expert matrices: .* runtime does not run them yet"):
-        DistributedOptimizer([("experts.w", torch.nn.Parameter(torch.zeros(2, 4, 4)))], spec)
