@@ -246,22 +246,27 @@ PLAN_DEFAULTS = PlanSettings()
 
 
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
-             settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None) -> Plan:
+             settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
+             empty_ok: bool = False) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
-    `canzona verify` and the simulator make a policy's plan."""
+    `canzona verify` and the simulator make a policy's plan. `empty_ok`: a model without matrices
+    gets a plan of no buckets (the dense part of a mixture-of-experts model whose only matrices
+    are its experts) instead of an error."""
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
     policy.check_optimizer(optimizer)
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
-                     capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by)
+                     capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
+                     empty_ok=empty_ok)
 
 
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               dp_policy: str = PLAN_DEFAULTS.dp_policy, tp_policy: str = PLAN_DEFAULTS.tp_policy,
               alpha: float = PLAN_DEFAULTS.alpha, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
               align: int = PLAN_DEFAULTS.align, capacity: Capacity | None = PLAN_DEFAULTS.capacity,
-              cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by) -> Plan:
+              cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by, *,
+              empty_ok: bool = False) -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
@@ -275,7 +280,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     check_dp_policy(dp_policy)
     check_tp_policy(tp_policy)
     model.check_tp(tp)
-    if not model.matrix_params():
+    if not model.matrix_params() and not empty_ok:
         raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
     cost_model = cost_model or AnalyticCost()
     dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,

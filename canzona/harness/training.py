@@ -63,6 +63,7 @@ class TrainSpec:
     master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
+    ep: int = 1  # expert parallelism (a mixture-of-experts preset): EP groups of ep consecutive DP ranks
     tp_policy: str = PLAN_DEFAULTS.tp_policy  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
@@ -150,8 +151,21 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
     extra = extra or {}
     dp = spec.dp_size(world)
     spec.check(dp)
-    group, dp_rank, recorder = None, rank, None
-    if spec.tp > 1:
+    group, dp_rank, recorder, expert_mesh = None, rank, None, None
+    if spec.ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from reference.tiny_moe import MOE_PRESETS
+        from reference.tiny_moe_ep import TinyMoeEP
+
+        expert_mesh = init_device_mesh("cpu", (dp // spec.ep, spec.ep), mesh_dim_names=("edp", "ep"))
+        from reference.tiny_model import _torch_dtype
+
+        model = TinyMoeEP(MOE_PRESETS[spec.preset], expert_mesh.get_group("ep"), seed=spec.model_seed,
+                          dtype=_torch_dtype(spec.dtype))
+        mspec = model.spec()
+        recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
+    elif spec.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         group = init_device_mesh("cpu", (dp, spec.tp), mesh_dim_names=("dp", "tp"))
@@ -167,7 +181,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                master_weights=spec.master_weights, group=group, tp_policy=spec.tp_policy,
                                tp_mode=spec.tp_mode, reduce_scatter=spec.reduce_scatter,
                                batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels,
-                               overlap_step=spec.overlap_step)
+                               overlap_step=spec.overlap_step, expert_mesh=expert_mesh)
     if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
         with torch.no_grad():
@@ -219,6 +233,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "tp_rank": opt.tp_rank,
         "tp_dims": {p.name: p.tp_dim if spec.tp > 1 else None for p in mspec.params},
         "grads": grads,
+        "ep_rank": expert_mesh.get_local_rank("ep") if expert_mesh is not None else 0,
+        "expert_owned": list(opt.experts.applies) if opt.experts is not None else [],
     }
 
 
@@ -333,6 +349,54 @@ def global_gradients_from(results: Sequence[dict], spec: TrainSpec) -> list[tupl
                 grads[name] = unshard(shards, tp_dim)
         steps.append((grads, got))
     return steps
+
+
+def expert_global_gradients(results: Sequence[dict], spec: TrainSpec) -> list[tuple[dict[str, Tensor], set[str]]]:
+    """Per step, the global gradients an expert-parallel run's reductions produce, from the
+    gradients its ranks recorded (rank order; `canzona.runtime.expert_part`): a dense parameter's
+    summed over every rank in rank order and divided by dp; an expert stack's, per EP rank j, summed
+    over its EDP group in rank order, divided by edp and then by ep, the EP ranks' experts
+    concatenated in order."""
+    dp, ep = len(results), spec.ep
+    stacks = {p.name for p in build_model(spec).spec().stacks}
+    steps = []
+    for s in range(len(results[0]["grads"])):
+        recorded = [r["grads"][s] for r in results]
+        got = {n for g in recorded for n in g}
+        grads = {}
+        for name in got:
+            if name not in stacks:
+                grads[name] = _mean([g.get(name) for g in recorded], dp)
+                continue
+            parts = []
+            for j in range(ep):
+                holders = [g.get(name) for r, g in zip(results, recorded) if r["ep_rank"] == j]
+                parts.append(_mean(holders, dp // ep).div_(ep))
+            grads[name] = torch.cat(parts)
+        steps.append((grads, got))
+    return steps
+
+
+def _mean(parts: Sequence[Tensor | None], n: int) -> Tensor:
+    """Sum in order (a missing gradient counts as zero), divided by n: the exact reduction's arithmetic."""
+    like = next(x for x in parts if x is not None)
+    acc = (parts[0] if parts[0] is not None else torch.zeros_like(like)).clone()
+    for x in parts[1:]:
+        if x is not None:
+            acc += x
+    return acc.div_(n)
+
+
+def expert_local(full: dict[str, Tensor], spec: TrainSpec, ep_rank: int) -> dict[str, Tensor]:
+    """What EP rank `ep_rank` holds of whole-model tensors: its slice of every stack."""
+    stacks = {p.name for p in build_model(spec).spec().stacks}
+    out = {}
+    for name, t in full.items():
+        if name in stacks:
+            per = t.shape[0] // spec.ep
+            t = t[ep_rank * per:(ep_rank + 1) * per]
+        out[name] = t.contiguous()
+    return out
 
 
 def full_parameters(results: Sequence[dict]) -> dict[str, Tensor]:

@@ -360,11 +360,14 @@ class GradientSync:
                         f"handed it to the reduction: zero gradients before backward, not after. {GUARD_ADVICE}")
         return None
 
-    def prepare(self, hyper_parameters: int, max_norm: float | None = None) -> StepCheck:
+    def prepare(self, hyper_parameters: int, max_norm: float | None = None,
+                more_norm: Callable[[], Tensor] | None = None) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
-        `max_norm`: the clip threshold this call applies (ranks must agree on both)."""
+        `max_norm`: the clip threshold this call applies (ranks must agree on both); `more_norm`:
+        this rank's sum of squares of gradients held beside these buffers (the experts' under
+        expert parallelism), added to its own before the ranks' are summed."""
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
@@ -375,6 +378,8 @@ class GradientSync:
         # the host on its own, so the table below is the step's one read of device values
         device = self.dp.check_device
         term = local_norm_term(self.norm_segments()).to(device)
+        if more_norm is not None:
+            term = term + more_norm().to(device)
         header = torch.cat([
             to_device(torch.cat([self._got_grad, torch.tensor(
                 [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),

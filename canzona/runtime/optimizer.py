@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan
 from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.experts import dense_part, expert_part
 from canzona.fileio import is_finite_number
 from canzona.optimizers import (
     AdamWConfig,
@@ -48,9 +49,17 @@ from canzona.reductions import check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
-from canzona.runtime.comm import PendingWork
+from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.executor import MatrixStep
-from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck
+from canzona.runtime.expert_part import (
+    EDP,
+    EP,
+    ExpertPart,
+    build_expert_part,
+    check_expert_layout,
+    expert_groups,
+)
+from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck, local_norm_term
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
@@ -153,6 +162,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     (inductor: a C++ compiler on CPU, Triton on CUDA, checked here); close to the eager result,
     not bit-identical (inductor reorders arithmetic), so keep it the same on every rank.
 
+    `expert_mesh`: expert parallelism for a mixture-of-experts model (`canzona.runtime.expert_part`):
+    a 2-D `DeviceMesh` with dimensions named `edp` and `ep` over the DP group's ranks (EP groups of
+    consecutive ranks, as Megatron folds them; the one the model dispatches its tokens over). Each
+    rank then holds its EP rank's experts (stacks of `experts / ep`, under the model's names; `spec`
+    stays the whole model's): the dense part is planned and stepped over DP, the experts over
+    their EDP group, each expert matrix owned whole by one EDP rank, their gradients reduced over
+    EDP and scaled to the global mean. Not yet under EP: TP, `overlap_step`, plan files,
+    checkpoints (each one error).
+
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
@@ -187,6 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_step: bool = STEP_DEFAULTS.overlap_step,
         capacity: Capacity | None = PLAN_DEFAULTS.capacity,
         balance_by: str = PLAN_DEFAULTS.balance_by,
+        expert_mesh: DeviceMesh | None = None,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
@@ -218,6 +237,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.adamw_cfg = _config("adamw", adamw_config)
         self.matrix_cfg = self.adamw_cfg if self.elementwise else _config(self.optimizer, matrix_config)
         self.spec = spec
+        # expert parallelism: the experts' EDP and EP groups (canzona.runtime.expert_part)
+        expert_pgs = expert_groups(expert_mesh) if expert_mesh is not None else None
+        self.ep = dist.get_world_size(expert_pgs[1]) if expert_pgs is not None else 1
+        if self.ep > 1:
+            if plan is not None:
+                raise SpecError("a plan file under expert parallelism is not supported yet: leave plan out (the "
+                                "optimizer plans the dense part and the experts itself)")
+            if overlap_step:
+                raise SpecError("overlap_step under expert parallelism is not supported yet")
+        # the model as this rank holds it: under EP its stacks hold this EP rank's experts
+        self._dense_spec = dense_part(spec) if self.ep > 1 else spec
+        self._expert_spec = expert_part(spec, self.ep) if self.ep > 1 else None
+        self._expert_names = _names(self._expert_spec) if self._expert_spec is not None else set()
         groups = user_groups(params)
         if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
             check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
@@ -236,9 +268,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
+        self._expert_comms: tuple[Comm, Comm] | None = None  # (EDP, EP)
+        if self.ep > 1:
+            check_expert_layout(spec, self.ep, self.dp, self.tp, expert_pgs[0])
+            self._expert_comms = (Comm(expert_pgs[0], timeout_s, EDP, reduce_scatter=reduce_scatter),
+                                  Comm(expert_pgs[1], timeout_s, EP))
         settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
                                 align=align, capacity=capacity, balance_by=balance_by)
         self.plan = self._resolve_plan(plan, settings, cost_model)
+        # the experts of this EP rank, planned over EDP (TP 1)
+        self._expert_plan = plan_for(self._expert_spec, self.dp // self.ep, 1, self.optimizer, self.policy, settings,
+                                     cost_model) if self.ep > 1 else None
         self._check_agreement(param_groups)
 
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
@@ -260,15 +300,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         low = {p.dtype for p in self.params.values()} & {torch.bfloat16, torch.float16}
         self.master_weights = bool(master_weights and low)
         reduce_dtype = torch.float32 if self.master_weights else None
-        self.grads = GradientSync(self.params, spec, self.plan, self.policy, self.comm, self.tp_comm, align,
+        dense = {n: p for n, p in self.params.items() if n in _names(self._dense_spec)}
+        self.grads = GradientSync(dense, self._dense_spec, self.plan, self.policy, self.comm, self.tp_comm, align,
                                   reduce_dtype, nonfinite)
         self._index = self.grads.index
         # the entries the plan places (a stack's matrices) in their parameter's group
         self._group_of.update({e: self._group_of[n] for e, n in self.grads.stacks.param_of.items()})
-        grad_dtype = self.grads.buckets[0].reduced.dtype  # what the matrices' gradients are reduced in
+        grad_dtype = self.grads.adamw.reduced.dtype if not self.grads.buckets else \
+            self.grads.buckets[0].reduced.dtype  # what the matrices' gradients are reduced in
         update_dtype = torch.float32 if self.master_weights else grad_dtype
         self.schedule: TPSchedule = tp_schedule(
-            self.plan, spec, self.policy, self.rank, self.tp_mode,
+            self.plan, self._dense_spec, self.policy, self.rank, self.tp_mode,
             grad_bytes=grad_dtype.itemsize, update_bytes=update_dtype.itemsize, overlap_step=overlap_step)
         # the matrices whose shards this rank updates, and those whose full update (and optimizer
         # state) it computes: the same at TP = 1
@@ -277,17 +319,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
         self.adamw_state: dict[str, dict] = {}
         self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
-        if self.master_weights:
-            self.reset_master_weights()
         device = local_tensor(next(iter(self.params.values()))).device
         kernel, batched = matrix_kernels(self.optimizer, batch=batch_kernels, compile=compile_kernels)
         self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, kernel, self.matrix_state,
                                       grad_dtype, update_dtype, device, batched=batched)
+        self.experts: ExpertPart | None = None
+        if self.ep > 1:
+            self.experts = build_expert_part(
+                {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
+                self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype, tp_mode=self.tp_mode, kernel=kernel, batched=batched,
+                update_dtype=update_dtype, device=device)
+            self._group_of.update({e: self._group_of[n] for e, n in self.experts.grads.stacks.param_of.items()})
+        if self.master_weights:
+            self.reset_master_weights()
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         self._in_flight = self._params_in_flight(overlap_param_gather)
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
-            self.grads.read_check = self._in_flight.check_read
+            for grads in self._syncs():
+                grads.read_check = self._in_flight.check_read
         if overlap_step:
             self.grads.speculate = self._speculate
 
@@ -304,7 +354,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             log.warning("canzona: overlap_param_gather needs every parameter held by a module (its forward "
                         "waits for the parameters); some are not: the step gathers them before it returns")
             return None
-        works_of = {name: tuple(self.grads.buckets_of[name]) or (len(self.grads.buckets),) for name in self.params}
+        # the gathers in launch order (`_launch_gathers`): each part's buckets, then its AdamW buffer
+        works_of, first = {}, 0
+        for grads in self._syncs():
+            works_of.update({name: tuple(first + k for k in grads.buckets_of[name]) or (first + len(grads.buckets),)
+                             for name in grads.params})
+            first += len(grads.buckets) + 1
         return ParamsInFlight(works_of, modules)
 
     def wait_params(self) -> None:
@@ -326,7 +381,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
                                     "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
                                     "and ModelSpec.from_module skip them)")
-                check_local_param(name, p, self.spec.param(name), self.tp, tp_ranks)
+                local = self._expert_spec if self.ep > 1 and name in self._expert_names else self.spec
+                check_local_param(name, p, local.param(name), self.tp, tp_ranks)
                 params[name] = p
         missing = [p.name for p in self.spec.params if p.name not in params]
         if missing:
@@ -336,10 +392,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _resolve_plan(self, plan: Plan | str | Path | None, settings: PlanSettings,
                       cost_model: CostModel | None) -> Plan:
         if plan is None:
-            plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model)
+            plan = plan_for(self._dense_spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
+                            empty_ok=self.ep > 1)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
-        check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp)
+        check_plan_matches(plan, self._dense_spec, dp=self.dp, tp=self.tp)
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
         try:
@@ -365,8 +422,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "overlapped step": f"overlap_step {self.overlap_step}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
-        dp_facts = {**shared, "TP rank": str(self.tp_rank),
-                    "initial parameters": _parameters_checksum(self.params.values())}
+        dense = [p for n, p in self.params.items() if n not in self._expert_names]
+        dp_facts = {**shared, "TP rank": str(self.tp_rank), "initial parameters": _parameters_checksum(dense)}
+        if self._expert_plan is not None:
+            # every DP rank, then the EDP ranks of each EP rank: the same experts, the same expert plan
+            self.comm.check_agreement({**dp_facts, "expert parallelism": f"ep {self.ep}"})
+            self._expert_comms[0].check_agreement({
+                "expert plan": self._expert_plan.hash(),
+                "initial expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))})
+            return
         if self.tp_comm is None:
             self.comm.check_agreement(dp_facts)
             return
@@ -390,12 +454,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (micro-batches); the backward after it synchronises once."""
-        with self.grads.no_sync():
+        with contextlib.ExitStack() as stack:
+            for grads in self._syncs():
+                stack.enter_context(grads.no_sync())
             yield
+
+    def _syncs(self) -> list[GradientSync]:
+        """The gradient buffers of every part: the dense part's, and the experts' under EP."""
+        return [self.grads] if self.experts is None else [self.grads, self.experts.grads]
 
     def _prepare_step(self, max_norm: float | None = None) -> StepCheck:
         self.wait_params()  # the check reads parameters (links, TP digests); the update writes them
-        return self.grads.prepare(hyper_parameters_digest(self.param_groups), max_norm)
+        digest = hyper_parameters_digest(self.param_groups)
+        if self.experts is None:
+            return self.grads.prepare(digest, max_norm)
+        # the experts' checks over EDP first, then one global verdict over DP carrying their norm
+        experts = self.experts.grads
+        experts.prepare(digest, max_norm)
+        return self.grads.prepare(digest, max_norm, more_norm=lambda: local_norm_term(experts.norm_segments()))
 
     @property
     def nonfinite(self) -> str:
@@ -431,14 +507,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         coefficient = min(1.0, max_norm / (norm + 1e-6))
         if coefficient < 1.0:
             self.matrix_step.discard()  # its updates were computed from the gradients before clipping
-            for buf in self.grads.all_buffers():
-                buf.reduced.mul_(coefficient)
+            for grads in self._syncs():
+                for buf in grads.all_buffers():
+                    buf.reduced.mul_(coefficient)
             self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
 
     def _inf_norm(self) -> float:
         """The largest gradient magnitude in the cluster (two more small all-gathers: the step check
         carries the 2-norm only)."""
-        segments = [s for s in self.grads.norm_segments() if s.numel()]
+        segments = [s for grads in self._syncs() for s in grads.norm_segments() if s.numel()]
         term = max((s.abs().max().double().cpu() for s in segments), default=torch.zeros((), dtype=torch.float64))
         term = self.comm.all_gather_values(term.reshape(1), "gradient norm")[:, 0].max()
         if self.tp_comm is not None:
@@ -450,6 +527,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # the step's parameter all-gathers in flight (overlap_param_gather); None until construction
     # sets it, so that what construction calls (reset_master_weights) finds nothing to wait for
     _in_flight: ParamsInFlight | None = None
+    # the experts' part under expert parallelism (None: no EP, or not built yet)
+    experts: ExpertPart | None = None
 
     # torch.amp.GradScaler hands optimizers that say so their scaler instead of unscaling their
     # gradients itself: here it must not touch them at all (see step)
@@ -483,12 +562,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:  # no overlapped step to commit: the plain one
                 self.matrix_step.run(grad=self.grads.reduced, **how)
             self._adamw_step(got)
+            if self.experts is not None:
+                self._expert_step()
             self._gather_params()
         self.comm.log.step += 1
         if self.tp_comm is not None:
             self.tp_comm.log.step += 1
-        self.grads.stepped()
+        for grads in self._syncs():
+            grads.stepped()
         return loss
+
+    def _expert_step(self) -> None:
+        """The experts' matrices this rank owns (at TP 1: computed and applied), and their AdamW
+        pieces under an elementwise optimizer; which got a gradient is the EDP check's verdict."""
+        part = self.experts
+        got = [bool(g) for g in part.grads.checked.got.tolist()]
+        index = part.grads.index
+        part.matrix_step.run(grad=part.grads.reduced, target=self._target, applied=self._refresh_working_copy,
+                             config=self._matrix_config, got=lambda name: got[index[name]])
+        if self.elementwise:
+            self._adamw_pieces(self._expert_adamw_parts(), lambda name: got[index[name]])
 
     def _speculate(self, landed: Callable[[str], Tensor]) -> None:
         """overlap_step: the matrices' updates computed as their buckets land, before the step
@@ -503,10 +596,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather_params(self) -> None:
         if self._in_flight is not None:
-            self._in_flight.launch(lambda: self._param_gather(self))
+            self._in_flight.launch(self._launch_gathers)
             return
-        for pending in self._param_gather(self):
+        for pending in self._launch_gathers():
             pending.wait()
+
+    def _launch_gathers(self) -> list[PendingWork]:
+        """The step policy's parameter gathers of every part (the dense part over DP, the experts
+        over EDP), in the order `_params_in_flight` numbers them."""
+        parts = [self] if self.experts is None else [self, self.experts]
+        return [pending for part in parts for pending in self._param_gather(part)]
 
     def _matrix_config(self, name: str) -> tuple[Any, float]:
         g = self._group_of[name]
@@ -527,14 +626,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """fp32 master copies of the matrices this rank updates and of its AdamW slice, taken from
         the parameters as they are now (after loading weights into a bf16 model, say)."""
         self.wait_params()
-        self.master = {n: self.tensor(n).detach().float().clone() for n in self.applies}
-        for piece in self.adamw_parts():
+        applies = self.applies + (self.experts.applies if self.experts is not None else [])
+        self.master = {n: self.tensor(n).detach().float().clone() for n in applies}
+        for piece in [*self.adamw_parts(), *self._expert_adamw_parts()]:
             self.master[piece.name] = piece.buffer.data[piece.start:piece.end].float().clone()
 
     def tensor(self, entry: str) -> Tensor:
         """This rank's local tensor of a plan entry: a parameter's, or one matrix of a stacked
         parameter (a view of it)."""
-        return self.grads.stacks.tensor(entry)
+        for grads in self._syncs():
+            if entry in grads.stacks.param_of:
+                return grads.stacks.tensor(entry)
+        raise KeyError(entry)
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
         """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written
@@ -558,7 +661,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dtype(self, name: str) -> torch.dtype:
         """The dtype `name`'s optimizer state is kept in: its reduced gradient's."""
-        return self.grads.buffer_of[name].reduced.dtype
+        return next(g.buffer_of[name] for g in self._syncs() if name in g.buffer_of).reduced.dtype
 
     def adamw_parts(self) -> Iterator[Piece]:
         """The pieces this rank updates with AdamW (and keeps AdamW state and masters for): those
@@ -572,10 +675,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lo, hi = (0, buffer.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
             yield from pieces_of(buffer, lo, hi)
 
+    def _expert_adamw_parts(self) -> Iterator[Piece]:
+        """Under an elementwise optimizer and EP: the experts' pieces inside this rank's EDP
+        segments of the expert buckets."""
+        if not (self.elementwise and self.experts is not None):
+            return
+        grads = self.experts.grads
+        for k, b in enumerate(grads.buckets):
+            cuts = grads.grad_cuts(k)
+            lo, hi = (0, b.size) if self.policy.replicated else (cuts[self.experts.rank], cuts[self.experts.rank + 1])
+            yield from pieces_of(b, lo, hi)
+
     def _adamw_step(self, got: Sequence[bool]) -> None:
-        for piece in self.adamw_parts():
+        self._adamw_pieces(self.adamw_parts(), lambda name: got[self._index[name]])
+
+    def _adamw_pieces(self, pieces: Iterable[Piece], got: Callable[[str], bool]) -> None:
+        for piece in pieces:
             name = piece.name
-            if got[self._index[name]]:
+            if got(name):
                 g = self._group_of[name]
                 group = self.param_groups[g]
                 state = self.adamw_state.setdefault(name, {})
@@ -590,7 +707,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every `.grad` becomes None (`set_to_none=False` too: the gradients live in the
         optimizer's buffers, and the next backward replaces them). `model.zero_grad()`, with either
         setting, works the same."""
-        self.grads.zero_grad()
+        for grads in self._syncs():
+            grads.zero_grad()
         self.matrix_step.discard()  # an overlapped step computed and never committed (no step() came)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -601,14 +719,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- checkpoints -------------------------------------------------------------------------
 
+    def _check_checkpointable(self) -> None:
+        """Local, so that every rank raises before any collective."""
+        if self.experts is not None:
+            raise CanzonaError("checkpoints of an optimizer under expert parallelism are not supported yet "
+                               "(ep > 1): the experts' state would be missing")
+
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent: per parameter name, full tensors, identical on every rank.
         Collective (every rank must call it), bounded by `timeout_s`."""
+        self._check_checkpointable()
         self.wait_params()
         return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
+        self._check_checkpointable()
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_state(self, state_dict)
@@ -616,12 +742,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
         only what it owns); merge it with the model's state dict to save both in one call."""
+        self._check_checkpointable()
         self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
         reader): each rank reads what its layout needs. Collective."""
+        self._check_checkpointable()
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix)
@@ -698,6 +826,10 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()
+
+
+def _names(spec: ModelSpec) -> set[str]:
+    return {p.name for p in spec.params}
 
 
 def _is_fsdp_flat_parameter(p: Tensor) -> bool:
