@@ -276,14 +276,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.applies = [t.name for t in self.schedule.tasks()]
         self.hosted = [t.name for t in self.schedule.hosted(self.tp_rank)]
         self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
+        # the steps each matrix this rank applies took, kept alike on its TP ranks: the receivers of
+        # update chunks compute the update's scalars from it (MatrixStep; set on load)
+        self.matrix_steps: dict[str, int] = {n: 0 for n in self.applies}
         self.adamw_state: dict[str, dict] = {}
         self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
         if self.master_weights:
             self.reset_master_weights()
         device = local_tensor(next(iter(self.params.values()))).device
         kernel, batched = matrix_kernels(self.optimizer, batch=batch_kernels, compile=compile_kernels)
+        # an elementwise optimizer has no scalars part, and no matrix to run through the executor
+        scalars = matrix_optimizer(self.optimizer).part("scalars") or _no_matrices
         self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, kernel, self.matrix_state,
-                                      grad_dtype, update_dtype, device, batched=batched)
+                                      grad_dtype, update_dtype, device, scalars=scalars, batched=batched,
+                                      steps=self.matrix_steps)
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         self._in_flight = self._params_in_flight(overlap_param_gather)
         self.overlap_param_gather = self._in_flight is not None
@@ -625,6 +631,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 # --- the parameter all-gather after the step, one per step policy (docs/design.md §7) ---------
+
+
+def _no_matrices(shape: tuple[int, ...], cfg: Any, lr: float, steps: int) -> None:
+    raise CanzonaError("an elementwise optimizer computes no whole matrix")
 
 
 def _no_gather(opt: DistributedOptimizer) -> list[PendingWork]:
