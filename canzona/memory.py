@@ -54,7 +54,6 @@ from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
     PIPELINED,
     SERIAL,
-    UPDATE_HEADER_BYTES,
     GroupStep,
     Task,
     check_tp_mode,
@@ -499,7 +498,7 @@ def _group_bytes(tasks: Sequence[Task], tp: int, me: int, gb: int, ub: int,
     send = sum(t.shard_numel for t in split if t.host != me) * gb
     recv = sum((tp - 1) * t.shard_numel for t in split if t.host == me) * gb
     full = sum(t.shape[0] * t.shape[1] for t in split if t.host == me) * gb
-    chunk = {t.name: UPDATE_HEADER_BYTES + t.shard_numel * ub for t in tasks}
+    chunk = {t.name: t.shard_numel * ub for t in tasks}
     scatter = sum((tp - 1) * chunk[t.name] for t in hosted) + sum(chunk[t.name] for t in tasks if t.host != me)
     return _GroupBytes(send + recv, full, updates, ws, scatter)
 

@@ -196,6 +196,12 @@ class MatrixOptimizer:
     - `stack_bytes(m, n) -> int`: what a batched kernel copies per matrix beyond that (None: 0).
     Runtime (torch):
     - `kernel(grad, state, cfg, lr) -> kernels.Update | None`: one full matrix;
+    - `scalars(shape, cfg, lr, steps) -> kernels.Scalars | None`: the scale, decay and decay order
+      of the kernel's update at the matrix's step number `steps` (None: no update), from what every
+      TP rank knows, never from the state: the TP ranks that receive chunks of an update compute
+      them themselves, so that no rank reads them back from the device (`kernels.ScalarsFn`);
+    - `steps_taken(state) -> int`: the steps a saved, non-empty state took, read from its scalar
+      fields only (None: `scalars` does not depend on the step);
     - `initial_state(grad, cfg)`: the state before its first step (checkpoint loading);
     - `batched(grads, states, cfg, lr) -> list[Update | None]`: same-shape matrices as one call,
       bit for bit the per-matrix kernel on CPU (None: every matrix alone; the simulator then
@@ -220,11 +226,18 @@ class MatrixOptimizer:
     kernel: str
     initial_state: str
     reference: str
+    scalars: str | None = None  # every whole-matrix optimizer has one (an elementwise one needs none)
+    steps_taken: str | None = None
     init_kernels: str | None = None
     stack_bytes: str | None = None
     batched: str | None = None
     compiled: str | None = None
     elementwise: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.elementwise and self.scalars is None:
+            # without it a TP rank could not apply the chunks it receives (docs/design.md §6.3)
+            raise SpecError(f"matrix optimizer {self.name!r} has no scalars part")
 
     def part(self, name: str) -> Callable[..., Any] | None:
         """The entry's part `name`, imported (None where the entry has none)."""
@@ -248,25 +261,29 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
         cost_kernels="canzona.cost:muon_kernels", state_bytes="canzona.cost:muon_state_bytes",
         workspace_bytes="canzona.memory:muon_workspace_bytes", kernel="canzona.runtime.kernels:muon_update",
         initial_state="canzona.runtime.kernels:muon_state", batched="canzona.runtime.batched:muon_update_batched",
-        compiled="canzona.runtime.batched:muon_compiled", reference="reference.muon:Muon"),
+        compiled="canzona.runtime.batched:muon_compiled", scalars="canzona.runtime.kernels:muon_apply_scalars",
+        reference="reference.muon:Muon"),
     "soap": MatrixOptimizer(
         name="soap", config=SOAPConfig, summary="SOAP (Adam in Shampoo's eigenbasis)",
         cost_kernels="canzona.cost:soap_kernels", init_kernels="canzona.cost:soap_init_kernels",
         state_bytes="canzona.cost:soap_state_bytes", workspace_bytes="canzona.memory:soap_workspace_bytes",
         stack_bytes="canzona.memory:soap_stack_bytes", kernel="canzona.runtime.kernels:soap_update",
         initial_state="canzona.runtime.kernels:soap_state", batched="canzona.runtime.batched:soap_update_batched",
+        scalars="canzona.runtime.kernels:soap_apply_scalars", steps_taken="canzona.runtime.kernels:soap_steps_taken",
         reference="reference.soap:SOAP"),
     "shampoo": MatrixOptimizer(
         name="shampoo", config=ShampooConfig, summary="Shampoo (Kronecker-factored, AdamW grafting)",
         cost_kernels="canzona.cost:shampoo_kernels", state_bytes="canzona.cost:shampoo_state_bytes",
         workspace_bytes="canzona.memory:shampoo_workspace_bytes", stack_bytes="canzona.memory:shampoo_stack_bytes",
         kernel="canzona.runtime.kernels:shampoo_update", initial_state="canzona.runtime.kernels:shampoo_state",
-        batched="canzona.runtime.batched:shampoo_update_batched", reference="reference.shampoo:Shampoo"),
+        batched="canzona.runtime.batched:shampoo_update_batched",
+        scalars="canzona.runtime.kernels:shampoo_apply_scalars", reference="reference.shampoo:Shampoo"),
     "normuon": MatrixOptimizer(
         name="normuon", config=NorMuonConfig, summary="NorMuon (Muon with a per-neuron second moment)",
         cost_kernels="canzona.normuon:cost_kernels", state_bytes="canzona.normuon:state_bytes",
         workspace_bytes="canzona.normuon:workspace_bytes", kernel="canzona.runtime.normuon:normuon_update",
-        initial_state="canzona.runtime.normuon:normuon_state", reference="reference.normuon:NorMuon"),
+        initial_state="canzona.runtime.normuon:normuon_state", scalars="canzona.runtime.kernels:muon_apply_scalars",
+        reference="reference.normuon:NorMuon"),
     "adamw": MatrixOptimizer(
         name="adamw", config=AdamWConfig, summary="AdamW on every parameter (ZeRO-1, the baseline)",
         cost_kernels="canzona.cost:adamw_matrix_kernels", state_bytes="canzona.cost:adamw_state_bytes",

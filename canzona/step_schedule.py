@@ -6,7 +6,7 @@ and the runtime's collective log is checked against them.
 For one DP rank's TP group, `tp_schedule` turns the plan's micro-groups into:
 - per micro-group, the collectives with their exact byte counts: under a TP scheduler with hosts,
   one all-to-all that gathers gradient shards to their hosts and one that scatters update chunks
-  back (each chunk preceded by a small header with the update's scalars); under `tp-sync`, one
+  back (the chunks alone: every TP rank computes how to apply them itself); under `tp-sync`, one
   all-gather of every shard, after which every TP rank computes every update;
 - each TP rank's compute seconds per micro-group (its hosted tasks);
 - the order of operations, pipelined or serial, identical on every TP rank of the group (so every
@@ -36,10 +36,6 @@ PIPELINED, SERIAL = "pipelined", "serial"
 TP_MODES = (PIPELINED, SERIAL)
 ALL_TO_ALL, ALL_GATHER = "all-to-all", "all-gather"
 TP_GROUP = "tp"  # the group name the runtime's collective log uses for TP collectives
-# Per task and destination, the scatter carries the scalars of the update (has-update flag, scale,
-# decay) as three float64 values ahead of the chunk: a non-host cannot derive them (SOAP's bias
-# correction and its first, update-free step depend on state that only the host holds).
-UPDATE_HEADER_BYTES = 24
 
 
 def check_tp_mode(mode: str) -> str:
@@ -186,8 +182,8 @@ def _exchanges(index: int, tasks: Sequence[Task], tp: int, grad_bytes: int,
                 else:
                     if d == t.host and t.tp_dim is not None:
                         gather[s][d] += t.shard_numel * grad_bytes
-                    if s == t.host:
-                        scatter[s][d] += UPDATE_HEADER_BYTES + t.shard_numel * update_bytes
+                    if s == t.host:  # the chunk alone: its scalars the receiver computes itself
+                        scatter[s][d] += t.shard_numel * update_bytes
 
     def exchange(op: str, what: str, sent: list[list[int]]) -> Exchange | None:
         if not any(map(any, sent)):

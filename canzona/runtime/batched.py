@@ -42,20 +42,21 @@ from canzona.runtime.kernels import (
     Update,
     check_shampoo,
     constant_coefficients,
+    muon_apply_scalars,
     muon_momentum,
-    muon_scalars,
     muon_update,
     newton_schulz,
     quintic_steps,
     shampoo_accumulate_,
+    shampoo_apply_scalars,
     shampoo_graft,
     shampoo_refresh_,
     shampoo_step,
+    soap_apply_scalars,
     soap_betas,
     soap_first_call,
     soap_moments_,
     soap_refresh_,
-    soap_scale,
     work_dtype,
 )
 
@@ -164,8 +165,8 @@ def muon_update_batched(grads: Sequence[Tensor], states: Sequence[State], cfg: M
     Newton-Schulz."""
     us = [muon_momentum(g, s, cfg) for g, s in zip(grads, states)]
     ortho = orthogonalize(us, ns_schedule(cfg), cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
-    scale, decay = muon_scalars(tuple(grads[0].shape), cfg, lr)
-    return [Update(o, scale, decay) for o in ortho]
+    scalars = muon_apply_scalars(tuple(grads[0].shape), cfg, lr, 0)
+    return [Update.of(o, scalars) for o in ortho]
 
 
 # --- SOAP -------------------------------------------------------------------------------------
@@ -220,8 +221,8 @@ def soap_update_batched(grads: Sequence[Tensor], states: Sequence[State], cfg: S
     if step % cfg.precondition_frequency == 0:
         for s in states:
             soap_refresh_(s)
-    scale, decay = soap_scale(cfg, lr, step), lr * cfg.weight_decay
-    return [Update(d, scale, decay, decay_first=False) for d in directions]
+    scalars = soap_apply_scalars(tuple(gs[0].shape), cfg, lr, step)
+    return [Update.of(d, scalars) for d in directions]
 
 
 def _statistics_(g: Tensor, states: Sequence[State], beta: float) -> None:
@@ -256,8 +257,8 @@ def shampoo_update_batched(grads: Sequence[Tensor], states: Sequence[State], cfg
         p = bmm(left, p)
     if right is not None:
         p = bmm(p, right)
-    return [Update(shampoo_graft(d, g, s, cfg, step), lr, lr * cfg.weight_decay)
-            for d, g, s in zip(p, gs, states)]
+    scalars = shampoo_apply_scalars(tuple(gs[0].shape), cfg, lr, step)
+    return [Update.of(shampoo_graft(d, g, s, cfg, step), scalars) for d, g, s in zip(p, gs, states)]
 
 
 # --- which matrices batch together ------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from canzona.errors import CanzonaError, PlanError
-from canzona.optimizers import check_config
+from canzona.optimizers import check_config, matrix_optimizer
 from canzona.runtime.kernels import adamw_state, initial_state
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
@@ -76,6 +76,7 @@ class Checkpointable(Protocol):
     hosted: list[str]  # matrices whose full update and state this rank computes
     applies: list[str]  # matrices whose shards this rank updates
     matrix_state: dict[str, dict]
+    matrix_steps: dict[str, int]  # steps each matrix in `applies` took, kept alike on its TP ranks
     adamw_state: dict[str, dict]
     master: dict[str, Tensor]  # fp32 masters by name (empty without master weights)
     master_weights: bool
@@ -331,6 +332,12 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
     device = local_tensor(next(iter(opt.params.values()))).device
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
+    # every TP rank that applies a matrix's chunks counts its steps from the same saved state (the
+    # host's own state must agree, which the executor checks each step): the scalars it applies
+    # them with depend on it (SOAP's bias correction, its first step without an update)
+    taken = matrix_optimizer(opt.optimizer).part("steps_taken")
+    opt.matrix_steps.clear()  # the executor holds this dict too
+    opt.matrix_steps.update({n: taken(state[n]) if taken is not None and state.get(n) else 0 for n in opt.applies})
     opt.adamw_state = {}
     for name, _, s, e, off in opt.adamw_parts():
         if name in state:
@@ -494,6 +501,12 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
     for name in opt.hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
+    # of a matrix whose chunks this rank applies but does not host, the scalar fields (its step):
+    # the step count the rank applies them by comes from them (`load_by_name`)
+    scalar_fields: dict[str, list[str]] = {
+        name: [k for k in full_keys.get(name, []) if not isinstance(entries[k], TensorStorageMetadata)]
+        for name in opt.applies if name not in opt.hosted}
+    wanted.update({k: placeholder(k) for keys in scalar_fields.values() for k in keys})
     needs = _local_ranges(opt)
     tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
     for name, (lo, hi) in needs.items():
@@ -505,8 +518,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     dcp.load(wanted, storage_reader=reader)
 
     state: dict[str, dict[str, Any]] = {}
-    for name in opt.hosted:
-        keys = full_keys.get(name, [])
+    for name, keys in [*((n, full_keys.get(n, [])) for n in opt.hosted), *scalar_fields.items()]:
         if keys:
             state[name] = {k.rsplit("/", 1)[1]: wanted[k] for k in keys}
     for name in needs:

@@ -12,9 +12,15 @@ Per micro-group, in the schedule's order (pipelined or serial):
    micro-group, or, where the schedule moves nothing (TP = 1), consecutive groups up to
    `batched.MAX_BATCH_NUMEL` elements: with no collective to overlap there, computing them
    together changes no result, only when their updates are computed;
-3. scatter: one `all_to_all_single` returns chunk j of each update to TP rank j, each chunk after
-   a header with the update's scalars;
-4. apply: every TP rank applies its chunk to its shard (`kernels.apply_update_`).
+3. scatter: one `all_to_all_single` returns chunk j of each update to TP rank j (the chunks alone);
+4. apply: every TP rank applies its chunk to its shard (`kernels.apply_update_`), with the update's
+   scalars (scale, decay, decay order, or no update) computed by itself from what every TP rank
+   knows: the matrix's shape, its hyper-parameters, whether it got a gradient (the step check's
+   table) and how many steps it took (`steps`, kept alike on every TP rank). The host sends no
+   scalars, so a receiver never reads a value back from the device in the step: the per-group read
+   of sent scalars this replaces made the host wait for every micro-group's scatter
+   (docs/design.md §8.3). Its host checks, each step and without a device read, that its kernel's
+   update has exactly those scalars.
 
 Collectives are asynchronous: in pipelined order the gather of group g+1 and the scatter of g are in
 flight while g+1 computes (gloo runs them on its own threads; on CUDA they are issued from a side
@@ -35,9 +41,10 @@ import torch
 from torch import Tensor
 
 from canzona.batching import MAX_BATCH_NUMEL, batches, compute_windows
+from canzona.errors import CanzonaError
 from canzona.runtime.batched import BatchedKernel, Kernel, batch_key
-from canzona.runtime.comm import Comm, PendingWork, to_device
-from canzona.runtime.kernels import Update, apply_update_
+from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.kernels import ScalarsFn, Update, apply_update_
 from canzona.runtime.shards import shard_of, unshard
 from canzona.step_schedule import (
     ALL_GATHER,
@@ -45,13 +52,10 @@ from canzona.step_schedule import (
     COMPUTE,
     GATHER,
     SCATTER,
-    UPDATE_HEADER_BYTES,
     GroupStep,
     Task,
     TPSchedule,
 )
-
-NO_UPDATE, DECAY_FIRST, DECAY_AFTER = 0.0, 1.0, 2.0  # the header's first value
 
 
 class Streams:
@@ -142,25 +146,31 @@ class MatrixStep:
 
     `kernel` computes one matrix; `batched` (None: every matrix alone) several of one batch key
     (`batched.batch_key`) at once, at most `max_batch_numel` elements a batch and a window.
+    `scalars` (the optimizer's registry part, `kernels.ScalarsFn`) gives how a chunk is applied,
+    from `steps`: by name, the steps each matrix of the schedule took (a step: its kernel ran on a
+    gradient and the update was applied), advanced here on every TP rank alike; the optimizer sets
+    it from a loaded state (`checkpoint.load_by_name`).
     """
 
     max_batch_numel = MAX_BATCH_NUMEL
 
     def __init__(self, schedule: TPSchedule, comm: Comm | None, tp_rank: int, kernel: Kernel,
                  state: dict[str, dict[str, Any]], grad_dtype: torch.dtype, update_dtype: torch.dtype,
-                 device: torch.device, *, batched: BatchedKernel | None = None) -> None:
+                 device: torch.device, *, scalars: ScalarsFn, batched: BatchedKernel | None = None,
+                 steps: dict[str, int] | None = None) -> None:
         self.schedule = schedule
         self.comm = comm
         self.tp_rank = tp_rank
         self.kernel = kernel
         self.batched = batched
+        self.scalars = scalars
+        self.steps: dict[str, int] = {} if steps is None else steps  # shared with the optimizer: filled in place
         self.windows = self._compute_windows()
         self.state = state
         self.grad_dtype = grad_dtype
         self.update_dtype = update_dtype
         self.device = device
         self.streams = Streams(device)
-        self.header_words = UPDATE_HEADER_BYTES // update_dtype.itemsize
         # seconds per stage ("issue", "wait", "compute", "apply"), added up while a dict is set
         # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
         self.profile: dict[str, float] | None = None
@@ -186,7 +196,7 @@ class MatrixStep:
         groups = [_Group() for _ in self.schedule.groups]
         for op in self.schedule.ops:
             if op.kind == APPLY:
-                self._apply(self.schedule.groups[op.group], groups[op.group], target, applied)
+                self._apply(self.schedule.groups[op.group], groups[op.group], target, applied, config, got)
                 groups[op.group] = _Group()  # free the group's buffers
             else:
                 self._issue(op.kind, op.group, groups, grad, config, got)
@@ -238,7 +248,7 @@ class MatrixStep:
                 kept.update(state)
         for op in self.schedule.ops:
             if op.kind == APPLY:
-                self._apply(self.schedule.groups[op.group], speculation.groups[op.group], target, applied, got)
+                self._apply(self.schedule.groups[op.group], speculation.groups[op.group], target, applied, config, got)
                 speculation.groups[op.group] = _Group()
         return True
 
@@ -353,27 +363,28 @@ class MatrixStep:
         else:
             updates = self.batched([x.grad for x in batch], [x.state for x in batch], w.config, w.lr)
         for x, update in zip(batch, updates):
+            self._check_scalars(x, update)
             if update is not None:  # in the dtype it is sent and applied in (kernels.apply_update_)
                 update.direction = update.direction.to(self.update_dtype)
             x.live.updates[x.name] = update
 
+    def _check_scalars(self, w: _Work, update: Update | None) -> None:
+        """The kernel's update must have the scalars the other TP ranks apply its chunks with,
+        computed from the replicated step count: a state that disagrees with that count (edited, or
+        loaded on some ranks only) would otherwise scale the shards of one matrix differently.
+        Python floats on the host: no device read."""
+        steps = self.steps.get(w.name, 0)
+        want = self.scalars(tuple(w.grad.shape), w.config, w.lr, steps)
+        have = None if update is None else update.scalars
+        if have != want:
+            raise CanzonaError(f"{w.name}: the kernel's update applies as {have}, the TP ranks at step {steps} "
+                               f"would apply it as {want}: its optimizer state and the step count every TP "
+                               "rank keeps disagree (a state edited or loaded on this rank only?)")
+
     # --- stage 3: update chunks back ----------------------------------------------------------
 
-    def _headers(self, tasks: list[Task], updates: dict[str, Update | None]) -> dict[str, Tensor]:
-        """Each task's header (how its chunks are applied), built on the host and copied to the
-        device once per micro-group, without waiting for the device (`comm.to_device`)."""
-        rows = []
-        for t in tasks:
-            update = updates[t.name]
-            rows.append([NO_UPDATE, 0.0, 0.0] if update is None else
-                        [DECAY_FIRST if update.decay_first else DECAY_AFTER, update.scale, update.decay])
-        if not rows:
-            return {}
-        words = to_device(torch.tensor(rows, dtype=torch.float64), self.device).view(self.update_dtype)
-        return {t.name: words[i] for i, t in enumerate(tasks)}
-
     def _chunk(self, task: Task, update: Update | None, tp_rank: int) -> Tensor:
-        if update is None:
+        if update is None:  # zeros keep the receive buffers' layout fixed; the receivers apply nothing
             return torch.zeros(task.shard_numel, dtype=self.update_dtype, device=self.device)
         return shard_of(update.direction, task.tp_dim, self.schedule.tp, tp_rank).reshape(-1)
 
@@ -381,13 +392,11 @@ class MatrixStep:
         me, tp = self.tp_rank, self.schedule.tp
         with self.streams.comm(live, SCATTER):
             mine = step.hosted(me)
-            headers = self._headers(mine, live.updates)
-            parts = [[x for t in mine for x in (headers[t.name], self._chunk(t, live.updates[t.name], d))]
-                     if d != me else [] for d in range(tp)]
+            parts = [[self._chunk(t, live.updates[t.name], d) for t in mine] if d != me else [] for d in range(tp)]
             in_splits = [sum(x.numel() for x in p) for p in parts]
             live.scatter_sent = torch.cat([x for p in parts for x in p]) if any(in_splits) else \
                 torch.empty(0, dtype=self.update_dtype, device=self.device)
-            out_splits = [sum(self.header_words + t.shard_numel for t in tasks) for _, tasks in step.sources(me)]
+            out_splits = [sum(t.shard_numel for t in tasks) for _, tasks in step.sources(me)]
             out_splits.insert(me, 0)
             live.chunks = torch.empty(sum(out_splits), dtype=self.update_dtype, device=self.device)
             live.scatter = self.comm.all_to_all(live.chunks, live.scatter_sent, out_splits, in_splits,
@@ -395,9 +404,11 @@ class MatrixStep:
 
     # --- stage 4: every TP rank applies its chunks --------------------------------------------
 
-    def _apply(self, step: GroupStep, live: _Group, target: Callable[[str], Tensor],
-               applied: Callable[[str], None], got: Callable[[str], bool] = lambda _: True) -> None:
-        """`got`: a speculated step computed every matrix; those without a gradient are skipped here."""
+    def _apply(self, step: GroupStep, live: _Group, target: Callable[[str], Tensor], applied: Callable[[str], None],
+               config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
+        """Apply the group's updates (a speculated step computed every matrix: those without a
+        gradient are skipped here), then count the step of every matrix that got a gradient, on
+        every TP rank alike."""
         me = self.tp_rank
         with self._timed("apply"):
             for t in step.tasks:
@@ -406,26 +417,25 @@ class MatrixStep:
                     if update is not None and got(t.name):
                         chunk = shard_of(update.direction, t.tp_dim, self.schedule.tp, me)
                         self._apply_one(t, chunk.contiguous(), update, target, applied)
-        if live.scatter is None:
-            return
-        with self._timed("wait"):
-            live.scatter.wait()
-        self.streams.join(live, SCATTER, live.chunks, live.scatter_sent)
-        received, pos = [], 0  # (task, where its chunk starts) in the order the hosts sent them
-        for _source, tasks in step.sources(me):
-            for t in tasks:
-                received.append((t, pos + self.header_words))
-                pos += self.header_words + t.shard_numel
-        if not received:
-            return
-        with self._timed("apply"):
-            # every header of the micro-group read by the host at once: one device read per group
-            words = torch.cat([live.chunks[at - self.header_words:at] for _, at in received])
-            headers = words.view(torch.float64).view(len(received), 3).tolist()
-            for (t, at), (flag, scale, decay) in zip(received, headers):
-                if flag != NO_UPDATE and got(t.name):
-                    chunk = live.chunks[at:at + t.shard_numel].view(t.shard_shape)
-                    self._apply_one(t, chunk, Update(chunk, scale, decay, flag == DECAY_FIRST), target, applied)
+        if live.scatter is not None:
+            with self._timed("wait"):
+                live.scatter.wait()
+            self.streams.join(live, SCATTER, live.chunks, live.scatter_sent)
+            pos = 0  # the receive buffer holds the chunks in the order the hosts sent them
+            with self._timed("apply"):
+                for _source, tasks in step.sources(me):
+                    for t in tasks:
+                        chunk = live.chunks[pos:pos + t.shard_numel].view(t.shard_shape)
+                        pos += t.shard_numel
+                        if not got(t.name):
+                            continue
+                        cfg, lr = config(t.name)
+                        scalars = self.scalars(t.shape, cfg, lr, self.steps.get(t.name, 0))
+                        if scalars is not None:  # else no update this step (SOAP's first), as on the host
+                            self._apply_one(t, chunk, Update.of(chunk, scalars), target, applied)
+        for t in step.tasks:
+            if got(t.name):
+                self.steps[t.name] = self.steps.get(t.name, 0) + 1
 
     @staticmethod
     def _apply_one(task: Task, chunk: Tensor, update: Update, target: Callable[[str], Tensor],

@@ -120,8 +120,9 @@ def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, edp: dist.Pr
 
 
 def build_expert_part(params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
-                      comms: tuple[Comm, Comm], *, align: int, reduce_dtype: torch.dtype | None, tp_mode: str, kernel: Any, batched: Any,
-                      update_dtype: torch.dtype, device: torch.device) -> ExpertPart:
+                      comms: tuple[Comm, Comm], *, align: int, reduce_dtype: torch.dtype | None, tp_mode: str,
+                      kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
+                      device: torch.device) -> ExpertPart:
     """The experts' part of an optimizer: their buffers and hooks (reduced over EDP, scaled by
     `1 / ep`), their schedule at TP 1 and its executor."""
     edp, ep = comms
@@ -133,6 +134,8 @@ def build_expert_part(params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan,
                            update_bytes=update_dtype.itemsize)
     applies = [t.name for t in schedule.tasks()]
     state: dict[str, dict] = {n: {} for n in applies}
-    step = MatrixStep(schedule, None, 0, kernel, state, grad_dtype, update_dtype, device, batched=batched)
+    steps = {n: 0 for n in applies}
+    step = MatrixStep(schedule, None, 0, kernel, state, grad_dtype, update_dtype, device, scalars=scalars,
+                      batched=batched, steps=steps)
     return ExpertPart(spec=spec, plan=plan, comm=edp, ep_comm=ep, grads=grads, schedule=schedule, matrix_step=step,
                       matrix_state=state, applies=applies)

@@ -3,7 +3,10 @@
 Written from the pinned math in `canzona.optimizers` (the config docstrings), independently of
 `reference/`, so that the two check each other. A kernel maps `(grad, state, config, lr)` to an
 `Update`: a full-matrix direction plus the scalars that say how every TP rank applies its chunk of
-it to its own shard (`apply_update_`). State lives only with the host.
+it to its own shard (`apply_update_`). State lives only with the host; the scalars do not need it:
+each optimizer's `*_apply_scalars` computes them from what every TP rank knows (the matrix's shape,
+its hyper-parameters and how many steps it took), so TP hosts send no scalars and receivers read
+nothing back from the device (docs/design.md §6.3).
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 State = dict[str, Any]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Scalars:
+    """How a chunk of an update is applied (`Update`'s scalars without its direction)."""
+
+    scale: float
+    decay: float
+    decay_first: bool = True
+
+
 @dataclass
 class Update:
     """`p <- p - scale * direction`, with decoupled decay `p *= 1 - decay` before (decay_first) or
@@ -39,6 +51,23 @@ class Update:
     scale: float
     decay: float
     decay_first: bool = True
+
+    @property
+    def scalars(self) -> Scalars:
+        return Scalars(scale=self.scale, decay=self.decay, decay_first=self.decay_first)
+
+    @classmethod
+    def of(cls, direction: Tensor, scalars: Scalars) -> Update:
+        return cls(direction, scalars.scale, scalars.decay, scalars.decay_first)
+
+
+# The registry's `scalars` part: `(shape, cfg, lr, steps) -> Scalars | None`, how every TP rank
+# applies its chunk of the update a matrix of global `shape` takes at its step number `steps` (the
+# steps it took before: its kernel's earlier calls with a gradient; 0: the first), None where the
+# kernel returns no update. It must equal the kernel's own `Update` (the executor checks that on
+# the host, each step) and read nothing the host alone holds: the receivers of the chunks compute
+# it themselves, so that no TP rank reads scalars back from the device (docs/design.md §6.3).
+ScalarsFn = Callable[[tuple[int, ...], Any, float, int], Scalars | None]
 
 
 def apply_update_(param: Tensor, direction: Tensor, update: Update) -> None:
@@ -147,12 +176,18 @@ def muon_scalars(shape: tuple[int, ...], cfg: MuonConfig, lr: float) -> tuple[fl
     return lr * muon_lr_ratio(shape, cfg.adjust_lr_fn), lr * cfg.weight_decay
 
 
+def muon_apply_scalars(shape: tuple[int, ...], cfg: MuonConfig, lr: float, steps: int) -> Scalars:
+    """The registry's `scalars` (see `ScalarsFn`): Muon's depend on no step (and serve its variants)."""
+    scale, decay = muon_scalars(tuple(shape), cfg, lr)
+    return Scalars(scale=scale, decay=decay)
+
+
 def muon_update(grad: Tensor, state: State, cfg: MuonConfig, lr: float,
                 orthogonalize: Callable[..., Tensor] = newton_schulz) -> Update:
     """`orthogonalize`: `newton_schulz`, or its compiled form (`canzona.runtime.batched`)."""
     u = muon_momentum(grad, state, cfg)
     ortho = orthogonalize(u, ns_schedule(cfg), cfg.ns_steps, cfg.eps, TORCH_DTYPES[cfg.ns_dtype])
-    return Update(ortho, *muon_scalars(tuple(grad.shape), cfg, lr))
+    return Update.of(ortho, muon_apply_scalars(tuple(grad.shape), cfg, lr, 0))
 
 
 # --- SOAP -------------------------------------------------------------------------------------
@@ -238,6 +273,22 @@ def soap_scale(cfg: SOAPConfig, lr: float, step: int) -> float:
     return lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if cfg.correct_bias else lr
 
 
+def soap_apply_scalars(shape: tuple[int, ...], cfg: SOAPConfig, lr: float, steps: int) -> Scalars | None:
+    """The registry's `scalars` (see `ScalarsFn`): no update on the first call (it only sets the
+    eigenbases), then the bias-corrected scale of step `steps` (the state's `step` counts the calls
+    after the first), decay after the step."""
+    if steps == 0:
+        return None
+    return Scalars(scale=soap_scale(cfg, lr, steps), decay=lr * cfg.weight_decay, decay_first=False)
+
+
+def soap_steps_taken(state: State) -> int:
+    """The registry's `steps_taken`: the steps a saved, non-empty SOAP state took (its first call
+    leaves `step` at 0). Reads only the scalar field, which a rank that does not host the matrix
+    reads from a sharded checkpoint."""
+    return int(state["step"]) + 1 if "step" in state else 0
+
+
 def soap_first_call(g: Tensor, state: State, cfg: SOAPConfig) -> None:
     """The first call: statistics of the first gradient and the eigenbases from them."""
     left, right = _soap_sides(tuple(g.shape), cfg.max_precond_dim)
@@ -261,7 +312,7 @@ def soap_update(grad: Tensor, state: State, cfg: SOAPConfig, lr: float) -> Updat
     _soap_statistics_(g, state, soap_betas(cfg)[2])
     if step % cfg.precondition_frequency == 0:
         soap_refresh_(state)
-    return Update(direction, soap_scale(cfg, lr, step), lr * cfg.weight_decay, decay_first=False)
+    return Update.of(direction, soap_apply_scalars(tuple(g.shape), cfg, lr, step))
 
 
 # --- Shampoo ----------------------------------------------------------------------------------
@@ -329,6 +380,11 @@ def shampoo_graft(p: Tensor, g: Tensor, state: State, cfg: ShampooConfig, step: 
     return p * (adam.norm() / p_norm) if p_norm > 0 else torch.zeros_like(p)
 
 
+def shampoo_apply_scalars(shape: tuple[int, ...], cfg: ShampooConfig, lr: float, steps: int) -> Scalars:
+    """The registry's `scalars` (see `ScalarsFn`): the learning rate and decay, at every step."""
+    return Scalars(scale=lr, decay=lr * cfg.weight_decay)
+
+
 def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) -> Update:
     check_shampoo(cfg)
     g = grad.to(work_dtype(grad))
@@ -342,7 +398,7 @@ def shampoo_update(grad: Tensor, state: State, cfg: ShampooConfig, lr: float) ->
         p = state["L_root"] @ p
     if state["R_root"] is not None:
         p = p @ state["R_root"]
-    return Update(shampoo_graft(p, g, state, cfg, step), lr, lr * cfg.weight_decay)
+    return Update.of(shampoo_graft(p, g, state, cfg, step), shampoo_apply_scalars(tuple(g.shape), cfg, lr, step))
 
 
 # --- AdamW (elementwise, applied to shards directly) ------------------------------------------

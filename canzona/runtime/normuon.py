@@ -12,8 +12,8 @@ from canzona.runtime.kernels import (
     TORCH_DTYPES,
     State,
     Update,
+    muon_apply_scalars,
     muon_momentum,
-    muon_scalars,
     newton_schulz,
     work_dtype,
 )
@@ -36,4 +36,4 @@ def normuon_update(grad: Tensor, state: State, cfg: NorMuonConfig, lr: float) ->
     second.lerp_((o * o).mean(dim=1, keepdim=True), 1 - cfg.beta2)
     normalized = o / (second.sqrt() + cfg.normuon_eps)
     normalized.mul_(o.norm() / (normalized.norm() + cfg.normuon_eps))
-    return Update(normalized, *muon_scalars(tuple(grad.shape), cfg, lr))
+    return Update.of(normalized, muon_apply_scalars(tuple(grad.shape), cfg, lr, 0))

@@ -317,18 +317,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.applies = [t.name for t in self.schedule.tasks()]
         self.hosted = [t.name for t in self.schedule.hosted(self.tp_rank)]
         self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
+        # the steps each matrix this rank applies took, kept alike on its TP ranks: the receivers of
+        # update chunks compute the update's scalars from it (MatrixStep; set on load)
+        self.matrix_steps: dict[str, int] = {n: 0 for n in self.applies}
         self.adamw_state: dict[str, dict] = {}
         self.master: dict[str, Tensor] = {}  # fp32 copies of what this rank updates, by name
         device = local_tensor(next(iter(self.params.values()))).device
         kernel, batched = matrix_kernels(self.optimizer, batch=batch_kernels, compile=compile_kernels)
+        # an elementwise optimizer has no scalars part, and no matrix to run through the executor
+        scalars = matrix_optimizer(self.optimizer).part("scalars") or _no_matrices
         self.matrix_step = MatrixStep(self.schedule, self.tp_comm, self.tp_rank, kernel, self.matrix_state,
-                                      grad_dtype, update_dtype, device, batched=batched)
+                                      grad_dtype, update_dtype, device, scalars=scalars, batched=batched,
+                                      steps=self.matrix_steps)
         self.experts: ExpertPart | None = None
         if self.ep > 1:
             self.experts = build_expert_part(
                 {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
-                self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype, tp_mode=self.tp_mode, kernel=kernel, batched=batched,
-                update_dtype=update_dtype, device=device)
+                self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype,
+                tp_mode=self.tp_mode, kernel=kernel, batched=batched, scalars=scalars, update_dtype=update_dtype,
+                device=device)
             self._group_of.update({e: self._group_of[n] for e, n in self.experts.grads.stacks.param_of.items()})
         if self.master_weights:
             self.reset_master_weights()
@@ -756,6 +763,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 # --- the parameter all-gather after the step, one per step policy (docs/design.md §7) ---------
+
+
+def _no_matrices(shape: tuple[int, ...], cfg: Any, lr: float, steps: int) -> None:
+    raise CanzonaError("an elementwise optimizer computes no whole matrix")
 
 
 def _no_gather(opt: DistributedOptimizer) -> list[PendingWork]:

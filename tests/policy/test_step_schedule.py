@@ -24,7 +24,6 @@ from canzona.step_schedule import (
     PIPELINED,
     SCATTER,
     SERIAL,
-    UPDATE_HEADER_BYTES,
     tp_schedule,
 )
 from canzona.tp import EVERY_RANK, TP_POLICIES, Capacity
@@ -74,7 +73,7 @@ def test_schedule_properties_on_random_models(model_tp, dp, tp_policy, mode, gra
         if tp == 1:
             assert sched.exchanges == ()
         # byte counts follow from the shards: hosts receive every other rank's shard, and send
-        # back a chunk with its header to every other rank
+        # back a chunk (nothing else: its scalars the receivers compute) to every other rank
         for group in sched.groups:
             if group.gather is None:
                 continue
@@ -90,7 +89,7 @@ def test_schedule_properties_on_random_models(model_tp, dp, tp_policy, mode, gra
                     assert group.gather.bytes_in(d) == (tp - 1) * sum(t.shard_numel for t in hosted) * grad_bytes
                 for s in range(tp):
                     mine = [t for t in group.tasks if t.host == s]
-                    per_peer = sum(UPDATE_HEADER_BYTES + t.shard_numel * update_bytes for t in mine)
+                    per_peer = sum(t.shard_numel * update_bytes for t in mine)
                     assert group.scatter.bytes_out(s) == (tp - 1) * per_peer
 
 
@@ -124,12 +123,12 @@ def test_known_bytes_of_a_two_task_group():
     q, k = group.tasks
     assert (q.host, k.host) == (0, 1) and q.shard_shape == (1024, 1024) and k.shard_shape == (512, 1024)
     assert group.gather.sent == ((0, 512 * 1024 * 4), (1024 * 1024 * 4, 0))
-    assert group.scatter.sent == ((0, 24 + 1024 * 1024 * 4), (24 + 512 * 1024 * 4, 0))
+    assert group.scatter.sent == ((0, 1024 * 1024 * 4), (512 * 1024 * 4, 0))  # the chunks alone
     assert group.gather.op == group.scatter.op == ALL_TO_ALL
     assert group.index == 0  # tp-chunk: the first tp tasks in forward order
     # what TP rank 0 logs (canzona.step_collectives): the bytes it sends to each member
     assert [(ex.op, ex.name, ex.record(0)) for ex in sched.exchanges[:2]] == [
-        (ALL_TO_ALL, "group 0 gather", (0, 512 * 1024 * 4)), (ALL_TO_ALL, "group 0 scatter", (0, 24 + 1024 * 1024 * 4))]
+        (ALL_TO_ALL, "group 0 gather", (0, 512 * 1024 * 4)), (ALL_TO_ALL, "group 0 scatter", (0, 1024 * 1024 * 4))]
 
 
 def test_baselines_run_one_tp_sync_group():

@@ -17,11 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from canzona.errors import CanzonaError, SpecError
-from canzona.optimizers import MuonConfig, ShampooConfig, SOAPConfig, matrix_optimizer
+from canzona.optimizers import (
+    MuonConfig,
+    ShampooConfig,
+    SOAPConfig,
+    default_config,
+    matrix_optimizer,
+)
 from canzona.plan import make_plan
 from canzona.runtime import batched as B
 from canzona.runtime.executor import MatrixStep
-from canzona.runtime.kernels import matrix_kernel, newton_schulz
+from canzona.runtime.kernels import matrix_kernel, muon_apply_scalars, newton_schulz
 from canzona.step_policies import get_step_policy
 from canzona.step_schedule import PIPELINED, SERIAL, tp_schedule
 from reference.tiny_model import get_preset, model_spec
@@ -207,7 +213,7 @@ def _train(optimizer: str, batch: bool, mode: str = PIPELINED, policy: str = "ca
     state: dict[str, dict] = {n: {} for n in names}
     counting = _Counting(matrix_optimizer(optimizer).part("batched")) if batch else None
     ms = MatrixStep(schedule, None, 0, matrix_kernel(optimizer), state, torch.float32, torch.float32,
-                    torch.device("cpu"), batched=counting)
+                    torch.device("cpu"), scalars=matrix_optimizer(optimizer).part("scalars"), batched=counting)
     if max_numel is not None:
         ms.max_batch_numel = max_numel
         ms.windows = ms._compute_windows()
@@ -242,17 +248,62 @@ def test_executor_batches_a_tp_sync_group_and_caps_windows(optimizer):
 def test_windows_join_groups_only_where_nothing_moves():
     plan = make_plan(MATRIX_SPEC, 1, 1, "muon", "alpha-balanced", "greedy-rollback")
     schedule = tp_schedule(plan, MATRIX_SPEC, get_step_policy("canzona"), 0, PIPELINED, 4, 4)
-    kernel, batched = matrix_kernel("muon"), B.muon_update_batched
-    alone = MatrixStep(schedule, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"))
+    kernel, batched, scalars = matrix_kernel("muon"), B.muon_update_batched, muon_apply_scalars
+    alone = MatrixStep(schedule, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"),
+                       scalars=scalars)
     assert alone.windows == {i: (i,) for i in range(len(schedule.groups))}
     joined = MatrixStep(schedule, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"),
-                        batched=batched)
+                        scalars=scalars, batched=batched)
     assert list(joined.windows) == [0] and joined.windows[0] == tuple(range(len(schedule.groups)))
     plan2 = make_plan(MATRIX_SPEC, 1, 2, "muon", "alpha-balanced", "greedy-rollback")
     schedule2 = tp_schedule(plan2, MATRIX_SPEC, get_step_policy("canzona"), 0, PIPELINED, 4, 4)
     tp2 = MatrixStep(schedule2, None, 0, kernel, {}, torch.float32, torch.float32, torch.device("cpu"),
-                     batched=batched)
+                     scalars=scalars, batched=batched)
     assert tp2.windows == {i: (i,) for i in range(len(schedule2.groups))}  # collectives between groups
+
+
+# --- how chunks are applied: the registry's scalars, not the host's --------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "soap", "shampoo", "normuon"])
+def test_registry_scalars_are_the_kernels_own_at_every_step(optimizer):
+    """What a TP rank that receives chunks applies them with (`scalars`, from the step count) is
+    what the host's kernel returns: SOAP's first step without an update, its bias-corrected scale
+    after; and `steps_taken` reads the count back from a state."""
+    entry = matrix_optimizer(optimizer)
+    kernel, scalars, taken = entry.part("kernel"), entry.part("scalars"), entry.part("steps_taken")
+    cfg = replace(default_config(optimizer), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(5)
+    state: dict = {}
+    for steps in range(4):
+        update = kernel(torch.randn(12, 8, generator=gen), state, cfg, 0.02)
+        assert (None if update is None else update.scalars) == scalars((12, 8), cfg, 0.02, steps), steps
+        if taken is not None:
+            assert taken(state) == steps + 1
+    assert (optimizer == "soap") == (scalars((12, 8), cfg, 0.02, 0) is None)
+
+
+def test_executor_refuses_a_state_that_disagrees_with_the_step_count():
+    """The host checks its kernel's update against the scalars its TP peers compute from the step
+    count they keep: a state out of step with it is one error, before that matrix changes."""
+    plan = make_plan(MATRIX_SPEC, 1, 1, "soap", "alpha-balanced", "greedy-rollback")
+    schedule = tp_schedule(plan, MATRIX_SPEC, get_step_policy("canzona"), 0, PIPELINED, 4, 4)
+    names = [t.name for t in schedule.tasks()]
+    params = {n: torch.zeros(MATRIX_SPEC.param(n).shape) for n in names}
+    state: dict[str, dict] = {n: {} for n in names}
+    ms = MatrixStep(schedule, None, 0, matrix_kernel("soap"), state, torch.float32, torch.float32,
+                    torch.device("cpu"), scalars=matrix_optimizer("soap").part("scalars"))
+    gen = torch.Generator().manual_seed(3)
+    how = dict(target=params.__getitem__, applied=lambda n: None, config=lambda n: (STEP_CONFIGS["soap"], 0.01))
+    for _ in range(2):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+        ms.run(grad=grads.__getitem__, got=lambda n: n != names[0], **how)
+    assert ms.steps == {n: 2 for n in names[1:]}  # a matrix without a gradient takes no step
+    before = {n: p.clone() for n, p in params.items()}
+    ms.steps[names[1]] = 0  # as if a state were loaded on the host alone
+    with pytest.raises(CanzonaError, match="step count every TP rank keeps disagree"):
+        ms.run(grad=grads.__getitem__, got=lambda n: True, **how)
+    assert all(torch.equal(params[n], before[n]) for n in names[1:2])
 
 
 # --- options ----------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ On a GPU every read of a device tensor's value by the host (`.item()`, `.tolist(
 `bool(t)`, `float(t)`, ...) waits for the device. On CPU there is no device to wait for, so the
 test counts every such read inside `step()` (CPU tensors' included, a fixed handful) and checks
 that the count does not grow with the model: the same for one bucket and for one per matrix, for
-two layers and for four, at DP 2 (gloo, spawned ranks). Under TP each micro-group adds one read
-(its update headers), which the TP configuration checks.
+two layers and for four, at DP 2 and at DP 2 x TP 2 (gloo, spawned ranks). Under TP the count does
+not grow with the micro-groups either (2 on the two-layer model, 7 on the four-layer one): the TP
+ranks that receive update chunks compute how to apply them themselves, from the step count they
+keep alike, instead of reading scalars their hosts sent (docs/design.md §8.3).
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ def test_reads_per_step_do_not_grow_with_matrices_or_buckets():
     for rank in ranks:
         assert len({r["buckets"] for r in rank}) > 1 and len({r["matrices"] for r in rank}) > 1  # the shapes differ
         assert len({r["reads"] for r in rank}) == 1, rank  # ... and the reads do not
-        assert rank[0]["reads"] <= 12, rank[0]["by_kind"]
+        assert rank[0]["reads"] <= 12, rank[0]["by_kind"]  # 9 today
 
 
-def test_under_tp_each_micro_group_that_receives_update_chunks_adds_one_read():
+def test_under_tp_reads_per_step_do_not_grow_with_micro_groups():
     ranks = run_ranks(reads_worker, 4, 2, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
     for rank in ranks:
-        fixed = {r["reads"] - r["groups"] for r in rank}
-        assert len(fixed) == 1, rank  # the rest is fixed, as at TP 1 (plus the TP check)
+        assert len({r["groups"] for r in rank}) > 1  # micro-groups that receive update chunks differ
+        assert len({r["buckets"] for r in rank}) > 1 and len({r["matrices"] for r in rank}) > 1
+        assert len({r["reads"] for r in rank}) == 1, rank  # ... and the reads do not
+        assert rank[0]["reads"] <= 20, rank[0]["by_kind"]  # DP's, plus the TP check's (17 today)
