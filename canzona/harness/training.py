@@ -184,6 +184,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                                overlap_step=spec.overlap_step, expert_mesh=expert_mesh)
     if "load" in extra:  # (full parameters, a state_dict() or the path of a sharded checkpoint)
         params, state = extra["load"]
+        if expert_mesh is not None:  # this EP rank's experts of the whole model's
+            params = expert_local(params, spec, expert_mesh.get_local_rank("ep"))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 tp_dim = mspec.param(name).tp_dim if spec.tp > 1 else None
@@ -396,6 +398,17 @@ def expert_local(full: dict[str, Tensor], spec: TrainSpec, ep_rank: int) -> dict
             per = t.shape[0] // spec.ep
             t = t[ep_rank * per:(ep_rank + 1) * per]
         out[name] = t.contiguous()
+    return out
+
+
+def expert_full_parameters(results: Sequence[dict], spec: TrainSpec) -> dict[str, Tensor]:
+    """The whole model from an expert-parallel run's ranks (rank order): each EP rank's experts,
+    from the first rank holding them, concatenated in EP order."""
+    stacks = {p.name for p in build_model(spec).spec().stacks}
+    first = {r["ep_rank"]: r for r in reversed(results)}
+    out = {}
+    for name, t in results[0]["params"].items():
+        out[name] = torch.cat([first[j]["params"][name] for j in range(spec.ep)]) if name in stacks else t
     return out
 
 

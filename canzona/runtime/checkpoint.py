@@ -86,6 +86,12 @@ class Checkpointable(Protocol):
 
     def tensor(self, entry: str) -> Tensor: ...  # this rank's local tensor of a plan entry
 
+    # under expert parallelism, the experts' part (the same protocol; its `spec` is this EP rank's
+    # experts and its names local), whose entries a checkpoint keeps under the model's names
+    experts: Checkpointable | None
+
+    def global_name(self, name: str) -> str: ...  # an entry's name in the whole model
+
     def state_dtype(self, name: str) -> torch.dtype: ...
 
     def group_config(self, g: int) -> Any: ...
@@ -143,13 +149,19 @@ def _with_master(opt: Checkpointable, name: str, state: Mapping[str, Any]) -> di
 # --- layout-independent state dicts -----------------------------------------------------------
 
 
+def _parts(opt: Checkpointable) -> list[Checkpointable]:
+    """The optimizer, and its experts' part under expert parallelism."""
+    return [opt] if opt.experts is None else [opt, opt.experts]
+
+
 def gather_state(opt: Checkpointable) -> dict[str, Any]:
-    states, masters = _saved_here(opt)
-    mine = {
-        "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s and n in states},
-        "masters": {n: opt.master[n].detach().cpu().clone() for n in sorted(masters)},
-        "adamw": [(n, off, _to_cpu(s)) for n, off, s in _adamw_pieces(opt)],
-    }
+    mine: dict[str, Any] = {"matrix": {}, "masters": {}, "adamw": []}
+    for part in _parts(opt):  # every entry under the model's name
+        states, masters = _saved_here(part)
+        g = part.global_name
+        mine["matrix"].update({g(n): _to_cpu(s) for n, s in part.matrix_state.items() if s and n in states})
+        mine["masters"].update({g(n): part.master[n].detach().cpu().clone() for n in sorted(masters)})
+        mine["adamw"] += [(g(n), off, _to_cpu(s)) for n, off, s in _adamw_pieces(part)]
     try:
         every = opt.mesh.comm("dp").all_gather_object(mine, "optimizer state")  # per DP rank
         tp = opt.mesh.comm("tp")
@@ -286,8 +298,8 @@ def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | No
     """One TP shard of an AdamW parameter's state from its DP slices (None: none were saved)."""
     if not pieces:
         return None
-    shape = tuple(opt.tensor(name).shape)
-    numel = opt.tensor(name).numel()
+    shape = opt.spec.param(name).local_shape(opt.mesh.size(TP))
+    numel = math.prod(shape)
     out: dict[str, Any] = {"step": pieces[0][2]["step"]}
     for _, offset, part in pieces:
         for key in SLICED:
@@ -330,6 +342,22 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
     state = {n: dict(s) for n, s in state.items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     device = local_tensor(next(iter(opt.params.values()))).device
+    opt.adamw_state.clear()  # shared by the parts: each fills its own
+    for part in _parts(opt):
+        _load_part(part, _local(part, state), device)
+    if opt.master_weights:
+        opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
+        for part in _parts(opt):
+            _load_masters(part, _local(part, masters), device)
+
+
+def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:
+    """`by_name` (the model's names) under the part's own names, for the entries it holds."""
+    names = {*part.hosted, *part.applies, *(p.name for p in part.adamw_parts())}
+    return {n: by_name[part.global_name(n)] for n in names if part.global_name(n) in by_name}
+
+
+def _load_part(opt: Checkpointable, state: Mapping[str, dict], device: torch.device) -> None:
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
     # every TP rank that applies a matrix's chunks counts its steps from the same saved state (the
@@ -338,22 +366,22 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
     taken = matrix_optimizer(opt.optimizer).part("steps_taken")
     opt.matrix_steps.clear()  # the executor holds this dict too
     opt.matrix_steps.update({n: taken(state[n]) if taken is not None and state.get(n) else 0 for n in opt.applies})
-    opt.adamw_state = {}
     for name, _, s, e, off in opt.adamw_parts():
         if name in state:
             full = state[name]
             opt.adamw_state[name] = {"step": full["step"], **{
                 key: _slice(opt, name, full[key], off, e - s).clone().to(device)
                 for key in ("exp_avg", "exp_avg_sq")}}
-    if opt.master_weights:
-        opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
-        for name, _, s, e, off in opt.adamw_parts():
-            if name in masters:
-                opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
-        for name in opt.applies:
-            if name in masters:
-                shard = shard_of(masters[name], _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
-                opt.master[name] = shard.float().contiguous().to(device)
+
+
+def _load_masters(opt: Checkpointable, masters: Mapping[str, Tensor], device: torch.device) -> None:
+    for name, _, s, e, off in opt.adamw_parts():
+        if name in masters:
+            opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
+    for name in opt.applies:
+        if name in masters:
+            shard = shard_of(masters[name], _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
+            opt.master[name] = shard.float().contiguous().to(device)
 
 
 def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:
@@ -455,16 +483,19 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
     meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
     out: dict[str, Any] = {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
-    states, masters = _saved_here(opt)
-    for name, state in opt.matrix_state.items():
-        if state and name in states:
+    for part in _parts(opt):  # every entry under the model's name
+        g = part.global_name
+        states, masters = _saved_here(part)
+        t, tp = part.mesh.rank(TP), part.mesh.size(TP)
+        for name, state in part.matrix_state.items():
+            if state and name in states:
+                for key, value in state.items():
+                    out[f"{prefix}/matrix/{g(name)}/{key}"] = value
+        for name in sorted(masters):
+            out[_piece_key(prefix, "matrix", g(name), "master", t, tp, 0)] = part.master[name]
+        for name, off, state in _adamw_pieces(part):
             for key, value in state.items():
-                out[f"{prefix}/matrix/{name}/{key}"] = value
-    for name in sorted(masters):
-        out[_piece_key(prefix, "matrix", name, "master", opt.mesh.rank(TP), opt.mesh.size(TP), 0)] = opt.master[name]
-    for name, off, state in _adamw_pieces(opt):
-        for key, value in state.items():
-            out[_piece_key(prefix, "adamw", name, key, opt.mesh.rank(TP), opt.mesh.size(TP), off)] = value
+                out[_piece_key(prefix, "adamw", g(name), key, t, tp, off)] = value
     return out
 
 
@@ -499,15 +530,18 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
                 else:
                     full_keys.setdefault(name, []).append(key)
     wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
-    for name in opt.hosted:
+    # every part's entries under the model's names
+    hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
+    applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
+    for name in hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
     # of a matrix whose chunks this rank applies but does not host, the scalar fields (its step):
     # the step count the rank applies them by comes from them (`load_by_name`)
     scalar_fields: dict[str, list[str]] = {
         name: [k for k in full_keys.get(name, []) if not isinstance(entries[k], TensorStorageMetadata)]
-        for name in opt.applies if name not in opt.hosted}
+        for name in applies if name not in hosted}
     wanted.update({k: placeholder(k) for keys in scalar_fields.values() for k in keys})
-    needs = _local_ranges(opt)
+    needs = {part.global_name(n): r for part in _parts(opt) for n, r in _local_ranges(part).items()}
     tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
     for name, (lo, hi) in needs.items():
         # a TP-replicated parameter's pieces were written by TP rank 0 only
@@ -518,7 +552,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     dcp.load(wanted, storage_reader=reader)
 
     state: dict[str, dict[str, Any]] = {}
-    for name, keys in [*((n, full_keys.get(n, [])) for n in opt.hosted), *scalar_fields.items()]:
+    for name, keys in [*((n, full_keys.get(n, [])) for n in hosted), *scalar_fields.items()]:
         if keys:
             state[name] = {k.rsplit("/", 1)[1]: wanted[k] for k in keys}
     for name in needs:
@@ -533,7 +567,7 @@ def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
     """Per parameter whose pieces this rank needs, the range of its local tensor it holds."""
     out = {name: (off, off + e - s) for name, _, s, e, off in opt.adamw_parts()}
     for name in opt.applies:
-        out[name] = (0, opt.tensor(name).numel())
+        out[name] = (0, math.prod(opt.spec.param(name).local_shape(opt.mesh.size(TP))))
     return out
 
 

@@ -29,8 +29,8 @@ norm, one verdict on finiteness and clipping for both parts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,11 +41,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from canzona.errors import SpecError
 from canzona.experts import check_ep
 from canzona.plan import Plan
-from canzona.runtime.buffers import FlatBuffer
+from canzona.runtime.buffers import FlatBuffer, Piece
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import DPReduction, GradientSync
-from canzona.spec import ModelSpec
+from canzona.runtime.mesh import DP, Mesh
+from canzona.spec import STACK_CLOSE, STACK_OPEN, ModelSpec, stacked_matrices
 from canzona.step_policies import StepPolicy
 from canzona.step_schedule import TPSchedule, tp_schedule
 
@@ -83,20 +84,37 @@ class ExpertReduction(DPReduction):
         return pending
 
 
-@dataclass(kw_only=True)
 class ExpertPart:
     """One EP rank's experts as the optimizer steps them (see the module docstring). It offers what
-    the step policies' parameter gathers read of an optimizer (`comm`, `dp`, `rank`, `grads`, `plan`)."""
+    the step policies' parameter gathers read of an optimizer (`comm`, `dp`, `rank`, `grads`,
+    `plan`) and what a checkpoint reads of one (`canzona.runtime.checkpoint.Checkpointable`: the
+    optimizer's hyper-parameters, state containers and masters, its own plan, schedule and mesh,
+    names local to this EP rank and `global_name`, the model's)."""
 
-    spec: ModelSpec  # the experts of one EP rank (local shapes, the model's names)
-    plan: Plan  # over EDP, TP 1
-    comm: Comm  # the EDP group
-    ep_comm: Comm
-    grads: GradientSync
-    schedule: TPSchedule
-    matrix_step: MatrixStep
-    matrix_state: dict[str, dict]
-    applies: list[str]  # the expert matrices this rank updates (and computes: TP 1)
+    experts = None  # a part has no part of its own
+
+    def __init__(self, *, owner: Any, spec: ModelSpec, plan: Plan, comm: Comm, ep_comm: Comm, grads: GradientSync,
+                 schedule: TPSchedule, matrix_step: MatrixStep, matrix_state: dict[str, dict],
+                 matrix_steps: dict[str, int], applies: list[str]) -> None:
+        self._owner = weakref.proxy(owner)  # the optimizer holds its part, not the other way round
+        self.spec = spec  # the experts of one EP rank (local shapes, the model's names)
+        self.plan = plan  # over EDP, TP 1
+        self.comm = comm  # the EDP group
+        self.ep_comm = ep_comm
+        self.mesh = Mesh({DP: comm})
+        self.grads = grads
+        self.schedule = schedule
+        self.matrix_step = matrix_step
+        self.matrix_state = matrix_state
+        self.matrix_steps = matrix_steps
+        self.applies = applies  # the expert matrices this rank updates (and computes: TP 1)
+        self.hosted = applies
+        self.params = dict(grads.params)
+        # local matrix `stack[k]` is the model's `stack[ep_rank x matrices per EP rank + k]`
+        self._global = {}
+        for p in spec.stacks:
+            for k, m in enumerate(stacked_matrices(p)):
+                self._global[m.name] = f"{p.name}{STACK_OPEN}{ep_comm.rank * p.stack_size + k}{STACK_CLOSE}"
 
     @property
     def dp(self) -> int:
@@ -105,6 +123,58 @@ class ExpertPart:
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    def global_name(self, name: str) -> str:
+        return self._global.get(name, name)
+
+    # --- what a checkpoint reads of the optimizer, for these entries ---------------------------
+
+    @property
+    def policy(self) -> StepPolicy:
+        return self._owner.policy
+
+    @property
+    def optimizer(self) -> str:
+        return self._owner.optimizer
+
+    @property
+    def matrix_cfg(self) -> Any:
+        return self._owner.matrix_cfg
+
+    @property
+    def adamw_cfg(self) -> Any:
+        return self._owner.adamw_cfg
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._owner.param_groups
+
+    @property
+    def adamw_state(self) -> dict[str, dict]:
+        return self._owner.adamw_state
+
+    @property
+    def master(self) -> dict[str, Tensor]:
+        return self._owner.master
+
+    @property
+    def master_weights(self) -> bool:
+        return self._owner.master_weights
+
+    def adamw_parts(self) -> Iterator[Piece]:
+        return self._owner.expert_adamw_parts()
+
+    def tensor(self, entry: str) -> Tensor:
+        return self.grads.stacks.tensor(entry)
+
+    def state_dtype(self, name: str) -> torch.dtype:
+        return self.grads.buffer_of[name].reduced.dtype
+
+    def group_config(self, g: int) -> Any:
+        return self._owner.group_config(g)
+
+    def reset_master_weights(self) -> None:
+        self._owner.reset_master_weights()
 
 
 def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, edp: dist.ProcessGroup) -> None:
@@ -119,7 +189,7 @@ def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, edp: dist.Pr
                         f"group has {dp} ranks: edp x ep must be dp")
 
 
-def build_expert_part(params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
+def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
                       comms: tuple[Comm, Comm], *, align: int, reduce_dtype: torch.dtype | None, tp_mode: str,
                       kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
                       device: torch.device) -> ExpertPart:
@@ -137,5 +207,5 @@ def build_expert_part(params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan,
     steps = {n: 0 for n in applies}
     step = MatrixStep(schedule, None, 0, kernel, state, grad_dtype, update_dtype, device, scalars=scalars,
                       batched=batched, steps=steps)
-    return ExpertPart(spec=spec, plan=plan, comm=edp, ep_comm=ep, grads=grads, schedule=schedule, matrix_step=step,
-                      matrix_state=state, applies=applies)
+    return ExpertPart(owner=owner, spec=spec, plan=plan, comm=edp, ep_comm=ep, grads=grads, schedule=schedule,
+                      matrix_step=step, matrix_state=state, matrix_steps=steps, applies=applies)

@@ -168,8 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     rank then holds its EP rank's experts (stacks of `experts / ep`, under the model's names; `spec`
     stays the whole model's): the dense part is planned and stepped over DP, the experts over
     their EDP group, each expert matrix owned whole by one EDP rank, their gradients reduced over
-    EDP and scaled to the global mean. Not yet under EP: TP, `overlap_step`, plan files,
-    checkpoints (each one error).
+    EDP and scaled to the global mean; checkpoints keep the experts under the model's names (any EP
+    size loads them). Not yet under EP: TP, `overlap_step`, plan files (each one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
@@ -332,7 +332,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.experts: ExpertPart | None = None
         if self.ep > 1:
             self.experts = build_expert_part(
-                {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
+                self, {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
                 self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype,
                 tp_mode=self.tp_mode, kernel=kernel, batched=batched, scalars=scalars, update_dtype=update_dtype,
                 device=device)
@@ -588,7 +588,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         part.matrix_step.run(grad=part.grads.reduced, target=self._target, applied=self._refresh_working_copy,
                              config=self._matrix_config, got=lambda name: got[index[name]])
         if self.elementwise:
-            self._adamw_pieces(self._expert_adamw_parts(), lambda name: got[index[name]])
+            self._adamw_pieces(self.expert_adamw_parts(), lambda name: got[index[name]])
 
     def _speculate(self, landed: Callable[[str], Tensor]) -> None:
         """overlap_step: the matrices' updates computed as their buckets land, before the step
@@ -635,7 +635,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_params()
         applies = self.applies + (self.experts.applies if self.experts is not None else [])
         self.master = {n: self.tensor(n).detach().float().clone() for n in applies}
-        for piece in [*self.adamw_parts(), *self._expert_adamw_parts()]:
+        for piece in [*self.adamw_parts(), *self.expert_adamw_parts()]:
             self.master[piece.name] = piece.buffer.data[piece.start:piece.end].float().clone()
 
     def tensor(self, entry: str) -> Tensor:
@@ -667,8 +667,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.group_config(g)
 
     def state_dtype(self, name: str) -> torch.dtype:
-        """The dtype `name`'s optimizer state is kept in: its reduced gradient's."""
-        return next(g.buffer_of[name] for g in self._syncs() if name in g.buffer_of).reduced.dtype
+        """The dtype `name`'s optimizer state is kept in: its reduced gradient's (an expert matrix
+        of another EP rank: the experts' here)."""
+        buffer = next((g.buffer_of[name] for g in self._syncs() if name in g.buffer_of), None)
+        if buffer is None and self.experts is not None:
+            buffer = self.experts.grads.buckets[0]
+        return buffer.reduced.dtype
 
     def adamw_parts(self) -> Iterator[Piece]:
         """The pieces this rank updates with AdamW (and keeps AdamW state and masters for): those
@@ -682,7 +686,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lo, hi = (0, buffer.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
             yield from pieces_of(buffer, lo, hi)
 
-    def _expert_adamw_parts(self) -> Iterator[Piece]:
+    def global_name(self, name: str) -> str:
+        """An entry's name in the whole model (this part's names are the model's)."""
+        return name
+
+    def expert_adamw_parts(self) -> Iterator[Piece]:
         """Under an elementwise optimizer and EP: the experts' pieces inside this rank's EDP
         segments of the expert buckets."""
         if not (self.elementwise and self.experts is not None):
@@ -726,22 +734,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def _check_checkpointable(self) -> None:
-        """Local, so that every rank raises before any collective."""
-        if self.experts is not None:
-            raise CanzonaError("checkpoints of an optimizer under expert parallelism are not supported yet "
-                               "(ep > 1): the experts' state would be missing")
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent: per parameter name, full tensors, identical on every rank.
         Collective (every rank must call it), bounded by `timeout_s`."""
-        self._check_checkpointable()
         self.wait_params()
         return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
-        self._check_checkpointable()
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_state(self, state_dict)
@@ -749,14 +750,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
         only what it owns); merge it with the model's state dict to save both in one call."""
-        self._check_checkpointable()
         self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
         reader): each rank reads what its layout needs. Collective."""
-        self._check_checkpointable()
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix)

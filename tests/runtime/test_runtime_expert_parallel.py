@@ -6,12 +6,19 @@ owned whole within its EDP group, bit for bit what the same kernels compute in o
 the global gradients the ranks' backward produced (rung 3, as under TP: the recorded gradients
 summed as the reductions sum them), and within 1e-5 of the independent references.
 
-One spawn of 4 ranks (DP 4 = EDP 2 x EP 2, and EP 4) runs every configuration and the refusals.
+Checkpoints under EP keep every expert matrix under the model's name: taken at DP 4 x EP 2 (full
+and sharded), they load at EP 4, at EP 1 on 2 ranks (no expert parallelism) and at EP 2 again, and
+continue bit for bit.
+
+One spawn of 4 ranks (DP 4 = EDP 2 x EP 2, and EP 4) runs every configuration and the refusals;
+three more resume from its checkpoints.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -22,6 +29,7 @@ from canzona.harness.training import (
     build_model,
     compare,
     emulate,
+    expert_full_parameters,
     expert_global_gradients,
     expert_local,
     many_specs_worker,
@@ -80,27 +88,40 @@ def refusals_worker(rank: int, world: int) -> dict[str, str]:
             out[label] = "no error"
         except (CanzonaError, ValueError) as e:
             out[label] = str(e)
-    opt = build(expert_mesh=mesh)
-    try:
-        opt.state_dict()
-        out["checkpoint"] = "no error"
-    except CanzonaError as e:
-        out["checkpoint"] = str(e)
     dist.barrier()
     return out
+
+
+SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 4 x EP 2
+RESUMED = ((4, 4), (2, 1), (4, 2))  # (world, ep) of the runs that load them
 
 
 @functools.cache
 def runs() -> dict:
     labels = list(JOBS)
+    folder = tempfile.mkdtemp(prefix="canzona-ep-")
+    extras = [{"state_dict": label in SAVED, **({"save_sharded": os.path.join(folder, label)} if label in SAVED else {})}
+              for label in labels]
     try:
-        results = run_ranks(many_specs_worker, WORLD, [JOBS[k] for k in labels], [{"state_dict": False} for _ in labels],
+        results = run_ranks(many_specs_worker, WORLD, [JOBS[k] for k in labels], extras,
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
         refused = run_ranks(refusals_worker, WORLD, deadline_s=DEADLINE_S, collective_timeout_s=60)
+        out = {label: [results[r][i] for r in range(WORLD)] for i, label in enumerate(labels)}
+        out["refusals"] = refused
+        for world, ep in RESUMED:
+            jobs = []
+            for opt in SAVED:
+                saved = (expert_full_parameters(out[opt], JOBS[opt]), out[opt][0]["state"])
+                later = replace(JOBS[opt], ep=ep, steps=2, data_seed=7, bucket_size=None)
+                jobs += [((world, ep, opt, "full"), later, {"load": saved, "state_dict": False}),
+                         ((world, ep, opt, "sharded"), later,
+                          {"load": (saved[0], os.path.join(folder, opt)), "state_dict": False})]
+            resumed = run_ranks(many_specs_worker, world, [s for _, s, _ in jobs], [e for _, _, e in jobs],
+                                deadline_s=DEADLINE_S, collective_timeout_s=60)
+            for i, (label, spec, extra) in enumerate(jobs):
+                out[label] = (spec, extra["load"][0], [resumed[r][i] for r in range(world)])
     except Exception as e:  # noqa: BLE001 - replayed by every test that needs it
         return {"error": e}
-    out = {label: [results[r][i] for r in range(WORLD)] for i, label in enumerate(labels)}
-    out["refusals"] = refused
     return out
 
 
@@ -146,4 +167,26 @@ def test_expert_parallel_mistakes_are_one_error_each():
         assert "overlap_step under expert parallelism" in messages["overlap_step"]
         assert "dimensions named 'edp' and 'ep'" in messages["mesh"]
         assert "spec says" in messages["local shapes"] or "shape" in messages["local shapes"]
-        assert "expert parallelism are not supported yet" in messages["checkpoint"]
+
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+@pytest.mark.parametrize("optimizer", SAVED)
+@pytest.mark.parametrize("world,ep", RESUMED)
+def test_a_checkpoint_under_ep_resumes_at_another_ep_size_bit_for_bit(world, ep, optimizer, form):
+    spec, params, ranks = run((world, ep, optimizer, form))
+    saved = run(optimizer)
+    grads = expert_global_gradients(ranks, spec) if ep > 1 else None
+    want = emulate(spec, world, load=(params, saved[0]["state"]), grads=grads)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], expert_local(want, spec, res["ep_rank"]) if ep > 1 else want)
+        assert cmp["bit_identical"], f"EP 2 -> {world} ranks, EP {ep}, rank {r}: {cmp}"
+
+
+def test_every_rank_holds_the_same_layout_independent_state_under_ep():
+    ranks = run("soap")
+    first = ranks[0]["state"]
+    for res in ranks[1:]:
+        assert res["state"]["state"].keys() == first["state"].keys()
+        for k, entry in first["state"].items():
+            assert entry.keys() == res["state"]["state"][k].keys()
