@@ -627,6 +627,10 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
                 step = max(_deferred_peak(groups, sched.state_bytes(r), mode) + reductions[i], adamw_temps, gathered)
             else:
                 step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
+                if sched.prefetched:  # the prefetched gathers' buffers, under the reductions still in flight
+                    early = sum(_group_bytes(sched.groups[op.group].tasks, tp, r, gb, ub, workspace).gather
+                                for op in sched.prefetched)
+                    step = max(step, early + reductions[i])
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)
 

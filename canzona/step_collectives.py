@@ -17,12 +17,15 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
    then, for the all-reduce policies and zero1-gather, one all-gather-v per bucket of the reduced
    gradients on the same segments ("gradients of bucket i": every rank ends with the whole bucket);
    for the replicated policy (sc), an all-gather-v of the AdamW gradients ("adamw gradients");
+   under canzona, the TP schedule's prefetched gathers (`TPSchedule.prefetched`: those ahead of its
+   first compute), issued as their buckets land;
 3. check: the step check over DP ("step check", which also carries each rank's share of the global
    gradient norm and its clip threshold); under TP also the TP step check ("tp step check") and
    the TP verdict over DP ("tp verdict");
 4. clip, only when `clip_grad_norm_(norm_type=inf)` is called: the largest magnitude over DP, then
    over TP ("gradient norm"; the 2-norm travels in the step check);
-5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order;
+5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order, less
+   those prefetched in 2;
 6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
    of bucket i" on the plan's segments, or, for layerwise, "owned parameters of bucket i": what
    each owner packs), then "adamw parameters" (even segments); nothing under sc.
@@ -168,6 +171,9 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                            update_bytes=FP32_BYTES if master else tp_grad_bytes, overlap_step=overlap_step)
     exchanges = [StepCollective(ex.op, TP_GROUP, ex.name, ex.record(tp_rank), STEP, sent=ex.sent)
                  for ex in schedule.exchanges]
+    # the leading gathers the runtime issues as their buckets land, before the checks (each
+    # prefetched op is a gather that moves something: `_ops` lists no empty one)
+    prefetched = len(schedule.prefetched)
     if style == MEGATRON_STYLE:
         used = sum(p.local_numel(tp) for p in adamw_params)
         return _megatron(plan, policy, grads, used, adamw, exchanges)
@@ -188,6 +194,8 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     if overlap_step:  # computed as the buckets land, before the checks (applied after them)
         policy.check_overlap_step(True)
         out += exchanges
+    else:  # the prefetched gathers, issued as their buckets land
+        out += exchanges[:prefetched]
     # 3. the step checks
     out.append(check(DP_GROUP, "step check", len(spec.params) + 5, dp))
     if tp > 1:
@@ -199,9 +207,9 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
-    # 5. the TP schedule, after the checks (unless overlapped)
+    # 5. the TP schedule, after the checks (unless overlapped), less the prefetched gathers
     if not overlap_step:
-        out += exchanges
+        out += exchanges[prefetched:]
     # 6. the parameter all-gathers
     if policy.param_gather != PARAMS_NONE:
         for b, buf in zip(buckets, grads):

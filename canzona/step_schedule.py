@@ -16,6 +16,12 @@ Pipelined order: the gather of group g+1 is issued before group g computes, the 
 after it computes, and the apply of g once group g+1 has computed, so the gather of g+1 and the
 scatter of g are in flight while compute runs. Serial order: gather, compute, scatter, apply, one
 group after another.
+
+Prefetched gathers (`TPSchedule.prefetched`): under a policy whose hosts read their gradients
+straight from the buckets' reduce-scatters (canzona), the gathers ahead of the first compute move
+reduced gradients only, so they are issued as soon as their buckets have landed, before the step
+check, instead of after it: the gather of the largest matrices runs under the last reductions
+instead of between the check and the first compute (docs/design.md §6.3).
 """
 
 from __future__ import annotations
@@ -138,6 +144,8 @@ class TPSchedule:
     mode: str
     groups: tuple[GroupStep, ...]
     ops: tuple[Op, ...]
+    # the leading gathers (`prefetched`) are issued as their buckets land, before the step check
+    prefetch: bool = False
 
     @cached_property
     def exchanges(self) -> tuple[Exchange, ...]:
@@ -149,6 +157,31 @@ class TPSchedule:
             if ex is not None:
                 out.append(ex)
         return tuple(out)
+
+    @cached_property
+    def prefetched(self) -> tuple[Op, ...]:
+        """The gathers issued before the step check, as soon as their buckets have landed: with
+        `prefetch`, every op ahead of the first compute (each a gather: pipelined, those of groups 0
+        and 1; serial, group 0's). They move reduced gradients only, which nothing changes before
+        the compute reads them (clipping scales what arrived by the same factor, bit for bit), so
+        they need not wait for the check; the first group's gather, which holds the largest
+        matrices, then no longer sits between the check and the first compute."""
+        if not self.prefetch:
+            return ()
+        out = []
+        for op in self.ops:
+            if op.kind != GATHER:
+                break
+            out.append(op)
+        return tuple(out)
+
+    @property
+    def elementwise_at(self) -> int:
+        """Where the step's elementwise part (AdamW on the vectors and embeddings, disjoint from the
+        matrices) runs: before the op of this index, the last apply, which waits for the last
+        scatter, so that AdamW runs while that scatter is in flight instead of after it; after
+        every op (index `len(ops)`) when there are none."""
+        return max(len(self.ops) - 1, 0)
 
     def tasks(self) -> list[Task]:
         return [t for g in self.groups for t in g.tasks]
@@ -240,7 +273,9 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
     `grad_bytes`: bytes per element of the reduced gradients that are gathered; `update_bytes`: of
     the update chunks that are scattered (the dtype updates are applied in). `overlap_step`: the
     micro-groups in the order their gradients land (by the last bucket each needs: buckets are
-    reduced in index order), as an overlapped step starts them; else the plan's order."""
+    reduced in index order), as an overlapped step starts them; else the plan's order, and, under a
+    policy whose hosts read their gradients straight from the reduce-scatters, the leading gathers
+    prefetched (`TPSchedule.prefetched`)."""
     check_tp_mode(mode)
     if not 0 <= dp_rank < plan.dp:
         raise SpecError(f"dp rank {dp_rank} is outside 0..{plan.dp - 1}")
@@ -263,4 +298,7 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
         else:
             steps.sort(key=lambda g: max((bucket_of[t.name] for t in g.tasks), default=0))
     groups = tuple(steps)
-    return TPSchedule(dp_rank, tp, mode, groups, _ops(groups, mode))
+    # an overlapped step issues everything early already; the baselines' gradients are complete only
+    # after the step's own DP gathers (or are all-reduced), so their gathers cannot move
+    prefetch = policy.can_overlap_step and not overlap_step
+    return TPSchedule(dp_rank, tp, mode, groups, _ops(groups, mode), prefetch)

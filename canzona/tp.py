@@ -195,10 +195,11 @@ def default_capacity(tasks_by_rank: Sequence[Sequence[TPTask]]) -> Capacity:
 
 
 # Multiples of the largest task's seconds the default capacity tries (`plan_tp`). At the largest
-# task itself, a DP rank whose work is a few large matrices plus many small ones gets two or three
-# micro-groups each as long as its largest task: on the demo layout (Qwen3-32B, TP 8) 1.25x gives
-# one group per rank and a planned TP makespan 17% shorter (28.2 -> 23.3 ms; simulated step 30.2
-# -> 26.5 ms). Larger multiples only merge groups that are already balanced.
+# task itself, a DP rank whose work is a few large matrices plus many small ones can get two or
+# three micro-groups each as long as its largest task: on the demo layout (Qwen3-32B, TP 8) with the
+# paper's alpha-balanced owners 1.25x gives one group per rank and a planned TP makespan 17% shorter
+# (28.2 -> 23.3 ms; simulated step 28.9 -> 25.2 ms; the default owners fit one group at 1x). Larger
+# multiples only merge groups that are already balanced.
 CAPACITY_STEPS = (1.0, 1.25, 1.5, 2.0)
 
 

@@ -501,9 +501,10 @@ def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Even
 
 @dataclass(frozen=True)
 class EarlyStart:
-    """Where an overlapped step (`RunOptions.overlap_step`) may start a micro-group: once the
-    buckets holding its matrices are reduced and the stage's backward kernels are done (the runtime
-    enqueues the step after backward, on the same compute stream)."""
+    """Where an overlapped step (`RunOptions.overlap_step`) may start a micro-group, and a plain
+    step its prefetched gathers: once the buckets holding its matrices are reduced and the stage's
+    backward kernels are done (the runtime enqueues the step after backward, on the same compute
+    stream)."""
 
     bucket_synced: dict[int, simpy.Event]
     backward_done: simpy.Event
@@ -516,7 +517,9 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
 
     With `overlap_step` (and `early`), each micro-group's gather, compute and scatter start as soon
     as its buckets are reduced, before the gradient norm and the step check, and every apply waits
-    for the check (the runtime computes the updates early and commits them after it)."""
+    for the check (the runtime computes the updates early and commits them after it). Without it,
+    the schedule's prefetched gathers (`TPSchedule.prefetched`) start as soon as their buckets are
+    reduced (given `early`), and the rest waits for the check."""
     cl = ctx.cluster
     schedules: dict[int, TPSchedule] = {}
 
@@ -545,6 +548,12 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
                     together = run.windows.get(op.group, (op.group,)) if op.kind == COMPUTE else (op.group,)
                     event = ready([run.schedule.groups[g] for g in together])
                     run.issue(op, {r: event for r in run.members})
+    elif early is not None:  # the prefetched gathers, on the TP streams ahead of the TP step check
+        ready = _group_ready(ctx, early, start)
+        for run in runs:
+            for op in run.schedule.prefetched:
+                event = ready([run.schedule.groups[op.group]])
+                run.issue(op, {r: event for r in run.members})
     def norm(r: int, after: simpy.Event) -> simpy.Event:  # over the dense part's gradients, then the experts'
         done = _gradient_norm(ctx, r, after)
         return _gradient_norm(ctx.experts, r, done) if ctx.experts is not None else done
@@ -565,15 +574,20 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
         computes = [k for k, op in enumerate(run.schedule.ops) if op.kind == COMPUTE]
         if expert_step is not None and not computes:
             expert_step.issue(run.members)
+        adamw: dict[int, simpy.Event] = {}  # AdamW, where the schedule runs it (under its last scatter)
         for k, op in enumerate(run.schedule.ops):
+            if k == run.schedule.elementwise_at:
+                adamw = {r: _adamw_step(ctx, r, [checked[r]]) for r in run.members}
             if op.kind == APPLY:
                 run.apply(op, begin if run.early else None)
-            elif not run.early:  # else issued as its buckets landed
-                run.issue(op, begin)
+            elif not run.early and (early is None or op not in run.schedule.prefetched):
+                run.issue(op, begin)  # else issued as its buckets landed
             if expert_step is not None and computes and k == computes[-1]:
                 expert_step.issue(run.members)
+        if not adamw:  # no op to run it before
+            adamw = {r: _adamw_step(ctx, r, [checked[r]]) for r in run.members}
         for r in run.members:
-            params_ready[r] = _adamw_step(ctx, r, run.applied[r] or [checked[r]])
+            params_ready[r] = ctx.engine.env.all_of(run.applied[r] + [adamw[r]])
     experts = expert_step.done if expert_step is not None else {}
     if ctx.options.overlap_param_gather:  # they run under the next forward (phase A)
         return list(params_ready.values()) + list(experts.values())
@@ -614,7 +628,8 @@ class _ExpertStep:
 
 
 def _group_ready(ctx: Context, early: EarlyStart, synced: simpy.Event):
-    """When micro-groups may start under `overlap_step`: their buckets reduced, backward's kernels done."""
+    """When micro-groups (their gathers, without `overlap_step`) may start: their buckets reduced,
+    backward's kernels done."""
     bucket_of = {p.name: k for k, b in enumerate(ctx.plan.dp_plan.buckets) for p in b.params}
     env = ctx.engine.env
     cache: dict[tuple[int, ...], simpy.Event] = {}

@@ -363,17 +363,12 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     synced = phase.synced
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(engine.now))
-    if cfg.options.overlap_step:
-        # the step's micro-groups start inside phase A, as their buckets land: one run of both
-        engine.phase = "B"
-        for stage, ctx in enumerate(ctxs):
-            optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]))
-    else:
-        engine.run()
-        engine.phase = "B"
-        start = engine.env.event().succeed()
-        for ctx in ctxs:
-            optimizer_step(ctx, start)
+    # one run of both phases: an overlapped step's micro-groups, and a plain step's prefetched
+    # gathers (canzona.step_schedule), start inside phase A, as their buckets land; the rest of
+    # the step waits for every stage's gradients (`synced`)
+    engine.phase = "B"
+    for stage, ctx in enumerate(ctxs):
+        optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]))
     t_end = engine.run()
     assert synced.triggered
     t_sync = sync_times[0]

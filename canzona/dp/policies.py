@@ -228,8 +228,8 @@ DP_REGISTRY: dict[str, DPPolicy] = {
 }
 DP_POLICIES = tuple(DP_REGISTRY)
 # canzona's default: never worse than the paper's alpha-balanced and often better, as simulated
-# (Qwen3-32B / 256 H100 / TP 8, Muon: step 26.5 -> 23.6 ms, reduce-scatter longest / even segment
-# 1.44 -> 1.23; Qwen3-14B / 128: step 31.0 -> 21.5 ms; Qwen3-4B / 64 / TP 4, Shampoo: 27.8 -> 23.5
+# (Qwen3-32B / 256 H100 / TP 8, Muon: step 25.2 -> 22.3 ms, reduce-scatter longest / even segment
+# 1.44 -> 1.23; Qwen3-14B / 128: step 30.0 -> 20.7 ms; Qwen3-4B / 64 / TP 4, Shampoo: 27.5 -> 23.3
 # ms; equal on Qwen3-8B / 64 and Qwen3-32B / 1024). The paper's stays one flag away.
 DEFAULT_DP_POLICY = "alpha-balanced-reorder"
 PAPER_DP_POLICY = "alpha-balanced"  # the Canzona paper's (arXiv 2602.06079)

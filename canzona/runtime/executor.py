@@ -22,6 +22,9 @@ Per micro-group, in the schedule's order (pipelined or serial):
    (docs/design.md §8.3). Its host checks, each step and without a device read, that its kernel's
    update has exactly those scalars.
 
+Under canzona the schedule's leading gathers (`TPSchedule.prefetched`) are issued by `prefetch`
+as their buckets land, before the step check, and `run` goes on from them.
+
 Collectives are asynchronous: in pipelined order the gather of group g+1 and the scatter of g are in
 flight while g+1 computes (gloo runs them on its own threads; on CUDA they are issued from a side
 stream whose work the compute stream waits for through events). At TP = 1 nothing moves and the
@@ -175,6 +178,7 @@ class MatrixStep:
         # here (benchmarks/bench_tp.py); host wall time, meaningful where work is synchronous (CPU)
         self.profile: dict[str, float] | None = None
         self._speculation: _Speculation | None = None
+        self._prefetched: list[_Group] | None = None  # the groups whose gathers `prefetch` issued
 
     def _compute_windows(self) -> dict[int, tuple[int, ...]]:
         """The groups computed together (`canzona.batching.compute_windows`)."""
@@ -192,14 +196,53 @@ class MatrixStep:
             self.profile[stage] = self.profile.get(stage, 0.0) + time.perf_counter() - start
 
     def run(self, grad: Callable[[str], Tensor], target: Callable[[str], Tensor], applied: Callable[[str], None],
-            config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> None:
-        groups = [_Group() for _ in self.schedule.groups]
-        for op in self.schedule.ops:
+            config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
+            elementwise: Callable[[], None] = lambda: None) -> None:
+        """The schedule, from its prefetched gathers (`prefetch`) where they were issued;
+        `elementwise` (the AdamW step) where the schedule says (`TPSchedule.elementwise_at`)."""
+        groups, self._prefetched = self._prefetched, None
+        issued = set(self.schedule.prefetched) if groups is not None else set()
+        if groups is None:
+            groups = [_Group() for _ in self.schedule.groups]
+        for k, op in enumerate(self.schedule.ops):
+            if k == self.schedule.elementwise_at:
+                elementwise()
             if op.kind == APPLY:
                 self._apply(self.schedule.groups[op.group], groups[op.group], target, applied, config, got)
                 groups[op.group] = _Group()  # free the group's buffers
-            else:
+            elif op not in issued:
                 self._issue(op.kind, op.group, groups, grad, config, got)
+        if self.schedule.elementwise_at >= len(self.schedule.ops):
+            elementwise()
+
+    # --- prefetched gathers (canzona's plain step) ----------------------------------------------
+
+    def prefetch(self, grad: Callable[[str], Tensor]) -> None:
+        """Issue the schedule's prefetched gathers (`TPSchedule.prefetched`) now, each as soon as
+        `grad` returns its gradients (it waits for their bucket's reduce-scatter), before the step
+        check. `run` goes on from them; `clipped` scales what they bring; `discard` drops them."""
+        self.discard()
+        groups = [_Group() for _ in self.schedule.groups]
+        for op in self.schedule.prefetched:
+            with self._timed("issue"):
+                self._gather(self.schedule.groups[op.group], groups[op.group], grad)
+        self._prefetched = groups
+
+    def clipped(self, coefficient: float) -> None:
+        """Clipping scaled the reduced gradients by `coefficient`. An overlapped step's updates were
+        computed from them before: dropped. What the prefetched gathers brought is scaled here by
+        the same elementwise product in the same dtype, so it equals, bit for bit, what a gather
+        issued now would bring (the host's own shards are read from the scaled buffers)."""
+        if self._speculation is not None:
+            self.discard()
+        for op in self.schedule.prefetched if self._prefetched is not None else ():
+            live = self._prefetched[op.group]
+            if live.gather is not None:
+                with self._timed("wait"):
+                    live.gather.wait()
+                self.streams.join(live, GATHER, live.received, live.sent)
+                live.gather = None  # arrived: `_full_grads` reads it as it is
+            live.received.mul_(coefficient)
 
     def _issue(self, kind: str, index: int, groups: list[_Group], grad: Callable[[str], Tensor],
                config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
@@ -230,10 +273,12 @@ class MatrixStep:
                 self._issue(op.kind, op.group, speculation.groups, grad, config, lambda _: True, speculation)
 
     def commit(self, target: Callable[[str], Tensor], applied: Callable[[str], None],
-               config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool]) -> bool:
+               config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
+               elementwise: Callable[[], None] = lambda: None) -> bool:
         """Apply the speculated step (False: there is none, or hyper-parameters changed since it was
-        computed; it is dropped and the caller runs the plain step). The matrices that got a gradient
-        adopt their advanced state and take their update; the others keep theirs, as in `run`."""
+        computed; it is dropped, `elementwise` is not run, and the caller runs the plain step). The
+        matrices that got a gradient adopt their advanced state and take their update; the others
+        keep theirs, as in `run`; `elementwise` runs where `run` runs it."""
         speculation = self._speculation
         if speculation is None:
             return False
@@ -246,19 +291,23 @@ class MatrixStep:
                 kept = self.state.setdefault(name, {})
                 kept.clear()
                 kept.update(state)
-        for op in self.schedule.ops:
+        for k, op in enumerate(self.schedule.ops):
+            if k == self.schedule.elementwise_at:
+                elementwise()
             if op.kind == APPLY:
                 self._apply(self.schedule.groups[op.group], speculation.groups[op.group], target, applied, config, got)
                 speculation.groups[op.group] = _Group()
+        if self.schedule.elementwise_at >= len(self.schedule.ops):
+            elementwise()
         return True
 
     def discard(self) -> None:
-        """Drop a speculated step: its collectives are completed (every rank issued them), its
-        updates and state copies freed."""
+        """Drop a speculated step, or prefetched gathers: their collectives are completed (every
+        rank issued them), their buffers, updates and state copies freed."""
         speculation, self._speculation = self._speculation, None
-        if speculation is None:
-            return
-        for live in speculation.groups:
+        prefetched, self._prefetched = self._prefetched, None
+        groups = (speculation.groups if speculation is not None else []) + (prefetched or [])
+        for live in groups:
             for pending in (live.gather, live.scatter):
                 if pending is not None:
                     pending.wait()

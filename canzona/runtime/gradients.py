@@ -128,9 +128,10 @@ class GradientSync:
         # set by the optimizer when its parameter all-gathers run under the next forward: raises
         # for a gradient whose parameter's gather no forward waited for (it was read stale)
         self.read_check: Callable[[str], None] | None = None
-        # set by the optimizer under overlap_step: called once per step with every reduction
-        # launched, given `landed` (a matrix's reduced gradient, once its bucket has landed)
-        self.speculate: Callable[[Callable[[str], Tensor]], None] | None = None
+        # set by the optimizer: called once per step with every reduction launched, before they
+        # are waited for, given `landed` (a matrix's reduced gradient, once its bucket has landed);
+        # the TP schedule's prefetched gathers, or under overlap_step the whole early step
+        self.early_work: Callable[[Callable[[str], Tensor]], None] | None = None
         self._states: dict[str, GradState] = {}
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -331,8 +332,8 @@ class GradientSync:
             self._next += 1
         self._take_all(self.adamw)
         adamw = self.source.launch(self.adamw, self.adamw_cuts, "adamw")
-        if self.speculate is not None:
-            self.speculate(self.landed)
+        if self.early_work is not None:
+            self.early_work(self.landed)
         for pending in self._launched:
             pending.wait()
         adamw.wait()

@@ -153,7 +153,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     plain step computes. A step whose gradients clipping scales, or whose hyper-parameters changed
     since, drops them and runs the plain step; a skipped step drops them. It costs a copy of the
     state this rank hosts and every update held until the check (`canzona.memory` counts both);
-    canzona's policy only (the baselines' owners need every gradient first).
+    canzona's policy only (the baselines' owners need every gradient first). Without it, canzona's
+    plain step still issues the TP schedule's leading gathers (`TPSchedule.prefetched`) as their
+    buckets land, before the step check: they move reduced gradients only (clipping scales what
+    arrived by the same factor, bit for bit), so the hosts' first compute does not wait for them.
 
     `batch_kernels` (default): the same-shape matrices a rank computes in one micro-group (at TP = 1:
     in consecutive ones) run as one batched kernel, their GEMMs as one `bmm` over a stack; on CPU
@@ -346,7 +349,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for grads in self._syncs():
                 grads.read_check = self._in_flight.check_read
         if overlap_step:
-            self.grads.speculate = self._speculate
+            self.grads.early_work = self._speculate
+        elif self.schedule.prefetched:
+            self.grads.early_work = self.matrix_step.prefetch
 
     # --- construction helpers ----------------------------------------------------------------
 
@@ -513,7 +518,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         remember the norm they now have, so that clipping twice does not clip twice."""
         coefficient = min(1.0, max_norm / (norm + 1e-6))
         if coefficient < 1.0:
-            self.matrix_step.discard()  # its updates were computed from the gradients before clipping
+            # an overlapped step's updates were computed from the gradients before clipping: dropped;
+            # prefetched gradients are scaled where they arrived, as the buffers below
+            self.matrix_step.clipped(coefficient)
+            if self.experts is not None:
+                self.experts.matrix_step.clipped(coefficient)
             for grads in self._syncs():
                 for buf in grads.all_buffers():
                     buf.reduced.mul_(coefficient)
@@ -562,13 +571,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 self._clip(self.max_grad_norm, check.norm)
             got = [bool(g) for g in check.got.tolist()]  # a host table already: read once, not per matrix
+            # AdamW runs inside the matrix phase, under its last scatter (TPSchedule.elementwise_at)
             how = dict(target=self._target, applied=self._refresh_working_copy, config=self._matrix_config,
-                       got=lambda name: got[self._index[name]])
+                       got=lambda name: got[self._index[name]], elementwise=lambda: self._adamw_step(got))
             if self.matrix_step.commit(**how):
                 self.overlapped_steps += 1
             else:  # no overlapped step to commit: the plain one
                 self.matrix_step.run(grad=self.grads.reduced, **how)
-            self._adamw_step(got)
             if self.experts is not None:
                 self._expert_step()
             self._gather_params()

@@ -89,14 +89,14 @@ HAND_EXPECTED = {
     + [dict(master_weights=400, matrix_state=512, adamw_state=288, step_buffers=3072)] * 2,
     # owners as layerwise, each matrix hosted on TP rank 0, state on the host only.
     # w1's host: receive 96 x 4 = 384, full gradient 768, update 768, workspace 1792 -> 3712
-    # (the scatter phase: update 768 + 384 = 1152). Its other TP rank: send 384, then receive the
-    # chunk alone, 384 -> 384.
-    # w0's host: 256 + 512 + 512 + 1280 = 2560; the other: max(send 256, receive 256) = 256
-    # (its AdamW temporaries, 2 x 4 x 28 = 224, are smaller)
+    # (the scatter phase: update 768 + 384 = 1152). Its other TP rank: the prefetched gather's send
+    # 384 under the reductions in flight (144, below) -> 528 (then receive the chunk alone, 384).
+    # w0's host: 256 + 512 + 512 + 1280 = 2560; the other: send 256 + 144 = 400 (then 256; its AdamW
+    # temporaries, 2 x 4 x 28 = 224, are smaller)
     "canzona": [dict(master_weights=528, matrix_state=768, adamw_state=288, step_buffers=3712),
-                dict(master_weights=528, matrix_state=0, adamw_state=288, step_buffers=384),
+                dict(master_weights=528, matrix_state=0, adamw_state=288, step_buffers=528),
                 dict(master_weights=400, matrix_state=512, adamw_state=288, step_buffers=2560),
-                dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=256)],
+                dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=400)],
     # AdamW on every parameter, even cuts [0, 80, 160): DP rank 0 updates w1[0:80), rank 1 w1[80:96)
     # and w0; each its 36 of the AdamW buffer. Masters (80 + 36) x 4 = 464, state (80 + 36) x 8 =
     # 928, no matrix state; the step's temporaries are AdamW's, 2 x 4 x the largest piece: rank 0's

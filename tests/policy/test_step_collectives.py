@@ -151,8 +151,20 @@ def test_tp_first_step_and_clipping():
     checks = [c.logged() for c in normal if c.phase == CHECK]
     assert checks == [("all-gather", "dp", "step check", (72, 72)), ("all-gather", "tp", "tp step check", (80, 80)),
                       ("all-gather", "dp", "tp verdict", (8, 8))]
+    # the TP schedule's prefetched gathers (the ones ahead of its first compute) come before the
+    # checks, as their buckets land; the rest of its exchanges after them
+    sched = tp_schedule(plan, model, STEP_POLICIES["canzona"], 1)
+    early = [c for c in normal[:normal.index(next(c for c in normal if c.phase == CHECK))] if c.group == TP_GROUP]
+    assert sched.prefetched and [(c.op, c.name, c.sent) for c in early] == \
+        [(e.op, e.name, e.sent) for e in sched.exchanges[:len(sched.prefetched)]]
+    assert all(e.name.endswith("gather") for e in sched.exchanges[:len(sched.prefetched)])
+    # an overlapped step issues every exchange before the checks, and prefetches nothing more
+    overlapped = step_collectives(plan, model, "canzona", 1, 1, overlap_step=True)
+    before = overlapped[:overlapped.index(next(c for c in overlapped if c.phase == CHECK))]
+    assert [c.name for c in before if c.group == TP_GROUP] == [e.name for e in sched.exchanges]
+    assert not tp_schedule(plan, model, STEP_POLICIES["canzona"], 1, overlap_step=True).prefetched
     clipped = step_collectives(plan, model, "canzona", 1, 1, inf_norm=True)
-    at = len([c for c in normal if c.phase in (BACKWARD, CHECK) or c.name == "adamw"])
+    at = max(k for k, c in enumerate(normal) if c.phase == CHECK) + 1
     assert [c.logged() for c in clipped[at:at + 2]] == [("all-gather", "dp", "gradient norm", (8, 8)),
                                                         ("all-gather", "tp", "gradient norm", (8, 8))]
     assert clipped[:at] + clipped[at + 2:] == normal

@@ -72,6 +72,16 @@ def test_schedule_properties_on_random_models(model_tp, dp, tp_policy, mode, gra
                 assert position(sched.ops, COMPUTE, g) < position(sched.ops, SCATTER, g) < position(sched.ops, APPLY, g)
         if tp == 1:
             assert sched.exchanges == ()
+        # prefetched: the gathers ahead of the first compute (canzona, which reads its gradients
+        # straight from the reduce-scatters), issued before the step check; AdamW runs before the
+        # last op, an apply
+        lead = sched.ops[:next((k for k, op in enumerate(sched.ops) if op.kind != GATHER), len(sched.ops))]
+        assert sched.prefetched == lead and all(op.kind == GATHER for op in lead)
+        assert len(lead) <= (2 if mode == PIPELINED else 1) and (tp > 1 or lead == ())
+        if sched.ops:
+            assert sched.elementwise_at == len(sched.ops) - 1 and sched.ops[-1].kind == APPLY
+        else:  # a DP rank that computes nothing: AdamW alone
+            assert sched.elementwise_at == 0
         # byte counts follow from the shards: hosts receive every other rank's shard, and send
         # back a chunk (nothing else: its scalars the receivers compute) to every other rank
         for group in sched.groups:
@@ -107,6 +117,13 @@ def test_pipelined_order_overlaps_each_collective_with_a_compute():
         want += [(APPLY, k - 1)] if k > 0 else []
     want.append((APPLY, g - 1))
     assert ops == want
+    # canzona prefetches the gathers of groups 0 and 1 (ahead of the first compute); AdamW runs
+    # before the last apply, under the last scatter; the baselines, and an overlapped step, prefetch none
+    assert [(op.kind, op.group) for op in sched.prefetched] == [(GATHER, 0), (GATHER, 1)]
+    assert sched.elementwise_at == len(ops) - 1
+    assert not tp_schedule(plan, model, CANZONA, 0, PIPELINED, overlap_step=True).prefetched
+    _, (sync,) = plan_and_schedules(model, 1, 4, "tp-sync", PIPELINED, policy=STEP_POLICIES["zero1-gather"])
+    assert sync.ops[0].kind == GATHER and sync.prefetched == ()
     _, (serial,) = plan_and_schedules(model, 1, 4, "tp-chunk", SERIAL)
     assert [(op.kind, op.group) for op in serial.ops] == [
         (kind, k) for k in range(g) for kind in (GATHER, COMPUTE, SCATTER, APPLY)]

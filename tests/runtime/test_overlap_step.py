@@ -10,7 +10,10 @@
   Shampoo; with clipping that scales the gradients (the early updates are dropped and the plain
   step runs) and clipping that does not (they are committed); hyper-parameters changed between
   the check and `step()`; a NaN step skipped; a matrix without a gradient in a step; the same
-  collectives as the plain step, the TP exchanges before the checks.
+  collectives as the plain step, the TP exchanges before the checks. At TP 2 with clipping this
+  also checks the plain step's prefetched gathers (docs/design.md §6.3): scaled by the clip where
+  they arrived, they give bit for bit what the dropped overlapped step's gathers, issued again
+  after the clip, give.
 """
 
 from __future__ import annotations
@@ -271,7 +274,12 @@ def test_bit_for_bit_the_plain_step(runs, key):
             if key[0] == "tp":  # the same exchanges, all issued before the checks
                 assert sorted(early) == sorted(_tp_step(plain, 1)) and check == len(early) - 1
             else:  # clipped: the early exchanges are dropped, then the plain step's run after the checks
-                assert early[check:] == _tp_step(plain, 1) and check > 0
+                # (all of them: the plain step prefetches its first gathers before the check, scales
+                # what they brought when clipping, and the parameters above are bit for bit the same)
+                plain_tp = _tp_step(plain, 1)
+                prefetched = plain_tp[:plain_tp.index("tp step check")]
+                assert prefetched and all(name.endswith("gather") for name in prefetched)
+                assert early[check:] == ["tp step check"] + prefetched + plain_tp[len(prefetched) + 1:] and check > 0
 
 
 def _records(log: list[dict]) -> list[dict]:
