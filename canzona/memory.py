@@ -281,14 +281,17 @@ class LayoutMemory:
 
     def with_experts(self, experts: LayoutMemory, ep: int, setup: MemorySetup) -> LayoutMemory:
         """This dense part's memory with the expert part of the same GPUs added (expert
-        parallelism, `canzona.experts`): `experts` is the expert plan's memory over the EDP
-        groups (TP 1), where stage rank `s` is EDP rank `s // ep`. Weights, gradients, masters
-        and state add; the expert gradients' reductions are in flight with the dense ones; the
-        step buffers are the larger of the two steps'; activations are the dense part's (the
-        whole model's layers)."""
+        parallelism, `canzona.experts`): `experts` is the expert plan's memory over EDP x ETP
+        (`experts.tp` is the expert TP size), where stage rank `s` is EDP rank
+        `s // (ep x etp)`, ETP rank `s % etp`. Weights, gradients, masters and state add (under
+        expert TP each rank holds its shards, and its hosted matrices' state); the expert
+        gradients' reductions are in flight with the dense ones; the step buffers are the larger
+        of the two steps'; activations are the dense part's (the whole model's layers)."""
         ranks = []
+        etp = experts.tp
         for r in self.ranks:
-            e = experts.ranks[(r.dp_rank * self.tp + r.tp_rank) // ep]
+            s = r.dp_rank * self.tp + r.tp_rank
+            e = experts.ranks[(s // (ep * etp)) * etp + s % etp]
             merged = replace(r, weights=r.weights + e.weights, grads=r.grads + e.grads,
                              master_weights=r.master_weights + e.master_weights,
                              matrix_state=r.matrix_state + e.matrix_state, adamw_state=r.adamw_state + e.adamw_state,

@@ -38,7 +38,7 @@ from canzona.decoder import (
     check_tp_sizes,
 )
 from canzona.errors import SpecError
-from canzona.experts import check_experts
+from canzona.experts import check_experts, check_whole_stacks
 from canzona.fileio import is_whole_number, parse_json, read_text, write_text_atomic
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 
@@ -315,6 +315,7 @@ def spec_from_dict(data: Any, where: str = "spec") -> tuple[ModelSpec, dict[str,
     rows = tuple(_row(raw, i, where) for i, raw in enumerate(params))
     try:
         spec = ModelSpec(name, rows)
+        check_whole_stacks(spec)
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
     return spec, _architecture_block(data.get("architecture"), where)

@@ -12,10 +12,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from canzona.batching import MAX_BATCH_NUMEL
 from canzona.cost import AnalyticCost, CostModel, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
-from canzona.dp.layout import BucketPlan, DPMetrics, Placement
-from canzona.dp.policies import BALANCE_UNITS, DEFAULT_DP_POLICY, DP_REGISTRY, keeps_geometry
+from canzona.dp.layout import (
+    DEFAULT_EXPERT_BUCKETS,
+    BucketPlan,
+    DPMetrics,
+    Placement,
+    check_expert_buckets,
+    make_buckets,
+)
+from canzona.dp.policies import (
+    BALANCE_UNITS,
+    DEFAULT_DP_POLICY,
+    DP_REGISTRY,
+    default_bucket_size,
+    keeps_geometry,
+)
 from canzona.errors import PlanError, SpecError
 from canzona.fileio import (
     dumps_json,
@@ -194,6 +208,16 @@ def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -
     return items
 
 
+# A host's workspace per element of a matrix it computes: the full gradient and the full update,
+# in fp32 (`TPTask.bytes`)
+HOST_BYTES_PER_ELEMENT = 2 * DTYPE_BYTES["fp32"]
+# Micro-groups in which each host's share is at most one batch (`canzona.batching`: same-shape
+# matrices up to MAX_BATCH_NUMEL elements run as one kernel): the capacity the simulator tries for
+# an EP rank's experts under expert TP beside the searched one, whose search prices matrices one
+# by one and so, among many alike ones, cuts groups of one or two tasks a host
+BATCH_CAPACITY = Capacity(float(HOST_BYTES_PER_ELEMENT * MAX_BATCH_NUMEL), "bytes")
+
+
 def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str, tp: int = 0) -> list[list[TPTask]]:
     """Per DP rank, the matrices it computes whole, in forward order: none under an elementwise
     optimizer (each rank updates the pieces its segments hold, with no TP exchange). At `tp` 1
@@ -220,7 +244,7 @@ def tp_tasks(model: ModelSpec, dp_plan: DPPlan, optimizer: str, tp: int = 0) -> 
         return (first_of_shape[full[p.name].shape], i) if tp == 1 else (0, i)
 
     return [
-        [TPTask(p.name, p.cost, 2 * full[p.name].numel * DTYPE_BYTES["fp32"]) for p in sorted(rank, key=key)]
+        [TPTask(p.name, p.cost, HOST_BYTES_PER_ELEMENT * full[p.name].numel) for p in sorted(rank, key=key)]
         for rank in per_rank
     ]
 
@@ -247,27 +271,43 @@ PLAN_DEFAULTS = PlanSettings()
 
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
-             empty_ok: bool = False) -> Plan:
+             expert_buckets: str = DEFAULT_EXPERT_BUCKETS, empty_ok: bool = False) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
-    `canzona verify` and the simulator make a policy's plan. `empty_ok`: a model without matrices
-    gets a plan of no buckets (the dense part of a mixture-of-experts model whose only matrices
-    are its experts) instead of an error."""
+    `canzona verify` and the simulator make a policy's plan. `expert_buckets`: how buckets of
+    stacked expert matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`); the runtime plans with
+    the default, and the simulator picks either for an EP rank's experts by simulated cost.
+    `empty_ok`: a model without matrices gets a plan of no buckets (the dense part of a
+    mixture-of-experts model whose only matrices are its experts) instead of an error."""
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
     policy.check_optimizer(optimizer)
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
-                     empty_ok=empty_ok)
+                     expert_buckets=expert_buckets, empty_ok=empty_ok)
+
+
+def bucket_names(model: ModelSpec, dp: int, tp: int, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
+                 expert_buckets: str = DEFAULT_EXPERT_BUCKETS) -> tuple[tuple[str, ...], ...]:
+    """The matrices of each bucket (before a DP policy orders them), which depend on sizes only:
+    whether two bucket sizings give the same buckets, without planning either."""
+    check_expert_buckets(expert_buckets)
+    items = [DPItem(p.name, p.local_numel(tp), 0.0, 0, stack=p.stacked_in[0] if p.stacked_in else None)
+             for p in model.matrix_params()]
+    size = bucket_size if bucket_size is not None else default_bucket_size(items, dp)
+    buckets = make_buckets(items, size, dp if expert_buckets == "dp-multiple" else None)
+    return tuple(tuple(it.name for it in b) for b in buckets)
 
 
 def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               dp_policy: str = PLAN_DEFAULTS.dp_policy, tp_policy: str = PLAN_DEFAULTS.tp_policy,
               alpha: float = PLAN_DEFAULTS.alpha, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
               align: int = PLAN_DEFAULTS.align, capacity: Capacity | None = PLAN_DEFAULTS.capacity,
-              cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by, *,
-              empty_ok: bool = False) -> Plan:
-    """Run the DP policy, then the TP policy on each DP rank's matrices."""
+              cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by,
+              expert_buckets: str = DEFAULT_EXPERT_BUCKETS, *, empty_ok: bool = False) -> Plan:
+    """Run the DP policy, then the TP policy on each DP rank's matrices (`expert_buckets`: how
+    buckets of stacked expert matrices are sized, `canzona.dp.layout.EXPERT_BUCKETS`; `empty_ok`:
+    a model without matrices gets a plan of no buckets)."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
     if not 1 <= tp <= MAX_TP:
@@ -284,7 +324,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
         raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
     cost_model = cost_model or AnalyticCost()
     dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,
-                  balance_by)
+                  balance_by, expert_buckets)
     tpp = plan_tp(tp_tasks(model, dpp, optimizer, tp), tp, tp_policy, capacity)
     return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
 
@@ -496,7 +536,9 @@ def _validate_tp(plan: Plan) -> None:
 
 
 def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None) -> None:
-    """The plan was made for this model (and, if given, this layout); a mismatch says what differs."""
+    """The plan was made for this model (and, if given, this layout); a mismatch says what differs.
+    Given a layout (a job's, as the runtime checks its plan), a plan that splits expert stacks over
+    TP is refused: expert TP is planned and simulated only."""
     detail = _placement_difference(plan, model)
     if plan.fingerprint != model.fingerprint():
         why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"
@@ -506,6 +548,12 @@ def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: 
         raise PlanError(f"plan is for dp={plan.dp}, but the job has dp={dp}")
     if tp is not None and plan.tp != tp:
         raise PlanError(f"plan is for tp={plan.tp}, but the job has tp={tp}")
+    split = next((p for p in model.stacks if p.tp_dim is not None), None) if plan.tp > 1 and tp is not None else None
+    if split is not None:
+        # a job runs experts whole on every TP rank: expert TP (stacks split by TP) is planned and
+        # simulated (`canzona simulate --etp`), and no runtime executes it yet
+        raise PlanError(f"stack {split.name!r} is split by TP (tp_dim {split.tp_dim}): expert tensor parallelism is "
+                        "planned and simulated, not run; a job holds its experts whole on every TP rank")
     if detail:
         raise PlanError(f"plan does not match model {model.name!r}: {detail}")
 

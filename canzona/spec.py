@@ -58,7 +58,11 @@ class ParamSpec:
     # A stack of matrices of this shape, laid out one after another in the parameter's memory
     # (transformers' fused experts `[experts, 2 x ffn, hidden]`, torchtitan's grouped-GEMM weights):
     # each is one matrix for the matrix optimizer, never the stack as a whole. `(ffn, hidden)` on a
-    # fused gate/up stack makes gate and up two matrices per expert (split FC1).
+    # fused gate/up stack makes gate and up two matrices per expert (split FC1). A stack's `tp_dim`
+    # (expert TP, one EP rank's experts under `canzona.experts.expert_part`; a model's stacks are
+    # whole) is one of its matrices' two dimensions and splits every matrix along it, as Megatron
+    # shards grouped experts: a shard of `[experts, 2 x ffn, hidden]` split along the rows is
+    # `[experts, 2 x ffn / tp, hidden]`, each expert's gate shard then its up shard.
     matrix_shape: tuple[int, int] | None = None
     # Set on the matrices `stacked_matrices` makes of a stack: (the stack's name, the index).
     stacked_in: tuple[str, int] | None = None
@@ -89,10 +93,10 @@ class ParamSpec:
             # what a stack computes is an expert's (a share of the tokens): nothing else stacks
             raise SpecError(f"parameter {self.name!r}: only expert parameters stack matrices, not "
                             f"{self.role.value!r} ones")
-        if self.tp_dim is not None:
-            # expert tensor parallelism (experts split over TP) is not built yet: say so, never guess
-            raise SpecError(f"parameter {self.name!r}: a stack of matrices cannot be split by TP (tp_dim "
-                            f"{self.tp_dim}); experts are whole on every TP rank (expert TP 1)")
+        if self.tp_dim is not None and self.tp_dim < len(self.shape) - 2:
+            # the dimensions before a stack's matrices number its experts, which EP splits, never TP
+            raise SpecError(f"parameter {self.name!r}: tp_dim {self.tp_dim} would split the stack's experts; "
+                            "expert TP splits each matrix along its rows or columns (the last two dimensions)")
 
     @property
     def stack_size(self) -> int:
@@ -119,6 +123,12 @@ class ParamSpec:
         if self.tp_dim is None or tp == 1:
             return self.shape
         size = self.shape[self.tp_dim]
+        if self.matrix_shape is not None:  # every matrix of the stack is split, not the stack as a whole
+            axis = self.tp_dim - (len(self.shape) - 2)
+            split = self.matrix_shape[axis]
+            if split % tp:
+                raise SpecError(f"tp={tp} does not divide the {split} {('rows', 'columns')[axis]} of each "
+                                f"{self.matrix_shape[0]} x {self.matrix_shape[1]} matrix of stack {self.name!r}")
         if size % tp:
             raise SpecError(
                 f"tp={tp} does not divide dimension {self.tp_dim} ({size}) of parameter {self.name!r}"
@@ -146,11 +156,12 @@ def routes_to_matrix_optimizer(param: ParamSpec) -> bool:
 def stacked_matrices(param: ParamSpec) -> tuple[ParamSpec, ...]:
     """The matrices of a stack, in memory order: matrix `k` is the parameter's elements
     `[k * m * n, (k + 1) * m * n)` seen as `m x n`, named `'<param>[k]'`; a parameter that is not a
-    stack is itself."""
+    stack is itself. A stack split by TP (expert TP) splits each matrix along the same axis."""
     if param.matrix_shape is None:
         return (param,)
+    tp_dim = None if param.tp_dim is None else param.tp_dim - (len(param.shape) - 2)
     return tuple(ParamSpec(f"{param.name}{STACK_OPEN}{k}{STACK_CLOSE}", param.matrix_shape, param.role,
-                           param.layer, None, param.dtype, stacked_in=(param.name, k))
+                           param.layer, tp_dim, param.dtype, stacked_in=(param.name, k))
                  for k in range(param.stack_size))
 
 

@@ -20,13 +20,14 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
+from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
 from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.harness import verify as checks
-from canzona.models import read_model, resolve_spec, save_spec, spec_to_dict
+from canzona.models import read_model, resolve_model, resolve_spec, save_spec, spec_to_dict
 from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import MAX_DP, PLAN_DEFAULTS, check_plan_matches, load_plan, make_plan
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
@@ -78,6 +79,8 @@ class OneLineErrors(TyperGroup):
 
 # the matrix optimizers of the registry, each with its one line
 POLICY_HELP = "Step policy: " + ", ".join(STEP_POLICIES)
+# --expert-buckets of simulate / compare: SimConfig.expert_buckets None, each sizing tried under EP
+AUTO_EXPERT_BUCKETS = "auto"
 OPTIMIZER_HELP = "Optimizer of the matrices: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
 
 app = typer.Typer(
@@ -164,15 +167,24 @@ def plan(
     cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan's summary as one JSON object.")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism of a mixture-of-experts model: plan the dense part on "
-                                         "DP x TP and one EP rank's experts over the DP x TP / EP ranks that hold "
-                                         "them (TP 1), each with the same policies.")] = 1,
+                                         "DP x TP and one EP rank's experts over the DP x TP / (EP x ETP) ranks that "
+                                         "hold them (EDP) x ETP, each with the same policies.")] = 1,
+    etp: Annotated[int, typer.Option(help="Expert TP under --ep (Megatron's expert_tensor_parallel_size): each "
+                                          "expert matrix split over ETP ranks (gate / up rows, down columns), its "
+                                          "owner's ETP group scheduled as TP micro-groups.")] = 1,
+    expert_buckets: Annotated[str, typer.Option(
+        help=f"How buckets of stacked expert matrices are sized: {' or '.join(EXPERT_BUCKETS)} (a whole multiple "
+             "of DP alike matrices: even segments are whole matrices).")] = DEFAULT_EXPERT_BUCKETS,
 ) -> None:
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
         if out is not None:
             check_output_path(out, "plan", (".json",))
         model_spec = resolve_spec(model, tp)
-        edp = check_ep(model_spec, ep, dp, tp)
+        # expert TP splits each expert matrix along the dimension that is not the hidden size
+        hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
+        edp = check_ep(model_spec, ep, dp, tp, etp, hidden)
+        check_expert_buckets(expert_buckets)
         if ep > 1 and out is not None:
             raise SpecError("--out with --ep: plan files for expert parallelism are not written yet (the runtime "
                             "does not run it); the tables show both plans")
@@ -182,9 +194,9 @@ def plan(
         costs = cost_model_for(hardware, cost_table)
         # under expert parallelism two plans: the dense part on DP x TP, one EP rank's experts over EDP
         parts = [(model_spec, dp, tp)] if ep == 1 else \
-            [(dense_part(model_spec), dp, tp), (expert_part(model_spec, ep), edp, 1)]
+            [(dense_part(model_spec), dp, tp), (expert_part(model_spec, ep, etp, hidden), edp, etp)]
         planned = [_plan_part(spec, part_dp, part_tp, optimizer, dp_policy, tp_policy, alpha, bucket_size, align,
-                              cap, costs, balance_by, tables=not as_json)
+                              cap, costs, balance_by, tables=not as_json, expert_buckets=expert_buckets)
                    for spec, part_dp, part_tp in parts]
         if out is not None:
             planned[0][0].save(out)
@@ -203,13 +215,14 @@ def plan(
 
 
 def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,
-               bucket_size: int | None, align: int, cap, costs, balance_by: str, tables: bool):
+               bucket_size: int | None, align: int, cap, costs, balance_by: str, tables: bool,
+               expert_buckets: str = DEFAULT_EXPERT_BUCKETS):
     """`canzona plan` for one model (or one part of it under expert parallelism): the chosen plan,
     and with `tables` the plans of its DP table (every DP policy) and TP table (every TP policy)."""
 
     def make(dpp: str, tpp: str, unit: str = balance_by):
         return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
-                         cost_model=costs, balance_by=unit)
+                         cost_model=costs, balance_by=unit, expert_buckets=expert_buckets)
 
     chosen = make(dp_policy, tp_policy)
     if not tables:
@@ -268,7 +281,8 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
 def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None, tp_policy: str,
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
-                pp: int = 1, ep: int = 1, router_imbalance: str = "1"):
+                pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
+                expert_buckets: str = AUTO_EXPERT_BUCKETS):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -278,7 +292,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, ep=ep,
+                     zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp,
+                     expert_buckets=None if expert_buckets == AUTO_EXPERT_BUCKETS else check_expert_buckets(expert_buckets),
                      router_imbalance=_router_imbalance(router_imbalance))
 
 
@@ -329,8 +344,16 @@ RouterImbalance = Annotated[str, typer.Option(
     help="Under --ep: the busiest EP rank's token-expert pairs over the mean (a number >= 1), or the router's "
          "histogram, one share of the tokens per expert, comma-separated (default 1: balanced).")]
 Ep = Annotated[int, typer.Option(help="Expert parallelism of a mixture-of-experts model: each GPU holds experts / EP "
-                                      "of every layer's experts, whole (expert TP 1), their gradients reduced over "
-                                      "the DP x TP / EP ranks that hold the same ones; the simulator only.")]
+                                      "of every layer's experts (whole, or split over --etp), their gradients "
+                                      "reduced over the DP x TP / (EP x ETP) ranks that hold the same ones; the "
+                                      "simulator only.")]
+Etp = Annotated[int, typer.Option(help="Expert TP under --ep (Megatron's expert_tensor_parallel_size): each expert "
+                                       "matrix split over ETP consecutive ranks (gate / up rows, down columns), the "
+                                       "tokens all-gathered and reduce-scattered over them around the grouped GEMMs; "
+                                       "the step schedules each owner's ETP group as TP micro-groups.")]
+ExpertBuckets = Annotated[str, typer.Option(
+    help=f"How buckets of stacked expert matrices are sized: {', '.join(EXPERT_BUCKETS)}, or {AUTO_EXPERT_BUCKETS} "
+         "(under --ep each sizing the expert plans differ by, the faster kept; at EP 1 the planner's default).")]
 Collectives = Annotated[str, typer.Option(help="DP collectives as Megatron runs each policy (megatron) or exactly as canzona's runtime issues them (runtime).")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
 MaxGradNorm = Annotated[float | None, typer.Option(
@@ -356,6 +379,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
@@ -372,7 +396,7 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                             zero1_fallback, pp, ep, router_imbalance)
+                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -399,6 +423,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
@@ -417,7 +442,7 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                           zero1_fallback, pp, ep, router_imbalance)
+                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from rich.table import Table
 
 from canzona.catalog import CATALOG, build_qwen3
+from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
 from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
@@ -123,14 +124,32 @@ def _options_text(c) -> str:
     return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; reduce-scatter {o.reduce_scatter}"
 
 
+def _expert_layout(c) -> str:
+    return (f", EP {c.ep}" if c.ep > 1 else "") + (f", ETP {c.etp}" if c.etp > 1 else "")
+
+
+def _plans_text(result) -> str:
+    """The run's DP + TP plans; under EP the experts' too, with their bucket sizing and capacity
+    where those are not the defaults."""
+    text = f"{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}"
+    e = result.expert_plan
+    if e is None:
+        return text
+    extras = [f"{result.expert_choice.buckets} buckets"] if result.expert_choice.buckets != DEFAULT_EXPERT_BUCKETS else []
+    if result.expert_choice.capacity is not None:
+        cap = result.expert_choice.capacity
+        extras.append(f"{human_bytes(cap.value) if cap.unit == 'bytes' else f'{cap.value * 1e3:.2f} ms'} micro-groups")
+    return f"{text}, experts {e.dp_plan.policy} + {e.tp_plan.policy}" + (f" ({', '.join(extras)})" if extras else "")
+
+
 def simulate_table(result) -> Table:
     c, b, o = result.config, result.breakdown, result.optimizer_breakdown
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
     t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, "
-                    f"DP {c.gpus // (c.tp * c.pp)}{f', EP {c.ep}' if c.ep > 1 else ''}), {c.optimizer}, "
-                    f"policy {c.policy}{fell} [{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}]")
+                    f"DP {c.gpus // (c.tp * c.pp)}{_expert_layout(c)}), {c.optimizer}, "
+                    f"policy {c.policy}{fell} [{_plans_text(result)}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
     rows = [
@@ -168,7 +187,7 @@ def simulate_table(result) -> Table:
 def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
-    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "") + (f", EP {c.ep}" if c.ep > 1 else "")
+    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "") + _expert_layout(c)
     t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
@@ -188,7 +207,7 @@ def compare_table(results) -> Table:
             for base in ("layerwise", "zero1-gather"):
                 row.append(_ratio(getattr(by[base], attr), getattr(r, attr)) if base in by else "-")
         t.add_row(*row, style="bold green" if r.config.policy == "canzona" else None)
-    plans = "; ".join(f"{r.config.policy}: {r.plan.dp_plan.policy} + {r.plan.tp_plan.policy}" for r in results)
+    plans = "; ".join(f"{r.config.policy}: {_plans_text(r)}" for r in results)
     caption = [f"Plans: {plans}. opt: optimizer-step latency; opt comm / opt idle: its exposed communication and imbalance idle "
                "(mean rank); gather wait: forward stalled on the overlapped parameter all-gather (ms). "
                "Speedups are baseline time / policy time vs layerwise (lw) and zero1-gather (z1)."]

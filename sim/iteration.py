@@ -63,6 +63,9 @@ from sim.topology import Cluster
 from sim.workload import Workload
 
 TP_COMM, DP_COMM, EP_COMM = "tp-comm", "dp-comm", "ep-comm"
+# the expert part's TP exchanges (expert TP): their own communicator and stream, beside the dense
+# part's TP exchanges, sharing the GPUs' links with them
+ETP_COMM = "etp-comm"
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
 FP32_BYTES = 4  # the masters and update chunks are fp32 (MemorySetup.update_bytes with masters)
 
@@ -83,9 +86,11 @@ class Context:
     options: RunOptions = RunOptions()
     stage: int = 0  # pipeline stage: `spec`, `plan` and `work` are this stage's
     # expert parallelism (canzona.experts): the expert part's context, whose cluster is the same
-    # GPUs in expert order (EP groups as its TP groups, EDP groups as its DP groups) and whose
-    # plan owns one EP rank's expert matrices over EDP; `spec` and `plan` above are the dense part
+    # GPUs in expert order (ETP groups as its TP groups, EP groups between them, EDP groups as its
+    # DP groups) and whose plan owns one EP rank's expert matrices over EDP x ETP; `spec` and
+    # `plan` above are the dense part
     experts: Context | None = None
+    tp_stream: str = TP_COMM  # the stream of the step's TP exchanges (the expert part's: ETP_COMM)
 
     def expert_records(self, *phases: str) -> list[StepCollective]:
         """The expert part's gradient and parameter collectives of these phases: its buckets' (the
@@ -138,7 +143,7 @@ class Context:
 
     def dp_index(self, rank: int) -> int:
         """`rank`'s DP rank in its stage (ranks go TP fastest, then DP)."""
-        return (rank - self.stage * self.cluster.stage_gpus) // self.cluster.tp
+        return self.cluster.dp_index(rank)
 
     def elementwise_numel(self, i: int) -> int:
         """Under an elementwise optimizer, the matrices' elements DP rank `i` updates with AdamW:
@@ -225,12 +230,9 @@ def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[i
     cl, eng = ctx.cluster, ctx.engine
     done = dict(begin)
     for rec in records:
-        if rec.group == DP_GROUP:
-            groups = [cl.dp_group(t, ctx.stage) for t in range(ctx.tp)]
-        else:
-            groups = [cl.tp_group(i, ctx.stage) for i in range(cl.dp)]
+        groups = cl.dp_groups(ctx.stage) if rec.group == DP_GROUP else cl.tp_groups(ctx.stage)
         cost = record_cost(ctx, rec)
-        stream = DP_COMM if rec.group == DP_GROUP else TP_COMM
+        stream = DP_COMM if rec.group == DP_GROUP else ctx.tp_stream
         for g in groups:
             done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g},
                                        record=rec.logged() if ctx.runtime_mode else None))
@@ -295,17 +297,19 @@ class _Stage:
         self.rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
         shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
         self.p2p = all_to_all_cost([shard, 0.0], [0.0, shard], cl.pp_geometry(), ctx.hw)
-        self.tp_groups = _groups(self.ranks, [cl.tp_group(i, stage) for i in range(cl.dp)])
-        self.dp_groups = _groups(self.ranks, [cl.dp_group(t, stage) for t in range(cl.tp)])
+        self.tp_groups = _groups(self.ranks, cl.tp_groups(stage))
+        self.dp_groups = _groups(self.ranks, cl.dp_groups(stage))
         self.firsts = _bucket_first_layers(ctx)
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
         self.experts = ctx.experts
         if self.experts is not None:
             ecl = self.experts.cluster
-            self.ep_groups = _groups(self.ranks, [ecl.tp_group(i, stage) for i in range(ecl.dp)])
-            self.edp_groups = _groups(self.ranks, [ecl.dp_group(j, stage) for j in range(ecl.tp)])
+            self.ep_groups = _groups(self.ranks, ecl.ep_groups(stage))
+            self.etp_groups = _groups(self.ranks, ecl.tp_groups(stage))
+            self.edp_groups = _groups(self.ranks, ecl.dp_groups(stage))
             self.expert_firsts = _bucket_first_layers(self.experts)
             self.ep_costs: dict[tuple[float, float], CollectiveCost] = {}
+            self.etp_costs: dict[tuple[str, float], CollectiveCost] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
 
@@ -331,7 +335,13 @@ class _Stage:
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
             cost = self._ep_cost(b.ep_bytes, b.ep_received)
             self.last.update(self.collective(f"{name} dispatch", self.ep_groups, cost, EP_COMM))
+            if b.etp_bytes:  # expert TP: the ETP group's tokens gathered, the outputs reduce-scattered
+                gather = self._etp_cost("all-gather", b.etp_bytes)
+                self.last.update(self.collective(f"{name} etp all-gather", self.etp_groups, gather, ETP_COMM))
             self.compute(name, b.seconds)
+            if b.etp_bytes:
+                scatter = self._etp_cost("reduce-scatter", b.etp_bytes)
+                self.last.update(self.collective(f"{name} etp reduce-scatter", self.etp_groups, scatter, ETP_COMM))
             self.last.update(self.collective(f"{name} combine", self.ep_groups, cost, EP_COMM))
             return
         if ctx.tp == 1 or not b.tp_collectives:
@@ -361,10 +371,18 @@ class _Stage:
         sender sends `received`, which takes as long)."""
         key = (sent, received)
         if key not in self.ep_costs:
-            ep = self.experts.cluster.tp
+            ep = self.experts.cluster.ep
             self.ep_costs[key] = all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1),
-                                                 self.experts.cluster.tp_geometry(), self.ctx.hw)
+                                                 self.experts.cluster.ep_geometry(), self.ctx.hw)
         return self.ep_costs[key]
+
+    def _etp_cost(self, op: str, total: float) -> CollectiveCost:
+        """An ETP group's all-gather (reduce-scatter) of `total` gathered bytes: the expert
+        activations of its ranks (expert TP, `sim.model_work.Block.etp_bytes`)."""
+        key = (op, total)
+        if key not in self.etp_costs:
+            self.etp_costs[key] = collective_cost(op, total, self.experts.cluster.tp_geometry(), self.ctx.hw)
+        return self.etp_costs[key]
 
     def send(self, to: int, name: str, arrived: simpy.Event) -> None:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`."""
@@ -566,14 +584,14 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
             checked.update(reduced)
     params_ready: dict[int, simpy.Event] = {}
     # the expert part (expert parallelism) on each rank's compute stream right after the dense
-    # part's last compute: it needs no TP exchange, so the dense part's last scatter and applies
-    # run under it instead of after it
+    # part's last compute: its exchanges (expert TP) are another group's, so the dense part's
+    # last scatter and applies run under it instead of after it
     expert_step = _ExpertStep(ctx.experts, checked) if ctx.experts is not None else None
     for run in runs:
         begin = {r: checked[r] for r in run.members}
         computes = [k for k, op in enumerate(run.schedule.ops) if op.kind == COMPUTE]
         if expert_step is not None and not computes:
-            expert_step.issue(run.members)
+            expert_step.reach(run.members)
         adamw: dict[int, simpy.Event] = {}  # AdamW, where the schedule runs it (under its last scatter)
         for k, op in enumerate(run.schedule.ops):
             if k == run.schedule.elementwise_at:
@@ -583,7 +601,7 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
             elif not run.early and (early is None or op not in run.schedule.prefetched):
                 run.issue(op, begin)  # else issued as its buckets landed
             if expert_step is not None and computes and k == computes[-1]:
-                expert_step.issue(run.members)
+                expert_step.reach(run.members)
         if not adamw:  # no op to run it before
             adamw = {r: _adamw_step(ctx, r, [checked[r]]) for r in run.members}
         for r in run.members:
@@ -599,28 +617,42 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
 
 class _ExpertStep:
     """The expert part's step (expert parallelism): the expert plan's DP collectives of the step
-    (zero1-gather's gradient gathers) over EDP, then on each rank the expert matrices its EDP rank
-    owns, computed whole and applied (TP 1: no exchange), with the dense part's batching."""
+    (zero1-gather's gradient gathers) over EDP, then on each ETP group the step schedule of its
+    EDP rank (`canzona.step_schedule`, as a dense DP rank's on its TP group: at ETP 1 the matrices
+    it owns, computed whole and applied with no exchange; under expert TP canzona's micro-groups,
+    or the baselines' tp-sync, on the ETP group's links), with the dense part's batching."""
 
     def __init__(self, ectx: Context, begin: dict[int, simpy.Event]) -> None:
         self.ectx = ectx
         self.reduced = issue_records(ectx, ectx.expert_records(STEP), begin)
         self.schedules: dict[int, TPSchedule] = {}
         self.done: dict[int, simpy.Event] = {}  # per rank: its last expert update
+        self.reached: set[int] = set()
+        cl = ectx.cluster
+        self.group_of = {r: g for g in cl.tp_groups(ectx.stage) for r in g}
 
-    def issue(self, ranks: Sequence[int]) -> None:
+    def reach(self, ranks: Sequence[int]) -> None:
+        """`ranks` have their dense part's step enqueued up to its last compute: an ETP group's
+        schedule is issued once all its members are (an ETP group inside a dense TP group: at once)."""
+        self.reached.update(ranks)
+        for g in {tuple(self.group_of[r]) for r in ranks}:
+            if g[0] not in self.done and all(r in self.reached for r in g):
+                self._issue(list(g))
+
+    def _issue(self, members: list[int]) -> None:
         ectx = self.ectx
-        for r in ranks:
-            i = 0 if ectx.policy.replicated else ectx.dp_index(r)
-            if i not in self.schedules:
-                self.schedules[i] = tp_schedule(ectx.plan, ectx.spec, ectx.policy, i, ectx.tp_mode,
-                                                ectx.workload.grad_bytes, ectx.workload.grad_bytes)
-            run = _ScheduleRun(ectx, [r], self.schedules[i])
-            for op in run.schedule.ops:
-                if op.kind == APPLY:
-                    run.apply(op)
-                else:
-                    run.issue(op, {r: self.reduced[r]})
+        i = 0 if ectx.policy.replicated else ectx.dp_index(members[0])
+        if i not in self.schedules:
+            self.schedules[i] = tp_schedule(ectx.plan, ectx.spec, ectx.policy, i, ectx.tp_mode,
+                                            ectx.workload.grad_bytes, ectx.workload.grad_bytes)
+        run = _ScheduleRun(ectx, members, self.schedules[i])
+        begin = {r: self.reduced[r] for r in members}
+        for op in run.schedule.ops:
+            if op.kind == APPLY:
+                run.apply(op)
+            else:
+                run.issue(op, begin)
+        for r in members:
             if matrix_optimizer(ectx.plan.optimizer).elementwise:  # AdamW on the pieces of its segments
                 self.done[r] = _adamw_step(ectx, r, [self.reduced[r]])
             else:
@@ -725,5 +757,5 @@ def _exchange(ctx: Context, members: Sequence[int], exchange: Exchange,
         cost = collective_cost("all-gather", full, ctx.cluster.tp_geometry(), ctx.hw)
     record = ({r: (exchange.op, TP_GROUP, exchange.name, exchange.record(t)) for t, r in enumerate(members)}
               if ctx.runtime_mode else None)
-    return ctx.engine.collective(exchange.name, members, cost, TP_COMM, {r: [after[r]] for r in members},
+    return ctx.engine.collective(exchange.name, members, cost, ctx.tp_stream, {r: [after[r]] for r in members},
                                  record=record)

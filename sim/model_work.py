@@ -12,7 +12,7 @@ SMs and the datasheet efficiency, or a calibrated efficiency curve), on its real
 Attention runs at a flash-attention efficiency; norms, rotary embeddings, SwiGLU and residual adds
 are memory-bound passes over the activations.
 
-A mixture-of-experts layer's experts (expert TP 1) are one more block without TP collectives: each
+A mixture-of-experts layer's experts are one more block without the dense TP collectives: each
 TP rank routes its own sequence-parallel tokens, `tokens / tp x experts_per_token` token-expert
 pairs, spread evenly over the experts (a balanced router; under expert parallelism its local
 experts receive as many pairs, through the EP group's dispatch and combine all-to-alls, and the
@@ -20,7 +20,10 @@ busiest rank of an unbalanced router sets the pace); each stacked expert weight 
 GEMM of its experts,
 every expert's weights read once (at the experts' few rows each, the weights' reads dominate). The
 router is a GEMM over the rank's tokens; the tokens' local permutation to and from expert order
-and SwiGLU are memory-bound passes.
+and SwiGLU are memory-bound passes. Under expert TP (`etp` > 1) the ETP group all-gathers the
+pairs its ranks received and each rank runs the grouped GEMMs on all of them with its shard of
+the weights (gate / up rows, down columns: `canzona.experts.expert_tp_dim`), then the outputs
+are reduce-scattered back (Megatron's MoEAlltoAllTokenDispatcher: docs/design.md §2.7).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
+from canzona.experts import expert_tp_dim
 from canzona.memory import check_recompute
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 
@@ -56,6 +60,9 @@ class Block:
     # and in the combine after it (forward; backward sends the gradients back the same way)
     ep_bytes: float = 0.0
     ep_received: float = 0.0  # what the busiest rank of the EP group receives (an unbalanced router)
+    # expert TP: the bytes an ETP group's all-gather of the received pairs gathers (its whole
+    # output), and its reduce-scatter of the experts' outputs reduces, around the grouped GEMMs
+    etp_bytes: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -90,13 +97,14 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
                      recompute: str = "none", causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
-                     router_imbalance: float = 1.0) -> MicroBatchWork:
+                     router_imbalance: float = 1.0, etp: int = 1) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
     model (`Architecture`); `ep`: its expert parallelism (each rank computes `experts / ep` of
     the experts, on the token-expert pairs dispatched to them); `router_imbalance`: the busiest EP
-    rank's pairs over the mean, which every rank of its EP group waits for."""
+    rank's pairs over the mean, which every rank of its EP group waits for; `etp`: expert TP (each
+    rank computes its shard of its experts on its ETP group's pairs)."""
     check_recompute(recompute)
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -163,7 +171,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         if moe_by_id[layer]:
             assert experts is not None
             fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep, router_imbalance)
+                                     rate, dtype, recompute, ep, router_imbalance, etp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         forward.append(tuple(fwd_blocks))
@@ -181,7 +189,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
                   rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
-                  imbalance: float = 1.0) -> tuple[Block, Block]:
+                  imbalance: float = 1.0, etp: int = 1) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
@@ -189,10 +197,15 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     router, receives as many pairs as its tokens make (`tokens x experts_per_token`), of which
     `(ep - 1) / ep` come from the other ranks of its EP group (and return there). With an
     unbalanced router the block is the busiest rank's: `imbalance` times the pairs, received and
-    computed (under EP only: at EP 1 every rank computes every expert on its own tokens)."""
+    computed (under EP only: at EP 1 every rank computes every expert on its own tokens). Under
+    expert TP each rank computes its ETP group's `etp` times the pairs on `1 / etp` of each
+    expert's weights: the same FLOPs in GEMMs `etp` times taller and thinner, and the sorts of
+    the gathered pairs by expert and back on `etp` times the pairs, around the ETP group's
+    all-gather and reduce-scatter of the pairs (`Block.etp_bytes`)."""
     count, per_token = experts
     pairs = tokens * per_token  # token-expert pairs this rank sends out
-    busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives and computes
+    busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
+    computed = busiest * etp  # the pairs the rank computes: its ETP group's
     local = count // ep  # the experts this rank computes
     fwd_k: list[Kernel] = []
     bwd_k: list[Kernel] = []
@@ -200,8 +213,11 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     for p in params:
         out, inp = p.shape[-2], p.shape[-1]
         if p.role is Role.EXPERT:
+            if etp > 1 and p.matrix_shape is not None:  # this rank's shard of every expert (as expert_part)
+                axis = expert_tp_dim(p, hidden) - (len(p.shape) - 2)
+                out, inp = (out // etp, inp) if axis == 0 else (out, inp // etp)
             groups = p.shape[0] // ep if len(p.shape) == 3 else 1
-            rows = max(1, round(busiest / local))  # each expert's share of the pairs
+            rows = max(1, round(computed / local))  # each expert's share of the pairs
             fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, dtype))
             bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, dtype),
                       grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, dtype)]
@@ -213,15 +229,20 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
             bwd_k += [gemm_kernel(f"{p.name}.dgrad", m, inp, out, dtype), gemm_kernel(f"{p.name}.wgrad", out, inp, m, dtype)]
     two = DTYPE_BYTES[dtype]
     # permute the tokens to expert order and back (read + write hidden per pair, each way), SwiGLU
-    # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts' outputs
-    per_pair = (4 * hidden + 1.5 * width + 2 * hidden) * two
-    passes = elementwise_kernel(f"{name} permute", max(1, round(busiest)), 1, per_pair, dtype)
+    # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts'
+    # outputs; under expert TP the sort of the received pairs into expert order and back (read +
+    # write hidden) and SwiGLU (on its shard of the width) run on the ETP group's gathered pairs
+    moved = busiest * 4 * hidden + computed * (2 * hidden + 1.5 * width)
+    count = max(1, round(computed))
+    passes = elementwise_kernel(f"{name} permute", count, 1, moved * two / count, dtype)
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
     bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
     redo = fwd_s if recompute == "full" else 0.0
     ew = rate.kernel_seconds(passes)
     sent = pairs * hidden * two * (ep - 1) / ep
     received = busiest * hidden * two * (ep - 1) / ep
-    return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received),
+    gathered = computed * hidden * two if etp > 1 else 0.0
+    return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received,
+                  etp_bytes=gathered),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
-                  ep_received=received))
+                  ep_received=received, etp_bytes=gathered))

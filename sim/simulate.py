@@ -14,6 +14,7 @@ from typing import Any
 
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
+from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
 from canzona.errors import SpecError
 from canzona.experts import (
     check_ep,
@@ -30,14 +31,14 @@ from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
-from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, plan_for
+from canzona.plan import BATCH_CAPACITY, PLAN_DEFAULTS, Plan, PlanSettings, bucket_names, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running, policy_optimizer
 from canzona.step_schedule import check_tp_mode
-from canzona.tp import Capacity
+from canzona.tp import TP_REGISTRY, Capacity
 from sim.engine import Engine, Span
-from sim.iteration import Context, EarlyStart, forward_backward, optimizer_step
+from sim.iteration import ETP_COMM, Context, EarlyStart, forward_backward, optimizer_step
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -79,7 +80,12 @@ class SimConfig:
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
-    ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts; expert TP 1)
+    ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts)
+    etp: int = 1  # expert TP (Megatron's expert_tensor_parallel_size): dp x tp = edp x ep x etp
+    # how the buckets of an EP rank's experts are sized (canzona.dp.layout.EXPERT_BUCKETS); None:
+    # under EP each sizing the expert plans differ by is simulated and the faster kept, at EP 1 the
+    # planner's default (what the runtime plans: the experts share the dense part's plan)
+    expert_buckets: str | None = None
     # the busiest EP rank's token-expert pairs over the mean (>= 1), or the router's histogram of
     # tokens per expert (canzona.experts.router_imbalance); 1: a balanced router
     router_imbalance: float | tuple[float, ...] = 1.0
@@ -116,7 +122,9 @@ class SimConfig:
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
-        check_ep(resolved[0], self.ep, cluster.dp, self.tp)
+        check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
+        if self.expert_buckets is not None:
+            check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:
             if resolved[1].moe is None:
                 raise SpecError(f"a router imbalance is for a mixture-of-experts model; {resolved[0].name!r} has "
@@ -132,9 +140,9 @@ class SimConfig:
         return cluster, resolved, hw
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
-        """The same GPUs in expert order (canzona.experts): EP groups of `ep` consecutive ranks in
-        place of TP groups, EDP groups in place of DP groups."""
-        return Cluster(cluster.gpus, self.ep, cluster.gpus_per_node, cluster.pp, tp_spans_nodes=True)
+        """The same GPUs in expert order (canzona.experts): ETP groups of `etp` consecutive ranks
+        in place of TP groups, EP groups of `ep` of them, EDP groups in place of DP groups."""
+        return Cluster(cluster.gpus, self.etp, cluster.gpus_per_node, cluster.pp, ep=self.ep)
 
 
 def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None) -> tuple[ModelSpec, Architecture]:
@@ -186,6 +194,10 @@ class SimResult:
     memory_capacity_bytes: float
     spans: tuple[Span, ...] = field(repr=False)
     fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
+    # under EP: the first stage's expert plan (an EP rank's experts over EDP x ETP), and how it was
+    # made (the configuration's choices, or the faster of the candidates: `expert_choices`)
+    expert_plan: Plan | None = None
+    expert_choice: ExpertChoice = field(default_factory=lambda: ExpertChoice())
     # with RunOptions(collectives="runtime"): (members, logged record) of every collective issued,
     # in issue order, as the runtime's logs would hold them (sim.engine.issued_records)
     collective_records: tuple = field(default=(), repr=False)
@@ -205,6 +217,15 @@ class SimResult:
             "tp": cfg.tp,
             "pp": cfg.pp,
             "ep": cfg.ep,
+            "etp": cfg.etp,
+            "expert_buckets": self.expert_choice.buckets,
+            "expert_plan": None if self.expert_plan is None else {
+                "dp_policy": self.expert_plan.dp_plan.policy, "tp_policy": self.expert_plan.tp_plan.policy,
+                "edp": self.expert_plan.dp, "etp": self.expert_plan.tp,
+                "buckets": len(self.expert_plan.dp_plan.buckets),
+                "capacity": None if self.expert_plan.tp_plan.capacity is None else
+                {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
+                "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
             "dp": cfg.gpus // (cfg.tp * cfg.pp),
             "optimizer": cfg.optimizer,
@@ -230,16 +251,19 @@ class SimResult:
         }
 
 
-def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile, tp: int | None = None,
-              policy: str | None = None) -> Plan:
+def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile,
+              policy: str | None = None, expert_buckets: str = DEFAULT_EXPERT_BUCKETS,
+              capacity: Capacity | None = None) -> Plan:
     """The policy's plan (`cfg.policy` unless given) for one pipeline stage's `spec` (the whole
-    model without PP) on `cluster`'s DP groups (an expert cluster's EDP groups, with `tp` 1:
-    experts are whole)."""
+    model without PP) on `cluster`'s DP x TP groups (an expert cluster's EDP x ETP groups);
+    `capacity` in place of the configuration's micro-group capacity."""
     policy = STEP_POLICIES[policy or cfg.policy]
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
     # for the runtime's collectives, which are laid out on a plan of the whole DP group
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
-    return plan_for(spec, dp, cfg.tp if tp is None else tp, cfg.optimizer, policy, cfg.settings, cost_model_for(hw))
+    settings = cfg.settings if capacity is None else replace(cfg.settings, capacity=capacity)
+    return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
+                    expert_buckets=expert_buckets)
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -293,27 +317,79 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     (`zero1-gather`: even segments, split matrices computed redundantly) and the faster of the two
     is returned, marked in `fell_back_to`. Whole matrices make the DP collectives uneven; once the
     optimizer step is a small part of the iteration (docs/design.md §9.3) that costs more than the
-    optimizer work saved, and a planner should say so rather than lose."""
+    optimizer work saved, and a planner should say so rather than lose.
+
+    Under expert parallelism, where the configuration leaves the expert plan open, each of its
+    candidates (`expert_choices`: the expert buckets' sizing, and under expert TP canzona's
+    micro-group capacity) is simulated in the same way and the fastest kept, marked in
+    `expert_choice`."""
     cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
-    result = _simulate(cfg, plan, replicate_phase_a, model, cluster, hw)
+    # every candidate plan of the same layout, the fastest iteration kept (the first of equals):
+    # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks
+
+    def best(c: SimConfig, **kw: Any) -> SimResult:
+        runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, **kw)
+                for choice in expert_choices(c, model, cluster)]
+        return min(runs, key=lambda r: r.iteration_time_s)
+
+    result = best(cfg)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
         return result
     # only the policy differs: the checks passed, and the cluster is the same
-    fallback = _simulate(with_policy(cfg, "zero1-gather"), None, replicate_phase_a, model, cluster, hw)
-    fallback = replace(fallback, config=cfg, fell_back_to="zero1-gather")
-    candidates = [result, fallback]
+    candidates = [result, replace(best(with_policy(cfg, "zero1-gather")), config=cfg, fell_back_to="zero1-gather")]
     if cfg.ep > 1 and not cfg.options.overlap_step:  # two plans: the fallback may pay for one of them only
-        dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather")
+        dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather",
+                          expert=result.expert_choice)  # canzona's experts as its own run chose them
         candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
-    return min(candidates, key=lambda r: r.iteration_time_s)  # the first of equals: canzona's own
+    return min(candidates, key=lambda r: r.iteration_time_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertChoice:
+    """How the expert plan (an EP rank's experts over EDP x ETP) is made where the configuration
+    leaves it open, one candidate of `simulate`: the expert buckets' sizing
+    (`canzona.dp.layout.EXPERT_BUCKETS`) and the micro-group capacity of its TP scheduler (None:
+    the configuration's)."""
+
+    buckets: str = DEFAULT_EXPERT_BUCKETS
+    capacity: Capacity | None = None
+
+
+def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluster: Cluster) -> list[ExpertChoice]:
+    """The expert plans `simulate` tries for `cfg` (the first is the default):
+    - the bucket sizing: the configuration's (`expert_buckets`); unset, under EP each sizing whose
+      expert buckets differ from the default's on some stage (the same buckets make the same
+      plans), at EP 1 the planner's default (the experts share the plan the runtime makes);
+    - under expert TP, for a scheduler with a capacity left to its search, also
+      `canzona.plan.BATCH_CAPACITY` (each host's share of a micro-group one batch): the search
+      prices matrices one by one, so among an EP rank's many alike experts it cuts groups of one
+      or two tasks a host, which then run as that many kernels instead of one batched one."""
+    if cfg.ep == 1:
+        return [ExpertChoice(buckets=cfg.expert_buckets or DEFAULT_EXPERT_BUCKETS)]
+    spec, arch = model
+    experts = cfg.expert_cluster(cluster)
+    sizings = [cfg.expert_buckets or DEFAULT_EXPERT_BUCKETS]
+    if cfg.expert_buckets is None:
+        for sizing in EXPERT_BUCKETS[1:]:
+            for stage in range(cfg.pp):
+                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers), cfg.ep, cfg.etp, arch.hidden)
+                if part.params and bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizing) != \
+                        bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, DEFAULT_EXPERT_BUCKETS):
+                    sizings.append(sizing)
+                    break
+    policy = STEP_POLICIES[cfg.policy]
+    searched = TP_REGISTRY[policy.tp_policy or cfg.tp_policy].uses_capacity and cfg.capacity is None
+    capacities = [None, BATCH_CAPACITY] if searched and cfg.etp > 1 else [None]
+    return [ExpertChoice(buckets=b, capacity=c) for b in sizings for c in capacities]
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
               model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
-              dense_policy: str | None = None) -> SimResult:
+              dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice()) -> SimResult:
     """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`);
     `dense_policy`: under expert parallelism, another policy for the dense part (canzona's
-    fallback for that part alone)."""
+    fallback for that part alone); `expert`: how the expert plan is made (at EP 1: the sizing of
+    the experts' buckets in the one plan)."""
     if plan is not None and cfg.pp > 1:
         raise SpecError("an explicit plan is for the whole model; with pp > 1 each stage is planned by the simulator")
     if plan is not None and cfg.ep > 1:
@@ -327,6 +403,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     engine = Engine()
     dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
+    expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
@@ -338,15 +415,18 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0)
+                                if arch.moe else 1.0, etp=cfg.etp)
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
-            expert_model = expert_part(stage_model, cfg.ep)
-            expert_plan = _plan_for(cfg, experts, expert_model, hw, tp=1)
+            expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)
+            expert_plan = _plan_for(cfg, experts, expert_model, hw, expert_buckets=expert.buckets,
+                                    capacity=expert.capacity)
+            expert_plans.append(expert_plan)
             expert_ctx = Context(engine, experts, hw, rate, arch, expert_model, wl, expert_plan, expert_policy, work,
-                                 cfg.tp_mode, cfg.options, stage)
+                                 cfg.tp_mode, cfg.options, stage, tp_stream=ETP_COMM)
             stage_model = dense_part(stage_model)
-        stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw, policy=policy.name)
+        stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw, policy=policy.name,
+                                       expert_buckets=expert.buckets)
         policy.check_dp_plan(stage_plan.dp_plan)
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
@@ -400,6 +480,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         memory=memory,
         memory_capacity_bytes=hw.gpu.memory_bytes,
         spans=tuple(simulated_a) + tuple(phase_b),
+        expert_plan=expert_plans[0] if expert_plans else None,
+        expert_choice=expert,
         collective_records=tuple(engine.records),
     )
 

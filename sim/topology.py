@@ -25,50 +25,63 @@ MAX_GPUS = 16384  # about 10 s per simulated iteration on one core, and memory t
 
 @dataclass(frozen=True)
 class Cluster:
-    """`gpus` = dp x tp x pp, ranks ordered TP fastest, then DP, then the pipeline stage (PP
-    outermost, Megatron's default order)."""
+    """`gpus` = dp x ep x tp x pp, ranks ordered TP fastest, then EP, then DP, then the pipeline
+    stage (PP outermost, Megatron's default order).
+
+    `ep` > 1 is the expert order of the same GPUs (`sim.simulate.SimConfig.expert_cluster`,
+    Megatron's MoE folding): `tp` is the expert TP size (ETP groups: `tp` consecutive ranks, inside
+    a node), `ep` the EP size (EP groups: the ranks at one ETP position of `ep` consecutive ETP
+    groups, which may span whole nodes: the token all-to-alls cross the NICs) and `dp` the EDP
+    size (EDP groups: the ranks at one (EP, ETP) position)."""
 
     gpus: int
     tp: int
     gpus_per_node: int
     pp: int = 1
-    # the expert order of the same GPUs (sim.simulate.SimConfig.expert_cluster): `tp` is the EP
-    # size, whose groups may span whole nodes (the token all-to-alls cross the NICs)
-    tp_spans_nodes: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.tp < 1 or self.pp < 1:
-            raise SpecError(f"gpus, tp and pp must be >= 1, got gpus={self.gpus} tp={self.tp} pp={self.pp}")
+        if self.gpus < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise SpecError(f"gpus, tp, pp and ep must be >= 1, got gpus={self.gpus} tp={self.tp} pp={self.pp} "
+                            f"ep={self.ep}")
         if self.gpus > MAX_GPUS:
             raise SpecError(f"the simulator runs at most {MAX_GPUS} GPUs, got {self.gpus}")
         if self.gpus % self.tp:
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp={self.tp}")
         if self.gpus % (self.tp * self.pp):
             raise SpecError(f"{self.gpus} GPUs are not divisible by tp x pp = {self.tp} x {self.pp}")
-        if self.tp_spans_nodes:
-            if self.gpus_per_node % self.tp and self.tp % self.gpus_per_node:
-                raise SpecError(f"ep={self.tp} must divide the {self.gpus_per_node} GPUs of a node or be a multiple "
-                                "of them (EP groups are parts of a node or whole nodes)")
-        elif self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
-            raise SpecError(f"tp={self.tp} must divide the {self.gpus_per_node} GPUs of a node "
-                            "(TP groups stay inside a node)")
+        if self.gpus % (self.ep * self.tp * self.pp):
+            raise SpecError(f"{self.gpus} GPUs are not divisible by ep x etp x pp = {self.ep} x {self.tp} x {self.pp}")
+        block = self.ep * self.tp  # an EP group's ETP groups: their all-to-alls' span
+        if self.ep > 1 and self.gpus_per_node % block and block % self.gpus_per_node:
+            what = f"ep={self.ep}" if self.tp == 1 else f"ep x etp = {self.ep} x {self.tp}"
+            raise SpecError(f"{what} must divide the {self.gpus_per_node} GPUs of a node or be a multiple of them "
+                            "(EP groups are parts of a node or whole nodes)")
+        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+            name = "etp" if self.ep > 1 else "tp"
+            raise SpecError(f"{name}={self.tp} must divide the {self.gpus_per_node} GPUs of a node "
+                            f"({name.upper()} groups stay inside a node)")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise SpecError(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.ep * self.pp)
 
     @property
     def stage_gpus(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.ep * self.tp
 
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
 
-    def rank(self, dp_index: int, tp_index: int, stage: int = 0) -> int:
-        return stage * self.stage_gpus + dp_index * self.tp + tp_index
+    def rank(self, dp_index: int, tp_index: int, stage: int = 0, ep_index: int = 0) -> int:
+        return stage * self.stage_gpus + (dp_index * self.ep + ep_index) * self.tp + tp_index
+
+    def dp_index(self, rank: int) -> int:
+        """`rank`'s DP (EDP) index in its stage."""
+        return (rank % self.stage_gpus) // (self.tp * self.ep)
 
     def stage_ranks(self, stage: int = 0) -> range:
         return range(stage * self.stage_gpus, (stage + 1) * self.stage_gpus)
@@ -76,11 +89,26 @@ class Cluster:
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
-    def tp_group(self, dp_index: int, stage: int = 0) -> list[int]:
-        return [self.rank(dp_index, t, stage) for t in range(self.tp)]
+    def tp_group(self, dp_index: int, stage: int = 0, ep_index: int = 0) -> list[int]:
+        return [self.rank(dp_index, t, stage, ep_index) for t in range(self.tp)]
 
-    def dp_group(self, tp_index: int, stage: int = 0) -> list[int]:
-        return [self.rank(i, tp_index, stage) for i in range(self.dp)]
+    def dp_group(self, tp_index: int, stage: int = 0, ep_index: int = 0) -> list[int]:
+        return [self.rank(i, tp_index, stage, ep_index) for i in range(self.dp)]
+
+    def ep_group(self, dp_index: int, tp_index: int, stage: int = 0) -> list[int]:
+        return [self.rank(dp_index, tp_index, stage, e) for e in range(self.ep)]
+
+    def tp_groups(self, stage: int = 0) -> list[list[int]]:
+        """Every TP (ETP) group of the stage, in rank order."""
+        return [self.tp_group(i, stage, e) for i in range(self.dp) for e in range(self.ep)]
+
+    def dp_groups(self, stage: int = 0) -> list[list[int]]:
+        """Every DP (EDP) group of the stage."""
+        return [self.dp_group(t, stage, e) for e in range(self.ep) for t in range(self.tp)]
+
+    def ep_groups(self, stage: int = 0) -> list[list[int]]:
+        """Every EP group of the stage."""
+        return [self.ep_group(i, t, stage) for i in range(self.dp) for t in range(self.tp)]
 
     def geometry(self, ranks: list[int]) -> GroupGeometry:
         nodes = {self.node_of(r) for r in ranks}
@@ -91,6 +119,9 @@ class Cluster:
 
     def dp_geometry(self) -> GroupGeometry:
         return self.geometry(self.dp_group(0))
+
+    def ep_geometry(self) -> GroupGeometry:
+        return self.geometry(self.ep_group(0, 0))
 
     def pp_geometry(self) -> GroupGeometry:
         """Two neighbouring stages' ranks of the same (DP, TP) index: a point-to-point link."""

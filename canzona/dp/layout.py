@@ -77,7 +77,22 @@ def ceil_to(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]]:
+# How buckets of stack matrices are sized (`make_buckets`): "size" fills them up to the bucket
+# size as any bucket (what the runtime plans); "dp-multiple" gives each a whole multiple of `dp`
+# alike matrices (the largest within the bucket size, at least `dp`), as the authors'
+# `bucket_size_calculator` gives each expert bucket a multiple of EDP whole experts: its even
+# segments are then whole matrices, so even ZeRO-1 (`zero1-even`) computes none twice.
+EXPERT_BUCKETS = ("size", "dp-multiple")
+DEFAULT_EXPERT_BUCKETS = EXPERT_BUCKETS[0]
+
+
+def check_expert_buckets(name: str) -> str:
+    if name not in EXPERT_BUCKETS:
+        raise SpecError(f"unknown expert bucket sizing {name!r}; choose one of {', '.join(EXPERT_BUCKETS)}")
+    return name
+
+
+def make_buckets(items: Sequence[DPItem], bucket_size: int, stack_multiple: int | None = None) -> list[list[DPItem]]:
     """Group items (given in forward order) into buckets in backward order.
 
     A bucket holds at most `bucket_size` elements; the next parameter that would overflow it
@@ -92,6 +107,10 @@ def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]
     and the buckets' parameter buffers are views (`canzona.runtime.stacks`: no copy of the
     experts' weights). A bucket of alike matrices also lets `alpha-balanced-reorder` keep its
     owners' loads and segments while it lays them out in that order.
+
+    `stack_multiple` (the DP size, under "dp-multiple": `EXPERT_BUCKETS`): a stack bucket holds
+    a whole multiple of that many matrices, the largest the bucket size holds and at least one
+    (a run of alike matrices that is not such a multiple ends in a bucket of what is left).
     """
     if not items:
         return []
@@ -103,9 +122,15 @@ def make_buckets(items: Sequence[DPItem], bucket_size: int) -> list[list[DPItem]
         )
     buckets: list[list[DPItem]] = [[]]
     filled = 0
+    def full(current: list[DPItem], it: DPItem) -> bool:
+        if stack_multiple is None or it.stack is None:
+            return filled + it.numel > bucket_size
+        per_bucket = stack_multiple * max(1, bucket_size // (stack_multiple * it.numel))
+        return len(current) >= per_bucket
+
     for it in reversed(items):
         current = buckets[-1]
-        if current and (filled + it.numel > bucket_size or _kind(current[-1]) != _kind(it)):
+        if current and (_kind(current[-1]) != _kind(it) or full(current, it)):
             buckets.append([])
             filled = 0
         buckets[-1].append(it)

@@ -11,9 +11,11 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from canzona.dp.layout import (
+    DEFAULT_EXPERT_BUCKETS,
     BucketPlan,
     DPItem,
     DPPlan,
+    check_expert_buckets,
     even_cuts,
     is_stack_run,
     make_buckets,
@@ -272,13 +274,15 @@ def _with_costs(plan: DPPlan, items: Sequence[DPItem], balance_by: str) -> DPPla
 
 def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
             bucket_size: int | None = None, align: int = DEFAULT_ALIGN,
-            balance_by: str = "seconds") -> DPPlan:
+            balance_by: str = "seconds", expert_buckets: str = DEFAULT_EXPERT_BUCKETS) -> DPPlan:
     """Plan the matrices `items` (forward order) over `dp` ranks with `policy`.
 
     `balance_by="elements"` reproduces the authors' code, which balances element counts inside the
     allocation loop; the returned plan carries the real costs so its metrics are in seconds.
+    `expert_buckets`: how buckets of stack matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`).
     """
     check_dp_policy(policy)
+    check_expert_buckets(expert_buckets)
     if dp < 1:
         raise SpecError(f"dp must be >= 1, got {dp}")
     if align < 1:
@@ -290,7 +294,7 @@ def plan_dp(items: Sequence[DPItem], dp: int, policy: str, alpha: float = 1.0,
     if balance_by not in BALANCE_UNITS:
         raise SpecError(f"balance unit must be one of {', '.join(BALANCE_UNITS)}, got {balance_by!r}")
     planned = items if balance_by == "seconds" else [replace(it, cost=float(it.numel)) for it in items]
-    buckets = make_buckets(planned, size)
+    buckets = make_buckets(planned, size, dp if expert_buckets == "dp-multiple" else None)
     entry = DP_REGISTRY[policy]
     plan = entry.build(buckets, dp, align, size, alpha) if entry.takes_alpha else entry.build(buckets, dp, align, size)
     return plan if balance_by == "seconds" else _with_costs(plan, items, balance_by)
