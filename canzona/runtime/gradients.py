@@ -146,6 +146,7 @@ class GradientSync:
         self._next = 0
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
         self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
+        self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
 
     def zero_grad(self) -> None:
@@ -362,7 +363,7 @@ class GradientSync:
         return None
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
-                more_norm: Callable[[], Tensor] | None = None) -> StepCheck:
+                more_norm: Tensor | None = None) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -379,8 +380,9 @@ class GradientSync:
         # the host on its own, so the table below is the step's one read of device values
         device = self.dp.check_device
         term = local_norm_term(self.norm_segments()).to(device)
+        self.norm_term = term  # this rank's own share, for another part's check (`more_norm`)
         if more_norm is not None:
-            term = term + more_norm().to(device)
+            term = term + more_norm.to(device)
         header = torch.cat([
             to_device(torch.cat([self._got_grad, torch.tensor(
                 [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),

@@ -59,7 +59,7 @@ from canzona.runtime.expert_part import (
     check_expert_layout,
     expert_groups,
 )
-from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck, local_norm_term
+from canzona.runtime.gradients import NONFINITE_POLICIES, GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
@@ -303,7 +303,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         low = {p.dtype for p in self.params.values()} & {torch.bfloat16, torch.float16}
         self.master_weights = bool(master_weights and low)
         reduce_dtype = torch.float32 if self.master_weights else None
-        dense = {n: p for n, p in self.params.items() if n in _names(self._dense_spec)}
+        dense = {n: p for n, p in self.params.items() if n not in self._expert_names}
         self.grads = GradientSync(dense, self._dense_spec, self.plan, self.policy, self.comm, self.tp_comm, align,
                                   reduce_dtype, nonfinite)
         self._index = self.grads.index
@@ -471,9 +471,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 stack.enter_context(grads.no_sync())
             yield
 
+    def _parts(self) -> list[Any]:
+        """This optimizer's dense part (itself), and its experts' part under EP."""
+        return [self] if self.experts is None else [self, self.experts]
+
     def _syncs(self) -> list[GradientSync]:
-        """The gradient buffers of every part: the dense part's, and the experts' under EP."""
-        return [self.grads] if self.experts is None else [self.grads, self.experts.grads]
+        """The gradient buffers of every part."""
+        return [part.grads for part in self._parts()]
 
     def _prepare_step(self, max_norm: float | None = None) -> StepCheck:
         self.wait_params()  # the check reads parameters (links, TP digests); the update writes them
@@ -483,7 +487,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the experts' checks over EDP first, then one global verdict over DP carrying their norm
         experts = self.experts.grads
         experts.prepare(digest, max_norm)
-        return self.grads.prepare(digest, max_norm, more_norm=lambda: local_norm_term(experts.norm_segments()))
+        return self.grads.prepare(digest, max_norm, more_norm=experts.norm_term)
 
     @property
     def nonfinite(self) -> str:
@@ -620,8 +624,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch_gathers(self) -> list[PendingWork]:
         """The step policy's parameter gathers of every part (the dense part over DP, the experts
         over EDP), in the order `_params_in_flight` numbers them."""
-        parts = [self] if self.experts is None else [self, self.experts]
-        return [pending for part in parts for pending in self._param_gather(part)]
+        return [pending for part in self._parts() for pending in self._param_gather(part)]
 
     def _matrix_config(self, name: str) -> tuple[Any, float]:
         g = self._group_of[name]
@@ -691,8 +694,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buffers = [(self.grads.adamw, self.grads.adamw_cuts)]
         if self.elementwise:
             buffers += [(b, self.grads.grad_cuts(k)) for k, b in enumerate(self.grads.buckets)]
+        return self._pieces(buffers, self.rank)
+
+    def _pieces(self, buffers: Iterable[tuple[FlatBuffer, tuple[int, ...]]], rank: int) -> Iterator[Piece]:
+        """The pieces of `buffers` inside `rank`'s segments (all of them under a replicated policy)."""
         for buffer, cuts in buffers:
-            lo, hi = (0, buffer.size) if self.policy.replicated else (cuts[self.rank], cuts[self.rank + 1])
+            lo, hi = (0, buffer.size) if self.policy.replicated else (cuts[rank], cuts[rank + 1])
             yield from pieces_of(buffer, lo, hi)
 
     def global_name(self, name: str) -> str:
@@ -703,12 +710,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Under an elementwise optimizer and EP: the experts' pieces inside this rank's EDP
         segments of the expert buckets."""
         if not (self.elementwise and self.experts is not None):
-            return
+            return iter(())
         grads = self.experts.grads
-        for k, b in enumerate(grads.buckets):
-            cuts = grads.grad_cuts(k)
-            lo, hi = (0, b.size) if self.policy.replicated else (cuts[self.experts.rank], cuts[self.experts.rank + 1])
-            yield from pieces_of(b, lo, hi)
+        return self._pieces(((b, grads.grad_cuts(k)) for k, b in enumerate(grads.buckets)), self.experts.rank)
 
     def _adamw_step(self, got: Sequence[bool]) -> None:
         self._adamw_pieces(self.adamw_parts(), lambda name: got[self._index[name]])
@@ -742,7 +746,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- checkpoints -------------------------------------------------------------------------
-
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent: per parameter name, full tensors, identical on every rank.
