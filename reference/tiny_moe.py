@@ -4,8 +4,11 @@ What it is for: checking that a stacked expert tensor is that many matrices (doc
 by training the same model stored both ways. Per layer: an RMSNorm, a top-k router
 (`mlp.gate.weight`, softmax over the experts, the k largest renormalised, as Qwen3-MoE with
 `norm_topk_prob`), SwiGLU experts, a residual add; then a final RMSNorm and the head. Attention is
-left out: the dense layers are the catalog's (`reference.tiny_model`), and this model is about the
-experts.
+optional (`heads`, 0 by default: the dense layers are the catalog's, `reference.tiny_model`, and
+this model is about the experts): with `heads` > 0 each layer starts as Qwen3-MoE's does, an
+RMSNorm and the catalog's attention block (`reference.tiny_model.Attention`: q, k, v, per-head q and
+k norms, RoPE, o; as many KV heads as query heads) added to the residual, which gives the model
+dense matrices for the matrix optimizer beside its experts (the `tiny-moe-attn` preset).
 
 - `stacked=True` stores the experts as transformers 5 does: `mlp.experts.gate_up_proj`
   `[experts, 2 ffn, hidden]` (gate rows, then up) and `mlp.experts.down_proj` `[experts, hidden, ffn]`;
@@ -36,6 +39,17 @@ class TinyMoeConfig:
     experts_per_token: int = 2
     vocab: int = 32
     eps: float = 1e-6
+    heads: int = 0  # attention heads (0: no attention)
+    head_dim: int = 8
+    rope_theta: float = 10000.0
+
+    def attention_config(self):
+        """The catalog's attention block at these sizes (`reference.tiny_model.TinyQwen3Config`)."""
+        from reference.tiny_model import TinyQwen3Config
+
+        return TinyQwen3Config(vocab=self.vocab, hidden=self.hidden, layers=self.layers, q_heads=self.heads,
+                               kv_heads=self.heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                               rms_eps=self.eps, name="tiny-moe")
 
 
 class _Norm(nn.Module):
@@ -112,10 +126,17 @@ class _Moe(nn.Module):
 class _Layer(nn.Module):
     def __init__(self, cfg: TinyMoeConfig, stacked: bool) -> None:
         super().__init__()
+        if cfg.heads:  # registration order is forward order, as in Qwen3-MoE
+            from reference.tiny_model import Attention
+
+            self.input_layernorm = _Norm(cfg.hidden, cfg.eps)
+            self.self_attn = Attention(cfg.attention_config(), torch.float32)
         self.post_attention_layernorm = _Norm(cfg.hidden, cfg.eps)
         self.mlp = _Moe(cfg, stacked)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if rope is not None:
+            x = x + self.self_attn(self.input_layernorm(x), *rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,6 +146,13 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(_Layer(cfg, stacked) for _ in range(cfg.layers))
         self.norm = _Norm(cfg.hidden, cfg.eps)
+
+
+# the dense parameters TP splits (by module name) and along which dimension, as Megatron splits
+# them (docs/design.md §2.3): q, k, v column-parallel, o row-parallel, the embedding and the head
+# vocabulary-parallel; the rest of the dense part (router, norms) replicated; the experts whole
+# (`reference.tiny_moe_ep` runs the split)
+TP_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "embed_tokens": 0, "lm_head": 0}
 
 
 class TinyMoe(nn.Module):
@@ -149,6 +177,12 @@ class TinyMoe(nn.Module):
 
         self.model.embed_tokens.weight.copy_(draw(cfg.vocab, cfg.hidden, scale=1.0))
         for layer in self.model.layers:
+            if cfg.heads:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    proj.weight.copy_(draw(*proj.weight.shape, scale=proj.weight.shape[1] ** -0.5))
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.weight.fill_(1.0)
             layer.mlp.gate.weight.copy_(draw(cfg.experts, cfg.hidden, scale=cfg.hidden ** -0.5))
             gate_up = draw(cfg.experts, 2 * cfg.ffn, cfg.hidden, scale=cfg.hidden ** -0.5)
             down = draw(cfg.experts, cfg.hidden, cfg.ffn, scale=cfg.ffn ** -0.5)
@@ -164,21 +198,40 @@ class TinyMoe(nn.Module):
         self.lm_head.weight.copy_(draw(cfg.vocab, cfg.hidden, scale=cfg.hidden ** -0.5))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            x = layer(x)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(hidden_states(self, ids))
 
     def spec(self, name: str = "tiny-moe"):
-        """The model's spec as `ModelSpec.from_module` reads it (experts stacked, split FC1)."""
-        from canzona.spec import ModelSpec
+        """The model's spec as `ModelSpec.from_module` reads it (experts stacked, split FC1), with
+        the TP split of its dense parameters (`TP_DIMS`) as the catalog marks a dense model's,
+        whatever the TP size it runs at (so that a checkpoint taken at one loads at another)."""
+        from dataclasses import replace
 
-        return ModelSpec.from_module(self, name=name)
+        from canzona.spec import ModelSpec, Role
+
+        spec = ModelSpec.from_module(self, name=name)
+        return ModelSpec(spec.name, tuple(p if p.role is Role.EXPERT else replace(p, tp_dim=TP_DIMS.get(p.name.split(".")[-2]))
+                                          for p in spec.params))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over `tokens[:, 1:]`, in fp32 at least (as `TinyQwen3.loss`)."""
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def hidden_states(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The final-normed hidden states of a tiny MoE model (`TinyMoe` or its parallel versions,
+    which hold the same modules under the same names)."""
+    cfg = model.cfg
+    rope = None
+    if cfg.heads:
+        from reference.tiny_model import rope_cos_sin
+
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, model.lm_head.weight.dtype)
+    x = model.model.embed_tokens(ids)
+    for layer in model.model.layers:
+        x = layer(x, rope)
+    return model.model.norm(x)
 
 
 def tiny_hf_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -201,9 +254,11 @@ def tiny_hf_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.M
 
 # What the training harness builds by name (`canzona.harness.training.build_model`), beside the
 # dense presets of `reference.tiny_model`: sizes that make a CPU step take milliseconds, a stack
-# of 2 x 4 gate / up matrices and one of 4 down matrices per layer.
+# of 2 x 4 gate / up matrices and one of 4 down matrices per layer; `tiny-moe-attn` adds attention
+# (4 heads: dense q, k, v and o matrices, split by TP 2 or 4 as Megatron splits them).
 MOE_PRESETS: dict[str, TinyMoeConfig] = {
     "tiny-moe": TinyMoeConfig(layers=2, hidden=32, ffn=16, experts=4, experts_per_token=2, vocab=64),
+    "tiny-moe-attn": TinyMoeConfig(layers=2, hidden=32, ffn=16, experts=4, experts_per_token=2, vocab=64, heads=4),
 }
 HF_MOE_PRESET = "hf-qwen3-moe"  # `tiny_hf_qwen3_moe`
 

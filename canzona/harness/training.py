@@ -10,7 +10,9 @@
   a rank's gradient comes from the TP model, which one process cannot run: the ranks record each
   step's gradients with hooks of their own (`GradientRecorder`, independent of the optimizer's
   buffers) and `global_gradients_from` assembles them (DP mean in rank order, TP shards
-  concatenated along `tp_dim`).
+  concatenated along `tp_dim`). Under expert parallelism (`ep > 1`, a tiny MoE preset:
+  `reference.tiny_moe_ep`, with `tp > 1` its dense layers split over TP too) the expert stacks'
+  gradients are assembled as their EDP reductions make them (`global_gradients_from`).
 - `reference_run`: the reference optimizers (`reference/`) stepped with those global gradients.
 
 Data: step s uses a fixed global batch of `global_batch` sequences; DP rank r takes rows
@@ -63,7 +65,7 @@ class TrainSpec:
     master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
-    ep: int = 1  # expert parallelism (a mixture-of-experts preset): EP groups of ep consecutive DP ranks
+    ep: int = 1  # expert parallelism (a mixture-of-experts preset): EP groups of ep consecutive ranks of dp x tp
     tp_policy: str = PLAN_DEFAULTS.tp_policy  # the canzona policy's TP scheduler (the baselines run tp-sync)
     tp_mode: str = STEP_DEFAULTS.tp_mode  # or "serial"
     tp_style: str = "megatron"  # TP model: "megatron" (explicit layers) or "dtensor" (parallelize_module)
@@ -141,40 +143,48 @@ def build_tp_model(spec: TrainSpec, mesh):
     return model, ModelSpec.from_module(model, name=model.spec().name)  # placements read from the DTensors
 
 
+def parallel_model(spec: TrainSpec, rank: int, world: int) -> tuple[Any, Any, Any, Any, int]:
+    """This rank's model and what the optimizer is given with it: (model, the global spec, the
+    dense part's group (None: the default group; a (dp, tp) mesh under TP), the expert mesh (None
+    without EP), this rank's DP rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = spec.dp_size(world)
+    spec.check(dp)
+    group, dp_rank, expert_mesh = None, rank, None
+    if spec.tp > 1:
+        group = init_device_mesh("cpu", (dp, spec.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = group.get_local_rank("dp")
+    if spec.ep > 1:  # the experts fold the dp x tp ranks (the dense part's TP group: its layers split)
+        from reference.tiny_model import _torch_dtype
+        from reference.tiny_moe import MOE_PRESETS
+        from reference.tiny_moe_ep import TinyMoeEP
+
+        expert_mesh = init_device_mesh("cpu", (dp * spec.tp // spec.ep, spec.ep), mesh_dim_names=("edp", "ep"))
+        model = TinyMoeEP(MOE_PRESETS[spec.preset], expert_mesh.get_group("ep"), seed=spec.model_seed,
+                          dtype=_torch_dtype(spec.dtype), tp_group=group.get_group("tp") if group is not None else None)
+        mspec = model.spec()
+    elif spec.tp > 1:
+        model, mspec = build_tp_model(spec, group)
+    else:
+        model = build_model(spec)
+        mspec = model.spec()
+    return model, mspec, group, expert_mesh, dp_rank
+
+
 def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, Any] | None = None,
                        on_step: Callable[[int], None] | None = None) -> dict:
     """One rank: train `spec.steps` steps; return final (local) parameters, losses, state, log.
-    `on_step(k)` is called after step k (1-based). Under TP the ranks form a (dp, tp) mesh and also
-    return each step's gradients as their own hooks saw them."""
+    `on_step(k)` is called after step k (1-based). Under TP the ranks form a (dp, tp) mesh, under
+    EP an (edp, ep) one too (`parallel_model`), and they also return each step's gradients as
+    their own hooks saw them."""
     from canzona.runtime.optimizer import DistributedOptimizer
 
     extra = extra or {}
     dp = spec.dp_size(world)
-    spec.check(dp)
-    group, dp_rank, recorder, expert_mesh = None, rank, None, None
-    if spec.ep > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from reference.tiny_moe import MOE_PRESETS
-        from reference.tiny_moe_ep import TinyMoeEP
-
-        expert_mesh = init_device_mesh("cpu", (dp // spec.ep, spec.ep), mesh_dim_names=("edp", "ep"))
-        from reference.tiny_model import _torch_dtype
-
-        model = TinyMoeEP(MOE_PRESETS[spec.preset], expert_mesh.get_group("ep"), seed=spec.model_seed,
-                          dtype=_torch_dtype(spec.dtype))
-        mspec = model.spec()
-        recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
-    elif spec.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        group = init_device_mesh("cpu", (dp, spec.tp), mesh_dim_names=("dp", "tp"))
-        dp_rank = group.get_local_rank("dp")
-        model, mspec = build_tp_model(spec, group)
-        recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
-    else:
-        model = build_model(spec)
-        mspec = model.spec()
+    model, mspec, group, expert_mesh, dp_rank = parallel_model(spec, rank, world)
+    # under TP or EP a rank's gradient comes from a model one process cannot run: recorded
+    recorder = GradientRecorder(model.named_parameters(), spec.master_weights) if spec.tp > 1 or spec.ep > 1 else None
     opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
                                spec.adamw_config, plan=extra.get("plan"), policy=spec.policy,
                                dp_policy=spec.dp_policy, alpha=spec.alpha, bucket_size=spec.bucket_size,
@@ -319,28 +329,28 @@ def global_gradients_from(results: Sequence[dict], spec: TrainSpec) -> list[tupl
     """Per step, the global gradients a (dp x tp) run's reductions produce, from the gradients its
     ranks recorded (`distributed_worker(...)["grads"]`, rank order): per TP rank, the DP ranks'
     gradients summed in DP rank order and divided by dp; then the TP shards concatenated along
-    `tp_dim`. A TP-replicated parameter must have had the same gradient on every TP rank."""
+    `tp_dim`. A TP-replicated parameter must have had the same gradient on every TP rank. Under
+    expert parallelism an expert stack's, per EP rank j, summed over its EDP group (the ranks of EP
+    rank j) in rank order, divided by edp and scaled by `edp / dp` (`canzona.runtime.expert_part`),
+    the EP ranks' experts concatenated in order."""
     tp = spec.tp
     dp = spec.dp_size(len(results))
     tp_dims = results[0]["tp_dims"]
+    stacks = _stacks(spec) if spec.ep > 1 else set()
     by_coord = {(r["dp_rank"], r["tp_rank"]): r for r in results}
     steps = []
     for s in range(len(results[0]["grads"])):
         got = {n for r in results for n in r["grads"][s]}
         grads = {}
         for name, tp_dim in tp_dims.items():
+            if name in stacks:
+                if name in got:
+                    grads[name] = _expert_global(results, spec, s, name)
+                continue
             shards = []
             for t in range(tp):
                 parts = [by_coord[(i, t)]["grads"][s].get(name) for i in range(dp)]
-                like = next((x for x in parts if x is not None), None)
-                if like is None:
-                    shards.append(None)
-                    continue
-                parts = [torch.zeros_like(like) if x is None else x for x in parts]
-                acc = parts[0].to(reduce_dtype(spec, like.dtype), copy=True)
-                for x in parts[1:]:
-                    acc += x
-                shards.append(acc.div_(dp))
+                shards.append(_mean(parts, dp) if any(x is not None for x in parts) else None)
             if all(x is None for x in shards):
                 continue
             if tp_dim is None:
@@ -353,34 +363,29 @@ def global_gradients_from(results: Sequence[dict], spec: TrainSpec) -> list[tupl
     return steps
 
 
-def expert_global_gradients(results: Sequence[dict], spec: TrainSpec) -> list[tuple[dict[str, Tensor], set[str]]]:
-    """Per step, the global gradients an expert-parallel run's reductions produce, from the
-    gradients its ranks recorded (rank order; `canzona.runtime.expert_part`): a dense parameter's
-    summed over every rank in rank order and divided by dp; an expert stack's, per EP rank j, summed
-    over its EDP group in rank order, divided by edp and then by ep, the EP ranks' experts
-    concatenated in order."""
-    dp, ep = len(results), spec.ep
-    stacks = {p.name for p in build_model(spec).spec().stacks}
-    steps = []
-    for s in range(len(results[0]["grads"])):
-        recorded = [r["grads"][s] for r in results]
-        got = {n for g in recorded for n in g}
-        grads = {}
-        for name in got:
-            if name not in stacks:
-                grads[name] = _mean([g.get(name) for g in recorded], dp)
-                continue
-            parts = []
-            for j in range(ep):
-                holders = [g.get(name) for r, g in zip(results, recorded) if r["ep_rank"] == j]
-                parts.append(_mean(holders, dp // ep).div_(ep))
-            grads[name] = torch.cat(parts)
-        steps.append((grads, got))
-    return steps
+expert_global_gradients = global_gradients_from  # (the name the expert-parallel tests know it by)
+
+
+def _expert_global(results: Sequence[dict], spec: TrainSpec, s: int, name: str) -> Tensor:
+    """Step `s`'s global gradient of expert stack `name`: each EP rank's, reduced over its EDP group
+    as `canzona.runtime.expert_part.ExpertReduction` reduces it, concatenated in EP order."""
+    from canzona.runtime.expert_part import apply_scale, expert_scale
+
+    edp, dp = len(results) // spec.ep, spec.dp_size(len(results))
+    parts = []
+    for j in range(spec.ep):
+        holders = [r["grads"][s].get(name) for r in results if r["ep_rank"] == j]
+        parts.append(apply_scale(_mean(holders, edp), expert_scale(dp, edp)))
+    return torch.cat(parts)
+
+
+def _stacks(spec: TrainSpec) -> set[str]:
+    return {p.name for p in build_model(spec).spec().stacks}
 
 
 def _mean(parts: Sequence[Tensor | None], n: int) -> Tensor:
-    """Sum in order (a missing gradient counts as zero), divided by n: the exact reduction's arithmetic."""
+    """Sum in order (a missing gradient counts as zero), divided by n: the exact reduction's
+    arithmetic (recorded gradients are in the dtype they are reduced in: `GradientRecorder`)."""
     like = next(x for x in parts if x is not None)
     acc = (parts[0] if parts[0] is not None else torch.zeros_like(like)).clone()
     for x in parts[1:]:
@@ -391,7 +396,7 @@ def _mean(parts: Sequence[Tensor | None], n: int) -> Tensor:
 
 def expert_local(full: dict[str, Tensor], spec: TrainSpec, ep_rank: int) -> dict[str, Tensor]:
     """What EP rank `ep_rank` holds of whole-model tensors: its slice of every stack."""
-    stacks = {p.name for p in build_model(spec).spec().stacks}
+    stacks = _stacks(spec)
     out = {}
     for name, t in full.items():
         if name in stacks:
@@ -402,14 +407,22 @@ def expert_local(full: dict[str, Tensor], spec: TrainSpec, ep_rank: int) -> dict
 
 
 def expert_full_parameters(results: Sequence[dict], spec: TrainSpec) -> dict[str, Tensor]:
-    """The whole model from an expert-parallel run's ranks (rank order): each EP rank's experts,
-    from the first rank holding them, concatenated in EP order."""
-    stacks = {p.name for p in build_model(spec).spec().stacks}
+    """The whole model from an expert-parallel run's ranks (rank order): the dense part from DP
+    rank 0's TP shards (`full_parameters`), each EP rank's experts from the first rank holding
+    them, concatenated in EP order."""
+    stacks = _stacks(spec)
     first = {r["ep_rank"]: r for r in reversed(results)}
-    out = {}
-    for name, t in results[0]["params"].items():
-        out[name] = torch.cat([first[j]["params"][name] for j in range(spec.ep)]) if name in stacks else t
+    out = full_parameters(results)
+    for name in stacks:
+        out[name] = torch.cat([first[j]["params"][name] for j in range(spec.ep)])
     return out
+
+
+def held_by(full: dict[str, Tensor], spec: TrainSpec, result: dict) -> dict[str, Tensor]:
+    """What one rank of a run (`distributed_worker`'s result) holds of whole-model tensors: its EP
+    rank's experts, its TP shards of the dense part (contiguous copies)."""
+    local = expert_local(full, spec, result["ep_rank"]) if spec.ep > 1 else full
+    return expected_shards(local, result["tp_dims"], spec.tp, result["tp_rank"])
 
 
 def full_parameters(results: Sequence[dict]) -> dict[str, Tensor]:

@@ -177,10 +177,14 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
         shards = [part["masters"][name] for per_dp in by_tp for part in per_dp if name in part["masters"]]
         if shards:
             state.setdefault(name, {})["master"] = unshard(shards, _tp_dim(opt, name))
-    # AdamW's pieces: of its parameters, and of every entry under an elementwise optimizer
+    # AdamW's pieces: of its parameters, and of every entry under an elementwise optimizer; a
+    # TP-split parameter's stitched per TP rank, any other's from every rank's pieces together
+    # (a TP-replicated one's come from TP rank 0 alone; an expert matrix's, under expert
+    # parallelism with TP, from the ranks of its EDP group, which may be on several TP ranks)
     for name in sorted({p[0] for per_dp in by_tp for part in per_dp for p in part["adamw"]}):
+        groups = by_tp if _tp_dim(opt, name) is not None else [[part for per_dp in by_tp for part in per_dp]]
         shards = [_stitch(opt, name, [p for part in per_dp for p in part["adamw"] if p[0] == name])
-                  for per_dp in by_tp]
+                  for per_dp in groups]
         shards = [s for s in shards if s is not None]
         if shards:
             full = {k: v for k, v in shards[0].items() if k not in SLICED}

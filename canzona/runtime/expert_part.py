@@ -1,40 +1,51 @@
 """Expert parallelism in the runtime (docs/design.md §2.7, §8.9): the experts of one EP rank, planned
 and stepped over their expert-data-parallel (EDP) group beside the dense part.
 
-Megatron's layout with expert TP 1 ("MoE parallel folding", `canzona.experts`): the ranks of the
-data-parallel group form EP groups of `ep` consecutive ranks; EP rank `j` of each holds experts
-`[j E / ep, (j + 1) E / ep)` of every MoE layer, stacked (local `[E / ep, m, n]` parameters under
-the model's names); the ranks at position `j` of every EP group are an EDP group. A
-`DistributedOptimizer` under EP runs two parts with the same machinery:
+Megatron's layout with expert TP 1 ("MoE parallel folding", `canzona.experts.check_ep`): the
+`dp x tp` ranks of the dense part's mesh, in rank order, form `edp = dp x tp / ep` EP groups of
+`ep` consecutive ranks; EP rank `j` of each holds experts `[j E / ep, (j + 1) E / ep)` of every
+MoE layer, whole and stacked (local `[E / ep, m, n]` parameters under the model's names); the
+ranks at position `j` of every EP group are an EDP group. At TP 1 the folding is over the DP
+group; under TP an EP group may hold TP ranks of one DP rank (DP 2 x TP 2 at EP 2: the EP groups
+are the TP groups) or of several. A `DistributedOptimizer` under EP runs two parts with the same
+machinery:
 
-- the dense part (everything but the experts: `canzona.experts.dense_part`) on the DP group, as any
-  dense model;
+- the dense part (everything but the experts: `canzona.experts.dense_part`) on the (DP, TP) mesh,
+  as any dense model;
 - `ExpertPart`: one EP rank's experts (`canzona.experts.expert_part`) planned over EDP with TP 1,
   each expert matrix owned whole by one EDP rank, its gradients reduce-scattered over EDP from the
   experts' own backward hooks, its updates computed by its owner and its parameters all-gathered
   over EDP after the step.
 
-The expert gradients' scale: a local expert's gradient holds the contributions of every token of
-its EP group routed to it (the model's dispatch all-to-all carries them back in backward), each
-scaled by its own rank's loss, so the gradient of the global mean loss (the mean over the `dp` data-
-parallel ranks) is the sum over EDP divided by `dp = edp x ep`: the mean over EDP, divided by `ep`
-(`ExpertReduction`; Megatron scales expert gradients the same way).
+The expert gradients' scale: the TP ranks of a DP rank hold the same tokens, and each dispatches
+its own share of them (`tp` blocks, as Megatron's sequence-parallel MoE layer holds them;
+`reference/tiny_moe_ep.py`), so every token of the global batch reaches each of its experts
+exactly once. A local expert's gradient holds the contributions of every token its EP group
+dispatched to it (the model's dispatch all-to-all carries them back in backward), each under its
+own DP rank's mean loss; the EDP group's ranks, one in every EP group, together dispatched every
+token once. So the gradient of the global mean loss (the mean over the `dp` data-parallel ranks)
+is the sum over EDP divided by `dp`: the mean over EDP times `edp / dp` (`expert_scale`;
+`ExpertReduction`), `1 / ep` at TP 1 (`dp = edp x ep`), `tp / ep` under TP (1 at DP 2 x TP 2,
+EP 2). Megatron scales them the same way (its expert gradients are summed over EDP and scaled by
+`1 / dp`, `expert_gradient_scaling_factor`).
 
-The step's checks: the expert part's own (which expert parameters got a gradient on any EDP rank,
-the EDP ranks' agreement) run over EDP, then the dense part's over DP, which carries this rank's
-share of the experts' gradient norm beside its own (every rank of the DP group holds distinct
-expert gradient elements after the EDP reduce-scatter, so the DP sum counts each once): one global
-norm, one verdict on finiteness and clipping for both parts.
+The step's checks: the expert part's own over EDP (which expert parameters got a gradient on any
+EDP rank, the EDP ranks' agreement), whose error is not raised there but carried, with this rank's
+share of the experts' gradient norm, into the dense part's check over DP (and TP), which every rank
+of the cluster passes or fails together: one verdict on soundness, finiteness and clipping for both
+parts. Every expert gradient element is counted once in the global norm: after the EDP
+reduce-scatter each lives on exactly one rank of its EDP group, the EDP groups of one EP rank's
+experts hold distinct experts, and the experts' share is added on every rank, TP ranks included
+(unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
 """
-
 from __future__ import annotations
 
+import math
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,21 +66,41 @@ EP, EDP = "ep", "edp"  # the expert mesh's dimension names (torchtitan's and Meg
 
 def expert_groups(mesh: DeviceMesh) -> tuple:
     """The (EDP, EP) process groups of a 2-D device mesh with dimensions named 'edp' and 'ep'
-    (`init_device_mesh(device, (dp // ep, ep), mesh_dim_names=("edp", "ep"))`: EP groups of
+    (`init_device_mesh(device, (dp * tp // ep, ep), mesh_dim_names=("edp", "ep"))`: EP groups of
     consecutive ranks, as Megatron folds them)."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or set(mesh.mesh_dim_names or ()) != {EDP, EP}:
         raise SpecError("expert_mesh must be a 2-D DeviceMesh with dimensions named 'edp' and 'ep' "
-                        "(init_device_mesh(device, (dp // ep, ep), mesh_dim_names=('edp', 'ep')))")
+                        "(init_device_mesh(device, (dp * tp // ep, ep), mesh_dim_names=('edp', 'ep')))")
     return mesh.get_group(EDP), mesh.get_group(EP)
+
+
+def expert_scale(dp: int, edp: int) -> tuple[int, int]:
+    """What the mean over EDP is multiplied by to make the global mean loss's gradient, `edp / dp`
+    (see the module docstring), as (numerator, denominator) in lowest terms: the reduced gradients
+    are multiplied by the first, then divided by the second (each skipped when 1), here and in the
+    single-process emulation (`canzona.harness.training.expert_global_gradients`)."""
+    g = math.gcd(edp, dp)
+    return edp // g, dp // g
+
+
+def apply_scale(t: Tensor, scale: tuple[int, int]) -> Tensor:
+    """`t` times `scale[0] / scale[1]` in place (`expert_scale`'s arithmetic)."""
+    num, den = scale
+    if num != 1:
+        t.mul_(num)
+    if den != 1:
+        t.div_(den)
+    return t
 
 
 class ExpertReduction(DPReduction):
     """The experts' gradient source: the mean over EDP (the routes and gathers of `DPReduction`),
-    then divided by `ep`, on this rank's part, as it lands (see the module docstring)."""
+    then scaled by `edp / dp` (`expert_scale`), on this rank's part, as it lands (see the module
+    docstring)."""
 
-    def __init__(self, edp: Comm, policy: StepPolicy, ep: int) -> None:
+    def __init__(self, edp: Comm, policy: StepPolicy, scale: tuple[int, int]) -> None:
         super().__init__(edp, policy)
-        self.ep = ep
+        self.scale = scale
 
     def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
         pending = super().launch(buffer, cuts, name)
@@ -79,7 +110,7 @@ class ExpertReduction(DPReduction):
         def scaled() -> None:
             if reduced is not None:
                 reduced()
-            segment.div_(self.ep)
+            apply_scale(segment, self.scale)
         pending.then = scaled
         return pending
 
@@ -177,16 +208,19 @@ class ExpertPart:
         self._owner.reset_master_weights()
 
 
-def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, edp: dist.ProcessGroup) -> None:
-    """What the runtime runs of expert parallelism (one SpecError otherwise, before any collective):
-    EP over the DP group of a model without TP, the expert mesh's sizes those of the DP group."""
-    if tp > 1:
-        raise SpecError("expert parallelism with a tensor-parallel dense part is not supported by the runtime yet "
-                        "(tp must be 1 where ep > 1)")
+def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, mesh: DeviceMesh, dense_ranks: Iterable[int]) -> None:
+    """What the runtime runs of expert parallelism (one SpecError otherwise, on every rank, before
+    any collective): EP x EDP folded over the dense part's `dp x tp` ranks (expert TP 1), the
+    expert mesh holding this rank's DP and TP groups (`dense_ranks`)."""
     edp_size = check_ep(spec, ep, dp, tp)
-    if dist.get_world_size(edp) != edp_size:
-        raise SpecError(f"the expert mesh is {dist.get_world_size(edp)} x {ep} (edp x ep), but the data-parallel "
-                        f"group has {dp} ranks: edp x ep must be dp")
+    shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    if shape[EDP] != edp_size:
+        raise SpecError(f"the expert mesh is {shape[EDP]} x {ep} (edp x ep), but the dense part's mesh has dp x tp = "
+                        f"{dp} x {tp} ranks: the expert mesh folds all of them, edp x ep = dp x tp (edp {edp_size})")
+    outside = sorted(set(dense_ranks) - set(mesh.mesh.flatten().tolist()))
+    if outside:
+        raise SpecError(f"the expert mesh does not hold rank(s) {outside} of this rank's data- and tensor-parallel "
+                        "groups: it must fold the same dp x tp ranks as the dense part's mesh")
 
 
 def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
@@ -194,11 +228,11 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
                       kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
                       device: torch.device) -> ExpertPart:
     """The experts' part of an optimizer: their buffers and hooks (reduced over EDP, scaled by
-    `1 / ep`), their schedule at TP 1 and its executor."""
+    `edp / dp`), their schedule at TP 1 and its executor."""
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, align, reduce_dtype, nonfinite="skip")
-    grads.source = ExpertReduction(edp, policy, ep.size)
+    grads.source = ExpertReduction(edp, policy, expert_scale(owner.dp, edp.size))
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
                            update_bytes=update_dtype.itemsize)

@@ -166,13 +166,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     not bit-identical (inductor reorders arithmetic), so keep it the same on every rank.
 
     `expert_mesh`: expert parallelism for a mixture-of-experts model (`canzona.runtime.expert_part`):
-    a 2-D `DeviceMesh` with dimensions named `edp` and `ep` over the DP group's ranks (EP groups of
-    consecutive ranks, as Megatron folds them; the one the model dispatches its tokens over). Each
-    rank then holds its EP rank's experts (stacks of `experts / ep`, under the model's names; `spec`
-    stays the whole model's): the dense part is planned and stepped over DP, the experts over
-    their EDP group, each expert matrix owned whole by one EDP rank, their gradients reduced over
-    EDP and scaled to the global mean; checkpoints keep the experts under the model's names (any EP
-    size loads them). Not yet under EP: TP, `overlap_step`, plan files (each one error).
+    a 2-D `DeviceMesh` with dimensions named `edp` and `ep` folding the dense part's `dp x tp`
+    ranks (Megatron's MoE parallel folding with expert TP 1: `init_device_mesh(device,
+    (dp * tp // ep, ep), mesh_dim_names=("edp", "ep"))`, EP groups of `ep` consecutive ranks; its
+    `ep` group is the one the model dispatches its tokens over, each TP rank its own share of its
+    DP rank's tokens). Each rank then holds its EP rank's experts whole (stacks of `experts / ep`,
+    under the model's names; `spec` stays the whole model's): the dense part is planned and stepped
+    over DP (x TP, its parameters this rank's TP shards as without EP), the experts over their EDP
+    group at TP 1, each expert matrix owned whole by one EDP rank, their gradients reduced over EDP
+    and scaled to the global mean loss's (`edp / dp` times the EDP mean); one step check covers
+    both parts (every expert gradient element counted once in the global norm). An expert mesh
+    whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. Checkpoints
+    keep the experts under the model's names (any EP size loads them). Not yet under EP:
+    `overlap_step`, plan files, and under EP x TP checkpoints (each one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
@@ -273,15 +279,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
         self._expert_comms: tuple[Comm, Comm] | None = None  # (EDP, EP)
         if self.ep > 1:
-            check_expert_layout(spec, self.ep, self.dp, self.tp, expert_pgs[0])
+            dp_ranks = dist.get_process_group_ranks(axes[DP]) if axes[DP] is not None else \
+                range(dist.get_world_size())
+            check_expert_layout(spec, self.ep, self.dp, self.tp, expert_mesh, [*dp_ranks, *(tp_ranks or ())])
             self._expert_comms = (Comm(expert_pgs[0], timeout_s, EDP, reduce_scatter=reduce_scatter),
                                   Comm(expert_pgs[1], timeout_s, EP))
         settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
                                 align=align, capacity=capacity, balance_by=balance_by)
         self.plan = self._resolve_plan(plan, settings, cost_model)
         # the experts of this EP rank, planned over EDP (TP 1)
-        self._expert_plan = plan_for(self._expert_spec, self.dp // self.ep, 1, self.optimizer, self.policy, settings,
-                                     cost_model) if self.ep > 1 else None
+        self._expert_plan = plan_for(self._expert_spec, self._expert_comms[0].size, 1, self.optimizer, self.policy,
+                                     settings, cost_model) if self.ep > 1 else None
         self._check_agreement(param_groups)
 
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
@@ -436,20 +444,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
         dense = [p for n, p in self.params.items() if n not in self._expert_names]
         dp_facts = {**shared, "TP rank": str(self.tp_rank), "initial parameters": _parameters_checksum(dense)}
+        error = None
         if self._expert_plan is not None:
-            # every DP rank, then the EDP ranks of each EP rank: the same experts, the same expert plan
-            self.comm.check_agreement({**dp_facts, "expert parallelism": f"ep {self.ep}"})
-            self._expert_comms[0].check_agreement({
+            # the EDP ranks of each EP rank: the same experts, the same expert plan (the verdict
+            # joins the dense part's below, so that every rank of the cluster fails together)
+            dp_facts["expert parallelism"] = f"ep {self.ep}"
+            error = self._expert_comms[0].agreement_error({
                 "expert plan": self._expert_plan.hash(),
                 "initial expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))})
-            return
+            if error is not None:
+                error = f"the expert-data-parallel group: {error}"
+        dp_error = self.comm.agreement_error(dp_facts)  # every rank calls it (a collective)
+        error = error or dp_error
         if self.tp_comm is None:
-            self.comm.check_agreement(dp_facts)
+            if self._expert_plan is not None:  # an EDP group's failure reaches the whole DP group
+                error = self.comm.spread_failure(error, "agreement verdict",
+                                                 "the agreement check of rank(s) {ranks} failed")
+            if error is not None:
+                raise PlanError(error)
             return
         # three rounds, so that every rank of the cluster ends with an error when any group fails
-        # (a DP group that failed alone would leave its TP peers waiting in the TP check)
-        error = self.comm.agreement_error(dp_facts)
-        replicated = [self.params[p.name] for p in self.spec.params if p.tp_dim is None]
+        # (a DP group that failed alone would leave its TP peers waiting in the TP check); the
+        # experts are not TP-replicated: the TP ranks of a DP rank may hold different EP ranks'
+        replicated = [self.params[p.name] for p in self.spec.params
+                      if p.tp_dim is None and p.name not in self._expert_names]
         tp_error = self.tp_comm.agreement_error({
             **shared, "DP rank": str(self.rank),
             "initial TP-replicated parameters": _parameters_checksum(replicated),
@@ -484,10 +502,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         digest = hyper_parameters_digest(self.param_groups)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm)
-        # the experts' checks over EDP first, then one global verdict over DP carrying their norm
+        # the experts' checks over EDP first, then one global verdict over DP (and TP) carrying
+        # their error and their share of the norm
         experts = self.experts.grads
-        experts.prepare(digest, max_norm)
-        return self.grads.prepare(digest, max_norm, more_norm=experts.norm_term)
+        problem = experts.part_verdict(digest, max_norm)
+        if problem is not None:
+            problem = f"the experts' step check over their expert-data-parallel group failed: {problem}"
+        return self.grads.prepare(digest, max_norm, more_norm=experts.norm_term, more_problem=problem)
 
     @property
     def nonfinite(self) -> str:

@@ -1,0 +1,241 @@
+"""Expert parallelism with a tensor-parallel dense part (issue 20; docs/design.md §2.7,
+`canzona/runtime/expert_part.py`): Megatron's MoE parallel folding with expert TP 1 at DP 2 x TP 2,
+the experts' EP groups of 2 and EDP groups of 2 folded over the 4 ranks (EP 4, EDP 1 too). The
+tiny MoE with attention (`tiny-moe-attn`, `reference/tiny_moe_ep.py`): q, k, v and the head
+column-parallel, o row-parallel, the embedding vocabulary-parallel, the router and norms
+replicated, each TP rank dispatching its share of its DP rank's tokens to the experts' EP ranks.
+
+- the global gradients the ranks' reductions assemble are the single-process model's global mean
+  loss's (within rounding): the experts' `edp / dp` scale is exact;
+- training is bit for bit what the same kernels compute in one process fed those gradients, and
+  within 1e-5 of the independent references, for Muon, NorMuon, SOAP, Shampoo and AdamW, with
+  accumulation and clipping, at EP 4, and on the attention-free `tiny-moe` (whose dense part is
+  AdamW's alone);
+- a NaN in one rank's expert gradient skips (or fails) the step on every rank, nothing updated;
+- an expert mesh that does not fold the dense mesh's ranks is one `SpecError` on every rank;
+- checkpoints taken at DP 2 x TP 2 x EP 2 (full and sharded) resume bit for bit at DP 4 x EP 2
+  (TP 1) and at TP 2 x EP 2 on 2 ranks.
+
+One spawn of 4 ranks runs every job, the NaN jobs and the refusal; one of 4 and one of 2 resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import tempfile
+from dataclasses import replace
+
+import pytest
+import torch
+
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    compare,
+    emulate,
+    expert_full_parameters,
+    global_batches,
+    global_gradients,
+    global_gradients_from,
+    held_by,
+    many_specs_worker,
+    reference_run,
+    torch_threads,
+)
+from tests.runtime.outcomes import outcome
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+WORLD, DP = 4, 2  # DP 2 x TP 2
+DEADLINE_S = 240.0
+MATRIX_CONFIG = {"muon": {"ns_dtype": "fp32"}, "normuon": {"ns_dtype": "fp32"},
+                 "soap": {"precondition_frequency": 2}, "shampoo": {"precondition_frequency": 2}, "adamw": {}}
+REL_TOL = 1e-5
+
+
+def spec_for(optimizer: str, **changes) -> TrainSpec:
+    base = TrainSpec(preset="tiny-moe-attn", optimizer=optimizer, tp=2, ep=2, steps=3, global_batch=8, seq_len=8,
+                     bucket_size=1024, matrix_config=dict(MATRIX_CONFIG[optimizer]))
+    return replace(base, **changes)
+
+
+JOBS = {
+    **{opt: spec_for(opt) for opt in MATRIX_CONFIG},
+    "habits": spec_for("muon", accumulation=2, global_batch=16, clip_norm=0.05, zero_grad="model"),
+    "ep4": spec_for("soap", ep=4),  # EDP 1: the experts' scale tp / ep = 1 / 2
+    "tiny-moe": spec_for("shampoo", preset="tiny-moe"),  # no attention: the dense part is AdamW's
+}
+SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 2 x TP 2 x EP 2
+RESUMED = ((4, 1), (2, 2))  # (world, tp) of the runs that load them, at EP 2
+
+
+def nonfinite_job(rank: int, world: int, policy: str) -> dict:
+    """The last rank's gradient of one expert stack is NaN at the second step (nothing else is)."""
+    from canzona.harness.training import micro_batches, parallel_model
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    spec = JOBS["muon"]
+    model, mspec, group, expert_mesh, dp_rank = parallel_model(spec, rank, world)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", spec.matrix_config, group=group,
+                               expert_mesh=expert_mesh, nonfinite=policy, reduce_scatter=spec.reduce_scatter,
+                               bucket_size=spec.bucket_size)
+    poisoned = [False]
+    if rank == world - 1:
+        stack = model.model.layers[1].mlp.experts.down_proj
+        stack.register_hook(lambda g: torch.full_like(g, math.nan) if poisoned[0] else g)
+    batches = [micro_batches(t, dp_rank, spec.dp_size(world), 1)[0] for t in global_batches(spec, 64)]
+
+    def step(tokens: torch.Tensor) -> None:
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.step()
+        opt.wait_params()
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    step(batches[0])
+    before = weights()
+    poisoned[0] = True
+    out = outcome(lambda: step(batches[1]))
+    poisoned[0] = False
+    out["unchanged"] = compare(weights(), before)["bit_identical"]
+    out["skipped"] = opt.skipped_steps
+    if out["error"] is None:  # skipped: training goes on
+        step(batches[2])
+        out["finite after"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def refusal_job(rank: int, world: int) -> dict:
+    """An expert mesh over the 4 ranks given with a dense group of 2 (dp x tp = 2, edp x ep = 4)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from reference.tiny_moe import MOE_PRESETS
+    from reference.tiny_moe_ep import TinyMoeEP
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, in order
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
+    out = outcome(lambda: DistributedOptimizer(model.named_parameters(), model.spec(), "muon",
+                                               group=pairs[rank // 2], expert_mesh=mesh))
+    dist.barrier()
+    return out
+
+
+def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict]) -> dict:
+    return {"jobs": many_specs_worker(rank, world, specs, extras),
+            "nan skip": nonfinite_job(rank, world, "skip"),
+            "nan raise": nonfinite_job(rank, world, "raise"),
+            "refusal": refusal_job(rank, world)}
+
+
+@functools.cache
+def runs() -> dict:
+    labels = list(JOBS)
+    folder = tempfile.mkdtemp(prefix="canzona-ep-tp-")
+    extras = [{"state_dict": label in SAVED, **({"save_sharded": os.path.join(folder, label)} if label in SAVED else {})}
+              for label in labels]
+    try:
+        results = run_ranks(everything_worker, WORLD, [JOBS[k] for k in labels], extras,
+                            deadline_s=DEADLINE_S, collective_timeout_s=60)
+        out = {label: [results[r]["jobs"][i] for r in range(WORLD)] for i, label in enumerate(labels)}
+        for key in ("nan skip", "nan raise", "refusal"):
+            out[key] = [results[r][key] for r in range(WORLD)]
+        for world, tp in RESUMED:
+            jobs = []
+            for opt in SAVED:
+                saved = (expert_full_parameters(out[opt], JOBS[opt]), out[opt][0]["state"])
+                later = replace(JOBS[opt], tp=tp, steps=2, data_seed=7)
+                jobs += [((world, tp, opt, "full"), later, {"load": saved, "state_dict": False}),
+                         ((world, tp, opt, "sharded"), later,
+                          {"load": (saved[0], os.path.join(folder, opt)), "state_dict": False})]
+            resumed = run_ranks(many_specs_worker, world, [s for _, s, _ in jobs], [e for _, _, e in jobs],
+                                deadline_s=DEADLINE_S, collective_timeout_s=60)
+            for i, (label, spec, extra) in enumerate(jobs):
+                out[label] = (spec, extra["load"][0], [resumed[r][i] for r in range(world)])
+    except Exception as e:  # noqa: BLE001 - replayed by every test that needs it
+        return {"error": e}
+    return out
+
+
+def run(label):
+    got = runs()
+    if "error" in got:
+        err = got["error"]
+        pytest.fail(f"a spawned group failed: {err}\n{getattr(err, 'trace', '')}")
+    return got[label]
+
+
+@pytest.mark.parametrize("label", ["muon", "ep4", "habits"])
+def test_the_reductions_make_the_global_mean_loss_gradient(label):
+    """Each step's assembled gradients against the single-process model's global gradients (fed
+    the weights each step started from: the emulation's, bit for bit the ranks')."""
+    spec = JOBS[label]
+    grads = global_gradients_from(run(label), spec)
+    with torch_threads():
+        model = build_model(spec)  # the first step's weights: the initial model
+        want, got = global_gradients(model, spec, global_batches(spec, 64)[0], DP)
+    assert set(grads[0][0]) == set(want) and grads[0][1] == got
+    for name, g in grads[0][0].items():
+        scale = want[name].abs().max().item() or 1.0
+        assert (g - want[name]).abs().max().item() <= 1e-6 * scale, name
+
+
+@pytest.mark.parametrize("label", list(JOBS))
+def test_expert_parallel_training_with_a_tp_dense_part_is_the_same_kernels_in_one_process(label):
+    spec = JOBS[label]
+    ranks = run(label)
+    grads = global_gradients_from(ranks, spec)
+    want = emulate(spec, DP, grads=grads)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], held_by(want, spec, res))
+        assert cmp["bit_identical"], f"{label}, rank {r} (EP rank {res['ep_rank']}, TP rank {res['tp_rank']}): {cmp}"
+    ref = reference_run(spec, DP, grads=grads)
+    for res in ranks:
+        cmp = compare(res["params"], held_by(ref, spec, res))
+        assert cmp["max_rel_diff"] <= REL_TOL, f"{label} against the references: {cmp}"
+
+
+def test_the_layout_folds_ep_over_dp_x_tp():
+    ranks = run("muon")
+    assert [(r["dp_rank"], r["tp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+    # the dense matrices owned over DP (their TP hosts beside), each expert matrix whole by one EDP rank
+    for j in range(2):
+        owned = [set(r["expert_owned"]) for r in ranks if r["ep_rank"] == j]
+        assert all(owned) and not owned[0] & owned[1], owned
+    assert any(r["owned"] for r in ranks)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_nan_expert_gradient_on_one_rank_is_one_verdict_on_every_rank(policy):
+    outs = run(f"nan {policy}")
+    for r, out in enumerate(outs):
+        assert out["unchanged"], f"rank {r} updated its weights from a NaN gradient"
+        if policy == "skip":
+            assert out["error"] is None and out["skipped"] == 1 and out["finite after"], (r, out)
+        else:
+            assert out["canzona"] and "global gradient norm is nan" in out["message"], (r, out)
+
+
+def test_an_expert_mesh_that_does_not_fold_the_dense_mesh_is_one_error_on_every_rank():
+    for out in run("refusal"):
+        assert out["error"] == "SpecError" and "edp x ep = dp x tp" in out["message"], out
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+@pytest.mark.parametrize("optimizer", SAVED)
+@pytest.mark.parametrize("world,tp", RESUMED)
+def test_a_checkpoint_under_ep_x_tp_resumes_at_another_layout_bit_for_bit(world, tp, optimizer, form):
+    spec, params, ranks = run((world, tp, optimizer, form))
+    saved = run(optimizer)
+    grads = global_gradients_from(ranks, spec)
+    want = emulate(spec, spec.dp_size(world), load=(params, saved[0]["state"]), grads=grads)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], held_by(want, spec, res))
+        assert cmp["bit_identical"], f"DP 2 x TP 2 x EP 2 -> {world} ranks at TP {tp}, rank {r}: {cmp}"
