@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from canzona.dp.policies import (
     keeps_geometry,
 )
 from canzona.errors import PlanError, SpecError
+from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import (
     dumps_json,
     is_finite_number,
@@ -56,6 +57,8 @@ from canzona.tp import (
 
 SCHEMA = "canzona.plan"
 PLAN_AXES = ("dp", "tp")  # the named parallel axes of a plan's `layout` (and the runtime's mesh)
+# the axes a plan of a mixture-of-experts model adds under expert parallelism (`Plan.experts`)
+EXPERT_AXES = ("ep", "etp")
 VERSION = 1
 MAX_DP = 65536  # planned in about half a second; far beyond any cluster a plan is made for
 MAX_TP = 1024  # TP groups live inside a node (and must divide the attention heads)
@@ -74,11 +77,20 @@ class Plan:
     cost_model: str
     dp_plan: DPPlan
     tp_plan: TPPlan
+    # under expert parallelism (`canzona.experts`): this plan is the dense part's, on DP x TP, and
+    # `experts` one EP rank's experts' on its own axes, EDP x ETP (its `dp` and `tp`)
+    experts: Plan | None = None
+    ep: int = 1
+
+    @property
+    def etp(self) -> int:
+        return self.experts.tp if self.experts is not None else 1
 
     @property
     def layout(self) -> dict[str, int]:
-        """The size of each named axis (`PLAN_AXES`), as the file records it."""
-        return {"dp": self.dp, "tp": self.tp}
+        """The size of each named axis (`PLAN_AXES`, and `EXPERT_AXES` under expert parallelism),
+        as the file records it."""
+        return {"dp": self.dp, "tp": self.tp, **({"ep": self.ep, "etp": self.etp} if self.experts else {})}
 
     @property
     def elementwise(self) -> bool:
@@ -113,7 +125,14 @@ class Plan:
         return hashlib.sha256(blob).hexdigest()
 
     def summary(self) -> dict[str, Any]:
-        """The `canzona plan --json` object."""
+        """The `canzona plan --json` object (under expert parallelism: the dense part's, with the
+        experts' under `experts`)."""
+        out = self._summary()
+        if self.experts is not None:
+            out.update(ep_size=self.ep, etp_size=self.etp, experts=self.experts._summary())
+        return out
+
+    def _summary(self) -> dict[str, Any]:
         d, t = self.dp_metrics, self.tp_plan.metrics
         return {
             "model": self.model,
@@ -159,6 +178,15 @@ def _capacity_dict(c: Capacity | None) -> dict[str, Any] | None:
 
 
 def _body(plan: Plan) -> dict[str, Any]:
+    """What a plan file holds, metrics aside (a plan without experts: exactly as before expert
+    parallelism, so its hash is unchanged)."""
+    body = _part_body(plan)
+    if plan.experts is not None:
+        body["experts"] = _part_body(plan.experts)
+    return body
+
+
+def _part_body(plan: Plan) -> dict[str, Any]:
     dpp, tpp = plan.dp_plan, plan.tp_plan
     return {
         "model": {"name": plan.model, "fingerprint": plan.fingerprint},
@@ -271,16 +299,28 @@ PLAN_DEFAULTS = PlanSettings()
 
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
-             expert_buckets: str = DEFAULT_EXPERT_BUCKETS, empty_ok: bool = False) -> Plan:
+             expert_buckets: str = DEFAULT_EXPERT_BUCKETS, empty_ok: bool = False, ep: int = 1, etp: int = 1,
+             hidden: int | None = None) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
     `canzona verify` and the simulator make a policy's plan. `expert_buckets`: how buckets of
     stacked expert matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`); the runtime plans with
     the default, and the simulator picks either for an EP rank's experts by simulated cost.
     `empty_ok`: a model without matrices gets a plan of no buckets (the dense part of a
-    mixture-of-experts model whose only matrices are its experts) instead of an error."""
+    mixture-of-experts model whose only matrices are its experts) instead of an error.
+
+    `ep` > 1 (expert parallelism, `canzona.experts`; `etp`: expert TP, which needs `hidden`): the
+    dense part's plan on DP x TP, holding one EP rank's experts' plan over EDP x ETP (`Plan.experts`),
+    both made by the same policies."""
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
     policy.check_optimizer(optimizer)
+    if ep > 1 or etp > 1:
+        edp = check_ep(model, ep, dp, tp, etp, hidden)
+        dense = plan_for(dense_part(model), dp, tp, optimizer, policy, settings, cost_model,
+                         expert_buckets=expert_buckets, empty_ok=True)
+        experts = plan_for(expert_part(model, ep, etp, hidden), edp, etp, optimizer, policy, settings, cost_model,
+                           expert_buckets=expert_buckets)
+        return replace(dense, experts=experts, ep=ep)
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
@@ -439,26 +479,43 @@ def _plan_from_dict(data: Any) -> Plan:
     version = data.get("version")
     if not _is_int(version) or version != VERSION:
         raise PlanError(f"plan: unsupported version {version!r} (this canzona reads version {VERSION})")
-    model = _get(data, "model", dict, "plan")
     layout = _get(data, "layout", dict, "plan")
+    unknown = sorted(set(layout) - set(PLAN_AXES) - set(EXPERT_AXES))
+    if unknown:
+        raise PlanError(f"layout: axis {unknown[0]!r} is not one this canzona plans for "
+                        f"({', '.join(PLAN_AXES + EXPERT_AXES)})")
+    plan = _part_from(data, {k: v for k, v in layout.items() if k in PLAN_AXES}, "plan")
+    if set(EXPERT_AXES) & set(layout) or "experts" in data:
+        ep, etp = (_get(layout, axis, int, "layout") for axis in EXPERT_AXES)
+        if not (2 <= ep <= MAX_DP and 1 <= etp <= MAX_TP):
+            raise PlanError(f"layout: ep must be in 2..{MAX_DP} and etp in 1..{MAX_TP}, got ep={ep} etp={etp}")
+        experts_body = _get(data, "experts", dict, "plan")
+        experts = _part_from(experts_body, _get(experts_body, "layout", dict, "experts"), "experts")
+        plan = replace(plan, experts=experts, ep=ep)
+    validate_plan(plan)
+    return plan
+
+
+def _part_from(data: dict[str, Any], layout: dict[str, Any], where: str) -> Plan:
+    """One part of a plan file (the whole plan, or the experts' under expert parallelism): its
+    model, axes, optimizer, cost model and DP and TP plans."""
+    model = _get(data, "model", dict, where)
     unknown = sorted(set(layout) - set(PLAN_AXES))
     if unknown:
-        raise PlanError(f"layout: axis {unknown[0]!r} is not one this canzona plans for ({', '.join(PLAN_AXES)})")
+        raise PlanError(f"{where}: layout axis {unknown[0]!r} is not one of {', '.join(PLAN_AXES)}")
     dp, tp = _get(layout, "dp", int, "layout"), _get(layout, "tp", int, "layout")
     if not (1 <= dp <= MAX_DP and 1 <= tp <= MAX_TP):
         raise PlanError(f"layout: dp must be in 1..{MAX_DP} and tp in 1..{MAX_TP}, got dp={dp} tp={tp}")
-    plan = Plan(
+    return Plan(
         _get(model, "name", str, "model"),
         _get(model, "fingerprint", str, "model"),
         dp,
         tp,
-        _get(data, "optimizer", str, "plan"),
-        _get(data, "cost_model", str, "plan"),
-        _dp_from(_get(data, "dp_plan", dict, "plan"), dp),
-        _tp_from(_get(data, "tp_plan", dict, "plan"), tp),
+        _get(data, "optimizer", str, where),
+        _get(data, "cost_model", str, where),
+        _dp_from(_get(data, "dp_plan", dict, where), dp),
+        _tp_from(_get(data, "tp_plan", dict, where), tp),
     )
-    validate_plan(plan)
-    return plan
 
 
 def validate_plan(plan: Plan, model: ModelSpec | None = None) -> None:
@@ -469,6 +526,18 @@ def validate_plan(plan: Plan, model: ModelSpec | None = None) -> None:
         raise PlanError(f"plan: {e}") from None
     _validate_dp(plan.dp_plan)
     _validate_tp(plan)
+    if plan.experts is not None:
+        e = plan.experts
+        if e.experts is not None:
+            raise PlanError("experts: an expert plan holds no experts of its own")
+        if e.optimizer != plan.optimizer:
+            raise PlanError(f"experts: planned for {e.optimizer}, the dense part for {plan.optimizer}")
+        if e.dp * plan.ep * e.tp != plan.dp * plan.tp:
+            raise PlanError(f"layout: edp x ep x etp = {e.dp} x {plan.ep} x {e.tp} must be the dp x tp = "
+                            f"{plan.dp} x {plan.tp} GPUs (canzona.experts)")
+        validate_plan(e)
+    elif plan.ep != 1:
+        raise PlanError(f"layout: ep={plan.ep} without an expert plan")
     if model is not None:
         check_plan_matches(plan, model)
 
@@ -535,10 +604,33 @@ def _validate_tp(plan: Plan) -> None:
                     raise PlanError(f"tp_plan: DP rank {r} has host {h} outside 0..{plan.tp - 1}")
 
 
-def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None) -> None:
+def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None, *,
+                       ep: int | None = None, hidden: int | None = None) -> None:
     """The plan was made for this model (and, if given, this layout); a mismatch says what differs.
     Given a layout (a job's, as the runtime checks its plan), a plan that splits expert stacks over
-    TP is refused: expert TP is planned and simulated only."""
+    TP is refused: expert TP is planned and simulated only. Under expert parallelism
+    (`plan.experts`) `model` is the whole model: its dense part is checked against the plan and one
+    EP rank's experts against the expert plan (`hidden`: the model's hidden size, which an expert
+    plan with expert TP needs to tell each matrix's split)."""
+    if ep is not None and plan.ep != ep:
+        raise PlanError(f"plan is for ep={plan.ep}, but the job has ep={ep}")
+    if plan.experts is None:
+        _check_part(plan, model, dp, tp)
+        return
+    job = dp is not None or tp is not None or ep is not None
+    if job and plan.etp > 1:
+        raise PlanError(f"plan has expert TP (etp={plan.etp}): expert tensor parallelism is planned and simulated, "
+                        "not run; a job holds each of its experts whole (etp 1)")
+    try:
+        check_ep(model, plan.ep, plan.dp, plan.tp, plan.etp, hidden)
+        experts = expert_part(model, plan.ep, plan.etp, hidden)
+    except SpecError as e:
+        raise PlanError(f"plan is for ep={plan.ep}, etp={plan.etp}: {e}") from None
+    _check_part(replace(plan, experts=None, ep=1), dense_part(model), dp, tp)
+    _check_part(plan.experts, experts, None, None)
+
+
+def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) -> None:
     detail = _placement_difference(plan, model)
     if plan.fingerprint != model.fingerprint():
         why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"

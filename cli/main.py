@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -185,9 +186,6 @@ def plan(
         hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
         edp = check_ep(model_spec, ep, dp, tp, etp, hidden)
         check_expert_buckets(expert_buckets)
-        if ep > 1 and out is not None:
-            raise SpecError("--out with --ep: plan files for expert parallelism are not written yet (the runtime "
-                            "does not run it); the tables show both plans")
         cap = parse_capacity(capacity)
         # the DP plan the optimizer's default step policy runs (AdamW: ZeRO-1's even segments)
         dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or PLAN_DEFAULTS.dp_policy
@@ -198,11 +196,12 @@ def plan(
         planned = [_plan_part(spec, part_dp, part_tp, optimizer, dp_policy, tp_policy, alpha, bucket_size, align,
                               cap, costs, balance_by, tables=not as_json, expert_buckets=expert_buckets)
                    for spec, part_dp, part_tp in parts]
+        # under expert parallelism one plan file: the dense part's plan holding the experts'
+        whole = planned[0][0] if ep == 1 else replace(planned[0][0], experts=planned[1][0], ep=ep)
         if out is not None:
-            planned[0][0].save(out)
+            whole.save(out)
         if as_json:
-            summaries = [chosen.summary() for chosen, _, _ in planned]
-            emit_json(summaries[0] if ep == 1 else {"dense": summaries[0], "experts": summaries[1]})
+            emit_json(whole.summary())
             return
     except CanzonaError as e:
         fail(str(e))
@@ -211,7 +210,7 @@ def plan(
         if tp_rows:
             console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
-        console.print(f"plan written to {out} (hash {planned[0][0].hash()[:12]})")
+        console.print(f"plan written to {out} (hash {whole.hash()[:12]})")
 
 
 def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,
@@ -250,24 +249,29 @@ def inspect(
     model: Annotated[str | None, typer.Option(help="Check the plan against this model: " + MODEL_HELP[0].lower() + MODEL_HELP[1:])] = None,
     dp: Annotated[int | None, typer.Option(help="Check the plan's DP size.")] = None,
     tp: Annotated[int | None, typer.Option(help="Check the plan's TP size.")] = None,
+    ep: Annotated[int | None, typer.Option(help="Check the plan's expert parallelism (1: none).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ) -> None:
     """Validate a plan file (optionally against a model and layout) and summarise it."""
     try:
         loaded = load_plan(path)
         if model is not None:
-            check_plan_matches(loaded, resolve_spec(model, loaded.tp), dp, tp)
-        elif dp is not None or tp is not None:
-            fail("--dp and --tp are checked together with --model")
+            # an expert plan with expert TP needs the hidden size to tell each matrix's split
+            hidden = resolve_model(model, loaded.tp)[1].hidden if loaded.etp > 1 else None
+            check_plan_matches(loaded, resolve_spec(model, loaded.tp), dp, tp, ep=ep, hidden=hidden)
+        elif dp is not None or tp is not None or ep is not None:
+            fail("--dp, --tp and --ep are checked together with --model")
     except CanzonaError as e:
         fail(str(e))
     if as_json:
         emit_json({**loaded.summary(), "hash": loaded.hash()})
         return
-    console.print(dp_table([loaded], loaded))
-    if not loaded.elementwise:
-        console.print(tp_table([loaded], loaded.tp_plan.policy))
-    console.print(f"{path}: valid plan, hash {loaded.hash()[:12]}")
+    for part in (loaded, loaded.experts) if loaded.experts is not None else (loaded,):
+        console.print(dp_table([part], part))
+        if not part.elementwise:
+            console.print(tp_table([part], part.tp_plan.policy))
+    console.print(f"{path}: valid plan{f' (EP {loaded.ep}: dense part, then experts)' if loaded.experts else ''}, "
+                  f"hash {loaded.hash()[:12]}")
 
 
 def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None:

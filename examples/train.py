@@ -13,6 +13,19 @@ split Megatron-style over the TP ranks (`reference.tiny_model_tp.TinyQwen3TP`) w
 data are synthetic Markov-chain tokens: step s uses the same global batch in every run and at every
 layout, DP rank r its rows `[r B / dp, (r + 1) B / dp)`.
 
+Mixture-of-experts (a `qwen3_moe` `config.json`, every layer sparse; TP 1): the model is the same
+decoder with top-k routed, stacked experts (`reference.tiny_qwen3_moe`). A plan made with `--ep N`
+runs it under expert parallelism (`--ep`, if given, must be the plan's): the DP ranks form EP
+groups of N consecutive ranks, each holding experts / N of every layer (tokens dispatched to them by
+all-to-alls), and `DistributedOptimizer` steps the dense part over DP and the experts over their
+expert-data-parallel groups, as the plan's two parts say:
+
+    canzona plan --model moe/config.json --dp 4 --ep 2 --out plan.json
+    torchrun --nproc-per-node 4 examples/train.py --model moe/config.json --plan plan.json --ep 2 --steps 20
+
+Checkpoints hold each expert stack as a DTensor sharded over the EP ranks, so a run at another EP
+size (or none) resumes from them.
+
 A checkpoint (`--save DIR` writes `DIR/step_K`) is one `torch.distributed.checkpoint`: the weights
 (under TP as DTensors over the mesh's `tp` dimension, so any TP size reads them), the optimizer's
 sharded state (each rank writes what it holds) and the run's settings. It is saved with
@@ -142,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=str(DEFAULT_MODEL),
                     help="the model the plan was made for: a Qwen3 config.json or a catalog name "
                          "(default: examples/tiny_qwen3/config.json)")
+    ap.add_argument("--ep", type=number(int), default=None,
+                    help="expert parallelism of a mixture-of-experts model; the plan fixes it (default: the plan's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cpu (gloo) or cuda (NCCL, one GPU per rank by LOCAL_RANK)")
     ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
@@ -185,7 +200,8 @@ class Job:
     local_rank: int
     plan: Plan
     spec: ModelSpec
-    model_cfg: Any  # reference.tiny_model.TinyQwen3Config
+    model_cfg: Any  # reference.tiny_model.TinyQwen3Config (of a mixture of experts: its decoder's)
+    experts: Any = None  # a mixture of experts' canzona.decoder.DecoderConfig; None: a dense Qwen3
     resume: Path | None  # the checkpoint folder, verified by `with_checkpoint` before it is read
     manifest: Manifest | None = None  # the verified checkpoint's
     start: int = 0  # the step the run starts from (the checkpoint's)
@@ -199,6 +215,10 @@ class Job:
     def tp(self) -> int:
         return self.plan.tp
 
+    @property
+    def ep(self) -> int:
+        return self.plan.ep
+
 
 def launched_world() -> tuple[int, int, int]:
     try:
@@ -209,22 +229,24 @@ def launched_world() -> tuple[int, int, int]:
 
 
 def tiny_config(model: str, seq_len: int):
-    """The Qwen3 the script builds from `model`, checked to be one it can build."""
+    """The Qwen3 the script builds from `model`, checked to be one it can build: its
+    `TinyQwen3Config` (of a Qwen3-MoE: the decoder's), and a Qwen3-MoE's `DecoderConfig` (None for a
+    dense Qwen3)."""
     from reference.tiny_model import TinyQwen3Config
 
     source = read_model(model)
     cfg = source.config
     if cfg is None:
         what = "a spec file (no configuration to build the model from)"
-    elif cfg.family != "qwen3":
+    elif cfg.family not in ("qwen3", "qwen3_moe"):
         what = f"a {cfg.family} model"
     elif cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         what = "a Qwen3 with biases"
     else:
         what = None
     if what is not None:
-        raise SpecError(f"{model}: this script builds Qwen3 models (a qwen3 config.json or a catalog name), "
-                        f"not {what}")
+        raise SpecError(f"{model}: this script builds Qwen3 and Qwen3-MoE models (a qwen3 or qwen3_moe config.json "
+                        f"or a catalog name), not {what}")
     extra: dict[str, Any] = {"max_seq_len": seq_len}  # a catalog model: rotary positions have no limit
     if source.kind == "hf-config":  # sizes the planner does not need, as the config gives them
         raw = json.loads(Path(source.path).read_text())
@@ -232,12 +254,17 @@ def tiny_config(model: str, seq_len: int):
                           ("max_position_embeddings", "max_seq_len")):
             if raw.get(key) is not None:
                 extra[name] = raw[key]
-    tiny = TinyQwen3Config(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, q_heads=cfg.q_heads,
-                           kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
-                           tied_embeddings=cfg.tied_embeddings, name=cfg.name, **extra)
+    if cfg.experts:
+        from reference.tiny_qwen3_moe import TinyQwen3Moe
+
+        tiny = TinyQwen3Moe.decoder_config(cfg, extra)  # refuses what the Qwen3-MoE model does not build
+    else:
+        tiny = TinyQwen3Config(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, q_heads=cfg.q_heads,
+                               kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
+                               tied_embeddings=cfg.tied_embeddings, name=cfg.name, **extra)
     if seq_len > tiny.max_seq_len:
         raise SpecError(f"--seq-len {seq_len} is longer than the model's {tiny.max_seq_len} positions")
-    return tiny
+    return tiny, (cfg if cfg.experts else None)
 
 
 def prepare(args: argparse.Namespace) -> Job:
@@ -248,13 +275,20 @@ def prepare(args: argparse.Namespace) -> Job:
         raise PlanError(f"{args.plan} is a plan for dp {plan.dp} x tp {plan.tp} = {plan.dp * plan.tp} ranks, "
                         f"but torchrun started {world}: launch {plan.dp * plan.tp} ranks, or make a plan "
                         f"for {world} (canzona plan --dp ... --tp ... --out)")
-    model_cfg = tiny_config(args.model, args.seq_len)
+    if args.ep is not None and args.ep != plan.ep:
+        raise PlanError(f"--ep {args.ep}, but {args.plan} is a plan for ep {plan.ep}: make a plan with --ep "
+                        f"{args.ep} (canzona plan --ep {args.ep} --out), or leave --ep out")
+    model_cfg, experts = tiny_config(args.model, args.seq_len)
+    if experts is not None and plan.tp > 1:
+        raise SpecError(f"{args.model}: the Qwen3-MoE model is built at tp 1 (its attention is not split), but the "
+                        f"plan has tp {plan.tp}")
     spec = resolve_spec(args.model, plan.tp)  # as `canzona plan --model` read it: the same fingerprint
     try:
-        check_plan_matches(plan, spec)
+        check_plan_matches(plan, spec, ep=args.ep)
         policy = get_step_policy(POLICY)
-        policy.check_dp_plan(plan.dp_plan)
-        policy.check_tp_plan(plan.tp_plan.policy, plan.tp)
+        for part in (plan, plan.experts) if plan.experts is not None else (plan,):
+            policy.check_dp_plan(part.dp_plan)
+            policy.check_tp_plan(part.tp_plan.policy, part.tp)
     except CanzonaError as e:
         raise PlanError(f"{args.plan}: {e}") from None
     if args.batch % plan.dp:
@@ -269,7 +303,7 @@ def prepare(args: argparse.Namespace) -> Job:
         check_output_folder(args.save, "--save")
     resume = find_checkpoint(args.resume) if args.resume is not None else None
     return Job(rank=rank, world=world, local_rank=local_rank, plan=plan, spec=spec, model_cfg=model_cfg,
-               resume=resume)
+               experts=experts, resume=resume)
 
 
 def find_checkpoint(path: str) -> Path:
@@ -348,12 +382,17 @@ def lr_factor(step: int, steps: int, warmup: float) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_model(job: Job, mesh, seed: int, device: torch.device) -> torch.nn.Module:
-    """Every rank builds the same weights; under TP each keeps its shards."""
+def build_model(job: Job, mesh, expert_mesh, seed: int, device: torch.device) -> torch.nn.Module:
+    """Every rank builds the same weights; under TP each keeps its shards, under EP its experts."""
     from reference.tiny_model import TinyQwen3
     from reference.tiny_model_tp import TinyQwen3TP
+    from reference.tiny_qwen3_moe import TinyQwen3Moe
 
-    if job.tp == 1:
+    if job.experts is not None:
+        c = job.model_cfg
+        model = TinyQwen3Moe(job.experts, ep_group=expert_mesh.get_group("ep") if expert_mesh is not None else None,
+                             seed=seed, rope_theta=c.rope_theta, rms_eps=c.rms_eps, max_seq_len=c.max_seq_len)
+    elif job.tp == 1:
         model = TinyQwen3(job.model_cfg, seed=seed)
     else:
         model = TinyQwen3TP(job.model_cfg, mesh.get_group("tp"), seed=seed)
@@ -366,7 +405,7 @@ def hyper_flags(job: Job, args: argparse.Namespace) -> dict[str, Any]:
     return {**{k: getattr(args, k) for k in HYPER_FLAGS}, "lr": lr}
 
 
-def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Namespace):
+def build_optimizer(job: Job, model: torch.nn.Module, mesh, expert_mesh, args: argparse.Namespace):
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
 
@@ -375,7 +414,8 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, args: argparse.Names
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
     return DistributedOptimizer(groups, job.spec, job.plan.optimizer, {"lr": hyper_flags(job, args)["lr"]},
                                 {"lr": args.adamw_lr}, plan=job.plan, policy=POLICY, group=mesh,
-                                timeout_s=args.timeout, reduce_scatter=args.reduce_scatter, nonfinite=args.nonfinite)
+                                timeout_s=args.timeout, reduce_scatter=args.reduce_scatter, nonfinite=args.nonfinite,
+                                expert_mesh=expert_mesh)
 
 
 def hyper_parameters(opt) -> list[dict[str, Any]]:
@@ -399,18 +439,23 @@ def schedule(opt, args: argparse.Namespace, start: int) -> torch.optim.lr_schedu
                                              last_epoch=start - 1)
 
 
-def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
+def weights(job: Job, model: torch.nn.Module, mesh, expert_mesh) -> dict[str, torch.Tensor]:
     """The model's weights as checkpoint entries: plain tensors at TP 1; under TP, each rank's shard
-    as a DTensor over the mesh's `tp` dimension, so that any TP size can read them. They share
-    storage with the parameters: loading writes into the model."""
+    as a DTensor over the mesh's `tp` dimension, so that any TP size can read them; under EP, each
+    expert stack's experts of this rank as a DTensor sharded over the expert mesh's `ep`
+    dimension, so that any EP size can read them. They share storage with the parameters: loading
+    writes into the model."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     from canzona.runtime.modules import named_parameters
 
+    stacks = {p.name for p in job.spec.stacks}
     out = {}
     for name, p in named_parameters(model):
         t = p.detach()
-        if job.tp > 1:
-            from torch.distributed.tensor import DTensor, Replicate, Shard
-
+        if expert_mesh is not None and name in stacks:
+            t = DTensor.from_local(t, expert_mesh["ep"], [Shard(0)], run_check=False)
+        elif job.tp > 1:
             d = job.spec.param(name).tp_dim
             t = DTensor.from_local(t, mesh["tp"], [Replicate() if d is None else Shard(d)], run_check=False)
         out[f"model/{name}"] = t
@@ -419,38 +464,43 @@ def weights(job: Job, model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
 
 def run_settings(job: Job, args: argparse.Namespace, step: int) -> str:
     return json.dumps({"step": step, "model": job.spec.name, "fingerprint": job.spec.fingerprint(),
-                       "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp,
+                       "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp, "ep": job.ep,
                        **{k: getattr(args, k) for k in SAME_DATA}, "flags": hyper_flags(job, args)})
 
 
 def manifest_info(job: Job, step: int) -> dict[str, Any]:
     """What `verify_checkpoint` can check before reading anything (the writer's layout, for people)."""
     return {"step": step, "model": job.spec.name, "fingerprint": job.spec.fingerprint(),
-            "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp}
+            "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp, "ep": job.ep}
 
 
 def train(job: Job, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from reference.data import synthetic_batches
 
     device = torch.device("cuda", job.local_rank) if args.device == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (job.dp, job.tp), mesh_dim_names=("dp", "tp"))
+    # expert parallelism: EP groups of ep consecutive DP ranks (the optimizer's expert_mesh)
+    expert_mesh = init_device_mesh(device.type, (job.dp // job.ep, job.ep), mesh_dim_names=("edp", "ep")) \
+        if job.ep > 1 else None
     dp_rank = mesh.get_local_rank("dp")
     dp_group = mesh.get_group("dp")
     say = print if job.rank == 0 else (lambda *a, **k: None)
 
-    model = build_model(job, mesh, args.seed, device)
-    opt = build_optimizer(job, model, mesh, args)
+    model = build_model(job, mesh, expert_mesh, args.seed, device)
+    opt = build_optimizer(job, model, mesh, expert_mesh, args)
     chosen = hyper_parameters(opt)  # the command line's, before a checkpoint's are loaded
     params = sum(p.numel for p in job.spec.params)
-    say(f"plan {args.plan}: {job.plan.optimizer}, dp {job.dp} x tp {job.tp}, hash {job.plan.hash()[:12]}; "
+    layout = f"dp {job.dp} x tp {job.tp}" + (f", ep {job.ep}" if job.ep > 1 else "")
+    say(f"plan {args.plan}: {job.plan.optimizer}, {layout}, hash {job.plan.hash()[:12]}; "
         f"model {job.spec.name} ({params:,} parameters); {job.world} ranks on {args.device} "
         f"({dist.get_backend()})", flush=True)
 
     if job.resume is not None:
         reader = SafeFileSystemReader(job.resume, job.manifest)
-        dcp.load(weights(job, model, mesh), storage_reader=reader)  # into the parameters
+        dcp.load(weights(job, model, mesh, expert_mesh), storage_reader=reader)  # into the parameters
         opt.load_sharded_state_dict(reader)  # the pieces this rank's layout needs
         for group, mine in zip(opt.param_groups, chosen):  # loading restored the checkpoint's
             group.update(mine)
@@ -489,15 +539,15 @@ def train(job: Job, args: argparse.Namespace) -> None:
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             saved = Path(args.save) / f"step_{done}"
             opt.wait_params()  # the step's parameter all-gathers run under the next forward
-            save_checkpoint({**weights(job, model, mesh), RUN_KEY: run_settings(job, args, done),
+            save_checkpoint({**weights(job, model, mesh, expert_mesh), RUN_KEY: run_settings(job, args, done),
                              **opt.sharded_state_dict()}, saved, manifest_info=manifest_info(job, done))
             say(f"saved {saved}", flush=True)
 
     if args.out:
         opt.wait_params()
         full = {}
-        for key, t in weights(job, model, mesh).items():
-            full[key[len("model/"):]] = (t.full_tensor() if job.tp > 1 else t).detach().cpu().clone()
+        for key, t in weights(job, model, mesh, expert_mesh).items():
+            full[key[len("model/"):]] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
         if job.rank == 0:
             write_final_weights(args.out, full, saved)
             say(f"final weights written to {args.out}", flush=True)

@@ -176,9 +176,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     group at TP 1, each expert matrix owned whole by one EDP rank, their gradients reduced over EDP
     and scaled to the global mean loss's (`edp / dp` times the EDP mean); one step check covers
     both parts (every expert gradient element counted once in the global norm). An expert mesh
-    whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. Checkpoints
-    keep the experts under the model's names (any EP size loads them). Not yet under EP:
-    `overlap_step`, plan files, and under EP x TP checkpoints (each one error).
+    whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. A plan
+    (file) under EP is the dense part's holding the experts' (`Plan.experts`). Checkpoints keep the
+    experts under the model's names (any EP size, TP size or DP size loads them). Not yet under EP:
+    `overlap_step` (one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
@@ -249,12 +250,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # expert parallelism: the experts' EDP and EP groups (canzona.runtime.expert_part)
         expert_pgs = expert_groups(expert_mesh) if expert_mesh is not None else None
         self.ep = dist.get_world_size(expert_pgs[1]) if expert_pgs is not None else 1
-        if self.ep > 1:
-            if plan is not None:
-                raise SpecError("a plan file under expert parallelism is not supported yet: leave plan out (the "
-                                "optimizer plans the dense part and the experts itself)")
-            if overlap_step:
-                raise SpecError("overlap_step under expert parallelism is not supported yet")
+        if self.ep > 1 and overlap_step:
+            raise SpecError("overlap_step under expert parallelism is not supported yet")
         # the model as this rank holds it: under EP its stacks hold this EP rank's experts
         self._dense_spec = dense_part(spec) if self.ep > 1 else spec
         self._expert_spec = expert_part(spec, self.ep) if self.ep > 1 else None
@@ -286,10 +283,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   Comm(expert_pgs[1], timeout_s, EP))
         settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
                                 align=align, capacity=capacity, balance_by=balance_by)
+        # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
         self.plan = self._resolve_plan(plan, settings, cost_model)
-        # the experts of this EP rank, planned over EDP (TP 1)
-        self._expert_plan = plan_for(self._expert_spec, self._expert_comms[0].size, 1, self.optimizer, self.policy,
-                                     settings, cost_model) if self.ep > 1 else None
+        self._expert_plan = self.plan.experts
         self._check_agreement(param_groups)
 
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
@@ -412,16 +408,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _resolve_plan(self, plan: Plan | str | Path | None, settings: PlanSettings,
                       cost_model: CostModel | None) -> Plan:
         if plan is None:
-            plan = plan_for(self._dense_spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
-                            empty_ok=self.ep > 1)
+            plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
+                            ep=self.ep)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
-        check_plan_matches(plan, self._dense_spec, dp=self.dp, tp=self.tp)
+        check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp, ep=self.ep)
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
         try:
-            self.policy.check_dp_plan(plan.dp_plan)
-            self.policy.check_tp_plan(plan.tp_plan.policy, plan.tp)
+            for part in (plan, plan.experts) if plan.experts is not None else (plan,):
+                self.policy.check_dp_plan(part.dp_plan)
+                self.policy.check_tp_plan(part.tp_plan.policy, part.tp)
         except SpecError as e:
             raise PlanError(str(e)) from None
         return plan

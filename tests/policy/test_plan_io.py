@@ -428,9 +428,81 @@ def test_the_layout_names_its_axes_and_refuses_unknown_ones(tmp_path):
     assert plan.layout == {"dp": 4, "tp": 2} and tuple(plan.layout) == PLAN_AXES
     data = json.loads(plan.to_json())
     assert data["layout"] == plan.layout
-    data["layout"]["ep"] = 2  # an axis of a later canzona (expert parallelism)
-    with pytest.raises(PlanError, match="layout: axis 'ep' is not one this canzona plans for"):
+    data["layout"]["cp"] = 2  # an axis of a later canzona (context parallelism)
+    with pytest.raises(PlanError, match="layout: axis 'cp' is not one this canzona plans for"):
         plan_from_dict(data)
+    del data["layout"]["cp"]
+    data["layout"]["ep"] = 2  # expert parallelism without the experts' plan
+    with pytest.raises(PlanError, match="layout: missing field 'etp'"):
+        plan_from_dict(data)
+    data["layout"]["etp"] = 1
+    with pytest.raises(PlanError, match="plan: missing field 'experts'"):
+        plan_from_dict(data)
+
+
+# --- expert parallelism: one file, the dense part's plan holding the experts' -----------------
+
+
+def _ep_plan(optimizer: str = "muon", **kw) -> Plan:
+    from canzona.plan import plan_for
+
+    return plan_for(get_model("qwen3-30b-a3b", 2), 8, 2, optimizer, "canzona", ep=4, **kw)
+
+
+def test_an_expert_parallel_plan_round_trips_and_names_its_axes():
+    from canzona.experts import dense_part, expert_part
+
+    plan = _ep_plan()
+    assert plan.layout == {"dp": 8, "tp": 2, "ep": 4, "etp": 1}
+    assert (plan.experts.dp, plan.experts.tp, plan.experts.layout) == (4, 1, {"dp": 4, "tp": 1})  # EDP 8 x 2 / 4
+    model = get_model("qwen3-30b-a3b", 2)
+    assert plan.fingerprint == dense_part(model).fingerprint()
+    assert plan.experts.fingerprint == expert_part(model, 4).fingerprint()
+    back = plan_from_json(plan.to_json())
+    assert back == plan and back.hash() == plan.hash()
+    # the hash covers the experts' plan: two plans that differ only there differ
+    other = _ep_plan(expert_buckets="dp-multiple")
+    assert other.dp_plan == plan.dp_plan and other.experts != plan.experts and other.hash() != plan.hash()
+    summary = plan.summary()
+    assert (summary["ep_size"], summary["etp_size"], summary["experts"]["dp_size"]) == (4, 1, 4)
+    check_plan_matches(back, model, dp=8, tp=2, ep=4)
+
+
+def test_a_dense_plan_file_is_unchanged_by_expert_parallelism():
+    plan = make_plan(get_model("qwen3-0.6b", 2), 4, 2)
+    data = json.loads(plan.to_json())
+    assert "experts" not in data and set(data["layout"]) == {"dp", "tp"} and plan.ep == 1 and plan.etp == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["layout"].update(ep=1), "layout: ep must be in 2.."),
+    (lambda d: d["layout"].update(ep=8), "edp x ep x etp = 4 x 8 x 1 must be the dp x tp = 8 x 2 GPUs"),
+    (lambda d: d["experts"].update(optimizer="soap"), "experts: planned for soap, the dense part for muon"),
+    (lambda d: d["experts"]["layout"].update(ep=2), "experts: layout axis 'ep' is not one of dp, tp"),
+    (lambda d: d["experts"]["dp_plan"]["buckets"][0]["params"][0].__setitem__(5, 99), "outside 0..3"),
+    (lambda d: d.pop("experts"), "plan: missing field 'experts'"),
+])
+def test_a_damaged_expert_parallel_plan_is_one_error(change, message):
+    data = json.loads(_ep_plan().to_json())
+    change(data)
+    with pytest.raises(PlanError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        plan_from_dict(data)
+
+
+def test_an_expert_parallel_plan_is_checked_against_the_whole_model_and_the_job():
+    plan = _ep_plan()
+    model = get_model("qwen3-30b-a3b", 2)
+    with pytest.raises(PlanError, match="plan is for ep=4, but the job has ep=2"):
+        check_plan_matches(plan, model, dp=8, tp=2, ep=2)
+    with pytest.raises(PlanError, match="plan is for ep=1, but the job has ep=4"):
+        check_plan_matches(make_plan(model, 8, 2), model, dp=8, tp=2, ep=4)
+    with pytest.raises(PlanError, match="has no experts"):
+        check_plan_matches(plan, get_model("qwen3-8b", 2))
+    # expert TP is planned and simulated: a job refuses it
+    etp = _ep_plan(etp=2, hidden=2048)
+    check_plan_matches(etp, model, hidden=2048)
+    with pytest.raises(PlanError, match="expert TP \\(etp=2\\)"):
+        check_plan_matches(etp, model, dp=8, tp=2, ep=4)
 
 
 def test_the_runtime_mesh_holds_one_communicator_per_named_axis():

@@ -159,14 +159,16 @@ def test_plan_under_ep_plans_the_dense_part_and_the_experts_with_the_same_polici
     result = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4", "--json")
     assert result.exit_code == 0, result.stdout
     both = json.loads(result.stdout)
-    assert (both["dense"]["dp_size"], both["dense"]["tp_size"]) == (8, 2)
+    # the dense part's plan, holding the experts' (one plan file)
+    assert (both["dp_size"], both["tp_size"], both["ep_size"], both["etp_size"]) == (8, 2, 4, 1)
     assert (both["experts"]["dp_size"], both["experts"]["tp_size"]) == (4, 1)  # EDP = 8 x 2 / 4
-    assert both["experts"]["dp"]["policy"] == both["dense"]["dp"]["policy"] == "alpha-balanced-reorder"
+    assert both["experts"]["dp"]["policy"] == both["dp"]["policy"] == "alpha-balanced-reorder"
     tables = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4")
     assert tables.exit_code == 0 and "experts / ep 4, dp=4, tp=1" in tables.stdout.replace("\n", " ")
-    error_line(invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4",
-                      "--out", str(tmp_path / "p.json")), "plan files for expert parallelism are not written yet")
-    assert not (tmp_path / "p.json").exists()
+    written = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "2", "--ep", "4", "--json",
+                     "--out", str(tmp_path / "p.json"))
+    assert written.exit_code == 0 and json.loads(written.stdout) == both
+    assert json.loads((tmp_path / "p.json").read_text())["layout"] == {"dp": 8, "tp": 2, "ep": 4, "etp": 1}
     error_line(invoke("plan", "--model", "qwen3-8b", "--dp", "8", "--tp", "2", "--ep", "2"), "has no experts")
 
 
