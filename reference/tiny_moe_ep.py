@@ -178,7 +178,12 @@ class TinyMoeEP(nn.Module):
     def _split_dense(self, tp: dist.ProcessGroup) -> None:
         """The dense layers over TP, Megatron style (`reference.tiny_model_tp`'s layers), as
         `reference.tiny_moe.TP_DIMS` says."""
-        from reference.tiny_model_tp import ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, VocabParallelEmbedding
+        from reference.tiny_model_tp import (
+            ColumnParallelLinear,
+            HeadRMSNorm,
+            RowParallelLinear,
+            VocabParallelEmbedding,
+        )
 
         for layer in self.model.layers:
             attn = getattr(layer, "self_attn", None)

@@ -17,7 +17,6 @@ three more resume from its checkpoints.
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from dataclasses import replace
 
@@ -29,12 +28,12 @@ from canzona.harness.training import (
     build_model,
     compare,
     emulate,
-    expert_full_parameters,
     expert_global_gradients,
     expert_local,
     many_specs_worker,
     reference_run,
 )
+from tests.runtime.expert_runs import checkpoint_extras, replay, resumed_runs
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -100,8 +99,7 @@ RESUMED = ((4, 4), (2, 1), (4, 2))  # (world, ep) of the runs that load them
 def runs() -> dict:
     labels = list(JOBS)
     folder = tempfile.mkdtemp(prefix="canzona-ep-")
-    extras = [{"state_dict": label in SAVED, **({"save_sharded": os.path.join(folder, label)} if label in SAVED else {})}
-              for label in labels]
+    extras = checkpoint_extras(labels, SAVED, folder)
     try:
         results = run_ranks(many_specs_worker, WORLD, [JOBS[k] for k in labels], extras,
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
@@ -109,28 +107,14 @@ def runs() -> dict:
         out = {label: [results[r][i] for r in range(WORLD)] for i, label in enumerate(labels)}
         out["refusals"] = refused
         for world, ep in RESUMED:
-            jobs = []
-            for opt in SAVED:
-                saved = (expert_full_parameters(out[opt], JOBS[opt]), out[opt][0]["state"])
-                later = replace(JOBS[opt], ep=ep, steps=2, data_seed=7, bucket_size=None)
-                jobs += [((world, ep, opt, "full"), later, {"load": saved, "state_dict": False}),
-                         ((world, ep, opt, "sharded"), later,
-                          {"load": (saved[0], os.path.join(folder, opt)), "state_dict": False})]
-            resumed = run_ranks(many_specs_worker, world, [s for _, s, _ in jobs], [e for _, _, e in jobs],
-                                deadline_s=DEADLINE_S, collective_timeout_s=60)
-            for i, (label, spec, extra) in enumerate(jobs):
-                out[label] = (spec, extra["load"][0], [resumed[r][i] for r in range(world)])
+            out.update(resumed_runs(out, JOBS, SAVED, folder, world, (world, ep), DEADLINE_S, ep=ep, bucket_size=None))
     except Exception as e:  # noqa: BLE001 - replayed by every test that needs it
         return {"error": e}
     return out
 
 
 def run(label):
-    got = runs()
-    if "error" in got:
-        err = got["error"]
-        pytest.fail(f"a spawned group failed: {err}\n{getattr(err, 'trace', '')}")
-    return got[label]
+    return replay(runs(), label)
 
 
 @pytest.mark.parametrize("label", list(JOBS))

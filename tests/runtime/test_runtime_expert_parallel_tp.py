@@ -6,7 +6,8 @@ column-parallel, o row-parallel, the embedding vocabulary-parallel, the router a
 replicated, each TP rank dispatching its share of its DP rank's tokens to the experts' EP ranks.
 
 - the global gradients the ranks' reductions assemble are the single-process model's global mean
-  loss's (within rounding): the experts' `edp / dp` scale is exact;
+  loss's (within rounding): the experts' `edp / dp` scale is exact; the global gradient norm on
+  every rank is theirs, every element counted once;
 - training is bit for bit what the same kernels compute in one process fed those gradients, and
   within 1e-5 of the independent references, for Muon, NorMuon, SOAP, Shampoo and AdamW, with
   accumulation and clipping, at EP 4, and on the attention-free `tiny-moe` (whose dense part is
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import tempfile
 from dataclasses import replace
 
@@ -36,7 +36,6 @@ from canzona.harness.training import (
     build_model,
     compare,
     emulate,
-    expert_full_parameters,
     global_batches,
     global_gradients,
     global_gradients_from,
@@ -45,6 +44,7 @@ from canzona.harness.training import (
     reference_run,
     torch_threads,
 )
+from tests.runtime.expert_runs import checkpoint_extras, replay, resumed_runs
 from tests.runtime.outcomes import outcome
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
@@ -65,7 +65,7 @@ def spec_for(optimizer: str, **changes) -> TrainSpec:
 JOBS = {
     **{opt: spec_for(opt) for opt in MATRIX_CONFIG},
     "habits": spec_for("muon", accumulation=2, global_batch=16, clip_norm=0.05, zero_grad="model"),
-    "ep4": spec_for("soap", ep=4),  # EDP 1: the experts' scale tp / ep = 1 / 2
+    "ep4": spec_for("soap", ep=4, clip_norm=0.05),  # EDP 1: the experts' scale tp / ep = 1 / 2
     "tiny-moe": spec_for("shampoo", preset="tiny-moe"),  # no attention: the dense part is AdamW's
 }
 SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 2 x TP 2 x EP 2
@@ -139,8 +139,7 @@ def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: lis
 def runs() -> dict:
     labels = list(JOBS)
     folder = tempfile.mkdtemp(prefix="canzona-ep-tp-")
-    extras = [{"state_dict": label in SAVED, **({"save_sharded": os.path.join(folder, label)} if label in SAVED else {})}
-              for label in labels]
+    extras = checkpoint_extras(labels, SAVED, folder)
     try:
         results = run_ranks(everything_worker, WORLD, [JOBS[k] for k in labels], extras,
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
@@ -148,28 +147,14 @@ def runs() -> dict:
         for key in ("nan skip", "nan raise", "refusal"):
             out[key] = [results[r][key] for r in range(WORLD)]
         for world, tp in RESUMED:
-            jobs = []
-            for opt in SAVED:
-                saved = (expert_full_parameters(out[opt], JOBS[opt]), out[opt][0]["state"])
-                later = replace(JOBS[opt], tp=tp, steps=2, data_seed=7)
-                jobs += [((world, tp, opt, "full"), later, {"load": saved, "state_dict": False}),
-                         ((world, tp, opt, "sharded"), later,
-                          {"load": (saved[0], os.path.join(folder, opt)), "state_dict": False})]
-            resumed = run_ranks(many_specs_worker, world, [s for _, s, _ in jobs], [e for _, _, e in jobs],
-                                deadline_s=DEADLINE_S, collective_timeout_s=60)
-            for i, (label, spec, extra) in enumerate(jobs):
-                out[label] = (spec, extra["load"][0], [resumed[r][i] for r in range(world)])
+            out.update(resumed_runs(out, JOBS, SAVED, folder, world, (world, tp), DEADLINE_S, tp=tp))
     except Exception as e:  # noqa: BLE001 - replayed by every test that needs it
         return {"error": e}
     return out
 
 
 def run(label):
-    got = runs()
-    if "error" in got:
-        err = got["error"]
-        pytest.fail(f"a spawned group failed: {err}\n{getattr(err, 'trace', '')}")
-    return got[label]
+    return replay(runs(), label)
 
 
 @pytest.mark.parametrize("label", ["muon", "ep4", "habits"])
@@ -185,6 +170,19 @@ def test_the_reductions_make_the_global_mean_loss_gradient(label):
     for name, g in grads[0][0].items():
         scale = want[name].abs().max().item() or 1.0
         assert (g - want[name]).abs().max().item() <= 1e-6 * scale, name
+
+
+@pytest.mark.parametrize("label", ["habits", "ep4"])
+def test_the_global_gradient_norm_counts_every_gradient_element_once(label):
+    """`clip_grad_norm_`'s norm on every rank: the global gradients' (each expert element once,
+    on whichever TP rank its EDP segment lives; each TP-replicated dense element once)."""
+    ranks = run(label)
+    want = [math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+            for grads, _ in global_gradients_from(ranks, JOBS[label])]
+    for res in ranks:
+        assert res["norms"] == ranks[0]["norms"]
+        # (returned as an fp32 tensor, as torch's clip_grad_norm_ returns it)
+        assert all(abs(a - b) <= 1e-7 * b for a, b in zip(res["norms"], want)), (res["norms"], want)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
