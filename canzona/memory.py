@@ -9,7 +9,9 @@ Per GPU, in bytes:
   (whole buckets on every rank, `grad_bytes` per element: Megatron's fp32 main grads, into which
   the runtime accumulates backward's bf16 gradients directly), fp32 master
   weights of what the rank updates, matrix-optimizer state (by owner: `TPSchedule.state_bytes`),
-  AdamW state (sharded over DP except under `sc`);
+  AdamW state (sharded over DP except under `sc`); the AdamW buffer is padded to `align x dp`
+  elements even when it holds no parameter (an EP rank's experts), and is then fp32, as the
+  runtime allocates it;
 - the larger of two transient peaks that never coexist: the activations of forward / backward
   (Korthikanti et al. 2022, arXiv 2205.05198) with the buffers of the gradient reduce-scatters in
   flight during backward (`canzona.reductions.temporary_elements`: every bucket's, as the runtime
@@ -17,6 +19,14 @@ Per GPU, in bytes:
   scatter buffers, full gradients and updates, kernel workspace, AdamW temporaries, packed
   parameter gathers);
 - an allowance for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Under expert parallelism a GPU holds two parts, each counted as above on its own layout (the
+dense part over DP x TP, its EP rank's experts over EDP x ETP) and added (`LayoutMemory.with_experts`,
+what the simulator reports under `--ep`); at TP 1 and ETP 1 every persistent component and the
+reduce-scatter buffers are those the runtime allocates, rank by rank
+(`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
+model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
+counts the routed copies' gate / up outputs and product, not the dispatched inputs themselves).
 
 `memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
 rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.
@@ -69,6 +79,7 @@ def check_recompute(mode: str) -> str:
         raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     return mode
 FP32 = DTYPE_BYTES["fp32"]
+EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
 GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
 
 # **Assumption** (docs/design.md §7.1): what no tensor count gives. The CUDA context with its
@@ -594,14 +605,17 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
     adamw_sizes = [p.local_numel(tp) for p in spec.adamw_params()]
     adamw_size, adamw_inside, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
+    # an AdamW buffer of no parameter (an EP rank's experts: `canzona.experts.expert_part`) is still
+    # one padded slice per rank, in fp32: the runtime's `FlatBuffer` has no parameter to take a dtype from
+    adamw_pb, adamw_gb = (pb, gb) if adamw_sizes else (EMPTY_BUFFER_BYTES, EMPTY_BUFFER_BYTES)
     if matrix_optimizer(plan.optimizer).elementwise:  # AdamW also on the matrices' pieces in each segment
         for i in range(dp):
             pieces = plan.dp_plan.piece_lengths(i)
             adamw_inside[i] += sum(pieces)
             adamw_largest[i] = max([adamw_largest[i], *pieces])
-    buffer = sum(b.size for b in plan.dp_plan.buckets) + adamw_size
-    weights = buffer * pb
-    grads = buffer * gb
+    buckets = sum(b.size for b in plan.dp_plan.buckets)
+    weights = buckets * pb + adamw_size * adamw_pb
+    grads = buckets * gb + adamw_size * adamw_gb
     activations = activation_bytes(dims, setup, tp, pp, stage)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
@@ -609,7 +623,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
     batching = setup.batch_kernels and matrix_optimizer(plan.optimizer).batchable  # as the runtime's executor
 
-    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb)
+    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb, adamw_grad_bytes=adamw_gb)
     if setup.overlap_step:
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
@@ -652,18 +666,19 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
 
 
 def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, impl: str, grad_bytes: int, *,
-                    scratch: bool = False) -> list[int]:
+                    scratch: bool = False, adamw_grad_bytes: int | None = None) -> list[int]:
     """What each DP rank allocates for the gradient reduce-scatters of one step, all in flight at
     once at the end of backward (each bucket's by its plan cuts, or evenly under an all-reduce
     policy, then the AdamW buffer's even slices), as `canzona.runtime.comm` runs them. `scratch`:
-    the backend writes a non-root's buffer during a reduce (gloo)."""
-    lengths = [b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp)
+    the backend writes a non-root's buffer during a reduce (gloo). `adamw_grad_bytes`: the AdamW
+    buffer's bytes per element, where they differ from the buckets' (an empty one is fp32)."""
+    lengths = [(b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp), grad_bytes)
                for b in plan.dp_plan.buckets]
-    lengths.append(_even_lengths(adamw_size, dp))
+    lengths.append((_even_lengths(adamw_size, dp), grad_bytes if adamw_grad_bytes is None else adamw_grad_bytes))
     total = [0] * dp
-    for seg in lengths:
+    for seg, nbytes in lengths:
         for r, n in enumerate(temporary_elements_by_rank(impl, seg, scratch=scratch)):
-            total[r] += n * grad_bytes
+            total[r] += n * nbytes
     return total
 
 

@@ -2,8 +2,9 @@
 
 One definition, two users: the simulator prices these collectives, and the runtime's collective
 logs (`canzona.runtime.comm.CollectiveLog`) are checked against them record for record (op, group,
-name, bytes per rank, order), on every rank, for every step policy, DP and DP x TP
-(`tests/policy/test_step_collectives.py`). The TP part comes from
+name, bytes per rank, order), on every rank, for every step policy, DP, DP x TP
+(`tests/policy/test_step_collectives.py`) and DP = EDP x EP
+(`tests/runtime/test_runtime_ep_collectives.py`). The TP part comes from
 `canzona.step_schedule.tp_schedule`.
 
 `step_collectives(plan, spec, policy, dp_rank, tp_rank)` lists, in the order the runtime issues
@@ -33,6 +34,21 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
 The DP collectives are the same on every DP rank (each record lists every member's bytes); the TP
 all-to-alls differ per TP rank (a record is the bytes that rank sends to each member).
 
+Under expert parallelism (`experts=Experts(...)`; `canzona.experts`, docs/design.md §2.7) `plan`
+and `spec` are the dense part's, and the experts of the rank's EP rank, planned over its EDP group,
+add the same list of their own on group "edp" (`EDP_GROUP`: the name the runtime's EDP `Comm`
+logs under; expert TP's exchanges on "etp"): their buckets' reduce-scatters from their own
+hooks, their AdamW buffer (which holds no parameter: one padded fp32 slice per rank, reduced and
+gathered all the same), the policy's gradient gathers, their step check and their parameter
+gathers. The two lists merge as the runtime issues them (`_with_experts`): backward's reductions
+by the layer whose backward completes each bucket (`backward_layers`; the experts' first at the
+same layer), then the experts' step collectives and check (the dense check carries their share of
+the gradient norm), the dense part's step collectives, checks and clip, the dense parameter
+gathers, the experts'. The EP group carries nothing of the optimizer's: the token dispatch
+all-to-alls are the model's (forward and backward), not logged. The runtime runs EP at TP 1 and
+expert TP 1, without `overlap_step`, with one step policy (`check_runtime_experts`); the Megatron
+style is defined for any layout.
+
 `style="megatron"` lists instead the DP collectives each policy runs under Megatron-LM (an
 all-reduce per bucket for sc and layerwise, a reduce-scatter-v on the plan's segments otherwise;
 AdamW's parameters reduced at the end of backward; zero1-gather's all-to-all of the parts of split
@@ -57,8 +73,9 @@ their own dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
 from canzona.errors import SpecError
@@ -68,6 +85,10 @@ from canzona.step_policies import PARAMS_BY_OWNER, PARAMS_NONE, StepPolicy, get_
 from canzona.step_schedule import ALL_GATHER, PIPELINED, TP_GROUP, tp_schedule
 
 DP_GROUP = "dp"  # the name the runtime's DP Comm logs under (TP_GROUP: "tp")
+# expert parallelism: the experts' groups, in place of DP and TP (the runtime's EDP Comm logs as "edp")
+EDP_GROUP, ETP_GROUP = "edp", "etp"
+EXPERT_GROUPS = {DP_GROUP: EDP_GROUP, TP_GROUP: ETP_GROUP}
+DATA_GROUPS = (DP_GROUP, EDP_GROUP)  # the groups gradients are reduced over
 REDUCE_SCATTER_V, ALL_GATHER_V = "reduce-scatter-v", "all-gather-v"
 # even collectives priced by their whole buffer (`StepCollective.total`): the Megatron style's
 ALL_REDUCE, REDUCE_SCATTER, DP_ALL_TO_ALL = "all-reduce", "reduce-scatter", "all-to-all"
@@ -91,7 +112,7 @@ class StepCollective:
     """One collective as the runtime logs it, plus what the simulator needs to price it."""
 
     op: str  # "reduce-scatter-v", "all-gather-v", "all-gather" or "all-to-all", as logged
-    group: str  # DP_GROUP or TP_GROUP
+    group: str  # DP_GROUP or TP_GROUP (under expert parallelism also EDP_GROUP, ETP_GROUP)
     name: str  # as logged
     bytes_per_rank: tuple[int, ...]  # as logged: each member's bytes (all-to-all: sent to each member)
     phase: str  # one of PHASES
@@ -114,10 +135,24 @@ class _Buffer:
     param_bytes: int
 
 
+@dataclass(frozen=True)
+class Experts:
+    """The experts of one EP rank under expert parallelism (`canzona.experts`), as the step's
+    collectives see them: their own plan over EDP (x ETP, the plan's `tp`), and this rank's place in it."""
+
+    plan: Plan  # an EP rank's experts over EDP x ETP
+    spec: ModelSpec  # what `plan` was made for (`canzona.experts.expert_part`)
+    edp_rank: int = 0
+    etp_rank: int = 0
+    # the experts' step policy where it is not the dense part's (the simulator's fallback of the
+    # dense part alone to zero1-gather; the runtime runs one policy)
+    policy: StepPolicy | str | None = None
+
+
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
-                     inf_norm: bool = False, overlap_step: bool = False,
+                     inf_norm: bool = False, overlap_step: bool = False, experts: Experts | None = None,
                      style: str = RUNTIME_STYLE) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
@@ -128,12 +163,82 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
     called before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
     (a step whose gradients clipping scales issues them again after the checks: not listed).
+    `experts`: expert parallelism; `plan` and `spec` are then the dense part's
+    (`canzona.experts.dense_part`), and the experts' collectives join them (`_with_experts`).
     `style="megatron"`: the collectives each policy runs under Megatron-LM instead (`_megatron`),
     which the simulator prices by default; only the runtime's are logged."""
     if style not in COLLECTIVE_STYLES:
         raise SpecError(f"unknown collectives style {style!r}; choose one of {', '.join(COLLECTIVE_STYLES)}")
     if isinstance(policy, str):
         policy = get_step_policy(policy)
+    # masters when any parameter is low-precision (the runtime decides once, for both parts)
+    params = (*spec.params, *(experts.spec.params if experts is not None else ()))
+    master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
+    options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
+                   adamw_align=adamw_align, overlap_step=overlap_step, style=style)
+    dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm, **options)
+    if experts is None:
+        return dense
+    expert_policy = policy if experts.policy is None else experts.policy
+    expert_policy = get_step_policy(expert_policy) if isinstance(expert_policy, str) else expert_policy
+    if style == RUNTIME_STYLE:
+        check_runtime_experts(plan.tp, experts.plan.tp, overlap_step)
+        if expert_policy != policy:
+            raise SpecError(f"the runtime runs one step policy: the experts' {expert_policy.name} is not the dense "
+                            f"part's {policy.name}")
+    own = [replace(c, group=EXPERT_GROUPS[c.group])
+           for c in _part(experts.plan, experts.spec, expert_policy, experts.edp_rank, experts.etp_rank,
+                          first_step=False, inf_norm=False, **options)]
+    return _with_experts(dense, own, backward_layers(plan, spec), backward_layers(experts.plan, experts.spec))
+
+
+def check_runtime_experts(tp: int, etp: int, overlap_step: bool) -> None:
+    """What of expert parallelism the runtime runs (one SpecError otherwise): a dense part and
+    experts without TP, no overlapped step."""
+    if tp > 1 or etp > 1:
+        raise SpecError(f"the runtime runs expert parallelism at tp 1 and etp 1 (got tp {tp}, etp {etp}): its "
+                        "collectives under EP with TP are not defined")
+    if overlap_step:
+        raise SpecError("the runtime does not run overlap_step under expert parallelism")
+
+
+def _with_experts(dense: list[StepCollective], experts: list[StepCollective], dense_layers: dict[int, int],
+                  expert_layers: dict[int, int]) -> list[StepCollective]:
+    """The dense part's and the experts' collectives of one step, in the order the runtime issues
+    them: backward's reductions as the hooks launch them, each part's in bucket order, the two
+    merged by the layer whose backward completes each bucket (`backward_layers`; at the same
+    layer the experts' first: a decoder layer's MoE block follows its attention, so backward
+    reaches the experts first); records of no bucket (Megatron's AdamW reduction) after them; then
+    the experts' step collectives and check over EDP (the dense check carries their gradient
+    norm), the dense part's step collectives, checks and exchanges, the dense part's parameter
+    gathers, then the experts'."""
+    def key(c: StepCollective, part: int, k: int) -> tuple:
+        layers = expert_layers if part == 0 else dense_layers
+        return (math.inf if c.bucket is None else -layers[c.bucket], part, k)
+
+    backward = sorted([(key(c, part, k), c) for part, records in enumerate((experts, dense))
+                       for k, c in enumerate(records) if c.phase == BACKWARD], key=lambda kc: kc[0])
+    return [c for _, c in backward] + [c for c in experts if c.phase not in (BACKWARD, PARAMS)] + \
+        [c for c in dense if c.phase != BACKWARD] + [c for c in experts if c.phase == PARAMS]
+
+
+def backward_layers(plan: Plan, spec: ModelSpec) -> dict[int, int]:
+    """Per plan bucket (by index), the layer whose backward completes its gradients: the lowest
+    layer it holds (0 where none says), or a lower one an earlier bucket waits for (the runtime
+    launches buckets in bucket order). What orders the reductions of two plans in one backward."""
+    out: dict[int, int] = {}
+    reached: int | None = None
+    for b in plan.dp_plan.buckets:
+        first = min((x for x in (spec.param(p.name).layer for p in b.params) if x is not None), default=0)
+        reached = first if reached is None else min(reached, first)
+        out[b.index] = reached
+    return out
+
+
+def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank: int, *, tp_mode: str,
+          grad_bytes: int | None, param_bytes: int | None, master: bool, adamw_align: int | None, first_step: bool,
+          inf_norm: bool, overlap_step: bool, style: str) -> list[StepCollective]:
+    """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one)."""
     dp, tp = plan.dp, plan.tp
     if not 0 <= tp_rank < tp:
         raise SpecError(f"tp rank {tp_rank} is outside 0..{tp - 1}")
@@ -141,7 +246,6 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     policy.check_dp_plan(plan.dp_plan)
     policy.check_tp_plan(plan.tp_plan.policy, tp)
     buckets = plan.dp_plan.buckets
-    master = master_weights and any(p.dtype in LOW_PRECISION for p in spec.params)
     grads = [_buffer(f"bucket {b.index}", [spec.param(p.name) for p in b.params], b.size, master, grad_bytes,
                      param_bytes) for b in buckets]
     adamw_params = spec.adamw_params()
@@ -247,8 +351,9 @@ def _megatron(plan: Plan, policy: StepPolicy, grads: Sequence[_Buffer], adamw_us
             segments = tuple(n * buf.grad_bytes for n in b.segment_lengths())
             out.append(StepCollective(REDUCE_SCATTER_V, DP_GROUP, name, segments, BACKWARD, segments, b.index))
     adamw_bytes = adamw_used * adamw.grad_bytes
-    out.append(StepCollective(ALL_REDUCE if all_reduce else REDUCE_SCATTER, DP_GROUP, "grad sync adamw",
-                              (adamw_bytes,) * dp, BACKWARD, total=adamw_bytes))
+    if adamw_used:  # an EP rank's experts have no AdamW parameters: nothing to reduce
+        out.append(StepCollective(ALL_REDUCE if all_reduce else REDUCE_SCATTER, DP_GROUP, "grad sync adamw",
+                                  (adamw_bytes,) * dp, BACKWARD, total=adamw_bytes))
     if policy.gather_split:
         sent = [[0] * dp for _ in range(dp)]
         for b, buf in zip(buckets, grads):
@@ -272,19 +377,23 @@ def _megatron(plan: Plan, policy: StepPolicy, grads: Sequence[_Buffer], adamw_us
             out.append(StepCollective(ALL_GATHER_V, DP_GROUP, f"param gather bucket {b.index}", segments, PARAMS,
                                       segments, b.index))
         params_bytes = adamw_used * adamw.param_bytes
-        out.append(StepCollective(ALL_GATHER, DP_GROUP, "param gather adamw", (params_bytes,) * dp, PARAMS,
-                                  total=params_bytes))
+        if adamw_used:
+            out.append(StepCollective(ALL_GATHER, DP_GROUP, "param gather adamw", (params_bytes,) * dp, PARAMS,
+                                      total=params_bytes))
     return out
 
 
 def _buffer(what: str, params: Sequence[ParamSpec], size: int, master: bool, grad_bytes: int | None,
             param_bytes: int | None) -> _Buffer:
     """Bytes per element as the runtime's `FlatBuffer` holds them: the parameters' dtype (one per
-    buffer; fp32 for an empty one), reduced in fp32 when master weights are on."""
+    buffer), reduced in fp32 when master weights are on; an empty one (the AdamW buffer of an EP
+    rank's experts) is fp32 whatever the others' bytes, as it has no parameter to take a dtype from."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         raise SpecError(f"parameters sharing {what} must share a dtype, got {', '.join(sorted(dtypes))}")
-    own = DTYPE_BYTES[dtypes.pop()] if dtypes else FP32_BYTES
+    if not dtypes:
+        return _Buffer(size, FP32_BYTES, FP32_BYTES)
+    own = DTYPE_BYTES[dtypes.pop()]
     reduced = (FP32_BYTES if master else own) if grad_bytes is None else grad_bytes
     return _Buffer(size, reduced, own if param_bytes is None else param_bytes)
 

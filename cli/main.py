@@ -482,7 +482,9 @@ def verify(
     steps: Annotated[int, typer.Option(help=f"Training steps of the tiny model (at most {checks.MAX_STEPS}).")] = 10,
     dp_policy: DpPolicy = None,
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
-    preset: Annotated[str, typer.Option(help="Tiny model preset: tiny, tiny-untied, tiny-tp4 or small (TP 4: tiny-tp4, small).")] = "tiny",
+    preset: Annotated[str | None, typer.Option(
+        help="Tiny model preset: tiny, tiny-untied, tiny-tp4 or small (TP 4: tiny-tp4, small); tiny-moe, the "
+             "mixture of experts (default: tiny, and tiny-moe under --ep).")] = None,
     global_batch: Annotated[int | None, typer.Option(
         help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
     alpha: Alpha = PLAN_DEFAULTS.alpha,
@@ -493,21 +495,26 @@ def verify(
     tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = STEP_DEFAULTS.tp_mode,
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
+    ep: Annotated[int, typer.Option(
+        help="Expert parallelism of the mixture-of-experts preset: the dp ranks form EP groups of ep consecutive "
+             "ranks, each holding experts / ep of every layer; the experts are owned whole in their "
+             "expert-data-parallel groups of dp / ep ranks.")] = 1,
     as_json: AsJson = False,
 ) -> None:
     """Check the distributed runtime numerically (rung 3): train the tiny model on spawned gloo ranks
-    (dp x tp; under TP on a (dp, tp) mesh) and compare every rank's parameters with the same kernels
-    in one process (bit for bit) and the reference optimizers (1e-5 relative). Exit code 1 on any
-    mismatch."""
+    (dp x tp; under TP on a (dp, tp) mesh; under --ep with its experts split over EP groups) and
+    compare every rank's parameters with the same kernels in one process (bit for bit) and the
+    reference optimizers (1e-5 relative). Exit code 1 on any mismatch."""
     from rich.progress import Progress
 
     try:
         optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
         chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
         _check_dp_policy_applies(chosen, dp_policy)
+        preset = preset or ("tiny-moe" if ep > 1 else "tiny")
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
-                               tp_style=tp_style)
+                               tp_style=tp_style, ep=ep)
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)

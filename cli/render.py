@@ -235,8 +235,10 @@ _RUNG_LABELS = {"ranks": "ranks agree", "3a": "3a same kernels", "3b": "3b refer
 def verify_table(rows) -> Table:
     """`canzona verify`: one row per (optimizer, policy, rung), PASS / FAIL; a rule between cases."""
     r0 = rows[0]
-    tp = r0.get("tp", 1)
+    tp, ep = r0.get("tp", 1), r0.get("ep", 1)
     layout = f"{r0['dp']} gloo rank(s)" if tp == 1 else f"DP {r0['dp']} x TP {tp} = {r0['dp'] * tp} gloo ranks"
+    if ep > 1:
+        layout += f", EP {ep} (EDP {r0['dp'] * tp // ep})"
     t = Table(title=f"Runtime verification (rung 3): {layout}, {r0['steps']} steps, "
                     f"global batch {r0['global_batch']}, accumulation {r0['accumulation']}, fp32")
     columns = ("optimizer", "policy", "plan") + (("TP", "mode") if tp > 1 else ()) + ("rung", "result")
@@ -257,7 +259,8 @@ def verify_table(rows) -> Table:
                   _RUNG_LABELS.get(r["rung"], r["rung"]), r["result"],
                   "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",
                   "[bold green]PASS[/]" if r["ok"] else "[bold red]FAIL[/]", end_section=last_of_case)
-    t.caption = ("ranks agree: every DP rank holds the same parameters (as DP rank 0 of its TP index). 3a: the "
+    t.caption = ("ranks agree: every DP rank holds the same parameters (as DP rank 0 of its TP index; under EP the same "
+                 "experts as the first rank of its EP index). 3a: the "
                  "distributed run equals the same kernels run in one process on the same global gradients, bit "
                  f"for bit (each rank its shard). 3b: it stays within {REFERENCE_RTOL:g} relative (max |a - b| / "
                  "max |b| per tensor) of the reference optimizers.")

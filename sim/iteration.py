@@ -27,12 +27,16 @@ from canzona.step_collectives import (
     ALL_GATHER_V,
     BACKWARD,
     CHECK,
+    DATA_GROUPS,
     DP_ALL_TO_ALL,
     DP_GROUP,
+    EDP_GROUP,
     PARAMS,
     REDUCE_SCATTER_V,
     STEP,
+    Experts,
     StepCollective,
+    backward_layers,
     step_collectives,
 )
 from canzona.step_policies import StepPolicy
@@ -93,10 +97,10 @@ class Context:
     tp_stream: str = TP_COMM  # the stream of the step's TP exchanges (the expert part's: ETP_COMM)
 
     def expert_records(self, *phases: str) -> list[StepCollective]:
-        """The expert part's gradient and parameter collectives of these phases: its buckets' (the
-        dense part runs the AdamW buffer and the step checks)."""
-        return [r for r in self.dp_records(*phases)
-                if r.bucket is not None or (r.phase == STEP and r.group == DP_GROUP and "adamw" not in r.name)]
+        """The expert part's collectives of these phases over EDP (`step_collectives` of the whole
+        step: its buckets', and in runtime mode its AdamW buffer's and its step check); priced
+        and issued on the expert part's context (`experts`)."""
+        return [r for r in self.records if r.phase in phases and r.group == EDP_GROUP]
 
     @property
     def runtime_mode(self) -> bool:
@@ -105,15 +109,20 @@ class Context:
 
     @cached_property
     def records(self) -> list[StepCollective]:
-        """The collectives of one step of DP rank 0, TP rank 0, as the runtime issues them (the DP
-        ones are the same on every DP rank; TP exchanges come from each group's own schedule)."""
+        """The collectives of one step of DP rank 0, TP rank 0 (and EDP rank 0, ETP rank 0 under
+        expert parallelism), as the runtime issues them (the DP and EDP ones are the same on every
+        rank of their group; TP exchanges come from each group's own schedule)."""
+        experts = Experts(self.experts.plan, self.experts.spec, policy=self.experts.policy) \
+            if self.experts is not None else None
         return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
                                 grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes,
-                                overlap_step=self.options.overlap_step, style=self.options.collectives)
+                                overlap_step=self.options.overlap_step, experts=experts,
+                                style=self.options.collectives)
 
     def dp_records(self, *phases: str) -> list[StepCollective]:
-        """The runtime's collectives of these phases other than the TP schedule's exchanges."""
-        return [r for r in self.records if r.phase in phases and not (r.group != DP_GROUP and r.phase == STEP)]
+        """The dense part's collectives of these phases other than the TP schedule's exchanges."""
+        return [r for r in self.records if r.phase in phases and (r.group == DP_GROUP or
+                                                                    (r.group == TP_GROUP and r.phase != STEP))]
 
     @property
     def batching(self) -> bool:
@@ -174,8 +183,8 @@ class Context:
 
 
 def _bucket_first_layers(ctx: Context) -> list[int]:
-    """Backward reaches a bucket's gradients all computed after the lowest layer it holds; forward
-    needs a bucket's parameters at that same layer."""
+    """Forward needs a bucket's parameters at the lowest layer it holds (backward completes its
+    gradients there too, or lower: `canzona.step_collectives.backward_layers`)."""
     firsts = []
     for b in ctx.plan.dp_plan.buckets:
         layers = [ctx.spec.param(p.name).layer for p in b.params]
@@ -193,14 +202,14 @@ def record_cost(ctx: Context, rec: StepCollective) -> CollectiveCost:
     """A collective priced on its group: -v ops as the runtime runs them on their segments, the
     Megatron style's even ones by their whole buffer, a DP all-to-all by what each member sends and
     receives (and how much of it crosses nodes), the others as even collectives of their bytes."""
-    geo = ctx.cluster.dp_geometry() if rec.group == DP_GROUP else ctx.cluster.tp_geometry()
+    geo = ctx.cluster.dp_geometry() if rec.group in DATA_GROUPS else ctx.cluster.tp_geometry()
     if rec.op == REDUCE_SCATTER_V:
         return reduce_scatter_v_cost(rec.segments, geo, ctx.hw, ctx.options.reduce_scatter)
     if rec.op == ALL_GATHER_V:
         return all_gather_v_cost(rec.segments, geo, ctx.hw)
     if rec.total is not None:
         return collective_cost(rec.op, rec.total, geo, ctx.hw)
-    if rec.op == DP_ALL_TO_ALL and rec.group == DP_GROUP and rec.sent:
+    if rec.op == DP_ALL_TO_ALL and rec.group in DATA_GROUPS and rec.sent:
         return _dp_all_to_all_cost(ctx, rec.sent)
     if rec.op == "all-gather":
         return collective_cost("all-gather", sum(rec.bytes_per_rank), geo, ctx.hw)
@@ -226,13 +235,15 @@ def _dp_all_to_all_cost(ctx: Context, sent: Sequence[Sequence[int]]) -> Collecti
 
 def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
     """The collectives `records` one after another on every group of the stage (in runtime mode
-    each recorded as the runtime logs it); per-rank events of the last one."""
+    each recorded as the runtime logs it); per-rank events of the last one. `ctx`: the part whose
+    groups they run on (the expert part's for EDP records)."""
     cl, eng = ctx.cluster, ctx.engine
     done = dict(begin)
     for rec in records:
-        groups = cl.dp_groups(ctx.stage) if rec.group == DP_GROUP else cl.tp_groups(ctx.stage)
+        data = rec.group in DATA_GROUPS
+        groups = cl.dp_groups(ctx.stage) if data else cl.tp_groups(ctx.stage)
         cost = record_cost(ctx, rec)
-        stream = DP_COMM if rec.group == DP_GROUP else ctx.tp_stream
+        stream = DP_COMM if data else ctx.tp_stream
         for g in groups:
             done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g},
                                        record=rec.logged() if ctx.runtime_mode else None))
@@ -300,6 +311,7 @@ class _Stage:
         self.tp_groups = _groups(self.ranks, cl.tp_groups(stage))
         self.dp_groups = _groups(self.ranks, cl.dp_groups(stage))
         self.firsts = _bucket_first_layers(ctx)
+        self.completed = backward_layers(ctx.plan, ctx.spec)  # bucket index -> the layer completing it
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
         self.experts = ctx.experts
         if self.experts is not None:
@@ -308,6 +320,7 @@ class _Stage:
             self.etp_groups = _groups(self.ranks, ecl.tp_groups(stage))
             self.edp_groups = _groups(self.ranks, ecl.dp_groups(stage))
             self.expert_firsts = _bucket_first_layers(self.experts)
+            self.expert_completed = backward_layers(self.experts.plan, self.experts.spec)
             self.ep_costs: dict[tuple[float, float], CollectiveCost] = {}
             self.etp_costs: dict[tuple[str, float], CollectiveCost] = {}
         done = self.eng.env.event().succeed()
@@ -406,7 +419,8 @@ class _Stage:
             needed.setdefault(first_layer if i == 0 else self.firsts[i - 1], []).extend(evs.values())
         if self.experts is not None:  # the expert buckets' gathers over EDP, on the same stream, in forward order
             first = {b.index: layer for b, layer in zip(self.experts.plan.dp_plan.buckets, self.expert_firsts)}
-            for rec in sorted(self.experts.expert_records(PARAMS), key=lambda rec: first[rec.bucket]):
+            first[None] = first_layer  # (runtime mode) the experts' empty AdamW buffer, as the dense part's
+            for rec in sorted(self.ctx.expert_records(PARAMS), key=lambda rec: first[rec.bucket]):
                 evs = self.collective(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec), DP_COMM,
                                       {r: [] for r in self.ranks})
                 needed.setdefault(first[rec.bucket], []).extend(evs.values())
@@ -419,34 +433,32 @@ class _Stage:
         self.stalls.append(self.eng.now - t0)
 
     def grad_syncs(self, layer: int) -> list[simpy.Event]:
+        """The reductions of the buckets whose gradients this layer's backward completes, in the
+        order `canzona.step_collectives` lists them: the expert buckets' over EDP first, then the
+        dense part's over DP, each part's in bucket order."""
         out: list[simpy.Event] = []
-        for bi, first in enumerate(self.firsts):
-            if first != layer:
-                continue
-            bucket: list[simpy.Event] = []
-            index = self.ctx.plan.dp_plan.buckets[bi].index
-            for rec in self.ctx.dp_records(BACKWARD):
-                if rec.bucket == index:
-                    bucket += self.collective_record(rec).values()
-            self.bucket_synced.setdefault(bi, []).extend(bucket)
-            out += bucket
-        if self.experts is not None:  # the expert buckets whose gradients this layer completes, over EDP
-            for bi, first in enumerate(self.expert_firsts):
-                if first != layer:
-                    continue
-                index = self.experts.plan.dp_plan.buckets[bi].index
-                for rec in self.experts.expert_records(BACKWARD):
-                    if rec.bucket == index:
-                        out += self.collective(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec),
-                                               DP_COMM, {r: [self.last[r]] for r in self.ranks}).values()
+        if self.experts is not None:
+            for rec in self.ctx.expert_records(BACKWARD):
+                if rec.bucket is not None and self.expert_completed[rec.bucket] == layer:
+                    out += self.collective_record(rec, self.experts, self.edp_groups, "experts ").values()
+        position = {b.index: bi for bi, b in enumerate(self.ctx.plan.dp_plan.buckets)}
+        for rec in self.ctx.dp_records(BACKWARD):
+            if rec.bucket is not None and self.completed[rec.bucket] == layer:
+                bucket = list(self.collective_record(rec).values())
+                self.bucket_synced.setdefault(position[rec.bucket], []).extend(bucket)
+                out += bucket
         return out
 
-    def collective_record(self, rec: StepCollective) -> dict[int, simpy.Event]:
+    def collective_record(self, rec: StepCollective, ctx: Context | None = None, groups: list[list[int]] | None = None,
+                          prefix: str = "") -> dict[int, simpy.Event]:
+        """`rec` on each of `groups` (the dense part's DP groups; the expert part's EDP groups,
+        priced on its context `ctx`), after what each member has enqueued."""
+        ctx = ctx or self.ctx
         out: dict[int, simpy.Event] = {}
-        for g in self.dp_groups:
-            out.update(self.eng.collective(rec.name, g, record_cost(self.ctx, rec), DP_COMM,
+        for g in self.dp_groups if groups is None else groups:
+            out.update(self.eng.collective(f"{prefix}{rec.name}", g, record_cost(ctx, rec), DP_COMM,
                                            {r: [self.last[r]] for r in g},
-                                           record=rec.logged() if self.ctx.runtime_mode else None))
+                                           record=rec.logged() if ctx.runtime_mode else None))
         return out
 
     def run(self, micro_batches: int) -> list[simpy.Event]:
@@ -552,10 +564,21 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
 
     runs = [_ScheduleRun(ctx, cl.tp_group(i, ctx.stage), schedule_of(i)) for i in range(cl.dp)]
     ranks = cl.stage_ranks(ctx.stage)
+    ectx = ctx.experts
+    expert_records: list[StepCollective] = []  # the expert part's step collectives over EDP, issued by _ExpertStep
+    if ectx is not None and ctx.runtime_mode:
+        # the runtime checks the experts first: their step collectives, their share of the norm
+        # and their check over EDP, before the dense part's (whose check carries that norm)
+        reduced = issue_records(ectx, ctx.expert_records(STEP), {r: start for r in ranks})
+        start_of = issue_records(ectx, ctx.expert_records(CHECK), {r: _gradient_norm(ectx, r, reduced[r]) for r in ranks})
+    else:
+        start_of = {r: start for r in ranks}
+        if ectx is not None:
+            expert_records = ctx.expert_records(STEP)
     # the step's DP collectives first: the runtime's reductions (AdamW's, the baselines' gathers),
     # which the norm reads; Megatron's split gather of zero1-gather, which the schedule waits for
     step_records = ctx.dp_records(STEP)
-    reduced = issue_records(ctx, step_records, {r: start for r in ranks})
+    reduced = issue_records(ctx, step_records, start_of)
     if early is not None and ctx.options.overlap_step:
         ready = _group_ready(ctx, early, start)
         for run in runs:
@@ -574,7 +597,7 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
                 run.issue(op, {r: event for r in run.members})
     def norm(r: int, after: simpy.Event) -> simpy.Event:  # over the dense part's gradients, then the experts'
         done = _gradient_norm(ctx, r, after)
-        return _gradient_norm(ctx.experts, r, done) if ctx.experts is not None else done
+        return _gradient_norm(ectx, r, done) if ectx is not None and not ctx.runtime_mode else done
 
     if ctx.runtime_mode:
         checked = issue_records(ctx, ctx.dp_records(CHECK), {r: norm(r, reduced[r]) for r in ranks})
@@ -586,7 +609,7 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
     # the expert part (expert parallelism) on each rank's compute stream right after the dense
     # part's last compute: its exchanges (expert TP) are another group's, so the dense part's
     # last scatter and applies run under it instead of after it
-    expert_step = _ExpertStep(ctx.experts, checked) if ctx.experts is not None else None
+    expert_step = _ExpertStep(ectx, checked, expert_records) if ectx is not None else None
     for run in runs:
         begin = {r: checked[r] for r in run.members}
         computes = [k for k, op in enumerate(run.schedule.ops) if op.kind == COMPUTE]
@@ -611,20 +634,21 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
         return list(params_ready.values()) + list(experts.values())
     gathered = issue_records(ctx, ctx.dp_records(PARAMS), params_ready)
     if experts:
-        gathered.update(issue_records(ctx.experts, ctx.experts.expert_records(PARAMS), experts))
+        gathered.update(issue_records(ectx, ctx.expert_records(PARAMS), experts))
     return list(gathered.values()) + list(experts.values())
 
 
 class _ExpertStep:
-    """The expert part's step (expert parallelism): the expert plan's DP collectives of the step
-    (zero1-gather's gradient gathers) over EDP, then on each ETP group the step schedule of its
+    """The expert part's step (expert parallelism): the expert plan's collectives of the step over
+    EDP (`records`: zero1-gather's split gathers; in runtime mode none, issued before the dense
+    part's check), then on each ETP group the step schedule of its
     EDP rank (`canzona.step_schedule`, as a dense DP rank's on its TP group: at ETP 1 the matrices
     it owns, computed whole and applied with no exchange; under expert TP canzona's micro-groups,
     or the baselines' tp-sync, on the ETP group's links), with the dense part's batching."""
 
-    def __init__(self, ectx: Context, begin: dict[int, simpy.Event]) -> None:
+    def __init__(self, ectx: Context, begin: dict[int, simpy.Event], records: Sequence[StepCollective]) -> None:
         self.ectx = ectx
-        self.reduced = issue_records(ectx, ectx.expert_records(STEP), begin)
+        self.reduced = issue_records(ectx, records, begin)
         self.schedules: dict[int, TPSchedule] = {}
         self.done: dict[int, simpy.Event] = {}  # per rank: its last expert update
         self.reached: set[int] = set()

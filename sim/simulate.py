@@ -33,6 +33,7 @@ from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
 from canzona.plan import BATCH_CAPACITY, PLAN_DEFAULTS, Plan, PlanSettings, bucket_names, plan_for
 from canzona.spec import ModelSpec
+from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running, policy_optimizer
 from canzona.step_schedule import check_tp_mode
@@ -134,8 +135,8 @@ class SimConfig:
                                 "every expert on its own tokens")
             router_imbalance(self.router_imbalance, resolved[1].moe[0], self.ep)
         if self.ep > 1:
-            if self.options.collectives == "runtime":
-                raise SpecError("the runtime does not run expert parallelism yet: --collectives runtime needs ep=1")
+            if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
+                check_runtime_experts(self.tp, self.etp, self.options.overlap_step)
             self.expert_cluster(cluster)
         return cluster, resolved, hw
 
@@ -253,17 +254,19 @@ class SimResult:
 
 def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile,
               policy: str | None = None, expert_buckets: str = DEFAULT_EXPERT_BUCKETS,
-              capacity: Capacity | None = None) -> Plan:
+              capacity: Capacity | None = None, empty_ok: bool = False) -> Plan:
     """The policy's plan (`cfg.policy` unless given) for one pipeline stage's `spec` (the whole
     model without PP) on `cluster`'s DP x TP groups (an expert cluster's EDP x ETP groups);
-    `capacity` in place of the configuration's micro-group capacity."""
+    `capacity` in place of the configuration's micro-group capacity; `empty_ok`: a spec without
+    matrices gets a plan of no buckets (a dense part whose only matrices were its experts, as the
+    runtime plans it)."""
     policy = STEP_POLICIES[policy or cfg.policy]
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
     # for the runtime's collectives, which are laid out on a plan of the whole DP group
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
     settings = cfg.settings if capacity is None else replace(cfg.settings, capacity=capacity)
     return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
-                    expert_buckets=expert_buckets)
+                    expert_buckets=expert_buckets, empty_ok=empty_ok)
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -337,7 +340,8 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
         return result
     # only the policy differs: the checks passed, and the cluster is the same
     candidates = [result, replace(best(with_policy(cfg, "zero1-gather")), config=cfg, fell_back_to="zero1-gather")]
-    if cfg.ep > 1 and not cfg.options.overlap_step:  # two plans: the fallback may pay for one of them only
+    # two plans: the fallback may pay for one of them only (not in the runtime's collectives: it runs one policy)
+    if cfg.ep > 1 and not cfg.options.overlap_step and cfg.options.collectives != RUNTIME_STYLE:
         dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather",
                           expert=result.expert_choice)  # canzona's experts as its own run chose them
         candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
@@ -426,7 +430,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                  cfg.tp_mode, cfg.options, stage, tp_stream=ETP_COMM)
             stage_model = dense_part(stage_model)
         stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw, policy=policy.name,
-                                       expert_buckets=expert.buckets)
+                                       expert_buckets=expert.buckets, empty_ok=expert_ctx is not None)
         policy.check_dp_plan(stage_plan.dp_plan)
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,

@@ -237,6 +237,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "state": opt.state_dict() if extra.get("state_dict", True) else None,
         "log": opt.comm.log.to_dicts(),
         "tp_log": opt.tp_comm.log.to_dicts() if opt.tp_comm is not None else [],
+        "edp_log": opt.experts.comm.log.to_dicts() if opt.experts is not None else [],
         "owned": list(opt.applies),
         "hosted": list(opt.hosted),
         "state_bytes": matrix_state_bytes(opt.matrix_state),
@@ -247,6 +248,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "grads": grads,
         "ep_rank": expert_mesh.get_local_rank("ep") if expert_mesh is not None else 0,
         "expert_owned": list(opt.experts.applies) if opt.experts is not None else [],
+        "expert_plan": opt.experts.plan if opt.experts is not None else None,
+        "edp_rank": opt.experts.rank if opt.experts is not None else 0,
     }
 
 

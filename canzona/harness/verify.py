@@ -2,12 +2,15 @@
 
 For each (optimizer, policy, TP scheduler, TP mode) the tiny model is trained for `steps` steps by
 `dp x tp` CPU ranks running `DistributedOptimizer` (under TP on a (`dp`, `tp`) mesh, with the model
-split Megatron-style or as DTensors), and the final parameters of every rank are checked three ways:
+split Megatron-style or as DTensors; under expert parallelism, `ep` > 1, the tiny mixture-of-experts
+model with its experts split over EP groups of `ep` consecutive DP ranks, `reference.tiny_moe_ep`),
+and the final parameters of every rank are checked three ways:
 
-- `ranks`: every rank holds the same parameters as the DP rank 0 of its TP index, bit for bit;
+- `ranks`: every rank holds the same parameters as the first rank of its TP index (under EP, the
+  same experts as the first rank of its EP index), bit for bit;
 - `3a`: they equal `training.emulate` (the same kernels in one process, fed the same global
-  gradients; under TP the ranks' recorded gradients) bit for bit in fp32, each rank against its
-  shard of the full result;
+  gradients; under TP or EP the ranks' recorded gradients, summed as the reductions sum them) bit
+  for bit in fp32, each rank against its shard (under EP: its experts) of the full result;
 - `3b`: they stay within `REFERENCE_RTOL` relative of `training.reference_run` (the reference
   optimizers of `reference/`).
 
@@ -65,9 +68,16 @@ class VerifyCase:
 
     @property
     def label(self) -> str:
+        ep = f" / ep {self.spec.ep}" if self.spec.ep > 1 else ""
         if self.spec.tp == 1:
-            return f"{self.spec.optimizer} / {self.spec.policy}"
-        return f"{self.spec.optimizer} / {self.spec.policy} / {self.plan.tp_plan.policy} {self.spec.tp_mode}"
+            return f"{self.spec.optimizer} / {self.spec.policy}{ep}"
+        return f"{self.spec.optimizer} / {self.spec.policy} / {self.plan.tp_plan.policy} {self.spec.tp_mode}{ep}"
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the check feeds the single-process runs the gradients the ranks recorded (TP and
+        EP: the model is split over ranks), rather than recomputing them with the whole model."""
+        return self.spec.tp > 1 or self.spec.ep > 1
 
 
 def _choices(value: str, known: Sequence[str], what: str) -> list[str]:
@@ -88,20 +98,24 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
             global_batch: int | None = None, tp: int = 1, alpha: float = PLAN_DEFAULTS.alpha,
             bucket_size: int | None = PLAN_DEFAULTS.bucket_size, seq_len: int = 16,
             tp_policy: str = PLAN_DEFAULTS.tp_policy, tp_mode: str = STEP_DEFAULTS.tp_mode,
-            tp_style: str = "megatron") -> list[VerifyCase]:
+            tp_style: str = "megatron", ep: int = 1) -> list[VerifyCase]:
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
     `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`
     (`policy="all"`: every policy that runs the optimizer; None: its default). The baselines run
     `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
 
-    `global_batch` defaults to `4 * dp * accumulation` (always divisible)."""
+    `global_batch` defaults to `4 * dp * accumulation` (always divisible). `ep` > 1: expert
+    parallelism over the DP ranks (EP groups of `ep` consecutive ranks), with a mixture-of-experts
+    preset (`reference.tiny_moe.MOE_PRESETS`)."""
     from canzona.harness.training import TP_STYLES, TrainSpec
     from reference.tiny_model import check_tp, get_preset, model_spec
+    from reference.tiny_moe import MOE_PRESETS
 
     _positive("dp", dp)
     if dp > MAX_DP:
         raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
     _positive("tp", tp)
+    _positive("ep", ep)
     if dp * tp > MAX_RANKS:
         raise SpecError(f"dp x tp must be <= {MAX_RANKS} ranks (every rank is a process on this machine), "
                         f"got {dp} x {tp}")
@@ -119,20 +133,23 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     _positive("global batch", global_batch)
     if global_batch > MAX_GLOBAL_BATCH:
         raise SpecError(f"global batch must be <= {MAX_GLOBAL_BATCH} sequences, got {global_batch}")
-    cfg = get_preset(preset)
-    if seq_len > cfg.max_seq_len:
-        raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
-    check_tp(cfg, tp)
-    if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings:
-        raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
-                        "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
+    if preset in MOE_PRESETS or ep > 1:
+        mspec = _moe_spec(preset, dp, tp, ep)
+    else:
+        cfg = get_preset(preset)
+        if seq_len > cfg.max_seq_len:
+            raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
+        check_tp(cfg, tp)
+        if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings:
+            raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
+                            "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
+        mspec = model_spec(cfg)
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
     if policy is not None:
         _choices(policy, POLICIES, "policy")
-    mspec = model_spec(cfg)
     recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
-    if tp > 1 and recorded > MAX_RECORDED_ELEMENTS:
-        raise SpecError(f"under TP every rank keeps each step's gradients for the check: {steps} steps of the "
+    if (tp > 1 or ep > 1) and recorded > MAX_RECORDED_ELEMENTS:
+        raise SpecError(f"under TP or EP every rank keeps each step's gradients for the check: {steps} steps of the "
                         f"{preset} model at tp={tp} are {recorded:,} values per rank, above {MAX_RECORDED_ELEMENTS:,}; "
                         f"run at most {MAX_RECORDED_ELEMENTS // (recorded // steps)} steps")
     cases = []
@@ -154,16 +171,33 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                     spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
                                      bucket_size=bucket_size, steps=steps, global_batch=global_batch,
                                      seq_len=seq_len, accumulation=accumulation, tp=tp, tp_policy=scheduler,
-                                     tp_mode=mode, tp_style=tp_style)
+                                     tp_mode=mode, tp_style=tp_style, ep=ep)
                     spec.check(dp)
                     # the plan the runtime would make (DistributedOptimizer._resolve_plan), made
                     # here so that bad plan settings fail before any spawn and the table names
                     # what ran
                     plan = plan_for(mspec, dp, tp, opt, step, PlanSettings(
-                        dp_policy=dp_policy, tp_policy=scheduler, alpha=alpha, bucket_size=bucket_size))
+                        dp_policy=dp_policy, tp_policy=scheduler, alpha=alpha, bucket_size=bucket_size), ep=ep)
                     step.check_dp_plan(plan.dp_plan)
                     cases.append(VerifyCase(spec, plan))
     return cases
+
+
+def _moe_spec(preset: str, dp: int, tp: int, ep: int):
+    """The spec of a mixture-of-experts preset verified at `dp` x `tp` with expert parallelism `ep`
+    (the model has no positions: any sequence length)."""
+    from canzona.experts import check_ep
+    from reference.tiny_moe import MOE_PRESETS, TinyMoe
+
+    if preset not in MOE_PRESETS:
+        raise SpecError(f"ep={ep} needs a mixture-of-experts preset ({', '.join(MOE_PRESETS)}), got {preset!r}")
+    if tp > 1:
+        raise SpecError(f"the {preset} model has no tensor-parallel form: verify it with tp 1")
+    if dp % ep:
+        raise SpecError(f"ep={ep} does not divide dp={dp} (EP groups of ep consecutive DP ranks)")
+    spec = TinyMoe(MOE_PRESETS[preset]).spec()
+    check_ep(spec, ep, dp, tp)
+    return spec
 
 
 def deadline_for(cases: Sequence[VerifyCase], ranks: int) -> float:
@@ -195,7 +229,7 @@ def run(cases: Sequence[VerifyCase], dp: int, progress: Progress | None = None,
     expected: dict[str, tuple[dict, dict]] = {}
     for i, case in enumerate(cases):
         results = [r[i] for r in per_rank]
-        key = _baseline_key(case.spec) if tp == 1 else f"case {i}"
+        key = f"case {i}" if case.recorded else _baseline_key(case.spec)
         if key not in expected:
             expected[key] = _expected(case.spec, dp, results, lambda what, d=done: tick(d, total, what))
             done += 2
@@ -216,15 +250,19 @@ def _baseline_key(spec) -> str:
 
 
 def _baseline_keys(cases: Sequence[VerifyCase]) -> set[str]:
-    if cases and cases[0].spec.tp > 1:
-        return {f"case {i}" for i in range(len(cases))}
-    return {_baseline_key(c.spec) for c in cases}
+    return {f"case {i}" if c.recorded else _baseline_key(c.spec) for i, c in enumerate(cases)}
 
 
 def _expected(spec, dp: int, results: Sequence[dict], tick: Callable[[str], None]) -> tuple[dict, dict]:
-    from canzona.harness.training import emulate, global_gradients_from, reference_run
+    from canzona.harness.training import (
+        emulate,
+        expert_global_gradients,
+        global_gradients_from,
+        reference_run,
+    )
 
-    grads = global_gradients_from(results, spec) if spec.tp > 1 else None
+    grads = expert_global_gradients(results, spec) if spec.ep > 1 else \
+        global_gradients_from(results, spec) if spec.tp > 1 else None
     tick(f"emulating {spec.optimizer} in one process")
     emulated = emulate(spec, dp, grads=grads)
     tick(f"running the reference {spec.optimizer}")
@@ -255,9 +293,10 @@ def _worst(got_by_rank: Sequence[dict], want_by_rank: Sequence[dict]) -> dict[st
 def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dict,
                reference: dict) -> list[dict[str, Any]]:
     """The three rows of one case: ranks agree, rung 3a, rung 3b. `results`: every rank's
-    `training.distributed_worker` result (its local parameters, losses, TP coordinates);
-    `emulated` and `reference` hold full tensors, which each rank is compared with its shard of."""
-    from canzona.harness.training import expected_shards
+    `training.distributed_worker` result (its local parameters, losses, TP and EP coordinates);
+    `emulated` and `reference` hold full tensors, which each rank is compared with its shard (under
+    EP: its experts) of."""
+    from canzona.harness.training import build_model, expected_shards, expert_local
 
     spec = case.spec
     losses = results[0]["losses"]
@@ -268,6 +307,7 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
         "plan_hash": case.plan.hash(),
         "dp": dp,
         "tp": spec.tp,
+        "ep": spec.ep,
         "tp_policy": case.plan.tp_plan.policy,
         "tp_mode": spec.tp_mode,
         "steps": spec.steps,
@@ -278,11 +318,20 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     params = [r["params"] for r in results]
 
     def shards(full: dict, r: dict) -> dict:
+        if spec.ep > 1:
+            return expert_local(full, spec, r["ep_rank"])
         return expected_shards(full, r["tp_dims"], spec.tp, r["tp_rank"]) if spec.tp > 1 else full
 
-    # every rank against the DP rank 0 of its TP index
-    first = {r["tp_rank"]: r["params"] for r in results if r["dp_rank"] == 0}
-    ranks = _worst(params, [first[r["tp_rank"]] for r in results]) if dp > 1 else {
+    # every rank against the first rank of its TP index, and under EP its experts against the
+    # first rank of its EP index
+    stacks = {p.name for p in build_model(spec).spec().stacks} if spec.ep > 1 else set()
+    first = {r["tp_rank"]: r["params"] for r in reversed(results)}
+    first_ep = {r["ep_rank"]: r["params"] for r in reversed(results)}
+
+    def alike(r: dict) -> dict:
+        return {n: (first_ep[r["ep_rank"]] if n in stacks else first[r["tp_rank"]])[n] for n in r["params"]}
+
+    ranks = _worst(params, [alike(r) for r in results]) if dp > 1 else {
         "bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
     same = _worst(params, [shards(emulated, r) for r in results])
     ref = _worst(params, [shards(reference, r) for r in results])

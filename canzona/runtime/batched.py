@@ -110,9 +110,13 @@ def _per_matrix(a: Tensor, b: Tensor) -> bool:
     # On CPU with more than one thread, torch's GEMM of one matrix splits it across the threads
     # with other kernels than a batched GEMM, which gives each matrix one thread: measured on an
     # AVX-512 / AMX Xeon (2 threads, 96 x 96 x 96: baddbmm and addmm round differently), though
-    # not on an AVX2 EPYC. The per-matrix products are then the only bit-identical batch.
+    # not on an AVX2 EPYC. In bf16 / fp16 the batched GEMM (oneDNN's) rounds otherwise than the
+    # single one even on one thread: on the same Xeon about 1 in 500 products of 16 x 16 x 16
+    # bf16 matrices differ in a last bit (tests/runtime/test_batched_kernels.py). The per-matrix
+    # products are then the only bit-identical batch.
     return a.device.type == "cpu" and (a.size(1) * a.size(2) * b.size(2) < CPU_BMM_LOOP_BELOW
-                                       or torch.get_num_threads() > 1)
+                                       or torch.get_num_threads() > 1
+                                       or a.dtype in (torch.bfloat16, torch.float16))
 
 
 def bmm(a: Tensor, b: Tensor) -> Tensor:

@@ -281,6 +281,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_expert_layout(spec, self.ep, self.dp, self.tp, expert_mesh, [*dp_ranks, *(tp_ranks or ())])
             self._expert_comms = (Comm(expert_pgs[0], timeout_s, EDP, reduce_scatter=reduce_scatter),
                                   Comm(expert_pgs[1], timeout_s, EP))
+            for comm in self._expert_comms:  # one issue order over every log (CollectiveRecord.seq)
+                comm.log.clock = self.comm.log.clock
         settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
                                 align=align, capacity=capacity, balance_by=balance_by)
         # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
@@ -490,6 +492,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This optimizer's dense part (itself), and its experts' part under EP."""
         return [self] if self.experts is None else [self, self.experts]
 
+    def _comms(self) -> list[Comm]:
+        """Every communicator this optimizer logs on: DP (and TP), and under EP the EDP and EP groups."""
+        return [c for c in (self.comm, self.tp_comm, *(self._expert_comms or ())) if c is not None]
+
     def _syncs(self) -> list[GradientSync]:
         """The gradient buffers of every part."""
         return [part.grads for part in self._parts()]
@@ -603,9 +609,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self.experts is not None:
                 self._expert_step()
             self._gather_params()
-        self.comm.log.step += 1
-        if self.tp_comm is not None:
-            self.tp_comm.log.step += 1
+        for comm in self._comms():
+            comm.log.step += 1
         for grads in self._syncs():
             grads.stepped()
         return loss

@@ -49,6 +49,23 @@ def test_one_configuration_passes_every_rung():
 
 
 @pytest.mark.distributed
+def test_expert_parallel_every_matrix_optimizer_bit_for_bit():
+    """Issue 20's bar: `canzona verify --dp 2 --ep 2` for every matrix optimizer, bit for bit (EP
+    groups of 2; at DP 4 each expert matrix is owned by one rank of its EDP group of 2)."""
+    for dp in ("2", "4"):
+        result, out, err = run("--dp", dp, "--ep", "2", "--optimizer", "all", "--steps", "8", "--json")
+        assert result.exit_code == 0, (out, err)
+        report = json.loads(out)
+        assert report["ok"] is True and report["checks"] == 3 * len(checks.OPTIMIZERS)
+        for r in report["rows"]:
+            assert r["ep"] == 2 and r["dp"] == int(dp)
+            if r["rung"] in ("ranks", "3a"):
+                assert r["bit_identical"] is True, r
+    table = run("--dp", "2", "--ep", "2", "--steps", "1")[1]
+    assert "EP 2 (EDP 1)" in table.replace("\n", " ")
+
+
+@pytest.mark.distributed
 def test_every_policy_in_one_run():
     result, out, err = run(*QUICK, "--optimizer", "soap", "--policy", "all", "--json")
     assert result.exit_code == 0, (out, err)
@@ -146,6 +163,12 @@ def test_gradient_accumulation():
     (["--alpha", "1.5"], "alpha"),
     (["--bucket-size", "10"], "bucket size"),
     (["--dp", "1000"], "dp must be <="),
+    (["--ep", "0"], "ep must be"),
+    (["--dp", "3", "--ep", "2"], "ep=2 does not divide dp=3"),
+    (["--dp", "2", "--ep", "2", "--preset", "tiny"], "needs a mixture-of-experts preset"),
+    (["--dp", "2", "--ep", "2", "--tp", "2"], "no tensor-parallel form"),
+    (["--dp", "8", "--ep", "8"], "ep=8 does not divide the 4 experts"),
+    (["--dp", "2", "--ep", "2", "--policy", "zero1"], "zero1"),
 ])
 def test_bad_input_is_one_line_exit_2(monkeypatch, args, needle):
     def no_spawn(*a, **k):

@@ -5,7 +5,9 @@ runtime's collective logs must equal record for record.
 - Pure: known answers on a four-parameter model for every step policy; properties on random small
   models (bytes add up to the buckets and the AdamW buffer, -v segments add up to the buffer, one
   reduce-scatter-v per bucket, DP records the same on every rank, TP records the schedule's, the
-  phases in the runtime's order); first step and clipping; bad arguments.
+  phases in the runtime's order); first step and clipping; bad arguments; expert parallelism (the
+  dense part's and the experts' collectives merged in the runtime's order; the EP logs themselves:
+  tests/runtime/test_runtime_ep_collectives.py).
 - Distributed: the logs of spawned gloo runs, DP and TP interleaved by their issue order, equal
   `step_collectives(...)` on every rank and every step: DP 2 for every step policy (and DP policy
   of canzona), with accumulation and with an idle owner; DP 2 x TP 2 (Megatron-style and DTensor
@@ -192,6 +194,54 @@ def test_bad_arguments():
     mixed = ModelSpec("small", (*SMALL.params[:2], replace(SMALL.params[2], dtype="bf16"), SMALL.params[3]))
     with pytest.raises(SpecError, match="must share a dtype"):
         step_collectives(make_plan(mixed, 2, 1, "muon", "alpha-balanced", align=8), mixed, "canzona")
+
+
+def test_expert_parallelism_known_answers():
+    """A dense part of two matrices (one bucket each, DP 4) and an EP rank's two expert stacks of
+    two 8 x 8 matrices (four buckets, EDP 2), bf16 with fp32 masters. Backward's reductions merge
+    by layer, the experts' first at each; then the experts' AdamW buffer (no parameter: one padded
+    fp32 slice per rank) and check over EDP, the dense part's over DP, the dense gathers, the
+    experts'. Megatron's style has no expert AdamW buffer and no checks."""
+    from canzona.experts import dense_part, expert_part
+    from canzona.plan import PlanSettings, plan_for
+    from canzona.step_collectives import EDP_GROUP, Experts, check_runtime_experts
+
+    params = [ParamSpec("embed", (16, 8), Role.EMBEDDING, dtype="bf16")]
+    for i in range(2):
+        params += [ParamSpec(f"l{i}.attn", (8, 8), Role.MATRIX, i, dtype="bf16"),
+                   ParamSpec(f"l{i}.router", (4, 8), Role.ROUTER, i, dtype="bf16"),
+                   ParamSpec(f"l{i}.experts", (4, 8, 8), Role.EXPERT, i, dtype="bf16", matrix_shape=(8, 8))]
+    model = ModelSpec("moe", tuple(params))
+    dense, experts = dense_part(model), expert_part(model, 2)
+    settings = PlanSettings(bucket_size=64, align=8)
+    plan, expert_plan = plan_for(dense, 4, 1, "muon", "canzona", settings), plan_for(experts, 2, 1, "muon", "canzona",
+                                                                                      settings)
+    got = step_collectives(plan, dense, "canzona", 1, experts=Experts(expert_plan, experts, 0))
+    assert [(c.group, c.name) for c in got if c.phase == BACKWARD] == [
+        (EDP_GROUP, "bucket 0"), (EDP_GROUP, "bucket 1"), ("dp", "bucket 0"),  # layer 1
+        (EDP_GROUP, "bucket 2"), (EDP_GROUP, "bucket 3"), ("dp", "bucket 1")]  # layer 0
+    assert step_records([c for c in got if c.phase != BACKWARD]) == [
+        ("reduce-scatter-v", "edp", "adamw", (64, 64)),  # 8 x 2 fp32 elements
+        ("all-gather", "edp", "step check", (56, 56)),  # 2 expert stacks + 5 words
+        ("reduce-scatter-v", "dp", "adamw", (768, 768, 768, 768)),
+        ("all-gather", "dp", "step check", (80, 80, 80, 80)),  # 5 dense parameters + 5 words
+        ("all-gather-v", "dp", "parameters of bucket 0", (128, 0, 0, 0)),
+        ("all-gather-v", "dp", "parameters of bucket 1", (0, 128, 0, 0)),
+        ("all-gather-v", "dp", "adamw parameters", (96, 96, 96, 96)),
+        *[("all-gather-v", "edp", f"parameters of bucket {k}", (128, 0) if k % 2 == 0 else (0, 128)) for k in range(4)],
+        ("all-gather-v", "edp", "adamw parameters", (32, 32))]  # fp32, whatever the forced bytes
+    forced = step_collectives(plan, dense, "canzona", 1, param_bytes=2, experts=Experts(expert_plan, experts, 0))
+    assert forced[-1].logged() == ("all-gather-v", "edp", "adamw parameters", (32, 32))
+    megatron = step_collectives(plan, dense, "canzona", 1, experts=Experts(expert_plan, experts, 0), style="megatron")
+    assert not [c for c in megatron if c.group == EDP_GROUP and "adamw" in c.name]
+    assert [c.name for c in megatron if c.phase == BACKWARD][-1] == "grad sync adamw"  # at the end of backward
+    # what the runtime does not run of expert parallelism
+    with pytest.raises(SpecError, match="does not run overlap_step under expert parallelism"):
+        step_collectives(plan, dense, "canzona", experts=Experts(expert_plan, experts), overlap_step=True)
+    with pytest.raises(SpecError, match="the runtime runs one step policy"):
+        step_collectives(plan, dense, "canzona", experts=Experts(expert_plan, experts, policy="layerwise"))
+    with pytest.raises(SpecError, match="at tp 1 and etp 1"):
+        check_runtime_experts(2, 1, False)
 
 
 # --- properties on random models --------------------------------------------------------------

@@ -84,18 +84,46 @@ def test_ep_divides_the_expert_memory():
     assert saved == pytest.approx(expert_weight_bytes * 3 / 4, rel=0.05)
 
 
-def test_the_runtime_collectives_and_bad_layouts_refuse_ep():
+def test_the_runtime_collectives_refuse_what_the_runtime_does_not_run_of_ep_and_bad_layouts_refuse_ep():
     from sim.options import RunOptions
 
-    cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))
-    with pytest.raises(SpecError, match="the runtime does not run expert parallelism yet"):
+    cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))  # a TP dense part
+    with pytest.raises(SpecError, match="the runtime runs expert parallelism at tp 1 and etp 1"):
         cfg.check(model)
+    cfg, model = _config(ep=4, tp=1, options=RunOptions(collectives="runtime", overlap_step=True))
+    with pytest.raises(SpecError, match="does not run overlap_step under expert parallelism"):
+        cfg.check(model)
+    cfg, model = _config(ep=4, tp=1, options=RunOptions(collectives="runtime"))
+    assert cfg.check(model) is not None
     odd = DecoderConfig(**{**TINY.__dict__, "experts": 24})
     cfg = SimConfig(model="unused", gpus=48, tp=2, ep=12, workload=Workload(seq_len=512, global_batch=24))
     with pytest.raises(SpecError, match="ep=12 must divide the 8 GPUs of a node or be a multiple"):
         cfg.check((build_decoder(odd), odd.architecture()))
     cfg, model = _config(ep=16, gpus=32)  # EP groups of two whole nodes: their all-to-alls cross the NICs
     assert cfg.check(model) is not None
+
+
+@pytest.mark.parametrize("policy", ["canzona", "zero1-gather", "layerwise", "sc"])
+def test_under_ep_the_runtime_collectives_mode_issues_the_step_collectives_on_every_rank(policy):
+    """`--collectives runtime --ep`: every rank's collectives, the dense part's over DP and the
+    experts' over EDP in the order the runtime issues them (backward's merged by layer), are
+    `step_collectives` of the simulator's two plans (the runtime's logs are checked against the same
+    list: tests/runtime/test_runtime_ep_collectives.py). Small buckets, so that each part has several."""
+    from canzona.step_collectives import EDP_GROUP, Experts, step_collectives, step_records
+    from sim.engine import issued_records
+    from sim.options import RunOptions
+
+    cfg, model = _config(ep=2, gpus=4, tp=1, policy=policy, bucket_size=150_000, workload=Workload(seq_len=512, global_batch=8),
+                         options=RunOptions(overlap_param_gather=False, collectives="runtime"))
+    result = simulate(cfg, model=model, replicate_phase_a=False)
+    spec = model[0]
+    for rank in range(4):
+        want = step_collectives(result.plan, dense_part(spec), policy, rank, grad_bytes=cfg.workload.grad_bytes,
+                                param_bytes=cfg.workload.param_bytes,
+                                experts=Experts(result.expert_plan, expert_part(spec, 2), rank // 2))
+        assert [tuple(r) for r in issued_records(result.collective_records, rank)] == step_records(want), rank
+        groups = [c.group for c in want if c.bucket is not None and c.phase == "backward"]
+        assert groups.count("dp") > 1 and groups.count(EDP_GROUP) > 1 and groups != sorted(groups)  # interleaved
 
 
 @pytest.mark.slow
