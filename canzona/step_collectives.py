@@ -45,9 +45,12 @@ by the layer whose backward completes each bucket (`backward_layers`; the expert
 same layer), then the experts' step collectives and check (the dense check carries their share of
 the gradient norm), the dense part's step collectives, checks and clip, the dense parameter
 gathers, the experts'. The EP group carries nothing of the optimizer's: the token dispatch
-all-to-alls are the model's (forward and backward), not logged. The runtime runs EP at TP 1 and
-expert TP 1, without `overlap_step`, with one step policy (`check_runtime_experts`); the Megatron
-style is defined for any layout.
+all-to-alls are the model's (forward and backward), not logged. With a TP dense part (the
+experts folded over the `dp x tp` ranks) the dense list is rank (`dp_rank`, `tp_rank`)'s as
+without EP, TP exchanges and checks included, and construction's agreement verdict, on the first
+step, comes before both parts' records. The runtime runs EP at expert TP 1, without
+`overlap_step`, with one step policy (`check_runtime_experts`); the Megatron style is defined for
+any layout.
 
 `style="megatron"` lists instead the DP collectives each policy runs under Megatron-LM (an
 all-reduce per bucket for sc and layerwise, a reduce-scatter-v on the plan's segments otherwise;
@@ -102,6 +105,7 @@ COLLECTIVE_STYLES = (MEGATRON_STYLE, RUNTIME_STYLE)
 # all-gathers after the update
 BACKWARD, STEP, CHECK, CLIP, PARAMS = "backward", "step", "check", "clip", "params"
 PHASES = (BACKWARD, STEP, CHECK, CLIP, PARAMS)
+AGREEMENT_VERDICT = "agreement verdict"  # construction's, spread over DP under TP (logged on the first step)
 CHECK_WORD_BYTES = 8  # the step checks and verdicts are int64 (the gradient norm float64) values
 LOW_PRECISION = frozenset({"bf16", "fp16"})
 FP32_BYTES = DTYPE_BYTES["fp32"]
@@ -176,6 +180,8 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
     options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
                    adamw_align=adamw_align, overlap_step=overlap_step, style=style)
+    if experts is not None and plan.experts is not None:  # a plan under EP: the dense part's own
+        plan = replace(plan, experts=None, ep=1)
     dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm, **options)
     if experts is None:
         return dense
@@ -193,11 +199,11 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
 
 
 def check_runtime_experts(tp: int, etp: int, overlap_step: bool) -> None:
-    """What of expert parallelism the runtime runs (one SpecError otherwise): a dense part and
-    experts without TP, no overlapped step."""
-    if tp > 1 or etp > 1:
-        raise SpecError(f"the runtime runs expert parallelism at tp 1 and etp 1 (got tp {tp}, etp {etp}): its "
-                        "collectives under EP with TP are not defined")
+    """What of expert parallelism the runtime runs (one SpecError otherwise): experts without TP
+    (the dense part at any TP), no overlapped step."""
+    if etp > 1:
+        raise SpecError(f"the runtime runs expert parallelism at etp 1 (got etp {etp}, at tp {tp}): its collectives "
+                        "under expert TP are not defined")
     if overlap_step:
         raise SpecError("the runtime does not run overlap_step under expert parallelism")
 
@@ -211,14 +217,17 @@ def _with_experts(dense: list[StepCollective], experts: list[StepCollective], de
     reaches the experts first); records of no bucket (Megatron's AdamW reduction) after them; then
     the experts' step collectives and check over EDP (the dense check carries their gradient
     norm), the dense part's step collectives, checks and exchanges, the dense part's parameter
-    gathers, then the experts'."""
+    gathers, then the experts'. Construction's agreement verdict (the first step under TP) comes
+    before all of them."""
     def key(c: StepCollective, part: int, k: int) -> tuple:
         layers = expert_layers if part == 0 else dense_layers
         return (math.inf if c.bucket is None else -layers[c.bucket], part, k)
 
+    verdict = [c for c in dense if c.name == AGREEMENT_VERDICT]
+    dense = [c for c in dense if c.name != AGREEMENT_VERDICT]
     backward = sorted([(key(c, part, k), c) for part, records in enumerate((experts, dense))
                        for k, c in enumerate(records) if c.phase == BACKWARD], key=lambda kc: kc[0])
-    return [c for _, c in backward] + [c for c in experts if c.phase not in (BACKWARD, PARAMS)] + \
+    return verdict + [c for _, c in backward] + [c for c in experts if c.phase not in (BACKWARD, PARAMS)] + \
         [c for c in dense if c.phase != BACKWARD] + [c for c in experts if c.phase == PARAMS]
 
 
@@ -284,7 +293,7 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
 
     out: list[StepCollective] = []
     if first_step and tp > 1:
-        out.append(check(DP_GROUP, "agreement verdict", 1, dp))
+        out.append(check(DP_GROUP, AGREEMENT_VERDICT, 1, dp))
     # 1. backward: the buckets' reduce-scatters, in bucket order
     out += [v(REDUCE_SCATTER_V, f"bucket {b.index}", grad_cuts(b), buf.grad_bytes, BACKWARD, b.index, b.size)
             for b, buf in zip(buckets, grads)]

@@ -445,20 +445,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dp_facts = {**shared, "TP rank": str(self.tp_rank), "initial parameters": _parameters_checksum(dense)}
         error = None
         if self._expert_plan is not None:
-            # the EDP ranks of each EP rank: the same experts, the same expert plan (the verdict
-            # joins the dense part's below, so that every rank of the cluster fails together)
-            dp_facts["expert parallelism"] = f"ep {self.ep}"
+            # the EDP ranks of each EP rank first: the same experts, the same expert plan; their
+            # verdict is a fact of the DP round (as the DP round's is of the TP round below), so
+            # that every rank of the cluster fails together
             error = self._expert_comms[0].agreement_error({
                 "expert plan": self._expert_plan.hash(),
                 "initial expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))})
             if error is not None:
                 error = f"the expert-data-parallel group: {error}"
-        dp_error = self.comm.agreement_error(dp_facts)  # every rank calls it (a collective)
+            dp_facts["expert parallelism"] = f"ep {self.ep}"
+            dp_facts["expert-data-parallel agreement check (failed on the ranks named; see their error)"] = \
+                "failed" if error is not None else "passed"
+        dp_error = self.comm.agreement_error(dp_facts)  # every rank joins the DP round
         error = error or dp_error
         if self.tp_comm is None:
-            if self._expert_plan is not None:  # an EDP group's failure reaches the whole DP group
-                error = self.comm.spread_failure(error, "agreement verdict",
-                                                 "the agreement check of rank(s) {ranks} failed")
             if error is not None:
                 raise PlanError(error)
             return

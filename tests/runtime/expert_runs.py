@@ -1,5 +1,6 @@
 """What the expert-parallel tests share: checkpoints saved by the jobs of one spawn, resumed by
-another at another layout, and the spawn's outcome replayed by every test that reads it."""
+another at another layout; the spawn's outcome replayed by every test that reads it; a rank's
+collective logs step by step, and the simulator's records of the same run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Any
 import pytest
 
 from canzona.harness.launch import run_ranks
-from canzona.harness.training import TrainSpec, expert_full_parameters, many_specs_worker
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    expert_full_parameters,
+    many_specs_worker,
+)
 
 
 def checkpoint_extras(labels: Sequence[str], saved: Sequence[str], folder: str) -> list[dict]:
@@ -44,3 +50,69 @@ def replay(got: Mapping[Any, Any], label: Any) -> Any:
         err = got["error"]
         pytest.fail(f"a spawned group failed: {err}\n{getattr(err, 'trace', '')}")
     return got[label]
+
+
+def logged_steps(res: dict) -> list[list[tuple]]:
+    """Per step, (op, group, name, bytes per rank) of every collective a rank logged, its DP, TP and
+    EDP logs together in the order it issued them (their shared `seq`)."""
+    logs = (res["log"], res["tp_log"], res["edp_log"])
+    for log in logs:
+        assert [x["order"] for x in log] == list(range(len(log)))
+    records = sorted((x for log in logs for x in log), key=lambda x: x["seq"])
+    assert [x["seq"] for x in records] == list(range(len(records)))
+    assert [x["step"] for x in records] == sorted(x["step"] for x in records)
+    return [[(x["op"], x["group"], x["name"], tuple(x["bytes_per_rank"])) for x in records if x["step"] == s]
+            for s in range(1 + max(x["step"] for x in records))]
+
+
+def check_logged_collectives(train: TrainSpec, ranks: Sequence[dict], label: str) -> None:
+    """Every rank's logs, step by step, are `step_collectives` of its DP (and TP) rank and its
+    EDP rank (the first step with what construction logged)."""
+    from canzona.experts import dense_part, expert_part
+    from canzona.step_collectives import EDP_GROUP, Experts, step_collectives, step_records
+
+    model = build_model(train).spec()
+    for res in ranks:
+        steps = logged_steps(res)[:train.steps]  # (a state dict taken after training logs after them)
+        assert len(steps) == train.steps
+        experts = Experts(res["expert_plan"], expert_part(model, train.ep), res["edp_rank"])
+        for s, got in enumerate(steps):
+            want = step_collectives(res["plan"], dense_part(model), train.policy, res["dp_rank"], res["tp_rank"],
+                                    master_weights=train.master_weights, first_step=s == 0, experts=experts)
+            assert got == step_records(want), (label, res["dp_rank"], res["tp_rank"], s)
+            assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP} | ({"tp"} if train.tp > 1 else set())
+
+
+def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: str) -> None:
+    """The simulator in the runtime's collectives mode (`--collectives runtime --ep`) on the same
+    model and layout plans the runtime's two plans (no plan file: it plans both parts itself) and
+    issues on every rank the records the rank logged in its last step."""
+    from canzona.decoder import Architecture
+    from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
+    from canzona.spec import DTYPE_BYTES
+    from reference.tiny_moe import MOE_PRESETS
+    from sim.engine import issued_records
+    from sim.options import RunOptions
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    world, model, moe = len(ranks), build_model(train).spec(), MOE_PRESETS[train.preset]
+    heads = dict(kv_dim=moe.heads * moe.head_dim, q_heads=moe.heads, kv_heads=moe.heads, head_dim=moe.head_dim) \
+        if moe.heads else {}
+    arch = Architecture(model.name, moe.layers, moe.hidden, moe.vocab, moe.heads * moe.head_dim or moe.hidden,
+                        experts=moe.experts, experts_per_token=moe.experts_per_token, **heads)
+    low = train.dtype in ("bf16", "fp16") and train.master_weights
+    wl = Workload(seq_len=train.seq_len, global_batch=world, grad_bytes=4 if low else DTYPE_BYTES[train.dtype],
+                  param_bytes=DTYPE_BYTES[train.dtype], dtype="fp32")
+    cfg = SimConfig(model=model.name, gpus=world, tp=train.tp, ep=train.ep, optimizer=train.optimizer,
+                    policy=train.policy, workload=wl, bucket_size=train.bucket_size,
+                    expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
+                    options=RunOptions(overlap_param_gather=False, collectives="runtime"))
+    result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
+    # the runtime's plan holds the experts' (`Plan.experts`); the simulator's result has both apart
+    dense = replace(ranks[0]["plan"], experts=None, ep=1)
+    assert result.plan.hash() == dense.hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
+    for res in ranks:
+        rank = res["dp_rank"] * train.tp + res["tp_rank"]  # the (dp, tp) mesh's rank order
+        simulated = [tuple(r) for r in issued_records(result.collective_records, rank)]
+        assert simulated == logged_steps(res)[train.steps - 1], (label, rank)

@@ -22,7 +22,8 @@ from dataclasses import replace
 import pytest
 
 from canzona.harness.launch import run_ranks
-from canzona.harness.training import TrainSpec, build_model, many_specs_worker
+from canzona.harness.training import TrainSpec, many_specs_worker
+from tests.runtime.expert_runs import check_logged_collectives, check_simulated_collectives, replay
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -53,74 +54,19 @@ def runs() -> dict:
 
 
 def run(label: str) -> list[dict]:
-    got = runs()
-    if "error" in got:
-        err = got["error"]
-        pytest.fail(f"the spawned group failed: {err}\n{getattr(err, 'trace', '')}")
-    return got[label]
-
-
-def logged_steps(res: dict) -> list[list[tuple]]:
-    """Per step, (op, group, name, bytes per rank) of every collective the rank logged, its DP and
-    EDP logs together in the order it issued them (their shared `seq`)."""
-    for log in (res["log"], res["edp_log"]):
-        assert [x["order"] for x in log] == list(range(len(log)))
-    records = sorted(res["log"] + res["edp_log"], key=lambda x: x["seq"])
-    assert [x["seq"] for x in records] == list(range(len(records)))
-    assert [x["step"] for x in records] == sorted(x["step"] for x in records)
-    return [[(x["op"], x["group"], x["name"], tuple(x["bytes_per_rank"])) for x in records if x["step"] == s]
-            for s in range(1 + max(x["step"] for x in records))]
-
-
-@functools.cache
-def model_of(label: str):
-    return build_model(JOBS[label]).spec()
+    return replay(runs(), label)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
 def test_every_ranks_logs_are_the_step_collectives_of_its_dp_and_edp_ranks(label):
-    from canzona.experts import dense_part, expert_part
-    from canzona.step_collectives import EDP_GROUP, Experts, step_collectives, step_records
-
-    train, model = JOBS[label], model_of(label)
-    for res in run(label):
+    ranks = run(label)
+    for res in ranks:
         assert res["edp_rank"] == res["dp_rank"] // EP and res["ep_rank"] == res["dp_rank"] % EP
-        steps = logged_steps(res)
-        assert len(steps) == train.steps
-        experts = Experts(res["expert_plan"], expert_part(model, EP), res["edp_rank"])
-        for s, got in enumerate(steps):
-            want = step_collectives(res["plan"], dense_part(model), train.policy, res["dp_rank"],
-                                    master_weights=train.master_weights, first_step=s == 0, experts=experts)
-            assert got == step_records(want), (label, res["dp_rank"], s)
-            assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP}
+    check_logged_collectives(JOBS[label], ranks, label)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
 def test_the_simulator_in_the_runtimes_collectives_mode_issues_the_logged_collectives(label):
     """The simulator plans the dense part and the experts itself (no plan file under EP): the same
     plans as the runtime's, and on every rank the records of a step after the first."""
-    from canzona.decoder import Architecture
-    from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
-    from canzona.spec import DTYPE_BYTES
-    from reference.tiny_moe import MOE_PRESETS
-    from sim.engine import issued_records
-    from sim.options import RunOptions
-    from sim.simulate import SimConfig, simulate
-    from sim.workload import Workload
-
-    train, model = JOBS[label], model_of(label)
-    moe = MOE_PRESETS[train.preset]
-    arch = Architecture(model.name, moe.layers, moe.hidden, moe.vocab, moe.hidden, experts=moe.experts,
-                        experts_per_token=moe.experts_per_token)
-    low = train.dtype in ("bf16", "fp16") and train.master_weights
-    wl = Workload(seq_len=train.seq_len, global_batch=WORLD, grad_bytes=4 if low else DTYPE_BYTES[train.dtype],
-                  param_bytes=DTYPE_BYTES[train.dtype], dtype="fp32")
-    cfg = SimConfig(model=model.name, gpus=WORLD, tp=1, ep=EP, optimizer=train.optimizer, policy=train.policy,
-                    workload=wl, bucket_size=train.bucket_size, expert_buckets=DEFAULT_EXPERT_BUCKETS,
-                    zero1_fallback=False, options=RunOptions(overlap_param_gather=False, collectives="runtime"))
-    result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
-    ranks = run(label)
-    assert result.plan.hash() == ranks[0]["plan"].hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
-    for res in ranks:
-        simulated = [tuple(r) for r in issued_records(result.collective_records, res["dp_rank"])]
-        assert simulated == logged_steps(res)[-1], (label, res["dp_rank"])
+    check_simulated_collectives(JOBS[label], run(label), label)

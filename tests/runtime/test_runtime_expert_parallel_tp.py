@@ -12,8 +12,11 @@ replicated, each TP rank dispatching its share of its DP rank's tokens to the ex
   within 1e-5 of the independent references, for Muon, NorMuon, SOAP, Shampoo and AdamW, with
   accumulation and clipping, at EP 4, and on the attention-free `tiny-moe` (whose dense part is
   AdamW's alone);
+- every rank's DP, TP and EDP logs are `step_collectives` of its ranks, record for record, and the
+  simulator in the runtime's collectives mode plans the same two plans and issues the same records;
 - a NaN in one rank's expert gradient skips (or fails) the step on every rank, nothing updated;
-- an expert mesh that does not fold the dense mesh's ranks is one `SpecError` on every rank;
+- an expert mesh that does not fold the dense mesh's ranks is one `SpecError` on every rank, and
+  experts that differ within an EDP group one `PlanError` on every rank;
 - checkpoints taken at DP 2 x TP 2 x EP 2 (full and sharded) resume bit for bit at DP 4 x EP 2
   (TP 1) and at TP 2 x EP 2 on 2 ranks.
 
@@ -44,7 +47,13 @@ from canzona.harness.training import (
     reference_run,
     torch_threads,
 )
-from tests.runtime.expert_runs import checkpoint_extras, replay, resumed_runs
+from tests.runtime.expert_runs import (
+    check_logged_collectives,
+    check_simulated_collectives,
+    checkpoint_extras,
+    replay,
+    resumed_runs,
+)
 from tests.runtime.outcomes import outcome
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
@@ -128,11 +137,26 @@ def refusal_job(rank: int, world: int) -> dict:
     return out
 
 
+def disagreement_job(rank: int, world: int) -> dict:
+    """The last rank's experts differ from its EDP peer's: construction fails on every rank."""
+    from canzona.harness.training import parallel_model
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    spec = JOBS["muon"]
+    model, mspec, group, expert_mesh, _ = parallel_model(spec, rank, world)
+    if rank == world - 1:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.down_proj.mul_(2.0)
+    return outcome(lambda: DistributedOptimizer(model.named_parameters(), mspec, "muon", group=group,
+                                                expert_mesh=expert_mesh))
+
+
 def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict]) -> dict:
     return {"jobs": many_specs_worker(rank, world, specs, extras),
             "nan skip": nonfinite_job(rank, world, "skip"),
             "nan raise": nonfinite_job(rank, world, "raise"),
-            "refusal": refusal_job(rank, world)}
+            "refusal": refusal_job(rank, world),
+            "disagreement": disagreement_job(rank, world)}
 
 
 @functools.cache
@@ -144,7 +168,7 @@ def runs() -> dict:
         results = run_ranks(everything_worker, WORLD, [JOBS[k] for k in labels], extras,
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
         out = {label: [results[r]["jobs"][i] for r in range(WORLD)] for i, label in enumerate(labels)}
-        for key in ("nan skip", "nan raise", "refusal"):
+        for key in ("nan skip", "nan raise", "refusal", "disagreement"):
             out[key] = [results[r][key] for r in range(WORLD)]
         for world, tp in RESUMED:
             out.update(resumed_runs(out, JOBS, SAVED, folder, world, (world, tp), DEADLINE_S, tp=tp))
@@ -200,6 +224,16 @@ def test_expert_parallel_training_with_a_tp_dense_part_is_the_same_kernels_in_on
         assert cmp["max_rel_diff"] <= REL_TOL, f"{label} against the references: {cmp}"
 
 
+@pytest.mark.parametrize("label", list(JOBS))
+def test_every_ranks_logs_are_the_step_collectives_of_its_dp_tp_and_edp_ranks(label):
+    check_logged_collectives(JOBS[label], run(label), label)
+
+
+@pytest.mark.parametrize("label", ["muon", "ep4", "adamw"])
+def test_the_simulator_in_the_runtimes_collectives_mode_issues_the_logged_collectives(label):
+    check_simulated_collectives(JOBS[label], run(label), label)
+
+
 def test_the_layout_folds_ep_over_dp_x_tp():
     ranks = run("muon")
     assert [(r["dp_rank"], r["tp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
@@ -224,6 +258,13 @@ def test_a_nan_expert_gradient_on_one_rank_is_one_verdict_on_every_rank(policy):
 def test_an_expert_mesh_that_does_not_fold_the_dense_mesh_is_one_error_on_every_rank():
     for out in run("refusal"):
         assert out["error"] == "SpecError" and "edp x ep = dp x tp" in out["message"], out
+
+
+def test_experts_that_differ_within_an_edp_group_fail_construction_on_every_rank():
+    outs = run("disagreement")
+    for out in outs:
+        assert out["error"] == "PlanError", out
+    assert "initial expert parameters" in outs[-1]["message"]
 
 
 @pytest.mark.parametrize("form", ["full", "sharded"])

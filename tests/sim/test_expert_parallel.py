@@ -87,9 +87,11 @@ def test_ep_divides_the_expert_memory():
 def test_the_runtime_collectives_refuse_what_the_runtime_does_not_run_of_ep_and_bad_layouts_refuse_ep():
     from sim.options import RunOptions
 
-    cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))  # a TP dense part
-    with pytest.raises(SpecError, match="the runtime runs expert parallelism at tp 1 and etp 1"):
+    cfg, model = _config(ep=4, etp=2, options=RunOptions(collectives="runtime"))  # expert TP
+    with pytest.raises(SpecError, match="the runtime runs expert parallelism at etp 1"):
         cfg.check(model)
+    cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))  # a TP dense part: what it runs
+    assert cfg.check(model) is not None
     cfg, model = _config(ep=4, tp=1, options=RunOptions(collectives="runtime", overlap_step=True))
     with pytest.raises(SpecError, match="does not run overlap_step under expert parallelism"):
         cfg.check(model)
