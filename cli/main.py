@@ -484,7 +484,7 @@ def verify(
     accumulation: Annotated[int, typer.Option(help="Gradient-accumulation micro-batches per step.")] = 1,
     preset: Annotated[str | None, typer.Option(
         help="Tiny model preset: tiny, tiny-untied, tiny-tp4 or small (TP 4: tiny-tp4, small); tiny-moe, the "
-             "mixture of experts (default: tiny, and tiny-moe under --ep).")] = None,
+             "mixture of experts, or tiny-moe-attn, with attention (default: tiny, and tiny-moe under --ep).")] = None,
     global_batch: Annotated[int | None, typer.Option(
         help=f"Sequences per step (default: 4 x dp x accumulation; at most {checks.MAX_GLOBAL_BATCH}).")] = None,
     alpha: Alpha = PLAN_DEFAULTS.alpha,
@@ -496,9 +496,9 @@ def verify(
     tp_style: Annotated[str, typer.Option(
         help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
     ep: Annotated[int, typer.Option(
-        help="Expert parallelism of the mixture-of-experts preset: the dp ranks form EP groups of ep consecutive "
-             "ranks, each holding experts / ep of every layer; the experts are owned whole in their "
-             "expert-data-parallel groups of dp / ep ranks.")] = 1,
+        help="Expert parallelism of the mixture-of-experts preset: the dp x tp ranks form EP groups of ep "
+             "consecutive ranks, each holding experts / ep of every layer; the experts are owned whole in their "
+             "expert-data-parallel groups of dp x tp / ep ranks (under --tp the dense layers are split over TP).")] = 1,
     as_json: AsJson = False,
 ) -> None:
     """Check the distributed runtime numerically (rung 3): train the tiny model on spawned gloo ranks

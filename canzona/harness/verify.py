@@ -3,14 +3,15 @@
 For each (optimizer, policy, TP scheduler, TP mode) the tiny model is trained for `steps` steps by
 `dp x tp` CPU ranks running `DistributedOptimizer` (under TP on a (`dp`, `tp`) mesh, with the model
 split Megatron-style or as DTensors; under expert parallelism, `ep` > 1, the tiny mixture-of-experts
-model with its experts split over EP groups of `ep` consecutive DP ranks, `reference.tiny_moe_ep`),
+model with its experts split over EP groups of `ep` consecutive ranks of the dp x tp ranks, and
+under TP its dense layers split Megatron-style, `reference.tiny_moe_ep`),
 and the final parameters of every rank are checked three ways:
 
 - `ranks`: every rank holds the same parameters as the first rank of its TP index (under EP, the
   same experts as the first rank of its EP index), bit for bit;
 - `3a`: they equal `training.emulate` (the same kernels in one process, fed the same global
   gradients; under TP or EP the ranks' recorded gradients, summed as the reductions sum them) bit
-  for bit in fp32, each rank against its shard (under EP: its experts) of the full result;
+  for bit in fp32, each rank against its shard (under EP: and its experts) of the full result;
 - `3b`: they stay within `REFERENCE_RTOL` relative of `training.reference_run` (the reference
   optimizers of `reference/`).
 
@@ -134,7 +135,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     if global_batch > MAX_GLOBAL_BATCH:
         raise SpecError(f"global batch must be <= {MAX_GLOBAL_BATCH} sequences, got {global_batch}")
     if preset in MOE_PRESETS or ep > 1:
-        mspec = _moe_spec(preset, dp, tp, ep)
+        mspec = _moe_spec(preset, dp, tp, ep, tp_style)
     else:
         cfg = get_preset(preset)
         if seq_len > cfg.max_seq_len:
@@ -183,19 +184,24 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     return cases
 
 
-def _moe_spec(preset: str, dp: int, tp: int, ep: int):
+def _moe_spec(preset: str, dp: int, tp: int, ep: int, tp_style: str):
     """The spec of a mixture-of-experts preset verified at `dp` x `tp` with expert parallelism `ep`
-    (the model has no positions: any sequence length)."""
+    (the experts folded over the dp x tp ranks; under TP the dense layers split Megatron-style,
+    `reference.tiny_moe_ep`)."""
     from canzona.experts import check_ep
     from reference.tiny_moe import MOE_PRESETS, TinyMoe
 
     if preset not in MOE_PRESETS:
         raise SpecError(f"ep={ep} needs a mixture-of-experts preset ({', '.join(MOE_PRESETS)}), got {preset!r}")
+    cfg = MOE_PRESETS[preset]
     if tp > 1:
-        raise SpecError(f"the {preset} model has no tensor-parallel form: verify it with tp 1")
-    if dp % ep:
-        raise SpecError(f"ep={ep} does not divide dp={dp} (EP groups of ep consecutive DP ranks)")
-    spec = TinyMoe(MOE_PRESETS[preset]).spec()
+        if ep == 1:
+            raise SpecError(f"the {preset} model is split over TP under expert parallelism only: give --ep too")
+        if tp_style != "megatron":
+            raise SpecError(f"the {preset} model is split over TP Megatron-style only (tp_style megatron)")
+        if cfg.vocab % tp or cfg.heads % tp:
+            raise SpecError(f"tp={tp} must divide the {preset} model's vocabulary ({cfg.vocab}) and heads ({cfg.heads})")
+    spec = TinyMoe(cfg).spec()
     check_ep(spec, ep, dp, tp)
     return spec
 
@@ -296,7 +302,7 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     `training.distributed_worker` result (its local parameters, losses, TP and EP coordinates);
     `emulated` and `reference` hold full tensors, which each rank is compared with its shard (under
     EP: its experts) of."""
-    from canzona.harness.training import build_model, expected_shards, expert_local
+    from canzona.harness.training import build_model, held_by
 
     spec = case.spec
     losses = results[0]["losses"]
@@ -318,15 +324,13 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     params = [r["params"] for r in results]
 
     def shards(full: dict, r: dict) -> dict:
-        if spec.ep > 1:
-            return expert_local(full, spec, r["ep_rank"])
-        return expected_shards(full, r["tp_dims"], spec.tp, r["tp_rank"]) if spec.tp > 1 else full
+        return held_by(full, spec, r) if spec.tp > 1 or spec.ep > 1 else full
 
     # every rank against the first rank of its TP index, and under EP its experts against the
     # first rank of its EP index
     stacks = {p.name for p in build_model(spec).spec().stacks} if spec.ep > 1 else set()
     first = {r["tp_rank"]: r["params"] for r in reversed(results)}
-    first_ep = {r["ep_rank"]: r["params"] for r in reversed(results)}
+    first_ep = {r["ep_rank"]: r["params"] for r in reversed(results)} if stacks else {}
 
     def alike(r: dict) -> dict:
         return {n: (first_ep[r["ep_rank"]] if n in stacks else first[r["tp_rank"]])[n] for n in r["params"]}

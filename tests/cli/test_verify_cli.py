@@ -66,6 +66,21 @@ def test_expert_parallel_every_matrix_optimizer_bit_for_bit():
 
 
 @pytest.mark.distributed
+def test_expert_parallel_with_a_tp_dense_part_every_optimizer_bit_for_bit():
+    """`canzona verify --dp 2 --tp 2 --ep 2`: the experts folded over the 4 ranks (EDP 2), the
+    attention and the head split over TP (docs/design.md §8.9)."""
+    result, out, err = run("--dp", "2", "--tp", "2", "--ep", "2", "--preset", "tiny-moe-attn", "--optimizer", "all",
+                           "--steps", "3", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and report["checks"] == 3 * len(checks.OPTIMIZERS)
+    for r in report["rows"]:
+        assert (r["dp"], r["tp"], r["ep"]) == (2, 2, 2)
+        if r["rung"] in ("ranks", "3a"):
+            assert r["bit_identical"] is True, r
+
+
+@pytest.mark.distributed
 def test_every_policy_in_one_run():
     result, out, err = run(*QUICK, "--optimizer", "soap", "--policy", "all", "--json")
     assert result.exit_code == 0, (out, err)
@@ -164,9 +179,11 @@ def test_gradient_accumulation():
     (["--bucket-size", "10"], "bucket size"),
     (["--dp", "1000"], "dp must be <="),
     (["--ep", "0"], "ep must be"),
-    (["--dp", "3", "--ep", "2"], "ep=2 does not divide dp=3"),
+    (["--dp", "3", "--ep", "2"], "ep=2 does not divide the dp x tp = 3 x 1"),
     (["--dp", "2", "--ep", "2", "--preset", "tiny"], "needs a mixture-of-experts preset"),
-    (["--dp", "2", "--ep", "2", "--tp", "2"], "no tensor-parallel form"),
+    (["--dp", "2", "--tp", "2", "--preset", "tiny-moe"], "split over TP under expert parallelism only"),
+    (["--dp", "2", "--ep", "2", "--tp", "2", "--tp-style", "dtensor"], "Megatron-style only"),
+    (["--dp", "1", "--ep", "2", "--tp", "8", "--preset", "tiny-moe-attn"], "tp=8 must divide"),
     (["--dp", "8", "--ep", "8"], "ep=8 does not divide the 4 experts"),
     (["--dp", "2", "--ep", "2", "--policy", "zero1"], "zero1"),
 ])
