@@ -5,7 +5,8 @@ collective logs step by step, and the simulator's records of the same run."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,11 +21,15 @@ from canzona.harness.training import (
 )
 
 
-def checkpoint_extras(labels: Sequence[str], saved: Sequence[str], folder: str) -> list[dict]:
-    """Each job's `distributed_worker` extras: the saved ones keep their state dict and write a
-    sharded checkpoint under `folder`, the others neither."""
-    return [{"state_dict": label in saved, **({"save_sharded": os.path.join(folder, label)} if label in saved else {})}
-            for label in labels]
+def saving_spawn(worker: Callable[..., Any], world: int, jobs: Mapping[str, TrainSpec], saved: Sequence[str],
+                 prefix: str, deadline_s: float) -> tuple[list[Any], str]:
+    """One spawn of `world` ranks running `worker(rank, world, specs, extras)` over every job (in
+    order), the `saved` ones keeping their state dict and writing a sharded checkpoint into a fresh
+    folder, the others neither: (the ranks' results, the folder)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    extras = [{"state_dict": label in saved, **({"save_sharded": os.path.join(folder, label)} if label in saved else {})}
+              for label in jobs]
+    return run_ranks(worker, world, list(jobs.values()), extras, deadline_s=deadline_s, collective_timeout_s=60), folder
 
 
 def resumed_runs(out: Mapping[str, Any], jobs: Mapping[str, TrainSpec], saved: Sequence[str], folder: str,
@@ -116,3 +121,41 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
         rank = res["dp_rank"] * train.tp + res["tp_rank"]  # the (dp, tp) mesh's rank order
         simulated = [tuple(r) for r in issued_records(result.collective_records, rank)]
         assert simulated == logged_steps(res)[train.steps - 1], (label, rank)
+
+
+def check_same_kernels(spec: TrainSpec, ranks: Sequence[dict], dp: int, label: str, rel_tol: float) -> None:
+    """Rung 3: every rank's parameters are what the same kernels compute in one process fed the
+    global gradients the ranks' reductions made, bit for bit (each rank against its experts and TP
+    shards), and in fp32 within `rel_tol` of the reference optimizers."""
+    from canzona.harness.training import (
+        compare,
+        emulate,
+        global_gradients_from,
+        held_by,
+        reference_run,
+    )
+
+    grads = global_gradients_from(ranks, spec)
+    want = emulate(spec, dp, grads=grads)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], held_by(want, spec, res))
+        assert cmp["bit_identical"], f"{label}, rank {r} (EP rank {res['ep_rank']}, TP rank {res['tp_rank']}): {cmp}"
+    if spec.dtype == "fp32":
+        ref = reference_run(spec, dp, grads=grads)
+        for res in ranks:
+            cmp = compare(res["params"], held_by(ref, spec, res))
+            assert cmp["max_rel_diff"] <= rel_tol, f"{label} against the references: {cmp}"
+
+
+def check_resumed(resumed: tuple, saved: Sequence[dict], label: str) -> None:
+    """A resumed run (`resumed_runs`' value) is what the same kernels compute in one process from
+    the checkpoint (the saving run's parameters and state) and the resumed ranks' gradients, bit
+    for bit."""
+    from canzona.harness.training import compare, emulate, global_gradients_from, held_by
+
+    spec, params, ranks = resumed
+    grads = global_gradients_from(ranks, spec) if spec.tp > 1 or spec.ep > 1 else None
+    want = emulate(spec, spec.dp_size(len(ranks)), load=(params, saved[0]["state"]), grads=grads)
+    for r, res in enumerate(ranks):
+        cmp = compare(res["params"], held_by(want, spec, res))
+        assert cmp["bit_identical"], f"{label}, rank {r}: {cmp}"

@@ -17,7 +17,6 @@ three more resume from its checkpoints.
 from __future__ import annotations
 
 import functools
-import tempfile
 from dataclasses import replace
 
 import pytest
@@ -26,14 +25,15 @@ from canzona.harness.launch import run_ranks
 from canzona.harness.training import (
     TrainSpec,
     build_model,
-    compare,
-    emulate,
-    expert_global_gradients,
-    expert_local,
     many_specs_worker,
-    reference_run,
 )
-from tests.runtime.expert_runs import checkpoint_extras, replay, resumed_runs
+from tests.runtime.expert_runs import (
+    check_resumed,
+    check_same_kernels,
+    replay,
+    resumed_runs,
+    saving_spawn,
+)
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -98,11 +98,8 @@ RESUMED = ((4, 4), (2, 1), (4, 2))  # (world, ep) of the runs that load them
 @functools.cache
 def runs() -> dict:
     labels = list(JOBS)
-    folder = tempfile.mkdtemp(prefix="canzona-ep-")
-    extras = checkpoint_extras(labels, SAVED, folder)
     try:
-        results = run_ranks(many_specs_worker, WORLD, [JOBS[k] for k in labels], extras,
-                            deadline_s=DEADLINE_S, collective_timeout_s=60)
+        results, folder = saving_spawn(many_specs_worker, WORLD, JOBS, SAVED, "canzona-ep-", DEADLINE_S)
         refused = run_ranks(refusals_worker, WORLD, deadline_s=DEADLINE_S, collective_timeout_s=60)
         out = {label: [results[r][i] for r in range(WORLD)] for i, label in enumerate(labels)}
         out["refusals"] = refused
@@ -119,18 +116,7 @@ def run(label):
 
 @pytest.mark.parametrize("label", list(JOBS))
 def test_expert_parallel_training_is_the_same_kernels_in_one_process_bit_for_bit(label):
-    spec = JOBS[label]
-    ranks = run(label)
-    grads = expert_global_gradients(ranks, spec)
-    want = emulate(spec, WORLD, grads=grads)
-    for r, res in enumerate(ranks):
-        cmp = compare(res["params"], expert_local(want, spec, res["ep_rank"]))
-        assert cmp["bit_identical"], f"{label}, rank {r} (EP rank {res['ep_rank']}): {cmp}"
-    if spec.dtype == "fp32":
-        ref = reference_run(spec, WORLD, grads=grads)
-        for res in ranks:
-            cmp = compare(res["params"], expert_local(ref, spec, res["ep_rank"]))
-            assert cmp["max_rel_diff"] <= REL_TOL, f"{label} against the references: {cmp}"
+    check_same_kernels(JOBS[label], run(label), WORLD, label, REL_TOL)
 
 
 def test_each_expert_matrix_is_owned_whole_by_one_rank_of_its_edp_group():
@@ -158,13 +144,7 @@ def test_expert_parallel_mistakes_are_one_error_each():
 @pytest.mark.parametrize("optimizer", SAVED)
 @pytest.mark.parametrize("world,ep", RESUMED)
 def test_a_checkpoint_under_ep_resumes_at_another_ep_size_bit_for_bit(world, ep, optimizer, form):
-    spec, params, ranks = run((world, ep, optimizer, form))
-    saved = run(optimizer)
-    grads = expert_global_gradients(ranks, spec) if ep > 1 else None
-    want = emulate(spec, world, load=(params, saved[0]["state"]), grads=grads)
-    for r, res in enumerate(ranks):
-        cmp = compare(res["params"], expert_local(want, spec, res["ep_rank"]) if ep > 1 else want)
-        assert cmp["bit_identical"], f"EP 2 -> {world} ranks, EP {ep}, rank {r}: {cmp}"
+    check_resumed(run((world, ep, optimizer, form)), run(optimizer), f"EP 2 -> {world} ranks, EP {ep}")
 
 
 def test_every_rank_holds_the_same_layout_independent_state_under_ep():

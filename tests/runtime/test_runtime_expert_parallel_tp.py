@@ -27,32 +27,29 @@ from __future__ import annotations
 
 import functools
 import math
-import tempfile
 from dataclasses import replace
 
 import pytest
 import torch
 
-from canzona.harness.launch import run_ranks
 from canzona.harness.training import (
     TrainSpec,
     build_model,
     compare,
-    emulate,
     global_batches,
     global_gradients,
     global_gradients_from,
-    held_by,
     many_specs_worker,
-    reference_run,
     torch_threads,
 )
 from tests.runtime.expert_runs import (
     check_logged_collectives,
+    check_resumed,
+    check_same_kernels,
     check_simulated_collectives,
-    checkpoint_extras,
     replay,
     resumed_runs,
+    saving_spawn,
 )
 from tests.runtime.outcomes import outcome
 
@@ -162,11 +159,8 @@ def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: lis
 @functools.cache
 def runs() -> dict:
     labels = list(JOBS)
-    folder = tempfile.mkdtemp(prefix="canzona-ep-tp-")
-    extras = checkpoint_extras(labels, SAVED, folder)
     try:
-        results = run_ranks(everything_worker, WORLD, [JOBS[k] for k in labels], extras,
-                            deadline_s=DEADLINE_S, collective_timeout_s=60)
+        results, folder = saving_spawn(everything_worker, WORLD, JOBS, SAVED, "canzona-ep-tp-", DEADLINE_S)
         out = {label: [results[r]["jobs"][i] for r in range(WORLD)] for i, label in enumerate(labels)}
         for key in ("nan skip", "nan raise", "refusal", "disagreement"):
             out[key] = [results[r][key] for r in range(WORLD)]
@@ -211,17 +205,7 @@ def test_the_global_gradient_norm_counts_every_gradient_element_once(label):
 
 @pytest.mark.parametrize("label", list(JOBS))
 def test_expert_parallel_training_with_a_tp_dense_part_is_the_same_kernels_in_one_process(label):
-    spec = JOBS[label]
-    ranks = run(label)
-    grads = global_gradients_from(ranks, spec)
-    want = emulate(spec, DP, grads=grads)
-    for r, res in enumerate(ranks):
-        cmp = compare(res["params"], held_by(want, spec, res))
-        assert cmp["bit_identical"], f"{label}, rank {r} (EP rank {res['ep_rank']}, TP rank {res['tp_rank']}): {cmp}"
-    ref = reference_run(spec, DP, grads=grads)
-    for res in ranks:
-        cmp = compare(res["params"], held_by(ref, spec, res))
-        assert cmp["max_rel_diff"] <= REL_TOL, f"{label} against the references: {cmp}"
+    check_same_kernels(JOBS[label], run(label), DP, label, REL_TOL)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
@@ -271,10 +255,4 @@ def test_experts_that_differ_within_an_edp_group_fail_construction_on_every_rank
 @pytest.mark.parametrize("optimizer", SAVED)
 @pytest.mark.parametrize("world,tp", RESUMED)
 def test_a_checkpoint_under_ep_x_tp_resumes_at_another_layout_bit_for_bit(world, tp, optimizer, form):
-    spec, params, ranks = run((world, tp, optimizer, form))
-    saved = run(optimizer)
-    grads = global_gradients_from(ranks, spec)
-    want = emulate(spec, spec.dp_size(world), load=(params, saved[0]["state"]), grads=grads)
-    for r, res in enumerate(ranks):
-        cmp = compare(res["params"], held_by(want, spec, res))
-        assert cmp["bit_identical"], f"DP 2 x TP 2 x EP 2 -> {world} ranks at TP {tp}, rank {r}: {cmp}"
+    check_resumed(run((world, tp, optimizer, form)), run(optimizer), f"DP 2 x TP 2 x EP 2 -> {world} ranks at TP {tp}")
