@@ -83,7 +83,7 @@ def allocations_worker(rank: int, world: int) -> list[dict]:
         def mine(names, part, experts=experts):
             return [n for n in names if (n in experts) == (part == "experts")]
 
-        row = {"case": (policy, optimizer, impl), "spec": mspec, "plan": opt.plan, "expert_plan": opt.experts.plan,
+        row = {"case": (policy, optimizer, impl), "spec": mspec, "plan": opt.plan.dense, "expert_plan": opt.experts.plan,
                "dp_rank": opt.rank, "edp_rank": opt.experts.rank}
         for part, grads, state in (("dense", opt.grads, opt.matrix_state),
                                    ("experts", opt.experts.grads, opt.experts.matrix_state)):

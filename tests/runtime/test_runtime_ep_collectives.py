@@ -89,7 +89,7 @@ def test_every_ranks_logs_are_the_step_collectives_of_its_dp_and_edp_ranks(label
         assert len(steps) == train.steps
         experts = Experts(res["expert_plan"], expert_part(model, EP), res["edp_rank"])
         for s, got in enumerate(steps):
-            want = step_collectives(res["plan"], dense_part(model), train.policy, res["dp_rank"],
+            want = step_collectives(res["plan"].dense, dense_part(model), train.policy, res["dp_rank"],
                                     master_weights=train.master_weights, first_step=s == 0, experts=experts)
             assert got == step_records(want), (label, res["dp_rank"], s)
             assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP}
@@ -120,7 +120,9 @@ def test_the_simulator_in_the_runtimes_collectives_mode_issues_the_logged_collec
                     zero1_fallback=False, options=RunOptions(overlap_param_gather=False, collectives="runtime"))
     result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     ranks = run(label)
-    assert result.plan.hash() == ranks[0]["plan"].hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
+    # the runtime's plan: the dense part's, holding the experts' (one plan file under EP)
+    assert result.plan.hash() == ranks[0]["plan"].dense.hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
+    assert replace(result.plan, experts=result.expert_plan, ep=EP).hash() == ranks[0]["plan"].hash()
     for res in ranks:
         simulated = [tuple(r) for r in issued_records(result.collective_records, res["dp_rank"])]
         assert simulated == logged_steps(res)[-1], (label, res["dp_rank"])
