@@ -363,19 +363,21 @@ class GradientSync:
         return None
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
-                more_norm: Tensor | None = None) -> StepCheck:
+                more_norm: Tensor | None = None, more_problem: str | None = None) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
         `max_norm`: the clip threshold this call applies (ranks must agree on both); `more_norm`:
         this rank's sum of squares of gradients held beside these buffers (the experts' under
-        expert parallelism), added to its own before the ranks' are summed."""
+        expert parallelism), added to its own before the ranks' are summed; `more_problem`: what
+        another part's check found wrong on this rank (the experts' over EDP), which fails this
+        check on every rank as this rank's own problem would."""
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
             return self.checked
         self._finish()
-        problem = self._local_problem()
+        problem = more_problem or self._local_problem()
         # the header is assembled on the device the check travels on: the norm term never comes to
         # the host on its own, so the table below is the step's one read of device values
         device = self.dp.check_device

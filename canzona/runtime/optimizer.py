@@ -172,7 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     stays the whole model's): the dense part is planned and stepped over DP, the experts over
     their EDP group, each expert matrix owned whole by one EDP rank, their gradients reduced over
     EDP and scaled to the global mean; checkpoints keep the experts under the model's names (any EP
-    size loads them). Not yet under EP: TP, `overlap_step`, plan files (each one error).
+    size loads them); `plan` under EP is a plan holding the experts' plan (`canzona plan --ep
+    --out`). Not yet under EP: TP, `overlap_step` (each one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
@@ -486,10 +487,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         digest = hyper_parameters_digest(self.param_groups)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm)
-        # the experts' checks over EDP first, then one global verdict over DP carrying their norm
+        # the experts' checks over EDP first, then one global verdict over DP carrying their norm;
+        # an EDP group whose check failed fails the DP check too, so that the other EDP groups stop
+        # there with an error instead of waiting in the step's collectives until the timeout
         experts = self.experts.grads
-        experts.prepare(digest, max_norm)
-        return self.grads.prepare(digest, max_norm, more_norm=experts.norm_term)
+        try:
+            experts.prepare(digest, max_norm)
+            failed = None
+        except CanzonaError as e:
+            failed = str(e)
+        return self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
+                                  more_problem=failed)
 
     @property
     def nonfinite(self) -> str:
