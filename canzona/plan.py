@@ -83,6 +83,11 @@ class Plan:
     ep: int = 1
 
     @property
+    def dense(self) -> Plan:
+        """The dense part's plan alone (under expert parallelism; otherwise the plan itself)."""
+        return replace(self, experts=None, ep=1) if self.experts is not None else self
+
+    @property
     def etp(self) -> int:
         return self.experts.tp if self.experts is not None else 1
 
@@ -626,7 +631,7 @@ def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: 
         experts = expert_part(model, plan.ep, plan.etp, hidden)
     except SpecError as e:
         raise PlanError(f"plan is for ep={plan.ep}, etp={plan.etp}: {e}") from None
-    _check_part(replace(plan, experts=None, ep=1), dense_part(model), dp, tp)
+    _check_part(plan.dense, dense_part(model), dp, tp)
     _check_part(plan.experts, experts, None, None)
 
 

@@ -180,8 +180,6 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
     options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
                    adamw_align=adamw_align, overlap_step=overlap_step, style=style)
-    if experts is not None and plan.experts is not None:  # a plan under EP: the dense part's own
-        plan = replace(plan, experts=None, ep=1)
     dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm, **options)
     if experts is None:
         return dense

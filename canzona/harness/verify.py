@@ -330,10 +330,10 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     # first rank of its EP index
     stacks = {p.name for p in build_model(spec).spec().stacks} if spec.ep > 1 else set()
     first = {r["tp_rank"]: r["params"] for r in reversed(results)}
-    first_ep = {r["ep_rank"]: r["params"] for r in reversed(results)} if stacks else {}
+    first_ep = {r.get("ep_rank", 0): r["params"] for r in reversed(results)}
 
     def alike(r: dict) -> dict:
-        return {n: (first_ep[r["ep_rank"]] if n in stacks else first[r["tp_rank"]])[n] for n in r["params"]}
+        return {n: (first_ep[r.get("ep_rank", 0)] if n in stacks else first[r["tp_rank"]])[n] for n in r["params"]}
 
     ranks = _worst(params, [alike(r) for r in results]) if dp > 1 else {
         "bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}

@@ -370,13 +370,14 @@ class GradientSync:
         `max_norm`: the clip threshold this call applies (ranks must agree on both); `more_norm`:
         this rank's sum of squares of gradients held beside these buffers (the experts' under
         expert parallelism), added to its own before the ranks' are summed; `more_problem`: what
-        another part's check found wrong on this rank (`part_verdict`), which fails this one."""
+        another part's check found wrong on this rank (the experts' over EDP), which fails this
+        check on every rank as this rank's own problem would."""
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
             return self.checked
         self._finish()
-        problem = self._local_problem() or more_problem
+        problem = more_problem or self._local_problem()
         # the header is assembled on the device the check travels on: the norm term never comes to
         # the host on its own, so the table below is the step's one read of device values
         device = self.dp.check_device
@@ -425,15 +426,6 @@ class GradientSync:
         self.checked = StepCheck(got=got, norm=norm)
         self._clip_agreed = max_norm
         return self.checked
-
-    def part_verdict(self, hyper_parameters: int, max_norm: float | None = None) -> str | None:
-        """`prepare()` for a part whose verdict another part's check carries to every rank (the
-        experts' under expert parallelism): its error (None: it passed), not raised."""
-        try:
-            self.prepare(hyper_parameters, max_norm)
-        except CanzonaError as e:
-            return str(e)
-        return None
 
     def _check_clip_agreement(self, max_norm: float) -> None:
         """A second clip in one step, with a threshold the step check did not see: one more small

@@ -176,8 +176,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     group at TP 1, each expert matrix owned whole by one EDP rank, their gradients reduced over EDP
     and scaled to the global mean loss's (`edp / dp` times the EDP mean); one step check covers
     both parts (every expert gradient element counted once in the global norm). An expert mesh
-    whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. A plan
-    (file) under EP is the dense part's holding the experts' (`Plan.experts`). Checkpoints keep the
+    whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. `plan`
+    under EP is a plan holding the experts' plan (`canzona plan --ep --out`). Checkpoints keep the
     experts under the model's names (any EP size, TP size or DP size loads them). Not yet under EP:
     `overlap_step` (one error).
 
@@ -506,12 +506,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.experts is None:
             return self.grads.prepare(digest, max_norm)
         # the experts' checks over EDP first, then one global verdict over DP (and TP) carrying
-        # their error and their share of the norm
+        # their norm; an EDP group whose check failed fails the DP check too, so that the other
+        # EDP groups stop there with an error instead of waiting in the step's collectives until
+        # the timeout
         experts = self.experts.grads
-        problem = experts.part_verdict(digest, max_norm)
-        if problem is not None:
-            problem = f"the experts' step check over their expert-data-parallel group failed: {problem}"
-        return self.grads.prepare(digest, max_norm, more_norm=experts.norm_term, more_problem=problem)
+        try:
+            experts.prepare(digest, max_norm)
+            failed = None
+        except CanzonaError as e:
+            failed = str(e)
+        return self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
+                                  more_problem=failed)
 
     @property
     def nonfinite(self) -> str:

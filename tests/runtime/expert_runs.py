@@ -82,7 +82,7 @@ def check_logged_collectives(train: TrainSpec, ranks: Sequence[dict], label: str
         assert len(steps) == train.steps
         experts = Experts(res["expert_plan"], expert_part(model, train.ep), res["edp_rank"])
         for s, got in enumerate(steps):
-            want = step_collectives(res["plan"], dense_part(model), train.policy, res["dp_rank"], res["tp_rank"],
+            want = step_collectives(res["plan"].dense, dense_part(model), train.policy, res["dp_rank"], res["tp_rank"],
                                     master_weights=train.master_weights, first_step=s == 0, experts=experts)
             assert got == step_records(want), (label, res["dp_rank"], res["tp_rank"], s)
             assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP} | ({"tp"} if train.tp > 1 else set())
@@ -114,9 +114,10 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
                     expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
                     options=RunOptions(overlap_param_gather=False, collectives="runtime"))
     result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
-    # the runtime's plan holds the experts' (`Plan.experts`); the simulator's result has both apart
-    dense = replace(ranks[0]["plan"], experts=None, ep=1)
-    assert result.plan.hash() == dense.hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
+    # the runtime's plan: the dense part's, holding the experts' (one plan file under EP)
+    plan = ranks[0]["plan"]
+    assert result.plan.hash() == plan.dense.hash() and result.expert_plan.hash() == ranks[0]["expert_plan"].hash()
+    assert replace(result.plan, experts=result.expert_plan, ep=train.ep).hash() == plan.hash()
     for res in ranks:
         rank = res["dp_rank"] * train.tp + res["tp_rank"]  # the (dp, tp) mesh's rank order
         simulated = [tuple(r) for r in issued_records(result.collective_records, rank)]

@@ -83,7 +83,7 @@ def allocations_worker(rank: int, world: int) -> list[dict]:
         def mine(names, part, experts=experts):
             return [n for n in names if (n in experts) == (part == "experts")]
 
-        row = {"case": (policy, optimizer, impl), "spec": mspec, "plan": opt.plan, "expert_plan": opt.experts.plan,
+        row = {"case": (policy, optimizer, impl), "spec": mspec, "plan": opt.plan.dense, "expert_plan": opt.experts.plan,
                "dp_rank": opt.rank, "edp_rank": opt.experts.rank}
         for part, grads, state in (("dense", opt.grads, opt.matrix_state),
                                    ("experts", opt.experts.grads, opt.experts.matrix_state)):
@@ -115,11 +115,6 @@ def dims() -> LayerDims:
     return LayerDims.gpt(layers=moe.layers, hidden=moe.hidden, heads=4, vocab=moe.vocab)
 
 
-def dense_plan(first: dict):
-    """The dense part's own plan (the runtime's holds the experts' too: `Plan.experts`)."""
-    return replace(first["plan"], experts=None, ep=1)
-
-
 def part_memory(first: dict, part: str):
     """`canzona.memory` of one part on the run's own plan: the dense part over DP, the experts of
     an EP rank over EDP."""
@@ -127,7 +122,7 @@ def part_memory(first: dict, part: str):
 
     policy, _, impl = first["case"]
     spec = dense_part(first["spec"]) if part == "dense" else expert_part(first["spec"], EP)
-    plan = dense_plan(first) if part == "dense" else first["expert_plan"]
+    plan = first["plan"] if part == "dense" else first["expert_plan"]
     return memory_per_gpu(spec, plan, policy, dims(), replace(SETUP, reduce_scatter=impl), dp=plan.dp)
 
 
@@ -184,7 +179,7 @@ def test_the_reduce_scatter_buffers_of_both_parts_peak_where_the_model_says(c):
     first = ranks[0]
     nccl = {}
     for part in PARTS:
-        plan = dense_plan(first) if part == "dense" else first["expert_plan"]
+        plan = first["plan"] if part == "dense" else first["expert_plan"]
         args = (plan, step_policy, plan.dp, first[part]["adamw_size"], impl, 4)
         empty = {"adamw_grad_bytes": 4}  # fp32 either way here (masters), empty or not
         on_gloo = reduction_bytes(*args, scratch=True, **empty)

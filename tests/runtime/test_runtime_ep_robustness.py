@@ -1,0 +1,159 @@
+"""Accidents under expert parallelism (issue 20; docs/design.md §2.7): DP 4 = EDP 2 x EP 2 with the
+tiny mixture of experts (`reference/tiny_moe_ep.py`).
+
+- A NaN in one expert's gradient on one rank: the experts' norm reaches the one global verdict, so
+  `nonfinite="raise"` stops every rank with the same error and nothing is updated, and
+  `nonfinite="skip"` skips the step on every rank alike (counted), after which training goes on.
+- A step broken on the ranks of one EDP group only (an expert gradient dropped between backward and
+  step): the experts' check fails there, and the dense check over DP carries that failure to the
+  other EDP group, so every rank stops at once with an error, instead of the healthy group waiting
+  in the step's collectives until the timeout.
+- A rank that dies before step(): its peers get an error within the collective timeout, not a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from canzona.errors import CanzonaError
+from canzona.harness.launch import run_ranks
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+WORLD, EP = 4, 2
+TIMEOUT_S = 20.0  # the optimizer's collective timeout: a failure must come well before it
+DEADLINE_S = 120.0
+EXPERT = "model.layers.0.mlp.experts.down_proj"  # a stack every rank holds experts of
+SICK = 3  # the rank (EDP 1, EP 1) whose expert gradient goes wrong
+
+
+def _setup(rank: int, nonfinite: str = "raise"):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from reference.tiny_moe import MOE_PRESETS
+    from reference.tiny_moe_ep import TinyMoeEP
+
+    mesh = init_device_mesh("cpu", (WORLD // EP, EP), mesh_dim_names=("edp", "ep"))
+    model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", {"ns_dtype": "fp32"},
+                               timeout_s=TIMEOUT_S, nonfinite=nonfinite, bucket_size=1024, expert_mesh=mesh)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 64, (2, 9), generator=gen) for _ in range(2)]
+    return torch, model, opt, batches
+
+
+def _snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(before: dict, model) -> bool:
+    import torch
+
+    return all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+
+
+def _outcome(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "elapsed_s": time.monotonic() - start}
+    except CanzonaError as e:
+        return {"error": str(e), "elapsed_s": time.monotonic() - start}
+
+
+def nan_job(rank: int, world: int, nonfinite: str) -> dict:
+    torch, model, opt, batches = _setup(rank, nonfinite)
+    before = _snapshot(model)
+    params = dict(model.named_parameters())
+    if rank == SICK:  # NaN in one expert's gradient, before the optimizer's hooks reduce it
+        handle = params[EXPERT].register_hook(lambda g: torch.full_like(g, math.nan))
+    model.loss(batches[0]).backward()
+    if rank == SICK:
+        handle.remove()
+    out = _outcome(opt.step)
+    out["unchanged"] = _unchanged(before, model)
+    out["skipped"] = opt.skipped_steps
+    if out["error"] is None:  # skipped: the next step trains as usual
+        opt.zero_grad()
+        model.loss(batches[1]).backward()
+        opt.step()
+        out["finite_after"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        out["changed_after"] = not _unchanged(before, model)
+    return out
+
+
+def broken_group_job(rank: int, world: int) -> dict:
+    torch, model, opt, batches = _setup(rank)
+    before = _snapshot(model)
+    model.loss(batches[0]).backward()
+    if rank == SICK:  # the gradient dropped after backward handed it to the reduction
+        dict(model.named_parameters())[EXPERT].grad = None
+    out = _outcome(opt.step)
+    out["unchanged"] = _unchanged(before, model)
+    return out
+
+
+def dying_job(rank: int, world: int, outdir: str) -> str:
+    torch, model, opt, batches = _setup(rank)
+    model.loss(batches[0]).backward()
+    if rank == SICK:
+        os._exit(3)
+    out = _outcome(opt.step)
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+    raise CanzonaError(out["error"] or "stepped without its peer")
+
+
+def jobs_worker(rank: int, world: int) -> dict:
+    return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
+            "broken": broken_group_job(rank, world)}
+
+
+@functools.cache
+def outcomes() -> list[dict]:
+    return run_ranks(jobs_worker, WORLD, deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+def test_a_nan_expert_gradient_on_one_rank_stops_every_rank_before_any_update():
+    got = [o["raise"] for o in outcomes()]
+    assert all(o["error"] is not None and "global gradient norm is nan" in o["error"] for o in got), got
+    assert all(o["unchanged"] for o in got)
+
+
+def test_a_nan_expert_gradient_on_one_rank_is_skipped_on_every_rank_alike():
+    got = [o["skip"] for o in outcomes()]
+    assert all(o["error"] is None and o["skipped"] == 1 and o["unchanged"] for o in got), got
+    assert all(o["finite_after"] and o["changed_after"] for o in got), got
+
+
+def test_a_step_broken_in_one_edp_group_stops_every_rank_at_once():
+    got = [o["broken"] for o in outcomes()]
+    sick_group = [r for r in range(WORLD) if r % EP == SICK % EP]  # EDP group of the sick rank
+    for rank, o in enumerate(got):
+        assert o["error"] is not None and o["unchanged"], (rank, o)
+        assert o["elapsed_s"] < TIMEOUT_S / 2, (rank, o)  # nobody waited for the timeout
+        if rank == SICK:
+            assert f"{EXPERT!r} was dropped" in o["error"]
+        elif rank in sick_group:
+            assert "found a broken step" in o["error"]
+        else:  # the healthy EDP group learns it from the dense check over DP
+            assert f"rank(s) {sick_group}" in o["error"] and "broken step" in o["error"], o
+
+
+def test_a_rank_that_dies_before_step_is_an_error_on_its_peers_not_a_hang(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(CanzonaError):
+        run_ranks(dying_job, WORLD, str(tmp_path), deadline_s=DEADLINE_S, collective_timeout_s=60)
+    assert time.monotonic() - start < DEADLINE_S
+    for rank in range(WORLD):
+        if rank != SICK and (tmp_path / f"rank{rank}.json").exists():
+            out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+            assert out["error"] is not None and out["elapsed_s"] < TIMEOUT_S + 10, (rank, out)
