@@ -48,9 +48,10 @@ gathers, the experts'. The EP group carries nothing of the optimizer's: the toke
 all-to-alls are the model's (forward and backward), not logged. With a TP dense part (the
 experts folded over the `dp x tp` ranks) the dense list is rank (`dp_rank`, `tp_rank`)'s as
 without EP, TP exchanges and checks included, and construction's agreement verdict, on the first
-step, comes before both parts' records. The runtime runs EP at expert TP 1, without
-`overlap_step`, with one step policy (`check_runtime_experts`); the Megatron style is defined for
-any layout.
+step, comes before both parts' records. The runtime runs EP at expert TP 1, with one step
+policy (`check_runtime_experts`); under `overlap_step` the experts' updates are computed as their
+buckets land, which at expert TP 1 exchanges nothing, so their records are as without it. The
+Megatron style is defined for any layout.
 
 `style="megatron"` lists instead the DP collectives each policy runs under Megatron-LM (an
 all-reduce per bucket for sc and layerwise, a reduce-scatter-v on the plan's segments otherwise;
@@ -186,7 +187,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     expert_policy = policy if experts.policy is None else experts.policy
     expert_policy = get_step_policy(expert_policy) if isinstance(expert_policy, str) else expert_policy
     if style == RUNTIME_STYLE:
-        check_runtime_experts(plan.tp, experts.plan.tp, overlap_step)
+        check_runtime_experts(plan.tp, experts.plan.tp)
         if expert_policy != policy:
             raise SpecError(f"the runtime runs one step policy: the experts' {expert_policy.name} is not the dense "
                             f"part's {policy.name}")
@@ -196,14 +197,12 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     return _with_experts(dense, own, backward_layers(plan, spec), backward_layers(experts.plan, experts.spec))
 
 
-def check_runtime_experts(tp: int, etp: int, overlap_step: bool) -> None:
+def check_runtime_experts(tp: int, etp: int) -> None:
     """What of expert parallelism the runtime runs (one SpecError otherwise): experts without TP
-    (the dense part at any TP), no overlapped step."""
+    (the dense part at any TP; an overlapped step too, whose experts exchange nothing at TP 1)."""
     if etp > 1:
         raise SpecError(f"the runtime runs expert parallelism at etp 1 (got etp {etp}, at tp {tp}): its collectives "
                         "under expert TP are not defined")
-    if overlap_step:
-        raise SpecError("the runtime does not run overlap_step under expert parallelism")
 
 
 def _with_experts(dense: list[StepCollective], experts: list[StepCollective], dense_layers: dict[int, int],

@@ -136,7 +136,7 @@ class SimConfig:
             router_imbalance(self.router_imbalance, resolved[1].moe[0], self.ep)
         if self.ep > 1:
             if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
-                check_runtime_experts(self.tp, self.etp, self.options.overlap_step)
+                check_runtime_experts(self.tp, self.etp)
             self.expert_cluster(cluster)
         return cluster, resolved, hw
 

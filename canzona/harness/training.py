@@ -248,6 +248,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "grads": grads,
         "ep_rank": expert_mesh.get_local_rank("ep") if expert_mesh is not None else 0,
         "expert_owned": list(opt.experts.applies) if opt.experts is not None else [],
+        "expert_overlapped_steps": opt.experts.overlapped_steps if opt.experts is not None else 0,
         "expert_plan": opt.experts.plan if opt.experts is not None else None,
         "edp_rank": opt.experts.rank if opt.experts is not None else 0,
     }

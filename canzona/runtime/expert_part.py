@@ -140,6 +140,7 @@ class ExpertPart:
         self.matrix_steps = matrix_steps
         self.applies = applies  # the expert matrices this rank updates (and computes: TP 1)
         self.hosted = applies
+        self.overlapped_steps = 0  # steps that applied the experts' updates overlap_step computed early
         self.params = dict(grads.params)
         # local matrix `stack[k]` is the model's `stack[ep_rank x matrices per EP rank + k]`
         self._global = {}
@@ -226,16 +227,17 @@ def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, mesh: Device
 def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
                       comms: tuple[Comm, Comm], *, align: int, reduce_dtype: torch.dtype | None, tp_mode: str,
                       kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
-                      device: torch.device) -> ExpertPart:
+                      device: torch.device, overlap_step: bool = False) -> ExpertPart:
     """The experts' part of an optimizer: their buffers and hooks (reduced over EDP, scaled by
-    `edp / dp`), their schedule at TP 1 and its executor."""
+    `edp / dp`), their schedule at TP 1 and its executor (`overlap_step`: each matrix its own
+    group, in the order its bucket is reduced, computed as it lands)."""
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, align, reduce_dtype, nonfinite="skip")
     grads.source = ExpertReduction(edp, policy, expert_scale(owner.dp, edp.size))
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
-                           update_bytes=update_dtype.itemsize)
+                           update_bytes=update_dtype.itemsize, overlap_step=overlap_step)
     applies = [t.name for t in schedule.tasks()]
     state: dict[str, dict] = {n: {} for n in applies}
     steps = {n: 0 for n in applies}

@@ -18,6 +18,7 @@ micro-groups), `zero1-gather`, `layerwise` and `sc` (their own DP plans, `tp-syn
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -178,8 +179,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     both parts (every expert gradient element counted once in the global norm). An expert mesh
     whose sizes or ranks do not fold the dense mesh's is one `SpecError` on every rank. `plan`
     under EP is a plan holding the experts' plan (`canzona plan --ep --out`). Checkpoints keep the
-    experts under the model's names (any EP size, TP size or DP size loads them). Not yet under EP:
-    `overlap_step` (one error).
+    experts under the model's names (any EP size, TP size or DP size loads them). `overlap_step`
+    computes the experts' updates as their EDP buckets land, as the dense part's. Not run: expert
+    TP (a plan with etp > 1 is one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
@@ -250,8 +252,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # expert parallelism: the experts' EDP and EP groups (canzona.runtime.expert_part)
         expert_pgs = expert_groups(expert_mesh) if expert_mesh is not None else None
         self.ep = dist.get_world_size(expert_pgs[1]) if expert_pgs is not None else 1
-        if self.ep > 1 and overlap_step:
-            raise SpecError("overlap_step under expert parallelism is not supported yet")
         # the model as this rank holds it: under EP its stacks hold this EP rank's experts
         self._dense_spec = dense_part(spec) if self.ep > 1 else spec
         self._expert_spec = expert_part(spec, self.ep) if self.ep > 1 else None
@@ -344,7 +344,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self, {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
                 self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype,
                 tp_mode=self.tp_mode, kernel=kernel, batched=batched, scalars=scalars, update_dtype=update_dtype,
-                device=device)
+                device=device, overlap_step=overlap_step)
             self._group_of.update({e: self._group_of[n] for e, n in self.experts.grads.stacks.param_of.items()})
         if self.master_weights:
             self.reset_master_weights()
@@ -355,7 +355,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for grads in self._syncs():
                 grads.read_check = self._in_flight.check_read
         if overlap_step:
-            self.grads.early_work = self._speculate
+            self.grads.early_work = functools.partial(self._speculate, self.matrix_step)
+            if self.experts is not None:  # the experts' updates as their EDP buckets land
+                self.experts.grads.early_work = functools.partial(self._speculate, self.experts.matrix_step)
         elif self.schedule.prefetched:
             self.grads.early_work = self.matrix_step.prefetch
 
@@ -596,7 +598,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
         if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
-            self.matrix_step.discard()
+            for part in self._matrix_steps():
+                part.discard()
             self.skipped_steps += 1
             log.warning("canzona: skipped step %d: the global gradient norm is %s (%d skipped so far)",
                         self.comm.log.step + 1, check.norm, self.skipped_steps)
@@ -607,12 +610,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # AdamW runs inside the matrix phase, under its last scatter (TPSchedule.elementwise_at)
             how = dict(target=self._target, applied=self._refresh_working_copy, config=self._matrix_config,
                        got=lambda name: got[self._index[name]], elementwise=lambda: self._adamw_step(got))
-            if self.matrix_step.commit(**how):
-                self.overlapped_steps += 1
-            else:  # no overlapped step to commit: the plain one
+            overlapped = self.matrix_step.commit(**how)
+            if not overlapped:  # no overlapped step to commit: the plain one
                 self.matrix_step.run(grad=self.grads.reduced, **how)
             if self.experts is not None:
-                self._expert_step()
+                overlapped = self._expert_step() or overlapped
+            self.overlapped_steps += overlapped
             self._gather_params()
         for comm in self._comms():
             comm.log.step += 1
@@ -620,27 +623,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads.stepped()
         return loss
 
-    def _expert_step(self) -> None:
-        """The experts' matrices this rank owns (at TP 1: computed and applied), and their AdamW
-        pieces under an elementwise optimizer; which got a gradient is the EDP check's verdict."""
+    def _expert_step(self) -> bool:
+        """The experts' matrices this rank owns (at TP 1: computed and applied; under overlap_step
+        the updates computed as their buckets landed, committed), and their AdamW pieces under an
+        elementwise optimizer; which got a gradient is the EDP check's verdict. Whether an
+        overlapped step was committed."""
         part = self.experts
         got = [bool(g) for g in part.grads.checked.got.tolist()]
         index = part.grads.index
-        part.matrix_step.run(grad=part.grads.reduced, target=self._target, applied=self._refresh_working_copy,
-                             config=self._matrix_config, got=lambda name: got[index[name]])
+        how = dict(target=self._target, applied=self._refresh_working_copy, config=self._matrix_config,
+                   got=lambda name: got[index[name]])
+        overlapped = part.matrix_step.commit(**how)
+        if overlapped:
+            part.overlapped_steps += 1
+        else:
+            part.matrix_step.run(grad=part.grads.reduced, **how)
         if self.elementwise:
             self._adamw_pieces(self.expert_adamw_parts(), lambda name: got[index[name]])
+        return overlapped
 
-    def _speculate(self, landed: Callable[[str], Tensor]) -> None:
-        """overlap_step: the matrices' updates computed as their buckets land, before the step
-        check; `step()` commits them (or drops them, and runs the plain step, when clipping scaled
-        the gradients or the hyper-parameters changed since). Hyper-parameters that fail validation
-        are left for `step()` to report, before anything changes."""
+    def _matrix_steps(self) -> list[MatrixStep]:
+        """Every part's executor: the dense part's, and the experts' under expert parallelism."""
+        return [self.matrix_step] + ([self.experts.matrix_step] if self.experts is not None else [])
+
+    def _speculate(self, matrix_step: MatrixStep, landed: Callable[[str], Tensor]) -> None:
+        """overlap_step: a part's matrices' updates (the dense part's, or the experts') computed as
+        their buckets land, before the step check; `step()` commits them (or drops them, and runs
+        the plain step, when clipping scaled the gradients or the hyper-parameters changed since).
+        Hyper-parameters that fail validation are left for `step()` to report, before anything
+        changes."""
         try:
             self._check_hyper_parameters()
         except CanzonaError:
             return
-        self.matrix_step.speculate(grad=landed, config=self._matrix_config)
+        matrix_step.speculate(grad=landed, config=self._matrix_config)
 
     def _gather_params(self) -> None:
         if self._in_flight is not None:
@@ -765,7 +781,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         setting, works the same."""
         for grads in self._syncs():
             grads.zero_grad()
-        self.matrix_step.discard()  # an overlapped step computed and never committed (no step() came)
+        for part in self._matrix_steps():
+            part.discard()  # an overlapped step computed and never committed (no step() came)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "grads", None) is not None:  # torch's __init__ adds the constructor's groups

@@ -83,7 +83,8 @@ def check_logged_collectives(train: TrainSpec, ranks: Sequence[dict], label: str
         experts = Experts(res["expert_plan"], expert_part(model, train.ep), res["edp_rank"])
         for s, got in enumerate(steps):
             want = step_collectives(res["plan"].dense, dense_part(model), train.policy, res["dp_rank"], res["tp_rank"],
-                                    master_weights=train.master_weights, first_step=s == 0, experts=experts)
+                                    master_weights=train.master_weights, first_step=s == 0, experts=experts,
+                                    overlap_step=train.overlap_step)
             assert got == step_records(want), (label, res["dp_rank"], res["tp_rank"], s)
             assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP} | ({"tp"} if train.tp > 1 else set())
 
@@ -112,7 +113,8 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
     cfg = SimConfig(model=model.name, gpus=world, tp=train.tp, ep=train.ep, optimizer=train.optimizer,
                     policy=train.policy, workload=wl, bucket_size=train.bucket_size,
                     expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
-                    options=RunOptions(overlap_param_gather=False, collectives="runtime"))
+                    options=RunOptions(overlap_param_gather=False, collectives="runtime",
+                                       overlap_step=train.overlap_step))
     result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     # the runtime's plan: the dense part's, holding the experts' (one plan file under EP)
     plan = ranks[0]["plan"]

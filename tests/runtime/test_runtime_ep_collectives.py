@@ -39,6 +39,7 @@ JOBS = {
     "zero1": replace(BASE, optimizer="adamw", policy="zero1", matrix_config={}),
     "bf16": replace(BASE, dtype="bf16"),
     "habits": replace(BASE, accumulation=2, global_batch=16, clip_norm=0.05),
+    "overlap": replace(BASE, overlap_step=True),
 }
 
 

@@ -73,6 +73,9 @@ JOBS = {
     "habits": spec_for("muon", accumulation=2, global_batch=16, clip_norm=0.05, zero_grad="model"),
     "ep4": spec_for("soap", ep=4, clip_norm=0.05),  # EDP 1: the experts' scale tp / ep = 1 / 2
     "tiny-moe": spec_for("shampoo", preset="tiny-moe"),  # no attention: the dense part is AdamW's
+    # both parts' updates computed as their buckets land: the dense part's TP exchanges before the
+    # step check, the experts' (TP 1) with none
+    "overlap": spec_for("muon", overlap_step=True),
 }
 SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 2 x TP 2 x EP 2
 RESUMED = ((4, 1), (2, 2))  # (world, tp) of the runs that load them, at EP 2
@@ -216,6 +219,11 @@ def test_every_ranks_logs_are_the_step_collectives_of_its_dp_tp_and_edp_ranks(la
 @pytest.mark.parametrize("label", ["muon", "ep4", "adamw"])
 def test_the_simulator_in_the_runtimes_collectives_mode_issues_the_logged_collectives(label):
     check_simulated_collectives(JOBS[label], run(label), label)
+
+
+def test_an_overlapped_step_commits_both_parts():
+    steps = JOBS["overlap"].steps
+    assert all(r["overlapped_steps"] == r["expert_overlapped_steps"] == steps for r in run("overlap"))
 
 
 def test_the_layout_folds_ep_over_dp_x_tp():

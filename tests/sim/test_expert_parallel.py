@@ -93,8 +93,7 @@ def test_the_runtime_collectives_refuse_what_the_runtime_does_not_run_of_ep_and_
     cfg, model = _config(ep=4, options=RunOptions(collectives="runtime"))  # a TP dense part: what it runs
     assert cfg.check(model) is not None
     cfg, model = _config(ep=4, tp=1, options=RunOptions(collectives="runtime", overlap_step=True))
-    with pytest.raises(SpecError, match="does not run overlap_step under expert parallelism"):
-        cfg.check(model)
+    assert cfg.check(model) is not None  # an overlapped step under EP runs too
     cfg, model = _config(ep=4, tp=1, options=RunOptions(collectives="runtime"))
     assert cfg.check(model) is not None
     odd = DecoderConfig(**{**TINY.__dict__, "experts": 24})
