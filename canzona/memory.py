@@ -22,9 +22,9 @@ Per GPU, in bytes:
 
 Under expert parallelism a GPU holds two parts, each counted as above on its own layout (the
 dense part over DP x TP, its EP rank's experts over EDP x ETP) and added (`LayoutMemory.with_experts`,
-what the simulator reports under `--ep`); at TP 1 and ETP 1 every persistent component and the
-reduce-scatter buffers are those the runtime allocates, rank by rank
-(`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
+what the simulator reports under `--ep`); with ETP 1, at TP 1 and with a TP-split dense part (DP 2 x
+TP 2 x EP 2), every persistent component and the reduce-scatter buffers are those the runtime
+allocates, rank by rank (`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
 model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
 counts the routed copies' gate / up outputs and product, not the dispatched inputs themselves).
 

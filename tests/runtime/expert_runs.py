@@ -93,20 +93,15 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
     """The simulator in the runtime's collectives mode (`--collectives runtime --ep`) on the same
     model and layout plans the runtime's two plans (no plan file: it plans both parts itself) and
     issues on every rank the records the rank logged in its last step."""
-    from canzona.decoder import Architecture
     from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
     from canzona.spec import DTYPE_BYTES
-    from reference.tiny_moe import MOE_PRESETS
     from sim.engine import issued_records
     from sim.options import RunOptions
     from sim.simulate import SimConfig, simulate
     from sim.workload import Workload
 
-    world, model, moe = len(ranks), build_model(train).spec(), MOE_PRESETS[train.preset]
-    heads = dict(kv_dim=moe.heads * moe.head_dim, q_heads=moe.heads, kv_heads=moe.heads, head_dim=moe.head_dim) \
-        if moe.heads else {}
-    arch = Architecture(model.name, moe.layers, moe.hidden, moe.vocab, moe.heads * moe.head_dim or moe.hidden,
-                        experts=moe.experts, experts_per_token=moe.experts_per_token, **heads)
+    world, model = len(ranks), build_model(train).spec()
+    arch = moe_architecture(model.name, train.preset)
     low = train.dtype in ("bf16", "fp16") and train.master_weights
     wl = Workload(seq_len=train.seq_len, global_batch=world, grad_bytes=4 if low else DTYPE_BYTES[train.dtype],
                   param_bytes=DTYPE_BYTES[train.dtype], dtype="fp32")
@@ -124,6 +119,19 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
         rank = res["dp_rank"] * train.tp + res["tp_rank"]  # the (dp, tp) mesh's rank order
         simulated = [tuple(r) for r in issued_records(result.collective_records, rank)]
         assert simulated == logged_steps(res)[train.steps - 1], (label, rank)
+
+
+def moe_architecture(name: str, preset: str) -> Any:
+    """The simulator's `Architecture` of a tiny MoE preset (`reference.tiny_moe.MOE_PRESETS`),
+    its attention's heads where it has attention."""
+    from canzona.decoder import Architecture
+    from reference.tiny_moe import MOE_PRESETS
+
+    moe = MOE_PRESETS[preset]
+    heads = dict(kv_dim=moe.heads * moe.head_dim, q_heads=moe.heads, kv_heads=moe.heads, head_dim=moe.head_dim) \
+        if moe.heads else {}
+    return Architecture(name, moe.layers, moe.hidden, moe.vocab, moe.heads * moe.head_dim or moe.hidden,
+                        experts=moe.experts, experts_per_token=moe.experts_per_token, **heads)
 
 
 def check_same_kernels(spec: TrainSpec, ranks: Sequence[dict], dp: int, label: str, rel_tol: float) -> None:

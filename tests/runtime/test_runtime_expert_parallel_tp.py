@@ -11,7 +11,7 @@ replicated, each TP rank dispatching its share of its DP rank's tokens to the ex
 - training is bit for bit what the same kernels compute in one process fed those gradients, and
   within 1e-5 of the independent references, for Muon, NorMuon, SOAP, Shampoo and AdamW, with
   accumulation and clipping, at EP 4, and on the attention-free `tiny-moe` (whose dense part is
-  AdamW's alone);
+  AdamW's alone); in bf16 with fp32 masters (Muon), bit for bit the same kernels too;
 - every rank's DP, TP and EDP logs are `step_collectives` of its ranks, record for record, and the
   simulator in the runtime's collectives mode plans the same two plans and issues the same records;
 - a NaN in one rank's expert gradient skips (or fails) the step on every rank, nothing updated;
@@ -76,6 +76,7 @@ JOBS = {
     # both parts' updates computed as their buckets land: the dense part's TP exchanges before the
     # step check, the experts' (TP 1) with none
     "overlap": spec_for("muon", overlap_step=True),
+    "bf16": spec_for("muon", dtype="bf16"),  # fp32 masters, main grads and reductions
 }
 SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 2 x TP 2 x EP 2
 RESUMED = ((4, 1), (2, 2))  # (world, tp) of the runs that load them, at EP 2
@@ -208,7 +209,10 @@ def test_the_global_gradient_norm_counts_every_gradient_element_once(label):
 
 @pytest.mark.parametrize("label", list(JOBS))
 def test_expert_parallel_training_with_a_tp_dense_part_is_the_same_kernels_in_one_process(label):
-    check_same_kernels(JOBS[label], run(label), DP, label, REL_TOL)
+    ranks = run(label)
+    want = {torch.bfloat16} if JOBS[label].dtype == "bf16" else {torch.float32}
+    assert {p.dtype for res in ranks for p in res["params"].values()} == want, label
+    check_same_kernels(JOBS[label], ranks, DP, label, REL_TOL)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
@@ -216,7 +220,7 @@ def test_every_ranks_logs_are_the_step_collectives_of_its_dp_tp_and_edp_ranks(la
     check_logged_collectives(JOBS[label], run(label), label)
 
 
-@pytest.mark.parametrize("label", ["muon", "ep4", "adamw"])
+@pytest.mark.parametrize("label", ["muon", "ep4", "adamw", "bf16"])
 def test_the_simulator_in_the_runtimes_collectives_mode_issues_the_logged_collectives(label):
     check_simulated_collectives(JOBS[label], run(label), label)
 
