@@ -67,8 +67,8 @@ class ExpertReduction(DPReduction):
     """The experts' gradient source: the mean over EDP (the routes and gathers of `DPReduction`),
     then divided by `ep`, on this rank's part, as it lands (see the module docstring)."""
 
-    def __init__(self, edp: Comm, policy: StepPolicy, ep: int) -> None:
-        super().__init__(edp, policy)
+    def __init__(self, edp: Comm, policy: StepPolicy, plan: Plan, ep: int) -> None:
+        super().__init__(edp, policy, plan)
         self.ep = ep
 
     def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
@@ -198,7 +198,7 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, align, reduce_dtype, nonfinite="skip")
-    grads.source = ExpertReduction(edp, policy, ep.size)
+    grads.source = ExpertReduction(edp, policy, plan, ep.size)
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
                            update_bytes=update_dtype.itemsize)
