@@ -148,6 +148,8 @@ def jobs_for(dp: int) -> list[tuple[tuple, TrainSpec, dict]]:
             # matrices on the fullest rank, and even reduce-scatters)
             jobs.append((("one-matrix-buckets", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192),
                          {"plan": one_matrix_bucket_plan(opt)}))
+            # the plan canzona makes itself there: ZeRO-1's even segments (geometry "auto")
+            jobs.append((("even-geometry", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192), {}))
     for _, _, extra in jobs:
         extra["state_dict"] = False
     # the AdamW pieces' state, stitched by state_dict() (a collective after the steps)
@@ -314,5 +316,19 @@ def test_one_matrix_buckets_leave_a_rank_idle_and_still_match(optimizer):
     ranks = distributed(4, ("one-matrix-buckets", optimizer))
     for r in idle:
         assert ranks[r]["owned"] == []
+    assert_ranks_agree(ranks)
+    assert_bit_identical(ranks, emulated(optimizer, 4))
+
+
+@pytest.mark.parametrize("optimizer", ONE_MATRIX_BUCKET_OPTIMIZERS)
+def test_canzona_runs_the_even_segments_its_planner_keeps(optimizer):
+    """On the same layout canzona's planner keeps ZeRO-1's even segments (whole matrices plan no
+    shorter step, canzona.plan.GEOMETRIES): each rank computes every matrix its segment touches,
+    after fetching the other parts, and the run still equals one process bit for bit."""
+    ranks = distributed(4, ("even-geometry", optimizer))
+    plan = ranks[0]["plan"]
+    assert plan.dp_plan.policy == "zero1-even" and plan.tp_plan.policy == "greedy-rollback"
+    assert any(len(b.ranks_overlapping(p)) > 1 for b in plan.dp_plan.buckets for p in b.params)
+    assert [sorted(r["owned"]) for r in ranks] == [sorted(names) for names in owners_of(plan)]
     assert_ranks_agree(ranks)
     assert_bit_identical(ranks, emulated(optimizer, 4))

@@ -88,3 +88,23 @@ def test_the_baselines_plan_as_before():
         if policy.dp_policy is not None and not policy.elementwise:
             plans = [plan_for(spec, 128, 8, "muon", name, geometry=g) for g in ("auto", "whole")]
             assert plans[0].hash() == plans[1].hash() and plans[0].dp_plan.policy == policy.dp_policy, name
+
+
+def test_geometry_has_one_default_and_a_bad_one_is_one_error():
+    import inspect
+
+    from canzona.plan import DEFAULT_GEOMETRY, make_plan
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from cli import main as cli
+    from tests.cli_helpers import error_line, invoke
+
+    assert DEFAULT_GEOMETRY == "auto" and SimConfig().geometry == DEFAULT_GEOMETRY
+    assert inspect.signature(plan_for).parameters["geometry"].default == DEFAULT_GEOMETRY
+    assert inspect.signature(make_plan).parameters["geometry"].default == "whole"  # the DP policy as named
+    for command in (cli.plan, cli.simulate, cli.compare, DistributedOptimizer):
+        assert inspect.signature(command).parameters["geometry"].default == DEFAULT_GEOMETRY
+    spec = build_decoder(get_config("qwen3-0.6b"))
+    with pytest.raises(SpecError, match="unknown geometry 'even'"):
+        plan_for(spec, 4, 2, "muon", "canzona", geometry="even")
+    for command in ("plan", "simulate", "compare"):
+        error_line(invoke(command, "--model", "qwen3-0.6b", "--geometry", "even"), "unknown geometry 'even'")
