@@ -297,6 +297,29 @@ class PlanSettings:
     balance_by: str = "seconds"  # or "elements", as the authors' code balances
 
 
+# What the plan of a whole-matrix DP policy may become (`plan_for`, `make_plan`):
+# - "auto": ZeRO-1's even segments (`zero1-even`: a matrix that straddles a cut is computed by every
+#   rank whose segment holds part of it, which fetches the other parts) where whole-matrix segments
+#   plan no shorter step compute under the same TP scheduler. Whole matrices buy balance only; when
+#   each DP rank's few matrices are spread over its TP ranks the step is the largest matrix either
+#   way, and even segments are what the reduce-scatters and all-gathers cost least with (the
+#   segments of whole matrices are uneven, up to a matrix longer than the even one);
+# - "whole": always the DP policy's whole-matrix segments (the paper's geometry).
+# canzona plans with "auto" (`DEFAULT_GEOMETRY`: the runtime, the simulator and the CLI take it
+# from here); `make_plan` plans the DP policy it is given unless told "auto".
+GEOMETRIES = ("auto", "whole")
+AUTO_GEOMETRY, WHOLE_GEOMETRY = GEOMETRIES
+DEFAULT_GEOMETRY = AUTO_GEOMETRY
+EVEN_GEOMETRY_POLICY = "zero1-even"  # the DP policy of ZeRO-1's even segments
+TIE = 1e-9  # relative: makespans this close plan the same step (sums in another order)
+
+
+def check_geometry(name: str) -> str:
+    if name not in GEOMETRIES:
+        raise SpecError(f"unknown geometry {name!r}; choose one of {', '.join(GEOMETRIES)}")
+    return name
+
+
 # The one definition of the planning defaults: the runtime, the simulator, the harness and the CLI
 # take theirs from here (tests/policy/test_registries.py checks every consumer).
 PLAN_DEFAULTS = PlanSettings()
@@ -305,14 +328,18 @@ PLAN_DEFAULTS = PlanSettings()
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
              expert_buckets: str = DEFAULT_EXPERT_BUCKETS, empty_ok: bool = False, ep: int = 1, etp: int = 1,
-             hidden: int | None = None) -> Plan:
+             hidden: int | None = None, geometry: str = DEFAULT_GEOMETRY, overlap_step: bool = False) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
-    `canzona verify` and the simulator make a policy's plan. `expert_buckets`: how buckets of
-    stacked expert matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`); the runtime plans with
-    the default, and the simulator picks either for an EP rank's experts by simulated cost.
-    `empty_ok`: a model without matrices gets a plan of no buckets (the dense part of a
-    mixture-of-experts model whose only matrices are its experts) instead of an error.
+    `canzona verify` and the simulator make a policy's plan. `geometry` (`GEOMETRIES`): whether
+    a policy that takes the settings' DP policy (canzona) keeps ZeRO-1's even segments where whole
+    matrices plan no shorter step; the baselines' plans are their own policies'. `expert_buckets`:
+    how buckets of stacked expert matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`); the
+    runtime plans with the default, and the simulator picks either for an EP rank's experts by
+    simulated cost. `empty_ok`: a model without matrices gets a plan of no buckets (the dense part
+    of a mixture-of-experts model whose only matrices are its experts) instead of an error.
+    `overlap_step`: the step starts each owner's update from its bucket's reduce-scatter, which
+    needs every matrix whole in its owner's segment: the whole-matrix geometry.
 
     `ep` > 1 (expert parallelism, `canzona.experts`; `etp`: expert TP, which needs `hidden`): the
     dense part's plan on DP x TP, holding one EP rank's experts' plan over EDP x ETP (`Plan.experts`),
@@ -321,15 +348,16 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
     policy.check_optimizer(optimizer)
     if ep > 1 or etp > 1:
         edp = check_ep(model, ep, dp, tp, etp, hidden)
-        dense = plan_for(dense_part(model), dp, tp, optimizer, policy, settings, cost_model,
-                         expert_buckets=expert_buckets, empty_ok=True)
+        parts = dict(expert_buckets=expert_buckets, geometry=geometry, overlap_step=overlap_step)
+        dense = plan_for(dense_part(model), dp, tp, optimizer, policy, settings, cost_model, empty_ok=True, **parts)
         experts = plan_for(expert_part(model, ep, etp, hidden), edp, etp, optimizer, policy, settings, cost_model,
-                           expert_buckets=expert_buckets)
+                           **parts)
         return replace(dense, experts=experts, ep=ep)
+    geometry = check_geometry(geometry) if policy.dp_policy is None and not overlap_step else WHOLE_GEOMETRY
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
-                     expert_buckets=expert_buckets, empty_ok=empty_ok)
+                     expert_buckets=expert_buckets, geometry=geometry, empty_ok=empty_ok)
 
 
 def bucket_names(model: ModelSpec, dp: int, tp: int, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
@@ -349,10 +377,17 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               alpha: float = PLAN_DEFAULTS.alpha, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
               align: int = PLAN_DEFAULTS.align, capacity: Capacity | None = PLAN_DEFAULTS.capacity,
               cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by,
-              expert_buckets: str = DEFAULT_EXPERT_BUCKETS, *, empty_ok: bool = False) -> Plan:
+              expert_buckets: str = DEFAULT_EXPERT_BUCKETS, geometry: str = WHOLE_GEOMETRY, *,
+              empty_ok: bool = False) -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices (`expert_buckets`: how
     buckets of stacked expert matrices are sized, `canzona.dp.layout.EXPERT_BUCKETS`; `empty_ok`:
-    a model without matrices gets a plan of no buckets)."""
+    a model without matrices gets a plan of no buckets).
+
+    `geometry` "auto" (`GEOMETRIES`): a whole-matrix DP policy's plan whose segments are uneven is
+    replaced by ZeRO-1's even segments (`zero1-even`, the same buckets) when those, under the same
+    TP scheduler, plan a step compute no longer than it (`TPMetrics.makespan`) and put no more
+    optimizer state on the fullest GPU (`fullest_state`): the same step in no more memory, with the
+    cheapest DP collectives."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
     if not 1 <= tp <= MAX_TP:
@@ -364,14 +399,45 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     optimizer = check_matrix_optimizer(optimizer)
     check_dp_policy(dp_policy)
     check_tp_policy(tp_policy)
+    check_geometry(geometry)
     model.check_tp(tp)
     if not model.matrix_params() and not empty_ok:
         raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
     cost_model = cost_model or AnalyticCost()
-    dpp = plan_dp(dp_items(model, tp, optimizer, cost_model), dp, dp_policy, alpha, bucket_size, align,
-                  balance_by, expert_buckets)
-    tpp = plan_tp(tp_tasks(model, dpp, optimizer, tp), tp, tp_policy, capacity)
+    items = dp_items(model, tp, optimizer, cost_model)
+
+    def planned(name: str) -> tuple[DPPlan, TPPlan]:
+        dpp = plan_dp(items, dp, name, alpha, bucket_size, align, balance_by, expert_buckets)
+        return dpp, plan_tp(tp_tasks(model, dpp, optimizer, tp), tp, tp_policy, capacity)
+
+    dpp, tpp = planned(dp_policy)
+    if geometry == AUTO_GEOMETRY and keeps_geometry(dpp) and not matrix_optimizer(optimizer).elementwise \
+            and not evenly_cut(dpp):
+        even, even_tp = planned(EVEN_GEOMETRY_POLICY)
+        if even_tp.metrics.makespan <= tpp.metrics.makespan * (1 + TIE) and \
+                fullest_state(even, even_tp) <= fullest_state(dpp, tpp):
+            dpp, tpp = even, even_tp
     return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
+
+
+def evenly_cut(dp_plan: DPPlan) -> bool:
+    """Every bucket's segments are as long as each other (its collectives take the even route)."""
+    return all(len(set(b.segment_lengths())) <= 1 for b in dp_plan.buckets)
+
+
+def fullest_state(dp_plan: DPPlan, tp_plan: TPPlan) -> int:
+    """Optimizer-state bytes of the GPU that holds the most: each matrix's full state on its host
+    TP rank (every TP rank under tp-sync) of each DP rank that computes it."""
+    state = dp_plan.state_bytes
+    most = 0
+    for rank in tp_plan.groups:
+        held = [0] * tp_plan.tp
+        for g in rank:
+            for name, host in zip(g.tasks, g.hosts):
+                for t in range(tp_plan.tp) if host == EVERY_RANK else (host,):
+                    held[t] += state[name]
+        most = max(most, *held)
+    return most
 
 
 # --- loading and validation -------------------------------------------------------------------

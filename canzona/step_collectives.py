@@ -15,11 +15,13 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
    segments under a reduce-scatter policy (canzona, zero1-gather), on even segments under an
    all-reduce policy (sc, layerwise), which finish the all-reduce by the all-gather of step 2;
 2. step, before the checks: the reduce-scatter-v of the AdamW buffer ("adamw", even segments);
-   then, for the all-reduce policies and zero1-gather, one all-gather-v per bucket of the reduced
-   gradients on the same segments ("gradients of bucket i": every rank ends with the whole bucket);
+   then, for the all-reduce policies and the plans that split matrices between ranks
+   (zero1-gather's, and canzona's where it keeps ZeRO-1's even segments:
+   `StepPolicy.gathers_split`), one all-gather-v per bucket of the reduced gradients on the same
+   segments ("gradients of bucket i": every rank ends with the whole bucket);
    for the replicated policy (sc), an all-gather-v of the AdamW gradients ("adamw gradients");
-   under canzona, the TP schedule's prefetched gathers (`TPSchedule.prefetched`: those ahead of its
-   first compute), issued as their buckets land;
+   under canzona's whole-matrix plans, the TP schedule's prefetched gathers
+   (`TPSchedule.prefetched`: those ahead of its first compute), issued as their buckets land;
 3. check: the step check over DP ("step check", which also carries each rank's share of the global
    gradient norm and its clip threshold); under TP also the TP step check ("tp step check") and
    the TP verdict over DP ("tp verdict");
@@ -55,9 +57,10 @@ Megatron style is defined for any layout.
 
 `style="megatron"` lists instead the DP collectives each policy runs under Megatron-LM (an
 all-reduce per bucket for sc and layerwise, a reduce-scatter-v on the plan's segments otherwise;
-AdamW's parameters reduced at the end of backward; zero1-gather's all-to-all of the parts of split
-matrices other ranks compute; no checks; the parameter all-gathers), with the same TP exchanges:
-the simulator prices every collective from these records, in either style (`sim.iteration`).
+AdamW's parameters reduced at the end of backward; the all-to-all of the parts of split matrices
+that other ranks compute, zero1-gather's and canzona's even-segment plans'; no checks; the
+parameter all-gathers), with the same TP exchanges: the simulator prices every collective from
+these records, in either style (`sim.iteration`).
 
 Differences between steps: the first step's DP log also holds, at its start, the agreement verdict
 that construction spreads over DP under TP (`first_step=True`); construction's agreement
@@ -296,7 +299,7 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
             for b, buf in zip(buckets, grads)]
     # 2. the AdamW reduce-scatter, and the gradient all-gathers of the policies that need whole gradients
     out.append(v(REDUCE_SCATTER_V, "adamw", adamw_cuts, adamw.grad_bytes, STEP, whole=adamw.size))
-    if not reduce_scatter or policy.gather_split:
+    if not reduce_scatter or policy.gathers_split(plan.dp_plan):
         out += [v(ALL_GATHER_V, f"gradients of bucket {b.index}", grad_cuts(b), buf.grad_bytes, STEP, b.index)
                 for b, buf in zip(buckets, grads)]
     if policy.replicated:
@@ -342,7 +345,7 @@ def _megatron(plan: Plan, policy: StepPolicy, grads: Sequence[_Buffer], adamw_us
     """The DP collectives of a step as Megatron-LM runs `policy` (names as the simulator shows
     them): per bucket in backward an all-reduce of the whole bucket (sc, layerwise) or a
     reduce-scatter-v on the plan's segments; at the end of backward AdamW's parameters (their
-    elements, unpadded) all-reduced or reduce-scattered; zero1-gather's all-to-all of the parts of
+    elements, unpadded) all-reduced or reduce-scattered; the all-to-all of the parts of
     split matrices that other ranks compute; the TP exchanges; the parameter all-gathers per bucket
     (segments, or what each owner packs) and AdamW's."""
     dp, buckets = plan.dp, plan.dp_plan.buckets
@@ -360,7 +363,7 @@ def _megatron(plan: Plan, policy: StepPolicy, grads: Sequence[_Buffer], adamw_us
     if adamw_used:  # an EP rank's experts have no AdamW parameters: nothing to reduce
         out.append(StepCollective(ALL_REDUCE if all_reduce else REDUCE_SCATTER, DP_GROUP, "grad sync adamw",
                                   (adamw_bytes,) * dp, BACKWARD, total=adamw_bytes))
-    if policy.gather_split:
+    if policy.gathers_split(plan.dp_plan):
         sent = [[0] * dp for _ in range(dp)]
         for b, buf in zip(buckets, grads):
             for p in b.params:

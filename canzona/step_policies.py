@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from canzona.dp.layout import DPPlan
-from canzona.dp.policies import KEEPS_GEOMETRY, keeps_geometry
+from canzona.dp.policies import KEEPS_GEOMETRY, check_dp_policy, keeps_geometry
 from canzona.errors import SpecError
 from canzona.optimizers import matrix_optimizer
 
@@ -47,15 +47,30 @@ class StepPolicy:
     def check_dp_policy(self, dp_policy: str) -> None:
         """The user's DP policy is one this step policy can execute (policies with their own plan
         ignore it); raise SpecError (one line) otherwise."""
+        check_dp_policy(dp_policy)
         if self.dp_policy is None and dp_policy not in KEEPS_GEOMETRY:
             raise self._needs_whole_matrices(dp_policy)
 
     def check_dp_plan(self, dp_plan: DPPlan) -> None:
-        """The DP plan is one this policy can execute; raise SpecError (one line) otherwise."""
+        """The DP plan is one this policy can execute; raise SpecError (one line) otherwise. A
+        policy that takes the user's DP policy (canzona) executes its whole-matrix plans, and the
+        even segments its planner keeps where whole matrices plan no shorter step
+        (`canzona.plan.GEOMETRIES`)."""
         if self.dp_policy is not None and dp_plan.policy != self.dp_policy:
             raise SpecError(f"policy {self.name} needs a {self.dp_policy} plan, got {dp_plan.policy}")
-        if self.dp_policy is None and not keeps_geometry(dp_plan):
+        if self.dp_policy is None and not (keeps_geometry(dp_plan) or dp_plan.split_compute):
             raise self._needs_whole_matrices(dp_plan.policy)
+
+    def gathers_split(self, dp_plan: DPPlan) -> bool:
+        """Ranks fetch the other ranks' parts of the matrices they compute whole that straddle a
+        cut (after the reduce-scatter): zero1-gather's always, canzona's where its plan keeps
+        ZeRO-1's even segments; never where an elementwise optimizer updates the pieces in place."""
+        return self.gather_split or (dp_plan.split_compute and not self.elementwise)
+
+    def reads_reduce_scatter(self, dp_plan: DPPlan) -> bool:
+        """Each matrix's owner reads its gradient straight from its bucket's reduce-scatter: what
+        an overlapped step and the prefetched TP gathers need (`can_overlap_step`, for this plan)."""
+        return self.can_overlap_step and not self.gathers_split(dp_plan)
 
     def check_tp_plan(self, tp_policy: str, tp: int) -> None:
         """The plan's TP scheduler is the one this policy runs (the baselines run `tp-sync`); at

@@ -279,6 +279,9 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
     check_tp_mode(mode)
     if not 0 <= dp_rank < plan.dp:
         raise SpecError(f"dp rank {dp_rank} is outside 0..{plan.dp - 1}")
+    if overlap_step and policy.gathers_split(plan.dp_plan):
+        raise SpecError(f"overlap_step needs every matrix whole in its owner's segment; this {plan.dp_plan.policy} "
+                        "plan splits some between ranks (plan with geometry 'whole')")
     tp = plan.tp
     state = plan.dp_plan.state_bytes
     steps = []
@@ -298,7 +301,8 @@ def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, m
         else:
             steps.sort(key=lambda g: max((bucket_of[t.name] for t in g.tasks), default=0))
     groups = tuple(steps)
-    # an overlapped step issues everything early already; the baselines' gradients are complete only
-    # after the step's own DP gathers (or are all-reduced), so their gathers cannot move
-    prefetch = policy.can_overlap_step and not overlap_step
+    # an overlapped step issues everything early already; the baselines' gradients (and those of a
+    # plan that splits matrices between ranks) are complete only after the step's own DP gathers
+    # (or are all-reduced), so their gathers cannot move
+    prefetch = policy.reads_reduce_scatter(plan.dp_plan) and not overlap_step
     return TPSchedule(dp_rank, tp, mode, groups, _ops(groups, mode), prefetch)

@@ -30,7 +30,16 @@ from canzona.hardware import DEFAULT_PROFILE
 from canzona.harness import verify as checks
 from canzona.models import read_model, resolve_model, resolve_spec, save_spec, spec_to_dict
 from canzona.optimizers import MATRIX_REGISTRY
-from canzona.plan import MAX_DP, PLAN_DEFAULTS, check_plan_matches, load_plan, make_plan
+from canzona.plan import (
+    DEFAULT_GEOMETRY,
+    GEOMETRIES,
+    MAX_DP,
+    PLAN_DEFAULTS,
+    check_geometry,
+    check_plan_matches,
+    load_plan,
+    make_plan,
+)
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, dp_policies_running
@@ -163,6 +172,7 @@ def plan(
     align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = PLAN_DEFAULTS.align,
     capacity: CapacityOpt = "auto",
     balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = PLAN_DEFAULTS.balance_by,
+    geometry: Geometry = DEFAULT_GEOMETRY,
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
     cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
@@ -194,7 +204,8 @@ def plan(
         parts = [(model_spec, dp, tp)] if ep == 1 else \
             [(dense_part(model_spec), dp, tp), (expert_part(model_spec, ep, etp, hidden), edp, etp)]
         planned = [_plan_part(spec, part_dp, part_tp, optimizer, dp_policy, tp_policy, alpha, bucket_size, align,
-                              cap, costs, balance_by, tables=not as_json, expert_buckets=expert_buckets)
+                              cap, costs, balance_by, tables=not as_json, expert_buckets=expert_buckets,
+                              geometry=check_geometry(geometry))
                    for spec, part_dp, part_tp in parts]
         # under expert parallelism one plan file: the dense part's plan holding the experts'
         whole = planned[0][0] if ep == 1 else replace(planned[0][0], experts=planned[1][0], ep=ep)
@@ -206,7 +217,9 @@ def plan(
     except CanzonaError as e:
         fail(str(e))
     for chosen, dp_rows, tp_rows in planned:
-        console.print(dp_table(dp_rows, chosen))
+        # canzona's geometry (`--geometry auto`) kept ZeRO-1's even segments for the DP policy asked
+        kept = f"for {dp_policy}: no longer step, even segments" if chosen.dp_plan.policy != dp_policy else ""
+        console.print(dp_table(dp_rows, chosen, kept))
         if tp_rows:
             console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
@@ -215,15 +228,16 @@ def plan(
 
 def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,
                bucket_size: int | None, align: int, cap, costs, balance_by: str, tables: bool,
-               expert_buckets: str = DEFAULT_EXPERT_BUCKETS):
-    """`canzona plan` for one model (or one part of it under expert parallelism): the chosen plan,
-    and with `tables` the plans of its DP table (every DP policy) and TP table (every TP policy)."""
+               expert_buckets: str = DEFAULT_EXPERT_BUCKETS, geometry: str = DEFAULT_GEOMETRY):
+    """`canzona plan` for one model (or one part of it under expert parallelism): the chosen plan
+    (canzona's `geometry` applied to the DP policy asked), and with `tables` the plans of its DP
+    table (every DP policy, as it plans) and TP table (every TP policy on the chosen DP plan's)."""
 
-    def make(dpp: str, tpp: str, unit: str = balance_by):
+    def make(dpp: str, tpp: str, unit: str = balance_by, geo: str = "whole"):
         return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
-                         cost_model=costs, balance_by=unit, expert_buckets=expert_buckets)
+                         cost_model=costs, balance_by=unit, expert_buckets=expert_buckets, geometry=geo)
 
-    chosen = make(dp_policy, tp_policy)
+    chosen = make(dp_policy, tp_policy, geo=geometry)
     if not tables:
         return chosen, [], []
     if chosen.elementwise:
@@ -235,11 +249,13 @@ def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_
         variants = [(name, PLAN_DEFAULTS.balance_by) for name in DP_POLICIES]
         paper = (PAPER_DP_POLICY, PLAN_DEFAULTS.balance_by)
         variants.insert(variants.index(paper) + 1, (PAPER_DP_POLICY, "elements"))
-    if (dp_policy, balance_by) not in variants:
-        variants.append((dp_policy, balance_by))
-    dp_rows = [chosen if v == (dp_policy, balance_by) else make(v[0], tp_policy, v[1]) for v in variants]
+    picked = (chosen.dp_plan.policy, chosen.dp_plan.balance_by)
+    for v in ((dp_policy, balance_by), picked):
+        if v not in variants:
+            variants.append(v)
+    dp_rows = [chosen if v == picked else make(v[0], tp_policy, v[1]) for v in variants]
     tp_rows = [] if chosen.elementwise else [
-        chosen if name == tp_policy else make(dp_policy, name) for name in TP_POLICIES]
+        chosen if name == tp_policy else make(chosen.dp_plan.policy, name) for name in TP_POLICIES]
     return chosen, dp_rows, tp_rows
 
 
@@ -286,7 +302,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
-                expert_buckets: str = AUTO_EXPERT_BUCKETS):
+                expert_buckets: str = AUTO_EXPERT_BUCKETS, geometry: str = DEFAULT_GEOMETRY):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -296,7 +312,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp,
+                     zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=None if expert_buckets == AUTO_EXPERT_BUCKETS else check_expert_buckets(expert_buckets),
                      router_imbalance=_router_imbalance(router_imbalance))
 
@@ -333,6 +349,10 @@ BucketSize = Annotated[int | None, typer.Option(
     help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, "
          "at least max(40M, 1M x dp) and the largest matrix).")]
 CapacityOpt = Annotated[str, typer.Option(help="Micro-group capacity: 'auto', seconds (20ms) or bytes (4GiB).")]
+Geometry = Annotated[str, typer.Option(
+    help=f"canzona's segments: {' or '.join(GEOMETRIES)} (auto: ZeRO-1's even segments where whole matrices plan no "
+         "shorter step, each matrix that straddles a cut computed by the ranks it overlaps; whole: always whole "
+         "matrices, the paper's).")]
 Hardware = Annotated[str, typer.Option(help="Hardware profile name (h100-sxm, h200, a100-sxm) or a JSON path.")]
 SeqLen = Annotated[int, typer.Option(help=f"Sequence length in tokens (at most {MAX_SEQ_LEN}).")]
 GlobalBatch = Annotated[int, typer.Option(
@@ -383,7 +403,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS,
+    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
@@ -400,7 +420,7 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets)
+                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -427,7 +447,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS,
+    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
@@ -446,7 +466,7 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets)
+                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

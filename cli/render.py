@@ -61,7 +61,8 @@ def spec_table(spec: ModelSpec, kind: str, sizes: dict[str, int], unknown: str |
     return t
 
 
-def dp_table(plans: Sequence[Plan], chosen: Plan) -> Table:
+def dp_table(plans: Sequence[Plan], chosen: Plan, note: str = "") -> Table:
+    """Every DP plan of `plans`, `chosen` in bold (`note`: why it is the one chosen)."""
     p0 = plans[0]
     schedule = "updates its pieces in place" if p0.elementwise else f"TP policy {p0.tp_plan.policy}"
     t = Table(title=f"DP policies: {p0.model}, dp={p0.dp}, tp={p0.tp}, {p0.optimizer}, {schedule}")
@@ -73,7 +74,7 @@ def dp_table(plans: Sequence[Plan], chosen: Plan) -> Table:
         # an elementwise optimizer needs no whole matrix: atomicity does not apply
         atomic = "-" if p.elementwise else "yes" if d.atomic else f"no ({d.atomicity_violations})"
         name = p.dp_plan.policy + (" by elements" if p.dp_plan.balance_by == "elements" else "") \
-            + (" (kept whole-start)" if p.dp_plan.fell_back else "")
+            + (" (kept whole-start)" if p.dp_plan.fell_back else "") + (f" ({note})" if note and p is chosen else "")
         t.add_row(name, _ms(d.makespan), f"{d.imbalance:.3f}", f"{d.lower_bound_gap * 100:.1f}%",
                   f"{d.comm_ratio:.2f}", f"{d.state_imbalance:.3f}", atomic,
                   human_bytes(GRAD_BYTES * d.extra_comm_elements), _ms(p.optimizer_compute_s),

@@ -31,7 +31,16 @@ from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import stage_layers, stage_spec
-from canzona.plan import BATCH_CAPACITY, PLAN_DEFAULTS, Plan, PlanSettings, bucket_names, plan_for
+from canzona.plan import (
+    BATCH_CAPACITY,
+    DEFAULT_GEOMETRY,
+    PLAN_DEFAULTS,
+    Plan,
+    PlanSettings,
+    bucket_names,
+    check_geometry,
+    plan_for,
+)
 from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
@@ -76,6 +85,7 @@ class SimConfig:
     capacity: Capacity | None = PLAN_DEFAULTS.capacity
     align: int = PLAN_DEFAULTS.align
     balance_by: str = PLAN_DEFAULTS.balance_by
+    geometry: str = DEFAULT_GEOMETRY  # canzona's: canzona.plan.GEOMETRIES
     hardware: str = DEFAULT_PROFILE
     workload: Workload = field(default_factory=Workload)
     options: RunOptions = field(default_factory=RunOptions)
@@ -117,6 +127,7 @@ class SimConfig:
         STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
         STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
+        check_geometry(self.geometry)
         self.options.check()
         hw = load_profile(self.hardware)
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp)
@@ -266,7 +277,8 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwarePro
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
     settings = cfg.settings if capacity is None else replace(cfg.settings, capacity=capacity)
     return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
-                    expert_buckets=expert_buckets, empty_ok=empty_ok)
+                    expert_buckets=expert_buckets, empty_ok=empty_ok, geometry=cfg.geometry,
+                    overlap_step=cfg.options.overlap_step)
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -162,6 +162,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
         for pol in policies:
             step = get_step_policy(pol)
             step.check_optimizer(opt)
+            step.check_dp_policy(dp_policy)
             # the baselines run tp-sync; at TP = 1 the TP choices change nothing
             if tp == 1:
                 schedulers, modes = [PLAN_DEFAULTS.tp_policy], [STEP_DEFAULTS.tp_mode]

@@ -98,8 +98,8 @@ class ExpertReduction(DPReduction):
     then scaled by `edp / dp` (`expert_scale`), on this rank's part, as it lands (see the module
     docstring)."""
 
-    def __init__(self, edp: Comm, policy: StepPolicy, scale: tuple[int, int]) -> None:
-        super().__init__(edp, policy)
+    def __init__(self, edp: Comm, policy: StepPolicy, plan: Plan, scale: tuple[int, int]) -> None:
+        super().__init__(edp, policy, plan)
         self.scale = scale
 
     def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
@@ -234,7 +234,7 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, align, reduce_dtype, nonfinite="skip")
-    grads.source = ExpertReduction(edp, policy, expert_scale(owner.dp, edp.size))
+    grads.source = ExpertReduction(edp, policy, plan, expert_scale(owner.dp, edp.size))
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
                            update_bytes=update_dtype.itemsize, overlap_step=overlap_step)

@@ -68,17 +68,19 @@ class GradientSource(Protocol):
 class DPReduction:
     """The default source: a reduce-scatter(-v) of each flat buffer over the DP axis on its cuts
     (the route `canzona.reductions` picks); policies whose ranks read more than their part (every
-    rank computing everything, the split matrices of zero1-gather) all-gather the rest."""
+    rank computing everything, the split matrices of a plan that keeps ZeRO-1's even segments:
+    `StepPolicy.gathers_split`) all-gather the rest."""
 
-    def __init__(self, dp: Comm, policy: StepPolicy) -> None:
+    def __init__(self, dp: Comm, policy: StepPolicy, plan: Plan) -> None:
         self.dp = dp
         self.policy = policy
+        self.matrices_beyond = policy.grad_sync == "all-reduce" or policy.gathers_split(plan.dp_plan)
 
     def launch(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str) -> PendingWork:
         return self.dp.reduce_scatter_v(buffer.grad, cuts, name)
 
     def gather_rest(self, buffer: FlatBuffer, cuts: tuple[int, ...], name: str, *, matrices: bool) -> PendingWork | None:
-        needed = (self.policy.grad_sync == "all-reduce" or self.policy.gather_split) if matrices else self.policy.replicated
+        needed = self.matrices_beyond if matrices else self.policy.replicated
         return self.dp.all_gather_v(buffer.reduced, cuts, name) if needed else None
 
 
@@ -100,7 +102,7 @@ class GradientSync:
         self.nonfinite = nonfinite
         # where each buffer's reduced gradients come from: the seam a wrapper that reduces and
         # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
-        self.source: GradientSource = DPReduction(dp, policy)
+        self.source: GradientSource = DPReduction(dp, policy, plan)
         self.buckets = [FlatBuffer([p.name for p in b.params], {p.name: (p.offset, p.end) for p in b.params},
                                    b.size, tensors, reduce_dtype, data=self.stacks.bucket_data(b))
                         for b in plan.dp_plan.buckets]

@@ -45,7 +45,16 @@ from canzona.optimizers import (
     default_config,
     matrix_optimizer,
 )
-from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, check_plan_matches, load_plan, plan_for
+from canzona.plan import (
+    DEFAULT_GEOMETRY,
+    PLAN_DEFAULTS,
+    Plan,
+    PlanSettings,
+    check_geometry,
+    check_plan_matches,
+    load_plan,
+    plan_for,
+)
 from canzona.reductions import check_reduce_scatter
 from canzona.runtime import checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
@@ -112,7 +121,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Planning (without a `plan`): `dp_policy`, `tp_policy`, `alpha`, `bucket_size`, `align`,
     `capacity` and `balance_by` are `canzona.plan.PlanSettings`'s, with its defaults
     (`PLAN_DEFAULTS`), as `canzona plan` and `canzona simulate` take them; a step policy with its
-    own DP or TP policy (the baselines) overrides those two.
+    own DP or TP policy (the baselines) overrides those two. `geometry` (`canzona.plan.GEOMETRIES`):
+    `"auto"` (default) keeps ZeRO-1's even segments where whole matrices plan no shorter step (the
+    ranks then fetch the parts of the matrices that straddle a cut, as zero1-gather's do),
+    `"whole"` always whole matrices; `overlap_step` plans whole matrices.
 
     `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
     after the axes, `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when
@@ -217,6 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_step: bool = STEP_DEFAULTS.overlap_step,
         capacity: Capacity | None = PLAN_DEFAULTS.capacity,
         balance_by: str = PLAN_DEFAULTS.balance_by,
+        geometry: str = DEFAULT_GEOMETRY,
         expert_mesh: DeviceMesh | None = None,
     ) -> None:
         # everything that can be wrong locally fails here, on every rank, before any collective
@@ -230,6 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               ("overlap_step", overlap_step)):
             if not isinstance(value, bool):
                 raise SpecError(f"{option} must be True or False, got {value!r}")
+        self.geometry = check_geometry(geometry)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
@@ -413,7 +427,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                       cost_model: CostModel | None) -> Plan:
         if plan is None:
             plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
-                            ep=self.ep)
+                            ep=self.ep, geometry=self.geometry, overlap_step=self.overlap_step)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
         check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp, ep=self.ep)

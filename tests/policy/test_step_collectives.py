@@ -182,7 +182,7 @@ def test_bad_arguments():
     with pytest.raises(SpecError, match="dp rank 2 is outside"):
         step_collectives(plan, SMALL, "canzona", dp_rank=2)
     with pytest.raises(SpecError, match="keeps every matrix whole"):
-        step_collectives(small_plan("zero1-even"), SMALL, "canzona")
+        step_collectives(small_plan("layerwise"), SMALL, "canzona")
     with pytest.raises(SpecError, match="needs a zero1-even plan"):
         step_collectives(plan, SMALL, "zero1-gather")
     with pytest.raises(SpecError, match="unknown policy"):

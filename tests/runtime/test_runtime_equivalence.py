@@ -115,6 +115,10 @@ def plan_with_idle_rank(model: ModelSpec, dp: int, optimizer: str, idle: int) ->
     return plan
 
 
+def one_matrix_bucket_plan(optimizer: str) -> Plan:
+    return make_plan(tiny_model_spec(), 4, 1, optimizer, "whole-start", bucket_size=8192)
+
+
 def owners_of(plan: Plan) -> list[list[str]]:
     """Per rank, the matrices the plan gives it to compute."""
     per_rank: list[list[str]] = [[] for _ in range(plan.dp)]
@@ -140,7 +144,12 @@ def jobs_for(dp: int) -> list[tuple[tuple, TrainSpec, dict]]:
                          {"plan": plan}))
     if dp == 4:
         for opt in ONE_MATRIX_BUCKET_OPTIMIZERS:
-            jobs.append((("one-matrix-buckets", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192), {}))
+            # the whole-start plan itself: canzona's geometry would keep even segments for it (as many
+            # matrices on the fullest rank, and even reduce-scatters)
+            jobs.append((("one-matrix-buckets", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192),
+                         {"plan": one_matrix_bucket_plan(opt)}))
+            # the plan canzona makes itself there: ZeRO-1's even segments (geometry "auto")
+            jobs.append((("even-geometry", opt), spec_for(opt, "canzona", "whole-start", bucket_size=8192), {}))
     for _, _, extra in jobs:
         extra["state_dict"] = False
     # the AdamW pieces' state, stitched by state_dict() (a collective after the steps)
@@ -301,11 +310,25 @@ def test_hand_built_plan_with_an_idle_rank_finishes_bit_identical(dp, optimizer)
 def test_one_matrix_buckets_leave_a_rank_idle_and_still_match(optimizer):
     """whole-start with one matrix per bucket puts every matrix on the rank whose even segment
     holds its first element: rank 1 of 4 owns nothing in any bucket."""
-    plan = make_plan(tiny_model_spec(), 4, 1, optimizer, "whole-start", bucket_size=8192)
+    plan = one_matrix_bucket_plan(optimizer)
     idle = [r for r, names in enumerate(owners_of(plan)) if not names]
     assert idle, "the layout was meant to leave a rank without matrices"
     ranks = distributed(4, ("one-matrix-buckets", optimizer))
     for r in idle:
         assert ranks[r]["owned"] == []
+    assert_ranks_agree(ranks)
+    assert_bit_identical(ranks, emulated(optimizer, 4))
+
+
+@pytest.mark.parametrize("optimizer", ONE_MATRIX_BUCKET_OPTIMIZERS)
+def test_canzona_runs_the_even_segments_its_planner_keeps(optimizer):
+    """On the same layout canzona's planner keeps ZeRO-1's even segments (whole matrices plan no
+    shorter step, canzona.plan.GEOMETRIES): each rank computes every matrix its segment touches,
+    after fetching the other parts, and the run still equals one process bit for bit."""
+    ranks = distributed(4, ("even-geometry", optimizer))
+    plan = ranks[0]["plan"]
+    assert plan.dp_plan.policy == "zero1-even" and plan.tp_plan.policy == "greedy-rollback"
+    assert any(len(b.ranks_overlapping(p)) > 1 for b in plan.dp_plan.buckets for p in b.params)
+    assert [sorted(r["owned"]) for r in ranks] == [sorted(names) for names in owners_of(plan)]
     assert_ranks_agree(ranks)
     assert_bit_identical(ranks, emulated(optimizer, 4))

@@ -101,6 +101,8 @@ def cases(layout: str) -> dict[tuple, tuple[TrainSpec, dict]]:
         out[("bf16",)] = (replace(base, dtype="bf16", optimizer="soap", matrix_config=MATRIX_CONFIG["soap"]), {})
         out[("clip",)] = (replace(base, clip_norm=0.05), {})
         out[("overlap step",)] = (replace(base, overlap_step=True), {})
+        if dp > 1:  # canzona's geometry keeps ZeRO-1's even segments there, under its micro-groups
+            out[("even geometry",)] = (replace(base, dp_policy="alpha-balanced", bucket_size=8192), {})
         # AdamW on every parameter: each TP rank's pieces of its shards, no TP exchange
         out[("adamw",)] = (replace(base, optimizer="adamw", policy="zero1", matrix_config={}), {})
     return out
@@ -215,16 +217,28 @@ def test_each_matrix_is_computed_once_and_state_bytes_match_the_plan(layout_key)
             hosts.setdefault(name, []).append((r["dp_rank"], r["tp_rank"]))
     matrices = {p.name for p in model_spec(get_preset(spec.preset)).matrix_params()}
     assert set(hosts) == matrices
-    tp_sync = results[0]["plan"].tp_plan.policy == "tp-sync"
+    plan = results[0]["plan"]
+    tp_sync = plan.tp_plan.policy == "tp-sync"
     dp = spec.dp_size(len(results))
+    computing = {p.name: set(plan.dp_plan.computing_ranks(b, p)) for b in plan.dp_plan.buckets for p in b.params}
     for name, where in hosts.items():
         dps = {d for d, _ in where}
         if spec.policy == "sc":
             assert dps == set(range(dp))
+        elif plan.dp_plan.split_compute and spec.policy != "zero1-gather":
+            assert dps == computing[name]  # canzona's even segments: every DP rank the matrix overlaps ...
         elif spec.policy != "zero1-gather":
             assert len(dps) == 1  # one DP owner ...
         # ... and within it one host, or every TP rank under tp-sync
         assert len(where) == len(dps) * (spec.tp if tp_sync else 1), name
+
+
+def test_canzona_even_geometry_really_ran_split_under_tp():
+    """The "even geometry" case ran the plan canzona's geometry makes: ZeRO-1's even segments, some
+    matrix split between the two DP ranks (each computes it, on a host of its own TP group)."""
+    plan = runs("dp2xtp2", ("even geometry",))[0]["plan"]
+    assert plan.dp_plan.policy == "zero1-even" and plan.tp_plan.policy == "greedy-rollback"
+    assert any(len(b.ranks_overlapping(p)) > 1 for b in plan.dp_plan.buckets for p in b.params)
 
 
 def test_capacity_extremes_really_ran_as_planned():

@@ -129,7 +129,7 @@ def test_under_ep_the_runtime_collectives_mode_issues_the_step_collectives_on_ev
 
 @pytest.mark.slow
 def test_qwen3_30b_a3b_at_ep_8_canzona_steps_below_layerwise_and_iterates_no_slower():
-    """Issue 20's bar, on canzona's own plan; the reported row may be its fallback (see below)."""
+    """Issue 20's bar, on canzona's own plan (the reported row: tests/sim/test_compare_bar.py)."""
     base = dict(model="qwen3-30b-a3b", gpus=256, tp=4, ep=8, zero1_fallback=False)
     canzona = simulate(SimConfig(**base))
     layerwise = simulate(SimConfig(**base, policy="layerwise"))
