@@ -295,6 +295,8 @@ class PlanSettings:
     align: int = DEFAULT_ALIGN
     capacity: Capacity | None = None  # micro-group capacity of greedy-rollback; None: searched (tp.plan_tp)
     balance_by: str = "seconds"  # or "elements", as the authors' code balances
+    # how buckets of stacked expert matrices are sized (canzona.dp.layout.EXPERT_BUCKETS)
+    expert_buckets: str = DEFAULT_EXPERT_BUCKETS
 
 
 # What the plan of a whole-matrix DP policy may become (`plan_for`, `make_plan`):
@@ -327,16 +329,15 @@ PLAN_DEFAULTS = PlanSettings()
 
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
-             expert_buckets: str = DEFAULT_EXPERT_BUCKETS, empty_ok: bool = False, ep: int = 1, etp: int = 1,
-             hidden: int | None = None, geometry: str = DEFAULT_GEOMETRY, overlap_step: bool = False) -> Plan:
+             empty_ok: bool = False, ep: int = 1, etp: int = 1, hidden: int | None = None,
+             geometry: str = DEFAULT_GEOMETRY, overlap_step: bool = False) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
     `canzona verify` and the simulator make a policy's plan. `geometry` (`GEOMETRIES`): whether
     a policy that takes the settings' DP policy (canzona) keeps ZeRO-1's even segments where whole
-    matrices plan no shorter step; the baselines' plans are their own policies'. `expert_buckets`:
-    how buckets of stacked expert matrices are sized (`canzona.dp.layout.EXPERT_BUCKETS`); the
-    runtime plans with the default, and the simulator picks either for an EP rank's experts by
-    simulated cost. `empty_ok`: a model without matrices gets a plan of no buckets (the dense part
+    matrices plan no shorter step; the baselines' plans are their own policies'. The settings'
+    `expert_buckets`: how buckets of stacked expert matrices are sized
+    (`canzona.dp.layout.EXPERT_BUCKETS`). `empty_ok`: a model without matrices gets a plan of no buckets (the dense part
     of a mixture-of-experts model whose only matrices are its experts) instead of an error.
     `overlap_step`: the step starts each owner's update from its bucket's reduce-scatter, which
     needs every matrix whole in its owner's segment: the whole-matrix geometry.
@@ -348,7 +349,7 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
     policy.check_optimizer(optimizer)
     if ep > 1 or etp > 1:
         edp = check_ep(model, ep, dp, tp, etp, hidden)
-        parts = dict(expert_buckets=expert_buckets, geometry=geometry, overlap_step=overlap_step)
+        parts = dict(geometry=geometry, overlap_step=overlap_step)
         dense = plan_for(dense_part(model), dp, tp, optimizer, policy, settings, cost_model, empty_ok=True, **parts)
         experts = plan_for(expert_part(model, ep, etp, hidden), edp, etp, optimizer, policy, settings, cost_model,
                            **parts)
@@ -357,7 +358,7 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
-                     expert_buckets=expert_buckets, geometry=geometry, empty_ok=empty_ok)
+                     expert_buckets=settings.expert_buckets, geometry=geometry, empty_ok=empty_ok)
 
 
 def bucket_names(model: ModelSpec, dp: int, tp: int, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,

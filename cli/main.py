@@ -21,7 +21,12 @@ from canzona import calibration
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import cost_model_for
 from canzona.dp import DP_POLICIES
-from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
+from canzona.dp.layout import (
+    AUTO_EXPERT_BUCKETS,
+    DEFAULT_EXPERT_BUCKETS,
+    EXPERT_BUCKETS,
+    check_expert_buckets,
+)
 from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.experts import check_ep, dense_part, expert_part
@@ -89,8 +94,6 @@ class OneLineErrors(TyperGroup):
 
 # the matrix optimizers of the registry, each with its one line
 POLICY_HELP = "Step policy: " + ", ".join(STEP_POLICIES)
-# --expert-buckets of simulate / compare: SimConfig.expert_buckets None, each sizing tried under EP
-AUTO_EXPERT_BUCKETS = "auto"
 OPTIMIZER_HELP = "Optimizer of the matrices: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
 
 app = typer.Typer(
@@ -302,7 +305,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
-                expert_buckets: str = AUTO_EXPERT_BUCKETS, geometry: str = DEFAULT_GEOMETRY):
+                expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -313,7 +316,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
                      zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp, geometry=geometry,
-                     expert_buckets=None if expert_buckets == AUTO_EXPERT_BUCKETS else check_expert_buckets(expert_buckets),
+                     expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance))
 
 
@@ -376,8 +379,9 @@ Etp = Annotated[int, typer.Option(help="Expert TP under --ep (Megatron's expert_
                                        "tokens all-gathered and reduce-scattered over them around the grouped GEMMs; "
                                        "the step schedules each owner's ETP group as TP micro-groups.")]
 ExpertBuckets = Annotated[str, typer.Option(
-    help=f"How buckets of stacked expert matrices are sized: {', '.join(EXPERT_BUCKETS)}, or {AUTO_EXPERT_BUCKETS} "
-         "(under --ep each sizing the expert plans differ by, the faster kept; at EP 1 the planner's default).")]
+    help=f"How buckets of stacked expert matrices are sized: {', '.join(EXPERT_BUCKETS)} (DistributedOptimizer's "
+         f"expert_buckets), or {AUTO_EXPERT_BUCKETS} (under --ep each sizing the expert plans differ by, the faster "
+         "kept and named in --json's expert_buckets; at EP 1 the default).")]
 Collectives = Annotated[str, typer.Option(help="DP collectives as Megatron runs each policy (megatron) or exactly as canzona's runtime issues them (runtime).")]
 Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (zero1-gather) when it is faster, marked as such.")]
 MaxGradNorm = Annotated[float | None, typer.Option(
@@ -403,7 +407,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS, geometry: Geometry = DEFAULT_GEOMETRY,
+    etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
@@ -447,7 +451,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = AUTO_EXPERT_BUCKETS, geometry: Geometry = DEFAULT_GEOMETRY,
+    etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,

@@ -14,7 +14,7 @@ from typing import Any
 
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
-from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
+from canzona.dp.layout import AUTO_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
 from canzona.errors import SpecError
 from canzona.experts import (
     check_ep,
@@ -93,10 +93,11 @@ class SimConfig:
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
     ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts)
     etp: int = 1  # expert TP (Megatron's expert_tensor_parallel_size): dp x tp = edp x ep x etp
-    # how the buckets of an EP rank's experts are sized (canzona.dp.layout.EXPERT_BUCKETS); None:
-    # under EP each sizing the expert plans differ by is simulated and the faster kept, at EP 1 the
-    # planner's default (what the runtime plans: the experts share the dense part's plan)
-    expert_buckets: str | None = None
+    # how the buckets of stacked expert matrices are sized (canzona.dp.layout.EXPERT_BUCKETS: the
+    # runtime's option of the same name and default); AUTO_EXPERT_BUCKETS: under EP each sizing the
+    # expert plans differ by is simulated and the faster kept (`expert_buckets` in the result says
+    # which, to give the runtime or `canzona plan`), at EP 1 the default
+    expert_buckets: str = PLAN_DEFAULTS.expert_buckets
     # the busiest EP rank's token-expert pairs over the mean (>= 1), or the router's histogram of
     # tokens per expert (canzona.experts.router_imbalance); 1: a balanced router
     router_imbalance: float | tuple[float, ...] = 1.0
@@ -110,7 +111,11 @@ class SimConfig:
         """The planning settings of this configuration."""
         return PlanSettings(dp_policy=self.dp_policy, tp_policy=self.tp_policy, alpha=self.alpha,
                             bucket_size=self.bucket_size, align=self.align, capacity=self.capacity,
-                            balance_by=self.balance_by)
+                            balance_by=self.balance_by, expert_buckets=self._sizing())
+
+    def _sizing(self) -> str:
+        """The expert bucket sizing the settings plan with (under `auto`, the default's)."""
+        return PLAN_DEFAULTS.expert_buckets if self.expert_buckets == AUTO_EXPERT_BUCKETS else self.expert_buckets
 
     def check(self, model: tuple[ModelSpec, Architecture] | None = None) -> Cluster:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
@@ -135,7 +140,7 @@ class SimConfig:
         stage_layers(resolved[1].layers, self.pp, 0)
         self.workload.micro_batches(cluster.dp)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
-        if self.expert_buckets is not None:
+        if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:
             if resolved[1].moe is None:
@@ -264,7 +269,7 @@ class SimResult:
 
 
 def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwareProfile,
-              policy: str | None = None, expert_buckets: str = DEFAULT_EXPERT_BUCKETS,
+              policy: str | None = None, expert_buckets: str | None = None,
               capacity: Capacity | None = None, empty_ok: bool = False) -> Plan:
     """The policy's plan (`cfg.policy` unless given) for one pipeline stage's `spec` (the whole
     model without PP) on `cluster`'s DP x TP groups (an expert cluster's EDP x ETP groups);
@@ -275,9 +280,10 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwarePro
     # a replicated policy computes everything everywhere: one DP rank's plan says it all, except
     # for the runtime's collectives, which are laid out on a plan of the whole DP group
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
-    settings = cfg.settings if capacity is None else replace(cfg.settings, capacity=capacity)
+    settings = replace(cfg.settings, **({} if capacity is None else {"capacity": capacity}),
+                       **({} if expert_buckets is None else {"expert_buckets": expert_buckets}))
     return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
-                    expert_buckets=expert_buckets, empty_ok=empty_ok, geometry=cfg.geometry,
+                    empty_ok=empty_ok, geometry=cfg.geometry,
                     overlap_step=cfg.options.overlap_step)
 
 
@@ -367,30 +373,30 @@ class ExpertChoice:
     (`canzona.dp.layout.EXPERT_BUCKETS`) and the micro-group capacity of its TP scheduler (None:
     the configuration's)."""
 
-    buckets: str = DEFAULT_EXPERT_BUCKETS
+    buckets: str = PLAN_DEFAULTS.expert_buckets
     capacity: Capacity | None = None
 
 
 def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluster: Cluster) -> list[ExpertChoice]:
     """The expert plans `simulate` tries for `cfg` (the first is the default):
-    - the bucket sizing: the configuration's (`expert_buckets`); unset, under EP each sizing whose
-      expert buckets differ from the default's on some stage (the same buckets make the same
-      plans), at EP 1 the planner's default (the experts share the plan the runtime makes);
+    - the bucket sizing: the configuration's (`expert_buckets`); under `auto`, under EP each sizing
+      whose expert buckets differ from the default's on some stage (the same buckets make the same
+      plans), at EP 1 the default (the experts share the dense part's plan);
     - under expert TP, for a scheduler with a capacity left to its search, also
       `canzona.plan.BATCH_CAPACITY` (each host's share of a micro-group one batch): the search
       prices matrices one by one, so among an EP rank's many alike experts it cuts groups of one
       or two tasks a host, which then run as that many kernels instead of one batched one."""
     if cfg.ep == 1:
-        return [ExpertChoice(buckets=cfg.expert_buckets or DEFAULT_EXPERT_BUCKETS)]
+        return [ExpertChoice(buckets=cfg.settings.expert_buckets)]
     spec, arch = model
     experts = cfg.expert_cluster(cluster)
-    sizings = [cfg.expert_buckets or DEFAULT_EXPERT_BUCKETS]
-    if cfg.expert_buckets is None:
-        for sizing in EXPERT_BUCKETS[1:]:
+    sizings = [cfg.settings.expert_buckets]
+    if cfg.expert_buckets == AUTO_EXPERT_BUCKETS:
+        for sizing in (s for s in EXPERT_BUCKETS if s != sizings[0]):
             for stage in range(cfg.pp):
                 part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers), cfg.ep, cfg.etp, arch.hidden)
                 if part.params and bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizing) != \
-                        bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, DEFAULT_EXPERT_BUCKETS):
+                        bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizings[0]):
                     sizings.append(sizing)
                     break
     policy = STEP_POLICIES[cfg.policy]

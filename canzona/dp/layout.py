@@ -86,6 +86,11 @@ EXPERT_BUCKETS = ("size", "dp-multiple")
 DEFAULT_EXPERT_BUCKETS = EXPERT_BUCKETS[0]
 
 
+# what the simulator takes for "try each sizing whose expert plans differ, keep the faster"
+# (`sim.simulate.SimConfig.expert_buckets`; not a sizing: a plan has one)
+AUTO_EXPERT_BUCKETS = "auto"
+
+
 def check_expert_buckets(name: str) -> str:
     if name not in EXPERT_BUCKETS:
         raise SpecError(f"unknown expert bucket sizing {name!r}; choose one of {', '.join(EXPERT_BUCKETS)}")

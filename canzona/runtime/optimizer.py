@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from canzona.cost import CostModel
-from canzona.dp.layout import BucketPlan
+from canzona.dp.layout import BucketPlan, check_expert_buckets
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.experts import dense_part, expert_part
 from canzona.fileio import is_finite_number
@@ -119,7 +119,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `parallelize_module`, `canzona.runtime.shards`).
 
     Planning (without a `plan`): `dp_policy`, `tp_policy`, `alpha`, `bucket_size`, `align`,
-    `capacity` and `balance_by` are `canzona.plan.PlanSettings`'s, with its defaults
+    `capacity`, `balance_by` and `expert_buckets` (how buckets of stacked expert matrices are
+    sized: `canzona.dp.layout.EXPERT_BUCKETS`) are `canzona.plan.PlanSettings`'s, with its defaults
     (`PLAN_DEFAULTS`), as `canzona plan` and `canzona simulate` take them; a step policy with its
     own DP or TP policy (the baselines) overrides those two. `geometry` (`canzona.plan.GEOMETRIES`):
     `"auto"` (default) keeps ZeRO-1's even segments where whole matrices plan no shorter step (the
@@ -229,6 +230,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_step: bool = STEP_DEFAULTS.overlap_step,
         capacity: Capacity | None = PLAN_DEFAULTS.capacity,
         balance_by: str = PLAN_DEFAULTS.balance_by,
+        expert_buckets: str = PLAN_DEFAULTS.expert_buckets,
         geometry: str = DEFAULT_GEOMETRY,
         expert_mesh: DeviceMesh | None = None,
     ) -> None:
@@ -244,6 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not isinstance(value, bool):
                 raise SpecError(f"{option} must be True or False, got {value!r}")
         self.geometry = check_geometry(geometry)
+        check_expert_buckets(expert_buckets)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
@@ -298,7 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for comm in self._expert_comms:  # one issue order over every log (CollectiveRecord.seq)
                 comm.log.clock = self.comm.log.clock
         settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
-                                align=align, capacity=capacity, balance_by=balance_by)
+                                align=align, capacity=capacity, balance_by=balance_by, expert_buckets=expert_buckets)
         # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
         self.plan = self._resolve_plan(plan, settings, cost_model)
         self._expert_plan = self.plan.experts

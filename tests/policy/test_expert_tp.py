@@ -165,7 +165,10 @@ def test_expert_buckets_in_multiples_of_dp_alike_matrices_make_even_segments_who
 
 
 def test_the_plan_the_runtime_makes_is_unchanged_by_the_expert_bucket_option():
-    """`plan_for` without the option (the runtime's call) sizes expert buckets as before."""
+    """The default settings (the runtime's and the simulator's default) size expert buckets as before."""
+    from canzona.plan import PLAN_DEFAULTS, PlanSettings
+
     spec = build_decoder(TINY)
+    assert PLAN_DEFAULTS.expert_buckets == "size"
     assert plan_for(spec, 4, 2, "muon", "canzona").hash() == \
-        plan_for(spec, 4, 2, "muon", "canzona", expert_buckets="size").hash()
+        plan_for(spec, 4, 2, "muon", "canzona", PlanSettings(expert_buckets="size")).hash()

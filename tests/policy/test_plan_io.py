@@ -15,6 +15,7 @@ from canzona.plan import (
     SCHEMA,
     VERSION,
     Plan,
+    PlanSettings,
     check_plan_matches,
     load_plan,
     make_plan,
@@ -461,7 +462,7 @@ def test_an_expert_parallel_plan_round_trips_and_names_its_axes():
     back = plan_from_json(plan.to_json())
     assert back == plan and back.hash() == plan.hash()
     # the hash covers the experts' plan: two plans that differ only there differ
-    other = _ep_plan(expert_buckets="dp-multiple")
+    other = _ep_plan(settings=PlanSettings(expert_buckets="dp-multiple"))
     assert other.dp_plan == plan.dp_plan and other.experts != plan.experts and other.hash() != plan.hash()
     summary = plan.summary()
     assert (summary["ep_size"], summary["etp_size"], summary["experts"]["dp_size"]) == (4, 1, 4)

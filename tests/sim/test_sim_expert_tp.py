@@ -7,6 +7,7 @@ cost."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -140,8 +141,10 @@ def test_the_expert_plans_simulated_are_the_sizings_and_capacities_that_differ()
     assert expert_choices(cfg, MODEL, cluster) == [ExpertChoice(), ExpertChoice(capacity=BATCH_CAPACITY)]
     assert expert_choices(_config(ep=4, etp=2, policy="zero1-gather"), MODEL, cluster) == [ExpertChoice()]
     assert expert_choices(_config(ep=4), MODEL, cluster) == [ExpertChoice()]
-    odd = _config(ep=4, etp=2, bucket_size=3 * 128 * 256 // 2, policy="zero1-gather")
+    # the default is the runtime's sizing; `auto` also tries each sizing whose buckets differ
+    odd = _config(ep=4, etp=2, bucket_size=3 * 128 * 256 // 2, policy="zero1-gather", expert_buckets="auto")
     assert expert_choices(odd, MODEL, cluster) == [ExpertChoice(), ExpertChoice(buckets="dp-multiple")]
+    assert expert_choices(replace(odd, expert_buckets="size"), MODEL, cluster) == [ExpertChoice()]
     assert expert_choices(_config(ep=4, etp=2, expert_buckets="size", capacity=BATCH_CAPACITY), MODEL, cluster) == \
         [ExpertChoice()]
     assert expert_choices(_config(expert_buckets="dp-multiple"), MODEL, cluster) == [ExpertChoice(buckets="dp-multiple")]
