@@ -147,6 +147,44 @@ def policy_optimizer(policy: str, optimizer: str) -> str:
     return optimizer
 
 
+OWNERS_BALANCED = "balanced"  # canzona's planner assigns each matrix to an owner, balancing cost
+OWNERS_ROUND_ROBIN = "round-robin"  # matrix i to rank i mod S, in the model's order
+OWNERS_NONE = "every-rank"  # every rank gathers and computes every matrix
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpStepPolicy:
+    """A step policy under the FSDP (ZeRO-3) layout (`FSDP_POLICIES`; docs/design.md §2.8): the
+    parameters, gradients and state are sharded over the shard group, and the optimizer step
+    starts from each rank's reduce-scattered shard of every gradient. Simulator only for now."""
+
+    name: str
+    # who computes each matrix's update: OWNERS_BALANCED, OWNERS_ROUND_ROBIN (each owner gathers
+    # its matrices' shards by an all-to-all and sends the update's shards back by another) or
+    # OWNERS_NONE (every rank all-gathers every matrix and computes it, keeping its shard)
+    owners: Literal["balanced", "round-robin", "every-rank"]
+
+    @property
+    def gathers_all(self) -> bool:
+        return self.owners == OWNERS_NONE
+
+
+FSDP_POLICIES: dict[str, FsdpStepPolicy] = {
+    "canzona": FsdpStepPolicy(name="canzona", owners=OWNERS_BALANCED),
+    # muon_fsdp2 and torch's examples: every rank gathers the full gradient of every matrix
+    "fsdp-gather-all": FsdpStepPolicy(name="fsdp-gather-all", owners=OWNERS_NONE),
+    # owners without balancing: matrix i's owner is rank i mod S
+    "fsdp-owners-unbalanced": FsdpStepPolicy(name="fsdp-owners-unbalanced", owners=OWNERS_ROUND_ROBIN),
+}
+
+
+def get_fsdp_policy(name: str) -> FsdpStepPolicy:
+    try:
+        return FSDP_POLICIES[name]
+    except KeyError:
+        raise SpecError(f"unknown policy {name!r} under --fsdp; choose one of {', '.join(FSDP_POLICIES)}") from None
+
+
 def get_step_policy(name: str) -> StepPolicy:
     try:
         return STEP_POLICIES[name]

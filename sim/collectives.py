@@ -127,6 +127,25 @@ def all_to_all_cost(send: Sequence[float], recv: Sequence[float], geo: GroupGeom
     return _all_to_all(intra, inter, geo, hw)
 
 
+def matrix_all_to_all_cost(sent: Sequence[Sequence[float]], nodes: Sequence[int], geo: GroupGeometry,
+                           hw: HardwareProfile) -> CollectiveCost:
+    """An all-to-all where member s sends `sent[s][d]` bytes to member d (the diagonal counts: leave
+    it 0 for what stays on the rank), `nodes[s]` the node of
+    member s: the part between nodes goes on the NICs."""
+    d = len(sent)
+    send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
+    for j in range(d):
+        for r in range(d):
+            part = sent[j][r]
+            if part:
+                send[j] += part
+                recv[r] += part
+                if nodes[j] != nodes[r]:
+                    send_off[j] += part
+                    recv_off[r] += part
+    return all_to_all_cost(send, recv, geo, hw, send_off, recv_off)
+
+
 def reduce_scatter_v_cost(segment_bytes: Sequence[float], geo: GroupGeometry, hw: HardwareProfile,
                           impl: str = DEFAULT_REDUCE_SCATTER) -> CollectiveCost:
     """Reduce-scatter-v over segments of `segment_bytes` (in rank order), by the route the runtime

@@ -58,6 +58,7 @@ from sim.collectives import (
     all_gather_v_cost,
     all_to_all_cost,
     collective_cost,
+    matrix_all_to_all_cost,
     reduce_scatter_v_cost,
 )
 from sim.engine import Engine
@@ -218,19 +219,9 @@ def record_cost(ctx: Context, rec: StepCollective) -> CollectiveCost:
 
 def _dp_all_to_all_cost(ctx: Context, sent: Sequence[Sequence[int]]) -> CollectiveCost:
     """`sent[s][d]` bytes from DP rank s to DP rank d, the part between nodes on the NICs."""
-    cl, d = ctx.cluster, len(sent)
-    node = [cl.node_of(cl.rank(i, 0)) for i in range(d)]
-    send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
-    for j in range(d):
-        for r in range(d):
-            part = sent[j][r]
-            if part:
-                send[j] += part
-                recv[r] += part
-                if node[j] != node[r]:
-                    send_off[j] += part
-                    recv_off[r] += part
-    return all_to_all_cost(send, recv, cl.dp_geometry(), ctx.hw, send_off, recv_off)
+    cl = ctx.cluster
+    nodes = [cl.node_of(cl.rank(i, 0)) for i in range(len(sent))]
+    return matrix_all_to_all_cost(sent, nodes, cl.dp_geometry(), ctx.hw)
 
 
 def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[int, simpy.Event]) -> dict[int, simpy.Event]:

@@ -44,10 +44,18 @@ from canzona.plan import (
 from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy, policies_running, policy_optimizer
+from canzona.step_policies import (
+    FSDP_POLICIES,
+    STEP_POLICIES,
+    default_policy,
+    get_fsdp_policy,
+    policies_running,
+    policy_optimizer,
+)
 from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
 from sim.engine import Engine, Span
+from sim.fsdp import check_fsdp, simulate_fsdp
 from sim.iteration import ETP_COMM, Context, EarlyStart, forward_backward, optimizer_step
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
@@ -101,6 +109,11 @@ class SimConfig:
     # the busiest EP rank's token-expert pairs over the mean (>= 1), or the router's histogram of
     # tokens per expert (canzona.experts.router_imbalance); 1: a balanced router
     router_imbalance: float | tuple[float, ...] = 1.0
+    # FSDP2 / ZeRO-3 (sim.fsdp, docs/design.md §2.8): parameters, gradients and optimizer state
+    # sharded over the DP group, the policy one of `FSDP_POLICIES`; `hsdp_replicate` R > 1: HSDP,
+    # R replicas of shard groups of DP / R ranks, the reduced gradient shards all-reduced over them
+    fsdp: bool = False
+    hsdp_replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -125,12 +138,15 @@ class SimConfig:
                 ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
         """`check`, also returning the model (`model_of`) and the hardware profile: a model file
         and a profile are read here, once per simulation."""
-        if self.policy not in STEP_POLICIES:
+        if self.fsdp:
+            get_fsdp_policy(self.policy)
+        elif self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
-        STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
-        STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
-        STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
+        if not self.fsdp:
+            STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
+            STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
+            STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
         check_geometry(self.geometry)
         self.options.check()
@@ -154,6 +170,7 @@ class SimConfig:
             if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
                 check_runtime_experts(self.tp, self.etp)
             self.expert_cluster(cluster)
+        check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
@@ -244,6 +261,7 @@ class SimResult:
                 {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
+            **({"fsdp": {"shard": cfg.gpus // cfg.hsdp_replicate, "replicate": cfg.hsdp_replicate}} if cfg.fsdp else {}),
             "dp": cfg.gpus // (cfg.tp * cfg.pp),
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
@@ -345,6 +363,10 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     micro-group capacity) is simulated in the same way and the fastest kept, marked in
     `expert_choice`."""
     cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
+    if cfg.fsdp:
+        if plan is not None:
+            raise SpecError("an explicit plan is for the ZeRO-1 layout; under --fsdp the simulator plans the owners")
+        return simulate_fsdp(cfg, model, cluster, hw)
     # every candidate plan of the same layout, the fastest iteration kept (the first of equals):
     # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks
 
@@ -403,6 +425,28 @@ def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluste
     searched = TP_REGISTRY[policy.tp_policy or cfg.tp_policy].uses_capacity and cfg.capacity is None
     capacities = [None, BATCH_CAPACITY] if searched and cfg.etp > 1 else [None]
     return [ExpertChoice(buckets=b, capacity=c) for b in sizings for c in capacities]
+
+
+def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, hw: HardwareProfile,
+           ranks: Iterable[int], t_sync: float, t_end: float, cluster: Cluster) -> dict[str, Any]:
+    """A `SimResult`'s breakdowns from the engine's spans: phase A's on rank 0 (which stands for
+    every rank), the optimizer step's on each of `ranks` (their mean), and the MFU."""
+    simulated_a = [s for s in engine.spans if s.phase == "A"]
+    phase_a = [s for s in simulated_a if s.rank == 0]
+    fb_end = max((s.end for s in simulated_a if s.kind == "compute"), default=0.0)
+    by_rank: dict[int, list[Span]] = {r: [] for r in ranks}
+    for s in engine.spans:
+        if s.phase == "B":
+            by_rank[s.rank].append(s)
+    a = _window_breakdown(phase_a, 0.0, t_sync)
+    opt = [_window_breakdown(spans, t_sync, t_end) for spans in by_rank.values()]
+    mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
+    wl = cfg.workload
+    model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
+    peak = hw.gpu.peak_flops.get(wl.dtype, hw.gpu.peak_flops["bf16"])
+    mfu = model_flops / (t_end * cluster.gpus * peak) if t_end > 0 else 0.0
+    return dict(forward_backward_s=fb_end, mfu=mfu, breakdown={k: a[k] + mean[k] for k in a},
+                optimizer_breakdown=mean, rank_optimizer_s=tuple(o["compute_s"] for o in opt))
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
@@ -475,30 +519,15 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     assert synced.triggered
     t_sync = sync_times[0]
     simulated_a = [s for s in engine.spans if s.phase == "A"]  # each stage's first rank (every rank without replication)
-    phase_a = [s for s in simulated_a if s.rank == 0]
-    fb_end = max((s.end for s in simulated_a if s.kind == "compute"), default=0.0)
     phase_b = [s for s in engine.spans if s.phase == "B"]
-    by_rank: dict[int, list[Span]] = {r: [] for r in range(cluster.gpus)}
-    for s in phase_b:
-        by_rank[s.rank].append(s)
-    a = _window_breakdown(phase_a, 0.0, t_sync)
-    opt = [_window_breakdown(by_rank[r], t_sync, t_end) for r in range(cluster.gpus)]
-    mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
-    model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
-    peak = hw.gpu.peak_flops.get(wl.dtype, hw.gpu.peak_flops["bf16"])
-    mfu = model_flops / (t_end * cluster.gpus * peak) if t_end > 0 else 0.0
     return SimResult(
         config=cfg,
         plan=plans[0],
         iteration_time_s=t_end,
         optimizer_step_s=t_end - t_sync,
-        forward_backward_s=fb_end,
         grad_sync_end_s=t_sync,
         param_gather_exposed_s=sum(phase.stalls),
-        mfu=mfu,
-        breakdown={k: a[k] + mean[k] for k in a},
-        optimizer_breakdown=mean,
-        rank_optimizer_s=tuple(o["compute_s"] for o in opt),
+        **timing(engine, cfg, arch, spec, hw, range(cluster.gpus), t_sync, t_end, cluster),
         memory=memory,
         memory_capacity_bytes=hw.gpu.memory_bytes,
         spans=tuple(simulated_a) + tuple(phase_b),
@@ -515,15 +544,20 @@ def with_policy(cfg: SimConfig, name: str) -> SimConfig:
     """`cfg` under step policy `name`; `overlap_step` only where the policy can run it (canzona):
     the baselines' owners cannot start before every gradient is reduced and gathered. Under an
     elementwise policy (zero1) a matrix optimizer's configuration becomes the AdamW baseline's."""
+    if cfg.fsdp:
+        return replace(cfg, policy=name)
     options = cfg.options
     if options.overlap_step and not STEP_POLICIES[name].can_overlap_step:
         options = replace(options, overlap_step=False)
     return replace(cfg, policy=name, optimizer=policy_optimizer(name, cfg.optimizer), options=options)
 
 
-def compared_policies(optimizer: str) -> tuple[str, ...]:
+def compared_policies(optimizer: str, fsdp: bool = False) -> tuple[str, ...]:
     """What `compare` runs for `optimizer`: a matrix optimizer's policies and the AdamW baseline
-    (zero1) beside them; for AdamW itself, the policies that run it."""
+    (zero1) beside them; for AdamW itself, the policies that run it; under `fsdp`, the FSDP
+    layout's policies (`FSDP_POLICIES`)."""
+    if fsdp:
+        return tuple(FSDP_POLICIES)
     if matrix_optimizer(optimizer).elementwise:
         return policies_running(optimizer)
     return tuple(STEP_POLICIES)
@@ -534,7 +568,7 @@ def compare(base: SimConfig, policies: Iterable[str] | None = None,
     """Every policy on `base`'s layout (`compared_policies`; `with_policy`: options a baseline
     cannot run are off for it)."""
     out = []
-    for name in compared_policies(base.optimizer) if policies is None else policies:
+    for name in compared_policies(base.optimizer, base.fsdp) if policies is None else policies:
         if progress:
             progress(name)
         out.append(simulate(with_policy(base, name)))

@@ -1,0 +1,368 @@
+"""FSDP2 / ZeRO-3 and HSDP in the simulator (docs/design.md §2.8): one iteration of a layout whose
+parameters, gradients and optimizer state are sharded over a shard group of S ranks (HSDP: R
+replicas of it, DP = R x S), under one of `canzona.step_policies.FSDP_POLICIES`.
+
+Phase A (forward / backward, identical on every rank, simulated on rank 0): per FSDP unit (one
+decoder layer; the root unit holds the embedding, the final norm and the head) the bf16 parameters
+are all-gathered before the unit's forward and again before its backward (FSDP2 reshards after
+forward), one unit ahead of the compute (FSDP2's prefetch: at most two units unsharded); each
+unit's gradient is reduce-scattered after its backward (every micro-batch, FSDP2's default), and
+under HSDP the reduced shard is all-reduced over the replicate group after the last micro-batch's.
+
+Phase B (the step, simulated on every rank of one shard group): each micro-group (one unit's
+matrices, in backward order) under owner policies goes to its owners by one variable-size
+all-to-all of the gradient shards, is computed by them, and comes back by one all-to-all of the
+update shards; under gather-all every rank all-gathers the unit's full gradients and computes
+them all. Micro-groups are pipelined: the next one's exchange runs under this one's compute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import simpy
+
+from canzona.cost import DeviceRate, adamw_kernels, cost_model_for, gradient_norm_kernels
+from canzona.decoder import Architecture
+from canzona.errors import SpecError
+from canzona.hardware import HardwareProfile
+from canzona.memory import (
+    FP32,
+    LayoutMemory,
+    MemorySetup,
+    RankMemory,
+    activation_bytes,
+    kernel_workspace_bytes,
+)
+from canzona.cost import state_bytes
+from canzona.optimizers import default_config, matrix_optimizer
+from canzona.plan import WHOLE_GEOMETRY, plan_for
+from canzona.spec import ModelSpec
+from canzona.step_options import STEP_DEFAULTS
+from canzona.step_policies import (
+    FSDP_POLICIES,
+    OWNERS_BALANCED,
+    OWNERS_ROUND_ROBIN,
+    FsdpStepPolicy,
+    get_fsdp_policy,
+)
+from sim.collectives import collective_cost, matrix_all_to_all_cost
+from sim.engine import Engine
+from sim.iteration import APPLY_PASSES, DP_COMM
+from sim.model_work import micro_batch_work
+from sim.topology import Cluster
+
+AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
+ROOT = -1  # the root unit's key: the parameters outside the decoder layers
+MAX_OWNER_GROUPS = 8  # owner policies' micro-groups: at most this many (`_FsdpRun.micro_groups`)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    name: str
+    numel: int
+    shape: tuple[int, ...]
+    cost: float  # seconds of one full-matrix update (the planner's cost model)
+    state: int  # bytes of its full optimizer state
+    owner: int | None  # None: every rank computes it (gather-all)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: the parameters gathered and reduced together."""
+
+    key: int  # the decoder layer, or ROOT
+    numel: int  # every parameter's elements (matrices and the rest)
+    matrices: tuple[Matrix, ...]
+
+
+def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
+    """The FSDP layout of `cfg` is one the simulator runs; returns the shard size S. One SpecError
+    (one line) otherwise."""
+    r = cfg.hsdp_replicate
+    if not (isinstance(r, int) and r >= 1):
+        raise SpecError(f"--hsdp-replicate must be a whole number >= 1, got {r!r}")
+    if not cfg.fsdp:
+        if r != 1:
+            raise SpecError("--hsdp-replicate is HSDP's replicate axis: it needs --fsdp")
+        return 0
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1:
+        raise SpecError(f"--fsdp is simulated at tp 1, pp 1 and ep 1 for now (got tp {cfg.tp}, pp {cfg.pp}, ep {cfg.ep}): "
+                        "parameters are sharded over all the GPUs")
+    get_fsdp_policy(cfg.policy)
+    if matrix_optimizer(cfg.optimizer).elementwise:
+        raise SpecError(f"--fsdp compares whole-matrix optimizers' step policies; {cfg.optimizer} is elementwise")
+    if cfg.options.overlap_step or cfg.options.collectives != "megatron":
+        raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
+    if cluster.dp % r:
+        raise SpecError(f"--hsdp-replicate {r} must divide the {cluster.dp} data-parallel ranks")
+    shard = cluster.dp // r
+    if shard < 2:
+        raise SpecError(f"--hsdp-replicate {r} leaves a shard group of {shard} rank: shard over at least 2 "
+                        f"(replicate at most {cluster.dp // 2})")
+    if len(spec.matrix_params()) < 1:
+        raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
+    return shard
+
+
+def units_of(spec: ModelSpec, matrices: dict[str, Matrix]) -> list[Unit]:
+    """The FSDP units in forward order: the root first (the embedding is its first use), then
+    every decoder layer."""
+    numel: dict[int, int] = {}
+    mats: dict[int, list[Matrix]] = {}
+    for p in spec.params:
+        key = ROOT if p.layer is None else p.layer
+        numel[key] = numel.get(key, 0) + p.numel
+        if p.name in matrices:
+            mats.setdefault(key, []).append(matrices[p.name])
+    keys = [ROOT] + sorted(k for k in numel if k != ROOT) if ROOT in numel else sorted(numel)
+    return [Unit(k, numel[k], tuple(mats.get(k, ()))) for k in keys]
+
+
+def owned_matrices(cfg, spec: ModelSpec, shard: int, hw: HardwareProfile, policy: FsdpStepPolicy):
+    """Every matrix with its owner under `policy`, and canzona's owner plan (the planner's, made
+    for the shard group at TP 1 with whole matrices: its placements' owners are balanced by cost,
+    `alpha` blending in the bytes each owner receives)."""
+    plan = plan_for(spec, shard, 1, cfg.optimizer, "canzona", cfg.settings, cost_model_for(hw),
+                    geometry=WHOLE_GEOMETRY)
+    placed = {p.name: p for p in plan.dp_plan.placements()}
+    out: dict[str, Matrix] = {}
+    for i, p in enumerate(spec.matrix_params()):
+        pl = placed[p.name]
+        owner = pl.owner if policy.owners == OWNERS_BALANCED else i % shard if policy.owners == OWNERS_ROUND_ROBIN \
+            else None
+        out[p.name] = Matrix(p.name, p.numel, tuple(p.shape), pl.cost, pl.state_bytes, owner)
+    return out, plan
+
+
+class _FsdpRun:
+    def __init__(self, cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
+                 shard: int) -> None:
+        self.cfg, self.cluster, self.hw, self.shard = cfg, cluster, hw, shard
+        self.spec, self.arch = model
+        self.policy = get_fsdp_policy(cfg.policy)
+        self.rate = DeviceRate.from_profile(hw)
+        self.wl = cfg.workload
+        self.engine = Engine()
+        self.matrices, self.plan = owned_matrices(cfg, self.spec, shard, hw, self.policy)
+        self.units = units_of(self.spec, self.matrices)
+        self.shard_geo = cluster.geometry(list(range(shard)))
+        self.replicate_geo = cluster.geometry([k * shard for k in range(cfg.hsdp_replicate)])
+        self.stalls: list[float] = []
+
+    # --- phase A ----------------------------------------------------------------------------
+
+    def _gather(self, name: str, unit: Unit, after: list[simpy.Event]) -> simpy.Event:
+        cost = collective_cost("all-gather", unit.numel * self.wl.param_bytes, self.shard_geo, self.hw)
+        return self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
+
+    def _probe(self, before: simpy.Event, wanted: simpy.Event):
+        yield before
+        t0 = self.engine.now
+        yield wanted
+        self.stalls.append(self.engine.now - t0)
+
+    def _unit_compute(self, name: str, seconds: float, last: simpy.Event, gathered: simpy.Event) -> simpy.Event:
+        self.engine.env.process(self._probe(last, gathered))
+        return self.engine.compute(0, name, seconds, [last, gathered])
+
+    def _pass(self, name: str, units: Sequence[Unit], seconds: dict[int, float], last: simpy.Event,
+              then=None) -> simpy.Event:
+        """One pass over `units` in order: each unit's all-gather one unit ahead of its compute
+        (issued once the unit two back is computed: at most two units unsharded), its compute after
+        the previous unit's and its gather; `then(unit, computed)` after each compute."""
+        gathers: list[simpy.Event] = []
+        computed: list[simpy.Event] = []
+        for k in range(len(units) + 1):
+            if k < len(units):
+                freed = [computed[k - 2]] if k >= 2 else []
+                gathers.append(self._gather(f"{name} all-gather {_label(units[k])}", units[k], freed))
+            if k >= 1:
+                unit = units[k - 1]
+                last = self._unit_compute(f"{name} {_label(unit)}", seconds[unit.key], last, gathers[k - 1])
+                computed.append(last)
+                if then is not None:
+                    then(unit, last)
+        return last
+
+    def phase_a(self) -> simpy.Event:
+        """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
+        eng, wl, cfg = self.engine, self.wl, self.cfg
+        work = micro_batch_work(self.spec, 1, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
+                                self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe)
+        fwd = {layer: sum(b.seconds for b in blocks) for layer, blocks in zip(work.layer_ids, work.forward)}
+        bwd = {layer: sum(b.seconds for b in blocks) for layer, blocks in zip(work.layer_ids, work.backward)}
+        layers = [u for u in self.units if u.key != ROOT]
+        root = next((u for u in self.units if u.key == ROOT), None)
+        m = wl.micro_batches(self.cluster.dp)
+        last = eng.env.event().succeed()
+        reduced: list[simpy.Event] = []
+        rs_cost = {u.key: collective_cost("reduce-scatter", u.numel * wl.grad_bytes, self.shard_geo, self.hw)
+                   for u in self.units}
+        ar_cost = {u.key: collective_cost("all-reduce", -(-u.numel // self.shard) * wl.grad_bytes, self.replicate_geo,
+                                          self.hw) for u in self.units}
+
+        def reduce(unit: Unit, mb: int, after: simpy.Event) -> None:
+            done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
+                                  {0: [after]})[0]
+            if cfg.hsdp_replicate > 1 and mb == m - 1:  # the replicas' all-reduce of the reduced shard
+                done = eng.collective(f"all-reduce {_label(unit)} over replicas", [0], ar_cost[unit.key], RS_STREAM,
+                                      {0: [done]})[0]
+            reduced.append(done)
+
+        for mb in range(m):
+            # the root's parameters (the embedding first) stay gathered through the micro-batch
+            root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
+            last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]))
+            last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
+            last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
+            last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last,
+                              lambda unit, done, mb=mb: reduce(unit, mb, done))
+            if root:
+                reduce(root, mb, last)
+        return eng.env.all_of(reduced + [last])
+
+    # --- phase B ----------------------------------------------------------------------------
+
+    def micro_groups(self) -> list[tuple[Matrix, ...]]:
+        """The step's micro-groups, in order. Gather-all: one unit's matrices each, in backward
+        order. Owners: every owner's matrices (in backward order) cut into K chunks of about equal
+        cost, K the most matrices an owner has (at most MAX_OWNER_GROUPS); micro-group k is every
+        owner's k-th chunk, so each exchange spreads over all the owners' ports."""
+        backward = [m for u in reversed(self.units) for m in u.matrices]
+        if self.policy.gathers_all:
+            return [u.matrices for u in reversed(self.units) if u.matrices]
+        mine: dict[int, list[Matrix]] = {}
+        for m in backward:
+            mine.setdefault(m.owner, []).append(m)
+        k = min(MAX_OWNER_GROUPS, max(len(v) for v in mine.values()))
+        chunks: list[list[Matrix]] = [[] for _ in range(k)]
+        for mats in mine.values():
+            total, before = sum(m.cost for m in mats) or 1.0, 0.0
+            for m in mats:
+                chunks[min(k - 1, int(k * (before + m.cost / 2) / total))].append(m)
+                before += m.cost
+        return [tuple(c) for c in chunks if c]
+
+    def phase_b(self, start: simpy.Event) -> None:
+        eng, wl, s = self.engine, self.wl, self.shard
+        eng.phase = "B"
+        ranks = list(range(s))
+        ub = FP32 if wl.param_bytes < FP32 else wl.grad_bytes  # the update as sent and applied
+        total = sum(u.numel for u in self.units)
+        norm_s = sum(self.rate.kernel_seconds(k) for k in
+                     gradient_norm_kernels(-(-total // s), self.cfg.options.max_grad_norm is not None))
+        begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
+        elementwise = -(-(total - sum(m.numel for m in self.matrices.values())) // s)
+        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw")))
+        done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
+        groups = self.micro_groups()
+        nodes = [self.cluster.node_of(r) for r in ranks]
+        gathered: list[dict[int, simpy.Event]] = []
+        computed: list[dict[int, simpy.Event]] = []
+
+        def gather(g: int) -> None:
+            mats = groups[g]
+            after = {r: [begin[r]] + ([computed[g - 2][r]] if g >= 2 else []) for r in ranks}
+            if self.policy.gathers_all:
+                cost = collective_cost("all-gather", sum(x.numel for x in mats) * wl.grad_bytes, self.shard_geo, self.hw)
+            else:
+                cost = matrix_all_to_all_cost(_to_owners(mats, s, wl.grad_bytes), nodes, self.shard_geo, self.hw)
+            gathered.append(eng.collective(f"group {g} gather", ranks, cost, DP_COMM, after))
+
+        if groups:
+            gather(0)
+        for g, mats in enumerate(groups):
+            if g + 1 < len(groups):
+                gather(g + 1)
+            computed.append({r: eng.compute(r, f"group {g} compute", sum(x.cost for x in mats
+                                                                           if x.owner in (None, r)),
+                                            [gathered[g][r]]) for r in ranks})
+            applied_after = computed[g]
+            if not self.policy.gathers_all:
+                sent = [list(row) for row in zip(*_to_owners(mats, s, ub))]  # the owners send each rank its shard
+                cost = matrix_all_to_all_cost(sent, nodes, self.shard_geo, self.hw)
+                applied_after = eng.collective(f"group {g} scatter", ranks, cost, DP_COMM,
+                                               {r: [computed[g][r]] for r in ranks})
+            shard_numel = -(-sum(x.numel for x in mats) // s)
+            apply_s = shard_numel * APPLY_PASSES * FP32 / self.rate.hbm_bytes_per_s + self.rate.launch_s
+            done += [eng.compute(r, f"group {g} apply", apply_s, [applied_after[r]]) for r in ranks]
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def memory(self, setup: MemorySetup, dims) -> LayoutMemory:
+        """Every rank of the shard group: its shards of the parameters (fp32 when mixed precision
+        keeps masters: FSDP2 gathers bf16 copies of fp32 shards), gradients and elementwise state;
+        the matrix optimizer's state of the matrices it owns whole (owner policies), or its shard of
+        every matrix's state (gather-all: as muon_fsdp2 keeps Muon's momentum on the DTensor
+        shard); transient: two units' gathered parameters and one unit's unsharded gradient beside
+        the activations, or the step's buffers."""
+        s, opt = self.shard, self.cfg.optimizer
+        total = sum(u.numel for u in self.units)
+        matrix_numel = sum(m.numel for m in self.matrices.values())
+        shard = -(-total // s)
+        pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
+        ub = setup.update_bytes
+        weights = 0 if mb else shard * pb  # with masters, the fp32 shard is the parameter
+        largest = max(u.numel for u in self.units)
+        in_flight = 2 * largest * pb + largest * gb
+        acts = activation_bytes(dims, setup, 1)
+        adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
+        work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
+        groups = self.micro_groups()
+        ranks = []
+        for r in range(s):
+            if self.policy.gathers_all:
+                state = -(-sum(m.state for m in self.matrices.values()) // s)
+                # two micro-groups' gathered gradients, and one matrix's update and workspace
+                held = [sum(m.numel for m in g) * gb for g in groups]
+                step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
+                    max(m.numel * ub + work[m.name] for m in self.matrices.values())
+            else:
+                mine = [m for m in self.matrices.values() if m.owner == r]
+                state = sum(m.state for m in mine)
+                held = [sum(m.numel * (gb + ub) for m in g if m.owner == r) for g in groups]
+                step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
+                    max([work[m.name] for m in mine] or [0])
+            counted = shard * mb + weights + shard * gb + state + adamw_state + max(acts + in_flight, step)
+            ranks.append(RankMemory(r, 0, r, 0, weights, shard * gb, shard * mb, state, adamw_state, acts,
+                                    in_flight, step, setup.overhead(counted)))
+        return LayoutMemory(self.policy.name, opt, self.cluster.dp, 1, 1, 0, tuple(ranks))
+
+
+def _label(unit: Unit) -> str:
+    return "root" if unit.key == ROOT else f"layer {unit.key}"
+
+
+def _to_owners(mats: Sequence[Matrix], shard: int, nbytes: int) -> list[list[float]]:
+    """sent[s][d]: the bytes of rank s's shards of the matrices rank d owns (none to itself)."""
+    per_owner = [0.0] * shard
+    for m in mats:
+        per_owner[m.owner] += -(-m.numel // shard) * nbytes
+    return [[0.0 if d == src else per_owner[d] for d in range(shard)] for src in range(shard)]
+
+
+def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile):
+    """One iteration of `cfg` (checked, `cfg.fsdp`) under its FSDP policy: a `sim.simulate.SimResult`
+    whose `plan` is canzona's owner plan for the shard group (the owners canzona's policy uses)."""
+    from sim.simulate import SimResult, layer_dims, timing  # sim.simulate imports this module lazily
+
+    spec, arch = model
+    shard = check_fsdp(cfg, cluster, spec)
+    run = _FsdpRun(cfg, model, cluster, hw, shard)
+    synced = run.phase_a()
+    sync_times: list[float] = []
+    synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
+    run.phase_b(synced)
+    t_end = run.engine.run()
+    setup = MemorySetup.from_workload(cfg.workload, recompute=cfg.options.recompute, tp_mode=STEP_DEFAULTS.tp_mode)
+    memory = run.memory(setup, layer_dims(arch, spec))
+    t = timing(run.engine, cfg, arch, spec, hw, range(shard), sync_times[0], t_end, cluster)
+    return SimResult(config=cfg, plan=run.plan, memory=memory, memory_capacity_bytes=hw.gpu.memory_bytes,
+                     iteration_time_s=t_end, optimizer_step_s=t_end - sync_times[0],
+                     grad_sync_end_s=sync_times[0], param_gather_exposed_s=sum(run.stalls),
+                     spans=tuple(run.engine.spans), collective_records=(), **t)
+
+
+__all__ = ["FSDP_POLICIES", "check_fsdp", "simulate_fsdp"]
