@@ -305,7 +305,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
-                expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY):
+                expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
+                fsdp: bool = False, hsdp_replicate: int = 1):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -317,7 +318,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
                      zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
-                     router_imbalance=_router_imbalance(router_imbalance))
+                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -393,6 +394,11 @@ OverlapStep = Annotated[bool, typer.Option(
     help="Compute each micro-group's updates as soon as its buckets are reduced, under the remaining reductions, "
          "and apply them after the step check (DistributedOptimizer's overlap_step; canzona only, compare "
          "runs the baselines without it).")]
+Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: parameters, gradients and state sharded over the "
+                                     "DP group, gathered per layer in forward and backward (simulator only; tp, pp, ep 1); "
+                                     "its policies: canzona, fsdp-gather-all, fsdp-owners-unbalanced.")]
+HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
+                                                 "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
@@ -412,6 +418,7 @@ def simulate(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -424,7 +431,7 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry)
+                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -456,6 +463,7 @@ def compare(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -470,13 +478,13 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry)
+                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
-            task = progress.add_task("simulating", total=len(compared_policies(optimizer)))
+            task = progress.add_task("simulating", total=len(compared_policies(optimizer, fsdp)))
 
             started: list[str] = []
 
@@ -485,7 +493,7 @@ def compare(
                 started.append(name)
 
             results = run(base, progress=tick)
-            progress.update(task, completed=len(compared_policies(optimizer)))
+            progress.update(task, completed=len(compared_policies(optimizer, fsdp)))
         if plot is not None:
             compare_plot(results, plot)
     except CanzonaError as e:

@@ -126,7 +126,10 @@ def _options_text(c) -> str:
 
 
 def _expert_layout(c) -> str:
-    return (f", EP {c.ep}" if c.ep > 1 else "") + (f", ETP {c.etp}" if c.etp > 1 else "")
+    """The layout's expert parallelism, and FSDP's shard group (HSDP: its replicas)."""
+    fsdp = (f", FSDP over {c.gpus // c.hsdp_replicate}" + (f" x {c.hsdp_replicate} replicas" if c.hsdp_replicate > 1 else "")
+            if c.fsdp else "")
+    return (f", EP {c.ep}" if c.ep > 1 else "") + (f", ETP {c.etp}" if c.etp > 1 else "") + fsdp
 
 
 def _plans_text(result) -> str:
