@@ -129,9 +129,9 @@ def all_to_all_cost(send: Sequence[float], recv: Sequence[float], geo: GroupGeom
 
 def matrix_all_to_all_cost(sent: Sequence[Sequence[float]], nodes: Sequence[int], geo: GroupGeometry,
                            hw: HardwareProfile) -> CollectiveCost:
-    """An all-to-all where member s sends `sent[s][d]` bytes to member d (the diagonal counts: leave
-    it 0 for what stays on the rank), `nodes[s]` the node of
-    member s: the part between nodes goes on the NICs."""
+    """An all-to-all where member s sends `sent[s][d]` bytes to member d (the diagonal counts:
+    leave it 0 for what stays on the rank), `nodes[s]` the node of member s: the part between
+    nodes goes on the NICs."""
     d = len(sent)
     send, recv, send_off, recv_off = [0.0] * d, [0.0] * d, [0.0] * d, [0.0] * d
     for j in range(d):

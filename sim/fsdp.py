@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 import simpy
 
-from canzona.cost import DeviceRate, adamw_kernels, cost_model_for, gradient_norm_kernels
+from canzona.cost import (
+    DeviceRate,
+    adamw_kernels,
+    cost_model_for,
+    gradient_norm_kernels,
+    state_bytes,
+)
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.hardware import HardwareProfile
@@ -34,7 +40,6 @@ from canzona.memory import (
     activation_bytes,
     kernel_workspace_bytes,
 )
-from canzona.cost import state_bytes
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import WHOLE_GEOMETRY, plan_for
 from canzona.spec import ModelSpec
@@ -346,7 +351,8 @@ def _to_owners(mats: Sequence[Matrix], shard: int, nbytes: int) -> list[list[flo
 def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile):
     """One iteration of `cfg` (checked, `cfg.fsdp`) under its FSDP policy: a `sim.simulate.SimResult`
     whose `plan` is canzona's owner plan for the shard group (the owners canzona's policy uses)."""
-    from sim.simulate import SimResult, layer_dims, timing  # sim.simulate imports this module lazily
+    # imported here: sim.simulate imports this module
+    from sim.simulate import SimResult, layer_dims, timing
 
     spec, arch = model
     shard = check_fsdp(cfg, cluster, spec)
