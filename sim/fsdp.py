@@ -34,6 +34,7 @@ from canzona.errors import SpecError
 from canzona.hardware import HardwareProfile
 from canzona.memory import (
     FP32,
+    LayerDims,
     LayoutMemory,
     MemorySetup,
     RankMemory,
@@ -41,7 +42,7 @@ from canzona.memory import (
     kernel_workspace_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.plan import WHOLE_GEOMETRY, plan_for
+from canzona.plan import WHOLE_GEOMETRY, Plan, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -296,7 +297,7 @@ class _FsdpRun:
 
     # --- memory -----------------------------------------------------------------------------
 
-    def memory(self, setup: MemorySetup, dims) -> LayoutMemory:
+    def memory(self, setup: MemorySetup, dims: LayerDims) -> LayoutMemory:
         """Every rank of the shard group: its shards of the parameters (fp32 when mixed precision
         keeps masters: FSDP2 gathers bf16 copies of fp32 shards), gradients and elementwise state;
         the matrix optimizer's state of the matrices it owns whole (owner policies), or its shard of
@@ -348,13 +349,23 @@ def _to_owners(mats: Sequence[Matrix], shard: int, nbytes: int) -> list[list[flo
     return [[0.0 if d == src else per_owner[d] for d in range(shard)] for src in range(shard)]
 
 
-def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile):
-    """One iteration of `cfg` (checked, `cfg.fsdp`) under its FSDP policy: a `sim.simulate.SimResult`
-    whose `plan` is canzona's owner plan for the shard group (the owners canzona's policy uses)."""
-    # imported here: sim.simulate imports this module
-    from sim.simulate import SimResult, layer_dims, timing
+@dataclass(frozen=True)
+class FsdpOutcome:
+    """One simulated FSDP iteration, before `sim.simulate` makes it a `SimResult`."""
 
-    spec, arch = model
+    engine: Engine
+    plan: Plan  # canzona's owner plan for the shard group (the owners canzona's policy uses)
+    shard: int
+    t_sync: float
+    t_end: float
+    stalls: float  # the forward's waits for its unit gathers
+    memory: LayoutMemory
+
+
+def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
+                  dims: LayerDims) -> FsdpOutcome:
+    """One iteration of `cfg` (checked, `cfg.fsdp`) under its FSDP policy."""
+    spec, _ = model
     shard = check_fsdp(cfg, cluster, spec)
     run = _FsdpRun(cfg, model, cluster, hw, shard)
     synced = run.phase_a()
@@ -363,12 +374,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     run.phase_b(synced)
     t_end = run.engine.run()
     setup = MemorySetup.from_workload(cfg.workload, recompute=cfg.options.recompute, tp_mode=STEP_DEFAULTS.tp_mode)
-    memory = run.memory(setup, layer_dims(arch, spec))
-    t = timing(run.engine, cfg, arch, spec, hw, range(shard), sync_times[0], t_end, cluster)
-    return SimResult(config=cfg, plan=run.plan, memory=memory, memory_capacity_bytes=hw.gpu.memory_bytes,
-                     iteration_time_s=t_end, optimizer_step_s=t_end - sync_times[0],
-                     grad_sync_end_s=sync_times[0], param_gather_exposed_s=sum(run.stalls),
-                     spans=tuple(run.engine.spans), collective_records=(), **t)
+    return FsdpOutcome(run.engine, run.plan, shard, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
 __all__ = ["FSDP_POLICIES", "check_fsdp", "simulate_fsdp"]

@@ -366,7 +366,13 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     if cfg.fsdp:
         if plan is not None:
             raise SpecError("an explicit plan is for the ZeRO-1 layout; under --fsdp the simulator plans the owners")
-        return simulate_fsdp(cfg, model, cluster, hw)
+        run = simulate_fsdp(cfg, model, cluster, hw, layer_dims(model[1], model[0]))
+        return SimResult(config=cfg, plan=run.plan, memory=run.memory, memory_capacity_bytes=hw.gpu.memory_bytes,
+                         iteration_time_s=run.t_end, optimizer_step_s=run.t_end - run.t_sync,
+                         grad_sync_end_s=run.t_sync, param_gather_exposed_s=run.stalls,
+                         spans=tuple(run.engine.spans),
+                         **timing(run.engine, cfg, model[1], model[0], hw, range(run.shard), run.t_sync, run.t_end,
+                                  cluster))
     # every candidate plan of the same layout, the fastest iteration kept (the first of equals):
     # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks
 
