@@ -12,6 +12,7 @@ from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
+from canzona.step_policies import get_fsdp_policy
 from cli.units import human_bytes
 from sim.workload import Workload
 
@@ -135,6 +136,9 @@ def _expert_layout(c) -> str:
 def _plans_text(result) -> str:
     """The run's DP + TP plans; under EP the experts' too, with their bucket sizing and capacity
     where those are not the defaults."""
+    if result.config.fsdp:  # the owners of the FSDP step (docs/design.md §2.8), not a ZeRO-1 plan
+        owners = get_fsdp_policy(result.config.policy).owners
+        return f"{owners} owners" + (f" ({result.plan.dp_plan.policy})" if owners == "balanced" else "")
     text = f"{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}"
     e = result.expert_plan
     if e is None:
