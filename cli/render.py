@@ -192,15 +192,22 @@ def simulate_table(result) -> Table:
     return t
 
 
+# the baselines a comparison's speedups are against, with their column labels: under --fsdp the
+# FSDP step policies' (docs/design.md §2.8), the ZeRO-1 layout's otherwise
+SPEEDUP_BASELINES = {False: (("layerwise", "lw"), ("zero1-gather", "z1")),
+                     True: (("fsdp-gather-all", "ga"), ("fsdp-owners-unbalanced", "un"))}
+
+
 def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
+    baselines = SPEEDUP_BASELINES[bool(c.fsdp)]
     layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "") + _expert_layout(c)
     t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)
     for col in ("iter ms", "MFU", "GB/GPU", "fits", "opt ms", "opt comm", "opt idle", "gather wait",
-                "iter vs lw", "iter vs z1", "opt vs lw", "opt vs z1"):
+                *(f"{what} vs {label}" for what in ("iter", "opt") for _, label in baselines)):
         t.add_column(col, justify="right", min_width=7)
     for r in results:
         o = r.optimizer_breakdown
@@ -212,13 +219,14 @@ def compare_table(results) -> Table:
                _ms(r.optimizer_step_s), _ms(o["exposed_comm_s"]),
                _ms(o["idle_s"]), _ms(r.param_gather_exposed_s)]
         for attr in ("iteration_time_s", "optimizer_step_s"):
-            for base in ("layerwise", "zero1-gather"):
+            for base, _ in baselines:
                 row.append(_ratio(getattr(by[base], attr), getattr(r, attr)) if base in by else "-")
         t.add_row(*row, style="bold green" if r.config.policy == "canzona" else None)
     plans = "; ".join(f"{r.config.policy}: {_plans_text(r)}" for r in results)
     caption = [f"Plans: {plans}. opt: optimizer-step latency; opt comm / opt idle: its exposed communication and imbalance idle "
                "(mean rank); gather wait: forward stalled on the overlapped parameter all-gather (ms). "
-               "Speedups are baseline time / policy time vs layerwise (lw) and zero1-gather (z1)."]
+               "Speedups are baseline time / policy time vs "
+               + " and ".join(f"{name} ({label})" for name, label in baselines) + "."]
     if "canzona" in by and "layerwise" in by:
         cz, lw = by["canzona"], by["layerwise"]
         caption.append("canzona vs layerwise (the paper's baseline): iteration "

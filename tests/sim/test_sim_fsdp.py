@@ -89,3 +89,15 @@ def test_default_layout_unchanged():
     assert SimConfig().fsdp is False and SimConfig().hsdp_replicate == 1
     assert compared_policies("muon") == tuple(STEP_POLICIES)
     assert "fsdp" not in simulate(SimConfig(model="qwen3-8b", gpus=16, tp=8)).to_dict()
+
+
+def test_compare_under_fsdp_gives_speedups_against_the_fsdp_baselines():
+    import json
+
+    table = invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 1, "--fsdp", "--global-batch", 16)
+    assert table.exit_code == 0, table.output
+    text = table.stdout.replace("\n", " ")
+    assert "vs fsdp-gather-all (ga) and fsdp-owners-unbalanced (un)" in text and "every-rank owners" in text
+    rows = {r["policy"]: r for r in json.loads(invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 1,
+                                                       "--fsdp", "--global-batch", 16, "--json").stdout)}
+    assert rows["canzona"]["optimizer_step_s"] < rows["fsdp-gather-all"]["optimizer_step_s"]
