@@ -188,6 +188,14 @@ def step_flops(optimizer: str, shape: tuple[int, ...], cfg: object | None = None
     return sum(k.flops * k.count for k in optimizer_kernels(optimizer, shape, cfg))
 
 
+def row_state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
+    """The part of `state_bytes` that a shard of the matrix's rows holds its share of (the
+    registry's `row_state_bytes`; all of it where the entry has none)."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    part = None if optimizer == "adamw" else matrix_optimizer(optimizer).part("row_state_bytes")
+    return state_bytes(optimizer, shape, cfg) if part is None else part(*_matrix_shape(optimizer, shape), cfg)
+
+
 def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
     """fp32 optimizer state of one full parameter (docs/design.md §4.2)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
@@ -202,13 +210,20 @@ def muon_state_bytes(m: int, n: int, cfg: MuonConfig) -> int:
 
 def soap_state_bytes(m: int, n: int, cfg: SOAPConfig) -> int:
     sides = _preconditioned_sides(m, n, cfg.max_precond_dim)
-    return 2 * FP32 * m * n + 2 * FP32 * sum(k * k for k, _ in sides)  # two moments; GG and Q per side
+    return soap_row_state_bytes(m, n, cfg) + 2 * FP32 * sum(k * k for k, _ in sides)  # GG and Q per side
+
+
+def soap_row_state_bytes(m: int, n: int, cfg: SOAPConfig) -> int:
+    return 2 * FP32 * m * n  # the two moments
 
 
 def shampoo_state_bytes(m: int, n: int, cfg: ShampooConfig) -> int:
     sides = _preconditioned_sides(m, n, cfg.max_preconditioner_dim)
-    graft = 2 * FP32 * m * n if cfg.grafting else 0
-    return 2 * FP32 * sum(k * k for k, _ in sides) + graft  # statistics and root per side
+    return 2 * FP32 * sum(k * k for k, _ in sides) + shampoo_row_state_bytes(m, n, cfg)  # statistics and root per side
+
+
+def shampoo_row_state_bytes(m: int, n: int, cfg: ShampooConfig) -> int:
+    return 2 * FP32 * m * n if cfg.grafting else 0  # AdamW grafting's moments
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,9 @@ class MatrixOptimizer:
     - `cost_kernels(m, n, cfg) -> list[cost.Kernel]`: one step on a full m x n matrix;
     - `init_kernels(m, n, cfg)`: one-off work of the first step (None: nothing);
     - `state_bytes(m, n, cfg) -> int`: optimizer state of one matrix;
+    - `row_state_bytes(m, n, cfg) -> int`: the part of it that lives with the matrix's elements
+      and rows (moments, momentum, per-row statistics), which a shard of rows holds its share of
+      (FSDP2's `Shard(0)`; None: all of it; a Kronecker factor does not shard that way);
     - `workspace_bytes(m, n, grad_bytes, cfg) -> int`: the kernel's temporaries at its peak;
     - `stack_bytes(m, n) -> int`: what a batched kernel copies per matrix beyond that (None: 0).
     Runtime (torch):
@@ -229,6 +232,7 @@ class MatrixOptimizer:
     scalars: str | None = None  # every whole-matrix optimizer has one (an elementwise one needs none)
     steps_taken: str | None = None
     init_kernels: str | None = None
+    row_state_bytes: str | None = None
     stack_bytes: str | None = None
     batched: str | None = None
     compiled: str | None = None
@@ -266,7 +270,8 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
     "soap": MatrixOptimizer(
         name="soap", config=SOAPConfig, summary="SOAP (Adam in Shampoo's eigenbasis)",
         cost_kernels="canzona.cost:soap_kernels", init_kernels="canzona.cost:soap_init_kernels",
-        state_bytes="canzona.cost:soap_state_bytes", workspace_bytes="canzona.memory:soap_workspace_bytes",
+        state_bytes="canzona.cost:soap_state_bytes", row_state_bytes="canzona.cost:soap_row_state_bytes",
+        workspace_bytes="canzona.memory:soap_workspace_bytes",
         stack_bytes="canzona.memory:soap_stack_bytes", kernel="canzona.runtime.kernels:soap_update",
         initial_state="canzona.runtime.kernels:soap_state", batched="canzona.runtime.batched:soap_update_batched",
         scalars="canzona.runtime.kernels:soap_apply_scalars", steps_taken="canzona.runtime.kernels:soap_steps_taken",
@@ -274,6 +279,7 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
     "shampoo": MatrixOptimizer(
         name="shampoo", config=ShampooConfig, summary="Shampoo (Kronecker-factored, AdamW grafting)",
         cost_kernels="canzona.cost:shampoo_kernels", state_bytes="canzona.cost:shampoo_state_bytes",
+        row_state_bytes="canzona.cost:shampoo_row_state_bytes",
         workspace_bytes="canzona.memory:shampoo_workspace_bytes", stack_bytes="canzona.memory:shampoo_stack_bytes",
         kernel="canzona.runtime.kernels:shampoo_update", initial_state="canzona.runtime.kernels:shampoo_state",
         batched="canzona.runtime.batched:shampoo_update_batched",

@@ -27,6 +27,7 @@ from canzona.cost import (
     adamw_kernels,
     cost_model_for,
     gradient_norm_kernels,
+    row_state_bytes,
     state_bytes,
 )
 from canzona.decoder import Architecture
@@ -70,6 +71,7 @@ class Matrix:
     shape: tuple[int, ...]
     cost: float  # seconds of one full-matrix update (the planner's cost model)
     state: int  # bytes of its full optimizer state
+    row_state: int  # of which the part a shard of rows holds its share of (`cost.row_state_bytes`)
     owner: int | None  # None: every rank computes it (gather-all)
 
 
@@ -137,7 +139,8 @@ def owned_matrices(cfg, spec: ModelSpec, shard: int, hw: HardwareProfile, policy
         pl = placed[p.name]
         owner = pl.owner if policy.owners == OWNERS_BALANCED else i % shard if policy.owners == OWNERS_ROUND_ROBIN \
             else None
-        out[p.name] = Matrix(p.name, p.numel, tuple(p.shape), pl.cost, pl.state_bytes, owner)
+        out[p.name] = Matrix(p.name, p.numel, tuple(p.shape), pl.cost, pl.state_bytes,
+                             row_state_bytes(cfg.optimizer, tuple(p.shape)), owner)
     return out, plan
 
 
@@ -300,9 +303,10 @@ class _FsdpRun:
     def memory(self, setup: MemorySetup, dims: LayerDims) -> LayoutMemory:
         """Every rank of the shard group: its shards of the parameters (fp32 when mixed precision
         keeps masters: FSDP2 gathers bf16 copies of fp32 shards), gradients and elementwise state;
-        the matrix optimizer's state of the matrices it owns whole (owner policies), or its shard of
-        every matrix's state (gather-all: as muon_fsdp2 keeps Muon's momentum on the DTensor
-        shard); transient: two units' gathered parameters and one unit's unsharded gradient beside
+        the matrix optimizer's state of the matrices it owns whole (owner policies), or under
+        gather-all its shard of every matrix's row state (moments and momentum, as muon_fsdp2 keeps
+        Muon's on the DTensor shard) and the whole of every matrix's Kronecker factors (Shampoo's
+        and SOAP's, which every rank computing every matrix holds); transient: two units' gathered parameters and one unit's unsharded gradient beside
         the activations, or the step's buffers."""
         s, opt = self.shard, self.cfg.optimizer
         total = sum(u.numel for u in self.units)
@@ -320,7 +324,8 @@ class _FsdpRun:
         ranks = []
         for r in range(s):
             if self.policy.gathers_all:
-                state = -(-sum(m.state for m in self.matrices.values()) // s)
+                state = -(-sum(m.row_state for m in self.matrices.values()) // s) + \
+                    sum(m.state - m.row_state for m in self.matrices.values())
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
                 held = [sum(m.numel for m in g) * gb for g in groups]
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + \

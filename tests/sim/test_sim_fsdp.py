@@ -101,3 +101,23 @@ def test_compare_under_fsdp_gives_speedups_against_the_fsdp_baselines():
     rows = {r["policy"]: r for r in json.loads(invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 1,
                                                        "--fsdp", "--global-batch", 16, "--json").stdout)}
     assert rows["canzona"]["optimizer_step_s"] < rows["fsdp-gather-all"]["optimizer_step_s"]
+
+
+def test_gather_all_holds_every_matrixs_kronecker_factors_and_a_share_of_its_moments():
+    """Every rank computing every matrix (fsdp-gather-all) keeps its row shard of the moments (Muon's
+    momentum: about canzona's share of the state) but all of Shampoo's / SOAP's Kronecker factors."""
+    import json
+
+    from canzona.cost import row_state_bytes, state_bytes
+
+    assert row_state_bytes("muon", (64, 32)) == state_bytes("muon", (64, 32))
+    assert 0 < row_state_bytes("soap", (64, 32)) < state_bytes("soap", (64, 32))
+
+    def state(optimizer: str) -> dict[str, float]:
+        out = invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 1, "--fsdp", "--global-batch", 16,
+                     "--optimizer", optimizer, "--json")
+        return {r["policy"]: r["memory"]["worst"]["matrix_state"] for r in json.loads(out.stdout)}
+
+    muon, soap = state("muon"), state("soap")
+    assert muon["fsdp-gather-all"] <= muon["canzona"]
+    assert soap["fsdp-gather-all"] > 5 * soap["canzona"]
