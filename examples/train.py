@@ -284,7 +284,8 @@ def prepare(args: argparse.Namespace) -> Job:
                         f"plan has tp {plan.tp}")
     spec = resolve_spec(args.model, plan.tp)  # as `canzona plan --model` read it: the same fingerprint
     try:
-        check_plan_matches(plan, spec, ep=args.ep)
+        # the plan's layout is the job's: what a job refuses (expert TP) is refused here, before training
+        check_plan_matches(plan, spec, dp=plan.dp, tp=plan.tp, ep=plan.ep)
         policy = get_step_policy(POLICY)
         for part in (plan, plan.experts) if plan.experts is not None else (plan,):
             policy.check_dp_plan(part.dp_plan)

@@ -99,3 +99,13 @@ def test_an_ep_that_is_not_the_plans_is_one_error_line_on_every_rank(runs):
     done = torchrun(runs["folder"], 2, "--model", "config.json", "--plan", runs["plan"], "--ep", 1, "--steps", 2)
     assert done.returncode != 0
     assert "--ep 1, but" in (line := error_lines(done, 2)) and "plan-dp2-ep2.json is a plan for ep 2" in line
+
+
+def test_a_plan_with_expert_tp_is_one_error_line_on_every_rank_before_training(runs):
+    folder = runs["folder"]
+    plan = folder / "plan-etp2.json"
+    made = invoke("plan", "--model", CONFIG, "--dp", 4, "--tp", 1, "--ep", 2, "--etp", 2, "--out", plan)
+    assert made.exit_code == 0, made.output
+    done = torchrun(folder, 4, "--model", "config.json", "--plan", plan, "--steps", 2)
+    assert "plan has expert TP (etp=2)" in error_lines(done, 4)
+    assert "exitcode  : 2" in done.stderr  # bad input: refused before training
