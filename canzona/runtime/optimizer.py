@@ -572,9 +572,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if coefficient < 1.0:
             # an overlapped step's updates were computed from the gradients before clipping: dropped;
             # prefetched gradients are scaled where they arrived, as the buffers below
-            self.matrix_step.clipped(coefficient)
-            if self.experts is not None:
-                self.experts.matrix_step.clipped(coefficient)
+            for part in self._parts():
+                part.matrix_step.clipped(coefficient)
             for grads in self._syncs():
                 for buf in grads.all_buffers():
                     buf.reduced.mul_(coefficient)
@@ -615,8 +614,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
         if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
-            for part in self._matrix_steps():
-                part.discard()
+            for part in self._parts():
+                part.matrix_step.discard()
             self.skipped_steps += 1
             log.warning("canzona: skipped step %d: the global gradient norm is %s (%d skipped so far)",
                         self.comm.log.step + 1, check.norm, self.skipped_steps)
@@ -658,10 +657,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.elementwise:
             self._adamw_pieces(self.expert_adamw_parts(), lambda name: got[index[name]])
         return overlapped
-
-    def _matrix_steps(self) -> list[MatrixStep]:
-        """Every part's executor: the dense part's, and the experts' under expert parallelism."""
-        return [self.matrix_step] + ([self.experts.matrix_step] if self.experts is not None else [])
 
     def _speculate(self, matrix_step: MatrixStep, landed: Callable[[str], Tensor]) -> None:
         """overlap_step: a part's matrices' updates (the dense part's, or the experts') computed as
@@ -798,8 +793,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         setting, works the same."""
         for grads in self._syncs():
             grads.zero_grad()
-        for part in self._matrix_steps():
-            part.discard()  # an overlapped step computed and never committed (no step() came)
+        for part in self._parts():
+            part.matrix_step.discard()  # an overlapped step computed and never committed (no step() came)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "grads", None) is not None:  # torch's __init__ adds the constructor's groups
