@@ -27,11 +27,19 @@ from canzona.cost import (
     adamw_kernels,
     cost_model_for,
     gradient_norm_kernels,
-    row_state_bytes,
     state_bytes,
 )
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.fsdp_plan import (
+    ROOT,
+    FsdpMatrix,
+    FsdpUnit,
+    backward_order,
+    fsdp_matrices,
+    fsdp_units,
+    owner_micro_groups,
+)
 from canzona.hardware import HardwareProfile
 from canzona.memory import (
     FP32,
@@ -43,14 +51,11 @@ from canzona.memory import (
     kernel_workspace_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.plan import WHOLE_GEOMETRY, Plan, plan_for
+from canzona.plan import Plan
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
-    OWNERS_BALANCED,
-    OWNERS_ROUND_ROBIN,
-    FsdpStepPolicy,
     get_fsdp_policy,
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
@@ -60,28 +65,6 @@ from sim.model_work import micro_batch_work
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
-ROOT = -1  # the root unit's key: the parameters outside the decoder layers
-MAX_OWNER_GROUPS = 8  # owner policies' micro-groups: at most this many (`_FsdpRun.micro_groups`)
-
-
-@dataclass(frozen=True)
-class Matrix:
-    name: str
-    numel: int
-    shape: tuple[int, ...]
-    cost: float  # seconds of one full-matrix update (the planner's cost model)
-    state: int  # bytes of its full optimizer state
-    row_state: int  # of which the part a shard of rows holds its share of (`cost.row_state_bytes`)
-    owner: int | None  # None: every rank computes it (gather-all)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One FSDP unit: the parameters gathered and reduced together."""
-
-    key: int  # the decoder layer, or ROOT
-    numel: int  # every parameter's elements (matrices and the rest)
-    matrices: tuple[Matrix, ...]
 
 
 def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
@@ -113,37 +96,6 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     return shard
 
 
-def units_of(spec: ModelSpec, matrices: dict[str, Matrix]) -> list[Unit]:
-    """The FSDP units in forward order: the root first (the embedding is its first use), then
-    every decoder layer."""
-    numel: dict[int, int] = {}
-    mats: dict[int, list[Matrix]] = {}
-    for p in spec.params:
-        key = ROOT if p.layer is None else p.layer
-        numel[key] = numel.get(key, 0) + p.numel
-        if p.name in matrices:
-            mats.setdefault(key, []).append(matrices[p.name])
-    keys = [ROOT] + sorted(k for k in numel if k != ROOT) if ROOT in numel else sorted(numel)
-    return [Unit(k, numel[k], tuple(mats.get(k, ()))) for k in keys]
-
-
-def owned_matrices(cfg, spec: ModelSpec, shard: int, hw: HardwareProfile, policy: FsdpStepPolicy):
-    """Every matrix with its owner under `policy`, and canzona's owner plan (the planner's, made
-    for the shard group at TP 1 with whole matrices: its placements' owners are balanced by cost,
-    `alpha` blending in the bytes each owner receives)."""
-    plan = plan_for(spec, shard, 1, cfg.optimizer, "canzona", cfg.settings, cost_model_for(hw),
-                    geometry=WHOLE_GEOMETRY)
-    placed = {p.name: p for p in plan.dp_plan.placements()}
-    out: dict[str, Matrix] = {}
-    for i, p in enumerate(spec.matrix_params()):
-        pl = placed[p.name]
-        owner = pl.owner if policy.owners == OWNERS_BALANCED else i % shard if policy.owners == OWNERS_ROUND_ROBIN \
-            else None
-        out[p.name] = Matrix(p.name, p.numel, tuple(p.shape), pl.cost, pl.state_bytes,
-                             row_state_bytes(cfg.optimizer, tuple(p.shape)), owner)
-    return out, plan
-
-
 class _FsdpRun:
     def __init__(self, cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
                  shard: int) -> None:
@@ -153,15 +105,16 @@ class _FsdpRun:
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
         self.engine = Engine()
-        self.matrices, self.plan = owned_matrices(cfg, self.spec, shard, hw, self.policy)
-        self.units = units_of(self.spec, self.matrices)
+        self.matrices, self.plan = fsdp_matrices(self.spec, shard, cfg.optimizer, self.policy, cfg.settings,
+                                                 cost_model_for(hw))
+        self.units = fsdp_units(self.spec, self.matrices)
         self.shard_geo = cluster.geometry(list(range(shard)))
         self.replicate_geo = cluster.geometry([k * shard for k in range(cfg.hsdp_replicate)])
         self.stalls: list[float] = []
 
     # --- phase A ----------------------------------------------------------------------------
 
-    def _gather(self, name: str, unit: Unit, after: list[simpy.Event]) -> simpy.Event:
+    def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
         cost = collective_cost("all-gather", unit.numel * self.wl.param_bytes, self.shard_geo, self.hw)
         return self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
 
@@ -175,7 +128,7 @@ class _FsdpRun:
         self.engine.env.process(self._probe(last, gathered))
         return self.engine.compute(0, name, seconds, [last, gathered])
 
-    def _pass(self, name: str, units: Sequence[Unit], seconds: dict[int, float], last: simpy.Event,
+    def _pass(self, name: str, units: Sequence[FsdpUnit], seconds: dict[int, float], last: simpy.Event,
               then=None) -> simpy.Event:
         """One pass over `units` in order: each unit's all-gather one unit ahead of its compute
         (issued once the unit two back is computed: at most two units unsharded), its compute after
@@ -212,7 +165,7 @@ class _FsdpRun:
         ar_cost = {u.key: collective_cost("all-reduce", -(-u.numel // self.shard) * wl.grad_bytes, self.replicate_geo,
                                           self.hw) for u in self.units}
 
-        def reduce(unit: Unit, mb: int, after: simpy.Event) -> None:
+        def reduce(unit: FsdpUnit, mb: int, after: simpy.Event) -> None:
             done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
                                   {0: [after]})[0]
             if cfg.hsdp_replicate > 1 and mb == m - 1:  # the replicas' all-reduce of the reduced shard
@@ -234,25 +187,12 @@ class _FsdpRun:
 
     # --- phase B ----------------------------------------------------------------------------
 
-    def micro_groups(self) -> list[tuple[Matrix, ...]]:
+    def micro_groups(self) -> list[tuple[FsdpMatrix, ...]]:
         """The step's micro-groups, in order. Gather-all: one unit's matrices each, in backward
-        order. Owners: every owner's matrices (in backward order) cut into K chunks of about equal
-        cost, K the most matrices an owner has (at most MAX_OWNER_GROUPS); micro-group k is every
-        owner's k-th chunk, so each exchange spreads over all the owners' ports."""
-        backward = [m for u in reversed(self.units) for m in u.matrices]
+        order. Owners: `canzona.fsdp_plan.owner_micro_groups`, as the runtime runs them."""
         if self.policy.gathers_all:
             return [u.matrices for u in reversed(self.units) if u.matrices]
-        mine: dict[int, list[Matrix]] = {}
-        for m in backward:
-            mine.setdefault(m.owner, []).append(m)
-        k = min(MAX_OWNER_GROUPS, max(len(v) for v in mine.values()))
-        chunks: list[list[Matrix]] = [[] for _ in range(k)]
-        for mats in mine.values():
-            total, before = sum(m.cost for m in mats) or 1.0, 0.0
-            for m in mats:
-                chunks[min(k - 1, int(k * (before + m.cost / 2) / total))].append(m)
-                before += m.cost
-        return [tuple(c) for c in chunks if c]
+        return owner_micro_groups(backward_order(self.units))
 
     def phase_b(self, start: simpy.Event) -> None:
         eng, wl, s = self.engine, self.wl, self.shard
@@ -342,11 +282,11 @@ class _FsdpRun:
         return LayoutMemory(self.policy.name, opt, self.cluster.dp, 1, 1, 0, tuple(ranks))
 
 
-def _label(unit: Unit) -> str:
+def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
 
-def _to_owners(mats: Sequence[Matrix], shard: int, nbytes: int) -> list[list[float]]:
+def _to_owners(mats: Sequence[FsdpMatrix], shard: int, nbytes: int) -> list[list[float]]:
     """sent[s][d]: the bytes of rank s's shards of the matrices rank d owns (none to itself)."""
     per_owner = [0.0] * shard
     for m in mats:

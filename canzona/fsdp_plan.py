@@ -1,0 +1,108 @@
+"""Who computes each matrix under FSDP2 / ZeRO-3, and in which order (docs/design.md §2.8): the
+torch-free policy that the simulator prices (`sim/fsdp.py`) and the runtime runs
+(`canzona.runtime.fsdp`), written once.
+
+Under FSDP every rank holds a row shard of every parameter. A step policy with owners
+(`FsdpStepPolicy.owners`: balanced or round-robin) gives each matrix one owner in the shard group,
+which receives every rank's shard of its gradient, computes the whole update and sends each rank
+its shard of it; gather-all has every rank compute every matrix. The exchanges go in micro-groups
+(`owner_micro_groups`): each owner's matrices, in backward order, cut into K chunks of about equal
+cost, so that the next micro-group's all-to-all runs under this one's compute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from canzona.cost import CostModel, row_state_bytes
+from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
+from canzona.spec import ModelSpec
+from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
+
+ROOT = -1  # the root unit's key: the parameters outside the decoder layers
+MAX_OWNER_GROUPS = 8  # owner policies' micro-groups: at most this many (`owner_micro_groups`)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpMatrix:
+    """One matrix of an FSDP step: who computes it and what it costs."""
+
+    name: str
+    numel: int
+    shape: tuple[int, ...]
+    cost: float  # seconds of one full-matrix update (the planner's cost model)
+    state: int  # bytes of its full optimizer state
+    row_state: int  # of which the part a shard of rows holds its share of (`cost.row_state_bytes`)
+    owner: int | None  # None: every rank computes it (gather-all)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpUnit:
+    """One FSDP unit (a `fully_shard` call): the parameters gathered and reduced together."""
+
+    key: int  # the decoder layer, or ROOT
+    numel: int  # every parameter's elements (matrices and the rest)
+    matrices: tuple[FsdpMatrix, ...]
+
+
+def fsdp_units(spec: ModelSpec, matrices: dict[str, FsdpMatrix]) -> list[FsdpUnit]:
+    """The FSDP units in forward order, as torchtitan wraps a decoder: the root first (the
+    embedding is its first use), then every decoder layer."""
+    numel: dict[int, int] = {}
+    mats: dict[int, list[FsdpMatrix]] = {}
+    for p in spec.params:
+        key = ROOT if p.layer is None else p.layer
+        numel[key] = numel.get(key, 0) + p.numel
+        if p.name in matrices:
+            mats.setdefault(key, []).append(matrices[p.name])
+    keys = [ROOT] + sorted(k for k in numel if k != ROOT) if ROOT in numel else sorted(numel)
+    return [FsdpUnit(key=k, numel=numel[k], matrices=tuple(mats.get(k, ()))) for k in keys]
+
+
+def backward_order(units: Sequence[FsdpUnit]) -> list[FsdpMatrix]:
+    """Every matrix in the order backward reduces them: the units reversed."""
+    return [m for u in reversed(units) for m in u.matrices]
+
+
+def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepPolicy,
+                  settings: PlanSettings | None = None,
+                  cost_model: CostModel | None = None) -> tuple[dict[str, FsdpMatrix], Plan]:
+    """Every matrix of `spec` with its owner in a shard group of `shard` ranks under `policy`, and
+    canzona's owner plan: the planner's, made for the shard group at TP 1 with whole matrices (its
+    placements' owners are balanced by cost, `alpha` blending in the bytes each owner receives).
+    Round-robin owners are matrix i's rank i mod `shard`, in the spec's order."""
+    plan = plan_for(spec, shard, 1, optimizer, "canzona", settings, cost_model, geometry=WHOLE_GEOMETRY)
+    placed = {p.name: p for p in plan.dp_plan.placements()}
+    out: dict[str, FsdpMatrix] = {}
+    for i, p in enumerate(spec.matrix_params()):
+        pl = placed[p.name]
+        owner = pl.owner if policy.owners == OWNERS_BALANCED else i % shard if policy.owners == OWNERS_ROUND_ROBIN \
+            else None
+        out[p.name] = FsdpMatrix(name=p.name, numel=p.numel, shape=tuple(p.shape), cost=pl.cost,
+                                 state=pl.state_bytes, row_state=row_state_bytes(optimizer, tuple(p.shape)),
+                                 owner=owner)
+    return out, plan
+
+
+M = TypeVar("M", bound=FsdpMatrix)
+
+
+def owner_micro_groups(backward: Sequence[M], max_groups: int = MAX_OWNER_GROUPS) -> list[tuple[M, ...]]:
+    """Owner policies' micro-groups, in order: every owner's matrices (in the backward order
+    given) cut into K chunks of about equal cost, K the most matrices an owner has (at most
+    `max_groups`); micro-group k is every owner's k-th chunk, so that each exchange spreads over
+    all the owners' ports and every owner computes in every micro-group it can."""
+    mine: dict[int | None, list[M]] = {}
+    for m in backward:
+        mine.setdefault(m.owner, []).append(m)
+    if not mine:
+        return []
+    k = min(max_groups, max(len(v) for v in mine.values()))
+    chunks: list[list[M]] = [[] for _ in range(k)]
+    for mats in mine.values():
+        total, before = sum(m.cost for m in mats) or 1.0, 0.0
+        for m in mats:
+            chunks[min(k - 1, int(k * (before + m.cost / 2) / total))].append(m)
+            before += m.cost
+    return [tuple(c) for c in chunks if c]
