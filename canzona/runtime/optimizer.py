@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -200,6 +201,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
     """
 
+    def __new__(cls, params: Any = (), spec: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A model sharded by torch's FSDP2 (`fully_shard`: DTensor parameters on a mesh that is more
+        than a TP group) gets the FSDP step (`canzona.runtime.fsdp.FsdpOptimizer`); every other
+        model this class. The parameters, often a one-shot generator, are read once here."""
+        given = params if isinstance(params, (list, tuple)) else list(params)
+        if cls is DistributedOptimizer:
+            from canzona.runtime.fsdp import FsdpOptimizer, _flat_pairs, is_fsdp_sharded
+
+            bound = inspect.signature(cls.__init__).bind(None, given, spec, *args, **kwargs).arguments
+            try:
+                axes = axis_groups(bound.get("group"), bound.get("tp_group"))
+                tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
+                tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
+            except (SpecError, ValueError, RuntimeError):
+                tp_ranks = None  # the constructor reports what is wrong with the groups
+            if is_fsdp_sharded(_flat_pairs(given), tp_ranks):
+                return FsdpOptimizer(given, spec, *args, **kwargs)
+        self = super().__new__(cls)
+        self._given_params = given
+        return self
+
     def __init__(
         self,
         params: Iterable[tuple[str, Tensor]] | Iterable[Mapping[str, Any]],
@@ -234,6 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         geometry: str = DEFAULT_GEOMETRY,
         expert_mesh: DeviceMesh | None = None,
     ) -> None:
+        params = self.__dict__.pop("_given_params", params)  # read once by __new__
         # everything that can be wrong locally fails here, on every rank, before any collective
         if not (is_finite_number(timeout_s) and timeout_s > 0):
             raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

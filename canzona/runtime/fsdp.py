@@ -1,0 +1,579 @@
+"""The optimizer step of a model sharded by torch's FSDP2 (`fully_shard`), with whole-matrix owners
+(docs/design.md §2.8): what `DistributedOptimizer` becomes when its parameters are FSDP2's DTensors.
+
+FSDP2 has already reduce-scattered the gradients when `step()` runs: every rank holds its piece of
+every gradient (`canzona.runtime.fsdp_layout`: a row block, under FSDP x TP a TP shard's row block,
+possibly empty). Each matrix has one owner in the exchange group, the planner's
+(`canzona.fsdp_plan.fsdp_matrices`, balanced by cost; the same owners `canzona simulate --fsdp`
+prices). The step runs in micro-groups (`canzona.fsdp_plan.owner_micro_groups`): per micro-group
+one variable-size all-to-all carries every rank's pieces of the gradients to their owners (no
+padding to even splits), the owners compute the whole updates (the state lives there only) while
+the next micro-group's all-to-all is in flight, and one all-to-all sends each rank its pieces of the
+updates, which it applies with the scalars it computes itself. Parameters the registry does not give
+the matrix optimizer (norms, embeddings) take AdamW elementwise on the local shard.
+
+One step check per step (`check`): one small all-gather over every rank of the mesh (replicas too)
+of which parameters got a gradient, a local problem, the clip threshold, the hyper-parameters'
+digest and each rank's sum of squares of the gradient pieces it sends; every rank then fails alike,
+or computes the same global norm, before anything moves.
+
+Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
+their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
+`MixedPrecisionPolicy` keeps fp32 sharded parameters, so nothing more is needed there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.fileio import is_finite_number
+from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
+from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
+from canzona.plan import PlanSettings
+from canzona.runtime.batched import check_compile, matrix_kernels
+from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.fsdp_layout import (
+    ParamLayout,
+    exchange_ranks,
+    local_box,
+    new_groups,
+    param_layout,
+    replica_dims,
+)
+from canzona.runtime.gradients import (
+    NONFINITE_POLICIES,
+    _all_same,
+    _clip_disagreement,
+    _clip_word,
+    combine_norm_terms,
+    local_norm_term,
+    ranks_of,
+)
+from canzona.runtime.groups import (
+    GroupConfigs,
+    build_param_groups,
+    defaults_of,
+    hyper_parameters_digest,
+    user_groups,
+)
+from canzona.runtime.kernels import Update, adamw_step_, apply_update_
+from canzona.spec import ModelSpec
+from canzona.step_policies import get_fsdp_policy
+
+log = logging.getLogger("canzona")
+
+FSDP = "fsdp"  # the exchange group's name in collective logs
+FSDP_WORLD = "fsdp-world"  # every rank of the mesh: the step check and the agreement check
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], tp_ranks: Sequence[int] | None) -> bool:
+    """Whether the parameters are FSDP2's: DTensors on a mesh that is more than this rank's TP
+    group (a tensor-parallel model's DTensors live on the TP mesh alone)."""
+    from torch.distributed.tensor import DTensor
+
+    for _, p in pairs:
+        if isinstance(p, DTensor):
+            ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
+            return len(ranks) > 1 and (tp_ranks is None or sorted(ranks) != sorted(tp_ranks))
+    return False
+
+
+def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
+    items = given if isinstance(given, list) else list(given)
+    if items and isinstance(items[0], Mapping):
+        return [pair for g in items for pair in g.get("params", ())]
+    return items
+
+
+class FsdpOptimizer(torch.optim.Optimizer):
+    """`DistributedOptimizer` over FSDP2 parameters (built by it: `DistributedOptimizer(
+    model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
+    describes the global model. Options are `DistributedOptimizer`'s; those of the ZeRO-1 layout
+    that FSDP2 decides instead (reduce_scatter, tp_mode, overlap_param_gather, geometry,
+    expert_buckets) have no effect, and those it does not run yet are refused: `plan=` (the owners
+    are planned at construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
+    with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
+    `fsdp-owners-unbalanced`)."""
+
+    _step_supports_amp_scaling = True  # GradScaler hands its scaler over; refused in step()
+
+    def __init__(self, params: Any, spec: ModelSpec, *args: Any, **kwargs: Any) -> None:
+        from canzona.runtime.optimizer import DistributedOptimizer, _config
+
+        o = inspect.signature(DistributedOptimizer.__init__).bind(None, params, spec, *args, **kwargs)
+        o.apply_defaults()
+        opts = dict(o.arguments)
+        timeout_s, max_grad_norm, nonfinite = opts["timeout_s"], opts["max_grad_norm"], opts["nonfinite"]
+        if not (is_finite_number(timeout_s) and timeout_s > 0):
+            raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if max_grad_norm is not None and not (is_finite_number(max_grad_norm) and max_grad_norm > 0):
+            raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        for option in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights"):
+            if not isinstance(opts[option], bool):
+                raise SpecError(f"{option} must be True or False, got {opts[option]!r}")
+        for option, why in (("plan", "the owners are planned at construction from the model and the mesh"),
+                            ("expert_mesh", "expert parallelism with FSDP is not run yet")):
+            if opts[option] is not None:
+                raise SpecError(f"{option}= is not taken under FSDP2: {why}")
+        if opts["overlap_step"]:
+            raise SpecError("overlap_step is not run under FSDP2 yet: the step starts after FSDP2's last "
+                            "reduce-scatter")
+        self.optimizer = check_matrix_optimizer(opts["optimizer"])
+        entry = matrix_optimizer(self.optimizer)
+        if entry.elementwise:
+            raise SpecError(f"under FSDP2, {self.optimizer} needs no owners: use torch's own optimizer on the "
+                            "sharded parameters (canzona runs whole-matrix optimizers there)")
+        self.policy = get_fsdp_policy(opts["policy"] or "canzona")
+        if self.policy.gathers_all:
+            raise SpecError(f"policy {self.policy.name!r} is a simulator baseline (every rank computes every "
+                            "matrix); the runtime runs owner policies: canzona, fsdp-owners-unbalanced")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.overlapped_steps = 0  # never: overlap_step is not run under FSDP2
+        self.timeout_s = float(timeout_s)
+        self.adamw_cfg = _config("adamw", opts["adamw_config"])
+        self.matrix_cfg = _config(self.optimizer, opts["matrix_config"])
+        self.spec = spec
+        self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
+
+        groups = user_groups(params)
+        self.params = self._checked_params(groups)
+        if self.compile_kernels:
+            check_compile(p.device.type for p in self.params.values())
+        matrix_names = {p.name for p in spec.matrix_params()}
+        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
+
+        # the mesh: replicas run alike; the exchange group's ranks tile every parameter
+        first = next(iter(self.params.values()))
+        self.device_mesh = first.device_mesh
+        me = dist.get_rank()
+        self.replica_dims = replica_dims(self.params)
+        world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
+        world_group, _ = new_groups([world_ranks], me)
+        exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me)
+        self.world = Comm(world_group, timeout_s, FSDP_WORLD)
+        self.comm = Comm(exchange_group, timeout_s, FSDP)
+        self.comm.log.clock = self.world.log.clock  # one issue order over both logs
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.dp = self.size  # the ranks a matrix's pieces come from (canzona.memory's and the logs' DP)
+        # where this exchange group's members sit in the world check's table
+        self._members = [world_ranks.index(r) for r in self.exchange_ranks]
+
+        boxes = self.comm.all_gather_object({n: local_box(p) for n, p in self.params.items()}, "fsdp layout")
+        self.layout: dict[str, ParamLayout] = {
+            n: param_layout(n, tuple(p.shape), [b[n] for b in boxes]) for n, p in self.params.items()}
+
+        settings = PlanSettings(dp_policy=opts["dp_policy"], alpha=opts["alpha"], bucket_size=opts["bucket_size"],
+                                align=opts["align"], capacity=opts["capacity"], balance_by=opts["balance_by"])
+        matrices, self.plan = fsdp_matrices(spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"])
+        self.owner = {n: m.owner for n, m in matrices.items()}
+        # micro-groups: each owner's matrices in backward order, cut into chunks of about equal cost
+        self.micro_groups = [[m.name for m in g] for g in
+                             owner_micro_groups(backward_order(fsdp_units(spec, matrices)))]
+        self.matrices = [p.name for p in spec.params if p.name in matrices]
+        self.elementwise_names = [p.name for p in spec.params if p.name not in matrices]
+        self.hosted = [n for n in self.matrices if self.owner[n] == self.rank]
+        self.applies = list(self.matrices)
+
+        self._check_agreement(param_groups, matrices)
+        configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
+        super().__init__(param_groups, {})
+        self.defaults = defaults_of(configs)
+        self._configs = GroupConfigs(configs)
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
+
+        low = {p.dtype for p in self.params.values()} & set(LOW_PRECISION)
+        self.master_weights = bool(opts["master_weights"] and low)
+        self.grad_dtype = torch.float32 if self.master_weights else first.dtype
+        self.kernel, self.batched = matrix_kernels(self.optimizer, batch=self.batch_kernels,
+                                                   compile=self.compile_kernels)
+        self.scalars = entry.part("scalars")
+        self.matrix_state: dict[str, dict] = {n: {} for n in self.hosted}
+        self.matrix_steps: dict[str, int] = {n: 0 for n in self.matrices}
+        self.adamw_state: dict[str, dict] = {}
+        self.master: dict[str, Tensor] = {}
+        if self.master_weights:
+            self.reset_master_weights()
+        self.checked: tuple[dict[str, bool], float] | None = None
+        self._clip_agreed: float | None = None
+
+    # --- construction ------------------------------------------------------------------------
+
+    def _checked_params(self, groups: list) -> dict[str, Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        params: dict[str, Tensor] = {}
+        mesh = None
+        for pairs, _ in groups:
+            for name, p in pairs:
+                if name in params:
+                    raise SpecError(f"parameter {name!r} is given twice")
+                if not p.requires_grad:
+                    raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
+                                    "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
+                                    "and ModelSpec.from_module skip them)")
+                if not isinstance(p, DTensor):
+                    raise SpecError(f"parameter {name!r} is a plain tensor beside FSDP2's DTensors: shard the "
+                                    "whole model with fully_shard (at least its root)")
+                if mesh is None:
+                    mesh = p.device_mesh
+                elif p.device_mesh != mesh:
+                    raise SpecError(f"parameter {name!r} lives on mesh {p.device_mesh}, the others on {mesh}: "
+                                    "shard every module over one device mesh")
+                pspec = self.spec.param(name)
+                if tuple(p.shape) != tuple(pspec.shape):
+                    raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "
+                                    f"{tuple(pspec.shape)}")
+                if pspec.matrix_shape is not None:
+                    raise SpecError(f"parameter {name!r} stacks matrices (experts): not run under FSDP2 yet")
+                params[name] = p
+        missing = [p.name for p in self.spec.params if p.name not in params]
+        if missing:
+            raise PlanError(f"the model spec has parameters that were not given, e.g. {missing[0]}")
+        dtypes = {p.dtype for p in params.values()}
+        if len(dtypes) > 1:
+            raise SpecError(f"the sharded parameters mix dtypes {sorted(map(str, dtypes))}: FSDP2 keeps one")
+        return params
+
+    def _check_agreement(self, param_groups: list[dict[str, Any]], matrices: Mapping[str, Any]) -> None:
+        """Every rank of the mesh runs the same model, owners and hyper-parameters."""
+        owners = ",".join(f"{n}:{matrices[n].owner}" for n in self.matrices)
+        self.world.check_agreement({
+            "model fingerprint": self.spec.fingerprint(),
+            "parameter order": ",".join(p.name for p in self.spec.params),
+            "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
+            "owners": owners,
+            "policy": self.policy.name,
+            "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
+            "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
+            "parameter groups": str(hyper_parameters_digest(param_groups)),
+            "mesh": f"{tuple(self.device_mesh.mesh.shape)} replicas over dims {self.replica_dims}",
+        })
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """fp32 master copies of this rank's shards, taken from the parameters as they are now."""
+        self.master = {n: p.to_local().detach().float().clone() for n, p in self.params.items()}
+
+    # --- hyper-parameters ----------------------------------------------------------------------
+
+    @property
+    def nonfinite(self) -> str:
+        return self._nonfinite
+
+    def group_config(self, g: int) -> Any:
+        return self._configs.config(g, self.param_groups[g])
+
+    def _config(self, name: str) -> tuple[Any, float]:
+        g = self._group_of[name]
+        return self.group_config(g), self.param_groups[g]["lr"]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_configs", None) is not None:
+            raise SpecError("parameters cannot be added to a DistributedOptimizer after construction: its owners "
+                            "are planned over every parameter; build it with all the groups")
+        super().add_param_group(param_group)
+
+    # --- the step check --------------------------------------------------------------------------
+
+    def _local_grad(self, name: str) -> Tensor:
+        return self.params[name].grad.to_local()
+
+    def _local_problem(self) -> str | None:
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.params.items():
+            g = p.grad
+            if g is None:
+                continue
+            if not isinstance(g, DTensor) or tuple(g.placements) != tuple(p.placements):
+                return (f"{name}: its gradient on rank {dist.get_rank()} is {type(g).__name__} "
+                        f"{getattr(g, 'placements', None)}, not sharded as the parameter {tuple(p.placements)}")
+            local = g.to_local()
+            if local.shape != p.to_local().shape:
+                return (f"{name}: its local gradient on rank {dist.get_rank()} is {tuple(local.shape)}, the local "
+                        f"shard {tuple(p.to_local().shape)}")
+        return None
+
+    def check(self, max_norm: float | None = None) -> tuple[dict[str, bool], float]:
+        """The step check, once per step (`clip_grad_norm_`, then `step`): ONE small all-gather over
+        every rank of the mesh. Returns (got: name -> a gradient everywhere, the global norm)."""
+        if self.checked is not None:
+            if max_norm is not None and max_norm != self._clip_agreed:  # a second clip, a new threshold
+                clips = self.world.all_gather_values(torch.tensor([max_norm], dtype=torch.float64),
+                                                     "clip threshold")[:, 0]
+                if not _all_same(clips):
+                    raise CanzonaError(_clip_disagreement(clips, self.world.rank, "rank"))
+                self._clip_agreed = max_norm
+            return self.checked
+        names = [p.name for p in self.spec.params]
+        problem = self._local_problem()
+        got_here = [self.params[n].grad is not None for n in names]
+        # every gradient element once: each rank sums the pieces it sends (a box held by several
+        # ranks of the exchange group is sent, and counted, by the lowest)
+        segments = [] if problem is not None else [
+            self._local_grad(n).reshape(-1) for n, g in zip(names, got_here)
+            if g and self.layout[n].sources[self.rank]]
+        term = local_norm_term(segments).to(torch.float64).cpu()
+        digest = hyper_parameters_digest(self.param_groups)
+        header = torch.cat([torch.tensor(got_here + [problem is not None, digest], dtype=torch.int64),
+                            term.reshape(1).view(torch.int64),
+                            torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
+        table = self.world.all_gather_values(header, "step check")
+        k = len(names)
+        flags, broken, digests = table[:, :k], table[:, k], table[:, k + 1]
+        terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
+        error = None
+        if broken.any():
+            error = problem if problem is not None else \
+                f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
+        elif not _all_same(digests):
+            error = (f"ranks disagree on the hyper-parameters of param_groups (rank(s) "
+                     f"{ranks_of(digests != digests[0])} differ from rank 0): change them alike on every rank")
+        elif not _all_same(clips):
+            error = _clip_disagreement(clips, self.world.rank, "rank")
+        elif not flags.any():
+            error = ("step() found no gradient on any rank: call backward() before step(), on the "
+                     "parameters given to the optimizer")
+        elif not torch.all(flags == flags[0]):
+            j = int(torch.nonzero((flags != flags[0]).any(dim=0))[0])
+            error = (f"{names[j]!r} has a gradient on rank(s) {ranks_of(flags[:, j] != 0)} and none on rank(s) "
+                     f"{ranks_of(flags[:, j] == 0)}: every rank must run the same backward (FSDP reduces "
+                     "every gradient over all ranks)")
+        if error is not None:
+            raise CanzonaError(error)
+        norm = math.sqrt(float(combine_norm_terms(terms[self._members])))
+        if not math.isfinite(norm) and self._nonfinite == "raise":
+            raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
+                               "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
+        self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
+        self._clip_agreed = max_norm
+        return self.checked
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Scale the local gradient pieces so that the global gradient norm is at most `max_norm`
+        (torch's rule: by max_norm / (norm + 1e-6) when below 1); return the norm before clipping.
+        Collective (runs the step check); call it after backward and before step(). `max_norm=inf`
+        only measures."""
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+        if norm_type not in (2.0, math.inf):
+            raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
+        got, norm = self.check(float(max_norm))
+        total = norm if norm_type == 2.0 else self._inf_norm(got)
+        if math.isfinite(total):
+            coefficient = min(1.0, max_norm / (total + 1e-6))
+            if coefficient < 1.0:
+                for n, g in got.items():
+                    if g:
+                        self._local_grad(n).mul_(coefficient)
+                # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
+                self.checked = (got, norm * coefficient)
+        return torch.tensor(total, dtype=torch.float32)
+
+    def _inf_norm(self, got: Mapping[str, bool]) -> float:
+        local = max((float(self._local_grad(n).abs().max()) for n, g in got.items()
+                     if g and self._local_grad(n).numel()), default=0.0)
+        every = self.world.all_gather_values(torch.tensor([local], dtype=torch.float64), "gradient norm")[:, 0]
+        return float(every.max())
+
+    # --- the step ----------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.checked = None
+        for p in self.params.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):  # noqa: D401 - torch.optim signature
+        if grad_scaler is not None:
+            raise CanzonaError("torch.amp.GradScaler is not supported: train in bf16, or scale the loss and the "
+                               "learning rate yourself")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            got, norm = self.check(self.max_grad_norm)
+            for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
+                self.group_config(g)
+            if not math.isfinite(norm):  # nonfinite="skip": every rank skips alike
+                self.skipped_steps += 1
+                log.warning("canzona: skipped step: the global gradient norm is %s (%d skipped so far)", norm,
+                            self.skipped_steps)
+            else:
+                if self.max_grad_norm is not None:
+                    self.clip_grad_norm_(self.max_grad_norm)
+                self._step(got)
+            self.comm.log.step += 1
+            self.world.log.step += 1
+        finally:
+            self.checked = None
+        return loss
+
+    def _step(self, got: Mapping[str, bool]) -> None:
+        groups = [[n for n in g if got[n]] for g in self.micro_groups]
+        groups = [g for g in groups if g]
+        scalars = {n: self.scalars(self.layout[n].shape, *self._config(n), self.matrix_steps[n])
+                   for g in groups for n in g}
+        scatters: list[tuple[list[str], Tensor, PendingWork]] = []
+        pending = self._send_gradients(groups[0], 0) if groups else None
+        for k, group in enumerate(groups):
+            received, work = pending
+            # the next micro-group's gradients travel under this one's compute
+            pending = self._send_gradients(groups[k + 1], k + 1) if k + 1 < len(groups) else None
+            work.wait()
+            updates = self._compute(group, received, scalars)
+            scatters.append(self._send_updates(group, updates, scalars, k))
+        self._adamw_step(got)  # under the last scatter
+        for group, chunks, work in scatters:
+            work.wait()
+            self._apply(group, chunks, scalars)
+        for n in self.matrices:
+            if got[n]:
+                self.matrix_steps[n] += 1
+
+    def _sizes(self, names: Sequence[str], member: int, *, sent: bool) -> int:
+        """Elements of `member`'s pieces of `names` that cross the wire: those it sends (`sent`),
+        or those it receives back."""
+        total = 0
+        for n in names:
+            lay = self.layout[n]
+            if sent and not lay.sources[member]:
+                continue
+            total += lay.boxes[member].numel
+        return total
+
+    def _send_gradients(self, names: Sequence[str], k: int) -> tuple[Tensor, PendingWork]:
+        """Every rank's pieces of the gradients of `names` to their owners (one all-to-all)."""
+        me, size = self.rank, self.size
+        by_owner = [[n for n in names if self.owner[n] == d] for d in range(size)]
+        parts = [self._local_grad(n).reshape(-1).to(self.grad_dtype) for d in range(size) for n in by_owner[d]
+                 if self.layout[n].sources[me]]
+        in_splits = [self._sizes(by_owner[d], me, sent=True) for d in range(size)]
+        out_splits = [self._sizes(by_owner[me], s, sent=True) for s in range(size)]
+        device = self.params[names[0]].to_local().device
+        sent = torch.cat(parts) if parts else torch.empty(0, dtype=self.grad_dtype, device=device)
+        received = torch.empty(sum(out_splits), dtype=self.grad_dtype, device=device)
+        work = self.comm.all_to_all(received, sent, out_splits, in_splits, f"gradients of micro-group {k}")
+        return received, work
+
+    def _compute(self, names: Sequence[str], received: Tensor, scalars: Mapping[str, Any]) -> dict[str, Tensor]:
+        """The whole updates of the matrices of `names` this rank owns, assembled from the pieces
+        received (member order, each member's pieces in `names` order), in the dtype they travel."""
+        mine = [n for n in names if self.owner[n] == self.rank]
+        if not mine:
+            return {}
+        blocks = list(received.split([self._sizes(mine, s, sent=True) for s in range(self.size)]))
+        grads: dict[str, Tensor] = {}
+        for n in mine:
+            grads[n] = torch.empty(self.layout[n].shape, dtype=self.grad_dtype, device=received.device)
+        pos = [0] * self.size
+        for n in mine:
+            lay = self.layout[n]
+            for s in range(self.size):
+                if not lay.sources[s]:
+                    continue
+                box = lay.boxes[s]
+                grads[n][box.index()] = blocks[s][pos[s]:pos[s] + box.numel].view(box.shape)
+                pos[s] += box.numel
+        updates: dict[str, Update | None] = {}
+        # same-shape matrices of one param group run as one batched kernel (bit for bit on CPU)
+        batches: dict[tuple, list[str]] = {}
+        for n in mine:
+            batches.setdefault((self.layout[n].shape, self._group_of[n]), []).append(n)
+        for (_, g), batch in batches.items():
+            cfg, lr = self.group_config(g), self.param_groups[g]["lr"]
+            if self.batched is not None and len(batch) > 1:
+                out = self.batched([grads[n] for n in batch], [self.matrix_state[n] for n in batch], cfg, lr)
+                updates.update(zip(batch, out))
+            else:
+                for n in batch:
+                    updates[n] = self.kernel(grads[n], self.matrix_state[n], cfg, lr)
+        directions = {}
+        for n in mine:
+            update = updates[n]
+            have = None if update is None else update.scalars
+            if have != scalars[n]:
+                raise CanzonaError(f"{n}: the kernel's update applies as {have}, the ranks at step "
+                                   f"{self.matrix_steps[n]} would apply it as {scalars[n]}")
+            if update is not None:
+                directions[n] = update.direction.to(self._update_dtype)
+        return directions
+
+    @property
+    def _update_dtype(self) -> torch.dtype:
+        return torch.float32 if self.master_weights else next(iter(self.params.values())).dtype
+
+    def _send_updates(self, names: Sequence[str], directions: Mapping[str, Tensor], scalars: Mapping[str, Any],
+                      k: int) -> tuple[list[str], Tensor, PendingWork]:
+        """Each rank its pieces of the updates of `names` (one all-to-all from the owners)."""
+        me, size = self.rank, self.size
+        moving = [n for n in names if scalars[n] is not None]
+        by_owner = [[n for n in moving if self.owner[n] == d] for d in range(size)]
+        parts = [directions[n][self.layout[n].boxes[d].index()].reshape(-1)
+                 for d in range(size) for n in by_owner[me]]
+        in_splits = [self._sizes(by_owner[me], d, sent=False) for d in range(size)]
+        out_splits = [self._sizes(by_owner[s], me, sent=False) for s in range(size)]
+        device = self.params[names[0]].to_local().device
+        sent = torch.cat(parts) if parts else torch.empty(0, dtype=self._update_dtype, device=device)
+        chunks = torch.empty(sum(out_splits), dtype=self._update_dtype, device=device)
+        work = self.comm.all_to_all(chunks, sent, out_splits, in_splits, f"updates of micro-group {k}")
+        order = [n for s in range(size) for n in by_owner[s]]
+        return order, chunks, work
+
+    def _apply(self, order: Sequence[str], chunks: Tensor, scalars: Mapping[str, Any]) -> None:
+        pos = 0
+        for n in order:
+            local = self.params[n].to_local()
+            chunk = chunks[pos:pos + local.numel()].view(local.shape)
+            pos += local.numel()
+            target = self.master.get(n, local)
+            if target is not local and not torch.equal(target.to(local.dtype), local):
+                target.copy_(local)  # weights written into the model since the last step win
+            apply_update_(target, chunk, Update.of(chunk, scalars[n]))
+            if target is not local:
+                local.copy_(target)
+
+    def _adamw_step(self, got: Mapping[str, bool]) -> None:
+        for n in self.elementwise_names:
+            if not got[n]:
+                continue
+            local = self.params[n].to_local()
+            if not local.numel():
+                continue
+            g = self._group_of[n]
+            target = self.master.get(n, local)
+            if target is not local and not torch.equal(target.to(local.dtype), local):
+                target.copy_(local)
+            grad = self._local_grad(n).to(target.dtype)
+            adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
+                        self.param_groups[g]["lr"])
+            if target is not local:
+                local.copy_(target)
+
+    # --- what users of torch optimizers reach for ----------------------------------------------
+
+    def state_items(self) -> Iterator[tuple[str, dict]]:
+        """The state this rank holds: the matrices it owns (whole), its AdamW shards."""
+        yield from self.matrix_state.items()
+        yield from self.adamw_state.items()

@@ -1,0 +1,121 @@
+"""Where each rank's piece of each parameter lies in a model sharded by torch's FSDP2
+(`fully_shard`), alone, as HSDP (a replicate x shard mesh) or composed with TP on a 2-D mesh as
+torchtitan composes them (docs/design.md §2.8).
+
+Every parameter is a DTensor on one device mesh. A mesh dimension on which every parameter is
+`Replicate()` is a *replica* dimension (HSDP's replicate axis): the ranks along it hold the same
+pieces and reach the same gradients (FSDP2 all-reduces them), so each replica's ranks run the step
+alike, on their own. The other dimensions form the *exchange group*: the ranks among which each
+matrix's pieces tile it. Each rank's piece is a box of the global tensor (its offset and shape, as
+DTensor computes them: `torch.chunk`'s blocks, possibly empty; under FSDP x TP a TP shard's row
+block). A box that several ranks of the exchange group hold alike (a parameter replicated over
+TP) is sent by the lowest of them and its update received by all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.errors import SpecError
+
+EXHAUSTIVE_OVERLAP_CHECK = 64  # boxes per parameter up to which the tiling is checked pairwise
+
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """One rank's piece of a parameter: the global offset of its first element and its shape."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def index(self) -> tuple[slice, ...]:
+        """The box as an index of the global tensor."""
+        return tuple(slice(a, a + n) for a, n in zip(self.start, self.shape))
+
+    def overlaps(self, other: Box) -> bool:
+        return self.numel > 0 and other.numel > 0 and all(
+            a < b + m and b < a + n for a, n, b, m in zip(self.start, self.shape, other.start, other.shape))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamLayout:
+    """One parameter over the exchange group: every member's box, who sends each distinct one."""
+
+    name: str
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]  # by member of the exchange group
+    sources: tuple[bool, ...]  # member r sends its box (the lowest member holding that box)
+
+    def source_of(self, member: int) -> int:
+        """The member that sends `member`'s box."""
+        return self.boxes.index(self.boxes[member])
+
+
+def local_box(p: Tensor) -> Box:
+    """This rank's box of a DTensor parameter (DTensor's own offset rule, `_StridedShard` too)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, p.placements)
+    return Box(start=tuple(int(x) for x in offset), shape=tuple(int(x) for x in shape))
+
+
+def replica_dims(params: Mapping[str, Tensor]) -> tuple[int, ...]:
+    """The mesh dimensions on which every parameter is replicated (HSDP's replicate axis)."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = next(iter(params.values())).device_mesh
+    return tuple(d for d in range(mesh.ndim) if all(isinstance(p.placements[d], Replicate) for p in params.values()))
+
+
+def exchange_ranks(mesh, replicas: tuple[int, ...]) -> list[list[int]]:
+    """Every exchange group of `mesh` (global ranks, in mesh order): one per coordinate on the
+    replica dimensions, over all the other dimensions."""
+    grid = mesh.mesh
+    keep = [d for d in range(grid.dim()) if d not in replicas]
+    moved = grid.permute(*replicas, *keep).reshape(math.prod(grid.shape[d] for d in replicas) if replicas else 1, -1)
+    return [[int(r) for r in row] for row in moved]
+
+
+def new_groups(rank_lists: list[list[int]], me: int) -> tuple[dist.ProcessGroup | None, list[int]]:
+    """The process group of the list holding `me` (every rank creates every group, in the same
+    order, as `dist.new_group` requires); None when it is the whole world."""
+    mine = next(r for r in rank_lists if me in r)
+    if len(rank_lists) == 1 and sorted(mine) == list(range(dist.get_world_size())) and \
+            mine == sorted(mine):
+        return None, mine
+    group = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if me in ranks:
+            group = g
+    return group, mine
+
+
+def param_layout(name: str, shape: tuple[int, ...], boxes: list[Box]) -> ParamLayout:
+    """The layout of a parameter from every member's box; one SpecError when the distinct boxes
+    do not tile it exactly (a sharding this step cannot reassemble)."""
+    distinct: list[Box] = []
+    for b in boxes:
+        if b not in distinct:
+            distinct.append(b)
+    for b in distinct:
+        if len(b.shape) != len(shape) or any(a < 0 or a + n > s for a, n, s in zip(b.start, b.shape, shape)):
+            raise SpecError(f"{name}: a rank's piece {b} lies outside its global shape {shape}")
+    nonempty = [b for b in distinct if b.numel]
+    if sum(b.numel for b in nonempty) != math.prod(shape) or (
+            len(nonempty) <= EXHAUSTIVE_OVERLAP_CHECK and
+            any(a.overlaps(b) for i, a in enumerate(nonempty) for b in nonempty[i + 1:])):
+        raise SpecError(f"{name}: the ranks' pieces do not tile its {shape} exactly (pieces: "
+                        f"{[(b.start, b.shape) for b in distinct][:6]}): shard it with fully_shard "
+                        "(and parallelize_module) as torch lays DTensors out")
+    sources = tuple(boxes.index(b) == r for r, b in enumerate(boxes))
+    return ParamLayout(name=name, shape=shape, boxes=tuple(boxes), sources=sources)

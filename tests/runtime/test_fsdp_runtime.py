@@ -1,0 +1,388 @@
+"""The FSDP2 prototype runtime (`canzona.runtime.fsdp.FsdpOptimizer`, docs/design.md §2.8): the tiny
+model under torch's `fully_shard` (per decoder layer and at the root, 1-D mesh over every rank, fp32)
+at S = 2 and 3 ranks (uneven row blocks: 32 rows over 3 ranks are 11, 11, 10), Muon with fp32
+Newton-Schulz, 3 steps. Every rank's full parameters equal, bit for bit, the same kernels run in one
+process on the global gradients the ranks saw (`p.grad.full_tensor()` each step), and are within
+1e-5 of the reference optimizers; with `clip_grad_norm_` too. A small module at S = 3 leaves rank 2 an
+EMPTY shard of a 2 x 16 matrix and a 2-vector (exact, with and without clipping), and carries the
+step check's cases: a NaN in one rank's shard (skipped on every rank, or the same error on every
+rank), a gradient missing on one rank or a broken one (every rank fails at once), clip thresholds
+that differ between ranks, and a dead peer (a CanzonaError within timeout_s)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import pytest
+import torch
+
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    clip_,
+    compare,
+    emulate,
+    global_batches,
+    micro_batches,
+    reference_run,
+)
+from canzona.runtime.gradients import combine_norm_terms, local_norm_term
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+SPEC = TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=3, global_batch=6)
+# SOAP / Shampoo (refresh every 2 steps; SOAP's first step has no update, so nothing is sent back)
+SPECS = {
+    "muon": SPEC,
+    "soap": TrainSpec(optimizer="soap", matrix_config={"precondition_frequency": 2}, steps=3, global_batch=6),
+    "shampoo": TrainSpec(optimizer="shampoo", matrix_config={"precondition_frequency": 2}, steps=3, global_batch=6),
+    # clip_grad_norm_ before each step, a threshold below every step's norm (so it really clips)
+    "muon-clip": TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=3, global_batch=6,
+                           clip_norm=0.05),
+}
+
+
+def many_worker(rank: int, world: int, specs: list[TrainSpec]) -> list[dict]:
+    return [fsdp_worker(rank, world, spec) for spec in specs]
+
+
+def fsdp_worker(rank: int, world: int, spec: TrainSpec) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    model = build_model(spec)
+    mspec = model.spec()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config, spec.adamw_config)
+    local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    grads, norms = [], []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        (mb,) = micro_batches(tokens, rank, world, 1)
+        model.loss(mb).backward()
+        named = dict(model.named_parameters())
+        grads.append(({n: p.grad.full_tensor() for n, p in named.items()}, set(named)))
+        if spec.clip_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
+        opt.step()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    owned = sorted(opt.matrix_state)
+    return {"params": params, "grads": grads, "local_rows": local_rows, "owned": owned, "norms": norms}
+
+
+@functools.cache
+def _run(world: int) -> dict[str, list[dict]]:
+    """Every optimizer's run in one spawned group per world size, by optimizer."""
+    per_rank = run_ranks(many_worker, world, list(SPECS.values()), deadline_s=240.0)
+    return {o: [r[i] for r in per_rank] for i, o in enumerate(SPECS)}
+
+
+@pytest.mark.parametrize("optimizer", list(SPECS))
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_owners_exact(world: int, optimizer: str) -> None:
+    spec = SPECS[optimizer]
+    results = _run(world)[optimizer]
+    shapes = {p.name: p.shape for p in build_model(spec).spec().params}
+    for rank, r in enumerate(results):  # torch.chunk's row blocks, as chunk_rows says
+        for n, rows in r["local_rows"].items():
+            start, end = chunk_rows(shapes[n][0], world, rank)
+            assert rows == end - start, n
+    grads = results[0]["grads"]
+    for r in results[1:]:  # every rank saw the same global gradients
+        for (a, _), (b, _) in zip(grads, r["grads"]):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+    want = emulate(spec, world, grads=grads)
+    ref = reference_run(spec, world, grads=grads)
+    for rank, r in enumerate(results):
+        exact = compare(r["params"], want)
+        assert exact["bit_identical"], (rank, exact)
+        close = compare(r["params"], ref)
+        assert close["max_rel_diff"] < 1e-5, (rank, close)
+    if spec.clip_norm is not None:  # the norm the ranks agreed on: each rank's shards summed, then the ranks'
+        names = [p.name for p in build_model(spec).spec().params]
+        for step, (g, _) in enumerate(grads):
+            want_norm = fsdp_norm(g, names, world)
+            assert want_norm > spec.clip_norm
+            assert all(r["norms"][step] == float(torch.tensor(want_norm, dtype=torch.float32)) for r in results)
+            assert math.isclose(want_norm, clip_({n: t.clone() for n, t in g.items()}.values(), 1e9), rel_tol=1e-12)
+    # the parameters moved, and each matrix's state lives on exactly one rank
+    init = {n: p.detach() for n, p in build_model(spec).named_parameters()}
+    assert not any(torch.equal(results[0]["params"][n], init[n]) for n in init)
+    owned = [n for r in results for n in r["owned"] if "norm" not in n and "embed" not in n]
+    assert len(owned) == len(set(owned)) == sum(1 for p in build_model(spec).spec().params if p.uses_matrix_optimizer)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 16, 30, 32])
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 5])
+def test_chunk_rows_is_torch_chunk(rows: int, shards: int) -> None:
+    """FSDP2 cuts Shard(0) as torch.chunk does, the last ranks fewer or none (4 rows over 3: 2, 2, 0)."""
+    chunks = list(torch.arange(rows).chunk(shards)) if rows else []
+    for rank in range(shards):
+        start, end = chunk_rows(rows, shards, rank)
+        want = chunks[rank].tolist() if rank < len(chunks) else []
+        assert list(range(start, end)) == want
+
+
+def chunk_rows(rows: int, shards: int, rank: int) -> tuple[int, int]:
+    """The rows [start, end) of shard `rank` when `torch.chunk` cuts `rows` into `shards`."""
+    per = math.ceil(rows / shards) if rows else 0
+    start = min(rank * per, rows)
+    return start, min(start + per, rows)
+
+
+def fsdp_norm(grads: dict[str, torch.Tensor], names: list[str], world: int) -> float:
+    """The global norm as FsdpOptimizer takes it: each rank's row blocks (spec order) summed in fp64,
+    the ranks' sums added in rank order."""
+    terms = []
+    for rank in range(world):
+        segments = []
+        for n in names:
+            start, end = chunk_rows(grads[n].shape[0], world, rank)
+            segments.append(grads[n][start:end].reshape(-1))
+        terms.append(local_norm_term(segments))
+    return math.sqrt(float(combine_norm_terms(torch.stack(terms))))
+
+
+# --- a model with EMPTY local shards, the step check, clipping ------------------------------------
+
+SMALL_WORLD = 3
+MUON = {"ns_dtype": "fp32"}
+
+
+class Small(torch.nn.Module):
+    """b.weight is 2 x 16 and b.bias 2: at S = 3 rank 2 holds no row of either (torch.chunk: 1, 1, 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16, bias=False)
+        self.norm = torch.nn.LayerNorm(16)
+        self.b = torch.nn.Linear(16, 2)
+        self.c = torch.nn.Linear(2, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(self.norm(self.a(x))))).square().mean()
+
+
+def small_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def gather_rows(t) -> torch.Tensor:
+    """A Shard(0) DTensor whole (DTensor.full_tensor's gloo all-gather fails on an empty shard)."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, t.to_local().detach().clone())
+    return torch.cat(parts)
+
+
+def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, nonfinite: str = "raise",
+              poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
+              clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
+              absent: int | None = None) -> dict:
+    """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
+    b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
+    the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
+    `clips`: per rank, its own clip threshold (None: no clip_grad_norm_ call); at step `plain_grad`
+    rank 1 replaces b.weight's gradient by a plain tensor; rank 2 sleeps through step `absent`
+    (a dead peer) and returns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+
+    model = Small()
+    mspec = small_spec()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite)
+    local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    grads, norms, error, took = [], [], None, None
+    for step in range(steps):
+        opt.zero_grad()
+        model(small_batch(step, rank)).backward()
+        named = dict(model.named_parameters())
+        if rank == 1 and step == poison:
+            with torch.no_grad():
+                named["b.weight"].grad.to_local()[0, 0] = float("nan")
+        full = {n: gather_rows(p.grad) for n, p in named.items()}
+        if rank == 1 and step == drop:
+            named["b.weight"].grad = None
+        if rank == 1 and step == plain_grad:
+            named["b.weight"].grad = torch.zeros(named["b.weight"].shape)
+        if rank == 2 and step == absent:
+            time.sleep(3 * timeout_s)
+            break
+        start = time.monotonic()
+        try:
+            threshold = clips.get(rank) if clips is not None else clip
+            if threshold is not None:
+                norms.append(float(opt.clip_grad_norm_(threshold)))
+            opt.step()
+        except CanzonaError as e:
+            error, took = str(e), time.monotonic() - start
+            break
+        if step != poison:
+            grads.append(full)
+    # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
+    params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
+    return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
+            "skipped": opt.skipped_steps, "local_rows": local_rows}
+
+
+def small_spec():
+    from canzona.spec import ModelSpec
+
+    return ModelSpec.from_module(Small())
+
+
+SMALL_CASES = {
+    "plain": {"steps": 3},
+    "clip": {"steps": 3, "clip": 0.05},
+    "skip": {"steps": 3, "nonfinite": "skip", "poison": 1},
+    "raise": {"steps": 3, "poison": 1},
+    "drop": {"steps": 3, "drop": 1, "timeout_s": 60.0},
+    "clip-disagree": {"steps": 2, "clips": {0: 0.05, 1: 0.1, 2: 0.05}},
+    "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
+    "local-problem": {"steps": 2, "plain_grad": 1},
+}
+
+
+def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+    return {k: small_run(rank, world, **kw) for k, kw in cases.items()}
+
+
+@functools.cache
+def _small() -> dict[str, list[dict]]:
+    per_rank = run_ranks(small_worker, SMALL_WORLD, SMALL_CASES, deadline_s=240.0)
+    return {k: [r[k] for r in per_rank] for k in SMALL_CASES}
+
+
+def emulate_small(grads: list[dict[str, torch.Tensor]], clip: float | None = None) -> dict[str, torch.Tensor]:
+    """The same kernels in one process on the global gradients (as harness.training.emulate)."""
+    from canzona.harness.training import _flat_state, torch_threads
+    from canzona.optimizers import config_from_dict, matrix_optimizer
+    from canzona.runtime.kernels import adamw_step_, apply_update_
+
+    with torch_threads():
+        model, mspec = Small(), small_spec()
+        kernel = matrix_optimizer("muon").part("kernel")
+        mcfg, acfg = config_from_dict("muon", MUON), config_from_dict("adamw", {})
+        states: dict[str, dict] = {}
+        with torch.no_grad():
+            for step_grads in grads:
+                step_grads = {n: g.clone() for n, g in step_grads.items()}
+                if clip is not None:
+                    clip_(step_grads.values(), clip)
+                for name, p in model.named_parameters():
+                    state, grad = states.setdefault(name, {}), step_grads[name]
+                    if mspec.param(name).uses_matrix_optimizer:
+                        update = kernel(grad, state, mcfg, mcfg.lr)
+                        if update is not None:
+                            apply_update_(p, update.direction, update)
+                    else:
+                        adamw_step_(p.view(-1), grad.view(-1), _flat_state(state), acfg, acfg.lr)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_everywhere(results: list[dict]) -> None:
+    for r in results[1:]:
+        for a, b in zip(results[0]["grads"], r["grads"]):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("case", ["plain", "clip"])
+def test_fsdp_empty_local_shard_exact(case: str) -> None:
+    """Rank 2 of 3 holds no row of b.weight (2 x 16) nor of b.bias (2): sends and receives empty
+    blocks, yet every rank's parameters equal the one-process kernels bit for bit (with clipping too)."""
+    results = _small()[case]
+    assert results[2]["local_rows"]["b.weight"] == 0 and results[2]["local_rows"]["b.bias"] == 0
+    assert results[0]["local_rows"]["b.weight"] == 1
+    _same_everywhere(results)
+    assert all(r["error"] is None for r in results) and len(results[0]["grads"]) == 3
+    clip = SMALL_CASES[case].get("clip")
+    want = emulate_small(results[0]["grads"], clip)
+    init = dict(Small().named_parameters())
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"], compare(r["params"], want)
+        assert not any(torch.equal(r["params"][n], init[n]) for n in init)
+    if clip is not None:
+        names = [p.name for p in small_spec().params]
+        for step, g in enumerate(results[0]["grads"]):
+            norm = fsdp_norm(g, names, SMALL_WORLD)
+            assert norm > clip
+            assert all(r["norms"][step] == float(torch.tensor(norm, dtype=torch.float32)) for r in results)
+
+
+def test_fsdp_nonfinite_skip() -> None:
+    """A NaN in ONE rank's shard: every rank skips that step (skipped_steps 1), the others are exact."""
+    results = _small()["skip"]
+    assert [r["skipped"] for r in results] == [1] * SMALL_WORLD
+    assert all(r["error"] is None for r in results) and len(results[0]["grads"]) == 2
+    _same_everywhere(results)
+    want = emulate_small(results[0]["grads"])
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_nonfinite_raise() -> None:
+    """nonfinite="raise": every rank raises the same CanzonaError at that step, nothing updated by it."""
+    results = _small()["raise"]
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and "global gradient norm is nan" in errors.pop()
+    want = emulate_small(results[0]["grads"])  # step 0 only
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_missing_gradient_on_one_rank() -> None:
+    """Rank 1 lacks b.weight's gradient: every rank raises the same error at once (the step check's
+    all-gather), instead of waiting in the all-to-all until the timeout."""
+    results = _small()["drop"]
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1
+    error = errors.pop()
+    assert "'b.weight' has a gradient on rank(s) [0, 2] and none on rank(s) [1]" in error, error
+    assert all(r["took"] < 10.0 for r in results), [r["took"] for r in results]
+
+
+@pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])
+def test_fsdp_clip_threshold_agreement(case: str) -> None:
+    """Ranks that clip by different thresholds (or only some of them) fail the step check, all of them."""
+    results = _small()[case]
+    assert all(r["error"] is not None and "disagree on the clip threshold" in r["error"] for r in results)
+    assert all(len(r["grads"]) == 0 for r in results)  # at the first step, nothing updated
+
+
+def test_fsdp_local_problem_fails_every_rank() -> None:
+    """Rank 1's b.weight gradient is a plain tensor: rank 1 names it, the others name rank 1, all at once."""
+    results = _small()["local-problem"]
+    assert "b.weight: its gradient on rank 1 is Tensor" in results[1]["error"]
+    assert all(results[r]["error"] == "rank(s) [1] found a broken step (see their error)" for r in (0, 2))
+    assert all(r["took"] < 10.0 for r in results) and all(len(r["grads"]) == 1 for r in results)
+    want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
+
+
+def dead_peer_worker(rank: int, world: int) -> dict:
+    return small_run(rank, world, 2, absent=1, timeout_s=2.0)
+
+
+def test_fsdp_dead_peer_times_out() -> None:
+    """Rank 2 never calls step 1: ranks 0 and 1 raise a CanzonaError within about timeout_s (2 s)."""
+    results = run_ranks(dead_peer_worker, SMALL_WORLD, deadline_s=120.0)
+    for r in results[:2]:
+        assert r["error"] is not None and "timed out" in r["error"], r["error"]
+        assert r["took"] < 10.0, r["took"]
+    assert results[2]["error"] is None
