@@ -49,6 +49,7 @@ from canzona.runtime.fsdp_layout import (
     new_groups,
     param_layout,
     replica_dims,
+    root_mesh,
 )
 from canzona.runtime.gradients import (
     NONFINITE_POLICIES,
@@ -159,9 +160,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
         # the mesh: replicas run alike; the exchange group's ranks tile every parameter
         first = next(iter(self.params.values()))
-        self.device_mesh = first.device_mesh
+        self.device_mesh = root_mesh(self.params)
         me = dist.get_rank()
-        self.replica_dims = replica_dims(self.params)
+        self.replica_dims = replica_dims(self.params, self.device_mesh)
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
         world_group, _ = new_groups([world_ranks], me)
         exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me)
@@ -211,6 +212,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.reset_master_weights()
         self.checked: tuple[dict[str, bool], float] | None = None
         self._clip_agreed: float | None = None
+        self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
 
     # --- construction ------------------------------------------------------------------------
 
@@ -218,7 +220,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
         from torch.distributed.tensor import DTensor
 
         params: dict[str, Tensor] = {}
-        mesh = None
         for pairs, _ in groups:
             for name, p in pairs:
                 if name in params:
@@ -230,11 +231,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 if not isinstance(p, DTensor):
                     raise SpecError(f"parameter {name!r} is a plain tensor beside FSDP2's DTensors: shard the "
                                     "whole model with fully_shard (at least its root)")
-                if mesh is None:
-                    mesh = p.device_mesh
-                elif p.device_mesh != mesh:
-                    raise SpecError(f"parameter {name!r} lives on mesh {p.device_mesh}, the others on {mesh}: "
-                                    "shard every module over one device mesh")
                 pspec = self.spec.param(name)
                 if tuple(p.shape) != tuple(pspec.shape):
                     raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "
@@ -293,6 +289,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def _local_grad(self, name: str) -> Tensor:
         return self.params[name].grad.to_local()
+
+    def _grad(self, name: str) -> Tensor:
+        """This rank's piece of the gradient as the step uses it: in the dtype the step runs in,
+        clipped (`clip_grad_norm_`)."""
+        g = self._local_grad(name).to(self.grad_dtype)
+        return g * self._grad_scale if self._grad_scale != 1.0 else g
 
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor
@@ -380,9 +382,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if math.isfinite(total):
             coefficient = min(1.0, max_norm / (total + 1e-6))
             if coefficient < 1.0:
-                for n, g in got.items():
-                    if g:
-                        self._local_grad(n).mul_(coefficient)
+                if self.master_weights:
+                    # low-precision gradients are scaled where the step widens them to fp32 (`_grad`),
+                    # as the ZeRO-1 path scales its fp32 reduced buffers: scaling the bf16 shard in
+                    # place would round once more
+                    self._grad_scale *= coefficient
+                else:
+                    for n, g in got.items():
+                        if g:
+                            self._local_grad(n).mul_(coefficient)
                 # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
                 self.checked = (got, norm * coefficient)
         return torch.tensor(total, dtype=torch.float32)
@@ -397,6 +405,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.checked = None
+        self._grad_scale = 1.0
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
@@ -428,6 +437,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.world.log.step += 1
         finally:
             self.checked = None
+            self._grad_scale = 1.0
         return loss
 
     def _step(self, got: Mapping[str, bool]) -> None:
@@ -467,7 +477,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """Every rank's pieces of the gradients of `names` to their owners (one all-to-all)."""
         me, size = self.rank, self.size
         by_owner = [[n for n in names if self.owner[n] == d] for d in range(size)]
-        parts = [self._local_grad(n).reshape(-1).to(self.grad_dtype) for d in range(size) for n in by_owner[d]
+        parts = [self._grad(n).reshape(-1) for d in range(size) for n in by_owner[d]
                  if self.layout[n].sources[me]]
         in_splits = [self._sizes(by_owner[d], me, sent=True) for d in range(size)]
         out_splits = [self._sizes(by_owner[me], s, sent=True) for s in range(size)]
@@ -565,7 +575,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             target = self.master.get(n, local)
             if target is not local and not torch.equal(target.to(local.dtype), local):
                 target.copy_(local)
-            grad = self._local_grad(n).to(target.dtype)
+            grad = self._grad(n)
             adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
                         self.param_groups[g]["lr"])
             if target is not local:

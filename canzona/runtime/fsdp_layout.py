@@ -68,12 +68,52 @@ def local_box(p: Tensor) -> Box:
     return Box(start=tuple(int(x) for x in offset), shape=tuple(int(x) for x in shape))
 
 
-def replica_dims(params: Mapping[str, Tensor]) -> tuple[int, ...]:
-    """The mesh dimensions on which every parameter is replicated (HSDP's replicate axis)."""
+def root_mesh(params: Mapping[str, Tensor]):
+    """The mesh every parameter lives on or on a named part of (FSDP x TP: the 2-D mesh of the TP
+    weights; the norms live on its `dp` part alone). One SpecError otherwise."""
+    meshes = []
+    for p in params.values():
+        if p.device_mesh not in meshes:
+            meshes.append(p.device_mesh)
+    root = max(meshes, key=lambda m: m.mesh.numel())
+    for name, p in params.items():
+        mesh = p.device_mesh
+        if mesh == root:
+            continue
+        names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+        if not names or not set(names) <= set(root_names) or not _inside(mesh, root):
+            raise SpecError(f"parameter {name!r} lives on mesh {mesh}, others on {root}: shard every module "
+                            "over one device mesh, or named parts of it (torchtitan's mesh['dp'] beside "
+                            "mesh['dp', 'tp'])")
+    return root
+
+
+def _inside(mesh, root) -> bool:
+    """`mesh` is this rank's slice of `root` along its named dimensions."""
+    try:
+        return root[tuple(mesh.mesh_dim_names)].mesh.tolist() == mesh.mesh.tolist() if mesh.ndim > 1 else \
+            root[mesh.mesh_dim_names[0]].mesh.tolist() == mesh.mesh.tolist()
+    except (KeyError, RuntimeError, ValueError):
+        return False
+
+
+def placement_on(p: Tensor, root, d: int):
+    """`p`'s placement on dimension `d` of the root mesh (a dimension its own mesh lacks: Replicate)."""
     from torch.distributed.tensor import Replicate
 
-    mesh = next(iter(params.values())).device_mesh
-    return tuple(d for d in range(mesh.ndim) if all(isinstance(p.placements[d], Replicate) for p in params.values()))
+    if p.device_mesh == root:
+        return p.placements[d]
+    names = p.device_mesh.mesh_dim_names
+    want = root.mesh_dim_names[d]
+    return p.placements[names.index(want)] if want in names else Replicate()
+
+
+def replica_dims(params: Mapping[str, Tensor], root) -> tuple[int, ...]:
+    """The root mesh's dimensions on which every parameter is replicated (HSDP's replicate axis)."""
+    from torch.distributed.tensor import Replicate
+
+    return tuple(d for d in range(root.ndim)
+                 if all(isinstance(placement_on(p, root, d), Replicate) for p in params.values()))
 
 
 def exchange_ranks(mesh, replicas: tuple[int, ...]) -> list[list[int]]:

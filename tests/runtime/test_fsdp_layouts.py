@@ -1,0 +1,132 @@
+"""FSDP2 as people run it (docs/design.md §2.8), each case trained by `DistributedOptimizer` on the
+tiny model `fully_shard`-ed per decoder layer and at the root, and compared, bit for bit, with the
+same kernels in one process fed the global gradients the ranks saw (`harness.training.emulate`):
+
+- HSDP: a 2 x 2 mesh (replicate x shard); each replica's shard group runs the step alike;
+- `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 shards, bf16 compute;
+- a model cast to bf16 before `fully_shard`: fp32 masters of the local shards, fp32 gradients on
+  the wire and fp32 state;
+- gradient accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch;
+- `reshard_after_forward=False`;
+- FSDP x TP on a 2 x 2 mesh as torchtitan composes them (`parallelize_module` over `tp`, then
+  `fully_shard` over `dp`): each rank's piece is a TP shard's row block;
+- a frozen embedding, left out of the optimizer and the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec, build_model, compare, emulate, global_batches, micro_batches
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+BASE = TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=3, global_batch=8, clip_norm=0.05)
+CASES: dict[str, tuple[int, TrainSpec, dict]] = {
+    # name: (world, spec, how the model is sharded)
+    "hsdp": (4, BASE, {"mesh": (2, 2), "names": ("replicate", "shard")}),
+    "mixed-precision": (2, BASE, {"mp": True}),
+    "bf16-shards": (2, replace(BASE, dtype="bf16"), {}),
+    "accumulate": (2, replace(BASE, accumulation=2), {}),
+    "no-reshard": (2, BASE, {"reshard": False}),
+    "fsdp-tp": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True}),
+    "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
+                  {"mesh": (2, 2), "names": ("replicate", "shard")}),
+}
+
+
+def shard_model(spec: TrainSpec, how: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from reference.tiny_model_tp import parallelize_tiny
+
+    model = build_model(spec)
+    mspec = model.spec()
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", how.get("mesh", (world,)), mesh_dim_names=how.get("names"))
+    options = {"reshard_after_forward": how.get("reshard", True)}
+    if how.get("mp"):
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if how.get("tp"):
+        model = parallelize_tiny(model, mesh["tp"])
+        mesh = mesh["dp"]
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model, mspec
+
+
+def data_rank(how: dict) -> tuple[int, int]:
+    """This rank's share of the batch: every rank its own, except TP peers (one DP rank's)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return (rank // 2, world // 2) if how.get("tp") else (rank, world)
+
+
+def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
+    from canzona.runtime import DistributedOptimizer
+
+    model, mspec = shard_model(spec, how)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+                               spec.adamw_config)
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    me, dp = data_rank(how)
+    grads = []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        mbs = micro_batches(tokens, me, dp, spec.accumulation)
+        for k, mb in enumerate(mbs):
+            model.set_requires_gradient_sync(k == len(mbs) - 1)
+            (model.loss(mb) / spec.accumulation).backward()
+        named = dict(model.named_parameters())
+        grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
+        opt.clip_grad_norm_(spec.clip_norm)
+        opt.step()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"params": params, "grads": grads, "owned": sorted(opt.matrix_state),
+            "exchange": opt.size, "dtypes": {str(p.dtype) for p in model.parameters()}}
+
+
+def cases_worker(rank: int, world: int, names: list[str]) -> dict[str, dict]:
+    return {n: case_run(rank, world, CASES[n][1], CASES[n][2]) for n in names}
+
+
+@functools.cache
+def _runs(world: int) -> dict[str, list[dict]]:
+    names = [n for n, (w, _, _) in CASES.items() if w == world]
+    per_rank = run_ranks(cases_worker, world, names, deadline_s=400.0)
+    return {n: [r[n] for r in per_rank] for n in names}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_layout_exact(case: str) -> None:
+    world, spec, how = CASES[case]
+    results = _runs(world)[case]
+    grads = results[0]["grads"]
+    for r in results[1:]:  # every rank saw the same global gradients (replicas included)
+        for (a, _), (b, _) in zip(grads, r["grads"]):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+    want = emulate(spec, world, grads=grads)
+    for rank, r in enumerate(results):
+        exact = compare(r["params"], want)
+        assert exact["bit_identical"], (case, rank, exact)
+    init = {n: p.detach() for n, p in build_model(spec).named_parameters()}
+    assert not any(torch.equal(results[0]["params"][n], init[n]) for n in init)
+    # each matrix's state lives on one rank of each exchange group (replicas: one per replica)
+    exchange = results[0]["exchange"]
+    assert exchange == (2 if how.get("names") == ("replicate", "shard") else world)
+    matrices = {p.name for p in build_model(spec).spec().params if p.uses_matrix_optimizer}
+    replicas = world // exchange
+    owned = [n for r in results for n in r["owned"]]
+    assert sorted(owned) == sorted(list(matrices) * replicas)
+    if case == "bf16-shards":
+        assert results[0]["dtypes"] == {"torch.bfloat16"}
+    if case == "mixed-precision":
+        assert results[0]["dtypes"] == {"torch.float32"}
