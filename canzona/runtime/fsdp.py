@@ -78,16 +78,18 @@ FSDP_WORLD = "fsdp-world"  # every rank of the mesh: the step check and the agre
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], tp_ranks: Sequence[int] | None) -> bool:
-    """Whether the parameters are FSDP2's: DTensors on a mesh that is more than this rank's TP
-    group (a tensor-parallel model's DTensors live on the TP mesh alone)."""
+def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int],
+                    tp_ranks: Sequence[int] | None) -> bool:
+    """Whether the parameters are FSDP2's: DTensors on a mesh that holds every rank of the
+    data-parallel group (`dp_ranks`) and is more than this rank's TP group. A tensor-parallel
+    model's DTensors live on its TP mesh alone, which a DP group beside it is not inside of."""
     from torch.distributed.tensor import DTensor
 
-    for _, p in pairs:
-        if isinstance(p, DTensor):
-            ranks = [int(r) for r in p.device_mesh.mesh.flatten().tolist()]
-            return len(ranks) > 1 and (tp_ranks is None or sorted(ranks) != sorted(tp_ranks))
-    return False
+    meshes = [p.device_mesh for _, p in pairs if isinstance(p, DTensor)]
+    if not meshes:
+        return False
+    ranks = {int(r) for r in max(meshes, key=lambda m: m.mesh.numel()).mesh.flatten().tolist()}
+    return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:

@@ -270,17 +270,29 @@ def _tp_dims(names: Sequence[str], tp_plan: Mapping[str, int] | None) -> dict[st
     return dims
 
 
-def _own_tp_dim(name: str, p: nn.Parameter) -> tuple[bool, int | None]:
+def _own_tp_dim(name: str, p: nn.Parameter, fsdp: bool = False) -> tuple[bool, int | None]:
     """(whether the parameter says how it is split, the split dimension) from a DTensor placement
-    or Megatron's annotations."""
+    or Megatron's annotations. Under FSDP2 (`fsdp`) only the placement on a mesh dimension named
+    `tp` is tensor parallelism; FSDP's own Shard(0) is not."""
+    if is_dtensor(p) and fsdp:
+        names = p.device_mesh.mesh_dim_names or ()
+        if "tp" not in names:
+            return True, None
+        placement = p.placements[names.index("tp")]
+        return True, placement.dim if hasattr(placement, "dim") else None
     if is_dtensor(p):
         return True, dtensor_tp_dim(name, p)
     dim = megatron_tp_dim(p)
     return dim is not None, dim
 
 
-def _dtensor_tp_size(params: Mapping[str, nn.Parameter], tp_size: int) -> int:
-    """The TP size of the model's DTensors (their 1-D mesh), checked against `tp_size`."""
+def _dtensor_tp_size(params: Mapping[str, nn.Parameter], tp_size: int, fsdp: bool = False) -> int:
+    """The TP size of the model's DTensors (their 1-D mesh; under FSDP2 their mesh's `tp`
+    dimension, if any), checked against `tp_size`."""
+    if fsdp:
+        sizes = {p.device_mesh.size(p.device_mesh.mesh_dim_names.index("tp")) for p in params.values()
+                 if is_dtensor(p) and "tp" in (p.device_mesh.mesh_dim_names or ())}
+        return sizes.pop() if len(sizes) == 1 else tp_size
     sizes = {p.device_mesh.size() for p in params.values() if is_dtensor(p)}
     if not sizes:
         return tp_size
@@ -290,6 +302,16 @@ def _dtensor_tp_size(params: Mapping[str, nn.Parameter], tp_size: int) -> int:
     if tp_size not in (1, size):
         raise SpecError(f"tp_size={tp_size}, but the model's DTensors are split over {size} ranks")
     return size
+
+
+def _sharded_by_fsdp2(model: nn.Module) -> bool:
+    """Whether FSDP2's `fully_shard` sharded any of `model` (its parameters are DTensors of global
+    shape, split by FSDP over data-parallel ranks)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed support
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _global_shape(local: tuple[int, ...], tp_dim: int | None, tp_size: int) -> tuple[int, ...]:
@@ -367,7 +389,11 @@ def _default_name(model: nn.Module) -> str:
         value = getattr(config, attr, None)
         if isinstance(value, str) and value:
             return value
-    return type(inner).__name__
+    cls = type(inner)
+    if _sharded_by_fsdp2(inner) and cls.__name__.startswith("FSDP"):
+        # fully_shard swaps the class for FSDP<Name>(FSDPModule, Name): the model's name is Name's
+        cls = next((c for c in cls.__mro__[1:] if c.__name__ == cls.__name__[len("FSDP"):]), cls)
+    return cls.__name__
 
 
 def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None, tp_size: int = 1,
@@ -386,7 +412,8 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
     if not params:
         raise SpecError(f"model {type(model).__name__} has no trainable parameters")
     tp_dims = _tp_dims(list(params), tp_plan)
-    tp_size = _dtensor_tp_size(params, tp_size)
+    fsdp = _sharded_by_fsdp2(model)
+    tp_size = _dtensor_tp_size(params, tp_size, fsdp)
     owner_roles = _owner_roles(model)
     specs = []
     for pname in _ordered(list(params), order):
@@ -394,7 +421,7 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
         if p.dim() == 0:
             raise SpecError(f"parameter {pname!r} is a 0-d scalar; canzona specs need at least one dimension")
         try:
-            says, own = _own_tp_dim(pname, p)
+            says, own = _own_tp_dim(pname, p, fsdp)
         except PlanError as e:
             raise SpecError(str(e)) from None
         if says and pname in tp_dims and tp_dims[pname] != own:

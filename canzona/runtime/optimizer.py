@@ -210,13 +210,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             from canzona.runtime.fsdp import FsdpOptimizer, _flat_pairs, is_fsdp_sharded
 
             bound = inspect.signature(cls.__init__).bind(None, given, spec, *args, **kwargs).arguments
+            group = bound.get("group")
             try:
-                axes = axis_groups(bound.get("group"), bound.get("tp_group"))
+                axes = axis_groups(group, bound.get("tp_group"))
                 tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
                 tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
+                dp_ranks = [int(r) for r in group.mesh.flatten().tolist()] if isinstance(group, DeviceMesh) else \
+                    dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+                fsdp = is_fsdp_sharded(_flat_pairs(given), dp_ranks, tp_ranks)
             except (SpecError, ValueError, RuntimeError):
-                tp_ranks = None  # the constructor reports what is wrong with the groups
-            if is_fsdp_sharded(_flat_pairs(given), tp_ranks):
+                fsdp = False  # the constructor reports what is wrong with the groups
+            if fsdp:
                 return FsdpOptimizer(given, spec, *args, **kwargs)
         self = super().__new__(cls)
         self._given_params = given

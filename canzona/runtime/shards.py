@@ -100,10 +100,10 @@ def check_local_param(name: str, p: Tensor, spec: ParamSpec, tp: int, tp_ranks: 
         if tp_ranks is None and len(mesh_ranks) > 1:
             dims = p.device_mesh.mesh_dim_names or ()
             raise PlanError(f"parameter {name!r} is a DTensor split over ranks {mesh_ranks} (mesh dimensions "
-                            f"{dims or 'unnamed'}), but the optimizer has no TP group: a model sharded by FSDP2 "
-                            "(fully_shard) cannot be given to canzona's DistributedOptimizer, which needs whole "
-                            "parameters on every data-parallel rank (give it the model without FSDP); a "
-                            "tensor-parallel model needs the device mesh with its 'tp' dimension (or tp_group=)")
+                            f"{dims or 'unnamed'}), but the optimizer has no TP group: a tensor-parallel model "
+                            "needs the device mesh with its 'tp' dimension (or tp_group=); a model sharded by "
+                            "FSDP2 (fully_shard) takes the FSDP step when its mesh holds every rank of the "
+                            "data-parallel group (give no group, or the mesh)")
         if tp_ranks is not None and mesh_ranks != list(tp_ranks):
             raise PlanError(f"parameter {name!r} is a DTensor on ranks {mesh_ranks}, but this rank's TP "
                             f"group is {list(tp_ranks)}")

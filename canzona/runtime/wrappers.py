@@ -2,8 +2,9 @@
 
 The optimizer synchronises gradients itself (reduce-scatter from its backward hooks) and keeps
 whole parameters on every data-parallel rank. A model also wrapped in `DistributedDataParallel`
-would have its gradients reduced twice (DDP's all-reduce, then ours), and one sharded by FSDP
-(v1's `FullyShardedDataParallel` or FSDP2's `fully_shard`) no longer holds whole parameters.
+would have its gradients reduced twice (DDP's all-reduce, then ours), and one sharded by FSDP v1
+(`FullyShardedDataParallel`) hides its matrices in flat parameters. FSDP2's `fully_shard` is
+not refused: its DTensor parameters take the FSDP step (`canzona.runtime.fsdp`).
 Each is refused with one line naming the wrapper, wherever it is first seen: `from_module` and
 `named_parameters` look at the module they are given; the optimizer, which sees parameters only,
 looks for a wrapper holding them when something touched a gradient it guards (DDP's reducer does,
@@ -27,22 +28,20 @@ def wrapper_kind(module: nn.Module) -> str | None:
     if isinstance(module, DataParallel):
         return "DataParallel"
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - builds without distributed support
         return None
-    if isinstance(module, FullyShardedDataParallel):
+    if isinstance(module, FullyShardedDataParallel):  # FSDP2 (fully_shard) runs: canzona.runtime.fsdp
         return "FSDP (FullyShardedDataParallel)"
-    if isinstance(module, FSDPModule):
-        return "FSDP2 (fully_shard)"
     return None
 
 
 def wrapper_message(kind: str) -> str:
     """Why the wrapper `kind` is refused, and what to do instead."""
     if kind.startswith("FSDP"):
-        return (f"the model is sharded by {kind}: canzona's DistributedOptimizer needs every data-parallel "
-                "rank to hold whole parameters (it shards the optimizer's work and state, ZeRO-1 style, not the "
-                "weights); give it the model without FSDP (FSDP models are not supported yet)")
+        return (f"the model is sharded by {kind}, whose flat parameters hide the matrices: shard it with "
+                "FSDP2's fully_shard instead (DistributedOptimizer runs those models), or give the optimizer "
+                "the model without FSDP")
     return (f"the model is wrapped in {kind}, which reduces the gradients that canzona's DistributedOptimizer "
             "already reduces (they would be reduced twice): give the optimizer the unwrapped model and train "
             "that; the optimizer's backward hooks synchronise the gradients, and opt.no_sync() replaces "

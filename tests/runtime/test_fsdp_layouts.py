@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from canzona.harness.launch import run_ranks
-from canzona.harness.training import TrainSpec, build_model, compare, emulate, global_batches, micro_batches
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    compare,
+    emulate,
+    global_batches,
+    micro_batches,
+)
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 

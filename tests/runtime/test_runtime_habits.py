@@ -175,11 +175,16 @@ def fsdp2_job(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
 
     model = build_model(BASE)
     spec = model.spec()
+    before = ModelSpec.from_module(model)
     fully_shard(model)
-    return _outcome(lambda: DistributedOptimizer(list(model.named_parameters()), spec))
+    # the sharded model's spec is the unsharded one's (global shapes; FSDP's Shard(0) is not TP)
+    return _outcome(lambda: (type(DistributedOptimizer(list(named_parameters(model)), spec)).__name__,
+                             ModelSpec.from_module(model) == before))
 
 
 def fsdp1_job(rank: int, world: int) -> dict:
@@ -422,9 +427,11 @@ def test_an_fsdp1_model_is_refused_naming_fsdp(runs):
             assert out[what]["error"] == "SpecError" and "sharded by FSDP" in out[what]["message"], out
 
 
-def test_an_fsdp2_model_is_refused_naming_fsdp(runs):
+def test_an_fsdp2_model_takes_the_fsdp_step(runs):
+    """A fully_shard model is not refused: DistributedOptimizer runs its FSDP step
+    (tests/runtime/test_fsdp_*.py train it), and its spec from the sharded module is the model's."""
     for out in runs["fsdp2"]:
-        assert out["canzona"] and "FSDP2" in out["message"], out
+        assert out["error"] is None and out["value"] == ("FsdpOptimizer", True), out
 
 
 # --- non-finite gradients -----------------------------------------------------------------------

@@ -251,7 +251,7 @@ JOBS = {
                                             "ModelSpec.from_module(model, tp_size=tp)"),
     "dtensor_against_the_spec": (PlanError, "'model.layers.0.self_attn.o_proj.weight' is placed S(1), but the model "
                                             "spec splits dimension 0"),
-    "dtensor_without_a_tp_group": (PlanError, "the optimizer has no TP group: a model sharded by FSDP2"),
+    "dtensor_without_a_tp_group": (PlanError, "the optimizer has no TP group: a tensor-parallel model needs"),
     "mesh_with_another_dimension": (SpecError, "canzona runs over dp, tp only"),
     "groups_mixing_dp_indices": (PlanError, "ranks disagree on the DP rank"),
     # the TP group that holds the norm's slice finds it; the others learn it failed
