@@ -7,8 +7,9 @@ optimizers), within the bound stated here.
 The bound: FSDP2 averages gradients with its own reduce-scatter, the ZeRO-1 path with another,
 the reference takes one backward over the global batch: the gradients agree to fp32 rounding, and
 Muon (fp32 Newton-Schulz) carries that through. After STEPS steps every parameter is within
-BOUND relative (max |a - b| / max |b| per tensor) of both; the measured worst is printed by the
-test's assertion messages (about 1e-6 here)."""
+BOUND relative (max |a - b| / max |b| per tensor) of both. Measured (2026-11-28, this CPU): at DP 2
+FSDP equals ZeRO-1 bit for bit and is 4.4e-6 from the reference; at DP 4 2.2e-6 from ZeRO-1 and
+2.0e-6 from the reference (ZeRO-1 itself 2.1e-6 from it)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import hf_qwen3 as example  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 STEPS = 4
-BOUND = 1e-4
+BOUND = 2e-5
 SETUP = example.Setup(total_steps=STEPS)
 MUON = {"lr": SETUP.matrix_lr, "ns_dtype": "fp32"}
 ADAMW = {"lr": SETUP.adamw_lr}
