@@ -447,7 +447,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         groups = [g for g in groups if g]
         scalars = {n: self.scalars(self.layout[n].shape, *self._config(n), self.matrix_steps[n])
                    for g in groups for n in g}
-        scatters: list[tuple[list[str], Tensor, PendingWork]] = []
+        # at most two micro-groups in flight each way (what canzona.memory and the simulator count)
+        scattering: tuple[list[str], Tensor, PendingWork] | None = None
         pending = self._send_gradients(groups[0], 0) if groups else None
         for k, group in enumerate(groups):
             received, work = pending
@@ -455,11 +456,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
             pending = self._send_gradients(groups[k + 1], k + 1) if k + 1 < len(groups) else None
             work.wait()
             updates = self._compute(group, received, scalars)
-            scatters.append(self._send_updates(group, updates, scalars, k))
+            del received, work
+            sent = self._send_updates(group, updates, scalars, k)
+            if scattering is not None:  # the previous micro-group's updates arrived under this compute
+                self._apply(*scattering, scalars)
+            scattering = sent
         self._adamw_step(got)  # under the last scatter
-        for group, chunks, work in scatters:
-            work.wait()
-            self._apply(group, chunks, scalars)
+        if scattering is not None:
+            self._apply(*scattering, scalars)
         for n in self.matrices:
             if got[n]:
                 self.matrix_steps[n] += 1
@@ -553,7 +557,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         order = [n for s in range(size) for n in by_owner[s]]
         return order, chunks, work
 
-    def _apply(self, order: Sequence[str], chunks: Tensor, scalars: Mapping[str, Any]) -> None:
+    def _apply(self, order: Sequence[str], chunks: Tensor, work: PendingWork, scalars: Mapping[str, Any]) -> None:
+        """This rank's pieces of the updates of `order`, once their all-to-all completes."""
+        work.wait()
         pos = 0
         for n in order:
             local = self.params[n].to_local()
