@@ -2,6 +2,7 @@
 tiny model `fully_shard`-ed per decoder layer and at the root, and compared, bit for bit, with the
 same kernels in one process fed the global gradients the ranks saw (`harness.training.emulate`):
 
+- plain FSDP over 4 ranks (and over 2 and 3 in tests/runtime/test_fsdp_runtime.py);
 - HSDP: a 2 x 2 mesh (replicate x shard); each replica's shard group runs the step alike;
 - `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 shards, bf16 compute;
 - a model cast to bf16 before `fully_shard`: fp32 masters of the local shards, fp32 gradients on
@@ -10,7 +11,8 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
 - `reshard_after_forward=False`;
 - FSDP x TP on a 2 x 2 mesh as torchtitan composes them (`parallelize_module` over `tp`, then
   `fully_shard` over `dp`): each rank's piece is a TP shard's row block;
-- a frozen embedding, left out of the optimizer and the spec.
+- a frozen embedding, left out of the optimizer and the spec (`from_module` and
+  `canzona.runtime.modules.named_parameters` skip it): unchanged, no state.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ pytestmark = pytest.mark.distributed  # spawns gloo process groups
 BASE = TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=3, global_batch=8, clip_norm=0.05)
 CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     # name: (world, spec, how the model is sharded)
+    "fsdp-4": (4, BASE, {}),
     "hsdp": (4, BASE, {"mesh": (2, 2), "names": ("replicate", "shard")}),
     "mixed-precision": (2, BASE, {"mp": True}),
     "bf16-shards": (2, replace(BASE, dtype="bf16"), {}),
     "accumulate": (2, replace(BASE, accumulation=2), {}),
     "no-reshard": (2, BASE, {"reshard": False}),
     "fsdp-tp": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True}),
+    "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
     "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
                   {"mesh": (2, 2), "names": ("replicate", "shard")}),
 }
@@ -53,8 +57,13 @@ def shard_model(spec: TrainSpec, how: dict):
 
     from reference.tiny_model_tp import parallelize_tiny
 
+    from canzona.spec import ModelSpec
+
     model = build_model(spec)
     mspec = model.spec()
+    if how.get("frozen"):  # left out of the spec and the optimizer, as from_module leaves it
+        model.get_parameter(how["frozen"]).requires_grad_(False)
+        mspec = ModelSpec.from_module(model, name=mspec.name)
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh("cpu", how.get("mesh", (world,)), mesh_dim_names=how.get("names"))
     options = {"reshard_after_forward": how.get("reshard", True)}
@@ -80,10 +89,12 @@ def data_rank(how: dict) -> tuple[int, int]:
 def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
     from canzona.runtime import DistributedOptimizer
 
+    from canzona.runtime.modules import named_parameters
+
     model, mspec = shard_model(spec, how)
-    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+    opt = DistributedOptimizer(named_parameters(model), mspec, spec.optimizer, spec.matrix_config,
                                spec.adamw_config)
-    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    vocab = model.model.embed_tokens.weight.shape[0]
     me, dp = data_rank(how)
     grads = []
     for tokens in global_batches(spec, vocab):
@@ -92,7 +103,7 @@ def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
         for k, mb in enumerate(mbs):
             model.set_requires_gradient_sync(k == len(mbs) - 1)
             (model.loss(mb) / spec.accumulation).backward()
-        named = dict(model.named_parameters())
+        named = dict(named_parameters(model))
         grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
         opt.clip_grad_norm_(spec.clip_norm)
         opt.step()
@@ -125,7 +136,11 @@ def test_fsdp_layout_exact(case: str) -> None:
         exact = compare(r["params"], want)
         assert exact["bit_identical"], (case, rank, exact)
     init = {n: p.detach() for n, p in build_model(spec).named_parameters()}
-    assert not any(torch.equal(results[0]["params"][n], init[n]) for n in init)
+    frozen = how.get("frozen")
+    assert not any(torch.equal(results[0]["params"][n], init[n]) for n in init if n != frozen)
+    if frozen is not None:  # untouched, and no state for it anywhere
+        assert torch.equal(results[0]["params"][frozen], init[frozen])
+        assert frozen not in results[0]["grads"][0][0]
     # each matrix's state lives on one rank of each exchange group (replicas: one per replica)
     exchange = results[0]["exchange"]
     assert exchange == (2 if how.get("names") == ("replicate", "shard") else world)
