@@ -343,6 +343,11 @@ class DeviceRate:
                 total += batch * self.kernel_seconds(k)
         return total
 
+    def batch_saving(self, optimizer: str, shape: tuple[int, ...], count: int) -> float:
+        """Seconds one batched kernel over `count` matrices of `shape` saves over `count` calls."""
+        kernels = optimizer_kernels(optimizer, shape)
+        return count * sum(self.kernel_seconds(k) for k in kernels) - self.batched_seconds(kernels, count)
+
 
 @functools.cache
 def default_rate() -> DeviceRate:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import simpy
 
+from canzona.batching import shape_batches
 from canzona.cost import (
     DeviceRate,
     adamw_kernels,
@@ -48,6 +49,7 @@ from canzona.memory import (
     MemorySetup,
     RankMemory,
     activation_bytes,
+    batched_stack_bytes,
     kernel_workspace_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
@@ -194,6 +196,22 @@ class _FsdpRun:
             return [u.matrices for u in reversed(self.units) if u.matrices]
         return owner_micro_groups(backward_order(self.units))
 
+    def compute_seconds(self, mats: Sequence[FsdpMatrix]) -> float:
+        """One rank's compute of its matrices of a micro-group: owner policies batch same-shape
+        matrices as the runtime does (`batch_kernels`, `canzona.batching`); gather-all runs each
+        alone, as `muon_fsdp2` does."""
+        total = sum(m.cost for m in mats)
+        if self.policy.gathers_all or not self.batching:
+            return total
+        for batch in shape_batches(mats, True):
+            if len(batch) > 1:
+                total -= max(self.rate.batch_saving(self.cfg.optimizer, tuple(batch[0].shape), len(batch)), 0.0)
+        return total
+
+    @property
+    def batching(self) -> bool:
+        return self.cfg.options.batch_kernels and matrix_optimizer(self.cfg.optimizer).batchable
+
     def phase_b(self, start: simpy.Event) -> None:
         eng, wl, s = self.engine, self.wl, self.shard
         eng.phase = "B"
@@ -225,9 +243,8 @@ class _FsdpRun:
         for g, mats in enumerate(groups):
             if g + 1 < len(groups):
                 gather(g + 1)
-            computed.append({r: eng.compute(r, f"group {g} compute", sum(x.cost for x in mats
-                                                                           if x.owner in (None, r)),
-                                            [gathered[g][r]]) for r in ranks})
+            computed.append({r: eng.compute(r, f"group {g} compute", self.compute_seconds(
+                [x for x in mats if x.owner in (None, r)]), [gathered[g][r]]) for r in ranks})
             applied_after = computed[g]
             if not self.policy.gathers_all:
                 sent = [list(row) for row in zip(*_to_owners(mats, s, ub))]  # the owners send each rank its shard
@@ -260,6 +277,7 @@ class _FsdpRun:
         acts = activation_bytes(dims, setup, 1)
         adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
+        stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
         for r in range(s):
@@ -274,8 +292,11 @@ class _FsdpRun:
                 mine = [m for m in self.matrices.values() if m.owner == r]
                 state = sum(m.state for m in mine)
                 held = [sum(m.numel * (gb + ub) for m in g if m.owner == r) for g in groups]
-                step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
-                    max([work[m.name] for m in mine] or [0])
+                # the largest kernel's temporaries: a batch's are its matrices' and its stacks
+                ws = max((sum(work[m.name] + (stacks[m.name] if len(batch) > 1 else 0) for m in batch)
+                          for g in groups for batch in shape_batches([m for m in g if m.owner == r], self.batching)),
+                         default=0)
+                step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
             counted = shard * mb + weights + shard * gb + state + adamw_state + max(acts + in_flight, step)
             ranks.append(RankMemory(r, 0, r, 0, weights, shard * gb, shard * mb, state, adamw_state, acts,
                                     in_flight, step, setup.overhead(counted)))

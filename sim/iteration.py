@@ -16,7 +16,7 @@ from functools import cached_property
 import simpy
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels, optimizer_kernels
+from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
@@ -167,9 +167,7 @@ class Context:
         (kept: a mixture-of-experts plan asks for the same few batches thousands of times)."""
         key = (shape, count)
         if key not in self._batch_savings:
-            kernels = optimizer_kernels(self.plan.optimizer, shape)
-            self._batch_savings[key] = count * sum(self.rate.kernel_seconds(k) for k in kernels) - \
-                self.rate.batched_seconds(kernels, count)
+            self._batch_savings[key] = self.rate.batch_saving(self.plan.optimizer, shape, count)
         return self._batch_savings[key]
 
     @cached_property

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fileio import is_finite_number
 from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
@@ -513,13 +514,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 grads[n][box.index()] = blocks[s][pos[s]:pos[s] + box.numel].view(box.shape)
                 pos[s] += box.numel
         updates: dict[str, Update | None] = {}
-        # same-shape matrices of one param group run as one batched kernel (bit for bit on CPU)
-        batches: dict[tuple, list[str]] = {}
-        for n in mine:
-            batches.setdefault((self.layout[n].shape, self._group_of[n]), []).append(n)
-        for (_, g), batch in batches.items():
+        # same-shape matrices of one param group run as one batched kernel (bit for bit on CPU), by
+        # canzona.batching's rules, which the simulator prices
+        keyed = [(n, (self.layout[n].shape, self._group_of[n]) if self.batched is not None else None,
+                  math.prod(self.layout[n].shape)) for n in mine]
+        for batch in batches(keyed):
+            g = self._group_of[batch[0]]
             cfg, lr = self.group_config(g), self.param_groups[g]["lr"]
-            if self.batched is not None and len(batch) > 1:
+            if len(batch) > 1:
                 out = self.batched([grads[n] for n in batch], [self.matrix_state[n] for n in batch], cfg, lr)
                 updates.update(zip(batch, out))
             else:

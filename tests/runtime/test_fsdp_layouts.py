@@ -55,9 +55,8 @@ def shard_model(spec: TrainSpec, how: dict):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from reference.tiny_model_tp import parallelize_tiny
-
     from canzona.spec import ModelSpec
+    from reference.tiny_model_tp import parallelize_tiny
 
     model = build_model(spec)
     mspec = model.spec()
@@ -88,7 +87,6 @@ def data_rank(how: dict) -> tuple[int, int]:
 
 def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
     from canzona.runtime import DistributedOptimizer
-
     from canzona.runtime.modules import named_parameters
 
     model, mspec = shard_model(spec, how)

@@ -121,3 +121,19 @@ def test_gather_all_holds_every_matrixs_kronecker_factors_and_a_share_of_its_mom
     muon, soap = state("muon"), state("soap")
     assert muon["fsdp-gather-all"] <= muon["canzona"]
     assert soap["fsdp-gather-all"] > 5 * soap["canzona"]
+
+
+def test_owners_batch_same_shape_matrices_as_the_runtime():
+    """Owner policies run an owner's same-shape matrices of a micro-group as one batched kernel
+    (canzona.batching, as the FSDP runtime does): over 2 GPUs each owner holds several of every
+    shape, so batch_kernels prices a shorter step; gather-all (muon_fsdp2) computes each alone."""
+    from sim.options import RunOptions
+
+    small = replace(BASE, model="qwen3-0.6b", gpus=2)
+    for policy, faster in (("canzona", True), ("fsdp-owners-unbalanced", True), ("fsdp-gather-all", False)):
+        on = simulate(replace(small, policy=policy))
+        off = simulate(replace(small, policy=policy, options=RunOptions(batch_kernels=False)))
+        if faster:
+            assert max(on.rank_optimizer_s) < max(off.rank_optimizer_s), policy
+        else:
+            assert on.rank_optimizer_s == off.rank_optimizer_s, policy
