@@ -593,6 +593,16 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     # --- what users of torch optimizers reach for ----------------------------------------------
 
+    def wait_params(self) -> None:
+        """Nothing to wait for: FSDP2 gathers the parameters for each forward itself (the ZeRO-1
+        path's method, kept so that code written for it runs)."""
+
+    def no_sync(self) -> Any:
+        """Refused with one line: FSDP2 reduces the gradients, so accumulation is FSDP2's own
+        `model.set_requires_gradient_sync(False)` on all but the last micro-batch."""
+        raise SpecError("under FSDP2, accumulate with model.set_requires_gradient_sync(False) on all but the last "
+                        "micro-batch (FSDP2 reduces the gradients, not this optimizer)")
+
     def state_items(self) -> Iterator[tuple[str, dict]]:
         """The state this rank holds: the matrices it owns (whole), its AdamW shards."""
         yield from self.matrix_state.items()
