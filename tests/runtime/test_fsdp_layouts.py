@@ -11,6 +11,8 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
 - `reshard_after_forward=False`;
 - FSDP x TP on a 2 x 2 mesh as torchtitan composes them (`parallelize_module` over `tp`, then
   `fully_shard` over `dp`): each rank's piece is a TP shard's row block;
+- torch's own `clip_grad_norm_` on the sharded model before `step()` (the step takes the
+  gradients it clipped);
 - a frozen embedding, left out of the optimizer and the spec (`from_module` and
   `canzona.runtime.modules.named_parameters` skip it): unchanged, no state.
 """
@@ -45,6 +47,8 @@ CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     "accumulate": (2, replace(BASE, accumulation=2), {}),
     "no-reshard": (2, BASE, {"reshard": False}),
     "fsdp-tp": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True}),
+    # torch's own clip_grad_norm_ on the sharded model (DTensor gradients) before step()
+    "torch-clip": (2, replace(BASE, clip_norm=None), {"torch_clip": 0.05}),
     "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
     "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
                   {"mesh": (2, 2), "names": ("replicate", "shard")}),
@@ -97,19 +101,22 @@ def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
                                spec.adamw_config)
     vocab = model.model.embed_tokens.weight.shape[0]
     me, dp = data_rank(how)
-    grads = []
+    grads, norms = [], []
     for tokens in global_batches(spec, vocab):
         opt.zero_grad()
         mbs = micro_batches(tokens, me, dp, spec.accumulation)
         for k, mb in enumerate(mbs):
             model.set_requires_gradient_sync(k == len(mbs) - 1)
             (model.loss(mb) / spec.accumulation).backward()
+        if how.get("torch_clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), how["torch_clip"])))
         named = dict(named_parameters(model))
         grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
-        opt.clip_grad_norm_(spec.clip_norm)
+        if spec.clip_norm is not None:
+            opt.clip_grad_norm_(spec.clip_norm)
         opt.step()
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return {"params": params, "grads": grads, "owned": sorted(opt.matrix_state),
+    return {"params": params, "grads": grads, "owned": sorted(opt.matrix_state), "norms": norms,
             "exchange": opt.size, "dtypes": {str(p.dtype) for p in model.parameters()}}
 
 
@@ -169,6 +176,8 @@ def check_case(case: str, results: list[dict], world: int, spec: TrainSpec, how:
     replicas = world // exchange
     owned = [n for r in results for n in r["owned"]]
     assert sorted(owned) == sorted(list(matrices) * replicas)
+    if how.get("torch_clip"):  # torch's clipping really clipped, and the step took the clipped gradients
+        assert all(n > how["torch_clip"] for n in results[0]["norms"])
     if case == "bf16-shards":
         assert results[0]["dtypes"] == {"torch.bfloat16"}
     if case == "mixed-precision":
