@@ -40,7 +40,9 @@ from canzona.fileio import is_finite_number
 from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
+from canzona.runtime import fsdp_checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
+from canzona.runtime.checkpoint import StateHeldElsewhere
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.fsdp_layout import (
     ParamLayout,
@@ -193,6 +195,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
         super().__init__(param_groups, {})
         self.defaults = defaults_of(configs)
+        self.state = StateHeldElsewhere()  # torch's checkpoint API runs no zero-gradient step
         self._configs = GroupConfigs(configs)
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
@@ -570,6 +573,24 @@ class FsdpOptimizer(torch.optim.Optimizer):
                         self.param_groups[g]["lr"])
             if target is not local:
                 local.copy_(target)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype the optimizer state is kept in: the gradients' on the wire (fp32 under masters)."""
+        return self.grad_dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        """Layout-independent (`canzona.runtime.checkpoint`): full tensors in torch.optim's layout,
+        identical on every rank, the same form as the ZeRO-1 layout's, so that it loads under FSDP2
+        at any size and into `DistributedOptimizer` on an unsharded model. Collective over the
+        exchange group (every rank must call it), bounded by `timeout_s`."""
+        return fsdp_checkpoint.gather_state(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
+        DP x TP layout; checks it belongs to this model and optimizer. Not collective."""
+        fsdp_checkpoint.load_state(self, state_dict)
 
     # --- what users of torch optimizers reach for ----------------------------------------------
 
