@@ -4,8 +4,8 @@ one format for both layouts, so that a checkpoint taken under FSDP2 at one size 
 another, or into `DistributedOptimizer`'s ZeRO-1 layout, and back.
 
 Where the full tensors come from: a matrix's optimizer state is whole already, on its owner in the
-exchange group; AdamW state and fp32 masters are per rank, each rank's piece a box of the global
-tensor (`canzona.runtime.fsdp_layout`), and are stitched from every member's box. Both travel in
+exchange group; AdamW state (kept flat) and fp32 masters are per rank, each rank's piece a box of
+the global tensor (`canzona.runtime.fsdp_layout`), and are stitched from every member's box. Both travel in
 one object all-gather over the exchange group (bounded by the optimizer's timeout); HSDP replicas
 hold the same state and gather alike, each replica within its own exchange group. Loading cuts
 each full tensor to this rank's box, the matrices' state where this rank owns them, and counts
@@ -86,8 +86,9 @@ def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
     for name in opt.elementwise_names:
         local = opt.params[name].to_local()
         if name in state and local.numel():
-            opt.adamw_state[name] = {k: _cut(opt, name, v, local).to(device) if isinstance(v, Tensor) else v
-                                     for k, v in state[name].items()}
+            # kept flat, as the step keeps them (`adamw_step_` on the flat local shard)
+            opt.adamw_state[name] = {k: _cut(opt, name, v, local).reshape(-1).to(device)
+                                     if isinstance(v, Tensor) else v for k, v in state[name].items()}
     if opt.master_weights:
         opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
         for name, full in masters.items():
