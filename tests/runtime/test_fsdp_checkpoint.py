@@ -135,6 +135,9 @@ def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) ->
         )
 
         out["torch"] = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        # as torchtitan saves: on rank 0 only, offloaded to the CPU
+        rank0 = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out["torch rank 0"] = rank0 if rank == 0 else ({}, {})
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
         out["untouched"] = nested_equal(opt.state_dict(), ckpt[1])  # None: taking them changed nothing
@@ -155,9 +158,9 @@ def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict], rec
 
 
 def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, dict] | None,
-                      path: str | None) -> dict:
-    """Resumed through torch's API: set_state_dict from a full state dict, or dcp.load into the
-    template get_model/optimizer_state_dict give."""
+                      path: str | None, from_rank0: bool = False) -> dict:
+    """Resumed through torch's API: set_state_dict from a full state dict (every rank's, or rank
+    0's broadcast), or dcp.load into the template get_model/optimizer_state_dict give."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -170,7 +173,11 @@ def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, 
 
     model, opt = fsdp_model(spec, world, seed=7)
     out: dict[str, Any] = {}
-    if full is not None:
+    if from_rank0:  # one call each (set_state_dict takes a rank's empty model state dict for optim_only)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full[0], options=options)
+        set_optimizer_state_dict(model, opt, full[1], options=options)
+    elif full is not None:
         set_state_dict(model, opt, model_state_dict=full[0], optim_state_dict=full[1],
                        options=StateDictOptions(full_state_dict=True))
     else:
@@ -203,6 +210,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
         out[name] = {"straight": run, "resumed": resumed(spec, rank, world, run["ckpt"])}
     muon, run = SPECS["muon"], out["muon"]["straight"]
     out["torch full"] = torch_api_resumed(muon, rank, world, run["torch"], None)
+    out["torch rank 0"] = torch_api_resumed(muon, rank, world, run["torch rank 0"], None, from_rank0=True)
     out["dcp"] = torch_api_resumed(muon, rank, world, None, path)
     # FSDP -> ZeRO-1 (the unsharded model, DP 2), and ZeRO-1 -> FSDP
     out["zero1 from fsdp"] = distributed_worker(rank, world, resume_spec(muon), {"load": run["ckpt"]})["params"]
@@ -311,9 +319,11 @@ def test_torch_get_set_state_dict_resumes_bit_for_bit() -> None:
         shapes = {n: tuple(p.shape) for n, p in build_model(SPECS["muon"]).named_parameters()}
         assert all(tuple(optim_sd["state"][n]["exp_avg" if "norm" in n or "embed" in n else "momentum_buffer"].shape)
                    == shape for n, shape in shapes.items())
-        assert nested_equal(r["torch full"]["state"], want["ckpt"][1]) is None
-        exact = compare(r["torch full"]["final"], want["final"])
-        assert exact["bit_identical"], (rank, exact)
+        for how in ("torch full", "torch rank 0"):  # every rank's full state dict, or rank 0's broadcast
+            assert nested_equal(r[how]["state"], want["ckpt"][1]) is None, how
+            exact = compare(r[how]["final"], want["final"])
+            assert exact["bit_identical"], (rank, how, exact)
+    assert run2()[1]["muon"]["straight"]["torch rank 0"] == ({}, {})  # offloaded to rank 0 alone
 
 
 def test_dcp_save_load_resumes_bit_for_bit() -> None:
