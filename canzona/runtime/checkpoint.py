@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -519,13 +519,23 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
     return field, int(t), int(tp), int(offset)
 
 
+def sharded_meta(opt: Described, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """The small metadata entry every rank holds alike: the header and the groups' hyper-parameters."""
+    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
+    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    return {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
+
+
+def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str:
+    """A flat piece of a full tensor (a TP size 1 piece) starting at element `offset`."""
+    return _piece_key(prefix, kind, name, field, 0, 1, offset)
+
+
 def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, Any]:
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
     metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
-    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
-    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
-    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
+    out = sharded_meta(opt, prefix)
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name
         states, masters = _saved_here(part)
@@ -545,6 +555,32 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
 def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
     at any DP x TP layout, rebuild the layout-independent form for it, and load that."""
+    # every part's entries under the model's names
+    hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
+    applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
+    tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
+
+    def wants(name: str, lo: int, hi: int) -> Wants:
+        # a TP-replicated parameter's pieces were written by TP rank 0 only
+        source = tp_rank if _tp_dim(opt, name) is not None else 0
+        return lambda t, tp, offset, meta: tp != tp_size or (t == source and _overlaps(meta, offset, lo, hi))
+
+    needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
+             for n, r in _local_ranges(part).items()}
+    meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
+    load_by_name(opt, meta, meta.get("param_groups", []), state)
+
+
+Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset, its metadata) -> read it
+
+
+def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[str], applies: list[str],
+                 needs: Mapping[str, Wants]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the header with the groups, the state by name) of what a rank needs, read from a checkpoint
+    written by `sharded_state` (or FSDP's) at any layout: the full-matrix state of the matrices in
+    `hosted`, the scalar fields (step counts) of the others in `applies`, and of each parameter in
+    `needs` the pieces its predicate wants, assembled into full tensors (zeros where none was
+    read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -573,9 +609,6 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
                 else:
                     full_keys.setdefault(name, []).append(key)
     wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
-    # every part's entries under the model's names
-    hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
-    applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
     for name in hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
     # of a matrix whose chunks this rank applies but does not host, the scalar fields (its step):
@@ -584,13 +617,9 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         name: [k for k in full_keys.get(name, []) if not isinstance(entries[k], TensorStorageMetadata)]
         for name in applies if name not in hosted}
     wanted.update({k: placeholder(k) for keys in scalar_fields.values() for k in keys})
-    needs = {part.global_name(n): r for part in _parts(opt) for n, r in _local_ranges(part).items()}
-    tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
-    for name, (lo, hi) in needs.items():
-        # a TP-replicated parameter's pieces were written by TP rank 0 only
-        source = tp_rank if _tp_dim(opt, name) is not None else 0
+    for name, want in needs.items():
         for _field, t, tp, offset, key in pieces.get(name, []):
-            if tp != tp_size or (t == source and _overlaps(entries[key], offset, lo, hi)):
+            if want(t, tp, offset, entries[key]):
                 wanted[key] = placeholder(key)
     dcp.load(wanted, storage_reader=reader)
 
@@ -602,8 +631,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    meta = json.loads(wanted[f"{prefix}/meta"])
-    load_by_name(opt, meta, meta.get("param_groups", []), state)
+    return json.loads(wanted[f"{prefix}/meta"]), state
 
 
 def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
@@ -615,11 +643,12 @@ def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
 
 
 def _overlaps(meta: Any, offset: int, lo: int, hi: int) -> bool:
+    """Whether a piece at `offset` (its elements, whatever its shape) overlaps [lo, hi)."""
     size = getattr(meta, "size", None)
-    return size is None or (offset < hi and offset + size[0] > lo)
+    return size is None or (offset < hi and offset + math.prod(size) > lo)
 
 
-def _assemble(opt: Checkpointable, name: str, got: list) -> dict[str, Any]:
+def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
     """A parameter's pieces in the layout-independent form: full tensors (zeros where no piece was
     read, outside what this rank loads) and the scalars."""
     spec = opt.spec.param(name)

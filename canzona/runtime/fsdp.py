@@ -42,7 +42,7 @@ from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
 from canzona.runtime import fsdp_checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
-from canzona.runtime.checkpoint import StateHeldElsewhere
+from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.fsdp_layout import (
     ParamLayout,
@@ -591,6 +591,18 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
         DP x TP layout; checks it belongs to this model and optimizer. Not collective."""
         fsdp_checkpoint.load_state(self, state_dict)
+
+    def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+        """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
+        only what it holds), keyed as the ZeRO-1 layout's; merge it with the model's state dict to
+        save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`."""
+        return fsdp_checkpoint.sharded_state(self, prefix)
+
+    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+        """Load from a `torch.distributed.checkpoint` written by `sharded_state_dict()` under FSDP2
+        at any size or under the ZeRO-1 layout (a path or a storage reader): each rank reads what
+        its pieces need. Collective (dcp.load)."""
+        fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix)
 
     # --- what users of torch optimizers reach for ----------------------------------------------
 

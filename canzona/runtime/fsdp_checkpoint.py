@@ -20,9 +20,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from canzona.errors import CanzonaError
+from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import matrix_optimizer
-from canzona.runtime.checkpoint import _to_cpu, _to_device, full_state, read_state, restore_settings
+from canzona.runtime.checkpoint import (
+    DCP_PREFIX,
+    _overlaps,
+    _to_cpu,
+    _to_device,
+    full_state,
+    piece_key,
+    read_sharded,
+    read_state,
+    restore_settings,
+    sharded_meta,
+)
+from canzona.runtime.fsdp_layout import Box
 
 if TYPE_CHECKING:
     from canzona.runtime.fsdp import FsdpOptimizer
@@ -74,7 +86,14 @@ def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a layout-independent state dict (taken under FSDP2 at any size, or under ZeRO-1 at any
     DP x TP layout): checks first (a checkpoint of another model or optimizer: one PlanError),
     then this rank's pieces. Local: no collective."""
-    state, masters = restore_settings(opt, *read_state(opt, state_dict))
+    load_by_name(opt, *read_state(opt, state_dict))
+
+
+def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                 state: Mapping[str, dict]) -> None:
+    """Load a state given by name (`checkpoint.state_by_name`'s form): checks, then this rank's
+    pieces of it (full tensors, or zeros outside what this rank holds)."""
+    state, masters = restore_settings(opt, header, groups, state)
     device = next(iter(opt.params.values())).to_local().device
     opt.matrix_state.clear()
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
@@ -101,3 +120,59 @@ def _cut(opt: FsdpOptimizer, name: str, full: Tensor, local: Tensor) -> Tensor:
     """This rank's box of a full tensor, shaped as its local shard."""
     box = opt.layout[name].boxes[opt.rank]
     return full.reshape(opt.layout[name].shape)[box.index()].reshape(local.shape).clone()
+
+
+# --- torch.distributed.checkpoint: every rank writes only what it holds -------------------------
+
+
+def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """This rank's part of the state as flat `torch.distributed.checkpoint` entries, keyed as the
+    ZeRO-1 layout's (`checkpoint.sharded_state`: a checkpoint written under one layout loads under
+    the other): the whole state of the matrices it owns, its pieces of AdamW state and masters
+    (each the flat range of the full tensor its box is; the lowest member holding a box writes it;
+    HSDP replicas write the same entries, which dcp saves once), and the metadata."""
+    out = sharded_meta(opt, prefix)
+    for name, state in opt.matrix_state.items():
+        for key, value in state.items():
+            out[f"{prefix}/matrix/{name}/{key}"] = value
+    for name in opt.params:
+        lay = opt.layout[name]
+        box = lay.boxes[opt.rank]
+        if not box.numel or not lay.sources[opt.rank]:
+            continue
+        lo, hi = _flat_bounds(box, lay.shape)
+        if hi - lo != box.numel:
+            raise SpecError(f"sharded_state_dict(): {name}'s piece on this rank ({box}) is not a contiguous range "
+                            f"of its {lay.shape} (FSDP x TP): save with state_dict() (full tensors)")
+        kind = "matrix" if name in opt.owner else "adamw"
+        if name in opt.master:
+            out[piece_key(prefix, kind, name, "master", lo)] = opt.master[name].reshape(-1)
+        for key, value in opt.adamw_state.get(name, {}).items():
+            out[piece_key(prefix, "adamw", name, key, lo)] = value.reshape(-1) if isinstance(value, Tensor) else value
+    return out
+
+
+def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+    """Read what this rank needs from a checkpoint written by `sharded_state` under FSDP2 at any
+    size or under the ZeRO-1 layout at any DP x TP layout: the state of the matrices it owns, every
+    matrix's step count, and the pieces that overlap its boxes (every piece of a parameter written
+    at TP > 1); then load it as `load_state` does."""
+    needs = {}
+    for name in opt.params:
+        lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
+        needs[name] = lambda t, tp, offset, meta, lo=lo, hi=hi: tp != 1 or _overlaps(meta, offset, lo, hi)
+    header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    load_by_name(opt, header, header.get("param_groups", []), state)
+
+
+def _flat_bounds(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """[first, last + 1) of the box's elements in the full tensor, flattened (row-major); the box
+    is a contiguous range when that is its size."""
+    if not box.numel:
+        return 0, 0
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    first = sum(a * s for a, s in zip(box.start, strides))
+    last = sum((a + n - 1) * s for a, n, s in zip(box.start, box.shape, strides))
+    return first, last + 1

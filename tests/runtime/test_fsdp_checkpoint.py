@@ -140,19 +140,25 @@ def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) ->
         out["torch rank 0"] = rank0 if rank == 0 else ({}, {})
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=path + "-sharded")  # each rank its own pieces
         out["untouched"] = nested_equal(opt.state_dict(), ckpt[1])  # None: taking them changed nothing
     train(model, opt, resume_spec(spec), rank, world)
     out["final"] = full_params(model)
     return out
 
 
-def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict], record: bool = False) -> dict:
-    """A fresh model of other weights loads the checkpoint (state_dict() right after: the same
-    checkpoint) and runs RESUME steps."""
+def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str], record: bool = False,
+            like: dict | None = None) -> dict:
+    """A fresh model of other weights loads the checkpoint (a state_dict(), or the directory of a
+    sharded one) and runs RESUME steps; state_dict() right after loading is compared with `like`
+    (default: the state dict loaded)."""
     model, opt = fsdp_model(spec, world, seed=7)
     load_params(model, ckpt[0])
-    opt.load_state_dict(ckpt[1])
-    again = nested_equal(opt.state_dict(), ckpt[1])
+    if isinstance(ckpt[1], str):
+        opt.load_sharded_state_dict(ckpt[1])
+    else:
+        opt.load_state_dict(ckpt[1])
+    again = nested_equal(opt.state_dict(), like if like is not None else ckpt[1])
     grads = train(model, opt, resume_spec(spec), rank, world, record=record)
     return {"final": full_params(model), "round trip": again, "grads": grads}
 
@@ -214,9 +220,17 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["dcp"] = torch_api_resumed(muon, rank, world, None, path)
     # FSDP -> ZeRO-1 (the unsharded model, DP 2), and ZeRO-1 -> FSDP
     out["zero1 from fsdp"] = distributed_worker(rank, world, resume_spec(muon), {"load": run["ckpt"]})["params"]
-    zero1 = distributed_worker(rank, world, muon)
+    zero1 = distributed_worker(rank, world, muon, {"save_sharded": path + "-zero1"})
     out["zero1 ckpt"] = (zero1["params"], zero1["state"])
     out["fsdp from zero1"] = resumed(muon, rank, world, out["zero1 ckpt"], record=True)
+    # the sharded form (sharded_state_dict / load_sharded_state_dict): FSDP 2 -> FSDP 2, FSDP -> ZeRO-1,
+    # ZeRO-1 -> FSDP
+    params = run["ckpt"][0]
+    out["sharded"] = resumed(muon, rank, world, (params, path + "-sharded"), like=run["ckpt"][1])
+    out["zero1 from fsdp sharded"] = distributed_worker(rank, world, resume_spec(muon),
+                                                        {"load": (params, path + "-sharded")})["params"]
+    out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
+                                             like=zero1["state"])
     bf16 = straight(BF16, rank, world)
     out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"])}
     out["other model"] = other_model_refused(muon, rank, world)
@@ -226,6 +240,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
 def fsdp3_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> dict:
     muon = SPECS["muon"]
     return {"resumed": resumed(muon, rank, world, ckpt, record=True),
+            "sharded": resumed(muon, rank, world, (ckpt[0], path + "-sharded"), like=ckpt[1]),
             "dcp": torch_api_resumed(muon, rank, world, None, path)}
 
 
@@ -373,6 +388,27 @@ def test_fsdp2_checkpoint_resumes_at_fsdp3() -> None:
         assert r["resumed"]["round trip"] is None, (rank, r["resumed"]["round trip"])  # resharded exactly
         exact = compare(r["resumed"]["final"], want)
         assert exact["bit_identical"], (rank, exact)
-        # the DCP directory written at FSDP 2, read at FSDP 3 through torch's API: the same run
+        # the DCP directory written at FSDP 2, read at FSDP 3 through torch's API, and the sharded
+        # form written at FSDP 2: the same run
         assert nested_equal(r["dcp"]["state"], ckpt[1]) is None
         assert compare(r["dcp"]["final"], r["resumed"]["final"])["bit_identical"], rank
+        assert r["sharded"]["round trip"] is None, (rank, r["sharded"]["round trip"])
+        assert compare(r["sharded"]["final"], r["resumed"]["final"])["bit_identical"], rank
+
+
+# --- the sharded form ---------------------------------------------------------------------------
+
+
+def test_sharded_state_dict_resumes_bit_for_bit() -> None:
+    """Each rank writes its pieces; read back at FSDP 2 it is the same checkpoint and the same run."""
+    for rank, r in enumerate(run2()):
+        assert r["sharded"]["round trip"] is None, (rank, r["sharded"]["round trip"])
+        assert compare(r["sharded"]["final"], r["muon"]["straight"]["final"])["bit_identical"], rank
+
+
+def test_sharded_state_dict_moves_between_fsdp_and_zero1() -> None:
+    ranks = run2()
+    for rank, r in enumerate(ranks):  # the same runs as from the full state dicts
+        assert compare(r["zero1 from fsdp sharded"], r["zero1 from fsdp"])["bit_identical"], rank
+        assert r["fsdp from zero1 sharded"]["round trip"] is None, (rank, r["fsdp from zero1 sharded"]["round trip"])
+        assert compare(r["fsdp from zero1 sharded"]["final"], r["fsdp from zero1"]["final"])["bit_identical"], rank
