@@ -58,7 +58,9 @@ def resume_spec(spec: TrainSpec) -> TrainSpec:
 # --- in the ranks ---------------------------------------------------------------------------------
 
 
-def fsdp_model(spec: TrainSpec, world: int, seed: int | None = None):
+def fsdp_model(spec: TrainSpec, world: int, seed: int | None = None, hsdp: bool = False):
+    """The tiny model under fully_shard over every rank (`hsdp`: replicated over every rank, as
+    HSDP with one shard per replica), and its optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -66,7 +68,8 @@ def fsdp_model(spec: TrainSpec, world: int, seed: int | None = None):
 
     model = build_model(spec if seed is None else replace(spec, model_seed=seed))
     mspec = model.spec()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -140,7 +143,9 @@ def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) ->
         out["torch rank 0"] = rank0 if rank == 0 else ({}, {})
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path + "-sharded")  # each rank its own pieces
+        sharded = opt.sharded_state_dict()
+        out["sharded keys"] = sorted(sharded)
+        dcp.save(sharded, checkpoint_id=path + "-sharded")  # each rank its own pieces
         out["untouched"] = nested_equal(opt.state_dict(), ckpt[1])  # None: taking them changed nothing
     train(model, opt, resume_spec(spec), rank, world)
     out["final"] = full_params(model)
@@ -148,11 +153,11 @@ def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) ->
 
 
 def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str], record: bool = False,
-            like: dict | None = None) -> dict:
+            like: dict | None = None, hsdp: bool = False, save: str | None = None) -> dict:
     """A fresh model of other weights loads the checkpoint (a state_dict(), or the directory of a
     sharded one) and runs RESUME steps; state_dict() right after loading is compared with `like`
-    (default: the state dict loaded)."""
-    model, opt = fsdp_model(spec, world, seed=7)
+    (default: the state dict loaded); `save`: a sharded checkpoint of the state after the steps."""
+    model, opt = fsdp_model(spec, world, seed=7, hsdp=hsdp)
     load_params(model, ckpt[0])
     if isinstance(ckpt[1], str):
         opt.load_sharded_state_dict(ckpt[1])
@@ -160,7 +165,13 @@ def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str
         opt.load_state_dict(ckpt[1])
     again = nested_equal(opt.state_dict(), like if like is not None else ckpt[1])
     grads = train(model, opt, resume_spec(spec), rank, world, record=record)
-    return {"final": full_params(model), "round trip": again, "grads": grads}
+    out = {"final": full_params(model), "round trip": again, "grads": grads}
+    if save is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=save)
+        out["state"] = opt.state_dict()
+    return out
 
 
 def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, dict] | None,
@@ -231,6 +242,10 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
                                                         {"load": (params, path + "-sharded")})["params"]
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
+    # HSDP (every rank a replica of one shard): the FSDP checkpoint in, its sharded one out to FSDP
+    out["hsdp"] = resumed(muon, rank, world, run["ckpt"], record=True, hsdp=True, save=path + "-hsdp")
+    out["fsdp from hsdp"] = resumed(muon, rank, world, (out["hsdp"]["final"], path + "-hsdp"),
+                                    like=out["hsdp"]["state"])
     bf16 = straight(BF16, rank, world)
     out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"])}
     out["other model"] = other_model_refused(muon, rank, world)
@@ -404,6 +419,31 @@ def test_sharded_state_dict_resumes_bit_for_bit() -> None:
     for rank, r in enumerate(run2()):
         assert r["sharded"]["round trip"] is None, (rank, r["sharded"]["round trip"])
         assert compare(r["sharded"]["final"], r["muon"]["straight"]["final"])["bit_identical"], rank
+
+
+def test_sharded_state_dict_holds_only_what_each_rank_holds() -> None:
+    ranks = run2()
+    keys = [set(r["muon"]["straight"]["sharded keys"]) for r in ranks]
+    matrices = {p.name for p in build_model(SPECS["muon"]).spec().matrix_params()}
+    whole = [{k.split("/")[2] for k in ks if k.startswith("canzona_optimizer/matrix/") and "@" not in k}
+             for ks in keys]
+    assert not whole[0] & whole[1] and whole[0] | whole[1] == matrices  # each matrix from its owner alone
+    pieces = [{k for k in ks if "@" in k} for ks in keys]
+    assert pieces[0] and pieces[1] and not pieces[0] & pieces[1]  # each rank its own pieces
+
+
+def test_hsdp_replicas_load_and_save_alike() -> None:
+    """HSDP (replicas of one shard): the FSDP 2 checkpoint loads (the same run as the same kernels
+    in one process continuing from it), and its sharded checkpoint, written by both replicas, loads
+    back at FSDP 2 as the same state."""
+    ranks = run2()
+    ckpt = ranks[0]["muon"]["straight"]["ckpt"]
+    want = emulate(resume_spec(SPECS["muon"]), 2, load=ckpt, grads=ranks[0]["hsdp"]["grads"])
+    for rank, r in enumerate(ranks):
+        assert r["hsdp"]["round trip"] is None, (rank, r["hsdp"]["round trip"])
+        assert compare(r["hsdp"]["final"], want)["bit_identical"], rank
+        assert nested_equal(r["hsdp"]["state"], ranks[0]["hsdp"]["state"]) is None
+        assert r["fsdp from hsdp"]["round trip"] is None, (rank, r["fsdp from hsdp"]["round trip"])
 
 
 def test_sharded_state_dict_moves_between_fsdp_and_zero1() -> None:
