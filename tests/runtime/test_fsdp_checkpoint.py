@@ -210,11 +210,13 @@ def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, 
     return out
 
 
-def other_model_refused(spec: TrainSpec, rank: int, world: int) -> str:
-    _, other = fsdp_model(replace(spec, preset="tiny-untied"), world)
+def refused(spec: TrainSpec, rank: int, world: int, other: dict | None = None) -> str:
+    """The error loading `other` (default: a checkpoint of another model) raises."""
+    if other is None:
+        other = fsdp_model(replace(spec, preset="tiny-untied"), world)[1].state_dict()
     _, opt = fsdp_model(spec, world)
     try:
-        opt.load_state_dict(other.state_dict())
+        opt.load_state_dict(other)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "loaded"
@@ -248,7 +250,8 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
                                     like=out["hsdp"]["state"])
     bf16 = straight(BF16, rank, world)
     out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"])}
-    out["other model"] = other_model_refused(muon, rank, world)
+    out["other model"] = refused(muon, rank, world)
+    out["other optimizer"] = refused(muon, rank, world, out["soap"]["straight"]["ckpt"][1])
     return out
 
 
@@ -365,11 +368,12 @@ def test_dcp_save_load_resumes_bit_for_bit() -> None:
         assert exact["bit_identical"], (rank, exact)
 
 
-def test_checkpoint_of_another_model_is_refused_in_one_line() -> None:
+def test_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line() -> None:
     for r in run2():
         msg = r["other model"]
         assert msg.startswith("PlanError: checkpoint is of model 'tiny-untied'"), msg
         assert "\n" not in msg
+        assert r["other optimizer"] == "PlanError: checkpoint is for soap, this optimizer runs muon"
 
 
 # --- across layouts -----------------------------------------------------------------------------
