@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,30 +56,44 @@ if TYPE_CHECKING:
     from canzona.step_schedule import TPSchedule
 
 
-class Checkpointable(Protocol):
-    """What this module reads and writes of an optimizer, all of it public: `DistributedOptimizer`
-    is one (this module never imports it). Layout: the model, plan, policy and schedule, and the
-    mesh: this rank's place (its dp and tp ranks and sizes) and the communicators a
-    layout-independent `state_dict()` gathers over; state: the containers it fills on load, the
-    dtype it is kept in. `tests/runtime/test_runtime_checkpoint.py` saves, loads and shards through
-    an object that offers nothing else."""
+class Described(Protocol):
+    """What the layout-independent form reads of any canzona optimizer, whatever its layout
+    (`DistributedOptimizer`'s ZeRO-1 layout, `canzona.runtime.fsdp.FsdpOptimizer`'s FSDP2 one):
+    the model, the optimizer and its configurations (the header, the checks), the parameters and
+    groups (torch.optim's layout), and the dtype and initial form of the state (the templates).
+    The layout's own module gathers the full tensors (`full_state` takes them by name) and cuts
+    them (`read_state` / `restore_settings` give them by name)."""
 
     spec: ModelSpec
-    plan: Plan
-    policy: StepPolicy
-    schedule: TPSchedule
     optimizer: str  # the matrix optimizer's name
     matrix_cfg: Any
     adamw_cfg: Any
-    params: dict[str, Tensor]  # this rank's local parameters, by name
+    params: dict[str, Tensor]  # this rank's parameters, by name (the tensors in `param_groups`)
     param_groups: list[dict[str, Any]]
+    master_weights: bool
+
+    def state_dtype(self, name: str) -> torch.dtype: ...
+
+    def group_config(self, g: int) -> Any: ...
+
+
+class Checkpointable(Described, Protocol):
+    """What this module reads and writes of an optimizer in the ZeRO-1 layout, all of it public:
+    `DistributedOptimizer` is one (this module never imports it). Beyond `Described`: the plan,
+    policy and schedule, and the mesh: this rank's place (its dp and tp ranks and sizes) and the
+    communicators a layout-independent `state_dict()` gathers over; state: the containers it fills
+    on load. `tests/runtime/test_runtime_checkpoint.py` saves, loads and shards through an object
+    that offers nothing else."""
+
+    plan: Plan
+    policy: StepPolicy
+    schedule: TPSchedule
     hosted: list[str]  # matrices whose full update and state this rank computes
     applies: list[str]  # matrices whose shards this rank updates
     matrix_state: dict[str, dict]
     matrix_steps: dict[str, int]  # steps each matrix in `applies` took, kept alike on its TP ranks
     adamw_state: dict[str, dict]
     master: dict[str, Tensor]  # fp32 masters by name (empty without master weights)
-    master_weights: bool
     mesh: Mesh  # this rank's place (dp and tp ranks and sizes); a state dict gathers over dp, then tp
 
     def adamw_parts(self) -> Iterator[Piece]: ...
@@ -92,11 +106,19 @@ class Checkpointable(Protocol):
 
     def global_name(self, name: str) -> str: ...  # an entry's name in the whole model
 
-    def state_dtype(self, name: str) -> torch.dtype: ...
-
-    def group_config(self, g: int) -> Any: ...
-
     def reset_master_weights(self) -> None: ...
+
+
+class StateHeldElsewhere(dict):
+    """torch.optim's `state` of a canzona optimizer: empty, and always true.
+    `torch.distributed.checkpoint.state_dict`'s get/set_optimizer_state_dict take an empty `state`
+    for an optimizer that never stepped and run a zero-gradient step to fill it (collectives, and a
+    change of momentum); the state lives in `matrix_state`, `adamw_state` and `master`, on the
+    ranks that hold it, and `state_dict()` gathers it."""
+
+    def __bool__(self) -> bool:
+        return True
+
 
 STATE_FORMAT = "canzona.optimizer_state"
 STATE_VERSION = 3  # 3: torch.optim's layout (2: keyed by name, header at the top)
@@ -192,11 +214,12 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
                 if key in shards[0]:
                     full[key] = unshard([s[key] for s in shards], _tp_dim(opt, name))
             state[name] = full
-    return _torch_layout(opt, state)
+    return full_state(opt, state)
 
 
-def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str, Any]:
-    """The full state by name, in torch.optim's layout (see the module's docstring)."""
+def full_state(opt: Described, by_name: Mapping[str, dict]) -> dict[str, Any]:
+    """The full state by name (full tensors, masters under `master`), in torch.optim's layout
+    (see the module's docstring): what `state_dict()` returns under every layout."""
     header = json.dumps(_header(opt), default=_json_scalar)
     name_of = {id(p): n for n, p in opt.params.items()}
     state: dict[int, dict] = {}
@@ -219,7 +242,7 @@ def _torch_layout(opt: Checkpointable, by_name: Mapping[str, dict]) -> dict[str,
     return {"state": state, "param_groups": groups}
 
 
-def _stacked_entry(opt: Checkpointable, g: int, name: str, by_name: Mapping[str, dict]) -> dict[str, Any]:
+def _stacked_entry(opt: Described, g: int, name: str, by_name: Mapping[str, dict]) -> dict[str, Any]:
     """A stacked parameter's entry: its matrices' states (or templates), each tensor field stacked
     over the matrices in memory order (`[matrices, ...]`), each scalar field the one value they
     share (the matrices of a stack step together), and `STACK_KEY` saying how many there are."""
@@ -253,7 +276,7 @@ def _split_stack(name: str, entry: Mapping[str, Any]) -> dict[str, dict[str, Any
         for k in range(count)}
 
 
-def _template(opt: Checkpointable, g: int, name: str) -> dict[str, Any]:
+def _template(opt: Described, g: int, name: str) -> dict[str, Any]:
     """Zeros in the shape and dtype of every field `name`'s optimizer state will have."""
     shape = opt.spec.param(name).shape
     like = torch.zeros(shape, dtype=opt.state_dtype(name))
@@ -313,6 +336,13 @@ def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | No
 
 
 def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
+    load_by_name(opt, *read_state(opt, state_dict))
+
+
+def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                                     dict[str, dict]]:
+    """`state_by_name` of a state dict checked against `opt` (one PlanError line for a checkpoint
+    of another model or optimizer, or whose groups hold other parameters); changes nothing."""
     header, groups, state = state_by_name(state_dict)
     _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
     if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
@@ -321,7 +351,7 @@ def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
         saved = [list(g[NAMES_KEY]) for g in state_dict["param_groups"]]
         if len(saved) == len(mine) and saved != mine:
             raise PlanError(f"checkpoint's parameter groups hold other parameters: {_first_name_difference(saved, mine)}")
-    load_by_name(opt, header, groups, state)
+    return header, groups, state
 
 
 def _first_name_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
@@ -338,13 +368,7 @@ def _first_name_difference(saved: list[list[str]], mine: list[list[str]]) -> str
 def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
                  state: Mapping[str, dict]) -> None:
     """Load a state given by name (`state_by_name`'s form): checks first, then everything."""
-    _check_compatible(opt, header, groups, state)
-    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(header["matrix_config"])))
-    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(header["adamw_config"])))
-    for group, saved in zip(opt.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
-    state = {n: dict(s) for n, s in state.items()}
-    masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
+    state, masters = restore_settings(opt, header, groups, state)
     device = local_tensor(next(iter(opt.params.values()))).device
     opt.adamw_state.clear()  # shared by the parts: each fills its own
     for part in _parts(opt):
@@ -353,6 +377,21 @@ def load_by_name(opt: Checkpointable, header: Mapping[str, Any], groups: list[Ma
         opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
         for part in _parts(opt):
             _load_masters(part, _local(part, masters), device)
+
+
+def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                     state: Mapping[str, dict]) -> tuple[dict[str, dict], dict[str, Tensor]]:
+    """Check a state given by name (`state_by_name`'s form), then restore what every layout
+    restores alike (the configurations, each group's hyper-parameters); return (the state by name
+    without masters, the fp32 masters by name) for the layout to cut to what its rank holds."""
+    _check_compatible(opt, header, groups, state)
+    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(header["matrix_config"])))
+    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(header["adamw_config"])))
+    for group, saved in zip(opt.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
+    state = {n: dict(s) for n, s in state.items()}
+    masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
+    return state, masters
 
 
 def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:
@@ -394,7 +433,7 @@ def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: in
     return shard.reshape(-1)[offset:offset + length]
 
 
-def _check_compatible(opt: Checkpointable, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
+def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
                       state: Mapping[str, dict]) -> None:
     """Everything a wrong checkpoint gets wrong, checked before anything is changed (`sd`: the header)."""
     if not isinstance(sd, Mapping) or sd.get("format") != STATE_FORMAT:
@@ -419,7 +458,7 @@ def _check_compatible(opt: Checkpointable, sd: Mapping[str, Any], groups: list[M
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
 
 
-def _global_shapes(opt: Checkpointable) -> dict[str, tuple[int, ...]]:
+def _global_shapes(opt: Described) -> dict[str, tuple[int, ...]]:
     """Every parameter's global shape (what the checkpoint's full tensors have)."""
     return {n: opt.spec.param(n).shape for n in opt.params}
 
@@ -447,7 +486,7 @@ def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-def _header(opt: Checkpointable) -> dict[str, Any]:
+def _header(opt: Described) -> dict[str, Any]:
     """Everything but the tensors: what `load_state` checks and restores (identical on every rank)."""
     return {
         "format": STATE_FORMAT,
@@ -480,13 +519,23 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
     return field, int(t), int(tp), int(offset)
 
 
+def sharded_meta(opt: Described, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """The small metadata entry every rank holds alike: the header and the groups' hyper-parameters."""
+    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
+    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    return {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
+
+
+def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str:
+    """A flat piece of a full tensor (a TP size 1 piece) starting at element `offset`."""
+    return _piece_key(prefix, kind, name, field, 0, 1, offset)
+
+
 def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, Any]:
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
     metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
-    # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
-    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
-    out: dict[str, Any] = {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
+    out = sharded_meta(opt, prefix)
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name
         states, masters = _saved_here(part)
@@ -506,6 +555,32 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
 def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
     at any DP x TP layout, rebuild the layout-independent form for it, and load that."""
+    # every part's entries under the model's names
+    hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
+    applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
+    tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
+
+    def wants(name: str, lo: int, hi: int) -> Wants:
+        # a TP-replicated parameter's pieces were written by TP rank 0 only
+        source = tp_rank if _tp_dim(opt, name) is not None else 0
+        return lambda t, tp, offset, meta: tp != tp_size or (t == source and _overlaps(meta, offset, lo, hi))
+
+    needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
+             for n, r in _local_ranges(part).items()}
+    meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
+    load_by_name(opt, meta, meta.get("param_groups", []), state)
+
+
+Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset, its metadata) -> read it
+
+
+def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[str], applies: list[str],
+                 needs: Mapping[str, Wants]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the header with the groups, the state by name) of what a rank needs, read from a checkpoint
+    written by `sharded_state` (or FSDP's) at any layout: the full-matrix state of the matrices in
+    `hosted`, the scalar fields (step counts) of the others in `applies`, and of each parameter in
+    `needs` the pieces its predicate wants, assembled into full tensors (zeros where none was
+    read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -534,9 +609,6 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
                 else:
                     full_keys.setdefault(name, []).append(key)
     wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
-    # every part's entries under the model's names
-    hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
-    applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
     for name in hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
     # of a matrix whose chunks this rank applies but does not host, the scalar fields (its step):
@@ -545,13 +617,9 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         name: [k for k in full_keys.get(name, []) if not isinstance(entries[k], TensorStorageMetadata)]
         for name in applies if name not in hosted}
     wanted.update({k: placeholder(k) for keys in scalar_fields.values() for k in keys})
-    needs = {part.global_name(n): r for part in _parts(opt) for n, r in _local_ranges(part).items()}
-    tp_rank, tp_size = opt.mesh.rank(TP), opt.mesh.size(TP)
-    for name, (lo, hi) in needs.items():
-        # a TP-replicated parameter's pieces were written by TP rank 0 only
-        source = tp_rank if _tp_dim(opt, name) is not None else 0
+    for name, want in needs.items():
         for _field, t, tp, offset, key in pieces.get(name, []):
-            if tp != tp_size or (t == source and _overlaps(entries[key], offset, lo, hi)):
+            if want(t, tp, offset, entries[key]):
                 wanted[key] = placeholder(key)
     dcp.load(wanted, storage_reader=reader)
 
@@ -563,8 +631,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    meta = json.loads(wanted[f"{prefix}/meta"])
-    load_by_name(opt, meta, meta.get("param_groups", []), state)
+    return json.loads(wanted[f"{prefix}/meta"]), state
 
 
 def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
@@ -576,11 +643,12 @@ def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
 
 
 def _overlaps(meta: Any, offset: int, lo: int, hi: int) -> bool:
+    """Whether a piece at `offset` (its elements, whatever its shape) overlaps [lo, hi)."""
     size = getattr(meta, "size", None)
-    return size is None or (offset < hi and offset + size[0] > lo)
+    return size is None or (offset < hi and offset + math.prod(size) > lo)
 
 
-def _assemble(opt: Checkpointable, name: str, got: list) -> dict[str, Any]:
+def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
     """A parameter's pieces in the layout-independent form: full tensors (zeros where no piece was
     read, outside what this rank loads) and the scalars."""
     spec = opt.spec.param(name)

@@ -41,7 +41,9 @@ from canzona.fileio import is_finite_number
 from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
+from canzona.runtime import fsdp_checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
+from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.fsdp_layout import (
     ParamLayout,
@@ -197,6 +199,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
         super().__init__(param_groups, {})
         self.defaults = defaults_of(configs)
+        self.state = StateHeldElsewhere()  # torch's checkpoint API runs no zero-gradient step
         self._configs = GroupConfigs(configs)
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
@@ -590,6 +593,36 @@ class FsdpOptimizer(torch.optim.Optimizer):
                         self.param_groups[g]["lr"])
             if target is not local:
                 local.copy_(target)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype the optimizer state is kept in: the gradients' on the wire (fp32 under masters)."""
+        return self.grad_dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        """Layout-independent (`canzona.runtime.checkpoint`): full tensors in torch.optim's layout,
+        identical on every rank, the same form as the ZeRO-1 layout's, so that it loads under FSDP2
+        at any size and into `DistributedOptimizer` on an unsharded model. Collective over the
+        exchange group (every rank must call it), bounded by `timeout_s`."""
+        return fsdp_checkpoint.gather_state(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
+        DP x TP layout; checks it belongs to this model and optimizer. Not collective."""
+        fsdp_checkpoint.load_state(self, state_dict)
+
+    def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+        """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
+        only what it holds), keyed as the ZeRO-1 layout's; merge it with the model's state dict to
+        save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`."""
+        return fsdp_checkpoint.sharded_state(self, prefix)
+
+    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+        """Load from a `torch.distributed.checkpoint` written by `sharded_state_dict()` under FSDP2
+        at any size or under the ZeRO-1 layout (a path or a storage reader): each rank reads what
+        its pieces need. Collective (dcp.load)."""
+        fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix)
 
     # --- what users of torch optimizers reach for ----------------------------------------------
 

@@ -342,7 +342,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # torch.distributed.checkpoint's get/set_optimizer_state_dict take an empty `state` for an
         # optimizer that never stepped and run a zero-gradient step to fill it (a collective, and
         # a change of momentum); this optimizer's state lives in its own structures
-        self.state = _StateHeldElsewhere()
+        self.state = checkpoint.StateHeldElsewhere()
         self._configs = GroupConfigs(configs)
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
@@ -945,11 +945,3 @@ def _is_fsdp_flat_parameter(p: Tensor) -> bool:
     except ImportError:  # pragma: no cover - builds without distributed support
         return False
     return isinstance(p, FlatParameter)
-
-
-class _StateHeldElsewhere(dict):
-    """torch.optim's `state`, always true: see the constructor. The optimizer's state lives in
-    `matrix_state`, `adamw_state` and `master`, on the ranks that hold it."""
-
-    def __bool__(self) -> bool:
-        return True

@@ -288,8 +288,9 @@ def _only_the_view_worker(rank: int, world: int) -> bool:
     as through the optimizer itself."""
     from canzona.runtime import DistributedOptimizer, checkpoint
 
-    allowed = set(checkpoint.Checkpointable.__annotations__) | {
-        name for name in vars(checkpoint.Checkpointable) if not name.startswith("_")}
+    protocols = [c for c in checkpoint.Checkpointable.__mro__ if c.__module__ == checkpoint.__name__]  # with Described
+    allowed = {name for c in protocols for name in (*c.__dict__.get("__annotations__", {}), *vars(c))
+               if not name.startswith("_")}
 
     class OnlyTheView:
         def __init__(self, opt):

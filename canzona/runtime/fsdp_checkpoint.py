@@ -1,0 +1,178 @@
+"""Checkpoints of `canzona.runtime.fsdp.FsdpOptimizer` in the layout-independent form of
+`canzona.runtime.checkpoint` (full tensors, torch.optim's layout, canzona's header in every group):
+one format for both layouts, so that a checkpoint taken under FSDP2 at one size loads under FSDP2 at
+another, or into `DistributedOptimizer`'s ZeRO-1 layout, and back.
+
+Where the full tensors come from: a matrix's optimizer state is whole already, on its owner in the
+exchange group; AdamW state (kept flat) and fp32 masters are per rank, each rank's piece a box of
+the global tensor (`canzona.runtime.fsdp_layout`), and are stitched from every member's box. Both travel in
+one object all-gather over the exchange group (bounded by the optimizer's timeout); HSDP replicas
+hold the same state and gather alike, each replica within its own exchange group. Loading cuts
+each full tensor to this rank's box, the matrices' state where this rank owns them, and counts
+every matrix's steps from its saved state (every rank computes the update's scalars).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from canzona.errors import CanzonaError, SpecError
+from canzona.optimizers import matrix_optimizer
+from canzona.runtime.checkpoint import (
+    DCP_PREFIX,
+    _overlaps,
+    _to_cpu,
+    _to_device,
+    full_state,
+    piece_key,
+    read_sharded,
+    read_state,
+    restore_settings,
+    sharded_meta,
+)
+from canzona.runtime.fsdp_layout import Box
+
+if TYPE_CHECKING:
+    from canzona.runtime.fsdp import FsdpOptimizer
+
+
+def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
+    """The whole state, identical on every rank. Collective over the exchange group."""
+    mine = {
+        "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s},
+        "adamw": {n: _to_cpu(s) for n, s in opt.adamw_state.items() if s},
+        "master": {n: m.detach().to("cpu", copy=True) for n, m in opt.master.items()},
+    }
+    try:
+        every = opt.comm.all_gather_object(mine, "optimizer state")  # by member of the exchange group
+    except CanzonaError as e:
+        raise CanzonaError(f"{e}; state_dict() is collective: call it on every rank (each gets the whole "
+                           "state)") from None
+    state: dict[str, dict] = {}
+    for member in every:
+        state.update(member["matrix"])
+    for name in opt.elementwise_names:
+        pieces = {m: member["adamw"][name] for m, member in enumerate(every) if name in member["adamw"]}
+        if pieces:
+            first = next(iter(pieces.values()))
+            entry = {k: v for k, v in first.items() if not isinstance(v, Tensor)}
+            for key in (k for k, v in first.items() if isinstance(v, Tensor)):
+                entry[key] = _stitch(opt, name, {m: s[key] for m, s in pieces.items()})
+            state[name] = entry
+    for name in opt.params:
+        pieces = {m: member["master"][name] for m, member in enumerate(every) if name in member["master"]}
+        if pieces:
+            state.setdefault(name, {})["master"] = _stitch(opt, name, pieces)
+    return full_state(opt, state)
+
+
+def _stitch(opt: FsdpOptimizer, name: str, pieces: Mapping[int, Tensor]) -> Tensor:
+    """A full tensor of `name`'s global shape from members' local pieces (each at its box)."""
+    lay = opt.layout[name]
+    dtype = next(iter(pieces.values())).dtype
+    full = torch.zeros(lay.shape, dtype=dtype)
+    for member, piece in pieces.items():
+        box = lay.boxes[member]
+        if box.numel and lay.sources[member]:
+            full[box.index()] = piece.reshape(box.shape)
+    return full
+
+
+def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load a layout-independent state dict (taken under FSDP2 at any size, or under ZeRO-1 at any
+    DP x TP layout): checks first (a checkpoint of another model or optimizer: one PlanError),
+    then this rank's pieces. Local: no collective."""
+    load_by_name(opt, *read_state(opt, state_dict))
+
+
+def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                 state: Mapping[str, dict]) -> None:
+    """Load a state given by name (`checkpoint.state_by_name`'s form): checks, then this rank's
+    pieces of it (full tensors, or zeros outside what this rank holds)."""
+    state, masters = restore_settings(opt, header, groups, state)
+    device = next(iter(opt.params.values())).to_local().device
+    opt.matrix_state.clear()
+    opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
+    # every rank applies every matrix's update with scalars from its step count
+    taken = matrix_optimizer(opt.optimizer).part("steps_taken")
+    opt.matrix_steps.clear()
+    opt.matrix_steps.update({n: taken(state[n]) if taken is not None and state.get(n) else 0 for n in opt.matrices})
+    opt.adamw_state.clear()
+    for name in opt.elementwise_names:
+        local = opt.params[name].to_local()
+        if name in state and local.numel():
+            # kept flat, as the step keeps them (`adamw_step_` on the flat local shard)
+            opt.adamw_state[name] = {k: _cut(opt, name, v, local).reshape(-1).to(device)
+                                     if isinstance(v, Tensor) else v for k, v in state[name].items()}
+    if opt.master_weights:
+        opt.reset_master_weights()  # from the model's weights, then the saved fp32 masters where kept
+        for name, full in masters.items():
+            if name in opt.params:
+                opt.master[name] = _cut(opt, name, full, opt.params[name].to_local()).float().to(device)
+    opt.checked = None
+
+
+def _cut(opt: FsdpOptimizer, name: str, full: Tensor, local: Tensor) -> Tensor:
+    """This rank's box of a full tensor, shaped as its local shard."""
+    box = opt.layout[name].boxes[opt.rank]
+    return full.reshape(opt.layout[name].shape)[box.index()].reshape(local.shape).clone()
+
+
+# --- torch.distributed.checkpoint: every rank writes only what it holds -------------------------
+
+
+def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any]:
+    """This rank's part of the state as flat `torch.distributed.checkpoint` entries, keyed as the
+    ZeRO-1 layout's (`checkpoint.sharded_state`: a checkpoint written under one layout loads under
+    the other): the whole state of the matrices it owns, its pieces of AdamW state and masters
+    (each the flat range of the full tensor its box is; the lowest member holding a box writes it;
+    HSDP replicas write the same entries, which dcp saves once), and the metadata."""
+    out = sharded_meta(opt, prefix)
+    for name, state in opt.matrix_state.items():
+        for key, value in state.items():
+            out[f"{prefix}/matrix/{name}/{key}"] = value
+    for name in opt.params:
+        lay = opt.layout[name]
+        box = lay.boxes[opt.rank]
+        if not box.numel or not lay.sources[opt.rank]:
+            continue
+        lo, hi = _flat_bounds(box, lay.shape)
+        if hi - lo != box.numel:
+            raise SpecError(f"sharded_state_dict(): {name}'s piece on this rank ({box}) is not a contiguous range "
+                            f"of its {lay.shape} (FSDP x TP): save with state_dict() (full tensors)")
+        kind = "matrix" if name in opt.owner else "adamw"
+        if name in opt.master:
+            out[piece_key(prefix, kind, name, "master", lo)] = opt.master[name].reshape(-1)
+        for key, value in opt.adamw_state.get(name, {}).items():
+            out[piece_key(prefix, "adamw", name, key, lo)] = value.reshape(-1) if isinstance(value, Tensor) else value
+    return out
+
+
+def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+    """Read what this rank needs from a checkpoint written by `sharded_state` under FSDP2 at any
+    size or under the ZeRO-1 layout at any DP x TP layout: the state of the matrices it owns, every
+    matrix's step count, and the pieces that overlap its boxes (every piece of a parameter written
+    at TP > 1); then load it as `load_state` does."""
+    needs = {}
+    for name in opt.params:
+        lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
+        needs[name] = lambda t, tp, offset, meta, lo=lo, hi=hi: tp != 1 or _overlaps(meta, offset, lo, hi)
+    header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    load_by_name(opt, header, header.get("param_groups", []), state)
+
+
+def _flat_bounds(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:
+    """[first, last + 1) of the box's elements in the full tensor, flattened (row-major); the box
+    is a contiguous range when that is its size."""
+    if not box.numel:
+        return 0, 0
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    first = sum(a * s for a, s in zip(box.start, strides))
+    last = sum((a + n - 1) * s for a, n, s in zip(box.start, box.shape, strides))
+    return first, last + 1

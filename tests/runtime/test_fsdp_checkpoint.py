@@ -1,0 +1,458 @@
+"""Checkpoints of the FSDP2 runtime (`FsdpOptimizer.state_dict` / `load_state_dict`,
+`canzona.runtime.fsdp_checkpoint`): the layout-independent form of the ZeRO-1 path (full tensors,
+torch.optim's layout, canzona's header in every group), so that a checkpoint moves between FSDP
+sizes and between FSDP2 and the ZeRO-1 `DistributedOptimizer`, and torch's own API
+(`get_state_dict` / `set_state_dict`, `get/set_optimizer_state_dict` with `dcp.save` / `dcp.load`)
+takes it.
+
+Two spawned groups (the tiny model, `fully_shard` per decoder layer and at the root, fp32 Muon with
+fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data):
+- FSDP 2: the uninterrupted runs (checkpoints taken mid-run: state_dict(), torch's full state dict,
+  a DCP directory), resumed from each in a fresh model of other weights (bit for bit equal to the
+  uninterrupted run); a ZeRO-1 run at DP 2 on the unsharded model resumed from the FSDP checkpoint,
+  and an FSDP run resumed from a ZeRO-1 checkpoint (both bit for bit equal to the same kernels in
+  one process continuing from the checkpoint); bf16 parameters with fp32 masters; a checkpoint of
+  another model refused.
+- FSDP 3: the FSDP 2 checkpoint resharded (state_dict() after loading it is the same checkpoint, bit
+  for bit), and resumed from it and from the DCP directory.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from canzona.harness.launch import run_ranks
+from canzona.harness.training import (
+    TrainSpec,
+    build_model,
+    compare,
+    distributed_worker,
+    emulate,
+    global_batches,
+    micro_batches,
+)
+from canzona.runtime.checkpoint import state_by_name
+
+pytestmark = pytest.mark.distributed  # spawns gloo process groups
+
+SAVE, RESUME = 2, 2
+SPECS = {
+    "muon": TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=SAVE, global_batch=6),
+    # SOAP: the first step only initialises (no update); the step count travels in the checkpoint
+    "soap": TrainSpec(optimizer="soap", matrix_config={"precondition_frequency": 2}, steps=SAVE, global_batch=6),
+}
+BF16 = replace(SPECS["muon"], dtype="bf16")
+DEADLINE_S = 240.0
+
+
+def resume_spec(spec: TrainSpec) -> TrainSpec:
+    """The continuation: fresh data (another seed), RESUME steps."""
+    return replace(spec, steps=RESUME, data_seed=7)
+
+
+# --- in the ranks ---------------------------------------------------------------------------------
+
+
+def fsdp_model(spec: TrainSpec, world: int, seed: int | None = None, hsdp: bool = False):
+    """The tiny model under fully_shard over every rank (`hsdp`: replicated over every rank, as
+    HSDP with one shard per replica), and its optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    model = build_model(spec if seed is None else replace(spec, model_seed=seed))
+    mspec = model.spec()
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+                               spec.adamw_config)
+    return model, opt
+
+
+def train(model, opt, spec: TrainSpec, rank: int, world: int, record: bool = False) -> list:
+    """`spec.steps` steps on `spec`'s data; each step's global gradients when `record`."""
+    grads = []
+    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        (mb,) = micro_batches(tokens, rank, world, 1)
+        model.loss(mb).backward()
+        if record:
+            named = dict(model.named_parameters())
+            grads.append(({n: p.grad.full_tensor() for n, p in named.items()}, set(named)))
+        opt.step()
+    return grads
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_params(model, full: dict[str, torch.Tensor]) -> None:
+    from canzona.runtime.fsdp_layout import local_box
+
+    for n, p in model.named_parameters():
+        p.to_local().copy_(full[n][local_box(p).index()].to(p.dtype))
+
+
+def nested_equal(a: Any, b: Any, where: str = "state") -> str | None:
+    """Where `a` and `b` differ (tensors: dtype, shape, bits), or None."""
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b)) if isinstance(b, dict) else b}"
+        return next((d for k in a if (d := nested_equal(a[k], b[k], f"{where}.{k}"))), None)
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return where
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := nested_equal(x, y, f"{where}[{i}]"))), None)
+    if isinstance(a, torch.Tensor):
+        ok = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return None if ok else where
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) -> dict:
+    """SAVE steps, the checkpoints (state_dict(); torch's full state dict; a DCP directory when
+    `path`), RESUME more: the uninterrupted run."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, opt = fsdp_model(spec, world)
+    train(model, opt, spec, rank, world)
+    ckpt = (full_params(model), opt.state_dict())
+    out: dict[str, Any] = {"ckpt": ckpt}
+    if path is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        out["torch"] = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        # as torchtitan saves: on rank 0 only, offloaded to the CPU
+        rank0 = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out["torch rank 0"] = rank0 if rank == 0 else ({}, {})
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+        sharded = opt.sharded_state_dict()
+        out["sharded keys"] = sorted(sharded)
+        dcp.save(sharded, checkpoint_id=path + "-sharded")  # each rank its own pieces
+        out["untouched"] = nested_equal(opt.state_dict(), ckpt[1])  # None: taking them changed nothing
+    train(model, opt, resume_spec(spec), rank, world)
+    out["final"] = full_params(model)
+    return out
+
+
+def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str], record: bool = False,
+            like: dict | None = None, hsdp: bool = False, save: str | None = None) -> dict:
+    """A fresh model of other weights loads the checkpoint (a state_dict(), or the directory of a
+    sharded one) and runs RESUME steps; state_dict() right after loading is compared with `like`
+    (default: the state dict loaded); `save`: a sharded checkpoint of the state after the steps."""
+    model, opt = fsdp_model(spec, world, seed=7, hsdp=hsdp)
+    load_params(model, ckpt[0])
+    if isinstance(ckpt[1], str):
+        opt.load_sharded_state_dict(ckpt[1])
+    else:
+        opt.load_state_dict(ckpt[1])
+    again = nested_equal(opt.state_dict(), like if like is not None else ckpt[1])
+    grads = train(model, opt, resume_spec(spec), rank, world, record=record)
+    out = {"final": full_params(model), "round trip": again, "grads": grads}
+    if save is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=save)
+        out["state"] = opt.state_dict()
+    return out
+
+
+def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, dict] | None,
+                      path: str | None, from_rank0: bool = False) -> dict:
+    """Resumed through torch's API: set_state_dict from a full state dict (every rank's, or rank
+    0's broadcast), or dcp.load into the template get_model/optimizer_state_dict give."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    model, opt = fsdp_model(spec, world, seed=7)
+    out: dict[str, Any] = {}
+    if from_rank0:  # one call each (set_state_dict takes a rank's empty model state dict for optim_only)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full[0], options=options)
+        set_optimizer_state_dict(model, opt, full[1], options=options)
+    elif full is not None:
+        set_state_dict(model, opt, model_state_dict=full[0], optim_state_dict=full[1],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        template = get_optimizer_state_dict(model, opt)
+        out["template stepped"] = any(s["canzona_stepped"] for s in template["state"].values())
+        state = {"model": get_model_state_dict(model), "optim": template}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    out["state"] = opt.state_dict()
+    train(model, opt, resume_spec(spec), rank, world)
+    out["final"] = full_params(model)
+    return out
+
+
+def refused(spec: TrainSpec, rank: int, world: int, other: dict | None = None) -> str:
+    """The error loading `other` (default: a checkpoint of another model) raises."""
+    if other is None:
+        other = fsdp_model(replace(spec, preset="tiny-untied"), world)[1].state_dict()
+    _, opt = fsdp_model(spec, world)
+    try:
+        opt.load_state_dict(other)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def fsdp2_worker(rank: int, world: int, path: str) -> dict:
+    out: dict[str, Any] = {}
+    for name, spec in SPECS.items():
+        run = straight(spec, rank, world, path if name == "muon" else None)
+        out[name] = {"straight": run, "resumed": resumed(spec, rank, world, run["ckpt"])}
+    muon, run = SPECS["muon"], out["muon"]["straight"]
+    out["torch full"] = torch_api_resumed(muon, rank, world, run["torch"], None)
+    out["torch rank 0"] = torch_api_resumed(muon, rank, world, run["torch rank 0"], None, from_rank0=True)
+    out["dcp"] = torch_api_resumed(muon, rank, world, None, path)
+    # FSDP -> ZeRO-1 (the unsharded model, DP 2), and ZeRO-1 -> FSDP
+    out["zero1 from fsdp"] = distributed_worker(rank, world, resume_spec(muon), {"load": run["ckpt"]})["params"]
+    zero1 = distributed_worker(rank, world, muon, {"save_sharded": path + "-zero1"})
+    out["zero1 ckpt"] = (zero1["params"], zero1["state"])
+    out["fsdp from zero1"] = resumed(muon, rank, world, out["zero1 ckpt"], record=True)
+    # the sharded form (sharded_state_dict / load_sharded_state_dict): FSDP 2 -> FSDP 2, FSDP -> ZeRO-1,
+    # ZeRO-1 -> FSDP
+    params = run["ckpt"][0]
+    out["sharded"] = resumed(muon, rank, world, (params, path + "-sharded"), like=run["ckpt"][1])
+    out["zero1 from fsdp sharded"] = distributed_worker(rank, world, resume_spec(muon),
+                                                        {"load": (params, path + "-sharded")})["params"]
+    out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
+                                             like=zero1["state"])
+    # HSDP (every rank a replica of one shard): the FSDP checkpoint in, its sharded one out to FSDP
+    out["hsdp"] = resumed(muon, rank, world, run["ckpt"], record=True, hsdp=True, save=path + "-hsdp")
+    out["fsdp from hsdp"] = resumed(muon, rank, world, (out["hsdp"]["final"], path + "-hsdp"),
+                                    like=out["hsdp"]["state"])
+    bf16 = straight(BF16, rank, world)
+    out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"])}
+    out["other model"] = refused(muon, rank, world)
+    out["other optimizer"] = refused(muon, rank, world, out["soap"]["straight"]["ckpt"][1])
+    return out
+
+
+def fsdp3_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> dict:
+    muon = SPECS["muon"]
+    return {"resumed": resumed(muon, rank, world, ckpt, record=True),
+            "sharded": resumed(muon, rank, world, (ckpt[0], path + "-sharded"), like=ckpt[1]),
+            "dcp": torch_api_resumed(muon, rank, world, None, path)}
+
+
+# --- the runs -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _dcp_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="canzona-fsdp-ckpt-")
+
+
+@functools.cache
+def run2() -> list[dict]:
+    return run_ranks(fsdp2_worker, 2, _dcp_dir() + "/dcp", deadline_s=DEADLINE_S)
+
+
+@functools.cache
+def run3() -> list[dict]:
+    return run_ranks(fsdp3_worker, 3, run2()[0]["muon"]["straight"]["ckpt"], _dcp_dir() + "/dcp",
+                     deadline_s=DEADLINE_S)
+
+
+# --- same FSDP size -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(SPECS))
+def test_resume_at_the_same_size_is_bit_for_bit(optimizer: str) -> None:
+    ranks = run2()
+    for rank, r in enumerate(ranks):
+        run = r[optimizer]
+        assert run["resumed"]["round trip"] is None, (rank, run["resumed"]["round trip"])
+        exact = compare(run["resumed"]["final"], run["straight"]["final"])
+        assert exact["bit_identical"], (rank, exact)
+        # identical on every rank, in torch.optim's layout, every parameter stepped
+        assert nested_equal(run["straight"]["ckpt"][1], ranks[0][optimizer]["straight"]["ckpt"][1]) is None
+    sd = ranks[0][optimizer]["straight"]["ckpt"][1]
+    header, _, state = state_by_name(sd)
+    assert header["optimizer"] == optimizer
+    assert [g["kind"] for g in sd["param_groups"]] == ["matrix", "adamw"]
+    shapes = {n: tuple(p.shape) for n, p in build_model(SPECS[optimizer]).named_parameters()}
+    assert set(state) == set(shapes) and all(sd["state"][i]["canzona_stepped"] for i in sd["state"])
+    for name, s in state.items():
+        assert all(v.shape[0] in (shapes[name][0], shapes[name][-1]) for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim()), name
+
+
+def test_state_dict_equals_the_zero1_form() -> None:
+    """The same fields, shapes and dtypes as the ZeRO-1 layout's state dict of the same model."""
+    ranks = run2()
+    fsdp = state_by_name(ranks[0]["muon"]["straight"]["ckpt"][1])
+    zero1 = state_by_name(ranks[0]["zero1 ckpt"][1])
+    assert fsdp[0] == zero1[0] and fsdp[1] == zero1[1]
+    for name, s in zero1[2].items():
+        got = fsdp[2][name]
+        assert set(got) == set(s), name
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                assert got[k].shape == v.shape and got[k].dtype == v.dtype, (name, k)
+            else:
+                assert got[k] == v, (name, k)
+
+
+def test_bf16_masters_round_trip() -> None:
+    ranks = run2()
+    for rank, r in enumerate(ranks):
+        run = r["bf16"]
+        assert run["resumed"]["round trip"] is None, (rank, run["resumed"]["round trip"])
+        exact = compare(run["resumed"]["final"], run["straight"]["final"])
+        assert exact["bit_identical"], (rank, exact)
+    state = state_by_name(ranks[0]["bf16"]["straight"]["ckpt"][1])[2]
+    shapes = {n: tuple(p.shape) for n, p in build_model(BF16).named_parameters()}
+    assert set(state) == set(shapes)
+    for name, s in state.items():  # fp32 masters and state, the model bf16
+        assert s["master"].dtype == torch.float32 and tuple(s["master"].shape) == shapes[name], name
+        assert all(v.dtype == torch.float32 for v in s.values() if isinstance(v, torch.Tensor)), name
+        assert s["master"].bfloat16().equal(ranks[0]["bf16"]["straight"]["ckpt"][0][name]), name
+
+
+# --- torch's API --------------------------------------------------------------------------------
+
+
+def test_torch_get_set_state_dict_resumes_bit_for_bit() -> None:
+    for rank, r in enumerate(run2()):
+        want = r["muon"]["straight"]
+        assert want["untouched"] is None, (rank, want["untouched"])  # no zero-gradient step of torch's
+        model_sd, optim_sd = want["torch"]
+        # keyed by the parameters' names (the model's state dict adds the tied lm_head), full tensors
+        assert set(optim_sd["state"]) == {n for n, _ in build_model(SPECS["muon"]).named_parameters()} < set(model_sd)
+        shapes = {n: tuple(p.shape) for n, p in build_model(SPECS["muon"]).named_parameters()}
+        assert all(tuple(optim_sd["state"][n]["exp_avg" if "norm" in n or "embed" in n else "momentum_buffer"].shape)
+                   == shape for n, shape in shapes.items())
+        for how in ("torch full", "torch rank 0"):  # every rank's full state dict, or rank 0's broadcast
+            assert nested_equal(r[how]["state"], want["ckpt"][1]) is None, how
+            exact = compare(r[how]["final"], want["final"])
+            assert exact["bit_identical"], (rank, how, exact)
+    assert run2()[1]["muon"]["straight"]["torch rank 0"] == ({}, {})  # offloaded to rank 0 alone
+
+
+def test_dcp_save_load_resumes_bit_for_bit() -> None:
+    for rank, r in enumerate(run2()):
+        want = r["muon"]["straight"]
+        assert r["dcp"]["template stepped"] is False  # a fresh optimizer's template of zeros
+        assert nested_equal(r["dcp"]["state"], want["ckpt"][1]) is None
+        exact = compare(r["dcp"]["final"], want["final"])
+        assert exact["bit_identical"], (rank, exact)
+
+
+def test_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line() -> None:
+    for r in run2():
+        msg = r["other model"]
+        assert msg.startswith("PlanError: checkpoint is of model 'tiny-untied'"), msg
+        assert "\n" not in msg
+        assert r["other optimizer"] == "PlanError: checkpoint is for soap, this optimizer runs muon"
+
+
+# --- across layouts -----------------------------------------------------------------------------
+
+
+def test_fsdp_checkpoint_resumes_under_zero1() -> None:
+    ckpt = run2()[0]["muon"]["straight"]["ckpt"]
+    want = emulate(resume_spec(SPECS["muon"]), 2, load=ckpt)
+    for rank, r in enumerate(run2()):
+        exact = compare(r["zero1 from fsdp"], want)
+        assert exact["bit_identical"], (rank, exact)
+
+
+def test_zero1_checkpoint_resumes_under_fsdp() -> None:
+    ranks = run2()
+    ckpt = ranks[0]["zero1 ckpt"]
+    res = ranks[0]["fsdp from zero1"]
+    assert res["round trip"] is None, res["round trip"]  # the ZeRO-1 checkpoint, bit for bit
+    want = emulate(resume_spec(SPECS["muon"]), 2, load=ckpt, grads=res["grads"])
+    for rank, r in enumerate(ranks):
+        exact = compare(r["fsdp from zero1"]["final"], want)
+        assert exact["bit_identical"], (rank, exact)
+
+
+def test_fsdp2_checkpoint_resumes_at_fsdp3() -> None:
+    ckpt = run2()[0]["muon"]["straight"]["ckpt"]
+    ranks = run3()
+    res = ranks[0]["resumed"]
+    want = emulate(resume_spec(SPECS["muon"]), 3, load=ckpt, grads=res["grads"])
+    for rank, r in enumerate(ranks):
+        assert r["resumed"]["round trip"] is None, (rank, r["resumed"]["round trip"])  # resharded exactly
+        exact = compare(r["resumed"]["final"], want)
+        assert exact["bit_identical"], (rank, exact)
+        # the DCP directory written at FSDP 2, read at FSDP 3 through torch's API, and the sharded
+        # form written at FSDP 2: the same run
+        assert nested_equal(r["dcp"]["state"], ckpt[1]) is None
+        assert compare(r["dcp"]["final"], r["resumed"]["final"])["bit_identical"], rank
+        assert r["sharded"]["round trip"] is None, (rank, r["sharded"]["round trip"])
+        assert compare(r["sharded"]["final"], r["resumed"]["final"])["bit_identical"], rank
+
+
+# --- the sharded form ---------------------------------------------------------------------------
+
+
+def test_sharded_state_dict_resumes_bit_for_bit() -> None:
+    """Each rank writes its pieces; read back at FSDP 2 it is the same checkpoint and the same run."""
+    for rank, r in enumerate(run2()):
+        assert r["sharded"]["round trip"] is None, (rank, r["sharded"]["round trip"])
+        assert compare(r["sharded"]["final"], r["muon"]["straight"]["final"])["bit_identical"], rank
+
+
+def test_sharded_state_dict_holds_only_what_each_rank_holds() -> None:
+    ranks = run2()
+    keys = [set(r["muon"]["straight"]["sharded keys"]) for r in ranks]
+    matrices = {p.name for p in build_model(SPECS["muon"]).spec().matrix_params()}
+    whole = [{k.split("/")[2] for k in ks if k.startswith("canzona_optimizer/matrix/") and "@" not in k}
+             for ks in keys]
+    assert not whole[0] & whole[1] and whole[0] | whole[1] == matrices  # each matrix from its owner alone
+    pieces = [{k for k in ks if "@" in k} for ks in keys]
+    assert pieces[0] and pieces[1] and not pieces[0] & pieces[1]  # each rank its own pieces
+
+
+def test_hsdp_replicas_load_and_save_alike() -> None:
+    """HSDP (replicas of one shard): the FSDP 2 checkpoint loads (the same run as the same kernels
+    in one process continuing from it), and its sharded checkpoint, written by both replicas, loads
+    back at FSDP 2 as the same state."""
+    ranks = run2()
+    ckpt = ranks[0]["muon"]["straight"]["ckpt"]
+    want = emulate(resume_spec(SPECS["muon"]), 2, load=ckpt, grads=ranks[0]["hsdp"]["grads"])
+    for rank, r in enumerate(ranks):
+        assert r["hsdp"]["round trip"] is None, (rank, r["hsdp"]["round trip"])
+        assert compare(r["hsdp"]["final"], want)["bit_identical"], rank
+        assert nested_equal(r["hsdp"]["state"], ranks[0]["hsdp"]["state"]) is None
+        assert r["fsdp from hsdp"]["round trip"] is None, (rank, r["fsdp from hsdp"]["round trip"])
+
+
+def test_sharded_state_dict_moves_between_fsdp_and_zero1() -> None:
+    ranks = run2()
+    for rank, r in enumerate(ranks):  # the same runs as from the full state dicts
+        assert compare(r["zero1 from fsdp sharded"], r["zero1 from fsdp"])["bit_identical"], rank
+        assert r["fsdp from zero1 sharded"]["round trip"] is None, (rank, r["fsdp from zero1 sharded"]["round trip"])
+        assert compare(r["fsdp from zero1 sharded"]["final"], r["fsdp from zero1"]["final"])["bit_identical"], rank
