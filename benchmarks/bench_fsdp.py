@@ -297,6 +297,11 @@ def main() -> int:
                  "ranks (0: muon_fsdp2's Newton-Schulz ran eager).")
     console.print(t)
     for r in results:
+        step = r["step"]
+        console.print(f"{r['world']} ranks: canzona / muon_fsdp2 = {step['canzona'] / step['muon_fsdp2']:.2f} "
+                      f"(median step {step['canzona']:.1f} / {step['muon_fsdp2']:.1f} ms, max |p_a - p_b| "
+                      f"{r['diff']:.2e})")
+    for r in results:
         if r["compiled"] or not r["disabled"]:
             console.print(f"[bold red]{r['world']} ranks: torch.compile was used[/]")
         for side, rows in r["top"].items():
