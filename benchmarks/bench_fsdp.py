@@ -25,7 +25,10 @@ adjust_lr_fn="match_rms_adamw", muon_fsdp2's rms_scale=True), the same lr, no we
 (betas 0.9 / 0.95, eps 1e-8) on the embedding, the head and the norms. The two partitions are built
 independently (canzona's from the spec's roles, muon_fsdp2's by the usual name rule) and printed;
 a mismatch is reported in red. The only differences left: Newton-Schulz's normalisation (muon_fsdp2
-divides by ||X|| + 1e-7, canzona by max(||X||, 1e-7)) and where the lr and scale are multiplied in.
+divides by ||X|| + 1e-7, canzona by max(||X||, 1e-7)), its bf16 operations (muon_fsdp2: mm, mul and
+add apart; canzona: addmm) and where the lr and scale are multiplied in. On one matrix (384 x 384,
+1152 x 384) the two updates agree to 3e-6 relative with Newton-Schulz in fp32, and to 4-6 % of the
+largest element in bf16: bf16 rounding, amplified by the iteration, is all that separates them.
 
 Measured: each round, ONE forward / backward on the muon_fsdp2 copy produces the gradients (same data
 on every round and rank count), which are copied into the canzona copy's `.grad` (same DTensor
@@ -282,16 +285,17 @@ def main() -> int:
     wall = time.perf_counter() - t0
     partition_report(console, results[0]["matrices"])
     t = Table(title=f"optimizer.step() alone, median of {args.rounds} rounds, slowest rank per round")
-    for col in ("ranks", "muon_fsdp2 ms", "canzona ms", "canzona / muon_fsdp2", "per-round ratio (min-max)",
+    for col in ("ranks", "muon_fsdp2 ms", "canzona ms", "canzona / muon_fsdp2", "paired ratio: median (min-max)",
                 "max |p_a - p_b|", "moved from init", "dynamo frames"):
         t.add_column(col, justify="right")
     for r in results:
         step = r["step"]
         t.add_row(str(r["world"]), f"{step['muon_fsdp2']:.1f}", f"{step['canzona']:.1f}",
                   f"{step['canzona'] / step['muon_fsdp2']:.2f}",
-                  f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}", f"{r['diff']:.2e}", f"{r['moved']:.2e}",
+                  f"{statistics.median(r['ratios']):.2f} ({min(r['ratios']):.2f}-{max(r['ratios']):.2f})", f"{r['diff']:.2e}", f"{r['moved']:.2e}",
                   str(r["compiled"]) if r["disabled"] else "[red]dynamo on[/]")
-    t.caption = (f"after {args.warmup + args.rounds} steps of each side from the same weights on the same gradients: "
+    t.caption = ("paired ratio: canzona's step over muon_fsdp2's in the same round (adjacent steps: less exposed to "
+                 f"load that comes and goes); after {args.warmup + args.rounds} steps of each side from the same weights on the same gradients: "
                  "max |p_a - p_b| over every parameter element (not checked; bf16 Newton-Schulz); moved from "
                  "init: the smallest max change of a parameter. dynamo frames: frames torch.compile handled in the "
                  "ranks (0: muon_fsdp2's Newton-Schulz ran eager).")
