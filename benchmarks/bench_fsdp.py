@@ -37,7 +37,8 @@ the two sides in alternating order (A B, B A, ...), so load from other processes
 2-core machine hits both alike. Reported per rank count: the median step of each side and the ratio
 canzona / muon_fsdp2 (below 1: canzona is faster), and, after the same steps from the same weights
 on the same gradients, the largest absolute difference between the two sides' parameters (reported,
-not checked). `--profile`: one more step per side under torch.profiler on rank 0, its top operators.
+not checked). `--profile`: one more step per side under torch.profiler on rank 0, its top operators, and 3 more
+muon_fsdp2 steps with its module functions timed on every rank (where its step goes).
 No timing is asserted anywhere: the machine is shared and noisy; only ratios from one run mean much.
 
 Run: python3 benchmarks/bench_fsdp.py [--ranks 2 4] [--rounds 12] [--warmup 2] [--hidden 384]
@@ -194,14 +195,16 @@ def worker(rank: int, world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dic
     a = dict(models["muon_fsdp2"].named_parameters())
     diff = max(largest(a[n].to_local() - p.to_local()) for n, p in dst.items())
     moved = min(largest(p.to_local() - init[n]) for n, p in dst.items() if p.to_local().numel())
-    top = {}
+    top, phases = {}, {}
     if profile:
         top = profiled(rank, opts, src, dst, shard_batch(tokens, rank, world))
+        phases = muon_fsdp2_phases(opts["muon_fsdp2"], src, shard_batch(tokens, rank, world))
     compiled = sum(torch._dynamo.utils.counters["frames"].values()) + sum(
         torch._dynamo.utils.counters["stats"].values())
     return {"times": times, "diff": diff, "moved": moved, "loss": losses, "compiled": compiled,
             "dynamo_disabled": bool(torch._dynamo.config.disable),
-            "matrices": {"muon_fsdp2": muon_fsdp2_matrices(src), "canzona": canzona_matrices(spec)}, "top": top}
+            "matrices": {"muon_fsdp2": muon_fsdp2_matrices(src), "canzona": canzona_matrices(spec)}, "top": top,
+            "phases": phases}
 
 
 def largest(t: torch.Tensor) -> float:
@@ -229,6 +232,60 @@ def profiled(rank: int, opts: dict, src, dst: dict, batch: torch.Tensor) -> dict
     return out
 
 
+MUON_FSDP2_PHASES = ("momentum", "gather issue", "gather wait", "newton-schulz", "scatter", "scaling", "adam")
+
+
+def muon_fsdp2_phases(opt, model, batch: torch.Tensor, steps: int = 3) -> dict[str, float]:
+    """Where muon_fsdp2's step goes on this rank (ms per step, mean of `steps` more steps): its module
+    functions timed by shadowing them (they are looked up as globals at each call); `other`: the rest
+    of the step (the DTensor parameter updates, zeros, the Python around them)."""
+    import muon_fsdp2 as m
+
+    spent = dict.fromkeys((*MUON_FSDP2_PHASES, "step"), 0.0)
+
+    def timed(fn, phase):
+        def inner(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - t0
+        return inner
+
+    class Handle:  # times the wait of an async gather
+        def __init__(self, h):
+            self.h = h
+
+        def wait(self):
+            t0 = time.perf_counter()
+            self.h.wait()
+            spent["gather wait"] += time.perf_counter() - t0
+
+    names = ("apply_momentum", "gather", "zeropower_via_newtonschulz5", "scatter", "apply_scaling", "adam_update")
+    saved = {n: getattr(m, n) for n in names}
+    gather = timed(saved["gather"], "gather issue")
+    try:
+        m.apply_momentum = timed(saved["apply_momentum"], "momentum")
+        m.gather = lambda *a, **k: Handle(gather(*a, **k))
+        m.zeropower_via_newtonschulz5 = timed(saved["zeropower_via_newtonschulz5"], "newton-schulz")
+        m.scatter = timed(saved["scatter"], "scatter")
+        m.apply_scaling = timed(saved["apply_scaling"], "scaling")
+        m.adam_update = timed(saved["adam_update"], "adam")
+        for _ in range(steps):
+            opt.zero_grad()
+            model.loss(batch).backward()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            spent["step"] += time.perf_counter() - t0
+    finally:
+        for n, f in saved.items():
+            setattr(m, n, f)
+    out = {k: v / steps * 1e3 for k, v in spent.items()}
+    out["other"] = out["step"] - sum(out[k] for k in MUON_FSDP2_PHASES)
+    return out
+
+
 def ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
@@ -243,7 +300,8 @@ def run(world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dict], rounds: in
             "diff": max(r["diff"] for r in per_rank), "moved": min(r["moved"] for r in per_rank),
             "compiled": sum(r["compiled"] for r in per_rank),
             "disabled": all(r["dynamo_disabled"] for r in per_rank),
-            "matrices": per_rank[0]["matrices"], "top": per_rank[0]["top"], "loss": per_rank[0]["loss"]}
+            "matrices": per_rank[0]["matrices"], "top": per_rank[0]["top"], "loss": per_rank[0]["loss"],
+            "phases": [r["phases"] for r in per_rank]}
 
 
 def partition_report(console: Console, matrices: dict[str, list[str]]) -> bool:
@@ -314,6 +372,18 @@ def main() -> int:
                 p.add_column(col, justify="left" if col == "operator" else "right")
             for key, self_ms, calls in rows:
                 p.add_row(key, f"{self_ms:.1f}", str(calls))
+            console.print(p)
+        if r["phases"] and r["phases"][0]:
+            cols = (*MUON_FSDP2_PHASES, "other", "step")
+            p = Table(title=f"{r['world']} ranks: where muon_fsdp2's step goes, ms per step (3 more steps), per rank")
+            p.add_column("rank", justify="right")
+            for col in cols:
+                p.add_column(col, justify="right")
+            for k, ph in enumerate(r["phases"]):
+                p.add_row(str(k), *(f"{ph[c]:.1f}" for c in cols))
+            p.caption = ("gather issue / wait: the async gather of a matrix's row shards to its owner; scatter: "
+                         "synchronous, includes waiting for the owner's Newton-Schulz; momentum, scaling, adam: "
+                         "elementwise on DTensors; other: the DTensor parameter updates and the rest")
             console.print(p)
     console.print(f"wall {wall:.1f} s, torch {torch.__version__}, load average before / after "
                   f"{load[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
