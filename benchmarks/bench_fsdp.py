@@ -167,6 +167,16 @@ def worker(rank: int, world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dic
 
     torch._dynamo.config.disable = True  # the fork server may have imported torch before the variable was set
     torch._dynamo.utils.counters.clear()
+    import importlib
+
+    import muon_fsdp2
+
+    # With dynamo disabled when muon_fsdp2 is imported, its `@torch.compile` returns nsloop_torch as
+    # is; imported before (a wrapper), the wrapper would refuse to run (fullgraph=True with dynamo
+    # off): import it afresh.
+    if hasattr(muon_fsdp2.nsloop_torch, "_torchdynamo_orig_callable"):
+        importlib.reload(muon_fsdp2)
+    eager = not hasattr(muon_fsdp2.nsloop_torch, "_torchdynamo_orig_callable")
     mesh = init_device_mesh("cpu", (world,))
     models, opts = {}, {}
     models["muon_fsdp2"], spec = sharded_model(cfg, mesh)
@@ -209,7 +219,7 @@ def worker(rank: int, world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dic
     compiled = sum(torch._dynamo.utils.counters["frames"].values()) + sum(
         torch._dynamo.utils.counters["stats"].values())
     return {"times": times, "diff": diff, "moved": moved, "loss": losses, "compiled": compiled,
-            "dynamo_disabled": bool(torch._dynamo.config.disable),
+            "dynamo_disabled": bool(torch._dynamo.config.disable) and eager,
             "matrices": {"muon_fsdp2": muon_fsdp2_matrices(src), "canzona": canzona_matrices(spec)}, "top": top,
             "phases": phases}
 
@@ -363,7 +373,7 @@ def main() -> int:
                  f"load that comes and goes); after {args.warmup + args.rounds} steps of each side from the same weights on the same gradients: "
                  "max |p_a - p_b| over every parameter element (not checked; bf16 Newton-Schulz); moved from "
                  "init: the smallest max change of a parameter. dynamo frames: frames torch.compile handled in the "
-                 "ranks (0: muon_fsdp2's Newton-Schulz ran eager).")
+                 "ranks (0, with dynamo disabled and muon_fsdp2's nsloop_torch the plain function: it ran eager).")
     console.print(t)
     for r in results:
         step = r["step"]
