@@ -165,15 +165,17 @@ def worker(rank: int, world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dic
 
     from reference.data import shard_batch, synthetic_batches
 
-    torch._dynamo.config.disable = True  # the fork server may have imported torch before the variable was set
+    # torch.compile returns the function as is when TORCHDYNAMO_DISABLE=1 at decoration time (the
+    # ranks inherit it from main's process); dynamo's config too, for any other compiled frame.
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
     torch._dynamo.utils.counters.clear()
     import importlib
 
     import muon_fsdp2
 
-    # With dynamo disabled when muon_fsdp2 is imported, its `@torch.compile` returns nsloop_torch as
-    # is; imported before (a wrapper), the wrapper would refuse to run (fullgraph=True with dynamo
-    # off): import it afresh.
+    # Imported before with dynamo on, nsloop_torch would be a wrapper that refuses to run
+    # (fullgraph=True with dynamo off): import it afresh.
     if hasattr(muon_fsdp2.nsloop_torch, "_torchdynamo_orig_callable"):
         importlib.reload(muon_fsdp2)
     eager = not hasattr(muon_fsdp2.nsloop_torch, "_torchdynamo_orig_callable")
