@@ -14,10 +14,10 @@ optimizer:
   `scatter` of the rows back; Adam on the `use_muon=False` group, elementwise on the DTensors.
   Its Newton-Schulz loop is `@torch.compile(fullgraph=True)`: it runs EAGER here (dynamo disabled in
   every rank before the step; the ranks report how many frames dynamo compiled: must be 0);
-- `canzona`: canzona's FSDP optimizer (one all-to-all of every matrix's row shards to their
-  owners, Newton-Schulz there, one all-to-all back; AdamW on the local shards of the rest), built in
-  ONE place, `make_canzona` (today the prototype `FsdpOptimizer` of branch wip-fsdp-runtime, a
-  temporary copy in benchmarks/_fsdp_proto.py; swap it for `canzona.runtime.DistributedOptimizer` there).
+- `canzona`: `canzona.runtime.DistributedOptimizer` on the FSDP2 parameters (its FSDP step: the
+  matrices' row shards to their owners by variable-size all-to-alls in micro-groups, Newton-Schulz
+  there, the update rows back; AdamW on the local shards of the rest), built in ONE place,
+  `make_canzona`.
 
 Same math on both sides: Muon with Nesterov momentum 0.95, 5 Newton-Schulz steps with (3.4445,
 -4.7750, 2.0315) in bf16, the Moonlight scaling 0.2 sqrt(max(rows, cols)) (canzona's
@@ -62,9 +62,6 @@ os.environ["TORCHDYNAMO_DISABLE"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmark this checkout (spawned ranks inherit sys.path)
     sys.path.insert(0, str(ROOT))
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the ranks import this file (and _fsdp_proto) as top-level modules
-    sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -105,17 +102,12 @@ def configs(lr: float) -> tuple[dict, dict]:
 
 
 def make_canzona(model: torch.nn.Module, spec, cfg: tuple[dict, dict]):
-    """canzona's optimizer for the fully_shard model: THE one place it is built.
+    """canzona's optimizer for the fully_shard model: THE one place it is built. `DistributedOptimizer`
+    given FSDP2 DTensor parameters runs the FSDP step (canzona.runtime.fsdp.FsdpOptimizer). (Until it
+    took them, this built the prototype FsdpOptimizer of branch wip-fsdp-runtime, a temporary copy.)"""
+    from canzona.runtime import DistributedOptimizer
 
-    TEMPORARY: the prototype `FsdpOptimizer` (branch wip-fsdp-runtime, copied as
-    benchmarks/_fsdp_proto.py). Once `canzona.runtime.DistributedOptimizer` takes FSDP2 DTensor
-    parameters, replace the two lines below by
-        from canzona.runtime import DistributedOptimizer
-        return DistributedOptimizer(model.named_parameters(), spec, "muon", matrix_config=cfg[0], adamw_config=cfg[1])
-    and delete benchmarks/_fsdp_proto.py."""
-    from _fsdp_proto import FsdpOptimizer
-
-    return FsdpOptimizer(model.named_parameters(), spec, "muon", cfg[0], cfg[1])
+    return DistributedOptimizer(model.named_parameters(), spec, "muon", matrix_config=cfg[0], adamw_config=cfg[1])
 
 
 def canzona_matrices(spec) -> list[str]:
@@ -223,7 +215,8 @@ def worker(rank: int, world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dic
     return {"times": times, "diff": diff, "moved": moved, "loss": losses, "compiled": compiled,
             "dynamo_disabled": bool(torch._dynamo.config.disable) and eager,
             "matrices": {"muon_fsdp2": muon_fsdp2_matrices(src), "canzona": canzona_matrices(spec)}, "top": top,
-            "phases": phases}
+            "phases": phases,
+            "canzona_class": f"{type(opts['canzona']).__module__}.{type(opts['canzona']).__name__}"}
 
 
 def largest(t: torch.Tensor) -> float:
@@ -320,7 +313,7 @@ def run(world: int, cfg: TinyQwen3Config, opt_cfg: tuple[dict, dict], rounds: in
             "compiled": sum(r["compiled"] for r in per_rank),
             "disabled": all(r["dynamo_disabled"] for r in per_rank),
             "matrices": per_rank[0]["matrices"], "top": per_rank[0]["top"], "loss": per_rank[0]["loss"],
-            "phases": [r["phases"] for r in per_rank]}
+            "phases": [r["phases"] for r in per_rank], "canzona_class": per_rank[0]["canzona_class"]}
 
 
 def partition_report(console: Console, matrices: dict[str, list[str]]) -> bool:
@@ -360,6 +353,7 @@ def main() -> int:
     t0 = time.perf_counter()
     results = [run(w, cfg, opt_cfg, args.rounds, args.warmup, args.profile) for w in args.ranks]
     wall = time.perf_counter() - t0
+    console.print(f"canzona's optimizer: {results[0]['canzona_class']} (make_canzona)")
     partition_report(console, results[0]["matrices"])
     t = Table(title=f"optimizer.step() alone, median of {args.rounds} rounds, slowest rank per round")
     for col in ("ranks", "muon_fsdp2 ms", "canzona ms", "canzona / muon_fsdp2", "paired ratio: median (min-max)",
