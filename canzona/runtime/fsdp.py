@@ -71,6 +71,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_
+from canzona.runtime.shards import local_tensor
 from canzona.spec import ModelSpec
 from canzona.step_policies import get_fsdp_policy
 
@@ -294,7 +295,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # --- the step check --------------------------------------------------------------------------
 
     def _local_grad(self, name: str) -> Tensor:
-        return self.params[name].grad.to_local()
+        return local_tensor(self.params[name].grad)  # DTensor.to_local() is an autograd call
 
     def _grad(self, name: str) -> Tensor:
         """This rank's piece of the gradient as the step uses it: in the dtype the step runs in,
@@ -491,7 +492,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  if self.layout[n].sources[me]]
         in_splits = [self._sizes(by_owner[d], me, sent=True) for d in range(size)]
         out_splits = [self._sizes(by_owner[me], s, sent=True) for s in range(size)]
-        device = self.params[names[0]].to_local().device
+        device = local_tensor(self.params[names[0]]).device
         sent = torch.cat(parts) if parts else torch.empty(0, dtype=self.grad_dtype, device=device)
         received = torch.empty(sum(out_splits), dtype=self.grad_dtype, device=device)
         work = self.comm.all_to_all(received, sent, out_splits, in_splits, f"gradients of micro-group {k}")
@@ -555,7 +556,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  for d in range(size) for n in by_owner[me]]
         in_splits = [self._sizes(by_owner[me], d, sent=False) for d in range(size)]
         out_splits = [self._sizes(by_owner[s], me, sent=False) for s in range(size)]
-        device = self.params[names[0]].to_local().device
+        device = local_tensor(self.params[names[0]]).device
         sent = torch.cat(parts) if parts else torch.empty(0, dtype=self._update_dtype, device=device)
         chunks = torch.empty(sum(out_splits), dtype=self._update_dtype, device=device)
         work = self.comm.all_to_all(chunks, sent, out_splits, in_splits, f"updates of micro-group {k}")
@@ -567,7 +568,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         work.wait()
         pos = 0
         for n in order:
-            local = self.params[n].to_local()
+            local = local_tensor(self.params[n])
             chunk = chunks[pos:pos + local.numel()].view(local.shape)
             pos += local.numel()
             target = self.master.get(n, local)
@@ -581,7 +582,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         for n in self.elementwise_names:
             if not got[n]:
                 continue
-            local = self.params[n].to_local()
+            local = local_tensor(self.params[n])
             if not local.numel():
                 continue
             g = self._group_of[n]
