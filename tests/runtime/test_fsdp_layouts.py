@@ -41,12 +41,12 @@ BASE = TrainSpec(optimizer="muon", matrix_config={"ns_dtype": "fp32"}, steps=3, 
 CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     # name: (world, spec, how the model is sharded)
     "fsdp-4": (4, BASE, {}),
-    "hsdp": (4, BASE, {"mesh": (2, 2), "names": ("replicate", "shard")}),
+    "hsdp": (4, BASE, {"mesh": (2, 2), "names": ("replicate", "shard"), "checkpoint": True}),
     "mixed-precision": (2, BASE, {"mp": True}),
     "bf16-shards": (2, replace(BASE, dtype="bf16"), {}),
     "accumulate": (2, replace(BASE, accumulation=2), {}),
     "no-reshard": (2, BASE, {"reshard": False}),
-    "fsdp-tp": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True}),
+    "fsdp-tp": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True, "checkpoint": True}),
     # torch's own clip_grad_norm_ on the sharded model (DTensor gradients) before step()
     "torch-clip": (2, replace(BASE, clip_norm=None), {"torch_clip": 0.05}),
     "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
@@ -116,8 +116,34 @@ def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
             opt.clip_grad_norm_(spec.clip_norm)
         opt.step()
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return {"params": params, "grads": grads, "owned": sorted(opt.matrix_state), "norms": norms,
+    resumed = checkpoint_round_trip(model, opt, spec, how) if how.get("checkpoint") else None
+    return {"resumed": resumed, "params": params, "grads": grads, "owned": sorted(opt.matrix_state), "norms": norms,
             "exchange": opt.size, "dtypes": {str(p.dtype) for p in model.parameters()}}
+
+
+def checkpoint_round_trip(model, opt, spec: TrainSpec, how: dict) -> dict:
+    """The layout-independent checkpoint under this layout: a fresh model of other weights loads
+    the parameters and `opt.state_dict()`; its own state_dict() is the same checkpoint, and one more
+    step on both (the same data) leaves them equal, bit for bit."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from tests.runtime.test_fsdp_checkpoint import full_params, load_params, nested_equal
+
+    sd = opt.state_dict()
+    other, mspec = shard_model(replace(spec, model_seed=spec.model_seed + 5), how)
+    opt2 = DistributedOptimizer(named_parameters(other), mspec, spec.optimizer, spec.matrix_config,
+                                spec.adamw_config)
+    load_params(other, full_params(model))
+    opt2.load_state_dict(sd)
+    same_checkpoint = nested_equal(opt2.state_dict(), sd)
+    me, dp = data_rank(how)
+    tokens = global_batches(replace(spec, data_seed=9, steps=1), model.model.embed_tokens.weight.shape[0])[0]
+    for m, o in ((model, opt), (other, opt2)):
+        o.zero_grad()
+        m.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
+        o.step()
+    a, b = full_params(model), full_params(other)
+    return {"difference": same_checkpoint, "equal": a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)}
 
 
 # a larger variant (torch.compile takes about a minute per rank on a 2-core machine)
@@ -176,6 +202,9 @@ def check_case(case: str, results: list[dict], world: int, spec: TrainSpec, how:
     replicas = world // exchange
     owned = [n for r in results for n in r["owned"]]
     assert sorted(owned) == sorted(list(matrices) * replicas)
+    if how.get("checkpoint"):  # the checkpoint round trip under this layout
+        for r in results:
+            assert r["resumed"]["difference"] is None and r["resumed"]["equal"], r["resumed"]
     if how.get("torch_clip"):  # torch's clipping really clipped, and the step took the clipped gradients
         assert all(n > how["torch_clip"] for n in results[0]["norms"])
     if case == "bf16-shards":
