@@ -16,12 +16,33 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from canzona.cost import CostModel, row_state_bytes
+from canzona.errors import SpecError
 from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
 from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
 
 ROOT = -1  # the root unit's key: the parameters outside the decoder layers
 MAX_OWNER_GROUPS = 8  # owner policies' micro-groups: at most this many (`owner_micro_groups`)
+
+
+def check_hsdp(fsdp: bool, dp: int, replicate: int) -> int:
+    """The FSDP / HSDP layout of `dp` data-parallel ranks with `replicate` replicas (HSDP's replicate
+    axis, `--hsdp-replicate`): the shard size S = dp / R (0 without FSDP), or one SpecError (one
+    line). The simulator (`sim.fsdp.check_fsdp`) and `canzona verify --fsdp` run the same layouts."""
+    r = replicate
+    if isinstance(r, bool) or not (isinstance(r, int) and r >= 1):
+        raise SpecError(f"--hsdp-replicate must be a whole number >= 1, got {r!r}")
+    if not fsdp:
+        if r != 1:
+            raise SpecError("--hsdp-replicate is HSDP's replicate axis: it needs --fsdp")
+        return 0
+    if dp % r:
+        raise SpecError(f"--hsdp-replicate {r} must divide the {dp} data-parallel ranks")
+    shard = dp // r
+    if shard < 2:
+        raise SpecError(f"--hsdp-replicate {r} leaves a shard group of {shard} rank: shard over at least 2 "
+                        f"(replicate at most {dp // 2})")
+    return shard
 
 
 @dataclass(frozen=True, kw_only=True)

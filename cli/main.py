@@ -395,8 +395,9 @@ OverlapStep = Annotated[bool, typer.Option(
          "and apply them after the step check (DistributedOptimizer's overlap_step; canzona only, compare "
          "runs the baselines without it).")]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: parameters, gradients and state sharded over the "
-                                     "DP group, gathered per layer in forward and backward (simulator only; tp, pp, ep 1); "
-                                     "its policies: canzona, fsdp-gather-all, fsdp-owners-unbalanced.")]
+                                     "DP group (torch's fully_shard), gathered per layer in forward and backward (tp, "
+                                     "pp, ep 1); its policies: canzona, fsdp-owners-unbalanced, and in the simulator "
+                                     "fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
@@ -531,12 +532,15 @@ def verify(
         help="Expert parallelism of the mixture-of-experts preset: the dp x tp ranks form EP groups of ep "
              "consecutive ranks, each holding experts / ep of every layer; the experts are owned whole in their "
              "expert-data-parallel groups of dp x tp / ep ranks (under --tp the dense layers are split over TP).")] = 1,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
     as_json: AsJson = False,
 ) -> None:
     """Check the distributed runtime numerically (rung 3): train the tiny model on spawned gloo ranks
     (dp x tp; under TP on a (dp, tp) mesh; under --ep with its experts split over EP groups) and
     compare every rank's parameters with the same kernels in one process (bit for bit) and the
-    reference optimizers (1e-5 relative). Exit code 1 on any mismatch."""
+    reference optimizers (1e-5 relative); under --fsdp the model sharded by torch's fully_shard over
+    the dp ranks (per decoder layer and the root), each rank's shards checked. Exit code 1 on any
+    mismatch."""
     from rich.progress import Progress
 
     try:
@@ -546,7 +550,7 @@ def verify(
         preset = preset or ("tiny-moe" if ep > 1 else "tiny")
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
-                               tp_style=tp_style, ep=ep)
+                               tp_style=tp_style, ep=ep, fsdp=fsdp, hsdp_replicate=hsdp_replicate)
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)

@@ -245,7 +245,7 @@ def compare_table(results) -> Table:
     return t
 
 
-_RUNG_LABELS = {"ranks": "ranks agree", "3a": "3a same kernels", "3b": "3b reference"}
+_RUNG_LABELS = {"ranks": "ranks agree", "replicas": "replicas agree", "3a": "3a same kernels", "3b": "3b reference"}
 
 
 def verify_table(rows) -> Table:
@@ -255,6 +255,10 @@ def verify_table(rows) -> Table:
     layout = f"{r0['dp']} gloo rank(s)" if tp == 1 else f"DP {r0['dp']} x TP {tp} = {r0['dp'] * tp} gloo ranks"
     if ep > 1:
         layout += f", EP {ep} (EDP {r0['dp'] * tp // ep})"
+    fsdp, replicas = r0.get("fsdp", False), r0.get("hsdp_replicate", 1)
+    if fsdp:
+        layout = (f"FSDP2 over {r0['dp']} gloo ranks" if replicas == 1 else
+                  f"HSDP {replicas} replicas x {r0['dp'] // replicas} shards = {r0['dp']} gloo ranks")
     t = Table(title=f"Runtime verification (rung 3): {layout}, {r0['steps']} steps, "
                     f"global batch {r0['global_batch']}, accumulation {r0['accumulation']}, fp32")
     columns = ("optimizer", "policy", "plan") + (("TP", "mode") if tp > 1 else ()) + ("rung", "result")
@@ -275,11 +279,14 @@ def verify_table(rows) -> Table:
                   _RUNG_LABELS.get(r["rung"], r["rung"]), r["result"],
                   "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",
                   "[bold green]PASS[/]" if r["ok"] else "[bold red]FAIL[/]", end_section=last_of_case)
-    t.caption = ("ranks agree: every DP rank holds the same parameters (as DP rank 0 of its TP index; under EP the same "
-                 "experts as the first rank of its EP index). 3a: the "
-                 "distributed run equals the same kernels run in one process on the same global gradients, bit "
-                 f"for bit (each rank its shard). 3b: it stays within {REFERENCE_RTOL:g} relative (max |a - b| / "
-                 "max |b| per tensor) of the reference optimizers.")
+    agree = ("replicas agree: every HSDP replica holds the same shards as the first (one replica: nothing to "
+             "compare). 3a: the distributed run equals the same kernels run in one process on the global gradients "
+             "FSDP2 reduced, bit for bit (each rank its shards)") if fsdp else (
+        "ranks agree: every DP rank holds the same parameters (as DP rank 0 of its TP index; under EP the same "
+        "experts as the first rank of its EP index). 3a: the distributed run equals the same kernels run in one "
+        "process on the same global gradients, bit for bit (each rank its shard)")
+    t.caption = (f"{agree}. 3b: it stays within {REFERENCE_RTOL:g} relative (max |a - b| / max |b| per tensor) of "
+                 "the reference optimizers.")
     return t
 
 

@@ -332,8 +332,9 @@ def with_checkpoint(job: Job, args: argparse.Namespace) -> Job:
 RUN_FIELDS = ("step", "model", "fingerprint", "optimizer", *SAME_DATA)
 
 
-def read_run(folder: Path, manifest: Manifest) -> dict[str, Any]:
-    """The run settings saved with a verified checkpoint (read by this rank alone)."""
+def read_run(folder: Path, manifest: Manifest, writer: str = "examples/train.py") -> dict[str, Any]:
+    """The run settings saved with a verified checkpoint (read by this rank alone); `writer`: the
+    script that writes such checkpoints (examples/fsdp2_train.py reads its own with this too)."""
     reader = SafeFileSystemReader(folder, manifest)
     holder = {RUN_KEY: ""}
     try:
@@ -348,7 +349,7 @@ def read_run(folder: Path, manifest: Manifest) -> dict[str, Any]:
     except CheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - dcp wraps every failure
-        raise SpecError(f"--resume {folder}: not a checkpoint written by examples/train.py ({describe(e)})") from None
+        raise SpecError(f"--resume {folder}: not a checkpoint written by {writer} ({describe(e)})") from None
     return run
 
 

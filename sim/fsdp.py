@@ -37,6 +37,7 @@ from canzona.fsdp_plan import (
     FsdpMatrix,
     FsdpUnit,
     backward_order,
+    check_hsdp,
     fsdp_matrices,
     fsdp_units,
     owner_micro_groups,
@@ -72,13 +73,8 @@ AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two c
 def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     """The FSDP layout of `cfg` is one the simulator runs; returns the shard size S. One SpecError
     (one line) otherwise."""
-    r = cfg.hsdp_replicate
-    if not (isinstance(r, int) and r >= 1):
-        raise SpecError(f"--hsdp-replicate must be a whole number >= 1, got {r!r}")
     if not cfg.fsdp:
-        if r != 1:
-            raise SpecError("--hsdp-replicate is HSDP's replicate axis: it needs --fsdp")
-        return 0
+        return check_hsdp(False, cluster.dp, cfg.hsdp_replicate)
     if cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1:
         raise SpecError(f"--fsdp is simulated at tp 1, pp 1 and ep 1 for now (got tp {cfg.tp}, pp {cfg.pp}, ep {cfg.ep}): "
                         "parameters are sharded over all the GPUs")
@@ -87,12 +83,7 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError(f"--fsdp compares whole-matrix optimizers' step policies; {cfg.optimizer} is elementwise")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
-    if cluster.dp % r:
-        raise SpecError(f"--hsdp-replicate {r} must divide the {cluster.dp} data-parallel ranks")
-    shard = cluster.dp // r
-    if shard < 2:
-        raise SpecError(f"--hsdp-replicate {r} leaves a shard group of {shard} rank: shard over at least 2 "
-                        f"(replicate at most {cluster.dp // 2})")
+    shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     if len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard

@@ -75,6 +75,10 @@ class TrainSpec:
     batch_kernels: bool = STEP_DEFAULTS.batch_kernels  # same-shape matrices of a host as one batched kernel (bit-identical on CPU)
     compile_kernels: bool = STEP_DEFAULTS.compile_kernels  # Newton-Schulz through torch.compile (close to, not equal to, eager)
     overlap_step: bool = STEP_DEFAULTS.overlap_step  # updates computed as buckets land, applied after the check (bit for bit)
+    # torch's FSDP2 (`fully_shard` per decoder layer, then the root) over the dp ranks, HSDP with
+    # `hsdp_replicate` replicas of shard groups of dp / R ranks: `fsdp_worker`
+    fsdp: bool = False
+    hsdp_replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -86,6 +90,12 @@ class TrainSpec:
                             f"= {dp} x {self.accumulation}")
         if self.tp_style not in TP_STYLES:
             raise SpecError(f"unknown TP style {self.tp_style!r}; choose one of {', '.join(TP_STYLES)}")
+        from canzona.fsdp_plan import check_hsdp
+
+        check_hsdp(self.fsdp, dp, self.hsdp_replicate)
+        if self.fsdp and (self.tp > 1 or self.ep > 1):
+            raise SpecError(f"--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1 "
+                            f"(got tp {self.tp}, ep {self.ep})")
 
     def dp_size(self, world: int) -> int:
         if world % self.tp:
@@ -180,6 +190,8 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
     their own hooks saw them."""
     from canzona.runtime.optimizer import DistributedOptimizer
 
+    if spec.fsdp:
+        return fsdp_worker(rank, world, spec, on_step=on_step)
     extra = extra or {}
     dp = spec.dp_size(world)
     model, mspec, group, expert_mesh, dp_rank = parallel_model(spec, rank, world)
@@ -251,6 +263,121 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         "expert_overlapped_steps": opt.experts.overlapped_steps if opt.experts is not None else 0,
         "expert_plan": opt.experts.plan if opt.experts is not None else None,
         "edp_rank": opt.experts.rank if opt.experts is not None else 0,
+    }
+
+
+def fsdp_mesh(spec: TrainSpec, world: int):
+    """FSDP2's device mesh: 1-D over the `world` ranks, or HSDP's (replicate, shard) one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r = spec.hsdp_replicate
+    if r == 1:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    return init_device_mesh("cpu", (r, world // r), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_tiny(model, mesh, mp_policy=None):
+    """`fully_shard` each decoder layer, then the root (torchtitan's wrapping), in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def box_of(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, shape) of this rank's piece of a DTensor (its parameter or gradient)."""
+    from canzona.runtime.fsdp_layout import local_box
+
+    box = local_box(t)
+    return box.start, box.shape
+
+
+def piece(full: Tensor, box: tuple[tuple[int, ...], tuple[int, ...]]) -> Tensor:
+    """The box (`box_of`) of a whole tensor, as a contiguous copy."""
+    start, shape = box
+    return full[tuple(slice(a, a + n) for a, n in zip(start, shape))].contiguous()
+
+
+def gather_whole(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Whole tensors from every rank's pieces of DTensors (FSDP2's parameters or gradients), with
+    ONE all-gather of objects over the default group. Unlike `DTensor.full_tensor`, which fails
+    over gloo on an empty local shard (the last ranks of a small dimension hold no row)."""
+    import torch.distributed as dist
+
+    mine = {n: (box_of(t), local_tensor(t).detach().cpu().clone()) for n, t in named.items()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for n, t in named.items():
+        whole = torch.empty(tuple(t.shape), dtype=mine[n][1].dtype)
+        for pieces in every:  # replicas hold the same pieces
+            (start, shape), x = pieces[n]
+            whole[tuple(slice(a, a + k) for a, k in zip(start, shape))] = x
+        out[n] = whole
+    return out
+
+
+def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int], None] | None = None) -> dict:
+    """One rank of the tiny model under torch's FSDP2 (`fully_shard` per decoder layer and the root,
+    over `fsdp_mesh`) stepped by `DistributedOptimizer` (an `FsdpOptimizer`): train `spec.steps`
+    steps, each step's global gradients gathered whole before the step (rank 0 returns them: the
+    single-process check is fed those), and return this rank's final shards with their boxes."""
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    dp = spec.dp_size(world)
+    spec.check(dp)
+    model = build_model(spec)
+    mspec = model.spec()
+    mesh = fsdp_mesh(spec, world)
+    shard_tiny(model, mesh)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
+                               spec.adamw_config, policy=spec.policy, dp_policy=spec.dp_policy, alpha=spec.alpha,
+                               bucket_size=spec.bucket_size, master_weights=spec.master_weights,
+                               batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels)
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    losses, norms, grads = [], [], []
+    for tokens in global_batches(spec, vocab):
+        (model if spec.zero_grad == "model" else opt).zero_grad()
+        total = 0.0
+        mbs = micro_batches(tokens, rank, dp, spec.accumulation)
+        for k, mb in enumerate(mbs):
+            model.set_requires_gradient_sync(k == len(mbs) - 1)  # FSDP2's no_sync: reduce after the last
+            loss = model.loss(mb) / spec.accumulation
+            loss.backward()
+            total += loss.item()
+        named = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        whole = gather_whole(named)
+        if rank == 0:
+            grads.append((whole, set(named)))
+        if spec.clip_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
+        opt.step()
+        losses.append(total)
+        if on_step is not None:
+            on_step(len(losses))
+    mesh_names = mesh.mesh_dim_names
+    return {
+        "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
+        "boxes": {n: box_of(p) for n, p in model.named_parameters()},
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "overlapped_steps": 0,
+        "state": None,
+        "log": opt.comm.log.to_dicts(),
+        "owned": list(opt.hosted),
+        "hosted": list(opt.hosted),
+        "state_bytes": matrix_state_bytes(opt.matrix_state),
+        "plan": opt.plan,
+        "dp_rank": rank,
+        "tp_rank": 0,
+        "ep_rank": 0,
+        "tp_dims": {p.name: None for p in mspec.params},
+        "shard_rank": mesh.get_local_rank("shard"),
+        "replica": mesh.get_local_rank("replicate") if "replicate" in mesh_names else 0,
     }
 
 

@@ -4,14 +4,18 @@ For each (optimizer, policy, TP scheduler, TP mode) the tiny model is trained fo
 `dp x tp` CPU ranks running `DistributedOptimizer` (under TP on a (`dp`, `tp`) mesh, with the model
 split Megatron-style or as DTensors; under expert parallelism, `ep` > 1, the tiny mixture-of-experts
 model with its experts split over EP groups of `ep` consecutive ranks of the dp x tp ranks, and
-under TP its dense layers split Megatron-style, `reference.tiny_moe_ep`),
+under TP its dense layers split Megatron-style, `reference.tiny_moe_ep`; under `fsdp`, the tiny
+model sharded by torch's FSDP2 `fully_shard` per decoder layer and at the root over the dp ranks, or
+HSDP's replicas of shard groups, `DistributedOptimizer` becoming `canzona.runtime.fsdp.FsdpOptimizer`),
 and the final parameters of every rank are checked three ways:
 
 - `ranks`: every rank holds the same parameters as the first rank of its TP index (under EP, the
-  same experts as the first rank of its EP index), bit for bit;
+  same experts as the first rank of its EP index; under FSDP, the same shards as the first replica
+  of its shard rank: HSDP's replicas agree), bit for bit;
 - `3a`: they equal `training.emulate` (the same kernels in one process, fed the same global
-  gradients; under TP or EP the ranks' recorded gradients, summed as the reductions sum them) bit
-  for bit in fp32, each rank against its shard (under EP: and its experts) of the full result;
+  gradients; under TP or EP the ranks' recorded gradients, summed as the reductions sum them; under
+  FSDP the global gradients FSDP2 reduced, gathered whole each step) bit for bit in fp32, each rank
+  against its shard (under EP: and its experts; under FSDP: its box) of the full result;
 - `3b`: they stay within `REFERENCE_RTOL` relative of `training.reference_run` (the reference
   optimizers of `reference/`).
 
@@ -31,16 +35,25 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from canzona.errors import SpecError
+from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.optimizers import OPTIMIZERS as REGISTERED
 from canzona.plan import PLAN_DEFAULTS, Plan, PlanSettings, plan_for
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy, get_step_policy, policies_running
+from canzona.step_policies import (
+    FSDP_POLICIES,
+    STEP_POLICIES,
+    default_policy,
+    get_step_policy,
+    policies_running,
+)
 from canzona.step_schedule import TP_MODES
 from canzona.tp import TP_POLICIES
 
 POLICIES: tuple[str, ...] = tuple(STEP_POLICIES)
 OPTIMIZERS: tuple[str, ...] = REGISTERED
 TP_SCHEDULERS: tuple[str, ...] = tuple(TP_POLICIES)
+# under --fsdp: the FSDP policies the runtime runs (owners; gather-all is a simulator baseline)
+FSDP_RUNTIME_POLICIES: tuple[str, ...] = tuple(n for n, p in FSDP_POLICIES.items() if not p.gathers_all)
 REFERENCE_RTOL = 1e-5  # rung 3b: multi-step run against the reference optimizers
 # Every rank is a process on this machine (about 300 MB each with torch), and every process holds
 # all steps' batches: these bounds keep a run within a few GB.
@@ -53,6 +66,7 @@ MAX_STEPS = 1000
 MAX_GLOBAL_BATCH = 1024
 RUNGS = {
     "ranks": "every rank equals rank 0 (bit for bit)",
+    "replicas": "every replica holds the same shards (bit for bit)",
     "3a": "equals the same kernels in one process (bit for bit, fp32)",
     "3b": f"within {REFERENCE_RTOL:g} relative of the reference optimizers",
 }
@@ -69,6 +83,8 @@ class VerifyCase:
 
     @property
     def label(self) -> str:
+        if self.spec.fsdp:
+            return f"{self.spec.optimizer} / {self.spec.policy} / fsdp"
         ep = f" / ep {self.spec.ep}" if self.spec.ep > 1 else ""
         if self.spec.tp == 1:
             return f"{self.spec.optimizer} / {self.spec.policy}{ep}"
@@ -99,7 +115,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
             global_batch: int | None = None, tp: int = 1, alpha: float = PLAN_DEFAULTS.alpha,
             bucket_size: int | None = PLAN_DEFAULTS.bucket_size, seq_len: int = 16,
             tp_policy: str = PLAN_DEFAULTS.tp_policy, tp_mode: str = STEP_DEFAULTS.tp_mode,
-            tp_style: str = "megatron", ep: int = 1) -> list[VerifyCase]:
+            tp_style: str = "megatron", ep: int = 1, fsdp: bool = False,
+            hsdp_replicate: int = 1) -> list[VerifyCase]:
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
     `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`
     (`policy="all"`: every policy that runs the optimizer; None: its default). The baselines run
@@ -107,12 +124,16 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
 
     `global_batch` defaults to `4 * dp * accumulation` (always divisible). `ep` > 1: expert
     parallelism over the DP ranks (EP groups of `ep` consecutive ranks), with a mixture-of-experts
-    preset (`reference.tiny_moe.MOE_PRESETS`)."""
+    preset (`reference.tiny_moe.MOE_PRESETS`). `fsdp`: torch's FSDP2 over the dp ranks (HSDP with
+    `hsdp_replicate` replicas), the whole-matrix optimizers under the FSDP owner policies
+    (`canzona.step_policies.FSDP_POLICIES` that the runtime runs; `all`: both)."""
     from canzona.harness.training import TP_STYLES, TrainSpec
     from reference.tiny_model import check_tp, get_preset, model_spec
     from reference.tiny_moe import MOE_PRESETS
 
     _positive("dp", dp)
+    if fsdp or hsdp_replicate != 1:
+        _check_fsdp(dp, tp, ep, preset, optimizer, hsdp_replicate, fsdp)
     if dp > MAX_DP:
         raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
     _positive("tp", tp)
@@ -146,6 +167,10 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                             "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
         mspec = model_spec(cfg)
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
+    if fsdp:  # the whole-matrix optimizers: an elementwise one needs no owners (refused when named)
+        optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS]
+        return _fsdp_cases(mspec, dp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
+                           seq_len, accumulation, preset, hsdp_replicate)
     if policy is not None:
         _choices(policy, POLICIES, "policy")
     recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
@@ -182,6 +207,65 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                         dp_policy=dp_policy, tp_policy=scheduler, alpha=alpha, bucket_size=bucket_size), ep=ep)
                     step.check_dp_plan(plan.dp_plan)
                     cases.append(VerifyCase(spec, plan))
+    return cases
+
+
+def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_replicate: int, fsdp: bool) -> None:
+    """What `--fsdp` runs: the dense tiny presets over the DP ranks alone (FSDP2 with TP, expert
+    parallelism or stacked experts is not verified here), a whole-matrix optimizer, shard groups of
+    at least 2 ranks."""
+    from canzona.fsdp_plan import check_hsdp
+    from reference.tiny_moe import HF_MOE_PRESET, MOE_PRESETS
+
+    if fsdp and (tp > 1 or ep > 1):
+        raise SpecError(f"--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1 (got tp {tp}, "
+                        f"ep {ep}); FSDP x TP and expert parallelism are not verified")
+    if dp > MAX_DP:
+        raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
+    if fsdp and dp < 2:
+        raise SpecError(f"--fsdp shards the model over the DP ranks: give --dp 2 or more, got {dp}")
+    check_hsdp(fsdp, dp, hsdp_replicate)
+    if preset in MOE_PRESETS or preset == HF_MOE_PRESET:
+        raise SpecError(f"--fsdp runs the dense presets: the {preset} model's stacked experts are not run under "
+                        "FSDP2 yet")
+    if optimizer in OPTIMIZERS and optimizer not in MATRIX_OPTIMIZERS:
+        raise SpecError(f"--fsdp verifies the whole-matrix optimizers' owners; {optimizer} is elementwise (torch's "
+                        "own optimizer runs it on FSDP2's shards)")
+
+
+def _fsdp_cases(mspec, dp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str, alpha: float,
+                bucket_size: int | None, steps: int, global_batch: int, seq_len: int, accumulation: int,
+                preset: str, hsdp_replicate: int) -> list[VerifyCase]:
+    """`prepare` under `--fsdp`: per (optimizer, FSDP owner policy), the owners' plan the runtime
+    makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group), made here so that bad settings
+    fail before any spawn."""
+    from canzona.fsdp_plan import check_hsdp, fsdp_matrices
+    from canzona.harness.training import TrainSpec
+    from canzona.step_policies import get_fsdp_policy
+
+    shard = check_hsdp(True, dp, hsdp_replicate)
+    recorded = steps * sum(p.numel for p in mspec.params)
+    if recorded > MAX_RECORDED_ELEMENTS:
+        raise SpecError(f"under --fsdp rank 0 keeps each step's global gradients for the check: {steps} steps of "
+                        f"the {preset} model are {recorded:,} values, above {MAX_RECORDED_ELEMENTS:,}; run at most "
+                        f"{MAX_RECORDED_ELEMENTS // (recorded // steps)} steps")
+    policies = list(FSDP_RUNTIME_POLICIES) if policy == "all" else [policy or "canzona"]
+    for pol in policies:
+        if pol not in FSDP_RUNTIME_POLICIES:
+            what = "is a simulator baseline (every rank computes every matrix)" if pol in FSDP_POLICIES else \
+                "is not an FSDP policy"
+            raise SpecError(f"policy {pol!r} {what}; under --fsdp the runtime runs "
+                            f"{', '.join(FSDP_RUNTIME_POLICIES)} (or all)")
+    cases = []
+    for opt in optimizers:
+        for pol in policies:
+            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
+                             bucket_size=bucket_size, steps=steps, global_batch=global_batch, seq_len=seq_len,
+                             accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate)
+            spec.check(dp)
+            _, plan = fsdp_matrices(mspec, shard, opt, get_fsdp_policy(pol), PlanSettings(
+                dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size))
+            cases.append(VerifyCase(spec, plan))
     return cases
 
 
@@ -268,7 +352,7 @@ def _expected(spec, dp: int, results: Sequence[dict], tick: Callable[[str], None
         reference_run,
     )
 
-    grads = expert_global_gradients(results, spec) if spec.ep > 1 else \
+    grads = results[0]["grads"] if spec.fsdp else expert_global_gradients(results, spec) if spec.ep > 1 else \
         global_gradients_from(results, spec) if spec.tp > 1 else None
     tick(f"emulating {spec.optimizer} in one process")
     emulated = emulate(spec, dp, grads=grads)
@@ -321,7 +405,11 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
         "accumulation": spec.accumulation,
         "global_batch": spec.global_batch,
         "final_loss": float(losses[-1]) if losses else None,
+        "fsdp": spec.fsdp,
+        "hsdp_replicate": spec.hsdp_replicate,
     }
+    if spec.fsdp:
+        return _check_fsdp_case(base, spec, results, emulated, reference)
     params = [r["params"] for r in results]
 
     def shards(full: dict, r: dict) -> dict:
@@ -348,6 +436,43 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     ):
         if rung == "ranks" and dp == 1:
             result = "single rank" if spec.tp == 1 else "one DP rank"
+        elif rung == "3b":
+            result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
+        else:
+            result = "bit-identical" if c["bit_identical"] else "differs"
+        rows.append({**base, "rung": rung, "check": RUNGS[rung], "result": result,
+                     "bit_identical": c["bit_identical"], "max_rel_diff": c["max_rel_diff"],
+                     "tolerance": tol, "worst_param": c["worst_param"], "worst_rank": c["worst_rank"],
+                     "ok": bool(ok)})
+    return rows
+
+
+def _check_fsdp_case(base: dict[str, Any], spec, results: Sequence[dict], emulated: dict,
+                     reference: dict) -> list[dict[str, Any]]:
+    """`check_case` under FSDP: every rank's shards (its boxes of the whole tensors) against the
+    first replica's of its shard rank (HSDP's replicas run alike) and against its boxes of the
+    single-process results."""
+    from canzona.harness.training import piece
+    from canzona.step_policies import get_fsdp_policy
+
+    base = {**base, "plan": f"{get_fsdp_policy(spec.policy).owners} owners"}
+    params = [r["params"] for r in results]
+    first = {r["shard_rank"]: r["params"] for r in reversed(results)}
+
+    def boxes(full: dict, r: dict) -> dict:
+        return {n: piece(full[n], r["boxes"][n]) for n in r["params"]}
+
+    replicas = _worst(params, [first[r["shard_rank"]] for r in results])
+    same = _worst(params, [boxes(emulated, r) for r in results])
+    ref = _worst(params, [boxes(reference, r) for r in results])
+    rows = []
+    for rung, c, ok, tol in (
+        ("replicas", replicas, replicas["bit_identical"], 0.0),
+        ("3a", same, same["bit_identical"], 0.0),
+        ("3b", ref, ref["max_rel_diff"] <= REFERENCE_RTOL, REFERENCE_RTOL),
+    ):
+        if rung == "replicas" and spec.hsdp_replicate == 1:
+            result = "one replica"
         elif rung == "3b":
             result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
         else:

@@ -154,6 +154,67 @@ def test_gradient_accumulation():
     assert result.exit_code == 0 and json.loads(out)["ok"] is True, (out, err)
 
 
+@pytest.mark.distributed
+def test_fsdp_both_owner_policies_bit_for_bit():
+    """`canzona verify --fsdp`: the tiny model under torch's fully_shard over 2 ranks, both owner
+    policies; every rank's shards equal the one-process kernels on FSDP2's reduced gradients."""
+    result, out, err = run("--fsdp", *QUICK, "--policy", "all", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and report["checks"] == 6
+    rows = report["rows"]
+    assert [r["rung"] for r in rows] == ["replicas", "3a", "3b"] * 2
+    assert [r["policy"] for r in rows[::3]] == list(checks.FSDP_RUNTIME_POLICIES) == ["canzona", "fsdp-owners-unbalanced"]
+    assert [r["plan"] for r in rows[::3]] == ["balanced owners", "round-robin owners"]
+    for r in rows:
+        assert (r["fsdp"], r["hsdp_replicate"], r["dp"], r["tp"], r["ep"], r["steps"]) == (True, 1, 2, 1, 1, 2)
+        assert r["ok"] is True and math.isfinite(r["final_loss"])
+        if r["rung"] == "replicas":
+            assert r["result"] == "one replica"
+        if r["rung"] == "3a":
+            assert r["bit_identical"] is True and r["max_rel_diff"] == 0.0
+        if r["rung"] == "3b":
+            assert r["max_rel_diff"] <= checks.REFERENCE_RTOL == r["tolerance"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_table_every_matrix_optimizer():
+    """`--fsdp --hsdp-replicate 2` at DP 4: two replicas of shard groups of 2, their shards alike;
+    the table names the layout."""
+    result, out, err = run("--fsdp", "--dp", "4", "--hsdp-replicate", "2", "--optimizer", "all", "--steps", "2")
+    assert result.exit_code == 0, (out, err)
+    for text in ("HSDP 2 replicas x 2 shards = 4 gloo ranks", "replicas agree", "bit-identical", "soap", "shampoo",
+                 "balanced owners", "3a same kernels", "PASS", "all checks passed"):
+        assert text in out, text
+    assert "FAIL" not in out and "adamw" not in out  # `all` under --fsdp: the whole-matrix optimizers
+
+
+def _whole_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from canzona.harness.training import gather_whole
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {"a": torch.arange(8.0).view(2, 4), "b": torch.arange(7.0)}
+    shards = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+    return {"rows": shards["a"].to_local().shape[0], "whole": gather_whole(shards)}
+
+
+@pytest.mark.distributed
+def test_gather_whole_with_an_empty_shard():
+    """What verify --fsdp records each step: whole tensors from the pieces, where a rank holds none
+    (2 rows over 3 ranks: 1, 1, 0), which DTensor.full_tensor cannot gather over gloo."""
+    from canzona.harness.launch import run_ranks
+
+    results = run_ranks(_whole_worker, 3, deadline_s=120.0)
+    assert [r["rows"] for r in results] == [1, 1, 0]
+    for r in results:
+        assert torch.equal(r["whole"]["a"], torch.arange(8.0).view(2, 4))
+        assert torch.equal(r["whole"]["b"], torch.arange(7.0))
+
+
 # --- bad input: one line, exit 2, nothing spawned ----------------------------------------------
 
 
@@ -186,6 +247,18 @@ def test_gradient_accumulation():
     (["--dp", "1", "--ep", "2", "--tp", "8", "--preset", "tiny-moe-attn"], "tp=8 must divide"),
     (["--dp", "8", "--ep", "8"], "ep=8 does not divide the 4 experts"),
     (["--dp", "2", "--ep", "2", "--policy", "zero1"], "zero1"),
+    (["--fsdp", "--tp", "2"], "--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1"),
+    (["--fsdp", "--ep", "2"], "give --tp 1 and --ep 1 (got tp 1, ep 2)"),
+    (["--fsdp", "--dp", "1"], "give --dp 2 or more"),
+    (["--fsdp", "--optimizer", "adamw"], "adamw is elementwise"),
+    (["--fsdp", "--policy", "fsdp-gather-all"], "is a simulator baseline"),
+    (["--fsdp", "--policy", "zero1"], "'zero1' is not an FSDP policy"),
+    (["--fsdp", "--preset", "tiny-moe"], "stacked experts are not run under FSDP2"),
+    (["--hsdp-replicate", "2"], "it needs --fsdp"),
+    (["--fsdp", "--dp", "4", "--hsdp-replicate", "3"], "--hsdp-replicate 3 must divide the 4"),
+    (["--fsdp", "--dp", "2", "--hsdp-replicate", "2"], "shard group of 1 rank"),
+    (["--fsdp", "--dp", "3", "--global-batch", "8"], "not divisible by dp x accumulation"),
+    (["--fsdp", "--steps", "1000", "--preset", "small"], "rank 0 keeps each step's global gradients"),
 ])
 def test_bad_input_is_one_line_exit_2(monkeypatch, args, needle):
     def no_spawn(*a, **k):
