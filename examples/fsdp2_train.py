@@ -99,16 +99,6 @@ WHOLE_MATRIX = tuple(o for o in MATRIX_OPTIMIZERS if o in MATRIX_LR)  # whole-ma
 OWNER_POLICIES = tuple(n for n, p in FSDP_POLICIES.items() if not p.gathers_all)  # what the runtime runs
 
 
-def checkpoints_supported() -> bool:
-    """Whether `FsdpOptimizer` has its own `state_dict` / `load_state_dict` (torch's `get_state_dict`
-    and `set_state_dict` go through them), not `torch.optim.Optimizer`'s, which know nothing of the
-    owners' state."""
-    from canzona.runtime.fsdp import FsdpOptimizer
-
-    return all(getattr(FsdpOptimizer, m) is not getattr(torch.optim.Optimizer, m)
-               for m in ("state_dict", "load_state_dict"))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL),
@@ -178,9 +168,6 @@ def prepare(args: argparse.Namespace) -> Job:
         raise SpecError(f"--batch {args.batch} is not divisible by the {world} ranks")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SpecError("--device cuda, but CUDA is not available here")
-    if (args.save is not None or args.resume is not None) and not checkpoints_supported():
-        raise SpecError("--save / --resume: this canzona's FsdpOptimizer has no state_dict / load_state_dict yet, "
-                        "which torch's get_state_dict and set_state_dict need: train without checkpoints")
     if args.save is not None:
         check_output_folder(args.save, "--save")
     resume = find_checkpoint(args.resume) if args.resume is not None else None

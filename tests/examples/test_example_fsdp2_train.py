@@ -1,14 +1,11 @@
 """`examples/fsdp2_train.py` as a user runs it under torchrun (gloo ranks): the tiny Qwen3 sharded by
 FSDP2's `fully_shard` (per block, then the root; bf16 mixed precision by default) trains with
 canzona's optimizer and its loss falls; bad input is one error line on every rank. Checkpoints
-(torch's `get_state_dict` / `set_state_dict` with DCP) need `FsdpOptimizer.state_dict`: saved at 2
-ranks, a run resumes at 4 and continues, at 2 it continues as the straight run did; until that
-lands they are refused before training (and the resume test is skipped, saying why)."""
+(torch's `get_state_dict` / `set_state_dict` with DCP, through `FsdpOptimizer.state_dict`): saved
+at 2 ranks, a run resumes at 4 and continues, at 2 it continues as the straight run did."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import re
 import subprocess
@@ -54,21 +51,6 @@ def error_lines(done: subprocess.CompletedProcess, ranks: int) -> str:
     return lines[0]
 
 
-@functools.cache
-def checkpoints_supported() -> bool:
-    """The script's own test (`fsdp2_train.checkpoints_supported`): FsdpOptimizer's state_dict."""
-    path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("fsdp2_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fsdp2_train"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        return module.checkpoints_supported()
-    finally:
-        sys.path[:] = path  # the script puts examples/ first, to import examples/train.py
-        del sys.modules["fsdp2_train"]
-
-
 def test_trains_under_fully_shard_and_the_loss_falls(tmp_path):
     log = trained(tmp_path, 2, "--steps", 8)
     assert "2 ranks on cpu (gloo), mixed precision bf16 / fp32 reduce" in log
@@ -89,18 +71,7 @@ def test_bad_input_is_one_error_line_on_every_rank(tmp_path):
     assert line == "error: --batch 7 is not divisible by the 2 ranks"
 
 
-def test_checkpoints_are_refused_before_training_until_the_optimizer_has_a_state_dict(tmp_path):
-    if checkpoints_supported():
-        pytest.skip("FsdpOptimizer has state_dict / load_state_dict: test_save_at_2_ranks_resume_at_4 runs instead")
-    line = error_lines(torchrun(tmp_path, 2, "--steps", 2, "--save", "ckpt"), 2)
-    assert "FsdpOptimizer has no state_dict / load_state_dict yet" in line
-    assert not (tmp_path / "ckpt").exists()
-
-
 def test_save_at_2_ranks_resume_at_4_continues(tmp_path):
-    if not checkpoints_supported():
-        pytest.skip("FsdpOptimizer has no state_dict / load_state_dict yet (torch's get_state_dict and "
-                    "set_state_dict need them): FSDP2 checkpoints are being added")
     straight = trained(tmp_path, 2, "--steps", STEPS, "--save", "ckpt", "--save-every", HALF)
     assert (tmp_path / "ckpt" / f"step_{HALF}").is_dir() and (tmp_path / "ckpt" / f"step_{STEPS}").is_dir()
     want = losses(straight)
