@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -37,7 +37,6 @@ from torch import Tensor
 
 from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
-from canzona.fileio import is_finite_number
 from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
@@ -55,7 +54,6 @@ from canzona.runtime.fsdp_layout import (
     root_mesh,
 )
 from canzona.runtime.gradients import (
-    NONFINITE_POLICIES,
     _all_same,
     _clip_disagreement,
     _clip_word,
@@ -116,21 +114,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands its scaler over; refused in step()
 
     def __init__(self, params: Any, spec: ModelSpec, *args: Any, **kwargs: Any) -> None:
-        from canzona.runtime.optimizer import DistributedOptimizer, _config
+        from canzona.runtime.optimizer import DistributedOptimizer, _config, check_step_options
 
         o = inspect.signature(DistributedOptimizer.__init__).bind(None, params, spec, *args, **kwargs)
         o.apply_defaults()
         opts = dict(o.arguments)
         timeout_s, max_grad_norm, nonfinite = opts["timeout_s"], opts["max_grad_norm"], opts["nonfinite"]
-        if not (is_finite_number(timeout_s) and timeout_s > 0):
-            raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if max_grad_norm is not None and not (is_finite_number(max_grad_norm) and max_grad_norm > 0):
-            raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        for option in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights"):
-            if not isinstance(opts[option], bool):
-                raise SpecError(f"{option} must be True or False, got {opts[option]!r}")
+        check_step_options(timeout_s=timeout_s, max_grad_norm=max_grad_norm, nonfinite=nonfinite,
+                           **{k: opts[k] for k in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights")})
         for option, why in (("plan", "the owners are planned at construction from the model and the mesh"),
                             ("expert_mesh", "expert parallelism with FSDP is not run yet")):
             if opts[option] is not None:
@@ -636,8 +627,3 @@ class FsdpOptimizer(torch.optim.Optimizer):
         `model.set_requires_gradient_sync(False)` on all but the last micro-batch."""
         raise SpecError("under FSDP2, accumulate with model.set_requires_gradient_sync(False) on all but the last "
                         "micro-batch (FSDP2 reduces the gradients, not this optimizer)")
-
-    def state_items(self) -> Iterator[tuple[str, dict]]:
-        """The state this rank holds: the matrices it owns (whole), its AdamW shards."""
-        yield from self.matrix_state.items()
-        yield from self.adamw_state.items()

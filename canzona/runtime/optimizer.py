@@ -262,16 +262,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         params = self.__dict__.pop("_given_params", params)  # read once by __new__
         # everything that can be wrong locally fails here, on every rank, before any collective
-        if not (is_finite_number(timeout_s) and timeout_s > 0):
-            raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if max_grad_norm is not None and not (is_finite_number(max_grad_norm) and max_grad_norm > 0):
-            raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        for option, value in (("batch_kernels", batch_kernels), ("compile_kernels", compile_kernels),
-                              ("overlap_step", overlap_step)):
-            if not isinstance(value, bool):
-                raise SpecError(f"{option} must be True or False, got {value!r}")
+        check_step_options(timeout_s=timeout_s, max_grad_norm=max_grad_norm, nonfinite=nonfinite,
+                           batch_kernels=batch_kernels, compile_kernels=compile_kernels, overlap_step=overlap_step)
         self.geometry = check_geometry(geometry)
         check_expert_buckets(expert_buckets)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -855,6 +847,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix)
+
+
+def check_step_options(*, timeout_s: Any, max_grad_norm: Any, nonfinite: Any, **flags: Any) -> None:
+    """The options every layout's optimizer takes, checked alike (one SpecError line); `flags`:
+    options that are True or False."""
+    if not (is_finite_number(timeout_s) and timeout_s > 0):
+        raise SpecError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if max_grad_norm is not None and not (is_finite_number(max_grad_norm) and max_grad_norm > 0):
+        raise SpecError(f"max_grad_norm must be a positive number (or None: no clipping), got {max_grad_norm!r}")
+    if nonfinite not in NONFINITE_POLICIES:
+        raise SpecError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+    for option, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(f"{option} must be True or False, got {value!r}")
 
 
 # --- the parameter all-gather after the step, one per step policy (docs/design.md §7) ---------
