@@ -24,7 +24,6 @@ their local shards, fp32 gradients on the wire and fp32 optimizer state, as the 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -69,8 +68,8 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_
+from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.shards import local_tensor
-from canzona.spec import ModelSpec
 from canzona.step_policies import get_fsdp_policy
 
 log = logging.getLogger("canzona")
@@ -113,12 +112,10 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler hands its scaler over; refused in step()
 
-    def __init__(self, params: Any, spec: ModelSpec, *args: Any, **kwargs: Any) -> None:
-        from canzona.runtime.optimizer import DistributedOptimizer, _config, check_step_options
-
-        o = inspect.signature(DistributedOptimizer.__init__).bind(None, params, spec, *args, **kwargs)
-        o.apply_defaults()
-        opts = dict(o.arguments)
+    def __init__(self, opts: Mapping[str, Any]) -> None:
+        """`opts`: every argument of `DistributedOptimizer(...)` by name, its defaults filled in (it
+        builds this class)."""
+        params, spec = opts["params"], opts["spec"]
         timeout_s, max_grad_norm, nonfinite = opts["timeout_s"], opts["max_grad_norm"], opts["nonfinite"]
         check_step_options(timeout_s=timeout_s, max_grad_norm=max_grad_norm, nonfinite=nonfinite,
                            **{k: opts[k] for k in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights")})
@@ -143,8 +140,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.overlapped_steps = 0  # never: overlap_step is not run under FSDP2
         self.timeout_s = float(timeout_s)
-        self.adamw_cfg = _config("adamw", opts["adamw_config"])
-        self.matrix_cfg = _config(self.optimizer, opts["matrix_config"])
+        self.adamw_cfg = optimizer_config("adamw", opts["adamw_config"])
+        self.matrix_cfg = optimizer_config(self.optimizer, opts["matrix_config"])
         self.spec = spec
         self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
 
