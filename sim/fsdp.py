@@ -341,8 +341,10 @@ class _FsdpRun:
     # --- memory -----------------------------------------------------------------------------
 
     def memory(self, setup: MemorySetup, dims: LayerDims) -> LayoutMemory:
-        """Every rank of the shard group: its shards of the parameters (fp32 when mixed precision
-        keeps masters: FSDP2 gathers bf16 copies of fp32 shards), gradients and elementwise state;
+        """Every rank of the exchange group (the shard group, under TP its S x T ranks): its shards
+        of the parameters (1 / S of their TP-local elements: numel / (S x T) of a TP-sharded one;
+        fp32 when mixed precision keeps masters: FSDP2 gathers bf16 copies of fp32 shards),
+        gradients and elementwise state;
         the matrix optimizer's state of the matrices it owns whole (owner policies), or under
         gather-all its shard of every matrix's row state (moments and momentum, as muon_fsdp2 keeps
         Muon's on the DTensor shard) and the whole of every matrix's Kronecker factors (Shampoo's
