@@ -395,9 +395,9 @@ OverlapStep = Annotated[bool, typer.Option(
          "and apply them after the step check (DistributedOptimizer's overlap_step; canzona only, compare "
          "runs the baselines without it).")]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: parameters, gradients and state sharded over the "
-                                     "DP group (torch's fully_shard), gathered per layer in forward and backward (tp, "
-                                     "pp, ep 1); its policies: canzona, fsdp-owners-unbalanced, and in the simulator "
-                                     "fsdp-gather-all.")]
+                                     "DP group (torch's fully_shard; under --tp, each TP rank's shard over its DP group, "
+                                     "owners over DP x TP), gathered per layer in forward and backward (pp, ep 1); its "
+                                     "policies: canzona, fsdp-owners-unbalanced, and in the simulator fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]

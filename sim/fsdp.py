@@ -1,6 +1,8 @@
 """FSDP2 / ZeRO-3 and HSDP in the simulator (docs/design.md §2.8): one iteration of a layout whose
 parameters, gradients and optimizer state are sharded over a shard group of S ranks (HSDP: R
-replicas of it, DP = R x S), under one of `canzona.step_policies.FSDP_POLICIES`.
+replicas of it, DP = R x S), under one of `canzona.step_policies.FSDP_POLICIES`, alone or composed
+with TP as torchtitan composes them (`--tp T`: `parallelize_module` over the TP dimension, then
+`fully_shard` over DP).
 
 Phase A (forward / backward, identical on every rank, simulated on rank 0): per FSDP unit (one
 decoder layer; the root unit holds the embedding, the final norm and the head) the bf16 parameters
@@ -8,12 +10,18 @@ are all-gathered before the unit's forward and again before its backward (FSDP2 
 forward), one unit ahead of the compute (FSDP2's prefetch: at most two units unsharded); each
 unit's gradient is reduce-scattered after its backward (every micro-batch, FSDP2's default), and
 under HSDP the reduced shard is all-reduced over the replicate group after the last micro-batch's.
+Under TP the layers' compute is the ZeRO-1 layout's at that TP (`micro_batch_work`, its blocks with
+their sequence-parallel all-gathers and reduce-scatters over the TP group) and the FSDP collectives
+run over each TP rank's DP shard group on its TP-local parameters (`ParamSpec.local_numel`).
 
-Phase B (the step, simulated on every rank of one shard group): each micro-group (one unit's
-matrices, in backward order) under owner policies goes to its owners by one variable-size
-all-to-all of the gradient shards, is computed by them, and comes back by one all-to-all of the
-update shards; under gather-all every rank all-gathers the unit's full gradients and computes
-them all. Micro-groups are pipelined: the next one's exchange runs under this one's compute."""
+Phase B (the step, simulated on every rank of one exchange group: the shard group, under TP its
+S x T ranks, as the runtime's): each micro-group under owner policies goes to its owners (among the
+exchange group's ranks) by one variable-size all-to-all of the gradient pieces, is computed by
+them, and comes back by one all-to-all of the update pieces; under gather-all every rank
+all-gathers the unit's full gradients and computes them all. Micro-groups are pipelined: the next
+one's exchange runs under this one's compute. A rank's piece of a TP-sharded matrix is 1 / (S x T)
+of it; of a TP-replicated one 1 / S, sent by the lowest TP rank holding it (the runtime's dedup) and
+its update received by every TP rank."""
 
 from __future__ import annotations
 
@@ -55,7 +63,7 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import Plan
-from canzona.spec import ModelSpec
+from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
@@ -63,8 +71,8 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
-from sim.iteration import APPLY_PASSES, DP_COMM
-from sim.model_work import micro_batch_work
+from sim.iteration import APPLY_PASSES, DP_COMM, TP_COMM
+from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
@@ -75,9 +83,12 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     (one line) otherwise."""
     if not cfg.fsdp:
         return check_hsdp(False, cluster.dp, cfg.hsdp_replicate)
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1:
-        raise SpecError(f"--fsdp is simulated at tp 1, pp 1 and ep 1 for now (got tp {cfg.tp}, pp {cfg.pp}, ep {cfg.ep}): "
-                        "parameters are sharded over all the GPUs")
+    if cfg.pp > 1 or cfg.ep > 1:
+        raise SpecError(f"--fsdp is simulated at pp 1 and ep 1 for now (got pp {cfg.pp}, ep {cfg.ep}): "
+                        "parameters are sharded over the DP group (x TP)")
+    if cfg.tp > 1 and any(p.role in (Role.EXPERT, Role.ROUTER) for p in spec.params):
+        raise SpecError(f"--fsdp with --tp {cfg.tp} is simulated for dense models; {spec.name!r} has experts "
+                        "(run it at --tp 1)")
     get_fsdp_policy(cfg.policy)
     if matrix_optimizer(cfg.optimizer).elementwise:
         raise SpecError(f"--fsdp compares whole-matrix optimizers' step policies; {cfg.optimizer} is elementwise")
@@ -98,17 +109,34 @@ class _FsdpRun:
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
         self.engine = Engine()
-        self.matrices, self.plan = fsdp_matrices(self.spec, shard, cfg.optimizer, self.policy, cfg.settings,
+        self.tp = cluster.tp
+        self.size = shard * self.tp  # the exchange group: the shard group's DP ranks x TP (the runtime's)
+        self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
                                                  cost_model_for(hw))
         self.units = fsdp_units(self.spec, self.matrices)
-        self.shard_geo = cluster.geometry(list(range(shard)))
-        self.replicate_geo = cluster.geometry([k * shard for k in range(cfg.hsdp_replicate)])
+        # each unit's elements on one TP rank (TP-sharded parameters' 1 / T): what FSDP shards over S
+        self.local: dict[int, int] = {}
+        for p in self.spec.params:
+            key = ROOT if p.layer is None else p.layer
+            self.local[key] = self.local.get(key, 0) + p.local_numel(self.tp)
+        # matrices TP replicates: a piece of 1 / S, held alike by a DP rank's TP ranks (sent by the lowest)
+        self.replicated = {m for m in self.matrices if self.tp > 1 and self.spec.param(m).tp_dim is None}
+        # TP rank 0's shard group and replicas (Megatron order: TP fastest, then DP); replica 0's exchange group
+        self.shard_geo = cluster.geometry([cluster.rank(i, 0) for i in range(shard)])
+        self.replicate_geo = cluster.geometry([cluster.rank(k * shard, 0) for k in range(cfg.hsdp_replicate)])
+        self.members = list(range(self.size))
+        self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
+
+    def piece(self, m: FsdpMatrix) -> int:
+        """The elements of member's piece of `m`: 1 / (S x T) of a TP-sharded matrix, 1 / S of a
+        TP-replicated one."""
+        return -(-m.numel // self.shard) if m.name in self.replicated else -(-m.numel // self.size)
 
     # --- phase A ----------------------------------------------------------------------------
 
     def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
-        cost = collective_cost("all-gather", unit.numel * self.wl.param_bytes, self.shard_geo, self.hw)
+        cost = collective_cost("all-gather", self.local[unit.key] * self.wl.param_bytes, self.shard_geo, self.hw)
         return self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
 
     def _probe(self, before: simpy.Event, wanted: simpy.Event):
@@ -117,12 +145,41 @@ class _FsdpRun:
         yield wanted
         self.stalls.append(self.engine.now - t0)
 
-    def _unit_compute(self, name: str, seconds: float, last: simpy.Event, gathered: simpy.Event) -> simpy.Event:
+    def _unit_compute(self, name: str, blocks: Sequence[Block], last: simpy.Event, gathered: simpy.Event,
+                      gathers_input: int) -> simpy.Event:
         self.engine.env.process(self._probe(last, gathered))
-        return self.engine.compute(0, name, seconds, [last, gathered])
+        if self.tp == 1:
+            return self.engine.compute(0, name, sum(b.seconds for b in blocks), [last, gathered])
+        last = self.engine.env.all_of([last, gathered])
+        for b in blocks:
+            last = self._tp_block(f"{name}.{b.name.rsplit('.', 1)[-1]}", b, gathers_input, last)
+        return last
 
-    def _pass(self, name: str, units: Sequence[FsdpUnit], seconds: dict[int, float], last: simpy.Event,
-              then=None) -> simpy.Event:
+    def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event) -> simpy.Event:
+        """A sequence-parallel block on rank 0 (TP > 1) as the ZeRO-1 layout runs it
+        (`sim.iteration._Stage.block`): all-gather(s) of the input over the TP group, the GEMMs, a
+        reduce-scatter of the output; overlapped as Transformer Engine's TP communication overlap
+        does (`tp_comm_overlap`), or in series."""
+        eng = self.engine
+        if not b.tp_collectives:
+            return eng.compute(0, name, b.seconds, [last])
+        if not self.cfg.options.tp_comm_overlap:
+            for _ in range(gathers_input):
+                last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
+            last = eng.compute(0, name, b.seconds, [last])
+            return eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [last]})[0]
+        gathered = last
+        for _ in range(gathers_input):
+            gathered = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [gathered]})[0]
+        last = eng.compute(0, f"{name} first", b.first_s, [last])
+        last = eng.compute(0, f"{name} middle", b.middle_s, [last, gathered])
+        before_last = last
+        last = eng.compute(0, f"{name} last", b.last_s, [last])
+        scattered = eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [before_last]})[0]
+        return eng.env.all_of([last, scattered])
+
+    def _pass(self, name: str, units: Sequence[FsdpUnit], blocks: dict[int, Sequence[Block]], last: simpy.Event,
+              gathers_input: int, then=None) -> simpy.Event:
         """One pass over `units` in order: each unit's all-gather one unit ahead of its compute
         (issued once the unit two back is computed: at most two units unsharded), its compute after
         the previous unit's and its gather; `then(unit, computed)` after each compute."""
@@ -134,7 +191,8 @@ class _FsdpRun:
                 gathers.append(self._gather(f"{name} all-gather {_label(units[k])}", units[k], freed))
             if k >= 1:
                 unit = units[k - 1]
-                last = self._unit_compute(f"{name} {_label(unit)}", seconds[unit.key], last, gathers[k - 1])
+                last = self._unit_compute(f"{name} {_label(unit)}", blocks[unit.key], last, gathers[k - 1],
+                                          gathers_input)
                 computed.append(last)
                 if then is not None:
                     then(unit, last)
@@ -143,20 +201,23 @@ class _FsdpRun:
     def phase_a(self) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
-        work = micro_batch_work(self.spec, 1, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
+        work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe)
-        fwd = {layer: sum(b.seconds for b in blocks) for layer, blocks in zip(work.layer_ids, work.forward)}
-        bwd = {layer: sum(b.seconds for b in blocks) for layer, blocks in zip(work.layer_ids, work.backward)}
+        fwd = dict(zip(work.layer_ids, work.forward))
+        bwd = dict(zip(work.layer_ids, work.backward))
+        act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
+        self.tp_ag = collective_cost("all-gather", act, self.cluster.tp_geometry(), self.hw)
+        self.tp_rs = collective_cost("reduce-scatter", act, self.cluster.tp_geometry(), self.hw)
         layers = [u for u in self.units if u.key != ROOT]
         root = next((u for u in self.units if u.key == ROOT), None)
         m = wl.micro_batches(self.cluster.dp)
         last = eng.env.event().succeed()
         reduced: list[simpy.Event] = []
-        rs_cost = {u.key: collective_cost("reduce-scatter", u.numel * wl.grad_bytes, self.shard_geo, self.hw)
-                   for u in self.units}
-        ar_cost = {u.key: collective_cost("all-reduce", -(-u.numel // self.shard) * wl.grad_bytes, self.replicate_geo,
+        rs_cost = {u.key: collective_cost("reduce-scatter", self.local[u.key] * wl.grad_bytes, self.shard_geo,
                                           self.hw) for u in self.units}
+        ar_cost = {u.key: collective_cost("all-reduce", -(-self.local[u.key] // self.shard) * wl.grad_bytes,
+                                          self.replicate_geo, self.hw) for u in self.units}
 
         def reduce(unit: FsdpUnit, mb: int, after: simpy.Event) -> None:
             done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
@@ -169,10 +230,11 @@ class _FsdpRun:
         for mb in range(m):
             # the root's parameters (the embedding first) stay gathered through the micro-batch
             root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
-            last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]))
+            last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1)
             last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
             last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
-            last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last,
+            # backward re-gathers each block's input for the weight gradients (sequence parallel)
+            last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last, 2,
                               lambda unit, done, mb=mb: reduce(unit, mb, done))
             if root:
                 reduce(root, mb, last)
@@ -206,13 +268,14 @@ class _FsdpRun:
     def phase_b(self, start: simpy.Event) -> None:
         eng, wl, s = self.engine, self.wl, self.shard
         eng.phase = "B"
-        ranks = list(range(s))
+        ranks = self.members
         ub = FP32 if wl.param_bytes < FP32 else wl.grad_bytes  # the update as sent and applied
-        total = sum(u.numel for u in self.units)
+        total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
         norm_s = sum(self.rate.kernel_seconds(k) for k in
                      gradient_norm_kernels(-(-total // s), self.cfg.options.max_grad_norm is not None))
         begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
-        elementwise = -(-(total - sum(m.numel for m in self.matrices.values())) // s)
+        local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
+        elementwise = -(-(total - local_matrices) // s)
         adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw")))
         done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
         groups = self.micro_groups()
@@ -224,9 +287,10 @@ class _FsdpRun:
             mats = groups[g]
             after = {r: [begin[r]] + ([computed[g - 2][r]] if g >= 2 else []) for r in ranks}
             if self.policy.gathers_all:
-                cost = collective_cost("all-gather", sum(x.numel for x in mats) * wl.grad_bytes, self.shard_geo, self.hw)
+                cost = collective_cost("all-gather", sum(x.numel for x in mats) * wl.grad_bytes, self.exchange_geo,
+                                       self.hw)
             else:
-                cost = matrix_all_to_all_cost(_to_owners(mats, s, wl.grad_bytes), nodes, self.shard_geo, self.hw)
+                cost = matrix_all_to_all_cost(self.to_owners(mats, wl.grad_bytes), nodes, self.exchange_geo, self.hw)
             gathered.append(eng.collective(f"group {g} gather", ranks, cost, DP_COMM, after))
 
         if groups:
@@ -238,42 +302,63 @@ class _FsdpRun:
                 [x for x in mats if x.owner in (None, r)]), [gathered[g][r]]) for r in ranks})
             applied_after = computed[g]
             if not self.policy.gathers_all:
-                sent = [list(row) for row in zip(*_to_owners(mats, s, ub))]  # the owners send each rank its shard
-                cost = matrix_all_to_all_cost(sent, nodes, self.shard_geo, self.hw)
+                cost = matrix_all_to_all_cost(self.from_owners(mats, ub), nodes, self.exchange_geo, self.hw)
                 applied_after = eng.collective(f"group {g} scatter", ranks, cost, DP_COMM,
                                                {r: [computed[g][r]] for r in ranks})
-            shard_numel = -(-sum(x.numel for x in mats) // s)
+            shard_numel = -(-sum(self.spec.param(x.name).local_numel(self.tp) for x in mats) // s)
             apply_s = shard_numel * APPLY_PASSES * FP32 / self.rate.hbm_bytes_per_s + self.rate.launch_s
             done += [eng.compute(r, f"group {g} apply", apply_s, [applied_after[r]]) for r in ranks]
+
+    def _per_owner(self, mats: Sequence[FsdpMatrix], nbytes: int) -> tuple[list[float], list[float]]:
+        """Per owner, the bytes of one member's pieces of the TP-sharded matrices it owns, and of
+        the TP-replicated ones (which only the lowest TP rank of each DP rank sends)."""
+        sharded, replicated = [0.0] * self.size, [0.0] * self.size
+        for m in mats:
+            (replicated if m.name in self.replicated else sharded)[m.owner] += self.piece(m) * nbytes
+        return sharded, replicated
+
+    def to_owners(self, mats: Sequence[FsdpMatrix], nbytes: int) -> list[list[float]]:
+        """sent[s][d]: the bytes of member s's pieces of the matrices member d owns (none to itself)."""
+        sharded, replicated = self._per_owner(mats, nbytes)
+        return [[0.0 if d == src else sharded[d] + (replicated[d] if src % self.tp == 0 else 0.0)
+                 for d in range(self.size)] for src in range(self.size)]
+
+    def from_owners(self, mats: Sequence[FsdpMatrix], nbytes: int) -> list[list[float]]:
+        """sent[o][d]: the bytes of member d's pieces of the updates member o owns, which o sends it
+        (every TP rank receives its TP-replicated pieces)."""
+        sharded, replicated = self._per_owner(mats, nbytes)
+        return [[0.0 if d == o else sharded[o] + replicated[o] for d in range(self.size)] for o in range(self.size)]
 
     # --- memory -----------------------------------------------------------------------------
 
     def memory(self, setup: MemorySetup, dims: LayerDims) -> LayoutMemory:
-        """Every rank of the shard group: its shards of the parameters (fp32 when mixed precision
-        keeps masters: FSDP2 gathers bf16 copies of fp32 shards), gradients and elementwise state;
+        """Every rank of the exchange group (the shard group, under TP its S x T ranks): its shards
+        of the parameters (1 / S of their TP-local elements: numel / (S x T) of a TP-sharded one;
+        fp32 when mixed precision keeps masters: FSDP2 gathers bf16 copies of fp32 shards),
+        gradients and elementwise state;
         the matrix optimizer's state of the matrices it owns whole (owner policies), or under
         gather-all its shard of every matrix's row state (moments and momentum, as muon_fsdp2 keeps
         Muon's on the DTensor shard) and the whole of every matrix's Kronecker factors (Shampoo's
         and SOAP's, which every rank computing every matrix holds); transient: two units' gathered parameters and one unit's unsharded gradient beside
         the activations, or the step's buffers."""
-        s, opt = self.shard, self.cfg.optimizer
-        total = sum(u.numel for u in self.units)
-        matrix_numel = sum(m.numel for m in self.matrices.values())
+        s, opt, tp = self.shard, self.cfg.optimizer, self.tp
+        total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
+        matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)
         shard = -(-total // s)
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
         weights = 0 if mb else shard * pb  # with masters, the fp32 shard is the parameter
-        largest = max(u.numel for u in self.units)
+        largest = max(self.local.values())
         in_flight = 2 * largest * pb + largest * gb
-        acts = activation_bytes(dims, setup, 1)
+        acts = activation_bytes(dims, setup, tp)
         adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
-        for r in range(s):
+        for r in self.members:
             if self.policy.gathers_all:
-                state = -(-sum(m.row_state for m in self.matrices.values()) // s) + \
+                state = -(-sum(m.row_state for m in self.matrices.values()) // self.size) + \
                     sum(m.state - m.row_state for m in self.matrices.values())
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
                 held = [sum(m.numel for m in g) * gb for g in groups]
@@ -289,21 +374,15 @@ class _FsdpRun:
                          default=0)
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
             counted = shard * mb + weights + shard * gb + state + adamw_state + max(acts + in_flight, step)
-            ranks.append(RankMemory(r, 0, r, 0, weights, shard * gb, shard * mb, state, adamw_state, acts,
+            ranks.append(RankMemory(r, 0, r // tp, r % tp, weights, shard * gb, shard * mb, state, adamw_state, acts,
                                     in_flight, step, setup.overhead(counted)))
-        return LayoutMemory(self.policy.name, opt, self.cluster.dp, 1, 1, 0, tuple(ranks))
+        return LayoutMemory(self.policy.name, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
 
 
 def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
 
-def _to_owners(mats: Sequence[FsdpMatrix], shard: int, nbytes: int) -> list[list[float]]:
-    """sent[s][d]: the bytes of rank s's shards of the matrices rank d owns (none to itself)."""
-    per_owner = [0.0] * shard
-    for m in mats:
-        per_owner[m.owner] += -(-m.numel // shard) * nbytes
-    return [[0.0 if d == src else per_owner[d] for d in range(shard)] for src in range(shard)]
 
 
 @dataclass(frozen=True)
@@ -313,6 +392,7 @@ class FsdpOutcome:
     engine: Engine
     plan: Plan  # canzona's owner plan for the shard group (the owners canzona's policy uses)
     shard: int
+    members: int  # the exchange group's ranks (S x T), whose step is simulated
     t_sync: float
     t_end: float
     stalls: float  # the forward's waits for its unit gathers
@@ -331,7 +411,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     run.phase_b(synced)
     t_end = run.engine.run()
     setup = MemorySetup.from_workload(cfg.workload, recompute=cfg.options.recompute, tp_mode=STEP_DEFAULTS.tp_mode)
-    return FsdpOutcome(run.engine, run.plan, shard, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
+    return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
 __all__ = ["FSDP_POLICIES", "check_fsdp", "simulate_fsdp"]

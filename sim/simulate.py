@@ -261,7 +261,8 @@ class SimResult:
                 {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
-            **({"fsdp": {"shard": cfg.gpus // cfg.hsdp_replicate, "replicate": cfg.hsdp_replicate}} if cfg.fsdp else {}),
+            **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate}}
+               if cfg.fsdp else {}),
             "dp": cfg.gpus // (cfg.tp * cfg.pp),
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
@@ -371,7 +372,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
                          iteration_time_s=run.t_end, optimizer_step_s=run.t_end - run.t_sync,
                          grad_sync_end_s=run.t_sync, param_gather_exposed_s=run.stalls,
                          spans=tuple(run.engine.spans),
-                         **timing(run.engine, cfg, model[1], model[0], hw, range(run.shard), run.t_sync, run.t_end,
+                         **timing(run.engine, cfg, model[1], model[0], hw, range(run.members), run.t_sync, run.t_end,
                                   cluster))
     # every candidate plan of the same layout, the fastest iteration kept (the first of equals):
     # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks

@@ -1,6 +1,7 @@
 """The FSDP2 / ZeRO-3 and HSDP layout in the simulator (issue 21, sim.fsdp): relations between its
 three step policies, its memory against ZeRO-1's, HSDP's replicate all-reduce, the option's checks,
-and the default layout left as it was. Relations only, no absolute times."""
+the default layout left as it was, and FSDP x TP (torchtitan's composition, as the runtime runs it:
+owners over the DP x TP exchange group). Relations only, no absolute times."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from canzona.errors import SpecError
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES
+from sim.options import RunOptions
 from sim.simulate import SimConfig, compare, compared_policies, simulate
 from tests.cli_helpers import error_line, invoke
 
@@ -69,7 +71,9 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(hsdp_replicate=3), "must divide the 64"),
     (dict(hsdp_replicate=64), "shard group of 1 rank"),
     (dict(fsdp=False, hsdp_replicate=2), "needs --fsdp"),
-    (dict(tp=8), "tp 1, pp 1 and ep 1"),
+    (dict(pp=2), "pp 1 and ep 1"),  # FSDP x TP runs (issue: FSDP x TP in the simulator); FSDP x PP does not
+    (dict(tp=2, options=RunOptions(overlap_step=True)), "without --overlap-step"),
+    (dict(model="qwen3-30b-a3b", tp=2), "simulated for dense models"),
     (dict(policy="zero1-gather"), "unknown policy 'zero1-gather' under --fsdp"),
     (dict(optimizer="adamw", policy="canzona"), "elementwise"),
 ])
@@ -137,3 +141,96 @@ def test_owners_batch_same_shape_matrices_as_the_runtime():
             assert max(on.rank_optimizer_s) < max(off.rank_optimizer_s), policy
         else:
             assert on.rank_optimizer_s == off.rank_optimizer_s, policy
+
+
+# --- FSDP x TP (docs/design.md §2.8): TP compute and collectives in phase A, FSDP's collectives on
+# TP-local parameters over each TP rank's shard group, owners over the DP x TP exchange group
+
+
+@pytest.fixture(scope="module")
+def tp_results(results):
+    out = {1: results}
+    for tp in (2, 4):
+        out[tp] = {r.config.policy: r for r in compare(replace(BASE, tp=tp))}
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fsdp_tp_runs_the_three_policies(tp_results, tp):
+    results = tp_results[tp]
+    assert tuple(results) == tuple(FSDP_POLICIES)
+    assert len({round(r.grad_sync_end_s, 9) for r in results.values()}) == 1  # phase A is common ground
+    cz, ga, rr = results["canzona"], results["fsdp-gather-all"], results["fsdp-owners-unbalanced"]
+    assert cz.optimizer_step_s < ga.optimizer_step_s and cz.iteration_time_s < ga.iteration_time_s
+    assert min(ga.rank_optimizer_s) > 10 * max(cz.rank_optimizer_s)
+    assert rr.optimizer_step_s >= cz.optimizer_step_s
+    # the step runs on the whole exchange group: DP x TP = 64 ranks, one memory row each
+    assert len(cz.rank_optimizer_s) == 64 and len(cz.memory.ranks) == 64 and cz.memory.tp == tp
+    assert {m.tp_rank for m in cz.memory.ranks} == set(range(tp))
+
+
+def test_fsdp_tp_phase_a_runs_the_tp_blocks_and_gathers_per_micro_batch(tp_results):
+    r = tp_results[2]["canzona"]
+    names = [s.name for s in r.spans if s.phase == "A" and s.kind == "comm"]
+    micro_batches = r.config.workload.micro_batches(32)  # DP 32: twice tp 1's micro-batches per rank
+    assert micro_batches == 2 * BASE.workload.micro_batches(64)
+    assert sum("fwd all-gather layer" in n for n in names) == 36 * micro_batches
+    assert sum("reduce-scatter layer" in n for n in names) == 36 * micro_batches
+    # sequence parallel: per layer's two blocks one all-gather in forward, two in backward, one reduce-scatter each
+    assert sum(" tp all-gather" in n for n in names) == 36 * 2 * (1 + 2) * micro_batches
+    assert sum(" tp reduce-scatter" in n for n in names) == 36 * 2 * 2 * micro_batches
+    assert not any(" tp " in s.name for s in tp_results[1]["canzona"].spans)
+
+
+def test_fsdp_tp_owners_and_pieces_over_the_exchange_group(tp_results):
+    """Owners are planned over DP x TP (`fsdp_matrices(spec, dp * tp)`: 64 ranks at tp 1, 2 and 4)
+    and every qwen3 matrix is TP-sharded, so each rank's piece is 1/64 of each matrix at every TP:
+    the same owners, the same all-to-alls over the same 64 GPUs, the same matrix state."""
+    def all_to_alls(r):
+        spans = [s for s in r.spans if s.phase == "B" and s.name.endswith((" gather", " scatter"))]
+        return spans, {s.name: round(s.end - s.start, 12) for s in spans}
+
+    one, one_times = all_to_alls(tp_results[1]["canzona"])
+    for tp in (2, 4):
+        r = tp_results[tp]["canzona"]
+        spans, times = all_to_alls(r)
+        assert {s.rank for s in spans} == set(range(64))  # the all-to-alls span dp x tp ranks
+        assert times == one_times
+        assert r.memory.worst.matrix_state == tp_results[1]["canzona"].memory.worst.matrix_state
+
+
+def test_fsdp_tp_memory(tp_results):
+    """Per GPU: TP-sharded parameters' shards are 1/(S x T) of them, TP-replicated ones (the norms)
+    1/S, so the gradient shard at TP 2 is tp 1's plus the norms' extra, under 1% on qwen3-8b;
+    activations shrink with TP (sequence parallel), so the total does; and below ZeRO-1 at the same TP."""
+    from canzona.models import resolve_model
+
+    spec, _ = resolve_model("qwen3-8b", 2)
+    local = sum(p.local_numel(2) for p in spec.params)
+    one, two, four = (tp_results[t]["canzona"].memory.worst for t in (1, 2, 4))
+    assert two.grads == -(-local // 32) * BASE.workload.grad_bytes
+    assert one.grads <= two.grads < 1.01 * one.grads
+    assert two.weights + two.grads + two.master_weights < 1.01 * (one.weights + one.grads + one.master_weights)
+    assert four.activations < two.activations < one.activations
+    assert four.total < two.total < one.total
+    zero1 = simulate(replace(BASE, tp=2, fsdp=False, policy="zero1-gather"))
+    assert two.total < zero1.memory.worst.total
+
+
+def test_hsdp_with_tp():
+    r = simulate(replace(BASE, tp=2, hsdp_replicate=2))
+    assert r.to_dict()["fsdp"] == {"shard": 16, "replicate": 2}
+    assert len([s for s in r.spans if "over replicas" in s.name]) == 37  # 36 layers and the root, once
+    # one replica's exchange group: its 16 DP ranks x TP 2, consecutive ranks
+    assert {s.rank for s in r.spans if s.phase == "B"} == set(range(32)) and len(r.memory.ranks) == 32
+
+
+def test_cli_accepts_fsdp_with_tp():
+    result = invoke("simulate", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--global-batch", 16)
+    assert result.exit_code == 0, result.output
+    assert "owners over 8 x TP 2" in " ".join(result.stdout.split())
+    result = invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--hsdp-replicate", 2,
+                    "--global-batch", 16)
+    assert result.exit_code == 0, result.output
+    result = invoke("simulate", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--pp", 2)
+    error_line(result, "pp 1 and ep 1")
