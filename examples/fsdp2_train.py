@@ -41,7 +41,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +62,6 @@ from train import (  # examples/train.py: the same arguments, errors, data and c
     SAME_DATA,
     BadInput,
     Parser,
-    checked,
-    describe,
-    disagreement,
-    error_line,
-    exit_together,
-    fail_together,
     find_checkpoint,
     launched_world,
     lr_factor,
@@ -77,10 +70,11 @@ from train import (  # examples/train.py: the same arguments, errors, data and c
     number,
     read_run,
     resume_changes,
+    run_script,
     tiny_config,
 )
 
-from canzona.errors import CanzonaError, SpecError
+from canzona.errors import SpecError
 from canzona.models import resolve_spec
 from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.runtime.atomic_files import check_output_folder
@@ -319,44 +313,7 @@ def train(job: Job, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        rank, _, local_rank = launched_world()
-    except BadInput as e:  # not under torchrun: no peers to wait for
-        error_line(f"error: {e}")
-        return 2
-    args, error = checked(lambda: parse_args(argv))
-    cuda = args is not None and args.device == "cuda" and torch.cuda.is_available()
-    timeout = args.timeout if args is not None else 300.0
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    try:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
-    except (dist.DistError, RuntimeError, ValueError) as e:
-        error_line(f"error: rank {rank}: cannot start the process group: {describe(e)}")
-        return 1
-    try:
-        if fail_together(error, timeout) or fail_together(disagreement(args, timeout), timeout):
-            return 2
-        job, error = checked(lambda: prepare(args))
-        if fail_together(error, timeout):
-            return 2
-        if job.resume is not None:
-            job, error = checked(lambda: with_checkpoint(job, args))
-            if fail_together(error, timeout):
-                return 2
-        train(job, args)
-        exit_together(torch.zeros(1, dtype=torch.int64), timeout)
-    except (CanzonaError, dist.DistError, dcp.CheckpointException, OSError) as e:
-        error_line(f"error: rank {rank}: {describe(e)}")
-        try:
-            exit_together(torch.ones(1, dtype=torch.int64), 10.0)
-        except Exception:  # noqa: BLE001, S110 - leaving anyway
-            pass
-        return 1
-    finally:
-        dist.destroy_process_group()
-    return 0
-
+    return run_script(argv, parse_args=parse_args, prepare=prepare, with_checkpoint=with_checkpoint, train=train)
 
 if __name__ == "__main__":
     status = main()

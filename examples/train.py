@@ -629,6 +629,14 @@ def checked(step: Callable[[], T]) -> tuple[T | None, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_script(argv, parse_args=parse_args, prepare=prepare, with_checkpoint=with_checkpoint, train=train)
+
+
+def run_script(argv: list[str] | None, *, parse_args: Callable, prepare: Callable, with_checkpoint: Callable,
+               train: Callable) -> int:
+    """A training script's life under torchrun, given its steps (this script's, or another built
+    on it, `fsdp2_train.py`): arguments, the process group, the checks that end in one `error:`
+    line on every rank before any training, a resume, training, leaving together."""
     try:
         rank, _, local_rank = launched_world()
     except BadInput as e:  # not under torchrun: no peers to wait for
