@@ -428,14 +428,23 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
         "bit_identical": True, "max_rel_diff": 0.0, "worst_param": "", "worst_rank": None}
     same = _worst(params, [shards(emulated, r) for r in results])
     ref = _worst(params, [shards(reference, r) for r in results])
+    alone = None if dp > 1 else "single rank" if spec.tp == 1 else "one DP rank"
+    return _rung_rows(base, ("ranks", ranks), same, ref, alone)
+
+
+def _rung_rows(base: dict[str, Any], first: tuple[str, dict], same: dict, ref: dict,
+               alone: str | None) -> list[dict[str, Any]]:
+    """The rows of one case: the first rung (the ranks or the replicas alike; `alone`: what it
+    says where there is nothing to compare), 3a (the same kernels, bit for bit) and 3b (the
+    reference optimizers, within REFERENCE_RTOL)."""
     rows = []
     for rung, c, ok, tol in (
-        ("ranks", ranks, ranks["bit_identical"], 0.0),
+        (first[0], first[1], first[1]["bit_identical"], 0.0),
         ("3a", same, same["bit_identical"], 0.0),
         ("3b", ref, ref["max_rel_diff"] <= REFERENCE_RTOL, REFERENCE_RTOL),
     ):
-        if rung == "ranks" and dp == 1:
-            result = "single rank" if spec.tp == 1 else "one DP rank"
+        if rung == first[0] and alone is not None:
+            result = alone
         elif rung == "3b":
             result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
         else:
@@ -465,23 +474,7 @@ def _check_fsdp_case(base: dict[str, Any], spec, results: Sequence[dict], emulat
     replicas = _worst(params, [first[r["shard_rank"]] for r in results])
     same = _worst(params, [boxes(emulated, r) for r in results])
     ref = _worst(params, [boxes(reference, r) for r in results])
-    rows = []
-    for rung, c, ok, tol in (
-        ("replicas", replicas, replicas["bit_identical"], 0.0),
-        ("3a", same, same["bit_identical"], 0.0),
-        ("3b", ref, ref["max_rel_diff"] <= REFERENCE_RTOL, REFERENCE_RTOL),
-    ):
-        if rung == "replicas" and spec.hsdp_replicate == 1:
-            result = "one replica"
-        elif rung == "3b":
-            result = "bit-identical" if c["bit_identical"] else f"max rel {_fmt(c['max_rel_diff'])}"
-        else:
-            result = "bit-identical" if c["bit_identical"] else "differs"
-        rows.append({**base, "rung": rung, "check": RUNGS[rung], "result": result,
-                     "bit_identical": c["bit_identical"], "max_rel_diff": c["max_rel_diff"],
-                     "tolerance": tol, "worst_param": c["worst_param"], "worst_rank": c["worst_rank"],
-                     "ok": bool(ok)})
-    return rows
+    return _rung_rows(base, ("replicas", replicas), same, ref, "one replica" if spec.hsdp_replicate == 1 else None)
 
 
 def _fmt(x: float) -> str:
