@@ -217,25 +217,9 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         else:
             opt.load_state_dict(state)
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
-    losses, norms, grads = [], [], []
-    for tokens in global_batches(spec, vocab):
-        (model if spec.zero_grad == "model" else opt).zero_grad()
-        total = 0.0
-        mbs = micro_batches(tokens, dp_rank, dp, spec.accumulation)
-        for k, mb in enumerate(mbs):
-            ctx = opt.no_sync() if k < len(mbs) - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = model.loss(mb) / spec.accumulation
-                loss.backward()
-            total += loss.item()
-        if recorder is not None:
-            grads.append(recorder.take())
-        if spec.clip_norm is not None:
-            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
-        opt.step()
-        losses.append(total)
-        if on_step is not None:
-            on_step(len(losses))
+    losses, norms, grads = train_steps(
+        model, opt, spec, vocab, dp_rank, dp, lambda k, n: opt.no_sync() if k < n - 1 else contextlib.nullcontext(),
+        recorder.take if recorder is not None else None, on_step)
     opt.wait_params()  # the parameters are read below, outside a forward
     if "save_sharded" in extra:  # a torch.distributed.checkpoint directory
         import torch.distributed.checkpoint as dcp
@@ -320,6 +304,35 @@ def gather_whole(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def train_steps(model, opt, spec: TrainSpec, vocab: int, dp_rank: int, dp: int,
+                sync: Callable[[int, int], contextlib.AbstractContextManager],
+                record: Callable[[], Any] | None = None,
+                on_step: Callable[[int], None] | None = None) -> tuple[list[float], list[float], list[Any]]:
+    """`spec.steps` training steps of `model` on this DP rank's share of the global batches:
+    micro-batch k of n runs its backward inside `sync(k, n)` (the layout's accumulation), then
+    `record()` (kept unless None), clipping, the step. Returns the losses, the norms clipping
+    returned and the records."""
+    losses, norms, grads = [], [], []
+    for tokens in global_batches(spec, vocab):
+        (model if spec.zero_grad == "model" else opt).zero_grad()
+        total = 0.0
+        mbs = micro_batches(tokens, dp_rank, dp, spec.accumulation)
+        for k, mb in enumerate(mbs):
+            with sync(k, len(mbs)):
+                loss = model.loss(mb) / spec.accumulation
+                loss.backward()
+            total += loss.item()
+        if record is not None and (kept := record()) is not None:
+            grads.append(kept)
+        if spec.clip_norm is not None:
+            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
+        opt.step()
+        losses.append(total)
+        if on_step is not None:
+            on_step(len(losses))
+    return losses, norms, grads
+
+
 def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int], None] | None = None) -> dict:
     """One rank of the tiny model under torch's FSDP2 (`fully_shard` per decoder layer and the root,
     over `fsdp_mesh`) stepped by `DistributedOptimizer` (an `FsdpOptimizer`): train `spec.steps`
@@ -337,27 +350,17 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
                                spec.adamw_config, policy=spec.policy, dp_policy=spec.dp_policy, alpha=spec.alpha,
                                bucket_size=spec.bucket_size, master_weights=spec.master_weights,
                                batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels)
-    vocab = mspec.param("model.embed_tokens.weight").shape[0]
-    losses, norms, grads = [], [], []
-    for tokens in global_batches(spec, vocab):
-        (model if spec.zero_grad == "model" else opt).zero_grad()
-        total = 0.0
-        mbs = micro_batches(tokens, rank, dp, spec.accumulation)
-        for k, mb in enumerate(mbs):
-            model.set_requires_gradient_sync(k == len(mbs) - 1)  # FSDP2's no_sync: reduce after the last
-            loss = model.loss(mb) / spec.accumulation
-            loss.backward()
-            total += loss.item()
+    def sync_last(k: int, n: int) -> contextlib.AbstractContextManager:
+        model.set_requires_gradient_sync(k == n - 1)  # FSDP2's no_sync: reduce after the last
+        return contextlib.nullcontext()
+
+    def record() -> Any:
         named = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        whole = gather_whole(named)
-        if rank == 0:
-            grads.append((whole, set(named)))
-        if spec.clip_norm is not None:
-            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
-        opt.step()
-        losses.append(total)
-        if on_step is not None:
-            on_step(len(losses))
+        whole = gather_whole(named)  # collective: every rank; rank 0 keeps them
+        return (whole, set(named)) if rank == 0 else None
+
+    vocab = mspec.param("model.embed_tokens.weight").shape[0]
+    losses, norms, grads = train_steps(model, opt, spec, vocab, rank, dp, sync_last, record, on_step)
     mesh_names = mesh.mesh_dim_names
     return {
         "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
