@@ -258,11 +258,13 @@ def verify_table(rows) -> Table:
         layout += f", EP {ep} (EDP {r0['dp'] * tp // ep})"
     fsdp, replicas = r0.get("fsdp", False), r0.get("hsdp_replicate", 1)
     if fsdp:
-        layout = (f"FSDP2 over {r0['dp']} gloo ranks" if replicas == 1 else
+        layout = (f"FSDP2 x TP: DP {r0['dp']} x TP {tp} = {r0['dp'] * tp} gloo ranks" if tp > 1 else
+                  f"FSDP2 over {r0['dp']} gloo ranks" if replicas == 1 else
                   f"HSDP {replicas} replicas x {r0['dp'] // replicas} shards = {r0['dp']} gloo ranks")
     t = Table(title=f"Runtime verification (rung 3): {layout}, {r0['steps']} steps, "
                     f"global batch {r0['global_batch']}, accumulation {r0['accumulation']}, fp32")
-    columns = ("optimizer", "policy", "plan") + (("TP", "mode") if tp > 1 else ()) + ("rung", "result")
+    # the TP scheduler and mode are the ZeRO-1 path's (FSDP x TP exchanges over DP x TP at once)
+    columns = ("optimizer", "policy", "plan") + (("TP", "mode") if tp > 1 and not fsdp else ()) + ("rung", "result")
     for col in columns:
         t.add_column(col, no_wrap=True)
     t.add_column("max rel diff", justify="right")

@@ -93,9 +93,10 @@ class TrainSpec:
         from canzona.fsdp_plan import check_hsdp
 
         check_hsdp(self.fsdp, dp, self.hsdp_replicate)
-        if self.fsdp and (self.tp > 1 or self.ep > 1):
-            raise SpecError(f"--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1 "
-                            f"(got tp {self.tp}, ep {self.ep})")
+        if self.fsdp and self.ep > 1:
+            raise SpecError(f"--fsdp runs dense models: give --ep 1 (got ep {self.ep})")
+        if self.fsdp and self.tp > 1 and (self.hsdp_replicate != 1 or self.tp_style != "dtensor"):
+            raise SpecError("FSDP x TP runs torchtitan's composition: tp_style dtensor, no HSDP replicas")
 
     def dp_size(self, world: int) -> int:
         if world % self.tp:
@@ -251,10 +252,13 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
 
 
 def fsdp_mesh(spec: TrainSpec, world: int):
-    """FSDP2's device mesh: 1-D over the `world` ranks, or HSDP's (replicate, shard) one."""
+    """FSDP2's device mesh: 1-D over the `world` ranks, HSDP's (replicate, shard) one, or under TP
+    a (dp, tp) one."""
     from torch.distributed.device_mesh import init_device_mesh
 
     r = spec.hsdp_replicate
+    if spec.tp > 1:  # FSDP x TP as torchtitan composes them: fully_shard over `dp`, TP over `tp`
+        return init_device_mesh("cpu", (world // spec.tp, spec.tp), mesh_dim_names=("dp", "tp"))
     if r == 1:
         return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     return init_device_mesh("cpu", (r, world // r), mesh_dim_names=("replicate", "shard"))
@@ -345,11 +349,18 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
     model = build_model(spec)
     mspec = model.spec()
     mesh = fsdp_mesh(spec, world)
-    shard_tiny(model, mesh)
+    if spec.tp > 1:
+        from reference.tiny_model_tp import parallelize_tiny
+
+        shard_tiny(parallelize_tiny(model, mesh["tp"]), mesh["dp"])
+    else:
+        shard_tiny(model, mesh)
+    dp_rank = rank // spec.tp  # TP peers train on their DP rank's data
     opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
                                spec.adamw_config, policy=spec.policy, dp_policy=spec.dp_policy, alpha=spec.alpha,
                                bucket_size=spec.bucket_size, master_weights=spec.master_weights,
                                batch_kernels=spec.batch_kernels, compile_kernels=spec.compile_kernels)
+
     def sync_last(k: int, n: int) -> contextlib.AbstractContextManager:
         model.set_requires_gradient_sync(k == n - 1)  # FSDP2's no_sync: reduce after the last
         return contextlib.nullcontext()
@@ -360,7 +371,7 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
         return (whole, set(named)) if rank == 0 else None
 
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
-    losses, norms, grads = train_steps(model, opt, spec, vocab, rank, dp, sync_last, record, on_step)
+    losses, norms, grads = train_steps(model, opt, spec, vocab, dp_rank, dp, sync_last, record, on_step)
     mesh_names = mesh.mesh_dim_names
     return {
         "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
@@ -375,11 +386,12 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
         "hosted": list(opt.hosted),
         "state_bytes": matrix_state_bytes(opt.matrix_state),
         "plan": opt.plan,
-        "dp_rank": rank,
-        "tp_rank": 0,
+        "dp_rank": dp_rank,
+        "tp_rank": rank % spec.tp,
         "ep_rank": 0,
         "tp_dims": {p.name: None for p in mspec.params},
-        "shard_rank": mesh.get_local_rank("shard"),
+        # the rank whose pieces a replica's must equal (FSDP x TP: every rank holds its own)
+        "shard_rank": mesh.get_local_rank("shard") if "shard" in mesh_names else rank,
         "replica": mesh.get_local_rank("replicate") if "replicate" in mesh_names else 0,
     }
 

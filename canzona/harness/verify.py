@@ -162,14 +162,14 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
         if seq_len > cfg.max_seq_len:
             raise SpecError(f"seq_len {seq_len} exceeds the {preset} model's max_seq_len {cfg.max_seq_len}")
         check_tp(cfg, tp)
-        if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings:
+        if tp > 1 and tp_style == "dtensor" and cfg.tied_embeddings and not fsdp:
             raise SpecError(f"the dtensor TP style needs an untied preset ({preset} ties its embedding to the "
                             "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
         mspec = model_spec(cfg)
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
     if fsdp:  # the whole-matrix optimizers: an elementwise one needs no owners (refused when named)
         optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS]
-        return _fsdp_cases(mspec, dp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
+        return _fsdp_cases(mspec, dp, tp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
                            seq_len, accumulation, preset, hsdp_replicate)
     if policy is not None:
         _choices(policy, POLICIES, "policy")
@@ -211,15 +211,17 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
 
 
 def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_replicate: int, fsdp: bool) -> None:
-    """What `--fsdp` runs: the dense tiny presets over the DP ranks alone (FSDP2 with TP, expert
-    parallelism or stacked experts is not verified here), a whole-matrix optimizer, shard groups of
-    at least 2 ranks."""
+    """What `--fsdp` runs: the dense tiny presets over the DP ranks, or over DP x TP as torchtitan
+    composes them (not with HSDP; expert parallelism and stacked experts are not run under FSDP2),
+    a whole-matrix optimizer, shard groups of at least 2 ranks."""
     from canzona.fsdp_plan import check_hsdp
     from reference.tiny_moe import HF_MOE_PRESET, MOE_PRESETS
 
-    if fsdp and (tp > 1 or ep > 1):
-        raise SpecError(f"--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1 (got tp {tp}, "
-                        f"ep {ep}); FSDP x TP and expert parallelism are not verified")
+    if fsdp and ep > 1:
+        raise SpecError(f"--fsdp runs dense models: give --ep 1 (got ep {ep}); expert parallelism under FSDP2 "
+                        "is not run yet")
+    if fsdp and tp > 1 and hsdp_replicate != 1:
+        raise SpecError(f"--fsdp --tp {tp} is verified without --hsdp-replicate (a 3-D mesh)")
     if dp > MAX_DP:
         raise SpecError(f"dp must be <= {MAX_DP} (every rank is a process on this machine), got {dp}")
     if fsdp and dp < 2:
@@ -233,12 +235,13 @@ def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_rep
                         "own optimizer runs it on FSDP2's shards)")
 
 
-def _fsdp_cases(mspec, dp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str, alpha: float,
+def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str,
+                alpha: float,
                 bucket_size: int | None, steps: int, global_batch: int, seq_len: int, accumulation: int,
                 preset: str, hsdp_replicate: int) -> list[VerifyCase]:
     """`prepare` under `--fsdp`: per (optimizer, FSDP owner policy), the owners' plan the runtime
-    makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group), made here so that bad settings
-    fail before any spawn."""
+    makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group, x TP under FSDP x TP), made here
+    so that bad settings fail before any spawn."""
     from canzona.fsdp_plan import check_hsdp, fsdp_matrices
     from canzona.harness.training import TrainSpec
     from canzona.step_policies import get_fsdp_policy
@@ -261,9 +264,10 @@ def _fsdp_cases(mspec, dp: int, optimizers: Sequence[str], policy: str | None, d
         for pol in policies:
             spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
                              bucket_size=bucket_size, steps=steps, global_batch=global_batch, seq_len=seq_len,
-                             accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate)
+                             accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate, tp=tp,
+                             tp_style="dtensor")
             spec.check(dp)
-            _, plan = fsdp_matrices(mspec, shard, opt, get_fsdp_policy(pol), PlanSettings(
+            _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), PlanSettings(
                 dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size))
             cases.append(VerifyCase(spec, plan))
     return cases

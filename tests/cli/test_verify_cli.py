@@ -178,6 +178,20 @@ def test_fsdp_both_owner_policies_bit_for_bit():
 
 
 @pytest.mark.distributed
+def test_fsdp_x_tp_bit_for_bit():
+    """`--fsdp --tp 2`: torchtitan's composition (parallelize_module over tp, fully_shard over dp) on
+    DP 2 x TP 2; every rank's piece (a TP shard's row block) equals the one-process kernels."""
+    result, out, err = run("--fsdp", "--dp", "2", "--tp", "2", "--steps", "2", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and [r["rung"] for r in report["rows"]] == ["replicas", "3a", "3b"]
+    assert all((r["fsdp"], r["dp"], r["tp"]) == (True, 2, 2) for r in report["rows"])
+    assert report["rows"][1]["bit_identical"] is True
+    result, out, err = run("--fsdp", "--dp", "2", "--tp", "2", "--steps", "1")
+    assert result.exit_code == 0 and "FSDP2 x TP: DP 2 x TP 2 = 4 gloo ranks" in out, (out, err)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_hsdp_table_every_matrix_optimizer():
     """`--fsdp --hsdp-replicate 2` at DP 4: two replicas of shard groups of 2, their shards alike;
@@ -247,8 +261,8 @@ def test_gather_whole_with_an_empty_shard():
     (["--dp", "1", "--ep", "2", "--tp", "8", "--preset", "tiny-moe-attn"], "tp=8 must divide"),
     (["--dp", "8", "--ep", "8"], "ep=8 does not divide the 4 experts"),
     (["--dp", "2", "--ep", "2", "--policy", "zero1"], "zero1"),
-    (["--fsdp", "--tp", "2"], "--fsdp shards the model over the DP ranks alone: give --tp 1 and --ep 1"),
-    (["--fsdp", "--ep", "2"], "give --tp 1 and --ep 1 (got tp 1, ep 2)"),
+    (["--fsdp", "--tp", "2", "--dp", "4", "--hsdp-replicate", "2"], "verified without --hsdp-replicate"),
+    (["--fsdp", "--ep", "2"], "give --ep 1 (got ep 2)"),
     (["--fsdp", "--dp", "1"], "give --dp 2 or more"),
     (["--fsdp", "--optimizer", "adamw"], "adamw is elementwise"),
     (["--fsdp", "--policy", "fsdp-gather-all"], "is a simulator baseline"),
