@@ -28,16 +28,17 @@ from canzona.cost import (
     adamw_kernels,
     cost_model_for,
     gradient_norm_kernels,
-    state_bytes,
 )
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     ROOT,
     FsdpMatrix,
     FsdpUnit,
     backward_order,
     fsdp_matrices,
+    fsdp_persistent_memory,
     fsdp_units,
     owner_micro_groups,
 )
@@ -247,7 +248,7 @@ class _FsdpRun:
                 [x for x in mats if x.owner in (None, r)]), [gathered[g][r]]) for r in ranks})
             applied_after = computed[g]
             if not self.policy.gathers_all:
-                sent = [list(row) for row in zip(*_to_owners(mats, s, ub))]  # the owners send each rank its shard
+                sent = _to_owners(mats, s, ub, updates=True)  # the owners send each rank its shard
                 cost = matrix_all_to_all_cost(sent, nodes, self.shard_geo, self.hw)
                 applied_after = eng.collective(f"group {g} scatter", ranks, cost, DP_COMM,
                                                {r: [computed[g][r]] for r in ranks})
@@ -266,40 +267,36 @@ class _FsdpRun:
         and SOAP's, which every rank computing every matrix holds); transient: two units' gathered parameters and one unit's unsharded gradient beside
         the activations, or the step's buffers."""
         s, opt = self.shard, self.cfg.optimizer
-        total = sum(u.numel for u in self.units)
-        matrix_numel = sum(m.numel for m in self.matrices.values())
-        shard = -(-total // s)
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
-        weights = 0 if mb else shard * pb  # with masters, the fp32 shard is the parameter
+        # each rank's row blocks, as FSDP2 cuts them (with masters, the fp32 shard is the parameter)
+        kept = fsdp_persistent_memory(self.spec, s, self.matrices, weight_bytes=0 if mb else pb, grad_bytes=gb,
+                                      master_bytes=mb)
         largest = max(u.numel for u in self.units)
         in_flight = 2 * largest * pb + largest * gb
         acts = activation_bytes(dims, setup, 1)
-        adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
         for r in range(s):
             if self.policy.gathers_all:
-                state = -(-sum(m.row_state for m in self.matrices.values()) // s) + \
-                    sum(m.state - m.row_state for m in self.matrices.values())
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
                 held = [sum(m.numel for m in g) * gb for g in groups]
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
                     max(m.numel * ub + work[m.name] for m in self.matrices.values())
             else:
-                mine = [m for m in self.matrices.values() if m.owner == r]
-                state = sum(m.state for m in mine)
                 held = [sum(m.numel * (gb + ub) for m in g if m.owner == r) for g in groups]
                 # the largest kernel's temporaries: a batch's are its matrices' and its stacks
                 ws = max((sum(work[m.name] + (stacks[m.name] if len(batch) > 1 else 0) for m in batch)
                           for g in groups for batch in shape_batches([m for m in g if m.owner == r], self.batching)),
                          default=0)
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
-            counted = shard * mb + weights + shard * gb + state + adamw_state + max(acts + in_flight, step)
-            ranks.append(RankMemory(r, 0, r, 0, weights, shard * gb, shard * mb, state, adamw_state, acts,
-                                    in_flight, step, setup.overhead(counted)))
+            h = kept[r]
+            counted = h.weights + h.grads + h.master_weights + h.matrix_state + h.adamw_state + \
+                max(acts + in_flight, step)
+            ranks.append(RankMemory(r, 0, r, 0, h.weights, h.grads, h.master_weights, h.matrix_state, h.adamw_state,
+                                    acts, in_flight, step, setup.overhead(counted)))
         return LayoutMemory(self.policy.name, opt, self.cluster.dp, 1, 1, 0, tuple(ranks))
 
 
@@ -307,12 +304,12 @@ def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
 
-def _to_owners(mats: Sequence[FsdpMatrix], shard: int, nbytes: int) -> list[list[float]]:
-    """sent[s][d]: the bytes of rank s's shards of the matrices rank d owns (none to itself)."""
-    per_owner = [0.0] * shard
-    for m in mats:
-        per_owner[m.owner] += -(-m.numel // shard) * nbytes
-    return [[0.0 if d == src else per_owner[d] for d in range(shard)] for src in range(shard)]
+def _to_owners(mats: Sequence[FsdpMatrix], shard: int, nbytes: int, updates: bool = False) -> list[list[float]]:
+    """sent[s][d]: the bytes rank s sends rank d in a micro-group's all-to-all, as the runtime sends
+    them (`canzona.fsdp_collectives.exchange_bytes`: its row blocks of the matrices d owns, or of
+    the `updates` of those s owns, to d), less its own piece, which no link carries."""
+    sent = exchange_bytes(mats, shard, nbytes, updates=updates)
+    return [[0.0 if d == src else float(b) for d, b in enumerate(row)] for src, row in enumerate(sent)]
 
 
 @dataclass(frozen=True)
