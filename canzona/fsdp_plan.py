@@ -162,9 +162,9 @@ def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, Fsdp
             m = matrices.get(p.name)
             if m is None:
                 adamw += state_bytes("adamw", (n,)) if n else 0
-            elif m.owner is None:
-                rows = p.shape[0] if p.shape else 1
-                state += m.row_state * (n // max(1, math.prod(p.shape[1:]))) // rows + m.state - m.row_state
+            elif m.owner is None:  # its rows' share of the row state (a multiple of the rows)
+                start, end = chunk_rows(p.shape[0], shard, r)
+                state += m.row_state * (end - start) // p.shape[0] + m.state - m.row_state
             elif m.owner == r:
                 state += m.state
         out.append(FsdpRankBytes(weights=held * weight_bytes, grads=held * grad_bytes,
