@@ -7,15 +7,21 @@ Under FSDP every rank holds a row shard of every parameter. A step policy with o
 which receives every rank's shard of its gradient, computes the whole update and sends each rank
 its shard of it; gather-all has every rank compute every matrix. The exchanges go in micro-groups
 (`owner_micro_groups`): each owner's matrices, in backward order, cut into K chunks of about equal
-cost, so that the next micro-group's all-to-all runs under this one's compute."""
+cost, so that the next micro-group's all-to-all runs under this one's compute.
+
+Each rank's piece of a parameter is `torch.chunk`'s row block (`chunk_rows`: FSDP2's `Shard(0)`,
+possibly empty), so what a rank holds is known exactly per rank (`fsdp_persistent_memory`, which
+the simulator reports and tests/runtime/test_fsdp_parity.py checks against the runtime's tensors),
+and so are the exchanges' bytes (`canzona.fsdp_collectives`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from canzona.cost import CostModel, row_state_bytes
+from canzona.cost import CostModel, row_state_bytes, state_bytes
 from canzona.errors import SpecError
 from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import ModelSpec
@@ -93,7 +99,8 @@ def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepP
     canzona's owner plan: the planner's, made for the shard group at TP 1 with whole matrices (its
     placements' owners are balanced by cost, `alpha` blending in the bytes each owner receives).
     Round-robin owners are matrix i's rank i mod `shard`, in the spec's order."""
-    plan = plan_for(spec, shard, 1, optimizer, "canzona", settings, cost_model, geometry=WHOLE_GEOMETRY)
+    plan = plan_for(spec, shard, 1, optimizer, "canzona", settings or PlanSettings(), cost_model,
+                    geometry=WHOLE_GEOMETRY)
     placed = {p.name: p for p in plan.dp_plan.placements()}
     out: dict[str, FsdpMatrix] = {}
     for i, p in enumerate(spec.matrix_params()):
@@ -127,3 +134,60 @@ def owner_micro_groups(backward: Sequence[M], max_groups: int = MAX_OWNER_GROUPS
             chunks[min(k - 1, int(k * (before + m.cost / 2) / total))].append(m)
             before += m.cost
     return [tuple(c) for c in chunks if c]
+
+
+def chunk_rows(rows: int, shard: int, member: int) -> tuple[int, int]:
+    """The rows [start, end) of `member`'s piece when `torch.chunk` cuts `rows` into `shard` blocks,
+    as FSDP2's `Shard(0)` does: `ceil(rows / shard)` rows each, the last members fewer or none."""
+    per = -(-rows // shard) if rows else 0
+    start = min(member * per, rows)
+    return start, min(start + per, rows)
+
+
+def shard_numel(shape: Sequence[int], shard: int, member: int) -> int:
+    """Elements of `member`'s row block of a parameter of `shape` (a 0-d parameter: member 0's)."""
+    if not shape:
+        return 1 if member == 0 else 0
+    start, end = chunk_rows(shape[0], shard, member)
+    return (end - start) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpRankBytes:
+    """What one rank of a shard group holds across steps (bytes), by `canzona.memory.RankMemory`'s
+    persistent categories."""
+
+    weights: int  # its parameter shards, where they are not the fp32 masters
+    grads: int  # its gradient shards
+    master_weights: int  # fp32 masters of its shards (FSDP2's fp32 shards under MixedPrecisionPolicy)
+    matrix_state: int  # the matrix optimizer's state: of the matrices it owns (or its rows' share)
+    adamw_state: int  # AdamW's moments of its shards of the other parameters
+
+
+def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, FsdpMatrix], *, weight_bytes: int,
+                           grad_bytes: int, master_bytes: int) -> list[FsdpRankBytes]:
+    """Every rank of a shard group of `shard` ranks, in member order: its `torch.chunk` row blocks
+    of every parameter (`weight_bytes` per element of the shards themselves, 0 where they are the
+    masters; `grad_bytes` of its gradient shards; `master_bytes` of fp32 masters), AdamW's two fp32
+    moments of its non-empty blocks of the parameters outside `matrices`, and the matrix
+    optimizer's state: the whole state of the matrices it owns, or, under gather-all (owner None),
+    its rows' share of every matrix's row state (`FsdpMatrix.row_state`) and the rest of every
+    matrix's state whole. What the runtime allocates (`FsdpOptimizer`: the parameters' and
+    gradients' local tensors, `master`, `adamw_state`, `matrix_state`)."""
+    out = []
+    for r in range(shard):
+        held = adamw = state = 0
+        for p in spec.params:
+            n = shard_numel(p.shape, shard, r)
+            held += n
+            m = matrices.get(p.name)
+            if m is None:
+                adamw += state_bytes("adamw", (n,)) if n else 0
+            elif m.owner is None:  # its rows' share of the row state (a multiple of the rows)
+                start, end = chunk_rows(p.shape[0], shard, r)
+                state += m.row_state * (end - start) // p.shape[0] + m.state - m.row_state
+            elif m.owner == r:
+                state += m.state
+        out.append(FsdpRankBytes(weights=held * weight_bytes, grads=held * grad_bytes,
+                                 master_weights=held * master_bytes, matrix_state=state, adamw_state=adamw))
+    return out

@@ -40,13 +40,16 @@ from canzona.cost import (
 )
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     ROOT,
     FsdpMatrix,
+    FsdpRankBytes,
     FsdpUnit,
     backward_order,
     check_hsdp,
     fsdp_matrices,
+    fsdp_persistent_memory,
     fsdp_units,
     owner_micro_groups,
 )
@@ -318,7 +321,11 @@ class _FsdpRun:
         return sharded, replicated
 
     def to_owners(self, mats: Sequence[FsdpMatrix], nbytes: int) -> list[list[float]]:
-        """sent[s][d]: the bytes of member s's pieces of the matrices member d owns (none to itself)."""
+        """sent[s][d]: the bytes of member s's pieces of the matrices member d owns (none to itself).
+        At TP 1 as the runtime sends them (`canzona.fsdp_collectives.exchange_bytes`: its row
+        blocks); under TP numel / (S x T) a piece."""
+        if self.tp == 1:
+            return _without_own(exchange_bytes(mats, self.shard, nbytes))
         sharded, replicated = self._per_owner(mats, nbytes)
         return [[0.0 if d == src else sharded[d] + (replicated[d] if src % self.tp == 0 else 0.0)
                  for d in range(self.size)] for src in range(self.size)]
@@ -326,6 +333,8 @@ class _FsdpRun:
     def from_owners(self, mats: Sequence[FsdpMatrix], nbytes: int) -> list[list[float]]:
         """sent[o][d]: the bytes of member d's pieces of the updates member o owns, which o sends it
         (every TP rank receives its TP-replicated pieces)."""
+        if self.tp == 1:
+            return _without_own(exchange_bytes(mats, self.shard, nbytes, updates=True))
         sharded, replicated = self._per_owner(mats, nbytes)
         return [[0.0 if d == o else sharded[o] + replicated[o] for d in range(self.size)] for o in range(self.size)]
 
@@ -341,48 +350,69 @@ class _FsdpRun:
         Muon's on the DTensor shard) and the whole of every matrix's Kronecker factors (Shampoo's
         and SOAP's, which every rank computing every matrix holds); transient: two units' gathered parameters and one unit's unsharded gradient beside
         the activations, or the step's buffers."""
-        s, opt, tp = self.shard, self.cfg.optimizer, self.tp
-        total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
-        matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)
-        shard = -(-total // s)
+        opt, tp = self.cfg.optimizer, self.tp
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
-        weights = 0 if mb else shard * pb  # with masters, the fp32 shard is the parameter
+        kept = self._persistent(pb, gb, mb)
         largest = max(self.local.values())
         in_flight = 2 * largest * pb + largest * gb
         acts = activation_bytes(dims, setup, tp)
-        adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
         for r in self.members:
             if self.policy.gathers_all:
-                state = -(-sum(m.row_state for m in self.matrices.values()) // self.size) + \
-                    sum(m.state - m.row_state for m in self.matrices.values())
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
                 held = [sum(m.numel for m in g) * gb for g in groups]
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
                     max(m.numel * ub + work[m.name] for m in self.matrices.values())
             else:
-                mine = [m for m in self.matrices.values() if m.owner == r]
-                state = sum(m.state for m in mine)
                 held = [sum(m.numel * (gb + ub) for m in g if m.owner == r) for g in groups]
                 # the largest kernel's temporaries: a batch's are its matrices' and its stacks
                 ws = max((sum(work[m.name] + (stacks[m.name] if len(batch) > 1 else 0) for m in batch)
                           for g in groups for batch in shape_batches([m for m in g if m.owner == r], self.batching)),
                          default=0)
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
-            counted = shard * mb + weights + shard * gb + state + adamw_state + max(acts + in_flight, step)
-            ranks.append(RankMemory(r, 0, r // tp, r % tp, weights, shard * gb, shard * mb, state, adamw_state, acts,
-                                    in_flight, step, setup.overhead(counted)))
+            h = kept[r]
+            counted = h.weights + h.grads + h.master_weights + h.matrix_state + h.adamw_state + \
+                max(acts + in_flight, step)
+            ranks.append(RankMemory(r, 0, r // tp, r % tp, h.weights, h.grads, h.master_weights, h.matrix_state,
+                                    h.adamw_state, acts, in_flight, step, setup.overhead(counted)))
         return LayoutMemory(self.policy.name, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
+
+    def _persistent(self, pb: int, gb: int, mb: int) -> list[FsdpRankBytes]:
+        """Each member's shards, masters and state. At TP 1 exactly what the runtime allocates
+        (`fsdp_persistent_memory`: each rank's torch.chunk row blocks); under TP 1 / S of each TP
+        rank's local elements (`_StridedShard`'s exact pieces are not modelled)."""
+        weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
+        if self.tp == 1:
+            return fsdp_persistent_memory(self.spec, self.shard, self.matrices, weight_bytes=weight_bytes,
+                                          grad_bytes=gb, master_bytes=mb)
+        s, tp = self.shard, self.tp
+        total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
+        matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)
+        shard = -(-total // s)
+        adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
+        out = []
+        for r in self.members:
+            if self.policy.gathers_all:
+                state = -(-sum(m.row_state for m in self.matrices.values()) // self.size) + \
+                    sum(m.state - m.row_state for m in self.matrices.values())
+            else:
+                state = sum(m.state for m in self.matrices.values() if m.owner == r)
+            out.append(FsdpRankBytes(weights=shard * weight_bytes, grads=shard * gb, master_weights=shard * mb,
+                                     matrix_state=state, adamw_state=adamw_state))
+        return out
 
 
 def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
 
+def _without_own(sent: list[list[int]]) -> list[list[float]]:
+    """An all-to-all's bytes less each rank's own piece, which no link carries."""
+    return [[0.0 if d == src else float(b) for d, b in enumerate(row)] for src, row in enumerate(sent)]
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
+from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP
 from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
@@ -74,8 +75,8 @@ from canzona.step_policies import get_fsdp_policy
 
 log = logging.getLogger("canzona")
 
-FSDP = "fsdp"  # the exchange group's name in collective logs
-FSDP_WORLD = "fsdp-world"  # every rank of the mesh: the step check and the agreement check
+FSDP = FSDP_GROUP  # the exchange group's name in collective logs
+FSDP_WORLD = FSDP_WORLD_GROUP  # every rank of the mesh: the step check and the agreement check
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

@@ -237,7 +237,27 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "local_rows": local_rows}
+            "skipped": opt.skipped_steps, "local_rows": local_rows, "held": held_bytes(opt),
+            "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
+            "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
+                    for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
+
+
+def held_bytes(opt) -> dict[str, int]:
+    """The bytes `opt`'s rank holds, by the memory model's persistent categories (its parameter
+    and gradient shards, masters, states): tests/runtime/test_fsdp_parity.py compares them with
+    `canzona.fsdp_plan.fsdp_persistent_memory`."""
+    from canzona.harness.training import matrix_state_bytes
+    from canzona.runtime.shards import local_tensor
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    params = list(opt.params.values())
+    return {"weights": nbytes(local_tensor(p) for p in params),
+            "grads": nbytes(local_tensor(p.grad) for p in params if p.grad is not None),
+            "master_weights": nbytes(opt.master.values()), "matrix_state": matrix_state_bytes(opt.matrix_state),
+            "adamw_state": sum(nbytes(v for v in s.values() if hasattr(v, "numel")) for s in opt.adamw_state.values())}
 
 
 def small_spec():
