@@ -325,7 +325,7 @@ class _FsdpRun:
         At TP 1 as the runtime sends them (`canzona.fsdp_collectives.exchange_bytes`: its row
         blocks); under TP numel / (S x T) a piece."""
         if self.tp == 1:
-            return _without_own(exchange_bytes(mats, self.shard, nbytes))
+            return _to_owners(mats, self.shard, nbytes)
         sharded, replicated = self._per_owner(mats, nbytes)
         return [[0.0 if d == src else sharded[d] + (replicated[d] if src % self.tp == 0 else 0.0)
                  for d in range(self.size)] for src in range(self.size)]
@@ -334,7 +334,7 @@ class _FsdpRun:
         """sent[o][d]: the bytes of member d's pieces of the updates member o owns, which o sends it
         (every TP rank receives its TP-replicated pieces)."""
         if self.tp == 1:
-            return _without_own(exchange_bytes(mats, self.shard, nbytes, updates=True))
+            return _to_owners(mats, self.shard, nbytes, updates=True)
         sharded, replicated = self._per_owner(mats, nbytes)
         return [[0.0 if d == o else sharded[o] + replicated[o] for d in range(self.size)] for o in range(self.size)]
 
@@ -410,8 +410,11 @@ def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
 
-def _without_own(sent: list[list[int]]) -> list[list[float]]:
-    """An all-to-all's bytes less each rank's own piece, which no link carries."""
+def _to_owners(mats: Sequence[FsdpMatrix], shard: int, nbytes: int, updates: bool = False) -> list[list[float]]:
+    """sent[s][d]: the bytes rank s sends rank d in a micro-group's all-to-all, as the runtime sends
+    them (`canzona.fsdp_collectives.exchange_bytes`: its row blocks of the matrices d owns, or of
+    the `updates` of those s owns, to d), less its own piece, which no link carries."""
+    sent = exchange_bytes(mats, shard, nbytes, updates=updates)
     return [[0.0 if d == src else float(b) for d, b in enumerate(row)] for src, row in enumerate(sent)]
 
 
