@@ -83,7 +83,7 @@ class PublishedRun:
     def layout(self) -> str:
         parts = [f"{self.gpus} GPUs", f"TP{self.tp}", f"PP{self.pp}"]
         parts += [f"{k}{v}" for k, v in (("VP", self.vp), ("CP", self.cp), ("EP", self.ep)) if v > 1]
-        parts.append("FSDP" if self.fsdp else "DP")
+        parts.append(f"{'FSDP' if self.fsdp else 'DP'}{self.dp}")
         parts.append(f"GBS {self.global_batch} MBS {self.micro_batch} seq {self.seq_len} {self.precision}")
         if self.recompute not in (None, "none"):
             parts.append(f"recompute {self.recompute}")
