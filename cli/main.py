@@ -652,18 +652,28 @@ def validate(
     rounds: Annotated[int, typer.Option(help="Measured rounds per policy (after 3 warm-up rounds).")] = 10,
     profile_out: Annotated[Path | None, typer.Option(help="Keep the calibrated profile here (.json).")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 unless the ranking is preserved and every step error is within 30%.")] = False,
+    published: Annotated[bool, typer.Option(
+        "--published", help="Instead: simulate every published run of canzona/data/published_runs.json the "
+                            "simulator can express and print its error against the published tokens/s/GPU, the mean "
+                            "absolute and signed errors, Kendall tau within each model and overall, and the memory fit "
+                            "(rows needing --cp, --vp or fp8 are listed as not expressible).")] = False,
+    rows: Annotated[str | None, typer.Option(
+        help="With --published: only the rows whose id or model contains one of these comma-separated terms.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Check the simulator against the runtime: train a scaled-up tiny model under every policy on
     spawned gloo ranks, predict the same runs with a profile calibrated on this machine, and print
     measured vs predicted step and iteration times, the error per policy and whether the ranking is
-    preserved (Kendall tau)."""
+    preserved (Kendall tau). With --published: against published training runs instead."""
     import tempfile
 
     from rich.progress import Progress
 
     from canzona.optimizers import check_matrix_optimizer
 
+    if published or rows is not None:
+        _validate_published(published, rows, as_json)
+        return
     try:
         check_matrix_optimizer(optimizer)
         chosen = list(STEP_POLICIES) if policies == "all" else [p.strip() for p in policies.split(",") if p.strip()]
@@ -728,6 +738,34 @@ def validate(
         console.print(verdict, style="bold green" if ok else "bold yellow")
     if strict and not ok:
         raise typer.Exit(code=1)
+
+
+def _validate_published(published: bool, rows: str | None, as_json: bool) -> None:
+    """`canzona validate --published`: the logic is sim.published's."""
+    from rich.progress import Progress
+
+    from cli.render import published_table
+    from sim import published as runs
+
+    try:
+        if not published:
+            raise SpecError("--rows selects published rows: give it with --published")
+        table, sources = runs.load()
+        chosen = runs.select(table, rows)
+        err = Console(stderr=True)
+        with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
+            task = progress.add_task("simulating", total=len(chosen))
+
+            def tick(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=f"simulating {what}")
+
+            report = runs.compare(chosen, sources, progress=tick)
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    console.print(published_table(report))
 
 
 def main() -> None:

@@ -389,3 +389,42 @@ def validate_table(report, dp: int, optimizer: str, model: str) -> Table:
                  f"(1: same order; ties lower it). Measured order predicted the other way round (beyond 5% noise): {flips}. Step: end of backward to parameters updated and gathered (optimizer.step()); "
                  "medians over interleaved rounds of the slowest rank.")
     return t
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x * 100:+.1f}%"
+
+
+def _tau(x: float | None) -> str:
+    return "n/a (< 2 rows)" if x is None else f"{x:.2f}"
+
+
+def published_table(report) -> Table:
+    """`canzona validate --published`: every published run beside its simulation (sim.published)."""
+    t = Table(title="Simulator vs published runs (tokens/s/GPU; AdamW under ZeRO-1, bf16)")
+    t.add_column("row", no_wrap=True)
+    t.add_column("model", no_wrap=True)
+    t.add_column("layout")
+    for col in ("published", "simulated", "error", "memory / GPU"):
+        t.add_column(col, justify="right")
+    for r in report.rows:
+        run = r.run
+        pub = f"{run.tokens_per_s_per_gpu:,.0f}"
+        if not r.expressible:
+            t.add_row(run.id, run.model_name, f"{run.layout} ({run.hardware})", pub, r.reason, "", "")
+            continue
+        cap = r.capacity_bytes or 0.0
+        mem = (f"{human_bytes(r.memory_bytes)} of {human_bytes(cap)}: "
+               + (f"fits ({human_bytes(cap - r.memory_bytes)} free)" if r.fits
+                  else f"does not fit (+{human_bytes(r.memory_bytes - cap)})"))
+        t.add_row(run.id, run.model_name, f"{run.layout} ({run.hardware})", pub,
+                  f"{r.simulated_tokens_per_s_per_gpu:,.0f}", _pct(r.error), mem)
+    by_model = ", ".join(f"{m} {_tau(v)}" for m, v in report.tau_by_model.items()) or "none"
+    mae = "n/a" if report.mean_abs_error is None else f"{report.mean_abs_error * 100:.1f}%"
+    t.caption = (f"{len(report.compared)} rows simulated, {len(report.skipped)} not expressible. "
+                 f"Mean absolute error {mae}, mean signed error {_pct(report.mean_signed_error) or 'n/a'} "
+                 "(positive: the simulator is optimistic). "
+                 f"Kendall tau overall {_tau(report.tau_overall)}; by model: {by_model}. "
+                 f"Memory fits on {sum(1 for r in report.compared if r.fits)} of {len(report.compared)}. "
+                 "No per-row or per-model correction; sources in --json and canzona/data/published_runs.json.")
+    return t

@@ -1,0 +1,356 @@
+"""The simulator against published training runs (`canzona validate --published`).
+
+`canzona/data/published_runs.json` holds runs collected from public sources (NeMo / Megatron-Bridge
+performance summaries and model verification cards, NVIDIA's DGX Cloud benchmarking recipes,
+torchtitan's and NeMo AutoModel's performance pages), each with its source, layout and published
+throughput in tokens per second per GPU. Every row the simulator can express is simulated as
+published (its model, GPUs, TP / PP / EP, batch, sequence, AdamW under ZeRO-1, the hardware
+profile of its GPUs) and compared; a row needing what the simulator does not model yet (context
+parallelism, the interleaved pipeline, FP8, ...) is listed with what it needs and no error figure.
+No row is folded onto another axis and nothing is corrected per row or per model: the errors are
+the simulator's own (docs/design.md §9.6).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import canzona
+from canzona.errors import SpecError
+from canzona.fileio import parse_json, read_text
+from canzona.memory import check_recompute
+from canzona.optimizers import matrix_optimizer
+from sim.options import RunOptions
+from sim.simulate import SimConfig, simulate
+from sim.workload import Workload
+
+DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
+PUBLISHED_RUNS = DATA_DIR / "published_runs.json"
+SCHEMA = "canzona.published_runs"
+PRECISIONS = ("bf16", "fp8")
+# the simulator's activation recompute modes; a source's other modes (torchtitan's selective-op
+# checkpointing) are kept as published and make the row not expressible
+SIM_RECOMPUTE = ("none", "selective", "full")
+_INTS = ("gpus", "tp", "pp", "vp", "cp", "ep", "global_batch", "micro_batch", "seq_len")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run as its source states it (`published_runs.json`, one row)."""
+
+    id: str
+    model: str  # a catalog name, or a config file relative to canzona/data
+    source: str  # a key of the file's sources
+    hardware: str  # a hardware profile (canzona/profiles)
+    gpus: int
+    tp: int
+    pp: int
+    vp: int
+    cp: int
+    ep: int
+    fsdp: bool
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    precision: str
+    optimizer: str
+    recompute: str | None  # None: the source does not say (simulated without recompute)
+    tokens_per_s_per_gpu: float
+    original_value: float
+    original_unit: str
+    conversion: str = ""
+    step_time_s: float | None = None
+    note: str = ""
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def model_ref(self) -> str:
+        """What `canzona.models.resolve_model` takes: the catalog name or the config's path."""
+        return str(DATA_DIR / self.model) if self.model.endswith(".json") else self.model
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model).stem if self.model.endswith(".json") else self.model
+
+    @property
+    def layout(self) -> str:
+        parts = [f"{self.gpus} GPUs", f"TP{self.tp}", f"PP{self.pp}"]
+        parts += [f"{k}{v}" for k, v in (("VP", self.vp), ("CP", self.cp), ("EP", self.ep)) if v > 1]
+        parts.append(f"{'FSDP' if self.fsdp else 'DP'}{self.dp}")
+        parts.append(f"GBS {self.global_batch} MBS {self.micro_batch} seq {self.seq_len} {self.precision}")
+        if self.recompute not in (None, "none"):
+            parts.append(f"recompute {self.recompute}")
+        return " ".join(parts)
+
+    def needs(self) -> tuple[str, ...]:
+        """What the simulator lacks to express this run (empty: it is simulated)."""
+        out = []
+        if self.cp > 1:
+            out.append("--cp")
+        if self.vp > 1:
+            out.append("--vp")
+        if self.precision != "bf16":
+            out.append(f"--precision {self.precision}")
+        if self.fsdp and matrix_optimizer(self.optimizer).elementwise:
+            out.append(f"--fsdp with {self.optimizer}")
+        if self.fsdp and self.ep > 1:
+            out.append("--fsdp with --ep")
+        if self.recompute is not None and self.recompute not in SIM_RECOMPUTE:
+            out.append(f"--recompute {self.recompute}")
+        return tuple(out)
+
+    def sim_config(self) -> SimConfig:
+        """The run as the simulator takes it: AdamW under its default policy (ZeRO-1, Megatron's
+        distributed optimizer), bf16 GEMMs, fp32 gradient reductions, NVIDIA's recipe defaults for
+        the overlaps (`RunOptions`)."""
+        wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch)
+        return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, ep=self.ep,
+                         optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
+                         options=RunOptions(recompute=self.recompute or "none"))
+
+
+@dataclass(frozen=True)
+class RowResult:
+    run: PublishedRun
+    needs: tuple[str, ...] = ()
+    simulated_tokens_per_s_per_gpu: float | None = None
+    iteration_s: float | None = None
+    memory_bytes: float | None = None  # the fullest GPU
+    capacity_bytes: float | None = None
+
+    @property
+    def expressible(self) -> bool:
+        return not self.needs
+
+    @property
+    def error(self) -> float | None:
+        """Signed: simulated / published - 1 (positive: the simulator is optimistic)."""
+        if self.simulated_tokens_per_s_per_gpu is None:
+            return None
+        return self.simulated_tokens_per_s_per_gpu / self.run.tokens_per_s_per_gpu - 1.0
+
+    @property
+    def fits(self) -> bool | None:
+        if self.memory_bytes is None or self.capacity_bytes is None:
+            return None
+        return self.memory_bytes <= self.capacity_bytes
+
+    @property
+    def reason(self) -> str:
+        return "" if self.expressible else "not expressible: needs " + ", ".join(self.needs)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.run
+        return {
+            "id": r.id, "model": r.model_name, "source": r.source, "hardware": r.hardware, "layout": r.layout,
+            "gpus": r.gpus, "tp": r.tp, "pp": r.pp, "vp": r.vp, "cp": r.cp, "ep": r.ep, "dp": r.dp, "fsdp": r.fsdp,
+            "global_batch": r.global_batch, "micro_batch": r.micro_batch, "seq_len": r.seq_len,
+            "precision": r.precision, "optimizer": r.optimizer, "recompute": r.recompute,
+            "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+            "published_original": {"value": r.original_value, "unit": r.original_unit, "conversion": r.conversion},
+            "expressible": self.expressible, "not_expressible": self.reason or None,
+            "simulated_tokens_per_s_per_gpu": self.simulated_tokens_per_s_per_gpu,
+            "iteration_s": self.iteration_s, "error": self.error,
+            "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+        }
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Kendall's tau of two orders (scipy); None below two rows or when one side is all ties."""
+    if len(a) < 2:
+        return None
+    from scipy.stats import kendalltau  # on use: scipy.stats is slow to import
+
+    tau = kendalltau(a, b).statistic
+    return None if tau != tau else float(tau)
+
+
+@dataclass(frozen=True)
+class PublishedReport:
+    rows: tuple[RowResult, ...]
+    sources: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+    @property
+    def compared(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if r.expressible)
+
+    @property
+    def skipped(self) -> tuple[RowResult, ...]:
+        return tuple(r for r in self.rows if not r.expressible)
+
+    @property
+    def mean_abs_error(self) -> float | None:
+        errs = [abs(r.error) for r in self.compared if r.error is not None]
+        return sum(errs) / len(errs) if errs else None
+
+    @property
+    def mean_signed_error(self) -> float | None:
+        errs = [r.error for r in self.compared if r.error is not None]
+        return sum(errs) / len(errs) if errs else None
+
+    def _tau(self, rows: Iterable[RowResult]) -> float | None:
+        rows = list(rows)
+        return kendall_tau([r.run.tokens_per_s_per_gpu for r in rows],
+                           [r.simulated_tokens_per_s_per_gpu for r in rows])
+
+    @property
+    def tau_overall(self) -> float | None:
+        return self._tau(self.compared)
+
+    @property
+    def tau_by_model(self) -> dict[str, float | None]:
+        models = sorted({r.run.model_name for r in self.compared})
+        return {m: self._tau(r for r in self.compared if r.run.model_name == m) for m in models}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": [r.to_dict() for r in self.rows],
+            "expressible": len(self.compared),
+            "not_expressible": len(self.skipped),
+            "mean_abs_error": self.mean_abs_error,
+            "mean_signed_error": self.mean_signed_error,
+            "kendall_tau_overall": self.tau_overall,
+            "kendall_tau_by_model": self.tau_by_model,
+            "memory_fits": sum(1 for r in self.compared if r.fits),
+            "sources": {k: dict(v) for k, v in self.sources.items()},
+            "definitions": {
+                "error": "simulated / published tokens per second per GPU - 1 (positive: the simulator is optimistic)",
+                "simulated_tokens_per_s_per_gpu": "seq_len x global_batch / simulated iteration time / GPUs "
+                                                  "(AdamW under ZeRO-1, bf16, the row's hardware profile)",
+                "kendall_tau": "scipy.stats.kendalltau of published against simulated throughput over the "
+                               "expressible rows (null below two rows)",
+                "memory_bytes": "the fullest GPU's memory as the simulator models it (docs/design.md §7.1)",
+            },
+        }
+
+
+# --- the data file -----------------------------------------------------------------------------
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, where: str) -> int:
+    v = raw.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise SpecError(f"{where}: {key} must be a whole number >= 1, got {v!r}")
+    return v
+
+
+def _positive(v: Any, what: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SpecError(f"{where}: {what} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _text(raw: Mapping[str, Any], key: str, where: str) -> str:
+    v = raw.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise SpecError(f"{where}: {key} must be a non-empty string, got {v!r}")
+    return v
+
+
+def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
+    """One row, checked: positive figures, a known source, a whole DP and whole micro-batches."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: expected a JSON object")
+    ints = {k: _positive_int(raw, k, where) for k in _INTS}
+    source = _text(raw, "source", where)
+    if source not in sources:
+        raise SpecError(f"{where}: source {source!r} is not one of the file's sources")
+    precision = _text(raw, "precision", where)
+    if precision not in PRECISIONS:
+        raise SpecError(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    recompute = raw.get("recompute")
+    if recompute is not None and not (isinstance(recompute, str) and recompute):
+        raise SpecError(f"{where}: recompute must be a string or null, got {recompute!r}")
+    if recompute in SIM_RECOMPUTE:
+        check_recompute(recompute)
+    fsdp = raw.get("fsdp", False)
+    if not isinstance(fsdp, bool):
+        raise SpecError(f"{where}: fsdp must be true or false, got {fsdp!r}")
+    pub = raw.get("published")
+    if not isinstance(pub, dict) or not isinstance(pub.get("original"), dict):
+        raise SpecError(f"{where}: published must hold tokens_per_s_per_gpu and original {{value, unit}}")
+    step = pub.get("step_time_s")
+    run = PublishedRun(
+        id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
+        hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
+        optimizer=_text(raw, "optimizer", where), recompute=recompute,
+        tokens_per_s_per_gpu=_positive(pub.get("tokens_per_s_per_gpu"), "published tokens_per_s_per_gpu", where),
+        original_value=_positive(pub["original"].get("value"), "published original value", where),
+        original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
+        step_time_s=None if step is None else _positive(step, "published step_time_s", where),
+        note=str(raw.get("note", "")), **ints)
+    matrix_optimizer(run.optimizer)
+    width = run.tp * run.pp * run.cp
+    if run.gpus % width:
+        raise SpecError(f"{where}: {run.gpus} GPUs are not a whole number of TP x PP x CP = {width} groups")
+    if run.global_batch % (run.micro_batch * run.dp):
+        raise SpecError(f"{where}: global batch {run.global_batch} is not a whole number of micro batch x DP "
+                        f"= {run.micro_batch} x {run.dp}")
+    if (run.dp * run.tp) % run.ep:
+        raise SpecError(f"{where}: EP {run.ep} does not divide DP x TP = {run.dp * run.tp}")
+    return run
+
+
+def load(path: str | Path = PUBLISHED_RUNS) -> tuple[tuple[PublishedRun, ...], dict[str, dict[str, str]]]:
+    """The rows and sources of a published-runs file, every row checked (`parse_run`)."""
+    text = str(path)
+    data = parse_json(read_text(Path(path), "published-runs file", SpecError), text, SpecError)
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise SpecError(f"{text}: not a published-runs file (schema {SCHEMA!r})")
+    sources = data.get("sources")
+    if not isinstance(sources, dict) or not sources:
+        raise SpecError(f"{text}: sources must be a non-empty object")
+    for key, s in sources.items():
+        if not isinstance(s, dict) or not str(s.get("url", "")).startswith("https://") or not s.get("title"):
+            raise SpecError(f"{text}: source {key!r} needs an https url and a title")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise SpecError(f"{text}: rows must be a non-empty list")
+    runs = tuple(parse_run(r, sources, f"{text}: row {i}") for i, r in enumerate(rows))
+    ids = [r.id for r in runs]
+    if len(set(ids)) != len(ids):
+        raise SpecError(f"{text}: row ids must be unique")
+    return runs, {k: {kk: str(vv) for kk, vv in v.items()} for k, v in sources.items()}
+
+
+def select(runs: Sequence[PublishedRun], rows: str | None) -> tuple[PublishedRun, ...]:
+    """The runs whose id or model contains one of the comma-separated terms (case-insensitive);
+    all of them when `rows` is None."""
+    if rows is None:
+        return tuple(runs)
+    terms = [t.strip().lower() for t in rows.split(",") if t.strip()]
+    if not terms:
+        raise SpecError("--rows names no row (give comma-separated parts of row ids or model names)")
+    chosen = tuple(r for r in runs if any(t in r.id.lower() or t in r.model_name.lower() for t in terms))
+    if not chosen:
+        raise SpecError(f"no published row matches --rows {rows!r} (row ids: {', '.join(r.id for r in runs[:4])}, ...)")
+    return chosen
+
+
+def compare_run(run: PublishedRun) -> RowResult:
+    """Simulate one run (when expressible) and set it beside its published throughput."""
+    needs = run.needs()
+    if needs:
+        return RowResult(run, needs)
+    result = simulate(run.sim_config())
+    tokens = run.seq_len * run.global_batch / result.iteration_time_s / run.gpus
+    return RowResult(run, (), tokens, result.iteration_time_s, float(result.memory.worst.total),
+                     float(result.memory_capacity_bytes))
+
+
+def compare(runs: Sequence[PublishedRun], sources: Mapping[str, Mapping[str, str]] | None = None,
+            progress: Callable[[int, int, str], None] | None = None) -> PublishedReport:
+    out = []
+    for i, run in enumerate(runs):
+        if progress is not None:
+            progress(i, len(runs), run.id)
+        out.append(compare_run(run))
+    used = {r.source for r in runs}
+    return PublishedReport(tuple(out), {k: v for k, v in (sources or {}).items() if k in used})

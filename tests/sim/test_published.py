@@ -1,0 +1,101 @@
+"""The published-runs table (canzona/data/published_runs.json) and its comparison (sim.published):
+the data file is well-formed, the comparison's figures follow from their definitions, rows the
+simulator cannot express are reported with what they need. No test bounds the error itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from canzona.errors import SpecError
+from canzona.models import resolve_model
+from sim import published
+from sim.published import PublishedReport, RowResult, kendall_tau
+
+RUNS, SOURCES = published.load()
+RAW = json.loads(published.PUBLISHED_RUNS.read_text())
+
+
+def test_every_row_is_sourced_positive_and_divisible():
+    assert 15 <= len(RUNS) <= 30
+    assert len({r.model_name for r in RUNS}) >= 3
+    for run in RUNS:
+        src = SOURCES[run.source]
+        assert src["url"].startswith("https://") and src["title"] and src["retrieved"]
+        assert run.tokens_per_s_per_gpu > 0 and run.original_value > 0 and run.original_unit
+        assert run.gpus % (run.tp * run.pp * run.cp) == 0
+        assert run.dp == run.gpus // (run.tp * run.pp * run.cp)
+        assert run.global_batch % (run.micro_batch * run.dp) == 0
+        assert run.precision in ("bf16", "fp8") and run.optimizer == "adamw"
+
+
+def test_cluster_totals_are_converted_per_gpu():
+    """A source's whole-cluster figure is divided by the GPU count, and the conversion says so."""
+    for run in RUNS:
+        if "whole cluster" in run.original_unit:
+            assert run.tokens_per_s_per_gpu == pytest.approx(run.original_value / run.gpus, abs=0.01)
+            assert str(run.gpus) in run.conversion
+        else:
+            assert run.tokens_per_s_per_gpu == run.original_value
+
+
+def test_every_model_resolves():
+    for name in {r.model_ref for r in RUNS}:
+        spec, arch = resolve_model(name)
+        assert arch.layers > 0 and spec.params
+
+
+def test_cp_vp_fp8_are_not_expressible_and_not_folded():
+    """A row with CP, VP or FP8 is never simulated on another axis: it names what it needs."""
+    for run in RUNS:
+        needs = run.needs()
+        assert ("--cp" in needs) == (run.cp > 1)
+        assert ("--vp" in needs) == (run.vp > 1)
+        assert ("--precision fp8" in needs) == (run.precision == "fp8")
+    row = next(r for r in RUNS if r.cp > 1 and r.vp > 1)
+    result = published.compare_run(row)
+    assert not result.expressible and result.error is None and result.simulated_tokens_per_s_per_gpu is None
+    assert result.reason == "not expressible: needs --cp, --vp"
+
+
+def test_bad_rows_are_one_line_errors():
+    raw = RAW["rows"][0]
+    with pytest.raises(SpecError, match="not a whole number of micro batch"):
+        published.parse_run({**raw, "global_batch": 1000}, SOURCES, "row")
+    with pytest.raises(SpecError, match="positive number"):
+        published.parse_run({**raw, "published": {**raw["published"], "tokens_per_s_per_gpu": 0}}, SOURCES, "row")
+    with pytest.raises(SpecError, match="not one of the file's sources"):
+        published.parse_run({**raw, "source": "nowhere"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="TP x PP x CP"):
+        published.parse_run({**raw, "gpus": 12, "tp": 8}, SOURCES, "row")
+
+
+def test_select():
+    assert {r.model_name for r in published.select(RUNS, "qwen3-8b")} == {"qwen3-8b"}
+    assert published.select(RUNS, None) == RUNS
+    with pytest.raises(SpecError, match="no published row matches"):
+        published.select(RUNS, "no-such-model")
+
+
+def test_report_figures_follow_their_definitions():
+    base = next(r for r in RUNS if not r.needs())
+    a = RowResult(replace(base, id="a", tokens_per_s_per_gpu=100.0), (), 110.0, 1.0, 1.0, 2.0)
+    b = RowResult(replace(base, id="b", tokens_per_s_per_gpu=200.0), (), 180.0, 1.0, 3.0, 2.0)
+    c = RowResult(replace(base, id="c", model="other"), ("--cp",))
+    rep = PublishedReport((a, b, c))
+    assert a.error == pytest.approx(0.1) and b.error == pytest.approx(-0.1)
+    assert rep.mean_abs_error == pytest.approx(0.1) and rep.mean_signed_error == pytest.approx(0.0)
+    assert rep.tau_overall == 1.0 and rep.tau_by_model == {base.model_name: 1.0}
+    assert a.fits and not b.fits and c.fits is None
+    d = rep.to_dict()
+    assert d["expressible"] == 2 and d["not_expressible"] == 1 and d["memory_fits"] == 1
+    assert kendall_tau([1.0], [2.0]) is None and kendall_tau([1.0, 2.0], [2.0, 1.0]) == -1.0
+
+
+def test_one_expressible_row_simulates():
+    run = next(r for r in RUNS if r.id == "qwen3-30b-a3b-16xh100-mb")
+    result = published.compare_run(run)
+    assert result.expressible and result.simulated_tokens_per_s_per_gpu > 0 and result.error is not None
+    assert result.memory_bytes > 0 and result.capacity_bytes == pytest.approx(80e9)
