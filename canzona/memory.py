@@ -52,7 +52,7 @@ from canzona.optimizers import (
     default_config,
     matrix_optimizer,
 )
-from canzona.pipeline import stage_layers
+from canzona.pipeline import chunk_layers, peak_in_flight, rank_layers, stage_layers
 from canzona.plan import Plan, check_plan_matches
 from canzona.reductions import (
     check_reduce_scatter,
@@ -289,6 +289,7 @@ class LayoutMemory:
     pp: int
     stage: int
     ranks: tuple[RankMemory, ...]
+    vp: int = 1  # model chunks per pipeline rank (the interleaved schedule)
 
     def with_experts(self, experts: LayoutMemory, ep: int, setup: MemorySetup) -> LayoutMemory:
         """This dense part's memory with the expert part of the same GPUs added (expert
@@ -334,7 +335,7 @@ class LayoutMemory:
         out: dict[str, Any] = {
             "policy": self.policy,
             "optimizer": self.optimizer,
-            "layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "stage": self.stage},
+            "layout": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "vp": self.vp, "stage": self.stage},
             "worst": self.worst.to_dict(),
             "min_total": min(totals),
             "mean_total": sum(totals) / len(totals),
@@ -397,25 +398,35 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     return tokens * (replicated / sp_div + sharded / tp)
 
 
-def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0) -> dict[str, float]:
+def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0,
+                         vp: int = 1) -> dict[str, float]:
     """The activation peak of one GPU of pipeline stage `stage`, by part (bytes):
 
     - `layers`: the stage's layers times the micro-batches in flight (1F1B: stage i holds up to
       `pp - i` micro-batches, capped by `setup.micro_batches`; one at a time without pipelining);
+      under the interleaved schedule (`vp` > 1), a chunk's layers times the micro-batch-chunks in
+      flight (`canzona.pipeline.peak_in_flight`: stage 0 holds `layers * (1 + (pp - 1) / (pp * vp))`
+      layers' worth, Korthikanti et al. 2022, section 4.2.3);
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
     - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
       copy the loss keeps (`4*s*b*V`, the paper's) plus the bf16 logits it is made from, split
       over t by the vocabulary-parallel head (last stage)."""
-    rng = stage_layers(dims.layers, pp, stage)
-    in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
+    if vp == 1:
+        per_chunk = len(stage_layers(dims.layers, pp, stage))
+        in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
+        embedded = in_flight
+    else:  # the micro-batch-chunks in flight at the peak of the interleaved order, each a chunk's layers
+        per_chunk = len(chunk_layers(dims.layers, pp, stage, 0, vp))
+        in_flight = peak_in_flight(stage, pp, setup.micro_batches, vp)
+        embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)  # the embedding: chunk 0's
     tokens = setup.seq_len * setup.micro_batch
     sp_div = tp if setup.sequence_parallel else 1
     e = setup.activation_bytes
     out = {
-        "layers": len(rng) * in_flight * layer_activation_bytes(dims, setup, tp),
+        "layers": per_chunk * in_flight * layer_activation_bytes(dims, setup, tp),
         "recompute_working_set": layer_activation_bytes(dims, setup, tp, "none") if setup.recompute == "full" else 0.0,
-        "embedding": in_flight * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
+        "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }
     if stage == pp - 1:
@@ -423,8 +434,8 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     return out
 
 
-def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0) -> int:
-    return math.ceil(sum(activation_breakdown(dims, setup, tp, pp, stage).values()))
+def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0, vp: int = 1) -> int:
+    return math.ceil(sum(activation_breakdown(dims, setup, tp, pp, stage, vp).values()))
 
 
 # --- optimizer step -----------------------------------------------------------------------------
@@ -574,11 +585,12 @@ def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -
 
 def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: LayerDims,
                    setup: MemorySetup | None = None, *, dp: int | None = None, pp: int = 1, stage: int = 0,
-                   matrix_config: object | None = None) -> LayoutMemory:
+                   matrix_config: object | None = None, vp: int = 1) -> LayoutMemory:
     """Memory of every GPU of one pipeline stage (`dp x tp` ranks) running `plan` under `policy`.
 
     `spec` and `plan` are the stage's (with `pp > 1`: `stage_spec(...)` and a plan made for it;
-    `dims` describes the whole model). `dp` is the cluster's DP size: by default the plan's; a
+    `dims` describes the whole model; `vp` > 1: the interleaved schedule, the stage holding its
+    `vp` model chunks' layers). `dp` is the cluster's DP size: by default the plan's; a
     replicated policy's plan may be made for one DP rank (as the simulator makes `sc`'s).
     `matrix_config` overrides the optimizer's default configuration for the kernel workspace.
     """
@@ -593,11 +605,17 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     check_plan_matches(plan, spec)
     policy.check_dp_plan(plan.dp_plan)
     policy.check_tp_plan(plan.tp_plan.policy, tp)
-    rng = stage_layers(dims.layers, pp, stage)
+    if vp == 1:
+        rng = stage_layers(dims.layers, pp, stage)
+        where = f"layers {rng.start}..{rng.stop - 1}"
+    else:
+        rng = rank_layers(dims.layers, pp, stage, vp)
+        where = ", ".join(f"layers {c.start}..{c.stop - 1}" for c in (chunk_layers(dims.layers, pp, stage, k, vp)
+                                                                      for k in range(vp)))
     outside = next((p.name for p in spec.params if p.layer is not None and p.layer not in rng), None)
     if outside is not None:
-        raise SpecError(f"{outside} is not in pipeline stage {stage} of {pp} (layers {rng.start}..{rng.stop - 1}): "
-                        "give the stage's spec and plan (canzona.pipeline.stage_spec)")
+        raise SpecError(f"{outside} is not in pipeline stage {stage} of {pp}{f' (vp {vp})' if vp > 1 else ''} "
+                        f"({where}): give the stage's spec and plan (canzona.pipeline.stage_spec)")
 
     if matrix_config is not None and type(matrix_config) is not type(default_config(plan.optimizer)):
         raise SpecError(f"matrix_config is a {type(matrix_config).__name__}, but the plan is for {plan.optimizer}")
@@ -616,7 +634,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     buckets = sum(b.size for b in plan.dp_plan.buckets)
     weights = buckets * pb + adamw_size * adamw_pb
     grads = buckets * gb + adamw_size * adamw_gb
-    activations = activation_bytes(dims, setup, tp, pp, stage)
+    activations = activation_bytes(dims, setup, tp, pp, stage, vp)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
                  for p in spec.matrix_params()}
@@ -662,7 +680,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             overhead = setup.overhead(counted)
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
                                     adamw_state, activations, reduction, step, overhead))
-    return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks))
+    return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks), vp)
 
 
 def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, impl: str, grad_bytes: int, *,

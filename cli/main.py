@@ -306,7 +306,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1):
+                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -316,7 +316,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, ep=ep, etp=etp, geometry=geometry,
+                     zero1_fallback=zero1_fallback, pp=pp, vp=vp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
 
@@ -368,6 +368,10 @@ OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
+Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
+                                      "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
+                                      "c x PP + r; needs --pp > 1, layers divisible by PP x VP and micro-batches per DP "
+                                      "rank divisible by PP (1: plain 1F1B).")]
 RouterImbalance = Annotated[str, typer.Option(
     help="Under --ep: the busiest EP rank's token-expert pairs over the mean (a number >= 1), or the router's "
          "histogram, one share of the tokens per expert, comma-separated (default 1: balanced).")]
@@ -413,7 +417,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
@@ -432,7 +436,8 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate)
+                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
+                             vp)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -458,7 +463,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
@@ -479,7 +484,8 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
-                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate)
+                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
+                           vp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

@@ -126,6 +126,12 @@ def _options_text(c) -> str:
     return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; reduce-scatter {o.reduce_scatter}"
 
 
+def _vp(c) -> str:
+    """The interleaved schedule's model chunks per stage, where there are several."""
+    vp = getattr(c, "vp", 1)
+    return f" x VP {vp}" if vp > 1 else ""
+
+
 def _expert_layout(c) -> str:
     """The layout's expert parallelism, and FSDP's shard group (HSDP: its replicas)."""
     shard = c.gpus // (c.tp * c.pp * c.hsdp_replicate)
@@ -156,7 +162,7 @@ def simulate_table(result) -> Table:
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
-    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}, "
+    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}{_vp(c)}, "
                     f"DP {c.gpus // (c.tp * c.pp)}{_expert_layout(c)}), {c.optimizer}, "
                     f"policy {c.policy}{fell} [{_plans_text(result)}]")
     t.add_column("quantity", no_wrap=True)
@@ -203,7 +209,7 @@ def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
     baselines = SPEEDUP_BASELINES[bool(c.fsdp)]
-    layout = f"TP {c.tp}" + (f", PP {c.pp}" if c.pp > 1 else "") + _expert_layout(c)
+    layout = f"TP {c.tp}" + (f", PP {c.pp}{_vp(c)}" if c.pp > 1 else "") + _expert_layout(c)
     t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)

@@ -20,7 +20,7 @@ from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.pipeline import one_f_one_b
+from canzona.pipeline import chunk_layers, pipeline_order
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
 from canzona.step_collectives import (
@@ -257,23 +257,26 @@ class PhaseA:
 PP_COMM = "pp-comm"
 
 
-def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False) -> PhaseA:
-    """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`),
-    one stage's activations reaching the next by point-to-point sends. Each stage is simulated on
-    its first rank, which stands for the stage's ranks (see the module docstring), unless
-    `all_ranks`; collectives are priced for their real groups either way. With overlapped parameter
-    gathers (steady state), the previous step's all-gathers run under this forward, bucket by
-    bucket in the order the forward needs them."""
+def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int = 1) -> PhaseA:
+    """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`;
+    with `vp` > 1 model chunks per stage, Megatron's interleaved order), one virtual stage's
+    activations reaching the next by point-to-point sends (under interleaving every chunk boundary
+    crosses ranks, the last rank's chunk c sending to the first rank's chunk c + 1). Each stage is
+    simulated on its first rank, which stands for the stage's ranks (see the module docstring),
+    unless `all_ranks`; collectives are priced for their real groups either way. With overlapped
+    parameter gathers (steady state), the previous step's all-gathers run under this forward,
+    bucket by bucket in the order the forward needs them."""
     eng, cl, wl = ctxs[0].engine, ctxs[0].cluster, ctxs[0].workload
     pp, m = len(ctxs), wl.micro_batches(cl.dp)
+    virtual = pp * vp  # virtual stage c * pp + s: chunk c of stage s
     ranks = [list(cl.stage_ranks(s)) if all_ranks else [cl.rank(0, 0, s)] for s in range(pp)]
     done = eng.env.event().succeed()
-    # activation (gradient) of micro-batch i arrived at stage s: set by the neighbour's send
-    fwd_in = [[done if s == 0 else eng.env.event() for _ in range(m)] for s in range(pp)]
-    bwd_in = [[done if s == pp - 1 else eng.env.event() for _ in range(m)] for s in range(pp)]
+    # activation (gradient) of micro-batch i arrived at virtual stage v: set by the neighbour's send
+    fwd_in = [[done if v == 0 else eng.env.event() for _ in range(m)] for v in range(virtual)]
+    bwd_in = [[done if v == virtual - 1 else eng.env.event() for _ in range(m)] for v in range(virtual)]
     stalls: list[float] = []
     syncs: list[simpy.Event] = []
-    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls) for s, ctx in enumerate(ctxs)]
+    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp) for s, ctx in enumerate(ctxs)]
     for stage in stages:
         syncs += stage.run(m)
     return PhaseA(eng.env.all_of(syncs), stalls,
@@ -286,8 +289,8 @@ class _Stage:
     collectives, sends to the neighbouring stages, DP gradient and parameter collectives."""
 
     def __init__(self, ctx: Context, stage: int, ranks: list[list[int]], fwd_in: list[list[simpy.Event]],
-                 bwd_in: list[list[simpy.Event]], stalls: list[float]):
-        self.ctx, self.stage, self.all_ranks = ctx, stage, ranks
+                 bwd_in: list[list[simpy.Event]], stalls: list[float], vp: int = 1):
+        self.ctx, self.stage, self.all_ranks, self.vp = ctx, stage, ranks, vp
         self.ranks = ranks[stage]
         self.fwd_in, self.bwd_in, self.stalls = fwd_in, bwd_in, stalls
         self.eng = ctx.engine
@@ -450,16 +453,30 @@ class _Stage:
                                            record=rec.logged() if ctx.runtime_mode else None))
         return out
 
+    def chunks(self) -> list[list[int]]:
+        """Per model chunk, the indices into the stage's work of its layers (one chunk at vp 1)."""
+        work = self.ctx.work
+        if self.vp == 1:
+            return [list(range(len(work.layer_ids)))]
+        pp, layers = len(self.all_ranks), self.ctx.cfg.layers
+        return [[k for k, layer in enumerate(work.layer_ids) if layer in chunk_layers(layers, pp, self.stage, c, self.vp)]
+                for c in range(self.vp)]
+
     def run(self, micro_batches: int) -> list[simpy.Event]:
-        ctx, work, s = self.ctx, self.ctx.work, self.stage
+        ctx, work, s, vp = self.ctx, self.ctx.work, self.stage, self.vp
         pp = len(self.all_ranks)
+        virtual = pp * vp
+        chunks = self.chunks()
         needed = self.param_gathers()
         syncs: list[simpy.Event] = []
-        last_head = s == pp - 1
-        for kind, mb in one_f_one_b(s, pp, micro_batches):
+        tag = (lambda c: "") if vp == 1 else (lambda c: f" chunk {c}")
+        for kind, mb, c in pipeline_order(s, pp, micro_batches, vp):
+            v = c * pp + s  # this chunk's virtual stage: it receives from v - 1 and sends to v + 1
+            last_head = v == virtual - 1
             if kind == "F":
-                self.wait([self.fwd_in[s][mb]])
-                for layer, blocks in zip(work.layer_ids, work.forward):
+                self.wait([self.fwd_in[v][mb]])
+                for k in chunks[c]:
+                    layer, blocks = work.layer_ids[k], work.forward[k]
                     if mb == 0 and layer in needed:
                         if s == 0 and self.ranks:
                             self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
@@ -469,19 +486,20 @@ class _Stage:
                 if last_head:
                     self.compute(f"mb{mb} fwd head", work.head_forward_s)
                 else:
-                    self.send(s + 1, f"mb{mb} send activations", self.fwd_in[s + 1][mb])
+                    self.send((s + 1) % pp, f"mb{mb}{tag(c)} send activations", self.fwd_in[v + 1][mb])
             else:
-                self.wait([self.bwd_in[s][mb]])
+                self.wait([self.bwd_in[v][mb]])
                 if last_head:
                     self.compute(f"mb{mb} bwd head", work.head_backward_s)
-                for layer, blocks in reversed(list(zip(work.layer_ids, work.backward))):
-                    for b in blocks:
+                for k in reversed(chunks[c]):
+                    layer = work.layer_ids[k]
+                    for b in work.backward[k]:
                         # backward re-gathers the block input for the weight gradients (sequence parallel)
                         self.block(f"mb{mb} bwd {b.name}", b, 2)
                     if mb == micro_batches - 1 and ctx.options.overlap_grad_reduce:
                         syncs += self.grad_syncs(layer)
-                if s > 0:
-                    self.send(s - 1, f"mb{mb} send gradients", self.bwd_in[s - 1][mb])
+                if v > 0:
+                    self.send((s - 1) % pp, f"mb{mb}{tag(c)} send gradients", self.bwd_in[v - 1][mb])
         if not ctx.options.overlap_grad_reduce:
             for layer in reversed(work.layer_ids):
                 syncs += self.grad_syncs(layer)

@@ -30,7 +30,7 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
-from canzona.pipeline import stage_layers, stage_spec
+from canzona.pipeline import check_vp, stage_layers, stage_spec
 from canzona.plan import (
     BATCH_CAPACITY,
     DEFAULT_GEOMETRY,
@@ -99,6 +99,9 @@ class SimConfig:
     options: RunOptions = field(default_factory=RunOptions)
     zero1_fallback: bool = True  # canzona: report its ZeRO-1 fallback when that is faster
     pp: int = 1  # pipeline stages (1F1B); GPUs = DP x TP x PP
+    # model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule:
+    # canzona.pipeline); 1: plain 1F1B
+    vp: int = 1
     ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts)
     etp: int = 1  # expert TP (Megatron's expert_tensor_parallel_size): dp x tp = edp x ep x etp
     # how the buckets of stacked expert matrices are sized (canzona.dp.layout.EXPERT_BUCKETS: the
@@ -154,7 +157,7 @@ class SimConfig:
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp)
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
-        self.workload.micro_batches(cluster.dp)
+        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.dp))
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
@@ -250,6 +253,7 @@ class SimResult:
             "gpus": cfg.gpus,
             "tp": cfg.tp,
             "pp": cfg.pp,
+            "vp": cfg.vp,
             "ep": cfg.ep,
             "etp": cfg.etp,
             "expert_buckets": self.expert_choice.buckets,
@@ -423,7 +427,7 @@ def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluste
     if cfg.expert_buckets == AUTO_EXPERT_BUCKETS:
         for sizing in (s for s in EXPERT_BUCKETS if s != sizings[0]):
             for stage in range(cfg.pp):
-                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers), cfg.ep, cfg.etp, arch.hidden)
+                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp), cfg.ep, cfg.etp, arch.hidden)
                 if part.params and bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizing) != \
                         bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizings[0]):
                     sizings.append(sizing)
@@ -482,7 +486,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
                                       overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):
-        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers)
+        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                                 arch.q_dim, arch.hidden, arch.vocab, rate,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
@@ -505,14 +509,16 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
                             cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
         plans.append(stage_plan)
-        memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage)
+        memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage,
+                                vp=cfg.vp)
         if expert_ctx is not None:
             memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
-                                                        dp=experts.dp, pp=cfg.pp, stage=stage), cfg.ep, setup)
+                                                        dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp),
+                                            cfg.ep, setup)
         memories.append(memory)
     memory = max(memories, key=lambda m: m.worst.total)
 
-    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a)
+    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a, vp=cfg.vp)
     synced = phase.synced
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(engine.now))
