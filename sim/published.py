@@ -94,8 +94,6 @@ class PublishedRun:
         out = []
         if self.cp > 1:
             out.append("--cp")
-        if self.vp > 1:
-            out.append("--vp")
         if self.precision != "bf16":
             out.append(f"--precision {self.precision}")
         if self.fsdp and matrix_optimizer(self.optimizer).elementwise:
@@ -111,7 +109,7 @@ class PublishedRun:
         distributed optimizer), bf16 GEMMs, fp32 gradient reductions, NVIDIA's recipe defaults for
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch)
-        return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, ep=self.ep,
+        return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          options=RunOptions(recompute=self.recompute or "none"))
 
