@@ -180,3 +180,11 @@ def test_published_cp_rows_simulate_when_only_cp_stood_in_the_way():
     assert cfg.cp == run.cp > 1
     result = published.compare_run(run)
     assert result.expressible and result.simulated_tokens_per_s_per_gpu > 0
+
+
+def test_every_rank_agrees_with_the_replicated_phase_a():
+    """The ring's exchanges synchronise a CP group's ranks: simulating every rank (the ring a
+    collective of the whole CP group, across nodes at TP 4 x CP 4) gives rank 0's times."""
+    cfg = _config(gpus=16, tp=4, cp=4, optimizer="muon", policy="canzona")
+    a, b = simulate(cfg), simulate(cfg, replicate_phase_a=False)
+    assert (a.iteration_time_s, a.grad_sync_end_s) == (b.iteration_time_s, b.grad_sync_end_s)
