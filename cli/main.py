@@ -306,7 +306,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1):
+                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -316,7 +316,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, vp=vp, ep=ep, etp=etp, geometry=geometry,
+                     zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
 
@@ -372,6 +372,11 @@ Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
                                       "c x PP + r; needs --pp > 1, layers divisible by PP x VP and micro-batches per DP "
                                       "rank divisible by PP (1: plain 1F1B).")]
+Cp = Annotated[int, typer.Option(help="Context parallelism (Megatron's --context-parallel-size, ring attention): each "
+                                      "GPU holds seq / CP tokens of every micro-batch, attention exchanges K/V blocks "
+                                      "with its CP neighbours, gradients are reduced and the optimizer step planned over "
+                                      "DP x CP ranks; GPUs = DP x CP x TP x PP, seq len divisible by 2 x CP; the "
+                                      "simulator only (1: none).")]
 RouterImbalance = Annotated[str, typer.Option(
     help="Under --ep: the busiest EP rank's token-expert pairs over the mean (a number >= 1), or the router's "
          "histogram, one share of the tokens per expert, comma-separated (default 1: balanced).")]
@@ -417,7 +422,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
@@ -437,7 +442,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp)
+                             vp, cp)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -463,7 +468,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
+    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
@@ -485,7 +490,7 @@ def compare(
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                            zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                           vp)
+                           vp, cp)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)
@@ -662,7 +667,7 @@ def validate(
         "--published", help="Instead: simulate every published run of canzona/data/published_runs.json the "
                             "simulator can express and print its error against the published tokens/s/GPU, the mean "
                             "absolute and signed errors, Kendall tau within each model and overall, and the memory fit "
-                            "(rows needing --cp, --vp or fp8 are listed as not expressible).")] = False,
+                            "(rows needing --vp or fp8 are listed as not expressible).")] = False,
     rows: Annotated[str | None, typer.Option(
         help="With --published: only the rows whose id or model contains one of these comma-separated terms.")] = None,
     as_json: AsJson = False,

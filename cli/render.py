@@ -132,6 +132,12 @@ def _vp(c) -> str:
     return f" x VP {vp}" if vp > 1 else ""
 
 
+def _cp(c) -> str:
+    """Context parallelism, where there is some."""
+    cp = getattr(c, "cp", 1)
+    return f", CP {cp}" if cp > 1 else ""
+
+
 def _expert_layout(c) -> str:
     """The layout's expert parallelism, and FSDP's shard group (HSDP: its replicas)."""
     shard = c.gpus // (c.tp * c.pp * c.hsdp_replicate)
@@ -162,8 +168,8 @@ def simulate_table(result) -> Table:
     loads = result.rank_optimizer_s
     mean = sum(loads) / len(loads)
     fell = f", fell back to {result.fell_back_to}" if result.fell_back_to else ""
-    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}, PP {c.pp}{_vp(c)}, "
-                    f"DP {c.gpus // (c.tp * c.pp)}{_expert_layout(c)}), {c.optimizer}, "
+    t = Table(title=f"{result.plan.model} on {c.gpus} x {c.hardware} (TP {c.tp}{_cp(c)}, PP {c.pp}{_vp(c)}, "
+                    f"DP {c.gpus // (c.tp * c.pp * getattr(c, 'cp', 1))}{_expert_layout(c)}), {c.optimizer}, "
                     f"policy {c.policy}{fell} [{_plans_text(result)}]")
     t.add_column("quantity", no_wrap=True)
     t.add_column("ms", justify="right")
@@ -209,7 +215,7 @@ def compare_table(results) -> Table:
     c = results[0].config
     by = {r.config.policy: r for r in results}
     baselines = SPEEDUP_BASELINES[bool(c.fsdp)]
-    layout = f"TP {c.tp}" + (f", PP {c.pp}{_vp(c)}" if c.pp > 1 else "") + _expert_layout(c)
+    layout = f"TP {c.tp}" + _cp(c) + (f", PP {c.pp}{_vp(c)}" if c.pp > 1 else "") + _expert_layout(c)
     t = Table(title=f"{results[0].plan.model} on {c.gpus} x {c.hardware} ({layout}), {c.optimizer}, seq {c.workload.seq_len}, "
                     f"global batch {c.workload.global_batch}")
     t.add_column("policy", no_wrap=True)

@@ -68,6 +68,7 @@ from sim.topology import Cluster
 from sim.workload import Workload
 
 TP_COMM, DP_COMM, EP_COMM = "tp-comm", "dp-comm", "ep-comm"
+CP_COMM = "cp-comm"  # the context-parallel attention's ring exchanges (point-to-point, beside compute)
 # the expert part's TP exchanges (expert TP): their own communicator and stream, beside the dense
 # part's TP exchanges, sharing the GPUs' links with them
 ETP_COMM = "etp-comm"
@@ -267,7 +268,7 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     parameter gathers (steady state), the previous step's all-gathers run under this forward,
     bucket by bucket in the order the forward needs them."""
     eng, cl, wl = ctxs[0].engine, ctxs[0].cluster, ctxs[0].workload
-    pp, m = len(ctxs), wl.micro_batches(cl.dp)
+    pp, m = len(ctxs), wl.micro_batches(cl.batch_dp)
     virtual = pp * vp  # virtual stage c * pp + s: chunk c of stage s
     ranks = [list(cl.stage_ranks(s)) if all_ranks else [cl.rank(0, 0, s)] for s in range(pp)]
     done = eng.env.event().succeed()
@@ -295,13 +296,16 @@ class _Stage:
         self.fwd_in, self.bwd_in, self.stalls = fwd_in, bwd_in, stalls
         self.eng = ctx.engine
         cl, wl = ctx.cluster, ctx.workload
-        act = wl.tokens_per_micro_batch * ctx.hidden * wl.activation_bytes
+        # a rank's part of a micro-batch: its CP rank's tokens (all of them without CP)
+        act = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * wl.activation_bytes
         self.ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
         self.rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
         shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
         self.p2p = all_to_all_cost([shard, 0.0], [0.0, shard], cl.pp_geometry(), ctx.hw)
         self.tp_groups = _groups(self.ranks, cl.tp_groups(stage))
         self.dp_groups = _groups(self.ranks, cl.dp_groups(stage))
+        self.cp_groups = _groups(self.ranks, cl.cp_groups(stage)) if cl.cp > 1 else []
+        self.ring_costs: dict[float, CollectiveCost] = {}
         self.firsts = _bucket_first_layers(ctx)
         self.completed = backward_layers(ctx.plan, ctx.spec)  # bucket index -> the layer completing it
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
@@ -350,12 +354,12 @@ class _Stage:
             self.last.update(self.collective(f"{name} combine", self.ep_groups, cost, EP_COMM))
             return
         if ctx.tp == 1 or not b.tp_collectives:
-            self.compute(name, b.seconds)
+            self.core(name, b.seconds, b)
             return
         if not ctx.options.tp_comm_overlap:
             for _ in range(gathers_input):
                 self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM))
-            self.compute(name, b.seconds)
+            self.core(name, b.seconds, b)
             self.last.update(self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM))
             return
         gathered = dict(self.last)
@@ -363,12 +367,47 @@ class _Stage:
             gathered = self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM,
                                        {r: [gathered[r]] for r in ranks})
         self.compute(f"{name} first", b.first_s)
-        self.compute(f"{name} middle", b.middle_s, {r: [gathered[r]] for r in ranks})
+        self.core(f"{name} middle", b.middle_s, b, {r: [gathered[r]] for r in ranks})
         before_last = dict(self.last)
         self.compute(f"{name} last", b.last_s)
         scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
                                     {r: [before_last[r]] for r in ranks})
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
+
+    def core(self, name: str, seconds: float, b, extra: dict[int, list[simpy.Event]] | None = None) -> None:
+        """`seconds` of the block's compute holding its attention core; under context parallelism
+        the core runs last, as its ring (`Block.ring_steps`): step i computes against the K/V
+        block it holds while exchange i, on the CP stream, sends it to the next CP rank (and
+        receives the one step i + 1 needs); the pass ends when its last exchange is done."""
+        if not b.ring_steps:
+            self.compute(name, seconds, extra)
+            return
+        ranks = self.ranks
+        self.compute(name, seconds - b.core_s, extra)
+        step = b.core_s / b.ring_steps
+        pending: dict[int, simpy.Event] | None = None
+        for i in range(b.ring_steps):
+            sent = None
+            if i < len(b.ring_bytes):
+                sent = self.collective(f"{name} cp ring {i}", self.cp_groups, self._ring_cost(b.ring_bytes[i]), CP_COMM,
+                                       {r: [self.last[r]] for r in ranks})
+            self.compute(f"{name} attention step {i}", step, None if pending is None else
+                         {r: [pending[r]] for r in ranks})
+            pending = sent
+        if pending is not None:
+            self.wait_each(pending)
+
+    def wait_each(self, events: dict[int, simpy.Event]) -> None:
+        for r in self.ranks:
+            self.last[r] = self.eng.env.all_of([self.last[r], events[r]])
+
+    def _ring_cost(self, sent: float) -> CollectiveCost:
+        """One step of the CP ring: every rank sends `sent` bytes to the next CP rank and receives
+        as many from the previous, priced on the ring's slowest hop (`Cluster.cp_geometry`)."""
+        if sent not in self.ring_costs:
+            self.ring_costs[sent] = all_to_all_cost([sent, sent], [sent, sent], self.ctx.cluster.cp_geometry(),
+                                                    self.ctx.hw)
+        return self.ring_costs[sent]
 
     def _ep_cost(self, sent: float, received: float) -> CollectiveCost:
         """An EP group's all-to-all where every member sends `sent` bytes to the others and the

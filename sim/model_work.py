@@ -24,6 +24,15 @@ and SwiGLU are memory-bound passes. Under expert TP (`etp` > 1) the ETP group al
 pairs its ranks received and each rank runs the grouped GEMMs on all of them with its shard of
 the weights (gate / up rows, down columns: `canzona.experts.expert_tp_dim`), then the outputs
 are reduce-scattered back (Megatron's MoEAlltoAllTokenDispatcher: docs/design.md §2.7).
+
+Under context parallelism (`cp` > 1, Megatron's `--context-parallel-size` with Transformer
+Engine's `cp_comm_type="p2p"`) each rank holds seq / cp tokens of every sequence (2 x cp chunks,
+chunks i and 2cp-1-i on CP rank i, which balances the causal mask), so every GEMM, norm and the
+head run on tokens / cp; the attention core is a ring of `cp` steps (`Block.ring_steps`), each
+computing its query chunks against one rank's K/V block, 1 / cp of the attention's FLOPs (exactly,
+for the balanced causal split), while the next block travels the ring (`Block.ring_bytes`, one
+exchange per step that has a next: forward cp - 1 sends of K and V; backward cp sends: K/V, then
+K/V with the travelling dK/dV, then dK/dV home: TE's AttnFuncWithCPAndKVP2P).
 """
 
 from __future__ import annotations
@@ -63,6 +72,12 @@ class Block:
     # expert TP: the bytes an ETP group's all-gather of the received pairs gathers (its whole
     # output), and its reduce-scatter of the experts' outputs reduces, around the grouped GEMMs
     etp_bytes: float = 0.0
+    # context parallelism: the attention core (`core_s`, inside `middle_s`) as a ring of
+    # `ring_steps` equal steps, `ring_bytes[i]` the bytes each rank sends to the next CP rank while
+    # step i computes (the block step i + 1 needs; the last backward one the dK/dV going home)
+    core_s: float = 0.0
+    ring_steps: int = 0
+    ring_bytes: tuple[float, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -97,15 +112,19 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
                      recompute: str = "none", causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
-                     router_imbalance: float = 1.0, etp: int = 1) -> MicroBatchWork:
+                     router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
+                     kv_dim: int | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
     model (`Architecture`); `ep`: its expert parallelism (each rank computes `experts / ep` of
     the experts, on the token-expert pairs dispatched to them); `router_imbalance`: the busiest EP
     rank's pairs over the mean, which every rank of its EP group waits for; `etp`: expert TP (each
-    rank computes its shard of its experts on its ETP group's pairs)."""
+    rank computes its shard of its experts on its ETP group's pairs); `cp`: context parallelism
+    (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
+    exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring)."""
     check_recompute(recompute)
+    full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
     moe_by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -138,8 +157,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                 ks.append(gemm_kernel(p.name, tokens, out, inp, dtype))
         return run(ks)
 
-    seqs = tokens // seq_len if tokens >= seq_len else 1
+    seqs = full_tokens // seq_len if full_tokens >= seq_len else 1
     attn_flops = 4.0 * seq_len * seq_len * (q_dim / tp) * seqs * (0.5 if causal else 1.0)
+    if cp > 1:  # this rank's share: its query chunks against every K/V block
+        attn_flops /= cp
     attn_fwd = attn_flops / (rate.peak_flops.get(dtype, rate.gemm_flops[dtype]) * attention_efficiency)
     two = DTYPE_BYTES[dtype]  # activations in the model's dtype
 
@@ -158,14 +179,21 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             row = [p for p in block if p.tp_dim == 1]
             core_f = attn_fwd if i == 0 and q_dim else 0.0
             core_b = core_f * ATTENTION_BACKWARD
-            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1), gemms(row, False))
+            ring_f: dict = {}
+            ring_b: dict = {}
+            if cp > 1 and core_f:  # K and V of this rank's tokens, its TP rank's heads
+                kv = tokens * 2 * (kv_dim or q_dim) / tp * two
+                ring_f = dict(core_s=core_f, ring_steps=cp, ring_bytes=(kv,) * (cp - 1))
+                ring_b = dict(core_s=core_b, ring_steps=cp, ring_bytes=(kv,) + (2 * kv,) * (cp - 2) + (kv,))
+            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1), gemms(row, False),
+                        **ring_f)
             redo = 0.0
             if recompute == "full":
                 redo = fwd.seconds
             elif recompute == "selective":
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
             bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2),
-                        gemms(column, True))
+                        gemms(column, True), **ring_b)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:

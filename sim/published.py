@@ -4,9 +4,9 @@
 performance summaries and model verification cards, NVIDIA's DGX Cloud benchmarking recipes,
 torchtitan's and NeMo AutoModel's performance pages), each with its source, layout and published
 throughput in tokens per second per GPU. Every row the simulator can express is simulated as
-published (its model, GPUs, TP / PP / EP, batch, sequence, AdamW under ZeRO-1, the hardware
-profile of its GPUs) and compared; a row needing what the simulator does not model yet (context
-parallelism, the interleaved pipeline, FP8, ...) is listed with what it needs and no error figure.
+published (its model, GPUs, TP / PP / CP / EP, batch, sequence, AdamW under ZeRO-1, the hardware
+profile of its GPUs) and compared; a row needing what the simulator does not model yet (the
+interleaved pipeline, FP8, context parallelism with EP or FSDP, ...) is listed with what it needs and no error figure.
 No row is folded onto another axis and nothing is corrected per row or per model: the errors are
 the simulator's own (docs/design.md §9.6).
 """
@@ -92,8 +92,10 @@ class PublishedRun:
     def needs(self) -> tuple[str, ...]:
         """What the simulator lacks to express this run (empty: it is simulated)."""
         out = []
-        if self.cp > 1:
-            out.append("--cp")
+        if self.cp > 1 and self.ep > 1:
+            out.append("--cp with --ep")
+        if self.cp > 1 and self.fsdp:
+            out.append("--cp with --fsdp")
         if self.precision != "bf16":
             out.append(f"--precision {self.precision}")
         if self.fsdp and matrix_optimizer(self.optimizer).elementwise:
@@ -109,7 +111,8 @@ class PublishedRun:
         distributed optimizer), bf16 GEMMs, fp32 gradient reductions, NVIDIA's recipe defaults for
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch)
-        return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, ep=self.ep,
+        return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
+                         ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          options=RunOptions(recompute=self.recompute or "none"))
 

@@ -102,6 +102,10 @@ class SimConfig:
     # model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule:
     # canzona.pipeline); 1: plain 1F1B
     vp: int = 1
+    # context parallelism (Megatron's --context-parallel-size, ring attention: sim.model_work):
+    # GPUs = DP x CP x TP x PP, each CP rank seq / cp tokens of every micro-batch, the gradients
+    # reduced and the optimizer step planned over the DP x CP ranks; 1: none
+    cp: int = 1
     ep: int = 1  # expert parallelism of a mixture-of-experts model (canzona.experts)
     etp: int = 1  # expert TP (Megatron's expert_tensor_parallel_size): dp x tp = edp x ep x etp
     # how the buckets of stacked expert matrices are sized (canzona.dp.layout.EXPERT_BUCKETS: the
@@ -154,10 +158,12 @@ class SimConfig:
         check_geometry(self.geometry)
         self.options.check()
         hw = load_profile(self.hardware)
-        cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp)
+        cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp, cp=self.cp)
+        if self.cp > 1:
+            self._check_cp()
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
-        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.dp))
+        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp))
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
@@ -175,6 +181,16 @@ class SimConfig:
             self.expert_cluster(cluster)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
+
+    def _check_cp(self) -> None:
+        """What context parallelism needs besides the cluster's divisibility (`Cluster`)."""
+        if self.workload.seq_len % (2 * self.cp):
+            raise SpecError(f"seq len {self.workload.seq_len} is not divisible by 2 x cp = {2 * self.cp} (context "
+                            "parallelism splits each sequence into 2 x cp chunks)")
+        if self.fsdp:
+            raise SpecError("--fsdp with cp > 1 is not modelled (context parallelism runs on the ZeRO-1 layout)")
+        if self.ep > 1:
+            raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
         """The same GPUs in expert order (canzona.experts): ETP groups of `etp` consecutive ranks
@@ -254,6 +270,7 @@ class SimResult:
             "tp": cfg.tp,
             "pp": cfg.pp,
             "vp": cfg.vp,
+            "cp": cfg.cp,
             "ep": cfg.ep,
             "etp": cfg.etp,
             "expert_buckets": self.expert_choice.buckets,
@@ -267,7 +284,8 @@ class SimResult:
             "router_imbalance": cfg.router_imbalance,
             **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate}}
                if cfg.fsdp else {}),
-            "dp": cfg.gpus // (cfg.tp * cfg.pp),
+            "dp": cfg.gpus // (cfg.tp * cfg.pp * cfg.cp),
+            **({"dp_cp": cfg.gpus // (cfg.tp * cfg.pp)} if cfg.cp > 1 else {}),
             "optimizer": cfg.optimizer,
             "dp_policy": self.plan.dp_plan.policy,
             "tp_policy": self.plan.tp_plan.policy,
@@ -453,7 +471,7 @@ def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, 
     opt = [_window_breakdown(spans, t_sync, t_end) for spans in by_rank.values()]
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
     wl = cfg.workload
-    model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.dp) * cluster.dp
+    model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.batch_dp) * cluster.batch_dp
     peak = hw.gpu.peak_flops.get(wl.dtype, hw.gpu.peak_flops["bf16"])
     mfu = model_flops / (t_end * cluster.gpus * peak) if t_end > 0 else 0.0
     return dict(forward_backward_s=fb_end, mfu=mfu, breakdown={k: a[k] + mean[k] for k in a},
@@ -485,6 +503,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
                                       overlap_step=cfg.options.overlap_step)
+    if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
+        setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
@@ -492,7 +512,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0, etp=cfg.etp)
+                                if arch.moe else 1.0, etp=cfg.etp,
+                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)

@@ -1,4 +1,4 @@
-"""Cluster layout: nodes of GPUs, Megatron rank order (TP fastest), TP groups inside nodes."""
+"""Cluster layout: nodes of GPUs, Megatron rank order (TP fastest, then CP), TP groups inside nodes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ class Cluster:
     """`gpus` = dp x ep x tp x pp, ranks ordered TP fastest, then EP, then DP, then the pipeline
     stage (PP outermost, Megatron's default order).
 
+    `cp` > 1: context parallelism (Megatron's `--context-parallel-size`, its rank order
+    "tp-cp-ep-dp-pp": CP right after TP). `dp` is then the data-parallel group of the gradients
+    and the optimizer step, Megatron's "dp-cp" group of DP x CP ranks (the weights are replicated
+    over CP: the distributed optimizer shards over that group); with CP right after TP, its
+    members at one TP index are every `tp`-th rank of the stage, as a DP group's are without CP.
+    `batch_dp` = dp / cp is the DP the batch is split over; a CP group is the `cp` consecutive
+    members of a dp-cp group (`cp_group`), which share every micro-batch, seq / cp tokens each.
+
     `ep` > 1 is the expert order of the same GPUs (`sim.simulate.SimConfig.expert_cluster`,
     Megatron's MoE folding): `tp` is the expert TP size (ETP groups: `tp` consecutive ranks, inside
     a node), `ep` the EP size (EP groups: the ranks at one ETP position of `ep` consecutive ETP
@@ -39,11 +47,16 @@ class Cluster:
     gpus_per_node: int
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1:
-            raise SpecError(f"gpus, tp, pp and ep must be >= 1, got gpus={self.gpus} tp={self.tp} pp={self.pp} "
-                            f"ep={self.ep}")
+        if self.gpus < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1 or self.cp < 1:
+            raise SpecError(f"gpus, tp, pp, ep and cp must be >= 1, got gpus={self.gpus} tp={self.tp} pp={self.pp} "
+                            f"ep={self.ep} cp={self.cp}")
+        if self.cp > 1 and self.ep > 1:
+            raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
+        if self.cp > 1 and self.gpus % (self.tp * self.cp * self.pp):
+            raise SpecError(f"{self.gpus} GPUs are not divisible by tp x cp x pp = {self.tp} x {self.cp} x {self.pp}")
         if self.gpus > MAX_GPUS:
             raise SpecError(f"the simulator runs at most {MAX_GPUS} GPUs, got {self.gpus}")
         if self.gpus % self.tp:
@@ -67,6 +80,11 @@ class Cluster:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.ep * self.pp)
+
+    @property
+    def batch_dp(self) -> int:
+        """The data-parallel size the batch is split over: `dp` / `cp` (`dp` without CP)."""
+        return self.dp // self.cp
 
     @property
     def stage_gpus(self) -> int:
@@ -97,6 +115,21 @@ class Cluster:
 
     def ep_group(self, dp_index: int, tp_index: int, stage: int = 0) -> list[int]:
         return [self.rank(dp_index, tp_index, stage, e) for e in range(self.ep)]
+
+    def cp_group(self, batch_index: int = 0, tp_index: int = 0, stage: int = 0) -> list[int]:
+        """The CP group of DP index `batch_index` (of `batch_dp`): `cp` consecutive members of a
+        dp-cp group, the ring of the context-parallel attention."""
+        return [self.rank(batch_index * self.cp + c, tp_index, stage) for c in range(self.cp)]
+
+    def cp_groups(self, stage: int = 0) -> list[list[int]]:
+        """Every CP group of the stage."""
+        return [self.cp_group(i, t, stage) for i in range(self.batch_dp) for t in range(self.tp)]
+
+    def cp_geometry(self) -> GroupGeometry:
+        """A CP ring's slowest hop: its last rank sending to its first, which crosses nodes when
+        the group does (two members, as `pp_geometry`'s point-to-point link)."""
+        g = self.cp_group()
+        return self.geometry([g[-1], g[0]])
 
     def tp_groups(self, stage: int = 0) -> list[list[int]]:
         """Every TP (ETP) group of the stage, in rank order."""
