@@ -21,24 +21,29 @@ one more entry.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from canzona.catalog import DEFAULT_MODEL
+from canzona.cost import DeviceRate
 from canzona.errors import SpecError
 from canzona.experts import dense_part
 from canzona.hardware import DEFAULT_PROFILE, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
+from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
+from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
+from sim.topology import MAX_GPUS
 from sim.workload import Workload
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
@@ -57,8 +62,10 @@ class Question:
     global_batch: int = 128
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.gpus, int) and self.gpus >= 1):
-            raise SpecError(f"gpus must be a whole number >= 1, got {self.gpus!r}")
+        if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
+            raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
+        check_matrix_optimizer(self.optimizer)
+        Workload(seq_len=self.seq_len, global_batch=self.global_batch)  # its checks
 
 
 @dataclass(frozen=True)
@@ -284,6 +291,7 @@ class SearchResult:
     reasons: dict[str, int] = field(default_factory=dict)  # first words of each check's error: count
     wall_s: float = 0.0
     workers: int = 1
+    pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.ranked if top is None else self.ranked[:top]
@@ -292,7 +300,8 @@ class SearchResult:
             "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
             "seq_len": q.seq_len, "global_batch": q.global_batch,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
-                         "pruned_by_memory": self.pruned_memory, "simulated": self.simulated,
+                         "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
+                         "simulated": self.simulated,
                          "fit": len(self.ranked), "workers": self.workers, "wall_s": self.wall_s},
             "layouts": [{"rank": i + 1, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
                         for i, row in enumerate(rows)],
@@ -302,95 +311,141 @@ class SearchResult:
 Progress = Callable[[int, int, str], None]
 
 
-def search(q: Question, refine_top: int = 3, workers: int | None = None,
+def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
+    """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
+    micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
+    recompute asked), with every collective, send and the optimizer step taken as free. The
+    busiest stage computes all `m` micro-batches on one stream; the last stage cannot start before
+    the first micro-batch's forward has crossed the first chunk of every stage before it, nor can
+    the iteration end before the last backward has crossed them back (1/V of a stage's work under
+    the interleaved schedule)."""
+    spec, arch = model
+    wl = cfg.workload
+    m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp))
+    per_stage = []
+    for stage in range(cfg.pp):
+        part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
+                                arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
+                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp)
+        per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
+                         + work.head_forward_s + work.head_backward_s)
+    crossing = sum(per_stage[:-1]) / cfg.vp
+    return max(max(per_stage) * m, per_stage[-1] * m + crossing)
+
+
+@dataclass(order=True)
+class _Pending:
+    floor: float
+    order: int
+    cfg: SimConfig = field(compare=False)
+    layout: Layout = field(compare=False)
+
+
+def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None = None,
            progress: Progress | None = None) -> SearchResult:
-    """Search `q`'s layouts (module docstring); `progress(done, total, what)` after each simulation."""
+    """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
+    bound on `time_floor`); `progress(done, total, what)` after each simulation."""
+    import heapq
     import time
 
     start = time.perf_counter()
     facts = facts_of(q)
     model = resolve_model(q.model)
-    capacity = load_profile(q.hardware).gpu.memory_bytes
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    capacity = hw.gpu.memory_bytes
     cands = candidates(q, facts)
     reasons: dict[str, int] = {}
-    pruned_checks = pruned_memory = 0
+    counts = {"checks": 0, "memory": 0, "bound": 0}
+    queue: list[_Pending] = []
 
-    def admissible(layout: Layout, modes: Sequence[str]) -> tuple[SimConfig, Layout] | None:
-        """The first recompute mode of `modes` whose memory floor fits (None: none does)."""
-        nonlocal pruned_memory
+    def refuse(e: SpecError) -> None:
+        counts["checks"] += 1
+        key = " ".join(str(e).split()[:4])
+        reasons[key] = reasons.get(key, 0) + 1
+
+    def push(layout: Layout, modes: Sequence[str]) -> None:
+        """Queue `layout` with the first recompute mode of `modes` whose memory floor fits."""
         for mode in modes:
             chosen = {**layout, RECOMPUTE_AXIS: mode}
             cfg = config_of(q, chosen)
             if memory_floor(cfg, model) <= capacity:
-                return cfg, chosen
-        pruned_memory += 1
-        return None
+                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                return
+        counts["memory"] += 1
 
-    first: list[tuple[SimConfig, Layout]] = []
+    rows: list[dict[str, Any]] = []
     for layout in cands:
         try:
-            config_of(q, layout).check()  # the simulator's own rules
+            config_of(q, layout).check(model)  # the simulator's own rules
         except SpecError as e:
-            pruned_checks += 1
-            key = " ".join(str(e).split()[:4])
-            reasons[key] = reasons.get(key, 0) + 1
+            refuse(e)
             continue
-        task = admissible(layout, RECOMPUTE_MODES)
-        if task is not None:
-            first.append(task)
+        push(layout, RECOMPUTE_MODES)
+    if not queue:
+        why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+        raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
+                        f"({len(cands)} candidates; {counts['checks']} refused: {why or 'none'}; {counts['memory']} "
+                        f"over {capacity / 1e9:.1f} GB per GPU even with full recompute)")
 
     workers = workers or os.cpu_count() or 1
-    rows: list[dict[str, Any]] = []
-    done = 0
-    total = len(first)
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        def run(tasks: list[tuple[SimConfig, Layout]]) -> list[dict[str, Any]]:
-            nonlocal done
-            out = []
-            futures = {pool.submit(_run_task, t): t for t in tasks}
-            for fut in as_completed(futures):
-                row = fut.result()
-                done += 1
-                if progress:
-                    progress(done, total, describe(futures[fut][1]))
-                if "error" in row:
-                    key = " ".join(row["error"].split()[:4])
-                    reasons[key] = reasons.get(key, 0) + 1
-                    continue
-                out.append(row)
-            return out
 
-        # rounds of recompute: a layout that did not fit is tried with the next mode its floor admits
-        tasks = first
-        while tasks:
-            got = run(tasks)
-            rows += got
-            tasks = []
-            for row in got:
-                if row["fits"]:
+    def bound() -> float:
+        """The `top`-th best fitting time so far (infinite until there are `top`)."""
+        times = sorted(r["iteration_time_s"] for r in rows if r["fits"])
+        return times[top - 1] if len(times) >= top else math.inf
+
+    def settle(row: dict[str, Any]) -> None:
+        if "error" in row:
+            refuse(SpecError(row.pop("error")))
+            return
+        rows.append(row)
+        if not row["fits"] and not row["refined"]:
+            modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(row[RECOMPUTE_AXIS]) + 1:]
+            if modes:  # recompute only adds compute: the next mode only for a layout that did not fit
+                push({k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}, modes)
+
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        running: dict[Any, _Pending] = {}
+
+        def drain() -> None:
+            done = 0
+            while queue or running:
+                while queue and len(running) < workers:
+                    item = heapq.heappop(queue)
+                    if item.floor > bound():  # no faster than the top ones already found
+                        counts["bound"] += 1
+                        continue
+                    running[pool.submit(_run_task, (item.cfg, item.layout))] = item
+                if not running:
                     continue
-                modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(row[RECOMPUTE_AXIS]) + 1:]
-                layout = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
-                task = admissible(layout, modes) if modes else None
-                if task is not None:
-                    tasks.append(task)
-            total += len(tasks)
-        # refinement: the best layouts under the other step policies and reduce-scatters
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    item = running.pop(fut)
+                    settle(fut.result())
+                    done += 1
+                    if progress:
+                        label = " ".join([describe(item.layout), *(str(item.layout[a.name]) for a in REFINE_AXES
+                                                                   if a.name in item.layout)])
+                        progress(len(rows), len(rows) + len(queue) + len(running), label)
+
+        drain()
+        # refinement: the best layouts under the other step policies and reduce-scatters (same bound)
         best = sorted((r for r in rows if r["fits"]), key=lambda r: r["iteration_time_s"])[:refine_top]
-        tasks = []
         for row in best:
             layout = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
             for axis in REFINE_AXES:
                 for value in refine_values(q, axis, facts, layout)[1:]:
                     chosen = {**layout, axis.name: value}
-                    tasks.append((config_of(q, chosen), chosen))
-        total += len(tasks)
-        rows += run(tasks)
+                    cfg = config_of(q, chosen)
+                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+        drain()
 
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
-    return SearchResult(q, fit, not_fitting, len(cands), pruned_checks, pruned_memory, len(rows), reasons,
-                        time.perf_counter() - start, workers)
+    return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
+                        time.perf_counter() - start, workers, counts["bound"])
 
 
 def _order(row: dict[str, Any]) -> tuple:
@@ -403,11 +458,7 @@ def describe(layout: Layout) -> str:
     parts = [f"TP{layout['tp']}", f"PP{layout['pp']}"]
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
-    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", layout[RECOMPUTE_AXIS]]
-    if layout.get("policy"):
-        parts.append(layout["policy"])
-    if layout.get("reduce_scatter"):
-        parts.append(layout["reduce_scatter"])
+    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
     return " ".join(parts)
 
 
