@@ -198,7 +198,7 @@ def memory_floor(cfg: SimConfig, model) -> int:
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
                                       micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp)))
     worst = 0
-    for stage in range(cfg.pp):
+    for stage in _kinds(cfg.pp):
         part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
         elements = sum(p.local_numel(cfg.tp) for p in part.params)
         counted = elements * (setup.param_bytes + setup.grad_bytes) + \
@@ -311,6 +311,12 @@ class SearchResult:
 Progress = Callable[[int, int, str], None]
 
 
+def _kinds(pp: int) -> list[int]:
+    """The stages that differ when PP divides the layers: the first (embedding), one in the middle,
+    the last (head)."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
 def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
     """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
     micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
@@ -323,13 +329,15 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
     wl = cfg.workload
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp))
     per_stage = []
-    for stage in range(cfg.pp):
+    for stage in _kinds(cfg.pp):
         part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp)
         per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
                          + work.head_forward_s + work.head_backward_s)
+    if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
+        per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp
     return max(max(per_stage) * m, per_stage[-1] * m + crossing)
 
