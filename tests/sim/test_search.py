@@ -50,7 +50,7 @@ def test_floors_are_below_the_simulation():
 
     rate = DeviceRate.from_profile(load_profile(SMALL.hardware))
     for layout in ({"tp": 2, "pp": 2, "vp": 2, "micro_batch": 1, "recompute": "selective"},
-                   {"tp": 1, "pp": 1, "vp": 1, "micro_batch": 2, "recompute": "none"}):
+                   {"tp": 2, "pp": 1, "vp": 1, "micro_batch": 2, "recompute": "none"}):
         cfg = config_of(SMALL, layout)
         r = simulate(cfg)
         assert time_floor(cfg, model, rate) <= r.iteration_time_s
