@@ -519,6 +519,58 @@ def compare(
 
 
 @app.command()
+def search(
+    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
+    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128,
+    top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
+    workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
+    policy and reduce-scatter on the best): prune by the simulator's checks and memory, simulate the rest in
+    parallel, print the fastest that fit and the canzona plan command of the best."""
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cli.render import search_table
+    from sim.search import Question, not_in_plan, plan_command
+    from sim.search import search as run
+
+    try:
+        if top < 1:
+            raise SpecError(f"--top must be >= 1, got {top}")
+        if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
+            raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
+        question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
+                            global_batch=global_batch)
+        err = Console(stderr=True)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
+            task = progress.add_task("searching", total=None)
+
+            def tick(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=f"simulated {what}")
+
+            result = run(question, workers=workers, progress=tick)
+        if not result.ranked:
+            smallest = result.not_fitting[0]
+            raise SpecError(f"no layout of {model} on {gpus} GPUs fits: the smallest simulated needs "
+                            f"{smallest['memory_bytes'] / 1e9:.1f} GB per GPU of {smallest['memory_capacity_bytes'] / 1e9:.1f}")
+    except CanzonaError as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result.to_dict(top))
+        return
+    console.print(search_table(result, top))
+    best = result.ranked[0]
+    console.print(f"best: {plan_command(question, best)}")
+    missing = not_in_plan(best)
+    if missing:
+        console.print(f"  set in the launcher, not in the plan file: {'; '.join(missing)}")
+
+
+@app.command()
 def verify(
     dp: Annotated[int, typer.Option(help=f"Data-parallel ranks to spawn (gloo, CPU; 1..{checks.MAX_DP}).")] = 2,
     optimizer: Annotated[str, typer.Option(help=f"{OPTIMIZER_HELP[:-1]}, or all.")] = "muon",

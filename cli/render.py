@@ -440,3 +440,26 @@ def published_table(report) -> Table:
                  f"Memory fits on {sum(1 for r in report.compared if r.fits)} of {len(report.compared)}. "
                  "No per-row or per-model correction; sources in --json and canzona/data/published_runs.json.")
     return t
+
+
+def search_table(result, top: int) -> Table:
+    """`canzona search`: the fastest layouts that fit, one row each."""
+    from sim.search import describe
+
+    q, s = result.question, result.to_dict(top)
+    searched = s["searched"]
+    t = Table(title=f"{q.model} on {q.gpus} x {q.hardware}, {q.optimizer}, seq {q.seq_len}, global batch "
+                    f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} layouts that fit "
+                    f"({searched['candidates']} candidates, {searched['pruned_by_checks']} refused by the "
+                    f"simulator's checks, {searched['pruned_by_memory']} by the memory floor, {searched['pruned_by_bound']} by the "
+                    f"time floor, "
+                    f"{searched['simulated']} simulated on {searched['workers']} workers in "
+                    f"{searched['wall_s']:.1f} s)")
+    for name, justify in (("#", "right"), ("layout", "left"), ("step policy", "left"), ("reduce-scatter", "left"),
+                          ("iter ms", "right"), ("MFU", "right"), ("GB/GPU", "right"), ("opt ms", "right")):
+        t.add_column(name, justify=justify, no_wrap=name != "step policy")
+    for row in s["layouts"]:
+        policy = row["policy"] + (f" (fell back to {row['fell_back_to']})" if row["fell_back_to"] else "")
+        t.add_row(str(row["rank"]), describe(row), policy, row["reduce_scatter"], _ms(row["iteration_time_s"]),
+                  f"{row['mfu'] * 100:.1f}%", f"{row['memory_bytes'] / 1e9:.1f}", _ms(row["optimizer_step_s"]))
+    return t

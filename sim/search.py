@@ -1,0 +1,474 @@
+"""`search`: the fastest layouts of a model on a number of GPUs (docs/design.md §9.7).
+
+The space is data: `LAYOUT_AXES` (TP, PP, VP, EP, micro-batch, recompute; DP follows from them)
+and `REFINE_AXES` (step policy, reduce-scatter implementation), each an `Axis` with its candidate
+generator and the `SimConfig` field it sets. A new simulator dimension (context parallelism) is
+one more entry.
+
+1. **Enumerate** every combination of the layout axes (`candidates`).
+2. **Prune** without simulating: the simulator's own checks (`SimConfig.check`: divisibility of
+   heads, layers, experts, the batch; Megatron's interleaving rules), then a lower bound of the
+   memory per GPU from `canzona.memory` (weights, gradients, activations and the allowance; the
+   plan-dependent parts only add to it) against the profile's capacity.
+3. **Simulate** the survivors over a process pool (one worker per core). Recompute is tried in
+   rounds: it only adds compute, so a layout is simulated with the least recompute its memory bound
+   admits, and with the next one only if that did not fit.
+4. **Refine** the best `refine_top` fitting layouts over the other step policies and reduce-scatter
+   implementations (the defaults are searched first). `zero1-gather` is not tried beside canzona:
+   canzona's ZeRO-1 fallback already simulates it and keeps the faster.
+5. **Rank** the layouts that fit by iteration time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from canzona.catalog import DEFAULT_MODEL
+from canzona.cost import DeviceRate
+from canzona.errors import SpecError
+from canzona.experts import dense_part
+from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
+from canzona.models import resolve_model
+from canzona.optimizers import check_matrix_optimizer
+from canzona.pipeline import stage_spec
+from canzona.plan import PLAN_DEFAULTS
+from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
+from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
+from sim.model_work import micro_batch_work
+from sim.options import RunOptions
+from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
+from sim.topology import MAX_GPUS
+from sim.workload import Workload
+
+# canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
+COVERED_BY_FALLBACK = {"canzona": ("zero1-gather",)}
+
+
+@dataclass(frozen=True)
+class Question:
+    """What is searched for: a model on `gpus` GPUs of a hardware profile."""
+
+    model: str = DEFAULT_MODEL
+    gpus: int = 256
+    hardware: str = DEFAULT_PROFILE
+    optimizer: str = "muon"
+    seq_len: int = 4096
+    global_batch: int = 128
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
+            raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
+        check_matrix_optimizer(self.optimizer)
+        Workload(seq_len=self.seq_len, global_batch=self.global_batch)  # its checks
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the candidate generators read: the model's and the node's sizes."""
+
+    layers: int
+    experts: int  # 0: a dense model
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+
+
+def facts_of(q: Question) -> Facts:
+    _, arch = resolve_model(q.model)
+    return Facts(arch.layers, arch.moe[0] if arch.moe else 0, q.gpus, load_profile(q.hardware).node.gpus,
+                 q.global_batch)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- the axes ------------------------------------------------------------------------------------
+
+Layout = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One searched dimension: `values(facts, chosen)` its candidates given the axes before it,
+    `apply(kwargs, value)` how a value enters the `SimConfig` keyword arguments (default: the
+    field named like the axis)."""
+
+    name: str
+    values: Callable[[Facts, Layout], Iterable[Any]]
+    apply: Callable[[dict[str, Any], Any], None] | None = None
+
+    def set(self, kwargs: dict[str, Any], value: Any) -> None:
+        if self.apply is None:
+            kwargs[self.name] = value
+        else:
+            self.apply(kwargs, value)
+
+
+def _workload(kwargs: dict[str, Any], **changes: Any) -> None:
+    kwargs["workload"] = replace(kwargs["workload"], **changes)
+
+
+def _options(kwargs: dict[str, Any], **changes: Any) -> None:
+    kwargs["options"] = replace(kwargs["options"], **changes)
+
+
+def _dp(f: Facts, c: Layout) -> int:
+    return f.gpus // (c["tp"] * c["pp"])
+
+
+# TP: inside a node (the simulator's rule); heads, KV heads, ffn and vocabulary by SimConfig.check
+# PP: dividing the layers; VP: dividing each stage's layers (Megatron's interleaving, checked again
+# with the micro-batches by check_vp); EP: dividing the experts, MoE only; micro-batch: dividing
+# each DP rank's share of the batch. DP = GPUs / (TP x PP) is what is left.
+LAYOUT_AXES: tuple[Axis, ...] = (
+    Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0]),
+    Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
+    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else
+         [v for v in divisors(f.layers // c["pp"]) if v <= MAX_VP]),
+    Axis("ep", lambda f, c: [1] if not f.experts else
+         [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0]),
+    Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
+         [m for m in divisors(f.global_batch // _dp(f, c)) if m <= MAX_MICRO_BATCH],
+         lambda kw, v: _workload(kw, micro_batch=v)),
+    # ordered by cost: each mode only adds compute to the one before (the rounds of `search`)
+    Axis("recompute", lambda f, c: RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
+)
+MAX_VP = 8  # model chunks per stage: beyond, each micro-batch crosses ranks 8 x PP times
+MAX_MICRO_BATCH = 8  # sequences per micro-batch
+RECOMPUTE_AXIS = "recompute"
+
+# tried on the best layouts, each value beside the defaults (the first of each)
+REFINE_AXES: tuple[Axis, ...] = (
+    Axis("policy", lambda f, c: ()),  # filled per question: `refine_values`
+    Axis("reduce_scatter", lambda f, c: REDUCE_SCATTER_IMPLS, lambda kw, v: _options(kw, reduce_scatter=v)),
+)
+
+
+def refine_values(q: Question, axis: Axis, facts: Facts, layout: Layout) -> list[Any]:
+    if axis.name == "policy":
+        own = default_policy(q.optimizer)
+        skip = COVERED_BY_FALLBACK.get(own, ())
+        return [own] + [p for p in policies_running(q.optimizer) if p != own and p not in skip]
+    return list(axis.values(facts, layout))
+
+
+def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
+    """Every combination of the layout axes, before any check (recompute at its cheapest: the
+    other modes are tried in rounds)."""
+    facts = facts or facts_of(q)
+    out: list[Layout] = [{}]
+    for axis in LAYOUT_AXES:
+        if axis.name == RECOMPUTE_AXIS:
+            out = [{**c, axis.name: RECOMPUTE_MODES[0]} for c in out]
+            continue
+        out = [{**c, axis.name: v} for c in out for v in axis.values(facts, c)]
+    for c in out:
+        c["dp"] = _dp(facts, c)
+    return out
+
+
+def config_of(q: Question, layout: Layout) -> SimConfig:
+    """The simulator's configuration of one layout (and refinement values, when set)."""
+    kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
+                                  workload=Workload(seq_len=q.seq_len, global_batch=q.global_batch),
+                                  options=RunOptions())
+    for axis in LAYOUT_AXES + REFINE_AXES:
+        if axis.name in layout:
+            axis.set(kwargs, layout[axis.name])
+    return SimConfig(**kwargs)
+
+
+# --- pruning -------------------------------------------------------------------------------------
+
+
+def memory_floor(cfg: SimConfig, model) -> int:
+    """A lower bound of the fullest GPU's bytes (`canzona.memory`'s terms that need no plan): each
+    stage's dense weights and gradient buffers (the plan's buckets only pad them; experts add to
+    them), its activations, and the allowance on top (which grows with what it is added to)."""
+    spec, arch = model
+    dims = layer_dims(arch, spec)
+    wl = cfg.workload
+    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
+                                      micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp)))
+    worst = 0
+    for stage in _kinds(cfg.pp):
+        part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
+        elements = sum(p.local_numel(cfg.tp) for p in part.params)
+        counted = elements * (setup.param_bytes + setup.grad_bytes) + \
+            activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
+        worst = max(worst, counted + setup.overhead(counted))
+    return worst
+
+
+# --- simulation ----------------------------------------------------------------------------------
+
+
+def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> str:
+    """The `canzona plan` command line that writes this layout's plan file."""
+    parts = ["canzona plan", f"--model {q.model}", f"--dp {row['dp']}", f"--tp {row['tp']}",
+             f"--optimizer {q.optimizer}"]
+    if row["dp_policy"] != PLAN_DEFAULTS.dp_policy:
+        parts.append(f"--dp-policy {row['dp_policy']}")
+    if row["tp_policy"] != PLAN_DEFAULTS.tp_policy:
+        parts.append(f"--tp-policy {row['tp_policy']}")
+    if q.hardware != DEFAULT_PROFILE:
+        parts.append(f"--hardware {q.hardware}")
+    if row["ep"] > 1:
+        parts.append(f"--ep {row['ep']}")
+        if row["expert_buckets"] != PLAN_DEFAULTS.expert_buckets:
+            parts.append(f"--expert-buckets {row['expert_buckets']}")
+    parts.append(f"--out {out}")
+    return " ".join(parts)
+
+
+def not_in_plan(row: dict[str, Any]) -> list[str]:
+    """What of a layout its plan file does not carry (the launcher's settings)."""
+    out = []
+    if row["pp"] > 1:
+        out.append(f"pp {row['pp']} (canzona plan plans the whole model over DP x TP; the runtime has no pipeline)")
+    if row["vp"] > 1:
+        out.append(f"vp {row['vp']}")
+    if row["micro_batch"] > 1:
+        out.append(f"micro-batch {row['micro_batch']}")
+    if row["recompute"] != "none":
+        out.append(f"recompute {row['recompute']}")
+    if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
+        out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
+    if row["fell_back_to"] == DENSE_FALLBACK:
+        out.append("canzona's experts with zero1-gather's dense part (two plans)")
+    return out
+
+
+def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
+    """Simulate one configuration (in a worker): the row of the results, small enough to send back."""
+    r = simulate(cfg)
+    used = r.fell_back_to if r.fell_back_to in STEP_POLICIES else cfg.policy
+    step = STEP_POLICIES[used]
+    return {
+        **{k: layout[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")},
+        "policy": cfg.policy,
+        # a value of the refinement axes other than the default (ties go to the defaults)
+        "refined": any(a.name in layout for a in REFINE_AXES),
+        "reduce_scatter": cfg.options.reduce_scatter,
+        "fell_back_to": r.fell_back_to,
+        # the DP / TP policies the plan is made with (the deployed step policy's own, else canzona's settings)
+        "dp_policy": step.dp_policy or cfg.dp_policy,
+        "tp_policy": step.tp_policy or cfg.tp_policy,
+        "expert_buckets": r.expert_choice.buckets,
+        "iteration_time_s": r.iteration_time_s,
+        "optimizer_step_s": r.optimizer_step_s,
+        "mfu": r.mfu,
+        "memory_bytes": float(r.memory.worst.total),
+        "memory_capacity_bytes": float(r.memory_capacity_bytes),
+        "fits": r.fits,
+    }
+
+
+def _run_task(args: tuple[SimConfig, Layout]) -> dict[str, Any]:
+    cfg, layout = args
+    try:
+        return run_one(cfg, layout)
+    except SpecError as e:  # a rule only the run itself knows: pruned, with its reason
+        return {"error": str(e), **layout}
+
+
+@dataclass
+class SearchResult:
+    question: Question
+    ranked: list[dict[str, Any]]  # the simulated layouts that fit, fastest first
+    not_fitting: list[dict[str, Any]]
+    candidates: int
+    pruned_checks: int
+    pruned_memory: int
+    simulated: int
+    reasons: dict[str, int] = field(default_factory=dict)  # first words of each check's error: count
+    wall_s: float = 0.0
+    workers: int = 1
+    pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        rows = self.ranked if top is None else self.ranked[:top]
+        q = self.question
+        return {
+            "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
+            "seq_len": q.seq_len, "global_batch": q.global_batch,
+            "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
+                         "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
+                         "simulated": self.simulated,
+                         "fit": len(self.ranked), "workers": self.workers, "wall_s": self.wall_s},
+            "layouts": [{"rank": i + 1, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
+                        for i, row in enumerate(rows)],
+        }
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def _kinds(pp: int) -> list[int]:
+    """The stages that differ when PP divides the layers: the first (embedding), one in the middle,
+    the last (head)."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
+    """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
+    micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
+    recompute asked), with every collective, send and the optimizer step taken as free. The
+    busiest stage computes all `m` micro-batches on one stream; the last stage cannot start before
+    the first micro-batch's forward has crossed the first chunk of every stage before it, nor can
+    the iteration end before the last backward has crossed them back (1/V of a stage's work under
+    the interleaved schedule)."""
+    spec, arch = model
+    wl = cfg.workload
+    m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp))
+    per_stage = []
+    for stage in _kinds(cfg.pp):
+        part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
+                                arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
+                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp)
+        per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
+                         + work.head_forward_s + work.head_backward_s)
+    if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
+        per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
+    crossing = sum(per_stage[:-1]) / cfg.vp
+    return max(max(per_stage) * m, per_stage[-1] * m + crossing)
+
+
+@dataclass(order=True)
+class _Pending:
+    floor: float
+    order: int
+    cfg: SimConfig = field(compare=False)
+    layout: Layout = field(compare=False)
+
+
+def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None = None,
+           progress: Progress | None = None) -> SearchResult:
+    """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
+    bound on `time_floor`); `progress(done, total, what)` after each simulation."""
+    import heapq
+    import time
+
+    start = time.perf_counter()
+    facts = facts_of(q)
+    model = resolve_model(q.model)
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    capacity = hw.gpu.memory_bytes
+    cands = candidates(q, facts)
+    reasons: dict[str, int] = {}
+    counts = {"checks": 0, "memory": 0, "bound": 0}
+    queue: list[_Pending] = []
+
+    def refuse(e: SpecError) -> None:
+        counts["checks"] += 1
+        key = " ".join(str(e).split()[:4])
+        reasons[key] = reasons.get(key, 0) + 1
+
+    def push(layout: Layout, modes: Sequence[str]) -> None:
+        """Queue `layout` with the first recompute mode of `modes` whose memory floor fits."""
+        for mode in modes:
+            chosen = {**layout, RECOMPUTE_AXIS: mode}
+            cfg = config_of(q, chosen)
+            if memory_floor(cfg, model) <= capacity:
+                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                return
+        counts["memory"] += 1
+
+    rows: list[dict[str, Any]] = []
+    for layout in cands:
+        try:
+            config_of(q, layout).check(model)  # the simulator's own rules
+        except SpecError as e:
+            refuse(e)
+            continue
+        push(layout, RECOMPUTE_MODES)
+    if not queue:
+        why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+        raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
+                        f"({len(cands)} candidates; {counts['checks']} refused: {why or 'none'}; {counts['memory']} "
+                        f"over {capacity / 1e9:.1f} GB per GPU even with full recompute)")
+
+    workers = workers or os.cpu_count() or 1
+
+    def bound() -> float:
+        """The `top`-th best fitting time so far (infinite until there are `top`)."""
+        times = sorted(r["iteration_time_s"] for r in rows if r["fits"])
+        return times[top - 1] if len(times) >= top else math.inf
+
+    def settle(row: dict[str, Any]) -> None:
+        if "error" in row:
+            refuse(SpecError(row.pop("error")))
+            return
+        rows.append(row)
+        if not row["fits"] and not row["refined"]:
+            modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(row[RECOMPUTE_AXIS]) + 1:]
+            if modes:  # recompute only adds compute: the next mode only for a layout that did not fit
+                push({k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}, modes)
+
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        running: dict[Any, _Pending] = {}
+
+        def drain() -> None:
+            done = 0
+            while queue or running:
+                while queue and len(running) < workers:
+                    item = heapq.heappop(queue)
+                    if item.floor > bound():  # no faster than the top ones already found
+                        counts["bound"] += 1
+                        continue
+                    running[pool.submit(_run_task, (item.cfg, item.layout))] = item
+                if not running:
+                    continue
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    item = running.pop(fut)
+                    settle(fut.result())
+                    done += 1
+                    if progress:
+                        label = " ".join([describe(item.layout), *(str(item.layout[a.name]) for a in REFINE_AXES
+                                                                   if a.name in item.layout)])
+                        progress(len(rows), len(rows) + len(queue) + len(running), label)
+
+        drain()
+        # refinement: the best layouts under the other step policies and reduce-scatters (same bound)
+        best = sorted((r for r in rows if r["fits"]), key=lambda r: r["iteration_time_s"])[:refine_top]
+        for row in best:
+            layout = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
+            for axis in REFINE_AXES:
+                for value in refine_values(q, axis, facts, layout)[1:]:
+                    chosen = {**layout, axis.name: value}
+                    cfg = config_of(q, chosen)
+                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+        drain()
+
+    fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
+    not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
+    return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
+                        time.perf_counter() - start, workers, counts["bound"])
+
+
+def _order(row: dict[str, Any]) -> tuple:
+    """Ties broken towards the simpler layout."""
+    return (row["refined"], row["pp"], row["vp"], row["ep"], RECOMPUTE_MODES.index(row["recompute"]), row["tp"])
+
+
+def describe(layout: Layout) -> str:
+    """A layout on one line (the progress bar's and the table's)."""
+    parts = [f"TP{layout['tp']}", f"PP{layout['pp']}"]
+    parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
+    parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
+    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
+    return " ".join(parts)
+
+
+__all__ = ["Axis", "LAYOUT_AXES", "REFINE_AXES", "Question", "SearchResult", "candidates", "config_of",
+           "memory_floor", "plan_command", "search"]

@@ -1,0 +1,95 @@
+"""sim.search: candidates, pruning, ranking (small model, few GPUs: fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from canzona.errors import SpecError
+from canzona.models import resolve_model
+from sim.search import (
+    LAYOUT_AXES,
+    Question,
+    candidates,
+    config_of,
+    memory_floor,
+    search,
+    time_floor,
+)
+from sim.simulate import simulate
+
+SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return search(SMALL, top=3, workers=2)
+
+
+def test_every_layout_is_valid_and_fits(small):
+    assert small.ranked
+    for row in small.ranked:
+        assert row["fits"] and row["memory_bytes"] <= row["memory_capacity_bytes"]
+        assert row["tp"] * row["pp"] * row["dp"] == SMALL.gpus
+        assert SMALL.global_batch % (row["dp"] * row["micro_batch"]) == 0
+        config_of(SMALL, row).check()  # the simulator's own rules accept it
+
+
+def test_ranked_by_iteration_time(small):
+    times = [r["iteration_time_s"] for r in small.ranked]
+    assert times == sorted(times)
+
+
+def test_floors_are_below_the_simulation():
+    """The bounds that prune are lower bounds of what they stand for."""
+    model = resolve_model(SMALL.model)
+    from canzona.cost import DeviceRate
+    from canzona.hardware import load_profile
+
+    rate = DeviceRate.from_profile(load_profile(SMALL.hardware))
+    for layout in ({"tp": 2, "pp": 2, "vp": 2, "micro_batch": 1, "recompute": "selective"},
+                   {"tp": 2, "pp": 1, "vp": 1, "micro_batch": 2, "recompute": "none"}):
+        cfg = config_of(SMALL, layout)
+        r = simulate(cfg)
+        assert time_floor(cfg, model, rate) <= r.iteration_time_s
+        assert memory_floor(cfg, model) <= r.memory.worst.total
+
+
+def test_the_top_is_exact():
+    """Branch and bound keeps the top K of the exhaustive search (no refinement: layouts only)."""
+    bounded = search(SMALL, top=2, refine_top=0, workers=2)
+    full = search(SMALL, top=10**6, refine_top=0, workers=2)
+    assert bounded.pruned_bound > 0
+    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked[:2]]
+    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in bounded.ranked[:2]] == key
+
+
+def test_axes_are_data():
+    assert [a.name for a in LAYOUT_AXES] == ["tp", "pp", "vp", "ep", "micro_batch", "recompute"]
+
+
+def test_moe_searches_expert_parallelism():
+    q = Question(model="qwen3-30b-a3b", gpus=16, global_batch=32)
+    eps = {c["ep"] for c in candidates(q)}
+    assert {1, 2, 4, 8, 16} <= eps
+
+
+def test_bad_question():
+    with pytest.raises(SpecError, match="gpus"):
+        Question(gpus=0)
+    with pytest.raises(SpecError):
+        Question(optimizer="sgd")
+
+
+def test_published_layout_is_a_candidate():
+    path = Path(__file__).resolve().parents[2] / "canzona" / "data" / "published_runs.json"
+    if not path.exists():
+        pytest.skip("no published runs in this checkout")
+    row = next(r for r in json.loads(path.read_text())["rows"] if r["id"] == "qwen3-8b-16xh100-mb")
+    q = Question(model=row["model"], gpus=row["gpus"], hardware=row["hardware"], optimizer=row["optimizer"],
+                 seq_len=row["seq_len"], global_batch=row["global_batch"])
+    layout = {"tp": row["tp"], "pp": row["pp"], "vp": row["vp"], "ep": row["ep"], "micro_batch": row["micro_batch"],
+              "dp": row["gpus"] // (row["tp"] * row["pp"] * row["cp"])}
+    assert any(all(c[k] == v for k, v in layout.items()) for c in candidates(q))
