@@ -1,6 +1,6 @@
 """`search`: the fastest layouts of a model on a number of GPUs (docs/design.md §9.7).
 
-The space is data: `LAYOUT_AXES` (TP, PP, VP, EP, micro-batch, recompute; DP follows from them)
+The space is data: `LAYOUT_AXES` (TP, PP, VP, CP, EP, micro-batch, recompute; DP follows from them)
 and `REFINE_AXES` (step policy, reduce-scatter implementation), each an `Axis` with its candidate
 generator and the `SimConfig` field it sets. A new simulator dimension (context parallelism) is
 one more entry.
@@ -77,12 +77,13 @@ class Facts:
     gpus: int
     gpus_per_node: int
     global_batch: int
+    seq_len: int
 
 
 def facts_of(q: Question) -> Facts:
     _, arch = resolve_model(q.model)
     return Facts(arch.layers, arch.moe[0] if arch.moe else 0, q.gpus, load_profile(q.hardware).node.gpus,
-                 q.global_batch)
+                 q.global_batch, q.seq_len)
 
 
 def divisors(n: int) -> list[int]:
@@ -120,18 +121,23 @@ def _options(kwargs: dict[str, Any], **changes: Any) -> None:
 
 
 def _dp(f: Facts, c: Layout) -> int:
-    return f.gpus // (c["tp"] * c["pp"])
+    """The data-parallel ranks that split the batch (CP ranks share their DP rank's sequences)."""
+    return f.gpus // (c["tp"] * c["pp"] * c["cp"])
 
 
 # TP: inside a node (the simulator's rule); heads, KV heads, ffn and vocabulary by SimConfig.check
 # PP: dividing the layers; VP: dividing each stage's layers (Megatron's interleaving, checked again
-# with the micro-batches by check_vp); EP: dividing the experts, MoE only; micro-batch: dividing
-# each DP rank's share of the batch. DP = GPUs / (TP x PP) is what is left.
+# with the micro-batches by check_vp); CP: context parallelism (ring attention); EP: dividing the
+# experts, MoE only; micro-batch: dividing each DP rank's share of the batch. DP = GPUs / (TP x PP
+# x CP) is what is left.
 LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0]),
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
     Axis("vp", lambda f, c: [1] if c["pp"] == 1 else
          [v for v in divisors(f.layers // c["pp"]) if v <= MAX_VP]),
+    # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks; not with experts (not simulated)
+    Axis("cp", lambda f, c: [1] if f.experts else
+         [k for k in divisors(f.gpus // (c["tp"] * c["pp"])) if k <= MAX_CP and f.seq_len % (2 * k) == 0]),
     Axis("ep", lambda f, c: [1] if not f.experts else
          [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0]),
     Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
@@ -141,6 +147,7 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("recompute", lambda f, c: RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
 )
 MAX_VP = 8  # model chunks per stage: beyond, each micro-batch crosses ranks 8 x PP times
+MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for sequences beyond 32k
 MAX_MICRO_BATCH = 8  # sequences per micro-batch
 RECOMPUTE_AXIS = "recompute"
 
@@ -196,7 +203,9 @@ def memory_floor(cfg: SimConfig, model) -> int:
     dims = layer_dims(arch, spec)
     wl = cfg.workload
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
-                                      micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp)))
+                                      micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp)))
+    if cfg.cp > 1:  # each GPU holds its CP rank's seq / cp tokens of a micro-batch (as the simulator)
+        setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     worst = 0
     for stage in _kinds(cfg.pp):
         part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
@@ -212,7 +221,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
 
 def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> str:
     """The `canzona plan` command line that writes this layout's plan file."""
-    parts = ["canzona plan", f"--model {q.model}", f"--dp {row['dp']}", f"--tp {row['tp']}",
+    # the optimizer's data-parallel group is DP x CP (CP ranks hold the same weights)
+    parts = ["canzona plan", f"--model {q.model}", f"--dp {row['dp'] * row.get('cp', 1)}", f"--tp {row['tp']}",
              f"--optimizer {q.optimizer}"]
     if row["dp_policy"] != PLAN_DEFAULTS.dp_policy:
         parts.append(f"--dp-policy {row['dp_policy']}")
@@ -235,6 +245,8 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
         out.append(f"pp {row['pp']} (canzona plan plans the whole model over DP x TP; the runtime has no pipeline)")
     if row["vp"] > 1:
         out.append(f"vp {row['vp']}")
+    if row.get("cp", 1) > 1:
+        out.append(f"cp {row['cp']} (the plan's DP is DP x CP; the runtime has no context parallelism)")
     if row["micro_batch"] > 1:
         out.append(f"micro-batch {row['micro_batch']}")
     if row["recompute"] != "none":
@@ -327,13 +339,14 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
     the interleaved schedule)."""
     spec, arch = model
     wl = cfg.workload
-    m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp))
+    m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
         part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp)
+                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
+                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
         per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
                          + work.head_forward_s + work.head_backward_s)
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
@@ -465,6 +478,7 @@ def describe(layout: Layout) -> str:
     """A layout on one line (the progress bar's and the table's)."""
     parts = [f"TP{layout['tp']}", f"PP{layout['pp']}"]
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
+    parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
     parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
     return " ".join(parts)

@@ -15,6 +15,7 @@ from sim.search import (
     candidates,
     config_of,
     memory_floor,
+    plan_command,
     search,
     time_floor,
 )
@@ -32,7 +33,7 @@ def test_every_layout_is_valid_and_fits(small):
     assert small.ranked
     for row in small.ranked:
         assert row["fits"] and row["memory_bytes"] <= row["memory_capacity_bytes"]
-        assert row["tp"] * row["pp"] * row["dp"] == SMALL.gpus
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == SMALL.gpus
         assert SMALL.global_batch % (row["dp"] * row["micro_batch"]) == 0
         config_of(SMALL, row).check()  # the simulator's own rules accept it
 
@@ -67,7 +68,19 @@ def test_the_top_is_exact():
 
 
 def test_axes_are_data():
-    assert [a.name for a in LAYOUT_AXES] == ["tp", "pp", "vp", "ep", "micro_batch", "recompute"]
+    assert [a.name for a in LAYOUT_AXES] == ["tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute"]
+
+
+def test_dense_models_search_context_parallelism():
+    """CP divides what TP x PP leave and the sequence in 2 x CP chunks; its plan is for DP x CP."""
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8)
+    layouts = candidates(q)
+    assert {1, 2, 4, 8} <= {c["cp"] for c in layouts}
+    for c in layouts:
+        assert c["tp"] * c["pp"] * c["cp"] * c["dp"] == q.gpus
+    row = {**next(c for c in layouts if c["cp"] == 2 and c["tp"] == 1 and c["pp"] == 1),
+           "dp_policy": "alpha-balanced-reorder", "tp_policy": "greedy-rollback", "expert_buckets": "size"}
+    assert "--dp 8 " in plan_command(q, row)
 
 
 def test_moe_searches_expert_parallelism():
