@@ -75,8 +75,6 @@ from canzona.step_policies import get_fsdp_policy
 
 log = logging.getLogger("canzona")
 
-FSDP = FSDP_GROUP  # the exchange group's name in collective logs
-FSDP_WORLD = FSDP_WORLD_GROUP  # every rank of the mesh: the step check and the agreement check
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -161,8 +159,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
         world_group, _ = new_groups([world_ranks], me)
         exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me)
-        self.world = Comm(world_group, timeout_s, FSDP_WORLD)
-        self.comm = Comm(exchange_group, timeout_s, FSDP)
+        # the exchange group's and every rank's communicators (their names: canzona.fsdp_collectives)
+        self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)
+        self.comm = Comm(exchange_group, timeout_s, FSDP_GROUP)
         self.comm.log.clock = self.world.log.clock  # one issue order over both logs
         self.rank, self.size = self.comm.rank, self.comm.size
         self.dp = self.size  # the ranks a matrix's pieces come from (canzona.memory's and the logs' DP)
