@@ -646,7 +646,14 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
+    # a row is a function of the DP rank's micro-groups, AdamW slice and reductions: computed once
+    # for equal ones (at DP 2048 most ranks own no matrix)
+    seen: dict[tuple, list[tuple[int, int, int]]] = {}
     for i in range(1 if policy.replicated else dp):
+        key = (None if policy.replicated else plan.tp_plan.groups[i], adamw_inside[i], adamw_largest[i], reductions[i])
+        if key in seen:
+            rows.append(seen[key])
+            continue
         sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub,
                             overlap_step=setup.overlap_step)
         master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
@@ -668,6 +675,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
                     step = max(step, early + reductions[i])
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)
+        seen[key] = row
 
     ranks = []
     for i in range(dp):

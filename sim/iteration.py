@@ -588,13 +588,18 @@ def every_rank(ctx: Context) -> StepClasses:
     return StepClasses.every_rank(cl.stage_ranks(ctx.stage).start, cl.stage_gpus)
 
 
-def _step_key(ctx: Context, i: int, overlap_step: bool, names: dict[str, int]) -> tuple:
+def _step_key(ctx: Context, i: int, overlap_step: bool, names: dict[str, int], kept: dict) -> tuple:
     """What the simulator does of DP (EDP) rank `i`'s step: its TP schedule, each matrix named by
     its bucket's index (`names`: outside runtime mode a name only says which bucket's reduction an
-    early start waits for), its share of the gradient norm and its AdamW elements."""
-    sched = ctx.step_schedule(i, overlap_step)
-    groups = tuple(replace(g, tasks=tuple(replace(t, name=names[t.name]) for t in g.tasks)) for g in sched.groups)
-    return replace(sched, dp_rank=0, groups=groups), ctx.norm_numels[i], ctx.adamw_share(i)
+    early start waits for), its share of the gradient norm and its AdamW elements. The schedule is
+    a function of the rank's micro-groups: `kept` holds it by them (most of 2048 DP ranks own no
+    matrix)."""
+    mine = None if ctx.policy.replicated else ctx.plan.tp_plan.groups[i]
+    if mine not in kept:
+        sched = ctx.step_schedule(i, overlap_step)
+        groups = tuple(replace(g, tasks=tuple(replace(t, name=names[t.name]) for t in g.tasks)) for g in sched.groups)
+        kept[mine] = replace(sched, dp_rank=0, groups=groups)
+    return kept[mine], ctx.norm_numels[i], ctx.adamw_share(i)
 
 
 def step_classes(ctx: Context) -> StepClasses:
@@ -609,7 +614,8 @@ def step_classes(ctx: Context) -> StepClasses:
     def ids(c: Context, overlap_step: bool) -> list[int]:
         names = {p.name: k for k, b in enumerate(c.plan.dp_plan.buckets) for p in b.params}
         seen: dict[tuple, int] = {}
-        return [seen.setdefault(_step_key(c, i, overlap_step, names), len(seen)) for i in range(c.cluster.dp)]
+        kept: dict = {}
+        return [seen.setdefault(_step_key(c, i, overlap_step, names, kept), len(seen)) for i in range(c.cluster.dp)]
 
     dense, dense_per = ids(ctx, ctx.options.overlap_step), unit // cl.tp
     # the expert part's schedules are made without overlap_step (_ExpertStep)
