@@ -65,6 +65,7 @@ from canzona.step_schedule import (
     PIPELINED,
     SERIAL,
     GroupStep,
+    ScheduleKeys,
     Task,
     check_tp_mode,
     tp_schedule,
@@ -646,11 +647,12 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
-    # a row is a function of the DP rank's micro-groups, AdamW slice and reductions: computed once
-    # for equal ones (at DP 2048 most ranks own no matrix)
+    # a row is a function of the DP rank's schedule but for the matrices' names (by their shapes:
+    # the workspaces), its AdamW slice and its reductions: computed once per kind (ScheduleKeys)
+    schedules = ScheduleKeys(plan, spec, policy)
     seen: dict[tuple, list[tuple[int, int, int]]] = {}
     for i in range(1 if policy.replicated else dp):
-        key = (None if policy.replicated else plan.tp_plan.groups[i], adamw_inside[i], adamw_largest[i], reductions[i])
+        key = (schedules(i), adamw_inside[i], adamw_largest[i], reductions[i])
         if key in seen:
             rows.append(seen[key])
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import simpy
@@ -51,6 +51,7 @@ from canzona.step_schedule import (
     TP_GROUP,
     Exchange,
     GroupStep,
+    ScheduleKeys,
     Task,
     TPSchedule,
     tp_schedule,
@@ -588,18 +589,12 @@ def every_rank(ctx: Context) -> StepClasses:
     return StepClasses.every_rank(cl.stage_ranks(ctx.stage).start, cl.stage_gpus)
 
 
-def _step_key(ctx: Context, i: int, overlap_step: bool, names: dict[str, int], kept: dict) -> tuple:
-    """What the simulator does of DP (EDP) rank `i`'s step: its TP schedule, each matrix named by
-    its bucket's index (`names`: outside runtime mode a name only says which bucket's reduction an
-    early start waits for), its share of the gradient norm and its AdamW elements. The schedule is
-    a function of the rank's micro-groups: `kept` holds it by them (most of 2048 DP ranks own no
-    matrix)."""
-    mine = None if ctx.policy.replicated else ctx.plan.tp_plan.groups[i]
-    if mine not in kept:
-        sched = ctx.step_schedule(i, overlap_step)
-        groups = tuple(replace(g, tasks=tuple(replace(t, name=names[t.name]) for t in g.tasks)) for g in sched.groups)
-        kept[mine] = replace(sched, dp_rank=0, groups=groups)
-    return kept[mine], ctx.norm_numels[i], ctx.adamw_share(i)
+def _step_key(ctx: Context, i: int, schedules: ScheduleKeys) -> tuple:
+    """What the simulator does of DP (EDP) rank `i`'s step: its TP schedule but for the matrices'
+    names (`ScheduleKeys`: outside runtime mode a name only says which bucket's reduction an early
+    start waits for, and the key keeps the bucket), its share of the gradient norm and its AdamW
+    elements."""
+    return schedules(i), ctx.norm_numels[i], ctx.adamw_share(i)
 
 
 def step_classes(ctx: Context) -> StepClasses:
@@ -611,15 +606,13 @@ def step_classes(ctx: Context) -> StepClasses:
     block = ectx.cluster.ep * ectx.cluster.tp if ectx is not None else cl.tp
     unit = math.lcm(cl.tp, block)
 
-    def ids(c: Context, overlap_step: bool) -> list[int]:
-        names = {p.name: k for k, b in enumerate(c.plan.dp_plan.buckets) for p in b.params}
+    def ids(c: Context) -> list[int]:
+        schedules = ScheduleKeys(c.plan, c.spec, c.policy)
         seen: dict[tuple, int] = {}
-        kept: dict = {}
-        return [seen.setdefault(_step_key(c, i, overlap_step, names, kept), len(seen)) for i in range(c.cluster.dp)]
+        return [seen.setdefault(_step_key(c, i, schedules), len(seen)) for i in range(c.cluster.dp)]
 
-    dense, dense_per = ids(ctx, ctx.options.overlap_step), unit // cl.tp
-    # the expert part's schedules are made without overlap_step (_ExpertStep)
-    experts, experts_per = (ids(ectx, False), unit // block) if ectx is not None else ([], 0)
+    dense, dense_per = ids(ctx), unit // cl.tp
+    experts, experts_per = (ids(ectx), unit // block) if ectx is not None else ([], 0)
     first: dict[tuple, int] = {}
     of_unit = [first.setdefault(("phase A",) if u == 0 else
                                 (tuple(dense[u * dense_per:(u + 1) * dense_per]),
