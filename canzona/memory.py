@@ -38,6 +38,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
@@ -312,9 +313,9 @@ class LayoutMemory:
             ranks.append(replace(merged, overhead=setup.overhead(merged.persistent + merged.transient)))
         return replace(self, ranks=tuple(ranks))
 
-    @property
+    @cached_property
     def worst(self) -> RankMemory:
-        """The rank that needs the most (the lowest such rank)."""
+        """The rank that needs the most (the lowest such rank); kept (16384 ranks are asked often)."""
         return max(self.ranks, key=lambda r: (r.total, -r.rank))
 
     def fits(self, capacity_bytes: float) -> bool:
@@ -682,10 +683,10 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     ranks = []
     for i in range(dp):
         row = rows[0 if policy.replicated else i]
+        reduction = reductions[i]
+        adamw_state = state_bytes("adamw", (adamw_inside[i],))
         for r in range(tp):
             master, state, step = row[r]
-            reduction = reductions[i]
-            adamw_state = state_bytes("adamw", (adamw_inside[i],))
             counted = weights + grads + master + state + adamw_state + max(activations + reduction, step)
             overhead = setup.overhead(counted)
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
