@@ -361,11 +361,15 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
 
 
 def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True,
-             model: tuple[ModelSpec, Architecture] | None = None) -> SimResult:
+             model: tuple[ModelSpec, Architecture] | None = None, *, by_class: bool = True) -> SimResult:
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
     every rank (they are identical); without it every rank runs it, for checking that claim.
+    With `by_class` (and `replicate_phase_a`), the optimizer step runs once per class of ranks
+    whose steps are the same (`sim.classes`, docs/design.md §9.7) and stands for the class; without
+    it every rank runs it, the reference the classes are checked against (the same numbers, bit
+    for bit: `tests/sim/test_sim_scale.py`).
 
     canzona with `zero1_fallback` (its own plan only) is also simulated as its ZeRO-1 fallback
     (`zero1-gather`: even segments, split matrices computed redundantly) and the faster of the two
@@ -392,7 +396,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks
 
     def best(c: SimConfig, **kw: Any) -> SimResult:
-        runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, **kw)
+        runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, by_class=by_class, **kw)
                 for choice in expert_choices(c, model, cluster)]
         return min(runs, key=lambda r: r.iteration_time_s)
 
@@ -404,7 +408,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     # two plans: the fallback may pay for one of them only (not in the runtime's collectives: it runs one policy)
     if cfg.ep > 1 and not cfg.options.overlap_step and cfg.options.collectives != RUNTIME_STYLE:
         dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather",
-                          expert=result.expert_choice)  # canzona's experts as its own run chose them
+                          expert=result.expert_choice, by_class=by_class)  # canzona's experts as its own run chose them
         candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
     return min(candidates, key=lambda r: r.iteration_time_s)
 
@@ -477,7 +481,7 @@ def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
               model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
-              dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice()) -> SimResult:
+              dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice(), by_class: bool = True) -> SimResult:
     """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`);
     `dense_policy`: under expert parallelism, another policy for the dense part (canzona's
     fallback for that part alone); `expert`: how the expert plan is made (at EP 1: the sizing of
@@ -543,7 +547,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     engine.phase = "B"
     # the step simulated once per class of ranks whose steps are the same (sim.classes), unless
     # phase A runs on every rank or the runtime's collectives are logged (every rank's, by name)
-    classes = [step_classes(ctx) if replicate_phase_a and not ctx.runtime_mode else every_rank(ctx) for ctx in ctxs]
+    classes = [step_classes(ctx) if by_class and replicate_phase_a and not ctx.runtime_mode else every_rank(ctx)
+               for ctx in ctxs]
     for stage, ctx in enumerate(ctxs):
         optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]), classes[stage])
     t_end = engine.run()
