@@ -67,6 +67,11 @@ class RankSpans(Sequence[Span]):
         self._copies = {rep: ranks for rep, ranks in copies.items() if ranks}  # representative -> the ranks it stands for
         self._all: tuple[Span, ...] | None = None if self._copies else self._spans
 
+    @property
+    def simulated(self) -> tuple[Span, ...]:
+        """The spans the engine made: phase A's, and phase B's of the simulated ranks."""
+        return self._spans
+
     def _expanded(self) -> tuple[Span, ...]:
         if self._all is None:
             mine: dict[int, list[Span]] = {}
