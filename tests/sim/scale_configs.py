@@ -73,4 +73,5 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         out[name] = record(simulate(cfg))
         print(f"{name}: {time.perf_counter() - t0:.2f} s", flush=True)
-    DATA.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    DATA.write_text("{\n" + ",\n".join(json.dumps({k: out[k]}, sort_keys=True, separators=(",", ":"))[1:-1]
+                                       for k in sorted(out)) + "\n}\n")
