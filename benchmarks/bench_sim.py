@@ -14,13 +14,20 @@
    - the authors' scripts (400M-element buckets, for every policy);
    - baselines at stock Megatron buckets (max(40M, 1M x dp)), canzona at the planner default.
 4. NVIDIA's published layout for Qwen3-32B: TP 8 x PP 2 with full activation recompute.
+5. Scale (docs/design.md §9.7): `canzona simulate --model qwen3-32b --tp 8 --global-batch GPUS`
+   from 256 to 16384 GPUs (bar: 16384 under 5 s), the optimizer step simulated once per class of
+   identical ranks against every rank simulated (`by_class=False`), side by side: wall and CPU
+   seconds, their ratio, how many ranks stood for how many, and whether the results are the same
+   (they must be, bit for bit). No assert on time: the machine's load decides.
    Parameters are datasheet values from the h100-sxm profile; nothing is fitted to the paper.
 
-Run: python3 benchmarks/bench_sim.py   (about a minute)
+Run: python3 benchmarks/bench_sim.py   (a few minutes; --scale: the scale table alone)
 """
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -35,6 +42,8 @@ from sim.workload import Workload
 
 PAPER = {"iteration": 1.57, "optimizer": 5.8}
 WALL_BARS = {256: 2.0, 4096: 30.0}
+SCALE_GPUS = (256, 1024, 4096, 16384)
+SCALE_BAR = {16384: 5.0}
 MFU_BAR = (0.30, 0.50)
 ISSUE_SETUP = SimConfig(model="qwen3-32b", gpus=256, tp=8, optimizer="muon",
                         workload=Workload(seq_len=4096, global_batch=128))
@@ -64,6 +73,36 @@ def wall_table() -> tuple[Table, bool]:
             t.add_row(str(gpus), policy, f"{wall:.2f}", f"{r.iteration_time_s:.3f}", f"{r.mfu * 100:.1f}%",
                       f"< {bar:g} s", verdict(ok))
     return t, ok_all
+
+
+def _timed(cfg: SimConfig, repeat: int, **kw) -> tuple[float, float, SimResult]:
+    """Median wall and CPU seconds of `repeat` runs of `simulate(cfg, **kw)`, and the last result."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        result = simulate(cfg, **kw)
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus), result
+
+
+def scale_table(repeat: int = 3) -> Table:
+    t = Table(title="Scale: Qwen3-32B, TP 8, global batch = GPUs, canzona (and its ZeRO-1 fallback), in process "
+                    f"(median of {repeat}; every rank: one run)")
+    for col in ("GPUs", "classes: wall s", "cpu s", "every rank: wall s", "cpu s", "wall ratio", "cpu ratio",
+                "simulated ranks", "same result", "bar"):
+        t.add_column(col, justify="right")
+    for gpus in SCALE_GPUS:
+        cfg = SimConfig(model="qwen3-32b", gpus=gpus, tp=8, workload=Workload(global_batch=gpus))
+        wall, cpu, fast = _timed(cfg, repeat)
+        ref_wall, ref_cpu, ref = _timed(cfg, 1, by_class=False)
+        same = json.dumps(fast.to_dict()) == json.dumps(ref.to_dict())
+        simulated = len({s.rank for s in fast.spans.simulated if s.phase == "B"})
+        bar = SCALE_BAR.get(gpus)
+        t.add_row(str(gpus), f"{wall:.2f}", f"{cpu:.2f}", f"{ref_wall:.2f}", f"{ref_cpu:.2f}",
+                  f"{ref_wall / wall:.1f}x", f"{ref_cpu / cpu:.1f}x", f"{simulated} of {gpus}",
+                  verdict(same), "" if bar is None else f"< {bar:g} s: {verdict(wall < bar)}")
+    return t
 
 
 def run_setting(baseline_bucket: int | None, canzona_bucket: int | None,
@@ -131,6 +170,9 @@ def ratio_table(title: str, results: dict[str, SimResult]) -> Table:
 
 def main() -> int:
     console = Console(width=170)
+    console.print(scale_table())
+    if "--scale" in sys.argv[1:]:
+        return 0
     table, ok = wall_table()
     console.print(table)
     issue, mfu_ok = issue_table()

@@ -38,6 +38,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
@@ -65,6 +66,7 @@ from canzona.step_schedule import (
     PIPELINED,
     SERIAL,
     GroupStep,
+    ScheduleKeys,
     Task,
     check_tp_mode,
     tp_schedule,
@@ -311,9 +313,9 @@ class LayoutMemory:
             ranks.append(replace(merged, overhead=setup.overhead(merged.persistent + merged.transient)))
         return replace(self, ranks=tuple(ranks))
 
-    @property
+    @cached_property
     def worst(self) -> RankMemory:
-        """The rank that needs the most (the lowest such rank)."""
+        """The rank that needs the most (the lowest such rank); kept (16384 ranks are asked often)."""
         return max(self.ranks, key=lambda r: (r.total, -r.rank))
 
     def fits(self, capacity_bytes: float) -> bool:
@@ -646,7 +648,15 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
     rows: list[list[tuple[int, int, int]]] = []  # (master, matrix state, step buffers)
+    # a row is a function of the DP rank's schedule but for the matrices' names (by their shapes:
+    # the workspaces), its AdamW slice and its reductions: computed once per kind (ScheduleKeys)
+    schedules = ScheduleKeys(plan, spec, policy)
+    seen: dict[tuple, list[tuple[int, int, int]]] = {}
     for i in range(1 if policy.replicated else dp):
+        key = (schedules(i), adamw_inside[i], adamw_largest[i], reductions[i])
+        if key in seen:
+            rows.append(seen[key])
+            continue
         sched = tp_schedule(plan, spec, policy, 0 if policy.replicated else i, setup.tp_mode, gb, ub,
                             overlap_step=setup.overlap_step)
         master = sum(t.shard_numel for t in sched.tasks()) * mb + adamw_inside[i] * mb
@@ -668,14 +678,15 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
                     step = max(step, early + reductions[i])
             row.append((master, sched.state_bytes(r), step))
         rows.append(row)
+        seen[key] = row
 
     ranks = []
     for i in range(dp):
         row = rows[0 if policy.replicated else i]
+        reduction = reductions[i]
+        adamw_state = state_bytes("adamw", (adamw_inside[i],))
         for r in range(tp):
             master, state, step = row[r]
-            reduction = reductions[i]
-            adamw_state = state_bytes("adamw", (adamw_inside[i],))
             counted = weights + grads + master + state + adamw_state + max(activations + reduction, step)
             overhead = setup.overhead(counted)
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,

@@ -266,6 +266,27 @@ def micro_groups(plan: Plan, policy: StepPolicy, dp_rank: int) -> tuple[MicroGro
     return (MicroGroup(tuple(names), (EVERY_RANK,) * len(names), tuple(costs)),)
 
 
+class ScheduleKeys:
+    """What `tp_schedule` reads of a DP rank's micro-groups, the matrices' names aside: per task
+    its host and cost, and of its matrix the full shape, TP dimension, optimizer-state bytes and
+    bucket (by which an overlapped step orders the groups). DP ranks with equal keys get schedules
+    equal but for the names and `dp_rank` (under one mode, bytes and `overlap_step`); under a
+    replicated policy every DP rank runs one schedule (key None). The simulator and the memory
+    model compute one schedule per key: at DP 2048 most ranks own no matrix, and the owners fall
+    into a few kinds."""
+
+    def __init__(self, plan: Plan, spec: ModelSpec, policy: StepPolicy) -> None:
+        self.plan, self.policy = plan, policy
+        self.matrix = {p.name: (m.shape, m.tp_dim if plan.tp > 1 else None, p.state_bytes, k)
+                       for k, b in enumerate(plan.dp_plan.buckets) for p in b.params for m in (spec.param(p.name),)}
+
+    def __call__(self, dp_rank: int) -> tuple | None:
+        if self.policy.replicated:
+            return None
+        return tuple((tuple(self.matrix[n] for n in g.tasks), g.hosts, g.costs)
+                     for g in self.plan.tp_plan.groups[dp_rank])
+
+
 def tp_schedule(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, mode: str = PIPELINED,
                 grad_bytes: int = 4, update_bytes: int = 4, *, overlap_step: bool = False) -> TPSchedule:
     """The TP phase of DP rank `dp_rank`: its micro-groups as operations, in `mode` order.

@@ -4,11 +4,13 @@ the optimizer step of a step policy (docs/design.md §7) (phase B).
 Phase A is identical on every rank: micro-batches, layers, TP collectives and the DP gradient
 collectives (which finish at the same moment for all members) do not depend on the rank. It is
 simulated once, on rank 0, with each collective priced for its real group. Phase B differs between
-ranks (who owns which matrix, which TP rank hosts it), so every GPU is simulated.
+ranks (who owns which matrix, which TP rank hosts it): it is simulated once per class of ranks whose
+steps are the same (`sim.classes`), every rank when asked.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,10 +51,12 @@ from canzona.step_schedule import (
     TP_GROUP,
     Exchange,
     GroupStep,
+    ScheduleKeys,
     Task,
     TPSchedule,
     tp_schedule,
 )
+from sim.classes import StepClasses
 from sim.collectives import (
     CollectiveCost,
     all_gather_v_cost,
@@ -178,6 +182,41 @@ class Context:
     def adamw_seconds(self, numel: int) -> float:
         return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))
 
+    def step_schedule(self, i: int, overlap_step: bool) -> TPSchedule:
+        """DP (EDP) rank `i`'s TP schedule of the step (a replicated policy's plan is made for one
+        DP rank, sim.simulate: every group runs DP rank 0's), kept: the step's classes
+        (`step_classes`) read every rank's, the simulated ranks again."""
+        key = (0 if self.policy.replicated else i, overlap_step)
+        if key not in self._schedules:
+            self._schedules[key] = tp_schedule(self.plan, self.spec, self.policy, key[0], self.tp_mode,
+                                               self.workload.grad_bytes, self.workload.grad_bytes,
+                                               overlap_step=overlap_step)
+        return self._schedules[key]
+
+    @cached_property
+    def _schedules(self) -> dict[tuple[int, bool], TPSchedule]:
+        return {}
+
+    @cached_property
+    def norm_numels(self) -> list[int]:
+        """Per DP (EDP) rank, the elements of its share of the gradient norm (`_gradient_norm`): its
+        segment of every bucket (an even share where the policy does not reduce-scatter by the
+        plan) and its slice of the AdamW buffer."""
+        dp, buckets = self.cluster.dp, self.plan.dp_plan.buckets
+        adamw = -(-self.adamw_local_numel() // dp)
+        if self.policy.grad_sync == "reduce-scatter" and self.plan.dp == dp:
+            lengths = [b.segment_lengths() for b in buckets]
+            return [sum(seg[i] for seg in lengths) + adamw for i in range(dp)]
+        return [sum(-(-b.size // dp) for b in buckets) + adamw] * dp
+
+    def adamw_share(self, i: int) -> int:
+        """Elements DP (EDP) rank `i` updates with AdamW: the vectors and embeddings (all of them
+        under a replicated policy, else its slice), and under an elementwise optimizer its pieces
+        of the matrices."""
+        numel = self.adamw_local_numel()
+        share = numel if self.policy.replicated else -(-numel // self.cluster.dp)
+        return share + self.elementwise_numel(i)
+
 
 # --- phase A ----------------------------------------------------------------------------------
 
@@ -226,7 +265,8 @@ def _dp_all_to_all_cost(ctx: Context, sent: Sequence[Sequence[int]]) -> Collecti
 def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
     """The collectives `records` one after another on every group of the stage (in runtime mode
     each recorded as the runtime logs it); per-rank events of the last one. `ctx`: the part whose
-    groups they run on (the expert part's for EDP records)."""
+    groups they run on (the expert part's for EDP records). Each runs on the members `begin` holds
+    (the simulated ones, `sim.classes`), priced for its whole group."""
     cl, eng = ctx.cluster, ctx.engine
     done = dict(begin)
     for rec in records:
@@ -235,6 +275,10 @@ def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[i
         cost = record_cost(ctx, rec)
         stream = DP_COMM if data else ctx.tp_stream
         for g in groups:
+            if len(done) < cl.stage_gpus:
+                g = [r for r in g if r in done]
+                if not g:
+                    continue
             done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g},
                                        record=rec.logged() if ctx.runtime_mode else None))
     return done
@@ -559,20 +603,12 @@ def _relay(source: simpy.Event, target: simpy.Event):
 def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
     """Each rank's share of the global gradient norm (and the clip), on its share of the reduced
     gradients: its segment of every bucket and its slice of the AdamW buffer."""
-    dp = ctx.cluster.dp
-    i = ctx.dp_index(rank)
-    by_plan = ctx.policy.grad_sync == "reduce-scatter" and ctx.plan.dp == dp
-    numel = sum(b.segment_lengths()[i] if by_plan else -(-b.size // dp) for b in ctx.plan.dp_plan.buckets)
-    numel += -(-ctx.adamw_local_numel() // dp)
-    kernels = gradient_norm_kernels(numel, ctx.options.max_grad_norm is not None)
+    kernels = gradient_norm_kernels(ctx.norm_numels[ctx.dp_index(rank)], ctx.options.max_grad_norm is not None)
     return ctx.engine.compute(rank, "gradient norm", sum(ctx.rate.kernel_seconds(k) for k in kernels), [start])
 
 
 def _adamw_step(ctx: Context, rank: int, after: list[simpy.Event]) -> simpy.Event:
-    numel = ctx.adamw_local_numel()
-    share = numel if ctx.policy.replicated else -(-numel // ctx.cluster.dp)
-    share += ctx.elementwise_numel(ctx.dp_index(rank))
-    return ctx.engine.compute(rank, "adamw step", ctx.adamw_seconds(share), after)
+    return ctx.engine.compute(rank, "adamw step", ctx.adamw_seconds(ctx.adamw_share(ctx.dp_index(rank))), after)
 
 
 @dataclass(frozen=True)
@@ -586,7 +622,46 @@ class EarlyStart:
     backward_done: simpy.Event
 
 
-def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = None) -> list[simpy.Event]:
+def every_rank(ctx: Context) -> StepClasses:
+    """A stage's ranks each simulated (`sim.classes`)."""
+    cl = ctx.cluster
+    return StepClasses.every_rank(cl.stage_ranks(ctx.stage).start, cl.stage_gpus)
+
+
+def _step_key(ctx: Context, i: int, schedules: ScheduleKeys) -> tuple:
+    """What the simulator does of DP (EDP) rank `i`'s step: its TP schedule but for the matrices'
+    names (`ScheduleKeys`: outside runtime mode a name only says which bucket's reduction an early
+    start waits for, and the key keeps the bucket), its share of the gradient norm and its AdamW
+    elements."""
+    return schedules(i), ctx.norm_numels[i], ctx.adamw_share(i)
+
+
+def step_classes(ctx: Context) -> StepClasses:
+    """The classes of a stage's ranks whose steps are the same (`sim.classes`): units of
+    lcm(TP, EP x ETP) ranks keyed by their DP ranks' steps and their EDP ranks' (`_step_key`),
+    unit 0 (phase A's simulated rank) on its own. Not for runtime mode, whose records name the
+    matrices of every rank's step."""
+    cl, ectx = ctx.cluster, ctx.experts
+    block = ectx.cluster.ep * ectx.cluster.tp if ectx is not None else cl.tp
+    unit = math.lcm(cl.tp, block)
+
+    def ids(c: Context) -> list[int]:
+        schedules = ScheduleKeys(c.plan, c.spec, c.policy)
+        seen: dict[tuple, int] = {}
+        return [seen.setdefault(_step_key(c, i, schedules), len(seen)) for i in range(c.cluster.dp)]
+
+    dense, dense_per = ids(ctx), unit // cl.tp
+    experts, experts_per = (ids(ectx), unit // block) if ectx is not None else ([], 0)
+    first: dict[tuple, int] = {}
+    of_unit = [first.setdefault(("phase A",) if u == 0 else
+                                (tuple(dense[u * dense_per:(u + 1) * dense_per]),
+                                 tuple(experts[u * experts_per:(u + 1) * experts_per])), u)
+               for u in range(cl.stage_gpus // unit)]
+    return StepClasses(cl.stage_ranks(ctx.stage).start, unit, tuple(of_unit))
+
+
+def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = None,
+                   classes: StepClasses | None = None) -> list[simpy.Event]:
     """Phase B of every policy: the DP-level extras (zero1-gather's split gathers), then each DP
     rank's TP group runs its step schedule (`canzona.step_schedule`: micro-groups under canzona, one
     tp-sync group under the baselines), then AdamW and the parameter all-gather.
@@ -595,21 +670,15 @@ def optimizer_step(ctx: Context, start: simpy.Event, early: EarlyStart | None = 
     as its buckets are reduced, before the gradient norm and the step check, and every apply waits
     for the check (the runtime computes the updates early and commits them after it). Without it,
     the schedule's prefetched gathers (`TPSchedule.prefetched`) start as soon as their buckets are
-    reduced (given `early`), and the rest waits for the check."""
+    reduced (given `early`), and the rest waits for the check.
+
+    `classes`: the ranks simulated (`step_classes`; default every rank), the others' steps being
+    theirs."""
     cl = ctx.cluster
-    schedules: dict[int, TPSchedule] = {}
-
-    def schedule_of(i: int) -> TPSchedule:
-        # a replicated policy's plan is made for one DP rank (sim.simulate): every group runs it
-        plan_rank = 0 if ctx.policy.replicated else i
-        if plan_rank not in schedules:
-            schedules[plan_rank] = tp_schedule(ctx.plan, ctx.spec, ctx.policy, plan_rank, ctx.tp_mode,
-                                               ctx.workload.grad_bytes, ctx.workload.grad_bytes,
-                                               overlap_step=ctx.options.overlap_step)
-        return schedules[plan_rank]
-
-    runs = [_ScheduleRun(ctx, cl.tp_group(i, ctx.stage), schedule_of(i)) for i in range(cl.dp)]
-    ranks = cl.stage_ranks(ctx.stage)
+    classes = classes or every_rank(ctx)
+    ranks = classes.ranks
+    runs = [_ScheduleRun(ctx, cl.tp_group(i, ctx.stage), ctx.step_schedule(i, ctx.options.overlap_step))
+            for i in sorted({cl.dp_index(r) for r in ranks})]
     ectx = ctx.experts
     expert_records: list[StepCollective] = []  # the expert part's step collectives over EDP, issued by _ExpertStep
     if ectx is not None and ctx.runtime_mode:
@@ -695,7 +764,6 @@ class _ExpertStep:
     def __init__(self, ectx: Context, begin: dict[int, simpy.Event], records: Sequence[StepCollective]) -> None:
         self.ectx = ectx
         self.reduced = issue_records(ectx, records, begin)
-        self.schedules: dict[int, TPSchedule] = {}
         self.done: dict[int, simpy.Event] = {}  # per rank: its last expert update
         self.reached: set[int] = set()
         cl = ectx.cluster
@@ -711,11 +779,7 @@ class _ExpertStep:
 
     def _issue(self, members: list[int]) -> None:
         ectx = self.ectx
-        i = 0 if ectx.policy.replicated else ectx.dp_index(members[0])
-        if i not in self.schedules:
-            self.schedules[i] = tp_schedule(ectx.plan, ectx.spec, ectx.policy, i, ectx.tp_mode,
-                                            ectx.workload.grad_bytes, ectx.workload.grad_bytes)
-        run = _ScheduleRun(ectx, members, self.schedules[i])
+        run = _ScheduleRun(ectx, members, ectx.step_schedule(ectx.dp_index(members[0]), False))
         begin = {r: self.reduced[r] for r in members}
         for op in run.schedule.ops:
             if op.kind == APPLY:

@@ -7,7 +7,7 @@ gradient synchronisation to the parameters being updated and gathered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,18 @@ from canzona.step_policies import (
 )
 from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
+from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.fsdp import check_fsdp, simulate_fsdp
-from sim.iteration import ETP_COMM, Context, EarlyStart, forward_backward, optimizer_step
+from sim.iteration import (
+    ETP_COMM,
+    Context,
+    EarlyStart,
+    every_rank,
+    forward_backward,
+    optimizer_step,
+    step_classes,
+)
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -245,7 +254,8 @@ class SimResult:
     rank_optimizer_s: tuple[float, ...]
     memory: LayoutMemory  # the pipeline stage with the fullest GPU
     memory_capacity_bytes: float
-    spans: tuple[Span, ...] = field(repr=False)
+    # phase A's simulated spans, every rank's of phase B (sim.classes.RankSpans: a sequence)
+    spans: Sequence[Span] = field(repr=False)
     fell_back_to: str | None = None  # canzona replaced by its faster ZeRO-1 fallback
     # under EP: the first stage's expert plan (an EP rank's experts over EDP x ETP), and how it was
     # made (the configuration's choices, or the faster of the candidates: `expert_choices`)
@@ -369,11 +379,15 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
 
 
 def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True,
-             model: tuple[ModelSpec, Architecture] | None = None) -> SimResult:
+             model: tuple[ModelSpec, Architecture] | None = None, *, by_class: bool = True) -> SimResult:
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).
 
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
     every rank (they are identical); without it every rank runs it, for checking that claim.
+    With `by_class` (and `replicate_phase_a`), the optimizer step runs once per class of ranks
+    whose steps are the same (`sim.classes`, docs/design.md §9.7) and stands for the class; without
+    it every rank runs it, the reference the classes are checked against (the same numbers, bit
+    for bit: `tests/sim/test_sim_scale.py`).
 
     canzona with `zero1_fallback` (its own plan only) is also simulated as its ZeRO-1 fallback
     (`zero1-gather`: even segments, split matrices computed redundantly) and the faster of the two
@@ -400,7 +414,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     # the expert plan's choices (`ExpertChoice`), and canzona's ZeRO-1 fallbacks
 
     def best(c: SimConfig, **kw: Any) -> SimResult:
-        runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, **kw)
+        runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, by_class=by_class, **kw)
                 for choice in expert_choices(c, model, cluster)]
         return min(runs, key=lambda r: r.iteration_time_s)
 
@@ -412,7 +426,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     # two plans: the fallback may pay for one of them only (not in the runtime's collectives: it runs one policy)
     if cfg.ep > 1 and not cfg.options.overlap_step and cfg.options.collectives != RUNTIME_STYLE:
         dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather",
-                          expert=result.expert_choice)  # canzona's experts as its own run chose them
+                          expert=result.expert_choice, by_class=by_class)  # canzona's experts as its own run chose them
         candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
     return min(candidates, key=lambda r: r.iteration_time_s)
 
@@ -457,18 +471,23 @@ def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluste
 
 
 def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, hw: HardwareProfile,
-           ranks: Iterable[int], t_sync: float, t_end: float, cluster: Cluster) -> dict[str, Any]:
+           ranks: Iterable[int], t_sync: float, t_end: float, cluster: Cluster,
+           reps: Sequence[int] | None = None) -> dict[str, Any]:
     """A `SimResult`'s breakdowns from the engine's spans: phase A's on rank 0 (which stands for
-    every rank), the optimizer step's on each of `ranks` (their mean), and the MFU."""
+    every rank), the optimizer step's on each of `ranks` (their mean), and the MFU. `reps`: per
+    rank of `ranks`, the simulated rank whose step it is (`sim.classes`; default itself)."""
+    ranks = list(ranks)
+    reps = ranks if reps is None else reps
     simulated_a = [s for s in engine.spans if s.phase == "A"]
     phase_a = [s for s in simulated_a if s.rank == 0]
     fb_end = max((s.end for s in simulated_a if s.kind == "compute"), default=0.0)
-    by_rank: dict[int, list[Span]] = {r: [] for r in ranks}
+    by_rank: dict[int, list[Span]] = {r: [] for r in reps}
     for s in engine.spans:
         if s.phase == "B":
             by_rank[s.rank].append(s)
     a = _window_breakdown(phase_a, 0.0, t_sync)
-    opt = [_window_breakdown(spans, t_sync, t_end) for spans in by_rank.values()]
+    breakdowns = {r: _window_breakdown(spans, t_sync, t_end) for r, spans in by_rank.items()}
+    opt = [breakdowns[r] for r in reps]  # in rank order, as the mean below adds them
     mean = {k: sum(o[k] for o in opt) / len(opt) for k in opt[0]}
     wl = cfg.workload
     model_flops = 3 * forward_flops(arch, spec, wl).total * wl.micro_batches(cluster.batch_dp) * cluster.batch_dp
@@ -480,7 +499,7 @@ def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
               model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
-              dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice()) -> SimResult:
+              dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice(), by_class: bool = True) -> SimResult:
     """One run of a checked configuration (`SimConfig.checked` gave `model`, `cluster` and `hw`);
     `dense_policy`: under expert parallelism, another policy for the dense part (canzona's
     fallback for that part alone); `expert`: how the expert plan is made (at EP 1: the sizing of
@@ -547,13 +566,22 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     # gathers (canzona.step_schedule), start inside phase A, as their buckets land; the rest of
     # the step waits for every stage's gradients (`synced`)
     engine.phase = "B"
+    # the step simulated once per class of ranks whose steps are the same (sim.classes), unless
+    # phase A runs on every rank or the runtime's collectives are logged (every rank's, by name)
+    classes = [step_classes(ctx) if by_class and replicate_phase_a and not ctx.runtime_mode else every_rank(ctx)
+               for ctx in ctxs]
     for stage, ctx in enumerate(ctxs):
-        optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]))
+        optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]), classes[stage])
     t_end = engine.run()
     assert synced.triggered
     t_sync = sync_times[0]
     simulated_a = [s for s in engine.spans if s.phase == "A"]  # each stage's first rank (every rank without replication)
     phase_b = [s for s in engine.spans if s.phase == "B"]
+    reps = [c.rep(r) for c in classes for r in range(c.first, c.first + cluster.stage_gpus)]  # per rank
+    copies: dict[int, list[int]] = {}
+    for r, rep in enumerate(reps):
+        if rep != r:
+            copies.setdefault(rep, []).append(r)
     return SimResult(
         config=cfg,
         plan=plans[0],
@@ -561,10 +589,10 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         optimizer_step_s=t_end - t_sync,
         grad_sync_end_s=t_sync,
         param_gather_exposed_s=sum(phase.stalls),
-        **timing(engine, cfg, arch, spec, hw, range(cluster.gpus), t_sync, t_end, cluster),
+        **timing(engine, cfg, arch, spec, hw, range(cluster.gpus), t_sync, t_end, cluster, reps),
         memory=memory,
         memory_capacity_bytes=hw.gpu.memory_bytes,
-        spans=tuple(simulated_a) + tuple(phase_b),
+        spans=RankSpans(simulated_a + phase_b, copies),
         expert_plan=expert_plans[0] if expert_plans else None,
         expert_choice=expert,
         collective_records=tuple(engine.records),
