@@ -6,49 +6,26 @@ at 2 ranks, a run resumes at 4 and continues, at 2 it continues as the straight 
 
 from __future__ import annotations
 
-import os
+import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from canzona.harness.launch import free_port
+from tests.examples import test_example_train as train_tests
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]  # torchrun spawns gloo ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "fsdp2_train.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-RUN_TIMEOUT_S = 240  # one torchrun launch; a hang fails the test instead of blocking the suite
 STEPS, HALF = 4, 2
 
 
-def torchrun(folder: Path, ranks: int, *args: object) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), *map(str, args)]
-    return subprocess.run(command, cwd=folder, env=ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-
-
-def trained(folder: Path, ranks: int, *args: object) -> str:
-    done = torchrun(folder, ranks, *args)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
-def losses(log: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step +(\d+)/\d+ +loss (\S+)", log, re.M)}
-
-
-def error_lines(done: subprocess.CompletedProcess, ranks: int) -> str:
-    """The one error line every rank printed (torchrun adds its own failure summary after them)."""
-    assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == ranks and len(set(lines)) == 1, done.stderr[:3000]
-    assert f'{SCRIPT.name}", line' not in done.stderr  # no traceback from the script
-    assert "step" not in done.stdout
-    return lines[0]
+# train.py's test helpers, for this script
+torchrun = functools.partial(train_tests.torchrun, script=SCRIPT)
+trained = functools.partial(train_tests.trained, script=SCRIPT)
+error_lines = functools.partial(train_tests.error_lines, script=SCRIPT)
+losses = train_tests.losses
 
 
 def test_trains_under_fully_shard_and_the_loss_falls(tmp_path):

@@ -70,8 +70,8 @@ def torchrun(folder: Path, ranks: int, *args: object, script: Path = SCRIPT) -> 
                           text=True, timeout=RUN_TIMEOUT_S)
 
 
-def trained(folder: Path, ranks: int, *args: object) -> str:
-    done = torchrun(folder, ranks, *args)
+def trained(folder: Path, ranks: int, *args: object, script: Path = SCRIPT) -> str:
+    done = torchrun(folder, ranks, *args, script=script)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -203,12 +203,12 @@ def test_a_checkpoint_resumes_at_another_layout(source, request, tmp_path):
     assert all(abs(got[s] - want[s]) < 1e-3 for s in got)
 
 
-def error_lines(done: subprocess.CompletedProcess, ranks: int) -> str:
+def error_lines(done: subprocess.CompletedProcess, ranks: int, script: Path = SCRIPT) -> str:
     """The one error line every rank printed (torchrun adds its own failure summary after them)."""
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == ranks and len(set(lines)) == 1, done.stderr[:3000]
-    assert f'{SCRIPT.name}", line' not in done.stderr  # no traceback from the script
+    assert f'{script.name}", line' not in done.stderr  # no traceback from the script
     assert "step" not in done.stdout
     return lines[0]
 
