@@ -38,6 +38,7 @@ def test_trains_under_fully_shard_and_the_loss_falls(tmp_path):
     assert lrs[0] > lrs[-1]  # the schedule decays the learning rate
 
 
+@pytest.mark.slow  # a larger variant: fp32 shards and SOAP are checked bit for bit in tests/runtime/test_fsdp_*
 def test_without_mixed_precision(tmp_path):
     log = trained(tmp_path, 2, "--steps", 2, "--no-mixed-precision", "--optimizer", "soap")
     assert "mixed precision off" in log and sorted(losses(log)) == [1, 2]
