@@ -135,9 +135,11 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
     Axis("vp", lambda f, c: [1] if c["pp"] == 1 else
          [v for v in divisors(f.layers // c["pp"]) if v <= MAX_VP]),
-    # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks; not with experts (not simulated)
+    # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks, each CP rank keeping at least
+    # MIN_CP_TOKENS of it; not with experts (not simulated)
     Axis("cp", lambda f, c: [1] if f.experts else
-         [k for k in divisors(f.gpus // (c["tp"] * c["pp"])) if k <= MAX_CP and f.seq_len % (2 * k) == 0]),
+         [k for k in divisors(f.gpus // (c["tp"] * c["pp"]))
+          if k <= MAX_CP and f.seq_len % (2 * k) == 0 and (k == 1 or f.seq_len // k >= MIN_CP_TOKENS)]),
     Axis("ep", lambda f, c: [1] if not f.experts else
          [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0]),
     Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
@@ -148,6 +150,10 @@ LAYOUT_AXES: tuple[Axis, ...] = (
 )
 MAX_VP = 8  # model chunks per stage: beyond, each micro-batch crosses ranks 8 x PP times
 MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for sequences beyond 32k
+# a CP rank's least share of the sequence: below it each ring step's attention is too short to hide
+# its K/V exchange (Megatron's recipes use CP from 8k-token sequences on); it also keeps the search
+# at the default 4096-token sequence to the layouts without CP
+MIN_CP_TOKENS = 4096
 MAX_MICRO_BATCH = 8  # sequences per micro-batch
 RECOMPUTE_AXIS = "recompute"
 

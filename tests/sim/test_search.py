@@ -72,10 +72,12 @@ def test_axes_are_data():
 
 
 def test_dense_models_search_context_parallelism():
-    """CP divides what TP x PP leave and the sequence in 2 x CP chunks; its plan is for DP x CP."""
-    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8)
+    """CP divides what TP x PP leave and the sequence in 2 x CP chunks of at least MIN_CP_TOKENS
+    per rank; its plan is for DP x CP."""
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=32768, global_batch=8)
     layouts = candidates(q)
     assert {1, 2, 4, 8} <= {c["cp"] for c in layouts}
+    assert {c["cp"] for c in candidates(Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8))} == {1}
     for c in layouts:
         assert c["tp"] * c["pp"] * c["cp"] * c["dp"] == q.gpus
     row = {**next(c for c in layouts if c["cp"] == 2 and c["tp"] == 1 and c["pp"] == 1),
