@@ -68,7 +68,7 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import Update, adamw_step_, apply_update_
+from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.shards import local_tensor
 from canzona.step_policies import get_fsdp_policy
@@ -195,7 +195,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
         low = {p.dtype for p in self.params.values()} & set(LOW_PRECISION)
         self.master_weights = bool(opts["master_weights"] and low)
-        self.grad_dtype = torch.float32 if self.master_weights else first.dtype
+        # what gradients and updates travel and are computed in (fp32 beside fp32 masters)
+        self.grad_dtype = self.update_dtype = torch.float32 if self.master_weights else first.dtype
+        self.device = local_tensor(first).device
         self.kernel, self.batched = matrix_kernels(self.optimizer, batch=self.batch_kernels,
                                                    compile=self.compile_kernels)
         self.scalars = entry.part("scalars")
@@ -480,11 +482,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  if self.layout[n].sources[me]]
         in_splits = [self._sizes(by_owner[d], me, sent=True) for d in range(size)]
         out_splits = [self._sizes(by_owner[me], s, sent=True) for s in range(size)]
-        device = local_tensor(self.params[names[0]]).device
-        sent = torch.cat(parts) if parts else torch.empty(0, dtype=self.grad_dtype, device=device)
-        received = torch.empty(sum(out_splits), dtype=self.grad_dtype, device=device)
-        work = self.comm.all_to_all(received, sent, out_splits, in_splits, f"gradients of micro-group {k}")
-        return received, work
+        return self._exchange(parts, in_splits, out_splits, self.grad_dtype, f"gradients of micro-group {k}")
+
+    def _exchange(self, parts: list[Tensor], in_splits: list[int], out_splits: list[int], dtype: torch.dtype,
+                  what: str) -> tuple[Tensor, PendingWork]:
+        """One variable-size all-to-all of `parts` (flat, member after member), started: the buffer
+        it receives into and its work."""
+        sent = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=self.device)
+        received = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        return received, self.comm.all_to_all(received, sent, out_splits, in_splits, what)
 
     def _compute(self, names: Sequence[str], received: Tensor, scalars: Mapping[str, Any]) -> dict[str, Tensor]:
         """The whole updates of the matrices of `names` this rank owns, assembled from the pieces
@@ -527,12 +533,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 raise CanzonaError(f"{n}: the kernel's update applies as {have}, the ranks at step "
                                    f"{self.matrix_steps[n]} would apply it as {scalars[n]}")
             if update is not None:
-                directions[n] = update.direction.to(self._update_dtype)
+                directions[n] = update.direction.to(self.update_dtype)
         return directions
-
-    @property
-    def _update_dtype(self) -> torch.dtype:
-        return torch.float32 if self.master_weights else next(iter(self.params.values())).dtype
 
     def _send_updates(self, names: Sequence[str], directions: Mapping[str, Tensor], scalars: Mapping[str, Any],
                       k: int) -> tuple[list[str], Tensor, PendingWork]:
@@ -544,10 +546,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  for d in range(size) for n in by_owner[me]]
         in_splits = [self._sizes(by_owner[me], d, sent=False) for d in range(size)]
         out_splits = [self._sizes(by_owner[s], me, sent=False) for s in range(size)]
-        device = local_tensor(self.params[names[0]]).device
-        sent = torch.cat(parts) if parts else torch.empty(0, dtype=self._update_dtype, device=device)
-        chunks = torch.empty(sum(out_splits), dtype=self._update_dtype, device=device)
-        work = self.comm.all_to_all(chunks, sent, out_splits, in_splits, f"updates of micro-group {k}")
+        chunks, work = self._exchange(parts, in_splits, out_splits, self.update_dtype, f"updates of micro-group {k}")
         order = [n for s in range(size) for n in by_owner[s]]
         return order, chunks, work
 
@@ -559,9 +558,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             local = local_tensor(self.params[n])
             chunk = chunks[pos:pos + local.numel()].view(local.shape)
             pos += local.numel()
-            target = self.master.get(n, local)
-            if target is not local and not torch.equal(target.to(local.dtype), local):
-                target.copy_(local)  # weights written into the model since the last step win
+            target = update_target(self.master.get(n), local)
             apply_update_(target, chunk, Update.of(chunk, scalars[n]))
             if target is not local:
                 local.copy_(target)
@@ -574,9 +571,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             if not local.numel():
                 continue
             g = self._group_of[n]
-            target = self.master.get(n, local)
-            if target is not local and not torch.equal(target.to(local.dtype), local):
-                target.copy_(local)
+            target = update_target(self.master.get(n), local)
             grad = self._grad(n)
             adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
                         self.param_groups[g]["lr"])

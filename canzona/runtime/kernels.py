@@ -70,6 +70,17 @@ class Update:
 ScalarsFn = Callable[[tuple[int, ...], Any, float, int], Scalars | None]
 
 
+def update_target(master: Tensor | None, working: Tensor) -> Tensor:
+    """The tensor an update goes to: the fp32 master of `working`, or `working` itself (no master).
+    Weights written into the model since the last step (model.load_state_dict, a hand edit) win
+    over a master that no longer matches them."""
+    if master is None:
+        return working
+    if not torch.equal(master.to(working.dtype), working):
+        master.copy_(working)
+    return master
+
+
 def apply_update_(param: Tensor, direction: Tensor, update: Update) -> None:
     """Apply (a chunk of) an update to (the matching shard of) a parameter, in place.
 

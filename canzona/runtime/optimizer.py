@@ -74,7 +74,7 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import adamw_step_
+from canzona.runtime.kernels import adamw_step_, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import ParamsInFlight, modules_holding
@@ -725,15 +725,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise KeyError(entry)
 
     def _master_for(self, name: str, working: Tensor) -> Tensor:
-        """The tensor an update goes to: the fp32 master, or the parameter itself. Weights written
-        into the model since the last step (model.load_state_dict, a hand edit) win over a master
-        that no longer matches them."""
-        master = self.master.get(name)
-        if master is None:
-            return working
-        if not torch.equal(master.to(working.dtype), working):
-            master.copy_(working)
-        return master
+        """The tensor an update goes to (`kernels.update_target`): the fp32 master, or the parameter."""
+        return update_target(self.master.get(name), working)
 
     def group_config(self, g: int) -> Any:
         """The optimizer config of param group `g` as its hyper-parameters say now (validated)."""
