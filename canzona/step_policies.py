@@ -35,6 +35,9 @@ class StepPolicy:
     # runs elementwise optimizers (AdamW), each rank updating the pieces its segments hold, and
     # only those; the others run whole-matrix optimizers only
     elementwise: bool = False
+    # what this policy is under an elementwise optimizer (AdamW needs no whole matrix, so
+    # zero1-gather's gather has nothing to fetch: it is zero1); None: it refuses one
+    elementwise_as: str | None = None
 
     def check_optimizer(self, optimizer: str) -> None:
         """`optimizer` is one this policy runs; raise SpecError (one line) otherwise."""
@@ -107,7 +110,7 @@ STEP_POLICIES: dict[str, StepPolicy] = {
                      tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_NONE),
     "zero1-gather": StepPolicy(name="zero1-gather", grad_sync="reduce-scatter", replicated=False,
                                dp_policy="zero1-even", tp_policy="tp-sync", gather_split=True,
-                               param_gather=PARAMS_BY_SEGMENT),
+                               param_gather=PARAMS_BY_SEGMENT, elementwise_as="zero1"),
     "layerwise": StepPolicy(name="layerwise", grad_sync="all-reduce", replicated=False, dp_policy="layerwise",
                             tp_policy="tp-sync", gather_split=False, param_gather=PARAMS_BY_OWNER),
     "canzona": StepPolicy(name="canzona", grad_sync="reduce-scatter", replicated=False, dp_policy=None,
@@ -124,6 +127,19 @@ ELEMENTWISE_BASELINE = "adamw"  # the optimizer of the baseline row beside the m
 def default_policy(optimizer: str) -> str:
     """The step policy `optimizer` runs unless told otherwise: canzona, or zero1 for AdamW."""
     return ELEMENTWISE_POLICY if matrix_optimizer(optimizer).elementwise else MATRIX_POLICY
+
+
+def resolve_policy(policy: str | None, optimizer: str) -> str:
+    """The step policy `policy` names for `optimizer`: its default when None, and under an
+    elementwise optimizer a policy's elementwise twin (`StepPolicy.elementwise_as`: zero1-gather
+    with AdamW is Megatron's distributed optimizer, zero1). Unknown names pass through, for the
+    caller's check to refuse."""
+    if policy is None:
+        return default_policy(optimizer)
+    entry = STEP_POLICIES.get(policy)
+    if entry is not None and entry.elementwise_as and matrix_optimizer(optimizer).elementwise:
+        return entry.elementwise_as
+    return policy
 
 
 def policies_running(optimizer: str) -> tuple[str, ...]:

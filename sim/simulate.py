@@ -47,10 +47,10 @@ from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
     STEP_POLICIES,
-    default_policy,
     get_fsdp_policy,
     policies_running,
     policy_optimizer,
+    resolve_policy,
 )
 from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
@@ -132,8 +132,8 @@ class SimConfig:
     hsdp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        if self.policy is None:
-            object.__setattr__(self, "policy", default_policy(self.optimizer))
+        if self.policy is None or not self.fsdp:  # the runtime's resolution (zero1-gather with adamw: zero1)
+            object.__setattr__(self, "policy", resolve_policy(self.policy, self.optimizer))
 
     @property
     def settings(self) -> PlanSettings:

@@ -87,8 +87,8 @@ from canzona.step_policies import (
     PARAMS_BY_SEGMENT,
     PARAMS_NONE,
     StepPolicy,
-    default_policy,
     get_step_policy,
+    resolve_policy,
 )
 from canzona.step_schedule import TPSchedule, check_tp_mode, tp_schedule
 from canzona.tp import Capacity
@@ -264,7 +264,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = check_matrix_optimizer(optimizer)
         # AdamW on every parameter (the baseline): each rank updates the pieces its segments hold
         self.elementwise = matrix_optimizer(self.optimizer).elementwise
-        self.policy: StepPolicy = get_step_policy(policy or default_policy(self.optimizer))
+        self.policy: StepPolicy = get_step_policy(resolve_policy(policy, self.optimizer))
         self.policy.check_optimizer(self.optimizer)
         self.policy.check_overlap_step(overlap_step)
         self.overlap_step = overlap_step

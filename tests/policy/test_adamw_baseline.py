@@ -131,6 +131,24 @@ def test_cli_plan_simulate_and_compare_take_adamw():
     error_line(invoke_cli("simulate", "--optimizer", "adamw", "--policy", "canzona"), "policy canzona runs")
 
 
+def test_zero1_gather_with_adamw_is_zero1_in_the_simulator_and_the_runtime():
+    """AdamW needs no whole matrix: zero1-gather's gather has nothing to fetch, so the published
+    runs' command (`--optimizer adamw --policy zero1-gather`) runs Megatron's distributed
+    optimizer, as the runtime does; the whole-matrix policies still refuse AdamW."""
+    from canzona.step_policies import resolve_policy
+
+    assert resolve_policy("zero1-gather", "adamw") == "zero1"
+    assert resolve_policy("zero1-gather", "muon") == "zero1-gather"
+    assert resolve_policy(None, "adamw") == "zero1" and resolve_policy("canzona", "adamw") == "canzona"
+    args = ("simulate", "--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--optimizer", "adamw",
+            "--seq-len", "512", "--global-batch", "16", "--json")
+    gather, zero1 = invoke_cli(*args, "--policy", "zero1-gather"), invoke_cli(*args, "--policy", "zero1")
+    assert gather.exit_code == 0, gather.stderr
+    assert json.loads(gather.stdout)["policy"] == "zero1"
+    assert json.loads(gather.stdout)["iteration_time_s"] == json.loads(zero1.stdout)["iteration_time_s"]
+    error_line(invoke_cli(*args, "--policy", "layerwise"), "policy layerwise runs")
+
+
 def test_the_runtime_refuses_a_matrix_config_for_adamw_before_any_collective():
     import torch
 
@@ -142,6 +160,9 @@ def test_the_runtime_refuses_a_matrix_config_for_adamw_before_any_collective():
         DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", matrix_config={"lr": 1.0})
     with pytest.raises(SpecError, match="policy canzona runs whole-matrix optimizers"):
         DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", policy="canzona")
+    # zero1-gather is resolved to zero1: every local check passes, and only the missing process group stops it
+    with pytest.raises(ValueError, match="process group"):
+        DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", policy="zero1-gather")
     assert torch.distributed.is_available() and not torch.distributed.is_initialized()
 
 
