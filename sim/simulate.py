@@ -170,6 +170,11 @@ class SimConfig:
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp, cp=self.cp)
         if self.cp > 1:
             self._check_cp()
+        if not self.fsdp and (self.workload.seq_len // self.cp) % self.tp:
+            # sequence parallelism scatters each micro-batch's [seq / cp, batch, hidden] activations
+            # along the sequence over TP (Megatron's _split_along_first_dim asserts it divides)
+            raise SpecError(f"seq len {self.workload.seq_len} / cp {self.cp} is not divisible by tp {self.tp} "
+                            "(sequence parallelism splits each sequence's tokens over the TP group)")
         resolved = model_of(self, model)
         stage_layers(resolved[1].layers, self.pp, 0)
         check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp))

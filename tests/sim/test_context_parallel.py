@@ -139,6 +139,8 @@ def test_ring_across_nodes_costs_more_than_inside_one():
     (dict(cp=2, seq=4098), "not divisible by 2 x cp"),
     (dict(gpus=8, tp=4, cp=4), "not divisible by tp x cp x pp"),
     (dict(cp=0), "must be >= 1"),
+    (dict(gpus=16, tp=4, cp=2, seq=4100), "4100 / cp 2 is not divisible by tp 4"),  # 2050 tokens over 4 TP ranks
+    (dict(gpus=8, tp=2, seq=4097, cp=1), "sequence parallelism"),
     (dict(cp=2, fsdp=True, optimizer="muon", policy="canzona"), "--fsdp with cp > 1"),
 ])
 def test_bad_inputs_are_spec_errors(kw, needle):
