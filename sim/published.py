@@ -22,8 +22,8 @@ from typing import Any
 import canzona
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
-from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from canzona.optimizers import matrix_optimizer
+from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
