@@ -419,7 +419,9 @@ class _FsdpRun:
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
         kept = self._persistent(pb, gb, mb)
-        largest = max(self.local[k] + self.expert_local[k] for k in self.local)
+        # a unit's gathered parameters and unsharded gradient: its experts' too where they are FSDP'd
+        # (EDP > 1; at EDP 1 they stay whole in place, their gradients the persistent ones)
+        largest = max(self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local)
         in_flight = 2 * largest * pb + largest * gb
         acts = activation_bytes(dims, setup, tp)
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}

@@ -78,6 +78,10 @@ def test_fsdp_with_ep_dispatches_and_shards_the_dense_part():
     experts = sum(p.numel for p in spec.params if p.role.name == "EXPERT") // 8
     dense = sum(-(-p.shape[0] // 8) * math.prod(p.shape[1:]) for p in spec.params if p.role.name != "EXPERT")
     assert r0.grads == 4 * (dense + experts) and r0.adamw_state == 8 * (dense + experts)
+    # in flight: the largest unit's dense parameters (bf16, twice) and gradient (fp32); the experts stay in place
+    unit = max(sum(p.numel for p in spec.params if p.layer == k and p.role.name != "EXPERT")
+               for k in [None, *range(arch.layers)])
+    assert r0.reduction == 2 * unit * 2 + unit * 4
     # at 16 GPUs the experts are FSDP'd over 2 ranks: their own gathers and reduce-scatters
     wl = Workload(seq_len=512, global_batch=16, micro_batch=1)
     wider = simulate(replace(MOE, gpus=16, workload=wl))
