@@ -55,6 +55,7 @@ from canzona.optimizers import (
 )
 from canzona.pipeline import chunk_layers, peak_in_flight, rank_layers, stage_layers
 from canzona.plan import Plan, check_plan_matches
+from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_OP, check_recompute, saved_mm_widths
 from canzona.reductions import (
     check_reduce_scatter,
     temporary_elements_by_rank,
@@ -73,13 +74,6 @@ from canzona.step_schedule import (
 )
 from canzona.tp import EVERY_RANK
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-
-
-def check_recompute(mode: str) -> str:
-    if mode not in RECOMPUTE_MODES:
-        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
 FP32 = DTYPE_BYTES["fp32"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
 GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
@@ -159,7 +153,7 @@ class MemorySetup:
     activation_bytes: int = 2
     master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
-    recompute: str = "none"  # "none", "selective" or "full"
+    recompute: str = "none"  # one of canzona.recompute.RECOMPUTE_MODES
     flash_attention: bool = True  # no s x s attention scores are stored
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
@@ -378,26 +372,44 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
 
     With TP (t), the matrices' outputs and the scores are split over t; with sequence parallelism
     everything is. Selective recompute drops the scores (and the log-sum-exp); full recompute
-    stores only the layer's input `e*h` (split over t with sequence parallelism).
+    stores only the layer's input `e*h` (split over t with sequence parallelism); torchtitan's
+    selective-op keeps what `_selective_op_bytes` counts (`canzona.recompute`).
     """
-    recompute = recompute or setup.recompute
-    if recompute not in RECOMPUTE_MODES:
-        raise SpecError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    recompute = check_recompute(recompute or setup.recompute)
     e, h, s, a = setup.activation_bytes, dims.hidden, setup.seq_len, dims.q_heads
     tokens = s * setup.micro_batch
     mask = 1 if dims.dropout else 0
     sp_div = tp if setup.sequence_parallel else 1
     if recompute == "full":
         return tokens * e * h / sp_div
+    q, kv = dims.q_dim, dims.kv_dim
+    if recompute == SELECTIVE_OP:
+        return tokens * _selective_op_bytes(dims, setup, tp, sp_div)
     # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
     replicated = 2 * e * h + e * h + e * h + 2 * mask * h
-    q, kv = dims.q_dim, dims.kv_dim
     sharded = e * (q + kv) + e * kv + e * q + (3 if dims.gated_mlp else 2) * e * dims.ffn
     if dims.qk_norm:
         sharded += e * (q + kv)
     if recompute == "none":
         sharded += 4 * a if setup.flash_attention else a * s * ((2 * e + 1) if dims.dropout else e)
     return tokens * (replicated / sp_div + sharded / tp)
+
+
+def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: int) -> float:
+    """Per token, what torchtitan's per-op selective checkpointing keeps of one layer
+    (`canzona.recompute`): the layer's input (the checkpoint's), the outputs of every other matrix
+    multiply (wq, wk, wv, wo, then the MLP's in forward order: column-parallel outputs split over
+    TP, a row-parallel one a whole partial sum on each TP rank), the attention kernel's output and
+    its fp32 log-sum-exp (4 bytes per head; without flash attention the scores, as stored without
+    recompute), and under sequence parallelism the two reduce-scatters' outputs. Nothing else:
+    norms, rotary embedding, the activation function and dropout masks are recomputed."""
+    e, h, q, kv = setup.activation_bytes, dims.hidden, dims.q_dim, dims.kv_dim
+    mlp = [dims.ffn / tp, dims.ffn / tp, h] if dims.gated_mlp else [dims.ffn / tp, h]
+    widths = [q / tp, kv / tp, kv / tp, h] + mlp
+    attention = e * q / tp + (4 * dims.q_heads / tp if setup.flash_attention else
+                              dims.q_heads / tp * setup.seq_len * ((2 * e + 1) if dims.dropout else e))
+    scattered = 2 * e * h / tp if setup.sequence_parallel and tp > 1 else 0.0
+    return e * h / sp_div + e * saved_mm_widths(widths) + attention + scattered
 
 
 def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0,
@@ -410,6 +422,7 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       flight (`canzona.pipeline.peak_in_flight`: stage 0 holds `layers * (1 + (pp - 1) / (pp * vp))`
       layers' worth, Korthikanti et al. 2022, section 4.2.3);
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
+      under selective-op, what one layer recomputes beside what it saved;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
     - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
       copy the loss keeps (`4*s*b*V`, the paper's) plus the bf16 logits it is made from, split
@@ -427,13 +440,22 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     e = setup.activation_bytes
     out = {
         "layers": per_chunk * in_flight * layer_activation_bytes(dims, setup, tp),
-        "recompute_working_set": layer_activation_bytes(dims, setup, tp, "none") if setup.recompute == "full" else 0.0,
+        "recompute_working_set": _recompute_working_set(dims, setup, tp),
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }
     if stage == pp - 1:
         out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (FP32 + e) / tp
     return out
+
+
+def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int) -> float:
+    """The activations one layer's recompute makes in the backward, beyond what it stored."""
+    if setup.recompute == "full":
+        return layer_activation_bytes(dims, setup, tp, "none")
+    if setup.recompute == SELECTIVE_OP:
+        return layer_activation_bytes(dims, setup, tp, "none") - layer_activation_bytes(dims, setup, tp)
+    return 0.0
 
 
 def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0, vp: int = 1) -> int:

@@ -366,7 +366,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
-Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core) or full.")]
+Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "

@@ -12,7 +12,7 @@ from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
-from canzona.step_policies import get_fsdp_policy
+from canzona.step_policies import FSDP_POLICIES, get_fsdp_policy
 from cli.units import human_bytes
 from sim.workload import Workload
 
@@ -150,6 +150,8 @@ def _plans_text(result) -> str:
     """The run's DP + TP plans; under EP the experts' too, with their bucket sizing and capacity
     where those are not the defaults."""
     if result.config.fsdp:  # the owners of the FSDP step (docs/design.md §2.8), not a ZeRO-1 plan
+        if result.config.policy not in FSDP_POLICIES:  # an elementwise optimizer: FSDP2's step on the shards
+            return "each rank steps its shards"
         owners = get_fsdp_policy(result.config.policy).owners
         return f"{owners} owners" + (f" ({result.plan.dp_plan.policy})" if owners == "balanced" else "")
     text = f"{result.plan.dp_plan.policy} + {result.plan.tp_plan.policy}"

@@ -26,7 +26,7 @@ its update received by every TP rank."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import simpy
 
@@ -40,6 +40,7 @@ from canzona.cost import (
 )
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.experts import dense_part
 from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     ROOT,
@@ -65,20 +66,36 @@ from canzona.memory import (
     kernel_workspace_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.plan import Plan
+from canzona.plan import Plan, plan_for
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
+    FsdpStepPolicy,
+    default_policy,
     get_fsdp_policy,
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
-from sim.iteration import APPLY_PASSES, DP_COMM, TP_COMM
+from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM, ep_all_to_all_cost
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
+
+
+def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
+    """The step policy of an FSDP layout: one of `FSDP_POLICIES` for a whole-matrix optimizer;
+    None for an elementwise one (AdamW), which FSDP2 steps on each rank's own shards with no
+    exchange: its policy is its ZeRO-1 default (`default_policy`: each rank its shard of the
+    state), and nothing else. One SpecError (one line) otherwise."""
+    if not matrix_optimizer(optimizer).elementwise:
+        return get_fsdp_policy(policy)
+    own = default_policy(optimizer)
+    if policy != own:
+        raise SpecError(f"--fsdp with {optimizer}: each rank steps its own shards (FSDP2's), policy {own}; "
+                        f"got {policy!r}")
+    return None
 
 
 def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
@@ -86,19 +103,26 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     (one line) otherwise."""
     if not cfg.fsdp:
         return check_hsdp(False, cluster.dp, cfg.hsdp_replicate)
-    if cfg.pp > 1 or cfg.ep > 1:
-        raise SpecError(f"--fsdp is simulated at pp 1 and ep 1 for now (got pp {cfg.pp}, ep {cfg.ep}): "
-                        "parameters are sharded over the DP group (x TP)")
+    if cfg.pp > 1:
+        raise SpecError(f"--fsdp is simulated at pp 1 for now (got pp {cfg.pp}): parameters are sharded over the "
+                        "DP group (x TP)")
     if cfg.tp > 1 and any(p.role in (Role.EXPERT, Role.ROUTER) for p in spec.params):
         raise SpecError(f"--fsdp with --tp {cfg.tp} is simulated for dense models; {spec.name!r} has experts "
                         "(run it at --tp 1)")
-    get_fsdp_policy(cfg.policy)
-    if matrix_optimizer(cfg.optimizer).elementwise:
-        raise SpecError(f"--fsdp compares whole-matrix optimizers' step policies; {cfg.optimizer} is elementwise")
+    policy = fsdp_policy(cfg.optimizer, cfg.policy)
+    if cfg.ep > 1:
+        if policy is not None:
+            raise SpecError(f"--fsdp with --ep is simulated with an elementwise optimizer (adamw); got "
+                            f"{cfg.optimizer}")
+        if cfg.etp > 1 or cfg.hsdp_replicate > 1:
+            raise SpecError(f"--fsdp with --ep is simulated at etp 1 without HSDP (got etp {cfg.etp}, "
+                            f"hsdp-replicate {cfg.hsdp_replicate})")
+        if cfg.router_imbalance != 1.0:
+            raise SpecError("--fsdp with --ep is simulated with a balanced router (no --router-imbalance)")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
-    if len(spec.matrix_params()) < 1:
+    if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard
 
@@ -108,20 +132,35 @@ class _FsdpRun:
                  shard: int) -> None:
         self.cfg, self.cluster, self.hw, self.shard = cfg, cluster, hw, shard
         self.spec, self.arch = model
-        self.policy = get_fsdp_policy(cfg.policy)
+        self.policy = fsdp_policy(cfg.optimizer, cfg.policy)  # None: AdamW, each rank steps its shards
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
         self.engine = Engine()
         self.tp = cluster.tp
         self.size = shard * self.tp  # the exchange group: the shard group's DP ranks x TP (the runtime's)
-        self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
-                                                 cost_model_for(hw))
+        self.ep = cfg.ep
+        if self.policy is None:  # no matrix has an owner; the plan reported is ZeRO-1's over the shard group
+            self.matrices: dict[str, FsdpMatrix] = {}
+            self.plan = plan_for(self.spec, self.size, 1, cfg.optimizer, cfg.policy, cfg.settings, cost_model_for(hw),
+                                 ep=self.ep, hidden=self.arch.hidden)
+        else:
+            self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
+                                                     cost_model_for(hw))
         self.units = fsdp_units(self.spec, self.matrices)
-        # each unit's elements on one TP rank (TP-sharded parameters' 1 / T): what FSDP shards over S
-        self.local: dict[int, int] = {}
+        # each unit's elements on one TP rank (TP-sharded parameters' 1 / T): what FSDP shards over S;
+        # under EP its experts apart: an EP rank's experts / ep of each stack, FSDP'd over the EDP group
+        self.local: dict[int, int] = {u.key: 0 for u in self.units}
+        self.expert_local: dict[int, int] = {u.key: 0 for u in self.units}
         for p in self.spec.params:
             key = ROOT if p.layer is None else p.layer
-            self.local[key] = self.local.get(key, 0) + p.local_numel(self.tp)
+            if self.ep > 1 and p.role is Role.EXPERT:
+                self.expert_local[key] += p.numel // self.ep
+            else:
+                self.local[key] += p.local_numel(self.tp)
+        self.edp = cluster.dp * self.tp // self.ep  # the DP ranks outside EP, over which the experts are sharded
+        if self.ep > 1:
+            experts = cfg.expert_cluster(cluster)  # the GPUs in expert order: EP groups, EDP groups
+            self.experts_cluster, self.edp_geo = experts, experts.dp_geometry()
         # matrices TP replicates: a piece of 1 / S, held alike by a DP rank's TP ranks (sent by the lowest)
         self.replicated = {m for m in self.matrices if self.tp > 1 and self.spec.param(m).tp_dim is None}
         # TP rank 0's shard group and replicas (Megatron order: TP fastest, then DP); replica 0's exchange group
@@ -140,7 +179,13 @@ class _FsdpRun:
 
     def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
         cost = collective_cost("all-gather", self.local[unit.key] * self.wl.param_bytes, self.shard_geo, self.hw)
-        return self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
+        done = self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
+        if self.expert_local[unit.key] and self.edp > 1:  # the experts' own fully_shard, over the EDP group
+            cost = collective_cost("all-gather", self.expert_local[unit.key] * self.wl.param_bytes, self.edp_geo,
+                                   self.hw)
+            done = self.engine.env.all_of([done, self.engine.collective(f"{name} experts", [0], cost, AG_STREAM,
+                                                                        {0: after})[0]])
+        return done
 
     def _probe(self, before: simpy.Event, wanted: simpy.Event):
         yield before
@@ -151,8 +196,20 @@ class _FsdpRun:
     def _unit_compute(self, name: str, blocks: Sequence[Block], last: simpy.Event, gathered: simpy.Event,
                       gathers_input: int) -> simpy.Event:
         self.engine.env.process(self._probe(last, gathered))
-        if self.tp == 1:
+        if self.tp == 1 and not any(b.ep_bytes for b in blocks):
             return self.engine.compute(0, name, sum(b.seconds for b in blocks), [last, gathered])
+        if self.tp == 1:  # expert parallelism: each expert block between its dispatch and combine all-to-alls
+            last = self.engine.env.all_of([last, gathered])
+            for b in blocks:
+                label = f"{name}.{b.name.rsplit('.', 1)[-1]}"
+                if not b.ep_bytes:
+                    last = self.engine.compute(0, label, b.seconds, [last])
+                    continue
+                cost = ep_all_to_all_cost(b.ep_bytes, b.ep_received, self.experts_cluster, self.hw)
+                last = self.engine.collective(f"{label} dispatch", [0], cost, EP_COMM, {0: [last]})[0]
+                last = self.engine.compute(0, label, b.seconds, [last])
+                last = self.engine.collective(f"{label} combine", [0], cost, EP_COMM, {0: [last]})[0]
+            return last
         last = self.engine.env.all_of([last, gathered])
         for b in blocks:
             last = self._tp_block(f"{name}.{b.name.rsplit('.', 1)[-1]}", b, gathers_input, last)
@@ -206,7 +263,7 @@ class _FsdpRun:
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe)
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe, ep=self.ep)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
@@ -221,10 +278,15 @@ class _FsdpRun:
                                           self.hw) for u in self.units}
         ar_cost = {u.key: collective_cost("all-reduce", -(-self.local[u.key] // self.shard) * wl.grad_bytes,
                                           self.replicate_geo, self.hw) for u in self.units}
+        expert_rs = {u.key: collective_cost("reduce-scatter", self.expert_local[u.key] * wl.grad_bytes, self.edp_geo,
+                                            self.hw) for u in self.units if self.expert_local[u.key] and self.edp > 1}
 
         def reduce(unit: FsdpUnit, mb: int, after: simpy.Event) -> None:
             done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
                                   {0: [after]})[0]
+            if unit.key in expert_rs:  # the experts' gradients over the EDP group (at EDP 1 they are whole)
+                reduced.append(eng.collective(f"mb{mb} reduce-scatter {_label(unit)} experts", [0],
+                                              expert_rs[unit.key], RS_STREAM, {0: [after]})[0])
             if cfg.hsdp_replicate > 1 and mb == m - 1:  # the replicas' all-reduce of the reduced shard
                 done = eng.collective(f"all-reduce {_label(unit)} over replicas", [0], ar_cost[unit.key], RS_STREAM,
                                       {0: [done]})[0]
@@ -248,6 +310,8 @@ class _FsdpRun:
     def micro_groups(self) -> list[tuple[FsdpMatrix, ...]]:
         """The step's micro-groups, in order. Gather-all: one unit's matrices each, in backward
         order. Owners: `canzona.fsdp_plan.owner_micro_groups`, as the runtime runs them."""
+        if self.policy is None:
+            return []
         if self.policy.gathers_all:
             return [u.matrices for u in reversed(self.units) if u.matrices]
         return owner_micro_groups(backward_order(self.units))
@@ -274,11 +338,12 @@ class _FsdpRun:
         ranks = self.members
         ub = FP32 if wl.param_bytes < FP32 else wl.grad_bytes  # the update as sent and applied
         total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
+        experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
         norm_s = sum(self.rate.kernel_seconds(k) for k in
-                     gradient_norm_kernels(-(-total // s), self.cfg.options.max_grad_norm is not None))
+                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None))
         begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
         local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
-        elementwise = -(-(total - local_matrices) // s)
+        elementwise = -(-(total - local_matrices) // s) + experts
         adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw")))
         done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
         groups = self.micro_groups()
@@ -354,7 +419,9 @@ class _FsdpRun:
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
         kept = self._persistent(pb, gb, mb)
-        largest = max(self.local.values())
+        # a unit's gathered parameters and unsharded gradient: its experts' too where they are FSDP'd
+        # (EDP > 1; at EDP 1 they stay whole in place, their gradients the persistent ones)
+        largest = max(self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local)
         in_flight = 2 * largest * pb + largest * gb
         acts = activation_bytes(dims, setup, tp)
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
@@ -362,7 +429,11 @@ class _FsdpRun:
         groups = self.micro_groups()
         ranks = []
         for r in self.members:
-            if self.policy.gathers_all:
+            if self.policy is None:
+                # **Assumption**: AdamW's step on the shards (torch's foreach implementation) adds
+                # temporaries per tensor list that are small beside the transient above: none counted
+                step = 0
+            elif self.policy.gathers_all:
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
                 held = [sum(m.numel for m in g) * gb for g in groups]
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
@@ -379,7 +450,7 @@ class _FsdpRun:
                 max(acts + in_flight, step)
             ranks.append(RankMemory(r, 0, r // tp, r % tp, h.weights, h.grads, h.master_weights, h.matrix_state,
                                     h.adamw_state, acts, in_flight, step, setup.overhead(counted)))
-        return LayoutMemory(self.policy.name, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
+        return LayoutMemory(self.cfg.policy, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
 
     def _persistent(self, pb: int, gb: int, mb: int) -> list[FsdpRankBytes]:
         """Each member's shards, masters and state. At TP 1 exactly what the runtime allocates
@@ -387,8 +458,16 @@ class _FsdpRun:
         rank's local elements (`_StridedShard`'s exact pieces are not modelled)."""
         weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
         if self.tp == 1:
-            return fsdp_persistent_memory(self.spec, self.shard, self.matrices, weight_bytes=weight_bytes,
+            dense = dense_part(self.spec) if self.ep > 1 else self.spec
+            held = fsdp_persistent_memory(dense, self.shard, self.matrices, weight_bytes=weight_bytes,
                                           grad_bytes=gb, master_bytes=mb)
+            if self.ep == 1:
+                return held
+            # under EP each rank's share of its EP rank's experts (over the EDP group; AdamW's state)
+            n = -(-sum(self.expert_local.values()) // self.edp)
+            return [replace(h, weights=h.weights + n * weight_bytes, grads=h.grads + n * gb,
+                            master_weights=h.master_weights + n * mb,
+                            adamw_state=h.adamw_state + state_bytes("adamw", (n,))) for h in held]
         s, tp = self.shard, self.tp
         total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
         matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)
@@ -396,7 +475,9 @@ class _FsdpRun:
         adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
         out = []
         for r in self.members:
-            if self.policy.gathers_all:
+            if self.policy is None:
+                state = 0
+            elif self.policy.gathers_all:
                 state = -(-sum(m.row_state for m in self.matrices.values()) // self.size) + \
                     sum(m.state - m.row_state for m in self.matrices.values())
             else:
@@ -447,4 +528,4 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
-__all__ = ["FSDP_POLICIES", "check_fsdp", "simulate_fsdp"]
+__all__ = ["FSDP_POLICIES", "check_fsdp", "fsdp_policy", "simulate_fsdp"]

@@ -302,6 +302,14 @@ class PhaseA:
 PP_COMM = "pp-comm"
 
 
+def ep_all_to_all_cost(sent: float, received: float, experts: Cluster, hw: HardwareProfile) -> CollectiveCost:
+    """An EP group's token dispatch (or combine) all-to-all: every member sends `sent` bytes to the
+    others and the busiest receives `received` (the combine returns the same bytes the other way:
+    its busiest sender sends `received`, which takes as long); `experts`: the GPUs in expert order."""
+    ep = experts.ep
+    return all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1), experts.ep_geometry(), hw)
+
+
 def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int = 1) -> PhaseA:
     """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`;
     with `vp` > 1 model chunks per stage, Megatron's interleaved order), one virtual stage's
@@ -459,9 +467,7 @@ class _Stage:
         sender sends `received`, which takes as long)."""
         key = (sent, received)
         if key not in self.ep_costs:
-            ep = self.experts.cluster.ep
-            self.ep_costs[key] = all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1),
-                                                 self.experts.cluster.ep_geometry(), self.ctx.hw)
+            self.ep_costs[key] = ep_all_to_all_cost(sent, received, self.experts.cluster, self.ctx.hw)
         return self.ep_costs[key]
 
     def _etp_cost(self, op: str, total: float) -> CollectiveCost:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim
-from canzona.memory import check_recompute
+from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 
 # FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
@@ -174,6 +174,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     forward, backward = [], []
     for layer, params in zip(layer_ids, by_layer):
         fwd_blocks, bwd_blocks = [], []
+        # selective-op: the layer's mms whose outputs are not saved run again (`canzona.recompute`)
+        unsaved = {p.name for i, p in enumerate(params) if not mm_saved(i)}
         for i, block in enumerate(_blocks_of(params)):
             column = [p for p in block if p.tp_dim != 1]
             row = [p for p in block if p.tp_dim == 1]
@@ -188,10 +190,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1), gemms(row, False),
                         **ring_f)
             redo = 0.0
-            if recompute == "full":
+            if recompute == FULL:
                 redo = fwd.seconds
-            elif recompute == "selective":
+            elif recompute == SELECTIVE:
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
+            elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
+                redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, 1)
             bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2),
                         gemms(column, True), **ring_b)
             fwd_blocks.append(fwd)
@@ -265,8 +269,9 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     passes = elementwise_kernel(f"{name} permute", count, 1, moved * two / count, dtype)
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
     bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
-    redo = fwd_s if recompute == "full" else 0.0
     ew = rate.kernel_seconds(passes)
+    # selective-op saves no grouped GEMM's output (not `aten.mm`): the experts run again, as under full
+    redo = fwd_s if recompute in (FULL, SELECTIVE_OP) else 0.0
     sent = pairs * hidden * two * (ep - 1) / ep
     received = busiest * hidden * two * (ep - 1) / ep
     gathered = computed * hidden * two if etp > 1 else 0.0

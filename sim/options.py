@@ -21,7 +21,9 @@ class RunOptions:
     overlap_grad_reduce: bool = True  # bucket reduce-scatters start during the last backward
     overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
-    recompute: str = "none"  # "none", "selective" (attention core) or "full" (every layer)
+    # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy) or "full"
+    # (every layer): canzona.recompute
+    recompute: str = "none"
     # how gradients are reduce-scattered (canzona.reductions): the runtime's option, name and default
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter
     # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and

@@ -22,8 +22,8 @@ from typing import Any
 import canzona
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
-from canzona.memory import check_recompute
 from canzona.optimizers import matrix_optimizer
+from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
@@ -32,9 +32,9 @@ DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
 PUBLISHED_RUNS = DATA_DIR / "published_runs.json"
 SCHEMA = "canzona.published_runs"
 PRECISIONS = ("bf16", "fp8")
-# the simulator's activation recompute modes; a source's other modes (torchtitan's selective-op
-# checkpointing) are kept as published and make the row not expressible
-SIM_RECOMPUTE = ("none", "selective", "full")
+# the simulator's activation recompute modes (torchtitan's selective-op among them); a source's
+# other modes are kept as published and make the row not expressible
+SIM_RECOMPUTE = RECOMPUTE_MODES
 _INTS = ("gpus", "tp", "pp", "vp", "cp", "ep", "global_batch", "micro_batch", "seq_len")
 
 
@@ -98,10 +98,6 @@ class PublishedRun:
             out.append("--cp with --fsdp")
         if self.precision != "bf16":
             out.append(f"--precision {self.precision}")
-        if self.fsdp and matrix_optimizer(self.optimizer).elementwise:
-            out.append(f"--fsdp with {self.optimizer}")
-        if self.fsdp and self.ep > 1:
-            out.append("--fsdp with --ep")
         if self.recompute is not None and self.recompute not in SIM_RECOMPUTE:
             out.append(f"--recompute {self.recompute}")
         return tuple(out)

@@ -47,7 +47,7 @@ from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
     STEP_POLICIES,
-    get_fsdp_policy,
+    default_policy,
     policies_running,
     policy_optimizer,
     resolve_policy,
@@ -56,7 +56,7 @@ from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
-from sim.fsdp import check_fsdp, simulate_fsdp
+from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.iteration import (
     ETP_COMM,
     Context,
@@ -155,7 +155,7 @@ class SimConfig:
         """`check`, also returning the model (`model_of`) and the hardware profile: a model file
         and a profile are read here, once per simulation."""
         if self.fsdp:
-            get_fsdp_policy(self.policy)
+            fsdp_policy(self.optimizer, self.policy)
         elif self.policy not in STEP_POLICIES:
             raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
         check_matrix_optimizer(self.optimizer)
@@ -623,8 +623,8 @@ def compared_policies(optimizer: str, fsdp: bool = False) -> tuple[str, ...]:
     """What `compare` runs for `optimizer`: a matrix optimizer's policies and the AdamW baseline
     (zero1) beside them; for AdamW itself, the policies that run it; under `fsdp`, the FSDP
     layout's policies (`FSDP_POLICIES`)."""
-    if fsdp:
-        return tuple(FSDP_POLICIES)
+    if fsdp:  # an elementwise optimizer steps each rank's shards under FSDP: its own policy only
+        return (default_policy(optimizer),) if matrix_optimizer(optimizer).elementwise else tuple(FSDP_POLICIES)
     if matrix_optimizer(optimizer).elementwise:
         return policies_running(optimizer)
     return tuple(STEP_POLICIES)

@@ -1,0 +1,53 @@
+"""Activation recompute modes: what each stores for the backward and what it computes again, written
+once for the memory model (`canzona.memory.layer_activation_bytes`) and the simulator's compute
+(`sim.model_work`).
+
+- `none`: every activation is stored.
+- `selective` (Megatron's `--recompute-granularity selective`, Korthikanti et al. 2022,
+  arXiv 2205.05198 §5): the attention core is recomputed; everything else is stored.
+- `selective-op` (torchtitan's per-op selective activation checkpointing,
+  `--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op`): each
+  decoder layer runs under `torch.utils.checkpoint` with a policy that saves the outputs of the ops
+  in torchtitan's `_save_list` (`aten.mm`, the scaled-dot-product flash / efficient attention
+  kernels and `_c10d_functional.reduce_scatter_tensor`), except every second `aten.mm` of the layer
+  (its forward's mm count even), and recomputes every other op. Read from pytorch/torchtitan
+  `torchtitan/parallelisms/parallelize_llama.py` (`_save_list`, `_apply_ac_to_transformer_block`,
+  `_custom_policy`: "Saves output of all compute ops, except every second mm"), the version the
+  published torchtitan A100 figures were measured with; the counter is per checkpointed layer (a
+  fresh `meta` per checkpoint context). So of a Llama layer's mms in forward order (wq, wk, wv,
+  wo, w1, w3, w2) the 1st, 3rd, 5th and 7th outputs are saved (wq, wv, w1, w2) and wk, wo, w3 are
+  recomputed with the norms, rotary embedding, SwiGLU and residual adds; attention is not. Mixture-
+  of-experts layers' grouped expert GEMMs are not `aten.mm`: the experts are recomputed whole.
+- `full` (every layer): only each layer's input is stored; its whole forward runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from canzona.errors import SpecError
+
+NONE, SELECTIVE, SELECTIVE_OP, FULL = "none", "selective", "selective-op", "full"
+# from the least recompute (most memory) to the most: the search tries them in this order
+RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL)
+
+
+def check_recompute(mode: str) -> str:
+    if mode not in RECOMPUTE_MODES:
+        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    return mode
+
+
+def mm_saved(position: int) -> bool:
+    """Under `selective-op`, whether a layer's `position`-th matrix multiply (0-based, forward order)
+    has its output saved: torchtitan counts them from 1 and recomputes those with an even count."""
+    return position % 2 == 0
+
+
+def saved_mm_widths(widths: Sequence[float]) -> float:
+    """The summed output widths of the mms `selective-op` saves, of a layer's mms in forward order."""
+    return sum(w for i, w in enumerate(widths) if mm_saved(i))
+
+
+__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute", "mm_saved",
+           "saved_mm_widths"]
