@@ -26,7 +26,7 @@ its update received by every TP rank."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import simpy
 
@@ -75,6 +75,7 @@ from canzona.step_policies import (
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
 from sim.iteration import APPLY_PASSES, DP_COMM, TP_COMM
+from sim.fp8 import FP8Setup, fp8_setup
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
 
@@ -201,12 +202,18 @@ class _FsdpRun:
                     then(unit, last)
         return last
 
+    def _fp8(self) -> FP8Setup | None:
+        """FP8 under FSDP: the weights are gathered again for every micro-batch, so each is cast
+        to FP8 for every micro-batch (no cache across them)."""
+        fp8 = fp8_setup(self.wl, self.hw, self.cluster, self.spec)
+        return None if fp8 is None else replace(fp8, micro_batches=1)
+
     def phase_a(self) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe)
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe, fp8=self._fp8())
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
