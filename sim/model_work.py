@@ -308,11 +308,12 @@ def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSp
                rate: DeviceRate) -> tuple[float, float]:
     """Seconds of Transformer Engine's FP8 casts around one block's GEMMs (forward, backward), on
     one TP rank of a micro-batch of `tokens` (`sim.fp8`). Forward: the column GEMMs' shared input,
-    cast on the rank's sequence-parallel share of the tokens before its all-gather (TE quantizes
-    before gathering, so the all-gather moves FP8), the row GEMM's input (all tokens, the rank's
-    columns), every weight once per iteration; backward: the row GEMM's output gradient (on the
-    rank's share, before the gather), the column GEMMs' output gradients (all tokens, the rank's
-    rows). Current scaling all-reduces the amax of each gathered tensor over TP first."""
+    cast on the rank's sequence-parallel share of the tokens before its all-gather (as TE
+    quantizes before gathering; the simulated all-gather still moves bf16, `activation_bytes`:
+    conservative), the row GEMM's input (all tokens, the rank's columns), every weight once per
+    iteration; backward: the row GEMM's output gradient (on the rank's share, before the gather),
+    the column GEMMs' output gradients (all tokens, the rank's rows). Current scaling all-reduces
+    the amax of each gathered tensor over TP first."""
     share = tokens / tp
     fwd: list[Kernel] = []
     bwd: list[Kernel] = []
