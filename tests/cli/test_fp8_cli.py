@@ -20,9 +20,9 @@ def test_simulate_accepts_fp8():
 
 
 def test_fp8_options_are_documented():
-    for command in ("simulate", "compare"):
+    for command in ("simulate", "compare", "search"):
         text = help_text(command)
-        assert "--precision" in text and "--fp8-recipe" in text
+        assert "--precision" in text and (command == "search" or "--fp8-recipe" in text)
 
 
 def test_bad_precision_is_one_error_line():

@@ -129,3 +129,22 @@ def test_memory_keeps_fp8_weights_and_fp8_linear_inputs(model):
     linear = sum(p.numel for p in fp8_linear_params(spec))
     assert fp8_weights - weights == FP8_WEIGHT_CACHE * linear
     assert all(p.layer is not None for p in fp8_linear_params(spec))
+
+
+def test_search_in_fp8_keeps_its_floors_below_the_simulation():
+    """`canzona search --precision fp8`: every candidate is simulated in FP8, and the time floor
+    that prunes prices FP8 GEMMs too (a bf16 floor would exceed the FP8 time and prune wrongly)."""
+    from sim.search import Question, config_of, memory_floor, time_floor
+
+    q = Question(model=MODEL, gpus=8, seq_len=1024, global_batch=8, precision="fp8")
+    rate = DeviceRate.from_profile(load_profile(q.hardware))
+    model = model_of(SimConfig(model=MODEL))
+    cfg = config_of(q, {"tp": 2, "pp": 2, "vp": 1, "micro_batch": 1, "recompute": "none"})
+    assert cfg.workload.precision == "fp8"
+    r = simulate(cfg)
+    assert time_floor(cfg, model, rate) <= r.iteration_time_s
+    assert memory_floor(cfg, model) <= r.memory.worst.total
+    with pytest.raises(SpecError, match="no FP8 tensor cores"):
+        Question(model=MODEL, gpus=8, hardware="a100-sxm", precision="fp8")
+    with pytest.raises(SpecError, match="precision must be one of"):
+        Question(model=MODEL, gpus=8, precision="fp16x")
