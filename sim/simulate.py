@@ -84,7 +84,8 @@ DEFINITIONS = {
               "by owner, the larger of activations and optimizer-step buffers, an allowance for the CUDA "
               "context, NCCL and fragmentation); fits: every GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
-           "second per GPU, over the dense peak of the model dtype (bf16 by default)",
+           "second per GPU, over the dense peak of the model dtype (bf16 by default; under --precision fp8 "
+           "still that peak, though the linear GEMMs run at the FP8 rate)",
 }
 
 
