@@ -41,7 +41,6 @@ directly: this prices the cast as a separate pass, slightly pessimistic), FP8 pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 from canzona.cost import Kernel, elementwise_kernel

@@ -74,8 +74,8 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
-from sim.iteration import APPLY_PASSES, DP_COMM, TP_COMM
 from sim.fp8 import FP8Setup, fp8_setup
+from sim.iteration import APPLY_PASSES, DP_COMM, TP_COMM
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
 
