@@ -60,7 +60,7 @@ from canzona.reductions import (
     check_reduce_scatter,
     temporary_elements_by_rank,
 )
-from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
@@ -73,6 +73,19 @@ from canzona.step_schedule import (
     tp_schedule,
 )
 from canzona.tp import EVERY_RANK
+
+FP8_BYTES = DTYPE_BYTES["fp8"]
+# bytes per linear-weight element Transformer Engine keeps under FP8 beside the bf16 weight: the FP8
+# cast cached across micro-batches and its transpose (the data gradient's operand)
+FP8_WEIGHT_CACHE = 2 * FP8_BYTES
+
+
+def fp8_linear_params(spec: ModelSpec) -> list[ParamSpec]:
+    """The weights of the linear modules that run in FP8 (`--precision fp8`): the layers'
+    matrices and expert stacks, not the routers, embedding, head or vectors."""
+    return [p for p in spec.params if p.layer is not None and p.role in (Role.MATRIX, Role.EXPERT)
+            and len(p.shape) >= 2]
+
 
 FP32 = DTYPE_BYTES["fp32"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
@@ -165,6 +178,9 @@ class MemorySetup:
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors
+    # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
+    # backward in FP8 and every linear weight keeps a cached FP8 copy and transpose (`fp8_linear_params`)
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
@@ -201,6 +217,7 @@ class MemorySetup:
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
                                                     "activation_bytes") if hasattr(workload, k)}
+        values["fp8"] = getattr(workload, "precision", "bf16") == "fp8"
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise SpecError(f"unknown memory setting {unknown[0]!r}")
@@ -366,6 +383,11 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     the QKV input `eh`, Q and K `e(q+kv)`, V `e*kv`, the output projection's input `e*q`, a dropout
     mask `h`; MLP: its input `eh`, then `2*e*ffn` (GeLU input, second linear's input) or `3*e*ffn`
     gated (gate and up outputs, the product), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
+    Under FP8 (`setup.fp8`) the linear layers' inputs (the QKV and MLP inputs, the output
+    projection's input, the second MLP linear's input) are saved as Transformer Engine keeps them
+    for the weight gradient, in FP8: one byte instead of `e` (this project's reading of TE's
+    Linear / LayerNormLinear, which save the FP8 cast of their input; the other saved tensors are
+    the bf16 ones of the attention core, the norms and the activation function).
     Attention scores: `a*s*(2e + 1)` with dropout (softmax output, mask, dropout output), `a*s*e`
     without; flash attention stores only a fp32 log-sum-exp per head and token instead (`4a`).
     For a GPT layer this is the paper's `s*b*h*(34 + 5*a*s/h)`.
@@ -382,12 +404,13 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     sp_div = tp if setup.sequence_parallel else 1
     if recompute == "full":
         return tokens * e * h / sp_div
+    li = FP8_BYTES if setup.fp8 else e  # a linear layer's saved input
     q, kv = dims.q_dim, dims.kv_dim
     if recompute == SELECTIVE_OP:
         return tokens * _selective_op_bytes(dims, setup, tp, sp_div)
     # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
-    replicated = 2 * e * h + e * h + e * h + 2 * mask * h
-    sharded = e * (q + kv) + e * kv + e * q + (3 if dims.gated_mlp else 2) * e * dims.ffn
+    replicated = 2 * e * h + li * h + li * h + 2 * mask * h
+    sharded = e * (q + kv) + e * kv + li * q + ((2 if dims.gated_mlp else 1) * e + li) * dims.ffn
     if dims.qk_norm:
         sharded += e * (q + kv)
     if recompute == "none":
@@ -657,6 +680,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             adamw_largest[i] = max([adamw_largest[i], *pieces])
     buckets = sum(b.size for b in plan.dp_plan.buckets)
     weights = buckets * pb + adamw_size * adamw_pb
+    if setup.fp8:  # Transformer Engine's cached FP8 weight and its transpose, per linear weight
+        weights += FP8_WEIGHT_CACHE * sum(p.local_numel(tp) for p in fp8_linear_params(spec))
     grads = buckets * gb + adamw_size * adamw_gb
     activations = activation_bytes(dims, setup, tp, pp, stage, vp)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0

@@ -16,7 +16,8 @@ from typing import Any
 
 from canzona.errors import SpecError
 
-DTYPE_BYTES: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
+# fp8: Hopper's 8-bit floats (E4M3 / E5M2), the operands of Transformer Engine's FP8 GEMMs (sim.fp8)
+DTYPE_BYTES: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 class Role(str, Enum):

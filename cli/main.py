@@ -306,7 +306,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1):
+                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
+                precision: str = "bf16", fp8_recipe: str = "delayed"):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -315,7 +316,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      dp_policy=dp_policy or PLAN_DEFAULTS.dp_policy,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
-                     workload=Workload(seq_len, global_batch, micro_batch), options=options,
+                     workload=Workload(seq_len, global_batch, micro_batch, precision=precision,
+                                       fp8_recipe=fp8_recipe), options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
@@ -409,6 +411,12 @@ Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: param
                                      "policies: canzona, fsdp-owners-unbalanced, and in the simulator fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
+Precision = Annotated[str, typer.Option(
+    help="GEMM precision of the layers' linear modules: bf16, or fp8 (Transformer Engine's FP8 GEMMs with their "
+         "casts and scaling, attention and the head in bf16; needs an FP8 GPU: h100-sxm, h200).")]
+Fp8Recipe = Annotated[str, typer.Option(
+    help="Under --precision fp8, Transformer Engine's scaling: delayed (amax history, one amax all-reduce per "
+         "micro-batch) or current (per-tensor amax, read before each cast).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
@@ -429,6 +437,7 @@ def simulate(
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
     fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
+    precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -442,7 +451,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp)
+                             vp, cp, precision, fp8_recipe)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -475,6 +484,7 @@ def compare(
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
     fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
+    precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -490,7 +500,7 @@ def compare(
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                            zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                           vp, cp)
+                           vp, cp, precision, fp8_recipe)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)
@@ -521,7 +531,7 @@ def compare(
 @app.command()
 def search(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
-    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128,
+    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -543,7 +553,7 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
-                            global_batch=global_batch)
+                            global_batch=global_batch, precision=precision)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
@@ -719,7 +729,7 @@ def validate(
         "--published", help="Instead: simulate every published run of canzona/data/published_runs.json the "
                             "simulator can express and print its error against the published tokens/s/GPU, the mean "
                             "absolute and signed errors, Kendall tau within each model and overall, and the memory fit "
-                            "(rows needing --vp or fp8 are listed as not expressible).")] = False,
+                            "(rows needing what the simulator lacks are listed as not expressible, with what they need).")] = False,
     rows: Annotated[str | None, typer.Option(
         help="With --published: only the rows whose id or model contains one of these comma-separated terms.")] = None,
     as_json: AsJson = False,

@@ -415,7 +415,7 @@ def _tau(x: float | None) -> str:
 
 def published_table(report) -> Table:
     """`canzona validate --published`: every published run beside its simulation (sim.published)."""
-    t = Table(title="Simulator vs published runs (tokens/s/GPU; AdamW under ZeRO-1, bf16)")
+    t = Table(title="Simulator vs published runs (tokens/s/GPU; AdamW under ZeRO-1, each row's precision)")
     t.add_column("row", no_wrap=True)
     t.add_column("model", no_wrap=True)
     t.add_column("layout")

@@ -77,6 +77,7 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
+from sim.fp8 import FP8Setup, fp8_setup
 from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM, ep_all_to_all_cost
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
@@ -258,12 +259,19 @@ class _FsdpRun:
                     then(unit, last)
         return last
 
+    def _fp8(self) -> FP8Setup | None:
+        """FP8 under FSDP: the weights are gathered again for every micro-batch, so each is cast
+        to FP8 for every micro-batch (no cache across them)."""
+        fp8 = fp8_setup(self.wl, self.hw, self.cluster, self.spec)
+        return None if fp8 is None else replace(fp8, micro_batches=1)
+
     def phase_a(self) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe, ep=self.ep)
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe, ep=self.ep,
+                                fp8=self._fp8())
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's

@@ -33,18 +33,24 @@ computing its query chunks against one rank's K/V block, 1 / cp of the attention
 for the balanced causal split), while the next block travels the ring (`Block.ring_bytes`, one
 exchange per step that has a next: forward cp - 1 sends of K and V; backward cp sends: K/V, then
 K/V with the travelling dK/dV, then dK/dV home: TE's AttnFuncWithCPAndKVP2P).
+
+Under FP8 (`fp8`, `sim.fp8`) the layers' linear GEMMs (the experts' too, not the router's nor the
+head's) run in FP8 and each block pays Transformer Engine's casts, transposes and scaling beside
+them (`_fp8_block`); attention stays in the model's dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim
+from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
+from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
 # backward pass (Shah et al. 2024, arXiv 2407.08608, Fig. 5-7); Megatron's cuDNN fused attention is
@@ -113,7 +119,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      recompute: str = "none", causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
-                     kv_dim: int | None = None) -> MicroBatchWork:
+                     kv_dim: int | None = None, fp8: FP8Setup | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -122,7 +128,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     rank's pairs over the mean, which every rank of its EP group waits for; `etp`: expert TP (each
     rank computes its shard of its experts on its ETP group's pairs); `cp`: context parallelism
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
-    exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring)."""
+    exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `fp8`: the
+    linear layers' GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`)."""
     check_recompute(recompute)
     full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
@@ -146,16 +153,28 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     def run(kernels: Sequence[Kernel]) -> float:
         return sum(rate.kernel_seconds(k) for k in kernels)
 
+    linear = FP8 if fp8 is not None else dtype  # the layers' linear GEMMs
+
     def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
         ks = []
         for p in params:
             out, inp = p.local_shape(tp)
             if backward:
-                ks += [gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, dtype),
-                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, dtype)]
+                ks += [gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, linear),
+                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, linear)]
             else:
-                ks.append(gemm_kernel(p.name, tokens, out, inp, dtype))
+                ks.append(gemm_kernel(p.name, tokens, out, inp, linear))
         return run(ks)
+
+    # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce
+    # and the history / scale update, after each forward and each backward of every model chunk),
+    # spread evenly over the stage's layers
+    fp8_fwd = fp8_bwd = 0.0
+    if fp8 is not None and fp8.recipe == DELAYED and layer_ids:
+        n_gemms = len(fp8_linear_params(spec))
+        per_pass = fp8.chunks / len(layer_ids)
+        fp8_fwd = per_pass * (fp8.amax_reduce_s + rate.kernel_seconds(fp8.scale_update(3 * n_gemms)))
+        fp8_bwd = per_pass * (fp8.amax_reduce_s + rate.kernel_seconds(fp8.scale_update(2 * n_gemms)))
 
     seqs = full_tokens // seq_len if full_tokens >= seq_len else 1
     attn_flops = 4.0 * seq_len * seq_len * (q_dim / tp) * seqs * (0.5 if causal else 1.0)
@@ -187,8 +206,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                 kv = tokens * 2 * (kv_dim or q_dim) / tp * two
                 ring_f = dict(core_s=core_f, ring_steps=cp, ring_bytes=(kv,) * (cp - 1))
                 ring_b = dict(core_s=core_b, ring_steps=cp, ring_bytes=(kv,) + (2 * kv,) * (cp - 2) + (kv,))
-            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1), gemms(row, False),
-                        **ring_f)
+            cast_f, cast_b = _fp8_block(fp8, column, row, tokens, tp, rate) if fp8 is not None else (0.0, 0.0)
+            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1) + cast_f,
+                        gemms(row, False), **ring_f)
             redo = 0.0
             if recompute == FULL:
                 redo = fwd.seconds
@@ -196,16 +216,19 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, 1)
-            bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2),
+            bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2) + cast_b,
                         gemms(column, True), **ring_b)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:
             assert experts is not None
             fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep, router_imbalance, etp)
+                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
+        if fp8_fwd:
+            fwd_blocks[-1] = replace(fwd_blocks[-1], middle_s=fwd_blocks[-1].middle_s + fp8_fwd)
+            bwd_blocks[0] = replace(bwd_blocks[0], middle_s=bwd_blocks[0].middle_s + fp8_bwd)
         forward.append(tuple(fwd_blocks))
         backward.append(tuple(reversed(bwd_blocks)))
     if not head:
@@ -221,7 +244,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
                   rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
-                  imbalance: float = 1.0, etp: int = 1) -> tuple[Block, Block]:
+                  imbalance: float = 1.0, etp: int = 1, fp8: FP8Setup | None = None) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
@@ -233,7 +256,9 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     expert TP each rank computes its ETP group's `etp` times the pairs on `1 / etp` of each
     expert's weights: the same FLOPs in GEMMs `etp` times taller and thinner, and the sorts of
     the gathered pairs by expert and back on `etp` times the pairs, around the ETP group's
-    all-gather and reduce-scatter of the pairs (`Block.etp_bytes`)."""
+    all-gather and reduce-scatter of the pairs (`Block.etp_bytes`). Under FP8 the expert GEMMs run
+    in FP8 (TE's GroupedLinear), each casting its input, its output gradient and (once per
+    iteration) its weights; the router stays in `dtype`."""
     count, per_token = experts
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
@@ -242,6 +267,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     fwd_k: list[Kernel] = []
     bwd_k: list[Kernel] = []
     width = 0
+    gemm_dtype = FP8 if fp8 is not None else dtype
     for p in params:
         out, inp = p.shape[-2], p.shape[-1]
         if p.role is Role.EXPERT:
@@ -250,9 +276,12 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
                 out, inp = (out // etp, inp) if axis == 0 else (out, inp // etp)
             groups = p.shape[0] // ep if len(p.shape) == 3 else 1
             rows = max(1, round(computed / local))  # each expert's share of the pairs
-            fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, dtype))
-            bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, dtype),
-                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, dtype)]
+            fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, gemm_dtype))
+            bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, gemm_dtype),
+                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, gemm_dtype)]
+            if fp8 is not None:  # per expert GEMM: its input, its output gradient, its weights
+                fwd_k += [fp8.cast(p.name, rows * groups, inp), fp8.weight_cast(p.name, out * inp * groups)]
+                bwd_k.append(fp8.cast(f"{p.name}.grad", rows * groups, out))
             if out != hidden:
                 width = max(width, out)
         else:
@@ -279,3 +308,31 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
                   etp_bytes=gathered),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
                   ep_received=received, etp_bytes=gathered))
+
+
+def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSpec], tokens: int, tp: int,
+               rate: DeviceRate) -> tuple[float, float]:
+    """Seconds of Transformer Engine's FP8 casts around one block's GEMMs (forward, backward), on
+    one TP rank of a micro-batch of `tokens` (`sim.fp8`). Forward: the column GEMMs' shared input,
+    cast on the rank's sequence-parallel share of the tokens before its all-gather (as TE
+    quantizes before gathering; the simulated all-gather still moves bf16, `activation_bytes`:
+    conservative), the row GEMM's input (all tokens, the rank's columns), every weight once per
+    iteration; backward: the row GEMM's output gradient (on the rank's share, before the gather),
+    the column GEMMs' output gradients (all tokens, the rank's rows). Current scaling all-reduces
+    the amax of each gathered tensor over TP first."""
+    share = tokens / tp
+    fwd: list[Kernel] = []
+    bwd: list[Kernel] = []
+    gathered = 0
+    if column:
+        fwd.append(fp8.cast(f"{column[0].name}.input", share, column[0].local_shape(tp)[1]))
+        bwd.append(fp8.cast(f"{column[0].name}.grad", tokens, sum(p.local_shape(tp)[0] for p in column)))
+        gathered += 1
+    for p in row:
+        out, inp = p.local_shape(tp)
+        fwd.append(fp8.cast(f"{p.name}.input", tokens, inp))
+        bwd.append(fp8.cast(f"{p.name}.grad", share, out))
+    fwd += [fp8.weight_cast(p.name, p.local_numel(tp)) for p in (*column, *row)]
+    tp_amax = fp8.tp_amax_s if fp8.recipe == CURRENT and tp > 1 else 0.0
+    return (sum(rate.kernel_seconds(k) for k in fwd) + gathered * tp_amax,
+            sum(rate.kernel_seconds(k) for k in bwd) + len(row) * tp_amax)

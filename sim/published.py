@@ -6,7 +6,7 @@ torchtitan's and NeMo AutoModel's performance pages), each with its source, layo
 throughput in tokens per second per GPU. Every row the simulator can express is simulated as
 published (its model, GPUs, TP / PP / CP / EP, batch, sequence, AdamW under ZeRO-1, the hardware
 profile of its GPUs) and compared; a row needing what the simulator does not model yet (the
-interleaved pipeline, FP8, context parallelism with EP or FSDP, ...) is listed with what it needs and no error figure.
+context parallelism with EP or FSDP, FSDP with AdamW, ...) is listed with what it needs and no error figure.
 No row is folded onto another axis and nothing is corrected per row or per model: the errors are
 the simulator's own (docs/design.md §9.6).
 """
@@ -24,6 +24,7 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
+from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
@@ -31,7 +32,6 @@ from sim.workload import Workload
 DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
 PUBLISHED_RUNS = DATA_DIR / "published_runs.json"
 SCHEMA = "canzona.published_runs"
-PRECISIONS = ("bf16", "fp8")
 # the simulator's activation recompute modes (torchtitan's selective-op among them); a source's
 # other modes are kept as published and make the row not expressible
 SIM_RECOMPUTE = RECOMPUTE_MODES
@@ -65,6 +65,9 @@ class PublishedRun:
     conversion: str = ""
     step_time_s: float | None = None
     note: str = ""
+    # an FP8 row's Transformer Engine scaling recipe (sim.fp8): its source's, or "delayed" (the
+    # only recipe of Transformer Engine 1.x) where the source predates current scaling
+    fp8_recipe: str = DELAYED
 
     @property
     def dp(self) -> int:
@@ -96,17 +99,16 @@ class PublishedRun:
             out.append("--cp with --ep")
         if self.cp > 1 and self.fsdp:
             out.append("--cp with --fsdp")
-        if self.precision != "bf16":
-            out.append(f"--precision {self.precision}")
         if self.recompute is not None and self.recompute not in SIM_RECOMPUTE:
             out.append(f"--recompute {self.recompute}")
         return tuple(out)
 
     def sim_config(self) -> SimConfig:
         """The run as the simulator takes it: AdamW under its default policy (ZeRO-1, Megatron's
-        distributed optimizer), bf16 GEMMs, fp32 gradient reductions, NVIDIA's recipe defaults for
-        the overlaps (`RunOptions`)."""
-        wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch)
+        distributed optimizer), the row's GEMM precision (bf16, or FP8 under its scaling recipe),
+        fp32 gradient reductions, NVIDIA's recipe defaults for the overlaps (`RunOptions`)."""
+        wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
+                      precision=self.precision, fp8_recipe=self.fp8_recipe)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
@@ -149,7 +151,8 @@ class RowResult:
             "id": r.id, "model": r.model_name, "source": r.source, "hardware": r.hardware, "layout": r.layout,
             "gpus": r.gpus, "tp": r.tp, "pp": r.pp, "vp": r.vp, "cp": r.cp, "ep": r.ep, "dp": r.dp, "fsdp": r.fsdp,
             "global_batch": r.global_batch, "micro_batch": r.micro_batch, "seq_len": r.seq_len,
-            "precision": r.precision, "optimizer": r.optimizer, "recompute": r.recompute,
+            "precision": r.precision, "fp8_recipe": r.fp8_recipe if r.precision == "fp8" else None,
+            "optimizer": r.optimizer, "recompute": r.recompute,
             "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
             "published_original": {"value": r.original_value, "unit": r.original_unit, "conversion": r.conversion},
             "expressible": self.expressible, "not_expressible": self.reason or None,
@@ -220,7 +223,7 @@ class PublishedReport:
             "definitions": {
                 "error": "simulated / published tokens per second per GPU - 1 (positive: the simulator is optimistic)",
                 "simulated_tokens_per_s_per_gpu": "seq_len x global_batch / simulated iteration time / GPUs "
-                                                  "(AdamW under ZeRO-1, bf16, the row's hardware profile)",
+                                                  "(AdamW under ZeRO-1, the row's precision and hardware profile)",
                 "kendall_tau": "scipy.stats.kendalltau of published against simulated throughput over the "
                                "expressible rows (null below two rows)",
                 "memory_bytes": "the fullest GPU's memory as the simulator models it (docs/design.md §7.1)",
@@ -262,6 +265,10 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     precision = _text(raw, "precision", where)
     if precision not in PRECISIONS:
         raise SpecError(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    fp8_recipe = raw.get("fp8_recipe", DELAYED)
+    if fp8_recipe not in FP8_RECIPES or (fp8_recipe != DELAYED and precision != "fp8"):
+        raise SpecError(f"{where}: fp8_recipe must be one of {', '.join(FP8_RECIPES)} (on an fp8 row), "
+                        f"got {fp8_recipe!r}")
     recompute = raw.get("recompute")
     if recompute is not None and not (isinstance(recompute, str) and recompute):
         raise SpecError(f"{where}: recompute must be a string or null, got {recompute!r}")
@@ -282,7 +289,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_value=_positive(pub["original"].get("value"), "published original value", where),
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
-        note=str(raw.get("note", "")), **ints)
+        note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

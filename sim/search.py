@@ -40,6 +40,7 @@ from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
+from sim.fp8 import FP8, FP8Setup, check_fp8_device
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
@@ -60,12 +61,15 @@ class Question:
     optimizer: str = "muon"
     seq_len: int = 4096
     global_batch: int = 128
+    precision: str = "bf16"  # the linear GEMMs' (sim.fp8): every layout is searched in it
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
-        Workload(seq_len=self.seq_len, global_batch=self.global_batch)  # its checks
+        Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision)  # its checks
+        if self.precision == FP8:
+            check_fp8_device(load_profile(self.hardware))
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,8 @@ def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
 def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
-                                  workload=Workload(seq_len=q.seq_len, global_batch=q.global_batch),
+                                  workload=Workload(seq_len=q.seq_len, global_batch=q.global_batch,
+                                                    precision=q.precision),
                                   options=RunOptions())
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
@@ -316,7 +321,7 @@ class SearchResult:
         q = self.question
         return {
             "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
-            "seq_len": q.seq_len, "global_batch": q.global_batch,
+            "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "simulated": self.simulated,
@@ -352,7 +357,9 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
-                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
+                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}),
+                                # FP8's casts, not its amax all-reduces (collectives are free here)
+                                fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
         per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
                          + work.head_forward_s + work.head_backward_s)
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all

@@ -56,6 +56,7 @@ from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
+from sim.fp8 import FP8, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.iteration import (
     ETP_COMM,
@@ -83,7 +84,8 @@ DEFINITIONS = {
               "by owner, the larger of activations and optimizer-step buffers, an allowance for the CUDA "
               "context, NCCL and fragmentation); fits: every GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
-           "second per GPU, over the dense peak of the model dtype (bf16 by default)",
+           "second per GPU, over the dense peak of the model dtype (bf16 by default; under --precision fp8 "
+           "still that peak, though the linear GEMMs run at the FP8 rate)",
 }
 
 
@@ -167,6 +169,8 @@ class SimConfig:
         check_geometry(self.geometry)
         self.options.check()
         hw = load_profile(self.hardware)
+        if self.workload.precision == FP8:
+            check_fp8_device(hw)
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp, cp=self.cp)
         if self.cp > 1:
             self._check_cp()
@@ -537,7 +541,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
                                 if arch.moe else 1.0, etp=cfg.etp,
-                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
+                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}),
+                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from sim.fp8 import check_precision
 
 # Simulated time grows with the micro-batches each rank runs (every forward and backward is a
 # process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
@@ -24,7 +25,11 @@ class Workload:
     param_bytes: int = 2  # bf16 parameters are all-gathered
     activation_bytes: int = 2  # bf16 activations cross TP (sequence parallel)
     causal: bool = True
-    dtype: str = "bf16"  # the model's GEMMs
+    dtype: str = "bf16"  # the model's GEMMs and activations
+    # "fp8": the layers' linear GEMMs in FP8 through Transformer Engine, under `fp8_recipe`
+    # ("delayed" or "current" scaling: sim.fp8); attention, norms and the head stay in `dtype`
+    precision: str = "bf16"
+    fp8_recipe: str = "delayed"
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes"):
@@ -32,6 +37,7 @@ class Workload:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        check_precision(self.precision, self.fp8_recipe)
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:

@@ -47,17 +47,22 @@ def test_every_model_resolves():
         assert arch.layers > 0 and spec.params
 
 
-def test_fp8_is_not_expressible_and_not_folded():
-    """A row with FP8 is never simulated on another axis: it names what it needs (CP and VP are
-    simulated, `--cp`, `--vp`, where nothing else stands in the way)."""
+def test_fp8_rows_are_expressible_with_their_recipe():
+    """An FP8 row is simulated in FP8 (`--precision fp8`, its scaling recipe) where nothing else
+    stands in the way; CP and VP are simulated too, so no row needs them."""
+    fp8 = [r for r in RUNS if r.precision == "fp8"]
+    assert fp8
     for run in RUNS:
         needs = run.needs()
-        assert not any(n in ("--cp", "--vp") for n in needs)
-        assert ("--precision fp8" in needs) == (run.precision == "fp8")
-    row = next(r for r in RUNS if r.precision == "fp8")
+        assert not any(n in ("--cp", "--vp") or n.startswith("--precision") for n in needs)
+        wl = run.sim_config().workload
+        assert wl.precision == run.precision and wl.fp8_recipe == run.fp8_recipe
+    assert {r.fp8_recipe for r in fp8} == {"delayed", "current"}
+    row = next(r for r in fp8 if r.id == "llama3-8b-8xh100-nemo24.07-fp8")
     result = published.compare_run(row)
-    assert not result.expressible and result.error is None and result.simulated_tokens_per_s_per_gpu is None
-    assert result.reason.startswith("not expressible: needs")
+    assert result.expressible and result.error is not None and result.simulated_tokens_per_s_per_gpu > 0
+    bf16 = published.compare_run(replace(row, precision="bf16"))
+    assert bf16.iteration_s > result.iteration_s  # the row is simulated in FP8, not folded onto bf16
 
 
 def test_bad_rows_are_one_line_errors():
@@ -70,6 +75,10 @@ def test_bad_rows_are_one_line_errors():
         published.parse_run({**raw, "source": "nowhere"}, SOURCES, "row")
     with pytest.raises(SpecError, match="TP x PP x CP"):
         published.parse_run({**raw, "gpus": 12, "tp": 8}, SOURCES, "row")
+    with pytest.raises(SpecError, match="fp8_recipe must be one of"):
+        published.parse_run({**raw, "precision": "fp8", "fp8_recipe": "mxfp8"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="on an fp8 row"):
+        published.parse_run({**raw, "precision": "bf16", "fp8_recipe": "current"}, SOURCES, "row")
 
 
 def test_select():

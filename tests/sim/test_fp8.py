@@ -1,0 +1,150 @@
+"""`--precision fp8` (sim.fp8): the linear GEMMs priced at the FP8 rate, Transformer Engine's casts
+and scaling present, attention and the head left in bf16, FP8 refused on a GPU without it, and
+the memory TE keeps. No test bounds the simulated speed-up beyond "faster, but not 2x"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from canzona.cost import DeviceRate, gemm_kernel
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from canzona.memory import FP8_WEIGHT_CACHE, MemorySetup, fp8_linear_params, layer_activation_bytes
+from sim.fp8 import CAST_BYTES, CURRENT, DELAYED, FP8Setup, check_fp8_device
+from sim.model_work import _blocks_of, _fp8_block, micro_batch_work
+from sim.simulate import SimConfig, layer_dims, model_of, simulate
+from sim.workload import Workload
+
+MODEL = "qwen3-0.6b"
+TOKENS, SEQ = 4096, 4096
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_of(SimConfig(model=MODEL))
+
+
+@pytest.fixture(scope="module")
+def rate():
+    return DeviceRate.from_profile(load_profile("h100-sxm"))
+
+
+def _work(model, rate, fp8=None, tp=1):
+    spec, arch = model
+    return micro_batch_work(spec, tp, TOKENS, SEQ, arch.q_dim, arch.hidden, arch.vocab, rate, fp8=fp8)
+
+
+def _layer_blocks(model):
+    spec, _ = model
+    params = [p for p in spec.matrix_params() if p.layer == 0 and p.stacked_in is None]
+    return _blocks_of(params)
+
+
+def test_linear_gemms_are_priced_at_the_fp8_rate(model, rate):
+    """A block's GEMM spans are the sum of its GEMMs as fp8 kernels; priced as bf16 they differ."""
+    work = _work(model, rate, FP8Setup())
+    block = work.forward[0][0]
+    column = [p for p in _layer_blocks(model)[0] if p.tp_dim != 1]
+    as_fp8 = sum(rate.kernel_seconds(gemm_kernel(p.name, TOKENS, *p.local_shape(1), "fp8")) for p in column)
+    as_bf16 = sum(rate.kernel_seconds(gemm_kernel(p.name, TOKENS, *p.local_shape(1), "bf16")) for p in column)
+    assert block.first_s == pytest.approx(as_fp8)
+    assert as_fp8 < 0.7 * as_bf16
+    # the fp8 rate is what moves them: a device whose fp8 rate is the bf16 one prices them as bf16's
+    same = replace(rate, gemm_flops={**rate.gemm_flops, "fp8": rate.gemm_flops["bf16"]})  # a fresh price cache
+    assert _work(model, same, FP8Setup()).forward[0][0].first_s > 1.3 * block.first_s
+
+
+def test_attention_and_head_stay_bf16(model, rate):
+    bf16, fp8 = _work(model, rate), _work(model, rate, FP8Setup())
+    assert fp8.head_forward_s == bf16.head_forward_s and fp8.head_backward_s == bf16.head_backward_s
+
+
+def test_cast_and_scaling_kernels_are_present(model, rate):
+    """FP8's extra passes: the middle of every block grows by its casts (and the stage's amax
+    work), current scaling costs more than delayed, and the casts move the bytes they should."""
+    bf16 = _work(model, rate)
+    setup = FP8Setup(micro_batches=4, amax_reduce_s=50e-6)
+    fp8 = _work(model, rate, setup)
+    blocks = _layer_blocks(model)
+    extra = [f.middle_s - b.middle_s for f, b in zip(fp8.forward[0], bf16.forward[0])]
+    casts = [_fp8_block(setup, [p for p in blk if p.tp_dim != 1], [p for p in blk if p.tp_dim == 1], TOKENS, 1,
+                        rate)[0] for blk in blocks]
+    assert all(c > 0 for c in casts)
+    assert extra[0] == pytest.approx(casts[0])  # the amax work rides on the layer's last block
+    assert extra[-1] > casts[-1] + setup.amax_reduce_s / len(fp8.layer_ids)
+    assert all(f.middle_s > b.middle_s for f, b in zip(fp8.backward[0], bf16.backward[0]))
+    current = _work(model, rate, replace(setup, recipe=CURRENT))
+    assert current.forward[0][0].middle_s > fp8.forward[0][0].middle_s
+    k = setup.cast("x", 1000, 64)
+    assert k.bytes == 1000 * 64 * CAST_BYTES[DELAYED] and CAST_BYTES[CURRENT] > CAST_BYTES[DELAYED]
+    # weights are cast once an iteration: more micro-batches, less cast per micro-batch
+    assert setup.weight_cast("w", 10**6).count == pytest.approx(1 / 4)
+
+
+def test_fp8_is_faster_than_bf16_but_not_twice():
+    def run(precision):
+        cfg = SimConfig(model="qwen3-32b", gpus=16, tp=8, optimizer="adamw", policy="zero1",
+                        workload=Workload(seq_len=4096, global_batch=8, precision=precision))
+        return simulate(cfg)
+
+    bf16, fp8 = run("bf16"), run("fp8")
+    assert bf16.iteration_time_s / 2 < fp8.iteration_time_s < 0.95 * bf16.iteration_time_s
+    assert fp8.breakdown["compute_s"] < bf16.breakdown["compute_s"]
+
+
+def test_fp8_needs_fp8_tensor_cores():
+    with pytest.raises(SpecError, match="a100-sxm has no FP8 tensor cores"):
+        check_fp8_device(load_profile("a100-sxm"))
+    cfg = SimConfig(model=MODEL, gpus=8, tp=8, hardware="a100-sxm", optimizer="adamw",
+                    workload=Workload(seq_len=128, global_batch=1, precision="fp8"))
+    with pytest.raises(SpecError, match="no FP8 tensor cores"):
+        cfg.check()
+    check_fp8_device(load_profile("h200"))
+
+
+def test_bad_precision_and_recipe_are_one_line_errors():
+    with pytest.raises(SpecError, match="precision must be one of bf16, fp8, got 'fp4'"):
+        Workload(precision="fp4")
+    with pytest.raises(SpecError, match="fp8 recipe must be one of delayed, current"):
+        Workload(precision="fp8", fp8_recipe="tensorwise")
+    with pytest.raises(SpecError, match="micro batches"):
+        FP8Setup(micro_batches=0)
+
+
+def test_memory_keeps_fp8_weights_and_fp8_linear_inputs(model):
+    spec, arch = model
+    dims = layer_dims(arch, spec)
+    bf16, fp8 = MemorySetup(seq_len=SEQ), MemorySetup(seq_len=SEQ, fp8=True)
+    assert MemorySetup.from_workload(Workload(precision="fp8")).fp8
+    assert not MemorySetup.from_workload(Workload()).fp8
+    # the four linear inputs (QKV, output projection, MLP, second MLP linear) at 1 byte, not 2
+    saved = layer_activation_bytes(dims, bf16, 1) - layer_activation_bytes(dims, fp8, 1)
+    assert saved == pytest.approx(SEQ * (2 * dims.hidden + dims.q_dim + dims.ffn))
+    cfg = SimConfig(model=MODEL, gpus=8, tp=1, optimizer="adamw", policy="zero1",
+                    workload=Workload(seq_len=SEQ, global_batch=8))
+    weights = simulate(cfg).memory.worst.weights
+    fp8_weights = simulate(replace(cfg, workload=replace(cfg.workload, precision="fp8"))).memory.worst.weights
+    linear = sum(p.numel for p in fp8_linear_params(spec))
+    assert fp8_weights - weights == FP8_WEIGHT_CACHE * linear
+    assert all(p.layer is not None for p in fp8_linear_params(spec))
+
+
+def test_search_in_fp8_keeps_its_floors_below_the_simulation():
+    """`canzona search --precision fp8`: every candidate is simulated in FP8, and the time floor
+    that prunes prices FP8 GEMMs too (a bf16 floor would exceed the FP8 time and prune wrongly)."""
+    from sim.search import Question, config_of, memory_floor, time_floor
+
+    q = Question(model=MODEL, gpus=8, seq_len=1024, global_batch=8, precision="fp8")
+    rate = DeviceRate.from_profile(load_profile(q.hardware))
+    model = model_of(SimConfig(model=MODEL))
+    cfg = config_of(q, {"tp": 2, "pp": 2, "vp": 1, "micro_batch": 1, "recompute": "none"})
+    assert cfg.workload.precision == "fp8"
+    r = simulate(cfg)
+    assert time_floor(cfg, model, rate) <= r.iteration_time_s
+    assert memory_floor(cfg, model) <= r.memory.worst.total
+    with pytest.raises(SpecError, match="no FP8 tensor cores"):
+        Question(model=MODEL, gpus=8, hardware="a100-sxm", precision="fp8")
+    with pytest.raises(SpecError, match="precision must be one of"):
+        Question(model=MODEL, gpus=8, precision="fp16x")
