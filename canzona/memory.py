@@ -93,8 +93,10 @@ GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9
 # **assumption**. Fragmentation: the caching allocator splits and reuses the blocks of what is
 # freed and allocated again every iteration (activations, reduce-scatter and step buffers); the
 # persistent buffers (weights, gradient buffers, masters, optimizer state) are a few flat tensors
-# allocated once, at start, so the fraction applies to the transient peak only: 5% of it is an
-# **assumption**. The published runs bound the two together: Llama 3.1 8B at CP 2 on 8 H100s
+# allocated once, at start, so the fraction applies to the transient peak only: 5% of it, the
+# factor Megatron-LM's own estimate puts on activations for "optimizer and miscellaneous
+# temporaries" (megatron/training/theoretical_memory_usage.py, compute_activation_memory_without_sp;
+# https://github.com/NVIDIA/Megatron-LM), not a measurement. The published runs bound the two together: Llama 3.1 8B at CP 2 on 8 H100s
 # (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on an
 # 85.5 GB GPU, so its context, NCCL buffers and fragmentation took at most 3.8 GB; the former
 # allowance, 3 GB + 5% of every tensor (7.1 GB there), said it could not run.
