@@ -306,7 +306,9 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1):
+                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
+                grad_reduce_in_fp32: bool = True):
+    from canzona.spec import DTYPE_BYTES
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -315,7 +317,9 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      dp_policy=dp_policy or PLAN_DEFAULTS.dp_policy,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
-                     workload=Workload(seq_len, global_batch, micro_batch), options=options,
+                     workload=Workload(seq_len, global_batch, micro_batch,
+                                       grad_bytes=Workload.grad_bytes if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]),
+                     options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
@@ -410,6 +414,9 @@ Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: param
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
+GradReduceInFp32 = Annotated[bool, typer.Option(
+    help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
+         "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
 
 
 @app.command()
@@ -428,7 +435,7 @@ def simulate(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, grad_reduce_in_fp32: GradReduceInFp32 = True,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -442,7 +449,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp)
+                             vp, cp, grad_reduce_in_fp32)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
