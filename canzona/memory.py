@@ -57,6 +57,8 @@ from canzona.pipeline import chunk_layers, peak_in_flight, rank_layers, stage_la
 from canzona.plan import Plan, check_plan_matches
 from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_OP, check_recompute, saved_mm_widths
 from canzona.reductions import (
+    EVEN,
+    bucket_route,
     check_reduce_scatter,
     temporary_elements_by_rank,
 )
@@ -91,10 +93,21 @@ FP32 = DTYPE_BYTES["fp32"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
 GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
 
-# **Assumption** (docs/design.md §7.1): what no tensor count gives. The CUDA context with its
-# kernels, cuBLAS / cuDNN workspaces and NCCL's communicator buffers take a roughly fixed amount
-# per process; the caching allocator's fragmentation grows with what is allocated.
-DEFAULT_FIXED_OVERHEAD = 3 * GB
+# What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process: the CUDA
+# context with its loaded kernels, measured at 287 MB (lazy module loading, PyTorch's default
+# since 1.13) to 667 MB (eager) for PyTorch alone (https://github.com/pytorch/pytorch/pull/86509),
+# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: 2 GB in all is an
+# **assumption**. Fragmentation: the caching allocator splits and reuses the blocks of what is
+# freed and allocated again every iteration (activations, reduce-scatter and step buffers); the
+# persistent buffers (weights, gradient buffers, masters, optimizer state) are a few flat tensors
+# allocated once, at start, so the fraction applies to the transient peak only: 5% of it, the
+# factor Megatron-LM's own estimate puts on activations for "optimizer and miscellaneous
+# temporaries" (megatron/training/theoretical_memory_usage.py, compute_activation_memory_without_sp;
+# https://github.com/NVIDIA/Megatron-LM), not a measurement. The published runs bound the two together: Llama 3.1 8B at CP 2 on 8 H100s
+# (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on an
+# 85.5 GB GPU, so its context, NCCL buffers and fragmentation took at most 3.8 GB; the former
+# allowance, 3 GB + 5% of every tensor (7.1 GB there), said it could not run.
+DEFAULT_FIXED_OVERHEAD = 2 * GB
 DEFAULT_FRAGMENTATION = 0.05
 
 
@@ -176,8 +189,14 @@ class MemorySetup:
     # advance are held until the step check commits them, while the reduce-scatters are in flight
     overlap_step: bool = STEP_DEFAULTS.overlap_step
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
+    # Megatron's distributed optimizer reduce-scatters a bucket into its own gradient buffer: the
+    # output of `reduce_scatter_tensor` is the rank's shard, a view of the bucket's `grad_data`
+    # (megatron/core/distributed/param_and_grad_buffer.py), so an even bucket allocates nothing
+    # more. canzona's runtime receives its segment into a new tensor (the default, False): the
+    # simulator sets True only for the Megatron baseline (`zero1` with Megatron's collectives)
+    reduce_scatter_in_place: bool = False
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
-    fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the counted tensors
+    fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the transient peak (`overhead`)
     # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
     # backward in FP8 and every linear weight keeps a cached FP8 copy and transpose (`fp8_linear_params`)
     fp8: bool = False
@@ -192,6 +211,8 @@ class MemorySetup:
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
         check_tp_mode(self.tp_mode)
+        if not isinstance(self.reduce_scatter_in_place, bool):
+            raise SpecError(f"reduce_scatter_in_place must be True or False, got {self.reduce_scatter_in_place!r}")
         if not (isinstance(self.fixed_overhead_bytes, int) and self.fixed_overhead_bytes >= 0):
             raise SpecError(f"fixed overhead must be a whole number of bytes >= 0, got {self.fixed_overhead_bytes!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
@@ -207,9 +228,11 @@ class MemorySetup:
         masters, the gradients' dtype without)."""
         return FP32 if self.master_bytes else self.grad_bytes
 
-    def overhead(self, counted: int) -> int:
-        """The allowance for the CUDA context, NCCL and fragmentation beside `counted` bytes of tensors."""
-        return self.fixed_overhead_bytes + math.ceil(self.fragmentation * counted)
+    def overhead(self, transient: int) -> int:
+        """The allowance for the CUDA context, NCCL and the allocator's fragmentation beside the
+        counted tensors, of which `transient` bytes (the larger transient peak, `RankMemory.
+        transient`) are freed and allocated again every iteration (`DEFAULT_FRAGMENTATION`)."""
+        return self.fixed_overhead_bytes + math.ceil(self.fragmentation * transient)
 
     @classmethod
     def from_workload(cls, workload: Any, **overrides: Any) -> MemorySetup:
@@ -321,7 +344,7 @@ class LayoutMemory:
                              master_weights=r.master_weights + e.master_weights,
                              matrix_state=r.matrix_state + e.matrix_state, adamw_state=r.adamw_state + e.adamw_state,
                              reduction=r.reduction + e.reduction, step_buffers=max(r.step_buffers, e.step_buffers))
-            ranks.append(replace(merged, overhead=setup.overhead(merged.persistent + merged.transient)))
+            ranks.append(replace(merged, overhead=setup.overhead(merged.transient)))
         return replace(self, ranks=tuple(ranks))
 
     @cached_property
@@ -690,7 +713,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
     batching = setup.batch_kernels and matrix_optimizer(plan.optimizer).batchable  # as the runtime's executor
 
-    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb, adamw_grad_bytes=adamw_gb)
+    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb, adamw_grad_bytes=adamw_gb,
+                                 in_place=setup.reduce_scatter_in_place)
     if setup.overlap_step:
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
@@ -734,25 +758,28 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         adamw_state = state_bytes("adamw", (adamw_inside[i],))
         for r in range(tp):
             master, state, step = row[r]
-            counted = weights + grads + master + state + adamw_state + max(activations + reduction, step)
-            overhead = setup.overhead(counted)
+            overhead = setup.overhead(max(activations + reduction, step))
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
                                     adamw_state, activations, reduction, step, overhead))
     return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks), vp)
 
 
 def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, impl: str, grad_bytes: int, *,
-                    scratch: bool = False, adamw_grad_bytes: int | None = None) -> list[int]:
+                    scratch: bool = False, adamw_grad_bytes: int | None = None, in_place: bool = False) -> list[int]:
     """What each DP rank allocates for the gradient reduce-scatters of one step, all in flight at
     once at the end of backward (each bucket's by its plan cuts, or evenly under an all-reduce
     policy, then the AdamW buffer's even slices), as `canzona.runtime.comm` runs them. `scratch`:
     the backend writes a non-root's buffer during a reduce (gloo). `adamw_grad_bytes`: the AdamW
-    buffer's bytes per element, where they differ from the buckets' (an empty one is fp32)."""
+    buffer's bytes per element, where they differ from the buckets' (an empty one is fp32).
+    `in_place`: an even reduce-scatter writes into the bucket itself (Megatron's, `MemorySetup.
+    reduce_scatter_in_place`), so only the other routes' copies are counted."""
     lengths = [(b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp), grad_bytes)
                for b in plan.dp_plan.buckets]
     lengths.append((_even_lengths(adamw_size, dp), grad_bytes if adamw_grad_bytes is None else adamw_grad_bytes))
     total = [0] * dp
     for seg, nbytes in lengths:
+        if in_place and policy.grad_sync == "reduce-scatter" and bucket_route(impl, seg) == EVEN:
+            continue
         for r, n in enumerate(temporary_elements_by_rank(impl, seg, scratch=scratch)):
             total[r] += n * nbytes
     return total

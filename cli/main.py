@@ -307,7 +307,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
-                precision: str = "bf16", fp8_recipe: str = "delayed"):
+                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True):
+    from canzona.spec import DTYPE_BYTES
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -316,8 +317,9 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      dp_policy=dp_policy or PLAN_DEFAULTS.dp_policy,
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
-                     workload=Workload(seq_len, global_batch, micro_batch, precision=precision,
-                                       fp8_recipe=fp8_recipe), options=options,
+                     workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
+                                       grad_bytes=Workload.grad_bytes if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]),
+                     options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
@@ -418,6 +420,9 @@ Fp8Recipe = Annotated[str, typer.Option(
     help="Under --precision fp8, Transformer Engine's scaling: delayed (amax history, one amax all-reduce per "
          "micro-batch) or current (per-tensor amax, read before each cast).")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
+GradReduceInFp32 = Annotated[bool, typer.Option(
+    help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
+         "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
 
 
 @app.command()
@@ -436,7 +441,7 @@ def simulate(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
@@ -451,7 +456,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp, precision, fp8_recipe)
+                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

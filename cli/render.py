@@ -439,7 +439,8 @@ def published_table(report) -> Table:
                  f"Mean absolute error {mae}, mean signed error {_pct(report.mean_signed_error) or 'n/a'} "
                  "(positive: the simulator is optimistic). "
                  f"Kendall tau overall {_tau(report.tau_overall)}; by model: {by_model}. "
-                 f"Memory fits on {sum(1 for r in report.compared if r.fits)} of {len(report.compared)}. "
+                 f"Memory fits on {sum(1 for r in report.compared if r.fits)} of {len(report.compared)} "
+                 "(each row's terms: --rows ID --json, rows[].memory). "
                  "No per-row or per-model correction; sources in --json and canzona/data/published_runs.json.")
     return t
 

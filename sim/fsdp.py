@@ -454,10 +454,8 @@ class _FsdpRun:
                          default=0)
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
             h = kept[r]
-            counted = h.weights + h.grads + h.master_weights + h.matrix_state + h.adamw_state + \
-                max(acts + in_flight, step)
             ranks.append(RankMemory(r, 0, r // tp, r % tp, h.weights, h.grads, h.master_weights, h.matrix_state,
-                                    h.adamw_state, acts, in_flight, step, setup.overhead(counted)))
+                                    h.adamw_state, acts, in_flight, step, setup.overhead(max(acts + in_flight, step))))
         return LayoutMemory(self.cfg.policy, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
 
     def _persistent(self, pb: int, gb: int, mb: int) -> list[FsdpRankBytes]:

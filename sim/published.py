@@ -24,6 +24,7 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
+from canzona.spec import DTYPE_BYTES
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
@@ -68,6 +69,17 @@ class PublishedRun:
     # an FP8 row's Transformer Engine scaling recipe (sim.fp8): its source's, or "delayed" (the
     # only recipe of Transformer Engine 1.x) where the source predates current scaling
     fp8_recipe: str = DELAYED
+    # Megatron's DistributedDataParallelConfig.grad_reduce_in_fp32 as the recipe sets it: the
+    # dtype of the gradient buffers, reduced and read by the distributed optimizer (False: bf16);
+    # None: the recipe does not say, and the simulator keeps Megatron's default for bf16, fp32
+    # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
+    grad_reduce_in_fp32: bool | None = None
+    recipe_source: str = ""
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the gradient buffers the run reduces (`Workload.grad_bytes`)."""
+        return DTYPE_BYTES["bf16"] if self.grad_reduce_in_fp32 is False else Workload.grad_bytes
 
     @property
     def dp(self) -> int:
@@ -106,9 +118,10 @@ class PublishedRun:
     def sim_config(self) -> SimConfig:
         """The run as the simulator takes it: AdamW under its default policy (ZeRO-1, Megatron's
         distributed optimizer), the row's GEMM precision (bf16, or FP8 under its scaling recipe),
-        fp32 gradient reductions, NVIDIA's recipe defaults for the overlaps (`RunOptions`)."""
+        the recipe's gradient dtype (fp32 unless it says otherwise), NVIDIA's recipe defaults for
+        the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
-                      precision=self.precision, fp8_recipe=self.fp8_recipe)
+                      precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
@@ -123,6 +136,7 @@ class RowResult:
     iteration_s: float | None = None
     memory_bytes: float | None = None  # the fullest GPU
     capacity_bytes: float | None = None
+    memory: Mapping[str, Any] | None = None  # the fullest GPU's terms (`RankMemory.to_dict`), bytes
 
     @property
     def expressible(self) -> bool:
@@ -159,7 +173,20 @@ class RowResult:
             "simulated_tokens_per_s_per_gpu": self.simulated_tokens_per_s_per_gpu,
             "iteration_s": self.iteration_s, "error": self.error,
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+            "memory": self.memory_detail(),
+            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
         }
+
+    def memory_detail(self) -> dict[str, Any] | None:
+        """The fullest GPU's memory by term (bytes; `canzona.memory.RankMemory`): what `memory_bytes`
+        adds up (`total`), the terms left out of it (the smaller transient peak: `transient_peak`
+        names the one counted), the capacity and the headroom (`free`, negative: over by that much)."""
+        if self.memory is None or self.capacity_bytes is None:
+            return None
+        m = dict(self.memory)
+        acts = m["activations"] + m["reduction"]
+        return {**m, "transient_peak": "activations + reduction" if acts >= m["step_buffers"] else "step_buffers",
+                "capacity": self.capacity_bytes, "free": self.capacity_bytes - m["total"]}
 
 
 def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -227,6 +254,11 @@ class PublishedReport:
                 "kendall_tau": "scipy.stats.kendalltau of published against simulated throughput over the "
                                "expressible rows (null below two rows)",
                 "memory_bytes": "the fullest GPU's memory as the simulator models it (docs/design.md §7.1)",
+                "memory": "that GPU's memory by term, in bytes (canzona.memory.RankMemory): total = weights + grads + "
+                          "master_weights + matrix_state + adamw_state + the larger of activations + reduction and "
+                          "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
+                "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
+                                       "recipe_source; null: not stated, simulated with Megatron's fp32",
             },
         }
 
@@ -281,6 +313,13 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if not isinstance(pub, dict) or not isinstance(pub.get("original"), dict):
         raise SpecError(f"{where}: published must hold tokens_per_s_per_gpu and original {{value, unit}}")
     step = pub.get("step_time_s")
+    grad_fp32 = raw.get("grad_reduce_in_fp32")
+    if grad_fp32 is not None and not isinstance(grad_fp32, bool):
+        raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    recipe_source = raw.get("recipe_source", "")
+    if not isinstance(recipe_source, str) or (grad_fp32 is not None and not recipe_source.startswith("https://")):
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32) needs recipe_source, an https url "
+                        f"and where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -289,7 +328,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_value=_positive(pub["original"].get("value"), "published original value", where),
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
-        note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, **ints)
+        note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
+        recipe_source=recipe_source, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:
@@ -345,8 +385,9 @@ def compare_run(run: PublishedRun) -> RowResult:
         return RowResult(run, needs)
     result = simulate(run.sim_config())
     tokens = run.seq_len * run.global_batch / result.iteration_time_s / run.gpus
-    return RowResult(run, (), tokens, result.iteration_time_s, float(result.memory.worst.total),
-                     float(result.memory_capacity_bytes))
+    worst = result.memory.worst
+    return RowResult(run, (), tokens, result.iteration_time_s, float(worst.total),
+                     float(result.memory_capacity_bytes), worst.to_dict())
 
 
 def compare(runs: Sequence[PublishedRun], sources: Mapping[str, Mapping[str, str]] | None = None,

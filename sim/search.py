@@ -209,7 +209,7 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
 def memory_floor(cfg: SimConfig, model) -> int:
     """A lower bound of the fullest GPU's bytes (`canzona.memory`'s terms that need no plan): each
     stage's dense weights and gradient buffers (the plan's buckets only pad them; experts add to
-    them), its activations, and the allowance on top (which grows with what it is added to)."""
+    them), its activations, and the allowance on top (which grows with the transient peak, at least the activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
     wl = cfg.workload
@@ -221,9 +221,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     for stage in _kinds(cfg.pp):
         part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
         elements = sum(p.local_numel(cfg.tp) for p in part.params)
-        counted = elements * (setup.param_bytes + setup.grad_bytes) + \
-            activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
-        worst = max(worst, counted + setup.overhead(counted))
+        acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
+        worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + acts + setup.overhead(acts))
     return worst
 
 

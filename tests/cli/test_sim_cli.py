@@ -73,6 +73,16 @@ def test_simulate_run_options_reach_the_result():
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 
+def test_grad_reduce_in_fp32_halves_the_gradient_buffers():
+    """--no-grad-reduce-in-fp32 (Megatron's DDP option, off in NVIDIA's performance recipes): bf16
+    gradient buffers, half the default fp32's, and the same everything else of the layout."""
+    fp32, bf16 = (json.loads(run("simulate", *SMALL, "--optimizer", "adamw", *flag, "--json").stdout)
+                  for flag in ((), ("--no-grad-reduce-in-fp32",)))
+    assert fp32["workload"]["grad_bytes"] == 4 and bf16["workload"]["grad_bytes"] == 2
+    assert fp32["memory"]["worst"]["grads"] == 2 * bf16["memory"]["worst"]["grads"]
+    assert fp32["memory"]["worst"]["weights"] == bf16["memory"]["worst"]["weights"]
+
+
 def test_max_grad_norm_prices_the_clip_and_is_checked():
     """The runtime's max_grad_norm scales each rank's share of the gradients once more: priced."""
     steps = {}

@@ -138,13 +138,34 @@ def test_hand_computed_figures_for_every_policy(policy):
     assert [r.reduction for r in exact.ranks] == EXACT_REDUCTION[policy]
 
 
+@pytest.mark.parametrize("policy", ["zero1", "canzona"])
+def test_in_place_reduce_scatter_drops_only_even_buffers(policy):
+    """Megatron's reduce-scatter writes into the bucket (`reduce_scatter_in_place`): an even
+    bucket needs no receive buffer. zero1's bucket (80 + 80) and both policies' AdamW buffers
+    (36 + 36) are even; canzona's bucket ([96, 64], one reduce per owner) needed none anyway."""
+    plan = plan_for(HAND, policy, 2, 2, align=1)
+    default = memory_per_gpu(HAND, plan, policy, HAND_DIMS, HAND_SETUP, dp=2)
+    in_place = memory_per_gpu(HAND, plan, policy, HAND_DIMS, replace(HAND_SETUP, reduce_scatter_in_place=True), dp=2)
+    assert [r.reduction for r in default.ranks] == REDUCTION[policy]
+    assert [r.reduction for r in in_place.ranks] == [0] * 4
+    for a, b in zip(default.ranks, in_place.ranks):  # nothing else moves, but for what waits under them
+        assert (a.persistent, a.activations) == (b.persistent, b.activations)
+        assert b.step_buffers == a.step_buffers if policy == "zero1" else b.step_buffers <= a.step_buffers
+    # the other routes keep their copies: exact receives both ranks' copies of its segment
+    exact = memory_per_gpu(HAND, plan, policy, HAND_DIMS,
+                           replace(HAND_SETUP, reduce_scatter="exact", reduce_scatter_in_place=True), dp=2)
+    assert [r.reduction for r in exact.ranks] == EXACT_REDUCTION[policy]
+    with pytest.raises(SpecError, match="reduce_scatter_in_place"):
+        MemorySetup(reduce_scatter_in_place=1)
+
+
 def test_hand_overhead_and_streamed_tp_sync():
     plan = plan_for(HAND, "sc", 1, 2, align=1)
-    # the fixed allowance plus a fraction of everything counted
+    # the fixed allowance plus a fraction of the transient peak: the step's 6272 bytes (above the
+    # activations with the reductions, 896 + 464); the persistent buffers are allocated once
     lm = memory_per_gpu(HAND, plan, "sc", HAND_DIMS, MemorySetup(seq_len=4, flash_attention=False,
                                                                  fixed_overhead_bytes=1000, fragmentation=0.5), dp=2)
-    counted = 464 + 928 + 928 + 1280 + 576 + 6272
-    assert lm.ranks[0].overhead == 1000 + math.ceil(0.5 * counted)
+    assert lm.ranks[0].overhead == 1000 + math.ceil(0.5 * 6272)
     # streamed tp-sync: one matrix at a time, the larger being w1: 96x4x3 + 768 + 768 + 1792 = 4480
     lm = memory_per_gpu(HAND, plan, "sc", HAND_DIMS, replace(HAND_SETUP, stream_tp_sync=True), dp=2)
     assert lm.ranks[0].step_buffers == 4480

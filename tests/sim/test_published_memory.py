@@ -1,0 +1,108 @@
+"""Memory of the published runs (docs/design.md §7.1, §9.6): the runs that ran fit in the model,
+its terms for one of them follow from the recipe by hand, and a layout that cannot run still does
+not fit. The model is Megatron's as each recipe states it (`grad_reduce_in_fp32`), the GPU's
+capacity NVML's; nothing is fitted per row."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from canzona.errors import SpecError
+from canzona.memory import DEFAULT_FIXED_OVERHEAD, DEFAULT_FRAGMENTATION
+from sim import published
+from sim.simulate import SimConfig, simulate
+from sim.workload import Workload
+
+RUNS, _ = published.load()
+BY_ID = {r.id: r for r in RUNS}
+H100_BYTES = 81559 * 2**20  # what NVML reports of an "80 GB" H100 SXM (canzona/profiles/h100-sxm.json)
+
+# Llama 3.1 8B (canzona/data/models/llama3-8b.json): 32 layers, h 4096, 32 query heads of 128,
+# 8 KV heads, SwiGLU FFN 14336, vocabulary 128256, untied embeddings
+L, H, A, KV, FFN, V = 32, 4096, 32, 1024, 14336, 128256
+LLAMA_8B_PARAMS = V * H * 2 + L * (H * (H + 2 * KV) + H * H + 3 * H * FFN + 2 * H) + H
+
+
+def test_llama_8b_8_gpu_row_terms_by_hand():
+    """The DGX Cloud row (8 H100s, TP 1, CP 2, DP 4, sequence 8192, micro-batch 1), every term:
+    bf16 weights, fp32 gradient buffers (the recipe leaves Megatron's default), fp32 masters and
+    the two AdamW moments sharded over DP x CP = 8 ranks (Megatron's distributed optimizer), no
+    reduce-scatter buffer (Megatron reduces into the bucket), and the activations of one
+    micro-batch's 4096 tokens a CP rank (TE's saved tensors, flash attention, no dropout)."""
+    run = BY_ID["llama3.1-8b-8xh100-dgxc-bf16"]
+    assert run.grad_reduce_in_fp32 is None and run.grad_bytes == 4
+    r = published.compare_run(run)
+    m = r.memory
+    n = LLAMA_8B_PARAMS
+    assert m["weights"] == pytest.approx(2 * n, rel=1e-4)  # the plan pads buckets by a few elements
+    assert m["grads"] == pytest.approx(4 * n, rel=1e-4)
+    assert m["master_weights"] == pytest.approx(4 * n / 8, rel=1e-4)
+    assert m["adamw_state"] == pytest.approx(8 * n / 8, rel=1e-4)
+    assert m["matrix_state"] == 0 and m["reduction"] == 0
+    tokens, e = 8192 // 2, 2
+    # per token and layer: both norms' inputs and outputs (4eh), Q and K after RoPE, V, the
+    # attention output (e(q + 2kv + q)), the gate and up outputs and their product (3e ffn), the
+    # log-sum-exp (4 bytes a head)
+    layer = e * (4 * H + (H + KV) + KV + H + 3 * FFN) + 4 * A
+    # the final norm's and head's inputs, the bf16 logits and the fp32 copy the loss keeps
+    head = tokens * 2 * e * H + tokens * V * (4 + e)
+    assert m["activations"] == math.ceil(L * tokens * layer + head)
+    assert m["activations"] > m["step_buffers"]
+    assert m["overhead"] == DEFAULT_FIXED_OVERHEAD + math.ceil(DEFAULT_FRAGMENTATION * m["activations"])
+    persistent = m["weights"] + m["grads"] + m["master_weights"] + m["adamw_state"]
+    assert m["total"] == persistent + m["activations"] + m["overhead"]
+    assert r.capacity_bytes == H100_BYTES and r.fits
+    detail = r.memory_detail()
+    assert detail["free"] == pytest.approx(H100_BYTES - m["total"]) and detail["transient_peak"] == "activations + reduction"
+
+
+@pytest.mark.parametrize("row", ["llama3.1-8b-8xh100-dgxc-bf16", "llama3.1-8b-16xh100-dgxc-bf16",
+                                 "qwen3-8b-16xh100-mb"])
+def test_published_runs_fit(row):
+    """Runs that ran fit in the model: it fails if the model says one of them does not."""
+    r = published.compare_run(BY_ID[row])
+    assert r.fits, (row, r.memory_detail())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # every row simulated: a minute or two on a quiet machine
+def test_every_simulated_published_run_fits():
+    for run in RUNS:
+        if not run.needs():
+            r = published.compare_run(run)
+            assert r.fits, (run.id, r.memory_detail())
+
+
+def test_recipe_grad_dtype_halves_the_gradient_buffers():
+    """Qwen3-8B's Megatron-Bridge recipe sets grad_reduce_in_fp32 = False (its recipe_source): bf16
+    gradient buffers, half of Megatron's fp32 default, and nothing else of the layout moves."""
+    run = BY_ID["qwen3-8b-16xh100-mb"]
+    assert run.grad_reduce_in_fp32 is False and run.recipe_source.startswith("https://")
+    bf16 = published.compare_run(run).memory
+    fp32 = published.compare_run(replace(run, grad_reduce_in_fp32=None)).memory
+    assert fp32["grads"] == 2 * bf16["grads"]
+    assert fp32["weights"] == bf16["weights"] and fp32["activations"] == bf16["activations"]
+
+
+def test_a_layout_that_cannot_fit_still_does_not():
+    """Llama 3.1 70B on 8 H100s with DP only: 70.6B bf16 weights alone are 141 GB a GPU."""
+    cfg = SimConfig(model=str(published.DATA_DIR / "models" / "llama3-70b.json"), gpus=8, tp=1, pp=1,
+                    optimizer="adamw", policy="zero1", hardware="h100-sxm",
+                    workload=Workload(seq_len=8192, global_batch=8, micro_batch=1))
+    result = simulate(cfg)
+    assert not result.memory.fits(result.memory_capacity_bytes)
+    assert result.memory.worst.weights > result.memory_capacity_bytes
+
+
+def test_bad_recipe_settings_are_one_line_errors():
+    raw = next(r for r in json.loads(published.PUBLISHED_RUNS.read_text())["rows"]
+               if r["id"] == "qwen3-8b-16xh100-mb")
+    sources = published.load()[1]
+    with pytest.raises(SpecError, match="grad_reduce_in_fp32 must be"):
+        published.parse_run({**raw, "grad_reduce_in_fp32": "no"}, sources, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "recipe_source": ""}, sources, "row")
