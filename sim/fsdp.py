@@ -203,10 +203,13 @@ class _FsdpRun:
 
     def phase_a(self) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
+        from sim.simulate import layer_dims  # simulate imports this module
+
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe)
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
+                                head_dim=layer_dims(self.arch, self.spec).head_dim)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
@@ -233,12 +236,16 @@ class _FsdpRun:
         for mb in range(m):
             # the root's parameters (the embedding first) stay gathered through the micro-batch
             root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
+            if work.embed_forward_s:
+                root_gathered = eng.compute(0, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
             last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1)
             last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
             last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
             # backward re-gathers each block's input for the weight gradients (sequence parallel)
             last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last, 2,
                               lambda unit, done, mb=mb: reduce(unit, mb, done))
+            if work.embed_backward_s:
+                last = eng.compute(0, f"mb{mb} bwd embedding", work.embed_backward_s, [last])
             if root:
                 reduce(root, mb, last)
         return eng.env.all_of(reduced + [last])

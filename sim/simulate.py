@@ -531,7 +531,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0, etp=cfg.etp,
+                                if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim,
                                 **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
