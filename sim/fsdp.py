@@ -209,7 +209,7 @@ class _FsdpRun:
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
-                                head_dim=layer_dims(self.arch, self.spec).head_dim)
+                                kv_dim=self.arch.kv_dim, head_dim=layer_dims(self.arch, self.spec).head_dim)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's

@@ -352,8 +352,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
-                                head_dim=layer_dims(arch, spec).head_dim,
-                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
+                                head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim)
         per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
                          + work.head_forward_s + work.head_backward_s + work.embed_forward_s
                          + work.embed_backward_s)
