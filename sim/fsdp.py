@@ -201,15 +201,15 @@ class _FsdpRun:
                     then(unit, last)
         return last
 
-    def phase_a(self) -> simpy.Event:
-        """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
-        from sim.simulate import layer_dims  # simulate imports this module
-
+    def phase_a(self, head_dim: int) -> simpy.Event:
+        """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced.
+        `head_dim`: the attention heads' dimension (`LayerDims.head_dim`), which the fused
+        attention's efficiency depends on."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
-                                kv_dim=self.arch.kv_dim, head_dim=layer_dims(self.arch, self.spec).head_dim)
+                                kv_dim=self.arch.kv_dim, head_dim=head_dim)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
@@ -445,7 +445,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     spec, _ = model
     shard = check_fsdp(cfg, cluster, spec)
     run = _FsdpRun(cfg, model, cluster, hw, shard)
-    synced = run.phase_a()
+    synced = run.phase_a(dims.head_dim)
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
     run.phase_b(synced)
