@@ -4,8 +4,10 @@
 (arXiv 2407.08608, Figures 5 and 6) measured on an H100 SXM5 for cuDNN's fused attention and for
 FlashAttention-3, by sequence length (512 to 16k), head dimension (64, 128, 256), causal mask or
 not, forward and backward. Megatron / NeMo bf16 recipes run Transformer Engine's fused attention,
-whose Hopper backend is cuDNN's (TE picks cuDNN's fused attention over flash-attention when both
-can run), so the cuDNN series is the proxy for what those runs' attention reaches.
+whose Hopper backend is cuDNN's (when both can run, TE's `get_attention_backend` disables
+flash-attention "to give FusedAttention preference on Hopper+": NVIDIA/TransformerEngine,
+transformer_engine/pytorch/attention/dot_product_attention/utils.py), so the cuDNN series is the
+proxy for what those runs' attention reaches.
 
 `efficiency(pass, causal, seq, head_dim)` is that throughput as a fraction of the H100's dense
 bf16 peak (989 TFLOP/s), interpolated linearly in log2(seq) and in log2(head_dim) between the
