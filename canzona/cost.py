@@ -250,6 +250,9 @@ class DeviceRate:
     # datasheet efficiency and the wave model for the dtypes it covers
     gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     peak_flops: dict[str, float] = field(default_factory=dict)
+    # fraction of `hbm_bytes_per_s` that memory-bound (elementwise) kernels reach: the profile's
+    # published copy / STREAM-style measurement (`GPUSpec.hbm_efficiency`)
+    hbm_efficiency: float = 1.0
     # seconds by kernel, filled as kernels are priced: a mixture-of-experts model has tens of
     # thousands of matrices of a few shapes, priced again by every planner and simulator pass
     _seconds: dict[tuple, float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -259,7 +262,7 @@ class DeviceRate:
         g = profile.gpu
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
                    g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds,
-                   dict(profile.gemm_curve), dict(g.peak_flops))
+                   dict(profile.gemm_curve), dict(g.peak_flops), hbm_efficiency=g.hbm_efficiency)
 
     def curve_efficiency(self, dtype: str, flops: float) -> float | None:
         """Measured efficiency at `flops` (the profile's `gemm_curve`); None without one."""
@@ -325,8 +328,9 @@ class DeviceRate:
             if measured is not None:
                 return k.count * (measured + self.launch_s)
             work, rate = k.flops, self.solver_flops
-        else:
-            work, rate = k.flops, self.elementwise_flops
+        else:  # memory-bound: at the bandwidth a streaming kernel achieves, not the datasheet's
+            moved = k.bytes / (self.hbm_bytes_per_s * self.hbm_efficiency)
+            return k.count * (max(k.flops / self.elementwise_flops, moved) + self.launch_s)
         return k.count * (max(work / rate, k.bytes / self.hbm_bytes_per_s) + self.launch_s)
 
 

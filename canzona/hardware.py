@@ -6,6 +6,7 @@ these profiles. Measured profiles use the same format and say so (`"measured": t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,6 +34,13 @@ class GPUSpec:
     hbm_bytes_per_s: float
     solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)
     launch_s: float
+    # fraction of `hbm_bytes_per_s` a streaming (memory-bound) kernel reaches: a published copy /
+    # STREAM-style measurement over the datasheet figure (optional: 1.0, the datasheet, without one)
+    hbm_efficiency: float = 1.0
+
+    @property
+    def hbm_achievable_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.hbm_efficiency
 
     def gemm_flops(self) -> dict[str, float]:
         return {k: v * self.gemm_efficiency.get(k, 1.0) for k, v in self.peak_flops.items()}
@@ -168,7 +176,8 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     raw = data.get(key)
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: missing section {key!r}")
-    names = [f for f in cls.__dataclass_fields__]
+    fields = cls.__dataclass_fields__
+    names = [f for f in fields if f in raw or fields[f].default is dataclasses.MISSING]  # defaulted: optional
     missing = [n for n in names if n not in raw]
     if missing:
         raise SpecError(f"{where}: section {key!r} lacks {', '.join(missing)}")
@@ -292,6 +301,7 @@ def _check_gpu(gpu: GPUSpec, node: NodeSpec, where: str) -> None:
     if missing:
         raise SpecError(f"{where}: gpu.peak_flops lacks {', '.join(missing)}")
     fractions = [(f"gpu.gemm_efficiency.{k}", v) for k, v in gpu.gemm_efficiency.items()]
+    fractions.append(("gpu.hbm_efficiency", gpu.hbm_efficiency))
     for name, value in fractions:
         if value > 1:
             raise SpecError(f"{where}: {name} is a fraction of peak and must be <= 1, got {value}")

@@ -265,12 +265,15 @@ class _FsdpRun:
         fp8 = fp8_setup(self.wl, self.hw, self.cluster, self.spec)
         return None if fp8 is None else replace(fp8, micro_batches=1)
 
-    def phase_a(self) -> simpy.Event:
-        """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced."""
+    def phase_a(self, head_dim: int) -> simpy.Event:
+        """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced.
+        `head_dim`: the attention heads' dimension (`LayerDims.head_dim`), which the fused
+        attention's efficiency depends on."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe, ep=self.ep,
+                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
+                                ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
                                 fp8=self._fp8())
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
@@ -303,12 +306,16 @@ class _FsdpRun:
         for mb in range(m):
             # the root's parameters (the embedding first) stay gathered through the micro-batch
             root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
+            if work.embed_forward_s:
+                root_gathered = eng.compute(0, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
             last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1)
             last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
             last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
             # backward re-gathers each block's input for the weight gradients (sequence parallel)
             last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last, 2,
                               lambda unit, done, mb=mb: reduce(unit, mb, done))
+            if work.embed_backward_s:
+                last = eng.compute(0, f"mb{mb} bwd embedding", work.embed_backward_s, [last])
             if root:
                 reduce(root, mb, last)
         return eng.env.all_of(reduced + [last])
@@ -525,7 +532,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     spec, _ = model
     shard = check_fsdp(cfg, cluster, spec)
     run = _FsdpRun(cfg, model, cluster, hw, shard)
-    synced = run.phase_a()
+    synced = run.phase_a(dims.head_dim)
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
     run.phase_b(synced)

@@ -436,14 +436,13 @@ class _Stage:
             return
         ranks = self.ranks
         self.compute(name, seconds - b.core_s, extra)
-        step = b.core_s / b.ring_steps
         pending: dict[int, simpy.Event] | None = None
         for i in range(b.ring_steps):
             sent = None
             if i < len(b.ring_bytes):
                 sent = self.collective(f"{name} cp ring {i}", self.cp_groups, self._ring_cost(b.ring_bytes[i]), CP_COMM,
                                        {r: [self.last[r]] for r in ranks})
-            self.compute(f"{name} attention step {i}", step, None if pending is None else
+            self.compute(f"{name} attention step {i}", b.step_seconds(i), None if pending is None else
                          {r: [pending[r]] for r in ranks})
             pending = sent
         if pending is not None:
@@ -564,6 +563,8 @@ class _Stage:
             last_head = v == virtual - 1
             if kind == "F":
                 self.wait([self.fwd_in[v][mb]])
+                if v == 0 and work.embed_forward_s:
+                    self.compute(f"mb{mb} fwd embedding", work.embed_forward_s)
                 for k in chunks[c]:
                     layer, blocks = work.layer_ids[k], work.forward[k]
                     if mb == 0 and layer in needed:
@@ -587,6 +588,8 @@ class _Stage:
                         self.block(f"mb{mb} bwd {b.name}", b, 2)
                     if mb == micro_batches - 1 and ctx.options.overlap_grad_reduce:
                         syncs += self.grad_syncs(layer)
+                if v == 0 and work.embed_backward_s:
+                    self.compute(f"mb{mb} bwd embedding", work.embed_backward_s)
                 if v > 0:
                     self.send((s - 1) % pp, f"mb{mb}{tag(c)} send gradients", self.bwd_in[v - 1][mb])
         if not ctx.options.overlap_grad_reduce:

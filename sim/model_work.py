@@ -50,15 +50,11 @@ from canzona.experts import expert_tp_dim
 from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
+from sim import layer_kernels as lk
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
-# FlashAttention-3 reaches 740 TFLOP/s (75% of the H100's bf16 peak) forward and about 60% in its
-# backward pass (Shah et al. 2024, arXiv 2407.08608, Fig. 5-7); Megatron's cuDNN fused attention is
-# in the same range. One figure for both passes, as a fraction of the bf16 peak:
-ATTENTION_EFFICIENCY = 0.6
-# A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two:
-# Dao 2023, arXiv 2307.08691, section 3.1).
-ATTENTION_BACKWARD = 2.5
+# the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
+DEFAULT_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -84,6 +80,12 @@ class Block:
     core_s: float = 0.0
     ring_steps: int = 0
     ring_bytes: tuple[float, ...] = ()
+    # each ring step's seconds (summing to `core_s`): a step runs at the efficiency of its shape
+    ring_step_s: tuple[float, ...] = ()
+
+    def step_seconds(self, i: int) -> float:
+        """Seconds of ring step `i` of the attention core."""
+        return self.ring_step_s[i] if self.ring_step_s else self.core_s / self.ring_steps
 
     @property
     def seconds(self) -> float:
@@ -97,6 +99,9 @@ class MicroBatchWork:
     backward: tuple[tuple[Block, ...], ...]  # per layer, blocks in backward order
     head_forward_s: float  # 0 on a pipeline stage without the output layer
     head_backward_s: float
+    # the input embedding's lookup and its gradient (0 on a stage without the embedding)
+    embed_forward_s: float = 0.0
+    embed_backward_s: float = 0.0
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
@@ -115,11 +120,11 @@ def _is_expert_gemm(p: ParamSpec) -> bool:
 
 
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
-                     vocab: int, rate: DeviceRate, attention_efficiency: float = ATTENTION_EFFICIENCY,
-                     recompute: str = "none", causal: bool = True, dtype: str = "bf16",
+                     vocab: int, rate: DeviceRate, recompute: str = "none", causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
-                     kv_dim: int | None = None, fp8: FP8Setup | None = None) -> MicroBatchWork:
+                     kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
+                     fp8: FP8Setup | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -128,8 +133,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     rank's pairs over the mean, which every rank of its EP group waits for; `etp`: expert TP (each
     rank computes its shard of its experts on its ETP group's pairs); `cp`: context parallelism
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
-    exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `fp8`: the
-    linear layers' GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`)."""
+    exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `head_dim`: the
+    attention heads' dimension (the fused attention's efficiency depends on it); `fp8`: the linear layers'
+    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`)."""
     check_recompute(recompute)
     full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
@@ -180,15 +186,23 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     attn_flops = 4.0 * seq_len * seq_len * (q_dim / tp) * seqs * (0.5 if causal else 1.0)
     if cp > 1:  # this rank's share: its query chunks against every K/V block
         attn_flops /= cp
-    attn_fwd = attn_flops / (rate.peak_flops.get(dtype, rate.gemm_flops[dtype]) * attention_efficiency)
+    peak = rate.peak_flops.get(dtype, rate.gemm_flops[dtype])
+    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False) if q_dim else ()
+    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True) if q_dim else ()
     two = DTYPE_BYTES[dtype]  # activations in the model's dtype
+    shape = lk.LayerShape(tokens=tokens, tp=tp, hidden=hidden, act_bytes=two, sms=rate.sms or 132)
+    q_width, kv_width = q_dim / tp, (kv_dim or q_dim) / tp
+    qk_norm = any(p.name.endswith(("q_norm.weight", "k_norm.weight")) for p in spec.params)
 
-    def elementwise(params: Sequence[ParamSpec], passes: float) -> float:
-        # the block's norm on its (sequence-parallel) input, the column GEMMs' outputs read and
-        # written once (rotary / activation), the residual add on the output
-        width = sum(p.local_shape(tp)[0] for p in params if p.tp_dim == 0)
-        per_token = 3 * hidden / tp + 2 * width + 3 * hidden / tp
-        return passes * rate.kernel_seconds(elementwise_kernel("block", tokens, 1, per_token * two, dtype))
+    def elementwise(block: Sequence[ParamSpec], attention: bool, backward: bool, name: str) -> float:
+        """The block's memory-bound kernels (`sim.layer_kernels`): norm, RoPE or the activation,
+        the residual add, and under CP the ring steps' merges."""
+        if attention:
+            return run(lk.attention_block(shape, q_width, kv_width, backward, name, with_qk_norm=qk_norm)
+                       + lk.ring_merges(shape, q_width, kv_width, cp, backward, name))
+        column = [p.local_shape(tp)[0] for p in block if p.tp_dim == 0]
+        gated = len(column) == 2 and column[0] == column[1]  # gate and up: SwiGLU
+        return run(lk.mlp_block(shape, sum(column), gated, backward, name))
 
     forward, backward = [], []
     for layer, params in zip(layer_ids, by_layer):
@@ -198,16 +212,19 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         for i, block in enumerate(_blocks_of(params)):
             column = [p for p in block if p.tp_dim != 1]
             row = [p for p in block if p.tp_dim == 1]
-            core_f = attn_fwd if i == 0 and q_dim else 0.0
-            core_b = core_f * ATTENTION_BACKWARD
+            attention = i == 0 and bool(q_dim)
+            core_f = sum(steps_f) if attention else 0.0
+            core_b = sum(steps_b) if attention else 0.0
             ring_f: dict = {}
             ring_b: dict = {}
             if cp > 1 and core_f:  # K and V of this rank's tokens, its TP rank's heads
-                kv = tokens * 2 * (kv_dim or q_dim) / tp * two
-                ring_f = dict(core_s=core_f, ring_steps=cp, ring_bytes=(kv,) * (cp - 1))
-                ring_b = dict(core_s=core_b, ring_steps=cp, ring_bytes=(kv,) + (2 * kv,) * (cp - 2) + (kv,))
+                kv = tokens * 2 * kv_width * two
+                ring_f = dict(core_s=core_f, ring_steps=cp, ring_bytes=(kv,) * (cp - 1), ring_step_s=steps_f)
+                ring_b = dict(core_s=core_b, ring_steps=cp, ring_bytes=(kv,) + (2 * kv,) * (cp - 2) + (kv,),
+                              ring_step_s=steps_b)
             cast_f, cast_b = _fp8_block(fp8, column, row, tokens, tp, rate) if fp8 is not None else (0.0, 0.0)
-            fwd = Block(f"layer {layer}.{i}", gemms(column, False), core_f + elementwise(block, 1) + cast_f,
+            name = f"layer {layer}.{i}"
+            fwd = Block(name, gemms(column, False), core_f + elementwise(block, attention, False, name) + cast_f,
                         gemms(row, False), **ring_f)
             redo = 0.0
             if recompute == FULL:
@@ -215,8 +232,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             elif recompute == SELECTIVE:
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
-                redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, 1)
-            bwd = Block(f"layer {layer}.{i}", gemms(row, True), core_b + redo + elementwise(block, 2) + cast_b,
+                redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
+            bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
                         gemms(column, True), **ring_b)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
@@ -231,15 +248,20 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             bwd_blocks[0] = replace(bwd_blocks[0], middle_s=bwd_blocks[0].middle_s + fp8_bwd)
         forward.append(tuple(fwd_blocks))
         backward.append(tuple(reversed(bwd_blocks)))
+    embed = [p for p in spec.params if p.role is Role.EMBEDDING]
+    embed_f = embed_b = 0.0
+    if embed:  # the first stage: the rank's vocabulary slice of the table (vocab-parallel)
+        rows = embed[0].local_shape(tp)[0]
+        embed_f = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=False))
+        embed_b = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=True))
     if not head:
-        return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0)
+        return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b)
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
-                  # softmax cross-entropy over the vocab-parallel logits: fp32, a few passes
-                  elementwise_kernel("loss", tokens * (vocab // tp), 5, 4 * 4)])
+                  *lk.loss_kernels(tokens, vocab // tp, backward=False)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
-                  elementwise_kernel("loss.grad", tokens * (vocab // tp), 3, 3 * 4)])
-    return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b)
+                  *lk.loss_kernels(tokens, vocab // tp, backward=True)])
+    return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b)
 
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],

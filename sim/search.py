@@ -356,11 +356,12 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
-                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}),
+                                head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
         per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
-                         + work.head_forward_s + work.head_backward_s)
+                         + work.head_forward_s + work.head_backward_s + work.embed_forward_s
+                         + work.embed_backward_s)
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp

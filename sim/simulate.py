@@ -546,8 +546,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0, etp=cfg.etp,
-                                **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}),
+                                if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim, cp=cfg.cp,
+                                kv_dim=arch.kv_dim,
                                 fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from canzona.attention_rate import efficiency
 from canzona.errors import SpecError
 from canzona.models import resolve_model
 from sim import published
@@ -62,14 +63,29 @@ def test_micro_batch_at_cp_runs_its_share_of_the_tokens():
     tail = (4096, arch.q_dim, arch.hidden, arch.vocab, rate)
     full = micro_batch_work(*args, 4096, *tail)
     cp2 = micro_batch_work(*args, 4096, *tail, cp=2, kv_dim=arch.kv_dim)
-    half = micro_batch_work(*args, 2048, *tail)
+    half = micro_batch_work(*args, 2048, *tail, kv_dim=arch.kv_dim)  # kv_dim: RoPE's k width
     attention, mlp = cp2.forward[0]
     assert attention.first_s == half.forward[0][0].first_s and attention.last_s == half.forward[0][0].last_s
     assert mlp == half.forward[0][1] and cp2.head_forward_s == half.head_forward_s
-    # at 2048 tokens of a 4096-token sequence CP 1 still computes the whole sequence's attention
-    # (A); CP 2's core is half of it, the rest of the block as CP 1's at 2048 tokens
-    whole = half.forward[0][0].middle_s - attention.middle_s + attention.core_s
-    assert attention.core_s == pytest.approx(whole / 2)
+    # at 2048 tokens of a 4096-token sequence CP 1 still computes the whole sequence's attention;
+    # CP 2's core is its two ring steps, each a quarter of the causal sequence's FLOPs at the
+    # efficiency of its shape: the diagonal causal over the rank's 2048 tokens, then the slower of
+    # 2048 x 1024 and 1024 x 2048 unmasked (keys 1024 or 2048)
+    peak = rate.peak_flops["bf16"]
+    step = 4.0 * 4096 * 4096 * arch.q_dim * 0.5 / 2 / 2
+    diag = step / (peak * efficiency("forward", True, 2048, 128))
+    later = max(step / (peak * efficiency("forward", False, k, 128)) for k in (1024, 2048))
+    assert attention.ring_step_s == pytest.approx((diag, later)) and attention.core_s == pytest.approx(diag + later)
+    back = cp2.backward[0][-1]
+    diag_b = 2.5 * step / (peak * efficiency("backward", True, 2048, 128))
+    later_b = max(2.5 * step / (peak * efficiency("backward", False, k, 128)) for k in (1024, 2048))
+    assert back.ring_step_s == pytest.approx((diag_b, later_b))
+    # the rest of the block: CP 1's memory-bound kernels at 2048 tokens plus the ring step's merge
+    # of its partial output (read it, read and write the running output: 3 x tokens x q x 2 bytes)
+    whole = 4.0 * 4096 * 4096 * arch.q_dim * 0.5 / (peak * efficiency("forward", True, 4096, 128))
+    rest_cp1 = half.forward[0][0].middle_s - whole
+    merge = 3 * 2048 * arch.q_dim * 2 / (rate.hbm_bytes_per_s * rate.hbm_efficiency) + rate.launch_s
+    assert attention.middle_s - attention.core_s == pytest.approx(rest_cp1 + merge)
     assert full.forward[0][0].middle_s > whole
     assert attention.ring_steps == 2 and attention.ring_bytes == (2048 * 2 * arch.kv_dim * 2,)
     back = cp2.backward[0][-1]  # backward: attention's block last

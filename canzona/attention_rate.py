@@ -1,0 +1,125 @@
+"""Fused attention's achieved throughput by shape, from published measurements (docs/design.md §9.3).
+
+`canzona/data/attention_throughput.json` holds the bf16 TFLOP/s the FlashAttention-3 paper
+(arXiv 2407.08608, Figures 5 and 6) measured on an H100 SXM5 for cuDNN's fused attention and for
+FlashAttention-3, by sequence length (512 to 16k), head dimension (64, 128, 256), causal mask or
+not, forward and backward. Megatron / NeMo bf16 recipes run Transformer Engine's fused attention,
+whose Hopper backend is cuDNN's (when both can run, TE's `get_attention_backend` disables
+flash-attention "to give FusedAttention preference on Hopper+": NVIDIA/TransformerEngine,
+transformer_engine/pytorch/attention/dot_product_attention/utils.py), so the cuDNN series is the
+proxy for what those runs' attention reaches.
+
+`efficiency(pass, causal, seq, head_dim)` is that throughput as a fraction of the H100's dense
+bf16 peak (989 TFLOP/s), interpolated linearly in log2(seq) and in log2(head_dim) between the
+measured points and held at the table's ends. Callers multiply it by their device's bf16 peak: the
+table's fraction stands for every profile (the H200 has the H100's GH100 compute; on other
+devices this is an assumption, labelled in design.md §9.3).
+
+The paper publishes no causal backward panel. The causal backward is taken as the non-causal
+backward scaled by the ratio the causal mask costs the forward at the same sequence and head
+dimension (`causal forward / non-causal forward`): an assumption, that the masked diagonal tiles
+and the uneven work per query tile cost both passes alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+from canzona.errors import SpecError
+from canzona.fileio import parse_json
+
+SCHEMA = "canzona.attention_throughput"
+# the H100 SXM's dense bf16 peak, the denominator of the table's fractions (NVIDIA H100 datasheet;
+# the same figure as profiles/h100-sxm.json's gpu.peak_flops.bf16)
+TABLE_PEAK_FLOPS = 989e12
+IMPLEMENTATION = "cudnn"  # Transformer Engine's fused attention on Hopper: the module docstring
+PASSES = ("forward", "backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionTable:
+    """Measured TFLOP/s by (implementation, pass, causal, head_dim): one value per `seqlens` entry."""
+
+    seqlens: tuple[int, ...]
+    series: dict[tuple[str, str, bool, int], tuple[float, ...]]
+
+    def measured(self, implementation: str, pass_: str, causal: bool, head_dim: int) -> tuple[float, ...] | None:
+        return self.series.get((implementation, pass_, causal, head_dim))
+
+    def head_dims(self, implementation: str, pass_: str, causal: bool) -> list[int]:
+        return sorted(h for (i, p, c, h) in self.series if (i, p, c) == (implementation, pass_, causal))
+
+
+def table_from_dict(data: object, where: str = "attention table") -> AttentionTable:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise SpecError(f"{where}: not a {SCHEMA} file")
+    seqlens = data.get("seqlens")
+    if not (isinstance(seqlens, list) and seqlens and all(isinstance(s, int) and s > 0 for s in seqlens)
+            and seqlens == sorted(set(seqlens))):
+        raise SpecError(f"{where}: seqlens must be increasing positive whole numbers")
+    series = {}
+    for i, row in enumerate(data.get("series") or []):
+        ok = (isinstance(row, dict) and row.get("pass") in PASSES and isinstance(row.get("causal"), bool)
+              and isinstance(row.get("head_dim"), int) and isinstance(row.get("implementation"), str)
+              and isinstance(row.get("tflops"), list) and len(row["tflops"]) == len(seqlens)
+              and all(isinstance(x, (int, float)) and 0 < x < TABLE_PEAK_FLOPS / 1e12 for x in row["tflops"]))
+        if not ok:
+            raise SpecError(f"{where}: series {i} must give implementation, pass, causal, head_dim and one "
+                            f"TFLOP/s below the peak per seqlen")
+        series[(row["implementation"], row["pass"], row["causal"], row["head_dim"])] = tuple(
+            float(x) for x in row["tflops"])
+    return AttentionTable(seqlens=tuple(seqlens), series=series)
+
+
+@functools.cache
+def default_table() -> AttentionTable:
+    text = (resources.files("canzona") / "data" / "attention_throughput.json").read_text()
+    return table_from_dict(parse_json(text, "attention_throughput.json", SpecError), "attention_throughput.json")
+
+
+def _on_log_axis(points: list[tuple[float, float]], x: float) -> float:
+    """Linear in log2(x) between sorted (x, y) points, held at the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            w = math.log2(x / x0) / math.log2(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return points[-1][1]  # pragma: no cover - sorted points
+
+
+def _tflops(table: AttentionTable, implementation: str, pass_: str, causal: bool, seq: float,
+            head_dim: int) -> float | None:
+    dims = table.head_dims(implementation, pass_, causal)
+    if not dims:
+        return None
+    by_dim = [(float(h), _on_log_axis(list(zip(table.seqlens, table.series[(implementation, pass_, causal, h)])), seq))
+              for h in dims]
+    return _on_log_axis(by_dim, head_dim)
+
+
+def efficiency(pass_: str, causal: bool, seq: float, head_dim: int, *, implementation: str = IMPLEMENTATION,
+               table: AttentionTable | None = None) -> float:
+    """Fraction of the dense bf16 peak one fused attention call reaches: `seq` the keys each query
+    attends over (the sequence, or a CP ring step's block), `head_dim` the head dimension."""
+    if pass_ not in PASSES:
+        raise SpecError(f"attention pass must be one of {', '.join(PASSES)}, got {pass_!r}")
+    if seq <= 0 or head_dim <= 0:
+        raise SpecError(f"attention needs a positive sequence and head dimension, got {seq} and {head_dim}")
+    table = table or default_table()
+    measured = _tflops(table, implementation, pass_, causal, seq, head_dim)
+    if measured is None and pass_ == "backward" and causal:  # derived: the module docstring
+        full = _tflops(table, implementation, "backward", False, seq, head_dim)
+        fwd_causal = _tflops(table, implementation, "forward", True, seq, head_dim)
+        fwd_full = _tflops(table, implementation, "forward", False, seq, head_dim)
+        if None not in (full, fwd_causal, fwd_full):
+            measured = full * fwd_causal / fwd_full  # type: ignore[operator]
+    if measured is None:
+        raise SpecError(f"no published {implementation} attention throughput for the {pass_} pass "
+                        f"({'causal' if causal else 'no mask'})")
+    return measured * 1e12 / TABLE_PEAK_FLOPS

@@ -1,0 +1,178 @@
+"""The decoder layer's attention and memory-bound kernels (sim/layer_kernels.py,
+canzona/attention_rate.py): the published attention table reproduced, the bytes each kernel moves
+computed here independently for a small layer, the context-parallel ring's steps, and the
+profiles' achievable HBM bandwidth."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+import pytest
+
+from canzona.attention_rate import TABLE_PEAK_FLOPS, efficiency, table_from_dict
+from canzona.cost import DeviceRate, elementwise_kernel
+from canzona.errors import SpecError
+from canzona.hardware import load_profile, profile_from_dict
+from canzona.models import resolve_model
+from sim import layer_kernels as lk
+from sim.model_work import micro_batch_work
+
+RAW = json.loads((resources.files("canzona") / "data" / "attention_throughput.json").read_text())
+
+
+# --- attention: the published table ---------------------------------------------------------
+
+
+def test_every_published_point_is_reproduced():
+    """At each measured (pass, mask, head dim, sequence) the efficiency is the figure's TFLOP/s
+    over the H100's 989 TFLOP/s."""
+    points = 0
+    for row in RAW["series"]:
+        for seq, tflops in zip(RAW["seqlens"], row["tflops"]):
+            got = efficiency(row["pass"], row["causal"], seq, row["head_dim"], implementation=row["implementation"])
+            assert got == pytest.approx(tflops * 1e12 / 989e12, rel=1e-12)
+            points += 1
+    assert points == 16 * 6
+
+
+def test_interpolation_is_log_linear_and_held_at_the_ends():
+    """Between 4k (518) and 8k (529), causal forward at head dim 128: halfway in log2 at
+    sqrt(4k x 8k); beyond the table the end points hold; head dim 96 lies halfway (log2) between
+    64 and 128."""
+    mid = math.sqrt(4096 * 8192)
+    assert efficiency("forward", True, mid, 128) * 989 == pytest.approx((518 + 529) / 2)
+    assert efficiency("forward", True, 100_000, 128) * 989 == pytest.approx(539)
+    assert efficiency("forward", True, 128, 128) * 989 == pytest.approx(315)
+    hd96 = efficiency("forward", False, 2048, 96) * 989
+    assert hd96 == pytest.approx(395 + (617 - 395) * math.log2(96 / 64))
+
+
+def test_causal_backward_is_derived_from_the_published_ratios():
+    """No published causal backward: the unmasked backward times what the mask costs the forward."""
+    for seq in (512, 4096, 16384):
+        i = RAW["seqlens"].index(seq)
+        series = {(r["pass"], r["causal"]): r["tflops"][i] for r in RAW["series"]
+                  if r["implementation"] == "cudnn" and r["head_dim"] == 128}
+        want = series[("backward", False)] * series[("forward", True)] / series[("forward", False)]
+        assert efficiency("backward", True, seq, 128) * TABLE_PEAK_FLOPS / 1e12 == pytest.approx(want)
+
+
+def test_bad_tables_and_calls_are_refused():
+    with pytest.raises(SpecError, match="pass"):
+        efficiency("sideways", True, 4096, 128)
+    with pytest.raises(SpecError, match="positive"):
+        efficiency("forward", True, 0, 128)
+    bad = dict(RAW, series=[dict(RAW["series"][0], tflops=[1e6] * 6)])
+    with pytest.raises(SpecError, match="below the peak"):
+        table_from_dict(bad)
+    with pytest.raises(SpecError, match="no published"):
+        efficiency("backward", False, 4096, 128, implementation="fa3",
+                   table=table_from_dict(dict(RAW, series=RAW["series"][:8])))
+
+
+# --- attention under context parallelism -----------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_steps_price_each_shape(cp: int):
+    """Equal FLOPs per step; step 0 is the causal diagonal over seq / cp keys, the later ones the
+    slower of the two unmasked shapes (seq / 2cp or seq / cp keys); no mask: every step unmasked
+    over seq / cp keys. Without CP: one call over the sequence."""
+    seq, flops, peak, hd = 8192, 1e12, 989e12, 128
+    steps = lk.attention_steps(flops, seq, cp, True, hd, peak, backward=False)
+    assert len(steps) == cp
+    assert steps[0] == pytest.approx(flops / cp / (peak * efficiency("forward", True, seq / cp, hd)))
+    slow = min(efficiency("forward", False, seq / cp / 2, hd), efficiency("forward", False, seq / cp, hd))
+    assert all(s == pytest.approx(flops / cp / (peak * slow)) for s in steps[1:])
+    back = lk.attention_steps(flops, seq, cp, True, hd, peak, backward=True)
+    assert back[0] == pytest.approx(2.5 * flops / cp / (peak * efficiency("backward", True, seq / cp, hd)))
+    unmasked = lk.attention_steps(flops, seq, cp, False, hd, peak, backward=False)
+    assert unmasked == pytest.approx((flops / cp / (peak * efficiency("forward", False, seq / cp, hd)),) * cp)
+    whole = lk.attention_steps(flops, seq, 1, True, hd, peak, backward=False)
+    assert whole == pytest.approx((flops / (peak * efficiency("forward", True, seq, hd)),))
+
+
+def test_micro_batch_ring_steps_sum_to_the_core():
+    spec, arch = resolve_model("qwen3-0.6b", 1)
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    for cp in (2, 4):
+        work = micro_batch_work(spec, 1, 8192, 8192, arch.q_dim, arch.hidden, arch.vocab, rate, cp=cp,
+                                kv_dim=arch.kv_dim, head_dim=arch.head_dim)
+        for block in (work.forward[0][0], work.backward[0][-1]):
+            assert len(block.ring_step_s) == block.ring_steps == cp
+            assert sum(block.step_seconds(i) for i in range(cp)) == pytest.approx(block.core_s)
+
+
+# --- the memory-bound kernels' bytes ----------------------------------------------------------
+
+
+def test_layer_bytes_for_a_small_layer():
+    """A Llama-style layer, hidden 64, q 64, kv 32, ffn 128, TP 2 (sequence parallel), 16 tokens,
+    bf16: each block's passes counted here by hand."""
+    t, tp, h, q, kv, f, b, sms = 16, 2, 64, 64 // 2, 32 // 2, 128 // 2, 2, 4
+    rows = t / tp
+    s = lk.LayerShape(tokens=t, tp=tp, hidden=h, act_bytes=b, sms=sms)
+    norm_f = rows * h * b * 2 + rows * 4  # read x, write y, write fp32 1/rms
+    norm_b = rows * h * b * 3 + rows * 4 + 2 * sms * h * 4  # read x, dy, write dx; 1/rms; dgamma partials
+    rope = t * (q + kv) * b * 2  # read and write q and k
+    add = rows * h * b * 3
+    attn_f = [k.bytes for k in lk.attention_block(s, q, kv, False, "a")]
+    attn_b = [k.bytes for k in lk.attention_block(s, q, kv, True, "a")]
+    assert attn_f == pytest.approx([norm_f, rope, add]) and attn_b == pytest.approx([add, rope, norm_b])
+    swiglu_f = t * (2 * f + f) * b  # read gate and up, write the product
+    swiglu_b = t * (3 * f + 2 * f) * b  # read gate, up, dy; write d(gate), d(up)
+    qk = [k.bytes for k in lk.attention_block(s, q, kv, False, "a", with_qk_norm=True)]
+    assert qk == pytest.approx([norm_f, t * (q + kv) * b * 2, rope, add])
+    qk_b = [k.bytes for k in lk.attention_block(s, q, kv, True, "a", with_qk_norm=True)]
+    assert qk_b == pytest.approx([add, rope, t * (q + kv) * b * 3, norm_b])
+    mlp_f = [k.bytes for k in lk.mlp_block(s, 2 * f, True, False, "m")]
+    mlp_b = [k.bytes for k in lk.mlp_block(s, 2 * f, True, True, "m")]
+    assert mlp_f == pytest.approx([norm_f, swiglu_f, add]) and mlp_b == pytest.approx([add, swiglu_b, norm_b])
+    # context parallelism 3: two merges forward (output), two of dQ and two of dK/dV backward
+    assert [k.bytes for k in lk.ring_merges(s, q, kv, 3, False, "a")] == pytest.approx([3 * t * q * b] * 2)
+    assert sum(k.bytes for k in lk.ring_merges(s, q, kv, 3, True, "a")) == pytest.approx(2 * 3 * t * (q + 2 * kv) * b)
+    # the loss over 16 tokens x a vocab slice of 100: fp32, 38 bytes a logit forward, 14 backward
+    assert lk.loss_kernels(t, 100, False)[0].bytes == pytest.approx(t * 100 * 38)
+    assert lk.loss_kernels(t, 100, True)[0].bytes == pytest.approx(t * 100 * 14)
+    # the embedding: gather; backward zero-fill, scatter-add, fp32 main_grad accumulation
+    assert sum(k.bytes for k in lk.embedding_kernels(t, 100, h, b, False)) == pytest.approx(2 * t * h * b)
+    assert sum(k.bytes for k in lk.embedding_kernels(t, 100, h, b, True)) == \
+        pytest.approx(100 * h * b + 3 * t * h * b + 100 * h * (b + 8))
+
+
+def test_micro_batch_prices_the_layer_kernels_at_achievable_bandwidth():
+    """The MLP block's middle (no attention core) is exactly its three passes at the profile's
+    achievable bandwidth, each paying one launch."""
+    spec, arch = resolve_model("qwen3-0.6b", 1)
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    t = 1024
+    work = micro_batch_work(spec, 1, t, 1024, arch.q_dim, arch.hidden, arch.vocab, rate, kv_dim=arch.kv_dim)
+    mlp = work.forward[0][1]
+    bw = 3.35e12 * 0.9
+    h, f = arch.hidden, arch.ffn
+    want = sum(x / bw + rate.launch_s for x in (t * h * 2 * 2 + t * 4, t * 3 * f * 2, t * h * 3 * 2))
+    assert mlp.middle_s == pytest.approx(want)
+
+
+# --- achievable HBM bandwidth in the profiles -------------------------------------------------
+
+
+def test_profiles_carry_a_sourced_hbm_efficiency():
+    for name, want in (("h100-sxm", 0.9), ("h200", 0.8865), ("a100-sxm", 0.753)):
+        p = load_profile(name)
+        assert p.gpu.hbm_efficiency == want
+        assert any(src.startswith("gpu.hbm_efficiency") and "https://" in src for src in p.sources)
+        rate = DeviceRate.from_profile(p)
+        k = elementwise_kernel("copy", 10**9, 1, 8)
+        assert rate.kernel_seconds(k) == pytest.approx(8e9 / (p.gpu.hbm_bytes_per_s * want) + rate.launch_s)
+
+
+def test_hbm_efficiency_is_optional_and_a_fraction():
+    raw = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
+    del raw["gpu"]["hbm_efficiency"]
+    assert profile_from_dict(raw).gpu.hbm_efficiency == 1.0  # the datasheet without a measurement
+    raw["gpu"]["hbm_efficiency"] = 1.2
+    with pytest.raises(SpecError, match="hbm_efficiency"):
+        profile_from_dict(raw)
