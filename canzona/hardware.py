@@ -15,6 +15,7 @@ from typing import Any
 
 from canzona.errors import SpecError
 from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
+from canzona.gemm_model import GemmModel, parse_gemm_model, square
 from canzona.spec import DTYPE_BYTES
 
 SCHEMA = "canzona.hardware"
@@ -134,6 +135,11 @@ class HardwareProfile:
     # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
     optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
     collectives: CollectiveTable = field(default_factory=CollectiveTable)
+    # GEMM tiles and per-tile fixed cost (canzona.gemm_model); None: square gpu.gemm_tile tiles, no cost
+    gemm_model: GemmModel | None = None
+
+    def gemm_kernels(self) -> GemmModel:
+        return self.gemm_model if self.gemm_model is not None else square(self.gpu.gemm_tile)
 
     def gemm_efficiency_at(self, dtype: str, flops: float) -> float | None:
         """Measured efficiency of one GEMM of `flops` FLOPs, interpolated linearly in log(flops)
@@ -319,6 +325,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         gemm_curve=_gemm_curve(data.get("gemm_curve", {}), where),
         optimizer_seconds=_optimizer_seconds(data.get("optimizer_seconds", []), where),
         collectives=_collectives(data["collectives"], where) if "collectives" in data else CollectiveTable(),
+        gemm_model=parse_gemm_model(data["gemm_model"], where, gpu.gemm_tile) if "gemm_model" in data else None,
         name=name,
         description=str(data.get("description", "")),
         measured=measured,

@@ -16,7 +16,7 @@ from typing import Any
 
 from canzona.errors import SpecError
 
-DTYPE_BYTES: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # fp8: E4M3 / E5M2
 
 
 class Role(str, Enum):
