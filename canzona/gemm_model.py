@@ -7,12 +7,13 @@ on Hopper), runs the tiles in whole waves over the SMs (a partial wave costs a f
 Matrix Multiplication Background guide, "wave quantization"), and may split the depth `K` of each
 tile into `s` slices (split-K) to fill more SMs, paying for the fp32 partial sums it writes and
 reads back. Each SM computes its tile at the sustained tensor-core rate (`rate / sms`: the rate
-under the power limit, below the datasheet peak), and every tile also pays a fixed cost that does
-not shrink with `K`: filling the operand pipeline before the first multiply and draining the
-finished output tile to memory (the epilogue), in proportion to the tile's area. A short-`K` GEMM
-therefore loses efficiency. The library picks the fastest tile and split, so the model does too:
-the minimum over candidates, each of which grows with every dimension, so time never falls as a
-dimension grows.
+under the power limit, below the datasheet peak). Every tile also moves bytes that its main loop
+does not hide, in proportion to the tile's area and independent of `K`: draining the finished
+output tile to memory (the epilogue) and refilling the operand pipeline for the next tile
+(`tile_fixed_bytes` an output element, at the HBM bandwidth). A short-`K` GEMM therefore loses
+efficiency, and a faster memory (H200) loses less. The library picks the fastest tile and split,
+so the model does too: the minimum over candidates, each of which grows with every dimension, so
+time never falls as a dimension grows.
 
 The parameters live in the hardware profile (`gemm_model` section, with their sources); without
 one, a profile keeps the former model: square `gpu.gemm_tile` tiles and no per-tile cost.
@@ -29,6 +30,7 @@ from canzona.errors import SpecError
 SPLITS = (1, 2, 4, 8, 16)  # split-K slices tried (cuBLAS's split-K kernels use small powers of two)
 PARTIAL_BYTES = 4  # an fp32 partial sum, written once and read back once per extra slice
 MAX_TILE = 1024  # a CTA tile edge beyond this is not a GPU kernel
+MAX_FIXED_BYTES = 1024  # a tile's unhidden traffic an output element: tens of bytes at most
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,12 +38,11 @@ class GemmModel:
     """Tile candidates and the per-tile fixed cost of one device's GEMM kernels.
 
     `tiles`: (rows, cols) of the output tile of each kernel the library chooses among;
-    `tile_overhead_s`: the fixed seconds of a tile of `ref_tile x ref_tile` outputs (pipeline fill
-    and epilogue), scaled by area for other tiles."""
+    `tile_fixed_bytes`: HBM bytes an output element of every tile moves outside the main loop
+    (epilogue and pipeline refill), paid at the HBM bandwidth."""
 
     tiles: tuple[tuple[int, int], ...]
-    tile_overhead_s: float = 0.0
-    ref_tile: int = 128
+    tile_fixed_bytes: float = 0.0
 
     def seconds(self, m: int, n: int, k: int, rate: float, sms: int, nbytes: float, hbm_bytes_per_s: float) -> float:
         """Seconds of one `m x n x k` GEMM moving `nbytes` (operands and output) at a sustained
@@ -51,11 +52,11 @@ class GemmModel:
         best = math.inf
         for tm, tn in self.tiles:
             tiles = -(-m // tm) * -(-n // tn)
-            fixed = self.tile_overhead_s * tm * tn / (self.ref_tile * self.ref_tile)
             for split in SPLITS:
                 waves = -(-(tiles * split) // sms)
                 depth = -(-k // split)
-                compute = waves * (2.0 * tm * tn * depth / per_sm + fixed)
+                fixed = tiles * split * tm * tn * self.tile_fixed_bytes / hbm_bytes_per_s
+                compute = waves * 2.0 * tm * tn * depth / per_sm + fixed
                 memory = (nbytes + 2 * PARTIAL_BYTES * (split - 1) * m * n) / hbm_bytes_per_s
                 best = min(best, max(compute, memory))
         return best
@@ -63,15 +64,14 @@ class GemmModel:
 
 def square(tile: int) -> GemmModel:
     """The model of a profile without a `gemm_model` section: one square tile, no fixed cost."""
-    return GemmModel(tiles=((tile, tile),), tile_overhead_s=0.0, ref_tile=tile)
+    return GemmModel(tiles=((tile, tile),), tile_fixed_bytes=0.0)
 
 
-def parse_gemm_model(raw: Any, where: str, ref_tile: int) -> GemmModel:
-    """A profile's optional `gemm_model`: {"tiles": [[rows, cols], ...], "tile_overhead_s": s}
-    (the overhead of a `gpu.gemm_tile`-square tile)."""
-    if not isinstance(raw, dict) or set(raw) - {"tiles", "tile_overhead_s"} or "tiles" not in raw:
+def parse_gemm_model(raw: Any, where: str) -> GemmModel:
+    """A profile's optional `gemm_model`: {"tiles": [[rows, cols], ...], "tile_fixed_bytes": b}."""
+    if not isinstance(raw, dict) or set(raw) - {"tiles", "tile_fixed_bytes"} or "tiles" not in raw:
         raise SpecError(f"{where}: gemm_model must be an object with tiles ([[rows, cols], ...]) and "
-                        "optionally tile_overhead_s (seconds)")
+                        "optionally tile_fixed_bytes (bytes an output element)")
     tiles = raw["tiles"]
     ok = isinstance(tiles, list) and tiles and all(
         isinstance(t, list) and len(t) == 2
@@ -80,11 +80,10 @@ def parse_gemm_model(raw: Any, where: str, ref_tile: int) -> GemmModel:
     if not ok:
         raise SpecError(f"{where}: gemm_model.tiles must be a non-empty list of [rows, cols] whole numbers "
                         f"in 1..{MAX_TILE}")
-    overhead = raw.get("tile_overhead_s", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < 1e-2:
-        raise SpecError(f"{where}: gemm_model.tile_overhead_s must be seconds in [0, 0.01), got {overhead!r}")
-    return GemmModel(tiles=tuple((int(a), int(b)) for a, b in tiles), tile_overhead_s=float(overhead),
-                     ref_tile=ref_tile)
+    fixed = raw.get("tile_fixed_bytes", 0.0)
+    if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or not 0 <= fixed <= MAX_FIXED_BYTES:
+        raise SpecError(f"{where}: gemm_model.tile_fixed_bytes must be bytes in [0, {MAX_FIXED_BYTES}], got {fixed!r}")
+    return GemmModel(tiles=tuple((int(a), int(b)) for a, b in tiles), tile_fixed_bytes=float(fixed))
 
 
 MEASUREMENTS = "gemm_measurements.json"  # canzona/data: published GEMM throughput by shape
