@@ -253,7 +253,7 @@ class DeviceRate:
     tile: int = 128
     solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # measured efficiency (of `peak_flops`) by FLOPs of one GEMM, per dtype: replaces the
-    # datasheet efficiency and the wave model for the dtypes it covers
+    # GEMM model (canzona.gemm_model) for the dtypes it covers
     gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     peak_flops: dict[str, float] = field(default_factory=dict)
     # tile shapes and per-tile fixed cost; None: square `tile` tiles without a fixed cost

@@ -27,9 +27,9 @@ DEFAULT_PROFILE = "h100-sxm"
 class GPUSpec:
     memory_bytes: float
     sms: int
-    gemm_tile: int  # output tile edge used for wave quantisation
+    gemm_tile: int  # square output tile of the GEMM model when a profile has no gemm_model section
     peak_flops: dict[str, float]  # dense GEMM peak per dtype
-    gemm_efficiency: dict[str, float]  # fraction of peak reached by large GEMMs
+    gemm_efficiency: dict[str, float]  # sustained tensor-core fraction of peak (canzona.gemm_model)
     elementwise_flops: float
     hbm_bytes_per_s: float
     solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)
