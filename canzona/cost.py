@@ -302,7 +302,7 @@ class DeviceRate:
             return max(k.flops / rate, k.bytes / self.hbm_bytes_per_s)
         m, n, depth = k.gemm
         model = self.gemm_model if self.gemm_model is not None else square(self.tile)
-        return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s)
+        return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s, DTYPE_BYTES[k.dtype])
 
     def kernel_seconds(self, k: Kernel) -> float:
         key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver)  # what prices it: not its name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -17,15 +18,13 @@ from canzona.errors import SpecError
 from canzona.gemm_model import GemmModel, measurements, model_tflops
 from canzona.hardware import load_profile, profile_from_dict
 
-# Compute-bound rows: the model within 15% of each measurement. The sources disagree among
-# themselves by about 6% on one regime (Bekman's best shape, 794.5 TFLOP/s in one wave of 128
-# tiles, against cuBLAS at 8192^3, 749.9 in 16 waves, where the tile model says the second should
-# be faster): no two-parameter model fits them all better than that spread.
-COMPUTE_TOLERANCE = 0.15
-# Memory-bound rows (a few rows of activations against a large weight): the model streams the weight
-# at the datasheet HBM bandwidth, which no kernel reaches, so it is optimistic there; it must stay
-# within these bounds until an HBM efficiency (docs/design.md §4.3) replaces the datasheet figure.
-MEMORY_BOUNDS = (-0.15, 0.45)
+# Every row of a shipped profile's device, fitted or not, within these bounds: the fit leaves at
+# most +19% (the longest H100 GEMMs of the sweep, 4096 x 8192 x 14336 at 651 TFLOP/s, which run
+# slower than shorter ones of the same shape: the power limit, which the model does not have) and
+# -11%; the memory-bound rows (a few rows of activations against a large weight, not fitted) within
+# 10%.
+COMPUTE_TOLERANCE = 0.20
+MEMORY_TOLERANCE = 0.12
 
 ROWS = [r for r in measurements() if r["profile"] is not None]
 
@@ -41,10 +40,13 @@ def seconds(r: DeviceRate, m: int, n: int, k: int, dtype: str = "bf16") -> float
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['profile']}-{r['dtype']}-{r['M']}x{r['N']}x{r['K']}")
 def test_model_reproduces_each_published_measurement(row):
     error = model_tflops(row) / row["tflops"] - 1
-    if row["regime"] == "compute":
-        assert abs(error) <= COMPUTE_TOLERANCE, f"{error:+.1%} from {row['cite']}"
-    else:
-        assert MEMORY_BOUNDS[0] <= error <= MEMORY_BOUNDS[1], f"{error:+.1%} from {row['cite']}"
+    tolerance = COMPUTE_TOLERANCE if row["regime"] == "compute" else MEMORY_TOLERANCE
+    assert abs(error) <= tolerance, f"{error:+.1%} from {row['cite']}"
+
+
+def test_the_fit_is_good_on_average():
+    errors = [abs(model_tflops(r) / r["tflops"] - 1) for r in ROWS if r["use"] == "fit"]
+    assert len(errors) >= 40 and sum(errors) / len(errors) < 0.07
 
 
 def test_measurements_name_their_sources_and_shipped_profiles():
@@ -128,7 +130,8 @@ def test_a_profile_without_gemm_model_keeps_square_tiles_and_no_fixed_cost():
     p = profile_from_dict(data)
     assert p.gemm_model is None
     model = p.gemm_kernels()
-    assert model == GemmModel(tiles=((128, 128),), tile_fixed_bytes=0.0)
+    assert model == GemmModel(tiles=((128, 128),), splits=(1, 2, 4, 8, 16), l2_bytes_per_s=0.0,
+                              tile_fixed_bytes=0.0, fixed_s=0.0)
     # one 128 x 128 tile a wave: 4096^3 is 1024 tiles, 8 waves of 132 SMs
     per_sm = p.gpu.gemm_flops()["bf16"] / 132
     expected = max(8 * 2.0 * 128 * 128 * 4096 / per_sm, (2 * 3 * 4096 * 4096) / p.gpu.hbm_bytes_per_s)
@@ -141,9 +144,9 @@ def test_the_best_tile_is_chosen():
     p = load_profile("h100-sxm")
     full = p.gemm_kernels()
     for tile in full.tiles:
-        alone = GemmModel(tiles=(tile,), tile_fixed_bytes=full.tile_fixed_bytes)
+        alone = replace(full, tiles=(tile,))
         for m, n, k in [(4096, 6144, 4096), (1024, 9216, 14336), (64, 12288, 5376), (300, 500, 700)]:
-            args = (p.gpu.gemm_flops()["bf16"], p.gpu.sms, 2.0 * (m * k + k * n + m * n), p.gpu.hbm_bytes_per_s)
+            args = (p.gpu.gemm_flops()["bf16"], p.gpu.sms, 2.0 * (m * k + k * n + m * n), p.gpu.hbm_bytes_per_s, 2)
             assert full.seconds(m, n, k, *args) <= alone.seconds(m, n, k, *args)
 
 
@@ -155,6 +158,12 @@ def test_the_best_tile_is_chosen():
     {"tiles": [[128, 128.5]]},
     {"tiles": [[128, True]]},
     {"tiles": [[128, 128]], "tile_fixed_bytes": -1},
+    {"tiles": [[128, 128]], "splits": []},
+    {"tiles": [[128, 128]], "splits": [0]},
+    {"tiles": [[128, 128]], "splits": [1.5]},
+    {"tiles": [[128, 128]], "l2_bytes_per_s": -1},
+    {"tiles": [[128, 128]], "fixed_s": 1.0},
+    {"tiles": [[128, 128]], "fixed_s": None},
     {"tiles": [[128, 128]], "tile_fixed_bytes": 1e6},
     {"tiles": [[128, 128]], "tile_fixed_bytes": "8 B"},
     {"tiles": [[128, 128]], "other": 1},
