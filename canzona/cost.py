@@ -236,9 +236,9 @@ class DeviceRate:
 
     `gemm_flops` is per compute dtype: the sustained tensor-core rate of the whole GPU (what the
     largest GEMMs approach). With `sms` set, a GEMM is priced by its shape (`canzona.gemm_model`:
-    the fastest of `gemm_model`'s tile shapes and split-K, whole waves over the SMs, a fixed cost a
-    tile, the HBM roofline), so a small or short-K GEMM uses the machine less well and time never
-    falls as a dimension grows. `solver_flops` covers eigh / QR (far below GEMM speed on GPUs and
+    the fastest of `gemm_model`'s tile shapes and splits, whole waves over the SMs at that rate or
+    the L2 operand feed, a fixed traffic a tile and a latency a GEMM, the HBM roofline), so a small
+    or short-K GEMM uses the machine less well and time never falls as a dimension grows. `solver_flops` covers eigh / QR (far below GEMM speed on GPUs and
     version dependent: a calibrated table should replace it).
     """
 
@@ -256,7 +256,7 @@ class DeviceRate:
     # GEMM model (canzona.gemm_model) for the dtypes it covers
     gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     peak_flops: dict[str, float] = field(default_factory=dict)
-    # tile shapes and per-tile fixed cost; None: square `tile` tiles without a fixed cost
+    # the GEMM model's tiles, splits, feed and fixed costs; None: square `tile` tiles, no fixed cost
     gemm_model: GemmModel | None = None
     # seconds by kernel, filled as kernels are priced: a mixture-of-experts model has tens of
     # thousands of matrices of a few shapes, priced again by every planner and simulator pass

@@ -123,6 +123,7 @@ def parse_gemm_model(raw: Any, where: str) -> GemmModel:
                      tile_fixed_bytes=number("tile_fixed_bytes", MAX_FIXED_BYTES),
                      fixed_s=number("fixed_s", MAX_FIXED_S))
 
+
 MEASUREMENTS = "gemm_measurements.json"  # canzona/data: published GEMM throughput by shape
 
 
