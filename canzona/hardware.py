@@ -135,7 +135,7 @@ class HardwareProfile:
     # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
     optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
     collectives: CollectiveTable = field(default_factory=CollectiveTable)
-    # GEMM tiles and per-tile fixed cost (canzona.gemm_model); None: square gpu.gemm_tile tiles, no cost
+    # the GEMM model's tiles, splits, feed and fixed costs (canzona.gemm_model); None: square gpu.gemm_tile tiles
     gemm_model: GemmModel | None = None
 
     def gemm_kernels(self) -> GemmModel:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from canzona.cost import DeviceRate, gemm_kernel
 from canzona.errors import SpecError
-from canzona.gemm_model import GemmModel, measurements, model_tflops
+from canzona.gemm_measurements import measurements, model_tflops
+from canzona.gemm_model import GemmModel
 from canzona.hardware import load_profile, profile_from_dict
 
 # Every row of a shipped profile's device, fitted or not, within these bounds: the fit leaves at
