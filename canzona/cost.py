@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from canzona.errors import SpecError
+from canzona.gemm_model import GemmModel, square
 from canzona.hardware import (
     DEFAULT_PROFILE,
     HardwareProfile,
@@ -55,7 +56,10 @@ class Kernel:
 
 def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
     b = DTYPE_BYTES[dtype]
-    return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n + m * n)), dtype, count, (m, n, k))
+    # an fp8 GEMM writes its output in bf16 (Transformer Engine, torch._scaled_mm): no GEMM writes
+    # fewer than 2 bytes an output element
+    out = max(b, DTYPE_BYTES["bf16"])
+    return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n) + out * m * n), dtype, count, (m, n, k))
 
 
 def grouped_gemm_kernel(name: str, m: int, n: int, k: int, groups: int, dtype: str, count: float = 1.0) -> Kernel:
@@ -230,10 +234,12 @@ def shampoo_row_state_bytes(m: int, n: int, cfg: ShampooConfig) -> int:
 class DeviceRate:
     """Achieved rates of one accelerator, enough to turn kernels into seconds.
 
-    `gemm_flops` is per compute dtype (what large GEMMs reach). With `sms` set, a GEMM also pays for
-    wave quantisation: its `ceil(M/tile) * ceil(N/tile)` output tiles run in whole waves over the
-    SMs, so a small GEMM uses a fraction of the machine and time never falls as a dimension grows. `solver_flops` covers eigh / QR (far below
-    GEMM speed on GPUs and version dependent: a calibrated table should replace it).
+    `gemm_flops` is per compute dtype: the sustained tensor-core rate of the whole GPU (what the
+    largest GEMMs approach). With `sms` set, a GEMM is priced by its shape (`canzona.gemm_model`:
+    the fastest of `gemm_model`'s tile shapes and splits, whole waves over the SMs at that rate or
+    the L2 operand feed, a fixed traffic a tile and a latency a GEMM, the HBM roofline), so a small
+    or short-K GEMM uses the machine less well and time never falls as a dimension grows. `solver_flops` covers eigh / QR (far below GEMM speed on GPUs and
+    version dependent: a calibrated table should replace it).
     """
 
     name: str
@@ -247,12 +253,14 @@ class DeviceRate:
     tile: int = 128
     solver_seconds: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # measured efficiency (of `peak_flops`) by FLOPs of one GEMM, per dtype: replaces the
-    # datasheet efficiency and the wave model for the dtypes it covers
+    # GEMM model (canzona.gemm_model) for the dtypes it covers
     gemm_curve: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     peak_flops: dict[str, float] = field(default_factory=dict)
     # fraction of `hbm_bytes_per_s` that memory-bound (elementwise) kernels reach: the profile's
     # published copy / STREAM-style measurement (`GPUSpec.hbm_efficiency`)
     hbm_efficiency: float = 1.0
+    # the GEMM model's tiles, splits, feed and fixed costs; None: square `tile` tiles, no fixed cost
+    gemm_model: GemmModel | None = None
     # seconds by kernel, filled as kernels are priced: a mixture-of-experts model has tens of
     # thousands of matrices of a few shapes, priced again by every planner and simulator pass
     _seconds: dict[tuple, float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -262,7 +270,8 @@ class DeviceRate:
         g = profile.gpu
         return cls(profile.name, g.gemm_flops(), g.elementwise_flops, g.hbm_bytes_per_s, g.solver_flops,
                    g.launch_s, "; ".join(profile.sources), g.sms, g.gemm_tile, profile.solver_seconds,
-                   dict(profile.gemm_curve), dict(g.peak_flops), hbm_efficiency=g.hbm_efficiency)
+                   dict(profile.gemm_curve), dict(g.peak_flops), gemm_model=profile.gemm_kernels(),
+                   hbm_efficiency=g.hbm_efficiency)
 
     def curve_efficiency(self, dtype: str, flops: float) -> float | None:
         """Measured efficiency at `flops` (the profile's `gemm_curve`); None without one."""
@@ -286,29 +295,18 @@ class DeviceRate:
                 return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
         return None
 
-    def gemm_flops_issued(self, k: Kernel, split: int = 1) -> float:
-        """FLOPs the GPU spends: with `sms` set, whole waves of `tile x tile` output tiles (a partial
-        tile or a partial wave costs as much as a full one), each tile's depth cut into `split`
-        slices (split-K), else the GEMM's own FLOPs."""
-        if self.sms is None:
-            return k.flops
-        m, n, depth = k.gemm
-        tiles = -(-m // self.tile) * -(-n // self.tile)
-        waves = -(-(tiles * split) // self.sms)
-        return 2.0 * depth / split * self.tile * self.tile * self.sms * waves
-
     def _gemm_seconds(self, k: Kernel) -> float:
-        """Roofline of one GEMM. An output of too few tiles to fill the SMs may have its depth split
-        (split-K, as cuBLAS does for deep, narrow GEMMs), paying for the fp32 partial sums it writes
-        and reads back; the cheapest split counts (each split's time grows with every dimension, so
-        the minimum does too)."""
-        rate = self.gemm_flops[k.dtype]
-        m, n, _ = k.gemm
-        best = math.inf
-        for split in (1, 2, 4, 8, 16) if self.sms is not None else (1,):
-            partials = 2 * 4 * (split - 1) * m * n
-            best = min(best, max(self.gemm_flops_issued(k, split) / rate, (k.bytes + partials) / self.hbm_bytes_per_s))
-        return best
+        """One GEMM: its shape on the SMs (`canzona.gemm_model`) when `sms` is set, else the
+        roofline of its FLOPs at the sustained rate and its bytes at the HBM bandwidth."""
+        rate = self.gemm_flops.get(k.dtype)
+        if rate is None:
+            raise SpecError(f"{self.name} has no {k.dtype} GEMM rate (its profile's gpu.peak_flops has "
+                            f"{', '.join(self.gemm_flops)})")
+        if self.sms is None:
+            return max(k.flops / rate, k.bytes / self.hbm_bytes_per_s)
+        m, n, depth = k.gemm
+        model = self.gemm_model if self.gemm_model is not None else square(self.tile)
+        return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s, DTYPE_BYTES[k.dtype])
 
     def kernel_seconds(self, k: Kernel) -> float:
         key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver)  # what prices it: not its name

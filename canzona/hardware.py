@@ -16,6 +16,7 @@ from typing import Any
 
 from canzona.errors import SpecError
 from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
+from canzona.gemm_model import GemmModel, parse_gemm_model, square
 from canzona.spec import DTYPE_BYTES
 
 SCHEMA = "canzona.hardware"
@@ -27,9 +28,9 @@ DEFAULT_PROFILE = "h100-sxm"
 class GPUSpec:
     memory_bytes: float
     sms: int
-    gemm_tile: int  # output tile edge used for wave quantisation
+    gemm_tile: int  # square output tile of the GEMM model when a profile has no gemm_model section
     peak_flops: dict[str, float]  # dense GEMM peak per dtype
-    gemm_efficiency: dict[str, float]  # fraction of peak reached by large GEMMs
+    gemm_efficiency: dict[str, float]  # sustained tensor-core fraction of peak (canzona.gemm_model)
     elementwise_flops: float
     hbm_bytes_per_s: float
     solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)
@@ -142,6 +143,11 @@ class HardwareProfile:
     # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
     optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
     collectives: CollectiveTable = field(default_factory=CollectiveTable)
+    # the GEMM model's tiles, splits, feed and fixed costs (canzona.gemm_model); None: square gpu.gemm_tile tiles
+    gemm_model: GemmModel | None = None
+
+    def gemm_kernels(self) -> GemmModel:
+        return self.gemm_model if self.gemm_model is not None else square(self.gpu.gemm_tile)
 
     def gemm_efficiency_at(self, dtype: str, flops: float) -> float | None:
         """Measured efficiency of one GEMM of `flops` FLOPs, interpolated linearly in log(flops)
@@ -329,6 +335,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         gemm_curve=_gemm_curve(data.get("gemm_curve", {}), where),
         optimizer_seconds=_optimizer_seconds(data.get("optimizer_seconds", []), where),
         collectives=_collectives(data["collectives"], where) if "collectives" in data else CollectiveTable(),
+        gemm_model=parse_gemm_model(data["gemm_model"], where) if "gemm_model" in data else None,
         name=name,
         description=str(data.get("description", "")),
         measured=measured,
