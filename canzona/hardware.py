@@ -16,6 +16,7 @@ from typing import Any
 from canzona.errors import SpecError
 from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
 from canzona.spec import DTYPE_BYTES
+from canzona.variability import parse_variability
 
 SCHEMA = "canzona.hardware"
 VERSION = 1
@@ -134,6 +135,9 @@ class HardwareProfile:
     # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
     optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
     collectives: CollectiveTable = field(default_factory=CollectiveTable)
+    # the per-GPU compute time's standard deviation over its median across GPUs of this model
+    # (canzona.variability: a synchronous job waits for its slowest GPU); 0 prices every GPU alike
+    gpu_time_cv: float = 0.0
 
     def gemm_efficiency_at(self, dtype: str, flops: float) -> float | None:
         """Measured efficiency of one GEMM of `flops` FLOPs, interpolated linearly in log(flops)
@@ -319,6 +323,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         gemm_curve=_gemm_curve(data.get("gemm_curve", {}), where),
         optimizer_seconds=_optimizer_seconds(data.get("optimizer_seconds", []), where),
         collectives=_collectives(data["collectives"], where) if "collectives" in data else CollectiveTable(),
+        gpu_time_cv=parse_variability(data["variability"], where) if "variability" in data else 0.0,
         name=name,
         description=str(data.get("description", "")),
         measured=measured,

@@ -306,7 +306,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1):
+                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
+                gpu_variability: float | None = None):
     from sim.simulate import SimConfig
     from sim.workload import Workload
 
@@ -318,7 +319,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      workload=Workload(seq_len, global_batch, micro_batch), options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
-                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
+                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
+                     gpu_variability=gpu_variability)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -409,6 +411,10 @@ Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: param
                                      "policies: canzona, fsdp-owners-unbalanced, and in the simulator fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
+GpuVariability = Annotated[float | None, typer.Option(
+    help="The per-GPU compute time's standard deviation over its median GPU's (default: the hardware profile's "
+         "variability.time_cv): forward / backward wait for the expected slowest of the job's GPUs; 0 prices every "
+         "GPU alike.")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 
 
@@ -428,7 +434,7 @@ def simulate(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, gpu_variability: GpuVariability = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -442,7 +448,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp)
+                             vp, cp, gpu_variability)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

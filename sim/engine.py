@@ -63,8 +63,12 @@ class Collective:
 
 
 class Engine:
-    def __init__(self) -> None:
+    def __init__(self, slowdown: float = 1.0) -> None:
+        """`slowdown`: the factor on every phase A kernel's time, the expected slowest GPU's time
+        over the median GPU's (canzona.variability): phase A is simulated on one rank standing for
+        every rank, and a synchronous iteration runs at its slowest GPU's pace; 1: GPUs alike."""
         self.env = simpy.Environment()
+        self.slowdown = slowdown
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
@@ -85,7 +89,9 @@ class Engine:
 
     def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
                 stream: str = "compute") -> simpy.Event:
-        """A kernel of `seconds` on `rank`'s stream, after `after` fire."""
+        """A kernel of `seconds` on `rank`'s stream, after `after` fire (phase A's: `slowdown` times)."""
+        if self.phase == "A" and self.slowdown != 1.0:
+            seconds *= self.slowdown
         return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase))
 
     def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str):
