@@ -13,6 +13,7 @@ from canzona.hardware import load_profile, load_profile_data, profile_from_dict
 from canzona.variability import MAX_CV, check_cv, expected_max_normal, straggler_slowdown
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
+from tests.cli_helpers import error_line, invoke
 
 
 def test_expected_max_of_normals_known_values() -> None:
@@ -111,3 +112,21 @@ def test_tokens_per_gpu_fall_as_dp_grows() -> None:
                         workload=Workload(seq_len=1024, global_batch=8 * gpus))
         per_gpu.append(8 * 1024 / simulate(cfg).iteration_time_s)
     assert all(b < a for a, b in zip(per_gpu, per_gpu[1:])), per_gpu
+
+
+@pytest.mark.parametrize("value", ["-0.1", "0.5", "nan"])
+def test_cli_bad_gpu_variability_is_one_error_line(value) -> None:
+    error_line(invoke("simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--tp", "1", "--optimizer", "adamw",
+                      "--gpu-variability", value), "gpu variability must be a number")
+
+
+def test_cli_gpu_variability_in_json() -> None:
+    def slowdown(*extra: str) -> float:
+        out = invoke("simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--tp", "1", "--optimizer", "adamw",
+                     "--seq-len", "256", "--global-batch", "8", *extra, "--json")
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)["gpu_slowdown"]
+
+    assert slowdown() == pytest.approx(1 + load_profile("h100-sxm").gpu_time_cv * expected_max_normal(8))
+    assert slowdown("--gpu-variability", "0") == 1.0
+    assert slowdown("--gpu-variability", "0.03") == pytest.approx(1 + 0.03 * expected_max_normal(8))
