@@ -72,6 +72,7 @@ class Engine:
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
+        self.end = 0.0  # when the last op ended (`run`)
         self.phase = "A"  # the phase of the ops created from now on (their spans say it)
         # (members, logged record or {member: record}) of collectives issued with a record, in
         # issue order: what a runtime collective log would show (sim.iteration, runtime mode)
@@ -102,7 +103,7 @@ class Engine:
             start = self.env.now
             if seconds > 0:
                 yield self.env.timeout(seconds)
-            self.spans.append(Span(rank, stream, name, "compute", start, self.env.now, phase))
+            self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
                    after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None) -> dict[int, simpy.Event]:
@@ -122,11 +123,18 @@ class Engine:
                 yield self.env.all_of(after)
             coll.arrive()
             yield coll.done
-            self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+            self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+
+    def _record(self, span: Span) -> None:
+        self.spans.append(span)
+        self.end = max(self.end, span.end)
 
     def run(self) -> float:
+        """Run every op; the time the last one ended. Not the clock's final time: a transfer whose
+        rate changed (`Fabric._reshape`) leaves its interrupted timeout in SimPy's queue, where it
+        still fires, later and doing nothing, and would move the clock past the iteration's end."""
         self.env.run()
-        return self.env.now
+        return self.end
 
 
 def issued_records(records: Sequence[tuple[tuple[int, ...], Any]], rank: int) -> list[tuple]:
