@@ -23,8 +23,8 @@ from typing import Any
 from canzona.errors import SpecError
 
 # The largest coefficient of variation accepted: the published spreads are a few percent; one of
-# 0.3 would put the slowest of a thousand GPUs at twice the median's time, beyond any cluster a
-# normal law describes (and the option's reading as "seconds per second" would break down).
+# 0.3 would put the slowest of a thousand GPUs at twice the median's time (and a normal law's
+# lower tail at negative times), beyond any cluster this law describes.
 MAX_CV = 0.3
 
 
