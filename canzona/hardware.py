@@ -18,6 +18,7 @@ from canzona.errors import SpecError
 from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
 from canzona.gemm_model import GemmModel, parse_gemm_model, square
 from canzona.spec import DTYPE_BYTES
+from canzona.variability import parse_variability
 
 SCHEMA = "canzona.hardware"
 VERSION = 1
@@ -143,6 +144,9 @@ class HardwareProfile:
     # measured seconds of one optimizer step: ((optimizer, m, n, dtype, seconds), ...)
     optimizer_seconds: tuple[tuple[str, int, int, str, float], ...] = ()
     collectives: CollectiveTable = field(default_factory=CollectiveTable)
+    # the per-GPU compute time's standard deviation over its median across GPUs of this model
+    # (canzona.variability: a synchronous job waits for its slowest GPU); 0 prices every GPU alike
+    gpu_time_cv: float = 0.0
     # the GEMM model's tiles, splits, feed and fixed costs (canzona.gemm_model); None: square gpu.gemm_tile tiles
     gemm_model: GemmModel | None = None
 
@@ -336,6 +340,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         optimizer_seconds=_optimizer_seconds(data.get("optimizer_seconds", []), where),
         collectives=_collectives(data["collectives"], where) if "collectives" in data else CollectiveTable(),
         gemm_model=parse_gemm_model(data["gemm_model"], where) if "gemm_model" in data else None,
+        gpu_time_cv=parse_variability(data["variability"], where) if "variability" in data else 0.0,
         name=name,
         description=str(data.get("description", "")),
         measured=measured,

@@ -307,7 +307,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
-                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True):
+                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
+                 gpu_variability: float | None = None):
     from canzona.spec import DTYPE_BYTES
     from sim.simulate import SimConfig
     from sim.workload import Workload
@@ -322,7 +323,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
-                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate)
+                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
+                     gpu_variability=gpu_variability)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -419,6 +421,10 @@ Precision = Annotated[str, typer.Option(
 Fp8Recipe = Annotated[str, typer.Option(
     help="Under --precision fp8, Transformer Engine's scaling: delayed (amax history, one amax all-reduce per "
          "micro-batch) or current (per-tensor amax, read before each cast).")]
+GpuVariability = Annotated[float | None, typer.Option(
+    help="The per-GPU compute time's standard deviation over its median GPU's (default: the hardware profile's "
+         "variability.time_cv): forward / backward wait for the expected slowest of the job's GPUs; 0 prices every "
+         "GPU alike.")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
@@ -443,6 +449,7 @@ def simulate(
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
     fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
+    gpu_variability: GpuVariability = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -456,7 +463,7 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32)
+                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

@@ -63,11 +63,16 @@ class Collective:
 
 
 class Engine:
-    def __init__(self) -> None:
+    def __init__(self, slowdown: float = 1.0) -> None:
+        """`slowdown`: the factor on every phase A kernel's time, the expected slowest GPU's time
+        over the median GPU's (canzona.variability): phase A is simulated on one rank standing for
+        every rank, and a synchronous iteration runs at its slowest GPU's pace; 1: GPUs alike."""
         self.env = simpy.Environment()
+        self.slowdown = slowdown
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
+        self.end = 0.0  # when the last op ended (`run`)
         self.phase = "A"  # the phase of the ops created from now on (their spans say it)
         # (members, logged record or {member: record}) of collectives issued with a record, in
         # issue order: what a runtime collective log would show (sim.iteration, runtime mode)
@@ -85,7 +90,9 @@ class Engine:
 
     def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
                 stream: str = "compute") -> simpy.Event:
-        """A kernel of `seconds` on `rank`'s stream, after `after` fire."""
+        """A kernel of `seconds` on `rank`'s stream, after `after` fire (phase A's: `slowdown` times)."""
+        if self.phase == "A" and self.slowdown != 1.0:
+            seconds *= self.slowdown
         return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase))
 
     def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str):
@@ -96,7 +103,7 @@ class Engine:
             start = self.env.now
             if seconds > 0:
                 yield self.env.timeout(seconds)
-            self.spans.append(Span(rank, stream, name, "compute", start, self.env.now, phase))
+            self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
                    after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None) -> dict[int, simpy.Event]:
@@ -116,11 +123,18 @@ class Engine:
                 yield self.env.all_of(after)
             coll.arrive()
             yield coll.done
-            self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+            self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+
+    def _record(self, span: Span) -> None:
+        self.spans.append(span)
+        self.end = max(self.end, span.end)
 
     def run(self) -> float:
+        """Run every op; the time the last one ended. Not the clock's final time: a transfer whose
+        rate changed (`Fabric._reshape`) leaves its interrupted timeout in SimPy's queue, where it
+        still fires, later and doing nothing, and would move the clock past the iteration's end."""
         self.env.run()
-        return self.env.now
+        return self.end
 
 
 def issued_records(records: Sequence[tuple[tuple[int, ...], Any]], rank: int) -> list[tuple]:

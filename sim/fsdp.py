@@ -136,7 +136,7 @@ class _FsdpRun:
         self.policy = fsdp_policy(cfg.optimizer, cfg.policy)  # None: AdamW, each rank steps its shards
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
-        self.engine = Engine()
+        self.engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus))
         self.tp = cluster.tp
         self.size = shard * self.tp  # the exchange group: the shard group's DP ranks x TP (the runtime's)
         self.ep = cfg.ep

@@ -55,6 +55,7 @@ from canzona.step_policies import (
 )
 from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity
+from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.fp8 import FP8, check_fp8_device, fp8_setup
@@ -133,6 +134,10 @@ class SimConfig:
     # R replicas of shard groups of DP / R ranks, the reduced gradient shards all-reduced over them
     fsdp: bool = False
     hsdp_replicate: int = 1
+    # the per-GPU compute time's standard deviation over its median (canzona.variability): phase
+    # A's compute waits for the expected slowest of the job's GPUs; None: the hardware profile's
+    # (`variability.time_cv`), 0: every GPU alike (comparisons with one runtime measurement)
+    gpu_variability: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy is None or not self.fsdp:  # the runtime's resolution (zero1-gather with adamw: zero1)
@@ -169,6 +174,8 @@ class SimConfig:
         check_tp_mode(self.tp_mode)
         check_geometry(self.geometry)
         self.options.check()
+        if self.gpu_variability is not None:
+            check_cv(self.gpu_variability)
         hw = load_profile(self.hardware)
         if self.workload.precision == FP8:
             check_fp8_device(hw)
@@ -200,6 +207,11 @@ class SimConfig:
             self.expert_cluster(cluster)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
+
+    def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
+        """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""
+        cv = hw.gpu_time_cv if self.gpu_variability is None else self.gpu_variability
+        return straggler_slowdown(cv, gpus)
 
     def _check_cp(self) -> None:
         """What context parallelism needs besides the cluster's divisibility (`Cluster`)."""
@@ -274,6 +286,9 @@ class SimResult:
     # with RunOptions(collectives="runtime"): (members, logged record) of every collective issued,
     # in issue order, as the runtime's logs would hold them (sim.engine.issued_records)
     collective_records: tuple = field(default=(), repr=False)
+    # the factor phase A's compute was priced at: the expected slowest GPU of the job over the
+    # median GPU (canzona.variability; 1: every GPU alike)
+    gpu_slowdown: float = 1.0
 
     @property
     def fits(self) -> bool:
@@ -319,6 +334,7 @@ class SimResult:
             "param_gather_exposed_s": self.param_gather_exposed_s,
             "fell_back_to": self.fell_back_to,
             "mfu": self.mfu,
+            "gpu_slowdown": self.gpu_slowdown,
             "options": asdict(cfg.options),
             "breakdown": self.breakdown,
             "optimizer_breakdown": self.optimizer_breakdown,
@@ -504,7 +520,8 @@ def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, 
     peak = hw.gpu.peak_flops.get(wl.dtype, hw.gpu.peak_flops["bf16"])
     mfu = model_flops / (t_end * cluster.gpus * peak) if t_end > 0 else 0.0
     return dict(forward_backward_s=fb_end, mfu=mfu, breakdown={k: a[k] + mean[k] for k in a},
-                optimizer_breakdown=mean, rank_optimizer_s=tuple(o["compute_s"] for o in opt))
+                optimizer_breakdown=mean, rank_optimizer_s=tuple(o["compute_s"] for o in opt),
+                gpu_slowdown=engine.slowdown)
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
@@ -524,7 +541,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     spec, arch = model
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
-    engine = Engine()
+    engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus))
     dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []

@@ -95,7 +95,10 @@ def runtime_config(policy: str, dp: int, seq_len: int, batch_per_rank: int, opti
                   dtype="fp32")
     return SimConfig(model=name, gpus=dp, tp=1, optimizer=optimizer, policy=policy, hardware=hardware, workload=wl,
                      options=RunOptions(overlap_param_gather=True, tp_comm_overlap=False, collectives="runtime"),
-                     zero1_fallback=False)
+                     zero1_fallback=False,
+                     # the runtime's ranks are the calibrated machine's own: no fleet of GPUs of one
+                     # model whose slowest the job would wait for (canzona.variability)
+                     gpu_variability=0.0)
 
 
 def predict(policies: Sequence[str], spec: ModelSpec, arch: Architecture, dp: int, seq_len: int,

@@ -346,3 +346,18 @@ def test_single_rank_collective_is_just_its_cost():
     assert eng.run() == approx(0.75)
     (s,) = eng.spans
     assert s.rank == 5 and math.isclose(s.end - s.start, 0.75)
+
+
+def test_iteration_ends_with_its_last_op_not_a_stale_timeout():
+    """A transfer that sped up (its link's other transfer ended) leaves its interrupted timeout in
+    SimPy's queue: B (0 -> 1.5 s) and A (from 0.5 s) share a link; A's first timeout, at half rate,
+    was for 2.5 s, but A ends at 2.0 s, and so does the run."""
+    eng = Engine()
+    cost = CollectiveCost(0.0, 1.0, "nvlink")
+    eng.collective("b", [0, 1], cost, "dp-comm")
+    gate = eng.env.timeout(0.5)
+    eng.collective("a", [0, 1], cost, "tp-comm", after={0: [gate], 1: [gate]})
+    assert eng.run() == approx(2.0)
+    assert eng.env.now == approx(2.5)  # the clock went on to the stale timeout
+    s = spans_by_name(eng)
+    assert s["b"][0].end == approx(1.5) and s["a"][0].end == approx(2.0)

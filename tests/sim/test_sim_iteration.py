@@ -27,6 +27,7 @@ from canzona.optimizers import default_config
 from canzona.pipeline import one_f_one_b
 from canzona.plan import PLAN_DEFAULTS
 from canzona.step_policies import STEP_POLICIES
+from canzona.variability import straggler_slowdown
 from sim.collectives import collective_cost
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
@@ -183,6 +184,8 @@ def test_phase_a_closed_form_without_dp(tp):
     work = _work("qwen3-0.6b", tp, wl)
     compute = sum(b.seconds for layer in work.forward + work.backward for b in layer)
     compute += work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s
+    # the TP group's GPUs wait for their expected slowest (canzona.variability; 1 at TP 1)
+    compute *= straggler_slowdown(hw.gpu_time_cv, tp)
     blocks = sum(len(layer) for layer in work.forward)
     act = wl.seq_len * cfg.hidden * wl.activation_bytes
     geo = GroupGeometry(tp, 1, tp)
