@@ -111,7 +111,7 @@ class _FsdpRun:
         self.policy = get_fsdp_policy(cfg.policy)
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
-        self.engine = Engine()
+        self.engine = Engine(sms=hw.gpu.sms)  # communication kernels take SMs from compute (sim.comm_sms)
         self.tp = cluster.tp
         self.size = shard * self.tp  # the exchange group: the shard group's DP ranks x TP (the runtime's)
         self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,

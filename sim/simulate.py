@@ -514,7 +514,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     spec, arch = model
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
-    engine = Engine()
+    engine = Engine(sms=hw.gpu.sms)  # communication kernels take SMs from compute (sim.comm_sms)
     dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []
