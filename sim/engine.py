@@ -191,8 +191,11 @@ class Engine:
             self.spans.append(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
 
     def run(self) -> float:
+        """Run every operation; the time the last one ended. Not `env.now`: a kernel (or fabric
+        transfer) whose rate changed leaves its first timeout in SimPy's queue, which fires, with
+        nothing waiting on it, after a kernel that sped up has ended."""
         self.env.run()
-        return self.env.now
+        return max((s.end for s in self.spans), default=self.env.now)
 
 
 def issued_records(records: Sequence[tuple[tuple[int, ...], Any]], rank: int) -> list[tuple]:

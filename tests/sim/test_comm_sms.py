@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim import simulate as simulate_mod
 from sim.collectives import FREE, CollectiveCost
 from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, NETWORK_SMS, NVLINK_RING_SMS, NVLS_SMS, nccl_sms
 from sim.engine import Engine
@@ -85,6 +84,16 @@ def test_nothing_overlapping_changes_nothing():
                                                                                               3.0 + 1e-5 + 2.0 + 1.5)]
 
 
+def test_run_ends_with_the_last_kernel():
+    """A collective that ends mid-kernel speeds it up: its first timeout (at the slow rate) is left
+    in SimPy's queue, and the run still ends when the kernel does."""
+    eng = Engine(sms=SMS)
+    eng.compute(0, "gemm", 10.0)
+    eng.collective("rs", [0, 1], CollectiveCost(0.0, 4.0, "nvlink"), "tp-comm", sms=50)
+    assert eng.run() == approx(12.0)
+    assert eng.env.now > 12.0  # the stale timeout: 10 s of work at half rate, 20 s
+
+
 def test_copy_engine_transfer_takes_no_sm():
     assert _spans(_overlapped(0))["gemm"][0].end == approx(10.0)
 
@@ -154,14 +163,25 @@ def test_work_is_conserved_under_any_overlap(colls, kernels):
     assert not any(eng._kernels.values())
 
 
-def test_tp_overlap_now_costs_compute_time(monkeypatch):
+CFG = SimConfig(model="qwen3-1.7b", gpus=8, tp=2, workload=Workload(seq_len=512, global_batch=16),
+                options=RunOptions(overlap_param_gather=False))
+
+
+@pytest.fixture
+def with_sharing():
+    return simulate(CFG)
+
+
+@pytest.fixture
+def at_full_rate(full_rate_compute):
+    return simulate(CFG)
+
+
+def test_tp_overlap_now_costs_compute_time(with_sharing, at_full_rate):
     """An iteration with TP overlap: the userbuffers and NCCL kernels' SMs lengthen the compute
-    spans; an engine without SM sharing gives the old times."""
-    cfg = SimConfig(model="qwen3-1.7b", gpus=8, tp=2, workload=Workload(seq_len=512, global_batch=16),
-                    options=RunOptions(overlap_param_gather=False))
-    shared = simulate(cfg)
-    monkeypatch.setattr(simulate_mod, "Engine", lambda sms=0: Engine())
-    free = simulate(cfg)
+    spans; an engine without SM sharing gives the old times. (Fixtures in this order: the shared
+    run is made before `full_rate_compute` patches the engine.)"""
+    shared, free = with_sharing, at_full_rate
 
     def compute(r) -> float:
         return sum(s.end - s.start for s in r.spans if s.kind == "compute" and s.rank == 0 and s.phase == "A")
