@@ -127,8 +127,17 @@ class Engine:
                 yield self.env.all_of(after)
             start = self.env.now
             if seconds > 0:
-                if self.sms:
-                    yield from self._kernel(rank, seconds)
+                if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
+                    k = _Kernel(seconds, self._rate(rank), start, self.env.active_process)
+                    running = self._kernels.setdefault(rank, [])
+                    running.append(k)
+                    while True:
+                        try:
+                            yield self.env.timeout(k.remaining / k.rate)
+                            break
+                        except simpy.Interrupt:  # `hold` changed the rate and settled `remaining`
+                            continue
+                    running.remove(k)
                 else:
                     yield self.env.timeout(seconds)
             self.spans.append(Span(rank, stream, name, "compute", start, self.env.now, phase))
@@ -137,18 +146,6 @@ class Engine:
         """Compute rate on `rank`: the share of SMs no communication kernel holds (one at least)."""
         held = self._held.get(rank, 0)
         return max(self.sms - held, 1) / self.sms if held else 1.0
-
-    def _kernel(self, rank: int, seconds: float):
-        k = _Kernel(seconds, self._rate(rank), self.env.now, self.env.active_process)
-        running = self._kernels.setdefault(rank, [])
-        running.append(k)
-        while True:
-            try:
-                yield self.env.timeout(k.remaining / k.rate)
-                break
-            except simpy.Interrupt:  # `hold` changed the rate and settled `remaining`
-                continue
-        running.remove(k)
 
     def hold(self, ranks: Sequence[int], sms: int) -> None:
         """A communication kernel holding `sms` SMs (negative: releasing them) starts on `ranks`:
