@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.collectives import FREE, CollectiveCost
-from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, NETWORK_SMS, NVLINK_RING_SMS, NVLS_SMS, nccl_sms
+from sim.comm_sms import (
+    ATTENTION_TP_OVERLAP,
+    MLP_TP_OVERLAP,
+    NETWORK_SMS,
+    NVLINK_RING_SMS,
+    NVLS_SMS,
+    nccl_sms,
+)
 from sim.engine import Engine
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
@@ -146,7 +153,8 @@ def test_work_is_conserved_under_any_overlap(colls, kernels):
         eng.collective(f"c{j}", [0, 1], CollectiveCost(seconds, 0.0, "nvlink"), f"s{j}", {0: [gate], 1: [gate]}, sms=held)
     eng.run()
     comm = [(s.start, s.end, colls[int(s.name[1:])][2]) for s in eng.spans if s.kind == "comm" and s.rank == 0]
-    for s, start, seconds in ((s, 0.0, kernels[int(s.name[1:])]) for s in eng.spans if s.kind == "compute"):
+    for s in (s for s in eng.spans if s.kind == "compute"):
+        seconds = kernels[int(s.name[1:])]
         cuts = sorted({s.start, s.end} | {t for a, b, _ in comm for t in (a, b) if s.start < t < s.end})
         work = 0.0
         for a, b in zip(cuts, cuts[1:]):
