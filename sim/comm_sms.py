@@ -17,10 +17,13 @@ size, above NCCL's small-message channel reduction, which this model leaves out)
 - a ring or tree across nodes over the NICs: 16. An NCCL developer: "on DGX with 8 NICs and a
   top speed of 190 GB/s, then it would use 16 SMs" (https://github.com/NVIDIA/nccl/issues/689).
 - point-to-point and all-to-all (`p2p`: pipeline sends, context-parallel ring exchanges, expert
-  dispatch): **assumption**, the collective figure of the same link (24 on NVLink, 16 across
-  nodes). NCCL sizes p2p channels per peer by the path (twice the NVLink bandwidth over one
-  channel's on NVLink, capped by its p2p channel count; `NCCL_NCHANNELS_PER_NET_PEER`, 2, per
-  network peer), which this model does not follow peer by peer.
+  dispatch) across nodes: 2 channels per peer (`NCCL_NCHANNELS_PER_NET_PEER`, "typically 2", an
+  NCCL developer in https://github.com/NVIDIA/nccl/issues/1424), one peer per other member, up to
+  NCCL's 32 channels (MAXCHANNELS; p2p channels are capped by `NCCL_MAX_P2P_NCHANNELS`, whose
+  default is that, https://github.com/NVIDIA/nccl/issues/1598).
+- point-to-point and all-to-all over NVLink: **assumption**, the NVLink ring figure, 24. NCCL
+  gives an NVLink peer channels in proportion to the path's bandwidth (many on an NVSwitch node),
+  then uses fewer for small messages; this model does not follow it peer by peer.
 
 Transformer Engine's userbuffers (TP communication overlap, `--tp-comm-overlap`) do not use NCCL
 for the TP exchanges: an all-gather overlapped by `ring_exchange` moves its chunks with the copy
@@ -42,15 +45,21 @@ from sim.collectives import CollectiveCost
 NVLINK_RING_SMS = 24  # NCCL ring / tree channels over NVLink on an 8-GPU H100 node
 NVLS_SMS = 16  # NCCL NVLS / NVLS-tree channels
 NETWORK_SMS = 16  # NCCL ring / tree channels across nodes, 8 NICs a node
+NET_PEER_SMS = 2  # NCCL send / recv channels per network peer
+MAX_CHANNELS = 32  # NCCL's MAXCHANNELS
 
 
-def nccl_sms(cost: CollectiveCost) -> int:
-    """SMs the NCCL kernel of a collective priced `cost` holds while it runs."""
+def nccl_sms(cost: CollectiveCost, members: int = 2) -> int:
+    """SMs the NCCL kernel of a collective priced `cost` over `members` ranks holds while it runs."""
     if cost.link == "none" or cost.seconds <= 0:
         return 0
     if cost.algorithm.startswith("nvls"):
         return NVLS_SMS
-    return NETWORK_SMS if cost.link == "network" else NVLINK_RING_SMS
+    if cost.link != "network":
+        return NVLINK_RING_SMS
+    if cost.algorithm == "p2p":
+        return min(NET_PEER_SMS * max(members - 1, 1), MAX_CHANNELS)
+    return NETWORK_SMS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -87,9 +87,9 @@ class Collective:
 
 
 class Engine:
-    def __init__(self, sms: int = 0, comm_sms: Callable[[CollectiveCost], int] = nccl_sms) -> None:
+    def __init__(self, sms: int = 0, comm_sms: Callable[[CollectiveCost, int], int] = nccl_sms) -> None:
         """`sms`: the GPU's SMs (0: communication takes none from compute); `comm_sms`: the SMs
-        a collective's kernel holds, by its cost, where the caller does not say."""
+        a collective's kernel holds, by its cost and its members, where the caller does not say."""
         self.env = simpy.Environment()
         self.sms = sms
         self.comm_sms = comm_sms
@@ -172,7 +172,7 @@ class Engine:
         SMs its kernel holds (default: NCCL's, `comm_sms`; 0 for copy-engine transfers)."""
         if record is not None:
             self.records.append((tuple(ranks), record))
-        held = 0 if not self.sms else (self.comm_sms(cost) if sms is None else sms)
+        held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
         coll = Collective(self, name, ranks, cost, held)
         after = after or {}
         return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())), self.phase))

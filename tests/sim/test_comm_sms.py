@@ -126,7 +126,10 @@ def test_nccl_channel_counts():
     assert nccl_sms(CollectiveCost(1e-5, 1e-3, "nvlink", "nvls/Simple")) == NVLS_SMS == 16
     assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "nvls-tree/Simple")) == NVLS_SMS
     assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "ring/Simple")) == NETWORK_SMS == 16
-    assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "p2p")) == NETWORK_SMS
+    assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "p2p")) == 2  # a send to one network peer
+    assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "p2p"), 8) == 14  # an all-to-all over 8: 2 a peer
+    assert nccl_sms(CollectiveCost(1e-5, 1e-3, "network", "p2p"), 64) == 32  # NCCL's channel cap
+    assert nccl_sms(CollectiveCost(1e-5, 1e-3, "nvlink", "p2p"), 8) == NVLINK_RING_SMS
     assert nccl_sms(FREE) == 0
 
 
