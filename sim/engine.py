@@ -4,17 +4,24 @@ Streams keep CUDA semantics: work runs in the order it was enqueued, and an op w
 blocks its stream. Each op requests its stream when created (so requests queue in program order),
 then waits for its dependencies while holding it. A collective starts when every participant has
 reached it on its stream, pays its latency, then moves its bytes over the fabric.
+
+SMs are shared (docs/design.md §9.1): a communication kernel holds SMs from its start to its end
+(`sim.comm_sms`: NCCL's channels, or a userbuffers kernel's `num_sm`), and a compute kernel on the
+same GPU runs at `(sms - held) / sms` of its rate meanwhile, re-settled whenever a communication
+kernel starts or ends on that GPU (the fluid accounting `sim.fabric` uses for links). An engine
+made with `sms=0` leaves compute at full rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import simpy
 
 from sim.collectives import CollectiveCost
+from sim.comm_sms import nccl_sms
 from sim.fabric import Fabric
 
 
@@ -31,12 +38,25 @@ class Span:
     phase: str = "A"  # "A": forward, backward, gradient sync; "B": the optimizer step (sim.iteration)
 
 
+class _Kernel:
+    """A compute kernel in flight: `remaining` full-rate seconds as of `since`, moving at `rate`."""
+
+    __slots__ = ("remaining", "rate", "since", "proc")
+
+    def __init__(self, seconds: float, rate: float, now: float, proc: simpy.Process):
+        self.remaining = seconds
+        self.rate = rate
+        self.since = now
+        self.proc = proc
+
+
 class Collective:
-    def __init__(self, engine: Engine, name: str, ranks: Sequence[int], cost: CollectiveCost):
+    def __init__(self, engine: Engine, name: str, ranks: Sequence[int], cost: CollectiveCost, sms: int = 0):
         self.engine = engine
         self.name = name
         self.ranks = tuple(ranks)
         self.cost = cost
+        self.sms = sms  # SMs its kernel holds on each member while it runs
         self.arrived = 0
         self.start: float | None = None
         self.done = engine.env.event()
@@ -53,22 +73,35 @@ class Collective:
     def _run(self):
         env = self.engine.env
         self.start = env.now
+        if self.sms:
+            self.engine.hold(self.ranks, self.sms)
         if self.cost.latency_s > 0:
             yield env.timeout(self.cost.latency_s)
         if self.cost.transfer_s > 0:
             yield self.engine.fabric.transfer(self.links(), self.cost.transfer_s)
         if self.cost.local_s > 0:
             yield env.timeout(self.cost.local_s)
+        if self.sms:
+            self.engine.hold(self.ranks, -self.sms)
         self.done.succeed()
 
 
 class Engine:
-    def __init__(self, slowdown: float = 1.0) -> None:
+    def __init__(self, slowdown: float = 1.0, sms: int = 0,
+                 comm_sms: Callable[[CollectiveCost, int], int] = nccl_sms) -> None:
         """`slowdown`: the factor on every phase A kernel's time, the expected slowest GPU's time
         over the median GPU's (canzona.variability): phase A is simulated on one rank standing for
-        every rank, and a synchronous iteration runs at its slowest GPU's pace; 1: GPUs alike."""
+        every rank, and a synchronous iteration runs at its slowest GPU's pace; 1: GPUs alike.
+        `sms`: the GPU's SMs (0: communication takes none from compute); `comm_sms`: the SMs
+        a collective's kernel holds, by its cost and its members, where the caller does not say."""
         self.env = simpy.Environment()
         self.slowdown = slowdown
+        self.sms = sms
+        self.comm_sms = comm_sms
+        self._held: dict[int, int] = {}  # rank -> SMs held by its running communication kernels
+        # rank -> its compute kernels in flight, oldest first (a list: a set's order, and so the
+        # order of same-time events, would vary between runs)
+        self._kernels: dict[int, list[_Kernel]] = {}
         self.fabric = Fabric(self.env)
         self._streams: dict[tuple[int, str], simpy.Resource] = {}
         self.spans: list[Span] = []
@@ -102,16 +135,53 @@ class Engine:
                 yield self.env.all_of(after)
             start = self.env.now
             if seconds > 0:
-                yield self.env.timeout(seconds)
+                if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
+                    k = _Kernel(seconds, self._rate(rank), start, self.env.active_process)
+                    running = self._kernels.setdefault(rank, [])
+                    running.append(k)
+                    while True:
+                        try:
+                            yield self.env.timeout(k.remaining / k.rate)
+                            break
+                        except simpy.Interrupt:  # `hold` changed the rate and settled `remaining`
+                            continue
+                    running.remove(k)
+                else:
+                    yield self.env.timeout(seconds)
             self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
+    def _rate(self, rank: int) -> float:
+        """Compute rate on `rank`: the share of SMs no communication kernel holds (one at least)."""
+        held = self._held.get(rank, 0)
+        return max(self.sms - held, 1) / self.sms if held else 1.0
+
+    def hold(self, ranks: Sequence[int], sms: int) -> None:
+        """A communication kernel holding `sms` SMs (negative: releasing them) starts on `ranks`:
+        settle each rank's compute kernels at their old rate and reschedule them at the new one."""
+        now = self.env.now
+        for r in ranks:
+            self._held[r] = self._held.get(r, 0) + sms
+            kernels = self._kernels.get(r)
+            if not kernels:
+                continue
+            rate = self._rate(r)
+            for k in kernels:
+                if k.rate != rate:
+                    k.remaining = max(0.0, k.remaining - (now - k.since) * k.rate)
+                    k.since = now
+                    k.rate = rate
+                    k.proc.interrupt()
+
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
-                   after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None) -> dict[int, simpy.Event]:
+                   after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None,
+                   sms: int | None = None) -> dict[int, simpy.Event]:
         """One collective over `ranks`, enqueued on each rank's `stream`; per-rank done events.
-        `record`: what a runtime log would hold for it (one tuple, or one per member)."""
+        `record`: what a runtime log would hold for it (one tuple, or one per member); `sms`: the
+        SMs its kernel holds (default: NCCL's, `comm_sms`; 0 for copy-engine transfers)."""
         if record is not None:
             self.records.append((tuple(ranks), record))
-        coll = Collective(self, name, ranks, cost)
+        held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
+        coll = Collective(self, name, ranks, cost, held)
         after = after or {}
         return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())), self.phase))
                 for r in ranks}

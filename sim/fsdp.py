@@ -136,7 +136,8 @@ class _FsdpRun:
         self.policy = fsdp_policy(cfg.optimizer, cfg.policy)  # None: AdamW, each rank steps its shards
         self.rate = DeviceRate.from_profile(hw)
         self.wl = cfg.workload
-        self.engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus))
+        # a job waits for its slowest GPU (canzona.variability); communication kernels take SMs from compute (sim.comm_sms)
+        self.engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus), sms=hw.gpu.sms)
         self.tp = cluster.tp
         self.size = shard * self.tp  # the exchange group: the shard group's DP ranks x TP (the runtime's)
         self.ep = cfg.ep

@@ -65,6 +65,7 @@ from sim.collectives import (
     matrix_all_to_all_cost,
     reduce_scatter_v_cost,
 )
+from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
@@ -375,10 +376,12 @@ class _Stage:
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
 
     def collective(self, name: str, groups: list[list[int]], cost, stream: str,
-                   after: dict[int, list[simpy.Event]] | None = None) -> dict[int, simpy.Event]:
+                   after: dict[int, list[simpy.Event]] | None = None, sms: int | None = None) -> dict[int, simpy.Event]:
+        """`sms`: the SMs its kernel holds (default: NCCL's, `sim.comm_sms.nccl_sms`)."""
         out: dict[int, simpy.Event] = {}
         for g in groups:
-            out.update(self.eng.collective(name, g, cost, stream, {r: (after or {}).get(r, [self.last[r]]) for r in g}))
+            out.update(self.eng.collective(name, g, cost, stream, {r: (after or {}).get(r, [self.last[r]]) for r in g},
+                                           sms=sms))
         return out
 
     def compute(self, name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None) -> None:
@@ -414,16 +417,21 @@ class _Stage:
             self.core(name, b.seconds, b)
             self.last.update(self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM))
             return
+        # userbuffers' SMs (sim.comm_sms): the first gather is a copy-engine ring exchange; the
+        # backward's second re-gathers the block input, a `bulk` kernel
+        sm = _tp_overlap_sms(b)
+        backward = gathers_input > 1
         gathered = dict(self.last)
-        for _ in range(gathers_input):
+        for i in range(gathers_input):
             gathered = self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM,
-                                       {r: [gathered[r]] for r in ranks})
+                                       {r: [gathered[r]] for r in ranks}, sms=sm.backward_gather if i else 0)
         self.compute(f"{name} first", b.first_s)
         self.core(f"{name} middle", b.middle_s, b, {r: [gathered[r]] for r in ranks})
         before_last = dict(self.last)
         self.compute(f"{name} last", b.last_s)
         scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
-                                    {r: [before_last[r]] for r in ranks})
+                                    {r: [before_last[r]] for r in ranks},
+                                    sms=sm.backward_reduce_scatter if backward else sm.forward_reduce_scatter)
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
 
     def core(self, name: str, seconds: float, b, extra: dict[int, list[simpy.Event]] | None = None) -> None:
@@ -599,6 +607,12 @@ class _Stage:
             if rec.bucket is None:
                 syncs += self.collective_record(rec).values()
         return syncs
+
+
+def _tp_overlap_sms(b) -> TPOverlapSMs:
+    """The userbuffers configuration of block `b`'s TP exchanges: a layer's first block (`layer
+    L.0`, `sim.model_work`) is its attention (q, k, v | o), the others its MLP."""
+    return ATTENTION_TP_OVERLAP if b.name.endswith(".0") else MLP_TP_OVERLAP
 
 
 def _relay(source: simpy.Event, target: simpy.Event):

@@ -541,7 +541,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     spec, arch = model
     rate = DeviceRate.from_profile(hw)
     wl = cfg.workload
-    engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus))
+    # a job waits for its slowest GPU (canzona.variability); communication kernels take SMs from compute (sim.comm_sms)
+    engine = Engine(slowdown=cfg.slowdown(hw, cluster.gpus), sms=hw.gpu.sms)
     dims = layer_dims(arch, spec)
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []

@@ -84,7 +84,8 @@ def test_zero_variability_is_the_profile_without_it(tmp_path) -> None:
     assert a["gpu_slowdown"] == 1.0
 
 
-def test_phase_a_compute_scales_by_the_slowdown() -> None:
+def test_phase_a_compute_scales_by_the_slowdown(full_rate_compute) -> None:
+    # without SM sharing, whose stretch of a kernel depends on what overlaps it (sim.comm_sms)
     base = simulate(_config(16, gpu_variability=0.0))
     slow = simulate(_config(16, gpu_variability=0.02))
     assert slow.gpu_slowdown == pytest.approx(1 + 0.02 * expected_max_normal(16))
