@@ -32,7 +32,7 @@ from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
 from canzona.experts import dense_part
-from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
@@ -40,10 +40,11 @@ from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
-from sim.model_work import micro_batch_work
+from sim.collectives import collective_cost
+from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
-from sim.topology import MAX_GPUS
+from sim.topology import MAX_GPUS, Cluster
 from sim.workload import Workload
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
@@ -335,16 +336,56 @@ def _kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
+def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+    """A lower bound of one sequence-parallel block on its rank's compute stream, as
+    `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
+    With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
+    latency, transfer at the full bus rate and local passes; shared links only stretch them):
+    overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
+    the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
+    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
+    ring and pipeline sends count as free."""
+    if tp_cost is None or not b.tp_collectives or b.ep_bytes:
+        return b.seconds
+    ag, rs = tp_cost
+    if not overlap:
+        return gathers * ag + b.seconds + rs
+    return max(b.first_s, gathers * ag) + b.middle_s + max(b.last_s, rs)
+
+
+def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+    """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
+    the input is gathered again for the weight gradients) on a stage, with its head."""
+    return (sum(block_floor(b, 1, tp_cost, overlap) for layer in work.forward for b in layer)
+            + sum(block_floor(b, 2, tp_cost, overlap) for layer in work.backward for b in layer)
+            + work.head_forward_s + work.head_backward_s)
+
+
+def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
+    """The least seconds of a sequence-parallel all-gather and reduce-scatter of one micro-batch's
+    activations over a TP group (`sim.iteration._Stage`'s costs; None at TP 1)."""
+    if cfg.tp == 1:
+        return None
+    cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
+    wl = cfg.workload
+    act = wl.tokens_per_micro_batch // cfg.cp * model[1].hidden * wl.activation_bytes
+    geo = cluster.tp_geometry()
+    return (collective_cost("all-gather", act, geo, hw).seconds, collective_cost("reduce-scatter", act, geo, hw).seconds)
+
+
+def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | None = None) -> float:
     """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
     micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
-    recompute asked), with every collective, send and the optimizer step taken as free. The
-    busiest stage computes all `m` micro-batches on one stream; the last stage cannot start before
-    the first micro-batch's forward has crossed the first chunk of every stage before it, nor can
-    the iteration end before the last backward has crossed them back (1/V of a stage's work under
-    the interleaved schedule)."""
+    recompute asked) and its TP collectives where a block must wait for them (`block_floor`), with
+    every other collective, send and the optimizer step taken as free. The busiest stage runs all
+    `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
+    forward has crossed the first chunk of every stage before it, nor can the iteration end before
+    the last backward has crossed them back (1/V of a stage's work under the interleaved
+    schedule)."""
     spec, arch = model
     wl = cfg.workload
+    hw = hw or load_profile(cfg.hardware)
+    tp_cost = tp_costs(cfg, model, hw)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
@@ -353,8 +394,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
                                 **({"cp": cfg.cp, "kv_dim": arch.kv_dim} if cfg.cp > 1 else {}))
-        per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
-                         + work.head_forward_s + work.head_backward_s)
+        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp
@@ -370,9 +410,13 @@ class _Pending:
 
 
 def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None = None,
-           progress: Progress | None = None) -> SearchResult:
+           progress: Progress | None = None, *, also_below: float = 0.0, within: float = 0.0) -> SearchResult:
     """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
-    bound on `time_floor`); `progress(done, total, what)` after each simulation."""
+    bound on `time_floor`); `progress(done, total, what)` after each simulation. With
+    `also_below` (seconds), so is every fitting layout faster than both `also_below` and `1 +
+    within` times the best (what `sim.published_search` needs to rank a published layout: the
+    bound is the larger of the two, and it only falls as results come in, so every layout below
+    the final one was simulated)."""
     import heapq
     import time
 
@@ -398,7 +442,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             chosen = {**layout, RECOMPUTE_AXIS: mode}
             cfg = config_of(q, chosen)
             if memory_floor(cfg, model) <= capacity:
-                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
                 return
         counts["memory"] += 1
 
@@ -419,9 +463,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     workers = workers or os.cpu_count() or 1
 
     def bound() -> float:
-        """The `top`-th best fitting time so far (infinite until there are `top`)."""
+        """What a candidate's floor must not exceed to be simulated: the `top`-th best fitting time so far
+        (infinite until there are `top`), or the `also_below` / `within` reach when larger."""
         times = sorted(r["iteration_time_s"] for r in rows if r["fits"])
-        return times[top - 1] if len(times) >= top else math.inf
+        kth = times[top - 1] if len(times) >= top else math.inf
+        return max(kth, min(also_below, (1 + within) * times[0])) if times else kth
 
     def settle(row: dict[str, Any]) -> None:
         if "error" in row:
@@ -466,7 +512,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                 for value in refine_values(q, axis, facts, layout)[1:]:
                     chosen = {**layout, axis.name: value}
                     cfg = config_of(q, chosen)
-                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
         drain()
 
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
