@@ -823,7 +823,8 @@ def _validate_published(published: bool, rows: str | None, as_json: bool, search
 
     try:
         if not published:
-            raise SpecError(f"{'--search' if search else '--rows'} is for published rows: give it with --published")
+            raise SpecError("--search ranks published rows' layouts: give it with --published" if search else
+                            "--rows selects published rows: give it with --published")
         if workers is not None and not search:
             raise SpecError("--workers is for --published --search")
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):

@@ -489,4 +489,7 @@ def search_table(result, top: int) -> Table:
         policy = row["policy"] + (f" (fell back to {row['fell_back_to']})" if row["fell_back_to"] else "")
         t.add_row(str(row["rank"]), describe(row), policy, row["reduce_scatter"], _ms(row["iteration_time_s"]),
                   f"{row['mfu'] * 100:.1f}%", f"{row['memory_bytes'] / 1e9:.1f}", _ms(row["optimizer_step_s"]))
+    if len(s["layouts"]) > searched["exact_top"]:
+        t.caption = (f"The first {searched['exact_top']} are the exhaustive search's; below them, the fastest of those "
+                     "simulated (a layout pruned by the time floor may be faster).")
     return t

@@ -311,6 +311,7 @@ class SearchResult:
     wall_s: float = 0.0
     workers: int = 1
     pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
+    exact_top: int = 0  # how many of `ranked` are those of the exhaustive search (`search`'s `top`)
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.ranked if top is None else self.ranked[:top]
@@ -321,8 +322,10 @@ class SearchResult:
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "simulated": self.simulated,
-                         "fit": len(self.ranked), "workers": self.workers, "wall_s": self.wall_s},
-            "layouts": [{"rank": i + 1, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
+                         "fit": len(self.ranked), "exact_top": self.exact_top, "workers": self.workers,
+                         "wall_s": self.wall_s},
+            # "exact": within the search's `top`; below it a pruned layout may be faster than the row
+            "layouts": [{"rank": i + 1, "exact": i < self.exact_top, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
                         for i, row in enumerate(rows)],
         }
 
@@ -518,7 +521,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
     return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
-                        time.perf_counter() - start, workers, counts["bound"])
+                        time.perf_counter() - start, workers, counts["bound"], top)
 
 
 def _order(row: dict[str, Any]) -> tuple:
