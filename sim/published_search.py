@@ -25,7 +25,16 @@ from typing import Any
 
 from canzona.errors import SpecError
 from sim.published import PublishedRun, RowResult
-from sim.search import LAYOUT_AXES, RECOMPUTE_AXIS, Question, _dp, candidates, config_of, describe, facts_of, search
+from sim.search import (
+    LAYOUT_AXES,
+    RECOMPUTE_AXIS,
+    Question,
+    _dp,
+    config_of,
+    describe,
+    facts_of,
+    search,
+)
 from sim.simulate import simulate
 
 TOP = 5  # the "among the top five found"
@@ -57,7 +66,6 @@ def outside_space(q: Question, layout: dict[str, Any]) -> str:
         chosen[axis.name] = layout[axis.name]
     if _dp(facts, chosen) != layout["dp"]:
         return f"dp {layout['dp']} is not what the GPUs leave ({_dp(facts, chosen)})"
-    assert any(all(c[k] == layout[k] for k in LAYOUT_KEYS if k != RECOMPUTE_AXIS) for c in candidates(q, facts))
     return ""
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from sim import published
 from sim.published_search import TOP, LayoutRank, layout_of, outside_space, question_of, rank_run
-from sim.search import config_of, search
+from sim.search import candidates, config_of, search
 
 
 def _run(**changes) -> published.PublishedRun:
@@ -55,7 +55,10 @@ def test_published_layouts_are_in_the_search_space():
     assert expressible
     for run in expressible:
         q = question_of(run)
-        assert outside_space(q, layout_of(run)) == "", run.id
+        layout = layout_of(run)
+        assert outside_space(q, layout) == "", run.id
+        assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+                   for c in candidates(q)), run.id
         assert config_of(q, layout_of(run)) == run.sim_config(), run.id
 
 
