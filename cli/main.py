@@ -744,6 +744,12 @@ def validate(
                             "(rows needing what the simulator lacks are listed as not expressible, with what they need).")] = False,
     rows: Annotated[str | None, typer.Option(
         help="With --published: only the rows whose id or model contains one of these comma-separated terms.")] = None,
+    search: Annotated[bool, typer.Option(
+        "--search", help="With --published: also search each row's model, GPUs, hardware, optimizer, sequence and "
+                         "global batch (canzona search) and print where the published layout ranks among the layouts "
+                         "found and its gap to the best (aim: top five or within 5%; slow: minutes a row).")] = False,
+    workers: Annotated[int | None, typer.Option(
+        help="With --search: simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Check the simulator against the runtime: train a scaled-up tiny model under every policy on
@@ -756,8 +762,8 @@ def validate(
 
     from canzona.optimizers import check_matrix_optimizer
 
-    if published or rows is not None:
-        _validate_published(published, rows, as_json)
+    if published or rows is not None or search:
+        _validate_published(published, rows, as_json, search, workers)
         return
     try:
         check_matrix_optimizer(optimizer)
@@ -825,16 +831,26 @@ def validate(
         raise typer.Exit(code=1)
 
 
-def _validate_published(published: bool, rows: str | None, as_json: bool) -> None:
-    """`canzona validate --published`: the logic is sim.published's."""
+def _validate_published(published: bool, rows: str | None, as_json: bool, search: bool = False,
+                        workers: int | None = None) -> None:
+    """`canzona validate --published [--search]`: the logic is sim.published's (and
+    sim.published_search's)."""
+    import os
+
     from rich.progress import Progress
 
-    from cli.render import published_table
+    from cli.render import published_search_table, published_table
     from sim import published as runs
+    from sim import published_search
 
     try:
         if not published:
-            raise SpecError("--rows selects published rows: give it with --published")
+            raise SpecError("--search ranks published rows' layouts: give it with --published" if search else
+                            "--rows selects published rows: give it with --published")
+        if workers is not None and not search:
+            raise SpecError("--workers is for --published --search")
+        if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
+            raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         table, sources = runs.load()
         chosen = runs.select(table, rows)
         err = Console(stderr=True)
@@ -845,12 +861,15 @@ def _validate_published(published: bool, rows: str | None, as_json: bool) -> Non
                 progress.update(task, completed=done, total=total, description=f"simulating {what}")
 
             report = runs.compare(chosen, sources, progress=tick)
+            ranks = published_search.rank_runs(chosen, report.rows, workers, progress=tick) if search else None
     except CanzonaError as e:
         fail(str(e))
     if as_json:
-        emit_json(report.to_dict())
+        emit_json({**report.to_dict(), **({"search": published_search.summary(ranks)} if ranks is not None else {})})
         return
     console.print(published_table(report))
+    if ranks is not None:
+        console.print(published_search_table(ranks))
 
 
 def main() -> None:

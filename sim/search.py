@@ -32,19 +32,21 @@ from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
 from canzona.experts import dense_part
-from canzona.hardware import DEFAULT_PROFILE, load_profile
+from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
+from canzona.spec import DTYPE_BYTES
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
-from sim.fp8 import FP8, FP8Setup, check_fp8_device
-from sim.model_work import micro_batch_work
+from sim.collectives import collective_cost
+from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
+from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
-from sim.topology import MAX_GPUS
+from sim.topology import MAX_GPUS, Cluster
 from sim.workload import Workload
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
@@ -62,14 +64,22 @@ class Question:
     seq_len: int = 4096
     global_batch: int = 128
     precision: str = "bf16"  # the linear GEMMs' (sim.fp8): every layout is searched in it
+    fp8_recipe: str = DELAYED  # under FP8, Transformer Engine's scaling (sim.fp8)
+    grad_reduce_in_fp32: bool = True  # Megatron's DDP option: fp32 gradient buffers (False: bf16)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
-        Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision)  # its checks
+        self.workload()  # its checks
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
+
+    def workload(self) -> Workload:
+        """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
+        return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
+                        fp8_recipe=self.fp8_recipe,
+                        grad_bytes=Workload.grad_bytes if self.grad_reduce_in_fp32 else DTYPE_BYTES["bf16"])
 
 
 @dataclass(frozen=True)
@@ -194,8 +204,7 @@ def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
 def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
-                                  workload=Workload(seq_len=q.seq_len, global_batch=q.global_batch,
-                                                    precision=q.precision),
+                                  workload=q.workload(),
                                   options=RunOptions())
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
@@ -314,6 +323,7 @@ class SearchResult:
     wall_s: float = 0.0
     workers: int = 1
     pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
+    exact_top: int = 0  # how many of `ranked` are those of the exhaustive search (`search`'s `top`)
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.ranked if top is None else self.ranked[:top]
@@ -321,11 +331,14 @@ class SearchResult:
         return {
             "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
             "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
+            "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "simulated": self.simulated,
-                         "fit": len(self.ranked), "workers": self.workers, "wall_s": self.wall_s},
-            "layouts": [{"rank": i + 1, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
+                         "fit": len(self.ranked), "exact_top": self.exact_top, "workers": self.workers,
+                         "wall_s": self.wall_s},
+            # "exact": within the search's `top`; below it a pruned layout may be faster than the row
+            "layouts": [{"rank": i + 1, "exact": i < self.exact_top, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
                         for i, row in enumerate(rows)],
         }
 
@@ -339,16 +352,56 @@ def _kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
+def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+    """A lower bound of one sequence-parallel block on its rank's compute stream, as
+    `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
+    With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
+    latency, transfer at the full bus rate and local passes; shared links only stretch them):
+    overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
+    the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
+    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
+    ring and pipeline sends count as free."""
+    if tp_cost is None or not b.tp_collectives or b.ep_bytes:
+        return b.seconds
+    ag, rs = tp_cost
+    if not overlap:
+        return gathers * ag + b.seconds + rs
+    return max(b.first_s, gathers * ag) + b.middle_s + max(b.last_s, rs)
+
+
+def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+    """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
+    the input is gathered again for the weight gradients) on a stage, with its head and embedding."""
+    return (sum(block_floor(b, 1, tp_cost, overlap) for layer in work.forward for b in layer)
+            + sum(block_floor(b, 2, tp_cost, overlap) for layer in work.backward for b in layer)
+            + work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s)
+
+
+def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
+    """The least seconds of a sequence-parallel all-gather and reduce-scatter of one micro-batch's
+    activations over a TP group (`sim.iteration._Stage`'s costs; None at TP 1)."""
+    if cfg.tp == 1:
+        return None
+    cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
+    wl = cfg.workload
+    act = wl.tokens_per_micro_batch // cfg.cp * model[1].hidden * wl.activation_bytes
+    geo = cluster.tp_geometry()
+    return (collective_cost("all-gather", act, geo, hw).seconds, collective_cost("reduce-scatter", act, geo, hw).seconds)
+
+
+def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | None = None) -> float:
     """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
     micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
-    recompute asked), with every collective, send and the optimizer step taken as free. The
-    busiest stage computes all `m` micro-batches on one stream; the last stage cannot start before
-    the first micro-batch's forward has crossed the first chunk of every stage before it, nor can
-    the iteration end before the last backward has crossed them back (1/V of a stage's work under
-    the interleaved schedule)."""
+    recompute asked) and its TP collectives where a block must wait for them (`block_floor`), with
+    every other collective, send and the optimizer step taken as free. The busiest stage runs all
+    `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
+    forward has crossed the first chunk of every stage before it, nor can the iteration end before
+    the last backward has crossed them back (1/V of a stage's work under the interleaved
+    schedule)."""
     spec, arch = model
     wl = cfg.workload
+    hw = hw or load_profile(cfg.hardware)
+    tp_cost = tp_costs(cfg, model, hw)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
@@ -359,9 +412,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate) -> float:
                                 head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
-        per_stage.append(sum(b.seconds for layer in work.forward + work.backward for b in layer)
-                         + work.head_forward_s + work.head_backward_s + work.embed_forward_s
-                         + work.embed_backward_s)
+        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp
@@ -377,9 +428,13 @@ class _Pending:
 
 
 def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None = None,
-           progress: Progress | None = None) -> SearchResult:
+           progress: Progress | None = None, *, also_below: float = 0.0, within: float = 0.0) -> SearchResult:
     """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
-    bound on `time_floor`); `progress(done, total, what)` after each simulation."""
+    bound on `time_floor`); `progress(done, total, what)` after each simulation. With
+    `also_below` (seconds), so is every fitting layout faster than both `also_below` and `1 +
+    within` times the best (what `sim.published_search` needs to rank a published layout: the
+    bound is the larger of the two, and it only falls as results come in, so every layout below
+    the final one was simulated)."""
     import heapq
     import time
 
@@ -405,7 +460,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             chosen = {**layout, RECOMPUTE_AXIS: mode}
             cfg = config_of(q, chosen)
             if memory_floor(cfg, model) <= capacity:
-                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
                 return
         counts["memory"] += 1
 
@@ -426,9 +481,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     workers = workers or os.cpu_count() or 1
 
     def bound() -> float:
-        """The `top`-th best fitting time so far (infinite until there are `top`)."""
+        """What a candidate's floor must not exceed to be simulated: the `top`-th best fitting time so far
+        (infinite until there are `top`), or the `also_below` / `within` reach when larger."""
         times = sorted(r["iteration_time_s"] for r in rows if r["fits"])
-        return times[top - 1] if len(times) >= top else math.inf
+        kth = times[top - 1] if len(times) >= top else math.inf
+        return max(kth, min(also_below, (1 + within) * times[0])) if times else kth
 
     def settle(row: dict[str, Any]) -> None:
         if "error" in row:
@@ -473,13 +530,13 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                 for value in refine_values(q, axis, facts, layout)[1:]:
                     chosen = {**layout, axis.name: value}
                     cfg = config_of(q, chosen)
-                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate), len(queue) + len(rows), cfg, chosen))
+                    heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
         drain()
 
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
     return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
-                        time.perf_counter() - start, workers, counts["bound"])
+                        time.perf_counter() - start, workers, counts["bound"], top)
 
 
 def _order(row: dict[str, Any]) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,29 @@ def test_floors_are_below_the_simulation():
 
     rate = DeviceRate.from_profile(load_profile(SMALL.hardware))
     for layout in ({"tp": 2, "pp": 2, "vp": 2, "micro_batch": 1, "recompute": "selective"},
-                   {"tp": 2, "pp": 1, "vp": 1, "micro_batch": 2, "recompute": "none"}):
-        cfg = config_of(SMALL, layout)
-        r = simulate(cfg)
-        assert time_floor(cfg, model, rate) <= r.iteration_time_s
-        assert memory_floor(cfg, model) <= r.memory.worst.total
+                   {"tp": 2, "pp": 1, "vp": 1, "micro_batch": 2, "recompute": "none"},
+                   {"tp": 8, "pp": 1, "vp": 1, "micro_batch": 1, "recompute": "none"},
+                   {"tp": 4, "pp": 2, "vp": 1, "micro_batch": 1, "recompute": "full"}):
+        for overlap in (True, False):  # TP collectives hidden behind the GEMMs, or in series
+            cfg = config_of(SMALL, layout)
+            cfg = replace(cfg, options=replace(cfg.options, tp_comm_overlap=overlap))
+            r = simulate(cfg)
+            floor = time_floor(cfg, model, rate)
+            assert floor <= r.iteration_time_s
+            assert memory_floor(cfg, model) <= r.memory.worst.total
+
+
+def test_tp_collectives_raise_the_floor():
+    """The floor counts a block's TP collectives where it must wait for them (`block_floor`)."""
+    from sim.model_work import Block
+    from sim.search import block_floor
+
+    b = Block("b", first_s=1.0, middle_s=2.0, last_s=1.0)
+    assert block_floor(b, 2, None, True) == 4.0  # TP 1: compute alone
+    assert block_floor(b, 1, (0.5, 0.5), True) == 4.0  # hidden behind the first and last GEMMs
+    assert block_floor(b, 2, (0.75, 3.0), True) == 1.5 + 2.0 + 3.0  # two gathers, a long reduce-scatter
+    assert block_floor(b, 2, (0.75, 3.0), False) == 1.5 + 4.0 + 3.0  # in series
+    assert block_floor(replace(b, tp_collectives=False), 2, (0.75, 3.0), False) == 4.0
 
 
 def test_the_top_is_exact():
@@ -63,8 +82,23 @@ def test_the_top_is_exact():
     bounded = search(SMALL, top=2, refine_top=0, workers=2)
     full = search(SMALL, top=10**6, refine_top=0, workers=2)
     assert bounded.pruned_bound > 0
-    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked[:2]]
-    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in bounded.ranked[:2]] == key
+    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"]) for r in full.ranked[:2]]
+    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"])
+            for r in bounded.ranked[:2]] == key
+
+
+def test_also_below_reaches_every_layout_it_names():
+    """With `also_below` and `within`, every fitting layout faster than both (and the top) is
+    simulated: what ranking a published layout needs (sim.published_search)."""
+    full = search(SMALL, top=10**6, refine_top=0, workers=2)
+    times = [r["iteration_time_s"] for r in full.ranked]
+    below = times[min(6, len(times) - 1)]
+    reached = search(SMALL, top=1, refine_top=0, workers=2, also_below=below, within=1.0)
+    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked
+           if r["iteration_time_s"] < below]
+    assert len(key) > 1 and reached.simulated < full.simulated
+    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in reached.ranked
+            if r["iteration_time_s"] < below] == key
 
 
 def test_axes_are_data():

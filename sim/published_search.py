@@ -1,0 +1,196 @@
+"""Where each published layout ranks among the layouts `canzona search` finds (docs/design.md §9.7).
+
+For a published run the simulator can express (`sim.published`), the search is asked the run's
+question (its model, GPUs, hardware profile, optimizer, sequence and global batch) and the
+published layout (TP, PP, VP, CP, EP, micro-batch, recompute) is simulated as the search would
+simulate it. The issue's criterion: the published layout is among the `TOP` fastest layouts found,
+or within `WITHIN` of the best one.
+
+The rank is exact without simulating the whole space: the search is run with `also_below` set to
+the published layout's time and `within` to `WITHIN` (`sim.search.search`), so every layout faster
+than both the published one and `1 + WITHIN` times the best, and the `TOP` fastest, are simulated.
+When the published layout is slower than both, its rank is only known to be beyond them
+(`rank_at_least`), and the criterion fails either way.
+
+Layouts are compared under the search's defaults (the optimizer's default step policy and
+reduce-scatter; no refinement over them), as the published runs ran. Nothing here is recorded:
+the ranks are computed each time, from the simulator as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from canzona.errors import SpecError
+from sim.published import PublishedRun, RowResult
+from sim.search import (
+    LAYOUT_AXES,
+    RECOMPUTE_AXIS,
+    Question,
+    _dp,
+    config_of,
+    describe,
+    facts_of,
+    search,
+)
+from sim.simulate import simulate
+
+TOP = 5  # the issue's "among the top five found"
+WITHIN = 0.05  # ... "or within 5% of the best"
+LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
+
+
+def question_of(run: PublishedRun) -> Question:
+    """The search's question for a published run: its model, cluster, optimizer, batch,
+    precision and gradient dtype (what `PublishedRun.sim_config` simulates it with)."""
+    return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
+                    seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
+                    fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32 is not False)
+
+
+def layout_of(run: PublishedRun) -> dict[str, Any]:
+    """The published layout in the search's terms (`sim.search.LAYOUT_AXES` and DP)."""
+    return {"tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "micro_batch": run.micro_batch,
+            RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp}
+
+
+def outside_space(q: Question, layout: dict[str, Any]) -> str:
+    """Why `layout` is not among the search's candidates ("" when it is): the first axis whose
+    generator does not offer its value given the axes before it."""
+    if layout.get("fsdp"):
+        return "FSDP layouts are not searched (the search explores Megatron's ZeRO-1 layouts)"
+    facts = facts_of(q)
+    chosen: dict[str, Any] = {}
+    for axis in LAYOUT_AXES:
+        values = list(axis.values(facts, chosen))
+        if layout[axis.name] not in values:
+            return f"{axis.name} {layout[axis.name]} is not searched here (searched: {values})"
+        chosen[axis.name] = layout[axis.name]
+    if _dp(facts, chosen) != layout["dp"]:
+        return f"dp {layout['dp']} is not what the GPUs leave ({_dp(facts, chosen)})"
+    return ""
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return tuple(row[k] for k in LAYOUT_KEYS)
+
+
+@dataclass(frozen=True)
+class LayoutRank:
+    """One published run's layout among the searched ones."""
+
+    run: PublishedRun
+    needs: tuple[str, ...] = ()  # what the simulator lacks to express the run (nothing searched)
+    outside: str = ""  # why the published layout is not a candidate of the search ("": it is)
+    published_s: float | None = None  # the published layout's simulated iteration
+    published_fits: bool | None = None
+    best: dict[str, Any] | None = None  # the fastest layout found that fits (the search's row)
+    rank: int | None = None  # exact: 1 + the layouts found that fit and are faster
+    rank_at_least: int | None = None  # when the rank is beyond what was simulated
+    searched: dict[str, Any] = field(default_factory=dict)  # the search's counts and wall time
+    error: str = ""  # the search found nothing (its error line)
+
+    @property
+    def best_s(self) -> float | None:
+        """The fastest layout that fits: the best found, or the published one when it fits and is faster."""
+        times = [self.best["iteration_time_s"]] if self.best else []
+        times += [self.published_s] if self.published_s is not None and self.published_fits else []
+        return min(times) if times else None
+
+    @property
+    def gap(self) -> float | None:
+        """The published layout's time over the best one's, minus one (0: it is the best)."""
+        if self.published_s is None or self.best_s is None:
+            return None
+        return self.published_s / self.best_s - 1.0
+
+    @property
+    def meets(self) -> bool | None:
+        """The issue's criterion: among the `TOP` fastest found or within `WITHIN` of the best."""
+        if self.published_s is None:
+            return None
+        return (self.rank is not None and self.rank <= TOP) or (self.gap is not None and self.gap <= WITHIN)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.run
+        return {
+            "id": r.id, "model": r.model_name, "hardware": r.hardware, "gpus": r.gpus, "layout": r.layout,
+            "not_expressible": ", ".join(self.needs) or None, "outside_search_space": self.outside or None,
+            "published_layout_iteration_s": self.published_s, "published_layout_fits": self.published_fits,
+            "best_layout": describe(self.best) if self.best else None,
+            "best_iteration_s": self.best_s, "rank": self.rank, "rank_at_least": self.rank_at_least,
+            "gap_to_best": self.gap, "meets": self.meets, "searched": self.searched, "error": self.error or None,
+        }
+
+
+def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int | None = None,
+             progress: Callable[[int, int, str], None] | None = None) -> LayoutRank:
+    """Search `run`'s question and rank its published layout among the layouts found.
+    `simulated`: the run's own simulation (`sim.published.compare_run`), reused when it is the
+    configuration the search would simulate."""
+    needs = run.needs()
+    if needs:
+        return LayoutRank(run, needs)
+    q = question_of(run)
+    layout = layout_of(run)
+    cfg = run.sim_config() if run.fsdp else config_of(q, layout)
+    if simulated is not None and simulated.iteration_s is not None and cfg == run.sim_config():
+        t, fits = simulated.iteration_s, bool(simulated.fits)
+    else:
+        result = simulate(cfg)
+        t, fits = result.iteration_time_s, result.fits
+    outside = outside_space(q, layout)
+    try:
+        found = search(q, top=TOP, refine_top=0, workers=workers, progress=progress, also_below=t, within=WITHIN)
+    except SpecError as e:
+        return LayoutRank(run, (), outside, t, fits, error=str(e))
+    fit = found.ranked
+    searched = {"candidates": found.candidates, "simulated": found.simulated, "fit": len(fit),
+                "pruned_by_bound": found.pruned_bound, "wall_s": found.wall_s}
+    if not fit:
+        return LayoutRank(run, (), outside, t, fits, searched=searched, error="no searched layout fits")
+    times = [row["iteration_time_s"] for row in fit]
+    # what the search simulated everything below (`search`'s final bound)
+    kth = times[TOP - 1] if len(times) >= TOP else float("inf")
+    reach = max(kth, min(t, (1 + WITHIN) * times[0]))
+    faster = sum(1 for row in fit if row["iteration_time_s"] < t and _key(row) != _key(layout))
+    exact = t <= reach
+    return LayoutRank(run, (), outside, t, fits, fit[0], 1 + faster if exact else None,
+                      None if exact else 1 + faster, searched)
+
+
+def rank_runs(runs: Sequence[PublishedRun], simulated: Sequence[RowResult] | None = None,
+              workers: int | None = None, progress: Callable[[int, int, str], None] | None = None
+              ) -> list[LayoutRank]:
+    """`rank_run` of each run (its simulation from `simulated`, in the same order, when given)."""
+    out = []
+    for i, run in enumerate(runs):
+        if progress is not None:
+            progress(i, len(runs), f"searching {run.id}")
+        out.append(rank_run(run, simulated[i] if simulated is not None else None, workers))
+    return out
+
+
+def summary(ranks: Sequence[LayoutRank]) -> dict[str, Any]:
+    """The check over the rows: how many were searched and how many meet the criterion."""
+    searched = [r for r in ranks if r.published_s is not None]
+    return {
+        "rows": [r.to_dict() for r in ranks],
+        "searched": len(searched),
+        "meets": sum(1 for r in searched if r.meets),
+        "outside_search_space": sum(1 for r in searched if r.outside),
+        "criterion": f"the published layout is among the {TOP} fastest layouts the search finds that fit, or "
+                     f"within {WITHIN:.0%} of the best one (its own time counts as a found layout's)",
+        "definitions": {
+            "rank": "1 + the layouts found that fit and are faster than the published one, under the "
+                    "optimizer's default step policy and reduce-scatter (null when beyond what was simulated: "
+                    "rank_at_least)",
+            "gap_to_best": "published layout's simulated iteration / the best's - 1",
+        },
+    }
+
+
+__all__ = ["TOP", "WITHIN", "LayoutRank", "layout_of", "outside_space", "question_of", "rank_run", "rank_runs",
+           "summary"]

@@ -1,0 +1,80 @@
+"""sim.published_search: a published layout ranked among the searched ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import published
+from sim.published_search import TOP, LayoutRank, layout_of, outside_space, question_of, rank_run
+from sim.search import candidates, config_of, search
+
+
+def _run(**changes) -> published.PublishedRun:
+    """A small made-up run (qwen3-0.6b on 8 GPUs): fast to search exhaustively."""
+    base = dict(id="small", model="qwen3-0.6b", source="s", hardware="h100-sxm", gpus=8, tp=2, pp=1, vp=1, cp=1,
+                ep=1, fsdp=False, global_batch=8, micro_batch=1, seq_len=1024, precision="bf16", optimizer="adamw",
+                recompute=None, tokens_per_s_per_gpu=1.0, original_value=1.0, original_unit="tokens/s/GPU")
+    return published.PublishedRun(**{**base, **changes})
+
+
+def test_rank_matches_the_exhaustive_search():
+    """The rank (or its lower bound) agrees with every layout simulated."""
+    run = _run()
+    r = rank_run(run, workers=2)
+    full = search(question_of(run), top=10**6, refine_top=0, workers=2)
+    key = ("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute")
+    mine = tuple(layout_of(run)[k] for k in key)
+    faster = [row for row in full.ranked
+              if row["iteration_time_s"] < r.published_s and tuple(row[k] for k in key) != mine]
+    assert r.published_s is not None and not r.outside
+    if r.rank is not None:
+        assert r.rank == 1 + len(faster)
+    else:
+        assert r.rank_at_least <= 1 + len(faster) and len(faster) >= TOP
+    assert r.best["iteration_time_s"] == full.ranked[0]["iteration_time_s"]
+    assert r.gap >= 0 and r.meets == ((r.rank is not None and r.rank <= TOP) or r.gap <= 0.05)
+    assert r.to_dict()["gap_to_best"] == r.gap
+
+
+def test_criterion():
+    run = _run()
+    best = {"iteration_time_s": 1.0, "tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 8, "micro_batch": 1,
+            "recompute": "none"}
+    assert LayoutRank(run, published_s=1.04, published_fits=True, best=best, rank_at_least=9).meets
+    assert not LayoutRank(run, published_s=1.06, published_fits=True, best=best, rank_at_least=9).meets
+    assert LayoutRank(run, published_s=1.5, published_fits=True, best=best, rank=TOP).meets
+    assert LayoutRank(run, published_s=0.9, published_fits=True, best=best, rank=1).gap == 0.0
+    assert LayoutRank(run, ("--precision fp8",)).meets is None
+
+
+def test_published_layouts_are_in_the_search_space():
+    """Every expressible published row's layout is a candidate of its search, as the simulator
+    takes it (the same configuration as `canzona validate --published` simulates)."""
+    runs, _ = published.load()
+    expressible = [r for r in runs if not r.needs()]
+    assert expressible
+    for run in (r for r in expressible if r.fsdp):  # simulated, not searched: said so
+        assert outside_space(question_of(run), layout_of(run)).startswith("FSDP layouts are not searched")
+    for run in (r for r in expressible if not r.fsdp):
+        q = question_of(run)
+        layout = layout_of(run)
+        assert outside_space(q, layout) == "", run.id
+        assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+                   for c in candidates(q)), run.id
+        assert config_of(q, layout_of(run)) == run.sim_config(), run.id
+
+
+def test_outside_the_space_says_why():
+    run = _run(micro_batch=16, global_batch=64, gpus=2, tp=1)  # micro-batches above MAX_MICRO_BATCH: not searched
+    assert "micro_batch 16" in outside_space(question_of(run), layout_of(run))
+    assert "vp 3" in outside_space(question_of(run), {**layout_of(run), "pp": 2, "vp": 3})
+
+
+@pytest.mark.slow
+def test_a_published_row_ranks():
+    """One real row end to end (llama3.1-8b on 8 H100): ranked, with a gap to the best."""
+    runs, _ = published.load()
+    run = next(r for r in runs if r.id == "llama3.1-8b-8xh100-dgxc-bf16")
+    r = rank_run(run, workers=2)
+    assert r.published_s and r.best is not None and r.gap is not None and r.gap >= 0
+    assert (r.rank or r.rank_at_least) >= 1
