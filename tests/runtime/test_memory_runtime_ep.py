@@ -169,7 +169,9 @@ def simulated(tp: int, c: int):
     cfg = SimConfig(model=spec.name, gpus=WORLD, tp=tp, ep=EP, optimizer=optimizer, policy=policy,
                     workload=Workload(seq_len=8, global_batch=WORLD, param_bytes=2, grad_bytes=4),
                     bucket_size=BUCKET, expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
-                    options=RunOptions(reduce_scatter=impl))
+                    # zero1 under Megatron's collectives (the default) reduce-scatters in place, as
+                    # Megatron does; the runtime's collectives are what this runtime allocates
+                    options=RunOptions(reduce_scatter=impl, collectives="runtime" if policy == "zero1" else "megatron"))
     return simulate(cfg, model=(spec, moe_architecture(spec.name, LAYOUTS[tp]))).memory
 
 
