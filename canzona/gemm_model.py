@@ -6,8 +6,9 @@ tiles of one of a few shapes (the kernel's CTA tile: 128 x 256, 256 x 128, 128 x
 on Hopper), runs the tiles in whole waves over the SMs (a partial wave costs a full one: NVIDIA's
 Matrix Multiplication Background guide, "wave quantization"), and may split the depth `K` of each
 tile into `s` slices (split-K) to fill more SMs, paying for the fp32 partial sums it writes and
-reads back. Each SM computes its tile at the sustained tensor-core rate (`rate / sms`: the rate
-under the power limit, below the datasheet peak), unless the L2 cache cannot feed the operands of
+reads back. Each SM computes its tile at its share of the tensor-core rate (`rate / sms` at the
+boost clock, times `sustained_clock` once the board's power limit has slowed the clock, as it has
+all through a training step), unless the L2 cache cannot feed the operands of
 all the wave's tiles that fast: a wave moves `(tm + tn) x K` operand elements a tile through L2,
 so small tiles (less reuse) and low-precision operands are fed, not computed, at the limit.
 Every tile also moves bytes its main loop does not hide, in proportion to its area and
