@@ -234,8 +234,8 @@ def shampoo_row_state_bytes(m: int, n: int, cfg: ShampooConfig) -> int:
 class DeviceRate:
     """Achieved rates of one accelerator, enough to turn kernels into seconds.
 
-    `gemm_flops` is per compute dtype: the sustained tensor-core rate of the whole GPU (what the
-    largest GEMMs approach). With `sms` set, a GEMM is priced by its shape (`canzona.gemm_model`:
+    `gemm_flops` is per compute dtype: the tensor-core rate of the whole GPU at the boost clock
+    (the largest GEMMs approach it times `gemm_model.sustained_clock`, the power-limited clock). With `sms` set, a GEMM is priced by its shape (`canzona.gemm_model`:
     the fastest of `gemm_model`'s tile shapes and splits, whole waves over the SMs at that rate or
     the L2 operand feed, a fixed traffic a tile and a latency a GEMM, the HBM roofline), so a small
     or short-K GEMM uses the machine less well and time never falls as a dimension grows. `solver_flops` covers eigh / QR (far below GEMM speed on GPUs and

@@ -8,25 +8,52 @@ import json
 from importlib import resources
 from typing import Any
 
-from canzona.cost import DeviceRate, gemm_kernel
+from canzona.cost import DeviceRate, Kernel, gemm_kernel
 from canzona.hardware import load_profile
+from canzona.spec import DTYPE_BYTES
 
 MEASUREMENTS = "gemm_measurements.json"  # canzona/data: published GEMM throughput by shape
 
 
 def measurements() -> list[dict[str, Any]]:
     """The published GEMM measurements (canzona/data/gemm_measurements.json), each row with its
-    source's citation under `cite`."""
+    source's citation under `cite` and its benchmark loop under `protocol` (None: not known)."""
     data = json.loads((resources.files("canzona") / "data" / MEASUREMENTS).read_text())
-    return [dict(row, cite=data["sources"][row["source"]]) for row in data["rows"]]
+    protocols = data.get("protocols", {})
+    return [dict(row, cite=data["sources"][row["source"]], protocol=protocols.get(row["source"]))
+            for row in data["rows"]]
+
+
+def _boost_seconds(rate: DeviceRate, k: Kernel) -> float:
+    """One GEMM at the boost clock (a cool GPU), launch included."""
+    assert rate.gemm_model is not None and rate.sms is not None and k.gemm is not None
+    m, n, depth = k.gemm
+    return rate.gemm_model.seconds(m, n, depth, rate.gemm_flops[k.dtype], rate.sms, k.bytes, rate.hbm_bytes_per_s,
+                                   DTYPE_BYTES[k.dtype], boost=True) + rate.launch_s
+
+
+def loop_mean_seconds(boost_s: float, sustained_s: float, window_s: float, warmup: int, iters: int) -> float:
+    """Mean seconds of the `iters` timed calls of a benchmark loop that runs `warmup` untimed calls
+    first, back to back from a cool GPU: calls run at the boost clock for the power controller's
+    `window_s` seconds of load, then at the sustained (power-limited) clock."""
+    at_boost = min(max(window_s / boost_s - warmup, 0.0), float(iters))  # timed calls before the limit bites
+    return (at_boost * boost_s + (iters - at_boost) * sustained_s) / iters
 
 
 def model_tflops(row: dict[str, Any]) -> float:
-    """TFLOP/s the row's profile's GEMM model gives its shape, launch included: the seconds the
-    simulator charges for that GEMM (`DeviceRate.kernel_seconds`)."""
+    """TFLOP/s the row's profile's GEMM model gives its shape as the row's benchmark ran it,
+    launch included. Sustained load (what the simulator charges, `DeviceRate.kernel_seconds`)
+    unless the source's loop (`protocol`: warmup and timed calls) is short enough to run partly
+    at the boost clock (`GemmModel.boost_window_s`)."""
     rate = DeviceRate.from_profile(load_profile(row["profile"]))
     k = gemm_kernel("row", row["M"], row["N"], row["K"], row["dtype"])
-    return k.flops / rate.kernel_seconds(k) / 1e12
+    seconds = rate.kernel_seconds(k)
+    protocol = row.get("protocol")
+    model = rate.gemm_model
+    if protocol is not None and model is not None and model.sustained_clock < 1.0 and rate.sms is not None:
+        seconds = loop_mean_seconds(_boost_seconds(rate, k), seconds, model.boost_window_s,
+                                    protocol["warmup"], protocol["iters"])
+    return k.flops / seconds / 1e12
 
 
 def main() -> None:

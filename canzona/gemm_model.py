@@ -6,8 +6,9 @@ tiles of one of a few shapes (the kernel's CTA tile: 128 x 256, 256 x 128, 128 x
 on Hopper), runs the tiles in whole waves over the SMs (a partial wave costs a full one: NVIDIA's
 Matrix Multiplication Background guide, "wave quantization"), and may split the depth `K` of each
 tile into `s` slices (split-K) to fill more SMs, paying for the fp32 partial sums it writes and
-reads back. Each SM computes its tile at the sustained tensor-core rate (`rate / sms`: the rate
-under the power limit, below the datasheet peak), unless the L2 cache cannot feed the operands of
+reads back. Each SM computes its tile at its share of the tensor-core rate (`rate / sms` at the
+boost clock, times `sustained_clock` once the board's power limit has slowed the clock, as it has
+all through a training step), unless the L2 cache cannot feed the operands of
 all the wave's tiles that fast: a wave moves `(tm + tn) x K` operand elements a tile through L2,
 so small tiles (less reuse) and low-precision operands are fed, not computed, at the limit.
 Every tile also moves bytes its main loop does not hide, in proportion to its area and
@@ -36,6 +37,8 @@ PARTIAL_BYTES = 4  # an fp32 partial sum, written once and read back once per ex
 MAX_TILE = 1024  # a CTA tile edge beyond this is not a GPU kernel
 MAX_FIXED_BYTES = 1024  # a tile's unhidden traffic an output element: tens of bytes at most
 MAX_FIXED_S = 1e-3  # a GEMM's fixed latency: microseconds, never milliseconds
+MIN_CLOCK = 0.3  # a sustained clock below 30% of boost is not a power limit but a fault
+MAX_WINDOW_S = 10.0  # the power controller's boost window: milliseconds, never minutes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,42 +49,52 @@ class GemmModel:
     the split-K slice counts it may use; `l2_bytes_per_s`: the rate at which L2 feeds operands to
     all SMs together (0: no limit); `tile_fixed_bytes`: HBM bytes an output element of every tile
     moves outside the main loop (epilogue and pipeline refill); `fixed_s`: seconds every GEMM pays
-    once (its first fill and last drain)."""
+    once (its first fill and last drain); `sustained_clock`: the fraction of the boost clock the SMs
+    and L2 keep under the board power limit once a GEMM stream has run `boost_window_s` seconds
+    (the rate a training iteration, GEMMs back to back for seconds, gets: docs/design.md §4.3;
+    1.0: no power limit modelled). `rate` and `l2_bytes_per_s` are the boost-clock figures."""
 
     tiles: tuple[tuple[int, int], ...]
     splits: tuple[int, ...] = SPLITS
     l2_bytes_per_s: float = 0.0
     tile_fixed_bytes: float = 0.0
     fixed_s: float = 0.0
+    sustained_clock: float = 1.0
+    boost_window_s: float = 0.0
 
     def seconds(self, m: int, n: int, k: int, rate: float, sms: int, nbytes: float, hbm_bytes_per_s: float,
-                operand_bytes: int) -> float:
+                operand_bytes: int, *, boost: bool = False) -> float:
         """Seconds of one `m x n x k` GEMM of `operand_bytes`-byte inputs moving `nbytes`
-        (operands and output) at a sustained whole-GPU tensor rate `rate` FLOP/s: the fastest
+        (operands and output) at a boost-clock whole-GPU tensor rate `rate` FLOP/s: the fastest
         (tile, split) candidate, each the larger of its compute time and its HBM time, plus the
-        fixed latency."""
-        per_sm = rate / sms
+        fixed latency. The SMs and L2 run at `sustained_clock` x boost (the power-limited clock of
+        sustained load, which a training step is) unless `boost` (a short burst on a cool GPU);
+        HBM does not slow with the SM clock."""
+        clock = 1.0 if boost else self.sustained_clock
+        per_sm = clock * rate / sms
         best = math.inf
         for tm, tn in self.tiles:
             tiles = -(-m // tm) * -(-n // tn)
             for split in self.splits:
                 depth = -(-k // split)
                 full, last = divmod(tiles * split, sms)
-                compute = full * self._wave(tm, tn, depth, sms, per_sm, operand_bytes)
+                compute = full * self._wave(tm, tn, depth, sms, per_sm, operand_bytes, clock)
                 if last:
-                    compute += self._wave(tm, tn, depth, last, per_sm, operand_bytes)
+                    compute += self._wave(tm, tn, depth, last, per_sm, operand_bytes, clock)
                 compute += tiles * split * tm * tn * self.tile_fixed_bytes / hbm_bytes_per_s
                 memory = (nbytes + 2 * PARTIAL_BYTES * (split - 1) * m * n) / hbm_bytes_per_s
                 best = min(best, max(compute, memory))
         return best + self.fixed_s
 
-    def _wave(self, tm: int, tn: int, depth: int, active: int, per_sm: float, operand_bytes: int) -> float:
+    def _wave(self, tm: int, tn: int, depth: int, active: int, per_sm: float, operand_bytes: int,
+              clock: float) -> float:
         """One wave of `active` tiles: each SM's tensor time, or L2's time to feed every tile's
-        operands when that is longer (both grow with `active` and `depth`)."""
+        operands when that is longer (both grow with `active` and `depth`; L2 runs at `clock` x its
+        boost-clock rate)."""
         compute = 2.0 * tm * tn * depth / per_sm
         if not self.l2_bytes_per_s:
             return compute
-        return max(compute, active * (tm + tn) * operand_bytes * depth / self.l2_bytes_per_s)
+        return max(compute, active * (tm + tn) * operand_bytes * depth / (clock * self.l2_bytes_per_s))
 
 
 def square(tile: int) -> GemmModel:
@@ -89,16 +102,17 @@ def square(tile: int) -> GemmModel:
     return GemmModel(tiles=((tile, tile),))
 
 
-KEYS = ("tiles", "splits", "l2_bytes_per_s", "tile_fixed_bytes", "fixed_s")
+KEYS = ("tiles", "splits", "l2_bytes_per_s", "tile_fixed_bytes", "fixed_s", "sustained_clock", "boost_window_s")
 
 
 def parse_gemm_model(raw: Any, where: str) -> GemmModel:
     """A profile's optional `gemm_model`: {"tiles": [[rows, cols], ...], "splits": [1, ...],
-    "l2_bytes_per_s": bw, "tile_fixed_bytes": b, "fixed_s": s} (all but tiles optional)."""
+    "l2_bytes_per_s": bw, "tile_fixed_bytes": b, "fixed_s": s, "sustained_clock": c,
+    "boost_window_s": w} (all but tiles optional)."""
     if not isinstance(raw, dict) or set(raw) - set(KEYS) or "tiles" not in raw:
         raise SpecError(f"{where}: gemm_model must be an object with tiles ([[rows, cols], ...]) and optionally "
                         "splits ([1, 2, ...]), l2_bytes_per_s, tile_fixed_bytes (bytes an output element) and "
-                        "fixed_s (seconds)")
+                        "fixed_s (seconds), sustained_clock (fraction of boost) and boost_window_s (seconds)")
 
     def whole(x: Any, hi: int) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= hi
@@ -112,14 +126,16 @@ def parse_gemm_model(raw: Any, where: str) -> GemmModel:
     if not (isinstance(splits, list) and splits and all(whole(x, 64) for x in splits)):
         raise SpecError(f"{where}: gemm_model.splits must be a non-empty list of whole numbers in 1..64")
 
-    def number(key: str, hi: float) -> float:
-        v = raw.get(key, 0.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= hi:
-            raise SpecError(f"{where}: gemm_model.{key} must be a number in [0, {hi:g}], got {v!r}")
+    def number(key: str, hi: float, lo: float = 0.0, default: float = 0.0) -> float:
+        v = raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise SpecError(f"{where}: gemm_model.{key} must be a number in [{lo:g}, {hi:g}], got {v!r}")
         return float(v)
 
     return GemmModel(tiles=tuple((int(a), int(b)) for a, b in tiles), splits=tuple(int(x) for x in splits),
                      l2_bytes_per_s=number("l2_bytes_per_s", 1e15),
                      tile_fixed_bytes=number("tile_fixed_bytes", MAX_FIXED_BYTES),
-                     fixed_s=number("fixed_s", MAX_FIXED_S))
+                     fixed_s=number("fixed_s", MAX_FIXED_S),
+                     sustained_clock=number("sustained_clock", 1.0, MIN_CLOCK, 1.0),
+                     boost_window_s=number("boost_window_s", MAX_WINDOW_S))
 

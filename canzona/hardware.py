@@ -31,7 +31,7 @@ class GPUSpec:
     sms: int
     gemm_tile: int  # square output tile of the GEMM model when a profile has no gemm_model section
     peak_flops: dict[str, float]  # dense GEMM peak per dtype
-    gemm_efficiency: dict[str, float]  # sustained tensor-core fraction of peak (canzona.gemm_model)
+    gemm_efficiency: dict[str, float]  # tensor-core fraction of peak at the boost clock (gemm_model.sustained_clock slows it)
     elementwise_flops: float
     hbm_bytes_per_s: float
     solver_flops: float  # eigh / QR rate (cuSOLVER; version dependent: calibrate)

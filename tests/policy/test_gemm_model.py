@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from canzona.cost import DeviceRate, gemm_kernel
 from canzona.errors import SpecError
-from canzona.gemm_measurements import measurements, model_tflops
+from canzona.gemm_measurements import loop_mean_seconds, measurements, model_tflops
 from canzona.gemm_model import GemmModel
 from canzona.hardware import load_profile, profile_from_dict
 
@@ -64,10 +64,25 @@ def test_measurements_name_their_sources_and_shipped_profiles():
 
 
 def test_the_largest_gemms_approach_the_sustained_rate():
+    # gemm_flops is the boost-clock rate; sustained load runs at the power-limited clock
     r = rate("h100-sxm")
+    assert r.gemm_model is not None and r.gemm_model.sustained_clock < 1.0
+    sustained = r.gemm_model.sustained_clock * r.gemm_flops["bf16"]
     m = n = k = 16384
     achieved = 2.0 * m * n * k / seconds(r, m, n, k)
-    assert 0.9 * r.gemm_flops["bf16"] < achieved <= r.gemm_flops["bf16"]
+    assert 0.9 * sustained < achieved <= sustained
+
+
+def test_the_power_limit_slows_a_long_loop_not_a_short_burst():
+    # the boost window: a loop whose warmup outlasts it is timed at the sustained clock only; one
+    # that ends within it is timed at the boost clock (canzona.gemm_measurements.loop_mean_seconds)
+    assert loop_mean_seconds(1.0, 2.0, 0.5, 1, 10) == 2.0
+    assert loop_mean_seconds(1.0, 2.0, 100.0, 1, 10) == 1.0
+    assert loop_mean_seconds(1.0, 2.0, 6.0, 1, 10) == 1.5
+    r = rate("h100-sxm")
+    assert r.gemm_model is not None
+    boost = replace(r, gemm_model=replace(r.gemm_model, sustained_clock=1.0))
+    assert seconds(r, 8192, 8192, 8192) > 1.05 * seconds(boost, 8192, 8192, 8192)
 
 
 def test_short_k_loses_efficiency():
@@ -168,6 +183,10 @@ def test_the_best_tile_is_chosen():
     {"tiles": [[128, 128]], "tile_fixed_bytes": 1e6},
     {"tiles": [[128, 128]], "tile_fixed_bytes": "8 B"},
     {"tiles": [[128, 128]], "other": 1},
+    {"tiles": [[128, 128]], "sustained_clock": 0.1},
+    {"tiles": [[128, 128]], "sustained_clock": 1.5},
+    {"tiles": [[128, 128]], "boost_window_s": -1},
+    {"tiles": [[128, 128]], "boost_window_s": 100},
     {"tile_fixed_bytes": 8},
     [[128, 128]],
 ])
