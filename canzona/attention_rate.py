@@ -24,12 +24,12 @@ and the uneven work per query tile cost both passes alike.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from importlib import resources
 
 from canzona.errors import SpecError
 from canzona.fileio import parse_json
+from canzona.hardware import efficiency_on
 
 SCHEMA = "canzona.attention_throughput"
 # the H100 SXM's dense bf16 peak, the denominator of the table's fractions (NVIDIA H100 datasheet;
@@ -80,27 +80,14 @@ def default_table() -> AttentionTable:
     return table_from_dict(parse_json(text, "attention_throughput.json", SpecError), "attention_throughput.json")
 
 
-def _on_log_axis(points: list[tuple[float, float]], x: float) -> float:
-    """Linear in log2(x) between sorted (x, y) points, held at the ends."""
-    if x <= points[0][0]:
-        return points[0][1]
-    if x >= points[-1][0]:
-        return points[-1][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= x <= x1:
-            w = math.log2(x / x0) / math.log2(x1 / x0)
-            return y0 + w * (y1 - y0)
-    return points[-1][1]  # pragma: no cover - sorted points
-
-
 def _tflops(table: AttentionTable, implementation: str, pass_: str, causal: bool, seq: float,
             head_dim: int) -> float | None:
     dims = table.head_dims(implementation, pass_, causal)
     if not dims:
         return None
-    by_dim = [(float(h), _on_log_axis(list(zip(table.seqlens, table.series[(implementation, pass_, causal, h)])), seq))
+    by_dim = [(float(h), efficiency_on(tuple(zip(table.seqlens, table.series[(implementation, pass_, causal, h)])), seq))
               for h in dims]
-    return _on_log_axis(by_dim, head_dim)
+    return efficiency_on(tuple(by_dim), head_dim)
 
 
 def efficiency(pass_: str, causal: bool, seq: float, head_dim: int, *, implementation: str = IMPLEMENTATION,
