@@ -309,9 +309,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                  precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
                  gpu_variability: float | None = None):
-    from canzona.spec import DTYPE_BYTES
     from sim.simulate import SimConfig
-    from sim.workload import Workload
+    from sim.workload import Workload, grad_bytes_for
 
     _check_dp_policy_applies([policy or default_policy(optimizer)], dp_policy)
     return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
@@ -319,7 +318,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=Workload.grad_bytes if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]),
+                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32)),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,

@@ -24,11 +24,10 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
-from canzona.spec import DTYPE_BYTES
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
-from sim.workload import Workload
+from sim.workload import Workload, grad_bytes_for
 
 DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
 PUBLISHED_RUNS = DATA_DIR / "published_runs.json"
@@ -79,7 +78,7 @@ class PublishedRun:
     @property
     def grad_bytes(self) -> int:
         """Bytes per element of the gradient buffers the run reduces (`Workload.grad_bytes`)."""
-        return DTYPE_BYTES["bf16"] if self.grad_reduce_in_fp32 is False else Workload.grad_bytes
+        return grad_bytes_for(self.grad_reduce_in_fp32 is not False)  # None: Megatron's default, fp32
 
     @property
     def dp(self) -> int:

@@ -39,7 +39,6 @@ from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
-from canzona.spec import DTYPE_BYTES
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
@@ -47,7 +46,7 @@ from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
 from sim.topology import MAX_GPUS, Cluster
-from sim.workload import Workload
+from sim.workload import Workload, grad_bytes_for
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
 COVERED_BY_FALLBACK = {"canzona": ("zero1-gather",)}
@@ -79,7 +78,7 @@ class Question:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
                         fp8_recipe=self.fp8_recipe,
-                        grad_bytes=Workload.grad_bytes if self.grad_reduce_in_fp32 else DTYPE_BYTES["bf16"])
+                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32))
 
 
 @dataclass(frozen=True)

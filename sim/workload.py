@@ -16,12 +16,18 @@ MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 
 
+def grad_bytes_for(grad_reduce_in_fp32: bool) -> int:
+    """Bytes per gradient element under Megatron's DDP option `grad_reduce_in_fp32`: fp32 buffers
+    and reductions (its default for bf16 training), else bf16."""
+    return DTYPE_BYTES["fp32"] if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]
+
+
 @dataclass(frozen=True)
 class Workload:
     seq_len: int = 4096
     global_batch: int = 128  # sequences per iteration
     micro_batch: int = 1  # sequences per micro-batch per DP rank
-    grad_bytes: int = 4  # Megatron reduces gradients in fp32 by default
+    grad_bytes: int = DTYPE_BYTES["fp32"]  # Megatron reduces gradients in fp32 by default (grad_bytes_for)
     param_bytes: int = 2  # bf16 parameters are all-gathered
     activation_bytes: int = 2  # bf16 activations cross TP (sequence parallel)
     causal: bool = True
