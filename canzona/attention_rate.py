@@ -15,6 +15,15 @@ measured points and held at the table's ends. Callers multiply it by their devic
 table's fraction stands for every profile (the H200 has the H100's GH100 compute; on other
 devices this is an assumption, labelled in design.md §9.3).
 
+Each figure is the mean of a short benchmark loop started on a cool GPU (the table's `protocol`:
+FlashAttention-3's benchmark sleeps 1 s "to avoid residual power throttling", then times 30 calls
+after 2 untimed ones), so it ran largely at the boost clock, where a training step's attention runs
+among seconds of GEMMs at the power-limited clock. `efficiency(..., clock=, window_s=)` converts
+each measured point to that clock as the GEMM model's rows are priced (`canzona.gemm_model`:
+boost for the power controller's `window_s` of load, then `clock` x boost; an attention call's time
+scales as 1 / clock, a tensor-core-bound kernel's: an assumption, as is that attention runs at the
+clock the GEMMs sustain), before interpolating; `clock` 1 (the default) keeps the table's figures.
+
 The paper publishes no causal backward panel. The causal backward is taken as the non-causal
 backward scaled by the ratio the causal mask costs the forward at the same sequence and head
 dimension (`causal forward / non-causal forward`): an assumption, that the masked diagonal tiles
@@ -24,11 +33,12 @@ and the uneven work per query tile cost both passes alike.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 from canzona.errors import SpecError
 from canzona.fileio import parse_json
+from canzona.gemm_model import sustained_seconds
 from canzona.hardware import efficiency_on
 
 SCHEMA = "canzona.attention_throughput"
@@ -37,14 +47,35 @@ SCHEMA = "canzona.attention_throughput"
 TABLE_PEAK_FLOPS = 989e12
 IMPLEMENTATION = "cudnn"  # Transformer Engine's fused attention on Hopper: the module docstring
 PASSES = ("forward", "backward")
+BACKWARD_FLOPS = 2.5  # a backward call's FLOPs over its forward's (the table's `flops` convention)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchLoop:
+    """How the table's figures were measured: each call over `tokens` tokens (batch x seqlen) of a
+    `hidden`-wide attention, `warmup` untimed then `iters` timed calls from a cool GPU."""
+
+    tokens: int
+    hidden: int
+    warmup: int
+    iters: int
+
+    def call_flops(self, pass_: str, causal: bool, seq: float) -> float:
+        """FLOPs of one measured call at sequence length `seq` (the table's convention)."""
+        forward = 4.0 * self.tokens * seq * self.hidden * (0.5 if causal else 1.0)
+        return forward * (BACKWARD_FLOPS if pass_ == "backward" else 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionTable:
-    """Measured TFLOP/s by (implementation, pass, causal, head_dim): one value per `seqlens` entry."""
+    """Measured TFLOP/s by (implementation, pass, causal, head_dim): one value per `seqlens` entry;
+    `protocol`: the benchmark loop they come from (None: not known, the figures taken as sustained)."""
 
     seqlens: tuple[int, ...]
     series: dict[tuple[str, str, bool, int], tuple[float, ...]]
+    protocol: BenchLoop | None = None
+    # series converted to a sustained clock, by (series key, clock, window): filled on use
+    _sustained: dict[tuple, tuple[float, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def measured(self, implementation: str, pass_: str, causal: bool, head_dim: int) -> tuple[float, ...] | None:
         return self.series.get((implementation, pass_, causal, head_dim))
@@ -71,7 +102,17 @@ def table_from_dict(data: object, where: str = "attention table") -> AttentionTa
                             f"TFLOP/s below the peak per seqlen")
         series[(row["implementation"], row["pass"], row["causal"], row["head_dim"])] = tuple(
             float(x) for x in row["tflops"])
-    return AttentionTable(seqlens=tuple(seqlens), series=series)
+    raw = data.get("protocol")
+    protocol = None
+    if raw is not None:
+        keys = ("tokens", "hidden", "warmup", "iters")
+        if not (isinstance(raw, dict) and all(isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool)
+                                              for k in keys)
+                and raw["tokens"] > 0 and raw["hidden"] > 0 and raw["warmup"] >= 0 and raw["iters"] > 0):
+            raise SpecError(f"{where}: protocol must give tokens, hidden and iters (positive) and warmup (>= 0) "
+                            "as whole numbers")
+        protocol = BenchLoop(**{k: raw[k] for k in keys})
+    return AttentionTable(seqlens=tuple(seqlens), series=series, protocol=protocol)
 
 
 @functools.cache
@@ -80,30 +121,54 @@ def default_table() -> AttentionTable:
     return table_from_dict(parse_json(text, "attention_throughput.json", SpecError), "attention_throughput.json")
 
 
+def _sustained(table: AttentionTable, key: tuple[str, str, bool, int], clock: float,
+               window_s: float) -> tuple[float, ...]:
+    """A series' TFLOP/s at the power-limited clock `clock` x boost (the module docstring); the
+    table's own figures without a protocol or a clock below 1."""
+    measured = table.series[key]
+    loop = table.protocol
+    if loop is None or clock >= 1.0:
+        return measured
+    cached = table._sustained.get((key, clock, window_s))
+    if cached is None:
+        _, pass_, causal, _ = key
+        out = []
+        for seq, tflops in zip(table.seqlens, measured):
+            flops = loop.call_flops(pass_, causal, seq)
+            seconds = sustained_seconds(flops / (tflops * 1e12), clock, window_s, loop.warmup, loop.iters)
+            out.append(flops / seconds / 1e12)
+        cached = table._sustained[(key, clock, window_s)] = tuple(out)
+    return cached
+
+
 def _tflops(table: AttentionTable, implementation: str, pass_: str, causal: bool, seq: float,
-            head_dim: int) -> float | None:
+            head_dim: int, clock: float, window_s: float) -> float | None:
     dims = table.head_dims(implementation, pass_, causal)
     if not dims:
         return None
-    by_dim = [(float(h), efficiency_on(tuple(zip(table.seqlens, table.series[(implementation, pass_, causal, h)])), seq))
-              for h in dims]
+    by_dim = [(float(h), efficiency_on(tuple(zip(table.seqlens, _sustained(
+        table, (implementation, pass_, causal, h), clock, window_s))), seq)) for h in dims]
     return efficiency_on(tuple(by_dim), head_dim)
 
 
 def efficiency(pass_: str, causal: bool, seq: float, head_dim: int, *, implementation: str = IMPLEMENTATION,
-               table: AttentionTable | None = None) -> float:
+               table: AttentionTable | None = None, clock: float = 1.0, window_s: float = 0.0) -> float:
     """Fraction of the dense bf16 peak one fused attention call reaches: `seq` the keys each query
-    attends over (the sequence, or a CP ring step's block), `head_dim` the head dimension."""
+    attends over (the sequence, or a CP ring step's block), `head_dim` the head dimension;
+    `clock` < 1: under sustained load at that fraction of the boost clock, the measured loops
+    converted with the power controller's boost window `window_s` (the module docstring)."""
     if pass_ not in PASSES:
         raise SpecError(f"attention pass must be one of {', '.join(PASSES)}, got {pass_!r}")
     if seq <= 0 or head_dim <= 0:
         raise SpecError(f"attention needs a positive sequence and head dimension, got {seq} and {head_dim}")
+    if not 0.0 < clock <= 1.0 or window_s < 0.0:
+        raise SpecError(f"attention clock must be in (0, 1] and its boost window >= 0 s, got {clock} and {window_s}")
     table = table or default_table()
-    measured = _tflops(table, implementation, pass_, causal, seq, head_dim)
+    measured = _tflops(table, implementation, pass_, causal, seq, head_dim, clock, window_s)
     if measured is None and pass_ == "backward" and causal:  # derived: the module docstring
-        full = _tflops(table, implementation, "backward", False, seq, head_dim)
-        fwd_causal = _tflops(table, implementation, "forward", True, seq, head_dim)
-        fwd_full = _tflops(table, implementation, "forward", False, seq, head_dim)
+        full = _tflops(table, implementation, "backward", False, seq, head_dim, clock, window_s)
+        fwd_causal = _tflops(table, implementation, "forward", True, seq, head_dim, clock, window_s)
+        fwd_full = _tflops(table, implementation, "forward", False, seq, head_dim, clock, window_s)
         if None not in (full, fwd_causal, fwd_full):
             measured = full * fwd_causal / fwd_full  # type: ignore[operator]
     if measured is None:

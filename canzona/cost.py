@@ -52,22 +52,34 @@ class Kernel:
     count: float = 1.0
     gemm: tuple[int, ...] = ()
     solver: str = ""  # "eigh" or "qr" for solver kernels
+    # a GEMM adding into its output (`C += A B`): the bytes of an element of that output (its
+    # accumulator's dtype, read and written by the epilogue); 0: a GEMM writing a fresh output
+    accumulate: int = 0
 
 
-def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0) -> Kernel:
+def gemm_output_bytes(dtype: str) -> int:
+    """Bytes a GEMM of `dtype` operands writes an output element: an fp8 GEMM writes bf16
+    (Transformer Engine, torch._scaled_mm), so no GEMM writes fewer than 2."""
+    return max(DTYPE_BYTES[dtype], DTYPE_BYTES["bf16"])
+
+
+def gemm_kernel(name: str, m: int, n: int, k: int, dtype: str, count: float = 1.0, *, accumulate: int = 0) -> Kernel:
+    """`accumulate`: the GEMM adds into an `m x n` output of `accumulate`-byte elements, which its
+    epilogue reads and writes (Megatron's weight gradient into `main_grad`: `layer_kernels`)."""
     b = DTYPE_BYTES[dtype]
-    # an fp8 GEMM writes its output in bf16 (Transformer Engine, torch._scaled_mm): no GEMM writes
-    # fewer than 2 bytes an output element
-    out = max(b, DTYPE_BYTES["bf16"])
-    return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n) + out * m * n), dtype, count, (m, n, k))
+    out = 2 * accumulate if accumulate else gemm_output_bytes(dtype)
+    return Kernel(name, "gemm", 2.0 * m * n * k, float(b * (m * k + k * n) + out * m * n), dtype, count, (m, n, k),
+                  accumulate=accumulate)
 
 
-def grouped_gemm_kernel(name: str, m: int, n: int, k: int, groups: int, dtype: str, count: float = 1.0) -> Kernel:
+def grouped_gemm_kernel(name: str, m: int, n: int, k: int, groups: int, dtype: str, count: float = 1.0, *,
+                        accumulate: int = 0) -> Kernel:
     """`groups` same-shape `m x n x k` GEMMs as one launch (a grouped GEMM: a mixture-of-experts
     layer's experts, a batched kernel's matrices): their tiles fill the SM waves together, and
-    each group reads its own operands."""
-    one = gemm_kernel(name, m, n, k, dtype)
-    return Kernel(name, "gemm", one.flops * groups, one.bytes * groups, dtype, count, (m * groups, n, k))
+    each group reads its own operands (and adds into its own output under `accumulate`)."""
+    one = gemm_kernel(name, m, n, k, dtype, accumulate=accumulate)
+    return Kernel(name, "gemm", one.flops * groups, one.bytes * groups, dtype, count, (m * groups, n, k),
+                  accumulate=accumulate)
 
 
 def elementwise_kernel(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
@@ -306,10 +318,14 @@ class DeviceRate:
             return max(k.flops / rate, k.bytes / self.hbm_bytes_per_s)
         m, n, depth = k.gemm
         model = self.gemm_model if self.gemm_model is not None else square(self.tile)
-        return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s, DTYPE_BYTES[k.dtype])
+        # an accumulating GEMM's epilogue reads and writes its output at the accumulator's dtype
+        # where the fitted GEMMs wrote a bf16 one (canzona.gemm_model)
+        extra = 2 * k.accumulate - gemm_output_bytes(k.dtype) if k.accumulate else 0.0
+        return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s, DTYPE_BYTES[k.dtype],
+                             epilogue_bytes=extra)
 
     def kernel_seconds(self, k: Kernel) -> float:
-        key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver)  # what prices it: not its name
+        key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver, k.accumulate)  # what prices it: not its name
         seconds = self._seconds.get(key)
         if seconds is None:
             seconds = self._seconds[key] = self._kernel_seconds(k)
@@ -340,7 +356,8 @@ class DeviceRate:
         for k in kernels:
             if k.kind == "gemm" and batch > 1:
                 m, n, depth = k.gemm
-                total += self.kernel_seconds(grouped_gemm_kernel(k.name, m, n, depth, batch, k.dtype, k.count))
+                total += self.kernel_seconds(grouped_gemm_kernel(k.name, m, n, depth, batch, k.dtype, k.count,
+                                                                 accumulate=k.accumulate))
             else:
                 total += batch * self.kernel_seconds(k)
         return total

@@ -9,6 +9,7 @@ from importlib import resources
 from typing import Any
 
 from canzona.cost import DeviceRate, Kernel, gemm_kernel
+from canzona.gemm_model import loop_mean_seconds
 from canzona.hardware import load_profile
 from canzona.spec import DTYPE_BYTES
 
@@ -30,14 +31,6 @@ def _boost_seconds(rate: DeviceRate, k: Kernel) -> float:
     m, n, depth = k.gemm
     return rate.gemm_model.seconds(m, n, depth, rate.gemm_flops[k.dtype], rate.sms, k.bytes, rate.hbm_bytes_per_s,
                                    DTYPE_BYTES[k.dtype], boost=True) + rate.launch_s
-
-
-def loop_mean_seconds(boost_s: float, sustained_s: float, window_s: float, warmup: int, iters: int) -> float:
-    """Mean seconds of the `iters` timed calls of a benchmark loop that runs `warmup` untimed calls
-    first, back to back from a cool GPU: calls run at the boost clock for the power controller's
-    `window_s` seconds of load, then at the sustained (power-limited) clock."""
-    at_boost = min(max(window_s / boost_s - warmup, 0.0), float(iters))  # timed calls before the limit bites
-    return (at_boost * boost_s + (iters - at_boost) * sustained_s) / iters
 
 
 def model_tflops(row: dict[str, Any]) -> float:

@@ -14,7 +14,11 @@ so small tiles (less reuse) and low-precision operands are fed, not computed, at
 Every tile also moves bytes its main loop does not hide, in proportion to its area and
 independent of `K`: draining the finished output tile (the epilogue) and refilling the operand
 pipeline (`tile_fixed_bytes` an output element, at the HBM bandwidth); and each GEMM pays a fixed
-latency (`fixed_s`: the first fill and the last drain, which nothing overlaps). A short-`K` or
+latency (`fixed_s`: the first fill and the last drain, which nothing overlaps). A GEMM that adds
+into its output (`C += A B`, beta = 1: Megatron's weight gradients accumulating into `main_grad`)
+moves more in its epilogue than the fitted bf16-output GEMMs did: it reads `C` and writes `D` at
+the accumulator's dtype instead of writing a bf16 `D`, `epilogue_bytes` more an output element,
+priced like the rest of the epilogue (unhidden, at the HBM bandwidth). A short-`K` or
 small GEMM therefore loses efficiency, and a faster memory (H200) loses less. The library picks
 the fastest tile and split, so the model does too: the minimum over candidates, each of which
 grows with every dimension, so time never falls as a dimension grows.
@@ -63,13 +67,15 @@ class GemmModel:
     boost_window_s: float = 0.0
 
     def seconds(self, m: int, n: int, k: int, rate: float, sms: int, nbytes: float, hbm_bytes_per_s: float,
-                operand_bytes: int, *, boost: bool = False) -> float:
+                operand_bytes: int, *, boost: bool = False, epilogue_bytes: float = 0.0) -> float:
         """Seconds of one `m x n x k` GEMM of `operand_bytes`-byte inputs moving `nbytes`
         (operands and output) at a boost-clock whole-GPU tensor rate `rate` FLOP/s: the fastest
         (tile, split) candidate, each the larger of its compute time and its HBM time, plus the
         fixed latency. The SMs and L2 run at `sustained_clock` x boost (the power-limited clock of
         sustained load, which a training step is) unless `boost` (a short burst on a cool GPU);
-        HBM does not slow with the SM clock."""
+        HBM does not slow with the SM clock. `epilogue_bytes`: what each output element's
+        epilogue moves beyond a bf16 output's (an accumulating GEMM: the module docstring), once
+        a tile (after its split-K slices are reduced)."""
         clock = 1.0 if boost else self.sustained_clock
         per_sm = clock * rate / sms
         best = math.inf
@@ -81,7 +87,7 @@ class GemmModel:
                 compute = full * self._wave(tm, tn, depth, sms, per_sm, operand_bytes, clock)
                 if last:
                     compute += self._wave(tm, tn, depth, last, per_sm, operand_bytes, clock)
-                compute += tiles * split * tm * tn * self.tile_fixed_bytes / hbm_bytes_per_s
+                compute += tiles * tm * tn * (split * self.tile_fixed_bytes + epilogue_bytes) / hbm_bytes_per_s
                 memory = (nbytes + 2 * PARTIAL_BYTES * (split - 1) * m * n) / hbm_bytes_per_s
                 best = min(best, max(compute, memory))
         return best + self.fixed_s
@@ -95,6 +101,31 @@ class GemmModel:
         if not self.l2_bytes_per_s:
             return compute
         return max(compute, active * (tm + tn) * operand_bytes * depth / (clock * self.l2_bytes_per_s))
+
+
+def loop_mean_seconds(boost_s: float, sustained_s: float, window_s: float, warmup: int, iters: int) -> float:
+    """Mean seconds of the `iters` timed calls of a benchmark loop that runs `warmup` untimed calls
+    first, back to back from a cool GPU: calls run at the boost clock for the power controller's
+    `window_s` seconds of load, then at the sustained (power-limited) clock."""
+    at_boost = min(max(window_s / boost_s - warmup, 0.0), float(iters))  # timed calls before the limit bites
+    return (at_boost * boost_s + (iters - at_boost) * sustained_s) / iters
+
+
+def sustained_seconds(measured_s: float, clock: float, window_s: float, warmup: int, iters: int) -> float:
+    """Seconds one call takes under sustained load (the power-limited clock, `clock` x boost) when a
+    benchmark loop of `warmup` untimed then `iters` timed calls from a cool GPU measured a mean of
+    `measured_s` (`loop_mean_seconds` solved for the call's boost-clock seconds; a call's time
+    scales as 1 / clock, as a tensor-core-bound kernel's does)."""
+    if clock >= 1.0:
+        return measured_s
+    lo, hi = measured_s * clock, measured_s  # all calls sustained .. all at boost
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if loop_mean_seconds(mid, mid / clock, window_s, warmup, iters) < measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi) / clock
 
 
 def square(tile: int) -> GemmModel:

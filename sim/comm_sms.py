@@ -30,7 +30,12 @@ for the TP exchanges: an all-gather overlapped by `ring_exchange` moves its chun
 engines (`use_ce=True`, TE's default: `transformer_engine/pytorch/module/base.py`,
 `initialize_ub`'s `get_default_config`), no SM; a `pipeline` or `bulk` overlap runs a
 communication kernel on `num_sm` SMs, and the GEMM beside it is launched on the rest
-(`set_sm_margin`). `TP_OVERLAP_SMS` holds the H100 configuration of NVIDIA's recipes,
+(`set_sm_margin`). With `set_sm_margin` (the forward's `pipeline` reduce-scatters in NVIDIA's H100
+configurations) the GEMM is launched on `sms - num_sm` SMs for its whole length, not only while
+the communication kernel runs (TE's CommOverlapCore: `_math_sms = set_sm_margin ? sm_count -
+num_comm_sm : sm_count`, transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp), and
+the GEMM runs as `num_splits` chunks, the reduce-scatter of each chunk starting once it is done,
+so the last chunk's reduce-scatter follows the GEMM (`split_overlap_rs`). `TP_OVERLAP_SMS` holds the H100 configuration of NVIDIA's recipes,
 `userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192` (Megatron-Bridge
 `src/megatron/bridge/training/comm_overlap.py`, used by its Llama 3 70B H100 recipe; TE's own
 default is 16 SMs for `pipeline` / `bulk`).
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canzona.errors import SpecError
 from sim.collectives import CollectiveCost
 
 NVLINK_RING_SMS = 24  # NCCL ring / tree channels over NVLink on an 8-GPU H100 node
@@ -75,10 +81,21 @@ class TPOverlapSMs:
     forward_reduce_scatter: int
     backward_gather: int
     backward_reduce_scatter: int
+    # the forward's `pipeline` reduce-scatter: its GEMM on the SMs the communication kernel leaves
+    # (`set_sm_margin`), in `forward_splits` chunks (`num_splits`)
+    forward_sm_margin: bool = True
+    forward_splits: int = 4
+
+    def __post_init__(self) -> None:
+        if self.forward_splits < 1:
+            raise SpecError(f"forward_splits must be >= 1, got {self.forward_splits}")
 
 
-# userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 (Megatron-Bridge comm_overlap.py): the attention
-# block (q, k, v | o): proj_fprop 24, qkv_dgrad 4, qkv_wgrad 24; the MLP block (gate, up | down):
-# fc2_fprop 16, fc1_dgrad 2, fc1_wgrad 4
+# userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 (Megatron-Bridge comm_overlap.py; the same
+# figures in NeMo-Framework-Launcher launcher_scripts/conf/training/tp_overlap/
+# ub_cfg_h100_h8192_tp4_mbs1_seqlen8192.yaml, which NeMo 24.09's Llama 3.1 70B recipe loads): the
+# attention block (q, k, v | o): proj_fprop 24 (pipeline, num_splits 4, set_sm_margin),
+# qkv_dgrad 4, qkv_wgrad 24; the MLP block (gate, up | down): fc2_fprop 16 (pipeline, num_splits
+# 4, set_sm_margin), fc1_dgrad 2, fc1_wgrad 4 (bulk: no margin)
 ATTENTION_TP_OVERLAP = TPOverlapSMs(forward_reduce_scatter=24, backward_gather=4, backward_reduce_scatter=24)
 MLP_TP_OVERLAP = TPOverlapSMs(forward_reduce_scatter=16, backward_gather=2, backward_reduce_scatter=4)

@@ -39,15 +39,17 @@ class Span:
 
 
 class _Kernel:
-    """A compute kernel in flight: `remaining` full-rate seconds as of `since`, moving at `rate`."""
+    """A compute kernel in flight: `remaining` full-rate seconds as of `since`, moving at `rate`;
+    `margin`: the SMs it was launched without (`Engine.compute`)."""
 
-    __slots__ = ("remaining", "rate", "since", "proc")
+    __slots__ = ("remaining", "rate", "since", "proc", "margin")
 
-    def __init__(self, seconds: float, rate: float, now: float, proc: simpy.Process):
+    def __init__(self, seconds: float, rate: float, now: float, proc: simpy.Process, margin: int = 0):
         self.remaining = seconds
         self.rate = rate
         self.since = now
         self.proc = proc
+        self.margin = margin
 
 
 class Collective:
@@ -122,13 +124,16 @@ class Engine:
         return self._streams[key]
 
     def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
-                stream: str = "compute") -> simpy.Event:
-        """A kernel of `seconds` on `rank`'s stream, after `after` fire (phase A's: `slowdown` times)."""
+                stream: str = "compute", margin: int = 0) -> simpy.Event:
+        """A kernel of `seconds` on `rank`'s stream, after `after` fire (phase A's: `slowdown` times);
+        `margin`: SMs it is launched without, left to a communication kernel (Transformer Engine's
+        `set_sm_margin`, sim.comm_sms), so it runs at `(sms - margin - held) / sms` of its rate."""
         if self.phase == "A" and self.slowdown != 1.0:
             seconds *= self.slowdown
-        return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase))
+        return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase, margin))
 
-    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str):
+    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str,
+                 margin: int = 0):
         with self.stream(rank, stream).request() as req:
             yield req
             if after:
@@ -136,7 +141,7 @@ class Engine:
             start = self.env.now
             if seconds > 0:
                 if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
-                    k = _Kernel(seconds, self._rate(rank), start, self.env.active_process)
+                    k = _Kernel(seconds, self._rate(rank, margin), start, self.env.active_process, margin)
                     running = self._kernels.setdefault(rank, [])
                     running.append(k)
                     while True:
@@ -150,9 +155,10 @@ class Engine:
                     yield self.env.timeout(seconds)
             self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
-    def _rate(self, rank: int) -> float:
-        """Compute rate on `rank`: the share of SMs no communication kernel holds (one at least)."""
-        held = self._held.get(rank, 0)
+    def _rate(self, rank: int, margin: int = 0) -> float:
+        """Compute rate on `rank` of a kernel launched without `margin` SMs: the share of SMs
+        neither the margin nor a communication kernel holds (one at least)."""
+        held = self._held.get(rank, 0) + margin
         return max(self.sms - held, 1) / self.sms if held else 1.0
 
     def hold(self, ranks: Sequence[int], sms: int) -> None:
@@ -164,8 +170,8 @@ class Engine:
             kernels = self._kernels.get(r)
             if not kernels:
                 continue
-            rate = self._rate(r)
             for k in kernels:
+                rate = self._rate(r, k.margin)
                 if k.rate != rate:
                     k.remaining = max(0.0, k.remaining - (now - k.since) * k.rate)
                     k.since = now

@@ -350,7 +350,7 @@ class _Stage:
         self.eng = ctx.engine
         cl, wl = ctx.cluster, ctx.workload
         # a rank's part of a micro-batch: its CP rank's tokens (all of them without CP)
-        act = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * wl.activation_bytes
+        act = self.act = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * wl.activation_bytes
         self.ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
         self.rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
         shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
@@ -359,6 +359,7 @@ class _Stage:
         self.dp_groups = _groups(self.ranks, cl.dp_groups(stage))
         self.cp_groups = _groups(self.ranks, cl.cp_groups(stage)) if cl.cp > 1 else []
         self.ring_costs: dict[float, CollectiveCost] = {}
+        self.rs_chunks: dict[int, tuple[CollectiveCost | None, CollectiveCost]] = {}
         self.firsts = _bucket_first_layers(ctx)
         self.completed = backward_layers(ctx.plan, ctx.spec)  # bucket index -> the layer completing it
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
@@ -384,9 +385,11 @@ class _Stage:
                                            sms=sms))
         return out
 
-    def compute(self, name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None) -> None:
+    def compute(self, name: str, seconds: float, extra: dict[int, list[simpy.Event]] | None = None,
+                margin: int = 0) -> None:
+        """`margin`: SMs the kernels leave to a communication kernel (`Engine.compute`)."""
         for r in self.ranks:
-            self.last[r] = self.eng.compute(r, name, seconds, [self.last[r]] + (extra or {}).get(r, []))
+            self.last[r] = self.eng.compute(r, name, seconds, [self.last[r]] + (extra or {}).get(r, []), margin=margin)
 
     def wait(self, events: list[simpy.Event]) -> None:
         for r in self.ranks:
@@ -428,11 +431,34 @@ class _Stage:
         self.compute(f"{name} first", b.first_s)
         self.core(f"{name} middle", b.middle_s, b, {r: [gathered[r]] for r in ranks})
         before_last = dict(self.last)
-        self.compute(f"{name} last", b.last_s)
-        scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
-                                    {r: [before_last[r]] for r in ranks},
-                                    sms=sm.backward_reduce_scatter if backward else sm.forward_reduce_scatter)
+        if backward:  # a `bulk` reduce-scatter beside the weight-gradient GEMMs, on SMs it takes from them
+            self.compute(f"{name} last", b.last_s)
+            scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
+                                        {r: [before_last[r]] for r in ranks}, sms=sm.backward_reduce_scatter)
+        else:  # a `pipeline` reduce-scatter: the chunks' under the GEMM, the last chunk's after it
+            # under set_sm_margin the GEMM runs without the kernel's SMs, which the kernel then uses
+            margin = sm.forward_reduce_scatter if sm.forward_sm_margin else 0
+            self.compute(f"{name} last", b.last_s, margin=margin)
+            head, tail = self._rs_chunks(sm.forward_splits)
+            sms = 0 if margin else sm.forward_reduce_scatter
+            scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, head, TP_COMM,
+                                        {r: [before_last[r]] for r in ranks}, sms=sms) if head is not None else {}
+            if tail is not None:
+                scattered = self.collective(f"{name} reduce-scatter (last chunk)", self.tp_groups, tail, TP_COMM,
+                                            {r: [self.last[r]] + ([scattered[r]] if scattered else []) for r in ranks},
+                                            sms=sms)
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
+
+    def _rs_chunks(self, splits: int) -> tuple[CollectiveCost | None, CollectiveCost]:
+        """A `pipeline` reduce-scatter of the block output in `splits` chunks: the first `splits - 1`
+        chunks' (one collective; None for one chunk), and the last chunk's (the whole at 1)."""
+        if splits not in self.rs_chunks:
+            cl, ctx, act = self.ctx.cluster, self.ctx, self.act
+            head = collective_cost("reduce-scatter", act * (splits - 1) / splits, cl.tp_geometry(), ctx.hw) \
+                if splits > 1 else None
+            tail = collective_cost("reduce-scatter", act / splits, cl.tp_geometry(), ctx.hw) if splits > 1 else self.rs
+            self.rs_chunks[splits] = (head, tail)
+        return self.rs_chunks[splits]
 
     def core(self, name: str, seconds: float, b, extra: dict[int, list[simpy.Event]] | None = None) -> None:
         """`seconds` of the block's compute holding its attention core; under context parallelism

@@ -35,7 +35,8 @@ the rows a sequence-parallel kernel sees (the rank's tokens / TP) and `T` the ra
   (`h` each) are negligible.
 
 Attention (`attention_steps`): one fused attention call per ring step, at the efficiency its shape
-reaches (`canzona.attention_rate`): without context parallelism one call over the sequence;
+reaches (`canzona.attention_rate`, converted to the power-limited clock of sustained load, as the
+GEMMs are priced): without context parallelism one call over the sequence;
 under CP (balanced causal split, rank i holding chunks i and 2cp-1-i of `c = seq / 2cp` tokens)
 step 0 is causal over the rank's own `2c` tokens, and every later step is unmasked, either both
 query chunks against the sender's first chunk (`2c x c`, ranks at or after the sender) or the
@@ -152,15 +153,17 @@ def embedding_kernels(tokens: int, vocab_slice: int, hidden: int, act_bytes: int
 
 
 def attention_steps(flops: float, seq_len: int, cp: int, causal: bool, head_dim: int, peak_flops: float,
-                    backward: bool) -> tuple[float, ...]:
+                    backward: bool, *, clock: float = 1.0, window_s: float = 0.0) -> tuple[float, ...]:
     """Seconds of each fused-attention call of one pass on one rank: `flops` the rank's attention
     FLOPs of the forward pass (the backward does 2.5x: `ATTENTION_BACKWARD`), split over `cp`
-    ring steps (the module docstring)."""
+    ring steps (the module docstring); `clock`, `window_s`: the device's power-limited clock and
+    boost window (`canzona.gemm_model`), at which a training step's attention runs
+    (`canzona.attention_rate`: the measured loops ran largely at the boost clock)."""
     pass_ = "backward" if backward else "forward"
     work = flops * (ATTENTION_BACKWARD if backward else 1.0)
 
     def seconds(part: float, keys: float, masked: bool) -> float:
-        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim))
+        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim, clock=clock, window_s=window_s))
 
     if cp <= 1:
         return (seconds(work, seq_len, causal),)

@@ -34,6 +34,13 @@ for the balanced causal split), while the next block travels the ring (`Block.ri
 exchange per step that has a next: forward cp - 1 sends of K and V; backward cp sends: K/V, then
 K/V with the travelling dK/dV, then dK/dV home: TE's AttnFuncWithCPAndKVP2P).
 
+Weight gradients accumulate into the gradient buffer inside their GEMMs (`accumulate`: Megatron's
+`gradient_accumulation_fusion`, on in every NVIDIA recipe and Megatron's default: TE's
+`fuse_wgrad_accumulation` and Megatron's `wgrad_gemm_accum_fp32` / `_fp16` add each micro-batch's
+weight gradient into `main_grad` with a beta = 1 GEMM), so each weight-gradient GEMM's epilogue
+reads and writes the buffer's elements (fp32 `main_grad`: 8 bytes an element where a plain GEMM
+writes 2; `canzona.gemm_model`). FSDP's weight gradients are fresh `.grad`s (no accumulation).
+
 Under FP8 (`fp8`, `sim.fp8`) the layers' linear GEMMs (the experts' too, not the router's nor the
 head's) run in FP8 and each block pays Transformer Engine's casts, transposes and scaling beside
 them (`_fp8_block`); attention stays in the model's dtype.
@@ -124,7 +131,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
-                     fp8: FP8Setup | None = None) -> MicroBatchWork:
+                     fp8: FP8Setup | None = None, accumulate: int = 0) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -135,8 +142,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
     exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `head_dim`: the
     attention heads' dimension (the fused attention's efficiency depends on it); `fp8`: the linear layers'
-    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`)."""
+    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`); `accumulate`: the bytes of a
+    gradient buffer element every weight-gradient GEMM adds into (`Workload.grad_bytes` under
+    Megatron's gradient accumulation fusion; 0: fresh gradients, as FSDP's)."""
     check_recompute(recompute)
+    if accumulate not in (0, DTYPE_BYTES["bf16"], DTYPE_BYTES["fp32"]):
+        raise SpecError(f"weight gradients accumulate into bf16 (2) or fp32 (4) buffers, got {accumulate!r} bytes")
     full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -167,7 +178,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             out, inp = p.local_shape(tp)
             if backward:
                 ks += [gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, linear),
-                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, linear)]
+                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, linear, accumulate=accumulate)]
             else:
                 ks.append(gemm_kernel(p.name, tokens, out, inp, linear))
         return run(ks)
@@ -187,8 +198,13 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if cp > 1:  # this rank's share: its query chunks against every K/V block
         attn_flops /= cp
     peak = rate.peak_flops.get(dtype, rate.gemm_flops[dtype])
-    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False) if q_dim else ()
-    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True) if q_dim else ()
+    # attention runs at the clock the GEMMs sustain under the power limit (canzona.attention_rate)
+    power = rate.gemm_model
+    clock = dict(clock=power.sustained_clock, window_s=power.boost_window_s) if power is not None else {}
+    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False, **clock) \
+        if q_dim else ()
+    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True, **clock) \
+        if q_dim else ()
     two = DTYPE_BYTES[dtype]  # activations in the model's dtype
     shape = lk.LayerShape(tokens=tokens, tp=tp, hidden=hidden, act_bytes=two, sms=rate.sms or 132)
     q_width, kv_width = q_dim / tp, (kv_dim or q_dim) / tp
@@ -240,7 +256,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         if moe_by_id[layer]:
             assert experts is not None
             fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8)
+                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:
@@ -259,14 +275,15 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
                   *lk.loss_kernels(tokens, vocab // tp, backward=False)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
-                  gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
+                  gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype, accumulate=accumulate),
                   *lk.loss_kernels(tokens, vocab // tp, backward=True)])
     return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b)
 
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
                   rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
-                  imbalance: float = 1.0, etp: int = 1, fp8: FP8Setup | None = None) -> tuple[Block, Block]:
+                  imbalance: float = 1.0, etp: int = 1, fp8: FP8Setup | None = None,
+                  accumulate: int = 0) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
@@ -280,7 +297,8 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     the gathered pairs by expert and back on `etp` times the pairs, around the ETP group's
     all-gather and reduce-scatter of the pairs (`Block.etp_bytes`). Under FP8 the expert GEMMs run
     in FP8 (TE's GroupedLinear), each casting its input, its output gradient and (once per
-    iteration) its weights; the router stays in `dtype`."""
+    iteration) its weights; the router stays in `dtype`. `accumulate`: as `micro_batch_work`'s (the
+    weight gradients added into the gradient buffer inside their GEMMs)."""
     count, per_token = experts
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
@@ -300,7 +318,8 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
             rows = max(1, round(computed / local))  # each expert's share of the pairs
             fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, gemm_dtype))
             bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, gemm_dtype),
-                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, gemm_dtype)]
+                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, gemm_dtype,
+                                          accumulate=accumulate)]
             if fp8 is not None:  # per expert GEMM: its input, its output gradient, its weights
                 fwd_k += [fp8.cast(p.name, rows * groups, inp), fp8.weight_cast(p.name, out * inp * groups)]
                 bwd_k.append(fp8.cast(f"{p.name}.grad", rows * groups, out))
@@ -309,7 +328,8 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
         else:
             m = max(1, round(tokens))
             fwd_k.append(gemm_kernel(p.name, m, out, inp, dtype))
-            bwd_k += [gemm_kernel(f"{p.name}.dgrad", m, inp, out, dtype), gemm_kernel(f"{p.name}.wgrad", out, inp, m, dtype)]
+            bwd_k += [gemm_kernel(f"{p.name}.dgrad", m, inp, out, dtype),
+                      gemm_kernel(f"{p.name}.wgrad", out, inp, m, dtype, accumulate=accumulate)]
     two = DTYPE_BYTES[dtype]
     # permute the tokens to expert order and back (read + write hidden per pair, each way), SwiGLU
     # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts'

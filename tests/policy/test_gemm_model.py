@@ -195,3 +195,70 @@ def test_malformed_gemm_model_is_a_spec_error(bad):
     data["gemm_model"] = bad
     with pytest.raises(SpecError, match="gemm_model"):
         profile_from_dict(data)
+
+
+# --- accumulating GEMMs (a weight gradient added into main_grad) -------------------------------
+
+
+@pytest.mark.parametrize("acc, extra", [(4, 6), (2, 2)])
+def test_an_accumulating_gemm_moves_its_output_twice_at_the_accumulator_dtype(acc, extra):
+    """`C += A B` reads and writes C: fp32 8 bytes an output element (6 more than a bf16 write),
+    bf16 4 (2 more); the epilogue's extra bytes cost their HBM time once a tile, all else equal."""
+    plain = gemm_kernel("w", 4096, 14336, 4096, "bf16")
+    fused = gemm_kernel("w", 4096, 14336, 4096, "bf16", accumulate=acc)
+    assert fused.bytes - plain.bytes == extra * 4096 * 14336 and fused.flops == plain.flops
+    r = rate("h100-sxm")
+    # at least the output's extra bytes at the HBM bandwidth, at most its padded tiles' (the library
+    # may pick another tile once the epilogue costs more)
+    gained = r._gemm_seconds(fused) - r._gemm_seconds(plain)
+    assert extra * 4096 * 14336 / r.hbm_bytes_per_s * (1 - 1e-9) <= gained
+    assert gained <= extra * (4096 + 256) * (14336 + 256) / r.hbm_bytes_per_s
+    # the cache tells them apart (same FLOPs, shape and dtype)
+    assert r.kernel_seconds(fused) > r.kernel_seconds(plain)
+
+
+def test_an_fp8_weight_gradient_accumulates_like_a_bf16_one():
+    """An fp8 GEMM writes bf16 (2 bytes): adding into fp32 main_grad costs the same 6 bytes more."""
+    plain = gemm_kernel("w", 8192, 8192, 4096, "fp8")
+    fused = gemm_kernel("w", 8192, 8192, 4096, "fp8", accumulate=4)
+    assert fused.bytes - plain.bytes == 6 * 8192 * 8192
+
+
+def test_grouped_and_batched_gemms_keep_the_accumulation():
+    from canzona.cost import grouped_gemm_kernel
+
+    one = gemm_kernel("w", 768, 2048, 4096, "bf16", accumulate=4)
+    grouped = grouped_gemm_kernel("w", 768, 2048, 4096, 8, "bf16", accumulate=4)
+    assert grouped.accumulate == 4 and grouped.bytes == 8 * one.bytes
+    r = rate("h100-sxm")
+    assert r.batched_seconds([one], 8) == r.kernel_seconds(grouped)
+
+
+def test_the_epilogue_bytes_grow_the_time_by_their_hbm_time_on_every_tile():
+    model = GemmModel(tiles=((128, 128),), splits=(1,), tile_fixed_bytes=2.0)
+    base = model.seconds(1000, 1000, 4096, 500e12, 100, 0.0, 1e12, 2)
+    more = model.seconds(1000, 1000, 4096, 500e12, 100, 0.0, 1e12, 2, epilogue_bytes=6.0)
+    tiles = 8 * 8  # 1000 / 128 rounded up, each way: the padded tiles move their bytes too
+    assert more - base == pytest.approx(tiles * 128 * 128 * 6.0 / 1e12, rel=1e-9)
+
+
+# --- a measured loop converted to the sustained clock ------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-5, 0.1), st.floats(0.5, 0.99), st.floats(0.0, 0.05), st.integers(0, 5), st.integers(1, 100))
+def test_sustained_seconds_inverts_the_loop(boost_s, clock, window, warmup, iters):
+    """The loop that `sustained_seconds` infers, run again, measures what was measured."""
+    from canzona.gemm_model import sustained_seconds
+
+    measured = loop_mean_seconds(boost_s, boost_s / clock, window, warmup, iters)
+    got = sustained_seconds(measured, clock, window, warmup, iters)
+    assert got == pytest.approx(boost_s / clock, rel=1e-6)
+
+
+def test_a_loop_within_the_boost_window_ran_at_boost():
+    from canzona.gemm_model import sustained_seconds
+
+    assert sustained_seconds(1e-3, 0.91, 1.0, 2, 30) == pytest.approx(1e-3 / 0.91, rel=1e-9)  # all at boost
+    assert sustained_seconds(1e-3, 0.91, 0.0, 2, 30) == pytest.approx(1e-3, rel=1e-9)  # all sustained
+    assert sustained_seconds(1e-3, 1.0, 1.0, 2, 30) == 1e-3  # no power limit

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canzona.errors import SpecError
 from sim.collectives import FREE, CollectiveCost
 from sim.comm_sms import (
     ATTENTION_TP_OVERLAP,
@@ -17,6 +18,7 @@ from sim.comm_sms import (
     NETWORK_SMS,
     NVLINK_RING_SMS,
     NVLS_SMS,
+    TPOverlapSMs,
     nccl_sms,
 )
 from sim.engine import Engine
@@ -138,6 +140,45 @@ def test_userbuffers_configuration_is_the_h100_recipes():
     a, m = ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP
     assert (a.forward_reduce_scatter, a.backward_gather, a.backward_reduce_scatter) == (24, 4, 24)
     assert (m.forward_reduce_scatter, m.backward_gather, m.backward_reduce_scatter) == (16, 2, 4)
+    # proj_fprop and fc2_fprop: pipeline, num_splits 4, set_sm_margin
+    assert (a.forward_sm_margin, a.forward_splits) == (m.forward_sm_margin, m.forward_splits) == (True, 4)
+    with pytest.raises(SpecError, match="forward_splits"):
+        TPOverlapSMs(forward_reduce_scatter=16, backward_gather=2, backward_reduce_scatter=4, forward_splits=0)
+
+
+def _margin_run(margin: int, held: int, sms: int = SMS) -> Engine:
+    """A 10 s kernel launched without `margin` SMs, beside a 4 s collective holding `held`."""
+    eng = Engine(sms=sms)
+    eng.compute(0, "gemm", 10.0, margin=margin)
+    eng.collective("rs", [0, 1], CollectiveCost(0.0, 4.0, "nvlink"), "tp-comm", sms=held)
+    eng.run()
+    return eng
+
+
+def test_a_kernel_launched_with_a_margin_runs_on_the_rest_all_along():
+    """TE's set_sm_margin: the GEMM on 100 - 24 SMs for its whole length; the reduce-scatter
+    beside it runs on the margin (holding no more); another kernel's SMs come off the rest."""
+    assert _spans(_margin_run(24, 0))["gemm"][0].end == approx(10.0 / 0.76)
+    both = _spans(_margin_run(24, 10))["gemm"][0].end  # 4 s at 66%, then the rest at 76%
+    assert both == approx(4.0 + (10.0 - 4.0 * 0.66) / 0.76)
+    assert _spans(_margin_run(0, 24))["gemm"][0].end == approx(10.0 + 4.0 * 0.24)  # no margin: as before
+    assert _spans(_margin_run(24, 0, sms=0))["gemm"][0].end == approx(10.0)  # no SM sharing modelled
+
+
+def test_pipeline_reduce_scatter_follows_its_last_chunk(with_sharing):
+    """Forward at TP 2: the row GEMMs run beside the first chunks' reduce-scatter and the last
+    chunk's reduce-scatter starts once they end; the block then waits for it."""
+    spans = [s for s in with_sharing.spans if s.rank == 0 and s.phase == "A"]
+    by = {s.name: s for s in spans}
+    last = by["mb0 fwd layer 0.1 last"]
+    head = by["mb0 fwd layer 0.1 reduce-scatter"]
+    tail = by["mb0 fwd layer 0.1 reduce-scatter (last chunk)"]
+    assert head.start == approx(last.start) and tail.start >= last.end - 1e-12
+    assert head.end - head.start > tail.end - tail.start  # three chunks against one
+    after = min((s for s in spans if s.kind == "compute" and s.start >= last.end and s.name.startswith("mb0 fwd")),
+                key=lambda s: s.start)
+    assert after.start >= tail.end - 1e-12
+    assert not any(s.name.endswith("(last chunk)") for s in spans if " bwd " in s.name)  # backward: bulk
 
 
 @settings(max_examples=40, deadline=None)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from canzona.attention_rate import efficiency
+from canzona.attention_rate import efficiency as attention_efficiency
 from canzona.errors import SpecError
 from canzona.models import resolve_model
 from sim import published
@@ -72,6 +72,14 @@ def test_micro_batch_at_cp_runs_its_share_of_the_tokens():
     # efficiency of its shape: the diagonal causal over the rank's 2048 tokens, then the slower of
     # 2048 x 1024 and 1024 x 2048 unmasked (keys 1024 or 2048)
     peak = rate.peak_flops["bf16"]
+    power = rate.gemm_model
+    assert power is not None
+
+    def efficiency(pass_: str, causal: bool, seq: float, head_dim: int) -> float:
+        """At the power-limited clock of a training step (canzona.attention_rate)."""
+        return attention_efficiency(pass_, causal, seq, head_dim, clock=power.sustained_clock,
+                                    window_s=power.boost_window_s)
+
     step = 4.0 * 4096 * 4096 * arch.q_dim * 0.5 / 2 / 2
     diag = step / (peak * efficiency("forward", True, 2048, 128))
     later = max(step / (peak * efficiency("forward", False, k, 128)) for k in (1024, 2048))

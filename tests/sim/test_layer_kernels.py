@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -70,6 +71,82 @@ def test_bad_tables_and_calls_are_refused():
     with pytest.raises(SpecError, match="no published"):
         efficiency("backward", False, 4096, 128, implementation="fa3",
                    table=table_from_dict(dict(RAW, series=RAW["series"][:8])))
+
+
+# --- attention: the measured loops at the power-limited clock -----------------------------------
+
+
+H100_CLOCK = dict(clock=0.91, window_s=0.022)  # profiles/h100-sxm.json, gemm_model
+
+
+def _loop_ms(pass_: str, causal: bool, seq: int, head_dim: int = 128) -> float:
+    """Milliseconds of one measured call: 16k tokens of a 2048-wide attention at the figure's rate."""
+    row = next(r for r in RAW["series"] if (r["pass"], r["causal"], r["head_dim"]) == (pass_, causal, head_dim)
+               and r["implementation"] == "cudnn")
+    flops = 4.0 * 16384 * seq * 2048 * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
+    return flops / (row["tflops"][RAW["seqlens"].index(seq)] * 1e12) * 1e3
+
+
+def test_the_tables_loop_is_stated():
+    assert RAW["protocol"]["warmup"] == 2 and RAW["protocol"]["iters"] == 30
+    assert RAW["protocol"]["tokens"] == 16384 and RAW["protocol"]["hidden"] == 2048
+    assert "sleep" in RAW["protocol"]["source"]
+
+
+def test_a_loop_inside_the_boost_window_ran_at_boost():
+    """Forward, causal, 512 tokens: 32 calls of about 0.07 ms, well inside 22 ms, so the figure is
+    a boost-clock one and a training step gets 0.91 of it."""
+    assert 32 * _loop_ms("forward", True, 512) < 22
+    ratio = efficiency("forward", True, 512, 128, **H100_CLOCK) / efficiency("forward", True, 512, 128)
+    assert ratio == pytest.approx(0.91, rel=1e-9)
+
+
+def test_a_long_loop_ran_mostly_at_the_sustained_clock():
+    """Backward, unmasked, 16k tokens: about 9 ms a call, so only a few timed calls ran at boost:
+    the figure is nearly a sustained one (the ratio between 0.91 and 1, near 1)."""
+    assert _loop_ms("backward", False, 16384) > 8
+    ratio = efficiency("backward", False, 16384, 128, **H100_CLOCK) / efficiency("backward", False, 16384, 128)
+    assert 0.99 < ratio < 1.0
+
+
+def test_the_sustained_clock_never_speeds_attention_and_one_keeps_the_table():
+    for row in RAW["series"]:
+        for seq in RAW["seqlens"]:
+            args = (row["pass"], row["causal"], seq, row["head_dim"])
+            kw = dict(implementation=row["implementation"])
+            table = efficiency(*args, **kw)
+            assert efficiency(*args, **kw, clock=1.0, window_s=0.022) == table
+            assert 0.91 * table * (1 - 1e-9) <= efficiency(*args, **kw, **H100_CLOCK) <= table
+
+
+def test_without_a_protocol_the_figures_are_taken_as_sustained():
+    table = table_from_dict({k: v for k, v in RAW.items() if k != "protocol"})
+    assert table.protocol is None
+    assert efficiency("forward", True, 512, 128, table=table, **H100_CLOCK) == efficiency("forward", True, 512, 128)
+
+
+@pytest.mark.parametrize("bad", [{"tokens": 0}, {"iters": "30"}, {"warmup": -1}, {"hidden": True}])
+def test_bad_protocols_and_clocks_are_refused(bad):
+    with pytest.raises(SpecError, match="protocol"):
+        table_from_dict(dict(RAW, protocol=dict(RAW["protocol"], **bad)))
+    with pytest.raises(SpecError, match="clock"):
+        efficiency("forward", True, 4096, 128, clock=1.5)
+
+
+def test_micro_batch_attention_runs_at_the_profiles_sustained_clock():
+    """The simulator's attention core is the converted table's (h100-sxm: 0.91, 22 ms)."""
+    spec, arch = resolve_model("qwen3-1.7b")
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    work = micro_batch_work(spec, 1, 4096, 4096, arch.q_dim, arch.hidden, arch.vocab, rate, kv_dim=arch.kv_dim)
+    flops = 4.0 * 4096 * 4096 * arch.q_dim * 0.5
+    core = flops / (rate.peak_flops["bf16"] * efficiency("forward", True, 4096, 128, **H100_CLOCK))
+    boost = flops / (rate.peak_flops["bf16"] * efficiency("forward", True, 4096, 128))
+    assert core > boost
+    # the same device without a power limit: the attention block differs by the cores alone
+    assert rate.gemm_model is not None
+    cool = replace(rate, gemm_model=replace(rate.gemm_model, sustained_clock=1.0))
+    free = micro_batch_work(spec, 1, 4096, 4096, arch.q_dim, arch.hidden, arch.vocab, cool, kv_dim=arch.kv_dim)
+    assert work.forward[0][0].middle_s - free.forward[0][0].middle_s == pytest.approx(core - boost, rel=1e-9)
 
 
 # --- attention under context parallelism -----------------------------------------------------
