@@ -166,9 +166,10 @@ def test_no_rank_finishes_before_its_last_task(policy):
 def _work(model: str, tp: int, wl: Workload, recompute: str = "none"):
     cfg = get_config(model)
     rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    # the weight gradients add into the gradient buffer (Megatron's gradient accumulation fusion)
     return micro_batch_work(get_model(model, tp), tp, wl.tokens_per_micro_batch, wl.seq_len,
                             cfg.q_heads * cfg.head_dim, cfg.hidden, cfg.vocab, rate, recompute=recompute,
-                            kv_dim=cfg.kv_heads * cfg.head_dim, head_dim=cfg.head_dim)
+                            kv_dim=cfg.kv_heads * cfg.head_dim, head_dim=cfg.head_dim, accumulate=wl.grad_bytes)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
