@@ -37,6 +37,9 @@ SCHEMA = "canzona.attention_throughput"
 TABLE_PEAK_FLOPS = 989e12
 IMPLEMENTATION = "cudnn"  # Transformer Engine's fused attention on Hopper: the module docstring
 PASSES = ("forward", "backward")
+# A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two: Dao
+# 2023, arXiv 2307.08691, section 3.1; the FLOP count of the throughput table's backward figures)
+ATTENTION_BACKWARD = 2.5
 
 
 @dataclass(frozen=True, kw_only=True)
