@@ -74,6 +74,9 @@ class PublishedRun:
     # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
     grad_reduce_in_fp32: bool | None = None
     recipe_source: str = ""
+    # an FSDP row's fully_shard(reshard_after_forward=...) as its recipe runs it (SimConfig's
+    # option of the same name; True, FSDP2's default, unless `recipe_source` says otherwise)
+    reshard_after_forward: bool = True
 
     @property
     def grad_bytes(self) -> int:
@@ -124,6 +127,7 @@ class PublishedRun:
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
+                         reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none"))
 
 
@@ -174,6 +178,7 @@ class RowResult:
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
             "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -315,10 +320,15 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     grad_fp32 = raw.get("grad_reduce_in_fp32")
     if grad_fp32 is not None and not isinstance(grad_fp32, bool):
         raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    reshard = raw.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool) or (not reshard and not fsdp):
+        raise SpecError(f"{where}: reshard_after_forward must be true or false (false on an fsdp row only), "
+                        f"got {reshard!r}")
     recipe_source = raw.get("recipe_source", "")
-    if not isinstance(recipe_source, str) or (grad_fp32 is not None and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32) needs recipe_source, an https url "
-                        f"and where the recipe sets it, got {recipe_source!r}")
+    stated = grad_fp32 is not None or "reshard_after_forward" in raw
+    if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, reshard_after_forward) needs "
+                        f"recipe_source, an https url and where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -328,7 +338,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, **ints)
+        recipe_source=recipe_source, reshard_after_forward=reshard, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:
