@@ -106,3 +106,20 @@ def test_bad_recipe_settings_are_one_line_errors():
         published.parse_run({**raw, "grad_reduce_in_fp32": "no"}, sources, "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         published.parse_run({**raw, "recipe_source": ""}, sources, "row")
+
+
+def test_recipe_reshard_after_forward_is_the_automodel_rows_and_checked():
+    """NeMo AutoModel's MoE recipe keeps every FSDP unit gathered from forward to backward
+    (`reshard_after_forward` false, its recipe_source); the row is simulated so, the others keep
+    FSDP2's default; false on a row without FSDP, or without a recipe source, is one line."""
+    run = BY_ID["qwen3-30b-a3b-8xh100-automodel"]
+    assert run.fsdp and run.reshard_after_forward is False and "parallelizer.py" in run.recipe_source
+    assert run.sim_config().reshard_after_forward is False
+    assert all(r.reshard_after_forward for r in RUNS if r.id != run.id)
+    raws = {r["id"]: r for r in json.loads(published.PUBLISHED_RUNS.read_text())["rows"]}
+    sources = published.load()[1]
+    with pytest.raises(SpecError, match="false on an fsdp row only"):
+        published.parse_run({**raws["qwen3-8b-16xh100-mb"], "reshard_after_forward": False}, sources, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raws[run.id], "recipe_source": ""}, sources, "row")
+    assert published.compare_run(run).to_dict()["reshard_after_forward"] is False
