@@ -23,6 +23,9 @@ each measured point to that clock as the GEMM model's rows are priced (`canzona.
 boost for the power controller's `window_s` of load, then `clock` x boost; an attention call's time
 scales as 1 / clock, a tensor-core-bound kernel's: an assumption, as is that attention runs at the
 clock the GEMMs sustain), before interpolating; `clock` 1 (the default) keeps the table's figures.
+The conversion is the measuring GPU's (the protocol's `profiles`: H100 SXM, and H200 on the same
+die and power limit, `measured_on`); on another device (A100) the fractions are a proxy, checked
+against its own power-limited measurements (`canzona.attention_checks`), and used as they are.
 
 The paper publishes no causal backward panel. The causal backward is taken as the non-causal
 backward scaled by the ratio the causal mask costs the forward at the same sequence and head
@@ -47,7 +50,9 @@ SCHEMA = "canzona.attention_throughput"
 TABLE_PEAK_FLOPS = 989e12
 IMPLEMENTATION = "cudnn"  # Transformer Engine's fused attention on Hopper: the module docstring
 PASSES = ("forward", "backward")
-BACKWARD_FLOPS = 2.5  # a backward call's FLOPs over its forward's (the table's `flops` convention)
+# A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two: Dao
+# 2023, arXiv 2307.08691, section 3.1; the FLOP count of the throughput table's backward figures)
+ATTENTION_BACKWARD = 2.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,11 +64,13 @@ class BenchLoop:
     hidden: int
     warmup: int
     iters: int
+    # the hardware profiles whose GPU ran the loop (or shares its die): their clock converts it
+    profiles: tuple[str, ...] = ()
 
     def call_flops(self, pass_: str, causal: bool, seq: float) -> float:
         """FLOPs of one measured call at sequence length `seq` (the table's convention)."""
         forward = 4.0 * self.tokens * seq * self.hidden * (0.5 if causal else 1.0)
-        return forward * (BACKWARD_FLOPS if pass_ == "backward" else 1.0)
+        return forward * (ATTENTION_BACKWARD if pass_ == "backward" else 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +118,10 @@ def table_from_dict(data: object, where: str = "attention table") -> AttentionTa
                 and raw["tokens"] > 0 and raw["hidden"] > 0 and raw["warmup"] >= 0 and raw["iters"] > 0):
             raise SpecError(f"{where}: protocol must give tokens, hidden and iters (positive) and warmup (>= 0) "
                             "as whole numbers")
-        protocol = BenchLoop(**{k: raw[k] for k in keys})
+        profiles = raw.get("profiles", [])
+        if not (isinstance(profiles, list) and all(isinstance(p, str) and p for p in profiles)):
+            raise SpecError(f"{where}: protocol.profiles must be a list of hardware profile names")
+        protocol = BenchLoop(**{k: raw[k] for k in keys}, profiles=tuple(profiles))
     return AttentionTable(seqlens=tuple(seqlens), series=series, protocol=protocol)
 
 
@@ -119,6 +129,14 @@ def table_from_dict(data: object, where: str = "attention table") -> AttentionTa
 def default_table() -> AttentionTable:
     text = (resources.files("canzona") / "data" / "attention_throughput.json").read_text()
     return table_from_dict(parse_json(text, "attention_throughput.json", SpecError), "attention_throughput.json")
+
+
+def measured_on(profile: str, table: AttentionTable | None = None) -> bool:
+    """Whether `profile`'s GPU ran the table's loops (or shares their die): there the measured
+    loops are converted to the profile's power-limited clock; elsewhere the fractions are a proxy
+    taken as they are (the module docstring)."""
+    loop = (table or default_table()).protocol
+    return loop is not None and profile in loop.profiles
 
 
 def _sustained(table: AttentionTable, key: tuple[str, str, bool, int], clock: float,

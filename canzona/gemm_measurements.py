@@ -37,13 +37,16 @@ def model_tflops(row: dict[str, Any]) -> float:
     """TFLOP/s the row's profile's GEMM model gives its shape as the row's benchmark ran it,
     launch included. Sustained load (what the simulator charges, `DeviceRate.kernel_seconds`)
     unless the source's loop (`protocol`: warmup and timed calls) is short enough to run partly
-    at the boost clock (`GemmModel.boost_window_s`)."""
+    at the boost clock (`GemmModel.boost_window_s`), or the row's inputs kept the board under its
+    power limit (`clock` "boost": all-zero inputs), which runs every call at the boost clock."""
     rate = DeviceRate.from_profile(load_profile(row["profile"]))
     k = gemm_kernel("row", row["M"], row["N"], row["K"], row["dtype"])
     seconds = rate.kernel_seconds(k)
     protocol = row.get("protocol")
     model = rate.gemm_model
-    if protocol is not None and model is not None and model.sustained_clock < 1.0 and rate.sms is not None:
+    if row.get("clock") == "boost" and model is not None and rate.sms is not None:
+        seconds = _boost_seconds(rate, k)
+    elif protocol is not None and model is not None and model.sustained_clock < 1.0 and rate.sms is not None:
         seconds = loop_mean_seconds(_boost_seconds(rate, k), seconds, model.boost_window_s,
                                     protocol["warmup"], protocol["iters"])
     return k.flops / seconds / 1e12

@@ -200,9 +200,13 @@ class MemorySetup:
     # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
     # backward in FP8 and every linear weight keeps a cached FP8 copy and transpose (`fp8_linear_params`)
     fp8: bool = False
+    # bytes a logit of the copy the loss keeps for its backward: fp32 (Megatron's, the paper's
+    # `4*s*b*V`: the loss upcasts the logits), or the logits' own dtype for a loss that does not
+    # upcast (NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) saves its log-softmax in bf16)
+    loss_bytes: int = FP32
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
+        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "loss_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
@@ -239,7 +243,7 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes") if hasattr(workload, k)}
+                                                    "activation_bytes", "loss_bytes") if hasattr(workload, k)}
         values["fp8"] = getattr(workload, "precision", "bf16") == "fp8"
         unknown = sorted(set(overrides) - names)
         if unknown:
@@ -471,8 +475,9 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       under selective-op, what one layer recomputes beside what it saved;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
     - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
-      copy the loss keeps (`4*s*b*V`, the paper's) plus the bf16 logits it is made from, split
-      over t by the vocabulary-parallel head (last stage)."""
+      copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
+      keeps it in another dtype) plus the bf16 logits it is made from, split over t by the
+      vocabulary-parallel head (last stage)."""
     if vp == 1:
         per_chunk = len(stage_layers(dims.layers, pp, stage))
         in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
@@ -491,7 +496,7 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
         "output": 0.0,
     }
     if stage == pp - 1:
-        out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (FP32 + e) / tp
+        out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (setup.loss_bytes + e) / tp
     return out
 
 

@@ -308,7 +308,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                  precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
-                 gpu_variability: float | None = None):
+                 gpu_variability: float | None = None, reshard_after_forward: bool = True):
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -323,7 +323,7 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
-                     gpu_variability=gpu_variability)
+                     reshard_after_forward=reshard_after_forward, gpu_variability=gpu_variability)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -414,6 +414,10 @@ Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: param
                                      "policies: canzona, fsdp-owners-unbalanced, and in the simulator fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
+ReshardAfterForward = Annotated[bool, typer.Option(
+    help="Under --fsdp, FSDP2's fully_shard(reshard_after_forward=...): free each unit's gathered parameters after "
+         "its forward and gather them again for its backward (FSDP2's default); --no-reshard-after-forward keeps "
+         "them from the forward to the backward (one all-gather fewer per unit and micro-batch, every unit held).")]
 Precision = Annotated[str, typer.Option(
     help="GEMM precision of the layers' linear modules: bf16, or fp8 (Transformer Engine's FP8 GEMMs with their "
          "casts and scaling, attention and the head in bf16; needs an FP8 GPU: h100-sxm, h200).")]
@@ -446,7 +450,8 @@ def simulate(
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, grad_reduce_in_fp32: GradReduceInFp32 = True,
+    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, reshard_after_forward: ReshardAfterForward = True,
+    grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     gpu_variability: GpuVariability = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
@@ -462,7 +467,8 @@ def simulate(
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability)
+                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
+                             reshard_after_forward)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

@@ -142,7 +142,8 @@ def _expert_layout(c) -> str:
     """The layout's expert parallelism, and FSDP's shard group (HSDP: its replicas)."""
     shard = c.gpus // (c.tp * c.pp * c.hsdp_replicate)
     fsdp = (f", FSDP over {shard}" + (f" x {c.hsdp_replicate} replicas" if c.hsdp_replicate > 1 else "") +
-            (f", owners over {shard} x TP {c.tp}" if c.tp > 1 else "") if c.fsdp else "")
+            (f", owners over {shard} x TP {c.tp}" if c.tp > 1 else "") +
+            ("" if c.reshard_after_forward else ", units kept gathered forward to backward") if c.fsdp else "")
     return (f", EP {c.ep}" if c.ep > 1 else "") + (f", ETP {c.etp}" if c.etp > 1 else "") + fsdp
 
 

@@ -7,7 +7,9 @@ with TP as torchtitan composes them (`--tp T`: `parallelize_module` over the TP 
 Phase A (forward / backward, identical on every rank, simulated on rank 0): per FSDP unit (one
 decoder layer; the root unit holds the embedding, the final norm and the head) the bf16 parameters
 are all-gathered before the unit's forward and again before its backward (FSDP2 reshards after
-forward), one unit ahead of the compute (FSDP2's prefetch: at most two units unsharded); each
+forward; with `reshard_after_forward=False` they stay gathered from the forward to the backward,
+which gathers nothing), one unit ahead of the compute (FSDP2's prefetch: at most two units
+unsharded); each
 unit's gradient is reduce-scattered after its backward (every micro-batch, FSDP2's default), and
 under HSDP the reduced shard is all-reduced over the replicate group after the last micro-batch's.
 Under TP the layers' compute is the ZeRO-1 layout's at that TP (`micro_batch_work`, its blocks with
@@ -241,16 +243,18 @@ class _FsdpRun:
         return eng.env.all_of([last, scattered])
 
     def _pass(self, name: str, units: Sequence[FsdpUnit], blocks: dict[int, Sequence[Block]], last: simpy.Event,
-              gathers_input: int, then=None) -> simpy.Event:
+              gathers_input: int, then=None, gathered: bool = False) -> simpy.Event:
         """One pass over `units` in order: each unit's all-gather one unit ahead of its compute
         (issued once the unit two back is computed: at most two units unsharded), its compute after
-        the previous unit's and its gather; `then(unit, computed)` after each compute."""
+        the previous unit's and its gather; `then(unit, computed)` after each compute. `gathered`:
+        the units are still gathered (a backward without `reshard_after_forward`): no all-gather."""
         gathers: list[simpy.Event] = []
         computed: list[simpy.Event] = []
         for k in range(len(units) + 1):
             if k < len(units):
                 freed = [computed[k - 2]] if k >= 2 else []
-                gathers.append(self._gather(f"{name} all-gather {_label(units[k])}", units[k], freed))
+                gathers.append(self.engine.env.event().succeed() if gathered else
+                               self._gather(f"{name} all-gather {_label(units[k])}", units[k], freed))
             if k >= 1:
                 unit = units[k - 1]
                 last = self._unit_compute(f"{name} {_label(unit)}", blocks[unit.key], last, gathers[k - 1],
@@ -313,8 +317,10 @@ class _FsdpRun:
             last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
             last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
             # backward re-gathers each block's input for the weight gradients (sequence parallel)
+            # without reshard_after_forward the layers are still gathered from their forward
             last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last, 2,
-                              lambda unit, done, mb=mb: reduce(unit, mb, done))
+                              lambda unit, done, mb=mb: reduce(unit, mb, done),
+                              gathered=not cfg.reshard_after_forward)
             if work.embed_backward_s:
                 last = eng.compute(0, f"mb{mb} bwd embedding", work.embed_backward_s, [last])
             if root:
@@ -429,16 +435,22 @@ class _FsdpRun:
         the matrix optimizer's state of the matrices it owns whole (owner policies), or under
         gather-all its shard of every matrix's row state (moments and momentum, as muon_fsdp2 keeps
         Muon's on the DTensor shard) and the whole of every matrix's Kronecker factors (Shampoo's
-        and SOAP's, which every rank computing every matrix holds); transient: two units' gathered parameters and one unit's unsharded gradient beside
-        the activations, or the step's buffers."""
+        and SOAP's, which every rank computing every matrix holds); transient: two units' gathered
+        parameters (every unit's without `reshard_after_forward`) and one unit's unsharded gradient
+        beside the activations, or the step's buffers."""
         opt, tp = self.cfg.optimizer, self.tp
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
         kept = self._persistent(pb, gb, mb)
         # a unit's gathered parameters and unsharded gradient: its experts' too where they are FSDP'd
         # (EDP > 1; at EDP 1 they stay whole in place, their gradients the persistent ones)
-        largest = max(self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local)
-        in_flight = 2 * largest * pb + largest * gb
+        unit = {k: self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local}
+        largest = max(unit.values())
+        # reshard after forward: at most two units gathered (the prefetch); without it every unit's
+        # gathered parameters are held from its forward to its backward, all of them at the
+        # backward's start, beside the first unit's unsharded gradient
+        gathered = 2 * largest if self.cfg.reshard_after_forward else sum(unit.values())
+        in_flight = gathered * pb + largest * gb
         acts = activation_bytes(dims, setup, tp)
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.attention_rate import efficiency
+from canzona.attention_rate import ATTENTION_BACKWARD, efficiency
 from canzona.cost import Kernel, elementwise_kernel
 
 FP32 = 4
@@ -173,8 +173,3 @@ def attention_steps(flops: float, seq_len: int, cp: int, causal: bool, head_dim:
         return (seconds(step, block, False),) * cp
     later = max(seconds(step, block / 2, False), seconds(step, block, False))
     return (seconds(step, block, True),) + (later,) * (cp - 1)
-
-
-# A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two: Dao
-# 2023, arXiv 2307.08691, section 3.1; the FLOP count of the throughput table's backward figures)
-ATTENTION_BACKWARD = 2.5

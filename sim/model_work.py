@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from canzona.attention_rate import measured_on
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim
@@ -198,9 +199,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if cp > 1:  # this rank's share: its query chunks against every K/V block
         attn_flops /= cp
     peak = rate.peak_flops.get(dtype, rate.gemm_flops[dtype])
-    # attention runs at the clock the GEMMs sustain under the power limit (canzona.attention_rate)
+    # attention runs at the clock the GEMMs sustain under the power limit, on the GPU whose
+    # measured loops the table holds (canzona.attention_rate)
     power = rate.gemm_model
-    clock = dict(clock=power.sustained_clock, window_s=power.boost_window_s) if power is not None else {}
+    clock = dict(clock=power.sustained_clock, window_s=power.boost_window_s) \
+        if power is not None and measured_on(rate.name) else {}
     steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False, **clock) \
         if q_dim else ()
     steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True, **clock) \

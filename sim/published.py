@@ -24,6 +24,7 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
+from canzona.spec import DTYPE_BYTES
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
@@ -74,6 +75,13 @@ class PublishedRun:
     # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
     grad_reduce_in_fp32: bool | None = None
     recipe_source: str = ""
+    # an FSDP row's fully_shard(reshard_after_forward=...) as its recipe runs it (SimConfig's
+    # option of the same name; True, FSDP2's default, unless `recipe_source` says otherwise)
+    reshard_after_forward: bool = True
+    # NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=...) as the recipe sets it: False, the loss
+    # keeps its log-softmax in the logits' bf16 (Workload.loss_bytes 2); None: not stated, the
+    # fp32 copy Megatron's loss keeps
+    loss_fp32_upcast: bool | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -120,10 +128,12 @@ class PublishedRun:
         the recipe's gradient dtype (fp32 unless it says otherwise), NVIDIA's recipe defaults for
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
-                      precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes)
+                      precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
+                      loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"])
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
+                         reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none"))
 
 
@@ -174,6 +184,8 @@ class RowResult:
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
             "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
+            "loss_fp32_upcast": r.loss_fp32_upcast,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -258,6 +270,11 @@ class PublishedReport:
                           "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
                 "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
                                        "recipe_source; null: not stated, simulated with Megatron's fp32",
+                "reshard_after_forward": "an FSDP row's fully_shard option as its recipe runs it (false: every unit "
+                                         "gathered from its forward to its backward), with recipe_source",
+                "loss_fp32_upcast": "whether the recipe's loss upcasts the logits to fp32 (NeMo AutoModel's "
+                                    "MaskedCrossEntropy option; false: its saved copy in bf16), with recipe_source; "
+                                    "null: not stated, Megatron's fp32 copy",
             },
         }
 
@@ -315,10 +332,18 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     grad_fp32 = raw.get("grad_reduce_in_fp32")
     if grad_fp32 is not None and not isinstance(grad_fp32, bool):
         raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    reshard = raw.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool) or (not reshard and not fsdp):
+        raise SpecError(f"{where}: reshard_after_forward must be true or false (false on an fsdp row only), "
+                        f"got {reshard!r}")
+    upcast = raw.get("loss_fp32_upcast")
+    if upcast is not None and not isinstance(upcast, bool):
+        raise SpecError(f"{where}: loss_fp32_upcast must be true, false or null, got {upcast!r}")
     recipe_source = raw.get("recipe_source", "")
-    if not isinstance(recipe_source, str) or (grad_fp32 is not None and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32) needs recipe_source, an https url "
-                        f"and where the recipe sets it, got {recipe_source!r}")
+    stated = grad_fp32 is not None or upcast is not None or "reshard_after_forward" in raw
+    if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, reshard_after_forward, loss_fp32_upcast) "
+                        f"needs recipe_source, an https url and where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -328,7 +353,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, **ints)
+        recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

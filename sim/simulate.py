@@ -134,6 +134,12 @@ class SimConfig:
     # R replicas of shard groups of DP / R ranks, the reduced gradient shards all-reduced over them
     fsdp: bool = False
     hsdp_replicate: int = 1
+    # FSDP2's `fully_shard(reshard_after_forward=...)` on every unit: True (FSDP2's default, and
+    # what canzona's runtime examples and harness run) frees each unit's gathered parameters after
+    # its forward and gathers them again for its backward; False keeps them from the forward to
+    # the backward (NeMo AutoModel's MoE `apply_fsdp`): one all-gather fewer per unit and
+    # micro-batch, every unit's gathered parameters held at the backward's start (sim.fsdp)
+    reshard_after_forward: bool = True
     # the per-GPU compute time's standard deviation over its median (canzona.variability): phase
     # A's compute waits for the expected slowest of the job's GPUs; None: the hardware profile's
     # (`variability.time_cv`), 0: every GPU alike (comparisons with one runtime measurement)
@@ -162,6 +168,10 @@ class SimConfig:
                 ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
         """`check`, also returning the model (`model_of`) and the hardware profile: a model file
         and a profile are read here, once per simulation."""
+        if not isinstance(self.reshard_after_forward, bool):
+            raise SpecError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if not self.reshard_after_forward and not self.fsdp:
+            raise SpecError("--no-reshard-after-forward is an option of FSDP2's fully_shard: it needs --fsdp")
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
         elif self.policy not in STEP_POLICIES:
@@ -317,7 +327,8 @@ class SimResult:
                 {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
-            **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate}}
+            **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate,
+                         "reshard_after_forward": cfg.reshard_after_forward}}
                if cfg.fsdp else {}),
             "dp": cfg.gpus // (cfg.tp * cfg.pp * cfg.cp),
             **({"dp_cp": cfg.gpus // (cfg.tp * cfg.pp)} if cfg.cp > 1 else {}),

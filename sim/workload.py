@@ -36,9 +36,13 @@ class Workload:
     # ("delayed" or "current" scaling: sim.fp8); attention, norms and the head stay in `dtype`
     precision: str = "bf16"
     fp8_recipe: str = "delayed"
+    # bytes a logit of the copy the loss keeps for its backward (canzona.memory.MemorySetup's
+    # loss_bytes): fp32, Megatron's; 2 for a loss that does not upcast the bf16 logits
+    loss_bytes: int = DTYPE_BYTES["fp32"]
 
     def __post_init__(self) -> None:
-        for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes"):
+        for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes",
+                      "loss_bytes"):
             if getattr(self, field) < 1:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
         if self.dtype not in DTYPE_BYTES:

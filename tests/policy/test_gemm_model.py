@@ -85,6 +85,21 @@ def test_the_power_limit_slows_a_long_loop_not_a_short_burst():
     assert seconds(r, 8192, 8192, 8192) > 1.05 * seconds(boost, 8192, 8192, 8192)
 
 
+def test_a100_power_limit_is_the_zero_and_randn_pair():
+    # one A100 at one shape (H. He, gemm_measurements.json source "horace"): all-zero inputs keep the
+    # boost clock, randn inputs hold the 400 W limit; the model prices the first at boost (its
+    # "clock": "boost") and the second at the sustained clock, and both within 2%
+    pair = {r.get("clock", "sustained"): r for r in ROWS if r["source"] == "horace"}
+    assert set(pair) == {"boost", "sustained"}
+    for row in pair.values():
+        assert abs(model_tflops(row) / row["tflops"] - 1) < 0.02
+    assert model_tflops(pair["sustained"]) / model_tflops(pair["boost"]) == pytest.approx(257 / 295, rel=0.01)
+    r = rate("a100-sxm")
+    assert r.gemm_model is not None and r.gemm_model.sustained_clock < 0.9
+    m = n = k = 16384  # a training step's GEMMs run at the sustained clock: well under the boost-clock rate
+    assert 2.0 * m * n * k / seconds(r, m, n, k) < 0.9 * r.gemm_flops["bf16"]
+
+
 def test_short_k_loses_efficiency():
     # a tile's traffic outside the main loop does not shrink with K: a short-K GEMM does less work
     # for it

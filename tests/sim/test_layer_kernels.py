@@ -253,3 +253,21 @@ def test_hbm_efficiency_is_optional_and_a_fraction():
     raw["gpu"]["hbm_efficiency"] = 1.2
     with pytest.raises(SpecError, match="hbm_efficiency"):
         profile_from_dict(raw)
+
+
+def test_the_loops_are_converted_on_the_measured_gpu_only():
+    """H100 SXM ran the loops and H200 shares its die: their attention is priced at their
+    sustained clock; on the A100 the fractions are a proxy, checked against its own power-limited
+    measurements (canzona.attention_checks), and used as they are."""
+    from canzona.attention_rate import measured_on
+
+    assert measured_on("h100-sxm") and measured_on("h200") and not measured_on("a100-sxm")
+    spec, arch = resolve_model("qwen3-1.7b")
+    for name, converted in (("h100-sxm", True), ("a100-sxm", False)):
+        rate = DeviceRate.from_profile(load_profile(name))
+        assert rate.gemm_model is not None and rate.gemm_model.sustained_clock < 1.0  # both power-limited
+        work = micro_batch_work(spec, 1, 4096, 4096, arch.q_dim, arch.hidden, arch.vocab, rate, kv_dim=arch.kv_dim)
+        cool = replace(rate, gemm_model=replace(rate.gemm_model, sustained_clock=1.0))
+        free = micro_batch_work(spec, 1, 4096, 4096, arch.q_dim, arch.hidden, arch.vocab, cool, kv_dim=arch.kv_dim)
+        grown = work.forward[0][0].middle_s - free.forward[0][0].middle_s
+        assert (grown > 0.0) is converted and grown >= 0.0

@@ -106,3 +106,39 @@ def test_bad_recipe_settings_are_one_line_errors():
         published.parse_run({**raw, "grad_reduce_in_fp32": "no"}, sources, "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         published.parse_run({**raw, "recipe_source": ""}, sources, "row")
+
+
+def test_recipe_reshard_after_forward_is_the_automodel_rows_and_checked():
+    """NeMo AutoModel's MoE recipe keeps every FSDP unit gathered from forward to backward
+    (`reshard_after_forward` false, its recipe_source); the row is simulated so, the others keep
+    FSDP2's default; false on a row without FSDP, or without a recipe source, is one line."""
+    run = BY_ID["qwen3-30b-a3b-8xh100-automodel"]
+    assert run.fsdp and run.reshard_after_forward is False and "parallelizer.py" in run.recipe_source
+    assert run.sim_config().reshard_after_forward is False
+    assert all(r.reshard_after_forward for r in RUNS if r.id != run.id)
+    raws = {r["id"]: r for r in json.loads(published.PUBLISHED_RUNS.read_text())["rows"]}
+    sources = published.load()[1]
+    with pytest.raises(SpecError, match="false on an fsdp row only"):
+        published.parse_run({**raws["qwen3-8b-16xh100-mb"], "reshard_after_forward": False}, sources, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raws[run.id], "recipe_source": ""}, sources, "row")
+    assert published.compare_run(run).to_dict()["reshard_after_forward"] is False
+
+
+def test_recipe_loss_without_fp32_upcast_keeps_a_bf16_copy_of_the_logits():
+    """AutoModel's benchmark recipe sets MaskedCrossEntropy(fp32_upcast=False): the loss's saved
+    copy of each logit is bf16, not Megatron's fp32, so the row's activations are 2 bytes a logit
+    smaller (Qwen3's 151,936-token vocabulary over 4 x 4096 tokens) and nothing else moves."""
+    run = BY_ID["qwen3-30b-a3b-8xh100-automodel"]
+    assert run.loss_fp32_upcast is False and "fp32_upcast: false" in run.recipe_source
+    assert run.sim_config().workload.loss_bytes == 2
+    bf16 = published.compare_run(run).memory
+    fp32 = published.compare_run(replace(run, loss_fp32_upcast=None)).memory
+    assert fp32["activations"] - bf16["activations"] == 4 * 4096 * 151936 * (4 - 2)
+    assert fp32["grads"] == bf16["grads"] and fp32["reduction"] == bf16["reduction"]
+    assert all(r.loss_fp32_upcast is None for r in RUNS if r.id != run.id)
+    raw = next(r for r in json.loads(published.PUBLISHED_RUNS.read_text())["rows"] if r["id"] == run.id)
+    with pytest.raises(SpecError, match="loss_fp32_upcast must be"):
+        published.parse_run({**raw, "loss_fp32_upcast": "no"}, published.load()[1], "row")
+    with pytest.raises(SpecError, match="loss bytes must be"):
+        Workload(loss_bytes=0)
