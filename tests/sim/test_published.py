@@ -47,6 +47,16 @@ def test_every_model_resolves():
         assert arch.layers > 0 and spec.params
 
 
+@pytest.mark.parametrize("model, params", [("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
+                                           ("llama2-70b", 68_976_648_192)])
+def test_llama2_configs_have_the_published_parameter_counts(model, params):
+    """The Llama 2 configs (NeMo 24.07's LLAMA2 rows) reproduce the parameter counts of Meta's
+    checkpoints (the Hugging Face model cards' safetensors totals): a wrong width, FFN, KV-head
+    count or vocabulary would move them."""
+    spec, arch = resolve_model(str(published.DATA_DIR / "models" / f"{model}.json"))
+    assert spec.numel == params
+
+
 def test_fp8_rows_are_expressible_with_their_recipe():
     """An FP8 row is simulated in FP8 (`--precision fp8`, its scaling recipe) where nothing else
     stands in the way; CP and VP are simulated too, so no row needs them."""
