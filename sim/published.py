@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import canzona
+from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
@@ -74,6 +75,9 @@ class PublishedRun:
     # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
     grad_reduce_in_fp32: bool | None = None
     recipe_source: str = ""
+    # Megatron's --attention-backend as the recipe ran it (`RunOptions.attention_backend`: "fused",
+    # cuDNN's kernels, or "flash", flash-attn 2); None: not stated, simulated with "fused"
+    attention_backend: str | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -124,7 +128,8 @@ class PublishedRun:
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
-                         options=RunOptions(recompute=self.recompute or "none"))
+                         options=RunOptions(recompute=self.recompute or "none",
+                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND))
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,8 @@ class RowResult:
             "iteration_s": self.iteration_s, "error": self.error,
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
-            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "attention_backend": r.attention_backend,
+            "recipe_source": r.recipe_source or None,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -258,6 +264,9 @@ class PublishedReport:
                           "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
                 "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
                                        "recipe_source; null: not stated, simulated with Megatron's fp32",
+                "attention_backend": "the recipe's attention kernels (Megatron's --attention-backend: fused, "
+                                     "cuDNN's; flash, flash-attn 2), with recipe_source; null: not stated, "
+                                     "simulated as fused",
             },
         }
 
@@ -315,10 +324,15 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     grad_fp32 = raw.get("grad_reduce_in_fp32")
     if grad_fp32 is not None and not isinstance(grad_fp32, bool):
         raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    attention = raw.get("attention_backend")
+    if attention is not None and attention not in ATTENTION_BACKENDS:
+        raise SpecError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or null, "
+                        f"got {attention!r}")
     recipe_source = raw.get("recipe_source", "")
-    if not isinstance(recipe_source, str) or (grad_fp32 is not None and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32) needs recipe_source, an https url "
-                        f"and where the recipe sets it, got {recipe_source!r}")
+    stated = grad_fp32 is not None or attention is not None
+    if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, attention_backend) needs recipe_source, "
+                        f"an https url and where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -328,7 +342,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, **ints)
+        recipe_source=recipe_source, attention_backend=attention, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

@@ -75,6 +75,22 @@ def test_fp8_rows_are_expressible_with_their_recipe():
     assert bf16.iteration_s > result.iteration_s  # the row is simulated in FP8, not folded onto bf16
 
 
+def test_nemo_24_07_rows_ran_flash_attention():
+    """NeMo 24.07's launcher ran Transformer Engine's FlashAttention backend (NVTE_FUSED_ATTN=0,
+    the rows' recipe_source): those rows, and only they, are simulated with --attention-backend
+    flash, which is slower than the fused default on the same row."""
+    for run in RUNS:
+        if "nemo24.07" in run.id:
+            assert run.attention_backend == "flash" and "NVTE_FUSED_ATTN: 0" in run.recipe_source
+            assert run.sim_config().options.attention_backend == "flash"
+        else:
+            assert run.attention_backend is None and run.sim_config().options.attention_backend == "fused"
+    row = next(r for r in RUNS if r.id == "llama2-7b-8xh100-nemo24.07-fp8")
+    flash = published.compare_run(row)
+    fused = published.compare_run(replace(row, attention_backend=None))
+    assert flash.iteration_s > fused.iteration_s and flash.memory_bytes == fused.memory_bytes
+
+
 def test_bad_rows_are_one_line_errors():
     raw = RAW["rows"][0]
     with pytest.raises(SpecError, match="not a whole number of micro batch"):
@@ -89,6 +105,10 @@ def test_bad_rows_are_one_line_errors():
         published.parse_run({**raw, "precision": "fp8", "fp8_recipe": "mxfp8"}, SOURCES, "row")
     with pytest.raises(SpecError, match="on an fp8 row"):
         published.parse_run({**raw, "precision": "bf16", "fp8_recipe": "current"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="attention_backend must be one of fused, flash"):
+        published.parse_run({**raw, "attention_backend": "sdpa", "recipe_source": "https://x"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "attention_backend": "flash", "recipe_source": ""}, SOURCES, "row")
 
 
 def test_select():
