@@ -11,7 +11,12 @@ from importlib import resources
 
 import pytest
 
-from canzona.attention_rate import TABLE_PEAK_FLOPS, check_attention_backend, efficiency, table_from_dict
+from canzona.attention_rate import (
+    TABLE_PEAK_FLOPS,
+    check_attention_backend,
+    efficiency,
+    table_from_dict,
+)
 from canzona.cost import DeviceRate, elementwise_kernel
 from canzona.errors import SpecError
 from canzona.hardware import load_profile, profile_from_dict
