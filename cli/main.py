@@ -337,13 +337,13 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool):
+                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -371,6 +371,9 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+AttentionBackend = Annotated[str, typer.Option(
+    help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
+         "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
@@ -444,6 +447,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    attention_backend: AttentionBackend = "fused",
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -465,7 +469,8 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
+                                          attention_backend),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
                              reshard_after_forward)
@@ -494,6 +499,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    attention_backend: AttentionBackend = "fused",
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -515,7 +521,8 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, None, dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
+                                          attention_backend),
                            zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                            vp, cp, precision, fp8_recipe)
         base.check()  # bad input fails here, before a progress bar is drawn

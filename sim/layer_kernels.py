@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.attention_rate import ATTENTION_BACKWARD, efficiency
+from canzona.attention_rate import ATTENTION_BACKWARD, IMPLEMENTATION, efficiency
 from canzona.cost import Kernel, elementwise_kernel
 
 FP32 = 4
@@ -152,15 +152,16 @@ def embedding_kernels(tokens: int, vocab_slice: int, hidden: int, act_bytes: int
 
 
 def attention_steps(flops: float, seq_len: int, cp: int, causal: bool, head_dim: int, peak_flops: float,
-                    backward: bool) -> tuple[float, ...]:
+                    backward: bool, implementation: str = IMPLEMENTATION) -> tuple[float, ...]:
     """Seconds of each fused-attention call of one pass on one rank: `flops` the rank's attention
     FLOPs of the forward pass (the backward does 2.5x: `ATTENTION_BACKWARD`), split over `cp`
-    ring steps (the module docstring)."""
+    ring steps (the module docstring); `implementation` the throughput table's series
+    (`canzona.attention_rate.ATTENTION_BACKENDS`)."""
     pass_ = "backward" if backward else "forward"
     work = flops * (ATTENTION_BACKWARD if backward else 1.0)
 
     def seconds(part: float, keys: float, masked: bool) -> float:
-        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim))
+        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim, implementation=implementation))
 
     if cp <= 1:
         return (seconds(work, seq_len, causal),)

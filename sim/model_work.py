@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim
@@ -124,7 +125,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
-                     fp8: FP8Setup | None = None) -> MicroBatchWork:
+                     fp8: FP8Setup | None = None,
+                     attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -135,7 +137,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
     exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `head_dim`: the
     attention heads' dimension (the fused attention's efficiency depends on it); `fp8`: the linear layers'
-    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`)."""
+    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`); `attention_backend`: Megatron's
+    `--attention-backend` (`canzona.attention_rate.ATTENTION_BACKENDS`: fused, cuDNN's kernels;
+    flash, flash-attn 2)."""
     check_recompute(recompute)
     full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
@@ -187,8 +191,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if cp > 1:  # this rank's share: its query chunks against every K/V block
         attn_flops /= cp
     peak = rate.peak_flops.get(dtype, rate.gemm_flops[dtype])
-    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False) if q_dim else ()
-    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True) if q_dim else ()
+    impl = check_attention_backend(attention_backend)
+    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False,
+                                 implementation=impl) if q_dim else ()
+    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True,
+                                 implementation=impl) if q_dim else ()
     two = DTYPE_BYTES[dtype]  # activations in the model's dtype
     shape = lk.LayerShape(tokens=tokens, tp=tp, hidden=hidden, act_bytes=two, sms=rate.sms or 132)
     q_width, kv_width = q_dim / tp, (kv_dim or q_dim) / tp

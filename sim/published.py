@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import canzona
+from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
@@ -82,6 +83,9 @@ class PublishedRun:
     # keeps its log-softmax in the logits' bf16 (Workload.loss_bytes 2); None: not stated, the
     # fp32 copy Megatron's loss keeps
     loss_fp32_upcast: bool | None = None
+    # Megatron's --attention-backend as the recipe ran it (`RunOptions.attention_backend`: "fused",
+    # cuDNN's kernels, or "flash", flash-attn 2); None: not stated, simulated with "fused"
+    attention_backend: str | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -134,7 +138,8 @@ class PublishedRun:
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          reshard_after_forward=self.reshard_after_forward,
-                         options=RunOptions(recompute=self.recompute or "none"))
+                         options=RunOptions(recompute=self.recompute or "none",
+                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND))
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,8 @@ class RowResult:
             "iteration_s": self.iteration_s, "error": self.error,
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
-            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "attention_backend": r.attention_backend,
+            "recipe_source": r.recipe_source or None,
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
         }
@@ -275,6 +281,9 @@ class PublishedReport:
                 "loss_fp32_upcast": "whether the recipe's loss upcasts the logits to fp32 (NeMo AutoModel's "
                                     "MaskedCrossEntropy option; false: its saved copy in bf16), with recipe_source; "
                                     "null: not stated, Megatron's fp32 copy",
+                "attention_backend": "the recipe's attention kernels (Megatron's --attention-backend: fused, "
+                                     "cuDNN's; flash, flash-attn 2), with recipe_source; null: not stated, "
+                                     "simulated as fused",
             },
         }
 
@@ -339,11 +348,16 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     upcast = raw.get("loss_fp32_upcast")
     if upcast is not None and not isinstance(upcast, bool):
         raise SpecError(f"{where}: loss_fp32_upcast must be true, false or null, got {upcast!r}")
+    attention = raw.get("attention_backend")
+    if attention is not None and attention not in ATTENTION_BACKENDS:
+        raise SpecError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or null, "
+                        f"got {attention!r}")
     recipe_source = raw.get("recipe_source", "")
-    stated = grad_fp32 is not None or upcast is not None or "reshard_after_forward" in raw
+    stated = grad_fp32 is not None or upcast is not None or attention is not None or "reshard_after_forward" in raw
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, reshard_after_forward, loss_fp32_upcast) "
-                        f"needs recipe_source, an https url and where the recipe sets it, got {recipe_source!r}")
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, reshard_after_forward, loss_fp32_upcast, "
+                        f"attention_backend) needs recipe_source, an https url and where the recipe sets it, "
+                        f"got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -353,7 +367,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast, **ints)
+        recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
+        attention_backend=attention, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

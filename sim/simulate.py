@@ -577,7 +577,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
                                 if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim, cp=cfg.cp,
                                 kv_dim=arch.kv_dim,
-                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
+                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp),
+                                attention_backend=cfg.options.attention_backend)
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)
