@@ -176,8 +176,9 @@ class Comm:
         rank's padded segment of the copy, then its (unpadded) sum copied into `flat[a:b]`. No
         receive buffer either way. gloo clones the input before it reduces (torch's
         `ProcessGroupGloo::reduce_scatter_tensor_coalesced`: an all-reduce of a clone, this rank's
-        chunk copied out), so the aliased output reads nothing it wrote: `tests/runtime/
-        test_reductions.py` checks the result and the untouched rest of the buffer on gloo."""
+        chunk copied out), so writing the output over the input cannot change what is summed:
+        `tests/runtime/test_reductions.py` checks on gloo that the result equals the out-of-place
+        collective's bit for bit and that the rest of the buffer is left as it was."""
         a, b = cuts[self.rank], cuts[self.rank + 1]
         widest = max(lengths)
         if even:
