@@ -8,8 +8,8 @@ rank order), `loops` and `padded`.
   `exact` (the reduce-scatters write into their own input, as Megatron's distributed optimizer).
 - Collective: each owner's segment becomes the mean, within rounding of the exact form; the rest of
   the buffer is left as it was (gloo uses a non-root's buffer as scratch: the copy keeps it; gloo
-  reduce-scatters a clone of its input, so the in-place output is safe there), idle owners (empty
-  segments) included; every form logs the same record; what each form allocates, measured from the
+  reduce-scatters a clone of its input, so its in-place form equals the out-of-place one bit for
+  bit), idle owners (empty segments) included; every form logs the same record; what each form allocates, measured from the
   outside (`tests/runtime/allocations.py`), is what `temporary_elements` says and what
   `Comm.peak_in_flight_bytes` counts: a receive buffer the model omits fails it.
 - Training: at DP 2 a sum of two is the same in any order, so every form ends bit for bit where
