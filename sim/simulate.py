@@ -45,7 +45,6 @@ from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
-    ELEMENTWISE_POLICY,
     FSDP_POLICIES,
     STEP_POLICIES,
     default_policy,
@@ -563,11 +562,6 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                       overlap_step=cfg.options.overlap_step)
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
-    if policy.name == ELEMENTWISE_POLICY and cfg.options.collectives != RUNTIME_STYLE:
-        # zero1, the baseline, as Megatron runs it: its distributed optimizer reduce-scatters each bucket
-        # into the bucket itself (no receive buffer), where canzona's runtime, whose allocations
-        # the memory model otherwise counts (tests/runtime/test_memory_runtime.py), receives a copy
-        setup = replace(setup, reduce_scatter_in_place=True)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,

@@ -68,6 +68,21 @@ def test_published_runs_fit(row):
     assert r.fits, (row, r.memory_detail())
 
 
+def test_zero1_holds_the_same_buffers_under_either_collectives():
+    """Megatron's zero1 reduce-scatters each bucket into itself, and so does canzona's runtime
+    (docs/design.md §7.1, §8.1): the simulated memory is one fact, the same under Megatron's
+    collectives (the default) and the runtime's, to the byte; an even bucket's reduce-scatter
+    holds no receive buffer under either."""
+    from sim.options import RunOptions
+
+    cfg = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, policy="zero1", optimizer="adamw",
+                    workload=Workload(seq_len=1024, global_batch=16))
+    megatron, runtime = (simulate(replace(cfg, options=RunOptions(collectives=c))).memory
+                         for c in ("megatron", "runtime"))
+    assert megatron.ranks == runtime.ranks
+    assert all(r.reduction == 0 for r in megatron.ranks)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # every row simulated: a minute or two on a quiet machine
 def test_every_simulated_published_run_fits():
