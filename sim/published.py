@@ -24,7 +24,9 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
+from sim.eager_kernels import FUSED, KERNEL_MODES
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
+from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload, grad_bytes_for
@@ -74,6 +76,12 @@ class PublishedRun:
     # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
     grad_reduce_in_fp32: bool | None = None
     recipe_source: str = ""
+    # the recipe's memory-bound kernels (`Workload.kernels`): "fused" (Transformer Engine /
+    # Megatron's, the default) or "eager" (PyTorch's eager ops: torchtitan's compile = false),
+    # and an FSDP row's implementation (`SimConfig.fsdp_impl`: "fsdp2", torch's fully_shard, the
+    # default, or "megatron-fsdp"); either set away from its default needs `recipe_source`
+    kernels: str = FUSED
+    fsdp_impl: str = FSDP2
 
     @property
     def grad_bytes(self) -> int:
@@ -120,10 +128,11 @@ class PublishedRun:
         the recipe's gradient dtype (fp32 unless it says otherwise), NVIDIA's recipe defaults for
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
-                      precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes)
+                      precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
+                      kernels=self.kernels)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
-                         optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
+                         optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp, fsdp_impl=self.fsdp_impl,
                          options=RunOptions(recompute=self.recompute or "none"))
 
 
@@ -174,6 +183,7 @@ class RowResult:
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
             "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -258,6 +268,10 @@ class PublishedReport:
                           "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
                 "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
                                        "recipe_source; null: not stated, simulated with Megatron's fp32",
+                "kernels": "the recipe's memory-bound kernels: fused (Transformer Engine / Megatron) or eager "
+                           "(PyTorch eager ops, torchtitan's compile = false)",
+                "fsdp_impl": "an FSDP row's implementation: fsdp2 (torch's fully_shard, with its copies on the "
+                             "compute stream) or megatron-fsdp",
             },
         }
 
@@ -315,10 +329,18 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     grad_fp32 = raw.get("grad_reduce_in_fp32")
     if grad_fp32 is not None and not isinstance(grad_fp32, bool):
         raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    kernels = raw.get("kernels", FUSED)
+    if kernels not in KERNEL_MODES:
+        raise SpecError(f"{where}: kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+    fsdp_impl = raw.get("fsdp_impl", FSDP2)
+    if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
+        raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
+                        f"got {fsdp_impl!r}")
     recipe_source = raw.get("recipe_source", "")
-    if not isinstance(recipe_source, str) or (grad_fp32 is not None and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32) needs recipe_source, an https url "
-                        f"and where the recipe sets it, got {recipe_source!r}")
+    stated = grad_fp32 is not None or "kernels" in raw or "fsdp_impl" in raw
+    if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
+        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, kernels, fsdp_impl) needs recipe_source, "
+                        f"an https url and where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -328,7 +350,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, **ints)
+        recipe_source=recipe_source, kernels=kernels, fsdp_impl=fsdp_impl, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

@@ -60,6 +60,7 @@ from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.fp8 import FP8, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
+from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import (
     ETP_COMM,
     Context,
@@ -134,6 +135,9 @@ class SimConfig:
     # R replicas of shard groups of DP / R ranks, the reduced gradient shards all-reduced over them
     fsdp: bool = False
     hsdp_replicate: int = 1
+    # which FSDP runs it (sim.fsdp_copies): torch's FSDP2 (`fully_shard`, canzona's runtime's) or
+    # Megatron-FSDP, which differ by FSDP2's copies on the compute stream around its collectives
+    fsdp_impl: str = FSDP2
     # the per-GPU compute time's standard deviation over its median (canzona.variability): phase
     # A's compute waits for the expected slowest of the job's GPUs; None: the hardware profile's
     # (`variability.time_cv`), 0: every GPU alike (comparisons with one runtime measurement)
@@ -162,6 +166,7 @@ class SimConfig:
                 ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
         """`check`, also returning the model (`model_of`) and the hardware profile: a model file
         and a profile are read here, once per simulation."""
+        check_fsdp_impl(self.fsdp_impl)
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
         elif self.policy not in STEP_POLICIES:
@@ -566,7 +571,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
                                 if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim, cp=cfg.cp,
                                 kv_dim=arch.kv_dim,
-                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
+                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp), kernels=wl.kernels)
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)
