@@ -27,9 +27,10 @@ the settings of its A100 presets (pytorch/torchtitan `torchtitan/models/llama/mo
 - Grouped-query attention's `repeat_kv` (heads `n_rep = q / kv` > 1): `expand(...).reshape(...)`
   copies K and V to the query heads' width (read `kv b`, write `n_rep kv b`, each); backward
   sums the copies back (the same bytes). The fused attention reads K and V per group instead.
-- The attention output's `transpose(1, 2).contiguous()` copy: read and write `q b` per token.
-  **Assumption**: its backward makes no copy (flash attention's backward takes the transposed
-  gradient as strided input).
+- The attention output's `transpose(1, 2).contiguous()` makes no copy: torch's flash-attention
+  path (`_scaled_dot_product_flash_attention`) runs on the (batch, seq, heads, dim) layout and
+  returns its output transposed, so the transpose back is already contiguous (and q, k, v, made
+  contiguous by RoPE's cast and `repeat_kv`, reach it without copies; the same in backward).
 - SwiGLU `silu(w1(x)) * w3(x)`: silu (2b) then the product (3b) per output element, `5b`
   (fused: `3b`); backward: the product's two gradients (3b each), silu's backward (3b): `9b`
   (fused `5b`).
@@ -98,18 +99,13 @@ def repeat_kv(s: LayerShape, q_width: float, kv_width: float, name: str) -> list
     return [_pass(f"{name} repeat_kv {t} (eager)", n * rep, n * (1 + rep) * s.act_bytes) for t in ("k", "v")]
 
 
-def output_copy(s: LayerShape, q_width: float, name: str) -> Kernel:
-    n = s.tokens * q_width
-    return _pass(f"{name} attention output copy (eager)", n, 2 * n * s.act_bytes)
-
-
 def attention_block(s: LayerShape, q_width: float, kv_width: float, backward: bool, name: str) -> list[Kernel]:
     """The attention block's memory-bound kernels in eager mode (q_width, kv_width: this TP rank's)."""
     kv = repeat_kv(s, q_width, kv_width, name)
     r = rope(s, q_width, kv_width, backward, name)
     if backward:
         return [residual_add(s, name), *kv, r, norm(s, True, name)]
-    return [norm(s, False, name), r, *kv, output_copy(s, q_width, name), residual_add(s, name)]
+    return [norm(s, False, name), r, *kv, residual_add(s, name)]
 
 
 def mlp_block(s: LayerShape, width: float, gated: bool, backward: bool, name: str) -> list[Kernel]:

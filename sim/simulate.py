@@ -322,8 +322,8 @@ class SimResult:
                 {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
-            **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate}}
-               if cfg.fsdp else {}),
+            **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate,
+                         "impl": cfg.fsdp_impl}} if cfg.fsdp else {}),
             "dp": cfg.gpus // (cfg.tp * cfg.pp * cfg.cp),
             **({"dp_cp": cfg.gpus // (cfg.tp * cfg.pp)} if cfg.cp > 1 else {}),
             "optimizer": cfg.optimizer,

@@ -4,6 +4,7 @@ hand, op by op, from torchtitan's model code, and where they enter the simulatio
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -17,8 +18,13 @@ from sim import layer_kernels as lk
 from sim.fsdp_copies import FSDP2, MEGATRON_FSDP, copy_in_bytes, copy_out_bytes
 from sim.model_work import micro_batch_work
 from sim.simulate import SimConfig, simulate
+from sim import published
 from sim.published import DATA_DIR
 from sim.workload import Workload
+from tests.cli_helpers import error_line, invoke
+
+RUNS, SOURCES = published.load()
+RAW = json.loads(published.PUBLISHED_RUNS.read_text())
 
 LLAMA3_8B = str(DATA_DIR / "models" / "llama3-8b.json")  # the published rows' spec file
 
@@ -37,11 +43,10 @@ def test_eager_layer_bytes_by_hand():
     assert norm_f == t * h * 36 and norm_b == t * h * 92
     rope = t * (q + kv) * ((2 + 4) + (4 + 4) + (4 + 2))  # cast, complex multiply, cast back
     repeat = 2 * t * kv * (1 + 4) * b  # K and V: read once, written 4 times
-    out_copy = 2 * t * q * b  # transpose(1, 2).contiguous()
     add = 3 * t * h * b
     attn_f = [k.bytes for k in ek.attention_block(s, q, kv, False, "a")]
     attn_b = [k.bytes for k in ek.attention_block(s, q, kv, True, "a")]
-    assert attn_f == pytest.approx([norm_f, rope, repeat / 2, repeat / 2, out_copy, add])
+    assert attn_f == pytest.approx([norm_f, rope, repeat / 2, repeat / 2, add])  # the output transpose: no copy
     assert attn_b == pytest.approx([add, repeat / 2, repeat / 2, rope, norm_b])
     mlp_f = [k.bytes for k in ek.mlp_block(s, 2 * f, True, False, "m")]
     mlp_b = [k.bytes for k in ek.mlp_block(s, 2 * f, True, True, "m")]
@@ -49,7 +54,7 @@ def test_eager_layer_bytes_by_hand():
     swiglu_b = t * f * (6 + 6 + 6)  # the product's two gradients, silu's backward
     assert mlp_f == pytest.approx([norm_f, swiglu_f, add]) and mlp_b == pytest.approx([add, swiglu_b, norm_b])
     # without GQA no repeat_kv copies
-    assert len(ek.attention_block(s, q, q, False, "a")) == 4
+    assert len(ek.attention_block(s, q, q, False, "a")) == 3
     # the loss over a vocab of 100: cast 2+4, log_softmax 3 reads + 1 write of fp32; backward zeros 4,
     # log_softmax's backward 4 + 4+4+4, the cast back 4+2
     assert ek.loss_kernels(t, 100, False)[0].bytes == pytest.approx(t * 100 * 22)
@@ -122,3 +127,30 @@ def test_fsdp2_copies_run_on_the_compute_stream():
     assert fsdp2.iteration_time_s > mfsdp.iteration_time_s
     with pytest.raises(SpecError, match="unknown fsdp implementation"):
         simulate(replace(base, fsdp_impl="zero3"))
+
+
+def test_bad_settings_are_one_line_errors():
+    base = ("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 1, "--optimizer", "adamw", "--global-batch", 8)
+    error_line(invoke(*base, "--kernels", "compiled"), "unknown kernels 'compiled'")
+    error_line(invoke(*base, "--fsdp", "--fsdp-impl", "fsdp1"), "unknown fsdp implementation 'fsdp1'")
+    # qwen3's per-head q / k norms are not modelled eager
+    error_line(invoke(*base, "--kernels", "eager"), "dense Llama layers")
+
+
+def test_published_rows_record_kernels_and_fsdp_impl():
+    rows = {r.id: r for r in RUNS}
+    for rid in ("llama3-8b-64xa100-torchtitan", "llama3-70b-64xa100-torchtitan"):
+        assert rows[rid].kernels == "eager" and rows[rid].fsdp_impl == FSDP2
+        assert rows[rid].sim_config().workload.kernels == "eager" and rows[rid].sim_config().fsdp_impl == FSDP2
+    assert rows["llama3-8b-8xh100-mb25.11-fp8"].fsdp_impl == MEGATRON_FSDP
+    assert rows["qwen3-30b-a3b-8xh100-automodel"].fsdp_impl == FSDP2
+    # every other row: the defaults, fused kernels (Megatron / Transformer Engine)
+    assert all(r.kernels == "fused" for r in RUNS if "torchtitan" not in r.id)
+    raw = next(r for r in RAW["rows"] if r["id"] == "qwen3-8b-16xh100-mb")
+    with pytest.raises(SpecError, match="kernels must be one of"):
+        published.parse_run({**raw, "kernels": "jit"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="on an fsdp row"):
+        published.parse_run({**raw, "fsdp_impl": MEGATRON_FSDP}, SOURCES, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**{k: v for k, v in raw.items() if k != "recipe_source"}, "grad_reduce_in_fp32": None,
+                             "kernels": "eager"}, SOURCES, "row")
