@@ -1,5 +1,6 @@
 """The memory-bound kernels and the attention core of a Megatron / Transformer Engine decoder layer,
-by the bytes they move and the shape they run at (docs/design.md §9.3).
+by the bytes they move and the shape they run at (docs/design.md §9.3). These are the fused kernels
+(`Workload.kernels` "fused"); PyTorch's eager ops in their place are `sim.eager_kernels`.
 
 Memory-bound kernels (each one launch, priced by `DeviceRate` at the profile's achievable HBM
 bandwidth, `gpu.hbm_efficiency`), with `b` the activation dtype's bytes, `h` the hidden size, `r`

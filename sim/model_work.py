@@ -51,7 +51,9 @@ from canzona.experts import expert_tp_dim
 from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
+from sim import eager_kernels as ek
 from sim import layer_kernels as lk
+from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
@@ -126,7 +128,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
                      fp8: FP8Setup | None = None,
-                     attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> MicroBatchWork:
+                     attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -139,8 +141,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     attention heads' dimension (the fused attention's efficiency depends on it); `fp8`: the linear layers'
     GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`); `attention_backend`: Megatron's
     `--attention-backend` (`canzona.attention_rate.ATTENTION_BACKENDS`: fused, cuDNN's kernels;
-    flash, flash-attn 2)."""
+    flash, flash-attn 2); `kernels`: the memory-bound kernels fused (`sim.layer_kernels`) or
+    PyTorch's eager ops (`sim.eager_kernels`)."""
     check_recompute(recompute)
+    eager = check_kernels(kernels) == EAGER
     full_tokens, tokens = tokens, tokens // cp
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -200,16 +204,21 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     shape = lk.LayerShape(tokens=tokens, tp=tp, hidden=hidden, act_bytes=two, sms=rate.sms or 132)
     q_width, kv_width = q_dim / tp, (kv_dim or q_dim) / tp
     qk_norm = any(p.name.endswith(("q_norm.weight", "k_norm.weight")) for p in spec.params)
+    if eager and (qk_norm or cp > 1 or experts is not None):
+        raise SpecError("eager kernels are modelled for dense Llama layers (no q/k norms, experts or context "
+                        "parallelism)")
 
     def elementwise(block: Sequence[ParamSpec], attention: bool, backward: bool, name: str) -> float:
         """The block's memory-bound kernels (`sim.layer_kernels`): norm, RoPE or the activation,
         the residual add, and under CP the ring steps' merges."""
+        if attention and eager:
+            return run(ek.attention_block(shape, q_width, kv_width, backward, name))
         if attention:
             return run(lk.attention_block(shape, q_width, kv_width, backward, name, with_qk_norm=qk_norm)
                        + lk.ring_merges(shape, q_width, kv_width, cp, backward, name))
         column = [p.local_shape(tp)[0] for p in block if p.tp_dim == 0]
         gated = len(column) == 2 and column[0] == column[1]  # gate and up: SwiGLU
-        return run(lk.mlp_block(shape, sum(column), gated, backward, name))
+        return run((ek if eager else lk).mlp_block(shape, sum(column), gated, backward, name))
 
     forward, backward = [], []
     for layer, params in zip(layer_ids, by_layer):
@@ -263,11 +272,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         embed_b = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=True))
     if not head:
         return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b)
+    loss = ek.loss_kernels if eager else lk.loss_kernels
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
-                  *lk.loss_kernels(tokens, vocab // tp, backward=False)])
+                  *loss(tokens, vocab // tp, backward=False)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype),
-                  *lk.loss_kernels(tokens, vocab // tp, backward=True)])
+                  *loss(tokens, vocab // tp, backward=True)])
     return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b)
 
 

@@ -415,7 +415,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
                                 head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None,
-                                attention_backend=cfg.options.attention_backend)
+                                attention_backend=cfg.options.attention_backend, kernels=wl.kernels)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
