@@ -7,7 +7,10 @@ not, forward and backward. Megatron / NeMo bf16 recipes run Transformer Engine's
 whose Hopper backend is cuDNN's (when both can run, TE's `get_attention_backend` disables
 flash-attention "to give FusedAttention preference on Hopper+": NVIDIA/TransformerEngine,
 transformer_engine/pytorch/attention/dot_product_attention/utils.py), so the cuDNN series is the
-proxy for what those runs' attention reaches.
+proxy for what those runs' attention reaches. A run that chose Transformer Engine's FlashAttention
+backend instead (Megatron's `--attention-backend flash`, or TE's `NVTE_FUSED_ATTN=0`, as NeMo
+24.07's launcher did) ran the flash-attn 2 package under Transformer Engine 1.x: the same paper's
+FlashAttention-2 series (`ATTENTION_BACKENDS`; head dim 128 only, held at other head dims).
 
 `efficiency(pass, causal, seq, head_dim)` is that throughput as a fraction of the H100's dense
 bf16 peak (989 TFLOP/s), interpolated linearly in log2(seq) and in log2(head_dim) between the
@@ -49,6 +52,12 @@ SCHEMA = "canzona.attention_throughput"
 # the same figure as profiles/h100-sxm.json's gpu.peak_flops.bf16)
 TABLE_PEAK_FLOPS = 989e12
 IMPLEMENTATION = "cudnn"  # Transformer Engine's fused attention on Hopper: the module docstring
+# Megatron's `--attention-backend` (its AttnBackend names) -> the table's series. "fused": TE's
+# FusedAttention, cuDNN's kernels (what "auto" resolves to on Hopper: the module docstring);
+# "flash": TE's FlashAttention backend, the flash-attn 2 package under Transformer Engine 1.x
+# (NeMo 24.07's launcher chose it with NVTE_FUSED_ATTN=0), the paper's FlashAttention-2 series
+ATTENTION_BACKENDS = {"fused": IMPLEMENTATION, "flash": "fa2"}
+DEFAULT_ATTENTION_BACKEND = "fused"
 PASSES = ("forward", "backward")
 # A flash-attention backward pass does 2.5x the forward's FLOPs (five matmuls against two: Dao
 # 2023, arXiv 2307.08691, section 3.1; the FLOP count of the throughput table's backward figures)
@@ -129,6 +138,13 @@ def table_from_dict(data: object, where: str = "attention table") -> AttentionTa
 def default_table() -> AttentionTable:
     text = (resources.files("canzona") / "data" / "attention_throughput.json").read_text()
     return table_from_dict(parse_json(text, "attention_throughput.json", SpecError), "attention_throughput.json")
+
+
+def check_attention_backend(backend: str) -> str:
+    """The table's implementation of a Megatron attention backend (`ATTENTION_BACKENDS`)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise SpecError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    return ATTENTION_BACKENDS[backend]
 
 
 def measured_on(profile: str, table: AttentionTable | None = None) -> bool:

@@ -56,12 +56,7 @@ from canzona.optimizers import (
 from canzona.pipeline import chunk_layers, peak_in_flight, rank_layers, stage_layers
 from canzona.plan import Plan, check_plan_matches
 from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_OP, check_recompute, saved_mm_widths
-from canzona.reductions import (
-    EVEN,
-    bucket_route,
-    check_reduce_scatter,
-    temporary_elements_by_rank,
-)
+from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
@@ -189,12 +184,6 @@ class MemorySetup:
     # advance are held until the step check commits them, while the reduce-scatters are in flight
     overlap_step: bool = STEP_DEFAULTS.overlap_step
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
-    # Megatron's distributed optimizer reduce-scatters a bucket into its own gradient buffer: the
-    # output of `reduce_scatter_tensor` is the rank's shard, a view of the bucket's `grad_data`
-    # (megatron/core/distributed/param_and_grad_buffer.py), so an even bucket allocates nothing
-    # more. canzona's runtime receives its segment into a new tensor (the default, False): the
-    # simulator sets True only for the Megatron baseline (`zero1` with Megatron's collectives)
-    reduce_scatter_in_place: bool = False
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the transient peak (`overhead`)
     # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
@@ -215,8 +204,6 @@ class MemorySetup:
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
         check_tp_mode(self.tp_mode)
-        if not isinstance(self.reduce_scatter_in_place, bool):
-            raise SpecError(f"reduce_scatter_in_place must be True or False, got {self.reduce_scatter_in_place!r}")
         if not (isinstance(self.fixed_overhead_bytes, int) and self.fixed_overhead_bytes >= 0):
             raise SpecError(f"fixed overhead must be a whole number of bytes >= 0, got {self.fixed_overhead_bytes!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
@@ -718,8 +705,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     stack = {p.name: batched_stack_bytes(plan.optimizer, p.shape) for p in spec.matrix_params()}
     batching = setup.batch_kernels and matrix_optimizer(plan.optimizer).batchable  # as the runtime's executor
 
-    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb, adamw_grad_bytes=adamw_gb,
-                                 in_place=setup.reduce_scatter_in_place)
+    reductions = reduction_bytes(plan, policy, dp, adamw_size, setup.reduce_scatter, gb, adamw_grad_bytes=adamw_gb)
     if setup.overlap_step:
         policy.check_overlap_step(True)
     # per DP rank (one under a replicated policy: every DP rank runs the same schedule), per TP rank
@@ -770,21 +756,19 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
 
 
 def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, impl: str, grad_bytes: int, *,
-                    scratch: bool = False, adamw_grad_bytes: int | None = None, in_place: bool = False) -> list[int]:
+                    scratch: bool = False, adamw_grad_bytes: int | None = None) -> list[int]:
     """What each DP rank allocates for the gradient reduce-scatters of one step, all in flight at
     once at the end of backward (each bucket's by its plan cuts, or evenly under an all-reduce
     policy, then the AdamW buffer's even slices), as `canzona.runtime.comm` runs them. `scratch`:
     the backend writes a non-root's buffer during a reduce (gloo). `adamw_grad_bytes`: the AdamW
-    buffer's bytes per element, where they differ from the buckets' (an empty one is fp32).
-    `in_place`: an even reduce-scatter writes into the bucket itself (Megatron's, `MemorySetup.
-    reduce_scatter_in_place`), so only the other routes' copies are counted."""
+    buffer's bytes per element, where they differ from the buckets' (an empty one is fp32). An
+    even reduce-scatter writes into the bucket itself (as Megatron's distributed optimizer does)
+    and counts nothing."""
     lengths = [(b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp), grad_bytes)
                for b in plan.dp_plan.buckets]
     lengths.append((_even_lengths(adamw_size, dp), grad_bytes if adamw_grad_bytes is None else adamw_grad_bytes))
     total = [0] * dp
     for seg, nbytes in lengths:
-        if in_place and policy.grad_sync == "reduce-scatter" and bucket_route(impl, seg) == EVEN:
-            continue
         for r, n in enumerate(temporary_elements_by_rank(impl, seg, scratch=scratch)):
             total[r] += n * nbytes
     return total

@@ -10,10 +10,11 @@ The implementations (`reduce_scatter=` in `DistributedOptimizer`, `canzona simul
 `canzona compare`):
 
 - `native` (the default): the backend's own reductions, chosen per bucket by `bucket_route`: one
-  `reduce_scatter_single` straight from the buffer when the segments are even; the same collective
-  over a padded copy (`n x` the largest segment) when padding adds at most `PADDING_LIMIT` of the
-  bucket; else one reduce per non-empty segment to its owner (grouped under NCCL's coalescing
-  manager: one launch). The backend chooses the summation order, so results equal the reference
+  `reduce_scatter_single` of the buffer into itself when the segments are even (each rank's sum
+  lands in its own segment: no receive buffer, as Megatron's distributed optimizer); the same
+  collective over a padded copy (`n x` the largest segment, the sum received into it) when padding
+  adds at most `PADDING_LIMIT` of the bucket; else one reduce per non-empty segment to its owner
+  (grouped under NCCL's coalescing manager: one launch). The backend chooses the summation order, so results equal the reference
   within rounding (bit for bit at DP 2, where a sum of two is the same either way).
 - `exact`: one all-to-all (rank r receives every rank's copy of segment r), then a local sum in
   rank order: reproducible in one process, so the distributed step equals the single-process step
@@ -74,10 +75,13 @@ def bucket_route(impl: str, lengths: Sequence[int]) -> str:
 def temporary_elements(impl: str, lengths: Sequence[int], rank: int, *, scratch: bool = False) -> int:
     """Elements rank `rank` allocates for one reduce-scatter while it is in flight (freed when it
     is waited for): `exact` receives every rank's copy of its segment (and sums them in place);
-    `padded` copies the bucket padded and receives its padded segment; `even` receives its
-    segment; `loops` reduces in place, except where the backend uses a non-root's buffer as
+    `padded` copies the bucket padded and receives its segment into that copy; `even` reduces in
+    place, into the rank's own segment of the bucket (as Megatron's distributed optimizer does):
+    nothing; `loops` reduces in place, except where the backend uses a non-root's buffer as
     scratch (gloo: `scratch=True`), where the segments are sent from a copy of the bucket. One
-    rank alone reduces nothing (its mean is its gradient)."""
+    rank alone reduces nothing (its mean is its gradient). What a backend allocates inside its
+    own collective (gloo's clone of a reduce-scatter's input, NCCL's channel buffers) is not the
+    caller's and not counted here."""
     return temporary_elements_by_rank(impl, lengths, scratch=scratch)[rank]
 
 
@@ -90,10 +94,9 @@ def temporary_elements_by_rank(impl: str, lengths: Sequence[int], *, scratch: bo
     if route == EXACT:
         return [n * mine for mine in lengths]
     if route == EVEN:
-        return list(lengths)
+        return [0] * n
     if route == PADDED:
-        widest = max(lengths)
-        return [n * widest + widest] * n
+        return [n * max(lengths)] * n
     return [sum(lengths) if scratch else 0] * n
 
 

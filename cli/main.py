@@ -308,7 +308,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                  precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
-                 gpu_variability: float | None = None, reshard_after_forward: bool = True):
+                 gpu_variability: float | None = None, reshard_after_forward: bool = True,
+                 kernels: str = "fused", fsdp_impl: str = "fsdp2"):
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -318,12 +319,13 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32)),
+                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
-                     reshard_after_forward=reshard_after_forward, gpu_variability=gpu_variability)
+                     reshard_after_forward=reshard_after_forward, fsdp_impl=fsdp_impl,
+                     gpu_variability=gpu_variability)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -337,13 +339,13 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool):
+                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -371,6 +373,9 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+AttentionBackend = Annotated[str, typer.Option(
+    help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
+         "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
@@ -429,6 +434,13 @@ GpuVariability = Annotated[float | None, typer.Option(
          "variability.time_cv): forward / backward wait for the expected slowest of the job's GPUs; 0 prices every "
          "GPU alike.")]
 ReduceScatter = Annotated[str, typer.Option(help=f"How gradients are reduce-scattered, as DistributedOptimizer's reduce_scatter: {REDUCE_SCATTER_HELP}.")]
+Kernels = Annotated[str, typer.Option(
+    help="The layers' memory-bound kernels (norms, RoPE, SwiGLU, the loss): fused (Transformer Engine / Megatron's) "
+         "or eager (PyTorch's eager ops, as torchtitan runs with compile = false; dense Llama layers).")]
+FsdpImpl = Annotated[str, typer.Option(
+    help="Under --fsdp, the implementation: fsdp2 (torch's fully_shard, canzona's runtime's: its all-gather copy-out "
+         "and reduce-scatter copy-in on the compute stream) or megatron-fsdp (collectives on the parameter and "
+         "gradient buffers in place).")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -444,6 +456,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    attention_backend: AttentionBackend = "fused",
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -453,7 +466,7 @@ def simulate(
     fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, reshard_after_forward: ReshardAfterForward = True,
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
-    gpu_variability: GpuVariability = None,
+    gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -465,10 +478,11 @@ def simulate(
         config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
+                                          attention_backend),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
-                             reshard_after_forward)
+                             reshard_after_forward, kernels, fsdp_impl)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -494,6 +508,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    attention_backend: AttentionBackend = "fused",
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -515,7 +530,8 @@ def compare(
         base = _sim_config(model, gpus, tp, optimizer, None, dp_policy, tp_policy, alpha, bucket_size,
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step),
+                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
+                                          attention_backend),
                            zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                            vp, cp, precision, fp8_recipe)
         base.check()  # bad input fails here, before a progress bar is drawn

@@ -37,6 +37,7 @@ from canzona.cost import (
     DeviceRate,
     adamw_kernels,
     cost_model_for,
+    elementwise_kernel,
     gradient_norm_kernels,
     state_bytes,
 )
@@ -80,6 +81,7 @@ from canzona.step_policies import (
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
 from sim.fp8 import FP8Setup, fp8_setup
+from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
 from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM, ep_all_to_all_cost
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
@@ -125,6 +127,7 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
+    check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard
@@ -173,6 +176,17 @@ class _FsdpRun:
         self.members = list(range(self.size))
         self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
+        # the implementation's copies on the compute stream (sim.fsdp_copies), per unit: after each
+        # all-gather of its parameters, and before each reduce-scatter of its gradients
+        gathered = {k: self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local}
+        self.copy_out_s = {k: self._copy_seconds(copy_out_bytes(cfg.fsdp_impl, n, self.wl.param_bytes), n)
+                           for k, n in gathered.items()}
+        self.copy_in_s = {k: self._copy_seconds(copy_in_bytes(cfg.fsdp_impl, n, self.wl.param_bytes,
+                                                              self.wl.grad_bytes), n) for k, n in gathered.items()}
+
+    def _copy_seconds(self, nbytes: int, numel: int) -> float:
+        return self.rate.kernel_seconds(elementwise_kernel("fsdp copy", numel, 0.0, nbytes / numel)) \
+            if nbytes and numel else 0.0
 
     def piece(self, m: FsdpMatrix) -> int:
         """The elements of member's piece of `m`: 1 / (S x T) of a TP-sharded matrix, 1 / S of a
@@ -198,10 +212,13 @@ class _FsdpRun:
         self.stalls.append(self.engine.now - t0)
 
     def _unit_compute(self, name: str, blocks: Sequence[Block], last: simpy.Event, gathered: simpy.Event,
-                      gathers_input: int) -> simpy.Event:
+                      gathers_input: int, copy_s: float = 0.0) -> simpy.Event:
+        """The unit's blocks after `last` and its gather, the gather's copy-out (`copy_s`) first."""
         self.engine.env.process(self._probe(last, gathered))
         if self.tp == 1 and not any(b.ep_bytes for b in blocks):
-            return self.engine.compute(0, name, sum(b.seconds for b in blocks), [last, gathered])
+            return self.engine.compute(0, name, copy_s + sum(b.seconds for b in blocks), [last, gathered])
+        if copy_s:
+            last = gathered = self.engine.compute(0, f"{name} all-gather copy-out", copy_s, [last, gathered])
         if self.tp == 1:  # expert parallelism: each expert block between its dispatch and combine all-to-alls
             last = self.engine.env.all_of([last, gathered])
             for b in blocks:
@@ -257,8 +274,9 @@ class _FsdpRun:
                                self._gather(f"{name} all-gather {_label(units[k])}", units[k], freed))
             if k >= 1:
                 unit = units[k - 1]
+                # no gather, no copy-out: a unit still gathered from its forward keeps its parameters
                 last = self._unit_compute(f"{name} {_label(unit)}", blocks[unit.key], last, gathers[k - 1],
-                                          gathers_input)
+                                          gathers_input, 0.0 if gathered else self.copy_out_s[unit.key])
                 computed.append(last)
                 if then is not None:
                     then(unit, last)
@@ -279,7 +297,8 @@ class _FsdpRun:
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
                                 ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
-                                fp8=self._fp8())
+                                fp8=self._fp8(), attention_backend=cfg.options.attention_backend,
+                                kernels=wl.kernels)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
@@ -298,6 +317,9 @@ class _FsdpRun:
                                             self.hw) for u in self.units if self.expert_local[u.key] and self.edp > 1}
 
         def reduce(unit: FsdpUnit, mb: int, after: simpy.Event) -> None:
+            if self.copy_in_s[unit.key]:  # on the compute stream, before the next unit's backward
+                after = eng.compute(0, f"mb{mb} reduce-scatter copy-in {_label(unit)}", self.copy_in_s[unit.key],
+                                    [after])
             done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
                                   {0: [after]})[0]
             if unit.key in expert_rs:  # the experts' gradients over the EDP group (at EDP 1 they are whole)
@@ -311,6 +333,9 @@ class _FsdpRun:
         for mb in range(m):
             # the root's parameters (the embedding first) stay gathered through the micro-batch
             root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
+            if root and self.copy_out_s[root.key]:
+                root_gathered = eng.compute(0, f"mb{mb} fwd all-gather copy-out root", self.copy_out_s[root.key],
+                                            [last, root_gathered])
             if work.embed_forward_s:
                 root_gathered = eng.compute(0, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
             last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1)

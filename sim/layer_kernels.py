@@ -1,5 +1,6 @@
 """The memory-bound kernels and the attention core of a Megatron / Transformer Engine decoder layer,
-by the bytes they move and the shape they run at (docs/design.md §9.3).
+by the bytes they move and the shape they run at (docs/design.md §9.3). These are the fused kernels
+(`Workload.kernels` "fused"); PyTorch's eager ops in their place are `sim.eager_kernels`.
 
 Memory-bound kernels (each one launch, priced by `DeviceRate` at the profile's achievable HBM
 bandwidth, `gpu.hbm_efficiency`), with `b` the activation dtype's bytes, `h` the hidden size, `r`
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.attention_rate import ATTENTION_BACKWARD, efficiency
+from canzona.attention_rate import ATTENTION_BACKWARD, IMPLEMENTATION, efficiency
 from canzona.cost import Kernel, elementwise_kernel
 
 FP32 = 4
@@ -153,17 +154,20 @@ def embedding_kernels(tokens: int, vocab_slice: int, hidden: int, act_bytes: int
 
 
 def attention_steps(flops: float, seq_len: int, cp: int, causal: bool, head_dim: int, peak_flops: float,
-                    backward: bool, *, clock: float = 1.0, window_s: float = 0.0) -> tuple[float, ...]:
+                    backward: bool, implementation: str = IMPLEMENTATION, *, clock: float = 1.0,
+                    window_s: float = 0.0) -> tuple[float, ...]:
     """Seconds of each fused-attention call of one pass on one rank: `flops` the rank's attention
     FLOPs of the forward pass (the backward does 2.5x: `ATTENTION_BACKWARD`), split over `cp`
-    ring steps (the module docstring); `clock`, `window_s`: the device's power-limited clock and
-    boost window (`canzona.gemm_model`), at which a training step's attention runs
+    ring steps (the module docstring); `implementation` the throughput table's series
+    (`canzona.attention_rate.ATTENTION_BACKENDS`); `clock`, `window_s`: the device's power-limited
+    clock and boost window (`canzona.gemm_model`), at which a training step's attention runs
     (`canzona.attention_rate`: the measured loops ran largely at the boost clock)."""
     pass_ = "backward" if backward else "forward"
     work = flops * (ATTENTION_BACKWARD if backward else 1.0)
 
     def seconds(part: float, keys: float, masked: bool) -> float:
-        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim, clock=clock, window_s=window_s))
+        return part / (peak_flops * efficiency(pass_, masked, keys, head_dim, implementation=implementation,
+                                               clock=clock, window_s=window_s))
 
     if cp <= 1:
         return (seconds(work, seq_len, causal),)

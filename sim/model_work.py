@@ -51,14 +51,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from canzona.attention_rate import measured_on
+from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend, measured_on
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim
 from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
+from sim import eager_kernels as ek
 from sim import layer_kernels as lk
+from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
@@ -132,7 +134,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
-                     fp8: FP8Setup | None = None, accumulate: int = 0) -> MicroBatchWork:
+                     fp8: FP8Setup | None = None,
+                     attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
+                     accumulate: int = 0) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -143,10 +147,14 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
     exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `head_dim`: the
     attention heads' dimension (the fused attention's efficiency depends on it); `fp8`: the linear layers'
-    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`); `accumulate`: the bytes of a
-    gradient buffer element every weight-gradient GEMM adds into (`Workload.grad_bytes` under
-    Megatron's gradient accumulation fusion; 0: fresh gradients, as FSDP's)."""
+    GEMMs in FP8 with Transformer Engine's overheads (`sim.fp8`); `attention_backend`: Megatron's
+    `--attention-backend` (`canzona.attention_rate.ATTENTION_BACKENDS`: fused, cuDNN's kernels;
+    flash, flash-attn 2); `kernels`: the memory-bound kernels fused (`sim.layer_kernels`) or
+    PyTorch's eager ops (`sim.eager_kernels`); `accumulate`: the bytes of a gradient buffer element
+    every weight-gradient GEMM adds into (`Workload.grad_bytes` under Megatron's gradient
+    accumulation fusion; 0: fresh gradients, as FSDP's)."""
     check_recompute(recompute)
+    eager = check_kernels(kernels) == EAGER
     if accumulate not in (0, DTYPE_BYTES["bf16"], DTYPE_BYTES["fp32"]):
         raise SpecError(f"weight gradients accumulate into bf16 (2) or fp32 (4) buffers, got {accumulate!r} bytes")
     full_tokens, tokens = tokens, tokens // cp
@@ -199,29 +207,35 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if cp > 1:  # this rank's share: its query chunks against every K/V block
         attn_flops /= cp
     peak = rate.peak_flops.get(dtype, rate.gemm_flops[dtype])
+    impl = check_attention_backend(attention_backend)
     # attention runs at the clock the GEMMs sustain under the power limit, on the GPU whose
     # measured loops the table holds (canzona.attention_rate)
     power = rate.gemm_model
     clock = dict(clock=power.sustained_clock, window_s=power.boost_window_s) \
         if power is not None and measured_on(rate.name) else {}
-    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False, **clock) \
-        if q_dim else ()
-    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True, **clock) \
-        if q_dim else ()
+    steps_f = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=False,
+                                 implementation=impl, **clock) if q_dim else ()
+    steps_b = lk.attention_steps(attn_flops, seq_len, cp, causal, head_dim, peak, backward=True,
+                                 implementation=impl, **clock) if q_dim else ()
     two = DTYPE_BYTES[dtype]  # activations in the model's dtype
     shape = lk.LayerShape(tokens=tokens, tp=tp, hidden=hidden, act_bytes=two, sms=rate.sms or 132)
     q_width, kv_width = q_dim / tp, (kv_dim or q_dim) / tp
     qk_norm = any(p.name.endswith(("q_norm.weight", "k_norm.weight")) for p in spec.params)
+    if eager and (qk_norm or cp > 1 or experts is not None):
+        raise SpecError("eager kernels are modelled for dense Llama layers (no q/k norms, experts or context "
+                        "parallelism)")
 
     def elementwise(block: Sequence[ParamSpec], attention: bool, backward: bool, name: str) -> float:
         """The block's memory-bound kernels (`sim.layer_kernels`): norm, RoPE or the activation,
         the residual add, and under CP the ring steps' merges."""
+        if attention and eager:
+            return run(ek.attention_block(shape, q_width, kv_width, backward, name))
         if attention:
             return run(lk.attention_block(shape, q_width, kv_width, backward, name, with_qk_norm=qk_norm)
                        + lk.ring_merges(shape, q_width, kv_width, cp, backward, name))
         column = [p.local_shape(tp)[0] for p in block if p.tp_dim == 0]
         gated = len(column) == 2 and column[0] == column[1]  # gate and up: SwiGLU
-        return run(lk.mlp_block(shape, sum(column), gated, backward, name))
+        return run((ek if eager else lk).mlp_block(shape, sum(column), gated, backward, name))
 
     forward, backward = [], []
     for layer, params in zip(layer_ids, by_layer):
@@ -275,11 +289,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         embed_b = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=True))
     if not head:
         return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b)
+    loss = ek.loss_kernels if eager else lk.loss_kernels
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
-                  *lk.loss_kernels(tokens, vocab // tp, backward=False)])
+                  *loss(tokens, vocab // tp, backward=False)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype, accumulate=accumulate),
-                  *lk.loss_kernels(tokens, vocab // tp, backward=True)])
+                  *loss(tokens, vocab // tp, backward=True)])
     return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b)
 
 

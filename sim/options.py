@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
 from canzona.reductions import check_reduce_scatter
@@ -43,12 +44,17 @@ class RunOptions:
     # the buckets holding its matrices have been reduced (and backward's kernels are done), under
     # the remaining reductions; the updates applied after the step check (canzona only)
     overlap_step: bool = STEP_DEFAULTS.overlap_step
+    # Megatron's --attention-backend: "fused" (Transformer Engine's FusedAttention, cuDNN's kernels:
+    # what Megatron's "auto" picks on Hopper) or "flash" (TE's FlashAttention backend, flash-attn 2
+    # under TE 1.x); priced from the FlashAttention-3 paper's series (canzona.attention_rate)
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
+        check_attention_backend(self.attention_backend)
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         if self.collectives not in COLLECTIVE_MODES:

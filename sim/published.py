@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import canzona
+from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from canzona.spec import DTYPE_BYTES
+from sim.eager_kernels import FUSED, KERNEL_MODES
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
+from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload, grad_bytes_for
@@ -82,6 +85,15 @@ class PublishedRun:
     # keeps its log-softmax in the logits' bf16 (Workload.loss_bytes 2); None: not stated, the
     # fp32 copy Megatron's loss keeps
     loss_fp32_upcast: bool | None = None
+    # Megatron's --attention-backend as the recipe ran it (`RunOptions.attention_backend`: "fused",
+    # cuDNN's kernels, or "flash", flash-attn 2); None: not stated, simulated with "fused"
+    attention_backend: str | None = None
+    # the recipe's memory-bound kernels (`Workload.kernels`): "fused" (Transformer Engine /
+    # Megatron's, the default) or "eager" (PyTorch's eager ops: torchtitan's compile = false),
+    # and an FSDP row's implementation (`SimConfig.fsdp_impl`: "fsdp2", torch's fully_shard, the
+    # default, or "megatron-fsdp"); either set away from its default needs `recipe_source`
+    kernels: str = FUSED
+    fsdp_impl: str = FSDP2
 
     @property
     def grad_bytes(self) -> int:
@@ -129,12 +141,14 @@ class PublishedRun:
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
-                      loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"])
+                      loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
+                      kernels=self.kernels)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
-                         reshard_after_forward=self.reshard_after_forward,
-                         options=RunOptions(recompute=self.recompute or "none"))
+                         fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
+                         options=RunOptions(recompute=self.recompute or "none",
+                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND))
 
 
 @dataclass(frozen=True)
@@ -183,9 +197,11 @@ class RowResult:
             "iteration_s": self.iteration_s, "error": self.error,
             "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "memory": self.memory_detail(),
-            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "recipe_source": r.recipe_source or None,
+            "grad_reduce_in_fp32": r.grad_reduce_in_fp32, "attention_backend": r.attention_backend,
+            "recipe_source": r.recipe_source or None,
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
+            "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -275,6 +291,13 @@ class PublishedReport:
                 "loss_fp32_upcast": "whether the recipe's loss upcasts the logits to fp32 (NeMo AutoModel's "
                                     "MaskedCrossEntropy option; false: its saved copy in bf16), with recipe_source; "
                                     "null: not stated, Megatron's fp32 copy",
+                "attention_backend": "the recipe's attention kernels (Megatron's --attention-backend: fused, "
+                                     "cuDNN's; flash, flash-attn 2), with recipe_source; null: not stated, "
+                                     "simulated as fused",
+                "kernels": "the recipe's memory-bound kernels: fused (Transformer Engine / Megatron) or eager "
+                           "(PyTorch eager ops, torchtitan's compile = false)",
+                "fsdp_impl": "an FSDP row's implementation: fsdp2 (torch's fully_shard, with its copies on the "
+                             "compute stream) or megatron-fsdp",
             },
         }
 
@@ -339,11 +362,24 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     upcast = raw.get("loss_fp32_upcast")
     if upcast is not None and not isinstance(upcast, bool):
         raise SpecError(f"{where}: loss_fp32_upcast must be true, false or null, got {upcast!r}")
+    attention = raw.get("attention_backend")
+    if attention is not None and attention not in ATTENTION_BACKENDS:
+        raise SpecError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or null, "
+                        f"got {attention!r}")
+    kernels = raw.get("kernels", FUSED)
+    if kernels not in KERNEL_MODES:
+        raise SpecError(f"{where}: kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+    fsdp_impl = raw.get("fsdp_impl", FSDP2)
+    if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
+        raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
+                        f"got {fsdp_impl!r}")
     recipe_source = raw.get("recipe_source", "")
-    stated = grad_fp32 is not None or upcast is not None or "reshard_after_forward" in raw
+    settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
+                "fsdp_impl")
+    stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
-        raise SpecError(f"{where}: a recipe setting (grad_reduce_in_fp32, reshard_after_forward, loss_fp32_upcast) "
-                        f"needs recipe_source, an https url and where the recipe sets it, got {recipe_source!r}")
+        raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
+                        f"where the recipe sets it, got {recipe_source!r}")
     run = PublishedRun(
         id=_text(raw, "id", where), model=_text(raw, "model", where), source=source,
         hardware=_text(raw, "hardware", where), fsdp=fsdp, precision=precision,
@@ -353,7 +389,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         original_unit=_text(pub["original"], "unit", where), conversion=str(pub.get("conversion", "")),
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
-        recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast, **ints)
+        recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
+        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
@@ -65,11 +66,14 @@ class Question:
     precision: str = "bf16"  # the linear GEMMs' (sim.fp8): every layout is searched in it
     fp8_recipe: str = DELAYED  # under FP8, Transformer Engine's scaling (sim.fp8)
     grad_reduce_in_fp32: bool = True  # Megatron's DDP option: fp32 gradient buffers (False: bf16)
+    # Megatron's --attention-backend (RunOptions.attention_backend): every layout is searched with it
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
+        check_attention_backend(self.attention_backend)
         self.workload()  # its checks
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
@@ -204,7 +208,7 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
                                   workload=q.workload(),
-                                  options=RunOptions())
+                                  options=RunOptions(attention_backend=q.attention_backend))
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
@@ -411,6 +415,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
                                 head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None,
+                                attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                                 accumulate=wl.grad_bytes)  # as sim.simulate: wgrad GEMMs add into main_grad
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all

@@ -45,7 +45,6 @@ from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
-    ELEMENTWISE_POLICY,
     FSDP_POLICIES,
     STEP_POLICIES,
     default_policy,
@@ -60,6 +59,7 @@ from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.fp8 import FP8, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
+from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import (
     ETP_COMM,
     Context,
@@ -140,6 +140,9 @@ class SimConfig:
     # the backward (NeMo AutoModel's MoE `apply_fsdp`): one all-gather fewer per unit and
     # micro-batch, every unit's gathered parameters held at the backward's start (sim.fsdp)
     reshard_after_forward: bool = True
+    # which FSDP runs it (sim.fsdp_copies): torch's FSDP2 (`fully_shard`, canzona's runtime's) or
+    # Megatron-FSDP, which differ by FSDP2's copies on the compute stream around its collectives
+    fsdp_impl: str = FSDP2
     # the per-GPU compute time's standard deviation over its median (canzona.variability): phase
     # A's compute waits for the expected slowest of the job's GPUs; None: the hardware profile's
     # (`variability.time_cv`), 0: every GPU alike (comparisons with one runtime measurement)
@@ -172,6 +175,7 @@ class SimConfig:
             raise SpecError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if not self.reshard_after_forward and not self.fsdp:
             raise SpecError("--no-reshard-after-forward is an option of FSDP2's fully_shard: it needs --fsdp")
+        check_fsdp_impl(self.fsdp_impl)
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
         elif self.policy not in STEP_POLICIES:
@@ -328,7 +332,7 @@ class SimResult:
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
             **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate,
-                         "reshard_after_forward": cfg.reshard_after_forward}}
+                         "reshard_after_forward": cfg.reshard_after_forward, "impl": cfg.fsdp_impl}}
                if cfg.fsdp else {}),
             "dp": cfg.gpus // (cfg.tp * cfg.pp * cfg.cp),
             **({"dp_cp": cfg.gpus // (cfg.tp * cfg.pp)} if cfg.cp > 1 else {}),
@@ -563,11 +567,6 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                       overlap_step=cfg.options.overlap_step)
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
-    if policy.name == ELEMENTWISE_POLICY and cfg.options.collectives != RUNTIME_STYLE:
-        # zero1, the baseline, as Megatron runs it: its distributed optimizer reduce-scatters each bucket
-        # into the bucket itself (no receive buffer), where canzona's runtime, whose allocations
-        # the memory model otherwise counts (tests/runtime/test_memory_runtime.py), receives a copy
-        setup = replace(setup, reduce_scatter_in_place=True)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
         work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
@@ -578,6 +577,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                 if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim, cp=cfg.cp,
                                 kv_dim=arch.kv_dim,
                                 fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp),
+                                attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                                 # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
                                 accumulate=wl.grad_bytes)
         expert_ctx = None

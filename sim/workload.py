@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from sim.eager_kernels import FUSED, check_kernels
 from sim.fp8 import check_precision
 
 # Simulated time grows with the micro-batches each rank runs (every forward and backward is a
@@ -39,6 +40,10 @@ class Workload:
     # bytes a logit of the copy the loss keeps for its backward (canzona.memory.MemorySetup's
     # loss_bytes): fp32, Megatron's; 2 for a loss that does not upcast the bf16 logits
     loss_bytes: int = DTYPE_BYTES["fp32"]
+    # the layers' memory-bound kernels (norms, RoPE, SwiGLU, the loss): "fused" (Transformer Engine /
+    # Megatron's fused kernels) or "eager" (PyTorch's eager ops, e.g. torchtitan with compile =
+    # false): sim.eager_kernels
+    kernels: str = FUSED
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes",
@@ -48,6 +53,7 @@ class Workload:
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
         check_precision(self.precision, self.fp8_recipe)
+        check_kernels(self.kernels)
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:

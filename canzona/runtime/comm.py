@@ -169,18 +169,26 @@ class Comm:
 
     def _reduce_scatter(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], even: bool,
                         what: str) -> PendingWork:
-        """The backend's reduce-scatter: of `flat` itself when its segments are even, else of a
-        copy with every segment padded to the longest; this rank's (unpadded) sum lands in its
-        segment of `flat`."""
+        """The backend's reduce-scatter, in place as Megatron's distributed optimizer runs it: of
+        `flat` itself when its segments are even, its sum received into this rank's own segment
+        (`flat[a:b]`, the input's chunk `rank`: NCCL's in-place form, recvbuff == sendbuff + rank x
+        recvcount); else of a copy with every segment padded to the longest, received into this
+        rank's padded segment of the copy, then its (unpadded) sum copied into `flat[a:b]`. No
+        receive buffer either way. gloo clones the input before it reduces (torch's
+        `ProcessGroupGloo::reduce_scatter_tensor_coalesced`: an all-reduce of a clone, this rank's
+        chunk copied out), so writing the output over the input cannot change what is summed:
+        `tests/runtime/test_reductions.py` checks on gloo that the result equals the out-of-place
+        collective's bit for bit and that the rest of the buffer is left as it was."""
         a, b = cuts[self.rank], cuts[self.rank + 1]
         widest = max(lengths)
         if even:
             send = flat[cuts[0]:cuts[-1]]
+            out = flat[a:b]
         else:
             send = torch.zeros(self.size * widest, dtype=flat.dtype, device=flat.device)
             for r, n in enumerate(lengths):
                 send[r * widest:r * widest + n].copy_(flat[cuts[r]:cuts[r + 1]])
-        out = torch.empty(widest, dtype=flat.dtype, device=flat.device)
+            out = send[self.rank * widest:(self.rank + 1) * widest]
         hand = Handoff()
         # through the process group with this group's timeout: gloo's reduce-scatter ignores the one
         # given to `wait()` (measured: it waited out the process group's instead)
@@ -191,8 +199,11 @@ class Comm:
         group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
         work = group.reduce_scatter_single(hand(out), hand(send), opts)
         pending = PendingWork(self, work, what, hand)
-        pending.then = lambda: flat[a:b].copy_(out[:b - a]).div_(self.size)
-        return self._holding(pending, out, *([] if even else [send]))
+        if even:
+            pending.then = lambda: flat[a:b].div_(self.size)  # the sum is already in place
+        else:
+            pending.then = lambda: flat[a:b].copy_(out[:b - a]).div_(self.size)
+        return self._holding(pending, *([] if even else [send]))
 
     def _reduce_loops(self, flat: Tensor, cuts: Sequence[int], lengths: Sequence[int], what: str) -> PendingWork:
         """One sum-reduce per non-empty segment, to its owner; on NCCL grouped into one launch.

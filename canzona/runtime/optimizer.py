@@ -124,8 +124,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     micro-groups.
 
     `reduce_scatter`: how gradients are reduce-scattered over DP (`canzona.reductions`): `native`
-    (default; the backend's own reductions, per bucket a reduce-scatter or one reduce per owner,
-    no receive buffer larger than the segment; equal to the single-process reference within
+    (default; the backend's own reductions, per bucket a reduce-scatter into the bucket itself
+    or one reduce per owner, no receive buffer; equal to the single-process reference within
     rounding, bit for bit at DP 2), `exact` (one all-to-all and a sum in rank order: bit for bit
     at any DP size, what `canzona verify` checks, at `n x` the segment of temporary memory),
     `loops` or `padded`. `canzona simulate --reduce-scatter` prices each.

@@ -90,13 +90,13 @@ HAND_EXPECTED = {
     # owners as layerwise, each matrix hosted on TP rank 0, state on the host only.
     # w1's host: receive 96 x 4 = 384, full gradient 768, update 768, workspace 1792 -> 3712
     # (the scatter phase: update 768 + 384 = 1152). Its other TP rank: the prefetched gather's send
-    # 384 under the reductions in flight (144, below) -> 528 (then receive the chunk alone, 384).
-    # w0's host: 256 + 512 + 512 + 1280 = 2560; the other: send 256 + 144 = 400 (then 256; its AdamW
+    # 384 under the reductions in flight (none, below: `REDUCTION`), then receive the chunk, 384.
+    # w0's host: 256 + 512 + 512 + 1280 = 2560; the other: send 256, then receive 256 (its AdamW
     # temporaries, 2 x 4 x 28 = 224, are smaller)
     "canzona": [dict(master_weights=528, matrix_state=768, adamw_state=288, step_buffers=3712),
-                dict(master_weights=528, matrix_state=0, adamw_state=288, step_buffers=528),
+                dict(master_weights=528, matrix_state=0, adamw_state=288, step_buffers=384),
                 dict(master_weights=400, matrix_state=512, adamw_state=288, step_buffers=2560),
-                dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=400)],
+                dict(master_weights=400, matrix_state=0, adamw_state=288, step_buffers=256)],
     # AdamW on every parameter, even cuts [0, 80, 160): DP rank 0 updates w1[0:80), rank 1 w1[80:96)
     # and w0; each its 36 of the AdamW buffer. Masters (80 + 36) x 4 = 464, state (80 + 36) x 8 =
     # 928, no matrix state; the step's temporaries are AdamW's, 2 x 4 x the largest piece: rank 0's
@@ -106,11 +106,10 @@ HAND_EXPECTED = {
 }
 
 # The gradient reduce-scatters in flight at the end of backward (canzona.reductions), fp32:
-# native: the AdamW buffer is even (36 per rank: each receives its 36 -> 144); the bucket is even
-# under zero1-gather and the all-reduce policies (80 each -> 320 more: 464), and [96, 64] under
-# canzona's owners, which native reduces in place with one reduce per owner (padding 32 > 160 / 16)
-REDUCTION = {"sc": [464] * 4, "zero1-gather": [464] * 4, "layerwise": [464] * 4, "canzona": [144] * 4,
-             "zero1": [464] * 4}
+# native: the AdamW buffer is even (36 per rank), as is the bucket under zero1-gather and the
+# all-reduce policies (80 each): each reduce-scatters into the buffer itself, so nothing; [96, 64]
+# under canzona's owners, which native reduces in place with one reduce per owner (padding 32 > 160 / 16)
+REDUCTION = {policy: [0] * 4 for policy in STEP_POLICIES}
 # exact receives both ranks' copies of its segment (summed in place): 2 x (80 + 36) x 4 = 928,
 # canzona's owner of w1 2 x (96 + 36) x 4 = 1056, of w0 2 x (64 + 36) x 4 = 800
 EXACT_REDUCTION = {"sc": [928] * 4, "zero1-gather": [928] * 4, "layerwise": [928] * 4,
@@ -139,30 +138,22 @@ def test_hand_computed_figures_for_every_policy(policy):
 
 
 @pytest.mark.parametrize("policy", ["zero1", "canzona"])
-def test_in_place_reduce_scatter_drops_only_even_buffers(policy):
-    """Megatron's reduce-scatter writes into the bucket (`reduce_scatter_in_place`): an even
-    bucket needs no receive buffer. zero1's bucket (80 + 80) and both policies' AdamW buffers
-    (36 + 36) are even; canzona's bucket ([96, 64], one reduce per owner) needed none anyway."""
+def test_only_the_copies_of_a_reduce_scatter_are_counted(policy):
+    """Like Megatron's distributed optimizer, the runtime reduce-scatters an even bucket into the
+    bucket itself (no receive buffer: `REDUCTION`), and a padded one into its padded copy: canzona's
+    bucket [96, 64] under `padded` holds 2 x 96 fp32 (768 bytes) and no receive buffer beside it
+    (it held 96 more before); the AdamW buffer (36 + 36) is even under every implementation but exact."""
     plan = plan_for(HAND, policy, 2, 2, align=1)
-    default = memory_per_gpu(HAND, plan, policy, HAND_DIMS, HAND_SETUP, dp=2)
-    in_place = memory_per_gpu(HAND, plan, policy, HAND_DIMS, replace(HAND_SETUP, reduce_scatter_in_place=True), dp=2)
-    assert [r.reduction for r in default.ranks] == REDUCTION[policy]
-    assert [r.reduction for r in in_place.ranks] == [0] * 4
-    for a, b in zip(default.ranks, in_place.ranks):  # nothing else moves, but for what waits under them
-        assert (a.persistent, a.activations) == (b.persistent, b.activations)
-        assert b.step_buffers == a.step_buffers if policy == "zero1" else b.step_buffers <= a.step_buffers
-    # the other routes keep their copies: exact receives both ranks' copies of its segment
-    exact = memory_per_gpu(HAND, plan, policy, HAND_DIMS,
-                           replace(HAND_SETUP, reduce_scatter="exact", reduce_scatter_in_place=True), dp=2)
+    padded = memory_per_gpu(HAND, plan, policy, HAND_DIMS, replace(HAND_SETUP, reduce_scatter="padded"), dp=2)
+    assert [r.reduction for r in padded.ranks] == ([2 * 96 * 4] * 4 if policy == "canzona" else [0] * 4)
+    exact = memory_per_gpu(HAND, plan, policy, HAND_DIMS, replace(HAND_SETUP, reduce_scatter="exact"), dp=2)
     assert [r.reduction for r in exact.ranks] == EXACT_REDUCTION[policy]
-    with pytest.raises(SpecError, match="reduce_scatter_in_place"):
-        MemorySetup(reduce_scatter_in_place=1)
 
 
 def test_hand_overhead_and_streamed_tp_sync():
     plan = plan_for(HAND, "sc", 1, 2, align=1)
     # the fixed allowance plus a fraction of the transient peak: the step's 6272 bytes (above the
-    # activations with the reductions, 896 + 464); the persistent buffers are allocated once
+    # activations, 896, and the reductions, none); the persistent buffers are allocated once
     lm = memory_per_gpu(HAND, plan, "sc", HAND_DIMS, MemorySetup(seq_len=4, flash_attention=False,
                                                                  fixed_overhead_bytes=1000, fragmentation=0.5), dp=2)
     assert lm.ranks[0].overhead == 1000 + math.ceil(0.5 * 6272)

@@ -18,7 +18,10 @@ part and for the whole GPU:
 - the whole GPU: what `canzona simulate --ep` reports (`SimResult.memory`, the dense part's memory
   `with_experts`), persistent components equal to both parts' allocations added;
 - the reduce-scatter buffers at their high-water mark, on the DP and on the EDP communicator
-  (`canzona.memory.reduction_bytes`, with gloo's scratch copy).
+  (`canzona.memory.reduction_bytes`, with gloo's scratch copy), and every byte those
+  reduce-scatters allocate, measured from the outside (`tests/runtime/allocations.py`); the
+  simulator's figure is the same under Megatron's collectives and the runtime's (zero1 included:
+  both reduce-scatter an even bucket into itself).
 
 One spawn of 4 ranks runs every case on both layouts.
 
@@ -83,6 +86,7 @@ def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, ex
     from canzona.runtime.optimizer import DistributedOptimizer
     from reference.tiny_moe import MOE_PRESETS
     from reference.tiny_moe_ep import TinyMoeEP
+    from tests.runtime.allocations import metered
 
     policy, optimizer, impl = case
     model = TinyMoeEP(MOE_PRESETS[preset], experts.get_group("ep"), dtype=torch.bfloat16,
@@ -91,6 +95,7 @@ def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, ex
     config = {"ns_steps": 1} if optimizer == "muon" else None
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, config, policy=policy, group=dense,
                                bucket_size=BUCKET, reduce_scatter=impl, timeout_s=TIMEOUT_S, expert_mesh=experts)
+    seen = {"dense": metered(opt.grads.dp), "experts": metered(opt.experts.grads.dp)}
     (tokens,) = global_batches(TrainSpec(preset=preset, steps=1, global_batch=8, seq_len=8),
                                mspec.param("model.embed_tokens.weight").shape[0])
     for mb in micro_batches(tokens, opt.rank, dp, 1):
@@ -116,6 +121,7 @@ def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, ex
             "adamw_state": sum(nbytes(v for v in opt.adamw_state[n].values() if hasattr(v, "numel"))
                                for n in mine(opt.adamw_state, part)),
             "reduction": grads.dp.peak_in_flight_bytes,
+            "allocated": seen[part].bytes,
             "adamw_size": grads.adamw.size,
         }
     return row
@@ -155,9 +161,10 @@ def part_memory(first: dict, part: str):
 
 
 @functools.cache
-def simulated(tp: int, c: int):
+def simulated(tp: int, c: int, collectives: str | None = None):
     """What `canzona simulate --tp <tp> --ep 2` reports per GPU for case `c` on the same model (its
-    plans are the runtime's: `canzona.plan.plan_for` with the runtime's bucket sizing)."""
+    plans are the runtime's: `canzona.plan.plan_for` with the runtime's bucket sizing), under
+    `collectives` (default: the runtime's for zero1, whose EP collectives it defines, else Megatron's)."""
     from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
     from sim.options import RunOptions
     from sim.simulate import SimConfig, simulate
@@ -169,9 +176,8 @@ def simulated(tp: int, c: int):
     cfg = SimConfig(model=spec.name, gpus=WORLD, tp=tp, ep=EP, optimizer=optimizer, policy=policy,
                     workload=Workload(seq_len=8, global_batch=WORLD, param_bytes=2, grad_bytes=4),
                     bucket_size=BUCKET, expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
-                    # zero1 under Megatron's collectives (the default) reduce-scatters in place, as
-                    # Megatron does; the runtime's collectives are what this runtime allocates
-                    options=RunOptions(reduce_scatter=impl, collectives="runtime" if policy == "zero1" else "megatron"))
+                    options=RunOptions(reduce_scatter=impl, collectives=collectives or (
+                        "runtime" if policy == "zero1" else "megatron")))
     return simulate(cfg, model=(spec, moe_architecture(spec.name, LAYOUTS[tp]))).memory
 
 
@@ -213,7 +219,8 @@ def test_the_reduce_scatter_buffers_of_both_parts_peak_where_the_model_says(tp, 
         nccl[part] = reduction_bytes(*args, **empty)
         for got in ranks:
             r = got["dp_rank"] if part == "dense" else got["edp_rank"]
-            assert got[part]["reduction"] == on_gloo[r], (tp, CASES[c], part, gpu(got))
-    memory = simulated(tp, c)
-    for got in ranks:
-        assert memory.ranks[gpu(got)].reduction == nccl["dense"][got["dp_rank"]] + nccl["experts"][got["edp_rank"]]
+            assert got[part]["reduction"] == on_gloo[r] == got[part]["allocated"], (tp, CASES[c], part, gpu(got))
+    for collectives in ("megatron", "runtime"):  # one fact: Megatron's baseline allocates what the runtime does
+        memory = simulated(tp, c, collectives)
+        for got in ranks:
+            assert memory.ranks[gpu(got)].reduction == nccl["dense"][got["dp_rank"]] + nccl["experts"][got["edp_rank"]]

@@ -4,11 +4,14 @@ nearly so, else one reduce per owner), `exact` (the verification mode: an all-to
 rank order), `loops` and `padded`.
 
 - Routes: which route each implementation takes for even, nearly even and uneven segments, and the
-  temporary memory each allocates (what `canzona.memory` counts): no receive buffer larger than
-  the segment except under `exact`.
+  temporary memory each allocates (what `canzona.memory` counts): no receive buffer but under
+  `exact` (the reduce-scatters write into their own input, as Megatron's distributed optimizer).
 - Collective: each owner's segment becomes the mean, within rounding of the exact form; the rest of
-  the buffer is left as it was (gloo uses a non-root's buffer as scratch: the copy keeps it), idle
-  owners (empty segments) included; every form logs the same record.
+  the buffer is left as it was (gloo uses a non-root's buffer as scratch: the copy keeps it; gloo
+  reduce-scatters a clone of its input, so its in-place form equals the out-of-place one bit for
+  bit), idle owners (empty segments) included; every form logs the same record; what each form allocates, measured from the
+  outside (`tests/runtime/allocations.py`), is what `temporary_elements` says and what
+  `Comm.peak_in_flight_bytes` counts: a receive buffer the model omits fails it.
 - Training: at DP 2 a sum of two is the same in any order, so every form ends bit for bit where
   `exact` does; at DP 3 (uneven segments, three addends) every rank ends with the same weights,
   within rounding of the single-process run, and the logged collectives equal the exact run's;
@@ -63,14 +66,16 @@ def test_native_takes_the_backends_cheapest_route(lengths, native):
     assert bucket_route("padded", lengths) == (EVEN if even else PADDED)
 
 
-def test_only_exact_receives_more_than_the_segment():
+def test_only_exact_receives_a_copy():
     lengths = [32, 32, 31, 0]
     for rank, mine in enumerate(lengths):
         assert temporary_elements("exact", lengths, rank) == 4 * mine  # n copies received, summed in place
         assert temporary_elements("loops", lengths, rank) == 0  # in place (NCCL)
         assert temporary_elements("loops", lengths, rank, scratch=True) == sum(lengths)  # gloo's copy
-        assert temporary_elements("padded", lengths, rank) == 4 * 32 + 32  # the padded copy, one padded segment
-    assert temporary_elements("native", [8, 8], 1) == 8  # even: receives its segment only
+        assert temporary_elements("padded", lengths, rank) == 4 * 32  # the padded copy, received into
+    for impl in ("native", "loops", "padded"):  # even: into the rank's own segment of the bucket
+        assert temporary_elements(impl, [8, 8], 1) == temporary_elements(impl, [8, 8], 1, scratch=True) == 0
+    assert temporary_elements("exact", [8, 8], 1) == 16
     assert all(temporary_elements(impl, [9], 0) == 0 for impl in REDUCE_SCATTER_IMPLS)  # one rank: nothing
 
 
@@ -88,7 +93,10 @@ SOAP = replace(MUON, optimizer="soap", matrix_config={"precondition_frequency": 
 
 
 def segments_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
     from canzona.runtime.comm import Comm
+    from tests.runtime.allocations import Allocations
 
     out = {}
     for c, cuts in enumerate(CUTS[world]):
@@ -96,8 +104,15 @@ def segments_worker(rank: int, world: int) -> dict:
             comm = Comm(None, COLLECTIVE_TIMEOUT_S, reduce_scatter=impl)
             flat = torch.randn(cuts[-1], generator=torch.Generator().manual_seed(rank))
             before = flat.clone()
-            comm.reduce_scatter_v(flat, cuts, "t").wait()
-            out[c, impl] = {"before": before, "after": flat, "log": comm.log.to_dicts()}
+            with Allocations() as seen:
+                comm.reduce_scatter_v(flat, cuts, "t").wait()
+            out[c, impl] = {"before": before, "after": flat, "log": comm.log.to_dicts(), "allocated": seen.bytes,
+                            "held": comm.peak_in_flight_bytes}
+        lengths = lengths_of(cuts)
+        if len(set(lengths)) == 1:  # the backend's collective into a receive buffer of its own: the reference
+            got = torch.empty(lengths[rank])
+            dist.reduce_scatter_single(got, out[c, "native"]["before"].clone())
+            out[c, "out of place"] = got.div_(world)
     return out
 
 
@@ -115,7 +130,13 @@ def test_each_owner_gets_the_mean_and_the_rest_is_left_as_it_was(world):
                 rest = torch.ones_like(mean, dtype=torch.bool)
                 rest[a:b] = False
                 assert torch.equal(r[c, impl]["after"][rest], r[c, impl]["before"][rest]), (cuts, impl, rank)
+                # every byte it allocated is one the model counts (gloo: the loops' scratch copy) and the runtime holds
+                model = 4 * temporary_elements(impl, lengths_of(cuts), rank, scratch=True)
+                assert r[c, impl]["allocated"] == model == r[c, impl]["held"], (cuts, impl, rank)
             assert all(r[c, impl]["log"] == r[c, "exact"]["log"] for r in ranks)
+        if len(set(lengths_of(cuts))) == 1:  # gloo reduce-scatters a clone: in place is the same, bit for bit
+            for rank, r in enumerate(ranks):
+                assert torch.equal(r[c, "native"]["after"][cuts[rank]:cuts[rank + 1]], r[c, "out of place"])
         assert len(routes) >= 2, cuts  # each case runs the exact form and at least one other route
 
 

@@ -84,6 +84,21 @@ def test_no_reshard_after_forward_gathers_once_and_holds_every_unit(adamw):
     assert adamw.to_dict()["fsdp"]["reshard_after_forward"] is True
 
 
+def test_no_reshard_after_forward_copies_out_only_what_it_gathers():
+    """FSDP2's copy-out follows each all-gather (sim.fsdp_copies): a backward that gathers nothing
+    copies nothing out. The MoE layers' copy-outs are spans of their own (the dispatch splits the
+    unit's compute), so they can be counted."""
+    def copy_outs(reshard: bool) -> tuple[int, int]:
+        names = [s.name for s in simulate(replace(MOE, reshard_after_forward=reshard)).spans
+                 if s.rank == 0 and "all-gather copy-out" in s.name]
+        return len([n for n in names if " fwd " in n]), len([n for n in names if " bwd " in n])
+
+    arch = resolve_model("qwen3-30b-a3b")[1]
+    m = MOE.workload.micro_batches(8)
+    assert copy_outs(True) == ((arch.layers + 1) * m, arch.layers * m)  # the root once a micro-batch
+    assert copy_outs(False) == ((arch.layers + 1) * m, 0)
+
+
 def test_reshard_after_forward_is_checked_and_a_cli_option():
     with pytest.raises(SpecError, match="needs --fsdp"):
         replace(ADAMW, fsdp=False, reshard_after_forward=False).check()

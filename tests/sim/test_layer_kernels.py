@@ -12,7 +12,12 @@ from importlib import resources
 
 import pytest
 
-from canzona.attention_rate import TABLE_PEAK_FLOPS, efficiency, table_from_dict
+from canzona.attention_rate import (
+    TABLE_PEAK_FLOPS,
+    check_attention_backend,
+    efficiency,
+    table_from_dict,
+)
 from canzona.cost import DeviceRate, elementwise_kernel
 from canzona.errors import SpecError
 from canzona.hardware import load_profile, profile_from_dict
@@ -35,7 +40,7 @@ def test_every_published_point_is_reproduced():
             got = efficiency(row["pass"], row["causal"], seq, row["head_dim"], implementation=row["implementation"])
             assert got == pytest.approx(tflops * 1e12 / 989e12, rel=1e-12)
             points += 1
-    assert points == 16 * 6
+    assert points == 19 * 6  # cuDNN 8 series, FlashAttention-3 8, FlashAttention-2 3 (head dim 128)
 
 
 def test_interpolation_is_log_linear_and_held_at_the_ends():
@@ -58,6 +63,45 @@ def test_causal_backward_is_derived_from_the_published_ratios():
                   if r["implementation"] == "cudnn" and r["head_dim"] == 128}
         want = series[("backward", False)] * series[("forward", True)] / series[("forward", False)]
         assert efficiency("backward", True, seq, 128) * TABLE_PEAK_FLOPS / 1e12 == pytest.approx(want)
+
+
+def test_flash_backend_is_flash_attention_2():
+    """Megatron's --attention-backend: fused is cuDNN's series, flash the paper's FlashAttention-2
+    (Transformer Engine 1.x's FlashAttention backend), which at 8k causal reaches 333 of cuDNN's
+    529 TFLOP/s forward; its causal backward is derived as cuDNN's is, and its one head dimension
+    (128) stands for the others."""
+    assert check_attention_backend("fused") == "cudnn" and check_attention_backend("flash") == "fa2"
+    peak = TABLE_PEAK_FLOPS / 1e12
+    assert efficiency("forward", True, 8192, 128, implementation="fa2") * peak == pytest.approx(333)
+    assert efficiency("forward", True, 8192, 128, implementation="cudnn") * peak == pytest.approx(529)
+    assert efficiency("backward", True, 8192, 128, implementation="fa2") * peak == pytest.approx(318 * 333 / 370)
+    assert efficiency("forward", False, 4096, 64, implementation="fa2") == \
+        efficiency("forward", False, 4096, 128, implementation="fa2")
+    with pytest.raises(SpecError, match="attention backend must be one of fused, flash"):
+        check_attention_backend("sdpa")
+
+
+def test_flash_backend_slows_only_the_attention_core():
+    """The same micro-batch under flash: the attention core's seconds grow by cuDNN's throughput
+    over FlashAttention-2's at each ring step; nothing else of the layer moves."""
+    spec, arch = resolve_model("qwen3-0.6b")
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    args = (spec, 1, 4096, 4096, arch.q_dim, arch.hidden, arch.vocab, rate)
+    fused = micro_batch_work(*args, kv_dim=arch.kv_dim, head_dim=arch.head_dim)
+    flash = micro_batch_work(*args, kv_dim=arch.kv_dim, head_dim=arch.head_dim, attention_backend="flash")
+    flops = 4.0 * 4096 * 4096 * arch.q_dim * 0.5  # one causal sequence of 4096, every head
+    peak = rate.peak_flops["bf16"]
+    for backward, fused_layers, flash_layers in ((False, fused.forward, flash.forward),
+                                                 (True, fused.backward, flash.backward)):
+        core = [sum(lk.attention_steps(flops, 4096, 1, True, arch.head_dim, peak, backward=backward,
+                                       implementation=impl)) for impl in ("cudnn", "fa2")]
+        assert core[1] > 1.4 * core[0]  # FlashAttention-2 reaches about 60% of cuDNN's throughput at 4k
+        for a_blocks, b_blocks in zip(fused_layers, flash_layers):  # per layer: one block (attention) moves
+            moved = [(a, b) for a, b in zip(a_blocks, b_blocks) if a != b]
+            assert len(moved) == 1 and moved[0][0].middle_s != moved[0][1].middle_s  # the core is in middle_s
+            assert moved[0][1].seconds - moved[0][0].seconds == pytest.approx(core[1] - core[0])
+    with pytest.raises(SpecError, match="attention backend"):
+        micro_batch_work(*args, attention_backend="sdpa")
 
 
 def test_bad_tables_and_calls_are_refused():

@@ -47,6 +47,16 @@ def test_every_model_resolves():
         assert arch.layers > 0 and spec.params
 
 
+@pytest.mark.parametrize("model, params", [("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
+                                           ("llama2-70b", 68_976_648_192)])
+def test_llama2_configs_have_the_published_parameter_counts(model, params):
+    """The Llama 2 configs (NeMo 24.07's LLAMA2 rows) reproduce the parameter counts of Meta's
+    checkpoints (the Hugging Face model cards' safetensors totals): a wrong width, FFN, KV-head
+    count or vocabulary would move them."""
+    spec, arch = resolve_model(str(published.DATA_DIR / "models" / f"{model}.json"))
+    assert spec.numel == params
+
+
 def test_fp8_rows_are_expressible_with_their_recipe():
     """An FP8 row is simulated in FP8 (`--precision fp8`, its scaling recipe) where nothing else
     stands in the way; CP and VP are simulated too, so no row needs them."""
@@ -65,6 +75,22 @@ def test_fp8_rows_are_expressible_with_their_recipe():
     assert bf16.iteration_s > result.iteration_s  # the row is simulated in FP8, not folded onto bf16
 
 
+def test_nemo_24_07_rows_ran_flash_attention():
+    """NeMo 24.07's launcher ran Transformer Engine's FlashAttention backend (NVTE_FUSED_ATTN=0,
+    the rows' recipe_source): those rows, and only they, are simulated with --attention-backend
+    flash, which is slower than the fused default on the same row."""
+    for run in RUNS:
+        if "nemo24.07" in run.id:
+            assert run.attention_backend == "flash" and "NVTE_FUSED_ATTN: 0" in run.recipe_source
+            assert run.sim_config().options.attention_backend == "flash"
+        else:
+            assert run.attention_backend is None and run.sim_config().options.attention_backend == "fused"
+    row = next(r for r in RUNS if r.id == "llama2-7b-8xh100-nemo24.07-fp8")
+    flash = published.compare_run(row)
+    fused = published.compare_run(replace(row, attention_backend=None))
+    assert flash.iteration_s > fused.iteration_s and flash.memory_bytes == fused.memory_bytes
+
+
 def test_bad_rows_are_one_line_errors():
     raw = RAW["rows"][0]
     with pytest.raises(SpecError, match="not a whole number of micro batch"):
@@ -79,6 +105,10 @@ def test_bad_rows_are_one_line_errors():
         published.parse_run({**raw, "precision": "fp8", "fp8_recipe": "mxfp8"}, SOURCES, "row")
     with pytest.raises(SpecError, match="on an fp8 row"):
         published.parse_run({**raw, "precision": "bf16", "fp8_recipe": "current"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="attention_backend must be one of fused, flash"):
+        published.parse_run({**raw, "attention_backend": "sdpa", "recipe_source": "https://x"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "attention_backend": "flash", "recipe_source": ""}, SOURCES, "row")
 
 
 def test_select():

@@ -61,11 +61,26 @@ def test_llama_8b_8_gpu_row_terms_by_hand():
 
 
 @pytest.mark.parametrize("row", ["llama3.1-8b-8xh100-dgxc-bf16", "llama3.1-8b-16xh100-dgxc-bf16",
-                                 "qwen3-8b-16xh100-mb"])
+                                 "qwen3-8b-16xh100-mb", "llama3-8b-8xh100-nemo24.07-fp8"])
 def test_published_runs_fit(row):
     """Runs that ran fit in the model: it fails if the model says one of them does not."""
     r = published.compare_run(BY_ID[row])
     assert r.fits, (row, r.memory_detail())
+
+
+def test_zero1_holds_the_same_buffers_under_either_collectives():
+    """Megatron's zero1 reduce-scatters each bucket into itself, and so does canzona's runtime
+    (docs/design.md §7.1, §8.1): the simulated memory is one fact, the same under Megatron's
+    collectives (the default) and the runtime's, to the byte; an even bucket's reduce-scatter
+    holds no receive buffer under either."""
+    from sim.options import RunOptions
+
+    cfg = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, policy="zero1", optimizer="adamw",
+                    workload=Workload(seq_len=1024, global_batch=16))
+    megatron, runtime = (simulate(replace(cfg, options=RunOptions(collectives=c))).memory
+                         for c in ("megatron", "runtime"))
+    assert megatron.ranks == runtime.ranks
+    assert all(r.reduction == 0 for r in megatron.ranks)
 
 
 @pytest.mark.slow
@@ -86,6 +101,27 @@ def test_recipe_grad_dtype_halves_the_gradient_buffers():
     fp32 = published.compare_run(replace(run, grad_reduce_in_fp32=None)).memory
     assert fp32["grads"] == 2 * bf16["grads"]
     assert fp32["weights"] == bf16["weights"] and fp32["activations"] == bf16["activations"]
+
+
+def test_nemo_24_07_fp8_row_terms_by_hand():
+    """NeMo 24.07's Llama 3 8B FP8 row (8 H100s, TP 1, CP 2, DP 4): the launcher script that runs
+    it sets Apex distributed_fused_adam's grad_sync_dtype to bf16 (its recipe_source), so the
+    gradient buffer is 2 bytes a parameter; the weights are bf16 plus Transformer Engine's cached
+    FP8 copy and transpose of every linear weight (2 bytes each). With Megatron's fp32 default
+    instead the same layout does not fit: the recipe setting, not an allowance, makes it fit."""
+    run = BY_ID["llama3-8b-8xh100-nemo24.07-fp8"]
+    assert run.grad_reduce_in_fp32 is False and "grad_sync_dtype=bf16" in run.recipe_source
+    r = published.compare_run(run)
+    m = r.memory
+    n = LLAMA_8B_PARAMS
+    linear = L * (H * (H + 2 * KV) + H * H + 3 * H * FFN)  # q, k, v, o, gate, up, down: the FP8 GEMMs
+    assert m["weights"] == pytest.approx(2 * n + 2 * linear, rel=1e-4)
+    assert m["grads"] == pytest.approx(2 * n, rel=1e-4)
+    assert m["master_weights"] == pytest.approx(4 * n / 8, rel=1e-4)
+    assert m["adamw_state"] == pytest.approx(8 * n / 8, rel=1e-4)
+    assert r.fits
+    fp32 = published.compare_run(replace(run, grad_reduce_in_fp32=None))
+    assert fp32.memory["grads"] == 2 * m["grads"] and not fp32.fits
 
 
 def test_a_layout_that_cannot_fit_still_does_not():

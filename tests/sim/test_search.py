@@ -130,6 +130,8 @@ def test_bad_question():
         Question(gpus=0)
     with pytest.raises(SpecError):
         Question(optimizer="sgd")
+    with pytest.raises(SpecError, match="attention backend must be one of"):
+        Question(attention_backend="sdpa")
 
 
 def test_published_layout_is_a_candidate():

@@ -63,7 +63,8 @@ def test_hsdp_prices_the_replicate_all_reduce():
     r = simulate(replace(BASE, hsdp_replicate=2))
     replicas = [s for s in r.spans if "over replicas" in s.name]
     assert len(replicas) == 37 and all(s.end > s.start for s in replicas)  # 36 layers and the root, once
-    assert r.to_dict()["fsdp"] == {"shard": 32, "replicate": 2, "reshard_after_forward": True}
+    assert r.to_dict()["fsdp"] == {"shard": 32, "replicate": 2, "reshard_after_forward": True,
+                                   "impl": "fsdp2"}  # torch's FSDP2 by default
     assert r.memory.dp == 64 and len(r.memory.ranks) == 32
 
 
@@ -219,7 +220,7 @@ def test_fsdp_tp_memory(tp_results):
 
 def test_hsdp_with_tp():
     r = simulate(replace(BASE, tp=2, hsdp_replicate=2))
-    assert r.to_dict()["fsdp"] == {"shard": 16, "replicate": 2, "reshard_after_forward": True}
+    assert r.to_dict()["fsdp"] == {"shard": 16, "replicate": 2, "reshard_after_forward": True, "impl": "fsdp2"}
     assert len([s for s in r.spans if "over replicas" in s.name]) == 37  # 36 layers and the root, once
     # one replica's exchange group: its 16 DP ranks x TP 2, consecutive ranks
     assert {s.rank for s in r.spans if s.phase == "B"} == set(range(32)) and len(r.memory.ranks) == 32
