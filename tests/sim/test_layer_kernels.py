@@ -94,7 +94,7 @@ def test_flash_backend_slows_only_the_attention_core():
     for backward, fused_layers, flash_layers in ((False, fused.forward, flash.forward),
                                                  (True, fused.backward, flash.backward)):
         core = [sum(lk.attention_steps(flops, 4096, 1, True, arch.head_dim, peak, backward=backward,
-                                       implementation=impl)) for impl in ("cudnn", "fa2")]
+                                       implementation=impl, **H100_CLOCK)) for impl in ("cudnn", "fa2")]
         assert core[1] > 1.4 * core[0]  # FlashAttention-2 reaches about 60% of cuDNN's throughput at 4k
         for a_blocks, b_blocks in zip(fused_layers, flash_layers):  # per layer: one block (attention) moves
             moved = [(a, b) for a, b in zip(a_blocks, b_blocks) if a != b]
