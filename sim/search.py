@@ -31,7 +31,7 @@ from typing import Any
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
-from canzona.experts import dense_part, router_imbalance
+from canzona.experts import dense_part, expert_params, expert_part, router_imbalance
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
@@ -217,8 +217,11 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
 
 def memory_floor(cfg: SimConfig, model) -> int:
     """A lower bound of the fullest GPU's bytes (`canzona.memory`'s terms that need no plan): each
-    stage's dense weights and gradient buffers (the plan's buckets only pad them; experts add to
-    them), its activations, and the allowance on top (which grows with the transient peak, at least the activations)."""
+    stage's weights and gradient buffers (the plan's buckets only pad them): at EP 1 the whole
+    stage's, experts included (one plan holds them), under EP its dense part's and one EP rank's
+    experts (`canzona.experts.expert_part`, their shards under expert TP), as `sim.simulate` plans
+    them; its activations, and the allowance on top (which grows with the transient peak, at
+    least the activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
     wl = cfg.workload
@@ -228,8 +231,11 @@ def memory_floor(cfg: SimConfig, model) -> int:
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     worst = 0
     for stage in _kinds(cfg.pp):
-        part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
+        whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        part = dense_part(whole) if cfg.ep > 1 else whole
         elements = sum(p.local_numel(cfg.tp) for p in part.params)
+        if cfg.ep > 1 and expert_params(whole):
+            elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
         acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + acts + setup.overhead(acts))
     return worst

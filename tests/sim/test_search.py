@@ -77,11 +77,18 @@ def test_moe_floors_are_below_the_simulation(monkeypatch):
     rate = DeviceRate.from_profile(hw)
     for layout in ({"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"},
                    {"tp": 2, "pp": 2, "vp": 1, "ep": 4, "micro_batch": 2, "recompute": "none"},
-                   {"tp": 4, "pp": 1, "vp": 1, "ep": 2, "micro_batch": 1, "recompute": "full"}):
+                   {"tp": 4, "pp": 1, "vp": 1, "ep": 2, "micro_batch": 1, "recompute": "full"},
+                   {"tp": 2, "pp": 2, "vp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}):
         cfg = config_of(q, layout)
         cfg = replace(cfg, etp=2) if layout["tp"] == 4 else cfg  # expert TP: the ETP collectives counted
         floor = time_floor(cfg, model, rate, hw)
-        assert floor <= simulate(cfg).iteration_time_s
+        r = simulate(cfg)
+        assert floor <= r.iteration_time_s
+        # the experts' weights and gradients count (at EP 1 in the one plan: far over the memory)
+        assert memory_floor(cfg, model) <= r.memory.worst.total
+        if layout["ep"] == 1:
+            assert not r.fits and memory_floor(cfg, model) > hw.gpu.memory_bytes
+            continue
         with monkeypatch.context() as m:  # the floor of the kernels alone (the expert collectives free)
             m.setattr("sim.search.expert_comm_floor", lambda cfg, hw: None)
             assert time_floor(cfg, model, rate, hw) < floor
