@@ -366,7 +366,8 @@ def _kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool,
+                stretch: float = 1.0) -> float:
     """A lower bound of one sequence-parallel block on its rank's compute stream, as
     `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
     With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
@@ -374,29 +375,31 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
     series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
-    ring and pipeline sends count as free."""
+    ring and pipeline sends count as free. `stretch`: the factor on every phase A kernel
+    (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay."""
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
-        return b.seconds
+        return b.seconds * stretch
     ag, rs = tp_cost
     if not overlap:
-        return gathers * ag + b.seconds + rs
-    return max(b.first_s, gathers * ag) + b.middle_s + max(b.last_s, rs)
+        return gathers * ag + b.seconds * stretch + rs
+    return max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + max(b.last_s * stretch, rs)
 
 
 def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
-                expert_comm: Callable[[Block], float] | None = None) -> float:
+                expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
     the input is gathered again for the weight gradients) on a stage, with its head and embedding;
-    an expert block (under EP) with `expert_comm`, its collectives' least seconds."""
+    an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
+    `stretch` times as long (`block_floor`)."""
 
     def floor(b: Block, gathers: int) -> float:
         if b.ep_bytes and expert_comm is not None:
-            return b.seconds + expert_comm(b)
-        return block_floor(b, gathers, tp_cost, overlap)
+            return b.seconds * stretch + expert_comm(b)
+        return block_floor(b, gathers, tp_cost, overlap, stretch)
 
     return (sum(floor(b, 1) for layer in work.forward for b in layer)
             + sum(floor(b, 2) for layer in work.backward for b in layer)
-            + work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s)
+            + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
 
 
 def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], float] | None:
@@ -446,12 +449,14 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`): the block waits for each of them."""
+    collectives) count (`expert_comm_floor`): the block waits for each of them. Every kernel
+    counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
     spec, arch = model
     wl = cfg.workload
     hw = hw or load_profile(cfg.hardware)
     tp_cost = tp_costs(cfg, model, hw)
     expert_comm = expert_comm_floor(cfg, hw)
+    stretch = cfg.slowdown(hw, cfg.gpus)  # the simulator's factor on phase A's kernels (sim.engine)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
@@ -464,7 +469,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
                                 head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
-        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm))
+        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp
