@@ -38,7 +38,12 @@ from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
-from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS, alike_impls, routes_asked
+from canzona.reductions import (
+    DEFAULT_REDUCE_SCATTER,
+    REDUCE_SCATTER_IMPLS,
+    alike_impls,
+    routes_asked,
+)
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
