@@ -190,6 +190,13 @@ class ModelSpec:
         contributes each of its matrices (`stacked_matrices`), never itself."""
         return self._routed[0]
 
+    def own_matrices(self) -> tuple[ParamSpec, ...]:
+        """The matrices of `matrix_params` that are parameters of their own, not a stack's
+        matrices (`stacked_in` is None), in the same order; without expanding the stacks, which
+        a new spec (each pipeline stage's, per layout) would otherwise pay for."""
+        return tuple(p for p in self.params
+                     if p.matrix_shape is None and p.stacked_in is None and p.uses_matrix_optimizer)
+
     @property
     def stacks(self) -> tuple[ParamSpec, ...]:
         """The parameters that stack matrices (`ParamSpec.matrix_shape`)."""

@@ -483,7 +483,7 @@ def search_table(result, top: int) -> Table:
                     f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} layouts that fit "
                     f"({searched['candidates']} candidates, {searched['pruned_by_checks']} refused by the "
                     f"simulator's checks, {searched['pruned_by_memory']} by the memory floor, {searched['pruned_by_bound']} by the "
-                    f"time floor, "
+                    f"time floor, {searched['pruned_as_ties']} reduce-scatters as ties, "
                     f"{searched['simulated']} simulated on {searched['workers']} workers in "
                     f"{searched['wall_s']:.1f} s)")
     for name, justify in (("#", "right"), ("layout", "left"), ("step policy", "left"), ("reduce-scatter", "left"),

@@ -161,8 +161,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
     moe_by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
-    for p in spec.matrix_params():
-        if p.layer is not None and p.stacked_in is None and not _is_expert_gemm(p):
+    for p in spec.own_matrices():
+        if p.layer is not None and not _is_expert_gemm(p):
             by_id[p.layer].append(p)
     for p in spec.params:
         if p.layer is not None and _is_expert_gemm(p) and (p.matrix_shape or len(p.shape) == 2):

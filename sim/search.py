@@ -32,17 +32,23 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
-from canzona.experts import dense_part
+from canzona.experts import dense_part, expert_params, expert_part, router_imbalance
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
-from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
+from canzona.reductions import (
+    DEFAULT_REDUCE_SCATTER,
+    REDUCE_SCATTER_IMPLS,
+    alike_impls,
+    routes_asked,
+)
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
+from sim.iteration import ep_all_to_all_cost
 from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
@@ -220,8 +226,11 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
 
 def memory_floor(cfg: SimConfig, model) -> int:
     """A lower bound of the fullest GPU's bytes (`canzona.memory`'s terms that need no plan): each
-    stage's dense weights and gradient buffers (the plan's buckets only pad them; experts add to
-    them), its activations, and the allowance on top (which grows with the transient peak, at least the activations)."""
+    stage's weights and gradient buffers (the plan's buckets only pad them): at EP 1 the whole
+    stage's, experts included (one plan holds them), under EP its dense part's and one EP rank's
+    experts (`canzona.experts.expert_part`, their shards under expert TP), as `sim.simulate` plans
+    them; its activations, and the allowance on top (which grows with the transient peak, at
+    least the activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
     wl = cfg.workload
@@ -231,8 +240,11 @@ def memory_floor(cfg: SimConfig, model) -> int:
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     worst = 0
     for stage in _kinds(cfg.pp):
-        part = dense_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp))
+        whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        part = dense_part(whole) if cfg.ep > 1 else whole
         elements = sum(p.local_numel(cfg.tp) for p in part.params)
+        if cfg.ep > 1 and expert_params(whole):
+            elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
         acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + acts + setup.overhead(acts))
     return worst
@@ -281,8 +293,10 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
 
 
 def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
-    """Simulate one configuration (in a worker): the row of the results, small enough to send back."""
-    r = simulate(cfg)
+    """Simulate one configuration (in a worker): the row of the results, small enough to send back,
+    with the reduce-scatter implementations that would have made the same run (`alike_impls`)."""
+    with routes_asked() as asked:
+        r = simulate(cfg)
     used = r.fell_back_to if r.fell_back_to in STEP_POLICIES else cfg.policy
     step = STEP_POLICIES[used]
     return {
@@ -291,6 +305,8 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         # a value of the refinement axes other than the default (ties go to the defaults)
         "refined": any(a.name in layout for a in REFINE_AXES),
         "reduce_scatter": cfg.options.reduce_scatter,
+        # the implementations that route every reduce-scatter of this run alike: the same run
+        "reduce_scatter_alike": list(alike_impls(cfg.options.reduce_scatter, asked)),
         "fell_back_to": r.fell_back_to,
         # the DP / TP policies the plan is made with (the deployed step policy's own, else canzona's settings)
         "dp_policy": step.dp_policy or cfg.dp_policy,
@@ -327,6 +343,9 @@ class SearchResult:
     workers: int = 1
     pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
     exact_top: int = 0  # how many of `ranked` are those of the exhaustive search (`search`'s `top`)
+    # refinements not simulated: a reduce-scatter whose routes are the simulated row's (its
+    # `reduce_scatter_alike`), the same run
+    pruned_ties: int = 0
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         rows = self.ranked if top is None else self.ranked[:top]
@@ -337,6 +356,7 @@ class SearchResult:
             "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
+                         "pruned_as_ties": self.pruned_ties,
                          "simulated": self.simulated,
                          "fit": len(self.ranked), "exact_top": self.exact_top, "workers": self.workers,
                          "wall_s": self.wall_s},
@@ -355,7 +375,8 @@ def _kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool,
+                stretch: float = 1.0) -> float:
     """A lower bound of one sequence-parallel block on its rank's compute stream, as
     `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
     With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
@@ -363,21 +384,57 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
     series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
-    ring and pipeline sends count as free."""
+    ring and pipeline sends count as free. `stretch`: the factor on every phase A kernel
+    (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay."""
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
-        return b.seconds
+        return b.seconds * stretch
     ag, rs = tp_cost
     if not overlap:
-        return gathers * ag + b.seconds + rs
-    return max(b.first_s, gathers * ag) + b.middle_s + max(b.last_s, rs)
+        return gathers * ag + b.seconds * stretch + rs
+    return max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + max(b.last_s * stretch, rs)
 
 
-def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool) -> float:
+def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
+                expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
-    the input is gathered again for the weight gradients) on a stage, with its head and embedding."""
-    return (sum(block_floor(b, 1, tp_cost, overlap) for layer in work.forward for b in layer)
-            + sum(block_floor(b, 2, tp_cost, overlap) for layer in work.backward for b in layer)
-            + work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s)
+    the input is gathered again for the weight gradients) on a stage, with its head and embedding;
+    an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
+    `stretch` times as long (`block_floor`)."""
+
+    def floor(b: Block, gathers: int) -> float:
+        if b.ep_bytes and expert_comm is not None:
+            return b.seconds * stretch + expert_comm(b)
+        return block_floor(b, gathers, tp_cost, overlap, stretch)
+
+    return (sum(floor(b, 1) for layer in work.forward for b in layer)
+            + sum(floor(b, 2) for layer in work.backward for b in layer)
+            + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
+
+
+def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], float] | None:
+    """Under expert parallelism (None without), the least seconds of an expert block's
+    collectives, which `sim.iteration._Stage.block` runs in series with its grouped GEMMs: the
+    token dispatch all-to-all, under expert TP the ETP group's all-gather of the pairs and the
+    reduce-scatter of the outputs, and the combine all-to-all (as long as the dispatch), each at
+    its latency plus its transfer at the full rate (shared links only stretch it) and its local
+    passes; priced by the simulator's own costs on the expert cluster."""
+    if cfg.ep == 1:
+        return None
+    experts = cfg.expert_cluster(Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp))
+    memo: dict[tuple[float, float, float], float] = {}
+
+    def comm(b: Block) -> float:
+        key = (b.ep_bytes, b.ep_received, b.etp_bytes)
+        if key not in memo:
+            seconds = 2 * ep_all_to_all_cost(b.ep_bytes, b.ep_received, experts, hw).seconds
+            if b.etp_bytes:
+                geo = experts.tp_geometry()
+                seconds += (collective_cost("all-gather", b.etp_bytes, geo, hw).seconds
+                            + collective_cost("reduce-scatter", b.etp_bytes, geo, hw).seconds)
+            memo[key] = seconds
+        return memo[key]
+
+    return comm
 
 
 def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
@@ -400,11 +457,15 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
-    schedule)."""
+    schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
+    collectives) count (`expert_comm_floor`): the block waits for each of them. Every kernel
+    counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
     spec, arch = model
     wl = cfg.workload
     hw = hw or load_profile(cfg.hardware)
     tp_cost = tp_costs(cfg, model, hw)
+    expert_comm = expert_comm_floor(cfg, hw)
+    stretch = cfg.slowdown(hw, cfg.gpus)  # the simulator's factor on phase A's kernels (sim.engine)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
@@ -412,12 +473,14 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
         work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
                                 arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                                 head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
+                                router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
+                                if arch.moe else 1.0,
                                 head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
                                 # FP8's casts, not its amax all-reduces (collectives are free here)
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None,
                                 attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                                 accumulate=wl.grad_bytes)  # as sim.simulate: wgrad GEMMs add into main_grad
-        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap))
+        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp
@@ -433,13 +496,17 @@ class _Pending:
 
 
 def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None = None,
-           progress: Progress | None = None, *, also_below: float = 0.0, within: float = 0.0) -> SearchResult:
+           progress: Progress | None = None, *, also_below: float = 0.0, within: float = 0.0,
+           prune_ties: bool = True) -> SearchResult:
     """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
     bound on `time_floor`); `progress(done, total, what)` after each simulation. With
     `also_below` (seconds), so is every fitting layout faster than both `also_below` and `1 +
     within` times the best (what `sim.published_search` needs to rank a published layout: the
     bound is the larger of the two, and it only falls as results come in, so every layout below
-    the final one was simulated)."""
+    the final one was simulated). `prune_ties`: a refinement's reduce-scatter that routes every
+    reduction of the simulated row as its own does is not simulated again (the same run: its
+    time is the row's, and ties go to the defaults); False simulates it (the reference the
+    pruning is tested against)."""
     import heapq
     import time
 
@@ -451,7 +518,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     capacity = hw.gpu.memory_bytes
     cands = candidates(q, facts)
     reasons: dict[str, int] = {}
-    counts = {"checks": 0, "memory": 0, "bound": 0}
+    counts = {"checks": 0, "memory": 0, "bound": 0, "ties": 0}
     queue: list[_Pending] = []
 
     def refuse(e: SpecError) -> None:
@@ -533,6 +600,9 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             layout = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
             for axis in REFINE_AXES:
                 for value in refine_values(q, axis, facts, layout)[1:]:
+                    if prune_ties and axis.name == "reduce_scatter" and value in row["reduce_scatter_alike"]:
+                        counts["ties"] += 1  # the same run as `row` (`canzona.reductions.alike_impls`)
+                        continue
                     chosen = {**layout, axis.name: value}
                     cfg = config_of(q, chosen)
                     heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
@@ -541,7 +611,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
     return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
-                        time.perf_counter() - start, workers, counts["bound"], top)
+                        time.perf_counter() - start, workers, counts["bound"], top, counts["ties"])
 
 
 def _order(row: dict[str, Any]) -> tuple:

@@ -95,7 +95,7 @@ def forward_flops(arch: Architecture, spec: ModelSpec, wl: Workload) -> LayerFlo
     attention scores and values (`4 * seq * q_dim` per token, halved when causal)."""
     tokens = wl.tokens_per_micro_batch
     matrices = [0.0] * arch.layers
-    gemms = [p for p in spec.matrix_params() if p.stacked_in is None] + \
+    gemms = list(spec.own_matrices()) + \
         [p for p in spec.params if p.matrix_shape is not None or (p.role is Role.ROUTER and len(p.shape) == 2)]
     for p in gemms:
         if p.layer is not None:

@@ -64,6 +64,36 @@ def test_floors_are_below_the_simulation():
             assert memory_floor(cfg, model) <= r.memory.worst.total
 
 
+def test_moe_floors_are_below_the_simulation(monkeypatch):
+    """Under expert parallelism the floor counts each expert block's dispatch and combine (and
+    its ETP collectives), which the simulation runs in series with the grouped GEMMs; still a
+    floor, and above the floor of the GEMMs alone."""
+    from canzona.cost import DeviceRate
+    from canzona.hardware import load_profile
+
+    q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16)
+    model = resolve_model(q.model)
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    for layout in ({"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"},
+                   {"tp": 2, "pp": 2, "vp": 1, "ep": 4, "micro_batch": 2, "recompute": "none"},
+                   {"tp": 4, "pp": 1, "vp": 1, "ep": 2, "micro_batch": 1, "recompute": "full"},
+                   {"tp": 2, "pp": 2, "vp": 1, "ep": 1, "micro_batch": 1, "recompute": "none"}):
+        cfg = config_of(q, layout)
+        cfg = replace(cfg, etp=2) if layout["tp"] == 4 else cfg  # expert TP: the ETP collectives counted
+        floor = time_floor(cfg, model, rate, hw)
+        r = simulate(cfg)
+        assert floor <= r.iteration_time_s
+        # the experts' weights and gradients count (at EP 1 in the one plan: far over the memory)
+        assert memory_floor(cfg, model) <= r.memory.worst.total
+        if layout["ep"] == 1:
+            assert not r.fits and memory_floor(cfg, model) > hw.gpu.memory_bytes
+            continue
+        with monkeypatch.context() as m:  # the floor of the kernels alone (the expert collectives free)
+            m.setattr("sim.search.expert_comm_floor", lambda cfg, hw: None)
+            assert time_floor(cfg, model, rate, hw) < floor
+
+
 def test_tp_collectives_raise_the_floor():
     """The floor counts a block's TP collectives where it must wait for them (`block_floor`)."""
     from sim.model_work import Block
@@ -85,6 +115,58 @@ def test_the_top_is_exact():
     key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"]) for r in full.ranked[:2]]
     assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"])
             for r in bounded.ranked[:2]] == key
+
+
+def test_alike_reduce_scatters_route_every_segment_list_alike():
+    """`alike_impls`: even segments go the same way under all but `exact`; uneven ones far from
+    even under `native` and `loops` alike; nothing routed (DP 1): every implementation is the
+    same run."""
+    from canzona.reductions import REDUCE_SCATTER_IMPLS, alike_impls, bucket_route, routes_asked
+
+    assert alike_impls("native", [(4, 4, 4, 4)]) == ("native", "loops", "padded")
+    assert alike_impls("native", [(4, 4, 4, 4), (1, 2, 3, 10)]) == ("native", "loops")
+    assert alike_impls("native", [(4, 4, 4, 4), (16, 16, 16, 15)]) == ("native", "padded")
+    assert alike_impls("exact", [(4, 4, 4, 4)]) == ("exact",)
+    assert alike_impls("native", []) == REDUCE_SCATTER_IMPLS
+    with routes_asked() as asked:
+        bucket_route("native", [1, 2])
+        bucket_route("loops", (3, 3))
+    assert asked == {(1, 2), (3, 3)}
+    bucket_route("native", [5, 6])  # outside the block: not recorded
+    assert asked == {(1, 2), (3, 3)}
+
+
+def _expanded(result, ties: bool) -> list[tuple]:
+    """Every ranked row, and with `ties` for a row simulated under the default reduce-scatter one
+    more row per implementation its run names alike (what the search did not simulate again),
+    as the ranking would list them: by time, then towards the defaults and the simpler layout."""
+    rows = []
+    for r in result.ranked:
+        rows.append(r)
+        if ties and not r["refined"]:
+            rows += [{**r, "reduce_scatter": impl, "refined": True} for impl in r["reduce_scatter_alike"]
+                     if impl != r["reduce_scatter"]]
+    return sorted((r["iteration_time_s"], r["refined"], r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"],
+                   r["policy"], r["reduce_scatter"]) for r in rows)
+
+
+def test_reduce_scatter_ties_are_pruned_soundly():
+    """A refinement whose reduce-scatter routes every reduction as the simulated row's is not
+    simulated again, and the top of the search is that of the search that simulates it (every
+    row, its time and its reduce-scatter, ties listed)."""
+    q = replace(SMALL, gpus=16, global_batch=16)  # DP up to 16: uneven segments to route
+    pruned = search(q, top=5, refine_top=3, workers=2)
+    full = search(q, top=5, refine_top=3, workers=2, prune_ties=False)
+    assert pruned.pruned_ties > 0 and full.pruned_ties == 0
+    assert pruned.simulated < full.simulated
+    kth = sorted(r["iteration_time_s"] for r in full.ranked)[4]
+    assert [r for r in _expanded(pruned, True) if r[0] <= kth] == [r for r in _expanded(full, False) if r[0] <= kth]
+    for r in full.ranked:  # a simulated tie has its twin's time, bit for bit
+        twin = [o for o in full.ranked if not o["refined"] and r["reduce_scatter"] in o["reduce_scatter_alike"]
+                and (o["tp"], o["pp"], o["vp"], o["micro_batch"], o["recompute"], o["policy"])
+                == (r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["policy"])]
+        assert all(o["iteration_time_s"] == r["iteration_time_s"] and o["memory_bytes"] == r["memory_bytes"]
+                   for o in twin)
 
 
 def test_also_below_reaches_every_layout_it_names():
