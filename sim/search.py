@@ -399,7 +399,7 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
     series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
-    ring and pipeline sends count as free. `stretch`: the factor on every phase A kernel
+    ring's exchanges count only through `ring`, pipeline sends as free. `stretch`: the factor on every phase A kernel
     (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay. `sms`: the
     GPU's SMs (0: none counted); overlapped, the reduce-scatter's userbuffers kernel holds
     `_tp_overlap_sms(b)`'s SMs beside the last GEMMs (`beside_kernel`). The backward's second
@@ -511,8 +511,10 @@ def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
 def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | None = None) -> float:
     """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
     micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
-    recompute asked) and its TP collectives where a block must wait for them (`block_floor`), with
-    every other collective, send and the optimizer step taken as free. The busiest stage runs all
+    recompute asked), its TP collectives where a block must wait for them and the SMs an
+    overlapped reduce-scatter takes from the last GEMMs (`block_floor`), under CP each attention
+    ring's exchanges with their SMs (`cp_ring_floor`), with every other collective (the DP
+    reductions and gathers, their SMs), send and the optimizer step taken as free. The busiest stage runs all
     `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
