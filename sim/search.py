@@ -398,9 +398,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     latency, transfer at the full bus rate and local passes; shared links only stretch them):
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
-    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
-    ring's exchanges count only through `ring`, pipeline sends as free. `stretch`: the factor on every phase A kernel
-    (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay. `sms`: the
+    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch and
+    pipeline sends count as free, the CP ring's exchanges only through `ring`. `stretch`: the
+    factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay. `sms`: the
     GPU's SMs (0: none counted); overlapped, the reduce-scatter's userbuffers kernel holds
     `_tp_overlap_sms(b)`'s SMs beside the last GEMMs (`beside_kernel`). The backward's second
     gather (2-4 SMs, beside the first GEMMs and after the first gather) counts as free. `ring`:
