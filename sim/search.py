@@ -400,11 +400,11 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
     series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch and
     pipeline sends count as free, the CP ring's exchanges only through `ring`. `stretch`: the
-    factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay. `sms`: the
-    GPU's SMs (0: none counted); overlapped, the reduce-scatter's userbuffers kernel holds
-    `_tp_overlap_sms(b)`'s SMs beside the last GEMMs (`beside_kernel`). The backward's second
-    gather (2-4 SMs, beside the first GEMMs and after the first gather) counts as free. `ring`:
-    under CP, the least seconds of a block's attention ring (`cp_ring_floor`), which stand for
+    factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which
+    collectives do not pay. `sms`: the GPU's SMs (0: none counted); overlapped, the
+    reduce-scatter's userbuffers kernel holds `_tp_overlap_sms(b)`'s SMs beside the last GEMMs
+    (`beside_kernel`). The backward's second gather (2-4 SMs, beside the first GEMMs and after
+    the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention ring (`cp_ring_floor`), which stand for
     its core's kernel seconds (inside the middle GEMMs' or the block's)."""
     core = ring(b) - b.core_s * stretch if ring is not None and b.ring_steps else 0.0
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
