@@ -404,8 +404,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     collectives do not pay. `sms`: the GPU's SMs (0: none counted); overlapped, the
     reduce-scatter's userbuffers kernel holds `_tp_overlap_sms(b)`'s SMs beside the last GEMMs
     (`beside_kernel`). The backward's second gather (2-4 SMs, beside the first GEMMs and after
-    the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention ring (`cp_ring_floor`), which stand for
-    its core's kernel seconds (inside the middle GEMMs' or the block's)."""
+    the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention
+    ring (`cp_ring_floor`), which stand for its core's kernel seconds (inside the middle GEMMs'
+    or the block's)."""
     core = ring(b) - b.core_s * stretch if ring is not None and b.ring_steps else 0.0
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core
@@ -469,8 +470,8 @@ def cp_ring_floor(cfg: SimConfig, hw: HardwareProfile, stretch: float) -> Callab
     exchange before it) and step i (after both) start no earlier than the later of step i - 1 and
     exchange i - 1, and step i + 1 waits for both; so each step with an exchange lasts at least
     `beside_kernel` of its kernel seconds (times `stretch`) and the exchange's least seconds, with
-    the SMs NCCL's kernel holds (`sim.comm_sms.nccl_sms`, on the simulator's own ring price
-    `cp_ring_cost`), and a step without one its kernel seconds."""
+    the fewest SMs NCCL's kernel can hold (`sim.comm_sms.nccl_sms`, on the simulator's own ring
+    price `cp_ring_cost`), and a step without one its kernel seconds."""
     if cfg.cp == 1:
         return None
     cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
@@ -479,7 +480,10 @@ def cp_ring_floor(cfg: SimConfig, hw: HardwareProfile, stretch: float) -> Callab
     def exchange(sent: float) -> tuple[float, int]:
         if sent not in memo:
             cost = cp_ring_cost(sent, cluster, hw)
-            memo[sent] = (cost.seconds, nccl_sms(cost, cfg.cp))
+            # two members, a ring step's one peer each way: the fewest SMs `nccl_sms` gives the
+            # exchange, however many of the group's ranks the simulator runs it on (fewer SMs: a
+            # lower floor, still sound)
+            memo[sent] = (cost.seconds, nccl_sms(cost, 2))
         return memo[sent]
 
     def ring(b: Block) -> float:
@@ -514,8 +518,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     recompute asked), its TP collectives where a block must wait for them and the SMs an
     overlapped reduce-scatter takes from the last GEMMs (`block_floor`), under CP each attention
     ring's exchanges with their SMs (`cp_ring_floor`), with every other collective (the DP
-    reductions and gathers, their SMs), send and the optimizer step taken as free. The busiest stage runs all
-    `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
+    reductions and gathers, their SMs), send and the optimizer step taken as free. The busiest
+    stage runs all `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
