@@ -303,6 +303,12 @@ class PhaseA:
 PP_COMM = "pp-comm"
 
 
+def cp_ring_cost(sent: float, cluster: Cluster, hw: HardwareProfile) -> CollectiveCost:
+    """One step of a CP ring (`_Stage.core`): every rank sends `sent` bytes to the next CP rank and
+    receives as many from the previous, priced on the ring's slowest hop (`Cluster.cp_geometry`)."""
+    return all_to_all_cost([sent, sent], [sent, sent], cluster.cp_geometry(), hw)
+
+
 def ep_all_to_all_cost(sent: float, received: float, experts: Cluster, hw: HardwareProfile) -> CollectiveCost:
     """An EP group's token dispatch (or combine) all-to-all: every member sends `sent` bytes to the
     others and the busiest receives `received` (the combine returns the same bytes the other way:
@@ -490,8 +496,7 @@ class _Stage:
         """One step of the CP ring: every rank sends `sent` bytes to the next CP rank and receives
         as many from the previous, priced on the ring's slowest hop (`Cluster.cp_geometry`)."""
         if sent not in self.ring_costs:
-            self.ring_costs[sent] = all_to_all_cost([sent, sent], [sent, sent], self.ctx.cluster.cp_geometry(),
-                                                    self.ctx.hw)
+            self.ring_costs[sent] = cp_ring_cost(sent, self.ctx.cluster, self.ctx.hw)
         return self.ring_costs[sent]
 
     def _ep_cost(self, sent: float, received: float) -> CollectiveCost:

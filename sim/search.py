@@ -47,8 +47,9 @@ from canzona.reductions import (
 )
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
+from sim.comm_sms import nccl_sms
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
-from sim.iteration import ep_all_to_all_cost
+from sim.iteration import _tp_overlap_sms, cp_ring_cost, ep_all_to_all_cost
 from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
@@ -375,36 +376,62 @@ def _kinds(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
+def beside_kernel(w: float, c: float, k: int, sms: int) -> float:
+    """The least seconds from the start of a GEMM of `w` full-rate seconds until both it and a
+    communication kernel started no earlier (`sim.iteration._Stage.block`'s reduce-scatter after
+    the middle GEMMs) and running at least `c` seconds are done, when that kernel holds `k` of the
+    GPU's `sms` SMs (`sim.comm_sms`): the engine (`sim.engine.Engine._rate`) runs the GEMM at
+    `max(sms - k, 1) / sms` of its rate meanwhile, so it ends `c * k / sms` later, or at `w` over
+    that rate when the kernel outlasts it. Nondecreasing in `c` and in a later start of the
+    kernel, so the kernel's least `c` bounds every run (sms 0 or k 0: `max(w, c)`)."""
+    if not sms or not k:
+        return max(w, c)
+    rate = max(sms - k, 1) / sms
+    return max(c, w + min(c, w / rate) * (1 - rate))
+
+
 def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool,
-                stretch: float = 1.0) -> float:
+                stretch: float = 1.0, sms: int = 0, ring: Callable[[Block], float] | None = None) -> float:
     """A lower bound of one sequence-parallel block on its rank's compute stream, as
     `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
     With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
     latency, transfer at the full bus rate and local passes; shared links only stretch them):
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
-    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch, the CP
-    ring and pipeline sends count as free. `stretch`: the factor on every phase A kernel
-    (`SimConfig.slowdown`, the expected slowest GPU's), which collectives do not pay."""
+    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch and
+    pipeline sends count as free, the CP ring's exchanges only through `ring`. `stretch`: the
+    factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which
+    collectives do not pay. `sms`: the GPU's SMs (0: none counted); overlapped, the
+    reduce-scatter's userbuffers kernel holds `_tp_overlap_sms(b)`'s SMs beside the last GEMMs
+    (`beside_kernel`). The backward's second gather (2-4 SMs, beside the first GEMMs and after
+    the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention
+    ring (`cp_ring_floor`), which stand for its core's kernel seconds (inside the middle GEMMs'
+    or the block's)."""
+    core = ring(b) - b.core_s * stretch if ring is not None and b.ring_steps else 0.0
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
-        return b.seconds * stretch
+        return b.seconds * stretch + core
     ag, rs = tp_cost
     if not overlap:
-        return gathers * ag + b.seconds * stretch + rs
-    return max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + max(b.last_s * stretch, rs)
+        return gathers * ag + b.seconds * stretch + core + rs
+    held = _tp_overlap_sms(b)
+    k = held.backward_reduce_scatter if gathers > 1 else held.forward_reduce_scatter
+    return (max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + core
+            + beside_kernel(b.last_s * stretch, rs, k, sms))
 
 
 def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
-                expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0) -> float:
+                expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0, sms: int = 0,
+                ring: Callable[[Block], float] | None = None) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
     the input is gathered again for the weight gradients) on a stage, with its head and embedding;
     an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
-    `stretch` times as long (`block_floor`)."""
+    `stretch` times as long, an overlapped reduce-scatter's SMs (of the GPU's `sms`) taken from
+    the last GEMMs and the CP ring's exchanges counted (`ring`, `block_floor`)."""
 
     def floor(b: Block, gathers: int) -> float:
         if b.ep_bytes and expert_comm is not None:
             return b.seconds * stretch + expert_comm(b)
-        return block_floor(b, gathers, tp_cost, overlap, stretch)
+        return block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring)
 
     return (sum(floor(b, 1) for layer in work.forward for b in layer)
             + sum(floor(b, 2) for layer in work.backward for b in layer)
@@ -437,6 +464,42 @@ def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], 
     return comm
 
 
+def cp_ring_floor(cfg: SimConfig, hw: HardwareProfile, stretch: float) -> Callable[[Block], float] | None:
+    """Under context parallelism (None without), the least seconds of a block's attention ring as
+    `sim.iteration._Stage.core` runs it: exchange i (on the CP stream, after step i - 1 and the
+    exchange before it) and step i (after both) start no earlier than the later of step i - 1 and
+    exchange i - 1, and step i + 1 waits for both; so each step with an exchange lasts at least
+    `beside_kernel` of its kernel seconds (times `stretch`) and the exchange's least seconds, with
+    the fewest SMs NCCL's kernel can hold (`sim.comm_sms.nccl_sms`, on the simulator's own ring
+    price `cp_ring_cost`), and a step without one its kernel seconds."""
+    if cfg.cp == 1:
+        return None
+    cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
+    memo: dict[float, tuple[float, int]] = {}
+
+    def exchange(sent: float) -> tuple[float, int]:
+        if sent not in memo:
+            cost = cp_ring_cost(sent, cluster, hw)
+            # two members, a ring step's one peer each way: the fewest SMs `nccl_sms` gives the
+            # exchange, however many of the group's ranks the simulator runs it on (fewer SMs: a
+            # lower floor, still sound)
+            memo[sent] = (cost.seconds, nccl_sms(cost, 2))
+        return memo[sent]
+
+    def ring(b: Block) -> float:
+        total = 0.0
+        for i in range(b.ring_steps):
+            w = b.step_seconds(i) * stretch
+            if i < len(b.ring_bytes):
+                c, k = exchange(b.ring_bytes[i])
+                total += beside_kernel(w, c, k, hw.gpu.sms)
+            else:
+                total += w
+        return total
+
+    return ring
+
+
 def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
     """The least seconds of a sequence-parallel all-gather and reduce-scatter of one micro-batch's
     activations over a TP group (`sim.iteration._Stage`'s costs; None at TP 1)."""
@@ -452,9 +515,11 @@ def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
 def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | None = None) -> float:
     """A lower bound of the simulated iteration time: the simulator's own kernel seconds of one
     micro-batch per stage (`sim.model_work.micro_batch_work`, forward and backward with the
-    recompute asked) and its TP collectives where a block must wait for them (`block_floor`), with
-    every other collective, send and the optimizer step taken as free. The busiest stage runs all
-    `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
+    recompute asked), its TP collectives where a block must wait for them and the SMs an
+    overlapped reduce-scatter takes from the last GEMMs (`block_floor`), under CP each attention
+    ring's exchanges with their SMs (`cp_ring_floor`), with every other collective (the DP
+    reductions and gathers, their SMs), send and the optimizer step taken as free. The busiest
+    stage runs all `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
@@ -466,6 +531,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     tp_cost = tp_costs(cfg, model, hw)
     expert_comm = expert_comm_floor(cfg, hw)
     stretch = cfg.slowdown(hw, cfg.gpus)  # the simulator's factor on phase A's kernels (sim.engine)
+    ring = cp_ring_floor(cfg, hw, stretch)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     per_stage = []
     for stage in _kinds(cfg.pp):
@@ -480,7 +546,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
                                 fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None,
                                 attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                                 accumulate=wl.grad_bytes)  # as sim.simulate: wgrad GEMMs add into main_grad
-        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch))
+        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
+                                     ring))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     crossing = sum(per_stage[:-1]) / cfg.vp

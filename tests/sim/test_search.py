@@ -64,6 +64,38 @@ def test_floors_are_below_the_simulation():
             assert memory_floor(cfg, model) <= r.memory.worst.total
 
 
+# published layouts (sim.published), at a global batch of 16 to simulate in seconds: dense TP x PP x
+# VP x CP, TP 1 x CP 2, PP 8 x VP 5 in FP8, TP 1 x PP 4 x VP 10 in FP8
+PUBLISHED_LAYOUTS = ("llama3.1-70b-64xh100-dgxc-bf16", "llama3.1-8b-8xh100-dgxc-bf16",
+                     "llama3-70b-64xh100-mb26.02-fp8", "llama2-13b-16xh100-nemo24.07-fp8")
+
+
+@pytest.mark.parametrize("overlap", [True, False])  # TP collectives beside the GEMMs, or in series
+@pytest.mark.parametrize("row", PUBLISHED_LAYOUTS)
+def test_published_layouts_floors_are_below_the_simulation(row, overlap):
+    """The floor of a published layout (CP's ring, PP x VP, FP8, overlapped TP) stays below its
+    simulation; the SMs an overlapped TP reduce-scatter or a CP ring exchange takes from the GEMMs
+    beside it raise it."""
+    from canzona.cost import DeviceRate
+    from canzona.hardware import load_profile
+    from sim.published import load, select
+    from sim.published_search import layout_of, question_of
+
+    run = select(load()[0], row)[0]
+    q = replace(question_of(run), global_batch=16)
+    cfg = config_of(q, layout_of(run))
+    cfg = replace(cfg, options=replace(cfg.options, tp_comm_overlap=overlap))
+    model = resolve_model(q.model)
+    hw = load_profile(cfg.hardware)
+    rate = DeviceRate.from_profile(hw)
+    r = simulate(cfg)
+    floor = time_floor(cfg, model, rate, hw)
+    assert 0.9 * r.iteration_time_s < floor <= r.iteration_time_s
+    assert memory_floor(cfg, model) <= r.memory.worst.total
+    no_sms = time_floor(cfg, model, rate, replace(hw, gpu=replace(hw.gpu, sms=0)))
+    assert (no_sms < floor) if (cfg.tp > 1 and overlap) or cfg.cp > 1 else (no_sms == floor)
+
+
 def test_moe_floors_are_below_the_simulation(monkeypatch):
     """Under expert parallelism the floor counts each expert block's dispatch and combine (and
     its ETP collectives), which the simulation runs in series with the grouped GEMMs; still a
@@ -105,6 +137,23 @@ def test_tp_collectives_raise_the_floor():
     assert block_floor(b, 2, (0.75, 3.0), True) == 1.5 + 2.0 + 3.0  # two gathers, a long reduce-scatter
     assert block_floor(b, 2, (0.75, 3.0), False) == 1.5 + 4.0 + 3.0  # in series
     assert block_floor(replace(b, tp_collectives=False), 2, (0.75, 3.0), False) == 4.0
+
+
+def test_reduce_scatter_sms_slow_the_last_gemms():
+    """`beside_kernel`: a kernel holding k of the SMs slows the GEMM beside it by c * k / sms, or
+    holds it at its reduced rate for the whole GEMM when it outlasts it."""
+    from sim.model_work import Block
+    from sim.search import beside_kernel, block_floor
+
+    assert beside_kernel(2.0, 1.0, 0, 100) == 2.0 == beside_kernel(2.0, 1.0, 25, 0)
+    assert beside_kernel(2.0, 1.0, 25, 100) == pytest.approx(2.25)  # 1 s at 3/4 rate, then the rest
+    assert beside_kernel(1.0, 3.0, 25, 100) == 3.0  # the kernel outlasts the slowed GEMM (4/3 s)
+    assert beside_kernel(1.0, 1.2, 25, 100) == pytest.approx(1.3)  # 0.9 s of it done when the kernel ends
+    assert beside_kernel(1.0, 1.5, 25, 100) == 1.5  # the GEMM at 3/4 rate throughout (4/3 s), then the wait
+    b = Block("layer 0.1", first_s=1.0, middle_s=2.0, last_s=1.0)  # an MLP block: 16 SMs forward, 4 backward
+    assert block_floor(b, 1, (0.5, 0.5), True, sms=128) == pytest.approx(3.0 + 1.0 + 0.5 * 16 / 128)
+    assert block_floor(b, 2, (0.5, 0.5), True, sms=128) == pytest.approx(3.0 + 1.0 + 0.5 * 4 / 128)
+    assert block_floor(b, 1, (0.5, 0.5), False, sms=128) == 0.5 + 4.0 + 0.5  # in series: no overlap
 
 
 def test_the_top_is_exact():
