@@ -32,7 +32,7 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
-from canzona.experts import dense_part, expert_params, expert_part, router_imbalance
+from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
 from canzona.models import resolve_model
@@ -50,9 +50,9 @@ from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, ep_all_to_all_cost
-from sim.model_work import Block, MicroBatchWork, micro_batch_work
+from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions
-from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate
+from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate, stage_work
 from sim.topology import MAX_GPUS, Cluster
 from sim.workload import Workload, grad_bytes_for
 
@@ -533,19 +533,13 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     stretch = cfg.slowdown(hw, cfg.gpus)  # the simulator's factor on phase A's kernels (sim.engine)
     ring = cp_ring_floor(cfg, hw, stretch)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
+    head_dim = layer_dims(arch, spec).head_dim
     per_stage = []
     for stage in _kinds(cfg.pp):
         part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
-        work = micro_batch_work(part, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim, arch.hidden,
-                                arch.vocab, rate, recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep, etp=cfg.etp,
-                                router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0,
-                                head_dim=layer_dims(arch, spec).head_dim, cp=cfg.cp, kv_dim=arch.kv_dim,
-                                # FP8's casts, not its amax all-reduces (collectives are free here)
-                                fp8=FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None,
-                                attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
-                                accumulate=wl.grad_bytes)  # as sim.simulate: wgrad GEMMs add into main_grad
+        # FP8's casts, not its amax all-reduces (collectives are free here)
+        work = stage_work(cfg, arch, head_dim, part, stage, rate,
+                          FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
                                      ring))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all

@@ -57,7 +57,7 @@ from canzona.tp import TP_REGISTRY, Capacity
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
-from sim.fp8 import FP8, check_fp8_device, fp8_setup
+from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import (
@@ -69,7 +69,7 @@ from sim.iteration import (
     optimizer_step,
     step_classes,
 )
-from sim.model_work import micro_batch_work
+from sim.model_work import MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
 from sim.topology import Cluster
 from sim.workload import Workload, forward_flops
@@ -539,6 +539,24 @@ def timing(engine: Engine, cfg: SimConfig, arch: Architecture, spec: ModelSpec, 
                 gpu_slowdown=engine.slowdown)
 
 
+def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: ModelSpec, stage: int,
+               rate: DeviceRate, fp8: FP8Setup | None) -> MicroBatchWork:
+    """One micro-batch of `stage`'s part of the model (`stage_model`) on a rank, as the simulation
+    runs it under `cfg` with `fp8`'s overheads: one definition for `_simulate` and the search's
+    lower bound (`sim.search.time_floor`), which must price the same kernels."""
+    wl = cfg.workload
+    return micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
+                            arch.q_dim, arch.hidden, arch.vocab, rate,
+                            recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
+                            head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
+                            router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
+                            if arch.moe else 1.0, etp=cfg.etp, head_dim=head_dim, cp=cfg.cp,
+                            kv_dim=arch.kv_dim, fp8=fp8,
+                            attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
+                            # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
+                            accumulate=wl.grad_bytes)
+
+
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
               model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
               dense_policy: str | None = None, expert: ExpertChoice = ExpertChoice(), by_class: bool = True) -> SimResult:
@@ -569,17 +587,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
-        work = micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
-                                arch.q_dim, arch.hidden, arch.vocab, rate,
-                                recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
-                                head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
-                                router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                                if arch.moe else 1.0, etp=cfg.etp, head_dim=dims.head_dim, cp=cfg.cp,
-                                kv_dim=arch.kv_dim,
-                                fp8=fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp),
-                                attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
-                                # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
-                                accumulate=wl.grad_bytes)
+        work = stage_work(cfg, arch, dims.head_dim, stage_model, stage, rate,
+                          fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
         expert_ctx = None
         if experts is not None and expert_params(stage_model):  # a plan of their own, over EDP (canzona.experts)
             expert_model = expert_part(stage_model, cfg.ep, cfg.etp, arch.hidden)
