@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from canzona.errors import CanzonaError
+from canzona.runtime.lifecycle import stop_if_orphaned
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -70,7 +71,9 @@ def check_output_folder(path: str | os.PathLike, what: str = "output folder") ->
 
 def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Call `write(file)` on a temporary file beside `path`, flush it to disk and rename it to
-    `path`. On any failure the temporary file is removed and `path` is left as it was."""
+    `path`. On any failure the temporary file is removed and `path` is left as it was. A process
+    whose launcher died (`canzona.runtime.lifecycle`) stops instead of starting the write."""
+    stop_if_orphaned()
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from canzona.errors import CheckpointError
 from canzona.runtime.atomic_files import fsync_dir
+from canzona.runtime.lifecycle import stop_if_orphaned
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's index of the checkpoint (a pickle)
@@ -153,6 +154,7 @@ def save_checkpoint(state_dict: dict[str, Any], folder: str | os.PathLike, *,
     `expect` compares against it. An existing `folder` is replaced only if it is a checkpoint (it
     has a manifest) or empty. Any failure is a `CheckpointError` on every rank, and the folder
     that was there stays."""
+    stop_if_orphaned()  # a rank whose launcher died starts no new checkpoint (lifecycle's docstring)
     folder = Path(folder)
     info = dict(manifest_info or {})
     try:

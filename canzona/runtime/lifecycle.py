@@ -10,6 +10,11 @@ blocked in C (a collective), where Python never runs a signal handler:
     from canzona.runtime.lifecycle import exit_with_launcher
     exit_with_launcher()        # first thing in a torchrun script
 
+A save must not start once the launcher is gone: the watchdog looks only every `POLL_S`, and a
+fast loop would otherwise go on writing checkpoints until it does. `stop_if_orphaned()` looks at
+once (one `getppid`) and stops the process the same way; `save_checkpoint` calls it first, so an
+orphaned rank writes no new checkpoint.
+
 `canzona.harness.worker` uses the same watch in the ranks that `canzona.harness.launch` starts
 (`watch_parent`).
 """
@@ -25,6 +30,9 @@ from collections.abc import Callable
 POLL_S = 0.25  # how often the watchdog looks at the parent
 EXIT_GRACE_S = 5.0  # after SIGTERM to itself, before the hard exit
 EXIT_ORPHANED = 70  # the exit code of a process whose launcher died
+
+_watched: tuple[int, Callable[[], None]] | None = None  # exit_with_launcher's parent and its stop
+_stopping = threading.Event()  # the stop runs once, whoever notices first
 
 
 def parent_alive(parent: int) -> bool:
@@ -54,11 +62,25 @@ def exit_with_launcher(grace_s: float = EXIT_GRACE_S, poll_s: float = POLL_S,
     SIGTERM to itself first: with the default disposition the process ends at once; a script's own
     SIGTERM handler gets `grace_s` seconds to clean up, after which the process exits with
     `exit_code` without running any more Python (`os._exit`). Call it once, at the start."""
+    global _watched
     parent = os.getppid()
 
     def stop() -> None:
+        if _stopping.is_set():  # the other caller's stop is under way: it ends the process
+            time.sleep(grace_s + 1.0)
+            os._exit(exit_code)
+        _stopping.set()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)  # a handler that returned, or a main thread blocked in C
         os._exit(exit_code)
 
+    _watched = (parent, stop)
     return watch_parent(parent, stop, poll_s)
+
+
+def stop_if_orphaned() -> None:
+    """If `exit_with_launcher()` watches this process and its launcher is gone, stop now, as the
+    watchdog would, instead of at its next look. Does nothing otherwise (no watch, or the launcher
+    is alive)."""
+    if _watched is not None and not parent_alive(_watched[0]):
+        _watched[1]()

@@ -395,10 +395,9 @@ def test_ranks_stop_within_seconds_when_torchrun_is_killed(tmp_path):
         after = visible_checkpoints(tmp_path / "ckpt")
         time.sleep(1.0)
         assert visible_checkpoints(tmp_path / "ckpt") == after  # nothing is written any more
-        # at most the saves finished before the watchdog's next look (every 0.25 s; a step and its
-        # save take about 0.15 s here when the machine is idle), and one more when the machine is
-        # loaded and the watchdog thread is scheduled late (seen once in a full `make test`)
-        assert len(after - at_kill) <= 3
+        # at most the save under way when torchrun died: a rank looks at its launcher before it
+        # starts one (`stop_if_orphaned`), however late its watchdog thread is scheduled
+        assert len(after - at_kill) <= 1
         for name in after:  # every visible checkpoint is complete and verified
             verify_checkpoint(tmp_path / "ckpt" / name)
         assert latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / max(after, key=lambda n: int(n[5:]))
