@@ -466,10 +466,14 @@ def published_search_table(ranks) -> Table:
         rank = str(r.rank) if r.rank is not None else (f"> {r.rank_at_least - 1}" if r.rank_at_least else "")
         best = r.error if r.best is None else describe(r.best)
         t.add_row(r.run.id, layout, _ms(r.published_s), best, "" if r.best_s is None else _ms(r.best_s), rank,
-                  _pct(r.gap), "met" if r.meets else "not met")
+                  _pct(r.gap), ("met" if r.meets else "not met") + ("" if r.held else " (not held: untuned)"))
     searched = [r for r in ranks if r.published_s is not None]
-    t.caption = (f"{sum(1 for r in searched if r.meets)} of {len(searched)} searched rows meet the aim. Rank: 1 + the "
-                 "layouts found that fit and are faster, under the optimizer's default step policy and reduce-scatter.")
+    held = [r for r in searched if r.held]
+    untuned = len(searched) - len(held)
+    t.caption = (f"{sum(1 for r in held if r.meets)} of {len(held)} searched rows held to the aim meet it"
+                 + (f" ({untuned} not held: their source says the layout was not tuned)" if untuned else "")
+                 + ". Rank: 1 + the layouts found that fit and are faster, under the optimizer's default step policy "
+                 "and reduce-scatter.")
     return t
 
 

@@ -94,6 +94,10 @@ class PublishedRun:
     # default, or "megatron-fsdp"); either set away from its default needs `recipe_source`
     kernels: str = FUSED
     fsdp_impl: str = FSDP2
+    # the source's own words that its layout was not tuned for speed (its `layout_not_tuned`):
+    # `sim.published_search` ranks such a layout but does not hold it to the search's aim, since
+    # nothing says a faster layout was not there to find; "": a tuned benchmark
+    layout_not_tuned: str = ""
 
     @property
     def grad_bytes(self) -> int:
@@ -390,7 +394,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
-        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **ints)
+        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
+        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

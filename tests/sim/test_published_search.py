@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sim import published
-from sim.published_search import TOP, LayoutRank, layout_of, outside_space, question_of, rank_run
+from sim.published_search import TOP, LayoutRank, layout_of, outside_space, question_of, rank_run, summary
 from sim.search import MAX_VP, candidates, config_of, search
 
 
@@ -45,6 +45,33 @@ def test_criterion():
     assert LayoutRank(run, published_s=1.5, published_fits=True, best=best, rank=TOP).meets
     assert LayoutRank(run, published_s=0.9, published_fits=True, best=best, rank=1).gap == 0.0
     assert LayoutRank(run, ("--precision fp8",)).meets is None
+
+
+def test_an_untuned_layout_is_ranked_but_not_held_to_the_criterion():
+    """A sanity-check run's layout (its source's `layout_not_tuned`) keeps its rank and gap in the
+    report, and the count of rows meeting the criterion is over the tuned rows only."""
+    best = {"iteration_time_s": 1.0, "tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 8, "micro_batch": 1,
+            "recompute": "none"}
+    tuned = LayoutRank(_run(id="tuned"), published_s=1.02, published_fits=True, best=best, rank=2)
+    slow = LayoutRank(_run(id="tuned-slow"), published_s=1.6, published_fits=True, best=best, rank_at_least=9)
+    untuned = LayoutRank(_run(id="check", layout_not_tuned="the card: sanity checks"), published_s=1.6,
+                         published_fits=True, best=best, rank_at_least=9)
+    assert tuned.held and slow.held and not untuned.held
+    assert untuned.meets is False and untuned.to_dict()["gap_to_best"] == pytest.approx(0.6)
+    assert untuned.to_dict()["layout_not_tuned"] == "the card: sanity checks"
+    s = summary([tuned, slow, untuned])
+    assert (s["searched"], s["held"], s["meets"]) == (3, 2, 1)
+    assert summary([tuned, untuned])["meets"] == summary([tuned])["meets"] == 1
+
+
+def test_sanity_check_sources_are_marked_untuned():
+    """The Megatron-Bridge verification cards' functional runs say they are sanity checks: their
+    rows carry the card's words; every other row's source tuned its layout."""
+    runs, sources = published.load()
+    for run in runs:
+        assert run.layout_not_tuned == sources[run.source].get("layout_not_tuned", "")
+    assert {r.id for r in runs if r.layout_not_tuned} == {"qwen3-8b-16xh100-mb", "qwen3-30b-a3b-16xh100-mb"}
+    assert all("sanity checks" in r.layout_not_tuned for r in runs if r.layout_not_tuned)
 
 
 def test_published_layouts_are_in_the_search_space():
