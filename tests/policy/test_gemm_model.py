@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from canzona.cost import DeviceRate, gemm_kernel
 from canzona.errors import SpecError
-from canzona.gemm_measurements import loop_mean_seconds, measurements, model_tflops, shape_label, shapes
+from canzona.gemm_measurements import (
+    loop_mean_seconds,
+    measurements,
+    model_tflops,
+    shape_label,
+    shapes,
+)
 from canzona.gemm_model import GemmModel
 from canzona.hardware import load_profile, profile_from_dict
 
