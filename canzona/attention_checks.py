@@ -4,10 +4,12 @@
 
 `canzona.attention_rate` holds measured throughput of one device (H100 SXM5, cuDNN) as fractions of
 its dense bf16 peak and prices fused attention on every profile at that fraction of the profile's
-peak. The rows here were measured on other devices (A100: FlashAttention-2) and say how far that
-proxy is from them. A forward+backward row is one forward and one backward call: its rate is the
-FLOP-weighted harmonic mean of the two passes (the backward does `ATTENTION_BACKWARD` times the
-forward's FLOPs)."""
+peak. The rows here were measured on other devices (A100: FlashAttention-2; H200: cuDNN) and say
+how far that proxy is from them. A forward+backward row is one forward and one backward call: its
+rate is the FLOP-weighted harmonic mean of the two passes (the backward does `ATTENTION_BACKWARD`
+times the forward's FLOPs). On a profile whose GPU shares the table's die (`measured_on`: H200) the
+simulator converts the table's loops to the power-limited clock of a training step, and so does
+`model_tflops`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from canzona.attention_rate import ATTENTION_BACKWARD, efficiency
+from canzona.attention_rate import ATTENTION_BACKWARD, efficiency, measured_on
 from canzona.hardware import load_profile
 
 CHECKS = "attention_checks.json"  # canzona/data
@@ -29,11 +31,16 @@ def checks() -> list[dict[str, Any]]:
 
 def model_tflops(row: dict[str, Any]) -> float:
     """TFLOP/s the simulator prices the row's call at on the row's profile (bf16 peak x the
-    table's fraction; forward+backward: both passes, FLOP-weighted)."""
-    peak = load_profile(row["profile"]).gpu.peak_flops["bf16"]
+    table's fraction, at the power-limited clock where the simulator converts the table to it, as
+    `sim.model_work` does; forward+backward: both passes, FLOP-weighted)."""
+    profile = load_profile(row["profile"])
+    peak = profile.gpu.peak_flops["bf16"]
+    power = profile.gemm_kernels()
+    clock = dict(clock=power.sustained_clock, window_s=power.boost_window_s) \
+        if measured_on(row["profile"]) else {}
 
     def rate(pass_: str) -> float:
-        return peak * efficiency(pass_, row["causal"], row["seq"], row["head_dim"]) / 1e12
+        return peak * efficiency(pass_, row["causal"], row["seq"], row["head_dim"], **clock) / 1e12
 
     if row["pass"] == "forward+backward":
         return (1 + ATTENTION_BACKWARD) / (1 / rate("forward") + ATTENTION_BACKWARD / rate("backward"))
@@ -42,11 +49,11 @@ def model_tflops(row: dict[str, Any]) -> float:
 
 def main() -> None:
     """Print each row beside the model (`python -m canzona.attention_checks`)."""
-    print(f"{'profile':9} {'impl':4} {'pass':16} {'mask':6} {'hd':>4} {'seq':>6} {'measured':>9} {'model':>7} "
+    print(f"{'profile':9} {'impl':5} {'pass':16} {'mask':6} {'hd':>4} {'seq':>6} {'measured':>9} {'model':>7} "
           f"{'error':>7}  use")
     for row in checks():
         got = model_tflops(row)
-        print(f"{row['profile']:9} {row['implementation']:4} {row['pass']:16} {'causal' if row['causal'] else 'none':6} "
+        print(f"{row['profile']:9} {row['implementation']:5} {row['pass']:16} {'causal' if row['causal'] else 'none':6} "
               f"{row['head_dim']:4} {row['seq']:6} {row['tflops']:9.1f} {got:7.1f} {got / row['tflops'] - 1:+7.1%}  "
               f"{row['use']}")
 

@@ -1,6 +1,10 @@
 """The published GEMM measurements the GEMM model is fitted to and checked against
 (canzona/data/gemm_measurements.json, docs/design.md §4.3), and the model beside them:
-`python -m canzona.gemm_measurements` prints every row with the model's TFLOP/s and its error."""
+`python -m canzona.gemm_measurements` prints every row with the model's TFLOP/s and its error.
+
+A row gives one shape (`M`, `N`, `K`), or, where its source published only the best of several
+shapes it timed (a benchmark that prints the maximum TFLOP/s over a list of sizes), every shape
+it timed under `best_of`: the model's figure for such a row is its best over the same shapes."""
 
 from __future__ import annotations
 
@@ -25,6 +29,24 @@ def measurements() -> list[dict[str, Any]]:
             for row in data["rows"]]
 
 
+def shapes(row: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """The (M, N, K) shapes a row's figure was taken over: its one shape, or every shape of its
+    `best_of` list (the figure is the best of them)."""
+    if "best_of" in row:
+        return [(int(m), int(n), int(k)) for m, n, k in row["best_of"]]
+    return [(int(row["M"]), int(row["N"]), int(row["K"]))]
+
+
+def shape_label(row: dict[str, Any]) -> str:
+    """`MxNxK`; for a row over several shapes `best of A^3..B^3` (squares) or `best of n shapes`."""
+    found = shapes(row)
+    if len(found) == 1:
+        return "x".join(str(d) for d in found[0])
+    if all(m == n == k for m, n, k in found):
+        return f"best of {found[0][0]}^3..{found[-1][0]}^3"
+    return f"best of {len(found)} shapes"
+
+
 def _boost_seconds(rate: DeviceRate, k: Kernel) -> float:
     """One GEMM at the boost clock (a cool GPU), launch included."""
     assert rate.gemm_model is not None and rate.sms is not None and k.gemm is not None
@@ -35,12 +57,17 @@ def _boost_seconds(rate: DeviceRate, k: Kernel) -> float:
 
 def model_tflops(row: dict[str, Any]) -> float:
     """TFLOP/s the row's profile's GEMM model gives its shape as the row's benchmark ran it,
-    launch included. Sustained load (what the simulator charges, `DeviceRate.kernel_seconds`)
+    launch included (a `best_of` row: the best over its shapes, as its source reported). Sustained load (what the simulator charges, `DeviceRate.kernel_seconds`)
     unless the source's loop (`protocol`: warmup and timed calls) is short enough to run partly
     at the boost clock (`GemmModel.boost_window_s`), or the row's inputs kept the board under its
     power limit (`clock` "boost": all-zero inputs), which runs every call at the boost clock."""
     rate = DeviceRate.from_profile(load_profile(row["profile"]))
-    k = gemm_kernel("row", row["M"], row["N"], row["K"], row["dtype"])
+    return max(_shape_tflops(row, rate, m, n, depth) for m, n, depth in shapes(row))
+
+
+def _shape_tflops(row: dict[str, Any], rate: DeviceRate, m: int, n: int, depth: int) -> float:
+    """`model_tflops` of one shape of the row."""
+    k = gemm_kernel("row", m, n, depth, row["dtype"])
     seconds = rate.kernel_seconds(k)
     protocol = row.get("protocol")
     model = rate.gemm_model
@@ -54,12 +81,12 @@ def model_tflops(row: dict[str, Any]) -> float:
 
 def main() -> None:
     """Print each measured row beside the model (`python -m canzona.gemm_measurements`)."""
-    print(f"{'profile':9} {'dtype':5} {'M':>6} {'N':>6} {'K':>6} {'measured':>9} {'model':>7} {'error':>7}  regime  use")
+    print(f"{'profile':9} {'dtype':5} {'M x N x K':>20} {'measured':>9} {'model':>7} {'error':>7}  regime  use")
     for row in measurements():
         if row["profile"] is None:
             continue
         got = model_tflops(row)
-        print(f"{row['profile']:9} {row['dtype']:5} {row['M']:6} {row['N']:6} {row['K']:6} {row['tflops']:9.1f} "
+        print(f"{row['profile']:9} {row['dtype']:5} {shape_label(row):>20} {row['tflops']:9.1f} "
               f"{got:7.1f} {got / row['tflops'] - 1:+7.1%}  {row['regime']:7} {row['use']}")
 
 
