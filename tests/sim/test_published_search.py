@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from sim import published
-from sim.published_search import TOP, LayoutRank, layout_of, outside_space, question_of, rank_run, summary
+from sim.published_search import (
+    TOP,
+    LayoutRank,
+    layout_of,
+    outside_space,
+    question_of,
+    rank_run,
+    summary,
+)
 from sim.search import MAX_VP, candidates, config_of, search
 
 
