@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from canzona.errors import SpecError
+from canzona.choices import check_choice
 
 REDUCE_SCATTER_IMPLS = ("native", "exact", "loops", "padded")
 DEFAULT_REDUCE_SCATTER = "native"
@@ -51,9 +51,7 @@ HELP = ("native: the backend's reductions (reduce-scatter when even or nearly so
 
 
 def check_reduce_scatter(impl: str) -> str:
-    if impl not in REDUCE_SCATTER_IMPLS:
-        raise SpecError(f"unknown reduce_scatter {impl!r}; choose one of {', '.join(REDUCE_SCATTER_IMPLS)} ({HELP})")
-    return impl
+    return check_choice(impl, REDUCE_SCATTER_IMPLS, "reduce_scatter", note=f" ({HELP})")
 
 
 def padding(lengths: Sequence[int]) -> int:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from canzona.choices import check_choice
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.dp.layout import AUTO_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
@@ -178,8 +179,8 @@ class SimConfig:
         check_fsdp_impl(self.fsdp_impl)
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
-        elif self.policy not in STEP_POLICIES:
-            raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
+        else:
+            check_choice(self.policy, STEP_POLICIES, "policy")
         check_matrix_optimizer(self.optimizer)
         if not self.fsdp:
             STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
