@@ -683,7 +683,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         raise SpecError(f"matrix_config is a {type(matrix_config).__name__}, but the plan is for {plan.optimizer}")
 
     pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
-    adamw_sizes = [p.local_numel(tp) for p in spec.adamw_params()]
+    adamw_sizes = _adamw_sizes(spec, tp)
     adamw_size, adamw_inside, adamw_largest = _adamw_slices(adamw_sizes, dp, plan.dp_plan.align, policy.replicated)
     # an AdamW buffer of no parameter (an EP rank's experts: `canzona.experts.expert_part`) is still
     # one padded slice per rank, in fp32: the runtime's `FlatBuffer` has no parameter to take a dtype from
@@ -764,14 +764,39 @@ def reduction_bytes(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int, im
     buffer's bytes per element, where they differ from the buckets' (an empty one is fp32). An
     even reduce-scatter writes into the bucket itself (as Megatron's distributed optimizer does)
     and counts nothing."""
-    lengths = [(b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp), grad_bytes)
-               for b in plan.dp_plan.buckets]
-    lengths.append((_even_lengths(adamw_size, dp), grad_bytes if adamw_grad_bytes is None else adamw_grad_bytes))
+    lengths = reduction_lengths(plan, policy, dp, adamw_size)
+    adamw_bytes = grad_bytes if adamw_grad_bytes is None else adamw_grad_bytes
     total = [0] * dp
-    for seg, nbytes in lengths:
+    for i, seg in enumerate(lengths):
+        nbytes = adamw_bytes if i == len(lengths) - 1 else grad_bytes
         for r, n in enumerate(temporary_elements_by_rank(impl, seg, scratch=scratch)):
             total[r] += n * nbytes
     return total
+
+
+def reduction_lengths(plan: Plan, policy: StepPolicy, dp: int, adamw_size: int) -> list[list[int]]:
+    """The segments (elements per DP rank, in rank order) of one step's gradient reduce-scatters
+    as `canzona.runtime.comm` runs them: each bucket's by its plan cuts (evenly under an all-reduce
+    policy), then, last, the AdamW buffer's even slices."""
+    lengths = [b.segment_lengths() if policy.grad_sync == "reduce-scatter" else _even_lengths(b.size, dp)
+               for b in plan.dp_plan.buckets]
+    lengths.append(_even_lengths(adamw_size, dp))
+    return lengths
+
+
+def reduce_scatter_lengths(spec: ModelSpec, plan: Plan, policy: StepPolicy, dp: int) -> list[list[int]]:
+    """`reduction_lengths` of `plan` for `spec` on a DP group of `dp` (the cluster's: a replicated
+    policy's plan may be made for one DP rank), its AdamW buffer laid out as `memory_per_gpu` lays
+    it out: every segment list a run of that plan routes (`canzona.reductions.bucket_route`), in
+    the memory model and in the simulator's prices of the same reduce-scatters. A list of one
+    segment is left out: one rank alone reduces nothing, and nothing routes it."""
+    adamw_size = _adamw_slices(_adamw_sizes(spec, plan.tp), dp, plan.dp_plan.align, policy.replicated)[0]
+    return [s for s in reduction_lengths(plan, policy, dp, adamw_size) if len(s) > 1]
+
+
+def _adamw_sizes(spec: ModelSpec, tp: int) -> list[int]:
+    """The elements of each AdamW parameter on a TP rank, in the flat buffer's order."""
+    return [p.local_numel(tp) for p in spec.adamw_params()]
 
 
 def _even_lengths(size: int, dp: int) -> list[int]:
@@ -790,5 +815,6 @@ def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tup
 __all__ = [
     "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
-    "layer_activation_bytes", "memory_per_gpu", "worst_rank",
+    "layer_activation_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
+    "worst_rank",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 
 # Newton-Schulz coefficients per iteration, by name (`ns_coefficient_type`; "simple" is the
@@ -310,10 +311,7 @@ _CONFIGS: dict[str, type] = {name: e.config for name, e in MATRIX_REGISTRY.items
 
 
 def check_matrix_optimizer(name: str) -> str:
-    name = name.lower()
-    if name not in MATRIX_REGISTRY:
-        raise SpecError(f"unknown optimizer {name!r}; choose one of {', '.join(MATRIX_REGISTRY)}")
-    return name
+    return check_choice(name.lower(), MATRIX_REGISTRY, "optimizer")
 
 
 def default_config(name: str) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from canzona.batching import MAX_BATCH_NUMEL
+from canzona.choices import check_choice
 from canzona.cost import AnalyticCost, CostModel, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import (
@@ -317,9 +318,7 @@ TIE = 1e-9  # relative: makespans this close plan the same step (sums in another
 
 
 def check_geometry(name: str) -> str:
-    if name not in GEOMETRIES:
-        raise SpecError(f"unknown geometry {name!r}; choose one of {', '.join(GEOMETRIES)}")
-    return name
+    return check_choice(name, GEOMETRIES, "geometry")
 
 
 # The one definition of the planning defaults: the runtime, the simulator, the harness and the CLI
@@ -620,8 +619,7 @@ def _validate_dp(d: DPPlan) -> None:
         raise PlanError(f"dp_plan: balance unit must be one of {', '.join(BALANCE_UNITS)}, got {d.balance_by!r}")
     if not 1 <= d.align <= MAX_ALIGN or not 1 <= d.bucket_size <= MAX_ELEMENTS:
         raise PlanError(f"dp_plan: align must be in 1..{MAX_ALIGN} and bucket_size in 1..{MAX_ELEMENTS}")
-    if d.policy not in DP_REGISTRY:
-        raise PlanError(f"dp_plan: unknown DP policy {d.policy!r}; choose one of {', '.join(DP_REGISTRY)}")
+    check_choice(d.policy, DP_REGISTRY, "DP policy", error=PlanError, where="dp_plan")
     if d.split_compute != DP_REGISTRY[d.policy].splits_compute:
         splitting = ", ".join(n for n, e in DP_REGISTRY.items() if e.splits_compute)
         raise PlanError(f"dp_plan: split_compute is {d.split_compute} under {d.policy} (only {splitting} splits)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from canzona.errors import SpecError
+from canzona.choices import check_choice
 
 NONE, SELECTIVE, SELECTIVE_OP, FULL = "none", "selective", "selective-op", "full"
 # from the least recompute (most memory) to the most: the search tries them in this order
@@ -33,9 +33,7 @@ RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL)
 
 
 def check_recompute(mode: str) -> str:
-    if mode not in RECOMPUTE_MODES:
-        raise SpecError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
+    return check_choice(mode, RECOMPUTE_MODES, "recompute mode")
 
 
 def mm_saved(position: int) -> bool:

@@ -25,11 +25,9 @@ The implementations (`reduce_scatter=` in `DistributedOptimizer`, `canzona simul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Iterable, Sequence
 
-from canzona.errors import SpecError
+from canzona.choices import check_choice
 
 REDUCE_SCATTER_IMPLS = ("native", "exact", "loops", "padded")
 DEFAULT_REDUCE_SCATTER = "native"
@@ -51,9 +49,7 @@ HELP = ("native: the backend's reductions (reduce-scatter when even or nearly so
 
 
 def check_reduce_scatter(impl: str) -> str:
-    if impl not in REDUCE_SCATTER_IMPLS:
-        raise SpecError(f"unknown reduce_scatter {impl!r}; choose one of {', '.join(REDUCE_SCATTER_IMPLS)} ({HELP})")
-    return impl
+    return check_choice(impl, REDUCE_SCATTER_IMPLS, "reduce_scatter", note=f" ({HELP})")
 
 
 def padding(lengths: Sequence[int]) -> int:
@@ -65,9 +61,6 @@ def bucket_route(impl: str, lengths: Sequence[int]) -> str:
     """The route of a reduce-scatter over segments of `lengths` elements (one per rank, in rank
     order) under implementation `impl`: `EVEN`, `PADDED`, `LOOPS` or `EXACT`."""
     check_reduce_scatter(impl)
-    asked = _ASKED.get()
-    if asked is not None:
-        asked.add(tuple(lengths))
     if impl == EXACT:
         return EXACT
     if len(set(lengths)) <= 1:
@@ -77,30 +70,14 @@ def bucket_route(impl: str, lengths: Sequence[int]) -> str:
     return impl
 
 
-# The segment lists `bucket_route` was asked to route inside `routes_asked()` (None: not recording)
-_ASKED: ContextVar[set[tuple] | None] = ContextVar("canzona_routes_asked", default=None)
-
-
-@contextmanager
-def routes_asked() -> Iterator[set[tuple]]:
-    """Record every segment list `bucket_route` routes inside the block (one simulation's
-    reduce-scatters and its memory model's buffers), for `alike_impls`."""
-    asked: set[tuple] = set()
-    token = _ASKED.set(asked)
-    try:
-        yield asked
-    finally:
-        _ASKED.reset(token)
-
-
 def alike_impls(impl: str, asked: Iterable[Sequence[float]]) -> tuple[str, ...]:
     """The implementations (`impl` among them) that route every segment list of `asked` as `impl`
     does. The implementation reaches the simulator's prices (`sim.collectives.reduce_scatter_v_cost`)
     and the memory model (`temporary_elements_by_rank`, `canzona.memory.reduction_bytes`) only
     through `bucket_route`, and each of them depends on the segments and the route alone, so a run
     under any of these, `asked` being all it routed, is the same run: the search simulates one
-    (`sim.search`). Nothing that routes may be cached across runs, or a cached answer would go
-    unrecorded."""
+    (`sim.search`), `asked` being the segment lists the run's plans give
+    (`sim.simulate.SimResult.reduce_scatters`, from `canzona.memory.reduce_scatter_lengths`)."""
     asked = list(asked)
     routes = [bucket_route(impl, s) for s in asked]
     return tuple(other for other in REDUCE_SCATTER_IMPLS
@@ -137,6 +114,6 @@ def temporary_elements_by_rank(impl: str, lengths: Sequence[int], *, scratch: bo
 
 __all__ = [
     "DEFAULT_REDUCE_SCATTER", "EVEN", "EXACT", "HELP", "LOOPS", "PADDED", "PADDING_LIMIT", "REDUCE_SCATTER_IMPLS",
-    "alike_impls", "bucket_route", "check_reduce_scatter", "padding", "routes_asked", "temporary_elements",
+    "alike_impls", "bucket_route", "check_reduce_scatter", "padding", "temporary_elements",
     "temporary_elements_by_rank",
 ]

@@ -84,6 +84,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from canzona.choices import check_choice
 from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.plan import Plan, check_plan_matches
@@ -175,8 +176,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     (`canzona.experts.dense_part`), and the experts' collectives join them (`_with_experts`).
     `style="megatron"`: the collectives each policy runs under Megatron-LM instead (`_megatron`),
     which the simulator prices by default; only the runtime's are logged."""
-    if style not in COLLECTIVE_STYLES:
-        raise SpecError(f"unknown collectives style {style!r}; choose one of {', '.join(COLLECTIVE_STYLES)}")
+    check_choice(style, COLLECTIVE_STYLES, "collectives style")
     if isinstance(policy, str):
         policy = get_step_policy(policy)
     # masters when any parameter is low-precision (the runtime decides once, for both parts)

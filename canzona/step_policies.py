@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from canzona.choices import check_choice
 from canzona.dp.layout import DPPlan
 from canzona.dp.policies import KEEPS_GEOMETRY, check_dp_policy, keeps_geometry
 from canzona.errors import SpecError
@@ -202,7 +203,4 @@ def get_fsdp_policy(name: str) -> FsdpStepPolicy:
 
 
 def get_step_policy(name: str) -> StepPolicy:
-    try:
-        return STEP_POLICIES[name]
-    except KeyError:
-        raise SpecError(f"unknown policy {name!r}; choose one of {', '.join(STEP_POLICIES)}") from None
+    return STEP_POLICIES[check_choice(name, STEP_POLICIES, "policy")]

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
@@ -45,9 +46,7 @@ TP_GROUP = "tp"  # the group name the runtime's collective log uses for TP colle
 
 
 def check_tp_mode(mode: str) -> str:
-    if mode not in TP_MODES:
-        raise SpecError(f"unknown TP mode {mode!r}; choose one of {', '.join(TP_MODES)}")
-    return mode
+    return check_choice(mode, TP_MODES, "TP mode")
 
 
 @dataclass(frozen=True)

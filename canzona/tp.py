@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 
 EVERY_RANK = -1  # host value of `tp-sync`: every TP rank computes the full update redundantly
@@ -178,9 +179,7 @@ DEFAULT_TP_POLICY = "greedy-rollback"
 
 
 def check_tp_policy(name: str) -> str:
-    if name not in TP_REGISTRY:
-        raise SpecError(f"unknown TP policy {name!r}; choose one of {', '.join(TP_REGISTRY)}")
-    return name
+    return check_choice(name, TP_REGISTRY, "TP policy")
 
 
 def tp_policy(name: str) -> TPPolicy:

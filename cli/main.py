@@ -301,15 +301,17 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
                         f"use{'s' if len(policies) == 1 else ''} {', '.join(sorted(set(own)))}")
 
 
-def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None, tp_policy: str,
-                alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
+def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None,
+                tp_policy: str, alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
                 global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
                 pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
                 expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
-                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
-                 gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                 kernels: str = "fused", fsdp_impl: str = "fsdp2"):
+                precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
+                gpu_variability: float | None = None, reshard_after_forward: bool = True,
+                kernels: str = "fused", fsdp_impl: str = "fsdp2"):
+    """The simulator's configuration of a command's options; keyword-only, so that no caller can
+    pass two of its many same-typed options in each other's place."""
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -337,9 +339,10 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
     return values[0] if len(values) == 1 else values
 
 
-def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
+def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
+    """The run options of a command's options (keyword-only, as `_sim_config`)."""
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
@@ -475,14 +478,20 @@ def simulate(
     from sim.simulate import write_trace
 
     try:
-        config = _sim_config(model, gpus, tp, optimizer, policy, dp_policy, tp_policy, alpha, bucket_size,
-                             capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                             _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
-                                          attention_backend),
-                             zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                             vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
-                             reshard_after_forward, kernels, fsdp_impl)
+        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+                               collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
+                               compile_kernels=compile_kernels, overlap_step=overlap_step,
+                               attention_backend=attention_backend)
+        config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
+                             tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
+                             hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
+                             tp_mode=tp_mode, options=options, zero1_fallback=zero1_fallback, pp=pp, ep=ep,
+                             router_imbalance=router_imbalance, etp=etp, expert_buckets=expert_buckets,
+                             geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
+                             precision=precision, fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                             gpu_variability=gpu_variability, reshard_after_forward=reshard_after_forward,
+                             kernels=kernels, fsdp_impl=fsdp_impl)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
@@ -527,13 +536,18 @@ def compare(
     from sim.simulate import compared_policies
 
     try:
-        base = _sim_config(model, gpus, tp, optimizer, None, dp_policy, tp_policy, alpha, bucket_size,
-                           capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
-                           _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
-                                          collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
-                                          attention_backend),
-                           zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
-                           vp, cp, precision, fp8_recipe)
+        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+                               collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
+                               compile_kernels=compile_kernels, overlap_step=overlap_step,
+                               attention_backend=attention_backend)
+        base = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=None, dp_policy=dp_policy,
+                           tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
+                           hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
+                           tp_mode=tp_mode, options=options, zero1_fallback=zero1_fallback, pp=pp, ep=ep,
+                           router_imbalance=router_imbalance, etp=etp, expert_buckets=expert_buckets,
+                           geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
+                           precision=precision, fp8_recipe=fp8_recipe)
         base.check()  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)

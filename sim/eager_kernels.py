@@ -45,6 +45,7 @@ the settings of its A100 presets (pytorch/torchtitan `torchtitan/models/llama/mo
 
 from __future__ import annotations
 
+from canzona.choices import check_choice
 from canzona.cost import Kernel
 from canzona.errors import SpecError
 from sim.layer_kernels import FP32, LayerShape, _pass, residual_add
@@ -56,9 +57,7 @@ KERNEL_MODES = (FUSED, EAGER)
 
 
 def check_kernels(mode: str) -> str:
-    if mode not in KERNEL_MODES:
-        raise SpecError(f"unknown kernels {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
-    return mode
+    return check_choice(mode, KERNEL_MODES, "kernels")
 
 
 def norm_bytes(b: int, backward: bool) -> int:

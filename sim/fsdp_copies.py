@@ -28,16 +28,14 @@ the bytes they move at the profile's achievable HBM bandwidth (docs/design.md §
 
 from __future__ import annotations
 
-from canzona.errors import SpecError
+from canzona.choices import check_choice
 
 FSDP2, MEGATRON_FSDP = "fsdp2", "megatron-fsdp"
 FSDP_IMPLS = (FSDP2, MEGATRON_FSDP)
 
 
 def check_fsdp_impl(impl: str) -> str:
-    if impl not in FSDP_IMPLS:
-        raise SpecError(f"unknown fsdp implementation {impl!r}; choose one of {', '.join(FSDP_IMPLS)}")
-    return impl
+    return check_choice(impl, FSDP_IMPLS, "fsdp implementation")
 
 
 def copy_out_bytes(impl: str, numel: int, param_bytes: int) -> int:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
 from canzona.reductions import check_reduce_scatter
@@ -57,5 +58,4 @@ class RunOptions:
         check_attention_backend(self.attention_backend)
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
-        if self.collectives not in COLLECTIVE_MODES:
-            raise SpecError(f"unknown collectives mode {self.collectives!r}; choose one of {', '.join(COLLECTIVE_MODES)}")
+        check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")

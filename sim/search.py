@@ -43,7 +43,6 @@ from canzona.reductions import (
     DEFAULT_REDUCE_SCATTER,
     REDUCE_SCATTER_IMPLS,
     alike_impls,
-    routes_asked,
 )
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
@@ -296,8 +295,7 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
 def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
     """Simulate one configuration (in a worker): the row of the results, small enough to send back,
     with the reduce-scatter implementations that would have made the same run (`alike_impls`)."""
-    with routes_asked() as asked:
-        r = simulate(cfg)
+    r = simulate(cfg)
     used = r.fell_back_to if r.fell_back_to in STEP_POLICIES else cfg.policy
     step = STEP_POLICIES[used]
     return {
@@ -307,7 +305,7 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         "refined": any(a.name in layout for a in REFINE_AXES),
         "reduce_scatter": cfg.options.reduce_scatter,
         # the implementations that route every reduce-scatter of this run alike: the same run
-        "reduce_scatter_alike": list(alike_impls(cfg.options.reduce_scatter, asked)),
+        "reduce_scatter_alike": list(alike_impls(cfg.options.reduce_scatter, r.reduce_scatters)),
         "fell_back_to": r.fell_back_to,
         # the DP / TP policies the plan is made with (the deployed step policy's own, else canzona's settings)
         "dp_policy": step.dp_policy or cfg.dp_policy,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from canzona.choices import check_choice
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.dp.layout import AUTO_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
@@ -27,7 +28,13 @@ from canzona.experts import (
 )
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
-from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
+from canzona.memory import (
+    LayerDims,
+    LayoutMemory,
+    MemorySetup,
+    memory_per_gpu,
+    reduce_scatter_lengths,
+)
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import check_vp, stage_layers, stage_spec
@@ -178,8 +185,8 @@ class SimConfig:
         check_fsdp_impl(self.fsdp_impl)
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
-        elif self.policy not in STEP_POLICIES:
-            raise SpecError(f"unknown policy {self.policy!r}; choose one of {', '.join(STEP_POLICIES)}")
+        else:
+            check_choice(self.policy, STEP_POLICIES, "policy")
         check_matrix_optimizer(self.optimizer)
         if not self.fsdp:
             STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
@@ -303,6 +310,12 @@ class SimResult:
     # the factor phase A's compute was priced at: the expected slowest GPU of the job over the
     # median GPU (canzona.variability; 1: every GPU alike)
     gpu_slowdown: float = 1.0
+    # the segment lists (elements per DP rank) of every gradient reduce-scatter the runs behind this
+    # result route (`canzona.memory.reduce_scatter_lengths` of each stage's plans, the candidates'
+    # that were not kept too: which one is kept depends on them), sorted: a run under another
+    # reduce-scatter implementation that routes each of them alike is the same run
+    # (`canzona.reductions.alike_impls`); none under FSDP, which has no such reduce-scatter
+    reduce_scatters: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     @property
     def fits(self) -> bool:
@@ -457,7 +470,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     def best(c: SimConfig, **kw: Any) -> SimResult:
         runs = [_simulate(c, plan, replicate_phase_a, model, cluster, hw, expert=choice, by_class=by_class, **kw)
                 for choice in expert_choices(c, model, cluster)]
-        return min(runs, key=lambda r: r.iteration_time_s)
+        return _fastest(runs)
 
     result = best(cfg)
     if cfg.policy != "canzona" or not cfg.zero1_fallback or plan is not None or result.plan.dp == 1:
@@ -469,7 +482,14 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
         dense = _simulate(cfg, None, replicate_phase_a, model, cluster, hw, dense_policy="zero1-gather",
                           expert=result.expert_choice, by_class=by_class)  # canzona's experts as its own run chose them
         candidates.append(replace(dense, fell_back_to=DENSE_FALLBACK))
-    return min(candidates, key=lambda r: r.iteration_time_s)
+    return _fastest(candidates)
+
+
+def _fastest(runs: Sequence[SimResult]) -> SimResult:
+    """The fastest of the candidate runs of one layout (the first of equals), with the
+    reduce-scatters of them all (`SimResult.reduce_scatters`)."""
+    kept = min(runs, key=lambda r: r.iteration_time_s)
+    return replace(kept, reduce_scatters=tuple(sorted({s for r in runs for s in r.reduce_scatters})))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -652,6 +672,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         expert_plan=expert_plans[0] if expert_plans else None,
         expert_choice=expert,
         collective_records=tuple(engine.records),
+        reduce_scatters=tuple(sorted({tuple(s) for ctx in ctxs for c in (ctx, ctx.experts) if c is not None
+                                      for s in reduce_scatter_lengths(c.spec, c.plan, c.policy, c.cluster.dp)})),
     )
 
 

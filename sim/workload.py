@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canzona.choices import check_choice
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
@@ -50,8 +51,7 @@ class Workload:
                       "loss_bytes"):
             if getattr(self, field) < 1:
                 raise SpecError(f"{field.replace('_', ' ')} must be >= 1, got {getattr(self, field)}")
-        if self.dtype not in DTYPE_BYTES:
-            raise SpecError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        check_choice(self.dtype, DTYPE_BYTES, "dtype")
         check_precision(self.precision, self.fp8_recipe)
         check_kernels(self.kernels)
         if self.seq_len > MAX_SEQ_LEN:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 
 
@@ -92,9 +93,7 @@ AUTO_EXPERT_BUCKETS = "auto"
 
 
 def check_expert_buckets(name: str) -> str:
-    if name not in EXPERT_BUCKETS:
-        raise SpecError(f"unknown expert bucket sizing {name!r}; choose one of {', '.join(EXPERT_BUCKETS)}")
-    return name
+    return check_choice(name, EXPERT_BUCKETS, "expert bucket sizing")
 
 
 def make_buckets(items: Sequence[DPItem], bucket_size: int, stack_multiple: int | None = None) -> list[list[DPItem]]:

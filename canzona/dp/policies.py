@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from canzona.choices import check_choice
 from canzona.dp.layout import (
     DEFAULT_EXPERT_BUCKETS,
     BucketPlan,
@@ -247,9 +248,7 @@ def keeps_geometry(plan: DPPlan) -> bool:
 
 
 def check_dp_policy(name: str) -> str:
-    if name not in DP_REGISTRY:
-        raise SpecError(f"unknown DP policy {name!r}; choose one of {', '.join(DP_REGISTRY)}")
-    return name
+    return check_choice(name, DP_REGISTRY, "DP policy")
 
 
 def dp_policy(name: str) -> DPPolicy:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from canzona.calibration import DEFAULT_MODEL, MAX_SPAWNED_RANKS, Measurements, assemble_profile
 from canzona.catalog import get_model
+from canzona.choices import check_choice
 from canzona.cost import step_dtype
 from canzona.errors import CanzonaError
 from canzona.hardware import COLLECTIVE_OPS, DEFAULT_PROFILE, load_profile_data, profile_from_dict
@@ -147,8 +148,7 @@ def prepare(device: str | None = None, model: str | None = DEFAULT_MODEL, shapes
     """Check a calibration request and fill in the defaults; raises `CanzonaError` (nothing measured).
     `device` None: cuda when available, else cpu."""
     device = default_device() if device is None else device
-    if device not in DEVICES:
-        raise CanzonaError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    check_choice(device, DEVICES, "device", error=CanzonaError)
     if device == "cuda" and not torch.cuda.is_available():
         raise CanzonaError(f"--device cuda, but CUDA is not available here (torch {torch.__version__})")
     if repeats is not None and not 1 <= repeats <= MAX_REPEATS:

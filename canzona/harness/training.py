@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.choices import check_choice
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import config_from_dict, matrix_optimizer
@@ -88,8 +89,7 @@ class TrainSpec:
         if self.global_batch % (dp * self.accumulation):
             raise SpecError(f"global batch {self.global_batch} is not divisible by dp x accumulation "
                             f"= {dp} x {self.accumulation}")
-        if self.tp_style not in TP_STYLES:
-            raise SpecError(f"unknown TP style {self.tp_style!r}; choose one of {', '.join(TP_STYLES)}")
+        check_choice(self.tp_style, TP_STYLES, "TP style")
         from canzona.fsdp_plan import check_hsdp
 
         check_hsdp(self.fsdp, dp, self.hsdp_replicate)

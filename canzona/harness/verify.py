@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.optimizers import MATRIX_OPTIMIZERS
 from canzona.optimizers import OPTIMIZERS as REGISTERED
@@ -100,9 +101,7 @@ class VerifyCase:
 def _choices(value: str, known: Sequence[str], what: str) -> list[str]:
     if value == "all":
         return list(known)
-    if value not in known:
-        raise SpecError(f"unknown {what} {value!r}; choose one of {', '.join(known)} or all")
-    return [value]
+    return [check_choice(value, known, what, note=" or all")]
 
 
 def _positive(name: str, value: int) -> None:
@@ -148,8 +147,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     _positive("seq_len", seq_len)
     tp_policies = _choices(tp_policy, TP_SCHEDULERS, "TP policy")
     tp_modes = _choices(tp_mode, TP_MODES, "TP mode")
-    if tp_style not in TP_STYLES:
-        raise SpecError(f"unknown TP style {tp_style!r}; choose one of {', '.join(TP_STYLES)}")
+    check_choice(tp_style, TP_STYLES, "TP style")
     if global_batch is None:
         global_batch = 4 * dp * accumulation
     _positive("global batch", global_batch)

@@ -74,6 +74,18 @@ def test_simulate_run_options_reach_the_result():
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 
+def test_the_simulator_settings_are_passed_by_name():
+    """`_sim_config` and `_run_options` take some thirty options, many of one type: keyword-only,
+    so that no command can pass one in another's place."""
+    import inspect
+
+    from cli.main import _run_options, _sim_config
+
+    for build in (_sim_config, _run_options):
+        kinds = {p.kind for p in inspect.signature(build).parameters.values()}
+        assert kinds == {inspect.Parameter.KEYWORD_ONLY}, build.__name__
+
+
 def test_grad_reduce_in_fp32_halves_the_gradient_buffers():
     """--no-grad-reduce-in-fp32 (Megatron's DDP option, off in NVIDIA's performance recipes): bf16
     gradient buffers, half the default fp32's, and the same everything else of the layout."""

@@ -170,19 +170,53 @@ def test_alike_reduce_scatters_route_every_segment_list_alike():
     """`alike_impls`: even segments go the same way under all but `exact`; uneven ones far from
     even under `native` and `loops` alike; nothing routed (DP 1): every implementation is the
     same run."""
-    from canzona.reductions import REDUCE_SCATTER_IMPLS, alike_impls, bucket_route, routes_asked
+    from canzona.reductions import REDUCE_SCATTER_IMPLS, alike_impls
 
     assert alike_impls("native", [(4, 4, 4, 4)]) == ("native", "loops", "padded")
     assert alike_impls("native", [(4, 4, 4, 4), (1, 2, 3, 10)]) == ("native", "loops")
     assert alike_impls("native", [(4, 4, 4, 4), (16, 16, 16, 15)]) == ("native", "padded")
     assert alike_impls("exact", [(4, 4, 4, 4)]) == ("exact",)
     assert alike_impls("native", []) == REDUCE_SCATTER_IMPLS
-    with routes_asked() as asked:
-        bucket_route("native", [1, 2])
-        bucket_route("loops", (3, 3))
-    assert asked == {(1, 2), (3, 3)}
-    bucket_route("native", [5, 6])  # outside the block: not recorded
-    assert asked == {(1, 2), (3, 3)}
+
+
+def _in_lowest_terms(segments) -> tuple[int, ...]:
+    """A segment list in elements or bytes, divided by its greatest common divisor: a route
+    depends on the segments' ratios only."""
+    import math
+
+    ints = [int(s) for s in segments]
+    g = math.gcd(*ints)
+    return tuple(s // g for s in ints) if g else tuple(ints)
+
+
+@pytest.mark.parametrize("q, layout", [
+    (replace(SMALL, gpus=16, global_batch=16), {"tp": 1, "pp": 1}),  # DP 16: uneven buckets
+    (replace(SMALL, gpus=16, global_batch=16), {"tp": 2, "pp": 2, "policy": "zero1-gather"}),
+    (replace(SMALL, gpus=16, global_batch=16, optimizer="soap"), {"tp": 2, "pp": 1, "policy": "sc"}),
+    (SMALL, {"tp": 2, "pp": 4}),  # DP 1: nothing routed
+    (Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16), {"tp": 1, "pp": 1, "ep": 8}),
+    (Question(model="qwen3-30b-a3b", gpus=16, global_batch=16), {"tp": 2, "pp": 2, "ep": 4}),
+])
+def test_a_result_lists_the_segments_its_runs_route(monkeypatch, q, layout):
+    """`SimResult.reduce_scatters` (from the plans) holds every segment list the simulation and
+    its memory model route (recorded here by wrapping `bucket_route`, the candidates' runs
+    included) and nothing else, up to the unit (elements or bytes)."""
+    import canzona.reductions
+    import sim.collectives
+
+    routed: set[tuple[int, ...]] = set()
+    route = canzona.reductions.bucket_route
+
+    def recording(impl, lengths):
+        routed.add(_in_lowest_terms(lengths))
+        return route(impl, lengths)
+
+    monkeypatch.setattr(canzona.reductions, "bucket_route", recording)
+    monkeypatch.setattr(sim.collectives, "bucket_route", recording)
+    full = next(c for c in candidates(q) if all(c[k] == v for k, v in layout.items() if k != "policy"))
+    r = simulate(config_of(q, {**full, **layout}))
+    assert {_in_lowest_terms(s) for s in r.reduce_scatters} == routed
+    assert bool(routed) == (full["dp"] > 1)
 
 
 def _expanded(result, ties: bool) -> list[tuple]:
