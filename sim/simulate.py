@@ -30,7 +30,7 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
-from canzona.pipeline import check_vp, stage_layers, stage_spec
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, check_split, check_vp, stage_layers, stage_spec
 from canzona.plan import (
     BATCH_CAPACITY,
     DEFAULT_GEOMETRY,
@@ -115,6 +115,10 @@ class SimConfig:
     # model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule:
     # canzona.pipeline); 1: plain 1F1B
     vp: int = 1
+    # how the layers are cut over the pp x vp model chunks (canzona.pipeline.PipelineSplit:
+    # Megatron's account_for_embedding/loss_in_pipeline_split and first / last stage layer counts,
+    # each off by default as in Megatron); the simulator only: the runtime has no pipeline
+    pipeline_split: PipelineSplit = EVEN_SPLIT
     # context parallelism (Megatron's --context-parallel-size, ring attention: sim.model_work):
     # GPUs = DP x CP x TP x PP, each CP rank seq / cp tokens of every micro-batch, the gradients
     # reduced and the optimizer step planned over the DP x CP ranks; 1: none
@@ -202,8 +206,12 @@ class SimConfig:
             raise SpecError(f"seq len {self.workload.seq_len} / cp {self.cp} is not divisible by tp {self.tp} "
                             "(sequence parallelism splits each sequence's tokens over the TP group)")
         resolved = model_of(self, model)
+        if not isinstance(self.pipeline_split, PipelineSplit):
+            raise SpecError(f"pipeline_split must be a PipelineSplit, got {self.pipeline_split!r}")
         stage_layers(resolved[1].layers, self.pp, 0)
-        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp))
+        check_split(self.pipeline_split, resolved[1].layers, self.pp, self.vp)
+        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp),
+                 self.pipeline_split)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
@@ -319,6 +327,7 @@ class SimResult:
             "tp": cfg.tp,
             "pp": cfg.pp,
             "vp": cfg.vp,
+            **({} if cfg.pipeline_split.even else {"pipeline_split": asdict(cfg.pipeline_split)}),
             "cp": cfg.cp,
             "ep": cfg.ep,
             "etp": cfg.etp,
@@ -500,7 +509,8 @@ def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluste
     if cfg.expert_buckets == AUTO_EXPERT_BUCKETS:
         for sizing in (s for s in EXPERT_BUCKETS if s != sizings[0]):
             for stage in range(cfg.pp):
-                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp), cfg.ep, cfg.etp, arch.hidden)
+                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split), cfg.ep,
+                                   cfg.etp, arch.hidden)
                 if part.params and bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizing) != \
                         bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizings[0]):
                     sizings.append(sizing)
@@ -586,7 +596,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):
-        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         work = stage_work(cfg, arch, dims.head_dim, stage_model, stage, rate,
                           fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
         expert_ctx = None
@@ -606,15 +616,16 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                             cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
         plans.append(stage_plan)
         memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage,
-                                vp=cfg.vp)
+                                vp=cfg.vp, split=cfg.pipeline_split)
         if expert_ctx is not None:
             memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
-                                                        dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp),
+                                                        dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp,
+                                                        split=cfg.pipeline_split),
                                             cfg.ep, setup)
         memories.append(memory)
     memory = max(memories, key=lambda m: m.worst.total)
 
-    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a, vp=cfg.vp)
+    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a, vp=cfg.vp, split=cfg.pipeline_split)
     synced = phase.synced
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(engine.now))

@@ -12,7 +12,7 @@ from sim.fp8 import check_precision
 
 # Simulated time grows with the micro-batches each rank runs (every forward and backward is a
 # process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
-MAX_MICRO_BATCHES = 256
+MAX_MICRO_BATCHES = 1024
 MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 
