@@ -381,8 +381,8 @@ Recompute = Annotated[str, typer.Option(help="Activation recompute: none, select
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
-                                      "c x PP + r; needs --pp > 1, layers divisible by PP x VP and micro-batches per DP "
-                                      "rank divisible by PP (1: plain 1F1B).")]
+                                      "c x PP + r; needs --pp > 1, layers divisible by PP x VP (unless an uneven split "
+                                      "below cuts them) and micro-batches per DP rank divisible by PP (1: plain 1F1B).")]
 AccountEmbedding = Annotated[bool, typer.Option(
     "--account-for-embedding-in-pipeline-split",
     help="Megatron's option: the embedding counts as one layer when the layers are cut into the PP x VP model "
