@@ -59,17 +59,14 @@ class PipelineSplit:
         return self.num_layers_in_first_pipeline_stage is not None or self.num_layers_in_last_pipeline_stage is not None
 
     def describe(self) -> str:
-        """The options set, as `canzona simulate`'s flags (Megatron's command-line names)."""
-        parts = []
-        if self.account_for_embedding_in_pipeline_split:
-            parts.append("--account-for-embedding-in-pipeline-split")
-        if self.account_for_loss_in_pipeline_split:
-            parts.append("--account-for-loss-in-pipeline-split")
+        """The split in a few words (the simulate table's title): what is counted, what is given."""
+        counted = [name for name, on in zip(("embedding", "loss"), self.accounted) if on]
+        parts = [f"{' and '.join(counted)} counted as layers"] if counted else []
         if self.num_layers_in_first_pipeline_stage is not None:
-            parts.append(f"--decoder-first-pipeline-num-layers {self.num_layers_in_first_pipeline_stage}")
+            parts.append(f"first stage {self.num_layers_in_first_pipeline_stage} layers")
         if self.num_layers_in_last_pipeline_stage is not None:
-            parts.append(f"--decoder-last-pipeline-num-layers {self.num_layers_in_last_pipeline_stage}")
-        return " ".join(parts)
+            parts.append(f"last stage {self.num_layers_in_last_pipeline_stage} layers")
+        return ", ".join(parts) or "even"
 
 
 EVEN_SPLIT = PipelineSplit()

@@ -273,6 +273,14 @@ def test_simulate_takes_megatrons_flags():
                                    "num_layers_in_last_pipeline_stage": None}
 
 
+def test_simulate_table_names_the_split():
+    result = invoke("simulate", *CLI, "--account-for-embedding-in-pipeline-split",
+                    "--account-for-loss-in-pipeline-split", env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.stderr
+    assert "PP 2 x VP 3 (embedding and loss counted as layers)" in " ".join(result.stdout.split())
+    assert PipelineSplit(num_layers_in_first_pipeline_stage=4).describe() == "first stage 4 layers"
+
+
 @pytest.mark.parametrize("extra,needle", [
     ([], "account-for-embedding-in-pipeline-split"),  # the even split's refusal names the options
     (["--account-for-embedding-in-pipeline-split"], "not divisible by pp 2"),
