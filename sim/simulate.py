@@ -30,7 +30,14 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import LayerDims, LayoutMemory, MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
-from canzona.pipeline import EVEN_SPLIT, PipelineSplit, check_split, check_vp, stage_layers, stage_spec
+from canzona.pipeline import (
+    EVEN_SPLIT,
+    PipelineSplit,
+    check_split,
+    check_vp,
+    stage_layers,
+    stage_spec,
+)
 from canzona.plan import (
     BATCH_CAPACITY,
     DEFAULT_GEOMETRY,

@@ -56,15 +56,15 @@ def megatron_chunk(layers: int, pp: int, vp: int, stage: int, chunk: int, split:
         offset = chunk * round_size if stage == 0 else \
             chunk * round_size + (first or 0) // vp + middle_rank * (middle_layers // vp // middle_stages)
         return offset, count
-    e, l = split.accounted
-    total = layers + e + l
+    e, loss = split.accounted
+    total = layers + e + loss
     count = total // pp // vp
     offset = chunk * (total // vp) + stage * count
     if e and not (stage == 0 and chunk == 0):
         offset -= 1
     if e and stage == 0 and chunk == 0:
         count -= 1
-    if l and stage == pp - 1 and chunk == vp - 1:
+    if loss and stage == pp - 1 and chunk == vp - 1:
         count -= 1
     return offset, count
 
@@ -290,3 +290,22 @@ def test_simulate_table_names_the_split():
 ])
 def test_cli_bad_splits_are_one_error_line(extra, needle):
     error_line(invoke("simulate", *CLI, *extra), needle)
+
+
+# --- the search's bounds -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [BOTH, PipelineSplit(num_layers_in_first_pipeline_stage=12)])
+def test_the_searchs_floors_stay_below_an_uneven_split(split):
+    """The search does not explore uneven splits, but its floors take one (a configuration's) and
+    stay lower bounds: the time floor counts no chunk crossing, the memory floor each stage's own
+    layers."""
+    from canzona.cost import DeviceRate
+    from canzona.hardware import load_profile
+    from sim.search import memory_floor, time_floor
+
+    cfg = replace(PIPE, pipeline_split=split) if split is BOTH else replace(PIPE, vp=2, pipeline_split=split)
+    model = resolve_model(cfg.model, cfg.tp)
+    r = simulate(cfg)
+    assert time_floor(cfg, model, DeviceRate.from_profile(load_profile(cfg.hardware))) <= r.iteration_time_s
+    assert memory_floor(cfg, model) <= r.memory.worst.total
