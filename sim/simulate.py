@@ -78,6 +78,13 @@ from sim.iteration import (
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
+from sim.steady import (
+    EXACT_MICRO_BATCHES,
+    extrapolate,
+    same_choice,
+    short_lengths,
+    with_micro_batches,
+)
 from sim.topology import Cluster
 from sim.workload import Workload, forward_flops
 
@@ -318,6 +325,9 @@ class SimResult:
     # the factor phase A's compute was priced at: the expected slowest GPU of the job over the
     # median GPU (canzona.variability; 1: every GPU alike)
     gpu_slowdown: float = 1.0
+    # (m1, m2): the iteration extrapolated from runs of m1 and m2 micro-batches per DP rank
+    # (sim.steady; the spans are the m2 run's); None: simulated micro-batch by micro-batch
+    extrapolated_from: tuple[int, int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -366,6 +376,8 @@ class SimResult:
             "fell_back_to": self.fell_back_to,
             "mfu": self.mfu,
             "gpu_slowdown": self.gpu_slowdown,
+            **({} if self.extrapolated_from is None else
+               {"extrapolated_from_micro_batches": list(self.extrapolated_from)}),
             "options": asdict(cfg.options),
             "breakdown": self.breakdown,
             "optimizer_breakdown": self.optimizer_breakdown,
@@ -457,6 +469,13 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     micro-group capacity) is simulated in the same way and the fastest kept, marked in
     `expert_choice`."""
     cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
+    lengths = short_lengths(cfg.workload.micro_batches(cluster.batch_dp), cfg.pp)
+    if lengths is not None and plan is None and cfg.options.collectives != RUNTIME_STYLE:
+        # many micro-batches: two shorter iterations, extended (sim.steady)
+        short, long = (simulate(with_micro_batches(cfg, n, cluster.batch_dp), None, replicate_phase_a, model,
+                                by_class=by_class) for n in lengths)
+        if same_choice(short, long):
+            return extrapolate(cfg, short, long, lengths, cfg.workload.micro_batches(cluster.batch_dp))
     if cfg.fsdp:
         if plan is not None:
             raise SpecError("an explicit plan is for the ZeRO-1 layout; under --fsdp the simulator plans the owners")
@@ -715,6 +734,9 @@ def write_trace(result: SimResult, path: str | Path) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stream. Phase A is simulated on
     each pipeline stage's first rank and identical on the stage's other ranks: they show it as one
     span per stream kind."""
+    if result.extrapolated_from is not None:
+        raise SpecError(f"no trace of an iteration extrapolated from {result.extrapolated_from[1]} micro-batches per "
+                        f"DP rank (more than {EXACT_MICRO_BATCHES}): trace a run of at most that many")
     events: list[dict[str, Any]] = []
     c = result.config
     stage_gpus = c.gpus // c.pp

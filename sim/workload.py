@@ -10,11 +10,10 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 from sim.eager_kernels import FUSED, check_kernels
 from sim.fp8 import check_precision
 
-# A speed and memory guard, nothing of Megatron's: simulated time and the engine's memory grow
-# linearly with the micro-batches each rank runs (every forward and backward of every chunk is a
-# process). Measured (2026-11-28, one core, shared): Qwen3-235B-A22B on 256 H100 at TP 2, PP 8 x
-# VP 4, EP 32 (94 layers), 128 micro-batches 13 s, 512 (Megatron-Bridge's GBS 8192 row) 58 s and
-# 1.5 GB. Beyond 1M tokens a sequence is not a training setup.
+# A guard against mistakes, nothing of Megatron's: above sim.steady.EXACT_MICRO_BATCHES (256) the
+# iteration is extrapolated from two shorter ones (whose cost does not grow with the count), so the
+# simulation stays fast; at most 256 every micro-batch is simulated. Beyond 1M tokens a sequence is
+# not a training setup.
 MAX_MICRO_BATCHES = 1024
 MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
