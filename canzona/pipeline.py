@@ -81,6 +81,7 @@ def check_split(split: PipelineSplit, layers: int, pp: int, vp: int = 1) -> None
     accounting, layers + 1 (+ 1) divisible by `pp` and each stage's share by `vp`."""
     if split.even:
         return
+    check_vp(vp, pp)  # a whole vp >= 1 (and pp > 1 under it) before anything is divided by it
     for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         if not isinstance(getattr(split, name), bool):
             raise SpecError(f"{name} must be True or False, got {getattr(split, name)!r}")
@@ -193,7 +194,6 @@ def split_chunk(layers: int, pp: int, stage: int, chunk: int, vp: int, split: Pi
     - Embedding / loss counted: the model is `layers + e + l` slots (slot 0 the embedding, the last
       the loss), each chunk `(layers + e + l) / (pp * vp)` consecutive slots: the first chunk of the
       first stage one decoder layer short (it may hold none), the last chunk of the last stage too."""
-    check_vp(vp, pp)
     check_split(split, layers, pp, vp)
     if not 0 <= stage < pp:
         raise SpecError(f"stage {stage} is outside 0..{pp - 1}")

@@ -152,6 +152,7 @@ def test_a_stage_holds_its_chunks_parameters():
      "needs a middle stage"),
     (30, 1, 1, PipelineSplit(num_layers_in_first_pipeline_stage=30), "pp > 1"),
     (30, 4, 1, PipelineSplit(account_for_loss_in_pipeline_split="yes"), "must be True or False"),
+    (30, 4, 0, PipelineSplit(num_layers_in_first_pipeline_stage=6), "vp must be a whole number"),
 ])
 def test_refused_splits_are_one_line(layers, pp, vp, split, needle):
     with pytest.raises(SpecError) as e:
