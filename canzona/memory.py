@@ -53,7 +53,14 @@ from canzona.optimizers import (
     default_config,
     matrix_optimizer,
 )
-from canzona.pipeline import chunk_layers, peak_in_flight, rank_layers, stage_layers
+from canzona.pipeline import (
+    EVEN_SPLIT,
+    PipelineSplit,
+    chunk_layers,
+    peak_in_flight,
+    peak_layers_in_flight,
+    rank_layers,
+)
 from canzona.plan import Plan, check_plan_matches
 from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_OP, check_recompute, saved_mm_widths
 from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
@@ -450,14 +457,16 @@ def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: in
 
 
 def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0,
-                         vp: int = 1) -> dict[str, float]:
+                         vp: int = 1, split: PipelineSplit = EVEN_SPLIT) -> dict[str, float]:
     """The activation peak of one GPU of pipeline stage `stage`, by part (bytes):
 
     - `layers`: the stage's layers times the micro-batches in flight (1F1B: stage i holds up to
       `pp - i` micro-batches, capped by `setup.micro_batches`; one at a time without pipelining);
       under the interleaved schedule (`vp` > 1), a chunk's layers times the micro-batch-chunks in
       flight (`canzona.pipeline.peak_in_flight`: stage 0 holds `layers * (1 + (pp - 1) / (pp * vp))`
-      layers' worth, Korthikanti et al. 2022, section 4.2.3);
+      layers' worth, Korthikanti et al. 2022, section 4.2.3); under an uneven `split`
+      (`canzona.pipeline.PipelineSplit`) the most layers held at once, each chunk by its own size
+      (`canzona.pipeline.peak_layers_in_flight`);
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
       under selective-op, what one layer recomputes beside what it saved;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
@@ -466,18 +475,21 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       keeps it in another dtype) plus the bf16 logits it is made from, split over t by the
       vocabulary-parallel head (last stage)."""
     if vp == 1:
-        per_chunk = len(stage_layers(dims.layers, pp, stage))
         in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
+        held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * in_flight
         embedded = in_flight
     else:  # the micro-batch-chunks in flight at the peak of the interleaved order, each a chunk's layers
-        per_chunk = len(chunk_layers(dims.layers, pp, stage, 0, vp))
-        in_flight = peak_in_flight(stage, pp, setup.micro_batches, vp)
+        if split.even:
+            held = len(chunk_layers(dims.layers, pp, stage, 0, vp)) * peak_in_flight(stage, pp, setup.micro_batches, vp)
+        else:
+            sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
+            held = peak_layers_in_flight(stage, pp, setup.micro_batches, vp, sizes)
         embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)  # the embedding: chunk 0's
     tokens = setup.seq_len * setup.micro_batch
     sp_div = tp if setup.sequence_parallel else 1
     e = setup.activation_bytes
     out = {
-        "layers": per_chunk * in_flight * layer_activation_bytes(dims, setup, tp),
+        "layers": held * layer_activation_bytes(dims, setup, tp),
         "recompute_working_set": _recompute_working_set(dims, setup, tp),
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
@@ -496,8 +508,9 @@ def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int) -> floa
     return 0.0
 
 
-def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0, vp: int = 1) -> int:
-    return math.ceil(sum(activation_breakdown(dims, setup, tp, pp, stage, vp).values()))
+def activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0, vp: int = 1,
+                     split: PipelineSplit = EVEN_SPLIT) -> int:
+    return math.ceil(sum(activation_breakdown(dims, setup, tp, pp, stage, vp, split).values()))
 
 
 # --- optimizer step -----------------------------------------------------------------------------
@@ -647,12 +660,14 @@ def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -
 
 def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: LayerDims,
                    setup: MemorySetup | None = None, *, dp: int | None = None, pp: int = 1, stage: int = 0,
-                   matrix_config: object | None = None, vp: int = 1) -> LayoutMemory:
+                   matrix_config: object | None = None, vp: int = 1,
+                   split: PipelineSplit = EVEN_SPLIT) -> LayoutMemory:
     """Memory of every GPU of one pipeline stage (`dp x tp` ranks) running `plan` under `policy`.
 
     `spec` and `plan` are the stage's (with `pp > 1`: `stage_spec(...)` and a plan made for it;
     `dims` describes the whole model; `vp` > 1: the interleaved schedule, the stage holding its
-    `vp` model chunks' layers). `dp` is the cluster's DP size: by default the plan's; a
+    `vp` model chunks' layers; `split`: how the layers are cut over the chunks,
+    `canzona.pipeline.PipelineSplit`). `dp` is the cluster's DP size: by default the plan's; a
     replicated policy's plan may be made for one DP rank (as the simulator makes `sc`'s).
     `matrix_config` overrides the optimizer's default configuration for the kernel workspace.
     """
@@ -668,11 +683,11 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     policy.check_dp_plan(plan.dp_plan)
     policy.check_tp_plan(plan.tp_plan.policy, tp)
     if vp == 1:
-        rng = stage_layers(dims.layers, pp, stage)
+        rng = chunk_layers(dims.layers, pp, stage, 0, 1, split)
         where = f"layers {rng.start}..{rng.stop - 1}"
     else:
-        rng = rank_layers(dims.layers, pp, stage, vp)
-        where = ", ".join(f"layers {c.start}..{c.stop - 1}" for c in (chunk_layers(dims.layers, pp, stage, k, vp)
+        rng = rank_layers(dims.layers, pp, stage, vp, split)
+        where = ", ".join(f"layers {c.start}..{c.stop - 1}" for c in (chunk_layers(dims.layers, pp, stage, k, vp, split)
                                                                       for k in range(vp)))
     outside = next((p.name for p in spec.params if p.layer is not None and p.layer not in rng), None)
     if outside is not None:
@@ -698,7 +713,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     if setup.fp8:  # Transformer Engine's cached FP8 weight and its transpose, per linear weight
         weights += FP8_WEIGHT_CACHE * sum(p.local_numel(tp) for p in fp8_linear_params(spec))
     grads = buckets * gb + adamw_size * adamw_gb
-    activations = activation_bytes(dims, setup, tp, pp, stage, vp)
+    activations = activation_bytes(dims, setup, tp, pp, stage, vp, split)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0
     workspace = {p.name: kernel_workspace_bytes(plan.optimizer, p.shape, gb, matrix_config)
                  for p in spec.matrix_params()}

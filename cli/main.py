@@ -309,9 +309,10 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
                 gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                kernels: str = "fused", fsdp_impl: str = "fsdp2"):
+                kernels: str = "fused", fsdp_impl: str = "fsdp2", pipeline_split=None):
     """The simulator's configuration of a command's options; keyword-only, so that no caller can
     pass two of its many same-typed options in each other's place."""
+    from canzona.pipeline import EVEN_SPLIT
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -327,7 +328,7 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                      expert_buckets=expert_buckets,
                      router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
                      reshard_after_forward=reshard_after_forward, fsdp_impl=fsdp_impl,
-                     gpu_variability=gpu_variability)
+                     gpu_variability=gpu_variability, pipeline_split=pipeline_split or EVEN_SPLIT)
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -383,8 +384,23 @@ Recompute = Annotated[str, typer.Option(help="Activation recompute: none, select
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
-                                      "c x PP + r; needs --pp > 1, layers divisible by PP x VP and micro-batches per DP "
-                                      "rank divisible by PP (1: plain 1F1B).")]
+                                      "c x PP + r; needs --pp > 1, layers divisible by PP x VP (unless an uneven split "
+                                      "below cuts them) and micro-batches per DP rank divisible by PP (1: plain 1F1B).")]
+AccountEmbedding = Annotated[bool, typer.Option(
+    "--account-for-embedding-in-pipeline-split",
+    help="Megatron's option: the embedding counts as one layer when the layers are cut into the PP x VP model "
+         "chunks ((layers + 1 [+ 1]) / (PP x VP) a chunk, the first chunk a decoder layer short); the simulator only.")]
+AccountLoss = Annotated[bool, typer.Option(
+    "--account-for-loss-in-pipeline-split",
+    help="Megatron's option: the output layer and loss count as one layer when the layers are cut into the PP x VP "
+         "model chunks (the last chunk a decoder layer short); the simulator only.")]
+FirstStageLayers = Annotated[int | None, typer.Option(
+    "--decoder-first-pipeline-num-layers",
+    help="Megatron's option: the first pipeline stage's decoder layers (divisible by VP), the middle stages "
+         "splitting what the first / last stages leave; not with the --account-for-* options; the simulator only.")]
+LastStageLayers = Annotated[int | None, typer.Option(
+    "--decoder-last-pipeline-num-layers",
+    help="Megatron's option: the last pipeline stage's decoder layers (divisible by VP); the simulator only.")]
 Cp = Annotated[int, typer.Option(help="Context parallelism (Megatron's --context-parallel-size, ring attention): each "
                                       "GPU holds seq / CP tokens of every micro-batch, attention exchanges K/V blocks "
                                       "with its CP neighbours, gradients are reduced and the optimizer step planned over "
@@ -470,13 +486,22 @@ def simulate(
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
+    account_for_embedding_in_pipeline_split: AccountEmbedding = False,
+    account_for_loss_in_pipeline_split: AccountLoss = False,
+    decoder_first_pipeline_num_layers: FirstStageLayers = None,
+    decoder_last_pipeline_num_layers: LastStageLayers = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Simulate one training iteration of a layout under one policy."""
+    from canzona.pipeline import PipelineSplit
     from sim.simulate import simulate as run
     from sim.simulate import write_trace
 
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
+                          account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split,
+                          num_layers_in_first_pipeline_stage=decoder_first_pipeline_num_layers,
+                          num_layers_in_last_pipeline_stage=decoder_last_pipeline_num_layers)
     try:
         options = _run_options(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
@@ -491,7 +516,7 @@ def simulate(
                              geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
                              precision=precision, fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_reduce_in_fp32,
                              gpu_variability=gpu_variability, reshard_after_forward=reshard_after_forward,
-                             kernels=kernels, fsdp_impl=fsdp_impl)
+                             kernels=kernels, fsdp_impl=fsdp_impl, pipeline_split=split)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

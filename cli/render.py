@@ -129,7 +129,9 @@ def _options_text(c) -> str:
 def _vp(c) -> str:
     """The interleaved schedule's model chunks per stage, where there are several."""
     vp = getattr(c, "vp", 1)
-    return f" x VP {vp}" if vp > 1 else ""
+    split = getattr(c, "pipeline_split", None)
+    uneven = f" ({split.describe()})" if split is not None and not split.even else ""
+    return (f" x VP {vp}" if vp > 1 else "") + uneven
 
 
 def _cp(c) -> str:

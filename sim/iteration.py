@@ -22,7 +22,7 @@ from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.pipeline import chunk_layers, pipeline_order
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
 from canzona.spec import ModelSpec
 from canzona.step_collectives import (
@@ -317,7 +317,8 @@ def ep_all_to_all_cost(sent: float, received: float, experts: Cluster, hw: Hardw
     return all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1), experts.ep_geometry(), hw)
 
 
-def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int = 1) -> PhaseA:
+def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int = 1,
+                     split: PipelineSplit = EVEN_SPLIT) -> PhaseA:
     """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`;
     with `vp` > 1 model chunks per stage, Megatron's interleaved order), one virtual stage's
     activations reaching the next by point-to-point sends (under interleaving every chunk boundary
@@ -325,7 +326,8 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     simulated on its first rank, which stands for the stage's ranks (see the module docstring),
     unless `all_ranks`; collectives are priced for their real groups either way. With overlapped
     parameter gathers (steady state), the previous step's all-gathers run under this forward,
-    bucket by bucket in the order the forward needs them."""
+    bucket by bucket in the order the forward needs them. `split`: how the layers are cut over
+    the model chunks (`canzona.pipeline.PipelineSplit`; a chunk may hold none)."""
     eng, cl, wl = ctxs[0].engine, ctxs[0].cluster, ctxs[0].workload
     pp, m = len(ctxs), wl.micro_batches(cl.batch_dp)
     virtual = pp * vp  # virtual stage c * pp + s: chunk c of stage s
@@ -336,7 +338,7 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     bwd_in = [[done if v == virtual - 1 else eng.env.event() for _ in range(m)] for v in range(virtual)]
     stalls: list[float] = []
     syncs: list[simpy.Event] = []
-    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp) for s, ctx in enumerate(ctxs)]
+    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp, split) for s, ctx in enumerate(ctxs)]
     for stage in stages:
         syncs += stage.run(m)
     return PhaseA(eng.env.all_of(syncs), stalls,
@@ -349,8 +351,9 @@ class _Stage:
     collectives, sends to the neighbouring stages, DP gradient and parameter collectives."""
 
     def __init__(self, ctx: Context, stage: int, ranks: list[list[int]], fwd_in: list[list[simpy.Event]],
-                 bwd_in: list[list[simpy.Event]], stalls: list[float], vp: int = 1):
-        self.ctx, self.stage, self.all_ranks, self.vp = ctx, stage, ranks, vp
+                 bwd_in: list[list[simpy.Event]], stalls: list[float], vp: int = 1,
+                 split: PipelineSplit = EVEN_SPLIT):
+        self.ctx, self.stage, self.all_ranks, self.vp, self.split = ctx, stage, ranks, vp, split
         self.ranks = ranks[stage]
         self.fwd_in, self.bwd_in, self.stalls = fwd_in, bwd_in, stalls
         self.eng = ctx.engine
@@ -586,8 +589,8 @@ class _Stage:
         if self.vp == 1:
             return [list(range(len(work.layer_ids)))]
         pp, layers = len(self.all_ranks), self.ctx.cfg.layers
-        return [[k for k, layer in enumerate(work.layer_ids) if layer in chunk_layers(layers, pp, self.stage, c, self.vp)]
-                for c in range(self.vp)]
+        return [[k for k, layer in enumerate(work.layer_ids)
+                 if layer in chunk_layers(layers, pp, self.stage, c, self.vp, self.split)] for c in range(self.vp)]
 
     def run(self, micro_batches: int) -> list[simpy.Event]:
         ctx, work, s, vp = self.ctx, self.ctx.work, self.stage, self.vp

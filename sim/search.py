@@ -152,7 +152,9 @@ def _dp(f: Facts, c: Layout) -> int:
 # PP: dividing the layers; VP: dividing each stage's layers (Megatron's interleaving, checked again
 # with the micro-batches by check_vp); CP: context parallelism (ring attention); EP: dividing the
 # experts, MoE only; micro-batch: dividing each DP rank's share of the batch. DP = GPUs / (TP x PP
-# x CP) is what is left.
+# x CP) is what is left. The layers are cut evenly (Megatron's default split): the search does not
+# explore canzona.pipeline.PipelineSplit's uneven splits (embedding / loss counted as layers, first /
+# last stage counts), which `canzona simulate` takes for one layout.
 LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0]),
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
@@ -240,12 +242,12 @@ def memory_floor(cfg: SimConfig, model) -> int:
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     worst = 0
     for stage in _kinds(cfg.pp):
-        whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         part = dense_part(whole) if cfg.ep > 1 else whole
         elements = sum(p.local_numel(cfg.tp) for p in part.params)
         if cfg.ep > 1 and expert_params(whole):
             elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
-        acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp)
+        acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp, cfg.pipeline_split)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + acts + setup.overhead(acts))
     return worst
 
@@ -534,7 +536,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     head_dim = layer_dims(arch, spec).head_dim
     per_stage = []
     for stage in _kinds(cfg.pp):
-        part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         # FP8's casts, not its amax all-reduces (collectives are free here)
         work = stage_work(cfg, arch, head_dim, part, stage, rate,
                           FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
@@ -542,7 +544,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
                                      ring))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
-    crossing = sum(per_stage[:-1]) / cfg.vp
+    # an uneven split's first chunk may hold fewer layers than 1/V of its stage (none at all): no crossing counted
+    crossing = sum(per_stage[:-1]) / cfg.vp if cfg.pipeline_split.even else 0.0
     return max(max(per_stage) * m, per_stage[-1] * m + crossing)
 
 

@@ -37,7 +37,14 @@ from canzona.memory import (
 )
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
-from canzona.pipeline import check_vp, stage_layers, stage_spec
+from canzona.pipeline import (
+    EVEN_SPLIT,
+    PipelineSplit,
+    check_split,
+    check_vp,
+    stage_layers,
+    stage_spec,
+)
 from canzona.plan import (
     BATCH_CAPACITY,
     DEFAULT_GEOMETRY,
@@ -78,6 +85,13 @@ from sim.iteration import (
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
 from sim.options import RunOptions
+from sim.steady import (
+    EXACT_MICRO_BATCHES,
+    extrapolate,
+    same_choice,
+    short_lengths,
+    with_micro_batches,
+)
 from sim.topology import Cluster
 from sim.workload import Workload, forward_flops
 
@@ -122,6 +136,10 @@ class SimConfig:
     # model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule:
     # canzona.pipeline); 1: plain 1F1B
     vp: int = 1
+    # how the layers are cut over the pp x vp model chunks (canzona.pipeline.PipelineSplit:
+    # Megatron's account_for_embedding/loss_in_pipeline_split and first / last stage layer counts,
+    # each off by default as in Megatron); the simulator only: the runtime has no pipeline
+    pipeline_split: PipelineSplit = EVEN_SPLIT
     # context parallelism (Megatron's --context-parallel-size, ring attention: sim.model_work):
     # GPUs = DP x CP x TP x PP, each CP rank seq / cp tokens of every micro-batch, the gradients
     # reduced and the optimizer step planned over the DP x CP ranks; 1: none
@@ -209,8 +227,12 @@ class SimConfig:
             raise SpecError(f"seq len {self.workload.seq_len} / cp {self.cp} is not divisible by tp {self.tp} "
                             "(sequence parallelism splits each sequence's tokens over the TP group)")
         resolved = model_of(self, model)
+        if not isinstance(self.pipeline_split, PipelineSplit):
+            raise SpecError(f"pipeline_split must be a PipelineSplit, got {self.pipeline_split!r}")
         stage_layers(resolved[1].layers, self.pp, 0)
-        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp))
+        check_split(self.pipeline_split, resolved[1].layers, self.pp, self.vp)
+        check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp),
+                 self.pipeline_split)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
@@ -316,6 +338,9 @@ class SimResult:
     # reduce-scatter implementation that routes each of them alike is the same run
     # (`canzona.reductions.alike_impls`); none under FSDP, which has no such reduce-scatter
     reduce_scatters: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # (m1, m2): the iteration extrapolated from runs of m1 and m2 micro-batches per DP rank
+    # (sim.steady; the spans are the m2 run's); None: simulated micro-batch by micro-batch
+    extrapolated_from: tuple[int, int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -332,6 +357,7 @@ class SimResult:
             "tp": cfg.tp,
             "pp": cfg.pp,
             "vp": cfg.vp,
+            **({} if cfg.pipeline_split.even else {"pipeline_split": asdict(cfg.pipeline_split)}),
             "cp": cfg.cp,
             "ep": cfg.ep,
             "etp": cfg.etp,
@@ -363,6 +389,8 @@ class SimResult:
             "fell_back_to": self.fell_back_to,
             "mfu": self.mfu,
             "gpu_slowdown": self.gpu_slowdown,
+            **({} if self.extrapolated_from is None else
+               {"extrapolated_from_micro_batches": list(self.extrapolated_from)}),
             "options": asdict(cfg.options),
             "breakdown": self.breakdown,
             "optimizer_breakdown": self.optimizer_breakdown,
@@ -454,6 +482,13 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     micro-group capacity) is simulated in the same way and the fastest kept, marked in
     `expert_choice`."""
     cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
+    lengths = short_lengths(cfg.workload.micro_batches(cluster.batch_dp), cfg.pp)
+    if lengths is not None and plan is None and cfg.options.collectives != RUNTIME_STYLE:
+        # many micro-batches: two shorter iterations, extended (sim.steady)
+        short, long = (simulate(with_micro_batches(cfg, n, cluster.batch_dp), None, replicate_phase_a, model,
+                                by_class=by_class) for n in lengths)
+        if same_choice(short, long):
+            return extrapolate(cfg, short, long, lengths, cfg.workload.micro_batches(cluster.batch_dp))
     if cfg.fsdp:
         if plan is not None:
             raise SpecError("an explicit plan is for the ZeRO-1 layout; under --fsdp the simulator plans the owners")
@@ -520,7 +555,8 @@ def expert_choices(cfg: SimConfig, model: tuple[ModelSpec, Architecture], cluste
     if cfg.expert_buckets == AUTO_EXPERT_BUCKETS:
         for sizing in (s for s in EXPERT_BUCKETS if s != sizings[0]):
             for stage in range(cfg.pp):
-                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp), cfg.ep, cfg.etp, arch.hidden)
+                part = expert_part(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split), cfg.ep,
+                                   cfg.etp, arch.hidden)
                 if part.params and bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizing) != \
                         bucket_names(part, experts.dp, experts.tp, cfg.bucket_size, sizings[0]):
                     sizings.append(sizing)
@@ -606,7 +642,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):
-        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp)
+        stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         work = stage_work(cfg, arch, dims.head_dim, stage_model, stage, rate,
                           fp8_setup(wl, hw, cluster, stage_model, stage, cfg.vp))
         expert_ctx = None
@@ -626,15 +662,16 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                             cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
         plans.append(stage_plan)
         memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage,
-                                vp=cfg.vp)
+                                vp=cfg.vp, split=cfg.pipeline_split)
         if expert_ctx is not None:
             memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
-                                                        dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp),
+                                                        dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp,
+                                                        split=cfg.pipeline_split),
                                             cfg.ep, setup)
         memories.append(memory)
     memory = max(memories, key=lambda m: m.worst.total)
 
-    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a, vp=cfg.vp)
+    phase = forward_backward(ctxs, all_ranks=not replicate_phase_a, vp=cfg.vp, split=cfg.pipeline_split)
     synced = phase.synced
     sync_times: list[float] = []
     synced.callbacks.append(lambda _: sync_times.append(engine.now))
@@ -719,6 +756,9 @@ def write_trace(result: SimResult, path: str | Path) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stream. Phase A is simulated on
     each pipeline stage's first rank and identical on the stage's other ranks: they show it as one
     span per stream kind."""
+    if result.extrapolated_from is not None:
+        raise SpecError(f"no trace of an iteration extrapolated from {result.extrapolated_from[1]} micro-batches per "
+                        f"DP rank (more than {EXACT_MICRO_BATCHES}): trace a run of at most that many")
     events: list[dict[str, Any]] = []
     c = result.config
     stage_gpus = c.gpus // c.pp

@@ -11,9 +11,11 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 from sim.eager_kernels import FUSED, check_kernels
 from sim.fp8 import check_precision
 
-# Simulated time grows with the micro-batches each rank runs (every forward and backward is a
-# process): 256 take about 15 s on one core. Beyond 1M tokens a sequence is not a training setup.
-MAX_MICRO_BATCHES = 256
+# A guard against mistakes, nothing of Megatron's: above sim.steady.EXACT_MICRO_BATCHES (256) the
+# iteration is extrapolated from two shorter ones (whose cost does not grow with the count), so the
+# simulation stays fast; at most 256 every micro-batch is simulated. Beyond 1M tokens a sequence is
+# not a training setup.
+MAX_MICRO_BATCHES = 1024
 MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 

@@ -218,8 +218,8 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["plan", "--dp", "10000000"], "dp must be in 1..65536"),
-    (["simulate", "--global-batch", "100000"], "at most 256"),
-    (["compare", "--global-batch", "100000"], "at most 256"),
+    (["simulate", "--global-batch", "100000"], "at most 1024"),
+    (["compare", "--global-batch", "100000"], "at most 1024"),
     (["simulate", "--gpus", "100000"], "at most 16384 GPUs"),
     (["simulate", "--seq-len", "100000000"], "seq len must be <="),
     (["plan", "--alpha", "nan"], "alpha"),
