@@ -19,6 +19,7 @@ from canzona.fileio import parse_json, read_text, write_atomic, write_text_atomi
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from canzona.plan import load_plan
+from sim.workload import MAX_MICRO_BATCHES
 from tests.cli_helpers import error_line, help_text, invoke
 
 PLAN = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2"]
@@ -240,7 +241,7 @@ def test_sizes_and_usage_errors_are_one_line(no_simulation, args, needle):
 def test_limits_are_stated_in_help():
     assert "(1..65536)" in help_text("plan")
     sim_help = help_text("simulate")
-    assert "at most 16384" in sim_help and "256 micro-batches" in sim_help
+    assert "at most 16384" in sim_help and f"{MAX_MICRO_BATCHES} micro-batches" in sim_help
     verify_help = help_text("verify")
     assert "1..16" in verify_help and "at most 1000" in verify_help and "at most 1024" in verify_help
 
