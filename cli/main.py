@@ -61,6 +61,7 @@ from cli.render import (
     verify_table,
 )
 from cli.units import parse_capacity
+from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
 
@@ -339,13 +340,20 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
+                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
+                 dispatcher: tuple[str, str | None, int] | None = None):
+    """`dispatcher`: (--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms)."""
+    from sim.ep_dispatch import EpDispatcher
     from sim.options import RunOptions
 
+    ep_dispatcher = EpDispatcher() if dispatcher is None else EpDispatcher(
+        moe_token_dispatcher_type=dispatcher[0], moe_flex_dispatcher_backend=dispatcher[1],
+        moe_hybridep_num_sms=dispatcher[2])
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
+                      ep_dispatcher=ep_dispatcher)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -441,6 +449,14 @@ FsdpImpl = Annotated[str, typer.Option(
     help="Under --fsdp, the implementation: fsdp2 (torch's fully_shard, canzona's runtime's: its all-gather copy-out "
          "and reduce-scatter copy-in on the compute stream) or megatron-fsdp (collectives on the parameter and "
          "gradient buffers in place).")]
+MoeTokenDispatcherType = Annotated[str, typer.Option(
+    help="Under --ep, Megatron's token dispatcher: alltoall (every token-expert pair sent, as canzona's reference EP "
+         "model runs) or flex (DeepEP / HybridEP: a token crosses to each destination node and rank once).")]
+MoeFlexDispatcherBackend = Annotated[str | None, typer.Option(
+    help="Under --moe-token-dispatcher-type flex, its backend: deepep or hybridep (priced across nodes from their "
+         "published measurements where the hardware has one).")]
+MoeHybridepNumSms = Annotated[int, typer.Option(
+    help="HybridEP's SMs (Megatron's --moe-hybridep-num-sms): which published measurement prices it.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -467,6 +483,9 @@ def simulate(
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
+    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -479,7 +498,8 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
-                                          attention_backend),
+                                          attention_backend, (moe_token_dispatcher_type, moe_flex_dispatcher_backend,
+                                                              moe_hybridep_num_sms)),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
                              reshard_after_forward, kernels, fsdp_impl)
