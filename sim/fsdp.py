@@ -80,9 +80,9 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
+from sim.ep_dispatch import ep_costs
 from sim.fp8 import FP8Setup, fp8_setup
 from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
-from sim.ep_dispatch import ep_costs
 from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster

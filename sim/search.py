@@ -48,8 +48,8 @@ from canzona.reductions import (
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
-from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.ep_dispatch import EpDispatcher, ep_costs
+from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.iteration import _tp_overlap_sms, cp_ring_cost
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions

@@ -158,3 +158,25 @@ def test_flex_across_nodes_without_a_measurement_is_modelled():
     assert d.algorithm == "p2p" and d.link == "network"
     assert d.transfer_s == pytest.approx(max((total - remote) / a100.node.nvlink_ring_busbw,
                                              remote / a100.network.nic_busbw))
+
+
+def test_a_flex_layout_simulates_faster_and_its_search_floor_stays_below():
+    """The search's time floor prices the flex dispatch with the simulator's own costs (a floor),
+    and the recipe's dispatcher makes the Megatron-Bridge layout (EP 16 over two nodes) faster."""
+    from canzona.cost import DeviceRate
+    from canzona.models import resolve_model
+    from sim.search import Question, config_of, time_floor
+    from sim.simulate import simulate
+
+    flex = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                        moe_hybridep_num_sms=32)
+    layout = {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"}
+    times = {}
+    for d in (EpDispatcher(), flex):
+        q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16, ep_dispatcher=d)
+        cfg = config_of(q, layout)
+        assert cfg.options.ep_dispatcher == d
+        times[d.moe_token_dispatcher_type] = simulate(cfg).iteration_time_s
+        assert time_floor(cfg, resolve_model(q.model), DeviceRate.from_profile(H100), H100) <= times[
+            d.moe_token_dispatcher_type]
+    assert times["flex"] < 0.8 * times["alltoall"]
