@@ -342,18 +342,25 @@ def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  dispatcher: tuple[str, str | None, int] | None = None):
-    """`dispatcher`: (--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms)."""
-    from sim.ep_dispatch import EpDispatcher
+    """`dispatcher`: as `_ep_dispatcher`'s (None: the default)."""
     from sim.options import RunOptions
 
-    ep_dispatcher = EpDispatcher() if dispatcher is None else EpDispatcher(
-        moe_token_dispatcher_type=dispatcher[0], moe_flex_dispatcher_backend=dispatcher[1],
-        moe_hybridep_num_sms=dispatcher[2])
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
-                      ep_dispatcher=ep_dispatcher)
+                      ep_dispatcher=_ep_dispatcher(dispatcher))
+
+
+def _ep_dispatcher(dispatcher: tuple[str, str | None, int] | None):
+    """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms) as
+    `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked where the options are."""
+    from sim.ep_dispatch import EpDispatcher
+
+    if dispatcher is None:
+        return EpDispatcher()
+    kind, backend, sms = dispatcher
+    return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -585,6 +592,9 @@ def compare(
 def search(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
+    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -606,7 +616,9 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
-                            global_batch=global_batch, precision=precision)
+                            global_batch=global_batch, precision=precision,
+                            ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
+                                                          moe_hybridep_num_sms)))
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

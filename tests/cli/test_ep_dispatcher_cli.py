@@ -37,3 +37,9 @@ def test_bad_dispatcher_options_are_one_error_line():
     error_line(invoke("simulate", *SIM, "--moe-flex-dispatcher-backend", "deepep"),
                "is for --moe-token-dispatcher-type flex")
     error_line(invoke("simulate", *SIM, *FLEX, "--moe-hybridep-num-sms", "0"), "--moe-hybridep-num-sms", "got 0")
+
+
+def test_search_takes_the_dispatcher():
+    assert "--moe-token-dispatcher-type" in help_text("search")
+    error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--moe-token-dispatcher-type", "flex"),
+               "needs --moe-flex-dispatcher-backend")
