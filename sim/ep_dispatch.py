@@ -1,5 +1,5 @@
 """How a mixture-of-experts layer's tokens reach their experts' EP ranks and come back: Megatron's
-token dispatchers (docs/design.md §9.3, §9.6).
+token dispatchers (docs/design.md §2.7, §9.6).
 
 Megatron's `--moe-token-dispatcher-type`:
 - `alltoall` (`MoEAlltoAllTokenDispatcher`, and what canzona's reference EP model runs:

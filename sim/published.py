@@ -107,7 +107,8 @@ class PublishedRun:
         """The row's dispatcher (`EpDispatcher`'s defaults for what the recipe does not state)."""
         return EpDispatcher(moe_token_dispatcher_type=self.moe_token_dispatcher_type or ALLTOALL,
                             moe_flex_dispatcher_backend=self.moe_flex_dispatcher_backend,
-                            moe_hybridep_num_sms=self.moe_hybridep_num_sms or DEFAULT_HYBRIDEP_SMS)
+                            moe_hybridep_num_sms=DEFAULT_HYBRIDEP_SMS if self.moe_hybridep_num_sms is None
+                            else self.moe_hybridep_num_sms)
 
     @property
     def grad_bytes(self) -> int:
@@ -397,13 +398,6 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
                         f"got {fsdp_impl!r}")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
                                         "moe_hybridep_num_sms")}
-    if any(v is not None for v in dispatch.values()):
-        try:
-            EpDispatcher(moe_token_dispatcher_type=dispatch["moe_token_dispatcher_type"] or ALLTOALL,
-                         moe_flex_dispatcher_backend=dispatch["moe_flex_dispatcher_backend"],
-                         moe_hybridep_num_sms=dispatch["moe_hybridep_num_sms"] or DEFAULT_HYBRIDEP_SMS).check()
-        except SpecError as e:
-            raise SpecError(f"{where}: {e}") from None
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
                 "fsdp_impl", *dispatch)
@@ -422,6 +416,10 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **dispatch, **ints)
+    try:
+        run.ep_dispatcher.check()
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

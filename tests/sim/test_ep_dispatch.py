@@ -97,6 +97,9 @@ def test_a_row_with_a_bad_dispatcher_is_one_error_line():
            "moe_token_dispatcher_type": "flex", "recipe_source": "https://example.org/r"}
     with pytest.raises(SpecError, match=r"^row x: --moe-token-dispatcher-type flex needs"):
         published.parse_run(raw, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    bad_sms = {**raw, "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 0}
+    with pytest.raises(SpecError, match=r"^row x: --moe-hybridep-num-sms must be .* got 0$"):
+        published.parse_run(bad_sms, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
 
 
 def _experts(gpus: int, ep: int) -> Cluster:
