@@ -61,6 +61,7 @@ from cli.render import (
     verify_table,
 )
 from cli.units import parse_capacity
+from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
 
@@ -342,14 +343,28 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
-    """The run options of a command's options (keyword-only, as `_sim_config`)."""
+                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
+                 dispatcher: tuple[str, str | None, int] | None = None):
+    """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
+    `_ep_dispatcher`'s (None: the default)."""
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
+                      ep_dispatcher=_ep_dispatcher(dispatcher))
+
+
+def _ep_dispatcher(dispatcher: tuple[str, str | None, int] | None):
+    """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms) as
+    `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked where the options are."""
+    from sim.ep_dispatch import EpDispatcher
+
+    if dispatcher is None:
+        return EpDispatcher()
+    kind, backend, sms = dispatcher
+    return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -460,6 +475,14 @@ FsdpImpl = Annotated[str, typer.Option(
     help="Under --fsdp, the implementation: fsdp2 (torch's fully_shard, canzona's runtime's: its all-gather copy-out "
          "and reduce-scatter copy-in on the compute stream) or megatron-fsdp (collectives on the parameter and "
          "gradient buffers in place).")]
+MoeTokenDispatcherType = Annotated[str, typer.Option(
+    help="Under --ep, Megatron's token dispatcher: alltoall (every token-expert pair sent, as canzona's reference EP "
+         "model runs) or flex (DeepEP / HybridEP: a token crosses to each destination node and rank once).")]
+MoeFlexDispatcherBackend = Annotated[str | None, typer.Option(
+    help="Under --moe-token-dispatcher-type flex, its backend: deepep or hybridep (priced across nodes from their "
+         "published measurements where the hardware has one).")]
+MoeHybridepNumSms = Annotated[int, typer.Option(
+    help="HybridEP's SMs (Megatron's --moe-hybridep-num-sms): which published measurement prices it.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -490,6 +513,9 @@ def simulate(
     account_for_loss_in_pipeline_split: AccountLoss = False,
     decoder_first_pipeline_num_layers: FirstStageLayers = None,
     decoder_last_pipeline_num_layers: LastStageLayers = None,
+    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -507,7 +533,9 @@ def simulate(
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend,
+                               dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
+                                           moe_hybridep_num_sms))
         config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
                              tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
                              hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
@@ -604,6 +632,9 @@ def compare(
 def search(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
+    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -625,7 +656,9 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
-                            global_batch=global_batch, precision=precision)
+                            global_batch=global_batch, precision=precision,
+                            ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
+                                                          moe_hybridep_num_sms)))
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

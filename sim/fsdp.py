@@ -80,9 +80,10 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
+from sim.ep_dispatch import ep_costs
 from sim.fp8 import FP8Setup, fp8_setup
 from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
-from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM, ep_all_to_all_cost
+from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM
 from sim.model_work import Block, micro_batch_work
 from sim.topology import Cluster
 
@@ -226,10 +227,10 @@ class _FsdpRun:
                 if not b.ep_bytes:
                     last = self.engine.compute(0, label, b.seconds, [last])
                     continue
-                cost = ep_all_to_all_cost(b.ep_bytes, b.ep_received, self.experts_cluster, self.hw)
-                last = self.engine.collective(f"{label} dispatch", [0], cost, EP_COMM, {0: [last]})[0]
+                dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw)
+                last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]})[0]
                 last = self.engine.compute(0, label, b.seconds, [last])
-                last = self.engine.collective(f"{label} combine", [0], cost, EP_COMM, {0: [last]})[0]
+                last = self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]})[0]
             return last
         last = self.engine.env.all_of([last, gathered])
         for b in blocks:
@@ -298,7 +299,7 @@ class _FsdpRun:
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
                                 ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
                                 fp8=self._fp8(), attention_backend=cfg.options.attention_backend,
-                                kernels=wl.kernels)
+                                kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's

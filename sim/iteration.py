@@ -67,6 +67,7 @@ from sim.collectives import (
 )
 from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
+from sim.ep_dispatch import ep_costs
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -309,14 +310,6 @@ def cp_ring_cost(sent: float, cluster: Cluster, hw: HardwareProfile) -> Collecti
     return all_to_all_cost([sent, sent], [sent, sent], cluster.cp_geometry(), hw)
 
 
-def ep_all_to_all_cost(sent: float, received: float, experts: Cluster, hw: HardwareProfile) -> CollectiveCost:
-    """An EP group's token dispatch (or combine) all-to-all: every member sends `sent` bytes to the
-    others and the busiest receives `received` (the combine returns the same bytes the other way:
-    its busiest sender sends `received`, which takes as long); `experts`: the GPUs in expert order."""
-    ep = experts.ep
-    return all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1), experts.ep_geometry(), hw)
-
-
 def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int = 1,
                      split: PipelineSplit = EVEN_SPLIT) -> PhaseA:
     """Phase A: every pipeline stage runs its micro-batches in 1F1B order (`canzona.pipeline`;
@@ -380,7 +373,7 @@ class _Stage:
             self.edp_groups = _groups(self.ranks, ecl.dp_groups(stage))
             self.expert_firsts = _bucket_first_layers(self.experts)
             self.expert_completed = backward_layers(self.experts.plan, self.experts.spec)
-            self.ep_costs: dict[tuple[float, float], CollectiveCost] = {}
+            self.ep_costs: dict[tuple, tuple[CollectiveCost, CollectiveCost]] = {}
             self.etp_costs: dict[tuple[str, float], CollectiveCost] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
@@ -409,8 +402,8 @@ class _Stage:
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
         ctx, ranks = self.ctx, self.ranks
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
-            cost = self._ep_cost(b.ep_bytes, b.ep_received)
-            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, cost, EP_COMM))
+            dispatch, combine = self._ep_cost(b)
+            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, dispatch, EP_COMM))
             if b.etp_bytes:  # expert TP: the ETP group's tokens gathered, the outputs reduce-scattered
                 gather = self._etp_cost("all-gather", b.etp_bytes)
                 self.last.update(self.collective(f"{name} etp all-gather", self.etp_groups, gather, ETP_COMM))
@@ -418,7 +411,7 @@ class _Stage:
             if b.etp_bytes:
                 scatter = self._etp_cost("reduce-scatter", b.etp_bytes)
                 self.last.update(self.collective(f"{name} etp reduce-scatter", self.etp_groups, scatter, ETP_COMM))
-            self.last.update(self.collective(f"{name} combine", self.ep_groups, cost, EP_COMM))
+            self.last.update(self.collective(f"{name} combine", self.ep_groups, combine, EP_COMM))
             return
         if ctx.tp == 1 or not b.tp_collectives:
             self.core(name, b.seconds, b)
@@ -502,13 +495,12 @@ class _Stage:
             self.ring_costs[sent] = cp_ring_cost(sent, self.ctx.cluster, self.ctx.hw)
         return self.ring_costs[sent]
 
-    def _ep_cost(self, sent: float, received: float) -> CollectiveCost:
-        """An EP group's all-to-all where every member sends `sent` bytes to the others and the
-        busiest receives `received` (the combine returns the same bytes the other way: its busiest
-        sender sends `received`, which takes as long)."""
-        key = (sent, received)
+    def _ep_cost(self, b) -> tuple[CollectiveCost, CollectiveCost]:
+        """An expert block's dispatch and combine (`sim.ep_dispatch.ep_costs`: the all-to-all of
+        every pair, or the flex dispatcher's)."""
+        key = (b.ep_bytes, b.ep_received, b.ep_flex)
         if key not in self.ep_costs:
-            self.ep_costs[key] = ep_all_to_all_cost(sent, received, self.experts.cluster, self.ctx.hw)
+            self.ep_costs[key] = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts.cluster, self.ctx.hw)
         return self.ep_costs[key]
 
     def _etp_cost(self, op: str, total: float) -> CollectiveCost:

@@ -61,6 +61,7 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import eager_kernels as ek
 from sim import layer_kernels as lk
 from sim.eager_kernels import EAGER, FUSED, check_kernels
+from sim.ep_dispatch import HYBRIDEP, EpDispatcher, FlexTraffic
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
@@ -81,6 +82,9 @@ class Block:
     # and in the combine after it (forward; backward sends the gradients back the same way)
     ep_bytes: float = 0.0
     ep_received: float = 0.0  # what the busiest rank of the EP group receives (an unbalanced router)
+    # under a flex token dispatcher (DeepEP, HybridEP: sim.ep_dispatch), what it moves, which
+    # prices the dispatch and combine in place of the all-to-all of `ep_bytes`; None: all-to-all
+    ep_flex: FlexTraffic | None = None
     # expert TP: the bytes an ETP group's all-gather of the received pairs gathers (its whole
     # output), and its reduce-scatter of the experts' outputs reduces, around the grouped GEMMs
     etp_bytes: float = 0.0
@@ -136,7 +140,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
                      fp8: FP8Setup | None = None,
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
-                     accumulate: int = 0) -> MicroBatchWork:
+                     accumulate: int = 0, dispatcher: EpDispatcher | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -152,7 +156,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     flash, flash-attn 2); `kernels`: the memory-bound kernels fused (`sim.layer_kernels`) or
     PyTorch's eager ops (`sim.eager_kernels`); `accumulate`: the bytes of a gradient buffer element
     every weight-gradient GEMM adds into (`Workload.grad_bytes` under Megatron's gradient
-    accumulation fusion; 0: fresh gradients, as FSDP's)."""
+    accumulation fusion; 0: fresh gradients, as FSDP's); `dispatcher`: Megatron's token dispatcher
+    under EP (`sim.ep_dispatch`; None: the all-to-all of every pair)."""
     check_recompute(recompute)
     eager = check_kernels(kernels) == EAGER
     if accumulate not in (0, DTYPE_BYTES["bf16"], DTYPE_BYTES["fp32"]):
@@ -273,7 +278,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         if moe_by_id[layer]:
             assert experts is not None
             fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate)
+                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate,
+                                     dispatcher)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:
@@ -301,7 +307,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
                   rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
                   imbalance: float = 1.0, etp: int = 1, fp8: FP8Setup | None = None,
-                  accumulate: int = 0) -> tuple[Block, Block]:
+                  accumulate: int = 0, dispatcher: EpDispatcher | None = None) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
@@ -316,8 +322,16 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     all-gather and reduce-scatter of the pairs (`Block.etp_bytes`). Under FP8 the expert GEMMs run
     in FP8 (TE's GroupedLinear), each casting its input, its output gradient and (once per
     iteration) its weights; the router stays in `dtype`. `accumulate`: as `micro_batch_work`'s (the
-    weight gradients added into the gradient buffer inside their GEMMs)."""
+    weight gradients added into the gradient buffer inside their GEMMs). Under a flex
+    `dispatcher` the block carries the tokens it dispatches (`Block.ep_flex`, priced by
+    `sim.ep_dispatch`: each token once per destination rank and node)."""
     count, per_token = experts
+    flex = None
+    if ep > 1 and dispatcher is not None and dispatcher.flex:
+        backend = dispatcher.moe_flex_dispatcher_backend
+        assert backend is not None  # EpDispatcher.check
+        flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else 0,
+                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance)
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
     computed = busiest * etp  # the pairs the rank computes: its ETP group's
@@ -365,9 +379,9 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     received = busiest * hidden * two * (ep - 1) / ep
     gathered = computed * hidden * two if etp > 1 else 0.0
     return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received,
-                  etp_bytes=gathered),
+                  etp_bytes=gathered, ep_flex=flex),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
-                  ep_received=received, etp_bytes=gathered))
+                  ep_received=received, etp_bytes=gathered, ep_flex=flex))
 
 
 def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSpec], tokens: int, tp: int,

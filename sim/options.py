@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
 from canzona.choices import check_choice
@@ -12,6 +12,7 @@ from canzona.memory import check_recompute
 from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
 from canzona.step_options import STEP_DEFAULTS
+from sim.ep_dispatch import EpDispatcher
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class RunOptions:
     # what Megatron's "auto" picks on Hopper) or "flash" (TE's FlashAttention backend, flash-attn 2
     # under TE 1.x); priced from the FlashAttention-3 paper's series (canzona.attention_rate)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # Megatron's token dispatcher under expert parallelism (--moe-token-dispatcher-type, under flex
+    # --moe-flex-dispatcher-backend and --moe-hybridep-num-sms: sim.ep_dispatch); the default, the
+    # all-to-all of every token-expert pair, is what canzona's reference EP model runs
+    ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
@@ -56,6 +61,7 @@ class RunOptions:
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
+        self.ep_dispatcher.check()
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")

@@ -27,6 +27,7 @@ from canzona.optimizers import matrix_optimizer
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from canzona.spec import DTYPE_BYTES
 from sim.eager_kernels import FUSED, KERNEL_MODES
+from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
@@ -98,6 +99,20 @@ class PublishedRun:
     # `sim.published_search` ranks such a layout but does not hold it to the search's aim, since
     # nothing says a faster layout was not there to find; "": a tuned benchmark
     layout_not_tuned: str = ""
+    # Megatron's token dispatcher as the recipe ran it (`RunOptions.ep_dispatcher`, sim.ep_dispatch:
+    # --moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms); None: not
+    # stated, simulated with the all-to-all
+    moe_token_dispatcher_type: str | None = None
+    moe_flex_dispatcher_backend: str | None = None
+    moe_hybridep_num_sms: int | None = None
+
+    @property
+    def ep_dispatcher(self) -> EpDispatcher:
+        """The row's dispatcher (`EpDispatcher`'s defaults for what the recipe does not state)."""
+        return EpDispatcher(moe_token_dispatcher_type=self.moe_token_dispatcher_type or ALLTOALL,
+                            moe_flex_dispatcher_backend=self.moe_flex_dispatcher_backend,
+                            moe_hybridep_num_sms=DEFAULT_HYBRIDEP_SMS if self.moe_hybridep_num_sms is None
+                            else self.moe_hybridep_num_sms)
 
     @property
     def grad_bytes(self) -> int:
@@ -152,7 +167,8 @@ class PublishedRun:
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none",
-                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND))
+                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND,
+                                            ep_dispatcher=self.ep_dispatcher))
 
 
 @dataclass(frozen=True)
@@ -206,6 +222,9 @@ class RowResult:
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
+            **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
+                "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
+                "moe_hybridep_num_sms": r.moe_hybridep_num_sms} if r.ep > 1 else {}),
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -302,6 +321,10 @@ class PublishedReport:
                            "(PyTorch eager ops, torchtitan's compile = false)",
                 "fsdp_impl": "an FSDP row's implementation: fsdp2 (torch's fully_shard, with its copies on the "
                              "compute stream) or megatron-fsdp",
+                "moe_token_dispatcher_type": "an EP row's token dispatcher as its recipe ran it (Megatron's option: "
+                                             "alltoall, or flex with moe_flex_dispatcher_backend deepep / hybridep "
+                                             "and HybridEP's moe_hybridep_num_sms), with recipe_source; null: not "
+                                             "stated, simulated as alltoall",
             },
         }
 
@@ -377,9 +400,11 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
         raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
                         f"got {fsdp_impl!r}")
+    dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+                                        "moe_hybridep_num_sms")}
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl")
+                "fsdp_impl", *dispatch)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -395,7 +420,11 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
-        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), **ints)
+        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), **dispatch, **ints)
+    try:
+        run.ep_dispatcher.check()
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

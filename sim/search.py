@@ -47,8 +47,9 @@ from canzona.reductions import (
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
+from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
-from sim.iteration import _tp_overlap_sms, cp_ring_cost, ep_all_to_all_cost
+from sim.iteration import _tp_overlap_sms, cp_ring_cost
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate, stage_work
@@ -74,12 +75,15 @@ class Question:
     grad_reduce_in_fp32: bool = True  # Megatron's DDP option: fp32 gradient buffers (False: bf16)
     # Megatron's --attention-backend (RunOptions.attention_backend): every layout is searched with it
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # Megatron's token dispatcher (RunOptions.ep_dispatcher): every EP layout is searched with it
+    ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
         check_attention_backend(self.attention_backend)
+        self.ep_dispatcher.check()
         self.workload()  # its checks
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
@@ -216,7 +220,8 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
                                   workload=q.workload(),
-                                  options=RunOptions(attention_backend=q.attention_backend))
+                                  options=RunOptions(attention_backend=q.attention_backend,
+                                                     ep_dispatcher=q.ep_dispatcher))
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
@@ -441,19 +446,19 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
 def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], float] | None:
     """Under expert parallelism (None without), the least seconds of an expert block's
     collectives, which `sim.iteration._Stage.block` runs in series with its grouped GEMMs: the
-    token dispatch all-to-all, under expert TP the ETP group's all-gather of the pairs and the
-    reduce-scatter of the outputs, and the combine all-to-all (as long as the dispatch), each at
+    token dispatch, under expert TP the ETP group's all-gather of the pairs and the
+    reduce-scatter of the outputs, and the combine (`sim.ep_dispatch.ep_costs`), each at
     its latency plus its transfer at the full rate (shared links only stretch it) and its local
     passes; priced by the simulator's own costs on the expert cluster."""
     if cfg.ep == 1:
         return None
     experts = cfg.expert_cluster(Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp))
-    memo: dict[tuple[float, float, float], float] = {}
+    memo: dict[tuple, float] = {}
 
     def comm(b: Block) -> float:
-        key = (b.ep_bytes, b.ep_received, b.etp_bytes)
+        key = (b.ep_bytes, b.ep_received, b.etp_bytes, b.ep_flex)
         if key not in memo:
-            seconds = 2 * ep_all_to_all_cost(b.ep_bytes, b.ep_received, experts, hw).seconds
+            seconds = sum(c.seconds for c in ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, experts, hw))
             if b.etp_bytes:
                 geo = experts.tp_geometry()
                 seconds += (collective_cost("all-gather", b.etp_bytes, geo, hw).seconds

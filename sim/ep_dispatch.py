@@ -1,0 +1,213 @@
+"""How a mixture-of-experts layer's tokens reach their experts' EP ranks and come back: Megatron's
+token dispatchers (docs/design.md §2.7, §9.6).
+
+Megatron's `--moe-token-dispatcher-type`:
+- `alltoall` (`MoEAlltoAllTokenDispatcher`, and what canzona's reference EP model runs:
+  `reference/tiny_moe_ep.py`, `torch.distributed.all_to_all_single`): every token-expert pair is
+  sent, so a token routed to two experts of one rank crosses twice; priced by the hierarchical
+  all-to-all model (`sim.collectives`). The default, as canzona's runtime's.
+- `flex` with `--moe-flex-dispatcher-backend deepep` or `hybridep` (`MoEFlexTokenDispatcher`:
+  DeepEP's normal kernels, or NVIDIA's HybridEP in DeepEP's `hybrid_ep` branch): a token crosses
+  the network once to each node holding one of its experts and is forwarded over NVLink there, and
+  reaches each destination rank once whatever its number of experts there.
+
+With uniform routing (every token's `top_k` distinct experts drawn evenly from `experts`, laid
+out in equal contiguous groups per rank and per node) the expected number of groups a token
+reaches has a closed form (`expected_groups`).
+
+Pricing of `flex`:
+- inside one node (the EP group on one node's NVLink): each rank sends each token once to each
+  other rank it is routed to, priced by the same hierarchical all-to-all model as `alltoall`, on
+  the de-duplicated bytes (no measurement of DeepEP's or HybridEP's intranode kernels on H100 is
+  published; DeepEP's on H800 reaches 153 GB/s of its ~160 GB/s NVLink: `docs/legacy.md`);
+- across nodes, from the backend's published measurement on the profile's hardware where there is
+  one (`MEASURED`): the measurement's own byte count, each token's hidden bytes once per distinct
+  node it reaches, the rank's own node included (HybridEP's `count_rdma_send_from_routing_map`,
+  `tests/utils.py`: "we do not set the local node map to zeros ... to align with DeepEP"), over
+  the measured algorithm bandwidth, at the measured rank count nearest the EP size and the
+  measured SM count nearest below the dispatcher's (the bandwidths have levelled off by 8 SMs);
+- across nodes without a measurement: the cross-node copies (one per distinct remote node) on
+  the NIC and the rest over NVLink, by the hierarchical all-to-all model (modelled, not measured).
+
+Not modelled: DeepEP / HybridEP's per-layer routing metadata exchange and its CPU synchronisation
+(TE CUDA graphs capture HybridEP's preprocessing in the Megatron-Bridge recipe); the dispatchers'
+SMs taken from compute (moe_a2a_overlap off: the dispatch runs alone between the experts' kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from canzona.errors import SpecError
+from canzona.hardware import HardwareProfile
+from sim.collectives import FREE, CollectiveCost, all_to_all_cost
+from sim.topology import Cluster
+
+ALLTOALL = "alltoall"
+FLEX = "flex"
+DISPATCHERS = (ALLTOALL, FLEX)  # Megatron's --moe-token-dispatcher-type (allgather: not modelled)
+DEEPEP = "deepep"
+HYBRIDEP = "hybridep"
+FLEX_BACKENDS = (DEEPEP, HYBRIDEP)  # Megatron's --moe-flex-dispatcher-backend
+# Megatron's TransformerConfig.moe_hybridep_num_sms default ("In pure NVL scenarios, 16 SMs can
+# generally achieve good bandwidth": megatron/core/transformer/transformer_config.py)
+DEFAULT_HYBRIDEP_SMS = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpDispatcher:
+    """Megatron's token dispatcher options: `moe_token_dispatcher_type`, under `flex` its
+    `moe_flex_dispatcher_backend` (required), and HybridEP's `moe_hybridep_num_sms`."""
+
+    moe_token_dispatcher_type: str = ALLTOALL
+    moe_flex_dispatcher_backend: str | None = None
+    moe_hybridep_num_sms: int = DEFAULT_HYBRIDEP_SMS
+
+    def check(self) -> None:
+        if self.moe_token_dispatcher_type not in DISPATCHERS:
+            raise SpecError(f"unknown --moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}; choose one of "
+                            f"{', '.join(DISPATCHERS)}")
+        backend = self.moe_flex_dispatcher_backend
+        if self.moe_token_dispatcher_type == FLEX and backend not in FLEX_BACKENDS:
+            raise SpecError(f"--moe-token-dispatcher-type flex needs --moe-flex-dispatcher-backend, one of "
+                            f"{', '.join(FLEX_BACKENDS)}; got {backend!r}")
+        if self.moe_token_dispatcher_type != FLEX and backend is not None:
+            raise SpecError(f"--moe-flex-dispatcher-backend {backend} is for --moe-token-dispatcher-type flex")
+        sms = self.moe_hybridep_num_sms
+        if not (isinstance(sms, int) and not isinstance(sms, bool) and 1 <= sms <= 132):
+            raise SpecError(f"--moe-hybridep-num-sms must be a whole number of SMs in 1..132, got {sms!r}")
+
+    @property
+    def flex(self) -> bool:
+        return self.moe_token_dispatcher_type == FLEX
+
+
+def expected_groups(experts: int, groups: int, top_k: int) -> float:
+    """Expected number of `groups` (equal contiguous groups of `experts`: ranks, nodes) that hold at
+    least one of a token's `top_k` distinct experts, drawn uniformly: each group is missed with
+    probability C(experts - experts / groups, top_k) / C(experts, top_k)."""
+    if groups < 1 or experts % groups or not 1 <= top_k <= experts:
+        raise SpecError(f"{experts} experts in {groups} groups with top-{top_k} routing: groups must divide the "
+                        "experts and top-k be 1..experts")
+    return groups * group_hit(experts, groups, top_k)
+
+
+def group_hit(experts: int, groups: int, top_k: int) -> float:
+    """The probability that one given group of `expected_groups`' holds at least one of a token's
+    experts."""
+    return 1.0 - math.comb(experts - experts // groups, top_k) / math.comb(experts, top_k)
+
+
+@dataclass(frozen=True)
+class FlexTraffic:
+    """What a flex dispatch of one expert block moves: each of the rank's tokens (`token_bytes`
+    in all) to the experts of its top-k of `experts`; `imbalance`: the busiest rank's share over
+    the mean (`canzona.experts.router_imbalance`)."""
+
+    backend: str
+    sms: int
+    token_bytes: float
+    experts: int
+    top_k: int
+    imbalance: float = 1.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One published dispatch / combine measurement: algorithm bandwidths in bytes/s, each token's
+    hidden bytes counted once per distinct node it reaches (own node included)."""
+
+    ranks: int
+    sms: int
+    dispatch: float
+    combine: float
+
+
+# HybridEP on H100 (two or more 8-GPU nodes), 4096 tokens a rank, hidden 7168, top-8, 8 local
+# experts a rank, random uniform routing; "Torch API" BF16 dispatch and combine, "IB bandwidth"
+# (algorithm bandwidth). deepseek-ai/DeepEP, docs/README_Hybrid-EP.md, "H100 Platform" table
+# (https://github.com/deepseek-ai/DeepEP/blob/hybrid-ep/docs/README_Hybrid-EP.md); the byte count:
+# tests/test_hybrid_ep.py with tests/utils.py count_rdma_send_from_routing_map.
+_HYBRIDEP_H100 = tuple(Measured(r, s, d * 1e9, c * 1e9) for r, s, d, c in (
+    (16, 4, 37.08, 42.47), (16, 8, 57.74, 56.96), (16, 16, 54.47, 53.35),
+    (32, 4, 44.88, 43.60), (32, 8, 46.54, 50.68), (32, 16, 47.36, 52.53),
+    (64, 4, 40.63, 41.00), (64, 8, 41.46, 47.68), (64, 16, 41.24, 46.57),
+))
+# DeepEP V1 normal kernels on H800 with one CX7 InfiniBand 400 Gb/s NIC a GPU (the NIC of a DGX
+# H100: the internode kernels are RDMA-bound, so the figures stand for H100 too, an assumption),
+# 4096 tokens, hidden 7168, top-8 (DeepSeek-V3's node-limited routing), FP8 dispatch and BF16
+# combine, "bottleneck bandwidth" (RDMA), with the README's 24 SMs (`Buffer.set_num_sms(24)`):
+# deepseek-ai/DeepEP docs/legacy.md (https://github.com/deepseek-ai/DeepEP/blob/main/docs/legacy.md),
+# "Normal kernels with NVLink and RDMA forwarding"; the byte count counts the own node's share
+# (deepseek-ai/DeepEP issue #285). The BF16 dispatch is priced at the BF16 combine's rate.
+_DEEPEP_CX7 = tuple(Measured(r, 24, c * 1e9, c * 1e9) for r, c in ((16, 43.0), (32, 57.0), (64, 50.0)))
+
+# DeepEP V1 normal kernels on two nodes of H200 with CX7 InfiniBand 400 Gb/s, test_internode.py's
+# defaults (4096 tokens, hidden 7168, top-8), 24 SMs, the best tuned BF16 dispatch and combine
+# (RDMA): a user's report, deepseek-ai/DeepEP issue #493 ("Unexpectedly low bandwidth when scaling
+# from 2 nodes to 4 nodes", https://github.com/deepseek-ai/DeepEP/issues/493); the 4-node figures
+# there (12.3 / 12.5 GB/s) are the issue's unexplained fault, not kept.
+_DEEPEP_H200 = (Measured(16, 24, 40.89e9, 44.37e9),)
+
+# (backend, hardware profile) -> its measurements
+MEASURED: dict[tuple[str, str], tuple[Measured, ...]] = {
+    (HYBRIDEP, "h100-sxm"): _HYBRIDEP_H100,
+    (DEEPEP, "h100-sxm"): _DEEPEP_CX7,
+    (DEEPEP, "h200"): _DEEPEP_H200,
+}
+
+
+def measurement(backend: str, hardware: str, ranks: int, sms: int) -> Measured | None:
+    """The published measurement that stands for `ranks` EP ranks on `sms` SMs: the measured rank
+    count nearest `ranks` (in ratio), then the largest measured SM count at most `sms` (the
+    smallest when `sms` is below every one); None: nothing published for this backend and hardware."""
+    table = MEASURED.get((backend, hardware))
+    if not table:
+        return None
+    nearest = min({m.ranks for m in table}, key=lambda r: (abs(math.log(r / ranks)), r))
+    rows = sorted((m for m in table if m.ranks == nearest), key=lambda m: m.sms)
+    below = [m for m in rows if m.sms <= sms]
+    return below[-1] if below else rows[0]
+
+
+def alltoall_cost(sent: float, received: float, experts: Cluster, hw: HardwareProfile) -> CollectiveCost:
+    """An EP group's token dispatch (or combine) all-to-all: every member sends `sent` bytes to the
+    others and the busiest receives `received` (the combine returns the same bytes the other way:
+    its busiest sender sends `received`, which takes as long); `experts`: the GPUs in expert order."""
+    ep = experts.ep
+    return all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1), experts.ep_geometry(), hw)
+
+
+def flex_costs(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
+    """The dispatch's and the combine's cost of a flex dispatcher (the module docstring)."""
+    ep, geo = experts.ep, experts.ep_geometry()
+    if ep <= 1 or t.token_bytes <= 0:
+        return FREE, FREE
+    # each token once to each other rank holding one of its experts
+    other_ranks = (ep - 1) * group_hit(t.experts, ep, t.top_k)
+    if not geo.crosses_nodes:
+        cost = alltoall_cost(t.token_bytes * other_ranks, t.token_bytes * other_ranks * t.imbalance, experts, hw)
+        return cost, cost
+    nodes = geo.nodes
+    m = measurement(t.backend, hw.name, ep, t.sms)
+    if m is not None:
+        logical = t.token_bytes * expected_groups(t.experts, nodes, t.top_k) * t.imbalance
+        label = f"{t.backend} (measured)"
+        return (CollectiveCost(0.0, logical / m.dispatch, "network", label),
+                CollectiveCost(0.0, logical / m.combine, "network", label))
+    # one copy per distinct remote node on the NICs, the rest over NVLink (modelled, not measured)
+    remote = t.token_bytes * (nodes - 1) * group_hit(t.experts, nodes, t.top_k) * t.imbalance
+    total = t.token_bytes * other_ranks * t.imbalance
+    cost = all_to_all_cost([total], [total], geo, hw, [remote], [remote])
+    return cost, cost
+
+
+def ep_costs(sent: float, received: float, flex: FlexTraffic | None, experts: Cluster,
+             hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
+    """An expert block's dispatch and combine (`sim.model_work.Block`: `ep_bytes`, `ep_received`,
+    `ep_flex`): the flex dispatcher's when it runs one, else the all-to-all of every pair."""
+    if flex is not None:
+        return flex_costs(flex, experts, hw)
+    cost = alltoall_cost(sent, received, experts, hw)
+    return cost, cost

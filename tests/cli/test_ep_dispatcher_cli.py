@@ -1,0 +1,45 @@
+"""Megatron's token dispatcher options on the command line (`--moe-token-dispatcher-type`,
+`--moe-flex-dispatcher-backend`, `--moe-hybridep-num-sms`: sim.ep_dispatch): accepted by simulate,
+shown in the options, faster under flex across two nodes, bad values refused with one error line."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli_helpers import error_line, help_text, invoke
+
+SIM = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16",
+       "--optimizer", "adamw"]
+FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+
+
+def test_simulate_takes_the_dispatcher():
+    alltoall = json.loads(invoke("simulate", *SIM, "--json").stdout)
+    result = invoke("simulate", *SIM, *FLEX, "--moe-hybridep-num-sms", "32", "--json")
+    assert result.exit_code == 0, result.stderr
+    flex = json.loads(result.stdout)
+    assert alltoall["options"]["ep_dispatcher"]["moe_token_dispatcher_type"] == "alltoall"
+    assert flex["options"]["ep_dispatcher"] == {"moe_token_dispatcher_type": "flex",
+                                                "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 32}
+    assert flex["iteration_time_s"] < alltoall["iteration_time_s"]
+
+
+def test_dispatcher_options_are_documented():
+    text = help_text("simulate")
+    for option in ("--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms"):
+        assert option in text
+
+
+def test_bad_dispatcher_options_are_one_error_line():
+    error_line(invoke("simulate", *SIM, "--moe-token-dispatcher-type", "allgather"),
+               "unknown --moe-token-dispatcher-type 'allgather'", "alltoall, flex")
+    error_line(invoke("simulate", *SIM, "--moe-token-dispatcher-type", "flex"), "needs --moe-flex-dispatcher-backend")
+    error_line(invoke("simulate", *SIM, "--moe-flex-dispatcher-backend", "deepep"),
+               "is for --moe-token-dispatcher-type flex")
+    error_line(invoke("simulate", *SIM, *FLEX, "--moe-hybridep-num-sms", "0"), "--moe-hybridep-num-sms", "got 0")
+
+
+def test_search_takes_the_dispatcher():
+    assert "--moe-token-dispatcher-type" in help_text("search")
+    error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--moe-token-dispatcher-type", "flex"),
+               "needs --moe-flex-dispatcher-backend")

@@ -1,0 +1,185 @@
+"""Megatron's token dispatchers under expert parallelism (sim.ep_dispatch): the expected number of
+ranks and nodes a token reaches, the flex dispatcher's pricing, its options and the published rows'
+settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from itertools import combinations
+
+import pytest
+
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from sim import published
+from sim.collectives import all_to_all_cost
+from sim.ep_dispatch import (
+    DEEPEP,
+    HYBRIDEP,
+    EpDispatcher,
+    FlexTraffic,
+    alltoall_cost,
+    ep_costs,
+    expected_groups,
+    flex_costs,
+    group_hit,
+    measurement,
+)
+from sim.options import RunOptions
+from sim.topology import Cluster
+
+H100 = load_profile("h100-sxm")
+RUNS = {r.id: r for r in published.load()[0]}
+
+
+def _brute(experts: int, groups: int, k: int) -> float:
+    """Mean distinct groups over every k-subset of the experts (contiguous equal groups)."""
+    per = experts // groups
+    subsets = list(combinations(range(experts), k))
+    return sum(len({e // per for e in s}) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(("experts", "groups", "k"), [(8, 4, 3), (12, 3, 4), (10, 5, 2), (6, 2, 6)])
+def test_expected_groups_is_the_mean_over_every_choice_of_experts(experts, groups, k):
+    assert expected_groups(experts, groups, k) == pytest.approx(_brute(experts, groups, k), rel=1e-12)
+
+
+def test_expected_groups_closed_forms():
+    assert expected_groups(128, 1, 8) == 1.0  # one group always
+    assert expected_groups(128, 128, 8) == pytest.approx(8.0)  # each expert its own group: k groups
+    assert expected_groups(128, 16, 1) == pytest.approx(1.0)  # one expert: one group
+    # Qwen3-30B-A3B (128 experts, top-8) on two nodes: each node missed with C(64, 8) / C(128, 8)
+    miss = math.prod((64 - i) / (128 - i) for i in range(8))
+    assert expected_groups(128, 2, 8) == pytest.approx(2 * (1 - miss))
+    assert expected_groups(128, 2, 8) == pytest.approx(1.99381, abs=1e-5)
+    assert expected_groups(128, 16, 8) == pytest.approx(6.5965, abs=1e-4)  # EP 16: ranks reached
+    assert group_hit(128, 8, 8) == pytest.approx(expected_groups(128, 8, 8) / 8)
+    with pytest.raises(SpecError, match="groups must divide"):
+        expected_groups(128, 3, 8)
+
+
+def test_dispatcher_options_error_lines():
+    EpDispatcher().check()
+    EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep").check()
+    cases = [
+        (dict(moe_token_dispatcher_type="allgather"), "unknown --moe-token-dispatcher-type 'allgather'; choose one of "
+                                                      "alltoall, flex"),
+        (dict(moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex needs --moe-flex-dispatcher-backend"),
+        (dict(moe_flex_dispatcher_backend="deepep"), "--moe-flex-dispatcher-backend deepep is for "
+                                                     "--moe-token-dispatcher-type flex"),
+        (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="nccl"), "got 'nccl'"),
+        (dict(moe_hybridep_num_sms=0), "--moe-hybridep-num-sms must be a whole number of SMs in 1..132, got 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(SpecError) as e:
+            EpDispatcher(**kwargs).check()
+        assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError, match="needs --moe-flex-dispatcher-backend"):
+        RunOptions(ep_dispatcher=EpDispatcher(moe_token_dispatcher_type="flex")).check()
+
+
+def test_the_published_rows_record_their_recipes_dispatchers():
+    mb, am = RUNS["qwen3-30b-a3b-16xh100-mb"], RUNS["qwen3-30b-a3b-8xh100-automodel"]
+    assert mb.ep_dispatcher == EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                                            moe_hybridep_num_sms=32)
+    assert "moe_hybridep_num_sms = 32" in mb.recipe_source
+    assert am.ep_dispatcher.moe_flex_dispatcher_backend == DEEPEP and "dispatcher: deepep" in am.recipe_source
+    assert mb.sim_config().options.ep_dispatcher == mb.ep_dispatcher
+    dense = RUNS["qwen3-8b-16xh100-mb"]
+    assert dense.ep_dispatcher == EpDispatcher() and dense.sim_config().options.ep_dispatcher == EpDispatcher()
+
+
+def test_a_row_with_a_bad_dispatcher_is_one_error_line():
+    raw = {"id": "x", "model": "qwen3-30b-a3b", "source": "s", "hardware": "h100-sxm", "gpus": 16, "tp": 1, "pp": 1,
+           "vp": 1, "cp": 1, "ep": 16, "global_batch": 16, "micro_batch": 1, "seq_len": 4096, "precision": "bf16",
+           "optimizer": "adamw", "published": {"tokens_per_s_per_gpu": 1.0, "original": {"value": 1.0, "unit": "u"}},
+           "moe_token_dispatcher_type": "flex", "recipe_source": "https://example.org/r"}
+    with pytest.raises(SpecError, match=r"^row x: --moe-token-dispatcher-type flex needs"):
+        published.parse_run(raw, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    bad_sms = {**raw, "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 0}
+    with pytest.raises(SpecError, match=r"^row x: --moe-hybridep-num-sms must be .* got 0$"):
+        published.parse_run(bad_sms, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+
+
+def _experts(gpus: int, ep: int) -> Cluster:
+    return Cluster(gpus, 1, 8, ep=ep)
+
+
+def test_alltoall_is_every_pair_as_before():
+    cl = _experts(16, 16)
+    sent, received = 100e6, 120e6
+    d, c = ep_costs(sent, received, None, cl, H100)
+    assert d == c == alltoall_cost(sent, received, cl, H100)
+    assert d == all_to_all_cost([sent] * 16, [received] + [sent] * 15, cl.ep_geometry(), H100)
+
+
+def test_flex_across_nodes_is_priced_at_hybridep_published_h100_bandwidth():
+    tokens, hidden = 4096, 2048  # the Megatron-Bridge row: one micro-batch's tokens on a rank, bf16
+    t = FlexTraffic(HYBRIDEP, 32, tokens * hidden * 2, 128, 8)
+    d, c = flex_costs(t, _experts(16, 16), H100)
+    logical = tokens * hidden * 2 * expected_groups(128, 2, 8)
+    assert d.seconds == pytest.approx(logical / 54.47e9) and c.seconds == pytest.approx(logical / 53.35e9)
+    # 32 SMs: past the table's 16, whose row stands (the bandwidth levelled off from 8 SMs)
+    assert measurement(HYBRIDEP, "h100-sxm", 16, 32) == measurement(HYBRIDEP, "h100-sxm", 16, 16)
+    slow, _ = flex_costs(replace(t, sms=4), _experts(16, 16), H100)
+    assert slow.seconds == pytest.approx(logical / 37.08e9)
+    # an unbalanced router: the busiest rank's share
+    assert flex_costs(replace(t, imbalance=1.5), _experts(16, 16), H100)[0].seconds == pytest.approx(1.5 * d.seconds)
+    # against every pair on the NIC (the alltoall dispatcher), far less
+    pairs = tokens * 8 * hidden * 2 * 15 / 16
+    assert d.seconds < 0.5 * alltoall_cost(pairs, pairs, _experts(16, 16), H100).seconds
+
+
+def test_measurement_choice():
+    assert measurement(HYBRIDEP, "h100-sxm", 128, 16).ranks == 64  # nearest measured rank count
+    assert measurement(HYBRIDEP, "h100-sxm", 8, 16).ranks == 16
+    assert measurement(HYBRIDEP, "h100-sxm", 32, 8).dispatch == pytest.approx(46.54e9)
+    assert measurement(HYBRIDEP, "h100-sxm", 16, 2).sms == 4  # below every measured SM count: the smallest
+    assert measurement(DEEPEP, "h100-sxm", 16, 0).combine == pytest.approx(43e9)
+    assert measurement(DEEPEP, "h200", 16, 20).dispatch == pytest.approx(40.89e9)  # issue #493, 2 x 8 H200
+    assert measurement(HYBRIDEP, "a100-sxm", 16, 16) is None and measurement(HYBRIDEP, "h200", 16, 16) is None
+
+
+def test_flex_inside_a_node_sends_each_token_once_per_rank():
+    cl = _experts(8, 8)
+    token_bytes = 4096 * 2048 * 2.0
+    d, c = flex_costs(FlexTraffic(DEEPEP, 0, token_bytes, 128, 8), cl, H100)
+    once = token_bytes * 7 * group_hit(128, 8, 8)  # each of the 7 others it reaches
+    assert d == c == alltoall_cost(once, once, cl, H100)
+    pairs = token_bytes * 8 * 7 / 8
+    assert d.seconds < alltoall_cost(pairs, pairs, cl, H100).seconds
+
+
+def test_flex_across_nodes_without_a_measurement_is_modelled():
+    a100 = load_profile("a100-sxm")
+    cl = _experts(16, 16)
+    token_bytes = 4096 * 2048 * 2.0
+    d, _ = flex_costs(FlexTraffic(HYBRIDEP, 16, token_bytes, 128, 8), cl, a100)
+    remote = token_bytes * group_hit(128, 2, 8)  # one copy to the other node, on the NIC
+    total = token_bytes * 15 * group_hit(128, 16, 8)  # one per other rank reached; the rest over NVLink
+    assert d.algorithm == "p2p" and d.link == "network"
+    assert d.transfer_s == pytest.approx(max((total - remote) / a100.node.nvlink_ring_busbw,
+                                             remote / a100.network.nic_busbw))
+
+
+def test_a_flex_layout_simulates_faster_and_its_search_floor_stays_below():
+    """The search's time floor prices the flex dispatch with the simulator's own costs (a floor),
+    and the recipe's dispatcher makes the Megatron-Bridge layout (EP 16 over two nodes) faster."""
+    from canzona.cost import DeviceRate
+    from canzona.models import resolve_model
+    from sim.search import Question, config_of, time_floor
+    from sim.simulate import simulate
+
+    flex = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                        moe_hybridep_num_sms=32)
+    layout = {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"}
+    times = {}
+    for d in (EpDispatcher(), flex):
+        q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16, ep_dispatcher=d)
+        cfg = config_of(q, layout)
+        assert cfg.options.ep_dispatcher == d
+        times[d.moe_token_dispatcher_type] = simulate(cfg).iteration_time_s
+        assert time_floor(cfg, resolve_model(q.model), DeviceRate.from_profile(H100), H100) <= times[
+            d.moe_token_dispatcher_type]
+    assert times["flex"] < 0.8 * times["alltoall"]
