@@ -24,6 +24,7 @@ from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from canzona.spec import DTYPE_BYTES
 from sim.eager_kernels import FUSED, KERNEL_MODES
@@ -105,6 +106,10 @@ class PublishedRun:
     moe_token_dispatcher_type: str | None = None
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int | None = None
+    # how the recipe cut the layers over the pipeline's model chunks (Megatron's
+    # account_for_embedding/loss_in_pipeline_split, decoder_first/last_pipeline_num_layers, the
+    # row's keys of the same names; absent: the even split)
+    pipeline_split: PipelineSplit = EVEN_SPLIT
 
     @property
     def ep_dispatcher(self) -> EpDispatcher:
@@ -163,7 +168,7 @@ class PublishedRun:
                       loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
                       kernels=self.kernels)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
-                         ep=self.ep,
+                         ep=self.ep, pipeline_split=self.pipeline_split,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none",
@@ -352,6 +357,30 @@ def _text(raw: Mapping[str, Any], key: str, where: str) -> str:
     return v
 
 
+# a row's pipeline-split keys (Megatron's names) and PipelineSplit's fields they set
+SPLIT_KEYS = {"account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+              "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
+              "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+              "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage"}
+
+
+def _pipeline_split(raw: Mapping[str, Any], where: str) -> PipelineSplit:
+    """A row's pipeline split from its keys (true / false, or a layer count); the layer arithmetic
+    is checked with the model when the row is simulated (`SimConfig.check`)."""
+    fields: dict[str, Any] = {}
+    for key, name in SPLIT_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        counted = key.startswith("account_for")
+        if counted and not isinstance(value, bool):
+            raise SpecError(f"{where}: {key} must be true or false, got {value!r}")
+        if not counted and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SpecError(f"{where}: {key} must be a positive whole number of layers, got {value!r}")
+        fields[name] = value
+    return PipelineSplit(**fields)
+
+
 def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     """One row, checked: positive figures, a known source, a whole DP and whole micro-batches."""
     if not isinstance(raw, dict):
@@ -402,9 +431,10 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
                         f"got {fsdp_impl!r}")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
                                         "moe_hybridep_num_sms")}
+    split = _pipeline_split(raw, where)
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl", *dispatch)
+                "fsdp_impl", *dispatch, *SPLIT_KEYS)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -420,7 +450,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
-        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), **dispatch, **ints)
+        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split, **dispatch, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canzona.errors import SpecError
+from canzona.pipeline import EVEN_SPLIT
 from sim.published import PublishedRun, RowResult
 from sim.search import (
     LAYOUT_AXES,
@@ -58,7 +59,8 @@ def question_of(run: PublishedRun) -> Question:
 def layout_of(run: PublishedRun) -> dict[str, Any]:
     """The published layout in the search's terms (`sim.search.LAYOUT_AXES` and DP)."""
     return {"tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "micro_batch": run.micro_batch,
-            RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp}
+            RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp,
+            "pipeline_split": run.pipeline_split}
 
 
 def outside_space(q: Question, layout: dict[str, Any]) -> str:
@@ -66,6 +68,8 @@ def outside_space(q: Question, layout: dict[str, Any]) -> str:
     generator does not offer its value given the axes before it."""
     if layout.get("fsdp"):
         return "FSDP layouts are not searched (the search explores Megatron's ZeRO-1 layouts)"
+    if not layout.get("pipeline_split", EVEN_SPLIT).even:
+        return "uneven pipeline splits are not searched (the search cuts the layers evenly over the chunks)"
     facts = facts_of(q)
     chosen: dict[str, Any] = {}
     for axis in LAYOUT_AXES:
@@ -146,7 +150,8 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
         return LayoutRank(run, needs)
     q = question_of(run)
     layout = layout_of(run)
-    cfg = run.sim_config() if run.fsdp else config_of(q, layout)
+    # what the search cannot express (FSDP, an uneven split) is simulated as the row runs
+    cfg = run.sim_config() if run.fsdp or not run.pipeline_split.even else config_of(q, layout)
     if simulated is not None and simulated.iteration_s is not None and cfg == run.sim_config():
         t, fits = simulated.iteration_s, bool(simulated.fits)
     else:

@@ -138,3 +138,29 @@ def test_one_expressible_row_simulates():
     result = published.compare_run(run)
     assert result.expressible and result.simulated_tokens_per_s_per_gpu > 0 and result.error is not None
     assert result.memory_bytes > 0 and result.capacity_bytes == 81559 * 2**20  # the H100's, as NVML reports it
+
+
+def test_a_rows_pipeline_split_is_read_checked_and_simulated():
+    """A row's Megatron pipeline-split keys become its PipelineSplit (the simulator's option), need
+    their recipe_source like every recipe setting, and bad values are one-line errors."""
+    from canzona.pipeline import EVEN_SPLIT, PipelineSplit
+    from sim.published_search import layout_of, outside_space, question_of
+
+    raw = RAW["rows"][0]
+    assert published.parse_run(raw, SOURCES, "row").pipeline_split == EVEN_SPLIT
+    keys = {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True,
+            "decoder_last_pipeline_num_layers": 2}
+    run = published.parse_run({**raw, **keys, "recipe_source": "https://recipe"}, SOURCES, "row")
+    assert run.pipeline_split == PipelineSplit(account_for_embedding_in_pipeline_split=True,
+                                               account_for_loss_in_pipeline_split=True,
+                                               num_layers_in_last_pipeline_stage=2)
+    assert run.sim_config().pipeline_split == run.pipeline_split
+    assert outside_space(question_of(run), layout_of(run)).startswith("uneven pipeline splits are not searched")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "account_for_loss_in_pipeline_split": True, "recipe_source": ""}, SOURCES, "row")
+    with pytest.raises(SpecError, match="must be true or false"):
+        published.parse_run({**raw, "account_for_loss_in_pipeline_split": 1, "recipe_source": "https://r"},
+                            SOURCES, "row")
+    with pytest.raises(SpecError, match="positive whole number of layers"):
+        published.parse_run({**raw, "decoder_first_pipeline_num_layers": 0, "recipe_source": "https://r"},
+                            SOURCES, "row")
