@@ -339,13 +339,15 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused"):
+                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
+                 overlap_moe_expert_parallel_comm: bool = False):
     from sim.options import RunOptions
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend)
+                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
+                      overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -373,6 +375,10 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+EpOverlap = Annotated[bool, typer.Option(
+    help="Megatron's --overlap-moe-expert-parallel-comm under --ep: the combined 1F1B schedule, one micro-batch's "
+         "forward beside another's backward layer by layer, each one's dispatch / combine all-to-alls under the "
+         "other's compute (needs --pp 1 here; no full or selective-op recompute; off: Megatron's default).")]
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
@@ -456,7 +462,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused",
+    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -479,7 +485,7 @@ def simulate(
                              capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                              _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
-                                          attention_backend),
+                                          attention_backend, overlap_moe_expert_parallel_comm),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
                              reshard_after_forward, kernels, fsdp_impl)
@@ -508,7 +514,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused",
+    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -531,7 +537,7 @@ def compare(
                            capacity, hardware, seq_len, global_batch, micro_batch, tp_mode,
                            _run_options(overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, recompute, reduce_scatter,
                                           collectives, max_grad_norm, batch_kernels, compile_kernels, overlap_step,
-                                          attention_backend),
+                                          attention_backend, overlap_moe_expert_parallel_comm),
                            zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                            vp, cp, precision, fp8_recipe)
         base.check()  # bad input fails here, before a progress bar is drawn
@@ -565,6 +571,9 @@ def compare(
 def search(
     model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
+    overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
+        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 here, no full or "
+             "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -586,7 +595,8 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
-                            global_batch=global_batch, precision=precision)
+                            global_batch=global_batch, precision=precision,
+                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

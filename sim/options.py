@@ -48,6 +48,11 @@ class RunOptions:
     # what Megatron's "auto" picks on Hopper) or "flash" (TE's FlashAttention backend, flash-attn 2
     # under TE 1.x); priced from the FlashAttention-3 paper's series (canzona.attention_rate)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # Megatron's overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm, formerly
+    # moe_a2a_overlap; default off): the combined 1F1B schedule, one micro-batch's forward beside
+    # another's backward layer by layer, each one's EP all-to-alls under the other's compute
+    # (sim.ep_overlap, which checks where Megatron allows it)
+    overlap_moe_expert_parallel_comm: bool = False
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
@@ -55,6 +60,9 @@ class RunOptions:
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
+        if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
+            raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
+                            f"{self.overlap_moe_expert_parallel_comm!r}")
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         if self.collectives not in COLLECTIVE_MODES:

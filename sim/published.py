@@ -94,6 +94,9 @@ class PublishedRun:
     # default, or "megatron-fsdp"); either set away from its default needs `recipe_source`
     kernels: str = FUSED
     fsdp_impl: str = FSDP2
+    # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
+    # the combined 1F1B schedule); True needs `recipe_source`
+    overlap_moe_expert_parallel_comm: bool = False
 
     @property
     def grad_bytes(self) -> int:
@@ -148,7 +151,8 @@ class PublishedRun:
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none",
-                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND))
+                                            attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND,
+                                            overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm))
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,7 @@ class RowResult:
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
+            "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -298,6 +303,8 @@ class PublishedReport:
                            "(PyTorch eager ops, torchtitan's compile = false)",
                 "fsdp_impl": "an FSDP row's implementation: fsdp2 (torch's fully_shard, with its copies on the "
                              "compute stream) or megatron-fsdp",
+                "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
+                                                    "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
             },
         }
 
@@ -373,9 +380,12 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
         raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
                         f"got {fsdp_impl!r}")
+    ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
+    if not isinstance(ep_overlap, bool):
+        raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl")
+                "fsdp_impl", "overlap_moe_expert_parallel_comm")
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -390,7 +400,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
-        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **ints)
+        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
+        overlap_moe_expert_parallel_comm=ep_overlap, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:
