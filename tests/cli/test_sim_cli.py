@@ -70,7 +70,7 @@ def test_simulate_run_options_reach_the_result():
     assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
                             "recompute": "full", "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,
-                            "attention_backend": "fused"}
+                            "attention_backend": "fused", "overlap_moe_expert_parallel_comm": False}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
 
 

@@ -130,13 +130,18 @@ def test_interleaved_pipeline_and_dense_models_are_refused():
 
 
 def test_cli_errors_and_option():
-    base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw", "--global-batch", "16")
+    base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw")
     error_line(invoke("simulate", *base, "--overlap-moe-expert-parallel-comm"), "needs expert parallelism")
     error_line(invoke("simulate", "--model", "qwen3-8b", "--gpus", "8", "--tp", "1", "--optimizer", "adamw",
                       "--ep", "2", "--overlap-moe-expert-parallel-comm"), "has no experts")
     error_line(invoke("simulate", *base, "--ep", "16", "--recompute", "full", "--overlap-moe-expert-parallel-comm"),
                "--recompute full")
     error_line(invoke("simulate", *base, "--ep", "8", "--fsdp", "--overlap-moe-expert-parallel-comm"))
+    import json
+
+    ok = invoke("simulate", *base, "--ep", "16", "--global-batch", "32", "--overlap-moe-expert-parallel-comm", "--json")
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["options"]["overlap_moe_expert_parallel_comm"] is True
 
 
 def test_search_floor_stays_below_the_overlapped_simulation():
