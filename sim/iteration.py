@@ -67,6 +67,7 @@ from sim.collectives import (
 )
 from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
+from sim.ep_overlap import run_combined
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -597,8 +598,6 @@ class _Stage:
         syncs: list[simpy.Event] = []
         if ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None:
             # Megatron's combined 1F1B (PP 1): one micro-batch's forward beside another's backward
-            from sim.ep_overlap import run_combined  # (a module of its own: it drives this stage's primitives)
-
             run_combined(self, micro_batches, needed, syncs)
         else:
             for kind, mb, c in pipeline_order(s, pp, micro_batches, vp):
