@@ -69,7 +69,7 @@ import simpy
 from canzona.errors import SpecError
 from canzona.recompute import FULL, SELECTIVE_OP
 
-if TYPE_CHECKING:  # the stage's program (sim.iteration imports this module when it runs it)
+if TYPE_CHECKING:  # the stage's program: sim.iteration imports this module, not the other way round
     from sim.iteration import _Stage
     from sim.model_work import Block
 
@@ -125,8 +125,8 @@ class _Pass:
     """One micro-batch's pass through the stage in the combined schedule: its own chain of
     dependencies (`last`, per rank), swapped into the stage while its nodes are issued."""
 
-    def __init__(self, stage: _Stage, label: str) -> None:
-        self.stage, self.label = stage, label
+    def __init__(self, stage: _Stage) -> None:
+        self.stage = stage
         self.last = dict(stage.last)
 
     def __enter__(self) -> _Stage:
@@ -211,7 +211,7 @@ def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy
     layers = stage.chunk_list[0]
     stage.forward_pass(0, 0, needed)
     for i in range(1, micro_batches):
-        f, b = _Pass(stage, "f"), _Pass(stage, "b")
+        f, b = _Pass(stage), _Pass(stage)
         with f:
             stage.forward_start(i, 0)
         with b:
