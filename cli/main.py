@@ -344,7 +344,8 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
-                 dispatcher: tuple[str, str | None, int] | None = None):
+                 dispatcher: tuple[str, str | None, int] | None = None,
+                 overlap_moe_expert_parallel_comm: bool = False):
     """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
     `_ep_dispatcher`'s (None: the default)."""
     from sim.options import RunOptions
@@ -353,7 +354,8 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                       tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
-                      ep_dispatcher=_ep_dispatcher(dispatcher))
+                      ep_dispatcher=_ep_dispatcher(dispatcher),
+                      overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
 
 
 def _ep_dispatcher(dispatcher: tuple[str, str | None, int] | None):
@@ -392,6 +394,10 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tabl
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+EpOverlap = Annotated[bool, typer.Option(
+    help="Megatron's --overlap-moe-expert-parallel-comm under --ep: the combined 1F1B schedule, one micro-batch's "
+         "forward beside another's backward layer by layer, each one's dispatch / combine all-to-alls under the "
+         "other's compute (needs --pp 1 here; no full or selective-op recompute; off: Megatron's default).")]
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
@@ -498,7 +504,7 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused",
+    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -535,7 +541,8 @@ def simulate(
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
                                dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                           moe_hybridep_num_sms))
+                                           moe_hybridep_num_sms),
+                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
         config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
                              tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
                              hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
@@ -570,7 +577,7 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused",
+    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -593,7 +600,8 @@ def compare(
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend,
+                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
         base = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=None, dp_policy=dp_policy,
                            tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
                            hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
@@ -635,6 +643,9 @@ def search(
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
+    overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
+        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 here, no full or "
+             "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -658,7 +669,8 @@ def search(
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
                             global_batch=global_batch, precision=precision,
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                                          moe_hybridep_num_sms)))
+                                                          moe_hybridep_num_sms)),
+                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

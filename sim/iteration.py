@@ -68,6 +68,7 @@ from sim.collectives import (
 from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
 from sim.ep_dispatch import ep_costs
+from sim.ep_overlap import run_combined
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.topology import Cluster
@@ -585,54 +586,102 @@ class _Stage:
                  if layer in chunk_layers(layers, pp, self.stage, c, self.vp, self.split)] for c in range(self.vp)]
 
     def run(self, micro_batches: int) -> list[simpy.Event]:
-        ctx, work, s, vp = self.ctx, self.ctx.work, self.stage, self.vp
+        ctx, s, vp = self.ctx, self.stage, self.vp
         pp = len(self.all_ranks)
-        virtual = pp * vp
-        chunks = self.chunks()
         needed = self.param_gathers()
+        self.chunk_list = self.chunks()
         syncs: list[simpy.Event] = []
-        tag = (lambda c: "") if vp == 1 else (lambda c: f" chunk {c}")
-        for kind, mb, c in pipeline_order(s, pp, micro_batches, vp):
-            v = c * pp + s  # this chunk's virtual stage: it receives from v - 1 and sends to v + 1
-            last_head = v == virtual - 1
-            if kind == "F":
-                self.wait([self.fwd_in[v][mb]])
-                if v == 0 and work.embed_forward_s:
-                    self.compute(f"mb{mb} fwd embedding", work.embed_forward_s)
-                for k in chunks[c]:
-                    layer, blocks = work.layer_ids[k], work.forward[k]
-                    if mb == 0 and layer in needed:
-                        if s == 0 and self.ranks:
-                            self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
-                        self.wait(needed[layer])
-                    for b in blocks:
-                        self.block(f"mb{mb} fwd {b.name}", b, 1)
-                if last_head:
-                    self.compute(f"mb{mb} fwd head", work.head_forward_s)
+        if ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None:
+            # Megatron's combined 1F1B (PP 1): one micro-batch's forward beside another's backward
+            run_combined(self, micro_batches, needed, syncs)
+        else:
+            for kind, mb, c in pipeline_order(s, pp, micro_batches, vp):
+                if kind == "F":
+                    self.forward_pass(mb, c, needed)
                 else:
-                    self.send((s + 1) % pp, f"mb{mb}{tag(c)} send activations", self.fwd_in[v + 1][mb])
-            else:
-                self.wait([self.bwd_in[v][mb]])
-                if last_head:
-                    self.compute(f"mb{mb} bwd head", work.head_backward_s)
-                for k in reversed(chunks[c]):
-                    layer = work.layer_ids[k]
-                    for b in work.backward[k]:
-                        # backward re-gathers the block input for the weight gradients (sequence parallel)
-                        self.block(f"mb{mb} bwd {b.name}", b, 2)
-                    if mb == micro_batches - 1 and ctx.options.overlap_grad_reduce:
-                        syncs += self.grad_syncs(layer)
-                if v == 0 and work.embed_backward_s:
-                    self.compute(f"mb{mb} bwd embedding", work.embed_backward_s)
-                if v > 0:
-                    self.send((s - 1) % pp, f"mb{mb}{tag(c)} send gradients", self.bwd_in[v - 1][mb])
+                    self.backward_pass(mb, c, micro_batches, syncs)
         if not ctx.options.overlap_grad_reduce:
-            for layer in reversed(work.layer_ids):
+            for layer in reversed(ctx.work.layer_ids):
                 syncs += self.grad_syncs(layer)
         for rec in ctx.dp_records(BACKWARD):  # Megatron reduces AdamW's in backward (the runtime: in step())
             if rec.bucket is None:
                 syncs += self.collective_record(rec).values()
         return syncs
+
+    def _tag(self, c: int) -> str:
+        return "" if self.vp == 1 else f" chunk {c}"
+
+    def virtual(self, c: int) -> tuple[int, bool]:
+        """Chunk `c`'s virtual stage (it receives from v - 1 and sends to v + 1) and whether it
+        holds the output layer."""
+        pp = len(self.all_ranks)
+        v = c * pp + self.stage
+        return v, v == pp * self.vp - 1
+
+    def forward_start(self, mb: int, c: int) -> None:
+        """Micro-batch `mb`'s forward of chunk `c` up to its first layer: its input, the embedding."""
+        v, _ = self.virtual(c)
+        self.wait([self.fwd_in[v][mb]])
+        if v == 0 and self.ctx.work.embed_forward_s:
+            self.compute(f"mb{mb} fwd embedding", self.ctx.work.embed_forward_s)
+
+    def forward_layer_gathers(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
+        """The first forward waits for the parameter gathers of layer `k` (the stage's work index)."""
+        layer = self.ctx.work.layer_ids[k]
+        if mb == 0 and layer in needed:
+            if self.stage == 0 and self.ranks:
+                self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
+            self.wait(needed[layer])
+
+    def forward_end(self, mb: int, c: int) -> None:
+        """After chunk `c`'s last layer: the head (and loss), or the send to the next stage."""
+        v, last_head = self.virtual(c)
+        if last_head:
+            self.compute(f"mb{mb} fwd head", self.ctx.work.head_forward_s)
+        else:
+            pp = len(self.all_ranks)
+            self.send((self.stage + 1) % pp, f"mb{mb}{self._tag(c)} send activations", self.fwd_in[v + 1][mb])
+
+    def forward_pass(self, mb: int, c: int, needed: dict[int, list[simpy.Event]]) -> None:
+        work = self.ctx.work
+        self.forward_start(mb, c)
+        for k in self.chunk_list[c]:
+            self.forward_layer_gathers(mb, k, needed)
+            for b in work.forward[k]:
+                self.block(f"mb{mb} fwd {b.name}", b, 1)
+        self.forward_end(mb, c)
+
+    def backward_start(self, mb: int, c: int) -> None:
+        """Micro-batch `mb`'s backward of chunk `c` up to its last layer: its output gradient, the head."""
+        v, last_head = self.virtual(c)
+        self.wait([self.bwd_in[v][mb]])
+        if last_head:
+            self.compute(f"mb{mb} bwd head", self.ctx.work.head_backward_s)
+
+    def backward_layer_done(self, mb: int, k: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+        """After layer `k`'s backward: the last micro-batch's completes buckets, reduced at once
+        under --overlap-grad-reduce."""
+        if mb == micro_batches - 1 and self.ctx.options.overlap_grad_reduce:
+            syncs += self.grad_syncs(self.ctx.work.layer_ids[k])
+
+    def backward_end(self, mb: int, c: int) -> None:
+        """After chunk `c`'s first layer: the embedding's gradient, or the send to the stage before."""
+        v, _ = self.virtual(c)
+        if v == 0 and self.ctx.work.embed_backward_s:
+            self.compute(f"mb{mb} bwd embedding", self.ctx.work.embed_backward_s)
+        if v > 0:
+            pp = len(self.all_ranks)
+            self.send((self.stage - 1) % pp, f"mb{mb}{self._tag(c)} send gradients", self.bwd_in[v - 1][mb])
+
+    def backward_pass(self, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+        work = self.ctx.work
+        self.backward_start(mb, c)
+        for k in reversed(self.chunk_list[c]):
+            for b in work.backward[k]:
+                # backward re-gathers the block input for the weight gradients (sequence parallel)
+                self.block(f"mb{mb} bwd {b.name}", b, 2)
+            self.backward_layer_done(mb, k, micro_batches, syncs)
+        self.backward_end(mb, c)
 
 
 def _tp_overlap_sms(b) -> TPOverlapSMs:

@@ -54,6 +54,11 @@ class RunOptions:
     # --moe-flex-dispatcher-backend and --moe-hybridep-num-sms: sim.ep_dispatch); the default, the
     # all-to-all of every token-expert pair, is what canzona's reference EP model runs
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
+    # Megatron's overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm, formerly
+    # moe_a2a_overlap; default off): the combined 1F1B schedule, one micro-batch's forward beside
+    # another's backward layer by layer, each one's EP all-to-alls under the other's compute
+    # (sim.ep_overlap, which checks where Megatron allows it)
+    overlap_moe_expert_parallel_comm: bool = False
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
@@ -62,6 +67,9 @@ class RunOptions:
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
         self.ep_dispatcher.check()
+        if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
+            raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
+                            f"{self.overlap_moe_expert_parallel_comm!r}")
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")

@@ -118,6 +118,9 @@ class PublishedRun:
                             moe_flex_dispatcher_backend=self.moe_flex_dispatcher_backend,
                             moe_hybridep_num_sms=DEFAULT_HYBRIDEP_SMS if self.moe_hybridep_num_sms is None
                             else self.moe_hybridep_num_sms)
+    # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
+    # the combined 1F1B schedule); True needs `recipe_source`
+    overlap_moe_expert_parallel_comm: bool = False
 
     @property
     def grad_bytes(self) -> int:
@@ -173,7 +176,8 @@ class PublishedRun:
                          fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none",
                                             attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND,
-                                            ep_dispatcher=self.ep_dispatcher))
+                                            ep_dispatcher=self.ep_dispatcher,
+                                            overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm))
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ class RowResult:
             **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
                 "moe_hybridep_num_sms": r.moe_hybridep_num_sms} if r.ep > 1 else {}),
+            "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -330,6 +335,8 @@ class PublishedReport:
                                              "alltoall, or flex with moe_flex_dispatcher_backend deepep / hybridep "
                                              "and HybridEP's moe_hybridep_num_sms), with recipe_source; null: not "
                                              "stated, simulated as alltoall",
+                "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
+                                                    "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
             },
         }
 
@@ -432,9 +439,12 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
                                         "moe_hybridep_num_sms")}
     split = _pipeline_split(raw, where)
+    ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
+    if not isinstance(ep_overlap, bool):
+        raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl", *dispatch, *SPLIT_KEYS)
+                "fsdp_impl", *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm")
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -450,7 +460,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
-        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split, **dispatch, **ints)
+        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split,
+        overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

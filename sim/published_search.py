@@ -49,11 +49,13 @@ LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
 
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
-    precision, gradient dtype, attention backend and token dispatcher (what `PublishedRun.sim_config` simulates it with)."""
+    precision, gradient dtype, attention backend, token dispatcher and EP all-to-all overlap (what
+    `PublishedRun.sim_config` simulates it with; the overlap on every layout that allows it)."""
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
                     fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32 is not False,
-                    attention_backend=run.sim_config().options.attention_backend, ep_dispatcher=run.ep_dispatcher)
+                    attention_backend=run.sim_config().options.attention_backend, ep_dispatcher=run.ep_dispatcher,
+                    overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm)
 
 
 def layout_of(run: PublishedRun) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from canzona.step_policies import STEP_POLICIES, default_policy, policies_runnin
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
+from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.iteration import _tp_overlap_sms, cp_ring_cost
 from sim.model_work import Block, MicroBatchWork
@@ -77,6 +78,10 @@ class Question:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     # Megatron's token dispatcher (RunOptions.ep_dispatcher): every EP layout is searched with it
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
+    # Megatron's overlap_moe_expert_parallel_comm (sim.ep_overlap): not a searched axis; when set,
+    # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1, no full or selective-op
+    # recompute) is simulated with it, the others without
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
@@ -84,6 +89,9 @@ class Question:
         check_matrix_optimizer(self.optimizer)
         check_attention_backend(self.attention_backend)
         self.ep_dispatcher.check()
+        if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
+            raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
+                            f"{self.overlap_moe_expert_parallel_comm!r}")
         self.workload()  # its checks
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
@@ -225,6 +233,10 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
+    if q.overlap_moe_expert_parallel_comm and allowed(ep=kwargs.get("ep", 1), pp=kwargs.get("pp", 1),
+                                                       vp=kwargs.get("vp", 1), recompute=kwargs["options"].recompute,
+                                                       fsdp=False):
+        _options(kwargs, overlap_moe_expert_parallel_comm=True)
     return SimConfig(**kwargs)
 
 
@@ -360,6 +372,7 @@ class SearchResult:
             "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
             "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
             "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
+            "overlap_moe_expert_parallel_comm": q.overlap_moe_expert_parallel_comm,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "pruned_as_ties": self.pruned_ties,
@@ -426,21 +439,29 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
 
 def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
                 expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0, sms: int = 0,
-                ring: Callable[[Block], float] | None = None) -> float:
+                ring: Callable[[Block], float] | None = None, ep_overlap: bool = False) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
     the input is gathered again for the weight gradients) on a stage, with its head and embedding;
     an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
     `stretch` times as long, an overlapped reduce-scatter's SMs (of the GPU's `sms`) taken from
-    the last GEMMs and the CP ring's exchanges counted (`ring`, `block_floor`)."""
+    the last GEMMs and the CP ring's exchanges counted (`ring`, `block_floor`). `ep_overlap`
+    (Megatron's EP all-to-all overlap, `sim.ep_overlap`): the expert collectives run on their own
+    stream beside the compute, so a micro-batch costs at least the larger of its compute stream's
+    floor (expert blocks at their kernels' seconds) and its collectives' least seconds."""
 
     def floor(b: Block, gathers: int) -> float:
         if b.ep_bytes and expert_comm is not None:
-            return b.seconds * stretch + expert_comm(b)
+            return b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
         return block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring)
 
-    return (sum(floor(b, 1) for layer in work.forward for b in layer)
-            + sum(floor(b, 2) for layer in work.backward for b in layer)
-            + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
+    compute = (sum(floor(b, 1) for layer in work.forward for b in layer)
+               + sum(floor(b, 2) for layer in work.backward for b in layer)
+               + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
+    if not ep_overlap or expert_comm is None:
+        return compute
+    comm = sum(expert_comm(b) for passes in (work.forward, work.backward) for layer in passes for b in layer
+               if b.ep_bytes)
+    return max(compute, comm)
 
 
 def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], float] | None:
@@ -528,7 +549,9 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`): the block waits for each of them. Every kernel
+    collectives) count (`expert_comm_floor`): the block waits for each of them; under Megatron's EP
+    all-to-all overlap they run on their own stream, and a micro-batch costs at least the larger of
+    its compute and its expert collectives (`stage_floor`). Every kernel
     counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
     spec, arch = model
     wl = cfg.workload
@@ -546,7 +569,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
         work = stage_work(cfg, arch, head_dim, part, stage, rate,
                           FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
-                                     ring))
+                                     ring, cfg.options.overlap_moe_expert_parallel_comm))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     # an uneven split's first chunk may hold fewer layers than 1/V of its stage (none at all): no crossing counted

@@ -71,6 +71,7 @@ from canzona.tp import TP_REGISTRY, Capacity
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
+from sim.ep_overlap import check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
@@ -234,6 +235,9 @@ class SimConfig:
         check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp),
                  self.pipeline_split)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
+        if self.options.overlap_moe_expert_parallel_comm:  # Megatron's requirements (sim.ep_overlap)
+            check_ep_overlap(ep=self.ep, pp=self.pp, vp=self.vp, recompute=self.options.recompute, fsdp=self.fsdp,
+                             moe=resolved[1].moe is not None)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:

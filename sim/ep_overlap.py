@@ -1,0 +1,232 @@
+"""Megatron's expert-parallel communication overlap: `overlap_moe_expert_parallel_comm` (docs/design.md §9.3).
+
+Megatron-Core's "EP A2A overlap" (`--overlap-moe-expert-parallel-comm`, Megatron-Bridge's
+`CommOverlapConfig.overlap_moe_expert_parallel_comm`, formerly `moe_a2a_overlap`; off by default)
+replaces the 1F1B schedule with the *combined* 1F1B schedule
+(megatron/core/pipeline_parallel/combined_1f1b.py, `combined_1f1b_schedule_for_no_pipelining`):
+with PP 1, micro-batch 0's forward runs alone, then each phase runs micro-batch i's forward beside
+micro-batch i - 1's backward, and the last backward runs alone. Inside a phase
+(megatron/core/models/common/model_chunk_schedule_plan.py, `TransformerModelChunkSchedulePlan.run`)
+the forward's embedding runs, then the backward's head (loss gradient), then forward layer k is
+paired with backward layer L - 1 - k, then the forward's head and the backward's embedding gradient.
+Each layer is split into nodes (`TransformerLayerSchedulePlan`): `attn` (attention, the MLP's norm,
+the router and the dispatch preprocessing) and `mlp` (the experts) on the compute stream,
+`moe_dispatch` and `moe_combine` (the all-to-alls) on a second, communication stream. A pair runs
+them in this order (`TransformerLayerSchedulePlan.run`):
+
+    comm stream:    combine_bwd | dispatch_fwd -> dispatch_bwd   | combine_fwd
+    compute stream: attn_fwd    | mlp_bwd (-> mlp_bwd_dw) -> mlp_fwd | attn_bwd
+
+so the forward's dispatch runs under the backward's experts, its combine under the backward's
+attention, the backward's combine under the forward's attention and its dispatch under the forward's
+experts. Each stream runs its work in the order it was enqueued, and each node waits for the one
+before it in its own pass (one CUDA event per micro-batch's schedule plan,
+megatron/core/pipeline_parallel/utils.py `stream_acquire_context`): the two passes only meet on the
+two streams. Here `delay_wgrad_compute` is off (as the Qwen3-30B-A3B H100 performance recipe runs
+it): the experts' weight gradients are computed inside `mlp_bwd`, before the backward's dispatch
+(with it on, `mlp_bwd_dw` would run after that dispatch was issued, under it; not modelled, and not
+an option here).
+
+The simulator runs the same nodes with its own blocks (`sim.model_work`): a layer's blocks before
+its expert block are `attn` (with their TP collectives where TP > 1), the expert block's grouped
+GEMMs and passes are `mlp`, its dispatch and combine all-to-alls (under expert TP with the ETP
+group's all-gather after the dispatch and reduce-scatter before the combine, as Megatron's
+dispatcher runs them inside `token_dispatch` / `token_combine`) are issued on the EP stream
+(`sim.iteration.EP_COMM`), which stands for Megatron's communication stream. The all-to-alls keep
+their price and the SMs their kernels hold (`sim.comm_sms`), which slow the compute beside them
+(`sim.engine`). A layer without experts has no dispatch or combine (Megatron's NoopScheduleNode):
+its last block is `mlp`.
+
+What Megatron requires (TransformerConfig.__post_init__, megatron/core/transformer/
+transformer_config.py; `check_ep_overlap` raises each as an `error:` line): expert parallelism
+(EP > 1); PP 1, or PP > 1 with a virtual pipeline (the interleaved combined schedule, which this
+simulator does not model: it refuses PP > 1); no full activation recompute (granularity, method and
+layer count unset) and no recompute of the MoE module (the simulator's `selective-op` recomputes
+the experts); a bf16 / fp16 model (every simulated run is; FP8 runs are bf16 models with FP8 GEMMs);
+the alltoall or flex token dispatcher (each priced as `sim.ep_dispatch` prices it); no shared-expert
+overlap (not modelled). Megatron-FSDP runs it too; the simulator's FSDP path does not (refused).
+The two streams must really run concurrently: CUDA_DEVICE_MAX_CONNECTIONS > 1 (Megatron otherwise
+asks for 1 under TP / CP to order its kernels; NVIDIA's recipe sets 32) — an environment setting,
+**assumed** here (the simulator's streams are independent).
+
+Memory: the simulator keeps its one-micro-batch activation model (`canzona.memory`): at pair k the
+forward holds k + 1 layers of its micro-batch and the backward L - 1 - k of the other's, one
+micro-batch's layers in all (an **assumption**: Megatron's node boundaries detach and hold a few
+more transient tensors).
+
+canzona's runtime does not run this schedule: its `DistributedOptimizer` does not own the model's
+forward / backward, and the token dispatch is the model's (reference/tiny_moe_ep.py dispatches
+and combines synchronously); the option is the simulator's, describing Megatron's schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import simpy
+
+from canzona.errors import SpecError
+from canzona.recompute import FULL, SELECTIVE_OP
+
+if TYPE_CHECKING:  # the stage's program: sim.iteration imports this module, not the other way round
+    from sim.iteration import _Stage
+    from sim.model_work import Block
+
+OPTION = "--overlap-moe-expert-parallel-comm"
+# recompute modes Megatron refuses with the overlap: full (granularity "full") and the simulator's
+# selective-op, which recomputes the experts (Megatron's recompute_modules "moe")
+REFUSED_RECOMPUTE = (FULL, SELECTIVE_OP)
+
+
+def check_ep_overlap(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, moe: bool = True) -> None:
+    """Megatron's requirements of `overlap_moe_expert_parallel_comm`, and what the simulator
+    models of it (the module docstring); a SpecError naming the first one not met."""
+    if not moe:
+        raise SpecError(f"{OPTION} overlaps the expert all-to-alls of a mixture-of-experts model; this model has "
+                        "no experts")
+    if ep <= 1:
+        raise SpecError(f"{OPTION} needs expert parallelism (--ep > 1): Megatron's overlap_moe_expert_parallel_comm "
+                        "is only supported with expert model parallelism")
+    if pp > 1 and vp <= 1:
+        raise SpecError(f"{OPTION} with --pp {pp} needs a virtual pipeline (--vp > 1): Megatron requires "
+                        "virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
+    if pp > 1:
+        raise SpecError(f"{OPTION} is simulated at --pp 1 only: Megatron's interleaved combined 1F1B schedule "
+                        "(PP > 1 with a virtual pipeline) is not modelled")
+    if recompute in REFUSED_RECOMPUTE:
+        raise SpecError(f"{OPTION} does not run with --recompute {recompute}: Megatron refuses full recompute and "
+                        "the recompute of the MoE module (selective-op recomputes the experts) with "
+                        "overlap_moe_expert_parallel_comm")
+    if fsdp:
+        raise SpecError(f"{OPTION} is not modelled under --fsdp (the simulator runs it on the ZeRO-1 layout)")
+
+
+def allowed(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, moe: bool = True) -> bool:
+    """Whether `check_ep_overlap` accepts this layout (the search turns the option on only there)."""
+    try:
+        check_ep_overlap(ep=ep, pp=pp, vp=vp, recompute=recompute, fsdp=fsdp, moe=moe)
+    except SpecError:
+        return False
+    return True
+
+
+def _split(blocks: Sequence[Block]) -> tuple[tuple[Block, ...], Block | None, tuple[Block, ...]]:
+    """A layer's blocks in one pass's order as Megatron's nodes: those before the expert block
+    (`attn` in forward; in backward the ones after it are `attn`), the expert block, those after
+    it. A layer without experts: its last block (forward; first in backward) stands for `mlp`."""
+    for i, b in enumerate(blocks):
+        if b.ep_bytes:
+            return tuple(blocks[:i]), b, tuple(blocks[i + 1:])
+    return (), None, tuple(blocks)
+
+
+class _Pass:
+    """One micro-batch's pass through the stage in the combined schedule: its own chain of
+    dependencies (`last`, per rank), swapped into the stage while its nodes are issued."""
+
+    def __init__(self, stage: _Stage) -> None:
+        self.stage = stage
+        self.last = dict(stage.last)
+
+    def __enter__(self) -> _Stage:
+        self._saved = self.stage.last
+        self.stage.last = self.last
+        return self.stage
+
+    def __exit__(self, *exc: object) -> None:
+        self.last = self.stage.last
+        self.stage.last = self._saved
+
+
+def _expert_comm(stage: _Stage, name: str, b: Block, into_experts: bool) -> None:
+    """An expert block's all-to-all on the EP stream after what the pass has done: into the
+    experts (the forward's dispatch, the backward's combine gradient) with expert TP's all-gather
+    after it, or out of them (the forward's combine, the backward's dispatch gradient) with the
+    reduce-scatter before it; all on the EP stream, Megatron's communication stream."""
+    from sim.iteration import EP_COMM
+
+    # into the experts moves tokens as a dispatch does (the backward's combine gradient too), out of
+    # them as a combine (`sim.ep_dispatch.ep_costs`: the flex dispatcher prices the two apart)
+    dispatch, combine = stage._ep_cost(b)
+    cost = dispatch if into_experts else combine
+    if not into_experts and b.etp_bytes:
+        stage.last.update(stage.collective(f"{name} etp reduce-scatter", stage.etp_groups,
+                                           stage._etp_cost("reduce-scatter", b.etp_bytes), EP_COMM))
+    label = "dispatch" if into_experts else "combine"
+    stage.last.update(stage.collective(f"{name} {label}", stage.ep_groups, cost, EP_COMM))
+    if into_experts and b.etp_bytes:
+        stage.last.update(stage.collective(f"{name} etp all-gather", stage.etp_groups,
+                                           stage._etp_cost("all-gather", b.etp_bytes), EP_COMM))
+
+
+def _blocks(stage: _Stage, prefix: str, blocks: Sequence[Block], gathers: int) -> None:
+    for b in blocks:
+        stage.block(f"{prefix} {b.name}", b, gathers)
+
+
+def _layer_pair(stage: _Stage, f: _Pass, kf: int, b: _Pass, kb: int, needed: dict[int, list[simpy.Event]],
+                fmb: int, bmb: int) -> None:
+    """Forward layer `kf` of pass `f` beside backward layer `kb` of pass `b`, issued in
+    Megatron's order (the module docstring)."""
+    work = stage.ctx.work
+    f_attn, f_exp, f_after = _split(work.forward[kf])
+    b_before, b_exp, b_attn = _split(work.backward[kb])  # backward order: the expert block, then attention
+    f_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its last block (first in backward)
+    b_mlp: tuple[Block, ...] = ()
+    if f_exp is None:
+        f_attn, f_mlp, f_after = f_after[:-1], f_after[-1:], ()
+    if b_exp is None:
+        b_mlp, b_attn = b_attn[:1], b_attn[1:]
+    fp, bp = f"mb{fmb} fwd", f"mb{bmb} bwd"
+    with b as st:  # combine_bwd: the output gradient into the experts
+        _blocks(st, bp, b_before, 2)
+        if b_exp is not None:
+            _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=True)
+    with f as st:  # attn_fwd
+        st.forward_layer_gathers(fmb, kf, needed)
+        _blocks(st, fp, f_attn, 1)
+    with b as st:  # mlp_bwd (data and weight gradients: delay_wgrad_compute off)
+        if b_exp is not None:
+            st.compute(f"{bp} {b_exp.name}", b_exp.seconds)
+        _blocks(st, bp, b_mlp, 2)
+    with f as st:  # dispatch_fwd
+        if f_exp is not None:
+            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
+    with b as st:  # dispatch_bwd: the input gradients back to their tokens' ranks
+        if b_exp is not None:
+            _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=False)
+    with f as st:  # mlp_fwd, then combine_fwd
+        if f_exp is not None:
+            st.compute(f"{fp} {f_exp.name}", f_exp.seconds)
+            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=False)
+        _blocks(st, fp, f_mlp + f_after, 1)
+    with b as st:  # attn_bwd
+        _blocks(st, bp, b_attn, 2)
+
+
+def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy.Event]],
+                 syncs: list[simpy.Event]) -> None:
+    """Phase A of a PP 1 stage under the combined 1F1B schedule (the module docstring): forward 0
+    alone, then forward i beside backward i - 1, then the last backward alone."""
+    if stage.vp != 1 or len(stage.all_ranks) != 1:
+        raise SpecError(f"{OPTION} is simulated at --pp 1 only")
+    layers = stage.chunk_list[0]
+    stage.forward_pass(0, 0, needed)
+    for i in range(1, micro_batches):
+        f, b = _Pass(stage), _Pass(stage)
+        with f:
+            stage.forward_start(i, 0)
+        with b:
+            stage.backward_start(i - 1, 0)
+        for kf, kb in zip(layers, reversed(layers)):
+            _layer_pair(stage, f, kf, b, kb, needed, i, i - 1)
+            with b:
+                stage.backward_layer_done(i - 1, kb, micro_batches, syncs)
+        with f:
+            stage.forward_end(i, 0)
+        with b:
+            stage.backward_end(i - 1, 0)
+        for r in stage.ranks:  # the next phase starts once both passes are issued and done
+            stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+    stage.backward_pass(micro_batches - 1, 0, micro_batches, syncs)

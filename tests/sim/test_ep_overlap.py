@@ -1,0 +1,199 @@
+"""Megatron's EP all-to-all overlap (`overlap_moe_expert_parallel_comm`, sim.ep_overlap): the
+combined 1F1B schedule's effect against a closed form, the SMs its all-to-alls take from the
+compute beside them, Megatron's requirements as error lines, the search's floor under it, and the
+published row that ran it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import sim.simulate as simulate_module
+from canzona.decoder import DecoderConfig, build_decoder
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from sim.engine import Engine
+from sim.iteration import ep_all_to_all_cost
+from sim.options import RunOptions
+from sim.published import PUBLISHED_RUNS, load, parse_run, select
+from sim.simulate import SimConfig, simulate
+from sim.topology import Cluster
+from sim.workload import Workload
+from tests.cli_helpers import error_line, invoke
+
+# a small MoE model whose all-to-alls inside one node are shorter than every compute node of a
+# layer (attention and experts, forward and backward): the compute-bound case of the closed form
+SMALL = DecoderConfig("small-moe", 4, 1024, 8, 8, 128, 2048, 1024, False, experts=16, experts_per_token=2,
+                      moe_ffn=512)
+LAYERS, GPUS, EP = 4, 8, 8
+
+
+def _cfg(overlap: bool, **changes) -> tuple[SimConfig, tuple]:
+    base = dict(model="unused", gpus=GPUS, tp=1, ep=EP, optimizer="adamw", policy="zero1", zero1_fallback=False,
+                workload=Workload(seq_len=512, global_batch=32), gpu_variability=0.0,
+                options=RunOptions(overlap_moe_expert_parallel_comm=overlap))
+    return SimConfig(**{**base, **changes}), (build_decoder(SMALL), SMALL.architecture())
+
+
+def _run(overlap: bool, **changes):
+    cfg, model = _cfg(overlap, **changes)
+    return simulate(cfg, model=model)
+
+
+def _no_comm_sms(monkeypatch) -> None:
+    """Communication kernels take no SM from the compute (`Engine(sms=0)`): the streams alone."""
+    monkeypatch.setattr(simulate_module, "Engine", lambda slowdown=1.0, sms=0: Engine(slowdown=slowdown, sms=0))
+
+
+def _all_to_all_s() -> float:
+    """One dispatch (or combine) all-to-all of SMALL's expert block, as the simulator prices it."""
+    cfg, (spec, arch) = _cfg(False)
+    wl = cfg.workload
+    pairs = wl.tokens_per_micro_batch * 2  # tokens x experts_per_token, TP 1
+    sent = pairs * arch.hidden * 2 * (EP - 1) / EP  # bf16, the share that leaves the rank
+    experts = cfg.expert_cluster(Cluster(GPUS, 1, load_profile(cfg.hardware).node.gpus, 1))
+    return ep_all_to_all_cost(sent, sent, experts, load_profile(cfg.hardware)).seconds
+
+
+def test_compute_bound_overlap_hides_every_all_to_all_of_the_combined_phases(monkeypatch):
+    """With every all-to-all shorter than each compute node (checked on the serial run's spans) and
+    no SM taken by communication, each layer pair of a combined phase runs its four compute nodes
+    back to back with its four all-to-alls under them, so the overlap saves exactly the
+    all-to-alls of the m - 1 combined phases: (m - 1) x layers x 4 x one all-to-all (micro-batch 0's
+    forward and the last backward run alone, as before)."""
+    _no_comm_sms(monkeypatch)
+    serial, overlapped = _run(False), _run(True)
+    c = _all_to_all_s()
+    spans = {s.name: s.end - s.start for s in serial.spans if s.rank == 0 and s.name.startswith("mb1 fwd layer 1")}
+    spans.update({s.name: s.end - s.start for s in serial.spans if s.rank == 0 and s.name.startswith("mb1 bwd layer 1")})
+    comm = [v for k, v in spans.items() if k.endswith(("dispatch", "combine"))]
+    compute = [v for k, v in spans.items() if not k.endswith(("dispatch", "combine"))]
+    assert len(comm) == 4 and len(compute) == 4
+    assert comm == pytest.approx([c] * 4, rel=1e-12)
+    assert c < min(compute)  # the compute-bound case
+    m = 32 // GPUS
+    saved = serial.iteration_time_s - overlapped.iteration_time_s
+    assert saved == pytest.approx((m - 1) * LAYERS * 4 * c, rel=1e-9)
+    assert overlapped.memory.worst.total == serial.memory.worst.total  # one micro-batch's layers either way
+
+
+def test_the_all_to_alls_take_sms_from_the_compute_beside_them():
+    """With NCCL's SMs held by the all-to-alls (sim.comm_sms) the compute beside them slows: the
+    overlap still saves time, less than the closed form's."""
+    serial, overlapped = _run(False), _run(True)
+    m = 32 // GPUS
+    saved = serial.iteration_time_s - overlapped.iteration_time_s
+    assert 0 < saved < (m - 1) * LAYERS * 4 * _all_to_all_s()
+
+
+def test_combined_schedule_order_on_the_two_streams():
+    """A layer pair in Megatron's order: on the EP stream the backward's combine gradient, the
+    forward's dispatch, the backward's dispatch gradient, the forward's combine; on the compute
+    stream the forward's attention, the backward's experts, the forward's experts, the backward's
+    attention."""
+    r = _run(True)
+    pair = [s for s in r.spans if s.rank == 0 and s.phase == "A"
+            and (s.name.startswith("mb2 fwd layer 1") or s.name.startswith("mb1 bwd layer 2"))]
+    by_stream = {}
+    for s in sorted(pair, key=lambda s: s.start):
+        by_stream.setdefault(s.stream, []).append(s.name)
+    assert by_stream["ep-comm"] == ["mb1 bwd layer 2.experts dispatch", "mb2 fwd layer 1.experts dispatch",
+                                    "mb1 bwd layer 2.experts combine", "mb2 fwd layer 1.experts combine"]
+    assert by_stream["compute"] == ["mb2 fwd layer 1.0", "mb1 bwd layer 2.experts", "mb2 fwd layer 1.experts",
+                                    "mb1 bwd layer 2.0"]
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(ep=1), "needs expert parallelism (--ep > 1)"),
+    (dict(gpus=16, pp=2), "needs a virtual pipeline (--vp > 1)"),
+    (dict(options=RunOptions(overlap_moe_expert_parallel_comm=True, recompute="full")),
+     "does not run with --recompute full"),
+    (dict(options=RunOptions(overlap_moe_expert_parallel_comm=True, recompute="selective-op")),
+     "does not run with --recompute selective-op"),
+])
+def test_megatron_requirements_are_errors(changes, needle):
+    cfg, model = _cfg(True, **changes)
+    with pytest.raises(SpecError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        cfg.check(model)
+
+
+def test_interleaved_pipeline_and_dense_models_are_refused():
+    big = replace(SMALL, layers=8)
+    cfg = SimConfig(model="unused", gpus=16, tp=1, pp=2, vp=2, ep=8, optimizer="adamw",
+                    workload=Workload(seq_len=512, global_batch=32),
+                    options=RunOptions(overlap_moe_expert_parallel_comm=True))
+    with pytest.raises(SpecError, match="simulated at --pp 1 only"):
+        cfg.check((build_decoder(big), big.architecture()))
+    with pytest.raises(SpecError, match="overlap_moe_expert_parallel_comm must be True or False"):
+        RunOptions(overlap_moe_expert_parallel_comm="yes").check()  # type: ignore[arg-type]
+
+
+def test_cli_errors_and_option():
+    base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw")
+    error_line(invoke("simulate", *base, "--overlap-moe-expert-parallel-comm"), "needs expert parallelism")
+    error_line(invoke("simulate", "--model", "qwen3-8b", "--gpus", "8", "--tp", "1", "--optimizer", "adamw",
+                      "--ep", "2", "--overlap-moe-expert-parallel-comm"), "has no experts")
+    error_line(invoke("simulate", *base, "--ep", "16", "--recompute", "full", "--overlap-moe-expert-parallel-comm"),
+               "--recompute full")
+    error_line(invoke("simulate", *base, "--ep", "8", "--fsdp", "--overlap-moe-expert-parallel-comm"))
+    import json
+
+    ok = invoke("simulate", *base, "--ep", "16", "--global-batch", "32", "--overlap-moe-expert-parallel-comm", "--json")
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["options"]["overlap_moe_expert_parallel_comm"] is True
+
+
+def test_search_floor_stays_below_the_overlapped_simulation():
+    """The search runs the overlap where the layout allows it and its floor stays a floor."""
+    from canzona.cost import DeviceRate
+    from canzona.models import resolve_model
+    from sim.search import Question, config_of, time_floor
+
+    q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=64,  # 4 micro-batches at DP 16
+                 overlap_moe_expert_parallel_comm=True)
+    model = resolve_model(q.model)
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    on = config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"})
+    assert on.options.overlap_moe_expert_parallel_comm
+    off = config_of(q, {"tp": 2, "pp": 2, "vp": 1, "ep": 4, "micro_batch": 2, "recompute": "none"})
+    assert not off.options.overlap_moe_expert_parallel_comm  # PP 2: not where the simulator runs it
+    assert not config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1,
+                             "recompute": "full"}).options.overlap_moe_expert_parallel_comm
+    r = simulate(on)
+    serial = replace(on, options=replace(on.options, overlap_moe_expert_parallel_comm=False))
+    assert time_floor(on, model, rate, hw) <= r.iteration_time_s < simulate(serial).iteration_time_s
+    assert time_floor(on, model, rate, hw) < time_floor(serial, model, rate, hw)
+
+
+def test_the_tuned_published_row_ran_the_overlap():
+    """The Qwen3-30B-A3B tuned H100 run (the card's pretrain_performance item) is the functional
+    row's layout with the recipe's overlap on; its source is a tuned benchmark's; nothing else ran it."""
+    runs, sources = load()
+    perf = select(runs, "qwen3-30b-a3b-16xh100-mb-perf")[0]
+    functional = next(r for r in runs if r.id == "qwen3-30b-a3b-16xh100-mb")
+    assert (perf.gpus, perf.tp, perf.pp, perf.cp, perf.ep, perf.dp) == (16, 1, 1, 1, 16, 16)
+    assert (perf.global_batch, perf.micro_batch, perf.seq_len, perf.precision) == (1024, 1, 4096, "bf16")
+    assert (functional.global_batch, functional.micro_batch, functional.ep) == (1024, 1, 16)
+    assert perf.recompute == "none" and perf.grad_reduce_in_fp32 is False and perf.overlap_moe_expert_parallel_comm
+    assert "overlap_moe_expert_parallel_comm = True" in perf.recipe_source
+    assert "delay_wgrad_compute = False" in perf.recipe_source
+    assert perf.seq_len * perf.global_batch / perf.step_time_s / perf.gpus == pytest.approx(
+        perf.tokens_per_s_per_gpu, rel=1e-4)
+    source = sources[perf.source]
+    assert source["url"].endswith("#qwen3-30b-a3b-pretrain-performance-h100") and "layout_not_tuned" not in source
+    assert [r.id for r in runs if r.overlap_moe_expert_parallel_comm] == [perf.id]
+    assert perf.sim_config().options.overlap_moe_expert_parallel_comm
+    assert not functional.sim_config().options.overlap_moe_expert_parallel_comm
+
+
+def test_row_setting_is_checked():
+    import json
+
+    raw = json.loads(PUBLISHED_RUNS.read_text())
+    row = next(r for r in raw["rows"] if r["id"] == "qwen3-30b-a3b-16xh100-mb-perf")
+    with pytest.raises(SpecError, match="overlap_moe_expert_parallel_comm must be true or false"):
+        parse_run({**row, "overlap_moe_expert_parallel_comm": "yes"}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        parse_run({**row, "recipe_source": ""}, raw["sources"], "row")
