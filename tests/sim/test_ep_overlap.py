@@ -14,7 +14,7 @@ from canzona.decoder import DecoderConfig, build_decoder
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from sim.engine import Engine
-from sim.iteration import ep_all_to_all_cost
+from sim.ep_dispatch import alltoall_cost
 from sim.options import RunOptions
 from sim.published import PUBLISHED_RUNS, load, parse_run, select
 from sim.simulate import SimConfig, simulate
@@ -53,7 +53,7 @@ def _all_to_all_s() -> float:
     pairs = wl.tokens_per_micro_batch * 2  # tokens x experts_per_token, TP 1
     sent = pairs * arch.hidden * 2 * (EP - 1) / EP  # bf16, the share that leaves the rank
     experts = cfg.expert_cluster(Cluster(GPUS, 1, load_profile(cfg.hardware).node.gpus, 1))
-    return ep_all_to_all_cost(sent, sent, experts, load_profile(cfg.hardware)).seconds
+    return alltoall_cost(sent, sent, experts, load_profile(cfg.hardware)).seconds
 
 
 def test_compute_bound_overlap_hides_every_all_to_all_of_the_combined_phases(monkeypatch):
