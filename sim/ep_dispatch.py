@@ -29,9 +29,12 @@ Pricing of `flex`:
 - across nodes without a measurement: the cross-node copies (one per distinct remote node) on
   the NIC and the rest over NVLink, by the hierarchical all-to-all model (modelled, not measured).
 
+While a flex kernel runs it holds its own SMs, taken from any compute beside it (the EP
+all-to-all overlap of `sim.ep_overlap` runs it under another micro-batch's GEMMs): HybridEP's
+`moe_hybridep_num_sms`, DeepEP's `DEEPEP_SMS` (`FlexTraffic.sms`), not NCCL's channel count.
+
 Not modelled: DeepEP / HybridEP's per-layer routing metadata exchange and its CPU synchronisation
-(TE CUDA graphs capture HybridEP's preprocessing in the Megatron-Bridge recipe); the dispatchers'
-SMs taken from compute (moe_a2a_overlap off: the dispatch runs alone between the experts' kernels).
+(TE CUDA graphs capture HybridEP's preprocessing in the Megatron-Bridge recipe).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ FLEX_BACKENDS = (DEEPEP, HYBRIDEP)  # Megatron's --moe-flex-dispatcher-backend
 # Megatron's TransformerConfig.moe_hybridep_num_sms default ("In pure NVL scenarios, 16 SMs can
 # generally achieve good bandwidth": megatron/core/transformer/transformer_config.py)
 DEFAULT_HYBRIDEP_SMS = 16
+# Megatron's TransformerConfig.moe_deepep_num_sms default, 20 (megatron/core/transformer/
+# transformer_config.py: "Number of SMs to use for DeepEP"); NeMo AutoModel's DeepEP recipe sets
+# the same (examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml, dispatcher_num_sms: 20)
+DEEPEP_SMS = 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +208,12 @@ def flex_costs(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[C
     total = t.token_bytes * other_ranks * t.imbalance
     cost = all_to_all_cost([total], [total], geo, hw, [remote], [remote])
     return cost, cost
+
+
+def dispatcher_sms(flex: FlexTraffic | None) -> int | None:
+    """SMs the dispatch / combine kernel of a block holds: the flex backend's own (`FlexTraffic.sms`);
+    None for the all-to-all, whose NCCL kernel holds NCCL's (`sim.comm_sms.nccl_sms`)."""
+    return None if flex is None else flex.sms
 
 
 def ep_costs(sent: float, received: float, flex: FlexTraffic | None, experts: Cluster,

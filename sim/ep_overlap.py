@@ -68,6 +68,7 @@ import simpy
 
 from canzona.errors import SpecError
 from canzona.recompute import FULL, SELECTIVE_OP
+from sim.ep_dispatch import dispatcher_sms
 
 if TYPE_CHECKING:  # the stage's program: sim.iteration imports this module, not the other way round
     from sim.iteration import _Stage
@@ -154,7 +155,8 @@ def _expert_comm(stage: _Stage, name: str, b: Block, into_experts: bool) -> None
         stage.last.update(stage.collective(f"{name} etp reduce-scatter", stage.etp_groups,
                                            stage._etp_cost("reduce-scatter", b.etp_bytes), EP_COMM))
     label = "dispatch" if into_experts else "combine"
-    stage.last.update(stage.collective(f"{name} {label}", stage.ep_groups, cost, EP_COMM))
+    stage.last.update(stage.collective(f"{name} {label}", stage.ep_groups, cost, EP_COMM,
+                                       sms=dispatcher_sms(b.ep_flex)))
     if into_experts and b.etp_bytes:
         stage.last.update(stage.collective(f"{name} etp all-gather", stage.etp_groups,
                                            stage._etp_cost("all-gather", b.etp_bytes), EP_COMM))

@@ -80,7 +80,7 @@ from canzona.step_policies import (
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
-from sim.ep_dispatch import ep_costs
+from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.fp8 import FP8Setup, fp8_setup
 from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
 from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM
@@ -228,9 +228,10 @@ class _FsdpRun:
                     last = self.engine.compute(0, label, b.seconds, [last])
                     continue
                 dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw)
-                last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]})[0]
+                held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
+                last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
                 last = self.engine.compute(0, label, b.seconds, [last])
-                last = self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]})[0]
+                last = self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
             return last
         last = self.engine.env.all_of([last, gathered])
         for b in blocks:

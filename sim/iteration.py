@@ -67,7 +67,7 @@ from sim.collectives import (
 )
 from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
-from sim.ep_dispatch import ep_costs
+from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.ep_overlap import run_combined
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
@@ -404,7 +404,8 @@ class _Stage:
         ctx, ranks = self.ctx, self.ranks
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
             dispatch, combine = self._ep_cost(b)
-            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, dispatch, EP_COMM))
+            held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
+            self.last.update(self.collective(f"{name} dispatch", self.ep_groups, dispatch, EP_COMM, sms=held))
             if b.etp_bytes:  # expert TP: the ETP group's tokens gathered, the outputs reduce-scattered
                 gather = self._etp_cost("all-gather", b.etp_bytes)
                 self.last.update(self.collective(f"{name} etp all-gather", self.etp_groups, gather, ETP_COMM))
@@ -412,7 +413,7 @@ class _Stage:
             if b.etp_bytes:
                 scatter = self._etp_cost("reduce-scatter", b.etp_bytes)
                 self.last.update(self.collective(f"{name} etp reduce-scatter", self.etp_groups, scatter, ETP_COMM))
-            self.last.update(self.collective(f"{name} combine", self.ep_groups, combine, EP_COMM))
+            self.last.update(self.collective(f"{name} combine", self.ep_groups, combine, EP_COMM, sms=held))
             return
         if ctx.tp == 1 or not b.tp_collectives:
             self.core(name, b.seconds, b)

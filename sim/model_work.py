@@ -61,7 +61,7 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import eager_kernels as ek
 from sim import layer_kernels as lk
 from sim.eager_kernels import EAGER, FUSED, check_kernels
-from sim.ep_dispatch import HYBRIDEP, EpDispatcher, FlexTraffic
+from sim.ep_dispatch import DEEPEP_SMS, HYBRIDEP, EpDispatcher, FlexTraffic
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
@@ -330,7 +330,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     if ep > 1 and dispatcher is not None and dispatcher.flex:
         backend = dispatcher.moe_flex_dispatcher_backend
         assert backend is not None  # EpDispatcher.check
-        flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else 0,
+        flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else DEEPEP_SMS,
                            tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance)
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives

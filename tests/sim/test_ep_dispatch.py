@@ -183,3 +183,28 @@ def test_a_flex_layout_simulates_faster_and_its_search_floor_stays_below():
         assert time_floor(cfg, resolve_model(q.model), DeviceRate.from_profile(H100), H100) <= times[
             d.moe_token_dispatcher_type]
     assert times["flex"] < 0.8 * times["alltoall"]
+
+
+def test_a_flex_kernel_holds_its_own_sms_beside_overlapped_compute():
+    """A flex dispatch / combine holds the backend's SMs (HybridEP's moe_hybridep_num_sms, DeepEP's
+    Megatron default of 20), not NCCL's: under the EP all-to-all overlap, where it runs beside
+    another micro-batch's GEMMs, 32 HybridEP SMs slow the step more than 16 do, at the same measured
+    bandwidth (both pick the 16-SM measurement); run alone, between kernels, the count changes nothing."""
+    from sim.ep_dispatch import DEEPEP_SMS, FlexTraffic, dispatcher_sms
+    from sim.search import Question, config_of
+    from sim.simulate import simulate
+
+    assert dispatcher_sms(None) is None and DEEPEP_SMS == 20
+    assert dispatcher_sms(FlexTraffic("hybridep", 32, 1.0, 128, 8)) == 32
+    assert measurement("hybridep", "h100-sxm", 16, 32) == measurement("hybridep", "h100-sxm", 16, 16)
+    layout = {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"}
+    times = {}
+    for overlap in (False, True):
+        for sms in (16, 32):
+            d = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                             moe_hybridep_num_sms=sms)
+            q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=32, ep_dispatcher=d,
+                         overlap_moe_expert_parallel_comm=overlap)
+            times[overlap, sms] = simulate(config_of(q, layout)).forward_backward_s
+    assert times[True, 32] > times[True, 16]
+    assert times[False, 32] == pytest.approx(times[False, 16], rel=1e-9)
