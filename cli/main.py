@@ -309,7 +309,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                  precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
                  gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                 kernels: str = "fused", fsdp_impl: str = "fsdp2"):
+                 kernels: str = "fused", fsdp_impl: str = "fsdp2", cross_entropy_loss_fusion: bool = False,
+                 cross_entropy_fusion_impl: str = "native", store_param_remainders: bool = False):
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -319,7 +320,10 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels),
+                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels,
+                                       cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                                       cross_entropy_fusion_impl=cross_entropy_fusion_impl,
+                                       store_param_remainders=store_param_remainders),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
@@ -441,6 +445,17 @@ FsdpImpl = Annotated[str, typer.Option(
     help="Under --fsdp, the implementation: fsdp2 (torch's fully_shard, canzona's runtime's: its all-gather copy-out "
          "and reduce-scatter copy-in on the compute stream) or megatron-fsdp (collectives on the parameter and "
          "gradient buffers in place).")]
+CrossEntropyLossFusion = Annotated[bool, typer.Option(
+    help="Megatron's --cross-entropy-loss-fusion: the loss's fused cross-entropy (--cross-entropy-fusion-impl); off: "
+         "the unfused fp32 upcast, softmax and loss, as Megatron's default and canzona's examples run it.")]
+CrossEntropyFusionImpl = Annotated[str, typer.Option(
+    help="Megatron's --cross-entropy-fusion-impl under --cross-entropy-loss-fusion: native (Megatron's "
+         "torch.compile'd functions) or te (Transformer Engine's Triton kernels, the gradient written over the "
+         "logits).")]
+StoreParamRemainders = Annotated[bool, typer.Option(
+    help="Megatron's store_param_remainders (its precision-aware optimizer; Apex DistributedFusedAdam under NeMo): "
+         "keep only the low 16 bits of each fp32 master beside the bf16 weight, 2 bytes a parameter less; off: "
+         "full fp32 masters, as canzona's runtime keeps them.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -467,6 +482,8 @@ def simulate(
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
+    cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
+    store_param_remainders: StoreParamRemainders = False,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -482,7 +499,8 @@ def simulate(
                                           attention_backend),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
-                             reshard_after_forward, kernels, fsdp_impl)
+                             reshard_after_forward, kernels, fsdp_impl, cross_entropy_loss_fusion,
+                             cross_entropy_fusion_impl, store_param_remainders)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
