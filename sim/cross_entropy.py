@@ -5,9 +5,10 @@ vocab / tp` logits, priced by their bytes at the achievable HBM bandwidth like e
 kernel (`sim.layer_kernels`), with bf16 logits (the head's GEMM output in every Megatron run).
 
 - **unfused** (`cross_entropy_loss_fusion` false, Megatron's default and canzona's: its runtime
-  has no loss of its own, and the examples' `F.cross_entropy(logits.float(), ...)` upcasts the
-  same way): `VocabParallelCrossEntropy`, one eager op a step, 38 bytes a logit forward and 14
-  backward (`sim.layer_kernels.CE_FORWARD_BYTES`, `CE_BACKWARD_BYTES`).
+  has no loss of its own, and its examples run PyTorch's unfused `F.cross_entropy`,
+  `reference/tiny_model.py`'s and Hugging Face's for `examples/hf_qwen3.py`, which upcasts the
+  logits to fp32): `VocabParallelCrossEntropy`, one eager op a step, 38 bytes a logit forward and
+  14 backward (`sim.layer_kernels.CE_FORWARD_BYTES`, `CE_BACKWARD_BYTES`).
 - **native** (`megatron/core/fusions/fused_cross_entropy.py`, the layout of Megatron-Core 0.8 /
   0.9 that NeMo 24.09 runs): the same steps in four `jit_fuser` functions, `torch.compile` from
   PyTorch 2.2 on, each priced as one Inductor kernel over the logits (pointwise work and the row
