@@ -92,6 +92,7 @@ def fp8_linear_params(spec: ModelSpec) -> list[ParamSpec]:
 
 
 FP32 = DTYPE_BYTES["fp32"]
+BF16 = DTYPE_BYTES["bf16"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
 GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
 
@@ -199,13 +200,24 @@ class MemorySetup:
     # bytes a logit of the copy the loss keeps for its backward: fp32 (Megatron's, the paper's
     # `4*s*b*V`: the loss upcasts the logits), or the logits' own dtype for a loss that does not
     # upcast (NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) saves its log-softmax in bf16)
+    # (0: the loss keeps no copy: Transformer Engine's fused cross-entropy overwrites the logits
+    # with their gradient, sim.cross_entropy)
     loss_bytes: int = FP32
+    # Megatron's store_param_remainders (precision-aware optimizer) / Apex DistributedFusedAdam's:
+    # of each fp32 master only the 16 bits the bf16 weight lacks are kept (2 bytes, not 4)
+    store_param_remainders: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "loss_bytes"):
+        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
+        if not (isinstance(self.loss_bytes, int) and self.loss_bytes >= 0):
+            raise SpecError(f"loss bytes must be a whole number >= 0, got {self.loss_bytes!r}")
+        if self.store_param_remainders and not (self.master_weights and self.param_bytes == BF16):
+            raise SpecError("store_param_remainders keeps the low half of fp32 masters beside bf16 weights: it needs "
+                            f"master weights and 2-byte parameters, got {self.param_bytes}-byte parameters"
+                            f"{'' if self.master_weights else ' without masters'}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -217,14 +229,22 @@ class MemorySetup:
             raise SpecError(f"fragmentation must be a fraction in [0, 1), got {self.fragmentation!r}")
 
     @property
+    def has_masters(self) -> bool:
+        return self.master_weights and self.param_bytes < FP32
+
+    @property
     def master_bytes(self) -> int:
-        return FP32 if self.master_weights and self.param_bytes < FP32 else 0
+        """Bytes a master weight takes beside its working weight: fp32, or its low half under
+        `store_param_remainders` (the bf16 weight holds the high half)."""
+        if not self.has_masters:
+            return 0
+        return FP32 - self.param_bytes if self.store_param_remainders else FP32
 
     @property
     def update_bytes(self) -> int:
         """Bytes per element of an update direction as sent and applied (the runtime: fp32 with
         masters, the gradients' dtype without)."""
-        return FP32 if self.master_bytes else self.grad_bytes
+        return FP32 if self.has_masters else self.grad_bytes
 
     def overhead(self, transient: int) -> int:
         """The allowance for the CUDA context, NCCL and the allocator's fragmentation beside the
@@ -237,7 +257,10 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes", "loss_bytes") if hasattr(workload, k)}
+                                                    "activation_bytes", "loss_bytes", "store_param_remainders")
+                  if hasattr(workload, k)}
+        if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
+            values["loss_bytes"] = workload.loss_copy_bytes
         values["fp8"] = getattr(workload, "precision", "bf16") == "fp8"
         unknown = sorted(set(overrides) - names)
         if unknown:

@@ -310,7 +310,9 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                 precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
                 gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                kernels: str = "fused", fsdp_impl: str = "fsdp2", pipeline_split=None):
+                kernels: str = "fused", fsdp_impl: str = "fsdp2", pipeline_split=None,
+                cross_entropy_loss_fusion: bool = False, cross_entropy_fusion_impl: str = "native",
+                store_param_remainders: bool = False):
     """The simulator's configuration of a command's options; keyword-only, so that no caller can
     pass two of its many same-typed options in each other's place."""
     from canzona.pipeline import EVEN_SPLIT
@@ -323,7 +325,10 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels),
+                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels,
+                                       cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                                       cross_entropy_fusion_impl=cross_entropy_fusion_impl,
+                                       store_param_remainders=store_param_remainders),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
@@ -489,6 +494,17 @@ MoeFlexDispatcherBackend = Annotated[str | None, typer.Option(
          "published measurements where the hardware has one).")]
 MoeHybridepNumSms = Annotated[int, typer.Option(
     help="HybridEP's SMs (Megatron's --moe-hybridep-num-sms): which published measurement prices it.")]
+CrossEntropyLossFusion = Annotated[bool, typer.Option(
+    help="Megatron's --cross-entropy-loss-fusion: the loss's fused cross-entropy (--cross-entropy-fusion-impl); off: "
+         "the unfused fp32 upcast, softmax and loss, as Megatron's default and canzona's examples run it.")]
+CrossEntropyFusionImpl = Annotated[str, typer.Option(
+    help="Megatron's --cross-entropy-fusion-impl under --cross-entropy-loss-fusion: native (Megatron's "
+         "torch.compile'd functions) or te (Transformer Engine's Triton kernels, the gradient written over the "
+         "logits).")]
+StoreParamRemainders = Annotated[bool, typer.Option(
+    help="Megatron's store_param_remainders (its precision-aware optimizer; Apex DistributedFusedAdam under NeMo): "
+         "keep only the low 16 bits of each fp32 master beside the bf16 weight, 2 bytes a parameter less; off: "
+         "full fp32 masters, as canzona's runtime keeps them.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -522,6 +538,8 @@ def simulate(
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
+    cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
+    store_param_remainders: StoreParamRemainders = False,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -551,7 +569,10 @@ def simulate(
                              geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
                              precision=precision, fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_reduce_in_fp32,
                              gpu_variability=gpu_variability, reshard_after_forward=reshard_after_forward,
-                             kernels=kernels, fsdp_impl=fsdp_impl, pipeline_split=split)
+                             kernels=kernels, fsdp_impl=fsdp_impl, pipeline_split=split,
+                             cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,
+                             store_param_remainders=store_param_remainders)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

@@ -58,8 +58,10 @@ from canzona.experts import expert_tp_dim
 from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
+from sim import cross_entropy as ce
 from sim import eager_kernels as ek
 from sim import layer_kernels as lk
+from sim.cross_entropy import CROSS_ENTROPY_PATHS, UNFUSED
 from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.ep_dispatch import DEEPEP_SMS, HYBRIDEP, EpDispatcher, FlexTraffic
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
@@ -140,7 +142,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
                      fp8: FP8Setup | None = None,
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
-                     accumulate: int = 0, dispatcher: EpDispatcher | None = None) -> MicroBatchWork:
+                     accumulate: int = 0, dispatcher: EpDispatcher | None = None,
+                     cross_entropy: str = UNFUSED) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -157,9 +160,14 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     PyTorch's eager ops (`sim.eager_kernels`); `accumulate`: the bytes of a gradient buffer element
     every weight-gradient GEMM adds into (`Workload.grad_bytes` under Megatron's gradient
     accumulation fusion; 0: fresh gradients, as FSDP's); `dispatcher`: Megatron's token dispatcher
-    under EP (`sim.ep_dispatch`; None: the all-to-all of every pair)."""
+    under EP (`sim.ep_dispatch`; None: the all-to-all of every pair); `cross_entropy`: the loss's
+    path (`sim.cross_entropy`: unfused, or Megatron's fused native / te; fused kernels only)."""
     check_recompute(recompute)
     eager = check_kernels(kernels) == EAGER
+    if cross_entropy not in CROSS_ENTROPY_PATHS:
+        raise SpecError(f"unknown cross-entropy path {cross_entropy!r}; choose one of {', '.join(CROSS_ENTROPY_PATHS)}")
+    if eager and cross_entropy != UNFUSED:
+        raise SpecError("Megatron's fused cross-entropy runs with fused kernels, not eager ones")
     if accumulate not in (0, DTYPE_BYTES["bf16"], DTYPE_BYTES["fp32"]):
         raise SpecError(f"weight gradients accumulate into bf16 (2) or fp32 (4) buffers, got {accumulate!r} bytes")
     full_tokens, tokens = tokens, tokens // cp
@@ -295,7 +303,12 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         embed_b = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=True))
     if not head:
         return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b)
-    loss = ek.loss_kernels if eager else lk.loss_kernels
+
+    def loss(tokens: int, vocab_slice: int, backward: bool) -> list[Kernel]:
+        if eager:
+            return ek.loss_kernels(tokens, vocab_slice, backward)
+        return ce.loss_kernels(tokens, vocab_slice, backward, cross_entropy)
+
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),
                   *loss(tokens, vocab // tp, backward=False)])
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),

@@ -27,6 +27,7 @@ from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
 from canzona.recompute import RECOMPUTE_MODES, check_recompute
 from canzona.spec import DTYPE_BYTES
+from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.eager_kernels import FUSED, KERNEL_MODES
 from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
@@ -121,6 +122,16 @@ class PublishedRun:
     # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
     # the combined 1F1B schedule); True needs `recipe_source`
     overlap_moe_expert_parallel_comm: bool = False
+    # Megatron's cross_entropy_loss_fusion / cross_entropy_fusion_impl as the recipe sets them
+    # (`Workload`'s options of the same names, `sim.cross_entropy`); None: not stated, Megatron's
+    # default (unfused; impl native)
+    cross_entropy_loss_fusion: bool | None = None
+    cross_entropy_fusion_impl: str | None = None
+    # the optimizer keeps only the low 16 bits of each fp32 master beside the bf16 weight
+    # (`Workload.store_param_remainders`): Megatron's precision-aware optimizer (its
+    # store_param_remainders defaults to true) or NeMo's Apex DistributedFusedAdam with a bf16
+    # model and fp32 optimizer; None: not stated, full fp32 masters
+    store_param_remainders: bool | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -169,7 +180,9 @@ class PublishedRun:
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
                       loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
-                      kernels=self.kernels)
+                      kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
+                      cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
+                      store_param_remainders=bool(self.store_param_remainders))
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep, pipeline_split=self.pipeline_split,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
@@ -235,6 +248,9 @@ class RowResult:
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
                 "moe_hybridep_num_sms": r.moe_hybridep_num_sms} if r.ep > 1 else {}),
             "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
+            "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
+            "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
+            "store_param_remainders": r.store_param_remainders,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -337,6 +353,13 @@ class PublishedReport:
                                              "stated, simulated as alltoall",
                 "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
                                                     "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
+                "cross_entropy_loss_fusion": "Megatron's fused cross-entropy as the recipe sets it, with "
+                                             "cross_entropy_fusion_impl (native: Megatron's torch.compile'd "
+                                             "functions; te: Transformer Engine's Triton kernels) and "
+                                             "recipe_source; null: not stated, unfused (Megatron's default)",
+                "store_param_remainders": "whether the optimizer keeps only the low 16 bits of each fp32 master "
+                                          "(Megatron's precision-aware optimizer, Apex DistributedFusedAdam under "
+                                          "NeMo), with recipe_source; null: not stated, full fp32 masters",
             },
         }
 
@@ -436,6 +459,19 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
         raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
                         f"got {fsdp_impl!r}")
+    ce_fusion = raw.get("cross_entropy_loss_fusion")
+    if ce_fusion is not None and not isinstance(ce_fusion, bool):
+        raise SpecError(f"{where}: cross_entropy_loss_fusion must be true, false or null, got {ce_fusion!r}")
+    ce_impl = raw.get("cross_entropy_fusion_impl")
+    if ce_impl is not None and (ce_impl not in CROSS_ENTROPY_FUSION_IMPLS or not ce_fusion):
+        raise SpecError(f"{where}: cross_entropy_fusion_impl must be one of {', '.join(CROSS_ENTROPY_FUSION_IMPLS)} "
+                        f"(with cross_entropy_loss_fusion true) or null, got {ce_impl!r}")
+    if ce_fusion and kernels != FUSED:
+        raise SpecError(f"{where}: cross_entropy_loss_fusion is Megatron's, on a row with fused kernels")
+    remainders = raw.get("store_param_remainders")
+    if remainders is not None and (not isinstance(remainders, bool) or (remainders and fsdp)):
+        raise SpecError(f"{where}: store_param_remainders must be true, false or null (true on a ZeRO-1 row, not "
+                        f"fsdp), got {remainders!r}")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
                                         "moe_hybridep_num_sms")}
     split = _pipeline_split(raw, where)
@@ -444,7 +480,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl", *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm")
+                "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
+                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm")
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -459,7 +496,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
-        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl,
+        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
+        cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split,
         overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **ints)
     try:

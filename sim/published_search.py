@@ -49,12 +49,17 @@ LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
 
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
-    precision, gradient dtype, attention backend, token dispatcher and EP all-to-all overlap (what
-    `PublishedRun.sim_config` simulates it with; the overlap on every layout that allows it)."""
+    precision, gradient dtype, attention backend, loss path, master remainders, token dispatcher and
+    EP all-to-all overlap (what `PublishedRun.sim_config` simulates it with; the overlap on every
+    layout that allows it)."""
+    cfg = run.sim_config()
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
                     fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32 is not False,
-                    attention_backend=run.sim_config().options.attention_backend, ep_dispatcher=run.ep_dispatcher,
+                    attention_backend=cfg.options.attention_backend,
+                    cross_entropy_loss_fusion=cfg.workload.cross_entropy_loss_fusion,
+                    cross_entropy_fusion_impl=cfg.workload.cross_entropy_fusion_impl,
+                    store_param_remainders=cfg.workload.store_param_remainders, ep_dispatcher=run.ep_dispatcher,
                     overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm)
 
 

@@ -47,6 +47,7 @@ from canzona.reductions import (
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
+from sim.cross_entropy import DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
@@ -82,6 +83,11 @@ class Question:
     # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1, no full or selective-op
     # recompute) is simulated with it, the others without
     overlap_moe_expert_parallel_comm: bool = False
+    # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
+    # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = DEFAULT_CROSS_ENTROPY_FUSION_IMPL
+    store_param_remainders: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
@@ -100,7 +106,10 @@ class Question:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
                         fp8_recipe=self.fp8_recipe,
-                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32))
+                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32),
+                        cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
+                        cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
+                        store_param_remainders=self.store_param_remainders)
 
 
 @dataclass(frozen=True)
@@ -373,6 +382,9 @@ class SearchResult:
             "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
             "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
             "overlap_moe_expert_parallel_comm": q.overlap_moe_expert_parallel_comm,
+            "cross_entropy_loss_fusion": q.cross_entropy_loss_fusion,
+            "cross_entropy_fusion_impl": q.cross_entropy_fusion_impl,
+            "store_param_remainders": q.store_param_remainders,
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "pruned_as_ties": self.pruned_ties,

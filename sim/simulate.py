@@ -204,6 +204,9 @@ class SimConfig:
         check_fsdp_impl(self.fsdp_impl)
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
+            if self.workload.store_param_remainders:
+                raise SpecError("--store-param-remainders is the distributed optimizer's (ZeRO-1): under --fsdp the "
+                                "fp32 shard is the parameter, with no bf16 copy to hold the masters' high half")
         else:
             check_choice(self.policy, STEP_POLICIES, "policy")
         check_matrix_optimizer(self.optimizer)
@@ -614,7 +617,8 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
                             kv_dim=arch.kv_dim, fp8=fp8,
                             attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                             # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
-                            accumulate=wl.grad_bytes, dispatcher=cfg.options.ep_dispatcher)
+                            accumulate=wl.grad_bytes, dispatcher=cfg.options.ep_dispatcher,
+                            cross_entropy=wl.cross_entropy)
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,

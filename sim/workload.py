@@ -8,7 +8,13 @@ from canzona.choices import check_choice
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
-from sim.eager_kernels import FUSED, check_kernels
+from sim.cross_entropy import (
+    DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
+    UNFUSED,
+    cross_entropy_path,
+    saved_logit_bytes,
+)
+from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.fp8 import check_precision
 
 # A guard against mistakes, nothing of Megatron's: above sim.steady.EXACT_MICRO_BATCHES (256) the
@@ -47,6 +53,16 @@ class Workload:
     # Megatron's fused kernels) or "eager" (PyTorch's eager ops, e.g. torchtitan with compile =
     # false): sim.eager_kernels
     kernels: str = FUSED
+    # Megatron's TransformerConfig cross_entropy_loss_fusion / cross_entropy_fusion_impl (the loss's
+    # path, sim.cross_entropy): off by default, as Megatron's and canzona's examples' upcast loss
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = DEFAULT_CROSS_ENTROPY_FUSION_IMPL
+    # Megatron's OptimizerConfig.store_param_remainders under its precision-aware optimizer (and
+    # Apex DistributedFusedAdam's, which NeMo sets for a bf16 model with an fp32 optimizer): the
+    # optimizer keeps only the 16 low bits of each fp32 master, the bf16 weight being the other
+    # half (canzona.memory.MemorySetup.store_param_remainders); off: full fp32 masters, canzona's
+    # runtime's and Megatron's default distributed optimizer's
+    store_param_remainders: bool = False
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes",
@@ -56,11 +72,26 @@ class Workload:
         check_choice(self.dtype, DTYPE_BYTES, "dtype")
         check_precision(self.precision, self.fp8_recipe)
         check_kernels(self.kernels)
+        if self.cross_entropy != UNFUSED and self.kernels == EAGER:
+            raise SpecError("cross-entropy loss fusion is Megatron's (fused kernels); eager kernels run the unfused loss")
+        if not isinstance(self.store_param_remainders, bool):
+            raise SpecError(f"store_param_remainders must be true or false, got {self.store_param_remainders!r}")
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:
             raise SpecError(f"global batch must be <= {MAX_GLOBAL_BATCH} sequences and micro batch <= global "
                             f"batch, got {self.global_batch} and {self.micro_batch}")
+
+    @property
+    def cross_entropy(self) -> str:
+        """The loss's path (sim.cross_entropy): unfused, native or te."""
+        return cross_entropy_path(self.cross_entropy_loss_fusion, self.cross_entropy_fusion_impl)
+
+    @property
+    def loss_copy_bytes(self) -> int:
+        """Bytes a logit of the copy the loss keeps for its backward (MemorySetup.loss_bytes): none
+        under Transformer Engine's fused cross-entropy, which overwrites the logits in place."""
+        return saved_logit_bytes(self.cross_entropy, self.loss_bytes)
 
     def micro_batches(self, dp: int) -> int:
         per_step = dp * self.micro_batch

@@ -153,4 +153,5 @@ def test_published_rows_record_kernels_and_fsdp_impl():
         published.parse_run({**raw, "fsdp_impl": MEGATRON_FSDP}, SOURCES, "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         published.parse_run({**{k: v for k, v in raw.items() if k != "recipe_source"}, "grad_reduce_in_fp32": None,
-                             "kernels": "eager"}, SOURCES, "row")
+                             "cross_entropy_loss_fusion": None, "cross_entropy_fusion_impl": None,
+                             "store_param_remainders": None, "kernels": "eager"}, SOURCES, "row")

@@ -107,8 +107,10 @@ def test_nemo_24_07_fp8_row_terms_by_hand():
     """NeMo 24.07's Llama 3 8B FP8 row (8 H100s, TP 1, CP 2, DP 4): the launcher script that runs
     it sets Apex distributed_fused_adam's grad_sync_dtype to bf16 (its recipe_source), so the
     gradient buffer is 2 bytes a parameter; the weights are bf16 plus Transformer Engine's cached
-    FP8 copy and transpose of every linear weight (2 bytes each). With Megatron's fp32 default
-    instead the same layout does not fit: the recipe setting, not an allowance, makes it fit."""
+    FP8 copy and transpose of every linear weight (2 bytes each); NeMo has Apex keep only the low
+    16 bits of each fp32 master (store_param_remainders, bf16 model and fp32 optimizer): 2 bytes a
+    parameter over DP x CP. With Megatron's fp32 default instead the same layout does not fit: the
+    recipe setting, not an allowance, makes it fit."""
     run = BY_ID["llama3-8b-8xh100-nemo24.07-fp8"]
     assert run.grad_reduce_in_fp32 is False and "grad_sync_dtype=bf16" in run.recipe_source
     r = published.compare_run(run)
@@ -117,9 +119,12 @@ def test_nemo_24_07_fp8_row_terms_by_hand():
     linear = L * (H * (H + 2 * KV) + H * H + 3 * H * FFN)  # q, k, v, o, gate, up, down: the FP8 GEMMs
     assert m["weights"] == pytest.approx(2 * n + 2 * linear, rel=1e-4)
     assert m["grads"] == pytest.approx(2 * n, rel=1e-4)
-    assert m["master_weights"] == pytest.approx(4 * n / 8, rel=1e-4)
+    assert run.store_param_remainders and "store_param_remainders=True" in run.recipe_source
+    assert m["master_weights"] == pytest.approx(2 * n / 8, rel=1e-4)
     assert m["adamw_state"] == pytest.approx(8 * n / 8, rel=1e-4)
     assert r.fits
+    full = published.compare_run(replace(run, store_param_remainders=None)).memory
+    assert full["master_weights"] == 2 * m["master_weights"] and full["total"] - m["total"] == m["master_weights"]
     fp32 = published.compare_run(replace(run, grad_reduce_in_fp32=None))
     assert fp32.memory["grads"] == 2 * m["grads"] and not fp32.fits
 
