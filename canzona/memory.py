@@ -193,12 +193,17 @@ class MemorySetup:
     # `4*s*b*V`: the loss upcasts the logits), or the logits' own dtype for a loss that does not
     # upcast (NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) saves its log-softmax in bf16)
     loss_bytes: int = FP32
+    # Megatron's bias_activation_fusion (sim.workload.Workload): off, its unfused SwiGLU saves the
+    # silu output and the offset-added up half besides fc1's output (sim.unfused_kernels)
+    bias_activation_fusion: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "loss_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.bias_activation_fusion, bool):
+            raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -230,7 +235,8 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes", "loss_bytes") if hasattr(workload, k)}
+                                                    "activation_bytes", "loss_bytes", "bias_activation_fusion")
+                  if hasattr(workload, k)}
         values["fp8"] = getattr(workload, "precision", "bf16") == "fp8"
         unknown = sorted(set(overrides) - names)
         if unknown:
@@ -396,7 +402,9 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     generalised to grouped-query attention, SwiGLU and QK norms): two norm inputs `2eh`; attention:
     the QKV input `eh`, Q and K `e(q+kv)`, V `e*kv`, the output projection's input `e*q`, a dropout
     mask `h`; MLP: its input `eh`, then `2*e*ffn` (GeLU input, second linear's input) or `3*e*ffn`
-    gated (gate and up outputs, the product), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
+    gated (gate and up outputs, the product; `5*e*ffn` under Megatron's unfused SwiGLU,
+    `setup.bias_activation_fusion` off: its product also keeps the silu output and the up half plus
+    its offset), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
     Under FP8 (`setup.fp8`) the linear layers' inputs (the QKV and MLP inputs, the output
     projection's input, the second MLP linear's input) are saved as Transformer Engine keeps them
     for the weight gradient, in FP8: one byte instead of `e` (this project's reading of TE's
@@ -425,6 +433,8 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
     replicated = 2 * e * h + li * h + li * h + 2 * mask * h
     sharded = e * (q + kv) + e * kv + li * q + ((2 if dims.gated_mlp else 1) * e + li) * dims.ffn
+    if dims.gated_mlp and not setup.bias_activation_fusion:  # Megatron's unfused glu's two saved operands
+        sharded += 2 * e * dims.ffn
     if dims.qk_norm:
         sharded += e * (q + kv)
     if recompute == "none":

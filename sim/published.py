@@ -94,6 +94,10 @@ class PublishedRun:
     # default, or "megatron-fsdp"); either set away from its default needs `recipe_source`
     kernels: str = FUSED
     fsdp_impl: str = FSDP2
+    # Megatron's apply_rope_fusion / bias_activation_fusion as the recipe ran them (`Workload`'s
+    # fields of those names, `sim.unfused_kernels`); None: not stated, simulated fused
+    apply_rope_fusion: bool | None = None
+    bias_activation_fusion: bool | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -142,7 +146,8 @@ class PublishedRun:
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
                       loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
-                      kernels=self.kernels)
+                      kernels=self.kernels, apply_rope_fusion=self.apply_rope_fusion is not False,
+                      bias_activation_fusion=self.bias_activation_fusion is not False)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
@@ -202,6 +207,7 @@ class RowResult:
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
+            "apply_rope_fusion": r.apply_rope_fusion, "bias_activation_fusion": r.bias_activation_fusion,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -373,9 +379,13 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
         raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
                         f"got {fsdp_impl!r}")
+    fusions = {k: raw.get(k) for k in ("apply_rope_fusion", "bias_activation_fusion")}
+    for k, v in fusions.items():
+        if v is not None and not isinstance(v, bool):
+            raise SpecError(f"{where}: {k} must be true, false or null, got {v!r}")
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
-                "fsdp_impl")
+                "fsdp_impl", *fusions)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -390,7 +400,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
-        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **ints)
+        attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, **fusions, **ints)
     matrix_optimizer(run.optimizer)
     width = run.tp * run.pp * run.cp
     if run.gpus % width:

@@ -44,11 +44,14 @@ LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
 
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
-    precision, gradient dtype and attention backend (what `PublishedRun.sim_config` simulates it with)."""
+    precision, gradient dtype, attention backend and fused kernels (what `PublishedRun.sim_config`
+    simulates it with)."""
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
                     fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32 is not False,
-                    attention_backend=run.sim_config().options.attention_backend)
+                    attention_backend=run.sim_config().options.attention_backend,
+                    apply_rope_fusion=run.apply_rope_fusion is not False,
+                    bias_activation_fusion=run.bias_activation_fusion is not False)
 
 
 def layout_of(run: PublishedRun) -> dict[str, Any]:

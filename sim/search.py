@@ -75,6 +75,9 @@ class Question:
     grad_reduce_in_fp32: bool = True  # Megatron's DDP option: fp32 gradient buffers (False: bf16)
     # Megatron's --attention-backend (RunOptions.attention_backend): every layout is searched with it
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # Megatron's fused RoPE and SwiGLU (Workload's fields of these names): every layout is searched with them
+    apply_rope_fusion: bool = True
+    bias_activation_fusion: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
@@ -89,7 +92,8 @@ class Question:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
                         fp8_recipe=self.fp8_recipe,
-                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32))
+                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32),
+                        apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion)
 
 
 @dataclass(frozen=True)
