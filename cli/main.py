@@ -309,7 +309,8 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                 fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
                  precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
                  gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                 kernels: str = "fused", fsdp_impl: str = "fsdp2"):
+                 kernels: str = "fused", fsdp_impl: str = "fsdp2", apply_rope_fusion: bool = True,
+                 bias_activation_fusion: bool = True):
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
@@ -319,7 +320,9 @@ def _sim_config(model: str, gpus: int, tp: int, optimizer: str, policy: str | No
                      tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
                      capacity=parse_capacity(capacity), hardware=hardware,
                      workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels),
+                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels,
+                                       apply_rope_fusion=apply_rope_fusion,
+                                       bias_activation_fusion=bias_activation_fusion),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
@@ -441,6 +444,12 @@ FsdpImpl = Annotated[str, typer.Option(
     help="Under --fsdp, the implementation: fsdp2 (torch's fully_shard, canzona's runtime's: its all-gather copy-out "
          "and reduce-scatter copy-in on the compute stream) or megatron-fsdp (collectives on the parameter and "
          "gradient buffers in place).")]
+ApplyRopeFusion = Annotated[bool, typer.Option(
+    help="Megatron's apply_rope_fusion: Transformer Engine's fused RoPE; off: Megatron-core's unfused PyTorch RoPE "
+         "(its own default), as Megatron-Bridge's Qwen3 recipes run.")]
+BiasActivationFusion = Annotated[bool, typer.Option(
+    help="Megatron's bias_activation_fusion: the fused SwiGLU; off: Megatron-core's unfused silu and product (its "
+         "own default), as Megatron-Bridge's Qwen3 8B recipe runs.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -467,6 +476,7 @@ def simulate(
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
     gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
+    apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -482,7 +492,7 @@ def simulate(
                                           attention_backend),
                              zero1_fallback, pp, ep, router_imbalance, etp, expert_buckets, geometry, fsdp, hsdp_replicate,
                              vp, cp, precision, fp8_recipe, grad_reduce_in_fp32, gpu_variability,
-                             reshard_after_forward, kernels, fsdp_impl)
+                             reshard_after_forward, kernels, fsdp_impl, apply_rope_fusion, bias_activation_fusion)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

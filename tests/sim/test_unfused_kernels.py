@@ -125,3 +125,17 @@ def test_published_row_states_what_its_recipe_ran():
     both = published.compare_run(run)
     assert fused.iteration_s < rope.iteration_s < both.iteration_s
     assert both.memory_bytes > fused.memory_bytes and both.fits
+
+
+def test_cli_options():
+    """`canzona simulate --no-apply-rope-fusion --no-bias-activation-fusion` runs the unfused kernels
+    (slower than the default fused ones); with eager kernels either is one error line."""
+    from tests.cli_helpers import error_line, invoke
+
+    base = ("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 1, "--optimizer", "adamw", "--global-batch", 8,
+            "--json")
+    fused = json.loads(invoke(*base).stdout)
+    unfused = json.loads(invoke(*base, "--no-apply-rope-fusion", "--no-bias-activation-fusion").stdout)
+    assert unfused["iteration_time_s"] > fused["iteration_time_s"]
+    error_line(invoke(*base, "--kernels", "eager", "--no-bias-activation-fusion"), "bias_activation_fusion",
+               "unfused already")
