@@ -298,7 +298,8 @@ class _FsdpRun:
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
                                 ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
                                 fp8=self._fp8(), attention_backend=cfg.options.attention_backend,
-                                kernels=wl.kernels)
+                                kernels=wl.kernels, apply_rope_fusion=wl.apply_rope_fusion,
+                                bias_activation_fusion=wl.bias_activation_fusion)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's

@@ -139,3 +139,13 @@ def test_cli_options():
     assert unfused["iteration_time_s"] > fused["iteration_time_s"]
     error_line(invoke(*base, "--kernels", "eager", "--no-bias-activation-fusion"), "bias_activation_fusion",
                "unfused already")
+
+
+def test_fsdp_runs_them_too():
+    """The FSDP simulation prices the same unfused kernels (a Megatron-FSDP recipe may leave them off)."""
+    from sim.simulate import SimConfig, simulate
+
+    base = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, optimizer="adamw", fsdp=True, fsdp_impl="megatron-fsdp",
+                     workload=Workload(global_batch=8))
+    off = replace(base, workload=Workload(global_batch=8, apply_rope_fusion=False, bias_activation_fusion=False))
+    assert simulate(off).iteration_time_s > simulate(base).iteration_time_s
