@@ -206,6 +206,9 @@ class MemorySetup:
     # Megatron's store_param_remainders (precision-aware optimizer) / Apex DistributedFusedAdam's:
     # of each fp32 master only the 16 bits the bf16 weight lacks are kept (2 bytes, not 4)
     store_param_remainders: bool = False
+    # Megatron's bias_activation_fusion (sim.workload.Workload): off, its unfused SwiGLU saves the
+    # silu output and the offset-added up half besides fc1's output (sim.unfused_kernels)
+    bias_activation_fusion: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
@@ -218,6 +221,8 @@ class MemorySetup:
             raise SpecError("store_param_remainders keeps the low half of fp32 masters beside bf16 weights: it needs "
                             f"master weights and 2-byte parameters, got {self.param_bytes}-byte parameters"
                             f"{'' if self.master_weights else ' without masters'}")
+        if not isinstance(self.bias_activation_fusion, bool):
+            raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -257,7 +262,8 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes", "loss_bytes", "store_param_remainders")
+                                                    "activation_bytes", "loss_bytes", "store_param_remainders",
+                                                    "bias_activation_fusion")
                   if hasattr(workload, k)}
         if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
             values["loss_bytes"] = workload.loss_copy_bytes
@@ -426,7 +432,9 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     generalised to grouped-query attention, SwiGLU and QK norms): two norm inputs `2eh`; attention:
     the QKV input `eh`, Q and K `e(q+kv)`, V `e*kv`, the output projection's input `e*q`, a dropout
     mask `h`; MLP: its input `eh`, then `2*e*ffn` (GeLU input, second linear's input) or `3*e*ffn`
-    gated (gate and up outputs, the product), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
+    gated (gate and up outputs, the product; `5*e*ffn` under Megatron's unfused SwiGLU,
+    `setup.bias_activation_fusion` off: its product also keeps the silu output and the up half plus
+    its offset), a dropout mask `h`; QK norms: their inputs `e(q+kv)`.
     Under FP8 (`setup.fp8`) the linear layers' inputs (the QKV and MLP inputs, the output
     projection's input, the second MLP linear's input) are saved as Transformer Engine keeps them
     for the weight gradient, in FP8: one byte instead of `e` (this project's reading of TE's
@@ -455,6 +463,8 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
     replicated = 2 * e * h + li * h + li * h + 2 * mask * h
     sharded = e * (q + kv) + e * kv + li * q + ((2 if dims.gated_mlp else 1) * e + li) * dims.ffn
+    if dims.gated_mlp and not setup.bias_activation_fusion:  # Megatron's unfused glu's two saved operands
+        sharded += 2 * e * dims.ffn
     if dims.qk_norm:
         sharded += e * (q + kv)
     if recompute == "none":

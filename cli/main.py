@@ -312,7 +312,8 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                 gpu_variability: float | None = None, reshard_after_forward: bool = True,
                 kernels: str = "fused", fsdp_impl: str = "fsdp2", pipeline_split=None,
                 cross_entropy_loss_fusion: bool = False, cross_entropy_fusion_impl: str = "native",
-                store_param_remainders: bool = False):
+                store_param_remainders: bool = False, apply_rope_fusion: bool = True,
+                bias_activation_fusion: bool = True):
     """The simulator's configuration of a command's options; keyword-only, so that no caller can
     pass two of its many same-typed options in each other's place."""
     from canzona.pipeline import EVEN_SPLIT
@@ -328,7 +329,9 @@ def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str |
                                        grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels,
                                        cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                                        cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-                                       store_param_remainders=store_param_remainders),
+                                       store_param_remainders=store_param_remainders,
+                                       apply_rope_fusion=apply_rope_fusion,
+                                       bias_activation_fusion=bias_activation_fusion),
                      options=options,
                      zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
                      expert_buckets=expert_buckets,
@@ -505,6 +508,12 @@ StoreParamRemainders = Annotated[bool, typer.Option(
     help="Megatron's store_param_remainders (its precision-aware optimizer; Apex DistributedFusedAdam under NeMo): "
          "keep only the low 16 bits of each fp32 master beside the bf16 weight, 2 bytes a parameter less; off: "
          "full fp32 masters, as canzona's runtime keeps them.")]
+ApplyRopeFusion = Annotated[bool, typer.Option(
+    help="Megatron's apply_rope_fusion: Transformer Engine's fused RoPE; off: Megatron-core's unfused PyTorch RoPE "
+         "(its own default), as Megatron-Bridge's Qwen3 recipes run.")]
+BiasActivationFusion = Annotated[bool, typer.Option(
+    help="Megatron's bias_activation_fusion: the fused SwiGLU; off: Megatron-core's unfused silu and product (its "
+         "own default), as Megatron-Bridge's Qwen3 8B recipe runs.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -540,6 +549,7 @@ def simulate(
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
     store_param_remainders: StoreParamRemainders = False,
+    apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -572,7 +582,8 @@ def simulate(
                              kernels=kernels, fsdp_impl=fsdp_impl, pipeline_split=split,
                              cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                              cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-                             store_param_remainders=store_param_remainders)
+                             store_param_remainders=store_param_remainders,
+                             apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion)
         config.check()
         if trace is not None:
             check_output_path(trace, "trace", (".json",))

@@ -301,7 +301,8 @@ class _FsdpRun:
                                 ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
                                 fp8=self._fp8(), attention_backend=cfg.options.attention_backend,
                                 kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
-                                cross_entropy=wl.cross_entropy)
+                                cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
+                                bias_activation_fusion=wl.bias_activation_fusion)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's

@@ -116,17 +116,22 @@ def qk_norm(s: LayerShape, q_width: float, k_width: float, backward: bool, name:
 
 
 def attention_block(s: LayerShape, q_width: float, k_width: float, backward: bool, name: str,
-                    with_qk_norm: bool = False) -> list[Kernel]:
+                    with_qk_norm: bool = False, rope_kernels: list[Kernel] | None = None) -> list[Kernel]:
+    """`rope_kernels`: what runs instead of the fused RoPE (Megatron's unfused one: `sim.unfused_kernels`)."""
     qk = [qk_norm(s, q_width, k_width, backward, name)] if with_qk_norm else []
+    pos = [rope(s, q_width, k_width, name)] if rope_kernels is None else rope_kernels
     if backward:
-        return [residual_add(s, name), rope(s, q_width, k_width, name), *qk, norm_backward(s, name)]
-    return [norm_forward(s, name), *qk, rope(s, q_width, k_width, name), residual_add(s, name)]
+        return [residual_add(s, name), *pos, *qk, norm_backward(s, name)]
+    return [norm_forward(s, name), *qk, *pos, residual_add(s, name)]
 
 
-def mlp_block(s: LayerShape, width: float, gated: bool, backward: bool, name: str) -> list[Kernel]:
+def mlp_block(s: LayerShape, width: float, gated: bool, backward: bool, name: str,
+              activation_kernels: list[Kernel] | None = None) -> list[Kernel]:
+    """`activation_kernels`: what runs instead of the fused activation (`sim.unfused_kernels`)."""
+    act = [activation(s, width, gated, backward, name)] if activation_kernels is None else activation_kernels
     if backward:
-        return [residual_add(s, name), activation(s, width, gated, True, name), norm_backward(s, name)]
-    return [norm_forward(s, name), activation(s, width, gated, False, name), residual_add(s, name)]
+        return [residual_add(s, name), *act, norm_backward(s, name)]
+    return [norm_forward(s, name), *act, residual_add(s, name)]
 
 
 def ring_merges(s: LayerShape, q_width: float, kv_width: float, cp: int, backward: bool, name: str) -> list[Kernel]:

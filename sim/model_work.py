@@ -61,6 +61,7 @@ from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import cross_entropy as ce
 from sim import eager_kernels as ek
 from sim import layer_kernels as lk
+from sim import unfused_kernels as uk
 from sim.cross_entropy import CROSS_ENTROPY_PATHS, UNFUSED
 from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.ep_dispatch import DEEPEP_SMS, HYBRIDEP, EpDispatcher, FlexTraffic
@@ -143,7 +144,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      fp8: FP8Setup | None = None,
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
                      accumulate: int = 0, dispatcher: EpDispatcher | None = None,
-                     cross_entropy: str = UNFUSED) -> MicroBatchWork:
+                     cross_entropy: str = UNFUSED, apply_rope_fusion: bool = True,
+                     bias_activation_fusion: bool = True) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -161,7 +163,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     every weight-gradient GEMM adds into (`Workload.grad_bytes` under Megatron's gradient
     accumulation fusion; 0: fresh gradients, as FSDP's); `dispatcher`: Megatron's token dispatcher
     under EP (`sim.ep_dispatch`; None: the all-to-all of every pair); `cross_entropy`: the loss's
-    path (`sim.cross_entropy`: unfused, or Megatron's fused native / te; fused kernels only)."""
+    path (`sim.cross_entropy`: unfused, or Megatron's fused native / te; fused kernels only);
+    `apply_rope_fusion`, `bias_activation_fusion`: Megatron's options of those names, off: its
+    unfused RoPE and SwiGLU (`sim.unfused_kernels`)."""
     check_recompute(recompute)
     eager = check_kernels(kernels) == EAGER
     if cross_entropy not in CROSS_ENTROPY_PATHS:
@@ -237,6 +241,17 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if eager and (qk_norm or cp > 1 or experts is not None):
         raise SpecError("eager kernels are modelled for dense Llama layers (no q/k norms, experts or context "
                         "parallelism)")
+    if eager and not (apply_rope_fusion and bias_activation_fusion):
+        raise SpecError("apply_rope_fusion / bias_activation_fusion are Megatron's fused kernels; eager kernels "
+                        "are unfused already")
+    if experts is not None and not bias_activation_fusion:
+        raise SpecError("bias_activation_fusion off is modelled for dense MLPs, not for experts")
+    positions = max(1, seq_len // cp)  # the rows of a rank's RoPE frequency table
+
+    def rope_kernels(backward: bool, name: str) -> list[Kernel] | None:
+        if apply_rope_fusion:
+            return None
+        return uk.rope(shape, q_width, kv_width, backward, name, positions=positions, head_dim=head_dim)
 
     def elementwise(block: Sequence[ParamSpec], attention: bool, backward: bool, name: str) -> float:
         """The block's memory-bound kernels (`sim.layer_kernels`): norm, RoPE or the activation,
@@ -244,11 +259,15 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         if attention and eager:
             return run(ek.attention_block(shape, q_width, kv_width, backward, name))
         if attention:
-            return run(lk.attention_block(shape, q_width, kv_width, backward, name, with_qk_norm=qk_norm)
+            return run(lk.attention_block(shape, q_width, kv_width, backward, name, with_qk_norm=qk_norm,
+                                          rope_kernels=rope_kernels(backward, name))
                        + lk.ring_merges(shape, q_width, kv_width, cp, backward, name))
         column = [p.local_shape(tp)[0] for p in block if p.tp_dim == 0]
         gated = len(column) == 2 and column[0] == column[1]  # gate and up: SwiGLU
-        return run((ek if eager else lk).mlp_block(shape, sum(column), gated, backward, name))
+        if eager:
+            return run(ek.mlp_block(shape, sum(column), gated, backward, name))
+        unfused = uk.swiglu(shape, sum(column), backward, name) if gated and not bias_activation_fusion else None
+        return run(lk.mlp_block(shape, sum(column), gated, backward, name, activation_kernels=unfused))
 
     forward, backward = [], []
     for layer, params in zip(layer_ids, by_layer):

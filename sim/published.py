@@ -132,6 +132,10 @@ class PublishedRun:
     # store_param_remainders defaults to true) or NeMo's Apex DistributedFusedAdam with a bf16
     # model and fp32 optimizer; None: not stated, full fp32 masters
     store_param_remainders: bool | None = None
+    # Megatron's apply_rope_fusion / bias_activation_fusion as the recipe ran them (`Workload`'s
+    # fields of those names, `sim.unfused_kernels`); None: not stated, simulated fused
+    apply_rope_fusion: bool | None = None
+    bias_activation_fusion: bool | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -182,7 +186,9 @@ class PublishedRun:
                       loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
                       kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
                       cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
-                      store_param_remainders=bool(self.store_param_remainders))
+                      store_param_remainders=bool(self.store_param_remainders),
+                      apply_rope_fusion=self.apply_rope_fusion is not False,
+                      bias_activation_fusion=self.bias_activation_fusion is not False)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
                          ep=self.ep, pipeline_split=self.pipeline_split,
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
@@ -251,6 +257,7 @@ class RowResult:
             "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
             "store_param_remainders": r.store_param_remainders,
+            "apply_rope_fusion": r.apply_rope_fusion, "bias_activation_fusion": r.bias_activation_fusion,
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -478,10 +485,14 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
     if not isinstance(ep_overlap, bool):
         raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
+    fusions = {k: raw.get(k) for k in ("apply_rope_fusion", "bias_activation_fusion")}
+    for k, v in fusions.items():
+        if v is not None and not isinstance(v, bool):
+            raise SpecError(f"{where}: {k} must be true, false or null, got {v!r}")
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
-                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm")
+                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", *fusions)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -499,7 +510,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split,
-        overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **ints)
+        overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **fusions, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

@@ -49,8 +49,8 @@ LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
 
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
-    precision, gradient dtype, attention backend, loss path, master remainders, token dispatcher and
-    EP all-to-all overlap (what `PublishedRun.sim_config` simulates it with; the overlap on every
+    precision, gradient dtype, attention backend, fused kernels, loss path, master remainders, token
+    dispatcher and EP all-to-all overlap (what `PublishedRun.sim_config` simulates it with; the overlap on every
     layout that allows it)."""
     cfg = run.sim_config()
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
@@ -60,7 +60,9 @@ def question_of(run: PublishedRun) -> Question:
                     cross_entropy_loss_fusion=cfg.workload.cross_entropy_loss_fusion,
                     cross_entropy_fusion_impl=cfg.workload.cross_entropy_fusion_impl,
                     store_param_remainders=cfg.workload.store_param_remainders, ep_dispatcher=run.ep_dispatcher,
-                    overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm)
+                    overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm,
+                    apply_rope_fusion=run.apply_rope_fusion is not False,
+                    bias_activation_fusion=run.bias_activation_fusion is not False)
 
 
 def layout_of(run: PublishedRun) -> dict[str, Any]:

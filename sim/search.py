@@ -88,6 +88,9 @@ class Question:
     cross_entropy_loss_fusion: bool = False
     cross_entropy_fusion_impl: str = DEFAULT_CROSS_ENTROPY_FUSION_IMPL
     store_param_remainders: bool = False
+    # Megatron's fused RoPE and SwiGLU (Workload's fields of these names): every layout is searched with them
+    apply_rope_fusion: bool = True
+    bias_activation_fusion: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
@@ -109,7 +112,8 @@ class Question:
                         grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32),
                         cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
-                        store_param_remainders=self.store_param_remainders)
+                        store_param_remainders=self.store_param_remainders,
+                        apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion)
 
 
 @dataclass(frozen=True)

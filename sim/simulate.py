@@ -618,7 +618,8 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
                             attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                             # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
                             accumulate=wl.grad_bytes, dispatcher=cfg.options.ep_dispatcher,
-                            cross_entropy=wl.cross_entropy)
+                            cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
+                            bias_activation_fusion=wl.bias_activation_fusion)
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,

@@ -63,6 +63,12 @@ class Workload:
     # half (canzona.memory.MemorySetup.store_param_remainders); off: full fp32 masters, canzona's
     # runtime's and Megatron's default distributed optimizer's
     store_param_remainders: bool = False
+    # Megatron-core's TransformerConfig options of these names (its defaults are False; NeMo's and
+    # Megatron-Bridge's Llama configs set both): off, the layer runs Megatron's unfused RoPE /
+    # SwiGLU (sim.unfused_kernels) instead of the fused kernels; True here, the simulator's
+    # fused model, for every recipe that does not say otherwise
+    apply_rope_fusion: bool = True
+    bias_activation_fusion: bool = True
 
     def __post_init__(self) -> None:
         for field in ("seq_len", "global_batch", "micro_batch", "grad_bytes", "param_bytes", "activation_bytes",
@@ -76,6 +82,12 @@ class Workload:
             raise SpecError("cross-entropy loss fusion is Megatron's (fused kernels); eager kernels run the unfused loss")
         if not isinstance(self.store_param_remainders, bool):
             raise SpecError(f"store_param_remainders must be true or false, got {self.store_param_remainders!r}")
+        for field in ("apply_rope_fusion", "bias_activation_fusion"):
+            if not isinstance(getattr(self, field), bool):
+                raise SpecError(f"{field} must be true or false, got {getattr(self, field)!r}")
+            if not getattr(self, field) and self.kernels != FUSED:
+                raise SpecError(f"{field} is Megatron's fused-kernel option; with kernels {self.kernels!r} the "
+                                "layers' kernels are unfused already")
         if self.seq_len > MAX_SEQ_LEN:
             raise SpecError(f"seq len must be <= {MAX_SEQ_LEN}, got {self.seq_len}")
         if self.global_batch > MAX_GLOBAL_BATCH or self.micro_batch > self.global_batch:

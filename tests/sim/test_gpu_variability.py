@@ -115,6 +115,31 @@ def test_tokens_per_gpu_fall_as_dp_grows() -> None:
     assert all(b < a for a, b in zip(per_gpu, per_gpu[1:])), per_gpu
 
 
+def test_the_slowest_of_all_gpus_whatever_syncs_them() -> None:
+    """The statistic (docs/design.md §9.3): with a persistent factor per GPU, a TP / CP group runs at
+    its slowest member (a collective every layer), a pipeline at its slowest stage (1F1B's steady
+    state), and the step at its slowest DP replica (the gradient reduction, once a step): the max
+    of maxima is the max over all N GPUs, however they are grouped, and the model's factor is its
+    expectation. Per-iteration noise would instead average within a replica's sum (its spread
+    shrinks with the kernels summed) and not grow with N. Monte Carlo over layouts of 256 GPUs."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(7)
+    cv, n, draws = 0.0148, 256, 4000
+    factors = 1.0 + cv * rng.standard_normal((draws, n))
+    for group in (1, 8, 32, 256):  # GPUs of one replica (TP x CP x PP), n / group replicas
+        replicas = factors.reshape(draws, n // group, group).max(axis=2)  # each replica: its slowest
+        step = replicas.max(axis=1).mean()  # the step: the slowest replica
+        assert step == pytest.approx(straggler_slowdown(cv, n), abs=3e-4)
+    # a per-iteration (transient) factor averaged over k kernels per replica grows far less with N
+    k = 100
+    transient = (1.0 + cv * rng.standard_normal((400, n, k))).mean(axis=2).max(axis=1).mean()
+    assert transient - 1.0 < 0.2 * (straggler_slowdown(cv, n) - 1.0)
+    # and the simulator's factor depends on the GPU count only, not on the layout
+    cfgs = [SimConfig(model="qwen3-0.6b", gpus=64, tp=tp, pp=pp, optimizer="adamw") for tp, pp in ((1, 1), (8, 1), (2, 4))]
+    hw = load_profile("h100-sxm")
+    assert len({c.slowdown(hw, 64) for c in cfgs}) == 1
+
+
 @pytest.mark.parametrize("value", ["-0.1", "0.5", "nan"])
 def test_cli_bad_gpu_variability_is_one_error_line(value) -> None:
     error_line(invoke("simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--tp", "1", "--optimizer", "adamw",
