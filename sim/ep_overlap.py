@@ -32,7 +32,7 @@ its expert block are `attn` (with their TP collectives where TP > 1), the expert
 GEMMs and passes are `mlp`, its dispatch and combine all-to-alls (under expert TP with the ETP
 group's all-gather after the dispatch and reduce-scatter before the combine, as Megatron's
 dispatcher runs them inside `token_dispatch` / `token_combine`) are issued on the EP stream
-(`sim.iteration.EP_COMM`), which stands for Megatron's communication stream. The all-to-alls keep
+(`sim.streams.EP_COMM`), which stands for Megatron's communication stream. The all-to-alls keep
 their price and the SMs their kernels hold (`sim.comm_sms`), which slow the compute beside them
 (`sim.engine`). A layer without experts has no dispatch or combine (Megatron's NoopScheduleNode):
 its last block is `mlp`.
@@ -69,6 +69,7 @@ import simpy
 from canzona.errors import SpecError
 from canzona.recompute import FULL, SELECTIVE_OP
 from sim.ep_dispatch import dispatcher_sms
+from sim.streams import EP_COMM
 
 if TYPE_CHECKING:  # the stage's program: sim.iteration imports this module, not the other way round
     from sim.iteration import _Stage
@@ -145,8 +146,6 @@ def _expert_comm(stage: _Stage, name: str, b: Block, into_experts: bool) -> None
     experts (the forward's dispatch, the backward's combine gradient) with expert TP's all-gather
     after it, or out of them (the forward's combine, the backward's dispatch gradient) with the
     reduce-scatter before it; all on the EP stream, Megatron's communication stream."""
-    from sim.iteration import EP_COMM
-
     # into the experts moves tokens as a dispatch does (the backward's combine gradient too), out of
     # them as a combine (`sim.ep_dispatch.ep_costs`: the flex dispatcher prices the two apart)
     dispatch, combine = stage._ep_cost(b)

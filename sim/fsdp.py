@@ -83,8 +83,9 @@ from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.fp8 import FP8Setup, fp8_setup
 from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
-from sim.iteration import APPLY_PASSES, DP_COMM, EP_COMM, TP_COMM
+from sim.iteration import APPLY_PASSES
 from sim.model_work import Block, micro_batch_work
+from sim.streams import DP_COMM, EP_COMM, TP_COMM
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams

@@ -71,14 +71,10 @@ from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.ep_overlap import run_combined
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
+from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
 from sim.workload import Workload
 
-TP_COMM, DP_COMM, EP_COMM = "tp-comm", "dp-comm", "ep-comm"
-CP_COMM = "cp-comm"  # the context-parallel attention's ring exchanges (point-to-point, beside compute)
-# the expert part's TP exchanges (expert TP): their own communicator and stream, beside the dense
-# part's TP exchanges, sharing the GPUs' links with them
-ETP_COMM = "etp-comm"
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
 FP32_BYTES = 4  # the masters and update chunks are fp32 (MemorySetup.update_bytes with masters)
 
