@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,22 +135,25 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], what: str = "f
     it); on any failure it is removed and `path` is left as it was."""
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
+    # a short name of its own (the target's name may already be as long as names can be), known
+    # before the file exists: a signal that unwinds the process between the file's creation and
+    # the code after it still finds it to remove (as it would not in tempfile.mkstemp's return)
+    tmp = str(folder / f".canzona-{secrets.token_hex(8)}.tmp{p.suffix[:16]}")
     try:
-        # a short name of its own: the target's name may already be as long as names can be
-        fd, tmp = tempfile.mkstemp(prefix=".canzona-", suffix=f".tmp{p.suffix[:16]}", dir=folder)
-        os.close(fd)
-    except OSError as e:
-        raise CanzonaError(f"cannot write {what} {p}: {e.strerror or e}") from None
-    try:
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            tmp = ""  # not ours (a 64-bit name collision): leave it
+            raise
         write(Path(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the target gets what open() would give
+        os.chmod(tmp, 0o666 & ~_umask())  # created 0600; the target gets what open() would give
         os.replace(tmp, p)
     except OSError as e:
         raise CanzonaError(f"cannot write {what} {p}: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
 
 

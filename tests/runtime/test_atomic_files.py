@@ -89,3 +89,30 @@ def test_a_symbolic_link_is_replaced_not_followed(tmp_path):
     write_atomically(tmp_path / "out.pt", lambda f: f.write(b"result"))
     assert (tmp_path / "elsewhere").read_bytes() == b"not yours"
     assert not (tmp_path / "out.pt").is_symlink() and (tmp_path / "out.pt").read_bytes() == b"result"
+
+
+@pytest.mark.parametrize("writer", ["runtime", "fileio"])
+def test_an_interrupt_just_after_the_temporary_exists_removes_it(tmp_path, monkeypatch, writer):
+    """SIGTERM / Ctrl-C unwind the process with an exception wherever it is: arriving the moment
+    the temporary file has been created (before the code after `os.open` runs), it still leaves
+    nothing beside the target, and the target as it was."""
+    import canzona.fileio as fileio
+    import canzona.runtime.atomic_files as atomic_files
+
+    module = atomic_files if writer == "runtime" else fileio
+    real_open = os.open
+
+    def open_then_interrupted(*args, **kwargs):
+        real_open(*args, **kwargs)  # the file now exists
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module.os, "open", open_then_interrupted)
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        if writer == "runtime":
+            atomic_files.write_atomically(target, lambda f: f.write(b"new"))
+        else:
+            fileio.write_atomic(target, lambda p: p.write_text("new"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"] and target.read_text() == "old"
