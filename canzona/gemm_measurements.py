@@ -4,7 +4,10 @@
 
 A row gives one shape (`M`, `N`, `K`), or, where its source published only the best of several
 shapes it timed (a benchmark that prints the maximum TFLOP/s over a list of sizes), every shape
-it timed under `best_of`: the model's figure for such a row is its best over the same shapes."""
+it timed under `best_of`: the model's figure for such a row is its best over the same shapes.
+A row with `groups` is an M-grouped GEMM (a mixture-of-experts layer's experts): `groups` GEMMs of
+`M x N x K` each in one launch, priced as the simulator prices the experts' GEMMs
+(`canzona.cost.grouped_gemm_kernel`), its TFLOP/s over all the groups' FLOPs."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from canzona.cost import DeviceRate, Kernel, gemm_kernel
+from canzona.cost import DeviceRate, Kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.gemm_model import loop_mean_seconds
 from canzona.hardware import load_profile
 from canzona.spec import DTYPE_BYTES
@@ -41,7 +44,8 @@ def shape_label(row: dict[str, Any]) -> str:
     """`MxNxK`; for a row over several shapes `best of A^3..B^3` (squares) or `best of n shapes`."""
     found = shapes(row)
     if len(found) == 1:
-        return "x".join(str(d) for d in found[0])
+        one = "x".join(str(d) for d in found[0])
+        return f"{row['groups']}x({one})" if "groups" in row else one
     if all(m == n == k for m, n, k in found):
         return f"best of {found[0][0]}^3..{found[-1][0]}^3"
     return f"best of {len(found)} shapes"
@@ -67,7 +71,9 @@ def model_tflops(row: dict[str, Any]) -> float:
 
 def _shape_tflops(row: dict[str, Any], rate: DeviceRate, m: int, n: int, depth: int) -> float:
     """`model_tflops` of one shape of the row."""
-    k = gemm_kernel("row", m, n, depth, row["dtype"])
+    groups = int(row.get("groups", 1))
+    k = (grouped_gemm_kernel("row", m, n, depth, groups, row["dtype"]) if groups > 1
+         else gemm_kernel("row", m, n, depth, row["dtype"]))
     seconds = rate.kernel_seconds(k)
     protocol = row.get("protocol")
     model = rate.gemm_model

@@ -33,8 +33,21 @@ While a flex kernel runs it holds its own SMs, taken from any compute beside it 
 all-to-all overlap of `sim.ep_overlap` runs it under another micro-batch's GEMMs): HybridEP's
 `moe_hybridep_num_sms`, DeepEP's `DEEPEP_SMS` (`FlexTraffic.sms`), not NCCL's channel count.
 
-Not modelled: DeepEP / HybridEP's per-layer routing metadata exchange and its CPU synchronisation
-(TE CUDA graphs capture HybridEP's preprocessing in the Megatron-Bridge recipe).
+HybridEP's per-layer preprocessing (`hybridep_preprocess_cost`), on the forward's dispatch of each
+expert layer and micro-batch only: the forward's first `dispatch_with_permute` has no handle, so it
+all-gathers every rank's routing map (`torch.distributed.all_gather_into_tensor`, a bool of tokens x
+experts per rank) over the EP group, runs the metadata-preprocessing kernel over the gathered map,
+and (Megatron's `_HybridEPManager` passes no `num_permuted_tokens` without drop-and-pad) synchronises
+the host with the stream to read the received-token count from pinned memory
+(deepseek-ai/DeepEP hybrid-ep branch, `deep_ep/hybrid_ep_buffer.py` `dispatch_with_permute`,
+`non_blocking` False; Megatron-LM `megatron/core/transformer/moe/fused_a2a.py`: "If not provided,
+HybridEP obtains the size from a GPU tensor, which causes a D2H synchronization"). The combine and
+the backward's dispatch reuse the handle (no exchange; the backward's receives the forward's count).
+TE CUDA graphs (`cuda_graph_scope` moe_router, moe_preprocess) capture the router and the
+dispatcher's `dispatch_preprocess` (Megatron's `MoECudaGraphPartialCaptureSignal` ends the capture
+at "preprocess"), which for the flex dispatcher only reshapes the routing map: the all-gather, the
+preprocessing kernel and the host sync run outside the graph, and are priced whether or not it is on.
+Not modelled: DeepEP's own layout exchange (`get_dispatch_layout`, `notify_dispatch`) and its CPU wait.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from dataclasses import dataclass
 
 from canzona.errors import SpecError
 from canzona.hardware import HardwareProfile
-from sim.collectives import FREE, CollectiveCost, all_to_all_cost
+from sim.collectives import FREE, CollectiveCost, all_to_all_cost, collective_cost
 from sim.topology import Cluster
 
 ALLTOALL = "alltoall"
@@ -118,6 +131,8 @@ class FlexTraffic:
     experts: int
     top_k: int
     imbalance: float = 1.0
+    tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP's preprocessing gathers
+    forward: bool = False  # the forward's dispatch, which runs HybridEP's preprocessing (module docstring)
 
 
 @dataclass(frozen=True)
@@ -186,8 +201,40 @@ def alltoall_cost(sent: float, received: float, experts: Cluster, hw: HardwarePr
     return all_to_all_cost([sent] * ep, [received] + [sent] * (ep - 1), experts.ep_geometry(), hw)
 
 
+def hybridep_preprocess_cost(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> CollectiveCost:
+    """HybridEP's preprocessing before the forward's dispatch (the module docstring): the EP group's
+    all-gather of the routing map (one byte per token and expert, `torch.bool`), priced by the
+    collective model; the metadata-preprocessing kernel, one pass over the gathered map at the
+    achievable HBM rate plus its launch; the host's stream synchronisation, priced as one more
+    launch (the GPU idles while the host resumes issuing: an assumption, the least it costs).
+    FREE for DeepEP, the backward's dispatch, or one rank."""
+    if t.backend != HYBRIDEP or not t.forward or experts.ep <= 1 or t.tokens <= 0:
+        return FREE
+    gathered = t.tokens * t.experts * experts.ep  # bytes of the gathered map
+    gather = collective_cost("all-gather", gathered, experts.ep_geometry(), hw)
+    scan = gathered / hw.gpu.hbm_achievable_bytes_per_s + hw.gpu.launch_s
+    sync = hw.gpu.launch_s
+    return CollectiveCost(gather.latency_s + sync, gather.transfer_s, gather.link, gather.algorithm,
+                          gather.local_s + scan)
+
+
+def _then(first: CollectiveCost, cost: CollectiveCost) -> CollectiveCost:
+    """`first` and then `cost` in one kernel sequence on the same stream, labelled as `cost`."""
+    if first == FREE:
+        return cost
+    return CollectiveCost(first.latency_s + cost.latency_s, first.transfer_s + cost.transfer_s, cost.link,
+                          cost.algorithm, first.local_s + cost.local_s)
+
+
 def flex_costs(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
-    """The dispatch's and the combine's cost of a flex dispatcher (the module docstring)."""
+    """The dispatch's (after HybridEP's preprocessing on the forward's) and the combine's cost of a
+    flex dispatcher (the module docstring)."""
+    dispatch, combine = _flex_transfer(t, experts, hw)
+    return _then(hybridep_preprocess_cost(t, experts, hw), dispatch), combine
+
+
+def _flex_transfer(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
+    """The dispatch's and the combine's token transfer of a flex dispatcher."""
     ep, geo = experts.ep, experts.ep_geometry()
     if ep <= 1 or t.token_bytes <= 0:
         return FREE, FREE

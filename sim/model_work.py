@@ -363,7 +363,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
         backend = dispatcher.moe_flex_dispatcher_backend
         assert backend is not None  # EpDispatcher.check
         flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else DEEPEP_SMS,
-                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance)
+                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance, tokens, forward=True)
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
     computed = busiest * etp  # the pairs the rank computes: its ETP group's
@@ -413,7 +413,8 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received,
                   etp_bytes=gathered, ep_flex=flex),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
-                  ep_received=received, etp_bytes=gathered, ep_flex=flex))
+                  ep_received=received, etp_bytes=gathered,
+                  ep_flex=None if flex is None else replace(flex, forward=False)))
 
 
 def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSpec], tokens: int, tp: int,

@@ -87,6 +87,16 @@ def test_a_best_of_row_is_the_best_of_its_shapes():
     assert len(singles) > 1 and model_tflops(row) == max(singles)
 
 
+def test_a_grouped_row_is_priced_as_the_experts_grouped_gemm():
+    # an M-grouped row (source tileops1467: torch._grouped_mm over uniformly routed experts) is the
+    # simulator's grouped GEMM of its groups (canzona.cost.grouped_gemm_kernel), not one expert's GEMM
+    row = next(r for r in ROWS if "groups" in r)
+    single = {k: v for k, v in row.items() if k != "groups"}
+    assert row["groups"] > 1 and shape_label(row).startswith(f"{row['groups']}x(")
+    assert model_tflops(row) != model_tflops(single)
+    assert model_tflops(single | {"M": row["M"] * row["groups"]}) == pytest.approx(model_tflops(row), rel=0.02)
+
+
 def test_h200_matches_h100_in_the_same_benchmark():
     # the same script and torch release on an H200 and an H100 (sources zzc45, zzc39): the same
     # GH100 compute and 700 W limit, so the model's H200 / H100 ratio (faster HBM only) stays within

@@ -13,7 +13,7 @@ import pytest
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from sim import published
-from sim.collectives import all_to_all_cost
+from sim.collectives import FREE, all_to_all_cost, collective_cost
 from sim.ep_dispatch import (
     DEEPEP,
     HYBRIDEP,
@@ -24,6 +24,7 @@ from sim.ep_dispatch import (
     expected_groups,
     flex_costs,
     group_hit,
+    hybridep_preprocess_cost,
     measurement,
 )
 from sim.options import RunOptions
@@ -131,6 +132,27 @@ def test_flex_across_nodes_is_priced_at_hybridep_published_h100_bandwidth():
     assert d.seconds < 0.5 * alltoall_cost(pairs, pairs, _experts(16, 16), H100).seconds
 
 
+def test_hybridep_preprocessing_on_the_forward_dispatch_only():
+    """The forward's dispatch all-gathers the routing map (a byte per token and expert, from every EP
+    rank), scans it and syncs the host; the combine, the backward's dispatch and DeepEP do not."""
+    tokens, hidden, cl = 4096, 2048, _experts(16, 16)
+    back = FlexTraffic(HYBRIDEP, 32, tokens * hidden * 2, 128, 8, 1.0, tokens)
+    fwd = replace(back, forward=True)
+    pre = hybridep_preprocess_cost(fwd, cl, H100)
+    gather = collective_cost("all-gather", tokens * 128 * 16, cl.ep_geometry(), H100)
+    scan = tokens * 128 * 16 / H100.gpu.hbm_achievable_bytes_per_s
+    assert pre.seconds == pytest.approx(gather.seconds + scan + 2 * H100.gpu.launch_s)
+    assert gather.link == "network" and pre.seconds > gather.seconds
+    (d_fwd, c_fwd), (d_back, c_back) = flex_costs(fwd, cl, H100), flex_costs(back, cl, H100)
+    assert d_fwd.seconds == pytest.approx(d_back.seconds + pre.seconds) and c_fwd == c_back
+    assert hybridep_preprocess_cost(back, cl, H100) == FREE
+    assert hybridep_preprocess_cost(replace(fwd, backend=DEEPEP), cl, H100) == FREE
+    assert hybridep_preprocess_cost(fwd, _experts(16, 1), H100) == FREE
+    # inside one node the gather stays on NVLink, and is cheaper
+    inside = hybridep_preprocess_cost(fwd, _experts(8, 8), H100)
+    assert inside.link == "nvlink" and inside.seconds < pre.seconds
+
+
 def test_measurement_choice():
     assert measurement(HYBRIDEP, "h100-sxm", 128, 16).ranks == 64  # nearest measured rank count
     assert measurement(HYBRIDEP, "h100-sxm", 8, 16).ranks == 16
@@ -208,3 +230,17 @@ def test_a_flex_kernel_holds_its_own_sms_beside_overlapped_compute():
             times[overlap, sms] = simulate(config_of(q, layout)).forward_backward_s
     assert times[True, 32] > times[True, 16]
     assert times[False, 32] == pytest.approx(times[False, 16], rel=1e-9)
+
+
+def test_expert_block_marks_the_forward_dispatch():
+    """The forward block's flex traffic runs HybridEP's preprocessing; the backward's reuses the handle."""
+    from canzona.cost import DeviceRate
+    from sim.model_work import _expert_block
+
+    dispatcher = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=HYBRIDEP,
+                              moe_hybridep_num_sms=32)
+    fwd, bwd = _expert_block("mlp", (), 4096.0, 2048, (128, 8), DeviceRate.from_profile(H100), "bf16", "none",
+                             ep=16, dispatcher=dispatcher)
+    assert fwd.ep_flex.forward and not bwd.ep_flex.forward
+    assert fwd.ep_flex.tokens == bwd.ep_flex.tokens == 4096.0
+    assert replace(fwd.ep_flex, forward=False) == bwd.ep_flex
