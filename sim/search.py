@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
@@ -385,7 +385,9 @@ class SearchResult:
             "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
             "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
             "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
+            "attention_backend": q.attention_backend, "ep_dispatcher": asdict(q.ep_dispatcher),
             "overlap_moe_expert_parallel_comm": q.overlap_moe_expert_parallel_comm,
+            "apply_rope_fusion": q.apply_rope_fusion, "bias_activation_fusion": q.bias_activation_fusion,
             "cross_entropy_loss_fusion": q.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": q.cross_entropy_fusion_impl,
             "store_param_remainders": q.store_param_remainders,

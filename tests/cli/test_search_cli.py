@@ -21,6 +21,12 @@ def as_json():
 
 def test_json_schema(as_json):
     assert {"model", "gpus", "hardware", "optimizer", "seq_len", "global_batch", "searched", "layouts"} <= set(as_json)
+    # the whole question the layouts were searched under, every setting a Question carries
+    from sim.search import Question
+
+    asked = set(Question.__dataclass_fields__)
+    assert asked <= set(as_json), asked - set(as_json)
+    assert as_json["ep_dispatcher"]["moe_token_dispatcher_type"] == "alltoall"
     assert {"candidates", "pruned_by_checks", "pruned_by_memory", "pruned_by_bound", "simulated", "fit",
             "workers", "wall_s"} <= set(as_json["searched"])
     assert 1 <= len(as_json["layouts"]) <= 3
