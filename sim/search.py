@@ -47,7 +47,6 @@ from canzona.reductions import (
 from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
-from sim.cross_entropy import DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
@@ -85,12 +84,13 @@ class Question:
     overlap_moe_expert_parallel_comm: bool = False
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
-    cross_entropy_loss_fusion: bool = False
-    cross_entropy_fusion_impl: str = DEFAULT_CROSS_ENTROPY_FUSION_IMPL
-    store_param_remainders: bool = False
+    # (their defaults are Workload's: one definition)
+    cross_entropy_loss_fusion: bool = Workload.cross_entropy_loss_fusion
+    cross_entropy_fusion_impl: str = Workload.cross_entropy_fusion_impl
+    store_param_remainders: bool = Workload.store_param_remainders
     # Megatron's fused RoPE and SwiGLU (Workload's fields of these names): every layout is searched with them
-    apply_rope_fusion: bool = True
-    bias_activation_fusion: bool = True
+    apply_rope_fusion: bool = Workload.apply_rope_fusion
+    bias_activation_fusion: bool = Workload.bias_activation_fusion
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
