@@ -555,8 +555,8 @@ def simulate(
 ) -> None:
     """Simulate one training iteration of a layout under one policy."""
     from canzona.pipeline import PipelineSplit
+    from sim.simulate import check_traceable, write_trace
     from sim.simulate import simulate as run
-    from sim.simulate import write_trace
 
     split = PipelineSplit(account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
                           account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split,
@@ -585,8 +585,12 @@ def simulate(
                              store_param_remainders=store_param_remainders,
                              apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion)
         config.check()
+        if ep == 1 and moe_token_dispatcher_type != ALLTOALL:  # the overlap's own check refuses it at EP 1
+            raise SpecError(f"--moe-token-dispatcher-type {moe_token_dispatcher_type} dispatches tokens to expert-parallel "
+                            "ranks: it needs --ep > 1")
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
+            check_traceable(config)
         result = run(config)
         if trace is not None:
             write_trace(result, trace)

@@ -97,6 +97,9 @@ class EpDispatcher:
         sms = self.moe_hybridep_num_sms
         if not (isinstance(sms, int) and not isinstance(sms, bool) and 1 <= sms <= 132):
             raise SpecError(f"--moe-hybridep-num-sms must be a whole number of SMs in 1..132, got {sms!r}")
+        if sms != DEFAULT_HYBRIDEP_SMS and backend != HYBRIDEP:
+            raise SpecError(f"--moe-hybridep-num-sms {sms} is HybridEP's: it needs --moe-token-dispatcher-type flex "
+                            f"--moe-flex-dispatcher-backend {HYBRIDEP}")
 
     @property
     def flex(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +258,7 @@ class RowResult:
             "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
             "store_param_remainders": r.store_param_remainders,
             "apply_rope_fusion": r.apply_rope_fusion, "bias_activation_fusion": r.bias_activation_fusion,
+            **({} if r.pipeline_split.even else {"pipeline_split": asdict(r.pipeline_split)}),
         }
 
     def memory_detail(self) -> dict[str, Any] | None:
@@ -509,7 +510,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
-        layout_not_tuned=str(sources[source].get("layout_not_tuned", "")), pipeline_split=split,
+        layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,
         overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **fusions, **ints)
     try:
         run.ep_dispatcher.check()
@@ -539,6 +540,10 @@ def load(path: str | Path = PUBLISHED_RUNS) -> tuple[tuple[PublishedRun, ...], d
     for key, s in sources.items():
         if not isinstance(s, dict) or not str(s.get("url", "")).startswith("https://") or not s.get("title"):
             raise SpecError(f"{text}: source {key!r} needs an https url and a title")
+        untuned = s.get("layout_not_tuned", "")
+        if not isinstance(untuned, str) or ("layout_not_tuned" in s and not untuned.strip()):
+            raise SpecError(f"{text}: source {key!r}: layout_not_tuned must be the source's words that its layout "
+                            f"was not tuned (a non-empty string), or absent; got {untuned!r}")
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows:
         raise SpecError(f"{text}: rows must be a non-empty list")

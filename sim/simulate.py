@@ -71,6 +71,7 @@ from canzona.tp import TP_REGISTRY, Capacity
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
+from sim.ep_dispatch import HYBRIDEP
 from sim.ep_overlap import check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
@@ -222,6 +223,11 @@ class SimConfig:
         hw = load_profile(self.hardware)
         if self.workload.precision == FP8:
             check_fp8_device(hw)
+        dispatcher = self.options.ep_dispatcher
+        if dispatcher.flex and dispatcher.moe_flex_dispatcher_backend == HYBRIDEP \
+                and dispatcher.moe_hybridep_num_sms > hw.gpu.sms:
+            raise SpecError(f"--moe-hybridep-num-sms {dispatcher.moe_hybridep_num_sms}: {hw.name} has "
+                            f"{hw.gpu.sms} SMs")
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp, cp=self.cp)
         if self.cp > 1:
             self._check_cp()
@@ -761,13 +767,25 @@ def compare(base: SimConfig, policies: Iterable[str] | None = None,
     return out
 
 
+def check_traceable(cfg: SimConfig) -> None:
+    """Refuse, before any simulation, a trace of a configuration `simulate` would extrapolate
+    (more than `EXACT_MICRO_BATCHES` micro-batches per DP rank: `sim.steady`)."""
+    cluster, _, _ = cfg.checked()
+    m = cfg.workload.micro_batches(cluster.batch_dp)
+    if short_lengths(m, cfg.pp) is not None and cfg.options.collectives != RUNTIME_STYLE:
+        raise SpecError(f"--trace: {m} micro-batches per DP rank are simulated by extrapolation (more than "
+                        f"{EXACT_MICRO_BATCHES}), with no trace of their own; trace a global batch of at most "
+                        f"{EXACT_MICRO_BATCHES} micro-batches per DP rank")
+
+
 def write_trace(result: SimResult, path: str | Path) -> None:
     """Chrome / Perfetto trace: one process per rank, one thread per stream. Phase A is simulated on
     each pipeline stage's first rank and identical on the stage's other ranks: they show it as one
     span per stream kind."""
     if result.extrapolated_from is not None:
-        raise SpecError(f"no trace of an iteration extrapolated from {result.extrapolated_from[1]} micro-batches per "
-                        f"DP rank (more than {EXACT_MICRO_BATCHES}): trace a run of at most that many")
+        m1, m2 = result.extrapolated_from
+        raise SpecError(f"no trace of an iteration extrapolated from runs of {m1} and {m2} micro-batches per DP rank "
+                        f"(it has more than {EXACT_MICRO_BATCHES}): trace a run of at most that many")
     events: list[dict[str, Any]] = []
     c = result.config
     stage_gpus = c.gpus // c.pp

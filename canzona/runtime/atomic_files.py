@@ -76,21 +76,22 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     stop_if_orphaned()
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp-{secrets.token_hex(6)}")
+    ours = True  # whether `tmp` is this write's to remove on failure
     try:
         # created inside the try: a signal that unwinds the process just after the file exists
         # still removes it below
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:  # not ours (a 48-bit name collision): leave it
+            ours = False
             raise CanzonaError(f"cannot write {p}: its temporary name {tmp.name} is taken") from None
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)  # replaces a symbolic link itself, never writes through it
-    except CanzonaError:
-        raise
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if ours:
+            tmp.unlink(missing_ok=True)
         raise
     fsync_dir(p.parent)

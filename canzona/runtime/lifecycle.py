@@ -31,7 +31,9 @@ POLL_S = 0.25  # how often the watchdog looks at the parent
 EXIT_GRACE_S = 5.0  # after SIGTERM to itself, before the hard exit
 EXIT_ORPHANED = 70  # the exit code of a process whose launcher died
 
-_watched: tuple[int, Callable[[], None]] | None = None  # exit_with_launcher's parent and its stop
+# exit_with_launcher's (this process, its launcher, the stop): a child forked later inherits the
+# module but not the watch (its parent is this process, not the launcher), so the pid says whose
+_watched: tuple[int, int, Callable[[], None]] | None = None
 _stopping = threading.Event()  # the stop runs once, whoever notices first
 
 
@@ -74,13 +76,16 @@ def exit_with_launcher(grace_s: float = EXIT_GRACE_S, poll_s: float = POLL_S,
         time.sleep(grace_s)  # a handler that returned, or a main thread blocked in C
         os._exit(exit_code)
 
-    _watched = (parent, stop)
+    _watched = (os.getpid(), parent, stop)
     return watch_parent(parent, stop, poll_s)
 
 
 def stop_if_orphaned() -> None:
     """If `exit_with_launcher()` watches this process and its launcher is gone, stop now, as the
     watchdog would, instead of at its next look. Does nothing otherwise (no watch, or the launcher
-    is alive)."""
-    if _watched is not None and not parent_alive(_watched[0]):
-        _watched[1]()
+    is alive, or a child forked from the watched process, whose parent it is)."""
+    if _watched is None:
+        return
+    watched, parent, stop = _watched
+    if os.getpid() == watched and not parent_alive(parent):
+        stop()

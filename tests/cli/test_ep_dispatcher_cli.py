@@ -37,6 +37,13 @@ def test_bad_dispatcher_options_are_one_error_line():
     error_line(invoke("simulate", *SIM, "--moe-flex-dispatcher-backend", "deepep"),
                "is for --moe-token-dispatcher-type flex")
     error_line(invoke("simulate", *SIM, *FLEX, "--moe-hybridep-num-sms", "0"), "--moe-hybridep-num-sms", "got 0")
+    # settings that would change nothing are refused, not echoed back
+    error_line(invoke("simulate", *SIM, "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
+                      "--moe-hybridep-num-sms", "32"), "--moe-hybridep-num-sms 32 is HybridEP's")
+    dense_ep1 = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "1", "--global-batch", "8"]
+    error_line(invoke("simulate", *dense_ep1, *FLEX), "--moe-token-dispatcher-type flex", "it needs --ep > 1")
+    error_line(invoke("simulate", *SIM, *FLEX, "--hardware", "a100-sxm", "--moe-hybridep-num-sms", "120"),
+               "--moe-hybridep-num-sms 120: a100-sxm has 108 SMs")
 
 
 def test_search_takes_the_dispatcher():

@@ -116,3 +116,20 @@ def test_an_interrupt_just_after_the_temporary_exists_removes_it(tmp_path, monke
             fileio.write_atomic(target, lambda p: p.write_text("new"))
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"] and target.read_text() == "old"
+
+
+def test_a_writer_that_raises_our_own_error_leaves_no_temporary(tmp_path):
+    """An error of canzona's own (a CheckpointError from inside the writer, say) is a failure like
+    any other: the partial temporary file goes, the target stays."""
+    from canzona.errors import CheckpointError
+
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+
+    def partial(f):
+        f.write(b"partial")
+        raise CheckpointError("the writer failed")
+
+    with pytest.raises(CheckpointError):
+        write_atomically(target, partial)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"] and target.read_bytes() == b"old"

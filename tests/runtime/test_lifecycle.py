@@ -89,3 +89,23 @@ def test_a_process_stops_when_its_launcher_is_killed(mode, tmp_path):
         assert result["at_kill"] > 0 and result["after"] - result["at_kill"] <= 1, result
     else:  # the handler keeps it alive: the hard exit after the grace period
         assert result["code"] == 70 and GRACE_S <= result["after_s"] < GRACE_S + 5, result
+
+
+def test_a_child_forked_from_a_watched_process_writes(tmp_path):
+    """The watch is the process's that called exit_with_launcher: a child it forks (a data-loader
+    worker, a multiprocessing pool) has that process, alive, as its parent, and writes normally."""
+    code = f"""
+import multiprocessing as mp, os, sys
+from canzona.runtime.lifecycle import exit_with_launcher
+from canzona.runtime.atomic_files import write_atomically
+exit_with_launcher(poll_s=0.05)
+def child():
+    write_atomically({str(tmp_path / "child.txt")!r}, lambda f: f.write(b"ok"))
+p = mp.get_context("fork").Process(target=child)
+p.start(); p.join(60)
+sys.exit(0 if p.exitcode == 0 else 1)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "child.txt").read_bytes() == b"ok"

@@ -164,3 +164,24 @@ def test_a_rows_pipeline_split_is_read_checked_and_simulated():
     with pytest.raises(SpecError, match="positive whole number of layers"):
         published.parse_run({**raw, "decoder_first_pipeline_num_layers": 0, "recipe_source": "https://r"},
                             SOURCES, "row")
+
+
+def test_a_sources_layout_not_tuned_is_its_words_or_absent(tmp_path):
+    """null, false or an empty string would read as a sanity-check source (a non-empty str()) and
+    drop its rows from the search's aim without a word: refused, one line."""
+    for bad in (None, False, "", "  "):
+        data = json.loads(published.PUBLISHED_RUNS.read_text())
+        first = next(iter(data["sources"]))
+        data["sources"][first]["layout_not_tuned"] = bad
+        path = tmp_path / "runs.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(SpecError, match="layout_not_tuned must be the source's words"):
+            published.load(path)
+
+
+def test_a_rows_split_is_in_its_report():
+    from canzona.pipeline import PipelineSplit
+
+    run = replace(RUNS[0], pipeline_split=PipelineSplit(account_for_loss_in_pipeline_split=True))
+    assert published.RowResult(run).to_dict()["pipeline_split"]["account_for_loss_in_pipeline_split"] is True
+    assert "pipeline_split" not in published.RowResult(RUNS[0]).to_dict()

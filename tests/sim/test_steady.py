@@ -63,3 +63,20 @@ def test_an_explicit_plan_is_simulated_exactly(small_bounds):
     cfg = replace(LAYOUTS["pp4-1f1b"], pp=1, workload=Workload(256, 4 * 48))
     r = simulate(cfg, plan=simulate(cfg).plan)
     assert r.extrapolated_from is None
+
+
+def test_the_cli_refuses_a_trace_of_an_extrapolated_run_before_simulating(tmp_path, monkeypatch):
+    """One `error:` line before any work (no simulation is run: it would fail the test), naming
+    the configured count; no trace file."""
+    from sim import simulate as simulate_module
+    from tests.cli_helpers import error_line, invoke
+
+    def never(*args, **kwargs):
+        raise AssertionError("simulated before refusing the trace")
+
+    monkeypatch.setattr(simulate_module, "simulate", never)
+    out = tmp_path / "t.json"
+    result = invoke("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 2, "--seq-len", 256,
+                    "--global-batch", 4 * 300, "--trace", str(out))
+    error_line(result, "--trace: 300 micro-batches per DP rank are simulated by extrapolation")
+    assert not out.exists()
