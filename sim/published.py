@@ -402,6 +402,14 @@ SPLIT_KEYS = {"account_for_embedding_in_pipeline_split": "account_for_embedding_
               "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage"}
 
 
+def _optional_bool(raw: Mapping[str, Any], key: str, where: str) -> bool | None:
+    """A row's recipe setting that is true, false or not stated (null or absent: None)."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise SpecError(f"{where}: {key} must be true, false or null, got {value!r}")
+    return value
+
+
 def _pipeline_split(raw: Mapping[str, Any], where: str) -> PipelineSplit:
     """A row's pipeline split from its keys (true / false, or a layer count); the layer arithmetic
     is checked with the model when the row is simulated (`SimConfig.check`)."""
@@ -446,16 +454,12 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if not isinstance(pub, dict) or not isinstance(pub.get("original"), dict):
         raise SpecError(f"{where}: published must hold tokens_per_s_per_gpu and original {{value, unit}}")
     step = pub.get("step_time_s")
-    grad_fp32 = raw.get("grad_reduce_in_fp32")
-    if grad_fp32 is not None and not isinstance(grad_fp32, bool):
-        raise SpecError(f"{where}: grad_reduce_in_fp32 must be true, false or null, got {grad_fp32!r}")
+    grad_fp32 = _optional_bool(raw, "grad_reduce_in_fp32", where)
     reshard = raw.get("reshard_after_forward", True)
     if not isinstance(reshard, bool) or (not reshard and not fsdp):
         raise SpecError(f"{where}: reshard_after_forward must be true or false (false on an fsdp row only), "
                         f"got {reshard!r}")
-    upcast = raw.get("loss_fp32_upcast")
-    if upcast is not None and not isinstance(upcast, bool):
-        raise SpecError(f"{where}: loss_fp32_upcast must be true, false or null, got {upcast!r}")
+    upcast = _optional_bool(raw, "loss_fp32_upcast", where)
     attention = raw.get("attention_backend")
     if attention is not None and attention not in ATTENTION_BACKENDS:
         raise SpecError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or null, "
@@ -467,9 +471,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if fsdp_impl not in FSDP_IMPLS or (fsdp_impl != FSDP2 and not fsdp):
         raise SpecError(f"{where}: fsdp_impl must be one of {', '.join(FSDP_IMPLS)} (on an fsdp row), "
                         f"got {fsdp_impl!r}")
-    ce_fusion = raw.get("cross_entropy_loss_fusion")
-    if ce_fusion is not None and not isinstance(ce_fusion, bool):
-        raise SpecError(f"{where}: cross_entropy_loss_fusion must be true, false or null, got {ce_fusion!r}")
+    ce_fusion = _optional_bool(raw, "cross_entropy_loss_fusion", where)
     ce_impl = raw.get("cross_entropy_fusion_impl")
     if ce_impl is not None and (ce_impl not in CROSS_ENTROPY_FUSION_IMPLS or not ce_fusion):
         raise SpecError(f"{where}: cross_entropy_fusion_impl must be one of {', '.join(CROSS_ENTROPY_FUSION_IMPLS)} "
@@ -486,10 +488,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
     if not isinstance(ep_overlap, bool):
         raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
-    fusions = {k: raw.get(k) for k in ("apply_rope_fusion", "bias_activation_fusion")}
-    for k, v in fusions.items():
-        if v is not None and not isinstance(v, bool):
-            raise SpecError(f"{where}: {k} must be true, false or null, got {v!r}")
+    fusions = {k: _optional_bool(raw, k, where) for k in ("apply_rope_fusion", "bias_activation_fusion")}
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
