@@ -495,8 +495,8 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     micro-group capacity) is simulated in the same way and the fastest kept, marked in
     `expert_choice`."""
     cluster, model, hw = cfg.checked(model)  # files are read here, not again by each run below
-    lengths = short_lengths(cfg.workload.micro_batches(cluster.batch_dp), cfg.pp)
-    if lengths is not None and plan is None and cfg.options.collectives != RUNTIME_STYLE:
+    lengths = _extrapolated_lengths(cfg, cluster)
+    if lengths is not None and plan is None:
         # many micro-batches: two shorter iterations, extended (sim.steady)
         short, long = (simulate(with_micro_batches(cfg, n, cluster.batch_dp), None, replicate_phase_a, model,
                                 by_class=by_class) for n in lengths)
@@ -767,12 +767,21 @@ def compare(base: SimConfig, policies: Iterable[str] | None = None,
     return out
 
 
+def _extrapolated_lengths(cfg: SimConfig, cluster: Cluster) -> tuple[int, int] | None:
+    """The two shorter runs `simulate` extends `cfg`'s iteration from (`sim.steady`), without an
+    explicit plan; None: simulated micro-batch by micro-batch (at most `EXACT_MICRO_BATCHES` per
+    DP rank, or the runtime's collectives, whose records name every collective issued)."""
+    if cfg.options.collectives == RUNTIME_STYLE:
+        return None
+    return short_lengths(cfg.workload.micro_batches(cluster.batch_dp), cfg.pp)
+
+
 def check_traceable(cfg: SimConfig) -> None:
     """Refuse, before any simulation, a trace of a configuration `simulate` would extrapolate
     (more than `EXACT_MICRO_BATCHES` micro-batches per DP rank: `sim.steady`)."""
     cluster, _, _ = cfg.checked()
     m = cfg.workload.micro_batches(cluster.batch_dp)
-    if short_lengths(m, cfg.pp) is not None and cfg.options.collectives != RUNTIME_STYLE:
+    if _extrapolated_lengths(cfg, cluster) is not None:
         raise SpecError(f"--trace: {m} micro-batches per DP rank are simulated by extrapolation (more than "
                         f"{EXACT_MICRO_BATCHES}), with no trace of their own; trace a global batch of at most "
                         f"{EXACT_MICRO_BATCHES} micro-batches per DP rank")
