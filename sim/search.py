@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
@@ -102,8 +102,20 @@ class Question:
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
                             f"{self.overlap_moe_expert_parallel_comm!r}")
         self.workload()  # its checks
+        self._check_moe_settings()
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
+
+    def _check_moe_settings(self) -> None:
+        """The expert dispatch's settings change nothing on a dense model: refused, as
+        `canzona simulate` refuses them, rather than echoed back without effect."""
+        default = EpDispatcher()
+        moe_settings = [f"--{f.name.replace('_', '-')} {getattr(self.ep_dispatcher, f.name)}"
+                        for f in fields(EpDispatcher) if getattr(self.ep_dispatcher, f.name) != getattr(default, f.name)]
+        moe_settings += ["--overlap-moe-expert-parallel-comm"] if self.overlap_moe_expert_parallel_comm else []
+        if moe_settings and resolve_model(self.model)[1].moe is None:
+            raise SpecError(f"{', '.join(moe_settings)}: for a mixture-of-experts model's token dispatch; "
+                            f"{self.model!r} has no experts")
 
     def workload(self) -> Workload:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
@@ -183,8 +195,10 @@ def _dp(f: Facts, c: Layout) -> int:
 LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0]),
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
-    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else
-         [v for v in divisors(f.layers // c["pp"]) if v <= MAX_VP]),
+    # VP: every divisor of a stage's layers, down to one layer a chunk (NeMo 24.07's Llama 2 13B /
+    # 70B ran VP 10 / 20): the simulator prices each chunk boundary's point-to-point, so deep
+    # interleaving is ranked, not assumed away
+    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else divisors(f.layers // c["pp"])),
     # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks, each CP rank keeping at least
     # MIN_CP_TOKENS of it; not with experts (not simulated)
     Axis("cp", lambda f, c: [1] if f.experts else
@@ -198,7 +212,6 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     # ordered by cost: each mode only adds compute to the one before (the rounds of `search`)
     Axis("recompute", lambda f, c: RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
 )
-MAX_VP = 8  # model chunks per stage: beyond, each micro-batch crosses ranks 8 x PP times
 MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for sequences beyond 32k
 # a CP rank's least share of the sequence: below it each ring step's attention is too short to hide
 # its K/V exchange (Megatron's recipes use CP from 8k-token sequences on); it also keeps the search

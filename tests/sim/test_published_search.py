@@ -14,7 +14,7 @@ from sim.published_search import (
     rank_run,
     summary,
 )
-from sim.search import MAX_VP, candidates, config_of, search
+from sim.search import candidates, config_of, search
 
 
 def _run(**changes) -> published.PublishedRun:
@@ -93,12 +93,9 @@ def test_published_layouts_are_in_the_search_space():
     for run in (r for r in expressible if not r.fsdp):
         q = question_of(run)
         layout = layout_of(run)
-        if run.vp > MAX_VP:  # one layer a model chunk (NeMo 24.07's Llama 2 13B / 70B): beyond the cap, said so
-            assert outside_space(q, layout).startswith(f"vp {run.vp} is not searched"), run.id
-        else:
-            assert outside_space(q, layout) == "", run.id
-            assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
-                       for c in candidates(q)), run.id
+        assert outside_space(q, layout) == "", run.id
+        assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+                   for c in candidates(q)), run.id
         assert config_of(q, layout_of(run)) == run.sim_config(), run.id
 
 

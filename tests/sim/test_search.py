@@ -10,6 +10,7 @@ import pytest
 
 from canzona.errors import SpecError
 from canzona.models import resolve_model
+from sim.ep_dispatch import EpDispatcher
 from sim.search import (
     LAYOUT_AXES,
     Question,
@@ -309,3 +310,16 @@ def test_published_layout_is_a_candidate():
     layout = {"tp": row["tp"], "pp": row["pp"], "vp": row["vp"], "ep": row["ep"], "micro_batch": row["micro_batch"],
               "dp": row["gpus"] // (row["tp"] * row["pp"] * row["cp"])}
     assert any(all(c[k] == v for k, v in layout.items()) for c in candidates(q))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"ep_dispatcher": EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")},
+     "--moe-token-dispatcher-type flex, --moe-flex-dispatcher-backend deepep"),
+    ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm"),
+])
+def test_a_dense_model_refuses_the_expert_dispatch_settings(changes, named):
+    """They would change nothing on a dense model: refused before any work, naming them, as
+    `canzona simulate` refuses them; a MoE model takes them."""
+    with pytest.raises(SpecError, match=f"^{named}: .* 'qwen3-0.6b' has no experts"):
+        Question(model="qwen3-0.6b", gpus=8, **changes)
+    Question(model="qwen3-30b-a3b", gpus=8, **changes)
