@@ -150,7 +150,7 @@ class FlexTraffic:
     experts: int
     top_k: int
     imbalance: float = 1.0
-    tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP's preprocessing gathers
+    tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP gathers, and of its permute
     forward: bool = False  # the forward's dispatch, which runs HybridEP's preprocessing (module docstring)
 
 
