@@ -48,6 +48,22 @@ dispatcher's `dispatch_preprocess` (Megatron's `MoECudaGraphPartialCaptureSignal
 at "preprocess"), which for the flex dispatcher only reshapes the routing map: the all-gather, the
 preprocessing kernel and the host sync run outside the graph, and are priced whether or not it is on.
 Not modelled: DeepEP's own layout exchange (`get_dispatch_layout`, `notify_dispatch`) and its CPU wait.
+
+HybridEP permutes the tokens itself (`hybridep_permute_s`): Megatron's `_HybridEPManager` always
+dispatches by `dispatch_with_permute` and combines by `combine_with_unpermute` (Megatron-LM
+`megatron/core/transformer/moe/fused_a2a.py`, `HybridEPDispatch` / `HybridEPCombine`, "fused dispatch
+for permute + dispatch a2a + permute"), so its dispatcher's `dispatch_postprocess` and
+`combine_preprocess` hand the tokens through unchanged: the permute to expert order and the
+unpermute (with the sum of each token's local experts' outputs) run inside the dispatch and combine
+ops, on the dispatcher's stream (the EP stream under the EP all-to-all overlap), not among the
+experts' kernels (`sim.model_work` leaves them out of a HybridEP expert block). In DeepEP's
+`hybrid_ep` executor (`csrc/hybrid_ep/executor/executor.cu`, `dispatch_postprocess`: "Use permute
+kernel to avoid standalone D2D memory copy"; `combine_preprocess`: `unpermute_launcher`) the permute
+kernel takes the place of the copy of the received tokens out of HybridEP's buffer, and the unpermute
+that of the copy into it; `moe_permute_fusion_into_hybridep` (DeepEP's `fuse_permute_dispatch`)
+folds them into the communication kernels themselves (priced alike: an assumption). The published
+"Torch API" figures are taken to be the benchmark's `dispatch` / `combine` without permute
+(`tests/test_hybrid_ep.py`, whose first timed figures they are: an assumption), copies included.
 """
 
 from __future__ import annotations
@@ -134,7 +150,7 @@ class FlexTraffic:
     experts: int
     top_k: int
     imbalance: float = 1.0
-    tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP's preprocessing gathers
+    tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP gathers, and of its permute
     forward: bool = False  # the forward's dispatch, which runs HybridEP's preprocessing (module docstring)
 
 
@@ -231,9 +247,46 @@ def _then(first: CollectiveCost, cost: CollectiveCost) -> CollectiveCost:
 
 def flex_costs(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
     """The dispatch's (after HybridEP's preprocessing on the forward's) and the combine's cost of a
-    flex dispatcher (the module docstring)."""
+    flex dispatcher, HybridEP's with its permute and unpermute (the module docstring)."""
     dispatch, combine = _flex_transfer(t, experts, hw)
+    permute = hybridep_permute_s(t, experts, hw)
+    if permute:
+        dispatch, combine = _plus_local(dispatch, permute), _plus_local(combine, permute)
     return _then(hybridep_preprocess_cost(t, experts, hw), dispatch), combine
+
+
+def _plus_local(cost: CollectiveCost, seconds: float) -> CollectiveCost:
+    """`cost` with `seconds` more of local (on-GPU, unhidden) work in its kernel sequence."""
+    return CollectiveCost(cost.latency_s, cost.transfer_s, cost.link, cost.algorithm, cost.local_s + seconds)
+
+
+def _measured(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> Measured | None:
+    """The published measurement a cross-node flex transfer is priced at (None: inside one node,
+    or nothing published for the backend on this hardware)."""
+    if experts.ep <= 1 or not experts.ep_geometry().crosses_nodes:
+        return None
+    return measurement(t.backend, hw.name, experts.ep, t.sms)
+
+
+def hybridep_permute_s(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> float:
+    """Seconds HybridEP's permute adds to each of its dispatches (its unpermute to each combine),
+    beyond the transfer's price (the module docstring): the busiest rank receives `R` distinct tokens
+    (each token of its EP group that reaches one of its experts) and `P` token-expert pairs; the
+    permute reads the `R` and writes the `P` in expert order (the unpermute reads the `P` and writes
+    the `R` sums), one pass at the achievable HBM rate. A measured cross-node price already holds the
+    benchmark's copy of the `R` tokens out of HybridEP's buffer (read and write `R`), which the
+    permute replaces: it adds only the `P - R` rows more it moves; inside a node (the all-to-all model,
+    no copy) it adds its whole pass and a launch. 0 for DeepEP (Megatron permutes its tokens on the
+    compute stream), one rank, or a block that does not say its tokens."""
+    if t.backend != HYBRIDEP or experts.ep <= 1 or t.tokens <= 0 or t.token_bytes <= 0:
+        return 0.0
+    ep = experts.ep
+    per_token = t.token_bytes / t.tokens
+    pairs = t.tokens * t.top_k * t.imbalance
+    received = ep * t.tokens * group_hit(t.experts, ep, t.top_k) * t.imbalance
+    if _measured(t, experts, hw) is not None:
+        return max(pairs - received, 0.0) * per_token / hw.gpu.hbm_achievable_bytes_per_s
+    return (pairs + received) * per_token / hw.gpu.hbm_achievable_bytes_per_s + hw.gpu.launch_s
 
 
 def _flex_transfer(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
@@ -247,7 +300,7 @@ def _flex_transfer(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tup
         cost = alltoall_cost(t.token_bytes * other_ranks, t.token_bytes * other_ranks * t.imbalance, experts, hw)
         return cost, cost
     nodes = geo.nodes
-    m = measurement(t.backend, hw.name, ep, t.sms)
+    m = _measured(t, experts, hw)
     if m is not None:
         logical = t.token_bytes * expected_groups(t.experts, nodes, t.top_k) * t.imbalance
         label = f"{t.backend} (measured)"

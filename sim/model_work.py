@@ -20,7 +20,8 @@ busiest rank of an unbalanced router sets the pace); each stacked expert weight 
 GEMM of its experts,
 every expert's weights read once (at the experts' few rows each, the weights' reads dominate). The
 router is a GEMM over the rank's tokens; the tokens' local permutation to and from expert order
-and SwiGLU are memory-bound passes. Under expert TP (`etp` > 1) the ETP group all-gathers the
+and SwiGLU are memory-bound passes (under HybridEP the permutation is the dispatcher's own, priced
+with its dispatch and combine: `sim.ep_dispatch`). Under expert TP (`etp` > 1) the ETP group all-gathers the
 pairs its ranks received and each rank runs the grouped GEMMs on all of them with its shard of
 the weights (gate / up rows, down columns: `canzona.experts.expert_tp_dim`), then the outputs
 are reduce-scattered back (Megatron's MoEAlltoAllTokenDispatcher: docs/design.md §2.7).
@@ -398,8 +399,12 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     # permute the tokens to expert order and back (read + write hidden per pair, each way), SwiGLU
     # over the fc1 output (read 2 x ffn, write ffn per pair), the weighted sum of the experts'
     # outputs; under expert TP the sort of the received pairs into expert order and back (read +
-    # write hidden) and SwiGLU (on its shard of the width) run on the ETP group's gathered pairs
-    moved = busiest * 4 * hidden + computed * (2 * hidden + 1.5 * width)
+    # write hidden) and SwiGLU (on its shard of the width) run on the ETP group's gathered pairs.
+    # HybridEP permutes and unpermutes (summing each token's experts) inside its own dispatch and
+    # combine (`sim.ep_dispatch.hybridep_permute_s`): here only SwiGLU (and ETP's sort) remain
+    hybridep = flex is not None and flex.backend == HYBRIDEP
+    moved = (0.0 if hybridep else busiest * 4 * hidden) + computed * (
+        (0.0 if hybridep and etp == 1 else 2 * hidden) + 1.5 * width)
     count = max(1, round(computed))
     passes = elementwise_kernel(f"{name} permute", count, 1, moved * two / count, dtype)
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)

@@ -24,6 +24,7 @@ from sim.ep_dispatch import (
     expected_groups,
     flex_costs,
     group_hit,
+    hybridep_permute_s,
     hybridep_preprocess_cost,
     measurement,
 )
@@ -105,6 +106,14 @@ def test_a_row_with_a_bad_dispatcher_is_one_error_line():
 
 def _experts(gpus: int, ep: int) -> Cluster:
     return Cluster(gpus, 1, 8, ep=ep)
+
+
+def _qwen3_moe_layer() -> list:
+    """Qwen3-30B-A3B's first layer's stacked expert weights (128 experts of 768 x 2048 each)."""
+    from canzona.models import resolve_model
+    from sim.model_work import _is_expert_gemm
+
+    return [p for p in resolve_model("qwen3-30b-a3b")[0].params if p.layer == 0 and _is_expert_gemm(p)]
 
 
 def test_alltoall_is_every_pair_as_before():
@@ -244,3 +253,64 @@ def test_expert_block_marks_the_forward_dispatch():
     assert fwd.ep_flex.forward and not bwd.ep_flex.forward
     assert fwd.ep_flex.tokens == bwd.ep_flex.tokens == 4096.0
     assert replace(fwd.ep_flex, forward=False) == bwd.ep_flex
+
+
+def test_hybridep_permutes_inside_its_dispatch_and_combine():
+    """HybridEP's permute (and unpermute) runs inside its dispatch (and combine): it reads the `R`
+    distinct tokens the busiest rank receives and writes its `P` token-expert pairs (the unpermute the
+    other way). Across nodes the measured price already holds the benchmark's copy of the `R` tokens
+    out of the buffer, so only the `P - R` rows more are added; inside a node the whole pass and its
+    launch; DeepEP, whose tokens Megatron permutes among the experts' kernels, adds nothing."""
+    tokens, hidden, hbm = 4096, 2048, H100.gpu.hbm_achievable_bytes_per_s
+    row = tokens * hidden * 2.0
+    t = FlexTraffic(HYBRIDEP, 32, row, 128, 8, 1.0, tokens)
+    pairs = tokens * 8
+    received = 16 * tokens * group_hit(128, 16, 8)  # 27,019 of the 32,768 pairs' tokens at EP 16
+    assert received == pytest.approx(27019.3, abs=0.1)
+    across = hybridep_permute_s(t, _experts(16, 16), H100)
+    assert across == pytest.approx((pairs - received) * hidden * 2 / hbm)
+    d, c = flex_costs(t, _experts(16, 16), H100)
+    logical = row * expected_groups(128, 2, 8)
+    assert d.seconds == pytest.approx(logical / 54.47e9 + across)
+    assert c.seconds == pytest.approx(logical / 53.35e9 + across)
+    inside = hybridep_permute_s(t, _experts(8, 8), H100)
+    received8 = 8 * tokens * group_hit(128, 8, 8)
+    assert inside == pytest.approx((pairs + received8) * hidden * 2 / hbm + H100.gpu.launch_s)
+    d8, c8 = flex_costs(t, _experts(8, 8), H100)
+    once = row * 7 * group_hit(128, 8, 8)
+    assert d8.seconds == pytest.approx(alltoall_cost(once, once, _experts(8, 8), H100).seconds + inside)
+    assert c8 == d8
+    # the busiest rank of an unbalanced router moves its share more
+    assert hybridep_permute_s(replace(t, imbalance=1.3), _experts(8, 8), H100) == pytest.approx(
+        1.3 * (inside - H100.gpu.launch_s) + H100.gpu.launch_s)
+    assert hybridep_permute_s(replace(t, backend=DEEPEP), _experts(16, 16), H100) == 0.0
+    assert hybridep_permute_s(t, _experts(16, 1), H100) == 0.0
+    assert hybridep_permute_s(replace(t, tokens=0.0), _experts(16, 16), H100) == 0.0
+
+
+def test_a_hybridep_expert_block_leaves_the_permute_to_its_dispatcher():
+    """Under HybridEP the experts' block keeps SwiGLU only: the permute, the unpermute and the sum of
+    each token's experts run inside the dispatch and combine; DeepEP's and the all-to-all's block keep
+    them (Megatron permutes among the experts' kernels there)."""
+    from canzona.cost import DeviceRate
+    from sim.model_work import _expert_block
+
+    rate = DeviceRate.from_profile(H100)
+    tokens, hidden, ffn = 4096.0, 2048, 768
+    params = [p for p in _qwen3_moe_layer() if p.role.name == "EXPERT"]
+    blocks = {}
+    for name, d in (("alltoall", EpDispatcher()),
+                    ("deepep", EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=DEEPEP)),
+                    ("hybridep", EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=HYBRIDEP,
+                                              moe_hybridep_num_sms=32))):
+        blocks[name] = _expert_block("mlp", params, tokens, hidden, (128, 8), rate, "bf16", "none", ep=16,
+                                     dispatcher=d)
+    assert blocks["alltoall"][0].seconds == pytest.approx(blocks["deepep"][0].seconds)
+    pairs = tokens * 8
+    hbm = rate.hbm_bytes_per_s * rate.hbm_efficiency
+    permute = pairs * (4 + 2) * hidden * 2 / hbm  # the permute and back, and the experts' sum, per pair
+    for k in (0, 1):  # forward: one pass; backward: two
+        saved = blocks["deepep"][k].seconds - blocks["hybridep"][k].seconds
+        assert saved == pytest.approx((1 + k) * permute, rel=1e-3)
+    swiglu = pairs * 1.5 * 2 * ffn * 2 / hbm
+    assert swiglu > 0 and blocks["hybridep"][0].seconds > swiglu
