@@ -439,7 +439,10 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     projection's input, the second MLP linear's input) are saved as Transformer Engine keeps them
     for the weight gradient, in FP8: one byte instead of `e` (this project's reading of TE's
     Linear / LayerNormLinear, which save the FP8 cast of their input; the other saved tensors are
-    the bf16 ones of the attention core, the norms and the activation function).
+    the bf16 ones of the attention core, the norms and the activation function). The fused
+    attention kernel still keeps its own bf16 output for its backward (sources in the code below), so
+    under FP8 the attention output is held twice, `e*q` by the attention and `q` by the output
+    projection, where in bf16 the two are one tensor.
     Attention scores: `a*s*(2e + 1)` with dropout (softmax output, mask, dropout output), `a*s*e`
     without; flash attention stores only a fp32 log-sum-exp per head and token instead (`4a`).
     For a GPT layer this is the paper's `s*b*h*(34 + 5*a*s/h)`.
@@ -469,6 +472,20 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
         sharded += e * (q + kv)
     if recompute == "none":
         sharded += 4 * a if setup.flash_attention else a * s * ((2 * e + 1) if dims.dropout else e)
+        # Under FP8 the output projection saves the FP8 cast of its input (TE's `_Linear.forward` saves
+        # `inputmat` / `inputmat_t`, the FP8 tensors, and its bf16 `inputmat_no_fp8` only without FP8:
+        # transformer_engine/pytorch/module/linear.py, NVIDIA/TransformerEngine release 1.x), while the
+        # fused attention that produced that input saves its bf16 output for its own backward (flash-attn
+        # 2's `FlashAttnFunc.forward`: `ctx.save_for_backward(q, k, v, out_padded, softmax_lse, rng_state)`,
+        # Dao-AILab/flash-attention flash_attn/flash_attn_interface.py; Transformer Engine's context-parallel
+        # ring `AttnFuncWithCPAndKVP2P`: `save_for_backward(q, kv, out, softmax_lse, ...)`; its cuDNN
+        # `FusedAttnFunc`: `qkvo_tensors = (q, k, v, out_save)` unless the attention itself runs in FP8,
+        # which no modelled recipe does: transformer_engine/pytorch/attention.py). In bf16 the projection saves that same tensor, counted once (the
+        # paper's output-projection input); in FP8 both copies live: the attention's counts `e*q` per token
+        # beside the projection's `q` (FP8_BYTES). Not when the attention core is recomputed (its output
+        # is then not saved) or without flash attention (the unfused softmax-times-V saves its inputs).
+        if setup.fp8 and setup.flash_attention:
+            sharded += e * q
     return tokens * (replicated / sp_div + sharded / tp)
 
 

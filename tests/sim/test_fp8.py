@@ -120,9 +120,10 @@ def test_memory_keeps_fp8_weights_and_fp8_linear_inputs(model):
     bf16, fp8 = MemorySetup(seq_len=SEQ), MemorySetup(seq_len=SEQ, fp8=True)
     assert MemorySetup.from_workload(Workload(precision="fp8")).fp8
     assert not MemorySetup.from_workload(Workload()).fp8
-    # the four linear inputs (QKV, output projection, MLP, second MLP linear) at 1 byte, not 2
+    # the four linear inputs (QKV, output projection, MLP, second MLP linear) at 1 byte, not 2, less
+    # the attention's own bf16 output, which in FP8 is no longer the projection's saved input
     saved = layer_activation_bytes(dims, bf16, 1) - layer_activation_bytes(dims, fp8, 1)
-    assert saved == pytest.approx(SEQ * (2 * dims.hidden + dims.q_dim + dims.ffn))
+    assert saved == pytest.approx(SEQ * (2 * dims.hidden + dims.q_dim + dims.ffn) - SEQ * 2 * dims.q_dim)
     cfg = SimConfig(model=MODEL, gpus=8, tp=1, optimizer="adamw", policy="zero1",
                     workload=Workload(seq_len=SEQ, global_batch=8))
     weights = simulate(cfg).memory.worst.weights
@@ -130,6 +131,26 @@ def test_memory_keeps_fp8_weights_and_fp8_linear_inputs(model):
     linear = sum(p.numel for p in fp8_linear_params(spec))
     assert fp8_weights - weights == FP8_WEIGHT_CACHE * linear
     assert all(p.layer is not None for p in fp8_linear_params(spec))
+
+
+def test_fp8_attention_output_is_held_by_the_attention_and_by_the_projection(model):
+    """Under FP8 the output projection saves the FP8 cast of its input while the fused attention
+    saves its bf16 output (canzona.memory.layer_activation_bytes): both live, 3 bytes an element of
+    the attention output where bf16 holds one 2-byte tensor. Not when the attention core is
+    recomputed (its output is not saved) nor without flash attention (the unfused core saves its
+    inputs, not its output)."""
+    spec, arch = model
+    dims = layer_dims(arch, spec)
+    q, a, e = dims.q_dim, dims.q_heads, 2
+    for tp in (1, 2):
+        def layer(**kw):
+            return layer_activation_bytes(dims, MemorySetup(seq_len=SEQ, **kw), tp)
+        # what selective recompute drops: the log-sum-exp, and under FP8 the attention's bf16 output
+        assert layer(fp8=True) - layer(fp8=True, recompute="selective") == pytest.approx(SEQ * (4 * a + e * q) / tp)
+        assert layer() - layer(recompute="selective") == pytest.approx(SEQ * 4 * a / tp)
+        # without flash attention FP8 only narrows the four linear inputs
+        unfused = layer(flash_attention=False) - layer(flash_attention=False, fp8=True)
+        assert unfused == pytest.approx(SEQ * ((2 * dims.hidden) / tp + (q + dims.ffn) / tp))
 
 
 def test_search_in_fp8_keeps_its_floors_below_the_simulation():

@@ -183,3 +183,21 @@ def test_recipe_loss_without_fp32_upcast_keeps_a_bf16_copy_of_the_logits():
         published.parse_run({**raw, "loss_fp32_upcast": "no"}, published.load()[1], "row")
     with pytest.raises(SpecError, match="loss bytes must be"):
         Workload(loss_bytes=0)
+
+
+def test_nemo_24_07_llama3_70b_needs_its_context_parallelism():
+    """NeMo 24.07's Llama 3 70B FP8 layout (TP 4, PP 4, VP 5, CP 2) fits; the same layout without
+    CP (DP 4) holds two micro-batch-chunks' worth of 8192-token activations per chunk in flight and
+    does not: under FP8 every layer keeps the attention's bf16 output beside the output
+    projection's FP8 copy of it (canzona.memory.layer_activation_bytes), 3.1 GB on stage 0 there."""
+    from sim.published_search import layout_of, question_of
+    from sim.search import config_of
+
+    run = BY_ID["llama3-70b-64xh100-nemo24.07-fp8"]
+    assert (run.tp, run.pp, run.vp, run.cp, run.precision) == (4, 4, 5, 2, "fp8")
+    q = question_of(run)
+    cp1 = simulate(config_of(q, {**layout_of(run), "cp": 1, "dp": 4}))
+    assert not cp1.fits, cp1.memory.worst
+    w = cp1.memory.worst
+    attention_output = 92 * 8192 * 2 * 8192 // 4  # 92 layers' worth in flight on stage 0, e * q / tp a token
+    assert w.total - attention_output - math.ceil(DEFAULT_FRAGMENTATION * attention_output) < H100_BYTES
