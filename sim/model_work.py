@@ -312,7 +312,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                                      rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate,
                                      dispatcher)
             # the layer's pre-MLP norm and residual add, as a dense MLP block's (`lk.moe_mlp_side`);
-            # recomputed with the experts under full and selective-op recompute
+            # recomputed with the experts under full and selective-op recompute. Under the EP
+            # overlap Megatron issues the add after the combine, on its communication stream
+            # (fine_grained_callables.py, submodule_combine_forward): priced on the compute
+            # stream here, an approximation
             side = run(lk.moe_mlp_side(shape, False, name))
             redo = side if recompute in (FULL, SELECTIVE_OP) else 0.0
             fwd = replace(fwd, middle_s=fwd.middle_s + side)
