@@ -15,6 +15,8 @@ the rows a sequence-parallel kernel sees (the rank's tokens / TP) and `T` the ra
   / tp b`, backward `3 T (q + k) / tp b`; the fp32 1/rms per head is left out).
 - Residual add (Megatron's bias-dropout-add without bias or dropout): read both, write the sum
   (`3 r h b`); backward: the residual stream's gradient plus the block's (`3 r h b`).
+- A mixture-of-experts layer's MLP side (`moe_mlp_side`): the same RMSNorm and residual add as
+  a dense MLP block's, around the expert block (its router, grouped GEMMs and SwiGLU).
 - SwiGLU forward: read gate and up, write their product (`3 T f b`, `f` = ffn / tp); backward:
   read gate, up and dy, write d(gate) and d(up) (`5 T f b`). A non-gated activation (one column
   GEMM): forward `2 T w b`, backward `3 T w b`.
@@ -132,6 +134,16 @@ def mlp_block(s: LayerShape, width: float, gated: bool, backward: bool, name: st
     if backward:
         return [residual_add(s, name), *act, norm_backward(s, name)]
     return [norm_forward(s, name), *act, residual_add(s, name)]
+
+
+def moe_mlp_side(s: LayerShape, backward: bool, name: str) -> list[Kernel]:
+    """What a mixture-of-experts layer runs around its experts that `mlp_block` runs around a dense
+    MLP's GEMMs: the pre-MLP RMSNorm and the residual add (Megatron's TransformerLayer runs its
+    `pre_mlp_layernorm` and `mlp_bda` whether the MLP is dense or a MoELayer; the experts' SwiGLU and
+    the router are the expert block's, `sim.model_work._expert_block`)."""
+    if backward:
+        return [residual_add(s, name), norm_backward(s, name)]
+    return [norm_forward(s, name), residual_add(s, name)]
 
 
 def ring_merges(s: LayerShape, q_width: float, kv_width: float, cp: int, backward: bool, name: str) -> list[Kernel]:

@@ -21,7 +21,9 @@ GEMM of its experts,
 every expert's weights read once (at the experts' few rows each, the weights' reads dominate). The
 router is a GEMM over the rank's tokens; the tokens' local permutation to and from expert order
 and SwiGLU are memory-bound passes (under HybridEP the permutation is the dispatcher's own, priced
-with its dispatch and combine: `sim.ep_dispatch`). Under expert TP (`etp` > 1) the ETP group all-gathers the
+with its dispatch and combine: `sim.ep_dispatch`), and so are the layer's pre-MLP RMSNorm and
+residual add, which Megatron's TransformerLayer runs around a MoELayer as around a dense MLP
+(`pre_mlp_layernorm`, `mlp_bda`: `lk.moe_mlp_side`). Under expert TP (`etp` > 1) the ETP group all-gathers the
 pairs its ranks received and each rank runs the grouped GEMMs on all of them with its shard of
 the weights (gate / up rows, down columns: `canzona.experts.expert_tp_dim`), then the outputs
 are reduce-scattered back (Megatron's MoEAlltoAllTokenDispatcher: docs/design.md §2.7).
@@ -305,9 +307,19 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:
             assert experts is not None
-            fwd, bwd = _expert_block(f"layer {layer}.experts", moe_by_id[layer], tokens / tp, hidden, experts,
+            name = f"layer {layer}.experts"
+            fwd, bwd = _expert_block(name, moe_by_id[layer], tokens / tp, hidden, experts,
                                      rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate,
                                      dispatcher)
+            # the layer's pre-MLP norm and residual add, as a dense MLP block's (`lk.moe_mlp_side`);
+            # recomputed with the experts under full and selective-op recompute. Under the EP
+            # overlap Megatron issues the add after the combine, on its communication stream
+            # (fine_grained_callables.py, submodule_combine_forward): priced on the compute
+            # stream here, an approximation
+            side = run(lk.moe_mlp_side(shape, False, name))
+            redo = side if recompute in (FULL, SELECTIVE_OP) else 0.0
+            fwd = replace(fwd, middle_s=fwd.middle_s + side)
+            bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:

@@ -263,6 +263,44 @@ def test_layer_bytes_for_a_small_layer():
         pytest.approx(100 * h * b + 3 * t * h * b + 100 * h * (b + 8))
 
 
+def test_a_moe_layer_keeps_the_dense_mlp_blocks_norm_and_residual_add():
+    """Megatron's TransformerLayer runs `pre_mlp_layernorm` and `mlp_bda` around a MoELayer as around
+    a dense MLP: the MoE side moves the dense MLP block's norm and residual-add bytes, without its
+    activation (the experts' SwiGLU is the expert block's)."""
+    s = lk.LayerShape(tokens=16, tp=2, hidden=64, act_bytes=2, sms=4)
+    dense_f = [k.bytes for k in lk.mlp_block(s, 128, True, False, "m")]
+    dense_b = [k.bytes for k in lk.mlp_block(s, 128, True, True, "m")]
+    assert [k.bytes for k in lk.moe_mlp_side(s, False, "m")] == pytest.approx([dense_f[0], dense_f[2]])
+    assert [k.bytes for k in lk.moe_mlp_side(s, True, "m")] == pytest.approx([dense_b[0], dense_b[2]])
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective-op"])
+def test_micro_batch_prices_the_moe_layers_norm_and_residual_add(recompute: str):
+    """Every expert block of Qwen3-30B-A3B carries the layer's pre-MLP norm and residual add on top
+    of `_expert_block`'s router, grouped GEMMs and passes (forward, and backward with its redo
+    under full and selective-op recompute); the attention block is unchanged."""
+    from sim.model_work import _expert_block
+
+    spec, arch = resolve_model("qwen3-30b-a3b", 1)
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    t, ep = 4096, 16
+    work = micro_batch_work(spec, 1, t, 4096, arch.q_dim, arch.hidden, arch.vocab, rate, recompute=recompute,
+                            experts=arch.moe, ep=ep, kv_dim=arch.kv_dim)
+    layer = work.layer_ids[0]
+    fwd, bwd = work.forward[0][-1], work.backward[0][0]
+    assert fwd.name == bwd.name == f"layer {layer}.experts"
+    params = [p for p in spec.params if p.layer == layer and p.role.name in ("EXPERT", "ROUTER")
+              and (p.matrix_shape or len(p.shape) == 2)]
+    bare_f, bare_b = _expert_block(fwd.name, params, float(t), arch.hidden, arch.moe, rate, "bf16", recompute, ep=ep)
+    s = lk.LayerShape(tokens=t, tp=1, hidden=arch.hidden, act_bytes=2)
+    side_f = sum(rate.kernel_seconds(k) for k in lk.moe_mlp_side(s, False, fwd.name))
+    side_b = sum(rate.kernel_seconds(k) for k in lk.moe_mlp_side(s, True, fwd.name))
+    redo = side_f if recompute != "none" else 0.0
+    assert side_f > 0 and side_b > side_f
+    assert fwd.middle_s == pytest.approx(bare_f.middle_s + side_f)
+    assert bwd.middle_s == pytest.approx(bare_b.middle_s + side_b + redo)
+
+
 def test_micro_batch_prices_the_layer_kernels_at_achievable_bandwidth():
     """The MLP block's middle (no attention core) is exactly its three passes at the profile's
     achievable bandwidth, each paying one launch."""
