@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 from canzona.errors import SpecError
+from canzona.pipeline import Slot, combined_order
 from canzona.recompute import FULL, SELECTIVE_OP
 from sim.ep_dispatch import dispatcher_sms
 from sim.streams import EP_COMM
@@ -93,9 +94,6 @@ def check_ep_overlap(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, m
     if pp > 1 and vp <= 1:
         raise SpecError(f"{OPTION} with --pp {pp} needs a virtual pipeline (--vp > 1): Megatron requires "
                         "virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
-    if pp > 1:
-        raise SpecError(f"{OPTION} is simulated at --pp 1 only: Megatron's interleaved combined 1F1B schedule "
-                        "(PP > 1 with a virtual pipeline) is not modelled")
     if recompute in REFUSED_RECOMPUTE:
         raise SpecError(f"{OPTION} does not run with --recompute {recompute}: Megatron refuses full recompute and "
                         "the recompute of the MoE module (selective-op recomputes the experts) with "
@@ -206,28 +204,53 @@ def _layer_pair(stage: _Stage, f: _Pass, kf: int, b: _Pass, kb: int, needed: dic
         _blocks(st, bp, b_attn, 2)
 
 
+def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Event]], micro_batches: int,
+          syncs: list[simpy.Event]) -> None:
+    """One step of the combined schedule: forward micro-batch-chunk `fwd` beside backward `bwd`
+    (Megatron's `TransformerModelChunkSchedulePlan.run`, the module docstring)."""
+    (_, fmb, fc), (_, bmb, bc) = fwd, bwd
+    f, b = _Pass(stage), _Pass(stage)
+    with f:  # the forward's input (its receive), its embedding
+        stage.forward_start(fmb, fc)
+    with b:  # the backward's output gradient (its receive), its head's backward
+        stage.backward_start(bmb, bc)
+    for r in stage.ranks:  # both receives are waited for on the compute stream before the layers
+        f.last[r] = b.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+    forward, backward = stage.chunk_list[fc], stage.chunk_list[bc][::-1]
+    paired = min(len(forward), len(backward))
+    for kf, kb in zip(forward[:paired], backward[:paired]):
+        _layer_pair(stage, f, kf, b, kb, needed, fmb, bmb)
+        with b:
+            stage.backward_layer_done(bmb, kb, micro_batches, syncs)
+    with b:  # chunks of unequal sizes: the backward's layers left, then the forward's
+        for kb in backward[paired:]:
+            stage.backward_layer(bmb, kb, micro_batches, syncs)
+    with f:
+        for kf in forward[paired:]:
+            stage.forward_layer(fmb, kf, needed)
+    # the sends first (post_forward, post_backward), then the head's forward and the embedding's
+    # gradient: each end is a send or a compute (`_Stage.forward_end` / `backward_end`), never both
+    f_sends, b_sends = not stage.virtual(fc)[1], stage.virtual(bc)[0] > 0
+    for sends in (True, False):
+        if f_sends == sends:
+            with f:
+                stage.forward_end(fmb, fc)
+        if b_sends == sends:
+            with b:
+                stage.backward_end(bmb, bc)
+    for r in stage.ranks:  # the next step starts once both passes are issued and done
+        stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+
+
 def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy.Event]],
                  syncs: list[simpy.Event]) -> None:
-    """Phase A of a PP 1 stage under the combined 1F1B schedule (the module docstring): forward 0
-    alone, then forward i beside backward i - 1, then the last backward alone."""
-    if stage.vp != 1 or len(stage.all_ranks) != 1:
-        raise SpecError(f"{OPTION} is simulated at --pp 1 only")
-    layers = stage.chunk_list[0]
-    stage.forward_pass(0, 0, needed)
-    for i in range(1, micro_batches):
-        f, b = _Pass(stage), _Pass(stage)
-        with f:
-            stage.forward_start(i, 0)
-        with b:
-            stage.backward_start(i - 1, 0)
-        for kf, kb in zip(layers, reversed(layers)):
-            _layer_pair(stage, f, kf, b, kb, needed, i, i - 1)
-            with b:
-                stage.backward_layer_done(i - 1, kb, micro_batches, syncs)
-        with f:
-            stage.forward_end(i, 0)
-        with b:
-            stage.backward_end(i - 1, 0)
-        for r in stage.ranks:  # the next phase starts once both passes are issued and done
-            stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
-    stage.backward_pass(micro_batches - 1, 0, micro_batches, syncs)
+    """Phase A of a stage under the combined 1F1B schedule (`canzona.pipeline.combined_order`):
+    a forward or a backward alone as the plain schedule runs it, or a step of the two together."""
+    pp = len(stage.all_ranks)
+    for fwd, bwd in combined_order(stage.stage, pp, micro_batches, stage.vp):
+        if bwd is None:
+            stage.forward_pass(fwd[1], fwd[2], needed)
+        elif fwd is None:
+            stage.backward_pass(bwd[1], bwd[2], micro_batches, syncs)
+        else:
+            _step(stage, fwd, bwd, needed, micro_batches, syncs)

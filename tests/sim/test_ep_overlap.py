@@ -118,15 +118,161 @@ def test_megatron_requirements_are_errors(changes, needle):
         cfg.check(model)
 
 
-def test_interleaved_pipeline_and_dense_models_are_refused():
-    big = replace(SMALL, layers=8)
-    cfg = SimConfig(model="unused", gpus=16, tp=1, pp=2, vp=2, ep=8, optimizer="adamw",
-                    workload=Workload(seq_len=512, global_batch=32),
-                    options=RunOptions(overlap_moe_expert_parallel_comm=True))
-    with pytest.raises(SpecError, match="simulated at --pp 1 only"):
-        cfg.check((build_decoder(big), big.architecture()))
+def test_option_must_be_a_bool():
     with pytest.raises(SpecError, match="overlap_moe_expert_parallel_comm must be True or False"):
         RunOptions(overlap_moe_expert_parallel_comm="yes").check()  # type: ignore[arg-type]
+
+
+# --- the interleaved combined 1F1B (PP > 1 with a virtual pipeline) ---------------------------
+
+PP, VP, M = 2, 2, 4  # 8 layers in 4 chunks of 2; 32 sequences over DP 8: 4 micro-batches per DP rank
+
+
+def _run_interleaved(overlap: bool, **changes):
+    big = replace(SMALL, layers=8)
+    cfg = SimConfig(**{**dict(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw",
+                              policy="zero1", zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32),
+                              gpu_variability=0.0, options=RunOptions(overlap_moe_expert_parallel_comm=overlap)),
+                       **changes})
+    model = (build_decoder(big), big.architecture())
+    cfg.check(model)
+    return simulate(cfg, model=model)
+
+
+def _measure(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals` as disjoint sorted ones."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _exposed(spans, rank: int) -> float:
+    """Seconds the rank's EP stream is busy while its compute stream is idle."""
+    comm = _measure([(s.start, s.end) for s in spans if s.rank == rank and s.stream == "ep-comm" and s.phase == "A"])
+    compute = _measure([(s.start, s.end) for s in spans if s.rank == rank and s.stream == "compute" and s.phase == "A"])
+    covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    return sum(b - a for a, b in comm) - covered
+
+
+def test_interleaved_combined_schedule_exposes_only_the_warm_up_and_cool_down_all_to_alls(monkeypatch):
+    """Closed form of the interleaved combined schedule (compute-bound all-to-alls, no SMs taken):
+    on each stage every step pairing a forward chunk with a backward one hides its all-to-alls,
+    and only the chunks run alone expose theirs, 2 a layer each: Megatron's warm-up forwards
+    ((pp - s - 1) x 2 + (vp - 1) x pp, one more under the overlap) and as many cool-down backwards.
+    Without the overlap every chunk exposes them. The compute is the same either way."""
+    _no_comm_sms(monkeypatch)
+    serial, overlapped = _run_interleaved(False), _run_interleaved(True)
+    ep = [s.end - s.start for s in serial.spans if s.stream == "ep-comm" and s.phase == "A"]
+    c = ep[0]
+    assert ep == pytest.approx([c] * len(ep), rel=1e-12)
+    compute = [s.end - s.start for s in serial.spans if s.stream == "compute" and s.phase == "A"
+               and (".0" in s.name or s.name.endswith("experts"))]
+    assert c < min(compute)  # the compute-bound case
+    per_chunk = 8 // (PP * VP)
+    for stage in range(PP):
+        rank = stage * GPUS  # the stage's first rank, which stands for the stage
+        warm = min((PP - stage - 1) * 2 + (VP - 1) * PP + 1, M * VP)
+        assert _exposed(overlapped.spans, rank) == pytest.approx(2 * warm * per_chunk * 2 * c, rel=1e-9)
+        assert _exposed(serial.spans, rank) == pytest.approx(M * VP * per_chunk * 2 * 2 * c, rel=1e-9)
+        busy = [sum(s.end - s.start for s in r.spans if s.rank == rank and s.stream == "compute" and s.phase == "A")
+                for r in (serial, overlapped)]
+        assert busy[1] == pytest.approx(busy[0], rel=1e-12)
+    assert overlapped.iteration_time_s < serial.iteration_time_s
+
+
+def test_interleaved_combined_step_pairs_the_forward_chunk_with_the_backward_chunk():
+    """A steady-state step of stage 1 (forward micro-batch 1 on chunk 1, the first forward after
+    its 3 warm-up ones, beside the backward of micro-batch 0 on chunk 1): forward layer i beside
+    backward layer n - 1 - i of the backward's chunk, in Megatron's order on the compute stream."""
+    r = _run_interleaved(True)
+    rank = GPUS  # stage 1's first rank
+    # stage 1's chunks: 1 (layers 2, 3) and 3 (layers 6, 7); its steps: F(0,0) F(1,0) F(0,1) alone,
+    # then F(1,1) beside B(0,1)
+    names = [s.name for s in sorted((s for s in r.spans if s.rank == rank and s.stream == "compute"
+                                     and s.phase == "A"), key=lambda s: s.start)]
+    first = names.index("mb1 fwd layer 6.0")
+    assert names[first - 1] == "mb0 bwd head"  # the backward's head runs before the layers
+    assert names[first:first + 8] == [
+        "mb1 fwd layer 6.0", "mb0 bwd layer 7.experts", "mb1 fwd layer 6.experts", "mb0 bwd layer 7.0",
+        "mb1 fwd layer 7.0", "mb0 bwd layer 6.experts", "mb1 fwd layer 7.experts", "mb0 bwd layer 6.0"]
+    assert names[first + 8] == "mb1 fwd head"  # after the backward's send: the head's forward
+
+
+def test_interleaved_combined_schedule_with_unequal_chunks_runs_every_layer_once():
+    """An uneven split (the embedding and the loss counted as layers: the first and the last
+    chunk a layer short) pairs min(n_f, n_b) layers, then the backward's rest, then the forward's:
+    every micro-batch runs every layer's forward and backward exactly once."""
+    from canzona.pipeline import PipelineSplit
+
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    big = replace(SMALL, layers=6)  # 6 + 2 = 8 slots in 4 chunks of 2
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32), gpu_variability=0.0,
+                    pipeline_split=split, options=RunOptions(overlap_moe_expert_parallel_comm=True))
+    r = simulate(cfg, model=(build_decoder(big), big.architecture()))
+    for kind in ("fwd", "bwd"):
+        seen = sorted(s.name for s in r.spans if s.stream == "compute" and s.name.endswith(".experts")
+                      and f" {kind} " in s.name)
+        assert seen == sorted(f"mb{mb} {kind} layer {k}.experts" for mb in range(M) for k in range(6))
+
+
+def test_combined_order_is_the_interleaved_order_with_one_more_warm_up_forward():
+    """`combined_order` against Megatron's rules, for small pipelines: every micro-batch-chunk's
+    forward and backward once, in the interleaved schedule's order; warm-up forwards one more than
+    the interleaved schedule's (capped), steady forward k + warm-up beside backward k, the rest
+    cool-down backwards; at PP 1 micro-batch 0's forward alone, forward i beside backward i - 1,
+    the last backward alone; and the steps of all stages run to the end (no stage waits forever
+    for a neighbour's chunk)."""
+    from canzona.pipeline import combined_order, interleaved_one_f_one_b, interleaved_warmup
+
+    assert combined_order(0, 1, 3) == [(("F", 0, 0), None), (("F", 1, 0), ("B", 0, 0)),
+                                       (("F", 2, 0), ("B", 1, 0)), (None, ("B", 2, 0))]
+    with pytest.raises(SpecError, match="needs a virtual pipeline"):
+        combined_order(0, 2, 4, 1)
+    for pp, vp, m in [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 3, 8), (3, 2, 3), (8, 4, 16)]:
+        steps = {s: combined_order(s, pp, m, vp) for s in range(pp)}
+        for s, order in steps.items():
+            plain = interleaved_one_f_one_b(s, pp, m, vp)
+            assert [f for f, _ in order if f] == [x for x in plain if x[0] == "F"]
+            assert [b for _, b in order if b] == [x for x in plain if x[0] == "B"]
+            warm = min(interleaved_warmup(s, pp, vp, m) + 1, m * vp)
+            assert all(b is None for _, b in order[:warm]) and all(f is None for f, _ in order[m * vp:])
+            assert all(f and b for f, b in order[warm:m * vp])
+        _runs_to_the_end(steps, pp, vp)
+
+
+def _runs_to_the_end(steps, pp: int, vp: int) -> None:
+    """Play every stage's steps: a step runs once its forward's input (the previous virtual
+    stage's forward of that micro-batch) and its backward's output gradient (the next virtual
+    stage's backward) are done; fail if the stages stop before all steps ran."""
+    done: set[tuple[str, int, int]] = set()  # (kind, micro-batch, virtual stage)
+    at = {s: 0 for s in range(pp)}
+    last = pp * vp - 1
+    progress = True
+    while progress:
+        progress = False
+        for s in range(pp):
+            if at[s] == len(steps[s]):
+                continue
+            f, b = steps[s][at[s]]
+            ready = True
+            if f is not None:
+                v = f[2] * pp + s
+                ready &= v == 0 or ("F", f[1], v - 1) in done
+            if b is not None:
+                v = b[2] * pp + s
+                ready &= ("F", b[1], v) in done and (v == last or ("B", b[1], v + 1) in done)
+            if ready:
+                for x in (f, b):
+                    if x is not None:
+                        done.add((x[0], x[1], x[2] * pp + s))
+                at[s] += 1
+                progress = True
+    assert all(at[s] == len(steps[s]) for s in range(pp)), at
 
 
 def test_cli_errors_and_option():
@@ -158,7 +304,7 @@ def test_search_floor_stays_below_the_overlapped_simulation():
     on = config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"})
     assert on.options.overlap_moe_expert_parallel_comm
     off = config_of(q, {"tp": 2, "pp": 2, "vp": 1, "ep": 4, "micro_batch": 2, "recompute": "none"})
-    assert not off.options.overlap_moe_expert_parallel_comm  # PP 2: not where the simulator runs it
+    assert not off.options.overlap_moe_expert_parallel_comm  # PP 2 without a virtual pipeline: Megatron refuses
     assert not config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1,
                              "recompute": "full"}).options.overlap_moe_expert_parallel_comm
     r = simulate(on)
