@@ -405,7 +405,8 @@ TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communi
 EpOverlap = Annotated[bool, typer.Option(
     help="Megatron's --overlap-moe-expert-parallel-comm under --ep: the combined 1F1B schedule, one micro-batch's "
          "forward beside another's backward layer by layer, each one's dispatch / combine all-to-alls under the "
-         "other's compute (needs --pp 1 here; no full or selective-op recompute; off: Megatron's default).")]
+         "other's compute (--pp > 1 needs --vp > 1: the interleaved combined schedule; no full or selective-op "
+         "recompute; off: Megatron's default).")]
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
@@ -680,7 +681,7 @@ def search(
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
-        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 here, no full or "
+        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,

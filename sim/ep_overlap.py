@@ -3,12 +3,20 @@
 Megatron-Core's "EP A2A overlap" (`--overlap-moe-expert-parallel-comm`, Megatron-Bridge's
 `CommOverlapConfig.overlap_moe_expert_parallel_comm`, formerly `moe_a2a_overlap`; off by default)
 replaces the 1F1B schedule with the *combined* 1F1B schedule
-(megatron/core/pipeline_parallel/combined_1f1b.py, `combined_1f1b_schedule_for_no_pipelining`):
-with PP 1, micro-batch 0's forward runs alone, then each phase runs micro-batch i's forward beside
-micro-batch i - 1's backward, and the last backward runs alone. Inside a phase
+(megatron/core/pipeline_parallel/combined_1f1b.py; its steps: `canzona.pipeline.combined_order`).
+With PP 1 (`combined_1f1b_schedule_for_no_pipelining`) micro-batch 0's forward runs alone, then
+each step runs micro-batch i's forward beside micro-batch i - 1's backward, and the last backward
+runs alone. With PP > 1 it runs inside the interleaved schedule (schedules.py
+`forward_backward_pipelining_with_interleaving`, whose `forward_backward_helper_wrapper` calls
+`combined_1f1b_schedule_for_interleaved_pipelining`): the warm-up forwards one more than the
+interleaved schedule's, each alone, then each steady step a forward micro-batch-chunk beside a
+backward one, then the cool-down backwards alone. Inside a step
 (megatron/core/models/common/model_chunk_schedule_plan.py, `TransformerModelChunkSchedulePlan.run`)
-the forward's embedding runs, then the backward's head (loss gradient), then forward layer k is
-paired with backward layer L - 1 - k, then the forward's head and the backward's embedding gradient.
+the forward's receive and embedding run, then the backward's receive and head (loss gradient), then
+forward layer i of its chunk is paired with backward layer n - 1 - i of the backward's chunk (for
+min(n_f, n_b) layers; the backward's remaining layers, then the forward's, run alone), then the
+sends (the forward's activations, the backward's gradient), then the forward's head and the
+backward's embedding gradient; the next step starts once both passes are done.
 Each layer is split into nodes (`TransformerLayerSchedulePlan`): `attn` (attention, the MLP's norm,
 the router and the dispatch preprocessing) and `mlp` (the experts) on the compute stream,
 `moe_dispatch` and `moe_combine` (the all-to-alls) on a second, communication stream. A pair runs
@@ -39,8 +47,8 @@ its last block is `mlp`.
 
 What Megatron requires (TransformerConfig.__post_init__, megatron/core/transformer/
 transformer_config.py; `check_ep_overlap` raises each as an `error:` line): expert parallelism
-(EP > 1); PP 1, or PP > 1 with a virtual pipeline (the interleaved combined schedule, which this
-simulator does not model: it refuses PP > 1); no full activation recompute (granularity, method and
+(EP > 1); PP 1, or PP > 1 with a virtual pipeline (`virtual_pipeline_model_parallel_size` set:
+the interleaved combined schedule above); no full activation recompute (granularity, method and
 layer count unset) and no recompute of the MoE module (the simulator's `selective-op` recomputes
 the experts); a bf16 / fp16 model (every simulated run is; FP8 runs are bf16 models with FP8 GEMMs);
 the alltoall or flex token dispatcher (each priced as `sim.ep_dispatch` prices it); no shared-expert
@@ -49,10 +57,16 @@ The two streams must really run concurrently: CUDA_DEVICE_MAX_CONNECTIONS > 1 (M
 asks for 1 under TP / CP to order its kernels; NVIDIA's recipe sets 32) — an environment setting,
 **assumed** here (the simulator's streams are independent).
 
-Memory: the simulator keeps its one-micro-batch activation model (`canzona.memory`): at pair k the
-forward holds k + 1 layers of its micro-batch and the backward L - 1 - k of the other's, one
-micro-batch's layers in all (an **assumption**: Megatron's node boundaries detach and hold a few
-more transient tensors).
+Memory: the simulator keeps its activation model (`canzona.memory`). PP 1: at pair k the forward
+holds k + 1 layers of its micro-batch and the backward L - k of the other's (its layer L - 1 - k
+freed at the pair's end), one micro-batch's layers and one in all. PP > 1: the one more warm-up
+forward holds one chunk more before the first step, and each step then frees the backward chunk's
+layers as it fills the forward chunk's: the plain interleaved schedule's peak (its warm-up plus one
+chunk, `canzona.pipeline.peak_in_flight`) and the one layer a pair's forward makes before the
+backward's layer is freed (an **assumption** either way, that layer not counted: Megatron's node
+boundaries also detach and hold a few more transient tensors). Not modelled: Megatron runs the
+first layer's attention weight gradient after the sends (here inside the layer's backward, so the
+backward's send leaves after it).
 
 canzona's runtime does not run this schedule: its `DistributedOptimizer` does not own the model's
 forward / backward, and the token dispatch is the model's (reference/tiny_moe_ep.py dispatches

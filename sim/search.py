@@ -79,7 +79,7 @@ class Question:
     # Megatron's token dispatcher (RunOptions.ep_dispatcher): every EP layout is searched with it
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
     # Megatron's overlap_moe_expert_parallel_comm (sim.ep_overlap): not a searched axis; when set,
-    # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1, no full or selective-op
+    # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1 or VP > 1, no full or selective-op
     # recompute) is simulated with it, the others without
     overlap_moe_expert_parallel_comm: bool = False
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of

@@ -283,6 +283,8 @@ def test_cli_errors_and_option():
     error_line(invoke("simulate", *base, "--ep", "16", "--recompute", "full", "--overlap-moe-expert-parallel-comm"),
                "--recompute full")
     error_line(invoke("simulate", *base, "--ep", "8", "--fsdp", "--overlap-moe-expert-parallel-comm"))
+    error_line(invoke("simulate", *base, "--ep", "8", "--pp", "2", "--overlap-moe-expert-parallel-comm"),
+               "needs a virtual pipeline (--vp > 1)")
     import json
 
     ok = invoke("simulate", *base, "--ep", "16", "--global-batch", "32", "--overlap-moe-expert-parallel-comm", "--json")
