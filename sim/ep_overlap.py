@@ -30,10 +30,14 @@ attention, the backward's combine under the forward's attention and its dispatch
 experts. Each stream runs its work in the order it was enqueued, and each node waits for the one
 before it in its own pass (one CUDA event per micro-batch's schedule plan,
 megatron/core/pipeline_parallel/utils.py `stream_acquire_context`): the two passes only meet on the
-two streams. Here `delay_wgrad_compute` is off (as the Qwen3-30B-A3B H100 performance recipe runs
-it): the experts' weight gradients are computed inside `mlp_bwd`, before the backward's dispatch
-(with it on, `mlp_bwd_dw` would run after that dispatch was issued, under it; not modelled, and not
-an option here).
+two streams. `delay_wgrad_compute` (Megatron's option, `RunOptions.delay_wgrad_compute`, off by
+default; Megatron-Bridge's performance scripts turn it on with the overlap, `_set_moe_a2a_overlap_
+overrides`): off, the experts' weight gradients are computed inside `mlp_bwd`, before the backward's
+dispatch; on, `mlp_bwd` computes the data gradients, the dispatch gradient waits for them only, and
+`mlp_bwd_dw` (the experts' weight-gradient GEMMs, `Block.wgrad_s`) runs on the compute stream under
+it; a backward layer run alone keeps that order (`_backward_alone`). Megatron also delays the
+attention's weight gradients to the end of the pair (the same compute stream, so only the first
+layer's, after the sends, would move: not modelled).
 
 The simulator runs the same nodes with its own blocks (`sim.model_work`): a layer's blocks before
 its expert block are `attn` (with their TP collectives where TP > 1), the expert block's grouped
@@ -178,44 +182,76 @@ def _blocks(stage: _Stage, prefix: str, blocks: Sequence[Block], gathers: int) -
         stage.block(f"{prefix} {b.name}", b, gathers)
 
 
-def _layer_pair(stage: _Stage, f: _Pass, kf: int, b: _Pass, kb: int, needed: dict[int, list[simpy.Event]],
-                fmb: int, bmb: int) -> None:
+def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: int,
+                needed: dict[int, list[simpy.Event]], fmb: int | None, bmb: int) -> None:
     """Forward layer `kf` of pass `f` beside backward layer `kb` of pass `b`, issued in
-    Megatron's order (the module docstring)."""
+    Megatron's order (the module docstring); `f` None: the backward layer alone (under
+    delay_wgrad_compute, whose order differs from `_Stage.backward_layer`'s)."""
     work = stage.ctx.work
-    f_attn, f_exp, f_after = _split(work.forward[kf])
     b_before, b_exp, b_attn = _split(work.backward[kb])  # backward order: the expert block, then attention
-    f_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its last block (first in backward)
-    b_mlp: tuple[Block, ...] = ()
-    if f_exp is None:
-        f_attn, f_mlp, f_after = f_after[:-1], f_after[-1:], ()
+    b_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its first block in backward
     if b_exp is None:
         b_mlp, b_attn = b_attn[:1], b_attn[1:]
+    f_attn: tuple[Block, ...] = ()
+    f_exp: Block | None = None
+    f_rest: tuple[Block, ...] = ()  # after the experts: a dense layer's `mlp` node, its last block
+    if f is not None and kf is not None:
+        f_attn, f_exp, f_rest = _split(work.forward[kf])
+        if f_exp is None:
+            f_attn, f_rest = f_rest[:-1], f_rest[-1:]
     fp, bp = f"mb{fmb} fwd", f"mb{bmb} bwd"
+    # delay_wgrad_compute: the experts' weight gradients after the dispatch gradient is issued
+    delayed = b_exp.wgrad_s if b_exp is not None and stage.ctx.options.delay_wgrad_compute else 0.0
     with b as st:  # combine_bwd: the output gradient into the experts
         _blocks(st, bp, b_before, 2)
         if b_exp is not None:
             _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=True)
-    with f as st:  # attn_fwd
-        st.forward_layer_gathers(fmb, kf, needed)
-        _blocks(st, fp, f_attn, 1)
-    with b as st:  # mlp_bwd (data and weight gradients: delay_wgrad_compute off)
+    if f is not None:
+        with f as st:  # attn_fwd
+            st.forward_layer_gathers(fmb, kf, needed)
+            _blocks(st, fp, f_attn, 1)
+    with b as st:  # mlp_bwd (with the weight gradients unless delayed)
         if b_exp is not None:
-            st.compute(f"{bp} {b_exp.name}", b_exp.seconds)
+            st.compute(f"{bp} {b_exp.name}", b_exp.seconds - delayed)
         _blocks(st, bp, b_mlp, 2)
-    with f as st:  # dispatch_fwd
-        if f_exp is not None:
-            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
-    with b as st:  # dispatch_bwd: the input gradients back to their tokens' ranks
-        if b_exp is not None:
+    if f is not None:
+        with f as st:  # dispatch_fwd
+            if f_exp is not None:
+                _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
+    with b as st:  # mlp_bwd_dw (delayed), then dispatch_bwd: the input gradients back to their tokens' ranks
+        if b_exp is not None and delayed:  # the dispatch gradient waits for the data gradients only
+            data = dict(st.last)
+            st.compute(f"{bp} {b_exp.name} wgrad", delayed)
+            weights = dict(st.last)
+            st.last.update(data)
             _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=False)
-    with f as st:  # mlp_fwd, then combine_fwd
-        if f_exp is not None:
-            st.compute(f"{fp} {f_exp.name}", f_exp.seconds)
-            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=False)
-        _blocks(st, fp, f_mlp + f_after, 1)
+            for r in st.ranks:
+                st.last[r] = st.eng.env.all_of([st.last[r], weights[r]])
+        elif b_exp is not None:
+            _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=False)
+    if f is not None:
+        with f as st:  # mlp_fwd, then combine_fwd
+            if f_exp is not None:
+                st.compute(f"{fp} {f_exp.name}", f_exp.seconds)
+                _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=False)
+            _blocks(st, fp, f_rest, 1)
     with b as st:  # attn_bwd
         _blocks(st, bp, b_attn, 2)
+
+
+def _backward_alone(stage: _Stage, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+    """A backward chunk run alone under delay_wgrad_compute: each layer as `_layer_pair` orders
+    it without a forward (Megatron's `TransformerLayerSchedulePlan.run` with no forward layer)."""
+    b = _Pass(stage)
+    with b:
+        stage.backward_start(mb, c)
+    for kb in reversed(stage.chunk_list[c]):
+        _layer_pair(stage, None, None, b, kb, {}, None, mb)
+        with b:
+            stage.backward_layer_done(mb, kb, micro_batches, syncs)
+    with b:
+        stage.backward_end(mb, c)
+    stage.last.update(b.last)
 
 
 def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Event]], micro_batches: int,
@@ -264,6 +300,8 @@ def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy
     for fwd, bwd in combined_order(stage.stage, pp, micro_batches, stage.vp):
         if bwd is None:
             stage.forward_pass(fwd[1], fwd[2], needed)
+        elif fwd is None and stage.ctx.options.delay_wgrad_compute:
+            _backward_alone(stage, bwd[1], bwd[2], micro_batches, syncs)
         elif fwd is None:
             stage.backward_pass(bwd[1], bwd[2], micro_batches, syncs)
         else:

@@ -331,9 +331,39 @@ def test_the_tuned_published_row_ran_the_overlap():
         perf.tokens_per_s_per_gpu, rel=1e-4)
     source = sources[perf.source]
     assert source["url"].endswith("#qwen3-30b-a3b-pretrain-performance-h100") and "layout_not_tuned" not in source
-    assert [r.id for r in runs if r.overlap_moe_expert_parallel_comm] == [perf.id]
+    assert [r.id for r in runs if r.overlap_moe_expert_parallel_comm] == [perf.id, *QWEN3_235B]
+    assert not perf.delay_wgrad_compute and perf.tp_comm_overlap is None
     assert perf.sim_config().options.overlap_moe_expert_parallel_comm
     assert not functional.sim_config().options.overlap_moe_expert_parallel_comm
+
+
+QWEN3_235B = ["qwen3-235b-a22b-256xh100-mb25.11-fp8", "qwen3-235b-a22b-256xh100-mb26.02-fp8"]
+
+
+def test_the_qwen3_235b_rows_run_the_interleaved_overlap_as_their_recipe():
+    """Megatron-Bridge's Qwen3-235B-A22B H100 rows (the 25.11 summary and the 26.02 archive): the
+    layout of their tables, and the recipe's settings the simulator runs: the EP all-to-all overlap
+    under the interleaved pipeline with delayed expert weight gradients, TP overlap off, the
+    embedding and the loss counted as layers, the alltoall dispatcher, bf16 gradient reductions."""
+    from canzona.pipeline import PipelineSplit
+
+    runs, sources = load()
+    rows = select(runs, "qwen3-235b-a22b")
+    assert [r.id for r in rows] == QWEN3_235B
+    assert [(r.source, r.global_batch, r.tokens_per_s_per_gpu) for r in rows] == [("mb-25.11", 2048, 1575),
+                                                                                 ("mb-26.02", 8192, 1633)]
+    for r in rows:
+        assert (r.gpus, r.tp, r.pp, r.vp, r.cp, r.ep, r.dp, r.micro_batch, r.seq_len) == (256, 2, 8, 4, 1, 32, 16, 1, 4096)
+        assert (r.precision, r.fp8_recipe, r.recompute, r.grad_reduce_in_fp32) == ("fp8", "current", "none", False)
+        assert r.pipeline_split == PipelineSplit(account_for_embedding_in_pipeline_split=True,
+                                                 account_for_loss_in_pipeline_split=True)
+        options = r.sim_config().options
+        assert options.overlap_moe_expert_parallel_comm and options.delay_wgrad_compute
+        assert not options.tp_comm_overlap and options.ep_dispatcher.moe_token_dispatcher_type == "alltoall"
+        for words in ("tp_comm_overlap=False", "delay_wgrad_compute = True", "moe_a2a_overlap True",
+                      "account_for_embedding_in_pipeline_split True", "global_batch_size 2048"):
+            assert words in r.recipe_source
+        assert sources[r.source]["url"].startswith("https://docs.nvidia.com/nemo/megatron-bridge/")
 
 
 def test_row_setting_is_checked():
@@ -345,3 +375,62 @@ def test_row_setting_is_checked():
         parse_run({**row, "overlap_moe_expert_parallel_comm": "yes"}, raw["sources"], "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         parse_run({**row, "recipe_source": ""}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be true or false"):
+        parse_run({**row, "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": True}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be true or false"):
+        parse_run({**row, "delay_wgrad_compute": "yes"}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="tp_comm_overlap must be true, false or null"):
+        parse_run({**row, "tp_comm_overlap": 0}, raw["sources"], "row")
+
+
+# --- delay_wgrad_compute ------------------------------------------------------------------------
+
+
+def test_delayed_weight_gradients_run_under_the_dispatch_gradient(monkeypatch):
+    """Megatron's delay_wgrad_compute in a layer pair (compute-bound, no SMs taken): the backward's
+    experts compute their data gradients, the dispatch gradient leaves the moment they end, and
+    the experts' weight-gradient GEMMs (`Block.wgrad_s`) run on the compute stream under it, before
+    the forward's experts. The compute is the same work split in two; the combined steps hide
+    every all-to-all either way, and the last backward, run alone, now hides each layer's dispatch
+    gradient under its weight gradients: the iteration is L x one all-to-all shorter."""
+    _no_comm_sms(monkeypatch)
+    plain = _run(True)
+    delayed = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    spans = sorted((s for s in delayed.spans if s.rank == 0 and s.phase == "A"
+                    and (s.name.startswith("mb2 fwd layer 1") or s.name.startswith("mb1 bwd layer 2"))),
+                   key=lambda s: s.start)
+    compute = [s for s in spans if s.stream == "compute"]
+    assert [s.name for s in compute] == ["mb2 fwd layer 1.0", "mb1 bwd layer 2.experts", "mb1 bwd layer 2.experts wgrad",
+                                         "mb2 fwd layer 1.experts", "mb1 bwd layer 2.0"]
+    data, weights = compute[1], compute[2]
+    gradient = next(s for s in spans if s.name == "mb1 bwd layer 2.experts combine")  # the dispatch gradient
+    assert gradient.start == pytest.approx(data.end, abs=1e-12) and gradient.end < weights.end
+    whole = next(s for s in plain.spans if s.rank == 0 and s.name == "mb1 bwd layer 2.experts")
+    assert 0 < weights.end - weights.start < whole.end - whole.start
+    assert (data.end - data.start) + (weights.end - weights.start) == pytest.approx(whole.end - whole.start, rel=1e-12)
+    c = gradient.end - gradient.start
+    assert c == pytest.approx(_all_to_all_s(), rel=1e-12) and c < weights.end - weights.start
+    assert plain.iteration_time_s - delayed.iteration_time_s == pytest.approx(LAYERS * c, rel=1e-9)
+
+
+def test_delayed_weight_gradients_alone_and_interleaved(monkeypatch):
+    """A backward chunk run alone (the cool-down) keeps Megatron's order under delay_wgrad_compute
+    too: its dispatch gradient leaves when the data gradients end; every micro-batch's experts'
+    weight gradients run once."""
+    _no_comm_sms(monkeypatch)
+    r = _run_interleaved(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    wgrad = sorted(s.name for s in r.spans if s.name.endswith("experts wgrad"))
+    assert wgrad == sorted(f"mb{mb} bwd layer {k}.experts wgrad" for mb in range(M) for k in range(8))
+    last = [s for s in r.spans if s.rank == 0 and s.name.startswith(f"mb{M - 1} bwd layer 0.experts")]
+    data = next(s for s in last if s.stream == "compute" and s.name.endswith("experts"))
+    gradient = next(s for s in last if s.name.endswith("combine"))
+    assert gradient.start == pytest.approx(data.end, abs=1e-12)
+
+
+def test_delay_wgrad_compute_needs_the_overlap():
+    with pytest.raises(SpecError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
+        RunOptions(delay_wgrad_compute=True).check()
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be True or False"):
+        RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=1).check()  # type: ignore[arg-type]
+    base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw", "--ep", "16")
+    error_line(invoke("simulate", *base, "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
