@@ -434,3 +434,5 @@ def test_delay_wgrad_compute_needs_the_overlap():
         RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=1).check()  # type: ignore[arg-type]
     base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw", "--ep", "16")
     error_line(invoke("simulate", *base, "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
+    error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--optimizer", "adamw",
+                      "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
