@@ -220,6 +220,21 @@ def test_interleaved_combined_schedule_with_unequal_chunks_runs_every_layer_once
         assert seen == sorted(f"mb{mb} {kind} layer {k}.experts" for mb in range(M) for k in range(6))
 
 
+def test_search_floor_stays_below_the_interleaved_overlapped_simulation():
+    """The search's time floor (a stage's larger of its compute and its expert collectives, times
+    the micro-batches) stays below the interleaved combined schedule's simulated iteration."""
+    from canzona.cost import DeviceRate
+    from sim.search import time_floor
+
+    big = replace(SMALL, layers=8)
+    model = (build_decoder(big), big.architecture())
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32),
+                    options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    hw = load_profile(cfg.hardware)
+    assert 0 < time_floor(cfg, model, DeviceRate.from_profile(hw), hw) <= simulate(cfg, model=model).iteration_time_s
+
+
 def test_combined_order_is_the_interleaved_order_with_one_more_warm_up_forward():
     """`combined_order` against Megatron's rules, for small pipelines: every micro-batch-chunk's
     forward and backward once, in the interleaved schedule's order; warm-up forwards one more than
