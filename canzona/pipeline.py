@@ -283,18 +283,47 @@ def interleaved_one_f_one_b(stage: int, pp: int, micro_batches: int, vp: int) ->
     backward in turn, then the remaining backwards. `micro_batches` must be divisible by `pp`."""
     check_vp(vp, pp, micro_batches=micro_batches)
     total = micro_batches * vp
-
-    def slot(kind: str, k: int) -> Slot:
-        group, within = divmod(k, pp * vp)
-        chunk = within // pp
-        return kind, group * pp + within % pp, chunk if kind == "F" else vp - 1 - chunk
-
     warm = interleaved_warmup(stage, pp, vp, micro_batches)
-    order = [slot("F", k) for k in range(warm)]
+    order = [_slot("F", k, pp, vp) for k in range(warm)]
     for k in range(total - warm):
-        order += [slot("F", warm + k), slot("B", k)]
-    order += [slot("B", k) for k in range(total - warm, total)]
+        order += [_slot("F", warm + k, pp, vp), _slot("B", k, pp, vp)]
+    order += [_slot("B", k, pp, vp) for k in range(total - warm, total)]
     return order
+
+
+def _slot(kind: str, k: int, pp: int, vp: int) -> Slot:
+    """The k-th forward (backward) of the interleaved schedule: micro-batch `(k // (pp * vp)) * pp
+    + k % pp` on chunk `(k // pp) % vp` (backward: counted from the last chunk). At pp = vp = 1
+    the k-th micro-batch on chunk 0."""
+    group, within = divmod(k, pp * vp)
+    chunk = within // pp
+    return kind, group * pp + within % pp, chunk if kind == "F" else vp - 1 - chunk
+
+
+Step = tuple[Slot | None, Slot | None]  # (forward, backward) run together; None: that pass idle
+
+
+def combined_order(stage: int, pp: int, micro_batches: int, vp: int = 1) -> list[Step]:
+    """The steps of Megatron's combined 1F1B schedule (`overlap_moe_expert_parallel_comm`,
+    sim.ep_overlap) on rank `stage`: one forward micro-batch-chunk beside one backward one
+    (megatron/core/pipeline_parallel/combined_1f1b.py). PP 1 (`combined_1f1b_schedule_for_no_
+    pipelining`): forward 0 alone, then forward i beside backward i - 1, then the last backward
+    alone. PP > 1 needs the interleaved schedule (vp > 1; schedules.py `forward_backward_pipelining_
+    with_interleaving`): its order (`interleaved_one_f_one_b`) with one warm-up forward more
+    (`get_pp_rank_microbatches`: "one extra micro-batch forward step before the 1f1b stages ... to
+    ensure the forward and backward computations are independent"), capped by all of them; each
+    steady-state forward k + warm-up runs beside backward k. Both cases are that rule: at pp = vp = 1
+    the interleaved warm-up is 0, and one more is forward 0 alone."""
+    if pp > 1 and vp == 1:
+        raise SpecError(f"the combined 1F1B schedule at pp {pp} needs a virtual pipeline (vp > 1): Megatron "
+                        "runs it only inside the interleaved schedule")
+    check_vp(vp, pp, micro_batches=micro_batches)
+    total = micro_batches * vp
+    warm = min(interleaved_warmup(stage, pp, vp, micro_batches) + 1, total)
+    steps: list[Step] = [(_slot("F", k, pp, vp), None) for k in range(warm)]
+    steps += [(_slot("F", warm + k, pp, vp), _slot("B", k, pp, vp)) for k in range(total - warm)]
+    steps += [(None, _slot("B", k, pp, vp)) for k in range(total - warm, total)]
+    return steps
 
 
 def pipeline_order(stage: int, pp: int, micro_batches: int, vp: int = 1) -> list[Slot]:

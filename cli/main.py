@@ -353,7 +353,7 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  dispatcher: tuple[str, str | None, int] | None = None,
-                 overlap_moe_expert_parallel_comm: bool = False):
+                 overlap_moe_expert_parallel_comm: bool = False, delay_wgrad_compute: bool = False):
     """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
     `_ep_dispatcher`'s (None: the default)."""
     from sim.options import RunOptions
@@ -363,7 +363,8 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
                       ep_dispatcher=_ep_dispatcher(dispatcher),
-                      overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                      overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                      delay_wgrad_compute=delay_wgrad_compute)
 
 
 def _ep_dispatcher(dispatcher: tuple[str, str | None, int] | None):
@@ -405,7 +406,11 @@ TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communi
 EpOverlap = Annotated[bool, typer.Option(
     help="Megatron's --overlap-moe-expert-parallel-comm under --ep: the combined 1F1B schedule, one micro-batch's "
          "forward beside another's backward layer by layer, each one's dispatch / combine all-to-alls under the "
-         "other's compute (needs --pp 1 here; no full or selective-op recompute; off: Megatron's default).")]
+         "other's compute (--pp > 1 needs --vp > 1: the interleaved combined schedule; no full or selective-op "
+         "recompute; off: Megatron's default).")]
+DelayWgrad = Annotated[bool, typer.Option(
+    help="Megatron's --delay-wgrad-compute under --overlap-moe-expert-parallel-comm: the experts' weight-gradient "
+         "GEMMs run after the backward's dispatch gradient is issued, under it (off: Megatron's default).")]
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
@@ -530,6 +535,7 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
+    delay_wgrad_compute: DelayWgrad = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -570,7 +576,8 @@ def simulate(
                                attention_backend=attention_backend,
                                dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
                                            moe_hybridep_num_sms),
-                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                               delay_wgrad_compute=delay_wgrad_compute)
         config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
                              tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
                              hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
@@ -614,6 +621,7 @@ def compare(
     overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
+    delay_wgrad_compute: DelayWgrad = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
     etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
     collectives: Collectives = "megatron",
@@ -637,7 +645,8 @@ def compare(
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
-                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                               delay_wgrad_compute=delay_wgrad_compute)
         base = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=None, dp_policy=dp_policy,
                            tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
                            hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
@@ -680,8 +689,9 @@ def search(
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
-        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 here, no full or "
+        help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
+    delay_wgrad_compute: DelayWgrad = False,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -706,7 +716,8 @@ def search(
                             global_batch=global_batch, precision=precision,
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
                                                           moe_hybridep_num_sms)),
-                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                            delay_wgrad_compute=delay_wgrad_compute)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

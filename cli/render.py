@@ -123,7 +123,8 @@ def _options_text(c) -> str:
     on = [name for name, flag in (("grad-reduce overlap", o.overlap_grad_reduce),
                                   ("param-gather overlap", o.overlap_param_gather),
                                   ("TP comm overlap", o.tp_comm_overlap),
-                                  ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm)) if flag]
+                                  ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm),
+                                  ("delayed expert wgrad", o.delay_wgrad_compute)) if flag]
     return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; reduce-scatter {o.reduce_scatter}"
 
 

@@ -3,12 +3,20 @@
 Megatron-Core's "EP A2A overlap" (`--overlap-moe-expert-parallel-comm`, Megatron-Bridge's
 `CommOverlapConfig.overlap_moe_expert_parallel_comm`, formerly `moe_a2a_overlap`; off by default)
 replaces the 1F1B schedule with the *combined* 1F1B schedule
-(megatron/core/pipeline_parallel/combined_1f1b.py, `combined_1f1b_schedule_for_no_pipelining`):
-with PP 1, micro-batch 0's forward runs alone, then each phase runs micro-batch i's forward beside
-micro-batch i - 1's backward, and the last backward runs alone. Inside a phase
+(megatron/core/pipeline_parallel/combined_1f1b.py; its steps: `canzona.pipeline.combined_order`).
+With PP 1 (`combined_1f1b_schedule_for_no_pipelining`) micro-batch 0's forward runs alone, then
+each step runs micro-batch i's forward beside micro-batch i - 1's backward, and the last backward
+runs alone. With PP > 1 it runs inside the interleaved schedule (schedules.py
+`forward_backward_pipelining_with_interleaving`, whose `forward_backward_helper_wrapper` calls
+`combined_1f1b_schedule_for_interleaved_pipelining`): the warm-up forwards one more than the
+interleaved schedule's, each alone, then each steady step a forward micro-batch-chunk beside a
+backward one, then the cool-down backwards alone. Inside a step
 (megatron/core/models/common/model_chunk_schedule_plan.py, `TransformerModelChunkSchedulePlan.run`)
-the forward's embedding runs, then the backward's head (loss gradient), then forward layer k is
-paired with backward layer L - 1 - k, then the forward's head and the backward's embedding gradient.
+the forward's receive and embedding run, then the backward's receive and head (loss gradient), then
+forward layer i of its chunk is paired with backward layer n - 1 - i of the backward's chunk (for
+min(n_f, n_b) layers; the backward's remaining layers, then the forward's, run alone), then the
+sends (the forward's activations, the backward's gradient), then the forward's head and the
+backward's embedding gradient; the next step starts once both passes are done.
 Each layer is split into nodes (`TransformerLayerSchedulePlan`): `attn` (attention, the MLP's norm,
 the router and the dispatch preprocessing) and `mlp` (the experts) on the compute stream,
 `moe_dispatch` and `moe_combine` (the all-to-alls) on a second, communication stream. A pair runs
@@ -22,10 +30,14 @@ attention, the backward's combine under the forward's attention and its dispatch
 experts. Each stream runs its work in the order it was enqueued, and each node waits for the one
 before it in its own pass (one CUDA event per micro-batch's schedule plan,
 megatron/core/pipeline_parallel/utils.py `stream_acquire_context`): the two passes only meet on the
-two streams. Here `delay_wgrad_compute` is off (as the Qwen3-30B-A3B H100 performance recipe runs
-it): the experts' weight gradients are computed inside `mlp_bwd`, before the backward's dispatch
-(with it on, `mlp_bwd_dw` would run after that dispatch was issued, under it; not modelled, and not
-an option here).
+two streams. `delay_wgrad_compute` (Megatron's option, `RunOptions.delay_wgrad_compute`, off by
+default; Megatron-Bridge's performance scripts turn it on with the overlap, `_set_moe_a2a_overlap_
+overrides`): off, the experts' weight gradients are computed inside `mlp_bwd`, before the backward's
+dispatch; on, `mlp_bwd` computes the data gradients, the dispatch gradient waits for them only, and
+`mlp_bwd_dw` (the experts' weight-gradient GEMMs, `Block.wgrad_s`) runs on the compute stream under
+it; a backward layer run alone keeps that order (`_backward_alone`). Megatron also delays the
+attention's weight gradients to the end of the pair (the same compute stream, so only the first
+layer's, after the sends, would move: not modelled).
 
 The simulator runs the same nodes with its own blocks (`sim.model_work`): a layer's blocks before
 its expert block are `attn` (with their TP collectives where TP > 1), the expert block's grouped
@@ -39,8 +51,8 @@ its last block is `mlp`.
 
 What Megatron requires (TransformerConfig.__post_init__, megatron/core/transformer/
 transformer_config.py; `check_ep_overlap` raises each as an `error:` line): expert parallelism
-(EP > 1); PP 1, or PP > 1 with a virtual pipeline (the interleaved combined schedule, which this
-simulator does not model: it refuses PP > 1); no full activation recompute (granularity, method and
+(EP > 1); PP 1, or PP > 1 with a virtual pipeline (`virtual_pipeline_model_parallel_size` set:
+the interleaved combined schedule above); no full activation recompute (granularity, method and
 layer count unset) and no recompute of the MoE module (the simulator's `selective-op` recomputes
 the experts); a bf16 / fp16 model (every simulated run is; FP8 runs are bf16 models with FP8 GEMMs);
 the alltoall or flex token dispatcher (each priced as `sim.ep_dispatch` prices it); no shared-expert
@@ -49,10 +61,16 @@ The two streams must really run concurrently: CUDA_DEVICE_MAX_CONNECTIONS > 1 (M
 asks for 1 under TP / CP to order its kernels; NVIDIA's recipe sets 32) — an environment setting,
 **assumed** here (the simulator's streams are independent).
 
-Memory: the simulator keeps its one-micro-batch activation model (`canzona.memory`): at pair k the
-forward holds k + 1 layers of its micro-batch and the backward L - 1 - k of the other's, one
-micro-batch's layers in all (an **assumption**: Megatron's node boundaries detach and hold a few
-more transient tensors).
+Memory: the simulator keeps its activation model (`canzona.memory`). PP 1: at pair k the forward
+holds k + 1 layers of its micro-batch and the backward L - k of the other's (its layer L - 1 - k
+freed at the pair's end), one micro-batch's layers and one in all. PP > 1: the one more warm-up
+forward holds one chunk more before the first step, and each step then frees the backward chunk's
+layers as it fills the forward chunk's: the plain interleaved schedule's peak (its warm-up plus one
+chunk, `canzona.pipeline.peak_in_flight`) and the one layer a pair's forward makes before the
+backward's layer is freed (an **assumption** either way, that layer not counted: Megatron's node
+boundaries also detach and hold a few more transient tensors). Not modelled: Megatron runs the
+first layer's attention weight gradient after the sends (here inside the layer's backward, so the
+backward's send leaves after it).
 
 canzona's runtime does not run this schedule: its `DistributedOptimizer` does not own the model's
 forward / backward, and the token dispatch is the model's (reference/tiny_moe_ep.py dispatches
@@ -67,6 +85,7 @@ from typing import TYPE_CHECKING
 import simpy
 
 from canzona.errors import SpecError
+from canzona.pipeline import Slot, combined_order
 from canzona.recompute import FULL, SELECTIVE_OP
 from sim.ep_dispatch import dispatcher_sms
 from sim.streams import EP_COMM
@@ -93,9 +112,6 @@ def check_ep_overlap(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, m
     if pp > 1 and vp <= 1:
         raise SpecError(f"{OPTION} with --pp {pp} needs a virtual pipeline (--vp > 1): Megatron requires "
                         "virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1")
-    if pp > 1:
-        raise SpecError(f"{OPTION} is simulated at --pp 1 only: Megatron's interleaved combined 1F1B schedule "
-                        "(PP > 1 with a virtual pipeline) is not modelled")
     if recompute in REFUSED_RECOMPUTE:
         raise SpecError(f"{OPTION} does not run with --recompute {recompute}: Megatron refuses full recompute and "
                         "the recompute of the MoE module (selective-op recomputes the experts) with "
@@ -166,68 +182,127 @@ def _blocks(stage: _Stage, prefix: str, blocks: Sequence[Block], gathers: int) -
         stage.block(f"{prefix} {b.name}", b, gathers)
 
 
-def _layer_pair(stage: _Stage, f: _Pass, kf: int, b: _Pass, kb: int, needed: dict[int, list[simpy.Event]],
-                fmb: int, bmb: int) -> None:
+def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: int,
+                needed: dict[int, list[simpy.Event]], fmb: int | None, bmb: int) -> None:
     """Forward layer `kf` of pass `f` beside backward layer `kb` of pass `b`, issued in
-    Megatron's order (the module docstring)."""
+    Megatron's order (the module docstring); `f` None: the backward layer alone (under
+    delay_wgrad_compute, whose order differs from `_Stage.backward_layer`'s)."""
     work = stage.ctx.work
-    f_attn, f_exp, f_after = _split(work.forward[kf])
     b_before, b_exp, b_attn = _split(work.backward[kb])  # backward order: the expert block, then attention
-    f_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its last block (first in backward)
-    b_mlp: tuple[Block, ...] = ()
-    if f_exp is None:
-        f_attn, f_mlp, f_after = f_after[:-1], f_after[-1:], ()
+    b_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its first block in backward
     if b_exp is None:
         b_mlp, b_attn = b_attn[:1], b_attn[1:]
+    f_attn: tuple[Block, ...] = ()
+    f_exp: Block | None = None
+    f_rest: tuple[Block, ...] = ()  # after the experts: a dense layer's `mlp` node, its last block
+    if f is not None and kf is not None:
+        f_attn, f_exp, f_rest = _split(work.forward[kf])
+        if f_exp is None:
+            f_attn, f_rest = f_rest[:-1], f_rest[-1:]
     fp, bp = f"mb{fmb} fwd", f"mb{bmb} bwd"
+    # delay_wgrad_compute: the experts' weight gradients after the dispatch gradient is issued
+    delayed = b_exp.wgrad_s if b_exp is not None and stage.ctx.options.delay_wgrad_compute else 0.0
     with b as st:  # combine_bwd: the output gradient into the experts
         _blocks(st, bp, b_before, 2)
         if b_exp is not None:
             _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=True)
-    with f as st:  # attn_fwd
-        st.forward_layer_gathers(fmb, kf, needed)
-        _blocks(st, fp, f_attn, 1)
-    with b as st:  # mlp_bwd (data and weight gradients: delay_wgrad_compute off)
+    if f is not None:
+        with f as st:  # attn_fwd
+            st.forward_layer_gathers(fmb, kf, needed)
+            _blocks(st, fp, f_attn, 1)
+    with b as st:  # mlp_bwd (with the weight gradients unless delayed)
         if b_exp is not None:
-            st.compute(f"{bp} {b_exp.name}", b_exp.seconds)
+            st.compute(f"{bp} {b_exp.name}", b_exp.seconds - delayed)
         _blocks(st, bp, b_mlp, 2)
-    with f as st:  # dispatch_fwd
-        if f_exp is not None:
-            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
-    with b as st:  # dispatch_bwd: the input gradients back to their tokens' ranks
-        if b_exp is not None:
+    if f is not None:
+        with f as st:  # dispatch_fwd
+            if f_exp is not None:
+                _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
+    with b as st:  # mlp_bwd_dw (delayed), then dispatch_bwd: the input gradients back to their tokens' ranks
+        if b_exp is not None and delayed:  # the dispatch gradient waits for the data gradients only
+            data = dict(st.last)
+            st.compute(f"{bp} {b_exp.name} wgrad", delayed)
+            weights = dict(st.last)
+            st.last.update(data)
             _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=False)
-    with f as st:  # mlp_fwd, then combine_fwd
-        if f_exp is not None:
-            st.compute(f"{fp} {f_exp.name}", f_exp.seconds)
-            _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=False)
-        _blocks(st, fp, f_mlp + f_after, 1)
+            for r in st.ranks:
+                st.last[r] = st.eng.env.all_of([st.last[r], weights[r]])
+        elif b_exp is not None:
+            _expert_comm(st, f"{bp} {b_exp.name}", b_exp, into_experts=False)
+    if f is not None:
+        with f as st:  # mlp_fwd, then combine_fwd
+            if f_exp is not None:
+                st.compute(f"{fp} {f_exp.name}", f_exp.seconds)
+                _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=False)
+            _blocks(st, fp, f_rest, 1)
     with b as st:  # attn_bwd
         _blocks(st, bp, b_attn, 2)
 
 
+def _backward_alone(stage: _Stage, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+    """A backward chunk run alone under delay_wgrad_compute: each layer as `_layer_pair` orders
+    it without a forward (Megatron's `TransformerLayerSchedulePlan.run` with no forward layer)."""
+    b = _Pass(stage)
+    with b:
+        stage.backward_start(mb, c)
+    for kb in reversed(stage.chunk_list[c]):
+        _layer_pair(stage, None, None, b, kb, {}, None, mb)
+        with b:
+            stage.backward_layer_done(mb, kb, micro_batches, syncs)
+    with b:
+        stage.backward_end(mb, c)
+    stage.last.update(b.last)
+
+
+def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Event]], micro_batches: int,
+          syncs: list[simpy.Event]) -> None:
+    """One step of the combined schedule: forward micro-batch-chunk `fwd` beside backward `bwd`
+    (Megatron's `TransformerModelChunkSchedulePlan.run`, the module docstring)."""
+    (_, fmb, fc), (_, bmb, bc) = fwd, bwd
+    f, b = _Pass(stage), _Pass(stage)
+    with f:  # the forward's input (its receive), its embedding
+        stage.forward_start(fmb, fc)
+    with b:  # the backward's output gradient (its receive), its head's backward
+        stage.backward_start(bmb, bc)
+    for r in stage.ranks:  # both receives are waited for on the compute stream before the layers
+        f.last[r] = b.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+    forward, backward = stage.chunk_list[fc], stage.chunk_list[bc][::-1]
+    paired = min(len(forward), len(backward))
+    for kf, kb in zip(forward[:paired], backward[:paired]):
+        _layer_pair(stage, f, kf, b, kb, needed, fmb, bmb)
+        with b:
+            stage.backward_layer_done(bmb, kb, micro_batches, syncs)
+    with b:  # chunks of unequal sizes: the backward's layers left, then the forward's
+        for kb in backward[paired:]:
+            stage.backward_layer(bmb, kb, micro_batches, syncs)
+    with f:
+        for kf in forward[paired:]:
+            stage.forward_layer(fmb, kf, needed)
+    # the sends first (post_forward, post_backward), then the head's forward and the embedding's
+    # gradient: each end is a send or a compute (`_Stage.forward_end` / `backward_end`), never both
+    f_sends, b_sends = not stage.virtual(fc)[1], stage.virtual(bc)[0] > 0
+    for sends in (True, False):
+        if f_sends == sends:
+            with f:
+                stage.forward_end(fmb, fc)
+        if b_sends == sends:
+            with b:
+                stage.backward_end(bmb, bc)
+    for r in stage.ranks:  # the next step starts once both passes are issued and done
+        stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+
+
 def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy.Event]],
                  syncs: list[simpy.Event]) -> None:
-    """Phase A of a PP 1 stage under the combined 1F1B schedule (the module docstring): forward 0
-    alone, then forward i beside backward i - 1, then the last backward alone."""
-    if stage.vp != 1 or len(stage.all_ranks) != 1:
-        raise SpecError(f"{OPTION} is simulated at --pp 1 only")
-    layers = stage.chunk_list[0]
-    stage.forward_pass(0, 0, needed)
-    for i in range(1, micro_batches):
-        f, b = _Pass(stage), _Pass(stage)
-        with f:
-            stage.forward_start(i, 0)
-        with b:
-            stage.backward_start(i - 1, 0)
-        for kf, kb in zip(layers, reversed(layers)):
-            _layer_pair(stage, f, kf, b, kb, needed, i, i - 1)
-            with b:
-                stage.backward_layer_done(i - 1, kb, micro_batches, syncs)
-        with f:
-            stage.forward_end(i, 0)
-        with b:
-            stage.backward_end(i - 1, 0)
-        for r in stage.ranks:  # the next phase starts once both passes are issued and done
-            stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
-    stage.backward_pass(micro_batches - 1, 0, micro_batches, syncs)
+    """Phase A of a stage under the combined 1F1B schedule (`canzona.pipeline.combined_order`):
+    a forward or a backward alone as the plain schedule runs it, or a step of the two together."""
+    pp = len(stage.all_ranks)
+    for fwd, bwd in combined_order(stage.stage, pp, micro_batches, stage.vp):
+        if bwd is None:
+            stage.forward_pass(fwd[1], fwd[2], needed)
+        elif fwd is None and stage.ctx.options.delay_wgrad_compute:
+            _backward_alone(stage, bwd[1], bwd[2], micro_batches, syncs)
+        elif fwd is None:
+            stage.backward_pass(bwd[1], bwd[2], micro_batches, syncs)
+        else:
+            _step(stage, fwd, bwd, needed, micro_batches, syncs)

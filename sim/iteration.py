@@ -589,7 +589,7 @@ class _Stage:
         self.chunk_list = self.chunks()
         syncs: list[simpy.Event] = []
         if ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None:
-            # Megatron's combined 1F1B (PP 1): one micro-batch's forward beside another's backward
+            # Megatron's combined 1F1B: one micro-batch(-chunk)'s forward beside another's backward
             run_combined(self, micro_batches, needed, syncs)
         else:
             for kind, mb, c in pipeline_order(s, pp, micro_batches, vp):
@@ -639,13 +639,16 @@ class _Stage:
             pp = len(self.all_ranks)
             self.send((self.stage + 1) % pp, f"mb{mb}{self._tag(c)} send activations", self.fwd_in[v + 1][mb])
 
+    def forward_layer(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
+        """Micro-batch `mb`'s forward of layer `k` (the stage's work index), after its gathers."""
+        self.forward_layer_gathers(mb, k, needed)
+        for b in self.ctx.work.forward[k]:
+            self.block(f"mb{mb} fwd {b.name}", b, 1)
+
     def forward_pass(self, mb: int, c: int, needed: dict[int, list[simpy.Event]]) -> None:
-        work = self.ctx.work
         self.forward_start(mb, c)
         for k in self.chunk_list[c]:
-            self.forward_layer_gathers(mb, k, needed)
-            for b in work.forward[k]:
-                self.block(f"mb{mb} fwd {b.name}", b, 1)
+            self.forward_layer(mb, k, needed)
         self.forward_end(mb, c)
 
     def backward_start(self, mb: int, c: int) -> None:
@@ -670,14 +673,17 @@ class _Stage:
             pp = len(self.all_ranks)
             self.send((self.stage - 1) % pp, f"mb{mb}{self._tag(c)} send gradients", self.bwd_in[v - 1][mb])
 
+    def backward_layer(self, mb: int, k: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+        """Micro-batch `mb`'s backward of layer `k`, then what its completion starts."""
+        for b in self.ctx.work.backward[k]:
+            # backward re-gathers the block input for the weight gradients (sequence parallel)
+            self.block(f"mb{mb} bwd {b.name}", b, 2)
+        self.backward_layer_done(mb, k, micro_batches, syncs)
+
     def backward_pass(self, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
-        work = self.ctx.work
         self.backward_start(mb, c)
         for k in reversed(self.chunk_list[c]):
-            for b in work.backward[k]:
-                # backward re-gathers the block input for the weight gradients (sequence parallel)
-                self.block(f"mb{mb} bwd {b.name}", b, 2)
-            self.backward_layer_done(mb, k, micro_batches, syncs)
+            self.backward_layer(mb, k, micro_batches, syncs)
         self.backward_end(mb, c)
 
 

@@ -102,6 +102,9 @@ class Block:
     ring_bytes: tuple[float, ...] = ()
     # each ring step's seconds (summing to `core_s`): a step runs at the efficiency of its shape
     ring_step_s: tuple[float, ...] = ()
+    # of `seconds`, an expert block's backward's expert weight-gradient GEMMs: what Megatron's
+    # delay_wgrad_compute runs after the dispatch gradient is issued (sim.ep_overlap)
+    wgrad_s: float = 0.0
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -383,6 +386,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     local = count // ep  # the experts this rank computes
     fwd_k: list[Kernel] = []
     bwd_k: list[Kernel] = []
+    wgrad_s = 0.0  # the expert weight-gradient GEMMs' seconds (Block.wgrad_s)
     width = 0
     gemm_dtype = FP8 if fp8 is not None else dtype
     for p in params:
@@ -394,9 +398,9 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
             groups = p.shape[0] // ep if len(p.shape) == 3 else 1
             rows = max(1, round(computed / local))  # each expert's share of the pairs
             fwd_k.append(grouped_gemm_kernel(p.name, rows, out, inp, groups, gemm_dtype))
-            bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, gemm_dtype),
-                      grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, gemm_dtype,
-                                          accumulate=accumulate)]
+            wgrad = grouped_gemm_kernel(f"{p.name}.wgrad", out, inp, rows, groups, gemm_dtype, accumulate=accumulate)
+            bwd_k += [grouped_gemm_kernel(f"{p.name}.dgrad", rows, inp, out, groups, gemm_dtype), wgrad]
+            wgrad_s += rate.kernel_seconds(wgrad)
             if fp8 is not None:  # per expert GEMM: its input, its output gradient, its weights
                 fwd_k += [fp8.cast(p.name, rows * groups, inp), fp8.weight_cast(p.name, out * inp * groups)]
                 bwd_k.append(fp8.cast(f"{p.name}.grad", rows * groups, out))
@@ -431,7 +435,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
                   etp_bytes=gathered, ep_flex=flex),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
                   ep_received=received, etp_bytes=gathered,
-                  ep_flex=None if flex is None else replace(flex, forward=False)))
+                  ep_flex=None if flex is None else replace(flex, forward=False), wgrad_s=wgrad_s))
 
 
 def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSpec], tokens: int, tp: int,

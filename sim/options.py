@@ -59,6 +59,11 @@ class RunOptions:
     # another's backward layer by layer, each one's EP all-to-alls under the other's compute
     # (sim.ep_overlap, which checks where Megatron allows it)
     overlap_moe_expert_parallel_comm: bool = False
+    # Megatron's delay_wgrad_compute (--delay-wgrad-compute, Megatron-Bridge's CommOverlapConfig;
+    # default off; only with the overlap above, as Megatron asserts): in the combined schedule the
+    # experts' weight-gradient GEMMs run after the backward's dispatch gradient is issued, under it
+    # (sim.ep_overlap)
+    delay_wgrad_compute: bool = False
 
     def check(self) -> None:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
@@ -70,6 +75,11 @@ class RunOptions:
         if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
                             f"{self.overlap_moe_expert_parallel_comm!r}")
+        if not isinstance(self.delay_wgrad_compute, bool):
+            raise SpecError(f"delay_wgrad_compute must be True or False, got {self.delay_wgrad_compute!r}")
+        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
+            raise SpecError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron: "
+                            "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute)")
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")

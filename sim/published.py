@@ -122,6 +122,12 @@ class PublishedRun:
     # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
     # the combined 1F1B schedule); True needs `recipe_source`
     overlap_moe_expert_parallel_comm: bool = False
+    # Megatron's delay_wgrad_compute as the recipe ran it (`RunOptions`, sim.ep_overlap: the experts'
+    # weight gradients under the dispatch gradient); True needs the overlap and `recipe_source`
+    delay_wgrad_compute: bool = False
+    # Transformer Engine's TP communication overlap as the recipe sets it (`RunOptions.tp_comm_overlap`);
+    # None: not stated, NVIDIA's recipe default (on)
+    tp_comm_overlap: bool | None = None
     # Megatron's cross_entropy_loss_fusion / cross_entropy_fusion_impl as the recipe sets them
     # (`Workload`'s options of the same names, `sim.cross_entropy`); None: not stated, Megatron's
     # default (unfused; impl native)
@@ -196,7 +202,9 @@ class PublishedRun:
                          options=RunOptions(recompute=self.recompute or "none",
                                             attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND,
                                             ep_dispatcher=self.ep_dispatcher,
-                                            overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm))
+                                            overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
+                                            delay_wgrad_compute=self.delay_wgrad_compute,
+                                            tp_comm_overlap=self.tp_comm_overlap is not False))
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,7 @@ class RowResult:
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
                 "moe_hybridep_num_sms": r.moe_hybridep_num_sms} if r.ep > 1 else {}),
             "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
+            "delay_wgrad_compute": r.delay_wgrad_compute, "tp_comm_overlap": r.tp_comm_overlap,
             "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
             "store_param_remainders": r.store_param_remainders,
@@ -361,6 +370,10 @@ class PublishedReport:
                                              "stated, simulated as alltoall",
                 "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
                                                     "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
+                "delay_wgrad_compute": "Megatron's delay_wgrad_compute as the recipe ran it (with the overlap: the "
+                                       "experts' weight gradients under the dispatch gradient), with recipe_source",
+                "tp_comm_overlap": "Transformer Engine's TP communication overlap as the recipe sets it, with "
+                                   "recipe_source; null: not stated, on (NVIDIA's recipe default)",
                 "cross_entropy_loss_fusion": "Megatron's fused cross-entropy as the recipe sets it, with "
                                              "cross_entropy_fusion_impl (native: Megatron's torch.compile'd "
                                              "functions; te: Transformer Engine's Triton kernels) and "
@@ -488,11 +501,17 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
     if not isinstance(ep_overlap, bool):
         raise SpecError(f"{where}: overlap_moe_expert_parallel_comm must be true or false, got {ep_overlap!r}")
+    delay_wgrad = raw.get("delay_wgrad_compute", False)
+    if not isinstance(delay_wgrad, bool) or (delay_wgrad and not ep_overlap):
+        raise SpecError(f"{where}: delay_wgrad_compute must be true or false (true with "
+                        f"overlap_moe_expert_parallel_comm only, as Megatron asserts), got {delay_wgrad!r}")
+    tp_overlap = _optional_bool(raw, "tp_comm_overlap", where)
     fusions = {k: _optional_bool(raw, k, where) for k in ("apply_rope_fusion", "bias_activation_fusion")}
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
-                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", *fusions)
+                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
+                *fusions)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -510,7 +529,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,
-        overlap_moe_expert_parallel_comm=ep_overlap, **dispatch, **fusions, **ints)
+        overlap_moe_expert_parallel_comm=ep_overlap, delay_wgrad_compute=delay_wgrad, tp_comm_overlap=tp_overlap,
+        **dispatch, **fusions, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

@@ -61,6 +61,7 @@ def question_of(run: PublishedRun) -> Question:
                     cross_entropy_fusion_impl=cfg.workload.cross_entropy_fusion_impl,
                     store_param_remainders=cfg.workload.store_param_remainders, ep_dispatcher=run.ep_dispatcher,
                     overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm,
+                    delay_wgrad_compute=run.delay_wgrad_compute, tp_comm_overlap=run.tp_comm_overlap is not False,
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False)
 

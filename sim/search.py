@@ -79,9 +79,13 @@ class Question:
     # Megatron's token dispatcher (RunOptions.ep_dispatcher): every EP layout is searched with it
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
     # Megatron's overlap_moe_expert_parallel_comm (sim.ep_overlap): not a searched axis; when set,
-    # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1, no full or selective-op
+    # every layout that allows it (`sim.ep_overlap.allowed`: EP > 1, PP 1 or VP > 1, no full or selective-op
     # recompute) is simulated with it, the others without
     overlap_moe_expert_parallel_comm: bool = False
+    # Megatron's delay_wgrad_compute (RunOptions): on the layouts run with the overlap above
+    delay_wgrad_compute: bool = False
+    # Transformer Engine's TP communication overlap (RunOptions.tp_comm_overlap): every layout with it
+    tp_comm_overlap: bool = True
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
     # (their defaults are Workload's: one definition)
@@ -101,6 +105,13 @@ class Question:
         if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
                             f"{self.overlap_moe_expert_parallel_comm!r}")
+        if not isinstance(self.tp_comm_overlap, bool):
+            raise SpecError(f"tp_comm_overlap must be True or False, got {self.tp_comm_overlap!r}")
+        if not isinstance(self.delay_wgrad_compute, bool):
+            raise SpecError(f"delay_wgrad_compute must be True or False, got {self.delay_wgrad_compute!r}")
+        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
+            raise SpecError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron: "
+                            "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute)")
         self.workload()  # its checks
         self._check_moe_settings()
         if self.precision == FP8:
@@ -255,14 +266,15 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
                                   workload=q.workload(),
                                   options=RunOptions(attention_backend=q.attention_backend,
-                                                     ep_dispatcher=q.ep_dispatcher))
+                                                     ep_dispatcher=q.ep_dispatcher,
+                                                     tp_comm_overlap=q.tp_comm_overlap))
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
     if q.overlap_moe_expert_parallel_comm and allowed(ep=kwargs.get("ep", 1), pp=kwargs.get("pp", 1),
                                                        vp=kwargs.get("vp", 1), recompute=kwargs["options"].recompute,
                                                        fsdp=False):
-        _options(kwargs, overlap_moe_expert_parallel_comm=True)
+        _options(kwargs, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=q.delay_wgrad_compute)
     return SimConfig(**kwargs)
 
 
@@ -400,6 +412,7 @@ class SearchResult:
             "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
             "attention_backend": q.attention_backend, "ep_dispatcher": asdict(q.ep_dispatcher),
             "overlap_moe_expert_parallel_comm": q.overlap_moe_expert_parallel_comm,
+            "delay_wgrad_compute": q.delay_wgrad_compute, "tp_comm_overlap": q.tp_comm_overlap,
             "apply_rope_fusion": q.apply_rope_fusion, "bias_activation_fusion": q.bias_activation_fusion,
             "cross_entropy_loss_fusion": q.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": q.cross_entropy_fusion_impl,

@@ -118,15 +118,176 @@ def test_megatron_requirements_are_errors(changes, needle):
         cfg.check(model)
 
 
-def test_interleaved_pipeline_and_dense_models_are_refused():
-    big = replace(SMALL, layers=8)
-    cfg = SimConfig(model="unused", gpus=16, tp=1, pp=2, vp=2, ep=8, optimizer="adamw",
-                    workload=Workload(seq_len=512, global_batch=32),
-                    options=RunOptions(overlap_moe_expert_parallel_comm=True))
-    with pytest.raises(SpecError, match="simulated at --pp 1 only"):
-        cfg.check((build_decoder(big), big.architecture()))
+def test_option_must_be_a_bool():
     with pytest.raises(SpecError, match="overlap_moe_expert_parallel_comm must be True or False"):
         RunOptions(overlap_moe_expert_parallel_comm="yes").check()  # type: ignore[arg-type]
+
+
+# --- the interleaved combined 1F1B (PP > 1 with a virtual pipeline) ---------------------------
+
+PP, VP, M = 2, 2, 4  # 8 layers in 4 chunks of 2; 32 sequences over DP 8: 4 micro-batches per DP rank
+
+
+def _run_interleaved(overlap: bool, **changes):
+    big = replace(SMALL, layers=8)
+    cfg = SimConfig(**{**dict(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw",
+                              policy="zero1", zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32),
+                              gpu_variability=0.0, options=RunOptions(overlap_moe_expert_parallel_comm=overlap)),
+                       **changes})
+    model = (build_decoder(big), big.architecture())
+    cfg.check(model)
+    return simulate(cfg, model=model)
+
+
+def _measure(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals` as disjoint sorted ones."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _exposed(spans, rank: int) -> float:
+    """Seconds the rank's EP stream is busy while its compute stream is idle."""
+    comm = _measure([(s.start, s.end) for s in spans if s.rank == rank and s.stream == "ep-comm" and s.phase == "A"])
+    compute = _measure([(s.start, s.end) for s in spans if s.rank == rank and s.stream == "compute" and s.phase == "A"])
+    covered = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    return sum(b - a for a, b in comm) - covered
+
+
+def test_interleaved_combined_schedule_exposes_only_the_warm_up_and_cool_down_all_to_alls(monkeypatch):
+    """Closed form of the interleaved combined schedule (compute-bound all-to-alls, no SMs taken):
+    on each stage every step pairing a forward chunk with a backward one hides its all-to-alls,
+    and only the chunks run alone expose theirs, 2 a layer each: Megatron's warm-up forwards
+    ((pp - s - 1) x 2 + (vp - 1) x pp, one more under the overlap) and as many cool-down backwards.
+    Without the overlap every chunk exposes them. The compute is the same either way."""
+    _no_comm_sms(monkeypatch)
+    serial, overlapped = _run_interleaved(False), _run_interleaved(True)
+    ep = [s.end - s.start for s in serial.spans if s.stream == "ep-comm" and s.phase == "A"]
+    c = ep[0]
+    assert ep == pytest.approx([c] * len(ep), rel=1e-12)
+    compute = [s.end - s.start for s in serial.spans if s.stream == "compute" and s.phase == "A"
+               and (".0" in s.name or s.name.endswith("experts"))]
+    assert c < min(compute)  # the compute-bound case
+    per_chunk = 8 // (PP * VP)
+    for stage in range(PP):
+        rank = stage * GPUS  # the stage's first rank, which stands for the stage
+        warm = min((PP - stage - 1) * 2 + (VP - 1) * PP + 1, M * VP)
+        assert _exposed(overlapped.spans, rank) == pytest.approx(2 * warm * per_chunk * 2 * c, rel=1e-9)
+        assert _exposed(serial.spans, rank) == pytest.approx(M * VP * per_chunk * 2 * 2 * c, rel=1e-9)
+        busy = [sum(s.end - s.start for s in r.spans if s.rank == rank and s.stream == "compute" and s.phase == "A")
+                for r in (serial, overlapped)]
+        assert busy[1] == pytest.approx(busy[0], rel=1e-12)
+    assert overlapped.iteration_time_s < serial.iteration_time_s
+
+
+def test_interleaved_combined_step_pairs_the_forward_chunk_with_the_backward_chunk():
+    """A steady-state step of stage 1 (forward micro-batch 1 on chunk 1, the first forward after
+    its 3 warm-up ones, beside the backward of micro-batch 0 on chunk 1): forward layer i beside
+    backward layer n - 1 - i of the backward's chunk, in Megatron's order on the compute stream."""
+    r = _run_interleaved(True)
+    rank = GPUS  # stage 1's first rank
+    # stage 1's chunks: 1 (layers 2, 3) and 3 (layers 6, 7); its steps: F(0,0) F(1,0) F(0,1) alone,
+    # then F(1,1) beside B(0,1)
+    names = [s.name for s in sorted((s for s in r.spans if s.rank == rank and s.stream == "compute"
+                                     and s.phase == "A"), key=lambda s: s.start)]
+    first = names.index("mb1 fwd layer 6.0")
+    assert names[first - 1] == "mb0 bwd head"  # the backward's head runs before the layers
+    assert names[first:first + 8] == [
+        "mb1 fwd layer 6.0", "mb0 bwd layer 7.experts", "mb1 fwd layer 6.experts", "mb0 bwd layer 7.0",
+        "mb1 fwd layer 7.0", "mb0 bwd layer 6.experts", "mb1 fwd layer 7.experts", "mb0 bwd layer 6.0"]
+    assert names[first + 8] == "mb1 fwd head"  # after the backward's send: the head's forward
+
+
+def test_interleaved_combined_schedule_with_unequal_chunks_runs_every_layer_once():
+    """An uneven split (the embedding and the loss counted as layers: the first and the last
+    chunk a layer short) pairs min(n_f, n_b) layers, then the backward's rest, then the forward's:
+    every micro-batch runs every layer's forward and backward exactly once."""
+    from canzona.pipeline import PipelineSplit
+
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    big = replace(SMALL, layers=6)  # 6 + 2 = 8 slots in 4 chunks of 2
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32), gpu_variability=0.0,
+                    pipeline_split=split, options=RunOptions(overlap_moe_expert_parallel_comm=True))
+    r = simulate(cfg, model=(build_decoder(big), big.architecture()))
+    for kind in ("fwd", "bwd"):
+        seen = sorted(s.name for s in r.spans if s.stream == "compute" and s.name.endswith(".experts")
+                      and f" {kind} " in s.name)
+        assert seen == sorted(f"mb{mb} {kind} layer {k}.experts" for mb in range(M) for k in range(6))
+
+
+def test_search_floor_stays_below_the_interleaved_overlapped_simulation():
+    """The search's time floor (a stage's larger of its compute and its expert collectives, times
+    the micro-batches) stays below the interleaved combined schedule's simulated iteration."""
+    from canzona.cost import DeviceRate
+    from sim.search import time_floor
+
+    big = replace(SMALL, layers=8)
+    model = (build_decoder(big), big.architecture())
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32),
+                    options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    hw = load_profile(cfg.hardware)
+    assert 0 < time_floor(cfg, model, DeviceRate.from_profile(hw), hw) <= simulate(cfg, model=model).iteration_time_s
+
+
+def test_combined_order_is_the_interleaved_order_with_one_more_warm_up_forward():
+    """`combined_order` against Megatron's rules, for small pipelines: every micro-batch-chunk's
+    forward and backward once, in the interleaved schedule's order; warm-up forwards one more than
+    the interleaved schedule's (capped), steady forward k + warm-up beside backward k, the rest
+    cool-down backwards; at PP 1 micro-batch 0's forward alone, forward i beside backward i - 1,
+    the last backward alone; and the steps of all stages run to the end (no stage waits forever
+    for a neighbour's chunk)."""
+    from canzona.pipeline import combined_order, interleaved_one_f_one_b, interleaved_warmup
+
+    assert combined_order(0, 1, 3) == [(("F", 0, 0), None), (("F", 1, 0), ("B", 0, 0)),
+                                       (("F", 2, 0), ("B", 1, 0)), (None, ("B", 2, 0))]
+    with pytest.raises(SpecError, match="needs a virtual pipeline"):
+        combined_order(0, 2, 4, 1)
+    for pp, vp, m in [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 3, 8), (3, 2, 3), (8, 4, 16)]:
+        steps = {s: combined_order(s, pp, m, vp) for s in range(pp)}
+        for s, order in steps.items():
+            plain = interleaved_one_f_one_b(s, pp, m, vp)
+            assert [f for f, _ in order if f] == [x for x in plain if x[0] == "F"]
+            assert [b for _, b in order if b] == [x for x in plain if x[0] == "B"]
+            warm = min(interleaved_warmup(s, pp, vp, m) + 1, m * vp)
+            assert all(b is None for _, b in order[:warm]) and all(f is None for f, _ in order[m * vp:])
+            assert all(f and b for f, b in order[warm:m * vp])
+        _runs_to_the_end(steps, pp, vp)
+
+
+def _runs_to_the_end(steps, pp: int, vp: int) -> None:
+    """Play every stage's steps: a step runs once its forward's input (the previous virtual
+    stage's forward of that micro-batch) and its backward's output gradient (the next virtual
+    stage's backward) are done; fail if the stages stop before all steps ran."""
+    done: set[tuple[str, int, int]] = set()  # (kind, micro-batch, virtual stage)
+    at = {s: 0 for s in range(pp)}
+    last = pp * vp - 1
+    progress = True
+    while progress:
+        progress = False
+        for s in range(pp):
+            if at[s] == len(steps[s]):
+                continue
+            f, b = steps[s][at[s]]
+            ready = True
+            if f is not None:
+                v = f[2] * pp + s
+                ready &= v == 0 or ("F", f[1], v - 1) in done
+            if b is not None:
+                v = b[2] * pp + s
+                ready &= ("F", b[1], v) in done and (v == last or ("B", b[1], v + 1) in done)
+            if ready:
+                for x in (f, b):
+                    if x is not None:
+                        done.add((x[0], x[1], x[2] * pp + s))
+                at[s] += 1
+                progress = True
+    assert all(at[s] == len(steps[s]) for s in range(pp)), at
 
 
 def test_cli_errors_and_option():
@@ -137,6 +298,8 @@ def test_cli_errors_and_option():
     error_line(invoke("simulate", *base, "--ep", "16", "--recompute", "full", "--overlap-moe-expert-parallel-comm"),
                "--recompute full")
     error_line(invoke("simulate", *base, "--ep", "8", "--fsdp", "--overlap-moe-expert-parallel-comm"))
+    error_line(invoke("simulate", *base, "--ep", "8", "--pp", "2", "--overlap-moe-expert-parallel-comm"),
+               "needs a virtual pipeline (--vp > 1)")
     import json
 
     ok = invoke("simulate", *base, "--ep", "16", "--global-batch", "32", "--overlap-moe-expert-parallel-comm", "--json")
@@ -158,7 +321,7 @@ def test_search_floor_stays_below_the_overlapped_simulation():
     on = config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"})
     assert on.options.overlap_moe_expert_parallel_comm
     off = config_of(q, {"tp": 2, "pp": 2, "vp": 1, "ep": 4, "micro_batch": 2, "recompute": "none"})
-    assert not off.options.overlap_moe_expert_parallel_comm  # PP 2: not where the simulator runs it
+    assert not off.options.overlap_moe_expert_parallel_comm  # PP 2 without a virtual pipeline: Megatron refuses
     assert not config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1,
                              "recompute": "full"}).options.overlap_moe_expert_parallel_comm
     r = simulate(on)
@@ -183,9 +346,39 @@ def test_the_tuned_published_row_ran_the_overlap():
         perf.tokens_per_s_per_gpu, rel=1e-4)
     source = sources[perf.source]
     assert source["url"].endswith("#qwen3-30b-a3b-pretrain-performance-h100") and "layout_not_tuned" not in source
-    assert [r.id for r in runs if r.overlap_moe_expert_parallel_comm] == [perf.id]
+    assert [r.id for r in runs if r.overlap_moe_expert_parallel_comm] == [perf.id, *QWEN3_235B]
+    assert not perf.delay_wgrad_compute and perf.tp_comm_overlap is None
     assert perf.sim_config().options.overlap_moe_expert_parallel_comm
     assert not functional.sim_config().options.overlap_moe_expert_parallel_comm
+
+
+QWEN3_235B = ["qwen3-235b-a22b-256xh100-mb25.11-fp8", "qwen3-235b-a22b-256xh100-mb26.02-fp8"]
+
+
+def test_the_qwen3_235b_rows_run_the_interleaved_overlap_as_their_recipe():
+    """Megatron-Bridge's Qwen3-235B-A22B H100 rows (the 25.11 summary and the 26.02 archive): the
+    layout of their tables, and the recipe's settings the simulator runs: the EP all-to-all overlap
+    under the interleaved pipeline with delayed expert weight gradients, TP overlap off, the
+    embedding and the loss counted as layers, the alltoall dispatcher, bf16 gradient reductions."""
+    from canzona.pipeline import PipelineSplit
+
+    runs, sources = load()
+    rows = select(runs, "qwen3-235b-a22b")
+    assert [r.id for r in rows] == QWEN3_235B
+    assert [(r.source, r.global_batch, r.tokens_per_s_per_gpu) for r in rows] == [("mb-25.11", 2048, 1575),
+                                                                                 ("mb-26.02", 8192, 1633)]
+    for r in rows:
+        assert (r.gpus, r.tp, r.pp, r.vp, r.cp, r.ep, r.dp, r.micro_batch, r.seq_len) == (256, 2, 8, 4, 1, 32, 16, 1, 4096)
+        assert (r.precision, r.fp8_recipe, r.recompute, r.grad_reduce_in_fp32) == ("fp8", "current", "none", False)
+        assert r.pipeline_split == PipelineSplit(account_for_embedding_in_pipeline_split=True,
+                                                 account_for_loss_in_pipeline_split=True)
+        options = r.sim_config().options
+        assert options.overlap_moe_expert_parallel_comm and options.delay_wgrad_compute
+        assert not options.tp_comm_overlap and options.ep_dispatcher.moe_token_dispatcher_type == "alltoall"
+        for words in ("tp_comm_overlap=False", "delay_wgrad_compute = True", "moe_a2a_overlap True",
+                      "account_for_embedding_in_pipeline_split True", "global_batch_size 2048"):
+            assert words in r.recipe_source
+        assert sources[r.source]["url"].startswith("https://docs.nvidia.com/nemo/megatron-bridge/")
 
 
 def test_row_setting_is_checked():
@@ -197,3 +390,64 @@ def test_row_setting_is_checked():
         parse_run({**row, "overlap_moe_expert_parallel_comm": "yes"}, raw["sources"], "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         parse_run({**row, "recipe_source": ""}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be true or false"):
+        parse_run({**row, "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": True}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be true or false"):
+        parse_run({**row, "delay_wgrad_compute": "yes"}, raw["sources"], "row")
+    with pytest.raises(SpecError, match="tp_comm_overlap must be true, false or null"):
+        parse_run({**row, "tp_comm_overlap": 0}, raw["sources"], "row")
+
+
+# --- delay_wgrad_compute ------------------------------------------------------------------------
+
+
+def test_delayed_weight_gradients_run_under_the_dispatch_gradient(monkeypatch):
+    """Megatron's delay_wgrad_compute in a layer pair (compute-bound, no SMs taken): the backward's
+    experts compute their data gradients, the dispatch gradient leaves the moment they end, and
+    the experts' weight-gradient GEMMs (`Block.wgrad_s`) run on the compute stream under it, before
+    the forward's experts. The compute is the same work split in two; the combined steps hide
+    every all-to-all either way, and the last backward, run alone, now hides each layer's dispatch
+    gradient under its weight gradients: the iteration is L x one all-to-all shorter."""
+    _no_comm_sms(monkeypatch)
+    plain = _run(True)
+    delayed = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    spans = sorted((s for s in delayed.spans if s.rank == 0 and s.phase == "A"
+                    and (s.name.startswith("mb2 fwd layer 1") or s.name.startswith("mb1 bwd layer 2"))),
+                   key=lambda s: s.start)
+    compute = [s for s in spans if s.stream == "compute"]
+    assert [s.name for s in compute] == ["mb2 fwd layer 1.0", "mb1 bwd layer 2.experts", "mb1 bwd layer 2.experts wgrad",
+                                         "mb2 fwd layer 1.experts", "mb1 bwd layer 2.0"]
+    data, weights = compute[1], compute[2]
+    gradient = next(s for s in spans if s.name == "mb1 bwd layer 2.experts combine")  # the dispatch gradient
+    assert gradient.start == pytest.approx(data.end, abs=1e-12) and gradient.end < weights.end
+    whole = next(s for s in plain.spans if s.rank == 0 and s.name == "mb1 bwd layer 2.experts")
+    assert 0 < weights.end - weights.start < whole.end - whole.start
+    assert (data.end - data.start) + (weights.end - weights.start) == pytest.approx(whole.end - whole.start, rel=1e-12)
+    c = gradient.end - gradient.start
+    assert c == pytest.approx(_all_to_all_s(), rel=1e-12) and c < weights.end - weights.start
+    assert plain.iteration_time_s - delayed.iteration_time_s == pytest.approx(LAYERS * c, rel=1e-9)
+
+
+def test_delayed_weight_gradients_alone_and_interleaved(monkeypatch):
+    """A backward chunk run alone (the cool-down) keeps Megatron's order under delay_wgrad_compute
+    too: its dispatch gradient leaves when the data gradients end; every micro-batch's experts'
+    weight gradients run once."""
+    _no_comm_sms(monkeypatch)
+    r = _run_interleaved(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    wgrad = sorted(s.name for s in r.spans if s.name.endswith("experts wgrad"))
+    assert wgrad == sorted(f"mb{mb} bwd layer {k}.experts wgrad" for mb in range(M) for k in range(8))
+    last = [s for s in r.spans if s.rank == 0 and s.name.startswith(f"mb{M - 1} bwd layer 0.experts")]
+    data = next(s for s in last if s.stream == "compute" and s.name.endswith("experts"))
+    gradient = next(s for s in last if s.name.endswith("combine"))
+    assert gradient.start == pytest.approx(data.end, abs=1e-12)
+
+
+def test_delay_wgrad_compute_needs_the_overlap():
+    with pytest.raises(SpecError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
+        RunOptions(delay_wgrad_compute=True).check()
+    with pytest.raises(SpecError, match="delay_wgrad_compute must be True or False"):
+        RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=1).check()  # type: ignore[arg-type]
+    base = ("--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--optimizer", "adamw", "--ep", "16")
+    error_line(invoke("simulate", *base, "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
+    error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--optimizer", "adamw",
+                      "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")

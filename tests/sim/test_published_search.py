@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sim import published
@@ -93,10 +95,14 @@ def test_published_layouts_are_in_the_search_space():
     for run in (r for r in expressible if not r.fsdp):
         q = question_of(run)
         layout = layout_of(run)
-        assert outside_space(q, layout) == "", run.id
-        assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
-                   for c in candidates(q)), run.id
-        assert config_of(q, layout_of(run)) == run.sim_config(), run.id
+        if not run.pipeline_split.even:  # Qwen3-235B-A22B's embedding and loss counted as layers: said so
+            assert outside_space(q, layout).startswith("uneven pipeline splits are not searched"), run.id
+        else:
+            assert outside_space(q, layout) == "", run.id
+            assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+                       for c in candidates(q)), run.id
+        # the search's configuration of the layout is the row's, but for the split it does not search
+        assert replace(config_of(q, layout_of(run)), pipeline_split=run.pipeline_split) == run.sim_config(), run.id
 
 
 def test_outside_the_space_says_why():
