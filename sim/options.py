@@ -77,8 +77,8 @@ class RunOptions:
         if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
                             f"{self.overlap_moe_expert_parallel_comm!r}")
-        if not isinstance(self.align_grad_reduce, bool):
-            raise SpecError(f"align_grad_reduce must be True or False, got {self.align_grad_reduce!r}")
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")
+        if not isinstance(self.align_grad_reduce, bool):
+            raise SpecError(f"align_grad_reduce must be True or False, got {self.align_grad_reduce!r}")
