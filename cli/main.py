@@ -352,14 +352,16 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
+                 align_grad_reduce: bool = True,
                  dispatcher: tuple[str, str | None, int] | None = None,
                  overlap_moe_expert_parallel_comm: bool = False, delay_wgrad_compute: bool = False):
     """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
     `_ep_dispatcher`'s (None: the default)."""
     from sim.options import RunOptions
 
-    return RunOptions(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                      tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+    return RunOptions(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
+                      overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap, recompute=recompute,
+                      reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
                       ep_dispatcher=_ep_dispatcher(dispatcher),
@@ -401,6 +403,9 @@ GlobalBatch = Annotated[int, typer.Option(
 MicroBatch = Annotated[int, typer.Option(help="Sequences per micro-batch per DP rank.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 OverlapGrad = Annotated[bool, typer.Option(help="Start each bucket's gradient reduce-scatter during the last backward (Megatron --overlap-grad-reduce).")]
+AlignGrad = Annotated[bool, typer.Option(
+    help="Under --pp with --overlap-grad-reduce, the schedule launches each model chunk's gradient reductions at once, "
+         "at the same time on every pipeline stage; off: each bucket as its backward ends (Megatron --no-align-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
 EpOverlap = Annotated[bool, typer.Option(
@@ -532,7 +537,8 @@ def simulate(
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
-    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
+    overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
+    overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     delay_wgrad_compute: DelayWgrad = False,
@@ -569,7 +575,8 @@ def simulate(
                           num_layers_in_first_pipeline_stage=decoder_first_pipeline_num_layers,
                           num_layers_in_last_pipeline_stage=decoder_last_pipeline_num_layers)
     try:
-        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
+                               overlap_param_gather=overlap_param_gather,
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
@@ -618,7 +625,8 @@ def compare(
     bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
-    overlap_grad_reduce: OverlapGrad = True, overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
+    overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
+    overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     delay_wgrad_compute: DelayWgrad = False,
@@ -640,7 +648,8 @@ def compare(
     from sim.simulate import compared_policies
 
     try:
-        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
+                               overlap_param_gather=overlap_param_gather,
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,

@@ -121,6 +121,8 @@ PAPER_RATIOS = {"iteration_time_s": 1.57, "optimizer_step_s": 5.8}
 def _options_text(c) -> str:
     o = c.options
     on = [name for name, flag in (("grad-reduce overlap", o.overlap_grad_reduce),
+                                  ("aligned across stages", o.overlap_grad_reduce and o.align_grad_reduce
+                                   and getattr(c, "pp", 1) > 1),
                                   ("param-gather overlap", o.overlap_param_gather),
                                   ("TP comm overlap", o.tp_comm_overlap),
                                   ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm),

@@ -362,6 +362,11 @@ class _Stage:
         self.firsts = _bucket_first_layers(ctx)
         self.completed = backward_layers(ctx.plan, ctx.spec)  # bucket index -> the layer completing it
         self.bucket_synced: dict[int, list[simpy.Event]] = {}
+        # aligned launches (`aligned`): each finished backward's (micro-batch, chunk) in order, the
+        # chunks launched, and their reductions
+        self.backwards: list[tuple[int, int]] = []
+        self.chunks_launched: set[int] = set()
+        self.chunk_syncs: list[simpy.Event] = []
         self.experts = ctx.experts
         if self.experts is not None:
             ecl = self.experts.cluster
@@ -573,6 +578,36 @@ class _Stage:
                                            record=rec.logged() if ctx.runtime_mode else None))
         return out
 
+    @property
+    def aligned(self) -> bool:
+        """Whether the schedule launches this stage's gradient reductions a model chunk at a time
+        (`RunOptions.align_grad_reduce` under overlap_grad_reduce, Megatron's `grad_sync_func`).
+        Megatron-LM's pipeline schedules (megatron/core/pipeline_parallel/schedules.py): interleaved,
+        chunk c's `start_grad_sync` (every bucket at once) after backward step k_c + r of rank r,
+        k_c the step of the chunk's last micro-batch, those past the last step at the end; plain
+        1F1B, rank 0 keeps the backward hooks and the others launch everything after their last
+        backward, in the bubble; without pipelining nothing changes (no schedule function)."""
+        o = self.ctx.options
+        return o.overlap_grad_reduce and o.align_grad_reduce and len(self.all_ranks) > 1 and \
+            (self.vp > 1 or self.stage > 0)
+
+    def chunk_grad_syncs(self, c: int) -> list[simpy.Event]:
+        """Chunk `c`'s `start_grad_sync`: the reductions of the buckets its layers complete, all
+        enqueued now, in bucket order (last layers first)."""
+        self.chunks_launched.add(c)
+        out: list[simpy.Event] = []
+        for k in reversed(self.chunk_list[c]):
+            out += self.grad_syncs(self.ctx.work.layer_ids[k])
+        return out
+
+    def aligned_launch(self, mb: int, c: int) -> None:
+        """After the backward of micro-batch `mb` on chunk `c` (`aligned`): the chunk whose last
+        micro-batch ran `stage` backward steps ago is launched."""
+        self.backwards.append((mb, c))
+        j = len(self.backwards) - 1 - self.stage
+        if j >= 0 and self.backwards[j][0] == self.micro_batches - 1:
+            self.chunk_syncs += self.chunk_grad_syncs(self.backwards[j][1])
+
     def chunks(self) -> list[list[int]]:
         """Per model chunk, the indices into the stage's work of its layers (one chunk at vp 1)."""
         work = self.ctx.work
@@ -587,6 +622,7 @@ class _Stage:
         pp = len(self.all_ranks)
         needed = self.param_gathers()
         self.chunk_list = self.chunks()
+        self.micro_batches = micro_batches
         syncs: list[simpy.Event] = []
         if ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None:
             # Megatron's combined 1F1B: one micro-batch(-chunk)'s forward beside another's backward
@@ -600,6 +636,11 @@ class _Stage:
         if not ctx.options.overlap_grad_reduce:
             for layer in reversed(ctx.work.layer_ids):
                 syncs += self.grad_syncs(layer)
+        elif self.aligned:  # the chunks not launched yet, in chunk order ("any remaining grad reductions")
+            for c in range(vp):
+                if c not in self.chunks_launched:
+                    self.chunk_syncs += self.chunk_grad_syncs(c)
+            syncs += self.chunk_syncs
         for rec in ctx.dp_records(BACKWARD):  # Megatron reduces AdamW's in backward (the runtime: in step())
             if rec.bucket is None:
                 syncs += self.collective_record(rec).values()
@@ -660,15 +701,18 @@ class _Stage:
 
     def backward_layer_done(self, mb: int, k: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
         """After layer `k`'s backward: the last micro-batch's completes buckets, reduced at once
-        under --overlap-grad-reduce."""
-        if mb == micro_batches - 1 and self.ctx.options.overlap_grad_reduce:
+        under --overlap-grad-reduce (by the backward hooks: not where the schedule launches them, `aligned`)."""
+        if mb == micro_batches - 1 and self.ctx.options.overlap_grad_reduce and not self.aligned:
             syncs += self.grad_syncs(self.ctx.work.layer_ids[k])
 
     def backward_end(self, mb: int, c: int) -> None:
-        """After chunk `c`'s first layer: the embedding's gradient, or the send to the stage before."""
+        """After chunk `c`'s first layer: the embedding's gradient, the gradient reductions the
+        schedule launches there (`aligned`), the send to the stage before."""
         v, _ = self.virtual(c)
         if v == 0 and self.ctx.work.embed_backward_s:
             self.compute(f"mb{mb} bwd embedding", self.ctx.work.embed_backward_s)
+        if self.aligned:
+            self.aligned_launch(mb, c)
         if v > 0:
             pp = len(self.all_ranks)
             self.send((self.stage - 1) % pp, f"mb{mb}{self._tag(c)} send gradients", self.bwd_in[v - 1][mb])

@@ -22,6 +22,13 @@ class RunOptions:
     overlap on, no activation recompute."""
 
     overlap_grad_reduce: bool = True  # bucket reduce-scatters start during the last backward
+    # Megatron's align_grad_reduce (on unless --no-align-grad-reduce; Megatron-Bridge's
+    # DistributedInitConfig.align_grad_reduce and NeMo 1.x's optim.align_grad_reduce default to it,
+    # and NeMo 1.x's Apex distributed Adam always passes its grad_sync_func): under pipeline
+    # parallelism with overlap_grad_reduce the schedule, not the backward hooks, launches each model
+    # chunk's whole gradient reduction, pipeline rank r `r` backward steps after the chunk's last
+    # micro-batch, so the ranks launch together (sim.iteration._Stage.aligned)
+    align_grad_reduce: bool = True
     overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
     # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy) or "full"
@@ -83,3 +90,5 @@ class RunOptions:
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")
+        if not isinstance(self.align_grad_reduce, bool):
+            raise SpecError(f"align_grad_reduce must be True or False, got {self.align_grad_reduce!r}")

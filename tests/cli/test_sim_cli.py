@@ -64,10 +64,11 @@ def test_simulate_tp_mode():
 
 def test_simulate_run_options_reach_the_result():
     result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
-                 "--reduce-scatter", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0", "--json")
+                 "--reduce-scatter", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0",
+                 "--no-align-grad-reduce", "--json")
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
-    assert d["options"] == {"overlap_grad_reduce": True, "overlap_param_gather": False, "tp_comm_overlap": False,
+    assert d["options"] == {"overlap_grad_reduce": True, "align_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                             "recompute": "full", "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,
                             "attention_backend": "fused",
