@@ -374,6 +374,9 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         "memory_bytes": float(r.memory.worst.total),
         "memory_capacity_bytes": float(r.memory_capacity_bytes),
         "fits": r.fits,
+        # whether this layout ran Megatron's EP all-to-all overlap: the question's setting only where
+        # the layout allows it (`config_of`), so a row says which it is
+        "overlap_moe_expert_parallel_comm": cfg.options.overlap_moe_expert_parallel_comm,
     }
 
 
@@ -760,6 +763,7 @@ def describe(layout: Layout) -> str:
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
     parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
+    parts += ["EP overlap"] if layout.get("overlap_moe_expert_parallel_comm") else []  # a simulated row's
     return " ".join(parts)
 
 

@@ -451,3 +451,21 @@ def test_delay_wgrad_compute_needs_the_overlap():
     error_line(invoke("simulate", *base, "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
     error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--optimizer", "adamw",
                       "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
+
+
+def test_a_search_row_says_whether_its_layout_ran_the_overlap():
+    """The search turns the asked overlap on only where the layout allows it (`config_of`): each
+    simulated row says which it ran, and its one-line description names it, so a layout without
+    it (PP 2 without a virtual pipeline here) is not read as overlapped."""
+    from sim.search import Question, config_of, describe, run_one
+
+    q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16,
+                 overlap_moe_expert_parallel_comm=True)
+    rows = {}
+    for pp, ep in ((1, 16), (2, 8)):
+        layout = {"tp": 1, "pp": pp, "vp": 1, "cp": 1, "ep": ep, "micro_batch": 1, "recompute": "none",
+                  "dp": 16 // pp}
+        rows[pp] = run_one(config_of(q, layout), layout)
+    assert rows[1]["overlap_moe_expert_parallel_comm"] is True
+    assert rows[2]["overlap_moe_expert_parallel_comm"] is False
+    assert describe(rows[1]).endswith(" EP overlap") and "overlap" not in describe(rows[2])
