@@ -457,7 +457,7 @@ def test_a_search_row_says_whether_its_layout_ran_the_overlap():
     """The search turns the asked overlap on only where the layout allows it (`config_of`): each
     simulated row says which it ran, and its one-line description names it, so a layout without
     it (PP 2 without a virtual pipeline here) is not read as overlapped."""
-    from sim.search import Question, config_of, describe, run_one
+    from sim.search import Question, config_of, describe, not_in_plan, run_one
 
     q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16,
                  overlap_moe_expert_parallel_comm=True)
@@ -469,6 +469,11 @@ def test_a_search_row_says_whether_its_layout_ran_the_overlap():
     assert rows[1]["overlap_moe_expert_parallel_comm"] is True
     assert rows[2]["overlap_moe_expert_parallel_comm"] is False
     assert describe(rows[1]).endswith(" EP overlap") and "overlap" not in describe(rows[2])
+    # the launcher's setting, not the plan file's
+    assert "--overlap-moe-expert-parallel-comm (Megatron's)" in not_in_plan(rows[1])
+    assert not any("overlap" in x for x in not_in_plan(rows[2]))
+    assert "--overlap-moe-expert-parallel-comm --delay-wgrad-compute (Megatron's)" in not_in_plan(
+        {**rows[1], "delay_wgrad_compute": True})
 
 
 def test_delayed_weight_gradients_in_a_steps_left_backward_layers():
