@@ -700,7 +700,7 @@ def search(
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
-    delay_wgrad_compute: DelayWgrad = False,
+    delay_wgrad_compute: DelayWgrad = False, tp_comm_overlap: TpOverlap = True,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -726,7 +726,7 @@ def search(
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
                                                           moe_hybridep_num_sms)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                            delay_wgrad_compute=delay_wgrad_compute)
+                            delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

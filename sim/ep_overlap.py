@@ -35,7 +35,8 @@ default; Megatron-Bridge's performance scripts turn it on with the overlap, `_se
 overrides`): off, the experts' weight gradients are computed inside `mlp_bwd`, before the backward's
 dispatch; on, `mlp_bwd` computes the data gradients, the dispatch gradient waits for them only, and
 `mlp_bwd_dw` (the experts' weight-gradient GEMMs, `Block.wgrad_s`) runs on the compute stream under
-it; a backward layer run alone keeps that order (`_backward_alone`). Megatron also delays the
+it; a backward layer run alone keeps that order (`_backward_alone`, and a step's backward layers
+left past its forward's under unequal chunks). Megatron also delays the
 attention's weight gradients to the end of the pair (the same compute stream, so only the first
 layer's, after the sends, would move: not modelled).
 
@@ -272,9 +273,17 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
         _layer_pair(stage, f, kf, b, kb, needed, fmb, bmb)
         with b:
             stage.backward_layer_done(bmb, kb, micro_batches, syncs)
-    with b:  # chunks of unequal sizes: the backward's layers left, then the forward's
-        for kb in backward[paired:]:
-            stage.backward_layer(bmb, kb, micro_batches, syncs)
+    # chunks of unequal sizes: the backward's layers left, then the forward's. Megatron runs each
+    # left backward layer as a pair without a forward (`TransformerLayerSchedulePlan.run(None,
+    # b_layer)`), so under delay_wgrad_compute in the delayed order, as `_backward_alone`
+    for kb in backward[paired:]:
+        if stage.ctx.options.delay_wgrad_compute:
+            _layer_pair(stage, None, None, b, kb, needed, None, bmb)
+            with b:
+                stage.backward_layer_done(bmb, kb, micro_batches, syncs)
+        else:
+            with b:
+                stage.backward_layer(bmb, kb, micro_batches, syncs)
     with f:
         for kf in forward[paired:]:
             stage.forward_layer(fmb, kf, needed)

@@ -344,6 +344,9 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
         out.append(f"recompute {row['recompute']}")
     if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
         out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
+    if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
+        out.append("--overlap-moe-expert-parallel-comm" + (" --delay-wgrad-compute" if row.get("delay_wgrad_compute")
+                                                           else "") + " (Megatron's)")
     if row["fell_back_to"] == DENSE_FALLBACK:
         out.append("canzona's experts with zero1-gather's dense part (two plans)")
     return out
@@ -374,6 +377,10 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         "memory_bytes": float(r.memory.worst.total),
         "memory_capacity_bytes": float(r.memory_capacity_bytes),
         "fits": r.fits,
+        # whether this layout ran Megatron's EP all-to-all overlap: the question's setting only where
+        # the layout allows it (`config_of`), so a row says which it is
+        "overlap_moe_expert_parallel_comm": cfg.options.overlap_moe_expert_parallel_comm,
+        "delay_wgrad_compute": cfg.options.delay_wgrad_compute,
     }
 
 
@@ -760,6 +767,7 @@ def describe(layout: Layout) -> str:
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
     parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
+    parts += ["EP overlap"] if layout.get("overlap_moe_expert_parallel_comm") else []  # a simulated row's
     return " ".join(parts)
 
 

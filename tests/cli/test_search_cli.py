@@ -68,3 +68,22 @@ def test_table_and_plan_line():
 ])
 def test_bad_input_is_one_line(args, needle):
     error_line(invoke("search", *args), needle)
+
+
+@pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap"])
+def test_run_settings_of_the_question_are_options_as_in_simulate(name):
+    """The run settings `Question` carries that `simulate` and `compare` take are `search` options
+    of the same name and default (`--tp-comm-overlap` was a Question field no command line set)."""
+    import inspect
+
+    from cli import main
+
+    defaults = {c: inspect.signature(getattr(main, c)).parameters[name].default
+                for c in ("simulate", "compare", "search")}
+    assert len(set(defaults.values())) == 1, defaults
+
+
+def test_no_tp_comm_overlap_reaches_the_question():
+    r = invoke("search", *SMALL, "--top", 1, "--no-tp-comm-overlap", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["tp_comm_overlap"] is False

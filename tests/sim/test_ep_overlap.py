@@ -451,3 +451,48 @@ def test_delay_wgrad_compute_needs_the_overlap():
     error_line(invoke("simulate", *base, "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
     error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--optimizer", "adamw",
                       "--delay-wgrad-compute"), "needs --overlap-moe-expert-parallel-comm")
+
+
+def test_a_search_row_says_whether_its_layout_ran_the_overlap():
+    """The search turns the asked overlap on only where the layout allows it (`config_of`): each
+    simulated row says which it ran, and its one-line description names it, so a layout without
+    it (PP 2 without a virtual pipeline here) is not read as overlapped."""
+    from sim.search import Question, config_of, describe, not_in_plan, run_one
+
+    q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16,
+                 overlap_moe_expert_parallel_comm=True)
+    rows = {}
+    for pp, ep in ((1, 16), (2, 8)):
+        layout = {"tp": 1, "pp": pp, "vp": 1, "cp": 1, "ep": ep, "micro_batch": 1, "recompute": "none",
+                  "dp": 16 // pp}
+        rows[pp] = run_one(config_of(q, layout), layout)
+    assert rows[1]["overlap_moe_expert_parallel_comm"] is True
+    assert rows[2]["overlap_moe_expert_parallel_comm"] is False
+    assert describe(rows[1]).endswith(" EP overlap") and "overlap" not in describe(rows[2])
+    # the launcher's setting, not the plan file's
+    assert "--overlap-moe-expert-parallel-comm (Megatron's)" in not_in_plan(rows[1])
+    assert not any("overlap" in x for x in not_in_plan(rows[2]))
+    assert "--overlap-moe-expert-parallel-comm --delay-wgrad-compute (Megatron's)" in not_in_plan(
+        {**rows[1], "delay_wgrad_compute": True})
+
+
+def test_delayed_weight_gradients_in_a_steps_left_backward_layers():
+    """Unequal chunks (the embedding and the loss counted as layers): a step whose backward chunk
+    has more layers than its forward one runs the backward's left layers alone, as Megatron's
+    `TransformerLayerSchedulePlan.run(None, b_layer)`, so under delay_wgrad_compute each keeps the
+    delayed order: every micro-batch's every expert layer has its weight gradients apart, and the
+    dispatch gradient leaves when the data gradients end."""
+    from canzona.pipeline import PipelineSplit
+
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    big = replace(SMALL, layers=6)  # 6 + 2 = 8 slots in 4 chunks of 2: the first and the last chunk one layer
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=32), gpu_variability=0.0,
+                    pipeline_split=split,
+                    options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    r = simulate(cfg, model=(build_decoder(big), big.architecture()))
+    wgrad = sorted(s.name for s in r.spans if s.name.endswith("experts wgrad"))
+    assert wgrad == sorted(f"mb{mb} bwd layer {k}.experts wgrad" for mb in range(M) for k in range(6))
+    for s in (s for s in r.spans if s.stream == "compute" and s.name.endswith(".experts") and " bwd " in s.name):
+        gradient = next(g for g in r.spans if g.rank == s.rank and g.name == f"{s.name} combine")
+        assert gradient.start == pytest.approx(s.end, abs=1e-12), s.name
