@@ -223,6 +223,9 @@ class MemorySetup:
     # expert tensor parallelism (Megatron's expert_tensor_parallel_size): the routed tokens are
     # gathered over the ETP group before the column-parallel fc1, whose saved input grows by it
     expert_tp: int = 1
+    # Megatron's EP all-to-all overlap (`overlap_moe_expert_parallel_comm`, sim.ep_overlap): the
+    # combined 1F1B schedule pairs a forward layer with a backward one, the forward's built first
+    ep_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "expert_tp"):
@@ -237,6 +240,8 @@ class MemorySetup:
                             f"{'' if self.master_weights else ' without masters'}")
         if not isinstance(self.bias_activation_fusion, bool):
             raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
+        if not isinstance(self.ep_overlap, bool):
+            raise SpecError(f"ep_overlap must be true or false, got {self.ep_overlap!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -562,6 +567,16 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       (`canzona.pipeline.peak_layers_in_flight`);
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
       under selective-op, what one layer recomputes beside what it saved;
+    - `ep_overlap_layer`: under Megatron's EP all-to-all overlap (`setup.ep_overlap`), one layer
+      more. Its combined 1F1B schedule (`canzona.pipeline.combined_order`) runs one warm-up forward
+      more than the schedule above, alone, so at the granularity of micro-batch-chunks it holds the
+      same peak (the first steady forward of the plain schedule also runs before its backward);
+      inside a step it pairs forward layer i with backward layer n - 1 - i and runs the forward's
+      attention and experts before the backward's attention frees its layer
+      (`TransformerLayerSchedulePlan.run`, sim.ep_overlap): one layer's activations beyond that
+      peak. Megatron-LM's measurements of a DeepSeek-V3 proxy (14 layers, TP 1, PP 4, EP 16, no
+      recompute) agree that the overlap holds no micro-batch more: 70,279 MB peak allocated with
+      it (PR #6429) against 68,704 MB without (PR #6311), 2.3% more;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
     - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
       copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
@@ -584,6 +599,7 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     out = {
         "layers": held * layer_activation_bytes(dims, setup, tp),
         "recompute_working_set": _recompute_working_set(dims, setup, tp),
+        "ep_overlap_layer": layer_activation_bytes(dims, setup, tp) if setup.ep_overlap else 0.0,
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }

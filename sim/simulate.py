@@ -654,7 +654,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
-                                      overlap_step=cfg.options.overlap_step, expert_tp=cfg.etp)
+                                      overlap_step=cfg.options.overlap_step, expert_tp=cfg.etp,
+                                      ep_overlap=cfg.options.overlap_moe_expert_parallel_comm)
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):

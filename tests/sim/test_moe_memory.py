@@ -11,8 +11,10 @@ from dataclasses import replace
 import pytest
 
 from canzona.errors import SpecError
-from canzona.memory import MOE_ROUTER_MAP_BYTES, LayerDims, MemorySetup, layer_activation_bytes
+from canzona.memory import (MOE_ROUTER_MAP_BYTES, LayerDims, MemorySetup, activation_breakdown,
+                            layer_activation_bytes)
 from canzona.models import resolve_model
+from canzona.pipeline import combined_order, peak_in_flight
 from sim import published
 from sim.simulate import layer_dims
 
@@ -55,8 +57,8 @@ def test_catalog_moe_dims_carry_the_router():
 
 
 def test_tuned_30b_row_against_its_published_peak():
-    """The tuned row's activations are the dense terms plus 48 layers of the MoE terms for one
-    micro-batch of 4096 tokens (PP 1, TP 1); its counted tensors (the total less the allowance for
+    """The tuned row's activations are the dense terms plus the MoE terms of 48 layers of one
+    micro-batch of 4096 tokens (PP 1, TP 1), and one layer more (its EP overlap); its counted tensors (the total less the allowance for
     what torch's allocator does not count: CUDA context, NCCL, fragmentation) stay below the
     published peak allocated memory, 62.166 GiB a GPU (Megatron-Bridge PR #5123)."""
     r = published.compare_run(BY_ID["qwen3-30b-a3b-16xh100-mb-perf"])
@@ -69,7 +71,8 @@ def test_tuned_30b_row_against_its_published_peak():
     moe = K * H * e + 9 * E
     # the final norm's and head's inputs and the bf16 logits (TE's fused cross-entropy keeps no copy)
     head = tokens * 2 * e * H + tokens * vocab * e
-    assert m["activations"] == math.ceil(L * tokens * (dense + moe) + head)
+    # 48 layers of one micro-batch, and one more under the EP overlap (the combined schedule's pair)
+    assert m["activations"] == math.ceil((L + 1) * tokens * (dense + moe) + head)
     assert L * tokens * moe / GIB == pytest.approx(6.21, abs=0.01)
     counted = m["total"] - m["overhead"]
     assert counted <= 62.166 * GIB, counted / GIB
@@ -88,3 +91,41 @@ def test_bad_moe_dims_are_one_line_errors(kw):
 def test_bad_expert_tp_is_one_line_error():
     with pytest.raises(SpecError, match="expert tp must be a whole number >= 1"):
         MemorySetup(expert_tp=0)
+
+
+def _combined_peak(stage: int, pp: int, micro_batches: int, vp: int) -> int:
+    """Micro-batch-chunks held between the combined schedule's steps, its fullest such moment
+    (inside a step a forward layer is paired with a backward one: at most one layer more, which
+    is the extra layer counted)."""
+    held = peak = 0
+    for f, b in combined_order(stage, pp, micro_batches, vp):
+        held += (f is not None) - (b is not None)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp,vp,m", [(1, 1, 1), (1, 1, 64), (2, 2, 4), (4, 2, 8), (8, 4, 16), (8, 4, 64), (4, 3, 4)])
+def test_combined_schedule_holds_the_plain_schedules_chunks(pp, vp, m):
+    """Megatron's combined 1F1B runs one warm-up forward more than the plain (interleaved)
+    schedule, alone; its fullest moment in micro-batch-chunks is the plain schedule's
+    (`canzona.pipeline.peak_in_flight`), which is why the EP overlap adds one layer, not a chunk."""
+    for stage in range(pp):
+        assert _combined_peak(stage, pp, m, vp) == peak_in_flight(stage, pp, m, vp), stage
+
+
+def test_ep_overlap_adds_one_layer():
+    setup = MemorySetup(seq_len=4096, micro_batches=64)
+    plain = activation_breakdown(MOE, setup, 1)
+    overlap = activation_breakdown(MOE, replace(setup, ep_overlap=True), 1)
+    one_layer = layer_activation_bytes(MOE, setup, 1)
+    assert overlap["ep_overlap_layer"] == one_layer and plain["ep_overlap_layer"] == 0
+    assert sum(overlap.values()) - sum(plain.values()) == one_layer
+    assert plain["layers"] == L * one_layer  # PP 1: one micro-batch's 48 layers
+    r = published.compare_run(BY_ID["qwen3-30b-a3b-16xh100-mb-perf"])
+    f = published.compare_run(BY_ID["qwen3-30b-a3b-16xh100-mb"])  # the same layout without the overlap
+    assert r.memory["activations"] - f.memory["activations"] == pytest.approx(one_layer, abs=1)
+
+
+def test_bad_ep_overlap_is_one_line_error():
+    with pytest.raises(SpecError, match="ep_overlap must be true or false"):
+        MemorySetup(ep_overlap=1)
