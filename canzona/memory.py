@@ -26,7 +26,8 @@ what the simulator reports under `--ep`); with ETP 1, at TP 1 and with a TP-spli
 TP 2 x EP 2), every persistent component and the reduce-scatter buffers are those the runtime
 allocates, rank by rank (`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
 model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
-counts the routed copies' gate / up outputs and product, not the dispatched inputs themselves).
+counts the routed copies' gate / up outputs and product, and the dispatched copies the grouped fc1
+saves with the router's maps: `_moe_saved_bytes`).
 
 `memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
 rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.

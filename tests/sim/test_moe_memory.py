@@ -11,8 +11,13 @@ from dataclasses import replace
 import pytest
 
 from canzona.errors import SpecError
-from canzona.memory import (MOE_ROUTER_MAP_BYTES, LayerDims, MemorySetup, activation_breakdown,
-                            layer_activation_bytes)
+from canzona.memory import (
+    MOE_ROUTER_MAP_BYTES,
+    LayerDims,
+    MemorySetup,
+    activation_breakdown,
+    layer_activation_bytes,
+)
 from canzona.models import resolve_model
 from canzona.pipeline import combined_order, peak_in_flight
 from sim import published
