@@ -26,7 +26,8 @@ what the simulator reports under `--ep`); with ETP 1, at TP 1 and with a TP-spli
 TP 2 x EP 2), every persistent component and the reduce-scatter buffers are those the runtime
 allocates, rank by rank (`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
 model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
-counts the routed copies' gate / up outputs and product, not the dispatched inputs themselves).
+counts the routed copies' gate / up outputs and product, and the dispatched copies the grouped fc1
+saves with the router's maps: `_moe_saved_bytes`).
 
 `memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
 rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.
@@ -137,11 +138,22 @@ class LayerDims:
     gated_mlp: bool = False  # SwiGLU: gate and up projections feed an elementwise product
     dropout: bool = True  # 1-byte dropout masks (the paper's GPT); Qwen3 trains without dropout
     qk_norm: bool = False  # per-head norms on q and k store their inputs
+    # a mixture-of-experts MLP (0: a dense MLP): the router's width and the experts each token is
+    # routed to; `ffn` is then experts_per_token x one expert's width (`sim.simulate.layer_dims`)
+    experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "q_heads", "ffn", "vocab"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise SpecError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
+        for name in ("experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise SpecError(f"{name} must be a whole number >= 0, got {value!r}")
+        if (self.experts == 0) != (self.experts_per_token == 0) or self.experts_per_token > self.experts:
+            raise SpecError(f"a mixture-of-experts layer routes each token to 1..experts of its experts: got "
+                            f"experts_per_token {self.experts_per_token} of {self.experts} experts")
         for name in ("kv_heads", "head_dim"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
@@ -209,9 +221,15 @@ class MemorySetup:
     # Megatron's bias_activation_fusion (sim.workload.Workload): off, its unfused SwiGLU saves the
     # silu output and the offset-added up half besides fc1's output (sim.unfused_kernels)
     bias_activation_fusion: bool = True
+    # expert tensor parallelism (Megatron's expert_tensor_parallel_size): the routed tokens are
+    # gathered over the ETP group before the column-parallel fc1, whose saved input grows by it
+    expert_tp: int = 1
+    # Megatron's EP all-to-all overlap (`overlap_moe_expert_parallel_comm`, sim.ep_overlap): the
+    # combined 1F1B schedule pairs a forward layer with a backward one, the forward's built first
+    ep_overlap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes"):
+        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "expert_tp"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
@@ -223,6 +241,8 @@ class MemorySetup:
                             f"{'' if self.master_weights else ' without masters'}")
         if not isinstance(self.bias_activation_fusion, bool):
             raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
+        if not isinstance(self.ep_overlap, bool):
+            raise SpecError(f"ep_overlap must be true or false, got {self.ep_overlap!r}")
         check_recompute(self.recompute)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
@@ -470,6 +490,8 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
         sharded += 2 * e * dims.ffn
     if dims.qk_norm:
         sharded += e * (q + kv)
+    if dims.experts_per_token:  # a token's routed copies and its router's maps, per token of the TP rank
+        replicated += _moe_saved_bytes(dims, setup, li)
     if recompute == "none":
         sharded += 4 * a if setup.flash_attention else a * s * ((2 * e + 1) if dims.dropout else e)
         # Under FP8 the output projection saves the FP8 cast of its input (TE's `_Linear.forward` saves
@@ -487,6 +509,33 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
         if setup.fp8 and setup.flash_attention:
             sharded += e * q
     return tokens * (replicated / sp_div + sharded / tp)
+
+
+# What a mixture-of-experts layer saves beyond a dense MLP's terms (whose `ffn` counts the routed
+# copies' gate / up outputs and their product), per token the TP rank routes (its sequence-parallel
+# share: every TP rank dispatches its own tokens, `sim.model_work`):
+# - the routed copies themselves, `experts_per_token x hidden` a token, as the grouped fc1 keeps
+#   them for its weight gradient: Transformer Engine's `_GroupedLinear.forward` saves `*inputmats`,
+#   the dispatched (permuted) tokens split per expert, as its FP8 cast under FP8 and as they are in
+#   bf16 (transformer_engine/pytorch/module/grouped_linear.py, NVIDIA/TransformerEngine); under
+#   expert TP the copies are first gathered over the ETP group (Megatron-LM
+#   `token_dispatcher.py`, `gather_from_sequence_parallel_region` over the expert TP group), so a
+#   rank saves `expert_tp` times its own. The dispatch's and permutation's own outputs before fc1
+#   are freed (their backward needs only the routing handle), so the copies count once.
+# - the router's maps over all `experts`, from Transformer Engine's fused router
+#   (transformer_engine/pytorch/router.py, Megatron's `moe_router_fusion`): the top-k with its score
+#   function saves the routing map (bool, 1 byte an expert) and its fp32 intermediate output, and
+#   the aux loss's scores save another fp32 intermediate (`FusedComputeScoresForMoEAuxLoss`); the
+#   aux loss itself keeps only per-expert counts. 9 bytes an expert and token. An **assumption**
+#   for a recipe without the fused router or the aux loss (the unfused one keeps more), and for
+#   runtimes other than Megatron's (NeMo AutoModel's routers), which keep maps of the same size.
+MOE_ROUTER_MAP_BYTES = 1 + FP32 + FP32
+
+
+def _moe_saved_bytes(dims: LayerDims, setup: MemorySetup, linear_input_bytes: int) -> int:
+    """Bytes a mixture-of-experts layer saves per token beyond the dense terms (see above)."""
+    routed = linear_input_bytes * dims.experts_per_token * dims.hidden * setup.expert_tp
+    return routed + MOE_ROUTER_MAP_BYTES * dims.experts
 
 
 def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: int) -> float:
@@ -519,6 +568,16 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       (`canzona.pipeline.peak_layers_in_flight`);
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
       under selective-op, what one layer recomputes beside what it saved;
+    - `ep_overlap_layer`: under Megatron's EP all-to-all overlap (`setup.ep_overlap`), one layer
+      more. Its combined 1F1B schedule (`canzona.pipeline.combined_order`) runs one warm-up forward
+      more than the schedule above, alone, so at the granularity of micro-batch-chunks it holds the
+      same peak (the first steady forward of the plain schedule also runs before its backward);
+      inside a step it pairs forward layer i with backward layer n - 1 - i and runs the forward's
+      attention and experts before the backward's attention frees its layer
+      (`TransformerLayerSchedulePlan.run`, sim.ep_overlap): one layer's activations beyond that
+      peak. Megatron-LM's measurements of a DeepSeek-V3 proxy (14 layers, TP 1, PP 4, EP 16, no
+      recompute) agree that the overlap holds no micro-batch more: 70,279 MB peak allocated with
+      it (PR #6429) against 68,704 MB without (PR #6311), 2.3% more;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
     - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
       copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
@@ -541,6 +600,7 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     out = {
         "layers": held * layer_activation_bytes(dims, setup, tp),
         "recompute_working_set": _recompute_working_set(dims, setup, tp),
+        "ep_overlap_layer": layer_activation_bytes(dims, setup, tp) if setup.ep_overlap else 0.0,
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }

@@ -291,7 +291,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     spec, arch = model
     dims = layer_dims(arch, spec)
     wl = cfg.workload
-    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute,
+    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, expert_tp=cfg.etp,
+                                      ep_overlap=cfg.options.overlap_moe_expert_parallel_comm,
                                       micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp)))
     if cfg.cp > 1:  # each GPU holds its CP rank's seq / cp tokens of a micro-batch (as the simulator)
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)

@@ -313,8 +313,9 @@ def layer_dims(arch: Architecture, spec: ModelSpec) -> LayerDims:
     # intermediate_size is one expert's)
     ffn = round(arch.moe[1] * expert_width(spec, arch.moe, arch.hidden)) if arch.moe and expert_params(spec) \
         else arch.require("ffn")
+    experts, per_token = arch.moe if arch.moe and expert_params(spec) else (0, 0)
     return LayerDims(arch.layers, arch.hidden, q_heads, ffn, arch.vocab, kv_heads, head_dim,
-                     gated_mlp=True, dropout=False, qk_norm=qk_norm)
+                     gated_mlp=True, dropout=False, qk_norm=qk_norm, experts=experts, experts_per_token=per_token)
 
 
 @dataclass(frozen=True)
@@ -653,7 +654,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
-                                      overlap_step=cfg.options.overlap_step)
+                                      overlap_step=cfg.options.overlap_step, expert_tp=cfg.etp,
+                                      ep_overlap=cfg.options.overlap_moe_expert_parallel_comm)
     if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
         setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
     for stage in range(cfg.pp):
