@@ -143,7 +143,7 @@ def test_fp8_attention_output_is_held_by_the_attention_and_by_the_projection(mod
     dims = layer_dims(arch, spec)
     q, a, e = dims.q_dim, dims.q_heads, 2
     for tp in (1, 2):
-        def layer(**kw):
+        def layer(tp=tp, **kw):  # this iteration's TP, bound at definition
             return layer_activation_bytes(dims, MemorySetup(seq_len=SEQ, **kw), tp)
         # what selective recompute drops: the log-sum-exp, and under FP8 the attention's bf16 output
         assert layer(fp8=True) - layer(fp8=True, recompute="selective") == pytest.approx(SEQ * (4 * a + e * q) / tp)
