@@ -701,6 +701,11 @@ def search(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
     delay_wgrad_compute: DelayWgrad = False, tp_comm_overlap: TpOverlap = True,
+    fp8_recipe: Fp8Recipe = "delayed", attention_backend: AttentionBackend = "fused",
+    grad_reduce_in_fp32: GradReduceInFp32 = True,
+    cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
+    store_param_remainders: StoreParamRemainders = False,
+    apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
@@ -726,7 +731,13 @@ def search(
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
                                                           moe_hybridep_num_sms)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                            delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap)
+                            delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
+                            fp8_recipe=fp8_recipe, attention_backend=attention_backend,
+                            grad_reduce_in_fp32=grad_reduce_in_fp32,
+                            cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                            cross_entropy_fusion_impl=cross_entropy_fusion_impl,
+                            store_param_remainders=store_param_remainders,
+                            apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

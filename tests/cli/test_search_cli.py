@@ -70,16 +70,21 @@ def test_bad_input_is_one_line(args, needle):
     error_line(invoke("search", *args), needle)
 
 
-@pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap"])
+@pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
+                                  "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
+                                  "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
+                                  "apply_rope_fusion", "bias_activation_fusion"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
-    """The run settings `Question` carries that `simulate` and `compare` take are `search` options
-    of the same name and default (`--tp-comm-overlap` was a Question field no command line set)."""
+    """The run settings `Question` carries are `search` options of the same name and default as
+    `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
+    settings were Question fields no command line set)."""
     import inspect
 
     from cli import main
 
-    defaults = {c: inspect.signature(getattr(main, c)).parameters[name].default
-                for c in ("simulate", "compare", "search")}
+    params = {c: inspect.signature(getattr(main, c)).parameters for c in ("simulate", "compare", "search")}
+    assert name in params["simulate"] and name in params["search"]
+    defaults = {c: p[name].default for c, p in params.items() if name in p}
     assert len(set(defaults.values())) == 1, defaults
 
 
@@ -87,3 +92,30 @@ def test_no_tp_comm_overlap_reaches_the_question():
     r = invoke("search", *SMALL, "--top", 1, "--no-tp-comm-overlap", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["tp_comm_overlap"] is False
+
+
+def test_the_recipe_settings_reach_the_question_and_the_layouts():
+    """`Question`'s recipe settings, which `simulate` takes, are set from the command line too, and
+    they change what is searched: bf16 gradient buffers take memory off every layout."""
+    settings = ("--precision", "fp8", "--fp8-recipe", "current", "--attention-backend", "flash",
+                "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te", "--store-param-remainders",
+                "--no-apply-rope-fusion", "--no-bias-activation-fusion")
+    r = invoke("search", *SMALL, "--top", 1, *settings, "--json")
+    assert r.exit_code == 0, r.stderr
+    asked = json.loads(r.stdout)
+    assert (asked["precision"], asked["fp8_recipe"], asked["attention_backend"]) == ("fp8", "current", "flash")
+    assert asked["cross_entropy_loss_fusion"] and asked["cross_entropy_fusion_impl"] == "te"
+    assert asked["store_param_remainders"] and not asked["apply_rope_fusion"] and not asked["bias_activation_fusion"]
+    rows = {}
+    for flag in ("--grad-reduce-in-fp32", "--no-grad-reduce-in-fp32"):
+        r = invoke("search", *SMALL, "--top", 1, "--optimizer", "adamw", flag, "--json")
+        assert r.exit_code == 0, r.stderr
+        rows[flag] = json.loads(r.stdout)
+    assert rows["--no-grad-reduce-in-fp32"]["grad_reduce_in_fp32"] is False
+    assert rows["--no-grad-reduce-in-fp32"]["layouts"][0]["memory_bytes"] < rows["--grad-reduce-in-fp32"]["layouts"][0]["memory_bytes"]
+
+
+def test_a_bad_recipe_setting_is_one_error_line():
+    r = invoke("search", *SMALL, "--attention-backend", "nope")
+    assert r.exit_code != 0
+    assert error_line(r).startswith("error:") and "nope" in error_line(r)
