@@ -415,16 +415,7 @@ class SearchResult:
         rows = self.ranked if top is None else self.ranked[:top]
         q = self.question
         return {
-            "model": q.model, "gpus": q.gpus, "hardware": q.hardware, "optimizer": q.optimizer,
-            "seq_len": q.seq_len, "global_batch": q.global_batch, "precision": q.precision,
-            "fp8_recipe": q.fp8_recipe, "grad_reduce_in_fp32": q.grad_reduce_in_fp32,
-            "attention_backend": q.attention_backend, "ep_dispatcher": asdict(q.ep_dispatcher),
-            "overlap_moe_expert_parallel_comm": q.overlap_moe_expert_parallel_comm,
-            "delay_wgrad_compute": q.delay_wgrad_compute, "tp_comm_overlap": q.tp_comm_overlap,
-            "apply_rope_fusion": q.apply_rope_fusion, "bias_activation_fusion": q.bias_activation_fusion,
-            "cross_entropy_loss_fusion": q.cross_entropy_loss_fusion,
-            "cross_entropy_fusion_impl": q.cross_entropy_fusion_impl,
-            "store_param_remainders": q.store_param_remainders,
+            **asdict(q),  # the whole question the layouts were searched under, every field of it
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "pruned_as_ties": self.pruned_ties,
