@@ -240,6 +240,15 @@ def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: in
         _blocks(st, bp, b_attn, 2)
 
 
+def _delayed_backward_layer(stage: _Stage, b: _Pass, mb: int, kb: int, micro_batches: int,
+                            syncs: list[simpy.Event]) -> None:
+    """Backward layer `kb` of micro-batch `mb` with no forward beside it, under
+    delay_wgrad_compute: `_layer_pair`'s order without a forward, then what its completion starts."""
+    _layer_pair(stage, None, None, b, kb, {}, None, mb)
+    with b:
+        stage.backward_layer_done(mb, kb, micro_batches, syncs)
+
+
 def _backward_alone(stage: _Stage, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
     """A backward chunk run alone under delay_wgrad_compute: each layer as `_layer_pair` orders
     it without a forward (Megatron's `TransformerLayerSchedulePlan.run` with no forward layer)."""
@@ -247,9 +256,7 @@ def _backward_alone(stage: _Stage, mb: int, c: int, micro_batches: int, syncs: l
     with b:
         stage.backward_start(mb, c)
     for kb in reversed(stage.chunk_list[c]):
-        _layer_pair(stage, None, None, b, kb, {}, None, mb)
-        with b:
-            stage.backward_layer_done(mb, kb, micro_batches, syncs)
+        _delayed_backward_layer(stage, b, mb, kb, micro_batches, syncs)
     with b:
         stage.backward_end(mb, c)
     stage.last.update(b.last)
@@ -278,9 +285,7 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
     # b_layer)`), so under delay_wgrad_compute in the delayed order, as `_backward_alone`
     for kb in backward[paired:]:
         if stage.ctx.options.delay_wgrad_compute:
-            _layer_pair(stage, None, None, b, kb, needed, None, bmb)
-            with b:
-                stage.backward_layer_done(bmb, kb, micro_batches, syncs)
+            _delayed_backward_layer(stage, b, bmb, kb, micro_batches, syncs)
         else:
             with b:
                 stage.backward_layer(bmb, kb, micro_batches, syncs)
