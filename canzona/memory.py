@@ -108,9 +108,10 @@ GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9
 # factor Megatron-LM's own estimate puts on activations for "optimizer and miscellaneous
 # temporaries" (megatron/training/theoretical_memory_usage.py, compute_activation_memory_without_sp;
 # https://github.com/NVIDIA/Megatron-LM), not a measurement. The published runs bound the two together: Llama 3.1 8B at CP 2 on 8 H100s
-# (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on an
-# 85.5 GB GPU, so its context, NCCL buffers and fragmentation took at most 3.8 GB; the former
-# allowance, 3 GB + 5% of every tensor (7.1 GB there), said it could not run.
+# (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on a GPU
+# that gives a process 84.9 GB (79.11 GiB, the H100 profile's capacity), so its context, NCCL
+# buffers and fragmentation took at most 3.2 GB; the former allowance, 3 GB + 5% of every tensor
+# (7.1 GB there), said it could not run.
 DEFAULT_FIXED_OVERHEAD = 2 * GB
 DEFAULT_FRAGMENTATION = 0.05
 

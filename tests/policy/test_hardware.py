@@ -77,7 +77,8 @@ def test_h100_datasheet_figures():
     assert p.gpu.hbm_bytes_per_s == 3.35e12
     assert p.gpu.sms == 132
     assert p.gpu.launch_s == 5e-6
-    assert p.gpu.memory_bytes == 81559 * 2**20  # NVML's capacity of the "80 GB" H100 (85.5e9 bytes)
+    # what CUDA gives a process (79.11 GiB), below NVML's 81,559 MiB total by what the driver keeps
+    assert p.gpu.memory_bytes == round(79.11 * 2**30) < 81559 * 2**20
     assert p.node.nvlink_bytes_per_s == 450e9
     assert p.node.nvlink_ring_busbw == 370e9
     assert p.node.nvls_allreduce_busbw == 480e9
@@ -93,7 +94,9 @@ def test_h200_has_h100_compute_and_more_memory_bandwidth():
     assert h200.gpu.sms == h100.gpu.sms
     assert h200.gpu.hbm_bytes_per_s > h100.gpu.hbm_bytes_per_s
     assert h200.gpu.hbm_bytes_per_s == 4.8e12
-    assert h200.gpu.memory_bytes == 143771 * 2**20 > h100.gpu.memory_bytes  # NVML's capacity of the "141 GB" H200
+    # what CUDA gives a process on the "141 GB" H200 (139.81 GiB), below NVML's 143,771 MiB
+    assert h200.gpu.memory_bytes == round(139.81 * 2**30) < 143771 * 2**20
+    assert h200.gpu.memory_bytes > h100.gpu.memory_bytes
     assert h200.node == h100.node
 
 

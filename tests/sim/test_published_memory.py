@@ -19,7 +19,7 @@ from sim.workload import Workload
 
 RUNS, _ = published.load()
 BY_ID = {r.id: r for r in RUNS}
-H100_BYTES = 81559 * 2**20  # what NVML reports of an "80 GB" H100 SXM (canzona/profiles/h100-sxm.json)
+H100_BYTES = round(79.11 * 2**30)  # what CUDA gives a process on an "80 GB" H100 SXM (canzona/profiles/h100-sxm.json)
 
 # Llama 3.1 8B (canzona/data/models/llama3-8b.json): 32 layers, h 4096, 32 query heads of 128,
 # 8 KV heads, SwiGLU FFN 14336, vocabulary 128256, untied embeddings
