@@ -23,9 +23,11 @@ What FP8 costs beside its GEMMs, each priced as a memory-bound pass by its bytes
 - the recipe's scaling. Delayed scaling (`DelayedScaling`, the only recipe of Transformer Engine 1.x
   and NeMo 24.07's; Megatron-Bridge's `bf16_with_fp8_delayed_scaling_mixed`: amax history 1024)
   takes the scale from the amax history, so a cast is one read; after each forward and each
-  backward of a micro-batch the amaxes of the stage's FP8 tensors are all-reduced over the amax
-  reduction group (Megatron's, every TP x CP x DP rank of the pipeline stage) and one fused kernel
-  rolls the histories and computes the scales. Current (per-tensor) scaling (`Float8CurrentScaling`,
+  backward of a micro-batch on each model chunk (Megatron-Core enters one `fp8_autocast` per
+  TransformerBlock call; Transformer Engine 1.x reduces at the region's exit and at the end of its
+  first module's backward) the amaxes of all the stage's FP8 tensors (TE's one global buffer) are
+  all-reduced, synchronously, over the amax reduction group (Megatron's, every TP x CP x DP rank
+  of the pipeline stage) and one fused kernel rolls the histories and computes the scales. Current (per-tensor) scaling (`Float8CurrentScaling`,
   Megatron-Bridge's "tensorwise", its performance recipes' `fp8_cs` with the first and last layers
   left in FP8) reads each tensor twice, once for its amax and once to cast it ("two tensor reads
   were needed - one to compute the amax, and one to apply the scaling", TE's FP8 delayed scaling

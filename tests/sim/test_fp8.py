@@ -12,9 +12,11 @@ from canzona.cost import DeviceRate, gemm_kernel
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.memory import FP8_WEIGHT_CACHE, MemorySetup, fp8_linear_params, layer_activation_bytes
-from sim.fp8 import CAST_BYTES, CURRENT, DELAYED, FP8Setup, check_fp8_device
+from sim.collectives import collective_cost
+from sim.fp8 import AMAX_BYTES, CAST_BYTES, CURRENT, DELAYED, FP8Setup, check_fp8_device, fp8_setup
 from sim.model_work import _blocks_of, _fp8_block, micro_batch_work
-from sim.simulate import SimConfig, layer_dims, model_of, simulate
+from sim.published import load
+from sim.simulate import SimConfig, layer_dims, model_of, simulate, stage_spec
 from sim.workload import Workload
 
 MODEL = "qwen3-0.6b"
@@ -82,6 +84,46 @@ def test_cast_and_scaling_kernels_are_present(model, rate):
     assert k.bytes == 1000 * 64 * CAST_BYTES[DELAYED] and CAST_BYTES[CURRENT] > CAST_BYTES[DELAYED]
     # weights are cast once an iteration: more micro-batches, less cast per micro-batch
     assert setup.weight_cast("w", 10**6).count == pytest.approx(1 / 4)
+
+
+def _layer_seconds(work) -> tuple[float, float]:
+    """The forward and backward seconds of every layer of one micro-batch."""
+    return (sum(b.seconds for layer in work.forward for b in layer),
+            sum(b.seconds for layer in work.backward for b in layer))
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_delayed_scaling_reduces_amaxes_once_per_model_chunk_and_pass(model, rate, chunks):
+    """Megatron-Core enters one `fp8_autocast` per TransformerBlock forward, i.e. per model chunk
+    and micro-batch (megatron/core/transformer/transformer_block.py, Megatron-Core 0.8, NeMo
+    24.07's), and Transformer Engine 1.x all-reduces the amaxes at the region's exit and once more
+    at the end of the backward of the region's first module (`reduce_and_update_fp8_tensors`,
+    `reduce_and_update_bwd_fp8_tensors`): a stage pays the all-reduce `chunks` times a micro-batch
+    in each pass, however many layers a chunk holds."""
+    reduce_s = 40e-6
+    free = _layer_seconds(_work(model, rate, FP8Setup(chunks=chunks)))
+    paid = _layer_seconds(_work(model, rate, FP8Setup(chunks=chunks, amax_reduce_s=reduce_s)))
+    assert paid[0] - free[0] == pytest.approx(chunks * reduce_s)
+    assert paid[1] - free[1] == pytest.approx(chunks * reduce_s)
+
+
+def test_amax_reduction_group_is_the_stage_across_nodes():
+    """The amax reduction group is Megatron's TP x DP (x CP) group of the stage
+    (`get_amax_reduction_group(with_context_parallel=True)`): on NeMo 24.07's Llama 2 70B layout
+    (TP 4, PP 4, DP 4 on 8 nodes) 16 ranks on two nodes, priced over the network, dearer than the
+    one-node TP group's all-reduce of one amax."""
+    runs, _ = load()
+    run = next(r for r in runs if r.id == "llama2-70b-64xh100-nemo24.07-fp8")
+    cfg = run.sim_config()
+    cluster, (spec, arch), hw = cfg.checked()
+    stage = stage_spec(spec, cfg.pp, 0, arch.layers, cfg.vp, cfg.pipeline_split)
+    setup = fp8_setup(cfg.workload, hw, cluster, stage, 0, cfg.vp)
+    group = cluster.geometry(list(cluster.stage_ranks(0)))
+    assert (group.size, group.nodes) == (cfg.tp * cluster.dp * cfg.cp, 2)
+    assert setup.chunks == 20 and setup.micro_batches == 32
+    amaxes = 3 * len(fp8_linear_params(stage)) * AMAX_BYTES
+    assert setup.amax_reduce_s == collective_cost("all-reduce", amaxes, group, hw).seconds
+    assert setup.amax_reduce_s > setup.tp_amax_s > 0
 
 
 def test_fp8_is_faster_than_bf16_but_not_twice():
