@@ -130,7 +130,8 @@ def test_published_rows_carry_what_their_recipes_set():
         else:
             assert p == ce.UNFUSED
     expected = {r.id for r in RUNS if "nemo24.07" in r.id or ("70b" in r.id and "dgxc" in r.id)} | \
-        {"qwen3-8b-16xh100-mb", "qwen3-30b-a3b-16xh100-mb", "qwen3-30b-a3b-16xh100-mb-perf"}
+        {"qwen3-8b-16xh100-mb", "qwen3-30b-a3b-16xh100-mb", "qwen3-30b-a3b-16xh100-mb-perf",
+         "qwen3-30b-a3b-16xh100-ab-no-overlap"}
     assert rem == expected
     assert all("store_param_remainders" in BY_ID[r].recipe_source for r in rem)
 

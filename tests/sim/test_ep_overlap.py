@@ -357,6 +357,27 @@ def test_the_tuned_published_row_ran_the_overlap():
     assert not functional.sim_config().options.overlap_moe_expert_parallel_comm
 
 
+def test_the_ab_row_is_the_tuned_layout_without_the_overlap():
+    """NVIDIA's EP-overlap A/B (Megatron-Bridge MoE comm-overlap skill, PR #5094's baseline): its
+    overlap-off case is the tuned row's layout, dispatcher and settings with only the overlap off;
+    its tokens follow from its step time; the simulator sees the functional row's run (whose only
+    difference, natural routing, it does not model)."""
+    runs, sources = load()
+    by_id = {r.id: r for r in runs}
+    off, perf = by_id["qwen3-30b-a3b-16xh100-ab-no-overlap"], by_id["qwen3-30b-a3b-16xh100-mb-perf"]
+    layout = ("gpus", "tp", "pp", "vp", "cp", "ep", "dp", "global_batch", "micro_batch", "seq_len", "precision",
+              "recompute", "grad_reduce_in_fp32", "ep_dispatcher", "cross_entropy_fusion_impl", "store_param_remainders")
+    assert [getattr(off, k) for k in layout] == [getattr(perf, k) for k in layout]
+    assert not off.overlap_moe_expert_parallel_comm and not off.delay_wgrad_compute
+    assert off.step_time_s == 24.7138 and off.original_value == off.step_time_s
+    assert off.seq_len * off.global_batch / off.step_time_s / off.gpus == pytest.approx(off.tokens_per_s_per_gpu,
+                                                                                          abs=1e-3)
+    assert off.sim_config() == by_id["qwen3-30b-a3b-16xh100-mb"].sim_config()
+    assert "delayed wgrad stayed disabled" in off.recipe_source and "use_precision_aware_optimizer" in off.recipe_source
+    assert sources[off.source]["url"].endswith("skills/nemo-mbridge-perf-moe-comm-overlap/SKILL.md")
+    assert "layout_not_tuned" not in sources[off.source]
+
+
 QWEN3_235B = ["qwen3-235b-a22b-256xh100-mb25.11-fp8", "qwen3-235b-a22b-256xh100-mb26.02-fp8"]
 
 

@@ -32,11 +32,17 @@ def test_every_row_is_sourced_positive_and_divisible():
 
 
 def test_cluster_totals_are_converted_per_gpu():
-    """A source's whole-cluster figure is divided by the GPU count, and the conversion says so."""
+    """A source's whole-cluster figure is divided by the GPU count, a step time (the EP-overlap
+    A/B's) turned into tokens by the metric's own definition, and the conversion says so."""
     for run in RUNS:
         if "whole cluster" in run.original_unit:
             assert run.tokens_per_s_per_gpu == pytest.approx(run.original_value / run.gpus, abs=0.01)
             assert str(run.gpus) in run.conversion
+        elif run.original_unit.startswith("s a step"):
+            assert run.original_value == run.step_time_s
+            tokens = run.seq_len * run.global_batch / run.step_time_s / run.gpus
+            assert run.tokens_per_s_per_gpu == pytest.approx(tokens, abs=1e-3)
+            assert all(str(x) in run.conversion for x in (run.seq_len, run.global_batch, run.step_time_s, run.gpus))
         else:
             assert run.tokens_per_s_per_gpu == run.original_value
 
