@@ -497,12 +497,17 @@ def search_table(result, top: int) -> Table:
                     f"{searched['simulated']} simulated on {searched['workers']} workers in "
                     f"{searched['wall_s']:.1f} s)")
     for name, justify in (("#", "right"), ("layout", "left"), ("step policy", "left"), ("reduce-scatter", "left"),
-                          ("iter ms", "right"), ("MFU", "right"), ("GB/GPU", "right"), ("opt ms", "right")):
+                          ("iter ms", "right"), ("MFU", "right"), ("GB/GPU", "right"), ("free GB", "right"),
+                          ("opt ms", "right")):
         t.add_column(name, justify=justify, no_wrap=name != "step policy")
     for row in s["layouts"]:
         policy = row["policy"] + (f" (fell back to {row['fell_back_to']})" if row["fell_back_to"] else "")
+        # what the fullest GPU leaves of the capacity beside the memory model's allowance (docs/design.md
+        # §7.1): a layout with little free rests on that allowance, an assumption, to run at all
+        free = (row["memory_capacity_bytes"] - row["memory_bytes"]) / 1e9
         t.add_row(str(row["rank"]), describe(row), policy, row["reduce_scatter"], _ms(row["iteration_time_s"]),
-                  f"{row['mfu'] * 100:.1f}%", f"{row['memory_bytes'] / 1e9:.1f}", _ms(row["optimizer_step_s"]))
+                  f"{row['mfu'] * 100:.1f}%", f"{row['memory_bytes'] / 1e9:.1f}", f"{free:.1f}",
+                  _ms(row["optimizer_step_s"]))
     if len(s["layouts"]) > searched["exact_top"]:
         t.caption = (f"The first {searched['exact_top']} are the exhaustive search's; below them, the fastest of those "
                      "simulated (a layout pruned by the time floor may be faster).")

@@ -33,7 +33,7 @@ def test_json_schema(as_json):
     for i, row in enumerate(as_json["layouts"]):
         assert row["rank"] == i + 1
         for key in ("tp", "pp", "vp", "ep", "dp", "micro_batch", "recompute", "policy", "reduce_scatter",
-                    "iteration_time_s", "mfu", "memory_bytes", "fits", "optimizer_step_s", "plan_command",
+                    "iteration_time_s", "mfu", "memory_bytes", "memory_capacity_bytes", "fits", "optimizer_step_s", "plan_command",
                     "not_in_plan"):
             assert key in row
         assert row["fits"]
@@ -52,9 +52,15 @@ def test_plan_command_of_the_best_runs(as_json, tmp_path):
     assert out.exists()
 
 
-def test_table_and_plan_line():
+def test_table_and_plan_line(as_json):
     r = invoke("search", *SMALL, "--top", 2)
     assert r.exit_code == 0, r.stderr
+    # each layout's memory and what it leaves free of the GPU's capacity, as --json gives them
+    assert "GB/GPU" in r.stdout and "free GB" in r.stdout
+    best = as_json["layouts"][0]
+    cells = [c.strip() for c in next(line for line in r.stdout.splitlines() if line.lstrip("│ ").startswith("1 ")).split("│")]
+    free = f"{(best['memory_capacity_bytes'] - best['memory_bytes']) / 1e9:.1f}"
+    assert f"{best['memory_bytes'] / 1e9:.1f}" in cells and free in cells, cells
     assert "best: canzona plan --model qwen3-0.6b" in r.stdout
     assert "--out plan.json" in r.stdout
 
