@@ -136,6 +136,7 @@ def _split(blocks: Sequence[Block]) -> tuple[tuple[Block, ...], Block | None, tu
     it. A layer without experts: its last block (forward; first in backward) stands for `mlp`."""
     for i, b in enumerate(blocks):
         if b.ep_bytes:
+            assert b.recompute is None  # full recompute is refused with the overlap (check_ep_overlap)
             return tuple(blocks[:i]), b, tuple(blocks[i + 1:])
     return (), None, tuple(blocks)
 

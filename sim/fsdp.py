@@ -225,19 +225,25 @@ class _FsdpRun:
             last = self.engine.env.all_of([last, gathered])
             for b in blocks:
                 label = f"{name}.{b.name.rsplit('.', 1)[-1]}"
-                if not b.ep_bytes:
-                    last = self.engine.compute(0, label, b.seconds, [last])
-                    continue
-                dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw)
-                held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
-                last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
-                last = self.engine.compute(0, label, b.seconds, [last])
-                last = self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
+                if b.recompute is not None:  # full recompute: the forward block again first, with its collectives
+                    last = self._expert_pass(f"{label} recompute", b.recompute, last)
+                last = self._expert_pass(label, b, last)
             return last
         last = self.engine.env.all_of([last, gathered])
         for b in blocks:
             last = self._tp_block(f"{name}.{b.name.rsplit('.', 1)[-1]}", b, gathers_input, last)
         return last
+
+    def _expert_pass(self, label: str, b: Block, last: simpy.Event) -> simpy.Event:
+        """Block `b` on rank 0 at TP 1 after `last`: an expert block between its dispatch and
+        combine (on the EP stream, as `sim.iteration._Stage.block`), any other its compute alone."""
+        if not b.ep_bytes:
+            return self.engine.compute(0, label, b.seconds, [last])
+        dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw)
+        held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
+        last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
+        last = self.engine.compute(0, label, b.seconds, [last])
+        return self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
 
     def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event) -> simpy.Event:
         """A sequence-parallel block on rank 0 (TP > 1) as the ZeRO-1 layout runs it
@@ -245,6 +251,7 @@ class _FsdpRun:
         reduce-scatter of the output; overlapped as Transformer Engine's TP communication overlap
         does (`tp_comm_overlap`), or in series."""
         eng = self.engine
+        assert b.recompute is None  # only expert blocks re-run collectives, and FSDP runs experts at TP 1 (check_fsdp)
         if not b.tp_collectives:
             return eng.compute(0, name, b.seconds, [last])
         if not self.cfg.options.tp_comm_overlap:

@@ -403,6 +403,8 @@ class _Stage:
         """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
         overlapped as Transformer Engine's TP communication overlap does, or in series."""
         ctx, ranks = self.ctx, self.ranks
+        if b.recompute is not None:  # full recompute: the forward block again first, its collectives with it
+            self.block(f"{name} recompute", b.recompute, 1)
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back
             dispatch, combine = self._ep_cost(b)
             held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's

@@ -105,6 +105,11 @@ class Block:
     # of `seconds`, an expert block's backward's expert weight-gradient GEMMs: what Megatron's
     # delay_wgrad_compute runs after the dispatch gradient is issued (sim.ep_overlap)
     wgrad_s: float = 0.0
+    # a backward block under full recompute whose forward moves tokens (an expert block under EP):
+    # that forward block, which the backward runs again first, its token dispatch, ETP collectives
+    # and combine with it, on the forward's streams at the forward's prices (`canzona.recompute`);
+    # not in `seconds`. None: no collective re-runs (any recompute is inside `middle_s`)
+    recompute: Block | None = None
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -320,9 +325,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             # (fine_grained_callables.py, submodule_combine_forward): priced on the compute
             # stream here, an approximation
             side = run(lk.moe_mlp_side(shape, False, name))
-            redo = side if recompute in (FULL, SELECTIVE_OP) else 0.0
+            redo = side if recompute == SELECTIVE_OP else 0.0
             fwd = replace(fwd, middle_s=fwd.middle_s + side)
             bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
+            if recompute == FULL:  # the whole forward block again: its collectives too, where it has any
+                bwd = replace(bwd, recompute=fwd) if fwd.ep_bytes else replace(bwd, middle_s=bwd.middle_s + fwd.seconds)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:
@@ -426,8 +433,11 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
     bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
     ew = rate.kernel_seconds(passes)
-    # selective-op saves no grouped GEMM's output (not `aten.mm`): the experts run again, as under full
-    redo = fwd_s if recompute in (FULL, SELECTIVE_OP) else 0.0
+    # selective-op saves no grouped GEMM's output (not `aten.mm`) nor any permutation or SwiGLU
+    # output: the experts' GEMMs and passes run again, not the dispatch and combine, whose outputs it
+    # saves (`canzona.recompute`). Full recompute runs the whole forward block again: the caller's
+    # (`micro_batch_work`)
+    redo = fwd_s + ew if recompute == SELECTIVE_OP else 0.0
     sent = pairs * hidden * two * (ep - 1) / ep
     received = busiest * hidden * two * (ep - 1) / ep
     gathered = computed * hidden * two if etp > 1 else 0.0

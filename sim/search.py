@@ -493,17 +493,19 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
     floor (expert blocks at their kernels' seconds) and its collectives' least seconds."""
 
     def floor(b: Block, gathers: int) -> float:
+        # under full recompute the forward block runs again first, in series, collectives and all
+        again = floor(b.recompute, 1) if b.recompute is not None else 0.0
         if b.ep_bytes and expert_comm is not None:
-            return b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
-        return block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring)
+            return again + b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
+        return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring)
 
     compute = (sum(floor(b, 1) for layer in work.forward for b in layer)
                + sum(floor(b, 2) for layer in work.backward for b in layer)
                + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
     if not ep_overlap or expert_comm is None:
         return compute
-    comm = sum(expert_comm(b) for passes in (work.forward, work.backward) for layer in passes for b in layer
-               if b.ep_bytes)
+    comm = sum(expert_comm(c) for passes in (work.forward, work.backward) for layer in passes for b in layer
+               for c in (b, b.recompute) if c is not None and c.ep_bytes)
     return max(compute, comm)
 
 
@@ -592,7 +594,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`): the block waits for each of them; under Megatron's EP
+    collectives) count (`expert_comm_floor`), the forward's twice under full recompute
+    (`Block.recompute`): the block waits for each of them; under Megatron's EP
     all-to-all overlap they run on their own stream, and a micro-batch costs at least the larger of
     its compute and its expert collectives (`stage_floor`). Every kernel
     counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""

@@ -278,7 +278,8 @@ def test_a_moe_layer_keeps_the_dense_mlp_blocks_norm_and_residual_add():
 def test_micro_batch_prices_the_moe_layers_norm_and_residual_add(recompute: str):
     """Every expert block of Qwen3-30B-A3B carries the layer's pre-MLP norm and residual add on top
     of `_expert_block`'s router, grouped GEMMs and passes (forward, and backward with its redo
-    under full and selective-op recompute); the attention block is unchanged."""
+    under selective-op recompute; under full recompute the backward runs the whole forward block
+    again first, `Block.recompute`); the attention block is unchanged."""
     from sim.model_work import _expert_block
 
     spec, arch = resolve_model("qwen3-30b-a3b", 1)
@@ -295,10 +296,11 @@ def test_micro_batch_prices_the_moe_layers_norm_and_residual_add(recompute: str)
     s = lk.LayerShape(tokens=t, tp=1, hidden=arch.hidden, act_bytes=2)
     side_f = sum(rate.kernel_seconds(k) for k in lk.moe_mlp_side(s, False, fwd.name))
     side_b = sum(rate.kernel_seconds(k) for k in lk.moe_mlp_side(s, True, fwd.name))
-    redo = side_f if recompute != "none" else 0.0
+    redo = side_f if recompute == "selective-op" else 0.0
     assert side_f > 0 and side_b > side_f
     assert fwd.middle_s == pytest.approx(bare_f.middle_s + side_f)
     assert bwd.middle_s == pytest.approx(bare_b.middle_s + side_b + redo)
+    assert bwd.recompute == (fwd if recompute == "full" else None)
 
 
 def test_micro_batch_prices_the_layer_kernels_at_achievable_bandwidth():
