@@ -17,8 +17,24 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   fresh `meta` per checkpoint context). So of a Llama layer's mms in forward order (wq, wk, wv,
   wo, w1, w3, w2) the 1st, 3rd, 5th and 7th outputs are saved (wq, wv, w1, w2) and wk, wo, w3 are
   recomputed with the norms, rotary embedding, SwiGLU and residual adds; attention is not. Mixture-
-  of-experts layers' grouped expert GEMMs are not `aten.mm`: the experts are recomputed whole.
-- `full` (every layer): only each layer's input is stored; its whole forward runs again.
+  of-experts layers' grouped expert GEMMs are not `aten.mm`: the experts' GEMMs, permutes and SwiGLU
+  are recomputed whole; their token dispatch and combine are not, since torchtitan's MoE save lists
+  keep `_c10d_functional.all_to_all_single`'s output (pytorch/torchtitan
+  `torchtitan/models/gpt_oss/infra/parallelize.py`, `_op_sac_save_list`) and NeMo AutoModel's
+  selective policy the EP collectives' (DeepEP's, HybridEP's: NVIDIA-NeMo/Automodel
+  `nemo_automodel/components/moe/parallelizer.py`, `apply_ac`: "the shared policy already saves
+  expert-parallel communication collectives").
+- `full` (every layer): only each layer's input is stored; its whole forward runs again, a
+  mixture-of-experts layer's router, token dispatch, experts and combine included: Megatron's
+  `recompute_granularity="full"` runs each layer's `TransformerLayer.forward` inside
+  `tensor_parallel.checkpoint` (NVIDIA/Megatron-LM `megatron/core/transformer/transformer_block.py`,
+  `_checkpointed_forward`), whose `MoELayer.forward` dispatches and combines anew (`moe_layer.py`;
+  the flex dispatcher's managers drop their DeepEP / HybridEP handle after each combine,
+  `token_dispatcher.py`, so the re-run dispatch computes its layout, and HybridEP its preprocessing,
+  again); NeMo AutoModel's `activation_checkpointing: true` wraps every decoder block in torch's
+  `checkpoint_wrapper` with no policy (`apply_ac`), and its `FusedDispatch.forward` runs DeepEP's
+  `get_dispatch_layout` and `dispatch` every call (`nemo_automodel/components/moe/megatron/
+  fused_a2a.py`).
 """
 
 from __future__ import annotations
