@@ -226,6 +226,25 @@ def test_phase_a_closed_form_without_dp(tp):
         assert overlapped.grad_sync_end_s < r.grad_sync_end_s
 
 
+
+def test_without_userbuffers_the_column_backward_hides_its_collectives():
+    """Transformer Engine without userbuffers: a forward block's all-gather ends before its GEMMs
+    start and its reduce-scatter starts after they end; a backward block's output-gradient
+    all-gather precedes its first GEMMs, its input re-gather runs beside the column data-gradient
+    GEMMs and its reduce-scatter beside the column weight-gradient GEMMs, each starting with them."""
+    r = simulate(SimConfig(model="qwen3-0.6b", gpus=2, tp=2, policy="sc", workload=Workload(1024, 1),
+                           options=RunOptions(tp_comm_overlap=False)))
+    span = {s.name: s for s in r.spans if s.rank == 0 and "layer 1.1" in s.name}
+    f, b = "mb0 fwd layer 1.1", "mb0 bwd layer 1.1"
+    assert span[f"{f} all-gather"].end <= span[f].start
+    assert span[f].end <= span[f"{f} reduce-scatter"].start
+    assert span[f"{b} all-gather"].end <= span[f"{b} first"].start
+    for comm, gemm in (("all-gather (input)", "dgrad"), ("reduce-scatter", "wgrad")):
+        c, g = span[f"{b} {comm}"], span[f"{b} {gemm}"]
+        assert c.start == pytest.approx(g.start, abs=1e-12) and c.end > c.start
+        assert c.end < g.end  # the GEMM outlasts the collective: nothing of it is exposed
+    assert span[f"{b} dgrad"].end <= span[f"{b} wgrad"].start
+
 def test_recompute_adds_forward_work_to_backward():
     wl = Workload(1024, 2)
     base = SimConfig(model="qwen3-0.6b", gpus=2, tp=2, policy="sc", workload=wl)
