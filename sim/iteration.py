@@ -24,7 +24,7 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
-from canzona.spec import ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import (
     ALL_GATHER_V,
     BACKWARD,
@@ -69,6 +69,7 @@ from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
 from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.ep_overlap import run_combined
+from sim.fp8 import FP8
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
@@ -352,6 +353,9 @@ class _Stage:
         act = self.act = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * wl.activation_bytes
         self.ag = collective_cost("all-gather", act, cl.tp_geometry(), ctx.hw)
         self.rs = collective_cost("reduce-scatter", act, cl.tp_geometry(), ctx.hw)
+        # without userbuffers, NCCL's all-gathers of what the GEMMs take (`tp_gather_bytes`)
+        gathered = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * tp_gather_bytes(wl, ctx.options.tp_comm_overlap)
+        self.nccl_ag = collective_cost("all-gather", gathered, cl.tp_geometry(), ctx.hw)
         shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
         self.p2p = all_to_all_cost([shard, 0.0], [0.0, shard], cl.pp_geometry(), ctx.hw)
         self.tp_groups = _groups(self.ranks, cl.tp_groups(stage))
@@ -422,10 +426,7 @@ class _Stage:
             self.core(name, b.seconds, b)
             return
         if not ctx.options.tp_comm_overlap:
-            for _ in range(gathers_input):
-                self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM))
-            self.core(name, b.seconds, b)
-            self.last.update(self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM))
+            self.nccl_block(name, b, gathers_input)
             return
         # userbuffers' SMs (sim.comm_sms): the first gather is a copy-engine ring exchange; the
         # backward's second re-gathers the block input, a `bulk` kernel
@@ -455,6 +456,40 @@ class _Stage:
                                             {r: [self.last[r]] + ([scattered[r]] if scattered else []) for r in ranks},
                                             sms=sms)
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
+
+    def nccl_block(self, name: str, b, gathers_input: int) -> None:
+        """A sequence-parallel block as Transformer Engine runs it without userbuffers: its TP
+        collectives are NCCL's, on their own stream. The forward's all-gather of the input and
+        reduce-scatter of the output, and the backward's all-gather of the output gradient, run in
+        series with the GEMMs (synchronous: `gather_along_first_dim` / `reduce_scatter_along_first_dim`
+        without `async_op`, and `grad_output_preprocess`). A column-parallel module's backward
+        overlaps two: the re-gather of its saved input, issued asynchronously before and waited
+        after its data-gradient GEMM ("Overlap input AG with dgrad"), and the reduce-scatter of
+        that data gradient, issued asynchronously before and waited after its weight-gradient
+        GEMM ("Overlap dgrad-RS/AR with wgrad"): module/linear.py and layernorm_linear.py
+        `backward`, TE 1.x (NVIDIA/TransformerEngine 0004dbd) and TE 2.x alike
+        (`column_parallel_comm_input`, `column_parallel_comm_dgrad`). Each NCCL kernel holds its
+        SMs beside the GEMM (`sim.comm_sms.nccl_sms`). The norm's backward, which waits for the
+        reduce-scatter, is priced in `middle_s`, before the column GEMMs: its seconds are the
+        same, its place an approximation."""
+        ranks = self.ranks
+        self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.nccl_ag, TP_COMM))
+        if gathers_input < 2:  # forward
+            self.core(name, b.seconds, b)
+            self.last.update(self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM))
+            return
+        self.compute(f"{name} first", b.first_s)  # the row-parallel module's data and weight gradients
+        self.core(f"{name} middle", b.middle_s, b)
+        issued = dict(self.last)
+        gathered = self.collective(f"{name} all-gather (input)", self.tp_groups, self.nccl_ag, TP_COMM,
+                                   {r: [issued[r]] for r in ranks})
+        self.compute(f"{name} dgrad", b.last_s - b.last_wgrad_s)
+        self.wait_each(gathered)
+        issued = dict(self.last)
+        scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, self.rs, TP_COMM,
+                                    {r: [issued[r]] for r in ranks})
+        self.compute(f"{name} wgrad", b.last_wgrad_s)
+        self.wait_each(scattered)
 
     def _rs_chunks(self, splits: int) -> tuple[CollectiveCost | None, CollectiveCost]:
         """A `pipeline` reduce-scatter of the block output in `splits` chunks: the first `splits - 1`
@@ -731,6 +766,20 @@ class _Stage:
         for k in reversed(self.chunk_list[c]):
             self.backward_layer(mb, k, micro_batches, syncs)
         self.backward_end(mb, c)
+
+
+def tp_gather_bytes(wl: Workload, userbuffers: bool) -> int:
+    """Bytes an element of a sequence-parallel all-gather moves. Without userbuffers under FP8,
+    Transformer Engine gathers what its GEMMs take, the FP8 cast, 1 byte: the norm writes its
+    output in FP8 before the forward's gather and the backward re-gathers that saved FP8 input
+    (TE 1.x module/layernorm_linear.py `_LayerNormLinear.forward`, `ln_out_dtype = torch.uint8`
+    under fp8; NVIDIA/TransformerEngine 0004dbd), and the row-parallel backward casts the output
+    gradient to FP8 before gathering it (module/base.py `grad_output_preprocess`, "FP8 case with
+    gather"). TE 2.x quantizes the input before its gather as well (module/linear.py, the
+    `with_input_all_gather_nccl` path, per-tensor Float8 / Float8CurrentScaling quantizers); its
+    output gradient's gather is taken to follow (an assumption). With userbuffers the simulator
+    gathers the activation dtype (`_Stage.ag`), unexamined under FP8."""
+    return DTYPE_BYTES[FP8] if wl.precision == FP8 and not userbuffers else wl.activation_bytes
 
 
 def _tp_overlap_sms(b) -> TPOverlapSMs:

@@ -110,6 +110,11 @@ class Block:
     # and combine with it, on the forward's streams at the forward's prices (`canzona.recompute`);
     # not in `seconds`. None: no collective re-runs (any recompute is inside `middle_s`)
     recompute: Block | None = None
+    # of `last_s`, a sequence-parallel block's backward's column-parallel weight-gradient GEMMs (the
+    # rest, their data-gradient GEMMs): without userbuffers, Transformer Engine runs the input's
+    # re-gather beside the data-gradient GEMM and the data gradient's reduce-scatter beside the
+    # weight-gradient GEMM (sim.iteration._Stage.nccl_block)
+    last_wgrad_s: float = 0.0
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -209,16 +214,23 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
     linear = FP8 if fp8 is not None else dtype  # the layers' linear GEMMs
 
-    def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
+    def gemm_kernels(params: Sequence[ParamSpec], backward: bool, grads: str = "both") -> list[Kernel]:
+        """The GEMMs of `params`: forward, or backward's data-gradient ("dgrad"), weight-gradient
+        ("wgrad") or both ones."""
         ks = []
         for p in params:
             out, inp = p.local_shape(tp)
             if backward:
-                ks += [gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, linear),
-                       gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, linear, accumulate=accumulate)]
+                if grads in ("both", "dgrad"):
+                    ks.append(gemm_kernel(f"{p.name}.dgrad", tokens, inp, out, linear))
+                if grads in ("both", "wgrad"):
+                    ks.append(gemm_kernel(f"{p.name}.wgrad", out, inp, tokens, linear, accumulate=accumulate))
             else:
                 ks.append(gemm_kernel(p.name, tokens, out, inp, linear))
-        return run(ks)
+        return ks
+
+    def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
+        return run(gemm_kernels(params, backward))
 
     # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce
     # and the history / scale update, after each forward and each backward of every model chunk),
@@ -310,7 +322,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
             bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
-                        gemms(column, True), **ring_b)
+                        gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")), **ring_b)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:

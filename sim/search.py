@@ -50,7 +50,7 @@ from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
-from sim.iteration import _tp_overlap_sms, cp_ring_cost
+from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions
 from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate, stage_work
@@ -459,7 +459,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     latency, transfer at the full bus rate and local passes; shared links only stretch them):
     overlapped, the middle GEMMs wait for the first ones and the `gathers` all-gathers of the input,
     the block ends when its last GEMMs and the reduce-scatter started after the middle are done; in
-    series, all-gathers, compute and reduce-scatter one after the other. Expert dispatch and
+    series (Transformer Engine without userbuffers), all-gathers, compute and reduce-scatter one
+    after the other, but for the backward's re-gather of the input and its reduce-scatter, each
+    beside the column GEMMs it overlaps (`sim.iteration._Stage.nccl_block`). Expert dispatch and
     pipeline sends count as free, the CP ring's exchanges only through `ring`. `stretch`: the
     factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which
     collectives do not pay. `sms`: the GPU's SMs (0: none counted); overlapped, the
@@ -472,8 +474,12 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core
     ag, rs = tp_cost
-    if not overlap:
-        return gathers * ag + b.seconds * stretch + core + rs
+    if not overlap and gathers < 2:  # NCCL's collectives (`sim.iteration._Stage.nccl_block`): forward in series
+        return ag + b.seconds * stretch + core + rs
+    if not overlap:  # backward: the input's re-gather beside the data-gradient GEMMs, the reduce-scatter beside
+        # the weight-gradient ones (their SMs counted as free)
+        wgrad = b.last_wgrad_s * stretch
+        return ag + (b.first_s + b.middle_s) * stretch + core + max(b.last_s * stretch - wgrad, ag) + max(wgrad, rs)
     held = _tp_overlap_sms(b)
     k = held.backward_reduce_scatter if gathers > 1 else held.forward_reduce_scatter
     return (max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + core
@@ -573,14 +579,17 @@ def cp_ring_floor(cfg: SimConfig, hw: HardwareProfile, stretch: float) -> Callab
 
 def tp_costs(cfg: SimConfig, model, hw) -> tuple[float, float] | None:
     """The least seconds of a sequence-parallel all-gather and reduce-scatter of one micro-batch's
-    activations over a TP group (`sim.iteration._Stage`'s costs; None at TP 1)."""
+    activations over a TP group (`sim.iteration._Stage`'s costs, the all-gather's elements
+    `tp_gather_bytes` each; None at TP 1)."""
     if cfg.tp == 1:
         return None
     cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
     wl = cfg.workload
-    act = wl.tokens_per_micro_batch // cfg.cp * model[1].hidden * wl.activation_bytes
+    elements = wl.tokens_per_micro_batch // cfg.cp * model[1].hidden
     geo = cluster.tp_geometry()
-    return (collective_cost("all-gather", act, geo, hw).seconds, collective_cost("reduce-scatter", act, geo, hw).seconds)
+    gathered = elements * tp_gather_bytes(wl, cfg.options.tp_comm_overlap)
+    return (collective_cost("all-gather", gathered, geo, hw).seconds,
+            collective_cost("reduce-scatter", elements * wl.activation_bytes, geo, hw).seconds)
 
 
 def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | None = None) -> float:

@@ -212,3 +212,39 @@ def test_search_in_fp8_keeps_its_floors_below_the_simulation():
         Question(model=MODEL, gpus=8, hardware="a100-sxm", precision="fp8")
     with pytest.raises(SpecError, match="precision must be one of"):
         Question(model=MODEL, gpus=8, precision="fp16x")
+
+
+def test_without_userbuffers_fp8_gathers_one_byte_and_still_floors():
+    """Transformer Engine without userbuffers all-gathers the FP8 cast (1 byte an element) under
+    FP8, the activation dtype otherwise and under userbuffers (`sim.iteration.tp_gather_bytes`);
+    the reduce-scatters stay in the activation dtype. The search's floor uses the same bytes, so
+    it stays below the simulation."""
+    from sim.iteration import tp_gather_bytes
+    from sim.options import RunOptions
+    from sim.search import Question, config_of, time_floor
+
+    fp8, bf16 = Workload(1024, 8, precision="fp8"), Workload(1024, 8)
+    assert tp_gather_bytes(fp8, userbuffers=False) == 1
+    assert tp_gather_bytes(fp8, userbuffers=True) == fp8.activation_bytes == 2
+    assert tp_gather_bytes(bf16, userbuffers=False) == 2
+    q = Question(model=MODEL, gpus=8, seq_len=1024, global_batch=8, precision="fp8")
+    rate = DeviceRate.from_profile(load_profile(q.hardware))
+    model = model_of(SimConfig(model=MODEL))
+    cfg = config_of(q, {"tp": 4, "pp": 1, "vp": 1, "micro_batch": 1, "recompute": "none"})
+    off = replace(cfg, options=RunOptions(tp_comm_overlap=False))
+    r = simulate(off)
+    assert time_floor(off, model, rate) <= r.iteration_time_s
+    # the simulated collectives move those bytes (the shortest of each: alone on the TP links)
+    from canzona.catalog import get_config
+    from sim.topology import Cluster
+
+    hw = load_profile(q.hardware)
+    geo = Cluster(8, 4, hw.node.gpus, 1).tp_geometry()
+    elements = 1024 * get_config(MODEL).hidden
+
+    def shortest(kind: str) -> float:
+        return min(s.end - s.start for s in r.spans if s.rank == 0 and s.name.endswith(kind))
+
+    assert shortest("all-gather") == pytest.approx(collective_cost("all-gather", elements, geo, hw).seconds, rel=1e-9)
+    assert shortest("reduce-scatter") == pytest.approx(
+        collective_cost("reduce-scatter", 2 * elements, geo, hw).seconds, rel=1e-9)

@@ -136,7 +136,13 @@ def test_tp_collectives_raise_the_floor():
     assert block_floor(b, 2, None, True) == 4.0  # TP 1: compute alone
     assert block_floor(b, 1, (0.5, 0.5), True) == 4.0  # hidden behind the first and last GEMMs
     assert block_floor(b, 2, (0.75, 3.0), True) == 1.5 + 2.0 + 3.0  # two gathers, a long reduce-scatter
-    assert block_floor(b, 2, (0.75, 3.0), False) == 1.5 + 4.0 + 3.0  # in series
+    # without userbuffers: the forward in series; the backward's second gather beside the column data-gradient
+    # GEMMs, the reduce-scatter beside their weight-gradient GEMMs (`sim.iteration._Stage.nccl_block`)
+    assert block_floor(b, 1, (0.75, 3.0), False) == 0.75 + 4.0 + 3.0
+    assert block_floor(b, 2, (0.75, 3.0), False) == 0.75 + 3.0 + 1.0 + 3.0  # no weight gradient split off
+    split = replace(b, last_wgrad_s=0.5)
+    assert block_floor(split, 2, (0.75, 3.0), False) == 0.75 + 3.0 + 0.75 + 3.0
+    assert block_floor(split, 2, (0.25, 0.25), False) == 0.25 + 3.0 + 0.5 + 0.5  # both hidden
     assert block_floor(replace(b, tp_collectives=False), 2, (0.75, 3.0), False) == 4.0
 
 

@@ -29,8 +29,10 @@ from canzona.plan import PLAN_DEFAULTS
 from canzona.step_policies import STEP_POLICIES
 from canzona.variability import straggler_slowdown
 from sim.collectives import collective_cost
+from sim.comm_sms import nccl_sms
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
+from sim.search import beside_kernel
 from sim.simulate import SimConfig, compare, simulate, with_policy, write_trace
 from sim.topology import GroupGeometry
 from sim.workload import Workload, forward_flops
@@ -174,27 +176,46 @@ def _work(model: str, tp: int, wl: Workload, recompute: str = "none"):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_phase_a_closed_form_without_dp(tp):
-    """DP 1, TP communication not overlapped: every micro-batch runs its kernels in series and, at
-    TP > 1, each forward block an all-gather in and a reduce-scatter out, each backward block two
-    all-gathers (the output gradient, and the input again for the weight gradients) and a
-    reduce-scatter."""
+    """DP 1, TP communication without userbuffers (Transformer Engine's NCCL path): every
+    micro-batch runs its kernels in series and, at TP > 1, each forward block an all-gather in and
+    a reduce-scatter out in series; each backward block the output gradient's all-gather in
+    series, then the input's re-gather beside the column data-gradient GEMMs and the
+    reduce-scatter beside the column weight-gradient GEMMs, each NCCL kernel taking its SMs from
+    the GEMM (`sim.search.beside_kernel`: the two start together)."""
     wl = Workload(256, 3)
     serial = SimConfig(model="qwen3-0.6b", gpus=tp, tp=tp, policy="sc", workload=wl,
                        options=RunOptions(tp_comm_overlap=False))
     r = simulate(serial)
     cfg, hw = get_config("qwen3-0.6b"), load_profile("h100-sxm")
     work = _work("qwen3-0.6b", tp, wl)
+    # the TP group's GPUs wait for their expected slowest (canzona.variability; 1 at TP 1)
+    slow = straggler_slowdown(hw.gpu_time_cv, tp)
     compute = sum(b.seconds for layer in work.forward + work.backward for b in layer)
     compute += work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s
-    # the TP group's GPUs wait for their expected slowest (canzona.variability; 1 at TP 1)
-    compute *= straggler_slowdown(hw.gpu_time_cv, tp)
-    blocks = sum(len(layer) for layer in work.forward)
+    compute *= slow
     act = wl.seq_len * cfg.hidden * wl.activation_bytes
     geo = GroupGeometry(tp, 1, tp)
-    ag = collective_cost("all-gather", act, geo, hw).seconds
-    rs = collective_cost("reduce-scatter", act, geo, hw).seconds
-    comm = blocks * (ag + rs) + blocks * (2 * ag + rs)
-    want = wl.global_batch * (compute + comm)
+    ag_cost, rs_cost = collective_cost("all-gather", act, geo, hw), collective_cost("reduce-scatter", act, geo, hw)
+    ag, rs = ag_cost.seconds, rs_cost.seconds
+    if tp == 1:
+        want = wl.global_batch * compute
+    else:
+        k_ag, k_rs = nccl_sms(ag_cost, tp), nccl_sms(rs_cost, tp)
+        assert k_ag > 0 and k_rs > 0
+        per_mb = (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * slow
+        for layer in work.forward:
+            per_mb += sum(ag + b.seconds * slow + rs for b in layer)
+        for layer in work.backward:
+            for b in layer:
+                assert 0 < b.last_wgrad_s < b.last_s
+                dgrad, wgrad = (b.last_s - b.last_wgrad_s) * slow, b.last_wgrad_s * slow
+                per_mb += (ag + (b.first_s + b.middle_s) * slow + beside_kernel(dgrad, ag, k_ag, hw.gpu.sms)
+                           + beside_kernel(wgrad, rs, k_rs, hw.gpu.sms))
+        want = wl.global_batch * per_mb
+        # the old model, every collective in series with the GEMMs, is slower by more than rounding
+        blocks = sum(len(layer) for layer in work.forward)
+        in_series = wl.global_batch * (compute + blocks * (ag + rs) + blocks * (2 * ag + rs))
+        assert r.grad_sync_end_s < in_series * (1 - 1e-3)
     assert r.grad_sync_end_s == pytest.approx(want, rel=1e-12)
     # the last compute: the embedding's backward, after the first layer's last reduce-scatter
     assert work.embed_backward_s > 0 and r.forward_backward_s == pytest.approx(want, rel=1e-12)
@@ -204,6 +225,25 @@ def test_phase_a_closed_form_without_dp(tp):
     if tp > 1:
         assert overlapped.grad_sync_end_s < r.grad_sync_end_s
 
+
+
+def test_without_userbuffers_the_column_backward_hides_its_collectives():
+    """Transformer Engine without userbuffers: a forward block's all-gather ends before its GEMMs
+    start and its reduce-scatter starts after they end; a backward block's output-gradient
+    all-gather precedes its first GEMMs, its input re-gather runs beside the column data-gradient
+    GEMMs and its reduce-scatter beside the column weight-gradient GEMMs, each starting with them."""
+    r = simulate(SimConfig(model="qwen3-0.6b", gpus=2, tp=2, policy="sc", workload=Workload(1024, 1),
+                           options=RunOptions(tp_comm_overlap=False)))
+    span = {s.name: s for s in r.spans if s.rank == 0 and "layer 1.1" in s.name}
+    f, b = "mb0 fwd layer 1.1", "mb0 bwd layer 1.1"
+    assert span[f"{f} all-gather"].end <= span[f].start
+    assert span[f].end <= span[f"{f} reduce-scatter"].start
+    assert span[f"{b} all-gather"].end <= span[f"{b} first"].start
+    for comm, gemm in (("all-gather (input)", "dgrad"), ("reduce-scatter", "wgrad")):
+        c, g = span[f"{b} {comm}"], span[f"{b} {gemm}"]
+        assert c.start == pytest.approx(g.start, abs=1e-12) and c.end > c.start
+        assert c.end < g.end  # the GEMM outlasts the collective: nothing of it is exposed
+    assert span[f"{b} dgrad"].end <= span[f"{b} wgrad"].start
 
 def test_recompute_adds_forward_work_to_backward():
     wl = Workload(1024, 2)
