@@ -594,10 +594,11 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`), the forward's twice under full recompute
-    (`Block.recompute`): the block waits for each of them; under Megatron's EP
-    all-to-all overlap they run on their own stream, and a micro-batch costs at least the larger of
-    its compute and its expert collectives (`stage_floor`). Every kernel
+    collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
+    recompute a backward block runs its forward block again first (`Block.recompute`), its TP
+    collectives, CP ring and expert collectives with it, counted as the forward's. Under Megatron's
+    EP all-to-all overlap the expert collectives run on their own stream, and a micro-batch costs
+    at least the larger of its compute and its expert collectives (`stage_floor`). Every kernel
     counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
     spec, arch = model
     wl = cfg.workload
