@@ -136,3 +136,33 @@ def test_search_floor_counts_the_rerun_and_stays_below(cfg):
     floors = {r: time_floor(_with(cfg, recompute=r), model, RATE, H100) for r in ("none", "full")}
     assert floors["full"] > floors["none"]
     assert floors["full"] <= simulate(_with(cfg, recompute="full")).iteration_time_s
+
+
+def _span(result, name: str):
+    return next(s for s in result.spans if s.phase == "A" and s.rank == 0 and s.name == name)
+
+
+def test_first_forward_under_full_recompute_gathers_before_its_gemms():
+    """Megatron's checkpoint function runs a layer's first forward under torch.no_grad(), where
+    TE's LayerNormLinear gathers its input with NCCL before the QKV / fc1 GEMMs instead of under
+    them (userbuffers off without grad); the re-run in the backward has grad, so the overlap holds
+    there as in any forward. Without recompute the gather runs under the first GEMMs."""
+    none, full = (simulate(_with(TP2, recompute=r)) for r in ("none", "full"))
+    for i in (0, 1):  # the attention block (QKV) and the MLP block (fc1)
+        gather, first = (_span(full, f"mb0 fwd layer 3.{i} {p}") for p in ("all-gather", "first"))
+        assert first.start >= gather.end
+        again, again_first = (_span(full, f"mb0 bwd layer 3.{i} recompute {p}") for p in ("all-gather", "first"))
+        assert again_first.start < again.end
+        overlapped, none_first = (_span(none, f"mb0 fwd layer 3.{i} {p}") for p in ("all-gather", "first"))
+        assert none_first.start < overlapped.end
+    # the reduce-scatter still overlaps the last GEMMs: it starts before they end
+    scatter = [s for s in full.spans if s.rank == 0 and s.name.startswith("mb0 fwd layer 3.1 reduce-scatter")]
+    assert min(s.start for s in scatter) < _span(full, "mb0 fwd layer 3.1 last").end
+    # without the overlap the first micro-batch's forward is in series either way: unchanged
+    serial = _with(TP2, tp_comm_overlap=False)
+
+    def first_forward(recompute: str):
+        return [s for s in simulate(_with(serial, recompute=recompute)).spans
+                if s.name.startswith("mb0 fwd layer ") and s.rank == 0]
+
+    assert first_forward("full") == first_forward("none")
