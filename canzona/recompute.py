@@ -71,6 +71,14 @@ def check_recompute(mode: str) -> str:
     return check_choice(mode, RECOMPUTE_MODES, "recompute mode")
 
 
+def forward_without_grad(mode: str) -> bool:
+    """Whether Megatron runs each layer's first forward under `torch.no_grad()` under recompute
+    `mode`: under full recompute its checkpoint function does (the module docstring), where TE's
+    LayerNormLinear gathers its sequence-parallel input with NCCL before its GEMM instead of under
+    it (`sim.iteration._Stage.block`, `sim.search.block_floor`); the re-run has grad."""
+    return mode == FULL
+
+
 def mm_saved(position: int) -> bool:
     """Under `selective-op`, whether a layer's `position`-th matrix multiply (0-based, forward order)
     has its output saved: torchtitan counts them from 1 and recomputes those with an even count."""
@@ -82,5 +90,5 @@ def saved_mm_widths(widths: Sequence[float]) -> float:
     return sum(w for i, w in enumerate(widths) if mm_saved(i))
 
 
-__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute", "mm_saved",
-           "saved_mm_widths"]
+__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute",
+           "forward_without_grad", "mm_saved", "saved_mm_widths"]

@@ -24,7 +24,7 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
-from canzona.recompute import FULL
+from canzona.recompute import forward_without_grad
 from canzona.spec import ModelSpec
 from canzona.step_collectives import (
     ALL_GATHER_V,
@@ -695,7 +695,7 @@ class _Stage:
         # under full recompute Megatron runs each layer's first forward inside its checkpoint
         # function under torch.no_grad() (`tensor_parallel.checkpoint`, TE's `checkpoint` under
         # FP8: `canzona.recompute`), and the re-run in the backward with grad
-        no_grad = self.ctx.options.recompute == FULL
+        no_grad = forward_without_grad(self.ctx.options.recompute)
         for b in self.ctx.work.forward[k]:
             self.block(f"mb{mb} fwd {b.name}", b, 1, no_grad=no_grad)
 

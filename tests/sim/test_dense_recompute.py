@@ -16,7 +16,7 @@ from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
-from sim.search import time_floor, tp_costs
+from sim.search import block_floor, time_floor, tp_costs
 from sim.simulate import SimConfig, simulate
 from sim.streams import CP_COMM, TP_COMM
 from sim.workload import Workload
@@ -166,3 +166,12 @@ def test_first_forward_under_full_recompute_gathers_before_its_gemms():
                 if s.name.startswith("mb0 fwd layer ") and s.rank == 0]
 
     assert first_forward("full") == first_forward("none")
+
+
+def test_floor_counts_the_no_grad_gather_in_series():
+    """The search's block floor of a forward without grad (`forward_without_grad`) waits for the
+    all-gather before the first GEMMs: min(first GEMMs, all-gather) more than the overlapped one."""
+    b = _work(TP2, "full").forward[3][1]
+    ag, rs = tp_costs(TP2, resolve_model(TP2.model), H100)
+    with_grad, without = (block_floor(b, 1, (ag, rs), True, sms=H100.gpu.sms, no_grad=g) for g in (False, True))
+    assert without - with_grad == pytest.approx(min(b.first_s, ag), rel=1e-9)
