@@ -34,7 +34,26 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   again); NeMo AutoModel's `activation_checkpointing: true` wraps every decoder block in torch's
   `checkpoint_wrapper` with no policy (`apply_ac`), and its `FusedDispatch.forward` runs DeepEP's
   `get_dispatch_layout` and `dispatch` every call (`nemo_automodel/components/moe/megatron/
-  fused_a2a.py`).
+  fused_a2a.py`). A dense block's collectives re-run likewise: at TP > 1 the re-run
+  `TELayerNormColumnParallelLinear` (QKV, fc1) all-gathers its sequence-parallel input and
+  `TERowParallelLinear` (proj, fc2) reduce-scatters its output again (all-reduces without
+  sequence parallelism, which the simulator does not model), and under CP TE's attention, which
+  runs inside the layer, exchanges K/V around its ring again (`AttnFuncWithCPAndKVP2P.forward`,
+  NVIDIA/TransformerEngine `transformer_engine/pytorch/attention/dot_product_attention/
+  context_parallel.py`). Megatron's checkpoint function (`megatron/core/tensor_parallel/random.py`,
+  `CheckpointFunction`; under FP8 TE's `checkpoint`, `transformer_engine/pytorch/distributed.py`)
+  runs the first forward under `torch.no_grad()` and the re-run with grad: TE's userbuffers TP
+  overlap (`tp_comm_overlap`) applies to the re-run as to any forward, but without grad TE's
+  LayerNormLinear gathers its input with NCCL before its GEMM instead of under it
+  (`transformer_engine/pytorch/module/layernorm_linear.py`, `_LayerNormLinear.forward`: the
+  userbuffers all-gather is turned off when `is_grad_enabled` is false), while Linear's
+  userbuffers reduce-scatter is not gated (`linear.py`). torch's non-reentrant checkpoint wrapper
+  (torchtitan, NeMo AutoModel) keeps grad on in the first forward. Megatron's
+  `recompute_method` "uniform" checkpoints groups of `recompute_num_layers` layers (each group's
+  input stored, its layers' forwards re-run together before their backwards) and "block" only the
+  first `recompute_num_layers` layers of each pipeline stage (the rest store everything); the
+  simulator's `full` is every layer recomputed, each before its own backward (uniform with one
+  layer a group; per-layer groups of more layers recompute the same work in another order).
 """
 
 from __future__ import annotations
@@ -52,6 +71,14 @@ def check_recompute(mode: str) -> str:
     return check_choice(mode, RECOMPUTE_MODES, "recompute mode")
 
 
+def forward_without_grad(mode: str) -> bool:
+    """Whether Megatron runs each layer's first forward under `torch.no_grad()` under recompute
+    `mode`: under full recompute its checkpoint function does (the module docstring), where TE's
+    LayerNormLinear gathers its sequence-parallel input with NCCL before its GEMM instead of under
+    it (`sim.iteration._Stage.block`, `sim.search.block_floor`); the re-run has grad."""
+    return mode == FULL
+
+
 def mm_saved(position: int) -> bool:
     """Under `selective-op`, whether a layer's `position`-th matrix multiply (0-based, forward order)
     has its output saved: torchtitan counts them from 1 and recomputes those with an even count."""
@@ -63,5 +90,5 @@ def saved_mm_widths(widths: Sequence[float]) -> float:
     return sum(w for i, w in enumerate(widths) if mm_saved(i))
 
 
-__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute", "mm_saved",
-           "saved_mm_widths"]
+__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute",
+           "forward_without_grad", "mm_saved", "saved_mm_widths"]

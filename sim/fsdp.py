@@ -217,7 +217,7 @@ class _FsdpRun:
                       gathers_input: int, copy_s: float = 0.0) -> simpy.Event:
         """The unit's blocks after `last` and its gather, the gather's copy-out (`copy_s`) first."""
         self.engine.env.process(self._probe(last, gathered))
-        if self.tp == 1 and not any(b.ep_bytes for b in blocks):
+        if self.tp == 1 and not any(b.ep_bytes or b.recompute for b in blocks):
             return self.engine.compute(0, name, copy_s + sum(b.seconds for b in blocks), [last, gathered])
         if copy_s:
             last = gathered = self.engine.compute(0, f"{name} all-gather copy-out", copy_s, [last, gathered])
@@ -251,7 +251,8 @@ class _FsdpRun:
         reduce-scatter of the output; overlapped as Transformer Engine's TP communication overlap
         does (`tp_comm_overlap`), or in series."""
         eng = self.engine
-        assert b.recompute is None  # only expert blocks re-run collectives, and FSDP runs experts at TP 1 (check_fsdp)
+        if b.recompute is not None:  # full recompute (torchtitan's checkpoint wrapper): the forward block again first
+            last = self._tp_block(f"{name} recompute", b.recompute, 1, last)
         if not b.tp_collectives:
             return eng.compute(0, name, b.seconds, [last])
         if not self.cfg.options.tp_comm_overlap:

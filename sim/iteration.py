@@ -24,6 +24,7 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
+from canzona.recompute import forward_without_grad
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import (
     ALL_GATHER_V,
@@ -403,9 +404,12 @@ class _Stage:
         for r in self.ranks:
             self.last[r] = self.eng.env.all_of([self.last[r]] + events)
 
-    def block(self, name: str, b, gathers_input: int) -> None:
+    def block(self, name: str, b, gathers_input: int, no_grad: bool = False) -> None:
         """A sequence-parallel block (TP > 1): all-gather(s) in, GEMMs, reduce-scatter out;
-        overlapped as Transformer Engine's TP communication overlap does, or in series."""
+        overlapped as Transformer Engine's TP communication overlap does, or in series.
+        `no_grad`: the forward runs without autograd (the first forward of a layer under full
+        recompute, `forward_layer`), where TE gathers the input with NCCL before the first GEMMs
+        even under the overlap; the reduce-scatter overlaps as ever."""
         ctx, ranks = self.ctx, self.ranks
         if b.recompute is not None:  # full recompute: the forward block again first, its collectives with it
             self.block(f"{name} recompute", b.recompute, 1)
@@ -432,6 +436,9 @@ class _Stage:
         # backward's second re-gathers the block input, a `bulk` kernel
         sm = _tp_overlap_sms(b)
         backward = gathers_input > 1
+        if no_grad:  # TE's LayerNormLinear turns its userbuffers all-gather off without grad
+            self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM))
+            gathers_input = 0
         gathered = dict(self.last)
         for i in range(gathers_input):
             gathered = self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM,
@@ -720,8 +727,12 @@ class _Stage:
     def forward_layer(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
         """Micro-batch `mb`'s forward of layer `k` (the stage's work index), after its gathers."""
         self.forward_layer_gathers(mb, k, needed)
+        # under full recompute Megatron runs each layer's first forward inside its checkpoint
+        # function under torch.no_grad() (`tensor_parallel.checkpoint`, TE's `checkpoint` under
+        # FP8: `canzona.recompute`), and the re-run in the backward with grad
+        no_grad = forward_without_grad(self.ctx.options.recompute)
         for b in self.ctx.work.forward[k]:
-            self.block(f"mb{mb} fwd {b.name}", b, 1)
+            self.block(f"mb{mb} fwd {b.name}", b, 1, no_grad=no_grad)
 
     def forward_pass(self, mb: int, c: int, needed: dict[int, list[simpy.Event]]) -> None:
         self.forward_start(mb, c)

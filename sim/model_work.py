@@ -105,10 +105,12 @@ class Block:
     # of `seconds`, an expert block's backward's expert weight-gradient GEMMs: what Megatron's
     # delay_wgrad_compute runs after the dispatch gradient is issued (sim.ep_overlap)
     wgrad_s: float = 0.0
-    # a backward block under full recompute whose forward moves tokens (an expert block under EP):
-    # that forward block, which the backward runs again first, its token dispatch, ETP collectives
-    # and combine with it, on the forward's streams at the forward's prices (`canzona.recompute`);
-    # not in `seconds`. None: no collective re-runs (any recompute is inside `middle_s`)
+    # a backward block under full recompute whose forward has collectives (`rerun_forward`): that
+    # forward block, which the backward runs again first with its collectives (TP's all-gather and
+    # reduce-scatter, the CP ring's K/V exchanges, an expert block's token dispatch, ETP
+    # collectives and combine), on the forward's streams at the forward's prices
+    # (`canzona.recompute`); not in `seconds`. None: no collective re-runs (any recompute is
+    # inside `middle_s`)
     recompute: Block | None = None
     # of `last_s`, a sequence-parallel block's backward's column-parallel weight-gradient GEMMs (the
     # rest, their data-gradient GEMMs): without userbuffers, Transformer Engine runs the input's
@@ -135,6 +137,20 @@ class MicroBatchWork:
     # the input embedding's lookup and its gradient (0 on a stage without the embedding)
     embed_forward_s: float = 0.0
     embed_backward_s: float = 0.0
+
+
+def rerun_forward(fwd: Block, bwd: Block, tp: int) -> Block:
+    """Backward block `bwd` under full recompute, which runs its forward block `fwd` again first
+    (Megatron's `_checkpointed_forward` re-runs each checkpointed layer's whole forward, torch's
+    checkpoint wrappers likewise: `canzona.recompute`): as `Block.recompute` where the forward has
+    collectives of its own (at TP > 1 its sequence-parallel all-gather and reduce-scatter, under
+    CP its attention ring, under EP its token dispatch and combine), which then run again on their
+    streams; else the forward's kernels inside `bwd`'s middle. Each block's forward re-runs just
+    before its own backward; Megatron re-runs a layer's blocks together before the layer's
+    backward: the same work on the same chain, in another order."""
+    if fwd.ep_bytes or fwd.ring_steps or (tp > 1 and fwd.tp_collectives):
+        return replace(bwd, recompute=fwd)
+    return replace(bwd, middle_s=bwd.middle_s + fwd.seconds)
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
@@ -314,15 +330,15 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             name = f"layer {layer}.{i}"
             fwd = Block(name, gemms(column, False), core_f + elementwise(block, attention, False, name) + cast_f,
                         gemms(row, False), **ring_f)
-            redo = 0.0
-            if recompute == FULL:
-                redo = fwd.seconds
-            elif recompute == SELECTIVE:
+            redo = 0.0  # full recompute: the whole forward block again (`rerun_forward`), below
+            if recompute == SELECTIVE:
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
             bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
                         gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")), **ring_b)
+            if recompute == FULL:
+                bwd = rerun_forward(fwd, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:
@@ -341,7 +357,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             fwd = replace(fwd, middle_s=fwd.middle_s + side)
             bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
             if recompute == FULL:  # the whole forward block again: its collectives too, where it has any
-                bwd = replace(bwd, recompute=fwd) if fwd.ep_bytes else replace(bwd, middle_s=bwd.middle_s + fwd.seconds)
+                bwd = rerun_forward(fwd, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:

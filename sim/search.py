@@ -39,6 +39,7 @@ from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
+from canzona.recompute import forward_without_grad
 from canzona.reductions import (
     DEFAULT_REDUCE_SCATTER,
     REDUCE_SCATTER_IMPLS,
@@ -452,7 +453,8 @@ def beside_kernel(w: float, c: float, k: int, sms: int) -> float:
 
 
 def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool,
-                stretch: float = 1.0, sms: int = 0, ring: Callable[[Block], float] | None = None) -> float:
+                stretch: float = 1.0, sms: int = 0, ring: Callable[[Block], float] | None = None,
+                no_grad: bool = False) -> float:
     """A lower bound of one sequence-parallel block on its rank's compute stream, as
     `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
     With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
@@ -469,7 +471,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     (`beside_kernel`). The backward's second gather (2-4 SMs, beside the first GEMMs and after
     the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention
     ring (`cp_ring_floor`), which stand for its core's kernel seconds (inside the middle GEMMs'
-    or the block's)."""
+    or the block's). `no_grad`: a forward without autograd
+    (`canzona.recompute.forward_without_grad`), whose overlapped all-gather runs before the first
+    GEMMs."""
     core = ring(b) - b.core_s * stretch if ring is not None and b.ring_steps else 0.0
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core
@@ -482,13 +486,14 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
         return ag + (b.first_s + b.middle_s) * stretch + core + max(b.last_s * stretch - wgrad, ag) + max(wgrad, rs)
     held = _tp_overlap_sms(b)
     k = held.backward_reduce_scatter if gathers > 1 else held.forward_reduce_scatter
-    return (max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + core
-            + beside_kernel(b.last_s * stretch, rs, k, sms))
+    first = gathers * ag + b.first_s * stretch if no_grad else max(b.first_s * stretch, gathers * ag)
+    return first + b.middle_s * stretch + core + beside_kernel(b.last_s * stretch, rs, k, sms)
 
 
 def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
                 expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0, sms: int = 0,
-                ring: Callable[[Block], float] | None = None, ep_overlap: bool = False) -> float:
+                ring: Callable[[Block], float] | None = None, ep_overlap: bool = False,
+                no_grad: bool = False) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
     the input is gathered again for the weight gradients) on a stage, with its head and embedding;
     an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
@@ -496,16 +501,17 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
     the last GEMMs and the CP ring's exchanges counted (`ring`, `block_floor`). `ep_overlap`
     (Megatron's EP all-to-all overlap, `sim.ep_overlap`): the expert collectives run on their own
     stream beside the compute, so a micro-batch costs at least the larger of its compute stream's
-    floor (expert blocks at their kernels' seconds) and its collectives' least seconds."""
+    floor (expert blocks at their kernels' seconds) and its collectives' least seconds. `no_grad`:
+    the forward runs without autograd (`block_floor`); the backward's re-run of it has grad."""
 
-    def floor(b: Block, gathers: int) -> float:
+    def floor(b: Block, gathers: int, no_grad: bool = False) -> float:
         # under full recompute the forward block runs again first, in series, collectives and all
         again = floor(b.recompute, 1) if b.recompute is not None else 0.0
         if b.ep_bytes and expert_comm is not None:
             return again + b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
-        return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring)
+        return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring, no_grad)
 
-    compute = (sum(floor(b, 1) for layer in work.forward for b in layer)
+    compute = (sum(floor(b, 1, no_grad) for layer in work.forward for b in layer)
                + sum(floor(b, 2) for layer in work.backward for b in layer)
                + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
     if not ep_overlap or expert_comm is None:
@@ -603,10 +609,11 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
     schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`), the forward's twice under full recompute
-    (`Block.recompute`): the block waits for each of them; under Megatron's EP
-    all-to-all overlap they run on their own stream, and a micro-batch costs at least the larger of
-    its compute and its expert collectives (`stage_floor`). Every kernel
+    collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
+    recompute a backward block runs its forward block again first (`Block.recompute`), its TP
+    collectives, CP ring and expert collectives with it, counted as the forward's. Under Megatron's
+    EP all-to-all overlap the expert collectives run on their own stream, and a micro-batch costs
+    at least the larger of its compute and its expert collectives (`stage_floor`). Every kernel
     counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
     spec, arch = model
     wl = cfg.workload
@@ -624,7 +631,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
         work = stage_work(cfg, arch, head_dim, part, stage, rate,
                           FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
-                                     ring, cfg.options.overlap_moe_expert_parallel_comm))
+                                     ring, cfg.options.overlap_moe_expert_parallel_comm,
+                                     forward_without_grad(cfg.options.recompute) and not cfg.fsdp))
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
     # an uneven split's first chunk may hold fewer layers than 1/V of its stage (none at all): no crossing counted

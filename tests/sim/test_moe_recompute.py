@@ -2,7 +2,8 @@
 sim.search): full recompute runs the layer's whole forward again before its backward, the expert
 block's token dispatch and combine (and expert TP's collectives) with it, as Megatron's
 `_checkpointed_forward` and NeMo AutoModel's `checkpoint_wrapper` do; selective-op saves the
-dispatch and combine outputs and recomputes the experts' kernels only; dense layers are as before."""
+dispatch and combine outputs and recomputes the experts' kernels only; dense blocks at TP 1
+without CP are as before."""
 
 from __future__ import annotations
 
@@ -130,10 +131,11 @@ def test_selective_op_saves_the_dispatch_and_recomputes_the_experts_kernels():
     assert not _spans(simulate(_with(cfg, recompute="selective-op")), "recompute")
 
 
-def test_dense_layers_and_experts_without_ep_rerun_no_collective():
-    """A dense model, and experts at EP 1, re-run no collective: their full recompute is the
-    forward's kernels inside the backward block, as before."""
-    for cfg in (SimConfig(model="qwen3-1.7b", gpus=8, tp=2, optimizer="adamw", workload=WL),
+def test_dense_layers_at_tp1_and_experts_without_ep_rerun_no_collective():
+    """A dense model at TP 1 without CP, and experts at EP 1, re-run no collective: their full
+    recompute is the forward's kernels inside the backward block, as before (dense blocks at TP > 1
+    or under CP: tests/sim/test_dense_recompute.py)."""
+    for cfg in (SimConfig(model="qwen3-1.7b", gpus=8, tp=1, optimizer="adamw", workload=WL),
                 replace(MOE, ep=1)):
         none, full = _work(cfg, "none"), _work(cfg, "full")
         for k in range(len(full.layer_ids)):
