@@ -95,7 +95,7 @@ def fp8_linear_params(spec: ModelSpec) -> list[ParamSpec]:
 FP32 = DTYPE_BYTES["fp32"]
 BF16 = DTYPE_BYTES["bf16"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
-GB = 10**9  # capacities are decimal (hardware profiles: `gpu.memory_bytes` 80e9 for an H100 SXM)
+GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_bytes` 84.9e9, 79.11 GiB, for an H100 SXM)
 
 # What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process: the CUDA
 # context with its loaded kernels, measured at 287 MB (lazy module loading, PyTorch's default

@@ -126,6 +126,28 @@ def test_amax_reduction_group_is_the_stage_across_nodes():
     assert setup.amax_reduce_s > setup.tp_amax_s > 0
 
 
+def test_the_simulation_gives_each_stage_its_model_chunks(monkeypatch):
+    """The per-chunk count above reaches the simulation: `_simulate` builds every stage's FP8 setup
+    with its VP model chunks (one `fp8_autocast` region each a micro-batch), so an interleaved
+    stage pays the amax all-reduce VP times a pass, not once (the test above passes `cfg.vp`
+    itself, so it cannot tell)."""
+    import sim.simulate as simulate_module
+
+    seen: list[FP8Setup] = []
+
+    def spy(*args, **kwargs):
+        setup = fp8_setup(*args, **kwargs)
+        seen.append(setup)
+        return setup
+
+    monkeypatch.setattr(simulate_module, "fp8_setup", spy)
+    cfg = SimConfig(model=MODEL, gpus=4, tp=1, pp=2, vp=2, optimizer="adamw",
+                    workload=Workload(seq_len=512, global_batch=8, micro_batch=1, precision="fp8",
+                                      fp8_recipe=DELAYED))
+    simulate(cfg)
+    assert len(seen) >= cfg.pp and {s.chunks for s in seen} == {cfg.vp}
+
+
 def test_fp8_is_faster_than_bf16_but_not_twice():
     def run(precision):
         cfg = SimConfig(model="qwen3-32b", gpus=16, tp=8, optimizer="adamw", policy="zero1",
