@@ -136,10 +136,14 @@ def expected_groups(experts: int, groups: int, top_k: int) -> float:
     """Expected number of `groups` (equal contiguous groups of `experts`: ranks, nodes) that hold at
     least one of a token's `top_k` distinct experts, drawn uniformly: each group is missed with
     probability C(experts - experts / groups, top_k) / C(experts, top_k)."""
+    _check_groups(experts, groups, top_k)
+    return groups * group_hit(experts, groups, top_k)
+
+
+def _check_groups(experts: int, groups: int, top_k: int) -> None:
     if groups < 1 or experts % groups or not 1 <= top_k <= experts:
         raise SpecError(f"{experts} experts in {groups} groups with top-{top_k} routing: groups must divide the "
                         "experts and top-k be 1..experts")
-    return groups * group_hit(experts, groups, top_k)
 
 
 def group_hit(experts: int, groups: int, top_k: int) -> float:
@@ -157,7 +161,7 @@ def fake_gate_groups(experts: int, groups: int, top_k: int) -> float:
     The pattern repeats every `experts / gcd(experts, top_k)` tokens; the mean over one period (exact
     for a whole number of periods, every rank's micro-batch here). Every expert gets the same pairs:
     the gate is balanced by construction."""
-    expected_groups(experts, groups, top_k)  # the same argument checks
+    _check_groups(experts, groups, top_k)
     per = experts // groups
     period = experts // math.gcd(experts, top_k)
     return sum(len({(t * top_k + j) % experts // per for j in range(top_k)}) for t in range(period)) / period
