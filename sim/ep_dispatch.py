@@ -14,6 +14,10 @@ Megatron's `--moe-token-dispatcher-type`:
 With uniform routing (every token's `top_k` distinct experts drawn evenly from `experts`, laid
 out in equal contiguous groups per rank and per node) the expected number of groups a token
 reaches has a closed form (`expected_groups`).
+Under NeMo AutoModel's FakeBalancedGate (`EpDispatcher.fake_balanced_gate`, its benchmark
+recipes' `fake_balanced_gate: true`) each token goes to `top_k` consecutive experts instead, which
+lie on one or two ranks (`fake_gate_groups`): at 128 experts, top-8 and EP 8 every token reaches
+exactly one rank, where uniform routing reaches 5.3 of the 8.
 
 Pricing of `flex`:
 - inside one node (the EP group on one node's NVLink): each rank sends each token once to each
@@ -99,6 +103,10 @@ class EpDispatcher:
     moe_token_dispatcher_type: str = ALLTOALL
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int = DEFAULT_HYBRIDEP_SMS
+    # NeMo AutoModel's BackendConfig.fake_balanced_gate (default False): its FakeBalancedGate in place
+    # of the learned router, which sends each token to `top_k` consecutive experts (`fake_gate_groups`):
+    # under a flex dispatcher a token then reaches fewer ranks and nodes than under uniform routing
+    fake_balanced_gate: bool = False
 
     def check(self) -> None:
         if self.moe_token_dispatcher_type not in DISPATCHERS:
@@ -116,6 +124,8 @@ class EpDispatcher:
         if sms != DEFAULT_HYBRIDEP_SMS and backend != HYBRIDEP:
             raise SpecError(f"--moe-hybridep-num-sms {sms} is HybridEP's: it needs --moe-token-dispatcher-type flex "
                             f"--moe-flex-dispatcher-backend {HYBRIDEP}")
+        if not isinstance(self.fake_balanced_gate, bool):
+            raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
 
     @property
     def flex(self) -> bool:
@@ -126,16 +136,35 @@ def expected_groups(experts: int, groups: int, top_k: int) -> float:
     """Expected number of `groups` (equal contiguous groups of `experts`: ranks, nodes) that hold at
     least one of a token's `top_k` distinct experts, drawn uniformly: each group is missed with
     probability C(experts - experts / groups, top_k) / C(experts, top_k)."""
+    _check_groups(experts, groups, top_k)
+    return groups * group_hit(experts, groups, top_k)
+
+
+def _check_groups(experts: int, groups: int, top_k: int) -> None:
     if groups < 1 or experts % groups or not 1 <= top_k <= experts:
         raise SpecError(f"{experts} experts in {groups} groups with top-{top_k} routing: groups must divide the "
                         "experts and top-k be 1..experts")
-    return groups * group_hit(experts, groups, top_k)
 
 
 def group_hit(experts: int, groups: int, top_k: int) -> float:
     """The probability that one given group of `expected_groups`' holds at least one of a token's
     experts."""
     return 1.0 - math.comb(experts - experts // groups, top_k) / math.comb(experts, top_k)
+
+
+def fake_gate_groups(experts: int, groups: int, top_k: int) -> float:
+    """The mean number of `groups` (equal contiguous groups of `experts`) a token's experts fall in
+    under NeMo AutoModel's FakeBalancedGate without noise (`fake_gate_noise` 0.0, its default): the
+    rank's t-th token goes to experts `(t * top_k + j) mod experts`, j < top_k, at equal weights
+    (NVIDIA-NeMo/Automodel nemo_automodel/components/moe/layers.py, FakeBalancedGate.forward:
+    `torch.arange(n_tokens * a_exp).view(-1, a_exp) % available_experts`, `skip_first_n_experts` 0).
+    The pattern repeats every `experts / gcd(experts, top_k)` tokens; the mean over one period (exact
+    for a whole number of periods, every rank's micro-batch here). Every expert gets the same pairs:
+    the gate is balanced by construction."""
+    _check_groups(experts, groups, top_k)
+    per = experts // groups
+    period = experts // math.gcd(experts, top_k)
+    return sum(len({(t * top_k + j) % experts // per for j in range(top_k)}) for t in range(period)) / period
 
 
 @dataclass(frozen=True)
@@ -152,6 +181,23 @@ class FlexTraffic:
     imbalance: float = 1.0
     tokens: float = 0.0  # the rank's tokens: rows of the routing map HybridEP gathers, and of its permute
     forward: bool = False  # the forward's dispatch, which runs HybridEP's preprocessing (module docstring)
+    # the run's router is AutoModel's FakeBalancedGate (`EpDispatcher.fake_balanced_gate`): each token
+    # reaches `fake_gate_groups` ranks and nodes, not uniform routing's `expected_groups`
+    fake_balanced_gate: bool = False
+
+    def reached(self, groups: int) -> float:
+        """The mean number of `groups` (ranks, nodes) of the EP group a token reaches."""
+        count = fake_gate_groups if self.fake_balanced_gate else expected_groups
+        return count(self.experts, groups, self.top_k)
+
+    def hit(self, groups: int) -> float:
+        """The share of a token's copies a given one of `groups` receives, averaged over the senders:
+        uniform routing's `group_hit`; under the fake gate, whose pattern does not depend on the
+        sending rank, `reached / groups` too (over the ranks, each sender's own group is hit as
+        often as the mean group)."""
+        if not self.fake_balanced_gate:
+            return group_hit(self.experts, groups, self.top_k)
+        return self.reached(groups) / groups
 
 
 @dataclass(frozen=True)
@@ -283,7 +329,7 @@ def hybridep_permute_s(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) ->
     ep = experts.ep
     per_token = t.token_bytes / t.tokens
     pairs = t.tokens * t.top_k * t.imbalance
-    received = ep * t.tokens * group_hit(t.experts, ep, t.top_k) * t.imbalance
+    received = ep * t.tokens * t.hit(ep) * t.imbalance
     if _measured(t, experts, hw) is not None:
         return max(pairs - received, 0.0) * per_token / hw.gpu.hbm_achievable_bytes_per_s
     return (pairs + received) * per_token / hw.gpu.hbm_achievable_bytes_per_s + hw.gpu.launch_s
@@ -295,19 +341,19 @@ def _flex_transfer(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tup
     if ep <= 1 or t.token_bytes <= 0:
         return FREE, FREE
     # each token once to each other rank holding one of its experts
-    other_ranks = (ep - 1) * group_hit(t.experts, ep, t.top_k)
+    other_ranks = (ep - 1) * t.hit(ep)
     if not geo.crosses_nodes:
         cost = alltoall_cost(t.token_bytes * other_ranks, t.token_bytes * other_ranks * t.imbalance, experts, hw)
         return cost, cost
     nodes = geo.nodes
     m = _measured(t, experts, hw)
     if m is not None:
-        logical = t.token_bytes * expected_groups(t.experts, nodes, t.top_k) * t.imbalance
+        logical = t.token_bytes * t.reached(nodes) * t.imbalance
         label = f"{t.backend} (measured)"
         return (CollectiveCost(0.0, logical / m.dispatch, "network", label),
                 CollectiveCost(0.0, logical / m.combine, "network", label))
     # one copy per distinct remote node on the NICs, the rest over NVLink (modelled, not measured)
-    remote = t.token_bytes * (nodes - 1) * group_hit(t.experts, nodes, t.top_k) * t.imbalance
+    remote = t.token_bytes * (nodes - 1) * t.hit(nodes) * t.imbalance
     total = t.token_bytes * other_ranks * t.imbalance
     cost = all_to_all_cost([total], [total], geo, hw, [remote], [remote])
     return cost, cost

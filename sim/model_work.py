@@ -407,14 +407,20 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     iteration) its weights; the router stays in `dtype`. `accumulate`: as `micro_batch_work`'s (the
     weight gradients added into the gradient buffer inside their GEMMs). Under a flex
     `dispatcher` the block carries the tokens it dispatches (`Block.ep_flex`, priced by
-    `sim.ep_dispatch`: each token once per destination rank and node)."""
+    `sim.ep_dispatch`: each token once per destination rank and node); under its
+    `fake_balanced_gate` (AutoModel's) the router runs no GEMM."""
     count, per_token = experts
     flex = None
     if ep > 1 and dispatcher is not None and dispatcher.flex:
         backend = dispatcher.moe_flex_dispatcher_backend
         assert backend is not None  # EpDispatcher.check
         flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else DEEPEP_SMS,
-                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance, tokens, forward=True)
+                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance, tokens, forward=True,
+                           fake_balanced_gate=dispatcher.fake_balanced_gate)
+    # AutoModel's FakeBalancedGate computes its routing from token indices: it has no weight and runs
+    # no router GEMM (nemo_automodel/components/moe/layers.py); the router's weights still count in
+    # memory and FSDP's gathers here (a simplification: 128 x 2048 of Qwen3-30B-A3B's weights a layer)
+    fake_gate = dispatcher is not None and dispatcher.fake_balanced_gate
     pairs = tokens * per_token  # token-expert pairs this rank sends out
     busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
     computed = busiest * etp  # the pairs the rank computes: its ETP group's
@@ -441,7 +447,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
                 bwd_k.append(fp8.cast(f"{p.name}.grad", rows * groups, out))
             if out != hidden:
                 width = max(width, out)
-        else:
+        elif not (fake_gate and p.role is Role.ROUTER):
             m = max(1, round(tokens))
             fwd_k.append(gemm_kernel(p.name, m, out, inp, dtype))
             bwd_k += [gemm_kernel(f"{p.name}.dgrad", m, inp, out, dtype),

@@ -107,6 +107,9 @@ class PublishedRun:
     moe_token_dispatcher_type: str | None = None
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int | None = None
+    # NeMo AutoModel's fake_balanced_gate as the recipe set it (`EpDispatcher.fake_balanced_gate`);
+    # None: not stated, the learned router (uniform routing)
+    fake_balanced_gate: bool | None = None
     # how the recipe cut the layers over the pipeline's model chunks (Megatron's
     # account_for_embedding/loss_in_pipeline_split, decoder_first/last_pipeline_num_layers, the
     # row's keys of the same names; absent: the even split)
@@ -118,7 +121,8 @@ class PublishedRun:
         return EpDispatcher(moe_token_dispatcher_type=self.moe_token_dispatcher_type or ALLTOALL,
                             moe_flex_dispatcher_backend=self.moe_flex_dispatcher_backend,
                             moe_hybridep_num_sms=DEFAULT_HYBRIDEP_SMS if self.moe_hybridep_num_sms is None
-                            else self.moe_hybridep_num_sms)
+                            else self.moe_hybridep_num_sms,
+                            fake_balanced_gate=False if self.fake_balanced_gate is None else self.fake_balanced_gate)
     # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
     # the combined 1F1B schedule); True needs `recipe_source`
     overlap_moe_expert_parallel_comm: bool = False
@@ -260,7 +264,8 @@ class RowResult:
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
             **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
-                "moe_hybridep_num_sms": r.moe_hybridep_num_sms} if r.ep > 1 else {}),
+                "moe_hybridep_num_sms": r.moe_hybridep_num_sms, "fake_balanced_gate": r.fake_balanced_gate}
+               if r.ep > 1 else {}),
             "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
             "delay_wgrad_compute": r.delay_wgrad_compute, "tp_comm_overlap": r.tp_comm_overlap,
             "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
@@ -368,6 +373,10 @@ class PublishedReport:
                                              "alltoall, or flex with moe_flex_dispatcher_backend deepep / hybridep "
                                              "and HybridEP's moe_hybridep_num_sms), with recipe_source; null: not "
                                              "stated, simulated as alltoall",
+                "fake_balanced_gate": "an EP row's router is NeMo AutoModel's FakeBalancedGate (the recipe's "
+                                      "model.backend.fake_balanced_gate: each token to top-k consecutive experts, "
+                                      "sim.ep_dispatch.fake_gate_groups), with recipe_source; null: the learned "
+                                      "router, simulated as uniform routing",
                 "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
                                                     "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
                 "delay_wgrad_compute": "Megatron's delay_wgrad_compute as the recipe ran it (with the overlap: the "
@@ -496,7 +505,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: store_param_remainders must be true, false or null (true on a ZeRO-1 row, not "
                         f"fsdp), got {remainders!r}")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
-                                        "moe_hybridep_num_sms")}
+                                        "moe_hybridep_num_sms", "fake_balanced_gate")}
     split = _pipeline_split(raw, where)
     ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
     if not isinstance(ep_overlap, bool):

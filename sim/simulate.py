@@ -257,6 +257,9 @@ class SimConfig:
                 raise SpecError("a router imbalance needs expert parallelism (ep > 1): at ep 1 every GPU computes "
                                 "every expert on its own tokens")
             router_imbalance(self.router_imbalance, resolved[1].moe[0], self.ep)
+        if dispatcher.fake_balanced_gate and (resolved[1].moe is None or self.router_imbalance != 1.0):
+            raise SpecError("fake_balanced_gate is AutoModel's balanced router of a mixture-of-experts model: it "
+                            "needs experts and no router imbalance")
         if self.ep > 1:
             if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
                 check_runtime_experts(self.tp, self.etp)

@@ -314,3 +314,94 @@ def test_a_hybridep_expert_block_leaves_the_permute_to_its_dispatcher():
         assert saved == pytest.approx((1 + k) * permute, rel=1e-3)
     swiglu = pairs * 1.5 * 2 * ffn * 2 / hbm
     assert swiglu > 0 and blocks["hybridep"][0].seconds > swiglu
+
+
+def _automodel_fake_gate(tokens: int, experts: int, top_k: int) -> list[list[int]]:
+    """AutoModel's FakeBalancedGate's expert indices without noise, token by token (its
+    `arange(n_tokens * a_exp).view(-1, a_exp) % available_experts`)."""
+    flat = [i % experts for i in range(tokens * top_k)]
+    return [flat[t * top_k:(t + 1) * top_k] for t in range(tokens)]
+
+
+@pytest.mark.parametrize(("experts", "groups", "k"), [(128, 8, 8), (128, 16, 8), (128, 32, 8), (128, 8, 6),
+                                                      (12, 3, 8), (64, 8, 3)])
+def test_fake_gate_groups_is_the_mean_over_the_gates_tokens(experts, groups, k):
+    from sim.ep_dispatch import fake_gate_groups
+
+    per = experts // groups
+    tokens = 16384  # a rank's micro-batch of the AutoModel row (4 x 4096)
+    routed = _automodel_fake_gate(tokens, experts, k)
+    mean = sum(len({e // per for e in r}) for r in routed) / tokens
+    assert fake_gate_groups(experts, groups, k) == pytest.approx(mean, abs=2 * k / tokens)
+
+
+def test_the_fake_gate_sends_each_qwen3_token_to_one_rank_of_eight():
+    """128 experts, top-8, EP 8 (16 contiguous experts a rank, AutoModel's Shard(0)): token t's
+    experts 8t .. 8t+7 (mod 128) lie on one rank, and every expert gets the same pairs; uniform
+    routing reaches 5.34 ranks."""
+    from sim.ep_dispatch import fake_gate_groups
+
+    routed = _automodel_fake_gate(16384, 128, 8)
+    assert all(len({e // 16 for e in r}) == 1 for r in routed)
+    load = [0] * 128
+    for r in routed:
+        for e in r:
+            load[e] += 1
+    assert set(load) == {16384 * 8 // 128}
+    assert fake_gate_groups(128, 8, 8) == 1.0 and expected_groups(128, 8, 8) == pytest.approx(5.339, abs=1e-3)
+    with pytest.raises(SpecError, match="groups must divide"):
+        fake_gate_groups(128, 3, 8)
+
+
+def test_flex_inside_a_node_under_the_fake_gate_sends_each_token_once():
+    cl = _experts(8, 8)
+    token_bytes = 4096 * 2048 * 2.0
+    fake = FlexTraffic(DEEPEP, 20, token_bytes, 128, 8, fake_balanced_gate=True)
+    d, c = flex_costs(fake, cl, H100)
+    once = token_bytes * 7 / 8  # its one rank, another rank's for 7 tokens of 8
+    assert d == c == alltoall_cost(once, once, cl, H100)
+    uniform, _ = flex_costs(replace(fake, fake_balanced_gate=False), cl, H100)
+    assert d.seconds < 0.3 * uniform.seconds
+    # across nodes too: a token's experts on one node, one copy to it (the measured price's bytes)
+    two = _experts(16, 16)
+    m, _ = flex_costs(FlexTraffic(HYBRIDEP, 16, token_bytes, 128, 8, fake_balanced_gate=True), two, H100)
+    assert m.transfer_s == pytest.approx(token_bytes / measurement(HYBRIDEP, "h100-sxm", 16, 16).dispatch)
+
+
+def test_the_fake_gate_option_and_its_error_lines():
+    EpDispatcher(fake_balanced_gate=True).check()
+    with pytest.raises(SpecError, match=r"^fake_balanced_gate must be true or false, got 'yes'$"):
+        EpDispatcher(fake_balanced_gate="yes").check()
+    from sim.simulate import SimConfig, simulate
+
+    cfg = SimConfig(model="qwen3-30b-a3b", gpus=8, tp=1, ep=8, optimizer="adamw", router_imbalance=1.2,
+                    options=RunOptions(ep_dispatcher=EpDispatcher(fake_balanced_gate=True)))
+    with pytest.raises(SpecError, match="fake_balanced_gate .* no router imbalance"):
+        simulate(cfg)
+    dense = SimConfig(model="qwen3-8b", gpus=8, tp=1, optimizer="adamw",
+                      options=RunOptions(ep_dispatcher=EpDispatcher(fake_balanced_gate=True)))
+    with pytest.raises(SpecError, match="fake_balanced_gate .* needs experts"):
+        simulate(dense)
+
+
+def test_the_automodel_row_runs_the_fake_gate_without_a_router_gemm():
+    """The AutoModel row's recipe sets fake_balanced_gate: true; its expert block then prices no
+    router GEMM (the FakeBalancedGate has no weight) and its DeepEP dispatch moves each token once."""
+    from canzona.cost import DeviceRate
+    from sim.model_work import _expert_block
+
+    am = RUNS["qwen3-30b-a3b-8xh100-automodel"]
+    assert am.ep_dispatcher.fake_balanced_gate and "fake_balanced_gate: true" in am.recipe_source
+    assert am.sim_config().options.ep_dispatcher.fake_balanced_gate
+    assert not RUNS["qwen3-30b-a3b-16xh100-mb"].ep_dispatcher.fake_balanced_gate
+    rate = DeviceRate.from_profile(H100)
+    params = _qwen3_moe_layer()
+    assert any(p.role.name == "ROUTER" for p in params)
+    blocks = {}
+    for fake in (False, True):
+        d = replace(am.ep_dispatcher, fake_balanced_gate=fake)
+        blocks[fake] = _expert_block("mlp", params, 16384.0, 2048, (128, 8), rate, "bf16", "none", ep=8,
+                                     dispatcher=d)
+    assert blocks[True][0].seconds < blocks[False][0].seconds
+    assert blocks[True][1].seconds < blocks[False][1].seconds
+    assert blocks[True][0].ep_flex.fake_balanced_gate and blocks[True][1].ep_flex.fake_balanced_gate
