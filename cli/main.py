@@ -353,7 +353,7 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  align_grad_reduce: bool = True,
-                 dispatcher: tuple[str, str | None, int] | None = None,
+                 dispatcher: tuple[str, str | None, int, bool] | None = None,
                  overlap_moe_expert_parallel_comm: bool = False, delay_wgrad_compute: bool = False):
     """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
     `_ep_dispatcher`'s (None: the default)."""
@@ -369,15 +369,17 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                       delay_wgrad_compute=delay_wgrad_compute)
 
 
-def _ep_dispatcher(dispatcher: tuple[str, str | None, int] | None):
-    """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms) as
-    `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked where the options are."""
+def _ep_dispatcher(dispatcher: tuple[str, str | None, int, bool] | None):
+    """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms,
+    --fake-balanced-gate) as `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked where the
+    options are."""
     from sim.ep_dispatch import EpDispatcher
 
     if dispatcher is None:
         return EpDispatcher()
-    kind, backend, sms = dispatcher
-    return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms)
+    kind, backend, sms, fake_gate = dispatcher
+    return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms,
+                        fake_balanced_gate=fake_gate)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -507,6 +509,9 @@ MoeFlexDispatcherBackend = Annotated[str | None, typer.Option(
          "published measurements where the hardware has one).")]
 MoeHybridepNumSms = Annotated[int, typer.Option(
     help="HybridEP's SMs (Megatron's --moe-hybridep-num-sms): which published measurement prices it.")]
+FakeBalancedGate = Annotated[bool, typer.Option(
+    help="NeMo AutoModel's fake_balanced_gate (its benchmark recipes): each token to top-k consecutive experts, so "
+         "a flex dispatch reaches the fewest ranks, and no router GEMM; off: a router's uniform routing.")]
 CrossEntropyLossFusion = Annotated[bool, typer.Option(
     help="Megatron's --cross-entropy-loss-fusion: the loss's fused cross-entropy (--cross-entropy-fusion-impl); off: "
          "the unfused fp32 upcast, softmax and loss, as Megatron's default and canzona's examples run it.")]
@@ -558,7 +563,7 @@ def simulate(
     decoder_last_pipeline_num_layers: LastStageLayers = None,
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
-    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
     store_param_remainders: StoreParamRemainders = False,
     apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
@@ -582,7 +587,7 @@ def simulate(
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
                                dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                           moe_hybridep_num_sms),
+                                           moe_hybridep_num_sms, fake_balanced_gate),
                                overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                                delay_wgrad_compute=delay_wgrad_compute)
         config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
@@ -696,7 +701,7 @@ def search(
     seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
-    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS,
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
@@ -729,7 +734,7 @@ def search(
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
                             global_batch=global_batch, precision=precision,
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                                          moe_hybridep_num_sms)),
+                                                          moe_hybridep_num_sms, fake_balanced_gate)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
                             fp8_recipe=fp8_recipe, attention_backend=attention_backend,

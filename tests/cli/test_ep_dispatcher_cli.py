@@ -20,13 +20,15 @@ def test_simulate_takes_the_dispatcher():
     flex = json.loads(result.stdout)
     assert alltoall["options"]["ep_dispatcher"]["moe_token_dispatcher_type"] == "alltoall"
     assert flex["options"]["ep_dispatcher"] == {"moe_token_dispatcher_type": "flex",
-                                                "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 32}
+                                                "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 32,
+                                                "fake_balanced_gate": False}
     assert flex["iteration_time_s"] < alltoall["iteration_time_s"]
 
 
 def test_dispatcher_options_are_documented():
     text = help_text("simulate")
-    for option in ("--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms"):
+    for option in ("--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms",
+                   "--fake-balanced-gate"):
         assert option in text
 
 
@@ -50,3 +52,23 @@ def test_search_takes_the_dispatcher():
     assert "--moe-token-dispatcher-type" in help_text("search")
     error_line(invoke("search", "--model", "qwen3-30b-a3b", "--gpus", "16", "--moe-token-dispatcher-type", "flex"),
                "needs --moe-flex-dispatcher-backend")
+
+
+def test_fake_balanced_gate_is_an_option_of_simulate_and_search():
+    """NeMo AutoModel's fake_balanced_gate (sim.ep_dispatch): each token to top-k consecutive
+    experts, so a flex dispatch reaches one EP rank, not the ~5.3 of 8 a router's uniform routing
+    reaches on Qwen3-30B-A3B at EP 8: the option reaches the run and the dispatch gets cheaper;
+    on a dense model it is one error line, on simulate and on search."""
+    one_node = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "1", "--ep", "8", "--global-batch", "8",
+                "--optimizer", "adamw", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    routed = json.loads(invoke("simulate", *one_node, "--json").stdout)
+    result = invoke("simulate", *one_node, "--fake-balanced-gate", "--json")
+    assert result.exit_code == 0, result.stderr
+    gated = json.loads(result.stdout)
+    assert gated["options"]["ep_dispatcher"]["fake_balanced_gate"] is True
+    assert routed["options"]["ep_dispatcher"]["fake_balanced_gate"] is False
+    assert gated["iteration_time_s"] < routed["iteration_time_s"]
+    assert "--fake-balanced-gate" in help_text("search")
+    dense = ["--model", "qwen3-0.6b", "--gpus", "8", "--global-batch", "8"]
+    error_line(invoke("simulate", *dense, "--tp", "1", "--fake-balanced-gate"), "fake_balanced_gate", "mixture-of-experts")
+    error_line(invoke("search", *dense, "--fake-balanced-gate"), "--fake-balanced-gate True", "has no experts")
