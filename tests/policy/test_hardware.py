@@ -115,6 +115,15 @@ def test_a100_is_slower_than_h100():
     assert a100.network.nic_busbw < h100.network.nic_busbw
 
 
+def test_a100_capacity_is_what_cuda_gives_a_process():
+    # an A100-SXM4-80GB's cudaDeviceProp totalGlobalMem (79.15 GiB, the least of the published
+    # figures, which vary with the driver), below NVML's 81,920 MiB total by what the driver keeps
+    a100 = load_profile("a100-sxm")
+    assert a100.gpu.memory_bytes == 84987740160 < 81920 * 2**20
+    assert f"{a100.gpu.memory_bytes / 2**30:.2f}" == "79.15"  # PyTorch's out-of-memory message
+    assert not any("gpu.memory_bytes" in s and "assumption" in s for s in a100.sources)
+
+
 def test_default_profile_is_h100():
     assert load_profile() == load_profile("h100-sxm")
 

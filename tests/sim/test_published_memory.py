@@ -1,7 +1,7 @@
 """Memory of the published runs (docs/design.md §7.1, §9.6): the runs that ran fit in the model,
 its terms for one of them follow from the recipe by hand, and a layout that cannot run still does
 not fit. The model is Megatron's as each recipe states it (`grad_reduce_in_fp32`), the GPU's
-capacity NVML's; nothing is fitted per row."""
+capacity what CUDA gives a process; nothing is fitted per row."""
 
 from __future__ import annotations
 
