@@ -38,7 +38,7 @@ per token (`pair_spread`, `token_spread`):
   (`sim.ep_dispatch.group_hit`), `s = P(rank i reached, rank j not) = C(E - m, k) / C(E, k) -
   C(E - 2m, k) / C(E, k)`; the mean is `N h`.
 Qwen3-30B-A3B at EP 16 (E 128, top-8, T 4096): pairs +0.95%, distinct tokens +0.85%;
-Qwen3-235B-A22B at EP 32, TP 2 (T 2048): +1.58% and +1.43%.
+Qwen3-235B-A22B at EP 32, TP 2 (T 2048): +1.57% and +1.50%.
 
 With a persistent skew (the user's `router_imbalance`: each rank's mean share `s_j` of the pairs,
 mean 1, `canzona.experts.rank_shares`) the fluctuation rides on each rank's own mean: rank `j`'s
