@@ -31,18 +31,18 @@ def _monte_carlo(experts: int, ep: int, top_k: int, tokens: int, trials: int, se
     logits = rng.standard_normal((trials, n, experts))
     top = np.argpartition(logits, experts - top_k, axis=2)[:, :, experts - top_k:]
     ranks = top // (experts // ep)  # (trials, tokens, k): the EP rank of each pair
-    onehot = np.zeros((trials, n, ep), dtype=np.int32)
-    np.add.at(onehot, (np.arange(trials)[:, None, None], np.arange(n)[None, :, None], ranks), 1)
+    onehot = (ranks[..., None] == np.arange(ep)).sum(axis=2)  # (trials, tokens, ep): pairs per rank
     pairs = onehot.sum(axis=1).max(axis=1) / (tokens * top_k)
     distinct = (onehot > 0).sum(axis=1).max(axis=1) / (n * group_hit(experts, ep, top_k))
     return [(x.mean(), x.std(ddof=1) / math.sqrt(trials)) for x in (pairs, distinct)]
 
 
-@pytest.mark.parametrize("experts, ep, top_k, tokens, trials", [(32, 8, 4, 32, 300), (32, 4, 8, 32, 300)])
+@pytest.mark.parametrize("experts, ep, top_k, tokens, trials",
+                         [(16, 2, 4, 64, 400), (32, 8, 4, 32, 300), (32, 4, 8, 32, 300)])
 def test_the_closed_form_matches_a_monte_carlo_of_forced_balancing(experts, ep, top_k, tokens, trials):
     (pairs, pairs_se), (distinct, distinct_se) = _monte_carlo(experts, ep, top_k, tokens, trials, seed=27)
     b = busiest_rank(experts=experts, top_k=top_k, ep=ep, tokens=tokens)
-    assert b.pairs > 1.02 and b.tokens > 1.02  # a real excess to compare
+    assert b.pairs > 1.01 and b.tokens > 1.01  # a real excess to compare
     # within four standard errors and 3% of the excess (the central limit theorem's approximation)
     assert pairs == pytest.approx(b.pairs, abs=4 * pairs_se + 0.03 * (b.pairs - 1))
     assert distinct == pytest.approx(b.tokens, abs=4 * distinct_se + 0.03 * (b.tokens - 1))
