@@ -171,9 +171,26 @@ def router_imbalance(loads: float | tuple[float, ...] | list[float], experts: in
     factor itself (>= 1), or the router's histogram, one share of the tokens per expert (any
     non-negative scale), whose EP ranks' sums (experts in blocks of `experts / ep`) give it."""
     if isinstance(loads, (int, float)) and not isinstance(loads, bool):
-        if not 1.0 <= float(loads) < float("inf"):
-            raise SpecError(f"router imbalance must be a number >= 1 (busiest EP rank / mean), got {loads!r}")
-        return float(loads)
+        return _factor(loads)
+    return max(rank_shares(loads, experts, ep))
+
+
+def _factor(loads: float) -> float:
+    if not 1.0 <= float(loads) < float("inf"):
+        raise SpecError(f"router imbalance must be a number >= 1 (busiest EP rank / mean), got {loads!r}")
+    return float(loads)
+
+
+def rank_shares(loads: float | tuple[float, ...] | list[float], experts: int, ep: int) -> tuple[float, ...]:
+    """Each EP rank's mean share of the token-expert pairs over the mean rank's (mean 1), the
+    persistent skew a router's random fluctuation rides on (`canzona.routing`): from the router's
+    histogram (as `router_imbalance`), the ranks' sums; from a number, which names only the busiest
+    rank, that rank at it and the others evenly below (the least skewed spread the number allows:
+    an assumption; none below 0)."""
+    if isinstance(loads, (int, float)) and not isinstance(loads, bool):
+        busiest = _factor(loads)
+        rest = max(0.0, (ep - busiest) / (ep - 1)) if ep > 1 else busiest
+        return (busiest,) + (rest,) * (ep - 1)
     shares = list(loads)
     if len(shares) != experts or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and
                                          0 <= x < float("inf") for x in shares) or sum(shares) <= 0:
@@ -181,4 +198,5 @@ def router_imbalance(loads: float | tuple[float, ...] | list[float], experts: in
                         f"got {len(shares)} values")
     per_rank = experts // ep
     ranks = [sum(shares[j * per_rank:(j + 1) * per_rank]) for j in range(ep)]
-    return max(ranks) / (sum(ranks) / ep)
+    mean = sum(ranks) / ep
+    return tuple(r / mean for r in ranks)

@@ -46,6 +46,7 @@ from canzona.plan import (
     make_plan,
 )
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
+from canzona.routing import RANDOM
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import STEP_POLICIES, default_policy, dp_policies_running
 from canzona.tp import TP_POLICIES
@@ -353,7 +354,7 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  align_grad_reduce: bool = True,
-                 dispatcher: tuple[str, str | None, int, bool] | None = None,
+                 dispatcher: tuple[str, str | None, int, bool, str] | None = None,
                  overlap_moe_expert_parallel_comm: bool = False, delay_wgrad_compute: bool = False):
     """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
     `_ep_dispatcher`'s (None: the default)."""
@@ -369,17 +370,17 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
                       delay_wgrad_compute=delay_wgrad_compute)
 
 
-def _ep_dispatcher(dispatcher: tuple[str, str | None, int, bool] | None):
+def _ep_dispatcher(dispatcher: tuple[str, str | None, int, bool, str] | None):
     """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms,
-    --fake-balanced-gate) as `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked where the
-    options are."""
+    --fake-balanced-gate, --routing) as `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked
+    where the options are."""
     from sim.ep_dispatch import EpDispatcher
 
     if dispatcher is None:
         return EpDispatcher()
-    kind, backend, sms, fake_gate = dispatcher
+    kind, backend, sms, fake_gate, routing = dispatcher
     return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms,
-                        fake_balanced_gate=fake_gate)
+                        fake_balanced_gate=fake_gate, routing=routing)
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -512,6 +513,10 @@ MoeHybridepNumSms = Annotated[int, typer.Option(
 FakeBalancedGate = Annotated[bool, typer.Option(
     help="NeMo AutoModel's fake_balanced_gate (its benchmark recipes): each token to top-k consecutive experts, so "
          "a flex dispatch reaches the fewest ranks, and no router GEMM; off: a router's uniform routing.")]
+Routing = Annotated[str, typer.Option(
+    help="Under --ep, how the router routes each token: random (each token's top-k drawn afresh, as Megatron's "
+         "--moe-router-force-load-balancing does and a learned router at least as unevenly: each layer waits for "
+         "the EP group's busiest rank, canzona.routing) or balanced (every EP rank exactly its mean).")]
 CrossEntropyLossFusion = Annotated[bool, typer.Option(
     help="Megatron's --cross-entropy-loss-fusion: the loss's fused cross-entropy (--cross-entropy-fusion-impl); off: "
          "the unfused fp32 upcast, softmax and loss, as Megatron's default and canzona's examples run it.")]
@@ -564,6 +569,7 @@ def simulate(
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
+    routing: Routing = RANDOM,
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
     store_param_remainders: StoreParamRemainders = False,
     apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
@@ -587,7 +593,7 @@ def simulate(
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
                                dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                           moe_hybridep_num_sms, fake_balanced_gate),
+                                           moe_hybridep_num_sms, fake_balanced_gate, routing),
                                overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                                delay_wgrad_compute=delay_wgrad_compute)
         config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
@@ -702,6 +708,7 @@ def search(
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
+    routing: Routing = RANDOM,
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
@@ -734,7 +741,7 @@ def search(
         question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
                             global_batch=global_batch, precision=precision,
                             ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                                          moe_hybridep_num_sms, fake_balanced_gate)),
+                                                          moe_hybridep_num_sms, fake_balanced_gate, routing)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
                             fp8_recipe=fp8_recipe, attention_backend=attention_backend,

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from canzona.errors import SpecError
 from canzona.hardware import HardwareProfile
+from canzona.routing import RANDOM, Busiest, check_routing
 from sim.collectives import FREE, CollectiveCost, all_to_all_cost, collective_cost
 from sim.topology import Cluster
 
@@ -107,6 +108,11 @@ class EpDispatcher:
     # of the learned router, which sends each token to `top_k` consecutive experts (`fake_gate_groups`):
     # under a flex dispatcher a token then reaches fewer ranks and nodes than under uniform routing
     fake_balanced_gate: bool = False
+    # how the router routes each token (`canzona.routing`): `random`, its top-k drawn afresh per token
+    # (Megatron's moe_router_force_load_balancing, and at least as unevenly a learned router), each
+    # layer then waiting for the EP group's busiest rank; `balanced`, every rank exactly its mean
+    # (exact balance). The FakeBalancedGate's routing is deterministic: balanced whatever this says
+    routing: str = RANDOM
 
     def check(self) -> None:
         if self.moe_token_dispatcher_type not in DISPATCHERS:
@@ -126,6 +132,7 @@ class EpDispatcher:
                             f"--moe-flex-dispatcher-backend {HYBRIDEP}")
         if not isinstance(self.fake_balanced_gate, bool):
             raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
+        check_routing(self.routing)
 
     @property
     def flex(self) -> bool:
@@ -170,8 +177,13 @@ def fake_gate_groups(experts: int, groups: int, top_k: int) -> float:
 @dataclass(frozen=True)
 class FlexTraffic:
     """What a flex dispatch of one expert block moves: each of the rank's tokens (`token_bytes`
-    in all) to the experts of its top-k of `experts`; `imbalance`: the busiest rank's share over
-    the mean (`canzona.experts.router_imbalance`)."""
+    in all) to the experts of its top-k of `experts`; `imbalance`: the router's persistent skew,
+    the busiest rank's mean share over the mean (`canzona.experts.router_imbalance`); `busiest`:
+    the busiest rank's expected pairs and distinct tokens over the mean under the run's routing,
+    skew and random fluctuation together (`canzona.routing.busiest_rank`; None: the skew alone).
+    A measured cross-node price takes the skew alone: the benchmark it comes from routes each token
+    at random itself (DeepEP's tests/test_internode.py: top-k of `torch.randn(...).abs() + 1` per
+    token; HybridEP's "random uniform routing"), so its time holds the fluctuation already."""
 
     backend: str
     sms: int
@@ -184,6 +196,17 @@ class FlexTraffic:
     # the run's router is AutoModel's FakeBalancedGate (`EpDispatcher.fake_balanced_gate`): each token
     # reaches `fake_gate_groups` ranks and nodes, not uniform routing's `expected_groups`
     fake_balanced_gate: bool = False
+    busiest: Busiest | None = None
+
+    @property
+    def pair_factor(self) -> float:
+        """The busiest rank's token-expert pairs over the mean."""
+        return self.imbalance if self.busiest is None else self.busiest.pairs
+
+    @property
+    def token_factor(self) -> float:
+        """The busiest rank's distinct tokens received over the mean."""
+        return self.imbalance if self.busiest is None else self.busiest.tokens
 
     def reached(self, groups: int) -> float:
         """The mean number of `groups` (ranks, nodes) of the EP group a token reaches."""
@@ -328,8 +351,8 @@ def hybridep_permute_s(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) ->
         return 0.0
     ep = experts.ep
     per_token = t.token_bytes / t.tokens
-    pairs = t.tokens * t.top_k * t.imbalance
-    received = ep * t.tokens * t.hit(ep) * t.imbalance
+    pairs = t.tokens * t.top_k * t.pair_factor
+    received = ep * t.tokens * t.hit(ep) * t.token_factor
     if _measured(t, experts, hw) is not None:
         return max(pairs - received, 0.0) * per_token / hw.gpu.hbm_achievable_bytes_per_s
     return (pairs + received) * per_token / hw.gpu.hbm_achievable_bytes_per_s + hw.gpu.launch_s
@@ -343,18 +366,20 @@ def _flex_transfer(t: FlexTraffic, experts: Cluster, hw: HardwareProfile) -> tup
     # each token once to each other rank holding one of its experts
     other_ranks = (ep - 1) * t.hit(ep)
     if not geo.crosses_nodes:
-        cost = alltoall_cost(t.token_bytes * other_ranks, t.token_bytes * other_ranks * t.imbalance, experts, hw)
+        cost = alltoall_cost(t.token_bytes * other_ranks, t.token_bytes * other_ranks * t.token_factor, experts, hw)
         return cost, cost
     nodes = geo.nodes
     m = _measured(t, experts, hw)
     if m is not None:
-        logical = t.token_bytes * t.reached(nodes) * t.imbalance
+        logical = t.token_bytes * t.reached(nodes) * t.imbalance  # the skew alone (the class docstring)
         label = f"{t.backend} (measured)"
         return (CollectiveCost(0.0, logical / m.dispatch, "network", label),
                 CollectiveCost(0.0, logical / m.combine, "network", label))
     # one copy per distinct remote node on the NICs, the rest over NVLink (modelled, not measured)
-    remote = t.token_bytes * (nodes - 1) * t.hit(nodes) * t.imbalance
-    total = t.token_bytes * other_ranks * t.imbalance
+    # the busiest rank's distinct tokens' factor on its node's too (a node's fluctuation is smaller:
+    # slightly conservative)
+    remote = t.token_bytes * (nodes - 1) * t.hit(nodes) * t.token_factor
+    total = t.token_bytes * other_ranks * t.token_factor
     cost = all_to_all_cost([total], [total], geo, hw, [remote], [remote])
     return cost, cost
 

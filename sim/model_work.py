@@ -57,9 +57,10 @@ from dataclasses import dataclass, replace
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend, measured_on
 from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
-from canzona.experts import expert_tp_dim
+from canzona.experts import expert_tp_dim, rank_shares
 from canzona.memory import fp8_linear_params
 from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
+from canzona.routing import BALANCED, RANDOM, busiest_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import cross_entropy as ce
 from sim import eager_kernels as ek
@@ -171,7 +172,7 @@ def _is_expert_gemm(p: ParamSpec) -> bool:
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
                      vocab: int, rate: DeviceRate, recompute: str = "none", causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
-                     router_imbalance: float = 1.0, etp: int = 1, cp: int = 1,
+                     router_imbalance: float | tuple[float, ...] = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
                      fp8: FP8Setup | None = None,
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
@@ -182,8 +183,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
     model (`Architecture`); `ep`: its expert parallelism (each rank computes `experts / ep` of
-    the experts, on the token-expert pairs dispatched to them); `router_imbalance`: the busiest EP
-    rank's pairs over the mean, which every rank of its EP group waits for; `etp`: expert TP (each
+    the experts, on the token-expert pairs dispatched to them); `router_imbalance`: the router's
+    persistent skew, the busiest EP rank's mean pairs over the mean or the router's histogram
+    (`canzona.experts.router_imbalance`), on which the dispatcher's `routing` adds each micro-batch's
+    random fluctuation (`canzona.routing`): every rank of an EP group waits for its busiest; `etp`: expert TP (each
     rank computes its shard of its experts on its ETP group's pairs); `cp`: context parallelism
     (each rank computes `tokens / cp` of the micro-batch, attention as a ring of `cp` steps
     exchanging K/V blocks of `kv_dim` wide keys and values: the module docstring); `head_dim`: the
@@ -207,6 +210,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     if accumulate not in (0, DTYPE_BYTES["bf16"], DTYPE_BYTES["fp32"]):
         raise SpecError(f"weight gradients accumulate into bf16 (2) or fp32 (4) buffers, got {accumulate!r} bytes")
     full_tokens, tokens = tokens, tokens // cp
+    # each EP rank's persistent mean share of the pairs (mean 1), which the routing's fluctuation rides on
+    shares = rank_shares(router_imbalance, experts[0], ep) if experts is not None and ep > 1 else (1.0,)
     layer_ids = sorted({p.layer for p in spec.params if p.layer is not None})
     by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
     moe_by_id: dict[int, list[ParamSpec]] = {i: [] for i in layer_ids}
@@ -345,7 +350,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             assert experts is not None
             name = f"layer {layer}.experts"
             fwd, bwd = _expert_block(name, moe_by_id[layer], tokens / tp, hidden, experts,
-                                     rate, dtype, recompute, ep, router_imbalance, etp, fp8, accumulate,
+                                     rate, dtype, recompute, ep, shares, etp, fp8, accumulate,
                                      dispatcher)
             # the layer's pre-MLP norm and residual add, as a dense MLP block's (`lk.moe_mlp_side`);
             # recomputed with the experts under full and selective-op recompute. Under the EP
@@ -389,16 +394,20 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],
                   rate: DeviceRate, dtype: str, recompute: str, ep: int = 1,
-                  imbalance: float = 1.0, etp: int = 1, fp8: FP8Setup | None = None,
+                  shares: tuple[float, ...] = (1.0,), etp: int = 1, fp8: FP8Setup | None = None,
                   accumulate: int = 0, dispatcher: EpDispatcher | None = None) -> tuple[Block, Block]:
     """A mixture-of-experts MLP on one rank's `tokens` (forward, backward): the router and every
     other replicated matrix over the tokens, each expert weight as one grouped GEMM over the
     token-expert pairs of its experts (a stack of `[experts, out, in]`, or one expert's linear).
-    Under expert parallelism the rank holds `experts / ep` of each stack and, with a balanced
-    router, receives as many pairs as its tokens make (`tokens x experts_per_token`), of which
-    `(ep - 1) / ep` come from the other ranks of its EP group (and return there). With an
-    unbalanced router the block is the busiest rank's: `imbalance` times the pairs, received and
-    computed (under EP only: at EP 1 every rank computes every expert on its own tokens). Under
+    Under expert parallelism the rank holds `experts / ep` of each stack and, on average, receives
+    as many pairs as its tokens make (`tokens x experts_per_token`), of which `(ep - 1) / ep` come
+    from the other ranks of its EP group (and return there). The block is the busiest rank's,
+    received and computed, which its EP group waits for (under EP only: at EP 1 every rank
+    computes every expert on its own tokens): `shares`, each EP rank's persistent mean share of
+    the pairs (mean 1; `canzona.experts.rank_shares`), with the random fluctuation of the
+    dispatcher's `routing` on top (`canzona.routing.busiest_rank`: the busiest rank's expected
+    pairs, and for a flex dispatcher distinct tokens, over the mean; none under AutoModel's
+    deterministic FakeBalancedGate). Under
     expert TP each rank computes its ETP group's `etp` times the pairs on `1 / etp` of each
     expert's weights: the same FLOPs in GEMMs `etp` times taller and thinner, and the sorts of
     the gathered pairs by expert and back on `etp` times the pairs, around the ETP group's
@@ -410,20 +419,29 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     `sim.ep_dispatch`: each token once per destination rank and node); under its
     `fake_balanced_gate` (AutoModel's) the router runs no GEMM."""
     count, per_token = experts
+    # AutoModel's FakeBalancedGate computes its routing from token indices: it has no weight and runs
+    # no router GEMM (nemo_automodel/components/moe/layers.py); the router's weights still count in
+    # memory and FSDP's gathers here (a simplification: 128 x 2048 of Qwen3-30B-A3B's weights a layer).
+    # Its routing is deterministic and balanced: no fluctuation (`canzona.routing`)
+    fake_gate = dispatcher is not None and dispatcher.fake_balanced_gate
+    routing = BALANCED if fake_gate else (dispatcher.routing if dispatcher is not None else RANDOM)
+    skew = max(shares) if ep > 1 else 1.0
+    # the busiest EP rank's expected pairs and distinct tokens over the mean, and (under expert TP)
+    # the busiest ETP group's gathered pairs: the sum of `etp` EP groups' independent draws at one
+    # position, as one group of `etp` times the tokens
+    busy = busiest_rank(experts=count, top_k=per_token, ep=ep, tokens=tokens, routing=routing, shares=shares)
+    gathered_busy = busy if etp == 1 else busiest_rank(experts=count, top_k=per_token, ep=ep, tokens=tokens * etp,
+                                                       routing=routing, shares=shares)
     flex = None
     if ep > 1 and dispatcher is not None and dispatcher.flex:
         backend = dispatcher.moe_flex_dispatcher_backend
         assert backend is not None  # EpDispatcher.check
         flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else DEEPEP_SMS,
-                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, imbalance, tokens, forward=True,
-                           fake_balanced_gate=dispatcher.fake_balanced_gate)
-    # AutoModel's FakeBalancedGate computes its routing from token indices: it has no weight and runs
-    # no router GEMM (nemo_automodel/components/moe/layers.py); the router's weights still count in
-    # memory and FSDP's gathers here (a simplification: 128 x 2048 of Qwen3-30B-A3B's weights a layer)
-    fake_gate = dispatcher is not None and dispatcher.fake_balanced_gate
+                           tokens * hidden * DTYPE_BYTES[dtype], count, per_token, skew, tokens, forward=True,
+                           fake_balanced_gate=dispatcher.fake_balanced_gate, busiest=busy)
     pairs = tokens * per_token  # token-expert pairs this rank sends out
-    busiest = pairs * (imbalance if ep > 1 else 1.0)  # ... and what the busiest rank receives
-    computed = busiest * etp  # the pairs the rank computes: its ETP group's
+    busiest = pairs * (busy.pairs if ep > 1 else 1.0)  # ... and what the busiest rank receives
+    computed = pairs * etp * (gathered_busy.pairs if ep > 1 else 1.0)  # the pairs the rank computes: its ETP group's
     local = count // ep  # the experts this rank computes
     fwd_k: list[Kernel] = []
     bwd_k: list[Kernel] = []

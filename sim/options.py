@@ -58,8 +58,9 @@ class RunOptions:
     # under TE 1.x); priced from the FlashAttention-3 paper's series (canzona.attention_rate)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     # Megatron's token dispatcher under expert parallelism (--moe-token-dispatcher-type, under flex
-    # --moe-flex-dispatcher-backend and --moe-hybridep-num-sms: sim.ep_dispatch); the default, the
-    # all-to-all of every token-expert pair, is what canzona's reference EP model runs
+    # --moe-flex-dispatcher-backend and --moe-hybridep-num-sms: sim.ep_dispatch), with the router's
+    # --fake-balanced-gate and --routing (canzona.routing); the default, the all-to-all of every
+    # token-expert pair, is what canzona's reference EP model runs
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)
     # Megatron's overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm, formerly
     # moe_a2a_overlap; default off): the combined 1F1B schedule, one micro-batch's forward beside

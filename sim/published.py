@@ -108,7 +108,7 @@ class PublishedRun:
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int | None = None
     # NeMo AutoModel's fake_balanced_gate as the recipe set it (`EpDispatcher.fake_balanced_gate`);
-    # None: not stated, the learned router (uniform routing)
+    # None: not stated, the learned router (uniform random routing, canzona.routing)
     fake_balanced_gate: bool | None = None
     # how the recipe cut the layers over the pipeline's model chunks (Megatron's
     # account_for_embedding/loss_in_pipeline_split, decoder_first/last_pipeline_num_layers, the
@@ -376,7 +376,8 @@ class PublishedReport:
                 "fake_balanced_gate": "an EP row's router is NeMo AutoModel's FakeBalancedGate (the recipe's "
                                       "model.backend.fake_balanced_gate: each token to top-k consecutive experts, "
                                       "sim.ep_dispatch.fake_gate_groups), with recipe_source; null: the learned "
-                                      "router, simulated as uniform routing",
+                                      "router, simulated as uniform random routing with the busiest EP rank's "
+                                      "expected load (canzona.routing)",
                 "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
                                                     "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
                 "delay_wgrad_compute": "Megatron's delay_wgrad_compute as the recipe ran it (with the overlap: the "

@@ -154,7 +154,8 @@ class SimConfig:
     # which, to give the runtime or `canzona plan`), at EP 1 the default
     expert_buckets: str = PLAN_DEFAULTS.expert_buckets
     # the busiest EP rank's token-expert pairs over the mean (>= 1), or the router's histogram of
-    # tokens per expert (canzona.experts.router_imbalance); 1: a balanced router
+    # tokens per expert (canzona.experts.router_imbalance): a persistent skew; 1: none. Each
+    # micro-batch's random fluctuation on top is the dispatcher's `routing` (canzona.routing)
     router_imbalance: float | tuple[float, ...] = 1.0
     # FSDP2 / ZeRO-3 (sim.fsdp, docs/design.md §2.8): parameters, gradients and optimizer state
     # sharded over the DP group, the policy one of `FSDP_POLICIES`; `hsdp_replicate` R > 1: HSDP,
@@ -622,8 +623,8 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
                             arch.q_dim, arch.hidden, arch.vocab, rate,
                             recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
                             head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
-                            router_imbalance=router_imbalance(cfg.router_imbalance, arch.moe[0], cfg.ep)
-                            if arch.moe else 1.0, etp=cfg.etp, head_dim=head_dim, cp=cfg.cp,
+                            router_imbalance=cfg.router_imbalance if arch.moe else 1.0, etp=cfg.etp,
+                            head_dim=head_dim, cp=cfg.cp,
                             kv_dim=arch.kv_dim, fp8=fp8,
                             attention_backend=cfg.options.attention_backend, kernels=wl.kernels,
                             # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad

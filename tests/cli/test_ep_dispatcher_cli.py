@@ -21,7 +21,7 @@ def test_simulate_takes_the_dispatcher():
     assert alltoall["options"]["ep_dispatcher"]["moe_token_dispatcher_type"] == "alltoall"
     assert flex["options"]["ep_dispatcher"] == {"moe_token_dispatcher_type": "flex",
                                                 "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 32,
-                                                "fake_balanced_gate": False}
+                                                "fake_balanced_gate": False, "routing": "random"}
     assert flex["iteration_time_s"] < alltoall["iteration_time_s"]
 
 

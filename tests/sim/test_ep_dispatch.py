@@ -12,6 +12,7 @@ import pytest
 
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
+from canzona.routing import busiest_rank
 from sim import published
 from sim.collectives import FREE, all_to_all_cost, collective_cost
 from sim.ep_dispatch import (
@@ -306,7 +307,8 @@ def test_a_hybridep_expert_block_leaves_the_permute_to_its_dispatcher():
         blocks[name] = _expert_block("mlp", params, tokens, hidden, (128, 8), rate, "bf16", "none", ep=16,
                                      dispatcher=d)
     assert blocks["alltoall"][0].seconds == pytest.approx(blocks["deepep"][0].seconds)
-    pairs = tokens * 8
+    # the busiest rank's pairs under the default random routing (canzona.routing)
+    pairs = tokens * 8 * busiest_rank(experts=128, top_k=8, ep=16, tokens=tokens).pairs
     hbm = rate.hbm_bytes_per_s * rate.hbm_efficiency
     permute = pairs * (4 + 2) * hidden * 2 / hbm  # the permute and back, and the experts' sum, per pair
     for k in (0, 1):  # forward: one pass; backward: two
