@@ -725,6 +725,10 @@ def search(
              "(with --recompute-num-layers; a layout whose model chunks a uniform group does not divide is "
              "searched without full recompute); unset: every layer checkpointed on its own.")] = None,
     recompute_num_layers: RecomputeNumLayers = None,
+    search_recompute_layers: Annotated[bool, typer.Option(
+        help="Without --recompute-method: try a layout that needs full recompute first with Megatron's block method, "
+             "at the fewest layers a model chunk whose memory floor fits, and with every layer checkpointed only if "
+             "that run does not fit.")] = True,
     fp8_recipe: Fp8Recipe = "delayed", attention_backend: AttentionBackend = "fused",
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
@@ -757,7 +761,7 @@ def search(
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
                             recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                            fp8_recipe=fp8_recipe, attention_backend=attention_backend,
+                            search_recompute_layers=search_recompute_layers, fp8_recipe=fp8_recipe, attention_backend=attention_backend,
                             grad_reduce_in_fp32=grad_reduce_in_fp32,
                             cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,

@@ -6,6 +6,7 @@ layers, storing one input a group and re-running the group's forwards together."
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -39,6 +40,7 @@ from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
 
 H100 = load_profile("h100-sxm")
+H100_PATH = Path(__file__).resolve().parents[2] / "canzona" / "profiles" / "h100-sxm.json"
 RATE = DeviceRate.from_profile(H100)
 WL = Workload(seq_len=1024, global_batch=8, micro_batch=1)
 # 28 layers: PP 2 x VP 2 chunks of 7
@@ -191,3 +193,29 @@ def test_search_runs_the_method_under_full_recompute_only():
     assert config_of(q, {**layout, "recompute": "selective"}).options.recompute_method is None
     with pytest.raises(SpecError, match="go together"):
         Question(recompute_method=BLOCK)
+
+
+def test_search_tries_block_before_every_layer(tmp_path):
+    """On a GPU too small for qwen3-0.6b at TP 1 without full recompute (12.5 GB), the search tries
+    Megatron's block method before every layer: the fewest checkpointed layers its floor (and,
+    after a run that did not fit, that run's bytes beyond its floor) admits; block's layout beats
+    both plain full's and the best layout found without block."""
+    import json
+
+    from sim.search import search
+
+    profile = json.loads(Path(H100_PATH).read_text())
+    profile["gpu"]["memory_bytes"] = 12_500_000_000
+    path = tmp_path / "h100-12.5gb.json"
+    path.write_text(json.dumps(profile))
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, hardware=str(path))
+    on, off = (search(replace(q, search_recompute_layers=flag), top=3, workers=2) for flag in (True, False))
+    best = on.ranked[0]
+    assert (best["recompute"], best["recompute_method"]) == (FULL, BLOCK) and best["fits"]
+    assert 1 <= best["recompute_num_layers"] < 28
+    assert not any(r["recompute_method"] for r in off.ranked + off.not_fitting)
+    assert best["iteration_time_s"] < off.ranked[0]["iteration_time_s"]
+    plain = simulate(config_of(q, {k: best[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute",
+                                                        "dp")}))
+    assert plain.config.options.recompute_method is None
+    assert best["iteration_time_s"] < plain.iteration_time_s
