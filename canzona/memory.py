@@ -63,7 +63,16 @@ from canzona.pipeline import (
     rank_layers,
 )
 from canzona.plan import Plan, check_plan_matches
-from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_OP, check_recompute, saved_mm_widths
+from canzona.recompute import (
+    FULL,
+    RECOMPUTE_MODES,
+    SELECTIVE_OP,
+    check_recompute,
+    check_recompute_method,
+    checkpoint_groups,
+    checkpointed,
+    saved_mm_widths,
+)
 from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
@@ -196,6 +205,10 @@ class MemorySetup:
     master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # one of canzona.recompute.RECOMPUTE_MODES
+    # under full recompute, Megatron's --recompute-method and --recompute-num-layers
+    # (canzona.recompute.RECOMPUTE_METHODS; None: every layer checkpointed on its own)
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     flash_attention: bool = True  # no s x s attention scores are stored
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
@@ -245,6 +258,7 @@ class MemorySetup:
         if not isinstance(self.ep_overlap, bool):
             raise SpecError(f"ep_overlap must be true or false, got {self.ep_overlap!r}")
         check_recompute(self.recompute)
+        check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
@@ -567,7 +581,13 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       layers' worth, Korthikanti et al. 2022, section 4.2.3); under an uneven `split`
       (`canzona.pipeline.PipelineSplit`) the most layers held at once, each chunk by its own size
       (`canzona.pipeline.peak_layers_in_flight`);
-    - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed;
+      Under full recompute with Megatron's method (`setup.recompute_method`,
+      `canzona.recompute.checkpoint_groups`), a chunk's layers hold, per micro-batch, one layer
+      input for each checkpoint (a uniform group's, a block's checkpointed layer's) and the whole
+      activations of the layers outside any checkpoint (block's past the first N), each chunk by
+      its own size;
+    - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed
+      (a uniform group's N layers': its re-run makes them all before their backwards);
       under selective-op, what one layer recomputes beside what it saved;
     - `ep_overlap_layer`: under Megatron's EP all-to-all overlap (`setup.ep_overlap`), one layer
       more. Its combined 1F1B schedule (`canzona.pipeline.combined_order`) runs one warm-up forward
@@ -584,7 +604,14 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
       keeps it in another dtype) plus the bf16 logits it is made from, split over t by the
       vocabulary-parallel head (last stage)."""
-    if vp == 1:
+    if setup.recompute_method is not None:  # each chunk by what its checkpoints store
+        sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
+        layers = peak_layers_in_flight(stage, pp, setup.micro_batches, vp,
+                                       [_chunk_activation_bytes(dims, setup, tp, n) for n in sizes])
+        working = _method_working_set(dims, setup, tp, max(sizes))
+        embedded = (pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)) if vp == 1 \
+            else peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)
+    elif vp == 1:
         in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
         held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * in_flight
         embedded = in_flight
@@ -595,12 +622,15 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
             sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
             held = peak_layers_in_flight(stage, pp, setup.micro_batches, vp, sizes)
         embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)  # the embedding: chunk 0's
+    if setup.recompute_method is None:
+        layers = held * layer_activation_bytes(dims, setup, tp)
+        working = _recompute_working_set(dims, setup, tp)
     tokens = setup.seq_len * setup.micro_batch
     sp_div = tp if setup.sequence_parallel else 1
     e = setup.activation_bytes
     out = {
-        "layers": held * layer_activation_bytes(dims, setup, tp),
-        "recompute_working_set": _recompute_working_set(dims, setup, tp),
+        "layers": layers,
+        "recompute_working_set": working,
         "ep_overlap_layer": layer_activation_bytes(dims, setup, tp) if setup.ep_overlap else 0.0,
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
@@ -608,6 +638,24 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     if stage == pp - 1:
         out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (setup.loss_bytes + e) / tp
     return out
+
+
+def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int) -> float:
+    """What a model chunk of `size` layers holds for one micro-batch under full recompute with
+    Megatron's method (`canzona.recompute.checkpoint_groups`): a layer input per checkpoint, whole
+    activations for the layers outside any."""
+    method, n = setup.recompute_method, setup.recompute_num_layers
+    stored, _ = checkpoint_groups(method, n, size)
+    inside = sum(checkpointed(method, n, i) for i in range(size))
+    return (stored * layer_activation_bytes(dims, setup, tp, FULL)
+            + (size - inside) * layer_activation_bytes(dims, setup, tp, "none"))
+
+
+def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int) -> float:
+    """The activations one re-run makes under Megatron's method, in a chunk of `size` layers: a
+    uniform group's N layers' whole activations, else one layer's (`checkpoint_groups`)."""
+    _, alive = checkpoint_groups(setup.recompute_method, setup.recompute_num_layers, size)
+    return alive * layer_activation_bytes(dims, setup, tp, "none")
 
 
 def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int) -> float:

@@ -24,6 +24,7 @@ transformer_config.py `TransformerConfig.__post_init__`'s checks, transformer_bl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canzona.errors import SpecError
@@ -354,11 +355,13 @@ def peak_in_flight(stage: int, pp: int, micro_batches: int | None = None, vp: in
     return peak
 
 
-def peak_layers_in_flight(stage: int, pp: int, micro_batches: int | None, vp: int, chunk_sizes: list[int]) -> int:
+def peak_layers_in_flight(stage: int, pp: int, micro_batches: int | None, vp: int,
+                          chunk_sizes: Sequence[float]) -> float:
     """The most layers' activations rank `stage` holds at once over `pipeline_order`: each
     micro-batch-chunk whose forward has run and whose backward has not holds its chunk's layers
-    (`chunk_sizes[c]`). Equal chunks: a chunk's layers times `peak_in_flight`; an uneven split's
-    fullest moment weighs each chunk by its own size. Without `micro_batches` as in `peak_in_flight`."""
+    (`chunk_sizes[c]`; or any weight of a chunk, e.g. the bytes it holds). Equal chunks: a chunk's
+    layers times `peak_in_flight`; an uneven split's fullest moment weighs each chunk by its own
+    size. Without `micro_batches` as in `peak_in_flight`."""
     if len(chunk_sizes) != vp:
         raise SpecError(f"{len(chunk_sizes)} chunk sizes for vp {vp}")
     if vp == 1:

@@ -48,12 +48,35 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   (`transformer_engine/pytorch/module/layernorm_linear.py`, `_LayerNormLinear.forward`: the
   userbuffers all-gather is turned off when `is_grad_enabled` is false), while Linear's
   userbuffers reduce-scatter is not gated (`linear.py`). torch's non-reentrant checkpoint wrapper
-  (torchtitan, NeMo AutoModel) keeps grad on in the first forward. Megatron's
-  `recompute_method` "uniform" checkpoints groups of `recompute_num_layers` layers (each group's
-  input stored, its layers' forwards re-run together before their backwards) and "block" only the
-  first `recompute_num_layers` layers of each pipeline stage (the rest store everything); the
-  simulator's `full` is every layer recomputed, each before its own backward (uniform with one
-  layer a group; per-layer groups of more layers recompute the same work in another order).
+  (torchtitan, NeMo AutoModel) keeps grad on in the first forward.
+
+Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
+`RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:
+its TransformerConfig raises "recompute_method must be block or uniform" under granularity full)
+it is every layer, each checkpointed on its own, which is what `uniform` with N = 1 and `block`
+with N at least a chunk's layers run. Read from NVIDIA/Megatron-LM
+`megatron/core/transformer/transformer_block.py` (`TransformerBlock._checkpointed_forward`, over
+`self.layers`: one model chunk's layers, a virtual pipeline stage's under the interleaved schedule,
+since each chunk is its own TransformerBlock and `num_layers_per_pipeline_rank = len(self.layers)`)
+and `megatron/training/arguments.py` (`--recompute-method`, `--recompute-num-layers`):
+- `uniform`: the chunk's layers in consecutive groups of N, each group one checkpoint: only the
+  group's input is stored, and its backward first runs the N layers' forwards again together, so
+  the N layers' whole activations are alive at once (`checkpoint_groups`). The loop calls
+  `custom(l, l + N)` while `l` < the chunk's layers and indexes every layer up to `l + N`: N must
+  divide each chunk's layers or the last group runs past the chunk's end (`check_method_layers`).
+- `block`: the first N layers of each chunk are checkpointed one at a time, the rest run outside
+  any checkpoint and store everything (granularity `full` turns selective recompute off:
+  `checkpoint_core_attention` is `recompute_granularity == 'selective'`), their forward with grad
+  (`checkpointed`); N at or past the chunk's layers checkpoints them all. Under FP8 Megatron shifts
+  the window one layer on while the block's input needs no gradient (`recompute_skip_num_layers`),
+  which does not arise in training (the first stage's input is the trainable embedding's output,
+  the others' the received activations that need their gradient).
+Megatron's TransformerConfig requires N with a method under full ("recompute_num_layers must be
+between 1 and num_layers_per_pipeline_rank", only N given being checked) and refuses both under
+selective; arguments.py refuses a method under selective ("recompute method is not yet supported
+for selective recomputing granularity"). The simulator's own times: a uniform group re-runs the
+same forwards as N = 1, before the group's first backward rather than each layer's (the same work
+on the same chain, in another order, as `sim.model_work.rerun_forward` says of a layer's blocks).
 """
 
 from __future__ import annotations
@@ -61,14 +84,80 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from canzona.choices import check_choice
+from canzona.errors import SpecError
 
 NONE, SELECTIVE, SELECTIVE_OP, FULL = "none", "selective", "selective-op", "full"
 # from the least recompute (most memory) to the most: the search tries them in this order
 RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL)
 
 
+# Megatron's --recompute-method under full recompute (the module docstring); None: every layer
+UNIFORM, BLOCK = "uniform", "block"
+RECOMPUTE_METHODS = (UNIFORM, BLOCK)
+
+
 def check_recompute(mode: str) -> str:
     return check_choice(mode, RECOMPUTE_MODES, "recompute mode")
+
+
+def check_recompute_method(mode: str, method: str | None, num_layers: int | None) -> None:
+    """Megatron's rules for `--recompute-method` and `--recompute-num-layers` (the module
+    docstring), one `SpecError` line each: both or neither, N a whole number >= 1, only with
+    `full` recompute. The rule that needs the layers: `check_method_layers`."""
+    if method is not None:
+        check_choice(method, RECOMPUTE_METHODS, "recompute method")
+    if num_layers is not None and not (isinstance(num_layers, int) and not isinstance(num_layers, bool)
+                                       and num_layers >= 1):
+        raise SpecError(f"--recompute-num-layers must be a whole number >= 1, got {num_layers!r}")
+    if (method is None) != (num_layers is None):
+        raise SpecError("--recompute-method and --recompute-num-layers go together (Megatron: a method needs "
+                        "recompute_num_layers, the layers of a uniform group or the checkpointed layers of a block)")
+    if method is not None and mode != FULL:
+        raise SpecError(f"--recompute-method {method} is for --recompute full, got --recompute {mode} (Megatron: "
+                        "recompute method is not yet supported for selective recomputing granularity)")
+
+
+def check_method_layers(method: str | None, num_layers: int | None, chunk_sizes: Sequence[int]) -> None:
+    """Under `uniform`, N must divide every model chunk's layers (`chunk_sizes`): Megatron's loop
+    indexes the last group's layers past the chunk's end otherwise. `block` takes any N."""
+    if method != UNIFORM or num_layers is None:
+        return
+    bad = sorted({c for c in chunk_sizes if c % num_layers})
+    if bad:
+        raise SpecError(f"--recompute-method uniform --recompute-num-layers {num_layers}: a model chunk of {bad[0]} "
+                        f"layers does not split into groups of {num_layers} (Megatron's _checkpointed_forward runs "
+                        "each chunk's layers in whole groups)")
+
+
+def recompute_label(mode: str, method: str | None = None, num_layers: int | None = None) -> str:
+    """A recompute mode for people: "full (block 4)" under Megatron's method, else the mode."""
+    return f"{mode} ({method} {num_layers})" if method is not None else mode
+
+
+def checkpointed(method: str | None, num_layers: int | None, position: int) -> bool:
+    """Whether the `position`-th layer of a model chunk (0-based) runs inside a checkpoint under
+    full recompute: its first forward without grad, again before its backward. `block`: the first
+    N; otherwise every layer."""
+    return method != BLOCK or num_layers is None or position < num_layers
+
+
+def checkpoint_groups(method: str | None, num_layers: int | None, chunk_size: int) -> tuple[int, int]:
+    """Of a model chunk of `chunk_size` layers under full recompute: (the checkpoints whose input
+    is stored, the layers one re-run makes alive at once). Every layer alone (no method): one a
+    layer, one layer; `uniform` N: one a group of N, N layers; `block` N: one for each of the first
+    N (the rest store everything), one layer."""
+    if method == UNIFORM and num_layers is not None:
+        return -(-chunk_size // num_layers), min(num_layers, chunk_size)
+    if method == BLOCK and num_layers is not None:
+        return min(num_layers, chunk_size), min(1, chunk_size)
+    return chunk_size, min(1, chunk_size)
+
+
+def checkpointed_layers(method: str | None, num_layers: int | None,
+                        chunks: Sequence[Sequence[int]]) -> frozenset[int]:
+    """The layer ids of `chunks` (each model chunk's layers, in order) that run inside a checkpoint
+    under full recompute (`checkpointed`)."""
+    return frozenset(layer for chunk in chunks for i, layer in enumerate(chunk) if checkpointed(method, num_layers, i))
 
 
 def forward_without_grad(mode: str) -> bool:
@@ -90,5 +179,6 @@ def saved_mm_widths(widths: Sequence[float]) -> float:
     return sum(w for i, w in enumerate(widths) if mm_saved(i))
 
 
-__all__ = ["FULL", "NONE", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "check_recompute",
-           "forward_without_grad", "mm_saved", "saved_mm_widths"]
+__all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "UNIFORM",
+           "check_method_layers", "check_recompute", "check_recompute_method", "checkpoint_groups", "checkpointed",
+           "checkpointed_layers", "forward_without_grad", "recompute_label", "mm_saved", "saved_mm_widths"]

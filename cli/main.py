@@ -351,6 +351,7 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 
 def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  align_grad_reduce: bool = True,
@@ -362,6 +363,7 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
 
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
                       overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap, recompute=recompute,
+                      recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                       reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
@@ -423,6 +425,14 @@ AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
 Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
+RecomputeMethod = Annotated[str | None, typer.Option(
+    help="Megatron's --recompute-method under --recompute full: uniform (groups of --recompute-num-layers layers, "
+         "each group's input stored and its forwards run again together) or block (the first "
+         "--recompute-num-layers layers of each model chunk checkpointed, the rest storing everything); "
+         "unset: every layer checkpointed on its own.")]
+RecomputeNumLayers = Annotated[int | None, typer.Option(
+    help="Megatron's --recompute-num-layers with --recompute-method: a uniform group's layers (dividing each "
+         "model chunk's) or the layers of each chunk block checkpoints.")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
@@ -549,7 +559,8 @@ def simulate(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
     overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", recompute_method: RecomputeMethod = None,
+    recompute_num_layers: RecomputeNumLayers = None, reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     delay_wgrad_compute: DelayWgrad = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
@@ -588,7 +599,8 @@ def simulate(
     try:
         options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
                                overlap_param_gather=overlap_param_gather,
-                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, recompute_method=recompute_method,
+                               recompute_num_layers=recompute_num_layers, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
@@ -638,7 +650,8 @@ def compare(
     tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
     overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
     overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", recompute_method: RecomputeMethod = None,
+    recompute_num_layers: RecomputeNumLayers = None, reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     delay_wgrad_compute: DelayWgrad = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
@@ -661,7 +674,8 @@ def compare(
     try:
         options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
                                overlap_param_gather=overlap_param_gather,
-                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, reduce_scatter=reduce_scatter,
+                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, recompute_method=recompute_method,
+                               recompute_num_layers=recompute_num_layers, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
@@ -713,6 +727,15 @@ def search(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
     delay_wgrad_compute: DelayWgrad = False, tp_comm_overlap: TpOverlap = True,
+    recompute_method: Annotated[str | None, typer.Option(
+        help="Megatron's --recompute-method for every layout searched with full recompute: uniform or block "
+             "(with --recompute-num-layers; a layout whose model chunks a uniform group does not divide is "
+             "searched without full recompute); unset: every layer checkpointed on its own.")] = None,
+    recompute_num_layers: RecomputeNumLayers = None,
+    search_recompute_layers: Annotated[bool, typer.Option(
+        help="Without --recompute-method: try a layout that needs full recompute first with Megatron's block method, "
+             "at the fewest layers a model chunk whose memory floor fits, and with every layer checkpointed only if "
+             "that run does not fit.")] = True,
     fp8_recipe: Fp8Recipe = "delayed", attention_backend: AttentionBackend = "fused",
     grad_reduce_in_fp32: GradReduceInFp32 = True,
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
@@ -744,7 +767,8 @@ def search(
                                                           moe_hybridep_num_sms, fake_balanced_gate, routing)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
-                            fp8_recipe=fp8_recipe, attention_backend=attention_backend,
+                            recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+                            search_recompute_layers=search_recompute_layers, fp8_recipe=fp8_recipe, attention_backend=attention_backend,
                             grad_reduce_in_fp32=grad_reduce_in_fp32,
                             cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,

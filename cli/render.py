@@ -11,6 +11,7 @@ from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
 from canzona.harness.verify import REFERENCE_RTOL
 from canzona.models import ARCHITECTURE_FIELDS
 from canzona.plan import Plan
+from canzona.recompute import recompute_label
 from canzona.spec import ModelSpec
 from canzona.step_policies import FSDP_POLICIES, get_fsdp_policy
 from cli.units import human_bytes
@@ -127,7 +128,8 @@ def _options_text(c) -> str:
                                   ("TP comm overlap", o.tp_comm_overlap),
                                   ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm),
                                   ("delayed expert wgrad", o.delay_wgrad_compute)) if flag]
-    return f"{', '.join(on) or 'no overlap'}; recompute {o.recompute}; reduce-scatter {o.reduce_scatter}"
+    recompute = recompute_label(o.recompute, o.recompute_method, o.recompute_num_layers)
+    return f"{', '.join(on) or 'no overlap'}; recompute {recompute}; reduce-scatter {o.reduce_scatter}"
 
 
 def _vp(c) -> str:

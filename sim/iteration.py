@@ -24,7 +24,6 @@ from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
-from canzona.recompute import forward_without_grad
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import (
     ALL_GATHER_V,
@@ -730,7 +729,8 @@ class _Stage:
         # under full recompute Megatron runs each layer's first forward inside its checkpoint
         # function under torch.no_grad() (`tensor_parallel.checkpoint`, TE's `checkpoint` under
         # FP8: `canzona.recompute`), and the re-run in the backward with grad
-        no_grad = forward_without_grad(self.ctx.options.recompute)
+        # (a layer outside any checkpoint, Megatron's block method past its first N, with grad)
+        no_grad = self.ctx.work.no_grad(k, self.ctx.options.recompute)
         for b in self.ctx.work.forward[k]:
             self.block(f"mb{mb} fwd {b.name}", b, 1, no_grad=no_grad)
 

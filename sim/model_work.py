@@ -51,7 +51,7 @@ them (`_fp8_block`); attention stays in the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend, measured_on
@@ -59,7 +59,14 @@ from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, gr
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim, rank_shares
 from canzona.memory import fp8_linear_params
-from canzona.recompute import FULL, SELECTIVE, SELECTIVE_OP, check_recompute, mm_saved
+from canzona.recompute import (
+    FULL,
+    SELECTIVE,
+    SELECTIVE_OP,
+    check_recompute,
+    forward_without_grad,
+    mm_saved,
+)
 from canzona.routing import BALANCED, RANDOM, busiest_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import cross_entropy as ce
@@ -138,6 +145,14 @@ class MicroBatchWork:
     # the input embedding's lookup and its gradient (0 on a stage without the embedding)
     embed_forward_s: float = 0.0
     embed_backward_s: float = 0.0
+    # under full recompute, the layer ids that run outside any checkpoint (Megatron's block method:
+    # past the first N of a model chunk): stored whole, their forward with grad, not re-run
+    uncheckpointed: frozenset[int] = frozenset()
+
+    def no_grad(self, k: int, recompute: str) -> bool:
+        """Whether layer `k` (the stage's work index) runs its first forward without autograd under
+        `recompute` (`canzona.recompute.forward_without_grad`: inside Megatron's checkpoint)."""
+        return forward_without_grad(recompute) and self.layer_ids[k] not in self.uncheckpointed
 
 
 def rerun_forward(fwd: Block, bwd: Block, tp: int) -> Block:
@@ -170,7 +185,8 @@ def _is_expert_gemm(p: ParamSpec) -> bool:
 
 
 def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim: int, hidden: int,
-                     vocab: int, rate: DeviceRate, recompute: str = "none", causal: bool = True, dtype: str = "bf16",
+                     vocab: int, rate: DeviceRate, recompute: str = "none",
+                     checkpointed: Collection[int] | None = None, causal: bool = True, dtype: str = "bf16",
                      head: bool = True, experts: tuple[int, int] | None = None, ep: int = 1,
                      router_imbalance: float | tuple[float, ...] = 1.0, etp: int = 1, cp: int = 1,
                      kv_dim: int | None = None, head_dim: int = DEFAULT_HEAD_DIM,
@@ -200,7 +216,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     under EP (`sim.ep_dispatch`; None: the all-to-all of every pair); `cross_entropy`: the loss's
     path (`sim.cross_entropy`: unfused, or Megatron's fused native / te; fused kernels only);
     `apply_rope_fusion`, `bias_activation_fusion`: Megatron's options of those names, off: its
-    unfused RoPE and SwiGLU (`sim.unfused_kernels`)."""
+    unfused RoPE and SwiGLU (`sim.unfused_kernels`); `checkpointed`: under full recompute the layer
+    ids run inside a checkpoint, whose forward is re-run before the backward (Megatron's block
+    method: `canzona.recompute.checkpointed_layers`); the others as without recompute (None: every
+    layer)."""
     check_recompute(recompute)
     eager = check_kernels(kernels) == EAGER
     if cross_entropy not in CROSS_ENTROPY_PATHS:
@@ -314,8 +333,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         return run(lk.mlp_block(shape, sum(column), gated, backward, name, activation_kernels=unfused))
 
     forward, backward = [], []
+    outside = frozenset(i for i in layer_ids if recompute == FULL and checkpointed is not None
+                        and i not in checkpointed)
     for layer, params in zip(layer_ids, by_layer):
         fwd_blocks, bwd_blocks = [], []
+        rerun = recompute == FULL and layer not in outside  # the forward re-run before the backward
         # selective-op: the layer's mms whose outputs are not saved run again (`canzona.recompute`)
         unsaved = {p.name for i, p in enumerate(params) if not mm_saved(i)}
         for i, block in enumerate(_blocks_of(params)):
@@ -342,7 +364,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
             bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
                         gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")), **ring_b)
-            if recompute == FULL:
+            if rerun:
                 bwd = rerun_forward(fwd, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
@@ -361,7 +383,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             redo = side if recompute == SELECTIVE_OP else 0.0
             fwd = replace(fwd, middle_s=fwd.middle_s + side)
             bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
-            if recompute == FULL:  # the whole forward block again: its collectives too, where it has any
+            if rerun:  # the whole forward block again: its collectives too, where it has any
                 bwd = rerun_forward(fwd, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
@@ -377,7 +399,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         embed_f = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=False))
         embed_b = run(lk.embedding_kernels(tokens, rows, hidden, two, backward=True))
     if not head:
-        return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b)
+        return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b, outside)
 
     def loss(tokens: int, vocab_slice: int, backward: bool) -> list[Kernel]:
         if eager:
@@ -389,7 +411,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     head_b = run([gemm_kernel("head.dgrad", tokens, hidden, vocab // tp, dtype),
                   gemm_kernel("head.wgrad", vocab // tp, hidden, tokens, dtype, accumulate=accumulate),
                   *loss(tokens, vocab // tp, backward=True)])
-    return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b)
+    return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), head_f, head_b, embed_f, embed_b, outside)
 
 
 def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden: int, experts: tuple[int, int],

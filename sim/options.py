@@ -9,6 +9,7 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
+from canzona.recompute import check_recompute_method
 from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
 from canzona.step_options import STEP_DEFAULTS
@@ -34,6 +35,12 @@ class RunOptions:
     # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy) or "full"
     # (every layer): canzona.recompute
     recompute: str = "none"
+    # under full recompute, Megatron's --recompute-method ("uniform": groups of N layers, each
+    # group's input stored and its forwards re-run together; "block": the first N layers of each
+    # model chunk checkpointed, the rest storing everything) and --recompute-num-layers N; None:
+    # every layer checkpointed on its own (canzona.recompute)
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     # how gradients are reduce-scattered (canzona.reductions): the runtime's option, name and default
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter
     # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and
@@ -77,6 +84,7 @@ class RunOptions:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
+        check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
         self.ep_dispatcher.check()

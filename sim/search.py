@@ -39,7 +39,13 @@ from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
 from canzona.plan import PLAN_DEFAULTS
-from canzona.recompute import forward_without_grad
+from canzona.recompute import (
+    BLOCK,
+    FULL,
+    check_recompute_method,
+    forward_without_grad,
+    recompute_label,
+)
 from canzona.reductions import (
     DEFAULT_REDUCE_SCATTER,
     REDUCE_SCATTER_IMPLS,
@@ -87,6 +93,15 @@ class Question:
     delay_wgrad_compute: bool = False
     # Transformer Engine's TP communication overlap (RunOptions.tp_comm_overlap): every layout with it
     tp_comm_overlap: bool = True
+    # Megatron's --recompute-method / --recompute-num-layers (RunOptions's fields of these names):
+    # every layout searched with full recompute runs them (None: every layer checkpointed alone);
+    # a layout whose model chunks a uniform group does not divide is not tried with full recompute
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    # without a method above: a layout that needs full recompute is first tried with Megatron's
+    # block method at the fewest checkpointed layers a chunk its memory floor admits, and with every
+    # layer checkpointed only if that run did not fit (`search`)
+    search_recompute_layers: bool = True
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
     # (their defaults are Workload's: one definition)
@@ -102,6 +117,9 @@ class Question:
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
         check_attention_backend(self.attention_backend)
+        check_recompute_method(FULL, self.recompute_method, self.recompute_num_layers)
+        if not isinstance(self.search_recompute_layers, bool):
+            raise SpecError(f"search_recompute_layers must be True or False, got {self.search_recompute_layers!r}")
         self.ep_dispatcher.check()
         if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
@@ -272,11 +290,28 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     for axis in LAYOUT_AXES + REFINE_AXES:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
+    if kwargs["options"].recompute == FULL:  # the layout's method (the search's block), else the question's
+        method = layout.get("recompute_method", q.recompute_method)
+        if method is not None:
+            _options(kwargs, recompute_method=method,
+                     recompute_num_layers=layout.get("recompute_num_layers", q.recompute_num_layers))
     if q.overlap_moe_expert_parallel_comm and allowed(ep=kwargs.get("ep", 1), pp=kwargs.get("pp", 1),
                                                        vp=kwargs.get("vp", 1), recompute=kwargs["options"].recompute,
                                                        fsdp=False):
         _options(kwargs, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=q.delay_wgrad_compute)
     return SimConfig(**kwargs)
+
+
+# a simulated row's recompute method, which a layout carries where the search chose it
+METHOD_KEYS = ("recompute_method", "recompute_num_layers")
+
+
+def layout_of(row: dict[str, Any]) -> Layout:
+    """The layout a simulated row ran (its axes, DP and any recompute method)."""
+    out = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
+    if row.get("recompute_method") is not None:
+        out.update({k: row[k] for k in METHOD_KEYS})
+    return out
 
 
 # --- pruning -------------------------------------------------------------------------------------
@@ -293,6 +328,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     dims = layer_dims(arch, spec)
     wl = cfg.workload
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, expert_tp=cfg.etp,
+                                      recompute_method=cfg.options.recompute_method,
+                                      recompute_num_layers=cfg.options.recompute_num_layers,
                                       ep_overlap=cfg.options.overlap_moe_expert_parallel_comm,
                                       micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp)))
     if cfg.cp > 1:  # each GPU holds its CP rank's seq / cp tokens of a micro-batch (as the simulator)
@@ -343,7 +380,7 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
     if row["micro_batch"] > 1:
         out.append(f"micro-batch {row['micro_batch']}")
     if row["recompute"] != "none":
-        out.append(f"recompute {row['recompute']}")
+        out.append(f"recompute {_recompute_text(row)}")
     if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
         out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
     if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
@@ -383,6 +420,9 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         # the layout allows it (`config_of`), so a row says which it is
         "overlap_moe_expert_parallel_comm": cfg.options.overlap_moe_expert_parallel_comm,
         "delay_wgrad_compute": cfg.options.delay_wgrad_compute,
+        # Megatron's recompute method the layout ran (the question's, under full recompute: `config_of`)
+        "recompute_method": cfg.options.recompute_method,
+        "recompute_num_layers": cfg.options.recompute_num_layers,
     }
 
 
@@ -511,7 +551,9 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
             return again + b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
         return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring, no_grad)
 
-    compute = (sum(floor(b, 1, no_grad) for layer in work.forward for b in layer)
+    # a layer outside any checkpoint (Megatron's block method past its first N) runs with grad
+    compute = (sum(floor(b, 1, no_grad and work.layer_ids[k] not in work.uncheckpointed)
+                   for k, layer in enumerate(work.forward) for b in layer)
                + sum(floor(b, 2) for layer in work.backward for b in layer)
                + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
     if not ep_overlap or expert_comm is None:
@@ -679,11 +721,40 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         key = " ".join(str(e).split()[:4])
         reasons[key] = reasons.get(key, 0) + 1
 
-    def push(layout: Layout, modes: Sequence[str]) -> None:
-        """Queue `layout` with the first recompute mode of `modes` whose memory floor fits."""
+    explore = q.search_recompute_layers and q.recompute_method is None
+
+    def least_block(layout: Layout, room: float, above: int = 0) -> int | None:
+        """The fewest layers of each model chunk, more than `above` and fewer than a chunk's (all of
+        them is plain full), Megatron's block method must checkpoint for `layout`'s memory floor to
+        stay within `room`; None if none does. The floor falls as N grows (each checkpointed layer
+        stores its input only)."""
+        lo, hi, best = above + 1, facts.layers // (layout["pp"] * layout["vp"]) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if memory_floor(config_of(q, {**layout, "recompute_method": BLOCK, "recompute_num_layers": mid}),
+                            model) <= room:
+                best, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        return best
+
+    def push(layout: Layout, modes: Sequence[str], gap: float = 0.0) -> None:
+        """Queue `layout` with the first recompute mode of `modes` whose memory floor fits. Full
+        recompute is first Megatron's block method (`explore`) at the fewest layers whose floor
+        fits `gap` below the capacity: what a run of the layout measured beyond its floor (the
+        plan's buffers, state and masters, which the recompute does not change)."""
         for mode in modes:
             chosen = {**layout, RECOMPUTE_AXIS: mode}
+            if mode == FULL and explore and "recompute_method" not in layout:
+                n = least_block(chosen, capacity - gap)
+                if n is not None:
+                    chosen.update(recompute_method=BLOCK, recompute_num_layers=n)
             cfg = config_of(q, chosen)
+            if mode == FULL and q.recompute_method is not None:
+                try:  # a uniform group must divide every model chunk (checked with the mode: the layout passed)
+                    cfg.check(model)
+                except SpecError:
+                    continue
             if memory_floor(cfg, model) <= capacity:
                 heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
                 return
@@ -718,9 +789,18 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             return
         rows.append(row)
         if not row["fits"] and not row["refined"]:
+            layout = layout_of(row)
+            # what the run needed beyond its floor: the room the next recompute's floor must leave
+            gap = max(0.0, row["memory_bytes"] - memory_floor(config_of(q, layout), model)) if explore else 0.0
+            if explore and row["recompute_method"] == BLOCK:  # the search's block did not fit: more layers, or all
+                n = least_block(layout, capacity - gap, above=row["recompute_num_layers"])
+                plain = n is None
+                push({**layout, "recompute_method": None if plain else BLOCK,
+                      "recompute_num_layers": None if plain else n}, (FULL,))
+                return
             modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(row[RECOMPUTE_AXIS]) + 1:]
             if modes:  # recompute only adds compute: the next mode only for a layout that did not fit
-                push({k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}, modes)
+                push(layout, modes, gap)
 
     with ProcessPoolExecutor(max_workers=workers) as pool:
         running: dict[Any, _Pending] = {}
@@ -750,7 +830,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         # refinement: the best layouts under the other step policies and reduce-scatters (same bound)
         best = sorted((r for r in rows if r["fits"]), key=lambda r: r["iteration_time_s"])[:refine_top]
         for row in best:
-            layout = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
+            layout = layout_of(row)
             for axis in REFINE_AXES:
                 for value in refine_values(q, axis, facts, layout)[1:]:
                     if prune_ties and axis.name == "reduce_scatter" and value in row["reduce_scatter_alike"]:
@@ -772,13 +852,18 @@ def _order(row: dict[str, Any]) -> tuple:
     return (row["refined"], row["pp"], row["vp"], row["ep"], RECOMPUTE_MODES.index(row["recompute"]), row["tp"])
 
 
+def _recompute_text(row: Layout) -> str:
+    """A layout's recompute, with Megatron's method where a simulated row ran one."""
+    return recompute_label(row[RECOMPUTE_AXIS], row.get("recompute_method"), row.get("recompute_num_layers"))
+
+
 def describe(layout: Layout) -> str:
     """A layout on one line (the progress bar's and the table's)."""
     parts = [f"TP{layout['tp']}", f"PP{layout['pp']}"]
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
-    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {layout[RECOMPUTE_AXIS]}"]
+    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {_recompute_text(layout)}"]
     parts += ["EP overlap"] if layout.get("overlap_moe_expert_parallel_comm") else []  # a simulated row's
     return " ".join(parts)
 

@@ -42,6 +42,7 @@ from canzona.pipeline import (
     PipelineSplit,
     check_split,
     check_vp,
+    chunk_layers,
     stage_layers,
     stage_spec,
 )
@@ -55,6 +56,7 @@ from canzona.plan import (
     check_geometry,
     plan_for,
 )
+from canzona.recompute import FULL, check_method_layers, checkpointed_layers
 from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
@@ -244,6 +246,7 @@ class SimConfig:
         check_split(self.pipeline_split, resolved[1].layers, self.pp, self.vp)
         check_vp(self.vp, self.pp, resolved[1].layers, self.workload.micro_batches(cluster.batch_dp),
                  self.pipeline_split)
+        self._check_recompute_method(resolved[1].layers)
         check_ep(resolved[0], self.ep, cluster.dp, self.tp, self.etp, resolved[1].hidden)
         if self.options.overlap_moe_expert_parallel_comm:  # Megatron's requirements (sim.ep_overlap)
             check_ep_overlap(ep=self.ep, pp=self.pp, vp=self.vp, recompute=self.options.recompute, fsdp=self.fsdp,
@@ -272,6 +275,22 @@ class SimConfig:
         """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""
         cv = hw.gpu_time_cv if self.gpu_variability is None else self.gpu_variability
         return straggler_slowdown(cv, gpus)
+
+    def chunks(self, layers: int, stage: int) -> list[range]:
+        """The layers of each model chunk of pipeline stage `stage` (its one chunk at VP 1)."""
+        return [chunk_layers(layers, self.pp, stage, c, self.vp, self.pipeline_split) for c in range(self.vp)]
+
+    def _check_recompute_method(self, layers: int) -> None:
+        """Megatron's `--recompute-method` against the layout (`canzona.recompute`): its
+        `_checkpointed_forward` is Megatron's, not FSDP's checkpoint wrappers; a uniform group
+        must divide every model chunk's layers."""
+        method, n = self.options.recompute_method, self.options.recompute_num_layers
+        if method is None:
+            return
+        if self.fsdp:
+            raise SpecError(f"--recompute-method {method} is Megatron's; under --fsdp (torchtitan's, NeMo AutoModel's "
+                            "checkpoint wrappers) full recompute checkpoints every layer")
+        check_method_layers(method, n, [len(c) for s in range(self.pp) for c in self.chunks(layers, s)])
 
     def _check_cp(self) -> None:
         """What context parallelism needs besides the cluster's divisibility (`Cluster`)."""
@@ -619,9 +638,13 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
     runs it under `cfg` with `fp8`'s overheads: one definition for `_simulate` and the search's
     lower bound (`sim.search.time_floor`), which must price the same kernels."""
     wl = cfg.workload
+    o = cfg.options
+    # under Megatron's block method only the first N layers of each model chunk are checkpointed
+    inside = checkpointed_layers(o.recompute_method, o.recompute_num_layers, cfg.chunks(arch.layers, stage)) \
+        if o.recompute == FULL and o.recompute_method is not None else None
     return micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                             arch.q_dim, arch.hidden, arch.vocab, rate,
-                            recompute=cfg.options.recompute, causal=wl.causal, dtype=wl.dtype,
+                            recompute=cfg.options.recompute, checkpointed=inside, causal=wl.causal, dtype=wl.dtype,
                             head=stage == cfg.pp - 1, experts=arch.moe, ep=cfg.ep,
                             router_imbalance=cfg.router_imbalance if arch.moe else 1.0, etp=cfg.etp,
                             head_dim=head_dim, cp=cfg.cp,
@@ -657,6 +680,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
     setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
+                                      recompute_method=cfg.options.recompute_method,
+                                      recompute_num_layers=cfg.options.recompute_num_layers,
                                       reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
                                       overlap_step=cfg.options.overlap_step, expert_tp=cfg.etp,
                                       ep_overlap=cfg.options.overlap_moe_expert_parallel_comm)

@@ -71,6 +71,8 @@ def test_table_and_plan_line(as_json):
     (("--optimizer", "sgd"), "sgd"),
     (("--top", 0), "--top"),
     (("--gpus", 3, "--model", "qwen3-0.6b", "--global-batch", 8), "no layout"),
+    (("--recompute-method", "block"), "go together"),
+    (("--recompute-method", "uniform", "--recompute-num-layers", -1), "whole number >= 1"),
 ])
 def test_bad_input_is_one_line(args, needle):
     error_line(invoke("search", *args), needle)
@@ -79,7 +81,8 @@ def test_bad_input_is_one_line(args, needle):
 @pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
-                                  "apply_rope_fusion", "bias_activation_fusion"])
+                                  "apply_rope_fusion", "bias_activation_fusion", "recompute_method",
+                                  "recompute_num_layers"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
     """The run settings `Question` carries are `search` options of the same name and default as
     `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
@@ -125,3 +128,12 @@ def test_a_bad_recipe_setting_is_one_error_line():
     r = invoke("search", *SMALL, "--attention-backend", "nope")
     assert r.exit_code != 0
     assert error_line(r).startswith("error:") and "nope" in error_line(r)
+
+
+def test_recompute_method_reaches_the_question():
+    r = invoke("search", *SMALL, "--top", 1, "--recompute-method", "block", "--recompute-num-layers", 2, "--json")
+    assert r.exit_code == 0, r.stderr
+    asked = json.loads(r.stdout)
+    assert (asked["recompute_method"], asked["recompute_num_layers"]) == ("block", 2)
+    row = asked["layouts"][0]  # the method only where the layout runs full recompute
+    assert row["recompute_method"] == ("block" if row["recompute"] == "full" else None)

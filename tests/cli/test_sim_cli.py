@@ -69,7 +69,8 @@ def test_simulate_run_options_reach_the_result():
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "align_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
-                            "recompute": "full", "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
+                            "recompute": "full", "recompute_method": None, "recompute_num_layers": None,
+                            "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,
                             "attention_backend": "fused",
                             "ep_dispatcher": {"moe_token_dispatcher_type": "alltoall",
@@ -77,6 +78,20 @@ def test_simulate_run_options_reach_the_result():
                                               "fake_balanced_gate": False, "routing": "random"},
                             "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
+
+
+def test_recompute_method_round_trips():
+    """Megatron's --recompute-method / --recompute-num-layers reach the options, the table's caption
+    and the time: block over the first 4 of qwen3-0.6b's 28 layers recomputes less than every layer."""
+    args = [*SMALL, "--recompute", "full"]
+    full = json.loads(run("simulate", *args, "--json").stdout)
+    result = run("simulate", *args, "--recompute-method", "block", "--recompute-num-layers", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    d = json.loads(result.stdout)
+    assert (d["options"]["recompute_method"], d["options"]["recompute_num_layers"]) == ("block", 4)
+    assert d["iteration_time_s"] < full["iteration_time_s"]
+    table = run("simulate", *args, "--recompute-method", "uniform", "--recompute-num-layers", "7")
+    assert table.exit_code == 0 and "recompute full (uniform 7)" in table.stdout
 
 
 def test_the_simulator_settings_are_passed_by_name():
@@ -201,6 +216,12 @@ BAD = [
     (["--capacity", "lots"], ()),
     (["--tp-mode", "eager"], ("unknown TP mode 'eager'",)),
     (["--recompute", "some"], ("unknown recompute mode 'some'",)),
+    (["--recompute", "full", "--recompute-method", "all"], ("unknown recompute method 'all'",)),
+    (["--recompute", "full", "--recompute-method", "block"], ("go together",)),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"], ("is for --recompute full",)),
+    (["--recompute", "full", "--recompute-method", "block", "--recompute-num-layers", "0"], ("whole number >= 1",)),
+    (["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--recompute", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "5"], ("groups of 5",)),
     (["--reduce-scatter", "ring"], ("unknown reduce_scatter 'ring'",)),
     (["--collectives", "nccl"], ("unknown collectives mode 'nccl'",)),
 ]
