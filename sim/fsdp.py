@@ -588,7 +588,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
     run.phase_b(synced)
     t_end = run.engine.run()
-    setup = MemorySetup.from_workload(cfg.workload, recompute=cfg.options.recompute, tp_mode=STEP_DEFAULTS.tp_mode)
+    setup = cfg.memory_setup(tp_mode=STEP_DEFAULTS.tp_mode)
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 

@@ -34,7 +34,7 @@ from canzona.cost import DeviceRate
 from canzona.errors import SpecError
 from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
-from canzona.memory import RECOMPUTE_MODES, MemorySetup, activation_bytes
+from canzona.memory import RECOMPUTE_MODES, activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
@@ -326,14 +326,7 @@ def memory_floor(cfg: SimConfig, model) -> int:
     least the activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
-    wl = cfg.workload
-    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, expert_tp=cfg.etp,
-                                      recompute_method=cfg.options.recompute_method,
-                                      recompute_num_layers=cfg.options.recompute_num_layers,
-                                      ep_overlap=cfg.options.overlap_moe_expert_parallel_comm,
-                                      micro_batches=wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp)))
-    if cfg.cp > 1:  # each GPU holds its CP rank's seq / cp tokens of a micro-batch (as the simulator)
-        setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
+    setup = cfg.memory_setup()
     worst = 0
     for stage in _kinds(cfg.pp):
         whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)

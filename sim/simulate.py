@@ -302,6 +302,22 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
+    def memory_setup(self, **extra: Any) -> MemorySetup:
+        """The memory model's settings of this run (`canzona.memory`), one definition for the
+        simulation and the search's floor: the workload's, the options' (the recompute and its
+        method, the EP overlap's one layer more), expert TP, the micro-batches a DP rank runs (which
+        cap the 1F1B micro-batches in flight), and each GPU's CP share of a micro-batch's tokens;
+        `extra`: what the caller adds beyond the configuration (the plan's step settings)."""
+        wl = self.workload
+        setup = MemorySetup.from_workload(
+            wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
+            recompute_num_layers=self.options.recompute_num_layers, expert_tp=self.etp,
+            ep_overlap=self.options.overlap_moe_expert_parallel_comm,
+            micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
+        if self.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
+            setup = replace(setup, seq_len=wl.seq_len // self.cp)
+        return setup
+
     def expert_cluster(self, cluster: Cluster) -> Cluster:
         """The same GPUs in expert order (canzona.experts): ETP groups of `etp` consecutive ranks
         in place of TP groups, EP groups of `ep` of them, EDP groups in place of DP groups."""
@@ -679,14 +695,8 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
-    setup = MemorySetup.from_workload(wl, recompute=cfg.options.recompute, tp_mode=cfg.tp_mode,
-                                      recompute_method=cfg.options.recompute_method,
-                                      recompute_num_layers=cfg.options.recompute_num_layers,
-                                      reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
-                                      overlap_step=cfg.options.overlap_step, expert_tp=cfg.etp,
-                                      ep_overlap=cfg.options.overlap_moe_expert_parallel_comm)
-    if cfg.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
-        setup = replace(setup, seq_len=wl.seq_len // cfg.cp)
+    setup = cfg.memory_setup(tp_mode=cfg.tp_mode, reduce_scatter=cfg.options.reduce_scatter,
+                             batch_kernels=cfg.options.batch_kernels, overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         work = stage_work(cfg, arch, dims.head_dim, stage_model, stage, rate,
