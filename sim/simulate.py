@@ -57,6 +57,7 @@ from canzona.plan import (
     plan_for,
 )
 from canzona.recompute import FULL, check_method_layers, checkpointed_layers
+from canzona.routing import RANDOM
 from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
@@ -264,6 +265,9 @@ class SimConfig:
         if dispatcher.fake_balanced_gate and (resolved[1].moe is None or self.router_imbalance != 1.0):
             raise SpecError("fake_balanced_gate is AutoModel's balanced router of a mixture-of-experts model: it "
                             "needs experts and no router imbalance")
+        if dispatcher.routing != RANDOM and resolved[1].moe is None:  # as the search refuses it (Question)
+            raise SpecError(f"--routing {dispatcher.routing}: for a mixture-of-experts model's token dispatch; "
+                            f"{resolved[0].name!r} has no experts")
         if self.ep > 1:
             if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
                 check_runtime_experts(self.tp, self.etp)

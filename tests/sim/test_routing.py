@@ -179,3 +179,16 @@ def test_a_bad_routing_is_one_error(value):
 ])
 def test_cli_routing_errors_are_one_line(command):
     error_line(invoke(*command, "--routing", "uniform"), "unknown routing 'uniform'; choose one of random, balanced")
+
+
+@pytest.mark.parametrize("command", [
+    ("simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--seq-len", "256", "--global-batch", "8"),
+    ("search", "--model", "qwen3-0.6b", "--gpus", "8", "--seq-len", "256", "--global-batch", "8"),
+])
+def test_routing_on_a_dense_model_is_refused_alike(command):
+    """`--routing balanced` changes nothing on a model without experts: `simulate` refuses it as
+    `search` does (one `error:` line each), rather than echoing it back without effect."""
+    error_line(invoke(*command, "--routing", "balanced"), "--routing balanced", "has no experts")
+    with pytest.raises(SpecError, match="has no experts"):
+        SimConfig(model="qwen3-0.6b", gpus=8, optimizer="adamw",
+                  options=RunOptions(ep_dispatcher=EpDispatcher(routing=BALANCED))).check()
