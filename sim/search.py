@@ -746,8 +746,9 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             if mode == FULL and q.recompute_method is not None:
                 try:  # a uniform group must divide every model chunk (checked with the mode: the layout passed)
                     cfg.check(model)
-                except SpecError:
-                    continue
+                except SpecError as e:  # refused by that rule (full is the last mode), not by the memory
+                    refuse(e)
+                    return
             if memory_floor(cfg, model) <= capacity:
                 heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
                 return

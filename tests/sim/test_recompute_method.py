@@ -219,3 +219,23 @@ def test_search_tries_block_before_every_layer(tmp_path):
                                                         "dp")}))
     assert plain.config.options.recompute_method is None
     assert best["iteration_time_s"] < plain.iteration_time_s
+
+
+def test_a_uniform_group_no_chunk_takes_is_a_refusal_not_memory(tmp_path):
+    """A layout whose chunks `--recompute-method uniform` does not divide is not tried with full
+    recompute: the search counts it refused by that rule, with its reason, not as over the memory
+    "even with full recompute" (which it never tried). qwen3-0.6b's 28 layers: no chunk takes 5."""
+    import json
+
+    from sim.search import search
+
+    profile = json.loads(Path(H100_PATH).read_text())
+    profile["gpu"]["memory_bytes"] = 3_000_000_000  # nothing fits without full recompute
+    path = tmp_path / "h100-3gb.json"
+    path.write_text(json.dumps(profile))
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, hardware=str(path),
+                 recompute_method=UNIFORM, recompute_num_layers=5)
+    with pytest.raises(SpecError) as e:
+        search(q, top=1, workers=1)
+    assert "--recompute-method uniform" in str(e.value)
+    assert "0 over 3.0 GB per GPU even with full recompute" in str(e.value)
