@@ -171,13 +171,16 @@ def router_imbalance(loads: float | tuple[float, ...] | list[float], experts: in
     factor itself (>= 1), or the router's histogram, one share of the tokens per expert (any
     non-negative scale), whose EP ranks' sums (experts in blocks of `experts / ep`) give it."""
     if isinstance(loads, (int, float)) and not isinstance(loads, bool):
-        return _factor(loads)
+        return _factor(loads, ep)
     return max(rank_shares(loads, experts, ep))
 
 
-def _factor(loads: float) -> float:
+def _factor(loads: float, ep: int) -> float:
     if not 1.0 <= float(loads) < float("inf"):
         raise SpecError(f"router imbalance must be a number >= 1 (busiest EP rank / mean), got {loads!r}")
+    if float(loads) > ep:  # the busiest rank holds at most every pair of its group: ep times the mean
+        raise SpecError(f"router imbalance {loads!r} is at most the EP size ({ep}: the busiest EP rank holding "
+                        "every token-expert pair)")
     return float(loads)
 
 
@@ -188,7 +191,7 @@ def rank_shares(loads: float | tuple[float, ...] | list[float], experts: int, ep
     rank, that rank at it and the others evenly below (the least skewed spread the number allows:
     an assumption; none below 0)."""
     if isinstance(loads, (int, float)) and not isinstance(loads, bool):
-        busiest = _factor(loads)
+        busiest = _factor(loads, ep)
         rest = max(0.0, (ep - busiest) / (ep - 1)) if ep > 1 else busiest
         return (busiest,) + (rest,) * (ep - 1)
     shares = list(loads)

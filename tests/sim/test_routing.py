@@ -192,3 +192,14 @@ def test_routing_on_a_dense_model_is_refused_alike(command):
     with pytest.raises(SpecError, match="has no experts"):
         SimConfig(model="qwen3-0.6b", gpus=8, optimizer="adamw",
                   options=RunOptions(ep_dispatcher=EpDispatcher(routing=BALANCED))).check()
+
+
+def test_a_router_imbalance_above_the_ep_size_is_refused():
+    """The busiest of `ep` ranks holds at most every pair, `ep` times the mean: a larger factor is
+    impossible (`rank_shares` gave the others no pairs and the ranks a mean above 1), one error."""
+    assert rank_shares(4.0, 128, 4) == (4.0, 0.0, 0.0, 0.0)  # every pair on one rank: the limit
+    for call in (router_imbalance, rank_shares):
+        with pytest.raises(SpecError, match="at most the EP size"):
+            call(5.0, 128, 4)
+    error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "4",
+                      "--seq-len", "256", "--global-batch", "16", "--router-imbalance", "5"), "at most the EP size")
