@@ -82,7 +82,7 @@ def test_bad_input_is_one_line(args, needle):
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                                   "apply_rope_fusion", "bias_activation_fusion", "recompute_method",
-                                  "recompute_num_layers"])
+                                  "recompute_num_layers", "routing"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
     """The run settings `Question` carries are `search` options of the same name and default as
     `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
