@@ -125,7 +125,8 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
             raise SpecError(f"--fsdp with --ep is simulated at etp 1 without HSDP (got etp {cfg.etp}, "
                             f"hsdp-replicate {cfg.hsdp_replicate})")
         if cfg.router_imbalance != 1.0:
-            raise SpecError("--fsdp with --ep is simulated with a balanced router (no --router-imbalance)")
+            raise SpecError("--fsdp with --ep is simulated without a persistent router skew (no --router-imbalance; "
+                            "--routing prices the random routing)")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)

@@ -147,7 +147,7 @@ def test_fsdp_with_ep_dispatches_and_shards_the_dense_part():
      "without HSDP"),
     (dict(pp=2, ep=4), "at pp 1 for now"),
     (dict(ep=4, etp=2), "at etp 1 without HSDP"),
-    (dict(router_imbalance=1.5), "with a balanced router"),
+    (dict(router_imbalance=1.5), "without a persistent router skew"),
 ])
 def test_bad_fsdp_combinations_refused(changes, needle):
     with pytest.raises(SpecError, match=needle):
