@@ -149,10 +149,15 @@ class MicroBatchWork:
     # past the first N of a model chunk): stored whole, their forward with grad, not re-run
     uncheckpointed: frozenset[int] = frozenset()
 
+    def checkpointed(self, k: int) -> bool:
+        """Whether layer `k` (the stage's work index) is not left outside a checkpoint (under full
+        recompute: inside one; Megatron's block method leaves the layers past its first N out)."""
+        return self.layer_ids[k] not in self.uncheckpointed
+
     def no_grad(self, k: int, recompute: str) -> bool:
         """Whether layer `k` (the stage's work index) runs its first forward without autograd under
         `recompute` (`canzona.recompute.forward_without_grad`: inside Megatron's checkpoint)."""
-        return forward_without_grad(recompute) and self.layer_ids[k] not in self.uncheckpointed
+        return forward_without_grad(recompute) and self.checkpointed(k)
 
 
 def rerun_forward(fwd: Block, bwd: Block, tp: int) -> Block:

@@ -545,7 +545,7 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
         return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring, no_grad)
 
     # a layer outside any checkpoint (Megatron's block method past its first N) runs with grad
-    compute = (sum(floor(b, 1, no_grad and work.layer_ids[k] not in work.uncheckpointed)
+    compute = (sum(floor(b, 1, no_grad and work.checkpointed(k))
                    for k, layer in enumerate(work.forward) for b in layer)
                + sum(floor(b, 2) for layer in work.backward for b in layer)
                + (work.head_forward_s + work.head_backward_s + work.embed_forward_s + work.embed_backward_s) * stretch)
