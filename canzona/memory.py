@@ -604,25 +604,24 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
       copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
       keeps it in another dtype) plus the bf16 logits it is made from, split over t by the
       vocabulary-parallel head (last stage)."""
+    # the micro-batch(-chunk)s in flight at the peak that hold the embedding's output: chunk 0's
+    if vp == 1:
+        embedded = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
+    else:
+        embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)
     if setup.recompute_method is not None:  # each chunk by what its checkpoints store
         sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
         layers = peak_layers_in_flight(stage, pp, setup.micro_batches, vp,
                                        [_chunk_activation_bytes(dims, setup, tp, n) for n in sizes])
         working = _method_working_set(dims, setup, tp, max(sizes))
-        embedded = (pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)) if vp == 1 \
-            else peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)
-    elif vp == 1:
-        in_flight = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
-        held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * in_flight
-        embedded = in_flight
-    else:  # the micro-batch-chunks in flight at the peak of the interleaved order, each a chunk's layers
-        if split.even:
+    else:
+        if vp == 1:  # 1F1B: a micro-batch's layers for each in flight
+            held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * embedded
+        elif split.even:  # the micro-batch-chunks in flight at the interleaved order's peak, each a chunk's layers
             held = len(chunk_layers(dims.layers, pp, stage, 0, vp)) * peak_in_flight(stage, pp, setup.micro_batches, vp)
         else:
             sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
             held = peak_layers_in_flight(stage, pp, setup.micro_batches, vp, sizes)
-        embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)  # the embedding: chunk 0's
-    if setup.recompute_method is None:
         layers = held * layer_activation_bytes(dims, setup, tp)
         working = _recompute_working_set(dims, setup, tp)
     tokens = setup.seq_len * setup.micro_batch
