@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -61,6 +61,7 @@ from cli.render import (
     tp_table,
     verify_table,
 )
+from cli.shared_options import takes_options
 from cli.units import parse_capacity
 from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS
 from sim.topology import MAX_GPUS
@@ -303,42 +304,40 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None
                         f"use{'s' if len(policies) == 1 else ''} {', '.join(sorted(set(own)))}")
 
 
-def _sim_config(*, model: str, gpus: int, tp: int, optimizer: str, policy: str | None, dp_policy: str | None,
-                tp_policy: str, alpha: float, bucket_size: int | None, capacity: str, hardware: str, seq_len: int,
-                global_batch: int, micro_batch: int, tp_mode: str, options, zero1_fallback: bool = True,
-                pp: int = 1, ep: int = 1, router_imbalance: str = "1", etp: int = 1,
-                expert_buckets: str = PLAN_DEFAULTS.expert_buckets, geometry: str = DEFAULT_GEOMETRY,
-                fsdp: bool = False, hsdp_replicate: int = 1, vp: int = 1, cp: int = 1,
-                precision: str = "bf16", fp8_recipe: str = "delayed", grad_reduce_in_fp32: bool = True,
-                gpu_variability: float | None = None, reshard_after_forward: bool = True,
-                kernels: str = "fused", fsdp_impl: str = "fsdp2", pipeline_split=None,
-                cross_entropy_loss_fusion: bool = False, cross_entropy_fusion_impl: str = "native",
-                store_param_remainders: bool = False, apply_rope_fusion: bool = True,
-                bias_activation_fusion: bool = True):
-    """The simulator's configuration of a command's options; keyword-only, so that no caller can
-    pass two of its many same-typed options in each other's place."""
-    from canzona.pipeline import EVEN_SPLIT
+def _sim_config(*, shared: SimOptions):
+    """The simulator's configuration of `shared`'s options (the policy: `shared.policy`, None where
+    the command varies it), checked: bad input fails here, before anything is simulated or drawn.
+    Keyword-only, as every builder of these many same-typed options."""
+    from canzona.pipeline import PipelineSplit
     from sim.simulate import SimConfig
     from sim.workload import Workload, grad_bytes_for
 
-    _check_dp_policy_applies([policy or default_policy(optimizer)], dp_policy)
-    return SimConfig(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy,
-                     dp_policy=dp_policy or PLAN_DEFAULTS.dp_policy,
-                     tp_policy=tp_policy, tp_mode=tp_mode, alpha=alpha, bucket_size=bucket_size,
-                     capacity=parse_capacity(capacity), hardware=hardware,
-                     workload=Workload(seq_len, global_batch, micro_batch, precision=precision, fp8_recipe=fp8_recipe,
-                                       grad_bytes=grad_bytes_for(grad_reduce_in_fp32), kernels=kernels,
-                                       cross_entropy_loss_fusion=cross_entropy_loss_fusion,
-                                       cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-                                       store_param_remainders=store_param_remainders,
-                                       apply_rope_fusion=apply_rope_fusion,
-                                       bias_activation_fusion=bias_activation_fusion),
-                     options=options,
-                     zero1_fallback=zero1_fallback, pp=pp, vp=vp, cp=cp, ep=ep, etp=etp, geometry=geometry,
-                     expert_buckets=expert_buckets,
-                     router_imbalance=_router_imbalance(router_imbalance), fsdp=fsdp, hsdp_replicate=hsdp_replicate,
-                     reshard_after_forward=reshard_after_forward, fsdp_impl=fsdp_impl,
-                     gpu_variability=gpu_variability, pipeline_split=pipeline_split or EVEN_SPLIT)
+    o = shared
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=o.account_for_embedding_in_pipeline_split,
+                          account_for_loss_in_pipeline_split=o.account_for_loss_in_pipeline_split,
+                          num_layers_in_first_pipeline_stage=o.decoder_first_pipeline_num_layers,
+                          num_layers_in_last_pipeline_stage=o.decoder_last_pipeline_num_layers)
+    workload = Workload(o.seq_len, o.global_batch, o.micro_batch, precision=o.precision, fp8_recipe=o.fp8_recipe,
+                        grad_bytes=grad_bytes_for(o.grad_reduce_in_fp32), kernels=o.kernels,
+                        cross_entropy_loss_fusion=o.cross_entropy_loss_fusion,
+                        cross_entropy_fusion_impl=o.cross_entropy_fusion_impl,
+                        store_param_remainders=o.store_param_remainders, apply_rope_fusion=o.apply_rope_fusion,
+                        bias_activation_fusion=o.bias_activation_fusion)
+    config = SimConfig(model=o.model, gpus=o.gpus, tp=o.tp, optimizer=o.optimizer, policy=o.policy,
+                       dp_policy=o.dp_policy or PLAN_DEFAULTS.dp_policy, tp_policy=o.tp_policy, tp_mode=o.tp_mode,
+                       alpha=o.alpha, bucket_size=o.bucket_size, capacity=parse_capacity(o.capacity),
+                       hardware=o.hardware, workload=workload, options=_run_options(shared=o),
+                       zero1_fallback=o.zero1_fallback, pp=o.pp, vp=o.vp, cp=o.cp, ep=o.ep, etp=o.etp,
+                       geometry=o.geometry, expert_buckets=o.expert_buckets,
+                       router_imbalance=_router_imbalance(o.router_imbalance), fsdp=o.fsdp,
+                       hsdp_replicate=o.hsdp_replicate, reshard_after_forward=o.reshard_after_forward,
+                       fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split)
+    config.check()
+    if o.ep == 1 and o.moe_token_dispatcher_type != ALLTOALL:  # the overlap's own check refuses it at EP 1
+        raise SpecError(f"--moe-token-dispatcher-type {o.moe_token_dispatcher_type} dispatches tokens to "
+                        "expert-parallel ranks: it needs --ep > 1")
+    return config
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:
@@ -350,26 +349,22 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
     return values[0] if len(values) == 1 else values
 
 
-def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                 reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
-                 compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
-                 align_grad_reduce: bool = True,
-                 dispatcher: tuple[str, str | None, int, bool, str] | None = None,
-                 overlap_moe_expert_parallel_comm: bool = False, delay_wgrad_compute: bool = False):
-    """The run options of a command's options (keyword-only, as `_sim_config`); `dispatcher`: as
-    `_ep_dispatcher`'s (None: the default)."""
+def _run_options(*, shared: SimOptions):
+    """The run options of `shared`'s options (keyword-only, as `_sim_config`)."""
     from sim.options import RunOptions
 
-    return RunOptions(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
-                      overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap, recompute=recompute,
-                      recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                      reduce_scatter=reduce_scatter,
-                      collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                      compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
-                      ep_dispatcher=_ep_dispatcher(dispatcher),
-                      overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                      delay_wgrad_compute=delay_wgrad_compute)
+    o = shared
+    return RunOptions(overlap_grad_reduce=o.overlap_grad_reduce, align_grad_reduce=o.align_grad_reduce,
+                      overlap_param_gather=o.overlap_param_gather, tp_comm_overlap=o.tp_comm_overlap,
+                      recompute=o.recompute, recompute_method=o.recompute_method,
+                      recompute_num_layers=o.recompute_num_layers, reduce_scatter=o.reduce_scatter,
+                      collectives=o.collectives, max_grad_norm=o.max_grad_norm, batch_kernels=o.batch_kernels,
+                      compile_kernels=o.compile_kernels, overlap_step=o.overlap_step,
+                      attention_backend=o.attention_backend,
+                      ep_dispatcher=_ep_dispatcher((o.moe_token_dispatcher_type, o.moe_flex_dispatcher_backend,
+                                                    o.moe_hybridep_num_sms, o.fake_balanced_gate, o.routing)),
+                      overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm,
+                      delay_wgrad_compute=o.delay_wgrad_compute)
 
 
 def _ep_dispatcher(dispatcher: tuple[str, str | None, int, bool, str] | None):
@@ -549,82 +544,95 @@ GradReduceInFp32 = Annotated[bool, typer.Option(
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
 
 
+Policy = Annotated[str | None, typer.Option(help=f"{POLICY_HELP} (default: canzona; zero1 for adamw).")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    """Every option of a simulated layout and workload: one definition of their names, defaults and
+    help, the options of `canzona simulate` and (less --policy, which it varies) `canzona compare`
+    (`cli.shared_options.takes_options`), built into the simulator's configuration by `_sim_config`.
+    A field added here is an option of both commands; tests/cli/test_shared_options.py fails on an
+    option one has and the other lacks outside its allow-list."""
+
+    model: Model = DEFAULT_MODEL
+    gpus: Gpus = 256
+    tp: Tp = 8
+    optimizer: Optimizer = "muon"
+    policy: Policy = None
+    dp_policy: DpPolicy = None
+    tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy
+    alpha: Alpha = PLAN_DEFAULTS.alpha
+    bucket_size: BucketSize = None
+    capacity: CapacityOpt = "auto"
+    hardware: Hardware = DEFAULT_PROFILE
+    seq_len: SeqLen = 4096
+    global_batch: GlobalBatch = 128
+    micro_batch: MicroBatch = 1
+    tp_mode: TpMode = STEP_DEFAULTS.tp_mode
+    overlap_grad_reduce: OverlapGrad = True
+    align_grad_reduce: AlignGrad = True
+    overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather
+    tp_comm_overlap: TpOverlap = True
+    recompute: Recompute = "none"
+    recompute_method: RecomputeMethod = None
+    recompute_num_layers: RecomputeNumLayers = None
+    reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter
+    attention_backend: AttentionBackend = "fused"
+    overlap_moe_expert_parallel_comm: EpOverlap = False
+    delay_wgrad_compute: DelayWgrad = False
+    zero1_fallback: Fallback = True
+    pp: Pp = 1
+    vp: Vp = 1
+    cp: Cp = 1
+    ep: Ep = 1
+    router_imbalance: RouterImbalance = "1"
+    etp: Etp = 1
+    expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets
+    geometry: Geometry = DEFAULT_GEOMETRY
+    collectives: Collectives = "megatron"
+    max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm
+    batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels
+    compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels
+    overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step
+    fsdp: Fsdp = False
+    hsdp_replicate: HsdpReplicate = 1
+    reshard_after_forward: ReshardAfterForward = True
+    grad_reduce_in_fp32: GradReduceInFp32 = True
+    precision: Precision = "bf16"
+    fp8_recipe: Fp8Recipe = "delayed"
+    gpu_variability: GpuVariability = None
+    kernels: Kernels = "fused"
+    fsdp_impl: FsdpImpl = "fsdp2"
+    account_for_embedding_in_pipeline_split: AccountEmbedding = False
+    account_for_loss_in_pipeline_split: AccountLoss = False
+    decoder_first_pipeline_num_layers: FirstStageLayers = None
+    decoder_last_pipeline_num_layers: LastStageLayers = None
+    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None
+    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS
+    fake_balanced_gate: FakeBalancedGate = False
+    routing: Routing = RANDOM
+    cross_entropy_loss_fusion: CrossEntropyLossFusion = False
+    cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native"
+    store_param_remainders: StoreParamRemainders = False
+    apply_rope_fusion: ApplyRopeFusion = True
+    bias_activation_fusion: BiasActivationFusion = True
+
+
 @app.command()
+@takes_options(SimOptions)
 def simulate(
-    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    policy: Annotated[str | None, typer.Option(help=f"{POLICY_HELP} (default: canzona; zero1 for adamw).")] = None,
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy, alpha: Alpha = PLAN_DEFAULTS.alpha,
-    bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
-    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
-    tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
-    overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
-    overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", recompute_method: RecomputeMethod = None,
-    recompute_num_layers: RecomputeNumLayers = None, reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
-    delay_wgrad_compute: DelayWgrad = False,
-    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
-    collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
-    compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
-    overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1, reshard_after_forward: ReshardAfterForward = True,
-    grad_reduce_in_fp32: GradReduceInFp32 = True,
-    precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
-    gpu_variability: GpuVariability = None, kernels: Kernels = "fused", fsdp_impl: FsdpImpl = "fsdp2",
-    account_for_embedding_in_pipeline_split: AccountEmbedding = False,
-    account_for_loss_in_pipeline_split: AccountLoss = False,
-    decoder_first_pipeline_num_layers: FirstStageLayers = None,
-    decoder_last_pipeline_num_layers: LastStageLayers = None,
-    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
-    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
-    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
-    routing: Routing = RANDOM,
-    cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
-    store_param_remainders: StoreParamRemainders = False,
-    apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
+    shared: SimOptions,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome / Perfetto trace here.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Simulate one training iteration of a layout under one policy."""
-    from canzona.pipeline import PipelineSplit
     from sim.simulate import check_traceable, write_trace
     from sim.simulate import simulate as run
 
-    split = PipelineSplit(account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
-                          account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split,
-                          num_layers_in_first_pipeline_stage=decoder_first_pipeline_num_layers,
-                          num_layers_in_last_pipeline_stage=decoder_last_pipeline_num_layers)
     try:
-        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
-                               overlap_param_gather=overlap_param_gather,
-                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, recompute_method=recompute_method,
-                               recompute_num_layers=recompute_num_layers, reduce_scatter=reduce_scatter,
-                               collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                               compile_kernels=compile_kernels, overlap_step=overlap_step,
-                               attention_backend=attention_backend,
-                               dispatcher=(moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                           moe_hybridep_num_sms, fake_balanced_gate, routing),
-                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                               delay_wgrad_compute=delay_wgrad_compute)
-        config = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=policy, dp_policy=dp_policy,
-                             tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
-                             hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
-                             tp_mode=tp_mode, options=options, zero1_fallback=zero1_fallback, pp=pp, ep=ep,
-                             router_imbalance=router_imbalance, etp=etp, expert_buckets=expert_buckets,
-                             geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
-                             precision=precision, fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                             gpu_variability=gpu_variability, reshard_after_forward=reshard_after_forward,
-                             kernels=kernels, fsdp_impl=fsdp_impl, pipeline_split=split,
-                             cross_entropy_loss_fusion=cross_entropy_loss_fusion,
-                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-                             store_param_remainders=store_param_remainders,
-                             apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion)
-        config.check()
-        if ep == 1 and moe_token_dispatcher_type != ALLTOALL:  # the overlap's own check refuses it at EP 1
-            raise SpecError(f"--moe-token-dispatcher-type {moe_token_dispatcher_type} dispatches tokens to expert-parallel "
-                            "ranks: it needs --ep > 1")
+        config = _sim_config(shared=shared)
         if trace is not None:
             check_output_path(trace, "trace", (".json",))
             check_traceable(config)
@@ -642,26 +650,9 @@ def simulate(
 
 
 @app.command()
+@takes_options(SimOptions, omit=("policy",))
 def compare(
-    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, tp: Tp = 8, optimizer: Optimizer = "muon",
-    dp_policy: DpPolicy = None, tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy, alpha: Alpha = PLAN_DEFAULTS.alpha,
-    bucket_size: BucketSize = None, capacity: CapacityOpt = "auto", hardware: Hardware = DEFAULT_PROFILE,
-    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, micro_batch: MicroBatch = 1,
-    tp_mode: TpMode = STEP_DEFAULTS.tp_mode,
-    overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
-    overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
-    tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", recompute_method: RecomputeMethod = None,
-    recompute_num_layers: RecomputeNumLayers = None, reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
-    attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
-    delay_wgrad_compute: DelayWgrad = False,
-    zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
-    etp: Etp = 1, expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets, geometry: Geometry = DEFAULT_GEOMETRY,
-    collectives: Collectives = "megatron",
-    max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm, batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels,
-    compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels,
-    overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step,
-    fsdp: Fsdp = False, hsdp_replicate: HsdpReplicate = 1,
-    precision: Precision = "bf16", fp8_recipe: Fp8Recipe = "delayed",
+    shared: SimOptions,
     plot: Annotated[Path | None, typer.Option(help="Save a bar chart of the comparison here (.png, .svg or .pdf).")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -672,28 +663,13 @@ def compare(
     from sim.simulate import compared_policies
 
     try:
-        options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
-                               overlap_param_gather=overlap_param_gather,
-                               tp_comm_overlap=tp_comm_overlap, recompute=recompute, recompute_method=recompute_method,
-                               recompute_num_layers=recompute_num_layers, reduce_scatter=reduce_scatter,
-                               collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
-                               compile_kernels=compile_kernels, overlap_step=overlap_step,
-                               attention_backend=attention_backend,
-                               overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                               delay_wgrad_compute=delay_wgrad_compute)
-        base = _sim_config(model=model, gpus=gpus, tp=tp, optimizer=optimizer, policy=None, dp_policy=dp_policy,
-                           tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size, capacity=capacity,
-                           hardware=hardware, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
-                           tp_mode=tp_mode, options=options, zero1_fallback=zero1_fallback, pp=pp, ep=ep,
-                           router_imbalance=router_imbalance, etp=etp, expert_buckets=expert_buckets,
-                           geometry=geometry, fsdp=fsdp, hsdp_replicate=hsdp_replicate, vp=vp, cp=cp,
-                           precision=precision, fp8_recipe=fp8_recipe)
-        base.check()  # bad input fails here, before a progress bar is drawn
+        base = _sim_config(shared=shared)  # bad input fails here, before a progress bar is drawn
         if plot is not None:
             check_output_path(plot, "plot", PLOT_SUFFIXES)
+        policies = compared_policies(base.optimizer, base.fsdp)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
-            task = progress.add_task("simulating", total=len(compared_policies(optimizer, fsdp)))
+            task = progress.add_task("simulating", total=len(policies))
 
             started: list[str] = []
 
@@ -701,8 +677,8 @@ def compare(
                 progress.update(task, completed=len(started), description=f"simulating {name}")
                 started.append(name)
 
-            results = run(base, progress=tick)
-            progress.update(task, completed=len(compared_policies(optimizer, fsdp)))
+            results = run(base, policies, progress=tick)
+            progress.update(task, completed=len(policies))
         if plot is not None:
             compare_plot(results, plot)
     except CanzonaError as e:

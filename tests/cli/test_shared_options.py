@@ -1,0 +1,142 @@
+"""`canzona simulate` and `canzona compare` simulate the same layouts: every option that changes what
+is simulated is an option of both, with the same name, default and help (one definition:
+`cli.main.SimOptions` through `cli.shared_options.takes_options`), and compare passes each to the
+simulator as simulate does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated
+
+import pytest
+import typer
+
+from sim.published import DATA_DIR
+from tests.cli_helpers import error_line, invoke
+
+# options one command has and the other deliberately lacks: compare varies the policy and draws a
+# plot; simulate writes one run's trace
+SIMULATE_ONLY = {"policy", "trace"}
+COMPARE_ONLY = {"plot"}
+
+# the published rows' Llama 3 8B spec file: eager kernels are modelled for dense Llama layers
+LLAMA = ["--model", str(DATA_DIR / "models" / "llama3-8b.json"), "--gpus", "16", "--tp", "2", "--seq-len", "256",
+         "--global-batch", "16"]
+DENSE = ["--model", "qwen3-0.6b", "--gpus", "16", "--tp", "2", "--seq-len", "256", "--global-batch", "16"]
+PIPELINE = [*DENSE, "--pp", "2"]
+FSDP = [*DENSE, "--fsdp"]
+MOE = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
+FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+
+# (the layout, the option): the option changes simulate's result on that layout, and compare's row
+# of the same policy must be simulate's with the option
+CASES = [
+    (DENSE, ["--gpu-variability", "0"]),
+    (LLAMA, ["--kernels", "eager"]),
+    (DENSE, ["--cross-entropy-loss-fusion"]),
+    ([*DENSE, "--cross-entropy-loss-fusion"], ["--cross-entropy-fusion-impl", "te"]),
+    (DENSE, ["--store-param-remainders"]),
+    (DENSE, ["--no-apply-rope-fusion"]),
+    (DENSE, ["--no-bias-activation-fusion"]),
+    (DENSE, ["--no-grad-reduce-in-fp32"]),
+    # 28 layers and the two counted as layers: 30, divisible by PP 2 (one alone is refused)
+    (PIPELINE, ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]),
+    (PIPELINE, ["--decoder-first-pipeline-num-layers", "12"]),
+    (PIPELINE, ["--decoder-last-pipeline-num-layers", "12"]),
+    (FSDP, ["--no-reshard-after-forward"]),
+    (FSDP, ["--fsdp-impl", "megatron-fsdp"]),
+    (MOE, FLEX),
+    ([*MOE, *FLEX], ["--moe-hybridep-num-sms", "32"]),
+    ([*MOE, *FLEX], ["--fake-balanced-gate"]),
+    (MOE, ["--routing", "balanced"]),
+]
+
+# what compare lacked before its options became simulate's: each is exercised above
+ADDED = {"--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms",
+         "--fake-balanced-gate", "--routing", "--gpu-variability", "--reshard-after-forward", "--kernels",
+         "--fsdp-impl", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+         "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+         "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--store-param-remainders",
+         "--apply-rope-fusion", "--bias-activation-fusion", "--grad-reduce-in-fp32"}
+
+
+def _params(name: str) -> dict:
+    """The click parameters of command `name`, by parameter name."""
+    from typer.main import get_command
+
+    from cli.main import app
+
+    return {p.name: p for p in get_command(app).commands[name].params}
+
+
+def test_compare_has_every_option_of_simulate():
+    """Fails when simulate gains an option compare lacks (or the reverse) outside the allow-lists,
+    or when a shared option's flags, default or help differ."""
+    simulate, compare = _params("simulate"), _params("compare")
+    assert set(simulate) - set(compare) == SIMULATE_ONLY
+    assert set(compare) - set(simulate) == COMPARE_ONLY
+    for name in set(simulate) & set(compare):
+        s, c = simulate[name], compare[name]
+        assert (s.opts, s.secondary_opts, s.default, s.help) == (c.opts, c.secondary_opts, c.default, c.help), name
+
+
+def test_every_added_option_is_exercised():
+    flags = {a for layout, option in CASES for a in (*layout, *option) if a.startswith("--")}
+    flags |= {"--" + a[len("--no-"):] for a in flags if a.startswith("--no-")}
+    assert ADDED <= flags, ADDED - flags
+
+
+def _run(command: str, *args: str):
+    result = invoke(command, *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("layout,option", CASES, ids=[" ".join(o) for _, o in CASES])
+def test_compare_passes_each_option_to_the_simulator(layout, option):
+    """compare's canzona row is simulate's canzona run with the same options, which differs from
+    the run without the option: compare cannot have dropped it."""
+    rows = {r["policy"]: r for r in _run("compare", *layout, *option)}
+    simulated = _run("simulate", *layout, *option, "--policy", "canzona")
+    assert rows["canzona"] == simulated
+    assert _run("simulate", *layout, "--policy", "canzona") != simulated
+
+
+def test_compare_refuses_a_bad_option_with_one_line():
+    error_line(invoke("compare", *MOE, "--moe-token-dispatcher-type", "flex"), "needs --moe-flex-dispatcher-backend")
+    error_line(invoke("compare", *DENSE, "--tp", "1", *FLEX), "--moe-token-dispatcher-type flex", "it needs --ep > 1")
+    error_line(invoke("compare", *DENSE, "--kernels", "jit"), "jit")
+    error_line(invoke("compare", *DENSE, "--gpu-variability", "-1"), "variability")
+
+
+# --- the mechanism ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shared:
+    size: Annotated[int, typer.Option(help="A size.")] = 3
+    name: Annotated[str, typer.Option(help="A name.")] = "x"
+
+
+def test_takes_options_appends_the_fields_and_hands_one_dataclass():
+    import inspect
+
+    from cli.shared_options import takes_options
+
+    seen = []
+
+    @takes_options(_Shared, omit=("name",))
+    def command(shared: _Shared, flag: bool = False) -> None:
+        seen.append((shared, flag))
+
+    assert list(inspect.signature(command).parameters) == ["size", "flag"]
+    command(size=5, flag=True)
+    assert seen == [(_Shared(size=5, name="x"), True)]
+    with pytest.raises(TypeError, match="no fields"):
+        takes_options(_Shared, omit=("nope",))
+
+    def again(shared: _Shared, size: int = 1) -> None: ...
+
+    with pytest.raises(TypeError, match="declares shared options again"):
+        takes_options(_Shared)(again)
