@@ -27,7 +27,8 @@ TP 2 x EP 2), every persistent component and the reduce-scatter buffers are thos
 allocates, rank by rank (`tests/runtime/test_memory_runtime_ep.py`). The token dispatch all-to-alls' buffers are the
 model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
 counts the routed copies' gate / up outputs and product, and the dispatched copies the grouped fc1
-saves with the router's maps: `_moe_saved_bytes`).
+saves with the router's maps: `_moe_saved_bytes`), at the fullest EP rank's pairs (`fullest_rank_load`:
+the router's skew and random routing's fluctuation, as the timing's busiest rank).
 
 `memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
 rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.
@@ -46,6 +47,7 @@ from canzona.batching import compute_windows, shape_batches
 from canzona.cost import state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
+from canzona.experts import rank_shares
 from canzona.optimizers import (
     AdamWConfig,
     MuonConfig,
@@ -74,6 +76,7 @@ from canzona.recompute import (
     saved_mm_widths,
 )
 from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
+from canzona.routing import RANDOM, busiest_rank, check_routing
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
@@ -241,9 +244,18 @@ class MemorySetup:
     # Megatron's EP all-to-all overlap (`overlap_moe_expert_parallel_comm`, sim.ep_overlap): the
     # combined 1F1B schedule pairs a forward layer with a backward one, the forward's built first
     ep_overlap: bool = False
+    # expert parallelism and how the router loads the EP ranks, as the timing takes them
+    # (`sim.model_work._expert_block`): the fullest EP rank saves the expert activations of the
+    # pairs it receives, above the mean rank's (`fullest_rank_load`). `router_imbalance`: the persistent
+    # skew (`canzona.experts.rank_shares`: a number or the router's histogram); `routing`: the
+    # routing the loads follow (`canzona.routing`; balanced under AutoModel's FakeBalancedGate:
+    # `sim.ep_dispatch.EpDispatcher.load_routing`)
+    ep: int = 1
+    router_imbalance: float | tuple[float, ...] = 1.0
+    routing: str = RANDOM
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "expert_tp"):
+        for name in ("seq_len", "micro_batch", "param_bytes", "grad_bytes", "activation_bytes", "expert_tp", "ep"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
@@ -257,6 +269,7 @@ class MemorySetup:
             raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         if not isinstance(self.ep_overlap, bool):
             raise SpecError(f"ep_overlap must be true or false, got {self.ep_overlap!r}")
+        check_routing(self.routing)
         check_recompute(self.recompute)
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_reduce_scatter(self.reduce_scatter)
@@ -460,7 +473,8 @@ def _gb(n: float) -> str:
 # --- activations --------------------------------------------------------------------------------
 
 
-def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompute: str | None = None) -> float:
+def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompute: str | None = None,
+                           expert_load: float = 1.0) -> float:
     """Bytes one transformer layer stores for the backward of one micro-batch on one GPU.
 
     Per token, with e = activation bytes and 1-byte dropout masks (Korthikanti et al. 2022, §4.1,
@@ -486,6 +500,10 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     everything is. Selective recompute drops the scores (and the log-sum-exp); full recompute
     stores only the layer's input `e*h` (split over t with sequence parallelism); torchtitan's
     selective-op keeps what `_selective_op_bytes` counts (`canzona.recompute`).
+
+    In a mixture-of-experts layer the MLP terms and the routed copies are per token-expert pair the
+    rank computes: `expert_load` scales them, the rank's pairs over the mean rank's (1: the mean;
+    `activation_breakdown` prices the fullest EP rank's, `fullest_rank_load`).
     """
     recompute = check_recompute(recompute or setup.recompute)
     e, h, s, a = setup.activation_bytes, dims.hidden, setup.seq_len, dims.q_heads
@@ -497,16 +515,19 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     li = FP8_BYTES if setup.fp8 else e  # a linear layer's saved input
     q, kv = dims.q_dim, dims.kv_dim
     if recompute == SELECTIVE_OP:
-        return tokens * _selective_op_bytes(dims, setup, tp, sp_div)
+        return tokens * _selective_op_bytes(dims, setup, tp, sp_div, expert_load)
     # split over TP only with sequence parallelism: norm inputs, block inputs, dropout masks
     replicated = 2 * e * h + li * h + li * h + 2 * mask * h
-    sharded = e * (q + kv) + e * kv + li * q + ((2 if dims.gated_mlp else 1) * e + li) * dims.ffn
+    mlp = ((2 if dims.gated_mlp else 1) * e + li) * dims.ffn
     if dims.gated_mlp and not setup.bias_activation_fusion:  # Megatron's unfused glu's two saved operands
-        sharded += 2 * e * dims.ffn
+        mlp += 2 * e * dims.ffn
+    if dims.experts_per_token:  # the experts' MLP terms, per pair: at the rank's pairs
+        mlp *= expert_load
+    sharded = e * (q + kv) + e * kv + li * q + mlp
     if dims.qk_norm:
         sharded += e * (q + kv)
     if dims.experts_per_token:  # a token's routed copies and its router's maps, per token of the TP rank
-        replicated += _moe_saved_bytes(dims, setup, li)
+        replicated += _moe_saved_bytes(dims, setup, li, expert_load)
     if recompute == "none":
         sharded += 4 * a if setup.flash_attention else a * s * ((2 * e + 1) if dims.dropout else e)
         # Under FP8 the output projection saves the FP8 cast of its input (TE's `_Linear.forward` saves
@@ -547,22 +568,27 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
 MOE_ROUTER_MAP_BYTES = 1 + FP32 + FP32
 
 
-def _moe_saved_bytes(dims: LayerDims, setup: MemorySetup, linear_input_bytes: int) -> int:
-    """Bytes a mixture-of-experts layer saves per token beyond the dense terms (see above)."""
+def _moe_saved_bytes(dims: LayerDims, setup: MemorySetup, linear_input_bytes: int, expert_load: float = 1.0) -> float:
+    """Bytes a mixture-of-experts layer saves per token beyond the dense terms (see above): the
+    routed copies at the rank's pairs over the mean (`expert_load`), the router's maps of its own
+    tokens."""
     routed = linear_input_bytes * dims.experts_per_token * dims.hidden * setup.expert_tp
-    return routed + MOE_ROUTER_MAP_BYTES * dims.experts
+    return routed * expert_load + MOE_ROUTER_MAP_BYTES * dims.experts
 
 
-def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: int) -> float:
+def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: int, expert_load: float = 1.0) -> float:
     """Per token, what torchtitan's per-op selective checkpointing keeps of one layer
     (`canzona.recompute`): the layer's input (the checkpoint's), the outputs of every other matrix
     multiply (wq, wk, wv, wo, then the MLP's in forward order: column-parallel outputs split over
     TP, a row-parallel one a whole partial sum on each TP rank), the attention kernel's output and
     its fp32 log-sum-exp (4 bytes per head; without flash attention the scores, as stored without
     recompute), and under sequence parallelism the two reduce-scatters' outputs. Nothing else:
-    norms, rotary embedding, the activation function and dropout masks are recomputed."""
+    norms, rotary embedding, the activation function and dropout masks are recomputed. In a
+    mixture-of-experts layer the MLP's outputs are per pair: at `expert_load` times the mean."""
     e, h, q, kv = setup.activation_bytes, dims.hidden, dims.q_dim, dims.kv_dim
     mlp = [dims.ffn / tp, dims.ffn / tp, h] if dims.gated_mlp else [dims.ffn / tp, h]
+    if dims.experts_per_token and expert_load != 1:
+        mlp = [w * expert_load for w in mlp]
     widths = [q / tp, kv / tp, kv / tp, h] + mlp
     attention = e * q / tp + (4 * dims.q_heads / tp if setup.flash_attention else
                               dims.q_heads / tp * setup.seq_len * ((2 * e + 1) if dims.dropout else e))
@@ -572,7 +598,49 @@ def _selective_op_bytes(dims: LayerDims, setup: MemorySetup, tp: int, sp_div: in
 
 def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0,
                          vp: int = 1, split: PipelineSplit = EVEN_SPLIT) -> dict[str, float]:
-    """The activation peak of one GPU of pipeline stage `stage`, by part (bytes):
+    """The activation peak of one GPU of pipeline stage `stage`, by part (bytes), as
+    `_breakdown` counts it, a mixture-of-experts layer's expert activations at the fullest EP
+    rank's load (`fullest_rank_load`, over the layers' expert activations held at that peak; 1: a dense
+    model, EP 1, or balanced routing without skew)."""
+    mean = _breakdown(dims, setup, tp, pp, stage, vp, split)
+    if not dims.experts_per_token or setup.ep <= 1:
+        return mean
+    # the expert activations held at the peak, in units of one layer's of one micro-batch: the
+    # layer-micro-batches whose pairs the fullest rank's sum is over (`fullest_rank_load`)
+    held = sum(mean.values()) - sum(_breakdown(dims, setup, tp, pp, stage, vp, split, 0.0).values())
+    one = layer_activation_bytes(dims, setup, tp, "none") - layer_activation_bytes(dims, setup, tp, "none", 0.0)
+    load = fullest_rank_load(dims, setup, tp, held / one)
+    return mean if load == 1 else _breakdown(dims, setup, tp, pp, stage, vp, split, load)
+
+
+def fullest_rank_load(dims: LayerDims, setup: MemorySetup, tp: int, layers: float = 1.0) -> float:
+    """The fullest EP rank's expert activations over the mean rank's, at a peak that holds
+    `layers` layer-micro-batches' worth of them.
+
+    A rank saves each expert layer's activations per token-expert pair it computes (the routed
+    copies fc1 keeps, fc1's outputs, fc2's input: `layer_activation_bytes`), so its expert
+    activations follow its pairs, which the timing prices at the busiest EP rank's
+    (`sim.model_work._expert_block`): the router's persistent skew (`setup.router_imbalance`,
+    `canzona.experts.rank_shares`) with each micro-batch's random fluctuation on top
+    (`canzona.routing.busiest_rank`, `setup.routing`; none under balanced routing or AutoModel's
+    deterministic gate). The same functions price it here. A layer's draw is independent of the
+    other layers' and micro-batches' (random routing draws afresh for each), so the rank's held
+    activations are a sum of `layers` draws, whose fluctuation is that of one draw of `layers`
+    times the tokens (as the timing sums an ETP group's `etp` draws: `tokens x etp`); the skew is
+    the same in every layer and adds in full. Tokens: each TP rank's sequence-parallel share of the
+    micro-batch, as the timing passes them; under expert TP the ETP group's gathered pairs."""
+    if not dims.experts_per_token or setup.ep <= 1:
+        return 1.0
+    tokens = setup.seq_len * setup.micro_batch / tp * setup.expert_tp * max(layers, 1.0)
+    shares = rank_shares(setup.router_imbalance, dims.experts, setup.ep)
+    return busiest_rank(experts=dims.experts, top_k=dims.experts_per_token, ep=setup.ep, tokens=tokens,
+                        routing=setup.routing, shares=shares).pairs
+
+
+def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage: int = 0, vp: int = 1,
+               split: PipelineSplit = EVEN_SPLIT, expert_load: float = 1.0) -> dict[str, float]:
+    """The activation peak of one GPU of pipeline stage `stage`, by part (bytes), each expert
+    layer's expert activations at `expert_load` times the mean rank's:
 
     - `layers`: the stage's layers times the micro-batches in flight (1F1B: stage i holds up to
       `pp - i` micro-batches, capped by `setup.micro_batches`; one at a time without pipelining);
@@ -612,8 +680,8 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     if setup.recompute_method is not None:  # each chunk by what its checkpoints store
         sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
         layers = peak_layers_in_flight(stage, pp, setup.micro_batches, vp,
-                                       [_chunk_activation_bytes(dims, setup, tp, n) for n in sizes])
-        working = _method_working_set(dims, setup, tp, max(sizes))
+                                       [_chunk_activation_bytes(dims, setup, tp, n, expert_load) for n in sizes])
+        working = _method_working_set(dims, setup, tp, max(sizes), expert_load)
     else:
         if vp == 1:  # 1F1B: a micro-batch's layers for each in flight
             held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * embedded
@@ -622,15 +690,15 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
         else:
             sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
             held = peak_layers_in_flight(stage, pp, setup.micro_batches, vp, sizes)
-        layers = held * layer_activation_bytes(dims, setup, tp)
-        working = _recompute_working_set(dims, setup, tp)
+        layers = held * layer_activation_bytes(dims, setup, tp, expert_load=expert_load)
+        working = _recompute_working_set(dims, setup, tp, expert_load)
     tokens = setup.seq_len * setup.micro_batch
     sp_div = tp if setup.sequence_parallel else 1
     e = setup.activation_bytes
     out = {
         "layers": layers,
         "recompute_working_set": working,
-        "ep_overlap_layer": layer_activation_bytes(dims, setup, tp) if setup.ep_overlap else 0.0,
+        "ep_overlap_layer": layer_activation_bytes(dims, setup, tp, expert_load=expert_load) if setup.ep_overlap else 0.0,
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }
@@ -639,7 +707,7 @@ def activation_breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int =
     return out
 
 
-def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int) -> float:
+def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int, expert_load: float = 1.0) -> float:
     """What a model chunk of `size` layers holds for one micro-batch under full recompute with
     Megatron's method (`canzona.recompute.checkpoint_groups`): a layer input per checkpoint, whole
     activations for the layers outside any."""
@@ -647,22 +715,23 @@ def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: 
     stored, _ = checkpoint_groups(method, n, size)
     inside = sum(checkpointed(method, n, i) for i in range(size))
     return (stored * layer_activation_bytes(dims, setup, tp, FULL)
-            + (size - inside) * layer_activation_bytes(dims, setup, tp, "none"))
+            + (size - inside) * layer_activation_bytes(dims, setup, tp, "none", expert_load))
 
 
-def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int) -> float:
+def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int, expert_load: float = 1.0) -> float:
     """The activations one re-run makes under Megatron's method, in a chunk of `size` layers: a
     uniform group's N layers' whole activations, else one layer's (`checkpoint_groups`)."""
     _, alive = checkpoint_groups(setup.recompute_method, setup.recompute_num_layers, size)
-    return alive * layer_activation_bytes(dims, setup, tp, "none")
+    return alive * layer_activation_bytes(dims, setup, tp, "none", expert_load)
 
 
-def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int) -> float:
+def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int, expert_load: float = 1.0) -> float:
     """The activations one layer's recompute makes in the backward, beyond what it stored."""
     if setup.recompute == "full":
-        return layer_activation_bytes(dims, setup, tp, "none")
+        return layer_activation_bytes(dims, setup, tp, "none", expert_load)
     if setup.recompute == SELECTIVE_OP:
-        return layer_activation_bytes(dims, setup, tp, "none") - layer_activation_bytes(dims, setup, tp)
+        return (layer_activation_bytes(dims, setup, tp, "none", expert_load)
+                - layer_activation_bytes(dims, setup, tp, expert_load=expert_load))
     return 0.0
 
 

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 from canzona.errors import SpecError
 from canzona.hardware import HardwareProfile
-from canzona.routing import RANDOM, Busiest, check_routing
+from canzona.routing import BALANCED, RANDOM, Busiest, check_routing
 from sim.collectives import FREE, CollectiveCost, all_to_all_cost, collective_cost
 from sim.topology import Cluster
 
@@ -137,6 +137,12 @@ class EpDispatcher:
     @property
     def flex(self) -> bool:
         return self.moe_token_dispatcher_type == FLEX
+
+    @property
+    def load_routing(self) -> str:
+        """The routing the EP ranks' loads follow, in time and memory: AutoModel's FakeBalancedGate
+        is deterministic and balanced (`canzona.routing`) whatever `routing` says."""
+        return BALANCED if self.fake_balanced_gate else self.routing
 
 
 def expected_groups(experts: int, groups: int, top_k: int) -> float:

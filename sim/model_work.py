@@ -67,7 +67,7 @@ from canzona.recompute import (
     forward_without_grad,
     mm_saved,
 )
-from canzona.routing import BALANCED, RANDOM, busiest_rank
+from canzona.routing import RANDOM, busiest_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from sim import cross_entropy as ce
 from sim import eager_kernels as ek
@@ -451,7 +451,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     # memory and FSDP's gathers here (a simplification: 128 x 2048 of Qwen3-30B-A3B's weights a layer).
     # Its routing is deterministic and balanced: no fluctuation (`canzona.routing`)
     fake_gate = dispatcher is not None and dispatcher.fake_balanced_gate
-    routing = BALANCED if fake_gate else (dispatcher.routing if dispatcher is not None else RANDOM)
+    routing = dispatcher.load_routing if dispatcher is not None else RANDOM
     skew = max(shares) if ep > 1 else 1.0
     # the busiest EP rank's expected pairs and distinct tokens over the mean, and (under expert TP)
     # the busiest ETP group's gathered pairs: the sum of `etp` EP groups' independent draws at one

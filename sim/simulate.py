@@ -309,14 +309,16 @@ class SimConfig:
     def memory_setup(self, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
-        method, the EP overlap's one layer more), expert TP, the micro-batches a DP rank runs (which
+        method, the EP overlap's one layer more), expert TP, expert parallelism with the router's
+        skew and the routing (the fullest EP rank's expert activations), the micro-batches a DP rank runs (which
         cap the 1F1B micro-batches in flight), and each GPU's CP share of a micro-batch's tokens;
         `extra`: what the caller adds beyond the configuration (the plan's step settings)."""
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
             recompute_num_layers=self.options.recompute_num_layers, expert_tp=self.etp,
-            ep_overlap=self.options.overlap_moe_expert_parallel_comm,
+            ep_overlap=self.options.overlap_moe_expert_parallel_comm, ep=self.ep,
+            router_imbalance=self.router_imbalance, routing=self.options.ep_dispatcher.load_routing,
             micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
         if self.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
             setup = replace(setup, seq_len=wl.seq_len // self.cp)
