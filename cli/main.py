@@ -352,6 +352,7 @@ def _router_imbalance(text: str) -> float | tuple[float, ...]:
 
 def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_comm_overlap: bool, recompute: str,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                 selective_ac_option: int | None = None,
                  reduce_scatter: str, collectives: str, max_grad_norm: float | None, batch_kernels: bool,
                  compile_kernels: bool, overlap_step: bool, attention_backend: str = "fused",
                  align_grad_reduce: bool = True,
@@ -364,7 +365,7 @@ def _run_options(*, overlap_grad_reduce: bool, overlap_param_gather: bool, tp_co
     return RunOptions(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
                       overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap, recompute=recompute,
                       recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                      reduce_scatter=reduce_scatter,
+                      selective_ac_option=selective_ac_option, reduce_scatter=reduce_scatter,
                       collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                       compile_kernels=compile_kernels, overlap_step=overlap_step, attention_backend=attention_backend,
                       ep_dispatcher=_ep_dispatcher(dispatcher),
@@ -424,7 +425,7 @@ DelayWgrad = Annotated[bool, typer.Option(
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
-Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
+Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved), selective-layer (torchtitan's, under --fsdp: every --selective-ac-option-th layer checkpointed) or full.")]
 RecomputeMethod = Annotated[str | None, typer.Option(
     help="Megatron's --recompute-method under --recompute full: uniform (groups of --recompute-num-layers layers, "
          "each group's input stored and its forwards run again together) or block (the first "
@@ -433,6 +434,9 @@ RecomputeMethod = Annotated[str | None, typer.Option(
 RecomputeNumLayers = Annotated[int | None, typer.Option(
     help="Megatron's --recompute-num-layers with --recompute-method: a uniform group's layers (dividing each "
          "model chunk's) or the layers of each chunk block checkpoints.")]
+SelectiveAcOption = Annotated[int | None, typer.Option(
+    help="torchtitan's --activation_checkpoint.selective_ac_option K under --recompute selective-layer: the K-th, "
+         "2K-th, ... layer checkpointed whole, the others storing everything (unset: torchtitan's default, 2).")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
@@ -560,7 +564,8 @@ def simulate(
     overlap_grad_reduce: OverlapGrad = True, align_grad_reduce: AlignGrad = True,
     overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather,
     tp_comm_overlap: TpOverlap = True, recompute: Recompute = "none", recompute_method: RecomputeMethod = None,
-    recompute_num_layers: RecomputeNumLayers = None, reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
+    recompute_num_layers: RecomputeNumLayers = None, selective_ac_option: SelectiveAcOption = None,
+    reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter,
     attention_backend: AttentionBackend = "fused", overlap_moe_expert_parallel_comm: EpOverlap = False,
     delay_wgrad_compute: DelayWgrad = False,
     zero1_fallback: Fallback = True, pp: Pp = 1, vp: Vp = 1, cp: Cp = 1, ep: Ep = 1, router_imbalance: RouterImbalance = "1",
@@ -600,7 +605,8 @@ def simulate(
         options = _run_options(overlap_grad_reduce=overlap_grad_reduce, align_grad_reduce=align_grad_reduce,
                                overlap_param_gather=overlap_param_gather,
                                tp_comm_overlap=tp_comm_overlap, recompute=recompute, recompute_method=recompute_method,
-                               recompute_num_layers=recompute_num_layers, reduce_scatter=reduce_scatter,
+                               recompute_num_layers=recompute_num_layers,
+                               selective_ac_option=selective_ac_option, reduce_scatter=reduce_scatter,
                                collectives=collectives, max_grad_norm=max_grad_norm, batch_kernels=batch_kernels,
                                compile_kernels=compile_kernels, overlap_step=overlap_step,
                                attention_backend=attention_backend,
