@@ -68,12 +68,15 @@ from canzona.plan import Plan, check_plan_matches
 from canzona.recompute import (
     FULL,
     RECOMPUTE_MODES,
+    SELECTIVE_LAYER,
     SELECTIVE_OP,
     check_recompute,
     check_recompute_method,
+    check_selective_ac_option,
     checkpoint_groups,
     checkpointed,
     saved_mm_widths,
+    selective_layer_checkpointed,
 )
 from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
 from canzona.routing import RANDOM, busiest_rank, check_routing
@@ -212,6 +215,8 @@ class MemorySetup:
     # (canzona.recompute.RECOMPUTE_METHODS; None: every layer checkpointed on its own)
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # under selective-layer, torchtitan's selective_ac_option K (None: its default, 2)
+    selective_ac_option: int | None = None
     flash_attention: bool = True  # no s x s attention scores are stored
     sequence_parallel: bool = True  # with TP, norms / dropout / block inputs are split over TP too
     micro_batches: int | None = None  # per DP rank per iteration: caps the 1F1B micro-batches in flight
@@ -272,6 +277,7 @@ class MemorySetup:
         check_routing(self.routing)
         check_recompute(self.recompute)
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
+        check_selective_ac_option(self.recompute, self.selective_ac_option)
         check_reduce_scatter(self.reduce_scatter)
         if self.micro_batches is not None and not (isinstance(self.micro_batches, int) and self.micro_batches >= 1):
             raise SpecError(f"micro batches must be a whole number >= 1, got {self.micro_batches!r}")
@@ -499,13 +505,18 @@ def layer_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, recompu
     With TP (t), the matrices' outputs and the scores are split over t; with sequence parallelism
     everything is. Selective recompute drops the scores (and the log-sum-exp); full recompute
     stores only the layer's input `e*h` (split over t with sequence parallelism); torchtitan's
-    selective-op keeps what `_selective_op_bytes` counts (`canzona.recompute`).
+    selective-op keeps what `_selective_op_bytes` counts (`canzona.recompute`). Under selective-layer
+    a layer stores as without recompute or as under full by its position (`activation_breakdown`):
+    no one layer's figure, refused here.
 
     In a mixture-of-experts layer the MLP terms and the routed copies are per token-expert pair the
     rank computes: `expert_load` scales them, the rank's pairs over the mean rank's (1: the mean;
     `activation_breakdown` prices the fullest EP rank's, `fullest_rank_load`).
     """
     recompute = check_recompute(recompute or setup.recompute)
+    if recompute == SELECTIVE_LAYER:
+        raise SpecError("under selective-layer a layer stores everything or only its input by its position "
+                        "(canzona.memory.activation_breakdown counts a stage's layers)")
     e, h, s, a = setup.activation_bytes, dims.hidden, setup.seq_len, dims.q_heads
     tokens = s * setup.micro_batch
     mask = 1 if dims.dropout else 0
@@ -653,9 +664,13 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
       `canzona.recompute.checkpoint_groups`), a chunk's layers hold, per micro-batch, one layer
       input for each checkpoint (a uniform group's, a block's checkpointed layer's) and the whole
       activations of the layers outside any checkpoint (block's past the first N), each chunk by
-      its own size;
+      its own size; under torchtitan's selective-layer likewise, a layer input for each of every
+      K-th layer (`canzona.recompute.selective_layer_checkpointed`, its counter running on over the
+      rank's chunks) and the whole activations of the others;
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed
-      (a uniform group's N layers': its re-run makes them all before their backwards);
+      (a uniform group's N layers': its re-run makes them all before their backwards; under
+      selective-layer one layer's where any is checkpointed, counted as Megatron's block method's
+      is, whether or not the stage's last layer is one);
       under selective-op, what one layer recomputes beside what it saved;
     - `ep_overlap_layer`: under Megatron's EP all-to-all overlap (`setup.ep_overlap`), one layer
       more. Its combined 1F1B schedule (`canzona.pipeline.combined_order`) runs one warm-up forward
@@ -677,11 +692,13 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
         embedded = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
     else:
         embedded = peak_in_flight(stage, pp, setup.micro_batches, vp, chunk=0)
-    if setup.recompute_method is not None:  # each chunk by what its checkpoints store
+    if setup.recompute_method is not None or setup.recompute == SELECTIVE_LAYER:  # each chunk by its checkpoints
         sizes = [len(chunk_layers(dims.layers, pp, stage, c, vp, split)) for c in range(vp)]
+        starts = [sum(sizes[:c]) for c in range(vp)]  # the rank's layers before each chunk
         layers = peak_layers_in_flight(stage, pp, setup.micro_batches, vp,
-                                       [_chunk_activation_bytes(dims, setup, tp, n, expert_load) for n in sizes])
-        working = _method_working_set(dims, setup, tp, max(sizes), expert_load)
+                                       [_chunk_activation_bytes(dims, setup, tp, n, a, expert_load=expert_load)
+                                        for n, a in zip(sizes, starts)])
+        working = max(_method_working_set(dims, setup, tp, n, a, expert_load=expert_load) for n, a in zip(sizes, starts))
     else:
         if vp == 1:  # 1F1B: a micro-batch's layers for each in flight
             held = len(chunk_layers(dims.layers, pp, stage, 0, 1, split)) * embedded
@@ -707,21 +724,34 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
     return out
 
 
-def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int, expert_load: float = 1.0) -> float:
-    """What a model chunk of `size` layers holds for one micro-batch under full recompute with
-    Megatron's method (`canzona.recompute.checkpoint_groups`): a layer input per checkpoint, whole
-    activations for the layers outside any."""
+def _chunk_checkpoints(setup: MemorySetup, size: int, start: int) -> tuple[int, int, int]:
+    """Of a model chunk of `size` layers, `start` layers of the rank before it: (the checkpoints
+    whose input is stored, the layers inside one, the layers one re-run makes alive at once), by
+    Megatron's method (`canzona.recompute.checkpoint_groups`) or torchtitan's selective-layer
+    (every K-th of the rank's layers, each alone)."""
+    if setup.recompute == SELECTIVE_LAYER:
+        inside = sum(selective_layer_checkpointed(setup.selective_ac_option, start + i) for i in range(size))
+        return inside, inside, min(1, inside)
     method, n = setup.recompute_method, setup.recompute_num_layers
-    stored, _ = checkpoint_groups(method, n, size)
-    inside = sum(checkpointed(method, n, i) for i in range(size))
+    stored, alive = checkpoint_groups(method, n, size)
+    return stored, sum(checkpointed(method, n, i) for i in range(size)), alive
+
+
+def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int, start: int = 0,
+                            expert_load: float = 1.0) -> float:
+    """What a model chunk of `size` layers holds for one micro-batch with some of its layers
+    checkpointed (`_chunk_checkpoints`): a layer input per checkpoint, whole activations for the
+    layers outside any."""
+    stored, inside, _ = _chunk_checkpoints(setup, size, start)
     return (stored * layer_activation_bytes(dims, setup, tp, FULL)
             + (size - inside) * layer_activation_bytes(dims, setup, tp, "none", expert_load))
 
 
-def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int, expert_load: float = 1.0) -> float:
-    """The activations one re-run makes under Megatron's method, in a chunk of `size` layers: a
-    uniform group's N layers' whole activations, else one layer's (`checkpoint_groups`)."""
-    _, alive = checkpoint_groups(setup.recompute_method, setup.recompute_num_layers, size)
+def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int, start: int = 0,
+                        expert_load: float = 1.0) -> float:
+    """The activations one re-run makes in a chunk of `size` layers (`_chunk_checkpoints`): a
+    uniform group's N layers' whole activations, else one layer's (none without a checkpoint)."""
+    _, _, alive = _chunk_checkpoints(setup, size, start)
     return alive * layer_activation_bytes(dims, setup, tp, "none", expert_load)
 
 

@@ -50,6 +50,27 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   userbuffers reduce-scatter is not gated (`linear.py`). torch's non-reentrant checkpoint wrapper
   (torchtitan, NeMo AutoModel) keeps grad on in the first forward.
 
+- `selective-layer` (torchtitan's per-layer selective activation checkpointing,
+  `--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option K`, an
+  integer; the simulator's `--selective-ac-option`, default 2 as torchtitan's): every K-th
+  TransformerBlock runs inside torch's `checkpoint_wrapper` with no policy (as `full` does every
+  layer: only its input stored, its whole forward run again before its backward), the others
+  outside any checkpoint, storing everything. Which blocks: `_apply_ac_to_transformer_block`
+  increments a counter kept on the wrapper function (`ptd_checkpoint_wrapper._count`, from 0,
+  one per block `apply_ac` passes, in `model.layers` order) and wraps the block when `_count % K
+  == 0`: the K-th, 2K-th, ... block, 0-based positions K - 1, 2K - 1, ...; K past the layers
+  wraps none (every block stores everything, as `none`). Read from pytorch/torchtitan
+  `torchtitan/parallelisms/parallelize_llama.py` at 004b3148a92b565ef0ce7a7bcc61e0159c7ec930 (the
+  earlier `torchtrain/parallelisms/parallelize_llama.py` at
+  00560676335496bcb220fb5ef5b44a3c6fc7e87a, the Llama 2 figures' time, has the same counter and
+  modulo), default "2" ("2 = checkpoint every other layer") in `torchtitan/config_manager.py`
+  at 0011fb905e9561a51af0f265e35d989f7448b1d8. torchtitan also takes K = 0 as every block; the
+  simulator refuses it (`--recompute full` is that). The counter lives on the function, not on
+  the model: over a rank's model chunks it runs on from one chunk to the next
+  (`selective_layer_checkpointed`). It is torchtitan's, simulated under `--fsdp`; Megatron has no
+  such option (its partial checkpointing is `--recompute-method block`, below, which keeps the
+  same bytes and re-runs the same work for the same number of layers).
+
 Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
 `RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:
 its TransformerConfig raises "recompute_method must be block or uniform" under granularity full)
@@ -87,8 +108,17 @@ from canzona.choices import check_choice
 from canzona.errors import SpecError
 
 NONE, SELECTIVE, SELECTIVE_OP, FULL = "none", "selective", "selective-op", "full"
-# from the least recompute (most memory) to the most: the search tries them in this order
-RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL)
+SELECTIVE_LAYER = "selective-layer"
+# the search tries them in this order, the next only for a layout that did not fit: from the least
+# recompute (most memory) to the most, then torchtitan's selective-layer, whose place by memory
+# depends on K and the layout (at TP 1 its default K = 2 stores more than selective-op, half the
+# layers whole; under TP less, selective-op keeping its row-parallel outputs whole) and which is
+# refused outside --fsdp. Last, a search steps to it only from a layout whose full run did not fit,
+# which does not fit with it either: at any K > 1 it stores more than full (a superset of what full
+# keeps); a search that wants it between selective-op and full places it there itself
+RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL, SELECTIVE_LAYER)
+# torchtitan's --activation_checkpoint.selective_ac_option default, "2": every other layer
+SELECTIVE_AC_DEFAULT = 2
 
 
 # Megatron's --recompute-method under full recompute (the module docstring); None: every layer
@@ -117,6 +147,33 @@ def check_recompute_method(mode: str, method: str | None, num_layers: int | None
                         "recompute method is not yet supported for selective recomputing granularity)")
 
 
+def check_selective_ac_option(mode: str, every: int | None, fsdp: bool = True) -> None:
+    """`--selective-ac-option K` (torchtitan's `selective_ac_option` as an integer, the module
+    docstring): a whole number >= 1, only with `--recompute selective-layer`, which is only
+    simulated under `--fsdp` (torchtitan's). One `SpecError` line each."""
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise SpecError(f"--selective-ac-option must be a whole number >= 1 (every K-th layer checkpointed; "
+                        f"--recompute full checkpoints every layer), got {every!r}")
+    if every is not None and mode != SELECTIVE_LAYER:
+        raise SpecError(f"--selective-ac-option {every} is for --recompute selective-layer (torchtitan: an integer "
+                        f"selective_ac_option is selective layer checkpointing), got --recompute {mode}")
+    if mode == SELECTIVE_LAYER and not fsdp:
+        raise SpecError("--recompute selective-layer is torchtitan's, simulated under --fsdp; Megatron's partial "
+                        "checkpointing is --recompute full --recompute-method block --recompute-num-layers N")
+
+
+def selective_ac_every(every: int | None) -> int:
+    """The K of `--selective-ac-option` (None: torchtitan's default, `SELECTIVE_AC_DEFAULT`)."""
+    return SELECTIVE_AC_DEFAULT if every is None else every
+
+
+def selective_layer_checkpointed(every: int | None, position: int) -> bool:
+    """Under `selective-layer`, whether the `position`-th layer (0-based) torchtitan's counter has
+    passed on a rank is checkpointed: the counter reaches `position + 1` there, and the block is
+    wrapped when that is a multiple of K."""
+    return (position + 1) % selective_ac_every(every) == 0
+
+
 def check_method_layers(method: str | None, num_layers: int | None, chunk_sizes: Sequence[int]) -> None:
     """Under `uniform`, N must divide every model chunk's layers (`chunk_sizes`): Megatron's loop
     indexes the last group's layers past the chunk's end otherwise. `block` takes any N."""
@@ -129,8 +186,12 @@ def check_method_layers(method: str | None, num_layers: int | None, chunk_sizes:
                         "each chunk's layers in whole groups)")
 
 
-def recompute_label(mode: str, method: str | None = None, num_layers: int | None = None) -> str:
-    """A recompute mode for people: "full (block 4)" under Megatron's method, else the mode."""
+def recompute_label(mode: str, method: str | None = None, num_layers: int | None = None,
+                    every: int | None = None) -> str:
+    """A recompute mode for people: "full (block 4)" under Megatron's method, "selective-layer
+    (every 2)" under torchtitan's, else the mode."""
+    if mode == SELECTIVE_LAYER:
+        return f"{mode} (every {selective_ac_every(every)})"
     return f"{mode} ({method} {num_layers})" if method is not None else mode
 
 
@@ -160,6 +221,33 @@ def checkpointed_layers(method: str | None, num_layers: int | None,
     return frozenset(layer for chunk in chunks for i, layer in enumerate(chunk) if checkpointed(method, num_layers, i))
 
 
+def selective_layers(every: int | None, chunks: Sequence[Sequence[int]]) -> frozenset[int]:
+    """The layer ids of `chunks` (a rank's model chunks' layers, in order) that run inside a
+    checkpoint under `selective-layer` (`selective_layer_checkpointed`: torchtitan's counter runs
+    on over the chunks)."""
+    layers = [layer for chunk in chunks for layer in chunk]
+    return frozenset(layer for i, layer in enumerate(layers) if selective_layer_checkpointed(every, i))
+
+
+def inside_layers(mode: str, method: str | None, num_layers: int | None, every: int | None,
+                  chunks: Sequence[Sequence[int]]) -> frozenset[int] | None:
+    """The layer ids of a rank's `chunks` that run inside a checkpoint where only some do:
+    torchtitan's selective-layer (`selective_layers`), Megatron's method under full recompute
+    (`checkpointed_layers`); None where the mode treats every layer alike."""
+    if mode == SELECTIVE_LAYER:
+        return selective_layers(every, chunks)
+    if mode == FULL and method is not None:
+        return checkpointed_layers(method, num_layers, chunks)
+    return None
+
+
+def reruns_whole(mode: str) -> bool:
+    """Whether `mode` runs its checkpointed layers' whole forwards again before their backwards
+    (`full`: every layer, or a Megatron method's; `selective-layer`: every K-th), storing only
+    their inputs; its other layers store everything."""
+    return mode in (FULL, SELECTIVE_LAYER)
+
+
 def forward_without_grad(mode: str) -> bool:
     """Whether Megatron runs each layer's first forward under `torch.no_grad()` under recompute
     `mode`: under full recompute its checkpoint function does (the module docstring), where TE's
@@ -179,6 +267,8 @@ def saved_mm_widths(widths: Sequence[float]) -> float:
     return sum(w for i, w in enumerate(widths) if mm_saved(i))
 
 
-__all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_OP", "UNIFORM",
-           "check_method_layers", "check_recompute", "check_recompute_method", "checkpoint_groups", "checkpointed",
-           "checkpointed_layers", "forward_without_grad", "recompute_label", "mm_saved", "saved_mm_widths"]
+__all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_AC_DEFAULT",
+           "SELECTIVE_LAYER", "SELECTIVE_OP", "UNIFORM", "check_method_layers", "check_recompute",
+           "check_recompute_method", "check_selective_ac_option", "checkpoint_groups", "checkpointed",
+           "checkpointed_layers", "forward_without_grad", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
+           "saved_mm_widths", "selective_ac_every", "selective_layer_checkpointed", "selective_layers"]

@@ -357,7 +357,8 @@ def _run_options(*, shared: SimOptions):
     return RunOptions(overlap_grad_reduce=o.overlap_grad_reduce, align_grad_reduce=o.align_grad_reduce,
                       overlap_param_gather=o.overlap_param_gather, tp_comm_overlap=o.tp_comm_overlap,
                       recompute=o.recompute, recompute_method=o.recompute_method,
-                      recompute_num_layers=o.recompute_num_layers, reduce_scatter=o.reduce_scatter,
+                      recompute_num_layers=o.recompute_num_layers, selective_ac_option=o.selective_ac_option,
+                      reduce_scatter=o.reduce_scatter,
                       collectives=o.collectives, max_grad_norm=o.max_grad_norm, batch_kernels=o.batch_kernels,
                       compile_kernels=o.compile_kernels, overlap_step=o.overlap_step,
                       attention_backend=o.attention_backend,
@@ -419,7 +420,7 @@ DelayWgrad = Annotated[bool, typer.Option(
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]
-Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved) or full.")]
+Recompute = Annotated[str, typer.Option(help="Activation recompute: none, selective (attention core), selective-op (torchtitan's per-op policy: every other matmul and attention saved), selective-layer (torchtitan's, under --fsdp: every --selective-ac-option-th layer checkpointed) or full.")]
 RecomputeMethod = Annotated[str | None, typer.Option(
     help="Megatron's --recompute-method under --recompute full: uniform (groups of --recompute-num-layers layers, "
          "each group's input stored and its forwards run again together) or block (the first "
@@ -428,6 +429,9 @@ RecomputeMethod = Annotated[str | None, typer.Option(
 RecomputeNumLayers = Annotated[int | None, typer.Option(
     help="Megatron's --recompute-num-layers with --recompute-method: a uniform group's layers (dividing each "
          "model chunk's) or the layers of each chunk block checkpoints.")]
+SelectiveAcOption = Annotated[int | None, typer.Option(
+    help="torchtitan's --activation_checkpoint.selective_ac_option K under --recompute selective-layer: the K-th, "
+         "2K-th, ... layer checkpointed whole, the others storing everything (unset: torchtitan's default, 2).")]
 Pp = Annotated[int, typer.Option(help="Pipeline-parallel stages (1F1B); GPUs = DP x TP x PP.")]
 Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron's --virtual-pipeline-model-parallel-size): "
                                       "the interleaved 1F1B schedule, chunk c of stage r holding the model's chunk "
@@ -577,6 +581,7 @@ class SimOptions:
     recompute: Recompute = "none"
     recompute_method: RecomputeMethod = None
     recompute_num_layers: RecomputeNumLayers = None
+    selective_ac_option: SelectiveAcOption = None
     reduce_scatter: ReduceScatter = STEP_DEFAULTS.reduce_scatter
     attention_backend: AttentionBackend = "fused"
     overlap_moe_expert_parallel_comm: EpOverlap = False

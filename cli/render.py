@@ -128,7 +128,7 @@ def _options_text(c) -> str:
                                   ("TP comm overlap", o.tp_comm_overlap),
                                   ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm),
                                   ("delayed expert wgrad", o.delay_wgrad_compute)) if flag]
-    recompute = recompute_label(o.recompute, o.recompute_method, o.recompute_num_layers)
+    recompute = recompute_label(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option)
     return f"{', '.join(on) or 'no overlap'}; recompute {recompute}; reduce-scatter {o.reduce_scatter}"
 
 

@@ -70,6 +70,7 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import Plan, plan_for
+from canzona.recompute import inside_layers
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -305,8 +306,13 @@ class _FsdpRun:
         `head_dim`: the attention heads' dimension (`LayerDims.head_dim`), which the fused
         attention's efficiency depends on."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
+        o = cfg.options
+        # torchtitan's selective-layer: every K-th layer in a checkpoint wrapper (canzona.recompute)
+        inside = inside_layers(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option,
+                               cfg.chunks(self.arch.layers, 0))
         work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
                                 self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
+                                checkpointed=inside,
                                 causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
                                 ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
                                 fp8=self._fp8(), attention_backend=cfg.options.attention_backend,

@@ -60,12 +60,13 @@ from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim, rank_shares
 from canzona.memory import fp8_linear_params
 from canzona.recompute import (
-    FULL,
     SELECTIVE,
+    SELECTIVE_LAYER,
     SELECTIVE_OP,
     check_recompute,
     forward_without_grad,
     mm_saved,
+    reruns_whole,
 )
 from canzona.routing import RANDOM, busiest_rank
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
@@ -146,7 +147,8 @@ class MicroBatchWork:
     embed_forward_s: float = 0.0
     embed_backward_s: float = 0.0
     # under full recompute, the layer ids that run outside any checkpoint (Megatron's block method:
-    # past the first N of a model chunk): stored whole, their forward with grad, not re-run
+    # past the first N of a model chunk; torchtitan's selective-layer: all but every K-th): stored
+    # whole, their forward with grad, not re-run
     uncheckpointed: frozenset[int] = frozenset()
 
     def checkpointed(self, k: int) -> bool:
@@ -224,8 +226,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     unfused RoPE and SwiGLU (`sim.unfused_kernels`); `checkpointed`: under full recompute the layer
     ids run inside a checkpoint, whose forward is re-run before the backward (Megatron's block
     method: `canzona.recompute.checkpointed_layers`); the others as without recompute (None: every
-    layer)."""
+    layer); under torchtitan's selective-layer likewise, and required (every K-th layer:
+    `canzona.recompute.selective_layers`)."""
     check_recompute(recompute)
+    if recompute == SELECTIVE_LAYER and checkpointed is None:
+        raise SpecError("selective-layer recompute needs the checkpointed layers (canzona.recompute.selective_layers)")
     eager = check_kernels(kernels) == EAGER
     if cross_entropy not in CROSS_ENTROPY_PATHS:
         raise SpecError(f"unknown cross-entropy path {cross_entropy!r}; choose one of {', '.join(CROSS_ENTROPY_PATHS)}")
@@ -338,11 +343,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         return run(lk.mlp_block(shape, sum(column), gated, backward, name, activation_kernels=unfused))
 
     forward, backward = [], []
-    outside = frozenset(i for i in layer_ids if recompute == FULL and checkpointed is not None
+    outside = frozenset(i for i in layer_ids if reruns_whole(recompute) and checkpointed is not None
                         and i not in checkpointed)
     for layer, params in zip(layer_ids, by_layer):
         fwd_blocks, bwd_blocks = [], []
-        rerun = recompute == FULL and layer not in outside  # the forward re-run before the backward
+        rerun = reruns_whole(recompute) and layer not in outside  # the forward re-run before the backward
         # selective-op: the layer's mms whose outputs are not saved run again (`canzona.recompute`)
         unsaved = {p.name for i, p in enumerate(params) if not mm_saved(i)}
         for i, block in enumerate(_blocks_of(params)):

@@ -9,7 +9,7 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
-from canzona.recompute import check_recompute_method
+from canzona.recompute import check_recompute_method, check_selective_ac_option
 from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
 from canzona.step_options import STEP_DEFAULTS
@@ -32,8 +32,9 @@ class RunOptions:
     align_grad_reduce: bool = True
     overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
-    # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy) or "full"
-    # (every layer): canzona.recompute
+    # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy),
+    # "selective-layer" (torchtitan's every K-th layer checkpointed, under --fsdp) or "full" (every
+    # layer): canzona.recompute
     recompute: str = "none"
     # under full recompute, Megatron's --recompute-method ("uniform": groups of N layers, each
     # group's input stored and its forwards re-run together; "block": the first N layers of each
@@ -41,6 +42,9 @@ class RunOptions:
     # every layer checkpointed on its own (canzona.recompute)
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # under selective-layer, torchtitan's --activation_checkpoint.selective_ac_option K: every K-th
+    # layer checkpointed (None: torchtitan's default, 2; canzona.recompute)
+    selective_ac_option: int | None = None
     # how gradients are reduce-scattered (canzona.reductions): the runtime's option, name and default
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter
     # "megatron": each policy's DP collectives as Megatron would run them (all-reduce for sc and
@@ -85,6 +89,7 @@ class RunOptions:
             raise SpecError(f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}")
         check_recompute(self.recompute)
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
+        check_selective_ac_option(self.recompute, self.selective_ac_option)  # the layout's rule: SimConfig.check
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
         self.ep_dispatcher.check()

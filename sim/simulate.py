@@ -56,7 +56,7 @@ from canzona.plan import (
     check_geometry,
     plan_for,
 )
-from canzona.recompute import FULL, check_method_layers, checkpointed_layers
+from canzona.recompute import check_method_layers, check_selective_ac_option, inside_layers
 from canzona.routing import RANDOM
 from canzona.spec import ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
@@ -288,6 +288,8 @@ class SimConfig:
         """Megatron's `--recompute-method` against the layout (`canzona.recompute`): its
         `_checkpointed_forward` is Megatron's, not FSDP's checkpoint wrappers; a uniform group
         must divide every model chunk's layers."""
+        # torchtitan's selective-layer: under --fsdp only (canzona.recompute)
+        check_selective_ac_option(self.options.recompute, self.options.selective_ac_option, fsdp=self.fsdp)
         method, n = self.options.recompute_method, self.options.recompute_num_layers
         if method is None:
             return
@@ -316,7 +318,8 @@ class SimConfig:
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
-            recompute_num_layers=self.options.recompute_num_layers, expert_tp=self.etp,
+            recompute_num_layers=self.options.recompute_num_layers,
+            selective_ac_option=self.options.selective_ac_option, expert_tp=self.etp,
             ep_overlap=self.options.overlap_moe_expert_parallel_comm, ep=self.ep,
             router_imbalance=self.router_imbalance, routing=self.options.ep_dispatcher.load_routing,
             micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
@@ -662,8 +665,8 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
     wl = cfg.workload
     o = cfg.options
     # under Megatron's block method only the first N layers of each model chunk are checkpointed
-    inside = checkpointed_layers(o.recompute_method, o.recompute_num_layers, cfg.chunks(arch.layers, stage)) \
-        if o.recompute == FULL and o.recompute_method is not None else None
+    inside = inside_layers(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option,
+                           cfg.chunks(arch.layers, stage))
     return micro_batch_work(stage_model, cfg.tp, wl.tokens_per_micro_batch, wl.seq_len,
                             arch.q_dim, arch.hidden, arch.vocab, rate,
                             recompute=cfg.options.recompute, checkpointed=inside, causal=wl.causal, dtype=wl.dtype,

@@ -70,7 +70,7 @@ def test_simulate_run_options_reach_the_result():
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "align_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                             "recompute": "full", "recompute_method": None, "recompute_num_layers": None,
-                            "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
+                            "selective_ac_option": None, "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,
                             "attention_backend": "fused",
                             "ep_dispatcher": {"moe_token_dispatcher_type": "alltoall",
