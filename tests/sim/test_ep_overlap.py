@@ -642,3 +642,19 @@ def test_the_chunks_first_attention_weight_gradients_run_beside_the_send(monkeyp
             after = compute[compute.index(dw) + 1:]
             if after and after[0].name.endswith("fwd head"):
                 assert after[0].start >= dw.end - 1e-15
+
+
+def test_a_dense_layers_mlp_weight_gradients_follow_its_data_gradients():
+    """A dense layer in a MoE model (`dense_layers`): its `mlp` node's TE modules defer their
+    weight gradients too, which Megatron's pair runs at `mlp_bwd_dw`, right after the node's data
+    gradients (its dispatch gradient is a no-op node); the chunk's first layer's attention ones run
+    after the layers (no send at PP 1), before the forward's head and the embedding's gradient."""
+    dense = replace(SMALL, dense_layers=(0,))
+    cfg, _ = _cfg(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    r = simulate(cfg, model=(build_decoder(dense), dense.architecture()))
+    names = [s.name for s in sorted((s for s in r.spans if s.rank == 0 and s.stream == "compute" and s.phase == "A"),
+                                    key=lambda s: s.start)]
+    i = names.index("mb1 bwd layer 0.1")
+    assert names[i - 1:i + 6] == ["mb2 fwd layer 3.0", "mb1 bwd layer 0.1", "mb1 bwd layer 0.1 delayed wgrad",
+                                  "mb2 fwd layer 3.experts", "mb1 bwd layer 0.0", "mb1 bwd layer 0.0 delayed wgrad",
+                                  "mb2 fwd head"]
