@@ -416,7 +416,8 @@ EpOverlap = Annotated[bool, typer.Option(
          "recompute; off: Megatron's default).")]
 DelayWgrad = Annotated[bool, typer.Option(
     help="Megatron's --delay-wgrad-compute under --overlap-moe-expert-parallel-comm: the experts' weight-gradient "
-         "GEMMs run after the backward's dispatch gradient is issued, under it (off: Megatron's default).")]
+         "GEMMs run after the backward's dispatch gradient is issued, under it, the attention's at the end of the "
+         "layer pair (off: Megatron's default).")]
 AttentionBackend = Annotated[str, typer.Option(
     help="Attention kernels (Megatron's --attention-backend): fused (Transformer Engine's cuDNN attention, what "
          "auto picks on Hopper) or flash (flash-attn 2, TE 1.x's FlashAttention backend; NeMo 24.07's launcher).")]

@@ -36,9 +36,26 @@ overrides`): off, the experts' weight gradients are computed inside `mlp_bwd`, b
 dispatch; on, `mlp_bwd` computes the data gradients, the dispatch gradient waits for them only, and
 `mlp_bwd_dw` (the experts' weight-gradient GEMMs, `Block.wgrad_s`) runs on the compute stream under
 it; a backward layer run alone keeps that order (`_backward_alone`, and a step's backward layers
-left past its forward's under unequal chunks). Megatron also delays the
-attention's weight gradients to the end of the pair (the same compute stream, so only the first
-layer's, after the sends, would move: not modelled).
+left past its forward's under unequal chunks). Megatron passes the option to every Transformer
+Engine linear module (megatron/core/extensions/transformer_engine.py), whose backward puts its
+weight-gradient GEMM in its `wgrad_store` and goes on with the data gradients; the layer's nodes
+run the stored GEMMs in their `backward_dw` (megatron/core/models/gpt/fine_grained_callables.py:
+`attn` the self-attention's `backward_dw`, linear_qkv's then linear_proj's; `mlp` the MLP's or
+the experts'). So `attn_bwd` computes the attention's data gradients only, with TE's order around
+them: without userbuffers the column module's data-gradient reduce-scatter, which otherwise runs
+beside its weight-gradient GEMM (`sim.iteration._Stage.nccl_block`), has nothing beside it on the
+compute stream and the norm's backward waits for it (`_data_gradients`); `attn_bwd_dw` runs the
+row and column modules' weight-gradient GEMMs (`Block.first_wgrad_s`, `Block.last_wgrad_s`) at
+the end of the pair, on the compute stream after the node's event is recorded, so the next
+layer's combine gradient leaves under them; the backward chunk's first layer's run after the
+step's sends (which leave beside them) and before the forward's head and the backward's embedding
+gradient (`TransformerModelChunkSchedulePlan.run`, "Delay the last attn_dw in backward pass ...
+for overlapping with the p2p comm"; `_first_layer_weights`); a dense layer's `mlp` node runs its
+MLP's after its data gradients. The gradient reductions a layer completes wait for its delayed
+GEMMs (TE calls the gradient hooks in `backward_dw`). With userbuffers (tp_comm_overlap) TE
+refuses a delayed weight gradient beside its bulk overlap (NotImplementedError): those blocks
+keep theirs in place here. Under the option the sequence-parallel blocks' weight-gradient GEMMs
+take the same seconds, in another place.
 
 The simulator runs the same nodes with its own blocks (`sim.model_work`): a layer's blocks before
 its expert block are `attn` (with their TP collectives where TP > 1), the expert block's grouped
@@ -69,9 +86,9 @@ forward holds one chunk more before the first step, and each step then frees the
 layers as it fills the forward chunk's: the plain interleaved schedule's peak (its warm-up plus one
 chunk, `canzona.pipeline.peak_in_flight`) and the one layer a pair's forward makes before the
 backward's layer is freed (an **assumption** either way, that layer not counted: Megatron's node
-boundaries also detach and hold a few more transient tensors). Not modelled: Megatron runs the
-first layer's attention weight gradient after the sends (here inside the layer's backward, so the
-backward's send leaves after it).
+boundaries also detach and hold a few more transient tensors). Not counted: under
+delay_wgrad_compute, the inputs TE keeps for a delayed weight gradient until it runs (a layer's
+gathered input and output gradient, freed at the pair's end).
 
 canzona's runtime does not run this schedule: its `DistributedOptimizer` does not own the model's
 forward / backward, and the token dispatch is the model's (reference/tiny_moe_ep.py dispatches
@@ -81,6 +98,7 @@ and combines synchronously); the option is the simulator's, describing Megatron'
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import simpy
@@ -148,6 +166,11 @@ class _Pass:
     def __init__(self, stage: _Stage) -> None:
         self.stage = stage
         self.last = dict(stage.last)
+        # delay_wgrad_compute: when the weight-gradient GEMMs the pass deferred and has issued are
+        # done (outside `last`: Megatron records a node's event before its `backward_dw`), and the
+        # chunk's first layer's attention ones, which Megatron runs after the step's sends
+        self.weights: list[dict[int, simpy.Event]] = []
+        self.pending: tuple[tuple[str, float], ...] = ()
 
     def __enter__(self) -> _Stage:
         self._saved = self.stage.last
@@ -184,16 +207,94 @@ def _blocks(stage: _Stage, prefix: str, blocks: Sequence[Block], gathers: int) -
         stage.block(f"{prefix} {b.name}", b, gathers)
 
 
+def _data_gradients(stage: _Stage, blocks: Sequence[Block]) -> tuple[tuple[Block, ...], tuple[tuple[str, float], ...]]:
+    """A backward node's sequence-parallel blocks under delay_wgrad_compute: Megatron passes the
+    option to every Transformer Engine linear module, whose backward puts its weight-gradient GEMM
+    in its `wgrad_store` (the row-parallel one's `Block.first_wgrad_s`, the column-parallel one's
+    `Block.last_wgrad_s`) and goes on: the blocks without those GEMMs, so that the column module's
+    data-gradient reduce-scatter has no GEMM beside it and the norm's backward waits for it, and
+    (block name, seconds) of the GEMMs, which Megatron runs in the node's `backward_dw`. Under
+    userbuffers (tp_comm_overlap) Transformer Engine refuses a delayed weight gradient
+    (NotImplementedError beside its bulk overlap): those blocks keep theirs in place. Off: as given."""
+    if not stage.ctx.options.delay_wgrad_compute:
+        return tuple(blocks), ()
+    ctx = stage.ctx
+    data: list[Block] = []
+    deferred: list[tuple[str, float]] = []
+    for b in blocks:
+        if ctx.tp > 1 and b.tp_collectives and ctx.options.tp_comm_overlap:
+            data.append(b)
+            continue
+        data.append(replace(b, first_s=b.first_s - b.first_wgrad_s, last_s=b.last_s - b.last_wgrad_s,
+                            first_wgrad_s=0.0, last_wgrad_s=0.0))
+        if b.first_wgrad_s + b.last_wgrad_s:
+            deferred.append((b.name, b.first_wgrad_s + b.last_wgrad_s))
+    return tuple(data), tuple(deferred)
+
+
+def _weight_gradients(p: _Pass, prefix: str, deferred: Sequence[tuple[str, float]]) -> None:
+    """A node's `backward_dw`: the deferred weight-gradient GEMMs on the compute stream after what
+    the pass has issued. The pass's chain stays at its data gradients (its node's event was
+    recorded before them): the next node on the communication stream does not wait for them, the
+    next one on the compute stream does (the stream runs its kernels in order)."""
+    if not deferred:
+        return
+    with p as st:
+        data = dict(st.last)
+        for name, seconds in deferred:
+            st.compute(f"{prefix} {name} delayed wgrad", seconds)
+        p.weights.append(dict(st.last))
+        st.last.update(data)
+
+
+def _grads_done(p: _Pass) -> dict[int, simpy.Event]:
+    """When the pass's chain and every weight-gradient GEMM it deferred are done (`_Pass.weights`)."""
+    env = p.stage.eng.env
+    return {r: env.all_of([p.last[r]] + [w[r] for w in p.weights]) for r in p.last}
+
+
+def _layer_done(stage: _Stage, p: _Pass, mb: int, kb: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
+    """What backward layer `kb` completes starts (`_Stage.backward_layer_done`: the last
+    micro-batch's gradient reductions), after its deferred weight gradients too."""
+    if not p.weights:
+        with p:
+            stage.backward_layer_done(mb, kb, micro_batches, syncs)
+        return
+    done = _grads_done(p)
+    with p as st:
+        data = dict(st.last)
+        st.last.update(done)
+        st.backward_layer_done(mb, kb, micro_batches, syncs)
+        st.last.update(data)
+
+
+def _first_layer_weights(stage: _Stage, p: _Pass, mb: int, kb: int, micro_batches: int,
+                         syncs: list[simpy.Event]) -> None:
+    """The backward chunk's first layer (the last its backward reaches): Megatron runs its
+    attention's `backward_dw` after the step's sends and before the head's forward and the
+    embedding's gradient (`TransformerModelChunkSchedulePlan.run`, "Delay the last attn_dw ...
+    for overlapping with the p2p comm"). Issued before the sends here: they wait for the pass's
+    chain, not for these GEMMs, and the compute stream runs them before the head and the embedding."""
+    _weight_gradients(p, f"mb{mb} bwd", p.pending)
+    p.pending = ()
+    _layer_done(stage, p, mb, kb, micro_batches, syncs)
+
+
 def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: int,
-                needed: dict[int, list[simpy.Event]], fmb: int | None, bmb: int) -> None:
+                needed: dict[int, list[simpy.Event]], fmb: int | None, bmb: int, first: bool = False) -> None:
     """Forward layer `kf` of pass `f` beside backward layer `kb` of pass `b`, issued in
     Megatron's order (the module docstring); `f` None: the backward layer alone (under
-    delay_wgrad_compute, whose order differs from `_Stage.backward_layer`'s)."""
+    delay_wgrad_compute, whose order differs from `_Stage.backward_layer`'s). `first`: `kb` is
+    the backward chunk's first layer, whose attention weight gradients (delay_wgrad_compute) are
+    left in `b.pending` for after the step's sends (`_first_layer_weights`)."""
     work = stage.ctx.work
     b_before, b_exp, b_attn = _split(work.backward[kb])  # backward order: the expert block, then attention
     b_mlp: tuple[Block, ...] = ()  # a dense layer's `mlp` node: its first block in backward
     if b_exp is None:
         b_mlp, b_attn = b_attn[:1], b_attn[1:]
+    # delay_wgrad_compute: the attention's (and a dense MLP's) TE modules defer their weight gradients
+    b_mlp, mlp_dw = _data_gradients(stage, b_mlp)
+    b_attn, attn_dw = _data_gradients(stage, b_attn)
     f_attn: tuple[Block, ...] = ()
     f_exp: Block | None = None
     f_rest: tuple[Block, ...] = ()  # after the experts: a dense layer's `mlp` node, its last block
@@ -220,6 +321,7 @@ def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: in
         with f as st:  # dispatch_fwd
             if f_exp is not None:
                 _expert_comm(st, f"{fp} {f_exp.name}", f_exp, into_experts=True)
+    _weight_gradients(b, bp, mlp_dw)  # a dense layer's mlp_bwd_dw (its dispatch gradient: none)
     with b as st:  # mlp_bwd_dw (delayed), then dispatch_bwd: the input gradients back to their tokens' ranks
         if b_exp is not None and delayed:  # the dispatch gradient waits for the data gradients only
             data = dict(st.last)
@@ -239,28 +341,39 @@ def _layer_pair(stage: _Stage, f: _Pass | None, kf: int | None, b: _Pass, kb: in
             _blocks(st, fp, f_rest, 1)
     with b as st:  # attn_bwd
         _blocks(st, bp, b_attn, 2)
+    if first:  # the chunk's first layer: after the step's sends
+        b.pending = attn_dw
+    else:  # attn_bwd_dw at the end of the pair
+        _weight_gradients(b, bp, attn_dw)
 
 
 def _delayed_backward_layer(stage: _Stage, b: _Pass, mb: int, kb: int, micro_batches: int,
-                            syncs: list[simpy.Event]) -> None:
+                            syncs: list[simpy.Event], first: bool) -> None:
     """Backward layer `kb` of micro-batch `mb` with no forward beside it, under
-    delay_wgrad_compute: `_layer_pair`'s order without a forward, then what its completion starts."""
-    _layer_pair(stage, None, None, b, kb, {}, None, mb)
-    with b:
-        stage.backward_layer_done(mb, kb, micro_batches, syncs)
+    delay_wgrad_compute: `_layer_pair`'s order without a forward, then what its completion starts
+    (for the chunk's `first` layer, once its attention's weight gradients have run:
+    `_first_layer_weights`)."""
+    _layer_pair(stage, None, None, b, kb, {}, None, mb, first=first)
+    if not first:
+        _layer_done(stage, b, mb, kb, micro_batches, syncs)
 
 
 def _backward_alone(stage: _Stage, mb: int, c: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
     """A backward chunk run alone under delay_wgrad_compute: each layer as `_layer_pair` orders
-    it without a forward (Megatron's `TransformerLayerSchedulePlan.run` with no forward layer)."""
+    it without a forward (Megatron's `TransformerLayerSchedulePlan.run` with no forward layer),
+    the first layer's attention weight gradients after the send."""
     b = _Pass(stage)
     with b:
         stage.backward_start(mb, c)
-    for kb in reversed(stage.chunk_list[c]):
-        _delayed_backward_layer(stage, b, mb, kb, micro_batches, syncs)
+    backward = stage.chunk_list[c][::-1]
+    for kb in backward:
+        _delayed_backward_layer(stage, b, mb, kb, micro_batches, syncs, first=kb == backward[-1])
+    if backward:
+        _first_layer_weights(stage, b, mb, backward[-1], micro_batches, syncs)
+    grads = _grads_done(b) if b.weights else None
     with b:
-        stage.backward_end(mb, c)
-    stage.last.update(b.last)
+        stage.backward_end(mb, c, grads)
+    stage.last.update(_grads_done(b) if b.weights else b.last)
 
 
 def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Event]], micro_batches: int,
@@ -269,6 +382,7 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
     (Megatron's `TransformerModelChunkSchedulePlan.run`, the module docstring)."""
     (_, fmb, fc), (_, bmb, bc) = fwd, bwd
     f, b = _Pass(stage), _Pass(stage)
+    delay = stage.ctx.options.delay_wgrad_compute
     with f:  # the forward's input (its receive), its embedding
         stage.forward_start(fmb, fc)
     with b:  # the backward's output gradient (its receive), its head's backward
@@ -278,33 +392,38 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
     forward, backward = stage.chunk_list[fc], stage.chunk_list[bc][::-1]
     paired = min(len(forward), len(backward))
     for kf, kb in zip(forward[:paired], backward[:paired]):
-        _layer_pair(stage, f, kf, b, kb, needed, fmb, bmb)
-        with b:
-            stage.backward_layer_done(bmb, kb, micro_batches, syncs)
+        first = delay and kb == backward[-1]
+        _layer_pair(stage, f, kf, b, kb, needed, fmb, bmb, first=first)
+        if not first:
+            _layer_done(stage, b, bmb, kb, micro_batches, syncs)
     # chunks of unequal sizes: the backward's layers left, then the forward's. Megatron runs each
     # left backward layer as a pair without a forward (`TransformerLayerSchedulePlan.run(None,
     # b_layer)`), so under delay_wgrad_compute in the delayed order, as `_backward_alone`
     for kb in backward[paired:]:
-        if stage.ctx.options.delay_wgrad_compute:
-            _delayed_backward_layer(stage, b, bmb, kb, micro_batches, syncs)
+        if delay:
+            _delayed_backward_layer(stage, b, bmb, kb, micro_batches, syncs, first=kb == backward[-1])
         else:
             with b:
                 stage.backward_layer(bmb, kb, micro_batches, syncs)
     with f:
         for kf in forward[paired:]:
             stage.forward_layer(fmb, kf, needed)
+    if delay and backward:  # the first layer's attention weight gradients: after the sends (on their streams)
+        _first_layer_weights(stage, b, bmb, backward[-1], micro_batches, syncs)
     # the sends first (post_forward, post_backward), then the head's forward and the embedding's
     # gradient: each end is a send or a compute (`_Stage.forward_end` / `backward_end`), never both
     f_sends, b_sends = not stage.virtual(fc)[1], stage.virtual(bc)[0] > 0
+    grads = _grads_done(b) if b.weights else None  # the reductions the schedule launches wait for them
     for sends in (True, False):
         if f_sends == sends:
             with f:
                 stage.forward_end(fmb, fc)
         if b_sends == sends:
             with b:
-                stage.backward_end(bmb, bc)
+                stage.backward_end(bmb, bc, grads)
+    done = _grads_done(b) if b.weights else b.last  # the next step's nodes wait on the compute stream
     for r in stage.ranks:  # the next step starts once both passes are issued and done
-        stage.last[r] = stage.eng.env.all_of([f.last[r], b.last[r]])
+        stage.last[r] = stage.eng.env.all_of([f.last[r], done[r]])
 
 
 def run_combined(stage: _Stage, micro_batches: int, needed: dict[int, list[simpy.Event]],

@@ -753,13 +753,20 @@ class _Stage:
         if mb == micro_batches - 1 and self.ctx.options.overlap_grad_reduce and not self.aligned:
             syncs += self.grad_syncs(self.ctx.work.layer_ids[k])
 
-    def backward_end(self, mb: int, c: int) -> None:
+    def backward_end(self, mb: int, c: int, grads: dict[int, simpy.Event] | None = None) -> None:
         """After chunk `c`'s first layer: the embedding's gradient, the gradient reductions the
-        schedule launches there (`aligned`), the send to the stage before."""
+        schedule launches there (`aligned`), the send to the stage before. `grads`: when the
+        weight gradients finish where later than `last` (delay_wgrad_compute's deferred GEMMs,
+        sim.ep_overlap): the reductions wait for them, the send does not."""
         v, _ = self.virtual(c)
         if v == 0 and self.ctx.work.embed_backward_s:
             self.compute(f"mb{mb} bwd embedding", self.ctx.work.embed_backward_s)
-        if self.aligned:
+        if self.aligned and grads is not None:
+            data = dict(self.last)
+            self.wait_each(grads)
+            self.aligned_launch(mb, c)
+            self.last.update(data)
+        elif self.aligned:
             self.aligned_launch(mb, c)
         if v > 0:
             pp = len(self.all_ranks)

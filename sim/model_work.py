@@ -126,6 +126,10 @@ class Block:
     # re-gather beside the data-gradient GEMM and the data gradient's reduce-scatter beside the
     # weight-gradient GEMM (sim.iteration._Stage.nccl_block)
     last_wgrad_s: float = 0.0
+    # of `first_s`, a backward block's row-parallel weight-gradient GEMMs (the rest, their
+    # data-gradient GEMMs): with `last_wgrad_s`, what Transformer Engine stashes under Megatron's
+    # delay_wgrad_compute and Megatron runs in the node's `backward_dw` (sim.ep_overlap)
+    first_wgrad_s: float = 0.0
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -373,7 +377,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
             bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
-                        gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")), **ring_b)
+                        gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")),
+                        first_wgrad_s=run(gemm_kernels(row, True, "wgrad")), **ring_b)
             if rerun:
                 bwd = rerun_forward(fwd, bwd, tp)
             fwd_blocks.append(fwd)

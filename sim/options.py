@@ -80,8 +80,8 @@ class RunOptions:
     overlap_moe_expert_parallel_comm: bool = False
     # Megatron's delay_wgrad_compute (--delay-wgrad-compute, Megatron-Bridge's CommOverlapConfig;
     # default off; only with the overlap above, as Megatron asserts): in the combined schedule the
-    # experts' weight-gradient GEMMs run after the backward's dispatch gradient is issued, under it
-    # (sim.ep_overlap)
+    # experts' weight-gradient GEMMs run after the backward's dispatch gradient is issued, under it,
+    # the attention's at the end of the layer pair (sim.ep_overlap)
     delay_wgrad_compute: bool = False
 
     def check(self) -> None:

@@ -127,7 +127,8 @@ class PublishedRun:
     # the combined 1F1B schedule); True needs `recipe_source`
     overlap_moe_expert_parallel_comm: bool = False
     # Megatron's delay_wgrad_compute as the recipe ran it (`RunOptions`, sim.ep_overlap: the experts'
-    # weight gradients under the dispatch gradient); True needs the overlap and `recipe_source`
+    # weight gradients under the dispatch gradient, the attention's at the pair's end); True needs
+    # the overlap and `recipe_source`
     delay_wgrad_compute: bool = False
     # Transformer Engine's TP communication overlap as the recipe sets it (`RunOptions.tp_comm_overlap`);
     # None: not stated, NVIDIA's recipe default (on)
@@ -381,7 +382,8 @@ class PublishedReport:
                 "overlap_moe_expert_parallel_comm": "Megatron's EP all-to-all overlap as the recipe ran it (the "
                                                     "combined 1F1B schedule, sim.ep_overlap), with recipe_source",
                 "delay_wgrad_compute": "Megatron's delay_wgrad_compute as the recipe ran it (with the overlap: the "
-                                       "experts' weight gradients under the dispatch gradient), with recipe_source",
+                                       "experts' weight gradients under the dispatch gradient, the attention's at "
+                                       "the layer pair's end), with recipe_source",
                 "tp_comm_overlap": "Transformer Engine's TP communication overlap as the recipe sets it, with "
                                    "recipe_source; null: not stated, on (NVIDIA's recipe default)",
                 "cross_entropy_loss_fusion": "Megatron's fused cross-entropy as the recipe sets it, with "

@@ -437,13 +437,22 @@ def test_row_setting_is_checked():
 # --- delay_wgrad_compute ------------------------------------------------------------------------
 
 
+def _compute_s(r, rank: int = 0) -> float:
+    """The seconds of phase A's compute kernels on `rank` (summed, not their union)."""
+    return sum(s.end - s.start for s in r.spans if s.rank == rank and s.stream == "compute" and s.phase == "A")
+
+
 def test_delayed_weight_gradients_run_under_the_dispatch_gradient(monkeypatch):
     """Megatron's delay_wgrad_compute in a layer pair (compute-bound, no SMs taken): the backward's
     experts compute their data gradients, the dispatch gradient leaves the moment they end, and
     the experts' weight-gradient GEMMs (`Block.wgrad_s`) run on the compute stream under it, before
-    the forward's experts. The compute is the same work split in two; the combined steps hide
-    every all-to-all either way, and the last backward, run alone, now hides each layer's dispatch
-    gradient under its weight gradients: the iteration is L x one all-to-all shorter."""
+    the forward's experts; the attention's weight-gradient GEMMs (every TE linear module defers its
+    own) run at the end of the pair, after its data gradients (`TransformerLayerSchedulePlan.run`:
+    `b_layer.attn.backward_dw()` last), and the next layer's combine gradient leaves under them.
+    The compute is the same work split apart; the combined steps hide every all-to-all either way,
+    and the last backward, run alone, now hides each layer's dispatch gradient under its experts'
+    weight gradients and each layer's combine gradient but the first under the layer before's
+    attention weight gradients: the iteration is (2 L - 1) x one all-to-all shorter."""
     _no_comm_sms(monkeypatch)
     plain = _run(True)
     delayed = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
@@ -452,16 +461,41 @@ def test_delayed_weight_gradients_run_under_the_dispatch_gradient(monkeypatch):
                    key=lambda s: s.start)
     compute = [s for s in spans if s.stream == "compute"]
     assert [s.name for s in compute] == ["mb2 fwd layer 1.0", "mb1 bwd layer 2.experts", "mb1 bwd layer 2.experts wgrad",
-                                         "mb2 fwd layer 1.experts", "mb1 bwd layer 2.0"]
+                                         "mb2 fwd layer 1.experts", "mb1 bwd layer 2.0",
+                                         "mb1 bwd layer 2.0 delayed wgrad"]
     data, weights = compute[1], compute[2]
     gradient = next(s for s in spans if s.name == "mb1 bwd layer 2.experts combine")  # the dispatch gradient
     assert gradient.start == pytest.approx(data.end, abs=1e-12) and gradient.end < weights.end
     whole = next(s for s in plain.spans if s.rank == 0 and s.name == "mb1 bwd layer 2.experts")
     assert 0 < weights.end - weights.start < whole.end - whole.start
     assert (data.end - data.start) + (weights.end - weights.start) == pytest.approx(whole.end - whole.start, rel=1e-12)
+    attn, attn_w = compute[4], compute[5]
+    attn_whole = next(s for s in plain.spans if s.rank == 0 and s.name == "mb1 bwd layer 2.0")
+    assert attn_w.start == pytest.approx(attn.end, abs=1e-12)
+    assert (attn.end - attn.start) + (attn_w.end - attn_w.start) == pytest.approx(
+        attn_whole.end - attn_whole.start, rel=1e-12)
+    # the last backward, alone: the next layer's combine gradient leaves when the attention's data
+    # gradients end, under its weight gradients
+    for k in range(LAYERS - 1, 0, -1):
+        attn = next(s for s in delayed.spans if s.rank == 0 and s.name == f"mb3 bwd layer {k}.0")
+        attn_w = next(s for s in delayed.spans if s.rank == 0 and s.name == f"mb3 bwd layer {k}.0 delayed wgrad")
+        nxt = next(s for s in delayed.spans if s.rank == 0 and s.name == f"mb3 bwd layer {k - 1}.experts dispatch")
+        assert nxt.start == pytest.approx(attn.end, abs=1e-12) and nxt.end < attn_w.end
     c = gradient.end - gradient.start
     assert c == pytest.approx(_all_to_all_s(), rel=1e-12) and c < weights.end - weights.start
-    assert plain.iteration_time_s - delayed.iteration_time_s == pytest.approx(LAYERS * c, rel=1e-9)
+    assert _compute_s(delayed) == pytest.approx(_compute_s(plain), rel=1e-12)  # the same work
+    assert plain.iteration_time_s - delayed.iteration_time_s == pytest.approx((2 * LAYERS - 1) * c, rel=1e-9)
+
+
+def test_delayed_weight_gradients_are_reduced_after_they_run(monkeypatch):
+    """The last micro-batch's gradient reductions (--overlap-grad-reduce, by the backward hooks at
+    PP 1) wait for the weight gradients the layers deferred, the attention's included: the
+    reduction that the first layer completes starts when that layer's delayed GEMMs end."""
+    _no_comm_sms(monkeypatch)
+    r = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    last = next(s for s in r.spans if s.rank == 0 and s.name == "mb3 bwd layer 0.0 delayed wgrad")
+    syncs = [s for s in r.spans if s.rank == 0 and s.phase == "A" and "grad sync" in s.name]
+    assert syncs and min(s.start for s in syncs) >= last.end - 1e-15
 
 
 def test_delayed_weight_gradients_alone_and_interleaved(monkeypatch):
@@ -532,3 +566,95 @@ def test_delayed_weight_gradients_in_a_steps_left_backward_layers():
     for s in (s for s in r.spans if s.stream == "compute" and s.name.endswith(".experts") and " bwd " in s.name):
         gradient = next(g for g in r.spans if g.rank == s.rank and g.name == f"{s.name} combine")
         assert gradient.start == pytest.approx(s.end, abs=1e-12), s.name
+
+
+def _spans_named(r, rank: int, prefix: str):
+    return sorted((s for s in r.spans if s.rank == rank and s.phase == "A" and s.name.startswith(prefix)),
+                  key=lambda s: s.start)
+
+
+def _overlaps(span, others) -> float:
+    return sum(max(0.0, min(span.end, o.end) - max(span.start, o.start)) for o in others)
+
+
+def test_delayed_attention_weight_gradients_leave_the_reduce_scatter_exposed(monkeypatch):
+    """TP 2 without userbuffers: Transformer Engine runs the column module's data-gradient
+    reduce-scatter beside its weight-gradient GEMM (`_Stage.nccl_block`); under delay_wgrad_compute
+    that GEMM is stashed in TE's `wgrad_store`, so the reduce-scatter has nothing beside it on the
+    compute stream (the norm's backward waits for it) and the attention's delayed weight gradients,
+    the row and the column module's, run after it. The compute is the same work."""
+    _no_comm_sms(monkeypatch)
+    options = dict(overlap_moe_expert_parallel_comm=True, tp_comm_overlap=False)
+    plain = _run(True, tp=2, ep=4, options=RunOptions(**options))
+    delayed = _run(True, tp=2, ep=4, options=RunOptions(**options, delay_wgrad_compute=True))
+    for r, delay in ((plain, False), (delayed, True)):
+        spans = _spans_named(r, 0, "mb1 bwd layer 2.0")
+        compute = [s for s in spans if s.stream == "compute"]
+        scatter = next(s for s in spans if s.name.endswith(" reduce-scatter"))
+        beside = _overlaps(scatter, [s for s in r.spans if s.rank == 0 and s.stream == "compute"])
+        if delay:
+            assert beside == 0.0
+            assert compute[-1].name == "mb1 bwd layer 2.0 delayed wgrad"
+            assert compute[-1].start == pytest.approx(scatter.end, abs=1e-12)
+        else:
+            assert beside == pytest.approx(scatter.end - scatter.start, rel=1e-12)
+            assert not any(s.name.endswith("delayed wgrad") for s in compute)
+    whole = _spans_named(plain, 0, "mb1 bwd layer 2.0")
+    parts = _spans_named(delayed, 0, "mb1 bwd layer 2.0")
+    seconds = [sum(s.end - s.start for s in x if s.stream == "compute") for x in (whole, parts)]
+    assert seconds[1] == pytest.approx(seconds[0], rel=1e-12)
+    first = [next(s for s in x if s.name.endswith(" first")) for x in (whole, parts)]
+    assert first[1].end - first[1].start < first[0].end - first[0].start  # the row module's wgrad left
+    assert _compute_s(delayed) == pytest.approx(_compute_s(plain), rel=1e-12)
+
+
+def test_userbuffers_keep_the_attention_weight_gradients_in_place():
+    """Transformer Engine refuses a delayed weight gradient beside userbuffers' bulk overlap
+    (NotImplementedError): with tp_comm_overlap the attention blocks keep theirs in place; the
+    experts' (no TP collectives) are still delayed."""
+    r = _run(True, tp=2, ep=4, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    names = {s.name for s in r.spans if s.phase == "A"}
+    assert not any(n.endswith(".0 delayed wgrad") for n in names)
+    assert any(n.endswith("experts wgrad") for n in names)
+
+
+def test_the_chunks_first_attention_weight_gradients_run_beside_the_send(monkeypatch):
+    """Megatron runs the attention weight gradients of the backward chunk's first layer after the
+    step's sends ("Delay the last attn_dw in backward pass ... for overlapping with the p2p comm"),
+    before the head's forward: on stage 1 (every backward chunk sends its gradient back) each send
+    leaves when that layer's data gradients end, beside those GEMMs, and every micro-batch's every
+    layer's attention weight gradients run once."""
+    _no_comm_sms(monkeypatch)
+    r = _run_interleaved(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    delayed = sorted(s.name for s in r.spans if s.name.endswith(".0 delayed wgrad"))
+    assert delayed == sorted(f"mb{mb} bwd layer {k}.0 delayed wgrad" for mb in range(M) for k in range(8))
+    rank = GPUS  # stage 1: its chunk 0 holds layers 2 and 3, its chunk 1 layers 6 and 7
+    compute = [s for s in sorted(r.spans, key=lambda s: s.start) if s.rank == rank and s.stream == "compute"
+               and s.phase == "A"]
+    for mb in range(M):
+        for c, first in ((0, 2), (1, 6)):
+            send = next(s for s in r.spans if s.rank == rank and s.stream == "pp-comm 1->0"
+                        and s.name == f"mb{mb} chunk {c} send gradients")
+            attn = next(s for s in compute if s.name == f"mb{mb} bwd layer {first}.0")
+            dw = next(s for s in compute if s.name == f"mb{mb} bwd layer {first}.0 delayed wgrad")
+            assert send.start == pytest.approx(attn.end, abs=1e-12)
+            assert dw.start == pytest.approx(attn.end, abs=1e-12) and send.start < dw.end
+            after = compute[compute.index(dw) + 1:]
+            if after and after[0].name.endswith("fwd head"):
+                assert after[0].start >= dw.end - 1e-15
+
+
+def test_a_dense_layers_mlp_weight_gradients_follow_its_data_gradients():
+    """A dense layer in a MoE model (`dense_layers`): its `mlp` node's TE modules defer their
+    weight gradients too, which Megatron's pair runs at `mlp_bwd_dw`, right after the node's data
+    gradients (its dispatch gradient is a no-op node); the chunk's first layer's attention ones run
+    after the layers (no send at PP 1), before the forward's head and the embedding's gradient."""
+    dense = replace(SMALL, dense_layers=(0,))
+    cfg, _ = _cfg(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    r = simulate(cfg, model=(build_decoder(dense), dense.architecture()))
+    names = [s.name for s in sorted((s for s in r.spans if s.rank == 0 and s.stream == "compute" and s.phase == "A"),
+                                    key=lambda s: s.start)]
+    i = names.index("mb1 bwd layer 0.1")
+    assert names[i - 1:i + 6] == ["mb2 fwd layer 3.0", "mb1 bwd layer 0.1", "mb1 bwd layer 0.1 delayed wgrad",
+                                  "mb2 fwd layer 3.experts", "mb1 bwd layer 0.0", "mb1 bwd layer 0.0 delayed wgrad",
+                                  "mb2 fwd head"]
