@@ -16,7 +16,7 @@ from sim.published_search import (
     rank_run,
     summary,
 )
-from sim.search import candidates, config_of, search
+from sim.search import candidates, config_of, search, space_of
 
 
 def _run(**changes) -> published.PublishedRun:
@@ -90,16 +90,17 @@ def test_published_layouts_are_in_the_search_space():
     runs, _ = published.load()
     expressible = [r for r in runs if not r.needs()]
     assert expressible
-    for run in (r for r in expressible if r.fsdp):  # simulated, not searched: said so
-        assert outside_space(question_of(run), layout_of(run)).startswith("FSDP layouts are not searched")
-    for run in (r for r in expressible if not r.fsdp):
+    assert any(r.fsdp for r in expressible)  # FSDP rows are asked among FSDP layouts (FSDP_SPACE)
+    for run in expressible:
         q = question_of(run)
         layout = layout_of(run)
+        assert q.fsdp == run.fsdp, run.id
         if not run.pipeline_split.even:  # Qwen3-235B-A22B's embedding and loss counted as layers: said so
             assert outside_space(q, layout).startswith("uneven pipeline splits are not searched"), run.id
         else:
             assert outside_space(q, layout) == "", run.id
-            assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+            keys = space_of(q).layout_keys
+            assert any(all(c[k] == layout[k] for k in (*keys, "dp") if k != "recompute")
                        for c in candidates(q)), run.id
         # the search's configuration of the layout is the row's, but for the split it does not search
         assert replace(config_of(q, layout_of(run)), pipeline_split=run.pipeline_split) == run.sim_config(), run.id
