@@ -87,7 +87,8 @@ def outside_space(q: Question, layout: dict[str, Any]) -> str:
     """Why `layout` is not among the search's candidates ("" when it is): the first axis whose
     generator does not offer its value given the axes before it."""
     if bool(layout.get("fsdp")) != q.fsdp:
-        return f"an {'FSDP' if layout.get('fsdp') else 'ZeRO-1'} layout is not searched by this question"
+        return (f"{'FSDP' if layout.get('fsdp') else 'ZeRO-1'} layouts are not searched by this question "
+                f"(searched: {space_of(q).name})")
     if not layout.get("pipeline_split", EVEN_SPLIT).even:
         return "uneven pipeline splits are not searched (the search cuts the layers evenly over the chunks)"
     method = layout.get("recompute_method")

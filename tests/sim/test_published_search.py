@@ -106,6 +106,44 @@ def test_published_layouts_are_in_the_search_space():
         assert replace(config_of(q, layout_of(run)), pipeline_split=run.pipeline_split) == run.sim_config(), run.id
 
 
+def test_a_rows_recompute_method_is_its_published_layouts():
+    """A row run with Megatron's recompute method is simulated with it, as `canzona validate
+    --published` simulates it: the layout carries the method, not the search's every-layer full
+    recompute. Block is in the search's space (it tries the block method); uniform is not."""
+    every = _run(recompute="full", tp=1, pp=2, micro_batch=1)
+    block = replace(every, recompute_method="block", recompute_num_layers=2)
+    q = question_of(block)
+    assert layout_of(every).get("recompute_method") is None
+    assert (layout_of(block)["recompute_method"], layout_of(block)["recompute_num_layers"]) == ("block", 2)
+    cfg = config_of(q, layout_of(block))
+    assert cfg == block.sim_config() and cfg.options.recompute_method == "block"
+    # the first two of a stage's 14 layers checkpointed: less recompute than every layer's
+    assert rank_run(block, workers=1).published_s < rank_run(every, workers=1).published_s
+    assert outside_space(q, layout_of(block)) == ""
+    uniform = replace(every, recompute_method="uniform", recompute_num_layers=1)
+    assert outside_space(question_of(uniform), layout_of(uniform)).startswith("recompute method uniform")
+
+
+def test_fsdp_rows_are_ranked_among_fsdp_layouts():
+    """An FSDP run is asked among FSDP layouts (`FSDP_SPACE`): its layout, HSDP replicas and
+    reshard setting included, is a candidate, and its rank agrees with the exhaustive search."""
+    run = _run(fsdp=True, tp=2, reshard_after_forward=False, optimizer="muon")
+    q = question_of(run)
+    assert q.fsdp and space_of(q).name == "fsdp"
+    layout = layout_of(run)
+    assert (layout["hsdp_replicate"], layout["reshard_after_forward"]) == (1, False)
+    assert outside_space(q, layout) == "" and config_of(q, layout) == run.sim_config()
+    r = rank_run(run, workers=1)
+    full = search(q, top=10**6, refine_top=0, workers=1)
+    keys = space_of(q).layout_keys
+    faster = [row for row in full.ranked if row["iteration_time_s"] < r.published_s
+              and tuple(row[k] for k in keys) != tuple(layout[k] for k in keys)]
+    assert r.rank == 1 + len(faster) or (r.rank is None and r.rank_at_least <= 1 + len(faster))
+    assert r.best["iteration_time_s"] == full.ranked[0]["iteration_time_s"] and r.best["fsdp"]
+    assert r.to_dict()["best_layout"].startswith("FSDP ")
+    assert outside_space(q, {**layout, "fsdp": False}).startswith("ZeRO-1 layouts are not searched")
+
+
 def test_outside_the_space_says_why():
     run = _run(micro_batch=16, global_batch=64, gpus=2, tp=1)  # micro-batches above MAX_MICRO_BATCH: not searched
     assert "micro_batch 16" in outside_space(question_of(run), layout_of(run))
