@@ -25,7 +25,12 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
-from canzona.recompute import RECOMPUTE_MODES, check_recompute, check_recompute_method, recompute_label
+from canzona.recompute import (
+    RECOMPUTE_MODES,
+    check_recompute,
+    check_recompute_method,
+    recompute_label,
+)
 from canzona.spec import DTYPE_BYTES
 from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.eager_kernels import FUSED, KERNEL_MODES

@@ -30,8 +30,8 @@ from typing import Any
 
 from canzona.errors import SpecError
 from canzona.pipeline import EVEN_SPLIT
-from sim.published import PublishedRun, RowResult
 from canzona.recompute import BLOCK
+from sim.published import PublishedRun, RowResult
 from sim.search import (
     RECOMPUTE_AXIS,
     ZERO1_SPACE,

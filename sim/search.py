@@ -61,12 +61,27 @@ from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
-from sim.fsdp import FSDP_RECOMPUTE_MODES, fsdp_memory_floor, fsdp_micro_batch_work
+from sim.fsdp import (
+    FSDP_RECOMPUTE_MODES,
+    ROOT,
+    copy_seconds,
+    fsdp_memory_floor,
+    fsdp_micro_batch_work,
+    gathered_elements,
+    unit_elements,
+)
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions
-from sim.simulate import DENSE_FALLBACK, SimConfig, compared_policies, layer_dims, simulate, stage_work
+from sim.simulate import (
+    DENSE_FALLBACK,
+    SimConfig,
+    compared_policies,
+    layer_dims,
+    simulate,
+    stage_work,
+)
 from sim.topology import MAX_GPUS, Cluster
 from sim.workload import Workload, grad_bytes_for
 
@@ -297,6 +312,7 @@ MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for seq
 MIN_CP_TOKENS = 4096
 MAX_MICRO_BATCH = 8  # sequences per micro-batch
 RECOMPUTE_AXIS = "recompute"
+
 
 def _zero1_policies(optimizer: str) -> list[str]:
     """The optimizer's default step policy first, then every other that runs it but those its
@@ -856,8 +872,6 @@ def fsdp_time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile
     forward, its backward's, and its copy-in before each reduce-scatter (`sim.fsdp.copy_seconds`).
     Every FSDP all-gather, reduce-scatter and all-reduce, and the optimizer step, count as free;
     every kernel at the simulator's factor for the slowest GPU (`stretch`)."""
-    from sim.fsdp import ROOT, copy_seconds, gathered_elements, unit_elements
-
     spec, arch = model
     cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
     work = fsdp_micro_batch_work(cfg, model, cluster, hw, rate, layer_dims(arch, spec).head_dim)
