@@ -723,13 +723,16 @@ def search(
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
     store_param_remainders: StoreParamRemainders = False,
     apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
+    kernels: Kernels = "fused", fsdp: Fsdp = False, fsdp_impl: FsdpImpl = "fsdp2",
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
-    policy and reduce-scatter on the best): prune by the simulator's checks and memory, simulate the rest in
-    parallel, print the fastest that fit and the canzona plan command of the best."""
+    policy and reduce-scatter on the best; with --fsdp FSDP2 / HSDP layouts: TP, EP, HSDP replicas,
+    reshard_after_forward, micro-batch, recompute, then the FSDP step policies): prune by the simulator's checks
+    and memory, simulate the rest in parallel, print the fastest that fit and the canzona plan command of the best
+    (under --fsdp, which has no plan file, what the launcher sets)."""
     import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -755,7 +758,8 @@ def search(
                             cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,
                             store_param_remainders=store_param_remainders,
-                            apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion)
+                            apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion,
+                            kernels=kernels, fsdp=fsdp, fsdp_impl=fsdp_impl)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
@@ -776,7 +780,13 @@ def search(
         return
     console.print(search_table(result, top))
     best = result.ranked[0]
-    console.print(f"best: {plan_command(question, best)}")
+    command = plan_command(question, best)
+    if command is None:  # an FSDP layout: no plan file (canzona plan plans ZeRO-1 layouts)
+        console.print("best: no plan file (canzona plan plans ZeRO-1 layouts; canzona's FSDP optimizer places its "
+                      "owners when it is built)")
+        console.print(f"  set in the launcher: {'; '.join(not_in_plan(best))}")
+        return
+    console.print(f"best: {command}")
     missing = not_in_plan(best)
     if missing:
         console.print(f"  set in the launcher, not in the plan file: {'; '.join(missing)}")

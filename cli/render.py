@@ -492,13 +492,17 @@ def search_table(result, top: int) -> Table:
     q, s = result.question, result.to_dict(top)
     searched = s["searched"]
     t = Table(title=f"{q.model} on {q.gpus} x {q.hardware}, {q.optimizer}, seq {q.seq_len}, global batch "
-                    f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} layouts that fit "
+                    f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} "
+                    f"{'FSDP ' if q.fsdp else ''}layouts that fit "
                     f"({searched['candidates']} candidates, {searched['pruned_by_checks']} refused by the "
                     f"simulator's checks, {searched['pruned_by_memory']} by the memory floor, {searched['pruned_by_bound']} by the "
-                    f"time floor, {searched['pruned_as_ties']} reduce-scatters as ties, "
+                    f"time floor, {'' if q.fsdp else str(searched['pruned_as_ties']) + ' reduce-scatters as ties, '}"
                     f"{searched['simulated']} simulated on {searched['workers']} workers in "
                     f"{searched['wall_s']:.1f} s)")
-    for name, justify in (("#", "right"), ("layout", "left"), ("step policy", "left"), ("reduce-scatter", "left"),
+    # FSDP layouts (`--fsdp`): HSDP's replicas and FSDP2's reshard_after_forward in place of the
+    # distributed optimizer's reduce-scatter, which they do not have
+    layout_columns = (("HSDP R", "right"), ("reshard", "left")) if q.fsdp else (("reduce-scatter", "left"),)
+    for name, justify in (("#", "right"), ("layout", "left"), ("step policy", "left"), *layout_columns,
                           ("iter ms", "right"), ("MFU", "right"), ("GB/GPU", "right"), ("free GB", "right"),
                           ("opt ms", "right")):
         t.add_column(name, justify=justify, no_wrap=name != "step policy")
@@ -507,7 +511,9 @@ def search_table(result, top: int) -> Table:
         # what the fullest GPU leaves of the capacity beside the memory model's allowance (docs/design.md
         # §7.1): a layout with little free rests on that allowance, an assumption, to run at all
         free = (row["memory_capacity_bytes"] - row["memory_bytes"]) / 1e9
-        t.add_row(str(row["rank"]), describe(row), policy, row["reduce_scatter"], _ms(row["iteration_time_s"]),
+        fields = (str(row["hsdp_replicate"]), "after forward" if row["reshard_after_forward"] else "no") if q.fsdp \
+            else (row["reduce_scatter"],)
+        t.add_row(str(row["rank"]), describe(row), policy, *fields, _ms(row["iteration_time_s"]),
                   f"{row['mfu'] * 100:.1f}%", f"{row['memory_bytes'] / 1e9:.1f}", f"{free:.1f}",
                   _ms(row["optimizer_step_s"]))
     if len(s["layouts"]) > searched["exact_top"]:

@@ -70,7 +70,7 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import Plan, plan_for
-from canzona.recompute import inside_layers
+from canzona.recompute import RECOMPUTE_MODES, inside_layers
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -82,14 +82,19 @@ from canzona.step_policies import (
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
-from sim.fp8 import FP8Setup, fp8_setup
+from sim.fp8 import fp8_setup
 from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
 from sim.iteration import APPLY_PASSES
-from sim.model_work import Block, micro_batch_work
+from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.streams import DP_COMM, EP_COMM, TP_COMM
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
+# the activation recompute modes an FSDP layout is simulated with, least recompute first (the
+# search's FSDP recompute axis reads them here): every mode of `canzona.recompute`, each a
+# checkpoint policy of torch's non-reentrant checkpoint wrapper as torchtitan and NeMo AutoModel
+# apply them per decoder layer; Megatron's --recompute-method is not among them (`SimConfig.check`)
+FSDP_RECOMPUTE_MODES: tuple[str, ...] = RECOMPUTE_MODES
 
 
 def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
@@ -130,11 +135,88 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
                             "--routing prices the random routing)")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
+    if cfg.options.recompute not in FSDP_RECOMPUTE_MODES:
+        raise SpecError(f"--fsdp runs --recompute {' / '.join(FSDP_RECOMPUTE_MODES)}, got {cfg.options.recompute!r}")
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard
+
+
+# --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------
+
+
+def unit_elements(spec: ModelSpec, tp: int, ep: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Each FSDP unit's elements on one TP rank (TP-sharded parameters' 1 / T): what FSDP shards
+    over S; under EP its experts apart: an EP rank's experts / ep of each stack, FSDP'd over the
+    EDP group. Keyed by unit (`ROOT` or the decoder layer)."""
+    local: dict[int, int] = {}
+    expert_local: dict[int, int] = {}
+    for p in spec.params:
+        key = ROOT if p.layer is None else p.layer
+        local.setdefault(key, 0)
+        expert_local.setdefault(key, 0)
+        if ep > 1 and p.role is Role.EXPERT:
+            expert_local[key] += p.numel // ep
+        else:
+            local[key] += p.local_numel(tp)
+    return local, expert_local
+
+
+def gathered_elements(local: dict[int, int], expert_local: dict[int, int], edp: int) -> dict[int, int]:
+    """Each unit's elements one all-gather unshards: its experts' too where they are FSDP'd (EDP >
+    1; at EDP 1 they stay whole in place, their gradients the persistent ones)."""
+    return {k: local[k] + (expert_local[k] if edp > 1 else 0) for k in local}
+
+
+def in_flight_bytes(gathered: dict[int, int], reshard_after_forward: bool, param_bytes: int, grad_bytes: int) -> int:
+    """The transient bytes beside the activations: with reshard after forward at most two units
+    gathered (the prefetch); without it every unit's gathered parameters are held from its forward
+    to its backward, all of them at the backward's start; beside the largest unit's unsharded
+    gradient."""
+    largest = max(gathered.values())
+    held = 2 * largest if reshard_after_forward else sum(gathered.values())
+    return held * param_bytes + largest * grad_bytes
+
+
+def copy_seconds(cfg, rate: DeviceRate, gathered: dict[int, int]) -> tuple[dict[int, float], dict[int, float]]:
+    """The implementation's copies on the compute stream (sim.fsdp_copies), per unit, before the
+    engine's slowdown: after each all-gather of its parameters (copy-out), and before each
+    reduce-scatter of its gradients (copy-in)."""
+    wl = cfg.workload
+
+    def seconds(nbytes: int, numel: int) -> float:
+        return rate.kernel_seconds(elementwise_kernel("fsdp copy", numel, 0.0, nbytes / numel)) \
+            if nbytes and numel else 0.0
+
+    out = {k: seconds(copy_out_bytes(cfg.fsdp_impl, n, wl.param_bytes), n) for k, n in gathered.items()}
+    into = {k: seconds(copy_in_bytes(cfg.fsdp_impl, n, wl.param_bytes, wl.grad_bytes), n) for k, n in gathered.items()}
+    return out, into
+
+
+def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
+                          rate: DeviceRate, head_dim: int) -> MicroBatchWork:
+    """One micro-batch's kernels on a rank of an FSDP layout (`micro_batch_work` at the layout's TP
+    and EP, the whole model). FP8 under FSDP: the weights are gathered again for every
+    micro-batch, so each is cast to FP8 for every micro-batch (no cache across them).
+    `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
+    spec, arch = model
+    wl = cfg.workload
+    o = cfg.options
+    fp8 = fp8_setup(wl, hw, cluster, spec)
+    # torchtitan's selective-layer: every K-th layer in a checkpoint wrapper (canzona.recompute)
+    inside = inside_layers(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option,
+                           cfg.chunks(arch.layers, 0))
+    return micro_batch_work(spec, cluster.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim,
+                            arch.hidden, arch.vocab, rate, recompute=o.recompute, checkpointed=inside,
+                            causal=wl.causal, dtype=wl.dtype, experts=arch.moe,
+                            ep=cfg.ep, kv_dim=arch.kv_dim, head_dim=head_dim,
+                            fp8=None if fp8 is None else replace(fp8, micro_batches=1),
+                            attention_backend=cfg.options.attention_backend,
+                            kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
+                            cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
+                            bias_activation_fusion=wl.bias_activation_fusion)
 
 
 class _FsdpRun:
@@ -158,16 +240,7 @@ class _FsdpRun:
             self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
                                                      cost_model_for(hw))
         self.units = fsdp_units(self.spec, self.matrices)
-        # each unit's elements on one TP rank (TP-sharded parameters' 1 / T): what FSDP shards over S;
-        # under EP its experts apart: an EP rank's experts / ep of each stack, FSDP'd over the EDP group
-        self.local: dict[int, int] = {u.key: 0 for u in self.units}
-        self.expert_local: dict[int, int] = {u.key: 0 for u in self.units}
-        for p in self.spec.params:
-            key = ROOT if p.layer is None else p.layer
-            if self.ep > 1 and p.role is Role.EXPERT:
-                self.expert_local[key] += p.numel // self.ep
-            else:
-                self.local[key] += p.local_numel(self.tp)
+        self.local, self.expert_local = unit_elements(self.spec, self.tp, self.ep)
         self.edp = cluster.dp * self.tp // self.ep  # the DP ranks outside EP, over which the experts are sharded
         if self.ep > 1:
             experts = cfg.expert_cluster(cluster)  # the GPUs in expert order: EP groups, EDP groups
@@ -180,17 +253,11 @@ class _FsdpRun:
         self.members = list(range(self.size))
         self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
-        # the implementation's copies on the compute stream (sim.fsdp_copies), per unit: after each
-        # all-gather of its parameters, and before each reduce-scatter of its gradients
-        gathered = {k: self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local}
-        self.copy_out_s = {k: self._copy_seconds(copy_out_bytes(cfg.fsdp_impl, n, self.wl.param_bytes), n)
-                           for k, n in gathered.items()}
-        self.copy_in_s = {k: self._copy_seconds(copy_in_bytes(cfg.fsdp_impl, n, self.wl.param_bytes,
-                                                              self.wl.grad_bytes), n) for k, n in gathered.items()}
+        self.copy_out_s, self.copy_in_s = copy_seconds(cfg, self.rate, self.gathered_elements())
 
-    def _copy_seconds(self, nbytes: int, numel: int) -> float:
-        return self.rate.kernel_seconds(elementwise_kernel("fsdp copy", numel, 0.0, nbytes / numel)) \
-            if nbytes and numel else 0.0
+    def gathered_elements(self) -> dict[int, int]:
+        """Each unit's elements one all-gather unshards (`gathered_elements`)."""
+        return gathered_elements(self.local, self.expert_local, self.edp)
 
     def piece(self, m: FsdpMatrix) -> int:
         """The elements of member's piece of `m`: 1 / (S x T) of a TP-sharded matrix, 1 / S of a
@@ -295,30 +362,12 @@ class _FsdpRun:
                     then(unit, last)
         return last
 
-    def _fp8(self) -> FP8Setup | None:
-        """FP8 under FSDP: the weights are gathered again for every micro-batch, so each is cast
-        to FP8 for every micro-batch (no cache across them)."""
-        fp8 = fp8_setup(self.wl, self.hw, self.cluster, self.spec)
-        return None if fp8 is None else replace(fp8, micro_batches=1)
-
     def phase_a(self, head_dim: int) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced.
         `head_dim`: the attention heads' dimension (`LayerDims.head_dim`), which the fused
         attention's efficiency depends on."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
-        o = cfg.options
-        # torchtitan's selective-layer: every K-th layer in a checkpoint wrapper (canzona.recompute)
-        inside = inside_layers(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option,
-                               cfg.chunks(self.arch.layers, 0))
-        work = micro_batch_work(self.spec, self.tp, wl.tokens_per_micro_batch, wl.seq_len, self.arch.q_dim,
-                                self.arch.hidden, self.arch.vocab, self.rate, recompute=cfg.options.recompute,
-                                checkpointed=inside,
-                                causal=wl.causal, dtype=wl.dtype, experts=self.arch.moe,
-                                ep=self.ep, kv_dim=self.arch.kv_dim, head_dim=head_dim,
-                                fp8=self._fp8(), attention_backend=cfg.options.attention_backend,
-                                kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
-                                cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
-                                bias_activation_fusion=wl.bias_activation_fusion)
+        work = fsdp_micro_batch_work(cfg, (self.spec, self.arch), self.cluster, self.hw, self.rate, head_dim)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
         act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
@@ -487,15 +536,7 @@ class _FsdpRun:
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
         kept = self._persistent(pb, gb, mb)
-        # a unit's gathered parameters and unsharded gradient: its experts' too where they are FSDP'd
-        # (EDP > 1; at EDP 1 they stay whole in place, their gradients the persistent ones)
-        unit = {k: self.local[k] + (self.expert_local[k] if self.edp > 1 else 0) for k in self.local}
-        largest = max(unit.values())
-        # reshard after forward: at most two units gathered (the prefetch); without it every unit's
-        # gathered parameters are held from its forward to its backward, all of them at the
-        # backward's start, beside the first unit's unsharded gradient
-        gathered = 2 * largest if self.cfg.reshard_after_forward else sum(unit.values())
-        in_flight = gathered * pb + largest * gb
+        in_flight = in_flight_bytes(self.gathered_elements(), self.cfg.reshard_after_forward, pb, gb)
         acts = activation_bytes(dims, setup, tp)
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
@@ -558,6 +599,36 @@ class _FsdpRun:
         return out
 
 
+def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims) -> int:
+    """A lower bound of the fullest GPU's bytes of an FSDP layout (`_FsdpRun.memory`), without its
+    plan or owners (for the search's pruning, `sim.search.memory_floor`): the fullest rank of the
+    exchange group holds at least the group's mean of each persistent term (its shards of the
+    TP-local elements, 1 / S of them with their gradients and masters, under EP its share of its EP
+    rank's experts; AdamW's moments of the elementwise parameters' shards; the matrix optimizer's
+    state, which the owners, or under gather-all every rank, hold: at least 1 / (S x T) of every
+    matrix's), the activations, the units in flight beside them (`in_flight_bytes`) and the
+    allowance on that transient peak (the step's buffers, which it may exceed, only add)."""
+    spec, arch = model
+    tp, ep = cfg.tp, cfg.ep
+    dp = cfg.gpus // tp
+    shard = dp // cfg.hsdp_replicate
+    edp = dp * tp // ep
+    setup = cfg.memory_setup(tp_mode=STEP_DEFAULTS.tp_mode)
+    pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
+    weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
+    local, expert_local = unit_elements(spec, tp, ep)
+    total = sum(local.values())
+    matrices = spec.matrix_params() if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
+    matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape)) for p in matrices) // (shard * tp)
+    elementwise = total - sum(p.local_numel(tp) for p in matrices)
+    experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's
+    persistent = ((total // shard + experts) * (weight_bytes + gb + mb) + matrix_state
+                  + state_bytes("adamw", (elementwise // shard + experts,)))
+    transient = activation_bytes(dims, setup, tp) + in_flight_bytes(
+        gathered_elements(local, expert_local, edp), cfg.reshard_after_forward, pb, gb)
+    return persistent + transient + setup.overhead(transient)
+
+
 def _label(unit: FsdpUnit) -> str:
     return "root" if unit.key == ROOT else f"layer {unit.key}"
 
@@ -599,4 +670,5 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
-__all__ = ["FSDP_POLICIES", "check_fsdp", "fsdp_policy", "simulate_fsdp"]
+__all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_memory_floor", "fsdp_micro_batch_work",
+           "fsdp_policy", "simulate_fsdp"]

@@ -25,7 +25,12 @@ from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
 from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
-from canzona.recompute import RECOMPUTE_MODES, check_recompute
+from canzona.recompute import (
+    RECOMPUTE_MODES,
+    check_recompute,
+    check_recompute_method,
+    recompute_label,
+)
 from canzona.spec import DTYPE_BYTES
 from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.eager_kernels import FUSED, KERNEL_MODES
@@ -147,6 +152,11 @@ class PublishedRun:
     # fields of those names, `sim.unfused_kernels`); None: not stated, simulated fused
     apply_rope_fusion: bool | None = None
     bias_activation_fusion: bool | None = None
+    # Megatron's --recompute-method / --recompute-num-layers as the recipe ran them under full
+    # recompute (`RunOptions`'s fields of these names, canzona.recompute: uniform groups or the first
+    # N layers of each model chunk); None: not stated, every layer checkpointed on its own
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -173,7 +183,7 @@ class PublishedRun:
         parts.append(f"{'FSDP' if self.fsdp else 'DP'}{self.dp}")
         parts.append(f"GBS {self.global_batch} MBS {self.micro_batch} seq {self.seq_len} {self.precision}")
         if self.recompute not in (None, "none"):
-            parts.append(f"recompute {self.recompute}")
+            parts.append(f"recompute {recompute_label(self.recompute, self.recompute_method, self.recompute_num_layers)}")
         return " ".join(parts)
 
     def needs(self) -> tuple[str, ...]:
@@ -205,6 +215,8 @@ class PublishedRun:
                          optimizer=self.optimizer, hardware=self.hardware, workload=wl, fsdp=self.fsdp,
                          fsdp_impl=self.fsdp_impl, reshard_after_forward=self.reshard_after_forward,
                          options=RunOptions(recompute=self.recompute or "none",
+                                            recompute_method=self.recompute_method,
+                                            recompute_num_layers=self.recompute_num_layers,
                                             attention_backend=self.attention_backend or DEFAULT_ATTENTION_BACKEND,
                                             ep_dispatcher=self.ep_dispatcher,
                                             overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
@@ -251,6 +263,8 @@ class RowResult:
             "global_batch": r.global_batch, "micro_batch": r.micro_batch, "seq_len": r.seq_len,
             "precision": r.precision, "fp8_recipe": r.fp8_recipe if r.precision == "fp8" else None,
             "optimizer": r.optimizer, "recompute": r.recompute,
+            **({"recompute_method": r.recompute_method, "recompute_num_layers": r.recompute_num_layers}
+               if r.recompute_method is not None else {}),
             "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
             "published_original": {"value": r.original_value, "unit": r.original_unit, "conversion": r.conversion},
             "expressible": self.expressible, "not_expressible": self.reason or None,
@@ -518,12 +532,20 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: delay_wgrad_compute must be true or false (true with "
                         f"overlap_moe_expert_parallel_comm only, as Megatron asserts), got {delay_wgrad!r}")
     tp_overlap = _optional_bool(raw, "tp_comm_overlap", where)
+    method = {k: raw.get(k) for k in ("recompute_method", "recompute_num_layers")}
+    try:  # Megatron's rules (both or neither, under full recompute); the layers' rule when simulated
+        check_recompute_method(recompute if recompute in SIM_RECOMPUTE else "none", method["recompute_method"],
+                               method["recompute_num_layers"])
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+    if method["recompute_method"] is not None and fsdp:
+        raise SpecError(f"{where}: recompute_method is Megatron's; an fsdp row's checkpoint wrappers take every layer")
     fusions = {k: _optional_bool(raw, k, where) for k in ("apply_rope_fusion", "bias_activation_fusion")}
     recipe_source = raw.get("recipe_source", "")
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                 *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
-                *fusions)
+                *fusions, *method)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -542,7 +564,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,
         overlap_moe_expert_parallel_comm=ep_overlap, delay_wgrad_compute=delay_wgrad, tp_comm_overlap=tp_overlap,
-        **dispatch, **fusions, **ints)
+        **dispatch, **fusions, **method, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

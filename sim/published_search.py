@@ -1,9 +1,10 @@
 """Where each published layout ranks among the layouts `canzona search` finds (docs/design.md §9.7).
 
 For a published run the simulator can express (`sim.published`), the search is asked the run's
-question (its model, GPUs, hardware profile, optimizer, sequence and global batch) and the
-published layout (TP, PP, VP, CP, EP, micro-batch, recompute) is simulated as the search would
-simulate it. The issue's criterion: the published layout is among the `TOP` fastest layouts found,
+question (its model, GPUs, hardware profile, optimizer, sequence and global batch, and whether it
+ran FSDP: an FSDP row is asked among the FSDP layouts, `sim.search.FSDP_SPACE`) and the published
+layout (TP, PP, VP, CP, EP, micro-batch, recompute with any Megatron recompute method; under FSDP
+HSDP's replicas and reshard_after_forward) is simulated as the search would simulate it. The issue's criterion: the published layout is among the `TOP` fastest layouts found,
 or within `WITHIN` of the best one.
 
 The rank is exact without simulating the whole space: the search is run with `also_below` set to
@@ -29,29 +30,30 @@ from typing import Any
 
 from canzona.errors import SpecError
 from canzona.pipeline import EVEN_SPLIT
+from canzona.recompute import BLOCK
 from sim.published import PublishedRun, RowResult
 from sim.search import (
-    LAYOUT_AXES,
     RECOMPUTE_AXIS,
+    ZERO1_SPACE,
     Question,
     _dp,
     config_of,
     describe,
     facts_of,
     search,
+    space_of,
 )
 from sim.simulate import simulate
 
 TOP = 5  # the issue's "among the top five found"
 WITHIN = 0.05  # ... "or within 5% of the best"
-LAYOUT_KEYS = tuple(a.name for a in LAYOUT_AXES)
 
 
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
     precision, gradient dtype, attention backend, fused kernels, loss path, master remainders, token
     dispatcher and EP all-to-all overlap (what `PublishedRun.sim_config` simulates it with; the overlap on every
-    layout that allows it)."""
+    layout that allows it), and for an FSDP row FSDP's layouts with its implementation."""
     cfg = run.sim_config()
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
@@ -63,26 +65,39 @@ def question_of(run: PublishedRun) -> Question:
                     overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm,
                     delay_wgrad_compute=run.delay_wgrad_compute, tp_comm_overlap=run.tp_comm_overlap is not False,
                     apply_rope_fusion=run.apply_rope_fusion is not False,
-                    bias_activation_fusion=run.bias_activation_fusion is not False)
+                    bias_activation_fusion=run.bias_activation_fusion is not False,
+                    kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes, fsdp=run.fsdp,
+                    fsdp_impl=cfg.fsdp_impl)
 
 
 def layout_of(run: PublishedRun) -> dict[str, Any]:
-    """The published layout in the search's terms (`sim.search.LAYOUT_AXES` and DP)."""
-    return {"tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "micro_batch": run.micro_batch,
-            RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp,
-            "pipeline_split": run.pipeline_split}
+    """The published layout in the search's terms (its space's axes and DP; under full recompute
+    Megatron's recompute method as the row ran it, `sim.search.METHOD_KEYS`)."""
+    out = {"tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "micro_batch": run.micro_batch,
+           RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp,
+           "pipeline_split": run.pipeline_split}
+    if run.fsdp:  # FSDP_SPACE's own axes: the published runs' are plain FSDP (no HSDP replicas)
+        out.update(hsdp_replicate=1, reshard_after_forward=run.reshard_after_forward)
+    if run.recompute_method is not None:
+        out.update(recompute_method=run.recompute_method, recompute_num_layers=run.recompute_num_layers)
+    return out
 
 
 def outside_space(q: Question, layout: dict[str, Any]) -> str:
     """Why `layout` is not among the search's candidates ("" when it is): the first axis whose
     generator does not offer its value given the axes before it."""
-    if layout.get("fsdp"):
-        return "FSDP layouts are not searched (the search explores Megatron's ZeRO-1 layouts)"
+    if bool(layout.get("fsdp")) != q.fsdp:
+        return (f"{'FSDP' if layout.get('fsdp') else 'ZeRO-1'} layouts are not searched by this question "
+                f"(searched: {space_of(q).name})")
     if not layout.get("pipeline_split", EVEN_SPLIT).even:
         return "uneven pipeline splits are not searched (the search cuts the layers evenly over the chunks)"
+    method = layout.get("recompute_method")
+    if method is not None and (method != BLOCK or space_of(q) is not ZERO1_SPACE or not q.search_recompute_layers):
+        return f"recompute method {method} is not searched (the search tries Megatron's block method, at the " \
+               "fewest layers that fit)"
     facts = facts_of(q)
     chosen: dict[str, Any] = {}
-    for axis in LAYOUT_AXES:
+    for axis in space_of(q).layout:
         values = list(axis.values(facts, chosen))
         if layout[axis.name] not in values:
             return f"{axis.name} {layout[axis.name]} is not searched here (searched: {values})"
@@ -92,8 +107,10 @@ def outside_space(q: Question, layout: dict[str, Any]) -> str:
     return ""
 
 
-def _key(row: dict[str, Any]) -> tuple:
-    return tuple(row[k] for k in LAYOUT_KEYS)
+def _key(row: dict[str, Any], q: Question) -> tuple:
+    """A layout's axes in `q`'s space (its recompute mode, not the method: the search's block-method
+    run of the published axes is the published layout's own)."""
+    return tuple(row[k] for k in space_of(q).layout_keys)
 
 
 @dataclass(frozen=True)
@@ -160,8 +177,8 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
         return LayoutRank(run, needs)
     q = question_of(run)
     layout = layout_of(run)
-    # what the search cannot express (FSDP, an uneven split) is simulated as the row runs
-    cfg = run.sim_config() if run.fsdp or not run.pipeline_split.even else config_of(q, layout)
+    # what the search cannot express (an uneven split) is simulated as the row runs
+    cfg = run.sim_config() if not run.pipeline_split.even else config_of(q, layout)
     if simulated is not None and simulated.iteration_s is not None and cfg == run.sim_config():
         t, fits = simulated.iteration_s, bool(simulated.fits)
     else:
@@ -181,7 +198,7 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
     # what the search simulated everything below (`search`'s final bound)
     kth = times[TOP - 1] if len(times) >= TOP else float("inf")
     reach = max(kth, min(t, (1 + WITHIN) * times[0]))
-    faster = sum(1 for row in fit if row["iteration_time_s"] < t and _key(row) != _key(layout))
+    faster = sum(1 for row in fit if row["iteration_time_s"] < t and _key(row, q) != _key(layout, q))
     exact = t <= reach
     return LayoutRank(run, (), outside, t, fits, fit[0], 1 + faster if exact else None,
                       None if exact else 1 + faster, searched)

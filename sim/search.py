@@ -3,7 +3,11 @@
 The space is data: `LAYOUT_AXES` (TP, PP, VP, CP, EP, micro-batch, recompute; DP follows from them)
 and `REFINE_AXES` (step policy, reduce-scatter implementation), each an `Axis` with its candidate
 generator and the `SimConfig` field it sets. A new simulator dimension (context parallelism) is
-one more entry.
+one more entry. Those are Megatron's ZeRO-1 layouts (`ZERO1_SPACE`); a question with `fsdp`
+searches FSDP2 / HSDP layouts instead (`FSDP_SPACE`: `FSDP_LAYOUT_AXES`, TP, EP, HSDP's replicas,
+reshard_after_forward, micro-batch, recompute, at PP = VP = CP = 1; `FSDP_REFINE_AXES`, the FSDP
+step policies), with the same steps; its floors are FSDP's own (`fsdp_time_floor`,
+`sim.fsdp.fsdp_memory_floor`).
 
 1. **Enumerate** every combination of the layout axes (`candidates`).
 2. **Prune** without simulating: the simulator's own checks (`SimConfig.check`: divisibility of
@@ -51,16 +55,33 @@ from canzona.reductions import (
     REDUCE_SCATTER_IMPLS,
     alike_impls,
 )
-from canzona.step_policies import STEP_POLICIES, default_policy, policies_running
+from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES, default_policy, policies_running
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
+from sim.fsdp import (
+    FSDP_RECOMPUTE_MODES,
+    ROOT,
+    copy_seconds,
+    fsdp_memory_floor,
+    fsdp_micro_batch_work,
+    gathered_elements,
+    unit_elements,
+)
+from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions
-from sim.simulate import DENSE_FALLBACK, SimConfig, layer_dims, simulate, stage_work
+from sim.simulate import (
+    DENSE_FALLBACK,
+    SimConfig,
+    compared_policies,
+    layer_dims,
+    simulate,
+    stage_work,
+)
 from sim.topology import MAX_GPUS, Cluster
 from sim.workload import Workload, grad_bytes_for
 
@@ -111,6 +132,15 @@ class Question:
     # Megatron's fused RoPE and SwiGLU (Workload's fields of these names): every layout is searched with them
     apply_rope_fusion: bool = Workload.apply_rope_fusion
     bias_activation_fusion: bool = Workload.bias_activation_fusion
+    # the layers' memory-bound kernels (Workload.kernels: fused, or eager as torchtitan runs with
+    # compile = false) and the loss's saved copy (Workload.loss_bytes: 2 where the loss does not
+    # upcast the bf16 logits, NeMo AutoModel's fp32_upcast false): every layout is searched with them
+    kernels: str = Workload.kernels
+    loss_bytes: int = Workload.loss_bytes
+    # `canzona simulate --fsdp`'s layouts (sim.fsdp: torch's fully_shard, composed with TP as
+    # torchtitan composes it) instead of Megatron's ZeRO-1 ones: the search's space is `FSDP_SPACE`
+    fsdp: bool = False
+    fsdp_impl: str = FSDP2  # under fsdp, which FSDP runs it (SimConfig.fsdp_impl): every layout with it
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
@@ -133,6 +163,7 @@ class Question:
                             "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute)")
         self.workload()  # its checks
         self._check_moe_settings()
+        self._check_space_settings()
         if self.precision == FP8:
             check_fp8_device(load_profile(self.hardware))
 
@@ -147,6 +178,23 @@ class Question:
             raise SpecError(f"{', '.join(moe_settings)}: for a mixture-of-experts model's token dispatch; "
                             f"{self.model!r} has no experts")
 
+    def _check_space_settings(self) -> None:
+        """Under --fsdp the settings of Megatron's ZeRO-1 layout (`MEGATRON_ONLY`) would change
+        nothing, or the simulator refuses them; without it FSDP's implementation changes nothing:
+        refused, one line, naming them."""
+        if not isinstance(self.fsdp, bool):
+            raise SpecError(f"fsdp must be True or False, got {self.fsdp!r}")
+        check_fsdp_impl(self.fsdp_impl)
+        if not self.fsdp:
+            if self.fsdp_impl != FSDP2:
+                raise SpecError(f"--fsdp-impl {self.fsdp_impl}: for an FSDP layout (it needs --fsdp)")
+            return
+        default = {f.name: f.default for f in fields(Question)}
+        named = [flag for name, flag in MEGATRON_ONLY if getattr(self, name) != default[name]]
+        if named:
+            raise SpecError(f"{', '.join(named)}: Megatron's (its ZeRO-1 layout's), not searched under --fsdp "
+                            "(torch's fully_shard with its checkpoint wrappers)")
+
     def workload(self) -> Workload:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
@@ -155,7 +203,18 @@ class Question:
                         cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
                         store_param_remainders=self.store_param_remainders,
-                        apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion)
+                        apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
+                        kernels=self.kernels, loss_bytes=self.loss_bytes)
+
+
+# the question's settings of Megatron's ZeRO-1 layout, refused under --fsdp (`Question`), with the
+# option that sets them: Megatron's recompute method (and the search's exploration of its block
+# method), its EP all-to-all overlap and the distributed optimizer's master remainders
+MEGATRON_ONLY = (("recompute_method", "--recompute-method"), ("recompute_num_layers", "--recompute-num-layers"),
+                 ("search_recompute_layers", "--no-search-recompute-layers"),
+                 ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
+                 ("delay_wgrad_compute", "--delay-wgrad-compute"),
+                 ("store_param_remainders", "--store-param-remainders"))
 
 
 @dataclass(frozen=True)
@@ -168,12 +227,13 @@ class Facts:
     gpus_per_node: int
     global_batch: int
     seq_len: int
+    optimizer: str  # the step policies that run it (the refinement's)
 
 
 def facts_of(q: Question) -> Facts:
     _, arch = resolve_model(q.model)
     return Facts(arch.layers, arch.moe[0] if arch.moe else 0, q.gpus, load_profile(q.hardware).node.gpus,
-                 q.global_batch, q.seq_len)
+                 q.global_batch, q.seq_len, q.optimizer)
 
 
 def divisors(n: int) -> list[int]:
@@ -222,8 +282,14 @@ def _dp(f: Facts, c: Layout) -> int:
 # x CP) is what is left. The layers are cut evenly (Megatron's default split): the search does not
 # explore canzona.pipeline.PipelineSplit's uneven splits (embedding / loss counted as layers, first /
 # last stage counts), which `canzona simulate` takes for one layout.
+TP_AXIS = Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0])
+EP_AXIS = Axis("ep", lambda f, c: [1] if not f.experts else
+               [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0])
+MICRO_BATCH_AXIS = Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
+                        [m for m in divisors(f.global_batch // _dp(f, c)) if m <= MAX_MICRO_BATCH],
+                        lambda kw, v: _workload(kw, micro_batch=v))
 LAYOUT_AXES: tuple[Axis, ...] = (
-    Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0]),
+    TP_AXIS,
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
     # VP: every divisor of a stage's layers, down to one layer a chunk (NeMo 24.07's Llama 2 13B /
     # 70B ran VP 10 / 20): the simulator prices each chunk boundary's point-to-point, so deep
@@ -234,11 +300,8 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("cp", lambda f, c: [1] if f.experts else
          [k for k in divisors(f.gpus // (c["tp"] * c["pp"]))
           if k <= MAX_CP and f.seq_len % (2 * k) == 0 and (k == 1 or f.seq_len // k >= MIN_CP_TOKENS)]),
-    Axis("ep", lambda f, c: [1] if not f.experts else
-         [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0]),
-    Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
-         [m for m in divisors(f.global_batch // _dp(f, c)) if m <= MAX_MICRO_BATCH],
-         lambda kw, v: _workload(kw, micro_batch=v)),
+    EP_AXIS,
+    MICRO_BATCH_AXIS,
     # ordered by cost: each mode only adds compute to the one before (the rounds of `search`)
     Axis("recompute", lambda f, c: RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
 )
@@ -250,18 +313,79 @@ MIN_CP_TOKENS = 4096
 MAX_MICRO_BATCH = 8  # sequences per micro-batch
 RECOMPUTE_AXIS = "recompute"
 
+
+def _zero1_policies(optimizer: str) -> list[str]:
+    """The optimizer's default step policy first, then every other that runs it but those its
+    fallback already simulates (`COVERED_BY_FALLBACK`)."""
+    own = default_policy(optimizer)
+    skip = COVERED_BY_FALLBACK.get(own, ())
+    return [own] + [p for p in policies_running(optimizer) if p != own and p not in skip]
+
+
+def _fsdp_policies(optimizer: str) -> list[str]:
+    """The FSDP layout's policies of the optimizer (`compared_policies` under fsdp: an elementwise
+    one's own only), its default first (SimConfig's resolution of none)."""
+    own = default_policy(optimizer)
+    return [own] + [p for p in compared_policies(optimizer, fsdp=True) if p != own]
+
+
 # tried on the best layouts, each value beside the defaults (the first of each)
 REFINE_AXES: tuple[Axis, ...] = (
-    Axis("policy", lambda f, c: ()),  # filled per question: `refine_values`
+    Axis("policy", lambda f, c: _zero1_policies(f.optimizer)),
     Axis("reduce_scatter", lambda f, c: REDUCE_SCATTER_IMPLS, lambda kw, v: _options(kw, reduce_scatter=v)),
 )
 
+# FSDP layouts (`canzona simulate --fsdp`, sim.fsdp): TP (the simulator allows it on dense models
+# only), EP (a MoE model's, as the ZeRO-1 space's), HSDP's replicas R (every divisor of DP; the
+# simulator keeps a shard group of at least 2 ranks, and no HSDP under EP), FSDP2's
+# reshard_after_forward, the micro-batch and the recompute modes the simulator runs under FSDP
+# (`sim.fsdp.FSDP_RECOMPUTE_MODES`, least first: the rounds of `search`); no pipeline, virtual
+# pipeline or context parallelism (one value each: the simulator runs FSDP at pp 1, cp 1). Which
+# combinations the simulator runs is its own checks' to say (`SimConfig.check`, `check_fsdp`).
+FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
+    TP_AXIS,
+    Axis("pp", lambda f, c: [1]),
+    Axis("vp", lambda f, c: [1]),
+    Axis("cp", lambda f, c: [1]),
+    EP_AXIS,
+    Axis("hsdp_replicate", lambda f, c: divisors(_dp(f, c))),
+    Axis("reshard_after_forward", lambda f, c: [True, False]),
+    MICRO_BATCH_AXIS,
+    Axis("recompute", lambda f, c: FSDP_RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
+)
+# the FSDP step policies (`canzona.step_policies.FSDP_POLICIES`); no reduce-scatter implementation
+# to choose (FSDP2 reduce-scatters each unit's gradients itself)
+FSDP_REFINE_AXES: tuple[Axis, ...] = (Axis("policy", lambda f, c: _fsdp_policies(f.optimizer)),)
+
+
+@dataclass(frozen=True)
+class Space:
+    """What one kind of layout searches: its layout axes (in order: each axis's values may depend
+    on those before it), its refinement axes, its recompute modes (least first: the search's
+    rounds) and the `SimConfig` fields every layout of it sets from the question (`fixed`)."""
+
+    name: str
+    layout: tuple[Axis, ...]
+    refine: tuple[Axis, ...]
+    recompute_modes: tuple[str, ...]
+    fixed: Callable[[Question], dict[str, Any]]
+
+    @property
+    def layout_keys(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.layout)
+
+
+ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, RECOMPUTE_MODES, lambda q: {})
+FSDP_SPACE = Space("fsdp", FSDP_LAYOUT_AXES, FSDP_REFINE_AXES, FSDP_RECOMPUTE_MODES,
+                   lambda q: {"fsdp": True, "fsdp_impl": q.fsdp_impl})
+SPACES = {False: ZERO1_SPACE, True: FSDP_SPACE}  # by `Question.fsdp` / `SimConfig.fsdp`
+
+
+def space_of(q: Question) -> Space:
+    return SPACES[q.fsdp]
+
 
 def refine_values(q: Question, axis: Axis, facts: Facts, layout: Layout) -> list[Any]:
-    if axis.name == "policy":
-        own = default_policy(q.optimizer)
-        skip = COVERED_BY_FALLBACK.get(own, ())
-        return [own] + [p for p in policies_running(q.optimizer) if p != own and p not in skip]
     return list(axis.values(facts, layout))
 
 
@@ -269,10 +393,11 @@ def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
     """Every combination of the layout axes, before any check (recompute at its cheapest: the
     other modes are tried in rounds)."""
     facts = facts or facts_of(q)
+    space = space_of(q)
     out: list[Layout] = [{}]
-    for axis in LAYOUT_AXES:
+    for axis in space.layout:
         if axis.name == RECOMPUTE_AXIS:
-            out = [{**c, axis.name: RECOMPUTE_MODES[0]} for c in out]
+            out = [{**c, axis.name: space.recompute_modes[0]} for c in out]
             continue
         out = [{**c, axis.name: v} for c in out for v in axis.values(facts, c)]
     for c in out:
@@ -282,12 +407,13 @@ def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
 
 def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
+    space = space_of(q)
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
                                   workload=q.workload(),
                                   options=RunOptions(attention_backend=q.attention_backend,
                                                      ep_dispatcher=q.ep_dispatcher,
-                                                     tp_comm_overlap=q.tp_comm_overlap))
-    for axis in LAYOUT_AXES + REFINE_AXES:
+                                                     tp_comm_overlap=q.tp_comm_overlap), **space.fixed(q))
+    for axis in space.layout + space.refine:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
     if kwargs["options"].recompute == FULL:  # the layout's method (the search's block), else the question's
@@ -307,11 +433,16 @@ METHOD_KEYS = ("recompute_method", "recompute_num_layers")
 
 
 def layout_of(row: dict[str, Any]) -> Layout:
-    """The layout a simulated row ran (its axes, DP and any recompute method)."""
-    out = {k: row[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")}
+    """The layout a simulated row ran (its space's axes, DP and any recompute method)."""
+    out = {k: row[k] for k in (*_row_space(row).layout_keys, "dp")}
     if row.get("recompute_method") is not None:
         out.update({k: row[k] for k in METHOD_KEYS})
     return out
+
+
+def _row_space(row: dict[str, Any]) -> Space:
+    """The space a simulated row (or a layout of it) belongs to: FSDP's rows say so (`run_one`)."""
+    return SPACES[bool(row.get("fsdp", False))]
 
 
 # --- pruning -------------------------------------------------------------------------------------
@@ -326,6 +457,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     least the activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
+    if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp)
+        return fsdp_memory_floor(cfg, model, dims)
     setup = cfg.memory_setup()
     worst = 0
     for stage in _kinds(cfg.pp):
@@ -342,8 +475,13 @@ def memory_floor(cfg: SimConfig, model) -> int:
 # --- simulation ----------------------------------------------------------------------------------
 
 
-def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> str:
-    """The `canzona plan` command line that writes this layout's plan file."""
+def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> str | None:
+    """The `canzona plan` command line that writes this layout's plan file; None for an FSDP
+    layout, which has no plan file (`canzona plan` plans ZeRO-1 layouts; the FSDP runtime,
+    `canzona.runtime.fsdp.FsdpOptimizer`, places its owners when it is built): what it needs is
+    `not_in_plan`'s."""
+    if row.get("fsdp"):
+        return None
     # the optimizer's data-parallel group is DP x CP (CP ranks hold the same weights)
     parts = ["canzona plan", f"--model {q.model}", f"--dp {row['dp'] * row.get('cp', 1)}", f"--tp {row['tp']}",
              f"--optimizer {q.optimizer}"]
@@ -361,8 +499,43 @@ def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> st
     return " ".join(parts)
 
 
+def fsdp_launch(row: dict[str, Any]) -> list[str]:
+    """What an FSDP layout's launcher sets (it has no plan file): the device mesh fully_shard runs
+    over, FSDP2's reshard option, TP / EP, the micro-batch, the recompute and the optimizer."""
+    shard = row["dp"] // row["hsdp_replicate"]
+    out = [f"fully_shard each decoder layer, then the root, over a (replicate {row['hsdp_replicate']}, shard {shard}) "
+           "mesh (HSDP)" if row["hsdp_replicate"] > 1 else
+           f"fully_shard each decoder layer, then the root, over the {shard} DP ranks"]
+    if not row["reshard_after_forward"]:
+        out.append("reshard_after_forward=False")
+    if row["fsdp_impl"] != FSDP2:
+        out.append(f"FSDP implementation {row['fsdp_impl']}")
+    if row["tp"] > 1:
+        out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)")
+    if row["ep"] > 1:
+        out.append(f"ep {row['ep']}")
+    if row["micro_batch"] > 1:
+        out.append(f"micro-batch {row['micro_batch']}")
+    if row["recompute"] != "none":
+        out.append(f"recompute {row['recompute']} (a checkpoint wrapper per decoder layer)")
+    # the policies: canzona's FsdpOptimizer runs canzona and fsdp-owners-unbalanced for whole-matrix
+    # optimizers; fsdp-gather-all is muon_fsdp2's (the simulator's baseline); AdamW steps the shards
+    if row["policy"] not in FSDP_POLICIES:  # an elementwise optimizer's own (fsdp_policy)
+        out.append("the optimizer on each rank's own shards (torch's; canzona's FSDP optimizer is for "
+                   "whole-matrix optimizers)")
+    elif row["policy"] == "fsdp-gather-all":
+        out.append("policy fsdp-gather-all (every rank gathers every matrix, as muon_fsdp2 does; not canzona's)")
+    else:
+        out.append(f"DistributedOptimizer(model.named_parameters(), spec, ...) on the sharded model (an "
+                   f"FsdpOptimizer), policy={row['policy']!r}")
+    return out
+
+
 def not_in_plan(row: dict[str, Any]) -> list[str]:
-    """What of a layout its plan file does not carry (the launcher's settings)."""
+    """What of a layout its plan file does not carry (the launcher's settings); an FSDP layout's
+    (no plan file) every setting (`fsdp_launch`)."""
+    if row.get("fsdp"):
+        return fsdp_launch(row)
     out = []
     if row["pp"] > 1:
         out.append(f"pp {row['pp']} (canzona plan plans the whole model over DP x TP; the runtime has no pipeline)")
@@ -388,20 +561,29 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
     """Simulate one configuration (in a worker): the row of the results, small enough to send back,
     with the reduce-scatter implementations that would have made the same run (`alike_impls`)."""
     r = simulate(cfg)
-    used = r.fell_back_to if r.fell_back_to in STEP_POLICIES else cfg.policy
-    step = STEP_POLICIES[used]
+    space = SPACES[cfg.fsdp]
+    if cfg.fsdp:  # no plan file, no DistributedOptimizer reduce-scatter to choose (`plan_command`, `fsdp_launch`)
+        plan: dict[str, Any] = {"reduce_scatter": None, "reduce_scatter_alike": [], "dp_policy": None,
+                                "tp_policy": None}
+    else:
+        step = STEP_POLICIES[r.fell_back_to if r.fell_back_to in STEP_POLICIES else cfg.policy]
+        plan = {"reduce_scatter": cfg.options.reduce_scatter,
+                # the implementations that route every reduce-scatter of this run alike: the same run
+                "reduce_scatter_alike": list(alike_impls(cfg.options.reduce_scatter, r.reduce_scatters)),
+                # the DP / TP policies the plan is made with (the deployed step policy's own, else canzona's settings)
+                "dp_policy": step.dp_policy or cfg.dp_policy,
+                "tp_policy": step.tp_policy or cfg.tp_policy}
     return {
-        **{k: layout[k] for k in (*(a.name for a in LAYOUT_AXES), "dp")},
+        **{k: layout[k] for k in (*space.layout_keys, "dp")},
+        **({"fsdp": True, "fsdp_impl": cfg.fsdp_impl} if cfg.fsdp else {}),
         "policy": cfg.policy,
         # a value of the refinement axes other than the default (ties go to the defaults)
-        "refined": any(a.name in layout for a in REFINE_AXES),
-        "reduce_scatter": cfg.options.reduce_scatter,
-        # the implementations that route every reduce-scatter of this run alike: the same run
-        "reduce_scatter_alike": list(alike_impls(cfg.options.reduce_scatter, r.reduce_scatters)),
+        "refined": any(a.name in layout for a in space.refine),
+        "reduce_scatter": plan["reduce_scatter"],
+        "reduce_scatter_alike": plan["reduce_scatter_alike"],
         "fell_back_to": r.fell_back_to,
-        # the DP / TP policies the plan is made with (the deployed step policy's own, else canzona's settings)
-        "dp_policy": step.dp_policy or cfg.dp_policy,
-        "tp_policy": step.tp_policy or cfg.tp_policy,
+        "dp_policy": plan["dp_policy"],
+        "tp_policy": plan["tp_policy"],
         "expert_buckets": r.expert_choice.buckets,
         "iteration_time_s": r.iteration_time_s,
         "optimizer_step_s": r.optimizer_step_s,
@@ -656,6 +838,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     tp_cost = tp_costs(cfg, model, hw)
     expert_comm = expert_comm_floor(cfg, hw)
     stretch = cfg.slowdown(hw, cfg.gpus)  # the simulator's factor on phase A's kernels (sim.engine)
+    if cfg.fsdp:
+        return fsdp_time_floor(cfg, model, rate, hw, tp_cost, expert_comm, stretch)
     ring = cp_ring_floor(cfg, hw, stretch)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     head_dim = layer_dims(arch, spec).head_dim
@@ -673,6 +857,33 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     # an uneven split's first chunk may hold fewer layers than 1/V of its stage (none at all): no crossing counted
     crossing = sum(per_stage[:-1]) / cfg.vp if cfg.pipeline_split.even else 0.0
     return max(max(per_stage) * m, per_stage[-1] * m + crossing)
+
+
+def fsdp_time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile,
+                    tp_cost: tuple[float, float] | None, expert_comm: Callable[[Block], float] | None,
+                    stretch: float) -> float:
+    """`time_floor` of an FSDP layout (`sim.fsdp`): rank 0's compute stream runs every micro-batch's
+    kernels one after another (`sim.fsdp.fsdp_micro_batch_work`, its own micro-batch work: no
+    pipeline, the whole model), each block after its TP collectives where it must wait for them
+    (`block_floor`; the SMs they take from the GEMMs counted as free) and an expert block between
+    its dispatch and combine (`expert_comm_floor`), a full recompute's forward block again first,
+    every forward with grad (torch's non-reentrant checkpoint wrapper), and FSDP2's copies on the
+    compute stream: each unit's copy-out after its forward's all-gather and, resharded after
+    forward, its backward's, and its copy-in before each reduce-scatter (`sim.fsdp.copy_seconds`).
+    Every FSDP all-gather, reduce-scatter and all-reduce, and the optimizer step, count as free;
+    every kernel at the simulator's factor for the slowest GPU (`stretch`)."""
+    spec, arch = model
+    cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
+    work = fsdp_micro_batch_work(cfg, model, cluster, hw, rate, layer_dims(arch, spec).head_dim)
+    compute = stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch)
+    local, expert_local = unit_elements(spec, cfg.tp, cfg.ep)
+    copy_out, copy_in = copy_seconds(cfg, rate, gathered_elements(local, expert_local,
+                                                                  cluster.dp * cfg.tp // cfg.ep))
+    # the root stays gathered through the micro-batch: one copy-out; a layer's backward copies out again
+    # when its forward resharded it
+    copies = sum(copy_out.values()) + sum(copy_in.values()) + \
+        (sum(s for k, s in copy_out.items() if k != ROOT) if cfg.reshard_after_forward else 0.0)
+    return (compute + copies * stretch) * cfg.workload.micro_batches(cluster.dp)
 
 
 @dataclass(order=True)
@@ -700,6 +911,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
 
     start = time.perf_counter()
     facts = facts_of(q)
+    space = space_of(q)
     model = resolve_model(q.model)
     hw = load_profile(q.hardware)
     rate = DeviceRate.from_profile(hw)
@@ -714,7 +926,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         key = " ".join(str(e).split()[:4])
         reasons[key] = reasons.get(key, 0) + 1
 
-    explore = q.search_recompute_layers and q.recompute_method is None
+    # Megatron's block method: the ZeRO-1 layouts' (FSDP's checkpoint wrappers take every layer)
+    explore = q.search_recompute_layers and q.recompute_method is None and space is ZERO1_SPACE
 
     def least_block(layout: Layout, room: float, above: int = 0) -> int | None:
         """The fewest layers of each model chunk, more than `above` and fewer than a chunk's (all of
@@ -761,7 +974,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         except SpecError as e:
             refuse(e)
             continue
-        push(layout, RECOMPUTE_MODES)
+        push(layout, space.recompute_modes)
     if not queue:
         why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
@@ -792,7 +1005,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                 push({**layout, "recompute_method": None if plain else BLOCK,
                       "recompute_num_layers": None if plain else n}, (FULL,))
                 return
-            modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(row[RECOMPUTE_AXIS]) + 1:]
+            modes = space.recompute_modes[space.recompute_modes.index(row[RECOMPUTE_AXIS]) + 1:]
             if modes:  # recompute only adds compute: the next mode only for a layout that did not fit
                 push(layout, modes, gap)
 
@@ -816,7 +1029,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     settle(fut.result())
                     done += 1
                     if progress:
-                        label = " ".join([describe(item.layout), *(str(item.layout[a.name]) for a in REFINE_AXES
+                        label = " ".join([describe(item.layout), *(str(item.layout[a.name]) for a in space.refine
                                                                    if a.name in item.layout)])
                         progress(len(rows), len(rows) + len(queue) + len(running), label)
 
@@ -825,7 +1038,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         best = sorted((r for r in rows if r["fits"]), key=lambda r: r["iteration_time_s"])[:refine_top]
         for row in best:
             layout = layout_of(row)
-            for axis in REFINE_AXES:
+            for axis in space.refine:
                 for value in refine_values(q, axis, facts, layout)[1:]:
                     if prune_ties and axis.name == "reduce_scatter" and value in row["reduce_scatter_alike"]:
                         counts["ties"] += 1  # the same run as `row` (`canzona.reductions.alike_impls`)
@@ -842,8 +1055,10 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
 
 
 def _order(row: dict[str, Any]) -> tuple:
-    """Ties broken towards the simpler layout."""
-    return (row["refined"], row["pp"], row["vp"], row["ep"], RECOMPUTE_MODES.index(row["recompute"]), row["tp"])
+    """Ties broken towards the simpler layout (under FSDP: fewer replicas, resharded after forward)."""
+    return (row["refined"], row["pp"], row["vp"], row["ep"],
+            _row_space(row).recompute_modes.index(row["recompute"]), row["tp"], row.get("hsdp_replicate", 1),
+            not row.get("reshard_after_forward", True))
 
 
 def _recompute_text(row: Layout) -> str:
@@ -853,14 +1068,20 @@ def _recompute_text(row: Layout) -> str:
 
 def describe(layout: Layout) -> str:
     """A layout on one line (the progress bar's and the table's)."""
-    parts = [f"TP{layout['tp']}", f"PP{layout['pp']}"]
+    fsdp = "hsdp_replicate" in layout  # an FSDP layout (FSDP_SPACE's axes)
+    parts = (["FSDP", f"TP{layout['tp']}"] if fsdp else [f"TP{layout['tp']}", f"PP{layout['pp']}"])
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
-    parts += [f"DP{layout['dp']}", f"mb{layout['micro_batch']}", f"recompute {_recompute_text(layout)}"]
+    parts += [f"DP{layout['dp']}"]
+    if fsdp:
+        parts += [f"HSDP{layout['hsdp_replicate']}"] if layout["hsdp_replicate"] > 1 else []
+        parts += [] if layout["reshard_after_forward"] else ["no-reshard"]
+    parts += [f"mb{layout['micro_batch']}", f"recompute {_recompute_text(layout)}"]
     parts += ["EP overlap"] if layout.get("overlap_moe_expert_parallel_comm") else []  # a simulated row's
     return " ".join(parts)
 
 
-__all__ = ["Axis", "LAYOUT_AXES", "REFINE_AXES", "Question", "SearchResult", "candidates", "config_of",
-           "memory_floor", "plan_command", "search"]
+__all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SPACES", "ZERO1_SPACE", "Axis", "LAYOUT_AXES",
+           "REFINE_AXES", "Question", "SearchResult", "Space", "candidates", "config_of", "fsdp_launch",
+           "memory_floor", "plan_command", "search", "space_of"]

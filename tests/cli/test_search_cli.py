@@ -82,7 +82,7 @@ def test_bad_input_is_one_line(args, needle):
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                                   "apply_rope_fusion", "bias_activation_fusion", "recompute_method",
-                                  "recompute_num_layers", "routing"])
+                                  "recompute_num_layers", "routing", "kernels", "fsdp", "fsdp_impl"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
     """The run settings `Question` carries are `search` options of the same name and default as
     `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
@@ -137,3 +137,40 @@ def test_recompute_method_reaches_the_question():
     assert (asked["recompute_method"], asked["recompute_num_layers"]) == ("block", 2)
     row = asked["layouts"][0]  # the method only where the layout runs full recompute
     assert row["recompute_method"] == ("block" if row["recompute"] == "full" else None)
+
+
+def test_fsdp_searches_fsdp_layouts():
+    """`--fsdp`: every layout an FSDP one (HSDP replicas and reshard in the JSON and the table), no
+    `canzona plan` command (no plan file under FSDP) but the launcher's settings."""
+    r = invoke("search", *SMALL, "--top", 3, "--fsdp", "--json")
+    assert r.exit_code == 0, r.stderr
+    asked = json.loads(r.stdout)
+    assert asked["fsdp"] is True and asked["fsdp_impl"] == "fsdp2" and asked["kernels"] == "fused"
+    for row in asked["layouts"]:
+        assert row["fsdp"] and (row["pp"], row["vp"], row["cp"]) == (1, 1, 1)
+        assert row["dp"] % row["hsdp_replicate"] == 0 and row["reshard_after_forward"] in (True, False)
+        assert row["plan_command"] is None and row["not_in_plan"][0].startswith("fully_shard each decoder layer")
+        assert row["reduce_scatter"] is None and row["policy"] in ("canzona", "fsdp-gather-all", "fsdp-owners-unbalanced")
+    table = invoke("search", *SMALL, "--top", 2, "--fsdp")
+    assert table.exit_code == 0, table.stderr
+    assert "HSDP R" in table.stdout and "reshard" in table.stdout and "FSDP TP" in table.stdout
+    assert "best: no plan file" in table.stdout and "set in the launcher: fully_shard" in table.stdout
+    assert "canzona plan --model" not in table.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--recompute-method", "block", "--recompute-num-layers", 2), "--recompute-method, --recompute-num-layers: "
+                                                                   "Megatron's"),
+    (("--store-param-remainders",), "--store-param-remainders: Megatron's"),
+    (("--model", "qwen3-30b-a3b", "--optimizer", "adamw", "--overlap-moe-expert-parallel-comm"),
+     "--overlap-moe-expert-parallel-comm: Megatron's"),
+    (("--no-search-recompute-layers",), "--no-search-recompute-layers: Megatron's"),
+    (("--fsdp-impl", "nope"), "nope"),
+    (("--kernels", "nope"), "nope"),
+])
+def test_fsdp_with_a_megatron_option_is_one_line(args, needle):
+    error_line(invoke("search", *SMALL, "--fsdp", *args), needle)
+
+
+def test_fsdp_impl_without_fsdp_is_one_line():
+    error_line(invoke("search", *SMALL, "--fsdp-impl", "megatron-fsdp"), "--fsdp-impl megatron-fsdp", "needs --fsdp")

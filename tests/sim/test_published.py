@@ -193,6 +193,31 @@ def test_a_rows_pipeline_split_is_read_checked_and_simulated():
                             SOURCES, "row")
 
 
+def test_a_rows_recompute_method_is_read_and_checked():
+    """A row's Megatron --recompute-method / --recompute-num-layers (under full recompute) are read,
+    need their recipe_source like every recipe setting, reach the simulator's options, and are
+    refused where Megatron refuses them (one without the other, under selective recompute) and
+    on an FSDP row (its checkpoint wrappers take every layer)."""
+    raw = {**RAW["rows"][0], "recompute": "full", "recipe_source": "https://recipe"}
+    run = published.parse_run({**raw, "recompute_method": "block", "recompute_num_layers": 1}, SOURCES, "row")
+    assert (run.recompute_method, run.recompute_num_layers) == ("block", 1)
+    options = run.sim_config().options
+    assert (options.recompute, options.recompute_method, options.recompute_num_layers) == ("full", "block", 1)
+    assert "recompute full (block 1)" in run.layout
+    assert published.parse_run(raw, SOURCES, "row").recompute_method is None  # absent: every layer
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "recompute_method": "block", "recompute_num_layers": 1, "recipe_source": ""},
+                            SOURCES, "row")
+    with pytest.raises(SpecError, match="go together"):
+        published.parse_run({**raw, "recompute_method": "block"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="is for --recompute full"):
+        published.parse_run({**raw, "recompute": "selective", "recompute_method": "uniform",
+                             "recompute_num_layers": 1}, SOURCES, "row")
+    fsdp = next(r for r in RAW["rows"] if r.get("fsdp") and r.get("recompute") == "full")
+    with pytest.raises(SpecError, match="recompute_method is Megatron's"):
+        published.parse_run({**fsdp, "recompute_method": "block", "recompute_num_layers": 1}, SOURCES, "row")
+
+
 def test_a_sources_layout_not_tuned_is_its_words_or_absent(tmp_path):
     """null, false or an empty string would read as a sanity-check source (a non-empty str()) and
     drop its rows from the search's aim without a word: refused, one line."""

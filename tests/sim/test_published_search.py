@@ -16,7 +16,7 @@ from sim.published_search import (
     rank_run,
     summary,
 )
-from sim.search import candidates, config_of, search
+from sim.search import candidates, config_of, search, space_of
 
 
 def _run(**changes) -> published.PublishedRun:
@@ -96,19 +96,58 @@ def test_published_layouts_are_in_the_search_space():
     runs, _ = published.load()
     expressible = [r for r in runs if not r.needs()]
     assert expressible
-    for run in (r for r in expressible if r.fsdp):  # simulated, not searched: said so
-        assert outside_space(question_of(run), layout_of(run)).startswith("FSDP layouts are not searched")
-    for run in (r for r in expressible if not r.fsdp):
+    assert any(r.fsdp for r in expressible)  # FSDP rows are asked among FSDP layouts (FSDP_SPACE)
+    for run in expressible:
         q = question_of(run)
         layout = layout_of(run)
+        assert q.fsdp == run.fsdp, run.id
         if not run.pipeline_split.even:  # Qwen3-235B-A22B's embedding and loss counted as layers: said so
             assert outside_space(q, layout).startswith("uneven pipeline splits are not searched"), run.id
         else:
             assert outside_space(q, layout) == "", run.id
-            assert any(all(c[k] == layout[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "dp"))
+            keys = space_of(q).layout_keys
+            assert any(all(c[k] == layout[k] for k in (*keys, "dp") if k != "recompute")
                        for c in candidates(q)), run.id
         # the search's configuration of the layout is the row's, but for the split it does not search
         assert replace(config_of(q, layout_of(run)), pipeline_split=run.pipeline_split) == run.sim_config(), run.id
+
+
+def test_a_rows_recompute_method_is_its_published_layouts():
+    """A row run with Megatron's recompute method is simulated with it, as `canzona validate
+    --published` simulates it: the layout carries the method, not the search's every-layer full
+    recompute. Block is in the search's space (it tries the block method); uniform is not."""
+    every = _run(recompute="full", tp=1, pp=2, micro_batch=1)
+    block = replace(every, recompute_method="block", recompute_num_layers=2)
+    q = question_of(block)
+    assert layout_of(every).get("recompute_method") is None
+    assert (layout_of(block)["recompute_method"], layout_of(block)["recompute_num_layers"]) == ("block", 2)
+    cfg = config_of(q, layout_of(block))
+    assert cfg == block.sim_config() and cfg.options.recompute_method == "block"
+    # the first two of a stage's 14 layers checkpointed: less recompute than every layer's
+    assert rank_run(block, workers=1).published_s < rank_run(every, workers=1).published_s
+    assert outside_space(q, layout_of(block)) == ""
+    uniform = replace(every, recompute_method="uniform", recompute_num_layers=1)
+    assert outside_space(question_of(uniform), layout_of(uniform)).startswith("recompute method uniform")
+
+
+def test_fsdp_rows_are_ranked_among_fsdp_layouts():
+    """An FSDP run is asked among FSDP layouts (`FSDP_SPACE`): its layout, HSDP replicas and
+    reshard setting included, is a candidate, and its rank agrees with the exhaustive search."""
+    run = _run(fsdp=True, tp=2, reshard_after_forward=False, optimizer="muon")
+    q = question_of(run)
+    assert q.fsdp and space_of(q).name == "fsdp"
+    layout = layout_of(run)
+    assert (layout["hsdp_replicate"], layout["reshard_after_forward"]) == (1, False)
+    assert outside_space(q, layout) == "" and config_of(q, layout) == run.sim_config()
+    r = rank_run(run, workers=1)
+    full = search(q, top=10**6, refine_top=0, workers=1)
+    keys = space_of(q).layout_keys
+    faster = [row for row in full.ranked if row["iteration_time_s"] < r.published_s
+              and tuple(row[k] for k in keys) != tuple(layout[k] for k in keys)]
+    assert r.rank == 1 + len(faster) or (r.rank is None and r.rank_at_least <= 1 + len(faster))
+    assert r.best["iteration_time_s"] == full.ranked[0]["iteration_time_s"] and r.best["fsdp"]
+    assert r.to_dict()["best_layout"].startswith("FSDP ")
+    assert outside_space(q, {**layout, "fsdp": False}).startswith("ZeRO-1 layouts are not searched")
 
 
 def test_outside_the_space_says_why():

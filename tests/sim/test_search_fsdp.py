@@ -1,0 +1,204 @@
+"""sim.search under `fsdp`: the FSDP2 / HSDP space, its floors, its exactness against brute force."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import canzona
+from canzona.cost import DeviceRate
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from canzona.models import resolve_model
+from canzona.step_policies import FSDP_POLICIES
+from sim.ep_dispatch import EpDispatcher
+from sim.fsdp import FSDP_RECOMPUTE_MODES
+from sim.search import (
+    FSDP_LAYOUT_AXES,
+    FSDP_SPACE,
+    LAYOUT_AXES,
+    ZERO1_SPACE,
+    Question,
+    candidates,
+    config_of,
+    describe,
+    facts_of,
+    memory_floor,
+    not_in_plan,
+    plan_command,
+    refine_values,
+    search,
+    space_of,
+    time_floor,
+)
+from sim.simulate import simulate
+
+SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, fsdp=True)
+# a mixture-of-experts model whose layouts need recompute to fit 8 H100s at some micro-batches
+MOE = Question(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw", fsdp=True)
+LLAMA = str(Path(canzona.__file__).resolve().parent / "data" / "models" / "llama3-8b.json")
+
+
+def test_fsdp_axes_are_data():
+    """The FSDP space's axes, with its recompute modes read from the simulator's own list and its
+    refinement the FSDP step policies; without `fsdp` the ZeRO-1 space, unchanged."""
+    assert [a.name for a in FSDP_LAYOUT_AXES] == ["tp", "pp", "vp", "cp", "ep", "hsdp_replicate",
+                                                  "reshard_after_forward", "micro_batch", "recompute"]
+    assert FSDP_SPACE.recompute_modes is FSDP_RECOMPUTE_MODES
+    facts = facts_of(SMALL)
+    assert list(next(a for a in FSDP_LAYOUT_AXES if a.name == "recompute").values(facts, {})) == \
+        list(FSDP_RECOMPUTE_MODES)
+    policy = FSDP_SPACE.refine[0]
+    assert [a.name for a in FSDP_SPACE.refine] == ["policy"]  # no reduce-scatter implementation under FSDP
+    assert refine_values(SMALL, policy, facts, {}) == list(FSDP_POLICIES)  # canzona (the default) first
+    assert refine_values(MOE, policy, facts_of(MOE), {}) == ["zero1"]  # AdamW steps its shards: its own only
+    assert space_of(SMALL) is FSDP_SPACE and space_of(Question(model="qwen3-0.6b", gpus=8)) is ZERO1_SPACE
+    assert ZERO1_SPACE.layout is LAYOUT_AXES
+
+
+def test_fsdp_candidates():
+    """No pipeline, virtual pipeline or context parallelism; HSDP's replicas divide DP; both
+    reshard settings; what the simulator refuses (a shard group of one rank) is its checks'."""
+    layouts = candidates(SMALL)
+    assert {(c["pp"], c["vp"], c["cp"]) for c in layouts} == {(1, 1, 1)}
+    assert {c["tp"] for c in layouts} == {1, 2, 4, 8}
+    assert {c["reshard_after_forward"] for c in layouts} == {True, False}
+    for c in layouts:
+        assert c["tp"] * c["dp"] == SMALL.gpus and c["dp"] % c["hsdp_replicate"] == 0
+        assert c["recompute"] == FSDP_RECOMPUTE_MODES[0]
+    ok = [c for c in layouts if c["dp"] // c["hsdp_replicate"] >= 2]
+    for c in ok:
+        config_of(SMALL, c).check()
+    with pytest.raises(SpecError, match="leaves a shard group of 1 rank"):
+        config_of(SMALL, next(c for c in layouts if c["hsdp_replicate"] == c["dp"])).check()
+    # the MoE model: TP only on dense models, no HSDP under EP (the simulator's rules)
+    model = resolve_model(MOE.model)
+    runnable = []
+    for c in candidates(MOE):
+        try:
+            config_of(MOE, c).check(model)
+        except SpecError:
+            continue
+        runnable.append(c)
+    assert {c["tp"] for c in runnable} == {1} and {c["hsdp_replicate"] for c in runnable if c["ep"] > 1} == {1}
+    assert {c["ep"] for c in runnable} == {1, 2, 4, 8}
+
+
+# (question, layout): dense and MoE, HSDP, no reshard, every recompute mode, TP with and without its
+# communication overlap, eager kernels, Megatron-FSDP, FP8, many micro-batches (extrapolated)
+FLOOR_CASES = [
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8),
+     dict(tp=1, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), "fsdp-gather-all"),
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8),
+     dict(tp=2, hsdp_replicate=2, reshard_after_forward=False, micro_batch=2, recompute="full"), None),
+    (dict(model="qwen3-0.6b", gpus=16, seq_len=2048, global_batch=32, optimizer="adamw"),
+     dict(tp=1, hsdp_replicate=4, reshard_after_forward=True, micro_batch=2, recompute="selective-op"), None),
+    (dict(model="qwen3-0.6b", gpus=16, seq_len=2048, global_batch=32, optimizer="soap"),
+     dict(tp=4, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="selective"),
+     "fsdp-owners-unbalanced"),
+    (dict(model=LLAMA, gpus=16, seq_len=4096, global_batch=16, kernels="eager", optimizer="adamw"),
+     dict(tp=1, hsdp_replicate=2, reshard_after_forward=True, micro_batch=1, recompute="selective-op"), None),
+    (dict(model="qwen3-8b", gpus=16, seq_len=4096, global_batch=32, tp_comm_overlap=False),
+     dict(tp=2, hsdp_replicate=1, reshard_after_forward=False, micro_batch=2, recompute="full"), None),
+    (dict(model="qwen3-8b", gpus=16, seq_len=4096, global_batch=16, fsdp_impl="megatron-fsdp"),
+     dict(tp=8, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw"),
+     dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=2, recompute="full"), None),
+    (dict(model="qwen3-30b-a3b", gpus=16, seq_len=4096, global_batch=16, optimizer="adamw"),
+     dict(tp=1, ep=4, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="selective-op"), None),
+    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=32, optimizer="adamw", loss_bytes=2,
+          ep_dispatcher=EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
+                                     fake_balanced_gate=True)),
+     dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=4, recompute="full"), None),
+    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=2048, global_batch=8, optimizer="adamw"),
+     dict(tp=1, ep=1, hsdp_replicate=2, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, precision="fp8"),
+     dict(tp=2, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=64),
+     dict(tp=1, hsdp_replicate=2, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+]
+
+
+@pytest.mark.parametrize("asked, layout, policy", FLOOR_CASES)
+def test_fsdp_floors_are_below_the_simulation(asked, layout, policy):
+    """The time and memory floors that prune FSDP layouts are lower bounds of what `simulate`
+    returns for them."""
+    q = Question(**asked, fsdp=True)
+    cfg = config_of(q, {"pp": 1, "vp": 1, "cp": 1, "ep": 1, **layout, **({"policy": policy} if policy else {})})
+    assert cfg.fsdp and cfg.hsdp_replicate == layout["hsdp_replicate"]
+    model = resolve_model(q.model)
+    hw = load_profile(cfg.hardware)
+    r = simulate(cfg)
+    floor = time_floor(cfg, model, DeviceRate.from_profile(hw), hw)
+    assert 0 < floor <= r.iteration_time_s
+    assert 0 < memory_floor(cfg, model) <= r.memory.worst.total
+
+
+def _brute_force(q: Question) -> float:
+    """The fastest fitting layout's time over every candidate under every recompute mode, each
+    simulated."""
+    model = resolve_model(q.model)
+    best = float("inf")
+    for c in candidates(q):
+        for mode in FSDP_SPACE.recompute_modes:
+            cfg = config_of(q, {**c, "recompute": mode})
+            try:
+                cfg.check(model)
+            except SpecError:
+                continue
+            r = simulate(cfg)
+            if r.fits:
+                best = min(best, r.iteration_time_s)
+    return best
+
+
+@pytest.mark.parametrize("q", [SMALL, MOE], ids=["dense", "moe"])
+def test_fsdp_search_best_is_the_brute_force_best(q):
+    """Branch and bound with the FSDP floors and the recompute rounds finds the layout that
+    simulating every FSDP candidate under every recompute mode finds (layouts only: no
+    refinement), simulating far fewer."""
+    found = search(q, top=1, refine_top=0, workers=1)
+    assert found.ranked[0]["iteration_time_s"] == _brute_force(q)
+    assert found.simulated < len(candidates(q))
+    if q is MOE:  # its best layout needs recompute to fit: the recompute rounds are what found it
+        assert found.ranked[0]["recompute"] != "none"
+
+
+def test_fsdp_rows_carry_their_layout_and_no_plan_command():
+    """A row says it is FSDP and carries HSDP's replicas and the reshard setting; it has no `canzona
+    plan` command (no plan file under FSDP) but the launcher's settings."""
+    found = search(SMALL, top=2, refine_top=1, workers=1)
+    row = found.ranked[0]
+    assert row["fsdp"] and row["fsdp_impl"] == "fsdp2" and row["reduce_scatter"] is None
+    assert {"hsdp_replicate", "reshard_after_forward"} <= set(row)
+    assert describe(row).startswith(f"FSDP TP{row['tp']} ")
+    assert plan_command(SMALL, row) is None
+    launch = not_in_plan(row)
+    assert launch[0].startswith("fully_shard each decoder layer") and any("policy=" in x for x in launch)
+    # the refinement: the best layout under the other FSDP step policies
+    assert {r["policy"] for r in found.ranked if r["refined"]} == set(FSDP_POLICIES) - {"canzona"}
+    hsdp = {**row, "hsdp_replicate": 2, "reshard_after_forward": False}
+    assert "replicate 2, shard" in not_in_plan(hsdp)[0] and "reshard_after_forward=False" in not_in_plan(hsdp)
+    assert "HSDP2 no-reshard" in describe(hsdp)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"recompute_method": "block", "recompute_num_layers": 2}, "--recompute-method, --recompute-num-layers"),
+    ({"store_param_remainders": True}, "--store-param-remainders"),
+    ({"search_recompute_layers": False}, "--no-search-recompute-layers"),
+])
+def test_fsdp_refuses_megatron_settings(changes, named):
+    with pytest.raises(SpecError, match=f"^{named}: Megatron's"):
+        Question(model="qwen3-0.6b", gpus=8, fsdp=True, **changes)
+    Question(model="qwen3-0.6b", gpus=8, **changes)  # the ZeRO-1 search takes them
+
+
+def test_fsdp_refuses_the_ep_overlap_and_fsdp_impl_needs_fsdp():
+    with pytest.raises(SpecError, match="^--overlap-moe-expert-parallel-comm: Megatron's"):
+        Question(model="qwen3-30b-a3b", gpus=8, optimizer="adamw", fsdp=True, overlap_moe_expert_parallel_comm=True)
+    with pytest.raises(SpecError, match="needs --fsdp"):
+        Question(model="qwen3-0.6b", gpus=8, fsdp_impl="megatron-fsdp")
+    with pytest.raises(SpecError, match="fsdp impl|fsdp-impl|one of"):
+        Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="nope")
+    Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="megatron-fsdp")
