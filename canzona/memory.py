@@ -715,13 +715,23 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
     out = {
         "layers": layers,
         "recompute_working_set": working,
-        "ep_overlap_layer": layer_activation_bytes(dims, setup, tp, expert_load=expert_load) if setup.ep_overlap else 0.0,
+        "ep_overlap_layer": _overlap_layer_bytes(dims, setup, tp, expert_load) if setup.ep_overlap else 0.0,
         "embedding": embedded * tokens * dims.hidden / sp_div if stage == 0 and dims.dropout else 0.0,
         "output": 0.0,
     }
     if stage == pp - 1:
         out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (setup.loss_bytes + e) / tp
     return out
+
+
+def _overlap_layer_bytes(dims: LayerDims, setup: MemorySetup, tp: int, expert_load: float = 1.0) -> float:
+    """The one layer more Megatron's EP overlap holds (`activation_breakdown`), as the recompute
+    mode stores a layer. Under selective-layer, where a layer stores by its position, a whole
+    layer: the most any of them stores. The overlap never runs with it (selective-layer is
+    torchtitan's, under --fsdp, where the overlap is refused), but a search that tries the mode on
+    an overlapped layout asks for the pair's memory floor: it must get a number, not an error."""
+    mode = "none" if setup.recompute == SELECTIVE_LAYER else None
+    return layer_activation_bytes(dims, setup, tp, mode, expert_load)
 
 
 def _chunk_checkpoints(setup: MemorySetup, size: int, start: int) -> tuple[int, int, int]:

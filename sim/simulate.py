@@ -207,6 +207,8 @@ class SimConfig:
         if not self.reshard_after_forward and not self.fsdp:
             raise SpecError("--no-reshard-after-forward is an option of FSDP2's fully_shard: it needs --fsdp")
         check_fsdp_impl(self.fsdp_impl)
+        if self.fsdp_impl != FSDP2 and not self.fsdp:  # as --no-reshard-after-forward: not a silent no-op
+            raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
             if self.workload.store_param_remainders:
