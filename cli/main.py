@@ -334,9 +334,7 @@ def _sim_config(*, shared: SimOptions):
                        hsdp_replicate=o.hsdp_replicate, reshard_after_forward=o.reshard_after_forward,
                        fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split)
     config.check()
-    if o.ep == 1 and o.moe_token_dispatcher_type != ALLTOALL:  # the overlap's own check refuses it at EP 1
-        raise SpecError(f"--moe-token-dispatcher-type {o.moe_token_dispatcher_type} dispatches tokens to "
-                        "expert-parallel ranks: it needs --ep > 1")
+    config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     return config
 
 
@@ -389,6 +387,9 @@ DpPolicy = Annotated[str | None, typer.Option(help=f"canzona's DP policy (defaul
 TpPolicy = Annotated[str, typer.Option(help=f"canzona's TP scheduler: {', '.join(TP_POLICIES)} (the baselines run tp-sync).")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
 Alpha = Annotated[float, typer.Option(help="Compute (1) vs segment-size (0) balance, in [0, 1].")]
+SimAlpha = Annotated[float, typer.Option(
+    help="Compute (1) vs segment-size (0) balance of canzona's plan, in [0, 1] (under --fsdp the balance of its "
+         "owners; the baselines do not read it).")]
 BucketSize = Annotated[int | None, typer.Option(
     help=f"Gradient bucket size in elements (default: about {MATRICES_PER_RANK} matrices per DP rank per bucket, "
          "at least max(40M, 1M x dp) and the largest matrix).")]
@@ -441,11 +442,13 @@ Vp = Annotated[int, typer.Option(help="Model chunks per pipeline stage (Megatron
 AccountEmbedding = Annotated[bool, typer.Option(
     "--account-for-embedding-in-pipeline-split",
     help="Megatron's option: the embedding counts as one layer when the layers are cut into the PP x VP model "
-         "chunks ((layers + 1 [+ 1]) / (PP x VP) a chunk, the first chunk a decoder layer short); the simulator only.")]
+         "chunks ((layers + 1 [+ 1]) / (PP x VP) a chunk, the first chunk a decoder layer short); at --pp 1 a no-op, "
+         "as in Megatron (which accepts it there: the one stage builds every layer); the simulator only.")]
 AccountLoss = Annotated[bool, typer.Option(
     "--account-for-loss-in-pipeline-split",
     help="Megatron's option: the output layer and loss count as one layer when the layers are cut into the PP x VP "
-         "model chunks (the last chunk a decoder layer short); the simulator only.")]
+         "model chunks (the last chunk a decoder layer short); at --pp 1 a no-op, as in Megatron (which accepts it "
+         "there: the one stage builds every layer); the simulator only.")]
 FirstStageLayers = Annotated[int | None, typer.Option(
     "--decoder-first-pipeline-num-layers",
     help="Megatron's option: the first pipeline stage's decoder layers (divisible by VP), the middle stages "
@@ -479,7 +482,9 @@ MaxGradNorm = Annotated[float | None, typer.Option(
     help="Clip the reduced gradients to this global norm inside the step (DistributedOptimizer's max_grad_norm; "
          "default: measure the norm only, as the runtime does every step).")]
 BatchKernels = Annotated[bool, typer.Option(help="Same-shape matrices of a host as one batched kernel (DistributedOptimizer's batch_kernels).")]
-CompileKernels = Annotated[bool, typer.Option(help="Newton-Schulz through torch.compile (DistributedOptimizer's compile_kernels; priced as eager).")]
+CompileKernels = Annotated[bool, typer.Option(
+    help="Newton-Schulz through torch.compile (DistributedOptimizer's and, under --fsdp, FSDP's optimizer's "
+         "compile_kernels): priced as eager, so no simulated figure changes with it.")]
 OverlapStep = Annotated[bool, typer.Option(
     help="Compute each micro-group's updates as soon as its buckets are reduced, under the remaining reductions, "
          "and apply them after the step check (DistributedOptimizer's overlap_step; canzona only, compare "
@@ -567,7 +572,7 @@ class SimOptions:
     policy: Policy = None
     dp_policy: DpPolicy = None
     tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy
-    alpha: Alpha = PLAN_DEFAULTS.alpha
+    alpha: SimAlpha = PLAN_DEFAULTS.alpha
     bucket_size: BucketSize = None
     capacity: CapacityOpt = "auto"
     hardware: Hardware = DEFAULT_PROFILE

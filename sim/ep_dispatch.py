@@ -134,6 +134,22 @@ class EpDispatcher:
             raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
         check_routing(self.routing)
 
+    def check_ep(self, ep: int) -> None:
+        """The settings that act on the token dispatch between EP ranks need some: at EP 1 every GPU
+        computes every expert on its own tokens, so a non-default dispatcher (Megatron's flex
+        dispatcher targets expert-parallel ranks) or routing (which balances the EP ranks' loads,
+        as `--router-imbalance` skews them) would change nothing. A command's layout rule, not
+        `SimConfig.check`'s: the search applies one dispatcher to every layout it tries, EP 1 ones
+        too (sim.search.Question). One `SpecError` line each."""
+        if ep > 1:
+            return
+        if self.moe_token_dispatcher_type != ALLTOALL:
+            raise SpecError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} dispatches tokens to "
+                            "expert-parallel ranks: it needs --ep > 1")
+        if self.routing != RANDOM:
+            raise SpecError(f"--routing {self.routing} balances the tokens over the EP ranks: it needs --ep > 1 (at "
+                            "ep 1 every GPU computes every expert on its own tokens, as --router-imbalance needs it)")
+
     @property
     def flex(self) -> bool:
         return self.moe_token_dispatcher_type == FLEX

@@ -70,6 +70,11 @@ def check_precision(precision: str, recipe: str = DELAYED) -> None:
         raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if recipe not in FP8_RECIPES:
         raise SpecError(f"fp8 recipe must be one of {', '.join(FP8_RECIPES)}, got {recipe!r}")
+    if recipe != DELAYED and precision != FP8:  # as a published row's fp8_recipe off an fp8 row
+        # no FP8 cast runs to be scaled: Megatron ignores --fp8-recipe without --fp8-format, which
+        # would leave the user believing it took effect
+        raise SpecError(f"--fp8-recipe {recipe} is Transformer Engine's FP8 scaling: it needs --precision fp8 "
+                        f"(got --precision {precision}, whose GEMMs run without FP8 casts to scale)")
 
 
 def check_fp8_device(hw: HardwareProfile) -> None:

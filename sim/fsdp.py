@@ -70,7 +70,7 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import Plan, plan_for
-from canzona.recompute import RECOMPUTE_MODES, inside_layers
+from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_LAYER, inside_layers
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -83,7 +83,7 @@ from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.fp8 import fp8_setup
-from sim.fsdp_copies import check_fsdp_impl, copy_in_bytes, copy_out_bytes
+from sim.fsdp_copies import FSDP2, check_fsdp_impl, copy_in_bytes, copy_out_bytes
 from sim.iteration import APPLY_PASSES
 from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.streams import DP_COMM, EP_COMM, TP_COMM
@@ -95,6 +95,19 @@ AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two c
 # checkpoint policy of torch's non-reentrant checkpoint wrapper as torchtitan and NeMo AutoModel
 # apply them per decoder layer; Megatron's --recompute-method is not among them (`SimConfig.check`)
 FSDP_RECOMPUTE_MODES: tuple[str, ...] = RECOMPUTE_MODES
+
+
+def fsdp_recompute_modes(impl: str) -> tuple[str, ...]:
+    """The modes of `FSDP_RECOMPUTE_MODES` a layout of FSDP implementation `impl` runs: every one
+    under FSDP2 (torchtitan's and NeMo AutoModel's wrappers); under Megatron-FSDP not torchtitan's
+    selective-layer (every K-th layer checkpointed), which neither framework that runs
+    Megatron-FSDP offers: Megatron-LM's recompute is --recompute-granularity full / selective with
+    --recompute-method uniform / block (megatron/training/arguments.py), and NeMo AutoModel's
+    `activation_checkpointing` is one switch for every layer (docs/guides/gradient_checkpointing.md,
+    NVIDIA-NeMo/Automodel, for its FSDP2 and Megatron-FSDP managers alike)."""
+    if check_fsdp_impl(impl) == FSDP2:
+        return FSDP_RECOMPUTE_MODES
+    return tuple(m for m in FSDP_RECOMPUTE_MODES if m != SELECTIVE_LAYER)
 
 
 def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
@@ -137,6 +150,18 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     if cfg.options.recompute not in FSDP_RECOMPUTE_MODES:
         raise SpecError(f"--fsdp runs --recompute {' / '.join(FSDP_RECOMPUTE_MODES)}, got {cfg.options.recompute!r}")
+    if cfg.options.recompute not in fsdp_recompute_modes(cfg.fsdp_impl):
+        raise SpecError(f"--recompute {cfg.options.recompute} is torchtitan's, over FSDP2: neither Megatron-LM nor NeMo "
+                        f"AutoModel runs it under --fsdp-impl {cfg.fsdp_impl} (Megatron's partial checkpointing is "
+                        "--recompute full --recompute-method block, a ZeRO-1 layout's)")
+    # options of the ZeRO-1 layout that would change nothing here, refused rather than echoed back
+    if not cfg.options.overlap_grad_reduce:
+        raise SpecError("--no-overlap-grad-reduce is the distributed optimizer's (ZeRO-1) bucket overlap: under --fsdp "
+                        "each unit's gradients are reduce-scattered on FSDP's own stream as its backward ends (torch's "
+                        "fully_shard has no switch to hold them back), as the simulator runs them")
+    if not cfg.zero1_fallback:
+        raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
+                        "fallback to report")
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
@@ -671,4 +696,4 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
 
 
 __all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_memory_floor", "fsdp_micro_batch_work",
-           "fsdp_policy", "simulate_fsdp"]
+           "fsdp_policy", "fsdp_recompute_modes", "simulate_fsdp"]

@@ -27,9 +27,11 @@ from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
 from canzona.recompute import (
     RECOMPUTE_MODES,
+    SELECTIVE_LAYER,
     check_recompute,
     check_recompute_method,
     recompute_label,
+    selective_ac_every,
 )
 from canzona.spec import DTYPE_BYTES
 from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
@@ -265,6 +267,9 @@ class RowResult:
             "optimizer": r.optimizer, "recompute": r.recompute,
             **({"recompute_method": r.recompute_method, "recompute_num_layers": r.recompute_num_layers}
                if r.recompute_method is not None else {}),
+            # the K a selective-layer row is simulated with: a row cannot set it, so torchtitan's default,
+            # named rather than left implicit (the rows' notes call it an assumption)
+            **({"selective_ac_option": selective_ac_every(None)} if r.recompute == SELECTIVE_LAYER else {}),
             "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
             "published_original": {"value": r.original_value, "unit": r.original_unit, "conversion": r.conversion},
             "expressible": self.expressible, "not_expressible": self.reason or None,

@@ -70,7 +70,7 @@ from canzona.step_policies import (
     resolve_policy,
 )
 from canzona.step_schedule import check_tp_mode
-from canzona.tp import TP_REGISTRY, Capacity
+from canzona.tp import TP_REGISTRY, Capacity, check_tp_policy
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
@@ -222,6 +222,9 @@ class SimConfig:
             STEP_POLICIES[self.policy].check_dp_policy(self.dp_policy)
             STEP_POLICIES[self.policy].check_overlap_step(self.options.overlap_step)
         check_tp_mode(self.tp_mode)
+        # every layout, whether or not its plan schedules TP micro-groups (an elementwise optimizer's
+        # does not): an unknown value is a typo, never a no-op
+        check_tp_policy(self.tp_policy)
         check_geometry(self.geometry)
         self.options.check()
         if self.gpu_variability is not None:

@@ -24,3 +24,124 @@ def test_fsdp_impl_needs_fsdp():
         assert rows  # under --fsdp it runs
     plain = invoke("simulate", *DENSE, "--fsdp-impl", "fsdp2", "--json")  # the default, named: nothing to refuse
     assert plain.exit_code == 0, plain.stderr
+
+
+MOE = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--global-batch", "16", "--optimizer", "adamw"]
+FSDP = [*DENSE, "--fsdp"]
+BOTH = ("simulate", "compare")
+
+
+def _help(option: str) -> str:
+    """simulate's help of one option (its parameter name), as click holds it: unwrapped."""
+    from typer.main import get_command
+
+    from cli.main import app
+
+    return {p.name: p for p in get_command(app).commands["simulate"].params}[option].help
+
+
+def _simulated(*args: str) -> dict:
+    """What simulate computed (not the options it echoes back): the times, breakdowns and memory."""
+    result = invoke("simulate", *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    row = json.loads(result.stdout)
+    return {k: row[k] for k in ("iteration_time_s", "optimizer_step_s", "forward_backward_s", "breakdown",
+                                "optimizer_breakdown", "rank_optimizer_s", "memory")}
+
+
+def test_pipeline_split_accounting_at_pp_1_is_a_documented_no_op():
+    """--account-for-embedding/loss-in-pipeline-split at --pp 1: Megatron accepts them there
+    (TransformerConfig.__post_init__ only asks layers + 1 [+ 1] divisible by pp, which 1 divides, and
+    get_num_layers_to_build takes the counted layers back off the one stage), so they stay accepted,
+    but the help says they change nothing there (it did not), and they do not."""
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        assert "at --pp 1 a no-op, as in Megatron" in _help(name), name
+    both = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+    assert _simulated(*DENSE, *both) == _simulated(*DENSE)
+
+
+def test_routing_needs_expert_parallelism():
+    """--routing balanced at --ep 1 was accepted and changed nothing (every GPU computes every expert
+    on its own tokens); its sibling --router-imbalance is refused there."""
+    for command in BOTH:
+        error_line(invoke(command, *MOE, "--routing", "balanced"), "--routing balanced", "needs --ep > 1")
+    error_line(invoke("simulate", *MOE, "--router-imbalance", "1.5"), "needs expert parallelism")
+    assert invoke("simulate", *MOE, "--routing", "random", "--json").exit_code == 0  # the default, named
+
+
+def test_fp8_recipe_needs_fp8():
+    """--fp8-recipe current under --precision bf16 was accepted and changed nothing (no FP8 cast to
+    scale); a published row's fp8_recipe off an fp8 row is refused too. The default, named, stays."""
+    for command in BOTH:
+        error_line(invoke(command, *DENSE, "--fp8-recipe", "current"), "--fp8-recipe current", "--precision fp8")
+    error_line(invoke("search", "--model", "qwen3-0.6b", "--gpus", "8", "--fp8-recipe", "current"),
+               "--fp8-recipe current", "--precision fp8")
+    assert invoke("simulate", *DENSE, "--fp8-recipe", "delayed", "--json").exit_code == 0
+    fp8 = [*DENSE, "--precision", "fp8", "--hardware", "h100-sxm"]
+    assert _simulated(*fp8, "--fp8-recipe", "current") != _simulated(*fp8)
+
+
+def test_zero1_options_are_refused_under_fsdp():
+    """--no-overlap-grad-reduce and --no-zero1-fallback were accepted under --fsdp and changed
+    nothing: FSDP reduce-scatters each unit on its own stream (torch's fully_shard has no switch
+    for it), and canzona's FSDP owners have no ZeRO-1 fallback."""
+    for command in BOTH:
+        error_line(invoke(command, *FSDP, "--no-overlap-grad-reduce"), "--no-overlap-grad-reduce", "--fsdp")
+        error_line(invoke(command, *FSDP, "--no-zero1-fallback"), "--no-zero1-fallback", "--fsdp")
+    # on the ZeRO-1 layout both still act
+    assert _simulated(*DENSE, "--no-overlap-grad-reduce") != _simulated(*DENSE)
+
+
+def test_alpha_and_compile_kernels_under_fsdp():
+    """--alpha balances canzona's FSDP owners (it changes the run: kept, and the help says so);
+    --compile-kernels is priced as eager everywhere, FSDP's optimizer's option too (kept, as the
+    runtime's, with the help saying nothing simulated changes)."""
+    assert _simulated(*FSDP, "--alpha", "0") != _simulated(*FSDP)
+    assert "under --fsdp the balance of its owners" in _help("alpha")
+    assert "no simulated figure changes with it" in _help("compile_kernels")
+    assert _simulated(*FSDP, "--compile-kernels") == _simulated(*FSDP)
+
+
+def test_unknown_tp_policy_is_always_an_error():
+    """An unknown --tp-policy was accepted wherever no TP schedule is planned (an elementwise
+    optimizer, --fsdp --ep with adamw)."""
+    for args in ([*DENSE, "--optimizer", "adamw"], [*MOE, "--fsdp", "--ep", "16"]):
+        for command in BOTH:
+            error_line(invoke(command, *args, "--tp-policy", "bogus"), "unknown TP policy 'bogus'")
+
+
+def test_selective_layer_needs_fsdp2():
+    """torchtitan's selective-layer (every K-th layer checkpointed) was simulated under
+    --fsdp-impl megatron-fsdp, which no framework runs it with: Megatron-LM's recompute is
+    full / selective with uniform / block methods, NeMo AutoModel's one switch for every layer."""
+    for command in BOTH:
+        error_line(invoke(command, *FSDP, "--fsdp-impl", "megatron-fsdp", "--recompute", "selective-layer"),
+                   "--recompute selective-layer", "--fsdp-impl megatron-fsdp")
+    assert invoke("simulate", *FSDP, "--recompute", "selective-layer", "--json").exit_code == 0
+    assert invoke("simulate", *FSDP, "--fsdp-impl", "megatron-fsdp", "--recompute", "full", "--json").exit_code == 0
+
+
+def test_hybridep_sms_needs_hybridep():
+    """--moe-hybridep-num-sms off HybridEP was already refused by simulate (sim.ep_dispatch); compare
+    refuses it alike."""
+    for command in BOTH:
+        error_line(invoke(command, *MOE, "--ep", "16", "--moe-hybridep-num-sms", "32"),
+                   "--moe-hybridep-num-sms 32 is HybridEP's")
+
+
+def test_selective_layer_rows_name_their_k():
+    """A published selective-layer row is simulated at torchtitan's default K = 2 (its notes call
+    it an assumption): the row's layout text and JSON say so."""
+    from sim.published import RowResult, load, select
+
+    runs = select(load()[0], "sel-layer")
+    assert runs
+    for run in runs:
+        assert "selective-layer (every 2)" in run.layout
+        row = RowResult(run=run).to_dict()
+        assert row["recompute"] == "selective-layer" and row["selective_ac_option"] == 2
+    plain = RowResult(run=select(load()[0], "torchtitan-sel-op")[0]).to_dict()
+    assert "selective_ac_option" not in plain
+    result = invoke("simulate", *FSDP, "--recompute", "selective-layer")
+    assert result.exit_code == 0, result.stderr
+    assert "selective-layer (every 2)" in " ".join(result.stdout.split())
