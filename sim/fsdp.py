@@ -159,6 +159,10 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError("--no-overlap-grad-reduce is the distributed optimizer's (ZeRO-1) bucket overlap: under --fsdp "
                         "each unit's gradients are reduce-scattered on FSDP's own stream as its backward ends (torch's "
                         "fully_shard has no switch to hold them back), as the simulator runs them")
+    if not cfg.options.overlap_param_gather:
+        raise SpecError("--no-overlap-param-gather is the distributed optimizer's (ZeRO-1) step overlap: under --fsdp "
+                        "each unit's parameters are all-gathered one unit ahead of its compute (FSDP's prefetch), as "
+                        "the simulator runs them")
     if not cfg.zero1_fallback:
         raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
                         "fallback to report")

@@ -82,14 +82,17 @@ def test_fp8_recipe_needs_fp8():
 
 
 def test_zero1_options_are_refused_under_fsdp():
-    """--no-overlap-grad-reduce and --no-zero1-fallback were accepted under --fsdp and changed
-    nothing: FSDP reduce-scatters each unit on its own stream (torch's fully_shard has no switch
-    for it), and canzona's FSDP owners have no ZeRO-1 fallback."""
+    """--no-overlap-grad-reduce, --no-overlap-param-gather and --no-zero1-fallback were accepted
+    under --fsdp and changed nothing: FSDP reduce-scatters each unit on its own stream and gathers
+    one unit ahead (torch's fully_shard has no switch for either), and canzona's FSDP owners have
+    no ZeRO-1 fallback."""
     for command in BOTH:
         error_line(invoke(command, *FSDP, "--no-overlap-grad-reduce"), "--no-overlap-grad-reduce", "--fsdp")
         error_line(invoke(command, *FSDP, "--no-zero1-fallback"), "--no-zero1-fallback", "--fsdp")
-    # on the ZeRO-1 layout both still act
+        error_line(invoke(command, *FSDP, "--no-overlap-param-gather"), "--no-overlap-param-gather", "--fsdp")
+    # on the ZeRO-1 layout they still act
     assert _simulated(*DENSE, "--no-overlap-grad-reduce") != _simulated(*DENSE)
+    assert _simulated(*DENSE, "--no-overlap-param-gather") != _simulated(*DENSE)
 
 
 def test_alpha_and_compile_kernels_under_fsdp():

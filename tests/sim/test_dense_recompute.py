@@ -119,7 +119,8 @@ def test_context_parallel_ring_runs_again_under_full_recompute():
 def test_fsdp_with_tp_gathers_and_scatters_again():
     """torchtitan's full activation checkpointing under TP re-runs the layer's forward, its
     sequence-parallel redistributions with it (`sim.fsdp._FsdpRun._tp_block`)."""
-    cfg = _with(replace(TP2, fsdp=True), recompute="full")
+    # TP2's --no-overlap-grad-reduce is the ZeRO-1 layout's (refused under --fsdp: sim.fsdp.check_fsdp)
+    cfg = _with(replace(TP2, fsdp=True), recompute="full", overlap_grad_reduce=True)
     _, arch = resolve_model(cfg.model)
     m = WL.micro_batches(cfg.gpus // cfg.tp)
     result = simulate(cfg)
