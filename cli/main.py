@@ -483,7 +483,7 @@ MaxGradNorm = Annotated[float | None, typer.Option(
          "default: measure the norm only, as the runtime does every step).")]
 BatchKernels = Annotated[bool, typer.Option(help="Same-shape matrices of a host as one batched kernel (DistributedOptimizer's batch_kernels).")]
 CompileKernels = Annotated[bool, typer.Option(
-    help="Newton-Schulz through torch.compile (DistributedOptimizer's and, under --fsdp, FSDP's optimizer's "
+    help="Newton-Schulz through torch.compile (DistributedOptimizer's and, under --fsdp, FsdpOptimizer's "
          "compile_kernels): priced as eager, so no simulated figure changes with it.")]
 OverlapStep = Annotated[bool, typer.Option(
     help="Compute each micro-group's updates as soon as its buckets are reduced, under the remaining reductions, "
