@@ -113,7 +113,7 @@ SELECTIVE_LAYER = "selective-layer"
 # selective-layer, whose place by memory depends on K and the layout (at TP 1 its default K = 2
 # stores more than selective-op, half the layers whole; under TP less, selective-op keeping its
 # row-parallel outputs whole) and by compute on the model (a mixture-of-experts layer's selective-op
-# re-runs its experts whole): the search orders a layout's modes by their time floors, not by this
+# re-runs its experts whole): the FSDP search orders a layout's modes by their time floors, not by this
 RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL, SELECTIVE_LAYER)
 # the modes only torchtitan's checkpoint wrappers run: simulated under --fsdp only
 FSDP_ONLY_MODES = (SELECTIVE_LAYER,)
