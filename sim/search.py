@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -421,7 +421,7 @@ def selective_ac_options(q: Question) -> tuple[int, ...]:
 # the ZeRO-1 rounds keep the modes' order (none, selective, selective-op, full with Megatron's block
 # method first): the searches documented in docs/design.md §9.6-9.7 are ranked under it. It is not
 # an order by compute (a block of a few layers re-runs less than selective-op on every layer: on
-# Qwen3-32B / 256 H100, least_compute_first finds three layouts 2-6% faster below the top ten, and
+# Qwen3-32B / 256 H100, least_compute_first finds three layouts 2-5% faster below the top ten, and
 # qwen3-0.6b's selective-op has a lower floor than selective); turning it on is left to a run of
 # every published row's search (design §9.7)
 ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, ZERO1_RECOMPUTE_MODES, lambda q: {}, least_compute_first=False)
