@@ -109,14 +109,14 @@ from canzona.errors import SpecError
 
 NONE, SELECTIVE, SELECTIVE_OP, FULL = "none", "selective", "selective-op", "full"
 SELECTIVE_LAYER = "selective-layer"
-# the search tries them in this order, the next only for a layout that did not fit: from the least
-# recompute (most memory) to the most, then torchtitan's selective-layer, whose place by memory
-# depends on K and the layout (at TP 1 its default K = 2 stores more than selective-op, half the
-# layers whole; under TP less, selective-op keeping its row-parallel outputs whole) and which is
-# refused outside --fsdp. Last, a search steps to it only from a layout whose full run did not fit,
-# which does not fit with it either: at any K > 1 it stores more than full (a superset of what full
-# keeps); a search that wants it between selective-op and full places it there itself
+# every mode the simulator runs, from the least recompute (most memory) to the most, then torchtitan's
+# selective-layer, whose place by memory depends on K and the layout (at TP 1 its default K = 2
+# stores more than selective-op, half the layers whole; under TP less, selective-op keeping its
+# row-parallel outputs whole) and by compute on the model (a mixture-of-experts layer's selective-op
+# re-runs its experts whole): the FSDP search orders a layout's modes by their time floors, not by this
 RECOMPUTE_MODES = (NONE, SELECTIVE, SELECTIVE_OP, FULL, SELECTIVE_LAYER)
+# the modes only torchtitan's checkpoint wrappers run: simulated under --fsdp only
+FSDP_ONLY_MODES = (SELECTIVE_LAYER,)
 # torchtitan's --activation_checkpoint.selective_ac_option default, "2": every other layer
 SELECTIVE_AC_DEFAULT = 2
 
@@ -128,6 +128,13 @@ RECOMPUTE_METHODS = (UNIFORM, BLOCK)
 
 def check_recompute(mode: str) -> str:
     return check_choice(mode, RECOMPUTE_MODES, "recompute mode")
+
+
+def layout_recompute_modes(fsdp: bool) -> tuple[str, ...]:
+    """The recompute modes the simulator runs on a layout: under --fsdp every one, on Megatron's
+    ZeRO-1 layout all but torchtitan's (`FSDP_ONLY_MODES`). One definition for the simulator's
+    check (`check_selective_ac_option`) and the modes each of the search's spaces tries."""
+    return RECOMPUTE_MODES if fsdp else tuple(m for m in RECOMPUTE_MODES if m not in FSDP_ONLY_MODES)
 
 
 def check_recompute_method(mode: str, method: str | None, num_layers: int | None) -> None:
@@ -157,8 +164,8 @@ def check_selective_ac_option(mode: str, every: int | None, fsdp: bool = True) -
     if every is not None and mode != SELECTIVE_LAYER:
         raise SpecError(f"--selective-ac-option {every} is for --recompute selective-layer (torchtitan: an integer "
                         f"selective_ac_option is selective layer checkpointing), got --recompute {mode}")
-    if mode == SELECTIVE_LAYER and not fsdp:
-        raise SpecError("--recompute selective-layer is torchtitan's, simulated under --fsdp; Megatron's partial "
+    if mode not in layout_recompute_modes(fsdp):  # selective-layer, the one FSDP-only mode
+        raise SpecError(f"--recompute {mode} is torchtitan's, simulated under --fsdp; Megatron's partial "
                         "checkpointing is --recompute full --recompute-method block --recompute-num-layers N")
 
 
@@ -193,6 +200,18 @@ def recompute_label(mode: str, method: str | None = None, num_layers: int | None
     if mode == SELECTIVE_LAYER:
         return f"{mode} (every {selective_ac_every(every)})"
     return f"{mode} ({method} {num_layers})" if method is not None else mode
+
+
+def torchtitan_ac(mode: str, every: int | None = None) -> str | None:
+    """torchtitan's `[activation_checkpoint]` settings that run `mode` (the module docstring: its
+    `mode` none / full / selective, and under selective its `selective_ac_option`, "op" or the
+    layer frequency K); None for Megatron's attention-core `selective`, which torchtitan has not."""
+    if mode == SELECTIVE_LAYER:
+        return f"activation_checkpoint.mode = 'selective', activation_checkpoint.selective_ac_option = " \
+               f"'{selective_ac_every(every)}'"
+    if mode == SELECTIVE_OP:
+        return "activation_checkpoint.mode = 'selective', activation_checkpoint.selective_ac_option = 'op'"
+    return f"activation_checkpoint.mode = '{mode}'" if mode in (NONE, FULL) else None
 
 
 def checkpointed(method: str | None, num_layers: int | None, position: int) -> bool:
@@ -270,5 +289,6 @@ def saved_mm_widths(widths: Sequence[float]) -> float:
 __all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SELECTIVE", "SELECTIVE_AC_DEFAULT",
            "SELECTIVE_LAYER", "SELECTIVE_OP", "UNIFORM", "check_method_layers", "check_recompute",
            "check_recompute_method", "check_selective_ac_option", "checkpoint_groups", "checkpointed",
+           "FSDP_ONLY_MODES", "layout_recompute_modes", "torchtitan_ac",
            "checkpointed_layers", "forward_without_grad", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
            "saved_mm_widths", "selective_ac_every", "selective_layer_checkpointed", "selective_layers"]

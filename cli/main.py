@@ -729,13 +729,15 @@ def search(
     store_param_remainders: StoreParamRemainders = False,
     apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
     kernels: Kernels = "fused", fsdp: Fsdp = False, fsdp_impl: FsdpImpl = "fsdp2",
+    selective_ac_option: SelectiveAcOption = None,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
     policy and reduce-scatter on the best; with --fsdp FSDP2 / HSDP layouts: TP, EP, HSDP replicas,
-    reshard_after_forward, micro-batch, recompute, then the FSDP step policies): prune by the simulator's checks
+    reshard_after_forward, micro-batch, recompute (selective-layer at torchtitan's default K and at
+    --selective-ac-option's), then the FSDP step policies): prune by the simulator's checks
     and memory, simulate the rest in parallel, print the fastest that fit and the canzona plan command of the best
     (under --fsdp, which has no plan file, what the launcher sets)."""
     import os
@@ -764,7 +766,7 @@ def search(
                             cross_entropy_fusion_impl=cross_entropy_fusion_impl,
                             store_param_remainders=store_param_remainders,
                             apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion,
-                            kernels=kernels, fsdp=fsdp, fsdp_impl=fsdp_impl)
+                            kernels=kernels, fsdp=fsdp, fsdp_impl=fsdp_impl, selective_ac_option=selective_ac_option)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

@@ -70,7 +70,7 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import Plan, plan_for
-from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_LAYER, inside_layers
+from canzona.recompute import SELECTIVE_LAYER, inside_layers, layout_recompute_modes
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -90,11 +90,11 @@ from sim.streams import DP_COMM, EP_COMM, TP_COMM
 from sim.topology import Cluster
 
 AG_STREAM, RS_STREAM = "fsdp-all-gather", "fsdp-reduce-scatter"  # FSDP2's two communication streams
-# the activation recompute modes an FSDP layout is simulated with, least recompute first (the
-# search's FSDP recompute axis reads them here): every mode of `canzona.recompute`, each a
+# the activation recompute modes an FSDP layout is simulated with (the search's FSDP recompute axis
+# reads them here): every mode of `canzona.recompute` (`layout_recompute_modes`), each a
 # checkpoint policy of torch's non-reentrant checkpoint wrapper as torchtitan and NeMo AutoModel
 # apply them per decoder layer; Megatron's --recompute-method is not among them (`SimConfig.check`)
-FSDP_RECOMPUTE_MODES: tuple[str, ...] = RECOMPUTE_MODES
+FSDP_RECOMPUTE_MODES: tuple[str, ...] = layout_recompute_modes(fsdp=True)
 
 
 def fsdp_recompute_modes(impl: str) -> tuple[str, ...]:

@@ -15,8 +15,11 @@ step policies), with the same steps; its floors are FSDP's own (`fsdp_time_floor
    memory per GPU from `canzona.memory` (weights, gradients, activations and the allowance; the
    plan-dependent parts only add to it) against the profile's capacity.
 3. **Simulate** the survivors over a process pool (one worker per core). Recompute is tried in
-   rounds: it only adds compute, so a layout is simulated with the least recompute its memory bound
-   admits, and with the next one only if that did not fit.
+   rounds: a layout is simulated with one recompute setting, and with another only if that did
+   not fit. Under FSDP (`Space.least_compute_first`) the setting is, of those whose memory floor
+   fits and not yet tried, the one of least time floor (the modes' memory and compute are not
+   ordered alike: torchtitan's selective-layer against selective-op); on ZeRO-1 layouts the first
+   in the modes' order, least recompute first.
 4. **Refine** the best `refine_top` fitting layouts over the other step policies and reduce-scatter
    implementations (the defaults are searched first). `zero1-gather` is not tried beside canzona:
    canzona's ZeRO-1 fallback already simulates it and keeps the faster.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -38,7 +41,7 @@ from canzona.cost import DeviceRate
 from canzona.errors import SpecError
 from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
-from canzona.memory import RECOMPUTE_MODES, activation_bytes
+from canzona.memory import activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
 from canzona.pipeline import stage_spec
@@ -46,9 +49,16 @@ from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
     BLOCK,
     FULL,
+    NONE,
+    SELECTIVE_AC_DEFAULT,
+    SELECTIVE_LAYER,
     check_recompute_method,
+    check_selective_ac_option,
     forward_without_grad,
+    layout_recompute_modes,
     recompute_label,
+    selective_ac_every,
+    torchtitan_ac,
 )
 from canzona.reductions import (
     DEFAULT_REDUCE_SCATTER,
@@ -67,6 +77,7 @@ from sim.fsdp import (
     copy_seconds,
     fsdp_memory_floor,
     fsdp_micro_batch_work,
+    fsdp_recompute_modes,
     gathered_elements,
     unit_elements,
 )
@@ -123,6 +134,10 @@ class Question:
     # block method at the fewest checkpointed layers a chunk its memory floor admits, and with every
     # layer checkpointed only if that run did not fit (`search`)
     search_recompute_layers: bool = True
+    # torchtitan's --activation_checkpoint.selective_ac_option K (`canzona simulate --selective-ac-option`,
+    # RunOptions's field of this name; None: its default, 2): under fsdp, selective-layer is searched at
+    # torchtitan's default K and at this one (`selective_ac_options`)
+    selective_ac_option: int | None = None
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
     # (their defaults are Workload's: one definition)
@@ -185,9 +200,13 @@ class Question:
         if not isinstance(self.fsdp, bool):
             raise SpecError(f"fsdp must be True or False, got {self.fsdp!r}")
         check_fsdp_impl(self.fsdp_impl)
+        check_selective_ac_option(SELECTIVE_LAYER, self.selective_ac_option)
         if not self.fsdp:
             if self.fsdp_impl != FSDP2:
                 raise SpecError(f"--fsdp-impl {self.fsdp_impl}: for an FSDP layout (it needs --fsdp)")
+            if self.selective_ac_option is not None:
+                raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer "
+                                "recompute, searched under --fsdp (Megatron's ZeRO-1 layouts do not run it)")
             return
         default = {f.name: f.default for f in fields(Question)}
         named = [flag for name, flag in MEGATRON_ONLY if getattr(self, name) != default[name]]
@@ -288,6 +307,8 @@ EP_AXIS = Axis("ep", lambda f, c: [1] if not f.experts else
 MICRO_BATCH_AXIS = Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f, c) else
                         [m for m in divisors(f.global_batch // _dp(f, c)) if m <= MAX_MICRO_BATCH],
                         lambda kw, v: _workload(kw, micro_batch=v))
+# the recompute modes the simulator runs on Megatron's ZeRO-1 layouts (`SimConfig.check`'s definition)
+ZERO1_RECOMPUTE_MODES: tuple[str, ...] = layout_recompute_modes(fsdp=False)
 LAYOUT_AXES: tuple[Axis, ...] = (
     TP_AXIS,
     Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
@@ -302,8 +323,8 @@ LAYOUT_AXES: tuple[Axis, ...] = (
           if k <= MAX_CP and f.seq_len % (2 * k) == 0 and (k == 1 or f.seq_len // k >= MIN_CP_TOKENS)]),
     EP_AXIS,
     MICRO_BATCH_AXIS,
-    # ordered by cost: each mode only adds compute to the one before (the rounds of `search`)
-    Axis("recompute", lambda f, c: RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
+    # the modes the simulator runs on a ZeRO-1 layout (the rounds of `search` order them per layout)
+    Axis("recompute", lambda f, c: ZERO1_RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
 )
 MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for sequences beyond 32k
 # a CP rank's least share of the sequence: below it each ring step's attention is too short to hide
@@ -312,6 +333,8 @@ MAX_CP = 8  # context-parallel ranks: the ring's steps; longer rings are for seq
 MIN_CP_TOKENS = 4096
 MAX_MICRO_BATCH = 8  # sequences per micro-batch
 RECOMPUTE_AXIS = "recompute"
+# under selective-layer, torchtitan's selective_ac_option K a layout (and its row) carries
+AC_KEY = "selective_ac_option"
 
 
 def _zero1_policies(optimizer: str) -> list[str]:
@@ -339,7 +362,8 @@ REFINE_AXES: tuple[Axis, ...] = (
 # only), EP (a MoE model's, as the ZeRO-1 space's), HSDP's replicas R (every divisor of DP; the
 # simulator keeps a shard group of at least 2 ranks, and no HSDP under EP), FSDP2's
 # reshard_after_forward, the micro-batch and the recompute modes the simulator runs under FSDP
-# (`sim.fsdp.FSDP_RECOMPUTE_MODES`, least first: the rounds of `search`); no pipeline, virtual
+# (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of `selective_ac_options`: the rounds
+# of `search`); no pipeline, virtual
 # pipeline or context parallelism (one value each: the simulator runs FSDP at pp 1, cp 1). Which
 # combinations the simulator runs is its own checks' to say (`SimConfig.check`, `check_fsdp`).
 FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
@@ -361,23 +385,54 @@ FSDP_REFINE_AXES: tuple[Axis, ...] = (Axis("policy", lambda f, c: _fsdp_policies
 @dataclass(frozen=True)
 class Space:
     """What one kind of layout searches: its layout axes (in order: each axis's values may depend
-    on those before it), its refinement axes, its recompute modes (least first: the search's
-    rounds) and the `SimConfig` fields every layout of it sets from the question (`fixed`)."""
+    on those before it), its refinement axes, its recompute modes (the simulator's for the kind,
+    `canzona.recompute.layout_recompute_modes`), how the search's rounds order them per layout
+    (`least_compute_first`) and the `SimConfig` fields every layout of it sets from the question
+    (`fixed`)."""
 
     name: str
     layout: tuple[Axis, ...]
     refine: tuple[Axis, ...]
     recompute_modes: tuple[str, ...]
     fixed: Callable[[Question], dict[str, Any]]
+    # True: a layout is simulated with the setting of least time floor whose memory floor fits
+    # (`search`); False: with the first of `recompute_modes`, in their order, whose floor fits
+    least_compute_first: bool = True
+    # of `recompute_modes`, those a question's layouts run (None: all; under FSDP the
+    # implementation's, `sim.fsdp.fsdp_recompute_modes`: Megatron-FSDP runs no selective-layer)
+    modes_of: Callable[[Question], tuple[str, ...]] | None = None
 
     @property
     def layout_keys(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.layout)
 
+    def recompute_variants(self, q: Question) -> list[Layout]:
+        """The recompute settings a layout of this space is tried with: each mode, selective-layer
+        at each K of `selective_ac_options` (the mode's one setting the search chooses; Megatron's
+        block method under full is chosen per layout, `search`)."""
+        return [{RECOMPUTE_AXIS: m, AC_KEY: k} if m == SELECTIVE_LAYER else {RECOMPUTE_AXIS: m}
+                for m in self.recompute_modes if self.modes_of is None or m in self.modes_of(q)
+                for k in (selective_ac_options(q) if m == SELECTIVE_LAYER else (None,))]
 
-ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, RECOMPUTE_MODES, lambda q: {})
+
+def selective_ac_options(q: Question) -> tuple[int, ...]:
+    """The K of selective-layer the search tries: torchtitan's default (2, every other layer) and
+    the question's `selective_ac_option` when it sets another. Not every K: the least-compute K
+    that fits is the largest whose memory fits, which a default-or-asked pair does not explore
+    (an assumption: torchtitan's users run its default or name their K)."""
+    return tuple(sorted({SELECTIVE_AC_DEFAULT, selective_ac_every(q.selective_ac_option)}))
+
+
+# the ZeRO-1 rounds keep the modes' order (none, selective, selective-op, full with Megatron's block
+# method first): the searches documented in docs/design.md §9.6-9.7 are ranked under it. It is not
+# an order by compute (a block of a few layers re-runs less than selective-op on every layer: on
+# Qwen3-32B / 256 H100, least_compute_first finds three layouts 2-5% faster below the top ten, and
+# qwen3-0.6b's selective-op has a lower floor than selective); turning it on is left to a run of
+# every published row's search (design §9.7)
+ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, ZERO1_RECOMPUTE_MODES, lambda q: {}, least_compute_first=False)
 FSDP_SPACE = Space("fsdp", FSDP_LAYOUT_AXES, FSDP_REFINE_AXES, FSDP_RECOMPUTE_MODES,
-                   lambda q: {"fsdp": True, "fsdp_impl": q.fsdp_impl})
+                   lambda q: {"fsdp": True, "fsdp_impl": q.fsdp_impl},
+                   modes_of=lambda q: fsdp_recompute_modes(q.fsdp_impl))
 SPACES = {False: ZERO1_SPACE, True: FSDP_SPACE}  # by `Question.fsdp` / `SimConfig.fsdp`
 
 
@@ -421,6 +476,8 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
         if method is not None:
             _options(kwargs, recompute_method=method,
                      recompute_num_layers=layout.get("recompute_num_layers", q.recompute_num_layers))
+    if kwargs["options"].recompute == SELECTIVE_LAYER:  # the layout's K, else the question's
+        _options(kwargs, selective_ac_option=layout.get(AC_KEY, q.selective_ac_option))
     if q.overlap_moe_expert_parallel_comm and allowed(ep=kwargs.get("ep", 1), pp=kwargs.get("pp", 1),
                                                        vp=kwargs.get("vp", 1), recompute=kwargs["options"].recompute,
                                                        fsdp=False):
@@ -433,10 +490,13 @@ METHOD_KEYS = ("recompute_method", "recompute_num_layers")
 
 
 def layout_of(row: dict[str, Any]) -> Layout:
-    """The layout a simulated row ran (its space's axes, DP and any recompute method)."""
+    """The layout a simulated row ran (its space's axes, DP, any recompute method and
+    selective-layer's K)."""
     out = {k: row[k] for k in (*_row_space(row).layout_keys, "dp")}
     if row.get("recompute_method") is not None:
         out.update({k: row[k] for k in METHOD_KEYS})
+    if row.get(AC_KEY) is not None:
+        out[AC_KEY] = row[AC_KEY]
     return out
 
 
@@ -516,8 +576,10 @@ def fsdp_launch(row: dict[str, Any]) -> list[str]:
         out.append(f"ep {row['ep']}")
     if row["micro_batch"] > 1:
         out.append(f"micro-batch {row['micro_batch']}")
-    if row["recompute"] != "none":
-        out.append(f"recompute {row['recompute']} (a checkpoint wrapper per decoder layer)")
+    if row["recompute"] != NONE:
+        ac = torchtitan_ac(row["recompute"], row.get(AC_KEY))
+        out.append(f"recompute {_recompute_text(row)} (a checkpoint wrapper per decoder layer; "
+                   + (f"torchtitan: {ac})" if ac else "Megatron's attention-core recompute, no torchtitan setting)"))
     # the policies: canzona's FsdpOptimizer runs canzona and fsdp-owners-unbalanced for whole-matrix
     # optimizers; fsdp-gather-all is muon_fsdp2's (the simulator's baseline); AdamW steps the shards
     if row["policy"] not in FSDP_POLICIES:  # an elementwise optimizer's own (fsdp_policy)
@@ -598,6 +660,9 @@ def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
         # Megatron's recompute method the layout ran (the question's, under full recompute: `config_of`)
         "recompute_method": cfg.options.recompute_method,
         "recompute_num_layers": cfg.options.recompute_num_layers,
+        # torchtitan's selective_ac_option K the layout ran under selective-layer (None otherwise)
+        AC_KEY: selective_ac_every(cfg.options.selective_ac_option) if cfg.options.recompute == SELECTIVE_LAYER
+        else None,
     }
 
 
@@ -944,14 +1009,32 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                 lo = mid + 1
         return best
 
-    def push(layout: Layout, modes: Sequence[str], gap: float = 0.0) -> None:
-        """Queue `layout` with the first recompute mode of `modes` whose memory floor fits. Full
-        recompute is first Megatron's block method (`explore`) at the fewest layers whose floor
-        fits `gap` below the capacity: what a run of the layout measured beyond its floor (the
-        plan's buffers, state and masters, which the recompute does not change)."""
-        for mode in modes:
-            chosen = {**layout, RECOMPUTE_AXIS: mode}
-            if mode == FULL and explore and "recompute_method" not in layout:
+    # the recompute settings (`recompute_variant`) each layout (`_layout_key`) has had: queued, or
+    # refused by the memory floor, which no later round changes
+    tried: dict[tuple, set[tuple]] = {}
+
+    def push(layout: Layout, gap: float = 0.0, fixed: Layout | None = None) -> None:
+        """Queue `layout` with the recompute setting of least compute among those not yet tried on it
+        whose memory floor fits (`Space.least_compute_first`; else the first in the space's order):
+        the least time floor (`time_floor`, the bound the queue is ordered by: a layout's floors
+        under two settings differ by exactly the kernels, and under full recompute the
+        collectives, each runs again), `none` without comparing (it runs nothing again). Full
+        recompute is first Megatron's block method (`explore`) at the fewest layers
+        whose floor fits `gap` below the capacity: what a run of the layout measured beyond its
+        floor (the plan's buffers, state and masters, which the recompute does not change).
+        `fixed`: that setting only (the block method's next try). Nothing fits: pruned by the
+        memory floor (or by the method's rule), unless every setting had been tried."""
+        base = {k: v for k, v in layout.items() if k not in RECOMPUTE_KEYS}
+        done = tried.setdefault(_layout_key(space, base), set())
+        fitting: list[tuple[SimConfig, Layout]] = []
+        considered, refused = 0, None
+        for setting in [fixed] if fixed is not None else space.recompute_variants(q):
+            chosen = {**base, **setting}
+            if fixed is None and recompute_variant(chosen) in done:
+                continue
+            considered += 1
+            mode = chosen[RECOMPUTE_AXIS]
+            if mode == FULL and explore and "recompute_method" not in chosen:
                 n = least_block(chosen, capacity - gap)
                 if n is not None:
                     chosen.update(recompute_method=BLOCK, recompute_num_layers=n)
@@ -959,13 +1042,28 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             if mode == FULL and q.recompute_method is not None:
                 try:  # a uniform group must divide every model chunk (checked with the mode: the layout passed)
                     cfg.check(model)
-                except SpecError as e:  # refused by that rule (full is the last mode), not by the memory
-                    refuse(e)
-                    return
-            if memory_floor(cfg, model) <= capacity:
-                heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
-                return
-        counts["memory"] += 1
+                except SpecError as e:  # refused by that rule, not by the memory
+                    refused = e
+                    done.add(recompute_variant(chosen))
+                    continue
+            if memory_floor(cfg, model) > capacity:
+                done.add(recompute_variant(chosen))
+                continue
+            fitting.append((cfg, chosen))
+            if mode == NONE or not space.least_compute_first:  # none runs nothing again: nothing has less compute
+                break
+        if not fitting:
+            if refused is not None:
+                refuse(refused)
+            elif considered:
+                counts["memory"] += 1
+            return
+        floors = [time_floor(cfg, model, rate, hw) for cfg, _ in fitting] if len(fitting) > 1 else [None]
+        i = min(range(len(fitting)), key=lambda j: floors[j])  # ties: the space's order
+        cfg, chosen = fitting[i]
+        done.add(recompute_variant(chosen))
+        floor = floors[i] if floors[i] is not None else time_floor(cfg, model, rate, hw)
+        heapq.heappush(queue, _Pending(floor, len(queue) + len(rows), cfg, chosen))
 
     rows: list[dict[str, Any]] = []
     for layout in cands:
@@ -974,7 +1072,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         except SpecError as e:
             refuse(e)
             continue
-        push(layout, space.recompute_modes)
+        push(layout)
     if not queue:
         why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
@@ -1002,12 +1100,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             if explore and row["recompute_method"] == BLOCK:  # the search's block did not fit: more layers, or all
                 n = least_block(layout, capacity - gap, above=row["recompute_num_layers"])
                 plain = n is None
-                push({**layout, "recompute_method": None if plain else BLOCK,
-                      "recompute_num_layers": None if plain else n}, (FULL,))
+                push(layout, fixed={RECOMPUTE_AXIS: FULL, "recompute_method": None if plain else BLOCK,
+                                    "recompute_num_layers": None if plain else n})
                 return
-            modes = space.recompute_modes[space.recompute_modes.index(row[RECOMPUTE_AXIS]) + 1:]
-            if modes:  # recompute only adds compute: the next mode only for a layout that did not fit
-                push(layout, modes, gap)
+            # the next least-compute setting not yet tried: only for a layout that did not fit
+            push(layout, gap)
 
     with ProcessPoolExecutor(max_workers=workers) as pool:
         running: dict[Any, _Pending] = {}
@@ -1054,16 +1151,34 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                         time.perf_counter() - start, workers, counts["bound"], top, counts["ties"])
 
 
+# a layout's keys that say its recompute: the mode, Megatron's method, selective-layer's K
+RECOMPUTE_KEYS = (RECOMPUTE_AXIS, *METHOD_KEYS, AC_KEY)
+
+
+def recompute_variant(layout: Layout) -> tuple:
+    """A layout's recompute setting as the rounds of `search` tell them apart: the mode and
+    selective-layer's K (Megatron's block method's layers are the search's choice within full)."""
+    return layout[RECOMPUTE_AXIS], layout.get(AC_KEY)
+
+
+def _layout_key(space: Space, layout: Layout) -> tuple:
+    """A layout's axes but its recompute."""
+    return tuple(layout[k] for k in space.layout_keys if k != RECOMPUTE_AXIS)
+
+
 def _order(row: dict[str, Any]) -> tuple:
     """Ties broken towards the simpler layout (under FSDP: fewer replicas, resharded after forward)."""
     return (row["refined"], row["pp"], row["vp"], row["ep"],
-            _row_space(row).recompute_modes.index(row["recompute"]), row["tp"], row.get("hsdp_replicate", 1),
+            _row_space(row).recompute_modes.index(row["recompute"]), -(row.get(AC_KEY) or 0), row["tp"],
+            row.get("hsdp_replicate", 1),
             not row.get("reshard_after_forward", True))
 
 
 def _recompute_text(row: Layout) -> str:
-    """A layout's recompute, with Megatron's method where a simulated row ran one."""
-    return recompute_label(row[RECOMPUTE_AXIS], row.get("recompute_method"), row.get("recompute_num_layers"))
+    """A layout's recompute, with Megatron's method where a simulated row ran one and
+    selective-layer's K."""
+    return recompute_label(row[RECOMPUTE_AXIS], row.get("recompute_method"), row.get("recompute_num_layers"),
+                           every=row.get(AC_KEY))
 
 
 def describe(layout: Layout) -> str:
@@ -1082,6 +1197,6 @@ def describe(layout: Layout) -> str:
     return " ".join(parts)
 
 
-__all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SPACES", "ZERO1_SPACE", "Axis", "LAYOUT_AXES",
-           "REFINE_AXES", "Question", "SearchResult", "Space", "candidates", "config_of", "fsdp_launch",
-           "memory_floor", "plan_command", "search", "space_of"]
+__all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SPACES", "ZERO1_RECOMPUTE_MODES", "ZERO1_SPACE", "Axis",
+           "LAYOUT_AXES", "REFINE_AXES", "Question", "SearchResult", "Space", "candidates", "config_of", "fsdp_launch",
+           "memory_floor", "plan_command", "recompute_variant", "search", "selective_ac_options", "space_of"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -82,7 +83,8 @@ def test_bad_input_is_one_line(args, needle):
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                                   "apply_rope_fusion", "bias_activation_fusion", "recompute_method",
-                                  "recompute_num_layers", "routing", "kernels", "fsdp", "fsdp_impl"])
+                                  "recompute_num_layers", "routing", "kernels", "fsdp", "fsdp_impl",
+                                  "selective_ac_option"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
     """The run settings `Question` carries are `search` options of the same name and default as
     `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
@@ -174,3 +176,34 @@ def test_fsdp_with_a_megatron_option_is_one_line(args, needle):
 
 def test_fsdp_impl_without_fsdp_is_one_line():
     error_line(invoke("search", *SMALL, "--fsdp-impl", "megatron-fsdp"), "--fsdp-impl megatron-fsdp", "needs --fsdp")
+
+
+def test_selective_ac_option_reaches_the_question_and_the_best_says_its_k(tmp_path):
+    """`--selective-ac-option K` under --fsdp: the question carries it; on 90 GB GPUs qwen3-30b-a3b's
+    best FSDP layout runs selective-layer, and the table, the JSON row and the launcher line say
+    its K with torchtitan's activation_checkpoint config."""
+    profile = json.loads((Path(__file__).resolve().parents[2] / "canzona" / "profiles" / "h100-sxm.json").read_text())
+    profile["gpu"]["memory_bytes"] = 90_000_000_000
+    path = tmp_path / "h100-90gb.json"
+    path.write_text(json.dumps(profile))
+    moe = ("--model", "qwen3-30b-a3b", "--gpus", 8, "--seq-len", 4096, "--global-batch", 16, "--optimizer", "adamw",
+           "--fsdp", "--hardware", str(path), "--workers", 1, "--selective-ac-option", 3)
+    r = invoke("search", *moe, "--top", 2, "--json")
+    assert r.exit_code == 0, r.stderr
+    asked = json.loads(r.stdout)
+    best = asked["layouts"][0]
+    assert asked["selective_ac_option"] == 3
+    assert best["recompute"] == "selective-layer" and best["selective_ac_option"] in (2, 3)
+    k = best["selective_ac_option"]
+    table = invoke("search", *moe, "--top", 2)
+    assert table.exit_code == 0, table.stderr
+    assert f"every {k})" in table.stdout
+    assert f"activation_checkpoint.selective_ac_option = '{k}'" in table.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--selective-ac-option", 2), "searched under --fsdp"),
+    (("--fsdp", "--selective-ac-option", 0), "whole number >= 1"),
+])
+def test_a_bad_selective_ac_option_is_one_line(args, needle):
+    error_line(invoke("search", *SMALL, *args), needle)

@@ -1,6 +1,7 @@
-"""Red-team findings in the search (sim/search.py) left to its owner: each test fails on the code as
-it is and is marked xfail(strict=True) with the reason, so that the fix turns it into a pass (and
-the strict mark into a failure to remove)."""
+"""Red-team findings in the search (sim/search.py), each a test that failed on the code it was found
+in: a Megatron (ZeRO-1) search stepped from a full-recompute run that did not fit to torchtitan's
+selective-layer, which its layouts cannot run (fixed by each space's recompute modes being the
+simulator's for its layouts, `canzona.recompute.layout_recompute_modes`)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,6 @@ def _small_gpu(tmp_path, memory_bytes: int) -> str:
     return str(path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim/search.py steps from a full-recompute run that did not fit to the next of RECOMPUTE_MODES, "
-    "now torchtitan's selective-layer, which the search's Megatron (ZeRO-1) layouts cannot run: the "
-    "search simulates it and records a refusal ('--recompute selective-layer is torchtitan's, simulated "
-    "under --fsdp'). The recompute modes a Megatron search tries should exclude selective-layer."))
 def test_a_megatron_search_never_tries_selective_layer(tmp_path):
     q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, optimizer="adamw",
                  hardware=_small_gpu(tmp_path, 3_500_000_000))

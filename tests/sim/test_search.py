@@ -329,3 +329,44 @@ def test_a_dense_model_refuses_the_expert_dispatch_settings(changes, named):
     with pytest.raises(SpecError, match=f"^{named}: .* 'qwen3-0.6b' has no experts"):
         Question(model="qwen3-0.6b", gpus=8, **changes)
     Question(model="qwen3-30b-a3b", gpus=8, **changes)
+
+
+def _small_gpu(tmp_path, memory_bytes: float) -> str:
+    """The H100 profile with less memory (a path `Question.hardware` takes)."""
+    profile = json.loads((Path(__file__).resolve().parents[2] / "canzona" / "profiles" / "h100-sxm.json").read_text())
+    profile["gpu"]["memory_bytes"] = int(memory_bytes)
+    path = tmp_path / f"h100-{int(memory_bytes)}.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def test_each_space_searches_the_modes_the_simulator_runs_on_it():
+    """The recompute modes each space tries are the simulator's for its kind of layout: a mode is
+    in a space's list exactly when `SimConfig.check` takes it on the space's layouts
+    (`canzona.recompute.layout_recompute_modes`, one definition)."""
+    from canzona.recompute import RECOMPUTE_MODES, SELECTIVE_LAYER
+    from sim.search import FSDP_SPACE, ZERO1_SPACE
+
+    assert SELECTIVE_LAYER not in ZERO1_SPACE.recompute_modes and SELECTIVE_LAYER in FSDP_SPACE.recompute_modes
+    for q, space in ((SMALL, ZERO1_SPACE), (replace(SMALL, fsdp=True), FSDP_SPACE)):
+        layout = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "micro_batch": 1, "hsdp_replicate": 1,
+                  "reshard_after_forward": True}
+        for mode in RECOMPUTE_MODES:
+            try:
+                config_of(q, {**layout, "recompute": mode}).check()
+                runs = True
+            except SpecError:
+                runs = False
+            assert runs == (mode in space.recompute_modes), (space.name, mode)
+
+
+def test_a_zero1_search_never_queues_selective_layer(tmp_path):
+    """On a 6 GB GPU some qwen3-0.6b layouts do not fit even with full recompute: the search steps
+    on from them to no mode the simulator refuses on a ZeRO-1 layout (torchtitan's selective-layer,
+    which it used to queue after full and count as refused by the checks)."""
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, hardware=_small_gpu(tmp_path, 6e9))
+    found = search(q, top=3, workers=1)
+    assert any(r["recompute"] == "full" and r["recompute_method"] is None for r in found.not_fitting)
+    assert not any("selective-layer" in reason for reason in found.reasons), found.reasons
+    assert {r["recompute"] for r in found.ranked + found.not_fitting} <= {"none", "selective", "selective-op", "full"}
+    assert all(r["selective_ac_option"] is None for r in found.ranked + found.not_fitting)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,13 @@ from sim.search import (
     config_of,
     describe,
     facts_of,
+    layout_of,
     memory_floor,
     not_in_plan,
     plan_command,
     refine_values,
     search,
+    selective_ac_options,
     space_of,
     time_floor,
 )
@@ -117,6 +121,12 @@ FLOOR_CASES = [
      dict(tp=2, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
     (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=64),
      dict(tp=1, hsdp_replicate=2, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+    (dict(model="qwen3-8b", gpus=16, seq_len=4096, global_batch=32, selective_ac_option=3),
+     dict(tp=2, hsdp_replicate=1, reshard_after_forward=True, micro_batch=2, recompute="selective-layer",
+          selective_ac_option=3), None),
+    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw"),
+     dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=1, recompute="selective-layer"),
+     None),
 ]
 
 
@@ -136,13 +146,13 @@ def test_fsdp_floors_are_below_the_simulation(asked, layout, policy):
 
 
 def _brute_force(q: Question) -> float:
-    """The fastest fitting layout's time over every candidate under every recompute mode, each
-    simulated."""
+    """The fastest fitting layout's time over every candidate under every recompute mode (selective-
+    layer at every K the space tries), each simulated."""
     model = resolve_model(q.model)
     best = float("inf")
     for c in candidates(q):
-        for mode in FSDP_SPACE.recompute_modes:
-            cfg = config_of(q, {**c, "recompute": mode})
+        for setting in FSDP_SPACE.recompute_variants(q):
+            cfg = config_of(q, {**c, **setting})
             try:
                 cfg.check(model)
             except SpecError:
@@ -202,3 +212,86 @@ def test_fsdp_refuses_the_ep_overlap_and_fsdp_impl_needs_fsdp():
     with pytest.raises(SpecError, match="fsdp impl|fsdp-impl|one of"):
         Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="nope")
     Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="megatron-fsdp")
+
+
+def _gpu_of(tmp_path, memory_bytes: float) -> str:
+    """The H100 profile with another memory size (a path `Question.hardware` takes)."""
+    profile = json.loads((Path(canzona.__file__).resolve().parent / "profiles" / "h100-sxm.json").read_text())
+    profile["gpu"]["memory_bytes"] = int(memory_bytes)
+    path = tmp_path / f"h100-{int(memory_bytes)}.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def test_the_rounds_take_the_least_compute_that_fits(tmp_path):
+    """qwen3-30b-a3b under --fsdp --ep on 90 GB GPUs: no layout fits without recompute, and where
+    both fit, selective-layer (every other layer re-run whole) computes less than selective-op,
+    which re-runs every layer's experts whole (their grouped GEMMs are not `aten.mm`). The
+    rounds simulate each layout with its least time floor among the settings whose memory floor
+    fits, so the search's best is selective-layer's and the brute force's (the static order,
+    selective-op before selective-layer, found selective-op's, 0.5% slower)."""
+    q = replace(MOE, hardware=_gpu_of(tmp_path, 90e9))
+    found = search(q, top=1, refine_top=0, workers=1)
+    best = found.ranked[0]
+    assert (best["recompute"], best["selective_ac_option"]) == ("selective-layer", 2)
+    assert best["iteration_time_s"] == _brute_force(q)
+    model = resolve_model(q.model)
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    layout = layout_of(best)
+    op = config_of(q, {**layout, "recompute": "selective-op"})
+    assert memory_floor(op, model) <= hw.gpu.memory_bytes  # selective-op fits too: compute chose
+    assert time_floor(config_of(q, layout), model, rate, hw) < time_floor(op, model, rate, hw)
+    assert simulate(op).iteration_time_s > best["iteration_time_s"]
+
+
+def test_selective_ac_option_is_searched_and_said(tmp_path):
+    """The question's --selective-ac-option K is searched beside torchtitan's default 2; a row,
+    its layout, its description and its launcher settings (torchtitan's activation_checkpoint
+    config) say which K it ran."""
+    q = replace(MOE, hardware=_gpu_of(tmp_path, 90e9), selective_ac_option=4)
+    assert selective_ac_options(q) == (2, 4) and selective_ac_options(MOE) == (2,)
+    assert [s for s in FSDP_SPACE.recompute_variants(q) if s["recompute"] == "selective-layer"] == \
+        [{"recompute": "selective-layer", "selective_ac_option": 2}, {"recompute": "selective-layer", "selective_ac_option": 4}]
+    found = search(q, top=3, refine_top=0, workers=1)
+    rows = found.ranked + found.not_fitting
+    assert {r["selective_ac_option"] for r in rows if r["recompute"] == "selective-layer"} >= {2}
+    for row in rows:
+        k = row["selective_ac_option"]
+        assert (k is not None) == (row["recompute"] == "selective-layer")
+        if k is None:
+            continue
+        assert layout_of(row)["selective_ac_option"] == k
+        assert config_of(q, layout_of(row)).options.selective_ac_option == k
+        assert f"recompute selective-layer (every {k})" in describe(row)
+        assert any(f"activation_checkpoint.mode = 'selective', activation_checkpoint.selective_ac_option = '{k}'" in x
+                   for x in not_in_plan(row))
+    listed = found.to_dict()["layouts"]
+    assert all("selective_ac_option" in r for r in listed)
+    assert found.to_dict()["selective_ac_option"] == 4
+    op = {**layout_of(found.ranked[0]), "recompute": "selective-op"}
+    op.pop("selective_ac_option", None)
+    assert any("selective_ac_option = 'op'" in x for x in not_in_plan({**found.ranked[0], **op}))
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"selective_ac_option": 0, "fsdp": True}, "whole number >= 1"),
+    ({"selective_ac_option": True, "fsdp": True}, "whole number >= 1"),
+    ({"selective_ac_option": 2}, "searched under --fsdp"),
+])
+def test_a_bad_selective_ac_option_is_one_line(changes, needle):
+    with pytest.raises(SpecError, match=needle):
+        Question(model="qwen3-0.6b", gpus=8, **changes)
+
+
+def test_a_megatron_fsdp_search_tries_no_selective_layer():
+    """Megatron-FSDP runs no torchtitan selective-layer (`sim.fsdp.fsdp_recompute_modes`): its
+    search's recompute settings leave it out; FSDP2's keep it."""
+    from canzona.recompute import SELECTIVE_LAYER
+    from sim.search import FSDP_SPACE
+
+    base = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, optimizer="adamw", fsdp=True)
+    fsdp2 = [v["recompute"] for v in FSDP_SPACE.recompute_variants(base)]
+    megatron = [v["recompute"] for v in FSDP_SPACE.recompute_variants(replace(base, fsdp_impl="megatron-fsdp"))]
+    assert SELECTIVE_LAYER in fsdp2
+    assert SELECTIVE_LAYER not in megatron and set(megatron) == set(fsdp2) - {SELECTIVE_LAYER}
