@@ -16,10 +16,9 @@ step policies), with the same steps; its floors are FSDP's own (`fsdp_time_floor
    plan-dependent parts only add to it) against the profile's capacity.
 3. **Simulate** the survivors over a process pool (one worker per core). Recompute is tried in
    rounds: a layout is simulated with one recompute setting, and with another only if that did
-   not fit. Under FSDP (`Space.least_compute_first`) the setting is, of those whose memory floor
-   fits and not yet tried, the one of least time floor (the modes' memory and compute are not
-   ordered alike: torchtitan's selective-layer against selective-op); on ZeRO-1 layouts the first
-   in the modes' order, least recompute first.
+   not fit: of the settings whose memory floor fits and not yet tried, the one of least time floor
+   (the modes' memory and compute are not ordered alike: torchtitan's selective-layer against
+   selective-op, a Megatron block of a few layers against selective-op on every layer).
 4. **Refine** the best `refine_top` fitting layouts over the other step policies and reduce-scatter
    implementations (the defaults are searched first). `zero1-gather` is not tried beside canzona:
    canzona's ZeRO-1 fallback already simulates it and keeps the faster.
@@ -386,8 +385,8 @@ FSDP_REFINE_AXES: tuple[Axis, ...] = (Axis("policy", lambda f, c: _fsdp_policies
 class Space:
     """What one kind of layout searches: its layout axes (in order: each axis's values may depend
     on those before it), its refinement axes, its recompute modes (the simulator's for the kind,
-    `canzona.recompute.layout_recompute_modes`), how the search's rounds order them per layout
-    (`least_compute_first`) and the `SimConfig` fields every layout of it sets from the question
+    `canzona.recompute.layout_recompute_modes`; the search's rounds try a layout's least-compute
+    setting first) and the `SimConfig` fields every layout of it sets from the question
     (`fixed`)."""
 
     name: str
@@ -395,9 +394,6 @@ class Space:
     refine: tuple[Axis, ...]
     recompute_modes: tuple[str, ...]
     fixed: Callable[[Question], dict[str, Any]]
-    # True: a layout is simulated with the setting of least time floor whose memory floor fits
-    # (`search`); False: with the first of `recompute_modes`, in their order, whose floor fits
-    least_compute_first: bool = True
     # of `recompute_modes`, those a question's layouts run (None: all; under FSDP the
     # implementation's, `sim.fsdp.fsdp_recompute_modes`: Megatron-FSDP runs no selective-layer)
     modes_of: Callable[[Question], tuple[str, ...]] | None = None
@@ -423,13 +419,11 @@ def selective_ac_options(q: Question) -> tuple[int, ...]:
     return tuple(sorted({SELECTIVE_AC_DEFAULT, selective_ac_every(q.selective_ac_option)}))
 
 
-# the ZeRO-1 rounds keep the modes' order (none, selective, selective-op, full with Megatron's block
-# method first): the searches documented in docs/design.md §9.6-9.7 are ranked under it. It is not
-# an order by compute (a block of a few layers re-runs less than selective-op on every layer: on
-# Qwen3-32B / 256 H100, least_compute_first finds three layouts 2-5% faster below the top ten, and
-# qwen3-0.6b's selective-op has a lower floor than selective); turning it on is left to a run of
-# every published row's search (design §9.7)
-ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, ZERO1_RECOMPUTE_MODES, lambda q: {}, least_compute_first=False)
+# both spaces' rounds take a layout's least-compute setting whose memory floor fits: the modes'
+# order is not one of compute (a Megatron block of a few layers re-runs less than selective-op on
+# every layer; qwen3-0.6b's selective-op has a lower floor than selective), and under it the search
+# missed faster layouts (Qwen3-32B / 256 H100: three 2-5% faster below the top ten, design §9.7)
+ZERO1_SPACE = Space("zero1", LAYOUT_AXES, REFINE_AXES, ZERO1_RECOMPUTE_MODES, lambda q: {})
 FSDP_SPACE = Space("fsdp", FSDP_LAYOUT_AXES, FSDP_REFINE_AXES, FSDP_RECOMPUTE_MODES,
                    lambda q: {"fsdp": True, "fsdp_impl": q.fsdp_impl},
                    modes_of=lambda q: fsdp_recompute_modes(q.fsdp_impl))
@@ -1015,8 +1009,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
 
     def push(layout: Layout, gap: float = 0.0, fixed: Layout | None = None) -> None:
         """Queue `layout` with the recompute setting of least compute among those not yet tried on it
-        whose memory floor fits (`Space.least_compute_first`; else the first in the space's order):
-        the least time floor (`time_floor`, the bound the queue is ordered by: a layout's floors
+        whose memory floor fits: the least time floor (`time_floor`, the bound the queue is ordered by: a layout's floors
         under two settings differ by exactly the kernels, and under full recompute the
         collectives, each runs again), `none` without comparing (it runs nothing again). Full
         recompute is first Megatron's block method (`explore`) at the fewest layers
@@ -1050,7 +1043,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                 done.add(recompute_variant(chosen))
                 continue
             fitting.append((cfg, chosen))
-            if mode == NONE or not space.least_compute_first:  # none runs nothing again: nothing has less compute
+            if mode == NONE:  # none runs nothing again: nothing has less compute
                 break
         if not fitting:
             if refused is not None:

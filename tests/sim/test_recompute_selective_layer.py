@@ -115,8 +115,8 @@ def test_memory_by_hand():
 def test_the_modes_order_the_search_relies_on(tp):
     """selective-layer last in RECOMPUTE_MODES: at any K > 1 it stores more than full; at TP 1 its
     default stores more than selective-op too (under TP less: selective-op keeps its row-parallel
-    outputs whole). No place in a static list orders it by memory, which is why the FSDP search
-    orders a layout's settings by their floors instead (`sim.search.Space.least_compute_first`)."""
+    outputs whole). No place in a static list orders it by memory, which is why the search orders a
+    layout's settings by their time floors instead (`sim.search.search`'s rounds)."""
     assert RECOMPUTE_MODES[-2:] == (FULL, SELECTIVE_LAYER)
     setup = MemorySetup(seq_len=8192, micro_batch=1)
     full = activation_bytes(LLAMA3_8B, replace(setup, recompute=FULL), tp)
