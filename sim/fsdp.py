@@ -46,6 +46,7 @@ from canzona.errors import SpecError
 from canzona.experts import dense_part
 from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
+    MAX_OWNER_GROUPS,
     ROOT,
     FsdpMatrix,
     FsdpRankBytes,
@@ -69,7 +70,7 @@ from canzona.memory import (
     kernel_workspace_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.plan import Plan, plan_for
+from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS, Plan, plan_for
 from canzona.recompute import SELECTIVE_LAYER, inside_layers, layout_recompute_modes
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
@@ -166,11 +167,40 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     if not cfg.zero1_fallback:
         raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
                         "fallback to report")
+    _check_zero1_step_options(cfg)
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard
+
+
+def _check_zero1_step_options(cfg) -> None:
+    """`DistributedOptimizer`'s options of the ZeRO-1 layout that `FsdpOptimizer`
+    (canzona.runtime.fsdp) takes and does nothing with: FSDP2 reduce-scatters the gradients, the
+    owners are planned over the exchange group at TP 1 with whole matrices
+    (`canzona.fsdp_plan.fsdp_matrices`: no segments, no TP schedule) and the step's micro-groups are
+    each owner's matrices cut by cost (`owner_micro_groups`), which no capacity sizes and no TP mode
+    orders. Each set off its default is one SpecError; named at its default it is accepted."""
+    if cfg.options.reduce_scatter != STEP_DEFAULTS.reduce_scatter:
+        raise SpecError(f"--reduce-scatter {cfg.options.reduce_scatter} is the distributed optimizer's (ZeRO-1) "
+                        "gradient reduce-scatter: under --fsdp torch's fully_shard reduce-scatters each unit's "
+                        "gradients itself (FsdpOptimizer has no reduce_scatter to run), as the simulator runs them")
+    if cfg.geometry != DEFAULT_GEOMETRY:
+        raise SpecError(f"--geometry {cfg.geometry} chooses the ZeRO-1 layout's segments: under --fsdp every matrix "
+                        "is whole at its one owner whatever the geometry (canzona.fsdp_plan.fsdp_matrices)")
+    if cfg.tp_policy != PLAN_DEFAULTS.tp_policy:
+        raise SpecError(f"--tp-policy {cfg.tp_policy} schedules the ZeRO-1 layout's TP micro-groups: under --fsdp the "
+                        "owners are planned over the exchange group at TP 1 and each computes its matrices whole "
+                        "(canzona.fsdp_plan.fsdp_matrices), with no TP schedule")
+    if cfg.tp_mode != STEP_DEFAULTS.tp_mode:
+        raise SpecError(f"--tp-mode {cfg.tp_mode} orders the ZeRO-1 layout's TP micro-groups: under --fsdp the step's "
+                        "micro-groups are the owners' all-to-all exchanges (canzona.fsdp_plan.owner_micro_groups), "
+                        "pipelined one ahead, with no TP mode")
+    if cfg.capacity != PLAN_DEFAULTS.capacity:
+        raise SpecError(f"--capacity sizes the ZeRO-1 layout's TP micro-groups: under --fsdp the step's micro-groups "
+                        f"are each owner's matrices cut by cost into at most {MAX_OWNER_GROUPS} "
+                        "(canzona.fsdp_plan.owner_micro_groups), which no capacity sizes")
 
 
 # --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------

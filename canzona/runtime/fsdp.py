@@ -103,8 +103,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
     """`DistributedOptimizer` over FSDP2 parameters (built by it: `DistributedOptimizer(
     model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
     describes the global model. Options are `DistributedOptimizer`'s; those of the ZeRO-1 layout
-    that FSDP2 decides instead (reduce_scatter, tp_mode, overlap_param_gather, geometry,
-    expert_buckets) have no effect, and those it does not run yet are refused: `plan=` (the owners
+    that FSDP2 decides instead (reduce_scatter, tp_policy, tp_mode, capacity, overlap_param_gather,
+    geometry, expert_buckets) have no effect (`canzona simulate --fsdp` refuses them off their
+    defaults: `sim.fsdp.check_fsdp`), and those it does not run yet are refused: `plan=` (the owners
     are planned at construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
     with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
     `fsdp-owners-unbalanced`)."""

@@ -95,6 +95,54 @@ def test_zero1_options_are_refused_under_fsdp():
     assert _simulated(*DENSE, "--no-overlap-param-gather") != _simulated(*DENSE)
 
 
+def test_zero1_step_options_are_refused_under_fsdp():
+    """--reduce-scatter, --geometry, --tp-policy, --tp-mode and --capacity were accepted under
+    --fsdp and changed nothing: they are DistributedOptimizer's options of the ZeRO-1 layout, which
+    FsdpOptimizer (canzona.runtime.fsdp) takes and does nothing with (FSDP2 reduce-scatters, the
+    owners hold whole matrices planned at TP 1, the step's micro-groups are the owners' exchanges).
+    Named at their defaults they stay accepted (the same run); on the ZeRO-1 layout they act."""
+    refused = (("--reduce-scatter", "padded"), ("--geometry", "whole"), ("--tp-policy", "tp-chunk"),
+               ("--tp-mode", "serial"), ("--capacity", "1GiB"))
+    for command in BOTH:
+        for option, value in refused:
+            error_line(invoke(command, *FSDP, option, value), f"{option}", "ZeRO-1", "--fsdp")
+    defaults = ("--reduce-scatter", "native", "--geometry", "auto", "--tp-policy", "greedy-rollback",
+                "--tp-mode", "pipelined", "--capacity", "auto")
+    assert _simulated(*FSDP, *defaults) == _simulated(*FSDP)
+    dense = _simulated(*DENSE)
+    for option, value in refused:
+        if option != "--geometry":  # auto already plans whole matrices on this layout
+            assert _simulated(*DENSE, option, value) != dense, option
+
+
+def test_fsdp_owner_options_act_as_the_runtimes():
+    """--no-batch-kernels and --bucket-size are FsdpOptimizer's options too (canzona.runtime.fsdp:
+    batch_kernels runs an owner's same-shape matrices of a micro-group as one kernel; bucket_size
+    goes into its owners' plan, `fsdp_matrices`), so under --fsdp they stay and move the simulated
+    run where the runtime's behaviour moves. On FSDP's 16 GPUs at TP 2 no owner has two matrices
+    of one shape in a micro-group: nothing to batch, for the runtime either (the same run); over 4
+    GPUs there are. The buckets group the matrices whose owners canzona balances bucket by bucket
+    below --alpha 1 (at 1 its reorder balances every bucket's matrices together: the same owners)."""
+    from canzona.batching import shape_batches
+    from sim.fsdp import _FsdpRun, check_fsdp
+    from sim.simulate import SimConfig
+    from sim.workload import Workload
+
+    cfg = SimConfig(model="qwen3-0.6b", gpus=16, tp=2, fsdp=True, workload=Workload(seq_len=256, global_batch=16))
+    cluster, model, hw = cfg.checked()
+    run = _FsdpRun(cfg, model, cluster, hw, check_fsdp(cfg, cluster, model[0]))
+    assert max(len(b) for g in run.micro_groups() for r in run.members
+               for b in shape_batches([m for m in g if m.owner == r], True)) == 1
+    assert _simulated(*FSDP, "--no-batch-kernels") == _simulated(*FSDP)
+    four = [*DENSE[:2], "--gpus", "4", "--tp", "1", *DENSE[6:], "--fsdp"]
+    on, off = _simulated(*four), _simulated(*four, "--no-batch-kernels")
+    assert on["optimizer_step_s"] < off["optimizer_step_s"]
+    assert on["memory"]["worst"]["step_buffers"] > off["memory"]["worst"]["step_buffers"]  # the batches' stacks
+    half = _simulated(*FSDP, "--alpha", "0.5")
+    assert _simulated(*FSDP, "--alpha", "0.5", "--bucket-size", "20000000") != half
+    assert _simulated(*FSDP, "--bucket-size", "20000000") == _simulated(*FSDP)
+
+
 def test_alpha_and_compile_kernels_under_fsdp():
     """--alpha balances canzona's FSDP owners (it changes the run: kept, and the help says so);
     --compile-kernels is priced as eager everywhere, FSDP's optimizer's option too (kept, as the

@@ -10,7 +10,10 @@ from dataclasses import replace
 import pytest
 
 from canzona.errors import SpecError
+from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS
+from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES
+from canzona.tp import Capacity
 from sim.options import RunOptions
 from sim.simulate import SimConfig, compare, compared_policies, simulate
 from tests.cli_helpers import error_line, invoke
@@ -77,10 +80,24 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(model="qwen3-30b-a3b", tp=2), "simulated for dense models"),
     (dict(policy="zero1-gather"), "unknown policy 'zero1-gather' under --fsdp"),
     (dict(optimizer="adamw", policy="canzona"), "each rank steps its own shards"),
+    # DistributedOptimizer's ZeRO-1 options that FsdpOptimizer takes and ignores (sim.fsdp._check_zero1_step_options)
+    (dict(options=RunOptions(reduce_scatter="padded")), "--reduce-scatter padded is the distributed optimizer's"),
+    (dict(geometry="whole"), "--geometry whole chooses the ZeRO-1 layout's segments"),
+    (dict(tp=2, tp_policy="tp-chunk"), "--tp-policy tp-chunk schedules the ZeRO-1 layout's TP micro-groups"),
+    (dict(tp=2, tp_mode="serial"), "--tp-mode serial orders the ZeRO-1 layout's TP micro-groups"),
+    (dict(capacity=Capacity(2 ** 30, "bytes")), "--capacity sizes the ZeRO-1 layout's TP micro-groups"),
+    (dict(optimizer="adamw", policy=None, tp_mode="serial"), "--tp-mode serial"),  # no owners: no TP schedule either
 ])
 def test_bad_layouts_refused(changes, needle):
     with pytest.raises(SpecError, match=needle):
         replace(BASE, **changes).check()
+
+
+def test_zero1_step_options_at_their_defaults_are_accepted():
+    """The ZeRO-1 options refused under --fsdp off their defaults stay accepted at them (what a
+    user who names the default asks for is what runs)."""
+    replace(BASE, tp=2, options=RunOptions(reduce_scatter=STEP_DEFAULTS.reduce_scatter), geometry=DEFAULT_GEOMETRY,
+            tp_policy=PLAN_DEFAULTS.tp_policy, tp_mode=STEP_DEFAULTS.tp_mode, capacity=PLAN_DEFAULTS.capacity).check()
 
 
 def test_cli_refuses_bad_sizes_with_one_line():
