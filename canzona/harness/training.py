@@ -97,6 +97,10 @@ class TrainSpec:
             raise SpecError(f"--fsdp runs dense models: give --ep 1 (got ep {self.ep})")
         if self.fsdp and self.tp > 1 and (self.hsdp_replicate != 1 or self.tp_style != "dtensor"):
             raise SpecError("FSDP x TP runs torchtitan's composition: tp_style dtensor, no HSDP replicas")
+        if self.fsdp and (self.tp_policy, self.tp_mode) != (PLAN_DEFAULTS.tp_policy, STEP_DEFAULTS.tp_mode):
+            # FsdpOptimizer refuses them off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), as the simulator does
+            raise SpecError(f"--tp-policy {self.tp_policy} / --tp-mode {self.tp_mode} schedule the ZeRO-1 layout's TP "
+                            "micro-groups: under --fsdp they change nothing (leave them at their defaults)")
 
     def dp_size(self, world: int) -> int:
         if world % self.tp:

@@ -24,6 +24,7 @@ their local shards, fp32 gradients on the wire and fp32 optimizer state, as the 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -99,14 +100,21 @@ def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
     return items
 
 
+# DistributedOptimizer's options of the ZeRO-1 layout that FSDP2 decides instead: refused off their
+# defaults (`FsdpOptimizer`), as the simulator refuses them under --fsdp (`sim.fsdp.check_fsdp`)
+ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry")
+
+
 class FsdpOptimizer(torch.optim.Optimizer):
     """`DistributedOptimizer` over FSDP2 parameters (built by it: `DistributedOptimizer(
     model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
     describes the global model. Options are `DistributedOptimizer`'s; those of the ZeRO-1 layout
-    that FSDP2 decides instead (reduce_scatter, tp_policy, tp_mode, capacity, overlap_param_gather,
-    geometry, expert_buckets) have no effect (`canzona simulate --fsdp` refuses them off their
-    defaults: `sim.fsdp.check_fsdp`), and those it does not run yet are refused: `plan=` (the owners
-    are planned at construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
+    that FSDP2 decides instead (`ZERO1_ONLY`: reduce_scatter, tp_policy, tp_mode, capacity,
+    overlap_param_gather, geometry) are refused off their defaults, as `canzona simulate --fsdp`
+    refuses them (`sim.fsdp.check_fsdp`): set, they would change nothing; expert_buckets, which
+    sizes buckets of expert stacks, has nothing to size without expert parallelism, which is not run
+    here; and those it does not run yet are refused: `plan=` (the owners are planned at
+    construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
     with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
     `fsdp-owners-unbalanced`)."""
 
@@ -119,6 +127,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
         timeout_s, max_grad_norm, nonfinite = opts["timeout_s"], opts["max_grad_norm"], opts["nonfinite"]
         check_step_options(timeout_s=timeout_s, max_grad_norm=max_grad_norm, nonfinite=nonfinite,
                            **{k: opts[k] for k in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights")})
+        from canzona.runtime.optimizer import DistributedOptimizer  # (which imports this module)
+
+        defaults = inspect.signature(DistributedOptimizer.__init__).parameters
+        for option in ZERO1_ONLY:  # FSDP2 decides these; set, they would change nothing
+            default = defaults[option].default
+            if opts[option] != default:
+                raise SpecError(f"{option}={opts[option]!r} is the ZeRO-1 layout's option; under FSDP2 it changes "
+                                f"nothing (leave it at its default, {default!r})")
         for option, why in (("plan", "the owners are planned at construction from the model and the mesh"),
                             ("expert_mesh", "expert parallelism with FSDP is not run yet")):
             if opts[option] is not None:

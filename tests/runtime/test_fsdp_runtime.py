@@ -30,6 +30,7 @@ from canzona.harness.training import (
     reference_run,
 )
 from canzona.runtime.gradients import combine_norm_terms, local_norm_term
+from canzona.tp import Capacity
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -275,11 +276,37 @@ SMALL_CASES = {
     "clip-disagree": {"steps": 2, "clips": {0: 0.05, 1: 0.1, 2: 0.05}},
     "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
     "local-problem": {"steps": 2, "plain_grad": 1},
+    # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
+    "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
+                                 "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
+                                 "bucket_size": 4096}},
 }
 
 
 def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
-    return {k: small_run(rank, world, **kw) for k, kw in cases.items()}
+    return {k: refusals(**kw) if "refuse" in kw else small_run(rank, world, **kw) for k, kw in cases.items()}
+
+
+def refusals(refuse: dict[str, object]) -> dict[str, str | None]:
+    """For each of `refuse`'s options set off its default, the error `DistributedOptimizer` raises
+    building its FSDP2 step on Small under fully_shard (None: it was built)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+
+    model = Small()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    out: dict[str, str | None] = {}
+    for option, value in refuse.items():
+        try:
+            DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, **{option: value})
+            out[option] = None
+        except CanzonaError as e:
+            out[option] = str(e)
+    return out
 
 
 @functools.cache
@@ -406,3 +433,18 @@ def test_fsdp_dead_peer_times_out() -> None:
         assert r["error"] is not None and "timed out" in r["error"], r["error"]
         assert r["took"] < 10.0, r["took"]
     assert results[2]["error"] is None
+
+
+def test_fsdp_refuses_the_zero1_layouts_options_on_every_rank() -> None:
+    """Under FSDP2 the ZeRO-1 layout's options change nothing: set off their defaults, each is one
+    SpecError on every rank, at construction (as `canzona simulate --fsdp` refuses them); an option
+    FsdpOptimizer acts on (bucket_size) is taken."""
+    from canzona.runtime.fsdp import ZERO1_ONLY
+
+    results = _small()["zero1-options"]
+    assert set(ZERO1_ONLY) <= set(results[0])
+    for r in results:
+        assert r == results[0]
+        for option in ZERO1_ONLY:
+            assert r[option] is not None and r[option].startswith(f"{option}=") and "changes nothing" in r[option]
+        assert r["bucket_size"] is None
