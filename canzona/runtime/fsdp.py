@@ -24,7 +24,6 @@ their local shards, fp32 gradients on the wire and fp32 optimizer state, as the 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -120,18 +119,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler hands its scaler over; refused in step()
 
-    def __init__(self, opts: Mapping[str, Any]) -> None:
+    def __init__(self, opts: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
         """`opts`: every argument of `DistributedOptimizer(...)` by name, its defaults filled in (it
-        builds this class)."""
+        builds this class); `defaults`: its signature's defaults, by name."""
         params, spec = opts["params"], opts["spec"]
         timeout_s, max_grad_norm, nonfinite = opts["timeout_s"], opts["max_grad_norm"], opts["nonfinite"]
         check_step_options(timeout_s=timeout_s, max_grad_norm=max_grad_norm, nonfinite=nonfinite,
                            **{k: opts[k] for k in ("batch_kernels", "compile_kernels", "overlap_step", "master_weights")})
-        from canzona.runtime.optimizer import DistributedOptimizer  # (which imports this module)
-
-        defaults = inspect.signature(DistributedOptimizer.__init__).parameters
         for option in ZERO1_ONLY:  # FSDP2 decides these; set, they would change nothing
-            default = defaults[option].default
+            default = defaults[option]
             if opts[option] != default:
                 raise SpecError(f"{option}={opts[option]!r} is the ZeRO-1 layout's option; under FSDP2 it changes "
                                 f"nothing (leave it at its default, {default!r})")

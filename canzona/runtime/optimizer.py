@@ -212,7 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if fsdp:  # every option as this constructor takes it (its defaults: one definition)
                 options = inspect.signature(cls.__init__).bind(None, given, spec, *args, **kwargs)
                 options.apply_defaults()
-                return FsdpOptimizer({k: v for k, v in options.arguments.items() if k != "self"})
+                defaults = {k: p.default for k, p in options.signature.parameters.items()}
+                return FsdpOptimizer({k: v for k, v in options.arguments.items() if k != "self"}, defaults)
         self = super().__new__(cls)
         self._given_params = given
         return self
