@@ -67,7 +67,7 @@ def question_of(run: PublishedRun) -> Question:
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False,
                     kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes, fsdp=run.fsdp,
-                    fsdp_impl=cfg.fsdp_impl)
+                    fsdp_impl=cfg.fsdp_impl, selective_ac_option=cfg.options.selective_ac_option)
 
 
 def layout_of(run: PublishedRun) -> dict[str, Any]:
