@@ -53,6 +53,21 @@ at "preprocess"), which for the flex dispatcher only reshapes the routing map: t
 preprocessing kernel and the host sync run outside the graph, and are priced whether or not it is on.
 Not modelled: DeepEP's own layout exchange (`get_dispatch_layout`, `notify_dispatch`) and its CPU wait.
 
+What Megatron's `alltoall` dispatcher exchanges beside the tokens (`AlltoallMetadata`,
+`alltoall_metadata_costs`; Megatron-LM `megatron/core/transformer/moe/token_dispatcher.py`,
+`MoEAlltoAllTokenDispatcher`): its `preprocess`, before each forward dispatch, all-gathers every
+rank's count of tokens per expert (`routing_map.sum(dim=0).long()`: the model's experts as int64)
+over the expert TP x EP group (`gather_from_sequence_parallel_region(..., group=self.tp_ep_group)`)
+and, without drop-and-pad, synchronises the host with the copy of the splits to it at
+`before_ep_alltoall` (`_maybe_dtoh_and_synchronize`: `d2h_event.synchronize()`; the all-to-all
+takes its split sizes on the host); `dispatch_all_to_all` then sends the routing probabilities of
+every token-expert pair by a second all-to-all over the EP group beside the tokens' (`global_probs =
+all_to_all(self.ep_group, permuted_probs, ...)`), which autograd sends back in the backward with the
+tokens' gradient (the all-to-all's backward). Each is priced by the collective model; the
+synchronisation as one launch (the least it costs, as HybridEP's: an assumption). The gather is
+priced over the EP group (expert TP x EP under expert TP: an approximation) and with the dispatch on
+the EP stream, where Megatron issues it among the router's kernels just before (the same chain).
+
 HybridEP permutes the tokens itself (`hybridep_permute_s`): Megatron's `_HybridEPManager` always
 dispatches by `dispatch_with_permute` and combines by `combine_with_unpermute` (Megatron-LM
 `megatron/core/transformer/moe/fused_a2a.py`, `HybridEPDispatch` / `HybridEPCombine`, "fused dispatch
@@ -94,6 +109,11 @@ DEFAULT_HYBRIDEP_SMS = 16
 # transformer_config.py: "Number of SMs to use for DeepEP"); NeMo AutoModel's DeepEP recipe sets
 # the same (examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml, dispatcher_num_sms: 20)
 DEEPEP_SMS = 20
+# the alltoall dispatcher's per-pair routing probability (the router's softmax, float32: an
+# assumption, its bytes are immaterial beside the call's latency) and per-expert token count
+# (`routing_map.sum(dim=0).long()`, int64)
+PROBS_BYTES = 4
+COUNT_BYTES = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +263,19 @@ class FlexTraffic:
         if not self.fake_balanced_gate:
             return group_hit(self.experts, groups, self.top_k)
         return self.reached(groups) / groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlltoallMetadata:
+    """What Megatron's `alltoall` dispatcher exchanges beside one expert block's tokens (the module
+    docstring): the count all-gather and host synchronisation before the forward's dispatch
+    (`forward`), and the probabilities' all-to-all beside the forward's dispatch and the backward's
+    dispatch gradient: `probs_sent` bytes from each rank, `probs_received` into the busiest."""
+
+    experts: int  # the model's experts: the int64 counts each rank contributes to the gather
+    probs_sent: float
+    probs_received: float
+    forward: bool
 
 
 @dataclass(frozen=True)
@@ -412,11 +445,37 @@ def dispatcher_sms(flex: FlexTraffic | None) -> int | None:
     return None if flex is None else flex.sms
 
 
+def alltoall_metadata_costs(meta: AlltoallMetadata, experts: Cluster,
+                            hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
+    """The `alltoall` dispatcher's exchanges beside the tokens (the module docstring): what runs
+    before the forward's token all-to-all (the count all-gather and the host synchronisation; FREE
+    in the backward) and the probabilities' all-to-all. FREE, FREE on one rank."""
+    if experts.ep <= 1:
+        return FREE, FREE
+    probs = alltoall_cost(meta.probs_sent, meta.probs_received, experts, hw)
+    if not meta.forward:
+        return FREE, probs
+    gather = collective_cost("all-gather", meta.experts * COUNT_BYTES * experts.ep, experts.ep_geometry(), hw)
+    before = CollectiveCost(gather.latency_s + hw.gpu.launch_s, gather.transfer_s, gather.link, gather.algorithm,
+                            gather.local_s)
+    return before, probs
+
+
 def ep_costs(sent: float, received: float, flex: FlexTraffic | None, experts: Cluster,
-             hw: HardwareProfile) -> tuple[CollectiveCost, CollectiveCost]:
+             hw: HardwareProfile, meta: AlltoallMetadata | None = None) -> tuple[CollectiveCost, CollectiveCost]:
     """An expert block's dispatch and combine (`sim.model_work.Block`: `ep_bytes`, `ep_received`,
-    `ep_flex`): the flex dispatcher's when it runs one, else the all-to-all of every pair."""
+    `ep_flex`, `ep_meta`): the flex dispatcher's when it runs one, else the all-to-all of every
+    pair, with the `alltoall` dispatcher's `meta` exchanges (the module docstring): the forward's
+    dispatch after the count all-gather and host synchronisation and beside the probabilities'
+    all-to-all; in the backward (whose combine gradient runs as a dispatch, its dispatch gradient as
+    a combine: `sim.ep_overlap._expert_comm`) the probabilities' gradient beside the dispatch
+    gradient, the second of the pair."""
     if flex is not None:
         return flex_costs(flex, experts, hw)
     cost = alltoall_cost(sent, received, experts, hw)
-    return cost, cost
+    if meta is None:
+        return cost, cost
+    before, probs = alltoall_metadata_costs(meta, experts, hw)
+    if meta.forward:
+        return _then(before, _then(probs, cost)), cost
+    return cost, _then(probs, cost)

@@ -367,7 +367,8 @@ class _FsdpRun:
         combine (on the EP stream, as `sim.iteration._Stage.block`), any other its compute alone."""
         if not b.ep_bytes:
             return self.engine.compute(0, label, b.seconds, [last])
-        dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw)
+        dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw,
+                                     b.ep_meta)
         held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
         last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
         last = self.engine.compute(0, label, b.seconds, [last])

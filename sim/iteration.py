@@ -544,9 +544,10 @@ class _Stage:
     def _ep_cost(self, b) -> tuple[CollectiveCost, CollectiveCost]:
         """An expert block's dispatch and combine (`sim.ep_dispatch.ep_costs`: the all-to-all of
         every pair, or the flex dispatcher's)."""
-        key = (b.ep_bytes, b.ep_received, b.ep_flex)
+        key = (b.ep_bytes, b.ep_received, b.ep_flex, b.ep_meta)
         if key not in self.ep_costs:
-            self.ep_costs[key] = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts.cluster, self.ctx.hw)
+            self.ep_costs[key] = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts.cluster, self.ctx.hw,
+                                          b.ep_meta)
         return self.ep_costs[key]
 
     def _etp_cost(self, op: str, total: float) -> CollectiveCost:

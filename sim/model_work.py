@@ -76,7 +76,14 @@ from sim import layer_kernels as lk
 from sim import unfused_kernels as uk
 from sim.cross_entropy import CROSS_ENTROPY_PATHS, UNFUSED
 from sim.eager_kernels import EAGER, FUSED, check_kernels
-from sim.ep_dispatch import DEEPEP_SMS, HYBRIDEP, EpDispatcher, FlexTraffic
+from sim.ep_dispatch import (
+    DEEPEP_SMS,
+    HYBRIDEP,
+    PROBS_BYTES,
+    AlltoallMetadata,
+    EpDispatcher,
+    FlexTraffic,
+)
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
@@ -100,6 +107,10 @@ class Block:
     # under a flex token dispatcher (DeepEP, HybridEP: sim.ep_dispatch), what it moves, which
     # prices the dispatch and combine in place of the all-to-all of `ep_bytes`; None: all-to-all
     ep_flex: FlexTraffic | None = None
+    # under the `alltoall` dispatcher, what Megatron exchanges beside the tokens (the count
+    # all-gather and host sync before the forward's dispatch, the probabilities' all-to-all:
+    # sim.ep_dispatch.AlltoallMetadata); None: a flex dispatcher, or no EP
+    ep_meta: AlltoallMetadata | None = None
     # expert TP: the bytes an ETP group's all-gather of the received pairs gathers (its whole
     # output), and its reduce-scatter of the experts' outputs reduces, around the grouped GEMMs
     etp_bytes: float = 0.0
@@ -517,8 +528,8 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     hybridep = flex is not None and flex.backend == HYBRIDEP
     moved = (0.0 if hybridep else busiest * 4 * hidden) + computed * (
         (0.0 if hybridep and etp == 1 else 2 * hidden) + 1.5 * width)
-    count = max(1, round(computed))
-    passes = elementwise_kernel(f"{name} permute", count, 1, moved * two / count, dtype)
+    n_pairs = max(1, round(computed))
+    passes = elementwise_kernel(f"{name} permute", n_pairs, 1, moved * two / n_pairs, dtype)
     fwd_s = sum(rate.kernel_seconds(k) for k in fwd_k)
     bwd_s = sum(rate.kernel_seconds(k) for k in bwd_k)
     ew = rate.kernel_seconds(passes)
@@ -530,11 +541,18 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     sent = pairs * hidden * two * (ep - 1) / ep
     received = busiest * hidden * two * (ep - 1) / ep
     gathered = computed * hidden * two if etp > 1 else 0.0
+    # Megatron's alltoall dispatcher: the counts' all-gather, the host sync and each pair's routing
+    # probability sent beside its token (sim.ep_dispatch.AlltoallMetadata)
+    meta = None
+    if ep > 1 and flex is None:
+        meta = AlltoallMetadata(experts=count, probs_sent=pairs * PROBS_BYTES * (ep - 1) / ep,
+                                probs_received=busiest * PROBS_BYTES * (ep - 1) / ep, forward=True)
     return (Block(name, 0.0, fwd_s + ew, 0.0, tp_collectives=False, ep_bytes=sent, ep_received=received,
-                  etp_bytes=gathered, ep_flex=flex),
+                  etp_bytes=gathered, ep_flex=flex, ep_meta=meta),
             Block(name, 0.0, bwd_s + redo + 2 * ew, 0.0, tp_collectives=False, ep_bytes=sent,
                   ep_received=received, etp_bytes=gathered,
-                  ep_flex=None if flex is None else replace(flex, forward=False), wgrad_s=wgrad_s))
+                  ep_flex=None if flex is None else replace(flex, forward=False), wgrad_s=wgrad_s,
+                  ep_meta=None if meta is None else replace(meta, forward=False)))
 
 
 def _fp8_block(fp8: FP8Setup, column: Sequence[ParamSpec], row: Sequence[ParamSpec], tokens: int, tp: int,

@@ -810,9 +810,10 @@ def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], 
     memo: dict[tuple, float] = {}
 
     def comm(b: Block) -> float:
-        key = (b.ep_bytes, b.ep_received, b.etp_bytes, b.ep_flex)
+        key = (b.ep_bytes, b.ep_received, b.etp_bytes, b.ep_flex, b.ep_meta)
         if key not in memo:
-            seconds = sum(c.seconds for c in ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, experts, hw))
+            seconds = sum(c.seconds for c in ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, experts, hw,
+                                                                b.ep_meta))
             if b.etp_bytes:
                 geo = experts.tp_geometry()
                 seconds += (collective_cost("all-gather", b.etp_bytes, geo, hw).seconds

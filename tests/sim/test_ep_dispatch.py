@@ -407,3 +407,82 @@ def test_the_automodel_row_runs_the_fake_gate_without_a_router_gemm():
     assert blocks[True][0].seconds < blocks[False][0].seconds
     assert blocks[True][1].seconds < blocks[False][1].seconds
     assert blocks[True][0].ep_flex.fake_balanced_gate and blocks[True][1].ep_flex.fake_balanced_gate
+
+
+def test_the_alltoall_dispatcher_exchanges_counts_and_probabilities():
+    """Megatron's alltoall dispatcher (token_dispatcher.py, MoEAlltoAllTokenDispatcher): before the
+    forward's token all-to-all it all-gathers every rank's int64 count per expert and syncs the host;
+    beside it, and beside the backward's dispatch gradient, it sends each pair's probability by a
+    second all-to-all. The combine and the backward's combine gradient move the tokens alone."""
+    from sim.ep_dispatch import PROBS_BYTES, AlltoallMetadata, alltoall_metadata_costs
+
+    pairs, busiest = 4096 * 8, 4096 * 8 * 1.01
+    for ep, nodes in ((16, 2), (8, 1)):
+        cl = _experts(8 * nodes, ep)
+        sent, received = pairs * 4096 * (ep - 1) / ep, busiest * 4096 * (ep - 1) / ep
+        fwd = AlltoallMetadata(experts=128, probs_sent=pairs * PROBS_BYTES * (ep - 1) / ep,
+                               probs_received=busiest * PROBS_BYTES * (ep - 1) / ep, forward=True)
+        bwd = replace(fwd, forward=False)
+        tokens = alltoall_cost(sent, received, cl, H100)
+        probs = alltoall_cost(fwd.probs_sent, fwd.probs_received, cl, H100)
+        gather = collective_cost("all-gather", 128 * 8 * ep, cl.ep_geometry(), H100)
+        d, c = ep_costs(sent, received, None, cl, H100, fwd)
+        assert d.seconds == pytest.approx(tokens.seconds + probs.seconds + gather.seconds + H100.gpu.launch_s)
+        assert c == tokens and d.algorithm == tokens.algorithm
+        d, c = ep_costs(sent, received, None, cl, H100, bwd)
+        assert d == tokens and c.seconds == pytest.approx(tokens.seconds + probs.seconds)
+        assert alltoall_metadata_costs(bwd, cl, H100)[0] == FREE
+        # latency-bound: the probabilities weigh a 1024th of the tokens' bytes but cost a call
+        assert probs.seconds > 10 * probs.transfer_s
+    # across nodes each exchange pays the network's latency, inside one node NVLink's
+    assert alltoall_metadata_costs(fwd, _experts(16, 16), H100)[0].seconds > alltoall_metadata_costs(
+        fwd, _experts(8, 8), H100)[0].seconds
+    assert alltoall_metadata_costs(fwd, _experts(16, 1), H100) == (FREE, FREE)
+
+
+def test_an_alltoall_expert_block_carries_its_metadata_and_a_flex_one_none():
+    from canzona.cost import DeviceRate
+    from sim.ep_dispatch import PROBS_BYTES
+    from sim.model_work import _expert_block
+
+    rate = DeviceRate.from_profile(H100)
+    fwd, bwd = _expert_block("mlp", (), 4096.0, 2048, (128, 8), rate, "bf16", "none", ep=16,
+                             dispatcher=EpDispatcher(routing="balanced"))
+    assert fwd.ep_meta.forward and not bwd.ep_meta.forward and fwd.ep_meta.experts == 128
+    assert fwd.ep_meta.probs_sent == pytest.approx(4096 * 8 * PROBS_BYTES * 15 / 16)
+    assert fwd.ep_meta.probs_sent / fwd.ep_bytes == pytest.approx(PROBS_BYTES / (2048 * 2))
+    flex = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=HYBRIDEP)
+    f, b = _expert_block("mlp", (), 4096.0, 2048, (128, 8), rate, "bf16", "none", ep=16, dispatcher=flex)
+    assert f.ep_meta is None and b.ep_meta is None
+    f, b = _expert_block("mlp", (), 4096.0, 2048, (128, 8), rate, "bf16", "none", ep=1)
+    assert f.ep_meta is None
+
+
+def test_the_alltoall_dispatchers_metadata_lengthens_each_layers_ep_stream(monkeypatch):
+    """Simulated: every MoE layer's EP stream carries the forward's count gather, host sync and
+    probabilities and the backward's probability gradients; without them (the costs made free) the
+    rank's EP stream is exactly that much shorter, and the iteration shorter."""
+    from sim import ep_dispatch
+    from sim.search import Question, config_of
+    from sim.simulate import simulate
+    from sim.streams import EP_COMM
+
+    q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16)
+    cfg = config_of(q, {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"})
+    cfg = replace(cfg, options=replace(cfg.options, ep_dispatcher=EpDispatcher(routing="balanced")))
+
+    def ep_time(result):
+        return sum(s.end - s.start for s in result.spans if s.rank == 0 and s.stream == EP_COMM and s.phase == "A")
+
+    with_meta = simulate(cfg)
+    cl = cfg.expert_cluster(Cluster(16, 1, 8, 1))
+    pairs = 4096 * 8
+    fwd = ep_dispatch.AlltoallMetadata(experts=128, probs_sent=pairs * 4 * 15 / 16, probs_received=pairs * 4 * 15 / 16,
+                                       forward=True)
+    before, probs = ep_dispatch.alltoall_metadata_costs(fwd, cl, H100)
+    monkeypatch.setattr(ep_dispatch, "alltoall_metadata_costs", lambda meta, experts, hw: (FREE, FREE))
+    without = simulate(cfg)
+    layers = 48
+    assert ep_time(with_meta) - ep_time(without) == pytest.approx(layers * (before.seconds + 2 * probs.seconds),
+                                                                  rel=1e-6)
+    assert with_meta.iteration_time_s > without.iteration_time_s

@@ -15,6 +15,8 @@ from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.memory import MemorySetup, fullest_rank_load, layer_activation_bytes
 from canzona.routing import busiest_rank
+from sim import ep_dispatch
+from sim.collectives import FREE
 from sim.engine import Engine
 from sim.ep_dispatch import alltoall_cost
 from sim.options import RunOptions
@@ -48,6 +50,13 @@ def _no_comm_sms(monkeypatch) -> None:
     monkeypatch.setattr(simulate_module, "Engine", lambda slowdown=1.0, sms=0: Engine(slowdown=slowdown, sms=0))
 
 
+def _tokens_only(monkeypatch) -> None:
+    """The alltoall dispatcher's exchanges beside the tokens (the count all-gather, the host sync, the
+    probabilities: `sim.ep_dispatch.alltoall_metadata_costs`) made free, so that every dispatch and
+    combine is the one token all-to-all the closed forms below count (`_all_to_all_s`)."""
+    monkeypatch.setattr(ep_dispatch, "alltoall_metadata_costs", lambda meta, experts, hw: (FREE, FREE))
+
+
 def _all_to_all_s() -> float:
     """One dispatch (or combine) all-to-all of SMALL's expert block, as the simulator prices it."""
     cfg, (spec, arch) = _cfg(False)
@@ -67,6 +76,7 @@ def test_compute_bound_overlap_hides_every_all_to_all_of_the_combined_phases(mon
     all-to-alls of the m - 1 combined phases: (m - 1) x layers x 4 x one all-to-all (micro-batch 0's
     forward and the last backward run alone, as before)."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     serial, overlapped = _run(False), _run(True)
     c = _all_to_all_s()
     spans = {s.name: s.end - s.start for s in serial.spans if s.rank == 0 and s.name.startswith("mb1 fwd layer 1")}
@@ -93,9 +103,10 @@ def test_compute_bound_overlap_hides_every_all_to_all_of_the_combined_phases(mon
     assert overlapped.memory.worst.activations - serial.memory.worst.activations == pytest.approx(one_layer + more, abs=2)
 
 
-def test_the_all_to_alls_take_sms_from_the_compute_beside_them():
+def test_the_all_to_alls_take_sms_from_the_compute_beside_them(monkeypatch):
     """With NCCL's SMs held by the all-to-alls (sim.comm_sms) the compute beside them slows: the
     overlap still saves time, less than the closed form's."""
+    _tokens_only(monkeypatch)
     serial, overlapped = _run(False), _run(True)
     m = 32 // GPUS
     saved = serial.iteration_time_s - overlapped.iteration_time_s
@@ -180,6 +191,7 @@ def test_interleaved_combined_schedule_exposes_only_the_warm_up_and_cool_down_al
     ((pp - s - 1) x 2 + (vp - 1) x pp, one more under the overlap) and as many cool-down backwards.
     Without the overlap every chunk exposes them. The compute is the same either way."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     serial, overlapped = _run_interleaved(False), _run_interleaved(True)
     ep = [s.end - s.start for s in serial.spans if s.stream == "ep-comm" and s.phase == "A"]
     c = ep[0]
@@ -454,6 +466,7 @@ def test_delayed_weight_gradients_run_under_the_dispatch_gradient(monkeypatch):
     weight gradients and each layer's combine gradient but the first under the layer before's
     attention weight gradients: the iteration is (2 L - 1) x one all-to-all shorter."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     plain = _run(True)
     delayed = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
     spans = sorted((s for s in delayed.spans if s.rank == 0 and s.phase == "A"
@@ -492,6 +505,7 @@ def test_delayed_weight_gradients_are_reduced_after_they_run(monkeypatch):
     PP 1) wait for the weight gradients the layers deferred, the attention's included: the
     reduction that the first layer completes starts when that layer's delayed GEMMs end."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     r = _run(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
     last = next(s for s in r.spans if s.rank == 0 and s.name == "mb3 bwd layer 0.0 delayed wgrad")
     syncs = [s for s in r.spans if s.rank == 0 and s.phase == "A" and "grad sync" in s.name]
@@ -503,6 +517,7 @@ def test_delayed_weight_gradients_alone_and_interleaved(monkeypatch):
     too: its dispatch gradient leaves when the data gradients end; every micro-batch's experts'
     weight gradients run once."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     r = _run_interleaved(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
     wgrad = sorted(s.name for s in r.spans if s.name.endswith("experts wgrad"))
     assert wgrad == sorted(f"mb{mb} bwd layer {k}.experts wgrad" for mb in range(M) for k in range(8))
@@ -584,6 +599,7 @@ def test_delayed_attention_weight_gradients_leave_the_reduce_scatter_exposed(mon
     compute stream (the norm's backward waits for it) and the attention's delayed weight gradients,
     the row and the column module's, run after it. The compute is the same work."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     options = dict(overlap_moe_expert_parallel_comm=True, tp_comm_overlap=False)
     plain = _run(True, tp=2, ep=4, options=RunOptions(**options))
     delayed = _run(True, tp=2, ep=4, options=RunOptions(**options, delay_wgrad_compute=True))
@@ -625,6 +641,7 @@ def test_the_chunks_first_attention_weight_gradients_run_beside_the_send(monkeyp
     leaves when that layer's data gradients end, beside those GEMMs, and every micro-batch's every
     layer's attention weight gradients run once."""
     _no_comm_sms(monkeypatch)
+    _tokens_only(monkeypatch)
     r = _run_interleaved(True, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
     delayed = sorted(s.name for s in r.spans if s.name.endswith(".0 delayed wgrad"))
     assert delayed == sorted(f"mb{mb} bwd layer {k}.0 delayed wgrad" for mb in range(M) for k in range(8))
