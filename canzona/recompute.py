@@ -24,7 +24,8 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   selective policy the EP collectives' (DeepEP's, HybridEP's: NVIDIA-NeMo/Automodel
   `nemo_automodel/components/moe/parallelizer.py`, `apply_ac`: "the shared policy already saves
   expert-parallel communication collectives").
-- `full` (every layer): only each layer's input is stored; its whole forward runs again, a
+- `full` (every layer): only each layer's input is stored; its whole forward runs again (torch's
+  wrappers: up to their early stop, "Where the re-run stops" below), a
   mixture-of-experts layer's router, token dispatch, experts and combine included: Megatron's
   `recompute_granularity="full"` runs each layer's `TransformerLayer.forward` inside
   `tensor_parallel.checkpoint` (NVIDIA/Megatron-LM `megatron/core/transformer/transformer_block.py`,
@@ -54,7 +55,8 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   `--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option K`, an
   integer; the simulator's `--selective-ac-option`, default 2 as torchtitan's): every K-th
   TransformerBlock runs inside torch's `checkpoint_wrapper` with no policy (as `full` does every
-  layer: only its input stored, its whole forward run again before its backward), the others
+  layer: only its input stored, its forward run again before its backward, up to torch's early
+  stop), the others
   outside any checkpoint, storing everything. Which blocks: `_apply_ac_to_transformer_block`
   increments a counter kept on the wrapper function (`ptd_checkpoint_wrapper._count`, from 0,
   one per block `apply_ac` passes, in `model.layers` order) and wraps the block when `_count % K
