@@ -24,7 +24,8 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   selective policy the EP collectives' (DeepEP's, HybridEP's: NVIDIA-NeMo/Automodel
   `nemo_automodel/components/moe/parallelizer.py`, `apply_ac`: "the shared policy already saves
   expert-parallel communication collectives").
-- `full` (every layer): only each layer's input is stored; its whole forward runs again, a
+- `full` (every layer): only each layer's input is stored; its whole forward runs again (torch's
+  wrappers: up to their early stop, "Where the re-run stops" below), a
   mixture-of-experts layer's router, token dispatch, experts and combine included: Megatron's
   `recompute_granularity="full"` runs each layer's `TransformerLayer.forward` inside
   `tensor_parallel.checkpoint` (NVIDIA/Megatron-LM `megatron/core/transformer/transformer_block.py`,
@@ -54,7 +55,8 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   `--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option K`, an
   integer; the simulator's `--selective-ac-option`, default 2 as torchtitan's): every K-th
   TransformerBlock runs inside torch's `checkpoint_wrapper` with no policy (as `full` does every
-  layer: only its input stored, its whole forward run again before its backward), the others
+  layer: only its input stored, its forward run again before its backward, up to torch's early
+  stop), the others
   outside any checkpoint, storing everything. Which blocks: `_apply_ac_to_transformer_block`
   increments a counter kept on the wrapper function (`ptd_checkpoint_wrapper._count`, from 0,
   one per block `apply_ac` passes, in `model.layers` order) and wraps the block when `_count % K
@@ -70,6 +72,29 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   (`selective_layer_checkpointed`). It is torchtitan's, simulated under `--fsdp`; Megatron has no
   such option (its partial checkpointing is `--recompute-method block`, below, which keeps the
   same bytes and re-runs the same work for the same number of layers).
+
+Where the re-run stops (`rerun_stops_early`). torch's non-reentrant checkpoint, which torchtitan's
+and NeMo AutoModel's wrappers run (every FSDP layout's recompute here), re-runs a checkpointed
+layer's forward only until it has saved again as many tensors as the first forward saved, then
+raises `_StopRecomputationError` and returns to the backward ("early stop", on by default:
+pytorch/pytorch `torch/utils/checkpoint.py`, `_recomputation_hook.pack_hook`, with the frame's
+`early_stop` defaulting to True, `set_checkpoint_early_stop` the switch; torchtitan's
+`ptd_checkpoint_wrapper(module, preserve_rng_state=False)` at 004b3148, and the torchtrain version
+at 00560676, pass nothing that turns it off). **Assumption**: the 2024 torch builds the published
+torchtitan runs used stopped early by default, as every version read does. An op saves its
+inputs for the backward before it runs (autograd's generated code records its `SavedVariable`s,
+then dispatches the kernel), so the re-run stops on entering the layer's last op that saves
+anything: in a dense Llama layer the MLP's down projection (`w2`: its `mm` saves its input and
+weight), whose GEMM and the residual add after it (an add saves nothing) are not run again.
+Checked on torch 2.13 (CPU): a Llama block under `checkpoint_wrapper(CheckpointImpl.NO_REENTRANT)`
+re-runs wq / wk / wv / attention / wo / w1 / silu / w3 / the SwiGLU product, then goes straight to
+w2's data- and weight-gradient GEMMs. Under selective-op nothing changes but the add (the down
+projection's output is among those it saves, so its GEMM did not re-run anyway). Megatron's
+checkpoint (`CheckpointFunction.backward` calls `run_function` on the detached inputs, then
+backward through its outputs) re-runs the whole forward. Not modelled: a mixture-of-experts
+layer's early stop (its last saving op is in the experts' combine, whose autograd differs by
+dispatcher: the re-run is priced whole), and under TP the down projection's output reduce-scatter,
+which the stop skips too (priced: conservative).
 
 Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
 `RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:
@@ -267,6 +292,14 @@ def reruns_whole(mode: str) -> bool:
     return mode in (FULL, SELECTIVE_LAYER)
 
 
+def rerun_stops_early(fsdp: bool) -> bool:
+    """Whether a layout's checkpoint re-run stops at the layer's last saving op (the module
+    docstring, "Where the re-run stops"): under `--fsdp` torch's non-reentrant checkpoint wrapper
+    (torchtitan's, NeMo AutoModel's) does; Megatron's `CheckpointFunction` re-runs the whole
+    forward."""
+    return fsdp
+
+
 def forward_without_grad(mode: str) -> bool:
     """Whether Megatron runs each layer's first forward under `torch.no_grad()` under recompute
     `mode`: under full recompute its checkpoint function does (the module docstring), where TE's
@@ -290,5 +323,5 @@ __all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SEL
            "SELECTIVE_LAYER", "SELECTIVE_OP", "UNIFORM", "check_method_layers", "check_recompute",
            "check_recompute_method", "check_selective_ac_option", "checkpoint_groups", "checkpointed",
            "FSDP_ONLY_MODES", "layout_recompute_modes", "torchtitan_ac",
-           "checkpointed_layers", "forward_without_grad", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
+           "checkpointed_layers", "forward_without_grad", "rerun_stops_early", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
            "saved_mm_widths", "selective_ac_every", "selective_layer_checkpointed", "selective_layers"]

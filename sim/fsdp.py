@@ -71,7 +71,12 @@ from canzona.memory import (
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS, Plan, plan_for
-from canzona.recompute import SELECTIVE_LAYER, inside_layers, layout_recompute_modes
+from canzona.recompute import (
+    SELECTIVE_LAYER,
+    inside_layers,
+    layout_recompute_modes,
+    rerun_stops_early,
+)
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -258,8 +263,9 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
                           rate: DeviceRate, head_dim: int) -> MicroBatchWork:
     """One micro-batch's kernels on a rank of an FSDP layout (`micro_batch_work` at the layout's TP
     and EP, the whole model). FP8 under FSDP: the weights are gathered again for every
-    micro-batch, so each is cast to FP8 for every micro-batch (no cache across them).
-    `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
+    micro-batch, so each is cast to FP8 for every micro-batch (no cache across them). The
+    checkpoint wrappers are torch's non-reentrant ones, whose re-run stops early
+    (`canzona.recompute.rerun_stops_early`). `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
     spec, arch = model
     wl = cfg.workload
     o = cfg.options
@@ -275,7 +281,8 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
                             attention_backend=cfg.options.attention_backend,
                             kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
                             cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
-                            bias_activation_fusion=wl.bias_activation_fusion)
+                            bias_activation_fusion=wl.bias_activation_fusion,
+                            early_stop=rerun_stops_early(fsdp=True))
 
 
 class _FsdpRun:

@@ -191,6 +191,16 @@ def rerun_forward(fwd: Block, bwd: Block, tp: int) -> Block:
     return replace(bwd, middle_s=bwd.middle_s + fwd.seconds)
 
 
+def _stopped_early(fwd: Block, add_s: float) -> Block:
+    """A layer's last forward block as torch's non-reentrant checkpoint re-runs it
+    (`canzona.recompute.rerun_stops_early`): without its row-parallel GEMMs (`last_s`: the down
+    projection, whose `mm` saves its input and weight before it runs, the last tensors the layer
+    saves) and the residual add after them (`add_s`). Under TP the block keeps its collectives
+    (`rerun_forward`), the output's reduce-scatter among them, which the stop skips too: priced,
+    a conservative simplification."""
+    return replace(fwd, middle_s=fwd.middle_s - add_s, last_s=0.0)
+
+
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
     """Runs of matrices closed by a row-parallel one (tp_dim 1); a trailing run stands alone."""
     out: list[list[ParamSpec]] = [[]]
@@ -216,7 +226,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
                      accumulate: int = 0, dispatcher: EpDispatcher | None = None,
                      cross_entropy: str = UNFUSED, apply_rope_fusion: bool = True,
-                     bias_activation_fusion: bool = True) -> MicroBatchWork:
+                     bias_activation_fusion: bool = True, early_stop: bool = False) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -242,7 +252,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     ids run inside a checkpoint, whose forward is re-run before the backward (Megatron's block
     method: `canzona.recompute.checkpointed_layers`); the others as without recompute (None: every
     layer); under torchtitan's selective-layer likewise, and required (every K-th layer:
-    `canzona.recompute.selective_layers`)."""
+    `canzona.recompute.selective_layers`); `early_stop`: the checkpoint's re-run stops at the
+    layer's last op that saves a tensor, as torch's non-reentrant checkpoint does
+    (`canzona.recompute.rerun_stops_early`): a dense layer's down projection GEMM and residual add
+    are not run again (`_stopped_early`); False: the whole forward again, as Megatron's checkpoint."""
     check_recompute(recompute)
     if recompute == SELECTIVE_LAYER and checkpointed is None:
         raise SpecError("selective-layer recompute needs the checkpointed layers (canzona.recompute.selective_layers)")
@@ -365,7 +378,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         rerun = reruns_whole(recompute) and layer not in outside  # the forward re-run before the backward
         # selective-op: the layer's mms whose outputs are not saved run again (`canzona.recompute`)
         unsaved = {p.name for i, p in enumerate(params) if not mm_saved(i)}
-        for i, block in enumerate(_blocks_of(params)):
+        blocks = _blocks_of(params)
+        for i, block in enumerate(blocks):
             column = [p for p in block if p.tp_dim != 1]
             row = [p for p in block if p.tp_dim == 1]
             attention = i == 0 and bool(q_dim)
@@ -382,16 +396,21 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             name = f"layer {layer}.{i}"
             fwd = Block(name, gemms(column, False), core_f + elementwise(block, attention, False, name) + cast_f,
                         gemms(row, False), **ring_f)
+            # the layer's last op that saves a tensor is this block's row GEMM (no experts after it):
+            # torch's early stop ends the re-run on entering it (`canzona.recompute.rerun_stops_early`)
+            stops_here = early_stop and i == len(blocks) - 1 and not moe_by_id[layer]
+            skipped_add = run([lk.residual_add(shape, name)]) if stops_here else 0.0
             redo = 0.0  # full recompute: the whole forward block again (`rerun_forward`), below
             if recompute == SELECTIVE:
                 redo = core_f  # the attention core is recomputed, the rest stored (Korthikanti et al. 2022)
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
-                redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False, name)
+                redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False,
+                                                                                          name) - skipped_add
             bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
                         gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")),
                         first_wgrad_s=run(gemm_kernels(row, True, "wgrad")), **ring_b)
             if rerun:
-                bwd = rerun_forward(fwd, bwd, tp)
+                bwd = rerun_forward(_stopped_early(fwd, skipped_add) if stops_here else fwd, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if moe_by_id[layer]:
