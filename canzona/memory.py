@@ -130,6 +130,20 @@ GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_byt
 DEFAULT_FIXED_OVERHEAD = 2 * GB
 DEFAULT_FRAGMENTATION = 0.05
 
+# Transformer Engine's userbuffers (the TP communication overlap, `tp_comm_overlap`): `initialize_ub`
+# registers one buffer of the launcher's `shape` per overlapped GEMM, `[seq_length x micro_batch_size
+# / context_parallel_size, hidden_size]` (Megatron-LM `megatron/training/initialize.py`
+# `_initialize_tp_communicators`, NeMo 1.x `MegatronGPTModel.initialize_ub_func`), each allocated
+# outside PyTorch's caching allocator for the whole run (`register_user_buffer_collective`, cudaMalloc).
+# Ten of them (NVIDIA/TransformerEngine `transformer_engine/pytorch/module/base.py` `initialize_ub`,
+# the names of NeMo-Framework-Launcher's `ub_cfg_h100_h8192_tp4_mbs1_seqlen8192.yaml`): the six
+# all-gather buffers (qkv_fprop, qkv_dgrad, proj_dgrad, fc1_fprop, fc1_dgrad, fc2_dgrad), in FP8
+# under FP8; the two pipelined reduce-scatters of the forward (proj_fprop, fc2_fprop), in FP8 under
+# FP8 as the launcher's FP8 configuration sets (`fp8_buf: 1`, `ub_cfg_h100_fp8_h8192_tp4_mbs1_seqlen8192.yaml`);
+# the two bulk reduce-scatters of the backward (qkv_wgrad, fc1_wgrad), in the activations' dtype.
+UB_FP8_BUFFERS = 8  # in FP8 under FP8, else in the activations' dtype
+UB_WIDE_BUFFERS = 2  # always in the activations' dtype
+
 
 # --- inputs -------------------------------------------------------------------------------------
 
@@ -228,6 +242,9 @@ class MemorySetup:
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the transient peak (`overhead`)
+    # Transformer Engine's userbuffers (`userbuffer_bytes`), allocated for the run when the TP
+    # communication overlap is on; 0: none (TP 1, the overlap off, FSDP, the runtime's own layouts)
+    userbuffers: int = 0
     # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
     # backward in FP8 and every linear weight keeps a cached FP8 copy and transpose (`fp8_linear_params`)
     fp8: bool = False
@@ -286,6 +303,8 @@ class MemorySetup:
             raise SpecError(f"fixed overhead must be a whole number of bytes >= 0, got {self.fixed_overhead_bytes!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
             raise SpecError(f"fragmentation must be a fraction in [0, 1), got {self.fragmentation!r}")
+        if not (isinstance(self.userbuffers, int) and self.userbuffers >= 0):
+            raise SpecError(f"userbuffers must be a whole number of bytes >= 0, got {self.userbuffers!r}")
 
     @property
     def has_masters(self) -> bool:
@@ -328,6 +347,15 @@ class MemorySetup:
         return cls(**{**values, **overrides})
 
 
+def userbuffer_bytes(tokens: int, hidden: int, activation_bytes: int, fp8: bool) -> int:
+    """Bytes of Transformer Engine's userbuffers on each GPU of a TP group that overlaps its
+    communication (`UB_FP8_BUFFERS` + `UB_WIDE_BUFFERS` buffers of `tokens x hidden`, `tokens` a
+    micro-batch's on one CP rank: sequence x micro-batch / CP). They do not depend on the TP size:
+    each holds the whole gathered input (or the whole output before its reduce-scatter)."""
+    narrow = 1 if fp8 else activation_bytes
+    return tokens * hidden * (UB_FP8_BUFFERS * narrow + UB_WIDE_BUFFERS * activation_bytes)
+
+
 # --- outputs ------------------------------------------------------------------------------------
 
 PERSISTENT = ("weights", "grads", "master_weights", "matrix_state", "adamw_state")
@@ -341,6 +369,7 @@ LABELS = {
     "reduction": "reduce-scatter buffers",
     "step_buffers": "optimizer-step buffers",
     "overhead": "CUDA/NCCL/fragmentation allowance",
+    "userbuffers": "Transformer Engine userbuffers",
 }
 
 
@@ -363,10 +392,12 @@ class RankMemory:
     reduction: int
     step_buffers: int
     overhead: int
+    userbuffers: int = 0  # Transformer Engine's, for the whole run (`MemorySetup.userbuffers`)
 
     @property
     def persistent(self) -> int:
-        return self.weights + self.grads + self.master_weights + self.matrix_state + self.adamw_state
+        return (self.weights + self.grads + self.master_weights + self.matrix_state + self.adamw_state
+                + self.userbuffers)
 
     @property
     def transient(self) -> int:
@@ -379,6 +410,8 @@ class RankMemory:
     def components(self) -> dict[str, int]:
         """What `total` adds up, largest first (the smaller transient peak left out)."""
         parts = {k: getattr(self, k) for k in PERSISTENT}
+        if self.userbuffers:
+            parts["userbuffers"] = self.userbuffers
         if self.activations + self.reduction >= self.step_buffers:
             parts["activations"], parts["reduction"] = self.activations, self.reduction
         else:
@@ -1033,7 +1066,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             master, state, step = row[r]
             overhead = setup.overhead(max(activations + reduction, step))
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
-                                    adamw_state, activations, reduction, step, overhead))
+                                    adamw_state, activations, reduction, step, overhead, setup.userbuffers))
     return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks), vp)
 
 
@@ -1098,5 +1131,5 @@ __all__ = [
     "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
     "layer_activation_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
-    "worst_rank",
+    "userbuffer_bytes", "worst_rank",
 ]

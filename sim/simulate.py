@@ -34,6 +34,7 @@ from canzona.memory import (
     MemorySetup,
     memory_per_gpu,
     reduce_scatter_lengths,
+    userbuffer_bytes,
 )
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
@@ -109,8 +110,9 @@ DEFINITIONS = {
     "param_gather_exposed_s": "time the forward waited for parameters still being all-gathered (overlapped "
                               "parameter gathers only)",
     "memory": "bytes per GPU of the fullest GPU (weights, gradient buffers, fp32 masters, optimizer state "
-              "by owner, the larger of activations and optimizer-step buffers, an allowance for the CUDA "
-              "context, NCCL and fragmentation); fits: every GPU within the profile's memory",
+              "by owner, Transformer Engine's userbuffers under the TP overlap, the larger of activations and "
+              "optimizer-step buffers, an allowance for the CUDA context, NCCL and fragmentation); fits: every "
+              "GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
            "second per GPU, over the dense peak of the model dtype (bf16 by default; under --precision fp8 "
            "still that peak, though the linear GEMMs run at the FP8 rate)",
@@ -313,13 +315,16 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
-    def memory_setup(self, **extra: Any) -> MemorySetup:
+    def memory_setup(self, hidden: int | None = None, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
         method, the EP overlap's one layer more), expert TP, expert parallelism with the router's
         skew and the routing (the fullest EP rank's expert activations), the micro-batches a DP rank runs (which
         cap the 1F1B micro-batches in flight), and each GPU's CP share of a micro-batch's tokens;
-        `extra`: what the caller adds beyond the configuration (the plan's step settings)."""
+        `extra`: what the caller adds beyond the configuration (the plan's step settings); `hidden`:
+        the model's hidden size, which sizes Transformer Engine's userbuffers under the TP
+        communication overlap (`canzona.memory.userbuffer_bytes`: Megatron's layouts at TP > 1 with
+        `tp_comm_overlap`; None, and under FSDP, whose TP runs no userbuffers here: none)."""
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
@@ -330,6 +335,10 @@ class SimConfig:
             micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
         if self.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
             setup = replace(setup, seq_len=wl.seq_len // self.cp)
+        if hidden is not None and self.tp > 1 and self.options.tp_comm_overlap and not self.fsdp:
+            # sized by the launcher's shape: a micro-batch's tokens on one CP rank
+            setup = replace(setup, userbuffers=userbuffer_bytes(setup.seq_len * setup.micro_batch, hidden,
+                                                                setup.activation_bytes, setup.fp8))
         return setup
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
@@ -709,7 +718,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
-    setup = cfg.memory_setup(tp_mode=cfg.tp_mode, reduce_scatter=cfg.options.reduce_scatter,
+    setup = cfg.memory_setup(arch.hidden, tp_mode=cfg.tp_mode, reduce_scatter=cfg.options.reduce_scatter,
                              batch_kernels=cfg.options.batch_kernels, overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
