@@ -75,7 +75,7 @@ from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.ep_dispatch import HYBRIDEP
-from sim.ep_overlap import check_ep_overlap
+from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
@@ -89,7 +89,7 @@ from sim.iteration import (
     step_classes,
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
-from sim.options import RunOptions
+from sim.options import RunOptions, check_align_grad_reduce
 from sim.steady import (
     EXACT_MICRO_BATCHES,
     extrapolate,
@@ -257,6 +257,9 @@ class SimConfig:
         if self.options.overlap_moe_expert_parallel_comm:  # Megatron's requirements (sim.ep_overlap)
             check_ep_overlap(ep=self.ep, pp=self.pp, vp=self.vp, recompute=self.options.recompute, fsdp=self.fsdp,
                              moe=resolved[1].moe is not None)
+        check_delay_wgrad(tp=self.tp, tp_comm_overlap=self.options.tp_comm_overlap,
+                          delay_wgrad_compute=self.options.delay_wgrad_compute)
+        check_align_grad_reduce(self.options, pp=self.pp, fsdp=self.fsdp)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:

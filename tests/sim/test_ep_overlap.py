@@ -608,14 +608,18 @@ def test_delayed_attention_weight_gradients_leave_the_reduce_scatter_exposed(mon
     assert _compute_s(delayed) == pytest.approx(_compute_s(plain), rel=1e-12)
 
 
-def test_userbuffers_keep_the_attention_weight_gradients_in_place():
-    """Transformer Engine refuses a delayed weight gradient beside userbuffers' bulk overlap
-    (NotImplementedError): with tp_comm_overlap the attention blocks keep theirs in place; the
-    experts' (no TP collectives) are still delayed."""
-    r = _run(True, tp=2, ep=4, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
-    names = {s.name for s in r.spans if s.phase == "A"}
-    assert not any(n.endswith(".0 delayed wgrad") for n in names)
-    assert any(n.endswith("experts wgrad") for n in names)
+def test_userbuffers_refuse_a_delayed_weight_gradient():
+    """Transformer Engine refuses a delayed weight gradient beside userbuffers' TP overlap
+    (NotImplementedError in its linear modules' backward): at TP > 1 with tp_comm_overlap the run
+    would not start, and the simulator refuses it; at TP 1, or without the overlap, it runs."""
+    delayed = RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    with pytest.raises(SpecError, match="--delay-wgrad-compute with --tp 2 needs --no-tp-comm-overlap"):
+        _cfg(True, tp=2, ep=4, options=delayed)[0].check(_cfg(True)[1])
+    _cfg(True, tp=2, ep=4, options=replace(delayed, tp_comm_overlap=False))[0].check(_cfg(True)[1])
+    _cfg(True, options=delayed)[0].check(_cfg(True)[1])
+    error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "2", "--ep", "8",
+                      "--optimizer", "adamw", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"),
+               "--delay-wgrad-compute with --tp 2 needs --no-tp-comm-overlap", "Userbuffers")
 
 
 def test_the_chunks_first_attention_weight_gradients_run_beside_the_send(monkeypatch):
