@@ -84,7 +84,7 @@ from sim.fsdp import (
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
-from sim.options import RunOptions, check_align_grad_reduce
+from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
 from sim.simulate import (
     DENSE_FALLBACK,
     SimConfig,
@@ -182,6 +182,7 @@ class Question:
         replace(self.run_options(), overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
                 delay_wgrad_compute=self.delay_wgrad_compute).check()
         check_align_grad_reduce(self.run_options(), pp=2, fsdp=False)  # a PP layout: where it acts
+        check_batch_kernels(self.optimizer, self.batch_kernels)
         if self.gpu_variability is not None:
             check_cv(self.gpu_variability)
         self.workload()  # its checks

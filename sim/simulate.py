@@ -89,7 +89,7 @@ from sim.iteration import (
     step_classes,
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
-from sim.options import RunOptions, check_align_grad_reduce
+from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
 from sim.steady import (
     EXACT_MICRO_BATCHES,
     extrapolate,
@@ -226,6 +226,7 @@ class SimConfig:
         # does not): an unknown value is a typo, never a no-op
         check_tp_policy(self.tp_policy)
         check_geometry(self.geometry)
+        self._check_elementwise_settings()
         self.options.check()
         if self.gpu_variability is not None:
             check_cv(self.gpu_variability)
@@ -282,6 +283,23 @@ class SimConfig:
             self.expert_cluster(cluster)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
+
+    def _check_elementwise_settings(self) -> None:
+        """An elementwise optimizer's (AdamW's) run: its one step policy (zero1) plans with its own
+        DP and TP policies, whole-matrix kernels are none, so canzona's plan settings and the
+        matrix optimizer's step options would change nothing: each set off its default is one
+        SpecError (named at its default it is accepted), as under --fsdp (`sim.fsdp`)."""
+        entry = matrix_optimizer(self.optimizer)
+        if not entry.elementwise:
+            return
+        why = f"with --optimizer {self.optimizer} (elementwise: its step policy plans with its own DP and TP policies)"
+        changed = [flag for flag, value, default in (
+            ("--alpha", self.alpha, PLAN_DEFAULTS.alpha), ("--geometry", self.geometry, DEFAULT_GEOMETRY),
+            ("--tp-policy", self.tp_policy, PLAN_DEFAULTS.tp_policy), ("--tp-mode", self.tp_mode, STEP_DEFAULTS.tp_mode),
+            ("--capacity", self.capacity, PLAN_DEFAULTS.capacity)) if value != default]
+        if changed:
+            raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing {why}")
+        check_batch_kernels(self.optimizer, self.options.batch_kernels)
 
     def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
         """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""
