@@ -293,7 +293,7 @@ class SimConfig:
         if not entry.elementwise:
             return
         why = f"with --optimizer {self.optimizer} (elementwise: its step policy plans with its own DP and TP policies)"
-        changed = [flag for flag, value, default in (
+        changed = [flag if flag == "--capacity" else f"{flag} {value}" for flag, value, default in (
             ("--alpha", self.alpha, PLAN_DEFAULTS.alpha), ("--geometry", self.geometry, DEFAULT_GEOMETRY),
             ("--tp-policy", self.tp_policy, PLAN_DEFAULTS.tp_policy), ("--tp-mode", self.tp_mode, STEP_DEFAULTS.tp_mode),
             ("--capacity", self.capacity, PLAN_DEFAULTS.capacity)) if value != default]

@@ -322,3 +322,23 @@ def test_an_align_grad_reduce_that_changes_nothing_is_one_line(args, needles):
 
     error_line(invoke("simulate", *SMALL, *args), *needles)
     error_line(invoke("compare", *SMALL, *args), *needles)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--alpha", "0.5"], "--alpha 0.5"),
+    (["--geometry", "whole"], "--geometry whole"),
+    (["--tp-policy", "tp-chunk"], "--tp-policy tp-chunk"),
+    (["--tp-mode", "serial"], "--tp-mode serial"),
+    (["--capacity", "1GiB"], "--capacity"),
+    (["--no-batch-kernels"], "--no-batch-kernels changes nothing with --optimizer adamw"),
+])
+def test_an_elementwise_optimizers_no_op_settings_are_one_line(args, needle):
+    """AdamW's one step policy (zero1) plans with its own DP and TP policies and has no batched
+    kernel: canzona's plan settings and --no-batch-kernels were accepted there and changed nothing;
+    at their defaults they stay accepted."""
+    from tests.cli_helpers import error_line, invoke
+
+    for command in ("simulate", "compare"):
+        error_line(invoke(command, *SMALL, "--optimizer", "adamw", *args), needle)
+    assert invoke("simulate", *SMALL, "--optimizer", "adamw", "--alpha", "1.0", "--tp-mode", "pipelined",
+                  "--batch-kernels", "--json").exit_code == 0
