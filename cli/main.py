@@ -749,7 +749,7 @@ def search(
 ) -> None:
     """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
     policy and reduce-scatter on the best; with --fsdp FSDP2 / HSDP layouts: TP, EP, HSDP replicas,
-    reshard_after_forward, micro-batch, recompute (selective-layer at torchtitan's default K and at
+    reshard_after_forward, micro-batch, recompute (selective-layer at K 2, 3, 4 and at
     --selective-ac-option's), then the FSDP step policies): prune by the simulator's checks
     and memory, simulate the rest in parallel, print the fastest that fit and the canzona plan command of the best
     (under --fsdp, which has no plan file, what the launcher sets)."""

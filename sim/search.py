@@ -136,7 +136,7 @@ class Question:
     search_recompute_layers: bool = True
     # torchtitan's --activation_checkpoint.selective_ac_option K (`canzona simulate --selective-ac-option`,
     # RunOptions's field of this name; None: its default, 2): under fsdp, selective-layer is searched at
-    # torchtitan's default K and at this one (`selective_ac_options`)
+    # the K of `SEARCHED_SELECTIVE_AC` and at this one (`selective_ac_options`)
     selective_ac_option: int | None = None
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
@@ -434,12 +434,17 @@ class Space:
                 for k in (selective_ac_options(q) if m == SELECTIVE_LAYER else (None,))]
 
 
+# torchtitan's selective-layer K the FSDP space tries (every K-th layer checkpointed): its default
+# 2 and the next two, each storing less than none and re-running less than the K below it; past 4
+# a model's saving is at most a quarter of none's activations, which few layouts need that much of
+SEARCHED_SELECTIVE_AC = (SELECTIVE_AC_DEFAULT, 3, 4)
+
+
 def selective_ac_options(q: Question) -> tuple[int, ...]:
-    """The K of selective-layer the search tries: torchtitan's default (2, every other layer) and
-    the question's `selective_ac_option` when it sets another. Not every K: the least-compute K
-    that fits is the largest whose memory fits, which a default-or-asked pair does not explore
-    (an assumption: torchtitan's users run its default or name their K)."""
-    return tuple(sorted({SELECTIVE_AC_DEFAULT, selective_ac_every(q.selective_ac_option)}))
+    """The K of selective-layer the search tries: `SEARCHED_SELECTIVE_AC` and the question's
+    `selective_ac_option` when it sets another. The rounds (`search`) take a layout's least time
+    floor among the settings whose memory floor fits: the largest K that fits comes first."""
+    return tuple(sorted({*SEARCHED_SELECTIVE_AC, selective_ac_every(q.selective_ac_option)}))
 
 
 # both spaces' rounds take a layout's least-compute setting whose memory floor fits: the modes'
