@@ -546,6 +546,25 @@ def test_a_search_row_says_whether_its_layout_ran_the_overlap():
         {**rows[1], "delay_wgrad_compute": True})
 
 
+def test_the_search_delays_weight_gradients_only_where_te_runs_it():
+    """A question with delay_wgrad_compute: the overlapped layouts at TP 1, or with
+    --no-tp-comm-overlap, delay their weight gradients; at TP 2 beside userbuffers Transformer
+    Engine refuses it, so the layout runs the overlap without it (the row says so), as the search
+    runs the overlap itself only where Megatron allows it; the simulator refuses the pair."""
+    from sim.search import Question, config_of
+
+    layout = {"tp": 2, "pp": 1, "vp": 1, "cp": 1, "ep": 8, "micro_batch": 1, "recompute": "none", "dp": 8}
+    for tp_comm_overlap in (True, False):
+        q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16,
+                     overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, tp_comm_overlap=tp_comm_overlap)
+        at_tp2, at_tp1 = config_of(q, layout), config_of(q, {**layout, "tp": 1, "ep": 16, "dp": 16})
+        assert at_tp2.options.overlap_moe_expert_parallel_comm and at_tp1.options.delay_wgrad_compute
+        assert at_tp2.options.delay_wgrad_compute is not tp_comm_overlap
+        at_tp2.check()
+    with pytest.raises(SpecError, match="needs --no-tp-comm-overlap"):
+        replace(at_tp2, options=replace(at_tp2.options, tp_comm_overlap=True)).check()
+
+
 def test_delayed_weight_gradients_in_a_steps_left_backward_layers():
     """Unequal chunks (the embedding and the loss counted as layers): a step whose backward chunk
     has more layers than its forward one runs the backward's left layers alone, as Megatron's
