@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -702,41 +702,54 @@ def compare(
         console.print(f"plot written to {plot}")
 
 
+# `canzona simulate`'s options that `canzona search` does not take, each with why (every other one is
+# a search option with simulate's name, default and help, set on every layout searched:
+# tests/cli/test_shared_options.py holds search to this list)
+SEARCH_LACKS: dict[str, str] = {
+    **dict.fromkeys(("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute"), "a layout axis the search explores"),
+    **dict.fromkeys(("hsdp_replicate", "reshard_after_forward"), "an FSDP layout axis the search explores"),
+    **dict.fromkeys(("policy", "reduce_scatter"), "tried on the best layouts (the refinement)"),
+    "overlap_moe_expert_parallel_comm": "search's own option: on every layout Megatron allows it on, the others without",
+    "recompute_method": "search's own option: on every layout searched with full recompute",
+    **dict.fromkeys(("dp_policy", "tp_policy", "alpha", "bucket_size", "capacity", "geometry", "expert_buckets",
+                     "tp_mode", "zero1_fallback"),
+                    "canzona's plan settings: the layouts are ranked under its default plan, whose canzona plan "
+                    "command the search prints"),
+    "etp": "expert TP is not explored: every EP layout at ETP 1",
+    "router_imbalance": "a skew of EP ranks: the EP 1 layouts the search also explores would refuse it",
+    **dict.fromkeys(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+                    "an uneven pipeline split: the search cuts the layers evenly at every PP it explores"),
+    "collectives": "the runtime's collectives (--collectives runtime) are a validation setting, not a layout's",
+    "overlap_step": "canzona's own step option: the refinement tries step policies that refuse it",
+    "compile_kernels": "priced as eager (sim.options.RunOptions): it changes no layout's time",
+}
+# the search's options of simulate's: every shared one a `Question` field of the same name
+SEARCH_SHARED = tuple(f.name for f in fields(SimOptions) if f.name not in SEARCH_LACKS)
+
+
 @app.command()
+@takes_options(SimOptions, omit=SEARCH_LACKS)
 def search(
-    model: Model = DEFAULT_MODEL, gpus: Gpus = 256, hardware: Hardware = DEFAULT_PROFILE, optimizer: Optimizer = "muon",
-    seq_len: SeqLen = 4096, global_batch: GlobalBatch = 128, precision: Precision = "bf16",
-    moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL,
-    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None,
-    moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS, fake_balanced_gate: FakeBalancedGate = False,
-    routing: Routing = RANDOM,
+    shared: SimOptions,
     overlap_moe_expert_parallel_comm: Annotated[bool, typer.Option(
         help="Run every layout Megatron's EP all-to-all overlap allows (--ep > 1, --pp 1 or --vp > 1, no full or "
              "selective-op recompute) with --overlap-moe-expert-parallel-comm; the others without it.")] = False,
-    delay_wgrad_compute: DelayWgrad = False, tp_comm_overlap: TpOverlap = True,
     recompute_method: Annotated[str | None, typer.Option(
         help="Megatron's --recompute-method for every layout searched with full recompute: uniform or block "
              "(with --recompute-num-layers; a layout whose model chunks a uniform group does not divide is "
              "searched without full recompute); unset: every layer checkpointed on its own.")] = None,
-    recompute_num_layers: RecomputeNumLayers = None,
     search_recompute_layers: Annotated[bool, typer.Option(
         help="Without --recompute-method: try a layout that needs full recompute first with Megatron's block method, "
              "at the fewest layers a model chunk whose memory floor fits, and with every layer checkpointed only if "
              "that run does not fit.")] = True,
-    fp8_recipe: Fp8Recipe = "delayed", attention_backend: AttentionBackend = "fused",
-    grad_reduce_in_fp32: GradReduceInFp32 = True,
-    cross_entropy_loss_fusion: CrossEntropyLossFusion = False, cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native",
-    store_param_remainders: StoreParamRemainders = False,
-    apply_rope_fusion: ApplyRopeFusion = True, bias_activation_fusion: BiasActivationFusion = True,
-    kernels: Kernels = "fused", fsdp: Fsdp = False, fsdp_impl: FsdpImpl = "fsdp2",
-    selective_ac_option: SelectiveAcOption = None,
     top: Annotated[int, typer.Option(help="How many of the fastest layouts to print.")] = 10,
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
     policy and reduce-scatter on the best; with --fsdp FSDP2 / HSDP layouts: TP, EP, HSDP replicas,
-    reshard_after_forward, micro-batch, recompute (selective-layer at torchtitan's default K and at
+    reshard_after_forward, micro-batch, recompute (selective-layer at K 2, 3, 4 and at
     --selective-ac-option's), then the FSDP step policies): prune by the simulator's checks
     and memory, simulate the rest in parallel, print the fastest that fit and the canzona plan command of the best
     (under --fsdp, which has no plan file, what the launcher sets)."""
@@ -753,20 +766,12 @@ def search(
             raise SpecError(f"--top must be >= 1, got {top}")
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
-        question = Question(model=model, gpus=gpus, hardware=hardware, optimizer=optimizer, seq_len=seq_len,
-                            global_batch=global_batch, precision=precision,
-                            ep_dispatcher=_ep_dispatcher((moe_token_dispatcher_type, moe_flex_dispatcher_backend,
-                                                          moe_hybridep_num_sms, fake_balanced_gate, routing)),
+        o = shared
+        question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED if name in Question.__dataclass_fields__},
+                            ep_dispatcher=_ep_dispatcher((o.moe_token_dispatcher_type, o.moe_flex_dispatcher_backend,
+                                                          o.moe_hybridep_num_sms, o.fake_balanced_gate, o.routing)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                            delay_wgrad_compute=delay_wgrad_compute, tp_comm_overlap=tp_comm_overlap,
-                            recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                            search_recompute_layers=search_recompute_layers, fp8_recipe=fp8_recipe, attention_backend=attention_backend,
-                            grad_reduce_in_fp32=grad_reduce_in_fp32,
-                            cross_entropy_loss_fusion=cross_entropy_loss_fusion,
-                            cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-                            store_param_remainders=store_param_remainders,
-                            apply_rope_fusion=apply_rope_fusion, bias_activation_fusion=bias_activation_fusion,
-                            kernels=kernels, fsdp=fsdp, fsdp_impl=fsdp_impl, selective_ac_option=selective_ac_option)
+                            recompute_method=recompute_method, search_recompute_layers=search_recompute_layers)
         err = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
@@ -778,7 +783,7 @@ def search(
             result = run(question, workers=workers, progress=tick)
         if not result.ranked:
             smallest = result.not_fitting[0]
-            raise SpecError(f"no layout of {model} on {gpus} GPUs fits: the smallest simulated needs "
+            raise SpecError(f"no layout of {o.model} on {o.gpus} GPUs fits: the smallest simulated needs "
                             f"{smallest['memory_bytes'] / 1e9:.1f} GB per GPU of {smallest['memory_capacity_bytes'] / 1e9:.1f}")
     except CanzonaError as e:
         fail(str(e))

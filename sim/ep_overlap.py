@@ -52,10 +52,10 @@ step's sends (which leave beside them) and before the forward's head and the bac
 gradient (`TransformerModelChunkSchedulePlan.run`, "Delay the last attn_dw in backward pass ...
 for overlapping with the p2p comm"; `_first_layer_weights`); a dense layer's `mlp` node runs its
 MLP's after its data gradients. The gradient reductions a layer completes wait for its delayed
-GEMMs (TE calls the gradient hooks in `backward_dw`). With userbuffers (tp_comm_overlap) TE
-refuses a delayed weight gradient beside its bulk overlap (NotImplementedError): those blocks
-keep theirs in place here. Under the option the sequence-parallel blocks' weight-gradient GEMMs
-take the same seconds, in another place.
+GEMMs (TE calls the gradient hooks in `backward_dw`). With userbuffers (tp_comm_overlap at TP >
+1) TE refuses a delayed weight gradient (NotImplementedError, `USERBUFFERS_REFUSE`): such a run
+does not start, and the simulator refuses it (`check_delay_wgrad`). Under the option the
+sequence-parallel blocks' weight-gradient GEMMs take the same seconds, in another place.
 
 The simulator runs the same nodes with its own blocks (`sim.model_work`): a layer's blocks before
 its expert block are `attn` (with their TP collectives where TP > 1), the expert block's grouped
@@ -139,6 +139,29 @@ def check_ep_overlap(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, m
         raise SpecError(f"{OPTION} is not modelled under --fsdp (the simulator runs it on the ZeRO-1 layout)")
 
 
+# Transformer Engine's linear modules refuse a delayed weight gradient whose GEMM is a userbuffers
+# one (TP communication overlap): `raise NotImplementedError("Delayed weight grad computation is not
+# supported with Userbuffers (tensor-parallel communication overlapping)")` in their backward
+# (transformer_engine/pytorch/module/linear.py and layernorm_linear.py at 3ec8787); Megatron's
+# column-parallel modules run their weight-gradient GEMM with userbuffers' bulk overlap under
+# tp_comm_overlap (tp_comm_bulk_wgrad, on by default) wherever TP > 1
+USERBUFFERS_REFUSE = ("Transformer Engine refuses a delayed weight gradient beside userbuffers' TP communication "
+                      "overlap (NotImplementedError: 'Delayed weight grad computation is not supported with "
+                      "Userbuffers')")
+
+
+def delay_wgrad_runs(*, tp: int, tp_comm_overlap: bool) -> bool:
+    """Whether Transformer Engine runs delay_wgrad_compute on this layout: not beside userbuffers
+    (`USERBUFFERS_REFUSE`), which TP communication overlap uses at TP > 1."""
+    return tp == 1 or not tp_comm_overlap
+
+
+def check_delay_wgrad(*, tp: int, tp_comm_overlap: bool, delay_wgrad_compute: bool) -> None:
+    """`--delay-wgrad-compute` on a layout Transformer Engine refuses it on: one SpecError."""
+    if delay_wgrad_compute and not delay_wgrad_runs(tp=tp, tp_comm_overlap=tp_comm_overlap):
+        raise SpecError(f"--delay-wgrad-compute with --tp {tp} needs --no-tp-comm-overlap: {USERBUFFERS_REFUSE}")
+
+
 def allowed(*, ep: int, pp: int, vp: int, recompute: str, fsdp: bool, moe: bool = True) -> bool:
     """Whether `check_ep_overlap` accepts this layout (the search turns the option on only there)."""
     try:
@@ -214,17 +237,13 @@ def _data_gradients(stage: _Stage, blocks: Sequence[Block]) -> tuple[tuple[Block
     `Block.last_wgrad_s`) and goes on: the blocks without those GEMMs, so that the column module's
     data-gradient reduce-scatter has no GEMM beside it and the norm's backward waits for it, and
     (block name, seconds) of the GEMMs, which Megatron runs in the node's `backward_dw`. Under
-    userbuffers (tp_comm_overlap) Transformer Engine refuses a delayed weight gradient
-    (NotImplementedError beside its bulk overlap): those blocks keep theirs in place. Off: as given."""
+    userbuffers (tp_comm_overlap at TP > 1) Transformer Engine refuses a delayed weight gradient
+    (`check_delay_wgrad`: no such run is simulated). Off: as given."""
     if not stage.ctx.options.delay_wgrad_compute:
         return tuple(blocks), ()
-    ctx = stage.ctx
     data: list[Block] = []
     deferred: list[tuple[str, float]] = []
     for b in blocks:
-        if ctx.tp > 1 and b.tp_collectives and ctx.options.tp_comm_overlap:
-            data.append(b)
-            continue
         data.append(replace(b, first_s=b.first_s - b.first_wgrad_s, last_s=b.last_s - b.last_wgrad_s,
                             first_wgrad_s=0.0, last_wgrad_s=0.0))
         if b.first_wgrad_s + b.last_wgrad_s:

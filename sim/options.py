@@ -9,6 +9,7 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
+from canzona.optimizers import matrix_optimizer
 from canzona.recompute import check_recompute_method, check_selective_ac_option
 from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
@@ -106,3 +107,33 @@ class RunOptions:
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")
         if not isinstance(self.align_grad_reduce, bool):
             raise SpecError(f"align_grad_reduce must be True or False, got {self.align_grad_reduce!r}")
+
+
+def check_align_grad_reduce(options: RunOptions, *, pp: int, fsdp: bool) -> None:
+    """`--no-align-grad-reduce` where it would change nothing, one SpecError: Megatron's
+    align_grad_reduce chooses who launches the distributed optimizer's overlapped bucket
+    reductions under a pipeline schedule (its `grad_sync_func`, set only with overlap_grad_reduce
+    and pipeline parallelism; `sim.iteration._Stage.aligned`); FSDP2 reduce-scatters each unit as
+    its backward ends, with no such switch (`sim.fsdp`)."""
+    if options.align_grad_reduce:
+        return
+    if fsdp:
+        raise SpecError("--no-align-grad-reduce is the distributed optimizer's (ZeRO-1) pipeline launch of its bucket "
+                        "reductions: under --fsdp each unit's gradients are reduce-scattered as its backward ends "
+                        "(torch's fully_shard has no such switch)")
+    if not options.overlap_grad_reduce:
+        raise SpecError("--no-align-grad-reduce changes nothing without --overlap-grad-reduce: Megatron's "
+                        "align_grad_reduce chooses who launches the overlapped bucket reductions (without the overlap "
+                        "every bucket is reduced after the backward)")
+    if pp == 1:
+        raise SpecError("--no-align-grad-reduce changes nothing at --pp 1: Megatron's align_grad_reduce sets the "
+                        "pipeline schedule's grad_sync_func (without pipelining the backward hooks launch every "
+                        "bucket either way)")
+
+
+def check_batch_kernels(optimizer: str, batch_kernels: bool) -> None:
+    """`--no-batch-kernels` with an optimizer that has no batched kernel (AdamW's elementwise step:
+    `canzona.optimizers.MatrixOptimizer.batchable`) would change nothing: one SpecError."""
+    if not batch_kernels and not matrix_optimizer(optimizer).batchable:
+        raise SpecError(f"--no-batch-kernels changes nothing with --optimizer {optimizer}: it has no batched kernel "
+                        "(batch_kernels stacks a whole-matrix optimizer's same-shape matrices)")

@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend
+from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND
 from canzona.catalog import DEFAULT_MODEL
 from canzona.cost import DeviceRate
 from canzona.errors import SpecError
@@ -65,10 +65,11 @@ from canzona.reductions import (
     alike_impls,
 )
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES, default_policy, policies_running
+from canzona.variability import check_cv
 from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
-from sim.ep_overlap import allowed
+from sim.ep_overlap import allowed, delay_wgrad_runs
 from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.fsdp import (
     FSDP_RECOMPUTE_MODES,
@@ -83,7 +84,7 @@ from sim.fsdp import (
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
-from sim.options import RunOptions
+from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
 from sim.simulate import (
     DENSE_FALLBACK,
     SimConfig,
@@ -135,7 +136,7 @@ class Question:
     search_recompute_layers: bool = True
     # torchtitan's --activation_checkpoint.selective_ac_option K (`canzona simulate --selective-ac-option`,
     # RunOptions's field of this name; None: its default, 2): under fsdp, selective-layer is searched at
-    # torchtitan's default K and at this one (`selective_ac_options`)
+    # the K of `SEARCHED_SELECTIVE_AC` and at this one (`selective_ac_options`)
     selective_ac_option: int | None = None
     # the loss's cross-entropy path and the optimizer's master remainders (Workload's options of
     # the same names, sim.cross_entropy, canzona.memory): every layout is searched with them
@@ -155,26 +156,35 @@ class Question:
     # torchtitan composes it) instead of Megatron's ZeRO-1 ones: the search's space is `FSDP_SPACE`
     fsdp: bool = False
     fsdp_impl: str = FSDP2  # under fsdp, which FSDP runs it (SimConfig.fsdp_impl): every layout with it
+    # the run's settings the search does not explore (`canzona simulate`'s options, RunOptions's and
+    # SimConfig's fields of these names, whose defaults they keep: one definition): every layout is
+    # searched with them. Megatron's align_grad_reduce acts under pipeline parallelism only: a layout
+    # at PP 1 runs Megatron's (no schedule function), where the simulator refuses it off
+    overlap_grad_reduce: bool = RunOptions.overlap_grad_reduce
+    align_grad_reduce: bool = RunOptions.align_grad_reduce
+    overlap_param_gather: bool = RunOptions.overlap_param_gather
+    max_grad_norm: float | None = RunOptions.max_grad_norm
+    batch_kernels: bool = RunOptions.batch_kernels
+    gpu_variability: float | None = SimConfig.gpu_variability
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
-        check_attention_backend(self.attention_backend)
         check_recompute_method(FULL, self.recompute_method, self.recompute_num_layers)
         if not isinstance(self.search_recompute_layers, bool):
             raise SpecError(f"search_recompute_layers must be True or False, got {self.search_recompute_layers!r}")
-        self.ep_dispatcher.check()
-        if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
-            raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "
-                            f"{self.overlap_moe_expert_parallel_comm!r}")
-        if not isinstance(self.tp_comm_overlap, bool):
-            raise SpecError(f"tp_comm_overlap must be True or False, got {self.tp_comm_overlap!r}")
-        if not isinstance(self.delay_wgrad_compute, bool):
-            raise SpecError(f"delay_wgrad_compute must be True or False, got {self.delay_wgrad_compute!r}")
-        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
-            raise SpecError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron: "
-                            "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute)")
+        for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "batch_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # RunOptions's checks: the attention backend, the dispatcher, the EP overlap and delay_wgrad_compute,
+        # align_grad_reduce, max_grad_norm
+        replace(self.run_options(), overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
+                delay_wgrad_compute=self.delay_wgrad_compute).check()
+        check_align_grad_reduce(self.run_options(), pp=2, fsdp=False)  # a PP layout: where it acts
+        check_batch_kernels(self.optimizer, self.batch_kernels)
+        if self.gpu_variability is not None:
+            check_cv(self.gpu_variability)
         self.workload()  # its checks
         self._check_moe_settings()
         self._check_space_settings()
@@ -213,6 +223,14 @@ class Question:
             raise SpecError(f"{', '.join(named)}: Megatron's (its ZeRO-1 layout's), not searched under --fsdp "
                             "(torch's fully_shard with its checkpoint wrappers)")
 
+    def run_options(self) -> RunOptions:
+        """Every candidate's run options before its own (the recompute, Megatron's EP overlap, the
+        refinements' reduce-scatter, `config_of`)."""
+        return RunOptions(attention_backend=self.attention_backend, ep_dispatcher=self.ep_dispatcher,
+                          tp_comm_overlap=self.tp_comm_overlap, overlap_grad_reduce=self.overlap_grad_reduce,
+                          align_grad_reduce=self.align_grad_reduce, overlap_param_gather=self.overlap_param_gather,
+                          max_grad_norm=self.max_grad_norm, batch_kernels=self.batch_kernels)
+
     def workload(self) -> Workload:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
@@ -232,7 +250,12 @@ MEGATRON_ONLY = (("recompute_method", "--recompute-method"), ("recompute_num_lay
                  ("search_recompute_layers", "--no-search-recompute-layers"),
                  ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
                  ("delay_wgrad_compute", "--delay-wgrad-compute"),
-                 ("store_param_remainders", "--store-param-remainders"))
+                 ("store_param_remainders", "--store-param-remainders"),
+                 # the distributed optimizer's bucket and step overlaps and the pipeline schedule's
+                 # launch of them (`sim.fsdp.check_fsdp`, `sim.options.check_align_grad_reduce`)
+                 ("overlap_grad_reduce", "--no-overlap-grad-reduce"),
+                 ("align_grad_reduce", "--no-align-grad-reduce"),
+                 ("overlap_param_gather", "--no-overlap-param-gather"))
 
 
 @dataclass(frozen=True)
@@ -411,12 +434,17 @@ class Space:
                 for k in (selective_ac_options(q) if m == SELECTIVE_LAYER else (None,))]
 
 
+# torchtitan's selective-layer K the FSDP space tries (every K-th layer checkpointed): its default
+# 2 and the next two, each storing less than none and re-running less than the K below it; past 4
+# a model's saving is at most a quarter of none's activations, which few layouts need that much of
+SEARCHED_SELECTIVE_AC = (SELECTIVE_AC_DEFAULT, 3, 4)
+
+
 def selective_ac_options(q: Question) -> tuple[int, ...]:
-    """The K of selective-layer the search tries: torchtitan's default (2, every other layer) and
-    the question's `selective_ac_option` when it sets another. Not every K: the least-compute K
-    that fits is the largest whose memory fits, which a default-or-asked pair does not explore
-    (an assumption: torchtitan's users run its default or name their K)."""
-    return tuple(sorted({SELECTIVE_AC_DEFAULT, selective_ac_every(q.selective_ac_option)}))
+    """The K of selective-layer the search tries: `SEARCHED_SELECTIVE_AC` and the question's
+    `selective_ac_option` when it sets another. The rounds (`search`) take a layout's least time
+    floor among the settings whose memory floor fits: the largest K that fits comes first."""
+    return tuple(sorted({*SEARCHED_SELECTIVE_AC, selective_ac_every(q.selective_ac_option)}))
 
 
 # both spaces' rounds take a layout's least-compute setting whose memory floor fits: the modes'
@@ -458,13 +486,13 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     """The simulator's configuration of one layout (and refinement values, when set)."""
     space = space_of(q)
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
-                                  workload=q.workload(),
-                                  options=RunOptions(attention_backend=q.attention_backend,
-                                                     ep_dispatcher=q.ep_dispatcher,
-                                                     tp_comm_overlap=q.tp_comm_overlap), **space.fixed(q))
+                                  workload=q.workload(), options=q.run_options(), gpu_variability=q.gpu_variability,
+                                  **space.fixed(q))
     for axis in space.layout + space.refine:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
+    if kwargs.get("pp", 1) == 1:  # Megatron's align_grad_reduce acts under a pipeline schedule only
+        _options(kwargs, align_grad_reduce=RunOptions.align_grad_reduce)
     if kwargs["options"].recompute == FULL:  # the layout's method (the search's block), else the question's
         method = layout.get("recompute_method", q.recompute_method)
         if method is not None:
@@ -475,7 +503,11 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     if q.overlap_moe_expert_parallel_comm and allowed(ep=kwargs.get("ep", 1), pp=kwargs.get("pp", 1),
                                                        vp=kwargs.get("vp", 1), recompute=kwargs["options"].recompute,
                                                        fsdp=False):
-        _options(kwargs, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=q.delay_wgrad_compute)
+        # delay_wgrad_compute where Transformer Engine runs it (`sim.ep_overlap.delay_wgrad_runs`: not beside
+        # userbuffers' TP overlap), as the EP overlap where Megatron allows it
+        _options(kwargs, overlap_moe_expert_parallel_comm=True,
+                 delay_wgrad_compute=q.delay_wgrad_compute and delay_wgrad_runs(tp=kwargs.get("tp", 1),
+                                                                                tp_comm_overlap=q.tp_comm_overlap))
     return SimConfig(**kwargs)
 
 

@@ -76,7 +76,7 @@ from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
 from sim.ep_dispatch import HYBRIDEP
-from sim.ep_overlap import check_ep_overlap
+from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
@@ -90,7 +90,7 @@ from sim.iteration import (
     step_classes,
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
-from sim.options import RunOptions
+from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
 from sim.steady import (
     EXACT_MICRO_BATCHES,
     extrapolate,
@@ -228,6 +228,7 @@ class SimConfig:
         # does not): an unknown value is a typo, never a no-op
         check_tp_policy(self.tp_policy)
         check_geometry(self.geometry)
+        self._check_elementwise_settings()
         self.options.check()
         if self.gpu_variability is not None:
             check_cv(self.gpu_variability)
@@ -259,6 +260,9 @@ class SimConfig:
         if self.options.overlap_moe_expert_parallel_comm:  # Megatron's requirements (sim.ep_overlap)
             check_ep_overlap(ep=self.ep, pp=self.pp, vp=self.vp, recompute=self.options.recompute, fsdp=self.fsdp,
                              moe=resolved[1].moe is not None)
+        check_delay_wgrad(tp=self.tp, tp_comm_overlap=self.options.tp_comm_overlap,
+                          delay_wgrad_compute=self.options.delay_wgrad_compute)
+        check_align_grad_reduce(self.options, pp=self.pp, fsdp=self.fsdp)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:
@@ -281,6 +285,23 @@ class SimConfig:
             self.expert_cluster(cluster)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
+
+    def _check_elementwise_settings(self) -> None:
+        """An elementwise optimizer's (AdamW's) run: its one step policy (zero1) plans with its own
+        DP and TP policies, whole-matrix kernels are none, so canzona's plan settings and the
+        matrix optimizer's step options would change nothing: each set off its default is one
+        SpecError (named at its default it is accepted), as under --fsdp (`sim.fsdp`)."""
+        entry = matrix_optimizer(self.optimizer)
+        if not entry.elementwise:
+            return
+        why = f"with --optimizer {self.optimizer} (elementwise: its step policy plans with its own DP and TP policies)"
+        changed = [flag if flag == "--capacity" else f"{flag} {value}" for flag, value, default in (
+            ("--alpha", self.alpha, PLAN_DEFAULTS.alpha), ("--geometry", self.geometry, DEFAULT_GEOMETRY),
+            ("--tp-policy", self.tp_policy, PLAN_DEFAULTS.tp_policy), ("--tp-mode", self.tp_mode, STEP_DEFAULTS.tp_mode),
+            ("--capacity", self.capacity, PLAN_DEFAULTS.capacity)) if value != default]
+        if changed:
+            raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing {why}")
+        check_batch_kernels(self.optimizer, self.options.batch_kernels)
 
     def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
         """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""

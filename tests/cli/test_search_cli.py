@@ -84,7 +84,8 @@ def test_bad_input_is_one_line(args, needle):
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                                   "apply_rope_fusion", "bias_activation_fusion", "recompute_method",
                                   "recompute_num_layers", "routing", "kernels", "fsdp", "fsdp_impl",
-                                  "selective_ac_option"])
+                                  "selective_ac_option", "overlap_grad_reduce", "align_grad_reduce",
+                                  "overlap_param_gather", "max_grad_norm", "batch_kernels", "gpu_variability"])
 def test_run_settings_of_the_question_are_options_as_in_simulate(name):
     """The run settings `Question` carries are `search` options of the same name and default as
     `simulate`'s (and `compare`'s, where it takes them) (`--tp-comm-overlap` and the recipe
@@ -193,7 +194,7 @@ def test_selective_ac_option_reaches_the_question_and_the_best_says_its_k(tmp_pa
     asked = json.loads(r.stdout)
     best = asked["layouts"][0]
     assert asked["selective_ac_option"] == 3
-    assert best["recompute"] == "selective-layer" and best["selective_ac_option"] in (2, 3)
+    assert best["recompute"] == "selective-layer" and best["selective_ac_option"] in (2, 3, 4)
     k = best["selective_ac_option"]
     table = invoke("search", *moe, "--top", 2)
     assert table.exit_code == 0, table.stderr
@@ -206,4 +207,37 @@ def test_selective_ac_option_reaches_the_question_and_the_best_says_its_k(tmp_pa
     (("--fsdp", "--selective-ac-option", 0), "whole number >= 1"),
 ])
 def test_a_bad_selective_ac_option_is_one_line(args, needle):
+    error_line(invoke("search", *SMALL, *args), needle)
+
+
+def test_the_run_settings_search_does_not_explore_reach_every_layout():
+    """simulate's run settings that no axis explores (the DP overlaps, the step's options, the GPUs'
+    variability) are search options: the question carries them and the best layout's time is
+    simulate's of that layout with them (every layout searched with them, not only echoed)."""
+    settings = ("--no-overlap-grad-reduce", "--no-overlap-param-gather", "--max-grad-norm", "1.0",
+                "--no-batch-kernels", "--gpu-variability", "0")
+    r = invoke("search", *SMALL, "--top", 1, *settings, "--json")
+    assert r.exit_code == 0, r.stderr
+    asked = json.loads(r.stdout)
+    assert (asked["overlap_grad_reduce"], asked["overlap_param_gather"], asked["max_grad_norm"],
+            asked["batch_kernels"], asked["gpu_variability"]) == (False, False, 1.0, False, 0.0)
+    best = asked["layouts"][0]
+    layout = ("--model", "qwen3-0.6b", "--gpus", 8, "--seq-len", 1024, "--global-batch", 8, "--tp", best["tp"],
+              "--pp", best["pp"], "--vp", best["vp"], "--micro-batch", best["micro_batch"], "--recompute",
+              best["recompute"], "--policy", best["policy"], "--reduce-scatter", best["reduce_scatter"])
+    ran = [invoke("simulate", *layout, *extra, "--json") for extra in (settings, ())]
+    assert all(x.exit_code == 0 for x in ran), [x.stderr for x in ran]
+    with_settings, without = (json.loads(x.stdout)["iteration_time_s"] for x in ran)
+    assert best["iteration_time_s"] == pytest.approx(with_settings, rel=1e-9)
+    assert with_settings != without
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--fsdp", "--no-align-grad-reduce"), "--no-align-grad-reduce: Megatron's"),
+    (("--fsdp", "--no-overlap-param-gather"), "--no-overlap-param-gather: Megatron's"),
+    (("--no-align-grad-reduce", "--no-overlap-grad-reduce"), "changes nothing without --overlap-grad-reduce"),
+    (("--gpu-variability", "-1"), "variability"),
+    (("--max-grad-norm", "0"), "max_grad_norm"),
+])
+def test_a_run_setting_that_changes_nothing_or_is_bad_is_one_line(args, needle):
     error_line(invoke("search", *SMALL, *args), needle)

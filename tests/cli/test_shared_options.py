@@ -86,6 +86,39 @@ def test_compare_has_every_option_of_simulate():
         assert (s.opts, s.secondary_opts, s.default, s.help) == (c.opts, c.secondary_opts, c.default, c.help), name
 
 
+def test_search_takes_simulates_options_or_says_why_not():
+    """Fails when search and simulate disagree on an option they share (flags, default or help),
+    when simulate gains an option search neither takes nor lists with its reason
+    (`cli.main.SEARCH_LACKS`), or when a shared option does not reach search's `Question`."""
+    from dataclasses import fields
+
+    from cli.main import SEARCH_LACKS, SEARCH_SHARED, SimOptions
+    from sim.ep_dispatch import EpDispatcher
+    from sim.search import Question
+
+    simulate, search = _params("simulate"), _params("search")
+    # search's own: options it explores otherwise (over the layouts), and its own settings
+    own = {"overlap_moe_expert_parallel_comm", "recompute_method", "search_recompute_layers", "top", "workers",
+           "as_json"}
+    assert set(search) - set(simulate) == own - {"overlap_moe_expert_parallel_comm", "recompute_method", "as_json"}
+    assert set(simulate) - set(search) == set(SEARCH_LACKS) - own | {"trace"}
+    assert set(SEARCH_LACKS) | set(SEARCH_SHARED) == {f.name for f in fields(SimOptions)}
+    assert all(SEARCH_LACKS.values())
+    for name in set(simulate) & set(search) - own:
+        s, q = simulate[name], search[name]
+        assert (s.opts, s.secondary_opts, s.default, s.help) == (q.opts, q.secondary_opts, q.default, q.help), name
+    for name in own & set(simulate):  # the same flag and default, search's help saying how it applies it
+        assert (simulate[name].opts, simulate[name].default) == (search[name].opts, search[name].default), name
+    # every shared option is a field of the question (the dispatcher's inside its EpDispatcher), whose
+    # default is the command line's
+    dispatcher = {f.name for f in fields(EpDispatcher)}
+    asked = {f.name: f.default for f in fields(Question)}
+    for name in SEARCH_SHARED:
+        assert name in asked or name in dispatcher, name
+        if name in asked:
+            assert asked[name] == search[name].default, name
+
+
 def test_every_added_option_is_exercised():
     flags = {a for layout, option in CASES for a in (*layout, *option) if a.startswith("--")}
     flags |= {"--" + a[len("--no-"):] for a in flags if a.startswith("--no-")}

@@ -65,7 +65,7 @@ def test_simulate_tp_mode():
 def test_simulate_run_options_reach_the_result():
     result = run("simulate", *SMALL, "--no-overlap-param-gather", "--no-tp-comm-overlap", "--recompute", "full",
                  "--reduce-scatter", "padded", "--no-zero1-fallback", "--max-grad-norm", "1.0",
-                 "--no-align-grad-reduce", "--json")
+                 "--no-align-grad-reduce", "--pp", "2", "--json")  # align_grad_reduce acts under --pp only
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "align_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
@@ -307,3 +307,38 @@ def test_default_compare_subprocess():
         assert name in proc.stdout
     assert "qwen3-32b" in proc.stdout.lower()
     assert "256" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--fsdp", "--no-align-grad-reduce"], ("--no-align-grad-reduce", "under --fsdp")),
+    (["--pp", "2", "--no-overlap-grad-reduce", "--no-align-grad-reduce"],
+     ("changes nothing without --overlap-grad-reduce",)),
+    (["--no-align-grad-reduce"], ("changes nothing at --pp 1",)),
+])
+def test_an_align_grad_reduce_that_changes_nothing_is_one_line(args, needles):
+    """Megatron's align_grad_reduce acts only on the ZeRO-1 layout's pipeline schedule with its
+    overlapped bucket reductions: off anywhere else it would be echoed back doing nothing."""
+    from tests.cli_helpers import error_line, invoke
+
+    error_line(invoke("simulate", *SMALL, *args), *needles)
+    error_line(invoke("compare", *SMALL, *args), *needles)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--alpha", "0.5"], "--alpha 0.5"),
+    (["--geometry", "whole"], "--geometry whole"),
+    (["--tp-policy", "tp-chunk"], "--tp-policy tp-chunk"),
+    (["--tp-mode", "serial"], "--tp-mode serial"),
+    (["--capacity", "1GiB"], "--capacity"),
+    (["--no-batch-kernels"], "--no-batch-kernels changes nothing with --optimizer adamw"),
+])
+def test_an_elementwise_optimizers_no_op_settings_are_one_line(args, needle):
+    """AdamW's one step policy (zero1) plans with its own DP and TP policies and has no batched
+    kernel: canzona's plan settings and --no-batch-kernels were accepted there and changed nothing;
+    at their defaults they stay accepted."""
+    from tests.cli_helpers import error_line, invoke
+
+    for command in ("simulate", "compare"):
+        error_line(invoke(command, *SMALL, "--optimizer", "adamw", *args), needle)
+    assert invoke("simulate", *SMALL, "--optimizer", "adamw", "--alpha", "1.0", "--tp-mode", "pipelined",
+                  "--batch-kernels", "--json").exit_code == 0

@@ -561,6 +561,25 @@ def test_a_search_row_says_whether_its_layout_ran_the_overlap():
         {**rows[1], "delay_wgrad_compute": True})
 
 
+def test_the_search_delays_weight_gradients_only_where_te_runs_it():
+    """A question with delay_wgrad_compute: the overlapped layouts at TP 1, or with
+    --no-tp-comm-overlap, delay their weight gradients; at TP 2 beside userbuffers Transformer
+    Engine refuses it, so the layout runs the overlap without it (the row says so), as the search
+    runs the overlap itself only where Megatron allows it; the simulator refuses the pair."""
+    from sim.search import Question, config_of
+
+    layout = {"tp": 2, "pp": 1, "vp": 1, "cp": 1, "ep": 8, "micro_batch": 1, "recompute": "none", "dp": 8}
+    for tp_comm_overlap in (True, False):
+        q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=16,
+                     overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, tp_comm_overlap=tp_comm_overlap)
+        at_tp2, at_tp1 = config_of(q, layout), config_of(q, {**layout, "tp": 1, "ep": 16, "dp": 16})
+        assert at_tp2.options.overlap_moe_expert_parallel_comm and at_tp1.options.delay_wgrad_compute
+        assert at_tp2.options.delay_wgrad_compute is not tp_comm_overlap
+        at_tp2.check()
+    with pytest.raises(SpecError, match="needs --no-tp-comm-overlap"):
+        replace(at_tp2, options=replace(at_tp2.options, tp_comm_overlap=True)).check()
+
+
 def test_delayed_weight_gradients_in_a_steps_left_backward_layers():
     """Unequal chunks (the embedding and the loss counted as layers): a step whose backward chunk
     has more layers than its forward one runs the backward's left layers alone, as Megatron's
@@ -624,14 +643,18 @@ def test_delayed_attention_weight_gradients_leave_the_reduce_scatter_exposed(mon
     assert _compute_s(delayed) == pytest.approx(_compute_s(plain), rel=1e-12)
 
 
-def test_userbuffers_keep_the_attention_weight_gradients_in_place():
-    """Transformer Engine refuses a delayed weight gradient beside userbuffers' bulk overlap
-    (NotImplementedError): with tp_comm_overlap the attention blocks keep theirs in place; the
-    experts' (no TP collectives) are still delayed."""
-    r = _run(True, tp=2, ep=4, options=RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
-    names = {s.name for s in r.spans if s.phase == "A"}
-    assert not any(n.endswith(".0 delayed wgrad") for n in names)
-    assert any(n.endswith("experts wgrad") for n in names)
+def test_userbuffers_refuse_a_delayed_weight_gradient():
+    """Transformer Engine refuses a delayed weight gradient beside userbuffers' TP overlap
+    (NotImplementedError in its linear modules' backward): at TP > 1 with tp_comm_overlap the run
+    would not start, and the simulator refuses it; at TP 1, or without the overlap, it runs."""
+    delayed = RunOptions(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    with pytest.raises(SpecError, match="--delay-wgrad-compute with --tp 2 needs --no-tp-comm-overlap"):
+        _cfg(True, tp=2, ep=4, options=delayed)[0].check(_cfg(True)[1])
+    _cfg(True, tp=2, ep=4, options=replace(delayed, tp_comm_overlap=False))[0].check(_cfg(True)[1])
+    _cfg(True, options=delayed)[0].check(_cfg(True)[1])
+    error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "2", "--ep", "8",
+                      "--optimizer", "adamw", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"),
+               "--delay-wgrad-compute with --tp 2 needs --no-tp-comm-overlap", "Userbuffers")
 
 
 def test_the_chunks_first_attention_weight_gradients_run_beside_the_send(monkeypatch):

@@ -112,13 +112,27 @@ def test_plain_1f1b_keeps_the_hooks_on_the_first_rank_only():
     assert min(s.start for s in _syncs(hooks, stage1).values()) < _backward_end(hooks, stage1)
 
 
-@pytest.mark.parametrize("change", [dict(pp=1, vp=1), dict(options=RunOptions(overlap_grad_reduce=False))])
-def test_no_schedule_function_no_change(change):
-    """Without pipelining, or without overlap_grad_reduce, Megatron sets no grad_sync_func."""
+@pytest.mark.parametrize("change, needle", [
+    (dict(pp=1, vp=1, options=HOOKS), "changes nothing at --pp 1"),
+    (dict(options=RunOptions(overlap_grad_reduce=False, align_grad_reduce=False)),
+     "changes nothing without --overlap-grad-reduce"),
+])
+def test_without_a_schedule_function_it_is_refused(change, needle):
+    """Without pipelining, or without overlap_grad_reduce, Megatron sets no grad_sync_func: the
+    option would change nothing, so off it is one line, not a silent no-op."""
     cfg = replace(BASE, **change)
-    a = simulate(replace(cfg, options=replace(cfg.options, align_grad_reduce=True)))
-    b = simulate(replace(cfg, options=replace(cfg.options, align_grad_reduce=False)))
-    assert a.iteration_time_s == b.iteration_time_s
+    with pytest.raises(SpecError, match=needle) as e:
+        cfg.check()
+    assert "\n" not in str(e.value)
+    # on, the default, it is accepted there
+    cfg.__class__.check(replace(cfg, options=replace(cfg.options, align_grad_reduce=True, overlap_grad_reduce=True)))
+
+
+def test_under_fsdp_it_is_refused():
+    cfg = SimConfig(model="qwen3-0.6b", gpus=16, tp=2, optimizer="adamw", fsdp=True, workload=Workload(2048, 32),
+                    options=HOOKS)
+    with pytest.raises(SpecError, match="--no-align-grad-reduce is the distributed optimizer's"):
+        cfg.check()
 
 
 def test_a_bad_value_is_one_line():
