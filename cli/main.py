@@ -724,8 +724,11 @@ SEARCH_LACKS: dict[str, str] = {
     "overlap_step": "canzona's own step option: the refinement tries step policies that refuse it",
     "compile_kernels": "priced as eager (sim.options.RunOptions): it changes no layout's time",
 }
-# the search's options of simulate's: every shared one a `Question` field of the same name
+# the search's options of simulate's: every shared one a `Question` field of the same name, but the
+# dispatcher's, which make its `ep_dispatcher` (`_ep_dispatcher`)
 SEARCH_SHARED = tuple(f.name for f in fields(SimOptions) if f.name not in SEARCH_LACKS)
+EP_DISPATCHER_OPTIONS = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_hybridep_num_sms",
+                         "fake_balanced_gate", "routing")
 
 
 @app.command()
@@ -767,7 +770,7 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         o = shared
-        question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED if name in Question.__dataclass_fields__},
+        question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED if name not in EP_DISPATCHER_OPTIONS},
                             ep_dispatcher=_ep_dispatcher((o.moe_token_dispatcher_type, o.moe_flex_dispatcher_backend,
                                                           o.moe_hybridep_num_sms, o.fake_balanced_gate, o.routing)),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
