@@ -908,6 +908,9 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
         # FP8's casts, not its amax all-reduces (collectives are free here)
         work = stage_work(cfg, arch, head_dim, part, stage, rate,
                           FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
+        if stage:  # a tied embedding's copy on the last stage: the run looks up and back-propagates it on
+            # virtual stage 0 only (sim.iteration._Stage.forward_start, backward_end)
+            work = replace(work, embed_forward_s=0.0, embed_backward_s=0.0)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
                                      ring, cfg.options.overlap_moe_expert_parallel_comm,
                                      forward_without_grad(cfg.options.recompute) and not cfg.fsdp))
