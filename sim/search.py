@@ -1009,8 +1009,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     # the recompute settings (`recompute_variant`) each layout (`_layout_key`) has had: queued, or
     # refused by the memory floor, which no later round changes
     tried: dict[tuple, set[tuple]] = {}
+    # a layout's full recompute after its block method's run did not fit (`settle`): the block at
+    # more layers, or every layer, tried beside the settings not yet tried (full is in `tried`)
+    block_next: dict[tuple, Layout] = {}
 
-    def push(layout: Layout, gap: float = 0.0, fixed: Layout | None = None) -> None:
+    def push(layout: Layout, gap: float = 0.0) -> None:
         """Queue `layout` with the recompute setting of least compute among those not yet tried on it
         whose memory floor fits: the least time floor (`time_floor`, the bound the queue is ordered by: a layout's floors
         under two settings differ by exactly the kernels, and under full recompute the
@@ -1018,16 +1021,20 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         recompute is first Megatron's block method (`explore`) at the fewest layers
         whose floor fits `gap` below the capacity: what a run of the layout measured beyond its
         floor (the plan's buffers, state and masters, which the recompute does not change).
-        `fixed`: that setting only (the block method's next try). Nothing fits: pruned by the
+        After a block run that did not fit, full is the block method's next try (`block_next`),
+        weighed with the others. Nothing fits: pruned by the
         memory floor (or by the method's rule), unless every setting had been tried."""
         base = {k: v for k, v in layout.items() if k not in RECOMPUTE_KEYS}
-        done = tried.setdefault(_layout_key(space, base), set())
+        key = _layout_key(space, base)
+        done = tried.setdefault(key, set())
         fitting: list[tuple[SimConfig, Layout]] = []
         considered, refused = 0, None
-        for setting in [fixed] if fixed is not None else space.recompute_variants(q):
-            chosen = {**base, **setting}
-            if fixed is None and recompute_variant(chosen) in done:
+        for setting in space.recompute_variants(q):
+            if setting[RECOMPUTE_AXIS] == FULL and key in block_next:
+                setting = block_next[key]  # carries its method: no block chosen again below
+            elif recompute_variant(setting) in done:
                 continue
+            chosen = {**base, **setting}
             considered += 1
             mode = chosen[RECOMPUTE_AXIS]
             if mode == FULL and explore and "recompute_method" not in chosen:
@@ -1044,6 +1051,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     continue
             if memory_floor(cfg, model) > capacity:
                 done.add(recompute_variant(chosen))
+                if mode == FULL:
+                    block_next.pop(key, None)
                 continue
             fitting.append((cfg, chosen))
             if mode == NONE:  # none runs nothing again: nothing has less compute
@@ -1058,6 +1067,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         i = min(range(len(fitting)), key=lambda j: floors[j])  # ties: the space's order
         cfg, chosen = fitting[i]
         done.add(recompute_variant(chosen))
+        if chosen[RECOMPUTE_AXIS] == FULL:
+            block_next.pop(key, None)
         floor = floors[i] if floors[i] is not None else time_floor(cfg, model, rate, hw)
         heapq.heappush(queue, _Pending(floor, len(queue) + len(rows), cfg, chosen))
 
@@ -1096,8 +1107,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             if explore and row["recompute_method"] == BLOCK:  # the search's block did not fit: more layers, or all
                 n = least_block(layout, capacity - gap, above=row["recompute_num_layers"])
                 plain = n is None
-                push(layout, fixed={RECOMPUTE_AXIS: FULL, "recompute_method": None if plain else BLOCK,
-                                    "recompute_num_layers": None if plain else n})
+                block_next[_layout_key(space, layout)] = {RECOMPUTE_AXIS: FULL,
+                                                          "recompute_method": None if plain else BLOCK,
+                                                          "recompute_num_layers": None if plain else n}
+                # with the settings not yet tried: more block layers may re-run more than selective-op
+                push(layout, gap)
                 return
             # the next least-compute setting not yet tried: only for a layout that did not fit
             push(layout, gap)
