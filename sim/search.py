@@ -207,6 +207,9 @@ class Question:
                 raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer "
                                 "recompute, searched under --fsdp (Megatron's ZeRO-1 layouts do not run it)")
             return
+        if self.selective_ac_option is not None and SELECTIVE_LAYER not in fsdp_recompute_modes(self.fsdp_impl):
+            raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer recompute, "
+                            f"which --fsdp-impl {self.fsdp_impl} does not run (not searched)")
         default = {f.name: f.default for f in fields(Question)}
         named = [flag for name, flag in MEGATRON_ONLY if getattr(self, name) != default[name]]
         if named:
