@@ -1,7 +1,8 @@
 """Property: the search's pruning floors (`sim.search.time_floor`, `memory_floor`) are lower bounds
 of what `simulate` returns, over random small layouts of both spaces (ZeRO-1 with pipeline,
 interleaving, CP, Megatron's block method; FSDP with HSDP, reshard, selective-layer at several K).
-A floor above the simulation lets branch and bound prune a layout that would have won."""
+A floor above the simulation lets branch and bound prune a layout that would have won (40
+derandomized examples find the tied-embedding last-stage floor of 10869b3 reverted)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def layouts(draw):
     return q, layout
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(layouts())
 def test_floors_are_below_the_simulation(case):
