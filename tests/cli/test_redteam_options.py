@@ -210,3 +210,12 @@ def test_expert_buckets_are_refused_under_fsdp():
             error_line(invoke(command, *moe, "--fsdp", "--expert-buckets", value), "--expert-buckets", "--fsdp")
     named = invoke("simulate", *moe, "--fsdp", "--expert-buckets", "size", "--json")  # the default: accepted
     assert named.exit_code == 0, named.stderr
+
+
+def test_verify_fsdp_refuses_tp_scheduling_options():
+    """`canzona verify --fsdp --tp-mode serial` (or --tp-policy) ran and passed with the defaults:
+    the FSDP cases never handed the options to the training spec, whose rule refuses them under
+    FSDP (canzona.harness.training.TrainSpec.check; FsdpOptimizer refuses them too). One line, before
+    any spawn."""
+    for option, value in (("--tp-mode", "serial"), ("--tp-policy", "tp-chunk"), ("--tp-mode", "all")):
+        error_line(invoke("verify", "--fsdp", "--dp", "2", "--steps", "1", option, value), option, "--fsdp")
