@@ -186,7 +186,8 @@ def _check_zero1_step_options(cfg) -> None:
     owners are planned over the exchange group at TP 1 with whole matrices
     (`canzona.fsdp_plan.fsdp_matrices`: no segments, no TP schedule) and the step's micro-groups are
     each owner's matrices cut by cost (`owner_micro_groups`), which no capacity sizes and no TP mode
-    orders. Each set off its default is one SpecError; named at its default it is accepted."""
+    orders, and no expert buckets are sized (`--expert-buckets`). Each set off its default is one
+    SpecError; named at its default it is accepted."""
     if cfg.options.reduce_scatter != STEP_DEFAULTS.reduce_scatter:
         raise SpecError(f"--reduce-scatter {cfg.options.reduce_scatter} is the distributed optimizer's (ZeRO-1) "
                         "gradient reduce-scatter: under --fsdp torch's fully_shard reduce-scatters each unit's "
@@ -202,6 +203,10 @@ def _check_zero1_step_options(cfg) -> None:
         raise SpecError(f"--tp-mode {cfg.tp_mode} orders the ZeRO-1 layout's TP micro-groups: under --fsdp the step's "
                         "micro-groups are the owners' all-to-all exchanges (canzona.fsdp_plan.owner_micro_groups), "
                         "pipelined one ahead, with no TP mode")
+    if cfg.expert_buckets != PLAN_DEFAULTS.expert_buckets:
+        raise SpecError(f"--expert-buckets {cfg.expert_buckets} sizes the ZeRO-1 layout's buckets of stacked expert "
+                        "matrices: under --fsdp the experts are sharded with their units and each rank steps its own "
+                        "shards, with no expert buckets to size")
     if cfg.capacity != PLAN_DEFAULTS.capacity:
         raise SpecError(f"--capacity sizes the ZeRO-1 layout's TP micro-groups: under --fsdp the step's micro-groups "
                         f"are each owner's matrices cut by cost into at most {MAX_OWNER_GROUPS} "

@@ -217,6 +217,9 @@ class Question:
                 raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer "
                                 "recompute, searched under --fsdp (Megatron's ZeRO-1 layouts do not run it)")
             return
+        if self.selective_ac_option is not None and SELECTIVE_LAYER not in fsdp_recompute_modes(self.fsdp_impl):
+            raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer recompute, "
+                            f"which --fsdp-impl {self.fsdp_impl} does not run (not searched)")
         default = {f.name: f.default for f in fields(Question)}
         named = [flag for name, flag in MEGATRON_ONLY if getattr(self, name) != default[name]]
         if named:
@@ -942,6 +945,9 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
         # FP8's casts, not its amax all-reduces (collectives are free here)
         work = stage_work(cfg, arch, head_dim, part, stage, rate,
                           FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
+        if stage:  # a tied embedding's copy on the last stage: the run looks up and back-propagates it on
+            # virtual stage 0 only (sim.iteration._Stage.forward_start, backward_end)
+            work = replace(work, embed_forward_s=0.0, embed_backward_s=0.0)
         per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
                                      ring, cfg.options.overlap_moe_expert_parallel_comm,
                                      forward_without_grad(cfg.options.recompute) and not cfg.fsdp))
@@ -1040,8 +1046,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     # the recompute settings (`recompute_variant`) each layout (`_layout_key`) has had: queued, or
     # refused by the memory floor, which no later round changes
     tried: dict[tuple, set[tuple]] = {}
+    # a layout's full recompute after its block method's run did not fit (`settle`): the block at
+    # more layers, or every layer, tried beside the settings not yet tried (full is in `tried`)
+    block_next: dict[tuple, Layout] = {}
 
-    def push(layout: Layout, gap: float = 0.0, fixed: Layout | None = None) -> None:
+    def push(layout: Layout, gap: float = 0.0) -> None:
         """Queue `layout` with the recompute setting of least compute among those not yet tried on it
         whose memory floor fits: the least time floor (`time_floor`, the bound the queue is ordered by: a layout's floors
         under two settings differ by exactly the kernels, and under full recompute the
@@ -1049,16 +1058,20 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         recompute is first Megatron's block method (`explore`) at the fewest layers
         whose floor fits `gap` below the capacity: what a run of the layout measured beyond its
         floor (the plan's buffers, state and masters, which the recompute does not change).
-        `fixed`: that setting only (the block method's next try). Nothing fits: pruned by the
+        After a block run that did not fit, full is the block method's next try (`block_next`),
+        weighed with the others. Nothing fits: pruned by the
         memory floor (or by the method's rule), unless every setting had been tried."""
         base = {k: v for k, v in layout.items() if k not in RECOMPUTE_KEYS}
-        done = tried.setdefault(_layout_key(space, base), set())
+        key = _layout_key(space, base)
+        done = tried.setdefault(key, set())
         fitting: list[tuple[SimConfig, Layout]] = []
         considered, refused = 0, None
-        for setting in [fixed] if fixed is not None else space.recompute_variants(q):
-            chosen = {**base, **setting}
-            if fixed is None and recompute_variant(chosen) in done:
+        for setting in space.recompute_variants(q):
+            if setting[RECOMPUTE_AXIS] == FULL and key in block_next:
+                setting = block_next[key]  # carries its method: no block chosen again below
+            elif recompute_variant(setting) in done:
                 continue
+            chosen = {**base, **setting}
             considered += 1
             mode = chosen[RECOMPUTE_AXIS]
             if mode == FULL and explore and "recompute_method" not in chosen:
@@ -1075,6 +1088,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     continue
             if memory_floor(cfg, model) > capacity:
                 done.add(recompute_variant(chosen))
+                if mode == FULL:
+                    block_next.pop(key, None)
                 continue
             fitting.append((cfg, chosen))
             if mode == NONE:  # none runs nothing again: nothing has less compute
@@ -1089,6 +1104,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         i = min(range(len(fitting)), key=lambda j: floors[j])  # ties: the space's order
         cfg, chosen = fitting[i]
         done.add(recompute_variant(chosen))
+        if chosen[RECOMPUTE_AXIS] == FULL:
+            block_next.pop(key, None)
         floor = floors[i] if floors[i] is not None else time_floor(cfg, model, rate, hw)
         heapq.heappush(queue, _Pending(floor, len(queue) + len(rows), cfg, chosen))
 
@@ -1127,8 +1144,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             if explore and row["recompute_method"] == BLOCK:  # the search's block did not fit: more layers, or all
                 n = least_block(layout, capacity - gap, above=row["recompute_num_layers"])
                 plain = n is None
-                push(layout, fixed={RECOMPUTE_AXIS: FULL, "recompute_method": None if plain else BLOCK,
-                                    "recompute_num_layers": None if plain else n})
+                block_next[_layout_key(space, layout)] = {RECOMPUTE_AXIS: FULL,
+                                                          "recompute_method": None if plain else BLOCK,
+                                                          "recompute_num_layers": None if plain else n}
+                # with the settings not yet tried: more block layers may re-run more than selective-op
+                push(layout, gap)
                 return
             # the next least-compute setting not yet tried: only for a layout that did not fit
             push(layout, gap)

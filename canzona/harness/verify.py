@@ -168,7 +168,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     if fsdp:  # the whole-matrix optimizers: an elementwise one needs no owners (refused when named)
         optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS]
         return _fsdp_cases(mspec, dp, tp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
-                           seq_len, accumulation, preset, hsdp_replicate)
+                           seq_len, accumulation, preset, hsdp_replicate, tp_policy, tp_mode)
     if policy is not None:
         _choices(policy, POLICIES, "policy")
     recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
@@ -236,10 +236,11 @@ def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_rep
 def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str,
                 alpha: float,
                 bucket_size: int | None, steps: int, global_batch: int, seq_len: int, accumulation: int,
-                preset: str, hsdp_replicate: int) -> list[VerifyCase]:
+                preset: str, hsdp_replicate: int, tp_policy: str, tp_mode: str) -> list[VerifyCase]:
     """`prepare` under `--fsdp`: per (optimizer, FSDP owner policy), the owners' plan the runtime
     makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group, x TP under FSDP x TP), made here
-    so that bad settings fail before any spawn."""
+    so that bad settings fail before any spawn (`tp_policy` / `tp_mode`: the training spec refuses
+    them off their defaults, `TrainSpec.check`)."""
     from canzona.fsdp_plan import check_hsdp, fsdp_matrices
     from canzona.harness.training import TrainSpec
     from canzona.step_policies import get_fsdp_policy
@@ -263,7 +264,7 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
             spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
                              bucket_size=bucket_size, steps=steps, global_batch=global_batch, seq_len=seq_len,
                              accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate, tp=tp,
-                             tp_style="dtensor")
+                             tp_style="dtensor", tp_policy=tp_policy, tp_mode=tp_mode)
             spec.check(dp)
             _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), PlanSettings(
                 dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size))

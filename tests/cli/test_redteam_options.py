@@ -196,3 +196,26 @@ def test_selective_layer_rows_name_their_k():
     result = invoke("simulate", *FSDP, "--recompute", "selective-layer")
     assert result.exit_code == 0, result.stderr
     assert "selective-layer (every 2)" in " ".join(result.stdout.split())
+
+
+def test_expert_buckets_are_refused_under_fsdp():
+    """--expert-buckets sizes the ZeRO-1 layout's buckets of stacked expert matrices; under --fsdp
+    --ep the experts are fully_shard'ed with their units (AdamW on the shards: no expert buckets),
+    and `--expert-buckets dp-multiple` was accepted, changed nothing and was echoed back as `size`
+    in --json. Refused off its default, as the other ZeRO-1 options are; on ZeRO-1 it acts."""
+    moe = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "1", "--global-batch", "8", "--seq-len", "512",
+           "--optimizer", "adamw", "--ep", "8"]
+    for command in BOTH:
+        for value in ("dp-multiple", "auto"):
+            error_line(invoke(command, *moe, "--fsdp", "--expert-buckets", value), "--expert-buckets", "--fsdp")
+    named = invoke("simulate", *moe, "--fsdp", "--expert-buckets", "size", "--json")  # the default: accepted
+    assert named.exit_code == 0, named.stderr
+
+
+def test_verify_fsdp_refuses_tp_scheduling_options():
+    """`canzona verify --fsdp --tp-mode serial` (or --tp-policy) ran and passed with the defaults:
+    the FSDP cases never handed the options to the training spec, whose rule refuses them under
+    FSDP (canzona.harness.training.TrainSpec.check; FsdpOptimizer refuses them too). One line, before
+    any spawn."""
+    for option, value in (("--tp-mode", "serial"), ("--tp-policy", "tp-chunk"), ("--tp-mode", "all")):
+        error_line(invoke("verify", "--fsdp", "--dp", "2", "--steps", "1", option, value), option, "--fsdp")

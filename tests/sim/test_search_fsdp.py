@@ -300,3 +300,11 @@ def test_a_megatron_fsdp_search_tries_no_selective_layer():
     megatron = [v["recompute"] for v in FSDP_SPACE.recompute_variants(replace(base, fsdp_impl="megatron-fsdp"))]
     assert SELECTIVE_LAYER in fsdp2
     assert SELECTIVE_LAYER not in megatron and set(megatron) == set(fsdp2) - {SELECTIVE_LAYER}
+
+
+def test_a_megatron_fsdp_search_refuses_selective_ac_option():
+    """Megatron-FSDP's search tries no selective-layer (`sim.fsdp.fsdp_recompute_modes`), so a K
+    given to it was accepted, never searched and echoed back in the question (red team): one line."""
+    with pytest.raises(SpecError, match="^--selective-ac-option 3: .*megatron-fsdp"):
+        Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="megatron-fsdp", selective_ac_option=3)
+    Question(model="qwen3-0.6b", gpus=8, fsdp=True, selective_ac_option=3)  # FSDP2 searches it
