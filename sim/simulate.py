@@ -119,6 +119,15 @@ DEFINITIONS = {
 }
 
 
+# canzona's plan settings that an elementwise optimizer's (AdamW's) step policy does not read (it
+# plans with its own DP and TP policies): field, flag, default. A run of one refuses them off their
+# defaults (`SimConfig._check_elementwise_settings`); `with_policy` resets them for compare's AdamW baseline
+ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
+    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("geometry", "--geometry", DEFAULT_GEOMETRY),
+    ("tp_policy", "--tp-policy", PLAN_DEFAULTS.tp_policy), ("tp_mode", "--tp-mode", STEP_DEFAULTS.tp_mode),
+    ("capacity", "--capacity", PLAN_DEFAULTS.capacity))
+
+
 @dataclass(frozen=True)
 class SimConfig:
     model: str = "qwen3-32b"
@@ -295,10 +304,8 @@ class SimConfig:
         if not entry.elementwise:
             return
         why = f"with --optimizer {self.optimizer} (elementwise: its step policy plans with its own DP and TP policies)"
-        changed = [flag if flag == "--capacity" else f"{flag} {value}" for flag, value, default in (
-            ("--alpha", self.alpha, PLAN_DEFAULTS.alpha), ("--geometry", self.geometry, DEFAULT_GEOMETRY),
-            ("--tp-policy", self.tp_policy, PLAN_DEFAULTS.tp_policy), ("--tp-mode", self.tp_mode, STEP_DEFAULTS.tp_mode),
-            ("--capacity", self.capacity, PLAN_DEFAULTS.capacity)) if value != default]
+        changed = [flag if flag == "--capacity" else f"{flag} {getattr(self, name)}"
+                   for name, flag, default in ELEMENTWISE_IGNORED if getattr(self, name) != default]
         if changed:
             raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing {why}")
         check_batch_kernels(self.optimizer, self.options.batch_kernels)
@@ -826,7 +833,14 @@ def with_policy(cfg: SimConfig, name: str) -> SimConfig:
     options = cfg.options
     if options.overlap_step and not STEP_POLICIES[name].can_overlap_step:
         options = replace(options, overlap_step=False)
-    return replace(cfg, policy=name, optimizer=policy_optimizer(name, cfg.optimizer), options=options)
+    optimizer = policy_optimizer(name, cfg.optimizer)
+    if matrix_optimizer(optimizer).elementwise and not matrix_optimizer(cfg.optimizer).elementwise:
+        # the matrix optimizer's plan and kernel settings are canzona's, not the baseline's: at their
+        # defaults for it, as it runs them (a run of AdamW refuses them set: `ELEMENTWISE_IGNORED`)
+        options = replace(options, batch_kernels=RunOptions.batch_kernels)
+        return replace(cfg, policy=name, optimizer=optimizer, options=options,
+                       **{name: default for name, _, default in ELEMENTWISE_IGNORED})
+    return replace(cfg, policy=name, optimizer=optimizer, options=options)
 
 
 def compared_policies(optimizer: str, fsdp: bool = False) -> tuple[str, ...]:
