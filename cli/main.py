@@ -360,23 +360,23 @@ def _run_options(*, shared: SimOptions):
                       collectives=o.collectives, max_grad_norm=o.max_grad_norm, batch_kernels=o.batch_kernels,
                       compile_kernels=o.compile_kernels, overlap_step=o.overlap_step,
                       attention_backend=o.attention_backend,
-                      ep_dispatcher=_ep_dispatcher((o.moe_token_dispatcher_type, o.moe_flex_dispatcher_backend,
-                                                    o.moe_hybridep_num_sms, o.fake_balanced_gate, o.routing)),
+                      ep_dispatcher=_ep_dispatcher(o),
                       overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm,
                       delay_wgrad_compute=o.delay_wgrad_compute)
 
 
-def _ep_dispatcher(dispatcher: tuple[str, str | None, int, bool, str] | None):
-    """(--moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms,
-    --fake-balanced-gate, --routing) as `sim.ep_dispatch.EpDispatcher` (None: its defaults); checked
-    where the options are."""
+# the shared options that make the EP token dispatcher (`sim.ep_dispatch.EpDispatcher`, whose fields
+# they are by name): simulate's and compare's run options and search's question take it whole
+EP_DISPATCHER_OPTIONS = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_hybridep_num_sms",
+                         "fake_balanced_gate", "routing")
+
+
+def _ep_dispatcher(o: SimOptions):
+    """The dispatcher options of `o` (`EP_DISPATCHER_OPTIONS`) as `sim.ep_dispatch.EpDispatcher`;
+    checked where the options are."""
     from sim.ep_dispatch import EpDispatcher
 
-    if dispatcher is None:
-        return EpDispatcher()
-    kind, backend, sms, fake_gate, routing = dispatcher
-    return EpDispatcher(moe_token_dispatcher_type=kind, moe_flex_dispatcher_backend=backend, moe_hybridep_num_sms=sms,
-                        fake_balanced_gate=fake_gate, routing=routing)
+    return EpDispatcher(**{name: getattr(o, name) for name in EP_DISPATCHER_OPTIONS})
 
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
@@ -727,8 +727,6 @@ SEARCH_LACKS: dict[str, str] = {
 # the search's options of simulate's: every shared one a `Question` field of the same name, but the
 # dispatcher's, which make its `ep_dispatcher` (`_ep_dispatcher`)
 SEARCH_SHARED = tuple(f.name for f in fields(SimOptions) if f.name not in SEARCH_LACKS)
-EP_DISPATCHER_OPTIONS = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_hybridep_num_sms",
-                         "fake_balanced_gate", "routing")
 
 
 @app.command()
@@ -771,8 +769,7 @@ def search(
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         o = shared
         question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED if name not in EP_DISPATCHER_OPTIONS},
-                            ep_dispatcher=_ep_dispatcher((o.moe_token_dispatcher_type, o.moe_flex_dispatcher_backend,
-                                                          o.moe_hybridep_num_sms, o.fake_balanced_gate, o.routing)),
+                            ep_dispatcher=_ep_dispatcher(o),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             recompute_method=recompute_method, search_recompute_layers=search_recompute_layers)
         err = Console(stderr=True)
