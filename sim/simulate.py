@@ -343,7 +343,7 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
-    def memory_setup(self, hidden: int | None = None, **extra: Any) -> MemorySetup:
+    def memory_setup(self, hidden: int, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
         method, the EP overlap's one layer more), expert TP, expert parallelism with the router's
@@ -352,7 +352,8 @@ class SimConfig:
         `extra`: what the caller adds beyond the configuration (the plan's step settings); `hidden`:
         the model's hidden size, which sizes Transformer Engine's userbuffers under the TP
         communication overlap (`canzona.memory.userbuffer_bytes`: Megatron's layouts at TP > 1 with
-        `tp_comm_overlap`; None, and under FSDP, whose TP runs no userbuffers here: none)."""
+        `tp_comm_overlap`; required, so no caller can drop them by leaving it out; under FSDP, whose
+        TP runs no userbuffers here: none)."""
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
@@ -363,7 +364,7 @@ class SimConfig:
             micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
         if self.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch
             setup = replace(setup, seq_len=wl.seq_len // self.cp)
-        if hidden is not None and self.tp > 1 and self.options.tp_comm_overlap and not self.fsdp:
+        if self.tp > 1 and self.options.tp_comm_overlap and not self.fsdp:
             # sized by the launcher's shape: a micro-batch's tokens on one CP rank
             setup = replace(setup, userbuffers=userbuffer_bytes(setup.seq_len * setup.micro_batch, hidden,
                                                                 setup.activation_bytes, setup.fp8))

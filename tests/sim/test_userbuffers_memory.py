@@ -38,7 +38,7 @@ def test_the_setup_sizes_them_by_the_cp_ranks_tokens_and_only_under_the_overlap(
     h = arch.hidden
     assert cfg.memory_setup(h).userbuffers == userbuffer_bytes(8192 // 2 * 2, h, 2, fp8=False)
     assert replace(cfg, cp=1).memory_setup(h).userbuffers == 2 * cfg.memory_setup(h).userbuffers
-    assert cfg.memory_setup().userbuffers == 0  # no hidden size given: FSDP's callers
+    assert replace(cfg, cp=1, fsdp=True).memory_setup(h).userbuffers == 0  # FSDP's TP runs none
     assert replace(cfg, tp=1).memory_setup(h).userbuffers == 0
     off = replace(cfg, options=RunOptions(tp_comm_overlap=False))
     assert off.memory_setup(h).userbuffers == 0
