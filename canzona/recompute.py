@@ -93,8 +93,8 @@ projection's output is among those it saves, so its GEMM did not re-run anyway).
 checkpoint (`CheckpointFunction.backward` calls `run_function` on the detached inputs, then
 backward through its outputs) re-runs the whole forward. Not modelled: a mixture-of-experts
 layer's early stop (its last saving op is in the experts' combine, whose autograd differs by
-dispatcher: the re-run is priced whole), and under TP the down projection's output reduce-scatter,
-which the stop skips too (priced: conservative).
+dispatcher: the re-run is priced whole). Under TP the stop skips the down projection's output
+reduce-scatter with its GEMM (`sim.model_work.Block.scatters_output`, since 2026-11-29).
 
 Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
 `RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:

@@ -400,12 +400,16 @@ class _FsdpRun:
             for _ in range(gathers_input):
                 last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
             last = eng.compute(0, name, b.seconds, [last])
+            if not b.scatters_output:  # a re-run stopped before its row GEMMs (torch's early stop)
+                return last
             return eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [last]})[0]
         gathered = last
         for _ in range(gathers_input):
             gathered = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [gathered]})[0]
         last = eng.compute(0, f"{name} first", b.first_s, [last])
         last = eng.compute(0, f"{name} middle", b.middle_s, [last, gathered])
+        if not b.scatters_output:
+            return last
         before_last = last
         last = eng.compute(0, f"{name} last", b.last_s, [last])
         scattered = eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [before_last]})[0]

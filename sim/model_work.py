@@ -141,6 +141,9 @@ class Block:
     # data-gradient GEMMs): with `last_wgrad_s`, what Transformer Engine stashes under Megatron's
     # delay_wgrad_compute and Megatron runs in the node's `backward_dw` (sim.ep_overlap)
     first_wgrad_s: float = 0.0
+    # False: a forward block re-run by torch's checkpoint up to its early stop (`_stopped_early`),
+    # which ends before the row-parallel GEMMs, so their output's TP reduce-scatter does not run
+    scatters_output: bool = True
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -195,10 +198,10 @@ def _stopped_early(fwd: Block, add_s: float) -> Block:
     """A layer's last forward block as torch's non-reentrant checkpoint re-runs it
     (`canzona.recompute.rerun_stops_early`): without its row-parallel GEMMs (`last_s`: the down
     projection, whose `mm` saves its input and weight before it runs, the last tensors the layer
-    saves) and the residual add after them (`add_s`). Under TP the block keeps its collectives
-    (`rerun_forward`), the output's reduce-scatter among them, which the stop skips too: priced,
-    a conservative simplification."""
-    return replace(fwd, middle_s=fwd.middle_s - add_s, last_s=0.0)
+    saves) and the residual add after them (`add_s`). Under TP the block keeps its input's
+    all-gather (`rerun_forward`) but not its output's reduce-scatter, which follows the GEMMs the
+    stop skips (`scatters_output`)."""
+    return replace(fwd, middle_s=fwd.middle_s - add_s, last_s=0.0, scatters_output=False)
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:

@@ -788,6 +788,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core
     ag, rs = tp_cost
+    if not b.scatters_output:  # a re-run stopped before its row GEMMs: its input's gather(s) only
+        return gathers * ag + b.seconds * stretch + core if no_grad or not overlap else \
+            max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + core
     if not overlap and gathers < 2:  # NCCL's collectives (`sim.iteration._Stage.nccl_block`): forward in series
         return ag + b.seconds * stretch + core + rs
     if not overlap:  # backward: the input's re-gather beside the data-gradient GEMMs, the reduce-scatter beside

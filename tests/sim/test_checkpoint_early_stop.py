@@ -150,3 +150,22 @@ def test_fsdp_runs_torchs_wrapper_and_megatron_its_own():
     times = {m: simulate(replace(FSDP, options=RunOptions(recompute=m))).iteration_time_s
              for m in ("none", SELECTIVE_LAYER, FULL)}
     assert times["none"] < times[SELECTIVE_LAYER] < times[FULL]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_under_tp_the_stopped_rerun_skips_its_reduce_scatter(overlap):
+    """At TP 2 (sequence parallel) the down projection's output is reduce-scattered after its
+    GEMM; the re-run stops before that GEMM, so it issues no reduce-scatter, while the attention
+    block's re-run still does. The search's time floor stays below the simulation."""
+    from canzona.cost import DeviceRate
+    from sim.search import time_floor
+
+    cfg = replace(FSDP, tp=2, options=RunOptions(recompute=FULL, tp_comm_overlap=overlap))
+    r = simulate(cfg)
+    rerun_rs = [s.name for s in r.spans if "recompute tp reduce-scatter" in s.name]
+    _, arch = resolve_model(MODEL)
+    micro_batches = cfg.workload.micro_batches(cfg.gpus // cfg.tp)
+    assert len(rerun_rs) == arch.layers * micro_batches  # one a layer a micro-batch: attention's
+    assert all(".0 recompute" in name for name in rerun_rs)
+    assert any(".1 recompute tp all-gather" in s.name for s in r.spans)  # the MLP's input is gathered again
+    assert time_floor(cfg, resolve_model(MODEL), DeviceRate.from_profile(A100), A100) <= r.iteration_time_s
