@@ -91,10 +91,14 @@ re-runs wq / wk / wv / attention / wo / w1 / silu / w3 / the SwiGLU product, the
 w2's data- and weight-gradient GEMMs. Under selective-op nothing changes but the add (the down
 projection's output is among those it saves, so its GEMM did not re-run anyway). Megatron's
 checkpoint (`CheckpointFunction.backward` calls `run_function` on the detached inputs, then
-backward through its outputs) re-runs the whole forward. Not modelled: a mixture-of-experts
-layer's early stop (its last saving op is in the experts' combine, whose autograd differs by
-dispatcher: the re-run is priced whole). Under TP the stop skips the down projection's output
-reduce-scatter with its GEMM (`sim.model_work.Block.scatters_output`, since 2026-11-29).
+backward through its outputs) re-runs the whole forward. Under TP the stop skips the down
+projection's output reduce-scatter with its GEMM (`sim.model_work.Block.sends_output`). A
+mixture-of-experts layer's last saving op depends on its dispatcher: under DeepEP's (NeMo
+AutoModel's MoE layer) it is the unpermute before the combine, whose autograd function saves no
+tensor, so the re-run skips the combine all-to-all and the residual add
+(`sim.model_work._expert_rerun`; NVIDIA-NeMo/Automodel `components/moe/megatron/fused_a2a.py`
+`FusedCombine`, `token_dispatcher.py` `_DeepepManager`); under HybridEP and the `alltoall`
+dispatcher the re-run is priced whole (conservative).
 
 Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
 `RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:

@@ -384,6 +384,8 @@ class _FsdpRun:
         held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
         last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
         last = self.engine.compute(0, label, b.seconds, [last])
+        if not b.sends_output:  # a re-run stopped before its combine (torch's early stop)
+            return last
         return self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
 
     def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event) -> simpy.Event:
@@ -400,7 +402,7 @@ class _FsdpRun:
             for _ in range(gathers_input):
                 last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
             last = eng.compute(0, name, b.seconds, [last])
-            if not b.scatters_output:  # a re-run stopped before its row GEMMs (torch's early stop)
+            if not b.sends_output:  # a re-run stopped before its row GEMMs (torch's early stop)
                 return last
             return eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [last]})[0]
         gathered = last
@@ -408,7 +410,7 @@ class _FsdpRun:
             gathered = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [gathered]})[0]
         last = eng.compute(0, f"{name} first", b.first_s, [last])
         last = eng.compute(0, f"{name} middle", b.middle_s, [last, gathered])
-        if not b.scatters_output:
+        if not b.sends_output:
             return last
         before_last = last
         last = eng.compute(0, f"{name} last", b.last_s, [last])

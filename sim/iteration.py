@@ -411,7 +411,7 @@ class _Stage:
         even under the overlap; the reduce-scatter overlaps as ever."""
         ctx, ranks = self.ctx, self.ranks
         # torch's early stop (a block that does not scatter its output) re-runs under FSDP only
-        assert b.scatters_output, "a stopped-early re-run on the ZeRO-1 layout"
+        assert b.sends_output, "a stopped-early re-run on the ZeRO-1 layout"
         if b.recompute is not None:  # full recompute: the forward block again first, its collectives with it
             self.block(f"{name} recompute", b.recompute, 1)
         if b.ep_bytes and self.experts is not None:  # token dispatch to the experts' ranks and back

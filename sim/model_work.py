@@ -77,6 +77,7 @@ from sim import unfused_kernels as uk
 from sim.cross_entropy import CROSS_ENTROPY_PATHS, UNFUSED
 from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.ep_dispatch import (
+    DEEPEP,
     DEEPEP_SMS,
     HYBRIDEP,
     PROBS_BYTES,
@@ -141,9 +142,11 @@ class Block:
     # data-gradient GEMMs): with `last_wgrad_s`, what Transformer Engine stashes under Megatron's
     # delay_wgrad_compute and Megatron runs in the node's `backward_dw` (sim.ep_overlap)
     first_wgrad_s: float = 0.0
-    # False: a forward block re-run by torch's checkpoint up to its early stop (`_stopped_early`),
-    # which ends before the row-parallel GEMMs, so their output's TP reduce-scatter does not run
-    scatters_output: bool = True
+    # False: a forward block re-run by torch's checkpoint up to its early stop, which ends before
+    # the collective that sends the block's output: a dense block's TP reduce-scatter after the
+    # row-parallel GEMMs the stop skips (`_stopped_early`), an expert block's DeepEP combine
+    # (`_expert_rerun`)
+    sends_output: bool = True
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -200,8 +203,22 @@ def _stopped_early(fwd: Block, add_s: float) -> Block:
     projection, whose `mm` saves its input and weight before it runs, the last tensors the layer
     saves) and the residual add after them (`add_s`). Under TP the block keeps its input's
     all-gather (`rerun_forward`) but not its output's reduce-scatter, which follows the GEMMs the
-    stop skips (`scatters_output`)."""
-    return replace(fwd, middle_s=fwd.middle_s - add_s, last_s=0.0, scatters_output=False)
+    stop skips (`sends_output`)."""
+    return replace(fwd, middle_s=fwd.middle_s - add_s, last_s=0.0, sends_output=False)
+
+
+def _expert_rerun(fwd: Block, add_s: float) -> Block:
+    """An expert block (with the layer's norm and residual add, `add_s` of it) as torch's
+    non-reentrant checkpoint re-runs it (`canzona.recompute.rerun_stops_early`). Under the flex
+    dispatcher's DeepEP backend the combine is an autograd function that saves no tensor
+    (`FusedCombine` keeps the handle as a Python attribute), so the layer's last saving op is the
+    unpermute before it (its scatter-add saves the indices; TE's fused one its row map): the
+    re-run ends there, without the combine and the residual add after it. HybridEP unpermutes
+    inside its combine and the `alltoall` dispatcher's unpermute follows its combine: their
+    re-runs are priced whole (what they save is not read here: conservative)."""
+    if fwd.ep_flex is None or fwd.ep_flex.backend != DEEPEP or not fwd.ep_bytes:
+        return fwd
+    return replace(fwd, middle_s=fwd.middle_s - add_s, sends_output=False)
 
 
 def _blocks_of(params: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
@@ -431,8 +448,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             redo = side if recompute == SELECTIVE_OP else 0.0
             fwd = replace(fwd, middle_s=fwd.middle_s + side)
             bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
-            if rerun:  # the whole forward block again: its collectives too, where it has any
-                bwd = rerun_forward(fwd, bwd, tp)
+            if rerun:  # the whole forward block again (its collectives too, where it has any), or to its early stop
+                again = fwd
+                if early_stop:
+                    again = _expert_rerun(fwd, run([lk.residual_add(shape, name)]))
+                bwd = rerun_forward(again, bwd, tp)
             fwd_blocks.append(fwd)
             bwd_blocks.append(bwd)
         if fp8_fwd:

@@ -788,7 +788,7 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core
     ag, rs = tp_cost
-    if not b.scatters_output:  # a re-run stopped before its row GEMMs: its input's gather(s) only
+    if not b.sends_output:  # a re-run stopped before its row GEMMs: its input's gather(s) only
         return gathers * ag + b.seconds * stretch + core if no_grad or not overlap else \
             max(b.first_s * stretch, gathers * ag) + b.middle_s * stretch + core
     if not overlap and gathers < 2:  # NCCL's collectives (`sim.iteration._Stage.nccl_block`): forward in series
@@ -849,10 +849,11 @@ def expert_comm_floor(cfg: SimConfig, hw: HardwareProfile) -> Callable[[Block], 
     memo: dict[tuple, float] = {}
 
     def comm(b: Block) -> float:
-        key = (b.ep_bytes, b.ep_received, b.etp_bytes, b.ep_flex, b.ep_meta)
+        key = (b.ep_bytes, b.ep_received, b.etp_bytes, b.ep_flex, b.ep_meta, b.sends_output)
         if key not in memo:
-            seconds = sum(c.seconds for c in ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, experts, hw,
-                                                                b.ep_meta))
+            dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, experts, hw, b.ep_meta)
+            # a re-run stopped at torch's early stop sends no combine (`Block.sends_output`)
+            seconds = dispatch.seconds + (combine.seconds if b.sends_output else 0.0)
             if b.etp_bytes:
                 geo = experts.tp_geometry()
                 seconds += (collective_cost("all-gather", b.etp_bytes, geo, hw).seconds

@@ -169,3 +169,37 @@ def test_under_tp_the_stopped_rerun_skips_its_reduce_scatter(overlap):
     assert all(".0 recompute" in name for name in rerun_rs)
     assert any(".1 recompute tp all-gather" in s.name for s in r.spans)  # the MLP's input is gathered again
     assert time_floor(cfg, resolve_model(MODEL), DeviceRate.from_profile(A100), A100) <= r.iteration_time_s
+
+
+def test_under_deepep_the_stopped_moe_rerun_skips_its_combine():
+    """A MoE layer under DeepEP (NeMo AutoModel's): its re-run stops at the unpermute before the
+    combine (whose autograd function saves no tensor), so no re-run combine is issued and the
+    layer's residual add is not run again; under the `alltoall` dispatcher every re-run layer
+    combines again. The search's time floor stays below the simulation."""
+    from canzona.cost import DeviceRate
+    from sim.ep_dispatch import EpDispatcher
+    from sim.search import time_floor
+
+    h100 = load_profile("h100-sxm")
+    deepep = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    cfgs = {name: SimConfig(model="qwen3-30b-a3b", gpus=8, tp=1, ep=8, optimizer="adamw", fsdp=True,
+                            workload=Workload(seq_len=4096, global_batch=8, micro_batch=1),
+                            options=RunOptions(recompute=FULL, ep_dispatcher=d))
+            for name, d in (("deepep", deepep), ("alltoall", EpDispatcher()))}
+    model = resolve_model("qwen3-30b-a3b")
+    rerun_combines = {}
+    for name, cfg in cfgs.items():
+        r = simulate(cfg)
+        rerun_combines[name] = sum("recompute combine" in s.name for s in r.spans)
+        assert any("recompute dispatch" in s.name for s in r.spans)  # the dispatch re-runs either way
+        assert time_floor(cfg, model, DeviceRate.from_profile(h100), h100) <= r.iteration_time_s
+    assert rerun_combines == {"deepep": 0, "alltoall": model[1].layers}
+    # the work: the DeepEP re-run is the forward block less one residual add, sending nothing back
+    spec, arch = model
+    cluster = Cluster(8, 1, h100.node.gpus, 1)
+    rate = DeviceRate.from_profile(h100)
+    work = fsdp_micro_batch_work(cfgs["deepep"], model, cluster, h100, rate, layer_dims(arch, spec).head_dim)
+    fwd, again = work.forward[0][-1], work.backward[0][0].recompute
+    shape = lk.LayerShape(tokens=4096, tp=1, hidden=arch.hidden, act_bytes=2, sms=rate.sms or 132)
+    assert not again.sends_output and fwd.sends_output
+    assert again.seconds == pytest.approx(fwd.seconds - rate.kernel_seconds(lk.residual_add(shape, fwd.name)))
