@@ -74,7 +74,8 @@ once for the memory model (`canzona.memory.layer_activation_bytes`) and the simu
   same bytes and re-runs the same work for the same number of layers).
 
 Where the re-run stops (`rerun_stops_early`). torch's non-reentrant checkpoint, which torchtitan's
-and NeMo AutoModel's wrappers run (every FSDP layout's recompute here), re-runs a checkpointed
+and NeMo AutoModel's wrappers run (an FSDP2 layout's recompute here; Megatron-FSDP's is Megatron's,
+`sim.fsdp.fsdp_checkpoint`), re-runs a checkpointed
 layer's forward only until it has saved again as many tensors as the first forward saved, then
 raises `_StopRecomputationError` and returns to the backward ("early stop", on by default:
 pytorch/pytorch `torch/utils/checkpoint.py`, `_recomputation_hook.pack_hook`, with the frame's
@@ -296,12 +297,19 @@ def reruns_whole(mode: str) -> bool:
     return mode in (FULL, SELECTIVE_LAYER)
 
 
-def rerun_stops_early(fsdp: bool) -> bool:
-    """Whether a layout's checkpoint re-run stops at the layer's last saving op (the module
-    docstring, "Where the re-run stops"): under `--fsdp` torch's non-reentrant checkpoint wrapper
-    (torchtitan's, NeMo AutoModel's) does; Megatron's `CheckpointFunction` re-runs the whole
+# whose checkpoint re-runs a layer: torch's non-reentrant wrapper (torchtitan's, NeMo AutoModel's)
+# or Megatron's `CheckpointFunction` (Megatron-LM's, Megatron-Bridge's)
+TORCH_CHECKPOINT, MEGATRON_CHECKPOINT = "torch", "megatron"
+
+
+def rerun_stops_early(checkpoint: str) -> bool:
+    """Whether a re-run by `checkpoint` (`TORCH_CHECKPOINT` or `MEGATRON_CHECKPOINT`) stops at the
+    layer's last saving op (the module docstring, "Where the re-run stops"): torch's
+    non-reentrant checkpoint wrapper does; Megatron's `CheckpointFunction` re-runs the whole
     forward."""
-    return fsdp
+    if checkpoint not in (TORCH_CHECKPOINT, MEGATRON_CHECKPOINT):
+        raise ValueError(f"unknown checkpoint {checkpoint!r}")
+    return checkpoint == TORCH_CHECKPOINT
 
 
 def forward_without_grad(mode: str) -> bool:
@@ -327,5 +335,6 @@ __all__ = ["BLOCK", "FULL", "NONE", "RECOMPUTE_METHODS", "RECOMPUTE_MODES", "SEL
            "SELECTIVE_LAYER", "SELECTIVE_OP", "UNIFORM", "check_method_layers", "check_recompute",
            "check_recompute_method", "check_selective_ac_option", "checkpoint_groups", "checkpointed",
            "FSDP_ONLY_MODES", "layout_recompute_modes", "torchtitan_ac",
-           "checkpointed_layers", "forward_without_grad", "rerun_stops_early", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
+           "checkpointed_layers", "forward_without_grad", "rerun_stops_early", "TORCH_CHECKPOINT",
+           "MEGATRON_CHECKPOINT", "inside_layers", "recompute_label", "mm_saved", "reruns_whole",
            "saved_mm_widths", "selective_ac_every", "selective_layer_checkpointed", "selective_layers"]

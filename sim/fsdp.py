@@ -72,7 +72,9 @@ from canzona.memory import (
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS, Plan, plan_for
 from canzona.recompute import (
+    MEGATRON_CHECKPOINT,
     SELECTIVE_LAYER,
+    TORCH_CHECKPOINT,
     inside_layers,
     layout_recompute_modes,
     rerun_stops_early,
@@ -114,6 +116,15 @@ def fsdp_recompute_modes(impl: str) -> tuple[str, ...]:
     if check_fsdp_impl(impl) == FSDP2:
         return FSDP_RECOMPUTE_MODES
     return tuple(m for m in FSDP_RECOMPUTE_MODES if m != SELECTIVE_LAYER)
+
+
+def fsdp_checkpoint(impl: str) -> str:
+    """Whose checkpoint re-runs an FSDP layout's recomputed layers (`canzona.recompute`): under
+    FSDP2, torchtitan's and NeMo AutoModel's wrappers, torch's non-reentrant one (which stops
+    early); under Megatron-FSDP, Megatron-LM's and Megatron-Bridge's `CheckpointFunction` (the
+    whole forward again). NeMo AutoModel's Megatron-FSDP manager wraps layers in torch's, which
+    this prices whole: conservative there."""
+    return TORCH_CHECKPOINT if check_fsdp_impl(impl) == FSDP2 else MEGATRON_CHECKPOINT
 
 
 def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
@@ -269,8 +280,8 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
     """One micro-batch's kernels on a rank of an FSDP layout (`micro_batch_work` at the layout's TP
     and EP, the whole model). FP8 under FSDP: the weights are gathered again for every
     micro-batch, so each is cast to FP8 for every micro-batch (no cache across them). The
-    checkpoint wrappers are torch's non-reentrant ones, whose re-run stops early
-    (`canzona.recompute.rerun_stops_early`). `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
+    re-run of a checkpointed layer stops early under torch's checkpoint (`fsdp_checkpoint`,
+    `canzona.recompute.rerun_stops_early`). `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
     spec, arch = model
     wl = cfg.workload
     o = cfg.options
@@ -287,7 +298,7 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
                             kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
                             cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
                             bias_activation_fusion=wl.bias_activation_fusion,
-                            early_stop=rerun_stops_early(fsdp=True))
+                            early_stop=rerun_stops_early(fsdp_checkpoint(cfg.fsdp_impl)))
 
 
 class _FsdpRun:
@@ -748,5 +759,5 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
-__all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_memory_floor", "fsdp_micro_batch_work",
-           "fsdp_policy", "fsdp_recompute_modes", "simulate_fsdp"]
+__all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_checkpoint", "fsdp_memory_floor",
+           "fsdp_micro_batch_work", "fsdp_policy", "fsdp_recompute_modes", "simulate_fsdp"]

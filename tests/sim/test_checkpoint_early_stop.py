@@ -16,13 +16,15 @@ from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from canzona.recompute import (
     FULL,
+    MEGATRON_CHECKPOINT,
     SELECTIVE_LAYER,
     SELECTIVE_OP,
+    TORCH_CHECKPOINT,
     rerun_stops_early,
     selective_layers,
 )
 from sim import layer_kernels as lk
-from sim.fsdp import fsdp_micro_batch_work
+from sim.fsdp import fsdp_checkpoint, fsdp_micro_batch_work
 from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.simulate import SimConfig, layer_dims, simulate
@@ -135,7 +137,8 @@ def test_selective_op_skips_only_the_last_add_and_none_nothing():
 def test_fsdp_runs_torchs_wrapper_and_megatron_its_own():
     """--fsdp layouts' work is the early-stopping one (torch's non-reentrant wrappers); Megatron's
     CheckpointFunction re-runs the whole forward, so its layouts are unchanged."""
-    assert rerun_stops_early(fsdp=True) and not rerun_stops_early(fsdp=False)
+    assert rerun_stops_early(TORCH_CHECKPOINT) and not rerun_stops_early(MEGATRON_CHECKPOINT)
+    assert fsdp_checkpoint("fsdp2") == TORCH_CHECKPOINT
     cfg = replace(FSDP, options=RunOptions(recompute=SELECTIVE_LAYER))
     model = resolve_model(MODEL)
     spec, arch = model
@@ -203,3 +206,21 @@ def test_under_deepep_the_stopped_moe_rerun_skips_its_combine():
     shape = lk.LayerShape(tokens=4096, tp=1, hidden=arch.hidden, act_bytes=2, sms=rate.sms or 132)
     assert not again.sends_output and fwd.sends_output
     assert again.seconds == pytest.approx(fwd.seconds - rate.kernel_seconds(lk.residual_add(shape, fwd.name)))
+
+
+def test_megatron_fsdp_reruns_with_megatrons_checkpoint():
+    """Megatron-FSDP's layouts recompute as Megatron-LM runs them (`CheckpointFunction`, the whole
+    forward again): the same layout under FSDP2 re-runs less, and its work is the early-stopping
+    one while Megatron-FSDP's is the whole re-run's."""
+    assert fsdp_checkpoint("megatron-fsdp") == MEGATRON_CHECKPOINT
+    model = resolve_model(MODEL)
+    spec, arch = model
+    cluster = Cluster(FSDP.gpus, 1, A100.node.gpus, 1)
+    head_dim = layer_dims(arch, spec).head_dim
+    works = {impl: fsdp_micro_batch_work(replace(FSDP, fsdp_impl=impl, options=RunOptions(recompute=FULL)), model,
+                                         cluster, A100, RATE, head_dim)
+             for impl in ("fsdp2", "megatron-fsdp")}
+    whole = micro_batch_work(spec, 1, TOKENS, TOKENS, arch.q_dim, arch.hidden, arch.vocab, RATE, recompute=FULL,
+                             kv_dim=arch.kv_dim, head_dim=head_dim, early_stop=False)
+    assert works["megatron-fsdp"].backward == whole.backward
+    assert works["fsdp2"].backward != whole.backward
