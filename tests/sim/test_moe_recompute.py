@@ -75,7 +75,10 @@ def test_full_recompute_dispatches_and_combines_again_on_the_ep_stream(fsdp):
     _, arch = resolve_model(cfg.model)
     m = WL.micro_batches(8)
     none, full = (simulate(_with(cfg, recompute=r)) for r in ("none", "full"))
-    for op in ("dispatch", "combine"):
+    # under FSDP torch's checkpoint stops the re-run before DeepEP's combine
+    # (tests/sim/test_checkpoint_early_stop.py): the dispatch alone runs again
+    assert bool(_spans(full, "recompute combine")) is not fsdp
+    for op in ("dispatch",) if fsdp else ("dispatch", "combine"):
         assert not _spans(none, f"recompute {op}")
         again = _spans(full, f"recompute {op}")
         assert len(again) == arch.layers * m
