@@ -225,15 +225,16 @@ def test_compare_runs_its_adamw_baseline_under_muon_plan_settings():
     """canzona's plan settings (--alpha, --tp-mode, --no-batch-kernels ...) are refused on a run of
     AdamW, where they change nothing; compare's AdamW baseline row beside a Muon comparison runs at
     their defaults instead of failing the whole comparison, and the Muon rows still take them."""
-    base = json.loads(invoke("compare", "--json").stdout)
+    small = ["--model", "qwen3-0.6b", "--gpus", "8", "--tp", "2", "--global-batch", "8"]
+    base = json.loads(invoke("compare", *small, "--json").stdout)
     for extra in (["--alpha", "0.9"], ["--tp-mode", "serial"], ["--no-batch-kernels"]):
-        result = invoke("compare", *extra, "--json")
+        result = invoke("compare", *small, *extra, "--json")
         assert result.exit_code == 0, (extra, result.stderr)
         rows = {r["policy"]: r for r in json.loads(result.stdout)}
         baseline = {r["policy"]: r for r in base}
         assert rows["zero1"]["iteration_time_s"] == baseline["zero1"]["iteration_time_s"]
     # the setting reaches the matrix optimizer's rows: the unbatched kernels are slower there
-    unbatched = {r["policy"]: r for r in json.loads(invoke("compare", "--no-batch-kernels", "--json").stdout)}
+    unbatched = {r["policy"]: r for r in json.loads(invoke("compare", *small, "--no-batch-kernels", "--json").stdout)}
     assert unbatched["sc"]["iteration_time_s"] > {r["policy"]: r for r in base}["sc"]["iteration_time_s"]
     # a run of AdamW itself still refuses them
     error_line(invoke("simulate", "--optimizer", "adamw", "--alpha", "0.9"), "--alpha 0.9")

@@ -29,7 +29,10 @@ PIPELINE = [*DENSE, "--pp", "2"]
 PIPELINE3 = ["--model", "qwen3-0.6b", "--gpus", "24", "--tp", "2", "--seq-len", "256", "--global-batch", "16",
              "--pp", "3"]
 FSDP = [*DENSE, "--fsdp"]
-MOE = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
+# a MoE model small enough to simulate in a second, whose EP 8 spans one node
+MOE = ["--model", "examples/tiny_qwen3_moe/config.json", "--gpus", "16", "--tp", "1", "--ep", "8", "--global-batch", "16",
+       "--seq-len", "256"]
+MOE_30B = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
 FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
 
 # (the layout, the option): the option changes simulate's result on that layout, and compare's row
@@ -52,7 +55,7 @@ CASES = [
     (FSDP, ["--fsdp-impl", "megatron-fsdp"]),
     (MOE, FLEX),
     # 8 SMs: HybridEP's 8-SM measurement (32 is priced from the 16-SM one, as the default)
-    ([*MOE, *FLEX], ["--moe-hybridep-num-sms", "8"]),
+    ([*MOE_30B, *FLEX], ["--moe-hybridep-num-sms", "8"]),  # SMs matter where the tokens are many
     ([*MOE, *FLEX], ["--fake-balanced-gate"]),
     (MOE, ["--routing", "balanced"]),
 ]

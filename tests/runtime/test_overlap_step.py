@@ -63,7 +63,8 @@ def _spans(result, rank: int, pattern: str):
 
 
 def test_groups_start_as_their_buckets_land_and_apply_after_the_check():
-    result = simulate(SMALL, replicate_phase_a=False)
+    # every rank's phase A simulated: one micro-batch a DP rank keeps it to seconds
+    result = simulate(replace(SMALL, workload=replace(SMALL.workload, global_batch=8)), replicate_phase_a=False)
     for rank in (0, 1, 5):
         (check,) = _spans(result, rank, "step check")
         computes = _spans(result, rank, r"group \d+ compute")
