@@ -701,9 +701,10 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
       K-th layer (`canzona.recompute.selective_layer_checkpointed`, its counter running on over the
       rank's chunks) and the whole activations of the others;
     - `recompute_working_set`: under full recompute, one layer's activations while it is recomputed
-      (a uniform group's N layers': its re-run makes them all before their backwards; under
-      selective-layer one layer's where any is checkpointed, counted as Megatron's block method's
-      is, whether or not the stage's last layer is one);
+      (a uniform group's N layers': its re-run makes them all before their backwards); under
+      Megatron's block method and torchtitan's selective-layer, less the layers stored whole after
+      the chunk's last checkpointed one, which the backward frees first (`_method_working_set`:
+      none for block N below the chunk's layers, or where the chunk's last layer is not checkpointed);
       under selective-op, what one layer recomputes beside what it saved;
     - `ep_overlap_layer`: under Megatron's EP all-to-all overlap (`setup.ep_overlap`), one layer
       more. Its combined 1F1B schedule (`canzona.pipeline.combined_order`) runs one warm-up forward
@@ -767,17 +768,23 @@ def _overlap_layer_bytes(dims: LayerDims, setup: MemorySetup, tp: int, expert_lo
     return layer_activation_bytes(dims, setup, tp, mode, expert_load)
 
 
-def _chunk_checkpoints(setup: MemorySetup, size: int, start: int) -> tuple[int, int, int]:
+def _chunk_checkpoints(setup: MemorySetup, size: int, start: int) -> tuple[int, int, int, int]:
     """Of a model chunk of `size` layers, `start` layers of the rank before it: (the checkpoints
-    whose input is stored, the layers inside one, the layers one re-run makes alive at once), by
-    Megatron's method (`canzona.recompute.checkpoint_groups`) or torchtitan's selective-layer
-    (every K-th of the rank's layers, each alone)."""
+    whose input is stored, the layers inside one, the layers one re-run makes alive at once, the
+    layers after the last checkpointed one), by Megatron's method (`canzona.recompute.checkpoint_groups`)
+    or torchtitan's selective-layer (every K-th of the rank's layers, each alone). The layers after
+    the last checkpointed one store everything, and the backward, which runs them first, has
+    freed them before that layer's re-run."""
     if setup.recompute == SELECTIVE_LAYER:
-        inside = sum(selective_layer_checkpointed(setup.selective_ac_option, start + i) for i in range(size))
-        return inside, inside, min(1, inside)
-    method, n = setup.recompute_method, setup.recompute_num_layers
-    stored, alive = checkpoint_groups(method, n, size)
-    return stored, sum(checkpointed(method, n, i) for i in range(size)), alive
+        inside_flags = [selective_layer_checkpointed(setup.selective_ac_option, start + i) for i in range(size)]
+        stored = sum(inside_flags)
+        alive = min(1, stored)
+    else:
+        method, n = setup.recompute_method, setup.recompute_num_layers
+        stored, alive = checkpoint_groups(method, n, size)
+        inside_flags = [checkpointed(method, n, i) for i in range(size)]
+    last = max((i for i, inside in enumerate(inside_flags) if inside), default=size - 1)
+    return stored, sum(inside_flags), alive, size - 1 - last
 
 
 def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: int, start: int = 0,
@@ -785,23 +792,33 @@ def _chunk_activation_bytes(dims: LayerDims, setup: MemorySetup, tp: int, size: 
     """What a model chunk of `size` layers holds for one micro-batch with some of its layers
     checkpointed (`_chunk_checkpoints`): a layer input per checkpoint, whole activations for the
     layers outside any."""
-    stored, inside, _ = _chunk_checkpoints(setup, size, start)
+    stored, inside, _, _ = _chunk_checkpoints(setup, size, start)
     return (stored * layer_activation_bytes(dims, setup, tp, FULL)
             + (size - inside) * layer_activation_bytes(dims, setup, tp, "none", expert_load))
 
 
 def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int, start: int = 0,
                         expert_load: float = 1.0) -> float:
-    """The activations one re-run makes in a chunk of `size` layers (`_chunk_checkpoints`): a
-    uniform group's N layers' whole activations, else one layer's (none without a checkpoint)."""
-    _, _, alive = _chunk_checkpoints(setup, size, start)
-    return alive * layer_activation_bytes(dims, setup, tp, "none", expert_load)
+    """The activations one re-run makes in a chunk of `size` layers beyond the peak of its held
+    layers (`_chunk_checkpoints`): a uniform group's N layers' whole activations, else one
+    layer's (none without a checkpoint), less the checkpoint's input, which the re-run's first op
+    saves again as the same tensor, and less the stored layers after the last checkpointed one,
+    which the backward frees before that layer's re-run: none under block with N below the
+    chunk's layers, nor under selective-layer where the chunk's last layer is not checkpointed.
+    (The re-runs of lower checkpoints come after more is freed.)"""
+    _, _, alive, above = _chunk_checkpoints(setup, size, start)
+    if alive <= above:
+        return 0.0
+    whole = layer_activation_bytes(dims, setup, tp, "none", expert_load)
+    return (alive - above) * whole - layer_activation_bytes(dims, setup, tp, FULL)
 
 
 def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int, expert_load: float = 1.0) -> float:
-    """The activations one layer's recompute makes in the backward, beyond what it stored."""
+    """The activations one layer's recompute makes in the backward, beyond what it stored (under
+    full recompute its input, which the re-run's first op saves again as the same tensor)."""
     if setup.recompute == "full":
-        return layer_activation_bytes(dims, setup, tp, "none", expert_load)
+        return (layer_activation_bytes(dims, setup, tp, "none", expert_load)
+                - layer_activation_bytes(dims, setup, tp, FULL))
     if setup.recompute == SELECTIVE_OP:
         return (layer_activation_bytes(dims, setup, tp, "none", expert_load)
                 - layer_activation_bytes(dims, setup, tp, expert_load=expert_load))

@@ -208,7 +208,8 @@ def test_random_routing_fluctuates_less_over_the_held_layers():
     # under full recompute only the recomputed layer holds expert activations: one draw
     full = replace(EP16, recompute="full")
     assert activation_breakdown(MOE, full, 1)["recompute_working_set"] == pytest.approx(
-        layer_activation_bytes(MOE, full, 1, "none") + (one - 1) * 4096 * PER_PAIR, rel=1e-12)
+        layer_activation_bytes(MOE, full, 1, "none") - layer_activation_bytes(MOE, full, 1)
+        + (one - 1) * 4096 * PER_PAIR, rel=1e-12)
     # expert TP 2 at TP 2: each TP rank routes half the tokens, its ETP group gathers two ranks'
     # (two draws at one position, as the timing sums them): the same tokens a draw as at TP 1
     assert fullest_rank_load(MOE, replace(EP16, expert_tp=2), 2, L) == held

@@ -95,16 +95,19 @@ def test_every_other_layer_lies_strictly_between_none_and_full():
 
 
 def test_memory_by_hand():
-    """K = 2 over 32 layers: 16 layers whole, 16 inputs, and one layer's whole activations while a
-    checkpointed one is recomputed; K = 3: 10 checkpointed (the 3rd, ..., the 30th), 22 whole."""
+    """K = 2 over 32 layers: 16 layers whole, 16 inputs, and while the last layer (the 32nd, a
+    checkpointed one) is recomputed its whole activations beside its input; K = 3: 10
+    checkpointed (the 3rd, ..., the 30th), 22 whole, and the 31st and 32nd, stored whole, freed
+    by the backward before the 30th's re-run: no working set beyond the held layers."""
     setup = MemorySetup(seq_len=8192, recompute=SELECTIVE_LAYER)
     none = layer_activation_bytes(LLAMA3_8B, setup, 1, "none")
     kept = layer_activation_bytes(LLAMA3_8B, setup, 1, FULL)
     parts = activation_breakdown(LLAMA3_8B, setup, 1)
     assert parts["layers"] == pytest.approx(16 * none + 16 * kept)
-    assert parts["recompute_working_set"] == pytest.approx(none)
+    assert parts["recompute_working_set"] == pytest.approx(none - kept)
     three = activation_breakdown(LLAMA3_8B, replace(setup, selective_ac_option=3), 1)
     assert three["layers"] == pytest.approx(22 * none + 10 * kept)
+    assert three["recompute_working_set"] == 0
     past = activation_breakdown(LLAMA3_8B, replace(setup, selective_ac_option=40), 1)
     assert past["layers"] == pytest.approx(32 * none) and past["recompute_working_set"] == 0
     with pytest.raises(SpecError, match="by its position"):
