@@ -27,7 +27,7 @@ its update received by every TP rank."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import simpy
@@ -75,6 +75,7 @@ from canzona.recompute import (
     MEGATRON_CHECKPOINT,
     SELECTIVE_LAYER,
     TORCH_CHECKPOINT,
+    forward_without_grad,
     inside_layers,
     layout_recompute_modes,
     rerun_stops_early,
@@ -125,6 +126,14 @@ def fsdp_checkpoint(impl: str) -> str:
     whole forward again). NeMo AutoModel's Megatron-FSDP manager wraps layers in torch's, which
     this prices whole: conservative there."""
     return TORCH_CHECKPOINT if check_fsdp_impl(impl) == FSDP2 else MEGATRON_CHECKPOINT
+
+
+def fsdp_forward_without_grad(cfg) -> bool:
+    """Whether an FSDP layout's checkpointed layers run their first forward without autograd:
+    under Megatron's checkpoint (`fsdp_checkpoint`: Megatron-FSDP's) with full recompute
+    (`canzona.recompute.forward_without_grad`); torch's non-reentrant wrapper keeps grad on."""
+    return (fsdp_checkpoint(cfg.fsdp_impl) == MEGATRON_CHECKPOINT
+            and forward_without_grad(cfg.options.recompute))
 
 
 def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
@@ -365,8 +374,9 @@ class _FsdpRun:
         self.stalls.append(self.engine.now - t0)
 
     def _unit_compute(self, name: str, blocks: Sequence[Block], last: simpy.Event, gathered: simpy.Event,
-                      gathers_input: int, copy_s: float = 0.0) -> simpy.Event:
-        """The unit's blocks after `last` and its gather, the gather's copy-out (`copy_s`) first."""
+                      gathers_input: int, copy_s: float = 0.0, no_grad: bool = False) -> simpy.Event:
+        """The unit's blocks after `last` and its gather, the gather's copy-out (`copy_s`) first;
+        `no_grad`: a forward without autograd (`_tp_block`)."""
         self.engine.env.process(self._probe(last, gathered))
         if self.tp == 1 and not any(b.ep_bytes or b.recompute for b in blocks):
             return self.engine.compute(0, name, copy_s + sum(b.seconds for b in blocks), [last, gathered])
@@ -382,7 +392,7 @@ class _FsdpRun:
             return last
         last = self.engine.env.all_of([last, gathered])
         for b in blocks:
-            last = self._tp_block(f"{name}.{b.name.rsplit('.', 1)[-1]}", b, gathers_input, last)
+            last = self._tp_block(f"{name}.{b.name.rsplit('.', 1)[-1]}", b, gathers_input, last, no_grad)
         return last
 
     def _expert_pass(self, label: str, b: Block, last: simpy.Event) -> simpy.Event:
@@ -399,11 +409,15 @@ class _FsdpRun:
             return last
         return self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
 
-    def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event) -> simpy.Event:
+    def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event,
+                  no_grad: bool = False) -> simpy.Event:
         """A sequence-parallel block on rank 0 (TP > 1) as the ZeRO-1 layout runs it
         (`sim.iteration._Stage.block`): all-gather(s) of the input over the TP group, the GEMMs, a
         reduce-scatter of the output; overlapped as Transformer Engine's TP communication overlap
-        does (`tp_comm_overlap`), or in series."""
+        does (`tp_comm_overlap`), or in series. `no_grad`: the first forward of a layer inside
+        Megatron's checkpoint (`canzona.recompute.forward_without_grad`, Megatron-FSDP's
+        `fsdp_checkpoint`), where TE's LayerNormLinear gathers its input with NCCL before its
+        GEMMs even under the overlap; the re-run has grad."""
         eng = self.engine
         if b.recompute is not None:  # full recompute (torchtitan's checkpoint wrapper): the forward block again first
             last = self._tp_block(f"{name} recompute", b.recompute, 1, last)
@@ -416,6 +430,10 @@ class _FsdpRun:
             if not b.sends_output:  # a re-run stopped before its row GEMMs (torch's early stop)
                 return last
             return eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [last]})[0]
+        if no_grad:  # TE's LayerNormLinear turns its userbuffers all-gather off without grad
+            for _ in range(gathers_input):
+                last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
+            gathers_input = 0
         gathered = last
         for _ in range(gathers_input):
             gathered = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [gathered]})[0]
@@ -429,7 +447,8 @@ class _FsdpRun:
         return eng.env.all_of([last, scattered])
 
     def _pass(self, name: str, units: Sequence[FsdpUnit], blocks: dict[int, Sequence[Block]], last: simpy.Event,
-              gathers_input: int, then=None, gathered: bool = False) -> simpy.Event:
+              gathers_input: int, then=None, gathered: bool = False,
+              no_grad: Callable[[int], bool] | None = None) -> simpy.Event:
         """One pass over `units` in order: each unit's all-gather one unit ahead of its compute
         (issued once the unit two back is computed: at most two units unsharded), its compute after
         the previous unit's and its gather; `then(unit, computed)` after each compute. `gathered`:
@@ -445,7 +464,8 @@ class _FsdpRun:
                 unit = units[k - 1]
                 # no gather, no copy-out: a unit still gathered from its forward keeps its parameters
                 last = self._unit_compute(f"{name} {_label(unit)}", blocks[unit.key], last, gathers[k - 1],
-                                          gathers_input, 0.0 if gathered else self.copy_out_s[unit.key])
+                                          gathers_input, 0.0 if gathered else self.copy_out_s[unit.key],
+                                          no_grad is not None and no_grad(unit.key))
                 computed.append(last)
                 if then is not None:
                     then(unit, last)
@@ -465,6 +485,12 @@ class _FsdpRun:
         layers = [u for u in self.units if u.key != ROOT]
         root = next((u for u in self.units if u.key == ROOT), None)
         m = wl.micro_batches(self.cluster.dp)
+        # inside Megatron's checkpoint (Megatron-FSDP's) a layer's first forward runs without grad
+        without_grad = fsdp_forward_without_grad(cfg)
+
+        def no_grad(layer: int) -> bool:  # a unit's key: its layer's id
+            return without_grad and layer not in work.uncheckpointed
+
         last = eng.env.event().succeed()
         reduced: list[simpy.Event] = []
         rs_cost = {u.key: collective_cost("reduce-scatter", self.local[u.key] * wl.grad_bytes, self.shard_geo,
@@ -496,7 +522,8 @@ class _FsdpRun:
                                             [last, root_gathered])
             if work.embed_forward_s:
                 root_gathered = eng.compute(0, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
-            last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1)
+            last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1,
+                              no_grad=no_grad)
             last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
             last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
             # backward re-gathers each block's input for the weight gradients (sequence parallel)
@@ -759,5 +786,6 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 
-__all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_checkpoint", "fsdp_memory_floor",
+__all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_checkpoint", "fsdp_forward_without_grad",
+           "fsdp_memory_floor",
            "fsdp_micro_batch_work", "fsdp_policy", "fsdp_recompute_modes", "simulate_fsdp"]

@@ -75,6 +75,7 @@ from sim.fsdp import (
     FSDP_RECOMPUTE_MODES,
     ROOT,
     copy_seconds,
+    fsdp_forward_without_grad,
     fsdp_memory_floor,
     fsdp_micro_batch_work,
     fsdp_recompute_modes,
@@ -970,7 +971,9 @@ def fsdp_time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile
     pipeline, the whole model), each block after its TP collectives where it must wait for them
     (`block_floor`; the SMs they take from the GEMMs counted as free) and an expert block between
     its dispatch and combine (`expert_comm_floor`), a full recompute's forward block again first,
-    every forward with grad (torch's non-reentrant checkpoint wrapper), and FSDP2's copies on the
+    every forward with grad (torch's non-reentrant checkpoint wrapper) but a checkpointed layer's
+    first under Megatron-FSDP's (`sim.fsdp.fsdp_forward_without_grad`: its NCCL all-gathers before
+    the first GEMMs, `block_floor`'s `no_grad`), and FSDP2's copies on the
     compute stream: each unit's copy-out after its forward's all-gather and, resharded after
     forward, its backward's, and its copy-in before each reduce-scatter (`sim.fsdp.copy_seconds`).
     Every FSDP all-gather, reduce-scatter and all-reduce, and the optimizer step, count as free;
@@ -978,7 +981,8 @@ def fsdp_time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile
     spec, arch = model
     cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
     work = fsdp_micro_batch_work(cfg, model, cluster, hw, rate, layer_dims(arch, spec).head_dim)
-    compute = stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch)
+    compute = stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch,
+                          no_grad=fsdp_forward_without_grad(cfg))
     local, expert_local = unit_elements(spec, cfg.tp, cfg.ep)
     copy_out, copy_in = copy_seconds(cfg, rate, gathered_elements(local, expert_local,
                                                                   cluster.dp * cfg.tp // cfg.ep))

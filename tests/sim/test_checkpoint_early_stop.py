@@ -224,3 +224,26 @@ def test_megatron_fsdp_reruns_with_megatrons_checkpoint():
                              kv_dim=arch.kv_dim, head_dim=head_dim, early_stop=False)
     assert works["megatron-fsdp"].backward == whole.backward
     assert works["fsdp2"].backward != whole.backward
+
+
+@pytest.mark.parametrize("impl", ["megatron-fsdp", "fsdp2"])
+def test_megatron_fsdp_gathers_before_its_no_grad_forward(impl):
+    """Megatron's checkpoint runs a layer's first forward under torch.no_grad(), where TE's
+    LayerNormLinear turns its userbuffers all-gather off and gathers with NCCL before its GEMM
+    (as `sim.iteration._Stage.block` prices the ZeRO-1 layouts): under Megatron-FSDP with full
+    recompute at TP 2 with the TP overlap, each forward block's first GEMMs start after its
+    input's all-gather; under FSDP2 (torch's wrapper, grad on) they run beside it. The time floor
+    stays below the simulation either way."""
+    from canzona.cost import DeviceRate
+    from sim.search import time_floor
+
+    cfg = replace(FSDP, tp=2, fsdp_impl=impl, options=RunOptions(recompute=FULL, tp_comm_overlap=True))
+    r = simulate(cfg)
+    spans = {s.name: s for s in r.spans if s.rank == 0 and s.name.startswith("mb0 fwd layer 3.")}
+    for block in ("0", "1"):
+        gather, first = spans[f"mb0 fwd layer 3.{block} tp all-gather"], spans[f"mb0 fwd layer 3.{block} first"]
+        if impl == "megatron-fsdp":
+            assert first.start >= gather.end
+        else:
+            assert first.start < gather.end
+    assert time_floor(cfg, resolve_model(MODEL), DeviceRate.from_profile(A100), A100) <= r.iteration_time_s
