@@ -99,7 +99,8 @@ AutoModel's MoE layer) it is the unpermute before the combine, whose autograd fu
 tensor, so the re-run skips the combine all-to-all and the residual add
 (`sim.model_work._expert_rerun`; NVIDIA-NeMo/Automodel `components/moe/megatron/fused_a2a.py`
 `FusedCombine`, `token_dispatcher.py` `_DeepepManager`); under HybridEP and the `alltoall`
-dispatcher the re-run is priced whole (conservative).
+dispatcher, and in a layer with a shared expert (which may run after the combine and save its
+inputs there), the re-run is priced whole (conservative).
 
 Megatron's full recompute comes with a method (`--recompute-method`, `--recompute-num-layers` N:
 `RECOMPUTE_METHODS`), which the simulator's `full` takes too; without one (Megatron requires one:

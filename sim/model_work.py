@@ -450,7 +450,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             bwd = replace(bwd, middle_s=bwd.middle_s + run(lk.moe_mlp_side(shape, True, name)) + redo)
             if rerun:  # the whole forward block again (its collectives too, where it has any), or to its early stop
                 again = fwd
-                if early_stop:
+                # with a shared expert beside the routed ones (`len(blocks) > 1`), which may run
+                # after the combine and save its inputs there, the re-run is priced whole
+                if early_stop and len(blocks) == 1:
                     again = _expert_rerun(fwd, run([lk.residual_add(shape, name)]))
                 bwd = rerun_forward(again, bwd, tp)
             fwd_blocks.append(fwd)

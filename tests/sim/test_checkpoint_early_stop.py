@@ -247,3 +247,24 @@ def test_megatron_fsdp_gathers_before_its_no_grad_forward(impl):
         else:
             assert first.start < gather.end
     assert time_floor(cfg, resolve_model(MODEL), DeviceRate.from_profile(A100), A100) <= r.iteration_time_s
+
+
+def test_a_layer_with_a_shared_expert_reruns_through_its_combine():
+    """A shared expert beside the routed ones may run after the combine and save its inputs there
+    (DeepSeek's layout): the re-run is priced whole, the combine included."""
+    from canzona.decoder import DecoderConfig, build_decoder
+    from sim.ep_dispatch import EpDispatcher
+
+    cfg = DecoderConfig("tiny-deepseek", 3, 64, 4, 4, 16, 128, 256, False, experts=8, experts_per_token=2,
+                        moe_ffn=32, shared_ffn=32, dense_layers=(0,))
+    model = (build_decoder(cfg), cfg.architecture())
+    h100 = load_profile("h100-sxm")
+    deepep = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    sim_cfg = SimConfig(model="tiny-deepseek", gpus=8, tp=1, ep=8, optimizer="adamw", fsdp=True,
+                        workload=Workload(seq_len=256, global_batch=8, micro_batch=1),
+                        options=RunOptions(recompute=FULL, ep_dispatcher=deepep))
+    work = fsdp_micro_batch_work(sim_cfg, model, Cluster(8, 1, h100.node.gpus, 1), h100, DeviceRate.from_profile(h100),
+                                 layer_dims(model[1], model[0]).head_dim)
+    experts = [layer[0] for layer in work.backward if layer[0].recompute is not None and layer[0].ep_bytes]
+    assert len(experts) == 2  # the two MoE layers, each re-running its expert block with its combine
+    assert all(b.recompute.sends_output for b in experts)
