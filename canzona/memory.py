@@ -807,18 +807,21 @@ def _method_working_set(dims: LayerDims, setup: MemorySetup, tp: int, size: int,
     chunk's layers, nor under selective-layer where the chunk's last layer is not checkpointed.
     (The re-runs of lower checkpoints come after more is freed.)"""
     _, _, alive, above = _chunk_checkpoints(setup, size, start)
-    if alive <= above:
-        return 0.0
-    whole = layer_activation_bytes(dims, setup, tp, "none", expert_load)
-    return (alive - above) * whole - layer_activation_bytes(dims, setup, tp, FULL)
+    return _rerun_bytes(dims, setup, tp, alive - above, expert_load) if alive > above else 0.0
+
+
+def _rerun_bytes(dims: LayerDims, setup: MemorySetup, tp: int, layers: int, expert_load: float = 1.0) -> float:
+    """What a full-recompute re-run of `layers` layers makes beyond its checkpoint: their whole
+    activations less the checkpoint's input, which the re-run's first op saves again as the same
+    tensor."""
+    return (layers * layer_activation_bytes(dims, setup, tp, "none", expert_load)
+            - layer_activation_bytes(dims, setup, tp, FULL))
 
 
 def _recompute_working_set(dims: LayerDims, setup: MemorySetup, tp: int, expert_load: float = 1.0) -> float:
-    """The activations one layer's recompute makes in the backward, beyond what it stored (under
-    full recompute its input, which the re-run's first op saves again as the same tensor)."""
+    """The activations one layer's recompute makes in the backward, beyond what it stored."""
     if setup.recompute == "full":
-        return (layer_activation_bytes(dims, setup, tp, "none", expert_load)
-                - layer_activation_bytes(dims, setup, tp, FULL))
+        return _rerun_bytes(dims, setup, tp, 1, expert_load)
     if setup.recompute == SELECTIVE_OP:
         return (layer_activation_bytes(dims, setup, tp, "none", expert_load)
                 - layer_activation_bytes(dims, setup, tp, expert_load=expert_load))
