@@ -28,7 +28,9 @@ allocates, rank by rank (`tests/runtime/test_memory_runtime_ep.py`). The token d
 model's forward / backward, not the optimizer's: they belong to `activations` (whose MoE MLP term
 counts the routed copies' gate / up outputs and product, and the dispatched copies the grouped fc1
 saves with the router's maps: `_moe_saved_bytes`), at the fullest EP rank's pairs (`fullest_rank_load`:
-the router's skew and random routing's fluctuation, as the timing's busiest rank).
+the router's skew and random routing's fluctuation, as the timing's busiest rank). The flex dispatchers'
+own communication buffers (DeepEP's, HybridEP's), allocated once for the run, are persistent
+(`dispatcher_buffers`: `deepep_buffer_bytes`, `hybridep_buffer_bytes`).
 
 `memory_per_gpu` returns a `LayoutMemory`: one `RankMemory` per GPU of a pipeline stage, the worst
 rank, `fits(capacity)` and a one-line explanation. Computing 4096 ranks takes a fraction of a second.
@@ -144,6 +146,113 @@ DEFAULT_FRAGMENTATION = 0.05
 UB_FP8_BUFFERS = 8  # in FP8 under FP8, else in the activations' dtype
 UB_WIDE_BUFFERS = 2  # always in the activations' dtype
 
+# The communication buffers of Megatron's flex token dispatchers (`sim.ep_dispatch`), allocated once
+# for the run outside PyTorch's caching allocator and kept (`deepep_buffer_bytes`, `hybridep_buffer_bytes`).
+# DeepEP's normal (high-throughput) mode: Megatron-LM `megatron/core/transformer/moe/fused_a2a.py`
+# `get_buffer` (NeMo AutoModel's `nemo_automodel/components/moe/megatron/fused_a2a.py` `get_buffer`
+# alike) sizes one `deep_ep.Buffer` per EP group by the largest of
+# `Config.get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` over `Buffer.get_dispatch_config(n)`
+# and `Buffer.get_combine_config(n)`, with `hidden_bytes = hidden x max(element_size, 2)`
+# (`get_hidden_bytes`: 2 x hidden for bf16 and FP8 tokens alike). The configs' token counts, per EP
+# size: (NVL send, NVL receive, RDMA send, RDMA receive) chunked tokens, dispatch then combine
+# (deepseek-ai/DeepEP `deep_ep/buffer.py` `Buffer.get_dispatch_config` / `get_combine_config`, commit
+# dcfd954851157f0bf683e1c3f1a7778f78344759); any other EP size DeepEP refuses ("Unsupported number of EP ranks").
+DEEPEP_CONFIGS = {
+    2: ((24, 256, 6, 128), (10, 256, 6, 128)),
+    4: ((6, 256, 6, 128), (9, 256, 6, 128)),
+    8: ((6, 256, 6, 128), (4, 256, 6, 128)),
+    16: ((36, 288, 20, 128), (4, 288, 12, 128)),
+    24: ((8, 288, 32, 128), (1, 288, 8, 128)),
+    32: ((32, 288, 32, 128), (1, 288, 8, 128)),
+    64: ((20, 288, 28, 128), (1, 288, 20, 128)),
+    128: ((20, 560, 32, 128), (1, 560, 12, 128)),
+    144: ((32, 720, 12, 128), (2, 720, 8, 128)),
+    160: ((28, 720, 12, 128), (2, 720, 8, 128)),
+}
+# deepseek-ai/DeepEP `csrc/kernels/configs.cuh`: NUM_MAX_NVL_PEERS (ranks of one NVLink domain) and the
+# workspace every `Buffer` cudaMallocs beside its NVL buffer (NUM_WORKSPACE_BYTES, "Create 32 MiB workspace",
+# `csrc/deep_ep.cpp` `Buffer::Buffer`)
+DEEPEP_NVL_PEERS = 8
+DEEPEP_WORKSPACE_BYTES = 32 * 1024 * 1024
+# `csrc/config.hpp` `Config::get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` (commit
+# 030cdf0ad4538c1d9ee92872b5be77d01b067a60): room per received token for kNumMaxTopK (128) int64
+# expert indices and float weights and kNumMaxScales (128) float scales, and a `SourceMeta` (two ints,
+# `csrc/kernels/internode.cu` `internode::get_source_meta_bytes`, counted where DeepEP is built with
+# NVSHMEM, as it is for EP across nodes)
+DEEPEP_MAX_TOPK = 128
+DEEPEP_MAX_SCALES = 128
+DEEPEP_SOURCE_META_BYTES = 8
+# HybridEP (deepseek-ai/DeepEP's hybrid_ep): `deep_ep/hybrid_ep_buffer.py` `HybridEPBuffer.__init__` (commit
+# 098da2a6dee107028535a5776248891d6e376918) sizes its buffers for max(tokens, 512) tokens per rank and
+# shares one NVL buffer between dispatch and combine (`use_shared_buffer = True`)
+HYBRIDEP_MIN_TOKENS = 512
+
+
+def _align(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def deepep_buffer_bytes(ranks: int, hidden: int, sms: int) -> int:
+    """Bytes of DeepEP's normal-mode `Buffer` on each GPU of an EP group of `ranks` GPUs, whose
+    kernels run on `sms` SMs (`Buffer.num_sms`, `set_deepep_num_sms`), for tokens `hidden` wide:
+    the NVL buffer at the largest hint of the dispatch and combine configs, its barrier signals and
+    peer pointers (`csrc/deep_ep.cpp` `Buffer::Buffer`: one cudaMalloc of num_nvl_bytes + 8 ints + 16
+    pointers), the 32 MiB workspace, and across nodes (more than `DEEPEP_NVL_PEERS` ranks) the RDMA
+    buffer (`Buffer::sync`: `internode::alloc`, nvshmem_align in NVSHMEM's symmetric heap). Not counted:
+    NVSHMEM's own heap and state beyond that buffer (DeepEP sets NVSHMEM_CUMEM_GRANULARITY to 512 MiB;
+    how much of it NVSHMEM maps is not in DeepEP's source)."""
+    if ranks not in DEEPEP_CONFIGS:
+        raise SpecError(f"DeepEP has no dispatch / combine config for {ranks} EP ranks (deep_ep.Buffer."
+                        f"get_dispatch_config: {', '.join(map(str, DEEPEP_CONFIGS))})")
+    if not (isinstance(sms, int) and sms >= 2 and sms % 2 == 0):
+        raise SpecError(f"DeepEP runs an even number of SMs (two per channel), got {sms!r}")
+    hidden_bytes = 2 * hidden  # get_hidden_bytes: hidden x max(element_size, 2)
+    channels = sms // 2
+    rdma_ranks = max(ranks // DEEPEP_NVL_PEERS, 1)
+    nvl_ranks = min(ranks, DEEPEP_NVL_PEERS)
+    per_token = (hidden_bytes + DEEPEP_SOURCE_META_BYTES + DEEPEP_MAX_TOPK * (8 + 4) + DEEPEP_MAX_SCALES * 4)
+    nvl = rdma = 0
+    for _, nvl_recv, rdma_send, rdma_recv in DEEPEP_CONFIGS[ranks]:
+        hint = channels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + nvl_recv * per_token)
+        nvl = max(nvl, _align(hint, 128))
+        if ranks > DEEPEP_NVL_PEERS:  # "Legacy mode": no RDMA buffer within one NVLink domain
+            recv = _align(rdma_recv, rdma_send)  # Config::Config rounds it up to a whole number of sends
+            hint = channels * rdma_ranks * ((DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4 + recv * 2 * (per_token + 16))
+            rdma = max(rdma, _align(hint + 1024 * 1024, 128))  # the hint adds 1 MiB "to be safe"
+    signals = DEEPEP_NVL_PEERS * (4 + 8 + 8)  # barrier signals, buffer and signal pointers
+    return nvl + signals + DEEPEP_WORKSPACE_BYTES + rdma
+
+
+def hybridep_buffer_bytes(ranks: int, ranks_per_node: int, tokens: int, hidden: int, local_experts: int) -> int:
+    """Bytes of HybridEP's buffers on each GPU of an EP group of `ranks` GPUs in NVLink domains of
+    `ranks_per_node`, for `tokens` tokens per rank of one dispatch (the micro-batch's tokens on the
+    rank), `hidden` wide, bf16 (HybridEP's UINT16 tokens), with `local_experts` experts per rank.
+    The NVL buffers (deepseek-ai/DeepEP `csrc/hybrid_ep/buffer/intranode.cu` `NVLCoordinator::
+    allocate_combine_buffers` / `allocate_dispatch_buffers`, commit 2540b8abfc7551597b259c05132ef1d995f0885f),
+    for the worst case of every token of the group routed to this rank (max(tokens, 512) x `ranks`
+    tokens): the tokens (2 bytes a value), the probabilities (a float per expert of the NVLink domain),
+    the FP8 scaling factors (a float per 128 values, allocated whatever the dtype), the dispatch sharing
+    the combine's token and probability buffers. Across NVLink domains the RDMA buffers, cudaMalloc'd
+    (`csrc/hybrid_ep/buffer/internode.cu` `RDMACoordinator::allocate_dispatch_buffers` /
+    `allocate_combine_buffers`, commit 2410713f4ad880e30a5e03d0a487637598aed6ab): the dispatch's
+    attention-side input (the rank's tokens, probabilities over every expert, scaling factors) and its
+    staging for the other domains' tokens, probabilities and scaling factors; the combine's intra-node
+    reduction and inter-node staging of tokens and probabilities, one per other domain. Not counted:
+    the preprocessing scratch, the flags (bytes), the queue pairs."""
+    if ranks % ranks_per_node:
+        raise SpecError(f"HybridEP's {ranks} ranks are not whole NVLink domains of {ranks_per_node}")
+    nodes = ranks // ranks_per_node
+    per_rank = max(tokens, HYBRIDEP_MIN_TOKENS)
+    scales = hidden // 128
+    domain_experts = local_experts * ranks_per_node
+    worst = per_rank * ranks  # NVLCoordinator::max_num_of_tokens
+    nvl = worst * (hidden * 2 + domain_experts * 4 + scales * 4)
+    others = nodes - 1
+    dispatch = per_rank * (hidden * 2 + local_experts * ranks * 4 + scales * 4) \
+        + per_rank * others * (hidden * 2 + domain_experts * 4 + scales * 4) if others else 0
+    combine = 2 * per_rank * others * (hidden * 2 + domain_experts * 4)
+    return nvl + dispatch + combine
+
 
 # --- inputs -------------------------------------------------------------------------------------
 
@@ -245,6 +354,9 @@ class MemorySetup:
     # Transformer Engine's userbuffers (`userbuffer_bytes`), allocated for the run when the TP
     # communication overlap is on; 0: none (TP 1, the overlap off, FSDP, the runtime's own layouts)
     userbuffers: int = 0
+    # the flex token dispatcher's communication buffers (`deepep_buffer_bytes`, `hybridep_buffer_bytes`),
+    # allocated for the run; 0: none (the alltoall dispatcher, EP 1)
+    dispatcher_buffers: int = 0
     # FP8 linear layers (Transformer Engine, `--precision fp8`): their inputs are saved for the
     # backward in FP8 and every linear weight keeps a cached FP8 copy and transpose (`fp8_linear_params`)
     fp8: bool = False
@@ -305,6 +417,8 @@ class MemorySetup:
             raise SpecError(f"fragmentation must be a fraction in [0, 1), got {self.fragmentation!r}")
         if not (isinstance(self.userbuffers, int) and self.userbuffers >= 0):
             raise SpecError(f"userbuffers must be a whole number of bytes >= 0, got {self.userbuffers!r}")
+        if not (isinstance(self.dispatcher_buffers, int) and self.dispatcher_buffers >= 0):
+            raise SpecError(f"dispatcher buffers must be a whole number of bytes >= 0, got {self.dispatcher_buffers!r}")
 
     @property
     def has_masters(self) -> bool:
@@ -370,6 +484,7 @@ LABELS = {
     "step_buffers": "optimizer-step buffers",
     "overhead": "CUDA/NCCL/fragmentation allowance",
     "userbuffers": "Transformer Engine userbuffers",
+    "dispatcher_buffers": "EP token dispatcher buffers (DeepEP / HybridEP)",
 }
 
 
@@ -393,11 +508,12 @@ class RankMemory:
     step_buffers: int
     overhead: int
     userbuffers: int = 0  # Transformer Engine's, for the whole run (`MemorySetup.userbuffers`)
+    dispatcher_buffers: int = 0  # the flex token dispatcher's, for the whole run (`MemorySetup.dispatcher_buffers`)
 
     @property
     def persistent(self) -> int:
         return (self.weights + self.grads + self.master_weights + self.matrix_state + self.adamw_state
-                + self.userbuffers)
+                + self.userbuffers + self.dispatcher_buffers)
 
     @property
     def transient(self) -> int:
@@ -412,6 +528,8 @@ class RankMemory:
         parts = {k: getattr(self, k) for k in PERSISTENT}
         if self.userbuffers:
             parts["userbuffers"] = self.userbuffers
+        if self.dispatcher_buffers:
+            parts["dispatcher_buffers"] = self.dispatcher_buffers
         if self.activations + self.reduction >= self.step_buffers:
             parts["activations"], parts["reduction"] = self.activations, self.reduction
         else:
@@ -1086,7 +1204,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             master, state, step = row[r]
             overhead = setup.overhead(max(activations + reduction, step))
             ranks.append(RankMemory(stage * dp * tp + i * tp + r, stage, i, r, weights, grads, master, state,
-                                    adamw_state, activations, reduction, step, overhead, setup.userbuffers))
+                                    adamw_state, activations, reduction, step, overhead, setup.userbuffers,
+                                    setup.dispatcher_buffers))
     return LayoutMemory(policy.name, plan.optimizer, dp, tp, pp, stage, tuple(ranks), vp)
 
 
@@ -1151,5 +1270,5 @@ __all__ = [
     "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
     "layer_activation_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
-    "userbuffer_bytes", "worst_rank",
+    "userbuffer_bytes", "worst_rank", "deepep_buffer_bytes", "hybridep_buffer_bytes",
 ]

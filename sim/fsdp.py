@@ -677,7 +677,8 @@ class _FsdpRun:
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + ws
             h = kept[r]
             ranks.append(RankMemory(r, 0, r // tp, r % tp, h.weights, h.grads, h.master_weights, h.matrix_state,
-                                    h.adamw_state, acts, in_flight, step, setup.overhead(max(acts + in_flight, step))))
+                                    h.adamw_state, acts, in_flight, step, setup.overhead(max(acts + in_flight, step)),
+                                    setup.userbuffers, setup.dispatcher_buffers))
         return LayoutMemory(self.cfg.policy, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
 
     def _persistent(self, pb: int, gb: int, mb: int) -> list[FsdpRankBytes]:
@@ -722,14 +723,14 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     TP-local elements, 1 / S of them with their gradients and masters, under EP its share of its EP
     rank's experts; AdamW's moments of the elementwise parameters' shards; the matrix optimizer's
     state, which the owners, or under gather-all every rank, hold: at least 1 / (S x T) of every
-    matrix's), the activations, the units in flight beside them (`in_flight_bytes`) and the
+    matrix's), the flex token dispatcher's buffers, the activations, the units in flight beside them (`in_flight_bytes`) and the
     allowance on that transient peak (the step's buffers, which it may exceed, only add)."""
     spec, arch = model
     tp, ep = cfg.tp, cfg.ep
     dp = cfg.gpus // tp
     shard = dp // cfg.hsdp_replicate
     edp = dp * tp // ep
-    setup = cfg.memory_setup(arch.hidden, tp_mode=STEP_DEFAULTS.tp_mode)
+    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=STEP_DEFAULTS.tp_mode)
     pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
     weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
     local, expert_local = unit_elements(spec, tp, ep)
@@ -739,7 +740,7 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     elementwise = total - sum(p.local_numel(tp) for p in matrices)
     experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's
     persistent = ((total // shard + experts) * (weight_bytes + gb + mb) + matrix_state
-                  + state_bytes("adamw", (elementwise // shard + experts,)))
+                  + state_bytes("adamw", (elementwise // shard + experts,)) + setup.dispatcher_buffers)
     transient = activation_bytes(dims, setup, tp) + in_flight_bytes(
         gathered_elements(local, expert_local, edp), cfg.reshard_after_forward, pb, gb)
     return persistent + transient + setup.overhead(transient)
@@ -782,7 +783,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
     run.phase_b(synced)
     t_end = run.engine.run()
-    setup = cfg.memory_setup(arch.hidden, tp_mode=STEP_DEFAULTS.tp_mode)
+    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=STEP_DEFAULTS.tp_mode)
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 

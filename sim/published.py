@@ -373,7 +373,7 @@ class PublishedReport:
                                "expressible rows (null below two rows)",
                 "memory_bytes": "the fullest GPU's memory as the simulator models it (docs/design.md §7.1)",
                 "memory": "that GPU's memory by term, in bytes (canzona.memory.RankMemory): total = weights + grads + "
-                          "master_weights + matrix_state + adamw_state + the larger of activations + reduction and "
+                          "master_weights + matrix_state + adamw_state + userbuffers + dispatcher_buffers + the larger of activations + reduction and "
                           "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
                 "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
                                        "recipe_source; null: not stated, simulated with Megatron's fp32",

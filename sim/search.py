@@ -543,13 +543,14 @@ def memory_floor(cfg: SimConfig, model) -> int:
     stage's weights and gradient buffers (the plan's buckets only pad them): at EP 1 the whole
     stage's, experts included (one plan holds them), under EP its dense part's and one EP rank's
     experts (`canzona.experts.expert_part`, their shards under expert TP), as `sim.simulate` plans
-    them; Transformer Engine's userbuffers under the TP overlap; its activations, and the allowance
-    on top (which grows with the transient peak, at least the activations)."""
+    them; Transformer Engine's userbuffers under the TP overlap; the flex token dispatcher's buffers;
+    its activations, and the allowance on top (which grows with the transient peak, at least the
+    activations)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
     if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp)
         return fsdp_memory_floor(cfg, model, dims)
-    setup = cfg.memory_setup(arch.hidden)
+    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0)
     worst = 0
     for stage in _kinds(cfg.pp):
         whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
@@ -558,8 +559,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
         if cfg.ep > 1 and expert_params(whole):
             elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
         acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp, cfg.pipeline_split)
-        worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers + acts
-                    + setup.overhead(acts))
+        worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers
+                    + setup.dispatcher_buffers + acts + setup.overhead(acts))
     return worst
 
 

@@ -32,6 +32,8 @@ from canzona.memory import (
     LayerDims,
     LayoutMemory,
     MemorySetup,
+    deepep_buffer_bytes,
+    hybridep_buffer_bytes,
     memory_per_gpu,
     reduce_scatter_lengths,
     userbuffer_bytes,
@@ -75,7 +77,7 @@ from canzona.tp import TP_REGISTRY, Capacity, check_tp_policy
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
-from sim.ep_dispatch import HYBRIDEP
+from sim.ep_dispatch import DEEPEP, DEEPEP_SMS, HYBRIDEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
@@ -343,7 +345,7 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
-    def memory_setup(self, hidden: int, **extra: Any) -> MemorySetup:
+    def memory_setup(self, hidden: int, *, experts: int, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
         method, the EP overlap's one layer more), expert TP, expert parallelism with the router's
@@ -353,7 +355,8 @@ class SimConfig:
         the model's hidden size, which sizes Transformer Engine's userbuffers under the TP
         communication overlap (`canzona.memory.userbuffer_bytes`: Megatron's layouts at TP > 1 with
         `tp_comm_overlap`; required, so no caller can drop them by leaving it out; under FSDP, whose
-        TP runs no userbuffers here: none)."""
+        TP runs no userbuffers here: none), and with `experts` (the model's routed experts, 0 for a
+        dense model; required alike) the flex token dispatcher's buffers (`dispatcher_bytes`)."""
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
@@ -368,7 +371,26 @@ class SimConfig:
             # sized by the launcher's shape: a micro-batch's tokens on one CP rank
             setup = replace(setup, userbuffers=userbuffer_bytes(setup.seq_len * setup.micro_batch, hidden,
                                                                 setup.activation_bytes, setup.fp8))
-        return setup
+        buffers = self.dispatcher_bytes(hidden, experts, setup.seq_len * setup.micro_batch)
+        return replace(setup, dispatcher_buffers=buffers) if buffers else setup
+
+    def dispatcher_bytes(self, hidden: int, experts: int, tokens: int) -> int:
+        """Bytes of the flex token dispatcher's communication buffers on each GPU, allocated once for
+        the run (`canzona.memory.deepep_buffer_bytes`, `hybridep_buffer_bytes`); 0 under the alltoall
+        dispatcher (whose all-to-alls take their buffers from the activations) or without experts.
+        The dispatcher's group is Megatron's expert TP x EP group (`MoEFlexTokenDispatcher`:
+        `group=self.tp_ep_group`); DeepEP on `DEEPEP_SMS` SMs; HybridEP for a micro-batch's `tokens`
+        on one rank (split over TP by Megatron's sequence parallelism), `experts / ep` experts per
+        rank, NVLink domains of the node's GPUs."""
+        dispatcher = self.options.ep_dispatcher
+        if not (dispatcher.flex and experts and self.ep > 1):
+            return 0
+        ranks = self.ep * self.etp
+        if dispatcher.moe_flex_dispatcher_backend == DEEPEP:
+            return deepep_buffer_bytes(ranks, hidden, DEEPEP_SMS)
+        per_node = load_profile(self.hardware).node.gpus
+        return hybridep_buffer_bytes(ranks, min(ranks, per_node), tokens // (1 if self.fsdp else self.tp), hidden,
+                                     experts // self.ep)
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
         """The same GPUs in expert order (canzona.experts): ETP groups of `etp` consecutive ranks
@@ -747,8 +769,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
-    setup = cfg.memory_setup(arch.hidden, tp_mode=cfg.tp_mode, reduce_scatter=cfg.options.reduce_scatter,
-                             batch_kernels=cfg.options.batch_kernels, overlap_step=cfg.options.overlap_step)
+    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=cfg.tp_mode,
+                             reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
+                             overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):
         stage_model = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
         work = stage_work(cfg, arch, dims.head_dim, stage_model, stage, rate,
