@@ -294,6 +294,8 @@ class SimConfig:
             if self.options.collectives == RUNTIME_STYLE:  # what the runtime runs of EP, whose collectives are defined
                 check_runtime_experts(self.tp, self.etp)
             self.expert_cluster(cluster)
+            # DeepEP's buffer has a config for some EP sizes only (`canzona.memory.DEEPEP_CONFIGS`)
+            self.dispatcher_bytes(resolved[1].hidden, resolved[1].experts or 0, self.workload.seq_len)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
 

@@ -7,6 +7,8 @@ The hand computations follow deepseek-ai/DeepEP's `Config::get_nvl_buffer_size_h
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from canzona.errors import SpecError
@@ -96,3 +98,14 @@ def test_the_search_floor_counts_them(fsdp):
     model = resolve_model("qwen3-30b-a3b")
     assert (memory_floor(qwen3_moe(DEEPEP, fsdp), model) - memory_floor(qwen3_moe(EpDispatcher(), fsdp), model)
             == deepep_buffer_bytes(8, H, DEEPEP_SMS))
+
+
+
+def test_a_deepep_layout_of_an_ep_size_deepep_has_no_config_for_is_refused():
+    # 96 experts over EP 12 (no catalog model has them: the setup is asked directly, as `check` asks it)
+    cfg = SimConfig(model="qwen3-30b-a3b", gpus=24, tp=1, ep=12, optimizer="adamw",
+                    workload=Workload(seq_len=4096, global_batch=24, micro_batch=1),
+                    options=RunOptions(ep_dispatcher=DEEPEP))
+    with pytest.raises(SpecError, match="no dispatch / combine config for 12 EP ranks"):
+        cfg.dispatcher_bytes(H, 96, 4096)
+    assert replace(cfg, options=RunOptions()).dispatcher_bytes(H, 96, 4096) == 0  # alltoall: none
