@@ -112,7 +112,8 @@ DEFINITIONS = {
     "param_gather_exposed_s": "time the forward waited for parameters still being all-gathered (overlapped "
                               "parameter gathers only)",
     "memory": "bytes per GPU of the fullest GPU (weights, gradient buffers, fp32 masters, optimizer state "
-              "by owner, Transformer Engine's userbuffers under the TP overlap, the larger of activations and "
+              "by owner, Transformer Engine's userbuffers under the TP overlap, the flex token dispatcher's "
+              "communication buffers (DeepEP / HybridEP), the larger of activations and "
               "optimizer-step buffers, an allowance for the CUDA context, NCCL and fragmentation); fits: every "
               "GPU within the profile's memory",
     "mfu": "model FLOPs (3 x forward: matrices, attention scores and values as computed, the head) per "
