@@ -117,8 +117,8 @@ GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_byt
 # What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process: the CUDA
 # context with its loaded kernels, measured at 287 MB (lazy module loading, PyTorch's default
 # since 1.13) to 667 MB (eager) for PyTorch alone (https://github.com/pytorch/pytorch/pull/86509),
-# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: 2 GB in all is an
-# **assumption**. Fragmentation: the caching allocator splits and reuses the blocks of what is
+# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: about 2 GB in all is an
+# **assumption** (bounded by the published runs, below). Fragmentation: the caching allocator splits and reuses the blocks of what is
 # freed and allocated again every iteration (activations, reduce-scatter and step buffers); the
 # persistent buffers (weights, gradient buffers, masters, optimizer state) are a few flat tensors
 # allocated once, at start, so the fraction applies to the transient peak only: 5% of it, the
@@ -128,8 +128,12 @@ GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_byt
 # (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on a GPU
 # that gives a process 84.9 GB (79.11 GiB, the H100 profile's capacity), so its context, NCCL
 # buffers and fragmentation took at most 3.2 GB; the former allowance, 3 GB + 5% of every tensor
-# (7.1 GB there), said it could not run.
-DEFAULT_FIXED_OVERHEAD = 2 * GB
+# (7.1 GB there), said it could not run. The tightest bound is NeMo AutoModel's Qwen3-30B-A3B
+# (FSDP 8, EP 8, DeepEP): with DeepEP's buffers counted (`deepep_buffer_bytes`) its 81.92 GB of
+# counted tensors leave 3.02 GB of the 84.94, of which 5% of its 20.7 GB transient peak is 1.04 GB,
+# so the fixed part is at most 1.985 GB: 1.95 GB, the round figure under that bound (it was 2 GB,
+# an assumption, until the dispatcher's buffers were counted).
+DEFAULT_FIXED_OVERHEAD = 1_950_000_000
 DEFAULT_FRAGMENTATION = 0.05
 
 # Transformer Engine's userbuffers (the TP communication overlap, `tp_comm_overlap`): `initialize_ub`
