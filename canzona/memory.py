@@ -222,7 +222,9 @@ def deepep_buffer_bytes(ranks: int, hidden: int, sms: int) -> int:
         if ranks > DEEPEP_NVL_PEERS:  # "Legacy mode": no RDMA buffer within one NVLink domain
             recv = _align(rdma_recv, rdma_send)  # Config::Config rounds it up to a whole number of sends
             hint = channels * rdma_ranks * ((DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4 + recv * 2 * (per_token + 16))
-            rdma = max(rdma, _align(hint + 1024 * 1024, 128))  # the hint adds 1 MiB "to be safe"
+            # no 1 MiB "to be safe" margin: one stored revision (030cdf0) adds it, the later
+            # config.hpp (3861241, with topk_idx_t) and every other stored copy do not
+            rdma = max(rdma, _align(hint, 128))
     signals = DEEPEP_NVL_PEERS * (4 + 8 + 8)  # barrier signals, buffer and signal pointers
     return nvl + signals + DEEPEP_WORKSPACE_BYTES + rdma
 

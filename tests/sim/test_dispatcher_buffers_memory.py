@@ -42,10 +42,10 @@ def test_deepep_inside_a_node():
 
 def test_deepep_across_nodes_adds_its_rdma_buffer():
     # EP 16: 8 NVL ranks x 2 RDMA ranks, 288 NVL tokens; RDMA receive 128 rounded up to whole sends:
-    # 140 for the dispatch's 20, 132 for the combine's 12 (the larger kept), plus the hint's 1 MiB
+    # 140 for the dispatch's 20, 132 for the combine's 12 (the larger kept)
     nvl = align(10 * 8 * (2 * 2 + 3) * 4 + 10 * 8 * 288 * PER_TOKEN, 128)
-    rdma = align(10 * 2 * (8 * 2 + 2) * 2 * 4 + 10 * 2 * 140 * 2 * (PER_TOKEN + 16) + MIB, 128)
-    assert deepep_buffer_bytes(16, H, 20) == nvl + 160 + 32 * MIB + rdma == 210_891_296
+    rdma = align(10 * 2 * (8 * 2 + 2) * 2 * 4 + 10 * 2 * 140 * 2 * (PER_TOKEN + 16), 128)
+    assert deepep_buffer_bytes(16, H, 20) == nvl + 160 + 32 * MIB + rdma == 209_842_720
 
 
 def test_deepep_refuses_an_ep_size_it_has_no_config_for():
