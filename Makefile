@@ -10,12 +10,12 @@ install:
 lint:
 	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples notebooks
 
-# The tests without spawned ranks and the notebooks run on every core; the spawned gloo groups one
-# test at a time (each uses the cores itself). `slow`: larger variants of checks made already.
+# The tests without spawned ranks and the notebooks run on every core, in one pool (the notebooks
+# first: the longest items, so none is left for last); the spawned gloo groups one test at a time
+# (each uses the cores itself). `slow`: larger variants of checks made already.
 test: install lint
-	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto
+	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto --nbmake notebooks tests
 	$(PYTHON) -m pytest -m "distributed and not slow"
-	$(PYTHON) -m pytest --nbmake -n auto notebooks
 
 # Everything, the slow variants included.
 test-all: install lint
