@@ -63,7 +63,7 @@ from cli.render import (
 )
 from cli.shared_options import takes_options
 from cli.units import parse_capacity
-from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS
+from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
 
@@ -368,7 +368,7 @@ def _run_options(*, shared: SimOptions):
 # the shared options that make the EP token dispatcher (`sim.ep_dispatch.EpDispatcher`, whose fields
 # they are by name): simulate's and compare's run options and search's question take it whole
 EP_DISPATCHER_OPTIONS = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_hybridep_num_sms",
-                         "fake_balanced_gate", "routing")
+                         "moe_deepep_num_sms", "fake_balanced_gate", "routing")
 
 
 def _ep_dispatcher(o: SimOptions):
@@ -525,6 +525,9 @@ MoeFlexDispatcherBackend = Annotated[str | None, typer.Option(
          "published measurements where the hardware has one).")]
 MoeHybridepNumSms = Annotated[int, typer.Option(
     help="HybridEP's SMs (Megatron's --moe-hybridep-num-sms): which published measurement prices it.")]
+MoeDeepepNumSms = Annotated[int, typer.Option(
+    help="DeepEP's SMs (Megatron's --moe-deepep-num-sms, even): taken from the GEMMs while it runs, and its "
+         "buffer's channels (two SMs each).")]
 FakeBalancedGate = Annotated[bool, typer.Option(
     help="NeMo AutoModel's fake_balanced_gate (its benchmark recipes): each token to top-k consecutive experts, so "
          "a flex dispatch reaches the fewest ranks, and no router GEMM; off: a router's uniform routing.")]
@@ -622,6 +625,7 @@ class SimOptions:
     moe_token_dispatcher_type: MoeTokenDispatcherType = ALLTOALL
     moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = None
     moe_hybridep_num_sms: MoeHybridepNumSms = DEFAULT_HYBRIDEP_SMS
+    moe_deepep_num_sms: MoeDeepepNumSms = DEEPEP_SMS
     fake_balanced_gate: FakeBalancedGate = False
     routing: Routing = RANDOM
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False

@@ -119,11 +119,15 @@ COUNT_BYTES = 8
 @dataclass(frozen=True, kw_only=True)
 class EpDispatcher:
     """Megatron's token dispatcher options: `moe_token_dispatcher_type`, under `flex` its
-    `moe_flex_dispatcher_backend` (required), and HybridEP's `moe_hybridep_num_sms`."""
+    `moe_flex_dispatcher_backend` (required), HybridEP's `moe_hybridep_num_sms` and DeepEP's
+    `moe_deepep_num_sms`."""
 
     moe_token_dispatcher_type: str = ALLTOALL
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int = DEFAULT_HYBRIDEP_SMS
+    # DeepEP's SMs (`deep_ep.Buffer.set_num_sms`): the SMs its kernels take from the GEMMs, and its
+    # buffer's channels (two SMs each: `canzona.memory.deepep_buffer_bytes`)
+    moe_deepep_num_sms: int = DEEPEP_SMS
     # NeMo AutoModel's BackendConfig.fake_balanced_gate (default False): its FakeBalancedGate in place
     # of the learned router, which sends each token to `top_k` consecutive experts (`fake_gate_groups`):
     # under a flex dispatcher a token then reaches fewer ranks and nodes than under uniform routing
@@ -150,6 +154,13 @@ class EpDispatcher:
         if sms != DEFAULT_HYBRIDEP_SMS and backend != HYBRIDEP:
             raise SpecError(f"--moe-hybridep-num-sms {sms} is HybridEP's: it needs --moe-token-dispatcher-type flex "
                             f"--moe-flex-dispatcher-backend {HYBRIDEP}")
+        sms = self.moe_deepep_num_sms
+        if not (isinstance(sms, int) and not isinstance(sms, bool) and 2 <= sms <= 132 and sms % 2 == 0):
+            raise SpecError(f"--moe-deepep-num-sms must be an even number of SMs in 2..132 (DeepEP runs two a "
+                            f"channel), got {sms!r}")
+        if sms != DEEPEP_SMS and backend != DEEPEP:
+            raise SpecError(f"--moe-deepep-num-sms {sms} is DeepEP's: it needs --moe-token-dispatcher-type flex "
+                            f"--moe-flex-dispatcher-backend {DEEPEP}")
         if not isinstance(self.fake_balanced_gate, bool):
             raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
         check_routing(self.routing)
@@ -173,6 +184,11 @@ class EpDispatcher:
     @property
     def flex(self) -> bool:
         return self.moe_token_dispatcher_type == FLEX
+
+    @property
+    def sms(self) -> int:
+        """The SMs the flex backend's kernels run on (its option's; under alltoall, none is used)."""
+        return self.moe_hybridep_num_sms if self.moe_flex_dispatcher_backend == HYBRIDEP else self.moe_deepep_num_sms
 
     @property
     def load_routing(self) -> str:

@@ -78,7 +78,6 @@ from sim.cross_entropy import CROSS_ENTROPY_PATHS, UNFUSED
 from sim.eager_kernels import EAGER, FUSED, check_kernels
 from sim.ep_dispatch import (
     DEEPEP,
-    DEEPEP_SMS,
     HYBRIDEP,
     PROBS_BYTES,
     AlltoallMetadata,
@@ -528,7 +527,7 @@ def _expert_block(name: str, params: Sequence[ParamSpec], tokens: float, hidden:
     if ep > 1 and dispatcher is not None and dispatcher.flex:
         backend = dispatcher.moe_flex_dispatcher_backend
         assert backend is not None  # EpDispatcher.check
-        flex = FlexTraffic(backend, dispatcher.moe_hybridep_num_sms if backend == HYBRIDEP else DEEPEP_SMS,
+        flex = FlexTraffic(backend, dispatcher.sms,
                            tokens * hidden * DTYPE_BYTES[dtype], count, per_token, skew, tokens, forward=True,
                            fake_balanced_gate=dispatcher.fake_balanced_gate, busiest=busy)
     pairs = tokens * per_token  # token-expert pairs this rank sends out

@@ -36,7 +36,7 @@ from canzona.recompute import (
 from canzona.spec import DTYPE_BYTES
 from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.eager_kernels import FUSED, KERNEL_MODES
-from sim.ep_dispatch import ALLTOALL, DEFAULT_HYBRIDEP_SMS, EpDispatcher
+from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
@@ -109,11 +109,12 @@ class PublishedRun:
     # nothing says a faster layout was not there to find; "": a tuned benchmark
     layout_not_tuned: str = ""
     # Megatron's token dispatcher as the recipe ran it (`RunOptions.ep_dispatcher`, sim.ep_dispatch:
-    # --moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms); None: not
-    # stated, simulated with the all-to-all
+    # --moe-token-dispatcher-type, --moe-flex-dispatcher-backend, --moe-hybridep-num-sms,
+    # --moe-deepep-num-sms); None: not stated, simulated with the all-to-all (the SMs: Megatron's defaults)
     moe_token_dispatcher_type: str | None = None
     moe_flex_dispatcher_backend: str | None = None
     moe_hybridep_num_sms: int | None = None
+    moe_deepep_num_sms: int | None = None
     # NeMo AutoModel's fake_balanced_gate as the recipe set it (`EpDispatcher.fake_balanced_gate`);
     # None: not stated, the learned router (uniform random routing, canzona.routing)
     fake_balanced_gate: bool | None = None
@@ -129,6 +130,8 @@ class PublishedRun:
                             moe_flex_dispatcher_backend=self.moe_flex_dispatcher_backend,
                             moe_hybridep_num_sms=DEFAULT_HYBRIDEP_SMS if self.moe_hybridep_num_sms is None
                             else self.moe_hybridep_num_sms,
+                            moe_deepep_num_sms=DEEPEP_SMS if self.moe_deepep_num_sms is None
+                            else self.moe_deepep_num_sms,
                             fake_balanced_gate=False if self.fake_balanced_gate is None else self.fake_balanced_gate)
     # Megatron's overlap_moe_expert_parallel_comm as the recipe ran it (`RunOptions`, sim.ep_overlap:
     # the combined 1F1B schedule); True needs `recipe_source`
@@ -284,7 +287,8 @@ class RowResult:
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
             **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
-                "moe_hybridep_num_sms": r.moe_hybridep_num_sms, "fake_balanced_gate": r.fake_balanced_gate}
+                "moe_hybridep_num_sms": r.moe_hybridep_num_sms, "moe_deepep_num_sms": r.moe_deepep_num_sms,
+                "fake_balanced_gate": r.fake_balanced_gate}
                if r.ep > 1 else {}),
             "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
             "delay_wgrad_compute": r.delay_wgrad_compute, "tp_comm_overlap": r.tp_comm_overlap,
@@ -391,7 +395,8 @@ class PublishedReport:
                              "compute stream) or megatron-fsdp",
                 "moe_token_dispatcher_type": "an EP row's token dispatcher as its recipe ran it (Megatron's option: "
                                              "alltoall, or flex with moe_flex_dispatcher_backend deepep / hybridep "
-                                             "and HybridEP's moe_hybridep_num_sms), with recipe_source; null: not "
+                                             "and HybridEP's moe_hybridep_num_sms or DeepEP's moe_deepep_num_sms), "
+                                             "with recipe_source; null: not "
                                              "stated, simulated as alltoall",
                 "fake_balanced_gate": "an EP row's router is NeMo AutoModel's FakeBalancedGate (the recipe's "
                                       "model.backend.fake_balanced_gate: each token to top-k consecutive experts, "
@@ -527,7 +532,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: store_param_remainders must be true, false or null (true on a ZeRO-1 row, not "
                         f"fsdp), got {remainders!r}")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
-                                        "moe_hybridep_num_sms", "fake_balanced_gate")}
+                                        "moe_hybridep_num_sms", "moe_deepep_num_sms", "fake_balanced_gate")}
     split = _pipeline_split(raw, where)
     ep_overlap = raw.get("overlap_moe_expert_parallel_comm", False)
     if not isinstance(ep_overlap, bool):

@@ -77,7 +77,7 @@ from canzona.tp import TP_REGISTRY, Capacity, check_tp_policy
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
 from sim.engine import Engine, Span
-from sim.ep_dispatch import DEEPEP, DEEPEP_SMS, HYBRIDEP
+from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
@@ -248,9 +248,8 @@ class SimConfig:
         if self.workload.precision == FP8:
             check_fp8_device(hw)
         dispatcher = self.options.ep_dispatcher
-        if dispatcher.flex and dispatcher.moe_flex_dispatcher_backend == HYBRIDEP \
-                and dispatcher.moe_hybridep_num_sms > hw.gpu.sms:
-            raise SpecError(f"--moe-hybridep-num-sms {dispatcher.moe_hybridep_num_sms}: {hw.name} has "
+        if dispatcher.flex and dispatcher.sms > hw.gpu.sms:
+            raise SpecError(f"--moe-{dispatcher.moe_flex_dispatcher_backend}-num-sms {dispatcher.sms}: {hw.name} has "
                             f"{hw.gpu.sms} SMs")
         cluster = Cluster(self.gpus, self.tp, hw.node.gpus, self.pp, cp=self.cp)
         if self.cp > 1:
@@ -382,7 +381,7 @@ class SimConfig:
         the run (`canzona.memory.deepep_buffer_bytes`, `hybridep_buffer_bytes`); 0 under the alltoall
         dispatcher (whose all-to-alls take their buffers from the activations) or without experts.
         The dispatcher's group is Megatron's expert TP x EP group (`MoEFlexTokenDispatcher`:
-        `group=self.tp_ep_group`); DeepEP on `DEEPEP_SMS` SMs; HybridEP for a micro-batch's `tokens`
+        `group=self.tp_ep_group`); DeepEP on its `moe_deepep_num_sms` SMs; HybridEP for a micro-batch's `tokens`
         on one rank (split over TP by Megatron's sequence parallelism), `experts / ep` experts per
         rank, NVLink domains of the node's GPUs."""
         dispatcher = self.options.ep_dispatcher
@@ -390,7 +389,7 @@ class SimConfig:
             return 0
         ranks = self.ep * self.etp
         if dispatcher.moe_flex_dispatcher_backend == DEEPEP:
-            return deepep_buffer_bytes(ranks, hidden, DEEPEP_SMS)
+            return deepep_buffer_bytes(ranks, hidden, dispatcher.moe_deepep_num_sms)
         per_node = load_profile(self.hardware).node.gpus
         return hybridep_buffer_bytes(ranks, min(ranks, per_node), tokens // (1 if self.fsdp else self.tp), hidden,
                                      experts // self.ep)

@@ -21,14 +21,15 @@ def test_simulate_takes_the_dispatcher():
     assert alltoall["options"]["ep_dispatcher"]["moe_token_dispatcher_type"] == "alltoall"
     assert flex["options"]["ep_dispatcher"] == {"moe_token_dispatcher_type": "flex",
                                                 "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 32,
-                                                "fake_balanced_gate": False, "routing": "random"}
+                                                "moe_deepep_num_sms": 20, "fake_balanced_gate": False,
+                                                "routing": "random"}
     assert flex["iteration_time_s"] < alltoall["iteration_time_s"]
 
 
 def test_dispatcher_options_are_documented():
     text = help_text("simulate")
     for option in ("--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms",
-                   "--fake-balanced-gate"):
+                   "--moe-deepep-num-sms", "--fake-balanced-gate"):
         assert option in text
 
 
@@ -46,6 +47,25 @@ def test_bad_dispatcher_options_are_one_error_line():
     error_line(invoke("simulate", *dense_ep1, *FLEX), "--moe-token-dispatcher-type flex", "it needs --ep > 1")
     error_line(invoke("simulate", *SIM, *FLEX, "--hardware", "a100-sxm", "--moe-hybridep-num-sms", "120"),
                "--moe-hybridep-num-sms 120: a100-sxm has 108 SMs")
+    deepep = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    error_line(invoke("simulate", *SIM, *deepep, "--moe-deepep-num-sms", "21"), "--moe-deepep-num-sms", "even",
+               "got 21")
+    error_line(invoke("simulate", *SIM, *FLEX, "--moe-deepep-num-sms", "32"), "--moe-deepep-num-sms 32 is DeepEP's")
+    error_line(invoke("simulate", *SIM, *deepep, "--hardware", "a100-sxm", "--moe-deepep-num-sms", "120"),
+               "--moe-deepep-num-sms 120: a100-sxm has 108 SMs")
+
+
+def test_deepeps_sms_size_its_buffer():
+    """DeepEP's SMs are its buffer's channels (two SMs each, `canzona.memory.deepep_buffer_bytes`):
+    Megatron's default 20 is the run's unless `--moe-deepep-num-sms` says otherwise."""
+    from canzona.memory import deepep_buffer_bytes
+
+    deepep = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    runs = {sms: json.loads(invoke("simulate", *SIM, *deepep, "--moe-deepep-num-sms", str(sms), "--json").stdout)
+            for sms in (20, 32)}
+    assert runs[20]["options"]["ep_dispatcher"]["moe_deepep_num_sms"] == 20
+    for sms, run in runs.items():
+        assert run["memory"]["worst"]["dispatcher_buffers"] == deepep_buffer_bytes(16, 2048, sms)
 
 
 def test_search_takes_the_dispatcher():

@@ -34,6 +34,7 @@ MOE = ["--model", "examples/tiny_qwen3_moe/config.json", "--gpus", "16", "--tp",
        "--seq-len", "256"]
 MOE_30B = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
 FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+DEEPEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
 
 # (the layout, the option): the option changes simulate's result on that layout, and compare's row
 # of the same policy must be simulate's with the option
@@ -57,11 +58,13 @@ CASES = [
     # 8 SMs: HybridEP's 8-SM measurement (32 is priced from the 16-SM one, as the default)
     ([*MOE_30B, *FLEX], ["--moe-hybridep-num-sms", "8"]),  # SMs matter where the tokens are many
     ([*MOE, *FLEX], ["--fake-balanced-gate"]),
+    # DeepEP's SMs: its buffer's channels (memory) and the SMs its kernels take from the GEMMs
+    ([*MOE, *DEEPEP], ["--moe-deepep-num-sms", "32"]),
     (MOE, ["--routing", "balanced"]),
 ]
 
 # what compare lacked before its options became simulate's: each is exercised above
-ADDED = {"--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms",
+ADDED = {"--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-hybridep-num-sms", "--moe-deepep-num-sms",
          "--fake-balanced-gate", "--routing", "--gpu-variability", "--reshard-after-forward", "--kernels",
          "--fsdp-impl", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
          "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",

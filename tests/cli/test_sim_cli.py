@@ -75,6 +75,7 @@ def test_simulate_run_options_reach_the_result():
                             "attention_backend": "fused",
                             "ep_dispatcher": {"moe_token_dispatcher_type": "alltoall",
                                               "moe_flex_dispatcher_backend": None, "moe_hybridep_num_sms": 16,
+                                              "moe_deepep_num_sms": 20,
                                               "fake_balanced_gate": False, "routing": "random"},
                             "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
     assert d["param_gather_exposed_s"] == 0.0 and 0 < d["mfu"] < 1
