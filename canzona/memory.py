@@ -117,7 +117,7 @@ GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_byt
 # What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process: the CUDA
 # context with its loaded kernels, measured at 287 MB (lazy module loading, PyTorch's default
 # since 1.13) to 667 MB (eager) for PyTorch alone (https://github.com/pytorch/pytorch/pull/86509),
-# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: about 2 GB in all is an
+# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: 1.95 GB in all is an
 # **assumption** (bounded by the published runs, below). Fragmentation: the caching allocator splits and reuses the blocks of what is
 # freed and allocated again every iteration (activations, reduce-scatter and step buffers); the
 # persistent buffers (weights, gradient buffers, masters, optimizer state) are a few flat tensors
@@ -245,7 +245,7 @@ def hybridep_buffer_bytes(ranks: int, ranks_per_node: int, tokens: int, hidden: 
     staging for the other domains' tokens, probabilities and scaling factors; the combine's intra-node
     reduction and inter-node staging of tokens and probabilities, one per other domain. Not counted:
     the preprocessing scratch, the flags (bytes), the queue pairs."""
-    if ranks % ranks_per_node:
+    if ranks % ranks_per_node:  # as Megatron asserts (fused_a2a.py `_hybrid_ep_num_nodes`)
         raise SpecError(f"HybridEP's {ranks} ranks are not whole NVLink domains of {ranks_per_node}")
     nodes = ranks // ranks_per_node
     per_rank = max(tokens, HYBRIDEP_MIN_TOKENS)

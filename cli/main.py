@@ -63,7 +63,7 @@ from cli.render import (
 )
 from cli.shared_options import takes_options
 from cli.units import parse_capacity
-from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS
+from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.topology import MAX_GPUS
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
 
@@ -367,15 +367,12 @@ def _run_options(*, shared: SimOptions):
 
 # the shared options that make the EP token dispatcher (`sim.ep_dispatch.EpDispatcher`, whose fields
 # they are by name): simulate's and compare's run options and search's question take it whole
-EP_DISPATCHER_OPTIONS = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_hybridep_num_sms",
-                         "moe_deepep_num_sms", "fake_balanced_gate", "routing")
+EP_DISPATCHER_OPTIONS = tuple(f.name for f in fields(EpDispatcher))
 
 
 def _ep_dispatcher(o: SimOptions):
     """The dispatcher options of `o` (`EP_DISPATCHER_OPTIONS`) as `sim.ep_dispatch.EpDispatcher`;
     checked where the options are."""
-    from sim.ep_dispatch import EpDispatcher
-
     return EpDispatcher(**{name: getattr(o, name) for name in EP_DISPATCHER_OPTIONS})
 
 

@@ -70,7 +70,7 @@ class RunOptions:
     # under TE 1.x); priced from the FlashAttention-3 paper's series (canzona.attention_rate)
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     # Megatron's token dispatcher under expert parallelism (--moe-token-dispatcher-type, under flex
-    # --moe-flex-dispatcher-backend and --moe-hybridep-num-sms: sim.ep_dispatch), with the router's
+    # --moe-flex-dispatcher-backend, --moe-hybridep-num-sms and --moe-deepep-num-sms: sim.ep_dispatch), with the router's
     # --fake-balanced-gate and --routing (canzona.routing); the default, the all-to-all of every
     # token-expert pair, is what canzona's reference EP model runs
     ep_dispatcher: EpDispatcher = field(default_factory=EpDispatcher)

@@ -109,3 +109,15 @@ def test_a_deepep_layout_of_an_ep_size_deepep_has_no_config_for_is_refused():
     with pytest.raises(SpecError, match="no dispatch / combine config for 12 EP ranks"):
         cfg.dispatcher_bytes(H, 96, 4096)
     assert replace(cfg, options=RunOptions()).dispatcher_bytes(H, 96, 4096) == 0  # alltoall: none
+
+
+def test_check_refuses_a_deepep_group_deepep_has_no_config_for():
+    """`SimConfig.check` asks for the buffer, so a layout whose expert TP x EP group DeepEP has no
+    config for (128 x 2 = 256 ranks) is refused before it is simulated (and the search prunes it)."""
+    cfg = SimConfig(model="qwen3-30b-a3b", gpus=256, tp=1, ep=128, etp=2, optimizer="adamw",
+                    workload=Workload(seq_len=4096, global_batch=256, micro_batch=1),
+                    options=RunOptions(ep_dispatcher=DEEPEP))
+    with pytest.raises(SpecError, match="no dispatch / combine config for 256 EP ranks"):
+        cfg.check()
+    replace(cfg, options=RunOptions()).check()  # the alltoall dispatcher runs it
+

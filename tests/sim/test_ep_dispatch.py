@@ -72,7 +72,7 @@ def test_dispatcher_options_error_lines():
         (dict(moe_flex_dispatcher_backend="deepep"), "--moe-flex-dispatcher-backend deepep is for "
                                                      "--moe-token-dispatcher-type flex"),
         (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="nccl"), "got 'nccl'"),
-        (dict(moe_hybridep_num_sms=0), "--moe-hybridep-num-sms must be a whole number of SMs in 1..132, got 0"),
+        (dict(moe_hybridep_num_sms=0), "--moe-hybridep-num-sms must be a whole number of SMs >= 1, got 0"),
     ]
     for kwargs, message in cases:
         with pytest.raises(SpecError) as e:
@@ -103,6 +103,15 @@ def test_a_row_with_a_bad_dispatcher_is_one_error_line():
     bad_sms = {**raw, "moe_flex_dispatcher_backend": "hybridep", "moe_hybridep_num_sms": 0}
     with pytest.raises(SpecError, match=r"^row x: --moe-hybridep-num-sms must be .* got 0$"):
         published.parse_run(bad_sms, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    odd_deepep = {**raw, "moe_flex_dispatcher_backend": "deepep", "moe_deepep_num_sms": 21}
+    with pytest.raises(SpecError, match=r"^row x: --moe-deepep-num-sms must be an even number .* got 21$"):
+        published.parse_run(odd_deepep, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    deepep_sms_under_hybridep = {**raw, "moe_flex_dispatcher_backend": "hybridep", "moe_deepep_num_sms": 24}
+    with pytest.raises(SpecError, match=r"^row x: --moe-deepep-num-sms 24 is DeepEP's"):
+        published.parse_run(deepep_sms_under_hybridep, {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    row = published.parse_run({**raw, "moe_flex_dispatcher_backend": "deepep", "moe_deepep_num_sms": 24},
+                              {"s": {"url": "https://example.org", "title": "t"}}, "row x")
+    assert row.ep_dispatcher.moe_deepep_num_sms == 24 == row.ep_dispatcher.sms
 
 
 def _experts(gpus: int, ep: int) -> Cluster:
@@ -240,6 +249,24 @@ def test_a_flex_kernel_holds_its_own_sms_beside_overlapped_compute():
             times[overlap, sms] = simulate(config_of(q, layout)).forward_backward_s
     assert times[True, 32] > times[True, 16]
     assert times[False, 32] == pytest.approx(times[False, 16], rel=1e-9)
+
+
+def test_deepeps_own_sms_are_taken_from_overlapped_compute():
+    """DeepEP's `--moe-deepep-num-sms` (Megatron's moe_deepep_num_sms, default 20) is what its
+    kernels hold beside the overlapped GEMMs: 32 slow the step more than 20 do."""
+    from sim.search import Question, config_of
+    from sim.simulate import simulate
+
+    layout = {"tp": 1, "pp": 1, "vp": 1, "ep": 16, "micro_batch": 1, "recompute": "none"}
+    times = {}
+    for sms in (20, 32):
+        d = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
+                         moe_deepep_num_sms=sms)
+        assert d.sms == sms
+        q = Question(model="qwen3-30b-a3b", gpus=16, optimizer="adamw", global_batch=32, ep_dispatcher=d,
+                     overlap_moe_expert_parallel_comm=True)
+        times[sms] = simulate(config_of(q, layout)).forward_backward_s
+    assert times[32] > times[20]
 
 
 def test_expert_block_marks_the_forward_dispatch():

@@ -145,22 +145,27 @@ def test_fsdp_floors_are_below_the_simulation(asked, layout, policy):
     assert 0 < memory_floor(cfg, model) <= r.memory.worst.total
 
 
-def _brute_force(q: Question) -> float:
-    """The fastest fitting layout's time over every candidate under every recompute mode (selective-
-    layer at every K the space tries), each simulated."""
+def _fastest_setting_that_fits(q: Question, layout: dict) -> float:
+    """The least time of one layout over every recompute setting the FSDP space tries (selective-
+    layer at every K it tries), each simulated; infinite when none fits."""
     model = resolve_model(q.model)
+    layout = {k: v for k, v in layout.items() if k not in ("recompute", "selective_ac_option")}
     best = float("inf")
-    for c in candidates(q):
-        for setting in FSDP_SPACE.recompute_variants(q):
-            cfg = config_of(q, {**c, **setting})
-            try:
-                cfg.check(model)
-            except SpecError:
-                continue
-            r = simulate(cfg)
-            if r.fits:
-                best = min(best, r.iteration_time_s)
+    for setting in FSDP_SPACE.recompute_variants(q):
+        cfg = config_of(q, {**layout, **setting})
+        try:
+            cfg.check(model)
+        except SpecError:
+            continue
+        r = simulate(cfg)
+        if r.fits:
+            best = min(best, r.iteration_time_s)
     return best
+
+
+def _brute_force(q: Question) -> float:
+    """The fastest fitting layout's time over every candidate under every recompute setting."""
+    return min(_fastest_setting_that_fits(q, c) for c in candidates(q))
 
 
 # the MoE question's brute force is a minute of CPU: `slow`, since test_the_rounds_take_the_least_compute_that_fits
@@ -223,24 +228,6 @@ def _gpu_of(tmp_path, memory_bytes: float) -> str:
     path = tmp_path / f"h100-{int(memory_bytes)}.json"
     path.write_text(json.dumps(profile))
     return str(path)
-
-
-def _fastest_setting_that_fits(q: Question, layout: dict) -> float:
-    """The least time of one layout over every recompute setting the FSDP space tries, each
-    simulated (the brute force of `_brute_force`, on one layout)."""
-    model = resolve_model(q.model)
-    layout = {k: v for k, v in layout.items() if k not in ("recompute", "selective_ac_option")}
-    times = []
-    for setting in FSDP_SPACE.recompute_variants(q):
-        cfg = config_of(q, {**layout, **setting})
-        try:
-            cfg.check(model)
-        except SpecError:
-            continue
-        r = simulate(cfg)
-        if r.fits:
-            times.append(r.iteration_time_s)
-    return min(times)
 
 
 def test_the_rounds_take_the_least_compute_that_fits(tmp_path):
