@@ -730,7 +730,7 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     dp = cfg.gpus // tp
     shard = dp // cfg.hsdp_replicate
     edp = dp * tp // ep
-    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=STEP_DEFAULTS.tp_mode)
+    setup = cfg.memory_setup(arch, tp_mode=STEP_DEFAULTS.tp_mode)
     pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
     weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
     local, expert_local = unit_elements(spec, tp, ep)
@@ -783,7 +783,7 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
     synced.callbacks.append(lambda _: sync_times.append(run.engine.now))
     run.phase_b(synced)
     t_end = run.engine.run()
-    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=STEP_DEFAULTS.tp_mode)
+    setup = cfg.memory_setup(arch, tp_mode=STEP_DEFAULTS.tp_mode)
     return FsdpOutcome(run.engine, run.plan, shard, run.size, sync_times[0], t_end, sum(run.stalls), run.memory(setup, dims))
 
 

@@ -550,7 +550,7 @@ def memory_floor(cfg: SimConfig, model) -> int:
     dims = layer_dims(arch, spec)
     if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp)
         return fsdp_memory_floor(cfg, model, dims)
-    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0)
+    setup = cfg.memory_setup(arch)
     worst = 0
     for stage in _kinds(cfg.pp):
         whole = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)

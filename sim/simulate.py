@@ -295,7 +295,7 @@ class SimConfig:
                 check_runtime_experts(self.tp, self.etp)
             self.expert_cluster(cluster)
             # DeepEP's buffer has a config for some EP sizes only (`canzona.memory.DEEPEP_CONFIGS`)
-            self.dispatcher_bytes(resolved[1].hidden, resolved[1].experts or 0, self.workload.seq_len)
+            self.dispatcher_bytes(resolved[1], self.workload.seq_len)
         check_fsdp(self, cluster, resolved[0])
         return cluster, resolved, hw
 
@@ -347,18 +347,18 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
-    def memory_setup(self, hidden: int, *, experts: int, **extra: Any) -> MemorySetup:
+    def memory_setup(self, arch: Architecture, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
         method, the EP overlap's one layer more), expert TP, expert parallelism with the router's
         skew and the routing (the fullest EP rank's expert activations), the micro-batches a DP rank runs (which
         cap the 1F1B micro-batches in flight), and each GPU's CP share of a micro-batch's tokens;
-        `extra`: what the caller adds beyond the configuration (the plan's step settings); `hidden`:
-        the model's hidden size, which sizes Transformer Engine's userbuffers under the TP
-        communication overlap (`canzona.memory.userbuffer_bytes`: Megatron's layouts at TP > 1 with
-        `tp_comm_overlap`; required, so no caller can drop them by leaving it out; under FSDP, whose
-        TP runs no userbuffers here: none), and with `experts` (the model's routed experts, 0 for a
-        dense model; required alike) the flex token dispatcher's buffers (`dispatcher_bytes`)."""
+        `extra`: what the caller adds beyond the configuration (the plan's step settings); `arch`:
+        the model's architecture (required, so no caller can drop what it sizes), whose hidden size
+        sizes Transformer Engine's userbuffers under the TP communication overlap
+        (`canzona.memory.userbuffer_bytes`: Megatron's layouts at TP > 1 with `tp_comm_overlap`;
+        under FSDP, whose TP runs no userbuffers here: none), and with its routed experts the flex
+        token dispatcher's buffers (`dispatcher_bytes`)."""
         wl = self.workload
         setup = MemorySetup.from_workload(
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
@@ -371,12 +371,12 @@ class SimConfig:
             setup = replace(setup, seq_len=wl.seq_len // self.cp)
         if self.tp > 1 and self.options.tp_comm_overlap and not self.fsdp:
             # sized by the launcher's shape: a micro-batch's tokens on one CP rank
-            setup = replace(setup, userbuffers=userbuffer_bytes(setup.seq_len * setup.micro_batch, hidden,
+            setup = replace(setup, userbuffers=userbuffer_bytes(setup.seq_len * setup.micro_batch, arch.hidden,
                                                                 setup.activation_bytes, setup.fp8))
-        buffers = self.dispatcher_bytes(hidden, experts, setup.seq_len * setup.micro_batch)
+        buffers = self.dispatcher_bytes(arch, setup.seq_len * setup.micro_batch)
         return replace(setup, dispatcher_buffers=buffers) if buffers else setup
 
-    def dispatcher_bytes(self, hidden: int, experts: int, tokens: int) -> int:
+    def dispatcher_bytes(self, arch: Architecture, tokens: int) -> int:
         """Bytes of the flex token dispatcher's communication buffers on each GPU, allocated once for
         the run (`canzona.memory.deepep_buffer_bytes`, `hybridep_buffer_bytes`); 0 under the alltoall
         dispatcher (whose all-to-alls take their buffers from the activations) or without experts.
@@ -385,14 +385,14 @@ class SimConfig:
         on one rank (split over TP by Megatron's sequence parallelism), `experts / ep` experts per
         rank, NVLink domains of the node's GPUs."""
         dispatcher = self.options.ep_dispatcher
-        if not (dispatcher.flex and experts and self.ep > 1):
+        if not (dispatcher.flex and arch.experts and self.ep > 1):
             return 0
         ranks = self.ep * self.etp
         if dispatcher.moe_flex_dispatcher_backend == DEEPEP:
-            return deepep_buffer_bytes(ranks, hidden, dispatcher.moe_deepep_num_sms)
+            return deepep_buffer_bytes(ranks, arch.hidden, dispatcher.moe_deepep_num_sms)
         per_node = load_profile(self.hardware).node.gpus
-        return hybridep_buffer_bytes(ranks, min(ranks, per_node), tokens // (1 if self.fsdp else self.tp), hidden,
-                                     experts // self.ep)
+        return hybridep_buffer_bytes(ranks, min(ranks, per_node), tokens // (1 if self.fsdp else self.tp), arch.hidden,
+                                     arch.experts // self.ep)
 
     def expert_cluster(self, cluster: Cluster) -> Cluster:
         """The same GPUs in expert order (canzona.experts): ETP groups of `etp` consecutive ranks
@@ -771,7 +771,7 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     ctxs, plans, memories = [], [], []
     expert_plans: list[Plan] = []
     experts = cfg.expert_cluster(cluster) if cfg.ep > 1 else None
-    setup = cfg.memory_setup(arch.hidden, experts=arch.experts or 0, tp_mode=cfg.tp_mode,
+    setup = cfg.memory_setup(arch, tp_mode=cfg.tp_mode,
                              reduce_scatter=cfg.options.reduce_scatter, batch_kernels=cfg.options.batch_kernels,
                              overlap_step=cfg.options.overlap_step)
     for stage in range(cfg.pp):

@@ -106,9 +106,11 @@ def test_a_deepep_layout_of_an_ep_size_deepep_has_no_config_for_is_refused():
     cfg = SimConfig(model="qwen3-30b-a3b", gpus=24, tp=1, ep=12, optimizer="adamw",
                     workload=Workload(seq_len=4096, global_batch=24, micro_batch=1),
                     options=RunOptions(ep_dispatcher=DEEPEP))
+    arch = replace(resolve_model("qwen3-30b-a3b")[1], experts=96)
+    assert arch.hidden == H
     with pytest.raises(SpecError, match="no dispatch / combine config for 12 EP ranks"):
-        cfg.dispatcher_bytes(H, 96, 4096)
-    assert replace(cfg, options=RunOptions()).dispatcher_bytes(H, 96, 4096) == 0  # alltoall: none
+        cfg.dispatcher_bytes(arch, 4096)
+    assert replace(cfg, options=RunOptions()).dispatcher_bytes(arch, 4096) == 0  # alltoall: none
 
 
 def test_check_refuses_a_deepep_group_deepep_has_no_config_for():

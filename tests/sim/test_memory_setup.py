@@ -23,12 +23,12 @@ FEW = SimConfig(model="qwen3-8b", gpus=8, tp=2, pp=4, optimizer="adamw",
 
 def test_the_setup_carries_the_options_the_micro_batches_and_the_cp_share():
     cfg = replace(FEW, options=replace(FEW.options, recompute=FULL, recompute_method=UNIFORM, recompute_num_layers=9))
-    setup = cfg.memory_setup(arch_of(cfg).hidden, experts=0, tp_mode="serial")
+    setup = cfg.memory_setup(arch_of(cfg), tp_mode="serial")
     assert (setup.recompute, setup.recompute_method, setup.recompute_num_layers) == (FULL, UNIFORM, 9)
     assert setup.micro_batches == 2 and setup.seq_len == 4096 and setup.tp_mode == "serial"
     cp = SimConfig(model="qwen3-1.7b", gpus=8, tp=2, cp=2, optimizer="adamw",
                    workload=Workload(seq_len=1024, global_batch=4, micro_batch=1))
-    assert cp.memory_setup(arch_of(cp).hidden, experts=0).seq_len == 512  # each CP rank holds seq / cp tokens of a micro-batch
+    assert cp.memory_setup(arch_of(cp)).seq_len == 512  # each CP rank holds seq / cp tokens of a micro-batch
 
 
 def test_fewer_micro_batches_than_stages_hold_only_those_in_flight():
@@ -36,7 +36,7 @@ def test_fewer_micro_batches_than_stages_hold_only_those_in_flight():
     many: with 2, 1F1B never holds more than 2, in the simulation as in the search's floor."""
     spec, arch = resolve_model(FEW.model, FEW.tp)
     dims = layer_dims(arch, spec)
-    setup = FEW.memory_setup(arch.hidden, experts=arch.experts or 0)
+    setup = FEW.memory_setup(arch)
     capped = activation_bytes(dims, setup, FEW.tp, FEW.pp, 0)
     uncapped = activation_bytes(dims, replace(setup, micro_batches=None), FEW.tp, FEW.pp, 0)
     assert capped < uncapped

@@ -36,12 +36,12 @@ def test_the_setup_sizes_them_by_the_cp_ranks_tokens_and_only_under_the_overlap(
                     workload=Workload(seq_len=8192, global_batch=32, micro_batch=2))
     _, arch = resolve_model(cfg.model, cfg.tp)
     h = arch.hidden
-    assert cfg.memory_setup(h, experts=0).userbuffers == userbuffer_bytes(8192 // 2 * 2, h, 2, fp8=False)
-    assert replace(cfg, cp=1).memory_setup(h, experts=0).userbuffers == 2 * cfg.memory_setup(h, experts=0).userbuffers
-    assert replace(cfg, cp=1, fsdp=True).memory_setup(h, experts=0).userbuffers == 0  # FSDP's TP runs none
-    assert replace(cfg, tp=1).memory_setup(h, experts=0).userbuffers == 0
+    assert cfg.memory_setup(arch).userbuffers == userbuffer_bytes(8192 // 2 * 2, h, 2, fp8=False)
+    assert replace(cfg, cp=1).memory_setup(arch).userbuffers == 2 * cfg.memory_setup(arch).userbuffers
+    assert replace(cfg, cp=1, fsdp=True).memory_setup(arch).userbuffers == 0  # FSDP's TP runs none
+    assert replace(cfg, tp=1).memory_setup(arch).userbuffers == 0
     off = replace(cfg, options=RunOptions(tp_comm_overlap=False))
-    assert off.memory_setup(h, experts=0).userbuffers == 0
+    assert off.memory_setup(arch).userbuffers == 0
 
 
 def test_a_negative_size_is_refused():
@@ -56,7 +56,7 @@ def test_the_fullest_gpu_and_the_search_floor_hold_them():
                     workload=Workload(seq_len=2048, global_batch=8, micro_batch=1))
     off = replace(cfg, options=RunOptions(tp_comm_overlap=False))
     on_w, off_w = simulate(cfg).memory.worst, simulate(off).memory.worst
-    ub = cfg.memory_setup(model_of(cfg)[1].hidden, experts=0).userbuffers
+    ub = cfg.memory_setup(model_of(cfg)[1]).userbuffers
     assert ub > 0 and on_w.userbuffers == ub and off_w.userbuffers == 0
     assert on_w.total - off_w.total == ub
     assert "userbuffers" in on_w.components() and "userbuffers" not in off_w.components()
@@ -70,8 +70,8 @@ def test_dgx_cloud_70b_without_cp_needs_twice_the_published_layouts():
     run = BY_ID["llama3.1-70b-128xh100-dgxc-bf16"]
     cfg = run.sim_config()
     model = model_of(cfg)
-    assert cfg.memory_setup(model[1].hidden, experts=0).userbuffers == 671_088_640
+    assert cfg.memory_setup(model[1]).userbuffers == 671_088_640
     no_cp = replace(cfg, cp=1, vp=20)
-    assert no_cp.memory_setup(model[1].hidden, experts=0).userbuffers == 1_342_177_280
+    assert no_cp.memory_setup(model[1]).userbuffers == 1_342_177_280
     assert memory_floor(no_cp, model) - memory_floor(replace(no_cp, options=RunOptions(tp_comm_overlap=False)),
                                                      model) == 1_342_177_280
