@@ -11,14 +11,13 @@ lint:
 	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples notebooks
 
 # The tests without spawned ranks and the notebooks run on every core, in one pool (the notebooks
-# first: the longest items, so none is left for last). The spawned gloo groups two test files at a
-# time, each file on one worker (the spawned runs it caches for its tests are made once: `--dist
-# loadfile`); its wall-clock checks (seconds-long collective timeouts, killed and stalled ranks) pass
-# beside two busy-looping processes, a heavier load than the other worker's test.
-# `slow`: larger variants of checks made already.
+# first: the longest items, so none is left for last); the spawned gloo groups one test at a time
+# (each uses the cores itself; two at a time, their free ports race: a port one test picked was
+# taken by the other's processes before its torchrun bound it). `slow`: larger variants of checks
+# made already.
 test: install lint
 	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto --nbmake notebooks tests
-	$(PYTHON) -m pytest -m "distributed and not slow" -n 2 --dist loadfile
+	$(PYTHON) -m pytest -m "distributed and not slow"
 
 # Everything, the slow variants included.
 test-all: install lint
