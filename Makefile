@@ -11,13 +11,15 @@ lint:
 	$(PYTHON) -m ruff check canzona sim reference cli tests benchmarks examples notebooks
 
 # The tests without spawned ranks and the notebooks run on every core, in one pool (the notebooks
-# first: the longest items, so none is left for last); the spawned gloo groups one test at a time
-# (each uses the cores itself; two at a time, their free ports race: a port one test picked was
-# taken by the other's processes before its torchrun bound it). `slow`: larger variants of checks
-# made already.
+# first: the longest items, so none is left for last). The spawned gloo groups two test files at a
+# time, each file on one worker (the spawned runs it caches for its tests are made once: `--dist
+# loadfile`); their ranks meet on ports a listening socket holds (tests/launchers.py: no free port
+# picked, closed and handed over, which the other worker's ranks could take first); their
+# wall-clock checks pass beside two busy-looping processes, a heavier load than the other worker's.
+# `slow`: larger variants of checks made already.
 test: install lint
 	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto --nbmake notebooks tests
-	$(PYTHON) -m pytest -m "distributed and not slow"
+	$(PYTHON) -m pytest -m "distributed and not slow" -n 2 --dist loadfile
 
 # Everything, the slow variants included.
 test-all: install lint

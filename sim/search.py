@@ -559,8 +559,9 @@ def memory_floor(cfg: SimConfig, model) -> int:
         if cfg.ep > 1 and expert_params(whole):
             elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
         acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp, cfg.pipeline_split)
+        buffers = setup.dispatcher_buffers if expert_params(whole) else 0  # allocated at a stage's first dispatch
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers
-                    + setup.dispatcher_buffers + acts + setup.overhead(acts))
+                    + buffers + acts + setup.overhead(acts))
     return worst
 
 

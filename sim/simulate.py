@@ -794,8 +794,10 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
                             cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
         plans.append(stage_plan)
-        memory = memory_per_gpu(stage_model, stage_plan, policy, dims, setup, dp=cluster.dp, pp=cfg.pp, stage=stage,
-                                vp=cfg.vp, split=cfg.pipeline_split)
+        # the dispatcher's buffers are allocated at a stage's first dispatch: none on a stage of dense layers only
+        stage_setup = setup if expert_ctx is not None else replace(setup, dispatcher_buffers=0)
+        memory = memory_per_gpu(stage_model, stage_plan, policy, dims, stage_setup, dp=cluster.dp, pp=cfg.pp,
+                                stage=stage, vp=cfg.vp, split=cfg.pipeline_split)
         if expert_ctx is not None:
             memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
                                                         dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp,

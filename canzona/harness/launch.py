@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -74,7 +73,7 @@ from canzona.errors import CanzonaError
 from canzona.harness import worker
 from canzona.harness.worker import report_progress
 
-__all__ = ["RankError", "free_port", "report_progress", "run_ranks"]
+__all__ = ["RankError", "report_progress", "run_ranks"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -88,12 +87,6 @@ HOST = "127.0.0.1"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing",
            "canzona.harness.worker", "canzona.harness.launch", "canzona.runtime.optimizer",
            "canzona.harness.training", "reference.tiny_model")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class RankError(CanzonaError):

@@ -14,13 +14,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from canzona.harness.launch import free_port  # noqa: E402
 from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
 from canzona.runtime.modules import backward_order, named_parameters  # noqa: E402
 from canzona.spec import ModelSpec  # noqa: E402
+from tests.launchers import torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -34,9 +34,7 @@ STEPS = 6
 
 
 def torchrun(tmp_path: Path, ranks: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "examples" / "hf_qwen3.py"),
-           *args]
+    cmd = torchrun_command(ranks, ROOT / "examples" / "hf_qwen3.py", *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from canzona.errors import CanzonaError
-from canzona.harness.launch import free_port
 from canzona.models import resolve_spec
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
@@ -39,6 +38,7 @@ from canzona.runtime.checkpoint_files import (
     verify_checkpoint,
 )
 from tests.cli_helpers import invoke
+from tests.launchers import torchrun_command
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]  # torchrun spawns gloo ranks
 
@@ -55,11 +55,6 @@ def make_plan(folder: Path, dp: int, tp: int, model: str | Path = CONFIG) -> Pat
     result = invoke("plan", "--model", model, "--dp", dp, "--tp", tp, "--out", out)
     assert result.exit_code == 0, result.output
     return out
-
-
-def torchrun_command(ranks: int, script: Path, *args: object) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}

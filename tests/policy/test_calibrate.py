@@ -189,17 +189,15 @@ def test_world_size_2_measures_collectives_and_fits_them(tmp_path):
 def test_under_torchrun_the_launched_group_is_measured_and_rank_0_writes(tmp_path):
     """torchrun on CPU (gloo): the same command as on a GPU node, where the group is NCCL's."""
     import subprocess
-    import sys
     from pathlib import Path
 
-    from canzona.harness.launch import free_port
+    from tests.launchers import torchrun_command
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "launched.json"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(free_port()), "-m", "cli.main", "calibrate", "--device", "cpu", "--quick", "--shapes", "32x64",
-         "--threads", "1", "--out", str(out), "--json"],
+        torchrun_command(2, "-m", "cli.main", "calibrate", "--device", "cpu", "--quick", "--shapes", "32x64",
+                         "--threads", "1", "--out", out, "--json"),
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     raw = json.loads(done.stdout)  # rank 0 alone prints the profile

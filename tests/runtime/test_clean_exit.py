@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from canzona.harness.launch import free_port, run_ranks
+from canzona.harness.launch import run_ranks
+from tests.launchers import agent_store
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]  # spawns gloo ranks
 
@@ -74,22 +75,22 @@ if __name__ == "__main__":
 def launch(script: Path) -> list[tuple[int, str, str]]:
     """One run of `script` on RANKS gloo ranks (started as torchrun would): per rank its exit
     code, stdout and stderr."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(RANKS)}
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=script.parent, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(RANKS)]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    with agent_store() as store_env:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **store_env, "WORLD_SIZE": str(RANKS)}
+        procs = [subprocess.Popen([sys.executable, str(script)], cwd=script.parent, text=True,
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(RANKS)]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        results = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                results.append((p.returncode, out, err))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
     return results
 
 

@@ -25,7 +25,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from canzona.errors import CanzonaError  # noqa: E402
-from canzona.harness.launch import free_port  # noqa: E402
 from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.integrations.accelerate import check_on_device, own_storage, same_device  # noqa: E402
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
@@ -33,6 +32,7 @@ from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
+from tests.launchers import torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -48,8 +48,7 @@ SETUP = driver.SETUP
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("integrations")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DP), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), driver.__file__, str(tmp)]
+    cmd = torchrun_command(DP, driver.__file__, tmp)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -186,15 +186,13 @@ def test_stack_buckets_read_last_to_first_hold_the_stacks_as_they_lie(dp_policy,
     assert order == [(p.name, k) for p in stacks for k in range(p.stack_size)]
 
 
-def test_the_buckets_are_views_of_the_stacked_parameters(monkeypatch):
+def test_the_buckets_are_views_of_the_stacked_parameters():
     """A world of one rank in this process: the stack's storage is its buckets' storage."""
     import torch.distributed as dist
 
     from canzona.runtime.optimizer import DistributedOptimizer
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     try:
         model = build_model(spec_for("muon"))
         opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", bucket_size=BUCKET)
@@ -216,15 +214,7 @@ def test_the_buckets_are_views_of_the_stacked_parameters(monkeypatch):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_plan_that_lays_a_stack_out_otherwise_is_refused(monkeypatch):
+def test_a_plan_that_lays_a_stack_out_otherwise_is_refused():
     """A hand-made plan (or one from before stacks had buckets of their own) whose stack bucket
     holds the matrices in another order: one error at construction."""
     import torch.distributed as dist
@@ -241,9 +231,7 @@ def test_a_plan_that_lays_a_stack_out_otherwise_is_refused(monkeypatch):
     swapped = (replace(b.params[0], name=b.params[1].name), replace(b.params[1], name=b.params[0].name), *b.params[2:])
     buckets[k] = replace(b, params=swapped)
     bad = replace(plan, dp_plan=replace(plan.dp_plan, buckets=tuple(buckets)))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
     try:
         with pytest.raises(PlanError, match="does not lay the matrices of stack .* out as the parameter holds them"):
             DistributedOptimizer(model.named_parameters(), spec, "muon", plan=bad)

@@ -123,3 +123,28 @@ def test_check_refuses_a_deepep_group_deepep_has_no_config_for():
         cfg.check()
     replace(cfg, options=RunOptions()).check()  # the alltoall dispatcher runs it
 
+
+
+@pytest.mark.parametrize("seq_len, fullest", [(4096, 1), (16384, 0)])
+def test_a_pipeline_stage_of_dense_layers_only_allocates_none(seq_len, fullest):
+    """Megatron's flex dispatcher makes its buffer at a rank's first dispatch (`fused_a2a.get_buffer`,
+    HybridEP's likewise), so a pipeline stage whose layers are all dense (a model with leading dense
+    layers, as DeepSeek's) holds none. Qwen3-30B-A3B with its first 24 of 48 layers dense, at PP 2:
+    the MoE stage holds them; at 16384 tokens the dense stage (two micro-batches' activations in
+    flight) is the fuller one, and a flex dispatcher adds nothing to it, nor to the search's floor,
+    which that stage sets at both lengths."""
+    from canzona.decoder import build_decoder
+    from canzona.experts import expert_params
+    from canzona.models import read_model
+    from canzona.pipeline import stage_spec
+
+    config = replace(read_model("qwen3-30b-a3b").config, dense_layers=tuple(range(24)))
+    model = (build_decoder(config), config.architecture())
+    assert [bool(expert_params(stage_spec(model[0], 2, s, 48))) for s in (0, 1)] == [False, True]
+    flex = replace(qwen3_moe(DEEPEP), gpus=16, pp=2, workload=Workload(seq_len=seq_len, global_batch=16, micro_batch=1))
+    alltoall = replace(flex, options=RunOptions())
+    worst, base = (simulate(c, model=model).memory.worst for c in (flex, alltoall))
+    assert worst.stage == base.stage == fullest
+    buffers = deepep_buffer_bytes(8, H, DEEPEP_SMS) if fullest == 1 else 0
+    assert worst.dispatcher_buffers == buffers and worst.total - base.total == buffers
+    assert memory_floor(flex, model) == memory_floor(alltoall, model)
