@@ -718,9 +718,12 @@ SEARCH_LACKS: dict[str, str] = {
                     "command the search prints"),
     "etp": "expert TP is not explored: every EP layout at ETP 1",
     "router_imbalance": "a skew of EP ranks: the EP 1 layouts the search also explores would refuse it",
-    **dict.fromkeys(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
-                    "an uneven pipeline split: the search cuts the layers evenly at every PP it explores"),
+    **dict.fromkeys(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"),
+                    "explored: every PP the search tries runs the even split and, where they divide, the layers "
+                    "with the embedding and the loss counted as layers"),
+    **dict.fromkeys(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+                    "a count per stage, not explored: the search cuts the layers evenly, or with the embedding "
+                    "and the loss counted as layers"),
     "collectives": "the runtime's collectives (--collectives runtime) are a validation setting, not a layout's",
     "overlap_step": "canzona's own step option: the refinement tries step policies that refuse it",
     "compile_kernels": "priced as eager (sim.options.RunOptions): it changes no layout's time",

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canzona.errors import SpecError
-from canzona.pipeline import EVEN_SPLIT
 from canzona.recompute import BLOCK
 from sim.published import PublishedRun, RowResult
 from sim.search import (
     RECOMPUTE_AXIS,
+    SEARCHED_SPLITS,
     ZERO1_SPACE,
     Question,
     _dp,
@@ -42,6 +42,7 @@ from sim.search import (
     facts_of,
     search,
     space_of,
+    split_name,
 )
 from sim.simulate import simulate
 
@@ -73,9 +74,10 @@ def question_of(run: PublishedRun) -> Question:
 def layout_of(run: PublishedRun) -> dict[str, Any]:
     """The published layout in the search's terms (its space's axes and DP; under full recompute
     Megatron's recompute method as the row ran it, `sim.search.METHOD_KEYS`)."""
+    # a split the search explores by its name (its axis's value), another as it is (outside the space)
     out = {"tp": run.tp, "pp": run.pp, "vp": run.vp, "cp": run.cp, "ep": run.ep, "micro_batch": run.micro_batch,
            RECOMPUTE_AXIS: run.recompute or "none", "dp": run.dp, "fsdp": run.fsdp,
-           "pipeline_split": run.pipeline_split}
+           "pipeline_split": split_name(run.pipeline_split) or run.pipeline_split}
     if run.fsdp:  # FSDP_SPACE's own axes: the published runs' are plain FSDP (no HSDP replicas)
         out.update(hsdp_replicate=1, reshard_after_forward=run.reshard_after_forward)
     if run.recompute_method is not None:
@@ -89,8 +91,9 @@ def outside_space(q: Question, layout: dict[str, Any]) -> str:
     if bool(layout.get("fsdp")) != q.fsdp:
         return (f"{'FSDP' if layout.get('fsdp') else 'ZeRO-1'} layouts are not searched by this question "
                 f"(searched: {space_of(q).name})")
-    if not layout.get("pipeline_split", EVEN_SPLIT).even:
-        return "uneven pipeline splits are not searched (the search cuts the layers evenly over the chunks)"
+    if not isinstance(layout.get("pipeline_split", "even"), str):
+        return (f"pipeline split {layout['pipeline_split'].describe()} is not searched (searched: "
+                f"{', '.join(SEARCHED_SPLITS)})")
     method = layout.get("recompute_method")
     if method is not None and (method != BLOCK or space_of(q) is not ZERO1_SPACE or not q.search_recompute_layers):
         return f"recompute method {method} is not searched (the search tries Megatron's block method, at the " \
@@ -177,8 +180,8 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
         return LayoutRank(run, needs)
     q = question_of(run)
     layout = layout_of(run)
-    # what the search cannot express (an uneven split) is simulated as the row runs
-    cfg = run.sim_config() if not run.pipeline_split.even else config_of(q, layout)
+    # what the search cannot express (a split it does not explore) is simulated as the row runs
+    cfg = config_of(q, layout) if isinstance(layout["pipeline_split"], str) else run.sim_config()
     if simulated is not None and simulated.iteration_s is not None and cfg == run.sim_config():
         t, fits = simulated.iteration_s, bool(simulated.fits)
     else:

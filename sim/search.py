@@ -1,6 +1,7 @@
 """`search`: the fastest layouts of a model on a number of GPUs (docs/design.md §9.7).
 
-The space is data: `LAYOUT_AXES` (TP, PP, VP, CP, EP, micro-batch, recompute; DP follows from them)
+The space is data: `LAYOUT_AXES` (TP, PP, the split of the layers over the chunks, VP, CP, EP, micro-batch,
+recompute; DP follows from them)
 and `REFINE_AXES` (step policy, reduce-scatter implementation), each an `Axis` with its candidate
 generator and the `SimConfig` field it sets. A new simulator dimension (context parallelism) is
 one more entry. Those are Megatron's ZeRO-1 layouts (`ZERO1_SPACE`); a question with `fsdp`
@@ -43,7 +44,7 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
-from canzona.pipeline import stage_spec
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
     BLOCK,
@@ -321,12 +322,41 @@ def _dp(f: Facts, c: Layout) -> int:
 
 
 # TP: inside a node (the simulator's rule); heads, KV heads, ffn and vocabulary by SimConfig.check
-# PP: dividing the layers; VP: dividing each stage's layers (Megatron's interleaving, checked again
-# with the micro-batches by check_vp); CP: context parallelism (ring attention); EP: dividing the
-# experts, MoE only; micro-batch: dividing each DP rank's share of the batch. DP = GPUs / (TP x PP
-# x CP) is what is left. The layers are cut evenly (Megatron's default split): the search does not
-# explore canzona.pipeline.PipelineSplit's uneven splits (embedding / loss counted as layers, first /
-# last stage counts), which `canzona simulate` takes for one layout.
+# PP: dividing the layers under one of the searched splits; the split: how the layers are cut over
+# the chunks (`SEARCHED_SPLITS`); VP: dividing each stage's layers (Megatron's interleaving, checked
+# again with the micro-batches by check_vp); CP: context parallelism (ring attention); EP: dividing
+# the experts, MoE only; micro-batch: dividing each DP rank's share of the batch. DP = GPUs / (TP x
+# PP x CP) is what is left.
+# The splits searched: Megatron's even one, and the embedding and the loss each counted as a layer
+# (`--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`, what NVIDIA's
+# recipes set where the layers alone do not divide: Llama 3.1 405B's 126 layers + 2 at PP 8 x VP 8,
+# Qwen3-235B-A22B's 94 + 2 at PP 8 x VP 4); not the first / last stage counts
+# (`--decoder-first/last-pipeline-num-layers`, a count per stage: `canzona simulate` takes them for
+# one layout). A value is the split's name: rows stay JSON.
+SEARCHED_SPLITS: dict[str, PipelineSplit] = {
+    "even": EVEN_SPLIT,
+    "embedding+loss": PipelineSplit(account_for_embedding_in_pipeline_split=True,
+                                    account_for_loss_in_pipeline_split=True),
+}
+
+
+def split_name(split: PipelineSplit) -> str | None:
+    """The searched split's name (None: a split the search does not explore)."""
+    return next((name for name, s in SEARCHED_SPLITS.items() if s == split), None)
+
+
+def _slots(f: Facts, split: str) -> int:
+    """The layers the split cuts over the chunks: the decoder's, and the embedding / loss it counts."""
+    return f.layers + sum(SEARCHED_SPLITS[split].accounted)
+
+
+def _splits(f: Facts, c: Layout) -> list[str]:
+    """The splits a PP offers: the even one alone without a pipeline, else each whose layers it divides."""
+    if c["pp"] == 1:
+        return ["even"]
+    return [name for name in SEARCHED_SPLITS if _slots(f, name) % c["pp"] == 0]
+
+
 TP_AXIS = Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0])
 EP_AXIS = Axis("ep", lambda f, c: [1] if not f.experts else
                [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0])
@@ -337,11 +367,13 @@ MICRO_BATCH_AXIS = Axis("micro_batch", lambda f, c: [] if f.global_batch % _dp(f
 ZERO1_RECOMPUTE_MODES: tuple[str, ...] = layout_recompute_modes(fsdp=False)
 LAYOUT_AXES: tuple[Axis, ...] = (
     TP_AXIS,
-    Axis("pp", lambda f, c: [p for p in divisors(f.layers) if f.gpus % (c["tp"] * p) == 0]),
+    Axis("pp", lambda f, c: [p for p in range(1, f.layers + 1) if f.gpus % (c["tp"] * p) == 0
+                             and _splits(f, {"pp": p})]),
+    Axis("pipeline_split", _splits, lambda kw, v: kw.update(pipeline_split=SEARCHED_SPLITS[v])),
     # VP: every divisor of a stage's layers, down to one layer a chunk (NeMo 24.07's Llama 2 13B /
     # 70B ran VP 10 / 20): the simulator prices each chunk boundary's point-to-point, so deep
     # interleaving is ranked, not assumed away
-    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else divisors(f.layers // c["pp"])),
+    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else divisors(_slots(f, c["pipeline_split"]) // c["pp"])),
     # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks, each CP rank keeping at least
     # MIN_CP_TOKENS of it; not with experts (not simulated)
     Axis("cp", lambda f, c: [1] if f.experts else
@@ -636,6 +668,10 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
         out.append(f"pp {row['pp']} (canzona plan plans the whole model over DP x TP; the runtime has no pipeline)")
     if row["vp"] > 1:
         out.append(f"vp {row['vp']}")
+    split = SEARCHED_SPLITS[row.get("pipeline_split", "even")]
+    if not split.even:  # Megatron's options, named as PipelineSplit's fields
+        out.append(" ".join(f"--{f.name.replace('_', '-')}" for f in fields(split) if getattr(split, f.name) is True)
+                   + " (Megatron's)")
     if row.get("cp", 1) > 1:
         out.append(f"cp {row['cp']} (the plan's DP is DP x CP; the runtime has no context parallelism)")
     if row["micro_batch"] > 1:
@@ -1243,6 +1279,7 @@ def describe(layout: Layout) -> str:
     fsdp = "hsdp_replicate" in layout  # an FSDP layout (FSDP_SPACE's axes)
     parts = (["FSDP", f"TP{layout['tp']}"] if fsdp else [f"TP{layout['tp']}", f"PP{layout['pp']}"])
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
+    parts += [] if layout.get("pipeline_split", "even") == "even" else [f"split {layout['pipeline_split']}"]
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []
     parts += [f"EP{layout['ep']}"] if layout["ep"] > 1 else []
     parts += [f"DP{layout['dp']}"]
@@ -1254,6 +1291,8 @@ def describe(layout: Layout) -> str:
     return " ".join(parts)
 
 
-__all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SPACES", "ZERO1_RECOMPUTE_MODES", "ZERO1_SPACE", "Axis",
+__all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SEARCHED_SPLITS", "SPACES", "ZERO1_RECOMPUTE_MODES",
+           "ZERO1_SPACE", "Axis",
            "LAYOUT_AXES", "REFINE_AXES", "Question", "SearchResult", "Space", "candidates", "config_of", "fsdp_launch",
-           "memory_floor", "plan_command", "recompute_variant", "search", "selective_ac_options", "space_of"]
+           "memory_floor", "plan_command", "recompute_variant", "search", "selective_ac_options", "space_of",
+           "split_name"]

@@ -71,7 +71,8 @@ def test_table_and_plan_line(as_json):
     (("--model", "no-such-model"), "no-such-model"),
     (("--optimizer", "sgd"), "sgd"),
     (("--top", 0), "--top"),
-    (("--gpus", 3, "--model", "qwen3-0.6b", "--global-batch", 8), "no layout"),
+    # 28 layers: no PP but 1 divides 11 GPUs or them with the embedding and the loss, and DP 11 no batch of 8
+    (("--gpus", 11, "--model", "qwen3-0.6b", "--global-batch", 8), "no layout"),
     (("--recompute-method", "block"), "go together"),
     (("--recompute-method", "uniform", "--recompute-num-layers", -1), "whole number >= 1"),
 ])

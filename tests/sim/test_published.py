@@ -182,7 +182,8 @@ def test_a_rows_pipeline_split_is_read_checked_and_simulated():
                                                account_for_loss_in_pipeline_split=True,
                                                num_layers_in_last_pipeline_stage=2)
     assert run.sim_config().pipeline_split == run.pipeline_split
-    assert outside_space(question_of(run), layout_of(run)).startswith("uneven pipeline splits are not searched")
+    assert outside_space(question_of(run), layout_of(run)).startswith(
+        "pipeline split embedding and loss counted as layers, last stage 2 layers is not searched")
     with pytest.raises(SpecError, match="needs recipe_source"):
         published.parse_run({**raw, "account_for_loss_in_pipeline_split": True, "recipe_source": ""}, SOURCES, "row")
     with pytest.raises(SpecError, match="must be true or false"):

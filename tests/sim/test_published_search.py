@@ -101,15 +101,13 @@ def test_published_layouts_are_in_the_search_space():
         q = question_of(run)
         layout = layout_of(run)
         assert q.fsdp == run.fsdp, run.id
-        if not run.pipeline_split.even:  # Qwen3-235B-A22B's embedding and loss counted as layers: said so
-            assert outside_space(q, layout).startswith("uneven pipeline splits are not searched"), run.id
-        else:
-            assert outside_space(q, layout) == "", run.id
-            keys = space_of(q).layout_keys
-            assert any(all(c[k] == layout[k] for k in (*keys, "dp") if k != "recompute")
-                       for c in candidates(q)), run.id
-        # the search's configuration of the layout is the row's, but for the split it does not search
-        assert replace(config_of(q, layout_of(run)), pipeline_split=run.pipeline_split) == run.sim_config(), run.id
+        # Qwen3-235B-A22B's and Llama 3.1 405B's embedding and loss counted as layers included
+        assert outside_space(q, layout) == "", run.id
+        keys = space_of(q).layout_keys
+        assert any(all(c[k] == layout[k] for k in (*keys, "dp") if k != "recompute")
+                   for c in candidates(q)), run.id
+        assert config_of(q, layout_of(run)) == run.sim_config(), run.id
+    assert {layout_of(r)["pipeline_split"] for r in expressible} == {"even", "embedding+loss"}
 
 
 def test_a_rows_recompute_method_is_its_published_layouts():

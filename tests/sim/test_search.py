@@ -10,13 +10,17 @@ import pytest
 
 from canzona.errors import SpecError
 from canzona.models import resolve_model
+from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from sim.ep_dispatch import EpDispatcher
 from sim.search import (
     LAYOUT_AXES,
+    SEARCHED_SPLITS,
     Question,
     candidates,
     config_of,
+    describe,
     memory_floor,
+    not_in_plan,
     plan_command,
     search,
     time_floor,
@@ -274,7 +278,33 @@ def test_also_below_reaches_every_layout_it_names():
 
 
 def test_axes_are_data():
-    assert [a.name for a in LAYOUT_AXES] == ["tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute"]
+    assert [a.name for a in LAYOUT_AXES] == ["tp", "pp", "pipeline_split", "vp", "cp", "ep", "micro_batch",
+                                             "recompute"]
+
+
+def test_the_layers_are_cut_evenly_or_with_the_embedding_and_the_loss_counted():
+    """Each PP runs the even split where it divides the layers and Megatron's split with the
+    embedding and the loss counted as layers where it divides those (NVIDIA's Llama 3.1 405B recipe:
+    126 + 2 at PP 8 x VP 8); a PP that divides neither is not searched; without a pipeline, the
+    even split only. Qwen3-0.6B's 28 layers on 8 GPUs: PP 2 both (VP over 14 or 15 layers a stage),
+    PP 4 even, PP 8 neither."""
+    from canzona.pipeline import check_split
+
+    layouts = candidates(SMALL)
+    splits = {(c["pp"], c["pipeline_split"]) for c in layouts}
+    assert splits == {(1, "even"), (2, "even"), (2, "embedding+loss"), (4, "even")}
+    assert {c["vp"] for c in layouts if c["pp"] == 2 and c["pipeline_split"] == "embedding+loss"} == {1, 3, 5, 15}
+    for c in layouts:
+        cfg = config_of(SMALL, c)
+        assert cfg.pipeline_split == SEARCHED_SPLITS[c["pipeline_split"]]
+        check_split(cfg.pipeline_split, 28, c["pp"], c["vp"])
+    row = {**next(c for c in layouts if c["pipeline_split"] != "even"), "dp": 4}
+    assert "PP2 VP3 split embedding+loss" in describe({**row, "vp": 3})
+    launcher = {"vp": 3, "micro_batch": 1, "recompute": "none", "reduce_scatter": DEFAULT_REDUCE_SCATTER,
+                "fell_back_to": None}
+    assert ("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split (Megatron's)"
+            in not_in_plan({**row, **launcher}))
+    assert not any("account" in x for x in not_in_plan({**row, **launcher, "pipeline_split": "even"}))
 
 
 def test_dense_models_search_context_parallelism():
