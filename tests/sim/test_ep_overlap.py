@@ -548,8 +548,8 @@ def test_a_search_row_says_whether_its_layout_ran_the_overlap():
                  overlap_moe_expert_parallel_comm=True)
     rows = {}
     for pp, ep in ((1, 16), (2, 8)):
-        layout = {"tp": 1, "pp": pp, "vp": 1, "cp": 1, "ep": ep, "micro_batch": 1, "recompute": "none",
-                  "dp": 16 // pp}
+        layout = {"tp": 1, "pp": pp, "pipeline_split": "even", "vp": 1, "cp": 1, "ep": ep, "micro_batch": 1,
+                  "recompute": "none", "dp": 16 // pp}
         rows[pp] = run_one(config_of(q, layout), layout)
     assert rows[1]["overlap_moe_expert_parallel_comm"] is True
     assert rows[2]["overlap_moe_expert_parallel_comm"] is False
