@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import multiprocessing.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -225,9 +227,10 @@ class Driver:
 
     def __init__(self, tmp_path: Path, worker: str, deadline_s: float = 120.0):
         self.marker = uuid.uuid4().hex
-        self.tmpdir = tmp_path / "tmp"
+        # short: the fork server's socket lives in TMPDIR, and an AF_UNIX path holds at most 107
+        # bytes, which pytest's tmp_path under xdist (.../popen-gw0/test_..._do_not_outlive_a_k0/) can pass
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="cz-"))
         self.piddir = tmp_path / "pids"
-        self.tmpdir.mkdir()
         self.piddir.mkdir()
         self.out, self.err = tmp_path / "driver.out", tmp_path / "driver.err"
         env = {**os.environ, MARKER: self.marker, "TMPDIR": str(self.tmpdir)}
@@ -256,6 +259,7 @@ class Driver:
             self.proc.kill()
             self.proc.wait()
         _kill_marked(self.marker)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 @pytest.fixture
