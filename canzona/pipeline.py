@@ -233,23 +233,45 @@ def stage_spec(spec: ModelSpec, pp: int, stage: int, layers: int | None = None, 
     first chunk); the parameters outside any layer (final norm, head) on the last (its last
     chunk). With tied embeddings (no head) the last stage also holds a copy of the embedding, as
     Megatron does for its output layer."""
-    indices = [p.layer for p in spec.params if p.layer is not None]
-    count = layers if layers is not None else (max(indices) + 1 if indices else 0)
+    count = _layer_count(spec, layers)
     if pp == 1 and stage == 0 and vp == 1:
         return spec
-    mine = set(rank_layers(count, pp, stage, vp, split))
+    return _holding(spec, set(rank_layers(count, pp, stage, vp, split)), first=stage == 0, last=stage == pp - 1,
+                    name=f"{spec.name}[stage {stage}/{pp}]")
+
+
+def chunk_spec(spec: ModelSpec, pp: int, stage: int, chunk: int, layers: int | None = None, vp: int = 1,
+               split: PipelineSplit = EVEN_SPLIT) -> ModelSpec:
+    """The parameters model chunk `chunk` of pipeline stage `stage` holds (`chunk_layers`): what a
+    micro-batch crosses on that rank before it moves on. The embedding is the first stage's first
+    chunk's, the parameters outside any layer (and a tied embedding's copy) the last stage's last
+    chunk's (`stage_spec`)."""
+    count = _layer_count(spec, layers)
+    return _holding(spec, set(chunk_layers(count, pp, stage, chunk, vp, split)),
+                    first=stage == 0 and chunk == 0, last=stage == pp - 1 and chunk == vp - 1,
+                    name=f"{spec.name}[stage {stage}/{pp} chunk {chunk}/{vp}]")
+
+
+def _layer_count(spec: ModelSpec, layers: int | None) -> int:
+    indices = [p.layer for p in spec.params if p.layer is not None]
+    return layers if layers is not None else (max(indices) + 1 if indices else 0)
+
+
+def _holding(spec: ModelSpec, mine: set[int], *, first: bool, last: bool, name: str) -> ModelSpec:
+    """`spec`'s parameters of the layers `mine`, the embedding where `first`, and where `last`
+    the parameters outside any layer and, tied (no head), the embedding's copy."""
     tied = not any(p.role == Role.HEAD for p in spec.params)
     out = []
     for p in spec.params:
         if p.layer is not None:
             keep = p.layer in mine
         elif p.role == Role.EMBEDDING:
-            keep = stage == 0 or (tied and stage == pp - 1)
+            keep = first or (tied and last)
         else:
-            keep = stage == pp - 1
+            keep = last
         if keep:
             out.append(p)
-    return ModelSpec(f"{spec.name}[stage {stage}/{pp}]", tuple(out))
+    return ModelSpec(name, tuple(out))
 
 
 def one_f_one_b(stage: int, pp: int, micro_batches: int) -> list[tuple[str, int]]:

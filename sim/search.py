@@ -44,7 +44,7 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
-from canzona.pipeline import EVEN_SPLIT, PipelineSplit, stage_spec
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
     BLOCK,
@@ -964,7 +964,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     stage runs all `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
     forward has crossed the first chunk of every stage before it, nor can the iteration end before
     the last backward has crossed them back (1/V of a stage's work under the interleaved
-    schedule). Under expert parallelism an expert block's dispatch and combine (and its ETP
+    schedule's even split; under an uneven one the chunk's own layers, `chunk_spec`). Under expert parallelism an expert block's dispatch and combine (and its ETP
     collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
     recompute a backward block runs its forward block again first (`Block.recompute`), its TP
     collectives, CP ring and expert collectives with it, counted as the forward's. Under Megatron's
@@ -982,22 +982,30 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     ring = cp_ring_floor(cfg, hw, stretch)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     head_dim = layer_dims(arch, spec).head_dim
-    per_stage = []
-    for stage in _kinds(cfg.pp):
-        part = stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split)
-        # FP8's casts, not its amax all-reduces (collectives are free here)
-        work = stage_work(cfg, arch, head_dim, part, stage, rate,
-                          FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None)
-        if stage:  # a tied embedding's copy on the last stage: the run looks up and back-propagates it on
-            # virtual stage 0 only (sim.iteration._Stage.forward_start, backward_end)
+    fp8 = FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None  # its casts, not
+    # its amax all-reduces (collectives are free here)
+
+    def floor_of(part, stage: int) -> float:
+        """One micro-batch of `part` (a stage's or a chunk's parameters) on pipeline rank `stage`."""
+        work = stage_work(cfg, arch, head_dim, part, stage, rate, fp8)
+        if stage:  # a tied embedding's copy on the last stage: the run looks up and
+            # back-propagates it on virtual stage 0 only (sim.iteration._Stage.forward_start, backward_end)
             work = replace(work, embed_forward_s=0.0, embed_backward_s=0.0)
-        per_stage.append(stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
-                                     ring, cfg.options.overlap_moe_expert_parallel_comm,
-                                     forward_without_grad(cfg.options.recompute) and not cfg.fsdp))
+        return stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
+                           ring, cfg.options.overlap_moe_expert_parallel_comm,
+                           forward_without_grad(cfg.options.recompute) and not cfg.fsdp)
+
+    per_stage = [floor_of(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split), stage)
+                 for stage in _kinds(cfg.pp)]
     if cfg.pp > 3:  # the middle stages are alike (PP divides the layers): one stands for them all
         per_stage[1:2] = [per_stage[1]] * (cfg.pp - 2)
-    # an uneven split's first chunk may hold fewer layers than 1/V of its stage (none at all): no crossing counted
-    crossing = sum(per_stage[:-1]) / cfg.vp if cfg.pipeline_split.even else 0.0
+    if cfg.pipeline_split.even or cfg.pp == 1:  # each chunk 1/V of its stage's layers (the first stage's first
+        # one more)
+        crossing = sum(per_stage[:-1]) / cfg.vp
+    else:  # the first chunk of each stage before the last as the split cuts it (the embedding alone, it may be)
+        firsts = [floor_of(chunk_spec(spec, cfg.pp, stage, 0, arch.layers, cfg.vp, cfg.pipeline_split), stage)
+                  for stage in _kinds(cfg.pp)[:-1]]
+        crossing = firsts[0] + (cfg.pp - 2) * (firsts[1] if len(firsts) > 1 else 0.0)
     return max(max(per_stage) * m, per_stage[-1] * m + crossing)
 
 

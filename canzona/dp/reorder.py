@@ -9,6 +9,7 @@ two or three ranks hold few matrices between them their union is re-split exactl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from itertools import combinations
 
@@ -112,10 +113,18 @@ def _try_swap(s: _State, top: int, eps: float) -> bool:
     return True
 
 
+@functools.cache
+def _labels(ways: int, n: int) -> np.ndarray:
+    """Every assignment of `n` matrices to `ways` ranks, one a row (the first matrix's rank varying
+    fastest): made once for each size the local search meets, which it meets round after round."""
+    labels = ((np.arange(ways**n)[:, None] // ways ** np.arange(n)) % ways).astype(np.int8)
+    labels.flags.writeable = False
+    return labels
+
+
 def _best_split(costs: np.ndarray, ways: int) -> tuple[float, np.ndarray]:
     """Optimal assignment of `costs` to `ways` ranks by enumeration: (makespan, rank of each)."""
-    n = costs.size
-    labels = ((np.arange(ways**n)[:, None] // ways ** np.arange(n)) % ways).astype(np.int8)
+    labels = _labels(ways, costs.size)
     loads = np.stack([(labels == q) @ costs for q in range(ways)], axis=1)
     peaks = loads.max(axis=1)
     best = int(np.argmin(peaks))
@@ -134,6 +143,10 @@ def _try_exact_resplit(s: _State, top: int, eps: float) -> bool:
             ranks = (top, *partners)
             union = np.flatnonzero(np.isin(s.owner, ranks))
             if union.size > limit:
+                continue
+            # no split of the union peaks below its mean per rank or its largest matrix: when that is
+            # already the top rank's load, the enumeration (up to 4**10 rows) cannot help
+            if max(s.cost[union].sum() / ways, s.cost[union].max()) >= s.loads[top] - eps:
                 continue
             peak, labels = _best_split(s.cost[union], ways)
             if peak < s.loads[top] - eps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -167,14 +168,35 @@ def test_reduce_scatter_sms_slow_the_last_gemms():
     assert block_floor(b, 1, (0.5, 0.5), False, sms=128) == 0.5 + 4.0 + 0.5  # in series: no overlap
 
 
+@functools.cache
+def _exhaustive_small():
+    """Every layout of SMALL simulated (no refinement): the reference of the pruning tests, made once
+    for the tests a worker runs."""
+    return search(SMALL, top=10**6, refine_top=0, workers=2)
+
+
 def test_the_top_is_exact():
     """Branch and bound keeps the top K of the exhaustive search (no refinement: layouts only)."""
     bounded = search(SMALL, top=2, refine_top=0, workers=2)
-    full = search(SMALL, top=10**6, refine_top=0, workers=2)
+    full = _exhaustive_small()
     assert bounded.pruned_bound > 0
     key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"]) for r in full.ranked[:2]]
     assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"])
             for r in bounded.ranked[:2]] == key
+
+
+def test_also_below_reaches_every_layout_it_names():
+    """With `also_below` and `within`, every fitting layout faster than both (and the top) is
+    simulated: what ranking a published layout needs (sim.published_search)."""
+    full = _exhaustive_small()
+    times = [r["iteration_time_s"] for r in full.ranked]
+    below = times[min(6, len(times) - 1)]
+    reached = search(SMALL, top=1, refine_top=0, workers=2, also_below=below, within=1.0)
+    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked
+           if r["iteration_time_s"] < below]
+    assert len(key) > 1 and reached.simulated < full.simulated
+    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in reached.ranked
+            if r["iteration_time_s"] < below] == key
 
 
 def test_alike_reduce_scatters_route_every_segment_list_alike():
@@ -261,20 +283,6 @@ def test_reduce_scatter_ties_are_pruned_soundly():
                 == (r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["policy"])]
         assert all(o["iteration_time_s"] == r["iteration_time_s"] and o["memory_bytes"] == r["memory_bytes"]
                    for o in twin)
-
-
-def test_also_below_reaches_every_layout_it_names():
-    """With `also_below` and `within`, every fitting layout faster than both (and the top) is
-    simulated: what ranking a published layout needs (sim.published_search)."""
-    full = search(SMALL, top=10**6, refine_top=0, workers=2)
-    times = [r["iteration_time_s"] for r in full.ranked]
-    below = times[min(6, len(times) - 1)]
-    reached = search(SMALL, top=1, refine_top=0, workers=2, also_below=below, within=1.0)
-    key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked
-           if r["iteration_time_s"] < below]
-    assert len(key) > 1 and reached.simulated < full.simulated
-    assert [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in reached.ranked
-            if r["iteration_time_s"] < below] == key
 
 
 def test_axes_are_data():
