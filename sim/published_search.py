@@ -85,13 +85,18 @@ def layout_of(run: PublishedRun) -> dict[str, Any]:
     return out
 
 
+def split_searched(layout: dict[str, Any]) -> bool:
+    """Whether `layout`'s pipeline split is one the search explores (`layout_of` names it then)."""
+    return isinstance(layout.get("pipeline_split", "even"), str)
+
+
 def outside_space(q: Question, layout: dict[str, Any]) -> str:
     """Why `layout` is not among the search's candidates ("" when it is): the first axis whose
     generator does not offer its value given the axes before it."""
     if bool(layout.get("fsdp")) != q.fsdp:
         return (f"{'FSDP' if layout.get('fsdp') else 'ZeRO-1'} layouts are not searched by this question "
                 f"(searched: {space_of(q).name})")
-    if not isinstance(layout.get("pipeline_split", "even"), str):
+    if not split_searched(layout):
         return (f"pipeline split {layout['pipeline_split'].describe()} is not searched (searched: "
                 f"{', '.join(SEARCHED_SPLITS)})")
     method = layout.get("recompute_method")
@@ -181,7 +186,7 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
     q = question_of(run)
     layout = layout_of(run)
     # what the search cannot express (a split it does not explore) is simulated as the row runs
-    cfg = config_of(q, layout) if isinstance(layout["pipeline_split"], str) else run.sim_config()
+    cfg = config_of(q, layout) if split_searched(layout) else run.sim_config()
     if simulated is not None and simulated.iteration_s is not None and cfg == run.sim_config():
         t, fits = simulated.iteration_s, bool(simulated.fits)
     else:
