@@ -961,11 +961,11 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     overlapped reduce-scatter takes from the last GEMMs (`block_floor`), under CP each attention
     ring's exchanges with their SMs (`cp_ring_floor`), with every other collective (the DP
     reductions and gathers, their SMs), send and the optimizer step taken as free. The busiest
-    stage runs all `m` micro-batches on one stream; the last stage cannot start before the first micro-batch's
-    forward has crossed the first chunk of every stage before it, nor can the iteration end before
-    the last backward has crossed them back (1/V of a stage's work under the interleaved
-    schedule's even split; under an uneven one the chunk's own layers, `chunk_spec`). Under expert parallelism an expert block's dispatch and combine (and its ETP
-    collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
+    stage runs all `m` micro-batches on one stream; the last stage cannot start before the first
+    micro-batch's forward has crossed the first chunk of every stage before it, nor can the
+    iteration end before the last backward has crossed them back (1/V of a stage's work under the
+    interleaved schedule's even split; under an uneven one the chunk's own layers, `chunk_spec`).
+    Under expert parallelism an expert block's dispatch and combine (and its ETP collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
     recompute a backward block runs its forward block again first (`Block.recompute`), its TP
     collectives, CP ring and expert collectives with it, counted as the forward's. Under Megatron's
     EP all-to-all overlap the expert collectives run on their own stream, and a micro-batch costs
