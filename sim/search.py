@@ -965,9 +965,10 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     micro-batch's forward has crossed the first chunk of every stage before it, nor can the
     iteration end before the last backward has crossed them back (1/V of a stage's work under the
     interleaved schedule's even split; under an uneven one the chunk's own layers, `chunk_spec`).
-    Under expert parallelism an expert block's dispatch and combine (and its ETP collectives) count (`expert_comm_floor`): the block waits for each of them. Under full
-    recompute a backward block runs its forward block again first (`Block.recompute`), its TP
-    collectives, CP ring and expert collectives with it, counted as the forward's. Under Megatron's
+    Under expert parallelism an expert block's dispatch and combine (and its ETP collectives)
+    count (`expert_comm_floor`): the block waits for each of them. Under full recompute a backward
+    block runs its forward block again first (`Block.recompute`), its TP collectives, CP ring and
+    expert collectives with it, counted as the forward's. Under Megatron's
     EP all-to-all overlap the expert collectives run on their own stream, and a micro-batch costs
     at least the larger of its compute and its expert collectives (`stage_floor`). Every kernel
     counts at the simulator's factor for the slowest GPU (`SimConfig.slowdown`)."""
