@@ -44,7 +44,7 @@ from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import check_matrix_optimizer
-from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, stage_spec
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
     BLOCK,
@@ -357,6 +357,20 @@ def _splits(f: Facts, c: Layout) -> list[str]:
     return [name for name in SEARCHED_SPLITS if _slots(f, name) % c["pp"] == 0]
 
 
+def _vps(f: Facts, c: Layout) -> list[int]:
+    """The VPs of a pipeline: each dividing a stage's share of the split's layers, but where an uneven
+    split puts every layer where the even one does (at PP 2 x VP 1 the embedding and the loss each
+    take a layer's place on the stage holding them): the even layout's twin, the same run."""
+    pp, split = c["pp"], c["pipeline_split"]
+    if pp == 1:
+        return [1]
+    vps = divisors(_slots(f, split) // pp)
+    if split == "even":
+        return vps
+    return [v for v in vps if f.layers % (pp * v) or any(
+        rank_layers(f.layers, pp, s, v, SEARCHED_SPLITS[split]) != rank_layers(f.layers, pp, s, v) for s in range(pp))]
+
+
 TP_AXIS = Axis("tp", lambda f, c: [t for t in divisors(f.gpus_per_node) if f.gpus % t == 0])
 EP_AXIS = Axis("ep", lambda f, c: [1] if not f.experts else
                [e for e in divisors(f.experts) if (_dp(f, c) * c["tp"]) % e == 0])
@@ -373,7 +387,7 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     # VP: every divisor of a stage's layers, down to one layer a chunk (NeMo 24.07's Llama 2 13B /
     # 70B ran VP 10 / 20): the simulator prices each chunk boundary's point-to-point, so deep
     # interleaving is ranked, not assumed away
-    Axis("vp", lambda f, c: [1] if c["pp"] == 1 else divisors(_slots(f, c["pipeline_split"]) // c["pp"])),
+    Axis("vp", _vps),
     # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks, each CP rank keeping at least
     # MIN_CP_TOKENS of it; not with experts (not simulated)
     Axis("cp", lambda f, c: [1] if f.experts else

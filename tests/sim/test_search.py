@@ -294,14 +294,18 @@ def test_the_layers_are_cut_evenly_or_with_the_embedding_and_the_loss_counted():
     """Each PP runs the even split where it divides the layers and Megatron's split with the
     embedding and the loss counted as layers where it divides those (NVIDIA's Llama 3.1 405B recipe:
     126 + 2 at PP 8 x VP 8); a PP that divides neither is not searched; without a pipeline, the
-    even split only. Qwen3-0.6B's 28 layers on 8 GPUs: PP 2 both (VP over 14 or 15 layers a stage),
-    PP 4 even, PP 8 neither."""
-    from canzona.pipeline import check_split
+    even split only. Qwen3-0.6B's 28 layers on 8 GPUs: PP 2 both (VP over 14 or 15 layers a stage;
+    not the split at VP 1, which cuts 14 + 14 as the even one does: its twin), PP 4 even, PP 8 neither."""
+    from canzona.pipeline import check_split, rank_layers
 
     layouts = candidates(SMALL)
     splits = {(c["pp"], c["pipeline_split"]) for c in layouts}
     assert splits == {(1, "even"), (2, "even"), (2, "embedding+loss"), (4, "even")}
-    assert {c["vp"] for c in layouts if c["pp"] == 2 and c["pipeline_split"] == "embedding+loss"} == {1, 3, 5, 15}
+    assert {c["vp"] for c in layouts if c["pp"] == 2 and c["pipeline_split"] == "embedding+loss"} == {3, 5, 15}
+    cuts = [(c["tp"], c["pp"], c["vp"], c["micro_batch"],
+             tuple(rank_layers(28, c["pp"], s, c["vp"], SEARCHED_SPLITS[c["pipeline_split"]]) for s in range(c["pp"])))
+            for c in layouts]
+    assert len(cuts) == len(set(cuts))  # no layout twice under two names
     for c in layouts:
         cfg = config_of(SMALL, c)
         assert cfg.pipeline_split == SEARCHED_SPLITS[c["pipeline_split"]]
