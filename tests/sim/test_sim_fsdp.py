@@ -16,6 +16,7 @@ from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES
 from canzona.tp import Capacity
 from sim.options import RunOptions
 from sim.simulate import SimConfig, compare, compared_policies, simulate
+from sim.workload import Workload
 from tests.cli_helpers import error_line, invoke
 
 BASE = SimConfig(model="qwen3-8b", gpus=64, tp=1, fsdp=True)
@@ -110,7 +111,8 @@ def test_cli_refuses_bad_sizes_with_one_line():
 def test_default_layout_unchanged():
     assert SimConfig().fsdp is False and SimConfig().hsdp_replicate == 1
     assert compared_policies("muon") == tuple(STEP_POLICIES)
-    assert "fsdp" not in simulate(SimConfig(model="qwen3-8b", gpus=16, tp=8)).to_dict()
+    assert "fsdp" not in simulate(SimConfig(model="qwen3-0.6b", gpus=8, tp=2,
+                                            workload=Workload(seq_len=1024, global_batch=8))).to_dict()
 
 
 def test_compare_under_fsdp_gives_speedups_against_the_fsdp_baselines():
