@@ -11,6 +11,10 @@ import pytest
 from tests.cli_helpers import error_line, invoke
 
 SMALL = ("--model", "qwen3-0.6b", "--gpus", 8, "--seq-len", 1024, "--global-batch", 8, "--workers", 2)
+# Qwen3-0.6B's shape with 8 layers (tests/sim/data): the searches that check an option reaches the
+# question and the layouts, a third of SMALL's simulated kernels
+EIGHT_LAYERS = str(Path(__file__).resolve().parents[1] / "sim" / "data" / "qwen3-0.6b-8-layers.json")
+FAST = ("--model", EIGHT_LAYERS, *SMALL[2:])
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def test_run_settings_of_the_question_are_options_as_in_simulate(name):
 
 
 def test_no_tp_comm_overlap_reaches_the_question():
-    r = invoke("search", *SMALL, "--top", 1, "--no-tp-comm-overlap", "--json")
+    r = invoke("search", *FAST, "--top", 1, "--no-tp-comm-overlap", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["tp_comm_overlap"] is False
 
@@ -113,7 +117,7 @@ def test_the_recipe_settings_reach_the_question_and_the_layouts():
     settings = ("--precision", "fp8", "--fp8-recipe", "current", "--attention-backend", "flash",
                 "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te", "--store-param-remainders",
                 "--no-apply-rope-fusion", "--no-bias-activation-fusion")
-    r = invoke("search", *SMALL, "--top", 1, *settings, "--json")
+    r = invoke("search", *FAST, "--top", 1, *settings, "--json")
     assert r.exit_code == 0, r.stderr
     asked = json.loads(r.stdout)
     assert (asked["precision"], asked["fp8_recipe"], asked["attention_backend"]) == ("fp8", "current", "flash")
@@ -121,7 +125,7 @@ def test_the_recipe_settings_reach_the_question_and_the_layouts():
     assert asked["store_param_remainders"] and not asked["apply_rope_fusion"] and not asked["bias_activation_fusion"]
     rows = {}
     for flag in ("--grad-reduce-in-fp32", "--no-grad-reduce-in-fp32"):
-        r = invoke("search", *SMALL, "--top", 1, "--optimizer", "adamw", flag, "--json")
+        r = invoke("search", *FAST, "--top", 1, "--optimizer", "adamw", flag, "--json")
         assert r.exit_code == 0, r.stderr
         rows[flag] = json.loads(r.stdout)
     assert rows["--no-grad-reduce-in-fp32"]["grad_reduce_in_fp32"] is False
@@ -135,7 +139,7 @@ def test_a_bad_recipe_setting_is_one_error_line():
 
 
 def test_recompute_method_reaches_the_question():
-    r = invoke("search", *SMALL, "--top", 1, "--recompute-method", "block", "--recompute-num-layers", 2, "--json")
+    r = invoke("search", *FAST, "--top", 1, "--recompute-method", "block", "--recompute-num-layers", 2, "--json")
     assert r.exit_code == 0, r.stderr
     asked = json.loads(r.stdout)
     assert (asked["recompute_method"], asked["recompute_num_layers"]) == ("block", 2)
@@ -146,7 +150,7 @@ def test_recompute_method_reaches_the_question():
 def test_fsdp_searches_fsdp_layouts():
     """`--fsdp`: every layout an FSDP one (HSDP replicas and reshard in the JSON and the table), no
     `canzona plan` command (no plan file under FSDP) but the launcher's settings."""
-    r = invoke("search", *SMALL, "--top", 3, "--fsdp", "--json")
+    r = invoke("search", *FAST, "--top", 3, "--fsdp", "--json")
     assert r.exit_code == 0, r.stderr
     asked = json.loads(r.stdout)
     assert asked["fsdp"] is True and asked["fsdp_impl"] == "fsdp2" and asked["kernels"] == "fused"
@@ -155,7 +159,7 @@ def test_fsdp_searches_fsdp_layouts():
         assert row["dp"] % row["hsdp_replicate"] == 0 and row["reshard_after_forward"] in (True, False)
         assert row["plan_command"] is None and row["not_in_plan"][0].startswith("fully_shard each decoder layer")
         assert row["reduce_scatter"] is None and row["policy"] in ("canzona", "fsdp-gather-all", "fsdp-owners-unbalanced")
-    table = invoke("search", *SMALL, "--top", 2, "--fsdp")
+    table = invoke("search", *FAST, "--top", 2, "--fsdp")
     assert table.exit_code == 0, table.stderr
     assert "HSDP R" in table.stdout and "reshard" in table.stdout and "FSDP TP" in table.stdout
     assert "best: no plan file" in table.stdout and "set in the launcher: fully_shard" in table.stdout
@@ -217,13 +221,13 @@ def test_the_run_settings_search_does_not_explore_reach_every_layout():
     simulate's of that layout with them (every layout searched with them, not only echoed)."""
     settings = ("--no-overlap-grad-reduce", "--no-overlap-param-gather", "--max-grad-norm", "1.0",
                 "--no-batch-kernels", "--gpu-variability", "0")
-    r = invoke("search", *SMALL, "--top", 1, *settings, "--json")
+    r = invoke("search", *FAST, "--top", 1, *settings, "--json")
     assert r.exit_code == 0, r.stderr
     asked = json.loads(r.stdout)
     assert (asked["overlap_grad_reduce"], asked["overlap_param_gather"], asked["max_grad_norm"],
             asked["batch_kernels"], asked["gpu_variability"]) == (False, False, 1.0, False, 0.0)
     best = asked["layouts"][0]
-    layout = ("--model", "qwen3-0.6b", "--gpus", 8, "--seq-len", 1024, "--global-batch", 8, "--tp", best["tp"],
+    layout = ("--model", EIGHT_LAYERS, "--gpus", 8, "--seq-len", 1024, "--global-batch", 8, "--tp", best["tp"],
               "--pp", best["pp"], "--vp", best["vp"], "--micro-batch", best["micro_batch"], "--recompute",
               best["recompute"], "--policy", best["policy"], "--reduce-scatter", best["reduce_scatter"])
     ran = [invoke("simulate", *layout, *extra, "--json") for extra in (settings, ())]

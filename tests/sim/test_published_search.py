@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +28,13 @@ def _run(**changes) -> published.PublishedRun:
     return published.PublishedRun(**{**base, **changes})
 
 
+# Qwen3-0.6B's shape with 8 layers (tests/sim/data): every layout simulated in seconds
+EIGHT_LAYERS = str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json")
+
+
 def test_rank_matches_the_exhaustive_search():
     """The rank (or its lower bound) agrees with every layout simulated."""
-    run = _run()
+    run = _run(model=EIGHT_LAYERS)
     r = rank_run(run, workers=2)
     full = search(question_of(run), top=10**6, refine_top=0, workers=2)
     key = ("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute")

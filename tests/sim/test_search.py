@@ -29,6 +29,9 @@ from sim.search import (
 from sim.simulate import simulate
 
 SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8)
+# the exactness tests' question: SMALL's model cut to 8 layers (tests/sim/data), whose every layout the
+# reference simulates in seconds; its space has PP 2, 4 and 8, VP and the split as SMALL's has
+EIGHT_LAYERS = replace(SMALL, model=str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json"))
 
 
 @pytest.fixture(scope="module")
@@ -170,14 +173,14 @@ def test_reduce_scatter_sms_slow_the_last_gemms():
 
 @functools.cache
 def _exhaustive_small():
-    """Every layout of SMALL simulated (no refinement): the reference of the pruning tests, made once
-    for the tests a worker runs."""
-    return search(SMALL, top=10**6, refine_top=0, workers=2)
+    """Every layout of EIGHT_LAYERS simulated (no refinement): the reference of the pruning tests,
+    made once for the tests a worker runs."""
+    return search(EIGHT_LAYERS, top=10**6, refine_top=0, workers=2)
 
 
 def test_the_top_is_exact():
     """Branch and bound keeps the top K of the exhaustive search (no refinement: layouts only)."""
-    bounded = search(SMALL, top=2, refine_top=0, workers=2)
+    bounded = search(EIGHT_LAYERS, top=2, refine_top=0, workers=2)
     full = _exhaustive_small()
     assert bounded.pruned_bound > 0
     key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["iteration_time_s"]) for r in full.ranked[:2]]
@@ -191,7 +194,7 @@ def test_also_below_reaches_every_layout_it_names():
     full = _exhaustive_small()
     times = [r["iteration_time_s"] for r in full.ranked]
     below = times[min(6, len(times) - 1)]
-    reached = search(SMALL, top=1, refine_top=0, workers=2, also_below=below, within=1.0)
+    reached = search(EIGHT_LAYERS, top=1, refine_top=0, workers=2, also_below=below, within=1.0)
     key = [(r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"]) for r in full.ranked
            if r["iteration_time_s"] < below]
     assert len(key) > 1 and reached.simulated < full.simulated
@@ -270,7 +273,7 @@ def test_reduce_scatter_ties_are_pruned_soundly():
     """A refinement whose reduce-scatter routes every reduction as the simulated row's is not
     simulated again, and the top of the search is that of the search that simulates it (every
     row, its time and its reduce-scatter, ties listed)."""
-    q = replace(SMALL, gpus=16, global_batch=16)  # DP up to 16: uneven segments to route
+    q = replace(EIGHT_LAYERS, gpus=16, global_batch=16)  # DP up to 16: uneven segments to route
     pruned = search(q, top=5, refine_top=3, workers=2)
     full = search(q, top=5, refine_top=3, workers=2, prune_ties=False)
     assert pruned.pruned_ties > 0 and full.pruned_ties == 0
@@ -403,10 +406,11 @@ def test_each_space_searches_the_modes_the_simulator_runs_on_it():
 
 
 def test_a_zero1_search_never_queues_selective_layer(tmp_path):
-    """On a 6 GB GPU some qwen3-0.6b layouts do not fit even with full recompute: the search steps
-    on from them to no mode the simulator refuses on a ZeRO-1 layout (torchtitan's selective-layer,
-    which it used to queue after full and count as refused by the checks)."""
-    q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, hardware=_small_gpu(tmp_path, 6e9))
+    """On a 4 GB GPU some layouts of Qwen3-0.6B's shape at 8 layers do not fit even with full
+    recompute: the search steps on from them to no mode the simulator refuses on a ZeRO-1 layout
+    (torchtitan's selective-layer, which it used to queue after full and count as refused by the
+    checks)."""
+    q = replace(EIGHT_LAYERS, seq_len=4096, hardware=_small_gpu(tmp_path, 4e9))
     found = search(q, top=3, workers=1)
     assert any(r["recompute"] == "full" and r["recompute_method"] is None for r in found.not_fitting)
     assert not any("selective-layer" in reason for reason in found.reasons), found.reasons

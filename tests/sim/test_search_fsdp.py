@@ -39,6 +39,8 @@ from sim.search import (
 from sim.simulate import simulate
 
 SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, fsdp=True)
+# the brute force's dense question: SMALL's model cut to 8 layers (tests/sim/data), every layout in seconds
+EIGHT_LAYERS = replace(SMALL, model=str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json"))
 # a mixture-of-experts model whose layouts need recompute to fit 8 H100s at some micro-batches
 MOE = Question(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw", fsdp=True)
 LLAMA = str(Path(canzona.__file__).resolve().parent / "data" / "models" / "llama3-8b.json")
@@ -170,7 +172,7 @@ def _brute_force(q: Question) -> float:
 
 # the MoE question's brute force is a minute of CPU: `slow`, since test_the_rounds_take_the_least_compute_that_fits
 # holds the search's best to the brute force's on the same MoE model at 90 GB in every run
-@pytest.mark.parametrize("q", [SMALL, pytest.param(MOE, marks=pytest.mark.slow)], ids=["dense", "moe"])
+@pytest.mark.parametrize("q", [EIGHT_LAYERS, pytest.param(MOE, marks=pytest.mark.slow)], ids=["dense", "moe"])
 def test_fsdp_search_best_is_the_brute_force_best(q):
     """Branch and bound with the FSDP floors and the recompute rounds finds the layout that
     simulating every FSDP candidate under every recompute mode finds (layouts only: no
