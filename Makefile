@@ -26,9 +26,10 @@ test-all: install lint
 	$(PYTHON) -m pytest
 	$(PYTHON) -m pytest --nbmake notebooks
 
-# The policy core and simulator tests only (no spawned gloo ranks): seconds, not minutes.
+# The policy-core, simulator and CLI tests only (no spawned gloo ranks, no notebooks, no slow
+# variants), on every core: make test's first pool without the notebooks.
 test-fast: install
-	$(PYTHON) -m pytest -m "not distributed"
+	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto
 
 demo: install
 	$(PYTHON) -m cli.main compare
