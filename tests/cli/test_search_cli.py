@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.cli_helpers import error_line, invoke
+from tests.sim.small_models import EIGHT_LAYERS
 
 SMALL = ("--model", "qwen3-0.6b", "--gpus", 8, "--seq-len", 1024, "--global-batch", 8, "--workers", 2)
-# Qwen3-0.6B's shape with 8 layers (tests/sim/data): the searches that check an option reaches the
-# question and the layouts, a third of SMALL's simulated kernels
-EIGHT_LAYERS = str(Path(__file__).resolve().parents[1] / "sim" / "data" / "qwen3-0.6b-8-layers.json")
+# the searches that check an option reaches the question and the layouts: SMALL at 8 layers
 FAST = ("--model", EIGHT_LAYERS, *SMALL[2:])
 
 

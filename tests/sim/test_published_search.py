@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,7 @@ from sim.published_search import (
     summary,
 )
 from sim.search import candidates, config_of, search, space_of
+from tests.sim.small_models import EIGHT_LAYERS
 
 
 def _run(**changes) -> published.PublishedRun:
@@ -28,13 +28,9 @@ def _run(**changes) -> published.PublishedRun:
     return published.PublishedRun(**{**base, **changes})
 
 
-# Qwen3-0.6B's shape with 8 layers (tests/sim/data): every layout simulated in seconds
-EIGHT_LAYERS = str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json")
-
-
 def test_rank_matches_the_exhaustive_search():
     """The rank (or its lower bound) agrees with every layout simulated."""
-    run = _run(model=EIGHT_LAYERS)
+    run = _run(model=EIGHT_LAYERS)  # every layout simulated in seconds
     r = rank_run(run, workers=2)
     full = search(question_of(run), top=10**6, refine_top=0, workers=2)
     key = ("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute")

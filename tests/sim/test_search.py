@@ -27,11 +27,12 @@ from sim.search import (
     time_floor,
 )
 from sim.simulate import simulate
+from tests.sim import small_models
 
 SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8)
-# the exactness tests' question: SMALL's model cut to 8 layers (tests/sim/data), whose every layout the
-# reference simulates in seconds; its space has PP 2, 4 and 8, VP and the split as SMALL's has
-EIGHT_LAYERS = replace(SMALL, model=str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json"))
+# the exactness tests' question: SMALL's model cut to 8 layers, whose every layout the reference
+# simulates in seconds
+EIGHT_LAYERS = replace(SMALL, model=small_models.EIGHT_LAYERS)
 
 
 @pytest.fixture(scope="module")

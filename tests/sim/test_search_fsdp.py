@@ -37,10 +37,11 @@ from sim.search import (
     time_floor,
 )
 from sim.simulate import simulate
+from tests.sim import small_models
 
 SMALL = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, fsdp=True)
-# the brute force's dense question: SMALL's model cut to 8 layers (tests/sim/data), every layout in seconds
-EIGHT_LAYERS = replace(SMALL, model=str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json"))
+# the brute force's dense question: SMALL's model cut to 8 layers, every layout in seconds
+EIGHT_LAYERS = replace(SMALL, model=small_models.EIGHT_LAYERS)
 # a mixture-of-experts model whose layouts need recompute to fit 8 H100s at some micro-batches
 MOE = Question(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw", fsdp=True)
 LLAMA = str(Path(canzona.__file__).resolve().parent / "data" / "models" / "llama3-8b.json")

@@ -5,7 +5,6 @@ changes; the result says it was extrapolated and refuses a trace."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -13,9 +12,9 @@ import sim.steady as steady
 from canzona.errors import SpecError
 from sim.simulate import SimConfig, simulate, write_trace
 from sim.workload import Workload
+from tests.sim.small_models import EIGHT_LAYERS
 
-# Qwen3-0.6B's shape with 8 layers (tests/sim/data): 96 micro-batches simulated one by one in seconds
-EIGHT_LAYERS = str(Path(__file__).parent / "data" / "qwen3-0.6b-8-layers.json")
+# Qwen3-0.6B's shape at 8 layers: 96 micro-batches simulated one by one in seconds
 LAYOUTS = {
     "pp2-vp2": SimConfig(model=EIGHT_LAYERS, gpus=8, tp=2, pp=2, vp=2, policy="layerwise", zero1_fallback=False,
                          workload=Workload(256, 2 * 96)),
