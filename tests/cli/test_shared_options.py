@@ -14,6 +14,7 @@ import typer
 
 from sim.published import DATA_DIR
 from tests.cli_helpers import error_line, invoke
+from tests.sim.small_models import MOE_FOUR_LAYERS
 
 # options one command has and the other deliberately lacks: compare varies the policy and draws a
 # plot; simulate writes one run's trace
@@ -32,7 +33,8 @@ FSDP = [*DENSE, "--fsdp"]
 # a MoE model small enough to simulate in a second, whose EP 8 spans one node
 MOE = ["--model", "examples/tiny_qwen3_moe/config.json", "--gpus", "16", "--tp", "1", "--ep", "8", "--global-batch", "16",
        "--seq-len", "256"]
-MOE_30B = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
+# Qwen3-30B-A3B's tokens and experts a layer (its depth does not change what the SMs do)
+MOE_30B = ["--model", MOE_FOUR_LAYERS, "--gpus", "16", "--tp", "1", "--ep", "16", "--global-batch", "16"]
 FLEX = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
 DEEPEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
 
