@@ -37,13 +37,13 @@ from typing import Any
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND
 from canzona.catalog import DEFAULT_MODEL
-from canzona.cost import DeviceRate
+from canzona.cost import DeviceRate, row_state_bytes, state_bytes
 from canzona.errors import SpecError
 from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
-from canzona.optimizers import check_matrix_optimizer
+from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
@@ -65,6 +65,7 @@ from canzona.reductions import (
     REDUCE_SCATTER_IMPLS,
     alike_impls,
 )
+from canzona.spec import ModelSpec
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES, default_policy, policies_running
 from canzona.variability import check_cv
 from sim.collectives import collective_cost
@@ -591,7 +592,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     experts (`canzona.experts.expert_part`, their shards under expert TP), as `sim.simulate` plans
     them; Transformer Engine's userbuffers under the TP overlap; the flex token dispatcher's buffers;
     its activations, and the allowance on top (which grows with the transient peak, at least the
-    activations)."""
+    activations); and the masters and optimizer state its GPUs hold between them, spread evenly
+    (`optimizer_state_floor`: the fullest holds at least the mean, whatever the plan)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
     if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp)
@@ -606,9 +608,31 @@ def memory_floor(cfg: SimConfig, model) -> int:
             elements += sum(p.local_numel(cfg.etp) for p in expert_part(whole, cfg.ep, cfg.etp, arch.hidden).params)
         acts = activation_bytes(dims, setup, cfg.tp, cfg.pp, stage, cfg.vp, cfg.pipeline_split)
         buffers = setup.dispatcher_buffers if expert_params(whole) else 0  # allocated at a stage's first dispatch
+        # every GPU of the stage holds the terms above alike; the masters and the optimizer state
+        # differ by rank, and the fullest holds at least their mean over the stage's GPUs
+        state = optimizer_state_floor(whole, cfg.optimizer, setup.master_bytes) // (cfg.gpus // cfg.pp)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers
-                    + buffers + acts + setup.overhead(acts))
+                    + buffers + acts + setup.overhead(acts) + state)
     return worst
+
+
+def optimizer_state_floor(part: ModelSpec, optimizer: str, master_bytes: int) -> int:
+    """`part`'s masters and optimizer state summed over the GPUs that hold it, at least: each
+    element's master once, each matrix's row state once (`row_state_bytes`, what a shard of its
+    rows holds its share of: an owner's whole state is more), every other element's AdamW state
+    once (every element's, under an elementwise optimizer). A step policy that keeps more (a
+    replicated or gathered copy, a matrix's whole preconditioner) only adds to it."""
+    elementwise = matrix_optimizer(optimizer).elementwise
+    adamw = 0
+    state = 0
+    for p in part.params:
+        if elementwise or not p.uses_matrix_optimizer:
+            adamw += p.numel
+        elif p.matrix_shape is not None:  # a stack of same-shape matrices (experts): each one's
+            state += p.numel // math.prod(p.matrix_shape) * row_state_bytes(optimizer, p.matrix_shape)
+        else:
+            state += row_state_bytes(optimizer, p.shape)
+    return master_bytes * part.numel + state + state_bytes("adamw", (adamw,))
 
 
 # --- simulation ----------------------------------------------------------------------------------
