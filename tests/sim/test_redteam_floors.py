@@ -27,12 +27,10 @@ def _small_gpu(tmp_path, memory_bytes: int) -> str:
     return str(path)
 
 
-def test_a_megatron_search_never_tries_selective_layer(tmp_path, monkeypatch):
+def test_a_megatron_search_never_tries_selective_layer(tmp_path, leave_out_optimizer_state):
     # the memory floor without the optimizer state, as it was: with it, TP 8's full-recompute floor
     # is within 1 MB of its run and selective-layer's above it, so no capacity gives the premise
-    import sim.search
-
-    monkeypatch.setattr(sim.search, "optimizer_state_floor", lambda *_: 0)
+    leave_out_optimizer_state()
     q = Question(model="qwen3-0.6b", gpus=8, seq_len=4096, global_batch=8, optimizer="adamw",
                  hardware=_small_gpu(tmp_path, 3_500_000_000))
     model = resolve_model(q.model)

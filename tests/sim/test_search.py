@@ -406,15 +406,13 @@ def test_each_space_searches_the_modes_the_simulator_runs_on_it():
             assert runs == (mode in space.recompute_modes), (space.name, mode)
 
 
-def test_a_zero1_search_never_queues_selective_layer(tmp_path, monkeypatch):
+def test_a_zero1_search_never_queues_selective_layer(tmp_path, leave_out_optimizer_state):
     """On a 4 GB GPU some layouts of Qwen3-0.6B's shape at 8 layers do not fit even with full
     recompute: the search steps on from them to no mode the simulator refuses on a ZeRO-1 layout
     (torchtitan's selective-layer, which it used to queue after full and count as refused by the
     checks). The memory floor without the optimizer state, so that they are simulated: with it, it
     prunes them here."""
-    import sim.search
-
-    monkeypatch.setattr(sim.search, "optimizer_state_floor", lambda *_: 0)
+    leave_out_optimizer_state()
     q = replace(EIGHT_LAYERS, seq_len=4096, hardware=_small_gpu(tmp_path, 4e9))
     found = search(q, top=3, workers=1)
     assert any(r["recompute"] == "full" and r["recompute_method"] is None for r in found.not_fitting)
@@ -423,17 +421,15 @@ def test_a_zero1_search_never_queues_selective_layer(tmp_path, monkeypatch):
     assert all(r["selective_ac_option"] is None for r in found.ranked + found.not_fitting)
 
 
-def test_the_memory_floor_counts_the_optimizer_states_mean(monkeypatch):
+def test_the_memory_floor_counts_the_optimizer_states_mean(leave_out_optimizer_state):
     """The fp32 masters and AdamW's two moments, which the distributed optimizer spreads over the
     DP ranks, are in the floor at their mean (12 bytes an element over 8 GPUs): still below the
     simulated memory, and above the floor without them by exactly that."""
-    import sim.search
-
     q = replace(SMALL, optimizer="adamw")
     model = resolve_model(q.model)
     layout = next(c for c in candidates(q) if (c["tp"], c["pp"], c["micro_batch"]) == (1, 1, 1))
     cfg = config_of(q, {**layout, "recompute": "none"})
     with_state = memory_floor(cfg, model)
-    monkeypatch.setattr(sim.search, "optimizer_state_floor", lambda *_: 0)
+    leave_out_optimizer_state()
     assert with_state - memory_floor(cfg, model) == (4 + 8) * model[0].numel // 8
     assert with_state <= simulate(cfg).memory.worst.total
