@@ -20,8 +20,15 @@
    seconds, their ratio, how many ranks stood for how many, and whether the results are the same
    (they must be, bit for bit). No assert on time: the machine's load decides.
    Parameters are datasheet values from the h100-sxm profile; nothing is fitted to the paper.
+6. The engine (`sim.engine`): each op chained after its stream's previous op, the garbage
+   collector paused through a simulation (`cyclic_gc_paused`), against the same with the collector
+   on and against the engine until 2026-11-30 (streams as SimPy resources of capacity one, the
+   collector on), in interleaved rounds on layouts of the published table and the search: wall
+   seconds of each, their ratios, and whether the results are the same (they must be, bit for bit).
+   Parameters are datasheet values from the h100-sxm profile; nothing is fitted to the paper.
 
-Run: python3 benchmarks/bench_sim.py   (a few minutes; --scale: the scale table alone)
+Run: python3 benchmarks/bench_sim.py   (a few minutes; --scale: the scale table alone; --streams:
+the streams table alone)
 """
 
 from __future__ import annotations
@@ -32,11 +39,15 @@ import sys
 import time
 from dataclasses import replace
 
+import simpy
 from rich.console import Console
 from rich.table import Table
 
+import sim.simulate as simulate_module
 from canzona.step_policies import STEP_POLICIES
+from sim.engine import Engine, Span, _Kernel
 from sim.options import RunOptions
+from sim.published import load, select
 from sim.simulate import SimConfig, SimResult, compare, simulate
 from sim.workload import Workload
 
@@ -105,6 +116,107 @@ def scale_table(repeat: int = 3) -> Table:
     return t
 
 
+class ResourceStreamEngine(Engine):
+    """The engine with each stream a SimPy resource of capacity one, which each op requests when it
+    starts and holds until it ends: the engine's code until 2026-11-30, kept here as the baseline of
+    `streams_table` (`_enqueue` hands each op its stream's resource where the engine hands it the
+    stream's previous op)."""
+
+    def _enqueue(self, rank, stream, proc_of):
+        resources = self.__dict__.setdefault("_resources", {})
+        return self.env.process(proc_of(resources.setdefault((rank, stream), simpy.Resource(self.env, capacity=1))))
+
+    def _compute(self, rank, stream, name, seconds, prev, after, phase, margin=0):
+        with prev.request() as req:
+            yield req
+            if after:
+                yield self.env.all_of(after)
+            start = self.env.now
+            if seconds > 0:
+                if self.sms:
+                    k = _Kernel(seconds, self._rate(rank, margin), start, self.env.active_process, margin)
+                    running = self._kernels.setdefault(rank, [])
+                    running.append(k)
+                    while True:
+                        try:
+                            yield self.env.timeout(k.remaining / k.rate)
+                            break
+                        except simpy.Interrupt:
+                            continue
+                    running.remove(k)
+                else:
+                    yield self.env.timeout(seconds)
+            self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
+
+    def _participate(self, coll, rank, stream, prev, after, phase):
+        with prev.request() as req:
+            yield req
+            if after:
+                yield self.env.all_of(after)
+            coll.arrive()
+            yield coll.done
+            self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+
+
+# the engine as it is; without pausing the garbage collector; and as it was until 2026-11-30 (both)
+VARIANTS = {"now": (Engine, True), "collector on": (Engine, False), "before": (ResourceStreamEngine, False)}
+
+
+# the published rows whose layouts the table runs: TP 8 x PP 8 x VP 8 x CP 2 (FP8, userbuffers), TP 4 x
+# PP 4 x VP 5 x CP 2, and EP 16 with the EP overlap
+STREAM_ROWS = ("llama3.1-405b-1024xh100-mb25.11-fp8", "llama3.1-70b-256xh100-dgxc-bf16",
+               "qwen3-30b-a3b-16xh100-mb-perf")
+
+
+def _stream_cases() -> list[tuple[str, SimConfig]]:
+    runs, _ = load()
+    cases = [(row, select(runs, row)[0].sim_config()) for row in STREAM_ROWS]
+    cases.append(("search best: qwen3-32b, 256 GPUs, TP 8 x PP 2 x VP 16",
+                  replace(ISSUE_SETUP, pp=2, vp=16, workload=Workload(seq_len=4096, global_batch=128, micro_batch=4))))
+    return cases
+
+
+def _stream_run(variant: str, case: int) -> None:
+    """One measurement, in its own process (`streams_table`): the wall seconds of simulating case
+    `case` with `variant`'s engine and collector, and the result's digest."""
+    import hashlib
+
+    cfg = _stream_cases()[case][1]
+    engine, paused = VARIANTS[variant]
+    simulate_module.Engine = engine
+    if not paused:  # the simulation as it ran before `cyclic_gc_paused`, its own recursive calls too
+        simulate_module.simulate = simulate.__wrapped__
+    w = time.perf_counter()
+    result = simulate_module.simulate(cfg)
+    wall = time.perf_counter() - w
+    print(wall, hashlib.sha256(json.dumps(result.to_dict()).encode()).hexdigest())
+
+
+def streams_table(rounds: int = 3) -> Table:
+    """Each measurement in a fresh process (what is left of one run, the garbage collector's work on
+    it included, would be charged to the next), the variants alternating."""
+    import subprocess
+
+    t = Table(title=f"Engine: chained streams with the garbage collector paused, against the collector on and the "
+                    f"engine before (SimPy resources, collector on); median wall s of {rounds} interleaved rounds, "
+                    "each run in its own process")
+    for col in ("layout", *(f"{v} s" for v in VARIANTS), "collector on / now", "before / now", "same result"):
+        t.add_column(col, justify="right" if col != "layout" else "left")
+    for case, (name, _) in enumerate(_stream_cases()):
+        walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        digests: set[str] = set()
+        for _ in range(rounds):
+            for variant in VARIANTS:
+                out = subprocess.run([sys.executable, __file__, "--stream-run", variant, str(case)], check=True,
+                                     capture_output=True, text=True).stdout.split()
+                walls[variant].append(float(out[0]))
+                digests.add(out[1])
+        now, gc_on, before = (statistics.median(walls[v]) for v in VARIANTS)
+        t.add_row(name, f"{now:.2f}", f"{gc_on:.2f}", f"{before:.2f}", f"{gc_on / now:.2f}x", f"{before / now:.2f}x",
+                  verdict(len(digests) == 1))
+    return t
+
+
 def run_setting(baseline_bucket: int | None, canzona_bucket: int | None,
                 options: RunOptions) -> dict[str, SimResult]:
     out = {}
@@ -170,6 +282,12 @@ def ratio_table(title: str, results: dict[str, SimResult]) -> Table:
 
 def main() -> int:
     console = Console(width=170)
+    if sys.argv[1:2] == ["--stream-run"]:
+        _stream_run(sys.argv[2], int(sys.argv[3]))
+        return 0
+    if "--streams" in sys.argv[1:]:
+        console.print(streams_table())
+        return 0
     console.print(scale_table())
     if "--scale" in sys.argv[1:]:
         return 0

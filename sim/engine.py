@@ -1,9 +1,11 @@
 """GPU streams, kernels and collectives as SimPy processes.
 
 Streams keep CUDA semantics: work runs in the order it was enqueued, and an op waiting for an event
-blocks its stream. Each op requests its stream when created (so requests queue in program order),
-then waits for its dependencies while holding it. A collective starts when every participant has
-reached it on its stream, pays its latency, then moves its bytes over the fabric.
+blocks its stream. Each op, when created, is chained after the op enqueued on its stream before it
+(so ops run in program order), then waits for its dependencies, the stream's later ops behind it
+(a chain of processes rather than a SimPy resource each op requests: the same order, 1.2-1.6x
+less simulation time, `benchmarks/bench_sim.py --streams`). A collective starts when every
+participant has reached it on its stream, pays its latency, then moves its bytes over the fabric.
 
 SMs are shared (docs/design.md §9.1): a communication kernel holds SMs from its start to its end
 (`sim.comm_sms`: NCCL's channels, or a userbuffers kernel's `num_sm`), and a compute kernel on the
@@ -14,7 +16,9 @@ made with `sms=0` leaves compute at full rate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +27,23 @@ import simpy
 from sim.collectives import CollectiveCost
 from sim.comm_sms import nccl_sms
 from sim.fabric import Fabric
+
+
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (as it was, after): for a simulation
+    (`sim.simulate.simulate`). A run allocates millions of short-lived SimPy events and processes,
+    and keeps its spans; each allocation burst sets off collections that walk every live object,
+    the spans included, and free none of them (the engine's garbage goes when its last reference
+    does: the same peak memory with the collector off, 448 MB on the Llama 3.1 405B row), so the
+    collector was a third of a long run's time (`benchmarks/bench_sim.py --streams`)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -105,7 +126,9 @@ class Engine:
         # order of same-time events, would vary between runs)
         self._kernels: dict[int, list[_Kernel]] = {}
         self.fabric = Fabric(self.env)
-        self._streams: dict[tuple[int, str], simpy.Resource] = {}
+        # (rank, stream) -> the process of the op last enqueued on it: the next op starts after it
+        # ends (a CUDA stream runs its work in the order it was enqueued, one op at a time)
+        self._tails: dict[tuple[int, str], simpy.Process] = {}
         self.spans: list[Span] = []
         self.end = 0.0  # when the last op ended (`run`)
         self.phase = "A"  # the phase of the ops created from now on (their spans say it)
@@ -117,11 +140,13 @@ class Engine:
     def now(self) -> float:
         return self.env.now
 
-    def stream(self, rank: int, name: str) -> simpy.Resource:
-        key = (rank, name)
-        if key not in self._streams:
-            self._streams[key] = simpy.Resource(self.env, capacity=1)
-        return self._streams[key]
+    def _enqueue(self, rank: int, stream: str, proc_of: Callable[[simpy.Process | None], Any]) -> simpy.Process:
+        """The op `proc_of(previous)` enqueued on `rank`'s `stream`: its process, after which the
+        stream's next op starts; `previous`, the op before it (None: the stream was empty)."""
+        key = (rank, stream)
+        proc = self.env.process(proc_of(self._tails.get(key)))
+        self._tails[key] = proc
+        return proc
 
     def compute(self, rank: int, name: str, seconds: float, after: Iterable[simpy.Event] = (),
                 stream: str = "compute", margin: int = 0) -> simpy.Event:
@@ -130,30 +155,32 @@ class Engine:
         `set_sm_margin`, sim.comm_sms), so it runs at `(sms - margin - held) / sms` of its rate."""
         if self.phase == "A" and self.slowdown != 1.0:
             seconds *= self.slowdown
-        return self.env.process(self._compute(rank, stream, name, seconds, list(after), self.phase, margin))
+        after, phase = list(after), self.phase
+        return self._enqueue(rank, stream,
+                             lambda prev: self._compute(rank, stream, name, seconds, prev, after, phase, margin))
 
-    def _compute(self, rank: int, stream: str, name: str, seconds: float, after: list[simpy.Event], phase: str,
-                 margin: int = 0):
-        with self.stream(rank, stream).request() as req:
-            yield req
-            if after:
-                yield self.env.all_of(after)
-            start = self.env.now
-            if seconds > 0:
-                if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
-                    k = _Kernel(seconds, self._rate(rank, margin), start, self.env.active_process, margin)
-                    running = self._kernels.setdefault(rank, [])
-                    running.append(k)
-                    while True:
-                        try:
-                            yield self.env.timeout(k.remaining / k.rate)
-                            break
-                        except simpy.Interrupt:  # `hold` changed the rate and settled `remaining`
-                            continue
-                    running.remove(k)
-                else:
-                    yield self.env.timeout(seconds)
-            self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
+    def _compute(self, rank: int, stream: str, name: str, seconds: float, prev: simpy.Process | None,
+                 after: list[simpy.Event], phase: str, margin: int = 0):
+        if prev is not None:
+            yield prev
+        if after:
+            yield self.env.all_of(after)
+        start = self.env.now
+        if seconds > 0:
+            if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
+                k = _Kernel(seconds, self._rate(rank, margin), start, self.env.active_process, margin)
+                running = self._kernels.setdefault(rank, [])
+                running.append(k)
+                while True:
+                    try:
+                        yield self.env.timeout(k.remaining / k.rate)
+                        break
+                    except simpy.Interrupt:  # `hold` changed the rate and settled `remaining`
+                        continue
+                running.remove(k)
+            else:
+                yield self.env.timeout(seconds)
+        self._record(Span(rank, stream, name, "compute", start, self.env.now, phase))
 
     def _rate(self, rank: int, margin: int = 0) -> float:
         """Compute rate on `rank` of a kernel launched without `margin` SMs: the share of SMs
@@ -189,17 +216,20 @@ class Engine:
         held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
         coll = Collective(self, name, ranks, cost, held)
         after = after or {}
-        return {r: self.env.process(self._participate(coll, r, stream, list(after.get(r, ())), self.phase))
+        phase = self.phase
+        return {r: self._enqueue(r, stream, lambda prev, r=r: self._participate(coll, r, stream, prev,
+                                                                                  list(after.get(r, ())), phase))
                 for r in ranks}
 
-    def _participate(self, coll: Collective, rank: int, stream: str, after: list[simpy.Event], phase: str):
-        with self.stream(rank, stream).request() as req:
-            yield req
-            if after:
-                yield self.env.all_of(after)
-            coll.arrive()
-            yield coll.done
-            self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
+    def _participate(self, coll: Collective, rank: int, stream: str, prev: simpy.Process | None,
+                     after: list[simpy.Event], phase: str):
+        if prev is not None:
+            yield prev
+        if after:
+            yield self.env.all_of(after)
+        coll.arrive()
+        yield coll.done
+        self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
 
     def _record(self, span: Span) -> None:
         self.spans.append(span)

@@ -76,7 +76,7 @@ from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity, check_tp_policy
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
-from sim.engine import Engine, Span
+from sim.engine import Engine, Span, cyclic_gc_paused
 from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
@@ -589,6 +589,7 @@ def _window_breakdown(spans: list[Span], start: float, end: float) -> dict[str, 
     return {"compute_s": compute, "exposed_comm_s": exposed, "idle_s": idle}
 
 
+@cyclic_gc_paused()
 def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool = True,
              model: tuple[ModelSpec, Architecture] | None = None, *, by_class: bool = True) -> SimResult:
     """Simulate one iteration. `plan` overrides the plan the policy would make (it must match).

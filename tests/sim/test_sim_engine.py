@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import defaultdict
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.collectives import CollectiveCost
-from sim.engine import Engine
+from sim.engine import Engine, cyclic_gc_paused
 from sim.fabric import Fabric
 
 W = 2.0  # work of one transfer, seconds at full rate
@@ -361,3 +362,47 @@ def test_iteration_ends_with_its_last_op_not_a_stale_timeout():
     assert eng.env.now == approx(2.5)  # the clock went on to the stale timeout
     s = spans_by_name(eng)
     assert s["b"][0].end == approx(1.5) and s["a"][0].end == approx(2.0)
+
+
+# --- the garbage collector --------------------------------------------------------------------
+
+
+def test_the_collector_is_paused_inside_and_left_as_it_was():
+    """`cyclic_gc_paused` turns Python's cyclic collector off inside and restores it after, also
+    when the body raises, and leaves it off when it was off (a paused caller's nested simulation)."""
+    assert gc.isenabled()
+    with cyclic_gc_paused():
+        assert not gc.isenabled()
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause holds
+    assert gc.isenabled()
+    with pytest.raises(ValueError), cyclic_gc_paused():
+        raise ValueError("a refused layout")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_simulation_runs_with_the_collector_paused(monkeypatch):
+    """`sim.simulate.simulate` runs its engine with the collector off (the engine's garbage is freed
+    by reference counting; the collector only walked the live spans) and turns it on again after."""
+    import sim.simulate as simulate_module
+    from sim.simulate import SimConfig, simulate
+
+    seen: list[bool] = []
+
+    class Watched(Engine):
+        def run(self) -> float:
+            seen.append(gc.isenabled())
+            return super().run()
+
+    monkeypatch.setattr(simulate_module, "Engine", Watched)
+    simulate(SimConfig(model="qwen3-0.6b", gpus=8, policy="zero1-gather"))
+    assert seen and not any(seen)
+    assert gc.isenabled()
