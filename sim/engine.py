@@ -3,8 +3,8 @@
 Streams keep CUDA semantics: work runs in the order it was enqueued, and an op waiting for an event
 blocks its stream. Each op, when created, is chained after the op enqueued on its stream before it
 (so ops run in program order), then waits for its dependencies, the stream's later ops behind it
-(a chain of processes rather than a SimPy resource each op requests: the same order, 1.2-1.6x
-less simulation time, `benchmarks/bench_sim.py --streams`). A collective starts when every
+(a chain of processes rather than a SimPy resource each op requests, and no condition event per
+op: the same order and results, in less time, `benchmarks/bench_sim.py --streams`). A collective starts when every
 participant has reached it on its stream, pays its latency, then moves its bytes over the fabric.
 
 SMs are shared (docs/design.md §9.1): a communication kernel holds SMs from its start to its end
@@ -57,6 +57,16 @@ class Span:
     start: float
     end: float
     phase: str = "A"  # "A": forward, backward, gradient sync; "B": the optimizer step (sim.iteration)
+
+
+def _after(prev: simpy.Event | None, after: list[simpy.Event]):
+    """Wait for the stream's previous op and then each of `after`: the op starts when the last of
+    them has fired, as under `all_of`, without a condition event (an event already processed
+    resumes the wait at once)."""
+    if prev is not None:
+        yield prev
+    for event in after:  # noqa: UP028 (`yield from after` would send SimPy's values into a list iterator)
+        yield event
 
 
 class _Kernel:
@@ -161,10 +171,7 @@ class Engine:
 
     def _compute(self, rank: int, stream: str, name: str, seconds: float, prev: simpy.Process | None,
                  after: list[simpy.Event], phase: str, margin: int = 0):
-        if prev is not None:
-            yield prev
-        if after:
-            yield self.env.all_of(after)
+        yield from _after(prev, after)
         start = self.env.now
         if seconds > 0:
             if self.sms:  # at the rate the SMs left give it, re-rated by `hold` (inline: the hot path)
@@ -223,10 +230,7 @@ class Engine:
 
     def _participate(self, coll: Collective, rank: int, stream: str, prev: simpy.Process | None,
                      after: list[simpy.Event], phase: str):
-        if prev is not None:
-            yield prev
-        if after:
-            yield self.env.all_of(after)
+        yield from _after(prev, after)
         coll.arrive()
         yield coll.done
         self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
