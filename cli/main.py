@@ -965,7 +965,7 @@ def validate(
                          "global batch (canzona search) and print where the published layout ranks among the layouts "
                          "found and its gap to the best (aim: top five or within 5%; slow: minutes a row).")] = False,
     workers: Annotated[int | None, typer.Option(
-        help="With --search: simulations in parallel (default: one per core).")] = None,
+        help="With --published: simulations in parallel, rows and searched layouts (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Check the simulator against the runtime: train a scaled-up tiny model under every policy on
@@ -978,7 +978,7 @@ def validate(
 
     from canzona.optimizers import check_matrix_optimizer
 
-    if published or rows is not None or search:
+    if published or rows is not None or search or workers is not None:
         _validate_published(published, rows, as_json, search, workers)
         return
     try:
@@ -1062,9 +1062,8 @@ def _validate_published(published: bool, rows: str | None, as_json: bool, search
     try:
         if not published:
             raise SpecError("--search ranks published rows' layouts: give it with --published" if search else
-                            "--rows selects published rows: give it with --published")
-        if workers is not None and not search:
-            raise SpecError("--workers is for --published --search")
+                            "--rows selects published rows: give it with --published" if rows is not None else
+                            "--workers is for --published")
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         table, sources = runs.load()
@@ -1076,7 +1075,7 @@ def _validate_published(published: bool, rows: str | None, as_json: bool, search
             def tick(done: int, total: int, what: str) -> None:
                 progress.update(task, completed=done, total=total, description=f"simulating {what}")
 
-            report = runs.compare(chosen, sources, progress=tick)
+            report = runs.compare(chosen, sources, progress=tick, workers=workers)
             ranks = published_search.rank_runs(chosen, report.rows, workers, progress=tick) if search else None
     except CanzonaError as e:
         fail(str(e))

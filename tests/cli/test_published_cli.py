@@ -51,5 +51,6 @@ def test_published_bad_input():
     error_line(invoke("validate", "--published", "--rows", " , "), "--rows names no row")
     error_line(invoke("validate", "--rows", "qwen3"), "--rows selects published rows")
     error_line(invoke("validate", "--search"), "--search ranks published rows' layouts")
-    error_line(invoke("validate", "--published", "--workers", 2), "--workers is for --published --search")
+    error_line(invoke("validate", "--workers", 2), "--workers is for --published")
+    error_line(invoke("validate", "--published", "--workers", 0), "--workers must be in")
     error_line(invoke("validate", "--published", "--search", "--workers", 0), "--workers must be in")

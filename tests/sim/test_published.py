@@ -238,3 +238,28 @@ def test_a_rows_split_is_in_its_report():
     run = replace(RUNS[0], pipeline_split=PipelineSplit(account_for_loss_in_pipeline_split=True))
     assert published.RowResult(run).to_dict()["pipeline_split"]["account_for_loss_in_pipeline_split"] is True
     assert "pipeline_split" not in published.RowResult(RUNS[0]).to_dict()
+
+
+def test_rows_simulated_in_parallel_are_the_rows_simulated_one_by_one():
+    """`compare` with workers (each row in its own process) gives the report of one process, in the
+    table's order, and reports progress once per row."""
+    runs, sources = published.load()
+    chosen = published.select(runs, "qwen3-8b-16xh100-mb,llama2-7b-8xh100")
+    assert len(chosen) == 2
+    seen: list[tuple[int, int]] = []
+    parallel = published.compare(chosen, sources, progress=lambda done, total, _: seen.append((done, total)), workers=2)
+    serial = published.compare(chosen, sources, workers=1)
+    assert json.dumps(parallel.to_dict()) == json.dumps(serial.to_dict())
+    assert [r.run.id for r in parallel.rows] == [r.id for r in chosen]
+    assert sorted(seen) == [(1, 2), (2, 2)]
+
+
+def test_a_row_refused_in_a_worker_is_the_same_error():
+    """A row the simulator refuses raises its SpecError from the pool as from one process."""
+    runs, sources = published.load()
+    bad = replace(published.select(runs, "qwen3-8b-16xh100-mb")[0], tp=3)
+    with pytest.raises(SpecError) as one:
+        published.compare([bad], sources, workers=1)
+    with pytest.raises(SpecError) as pool:
+        published.compare([bad, *published.select(runs, "llama2-7b-8xh100")], sources, workers=2)
+    assert str(pool.value) == str(one.value)
