@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from canzona.errors import SpecError
 from canzona.spec import ModelSpec, Role
@@ -357,6 +358,7 @@ def pipeline_order(stage: int, pp: int, micro_batches: int, vp: int = 1) -> list
     return interleaved_one_f_one_b(stage, pp, micro_batches, vp)
 
 
+@lru_cache(maxsize=4096)  # pure, and asked again for every layout of a search (sim.search.memory_floor)
 def peak_in_flight(stage: int, pp: int, micro_batches: int | None = None, vp: int = 1,
                    chunk: int | None = None) -> int:
     """The most micro-batch-chunks (of `chunk`, or of any) whose forward stage `stage` has run and
@@ -388,6 +390,12 @@ def peak_layers_in_flight(stage: int, pp: int, micro_batches: int | None, vp: in
         raise SpecError(f"{len(chunk_sizes)} chunk sizes for vp {vp}")
     if vp == 1:
         return chunk_sizes[0] * peak_in_flight(stage, pp, micro_batches)
+    return _peak_layers(stage, pp, micro_batches, vp, tuple(chunk_sizes))
+
+
+@lru_cache(maxsize=4096)  # pure, and asked again for every layout of a search (sim.search.memory_floor)
+def _peak_layers(stage: int, pp: int, micro_batches: int | None, vp: int, chunk_sizes: tuple[float, ...]) -> float:
+    """`peak_layers_in_flight` under the interleaved schedule (`vp` > 1)."""
     if micro_batches is None:
         micro_batches = pp * (pp + 1)  # divisible by pp, and more than any warm-up (as peak_in_flight)
     held = peak = 0
