@@ -14,7 +14,7 @@ import math
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +97,18 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def check_output_path(path: str | Path, what: str, suffixes: tuple[str, ...] | None = None) -> Path:
+def check_output_path(path: str | Path, what: str, suffixes: tuple[str, ...] | None = None,
+                      inputs: Iterable[str | Path | None] = ()) -> Path:
     """Fail before any work if `path` cannot be written: missing or unwritable folder, something
     other than a regular file in its place (a directory, a device, a symlink: renaming over them
-    would replace them), or (with `suffixes`) an extension the writer does not produce."""
+    would replace them), (with `suffixes`) an extension the writer does not produce, or one of the
+    command's `inputs` (a model, hardware or cost file; a catalog name is no file): writing would
+    replace the file the command reads, and the next run would fail on it."""
     p = Path(path)
+    for given in inputs:
+        if given is not None and _same_file(p, Path(given)):
+            raise CanzonaError(f"cannot write {what} {p}: it is the input file {given}, which writing would replace; "
+                               "choose another path")
     if suffixes is not None and p.suffix.lower() not in suffixes:
         got = f"unsupported extension '{p.suffix}'" if p.suffix else "no extension"
         raise CanzonaError(f"{what} {p}: {got}; use one of {', '.join(suffixes)}")
@@ -123,6 +130,14 @@ def check_output_path(path: str | Path, what: str, suffixes: tuple[str, ...] | N
     except OSError as e:
         raise CanzonaError(f"cannot write {what} {p}: {e.strerror or e}") from None
     return p
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` are one existing file (through links, relative or absolute paths)."""
+    try:
+        return a.exists() and b.is_file() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file systems

@@ -145,7 +145,7 @@ def spec(
     """Show a model's parameters and architecture, or write them as a spec file."""
     try:
         if out is not None:
-            check_output_path(out, "spec file", (".json",))
+            check_output_path(out, "spec file", (".json",), inputs=(model,))
         source = read_model(model)
         sizes, unknown = source.sizes(), None
         try:
@@ -196,7 +196,7 @@ def plan(
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
         if out is not None:
-            check_output_path(out, "plan", (".json",))
+            check_output_path(out, "plan", (".json",), inputs=(model, hardware, cost_table))
         model_spec = resolve_spec(model, tp)
         # expert TP splits each expert matrix along the dimension that is not the hidden size
         hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
@@ -646,7 +646,7 @@ def simulate(
     try:
         config = _sim_config(shared=shared)
         if trace is not None:
-            check_output_path(trace, "trace", (".json",))
+            check_output_path(trace, "trace", (".json",), inputs=(config.model, config.hardware))
             check_traceable(config)
         result = run(config)
         if trace is not None:
@@ -677,7 +677,7 @@ def compare(
     try:
         base = _sim_config(shared=shared)  # bad input fails here, before a progress bar is drawn
         if plot is not None:
-            check_output_path(plot, "plot", PLOT_SUFFIXES)
+            check_output_path(plot, "plot", PLOT_SUFFIXES, inputs=(base.model, base.hardware))
         policies = compared_policies(base.optimizer, base.fsdp)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
@@ -905,7 +905,7 @@ def calibrate(
                                      command=" ".join(["canzona", *sys.argv[1:]]), threads=threads)
         writer = measuring.is_writer()
         if out is not None and writer:
-            check_output_path(out, "hardware profile", (".json",))
+            check_output_path(out, "hardware profile", (".json",), inputs=(base, model))
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)
@@ -979,6 +979,15 @@ def validate(
     from canzona.optimizers import check_matrix_optimizer
 
     if published or rows is not None or search or workers is not None:
+        # the runtime validation's options, which the published table would drop without a word
+        runtime = [flag for flag, value, default in (
+            ("--hardware", hardware, None), ("--dp", dp, 2), ("--optimizer", optimizer, "muon"),
+            ("--policies", policies, "all"), ("--rounds", rounds, 10), ("--profile-out", profile_out, None),
+            ("--strict", strict, False)) if value != default]
+        if runtime:
+            fail(f"{', '.join(runtime)} {'is' if len(runtime) == 1 else 'are'} for the runtime validation (canzona "
+                 "validate without --published): the published table simulates each row on its own hardware, with "
+                 "AdamW, and has no pass / fail gate")
         _validate_published(published, rows, as_json, search, workers)
         return
     try:
@@ -994,7 +1003,7 @@ def validate(
         if not 3 <= rounds <= 200:
             raise SpecError(f"--rounds must be in 3..200, got {rounds}")
         if profile_out is not None:
-            check_output_path(profile_out, "hardware profile", (".json",))
+            check_output_path(profile_out, "hardware profile", (".json",), inputs=(hardware,))
         if hardware is not None:
             from canzona.hardware import load_profile
 

@@ -67,6 +67,9 @@ def check_cross_entropy(fusion: bool, impl: str) -> None:
     if impl not in CROSS_ENTROPY_FUSION_IMPLS:
         raise SpecError(f"unknown cross_entropy_fusion_impl {impl!r}; choose one of "
                         f"{', '.join(CROSS_ENTROPY_FUSION_IMPLS)}")
+    if not fusion and impl != DEFAULT_CROSS_ENTROPY_FUSION_IMPL:
+        raise SpecError(f"--cross-entropy-fusion-impl {impl} changes nothing without --cross-entropy-loss-fusion: "
+                        "Megatron's implementation option picks the fused loss's kernels, and the loss is unfused")
 
 
 def cross_entropy_path(fusion: bool, impl: str = DEFAULT_CROSS_ENTROPY_FUSION_IMPL) -> str:

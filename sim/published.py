@@ -627,9 +627,16 @@ def select(runs: Sequence[PublishedRun], rows: str | None) -> tuple[PublishedRun
     terms = [t.strip().lower() for t in rows.split(",") if t.strip()]
     if not terms:
         raise SpecError("--rows names no row (give comma-separated parts of row ids or model names)")
-    chosen = tuple(r for r in runs if any(t in r.id.lower() or t in r.model_name.lower() for t in terms))
+    def matches(r: PublishedRun, t: str) -> bool:
+        return t in r.id.lower() or t in r.model_name.lower()
+
+    chosen = tuple(r for r in runs if any(matches(r, t) for t in terms))
     if not chosen:
         raise SpecError(f"no published row matches --rows {rows!r} (row ids: {', '.join(r.id for r in runs[:4])}, ...)")
+    unmatched = [t for t in terms if not any(matches(r, t) for r in runs)]
+    if unmatched:  # a mistyped term would otherwise drop its rows from the table without a word
+        raise SpecError(f"no published row matches --rows term{'s' if len(unmatched) > 1 else ''} "
+                        f"{', '.join(repr(t) for t in unmatched)} (the others match {len(chosen)} row{'s' if len(chosen) != 1 else ''})")
     return chosen
 
 

@@ -390,10 +390,10 @@ LAYOUT_AXES: tuple[Axis, ...] = (
     # interleaving is ranked, not assumed away
     Axis("vp", _vps),
     # CP: dividing what TP x PP leave, the sequence in 2 x CP chunks, each CP rank keeping at least
-    # MIN_CP_TOKENS of it; not with experts (not simulated)
+    # MIN_CP_TOKENS of it; not with experts (not simulated); CP 1 (no CP) at any sequence length
     Axis("cp", lambda f, c: [1] if f.experts else
          [k for k in divisors(f.gpus // (c["tp"] * c["pp"]))
-          if k <= MAX_CP and f.seq_len % (2 * k) == 0 and (k == 1 or f.seq_len // k >= MIN_CP_TOKENS)]),
+          if k == 1 or (k <= MAX_CP and f.seq_len % (2 * k) == 0 and f.seq_len // k >= MIN_CP_TOKENS)]),
     EP_AXIS,
     MICRO_BATCH_AXIS,
     # the modes the simulator runs on a ZeRO-1 layout (the rounds of `search` order them per layout)
@@ -1113,10 +1113,13 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     counts = {"checks": 0, "memory": 0, "bound": 0, "ties": 0}
     queue: list[_Pending] = []
 
+    first: dict[str, str] = {}  # each reason's first message in full
+
     def refuse(e: SpecError) -> None:
         counts["checks"] += 1
         key = " ".join(str(e).split()[:4])
         reasons[key] = reasons.get(key, 0) + 1
+        first.setdefault(key, str(e))
 
     # Megatron's block method: the ZeRO-1 layouts' (FSDP's checkpoint wrappers take every layer)
     explore = q.search_recompute_layers and q.recompute_method is None and space is ZERO1_SPACE
@@ -1210,6 +1213,12 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             refuse(e)
             continue
         push(layout)
+    if not cands:  # no combination of the axes at all: the plainest layout's refusal says why, if it is refused
+        config_of(q, {"tp": 1}).check(model)
+    if not queue and len(reasons) == 1 and counts["checks"] == len(cands):
+        # every layout refused for one reason (the question's own: GPUs that fill no node, a batch
+        # too large): the simulator's message, as `canzona simulate` gives it
+        raise SpecError(next(iter(first.values())))
     if not queue:
         why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "

@@ -85,6 +85,30 @@ def test_outputs_never_replace_devices_links_or_files_in_the_way(tmp_path, no_si
     error_line(invoke("compare", *SIM, "--plot", tmp_path / ("x" * 300 + ".png")), "longer than 255 bytes")
 
 
+def test_an_output_never_replaces_the_file_the_command_reads(tmp_path, no_simulation):
+    """A trace, plan, spec or plot written over the model, hardware or cost file the same command
+    reads would destroy it (the next run fails on it): refused, whatever path spells it."""
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+                                 "intermediate_size": 3072, "num_hidden_layers": 4, "num_attention_heads": 16,
+                                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                                 "tie_word_embeddings": True}))
+    hardware = tmp_path / "hw.json"
+    hardware.write_text(resources.files("canzona").joinpath("profiles", "h100-sxm.json").read_text())
+    kept = {p: p.read_bytes() for p in (model, hardware)}
+    sim = ["--gpus", "8", "--tp", "1", "--seq-len", "128", "--global-batch", "8"]
+    error_line(invoke("simulate", "--model", model, *sim, "--trace", model), "it is the input file")
+    error_line(invoke("simulate", "--model", model, *sim, "--hardware", hardware, "--trace",
+                      tmp_path / "." / "hw.json"), "it is the input file")
+    error_line(invoke("compare", "--model", model, *sim, "--hardware", hardware, "--plot", hardware),
+               "it is the input file")
+    error_line(invoke("plan", "--model", model, "--dp", "8", "--tp", "1", "--out", model), "it is the input file")
+    error_line(invoke("spec", model, "--out", model), "it is the input file")
+    (tmp_path / "link.json").symlink_to(model)  # the model read through a link: still its file
+    error_line(invoke("simulate", "--model", tmp_path / "link.json", *sim, "--trace", model), "it is the input file")
+    assert {p: p.read_bytes() for p in (model, hardware)} == kept
+
+
 def test_a_long_name_that_fits_is_written(tmp_path):
     name = "p" * 250 + ".json"
     assert invoke("plan", *PLAN, "--out", tmp_path / name, "--json").exit_code == 0

@@ -52,5 +52,9 @@ def test_published_bad_input():
     error_line(invoke("validate", "--rows", "qwen3"), "--rows selects published rows")
     error_line(invoke("validate", "--search"), "--search ranks published rows' layouts")
     error_line(invoke("validate", "--workers", 2), "--workers is for --published")
+    # the runtime validation's options would be dropped without a word, --strict's gate always passing
+    error_line(invoke("validate", "--published", "--strict"), "--strict is for the runtime validation")
+    error_line(invoke("validate", "--published", "--rows", "qwen3-8b", "--hardware", "a100-sxm", "--dp", 3),
+               "--hardware, --dp are for the runtime validation")
     error_line(invoke("validate", "--published", "--workers", 0), "--workers must be in")
     error_line(invoke("validate", "--published", "--search", "--workers", 0), "--workers must be in")

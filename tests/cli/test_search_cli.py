@@ -74,8 +74,12 @@ def test_table_and_plan_line(as_json):
     (("--model", "no-such-model"), "no-such-model"),
     (("--optimizer", "sgd"), "sgd"),
     (("--top", 0), "--top"),
-    # 28 layers: no PP but 1 divides 11 GPUs or them with the embedding and the loss, and DP 11 no batch of 8
-    (("--gpus", 11, "--model", "qwen3-0.6b", "--global-batch", 8), "no layout"),
+    # no layout at all, or every layout refused for the question's own reason: the simulator's message,
+    # as `canzona simulate` gives it, not a count of refusals
+    (("--gpus", 11, "--model", "qwen3-0.6b", "--global-batch", 8), "11 GPUs do not fill whole nodes of 8"),
+    (("--gpus", 12, "--model", "qwen3-0.6b", "--global-batch", 12), "12 GPUs do not fill whole nodes of 8"),
+    (("--gpus", 8, "--model", "qwen3-0.6b", "--global-batch", 100000), "micro-batches per DP rank; the simulator runs at most"),
+    (("--cross-entropy-fusion-impl", "te"), "changes nothing without --cross-entropy-loss-fusion"),
     (("--recompute-method", "block"), "go together"),
     (("--recompute-method", "uniform", "--recompute-num-layers", -1), "whole number >= 1"),
 ])

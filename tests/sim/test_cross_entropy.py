@@ -47,7 +47,8 @@ def test_megatron_options_select_the_path_and_default_to_unfused():
     assert Workload().cross_entropy == ce.UNFUSED  # Megatron's default, canzona's examples' upcast loss
     assert Workload(cross_entropy_loss_fusion=True).cross_entropy == ce.NATIVE  # Megatron's default impl
     assert Workload(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te").cross_entropy == ce.TE
-    assert Workload(cross_entropy_fusion_impl="te").cross_entropy == ce.UNFUSED  # the impl alone fuses nothing
+    with pytest.raises(SpecError, match="changes nothing without --cross-entropy-loss-fusion"):
+        Workload(cross_entropy_fusion_impl="te")  # the impl alone fuses nothing: a mistake, not a no-op
     with pytest.raises(SpecError, match="unknown cross_entropy_fusion_impl 'linear'"):
         Workload(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="linear")
     with pytest.raises(SpecError, match="eager kernels run the unfused loss"):

@@ -143,6 +143,9 @@ def test_select():
     assert published.select(RUNS, None) == RUNS
     with pytest.raises(SpecError, match="no published row matches"):
         published.select(RUNS, "no-such-model")
+    # a mistyped term beside good ones would drop its rows from the table without a word
+    with pytest.raises(SpecError, match="no published row matches --rows term 'no-such-model' \\(the others match"):
+        published.select(RUNS, "qwen3-8b,no-such-model")
 
 
 def test_report_figures_follow_their_definitions():

@@ -433,3 +433,15 @@ def test_the_memory_floor_counts_the_optimizer_states_mean(leave_out_optimizer_s
     leave_out_optimizer_state()
     assert with_state - memory_floor(cfg, model) == (4 + 8) * model[0].numel // 8
     assert with_state <= simulate(cfg).memory.worst.total
+
+
+def test_an_odd_sequence_is_searched_without_context_parallelism():
+    """CP splits the sequence into 2 x CP chunks; without CP any length runs (`canzona simulate`
+    takes it), so an odd sequence keeps every layout without CP (it had none: CP 1 was asked to
+    divide the sequence in two)."""
+    from sim.search import Question, candidates
+
+    for seq in (4095, 7, 1):
+        layouts = candidates(Question(model="qwen3-0.6b", gpus=8, seq_len=seq, global_batch=8))
+        assert layouts and {c["cp"] for c in layouts} == {1}
+    assert {c["cp"] for c in candidates(Question(model="qwen3-0.6b", gpus=16, seq_len=8192, global_batch=16))} == {1, 2}
