@@ -144,9 +144,11 @@ class EpDispatcher:
             raise SpecError(f"unknown --moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}; choose one of "
                             f"{', '.join(DISPATCHERS)}")
         backend = self.moe_flex_dispatcher_backend
-        if self.moe_token_dispatcher_type == FLEX and backend not in FLEX_BACKENDS:
+        if backend is not None and backend not in FLEX_BACKENDS:
+            raise SpecError(f"unknown --moe-flex-dispatcher-backend {backend!r}; choose one of {', '.join(FLEX_BACKENDS)}")
+        if self.moe_token_dispatcher_type == FLEX and backend is None:
             raise SpecError(f"--moe-token-dispatcher-type flex needs --moe-flex-dispatcher-backend, one of "
-                            f"{', '.join(FLEX_BACKENDS)}; got {backend!r}")
+                            f"{', '.join(FLEX_BACKENDS)}")
         if self.moe_token_dispatcher_type != FLEX and backend is not None:
             raise SpecError(f"--moe-flex-dispatcher-backend {backend} is for --moe-token-dispatcher-type flex")
         sms = self.moe_hybridep_num_sms

@@ -71,7 +71,10 @@ def test_dispatcher_options_error_lines():
         (dict(moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex needs --moe-flex-dispatcher-backend"),
         (dict(moe_flex_dispatcher_backend="deepep"), "--moe-flex-dispatcher-backend deepep is for "
                                                      "--moe-token-dispatcher-type flex"),
-        (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="nccl"), "got 'nccl'"),
+        (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="nccl"),
+         "unknown --moe-flex-dispatcher-backend 'nccl'; choose one of deepep, hybridep"),
+        # an unknown backend is named as unknown, not as one that needs the flex dispatcher
+        (dict(moe_flex_dispatcher_backend="nope"), "unknown --moe-flex-dispatcher-backend 'nope'"),
         (dict(moe_hybridep_num_sms=0), "--moe-hybridep-num-sms must be a whole number of SMs >= 1, got 0"),
     ]
     for kwargs, message in cases:
