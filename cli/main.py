@@ -296,12 +296,22 @@ def inspect(
                   f"hash {loaded.hash()[:12]}")
 
 
-def _check_dp_policy_applies(policies: list[str], dp_policy: str | None) -> None:
-    """A --dp-policy that none of the chosen step policies would use is a mistake, not a no-op."""
-    own = [STEP_POLICIES[p].dp_policy for p in policies if p in STEP_POLICIES]
-    if dp_policy is not None and own and all(own):
-        raise SpecError(f"--dp-policy applies to the canzona policy only; {', '.join(policies)} "
-                        f"use{'s' if len(policies) == 1 else ''} {', '.join(sorted(set(own)))}")
+def _check_dp_policy_applies(policies: list[str], dp_policy: str | None, alpha: float = PLAN_DEFAULTS.alpha,
+                             tp_policy: str = PLAN_DEFAULTS.tp_policy) -> None:
+    """A --dp-policy, --alpha (which weighs the DP policy's balance) or --tp-policy that none of the
+    chosen step policies would use is a mistake, not a no-op: each of the others has its own."""
+    steps = [STEP_POLICIES[p] for p in policies if p in STEP_POLICIES]
+    uses = "uses" if len(policies) == 1 else "use"
+    own = [s.dp_policy for s in steps]
+    if own and all(own):
+        for flag, given in (("--dp-policy", dp_policy is not None), ("--alpha", alpha != PLAN_DEFAULTS.alpha)):
+            if given:
+                raise SpecError(f"{flag} applies to the canzona policy only; {', '.join(policies)} {uses} "
+                                f"{', '.join(sorted(set(own)))}")
+    own = [s.tp_policy for s in steps]
+    if own and all(own) and tp_policy != PLAN_DEFAULTS.tp_policy:
+        raise SpecError(f"--tp-policy applies to the canzona policy only; {', '.join(policies)} {uses} "
+                        f"{', '.join(sorted(set(own)))}")
 
 
 def _sim_config(*, shared: SimOptions):
@@ -313,7 +323,7 @@ def _sim_config(*, shared: SimOptions):
     from sim.workload import Workload, grad_bytes_for
 
     o = shared
-    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy, o.alpha, o.tp_policy)
     split = PipelineSplit(account_for_embedding_in_pipeline_split=o.account_for_embedding_in_pipeline_split,
                           account_for_loss_in_pipeline_split=o.account_for_loss_in_pipeline_split,
                           num_layers_in_first_pipeline_stage=o.decoder_first_pipeline_num_layers,
@@ -847,7 +857,7 @@ def verify(
     try:
         optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
         chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
-        _check_dp_policy_applies(chosen, dp_policy)
+        _check_dp_policy_applies(chosen, dp_policy, alpha, tp_policy)
         preset = preset or ("tiny-moe" if ep > 1 else "tiny")
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,

@@ -252,6 +252,9 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
     (["plan", "--bucket-size", str(10**400)], "bucket size must be"),
     (["simulate", "--global-batch", str(10**307), "--micro-batch", str(10**307)], "global batch must be <="),
     (["simulate", "--policy", "sc", "--dp-policy", "whole-start"], "applies to the canzona policy only"),
+    # the policies with their own DP / TP plans take no alpha or TP scheduler: a no-op given is a mistake
+    (["simulate", "--policy", "sc", "--alpha", "0.3"], "--alpha applies to the canzona policy only; sc uses whole-start"),
+    (["simulate", "--policy", "layerwise", "--tp-policy", "tp-chunk"], "--tp-policy applies to the canzona policy only"),
     (["plan", "--dp", "abc"], "Invalid value for '--dp'"),
     (["simulate", "--gpus", "1.5"], "Invalid value for '--gpus'"),
     (["plan", "--bogus"], "No such option: --bogus"),
@@ -277,6 +280,7 @@ def test_limits_are_stated_in_help():
     (["--dp-policy", "layerwise"], "needs a DP plan that keeps every matrix whole"),
     (["--dp-policy", "zero1-even", "--policy", "all"], "zero1-even does not"),
     (["--policy", "layerwise", "--dp-policy", "alpha-balanced"], "applies to the canzona policy only"),
+    (["--policy", "sc", "--alpha", "0.5"], "--alpha applies to the canzona policy only"),
 ])
 def test_verify_rejects_before_spawning(monkeypatch, args, needle):
     from canzona.harness import verify as checks
