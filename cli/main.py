@@ -323,7 +323,7 @@ def _sim_config(*, shared: SimOptions):
     from sim.workload import Workload, grad_bytes_for
 
     o = shared
-    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy, o.alpha, o.tp_policy)
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
     split = PipelineSplit(account_for_embedding_in_pipeline_split=o.account_for_embedding_in_pipeline_split,
                           account_for_loss_in_pipeline_split=o.account_for_loss_in_pipeline_split,
                           num_layers_in_first_pipeline_stage=o.decoder_first_pipeline_num_layers,
@@ -345,6 +345,8 @@ def _sim_config(*, shared: SimOptions):
                        fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split)
     config.check()
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
+    # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy, o.alpha, o.tp_policy)
     return config
 
 
@@ -857,11 +859,12 @@ def verify(
     try:
         optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
         chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
-        _check_dp_policy_applies(chosen, dp_policy, alpha, tp_policy)
+        _check_dp_policy_applies(chosen, dp_policy)
         preset = preset or ("tiny-moe" if ep > 1 else "tiny")
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style, ep=ep, fsdp=fsdp, hsdp_replicate=hsdp_replicate)
+        _check_dp_policy_applies(chosen, None, alpha, tp_policy)  # after prepare's own checks of the values
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)
