@@ -317,9 +317,22 @@ def _check_gpu(gpu: GPUSpec, node: NodeSpec, where: str) -> None:
             raise SpecError(f"{where}: {name} is a fraction of peak and must be <= 1, got {value}")
 
 
+# a profile's sections: an unknown one is a misspelt section whose figures would silently be the
+# defaults (`gemm-model` for `gemm_model`: no GEMM model at all), so it is refused, as a spec
+# file's unknown fields are; `calibration` and `gemm_points` are what `canzona calibrate` records of
+# its run and of the GEMMs it timed (`canzona.calibration.MEASURED_SECTIONS`)
+PROFILE_KEYS = frozenset({"schema", "version", "name", "description", "measured", "sources", "calibration",
+                          "gemm_points", "gpu", "node", "network", "nccl", "solver_seconds", "gemm_curve",
+                          "optimizer_seconds", "collectives", "gemm_model", "variability"})
+
+
 def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise SpecError(f"{where}: not a canzona hardware profile (schema {SCHEMA!r} expected)")
+    unknown = sorted(str(k) for k in set(data) - PROFILE_KEYS)
+    if unknown:
+        raise SpecError(f"{where}: unknown profile section{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(repr(k) for k in unknown)}; a profile has {', '.join(sorted(PROFILE_KEYS))}")
     if data.get("version") != VERSION or isinstance(data.get("version"), bool):
         raise SpecError(f"{where}: unsupported profile version {data.get('version')!r} (expected {VERSION})")
     name = data.get("name")

@@ -288,6 +288,23 @@ def test_malformed_profile_is_one_error_line(tmp_path):
     assert_one_error_line(run("simulate", *TINY, "--hardware", path), "nic_busbw")
 
 
+def test_a_misspelt_profile_section_is_one_error_line(tmp_path):
+    """A section the profile does not have (`gemm-model` for `gemm_model`) was ignored: the run
+    went on with no GEMM model at all, its times silently wrong."""
+    from importlib import resources
+
+    data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
+    data["gemm-model"] = data.pop("gemm_model")
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    assert_one_error_line(run("simulate", *TINY, "--hardware", str(path)), "unknown profile section 'gemm-model'")
+    # every section `canzona calibrate` writes is one a profile has
+    from canzona.calibration import MEASURED_SECTIONS
+    from canzona.hardware import PROFILE_KEYS
+
+    assert set(MEASURED_SECTIONS) <= PROFILE_KEYS
+
+
 @pytest.mark.parametrize("section,key,value", [("gpu", "sms", 0.5),
                                                ("gpu", "peak_flops", {"fp16": 1e15})], ids=["sms", "no-bf16"])
 def test_bad_profile_values_do_not_crash(tmp_path, section, key, value):
