@@ -4,8 +4,9 @@ Streams keep CUDA semantics: work runs in the order it was enqueued, and an op w
 blocks its stream. Each op, when created, is chained after the op enqueued on its stream before it
 (so ops run in program order), then waits for its dependencies, the stream's later ops behind it
 (a chain of processes rather than a SimPy resource each op requests, and no condition event per
-op: the same order and results, in less time, `benchmarks/bench_sim.py --streams`). A collective starts when every
-participant has reached it on its stream, pays its latency, then moves its bytes over the fabric.
+op: the same order and results, in less time, `benchmarks/bench_sim.py --streams`). A collective
+starts when every participant has reached it on its stream, pays its latency, then moves its bytes
+over the fabric.
 
 SMs are shared (docs/design.md §9.1): a communication kernel holds SMs from its start to its end
 (`sim.comm_sms`: NCCL's channels, or a userbuffers kernel's `num_sm`), and a compute kernel on the
@@ -36,7 +37,7 @@ def cyclic_gc_paused() -> Iterator[None]:
     and keeps its spans; each allocation burst sets off collections that walk every live object,
     the spans included, and free none of them (the engine's garbage goes when its last reference
     does: the same peak memory with the collector off, 448 MB on the Llama 3.1 405B row), so the
-    collector was a third of a long run's time (`benchmarks/bench_sim.py --streams`)."""
+    collector took about 40% of a long run's time (`benchmarks/bench_sim.py --streams`)."""
     was = gc.isenabled()
     gc.disable()
     try:
