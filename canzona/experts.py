@@ -195,10 +195,12 @@ def rank_shares(loads: float | tuple[float, ...] | list[float], experts: int, ep
         rest = max(0.0, (ep - busiest) / (ep - 1)) if ep > 1 else busiest
         return (busiest,) + (rest,) * (ep - 1)
     shares = list(loads)
-    if len(shares) != experts or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and
-                                         0 <= x < float("inf") for x in shares) or sum(shares) <= 0:
-        raise SpecError(f"a router histogram gives one non-negative share per expert ({experts}), not all zero; "
-                        f"got {len(shares)} values")
+    bad = [x for x in shares if not (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf"))]
+    if len(shares) != experts or bad or sum(shares) <= 0:
+        # say what is wrong: the count, a value (negative, not finite), or every share zero
+        why = (f"got {len(shares)} values" if len(shares) != experts else
+               f"got {bad[0]!r}" if bad else "got all zero")
+        raise SpecError(f"a router histogram gives one non-negative share per expert ({experts}), not all zero; {why}")
     per_rank = experts // ep
     ranks = [sum(shares[j * per_rank:(j + 1) * per_rank]) for j in range(ep)]
     mean = sum(ranks) / ep
