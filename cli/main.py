@@ -346,7 +346,7 @@ def _sim_config(*, shared: SimOptions):
     config.check()
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
-    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy, o.alpha, o.tp_policy)
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], None, o.alpha, o.tp_policy)
     return config
 
 
@@ -953,6 +953,8 @@ def calibrate(
 
 
 VALIDATE_MAX_DP = 4
+# `canzona validate`'s options that the runtime validation reads and the published table does not
+RUNTIME_VALIDATE_OPTIONS = ("hardware", "dp", "optimizer", "policies", "rounds", "profile_out", "strict")
 
 
 @app.command()
@@ -992,11 +994,14 @@ def validate(
     from canzona.optimizers import check_matrix_optimizer
 
     if published or rows is not None or search or workers is not None:
-        # the runtime validation's options, which the published table would drop without a word
-        runtime = [flag for flag, value, default in (
-            ("--hardware", hardware, None), ("--dp", dp, 2), ("--optimizer", optimizer, "muon"),
-            ("--policies", policies, "all"), ("--rounds", rounds, 10), ("--profile-out", profile_out, None),
-            ("--strict", strict, False)) if value != default]
+        # the runtime validation's options, which the published table would drop without a word: those
+        # given off their defaults (the signature's, so they are stated once)
+        import inspect
+
+        given = locals()
+        defaults = inspect.signature(validate).parameters
+        runtime = ["--" + name.replace("_", "-") for name in RUNTIME_VALIDATE_OPTIONS
+                   if given[name] != defaults[name].default]
         if runtime:
             fail(f"{', '.join(runtime)} {'is' if len(runtime) == 1 else 'are'} for the runtime validation (canzona "
                  "validate without --published): the published table simulates each row on its own hardware, with "
