@@ -147,9 +147,10 @@ def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
     return ks
 
 
-def adamw_kernels(numel: int, cfg: AdamWConfig) -> list[Kernel]:
-    """One fused pass: read param, grad, two moments; write param and moments."""
-    return [elementwise_kernel("adamw", numel, 10, 7 * FP32)]
+def adamw_kernels(numel: int, cfg: AdamWConfig, element_bytes: int = FP32) -> list[Kernel]:
+    """One fused pass: read param, grad, two moments; write param and moments (`element_bytes` each:
+    fp32, or a bf16 model's under torch's AdamW, which keeps its state in the parameters' dtype)."""
+    return [elementwise_kernel("adamw", numel, 10, 7 * element_bytes)]
 
 
 def adamw_matrix_kernels(m: int, n: int, cfg: AdamWConfig) -> list[Kernel]:
@@ -161,13 +162,13 @@ def adamw_state_bytes(m: int, n: int, cfg: AdamWConfig) -> int:
     return 2 * FP32 * m * n  # the two moments
 
 
-def gradient_norm_kernels(numel: int, clip: bool) -> list[Kernel]:
+def gradient_norm_kernels(numel: int, clip: bool, element_bytes: int = FP32) -> list[Kernel]:
     """A rank's share of the global gradient norm, every step (the runtime checks it is finite
-    before any update): one read of its reduced gradients; and, with `max_grad_norm`, the clip: one
-    scaling pass over them."""
-    out = [elementwise_kernel("gradient norm", numel, 2, FP32)]
+    before any update): one read of its reduced gradients (`element_bytes` each); and, with
+    `max_grad_norm`, the clip: one scaling pass over them."""
+    out = [elementwise_kernel("gradient norm", numel, 2, element_bytes)]
     if clip:
-        out.append(elementwise_kernel("gradient clip", numel, 1, 2 * FP32))
+        out.append(elementwise_kernel("gradient clip", numel, 1, 2 * element_bytes))
     return out
 
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 from canzona.cost import CostModel, row_state_bytes, state_bytes
 from canzona.errors import SpecError
 from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
-from canzona.spec import ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
 
 ROOT = -1  # the root unit's key: the parameters outside the decoder layers
@@ -165,11 +165,13 @@ class FsdpRankBytes:
 
 
 def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, FsdpMatrix], *, weight_bytes: int,
-                           grad_bytes: int, master_bytes: int) -> list[FsdpRankBytes]:
+                           grad_bytes: int, master_bytes: int,
+                           moment_bytes: int = DTYPE_BYTES["fp32"]) -> list[FsdpRankBytes]:
     """Every rank of a shard group of `shard` ranks, in member order: its `torch.chunk` row blocks
     of every parameter (`weight_bytes` per element of the shards themselves, 0 where they are the
-    masters; `grad_bytes` of its gradient shards; `master_bytes` of fp32 masters), AdamW's two fp32
-    moments of its non-empty blocks of the parameters outside `matrices`, and the matrix
+    masters; `grad_bytes` of its gradient shards; `master_bytes` of fp32 masters), AdamW's two
+    moments of its non-empty blocks of the parameters outside `matrices` (`moment_bytes` an element:
+    fp32, or a bf16 model's under torch's AdamW), and the matrix
     optimizer's state: the whole state of the matrices it owns, or, under gather-all (owner None),
     its rows' share of every matrix's row state (`FsdpMatrix.row_state`) and the rest of every
     matrix's state whole. What the runtime allocates (`FsdpOptimizer`: the parameters' and
@@ -182,7 +184,7 @@ def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, Fsdp
             held += n
             m = matrices.get(p.name)
             if m is None:
-                adamw += state_bytes("adamw", (n,)) if n else 0
+                adamw += state_bytes("adamw", (n,)) * moment_bytes // DTYPE_BYTES["fp32"] if n else 0
             elif m.owner is None:  # its rows' share of the row state (a multiple of the rows)
                 start, end = chunk_rows(p.shape[0], shard, r)
                 state += m.row_state * (end - start) // p.shape[0] + m.state - m.row_state

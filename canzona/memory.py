@@ -84,6 +84,9 @@ from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
 from canzona.routing import RANDOM, busiest_rank, check_routing
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
+
+# the dtypes a run may keep its masters and optimizer state in (`MemorySetup.master_dtype`)
+MASTER_DTYPES = ("fp32", "bf16")
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
     PIPELINED,
@@ -338,6 +341,11 @@ class MemorySetup:
     grad_bytes: int = 4  # main gradients, reduced and read by the optimizer (Megatron: fp32)
     activation_bytes: int = 2
     master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
+    # the dtype the parameters are built in and the optimizer keeps its state in
+    # (`sim.workload.Workload.master_dtype`): "fp32", mixed precision's masters; "bf16", a model
+    # built in bf16 under FSDP2 and torch's AdamW (NeMo AutoModel's): no fp32 copy, its gradients'
+    # shards and AdamW's two moments in bf16 too (`shard_grad_bytes`, `adamw_state_bytes`)
+    master_dtype: str = "fp32"
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # one of canzona.recompute.RECOMPUTE_MODES
     # under full recompute, Megatron's --recompute-method and --recompute-num-layers
@@ -372,6 +380,15 @@ class MemorySetup:
     # (0: the loss keeps no copy: Transformer Engine's fused cross-entropy overwrites the logits
     # with their gradient, sim.cross_entropy)
     loss_bytes: int = FP32
+    # the loss is PyTorch's composite `F.cross_entropy` (`log_softmax` then `nll_loss`, two autograd
+    # nodes), as the FSDP2 frameworks' training loops run it (torchtitan, NeMo AutoModel, Hugging
+    # Face); False: Megatron's vocab-parallel cross-entropy, whose backward works in place on the
+    # softmax it saved (`loss_logit_bytes`)
+    loss_autograd: bool = False
+    # under `loss_autograd`, the training loop keeps the model's logits alive through the backward
+    # (NeMo AutoModel's and Hugging Face's loops hold the model's output; torchtitan deletes `pred`
+    # before `loss.backward()`)
+    loss_holds_logits: bool = False
     # Megatron's store_param_remainders (precision-aware optimizer) / Apex DistributedFusedAdam's:
     # of each fp32 master only the 16 bits the bf16 weight lacks are kept (2 bytes, not 4)
     store_param_remainders: bool = False
@@ -399,8 +416,19 @@ class MemorySetup:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise SpecError(f"master dtype must be one of {', '.join(MASTER_DTYPES)}, got {self.master_dtype!r}")
         if not (isinstance(self.loss_bytes, int) and self.loss_bytes >= 0):
             raise SpecError(f"loss bytes must be a whole number >= 0, got {self.loss_bytes!r}")
+        for name in ("loss_autograd", "loss_holds_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.loss_holds_logits and not self.loss_autograd:
+            raise SpecError("loss_holds_logits describes a training loop around PyTorch's F.cross_entropy "
+                            "(loss_autograd); Megatron's loss holds no logits past its forward")
+        if self.loss_autograd and not self.loss_bytes:
+            raise SpecError("PyTorch's F.cross_entropy saves its log-softmax: loss bytes must be >= 1 under "
+                            "loss_autograd")
         if self.store_param_remainders and not (self.master_weights and self.param_bytes == BF16):
             raise SpecError("store_param_remainders keeps the low half of fp32 masters beside bf16 weights: it needs "
                             f"master weights and 2-byte parameters, got {self.param_bytes}-byte parameters"
@@ -428,7 +456,17 @@ class MemorySetup:
 
     @property
     def has_masters(self) -> bool:
-        return self.master_weights and self.param_bytes < FP32
+        return self.master_weights and self.param_bytes < FP32 and self.master_dtype == "fp32"
+
+    @property
+    def shard_grad_bytes(self) -> int:
+        """Bytes of an element of a rank's kept gradient shards: the reduction's dtype (`grad_bytes`),
+        or a bf16 model's own where it is lower (FSDP2 casts each reduced shard to its parameter's dtype)."""
+        return min(self.grad_bytes, DTYPE_BYTES[self.master_dtype])
+
+    def adamw_state_bytes(self, numel: int) -> int:
+        """AdamW's two moments of `numel` elements, in the `master_dtype` torch's optimizer keeps them in."""
+        return state_bytes("adamw", (numel,)) * DTYPE_BYTES[self.master_dtype] // FP32
 
     @property
     def master_bytes(self) -> int:
@@ -455,7 +493,7 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes", "loss_bytes", "store_param_remainders",
+                                                    "activation_bytes", "loss_bytes", "loss_holds_logits", "master_dtype", "store_param_remainders",
                                                     "bias_activation_fusion")
                   if hasattr(workload, k)}
         if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
@@ -841,10 +879,11 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
       recompute) agree that the overlap holds no micro-batch more: 70,279 MB peak allocated with
       it (PR #6429) against 68,704 MB without (PR #6311), 2.3% more;
     - `embedding`: the embedding's dropout mask per micro-batch in flight (first stage);
-    - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits: the fp32
-      copy the loss keeps (`4*s*b*V`, the paper's; `setup.loss_bytes` a logit for a loss that
-      keeps it in another dtype) plus the bf16 logits it is made from, split over t by the
-      vocabulary-parallel head (last stage)."""
+    - `output`: the final norm's and the head's inputs `2*e*h` per token, and the logits at the
+      loss's peak (`loss_logit_bytes`: under Megatron's loss the fp32 copy it keeps, `4*s*b*V`,
+      the paper's, or `setup.loss_bytes` a logit for a loss that keeps it in another dtype, plus
+      the bf16 logits it is made from; under PyTorch's `F.cross_entropy` three tensors of the
+      logits' shape at its backward), split over t by the vocabulary-parallel head (last stage)."""
     # the micro-batch(-chunk)s in flight at the peak that hold the embedding's output: chunk 0's
     if vp == 1:
         embedded = pp - stage if setup.micro_batches is None else min(pp - stage, setup.micro_batches)
@@ -878,8 +917,23 @@ def _breakdown(dims: LayerDims, setup: MemorySetup, tp: int, pp: int = 1, stage:
         "output": 0.0,
     }
     if stage == pp - 1:
-        out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * (setup.loss_bytes + e) / tp
+        out["output"] = tokens * 2 * e * dims.hidden / sp_div + tokens * dims.vocab * loss_logit_bytes(setup) / tp
     return out
+
+
+def loss_logit_bytes(setup: MemorySetup) -> int:
+    """Bytes a logit holds at the loss's peak, beside every layer's activations (the backward starts
+    there, before it frees any). Megatron's vocab-parallel cross-entropy: the bf16 logits and the copy
+    the loss keeps (`loss_bytes`: its fp32 softmax, which its backward turns into the gradient in
+    place). PyTorch's `F.cross_entropy` (`loss_autograd`) on logits of `loss_bytes` (fp32 where the
+    loop upcasts them): at `log_softmax`'s backward, its saved output, the dense gradient `nll_loss`'s
+    backward made and the gradient it makes, three tensors of the logits' shape (what torch allocates:
+    `tests/sim/test_loss_memory.py` measures it on CPU), plus the model's logits where the loop holds
+    them (`loss_holds_logits`). Before 2026-11-30 the FSDP2 frameworks' loss was counted as Megatron's:
+    on torchtitan's Llama 3.1 8B runs (16,384 tokens a micro-batch) 12.6 GB short of the peak."""
+    if setup.loss_autograd:
+        return 3 * setup.loss_bytes + (setup.activation_bytes if setup.loss_holds_logits else 0)
+    return setup.loss_bytes + setup.activation_bytes
 
 
 def _overlap_layer_bytes(dims: LayerDims, setup: MemorySetup, tp: int, expert_load: float = 1.0) -> float:
@@ -1273,8 +1327,8 @@ def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tup
 
 
 __all__ = [
-    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
+    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "MASTER_DTYPES", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
-    "layer_activation_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
+    "layer_activation_bytes", "loss_logit_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
     "userbuffer_bytes", "worst_rank", "deepep_buffer_bytes", "hybridep_buffer_bytes",
 ]

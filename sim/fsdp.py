@@ -80,7 +80,7 @@ from canzona.recompute import (
     layout_recompute_modes,
     rerun_stops_early,
 )
-from canzona.spec import ModelSpec, Role
+from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
@@ -571,12 +571,16 @@ class _FsdpRun:
         ub = FP32 if wl.param_bytes < FP32 else wl.grad_bytes  # the update as sent and applied
         total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
         experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
+        # a bf16 model's gradient shards and AdamW state are bf16 (Workload.master_dtype)
+        state_dtype = DTYPE_BYTES[wl.master_dtype]
         norm_s = sum(self.rate.kernel_seconds(k) for k in
-                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None))
+                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None,
+                                           state_dtype))
         begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
         local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
         elementwise = -(-(total - local_matrices) // s) + experts
-        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw")))
+        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"),
+                                                                         state_dtype))
         done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
         groups = self.micro_groups()
         nodes = [self.cluster.node_of(r) for r in ranks]
@@ -651,7 +655,7 @@ class _FsdpRun:
         opt, tp = self.cfg.optimizer, self.tp
         pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
         ub = setup.update_bytes
-        kept = self._persistent(pb, gb, mb)
+        kept = self._persistent(setup)
         in_flight = in_flight_bytes(self.gathered_elements(), self.cfg.reshard_after_forward, pb, gb)
         acts = activation_bytes(dims, setup, tp)
         work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
@@ -681,27 +685,30 @@ class _FsdpRun:
                                     setup.userbuffers, setup.dispatcher_buffers))
         return LayoutMemory(self.cfg.policy, opt, self.cluster.dp, tp, 1, 0, tuple(ranks))
 
-    def _persistent(self, pb: int, gb: int, mb: int) -> list[FsdpRankBytes]:
+    def _persistent(self, setup: MemorySetup) -> list[FsdpRankBytes]:
         """Each member's shards, masters and state. At TP 1 exactly what the runtime allocates
         (`fsdp_persistent_memory`: each rank's torch.chunk row blocks); under TP 1 / S of each TP
-        rank's local elements (`_StridedShard`'s exact pieces are not modelled)."""
-        weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
+        rank's local elements (`_StridedShard`'s exact pieces are not modelled). A bf16 model
+        (`MemorySetup.master_dtype`) keeps no masters, and its gradient shards and AdamW's moments in bf16."""
+        gb, mb = setup.shard_grad_bytes, setup.master_bytes
+        weight_bytes = 0 if mb else setup.param_bytes  # with masters, the fp32 shard is the parameter
         if self.tp == 1:
             dense = dense_part(self.spec) if self.ep > 1 else self.spec
             held = fsdp_persistent_memory(dense, self.shard, self.matrices, weight_bytes=weight_bytes,
-                                          grad_bytes=gb, master_bytes=mb)
+                                          grad_bytes=gb, master_bytes=mb,
+                                          moment_bytes=DTYPE_BYTES[setup.master_dtype])
             if self.ep == 1:
                 return held
             # under EP each rank's share of its EP rank's experts (over the EDP group; AdamW's state)
             n = -(-sum(self.expert_local.values()) // self.edp)
             return [replace(h, weights=h.weights + n * weight_bytes, grads=h.grads + n * gb,
                             master_weights=h.master_weights + n * mb,
-                            adamw_state=h.adamw_state + state_bytes("adamw", (n,))) for h in held]
+                            adamw_state=h.adamw_state + setup.adamw_state_bytes(n)) for h in held]
         s, tp = self.shard, self.tp
         total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
         matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)
         shard = -(-total // s)
-        adamw_state = state_bytes("adamw", (-(-(total - matrix_numel) // s),))
+        adamw_state = setup.adamw_state_bytes(-(-(total - matrix_numel) // s))
         out = []
         for r in self.members:
             if self.policy is None:
@@ -739,8 +746,8 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape)) for p in matrices) // (shard * tp)
     elementwise = total - sum(p.local_numel(tp) for p in matrices)
     experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's
-    persistent = ((total // shard + experts) * (weight_bytes + gb + mb) + matrix_state
-                  + state_bytes("adamw", (elementwise // shard + experts,)) + setup.dispatcher_buffers)
+    persistent = ((total // shard + experts) * (weight_bytes + setup.shard_grad_bytes + mb) + matrix_state
+                  + setup.adamw_state_bytes(elementwise // shard + experts) + setup.dispatcher_buffers)
     transient = activation_bytes(dims, setup, tp) + in_flight_bytes(
         gathered_elements(local, expert_local, edp), cfg.reshard_after_forward, pb, gb)
     return persistent + transient + setup.overhead(transient)

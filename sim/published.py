@@ -25,6 +25,7 @@ import canzona
 from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
+from canzona.memory import MASTER_DTYPES
 from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
 from canzona.recompute import (
@@ -97,6 +98,14 @@ class PublishedRun:
     # keeps its log-softmax in the logits' bf16 (Workload.loss_bytes 2); None: not stated, the
     # fp32 copy Megatron's loss keeps
     loss_fp32_upcast: bool | None = None
+    # the recipe's training loop keeps the model's logits through the backward beside PyTorch's
+    # F.cross_entropy (an FSDP2 row's: Workload.loss_holds_logits); False: it does not (torchtitan
+    # deletes them), or Megatron's loss
+    loss_holds_logits: bool = False
+    # the dtype the recipe builds its model in and keeps AdamW's state in (Workload.master_dtype):
+    # "bf16" on an FSDP2 row whose framework builds the model in bf16 (NeMo AutoModel); "fp32"
+    # (default): mixed precision's masters
+    master_dtype: str = "fp32"
     # Megatron's --attention-backend as the recipe ran it (`RunOptions.attention_backend`: "fused",
     # cuDNN's kernels, or "flash", flash-attn 2); None: not stated, simulated with "fused"
     attention_backend: str | None = None
@@ -212,6 +221,7 @@ class PublishedRun:
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
                       loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
+                      loss_holds_logits=self.loss_holds_logits, master_dtype=self.master_dtype,
                       kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
                       cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
                       store_param_remainders=bool(self.store_param_remainders),
@@ -286,6 +296,7 @@ class RowResult:
             "recipe_source": r.recipe_source or None,
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
+            **({"loss_holds_logits": r.loss_holds_logits, "master_dtype": r.master_dtype} if r.fsdp else {}),
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
             **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
@@ -388,6 +399,12 @@ class PublishedReport:
                 "loss_fp32_upcast": "whether the recipe's loss upcasts the logits to fp32 (NeMo AutoModel's "
                                     "MaskedCrossEntropy option; false: its saved copy in bf16), with recipe_source; "
                                     "null: not stated, Megatron's fp32 copy",
+                "loss_holds_logits": "an FSDP row's: whether the recipe's training loop keeps the model's logits "
+                                     "through the backward beside PyTorch's F.cross_entropy (true: NeMo AutoModel's "
+                                     "loop holds the model's output), with recipe_source",
+                "master_dtype": "an FSDP row's: the dtype its recipe builds the model in, which torch's AdamW keeps "
+                                "its moments in (bf16: no fp32 copy, NeMo AutoModel's), with recipe_source; "
+                                "fp32: mixed precision's masters",
                 "attention_backend": "the recipe's attention kernels (Megatron's --attention-backend: fused, "
                                      "cuDNN's; flash, flash-attn 2), with recipe_source; null: not stated, "
                                      "simulated as fused",
@@ -511,6 +528,14 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: reshard_after_forward must be true or false (false on an fsdp row only), "
                         f"got {reshard!r}")
     upcast = _optional_bool(raw, "loss_fp32_upcast", where)
+    master_dtype = raw.get("master_dtype", "fp32")
+    if master_dtype not in MASTER_DTYPES or (master_dtype != "fp32" and not fsdp):
+        raise SpecError(f"{where}: master_dtype must be one of {', '.join(MASTER_DTYPES)} (not fp32 on an fsdp row "
+                        f"only), got {master_dtype!r}")
+    holds_logits = raw.get("loss_holds_logits", False)
+    if not isinstance(holds_logits, bool) or (holds_logits and not fsdp):
+        raise SpecError(f"{where}: loss_holds_logits must be true or false (true on an fsdp row only: the FSDP2 "
+                        f"frameworks' loops around PyTorch's F.cross_entropy), got {holds_logits!r}")
     attention = raw.get("attention_backend")
     if attention is not None and attention not in ATTENTION_BACKENDS:
         raise SpecError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or null, "
@@ -554,7 +579,8 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: recompute_method is Megatron's; an fsdp row's checkpoint wrappers take every layer")
     fusions = {k: _optional_bool(raw, k, where) for k in ("apply_rope_fusion", "bias_activation_fusion")}
     recipe_source = raw.get("recipe_source", "")
-    settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "attention_backend", "kernels",
+    settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "loss_holds_logits", "master_dtype",
+                "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                 *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                 *fusions, *method)
@@ -572,6 +598,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
+        loss_holds_logits=holds_logits, master_dtype=master_dtype,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,

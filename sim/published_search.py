@@ -67,7 +67,9 @@ def question_of(run: PublishedRun) -> Question:
                     delay_wgrad_compute=run.delay_wgrad_compute, tp_comm_overlap=run.tp_comm_overlap is not False,
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False,
-                    kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes, fsdp=run.fsdp,
+                    kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes,
+                    loss_holds_logits=cfg.workload.loss_holds_logits, master_dtype=cfg.workload.master_dtype,
+                    fsdp=run.fsdp,
                     fsdp_impl=cfg.fsdp_impl, selective_ac_option=cfg.options.selective_ac_option)
 
 

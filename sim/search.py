@@ -155,6 +155,11 @@ class Question:
     # upcast the bf16 logits, NeMo AutoModel's fp32_upcast false): every layout is searched with them
     kernels: str = Workload.kernels
     loss_bytes: int = Workload.loss_bytes
+    # under fsdp, the training loop keeps the model's logits through the backward (Workload.loss_holds_logits:
+    # NeMo AutoModel's); every layout is searched with it, and a ZeRO-1 question's layouts refuse it
+    loss_holds_logits: bool = Workload.loss_holds_logits
+    # under fsdp, the dtype the model is built in and AdamW keeps its state in (Workload.master_dtype)
+    master_dtype: str = Workload.master_dtype
     # `canzona simulate --fsdp`'s layouts (sim.fsdp: torch's fully_shard, composed with TP as
     # torchtitan composes it) instead of Megatron's ZeRO-1 ones: the search's space is `FSDP_SPACE`
     fsdp: bool = False
@@ -246,7 +251,8 @@ class Question:
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
                         store_param_remainders=self.store_param_remainders,
                         apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
-                        kernels=self.kernels, loss_bytes=self.loss_bytes)
+                        kernels=self.kernels, loss_bytes=self.loss_bytes, loss_holds_logits=self.loss_holds_logits,
+                        master_dtype=self.master_dtype)
 
 
 # the question's settings of Megatron's ZeRO-1 layout, refused under --fsdp (`Question`), with the

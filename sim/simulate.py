@@ -79,6 +79,7 @@ from sim.classes import RankSpans
 from sim.engine import Engine, Span, cyclic_gc_paused
 from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
+from sim.cross_entropy import UNFUSED
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
@@ -223,6 +224,14 @@ class SimConfig:
         check_fsdp_impl(self.fsdp_impl)
         if self.fsdp_impl != FSDP2 and not self.fsdp:  # as --no-reshard-after-forward: not a silent no-op
             raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
+        if self.workload.master_dtype != "fp32" and not (self.fsdp and self.fsdp_impl == FSDP2 and
+                                                         self.optimizer == "adamw"):
+            raise SpecError(f"master dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
+                            "modelled under FSDP2 (--fsdp) with torch's AdamW (--optimizer adamw), which keeps its "
+                            "moments in the parameters' dtype")
+        if self.workload.loss_holds_logits and not self.loss_autograd:
+            raise SpecError("loss_holds_logits describes a training loop around PyTorch's F.cross_entropy: FSDP2 "
+                            "(--fsdp) with the unfused loss; Megatron's loss holds no logits past its forward")
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)
             if self.workload.store_param_remainders:
@@ -347,6 +356,14 @@ class SimConfig:
         if self.ep > 1:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
+    @property
+    def loss_autograd(self) -> bool:
+        """The loss is PyTorch's `F.cross_entropy` (`canzona.memory.MemorySetup.loss_autograd`): an
+        FSDP2 layout's, whose frameworks (torchtitan, NeMo AutoModel, Hugging Face) run it, unless
+        the run asks for one of Megatron's fused losses; Megatron's own (ZeRO-1, Megatron-FSDP) is
+        its vocab-parallel cross-entropy."""
+        return self.fsdp and self.fsdp_impl == FSDP2 and self.workload.cross_entropy == UNFUSED
+
     def memory_setup(self, arch: Architecture, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
         simulation and the search's floor: the workload's, the options' (the recompute and its
@@ -364,7 +381,7 @@ class SimConfig:
             wl, recompute=self.options.recompute, recompute_method=self.options.recompute_method,
             recompute_num_layers=self.options.recompute_num_layers,
             selective_ac_option=self.options.selective_ac_option, expert_tp=self.etp,
-            ep_overlap=self.options.overlap_moe_expert_parallel_comm, ep=self.ep,
+            ep_overlap=self.options.overlap_moe_expert_parallel_comm, ep=self.ep, loss_autograd=self.loss_autograd,
             router_imbalance=self.router_imbalance, routing=self.options.ep_dispatcher.load_routing,
             micro_batches=wl.micro_batches(self.gpus // (self.tp * self.pp * self.cp)), **extra)
         if self.cp > 1:  # each GPU holds the activations of its CP rank's seq / cp tokens of a micro-batch

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from canzona.choices import check_choice
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
+from canzona.memory import MASTER_DTYPES
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 from sim.cross_entropy import (
     DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
@@ -49,6 +50,17 @@ class Workload:
     # bytes a logit of the copy the loss keeps for its backward (canzona.memory.MemorySetup's
     # loss_bytes): fp32, Megatron's; 2 for a loss that does not upcast the bf16 logits
     loss_bytes: int = DTYPE_BYTES["fp32"]
+    # the training loop keeps the model's logits alive through the backward, beside PyTorch's
+    # F.cross_entropy (canzona.memory.MemorySetup.loss_holds_logits): NeMo AutoModel's and Hugging
+    # Face's loops hold the model's output; torchtitan's deletes it before the backward (False). The
+    # FSDP2 frameworks' only: Megatron's loss holds none
+    loss_holds_logits: bool = False
+    # the dtype the model's parameters are built in, which torch's AdamW keeps its state in
+    # (canzona.memory.MemorySetup.master_dtype): "fp32", mixed precision's masters (torchtitan builds
+    # its model in fp32 and FSDP2 gathers bf16 copies; Megatron's distributed optimizer keeps fp32
+    # masters); "bf16", a model built in bf16 under FSDP2 (NeMo AutoModel's), with no fp32 copy: its
+    # gradient shards and AdamW's moments in bf16
+    master_dtype: str = "fp32"
     # the layers' memory-bound kernels (norms, RoPE, SwiGLU, the loss): "fused" (Transformer Engine /
     # Megatron's fused kernels) or "eager" (PyTorch's eager ops, e.g. torchtitan with compile =
     # false): sim.eager_kernels
@@ -80,6 +92,9 @@ class Workload:
         check_kernels(self.kernels)
         if self.cross_entropy != UNFUSED and self.kernels == EAGER:
             raise SpecError("cross-entropy loss fusion is Megatron's (fused kernels); eager kernels run the unfused loss")
+        check_choice(self.master_dtype, MASTER_DTYPES, "master dtype")
+        if not isinstance(self.loss_holds_logits, bool):
+            raise SpecError(f"loss_holds_logits must be true or false, got {self.loss_holds_logits!r}")
         if not isinstance(self.store_param_remainders, bool):
             raise SpecError(f"store_param_remainders must be true or false, got {self.store_param_remainders!r}")
         for field in ("apply_rope_fusion", "bias_activation_fusion"):

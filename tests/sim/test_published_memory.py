@@ -177,15 +177,17 @@ def test_recipe_reshard_after_forward_is_the_automodel_rows_and_checked():
 
 
 def test_recipe_loss_without_fp32_upcast_keeps_a_bf16_copy_of_the_logits():
-    """AutoModel's benchmark recipe sets MaskedCrossEntropy(fp32_upcast=False): the loss's saved
-    copy of each logit is bf16, not Megatron's fp32, so the row's activations are 2 bytes a logit
-    smaller (Qwen3's 151,936-token vocabulary over 4 x 4096 tokens) and nothing else moves."""
+    """AutoModel's benchmark recipe sets MaskedCrossEntropy(fp32_upcast=False): PyTorch's
+    F.cross_entropy runs on the bf16 logits, so the three tensors of the logits' shape it holds at
+    its backward (the saved log-softmax, nll_loss's gradient, log_softmax's; `loss_logit_bytes`)
+    are bf16, not fp32: the row's activations are 3 x 2 bytes a logit smaller (Qwen3's
+    151,936-token vocabulary over 4 x 4096 tokens) and nothing else moves."""
     run = BY_ID["qwen3-30b-a3b-8xh100-automodel"]
     assert run.loss_fp32_upcast is False and "fp32_upcast: false" in run.recipe_source
     assert run.sim_config().workload.loss_bytes == 2
     bf16 = published.compare_run(run).memory
     fp32 = published.compare_run(replace(run, loss_fp32_upcast=None)).memory
-    assert fp32["activations"] - bf16["activations"] == 4 * 4096 * 151936 * (4 - 2)
+    assert fp32["activations"] - bf16["activations"] == 4 * 4096 * 151936 * 3 * (4 - 2)
     assert fp32["grads"] == bf16["grads"] and fp32["reduction"] == bf16["reduction"]
     assert all(r.loss_fp32_upcast is None for r in RUNS if r.id != run.id)
     raw = next(r for r in json.loads(published.PUBLISHED_RUNS.read_text())["rows"] if r["id"] == run.id)
