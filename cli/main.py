@@ -65,6 +65,7 @@ from cli.shared_options import takes_options
 from cli.units import parse_capacity
 from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.topology import MAX_GPUS
+from sim.userbuffers import DEFAULT_UB_CONFIG
 from sim.workload import MAX_MICRO_BATCHES, MAX_SEQ_LEN
 
 
@@ -366,6 +367,7 @@ def _run_options(*, shared: SimOptions):
     o = shared
     return RunOptions(overlap_grad_reduce=o.overlap_grad_reduce, align_grad_reduce=o.align_grad_reduce,
                       overlap_param_gather=o.overlap_param_gather, tp_comm_overlap=o.tp_comm_overlap,
+                      tp_comm_overlap_cfg=o.tp_comm_overlap_cfg,
                       recompute=o.recompute, recompute_method=o.recompute_method,
                       recompute_num_layers=o.recompute_num_layers, selective_ac_option=o.selective_ac_option,
                       reduce_scatter=o.reduce_scatter,
@@ -419,6 +421,11 @@ AlignGrad = Annotated[bool, typer.Option(
          "at the same time on every pipeline stage; off: each bucket as its backward ends (Megatron --no-align-grad-reduce).")]
 OverlapParams = Annotated[bool, typer.Option(help="All-gather updated parameters under the next forward (Megatron --overlap-param-gather).")]
 TpOverlap = Annotated[bool, typer.Option(help="Hide sequence-parallel TP communication behind the GEMMs (Transformer Engine --tp-comm-overlap).")]
+TpOverlapCfg = Annotated[str, typer.Option(
+    help="The TP overlap's userbuffers configuration by its recipe name (Megatron-Bridge's tp_comm_overlap_cfg: each "
+         "GEMM's overlap method, SMs, chunks and SM margin, sim.userbuffers; an unknown name lists them), e.g. "
+         "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192, Llama 3.1 405B's H100 FP8 recipe's; with "
+         "--tp-comm-overlap at --tp > 1 only.")]
 EpOverlap = Annotated[bool, typer.Option(
     help="Megatron's --overlap-moe-expert-parallel-comm under --ep: the combined 1F1B schedule, one micro-batch's "
          "forward beside another's backward layer by layer, each one's dispatch / combine all-to-alls under the "
@@ -596,6 +603,7 @@ class SimOptions:
     align_grad_reduce: AlignGrad = True
     overlap_param_gather: OverlapParams = STEP_DEFAULTS.overlap_param_gather
     tp_comm_overlap: TpOverlap = True
+    tp_comm_overlap_cfg: TpOverlapCfg = DEFAULT_UB_CONFIG
     recompute: Recompute = "none"
     recompute_method: RecomputeMethod = None
     recompute_num_layers: RecomputeNumLayers = None

@@ -119,13 +119,21 @@ PUBLISHED_MFU = "38-47% (Megatron-LM on H100)"
 PAPER_RATIOS = {"iteration_time_s": 1.57, "optimizer_step_s": 5.8}
 
 
+def _tp_overlap_label(o) -> str:
+    """The TP overlap, naming its userbuffers configuration where it is not the default."""
+    from sim.userbuffers import DEFAULT_UB_CONFIG
+
+    cfg = o.tp_comm_overlap_cfg
+    return "TP comm overlap" if cfg == DEFAULT_UB_CONFIG else f"TP comm overlap ({cfg})"
+
+
 def _options_text(c) -> str:
     o = c.options
     on = [name for name, flag in (("grad-reduce overlap", o.overlap_grad_reduce),
                                   ("aligned across stages", o.overlap_grad_reduce and o.align_grad_reduce
                                    and getattr(c, "pp", 1) > 1),
                                   ("param-gather overlap", o.overlap_param_gather),
-                                  ("TP comm overlap", o.tp_comm_overlap),
+                                  (_tp_overlap_label(o), o.tp_comm_overlap),
                                   ("EP all-to-all overlap", o.overlap_moe_expert_parallel_comm),
                                   ("delayed expert wgrad", o.delay_wgrad_compute)) if flag]
     recompute = recompute_label(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option)

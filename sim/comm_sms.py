@@ -35,9 +35,10 @@ configurations) the GEMM is launched on `sms - num_sm` SMs for its whole length,
 the communication kernel runs (TE's CommOverlapCore: `_math_sms = set_sm_margin ? sm_count -
 num_comm_sm : sm_count`, transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp), and
 the GEMM runs as `num_splits` chunks, the reduce-scatter of each chunk starting once it is done,
-so the last chunk's reduce-scatter follows the GEMM (`split_overlap_rs`). `TP_OVERLAP_SMS` holds the H100 configuration of NVIDIA's recipes,
-`userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192` (Megatron-Bridge
-`src/megatron/bridge/training/comm_overlap.py`, used by its Llama 3 70B H100 recipe; TE's own
+so the last chunk's reduce-scatter follows the GEMM (`split_overlap_rs`). Which SMs each block's
+exchanges take is the run's named configuration (`sim.userbuffers`, `RunOptions.tp_comm_overlap_cfg`;
+by default `userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192`, Megatron-Bridge
+`src/megatron/bridge/training/comm_overlap.py`, used by its Llama 3 70B H100 bf16 recipe; TE's own
 default is 16 SMs for `pipeline` / `bulk`).
 """
 
@@ -71,8 +72,10 @@ def nccl_sms(cost: CollectiveCost, members: int = 2) -> int:
 @dataclass(frozen=True, kw_only=True)
 class TPOverlapSMs:
     """SMs of the userbuffers kernels of one sequence-parallel block's overlapped TP exchanges
-    (`sim.iteration.Stage.block`): the forward's output reduce-scatter (`pipeline`, under the
-    block's last GEMMs: TE's `proj_fprop` / `fc2_fprop`), the backward's re-gather of the block
+    (`sim.iteration._Stage.block`), as a named configuration sets them (`sim.userbuffers`): the
+    forward's output reduce-scatter (under the block's last GEMMs: TE's `proj_fprop` / `fc2_fprop`;
+    `forward_reduce_scatter` is a `pipeline` kernel's SMs, or a `ring_exchange`'s margin, whose
+    copy-engine transfers hold none), the backward's re-gather of the block
     input for the weight gradients (`bulk`, under the data-gradient GEMMs: `qkv_dgrad` /
     `fc1_dgrad`) and its input-gradient reduce-scatter (`bulk`, under the weight-gradient GEMMs:
     `qkv_wgrad` / `fc1_wgrad`). The all-gathers of the forward input and of the backward output
@@ -81,21 +84,11 @@ class TPOverlapSMs:
     forward_reduce_scatter: int
     backward_gather: int
     backward_reduce_scatter: int
-    # the forward's `pipeline` reduce-scatter: its GEMM on the SMs the communication kernel leaves
-    # (`set_sm_margin`), in `forward_splits` chunks (`num_splits`)
+    # the forward's reduce-scatter: its GEMM on the SMs the communication leaves (`set_sm_margin`), in
+    # `forward_splits` chunks (a `pipeline`'s `num_splits`; None: TP chunks, a `ring_exchange`'s)
     forward_sm_margin: bool = True
-    forward_splits: int = 4
+    forward_splits: int | None = 4
 
     def __post_init__(self) -> None:
-        if self.forward_splits < 1:
-            raise SpecError(f"forward_splits must be >= 1, got {self.forward_splits}")
-
-
-# userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 (Megatron-Bridge comm_overlap.py; the same
-# figures in NeMo-Framework-Launcher launcher_scripts/conf/training/tp_overlap/
-# ub_cfg_h100_h8192_tp4_mbs1_seqlen8192.yaml, which NeMo 24.09's Llama 3.1 70B recipe loads): the
-# attention block (q, k, v | o): proj_fprop 24 (pipeline, num_splits 4, set_sm_margin),
-# qkv_dgrad 4, qkv_wgrad 24; the MLP block (gate, up | down): fc2_fprop 16 (pipeline, num_splits
-# 4, set_sm_margin), fc1_dgrad 2, fc1_wgrad 4 (bulk: no margin)
-ATTENTION_TP_OVERLAP = TPOverlapSMs(forward_reduce_scatter=24, backward_gather=4, backward_reduce_scatter=24)
-MLP_TP_OVERLAP = TPOverlapSMs(forward_reduce_scatter=16, backward_gather=2, backward_reduce_scatter=4)
+        if self.forward_splits is not None and self.forward_splits < 1:
+            raise SpecError(f"forward_splits must be >= 1 or None (TP chunks), got {self.forward_splits}")

@@ -65,7 +65,7 @@ from sim.collectives import (
     matrix_all_to_all_cost,
     reduce_scatter_v_cost,
 )
-from sim.comm_sms import ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP, TPOverlapSMs
+from sim.comm_sms import TPOverlapSMs
 from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.ep_overlap import run_combined
@@ -74,6 +74,7 @@ from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
+from sim.userbuffers import block_overlaps
 from sim.workload import Workload
 
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
@@ -435,7 +436,7 @@ class _Stage:
             return
         # userbuffers' SMs (sim.comm_sms): the first gather is a copy-engine ring exchange; the
         # backward's second re-gathers the block input, a `bulk` kernel
-        sm = _tp_overlap_sms(b)
+        sm = _tp_overlap_sms(b, ctx.options.tp_comm_overlap_cfg)
         backward = gathers_input > 1
         if no_grad:  # TE's LayerNormLinear turns its userbuffers all-gather off without grad
             self.last.update(self.collective(f"{name} all-gather", self.tp_groups, self.ag, TP_COMM))
@@ -455,7 +456,7 @@ class _Stage:
             # under set_sm_margin the GEMM runs without the kernel's SMs, which the kernel then uses
             margin = sm.forward_reduce_scatter if sm.forward_sm_margin else 0
             self.compute(f"{name} last", b.last_s, margin=margin)
-            head, tail = self._rs_chunks(sm.forward_splits)
+            head, tail = self._rs_chunks(sm.forward_splits or ctx.tp)  # None: a ring exchange's TP chunks
             sms = 0 if margin else sm.forward_reduce_scatter
             scattered = self.collective(f"{name} reduce-scatter", self.tp_groups, head, TP_COMM,
                                         {r: [before_last[r]] for r in ranks}, sms=sms) if head is not None else {}
@@ -803,10 +804,12 @@ def tp_gather_bytes(wl: Workload, userbuffers: bool) -> int:
     return DTYPE_BYTES[FP8] if wl.precision == FP8 and not userbuffers else wl.activation_bytes
 
 
-def _tp_overlap_sms(b) -> TPOverlapSMs:
-    """The userbuffers configuration of block `b`'s TP exchanges: a layer's first block (`layer
-    L.0`, `sim.model_work`) is its attention (q, k, v | o), the others its MLP."""
-    return ATTENTION_TP_OVERLAP if b.name.endswith(".0") else MLP_TP_OVERLAP
+def _tp_overlap_sms(b, config: str) -> TPOverlapSMs:
+    """The SMs of block `b`'s TP exchanges under the userbuffers configuration named `config`
+    (`sim.userbuffers`): a layer's first block (`layer L.0`, `sim.model_work`) is its attention
+    (q, k, v | o), the others its MLP."""
+    attention, mlp = block_overlaps(config)
+    return attention if b.name.endswith(".0") else mlp
 
 
 def _relay(source: simpy.Event, target: simpy.Event):

@@ -15,6 +15,7 @@ from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
 from canzona.step_options import STEP_DEFAULTS
 from sim.ep_dispatch import EpDispatcher
+from sim.userbuffers import DEFAULT_UB_CONFIG, check_ub_config, check_ub_config_applies
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class RunOptions:
     align_grad_reduce: bool = True
     overlap_param_gather: bool = STEP_DEFAULTS.overlap_param_gather  # the step's parameter all-gathers run under the next forward
     tp_comm_overlap: bool = True  # sequence-parallel all-gather / reduce-scatter hidden behind GEMMs
+    # the overlap's userbuffers configuration, by its recipe name (Megatron-Bridge's tp_comm_overlap_cfg,
+    # sim.userbuffers: each GEMM's method, SMs, chunks and margin); the default is NVIDIA's bf16 H100
+    # Llama 3 70B one. Refused where it changes nothing (sim.userbuffers.check_ub_config_applies)
+    tp_comm_overlap_cfg: str = DEFAULT_UB_CONFIG
     # "none", "selective" (attention core), "selective-op" (torchtitan's per-op policy),
     # "selective-layer" (torchtitan's every K-th layer checkpointed, under --fsdp) or "full" (every
     # layer): canzona.recompute
@@ -93,6 +98,8 @@ class RunOptions:
         check_selective_ac_option(self.recompute, self.selective_ac_option)  # the layout's rule: SimConfig.check
         check_reduce_scatter(self.reduce_scatter)
         check_attention_backend(self.attention_backend)
+        check_ub_config(self.tp_comm_overlap_cfg)
+        check_ub_config_applies(self.tp_comm_overlap_cfg, tp_comm_overlap=self.tp_comm_overlap)  # any layout's rule
         self.ep_dispatcher.check()
         if not isinstance(self.overlap_moe_expert_parallel_comm, bool):
             raise SpecError("overlap_moe_expert_parallel_comm must be True or False, got "

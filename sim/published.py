@@ -44,6 +44,7 @@ from sim.fp8 import DELAYED, FP8_RECIPES, PRECISIONS
 from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
+from sim.userbuffers import DEFAULT_UB_CONFIG, check_ub_config, check_ub_config_applies
 from sim.workload import Workload, grad_bytes_for
 
 DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
@@ -154,6 +155,9 @@ class PublishedRun:
     # Transformer Engine's TP communication overlap as the recipe sets it (`RunOptions.tp_comm_overlap`);
     # None: not stated, NVIDIA's recipe default (on)
     tp_comm_overlap: bool | None = None
+    # the overlap's userbuffers configuration as the recipe (or the recipe's code) picks it, by its name
+    # (`RunOptions.tp_comm_overlap_cfg`, sim.userbuffers); None: not stated, the default
+    tp_comm_overlap_cfg: str | None = None
     # Megatron's cross_entropy_loss_fusion / cross_entropy_fusion_impl as the recipe sets them
     # (`Workload`'s options of the same names, `sim.cross_entropy`); None: not stated, Megatron's
     # default (unfused; impl native)
@@ -238,7 +242,8 @@ class PublishedRun:
                                             ep_dispatcher=self.ep_dispatcher,
                                             overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
                                             delay_wgrad_compute=self.delay_wgrad_compute,
-                                            tp_comm_overlap=self.tp_comm_overlap is not False))
+                                            tp_comm_overlap=self.tp_comm_overlap is not False,
+                                            tp_comm_overlap_cfg=self.tp_comm_overlap_cfg or DEFAULT_UB_CONFIG))
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,7 @@ class RowResult:
                if r.ep > 1 else {}),
             "overlap_moe_expert_parallel_comm": r.overlap_moe_expert_parallel_comm,
             "delay_wgrad_compute": r.delay_wgrad_compute, "tp_comm_overlap": r.tp_comm_overlap,
+            "tp_comm_overlap_cfg": r.tp_comm_overlap_cfg,
             "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
             "store_param_remainders": r.store_param_remainders,
@@ -429,6 +435,10 @@ class PublishedReport:
                                        "the layer pair's end), with recipe_source",
                 "tp_comm_overlap": "Transformer Engine's TP communication overlap as the recipe sets it, with "
                                    "recipe_source; null: not stated, on (NVIDIA's recipe default)",
+                "tp_comm_overlap_cfg": "the TP overlap's userbuffers configuration as the recipe (or its code) "
+                                       "picks it, by name (sim.userbuffers: each GEMM's overlap method, SMs, chunks "
+                                       "and SM margin), with recipe_source; null: not stated, "
+                                       f"{DEFAULT_UB_CONFIG}",
                 "cross_entropy_loss_fusion": "Megatron's fused cross-entropy as the recipe sets it, with "
                                              "cross_entropy_fusion_impl (native: Megatron's torch.compile'd "
                                              "functions; te: Transformer Engine's Triton kernels) and "
@@ -569,6 +579,13 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: delay_wgrad_compute must be true or false (true with "
                         f"overlap_moe_expert_parallel_comm only, as Megatron asserts), got {delay_wgrad!r}")
     tp_overlap = _optional_bool(raw, "tp_comm_overlap", where)
+    ub_cfg = raw.get("tp_comm_overlap_cfg")
+    if ub_cfg is not None:
+        check_ub_config(ub_cfg if isinstance(ub_cfg, str) else repr(ub_cfg), where=where)
+        try:  # where the configuration acts: the overlap on, TP > 1, Megatron's layout
+            check_ub_config_applies(ub_cfg, tp_comm_overlap=tp_overlap is not False, tp=ints["tp"], fsdp=fsdp)
+        except SpecError as e:
+            raise SpecError(f"{where}: tp_comm_overlap_cfg: {e}") from None
     method = {k: raw.get(k) for k in ("recompute_method", "recompute_num_layers")}
     try:  # Megatron's rules (both or neither, under full recompute); the layers' rule when simulated
         check_recompute_method(recompute if recompute in SIM_RECOMPUTE else "none", method["recompute_method"],
@@ -583,7 +600,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
                 "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                 *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
-                *fusions, *method)
+                "tp_comm_overlap_cfg", *fusions, *method)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -603,7 +620,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,
         overlap_moe_expert_parallel_comm=ep_overlap, delay_wgrad_compute=delay_wgrad, tp_comm_overlap=tp_overlap,
-        **dispatch, **fusions, **method, **ints)
+        tp_comm_overlap_cfg=ub_cfg, **dispatch, **fusions, **method, **ints)
     try:
         run.ep_dispatcher.check()
     except SpecError as e:

@@ -53,8 +53,10 @@ WITHIN = 0.05  # ... "or within 5% of the best"
 def question_of(run: PublishedRun) -> Question:
     """The search's question for a published run: its model, cluster, optimizer, batch,
     precision, gradient dtype, attention backend, fused kernels, loss path, master remainders, token
-    dispatcher and EP all-to-all overlap (what `PublishedRun.sim_config` simulates it with; the overlap on every
-    layout that allows it), and for an FSDP row FSDP's layouts with its implementation."""
+    dispatcher, EP all-to-all overlap and the TP overlap's userbuffers configuration (what
+    `PublishedRun.sim_config` simulates it with; the EP overlap on every layout that allows it, the
+    userbuffers configuration on every layout at TP > 1), and for an FSDP row FSDP's layouts with its
+    implementation."""
     cfg = run.sim_config()
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
@@ -65,6 +67,7 @@ def question_of(run: PublishedRun) -> Question:
                     store_param_remainders=cfg.workload.store_param_remainders, ep_dispatcher=run.ep_dispatcher,
                     overlap_moe_expert_parallel_comm=run.overlap_moe_expert_parallel_comm,
                     delay_wgrad_compute=run.delay_wgrad_compute, tp_comm_overlap=run.tp_comm_overlap is not False,
+                    tp_comm_overlap_cfg=cfg.options.tp_comm_overlap_cfg,
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False,
                     kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes,

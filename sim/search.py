@@ -97,6 +97,7 @@ from sim.simulate import (
     stage_work,
 )
 from sim.topology import MAX_GPUS, Cluster
+from sim.userbuffers import DEFAULT_UB_CONFIG
 from sim.workload import Workload, grad_bytes_for
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
@@ -126,8 +127,11 @@ class Question:
     overlap_moe_expert_parallel_comm: bool = False
     # Megatron's delay_wgrad_compute (RunOptions): on the layouts run with the overlap above
     delay_wgrad_compute: bool = False
-    # Transformer Engine's TP communication overlap (RunOptions.tp_comm_overlap): every layout with it
+    # Transformer Engine's TP communication overlap (RunOptions.tp_comm_overlap): every layout with it,
+    # in the userbuffers configuration named (RunOptions.tp_comm_overlap_cfg, sim.userbuffers) on
+    # every layout at TP > 1 (at TP 1 it has nothing to overlap: the default, `config_of`)
     tp_comm_overlap: bool = True
+    tp_comm_overlap_cfg: str = RunOptions.tp_comm_overlap_cfg
     # Megatron's --recompute-method / --recompute-num-layers (RunOptions's fields of these names):
     # every layout searched with full recompute runs them (None: every layer checkpointed alone);
     # a layout whose model chunks a uniform group does not divide is not tried with full recompute
@@ -238,7 +242,8 @@ class Question:
         """Every candidate's run options before its own (the recompute, Megatron's EP overlap, the
         refinements' reduce-scatter, `config_of`)."""
         return RunOptions(attention_backend=self.attention_backend, ep_dispatcher=self.ep_dispatcher,
-                          tp_comm_overlap=self.tp_comm_overlap, overlap_grad_reduce=self.overlap_grad_reduce,
+                          tp_comm_overlap=self.tp_comm_overlap, tp_comm_overlap_cfg=self.tp_comm_overlap_cfg,
+                          overlap_grad_reduce=self.overlap_grad_reduce,
                           align_grad_reduce=self.align_grad_reduce, overlap_param_gather=self.overlap_param_gather,
                           max_grad_norm=self.max_grad_norm, batch_kernels=self.batch_kernels)
 
@@ -263,6 +268,8 @@ MEGATRON_ONLY = (("recompute_method", "--recompute-method"), ("recompute_num_lay
                  ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
                  ("delay_wgrad_compute", "--delay-wgrad-compute"),
                  ("store_param_remainders", "--store-param-remainders"),
+                 # Megatron's userbuffers configuration (`sim.userbuffers.check_ub_config_applies`)
+                 ("tp_comm_overlap_cfg", "--tp-comm-overlap-cfg"),
                  # the distributed optimizer's bucket and step overlaps and the pipeline schedule's
                  # launch of them (`sim.fsdp.check_fsdp`, `sim.options.check_align_grad_reduce`)
                  ("overlap_grad_reduce", "--no-overlap-grad-reduce"),
@@ -550,6 +557,8 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
             axis.set(kwargs, layout[axis.name])
     if kwargs.get("pp", 1) == 1:  # Megatron's align_grad_reduce acts under a pipeline schedule only
         _options(kwargs, align_grad_reduce=RunOptions.align_grad_reduce)
+    if kwargs.get("tp", 1) == 1:  # userbuffers overlap TP's exchanges: none at TP 1
+        _options(kwargs, tp_comm_overlap_cfg=RunOptions.tp_comm_overlap_cfg)
     if kwargs["options"].recompute == FULL:  # the layout's method (the search's block), else the question's
         method = layout.get("recompute_method", q.recompute_method)
         if method is not None:
@@ -847,7 +856,7 @@ def beside_kernel(w: float, c: float, k: int, sms: int) -> float:
 
 def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, overlap: bool,
                 stretch: float = 1.0, sms: int = 0, ring: Callable[[Block], float] | None = None,
-                no_grad: bool = False) -> float:
+                no_grad: bool = False, ub: str = DEFAULT_UB_CONFIG) -> float:
     """A lower bound of one sequence-parallel block on its rank's compute stream, as
     `sim.iteration._Stage.block` runs it: each block waits for the one before, so blocks add up.
     With TP collectives (`tp_cost`: the all-gather's and the reduce-scatter's least seconds, their
@@ -860,8 +869,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     pipeline sends count as free, the CP ring's exchanges only through `ring`. `stretch`: the
     factor on every phase A kernel (`SimConfig.slowdown`, the expected slowest GPU's), which
     collectives do not pay. `sms`: the GPU's SMs (0: none counted); overlapped, the
-    reduce-scatter's userbuffers kernel holds `_tp_overlap_sms(b)`'s SMs beside the last GEMMs
-    (`beside_kernel`). The backward's second gather (2-4 SMs, beside the first GEMMs and after
+    reduce-scatter's userbuffers kernel holds `_tp_overlap_sms(b, ub)`'s SMs (`ub`: the run's
+    userbuffers configuration, `sim.userbuffers`) beside the last GEMMs
+    (`beside_kernel`). The backward's second gather (2-8 SMs, beside the first GEMMs and after
     the first gather) counts as free. `ring`: under CP, the least seconds of a block's attention
     ring (`cp_ring_floor`), which stand for its core's kernel seconds (inside the middle GEMMs'
     or the block's). `no_grad`: a forward without autograd
@@ -880,7 +890,7 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
         # the weight-gradient ones (their SMs counted as free)
         wgrad = b.last_wgrad_s * stretch
         return ag + (b.first_s + b.middle_s) * stretch + core + max(b.last_s * stretch - wgrad, ag) + max(wgrad, rs)
-    held = _tp_overlap_sms(b)
+    held = _tp_overlap_sms(b, ub)
     k = held.backward_reduce_scatter if gathers > 1 else held.forward_reduce_scatter
     first = gathers * ag + b.first_s * stretch if no_grad else max(b.first_s * stretch, gathers * ag)
     return first + b.middle_s * stretch + core + beside_kernel(b.last_s * stretch, rs, k, sms)
@@ -889,7 +899,7 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
 def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overlap: bool,
                 expert_comm: Callable[[Block], float] | None = None, stretch: float = 1.0, sms: int = 0,
                 ring: Callable[[Block], float] | None = None, ep_overlap: bool = False,
-                no_grad: bool = False) -> float:
+                no_grad: bool = False, ub: str = DEFAULT_UB_CONFIG) -> float:
     """`block_floor` over one micro-batch's forward (one all-gather a block) and backward (two:
     the input is gathered again for the weight gradients) on a stage, with its head and embedding;
     an expert block (under EP) with `expert_comm`, its collectives' least seconds; every kernel
@@ -898,14 +908,15 @@ def stage_floor(work: MicroBatchWork, tp_cost: tuple[float, float] | None, overl
     (Megatron's EP all-to-all overlap, `sim.ep_overlap`): the expert collectives run on their own
     stream beside the compute, so a micro-batch costs at least the larger of its compute stream's
     floor (expert blocks at their kernels' seconds) and its collectives' least seconds. `no_grad`:
-    the forward runs without autograd (`block_floor`); the backward's re-run of it has grad."""
+    the forward runs without autograd (`block_floor`); the backward's re-run of it has grad. `ub`:
+    the run's userbuffers configuration (`block_floor`)."""
 
     def floor(b: Block, gathers: int, no_grad: bool = False) -> float:
         # under full recompute the forward block runs again first, in series, collectives and all
         again = floor(b.recompute, 1) if b.recompute is not None else 0.0
         if b.ep_bytes and expert_comm is not None:
             return again + b.seconds * stretch + (0.0 if ep_overlap else expert_comm(b))
-        return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring, no_grad)
+        return again + block_floor(b, gathers, tp_cost, overlap, stretch, sms, ring, no_grad, ub)
 
     # a layer outside any checkpoint (Megatron's block method past its first N) runs with grad
     compute = (sum(floor(b, 1, no_grad and work.checkpointed(k))
@@ -1038,7 +1049,8 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
             work = replace(work, embed_forward_s=0.0, embed_backward_s=0.0)
         return stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch, hw.gpu.sms,
                            ring, cfg.options.overlap_moe_expert_parallel_comm,
-                           forward_without_grad(cfg.options.recompute) and not cfg.fsdp)
+                           forward_without_grad(cfg.options.recompute) and not cfg.fsdp,
+                           cfg.options.tp_comm_overlap_cfg)
 
     per_stage = [floor_of(stage_spec(spec, cfg.pp, stage, arch.layers, cfg.vp, cfg.pipeline_split), stage)
                  for stage in _kinds(cfg.pp)]

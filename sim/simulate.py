@@ -102,6 +102,7 @@ from sim.steady import (
     with_micro_batches,
 )
 from sim.topology import Cluster
+from sim.userbuffers import check_ub_config_applies
 from sim.workload import Workload, forward_flops
 
 DEFINITIONS = {
@@ -283,6 +284,8 @@ class SimConfig:
         check_delay_wgrad(tp=self.tp, tp_comm_overlap=self.options.tp_comm_overlap,
                           delay_wgrad_compute=self.options.delay_wgrad_compute)
         check_align_grad_reduce(self.options, pp=self.pp, fsdp=self.fsdp)
+        check_ub_config_applies(self.options.tp_comm_overlap_cfg, tp=self.tp,
+                                tp_comm_overlap=self.options.tp_comm_overlap, fsdp=self.fsdp)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
         if self.router_imbalance != 1.0:

@@ -63,6 +63,8 @@ CASES = [
     # DeepEP's SMs: its buffer's channels (memory) and the SMs its kernels take from the GEMMs
     ([*MOE, *DEEPEP], ["--moe-deepep-num-sms", "32"]),
     (MOE, ["--routing", "balanced"]),
+    # Megatron-Bridge's FP8 userbuffers: ring-exchange forward reduce-scatters on a one-SM margin
+    (DENSE, ["--tp-comm-overlap-cfg", "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192"]),
 ]
 
 # what compare lacked before its options became simulate's: each is exercised above

@@ -69,6 +69,7 @@ def test_simulate_run_options_reach_the_result():
     assert result.exit_code == 0, result.stderr
     d = json.loads(result.stdout)
     assert d["options"] == {"overlap_grad_reduce": True, "align_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
+                            "tp_comm_overlap_cfg": "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192",
                             "recompute": "full", "recompute_method": None, "recompute_num_layers": None,
                             "selective_ac_option": None, "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,

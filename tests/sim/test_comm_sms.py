@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from canzona.errors import SpecError
 from sim.collectives import FREE, CollectiveCost
 from sim.comm_sms import (
-    ATTENTION_TP_OVERLAP,
-    MLP_TP_OVERLAP,
     NETWORK_SMS,
     NVLINK_RING_SMS,
     NVLS_SMS,
@@ -24,6 +22,7 @@ from sim.comm_sms import (
 from sim.engine import Engine
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
+from sim.userbuffers import DEFAULT_UB_CONFIG, block_overlaps
 from sim.workload import Workload
 
 SMS = 100
@@ -136,8 +135,9 @@ def test_nccl_channel_counts():
 
 
 def test_userbuffers_configuration_is_the_h100_recipes():
-    """userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 (Megatron-Bridge)."""
-    a, m = ATTENTION_TP_OVERLAP, MLP_TP_OVERLAP
+    """userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 (Megatron-Bridge), the default."""
+    assert DEFAULT_UB_CONFIG == "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192"
+    a, m = block_overlaps(DEFAULT_UB_CONFIG)
     assert (a.forward_reduce_scatter, a.backward_gather, a.backward_reduce_scatter) == (24, 4, 24)
     assert (m.forward_reduce_scatter, m.backward_gather, m.backward_reduce_scatter) == (16, 2, 4)
     # proj_fprop and fc2_fprop: pipeline, num_splits 4, set_sm_margin

@@ -266,3 +266,30 @@ def test_a_row_refused_in_a_worker_is_the_same_error():
     with pytest.raises(SpecError) as pool:
         published.compare([bad, *published.select(runs, "llama2-7b-8xh100")], sources, workers=2)
     assert str(pool.value) == str(one.value)
+
+
+def test_a_rows_userbuffers_configuration_is_read_checked_and_simulated():
+    """tp_comm_overlap_cfg: the recipe's pick, by name (sim.userbuffers); absent, the default; an
+    unknown name, or one where it changes nothing (the overlap off, TP 1), is one line."""
+    from sim.published_search import question_of
+    from sim.userbuffers import DEFAULT_UB_CONFIG
+
+    by_id = {r.id: r for r in RUNS}
+    for rid in ("llama3.1-405b-1024xh100-mb25.11-fp8", "llama3.1-405b-1024xh100-mb26.02-fp8"):
+        run = by_id[rid]
+        assert run.tp_comm_overlap_cfg == "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192"
+        assert run.sim_config().options.tp_comm_overlap_cfg == run.tp_comm_overlap_cfg
+        assert question_of(run).tp_comm_overlap_cfg == run.tp_comm_overlap_cfg
+        assert "comm_overlap.py" in run.recipe_source
+    assert by_id["qwen3-8b-16xh100-mb"].sim_config().options.tp_comm_overlap_cfg == DEFAULT_UB_CONFIG
+    raw = next(r for r in RAW["rows"] if r["id"] == "llama3-70b-64xh100-mb25.11-fp8")
+    with pytest.raises(SpecError, match="row: unknown userbuffers config 'nope'; choose one of"):
+        published.parse_run({**raw, "tp_comm_overlap_cfg": "nope"}, SOURCES, "row")
+    with pytest.raises(SpecError, match="row: unknown userbuffers config"):
+        published.parse_run({**raw, "tp_comm_overlap_cfg": ["x"]}, SOURCES, "row")
+    with pytest.raises(SpecError, match="row: tp_comm_overlap_cfg: .*changes nothing with --no-tp-comm-overlap"):
+        published.parse_run({**raw, "tp_comm_overlap": False}, SOURCES, "row")
+    with pytest.raises(SpecError, match="row: tp_comm_overlap_cfg: .*changes nothing at --tp 1"):
+        published.parse_run({**raw, "tp": 1, "gpus": 16}, SOURCES, "row")
+    with pytest.raises(SpecError, match="needs recipe_source"):
+        published.parse_run({**raw, "recipe_source": ""}, SOURCES, "row")

@@ -13,6 +13,7 @@ from canzona.errors import SpecError
 from canzona.models import resolve_model
 from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from sim.ep_dispatch import EpDispatcher
+from sim.options import RunOptions
 from sim.search import (
     LAYOUT_AXES,
     SEARCHED_SPLITS,
@@ -94,7 +95,9 @@ def test_published_layouts_floors_are_below_the_simulation(row, overlap):
     run = select(load()[0], row)[0]
     q = replace(question_of(run), global_batch=16)
     cfg = config_of(q, layout_of(run))
-    cfg = replace(cfg, options=replace(cfg.options, tp_comm_overlap=overlap))
+    # without the overlap the row's userbuffers configuration has nothing to configure: the default
+    ub = cfg.options.tp_comm_overlap_cfg if overlap else RunOptions.tp_comm_overlap_cfg
+    cfg = replace(cfg, options=replace(cfg.options, tp_comm_overlap=overlap, tp_comm_overlap_cfg=ub))
     model = resolve_model(q.model)
     hw = load_profile(cfg.hardware)
     rate = DeviceRate.from_profile(hw)

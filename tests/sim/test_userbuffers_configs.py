@@ -1,0 +1,163 @@
+"""The named userbuffers configurations of Transformer Engine's TP overlap (`sim.userbuffers`,
+`RunOptions.tp_comm_overlap_cfg`, docs/design.md §9.3): every entry parses and maps to the SMs the
+simulator charges (`sim.comm_sms.TPOverlapSMs`), the default is what ran before (bit for bit),
+fewer SMs never make a run slower, and a configuration is refused where it changes nothing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from canzona.cost import DeviceRate
+from canzona.errors import SpecError
+from canzona.hardware import load_profile
+from canzona.models import resolve_model
+from sim.comm_sms import TPOverlapSMs
+from sim.options import RunOptions
+from sim.search import time_floor
+from sim.simulate import SimConfig, simulate
+from sim.userbuffers import (
+    BULK,
+    DEFAULT_UB_CONFIG,
+    PIPELINE,
+    RING_EXCHANGE,
+    UB_CONFIGS,
+    GemmOverlap,
+    UserbuffersConfig,
+    block_overlaps,
+)
+from sim.workload import Workload
+
+FP8_405B = "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192"
+BF16_405B = "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192"
+FP8_70B = "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192"
+LAUNCHER_BF16 = "ub_cfg_h100_h8192_tp4_mbs1_seqlen8192"
+
+# a small layout whose TP exchanges the overlap hides (TP 4 inside a node)
+CFG = SimConfig(model="qwen3-0.6b", gpus=8, tp=4, optimizer="adamw", workload=Workload(seq_len=1024, global_batch=8),
+                options=RunOptions(overlap_param_gather=False))
+
+
+def _with(cfg: SimConfig, name: str) -> SimConfig:
+    return replace(cfg, options=replace(cfg.options, tp_comm_overlap_cfg=name))
+
+
+def _timed(result) -> dict:
+    """What a run computed, without the options it echoes."""
+    out = result.to_dict()
+    del out["options"]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(UB_CONFIGS))
+def test_every_entry_parses_and_maps_to_the_sms_the_simulator_charges(name):
+    config = UB_CONFIGS[name]
+    assert config.name == name
+    assert config.source.startswith("https://github.com/") and re.search(r"/blob/[0-9a-f]{40}/", config.source)
+    attention, mlp = block_overlaps(name)
+    for sms, fprop, dgrad, wgrad in ((attention, config.proj_fprop, config.qkv_dgrad, config.qkv_wgrad),
+                                     (mlp, config.fc2_fprop, config.fc1_dgrad, config.fc1_wgrad)):
+        assert isinstance(sms, TPOverlapSMs)
+        assert (sms.backward_gather, sms.backward_reduce_scatter) == (dgrad.num_sm, wgrad.num_sm)
+        assert sms.forward_sm_margin == fprop.set_sm_margin
+        if fprop.method == PIPELINE:  # a kernel on num_sm SMs, the GEMM in num_splits chunks
+            assert (sms.forward_reduce_scatter, sms.forward_splits) == (fprop.num_sm, fprop.num_splits)
+        else:  # copy-engine sends, the GEMM in TP chunks; num_sm only a margin
+            assert fprop.method == RING_EXCHANGE and sms.forward_splits is None
+            assert sms.forward_reduce_scatter == (fprop.num_sm if fprop.set_sm_margin else 0)
+    for gather in (config.qkv_fprop, config.proj_dgrad, config.fc1_fprop, config.fc2_dgrad):
+        assert gather.method == RING_EXCHANGE and not gather.set_sm_margin
+
+
+def test_the_figures_are_the_sources():
+    """Spot checks against Megatron-Bridge's comm_overlap.py (0685ff5d) and the launcher's yaml."""
+    a, m = block_overlaps(DEFAULT_UB_CONFIG)
+    assert (a.forward_reduce_scatter, a.backward_gather, a.backward_reduce_scatter, a.forward_splits) == (24, 4, 24, 4)
+    assert (m.forward_reduce_scatter, m.backward_gather, m.backward_reduce_scatter, m.forward_splits) == (16, 2, 4, 4)
+    a, m = block_overlaps(FP8_405B)  # Llama 3.1 405B's FP8 recipe: ring-exchange reduce-scatters, 1 SM margin
+    assert (a.forward_reduce_scatter, a.backward_gather, a.backward_reduce_scatter, a.forward_splits) == (1, 2, 24, None)
+    assert (m.forward_reduce_scatter, m.backward_gather, m.backward_reduce_scatter, m.forward_splits) == (1, 2, 2, None)
+    assert a.forward_sm_margin and m.forward_sm_margin
+    a, m = block_overlaps(BF16_405B)
+    assert (a.forward_reduce_scatter, m.forward_reduce_scatter, a.forward_splits) == (24, 8, 4)
+    assert block_overlaps(LAUNCHER_BF16) == block_overlaps(DEFAULT_UB_CONFIG)  # the launcher's: the same figures
+    # recorded, not priced: the launcher's FP8 buffers change no SM
+    assert UB_CONFIGS["ub_cfg_h100_fp8_h8192_tp4_mbs1_seqlen8192"].proj_fprop.fp8_buf
+    assert block_overlaps("ub_cfg_h100_fp8_h8192_tp4_mbs1_seqlen8192") == block_overlaps(DEFAULT_UB_CONFIG)
+
+
+def test_malformed_entries_are_refused():
+    with pytest.raises(SpecError, match="num_splits"):
+        GemmOverlap(method=PIPELINE, num_sm=8)
+    with pytest.raises(SpecError, match="num_splits"):
+        GemmOverlap(method=BULK, num_sm=8, num_splits=4)
+    with pytest.raises(SpecError, match="unknown userbuffers overlap method"):
+        GemmOverlap(method="atomic", num_sm=8)
+    with pytest.raises(SpecError, match="aggregate"):
+        GemmOverlap(method=BULK, num_sm=8, aggregate=True)
+    good = UB_CONFIGS[DEFAULT_UB_CONFIG]
+    with pytest.raises(SpecError, match="qkv_fprop must be a ring exchange without set_sm_margin"):
+        replace(good, qkv_fprop=GemmOverlap(method=RING_EXCHANGE, num_sm=1, set_sm_margin=True))
+    with pytest.raises(SpecError, match="fc1_wgrad must be a bulk"):
+        replace(good, fc1_wgrad=GemmOverlap(method=PIPELINE, num_sm=4, num_splits=4))
+    with pytest.raises(SpecError, match="fc2_fprop must be a pipeline or ring-exchange"):
+        replace(good, fc2_fprop=GemmOverlap(method=BULK, num_sm=4))
+    assert isinstance(good, UserbuffersConfig)
+
+
+def test_the_default_is_the_run_before_bit_for_bit():
+    """Naming the default, or a configuration of the same figures, changes no computed figure (the
+    golden scale tests hold the default to the figures recorded before the registry)."""
+    base = simulate(CFG)
+    assert CFG.options.tp_comm_overlap_cfg == DEFAULT_UB_CONFIG
+    assert simulate(_with(CFG, DEFAULT_UB_CONFIG)).to_dict() == base.to_dict()
+    assert _timed(simulate(_with(CFG, LAUNCHER_BF16))) == _timed(base)
+
+
+def test_fewer_sms_make_no_run_slower():
+    """The 405B's bf16 configuration holds at most the default's SMs in every GEMM (fewer in three),
+    the same chunks and margins: at the same layout it is no slower, and its forward and backward
+    show the SMs given back."""
+    base, fewer = simulate(CFG), simulate(_with(CFG, BF16_405B))
+    assert fewer.iteration_time_s <= base.iteration_time_s
+    assert fewer.forward_backward_s < base.forward_backward_s  # the SMs do show
+
+
+def test_a_ring_exchange_reduce_scatter_runs_in_tp_chunks_on_a_one_sm_margin():
+    """Megatron-Bridge's FP8 configurations at TP 8: the down projection loses one SM, not 16, and
+    the reduce-scatter's last chunk, which follows it, is one of 8 (TP), not of 4 (num_splits)."""
+    tp8 = replace(CFG, tp=8)
+
+    def spans(cfg: SimConfig):
+        return {s.name: s for s in simulate(cfg).spans if s.rank == 0 and s.phase == "A"}
+
+    ring, pipeline = spans(_with(tp8, FP8_70B)), spans(tp8)
+
+    def took(run, name: str) -> float:
+        return run[f"mb0 fwd layer 0.1 {name}"].end - run[f"mb0 fwd layer 0.1 {name}"].start
+
+    assert took(ring, "last") < took(pipeline, "last")
+    assert took(ring, "reduce-scatter (last chunk)") < took(pipeline, "reduce-scatter (last chunk)")
+    assert ring["mb0 fwd layer 0.1 reduce-scatter (last chunk)"].start >= ring["mb0 fwd layer 0.1 last"].end - 1e-12
+
+
+def test_the_search_floor_stays_below_the_run():
+    model = resolve_model(CFG.model)
+    hw = load_profile(CFG.hardware)
+    for name in (FP8_70B, BF16_405B):
+        cfg = _with(CFG, name)
+        assert time_floor(cfg, model, DeviceRate.from_profile(hw), hw) <= simulate(cfg).iteration_time_s
+
+
+def test_a_configuration_is_refused_where_it_changes_nothing():
+    with pytest.raises(SpecError, match="unknown userbuffers config .userbuffers_bf16_h100_h9999.; choose one of .*" + FP8_405B):
+        RunOptions(tp_comm_overlap_cfg="userbuffers_bf16_h100_h9999").check()
+    with pytest.raises(SpecError, match="changes nothing with --no-tp-comm-overlap"):
+        RunOptions(tp_comm_overlap=False, tp_comm_overlap_cfg=FP8_405B).check()
+    RunOptions(tp_comm_overlap=False).check()  # the default name: nothing was set
+    with pytest.raises(SpecError, match="changes nothing at --tp 1"):
+        replace(_with(CFG, FP8_405B), tp=1).check()
+    with pytest.raises(SpecError, match="not under --fsdp"):
+        replace(_with(CFG, FP8_405B), fsdp=True).check()
