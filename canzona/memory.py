@@ -84,9 +84,6 @@ from canzona.reductions import check_reduce_scatter, temporary_elements_by_rank
 from canzona.routing import RANDOM, busiest_rank, check_routing
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec, Role
 from canzona.step_options import STEP_DEFAULTS
-
-# the dtypes a run may keep its masters and optimizer state in (`MemorySetup.master_dtype`)
-MASTER_DTYPES = ("fp32", "bf16")
 from canzona.step_policies import PARAMS_BY_OWNER, StepPolicy, get_step_policy
 from canzona.step_schedule import (
     PIPELINED,
@@ -100,6 +97,8 @@ from canzona.step_schedule import (
 from canzona.tp import EVERY_RANK
 
 FP8_BYTES = DTYPE_BYTES["fp8"]
+# the dtypes a run may keep its masters and optimizer state in (`MemorySetup.master_dtype`)
+MASTER_DTYPES = ("fp32", "bf16")
 # bytes per linear-weight element Transformer Engine keeps under FP8 beside the bf16 weight: the FP8
 # cast cached across micro-batches and its transpose (the data gradient's operand)
 FP8_WEIGHT_CACHE = 2 * FP8_BYTES

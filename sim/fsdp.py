@@ -653,7 +653,7 @@ class _FsdpRun:
         parameters (every unit's without `reshard_after_forward`) and one unit's unsharded gradient
         beside the activations, or the step's buffers."""
         opt, tp = self.cfg.optimizer, self.tp
-        pb, gb, mb = setup.param_bytes, setup.grad_bytes, setup.master_bytes
+        pb, gb = setup.param_bytes, setup.grad_bytes
         ub = setup.update_bytes
         kept = self._persistent(setup)
         in_flight = in_flight_bytes(self.gathered_elements(), self.cfg.reshard_after_forward, pb, gb)

@@ -76,10 +76,10 @@ from canzona.step_schedule import check_tp_mode
 from canzona.tp import TP_REGISTRY, Capacity, check_tp_policy
 from canzona.variability import check_cv, straggler_slowdown
 from sim.classes import RankSpans
+from sim.cross_entropy import UNFUSED
 from sim.engine import Engine, Span, cyclic_gc_paused
 from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
-from sim.cross_entropy import UNFUSED
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl
