@@ -385,8 +385,8 @@ class MemorySetup:
     # softmax it saved (`loss_logit_bytes`)
     loss_autograd: bool = False
     # under `loss_autograd`, the training loop keeps the model's logits alive through the backward
-    # (NeMo AutoModel's and Hugging Face's loops hold the model's output; torchtitan deletes `pred`
-    # before `loss.backward()`)
+    # (NeMo AutoModel's loop holds the model's output; torchtitan deletes `pred` before
+    # `loss.backward()`, and Hugging Face's Trainer drops the output once `compute_loss` returns)
     loss_holds_logits: bool = False
     # Megatron's store_param_remainders (precision-aware optimizer) / Apex DistributedFusedAdam's:
     # of each fp32 master only the 16 bits the bf16 weight lacks are kept (2 bytes, not 4)

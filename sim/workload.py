@@ -51,9 +51,9 @@ class Workload:
     # loss_bytes): fp32, Megatron's; 2 for a loss that does not upcast the bf16 logits
     loss_bytes: int = DTYPE_BYTES["fp32"]
     # the training loop keeps the model's logits alive through the backward, beside PyTorch's
-    # F.cross_entropy (canzona.memory.MemorySetup.loss_holds_logits): NeMo AutoModel's and Hugging
-    # Face's loops hold the model's output; torchtitan's deletes it before the backward (False). The
-    # FSDP2 frameworks' only: Megatron's loss holds none
+    # F.cross_entropy (canzona.memory.MemorySetup.loss_holds_logits): NeMo AutoModel's loop holds the
+    # model's output; torchtitan's deletes it before the backward and Hugging Face's Trainer drops it
+    # once compute_loss returns (False). The FSDP2 frameworks' only: Megatron's loss holds none
     loss_holds_logits: bool = False
     # the dtype the model's parameters are built in, which torch's AdamW keeps its state in
     # (canzona.memory.MemorySetup.master_dtype): "fp32", mixed precision's masters (torchtitan builds

@@ -29,7 +29,7 @@ GIB = 2**30
 def _peak_bytes_per_logit(upcast: bool, holds_logits: bool, tokens: int = 512, vocab: int = 4096) -> float:
     """The allocator's peak during a loss step, over the logits' count: a bf16 head's logits, then
     `F.cross_entropy` on them (upcast to fp32 first where `upcast`: torchtitan's model returns
-    `.float()` logits, Hugging Face's loss upcasts), the loop deleting its logits before the
+    `.float()` logits, Hugging Face's loss upcasts them), the loop deleting its logits before the
     backward unless `holds_logits` (torchtitan's `del pred`), as torch's profiler sees the CPU
     allocator (the layers' activations, alive throughout, are left out)."""
     x = torch.randn(tokens, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -52,13 +52,13 @@ def _peak_bytes_per_logit(upcast: bool, holds_logits: bool, tokens: int = 512, v
 
 
 @pytest.mark.parametrize("upcast, holds_logits", [(True, False), (False, True), (False, False), (True, True)],
-                         ids=["torchtitan", "automodel", "bf16-deleted", "hugging-face"])
+                         ids=["torchtitan", "automodel", "bf16-deleted", "upcast-kept"])
 def test_the_loss_peak_is_what_torch_allocates(upcast: bool, holds_logits: bool) -> None:
     """PyTorch's composite `F.cross_entropy` holds three tensors of the logits' shape at
     `log_softmax`'s backward (its saved output, `nll_loss`'s dense gradient, its own gradient),
     plus the logits a loop keeps: 12 bytes a logit on fp32 logits (torchtitan), 8 on bf16 ones a
-    loop keeps (AutoModel), 14 where the loop keeps the bf16 logits it upcast (Hugging Face's
-    model output). The model counts exactly that; Megatron's in-place loss counts its fp32 softmax
+    loop keeps (AutoModel), 14 where a loop keeps the bf16 logits it upcast (a hand-written loop
+    holding the model's output). The model counts exactly that; Megatron's in-place loss counts its fp32 softmax
     and the bf16 logits (6)."""
     setup = MemorySetup(loss_autograd=True, loss_bytes=4 if upcast else 2, loss_holds_logits=holds_logits)
     measured = _peak_bytes_per_logit(upcast, holds_logits)
