@@ -12,6 +12,7 @@ express is an error naming what differs, never a command that silently simulates
 
 from __future__ import annotations
 
+import functools
 import shlex
 from dataclasses import fields
 from typing import Any
@@ -68,6 +69,7 @@ def simulate_options(config: SimConfig) -> SimOptions:
     return options
 
 
+@functools.cache
 def _params(command: str) -> dict[str, Any]:
     """The click parameters of a `canzona` command, by name: the flags as the parser reads them."""
     from typer.main import get_command
@@ -75,14 +77,19 @@ def _params(command: str) -> dict[str, Any]:
     return {p.name: p for p in get_command(app).commands[command].params}
 
 
+# the options a command line always gives, at their defaults too: what is simulated where (the line
+# reads whole, and stays the same run should a default change)
+ALWAYS = ("model", "gpus", "tp")
+
+
 def command_line(command: str, options: SimOptions) -> str:
-    """`canzona <command>` with a flag for every option of `options` off its default, in the
-    options' order, spelt as the command declares it (a boolean's on / off flag)."""
+    """`canzona <command>` with a flag for every option of `options` off its default (and those of
+    `ALWAYS`), in the options' order, spelt as the command declares it (a boolean's on / off flag)."""
     params = _params(command)
     parts = ["canzona", command]
     for f in fields(SimOptions):
         value = getattr(options, f.name)
-        if value == f.default:
+        if value == f.default and f.name not in ALWAYS:
             continue
         p = params[f.name]
         if p.is_flag:
