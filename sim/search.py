@@ -43,7 +43,7 @@ from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
-from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
+from canzona.optimizers import MATRIX_REGISTRY, check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
@@ -707,6 +707,10 @@ def fsdp_launch(row: dict[str, Any]) -> list[str]:
     return out
 
 
+# the step policies DistributedOptimizer runs when given none: each optimizer's default
+DEFAULT_STEP_POLICIES = frozenset(default_policy(name) for name in MATRIX_REGISTRY)
+
+
 def not_in_plan(row: dict[str, Any]) -> list[str]:
     """What of a layout its plan file does not carry (the launcher's settings); an FSDP layout's
     (no plan file) every setting (`fsdp_launch`)."""
@@ -729,6 +733,12 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
         out.append(f"recompute {_recompute_text(row)}")
     if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
         out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
+    # the step policy is DistributedOptimizer's `policy=`, not the plan file's (which holds the DP and
+    # TP plans): a refined policy, or canzona's fallback to zero1-gather, must be given to it
+    # (a layout not yet simulated has none: the default)
+    deployed = row["fell_back_to"] if row["fell_back_to"] in STEP_POLICIES else row.get("policy")
+    if deployed is not None and (deployed != row["policy"] or deployed not in DEFAULT_STEP_POLICIES):
+        out.append(f"policy={deployed!r} (DistributedOptimizer's option; the plan file does not name it)")
     if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
         out.append("--overlap-moe-expert-parallel-comm" + (" --delay-wgrad-compute" if row.get("delay_wgrad_compute")
                                                            else "") + " (Megatron's)")

@@ -16,6 +16,7 @@ from canzona.errors import SpecError
 from canzona.hardware import load_profile_data
 from canzona.models import resolve_model
 from canzona.plan import load_plan
+from canzona.step_policies import STEP_POLICIES, default_policy
 from sim.ep_dispatch import EpDispatcher
 from sim.search import (
     AC_KEY,
@@ -135,6 +136,11 @@ def _check_rows(found: dict, kinds: dict, tmp_path: Path) -> None:
         if row["plan_command"] is None:  # an FSDP layout: no plan file
             assert row.get("fsdp")
             continue
+        # the step policy to run is DistributedOptimizer's option, not the plan file's: said where it
+        # is not the optimizer's default (a refined policy, canzona's fallback)
+        deployed = row["fell_back_to"] if row["fell_back_to"] in STEP_POLICIES else row["policy"]
+        named = any(x.startswith(f"policy={deployed!r}") for x in row["not_in_plan"])
+        assert named == (deployed != default_policy(found["optimizer"])), (deployed, row["not_in_plan"])
         out = tmp_path / f"plan-{row['rank']}.json"
         plan_args = [str(out) if a == "plan.json" else a for a in shlex.split(row["plan_command"])[2:]]
         r = invoke("plan", *plan_args)
@@ -281,3 +287,32 @@ def test_a_search_whose_row_no_flag_expresses_is_one_error_line(monkeypatch):
     monkeypatch.setattr(sim.search, "row_config", unexpressible)
     error_line(invoke("search", "--model", EIGHT_LAYERS, "--gpus", 8, "--seq-len", 1024, "--global-batch", 8,
                       "--top", 1, "--workers", 1, "--json"), "cannot express this configuration")
+
+
+@pytest.mark.parametrize("options", [
+    # canzona's plan settings and step options, which the search keeps at their defaults
+    dict(model=EIGHT_LAYERS, gpus=16, tp=2, dp_policy="whole-start", tp_policy="tp-sync", alpha=0.25,
+         bucket_size=50_000_000, capacity="20ms", geometry="whole", tp_mode="serial", zero1_fallback=False,
+         collectives="runtime", overlap_step=True, compile_kernels=True, seq_len=1024, global_batch=16),
+    dict(model=EIGHT_LAYERS, gpus=16, tp=2, capacity="512MiB", seq_len=1024, global_batch=16, pp=2,
+         decoder_first_pipeline_num_layers=3, policy="layerwise"),
+    # a router histogram and expert TP under EP
+    dict(model=TINY_MOE, gpus=16, tp=2, ep=4, etp=2, router_imbalance="0.5,0.25,0.125,0.125,0,0,0,0",
+         expert_buckets="auto", seq_len=1024, global_batch=16),
+    dict(model=TINY_MOE, gpus=16, tp=1, ep=8, router_imbalance="1.25", seq_len=1024, global_batch=16),
+])
+def test_a_configuration_of_any_options_round_trips(options):
+    """Beyond the search's layouts: options it never sets read back from the configuration into the
+    same options' configuration (a capacity, a router histogram, a stage's layer count)."""
+    from dataclasses import fields
+
+    from typer.main import get_command
+
+    from cli.main import SimOptions, _sim_config, app
+    from cli.replay import simulate_command
+
+    cfg = _sim_config(shared=SimOptions(**options))
+    # the printed line as simulate's parser reads it (without simulating): the same configuration
+    line = shlex.split(simulate_command(cfg))
+    parsed = get_command(app).commands["simulate"].make_context("simulate", line[2:]).params
+    assert _sim_config(shared=SimOptions(**{f.name: parsed[f.name] for f in fields(SimOptions)})) == cfg
