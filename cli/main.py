@@ -783,7 +783,8 @@ def search(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cli.render import search_table
-    from sim.search import Question, not_in_plan, plan_command
+    from cli.replay import simulate_command
+    from sim.search import Question
     from sim.search import search as run
 
     try:
@@ -809,23 +810,28 @@ def search(
             smallest = result.not_fitting[0]
             raise SpecError(f"no layout of {o.model} on {o.gpus} GPUs fits: the smallest simulated needs "
                             f"{smallest['memory_bytes'] / 1e9:.1f} GB per GPU of {smallest['memory_capacity_bytes'] / 1e9:.1f}")
+        # each row's `canzona simulate` command: built here, where a layout the flags cannot express
+        # fails as one error line (cli.replay checks each against the row's configuration)
+        summary = result.to_dict(top, simulate_command=simulate_command)
     except CanzonaError as e:
         fail(str(e))
     if as_json:
-        emit_json(result.to_dict(top))
+        emit_json(summary)
         return
     console.print(search_table(result, top))
-    best = result.ranked[0]
-    command = plan_command(question, best)
+    best = summary["layouts"][0]
+    command = best["plan_command"]
     if command is None:  # an FSDP layout: no plan file (canzona plan plans ZeRO-1 layouts)
         console.print("best: no plan file (canzona plan plans ZeRO-1 layouts; canzona's FSDP optimizer places its "
                       "owners when it is built)")
-        console.print(f"  set in the launcher: {'; '.join(not_in_plan(best))}")
-        return
-    console.print(f"best: {command}")
-    missing = not_in_plan(best)
-    if missing:
-        console.print(f"  set in the launcher, not in the plan file: {'; '.join(missing)}")
+        console.print(f"  set in the launcher: {'; '.join(best['not_in_plan'])}")
+    else:
+        # command lines as they are: never wrapped mid-line or read as rich markup, so they paste
+        console.print(f"best: {command}", soft_wrap=True, markup=False, highlight=False)
+        if best["not_in_plan"]:
+            console.print(f"  set in the launcher, not in the plan file: {'; '.join(best['not_in_plan'])}")
+    # the row's run again, bit for bit (for --trace, the memory breakdown, a comparison)
+    console.print(f"  simulate: {best['simulate_command']}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()

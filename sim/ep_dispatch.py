@@ -169,6 +169,15 @@ class EpDispatcher:
             raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
         check_routing(self.routing)
 
+    def at_ep(self, ep: int) -> EpDispatcher:
+        """These settings as a layout at `ep` runs them: under EP all of them; at EP 1 the ones that act
+        on the dispatch between EP ranks (`check_ep`: the dispatcher, its backend and SMs, the routing)
+        at their defaults, which is the same run (every GPU computes every expert on its own tokens),
+        and FakeBalancedGate's (no router GEMM at any EP) as set. The search applies one question's
+        dispatcher to every layout it tries (sim.search.config_of): a layout at EP 1 runs this, so
+        that `canzona simulate`, which refuses those settings at EP 1, reproduces it."""
+        return self if ep > 1 else EpDispatcher(fake_balanced_gate=self.fake_balanced_gate)
+
     def check_ep(self, ep: int) -> None:
         """The settings that act on the token dispatch between EP ranks need some: at EP 1 every GPU
         computes every expert on its own tokens, so a non-default dispatcher (Megatron's flex

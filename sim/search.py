@@ -43,7 +43,7 @@ from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import activation_bytes
 from canzona.models import resolve_model
-from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
+from canzona.optimizers import MATRIX_REGISTRY, check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
@@ -555,6 +555,9 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     for axis in space.layout + space.refine:
         if axis.name in layout:
             axis.set(kwargs, layout[axis.name])
+    # the dispatch between EP ranks' settings act at EP > 1 only: at EP 1 their defaults, the same run
+    # (`EpDispatcher.at_ep`), which `canzona simulate` (refusing them at EP 1) reproduces
+    _options(kwargs, ep_dispatcher=q.ep_dispatcher.at_ep(kwargs.get("ep", 1)))
     if kwargs.get("pp", 1) == 1:  # Megatron's align_grad_reduce acts under a pipeline schedule only
         _options(kwargs, align_grad_reduce=RunOptions.align_grad_reduce)
     if kwargs.get("tp", 1) == 1:  # userbuffers overlap TP's exchanges: none at TP 1
@@ -590,6 +593,14 @@ def layout_of(row: dict[str, Any]) -> Layout:
     if row.get(AC_KEY) is not None:
         out[AC_KEY] = row[AC_KEY]
     return out
+
+
+def row_config(q: Question, row: dict[str, Any]) -> SimConfig:
+    """The configuration a simulated row ran: its layout (`layout_of`) with its refinement values
+    (the step policy, and the reduce-scatter where its space has one), built by `config_of` as the
+    search built it; what `canzona simulate` must be given to reproduce the row."""
+    space = _row_space(row)
+    return config_of(q, {**layout_of(row), **{a.name: row[a.name] for a in space.refine}})
 
 
 def _row_space(row: dict[str, Any]) -> Space:
@@ -711,6 +722,10 @@ def fsdp_launch(row: dict[str, Any]) -> list[str]:
     return out
 
 
+# the step policies DistributedOptimizer runs when given none: each optimizer's default
+DEFAULT_STEP_POLICIES = frozenset(default_policy(name) for name in MATRIX_REGISTRY)
+
+
 def not_in_plan(row: dict[str, Any]) -> list[str]:
     """What of a layout its plan file does not carry (the launcher's settings); an FSDP layout's
     (no plan file) every setting (`fsdp_launch`)."""
@@ -733,6 +748,12 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
         out.append(f"recompute {_recompute_text(row)}")
     if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
         out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
+    # the step policy is DistributedOptimizer's `policy=`, not the plan file's (which holds the DP and
+    # TP plans): a refined policy, or canzona's fallback to zero1-gather, must be given to it
+    # (a layout not yet simulated has none: the default)
+    deployed = row["fell_back_to"] if row["fell_back_to"] in STEP_POLICIES else row.get("policy")
+    if deployed is not None and (deployed != row["policy"] or deployed not in DEFAULT_STEP_POLICIES):
+        out.append(f"policy={deployed!r} (DistributedOptimizer's option; the plan file does not name it)")
     if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
         out.append("--overlap-moe-expert-parallel-comm" + (" --delay-wgrad-compute" if row.get("delay_wgrad_compute")
                                                            else "") + " (Megatron's)")
@@ -814,9 +835,19 @@ class SearchResult:
     # `reduce_scatter_alike`), the same run
     pruned_ties: int = 0
 
-    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+    def to_dict(self, top: int | None = None,
+                simulate_command: Callable[[SimConfig], str] | None = None) -> dict[str, Any]:
+        """The question, the search's counts and the `top` layouts, each with the `canzona plan` command
+        that deploys it and, given `simulate_command` (the command line of a configuration: the CLI's
+        `cli.replay.simulate_command`, which owns the flags), the `canzona simulate` command that
+        reproduces the row bit for bit (its configuration is `row_config`'s, as the search ran it)."""
         rows = self.ranked if top is None else self.ranked[:top]
         q = self.question
+
+        def commands(row: dict[str, Any]) -> dict[str, Any]:
+            replay = {} if simulate_command is None else {"simulate_command": simulate_command(row_config(q, row))}
+            return {"plan_command": plan_command(q, row), **replay, "not_in_plan": not_in_plan(row)}
+
         return {
             **asdict(q),  # the whole question the layouts were searched under, every field of it
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
@@ -826,7 +857,7 @@ class SearchResult:
                          "fit": len(self.ranked), "exact_top": self.exact_top, "workers": self.workers,
                          "wall_s": self.wall_s},
             # "exact": within the search's `top`; below it a pruned layout may be faster than the row
-            "layouts": [{"rank": i + 1, "exact": i < self.exact_top, **row, "plan_command": plan_command(q, row), "not_in_plan": not_in_plan(row)}
+            "layouts": [{"rank": i + 1, "exact": i < self.exact_top, **row, **commands(row)}
                         for i, row in enumerate(rows)],
         }
 
@@ -1368,5 +1399,5 @@ def describe(layout: Layout) -> str:
 __all__ = ["FSDP_LAYOUT_AXES", "FSDP_REFINE_AXES", "FSDP_SPACE", "SEARCHED_SPLITS", "SPACES", "ZERO1_RECOMPUTE_MODES",
            "ZERO1_SPACE", "Axis",
            "LAYOUT_AXES", "REFINE_AXES", "Question", "SearchResult", "Space", "candidates", "config_of", "fsdp_launch",
-           "memory_floor", "plan_command", "recompute_variant", "search", "selective_ac_options", "space_of",
+           "memory_floor", "plan_command", "recompute_variant", "row_config", "search", "selective_ac_options", "space_of",
            "split_name"]

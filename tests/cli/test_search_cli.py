@@ -38,7 +38,7 @@ def test_json_schema(as_json):
         assert row["rank"] == i + 1
         for key in ("tp", "pp", "vp", "ep", "dp", "micro_batch", "recompute", "policy", "reduce_scatter",
                     "iteration_time_s", "mfu", "memory_bytes", "memory_capacity_bytes", "fits", "optimizer_step_s", "plan_command",
-                    "not_in_plan"):
+                    "simulate_command", "not_in_plan"):
             assert key in row
         assert row["fits"]
     times = [r["iteration_time_s"] for r in as_json["layouts"]]

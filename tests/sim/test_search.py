@@ -448,3 +448,16 @@ def test_an_odd_sequence_is_searched_without_context_parallelism():
         layouts = candidates(Question(model="qwen3-0.6b", gpus=8, seq_len=seq, global_batch=8))
         assert layouts and {c["cp"] for c in layouts} == {1}
     assert {c["cp"] for c in candidates(Question(model="qwen3-0.6b", gpus=16, seq_len=8192, global_batch=16))} == {1, 2}
+
+
+def test_not_in_plan_names_the_step_policy_the_plan_file_does_not():
+    """DistributedOptimizer takes the step policy as its own option (`policy=`), the plan file holds
+    the DP and TP plans only: a refined policy, or canzona's fallback to zero1-gather, is a launcher
+    setting; the optimizer's default is not mentioned."""
+    row = {"pp": 1, "vp": 1, "cp": 1, "micro_batch": 1, "recompute": "none", "reduce_scatter": DEFAULT_REDUCE_SCATTER,
+           "fell_back_to": None, "policy": "canzona"}
+    assert not any(x.startswith("policy=") for x in not_in_plan(row))
+    assert "policy='layerwise' (DistributedOptimizer's option; the plan file does not name it)" in \
+        not_in_plan({**row, "policy": "layerwise"})
+    assert any(x.startswith("policy='zero1-gather'") for x in not_in_plan({**row, "fell_back_to": "zero1-gather"}))
+    assert not any(x.startswith("policy=") for x in not_in_plan({**row, "policy": "zero1"}))  # AdamW's default
