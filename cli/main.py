@@ -321,7 +321,7 @@ def _sim_config(*, shared: SimOptions):
     Keyword-only, as every builder of these many same-typed options."""
     from canzona.pipeline import PipelineSplit
     from sim.simulate import SimConfig
-    from sim.workload import Workload, grad_bytes_for
+    from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
     o = shared
     _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
@@ -334,7 +334,8 @@ def _sim_config(*, shared: SimOptions):
                         cross_entropy_loss_fusion=o.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=o.cross_entropy_fusion_impl,
                         store_param_remainders=o.store_param_remainders, apply_rope_fusion=o.apply_rope_fusion,
-                        bias_activation_fusion=o.bias_activation_fusion)
+                        bias_activation_fusion=o.bias_activation_fusion, loss_bytes=loss_bytes_for(o.loss_fp32_upcast),
+                        loss_holds_logits=o.loss_holds_logits, master_dtype=o.master_dtype)
     config = SimConfig(model=o.model, gpus=o.gpus, tp=o.tp, optimizer=o.optimizer, policy=o.policy,
                        dp_policy=o.dp_policy or PLAN_DEFAULTS.dp_policy, tp_policy=o.tp_policy, tp_mode=o.tp_mode,
                        alpha=o.alpha, bucket_size=o.bucket_size, capacity=parse_capacity(o.capacity),
@@ -568,6 +569,17 @@ ApplyRopeFusion = Annotated[bool, typer.Option(
 BiasActivationFusion = Annotated[bool, typer.Option(
     help="Megatron's bias_activation_fusion: the fused SwiGLU; off: Megatron-core's unfused silu and product (its "
          "own default), as Megatron-Bridge's Qwen3 8B recipe runs.")]
+LossFp32Upcast = Annotated[bool, typer.Option(
+    help="Whether the loss upcasts the bf16 logits to fp32 (Megatron's unfused loss, torchtitan's, Hugging Face's); "
+         "off: a loss on the bf16 logits, as NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False), whose saved "
+         "copies of the logits are bf16.")]
+LossHoldsLogits = Annotated[bool, typer.Option(
+    help="Under --fsdp (PyTorch's F.cross_entropy): the training loop keeps the model's logits through the "
+         "backward, as NeMo AutoModel's does; off: torchtitan's and Hugging Face's Trainer, which drop them "
+         "before it.")]
+MasterDtype = Annotated[str, typer.Option(
+    help="fp32: mixed precision's fp32 masters; bf16: a model built in bf16 under --fsdp and --optimizer adamw "
+         "(NeMo AutoModel's), with no fp32 copy: its gradient shards and AdamW's moments in bf16.")]
 GradReduceInFp32 = Annotated[bool, typer.Option(
     help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
          "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
@@ -648,6 +660,9 @@ class SimOptions:
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False
     cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native"
     store_param_remainders: StoreParamRemainders = False
+    loss_fp32_upcast: LossFp32Upcast = True
+    loss_holds_logits: LossHoldsLogits = False
+    master_dtype: MasterDtype = "fp32"
     apply_rope_fusion: ApplyRopeFusion = True
     bias_activation_fusion: BiasActivationFusion = True
 

@@ -22,7 +22,7 @@ from canzona.plan import PLAN_DEFAULTS
 from cli.main import SimOptions, _sim_config, app
 from cli.units import parse_capacity
 from sim.simulate import SimConfig
-from sim.workload import grad_bytes_for
+from sim.workload import grad_bytes_for, loss_bytes_for
 
 
 def _value(config: SimConfig, name: str) -> Any:
@@ -40,6 +40,8 @@ def _value(config: SimConfig, name: str) -> Any:
         return "auto"
     if name == "grad_reduce_in_fp32":
         return config.workload.grad_bytes == grad_bytes_for(True)
+    if name == "loss_fp32_upcast":
+        return config.workload.loss_bytes == loss_bytes_for(True)
     if name == "router_imbalance":
         r = config.router_imbalance
         return ",".join(repr(float(v)) for v in r) if isinstance(r, tuple) else ("1" if r == 1.0 else repr(float(r)))

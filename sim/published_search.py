@@ -70,7 +70,7 @@ def question_of(run: PublishedRun) -> Question:
                     tp_comm_overlap_cfg=cfg.options.tp_comm_overlap_cfg,
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False,
-                    kernels=cfg.workload.kernels, loss_bytes=cfg.workload.loss_bytes,
+                    kernels=cfg.workload.kernels, loss_fp32_upcast=run.loss_fp32_upcast is not False,
                     loss_holds_logits=cfg.workload.loss_holds_logits, master_dtype=cfg.workload.master_dtype,
                     fsdp=run.fsdp,
                     fsdp_impl=cfg.fsdp_impl, selective_ac_option=cfg.options.selective_ac_option)

@@ -98,7 +98,7 @@ from sim.simulate import (
 )
 from sim.topology import MAX_GPUS, Cluster
 from sim.userbuffers import DEFAULT_UB_CONFIG
-from sim.workload import Workload, grad_bytes_for
+from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
 COVERED_BY_FALLBACK = {"canzona": ("zero1-gather",)}
@@ -155,10 +155,10 @@ class Question:
     apply_rope_fusion: bool = Workload.apply_rope_fusion
     bias_activation_fusion: bool = Workload.bias_activation_fusion
     # the layers' memory-bound kernels (Workload.kernels: fused, or eager as torchtitan runs with
-    # compile = false) and the loss's saved copy (Workload.loss_bytes: 2 where the loss does not
-    # upcast the bf16 logits, NeMo AutoModel's fp32_upcast false): every layout is searched with them
+    # compile = false) and whether the loss upcasts the logits (Workload.loss_bytes, `loss_bytes_for`:
+    # False, NeMo AutoModel's fp32_upcast false): every layout is searched with them
     kernels: str = Workload.kernels
-    loss_bytes: int = Workload.loss_bytes
+    loss_fp32_upcast: bool = True
     # under fsdp, the training loop keeps the model's logits through the backward (Workload.loss_holds_logits:
     # NeMo AutoModel's); every layout is searched with it, and a ZeRO-1 question's layouts refuse it
     loss_holds_logits: bool = Workload.loss_holds_logits
@@ -256,7 +256,8 @@ class Question:
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
                         store_param_remainders=self.store_param_remainders,
                         apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
-                        kernels=self.kernels, loss_bytes=self.loss_bytes, loss_holds_logits=self.loss_holds_logits,
+                        kernels=self.kernels, loss_bytes=loss_bytes_for(self.loss_fp32_upcast),
+                        loss_holds_logits=self.loss_holds_logits,
                         master_dtype=self.master_dtype)
 
 

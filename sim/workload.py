@@ -33,6 +33,13 @@ def grad_bytes_for(grad_reduce_in_fp32: bool) -> int:
     return DTYPE_BYTES["fp32"] if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]
 
 
+def loss_bytes_for(fp32_upcast: bool) -> int:
+    """Bytes a logit of the loss's saved copies (`Workload.loss_bytes`): fp32 where the loss upcasts
+    the bf16 logits (Megatron's unfused loss, torchtitan's, Hugging Face's), else bf16 (NeMo
+    AutoModel's MaskedCrossEntropy(fp32_upcast=False))."""
+    return DTYPE_BYTES["fp32"] if fp32_upcast else DTYPE_BYTES["bf16"]
+
+
 @dataclass(frozen=True)
 class Workload:
     seq_len: int = 4096
@@ -90,6 +97,9 @@ class Workload:
         check_choice(self.dtype, DTYPE_BYTES, "dtype")
         check_precision(self.precision, self.fp8_recipe)
         check_kernels(self.kernels)
+        if self.loss_bytes != DTYPE_BYTES["fp32"] and self.cross_entropy != UNFUSED:
+            raise SpecError("a loss without the fp32 upcast (--no-loss-fp32-upcast) is the unfused loss on bf16 logits; "
+                            "Megatron's fused cross-entropy (--cross-entropy-loss-fusion) computes in fp32")
         if self.cross_entropy != UNFUSED and self.kernels == EAGER:
             raise SpecError("cross-entropy loss fusion is Megatron's (fused kernels); eager kernels run the unfused loss")
         check_choice(self.master_dtype, MASTER_DTYPES, "master dtype")

@@ -27,7 +27,7 @@ from sim.search import (
     facts_of,
     space_of,
 )
-from sim.simulate import SimConfig
+from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
 from tests.cli_helpers import error_line, invoke
 from tests.sim.small_models import EIGHT_LAYERS, MOE_FOUR_LAYERS
@@ -65,9 +65,10 @@ SEARCHES = {
                       "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
                       "--precision", "fp8", "--optimizer", "adamw", "--hardware", "h200"),
                      {"ep": 1, "policy": "zero1"}),
-    # FSDP on 4 GB GPUs: HSDP, selective-layer's K, FSDP2 kept after forward, full recompute
+    # FSDP on 5 GB GPUs: HSDP, selective-layer's K, FSDP2 kept after forward (4 GB until the loss's peak
+    # under PyTorch's cross-entropy was counted, 2026-11-30)
     "fsdp": (("--model", EIGHT_LAYERS, "--gpus", 32, "--seq-len", 4096, "--global-batch", 64, "--top", 8, "--fsdp",
-              "--selective-ac-option", 5, "--hardware", "{tight:4}"),
+              "--selective-ac-option", 5, "--hardware", "{tight:5}"),
              {"hsdp_replicate": 4, "recompute": "selective-layer", "reshard_after_forward": False}),
 }
 # the larger searches (make test-all): Megatron's EP overlap on the interleaved pipeline, uneven split
@@ -249,15 +250,30 @@ def test_an_ep1_layout_runs_the_dispatchers_defaults_the_same_run():
 
 
 def test_a_configuration_no_flag_sets_is_an_error_naming_it():
-    """A setting `canzona simulate` has no flag for (the loss's saved bytes, which the published
-    table's rows set) cannot become a command that silently simulates something else."""
+    """A setting `canzona simulate` has no flag for (the parameters' gathered bytes) cannot become a
+    command that silently simulates something else."""
     from cli.replay import simulate_command
 
-    cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, workload=Workload(seq_len=1024, global_batch=8, loss_bytes=2))
+    cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, workload=Workload(seq_len=1024, global_batch=8, param_bytes=4))
     with pytest.raises(SpecError, match="cannot express this configuration: workload differ"):
         simulate_command(cfg)
-    assert simulate_command(replace(cfg, workload=replace(cfg.workload, loss_bytes=Workload.loss_bytes))) == \
+    assert simulate_command(replace(cfg, workload=replace(cfg.workload, param_bytes=Workload.param_bytes))) == \
         f"canzona simulate --model {EIGHT_LAYERS} --gpus 8 --tp 1 --seq-len 1024 --global-batch 8"
+
+
+def test_the_loss_and_master_settings_round_trip():
+    """NeMo AutoModel's loss (no fp32 upcast, its loop holding the logits) and its bf16-built model
+    are simulate's flags, printed and read back as the same configuration."""
+    from cli.replay import simulate_command
+
+    cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, fsdp=True, optimizer="adamw",
+                    workload=Workload(seq_len=1024, global_batch=8, loss_bytes=2, loss_holds_logits=True,
+                                      master_dtype="bf16"))
+    command = simulate_command(cfg)
+    assert "--no-loss-fp32-upcast --loss-holds-logits --master-dtype bf16" in command
+    r = invoke(*shlex.split(command)[1:], "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["memory"] == json.loads(json.dumps(simulate(cfg).to_dict()))["memory"]
 
 
 def test_the_simulate_command_quotes_what_the_shell_would_split(tmp_path):
@@ -282,7 +298,7 @@ def test_a_search_whose_row_no_flag_expresses_is_one_error_line(monkeypatch):
 
     def unexpressible(q, row):
         cfg = config_of(q, {k: row[k] for k in ("tp", "pp", "vp", "cp", "ep", "micro_batch", "recompute")})
-        return replace(cfg, workload=replace(cfg.workload, loss_bytes=2))
+        return replace(cfg, workload=replace(cfg.workload, param_bytes=4))
 
     monkeypatch.setattr(sim.search, "row_config", unexpressible)
     error_line(invoke("search", "--model", EIGHT_LAYERS, "--gpus", 8, "--seq-len", 1024, "--global-batch", 8,

@@ -114,7 +114,7 @@ FLOOR_CASES = [
      dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=2, recompute="full"), None),
     (dict(model="qwen3-30b-a3b", gpus=16, seq_len=4096, global_batch=16, optimizer="adamw"),
      dict(tp=1, ep=4, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="selective-op"), None),
-    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=32, optimizer="adamw", loss_bytes=2,
+    (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=32, optimizer="adamw", loss_fp32_upcast=False,
           ep_dispatcher=EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
                                      fake_balanced_gate=True)),
      dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=4, recompute="full"), None),
