@@ -61,6 +61,7 @@ from cli.render import (
     tp_table,
     verify_table,
 )
+from cli.replay import Replay
 from cli.shared_options import takes_options
 from cli.units import parse_capacity
 from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
@@ -667,6 +668,11 @@ class SimOptions:
     bias_activation_fusion: BiasActivationFusion = True
 
 
+# `canzona simulate`'s command line read back from a configuration (`cli.replay`): the search prints
+# each row's, and the tests check it builds the row again, bit for bit
+REPLAY = Replay(options=SimOptions, build=_sim_config, app=app)
+
+
 @app.command()
 @takes_options(SimOptions)
 def simulate(
@@ -798,7 +804,6 @@ def search(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cli.render import search_table
-    from cli.replay import simulate_command
     from sim.search import Question
     from sim.search import search as run
 
@@ -827,7 +832,7 @@ def search(
                             f"{smallest['memory_bytes'] / 1e9:.1f} GB per GPU of {smallest['memory_capacity_bytes'] / 1e9:.1f}")
         # each row's `canzona simulate` command: built here, where a layout the flags cannot express
         # fails as one error line (cli.replay checks each against the row's configuration)
-        summary = result.to_dict(top, simulate_command=simulate_command)
+        summary = result.to_dict(top, simulate_command=REPLAY.simulate_command)
     except CanzonaError as e:
         fail(str(e))
     if as_json:

@@ -12,17 +12,19 @@ express is an error naming what differs, never a command that silently simulates
 
 from __future__ import annotations
 
-import functools
 import shlex
-from dataclasses import fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from canzona.errors import SpecError
 from canzona.plan import PLAN_DEFAULTS
-from cli.main import SimOptions, _sim_config, app
 from cli.units import parse_capacity
-from sim.simulate import SimConfig
 from sim.workload import grad_bytes_for, loss_bytes_for
+
+if TYPE_CHECKING:  # the simulator is imported when a command runs, not when the CLI starts
+    from sim.simulate import SimConfig
 
 
 def _value(config: SimConfig, name: str) -> Any:
@@ -56,27 +58,7 @@ def _value(config: SimConfig, name: str) -> Any:
 
 def _default_policy(config: SimConfig) -> str:
     """The step policy SimConfig resolves none to, for this configuration's optimizer (and FSDP)."""
-    return SimConfig(optimizer=config.optimizer, fsdp=config.fsdp, policy=None).policy
-
-
-def simulate_options(config: SimConfig) -> SimOptions:
-    """`canzona simulate`'s options that build `config` (`_sim_config`), checked by building it
-    again: a configuration the options cannot express (a setting no flag sets, such as a workload's
-    loss bytes) raises `SpecError` naming the fields that differ."""
-    options = SimOptions(**{f.name: _value(config, f.name) for f in fields(SimOptions)})
-    built = _sim_config(shared=options)
-    if built != config:
-        differ = [f.name for f in fields(SimConfig) if getattr(built, f.name) != getattr(config, f.name)]
-        raise SpecError(f"canzona simulate's options cannot express this configuration: {', '.join(differ)} differ")
-    return options
-
-
-@functools.cache
-def _params(command: str) -> dict[str, Any]:
-    """The click parameters of a `canzona` command, by name: the flags as the parser reads them."""
-    from typer.main import get_command
-
-    return {p.name: p for p in get_command(app).commands[command].params}
+    return type(config)(optimizer=config.optimizer, fsdp=config.fsdp, policy=None).policy
 
 
 # the options a command line always gives, at their defaults too: what is simulated where (the line
@@ -84,29 +66,56 @@ def _params(command: str) -> dict[str, Any]:
 ALWAYS = ("model", "gpus", "tp")
 
 
-def command_line(command: str, options: SimOptions) -> str:
-    """`canzona <command>` with a flag for every option of `options` off its default (and those of
-    `ALWAYS`), in the options' order, spelt as the command declares it (a boolean's on / off flag)."""
-    params = _params(command)
-    parts = ["canzona", command]
-    for f in fields(SimOptions):
-        value = getattr(options, f.name)
-        if value == f.default and f.name not in ALWAYS:
-            continue
-        p = params[f.name]
-        if p.is_flag:
-            flags = p.opts if value else p.secondary_opts
-            if not flags:  # an on-only flag cannot be turned off (its default is off)
-                raise SpecError(f"{p.opts[0]} has no flag for {value!r}")
-            parts.append(flags[0])
-        else:
-            parts += [p.opts[0], shlex.quote(str(value))]
-    return " ".join(parts)
+@dataclass(frozen=True, kw_only=True)
+class Replay:
+    """`canzona simulate`'s options class (`cli.main.SimOptions`), their builder (`cli.main._sim_config`)
+    and the Typer app that declares their flags: handed in by `cli.main`, so this module imports no
+    command (the CLI imports it, not the other way round)."""
+
+    options: type
+    build: Callable[..., SimConfig]
+    app: Any
+
+    def simulate_options(self, config: SimConfig) -> Any:
+        """`canzona simulate`'s options that build `config`, checked by building it again: a
+        configuration the options cannot express (a setting no flag sets, such as a workload's
+        gathered parameter bytes) raises `SpecError` naming the fields that differ."""
+        options = self.options(**{f.name: _value(config, f.name) for f in fields(self.options)})
+        built = self.build(shared=options)
+        if built != config:
+            differ = [f.name for f in fields(config) if getattr(built, f.name) != getattr(config, f.name)]
+            raise SpecError(f"canzona simulate's options cannot express this configuration: {', '.join(differ)} differ")
+        return options
+
+    @cached_property
+    def _params(self) -> dict[str, dict[str, Any]]:
+        """The click parameters of each `canzona` command, by name: the flags as the parser reads them."""
+        from typer.main import get_command
+
+        return {name: {p.name: p for p in command.params} for name, command in get_command(self.app).commands.items()}
+
+    def command_line(self, command: str, options: Any) -> str:
+        """`canzona <command>` with a flag for every option of `options` off its default (and those of
+        `ALWAYS`), in the options' order, spelt as the command declares it (a boolean's on / off flag)."""
+        params = self._params[command]
+        parts = ["canzona", command]
+        for f in fields(self.options):
+            value = getattr(options, f.name)
+            if value == f.default and f.name not in ALWAYS:
+                continue
+            p = params[f.name]
+            if p.is_flag:
+                flags = p.opts if value else p.secondary_opts
+                if not flags:  # an on-only flag cannot be turned off (its default is off)
+                    raise SpecError(f"{p.opts[0]} has no flag for {value!r}")
+                parts.append(flags[0])
+            else:
+                parts += [p.opts[0], shlex.quote(str(value))]
+        return " ".join(parts)
+
+    def simulate_command(self, config: SimConfig) -> str:
+        """The `canzona simulate` command line that simulates `config` (every non-default option)."""
+        return self.command_line("simulate", self.simulate_options(config))
 
 
-def simulate_command(config: SimConfig) -> str:
-    """The `canzona simulate` command line that simulates `config` (every non-default option)."""
-    return command_line("simulate", simulate_options(config))
-
-
-__all__ = ["command_line", "simulate_command", "simulate_options"]
+__all__ = ["ALWAYS", "Replay"]

@@ -202,7 +202,7 @@ SPACE_QUESTIONS = {
 
 @pytest.mark.parametrize("name", SPACE_QUESTIONS)
 def test_every_layout_of_the_space_is_a_simulate_command(name):
-    from cli.replay import simulate_options
+    from cli.main import REPLAY
 
     q = SPACE_QUESTIONS[name]
     model = resolve_model(q.model)
@@ -221,7 +221,7 @@ def test_every_layout_of_the_space_is_a_simulate_command(name):
                 cfg.check(model)
             except SpecError:  # refused by the simulator: the search prunes it
                 continue
-            simulate_options(cfg)  # raises where the flags cannot build this configuration
+            REPLAY.simulate_options(cfg)  # raises where the flags cannot build this configuration
             expressed += 1
     assert expressed
 
@@ -252,24 +252,24 @@ def test_an_ep1_layout_runs_the_dispatchers_defaults_the_same_run():
 def test_a_configuration_no_flag_sets_is_an_error_naming_it():
     """A setting `canzona simulate` has no flag for (the parameters' gathered bytes) cannot become a
     command that silently simulates something else."""
-    from cli.replay import simulate_command
+    from cli.main import REPLAY
 
     cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, workload=Workload(seq_len=1024, global_batch=8, param_bytes=4))
     with pytest.raises(SpecError, match="cannot express this configuration: workload differ"):
-        simulate_command(cfg)
-    assert simulate_command(replace(cfg, workload=replace(cfg.workload, param_bytes=Workload.param_bytes))) == \
+        REPLAY.simulate_command(cfg)
+    assert REPLAY.simulate_command(replace(cfg, workload=replace(cfg.workload, param_bytes=Workload.param_bytes))) == \
         f"canzona simulate --model {EIGHT_LAYERS} --gpus 8 --tp 1 --seq-len 1024 --global-batch 8"
 
 
 def test_the_loss_and_master_settings_round_trip():
     """NeMo AutoModel's loss (no fp32 upcast, its loop holding the logits) and its bf16-built model
     are simulate's flags, printed and read back as the same configuration."""
-    from cli.replay import simulate_command
+    from cli.main import REPLAY
 
     cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, fsdp=True, optimizer="adamw",
                     workload=Workload(seq_len=1024, global_batch=8, loss_bytes=2, loss_holds_logits=True,
                                       master_dtype="bf16"))
-    command = simulate_command(cfg)
+    command = REPLAY.simulate_command(cfg)
     assert "--no-loss-fp32-upcast --loss-holds-logits --master-dtype bf16" in command
     r = invoke(*shlex.split(command)[1:], "--json")
     assert r.exit_code == 0, r.stderr
@@ -278,12 +278,12 @@ def test_the_loss_and_master_settings_round_trip():
 
 def test_the_simulate_command_quotes_what_the_shell_would_split(tmp_path):
     """A path with a space stays one argument of the printed command."""
-    from cli.replay import simulate_command
+    from cli.main import REPLAY
 
     spaced = tmp_path / "my profiles"
     spaced.mkdir()
     profile = _profile(spaced, 40)
-    command = simulate_command(SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, hardware=profile,
+    command = REPLAY.simulate_command(SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, hardware=profile,
                                          workload=Workload(seq_len=1024, global_batch=8)))
     args = shlex.split(command)
     assert args[args.index("--hardware") + 1] == profile
@@ -324,11 +324,10 @@ def test_a_configuration_of_any_options_round_trips(options):
 
     from typer.main import get_command
 
-    from cli.main import SimOptions, _sim_config, app
-    from cli.replay import simulate_command
+    from cli.main import REPLAY, SimOptions, _sim_config, app
 
     cfg = _sim_config(shared=SimOptions(**options))
     # the printed line as simulate's parser reads it (without simulating): the same configuration
-    line = shlex.split(simulate_command(cfg))
+    line = shlex.split(REPLAY.simulate_command(cfg))
     parsed = get_command(app).commands["simulate"].make_context("simulate", line[2:]).params
     assert _sim_config(shared=SimOptions(**{f.name: parsed[f.name] for f in fields(SimOptions)})) == cfg
