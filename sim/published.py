@@ -623,6 +623,9 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         tp_comm_overlap_cfg=ub_cfg, **dispatch, **fusions, **method, **ints)
     try:
         run.ep_dispatcher.check()
+        if not run.needs():  # the simulator's rules between the row's settings (its model and profile are
+            # read when it is simulated): a row it would refuse is refused here, naming the row
+            run.sim_config().check_settings()
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
     matrix_optimizer(run.optimizer)

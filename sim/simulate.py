@@ -214,10 +214,10 @@ class SimConfig:
         """Validate everything that can be wrong before any simulation; returns the cluster."""
         return self.checked(model)[0]
 
-    def checked(self, model: tuple[ModelSpec, Architecture] | None = None
-                ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
-        """`check`, also returning the model (`model_of`) and the hardware profile: a model file
-        and a profile are read here, once per simulation."""
+    def check_settings(self) -> None:
+        """The rules between the run's own settings (FSDP's options, the model's dtype, the loss's
+        loop, the step policy), which need neither the model nor the hardware profile: `checked`
+        runs them first, and a published row is held to them when it is read (`sim.published`)."""
         if not isinstance(self.reshard_after_forward, bool):
             raise SpecError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if not self.reshard_after_forward and not self.fsdp:
@@ -240,6 +240,12 @@ class SimConfig:
                                 "fp32 shard is the parameter, with no bf16 copy to hold the masters' high half")
         else:
             check_choice(self.policy, STEP_POLICIES, "policy")
+
+    def checked(self, model: tuple[ModelSpec, Architecture] | None = None
+                ) -> tuple[Cluster, tuple[ModelSpec, Architecture], HardwareProfile]:
+        """`check`, also returning the model (`model_of`) and the hardware profile: a model file
+        and a profile are read here, once per simulation."""
+        self.check_settings()
         check_matrix_optimizer(self.optimizer)
         if not self.fsdp:
             STEP_POLICIES[self.policy].check_optimizer(self.optimizer)
