@@ -40,7 +40,9 @@ the settings of its A100 presets (pytorch/torchtitan `torchtitan/models/llama/mo
   for the max, the exponentials' sum and the output, and writes once: 4F); nll_loss reads one
   logit a row: `2 + 5F` = 22 bytes; backward nll_loss's zero-filled gradient (F), log_softmax's
   backward (the row sum of the gradient F, then read gradient and output, write: 3F), the cast
-  back (F + 2): `2 + 6F` = 26 bytes.
+  back (F + 2): `2 + 6F` = 26 bytes. On the bf16 logits themselves (a loss that does not upcast,
+  NeMo AutoModel's `MaskedCrossEntropy(fp32_upcast=False)`) the same passes at `F` = 2 without the
+  casts: `4F` = 8 bytes forward, `5F` = 10 backward (`loss_bytes`).
 """
 
 from __future__ import annotations
@@ -75,8 +77,17 @@ def swiglu_bytes(b: int, backward: bool) -> int:
     return 9 * b if backward else 5 * b
 
 
-LOSS_FORWARD_BYTES = 2 + 5 * FP32  # per logit: cast to fp32, log_softmax (3 reads, 1 write)
-LOSS_BACKWARD_BYTES = 2 + 6 * FP32  # per logit: nll_loss's zeros, log_softmax backward, cast back
+def loss_bytes(loss_dtype_bytes: int, backward: bool) -> int:
+    """Bytes a logit of PyTorch's `F.cross_entropy` on logits of `loss_dtype_bytes` (fp32: the bf16
+    logits cast up first and the gradient cast back; bf16: no cast): forward the cast and
+    log_softmax's three reads and one write; backward nll_loss's zero-filled gradient, log_softmax's
+    backward (the gradient's row sum, then gradient and output read, the result written), the cast back."""
+    cast = 2 + loss_dtype_bytes if loss_dtype_bytes > 2 else 0
+    return cast + (5 if backward else 4) * loss_dtype_bytes
+
+
+LOSS_FORWARD_BYTES = loss_bytes(FP32, backward=False)  # 22 a logit on the upcast logits
+LOSS_BACKWARD_BYTES = loss_bytes(FP32, backward=True)  # 26
 
 
 def norm(s: LayerShape, backward: bool, name: str) -> Kernel:
@@ -119,10 +130,10 @@ def mlp_block(s: LayerShape, width: float, gated: bool, backward: bool, name: st
     return [norm(s, False, name), act, residual_add(s, name)]
 
 
-def loss_kernels(tokens: int, vocab_slice: int, backward: bool) -> list[Kernel]:
+def loss_kernels(tokens: int, vocab_slice: int, backward: bool, loss_dtype_bytes: int = FP32) -> list[Kernel]:
+    """PyTorch's `F.cross_entropy` over one rank's `tokens x vocab_slice` logits (`loss_bytes`)."""
     n = tokens * vocab_slice
-    return [_pass(f"loss{'.grad' if backward else ''} (eager)", n,
-                  n * (LOSS_BACKWARD_BYTES if backward else LOSS_FORWARD_BYTES))]
+    return [_pass(f"loss{'.grad' if backward else ''} (eager)", n, n * loss_bytes(loss_dtype_bytes, backward))]
 
 
 __all__ = ["EAGER", "FUSED", "KERNEL_MODES", "attention_block", "check_kernels", "loss_kernels", "mlp_block",

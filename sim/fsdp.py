@@ -307,7 +307,8 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
                             kernels=wl.kernels, dispatcher=cfg.options.ep_dispatcher,
                             cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
                             bias_activation_fusion=wl.bias_activation_fusion,
-                            early_stop=rerun_stops_early(fsdp_checkpoint(cfg.fsdp_impl)))
+                            early_stop=rerun_stops_early(fsdp_checkpoint(cfg.fsdp_impl)),
+                            torch_loss=cfg.loss_autograd, loss_bytes=wl.loss_bytes)
 
 
 class _FsdpRun:

@@ -245,7 +245,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      attention_backend: str = DEFAULT_ATTENTION_BACKEND, kernels: str = FUSED,
                      accumulate: int = 0, dispatcher: EpDispatcher | None = None,
                      cross_entropy: str = UNFUSED, apply_rope_fusion: bool = True,
-                     bias_activation_fusion: bool = True, early_stop: bool = False) -> MicroBatchWork:
+                     bias_activation_fusion: bool = True, early_stop: bool = False,
+                     torch_loss: bool = False, loss_bytes: int = DTYPE_BYTES["fp32"]) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -274,7 +275,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     `canzona.recompute.selective_layers`); `early_stop`: the checkpoint's re-run stops at the
     layer's last op that saves a tensor, as torch's non-reentrant checkpoint does
     (`canzona.recompute.rerun_stops_early`): a dense layer's down projection GEMM and residual add
-    are not run again (`_stopped_early`); False: the whole forward again, as Megatron's checkpoint."""
+    are not run again (`_stopped_early`); False: the whole forward again, as Megatron's checkpoint;
+    `torch_loss`: the loss is PyTorch's `F.cross_entropy` (`SimConfig.loss_autograd`: the FSDP2
+    frameworks'), priced as `sim.eager_kernels` prices it on logits of `loss_bytes` (fp32 where the
+    loss upcasts them), as under eager kernels."""
     check_recompute(recompute)
     if recompute == SELECTIVE_LAYER and checkpointed is None:
         raise SpecError("selective-layer recompute needs the checkpointed layers (canzona.recompute.selective_layers)")
@@ -471,8 +475,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         return MicroBatchWork(tuple(layer_ids), tuple(forward), tuple(backward), 0.0, 0.0, embed_f, embed_b, outside)
 
     def loss(tokens: int, vocab_slice: int, backward: bool) -> list[Kernel]:
-        if eager:
-            return ek.loss_kernels(tokens, vocab_slice, backward)
+        if eager or torch_loss:  # PyTorch's F.cross_entropy, on logits of `loss_bytes`
+            return ek.loss_kernels(tokens, vocab_slice, backward, loss_bytes)
         return ce.loss_kernels(tokens, vocab_slice, backward, cross_entropy)
 
     head_f = run([gemm_kernel("head", tokens, vocab // tp, hidden, dtype),

@@ -61,7 +61,7 @@ from canzona.plan import (
 )
 from canzona.recompute import check_method_layers, check_selective_ac_option, inside_layers
 from canzona.routing import RANDOM
-from canzona.spec import ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
@@ -230,6 +230,9 @@ class SimConfig:
             raise SpecError(f"master dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
                             "modelled under FSDP2 (--fsdp) with torch's AdamW (--optimizer adamw), which keeps its "
                             "moments in the parameters' dtype")
+        if self.workload.loss_bytes != DTYPE_BYTES["fp32"] and not self.loss_autograd:
+            raise SpecError("--no-loss-fp32-upcast describes PyTorch's F.cross_entropy on the bf16 logits: FSDP2 "
+                            "(--fsdp) with the unfused loss; Megatron's vocab-parallel loss computes in fp32")
         if self.workload.loss_holds_logits and not self.loss_autograd:
             raise SpecError("loss_holds_logits describes a training loop around PyTorch's F.cross_entropy: FSDP2 "
                             "(--fsdp) with the unfused loss; Megatron's loss holds no logits past its forward")

@@ -46,3 +46,4 @@ def test_zero1_refuses_the_fsdp2_frameworks_settings():
     zero1 = ("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 1, "--seq-len", 1024, "--global-batch", 8)
     error_line(invoke(*zero1, "--loss-holds-logits"), "loss_holds_logits")
     error_line(invoke(*zero1, "--master-dtype", "bf16", "--optimizer", "adamw"), "master dtype bf16")
+    error_line(invoke(*zero1, "--no-loss-fp32-upcast"), "--no-loss-fp32-upcast", "fp32")

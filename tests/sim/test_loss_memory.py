@@ -166,3 +166,21 @@ def test_the_search_memory_floor_stays_below_the_run(workload: Workload, ep: int
     cfg = SimConfig(model=model, gpus=8, tp=1, ep=ep, fsdp=True, optimizer="adamw", workload=workload,
                     options=RunOptions(recompute="full"))
     assert memory_floor(cfg, resolve_model(model)) <= simulate(cfg).memory.worst.total
+
+
+def test_the_fsdp2_loss_is_priced_as_torch_runs_it() -> None:
+    """The loss's time follows the same framework as its memory: PyTorch's `F.cross_entropy` under
+    FSDP2 (`sim.eager_kernels.loss_bytes`: 22 / 26 bytes a logit on upcast logits, 8 / 10 on the bf16
+    ones), with fused kernels too; Megatron's loss (ZeRO-1, Megatron-FSDP) refuses a loss without
+    the upcast, which it does not run."""
+    from sim import eager_kernels as ek
+
+    assert (ek.loss_bytes(4, False), ek.loss_bytes(4, True)) == (22, 26)
+    assert (ek.loss_bytes(2, False), ek.loss_bytes(2, True)) == (8, 10)
+    cfg = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, fsdp=True, optimizer="adamw",
+                    workload=Workload(seq_len=1024, global_batch=8))
+    bf16 = replace(cfg, workload=replace(cfg.workload, loss_bytes=2))
+    assert simulate(bf16).iteration_time_s < simulate(cfg).iteration_time_s
+    for other in (replace(bf16, fsdp_impl="megatron-fsdp"), replace(bf16, fsdp=False)):
+        with pytest.raises(SpecError, match="no-loss-fp32-upcast"):
+            other.check()
