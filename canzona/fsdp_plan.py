@@ -42,6 +42,9 @@ def check_hsdp(fsdp: bool, dp: int, replicate: int) -> int:
         if r != 1:
             raise SpecError("--hsdp-replicate is HSDP's replicate axis: it needs --fsdp")
         return 0
+    if dp < 2:  # before the replicas' rules: no --hsdp-replicate makes a shard group of one rank
+        raise SpecError(f"--fsdp shards over the data-parallel ranks and the layout leaves {dp}: lower --tp (or "
+                        "raise --gpus) so that at least 2 remain")
     if dp % r:
         raise SpecError(f"--hsdp-replicate {r} must divide the {dp} data-parallel ranks")
     shard = dp // r

@@ -227,14 +227,14 @@ class SimConfig:
             raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
         if self.workload.master_dtype != "fp32" and not (self.fsdp and self.fsdp_impl == FSDP2 and
                                                          self.optimizer == "adamw"):
-            raise SpecError(f"master dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
+            raise SpecError(f"--master-dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
                             "modelled under FSDP2 (--fsdp) with torch's AdamW (--optimizer adamw), which keeps its "
                             "moments in the parameters' dtype")
         if self.workload.loss_bytes != DTYPE_BYTES["fp32"] and not self.loss_autograd:
             raise SpecError("--no-loss-fp32-upcast describes PyTorch's F.cross_entropy on the bf16 logits: FSDP2 "
                             "(--fsdp) with the unfused loss; Megatron's vocab-parallel loss computes in fp32")
         if self.workload.loss_holds_logits and not self.loss_autograd:
-            raise SpecError("loss_holds_logits describes a training loop around PyTorch's F.cross_entropy: FSDP2 "
+            raise SpecError("--loss-holds-logits describes a training loop around PyTorch's F.cross_entropy: FSDP2 "
                             "(--fsdp) with the unfused loss; Megatron's loss holds no logits past its forward")
         if self.fsdp:
             fsdp_policy(self.optimizer, self.policy)

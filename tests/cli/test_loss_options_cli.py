@@ -34,8 +34,8 @@ def test_the_loss_options_change_the_loss_peak_and_the_master_dtype_the_state():
 
 @pytest.mark.parametrize("args, needles", [
     (("--master-dtype", "fp16"), ("master dtype",)),
-    (("--master-dtype", "bf16", "--optimizer", "muon"), ("master dtype bf16", "adamw")),
-    (("--loss-holds-logits", "--fsdp-impl", "megatron-fsdp"), ("loss_holds_logits",)),
+    (("--master-dtype", "bf16", "--optimizer", "muon"), ("--master-dtype bf16", "adamw")),
+    (("--loss-holds-logits", "--fsdp-impl", "megatron-fsdp"), ("--loss-holds-logits",)),
     (("--no-loss-fp32-upcast", "--cross-entropy-loss-fusion"), ("--no-loss-fp32-upcast",)),
 ])
 def test_a_setting_that_cannot_apply_is_one_error_line(args, needles):
@@ -44,6 +44,6 @@ def test_a_setting_that_cannot_apply_is_one_error_line(args, needles):
 
 def test_zero1_refuses_the_fsdp2_frameworks_settings():
     zero1 = ("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 1, "--seq-len", 1024, "--global-batch", 8)
-    error_line(invoke(*zero1, "--loss-holds-logits"), "loss_holds_logits")
-    error_line(invoke(*zero1, "--master-dtype", "bf16", "--optimizer", "adamw"), "master dtype bf16")
+    error_line(invoke(*zero1, "--loss-holds-logits"), "--loss-holds-logits")
+    error_line(invoke(*zero1, "--master-dtype", "bf16", "--optimizer", "adamw"), "--master-dtype bf16")
     error_line(invoke(*zero1, "--no-loss-fp32-upcast"), "--no-loss-fp32-upcast", "fp32")

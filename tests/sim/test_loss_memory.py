@@ -96,7 +96,7 @@ def test_the_loss_follows_the_framework() -> None:
     assert _torchtitan_8b(8).loss_autograd
     assert not replace(_torchtitan_8b(8), fsdp_impl="megatron-fsdp").loss_autograd
     assert not SimConfig(model="qwen3-0.6b", gpus=8, tp=1).loss_autograd
-    with pytest.raises(SpecError, match="loss_holds_logits"):
+    with pytest.raises(SpecError, match="--loss-holds-logits"):
         SimConfig(model="qwen3-0.6b", gpus=8, tp=1, workload=Workload(loss_holds_logits=True)).check()
     with pytest.raises(SpecError, match="loss_holds_logits"):
         MemorySetup(loss_holds_logits=True)
@@ -119,9 +119,9 @@ def test_a_bf16_model_keeps_no_masters_and_bf16_state() -> None:
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"optimizer": "muon"}, "master dtype bf16"),
-    ({"fsdp": False}, "master dtype bf16"),
-    ({"fsdp_impl": "megatron-fsdp"}, "master dtype bf16"),
+    ({"optimizer": "muon"}, "--master-dtype bf16"),
+    ({"fsdp": False}, "--master-dtype bf16"),
+    ({"fsdp_impl": "megatron-fsdp"}, "--master-dtype bf16"),
 ])
 def test_a_bf16_model_is_refused_where_it_is_not_modelled(changes, needle) -> None:
     cfg = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, fsdp=True, optimizer="adamw",

@@ -75,6 +75,8 @@ def test_hsdp_prices_the_replicate_all_reduce():
 @pytest.mark.parametrize("changes, needle", [
     (dict(hsdp_replicate=3), "must divide the 64"),
     (dict(hsdp_replicate=64), "shard group of 1 rank"),
+    # TP taking every GPU (canzona simulate's default --tp 8 on 8 GPUs): the layout's own DP, not HSDP's, is named
+    (dict(gpus=8, tp=8), "leaves 1: lower --tp"),
     (dict(fsdp=False, hsdp_replicate=2), "needs --fsdp"),
     (dict(pp=2), "at pp 1 for now"),  # FSDP x TP runs (issue: FSDP x TP in the simulator); FSDP x PP does not
     (dict(tp=2, options=RunOptions(overlap_step=True)), "without --overlap-step"),
