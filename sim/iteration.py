@@ -18,7 +18,7 @@ from functools import cached_property
 import simpy
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import DeviceRate, adamw_kernels, gradient_norm_kernels
+from canzona.cost import DeviceRate, adamw_kernels, elementwise_kernel, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.optimizers import default_config, matrix_optimizer
@@ -464,6 +464,9 @@ class _Stage:
                 scattered = self.collective(f"{name} reduce-scatter (last chunk)", self.tp_groups, tail, TP_COMM,
                                             {r: [self.last[r]] + ([scattered[r]] if scattered else []) for r in ranks},
                                             sms=sms)
+            if sm.forward_splits is None:  # a ring exchange: the received partial sums reduced on the compute stream
+                self.compute(f"{name} reduce-scatter sum", self._ring_rs_sum_s,
+                             {r: [scattered[r]] for r in ranks})
         self.last.update({r: self.eng.env.all_of([self.last[r], scattered[r]]) for r in ranks})
 
     def nccl_block(self, name: str, b, gathers_input: int) -> None:
@@ -499,6 +502,17 @@ class _Stage:
                                     {r: [issued[r]] for r in ranks})
         self.compute(f"{name} wgrad", b.last_wgrad_s)
         self.wait_each(scattered)
+
+    @cached_property
+    def _ring_rs_sum_s(self) -> float:
+        """A ring-exchange reduce-scatter's last step (Transformer Engine's
+        `CommOverlapP2PBase::split_overlap_rs`: `reduce_bf16` on the main stream once every chunk has
+        been sent and received): the TP partial sums of this rank's slice of the block output read
+        (`tp` slices) and their sum written (one), in the activations' dtype."""
+        tp, slice_bytes = self.ctx.tp, self.act / self.ctx.tp
+        numel = int(slice_bytes // self.ctx.workload.activation_bytes)
+        return self.ctx.rate.kernel_seconds(elementwise_kernel("reduce-scatter sum", numel, tp - 1,
+                                                               (tp + 1) * self.ctx.workload.activation_bytes))
 
     def _rs_chunks(self, splits: int) -> tuple[CollectiveCost | None, CollectiveCost]:
         """A `pipeline` reduce-scatter of the block output in `splits` chunks: the first `splits - 1`

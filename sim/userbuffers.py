@@ -39,9 +39,10 @@ How the simulator prices a configuration (`UserbuffersConfig.block_sms`, `sim.co
 Not priced, recorded only: `aggregate` (a ring exchange's GEMMs two chunks at a time; the
 simulator does not cut the all-gathers' GEMMs into chunks), `fp8_buf` (the reduce-scatter's buffer
 in FP8; the simulator moves the activation dtype under userbuffers, `sim.iteration.tp_gather_bytes`),
-`atomic_gemm` (false in every configuration here), the ring-exchange reduce-scatter's final
-reduction of the TP partial outputs (a memory-bound kernel after the GEMM) and its GEMM chunks'
-several streams. `cga_size` (2 for every `bulk` and `pipeline` GEMM here, 1 for the ring
+`atomic_gemm` (false in every configuration here) and the ring-exchange reduce-scatter's GEMM
+chunks' several streams. The ring exchange's last step is priced (since 2026-11-30): once every
+chunk is sent and received, `reduce_bf16` sums the TP partial outputs of the rank's slice on the
+main stream, `tp` slices read and one written (`sim.iteration._Stage._ring_rs_sum_s`). `cga_size` (2 for every `bulk` and `pipeline` GEMM here, 1 for the ring
 exchanges) is the communication kernel's cluster shape: not recorded, not priced.
 Left out of the registry: the LoRA configurations (no weight-gradient overlap: `qkv_wgrad` /
 `fc1_wgrad` unset, the frozen weights take none) and the B200 ones (no B200 hardware profile).

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.cost import DeviceRate
+from canzona.cost import DeviceRate, elementwise_kernel
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
@@ -141,6 +141,15 @@ def test_a_ring_exchange_reduce_scatter_runs_in_tp_chunks_on_a_one_sm_margin():
     assert took(ring, "last") < took(pipeline, "last")
     assert took(ring, "reduce-scatter (last chunk)") < took(pipeline, "reduce-scatter (last chunk)")
     assert ring["mb0 fwd layer 0.1 reduce-scatter (last chunk)"].start >= ring["mb0 fwd layer 0.1 last"].end - 1e-12
+    # the ring's last step: the received TP partial sums of the rank's slice reduced on the compute
+    # stream once the last chunk is in (TE's reduce_bf16): 8 slices read, one written, bf16
+    total = ring["mb0 fwd layer 0.1 reduce-scatter sum"]
+    assert total.start >= ring["mb0 fwd layer 0.1 reduce-scatter (last chunk)"].end - 1e-12
+    rate = DeviceRate.from_profile(load_profile(tp8.hardware))
+    numel = 1024 * resolve_model(tp8.model)[1].hidden // 8
+    alone = rate.kernel_seconds(elementwise_kernel("sum", numel, 7, 9 * 2))
+    assert total.end - total.start == pytest.approx(alone * tp8.slowdown(load_profile(tp8.hardware), tp8.gpus))
+    assert not any(n.endswith("reduce-scatter sum") for n in pipeline)  # a pipeline kernel reduces as it sends
 
 
 def test_the_search_floor_stays_below_the_run():
