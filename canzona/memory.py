@@ -492,7 +492,8 @@ class MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
-                                                    "activation_bytes", "loss_bytes", "loss_holds_logits", "master_dtype", "store_param_remainders",
+                                                    "activation_bytes", "loss_bytes", "loss_holds_logits",
+                                                    "master_dtype", "store_param_remainders",
                                                     "bias_activation_fusion")
                   if hasattr(workload, k)}
         if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
