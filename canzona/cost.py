@@ -162,6 +162,12 @@ def adamw_state_bytes(m: int, n: int, cfg: AdamWConfig) -> int:
     return 2 * FP32 * m * n  # the two moments
 
 
+def adamw_moments_bytes(numel: int, moment_bytes: int = FP32) -> int:
+    """AdamW's two moments of `numel` elements at `moment_bytes` an element: fp32, or a bf16 model's
+    under torch's AdamW, which keeps its state in the parameters' dtype."""
+    return state_bytes("adamw", (numel,)) * moment_bytes // FP32
+
+
 def gradient_norm_kernels(numel: int, clip: bool, element_bytes: int = FP32) -> list[Kernel]:
     """A rank's share of the global gradient norm, every step (the runtime checks it is finite
     before any update): one read of its reduced gradients (`element_bytes` each); and, with

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from canzona.cost import CostModel, row_state_bytes, state_bytes
+from canzona.cost import CostModel, adamw_moments_bytes, row_state_bytes
 from canzona.errors import SpecError
 from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import DTYPE_BYTES, ModelSpec
@@ -187,7 +187,7 @@ def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, Fsdp
             held += n
             m = matrices.get(p.name)
             if m is None:
-                adamw += state_bytes("adamw", (n,)) * moment_bytes // DTYPE_BYTES["fp32"] if n else 0
+                adamw += adamw_moments_bytes(n, moment_bytes) if n else 0
             elif m.owner is None:  # its rows' share of the row state (a multiple of the rows)
                 start, end = chunk_rows(p.shape[0], shard, r)
                 state += m.row_state * (end - start) // p.shape[0] + m.state - m.row_state

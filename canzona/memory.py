@@ -46,7 +46,7 @@ from functools import cached_property
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import state_bytes
+from canzona.cost import adamw_moments_bytes, state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.experts import rank_shares
@@ -465,7 +465,7 @@ class MemorySetup:
 
     def adamw_state_bytes(self, numel: int) -> int:
         """AdamW's two moments of `numel` elements, in the `master_dtype` torch's optimizer keeps them in."""
-        return state_bytes("adamw", (numel,)) * DTYPE_BYTES[self.master_dtype] // FP32
+        return adamw_moments_bytes(numel, DTYPE_BYTES[self.master_dtype])
 
     @property
     def master_bytes(self) -> int:

@@ -36,7 +36,6 @@ from canzona.recompute import (
     recompute_label,
     selective_ac_every,
 )
-from canzona.spec import DTYPE_BYTES
 from sim.cross_entropy import CROSS_ENTROPY_FUSION_IMPLS, DEFAULT_CROSS_ENTROPY_FUSION_IMPL
 from sim.eager_kernels import FUSED, KERNEL_MODES
 from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
@@ -45,7 +44,7 @@ from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.userbuffers import DEFAULT_UB_CONFIG, check_ub_config, check_ub_config_applies
-from sim.workload import Workload, grad_bytes_for
+from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
 DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
 PUBLISHED_RUNS = DATA_DIR / "published_runs.json"
@@ -224,7 +223,7 @@ class PublishedRun:
         the overlaps (`RunOptions`)."""
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
-                      loss_bytes=DTYPE_BYTES["bf16" if self.loss_fp32_upcast is False else "fp32"],
+                      loss_bytes=loss_bytes_for(self.loss_fp32_upcast is not False),
                       loss_holds_logits=self.loss_holds_logits, master_dtype=self.master_dtype,
                       kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
                       cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,

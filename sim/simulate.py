@@ -225,8 +225,7 @@ class SimConfig:
         check_fsdp_impl(self.fsdp_impl)
         if self.fsdp_impl != FSDP2 and not self.fsdp:  # as --no-reshard-after-forward: not a silent no-op
             raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
-        if self.workload.master_dtype != "fp32" and not (self.fsdp and self.fsdp_impl == FSDP2 and
-                                                         self.optimizer == "adamw"):
+        if self.workload.master_dtype != "fp32" and not (self.torch_fsdp2 and self.optimizer == "adamw"):
             raise SpecError(f"--master-dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
                             "modelled under FSDP2 (--fsdp) with torch's AdamW (--optimizer adamw), which keeps its "
                             "moments in the parameters' dtype")
@@ -369,12 +368,18 @@ class SimConfig:
             raise SpecError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not modelled")
 
     @property
+    def torch_fsdp2(self) -> bool:
+        """An FSDP layout under torch's FSDP2 (not Megatron-FSDP): the frameworks whose loop, loss and
+        optimizer state are PyTorch's (torchtitan, NeMo AutoModel, Hugging Face)."""
+        return self.fsdp and self.fsdp_impl == FSDP2
+
+    @property
     def loss_autograd(self) -> bool:
         """The loss is PyTorch's `F.cross_entropy` (`canzona.memory.MemorySetup.loss_autograd`): an
         FSDP2 layout's, whose frameworks (torchtitan, NeMo AutoModel, Hugging Face) run it, unless
         the run asks for one of Megatron's fused losses; Megatron's own (ZeRO-1, Megatron-FSDP) is
         its vocab-parallel cross-entropy."""
-        return self.fsdp and self.fsdp_impl == FSDP2 and self.workload.cross_entropy == UNFUSED
+        return self.torch_fsdp2 and self.workload.cross_entropy == UNFUSED
 
     def memory_setup(self, arch: Architecture, **extra: Any) -> MemorySetup:
         """The memory model's settings of this run (`canzona.memory`), one definition for the
