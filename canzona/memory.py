@@ -116,26 +116,27 @@ BF16 = DTYPE_BYTES["bf16"]
 EMPTY_BUFFER_BYTES = FP32  # a flat buffer of no parameter: fp32 in the runtime (as `canzona.step_collectives` sends it)
 GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_bytes` 84.9e9, 79.11 GiB, for an H100 SXM)
 
-# What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process: the CUDA
-# context with its loaded kernels, measured at 287 MB (lazy module loading, PyTorch's default
-# since 1.13) to 667 MB (eager) for PyTorch alone (https://github.com/pytorch/pytorch/pull/86509),
-# plus NCCL's communicator buffers and the cuBLAS / cuDNN workspaces: 1.95 GB in all is an
-# **assumption** (bounded by the published runs, below). Fragmentation: the caching allocator splits and reuses the blocks of what is
-# freed and allocated again every iteration (activations, reduce-scatter and step buffers); the
-# persistent buffers (weights, gradient buffers, masters, optimizer state) are a few flat tensors
-# allocated once, at start, so the fraction applies to the transient peak only: 5% of it, the
-# factor Megatron-LM's own estimate puts on activations for "optimizer and miscellaneous
-# temporaries" (megatron/training/theoretical_memory_usage.py, compute_activation_memory_without_sp;
-# https://github.com/NVIDIA/Megatron-LM), not a measurement. The published runs bound the two together: Llama 3.1 8B at CP 2 on 8 H100s
-# (NVIDIA DGX Cloud recipe, docs/design.md §9.6) ran with 81.7 GB of counted tensors on a GPU
-# that gives a process 84.9 GB (79.11 GiB, the H100 profile's capacity), so its context, NCCL
-# buffers and fragmentation took at most 3.2 GB; the former allowance, 3 GB + 5% of every tensor
-# (7.1 GB there), said it could not run. The tightest bound is NeMo AutoModel's Qwen3-30B-A3B
-# (FSDP 8, EP 8, DeepEP): with DeepEP's buffers counted (`deepep_buffer_bytes`) its 81.92 GB of
-# counted tensors leave 3.02 GB of the 84.94, of which 5% of its 20.7 GB transient peak is 1.04 GB,
-# so the fixed part is at most 1.985 GB: 1.95 GB, the round figure under that bound (it was 2 GB,
-# an assumption, until the dispatcher's buffers were counted).
-DEFAULT_FIXED_OVERHEAD = 1_950_000_000
+# What no tensor count gives (docs/design.md §7.1). A roughly fixed amount per process outside
+# PyTorch's caching allocator: the CUDA context with its loaded kernels, measured at 287 MB (lazy
+# module loading, PyTorch's default since 1.13) to 667 MB (eager) for PyTorch alone
+# (https://github.com/pytorch/pytorch/pull/86509), and NCCL's communicator buffers (cuBLAS's
+# workspaces come from the caching allocator). Fragmentation: the caching allocator splits and
+# reuses the blocks of what is freed and allocated again every iteration (activations,
+# reduce-scatter and step buffers); the persistent buffers (weights, gradient buffers, masters,
+# optimizer state) are a few flat tensors allocated once, at start, so the fraction applies to the
+# transient peak only: 5% of it, the factor Megatron-LM's own estimate puts on activations for
+# "optimizer and miscellaneous temporaries" (megatron/training/theoretical_memory_usage.py,
+# compute_activation_memory_without_sp; https://github.com/NVIDIA/Megatron-LM), which torchtitan's
+# published peaks (max reserved: the allocator's memory with its fragmentation) bear out within 2%
+# (tests/sim/test_loss_memory.py). Both are **assumptions** bounded by the published runs, which
+# ran: the tightest is DGX Cloud's Llama 3.1 405B bf16 run on 576 H100s (NeMo 24.09, TP 8 x PP 9 x
+# VP 7 x CP 2, docs/design.md §9.6), whose counted tensors, 82.27 GB, leave 2.67 GB of the 84.94 a
+# process is given, of which 5% of its 38.16 GB transient peak is 1.91 GB, so the fixed part is at
+# most 0.76 GB: 0.75 GB, the round figure under that bound (it was 1.95 GB, bounded by NeMo
+# AutoModel's Qwen3-30B-A3B until that row's persistent bytes and loss were counted as the
+# framework holds them, and 2 GB before). The next tightest: DGX Cloud's Llama 3.1 8B at CP 2 on 8
+# H100s, 3.23 GB left over a 21.49 GB transient peak (at most 2.15 GB fixed).
+DEFAULT_FIXED_OVERHEAD = 750_000_000
 DEFAULT_FRAGMENTATION = 0.05
 
 # Transformer Engine's userbuffers (the TP communication overlap, `tp_comm_overlap`): `initialize_ub`
@@ -391,6 +392,10 @@ class MemorySetup:
     # Megatron's store_param_remainders (precision-aware optimizer) / Apex DistributedFusedAdam's:
     # of each fp32 master only the 16 bits the bf16 weight lacks are kept (2 bytes, not 4)
     store_param_remainders: bool = False
+    # FP8 primary weights (NeMo 1.x's fp8_params, Transformer Engine's fp8_model_init): under `fp8` each
+    # linear weight is kept in FP8 with its cached transpose and no bf16 copy (`FP8_WEIGHT_CACHE` in all,
+    # not on top of the working weight), and the optimizer keeps full fp32 masters
+    fp8_params: bool = False
     # Megatron's bias_activation_fusion (sim.workload.Workload): off, its unfused SwiGLU saves the
     # silu output and the offset-added up half besides fc1's output (sim.unfused_kernels)
     bias_activation_fusion: bool = True
@@ -432,6 +437,11 @@ class MemorySetup:
             raise SpecError("store_param_remainders keeps the low half of fp32 masters beside bf16 weights: it needs "
                             f"master weights and 2-byte parameters, got {self.param_bytes}-byte parameters"
                             f"{'' if self.master_weights else ' without masters'}")
+        if self.fp8_params and not self.fp8:
+            raise SpecError("fp8_params keeps the linear weights in FP8: it needs fp8")
+        if self.fp8_params and self.store_param_remainders:
+            raise SpecError("fp8_params with store_param_remainders: an FP8 weight does not hold an fp32 master's "
+                            "high half, so the masters are kept whole")
         if not isinstance(self.bias_activation_fusion, bool):
             raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         if not isinstance(self.ep_overlap, bool):
@@ -494,7 +504,7 @@ class MemorySetup:
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
                                                     "activation_bytes", "loss_bytes", "loss_holds_logits",
                                                     "master_dtype", "store_param_remainders",
-                                                    "bias_activation_fusion")
+                                                    "fp8_params", "bias_activation_fusion")
                   if hasattr(workload, k)}
         if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
             values["loss_bytes"] = workload.loss_copy_bytes
@@ -1209,7 +1219,9 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     buckets = sum(b.size for b in plan.dp_plan.buckets)
     weights = buckets * pb + adamw_size * adamw_pb
     if setup.fp8:  # Transformer Engine's cached FP8 weight and its transpose, per linear weight
-        weights += FP8_WEIGHT_CACHE * sum(p.local_numel(tp) for p in fp8_linear_params(spec))
+        fp8_numel = sum(p.local_numel(tp) for p in fp8_linear_params(spec))
+        # under fp8_params the FP8 weight and its transpose are the weight: no bf16 copy beside them
+        weights += (FP8_WEIGHT_CACHE - (pb if setup.fp8_params else 0)) * fp8_numel
     grads = buckets * gb + adamw_size * adamw_gb
     activations = activation_bytes(dims, setup, tp, pp, stage, vp, split)
     gathered = sum(p.numel for p in plan.dp_plan.placements()) * pb if policy.param_gather == PARAMS_BY_OWNER else 0

@@ -334,7 +334,8 @@ def _sim_config(*, shared: SimOptions):
                         grad_bytes=grad_bytes_for(o.grad_reduce_in_fp32), kernels=o.kernels,
                         cross_entropy_loss_fusion=o.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=o.cross_entropy_fusion_impl,
-                        store_param_remainders=o.store_param_remainders, apply_rope_fusion=o.apply_rope_fusion,
+                        store_param_remainders=o.store_param_remainders, fp8_params=o.fp8_params,
+                        apply_rope_fusion=o.apply_rope_fusion,
                         bias_activation_fusion=o.bias_activation_fusion, loss_bytes=loss_bytes_for(o.loss_fp32_upcast),
                         loss_holds_logits=o.loss_holds_logits, master_dtype=o.master_dtype)
     config = SimConfig(model=o.model, gpus=o.gpus, tp=o.tp, optimizer=o.optimizer, policy=o.policy,
@@ -564,6 +565,10 @@ StoreParamRemainders = Annotated[bool, typer.Option(
     help="Megatron's store_param_remainders (its precision-aware optimizer; Apex DistributedFusedAdam under NeMo): "
          "keep only the low 16 bits of each fp32 master beside the bf16 weight, 2 bytes a parameter less; off: "
          "full fp32 masters, as canzona's runtime keeps them.")]
+Fp8Params = Annotated[bool, typer.Option(
+    help="FP8 primary weights (NeMo's fp8_params, Transformer Engine's fp8_model_init) under --precision fp8: each "
+         "linear weight kept in FP8 with its cached transpose and no bf16 copy (2 bytes a weight less), the "
+         "optimizer keeping full fp32 masters (not with --store-param-remainders); ZeRO-1 layouts only.")]
 ApplyRopeFusion = Annotated[bool, typer.Option(
     help="Megatron's apply_rope_fusion: Transformer Engine's fused RoPE; off: Megatron-core's unfused PyTorch RoPE "
          "(its own default), as Megatron-Bridge's Qwen3 recipes run.")]
@@ -661,6 +666,7 @@ class SimOptions:
     cross_entropy_loss_fusion: CrossEntropyLossFusion = False
     cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native"
     store_param_remainders: StoreParamRemainders = False
+    fp8_params: Fp8Params = False
     loss_fp32_upcast: LossFp32Upcast = True
     loss_holds_logits: LossHoldsLogits = False
     master_dtype: MasterDtype = "fp32"

@@ -63,6 +63,10 @@ AMAX_BYTES = 4  # one fp32 amax per FP8 tensor
 # bytes one cast moves per element: read the bf16 tensor (2), write its FP8 copy (1) and the FP8
 # transpose (1); current scaling reads it once more for its amax
 CAST_BYTES = {DELAYED: 4, CURRENT: 6}
+# bytes per element of an FP8 weight's transpose under FP8 primary weights (`fp8_params`): the
+# optimizer writes the FP8 weight itself (in place of the bf16 one), and the first micro-batch of
+# the iteration reads it (1) and writes its cached transpose (1)
+FP8_PARAMS_TRANSPOSE_BYTES = 2
 
 
 def check_precision(precision: str, recipe: str = DELAYED) -> None:
@@ -92,13 +96,15 @@ class FP8Setup:
     of an iteration's and cached); `chunks`: model chunks on the stage (each runs its own FP8
     region per micro-batch); `amax_reduce_s`: one all-reduce of the stage's amaxes over the amax
     reduction group (delayed scaling); `tp_amax_s`: one all-reduce of one amax over the TP group
-    (current scaling of a sequence-parallel input; 0 at TP 1)."""
+    (current scaling of a sequence-parallel input; 0 at TP 1); `fp8_params`: the weights are kept in
+    FP8 (`sim.workload.Workload.fp8_params`), so a weight's cast is its transpose only."""
 
     recipe: str = DELAYED
     micro_batches: int = 1
     chunks: int = 1
     amax_reduce_s: float = 0.0
     tp_amax_s: float = 0.0
+    fp8_params: bool = False
 
     def __post_init__(self) -> None:
         check_precision(FP8, self.recipe)
@@ -111,8 +117,10 @@ class FP8Setup:
         return elementwise_kernel(f"{name}.fp8_cast", count, 2, CAST_BYTES[self.recipe] * cols, FP8)
 
     def weight_cast(self, name: str, numel: float) -> Kernel:
-        """A weight's cast and transpose, amortised over the micro-batches that reuse it."""
-        k = elementwise_kernel(f"{name}.fp8_weight_cast", max(1, round(numel)), 2, CAST_BYTES[self.recipe], FP8)
+        """A weight's cast and transpose (its transpose only under `fp8_params`), amortised over the
+        micro-batches that reuse it."""
+        moved = FP8_PARAMS_TRANSPOSE_BYTES if self.fp8_params else CAST_BYTES[self.recipe]
+        k = elementwise_kernel(f"{name}.fp8_weight_cast", max(1, round(numel)), 2, moved, FP8)
         return Kernel(k.name, k.kind, k.flops, k.bytes, k.dtype, 1.0 / self.micro_batches)
 
     def scale_update(self, tensors: int) -> Kernel:
@@ -135,5 +143,6 @@ def fp8_setup(wl: Any, hw: HardwareProfile, cluster: Cluster, spec: ModelSpec, s
     amaxes = 3 * len(fp8_linear_params(spec)) * AMAX_BYTES
     stage_group = cluster.geometry(list(cluster.stage_ranks(stage)))
     return FP8Setup(recipe=wl.fp8_recipe, micro_batches=wl.micro_batches(cluster.batch_dp), chunks=chunks,
+                    fp8_params=wl.fp8_params,
                     amax_reduce_s=collective_cost("all-reduce", amaxes, stage_group, hw).seconds,
                     tp_amax_s=collective_cost("all-reduce", AMAX_BYTES, cluster.tp_geometry(), hw).seconds)

@@ -167,6 +167,9 @@ class PublishedRun:
     # store_param_remainders defaults to true) or NeMo's Apex DistributedFusedAdam with a bf16
     # model and fp32 optimizer; None: not stated, full fp32 masters
     store_param_remainders: bool | None = None
+    # FP8 primary weights as the recipe sets them (`Workload.fp8_params`: NeMo 1.x's fp8_params, the
+    # linear weights kept in FP8, full fp32 masters); None: not stated, bf16 weights with cached FP8 copies
+    fp8_params: bool | None = None
     # Megatron's apply_rope_fusion / bias_activation_fusion as the recipe ran them (`Workload`'s
     # fields of those names, `sim.unfused_kernels`); None: not stated, simulated fused
     apply_rope_fusion: bool | None = None
@@ -227,7 +230,7 @@ class PublishedRun:
                       loss_holds_logits=self.loss_holds_logits, master_dtype=self.master_dtype,
                       kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
                       cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
-                      store_param_remainders=bool(self.store_param_remainders),
+                      store_param_remainders=bool(self.store_param_remainders), fp8_params=bool(self.fp8_params),
                       apply_rope_fusion=self.apply_rope_fusion is not False,
                       bias_activation_fusion=self.bias_activation_fusion is not False)
         return SimConfig(model=self.model_ref, gpus=self.gpus, tp=self.tp, pp=self.pp, vp=self.vp, cp=self.cp,
@@ -313,6 +316,7 @@ class RowResult:
             "cross_entropy_loss_fusion": r.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": r.cross_entropy_fusion_impl,
             "store_param_remainders": r.store_param_remainders,
+            **({"fp8_params": r.fp8_params} if r.precision == "fp8" else {}),
             "apply_rope_fusion": r.apply_rope_fusion, "bias_activation_fusion": r.bias_activation_fusion,
             **({} if r.pipeline_split.even else {"pipeline_split": asdict(r.pipeline_split)}),
         }
@@ -445,6 +449,10 @@ class PublishedReport:
                 "store_param_remainders": "whether the optimizer keeps only the low 16 bits of each fp32 master "
                                           "(Megatron's precision-aware optimizer, Apex DistributedFusedAdam under "
                                           "NeMo), with recipe_source; null: not stated, full fp32 masters",
+                "fp8_params": "FP8 rows: whether the recipe keeps the linear weights in FP8 (NeMo 1.x's "
+                              "fp8_params, Transformer Engine's fp8_model_init: FP8 weight and its cached "
+                              "transpose, no bf16 copy; full fp32 masters), with recipe_source; null: not "
+                              "stated, bf16 weights with Transformer Engine's cached FP8 copies",
             },
         }
 
@@ -567,6 +575,10 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     if remainders is not None and (not isinstance(remainders, bool) or (remainders and fsdp)):
         raise SpecError(f"{where}: store_param_remainders must be true, false or null (true on a ZeRO-1 row, not "
                         f"fsdp), got {remainders!r}")
+    fp8_params = _optional_bool(raw, "fp8_params", where)
+    if fp8_params and (precision != "fp8" or fsdp or remainders):
+        raise SpecError(f"{where}: fp8_params true is an FP8 ZeRO-1 row's, with full fp32 masters (not "
+                        f"store_param_remainders)")
     dispatch = {k: raw.get(k) for k in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
                                         "moe_hybridep_num_sms", "moe_deepep_num_sms", "fake_balanced_gate")}
     split = _pipeline_split(raw, where)
@@ -598,7 +610,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
     settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "loss_holds_logits", "master_dtype",
                 "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
-                *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
+                "fp8_params", *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                 "tp_comm_overlap_cfg", *fusions, *method)
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
@@ -616,7 +628,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
         loss_holds_logits=holds_logits, master_dtype=master_dtype,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
-        cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders,
+        cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders, fp8_params=fp8_params,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,
         overlap_moe_expert_parallel_comm=ep_overlap, delay_wgrad_compute=delay_wgrad, tp_comm_overlap=tp_overlap,
         tp_comm_overlap_cfg=ub_cfg, **dispatch, **fusions, **method, **ints)

@@ -151,6 +151,8 @@ class Question:
     cross_entropy_loss_fusion: bool = Workload.cross_entropy_loss_fusion
     cross_entropy_fusion_impl: str = Workload.cross_entropy_fusion_impl
     store_param_remainders: bool = Workload.store_param_remainders
+    # FP8 primary weights (Workload.fp8_params): every layout is searched with them
+    fp8_params: bool = Workload.fp8_params
     # Megatron's fused RoPE and SwiGLU (Workload's fields of these names): every layout is searched with them
     apply_rope_fusion: bool = Workload.apply_rope_fusion
     bias_activation_fusion: bool = Workload.bias_activation_fusion
@@ -254,7 +256,7 @@ class Question:
                         grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32),
                         cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
-                        store_param_remainders=self.store_param_remainders,
+                        store_param_remainders=self.store_param_remainders, fp8_params=self.fp8_params,
                         apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
                         kernels=self.kernels, loss_bytes=loss_bytes_for(self.loss_fp32_upcast),
                         loss_holds_logits=self.loss_holds_logits,
@@ -269,6 +271,7 @@ MEGATRON_ONLY = (("recompute_method", "--recompute-method"), ("recompute_num_lay
                  ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
                  ("delay_wgrad_compute", "--delay-wgrad-compute"),
                  ("store_param_remainders", "--store-param-remainders"),
+                 ("fp8_params", "--fp8-params"),
                  # Megatron's userbuffers configuration (`sim.userbuffers.check_ub_config_applies`)
                  ("tp_comm_overlap_cfg", "--tp-comm-overlap-cfg"),
                  # the distributed optimizer's bucket and step overlaps and the pipeline schedule's

@@ -240,6 +240,9 @@ class SimConfig:
             if self.workload.store_param_remainders:
                 raise SpecError("--store-param-remainders is the distributed optimizer's (ZeRO-1): under --fsdp the "
                                 "fp32 shard is the parameter, with no bf16 copy to hold the masters' high half")
+            if self.workload.fp8_params:
+                raise SpecError("--fp8-params is modelled on the distributed optimizer's layout (ZeRO-1, NeMo's "
+                                "and Megatron's FP8 primary weights): under --fsdp it is not")
         else:
             check_choice(self.policy, STEP_POLICIES, "policy")
 

@@ -14,7 +14,8 @@ written as data from their sources, each entry naming its file and commit:
   70B on H100, bf16 or fp8 `h8192_tp4`; `llama31_llm_pretrain.py`: Llama 3.1 405B, fp8
   `h16384_tp8_cp2`).
 - NeMo-Framework-Launcher `launcher_scripts/conf/training/tp_overlap/*.yaml` (NeMo 1.x, the
-  `ub_cfg_*` names): the two its Llama 3 / 3.1 70B H100 configs load (NeMo 24.07 / 24.09).
+  `ub_cfg_*` names): the two its Llama 3 / 3.1 70B H100 configs load (NeMo 24.07 / 24.09) and the
+  one its Llama 3.1 405B config loads (NeMo 24.09, DGX Cloud's recipe).
 
 NVIDIA/NeMo's NeMo 2.0 copy (`nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py`,
 commit 0594a700a7d4c17384982e4be3847f8ef2865f67) uses the same names with other figures for the
@@ -159,7 +160,7 @@ def _config(name: str, source: str, *, qkv_dgrad: int, qkv_wgrad: int, fc1_dgrad
 MEGATRON_BRIDGE = ("https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/0685ff5d5e636e06193291eb13b6bae531e958b4/"
                    "src/megatron/bridge/training/comm_overlap.py (the same at aae82005904475c0eeb5054ee5e9f78ffb6c5c76)")
 _LAUNCHER = "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/{commit}/launcher_scripts/conf/training/tp_overlap/{file}"
-_RING_AG = _ring()  # every all-gather here: ring_exchange, aggregate false, no margin
+_RING_AG = _ring()  # the all-gathers of every entry but the 405B launcher one: aggregate false, no margin
 _RING_RS = _ring(num_sm=1, set_sm_margin=True)  # Megatron-Bridge's FP8 forward reduce-scatters
 
 # the default: NVIDIA's bf16 H100 Llama 3 70B configuration, what the simulator ran before the registry
@@ -205,6 +206,14 @@ UB_CONFIGS: dict[str, UserbuffersConfig] = {c.name: c for c in (
             qkv_dgrad=4, qkv_wgrad=24, fc1_dgrad=2, fc1_wgrad=4,
             proj_fprop=_pipeline(24, 4, set_sm_margin=True, fp8_buf=True),
             fc2_fprop=_pipeline(16, 4, set_sm_margin=True, fp8_buf=True), gathers=_RING_AG),
+    # NeMo-Framework-Launcher, Llama 3.1 405B (training/llama/llama3_1_405b.yaml loads the bf16 one; DGX
+    # Cloud's NeMo 24.09 recipe runs it for FP8 too, with `fp8_buf` on for proj_fprop / fc2_fprop,
+    # llama3.1/configure.sh): the all-gathers' ring exchanges with `aggregate` (not priced)
+    _config("ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192",
+            _LAUNCHER.format(commit="0937882d3a796237e2943c26088be7d3ea1b00a0",
+                             file="ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192.yaml"),
+            qkv_dgrad=2, qkv_wgrad=24, fc1_dgrad=2, fc1_wgrad=2, proj_fprop=_pipeline(24, 4, set_sm_margin=True),
+            fc2_fprop=_pipeline(8, 4, set_sm_margin=True), gathers=_ring(aggregate=True)),
 )}
 
 

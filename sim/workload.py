@@ -16,7 +16,7 @@ from sim.cross_entropy import (
     saved_logit_bytes,
 )
 from sim.eager_kernels import EAGER, FUSED, check_kernels
-from sim.fp8 import check_precision
+from sim.fp8 import FP8, check_precision
 
 # A guard against mistakes, nothing of Megatron's: above sim.steady.EXACT_MICRO_BATCHES (256) the
 # iteration is extrapolated from two shorter ones (whose cost does not grow with the count), so the
@@ -82,6 +82,11 @@ class Workload:
     # half (canzona.memory.MemorySetup.store_param_remainders); off: full fp32 masters, canzona's
     # runtime's and Megatron's default distributed optimizer's
     store_param_remainders: bool = False
+    # FP8 primary weights (NeMo 1.x's `fp8_params`, Transformer Engine's `fp8_model_init`, Megatron's
+    # `--fp8-param-gather`): under FP8 the linear layers' weights are kept in FP8 with their cached
+    # transpose, no bf16 copy beside them, and the optimizer keeps full fp32 masters
+    # (canzona.memory.MemorySetup.fp8_params; sim.fp8.FP8Setup.fp8_params)
+    fp8_params: bool = False
     # Megatron-core's TransformerConfig options of these names (its defaults are False; NeMo's and
     # Megatron-Bridge's Llama configs set both): off, the layer runs Megatron's unfused RoPE /
     # SwiGLU (sim.unfused_kernels) instead of the fused kernels; True here, the simulator's
@@ -107,6 +112,15 @@ class Workload:
             raise SpecError(f"loss_holds_logits must be true or false, got {self.loss_holds_logits!r}")
         if not isinstance(self.store_param_remainders, bool):
             raise SpecError(f"store_param_remainders must be true or false, got {self.store_param_remainders!r}")
+        if not isinstance(self.fp8_params, bool):
+            raise SpecError(f"fp8_params must be true or false, got {self.fp8_params!r}")
+        if self.fp8_params and self.precision != FP8:
+            raise SpecError(f"--fp8-params keeps the linear layers' weights in FP8: it needs --precision fp8 "
+                            f"(got --precision {self.precision})")
+        if self.fp8_params and self.store_param_remainders:
+            raise SpecError("--fp8-params with --store-param-remainders: an FP8 weight does not hold an fp32 "
+                            "master's high 16 bits, so the optimizer keeps full fp32 masters (NeMo sets "
+                            "store_params for fp8_params)")
         for field in ("apply_rope_fusion", "bias_activation_fusion"):
             if not isinstance(getattr(self, field), bool):
                 raise SpecError(f"{field} must be true or false, got {getattr(self, field)!r}")

@@ -19,7 +19,7 @@ RAW = json.loads(published.PUBLISHED_RUNS.read_text())
 
 
 def test_every_row_is_sourced_positive_and_divisible():
-    assert 15 <= len(RUNS) <= 40
+    assert 15 <= len(RUNS) <= 60
     assert len({r.model_name for r in RUNS}) >= 3
     for run in RUNS:
         src = SOURCES[run.source]
@@ -293,3 +293,21 @@ def test_a_rows_userbuffers_configuration_is_read_checked_and_simulated():
         published.parse_run({**raw, "tp": 1, "gpus": 16}, SOURCES, "row")
     with pytest.raises(SpecError, match="needs recipe_source"):
         published.parse_run({**raw, "recipe_source": ""}, SOURCES, "row")
+
+
+def test_the_dgx_cloud_405b_rows_run_the_launchers_model_at_its_batch():
+    """DGX Cloud's Llama 3.1 405B recipe (NeMo 24.09) runs NeMo-Framework-Launcher's config, whose
+    model has 16 query groups (Meta's has 8): those rows use that model file. Its batch is 252
+    sequences per 576 GPUs (configure.sh), 63 micro-batches a DP rank at TP 8 x PP 9 x CP 2; the
+    FP8 rows keep FP8 weights (fp8_params) and full masters, the bf16 ones the remainders."""
+    rows = [r for r in RUNS if r.source == "dgxc-llama3.1-405b"]
+    assert {r.precision for r in rows} == {"bf16", "fp8"} and len(rows) == 6
+    _, arch = resolve_model(rows[0].model_ref)
+    assert (arch.layers, arch.hidden, arch.kv_heads, arch.q_heads) == (126, 16384, 16, 128)
+    for r in rows:
+        assert (r.tp, r.pp, r.vp, r.cp, r.micro_batch) == (8, 9, 7, 2, 1)
+        assert r.global_batch == 252 * r.gpus // 576 and r.global_batch // r.dp == 63
+        assert r.tp_comm_overlap_cfg == "ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192"
+        assert bool(r.fp8_params) == (r.precision == "fp8") != bool(r.store_param_remainders)
+        assert r.tokens_per_s_per_gpu == pytest.approx(r.original_value / r.gpus, abs=0.01)
+        assert r.step_time_s == pytest.approx(r.seq_len * r.global_batch / r.original_value, rel=2e-3)
