@@ -1073,8 +1073,11 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     ring = cp_ring_floor(cfg, hw, stretch)
     m = wl.micro_batches(cfg.gpus // (cfg.tp * cfg.pp * cfg.cp))
     head_dim = layer_dims(arch, spec).head_dim
-    fp8 = FP8Setup(recipe=wl.fp8_recipe, micro_batches=m) if wl.precision == FP8 else None  # its casts, not
-    # its amax all-reduces (collectives are free here)
+    # its casts as the simulator prices them (`sim.fp8.fp8_setup`: under FP8 primary weights a weight's
+    # pass is its transpose only, which a floor at the full cast would overstate), not its amax
+    # all-reduces (collectives are free here)
+    fp8 = (FP8Setup(recipe=wl.fp8_recipe, micro_batches=m, fp8_params=wl.fp8_params) if wl.precision == FP8
+           else None)
 
     def floor_of(part, stage: int) -> float:
         """One micro-batch of `part` (a stage's or a chunk's parameters) on pipeline rank `stage`."""

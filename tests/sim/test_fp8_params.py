@@ -125,3 +125,25 @@ def test_a_published_row_states_it_only_where_it_applies():
         published.parse_run({**fp8, "store_param_remainders": True}, sources, "row")
     with pytest.raises(SpecError, match="fp8_params must be"):
         published.parse_run({**fp8, "fp8_params": "yes"}, sources, "row")
+
+
+def test_the_time_floor_prices_the_weight_pass_as_the_simulator_does():
+    """The search's time floor builds its own FP8 setup: it must carry `fp8_params`, or it prices
+    every weight's full cast (4 / 6 bytes an element) where the simulator prices its transpose (2),
+    a floor above the simulator's own cost that could prune a layout that wins."""
+    from canzona.cost import DeviceRate
+    from canzona.hardware import load_profile
+    from canzona.models import resolve_model
+    from sim.search import Question, candidates, config_of, space_of, time_floor
+
+    hw = load_profile("h100-sxm")
+    rate = DeviceRate.from_profile(hw)
+    floors = []
+    for kept in (False, True):
+        q = Question(model=MODEL, gpus=8, seq_len=256, global_batch=8, optimizer="adamw", precision="fp8",
+                     fp8_recipe="current", fp8_params=kept)
+        layout = next(lay for lay in candidates(q) if lay["tp"] == 1 and lay["pp"] == 1)
+        cfg = config_of(q, {**layout, **space_of(q).recompute_variants(q)[0]})
+        floors.append(time_floor(cfg, resolve_model(q.model), rate, hw))
+        assert floors[-1] <= simulate(cfg).iteration_time_s
+    assert floors[1] < floors[0]  # the transpose-only pass, as the simulation's
