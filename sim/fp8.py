@@ -19,7 +19,10 @@ What FP8 costs beside its GEMMs, each priced as a memory-bound pass by its bytes
   per micro-batch the inputs of the column GEMMs (once for the block: q, k, v share it; gate, up
   share it) and of the row GEMM, and in backward the output gradients of every GEMM; read two
   bytes, write one plus one. The weights are cast (and transposed) once per iteration and reused
-  by the later micro-batches (TE's `is_first_microbatch`, which Megatron sets per iteration);
+  by the later micro-batches (TE's `is_first_microbatch`, which Megatron sets per iteration); with
+  FP8 primary weights (`fp8_params`: NeMo's `fp8_params`, Megatron's `fp8_param_gather`) the
+  optimizer writes the FP8 weight itself and the first micro-batch only transposes it (read one
+  byte, write one);
 - the recipe's scaling. Delayed scaling (`DelayedScaling`, the only recipe of Transformer Engine 1.x
   and NeMo 24.07's; Megatron-Bridge's `bf16_with_fp8_delayed_scaling_mixed`: amax history 1024)
   takes the scale from the amax history, so a cast is one read; after each forward and each

@@ -147,3 +147,18 @@ def test_the_time_floor_prices_the_weight_pass_as_the_simulator_does():
         floors.append(time_floor(cfg, resolve_model(q.model), rate, hw))
         assert floors[-1] <= simulate(cfg).iteration_time_s
     assert floors[1] < floors[0]  # the transpose-only pass, as the simulation's
+
+
+def test_megatron_bridges_fp8_rows_keep_fp8_weights():
+    """Megatron-Bridge's H100 FP8-CS recipes (fp8_cs: bf16_with_fp8_current_scaling_mixed) set
+    fp8_param_gather: its ZeRO-1 FP8 rows state fp8_params with that source; its FSDP FP8 row does
+    not (the option is the ZeRO-1 layout's) and says so."""
+    runs, _ = published.load()
+    mb_fp8 = [r for r in runs if r.source.startswith("mb-") and r.precision == "fp8"]
+    assert len(mb_fp8) >= 7
+    for r in mb_fp8:
+        if r.fsdp:
+            assert not r.fp8_params and "fp8_param_gather" in r.note
+        else:
+            assert r.fp8_params and "fp8_param_gather = True" in r.recipe_source
+            assert not r.store_param_remainders
