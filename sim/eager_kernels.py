@@ -86,9 +86,6 @@ def loss_bytes(loss_dtype_bytes: int, backward: bool) -> int:
     return cast + (5 if backward else 4) * loss_dtype_bytes
 
 
-LOSS_FORWARD_BYTES = loss_bytes(FP32, backward=False)  # 22 a logit on the upcast logits
-LOSS_BACKWARD_BYTES = loss_bytes(FP32, backward=True)  # 26
-
 
 def norm(s: LayerShape, backward: bool, name: str) -> Kernel:
     n = s.rows * s.hidden

@@ -114,6 +114,14 @@ class FP8Setup:
         if self.micro_batches < 1 or self.chunks < 1:
             raise SpecError(f"micro batches and chunks must be >= 1, got {self.micro_batches} and {self.chunks}")
 
+    @classmethod
+    def of(cls, wl: Any, micro_batches: int, **collectives: Any) -> FP8Setup:
+        """A workload's (`sim.workload.Workload`) FP8 settings, its scaling recipe and whether its
+        weights are kept in FP8, over `micro_batches` a weight cast serves: one reading of them for
+        the simulation (`fp8_setup`, with the stage's chunks and collectives) and the search's time
+        floor (without collectives)."""
+        return cls(recipe=wl.fp8_recipe, micro_batches=micro_batches, fp8_params=wl.fp8_params, **collectives)
+
     def cast(self, name: str, rows: float, cols: float) -> Kernel:
         """Cast a `rows x cols` bf16 tensor to FP8 with its transpose (one fused pass)."""
         count = max(1, round(rows))
@@ -145,7 +153,6 @@ def fp8_setup(wl: Any, hw: HardwareProfile, cluster: Cluster, spec: ModelSpec, s
         return None
     amaxes = 3 * len(fp8_linear_params(spec)) * AMAX_BYTES
     stage_group = cluster.geometry(list(cluster.stage_ranks(stage)))
-    return FP8Setup(recipe=wl.fp8_recipe, micro_batches=wl.micro_batches(cluster.batch_dp), chunks=chunks,
-                    fp8_params=wl.fp8_params,
-                    amax_reduce_s=collective_cost("all-reduce", amaxes, stage_group, hw).seconds,
-                    tp_amax_s=collective_cost("all-reduce", AMAX_BYTES, cluster.tp_geometry(), hw).seconds)
+    return FP8Setup.of(wl, wl.micro_batches(cluster.batch_dp), chunks=chunks,
+                       amax_reduce_s=collective_cost("all-reduce", amaxes, stage_group, hw).seconds,
+                       tp_amax_s=collective_cost("all-reduce", AMAX_BYTES, cluster.tp_geometry(), hw).seconds)

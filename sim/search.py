@@ -1076,8 +1076,7 @@ def time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile | No
     # its casts as the simulator prices them (`sim.fp8.fp8_setup`: under FP8 primary weights a weight's
     # pass is its transpose only, which a floor at the full cast would overstate), not its amax
     # all-reduces (collectives are free here)
-    fp8 = (FP8Setup(recipe=wl.fp8_recipe, micro_batches=m, fp8_params=wl.fp8_params) if wl.precision == FP8
-           else None)
+    fp8 = FP8Setup.of(wl, m) if wl.precision == FP8 else None
 
     def floor_of(part, stage: int) -> float:
         """One micro-batch of `part` (a stage's or a chunk's parameters) on pipeline rank `stage`."""
