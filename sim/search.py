@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -675,20 +676,22 @@ def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> st
     `not_in_plan`'s."""
     if row.get("fsdp"):
         return None
-    # the optimizer's data-parallel group is DP x CP (CP ranks hold the same weights)
-    parts = ["canzona plan", f"--model {q.model}", f"--dp {row['dp'] * row.get('cp', 1)}", f"--tp {row['tp']}",
+    # the optimizer's data-parallel group is DP x CP (CP ranks hold the same weights); paths quoted as the
+    # shell needs them (a space in a model or profile path), so the printed line pastes as one command
+    parts = ["canzona plan", f"--model {shlex.quote(q.model)}", f"--dp {row['dp'] * row.get('cp', 1)}",
+             f"--tp {row['tp']}",
              f"--optimizer {q.optimizer}"]
     if row["dp_policy"] != PLAN_DEFAULTS.dp_policy:
         parts.append(f"--dp-policy {row['dp_policy']}")
     if row["tp_policy"] != PLAN_DEFAULTS.tp_policy:
         parts.append(f"--tp-policy {row['tp_policy']}")
     if q.hardware != DEFAULT_PROFILE:
-        parts.append(f"--hardware {q.hardware}")
+        parts.append(f"--hardware {shlex.quote(q.hardware)}")
     if row["ep"] > 1:
         parts.append(f"--ep {row['ep']}")
         if row["expert_buckets"] != PLAN_DEFAULTS.expert_buckets:
             parts.append(f"--expert-buckets {row['expert_buckets']}")
-    parts.append(f"--out {out}")
+    parts.append(f"--out {shlex.quote(out)}")
     return " ".join(parts)
 
 

@@ -291,6 +291,27 @@ def test_the_simulate_command_quotes_what_the_shell_would_split(tmp_path):
     assert r.exit_code == 0, r.stderr
 
 
+def test_the_plan_command_quotes_what_the_shell_would_split(tmp_path):
+    """A model or profile path with a space stays one argument of the printed `canzona plan` command
+    too, and the command, pasted as printed, writes the row's plan."""
+    from sim.search import plan_command
+
+    spaced = tmp_path / "my models"
+    spaced.mkdir()
+    model = spaced / "eight layers.json"
+    model.write_text(Path(EIGHT_LAYERS).read_text())
+    profile = _profile(spaced, 40)
+    q = Question(model=str(model), gpus=8, hardware=profile, seq_len=1024, global_batch=8)
+    row = {"tp": 2, "dp": 4, "cp": 1, "ep": 1, "dp_policy": "alpha-balanced-reorder", "tp_policy": "greedy-rollback",
+           "expert_buckets": "size"}
+    args = shlex.split(plan_command(q, row, out=str(tmp_path / "the plan.json")))
+    assert args[args.index("--model") + 1] == str(model)
+    assert args[args.index("--hardware") + 1] == profile
+    r = invoke(*args[1:])
+    assert r.exit_code == 0, r.stderr
+    assert (load_plan(tmp_path / "the plan.json").dp, load_plan(tmp_path / "the plan.json").tp) == (4, 2)
+
+
 def test_a_search_whose_row_no_flag_expresses_is_one_error_line(monkeypatch):
     """Were a row's configuration one the flags cannot express, the search says so in one line rather
     than print a command that simulates something else."""
