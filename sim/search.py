@@ -535,13 +535,15 @@ def refine_values(q: Question, axis: Axis, facts: Facts, layout: Layout) -> list
     return list(axis.values(facts, layout))
 
 
-def candidates(q: Question, facts: Facts | None = None) -> list[Layout]:
+def candidates(q: Question, facts: Facts | None = None, before: str | None = None) -> list[Layout]:
     """Every combination of the layout axes, before any check (recompute at its cheapest: the
-    other modes are tried in rounds)."""
+    other modes are tried in rounds); `before`: of the axes before the one of that name only."""
     facts = facts or facts_of(q)
     space = space_of(q)
     out: list[Layout] = [{}]
     for axis in space.layout:
+        if axis.name == before:
+            break
         if axis.name == RECOMPUTE_AXIS:
             out = [{**c, axis.name: space.recompute_modes[0]} for c in out]
             continue
@@ -1271,8 +1273,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             refuse(e)
             continue
         push(layout)
-    if not cands:  # no combination of the axes at all: the plainest layout's refusal says why, if it is refused
-        config_of(q, {"tp": 1}).check(model)
+    if not cands:  # no combination of the axes at all: the one axis that can be left empty is the micro-batch
+        raise SpecError(_no_layout_divides(q, facts, model))
     if not queue and len(reasons) == 1 and counts["checks"] == len(cands):
         # every layout refused for one reason (the question's own: GPUs that fill no node, a batch
         # too large): the simulator's message, as `canzona simulate` gives it
@@ -1356,6 +1358,19 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
     return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
                         time.perf_counter() - start, workers, counts["bound"], top, counts["ties"])
+
+
+def _no_layout_divides(q: Question, facts: Facts, model) -> str:
+    """Why a question has no candidate (`candidates` is empty only where no layout's DP divides the global
+    batch: `MICRO_BATCH_AXIS`): the question's own refusal where it has one (GPUs that fill no node: the
+    simulator's message, as `canzona simulate` gives it, checked on the plainest layout at a batch its DP
+    divides), else the batch's, of every layout (one layout's refusal, `dp x micro batch = N x 1` at TP 1,
+    would read as if the search had tried no other DP)."""
+    config_of(replace(q, global_batch=q.gpus), {"tp": 1}).check(model)
+    dps = sorted({c["dp"] for c in candidates(q, facts, before=MICRO_BATCH_AXIS.name)})
+    return (f"no layout of {q.model} on {q.gpus} GPUs splits the global batch {q.global_batch} over its DP ranks: "
+            f"the DP sizes its layouts have (the GPUs over TP x PP x CP) are {', '.join(map(str, dps))}; give "
+            f"--global-batch a multiple of one of them (the least: {dps[0]}) or fewer GPUs")
 
 
 # a layout's keys that say its recompute: the mode, Megatron's method, selective-layer's K

@@ -87,6 +87,20 @@ def test_bad_input_is_one_line(args, needle):
     error_line(invoke("search", *args), needle)
 
 
+@pytest.mark.parametrize("args, dps", [
+    # 16384 GPUs: TP x PP reach 32 at most (PP 4 of the 28 layers, no CP at seq 4096), DP 512 at least
+    (("--gpus", 16384, "--model", "qwen3-0.6b"), "512, 1024, 2048, 4096, 8192, 16384"),
+    # 256 GPUs: DP 8 at least; a batch of 4 divides none
+    (("--gpus", 256, "--model", "qwen3-0.6b", "--global-batch", 4), "8, 16, 32, 64, 128, 256"),
+])
+def test_a_batch_no_layouts_dp_divides_says_so_of_the_whole_search(args, dps):
+    """No layout's DP divides the global batch: the error says no layout of the search does, with the
+    DP sizes its layouts have, not one layout's refusal (`dp x micro batch = 16384 x 1`, TP 1's, as if
+    the search had tried nothing else)."""
+    line = error_line(invoke("search", *args), "no layout of", f"(the GPUs over TP x PP x CP) are {dps};")
+    assert "dp x micro batch" not in line
+
+
 @pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
