@@ -99,7 +99,7 @@ from sim.simulate import (
 )
 from sim.topology import MAX_GPUS, Cluster
 from sim.userbuffers import DEFAULT_UB_CONFIG
-from sim.workload import Workload, grad_bytes_for, loss_bytes_for
+from sim.workload import MAX_MICRO_BATCHES, Workload, grad_bytes_for, loss_bytes_for
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
 COVERED_BY_FALLBACK = {"canzona": ("zero1-gather",)}
@@ -1277,8 +1277,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         raise SpecError(_no_layout_divides(q, facts, model))
     if not queue and len(reasons) == 1 and counts["checks"] == len(cands):
         # every layout refused for one reason (the question's own: GPUs that fill no node, a batch
-        # too large): the simulator's message, as `canzona simulate` gives it
-        raise SpecError(next(iter(first.values())))
+        # too large): the simulator's message, as `canzona simulate` gives it, but the batch's said of the search
+        raise SpecError(_too_many_micro_batches(q, cands, model) or next(iter(first.values())))
     if not queue:
         why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
@@ -1371,6 +1371,23 @@ def _no_layout_divides(q: Question, facts: Facts, model) -> str:
     return (f"no layout of {q.model} on {q.gpus} GPUs splits the global batch {q.global_batch} over its DP ranks: "
             f"the DP sizes its layouts have (the GPUs over TP x PP x CP) are {', '.join(map(str, dps))}; give "
             f"--global-batch a multiple of one of them (the least: {dps[0]}) or fewer GPUs")
+
+
+def _too_many_micro_batches(q: Question, cands: list[Layout], model) -> str | None:
+    """Where every layout runs more micro-batches per DP rank than the simulator does
+    (`sim.workload.MAX_MICRO_BATCHES`), why, of the search's layouts (None elsewhere): the simulator's
+    own message advises --micro-batch, which `canzona search` does not take (an axis it explores up to
+    `MAX_MICRO_BATCH`). The question's own refusal first, as `_no_layout_divides`."""
+    config_of(replace(q, global_batch=q.gpus), {"tp": 1}).check(model)
+    least = min(cands, key=lambda c: q.global_batch // (c["dp"] * c["micro_batch"]))
+    fewest = q.global_batch // (least["dp"] * least["micro_batch"])
+    if fewest <= MAX_MICRO_BATCHES:
+        return None
+    most = max(c["dp"] for c in cands) * MAX_MICRO_BATCH * MAX_MICRO_BATCHES
+    return (f"no layout of {q.model} on {q.gpus} GPUs runs the global batch {q.global_batch} in at most "
+            f"{MAX_MICRO_BATCHES} micro-batches per DP rank (the simulator's limit): the fewest any layout has is "
+            f"{fewest} (DP {least['dp']} x micro-batch {least['micro_batch']}; the search tries micro-batches up "
+            f"to {MAX_MICRO_BATCH}); lower --global-batch (at most {most} on {q.gpus} GPUs)")
 
 
 # a layout's keys that say its recompute: the mode, Megatron's method, selective-layer's K

@@ -78,7 +78,6 @@ def test_table_and_plan_line(as_json):
     # as `canzona simulate` gives it, not a count of refusals
     (("--gpus", 11, "--model", "qwen3-0.6b", "--global-batch", 8), "11 GPUs do not fill whole nodes of 8"),
     (("--gpus", 12, "--model", "qwen3-0.6b", "--global-batch", 12), "12 GPUs do not fill whole nodes of 8"),
-    (("--gpus", 8, "--model", "qwen3-0.6b", "--global-batch", 100000), "micro-batches per DP rank; the simulator runs at most"),
     (("--cross-entropy-fusion-impl", "te"), "changes nothing without --cross-entropy-loss-fusion"),
     (("--recompute-method", "block"), "go together"),
     (("--recompute-method", "uniform", "--recompute-num-layers", -1), "whole number >= 1"),
@@ -99,6 +98,16 @@ def test_a_batch_no_layouts_dp_divides_says_so_of_the_whole_search(args, dps):
     the search had tried nothing else)."""
     line = error_line(invoke("search", *args), "no layout of", f"(the GPUs over TP x PP x CP) are {dps};")
     assert "dp x micro batch" not in line
+
+
+def test_a_batch_of_too_many_micro_batches_at_every_layout_says_so_of_the_search():
+    """Every layout runs more micro-batches per DP rank than the simulator does: the error says what the
+    search tried (its largest DP x micro-batch) and what to lower, not the simulator's advice to raise
+    --micro-batch, an option search does not take (the micro-batch is an axis it explores)."""
+    line = error_line(invoke("search", "--gpus", 8, "--model", "qwen3-0.6b", "--global-batch", 100000),
+                      "no layout of qwen3-0.6b on 8 GPUs", "the fewest any layout has is 2500 (DP 8 x micro-batch 5",
+                      "lower --global-batch")
+    assert "--micro-batch" not in line
 
 
 @pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
