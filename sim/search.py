@@ -1294,8 +1294,11 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         kth = times[top - 1] if len(times) >= top else math.inf
         return max(kth, min(also_below, (1 + within) * times[0])) if times else kth
 
+    run_refused: list[str] = []  # the messages of the layouts the run itself refused (`_run_task`)
+
     def settle(row: dict[str, Any]) -> None:
         if "error" in row:
+            run_refused.append(row["error"])
             refuse(SpecError(row.pop("error")))
             return
         rows.append(row)
@@ -1354,6 +1357,9 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     heapq.heappush(queue, _Pending(time_floor(cfg, model, rate, hw), len(queue) + len(rows), cfg, chosen))
         drain()
 
+    if not rows:  # every layout simulated was refused by a rule only the run knows (`_run_task`): none to rank
+        raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs runs: the {len(run_refused)} simulated were refused "
+                        f"by the run ({'; '.join(sorted(set(run_refused))[:3])})")
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
     return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,

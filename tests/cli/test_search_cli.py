@@ -110,6 +110,20 @@ def test_a_batch_of_too_many_micro_batches_at_every_layout_says_so_of_the_search
     assert "--micro-batch" not in line
 
 
+def test_every_simulated_layout_refused_by_the_run_is_one_error_line(monkeypatch):
+    """Were every layout simulated refused by a rule only the run knows (`sim.search._run_task`), nothing
+    fits nor fails to fit: one error line with the run's reason, not an IndexError (the workers fork,
+    so they run the patched `run_one`)."""
+    import sim.search
+    from canzona.errors import SpecError
+
+    def refused(cfg, layout):
+        raise SpecError("a rule only the run knows")
+
+    monkeypatch.setattr(sim.search, "run_one", refused)
+    error_line(invoke("search", *FAST, "--workers", 1), "no layout of", "a rule only the run knows", code=2)
+
+
 @pytest.mark.parametrize("name", ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                                   "fp8_recipe", "attention_backend", "grad_reduce_in_fp32",
                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
