@@ -351,7 +351,21 @@ def _sim_config(*, shared: SimOptions):
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
     _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], None, o.alpha, o.tp_policy)
+    _check_zero1_fallback_applies(config, o.policy, o.zero1_fallback)
     return config
+
+
+def _check_zero1_fallback_applies(config, policy: str | None, zero1_fallback: bool) -> None:
+    """--no-zero1-fallback where no policy run has canzona's ZeRO-1 fallback is a mistake, not a
+    no-op (as --dp-policy and --alpha are): simulate runs `policy` (None: the optimizer's default,
+    canzona for a matrix optimizer), compare every policy of `compared_policies`, so None stands for
+    both (the default is among the compared). Under --fsdp `sim.fsdp` refuses it with its reason."""
+    from sim.simulate import compared_policies
+
+    runs = [policy] if policy is not None else list(compared_policies(config.optimizer, config.fsdp))
+    if not zero1_fallback and "canzona" not in runs:
+        raise SpecError(f"--no-zero1-fallback applies to the canzona policy only (its ZeRO-1 fallback); "
+                        f"{', '.join(runs)} {'has' if len(runs) == 1 else 'have'} none")
 
 
 def _router_imbalance(text: str) -> float | tuple[float, ...]:

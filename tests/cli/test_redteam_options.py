@@ -238,3 +238,19 @@ def test_compare_runs_its_adamw_baseline_under_muon_plan_settings():
     assert unbatched["sc"]["iteration_time_s"] > {r["policy"]: r for r in base}["sc"]["iteration_time_s"]
     # a run of AdamW itself still refuses them
     error_line(invoke("simulate", "--optimizer", "adamw", "--alpha", "0.9"), "--alpha 0.9")
+
+
+def test_no_zero1_fallback_needs_the_canzona_policy():
+    """--no-zero1-fallback turns off canzona's report of its ZeRO-1 fallback; under --policy sc /
+    zero1-gather / layerwise, and with --optimizer adamw (simulate's zero1, compare's only row), no
+    policy run has that fallback, so it was accepted and changed nothing (the same JSON to the
+    byte). One line, as its siblings --dp-policy and --alpha; under canzona it stays accepted."""
+    for policy in ("sc", "zero1-gather", "layerwise"):
+        error_line(invoke("simulate", *DENSE, "--policy", policy, "--no-zero1-fallback"),
+                   "--no-zero1-fallback", "canzona", policy)
+    for command in BOTH:
+        error_line(invoke(command, *DENSE, "--optimizer", "adamw", "--no-zero1-fallback"),
+                   "--no-zero1-fallback", "canzona", "zero1")
+    assert invoke("simulate", *DENSE, "--policy", "canzona", "--no-zero1-fallback", "--json").exit_code == 0
+    assert invoke("compare", *DENSE, "--no-zero1-fallback", "--json").exit_code == 0  # canzona among the rows
+    assert invoke("simulate", *DENSE, "--policy", "sc", "--zero1-fallback", "--json").exit_code == 0  # the default
