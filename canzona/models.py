@@ -440,6 +440,16 @@ class ModelSource:
         if deepest is not None and deepest.layer >= arch.layers:
             raise SpecError(f"model {self.spec.name!r}: parameter {deepest.name!r} is in layer {deepest.layer}, "
                             f"but the architecture has {arch.layers} layers")
+        # and no layer without parameters (a block stating more layers than the parameters fill, or a
+        # gap in their indices): the simulator prices each layer's work from its parameters and its
+        # activations from the architecture, so an empty layer was priced half, or, alone on a
+        # pipeline stage, failed to plan
+        filled = {p.layer for p in self.spec.params if p.layer is not None}
+        empty = [layer for layer in range(arch.layers) if layer not in filled] if filled else []
+        if empty:
+            raise SpecError(f"model {self.spec.name!r}: layer {empty[0]} has no parameters, but the architecture has "
+                            f"{arch.layers} layers (0..{arch.layers - 1}; {len(empty)} without parameters): give each "
+                            "layer's parameters, or the layers the parameters fill")
         return arch
 
 

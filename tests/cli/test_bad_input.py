@@ -496,6 +496,13 @@ NO_ARCHITECTURE = {
     "no layers": (_spec_doc(EMBED, {**ROW, "layer": None}), "cannot infer 'layers'"),
     "layer beyond the block": (_spec_doc(EMBED, {**ROW, "layer": 3}, architecture={"layers": 2}),
                                "is in layer 3, but the architecture has 2 layers"),
+    # a block stating more layers than the parameters fill (a spec template edited to double the
+    # depth): the layers past them were simulated as empty, the activations and MFU of 3 layers
+    # beside the weights of 1 at PP 1, and at PP > 1 a stage without matrices failed to plan
+    "layers past the parameters": (_spec_doc(EMBED, ROW, architecture={"layers": 3}),
+                                   "layer 1 has no parameters, but the architecture has 3 layers"),
+    "a layer without parameters": (_spec_doc(EMBED, ROW, {**ROW, "name": "layers.2.q_proj.weight", "layer": 2}),
+                                   "layer 1 has no parameters, but the architecture has 3 layers"),
 }
 
 
