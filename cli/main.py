@@ -299,21 +299,29 @@ def inspect(
 
 
 def _check_dp_policy_applies(policies: list[str], dp_policy: str | None, alpha: float = PLAN_DEFAULTS.alpha,
-                             tp_policy: str = PLAN_DEFAULTS.tp_policy) -> None:
-    """A --dp-policy, --alpha (which weighs the DP policy's balance) or --tp-policy that none of the
-    chosen step policies would use is a mistake, not a no-op: each of the others has its own."""
+                             tp_policy: str = PLAN_DEFAULTS.tp_policy, *, geometry: str = DEFAULT_GEOMETRY,
+                             tp_mode: str = STEP_DEFAULTS.tp_mode, capacity: str = "auto") -> None:
+    """A --dp-policy, --alpha (which weighs the DP policy's balance), --geometry (canzona's segments)
+    or a TP scheduling option (--tp-policy, its micro-groups' --tp-mode and --capacity) that none of
+    the chosen step policies would use is a mistake, not a no-op: each of the others has its own DP
+    policy and runs tp-sync (every TP rank the whole update: no micro-groups to order or cut)."""
     steps = [STEP_POLICIES[p] for p in policies if p in STEP_POLICIES]
     uses = "uses" if len(policies) == 1 else "use"
     own = [s.dp_policy for s in steps]
     if own and all(own):
-        for flag, given in (("--dp-policy", dp_policy is not None), ("--alpha", alpha != PLAN_DEFAULTS.alpha)):
+        for flag, given in (("--dp-policy", dp_policy is not None), ("--alpha", alpha != PLAN_DEFAULTS.alpha),
+                            (f"--geometry {geometry}", geometry != DEFAULT_GEOMETRY)):
             if given:
                 raise SpecError(f"{flag} applies to the canzona policy only; {', '.join(policies)} {uses} "
                                 f"{', '.join(sorted(set(own)))}")
     own = [s.tp_policy for s in steps]
-    if own and all(own) and tp_policy != PLAN_DEFAULTS.tp_policy:
-        raise SpecError(f"--tp-policy applies to the canzona policy only; {', '.join(policies)} {uses} "
-                        f"{', '.join(sorted(set(own)))}")
+    if own and all(own):
+        for flag, given in (("--tp-policy", tp_policy != PLAN_DEFAULTS.tp_policy),
+                            (f"--tp-mode {tp_mode}", tp_mode != STEP_DEFAULTS.tp_mode),
+                            (f"--capacity {capacity}", capacity != "auto")):
+            if given:
+                raise SpecError(f"{flag} applies to the canzona policy only; {', '.join(policies)} {uses} "
+                                f"{', '.join(sorted(set(own)))}")
 
 
 def _sim_config(*, shared: SimOptions):
@@ -350,7 +358,8 @@ def _sim_config(*, shared: SimOptions):
     config.check()
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
-    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], None, o.alpha, o.tp_policy)
+    _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], None, o.alpha, o.tp_policy,
+                             geometry=o.geometry, tp_mode=o.tp_mode, capacity=o.capacity)
     _check_zero1_fallback_applies(config, o.policy, o.zero1_fallback)
     return config
 

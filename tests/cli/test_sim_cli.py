@@ -361,3 +361,22 @@ def test_an_elementwise_optimizers_no_op_settings_are_one_line(args, needle):
         error_line(invoke(command, *SMALL, "--optimizer", "adamw", *args), needle)
     assert invoke("simulate", *SMALL, "--optimizer", "adamw", "--alpha", "1.0", "--tp-mode", "pipelined",
                   "--batch-kernels", "--json").exit_code == 0
+
+
+@pytest.mark.parametrize("policy", ["sc", "zero1-gather", "layerwise"])
+@pytest.mark.parametrize("args, needle", [
+    (["--geometry", "whole"], "--geometry whole"),
+    (["--tp-mode", "serial"], "--tp-mode serial"),
+    (["--capacity", "1GiB"], "--capacity 1GiB"),
+])
+def test_a_baselines_no_op_plan_settings_are_one_line(policy, args, needle):
+    """The baselines (sc, zero1-gather, layerwise) plan with their own DP policy and tp-sync, so
+    canzona's segment geometry and its TP micro-groups' order and capacity changed nothing there
+    (the same figures to the byte), while --dp-policy, --alpha and --tp-policy were refused; at
+    their defaults they stay accepted, and canzona takes them."""
+    from tests.cli_helpers import error_line, invoke
+
+    error_line(invoke("simulate", *SMALL, "--policy", policy, *args), needle, "canzona policy only", policy)
+    assert invoke("simulate", *SMALL, "--policy", policy, "--geometry", "auto", "--tp-mode", "pipelined",
+                  "--capacity", "auto", "--json").exit_code == 0
+    assert invoke("simulate", *SMALL, "--policy", "canzona", *args, "--json").exit_code == 0
