@@ -512,8 +512,13 @@ def _pipeline_split(raw: Mapping[str, Any], where: str) -> PipelineSplit:
     return PipelineSplit(**fields)
 
 
+# a row's keys besides its recipe settings (`parse_run`'s `settings`)
+ROW_KEYS = (*_INTS, "id", "model", "source", "hardware", "fsdp", "precision", "optimizer", "recompute", "published",
+            "note", "fp8_recipe", "recipe_source")
+
+
 def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
-    """One row, checked: positive figures, a known source, a whole DP and whole micro-batches."""
+    """One row, checked: known keys, positive figures, a known source, a whole DP and whole micro-batches."""
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a JSON object")
     ints = {k: _positive_int(raw, k, where) for k in _INTS}
@@ -612,6 +617,10 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                 "fp8_params", *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
                 "tp_comm_overlap_cfg", *fusions, *method)
+    # a misspelt key would read as not stated, and the row be simulated without it, with no word
+    unknown = sorted(k for k in raw if k not in (*ROW_KEYS, *settings))
+    if unknown:
+        raise SpecError(f"{where}: unknown key {unknown[0]!r}; a row's keys: {', '.join((*ROW_KEYS, *settings))}")
     stated = any(raw.get(k) is not None for k in settings)
     if not isinstance(recipe_source, str) or (stated and not recipe_source.startswith("https://")):
         raise SpecError(f"{where}: a recipe setting ({', '.join(settings)}) needs recipe_source, an https url and "
@@ -703,7 +712,10 @@ def compare_run(run: PublishedRun) -> RowResult:
     needs = run.needs()
     if needs:
         return RowResult(run, needs)
-    result = simulate(run.sim_config())
+    try:  # the model and the hardware profile are read here: a refusal names its row among the rest
+        result = simulate(run.sim_config())
+    except SpecError as e:
+        raise SpecError(f"row {run.id}: {e}") from None
     tokens = run.seq_len * run.global_batch / result.iteration_time_s / run.gpus
     worst = result.memory.worst
     return RowResult(run, (), tokens, result.iteration_time_s, float(worst.total),

@@ -138,6 +138,26 @@ def test_bad_rows_are_one_line_errors():
         published.parse_run({**raw, "attention_backend": "flash", "recipe_source": ""}, SOURCES, "row")
 
 
+def test_a_rows_unknown_key_is_one_line():
+    """A misspelt key (fp8_param for fp8_params, recompute_layers for recompute_num_layers) was read
+    as not stated and the row simulated without it, with no word: one line naming it, as a spec
+    file's unknown field is."""
+    raw = RAW["rows"][0]
+    for key in ("fp8_param", "recompute_layers", "tp_comm_overlap_config"):
+        with pytest.raises(SpecError, match=f"row: unknown key {key!r}"):
+            published.parse_run({**raw, key: True}, SOURCES, "row")
+    assert published.parse_run(dict(raw), SOURCES, "row").id == raw["id"]  # every key the file uses is known
+
+
+def test_a_row_refused_when_simulated_names_the_row():
+    """A row whose model or hardware profile the simulator refuses (read when the row is simulated,
+    not when the file is loaded) failed with the simulator's words alone: which of the rows was it."""
+    runs, sources = published.load()
+    bad = replace(published.select(runs, "qwen3-8b-16xh100-mb")[0], hardware="h100-pcie")
+    with pytest.raises(SpecError, match="^row qwen3-8b-16xh100-mb: unknown hardware 'h100-pcie'"):
+        published.compare([bad], sources, workers=1)
+
+
 def test_select():
     assert {r.model_name for r in published.select(RUNS, "qwen3-8b")} == {"qwen3-8b"}
     assert published.select(RUNS, None) == RUNS
