@@ -760,7 +760,7 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
     # the step policy is DistributedOptimizer's `policy=`, not the plan file's (which holds the DP and
     # TP plans): a refined policy, or canzona's fallback to zero1-gather, must be given to it
     # (a layout not yet simulated has none: the default)
-    deployed = row["fell_back_to"] if row["fell_back_to"] in STEP_POLICIES else row.get("policy")
+    deployed = deployed_policy(row)
     if deployed is not None and (deployed != row["policy"] or deployed not in DEFAULT_STEP_POLICIES):
         out.append(f"policy={deployed!r} (DistributedOptimizer's option; the plan file does not name it)")
     if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
@@ -840,8 +840,9 @@ class SearchResult:
     workers: int = 1
     pruned_bound: int = 0  # not simulated: their time floor is above the top layouts' times
     exact_top: int = 0  # how many of `ranked` are those of the exhaustive search (`search`'s `top`)
-    # refinements not simulated: a reduce-scatter whose routes are the simulated row's (its
-    # `reduce_scatter_alike`), the same run
+    # refinements not listed as rows of their own, the same run as a listed row: a reduce-scatter whose
+    # routes are the simulated row's (its `reduce_scatter_alike`), not simulated, or one simulated and
+    # found to run the row's run (`same_run`: canzona's fallback to ZeRO-1's even segments)
     pruned_ties: int = 0
 
     def to_dict(self, top: int | None = None,
@@ -1170,7 +1171,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     capacity = hw.gpu.memory_bytes
     cands = candidates(q, facts)
     reasons: dict[str, int] = {}
-    counts = {"checks": 0, "memory": 0, "bound": 0, "ties": 0}
+    counts = {"checks": 0, "memory": 0, "bound": 0, "ties": 0, "same": 0}
     queue: list[_Pending] = []
 
     first: dict[str, str] = {}  # each reason's first message in full
@@ -1301,6 +1302,9 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             run_refused.append(row["error"])
             refuse(SpecError(row.pop("error")))
             return
+        if prune_ties and row["refined"] and any(same_run(row, r) for r in rows if not r["refined"]):
+            counts["same"] += 1  # its layout's run again, found by running it (`same_run`): not listed twice
+            return
         rows.append(row)
         if not row["fits"] and not row["refined"]:
             layout = layout_of(row)
@@ -1362,8 +1366,26 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                         f"by the run ({'; '.join(sorted(set(run_refused))[:3])})")
     fit = sorted((r for r in rows if r["fits"]), key=lambda r: (r["iteration_time_s"], _order(r)))
     not_fitting = sorted((r for r in rows if not r["fits"]), key=lambda r: r["memory_bytes"])
-    return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows), reasons,
-                        time.perf_counter() - start, workers, counts["bound"], top, counts["ties"])
+    return SearchResult(q, fit, not_fitting, len(cands), counts["checks"], counts["memory"], len(rows) + counts["same"],
+                        reasons, time.perf_counter() - start, workers, counts["bound"], top,
+                        counts["ties"] + counts["same"])
+
+
+def deployed_policy(row: dict[str, Any]) -> str:
+    """The step policy a simulated row runs: canzona's ZeRO-1 fallback where it fell back to one
+    (`STEP_POLICIES`), else the row's own (None: a layout not yet simulated has none, the default)."""
+    return row["fell_back_to"] if row["fell_back_to"] in STEP_POLICIES else row.get("policy")
+
+
+def same_run(refined: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether a refinement's simulated row is `row`'s run again: the same layout, the same step
+    policy deployed and the same iteration, step and memory to the bit. A reduce-scatter whose
+    routes the refinement could not know in advance (`run_one`'s `reduce_scatter_alike` is over
+    every candidate plan of the layout, canzona's own included) turns out alike where canzona fell
+    back to ZeRO-1's even segments: the deployed run is the same, and a second row of it would take
+    a place among the best (ties go to the defaults, the unrefined row)."""
+    return (layout_of(refined) == layout_of(row) and deployed_policy(refined) == deployed_policy(row)
+            and all(refined[k] == row[k] for k in ("iteration_time_s", "optimizer_step_s", "memory_bytes")))
 
 
 def _no_layout_divides(q: Question, facts: Facts, model) -> str:

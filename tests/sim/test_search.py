@@ -24,6 +24,7 @@ from sim.search import (
     memory_floor,
     not_in_plan,
     plan_command,
+    same_run,
     search,
     time_floor,
 )
@@ -290,6 +291,32 @@ def test_reduce_scatter_ties_are_pruned_soundly():
                 == (r["tp"], r["pp"], r["vp"], r["micro_batch"], r["recompute"], r["policy"])]
         assert all(o["iteration_time_s"] == r["iteration_time_s"] and o["memory_bytes"] == r["memory_bytes"]
                    for o in twin)
+
+
+def test_a_refinement_that_runs_its_rows_run_again_is_listed_once():
+    """Where canzona falls back to ZeRO-1's even segments, a reduce-scatter that canzona's own uneven
+    plan would route otherwise (so not pruned before the run: `reduce_scatter_alike` spans every
+    candidate plan of the layout) runs the row's run again: the search lists it once (`same_run`),
+    among its ties; the search that keeps every simulated row lists the twin, and its top is the
+    same once the twins are left out."""
+    q = replace(EIGHT_LAYERS, gpus=64, global_batch=64)  # DP 64: canzona falls back on the best layouts
+    pruned = search(q, top=5, refine_top=2, workers=2)
+    full = search(q, top=5, refine_top=2, workers=2, prune_ties=False)
+
+    def twins(result) -> list[tuple[dict, dict]]:
+        return [(r, o) for r in result.ranked if r["refined"] for o in result.ranked
+                if not o["refined"] and same_run(r, o)]
+
+    found = twins(full)
+    # only the run tells: the twin's reduce-scatter is not among its row's `reduce_scatter_alike`
+    assert any(r["reduce_scatter"] not in o["reduce_scatter_alike"] and o["fell_back_to"] == "zero1-gather"
+               for r, o in found)
+    assert twins(pruned) == []
+    assert pruned.pruned_ties > 0
+    doubled = [id(r) for r, _ in found]
+    key = ("iteration_time_s", "tp", "pp", "vp", "micro_batch", "recompute", "policy", "reduce_scatter")
+    assert ([tuple(r[k] for k in key) for r in pruned.ranked[:5]]
+            == [tuple(r[k] for k in key) for r in full.ranked if id(r) not in doubled][:5])
 
 
 def test_axes_are_data():
