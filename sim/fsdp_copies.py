@@ -49,4 +49,15 @@ def copy_in_bytes(impl: str, numel: int, param_bytes: int, grad_bytes: int) -> i
     return numel * (param_bytes + grad_bytes) if check_fsdp_impl(impl) == FSDP2 else 0
 
 
-__all__ = ["FSDP2", "FSDP_IMPLS", "MEGATRON_FSDP", "check_fsdp_impl", "copy_in_bytes", "copy_out_bytes"]
+def reshard_options(impl: str) -> tuple[bool, ...]:
+    """The `reshard_after_forward` values an implementation runs: FSDP2's `fully_shard` takes either;
+    Megatron-FSDP takes no such option (`MegatronFSDP.__init__`, Megatron-LM
+    `megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py`): under
+    `optim_grads_params` each FSDP unit's parameters are released after its forward and gathered
+    again for its backward, and `optim_grads` (ZeRO-2) does not shard them at all, which the
+    simulator does not model."""
+    return (True, False) if check_fsdp_impl(impl) == FSDP2 else (True,)
+
+
+__all__ = ["FSDP2", "FSDP_IMPLS", "MEGATRON_FSDP", "check_fsdp_impl", "copy_in_bytes", "copy_out_bytes",
+           "reshard_options"]

@@ -85,7 +85,7 @@ from sim.fsdp import (
     gathered_elements,
     unit_elements,
 )
-from sim.fsdp_copies import FSDP2, check_fsdp_impl
+from sim.fsdp_copies import FSDP2, check_fsdp_impl, reshard_options
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
 from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
@@ -293,12 +293,13 @@ class Facts:
     global_batch: int
     seq_len: int
     optimizer: str  # the step policies that run it (the refinement's)
+    fsdp_impl: str = FSDP2  # under FSDP, which implementation's options the layouts have
 
 
 def facts_of(q: Question) -> Facts:
     _, arch = resolve_model(q.model)
     return Facts(arch.layers, arch.moe[0] if arch.moe else 0, q.gpus, load_profile(q.hardware).node.gpus,
-                 q.global_batch, q.seq_len, q.optimizer)
+                 q.global_batch, q.seq_len, q.optimizer, q.fsdp_impl)
 
 
 def divisors(n: int) -> list[int]:
@@ -452,7 +453,7 @@ REFINE_AXES: tuple[Axis, ...] = (
 # FSDP layouts (`canzona simulate --fsdp`, sim.fsdp): TP (the simulator allows it on dense models
 # only), EP (a MoE model's, as the ZeRO-1 space's), HSDP's replicas R (every divisor of DP; the
 # simulator keeps a shard group of at least 2 ranks, and no HSDP under EP), FSDP2's
-# reshard_after_forward, the micro-batch and the recompute modes the simulator runs under FSDP
+# reshard_after_forward (Megatron-FSDP: resharded only), the micro-batch and the recompute modes the simulator runs under FSDP
 # (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of `selective_ac_options`: the rounds
 # of `search`); no pipeline, virtual
 # pipeline or context parallelism (one value each: the simulator runs FSDP at pp 1, cp 1). Which
@@ -464,7 +465,8 @@ FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
     Axis("cp", lambda f, c: [1]),
     EP_AXIS,
     Axis("hsdp_replicate", lambda f, c: divisors(_dp(f, c))),
-    Axis("reshard_after_forward", lambda f, c: [True, False]),
+    # FSDP2's fully_shard option; Megatron-FSDP has none (`sim.fsdp_copies.reshard_options`)
+    Axis("reshard_after_forward", lambda f, c: list(reshard_options(f.fsdp_impl))),
     MICRO_BATCH_AXIS,
     Axis("recompute", lambda f, c: FSDP_RECOMPUTE_MODES, lambda kw, v: _options(kw, recompute=v)),
 )
@@ -698,18 +700,23 @@ def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> st
 
 
 def fsdp_launch(row: dict[str, Any]) -> list[str]:
-    """What an FSDP layout's launcher sets (it has no plan file): the device mesh fully_shard runs
-    over, FSDP2's reshard option, TP / EP, the micro-batch, the recompute and the optimizer."""
+    """What an FSDP layout's launcher sets (it has no plan file): the implementation and the device
+    mesh it shards over, FSDP2's reshard option, TP / EP, the micro-batch, the recompute and the
+    optimizer."""
     shard = row["dp"] // row["hsdp_replicate"]
-    out = [f"fully_shard each decoder layer, then the root, over a (replicate {row['hsdp_replicate']}, shard {shard}) "
-           "mesh (HSDP)" if row["hsdp_replicate"] > 1 else
-           f"fully_shard each decoder layer, then the root, over the {shard} DP ranks"]
+    torch_fsdp = row["fsdp_impl"] == FSDP2
+    # each implementation in its own terms: FSDP2's fully_shard calls and DTensor TP, Megatron-LM's
+    # flags for Megatron-FSDP (which shards every FSDP unit after its forward: no reshard option)
+    how = ("fully_shard each decoder layer, then the root," if torch_fsdp else
+           "Megatron-FSDP (Megatron-LM --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params, "
+           "each decoder layer an FSDP unit)")
+    out = [f"{how} over a (replicate {row['hsdp_replicate']}, shard {shard}) mesh (HSDP)" if row["hsdp_replicate"] > 1
+           else f"{how} over the {shard} DP ranks"]
     if not row["reshard_after_forward"]:
         out.append("reshard_after_forward=False")
-    if row["fsdp_impl"] != FSDP2:
-        out.append(f"FSDP implementation {row['fsdp_impl']}")
     if row["tp"] > 1:
-        out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)")
+        out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)"
+                   if torch_fsdp else f"tp {row['tp']} (Megatron's --tensor-model-parallel-size)")
     if row["ep"] > 1:
         out.append(f"ep {row['ep']}")
     if row["micro_batch"] > 1:

@@ -82,7 +82,7 @@ from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
-from sim.fsdp_copies import FSDP2, check_fsdp_impl
+from sim.fsdp_copies import FSDP2, check_fsdp_impl, reshard_options
 from sim.iteration import (
     ETP_COMM,
     Context,
@@ -223,6 +223,10 @@ class SimConfig:
         if not self.reshard_after_forward and not self.fsdp:
             raise SpecError("--no-reshard-after-forward is an option of FSDP2's fully_shard: it needs --fsdp")
         check_fsdp_impl(self.fsdp_impl)
+        if self.reshard_after_forward not in reshard_options(self.fsdp_impl):
+            raise SpecError(f"--no-reshard-after-forward is an option of FSDP2's fully_shard; --fsdp-impl "
+                            f"{self.fsdp_impl} has none (Megatron-FSDP releases each unit's parameters after its "
+                            "forward and gathers them again for its backward)")
         if self.fsdp_impl != FSDP2 and not self.fsdp:  # as --no-reshard-after-forward: not a silent no-op
             raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
         if self.workload.master_dtype != "fp32" and not (self.torch_fsdp2 and self.optimizer == "adamw"):

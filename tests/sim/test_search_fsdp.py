@@ -333,3 +333,22 @@ def test_a_megatron_fsdp_search_refuses_selective_ac_option():
     with pytest.raises(SpecError, match="^--selective-ac-option 3: .*megatron-fsdp"):
         Question(model="qwen3-0.6b", gpus=8, fsdp=True, fsdp_impl="megatron-fsdp", selective_ac_option=3)
     Question(model="qwen3-0.6b", gpus=8, fsdp=True, selective_ac_option=3)  # FSDP2 searches it
+
+
+def test_megatron_fsdp_layouts_are_resharded_and_launched_in_its_terms():
+    """Megatron-FSDP takes no reshard_after_forward (it releases each unit after its forward): the
+    simulator refuses the pair with one line, its space has resharded layouts only, and the
+    launcher settings of its rows name Megatron-LM's flags, not FSDP2's fully_shard calls."""
+    q = replace(EIGHT_LAYERS, gpus=16, global_batch=16, fsdp_impl="megatron-fsdp")
+    assert {c["reshard_after_forward"] for c in candidates(q)} == {True}
+    assert {c["reshard_after_forward"] for c in candidates(replace(q, fsdp_impl="fsdp2"))} == {True, False}
+    layout = next(c for c in candidates(q) if c["tp"] == 2 and c["hsdp_replicate"] == 1)
+    with pytest.raises(SpecError, match="--fsdp-impl megatron-fsdp has none"):
+        replace(config_of(q, layout), reshard_after_forward=False).check()
+    row = {**layout, "fsdp": True, "fsdp_impl": "megatron-fsdp", "policy": "fsdp-owners", "refined": False,
+           "fell_back_to": None}
+    launch = " ".join(not_in_plan(row))
+    assert "--use-megatron-fsdp" in launch and "--tensor-model-parallel-size" in launch
+    assert "fully_shard" not in launch and "parallelize_module" not in launch
+    fsdp2 = " ".join(not_in_plan({**row, "fsdp_impl": "fsdp2"}))
+    assert "fully_shard each decoder layer" in fsdp2 and "--use-megatron-fsdp" not in fsdp2
