@@ -205,8 +205,16 @@ def plan(
         edp = check_ep(model_spec, ep, dp, tp, etp, hidden)
         check_expert_buckets(expert_buckets)
         cap = parse_capacity(capacity)
-        # the DP plan the optimizer's default step policy runs (AdamW: ZeRO-1's even segments)
-        dp_policy = dp_policy or STEP_POLICIES[default_policy(optimizer)].dp_policy or PLAN_DEFAULTS.dp_policy
+        # the plan the optimizer's default step policy runs (AdamW's zero1: ZeRO-1's even segments
+        # and tp-sync), which the runtime holds the plan file to: canzona's plan settings would
+        # change nothing there, or write a plan it refuses (as simulate, one line each)
+        step = STEP_POLICIES[default_policy(optimizer)]
+        _check_dp_policy_applies([step.name], dp_policy, alpha, tp_policy, geometry=geometry, capacity=capacity)
+        if step.dp_policy is not None and balance_by != PLAN_DEFAULTS.balance_by:
+            raise SpecError(f"--balance-by {balance_by} applies to the canzona policy only; {step.name} uses "
+                            f"{step.dp_policy}")
+        dp_policy = dp_policy or step.dp_policy or PLAN_DEFAULTS.dp_policy
+        tp_policy = step.tp_policy or tp_policy
         costs = cost_model_for(hardware, cost_table)
         # under expert parallelism two plans: the dense part on DP x TP, one EP rank's experts over EDP
         parts = [(model_spec, dp, tp)] if ep == 1 else \

@@ -254,3 +254,31 @@ def test_no_zero1_fallback_needs_the_canzona_policy():
     assert invoke("simulate", *DENSE, "--policy", "canzona", "--no-zero1-fallback", "--json").exit_code == 0
     assert invoke("compare", *DENSE, "--no-zero1-fallback", "--json").exit_code == 0  # canzona among the rows
     assert invoke("simulate", *DENSE, "--policy", "sc", "--zero1-fallback", "--json").exit_code == 0  # the default
+
+
+def test_plan_of_adamw_is_the_plan_its_step_policy_runs(tmp_path):
+    """`canzona plan --optimizer adamw --tp 2 --out plan.json` wrote a plan with canzona's TP
+    scheduler (greedy-rollback), which AdamW's step policy (zero1, tp-sync) refuses when the
+    runtime loads it (`DistributedOptimizer`: "policy zero1 runs TP policy tp-sync, but the plan's
+    is greedy-rollback"); and canzona's plan settings were accepted and changed nothing but the
+    name echoed back (--alpha, --geometry, --tp-policy, --capacity, --balance-by) or made a plan
+    the runtime refuses (--dp-policy whole-start). The plan is now the step policy's, and each of
+    those settings is one error line, as simulate refuses them."""
+    from canzona.models import resolve_spec
+    from canzona.plan import load_plan, plan_for
+    from canzona.step_policies import STEP_POLICIES
+
+    small = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--optimizer", "adamw"]
+    out = tmp_path / "plan.json"
+    result = invoke("plan", *small, "--out", out)
+    assert result.exit_code == 0, result.stderr
+    plan, zero1 = load_plan(out), STEP_POLICIES["zero1"]
+    for check in (lambda: zero1.check_dp_plan(plan.dp_plan), lambda: zero1.check_tp_plan(plan.tp_plan.policy, 2)):
+        check()  # what DistributedOptimizer(optimizer="adamw", plan=...) checks
+    assert plan.hash() == plan_for(resolve_spec("qwen3-0.6b", 2), 4, 2, "adamw", "zero1").hash()
+    for option, value in (("--alpha", "0.5"), ("--geometry", "whole"), ("--tp-policy", "tp-chunk"),
+                          ("--capacity", "20ms"), ("--balance-by", "elements"), ("--dp-policy", "whole-start")):
+        error_line(invoke("plan", *small, option, value, "--out", tmp_path / "bad.json"), option, "zero1")
+    assert not (tmp_path / "bad.json").exists()
+    # a matrix optimizer's plan still takes them
+    assert invoke("plan", *small[:-1], "muon", "--alpha", "0.5", "--balance-by", "elements", "--json").exit_code == 0
