@@ -26,6 +26,7 @@ from canzona.dp.layout import (
     DEFAULT_EXPERT_BUCKETS,
     EXPERT_BUCKETS,
     check_expert_buckets,
+    check_expert_buckets_apply,
 )
 from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
@@ -204,6 +205,7 @@ def plan(
         hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
         edp = check_ep(model_spec, ep, dp, tp, etp, hidden)
         check_expert_buckets(expert_buckets)
+        check_expert_buckets_apply(expert_buckets, model_spec.name, bool(model_spec.stacks))
         cap = parse_capacity(capacity)
         # the plan the optimizer's default step policy runs (AdamW's zero1: ZeRO-1's even segments
         # and tp-sync), which the runtime holds the plan file to: canzona's plan settings would

@@ -15,7 +15,12 @@ from typing import Any
 from canzona.choices import check_choice
 from canzona.cost import DeviceRate, cost_model_for
 from canzona.decoder import Architecture
-from canzona.dp.layout import AUTO_EXPERT_BUCKETS, EXPERT_BUCKETS, check_expert_buckets
+from canzona.dp.layout import (
+    AUTO_EXPERT_BUCKETS,
+    EXPERT_BUCKETS,
+    check_expert_buckets,
+    check_expert_buckets_apply,
+)
 from canzona.errors import SpecError
 from canzona.experts import (
     check_ep,
@@ -303,6 +308,7 @@ class SimConfig:
                                 tp_comm_overlap=self.options.tp_comm_overlap, fsdp=self.fsdp)
         if self.expert_buckets != AUTO_EXPERT_BUCKETS:
             check_expert_buckets(self.expert_buckets)
+        check_expert_buckets_apply(self.expert_buckets, resolved[0].name, bool(resolved[0].stacks))
         if self.router_imbalance != 1.0:
             if resolved[1].moe is None:
                 raise SpecError(f"a router imbalance is for a mixture-of-experts model; {resolved[0].name!r} has "

@@ -96,6 +96,15 @@ def check_expert_buckets(name: str) -> str:
     return check_choice(name, EXPERT_BUCKETS, "expert bucket sizing")
 
 
+def check_expert_buckets_apply(name: str, model: str, stacked: bool) -> None:
+    """A sizing off the default on a model with no stacked expert matrices (`stacked`: whether
+    `model` has any) would size no bucket: a mistake, not a no-op (one SpecError). The default, and
+    the simulator's `AUTO_EXPERT_BUCKETS` (the default at EP 1), are accepted."""
+    if name not in (DEFAULT_EXPERT_BUCKETS, AUTO_EXPERT_BUCKETS) and not stacked:
+        raise SpecError(f"--expert-buckets {name} sizes the buckets of stacked expert matrices; model {model!r} has "
+                        "no stacked expert matrices (no experts)")
+
+
 def make_buckets(items: Sequence[DPItem], bucket_size: int, stack_multiple: int | None = None) -> list[list[DPItem]]:
     """Group items (given in forward order) into buckets in backward order.
 

@@ -282,3 +282,21 @@ def test_plan_of_adamw_is_the_plan_its_step_policy_runs(tmp_path):
     assert not (tmp_path / "bad.json").exists()
     # a matrix optimizer's plan still takes them
     assert invoke("plan", *small[:-1], "muon", "--alpha", "0.5", "--balance-by", "elements", "--json").exit_code == 0
+
+
+def test_expert_buckets_needs_expert_matrices():
+    """`--expert-buckets dp-multiple` on a dense model (no stacked expert matrices to size) was
+    accepted by simulate, compare and plan and changed nothing but the name echoed back. One line;
+    on a mixture-of-experts model it still sizes the expert buckets, and named at its default (or
+    the simulator's auto) it is accepted."""
+    for command in BOTH:
+        error_line(invoke(command, *DENSE, "--expert-buckets", "dp-multiple"), "--expert-buckets dp-multiple",
+                   "qwen3-0.6b", "no stacked expert matrices")
+        for value in ("size", "auto"):
+            assert invoke(command, *DENSE, "--expert-buckets", value, "--json").exit_code == 0
+    plan = ["plan", "--model", "qwen3-0.6b", "--dp", "8", "--tp", "2"]
+    error_line(invoke(*plan, "--expert-buckets", "dp-multiple"), "--expert-buckets dp-multiple", "qwen3-0.6b")
+    assert invoke(*plan, "--expert-buckets", "size", "--json").exit_code == 0
+    moe = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "1", "--expert-buckets", "dp-multiple",
+                 "--json")
+    assert moe.exit_code == 0, moe.stderr
