@@ -49,7 +49,12 @@ from canzona.plan import (
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.routing import RANDOM
 from canzona.step_options import STEP_DEFAULTS
-from canzona.step_policies import STEP_POLICIES, default_policy, dp_policies_running
+from canzona.step_policies import (
+    STEP_POLICIES,
+    default_policy,
+    dp_policies_running,
+    policies_running,
+)
 from canzona.tp import TP_POLICIES
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
@@ -228,6 +233,7 @@ def plan(
         # under expert parallelism one plan file: the dense part's plan holding the experts'
         whole = planned[0][0] if ep == 1 else replace(planned[0][0], experts=planned[1][0], ep=ep)
         if out is not None:
+            _check_runnable(whole)
             whole.save(out)
         if as_json:
             emit_json(whole.summary())
@@ -242,6 +248,28 @@ def plan(
             console.print(tp_table(tp_rows, tp_policy))
     if out is not None:
         console.print(f"plan written to {out} (hash {whole.hash()[:12]})")
+
+
+def _check_runnable(plan) -> None:
+    """A plan file is for the runtime: one that no step policy running its optimizer executes (a
+    layerwise DP plan under canzona's TP scheduler: canzona needs whole matrices in their owners'
+    segments, the layerwise baseline runs tp-sync) would be refused when the runtime loads it, so it
+    is refused before it is written, with the first policy's reason."""
+    parts = (plan, plan.experts) if plan.experts is not None else (plan,)
+    reasons = []
+    for name in policies_running(plan.optimizer):
+        step = STEP_POLICIES[name]
+        try:
+            for part in parts:
+                step.check_dp_plan(part.dp_plan)
+                step.check_tp_plan(part.tp_plan.policy, part.tp)
+            return
+        except SpecError as e:  # the reasons of canzona and of the baseline of this DP policy, not of the others
+            if step.dp_policy in (None, plan.dp_plan.policy):
+                reasons.append(str(e))
+    raise SpecError(f"a {plan.dp_plan.policy} plan under {plan.tp_plan.policy} is one no step policy runs, so the "
+                    f"runtime would refuse the plan file ({'; '.join(reasons)}); choose a DP policy canzona "
+                    "runs, or the baseline's own TP policy (--tp-policy tp-sync)")
 
 
 def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,

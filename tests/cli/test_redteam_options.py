@@ -300,3 +300,26 @@ def test_expert_buckets_needs_expert_matrices():
     moe = invoke("plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--tp", "1", "--expert-buckets", "dp-multiple",
                  "--json")
     assert moe.exit_code == 0, moe.stderr
+
+
+def test_plan_out_is_a_plan_some_step_policy_runs(tmp_path):
+    """`canzona plan --dp-policy layerwise --tp 2 --out plan.json` wrote a plan that no step policy
+    executes: canzona needs whole matrices in their owners' segments (layerwise's are not) and the
+    layerwise baseline runs tp-sync, not the plan's greedy-rollback; the runtime refused it at
+    load. The plan file is refused before it is written, naming why; the same plan with the
+    baseline's TP scheduler (or at TP 1) runs under the layerwise policy and is written, and the
+    tables alone still show any DP policy."""
+    from canzona.plan import load_plan
+    from canzona.step_policies import STEP_POLICIES
+
+    small = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--dp-policy", "layerwise"]
+    out = tmp_path / "plan.json"
+    error_line(invoke("plan", *small, "--out", out), "no step policy runs", "layerwise", "greedy-rollback")
+    assert not out.exists()
+    assert invoke("plan", *small).exit_code == 0  # the tables: a comparison, no plan file
+    for extra in (["--tp-policy", "tp-sync"], ["--tp", "1"]):
+        result = invoke("plan", *small, *extra, "--out", out)
+        assert result.exit_code == 0, (extra, result.stderr)
+        plan = load_plan(out)
+        STEP_POLICIES["layerwise"].check_dp_plan(plan.dp_plan)
+        STEP_POLICIES["layerwise"].check_tp_plan(plan.tp_plan.policy, plan.tp)
