@@ -321,6 +321,8 @@ def inspect(
             # an expert plan with expert TP needs the hidden size to tell each matrix's split
             hidden = resolve_model(model, loaded.tp)[1].hidden if loaded.etp > 1 else None
             check_plan_matches(loaded, resolve_spec(model, loaded.tp), dp, tp, ep=ep, hidden=hidden)
+            if dp is not None or tp is not None or ep is not None:  # a job's: what the runtime checks when it loads it
+                _check_runnable(loaded)
         elif dp is not None or tp is not None or ep is not None:
             fail("--dp, --tp and --ep are checked together with --model")
     except CanzonaError as e:

@@ -323,3 +323,22 @@ def test_plan_out_is_a_plan_some_step_policy_runs(tmp_path):
         plan = load_plan(out)
         STEP_POLICIES["layerwise"].check_dp_plan(plan.dp_plan)
         STEP_POLICIES["layerwise"].check_tp_plan(plan.tp_plan.policy, plan.tp)
+
+
+def test_inspect_against_a_job_refuses_a_plan_no_step_policy_runs(tmp_path):
+    """`canzona inspect plan.json --model M --dp D --tp T` said "valid plan" of a plan file the
+    runtime refuses at that layout (written by an older `canzona plan --optimizer adamw --tp 2`:
+    greedy-rollback, which AdamW's zero1 does not run). Checked against a job, it is one line."""
+    import json as _json
+
+    good = tmp_path / "good.json"
+    assert invoke("plan", "--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--optimizer", "adamw",
+                  "--out", good).exit_code == 0
+    bad = tmp_path / "bad.json"
+    body = _json.loads(good.read_text())
+    body["tp_plan"]["policy"] = "greedy-rollback"
+    bad.write_text(_json.dumps(body))
+    job = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2"]
+    error_line(invoke("inspect", bad, *job), "no step policy runs", "tp-sync")
+    assert invoke("inspect", good, *job).exit_code == 0
+    assert invoke("inspect", bad).exit_code == 0  # the file alone is well formed
