@@ -216,7 +216,10 @@ def plan(
         # and tp-sync), which the runtime holds the plan file to: canzona's plan settings would
         # change nothing there, or write a plan it refuses (as simulate, one line each)
         step = STEP_POLICIES[default_policy(optimizer)]
-        _check_dp_policy_applies([step.name], dp_policy, alpha, tp_policy, geometry=geometry, capacity=capacity)
+        # its own DP and TP policies, named, are accepted: the plan command `canzona search` prints names them
+        _check_dp_policy_applies([step.name], None if dp_policy == step.dp_policy else dp_policy, alpha,
+                                 PLAN_DEFAULTS.tp_policy if tp_policy == step.tp_policy else tp_policy,
+                                 geometry=geometry, capacity=capacity)
         if step.dp_policy is not None and balance_by != PLAN_DEFAULTS.balance_by:
             raise SpecError(f"--balance-by {balance_by} applies to the canzona policy only; {step.name} uses "
                             f"{step.dp_policy}")

@@ -280,6 +280,10 @@ def test_plan_of_adamw_is_the_plan_its_step_policy_runs(tmp_path):
                           ("--capacity", "20ms"), ("--balance-by", "elements"), ("--dp-policy", "whole-start")):
         error_line(invoke("plan", *small, option, value, "--out", tmp_path / "bad.json"), option, "zero1")
     assert not (tmp_path / "bad.json").exists()
+    # its step policy's own, named (as the plan command `canzona search` prints for an AdamW layout)
+    named = invoke("plan", *small, "--dp-policy", "zero1-even", "--tp-policy", "tp-sync", "--out", out)
+    assert named.exit_code == 0, named.stderr
+    assert load_plan(out).hash() == plan.hash()
     # a matrix optimizer's plan still takes them
     assert invoke("plan", *small[:-1], "muon", "--alpha", "0.5", "--balance-by", "elements", "--json").exit_code == 0
 
