@@ -466,7 +466,6 @@ def published_search_table(ranks) -> Table:
     """`canzona validate --published --search`: each published layout among the searched ones
     (sim.published_search)."""
     from sim.published_search import TOP, WITHIN
-    from sim.search import describe
 
     t = Table(title=f"Published layouts among the searched ones (aim: top {TOP} or within {WITHIN:.0%} of the best)")
     for name, justify in (("row", "left"), ("published layout", "left"), ("iter ms", "right"),
@@ -480,7 +479,7 @@ def published_search_table(ranks) -> Table:
         layout = r.run.layout + ("" if r.published_fits else " (does not fit)") + \
             (f" [outside the search space: {r.outside}]" if r.outside else "")
         rank = str(r.rank) if r.rank is not None else (f"> {r.rank_at_least - 1}" if r.rank_at_least else "")
-        best = r.error if r.best is None else describe(r.best)
+        best = r.error if r.best is None else r.best_layout
         t.add_row(r.run.id, layout, _ms(r.published_s), best, "" if r.best_s is None else _ms(r.best_s), rank,
                   _pct(r.gap), ("met" if r.meets else "not met") + ("" if r.held else " (not held: untuned)"))
     searched = [r for r in ranks if r.published_s is not None]

@@ -75,6 +75,7 @@ import torch.distributed.checkpoint as dcp
 
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
+from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import Plan, check_plan_matches, load_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
@@ -90,7 +91,7 @@ from canzona.runtime.checkpoint_files import (
 from canzona.runtime.comm import Comm
 from canzona.runtime.gradients import NONFINITE_POLICIES
 from canzona.spec import ModelSpec
-from canzona.step_policies import get_step_policy
+from canzona.step_policies import default_policy, get_step_policy
 
 # reference.tiny_model_tp gathers with all_gather_into_tensor, which torch 2.13 marks deprecated
 warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
@@ -98,8 +99,9 @@ warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_te
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = HERE / "tiny_qwen3" / "config.json"
-POLICY = "canzona"  # the step policy that executes a plan made by `canzona plan`
-MATRIX_LR = {"muon": 0.02, "soap": 3e-3, "shampoo": 3e-3}  # --lr when not given
+# --lr when not given; an elementwise optimizer's plan (`canzona plan --optimizer adamw`, what
+# `canzona search --optimizer adamw` prints) steps its matrices at --adamw-lr
+MATRIX_LR = {"muon": 0.02, "soap": 3e-3, "shampoo": 3e-3}
 RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
 SAME_DATA = ("seed", "batch", "seq_len")  # a resumed run must see the same data stream
 # recorded with each checkpoint; on resume the command line's values win, and differences are logged
@@ -161,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cpu (gloo) or cuda (NCCL, one GPU per rank by LOCAL_RANK)")
     ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
     ap.add_argument("--lr", type=number(float), default=None,
-                    help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3)")
+                    help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3, adamw --adamw-lr)")
     ap.add_argument("--adamw-lr", type=number(float), default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="on 2-D weights only")
     ap.add_argument("--warmup", type=non_negative_float, default=0.1,
@@ -286,12 +288,15 @@ def prepare(args: argparse.Namespace) -> Job:
     try:
         # the plan's layout is the job's: what a job refuses (expert TP) is refused here, before training
         check_plan_matches(plan, spec, dp=plan.dp, tp=plan.tp, ep=plan.ep)
-        policy = get_step_policy(POLICY)
+        policy = get_step_policy(plan_policy(plan))
         for part in (plan, plan.experts) if plan.experts is not None else (plan,):
             policy.check_dp_plan(part.dp_plan)
             policy.check_tp_plan(part.tp_plan.policy, part.tp)
     except CanzonaError as e:
         raise PlanError(f"{args.plan}: {e}") from None
+    if args.lr is not None and MATRIX_REGISTRY[plan.optimizer].elementwise:
+        raise SpecError(f"--lr is a matrix optimizer's rate; the plan's {plan.optimizer} steps every parameter at "
+                        "--adamw-lr")
     if args.batch % plan.dp:
         raise SpecError(f"--batch {args.batch} is not divisible by the plan's dp {plan.dp}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -401,9 +406,15 @@ def build_model(job: Job, mesh, expert_mesh, seed: int, device: torch.device) ->
     return model.to(device)
 
 
+def plan_policy(plan: Plan) -> str:
+    """The step policy that executes a plan made by `canzona plan`: its optimizer's default (canzona for
+    a matrix optimizer, ZeRO-1 for AdamW), the one `canzona plan` planned for."""
+    return default_policy(plan.optimizer)
+
+
 def hyper_flags(job: Job, args: argparse.Namespace) -> dict[str, Any]:
     """The HYPER_FLAGS of this run, as it uses them (--lr resolved to the optimizer's default)."""
-    lr = args.lr if args.lr is not None else MATRIX_LR[job.plan.optimizer]
+    lr = args.lr if args.lr is not None else MATRIX_LR.get(job.plan.optimizer, args.adamw_lr)  # AdamW: its own
     return {**{k: getattr(args, k) for k in HYPER_FLAGS}, "lr": lr}
 
 
@@ -414,8 +425,10 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, expert_mesh, args: a
     pairs = list(named_parameters(model))
     groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
-    return DistributedOptimizer(groups, job.spec, job.plan.optimizer, {"lr": hyper_flags(job, args)["lr"]},
-                                {"lr": args.adamw_lr}, plan=job.plan, policy=POLICY, group=mesh,
+    # an elementwise optimizer (AdamW) steps every parameter with the AdamW settings: no matrix ones
+    matrix = None if MATRIX_REGISTRY[job.plan.optimizer].elementwise else {"lr": hyper_flags(job, args)["lr"]}
+    return DistributedOptimizer(groups, job.spec, job.plan.optimizer, matrix, {"lr": args.adamw_lr}, plan=job.plan,
+                                policy=plan_policy(job.plan), group=mesh,
                                 timeout_s=args.timeout, reduce_scatter=args.reduce_scatter, nonfinite=args.nonfinite,
                                 expert_mesh=expert_mesh)
 

@@ -150,6 +150,15 @@ class LayoutRank:
         return min(times) if times else None
 
     @property
+    def best_layout(self) -> str | None:
+        """What `best_s` is the time of: the published layout where it fits and beats every layout found
+        (one outside the search space can), else the best found (None: nothing found)."""
+        if self.best is None:
+            return None
+        beaten = self.published_fits and self.published_s is not None and self.published_s < self.best["iteration_time_s"]
+        return "the published layout" if beaten else describe(self.best)
+
+    @property
     def gap(self) -> float | None:
         """The published layout's time over the best one's, minus one (0: it is the best)."""
         if self.published_s is None or self.best_s is None:
@@ -174,7 +183,7 @@ class LayoutRank:
             "id": r.id, "model": r.model_name, "hardware": r.hardware, "gpus": r.gpus, "layout": r.layout,
             "not_expressible": ", ".join(self.needs) or None, "outside_search_space": self.outside or None,
             "published_layout_iteration_s": self.published_s, "published_layout_fits": self.published_fits,
-            "best_layout": describe(self.best) if self.best else None,
+            "best_layout": self.best_layout,
             "best_iteration_s": self.best_s, "rank": self.rank, "rank_at_least": self.rank_at_least,
             "gap_to_best": self.gap, "meets": self.meets, "held_to_criterion": self.held,
             "layout_not_tuned": r.layout_not_tuned or None, "searched": self.searched, "error": self.error or None,

@@ -49,10 +49,10 @@ STEPS, HALF = 4, 2
 RUN_TIMEOUT_S = 240  # one torchrun launch; a hang fails the test instead of blocking the suite
 
 
-def make_plan(folder: Path, dp: int, tp: int, model: str | Path = CONFIG) -> Path:
-    """`canzona plan --model ... --dp --tp --out`, through the CLI."""
-    out = folder / f"plan-dp{dp}-tp{tp}-{Path(str(model)).stem}.json"
-    result = invoke("plan", "--model", model, "--dp", dp, "--tp", tp, "--out", out)
+def make_plan(folder: Path, dp: int, tp: int, model: str | Path = CONFIG, *extra: object) -> Path:
+    """`canzona plan --model ... --dp --tp [extra] --out`, through the CLI."""
+    out = folder / f"plan-dp{dp}-tp{tp}-{Path(str(model)).stem}{''.join(str(e) for e in extra)}.json"
+    result = invoke("plan", "--model", model, "--dp", dp, "--tp", tp, *extra, "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
@@ -162,6 +162,17 @@ def test_a_nan_gradient_stops_the_run_before_it_reaches_the_weights_or_a_checkpo
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]  # the last sound step
     weights = checkpoint_weights(tmp_path / "ckpt" / "step_1", dp2["straight"])
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+def test_an_adamw_plan_trains_under_its_own_step_policy(tmp_path):
+    """`canzona plan --optimizer adamw` (what `canzona search --optimizer adamw` prints to deploy) runs
+    under ZeRO-1, the policy it was planned for, at AdamW's learning rate (the script looked up a
+    matrix optimizer's rate and ran canzona's policy: a KeyError on every rank)."""
+    plan = make_plan(tmp_path, 2, 1, CONFIG, "--optimizer", "adamw")
+    log = trained(tmp_path, 2, "--plan", plan, "--steps", STEPS)
+    assert "adamw" in log
+    steps = losses(log)
+    assert len(steps) == STEPS and steps[STEPS] < steps[1], steps
 
 
 def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):

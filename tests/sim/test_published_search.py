@@ -16,7 +16,7 @@ from sim.published_search import (
     rank_run,
     summary,
 )
-from sim.search import candidates, config_of, search, space_of
+from sim.search import candidates, config_of, describe, search, space_of
 from tests.sim.small_models import EIGHT_LAYERS
 
 
@@ -56,6 +56,20 @@ def test_criterion():
     assert LayoutRank(run, published_s=1.5, published_fits=True, best=best, rank=TOP).meets
     assert LayoutRank(run, published_s=0.9, published_fits=True, best=best, rank=1).gap == 0.0
     assert LayoutRank(run, ("--precision fp8",)).meets is None
+
+
+def test_the_best_named_is_the_one_whose_time_is_given():
+    """A published layout outside the search space can beat every layout found: the best time is then
+    its own, and the best layout named is it, not the search's best (whose time is not the one given)."""
+    run = _run()
+    best = {"iteration_time_s": 1.0, "tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "dp": 8, "micro_batch": 1,
+            "recompute": "none"}
+    beaten = LayoutRank(run, outside="an uneven split", published_s=0.9, published_fits=True, best=best, rank=1)
+    assert beaten.to_dict()["best_layout"] == "the published layout" and beaten.best_s == 0.9
+    slower = LayoutRank(run, published_s=1.2, published_fits=True, best=best, rank=2)
+    assert slower.to_dict()["best_layout"] == describe(best) and slower.best_s == 1.0
+    unfit = LayoutRank(run, published_s=0.9, published_fits=False, best=best, rank=1)  # not a layout that runs
+    assert unfit.to_dict()["best_layout"] == describe(best) and unfit.best_s == 1.0
 
 
 def test_an_untuned_layout_is_ranked_but_not_held_to_the_criterion():
