@@ -499,9 +499,10 @@ def search_table(result, top: int) -> Table:
     q, s = result.question, result.to_dict(top)
     searched = s["searched"]
     t = Table(title=f"{q.model} on {q.gpus} x {q.hardware}, {q.optimizer}, seq {q.seq_len}, global batch "
-                    f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} "
-                    f"{'FSDP ' if q.fsdp else ''}layouts that fit "
-                    f"({searched['candidates']} candidates, {searched['pruned_by_checks']} refused by the "
+                    f"{q.global_batch}: the {len(s['layouts'])} fastest of {searched['fit']} runs that fit "
+                    f"({'FSDP ' if q.fsdp else ''}layouts, the best under each step policy"
+                    f"{'' if q.fsdp else ' and reduce-scatter'} tried; "
+                    f"{searched['candidates']} candidates, {searched['pruned_by_checks']} refused by the "
                     f"simulator's checks, {searched['pruned_by_memory']} by the memory floor, {searched['pruned_by_bound']} by the "
                     f"time floor, {'' if q.fsdp else str(searched['pruned_as_ties']) + ' reduce-scatters as ties, '}"
                     f"{searched['simulated']} simulated on {searched['workers']} workers in "
