@@ -453,9 +453,9 @@ REFINE_AXES: tuple[Axis, ...] = (
 # FSDP layouts (`canzona simulate --fsdp`, sim.fsdp): TP (the simulator allows it on dense models
 # only), EP (a MoE model's, as the ZeRO-1 space's), HSDP's replicas R (every divisor of DP; the
 # simulator keeps a shard group of at least 2 ranks, and no HSDP under EP), FSDP2's
-# reshard_after_forward (Megatron-FSDP: resharded only), the micro-batch and the recompute modes the simulator runs under FSDP
-# (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of `selective_ac_options`: the rounds
-# of `search`); no pipeline, virtual
+# reshard_after_forward (Megatron-FSDP: resharded only), the micro-batch and the recompute modes
+# the simulator runs under FSDP (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of
+# `selective_ac_options`: the rounds of `search`); no pipeline, virtual
 # pipeline or context parallelism (one value each: the simulator runs FSDP at pp 1, cp 1). Which
 # combinations the simulator runs is its own checks' to say (`SimConfig.check`, `check_fsdp`).
 FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
