@@ -28,7 +28,7 @@ from canzona.dp.layout import (
     check_expert_buckets,
     check_expert_buckets_apply,
 )
-from canzona.dp.policies import MATRICES_PER_RANK, PAPER_DP_POLICY
+from canzona.dp.policies import DP_REGISTRY, MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
@@ -183,9 +183,9 @@ def plan(
     tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy,
     alpha: Alpha = PLAN_DEFAULTS.alpha,
     bucket_size: BucketSize = PLAN_DEFAULTS.bucket_size,
-    align: Annotated[int, typer.Option(help="Parameter start alignment in elements.")] = PLAN_DEFAULTS.align,
+    align: Align = PLAN_DEFAULTS.align,
     capacity: CapacityOpt = "auto",
-    balance_by: Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")] = PLAN_DEFAULTS.balance_by,
+    balance_by: BalanceBy = PLAN_DEFAULTS.balance_by,
     geometry: Geometry = DEFAULT_GEOMETRY,
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
@@ -343,13 +343,21 @@ def inspect(
 
 def _check_dp_policy_applies(policies: list[str], dp_policy: str | None, alpha: float = PLAN_DEFAULTS.alpha,
                              tp_policy: str = PLAN_DEFAULTS.tp_policy, *, geometry: str = DEFAULT_GEOMETRY,
-                             tp_mode: str = STEP_DEFAULTS.tp_mode, capacity: str = "auto") -> None:
+                             tp_mode: str = STEP_DEFAULTS.tp_mode, capacity: str = "auto",
+                             balance_by: str = PLAN_DEFAULTS.balance_by) -> None:
     """A --dp-policy, --alpha (which weighs the DP policy's balance), --geometry (canzona's segments)
     or a TP scheduling option (--tp-policy, its micro-groups' --tp-mode and --capacity) that none of
     the chosen step policies would use is a mistake, not a no-op: each of the others has its own DP
-    policy and runs tp-sync (every TP rank the whole update: no micro-groups to order or cut)."""
+    policy and runs tp-sync (every TP rank the whole update: no micro-groups to order or cut). So is
+    a --balance-by where no chosen policy balances anything: ZeRO-1's even segments, or a replicated
+    policy (every rank every matrix)."""
     steps = [STEP_POLICIES[p] for p in policies if p in STEP_POLICIES]
     uses = "uses" if len(policies) == 1 else "use"
+    balancing = [s for s in steps if s.dp_policy is None or not (s.replicated or DP_REGISTRY[s.dp_policy].splits_compute)]
+    if steps and not balancing and balance_by != PLAN_DEFAULTS.balance_by:
+        raise SpecError(f"--balance-by {balance_by} changes nothing under {', '.join(policies)}: "
+                        f"{', '.join(sorted({str(s.dp_policy) for s in steps}))} balance{'s' if len(policies) == 1 else ''} "
+                        "no cost (even segments, or every matrix on every rank)")
     own = [s.dp_policy for s in steps]
     if own and all(own):
         for flag, given in (("--dp-policy", dp_policy is not None), ("--alpha", alpha != PLAN_DEFAULTS.alpha),
@@ -394,7 +402,7 @@ def _sim_config(*, shared: SimOptions):
                        alpha=o.alpha, bucket_size=o.bucket_size, capacity=parse_capacity(o.capacity),
                        hardware=o.hardware, workload=workload, options=_run_options(shared=o),
                        zero1_fallback=o.zero1_fallback, pp=o.pp, vp=o.vp, cp=o.cp, ep=o.ep, etp=o.etp,
-                       geometry=o.geometry, expert_buckets=o.expert_buckets,
+                       geometry=o.geometry, align=o.align, balance_by=o.balance_by, expert_buckets=o.expert_buckets,
                        router_imbalance=_router_imbalance(o.router_imbalance), fsdp=o.fsdp,
                        hsdp_replicate=o.hsdp_replicate, reshard_after_forward=o.reshard_after_forward,
                        fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split)
@@ -402,7 +410,7 @@ def _sim_config(*, shared: SimOptions):
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
     _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], None, o.alpha, o.tp_policy,
-                             geometry=o.geometry, tp_mode=o.tp_mode, capacity=o.capacity)
+                             geometry=o.geometry, tp_mode=o.tp_mode, capacity=o.capacity, balance_by=o.balance_by)
     _check_zero1_fallback_applies(config, o.policy, o.zero1_fallback)
     return config
 
@@ -478,6 +486,8 @@ Geometry = Annotated[str, typer.Option(
     help=f"canzona's segments: {' or '.join(GEOMETRIES)} (auto: ZeRO-1's even segments where whole matrices plan no "
          "shorter step, each matrix that straddles a cut computed by the ranks it overlaps; whole: always whole "
          "matrices, the paper's).")]
+Align = Annotated[int, typer.Option(help="Parameter start alignment in elements.")]
+BalanceBy = Annotated[str, typer.Option(help="Balance 'seconds' (ours) or 'elements' (as the authors' code does).")]
 Hardware = Annotated[str, typer.Option(help="Hardware profile name (h100-sxm, h200, a100-sxm) or a JSON path.")]
 SeqLen = Annotated[int, typer.Option(help=f"Sequence length in tokens (at most {MAX_SEQ_LEN}).")]
 GlobalBatch = Annotated[int, typer.Option(
@@ -705,6 +715,8 @@ class SimOptions:
     etp: Etp = 1
     expert_buckets: ExpertBuckets = PLAN_DEFAULTS.expert_buckets
     geometry: Geometry = DEFAULT_GEOMETRY
+    align: Align = PLAN_DEFAULTS.align
+    balance_by: BalanceBy = PLAN_DEFAULTS.balance_by
     collectives: Collectives = "megatron"
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm
     batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels
@@ -825,8 +837,8 @@ SEARCH_LACKS: dict[str, str] = {
     **dict.fromkeys(("policy", "reduce_scatter"), "tried on the best layouts (the refinement)"),
     "overlap_moe_expert_parallel_comm": "search's own option: on every layout Megatron allows it on, the others without",
     "recompute_method": "search's own option: on every layout searched with full recompute",
-    **dict.fromkeys(("dp_policy", "tp_policy", "alpha", "bucket_size", "capacity", "geometry", "expert_buckets",
-                     "tp_mode", "zero1_fallback"),
+    **dict.fromkeys(("dp_policy", "tp_policy", "alpha", "bucket_size", "capacity", "geometry", "align", "balance_by",
+                     "expert_buckets", "tp_mode", "zero1_fallback"),
                     "canzona's plan settings: the layouts are ranked under its default plan, whose canzona plan "
                     "command the search prints"),
     "etp": "expert TP is not explored: every EP layout at ETP 1",

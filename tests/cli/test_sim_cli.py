@@ -380,3 +380,26 @@ def test_a_baselines_no_op_plan_settings_are_one_line(policy, args, needle):
     assert invoke("simulate", *SMALL, "--policy", policy, "--geometry", "auto", "--tp-mode", "pipelined",
                   "--capacity", "auto", "--json").exit_code == 0
     assert invoke("simulate", *SMALL, "--policy", "canzona", *args, "--json").exit_code == 0
+
+
+def test_align_and_balance_by_reach_the_simulator():
+    """`DistributedOptimizer`'s align and balance_by (canzona.plan.PlanSettings) change the plan the
+    runtime executes; simulate and compare take them by the same names and defaults (`canzona plan
+    --align / --balance-by` wrote a plan file simulate could not reproduce), as `SimConfig` does."""
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    args = ["--align", "128", "--balance-by", "elements"]
+    got = json.loads(run("simulate", *SMALL, *args, "--json").stdout)
+    want = simulate(SimConfig(model="qwen3-0.6b", gpus=16, tp=2, workload=Workload(256, 16), align=128,
+                              balance_by="elements")).to_dict()
+    assert got == json.loads(json.dumps(want))
+    assert got != json.loads(run("simulate", *SMALL, "--json").stdout)  # the plan balanced by elements
+    rows = {r["policy"]: r for r in json.loads(run("compare", *SMALL, *args, "--json").stdout)}
+    assert rows["canzona"] == got
+    # a policy whose plan no balance unit changes (even segments, or every rank every matrix) refuses it
+    for policy in ("zero1-gather", "sc"):
+        error_line(run("simulate", *SMALL, "--policy", policy, "--balance-by", "elements"),
+                   "--balance-by elements", "changes nothing", policy)
+    error_line(run("simulate", *SMALL, "--optimizer", "adamw", "--balance-by", "elements"), "--balance-by elements")
+    assert run("simulate", *SMALL, "--policy", "layerwise", "--balance-by", "elements", "--json").exit_code == 0

@@ -70,7 +70,8 @@ def test_every_planning_setting_has_one_default_wherever_it_appears():
     """`canzona.plan.PLAN_DEFAULTS` is the one definition: `make_plan`, the runtime, the simulator,
     the harness and the CLI take its defaults; the runtime and the simulator take every setting
     (what is simulated can be deployed). The CLI's None DP policy means the optimizer's default
-    (zero1-even for AdamW) and its `auto` capacity is the searched one (None)."""
+    (zero1-even for AdamW) and its `auto` capacity is the searched one (None); `canzona simulate`
+    and `compare` take every setting too, so that a plan the runtime is given can be simulated."""
     from canzona.harness.training import TrainSpec
     from canzona.harness.verify import prepare
     from canzona.plan import PLAN_DEFAULTS
@@ -88,7 +89,7 @@ def test_every_planning_setting_has_one_default_wherever_it_appears():
     for f in fields(PlanSettings):
         want = getattr(PLAN_DEFAULTS, f.name)
         assert want == f.default, f.name
-        for name in ("make_plan", "DistributedOptimizer", "SimConfig"):
+        for name in ("make_plan", "DistributedOptimizer", "SimConfig", "canzona simulate", "canzona compare"):
             assert f.name in consumers[name], (name, f.name)
         for name, d in consumers.items():
             if f.name in d:
