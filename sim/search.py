@@ -51,6 +51,7 @@ from canzona.recompute import (
     BLOCK,
     FULL,
     NONE,
+    SELECTIVE,
     SELECTIVE_AC_DEFAULT,
     SELECTIVE_LAYER,
     check_recompute_method,
@@ -73,7 +74,7 @@ from sim.collectives import collective_cost
 from sim.comm_sms import nccl_sms
 from sim.ep_dispatch import EpDispatcher, ep_costs
 from sim.ep_overlap import allowed, delay_wgrad_runs
-from sim.fp8 import DELAYED, FP8, FP8Setup, check_fp8_device
+from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup, check_fp8_device
 from sim.fsdp import (
     FSDP_RECOMPUTE_MODES,
     ROOT,
@@ -742,26 +743,103 @@ def fsdp_launch(row: dict[str, Any]) -> list[str]:
 DEFAULT_STEP_POLICIES = frozenset(default_policy(name) for name in MATRIX_REGISTRY)
 
 
-def not_in_plan(row: dict[str, Any]) -> list[str]:
-    """What of a layout its plan file does not carry (the launcher's settings); an FSDP layout's
-    (no plan file) every setting (`fsdp_launch`)."""
+def _megatron_recompute(row: dict[str, Any]) -> str:
+    """A ZeRO-1 row's recompute as Megatron-LM's flags (`canzona.recompute`'s module docstring)."""
+    mode = row[RECOMPUTE_AXIS]
+    if mode == SELECTIVE:
+        return "--recompute-granularity selective (the attention core)"
+    if mode == FULL:
+        method, layers = row.get("recompute_method"), row.get("recompute_num_layers")
+        if method is not None:
+            return f"--recompute-granularity full --recompute-method {method} --recompute-num-layers {layers}"
+        # Megatron requires a method under full; every layer checkpointed on its own is uniform 1
+        return ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 (every layer "
+                "checkpointed on its own)")
+    # torchtitan's per-op policy: Megatron's selective recomputes the attention core only, another run
+    return (f"recompute {_recompute_text(row)}: torchtitan's per-op selective checkpointing, which Megatron-LM has "
+            "no flag for (its --recompute-granularity selective recomputes the attention core only: another run)")
+
+
+def _megatron_dispatcher(d: EpDispatcher) -> str:
+    """An EP layout's token dispatcher as Megatron-LM's flags: the type always (Megatron's default,
+    allgather, is not the simulated one), the flex backend and its SMs where set."""
+    flags = [f"--moe-token-dispatcher-type {d.moe_token_dispatcher_type}"]
+    if d.moe_flex_dispatcher_backend is not None:
+        flags.append(f"--moe-flex-dispatcher-backend {d.moe_flex_dispatcher_backend}")
+    default = EpDispatcher()
+    flags += [f"--{name.replace('_', '-')} {getattr(d, name)}" for name in ("moe_hybridep_num_sms", "moe_deepep_num_sms")
+              if getattr(d, name) != getattr(default, name)]
+    return " ".join(flags)
+
+
+def _question_launch(q: Question, row: dict[str, Any]) -> list[str]:
+    """The question's settings every ZeRO-1 layout ran with that a default Megatron-LM run (or
+    canzona's DistributedOptimizer built with its defaults) does not have, as their flags: without
+    them the job launched is not the one ranked."""
+    cfg = row_config(q, row)
+    o, w = cfg.options, cfg.workload
+    # Megatron-LM trains in fp32 and sets the global batch to micro-batch x DP unless told
+    out = [f"--bf16 --global-batch-size {w.global_batch} --seq-length {w.seq_len}"]
+    if resolve_model(q.model)[1].moe is not None:  # the simulator's experts are grouped GEMMs (sim.model_work)
+        out.append("--moe-grouped-gemm")
+    if w.precision == FP8:  # sim.fp8: TE's hybrid format (E4M3 forward, E5M2 gradients); Megatron's recipe names
+        out.append(f"--fp8-format hybrid --fp8-recipe {MEGATRON_FP8_RECIPES[w.fp8_recipe]}"
+                   + (" --fp8-param-gather (FP8 primary weights)" if w.fp8_params else ""))
+    if not q.grad_reduce_in_fp32:
+        out.append("--grad-reduce-in-bf16")
+    if o.attention_backend != DEFAULT_ATTENTION_BACKEND:
+        out.append(f"--attention-backend {o.attention_backend}")
+    if w.cross_entropy_loss_fusion:
+        out.append(f"--cross-entropy-loss-fusion --cross-entropy-fusion-impl {w.cross_entropy_fusion_impl}")
+    out += [flag for on, flag in ((w.apply_rope_fusion, "--no-rope-fusion"),
+                                  (w.bias_activation_fusion, "--no-bias-swiglu-fusion")) if not on]
+    if row["pp"] > 1 and not o.align_grad_reduce:
+        out.append("--no-align-grad-reduce")
+    # DistributedOptimizer's own options off their defaults (its step's, canzona.step_options)
+    given = [f"{name}={getattr(o, name)!r}" for name in ("overlap_param_gather", "max_grad_norm", "batch_kernels")
+             if getattr(o, name) != getattr(RunOptions, name)]
+    if given:
+        out.append(f"{', '.join(given)} (DistributedOptimizer's options)")
+    return out
+
+
+# canzona's FP8 recipes (sim.fp8) by Megatron-LM's --fp8-recipe name
+MEGATRON_FP8_RECIPES = {DELAYED: "delayed", CURRENT: "tensorwise"}
+
+
+def not_in_plan(row: dict[str, Any], q: Question | None = None) -> list[str]:
+    """What of a layout its plan file does not carry (the launcher's settings), as Megatron-LM's
+    flags (Megatron-Bridge's config fields of the same names) and DistributedOptimizer's options;
+    with the question, also its settings every layout ran with that a default Megatron-LM run lacks
+    (`_question_launch`). An FSDP layout's (no plan file) every setting (`fsdp_launch`)."""
     if row.get("fsdp"):
         return fsdp_launch(row)
     out = []
+    if row.get("tp", 1) > 1:  # the plan's TP; the simulator runs it sequence parallel, which Megatron's default is not
+        tp = f"--tensor-model-parallel-size {row['tp']} --sequence-parallel"
+        if q is None or q.tp_comm_overlap:  # Transformer Engine's userbuffers (config_of: at TP > 1)
+            cfg = RunOptions.tp_comm_overlap_cfg if q is None else q.tp_comm_overlap_cfg
+            tp += f" --tp-comm-overlap (userbuffers configuration {cfg}: Megatron-Bridge's tp_comm_overlap_cfg)"
+        out.append(tp)
     if row["pp"] > 1:
-        out.append(f"pp {row['pp']} (canzona plan plans the whole model over DP x TP; the runtime has no pipeline)")
+        out.append(f"--pipeline-model-parallel-size {row['pp']} (canzona plan plans the whole model over DP x TP; "
+                   "the runtime has no pipeline)")
     if row["vp"] > 1:
-        out.append(f"vp {row['vp']}")
+        out.append(f"--num-virtual-stages-per-pipeline-rank {row['vp']} (Megatron-Bridge: "
+                   "virtual_pipeline_model_parallel_size)")
     split = SEARCHED_SPLITS[row.get("pipeline_split", "even")]
     if not split.even:  # Megatron's options, named as PipelineSplit's fields
         out.append(" ".join(f"--{f.name.replace('_', '-')}" for f in fields(split) if getattr(split, f.name) is True)
                    + " (Megatron's)")
     if row.get("cp", 1) > 1:
-        out.append(f"cp {row['cp']} (the plan's DP is DP x CP; the runtime has no context parallelism)")
-    if row["micro_batch"] > 1:
-        out.append(f"micro-batch {row['micro_batch']}")
-    if row["recompute"] != "none":
-        out.append(f"recompute {_recompute_text(row)}")
+        out.append(f"--context-parallel-size {row['cp']} (the plan's DP is DP x CP; the runtime has no context "
+                   "parallelism)")
+    if row.get("ep", 1) > 1:  # the plan's EP, and the dispatcher every EP layout ran (config_of)
+        dispatcher = EpDispatcher() if q is None else q.ep_dispatcher
+        out.append(f"--expert-model-parallel-size {row['ep']} {_megatron_dispatcher(dispatcher)}")
+    out.append(f"--micro-batch-size {row['micro_batch']}")  # Megatron requires it
+    if row["recompute"] != NONE:
+        out.append(_megatron_recompute(row))
     if row["reduce_scatter"] != DEFAULT_REDUCE_SCATTER:
         out.append(f"reduce_scatter={row['reduce_scatter']!r} (DistributedOptimizer's option)")
     # the step policy is DistributedOptimizer's `policy=`, not the plan file's (which holds the DP and
@@ -775,7 +853,7 @@ def not_in_plan(row: dict[str, Any]) -> list[str]:
                                                            else "") + " (Megatron's)")
     if row["fell_back_to"] == DENSE_FALLBACK:
         out.append("canzona's experts with zero1-gather's dense part (two plans)")
-    return out
+    return out + ([] if q is None else _question_launch(q, row))
 
 
 def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:
@@ -863,7 +941,7 @@ class SearchResult:
 
         def commands(row: dict[str, Any]) -> dict[str, Any]:
             replay = {} if simulate_command is None else {"simulate_command": simulate_command(row_config(q, row))}
-            return {"plan_command": plan_command(q, row), **replay, "not_in_plan": not_in_plan(row)}
+            return {"plan_command": plan_command(q, row), **replay, "not_in_plan": not_in_plan(row, q)}
 
         return {
             **asdict(q),  # the whole question the layouts were searched under, every field of it

@@ -488,3 +488,71 @@ def test_not_in_plan_names_the_step_policy_the_plan_file_does_not():
         not_in_plan({**row, "policy": "layerwise"})
     assert any(x.startswith("policy='zero1-gather'") for x in not_in_plan({**row, "fell_back_to": "zero1-gather"}))
     assert not any(x.startswith("policy=") for x in not_in_plan({**row, "policy": "zero1"}))  # AdamW's default
+
+
+def _zero1_row(**changes) -> dict:
+    """A simulated ZeRO-1 row's keys (`run_one`'s) at TP 1 x PP 1, micro-batch 1, no recompute."""
+    row = {"tp": 1, "pp": 1, "pipeline_split": "even", "vp": 1, "cp": 1, "ep": 1, "micro_batch": 1,
+           "recompute": "none", "dp": 8, "policy": "canzona", "reduce_scatter": DEFAULT_REDUCE_SCATTER,
+           "fell_back_to": None, "recompute_method": None, "recompute_num_layers": None,
+           "selective_ac_option": None, "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
+    return {**row, **changes}
+
+
+def test_not_in_plan_names_megatrons_flags_for_every_layout_setting():
+    """Each launcher setting is Megatron-LM's flag (a user pastes them into the launch): TP with the
+    sequence parallelism and userbuffers overlap the simulator runs it with (both off in a default
+    Megatron run), PP, VP, CP, EP with its dispatcher (Megatron's default is allgather), the
+    micro-batch (required) and each recompute as granularity / method / layers (full needs a method
+    in Megatron: every layer alone is uniform 1). They said `pp 2`, `vp 3`, `cp 2`, `micro-batch 4`,
+    `recompute full`, and nothing of TP's sequence parallelism or the EP dispatcher."""
+    launch = " ; ".join(not_in_plan(_zero1_row(tp=2, pp=2, vp=3, cp=2, micro_batch=4, recompute="full")))
+    for flag in ("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap",
+                 "--pipeline-model-parallel-size 2", "--num-virtual-stages-per-pipeline-rank 3",
+                 "--context-parallel-size 2", "--micro-batch-size 4",
+                 "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"):
+        assert flag in launch, (flag, launch)
+    assert "--micro-batch-size 1" in not_in_plan(_zero1_row())
+    block = not_in_plan(_zero1_row(recompute="full", recompute_method="block", recompute_num_layers=3))
+    assert "--recompute-granularity full --recompute-method block --recompute-num-layers 3" in block
+    assert "--recompute-granularity selective (the attention core)" in not_in_plan(_zero1_row(recompute="selective"))
+    # torchtitan's per-op policy: no Megatron flag runs it, and the line says so rather than naming a wrong one
+    op = " ".join(not_in_plan(_zero1_row(recompute="selective-op")))
+    assert "Megatron-LM has no flag" in op and "--recompute-granularity" in op
+    q = Question(model="qwen3-30b-a3b", gpus=16, ep_dispatcher=EpDispatcher(moe_token_dispatcher_type="flex",
+                                                                              moe_flex_dispatcher_backend="deepep"))
+    ep = " ; ".join(not_in_plan(_zero1_row(ep=8, dp=16), q))
+    assert "--expert-model-parallel-size 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep" in ep
+    assert "--moe-grouped-gemm" in ep
+    assert "--moe-token-dispatcher-type alltoall" in " ".join(not_in_plan(_zero1_row(ep=8, dp=16)))
+
+
+def test_not_in_plan_names_the_questions_settings_a_default_megatron_run_lacks():
+    """Given the question, the settings every layout was searched with that a default Megatron-LM run
+    does not have: bf16, the global batch and sequence (Megatron's global batch defaults to
+    micro-batch x DP), FP8 with its recipe and FP8 primary weights, bf16 gradient reductions, the
+    attention backend, the fusions, and DistributedOptimizer's options off their defaults. An FP8
+    search with --fp8-params printed only `micro-batch 4`: the user launched a bf16 job."""
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=2048, global_batch=64, precision="fp8", fp8_params=True,
+                 grad_reduce_in_fp32=False, attention_backend="flash", apply_rope_fusion=False,
+                 cross_entropy_loss_fusion=True, overlap_param_gather=False, max_grad_norm=1.0)
+    launch = " ; ".join(not_in_plan(_zero1_row(), q))
+    for flag in ("--bf16 --global-batch-size 64 --seq-length 2048",
+                 "--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather", "--grad-reduce-in-bf16",
+                 "--attention-backend flash", "--no-rope-fusion", "--cross-entropy-loss-fusion",
+                 "overlap_param_gather=False, max_grad_norm=1.0 (DistributedOptimizer's options)"):
+        assert flag in launch, (flag, launch)
+    assert "--fp8-recipe tensorwise" in " ".join(not_in_plan(_zero1_row(), replace(q, fp8_recipe="current")))
+    plain = " ; ".join(not_in_plan(_zero1_row(), Question(model="qwen3-0.6b", gpus=8)))
+    assert not any(x in plain for x in ("fp8", "--grad-reduce-in-bf16", "--attention-backend", "fusion", "DistributedOptimizer's"))
+    # a TP layout without the userbuffers overlap: sequence parallel still, no --tp-comm-overlap
+    no_ub = " ".join(not_in_plan(_zero1_row(tp=2, dp=4), replace(q, tp_comm_overlap=False)))
+    assert "--sequence-parallel" in no_ub and "--tp-comm-overlap" not in no_ub
+
+
+def test_search_rows_carry_the_questions_launch_settings():
+    """`SearchResult.to_dict` (the CLI's table and --json) gives each row the question's settings too."""
+    q = replace(SMALL, precision="fp8", fp8_params=True)
+    found = search(q, top=1, refine_top=1, workers=1)
+    row = found.to_dict(1)["layouts"][0]
+    assert any("--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather" in x for x in row["not_in_plan"])
