@@ -700,10 +700,12 @@ def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> st
     return " ".join(parts)
 
 
-def fsdp_launch(row: dict[str, Any]) -> list[str]:
+def fsdp_launch(row: dict[str, Any], q: Question | None = None) -> list[str]:
     """What an FSDP layout's launcher sets (it has no plan file): the implementation and the device
     mesh it shards over, FSDP2's reshard option, TP / EP, the micro-batch, the recompute and the
-    optimizer."""
+    optimizer; Megatron-FSDP's as Megatron-LM's flags (it runs on Megatron-LM). With the question,
+    its settings every layout ran with: the batch, the sequence, FP8 (`_question_launch` under
+    Megatron-FSDP)."""
     shard = row["dp"] // row["hsdp_replicate"]
     torch_fsdp = row["fsdp_impl"] == FSDP2
     # each implementation in its own terms: FSDP2's fully_shard calls and DTensor TP, Megatron-LM's
@@ -715,17 +717,31 @@ def fsdp_launch(row: dict[str, Any]) -> list[str]:
            else f"{how} over the {shard} DP ranks"]
     if not row["reshard_after_forward"]:
         out.append("reshard_after_forward=False")
+    if not torch_fsdp:  # Megatron-LM's flags, as a ZeRO-1 layout's (`not_in_plan`)
+        megatron = _megatron_layout({**row, "reduce_scatter": DEFAULT_REDUCE_SCATTER, "fell_back_to": None,
+                                     "policy": default_policy(q.optimizer if q else "muon")}, q)
+        return out + megatron + ([] if q is None else _question_launch(q, row)) + _fsdp_policy(row)
     if row["tp"] > 1:
-        out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)"
-                   if torch_fsdp else f"tp {row['tp']} (Megatron's --tensor-model-parallel-size)")
+        out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)")
     if row["ep"] > 1:
         out.append(f"ep {row['ep']}")
     if row["micro_batch"] > 1:
         out.append(f"micro-batch {row['micro_batch']}")
+    if q is not None:  # torchtitan's [training] settings and its float8 converter
+        out.append(f"global batch {q.global_batch}, sequence {q.seq_len} (torchtitan: training.global_batch_size, "
+                   "training.seq_len)")
+        if q.precision == FP8:
+            out.append(f"FP8 linear layers, {q.fp8_recipe} scaling (torchtitan: model.converters = ['float8'])")
     if row["recompute"] != NONE:
         ac = torchtitan_ac(row["recompute"], row.get(AC_KEY))
         out.append(f"recompute {_recompute_text(row)} (a checkpoint wrapper per decoder layer; "
                    + (f"torchtitan: {ac})" if ac else "Megatron's attention-core recompute, no torchtitan setting)"))
+    return out + _fsdp_policy(row)
+
+
+def _fsdp_policy(row: dict[str, Any]) -> list[str]:
+    """An FSDP row's step policy as the launcher builds it."""
+    out = []
     # the policies: canzona's FsdpOptimizer runs canzona and fsdp-owners-unbalanced for whole-matrix
     # optimizers; fsdp-gather-all is muon_fsdp2's (the simulator's baseline); AdamW steps the shards
     if row["policy"] not in FSDP_POLICIES:  # an elementwise optimizer's own (fsdp_policy)
@@ -813,7 +829,12 @@ def not_in_plan(row: dict[str, Any], q: Question | None = None) -> list[str]:
     with the question, also its settings every layout ran with that a default Megatron-LM run lacks
     (`_question_launch`). An FSDP layout's (no plan file) every setting (`fsdp_launch`)."""
     if row.get("fsdp"):
-        return fsdp_launch(row)
+        return fsdp_launch(row, q)
+    return _megatron_layout(row, q) + ([] if q is None else _question_launch(q, row))
+
+
+def _megatron_layout(row: dict[str, Any], q: Question | None) -> list[str]:
+    """A Megatron layout's settings as Megatron-LM's flags (`not_in_plan`; Megatron-FSDP's too, at PP 1)."""
     out = []
     if row.get("tp", 1) > 1:  # the plan's TP; the simulator runs it sequence parallel, which Megatron's default is not
         tp = f"--tensor-model-parallel-size {row['tp']} --sequence-parallel"
@@ -853,7 +874,7 @@ def not_in_plan(row: dict[str, Any], q: Question | None = None) -> list[str]:
                                                            else "") + " (Megatron's)")
     if row["fell_back_to"] == DENSE_FALLBACK:
         out.append("canzona's experts with zero1-gather's dense part (two plans)")
-    return out + ([] if q is None else _question_launch(q, row))
+    return out
 
 
 def run_one(cfg: SimConfig, layout: Layout) -> dict[str, Any]:

@@ -556,3 +556,24 @@ def test_search_rows_carry_the_questions_launch_settings():
     found = search(q, top=1, refine_top=1, workers=1)
     row = found.to_dict(1)["layouts"][0]
     assert any("--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather" in x for x in row["not_in_plan"])
+
+
+def test_fsdp_launch_names_megatron_flags_for_megatron_fsdp_and_the_questions_settings():
+    """A Megatron-FSDP row runs on Megatron-LM: its micro-batch, TP, EP and recompute are Megatron's
+    flags, not torchtitan's settings (it named `activation_checkpoint.mode = 'full'` for a Megatron-LM
+    run); with the question, every FSDP row also names the batch, the sequence and FP8, which it left
+    out (an FP8 FSDP search printed a bf16 job)."""
+    q = Question(model="qwen3-1.7b", gpus=8, seq_len=8192, global_batch=64, fsdp=True, fsdp_impl="megatron-fsdp",
+                 precision="fp8")
+    row = {**_zero1_row(tp=2, dp=4, micro_batch=2, recompute="full"), "fsdp": True, "fsdp_impl": "megatron-fsdp",
+           "hsdp_replicate": 1, "reshard_after_forward": True, "reduce_scatter": None}
+    launch = " ; ".join(not_in_plan(row, q))
+    for flag in ("--use-megatron-fsdp", "--tensor-model-parallel-size 2 --sequence-parallel", "--micro-batch-size 2",
+                 "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                 "--bf16 --global-batch-size 64 --seq-length 8192", "--fp8-format hybrid --fp8-recipe delayed"):
+        assert flag in launch, (flag, launch)
+    assert "activation_checkpoint" not in launch
+    fsdp2 = " ; ".join(not_in_plan({**row, "fsdp_impl": "fsdp2", "tp": 1, "dp": 8}, replace(q, fsdp_impl="fsdp2")))
+    for text in ("global batch 64", "sequence 8192", "FP8", "activation_checkpoint.mode = 'full'"):
+        assert text in fsdp2, (text, fsdp2)
+    assert "--use-megatron-fsdp" not in fsdp2
