@@ -44,29 +44,37 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def built(spec, mesh, **options):
+    """(spec, model, its ModelSpec, DistributedOptimizer) of one case: the model at the spec's TP (on
+    `mesh`), the matrix optimizer's config only where the spec's optimizer is BASE's."""
+    from canzona.harness.training import build_model, build_tp_model
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    spec = replace(spec, matrix_config=BASE.matrix_config if spec.optimizer == BASE.optimizer else {})
+    model, mspec = build_tp_model(spec, mesh) if spec.tp > 1 else (build_model(spec), None)
+    mspec = mspec or model.spec()
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
+                               policy=spec.policy, bucket_size=spec.bucket_size, group=mesh, timeout_s=TIMEOUT_S,
+                               **options)
+    return spec, model, mspec, opt
+
+
 def allocations_worker(rank: int, world: int, tp: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.harness.training import (
-        build_model,
-        build_tp_model,
         global_batches,
         matrix_state_bytes,
         micro_batches,
     )
-    from canzona.runtime.optimizer import DistributedOptimizer
     from tests.runtime.allocations import metered
 
     out = []
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
     for policy, impl in CASES:
         optimizer = policy_optimizer(policy, BASE.optimizer)  # zero1: the AdamW baseline, its pieces
-        spec = replace(BASE, policy=policy, tp=tp, reduce_scatter=impl, optimizer=optimizer,
-                       matrix_config=BASE.matrix_config if optimizer == BASE.optimizer else {})
-        model, mspec = build_tp_model(spec, mesh) if tp > 1 else (build_model(spec), None)
-        mspec = mspec or model.spec()
-        opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None, policy=policy,
-                                   bucket_size=spec.bucket_size, group=mesh, reduce_scatter=impl, timeout_s=TIMEOUT_S)
+        spec, model, mspec, opt = built(replace(BASE, policy=policy, tp=tp, reduce_scatter=impl, optimizer=optimizer),
+                                        mesh, reduce_scatter=impl)
         dp_rank = opt.rank
         seen = metered(opt.comm)
         (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])
@@ -146,23 +154,16 @@ def no_master_worker(rank: int, world: int, tp: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.harness.training import (
-        build_model,
-        build_tp_model,
         global_batches,
         matrix_state_bytes,
         micro_batches,
     )
-    from canzona.runtime.optimizer import DistributedOptimizer
 
     out = []
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
     for policy, optimizer in NO_MASTER_CASES:
-        spec = replace(BASE, policy=policy, tp=tp, optimizer=optimizer, master_weights=False,
-                       matrix_config=BASE.matrix_config if optimizer == BASE.optimizer else {})
-        model, mspec = build_tp_model(spec, mesh) if tp > 1 else (build_model(spec), None)
-        mspec = mspec or model.spec()
-        opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, spec.matrix_config or None, policy=policy,
-                                   bucket_size=spec.bucket_size, group=mesh, master_weights=False, timeout_s=TIMEOUT_S)
+        spec, model, mspec, opt = built(replace(BASE, policy=policy, tp=tp, optimizer=optimizer, master_weights=False),
+                                        mesh, master_weights=False)
         (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])
         for mb in micro_batches(tokens, opt.rank, world // tp, 1):
             model.loss(mb).backward()
