@@ -227,6 +227,18 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = Non
     return matrix_optimizer(optimizer).part("state_bytes")(*_matrix_shape(optimizer, shape), cfg)
 
 
+def update_dtype_state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:
+    """Of `state_bytes`, the fp32 bytes the runtime keeps in the dtype of the update it accumulates
+    (the registry entry's `update_dtype_state_bytes`; 0 where every part stays in at least fp32)."""
+    cfg = cfg if cfg is not None else default_config(optimizer)
+    part = matrix_optimizer(optimizer).part("update_dtype_state_bytes")
+    if part is None:
+        return 0
+    if optimizer == "adamw":  # any shape, as `state_bytes`
+        return part(1, math.prod(shape), cfg)
+    return part(*_matrix_shape(optimizer, shape), cfg)
+
+
 def muon_state_bytes(m: int, n: int, cfg: MuonConfig) -> int:
     return FP32 * m * n  # the momentum buffer
 

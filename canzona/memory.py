@@ -46,7 +46,7 @@ from functools import cached_property
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import adamw_moments_bytes, state_bytes
+from canzona.cost import adamw_moments_bytes, state_bytes, update_dtype_state_bytes
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.experts import rank_shares
@@ -466,6 +466,13 @@ class MemorySetup:
     @property
     def has_masters(self) -> bool:
         return self.master_weights and self.param_bytes < FP32 and self.master_dtype == "fp32"
+
+    @property
+    def update_state_bytes(self) -> int:
+        """Bytes an element of the optimizer state that follows the update takes (the registry's
+        `update_dtype_state_bytes`: Muon's momentum, AdamW's moments): fp32 beside fp32 masters, else
+        the parameters' own dtype, as DistributedOptimizer(master_weights=False) keeps everything."""
+        return FP32 if self.has_masters else self.param_bytes
 
     @property
     def shard_grad_bytes(self) -> int:
@@ -1166,6 +1173,20 @@ def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -
 # --- the model ----------------------------------------------------------------------------------
 
 
+def kept_state_bytes(optimizer: str, tasks: Sequence[Task], setup: MemorySetup, cfg: object | None = None) -> int:
+    """The optimizer state of `tasks` (each task's `state_bytes`, the plan's fp32 count) as the
+    runtime keeps it: the part that follows the update (`canzona.cost.update_dtype_state_bytes`) in
+    `setup.update_state_bytes`, the rest in fp32."""
+    full = sum(t.state_bytes for t in tasks)
+    if setup.update_state_bytes == FP32:
+        return full
+    saved = 0
+    for t in tasks:  # the share of each task's state that follows the update, of whatever the task holds
+        whole = state_bytes(optimizer, t.shape, cfg)
+        saved += t.state_bytes * update_dtype_state_bytes(optimizer, t.shape, cfg) // whole if whole else 0
+    return full - saved * (FP32 - setup.update_state_bytes) // FP32
+
+
 def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: LayerDims,
                    setup: MemorySetup | None = None, *, dp: int | None = None, pp: int = 1, stage: int = 0,
                    matrix_config: object | None = None, vp: int = 1,
@@ -1253,17 +1274,18 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
             windows = compute_windows(sched.groups, 0, True)
             tasks = [tuple(t for g in members for t in tasks[g]) for members in windows.values()]
         row = []
+        state = [kept_state_bytes(plan.optimizer, sched.hosted(r), setup, matrix_config) for r in range(tp)]
         for r in range(tp):
             groups = [_group_bytes(g, tp, r, gb, ub, workspace, batching, stack) for g in tasks]
             if setup.overlap_step:  # under the reductions still in flight
-                step = max(_deferred_peak(groups, sched.state_bytes(r), mode) + reductions[i], adamw_temps, gathered)
+                step = max(_deferred_peak(groups, state[r], mode) + reductions[i], adamw_temps, gathered)
             else:
                 step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
                 if sched.prefetched:  # the prefetched gathers' buffers, under the reductions still in flight
                     early = sum(_group_bytes(sched.groups[op.group].tasks, tp, r, gb, ub, workspace).gather
                                 for op in sched.prefetched)
                     step = max(step, early + reductions[i])
-            row.append((master, sched.state_bytes(r), step))
+            row.append((master, state[r], step))
         rows.append(row)
         seen[key] = row
 
@@ -1271,7 +1293,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     for i in range(dp):
         row = rows[0 if policy.replicated else i]
         reduction = reductions[i]
-        adamw_state = state_bytes("adamw", (adamw_inside[i],))
+        # AdamW's moments follow its update (`MemorySetup.update_state_bytes`)
+        adamw_state = state_bytes("adamw", (adamw_inside[i],)) * setup.update_state_bytes // FP32
         for r in range(tp):
             master, state, step = row[r]
             overhead = setup.overhead(max(activations + reduction, step))

@@ -238,6 +238,11 @@ class MatrixOptimizer:
     batched: str | None = None
     compiled: str | None = None
     elementwise: bool = False
+    # `(m, n, cfg) -> bytes`: the part of `state_bytes` (counted in fp32) the runtime keeps in the
+    # dtype of the update it accumulates: fp32 beside fp32 masters, the parameters' own dtype without
+    # (DistributedOptimizer(master_weights=False)); None: every part is computed in at least fp32
+    # (`canzona.runtime.kernels.work_dtype`: SOAP's and Shampoo's statistics and moments)
+    update_dtype_state_bytes: str | None = None
 
     def __post_init__(self) -> None:
         if not self.elementwise and self.scalars is None:
@@ -267,7 +272,7 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
         workspace_bytes="canzona.memory:muon_workspace_bytes", kernel="canzona.runtime.kernels:muon_update",
         initial_state="canzona.runtime.kernels:muon_state", batched="canzona.runtime.batched:muon_update_batched",
         compiled="canzona.runtime.batched:muon_compiled", scalars="canzona.runtime.kernels:muon_apply_scalars",
-        reference="reference.muon:Muon"),
+        reference="reference.muon:Muon", update_dtype_state_bytes="canzona.cost:muon_state_bytes"),
     "soap": MatrixOptimizer(
         name="soap", config=SOAPConfig, summary="SOAP (Adam in Shampoo's eigenbasis)",
         cost_kernels="canzona.cost:soap_kernels", init_kernels="canzona.cost:soap_init_kernels",
@@ -290,13 +295,15 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
         cost_kernels="canzona.normuon:cost_kernels", state_bytes="canzona.normuon:state_bytes",
         workspace_bytes="canzona.normuon:workspace_bytes", kernel="canzona.runtime.normuon:normuon_update",
         initial_state="canzona.runtime.normuon:normuon_state", scalars="canzona.runtime.kernels:muon_apply_scalars",
-        reference="reference.normuon:NorMuon"),
+        reference="reference.normuon:NorMuon",
+        # the momentum buffer follows the gradient (`normuon_state`); the per-row second moment is fp32
+        update_dtype_state_bytes="canzona.cost:muon_state_bytes"),
     "adamw": MatrixOptimizer(
         name="adamw", config=AdamWConfig, summary="AdamW on every parameter (ZeRO-1, the baseline)",
         cost_kernels="canzona.cost:adamw_matrix_kernels", state_bytes="canzona.cost:adamw_state_bytes",
         workspace_bytes="canzona.memory:adamw_workspace_bytes", kernel="canzona.runtime.kernels:adamw_step_",
         initial_state="canzona.runtime.kernels:adamw_initial_state", reference="reference.adamw:AdamW",
-        elementwise=True),
+        elementwise=True, update_dtype_state_bytes="canzona.cost:adamw_state_bytes"),
 }
 OPTIMIZERS = tuple(MATRIX_REGISTRY)  # what `optimizer=` / `--optimizer` accepts
 MATRIX_OPTIMIZERS = tuple(name for name, e in MATRIX_REGISTRY.items() if not e.elementwise)  # whole-matrix ones

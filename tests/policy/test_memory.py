@@ -432,3 +432,20 @@ def test_setup_from_the_simulators_workload():
     assert (setup.seq_len, setup.micro_batch, setup.grad_bytes, setup.recompute) == (2048, 2, 2, "full")
     with pytest.raises(SpecError, match="unknown memory setting"):
         MemorySetup.from_workload(Workload(), recompute_all=True)
+
+
+def test_without_masters_the_state_that_follows_the_update_is_in_the_parameters_dtype():
+    """`kept_state_bytes`: beside fp32 masters every state in fp32 (the plan's count); without them
+    Muon's momentum and AdamW's moments in the parameters' bf16, SOAP's state in fp32, and NorMuon's
+    momentum in bf16 beside its per-row second moment in fp32 (`canzona.runtime.normuon.normuon_state`)."""
+    from canzona.memory import MemorySetup, kept_state_bytes
+    from canzona.step_schedule import Task
+
+    m, n = 64, 48
+    bf16 = MemorySetup(master_weights=False, grad_bytes=2)
+    for optimizer, without in (("muon", 2 * m * n), ("adamw", 2 * 2 * m * n), ("normuon", 2 * m * n + 4 * m)):
+        task = Task("w", 0, (m, n), None, 1.0, 1, state_bytes(optimizer, (m, n)))
+        assert kept_state_bytes(optimizer, [task], MemorySetup()) == task.state_bytes
+        assert kept_state_bytes(optimizer, [task], bf16) == without, optimizer
+    soap = Task("w", 0, (m, n), None, 1.0, 1, state_bytes("soap", (m, n)))
+    assert kept_state_bytes("soap", [soap], bf16) == soap.state_bytes
