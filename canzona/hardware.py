@@ -187,6 +187,12 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: missing section {key!r}")
     fields = cls.__dataclass_fields__
+    # an unknown field is a misspelt one whose figure would silently be its default
+    # (`hbm_efficency`: hbm_efficiency 1.0), so it is refused, as unknown sections are
+    unknown = sorted(str(f) for f in set(raw) - set(fields) - RETIRED_FIELDS.get(key, frozenset()))
+    if unknown:
+        raise SpecError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(f'{key}.{f}' for f in unknown)}; section {key!r} has {', '.join(fields)}")
     names = [f for f in fields if f in raw or fields[f].default is dataclasses.MISSING]  # defaulted: optional
     missing = [n for n in names if n not in raw]
     if missing:
@@ -197,12 +203,22 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
         if isinstance(v, dict):
             if not all(_plausible(x) for x in v.values()):
                 raise SpecError(f"{where}: {key}.{n} must map to numbers in [{LOWEST:g}, {HIGHEST:g}]")
+            # per-dtype figures: a misspelt dtype (`bf61`) would never be read, and its dtype would
+            # silently take another's rate
+            odd = sorted(str(k) for k in set(v) - set(DTYPE_BYTES))
+            if odd:
+                raise SpecError(f"{where}: {key}.{n} has unknown dtype{'s' if len(odd) > 1 else ''} "
+                                f"{', '.join(repr(k) for k in odd)}; dtypes are {', '.join(DTYPE_BYTES)}")
             v = {k: float(x) for k, x in v.items()}
         elif not _plausible(v):
             raise SpecError(f"{where}: {key}.{n} must be a number in [{LOWEST:g}, {HIGHEST:g}], got {v!r}")
         values[n] = v
     return cls(**values)
 
+
+# fields a profile written by an older canzona may have, which no longer mean anything: ignored
+# (the simulator no longer takes an MFU factor, docs/design.md §9.3)
+RETIRED_FIELDS = {"gpu": frozenset({"model_flops_utilization"})}
 
 # Every figure of a profile (rates, bandwidths, latencies, fractions, counts) lies far inside this
 # range; beyond it, times computed from the profile overflow to inf or underflow to 0.

@@ -195,6 +195,12 @@ MALFORMED = {
     "non-string source": (_set(["ok", 3], "sources"), "sources"),
     "no sources": (_del("sources"), "sources"),
     "empty name": (_set("", "name"), "name"),
+    # a misspelt field would silently be its default (hbm_efficiency 1.0: memory-bound kernels 11% faster)
+    "misspelt gpu field": (_set(0.5, "gpu", "hbm_efficency"), "hbm_efficency"),
+    "unknown node field": (_set(1e9, "node", "nvlink_bytes_per_sec"), "nvlink_bytes_per_sec"),
+    "unknown nccl field": (_set(1e-6, "nccl", "base_latency"), "base_latency"),
+    "unknown dtype of peak_flops": (_set(1e15, "gpu", "peak_flops", "bf61"), "bf61"),
+    "unknown dtype of gemm_efficiency": (_set(0.5, "gpu", "gemm_efficiency", "fp-8"), "fp-8"),
 }
 
 
