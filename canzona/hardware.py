@@ -313,6 +313,10 @@ def _collectives(raw: Any, where: str) -> CollectiveTable:
                            tuple((o, int(n), float(a), float(bw)) for o, n, a, bw in fits))
 
 
+# The memory model's fixed allowance for the CUDA context, NCCL and the allocator beside the counted
+# tensors (canzona.memory gives its grounds): a GPU with no more memory than this fits nothing at all
+DEFAULT_FIXED_OVERHEAD = 750_000_000
+
 REQUIRED_DTYPES = ("bf16", "fp32")  # the model's GEMMs and the optimizers' default compute dtypes
 
 
@@ -326,6 +330,10 @@ def _check_gpu(gpu: GPUSpec, node: NodeSpec, where: str) -> None:
     missing = [d for d in REQUIRED_DTYPES if d not in gpu.peak_flops]
     if missing:
         raise SpecError(f"{where}: gpu.peak_flops lacks {', '.join(missing)}")
+    if gpu.memory_bytes <= DEFAULT_FIXED_OVERHEAD:  # every layout would be reported as not fitting
+        raise SpecError(f"{where}: gpu.memory_bytes {gpu.memory_bytes:g} leaves nothing beside the "
+                        f"{DEFAULT_FIXED_OVERHEAD:g} bytes the CUDA context, NCCL and the allocator take; "
+                        "give the capacity CUDA reports to a process, in bytes")
     fractions = [(f"gpu.gemm_efficiency.{k}", v) for k, v in gpu.gemm_efficiency.items()]
     fractions.append(("gpu.hbm_efficiency", gpu.hbm_efficiency))
     for name, value in fractions:

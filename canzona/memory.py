@@ -50,6 +50,7 @@ from canzona.cost import adamw_moments_bytes, state_bytes, update_dtype_state_by
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.experts import rank_shares
+from canzona.hardware import DEFAULT_FIXED_OVERHEAD
 from canzona.optimizers import (
     AdamWConfig,
     MuonConfig,
@@ -136,7 +137,7 @@ GB = 10**9  # capacities print in decimal GB (hardware profiles: `gpu.memory_byt
 # AutoModel's Qwen3-30B-A3B until that row's persistent bytes and loss were counted as the
 # framework holds them, and 2 GB before). The next tightest: DGX Cloud's Llama 3.1 8B at CP 2 on 8
 # H100s, 3.23 GB left over a 21.49 GB transient peak (at most 2.15 GB fixed).
-DEFAULT_FIXED_OVERHEAD = 750_000_000
+# (The fixed part is defined in canzona.hardware, which refuses a profile with no memory beside it.)
 DEFAULT_FRAGMENTATION = 0.05
 
 # Transformer Engine's userbuffers (the TP communication overlap, `tp_comm_overlap`): `initialize_ub`

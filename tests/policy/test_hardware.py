@@ -201,6 +201,8 @@ MALFORMED = {
     "unknown nccl field": (_set(1e-6, "nccl", "base_latency"), "base_latency"),
     "unknown dtype of peak_flops": (_set(1e15, "gpu", "peak_flops", "bf61"), "bf61"),
     "unknown dtype of gemm_efficiency": (_set(0.5, "gpu", "gemm_efficiency", "fp-8"), "fp-8"),
+    # no memory left beside the CUDA context allowance (DEFAULT_FIXED_OVERHEAD): nothing can ever fit
+    "memory under the CUDA allowance": (_set(5e8, "gpu", "memory_bytes"), "memory_bytes"),
 }
 
 
