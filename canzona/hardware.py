@@ -363,8 +363,11 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
     sources = data.get("sources")
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: a profile needs a name")
-    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) for s in sources):
-        raise SpecError(f"{where}: a profile must name its sources (a non-empty list of strings)")
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s.strip() for s in sources):
+        raise SpecError(f"{where}: a profile must name its sources (a non-empty list of non-empty strings)")
+    description = data.get("description", "")
+    if not isinstance(description, str):  # str() would print a number or a list as the profile's description
+        raise SpecError(f"{where}: description must be a string, got {description!r:.80}")
     measured = data.get("measured", False)
     if not isinstance(measured, bool):
         raise SpecError(f"{where}: measured must be true or false, got {measured!r}")
@@ -379,7 +382,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         gemm_model=parse_gemm_model(data["gemm_model"], where) if "gemm_model" in data else None,
         gpu_time_cv=parse_variability(data["variability"], where) if "variability" in data else 0.0,
         name=name,
-        description=str(data.get("description", "")),
+        description=description,
         measured=measured,
         sources=tuple(sources),
         gpu=gpu,

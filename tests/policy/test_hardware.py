@@ -195,6 +195,8 @@ MALFORMED = {
     "non-string source": (_set(["ok", 3], "sources"), "sources"),
     "no sources": (_del("sources"), "sources"),
     "empty name": (_set("", "name"), "name"),
+    "empty source": (_set(["ok", "  "], "sources"), "sources"),
+    "description not a string": (_set(5, "description"), "description"),
     # a misspelt field would silently be its default (hbm_efficiency 1.0: memory-bound kernels 11% faster)
     "misspelt gpu field": (_set(0.5, "gpu", "hbm_efficency"), "hbm_efficency"),
     "unknown node field": (_set(1e9, "node", "nvlink_bytes_per_sec"), "nvlink_bytes_per_sec"),
