@@ -200,6 +200,12 @@ def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     values = {}
     for n in names:
         v = raw[n]
+        # the per-dtype fields (annotated dict[...]) take a map and every other field a number: a map
+        # where a number belongs reached the simulator as a bandwidth, a number for a map a traceback
+        is_map = str(fields[n].type).startswith("dict")
+        if is_map != isinstance(v, dict):
+            want = "a map of dtype to number" if is_map else "a number"
+            raise SpecError(f"{where}: {key}.{n} must be {want}, got {str(v)[:80]}")
         if isinstance(v, dict):
             if not all(_plausible(x) for x in v.values()):
                 raise SpecError(f"{where}: {key}.{n} must map to numbers in [{LOWEST:g}, {HIGHEST:g}]")

@@ -194,6 +194,13 @@ def _profile(tmp_path: Path, path: tuple[str, ...], value_json: str) -> Path:
     (("gpu", "elementwise_flops"), "5e-324"),
     (("node", "nvlink_ring_busbw"), "1e-300"),
     (("gpu", "peak_flops", "bf16"), str(10**400)),
+    # wrong shapes and misspellings: tracebacks, or figures silently at their defaults
+    (("gpu", "peak_flops"), "989e12"),
+    (("gpu", "hbm_bytes_per_s"), '{"bf16": 3e12}'),
+    (("gpu", "hbm_efficency"), "0.5"),
+    (("gpu", "gemm_efficiency", "bf61"), "0.5"),
+    (("gpu", "memory_bytes"), "5e8"),
+    (("description",), "5"),
 ])
 def test_profiles_reject_non_finite_and_boolean_numbers(tmp_path, path, value):
     profile = _profile(tmp_path, path, value)

@@ -195,6 +195,11 @@ MALFORMED = {
     "non-string source": (_set(["ok", 3], "sources"), "sources"),
     "no sources": (_del("sources"), "sources"),
     "empty name": (_set("", "name"), "name"),
+    # a per-dtype map where a number belongs, and a number where a map belongs (tracebacks or a dict
+    # of rates reaching the simulator as a bandwidth)
+    "map for a number": (_set({"bf16": 1.0}, "gpu", "hbm_bytes_per_s"), "hbm_bytes_per_s"),
+    "map for a count": (_set({"bf16": 1.0}, "gpu", "sms"), "sms"),
+    "number for a map": (_set(989e12, "gpu", "peak_flops"), "peak_flops"),
     "empty source": (_set(["ok", "  "], "sources"), "sources"),
     "description not a string": (_set(5, "description"), "description"),
     # a misspelt field would silently be its default (hbm_efficiency 1.0: memory-bound kernels 11% faster)
