@@ -29,10 +29,22 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different: a key given twice (a figure edited by adding a second
+    line) would silently be read as its last value, where the user may have meant either."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:80]!r} given twice")
+        out[key] = value
+    return out
+
+
 def parse_json(text: str, where: str, error: type[CanzonaError] = CanzonaError) -> Any:
-    """Parse strict JSON: no NaN / Infinity, bounded nesting and integer length, one-line errors."""
+    """Parse strict JSON: no NaN / Infinity, no key twice in an object, bounded nesting and integer
+    length, one-line errors."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise error(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except RecursionError:

@@ -171,6 +171,17 @@ def test_parse_json_is_strict():
             parse_json(text, "doc")
 
 
+def test_duplicate_keys_are_refused(tmp_path):
+    """A key given twice (a profile figure edited by adding a second line) was read as its last
+    value, silently: the figure the user meant may be either."""
+    with pytest.raises(CanzonaError, match=r"doc: not valid JSON \(key 'hbm' given twice\)"):
+        parse_json('{"gpu": {"hbm": 3.35e12, "sms": 132, "hbm": 3.35e3}}', "doc")
+    assert parse_json('[{"a": 1}, {"a": 2}]', "doc") == [{"a": 1}, {"a": 2}]  # one key in each object
+    text = (resources.files("canzona") / "profiles" / "h100-sxm.json").read_text()
+    profile = _file(tmp_path, text.replace('"sms": 132,', '"sms": 132, "sms": 13,'), "profile.json")
+    error_line(invoke("simulate", *SIM, "--hardware", profile), "given twice")
+
+
 def _profile(tmp_path: Path, path: tuple[str, ...], value_json: str) -> Path:
     data = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
     node = data
