@@ -41,6 +41,7 @@ from canzona.plan import (
     GEOMETRIES,
     MAX_DP,
     PLAN_DEFAULTS,
+    Plan,
     check_geometry,
     check_plan_matches,
     load_plan,
@@ -219,10 +220,7 @@ def plan(
         # its own DP and TP policies, named, are accepted: the plan command `canzona search` prints names them
         _check_dp_policy_applies([step.name], None if dp_policy == step.dp_policy else dp_policy, alpha,
                                  PLAN_DEFAULTS.tp_policy if tp_policy == step.tp_policy else tp_policy,
-                                 geometry=geometry, capacity=capacity)
-        if step.dp_policy is not None and balance_by != PLAN_DEFAULTS.balance_by:
-            raise SpecError(f"--balance-by {balance_by} applies to the canzona policy only; {step.name} uses "
-                            f"{step.dp_policy}")
+                                 geometry=geometry, capacity=capacity, balance_by=balance_by)
         dp_policy = dp_policy or step.dp_policy or PLAN_DEFAULTS.dp_policy
         tp_policy = step.tp_policy or tp_policy
         costs = cost_model_for(hardware, cost_table)
@@ -253,7 +251,7 @@ def plan(
         console.print(f"plan written to {out} (hash {whole.hash()[:12]})")
 
 
-def _check_runnable(plan) -> None:
+def _check_runnable(plan: Plan) -> None:
     """A plan file is for the runtime: one that no step policy running its optimizer executes (a
     layerwise DP plan under canzona's TP scheduler: canzona needs whole matrices in their owners'
     segments, the layerwise baseline runs tp-sync) would be refused when the runtime loads it, so it

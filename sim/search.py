@@ -1494,13 +1494,19 @@ def same_run(refined: dict[str, Any], row: dict[str, Any]) -> bool:
             and all(refined[k] == row[k] for k in ("iteration_time_s", "optimizer_step_s", "memory_bytes")))
 
 
+def _check_question(q: Question, model) -> None:
+    """The question's own refusal, where it has one (GPUs that fill no node): the simulator's message,
+    as `canzona simulate` gives it, checked on the plainest layout at a batch its DP divides, so
+    that the batch's own refusal is left to the caller's message of every layout."""
+    config_of(replace(q, global_batch=q.gpus), {"tp": 1}).check(model)
+
+
 def _no_layout_divides(q: Question, facts: Facts, model) -> str:
     """Why a question has no candidate (`candidates` is empty only where no layout's DP divides the global
-    batch: `MICRO_BATCH_AXIS`): the question's own refusal where it has one (GPUs that fill no node: the
-    simulator's message, as `canzona simulate` gives it, checked on the plainest layout at a batch its DP
-    divides), else the batch's, of every layout (one layout's refusal, `dp x micro batch = N x 1` at TP 1,
+    batch: `MICRO_BATCH_AXIS`): the question's own refusal where it has one (`_check_question`), else
+    the batch's, of every layout (one layout's refusal, `dp x micro batch = N x 1` at TP 1,
     would read as if the search had tried no other DP)."""
-    config_of(replace(q, global_batch=q.gpus), {"tp": 1}).check(model)
+    _check_question(q, model)
     dps = sorted({c["dp"] for c in candidates(q, facts, before=MICRO_BATCH_AXIS.name)})
     return (f"no layout of {q.model} on {q.gpus} GPUs splits the global batch {q.global_batch} over its DP ranks: "
             f"the DP sizes its layouts have (the GPUs over TP x PP x CP) are {', '.join(map(str, dps))}; give "
@@ -1511,8 +1517,8 @@ def _too_many_micro_batches(q: Question, cands: list[Layout], model) -> str | No
     """Where every layout runs more micro-batches per DP rank than the simulator does
     (`sim.workload.MAX_MICRO_BATCHES`), why, of the search's layouts (None elsewhere): the simulator's
     own message advises --micro-batch, which `canzona search` does not take (an axis it explores up to
-    `MAX_MICRO_BATCH`). The question's own refusal first, as `_no_layout_divides`."""
-    config_of(replace(q, global_batch=q.gpus), {"tp": 1}).check(model)
+    `MAX_MICRO_BATCH`). The question's own refusal first (`_check_question`)."""
+    _check_question(q, model)
     least = min(cands, key=lambda c: q.global_batch // (c["dp"] * c["micro_batch"]))
     fewest = q.global_batch // (least["dp"] * least["micro_batch"])
     if fewest <= MAX_MICRO_BATCHES:
