@@ -98,8 +98,6 @@ from canzona.step_schedule import (
 from canzona.tp import EVERY_RANK
 
 FP8_BYTES = DTYPE_BYTES["fp8"]
-# the dtypes a run may keep its masters and optimizer state in (`MemorySetup.master_dtype`)
-MASTER_DTYPES = ("fp32", "bf16")
 # bytes per linear-weight element Transformer Engine keeps under FP8 beside the bf16 weight: the FP8
 # cast cached across micro-batches and its transpose (the data gradient's operand)
 FP8_WEIGHT_CACHE = 2 * FP8_BYTES
@@ -341,12 +339,12 @@ class MemorySetup:
     param_bytes: int = 2  # working weights (bf16)
     grad_bytes: int = 4  # main gradients, reduced and read by the optimizer (Megatron: fp32)
     activation_bytes: int = 2
-    master_weights: bool = True  # fp32 masters of what a rank updates, when param_bytes < 4
-    # the dtype the parameters are built in and the optimizer keeps its state in
-    # (`sim.workload.Workload.master_dtype`): "fp32", mixed precision's masters; "bf16", a model
-    # built in bf16 under FSDP2 and torch's AdamW (NeMo AutoModel's): no fp32 copy, its gradients'
-    # shards and AdamW's two moments in bf16 too (`shard_grad_bytes`, `adamw_state_bytes`)
-    master_dtype: str = "fp32"
+    # fp32 masters of what a rank updates, when param_bytes < 4 (DistributedOptimizer(master_weights=...),
+    # `sim.workload.Workload.master_weights`); without them no fp32 copy: the state that follows the
+    # update, AdamW's moments and the kept gradient shards in the parameters' dtype (`update_state_bytes`,
+    # `shard_grad_bytes`), as the runtime keeps them and a model built in bf16 under FSDP2 with
+    # torch's AdamW (NeMo AutoModel's)
+    master_weights: bool = True
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # one of canzona.recompute.RECOMPUTE_MODES
     # under full recompute, Megatron's --recompute-method and --recompute-num-layers
@@ -421,8 +419,8 @@ class MemorySetup:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise SpecError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
-        if self.master_dtype not in MASTER_DTYPES:
-            raise SpecError(f"master dtype must be one of {', '.join(MASTER_DTYPES)}, got {self.master_dtype!r}")
+        if not isinstance(self.master_weights, bool):
+            raise SpecError(f"master_weights must be true or false, got {self.master_weights!r}")
         if not (isinstance(self.loss_bytes, int) and self.loss_bytes >= 0):
             raise SpecError(f"loss bytes must be a whole number >= 0, got {self.loss_bytes!r}")
         for name in ("loss_autograd", "loss_holds_logits"):
@@ -466,7 +464,7 @@ class MemorySetup:
 
     @property
     def has_masters(self) -> bool:
-        return self.master_weights and self.param_bytes < FP32 and self.master_dtype == "fp32"
+        return self.master_weights and self.param_bytes < FP32
 
     @property
     def update_state_bytes(self) -> int:
@@ -478,12 +476,13 @@ class MemorySetup:
     @property
     def shard_grad_bytes(self) -> int:
         """Bytes of an element of a rank's kept gradient shards: the reduction's dtype (`grad_bytes`),
-        or a bf16 model's own where it is lower (FSDP2 casts each reduced shard to its parameter's dtype)."""
-        return min(self.grad_bytes, DTYPE_BYTES[self.master_dtype])
+        or the parameters' own without masters where it is lower (FSDP2 casts each reduced shard to
+        its parameter's dtype)."""
+        return self.grad_bytes if self.has_masters else min(self.grad_bytes, self.param_bytes)
 
     def adamw_state_bytes(self, numel: int) -> int:
-        """AdamW's two moments of `numel` elements, in the `master_dtype` torch's optimizer keeps them in."""
-        return adamw_moments_bytes(numel, DTYPE_BYTES[self.master_dtype])
+        """AdamW's two moments of `numel` elements, in the dtype they follow (`update_state_bytes`)."""
+        return adamw_moments_bytes(numel, self.update_state_bytes)
 
     @property
     def master_bytes(self) -> int:
@@ -506,12 +505,20 @@ class MemorySetup:
         return self.fixed_overhead_bytes + math.ceil(self.fragmentation * transient)
 
     @classmethod
+    def dtypes_of(cls, workload: Any) -> MemorySetup:
+        """The dtypes of an object with the fields of `sim.workload.Workload` and nothing else: what
+        the step's passes read of it (`update_bytes`, `update_state_bytes`), for a caller with no
+        activation settings to give."""
+        return cls(param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
+                   master_weights=workload.master_weights)
+
+    @classmethod
     def from_workload(cls, workload: Any, **overrides: Any) -> MemorySetup:
         """From an object with the fields of `sim.workload.Workload` (read by name; not imported)."""
         names = {f.name for f in fields(cls)}
         values = {k: getattr(workload, k) for k in ("seq_len", "micro_batch", "param_bytes", "grad_bytes",
                                                     "activation_bytes", "loss_bytes", "loss_holds_logits",
-                                                    "master_dtype", "store_param_remainders",
+                                                    "master_weights", "store_param_remainders",
                                                     "fp8_params", "bias_activation_fusion")
                   if hasattr(workload, k)}
         if hasattr(workload, "loss_copy_bytes"):  # the copy its loss path keeps (Workload.loss_copy_bytes)
@@ -1174,6 +1181,15 @@ def _adamw_slices(sizes: Sequence[int], dp: int, align: int, replicated: bool) -
 # --- the model ----------------------------------------------------------------------------------
 
 
+def state_saving_bytes(optimizer: str, shape: tuple[int, ...], setup: MemorySetup, cfg: object | None = None) -> int:
+    """Bytes of one whole parameter's optimizer state (`state_bytes`, counted in fp32) that the
+    runtime does not allocate without masters: the part that follows the update
+    (`canzona.cost.update_dtype_state_bytes`) kept in `setup.update_state_bytes` instead of fp32."""
+    if setup.update_state_bytes == FP32:
+        return 0
+    return update_dtype_state_bytes(optimizer, shape, cfg) * (FP32 - setup.update_state_bytes) // FP32
+
+
 def kept_state_bytes(optimizer: str, tasks: Sequence[Task], setup: MemorySetup, cfg: object | None = None) -> int:
     """The optimizer state of `tasks` (each task's `state_bytes`, the plan's fp32 count) as the
     runtime keeps it: the part that follows the update (`canzona.cost.update_dtype_state_bytes`) in
@@ -1363,7 +1379,7 @@ def _streamed(groups: Sequence[GroupStep], setup: MemorySetup) -> tuple[list[tup
 
 
 __all__ = [
-    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "MASTER_DTYPES", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
+    "DEFAULT_FIXED_OVERHEAD", "DEFAULT_FRAGMENTATION", "GB", "RECOMPUTE_MODES", "check_recompute", "LayerDims", "LayoutMemory",
     "MemorySetup", "RankMemory", "activation_breakdown", "activation_bytes", "kernel_workspace_bytes",
     "layer_activation_bytes", "loss_logit_bytes", "memory_per_gpu", "reduce_scatter_lengths", "reduction_bytes", "reduction_lengths",
     "userbuffer_bytes", "worst_rank", "deepep_buffer_bytes", "hybridep_buffer_bytes",

@@ -388,13 +388,13 @@ def _sim_config(*, shared: SimOptions):
                           num_layers_in_first_pipeline_stage=o.decoder_first_pipeline_num_layers,
                           num_layers_in_last_pipeline_stage=o.decoder_last_pipeline_num_layers)
     workload = Workload(o.seq_len, o.global_batch, o.micro_batch, precision=o.precision, fp8_recipe=o.fp8_recipe,
-                        grad_bytes=grad_bytes_for(o.grad_reduce_in_fp32), kernels=o.kernels,
+                        grad_bytes=grad_bytes_for(o.grad_reduce_in_fp32, o.master_weights), kernels=o.kernels,
                         cross_entropy_loss_fusion=o.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=o.cross_entropy_fusion_impl,
                         store_param_remainders=o.store_param_remainders, fp8_params=o.fp8_params,
                         apply_rope_fusion=o.apply_rope_fusion,
                         bias_activation_fusion=o.bias_activation_fusion, loss_bytes=loss_bytes_for(o.loss_fp32_upcast),
-                        loss_holds_logits=o.loss_holds_logits, master_dtype=o.master_dtype)
+                        loss_holds_logits=o.loss_holds_logits, master_weights=o.master_weights)
     config = SimConfig(model=o.model, gpus=o.gpus, tp=o.tp, optimizer=o.optimizer, policy=o.policy,
                        dp_policy=o.dp_policy or PLAN_DEFAULTS.dp_policy, tp_policy=o.tp_policy, tp_mode=o.tp_mode,
                        alpha=o.alpha, bucket_size=o.bucket_size, capacity=parse_capacity(o.capacity),
@@ -657,12 +657,16 @@ LossHoldsLogits = Annotated[bool, typer.Option(
     help="Under --fsdp (PyTorch's F.cross_entropy): the training loop keeps the model's logits through the "
          "backward, as NeMo AutoModel's does; off: torchtitan's and Hugging Face's Trainer, which drop them "
          "before it.")]
-MasterDtype = Annotated[str, typer.Option(
-    help="fp32: mixed precision's fp32 masters; bf16: a model built in bf16 under --fsdp and --optimizer adamw "
-         "(NeMo AutoModel's), with no fp32 copy: its gradient shards and AdamW's moments in bf16.")]
-GradReduceInFp32 = Annotated[bool, typer.Option(
-    help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions (Megatron's default for bf16); "
-         "off: bf16, as NVIDIA's performance recipes set it (canzona's runtime keeps fp32 main gradients).")]
+MasterWeights = Annotated[bool, typer.Option(
+    help="DistributedOptimizer(master_weights=...): fp32 masters of the bf16 weights (the runtime's default); off: "
+         "no fp32 copy, the gradients, the optimizer state that follows the update (Muon's momentum, AdamW's "
+         "moments) and the update in the parameters' bf16, as the runtime keeps them and a model built in bf16 under "
+         "--fsdp (NeMo AutoModel's).")]
+GradReduceInFp32 = Annotated[bool | None, typer.Option(
+    help="Megatron's DDP grad_reduce_in_fp32: fp32 gradient buffers and reductions; off: bf16, as NVIDIA's "
+         "performance recipes set it (default: fp32 with master weights, Megatron's and canzona's runtime's; the "
+         "parameters' bf16 without them, as the runtime reduces; under --fsdp, FSDP2's reduce_dtype).",
+    show_default=False)]
 
 
 Policy = Annotated[str | None, typer.Option(help=f"{POLICY_HELP} (default: canzona; zero1 for adamw).")]
@@ -723,7 +727,7 @@ class SimOptions:
     fsdp: Fsdp = False
     hsdp_replicate: HsdpReplicate = 1
     reshard_after_forward: ReshardAfterForward = True
-    grad_reduce_in_fp32: GradReduceInFp32 = True
+    grad_reduce_in_fp32: GradReduceInFp32 = None
     precision: Precision = "bf16"
     fp8_recipe: Fp8Recipe = "delayed"
     gpu_variability: GpuVariability = None
@@ -745,7 +749,7 @@ class SimOptions:
     fp8_params: Fp8Params = False
     loss_fp32_upcast: LossFp32Upcast = True
     loss_holds_logits: LossHoldsLogits = False
-    master_dtype: MasterDtype = "fp32"
+    master_weights: MasterWeights = True
     apply_rope_fusion: ApplyRopeFusion = True
     bias_activation_fusion: BiasActivationFusion = True
 

@@ -40,8 +40,9 @@ def _value(config: SimConfig, name: str) -> Any:
             c = config.capacity
             return f"{c.value!r}{'s' if c.unit == 's' else 'B'}"
         return "auto"
-    if name == "grad_reduce_in_fp32":
-        return config.workload.grad_bytes == grad_bytes_for(True)
+    if name == "grad_reduce_in_fp32":  # None: the default of the run's master weights (`grad_bytes_for`)
+        wl = config.workload
+        return None if wl.grad_bytes == grad_bytes_for(None, wl.master_weights) else wl.grad_bytes == grad_bytes_for(True)
     if name == "loss_fp32_upcast":
         return config.workload.loss_bytes == loss_bytes_for(True)
     if name == "router_imbalance":

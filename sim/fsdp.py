@@ -68,6 +68,7 @@ from canzona.memory import (
     activation_bytes,
     batched_stack_bytes,
     kernel_workspace_bytes,
+    state_saving_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS, Plan, plan_for
@@ -80,7 +81,7 @@ from canzona.recompute import (
     layout_recompute_modes,
     rerun_stops_early,
 )
-from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
@@ -569,11 +570,15 @@ class _FsdpRun:
         eng, wl, s = self.engine, self.wl, self.shard
         eng.phase = "B"
         ranks = self.members
-        ub = FP32 if wl.param_bytes < FP32 else wl.grad_bytes  # the update as sent and applied
+        setup = MemorySetup.dtypes_of(wl)
+        # the gradients exchanged and the updates sent and applied: FsdpOptimizer's grad_dtype and
+        # update_dtype, fp32 beside masters, else the parameters' dtype (whatever the reduction's)
+        ub = setup.update_state_bytes
         total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
         experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
-        # a bf16 model's gradient shards and AdamW state are bf16 (Workload.master_dtype)
-        state_dtype = DTYPE_BYTES[wl.master_dtype]
+        # without masters the kept gradient shards and AdamW's moments are in the parameters' dtype
+        # (Workload.master_weights)
+        state_dtype = setup.update_state_bytes
         norm_s = sum(self.rate.kernel_seconds(k) for k in
                      gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None,
                                            state_dtype))
@@ -592,10 +597,9 @@ class _FsdpRun:
             mats = groups[g]
             after = {r: [begin[r]] + ([computed[g - 2][r]] if g >= 2 else []) for r in ranks}
             if self.policy.gathers_all:
-                cost = collective_cost("all-gather", sum(x.numel for x in mats) * wl.grad_bytes, self.exchange_geo,
-                                       self.hw)
+                cost = collective_cost("all-gather", sum(x.numel for x in mats) * ub, self.exchange_geo, self.hw)
             else:
-                cost = matrix_all_to_all_cost(self.to_owners(mats, wl.grad_bytes), nodes, self.exchange_geo, self.hw)
+                cost = matrix_all_to_all_cost(self.to_owners(mats, ub), nodes, self.exchange_geo, self.hw)
             gathered.append(eng.collective(f"group {g} gather", ranks, cost, DP_COMM, after))
 
         if groups:
@@ -655,11 +659,11 @@ class _FsdpRun:
         beside the activations, or the step's buffers."""
         opt, tp = self.cfg.optimizer, self.tp
         pb, gb = setup.param_bytes, setup.grad_bytes
-        ub = setup.update_bytes
+        ub = setup.update_state_bytes  # the exchanged gradients and updates (`phase_b`)
         kept = self._persistent(setup)
         in_flight = in_flight_bytes(self.gathered_elements(), self.cfg.reshard_after_forward, pb, gb)
         acts = activation_bytes(dims, setup, tp)
-        work = {m.name: kernel_workspace_bytes(opt, m.shape, gb) for m in self.matrices.values()}
+        work = {m.name: kernel_workspace_bytes(opt, m.shape, ub) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
@@ -670,11 +674,11 @@ class _FsdpRun:
                 step = 0
             elif self.policy.gathers_all:
                 # two micro-groups' gathered gradients, and one matrix's update and workspace
-                held = [sum(m.numel for m in g) * gb for g in groups]
+                held = [sum(m.numel for m in g) * ub for g in groups]
                 step = max(a + b for a, b in zip(held, held[1:] + [0])) + \
                     max(m.numel * ub + work[m.name] for m in self.matrices.values())
             else:
-                held = [sum(m.numel * (gb + ub) for m in g if m.owner == r) for g in groups]
+                held = [sum(m.numel * 2 * ub for m in g if m.owner == r) for g in groups]  # gradient and update
                 # the largest kernel's temporaries: a batch's are its matrices' and its stacks
                 ws = max((sum(work[m.name] + (stacks[m.name] if len(batch) > 1 else 0) for m in batch)
                           for g in groups for batch in shape_batches([m for m in g if m.owner == r], self.batching)),
@@ -690,14 +694,16 @@ class _FsdpRun:
         """Each member's shards, masters and state. At TP 1 exactly what the runtime allocates
         (`fsdp_persistent_memory`: each rank's torch.chunk row blocks); under TP 1 / S of each TP
         rank's local elements (`_StridedShard`'s exact pieces are not modelled). A bf16 model
-        (`MemorySetup.master_dtype`) keeps no masters, and its gradient shards and AdamW's moments in bf16."""
+        without masters (`MemorySetup.master_weights`) keeps its gradient shards, AdamW's moments and
+        the matrix state that follows the update in the parameters' dtype (`kept_state_bytes`)."""
         gb, mb = setup.shard_grad_bytes, setup.master_bytes
         weight_bytes = 0 if mb else setup.param_bytes  # with masters, the fp32 shard is the parameter
+        matrices = kept_matrices(self.cfg.optimizer, self.matrices, setup)
         if self.tp == 1:
             dense = dense_part(self.spec) if self.ep > 1 else self.spec
-            held = fsdp_persistent_memory(dense, self.shard, self.matrices, weight_bytes=weight_bytes,
+            held = fsdp_persistent_memory(dense, self.shard, matrices, weight_bytes=weight_bytes,
                                           grad_bytes=gb, master_bytes=mb,
-                                          moment_bytes=DTYPE_BYTES[setup.master_dtype])
+                                          moment_bytes=setup.update_state_bytes)
             if self.ep == 1:
                 return held
             # under EP each rank's share of its EP rank's experts (over the EDP group; AdamW's state)
@@ -715,13 +721,24 @@ class _FsdpRun:
             if self.policy is None:
                 state = 0
             elif self.policy.gathers_all:
-                state = -(-sum(m.row_state for m in self.matrices.values()) // self.size) + \
-                    sum(m.state - m.row_state for m in self.matrices.values())
+                state = -(-sum(m.row_state for m in matrices.values()) // self.size) + \
+                    sum(m.state - m.row_state for m in matrices.values())
             else:
-                state = sum(m.state for m in self.matrices.values() if m.owner == r)
+                state = sum(m.state for m in matrices.values() if m.owner == r)
             out.append(FsdpRankBytes(weights=shard * weight_bytes, grads=shard * gb, master_weights=shard * mb,
                                      matrix_state=state, adamw_state=adamw_state))
         return out
+
+
+def kept_matrices(optimizer: str, matrices: dict[str, FsdpMatrix], setup: MemorySetup) -> dict[str, FsdpMatrix]:
+    """`matrices` with their state as the runtime keeps it (`FsdpMatrix.state` is the plan's fp32
+    count): without masters the part that follows the update (Muon's and NorMuon's momentum, which
+    lives with the matrix's rows) in the parameters' dtype (`canzona.memory.state_saving_bytes`)."""
+    out = {}
+    for name, m in matrices.items():
+        saved = state_saving_bytes(optimizer, m.shape, setup)
+        out[name] = replace(m, state=m.state - saved, row_state=m.row_state - min(saved, m.row_state)) if saved else m
+    return out
 
 
 def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims) -> int:
@@ -744,7 +761,8 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     local, expert_local = unit_elements(spec, tp, ep)
     total = sum(local.values())
     matrices = spec.matrix_params() if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
-    matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape)) for p in matrices) // (shard * tp)
+    matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape)) - state_saving_bytes(cfg.optimizer, tuple(p.shape), setup)
+                       for p in matrices) // (shard * tp)
     elementwise = total - sum(p.local_numel(tp) for p in matrices)
     experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's
     persistent = ((total // shard + experts) * (weight_bytes + setup.shard_grad_bytes + mb) + matrix_state

@@ -21,6 +21,7 @@ from canzona.batching import compute_windows, shape_batches
 from canzona.cost import DeviceRate, adamw_kernels, elementwise_kernel, gradient_norm_kernels
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
+from canzona.memory import MemorySetup
 from canzona.optimizers import default_config, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
 from canzona.plan import Plan
@@ -78,7 +79,6 @@ from sim.userbuffers import block_overlaps
 from sim.workload import Workload
 
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
-FP32_BYTES = 4  # the masters and update chunks are fp32 (MemorySetup.update_bytes with masters)
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Context:
             if self.experts is not None else None
         return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
                                 grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes,
-                                overlap_step=self.options.overlap_step, experts=experts,
+                                master_weights=self.workload.master_weights, overlap_step=self.options.overlap_step, experts=experts,
                                 style=self.options.collectives)
 
     def dp_records(self, *phases: str) -> list[StepCollective]:
@@ -180,8 +180,15 @@ class Context:
     def _batch_savings(self) -> dict[tuple[tuple[int, ...], int], float]:
         return {}
 
+    @cached_property
+    def memory(self) -> MemorySetup:
+        """The workload's dtypes as the memory model reads them: with or without master weights, the
+        bytes the step's passes move (`update_state_bytes`, `update_bytes`)."""
+        return MemorySetup.dtypes_of(self.workload)
+
     def adamw_seconds(self, numel: int) -> float:
-        return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw")))
+        return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(numel, default_config("adamw"),
+                                                                      self.memory.update_state_bytes))
 
     def step_schedule(self, i: int, overlap_step: bool) -> TPSchedule:
         """DP (EDP) rank `i`'s TP schedule of the step (a replicated policy's plan is made for one
@@ -837,7 +844,10 @@ def _relay(source: simpy.Event, target: simpy.Event):
 def _gradient_norm(ctx: Context, rank: int, start: simpy.Event) -> simpy.Event:
     """Each rank's share of the global gradient norm (and the clip), on its share of the reduced
     gradients: its segment of every bucket and its slice of the AdamW buffer."""
-    kernels = gradient_norm_kernels(ctx.norm_numels[ctx.dp_index(rank)], ctx.options.max_grad_norm is not None)
+    # on the fp32 main gradients beside masters (Megatron copies a bf16 reduction's shard into them),
+    # on the reduced gradients themselves without
+    kernels = gradient_norm_kernels(ctx.norm_numels[ctx.dp_index(rank)], ctx.options.max_grad_norm is not None,
+                                    ctx.memory.update_bytes)
     return ctx.engine.compute(rank, "gradient norm", sum(ctx.rate.kernel_seconds(k) for k in kernels), [start])
 
 
@@ -1084,8 +1094,10 @@ class _ScheduleRun:
         pass over its shards once the step check is done."""
         eng, members = self.ctx.engine, self.members
         group = self.schedule.groups[op.group]
-        # one memory-bound pass: read the shard and the update chunk, write the shard, in fp32
-        apply_s = group.apply_numel * APPLY_PASSES * FP32_BYTES / self.ctx.rate.hbm_bytes_per_s + self.ctx.rate.launch_s
+        # one memory-bound pass: read the shard and the update chunk, write the shard, in fp32 beside
+        # masters, in the parameters' dtype without
+        apply_s = group.apply_numel * APPLY_PASSES * self.ctx.memory.update_bytes / self.ctx.rate.hbm_bytes_per_s \
+            + self.ctx.rate.launch_s
         if commit is not None:
             for r in members:
                 after = [commit[r], self.computed[op.group][r]]

@@ -25,7 +25,6 @@ import canzona
 from canzona.attention_rate import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
 from canzona.errors import SpecError
 from canzona.fileio import parse_json, read_text
-from canzona.memory import MASTER_DTYPES
 from canzona.optimizers import matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit
 from canzona.recompute import (
@@ -88,7 +87,7 @@ class PublishedRun:
     # Megatron's DistributedDataParallelConfig.grad_reduce_in_fp32 as the recipe sets it: the
     # dtype of the gradient buffers, reduced and read by the distributed optimizer (False: bf16);
     # None: the recipe does not say, and the simulator keeps Megatron's default for bf16, fp32
-    # (`Workload.grad_bytes`). `recipe_source` names where the recipe says it.
+    # (`Workload.grad_bytes`; a row without master weights: bf16, `grad_bytes_for`). `recipe_source` names where the recipe says it.
     grad_reduce_in_fp32: bool | None = None
     recipe_source: str = ""
     # an FSDP row's fully_shard(reshard_after_forward=...) as its recipe runs it (SimConfig's
@@ -102,10 +101,10 @@ class PublishedRun:
     # F.cross_entropy (an FSDP2 row's: Workload.loss_holds_logits); False: it does not (torchtitan
     # deletes them), or Megatron's loss
     loss_holds_logits: bool = False
-    # the dtype the recipe builds its model in and keeps AdamW's state in (Workload.master_dtype):
-    # "bf16" on an FSDP2 row whose framework builds the model in bf16 (NeMo AutoModel); "fp32"
-    # (default): mixed precision's masters
-    master_dtype: str = "fp32"
+    # whether the recipe keeps fp32 masters of its bf16 weights (Workload.master_weights): False on an
+    # FSDP2 row whose framework builds the model in bf16 with no fp32 copy, torch's AdamW keeping its
+    # moments in bf16 (NeMo AutoModel); True (default): mixed precision's masters
+    master_weights: bool = True
     # Megatron's --attention-backend as the recipe ran it (`RunOptions.attention_backend`: "fused",
     # cuDNN's kernels, or "flash", flash-attn 2); None: not stated, simulated with "fused"
     attention_backend: str | None = None
@@ -182,8 +181,9 @@ class PublishedRun:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes per element of the gradient buffers the run reduces (`Workload.grad_bytes`)."""
-        return grad_bytes_for(self.grad_reduce_in_fp32 is not False)  # None: Megatron's default, fp32
+        """Bytes per element of the gradient buffers the run reduces (`Workload.grad_bytes`); not
+        stated: fp32 beside masters (Megatron's default), the parameters' bf16 without them."""
+        return grad_bytes_for(self.grad_reduce_in_fp32, self.master_weights)
 
     @property
     def dp(self) -> int:
@@ -227,7 +227,7 @@ class PublishedRun:
         wl = Workload(seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
                       precision=self.precision, fp8_recipe=self.fp8_recipe, grad_bytes=self.grad_bytes,
                       loss_bytes=loss_bytes_for(self.loss_fp32_upcast is not False),
-                      loss_holds_logits=self.loss_holds_logits, master_dtype=self.master_dtype,
+                      loss_holds_logits=self.loss_holds_logits, master_weights=self.master_weights,
                       kernels=self.kernels, cross_entropy_loss_fusion=bool(self.cross_entropy_loss_fusion),
                       cross_entropy_fusion_impl=self.cross_entropy_fusion_impl or DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
                       store_param_remainders=bool(self.store_param_remainders), fp8_params=bool(self.fp8_params),
@@ -303,7 +303,8 @@ class RowResult:
             "recipe_source": r.recipe_source or None,
             **({"reshard_after_forward": r.reshard_after_forward} if r.fsdp else {}),
             "loss_fp32_upcast": r.loss_fp32_upcast,
-            **({"loss_holds_logits": r.loss_holds_logits, "master_dtype": r.master_dtype} if r.fsdp else {}),
+            **({"loss_holds_logits": r.loss_holds_logits} if r.fsdp else {}),
+            "master_weights": r.master_weights,
             "kernels": r.kernels, "fsdp_impl": r.fsdp_impl if r.fsdp else None,
             **({"moe_token_dispatcher_type": r.moe_token_dispatcher_type,
                 "moe_flex_dispatcher_backend": r.moe_flex_dispatcher_backend,
@@ -402,7 +403,8 @@ class PublishedReport:
                           "master_weights + matrix_state + adamw_state + userbuffers + dispatcher_buffers + the larger of activations + reduction and "
                           "step_buffers (transient_peak) + overhead; free = capacity - total (negative: over)",
                 "grad_reduce_in_fp32": "the recipe's gradient dtype (Megatron's DDP option; false: bf16), with "
-                                       "recipe_source; null: not stated, simulated with Megatron's fp32",
+                                       "recipe_source; null: not stated, simulated with Megatron's fp32 (bf16 on a "
+                                       "row without master weights)",
                 "reshard_after_forward": "an FSDP row's fully_shard option as its recipe runs it (false: every unit "
                                          "gathered from its forward to its backward), with recipe_source",
                 "loss_fp32_upcast": "whether the recipe's loss upcasts the logits to fp32 (NeMo AutoModel's "
@@ -411,9 +413,9 @@ class PublishedReport:
                 "loss_holds_logits": "an FSDP row's: whether the recipe's training loop keeps the model's logits "
                                      "through the backward beside PyTorch's F.cross_entropy (true: NeMo AutoModel's "
                                      "loop holds the model's output), with recipe_source",
-                "master_dtype": "an FSDP row's: the dtype its recipe builds the model in, which torch's AdamW keeps "
-                                "its moments in (bf16: no fp32 copy, NeMo AutoModel's), with recipe_source; "
-                                "fp32: mixed precision's masters",
+                "master_weights": "whether the recipe keeps fp32 masters of its bf16 weights (false: a model built "
+                                  "in bf16 with no fp32 copy, whose AdamW moments and gradient shards are bf16, "
+                                  "NeMo AutoModel's; with recipe_source), the runtime's DistributedOptimizer option",
                 "attention_backend": "the recipe's attention kernels (Megatron's --attention-backend: fused, "
                                      "cuDNN's; flash, flash-attn 2), with recipe_source; null: not stated, "
                                      "simulated as fused",
@@ -550,10 +552,9 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: reshard_after_forward must be true or false (false on an fsdp row only), "
                         f"got {reshard!r}")
     upcast = _optional_bool(raw, "loss_fp32_upcast", where)
-    master_dtype = raw.get("master_dtype", "fp32")
-    if master_dtype not in MASTER_DTYPES or (master_dtype != "fp32" and not fsdp):
-        raise SpecError(f"{where}: master_dtype must be one of {', '.join(MASTER_DTYPES)} (not fp32 on an fsdp row "
-                        f"only), got {master_dtype!r}")
+    master_weights = raw.get("master_weights", True)
+    if not isinstance(master_weights, bool):
+        raise SpecError(f"{where}: master_weights must be true or false, got {master_weights!r}")
     holds_logits = raw.get("loss_holds_logits", False)
     if not isinstance(holds_logits, bool) or (holds_logits and not fsdp):
         raise SpecError(f"{where}: loss_holds_logits must be true or false (true on an fsdp row only: the FSDP2 "
@@ -612,7 +613,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         raise SpecError(f"{where}: recompute_method is Megatron's; an fsdp row's checkpoint wrappers take every layer")
     fusions = {k: _optional_bool(raw, k, where) for k in ("apply_rope_fusion", "bias_activation_fusion")}
     recipe_source = raw.get("recipe_source", "")
-    settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "loss_holds_logits", "master_dtype",
+    settings = ("grad_reduce_in_fp32", "reshard_after_forward", "loss_fp32_upcast", "loss_holds_logits", "master_weights",
                 "attention_backend", "kernels",
                 "fsdp_impl", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "store_param_remainders",
                 "fp8_params", *dispatch, *SPLIT_KEYS, "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "tp_comm_overlap",
@@ -635,7 +636,7 @@ def parse_run(raw: Any, sources: Mapping[str, Any], where: str) -> PublishedRun:
         step_time_s=None if step is None else _positive(step, "published step_time_s", where),
         note=str(raw.get("note", "")), fp8_recipe=fp8_recipe, grad_reduce_in_fp32=grad_fp32,
         recipe_source=recipe_source, reshard_after_forward=reshard, loss_fp32_upcast=upcast,
-        loss_holds_logits=holds_logits, master_dtype=master_dtype,
+        loss_holds_logits=holds_logits, master_weights=master_weights,
         attention_backend=attention, kernels=kernels, fsdp_impl=fsdp_impl, cross_entropy_loss_fusion=ce_fusion,
         cross_entropy_fusion_impl=ce_impl, store_param_remainders=remainders, fp8_params=fp8_params,
         layout_not_tuned=sources[source].get("layout_not_tuned", ""), pipeline_split=split,

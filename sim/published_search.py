@@ -60,7 +60,7 @@ def question_of(run: PublishedRun) -> Question:
     cfg = run.sim_config()
     return Question(model=run.model_ref, gpus=run.gpus, hardware=run.hardware, optimizer=run.optimizer,
                     seq_len=run.seq_len, global_batch=run.global_batch, precision=run.precision,
-                    fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32 is not False,
+                    fp8_recipe=run.fp8_recipe, grad_reduce_in_fp32=run.grad_reduce_in_fp32,
                     attention_backend=cfg.options.attention_backend,
                     cross_entropy_loss_fusion=cfg.workload.cross_entropy_loss_fusion,
                     cross_entropy_fusion_impl=cfg.workload.cross_entropy_fusion_impl,
@@ -72,7 +72,7 @@ def question_of(run: PublishedRun) -> Question:
                     apply_rope_fusion=run.apply_rope_fusion is not False,
                     bias_activation_fusion=run.bias_activation_fusion is not False,
                     kernels=cfg.workload.kernels, loss_fp32_upcast=run.loss_fp32_upcast is not False,
-                    loss_holds_logits=cfg.workload.loss_holds_logits, master_dtype=cfg.workload.master_dtype,
+                    loss_holds_logits=cfg.workload.loss_holds_logits, master_weights=cfg.workload.master_weights,
                     fsdp=run.fsdp,
                     fsdp_impl=cfg.fsdp_impl, selective_ac_option=cfg.options.selective_ac_option)
 

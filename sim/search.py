@@ -38,11 +38,11 @@ from typing import Any
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND
 from canzona.catalog import DEFAULT_MODEL
-from canzona.cost import DeviceRate, row_state_bytes, state_bytes
+from canzona.cost import DeviceRate, row_state_bytes
 from canzona.errors import SpecError
 from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
-from canzona.memory import activation_bytes
+from canzona.memory import MemorySetup, activation_bytes, state_saving_bytes
 from canzona.models import resolve_model
 from canzona.optimizers import MATRIX_REGISTRY, check_matrix_optimizer, matrix_optimizer
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
@@ -67,7 +67,7 @@ from canzona.reductions import (
     REDUCE_SCATTER_IMPLS,
     alike_impls,
 )
-from canzona.spec import ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES, default_policy, policies_running
 from canzona.variability import check_cv
 from sim.collectives import collective_cost
@@ -118,7 +118,9 @@ class Question:
     global_batch: int = 128
     precision: str = "bf16"  # the linear GEMMs' (sim.fp8): every layout is searched in it
     fp8_recipe: str = DELAYED  # under FP8, Transformer Engine's scaling (sim.fp8)
-    grad_reduce_in_fp32: bool = True  # Megatron's DDP option: fp32 gradient buffers (False: bf16)
+    # Megatron's DDP option: fp32 gradient buffers (False: bf16); None: fp32 beside master weights,
+    # the parameters' dtype without (`sim.workload.grad_bytes_for`)
+    grad_reduce_in_fp32: bool | None = None
     # Megatron's --attention-backend (RunOptions.attention_backend): every layout is searched with it
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     # Megatron's token dispatcher (RunOptions.ep_dispatcher): every EP layout is searched with it
@@ -166,8 +168,9 @@ class Question:
     # under fsdp, the training loop keeps the model's logits through the backward (Workload.loss_holds_logits:
     # NeMo AutoModel's); every layout is searched with it, and a ZeRO-1 question's layouts refuse it
     loss_holds_logits: bool = Workload.loss_holds_logits
-    # under fsdp, the dtype the model is built in and AdamW keeps its state in (Workload.master_dtype)
-    master_dtype: str = Workload.master_dtype
+    # the runtime's DistributedOptimizer(master_weights=...) (Workload.master_weights): every layout
+    # is searched with it
+    master_weights: bool = Workload.master_weights
     # `canzona simulate --fsdp`'s layouts (sim.fsdp: torch's fully_shard, composed with TP as
     # torchtitan composes it) instead of Megatron's ZeRO-1 ones: the search's space is `FSDP_SPACE`
     fsdp: bool = False
@@ -255,14 +258,14 @@ class Question:
         """Every candidate's workload (the micro-batch is a layout axis: set per candidate)."""
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, precision=self.precision,
                         fp8_recipe=self.fp8_recipe,
-                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32),
+                        grad_bytes=grad_bytes_for(self.grad_reduce_in_fp32, self.master_weights),
                         cross_entropy_loss_fusion=self.cross_entropy_loss_fusion,
                         cross_entropy_fusion_impl=self.cross_entropy_fusion_impl,
                         store_param_remainders=self.store_param_remainders, fp8_params=self.fp8_params,
                         apply_rope_fusion=self.apply_rope_fusion, bias_activation_fusion=self.bias_activation_fusion,
                         kernels=self.kernels, loss_bytes=loss_bytes_for(self.loss_fp32_upcast),
                         loss_holds_logits=self.loss_holds_logits,
-                        master_dtype=self.master_dtype)
+                        master_weights=self.master_weights)
 
 
 # the question's settings of Megatron's ZeRO-1 layout, refused under --fsdp (`Question`), with the
@@ -646,29 +649,31 @@ def memory_floor(cfg: SimConfig, model) -> int:
         buffers = setup.dispatcher_buffers if expert_params(whole) else 0  # allocated at a stage's first dispatch
         # every GPU of the stage holds the terms above alike; the masters and the optimizer state
         # differ by rank, and the fullest holds at least their mean over the stage's GPUs
-        state = optimizer_state_floor(whole, cfg.optimizer, setup.master_bytes) // (cfg.gpus // cfg.pp)
+        state = optimizer_state_floor(whole, cfg.optimizer, setup) // (cfg.gpus // cfg.pp)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers
                     + buffers + acts + setup.overhead(acts) + state)
     return worst
 
 
-def optimizer_state_floor(part: ModelSpec, optimizer: str, master_bytes: int) -> int:
+def optimizer_state_floor(part: ModelSpec, optimizer: str, setup: MemorySetup) -> int:
     """`part`'s masters and optimizer state summed over the GPUs that hold it, at least: each
     element's master once, each matrix's row state once (`row_state_bytes`, what a shard of its
     rows holds its share of: an owner's whole state is more), every other element's AdamW state
-    once (every element's, under an elementwise optimizer). A step policy that keeps more (a
-    replicated or gathered copy, a matrix's whole preconditioner) only adds to it."""
+    once (every element's, under an elementwise optimizer); without masters the state that
+    follows the update in the parameters' dtype (`state_saving_bytes`: Muon's momentum is its row
+    state). A step policy that keeps more (a replicated or gathered copy, a matrix's whole
+    preconditioner) only adds to it."""
     elementwise = matrix_optimizer(optimizer).elementwise
     adamw = 0
     state = 0
     for p in part.params:
         if elementwise or not p.uses_matrix_optimizer:
             adamw += p.numel
-        elif p.matrix_shape is not None:  # a stack of same-shape matrices (experts): each one's
-            state += p.numel // math.prod(p.matrix_shape) * row_state_bytes(optimizer, p.matrix_shape)
-        else:
-            state += row_state_bytes(optimizer, p.shape)
-    return master_bytes * part.numel + state + state_bytes("adamw", (adamw,))
+        else:  # a stack of same-shape matrices (experts): each one's
+            shape = p.matrix_shape if p.matrix_shape is not None else tuple(p.shape)
+            one = row_state_bytes(optimizer, shape)
+            state += p.numel // math.prod(shape) * (one - min(state_saving_bytes(optimizer, shape, setup), one))
+    return setup.master_bytes * part.numel + state + setup.adamw_state_bytes(adamw)
 
 
 # --- simulation ----------------------------------------------------------------------------------
@@ -732,6 +737,9 @@ def fsdp_launch(row: dict[str, Any], q: Question | None = None) -> list[str]:
                    "training.seq_len)")
         if q.precision == FP8:
             out.append(f"FP8 linear layers, {q.fp8_recipe} scaling (torchtitan: model.converters = ['float8'])")
+        if not q.master_weights:
+            out.append("the model built in bf16, no fp32 copy (DistributedOptimizer(master_weights=False); torch's "
+                       "AdamW on bf16 parameters)")
     if row["recompute"] != NONE:
         ac = torchtitan_ac(row["recompute"], row.get(AC_KEY))
         out.append(f"recompute {_recompute_text(row)} (a checkpoint wrapper per decoder layer; "
@@ -801,7 +809,7 @@ def _question_launch(q: Question, row: dict[str, Any]) -> list[str]:
     if w.precision == FP8:  # sim.fp8: TE's hybrid format (E4M3 forward, E5M2 gradients); Megatron's recipe names
         out.append(f"--fp8-format hybrid --fp8-recipe {MEGATRON_FP8_RECIPES[w.fp8_recipe]}"
                    + (" --fp8-param-gather (FP8 primary weights)" if w.fp8_params else ""))
-    if not q.grad_reduce_in_fp32:
+    if w.grad_bytes < DTYPE_BYTES["fp32"]:
         out.append("--grad-reduce-in-bf16")
     if o.attention_backend != DEFAULT_ATTENTION_BACKEND:
         out.append(f"--attention-backend {o.attention_backend}")
@@ -814,6 +822,8 @@ def _question_launch(q: Question, row: dict[str, Any]) -> list[str]:
     # DistributedOptimizer's own options off their defaults (its step's, canzona.step_options)
     given = [f"{name}={getattr(o, name)!r}" for name in ("overlap_param_gather", "max_grad_norm", "batch_kernels")
              if getattr(o, name) != getattr(RunOptions, name)]
+    if not w.master_weights:
+        given.append("master_weights=False")
     if given:
         out.append(f"{', '.join(given)} (DistributedOptimizer's options)")
     return out

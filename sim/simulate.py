@@ -234,10 +234,11 @@ class SimConfig:
                             "forward and gathers them again for its backward)")
         if self.fsdp_impl != FSDP2 and not self.fsdp:  # as --no-reshard-after-forward: not a silent no-op
             raise SpecError(f"--fsdp-impl {self.fsdp_impl} names which FSDP shards the model: it needs --fsdp")
-        if self.workload.master_dtype != "fp32" and not (self.torch_fsdp2 and self.optimizer == "adamw"):
-            raise SpecError(f"--master-dtype {self.workload.master_dtype}: a model built in it with no fp32 copy is "
-                            "modelled under FSDP2 (--fsdp) with torch's AdamW (--optimizer adamw), which keeps its "
-                            "moments in the parameters' dtype")
+        wl = self.workload
+        if not wl.master_weights and not self.fsdp and wl.grad_bytes > wl.param_bytes:
+            # under FSDP the reduction is the user's fully_shard's (MixedPrecisionPolicy.reduce_dtype)
+            raise SpecError("--no-master-weights with --grad-reduce-in-fp32: without master weights canzona's "
+                            "DistributedOptimizer reduces and keeps the gradients in the parameters' dtype")
         if self.workload.loss_bytes != DTYPE_BYTES["fp32"] and not self.loss_autograd:
             raise SpecError("--no-loss-fp32-upcast describes PyTorch's F.cross_entropy on the bf16 logits: FSDP2 "
                             "(--fsdp) with the unfused loss; Megatron's vocab-parallel loss computes in fp32")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from canzona.choices import check_choice
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
-from canzona.memory import MASTER_DTYPES
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
 from sim.cross_entropy import (
     DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
@@ -27,9 +26,14 @@ MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 
 
-def grad_bytes_for(grad_reduce_in_fp32: bool) -> int:
+def grad_bytes_for(grad_reduce_in_fp32: bool | None, master_weights: bool = True) -> int:
     """Bytes per gradient element under Megatron's DDP option `grad_reduce_in_fp32`: fp32 buffers
-    and reductions (its default for bf16 training), else bf16."""
+    and reductions (its default for bf16 training), else bf16. None: the default of a run with or
+    without master weights (`Workload.master_weights`): fp32 beside fp32 masters (Megatron's,
+    canzona's runtime's), the bf16 parameters' own dtype without them (DistributedOptimizer(
+    master_weights=False) reduces and keeps its gradients in the parameters' dtype)."""
+    if grad_reduce_in_fp32 is None:
+        grad_reduce_in_fp32 = master_weights
     return DTYPE_BYTES["fp32"] if grad_reduce_in_fp32 else DTYPE_BYTES["bf16"]
 
 
@@ -62,12 +66,13 @@ class Workload:
     # model's output; torchtitan's deletes it before the backward and Hugging Face's Trainer drops it
     # once compute_loss returns (False). The FSDP2 frameworks' only: Megatron's loss holds none
     loss_holds_logits: bool = False
-    # the dtype the model's parameters are built in, which torch's AdamW keeps its state in
-    # (canzona.memory.MemorySetup.master_dtype): "fp32", mixed precision's masters (torchtitan builds
-    # its model in fp32 and FSDP2 gathers bf16 copies; Megatron's distributed optimizer keeps fp32
-    # masters); "bf16", a model built in bf16 under FSDP2 (NeMo AutoModel's), with no fp32 copy: its
-    # gradient shards and AdamW's moments in bf16
-    master_dtype: str = "fp32"
+    # the runtime's DistributedOptimizer(master_weights=...), same name and default
+    # (canzona.memory.MemorySetup.master_weights): True, mixed precision's fp32 masters of the bf16
+    # weights (canzona's runtime; Megatron's distributed optimizer; torchtitan builds its model in
+    # fp32 and FSDP2 gathers bf16 copies); False, no fp32 copy: the optimizer state that follows the
+    # update and the kept gradient shards in the parameters' dtype, as DistributedOptimizer(
+    # master_weights=False) and a model built in bf16 under FSDP2 with torch's AdamW (NeMo AutoModel's)
+    master_weights: bool = True
     # the layers' memory-bound kernels (norms, RoPE, SwiGLU, the loss): "fused" (Transformer Engine /
     # Megatron's fused kernels) or "eager" (PyTorch's eager ops, e.g. torchtitan with compile =
     # false): sim.eager_kernels
@@ -107,13 +112,17 @@ class Workload:
                             "Megatron's fused cross-entropy (--cross-entropy-loss-fusion) computes in fp32")
         if self.cross_entropy != UNFUSED and self.kernels == EAGER:
             raise SpecError("cross-entropy loss fusion is Megatron's (fused kernels); eager kernels run the unfused loss")
-        check_choice(self.master_dtype, MASTER_DTYPES, "master dtype")
+        if not isinstance(self.master_weights, bool):
+            raise SpecError(f"master_weights must be true or false, got {self.master_weights!r}")
         if not isinstance(self.loss_holds_logits, bool):
             raise SpecError(f"loss_holds_logits must be true or false, got {self.loss_holds_logits!r}")
         if not isinstance(self.store_param_remainders, bool):
             raise SpecError(f"store_param_remainders must be true or false, got {self.store_param_remainders!r}")
         if not isinstance(self.fp8_params, bool):
             raise SpecError(f"fp8_params must be true or false, got {self.fp8_params!r}")
+        if not self.master_weights and (self.store_param_remainders or self.fp8_params):
+            raise SpecError(f"--{'store-param-remainders' if self.store_param_remainders else 'fp8-params'} describes "
+                            "how an optimizer keeps its fp32 masters: it needs master weights (not --no-master-weights)")
         if self.fp8_params and self.precision != FP8:
             raise SpecError(f"--fp8-params keeps the linear layers' weights in FP8: it needs --precision fp8 "
                             f"(got --precision {self.precision})")

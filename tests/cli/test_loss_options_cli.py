@@ -1,4 +1,4 @@
-"""`canzona simulate`'s loss and master-dtype options: what each changes, and one `error:` line
+"""`canzona simulate`'s loss and master-weights options: what each changes, and one `error:` line
 where one can change nothing or is not modelled (docs/design.md §7.1)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _worst(*extra) -> dict:
     return json.loads(r.stdout)["memory"]["worst"]
 
 
-def test_the_loss_options_change_the_loss_peak_and_the_master_dtype_the_state():
+def test_the_loss_options_change_the_loss_peak_and_the_master_weights_the_state():
     """Without the upcast the three tensors at the loss's backward are bf16 (6 bytes a logit
     fewer); a loop holding its logits keeps 2 bytes a logit more; a bf16-built model halves the
     masters' and AdamW's bytes. Qwen3-0.6B: vocabulary 151,936, 1024 tokens a micro-batch."""
@@ -27,14 +27,12 @@ def test_the_loss_options_change_the_loss_peak_and_the_master_dtype_the_state():
     base = _worst()
     assert base["activations"] - _worst("--no-loss-fp32-upcast")["activations"] == 3 * 2 * logits
     assert _worst("--loss-holds-logits")["activations"] - base["activations"] == 2 * logits
-    bf16 = _worst("--master-dtype", "bf16")
+    bf16 = _worst("--no-master-weights")
     assert bf16["master_weights"] == 0 and bf16["weights"] * 2 == base["master_weights"]
     assert bf16["adamw_state"] * 2 == base["adamw_state"]
 
 
 @pytest.mark.parametrize("args, needles", [
-    (("--master-dtype", "fp16"), ("master dtype",)),
-    (("--master-dtype", "bf16", "--optimizer", "muon"), ("--master-dtype bf16", "adamw")),
     (("--loss-holds-logits", "--fsdp-impl", "megatron-fsdp"), ("--loss-holds-logits",)),
     (("--no-loss-fp32-upcast", "--cross-entropy-loss-fusion"), ("--no-loss-fp32-upcast",)),
 ])
@@ -45,5 +43,9 @@ def test_a_setting_that_cannot_apply_is_one_error_line(args, needles):
 def test_zero1_refuses_the_fsdp2_frameworks_settings():
     zero1 = ("simulate", "--model", "qwen3-0.6b", "--gpus", 8, "--tp", 1, "--seq-len", 1024, "--global-batch", 8)
     error_line(invoke(*zero1, "--loss-holds-logits"), "--loss-holds-logits")
-    error_line(invoke(*zero1, "--master-dtype", "bf16", "--optimizer", "adamw"), "--master-dtype bf16")
+    # without masters canzona's DistributedOptimizer reduces in the parameters' dtype (FSDP2: its reduce_dtype)
+    error_line(invoke(*zero1, "--no-master-weights", "--grad-reduce-in-fp32"), "--no-master-weights",
+               "parameters' dtype")
+    error_line(invoke(*zero1, "--no-master-weights", "--store-param-remainders"), "--store-param-remainders",
+               "master weights")
     error_line(invoke(*zero1, "--no-loss-fp32-upcast"), "--no-loss-fp32-upcast", "fp32")

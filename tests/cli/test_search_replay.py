@@ -269,9 +269,9 @@ def test_the_loss_and_master_settings_round_trip():
 
     cfg = SimConfig(model=EIGHT_LAYERS, gpus=8, tp=1, fsdp=True, optimizer="adamw",
                     workload=Workload(seq_len=1024, global_batch=8, loss_bytes=2, loss_holds_logits=True,
-                                      master_dtype="bf16"))
+                                      master_weights=False))
     command = REPLAY.simulate_command(cfg)
-    assert "--no-loss-fp32-upcast --loss-holds-logits --master-dtype bf16" in command
+    assert "--no-loss-fp32-upcast --loss-holds-logits --no-master-weights" in command
     r = invoke(*shlex.split(command)[1:], "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["memory"] == json.loads(json.dumps(simulate(cfg).to_dict()))["memory"]

@@ -198,13 +198,15 @@ def test_recipe_loss_without_fp32_upcast_keeps_a_bf16_copy_of_the_logits():
 
 
 @pytest.mark.parametrize(("row", "setting", "message"), [
-    # Megatron-FSDP's row: a bf16-built model, a loop holding the logits and a loss without the upcast
-    # (beside its fused cross-entropy) are the simulator's refusals, not the parser's own rules
-    ("llama3-8b-8xh100-mb25.11-fp8", {"master_dtype": "bf16"}, "--master-dtype bf16"),
+    # Megatron-FSDP's row: a loop holding the logits and a loss without the upcast (beside its fused
+    # cross-entropy) are the simulator's refusals, not the parser's own rules
     ("llama3-8b-8xh100-mb25.11-fp8", {"loss_holds_logits": True}, "--loss-holds-logits describes"),
     ("llama3-8b-8xh100-mb25.11-fp8", {"loss_fp32_upcast": False}, "a loss without the fp32 upcast"),
-    # torchtitan's FSDP2 row with a matrix optimizer: canzona's FSDP optimizer keeps fp32 state
-    ("llama3-8b-64xa100-torchtitan", {"master_dtype": "bf16", "optimizer": "muon"}, "--master-dtype bf16"),
+    # a ZeRO-1 row without masters reducing in fp32: canzona's DistributedOptimizer reduces in bf16 there
+    ("llama3.1-8b-8xh100-dgxc-bf16", {"master_weights": False, "grad_reduce_in_fp32": True,
+                                      "recipe_source": "https://example.org (a test)"}, "--no-master-weights with"),
+    # NeMo's master remainders need the masters they are half of
+    ("llama3-8b-8xh100-nemo24.07-fp8", {"master_weights": False}, "--store-param-remainders describes"),
 ])
 def test_a_row_the_simulator_refuses_is_refused_when_read_naming_it(row, setting, message):
     """A row whose settings the simulator refuses (`SimConfig.check_settings`) is one error naming

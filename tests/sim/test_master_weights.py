@@ -1,0 +1,107 @@
+"""The runtime's `master_weights` option in the simulator, with its name and default
+(`Workload.master_weights`, `canzona simulate --no-master-weights`): without masters the
+gradients, the optimizer state that follows the update and the update are in the parameters'
+bf16, as DistributedOptimizer(master_weights=False) keeps and moves them (docs/design.md §7.1)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from canzona.models import resolve_model
+from sim.options import RunOptions
+from sim.search import Question, memory_floor, not_in_plan
+from sim.simulate import SimConfig, simulate
+from sim.workload import Workload, grad_bytes_for
+from tests.cli_helpers import invoke
+
+MODEL = "qwen3-0.6b"
+WORKLOAD = Workload(seq_len=1024, global_batch=8)
+
+
+def _pair(**config) -> tuple[SimConfig, SimConfig]:
+    cfg = SimConfig(model=MODEL, gpus=8, tp=1, workload=WORKLOAD, **config)
+    bf16 = replace(cfg.workload, master_weights=False, grad_bytes=grad_bytes_for(None, False))
+    return cfg, replace(cfg, workload=bf16)
+
+
+def _seconds(result, name: str, rank: int = 0) -> float:
+    """Seconds rank `rank` spent in spans whose name starts with `name`."""
+    return sum(s.end - s.start for s in result.spans if s.rank == rank and s.name.startswith(name))
+
+
+def test_the_default_is_the_runtimes() -> None:
+    """Same name, same default: masters on, and without them the gradients in the parameters' dtype."""
+    import inspect
+
+    from canzona.runtime import DistributedOptimizer
+
+    assert inspect.signature(DistributedOptimizer.__init__).parameters["master_weights"].default is True
+    assert Workload.master_weights is True
+    assert (grad_bytes_for(None), grad_bytes_for(None, False), grad_bytes_for(True, False)) == (4, 2, 4)
+
+
+def test_zero1_without_masters_is_the_setup_the_runtime_allocates_and_halves_its_bytes() -> None:
+    """The simulator's memory setup is the one tests/runtime/test_memory_runtime.py holds to what
+    DistributedOptimizer(master_weights=False) allocates (no masters, 2-byte gradients); Muon's
+    momentum is kept in bf16, the gradient buffers too, the weights are unchanged."""
+    cfg, bf16 = _pair()
+    arch = resolve_model(MODEL)[1]
+    setup = bf16.memory_setup(arch)
+    assert (setup.master_weights, setup.grad_bytes, setup.master_bytes, setup.update_bytes) == (False, 2, 0, 2)
+    a, b = simulate(cfg), simulate(bf16)
+    wa, wb = a.memory.worst, b.memory.worst
+    assert wa.master_weights > 0 and wb.master_weights == 0
+    assert wb.grads * 2 == wa.grads and wb.weights == wa.weights
+    assert wb.matrix_state * 2 == wa.matrix_state  # Muon's momentum follows the update
+    assert wb.adamw_state * 2 == wa.adamw_state
+    # the reduce-scatters carry half the bytes (as the runtime issues them, canzona.step_collectives)
+    runtime = RunOptions(collectives="runtime")
+    ra, rb = simulate(replace(cfg, options=runtime)), simulate(replace(bf16, options=runtime))
+    assert 0 < _seconds(rb, "bucket ") < _seconds(ra, "bucket ")
+
+
+def test_adamw_without_masters_moves_half_the_bytes() -> None:
+    """AdamW's pass reads and writes bf16 parameters, gradients and moments: half fp32's bytes."""
+    cfg, bf16 = _pair(optimizer="adamw")
+    a, b = simulate(cfg), simulate(bf16)
+    assert 0 < _seconds(b, "adamw step") < _seconds(a, "adamw step")
+    assert b.memory.worst.adamw_state * 2 == a.memory.worst.adamw_state
+
+
+def test_fsdp_muon_without_masters_keeps_bf16_shards_and_momentum() -> None:
+    """canzona's FSDP optimizer without masters: the parameters are the bf16 shards, Muon's
+    momentum bf16; the exchanged gradients and updates bf16, so the step is shorter."""
+    cfg, bf16 = _pair(fsdp=True)
+    a, b = simulate(cfg), simulate(bf16)
+    wa, wb = a.memory.worst, b.memory.worst
+    assert wa.weights == 0 and wa.master_weights > 0 and wb.master_weights == 0
+    assert wb.weights * 2 == wa.master_weights
+    assert 0 < wb.matrix_state and wb.matrix_state * 2 == wa.matrix_state
+    assert 0 < b.optimizer_step_s < a.optimizer_step_s
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_the_search_floor_stays_below_the_run_without_masters(fsdp: bool, optimizer: str) -> None:
+    """The search prunes by a floor that must not exceed the run: without masters its state and
+    gradients shrink as the run's do."""
+    _, bf16 = _pair(fsdp=fsdp, optimizer=optimizer)
+    assert memory_floor(bf16, resolve_model(MODEL)) <= simulate(bf16).memory.worst.total
+
+
+def test_the_deploy_instructions_say_it() -> None:
+    """The search's launch lines for a question without masters name the runtime's option."""
+    q = Question(model=MODEL, gpus=8, seq_len=1024, global_batch=8, master_weights=False)
+    row = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 8, "micro_batch": 1, "recompute": "none",
+           "policy": "canzona", "reduce_scatter": "native", "fell_back_to": None, "pipeline_split": "even"}
+    lines = not_in_plan(row, q)
+    assert any("master_weights=False" in line for line in lines)
+
+
+def test_the_cli_simulates_it() -> None:
+    base = ("simulate", "--model", MODEL, "--gpus", 8, "--tp", 1, "--seq-len", 1024, "--global-batch", 8, "--json")
+    on, off = (json.loads(invoke(*base, *extra).stdout)["memory"]["worst"] for extra in ((), ("--no-master-weights",)))
+    assert off["master_weights"] == 0 < on["master_weights"] and off["grads"] * 2 == on["grads"]
