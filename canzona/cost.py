@@ -11,9 +11,10 @@ Allocation loops use `CostModel.seconds`, never raw element counts.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +33,7 @@ from canzona.optimizers import (
     MuonConfig,
     ShampooConfig,
     SOAPConfig,
+    config_changes,
     default_config,
     matrix_optimizer,
 )
@@ -381,9 +383,10 @@ class DeviceRate:
                 total += batch * self.kernel_seconds(k)
         return total
 
-    def batch_saving(self, optimizer: str, shape: tuple[int, ...], count: int) -> float:
-        """Seconds one batched kernel over `count` matrices of `shape` saves over `count` calls."""
-        kernels = optimizer_kernels(optimizer, shape)
+    def batch_saving(self, optimizer: str, shape: tuple[int, ...], count: int, cfg: object | None = None) -> float:
+        """Seconds one batched kernel over `count` matrices of `shape` saves over `count` calls
+        (`cfg`: the optimizer's configuration, None: its defaults)."""
+        kernels = optimizer_kernels(optimizer, shape, cfg)
         return count * sum(self.kernel_seconds(k) for k in kernels) - self.batched_seconds(kernels, count)
 
 
@@ -416,7 +419,11 @@ class AnalyticCost:
 
     @property
     def name(self) -> str:
-        return f"analytic:{self.rate.name}"
+        # a configuration off an optimizer's defaults is part of what priced the plan: named, so that
+        # a plan file (and its hash) says which step it was balanced for
+        changed = [f"{o}{json.dumps(c, sort_keys=True, separators=(',', ':'))}" for o, cfg in sorted(self.configs.items())
+                   if cfg is not None and (c := config_changes(o, cfg))]
+        return f"analytic:{self.rate.name}" + "".join(f" {c}" for c in changed)
 
     def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float:
         key = (optimizer, tuple(shape))
@@ -487,3 +494,23 @@ def cost_model_for(hardware: str | Path | HardwareProfile = DEFAULT_PROFILE, tab
     if profile.optimizer_seconds:
         return profile_cost_table(profile, analytic)
     return analytic
+
+
+def priced_with(cost_model: CostModel, optimizer: str, cfg: object | None) -> CostModel:
+    """`cost_model` pricing `optimizer`'s step at configuration `cfg` (None: its defaults, and the
+    model unchanged: the default path stays bit for bit what it was). The one place the planner and
+    the simulator (through the planner) turn a `matrix_config` into seconds:
+    - the analytic model prices the configuration's kernels (`AnalyticCost.configs`);
+    - a measured table (`TableCost`: a `--cost-table`, a calibrated profile's `optimizer_seconds`) was
+      measured at the optimizer's default configuration, and a row of it says nothing of another
+      (five Newton-Schulz iterations timed are not ten; a larger `max_precond_dim` adds eigensolves
+      the row never ran): the step is priced by the table's analytic fallback at `cfg` instead, and
+      the plan records that cost model's name, not the table's;
+    - any other cost model (the caller's own `CostModel`) is the caller's pricing, returned as it is."""
+    if cfg is None or cfg == default_config(optimizer):
+        return cost_model
+    if isinstance(cost_model, AnalyticCost):
+        return replace(cost_model, configs={**cost_model.configs, optimizer: cfg})
+    if isinstance(cost_model, TableCost):
+        return priced_with(cost_model.fallback, optimizer, cfg)
+    return cost_model

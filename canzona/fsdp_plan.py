@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from canzona.cost import CostModel, adamw_moments_bytes, row_state_bytes
 from canzona.errors import SpecError
+from canzona.optimizers import matrix_config_for
 from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
@@ -97,13 +98,17 @@ def backward_order(units: Sequence[FsdpUnit]) -> list[FsdpMatrix]:
 
 def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepPolicy,
                   settings: PlanSettings | None = None,
-                  cost_model: CostModel | None = None) -> tuple[dict[str, FsdpMatrix], Plan]:
+                  cost_model: CostModel | None = None, *,
+                  matrix_config: object | None = None) -> tuple[dict[str, FsdpMatrix], Plan]:
     """Every matrix of `spec` with its owner in a shard group of `shard` ranks under `policy`, and
     canzona's owner plan: the planner's, made for the shard group at TP 1 with whole matrices (its
     placements' owners are balanced by cost, `alpha` blending in the bytes each owner receives).
-    Round-robin owners are matrix i's rank i mod `shard`, in the spec's order."""
+    Round-robin owners are matrix i's rank i mod `shard`, in the spec's order. `matrix_config`: the
+    optimizer's configuration (the runtime's option; None: its defaults), which the costs and the
+    state are priced at."""
     plan = plan_for(spec, shard, 1, optimizer, "canzona", settings or PlanSettings(), cost_model,
-                    geometry=WHOLE_GEOMETRY)
+                    geometry=WHOLE_GEOMETRY, matrix_config=matrix_config)
+    matrix_config = matrix_config_for(optimizer, matrix_config)
     placed = {p.name: p for p in plan.dp_plan.placements()}
     out: dict[str, FsdpMatrix] = {}
     for i, p in enumerate(spec.matrix_params()):
@@ -111,7 +116,7 @@ def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepP
         owner = pl.owner if policy.owners == OWNERS_BALANCED else i % shard if policy.owners == OWNERS_ROUND_ROBIN \
             else None
         out[p.name] = FsdpMatrix(name=p.name, numel=p.numel, shape=tuple(p.shape), cost=pl.cost,
-                                 state=pl.state_bytes, row_state=row_state_bytes(optimizer, tuple(p.shape)),
+                                 state=pl.state_bytes, row_state=row_state_bytes(optimizer, tuple(p.shape), matrix_config),
                                  owner=owner)
     return out, plan
 

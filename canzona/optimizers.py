@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -340,6 +340,39 @@ def config_from_dict(name: str, values: dict[str, Any]) -> Any:
             for k, v in values.items()}
     return check_config(name, replace(cfg, **cast))
 
+
+
+def resolve_config(name: str, given: Any) -> Any:
+    """Optimizer `name`'s config from what the user gave: None (the defaults), a mapping of fields,
+    or a config object (validated). The one reading of `matrix_config` / `adamw_config`: the
+    runtime's (`canzona.runtime.options.optimizer_config`), the planner's and the simulator's."""
+    if given is None:
+        return default_config(name)
+    if isinstance(given, Mapping):
+        return config_from_dict(name, dict(given))
+    return check_config(name, given)
+
+
+def matrix_config_for(optimizer: str, given: Any) -> Any:
+    """The planner's and the simulator's `matrix_config` of `optimizer`: None where it is the
+    optimizer's defaults (so that a default given explicitly prices bit for bit as none given), else
+    the validated config. Refused for an elementwise optimizer (AdamW), as `DistributedOptimizer`
+    refuses it: AdamW's hyper-parameters are `adamw_config`'s, and they change no plan."""
+    if given is None:
+        return None
+    if matrix_optimizer(optimizer).elementwise:
+        raise SpecError(f"matrix_config is for a matrix optimizer; {optimizer} is elementwise "
+                        "(its hyper-parameters are adamw_config's)")
+    cfg = resolve_config(optimizer, given)
+    return None if cfg == default_config(optimizer) else cfg
+
+
+def config_changes(name: str, cfg: Any) -> dict[str, Any]:
+    """The fields of `cfg` that differ from optimizer `name`'s defaults (tuples as lists): what a
+    `--matrix-config` JSON object holds to build `cfg` again, and what a cost model's name shows."""
+    default = default_config(name)
+    return {f.name: list(v) if isinstance(v, tuple) else v
+            for f in fields(cfg) if (v := getattr(cfg, f.name)) != getattr(default, f.name)}
 
 COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")
 LR_ADJUSTMENTS = ("original", "match_rms_adamw")

@@ -14,7 +14,7 @@ from typing import Any
 
 from canzona.batching import MAX_BATCH_NUMEL
 from canzona.choices import check_choice
-from canzona.cost import AnalyticCost, CostModel, state_bytes
+from canzona.cost import AnalyticCost, CostModel, priced_with, state_bytes
 from canzona.dp import DEFAULT_ALIGN, DPItem, DPPlan, check_dp_policy, plan_dp
 from canzona.dp.layout import (
     DEFAULT_EXPERT_BUCKETS,
@@ -41,7 +41,7 @@ from canzona.fileio import (
     read_text,
     write_text_atomic,
 )
-from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
+from canzona.optimizers import check_matrix_optimizer, matrix_config_for, matrix_optimizer
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import StepPolicy, get_step_policy
 from canzona.tp import (
@@ -228,10 +228,12 @@ def _part_body(plan: Plan) -> dict[str, Any]:
     }
 
 
-def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel) -> list[DPItem]:
-    """Matrices in forward order: local shard size for the buffer, full-matrix cost and state."""
+def dp_items(model: ModelSpec, tp: int, optimizer: str, cost_model: CostModel,
+             matrix_config: object | None = None) -> list[DPItem]:
+    """Matrices in forward order: local shard size for the buffer, full-matrix cost and state
+    (`matrix_config`: the optimizer's configuration, None: its defaults; `cost_model` already prices it)."""
     items = [DPItem(p.name, p.local_numel(tp), float(cost_model.seconds(optimizer, p.shape)),
-                    state_bytes(optimizer, p.shape), stack=p.stacked_in[0] if p.stacked_in else None)
+                    state_bytes(optimizer, p.shape, matrix_config), stack=p.stacked_in[0] if p.stacked_in else None)
              for p in model.matrix_params()]
     for it in items:  # extreme hardware or table figures must not become inf / NaN plans
         if not (is_finite_number(it.cost) and it.cost >= 0):
@@ -329,7 +331,8 @@ PLAN_DEFAULTS = PlanSettings()
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,
              settings: PlanSettings = PlanSettings(), cost_model: CostModel | None = None, *,
              empty_ok: bool = False, ep: int = 1, etp: int = 1, hidden: int | None = None,
-             geometry: str = DEFAULT_GEOMETRY, overlap_step: bool = False) -> Plan:
+             geometry: str = DEFAULT_GEOMETRY, overlap_step: bool = False,
+             matrix_config: object | None = None) -> Plan:
     """The plan step policy `policy` executes: its own DP and TP policies where it has them
     (`StepPolicy.dp_policy` / `tp_policy`), the settings' otherwise. The one place the runtime,
     `canzona verify` and the simulator make a policy's plan. `geometry` (`GEOMETRIES`): whether
@@ -343,12 +346,16 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
 
     `ep` > 1 (expert parallelism, `canzona.experts`; `etp`: expert TP, which needs `hidden`): the
     dense part's plan on DP x TP, holding one EP rank's experts' plan over EDP x ETP (`Plan.experts`),
-    both made by the same policies."""
+    both made by the same policies.
+
+    `matrix_config`: the matrix optimizer's configuration the step runs (the runtime's option of that
+    name: None, a mapping of fields or a config object), which the cost model and the optimizer state
+    are priced at (`make_plan`)."""
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
     policy.check_optimizer(optimizer)
     if ep > 1 or etp > 1:
         edp = check_ep(model, ep, dp, tp, etp, hidden)
-        parts = dict(geometry=geometry, overlap_step=overlap_step)
+        parts = dict(geometry=geometry, overlap_step=overlap_step, matrix_config=matrix_config)
         dense = plan_for(dense_part(model), dp, tp, optimizer, policy, settings, cost_model, empty_ok=True, **parts)
         experts = plan_for(expert_part(model, ep, etp, hidden), edp, etp, optimizer, policy, settings, cost_model,
                            **parts)
@@ -357,7 +364,8 @@ def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPol
     return make_plan(model, dp, tp, optimizer, policy.dp_policy or settings.dp_policy,
                      policy.tp_policy or settings.tp_policy, settings.alpha, settings.bucket_size, settings.align,
                      capacity=settings.capacity, cost_model=cost_model, balance_by=settings.balance_by,
-                     expert_buckets=settings.expert_buckets, geometry=geometry, empty_ok=empty_ok)
+                     expert_buckets=settings.expert_buckets, geometry=geometry, empty_ok=empty_ok,
+                     matrix_config=matrix_config)
 
 
 def bucket_names(model: ModelSpec, dp: int, tp: int, bucket_size: int | None = PLAN_DEFAULTS.bucket_size,
@@ -378,7 +386,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
               align: int = PLAN_DEFAULTS.align, capacity: Capacity | None = PLAN_DEFAULTS.capacity,
               cost_model: CostModel | None = None, balance_by: str = PLAN_DEFAULTS.balance_by,
               expert_buckets: str = DEFAULT_EXPERT_BUCKETS, geometry: str = WHOLE_GEOMETRY, *,
-              empty_ok: bool = False) -> Plan:
+              empty_ok: bool = False, matrix_config: object | None = None) -> Plan:
     """Run the DP policy, then the TP policy on each DP rank's matrices (`expert_buckets`: how
     buckets of stacked expert matrices are sized, `canzona.dp.layout.EXPERT_BUCKETS`; `empty_ok`:
     a model without matrices gets a plan of no buckets).
@@ -387,7 +395,12 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     replaced by ZeRO-1's even segments (`zero1-even`, the same buckets) when those, under the same
     TP scheduler, plan a step compute no longer than it (`TPMetrics.makespan`) and put no more
     optimizer state on the fullest GPU (`fullest_state`): the same step in no more memory, with the
-    cheapest DP collectives."""
+    cheapest DP collectives.
+
+    `matrix_config` (None, a mapping of fields or a config object; refused for an elementwise
+    optimizer): the configuration the matrices' step runs at. Its seconds (`canzona.cost.priced_with`:
+    a measured table's rows are the default configuration's) and its state are what the DP policy
+    balances, as the runtime runs it; the defaults given explicitly plan as none given."""
     if not 1 <= dp <= MAX_DP:
         raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
     if not 1 <= tp <= MAX_TP:
@@ -403,8 +416,9 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     model.check_tp(tp)
     if not model.matrix_params() and not empty_ok:
         raise SpecError(f"model {model.name!r} has no matrix parameters to plan")
-    cost_model = cost_model or AnalyticCost()
-    items = dp_items(model, tp, optimizer, cost_model)
+    matrix_config = matrix_config_for(optimizer, matrix_config)
+    cost_model = priced_with(cost_model or AnalyticCost(), optimizer, matrix_config)
+    items = dp_items(model, tp, optimizer, cost_model, matrix_config)
 
     def planned(name: str) -> tuple[DPPlan, TPPlan]:
         dpp = plan_dp(items, dp, name, alpha, bucket_size, align, balance_by, expert_buckets)

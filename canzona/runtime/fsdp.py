@@ -187,7 +187,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
         settings = PlanSettings(dp_policy=opts["dp_policy"], alpha=opts["alpha"], bucket_size=opts["bucket_size"],
                                 align=opts["align"], capacity=opts["capacity"], balance_by=opts["balance_by"])
-        matrices, self.plan = fsdp_matrices(spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"])
+        matrices, self.plan = fsdp_matrices(spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"],
+                                            matrix_config=self.matrix_cfg)
         self.owner = {n: m.owner for n, m in matrices.items()}
         # micro-groups: each owner's matrices in backward order, cut into chunks of about equal cost
         self.micro_groups = [[m.name for m in g] for g in

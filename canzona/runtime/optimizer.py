@@ -440,8 +440,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _resolve_plan(self, plan: Plan | str | Path | None, settings: PlanSettings,
                       cost_model: CostModel | None) -> Plan:
         if plan is None:
+            # balanced for the step this optimizer runs: its matrix_config's seconds and state, as
+            # `canzona plan --matrix-config` and the simulator price it (an elementwise one has none)
             plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
-                            ep=self.ep, geometry=self.geometry, overlap_step=self.overlap_step)
+                            ep=self.ep, geometry=self.geometry, overlap_step=self.overlap_step,
+                            matrix_config=None if self.elementwise else self.matrix_cfg)
         elif not isinstance(plan, Plan):
             plan = load_plan(plan)
         check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp, ep=self.ep)

@@ -3,23 +3,19 @@ FSDP step) checks of its options alike, written once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from canzona.errors import SpecError
 from canzona.fileio import is_finite_number
-from canzona.optimizers import check_config, config_from_dict, default_config
+from canzona.optimizers import resolve_config
 from canzona.runtime.gradients import NONFINITE_POLICIES
 
 
 def optimizer_config(name: str, given: Any) -> Any:
     """Optimizer `name`'s config from what the user gave: None (the defaults), a mapping of fields,
-    or a config object (validated)."""
-    if given is None:
-        return default_config(name)
-    if isinstance(given, Mapping):
-        return config_from_dict(name, dict(given))
-    return check_config(name, given)
+    or a config object (validated): `canzona.optimizers.resolve_config`, which the planner and the
+    simulator read `matrix_config` with too."""
+    return resolve_config(name, given)
 
 
 def check_step_options(*, timeout_s: Any, max_grad_norm: Any, nonfinite: Any, **flags: Any) -> None:
