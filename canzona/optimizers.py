@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -373,6 +374,12 @@ def config_changes(name: str, cfg: Any) -> dict[str, Any]:
     default = default_config(name)
     return {f.name: list(v) if isinstance(v, tuple) else v
             for f in fields(cfg) if (v := getattr(cfg, f.name)) != getattr(default, f.name)}
+
+
+def matrix_config_json(name: str, cfg: Any) -> str:
+    """`cfg` as the JSON object `--matrix-config` takes (its fields off the defaults, in name order):
+    read back by `config_from_dict`, it builds `cfg` again (JSON writes floats exactly)."""
+    return json.dumps(config_changes(name, cfg), sort_keys=True, separators=(", ", ": "))
 
 COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")
 LR_ADJUSTMENTS = ("original", "match_rms_adamw")

@@ -70,7 +70,7 @@ from cli.render import (
 )
 from cli.replay import Replay
 from cli.shared_options import takes_options
-from cli.units import parse_capacity
+from cli.units import parse_capacity, parse_matrix_config
 from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.topology import MAX_GPUS
 from sim.userbuffers import DEFAULT_UB_CONFIG
@@ -179,6 +179,7 @@ def plan(
     dp: Annotated[int, typer.Option(help=f"Data-parallel size (1..{MAX_DP}).")] = 32,
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 8,
     optimizer: Annotated[str, typer.Option(help=OPTIMIZER_HELP)] = "muon",
+    matrix_config: MatrixConfig = None,
     dp_policy: Annotated[str | None, typer.Option(
         help=f"One of: {', '.join(DP_POLICIES)} (default: {PLAN_DEFAULTS.dp_policy}; zero1-even for adamw).")] = None,
     tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy,
@@ -204,6 +205,7 @@ def plan(
 ) -> None:
     """Plan a layout and compare the chosen policies with the baselines."""
     try:
+        matrix_cfg = parse_matrix_config(matrix_config, optimizer)  # before any work, as every bad input
         if out is not None:
             check_output_path(out, "plan", (".json",), inputs=(model, hardware, cost_table))
         model_spec = resolve_spec(model, tp)
@@ -229,7 +231,7 @@ def plan(
             [(dense_part(model_spec), dp, tp), (expert_part(model_spec, ep, etp, hidden), edp, etp)]
         planned = [_plan_part(spec, part_dp, part_tp, optimizer, dp_policy, tp_policy, alpha, bucket_size, align,
                               cap, costs, balance_by, tables=not as_json, expert_buckets=expert_buckets,
-                              geometry=check_geometry(geometry))
+                              geometry=check_geometry(geometry), matrix_config=matrix_cfg)
                    for spec, part_dp, part_tp in parts]
         # under expert parallelism one plan file: the dense part's plan holding the experts'
         whole = planned[0][0] if ep == 1 else replace(planned[0][0], experts=planned[1][0], ep=ep)
@@ -275,14 +277,16 @@ def _check_runnable(plan: Plan) -> None:
 
 def _plan_part(model_spec, dp: int, tp: int, optimizer: str, dp_policy: str, tp_policy: str, alpha: float,
                bucket_size: int | None, align: int, cap, costs, balance_by: str, tables: bool,
-               expert_buckets: str = DEFAULT_EXPERT_BUCKETS, geometry: str = DEFAULT_GEOMETRY):
+               expert_buckets: str = DEFAULT_EXPERT_BUCKETS, geometry: str = DEFAULT_GEOMETRY,
+               matrix_config: object | None = None):
     """`canzona plan` for one model (or one part of it under expert parallelism): the chosen plan
     (canzona's `geometry` applied to the DP policy asked), and with `tables` the plans of its DP
     table (every DP policy, as it plans) and TP table (every TP policy on the chosen DP plan's)."""
 
     def make(dpp: str, tpp: str, unit: str = balance_by, geo: str = "whole"):
         return make_plan(model_spec, dp, tp, optimizer, dpp, tpp, alpha, bucket_size, align, cap,
-                         cost_model=costs, balance_by=unit, expert_buckets=expert_buckets, geometry=geo)
+                         cost_model=costs, balance_by=unit, expert_buckets=expert_buckets, geometry=geo,
+                         matrix_config=matrix_config)
 
     chosen = make(dp_policy, tp_policy, geo=geometry)
     if not tables:
@@ -382,6 +386,7 @@ def _sim_config(*, shared: SimOptions):
     from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
     o = shared
+    matrix_cfg = parse_matrix_config(o.matrix_config, o.optimizer)
     _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
     split = PipelineSplit(account_for_embedding_in_pipeline_split=o.account_for_embedding_in_pipeline_split,
                           account_for_loss_in_pipeline_split=o.account_for_loss_in_pipeline_split,
@@ -403,7 +408,8 @@ def _sim_config(*, shared: SimOptions):
                        geometry=o.geometry, align=o.align, balance_by=o.balance_by, expert_buckets=o.expert_buckets,
                        router_imbalance=_router_imbalance(o.router_imbalance), fsdp=o.fsdp,
                        hsdp_replicate=o.hsdp_replicate, reshard_after_forward=o.reshard_after_forward,
-                       fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split)
+                       fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split,
+                       matrix_config=matrix_cfg)
     config.check()
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
@@ -469,6 +475,11 @@ Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
+MatrixConfig = Annotated[str | None, typer.Option(
+    help="The matrix optimizer's configuration, as DistributedOptimizer's matrix_config: a JSON object of its "
+         "fields, e.g. '{\"ns_steps\": 10}' (Muon), '{\"max_precond_dim\": 4096}' (SOAP). The step is priced and "
+         "planned at it (its kernels, optimizer state and workspace); a measured cost table, timed at the "
+         "defaults, gives way to the analytic model. Default: the optimizer's defaults; not with --optimizer adamw.")]
 DpPolicy = Annotated[str | None, typer.Option(help=f"canzona's DP policy (default {PLAN_DEFAULTS.dp_policy}; {PAPER_DP_POLICY}: the paper's); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help=f"canzona's TP scheduler: {', '.join(TP_POLICIES)} (the baselines run tp-sync).")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]
@@ -684,6 +695,7 @@ class SimOptions:
     gpus: Gpus = 256
     tp: Tp = 8
     optimizer: Optimizer = "muon"
+    matrix_config: MatrixConfig = None
     policy: Policy = None
     dp_policy: DpPolicy = None
     tp_policy: TpPolicy = PLAN_DEFAULTS.tp_policy
@@ -899,8 +911,9 @@ def search(
         if workers is not None and not 1 <= workers <= 4 * (os.cpu_count() or 1):
             raise SpecError(f"--workers must be in 1..{4 * (os.cpu_count() or 1)}, got {workers}")
         o = shared
-        question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED if name not in EP_DISPATCHER_OPTIONS},
-                            ep_dispatcher=_ep_dispatcher(o),
+        question = Question(**{name: getattr(o, name) for name in SEARCH_SHARED
+                               if name not in EP_DISPATCHER_OPTIONS and name != "matrix_config"},
+                            ep_dispatcher=_ep_dispatcher(o), matrix_config=parse_matrix_config(o.matrix_config, o.optimizer),
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             recompute_method=recompute_method, search_recompute_layers=search_recompute_layers)
         err = Console(stderr=True)

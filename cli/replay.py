@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from canzona.errors import SpecError
+from canzona.optimizers import matrix_config_json
 from canzona.plan import PLAN_DEFAULTS
 from cli.units import parse_capacity
 from sim.workload import grad_bytes_for, loss_bytes_for
@@ -40,6 +41,8 @@ def _value(config: SimConfig, name: str) -> Any:
             c = config.capacity
             return f"{c.value!r}{'s' if c.unit == 's' else 'B'}"
         return "auto"
+    if name == "matrix_config":  # the JSON object of its fields off the defaults (SimConfig holds None for none)
+        return None if config.matrix_config is None else matrix_config_json(config.optimizer, config.matrix_config)
     if name == "grad_reduce_in_fp32":  # None: the default of the run's master weights (`grad_bytes_for`)
         wl = config.workload
         return None if wl.grad_bytes == grad_bytes_for(None, wl.master_weights) else wl.grad_bytes == grad_bytes_for(True)

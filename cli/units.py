@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from canzona.errors import SpecError
+from canzona.fileio import parse_json
+from canzona.optimizers import matrix_config_for, matrix_optimizer
 from canzona.tp import Capacity
 
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -24,6 +27,26 @@ def parse_capacity(text: str | None) -> Capacity | None:
     if unit in _BYTES:
         return Capacity(value * _BYTES[unit], "bytes")
     raise SpecError(f"capacity unit {m.group(2)!r} is unknown; use s, ms, us, B, KB, MB, GB, KiB, MiB or GiB")
+
+
+def parse_matrix_config(text: str | None, optimizer: str) -> Any:
+    """`--matrix-config`: a JSON object of the matrix optimizer's fields (`{"ns_steps": 10}`), read as
+    DistributedOptimizer reads its `matrix_config` (`canzona.optimizers.matrix_config_for`, torch-free):
+    None where not given or the optimizer's defaults, else the validated config. Not JSON, not an
+    object, an unknown field, a bad value or an elementwise optimizer (AdamW): one SpecError line."""
+    if text is None:
+        return None
+    if matrix_optimizer(optimizer).elementwise:  # before the text: the option itself is the mistake
+        raise SpecError(f"--matrix-config configures a matrix optimizer's step; --optimizer {optimizer} runs "
+                        "AdamW on every parameter, with no matrix step to configure")
+    given = parse_json(text, "--matrix-config", SpecError)
+    if not isinstance(given, dict):
+        raise SpecError(f"--matrix-config takes a JSON object of the optimizer's fields (e.g. '{{\"ns_steps\": 10}}'), "
+                        f"got {type(given).__name__ if given is not None else 'null'}")
+    try:
+        return matrix_config_for(optimizer, given)
+    except SpecError as e:
+        raise SpecError(f"--matrix-config: {e}") from None
 
 
 def human_bytes(n: float) -> str:

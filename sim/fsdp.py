@@ -328,10 +328,10 @@ class _FsdpRun:
         if self.policy is None:  # no matrix has an owner; the plan reported is ZeRO-1's over the shard group
             self.matrices: dict[str, FsdpMatrix] = {}
             self.plan = plan_for(self.spec, self.size, 1, cfg.optimizer, cfg.policy, cfg.settings, cost_model_for(hw),
-                                 ep=self.ep, hidden=self.arch.hidden)
+                                 ep=self.ep, hidden=self.arch.hidden, matrix_config=cfg.matrix_config)
         else:
             self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
-                                                     cost_model_for(hw))
+                                                     cost_model_for(hw), matrix_config=cfg.matrix_config)
         self.units = fsdp_units(self.spec, self.matrices)
         self.local, self.expert_local = unit_elements(self.spec, self.tp, self.ep)
         self.edp = cluster.dp * self.tp // self.ep  # the DP ranks outside EP, over which the experts are sharded
@@ -559,7 +559,8 @@ class _FsdpRun:
             return total
         for batch in shape_batches(mats, True):
             if len(batch) > 1:
-                total -= max(self.rate.batch_saving(self.cfg.optimizer, tuple(batch[0].shape), len(batch)), 0.0)
+                total -= max(self.rate.batch_saving(self.cfg.optimizer, tuple(batch[0].shape), len(batch),
+                                                          self.cfg.matrix_config), 0.0)
         return total
 
     @property
@@ -663,7 +664,7 @@ class _FsdpRun:
         kept = self._persistent(setup)
         in_flight = in_flight_bytes(self.gathered_elements(), self.cfg.reshard_after_forward, pb, gb)
         acts = activation_bytes(dims, setup, tp)
-        work = {m.name: kernel_workspace_bytes(opt, m.shape, ub) for m in self.matrices.values()}
+        work = {m.name: kernel_workspace_bytes(opt, m.shape, ub, self.cfg.matrix_config) for m in self.matrices.values()}
         stacks = {m.name: batched_stack_bytes(opt, m.shape) for m in self.matrices.values()}
         groups = self.micro_groups()
         ranks = []
@@ -698,7 +699,7 @@ class _FsdpRun:
         the matrix state that follows the update in the parameters' dtype (`kept_state_bytes`)."""
         gb, mb = setup.shard_grad_bytes, setup.master_bytes
         weight_bytes = 0 if mb else setup.param_bytes  # with masters, the fp32 shard is the parameter
-        matrices = kept_matrices(self.cfg.optimizer, self.matrices, setup)
+        matrices = kept_matrices(self.cfg.optimizer, self.matrices, setup, self.cfg.matrix_config)
         if self.tp == 1:
             dense = dense_part(self.spec) if self.ep > 1 else self.spec
             held = fsdp_persistent_memory(dense, self.shard, matrices, weight_bytes=weight_bytes,
@@ -730,13 +731,14 @@ class _FsdpRun:
         return out
 
 
-def kept_matrices(optimizer: str, matrices: dict[str, FsdpMatrix], setup: MemorySetup) -> dict[str, FsdpMatrix]:
+def kept_matrices(optimizer: str, matrices: dict[str, FsdpMatrix], setup: MemorySetup,
+                  matrix_config: object | None = None) -> dict[str, FsdpMatrix]:
     """`matrices` with their state as the runtime keeps it (`FsdpMatrix.state` is the plan's fp32
     count): without masters the part that follows the update (Muon's and NorMuon's momentum, which
     lives with the matrix's rows) in the parameters' dtype (`canzona.memory.state_saving_bytes`)."""
     out = {}
     for name, m in matrices.items():
-        saved = state_saving_bytes(optimizer, m.shape, setup)
+        saved = state_saving_bytes(optimizer, m.shape, setup, matrix_config)
         out[name] = replace(m, state=m.state - saved, row_state=m.row_state - min(saved, m.row_state)) if saved else m
     return out
 
@@ -761,7 +763,8 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     local, expert_local = unit_elements(spec, tp, ep)
     total = sum(local.values())
     matrices = spec.matrix_params() if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
-    matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape)) - state_saving_bytes(cfg.optimizer, tuple(p.shape), setup)
+    matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape), cfg.matrix_config)
+                       - state_saving_bytes(cfg.optimizer, tuple(p.shape), setup, cfg.matrix_config)
                        for p in matrices) // (shard * tp)
     elementwise = total - sum(p.local_numel(tp) for p in matrices)
     experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's

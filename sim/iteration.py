@@ -102,6 +102,9 @@ class Context:
     # `plan` above are the dense part
     experts: Context | None = None
     tp_stream: str = TP_COMM  # the stream of the step's TP exchanges (the expert part's: ETP_COMM)
+    # the matrix optimizer's configuration (SimConfig.matrix_config; None: its defaults), which the
+    # plan's seconds are priced at: the batched kernels' saving is priced at it too
+    matrix_config: object | None = None
 
     def expert_records(self, *phases: str) -> list[StepCollective]:
         """The expert part's collectives of these phases over EDP (`step_collectives` of the whole
@@ -173,7 +176,7 @@ class Context:
         (kept: a mixture-of-experts plan asks for the same few batches thousands of times)."""
         key = (shape, count)
         if key not in self._batch_savings:
-            self._batch_savings[key] = self.rate.batch_saving(self.plan.optimizer, shape, count)
+            self._batch_savings[key] = self.rate.batch_saving(self.plan.optimizer, shape, count, self.matrix_config)
         return self._batch_savings[key]
 
     @cached_property

@@ -44,7 +44,14 @@ from canzona.experts import dense_part, expert_params, expert_part
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import MemorySetup, activation_bytes, state_saving_bytes
 from canzona.models import resolve_model
-from canzona.optimizers import MATRIX_REGISTRY, check_matrix_optimizer, matrix_optimizer
+from canzona.optimizers import (
+    MATRIX_REGISTRY,
+    check_matrix_optimizer,
+    config_changes,
+    matrix_config_for,
+    matrix_config_json,
+    matrix_optimizer,
+)
 from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_spec, rank_layers, stage_spec
 from canzona.plan import PLAN_DEFAULTS
 from canzona.recompute import (
@@ -185,11 +192,16 @@ class Question:
     max_grad_norm: float | None = RunOptions.max_grad_norm
     batch_kernels: bool = RunOptions.batch_kernels
     gpu_variability: float | None = SimConfig.gpu_variability
+    # the matrix optimizer's configuration (SimConfig.matrix_config, the runtime's option): every layout
+    # is searched with it, its memory floor's optimizer state too; held as SimConfig holds it
+    matrix_config: Any = SimConfig.matrix_config
 
     def __post_init__(self) -> None:
         if not (isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_GPUS):
             raise SpecError(f"gpus must be a whole number in 1..{MAX_GPUS}, got {self.gpus!r}")
         check_matrix_optimizer(self.optimizer)
+        if self.matrix_config is not None:
+            object.__setattr__(self, "matrix_config", matrix_config_for(self.optimizer, self.matrix_config))
         check_recompute_method(FULL, self.recompute_method, self.recompute_num_layers)
         if not isinstance(self.search_recompute_layers, bool):
             raise SpecError(f"search_recompute_layers must be True or False, got {self.search_recompute_layers!r}")
@@ -564,6 +576,7 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
     space = space_of(q)
     kwargs: dict[str, Any] = dict(model=q.model, gpus=q.gpus, hardware=q.hardware, optimizer=q.optimizer,
                                   workload=q.workload(), options=q.run_options(), gpu_variability=q.gpu_variability,
+                                  matrix_config=q.matrix_config,
                                   **space.fixed(q))
     for axis in space.layout + space.refine:
         if axis.name in layout:
@@ -649,20 +662,21 @@ def memory_floor(cfg: SimConfig, model) -> int:
         buffers = setup.dispatcher_buffers if expert_params(whole) else 0  # allocated at a stage's first dispatch
         # every GPU of the stage holds the terms above alike; the masters and the optimizer state
         # differ by rank, and the fullest holds at least their mean over the stage's GPUs
-        state = optimizer_state_floor(whole, cfg.optimizer, setup) // (cfg.gpus // cfg.pp)
+        state = optimizer_state_floor(whole, cfg.optimizer, setup, cfg.matrix_config) // (cfg.gpus // cfg.pp)
         worst = max(worst, elements * (setup.param_bytes + setup.grad_bytes) + setup.userbuffers
                     + buffers + acts + setup.overhead(acts) + state)
     return worst
 
 
-def optimizer_state_floor(part: ModelSpec, optimizer: str, setup: MemorySetup) -> int:
+def optimizer_state_floor(part: ModelSpec, optimizer: str, setup: MemorySetup, matrix_config: object | None = None) -> int:
     """`part`'s masters and optimizer state summed over the GPUs that hold it, at least: each
     element's master once, each matrix's row state once (`row_state_bytes`, what a shard of its
     rows holds its share of: an owner's whole state is more), every other element's AdamW state
     once (every element's, under an elementwise optimizer); without masters the state that
     follows the update in the parameters' dtype (`state_saving_bytes`: Muon's momentum is its row
     state). A step policy that keeps more (a replicated or gathered copy, a matrix's whole
-    preconditioner) only adds to it."""
+    preconditioner) only adds to it. `matrix_config`: the optimizer's configuration (None: its
+    defaults), whose row state it is."""
     elementwise = matrix_optimizer(optimizer).elementwise
     adamw = 0
     state = 0
@@ -671,8 +685,9 @@ def optimizer_state_floor(part: ModelSpec, optimizer: str, setup: MemorySetup) -
             adamw += p.numel
         else:  # a stack of same-shape matrices (experts): each one's
             shape = p.matrix_shape if p.matrix_shape is not None else tuple(p.shape)
-            one = row_state_bytes(optimizer, shape)
-            state += p.numel // math.prod(shape) * (one - min(state_saving_bytes(optimizer, shape, setup), one))
+            one = row_state_bytes(optimizer, shape, matrix_config)
+            saved = state_saving_bytes(optimizer, shape, setup, matrix_config)
+            state += p.numel // math.prod(shape) * (one - min(saved, one))
     return setup.master_bytes * part.numel + state + setup.adamw_state_bytes(adamw)
 
 
@@ -701,6 +716,8 @@ def plan_command(q: Question, row: dict[str, Any], out: str = "plan.json") -> st
         parts.append(f"--ep {row['ep']}")
         if row["expert_buckets"] != PLAN_DEFAULTS.expert_buckets:
             parts.append(f"--expert-buckets {row['expert_buckets']}")
+    if q.matrix_config is not None:  # the plan balanced for the step the layouts were searched with
+        parts.append(f"--matrix-config {shlex.quote(matrix_config_json(q.optimizer, q.matrix_config))}")
     parts.append(f"--out {shlex.quote(out)}")
     return " ".join(parts)
 
@@ -744,6 +761,8 @@ def fsdp_launch(row: dict[str, Any], q: Question | None = None) -> list[str]:
         ac = torchtitan_ac(row["recompute"], row.get(AC_KEY))
         out.append(f"recompute {_recompute_text(row)} (a checkpoint wrapper per decoder layer; "
                    + (f"torchtitan: {ac})" if ac else "Megatron's attention-core recompute, no torchtitan setting)"))
+    if q is not None and q.matrix_config is not None:  # the step every layout was priced at
+        out.append(f"matrix_config={config_changes(q.optimizer, q.matrix_config)!r} (the optimizer's option)")
     return out + _fsdp_policy(row)
 
 
@@ -824,6 +843,8 @@ def _question_launch(q: Question, row: dict[str, Any]) -> list[str]:
              if getattr(o, name) != getattr(RunOptions, name)]
     if not w.master_weights:
         given.append("master_weights=False")
+    if q.matrix_config is not None:  # the step every layout was priced at, which the optimizer must run
+        given.append(f"matrix_config={config_changes(q.optimizer, q.matrix_config)!r}")
     if given:
         out.append(f"{', '.join(given)} (DistributedOptimizer's options)")
     return out

@@ -44,7 +44,12 @@ from canzona.memory import (
     userbuffer_bytes,
 )
 from canzona.models import resolve_model
-from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
+from canzona.optimizers import (
+    check_matrix_optimizer,
+    config_changes,
+    matrix_config_for,
+    matrix_optimizer,
+)
 from canzona.pipeline import (
     EVEN_SPLIT,
     PipelineSplit,
@@ -199,10 +204,18 @@ class SimConfig:
     # A's compute waits for the expected slowest of the job's GPUs; None: the hardware profile's
     # (`variability.time_cv`), 0: every GPU alike (comparisons with one runtime measurement)
     gpu_variability: float | None = None
+    # the matrix optimizer's configuration (DistributedOptimizer's `matrix_config`, same name and
+    # default: None, a mapping of fields or a config object): the step's kernels and the optimizer
+    # state and workspace are priced at it, through the planner (`canzona.plan.plan_for`). Held as
+    # None or a config off the defaults (`canzona.optimizers.matrix_config_for`): the defaults given
+    # are the same configuration as none given; refused for an elementwise optimizer (AdamW)
+    matrix_config: Any = None
 
     def __post_init__(self) -> None:
         if self.policy is None or not self.fsdp:  # the runtime's resolution (zero1-gather with adamw: zero1)
             object.__setattr__(self, "policy", resolve_policy(self.policy, self.optimizer))
+        if self.matrix_config is not None:
+            object.__setattr__(self, "matrix_config", matrix_config_for(self.optimizer, self.matrix_config))
 
     @property
     def settings(self) -> PlanSettings:
@@ -553,6 +566,9 @@ class SimResult:
             "dp": cfg.gpus // (cfg.tp * cfg.pp * cfg.cp),
             **({"dp_cp": cfg.gpus // (cfg.tp * cfg.pp)} if cfg.cp > 1 else {}),
             "optimizer": cfg.optimizer,
+            # the fields off the optimizer's defaults (`--matrix-config`), where there are any
+            **({} if cfg.matrix_config is None else
+               {"matrix_config": config_changes(cfg.optimizer, cfg.matrix_config)}),
             "dp_policy": self.plan.dp_plan.policy,
             "tp_policy": self.plan.tp_plan.policy,
             "tp_mode": cfg.tp_mode,
@@ -594,7 +610,7 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwarePro
                        **({} if expert_buckets is None else {"expert_buckets": expert_buckets}))
     return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
                     empty_ok=empty_ok, geometry=cfg.geometry,
-                    overlap_step=cfg.options.overlap_step)
+                    overlap_step=cfg.options.overlap_step, matrix_config=cfg.matrix_config)
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -834,23 +850,23 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
                                     capacity=expert.capacity)
             expert_plans.append(expert_plan)
             expert_ctx = Context(engine, experts, hw, rate, arch, expert_model, wl, expert_plan, expert_policy, work,
-                                 cfg.tp_mode, cfg.options, stage, tp_stream=ETP_COMM)
+                                 cfg.tp_mode, cfg.options, stage, tp_stream=ETP_COMM, matrix_config=cfg.matrix_config)
             stage_model = dense_part(stage_model)
         stage_plan = plan or _plan_for(cfg, cluster, stage_model, hw, policy=policy.name,
                                        expert_buckets=expert.buckets, empty_ok=expert_ctx is not None)
         policy.check_dp_plan(stage_plan.dp_plan)
         policy.check_tp_plan(stage_plan.tp_plan.policy, stage_plan.tp)
         ctxs.append(Context(engine, cluster, hw, rate, arch, stage_model, wl, stage_plan, policy, work,
-                            cfg.tp_mode, cfg.options, stage, experts=expert_ctx))
+                            cfg.tp_mode, cfg.options, stage, experts=expert_ctx, matrix_config=cfg.matrix_config))
         plans.append(stage_plan)
         # the dispatcher's buffers are allocated at a stage's first dispatch: none on a stage of dense layers only
         stage_setup = setup if expert_ctx is not None else replace(setup, dispatcher_buffers=0)
         memory = memory_per_gpu(stage_model, stage_plan, policy, dims, stage_setup, dp=cluster.dp, pp=cfg.pp,
-                                stage=stage, vp=cfg.vp, split=cfg.pipeline_split)
+                                stage=stage, vp=cfg.vp, split=cfg.pipeline_split, matrix_config=cfg.matrix_config)
         if expert_ctx is not None:
             memory = memory.with_experts(memory_per_gpu(expert_ctx.spec, expert_ctx.plan, expert_policy, dims, setup,
                                                         dp=experts.dp, pp=cfg.pp, stage=stage, vp=cfg.vp,
-                                                        split=cfg.pipeline_split),
+                                                        split=cfg.pipeline_split, matrix_config=cfg.matrix_config),
                                             cfg.ep, setup)
         memories.append(memory)
     memory = max(memories, key=lambda m: m.worst.total)
@@ -915,7 +931,7 @@ def with_policy(cfg: SimConfig, name: str) -> SimConfig:
         # the matrix optimizer's plan and kernel settings are canzona's, not the baseline's: at their
         # defaults for it, as it runs them (a run of AdamW refuses them set: `ELEMENTWISE_IGNORED`)
         options = replace(options, batch_kernels=RunOptions.batch_kernels)
-        return replace(cfg, policy=name, optimizer=optimizer, options=options,
+        return replace(cfg, policy=name, optimizer=optimizer, options=options, matrix_config=None,
                        **{name: default for name, _, default in ELEMENTWISE_IGNORED})
     return replace(cfg, policy=name, optimizer=optimizer, options=options)
 
