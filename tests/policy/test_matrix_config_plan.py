@@ -1,0 +1,72 @@
+"""The planner prices and balances the step the runtime runs: `matrix_config` (DistributedOptimizer's
+option) reaches the cost model and the optimizer state, its defaults plan as none given, and a
+measured table (timed at the defaults) gives way to the analytic model for another configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona.cost import AnalyticCost, TableCost, priced_with, state_bytes
+from canzona.errors import SpecError
+from canzona.models import resolve_spec
+from canzona.optimizers import MuonConfig, config_from_dict, matrix_config_for
+from canzona.plan import PlanSettings, make_plan, plan_for
+
+SPEC = resolve_spec("qwen3-0.6b", 1)
+
+
+def _plan(optimizer: str, matrix_config=None, cost_model=None):
+    return plan_for(SPEC, 4, 1, optimizer, "canzona", PlanSettings(), cost_model, matrix_config=matrix_config)
+
+
+def test_the_defaults_given_plan_as_none_given():
+    base = _plan("muon")
+    for given in ({}, {"ns_steps": 5}, MuonConfig()):
+        plan = _plan("muon", given)
+        assert plan.hash() == base.hash()
+        assert plan.cost_model == base.cost_model == "analytic:" + AnalyticCost().rate.name
+
+
+def test_more_newton_schulz_steps_cost_more_and_are_named():
+    base, longer = _plan("muon"), _plan("muon", {"ns_steps": 10})
+    assert longer.cost_model.endswith(' muon{"ns_steps":10}')
+    assert longer.hash() != base.hash()
+    # every matrix's step is five more Newton-Schulz iterations: more seconds, the same state
+    cost = {p.name: p.cost for p in base.dp_plan.placements()}
+    for p in longer.dp_plan.placements():
+        assert p.cost > cost[p.name]
+    assert longer.optimizer_compute_s > 1.5 * base.optimizer_compute_s
+
+
+def test_soap_state_follows_max_precond_dim():
+    small = config_from_dict("soap", {"max_precond_dim": 1024})
+    base, plan = _plan("soap"), _plan("soap", {"max_precond_dim": 1024})
+    placed = {p.name: p for p in plan.dp_plan.placements()}
+    default = {p.name: p for p in base.dp_plan.placements()}
+    for p in SPEC.matrix_params():
+        assert placed[p.name].state_bytes == state_bytes("soap", p.shape, small)
+        if max(p.shape) > 1024:  # a side no longer preconditioned: no factors of it, no eigensolves
+            assert placed[p.name].state_bytes < default[p.name].state_bytes
+            assert placed[p.name].cost < default[p.name].cost
+
+
+def test_a_measured_table_gives_way_to_its_analytic_model_off_the_defaults():
+    analytic = AnalyticCost()
+    table = TableCost(table={("muon", 1024, 1024, "bf16"): 1.0}, dtypes={"muon": "bf16"}, fallback=analytic)
+    ten = config_from_dict("muon", {"ns_steps": 10})
+    assert priced_with(table, "muon", None) is table
+    assert priced_with(table, "muon", MuonConfig()) is table
+    priced = priced_with(table, "muon", ten)
+    assert isinstance(priced, AnalyticCost) and priced.configs == {"muon": ten}
+    assert priced.seconds("muon", (1024, 1024)) == AnalyticCost(configs={"muon": ten}).seconds("muon", (1024, 1024))
+    # the plan says so: its cost model is the analytic one at the configuration, not the table
+    assert _plan("muon", ten, table).cost_model == priced.name
+
+
+def test_refused_for_an_elementwise_optimizer_and_for_bad_values():
+    with pytest.raises(SpecError, match="matrix optimizer"):
+        make_plan(SPEC, 4, 1, "adamw", "zero1-even", matrix_config={})
+    with pytest.raises(SpecError, match="no hyper-parameter"):
+        matrix_config_for("muon", {"ns_step": 3})
+    with pytest.raises(SpecError, match="MuonConfig"):
+        matrix_config_for("muon", config_from_dict("soap", {}))

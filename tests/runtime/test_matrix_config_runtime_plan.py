@@ -1,0 +1,50 @@
+"""The runtime's own plan (plan=None) is balanced for the step it runs: DistributedOptimizer(...,
+matrix_config=X) plans what `canzona plan --matrix-config X` writes (a world of one gloo rank in this
+process: no processes spawned)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from canzona.models import save_spec
+from canzona.plan import load_plan
+from canzona.runtime import DistributedOptimizer
+from reference.tiny_model import TinyQwen3
+from tests.cli_helpers import invoke
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _cli_plan(tmp_path, spec, optimizer: str, matrix_config: dict | None):
+    path, out = tmp_path / "spec.json", tmp_path / "plan.json"
+    save_spec(spec, path)
+    given = [] if matrix_config is None else ["--matrix-config", json.dumps(matrix_config)]
+    result = invoke("plan", "--model", path, "--dp", 1, "--tp", 1, "--optimizer", optimizer, *given, "--out", out)
+    assert result.exit_code == 0, result.output
+    return load_plan(out)
+
+
+@pytest.mark.parametrize(("optimizer", "matrix_config"), [
+    ("muon", {"ns_steps": 10}), ("muon", None), ("soap", {"max_precond_dim": 48, "precondition_frequency": 2}),
+])
+def test_runtime_and_cli_plan_the_same_for_a_matrix_config(one_rank, tmp_path, optimizer, matrix_config):
+    model = TinyQwen3("tiny", seed=0)
+    spec = model.spec()
+    opt = DistributedOptimizer(model.named_parameters(), spec, optimizer, matrix_config)
+    cli = _cli_plan(tmp_path, spec, optimizer, matrix_config)
+    assert opt.plan.hash() == cli.hash()
+    assert opt.plan.cost_model == cli.cost_model
+    if matrix_config is not None:  # and not the defaults' plan: the config changed what was priced
+        default = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), spec, optimizer)
+        assert default.plan.hash() != opt.plan.hash()
+        assert [p.cost for p in default.plan.dp_plan.placements()] != [p.cost for p in opt.plan.dp_plan.placements()]
