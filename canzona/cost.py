@@ -11,7 +11,6 @@ Allocation loops use `CostModel.seconds`, never raw element counts.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,6 @@ from canzona.optimizers import (
     MuonConfig,
     ShampooConfig,
     SOAPConfig,
-    config_changes,
     default_config,
     matrix_optimizer,
 )
@@ -419,11 +417,10 @@ class AnalyticCost:
 
     @property
     def name(self) -> str:
-        # a configuration off an optimizer's defaults is part of what priced the plan: named, so that
-        # a plan file (and its hash) says which step it was balanced for
-        changed = [f"{o}{json.dumps(c, sort_keys=True, separators=(',', ':'))}" for o, cfg in sorted(self.configs.items())
-                   if cfg is not None and (c := config_changes(o, cfg))]
-        return f"analytic:{self.rate.name}" + "".join(f" {c}" for c in changed)
+        # the configurations are not named: a plan's placements carry the seconds and state they
+        # priced (its hash changes where the configuration changes them), and a configuration that
+        # changes no work (a learning rate: every runtime's matrix_config) plans as the defaults do
+        return f"analytic:{self.rate.name}"
 
     def seconds(self, optimizer: str, shape: tuple[int, ...]) -> float:
         key = (optimizer, tuple(shape))
