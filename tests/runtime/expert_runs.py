@@ -109,7 +109,8 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
                     policy=train.policy, workload=wl, bucket_size=train.bucket_size,
                     expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
                     options=RunOptions(overlap_param_gather=False, collectives="runtime",
-                                       overlap_step=train.overlap_step))
+                                       overlap_step=train.overlap_step),
+                    matrix_config=train.matrix_config or None)  # what the runtime planned with
     result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     # the runtime's plan: the dense part's, holding the experts' (one plan file under EP)
     plan = ranks[0]["plan"]

@@ -150,7 +150,8 @@ def predicted_memory(run: dict, spec: TrainSpec, how: dict):
 def planned(run: dict, spec: TrainSpec, how: dict):
     """The owners `canzona.fsdp_plan` gives the run's shard group (the runtime's, asserted)."""
     matrices, _ = fsdp_matrices(run["spec"], run["size"], spec.optimizer,
-                                get_fsdp_policy(how.get("policy") or "canzona"))
+                                get_fsdp_policy(how.get("policy") or "canzona"),
+                                matrix_config=spec.matrix_config or None)  # the runtime's owners are its config's
     assert {n: m.owner for n, m in matrices.items()} == run["owner"]
     groups = owner_micro_groups(backward_order(fsdp_units(run["spec"], matrices)))
     assert [[m.name for m in g] for g in groups] == run["micro_groups"]
@@ -210,7 +211,8 @@ def test_the_simulator_reports_what_the_runtime_holds(world, hsdp, case):
     model = (results[0]["spec"], ModelSource(build_decoder(cfg), "catalog", cfg).architecture())
     workload = Workload(global_batch=world * 2, seq_len=8, **({} if how.get("mp") else {"param_bytes": 4}))
     sim = simulate(SimConfig(model=cfg.name, gpus=world, tp=1, fsdp=True, hsdp_replicate=world // results[0]["size"],
-                             optimizer=spec.optimizer, policy=how.get("policy") or "canzona", workload=workload),
+                             optimizer=spec.optimizer, policy=how.get("policy") or "canzona", workload=workload,
+                             matrix_config=spec.matrix_config or None),
                    model=model)
     assert len(sim.memory.ranks) == results[0]["size"]
     for got in results:
@@ -253,11 +255,11 @@ def test_empty_shards_and_skipped_steps(case):
     """At S = 3 rank 2 holds no row of b.weight (2 x 16) nor of b.bias: no AdamW state for the
     bias, nothing sent of the matrix; a skipped step (a NaN, `nonfinite="skip"`) issues only its
     step check. Memory and logs as the model and `fsdp_step_collectives` say."""
-    from tests.runtime.test_fsdp_runtime import SMALL_CASES, SMALL_WORLD, _small, small_spec
+    from tests.runtime.test_fsdp_runtime import MUON, SMALL_CASES, SMALL_WORLD, _small, small_spec
 
     results = _small()[case]
     spec, kw = small_spec(), SMALL_CASES[case]
-    matrices, _ = fsdp_matrices(spec, SMALL_WORLD, "muon", get_fsdp_policy("canzona"))
+    matrices, _ = fsdp_matrices(spec, SMALL_WORLD, "muon", get_fsdp_policy("canzona"), matrix_config=MUON)
     assert {n: m.owner for n, m in matrices.items()} == results[0]["owner"]
     want = fsdp_persistent_memory(spec, SMALL_WORLD, matrices, weight_bytes=4, grad_bytes=4, master_bytes=0)
     assert shard_numel((2, 16), SMALL_WORLD, 2) == 0 and want[2].adamw_state < want[1].adamw_state

@@ -57,6 +57,12 @@ SETUP = MemorySetup(param_bytes=2, grad_bytes=4, fixed_overhead_bytes=0, fragmen
 PARTS = ("dense", "experts")
 
 
+def matrix_config_of(optimizer: str) -> dict | None:
+    """The matrix_config each case's optimizer runs with, which the simulator is given too (the
+    runtime plans with it: same name, same pricing)."""
+    return {"ns_steps": 1} if optimizer == "muon" else None
+
+
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -92,7 +98,7 @@ def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, ex
     model = TinyMoeEP(MOE_PRESETS[preset], experts.get_group("ep"), dtype=torch.bfloat16,
                       tp_group=dense.get_group("tp") if dense is not None else None)
     mspec = model.spec()
-    config = {"ns_steps": 1} if optimizer == "muon" else None
+    config = matrix_config_of(optimizer)
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, config, policy=policy, group=dense,
                                bucket_size=BUCKET, reduce_scatter=impl, timeout_s=TIMEOUT_S, expert_mesh=experts)
     seen = {"dense": metered(opt.grads.dp), "experts": metered(opt.experts.grads.dp)}
@@ -177,7 +183,8 @@ def simulated(tp: int, c: int, collectives: str | None = None):
                     workload=Workload(seq_len=8, global_batch=WORLD, param_bytes=2, grad_bytes=4),
                     bucket_size=BUCKET, expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
                     options=RunOptions(reduce_scatter=impl, collectives=collectives or (
-                        "runtime" if policy == "zero1" else "megatron")))
+                        "runtime" if policy == "zero1" else "megatron")),
+                    matrix_config=matrix_config_of(optimizer))
     return simulate(cfg, model=(spec, moe_architecture(spec.name, LAYOUTS[tp]))).memory
 
 
