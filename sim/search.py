@@ -997,6 +997,8 @@ class SearchResult:
 
         return {
             **asdict(q),  # the whole question the layouts were searched under, every field of it
+            # its matrix config as `--matrix-config` takes it (and simulate's JSON gives it): the fields off the defaults
+            "matrix_config": None if q.matrix_config is None else config_changes(q.optimizer, q.matrix_config),
             "searched": {"candidates": self.candidates, "pruned_by_checks": self.pruned_checks,
                          "pruned_by_memory": self.pruned_memory, "pruned_by_bound": self.pruned_bound,
                          "pruned_as_ties": self.pruned_ties,

@@ -102,6 +102,16 @@ def test_search_and_replay_carry_the_config():
     q = Question(model="qwen3-0.6b", gpus=8, matrix_config={"ns_steps": 10})
     row = {"dp": 8, "tp": 1, "ep": 1, "dp_policy": "alpha-balanced-reorder", "tp_policy": "tp-sync"}
     assert "--matrix-config '{\"ns_steps\": 10}'" in sim.search.plan_command(q, row)
+    # the search's JSON: the question's config as the option takes it, and the best row's commands
+    result = invoke("search", "--model", "qwen3-0.6b", "--gpus", "8", "--matrix-config", TEN, "--top", "1",
+                    "--workers", "1", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    best = summary["layouts"][0]
+    assert summary["matrix_config"] == {"ns_steps": 10}
+    assert "--matrix-config '{\"ns_steps\": 10}'" in best["plan_command"]
+    assert "--matrix-config '{\"ns_steps\": 10}'" in best["simulate_command"]
+    assert "matrix_config={'ns_steps': 10} (DistributedOptimizer's options)" in "; ".join(best["not_in_plan"])
 
 
 @pytest.fixture
