@@ -342,7 +342,6 @@ def config_from_dict(name: str, values: dict[str, Any]) -> Any:
     return check_config(name, replace(cfg, **cast))
 
 
-
 def resolve_config(name: str, given: Any) -> Any:
     """Optimizer `name`'s config from what the user gave: None (the defaults), a mapping of fields,
     or a config object (validated). The one reading of `matrix_config` / `adamw_config`: the
@@ -370,7 +369,8 @@ def matrix_config_for(optimizer: str, given: Any) -> Any:
 
 def config_changes(name: str, cfg: Any) -> dict[str, Any]:
     """The fields of `cfg` that differ from optimizer `name`'s defaults (tuples as lists): what a
-    `--matrix-config` JSON object holds to build `cfg` again, and what a cost model's name shows."""
+    `--matrix-config` JSON object holds to build `cfg` again, and what the simulator's and the
+    search's results show of it."""
     default = default_config(name)
     return {f.name: list(v) if isinstance(v, tuple) else v
             for f in fields(cfg) if (v := getattr(cfg, f.name)) != getattr(default, f.name)}
@@ -380,6 +380,7 @@ def matrix_config_json(name: str, cfg: Any) -> str:
     """`cfg` as the JSON object `--matrix-config` takes (its fields off the defaults, in name order):
     read back by `config_from_dict`, it builds `cfg` again (JSON writes floats exactly)."""
     return json.dumps(config_changes(name, cfg), sort_keys=True, separators=(", ", ": "))
+
 
 COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")
 LR_ADJUSTMENTS = ("original", "match_rms_adamw")

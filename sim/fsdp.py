@@ -559,8 +559,9 @@ class _FsdpRun:
             return total
         for batch in shape_batches(mats, True):
             if len(batch) > 1:
-                total -= max(self.rate.batch_saving(self.cfg.optimizer, tuple(batch[0].shape), len(batch),
-                                                          self.cfg.matrix_config), 0.0)
+                saving = self.rate.batch_saving(self.cfg.optimizer, tuple(batch[0].shape), len(batch),
+                                                self.cfg.matrix_config)
+                total -= max(saving, 0.0)
         return total
 
     @property
