@@ -115,7 +115,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     own DP or TP policy (the baselines) overrides those two. `geometry` (`canzona.plan.GEOMETRIES`):
     `"auto"` (default) keeps ZeRO-1's even segments where whole matrices plan no shorter step (the
     ranks then fetch the parts of the matrices that straddle a cut, as zero1-gather's do),
-    `"whole"` always whole matrices; `overlap_step` plans whole matrices.
+    `"whole"` always whole matrices; `overlap_step` plans whole matrices. The plan is balanced for
+    the step this optimizer runs, priced at `matrix_config` (`canzona.plan.plan_for`'s option of that
+    name: `canzona plan --matrix-config` writes the same plan).
 
     `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
     after the axes, `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when
