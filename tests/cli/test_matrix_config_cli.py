@@ -12,6 +12,7 @@ import pytest
 import sim.search
 import sim.simulate
 from canzona.cost import row_state_bytes, state_bytes
+from canzona.memory import MemorySetup
 from canzona.models import resolve_model, resolve_spec
 from canzona.optimizers import config_from_dict
 from canzona.plan import PlanSettings, load_plan, plan_for
@@ -78,8 +79,8 @@ def test_fsdp_memory_and_the_search_floors_follow_the_config():
     assert cfgs[1].matrix_config == config_from_dict("shampoo", nograft) and cfgs[0].matrix_config is None
     moments = sum(row_state_bytes("shampoo", p.shape) for p in model[0].matrix_params())
     assert moments > 0
-    assert optimizer_state_floor(model[0], "shampoo", 0) - \
-        optimizer_state_floor(model[0], "shampoo", 0, config_from_dict("shampoo", nograft)) == moments
+    assert optimizer_state_floor(model[0], "shampoo", MemorySetup()) - \
+        optimizer_state_floor(model[0], "shampoo", MemorySetup(), config_from_dict("shampoo", nograft)) == moments
     assert memory_floor(cfgs[0], model) - memory_floor(cfgs[1], model) == moments // 8
 
 
