@@ -63,6 +63,11 @@ class Architecture:
     ffn: int | None = None
     experts: int | None = None  # routed experts per mixture-of-experts layer (None: a dense model)
     experts_per_token: int | None = None  # top-k: the experts each token is routed to
+    # the attention window of layers that attend to the last `sliding_window` tokens only (Mistral's
+    # `sliding_window`, Qwen2's / Qwen3's under `use_sliding_window`); None: full causal attention.
+    # The simulator prices full causal attention, so it refuses sequences longer than the window
+    # (`sim.simulate.SimConfig.checked`) rather than price attention the model does not run
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if (self.experts is None) != (self.experts_per_token is None):
@@ -153,6 +158,7 @@ class DecoderConfig:
     split_fc1: bool = True
     router_optimizer: str = "adamw"
     official_active_params: float = 0.0
+    sliding_window: int | None = None  # `Architecture.sliding_window`
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -190,7 +196,8 @@ class DecoderConfig:
     def architecture(self) -> Architecture:
         moe = (self.experts, self.experts_per_token) if self.experts else (None, None)
         return Architecture(self.name, self.layers, self.hidden, self.vocab, self.q_dim, self.kv_dim,
-                            self.q_heads, self.kv_heads, self.head_dim, self.ffn, *moe)
+                            self.q_heads, self.kv_heads, self.head_dim, self.ffn, *moe,
+                            sliding_window=self.sliding_window)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.experts) and layer not in self.dense_layers

@@ -47,7 +47,7 @@ SPEC_VERSION = 1
 SPEC_FIELDS = ("schema", "version", "name", "architecture", "params")
 PARAM_FIELDS = ("name", "shape", "role", "layer", "tp_dim", "dtype", "matrix_shape")
 ARCHITECTURE_FIELDS = ("layers", "hidden", "vocab", "q_dim", "kv_dim", "q_heads", "kv_heads", "head_dim", "ffn",
-                       "experts", "experts_per_token")
+                       "experts", "experts_per_token", "sliding_window")
 REQUIRED_ARCHITECTURE = ("layers", "hidden", "vocab", "q_dim")
 MAX_PARAMS = 2**20
 MAX_PARAM_DIM = 2**40
@@ -162,8 +162,34 @@ def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig
         tied_embeddings=_hf_bool(data, "tie_word_embeddings", where), family=model_type,
         qk_norm=kind["qk_norm"], qkv_bias=attention_bias or model_type == "qwen2", o_bias=attention_bias,
         mlp_bias=kind["reads_mlp_bias"] and _hf_bool(data, "mlp_bias", where),
+        sliding_window=_hf_window(data, model_type, layers, where),
         **(_hf_experts(data, model_type, layers, where) if model_type in HF_MOE else {}),
     )
+
+
+# The model types whose attention may slide over a window, and how transformers turns it on:
+# mistral and mixtral whenever `sliding_window` is set (every layer); qwen2, qwen3 and qwen3_moe
+# only under `use_sliding_window`, on the layers from `max_window_layers` on (transformers'
+# Qwen2Attention / Qwen3Attention: `layer_idx >= max_window_layers`), so their configs' own
+# `sliding_window` (4096, 32768, ...) is inert unless that is set
+WINDOW_ALWAYS = frozenset({"mistral", "mixtral"})
+WINDOW_GATED = {"qwen2": 28, "qwen3": 28, "qwen3_moe": 28}  # transformers' max_window_layers defaults
+
+
+def _hf_window(data: Mapping[str, Any], model_type: str, layers: int, where: str) -> int | None:
+    """The attention window some layers of this config use (`Architecture.sliding_window`), or None."""
+    if model_type in WINDOW_GATED:
+        if not _hf_bool(data, "use_sliding_window", where):
+            return None
+        first = data.get("max_window_layers", WINDOW_GATED[model_type])
+        if not (isinstance(first, int) and not isinstance(first, bool) and first >= 0):
+            raise SpecError(f"{where}: max_window_layers must be a whole number >= 0, got {first!r}")
+        if first >= layers:  # no layer reaches it: full attention everywhere
+            return None
+    elif model_type not in WINDOW_ALWAYS:
+        return None
+    window = data.get("sliding_window")
+    return None if window is None else _whole(window, "sliding_window", where)
 
 
 def _hf_experts(data: Mapping[str, Any], model_type: str, layers: int, where: str) -> dict[str, Any]:

@@ -304,6 +304,12 @@ class SimConfig:
             raise SpecError(f"seq len {self.workload.seq_len} / cp {self.cp} is not divisible by tp {self.tp} "
                             "(sequence parallelism splits each sequence's tokens over the TP group)")
         resolved = model_of(self, model)
+        window = resolved[1].sliding_window
+        if window is not None and self.workload.seq_len > window:
+            raise SpecError(f"{resolved[0].name}'s attention slides over a window of {window} tokens (sliding_window "
+                            f"in its config), shorter than --seq-len {self.workload.seq_len}: sliding-window attention "
+                            f"is not modelled; simulate --seq-len {window} or less, or set sliding_window to null "
+                            "for full causal attention")
         if not isinstance(self.pipeline_split, PipelineSplit):
             raise SpecError(f"pipeline_split must be a PipelineSplit, got {self.pipeline_split!r}")
         stage_layers(resolved[1].layers, self.pp, 0)

@@ -120,6 +120,29 @@ def test_mistral_7b_has_7_24b_parameters(tmp_path):
     assert (arch.vocab, arch.kv_heads, arch.head_dim) == (32000, 8, 128)
 
 
+def test_an_active_sliding_window_is_read_and_longer_sequences_are_refused(tmp_path):
+    """Mistral 7B v0.1 attends to the last 4096 tokens: the simulator, which prices full causal
+    attention, simulates up to the window and refuses a longer sequence with one error line (it
+    priced full attention over 8192 tokens silently before). Qwen2's and Qwen3's `sliding_window`
+    is inert without `use_sliding_window`, and then only on the layers from `max_window_layers`."""
+    mistral = config_file(tmp_path, MISTRAL_7B)
+    assert resolve_model(mistral)[1].sliding_window == 4096
+    assert resolve_model(config_file(tmp_path, {**MISTRAL_7B, "sliding_window": None}, "v2"))[1].sliding_window is None
+    assert resolve_model(config_file(tmp_path, QWEN2_7B, "q2"))[1].sliding_window is None
+    gated = {**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096}
+    assert resolve_model(config_file(tmp_path, gated, "q2w"))[1].sliding_window is None  # 28 of 28 layers: none
+    assert resolve_model(config_file(tmp_path, {**gated, "max_window_layers": 20}, "q2w20"))[1].sliding_window == 4096
+    base = ["simulate", "--model", str(mistral), "--gpus", "8", "--tp", "1", "--global-batch", "8"]
+    assert invoke(*base, "--seq-len", "4096", "--json").exit_code == 0
+    error_line(invoke(*base, "--seq-len", "8192"), "window of 4096 tokens", "--seq-len 8192", "not modelled")
+    error_line(invoke("search", "--model", str(mistral), "--gpus", "8", "--seq-len", "8192"), "sliding-window")
+    # a spec file keeps the window in its architecture block
+    out = tmp_path / "mistral.spec.json"
+    assert invoke("spec", str(mistral), "--out", str(out)).exit_code == 0
+    assert json.loads(out.read_text())["architecture"]["sliding_window"] == 4096
+    assert resolve_model(out)[1].sliding_window == 4096
+
+
 def test_qwen2_7b_has_qkv_biases_on_adamw(tmp_path):
     spec = resolve_spec(config_file(tmp_path, QWEN2_7B))
     assert spec.numel == dense_count(28, 3584, 28, 4, 128, 18944, 152064, tied=False, qkv_bias=True)
