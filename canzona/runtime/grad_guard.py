@@ -5,7 +5,7 @@ code still runs: a collective may be reading or writing that memory until `step(
 never a view of it. Backward writes a gradient into a fresh `.grad` (torch's `set_to_none`
 default), the hook moves it into the buffer and leaves a `GradGuard` in its place: a tensor with
 the gradient's shape, dtype and device but no storage, whose every use is refused with one line
-saying what to use instead. A guard has one of three states, kept by the optimizer:
+saying what to use instead. A guard has one of four states, kept by the optimizer:
 
 - `ACCUMULATING` (a backward under `no_sync()`): autograd's next accumulation (`grad += g`) is
   routed into the buffer; anything else is refused (the gradient is local and incomplete);
@@ -13,10 +13,13 @@ saying what to use instead. A guard has one of three states, kept by the optimiz
   across ranks. Reading it (torch's `clip_grad_norm_`, logging a norm, DDP's reducer, GradScaler)
   or writing it (`clip_grad_value_`, scaling) is refused, and so is a second backward;
 - `STEPPED` (after `step()`): the buffer holds what the step consumed; a backward that would add
-  onto it is refused.
+  onto it is refused;
+- `ZEROED` (after `zero_()` or `optimizer.zero_grad(set_to_none=False)`): the gradient is zero,
+  as torch leaves it; the next backward's accumulation is routed into the buffer, replacing what
+  it held, and a step that no backward reached steps a zero gradient, as torch's optimizers do.
 
-`zero_()` (what `model.zero_grad(set_to_none=False)` calls) drops an accumulating or stepped
-gradient, as `set_to_none` would; a gradient being reduced cannot be zeroed.
+`zero_()` (what `model.zero_grad(set_to_none=False)` calls) zeroes an accumulating or stepped
+gradient; a gradient being reduced cannot be zeroed.
 
 `model.zero_grad()` (set_to_none) replaces a guard by None, which the optimizer sees. Metadata
 (`.shape`, `.dtype`, `is not None`) works, and so do aliases (`.detach()`, `.data`): DTensor
@@ -41,6 +44,7 @@ class GradState(enum.Enum):
     ACCUMULATING = "accumulating"
     REDUCING = "reducing"
     STEPPED = "stepped"
+    ZEROED = "zeroed"
 
 
 # alias-making ops: the result is another guard of the same gradient (DTensor.from_local views its
@@ -104,13 +108,13 @@ class GradGuard(Tensor):
             shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
             return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
         state = owner.guard_state(guard._name)
-        if func in _IN_PLACE_ADDS and args[0] is guard and state is GradState.ACCUMULATING \
+        if func in _IN_PLACE_ADDS and args[0] is guard and state in (GradState.ACCUMULATING, GradState.ZEROED) \
                 and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard):
-            owner.accumulate(guard._name, args[1])  # autograd's accumulation under no_sync()
+            owner.accumulate(guard._name, args[1])  # autograd's accumulation (under no_sync(), or onto zeros)
             return guard
         if func in _ZEROS and state is not GradState.REDUCING:
             # model.zero_grad(set_to_none=False) after a step, or between micro-batches: the
-            # gradient is dropped, as set_to_none would drop it
+            # gradient is zero (`ZEROED`), as torch's is
             owner.dropped(guard._name)
             return guard
         in_backward = torch._C._current_graph_task_id() != -1

@@ -135,6 +135,11 @@ class GradientSync:
         # the TP schedule's prefetched gathers, or under overlap_step the whole early step
         self.early_work: Callable[[Callable[[str], Tensor]], None] | None = None
         self._states: dict[str, GradState] = {}
+        # parameters whose `.grad` torch would hold as zeros (`zero_grad(set_to_none=False)`, or
+        # `zero_()` on a guard): their guard stands in `.grad`, `ZEROED`, the buffer's content
+        # stale; a step with no backward reaching them steps them with a zero gradient, as torch's
+        # optimizers step a zero `.grad`, and a backward writes into the buffer as onto zeros
+        self._zeroed: set[str] = set()
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
 
@@ -151,12 +156,14 @@ class GradientSync:
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
 
-    def zero_grad(self) -> None:
-        """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch. Collectives still in
-        flight (a backward without its step) are completed first: they read the buffers."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
+        every `.grad` that is not None zero (its guard, `ZEROED`), as torch zeroes it. Collectives
+        still in flight (a backward without its step) are completed first: they read the buffers."""
         self._drain()
-        for p in self.params.values():
-            p.grad = None
+        self._zeroed = set() if set_to_none else {n for n, p in self.params.items() if p.grad is not None}
+        for name, p in self.params.items():
+            p.grad = self._guards[name] if name in self._zeroed else None
         self._states.clear()
         self.reset()
 
@@ -216,6 +223,7 @@ class GradientSync:
         if not self.is_linked(name):
             raise CanzonaError(self.unlinked_message(name))
         p, guard = self.params[name], self._guards[name]
+        self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
             # backward), or the user assigned one: it replaces what the buffer held, as in torch
@@ -267,10 +275,18 @@ class GradientSync:
         its guard, now `REDUCING`."""
         for name in dict.fromkeys(self.stacks.param_of[e] for e in buffer.names):
             p, guard = self.params[name], self._guards[name]
+            if p.grad is guard and name in self._zeroed and name not in self._states:
+                # zeroed and reached by no backward: a zero gradient, which torch's optimizers step
+                for entry in self.stacks.members[name]:
+                    if self.buffer_of[entry] is buffer:
+                        buffer.zero(entry)
+                self._got_grad[self.index[name]] = 1
+                continue
             if p.grad is guard:
                 if self._states.get(name) is GradState.STEPPED:
                     raise CanzonaError(STALE_GRADIENTS.format(name=name))
             elif p.grad is None:
+                self._zeroed.discard(name)  # set to None since (model.zero_grad())
                 for entry in self.stacks.members[name]:
                     if self.buffer_of[entry] is buffer:
                         buffer.zero(entry)
@@ -297,14 +313,21 @@ class GradientSync:
 
     def guard_state(self, name: str) -> GradState:
         # a guard whose name has no state was left over (its gradient was zeroed at a launch)
+        if name not in self._states and name in self._zeroed:
+            return GradState.ZEROED
         return self._states.get(name, GradState.STEPPED)
 
     def accumulate(self, name: str, grad: Tensor) -> None:
-        self._write(name, grad, add=True)
+        zeroed = self.guard_state(name) is GradState.ZEROED
+        if zeroed:  # onto zeros: the buffer's stale content is replaced
+            self._zeroed.discard(name)
+            self._states[name] = GradState.ACCUMULATING
+        self._write(name, grad, add=not zeroed)
 
     def dropped(self, name: str) -> None:
-        self.params[name].grad = None
+        """`zero_()` on the guard: torch keeps a zero `.grad` (see `_zeroed`)."""
         self._states.pop(name, None)
+        self._zeroed.add(name)
 
     def refusal(self, name: str, what: str, in_backward: bool) -> str:
         state = self.guard_state(name)
@@ -323,6 +346,7 @@ class GradientSync:
                     f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "
                     "double backward is not supported by canzona's DistributedOptimizer")
         where = ("accumulating in the optimizer's buffers (under no_sync())" if state is GradState.ACCUMULATING
+                 else "zero, held by the optimizer" if state is GradState.ZEROED
                  else "being reduced across ranks by the optimizer")
         return (f"the gradient of {name!r} is {where}: nothing may read or change .grad between backward and step() "
                 f"({what}). {GUARD_ADVICE}")
@@ -358,7 +382,8 @@ class GradientSync:
             return self.unlinked_message(unlinked)
         for name, p in self.params.items():
             held = name in self._states
-            if (p.grad is not self._guards[name]) if held else (p.grad is not None):
+            zeroed = name in self._zeroed and p.grad is self._guards[name]
+            if (p.grad is not self._guards[name]) if held else (p.grad is not None and not zeroed):
                 change = "dropped (zero_grad() or .grad = None)" if p.grad is None else "replaced"
                 return (f"the gradient of {name!r} was {change} between backward and step(), after backward had "
                         f"handed it to the reduction: zero gradients before backward, not after. {GUARD_ADVICE}")

@@ -797,11 +797,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     data.copy_(target)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Every `.grad` becomes None (`set_to_none=False` too: the gradients live in the
-        optimizer's buffers, and the next backward replaces them). `model.zero_grad()`, with either
-        setting, works the same."""
+        """Every `.grad` becomes None, or with `set_to_none=False` zero (a guard: the gradients live
+        in the optimizer's buffers), as in torch: a parameter that no backward reaches before the
+        next step is stepped with that zero gradient (momentum, weight decay), as torch's
+        optimizers step a zero `.grad`, and skipped after set_to_none. `model.zero_grad()`, with
+        either setting, works the same."""
         for grads in self._syncs():
-            grads.zero_grad()
+            grads.zero_grad(set_to_none)
         for part in self._parts():
             part.matrix_step.discard()  # an overlapped step computed and never committed (no step() came)
 

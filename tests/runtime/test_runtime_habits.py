@@ -220,6 +220,64 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
+class _Branchy(torch.nn.Module):
+    """A branch that some steps leave unused (its parameters get no gradient there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.branch, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + torch.tanh(self.branch(h)) if use else h)
+
+
+BRANCH_USED = (True, False, False, True)  # per step: whether the branch runs
+
+
+def _branchy_steps(model, opt, zero, rank: int, world: int) -> None:
+    """Steps zeroing with `zero(model, opt)`; each rank's share of one global batch per step."""
+    for step, use in enumerate(BRANCH_USED):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        zero(model, opt)
+        torch.nn.functional.mse_loss(model(x[share], use), y[share]).backward()
+        opt.step()
+
+
+BRANCHY_ZEROS = {
+    "opt set_to_none=False": lambda m, o: o.zero_grad(set_to_none=False),
+    "model set_to_none=False": lambda m, o: m.zero_grad(set_to_none=False),
+    "opt": lambda m, o: o.zero_grad(),
+}
+
+
+def branchy_zero_job(rank: int, world: int, zero: str) -> dict:
+    """An unused branch after zero_grad(set_to_none=False): torch keeps its zero gradient and steps
+    it (momentum, weight decay); after set_to_none it skips it."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw",
+                               adamw_config={"weight_decay": 0.1})
+    _branchy_steps(model, opt, BRANCHY_ZEROS[zero], rank, world)
+    return _params(model)
+
+
+def branchy_torch_reference(zero: str) -> dict:
+    model = _Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _branchy_steps(model, opt, BRANCHY_ZEROS[zero], 0, 1)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def clip_disagreement_job(rank: int, world: int) -> dict:
     model = build_model(BASE)
     opt = _optimizer(model)
@@ -321,6 +379,7 @@ JOBS = {
     "clip disagreement": ("clip_disagreement_job", ()),
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
+    **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
 }
 
 
@@ -388,6 +447,15 @@ def test_every_zero_grad_habit_trains_exactly(runs, zero):
     want = emulate(BASE, DP)
     for out in runs[f"zero {zero}"]:
         assert compare(out, want)["bit_identical"]
+
+
+@pytest.mark.parametrize("zero", list(BRANCHY_ZEROS))
+def test_an_unused_parameter_steps_as_torch_steps_it_after_either_zero_grad(runs, zero):
+    want = branchy_torch_reference(zero)
+    for out in runs[f"branchy {zero}"]:
+        assert compare(out, want)["max_rel_diff"] < 1e-6, zero
+    kept, dropped = branchy_torch_reference("opt set_to_none=False"), branchy_torch_reference("opt")
+    assert not torch.equal(kept["branch.weight"], dropped["branch.weight"])  # the habit matters
 
 
 def test_zeroing_between_micro_batches_drops_the_accumulated_gradient_as_torch_does(runs):
