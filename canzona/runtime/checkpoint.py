@@ -346,12 +346,17 @@ def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str,
     header, groups, state = state_by_name(state_dict)
     _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
     if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
-        name_of = {id(p): n for n, p in opt.params.items()}
-        mine = [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]
-        saved = [list(g[NAMES_KEY]) for g in state_dict["param_groups"]]
-        if len(saved) == len(mine) and saved != mine:
-            raise PlanError(f"checkpoint's parameter groups hold other parameters: {_first_name_difference(saved, mine)}")
+        _check_members(opt, [list(g[NAMES_KEY]) for g in state_dict["param_groups"]])
     return header, groups, state
+
+
+def _check_members(opt: Described, saved: list[list[str]]) -> None:
+    """The checkpoint's groups hold the parameters this optimizer's do: each group's
+    hyper-parameters are restored into the group at its position."""
+    name_of = {id(p): n for n, p in opt.params.items()}
+    mine = [[name_of[id(p)] for p in g["params"]] for g in opt.param_groups]
+    if len(saved) == len(mine) and saved != mine:
+        raise PlanError(f"checkpoint's parameter groups hold other parameters: {_first_name_difference(saved, mine)}")
 
 
 def _first_name_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
@@ -385,6 +390,8 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     restores alike (the configurations, each group's hyper-parameters); return (the state by name
     without masters, the fp32 masters by name) for the layout to cut to what its rank holds."""
     _check_compatible(opt, header, groups, state)
+    if groups and all(NAMES_KEY in g for g in groups):  # a sharded checkpoint's groups name their members
+        _check_members(opt, [list(g[NAMES_KEY]) for g in groups])
     opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(header["matrix_config"])))
     opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(header["adamw_config"])))
     for group, saved in zip(opt.param_groups, groups):
@@ -520,9 +527,13 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
 
 
 def sharded_meta(opt: Described, prefix: str = DCP_PREFIX) -> dict[str, Any]:
-    """The small metadata entry every rank holds alike: the header and the groups' hyper-parameters."""
+    """The small metadata entry every rank holds alike: the header and the groups' hyper-parameters
+    and members (by name: a loader checks that its groups hold the same)."""
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
-    meta = {**_header(opt), "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    name_of = {id(p): n for n, p in opt.params.items()}
+    meta = {**_header(opt), "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                              NAMES_KEY: [name_of[id(p)] for p in g["params"]]}
+                                             for g in opt.param_groups]}
     return {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
 
 

@@ -178,6 +178,50 @@ def foreign_checkpoint_job(rank: int, world: int) -> dict:
             "other optimizer": _outcome(lambda: opt_tied.load_state_dict(other))}
 
 
+def regrouped_checkpoint_job(rank: int, world: int) -> dict:
+    """Groups of the same kinds in the same order, holding other parameters (the attention's or the
+    MLP's matrices at the lower learning rate): each path of loading refuses the checkpoint, before
+    anything changes."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    def grouped(model, slow: str):
+        """The embedding and the `slow` matrices at lr 0.01; the rest at 0.02."""
+        named = list(model.named_parameters())
+        low = [(n, p) for n, p in named if "embed" in n or slow in n]
+        high = [(n, p) for n, p in named if all(n != m for m, _ in low)]
+        return _optimizer_groups(model, [{"params": low, "lr": 0.01}, {"params": high, "lr": 0.02}])
+
+    saved_model, model = build_model(BASE), build_model(BASE)
+    saved, opt = grouped(saved_model, "self_attn"), grouped(model, "mlp")
+    for m, o in ((saved_model, saved), (model, opt)):
+        o.zero_grad()
+        m.loss(_batch(rank, world)).backward()
+        o.step()
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(saved.sharded_state_dict(), checkpoint_id=path[0])
+    before = ([(g["kind"], g["lr"]) for g in opt.param_groups], opt.state_dict())
+    out = {"sharded": _outcome(lambda: opt.load_sharded_state_dict(path[0])),
+           "full": _outcome(lambda: opt.load_state_dict(saved.state_dict()))}
+    out["unchanged"] = [(g["kind"], g["lr"]) for g in opt.param_groups] == before[0] and \
+        _same(opt.state_dict(), before[1])
+    out["kinds"] = ([g["kind"] for g in saved.param_groups], [g["kind"] for g in opt.param_groups])
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
 def state_dict_timeout_job(rank: int, world: int) -> dict:
     import time
 
@@ -207,6 +251,7 @@ JOBS = {
     "group disagreement": ("group_disagreement_job", ()),
     "live groups": ("live_hyper_parameters_job", (BASE,)),
     "foreign checkpoint": ("foreign_checkpoint_job", ()),
+    "regrouped checkpoint": ("regrouped_checkpoint_job", ()),
     "state_dict timeout": ("state_dict_timeout_job", ()),
 }
 
@@ -284,6 +329,15 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(runs):
         assert "lm_head.weight" in other["message"], other  # says what differs
         assert unknown["error"] == "PlanError" and "model.bogus.weight" in unknown["message"], unknown
         assert opt["error"] == "PlanError" and "checkpoint is for soap" in opt["message"], opt
+
+
+def test_a_checkpoint_whose_groups_hold_other_parameters_is_refused_by_every_loader(runs):
+    for out in runs["regrouped checkpoint"]:
+        assert out["kinds"][0] == out["kinds"][1], out["kinds"]  # only the members differ
+        for how in ("sharded", "full"):
+            assert out[how]["error"] == "PlanError", (how, out[how])
+            assert "hold other parameters" in out[how]["message"] and "model.layers." in out[how]["message"], out[how]
+        assert out["unchanged"]
 
 
 def test_state_dict_is_bounded_by_the_optimizer_timeout(runs):
