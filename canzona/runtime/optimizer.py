@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -300,6 +302,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
         self.tp = len(tp_ranks) if tp_ranks else 1
         self.params = self._local_params(groups, tp_ranks)
+        _check_not_held(self.params)
         self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
@@ -390,6 +393,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.experts.grads.early_work = functools.partial(self._speculate, self.experts.matrix_step)
         elif self.schedule.prefetched:
             self.grads.early_work = self.matrix_step.prefetch
+        _LIVE.add(self)
 
     # --- construction helpers ----------------------------------------------------------------
 
@@ -922,6 +926,37 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()
+
+
+# every DistributedOptimizer built and not yet collected: the storage of its parameters is its own
+_LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+def _holder(params: Mapping[str, Tensor]) -> tuple[str, DistributedOptimizer] | None:
+    """A parameter among `params` whose storage a live DistributedOptimizer still holds, and that one."""
+    ids = {id(p) for p in params.values()}
+    for opt in list(_LIVE):
+        for grads in opt._syncs():
+            for name, p in grads.params.items():
+                if id(p) in ids and grads.is_linked(name):
+                    return name, opt
+    return None
+
+
+def _check_not_held(params: Mapping[str, Tensor]) -> None:
+    """A second optimizer on parameters a live one holds would move them out of its buffers while
+    its backward hooks and parameter all-gathers still write there (an error in the next backward,
+    or ranks that disagree on the initial weights at construction, read before the old step's
+    gathers landed): one error instead, before any collective. An old optimizer that is only
+    unreachable is collected first."""
+    if _holder(params) is None:
+        return
+    gc.collect()  # an optimizer's parts refer to each other: `del opt` leaves it to the collector
+    held = _holder(params)
+    if held is not None:
+        raise SpecError(f"parameter {held[0]!r} is held by another DistributedOptimizer, still alive (built "
+                        "earlier on this model, kept by a variable or a Trainer): drop every reference to it "
+                        "(del opt) before building a new one on the same model, or keep training with it")
 
 
 def _names(spec: ModelSpec) -> set[str]:

@@ -278,6 +278,35 @@ def branchy_torch_reference(zero: str) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def second_optimizer_job(rank: int, world: int) -> dict:
+    """A new optimizer on the same model after a step (phase two of training, a notebook cell run
+    again): refused while the first is alive, whose backward hooks and in-flight parameter gathers
+    still write into its buffers; built once the first is dropped (`del`, no gc.collect()), training
+    on from the first's weights exactly."""
+    import gc
+
+    def phase_two(wait: bool, drop: bool) -> dict:
+        model = build_model(BASE)
+        first = _optimizer(model)
+        _train(model, first, _batches(rank, world)[:1])
+        if wait:
+            first.wait_params()
+        out = {}
+        if not drop:
+            out["kept"] = _outcome(lambda: _optimizer(model, optimizer="adamw"))
+            return out
+        del first
+        second = _optimizer(model, optimizer="adamw")
+        _train(model, second, _batches(rank, world)[1:])
+        return {"params": _params(model)}
+
+    kept = phase_two(wait=False, drop=False)
+    dropped = phase_two(wait=False, drop=True)
+    gc.collect()
+    waited = phase_two(wait=True, drop=True)
+    return {"kept": kept["kept"], "exact": compare(dropped["params"], waited["params"])["bit_identical"]}
+
+
 def clip_disagreement_job(rank: int, world: int) -> dict:
     model = build_model(BASE)
     opt = _optimizer(model)
@@ -380,6 +409,7 @@ JOBS = {
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
+    "second optimizer": ("second_optimizer_job", ()),
 }
 
 
@@ -524,6 +554,14 @@ def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
 def test_ranks_clipping_by_different_thresholds_fail_before_any_update(runs):
     for out in runs["clip disagreement"]:
         assert out["canzona"] and "disagree on the clip threshold" in out["message"] and out["unchanged"], out
+
+
+def test_a_second_optimizer_on_a_model_another_holds_is_one_error_and_takes_over_once_it_is_dropped(runs):
+    for out in runs["second optimizer"]:
+        kept = out["kept"]
+        assert kept["error"] == "SpecError" and "held by another DistributedOptimizer" in kept["message"], kept
+        assert "\n" not in kept["message"]
+        assert out["exact"]
 
 
 def test_parameters_cannot_be_added_after_construction(runs):
