@@ -9,7 +9,9 @@ Everything documented that reads parameters waits first:
   `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
   what was loaded): pre-hooks on the same modules wait for every bucket;
 - the optimizer itself: `step()`, `clip_grad_norm_()`, its state dicts and checkpoints;
-- `opt.wait_params()`, for code that reads `.data` directly (an EMA, logging a weight).
+- `opt.wait_params()`, for code that reads `.data` directly (an EMA, logging a weight): torch's
+  `AveragedModel.update_parameters(model)` and `copy.deepcopy(model)` read the parameters so, and
+  without it silently average or copy a mix of this step's weights and the last step's.
 
 What remains, undocumented: reading a parameter's values outside those paths between `step()` and
 the next forward, e.g. `model.parameters()` / `named_parameters()` iterated by hand, a custom
