@@ -152,6 +152,7 @@ class GradientSync:
         self._launched: list[PendingWork | None] = [None] * len(self.buckets)
         self._next = 0
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
+        self._backward = 0  # gradients a backward (or an assignment) gave this step; zeroed ones are not
         self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
@@ -230,6 +231,7 @@ class GradientSync:
             self._write(name, local_grad(p))
             p.grad = guard
         self._got_grad[self.index[name]] = 1
+        self._backward += 1
         self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
         buckets = self.buckets_of[name]
         if not buckets or not self._sync:
@@ -299,6 +301,7 @@ class GradientSync:
                 self._write(name, local_grad(p))
                 p.grad = guard
                 self._got_grad[self.index[name]] = 1
+                self._backward += 1
             self._states[name] = GradState.REDUCING
 
     @contextlib.contextmanager
@@ -414,7 +417,7 @@ class GradientSync:
             term = term + more_norm.to(device)
         header = torch.cat([
             to_device(torch.cat([self._got_grad, torch.tensor(
-                [int(self._got_grad.sum()), int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),
+                [self._backward, int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),
             term.reshape(1).view(torch.int64),
             to_device(torch.tensor([_clip_word(max_norm)], dtype=torch.float64), device).view(torch.int64)])
         table = self.dp.all_gather_values(header, "step check")

@@ -83,6 +83,8 @@ def touched_grad_job(rank: int, world: int, how: str) -> dict:
         "log norm": lambda m: torch.stack([p.grad.norm() for p in m.parameters()]).norm().item(),
         "zero between": lambda m: m.zero_grad(),
         "assign between": lambda m: [setattr(p, "grad", torch.zeros_like(p)) for p in m.parameters()],
+        # zero gradients, as torch leaves them; a step no backward fed is still a forgotten backward
+        "opt zero between": lambda m: opt.zero_grad(set_to_none=False),
     }[how]
     out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1], lambda m, o: touch(m)))
     out["unchanged"] = compare(_params(model), before)["bit_identical"]
@@ -390,7 +392,7 @@ def _nested_equal(a, b) -> bool:
     return a == b
 
 
-TOUCHES = ("torch clip", "torch clip value", "scale", "log norm", "zero between", "assign between")
+TOUCHES = ("torch clip", "torch clip value", "scale", "log norm", "zero between", "assign between", "opt zero between")
 JOBS = {
     **{f"touch {how}": ("touched_grad_job", (how,)) for how in TOUCHES},
     **{f"clip {how}": ("clip_job", (how,)) for how in ("max_grad_norm", "explicit", "twice", "measure")},
@@ -438,6 +440,8 @@ def test_touching_grad_between_backward_and_step_is_one_error_before_any_update(
         assert "\n" not in out["message"]
         if how in ("zero between", "assign between"):
             assert "between backward and step()" in out["message"], out
+        elif how == "opt zero between":
+            assert "found no gradient on any rank" in out["message"], out
         else:
             assert "opt.clip_grad_norm_" in out["message"] and "canzona.integrations.hf" in out["message"], out
 
