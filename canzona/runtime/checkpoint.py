@@ -425,13 +425,61 @@ def _load_part(opt: Checkpointable, state: Mapping[str, dict], device: torch.dev
 
 
 def _load_masters(opt: Checkpointable, masters: Mapping[str, Tensor], device: torch.device) -> None:
+    opt.master.update(_local_masters(opt, masters, device))
+
+
+def _local_masters(opt: Checkpointable, masters: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """This rank's fp32 masters of the entries of `masters` (full tensors, the part's own names)."""
+    out: dict[str, Tensor] = {}
     for name, _, s, e, off in opt.adamw_parts():
         if name in masters:
-            opt.master[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
+            out[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
     for name in opt.applies:
         if name in masters:
             shard = shard_of(masters[name], _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
-            opt.master[name] = shard.float().contiguous().to(device)
+            out[name] = shard.float().contiguous().to(device)
+    return out
+
+
+def _working(opt: Checkpointable) -> dict[str, Tensor]:
+    """The local weights each master of this rank is the master of (as `reset_master_weights` takes them)."""
+    out = {name: buffer.data[s:e] for name, buffer, s, e, _ in opt.adamw_parts()}
+    out.update({name: opt.tensor(name) for name in opt.applies})
+    return out
+
+
+WEIGHTS_FROM_ANOTHER_SAVE = (
+    "the model's weights differ from the optimizer checkpoint's fp32 master weights ({detail}): the model files "
+    "and the optimizer state come from different saves (a save killed between them, or files copied from two "
+    "checkpoints); nothing of the optimizer state was loaded. Resume from a checkpoint saved whole")
+
+
+def check_weights_match(opt: Checkpointable, state: Mapping[str, dict]) -> None:
+    """Collective (the default process group): the model's weights as they are now (just loaded)
+    equal the checkpoint's fp32 masters cast to the parameters' dtype on every element this rank
+    keeps a master of; otherwise one CheckpointError on every rank, before anything is loaded.
+    It holds after every step (the parameters are the masters cast, `kernels.update_target`), at
+    any layout; a checkpoint without masters (saved from an fp32 model) checks nothing."""
+    from canzona.errors import CheckpointError
+    from canzona.runtime.checkpoint_files import _Ranks
+
+    def check() -> None:
+        if not opt.master_weights:
+            return
+        masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
+        for part in _parts(opt):
+            device = local_tensor(next(iter(opt.params.values()))).device
+            weights = _working(part)
+            for name, master in _local_masters(part, _local(part, masters), device).items():
+                working = weights[name].detach().reshape(-1)
+                cast = master.reshape(-1).to(working.dtype)
+                same = (cast == working) | (cast.isnan() & working.isnan())
+                if not bool(same.all()):
+                    bad = int((~same).sum())
+                    raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
+                        detail=f"{part.global_name(name)}: {bad} of {same.numel()} elements"))
+
+    _Ranks().together(check)
 
 
 def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:
@@ -563,9 +611,12 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
     return out
 
 
-def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
+                 check_weights: bool = False) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
-    at any DP x TP layout, rebuild the layout-independent form for it, and load that."""
+    at any DP x TP layout, rebuild the layout-independent form for it, and load that.
+    `check_weights`: the model's weights were just loaded from the same save; refuse (collective,
+    before anything is changed) if they are not its masters cast (`check_weights_match`)."""
     # every part's entries under the model's names
     hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
     applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
@@ -579,6 +630,9 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
+    if check_weights:
+        _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
+        check_weights_match(opt, state)
     load_by_name(opt, meta, meta.get("param_groups", []), state)
 
 

@@ -837,12 +837,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
-    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX) -> None:
+    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX, *,
+                                check_weights: bool = False) -> None:
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
-        reader): each rank reads what its layout needs. Collective."""
+        reader): each rank reads what its layout needs. Collective.
+
+        `check_weights=True`: the model's weights were just loaded from the same save (the
+        integrations' `load_state` / resume); with fp32 master weights, weights that are not the
+        checkpoint's masters cast to their dtype (model files and optimizer state from two saves,
+        say a save killed between them) are one CheckpointError on every rank, nothing loaded."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
-        checkpoint.load_sharded(self, checkpoint_id, prefix)
+        checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
 
 # `DistributedOptimizer(...)`'s signature is its constructor's (what `inspect`, the registries'
