@@ -33,7 +33,12 @@ For a model whose parameters a canzona optimizer holds:
   parameters share the optimizer's buffers;
 - `save_state` / `load_state` write and read the optimizer with `torch.distributed.checkpoint`
   (`canzona_optimizer_<i>/` beside accelerate's files): each rank writes what it holds and any DP
-  size reads it back. Call both on every rank, as accelerate asks.
+  size reads it back. Each folder is written by `save_checkpoint` (a staging folder, a manifest of
+  sha256s, one atomic rename or swap): a save killed midway into a reused `output_dir` leaves the
+  previous optimizer state complete, and `load_state` verifies the folder before reading it (a
+  damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older canzona
+  (no manifest) still loads; saving over one is refused with a `CheckpointError` saying to move it
+  aside (`canzona.integrations.optimizer_state`). Call both on every rank, as accelerate asks.
 
 Everything else (data loaders, schedulers, other models and optimizers) is accelerate's own.
 """
@@ -52,6 +57,7 @@ from accelerate.utils import DistributedType
 from torch import Tensor, nn
 
 from canzona.errors import CanzonaError
+from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
 from canzona.runtime.optimizer import DistributedOptimizer
 from canzona.runtime.shards import local_tensor
 
@@ -292,16 +298,21 @@ class CanzonaAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Any:
         """accelerate's `save_state`, with each canzona optimizer written sharded (every rank its
-        share) to `<dir>/canzona_optimizer_<i>` by `torch.distributed.checkpoint`. Every rank."""
-        import torch.distributed.checkpoint as dcp
-
+        share) to `<dir>/canzona_optimizer_<i>` by `save_checkpoint`: complete (with a manifest) or
+        not at all, the previous folder of that name kept until the new one is in. An optimizer
+        folder of an older canzona there (no manifest) is refused before anything is written
+        (`canzona.integrations.optimizer_state`). Every rank."""
         opts = self.canzona_optimizers()
         if not opts:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        for opt in opts:
+            opt.wait_params()  # the model files hold the step's weights, as the optimizer state does
+        if output_dir is not None:  # (with automatic naming, accelerate picks a new folder)
+            check_replaceable([os.path.join(str(output_dir), f"{OPTIMIZER_DIR}_{i}") for i in range(len(opts))])
         with self._without(opts):
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         for i, opt in enumerate(opts):
-            dcp.save(opt.sharded_state_dict(), checkpoint_id=os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"))
+            save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"))
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
@@ -320,6 +331,8 @@ class CanzonaAccelerator(Accelerator):
                 if self._holders(model.parameters()):
                     models[i] = _LoadInPlace(model)
 
+        for opt in opts:  # a pending parameter all-gather must not land on the weights loaded now
+            opt.wait_params()
         handle = self.register_load_state_pre_hook(in_place)
         try:
             with self._without(opts):
@@ -331,7 +344,7 @@ class CanzonaAccelerator(Accelerator):
             if not os.path.isdir(path):
                 raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
                                    "CanzonaAccelerator.save_state wrote")
-            opt.load_sharded_state_dict(path)
+            load_optimizer(opt, path)
 
     @contextlib.contextmanager
     def _without(self, opts: list[DistributedOptimizer]) -> Iterator[None]:

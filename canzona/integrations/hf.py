@@ -23,7 +23,12 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   the Trainer logs;
 - checkpoints (`save_strategy`, `resume_from_checkpoint`) the optimizer sharded: every rank writes
   its share to `<checkpoint>/canzona_optimizer/` (`torch.distributed.checkpoint`, readable at any
-  DP size); the scheduler and the model are saved as the Trainer saves them.
+  DP size); the scheduler and the model are saved as the Trainer saves them. The folder is written
+  by `save_checkpoint` (staging folder, manifest of sha256s, one atomic rename or swap: a step saved
+  again and killed midway keeps the previous optimizer state complete) and verified before it is
+  read (a damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older
+  canzona (no manifest) still loads; saving over one is refused with a `CheckpointError`
+  (`canzona.integrations.optimizer_state`).
 
 It overrides three private Trainer methods (`_move_model_to_device`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), checked at construction; it was
@@ -43,13 +48,14 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import Trainer
 
-from canzona.errors import CanzonaError
+from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.accelerate import (
     CanzonaAccelerator,
     canzona_optimizer,
     check_on_device,
     same_device,
 )
+from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
 from canzona.optimizers import check_matrix_optimizer
 from canzona.runtime.optimizer import DistributedOptimizer
 from canzona.runtime.shards import local_tensor
@@ -177,11 +183,16 @@ class CanzonaTrainer(Trainer):
     # --- checkpoints -------------------------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
         # every rank writes its share (the Trainer saves optimizer.state_dict() from one rank, and
-        # canzona's state_dict() is a collective the others would never join)
-        dcp.save(self.distributed_optimizer().sharded_state_dict(), checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        # canzona's state_dict() is a collective the others would never join), complete or not at
+        # all: a step saved again keeps the previous folder until the new one is in
+        folder = os.path.join(output_dir, OPTIMIZER_DIR)
+        try:
+            check_replaceable([folder])
+        except CheckpointError as e:  # the Trainer wrote this step's model files already
+            raise CheckpointError(f"{e}; {output_dir} now holds this step's model files beside that older "
+                                  "optimizer state: do not resume from it") from None
+        save_optimizer(self.distributed_optimizer(), folder)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
@@ -193,5 +204,5 @@ class CanzonaTrainer(Trainer):
         for path, what in ((state, f"{OPTIMIZER_DIR}/"), (scheduler, SCHEDULER_FILE)):
             if not os.path.exists(path):
                 raise CanzonaError(f"{checkpoint} holds no {what}: resume from a checkpoint that CanzonaTrainer saved")
-        self.distributed_optimizer().load_sharded_state_dict(state)
+        load_optimizer(self.distributed_optimizer(), state)
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

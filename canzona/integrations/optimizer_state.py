@@ -1,0 +1,100 @@
+"""The sharded optimizer folders `CanzonaAccelerator.save_state` and `CanzonaTrainer` write beside
+the framework's own files: complete or invisible, and checked before they are read.
+
+`save_optimizer` writes a canzona optimizer's sharded state with `save_checkpoint`: every rank into a
+staging folder, a manifest (each file's sha256) and one atomic rename or swap. A save killed midway
+(a reused `save_state(output_dir)` folder, a Trainer saving a step again) leaves the previous
+folder as it was, never the old `.metadata` beside new shard files (a silent mix of two steps).
+
+`load_optimizer` verifies such a folder against its manifest on every rank (the ranks share the
+hashing) and reads it with `SafeFileSystemReader`: a damaged, truncated or foreign file is one
+`CheckpointError` line on every rank, and nothing is loaded. A folder written by the older plain
+`dcp.save` (no manifest) loads as before.
+
+The framework writes the model's files before the optimizer folder, so a save killed between them
+leaves this step's weights beside the previous step's optimizer state (and, for the Trainer, its
+scheduler and step count). With fp32 master weights (a bf16 / fp16 model) the load checks that
+the weights just loaded are the checkpoint's masters cast to their dtype, which holds after every
+step: a mismatch is one `CheckpointError` on every rank, nothing loaded. An fp32 model keeps no
+masters, and such a mix is not detected there.
+
+Saving over such an older folder is refused (one `CheckpointError`, on every rank, before anything
+of the optimizer is written): it is the only copy of that state, and replacing it in place is what
+could leave a mix. Move it aside or delete it (it still loads), or save to a new folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from canzona.errors import CheckpointError
+from canzona.runtime.checkpoint_files import (
+    MANIFEST,
+    SafeFileSystemReader,
+    _Ranks,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+CONTENT = "canzona optimizer state"  # manifest_info["content"] of every such folder
+
+
+def _group() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def optimizer_info(opt: Any) -> dict[str, Any]:
+    """What an optimizer folder's manifest says it holds."""
+    info: dict[str, Any] = {"content": CONTENT, "optimizer": str(getattr(opt, "optimizer", ""))}
+    spec = getattr(opt, "spec", None)
+    if spec is not None and hasattr(spec, "fingerprint"):
+        info["fingerprint"] = spec.fingerprint()
+        info["model"] = getattr(spec, "name", "")
+    return info
+
+
+def is_legacy(folder: str | os.PathLike) -> bool:
+    """A non-empty folder without a manifest: written in place by an older canzona (plain dcp.save)."""
+    p = Path(folder)
+    return p.is_dir() and not (p / MANIFEST).exists() and any(p.iterdir())
+
+
+def legacy_message(folder: str | os.PathLike) -> str:
+    return (f"{folder} holds optimizer state written in place by an older canzona (no {MANIFEST}): it is not "
+            "replaced, since a save killed midway would leave a mix of two steps; move it aside or delete it (it "
+            "still loads), or save to a new folder")
+
+
+def check_replaceable(folders: list[str | os.PathLike]) -> None:
+    """Collective: one `CheckpointError` on every rank if rank 0 sees an older in-place optimizer
+    folder among `folders` (call before anything of the checkpoint is written)."""
+
+    def check() -> None:
+        for folder in folders:
+            if is_legacy(folder):
+                raise CheckpointError(legacy_message(folder))
+
+    _Ranks(_group()).together(check, rank0_only=True)
+
+
+def save_optimizer(opt: Any, folder: str | os.PathLike) -> None:
+    """Collective: `opt`'s sharded state into `folder`, complete or not at all (`save_checkpoint`)."""
+    save_checkpoint(opt.sharded_state_dict(), folder, manifest_info=optimizer_info(opt), process_group=_group())
+
+
+def load_optimizer(opt: Any, folder: str | os.PathLike) -> None:
+    """Collective: `opt`'s state from `folder`, verified against its manifest first (every rank
+    raises the same `CheckpointError` for a damaged or foreign file, and nothing is loaded); a
+    folder of an older canzona (no manifest) is read as it always was."""
+    group = _group()
+    ranks = _Ranks(group)
+    manifested = ranks.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
+    if not manifested:
+        opt.load_sharded_state_dict(str(folder), check_weights=True)
+        return
+    manifest = verify_checkpoint(folder, {"content": CONTENT}, process_group=group)
+    opt.load_sharded_state_dict(SafeFileSystemReader(folder, manifest), check_weights=True)

@@ -1,0 +1,248 @@
+"""One rank of `tests/runtime/test_integrations_checkpoint.py`, under torchrun (2 gloo ranks).
+
+The integrations' optimizer folders (`CanzonaAccelerator.save_state` / `load_state`,
+`CanzonaTrainer`'s checkpoints) on a bf16 model (fp32 master weights): a save killed midway into a
+reused folder, a model/optimizer mix, a damaged file, a folder of an older canzona (plain
+`dcp.save`, no manifest). Each scenario's findings (or the error it ended in) go to
+`OUT/rank<r>.pt`; every expected failure happens alike on every rank.
+
+    torchrun --nproc-per-node 2 tests/runtime/integrations_checkpoint_driver.py OUT
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import accelerate_loop as loop_example  # noqa: E402
+import hf_trainer as trainer_example  # noqa: E402
+
+from canzona.integrations.accelerate import canzona_optimizer  # noqa: E402
+from canzona.runtime import DistributedOptimizer, checkpoint_files  # noqa: E402
+from canzona.runtime.modules import named_parameters  # noqa: E402
+
+SETUP = trainer_example.Setup()
+OPT = "canzona_optimizer"
+
+
+def error_text(attempt: Callable[[], Any]) -> str:
+    try:
+        attempt()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@contextmanager
+def killed_publish() -> Iterator[None]:
+    """Every save_checkpoint dies after all ranks wrote their files, before the rename (rank 0)."""
+    kept = checkpoint_files._publish
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("killed before the rename")
+
+    checkpoint_files._publish = die
+    try:
+        yield
+    finally:
+        checkpoint_files._publish = kept
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model.state_dict()  # waits for the step's parameter all-gathers
+    return {n: p.detach().float().clone() for n, p in named_parameters(model)}
+
+
+def opt_state(opt: DistributedOptimizer) -> dict[str, Any]:
+    """This rank's sharded state, cloned (what a load must reproduce exactly)."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in opt.sharded_state_dict().items()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def on_rank0(action: Callable[[], Any]) -> None:
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+def flip_a_byte(folder: Path) -> None:
+    shard = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+
+def legacy_copy(opt: DistributedOptimizer, folder: Path) -> None:
+    """`folder` replaced by what the older integrations wrote: a plain dcp.save, in place."""
+    on_rank0(lambda: shutil.rmtree(folder))
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=str(folder))
+
+
+# --- accelerate -----------------------------------------------------------------------------------
+
+
+def accelerate_setup() -> tuple[Any, Any, Any, list]:
+    from canzona.integrations.accelerate import CanzonaAccelerator
+
+    accelerator = CanzonaAccelerator(cpu=True)
+    data = trainer_example.MarkovTokens(SETUP)
+    model = trainer_example.build_model(SETUP).to(torch.bfloat16)  # fp32 master weights
+    opt = DistributedOptimizer(named_parameters(model), loop_example.model_spec(model, data), "muon",
+                               {"lr": SETUP.matrix_lr}, {"lr": SETUP.adamw_lr})
+    model, prepared = accelerator.prepare(model, opt)
+    rank = dist.get_rank()
+    batches = [{"input_ids": data.tokens[8 * s + 4 * rank:8 * s + 4 * rank + 4]} for s in range(8)]
+    return accelerator, model, prepared, batches
+
+
+def accelerate_step(accelerator: Any, model: Any, opt: Any, batch: dict) -> None:
+    accelerator.backward(model(**batch, labels=batch["input_ids"]).loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def accelerate(out: Path) -> dict[str, Any]:
+    accelerator, model, prepared, batches = accelerate_setup()
+    opt = canzona_optimizer(prepared)
+    first = out / "acc_reused"
+    accelerate_step(accelerator, model, prepared, batches[0])
+    accelerator.save_state(str(first))
+    state1 = opt_state(opt)
+    saved_manifest = checkpoint_files.read_manifest(first / f"{OPT}_0")
+    accelerate_step(accelerator, model, prepared, batches[1])
+    with killed_publish():
+        killed = error_text(lambda: accelerator.save_state(str(first)))
+    dist.barrier()  # rank 0 removes the failed save's staging folder
+    result: dict[str, Any] = {"killed": killed, "after kill": sorted(p.name for p in first.iterdir())}
+    # the previous optimizer folder: complete, verified, and exactly the first step's state
+    manifest = checkpoint_files.verify_checkpoint(first / f"{OPT}_0", process_group=dist.group.WORLD)
+    result["same manifest"] = manifest == saved_manifest
+    probe = DistributedOptimizer(named_parameters(trainer_example.build_model(SETUP).to(torch.bfloat16)),
+                                 opt.spec, "muon", {"lr": SETUP.matrix_lr}, {"lr": SETUP.adamw_lr})
+    probe.load_sharded_state_dict(checkpoint_files.SafeFileSystemReader(first / f"{OPT}_0", manifest))
+    result["previous intact"] = same(opt_state(probe), state1)
+    # accelerate rewrote its model files in place: new weights beside the previous optimizer state
+    before, weights = opt_state(opt), params(model)
+    result["mix"] = error_text(lambda: accelerator.load_state(str(first)))
+    result["mix changed nothing"] = same(opt_state(opt), before)
+
+    # a normal save and resume (a fresh model and optimizer) is not refused, and is exact
+    whole = out / "acc_whole"
+    accelerator.save_state(str(whole))
+    state2 = opt_state(opt)
+    accelerator.save_state(str(whole))  # saved again over its own (manifest) folder: replaced
+    accelerate_step(accelerator, model, prepared, batches[2])
+    result["resume"] = error_text(lambda: accelerator.load_state(str(whole)))
+    result["resumed exactly"] = same(opt_state(opt), state2) and same(params(model), weights)
+    fresh_acc, fresh_model, fresh_prepared, _ = accelerate_setup()
+    result["fresh resume"] = error_text(lambda: fresh_acc.load_state(str(whole)))
+    result["fresh resumed exactly"] = same(opt_state(canzona_optimizer(fresh_prepared)), state2) and \
+        same(params(fresh_model), weights)
+
+    # a damaged optimizer file: one error line, nothing loaded
+    damaged = out / "acc_damaged"
+    on_rank0(lambda: shutil.copytree(whole, damaged))
+    on_rank0(lambda: flip_a_byte(damaged / f"{OPT}_0"))
+    result["damaged"] = error_text(lambda: accelerator.load_state(str(damaged)))
+
+    # a folder of the older integrations (no manifest) loads; saving over it is refused
+    legacy = out / "acc_legacy"
+    on_rank0(lambda: shutil.copytree(whole, legacy))
+    fresh_acc.load_state(str(whole))
+    legacy_copy(canzona_optimizer(fresh_prepared), legacy / f"{OPT}_0")
+    accelerate_step(accelerator, model, prepared, batches[3])
+    result["legacy"] = error_text(lambda: accelerator.load_state(str(legacy)))
+    result["legacy loaded exactly"] = same(opt_state(opt), state2) and same(params(model), weights)
+    stamps = {p.name: p.stat().st_mtime_ns for p in legacy.iterdir() if p.is_file()}
+    result["save over legacy"] = error_text(lambda: accelerator.save_state(str(legacy)))
+    result["legacy untouched"] = stamps == {p.name: p.stat().st_mtime_ns for p in legacy.iterdir() if p.is_file()} \
+        and not (legacy / f"{OPT}_0" / checkpoint_files.MANIFEST).exists()
+    return result
+
+
+# --- transformers' Trainer ------------------------------------------------------------------------
+
+
+def trainer(out: Path, name: str, steps: int, save_steps: int = 0, resume: str | None = None) -> Any:
+    args = trainer_example.training_arguments(SETUP, str(out / name), steps, 1, save_steps)
+    data = trainer_example.MarkovTokens(SETUP)
+    model = trainer_example.build_model(SETUP).to(torch.bfloat16)
+    t = trainer_example.build_trainer(SETUP, model, args, data)
+    t.train(resume_from_checkpoint=resume)
+    return t
+
+
+def trainer_scenarios(out: Path) -> dict[str, Any]:
+    t = trainer(out, "run", 2, save_steps=1)
+    opt = t.distributed_optimizer()
+    final = params(t.model)
+    ckpt1, ckpt2 = out / "run" / "checkpoint-1", out / "run" / "checkpoint-2"
+    saved_manifest = checkpoint_files.verify_checkpoint(ckpt1 / OPT, process_group=dist.group.WORLD)
+    result: dict[str, Any] = {}
+    # the step saved again (the optimizer now at step 2), killed before the rename
+    with killed_publish():
+        result["killed"] = error_text(lambda: t._save_optimizer_and_scheduler(str(ckpt1)))
+    dist.barrier()  # rank 0 removes the failed save's staging folder
+    result["after kill"] = sorted(p.name for p in ckpt1.iterdir())
+    manifest = checkpoint_files.verify_checkpoint(ckpt1 / OPT, process_group=dist.group.WORLD)
+    result["same manifest"] = manifest == saved_manifest
+    # ... so that resuming from it runs as a straight run
+    resumed = trainer(out, "resumed", 2, resume=str(ckpt1))
+    result["resumed exactly"] = same(params(resumed.model), final)
+
+    # step 2's model files beside step 1's optimizer state (a save killed between them)
+    mixed = out / "mixed"
+    on_rank0(lambda: shutil.copytree(ckpt1, mixed))
+    on_rank0(lambda: shutil.copy(ckpt2 / "model.safetensors", mixed / "model.safetensors"))
+    result["mix"] = error_text(lambda: trainer(out, "from_mixed", 3, resume=str(mixed)))
+
+    damaged = out / "damaged"
+    on_rank0(lambda: shutil.copytree(ckpt2, damaged))
+    on_rank0(lambda: flip_a_byte(damaged / OPT))
+    result["damaged"] = error_text(lambda: trainer(out, "from_damaged", 3, resume=str(damaged)))
+
+    legacy = out / "legacy"
+    on_rank0(lambda: shutil.copytree(ckpt2, legacy))
+    legacy_copy(opt, legacy / OPT)
+    straight = params(trainer(out, "from_ckpt2", 3, resume=str(ckpt2)).model)
+    from_legacy = trainer(out, "from_legacy", 3, resume=str(legacy))
+    result["legacy resumed exactly"] = same(params(from_legacy.model), straight)
+    result["save over legacy"] = error_text(lambda: from_legacy._save_optimizer_and_scheduler(str(legacy)))
+    result["legacy untouched"] = not (legacy / OPT / checkpoint_files.MANIFEST).exists()
+    return result
+
+
+def main() -> None:
+    from accelerate import PartialState
+
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    PartialState(cpu=True)
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for name, scenario in [("accelerate", accelerate), ("trainer", trainer_scenarios)]:
+        try:
+            results[name] = scenario(out)
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        torch.save(results, out / f"rank{rank}.pt")
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

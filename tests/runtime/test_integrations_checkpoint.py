@@ -1,0 +1,107 @@
+"""The integrations' optimizer folders are complete or invisible, and checked before they are read.
+
+One torchrun run (2 gloo ranks, `tests/runtime/integrations_checkpoint_driver.py`), a bf16 model
+(fp32 master weights), for `CanzonaAccelerator.save_state` / `load_state` and `CanzonaTrainer`:
+a save killed before its rename leaves the previous optimizer folder as it was (and loadable); a
+model/optimizer mix (the framework's model files written, the optimizer's not) is refused, and a
+save resumed whole is not; a damaged optimizer file is one error line; a folder of the older
+integrations (plain `dcp.save`, no manifest) loads, and saving over it is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.launchers import torchrun_command  # noqa: E402
+from tests.runtime import integrations_checkpoint_driver as driver  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DP = 2
+MIX = "CheckpointError: the model's weights differ from the optimizer checkpoint's fp32 master weights"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("integrations_checkpoint")
+    cmd = torchrun_command(DP, driver.__file__, tmp)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(DP)]
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    results = [r[name] for r in ranks]
+    for r in results:
+        assert "error" not in r, r["error"] + "\n" + r["trace"]
+    return results
+
+
+def one_line(results: list[dict], key: str, start: str) -> None:
+    """The same one-line error, starting with `start`, on every rank (after the failing rank's
+    number, where the ranks found different things)."""
+    texts = {r[key] for r in results}
+    assert len(texts) == 1, texts
+    text = re.sub(r"^CheckpointError: rank \d+: ", "CheckpointError: ", texts.pop())
+    assert text.startswith(start) and "\n" not in text, text
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["accelerate", "trainer"])
+def test_a_killed_save_into_a_reused_folder_keeps_the_previous_optimizer_state(ranks, name):
+    results = scenario(ranks, name)
+    one_line(results, "killed", "CheckpointError: ")
+    assert "killed before the rename" in results[0]["killed"]
+    for r in results:
+        assert r["same manifest"]  # verified against its manifest: the previous save's files, whole
+        assert not [n for n in r["after kill"] if ".tmp-" in n or ".old-" in n], r["after kill"]
+    if name == "accelerate":
+        assert all(r["previous intact"] for r in results)
+    else:  # the Trainer's checkpoint-1 resumes as the straight run went on
+        assert all(r["resumed exactly"] for r in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["accelerate", "trainer"])
+def test_model_files_beside_another_saves_optimizer_state_are_refused(ranks, name):
+    results = scenario(ranks, name)
+    one_line(results, "mix", MIX)
+    assert "different saves" in results[0]["mix"]
+    if name == "accelerate":
+        assert all(r["mix changed nothing"] for r in results)
+
+
+@pytest.mark.distributed
+def test_a_whole_save_resumes_exactly_and_is_not_refused(ranks):
+    for r in scenario(ranks, "accelerate"):
+        assert r["resume"] == "no error" and r["resumed exactly"]
+        assert r["fresh resume"] == "no error" and r["fresh resumed exactly"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["accelerate", "trainer"])
+def test_a_damaged_optimizer_file_is_one_error_line(ranks, name):
+    results = scenario(ranks, name)
+    one_line(results, "damaged", "CheckpointError: ")
+    assert "differs from the manifest" in results[0]["damaged"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["accelerate", "trainer"])
+def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, name):
+    results = scenario(ranks, name)
+    for r in results:
+        assert r["legacy resumed exactly"] if name == "trainer" else (r["legacy"] == "no error"
+                                                                      and r["legacy loaded exactly"])
+        assert r["legacy untouched"]
+    one_line(results, "save over legacy", "CheckpointError: ")
+    assert "older canzona" in results[0]["save over legacy"] and "move it aside" in results[0]["save over legacy"]
