@@ -54,6 +54,14 @@ HSDP_CASES: dict[str, tuple[TrainSpec, dict, tuple]] = {
     "hsdp-soap": (SOAP, {"mesh": (2, 2), "names": ("replicate", "shard")}, ()),
 }
 
+# bf16 shards with DistributedOptimizer(master_weights=False): no fp32 copy, bf16 gradient shards
+# and exchanges, the state that follows the update (Muon's and NorMuon's momentum, AdamW's moments)
+# in bf16; every optimizer of the registry (SOAP's and Shampoo's statistics stay fp32)
+NO_MASTER_CASES: dict[str, tuple[TrainSpec, dict, tuple]] = {
+    name: (replace(spec, dtype="bf16", master_weights=False), {}, ())
+    for name, spec in (("muon", MUON), ("normuon", replace(MUON, optimizer="normuon")), ("soap", SOAP),
+                       ("shampoo", TrainSpec(optimizer="shampoo", steps=2, global_batch=6, seq_len=8)))}
+
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -85,7 +93,7 @@ def run_case(spec: TrainSpec, how: dict, clips: tuple) -> dict:
     fully_shard(model, mesh=mesh, **options)
     opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config, spec.adamw_config,
                                policy=how.get("policy"), max_grad_norm=how.get("max_grad_norm"),
-                               timeout_s=TIMEOUT_S)
+                               master_weights=spec.master_weights, timeout_s=TIMEOUT_S)
     built = (len(opt.world.log.records), len(opt.comm.log.records))
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
     rank = torch.distributed.get_rank()
@@ -119,8 +127,8 @@ def cases_worker(rank: int, world: int, cases: dict) -> dict[str, dict]:
 
 
 @functools.cache
-def runs(world: int, hsdp: bool = False) -> dict[str, list[dict]]:
-    cases = HSDP_CASES if hsdp else CASES
+def runs(world: int, hsdp: bool = False, no_masters: bool = False) -> dict[str, list[dict]]:
+    cases = NO_MASTER_CASES if no_masters else HSDP_CASES if hsdp else CASES
     per_rank = run_ranks(cases_worker, world, cases, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
     return {n: [r[n] for r in per_rank] for n in cases}
 
@@ -272,3 +280,32 @@ def test_empty_shards_and_skipped_steps(case):
                                                 skipped=step == kw.get("poison"))
             have = [r[1:] for r in got["log"] if r[0] == step and r[3] not in CONSTRUCTION]
             assert have == [c.logged() for c in collectives], (case, rank, step)
+
+
+# --- master_weights=False ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(NO_MASTER_CASES))
+def test_without_masters_the_simulator_reports_what_the_runtime_holds(case):
+    """`canzona simulate --fsdp --no-master-weights` of the tiny model: per rank, every persistent
+    category is what FSDP2's bf16 shards and DistributedOptimizer(master_weights=False) hold."""
+    from canzona.catalog import build_decoder
+    from canzona.models import ModelSource
+    from reference.tiny_model import PRESETS
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    spec, how, _ = NO_MASTER_CASES[case]
+    world = 2
+    results = runs(world, no_masters=True)[case]
+    assert results[0]["param_dtype"] == "torch.bfloat16" and results[0]["master"] == 0
+    cfg = PRESETS[spec.preset].as_catalog()
+    model = (results[0]["spec"], ModelSource(build_decoder(cfg), "catalog", cfg).architecture())
+    sim = simulate(SimConfig(model=cfg.name, gpus=world, tp=1, fsdp=True, optimizer=spec.optimizer, policy="canzona",
+                             workload=Workload(global_batch=world * 2, seq_len=8, master_weights=False),
+                             matrix_config=spec.matrix_config or None),
+                   model=model)
+    for got in results:
+        have = runtime_memory(got, how)
+        for k in CATEGORIES:
+            assert have[k] == getattr(sim.memory.ranks[got["rank"]], k), (case, got["rank"], k)

@@ -150,7 +150,7 @@ NO_MASTER_CASES = (("canzona", "muon"), ("zero1", "adamw"))
 NO_MASTER_SETUP = replace(SETUP, grad_bytes=2, master_weights=False)
 
 
-def no_master_worker(rank: int, world: int, tp: int) -> list[dict]:
+def no_master_worker(rank: int, world: int, tp: int, cases: tuple[tuple[str, str], ...] = NO_MASTER_CASES) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.harness.training import (
@@ -161,7 +161,7 @@ def no_master_worker(rank: int, world: int, tp: int) -> list[dict]:
 
     out = []
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
-    for policy, optimizer in NO_MASTER_CASES:
+    for policy, optimizer in cases:
         spec, model, mspec, opt = built(replace(BASE, policy=policy, tp=tp, optimizer=optimizer, master_weights=False),
                                         mesh, master_weights=False)
         (tokens,) = global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])
@@ -182,14 +182,15 @@ def no_master_worker(rank: int, world: int, tp: int) -> list[dict]:
 
 
 @functools.cache
-def no_master_allocations(world: int, tp: int) -> list[list[dict]]:
-    return run_ranks(no_master_worker, world, tp, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
+def no_master_allocations(world: int, tp: int,
+                          cases: tuple[tuple[str, str], ...] = NO_MASTER_CASES) -> list[list[dict]]:
+    return run_ranks(no_master_worker, world, tp, cases, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
 
 
-def _no_master_pairs(world: int, tp: int):
+def _no_master_pairs(world: int, tp: int, cases: tuple[tuple[str, str], ...] = NO_MASTER_CASES):
     """(policy, what a rank allocated, what the memory model says of that rank) of every run."""
-    ranks = no_master_allocations(world, tp)
-    for c, (policy, _) in enumerate(NO_MASTER_CASES):
+    ranks = no_master_allocations(world, tp, cases)
+    for c, (policy, _) in enumerate(cases):
         first = ranks[0][c]
         predicted = memory_per_gpu(first["spec"], first["plan"], policy, DIMS, NO_MASTER_SETUP, dp=world // tp)
         for got in (r[c] for r in ranks):
@@ -218,3 +219,17 @@ def test_without_masters_the_optimizer_state_is_what_the_memory_model_counts(wor
     for policy, got, want in _no_master_pairs(world, tp):
         for k in ("matrix_state", "adamw_state"):
             assert got[k] == getattr(want, k), (policy, got["dp_rank"], got["tp_rank"], k)
+
+
+# the other matrix optimizers of the registry: NorMuon's momentum follows the update (its per-row
+# second moment stays fp32), SOAP's and Shampoo's moments and statistics stay fp32 (`work_dtype`)
+OTHER_MATRIX_CASES = (("canzona", "normuon"), ("canzona", "soap"), ("canzona", "shampoo"))
+
+
+@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)])
+def test_without_masters_every_matrix_optimizers_state_is_what_the_memory_model_counts(world, tp):
+    """NorMuon, SOAP and Shampoo without masters: every persistent buffer as the memory model counts it."""
+    for policy, got, want in _no_master_pairs(world, tp, OTHER_MATRIX_CASES):
+        assert got["master_weights"] == 0
+        for k in ("weights", "grads", "master_weights", "matrix_state", "adamw_state"):
+            assert got[k] == getattr(want, k), (policy, got["plan"].optimizer, got["dp_rank"], got["tp_rank"], k)

@@ -78,7 +78,8 @@ def allocations_worker(rank: int, world: int) -> dict[int, list[dict]]:
     return out
 
 
-def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, experts) -> dict:
+def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, experts,
+                     master_weights: bool = True) -> dict:
     """What one step of `case` leaves allocated on this rank, part by part (`dense`: the (dp, tp)
     mesh, None at TP 1; `experts`: the (edp, ep) mesh)."""
     import torch
@@ -100,7 +101,8 @@ def case_allocations(case: tuple[str, str, str], preset: str, dp: int, dense, ex
     mspec = model.spec()
     config = matrix_config_of(optimizer)
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, config, policy=policy, group=dense,
-                               bucket_size=BUCKET, reduce_scatter=impl, timeout_s=TIMEOUT_S, expert_mesh=experts)
+                               bucket_size=BUCKET, reduce_scatter=impl, timeout_s=TIMEOUT_S, expert_mesh=experts,
+                               master_weights=master_weights)
     seen = {"dense": metered(opt.grads.dp), "experts": metered(opt.experts.grads.dp)}
     (tokens,) = global_batches(TrainSpec(preset=preset, steps=1, global_batch=8, seq_len=8),
                                mspec.param("model.embed_tokens.weight").shape[0])
@@ -231,3 +233,53 @@ def test_the_reduce_scatter_buffers_of_both_parts_peak_where_the_model_says(tp, 
         memory = simulated(tp, c, collectives)
         for got in ranks:
             assert memory.ranks[gpu(got)].reduction == nccl["dense"][got["dp_rank"]] + nccl["experts"][got["edp_rank"]]
+
+
+# --- master_weights=False -----------------------------------------------------------------------
+
+# DistributedOptimizer(master_weights=False) under EP: no masters, bf16 gradient buffers in both
+# parts, the state that follows the update in bf16 (the experts' Muon momentum and AdamW moments too)
+NO_MASTER_CASES = [("canzona", "muon", "native"), ("zero1", "adamw", "native"), ("canzona", "normuon", "native")]
+
+
+def no_master_worker(rank: int, world: int) -> dict[int, list[dict]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    experts = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("edp", "ep"))
+    out = {}
+    for tp, preset in LAYOUTS.items():
+        dense = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
+        out[tp] = [case_allocations(case, preset, world // tp, dense, experts, master_weights=False)
+                   for case in NO_MASTER_CASES]
+    return out
+
+
+@functools.cache
+def no_master_spawned() -> list[dict[int, list[dict]]]:
+    return run_ranks(no_master_worker, WORLD, deadline_s=DEADLINE_S, collective_timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("tp", list(LAYOUTS))
+@pytest.mark.parametrize("c", range(len(NO_MASTER_CASES)))
+def test_without_masters_each_gpu_holds_what_the_simulator_reports_under_ep(tp, c):
+    """`canzona simulate --ep 2 --no-master-weights`: per GPU, both parts' persistent buffers added."""
+    from canzona.dp.layout import DEFAULT_EXPERT_BUCKETS
+    from sim.options import RunOptions
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+    from tests.runtime.expert_runs import moe_architecture
+
+    policy, optimizer, impl = NO_MASTER_CASES[c]
+    ranks = [r[tp][c] for r in no_master_spawned()]
+    spec = ranks[0]["spec"]
+    cfg = SimConfig(model=spec.name, gpus=WORLD, tp=tp, ep=EP, optimizer=optimizer, policy=policy,
+                    workload=Workload(seq_len=8, global_batch=WORLD, param_bytes=2, grad_bytes=2, master_weights=False),
+                    bucket_size=BUCKET, expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
+                    options=RunOptions(reduce_scatter=impl, collectives="runtime" if policy == "zero1" else "megatron"),
+                    matrix_config=matrix_config_of(optimizer))
+    want = simulate(cfg, model=(spec, moe_architecture(spec.name, LAYOUTS[tp]))).memory
+    for got in ranks:
+        assert got["dense"]["grad_dtypes"] == {"torch.bfloat16"}  # (the experts' empty AdamW buffer is fp32)
+        for k in PERSISTENT:
+            assert got["dense"][k] + got["experts"][k] == getattr(want.ranks[gpu(got)], k), \
+                (tp, NO_MASTER_CASES[c], gpu(got), k)
