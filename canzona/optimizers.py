@@ -385,6 +385,9 @@ def matrix_config_json(name: str, cfg: Any) -> str:
 COMPUTE_DTYPES = ("fp64", "fp32", "bf16", "fp16")
 LR_ADJUSTMENTS = ("original", "match_rms_adamw")
 
+# Newton-Schulz iterations a config may ask for (exclusive): converged long before (5 to 10 is usual)
+MAX_NS_STEPS = 1000
+
 # Per field, beyond its type: (lowest, highest, whether the lowest itself is allowed).
 _RANGES: dict[str, tuple[float, float, bool]] = {
     "lr": (0.0, math.inf, True),
@@ -396,7 +399,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "epsilon": (0.0, math.inf, False),
     "graft_eps": (0.0, math.inf, False),
     "eig_eps": (0.0, math.inf, False),
-    "ns_steps": (0.0, math.inf, False),
+    # bounded: the cost model prices the step kernel by kernel, one set per iteration (and the
+    # runtime builds a schedule of that many): a billion of them never finished pricing
+    "ns_steps": (0.0, float(MAX_NS_STEPS), False),
     "precondition_frequency": (1.0, math.inf, True),
     "max_precond_dim": (0.0, math.inf, True),
     "max_preconditioner_dim": (0.0, math.inf, True),

@@ -134,6 +134,9 @@ BAD = [
     ('{"ns_steps": 0}', "ns_steps must be > 0"),
     ('{"ns_dtype": "int8"}', "ns_dtype must be one of"),
     ('{"ns_steps": 3, "ns_steps": 4}', "given twice"),
+    # the step is priced kernel by kernel, one per Newton-Schulz iteration: 1e9 of them never finished
+    ('{"ns_steps": 1000000000}', "ns_steps must be > 0 and < 1000"),
+    ('{"ns_steps": 1e18}', "ns_steps must be > 0 and < 1000"),
 ]
 COMMANDS = {
     "plan": ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "1"],
