@@ -763,7 +763,11 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     weight_bytes = 0 if mb else pb  # with masters, the fp32 shard is the parameter
     local, expert_local = unit_elements(spec, tp, ep)
     total = sum(local.values())
-    matrices = spec.matrix_params() if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
+    # the matrices `_persistent` keeps matrix state for: `fsdp_persistent_memory` reads the spec's
+    # parameters, and an expert stack (the runtime refuses one under FSDP2) keeps AdamW's state there,
+    # not its matrices' (SOAP's or Shampoo's of every expert matrix is twice the run's bytes)
+    matrices = [p for p in spec.matrix_params() if p.stacked_in is None] \
+        if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
     matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape), cfg.matrix_config)
                        - state_saving_bytes(cfg.optimizer, tuple(p.shape), setup, cfg.matrix_config)
                        for p in matrices) // (shard * tp)

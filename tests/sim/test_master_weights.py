@@ -105,3 +105,15 @@ def test_the_cli_simulates_it() -> None:
     base = ("simulate", "--model", MODEL, "--gpus", 8, "--tp", 1, "--seq-len", 1024, "--global-batch", 8, "--json")
     on, off = (json.loads(invoke(*base, *extra).stdout)["memory"]["worst"] for extra in ((), ("--no-master-weights",)))
     assert off["master_weights"] == 0 < on["master_weights"] and off["grads"] * 2 == on["grads"]
+
+
+@pytest.mark.parametrize(("optimizer", "master_weights"), [("soap", False), ("soap", True), ("shampoo", False)])
+def test_the_fsdp_search_floor_stays_below_a_moe_run(optimizer: str, master_weights: bool) -> None:
+    """Under --fsdp at EP 1 a MoE's expert stacks keep AdamW's state (`fsdp_persistent_memory` reads
+    the stacks, not their matrices): the floor counted SOAP's and Shampoo's state of every expert
+    matrix, twice the run's bytes, and pruned layouts that fit."""
+    model = "qwen3-30b-a3b"
+    wl = Workload(seq_len=1024, global_batch=32, master_weights=master_weights,
+                  grad_bytes=grad_bytes_for(None, master_weights))
+    cfg = SimConfig(model=model, gpus=16, tp=1, fsdp=True, optimizer=optimizer, workload=wl)
+    assert memory_floor(cfg, resolve_model(model)) <= simulate(cfg).memory.worst.total
