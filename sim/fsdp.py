@@ -60,7 +60,6 @@ from canzona.fsdp_plan import (
 )
 from canzona.hardware import HardwareProfile
 from canzona.memory import (
-    FP32,
     LayerDims,
     LayoutMemory,
     MemorySetup,
@@ -617,7 +616,8 @@ class _FsdpRun:
                 applied_after = eng.collective(f"group {g} scatter", ranks, cost, DP_COMM,
                                                {r: [computed[g][r]] for r in ranks})
             shard_numel = -(-sum(self.spec.param(x.name).local_numel(self.tp) for x in mats) // s)
-            apply_s = shard_numel * APPLY_PASSES * FP32 / self.rate.hbm_bytes_per_s + self.rate.launch_s
+            # the shards and updates in fp32 beside masters, in the parameters' dtype without (as ZeRO-1's)
+            apply_s = shard_numel * APPLY_PASSES * ub / self.rate.hbm_bytes_per_s + self.rate.launch_s
             done += [eng.compute(r, f"group {g} apply", apply_s, [applied_after[r]]) for r in ranks]
 
     def _per_owner(self, mats: Sequence[FsdpMatrix], nbytes: int) -> tuple[list[float], list[float]]:
