@@ -61,6 +61,9 @@ NO_MASTER_CASES: dict[str, tuple[TrainSpec, dict, tuple]] = {
     name: (replace(spec, dtype="bf16", master_weights=False), {}, ())
     for name, spec in (("muon", MUON), ("normuon", replace(MUON, optimizer="normuon")), ("soap", SOAP),
                        ("shampoo", TrainSpec(optimizer="shampoo", steps=2, global_batch=6, seq_len=8)))}
+# round-robin owners (fsdp-gather-all is a simulator baseline the runtime refuses)
+NO_MASTER_CASES.update({f"{name}-unbalanced": (spec, {"policy": "fsdp-owners-unbalanced"}, ())
+                        for name, (spec, _, _) in list(NO_MASTER_CASES.items()) if name in ("normuon", "soap")})
 
 
 def nbytes(tensors) -> int:
@@ -301,7 +304,8 @@ def test_without_masters_the_simulator_reports_what_the_runtime_holds(case):
     assert results[0]["param_dtype"] == "torch.bfloat16" and results[0]["master"] == 0
     cfg = PRESETS[spec.preset].as_catalog()
     model = (results[0]["spec"], ModelSource(build_decoder(cfg), "catalog", cfg).architecture())
-    sim = simulate(SimConfig(model=cfg.name, gpus=world, tp=1, fsdp=True, optimizer=spec.optimizer, policy="canzona",
+    sim = simulate(SimConfig(model=cfg.name, gpus=world, tp=1, fsdp=True, optimizer=spec.optimizer,
+                             policy=how.get("policy") or "canzona",
                              workload=Workload(global_batch=world * 2, seq_len=8, master_weights=False),
                              matrix_config=spec.matrix_config or None),
                    model=model)
