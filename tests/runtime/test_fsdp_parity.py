@@ -313,3 +313,19 @@ def test_without_masters_the_simulator_reports_what_the_runtime_holds(case):
         have = runtime_memory(got, how)
         for k in CATEGORIES:
             assert have[k] == getattr(sim.memory.ranks[got["rank"]], k), (case, got["rank"], k)
+
+
+@pytest.mark.parametrize("case", list(NO_MASTER_CASES))
+def test_without_masters_every_ranks_logs_are_the_fsdp_step_collectives_in_bf16(case):
+    """Without masters the gradients gathered to the owners and the updates scattered back are the
+    bf16 parameters' (FsdpOptimizer's grad_dtype and update_dtype; `sim.fsdp`'s phase B prices 2 bytes)."""
+    spec, how, clips = NO_MASTER_CASES[case]
+    results = runs(2, no_masters=True)[case]
+    matrices = planned(results[0], spec, how)
+    for got in results:
+        for step in range(spec.steps):
+            want = fsdp_step_collectives(
+                got["spec"], got["size"], got["rank"], got["owner"], got["micro_groups"], element_bytes=2, world=2,
+                clips=clips, no_update=matrices if spec.optimizer == "soap" and step == 0 else ())
+            have = [r[1:] for r in got["log"] if r[0] == step]
+            assert have == [c.logged() for c in want], (case, got["rank"], step)
