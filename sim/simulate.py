@@ -250,8 +250,10 @@ class SimConfig:
         wl = self.workload
         if not wl.master_weights and not self.fsdp and wl.grad_bytes > wl.param_bytes:
             # under FSDP the reduction is the user's fully_shard's (MixedPrecisionPolicy.reduce_dtype)
-            raise SpecError("--no-master-weights with --grad-reduce-in-fp32: without master weights canzona's "
-                            "DistributedOptimizer reduces and keeps the gradients in the parameters' dtype")
+            raise SpecError(f"--no-master-weights with --grad-reduce-in-fp32 ({wl.grad_bytes}-byte gradients, "
+                            f"Workload.grad_bytes; grad_bytes_for(None, False) gives the parameters' "
+                            f"{wl.param_bytes}): without master weights canzona's DistributedOptimizer reduces and "
+                            "keeps the gradients in the parameters' dtype")
         if self.workload.loss_bytes != DTYPE_BYTES["fp32"] and not self.loss_autograd:
             raise SpecError("--no-loss-fp32-upcast describes PyTorch's F.cross_entropy on the bf16 logits: FSDP2 "
                             "(--fsdp) with the unfused loss; Megatron's vocab-parallel loss computes in fp32")
