@@ -735,8 +735,9 @@ class _FsdpRun:
 def kept_matrices(optimizer: str, matrices: dict[str, FsdpMatrix], setup: MemorySetup,
                   matrix_config: object | None = None) -> dict[str, FsdpMatrix]:
     """`matrices` with their state as the runtime keeps it (`FsdpMatrix.state` is the plan's fp32
-    count): without masters the part that follows the update (Muon's and NorMuon's momentum, which
-    lives with the matrix's rows) in the parameters' dtype (`canzona.memory.state_saving_bytes`)."""
+    count): without masters the part that follows the update (the registry's `update_dtype_state_bytes`,
+    Muon's momentum, which lives with the matrix's rows) in the parameters' dtype
+    (`canzona.memory.state_saving_bytes`)."""
     out = {}
     for name, m in matrices.items():
         saved = state_saving_bytes(optimizer, m.shape, setup, matrix_config)
