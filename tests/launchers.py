@@ -9,9 +9,13 @@ port the system chose to its ranks; `agent_store` does the same for processes st
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 # torchrun on one node: its store on a port the system picks as it binds it (`--standalone`), the
@@ -25,6 +29,29 @@ UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 def torchrun_command(ranks: int, *args: object) -> list[str]:
     """`torchrun --standalone --nproc-per-node RANKS ARGS...` (a script or `-m module`, then its arguments)."""
     return [*TORCHRUN, "--nproc-per-node", str(ranks), *map(str, args)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def driver_results(ranks: int, driver: str | os.PathLike, folder: Path, timeout: float) -> list[dict[str, Any]]:
+    """Run a scenario driver under torchrun in `folder` (this checkout first on the ranks' path, one
+    thread each) and return what each rank saved as `rank<r>.pt`: one dict of scenario results."""
+    import torch
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(torchrun_command(ranks, driver, folder), cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Each rank's result of scenario `name`; a scenario that ended in an error fails the test with it."""
+    results = [r[name] for r in ranks]
+    for r in results:
+        assert "error" not in r, r["error"] + "\n" + r["trace"]
+    return results
 
 
 @contextmanager

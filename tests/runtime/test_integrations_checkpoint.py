@@ -10,40 +10,23 @@ integrations (plain `dcp.save`, no manifest) loads, and saving over it is refuse
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.launchers import torchrun_command  # noqa: E402
+from tests.launchers import driver_results, scenario  # noqa: E402
 from tests.runtime import integrations_checkpoint_driver as driver  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 DP = 2
 MIX = "CheckpointError: the model's weights differ from the optimizer checkpoint's fp32 master weights"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("integrations_checkpoint")
-    cmd = torchrun_command(DP, driver.__file__, tmp)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(DP)]
-
-
-def scenario(ranks: list[dict], name: str) -> list[dict]:
-    results = [r[name] for r in ranks]
-    for r in results:
-        assert "error" not in r, r["error"] + "\n" + r["trace"]
-    return results
+    return driver_results(DP, driver.__file__, tmp_path_factory.mktemp("integrations_checkpoint"), timeout=600)
 
 
 def one_line(results: list[dict], key: str, start: str) -> None:

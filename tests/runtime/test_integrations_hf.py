@@ -11,8 +11,6 @@ gradient norms are that global norm. The plain `Trainer` and `Accelerator` must 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +30,7 @@ from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
 from canzona.plan import make_plan  # noqa: E402
 from canzona.runtime.kernels import adamw_step_, apply_update_, matrix_kernel  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
-from tests.launchers import torchrun_command  # noqa: E402
+from tests.launchers import driver_results, scenario  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -47,20 +45,7 @@ SETUP = driver.SETUP
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("integrations")
-    cmd = torchrun_command(DP, driver.__file__, tmp)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(DP)]
-
-
-def scenario(ranks: list[dict], name: str) -> list[dict]:
-    """Each rank's result of `name`; a scenario that ended in an error fails the test with it."""
-    results = [r[name] for r in ranks]
-    for r in results:
-        assert "error" not in r, r["error"] + "\n" + r["trace"]
-    return results
+    return driver_results(DP, driver.__file__, tmp_path_factory.mktemp("integrations"), timeout=300)
 
 
 # --- the emulation -----------------------------------------------------------------------------
