@@ -243,7 +243,9 @@ def test_each_rank_computes_what_the_plan_gives_it(dp, optimizer):
             assert owned == [matrices] * dp
             continue
         plan_policy = {"zero1-gather": "zero1-even", "layerwise": "layerwise"}.get(policy, dp_policy)
-        plan = make_plan(model, dp, 1, optimizer, plan_policy, bucket_size=BUCKET)
+        # the runtime plans at the configuration it runs (its matrix_config's seconds and state)
+        plan = make_plan(model, dp, 1, optimizer, plan_policy, bucket_size=BUCKET,
+                         matrix_config=MATRIX_CONFIG.get(optimizer))
         assert owned == [sorted(names) for names in owners_of(plan)], (policy, dp_policy)
         if policy != "zero1-gather":
             assert sorted(n for names in owned for n in names) == matrices, (policy, dp_policy)
