@@ -616,10 +616,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
         save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`."""
         return fsdp_checkpoint.sharded_state(self, prefix)
 
-    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+    def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
+                                check_weights: bool = False) -> None:
         """Load from a `torch.distributed.checkpoint` written by `sharded_state_dict()` under FSDP2
         at any size or under the ZeRO-1 layout (a path or a storage reader): each rank reads what
-        its pieces need. Collective (dcp.load)."""
+        its pieces need. Collective (dcp.load). `check_weights` is the ZeRO-1 path's (the
+        integrations pass it alike): not checked here yet, so a model / optimizer pair from two
+        saves is not detected under FSDP2."""
         fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix)
 
     # --- what users of torch optimizers reach for ----------------------------------------------

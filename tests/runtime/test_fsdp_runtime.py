@@ -448,3 +448,18 @@ def test_fsdp_refuses_the_zero1_layouts_options_on_every_rank() -> None:
         for option in ZERO1_ONLY:
             assert r[option] is not None and r[option].startswith(f"{option}=") and "changes nothing" in r[option]
         assert r["bucket_size"] is None
+
+
+def test_fsdp_loads_with_the_arguments_the_integrations_pass() -> None:
+    """CanzonaTrainer and CanzonaAccelerator call `load_sharded_state_dict(reader, check_weights=True)`
+    on whichever optimizer DistributedOptimizer built: the FSDP one takes the same arguments (it
+    raised a TypeError on check_weights), so a resume reaches its load."""
+    import inspect
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.fsdp import FsdpOptimizer
+
+    zero1 = inspect.signature(DistributedOptimizer.load_sharded_state_dict).parameters
+    fsdp = inspect.signature(FsdpOptimizer.load_sharded_state_dict).parameters
+    assert list(fsdp) == list(zero1)
+    assert all(fsdp[k].kind == zero1[k].kind and fsdp[k].default == zero1[k].default for k in zero1)
