@@ -1310,8 +1310,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     for i in range(dp):
         row = rows[0 if policy.replicated else i]
         reduction = reductions[i]
-        # AdamW's moments follow its update (`MemorySetup.update_state_bytes`)
-        adamw_state = state_bytes("adamw", (adamw_inside[i],)) * setup.update_state_bytes // FP32
+        adamw_state = setup.adamw_state_bytes(adamw_inside[i])  # its moments follow its update
         for r in range(tp):
             master, state, step = row[r]
             overhead = setup.overhead(max(activations + reduction, step))

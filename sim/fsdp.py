@@ -572,22 +572,18 @@ class _FsdpRun:
         eng.phase = "B"
         ranks = self.members
         setup = MemorySetup.dtypes_of(wl)
-        # the gradients exchanged and the updates sent and applied: FsdpOptimizer's grad_dtype and
-        # update_dtype, fp32 beside masters, else the parameters' dtype (whatever the reduction's)
+        # the gradients exchanged, the updates sent and applied, the kept gradient shards and AdamW's
+        # moments: FsdpOptimizer's grad_dtype and update_dtype, fp32 beside masters, else the
+        # parameters' dtype (whatever the reduction's; Workload.master_weights)
         ub = setup.update_state_bytes
         total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
         experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
-        # without masters the kept gradient shards and AdamW's moments are in the parameters' dtype
-        # (Workload.master_weights)
-        state_dtype = setup.update_state_bytes
         norm_s = sum(self.rate.kernel_seconds(k) for k in
-                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None,
-                                           state_dtype))
+                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None, ub))
         begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
         local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
         elementwise = -(-(total - local_matrices) // s) + experts
-        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"),
-                                                                         state_dtype))
+        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"), ub))
         done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
         groups = self.micro_groups()
         nodes = [self.cluster.node_of(r) for r in ranks]

@@ -467,8 +467,8 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict]) -> None:
         if not opt.master_weights:
             return
         masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
+        device = local_tensor(next(iter(opt.params.values()))).device
         for part in _parts(opt):
-            device = local_tensor(next(iter(opt.params.values()))).device
             weights = _working(part)
             for name, master in _local_masters(part, _local(part, masters), device).items():
                 working = weights[name].detach().reshape(-1)
