@@ -1192,16 +1192,15 @@ def state_saving_bytes(optimizer: str, shape: tuple[int, ...], setup: MemorySetu
 
 def kept_state_bytes(optimizer: str, tasks: Sequence[Task], setup: MemorySetup, cfg: object | None = None) -> int:
     """The optimizer state of `tasks` (each task's `state_bytes`, the plan's fp32 count) as the
-    runtime keeps it: the part that follows the update (`canzona.cost.update_dtype_state_bytes`) in
-    `setup.update_state_bytes`, the rest in fp32."""
+    runtime keeps it: each task's share of its whole parameter's `state_saving_bytes` taken off."""
     full = sum(t.state_bytes for t in tasks)
     if setup.update_state_bytes == FP32:
         return full
     saved = 0
-    for t in tasks:  # the share of each task's state that follows the update, of whatever the task holds
+    for t in tasks:  # a task may hold part of a parameter: it saves that part's share
         whole = state_bytes(optimizer, t.shape, cfg)
-        saved += t.state_bytes * update_dtype_state_bytes(optimizer, t.shape, cfg) // whole if whole else 0
-    return full - saved * (FP32 - setup.update_state_bytes) // FP32
+        saved += state_saving_bytes(optimizer, t.shape, setup, cfg) * t.state_bytes // whole if whole else 0
+    return full - saved
 
 
 def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: LayerDims,

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from canzona.errors import CheckpointError
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
+    Ranks,
     SafeFileSystemReader,
-    _Ranks,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -78,7 +78,7 @@ def check_replaceable(folders: list[str | os.PathLike]) -> None:
             if is_legacy(folder):
                 raise CheckpointError(legacy_message(folder))
 
-    _Ranks(_group()).together(check, rank0_only=True)
+    Ranks(_group()).together(check, rank0_only=True)
 
 
 def save_optimizer(opt: Any, folder: str | os.PathLike) -> None:
@@ -91,7 +91,7 @@ def load_optimizer(opt: Any, folder: str | os.PathLike) -> None:
     raises the same `CheckpointError` for a damaged or foreign file, and nothing is loaded); a
     folder of an older canzona (no manifest) is read as it always was."""
     group = _group()
-    ranks = _Ranks(group)
+    ranks = Ranks(group)
     manifested = ranks.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
         opt.load_sharded_state_dict(str(folder), check_weights=True)

@@ -461,7 +461,7 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict]) -> None:
     It holds after every step (the parameters are the masters cast, `kernels.update_target`), at
     any layout; a checkpoint without masters (saved from an fp32 model) checks nothing."""
     from canzona.errors import CheckpointError
-    from canzona.runtime.checkpoint_files import _Ranks
+    from canzona.runtime.checkpoint_files import Ranks
 
     def check() -> None:
         if not opt.master_weights:
@@ -479,7 +479,7 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict]) -> None:
                     raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
                         detail=f"{part.global_name(name)}: {bad} of {same.numel()} elements"))
 
-    _Ranks().together(check)
+    Ranks().together(check)
 
 
 def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:

@@ -115,7 +115,7 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-class _Ranks:
+class Ranks:
     """The ranks of `process_group` (the default group when None), or this process alone when
     torch.distributed is not initialised. `together` runs a step on each and raises the same
     error on every rank if any failed, so that no rank is left waiting in the next collective."""
@@ -161,7 +161,7 @@ def save_checkpoint(state_dict: dict[str, Any], folder: str | os.PathLike, *,
         json.dumps(info)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"manifest_info must be JSON: {e}") from None
-    ranks = _Ranks(process_group)
+    ranks = Ranks(process_group)
     token = ranks.together(lambda: _prepare_destination(folder), rank0_only=True)[0]
     staging = folder.with_name(f"{folder.name}{STAGING}{token}")
     try:
@@ -357,7 +357,7 @@ def verify_checkpoint(folder: str | os.PathLike, expect: Mapping[str, Any] | Non
     folder = Path(folder)
     if process_group is None:
         return _verify_share(folder, expect, 0, 1)
-    ranks = _Ranks(process_group)
+    ranks = Ranks(process_group)
     return ranks.together(lambda: _verify_share(folder, expect, ranks.rank, ranks.world))[ranks.rank]
 
 
@@ -518,5 +518,5 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return super().read_data(plan, _PlainDataPlanner(planner, Path(self.path)))
 
 
-__all__ = ["MANIFEST", "CheckpointError", "FileEntry", "Manifest", "SafeFileSystemReader",
+__all__ = ["MANIFEST", "CheckpointError", "FileEntry", "Manifest", "Ranks", "SafeFileSystemReader",
            "is_complete", "latest_checkpoint", "read_manifest", "save_checkpoint", "verify_checkpoint"]
