@@ -218,7 +218,16 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
                 tp_dim = mspec.param(name).tp_dim if spec.tp > 1 else None
                 local_tensor(p).copy_(shard_of(params[name], tp_dim, spec.tp, opt.tp_rank))
         if isinstance(state, str):
-            opt.load_sharded_state_dict(state)
+            check_weights = extra.get("check_weights", False)  # the parameters are those it was saved with
+            if extra.get("refused"):  # they are not: the error, and the state before and after it
+                before = opt.state_dict()
+                try:
+                    opt.load_sharded_state_dict(state, check_weights=check_weights)
+                    outcome = "loaded"
+                except CanzonaError as e:
+                    outcome = f"{type(e).__name__}: {e}"
+                return {"refused": outcome, "state before": before, "state after": opt.state_dict()}
+            opt.load_sharded_state_dict(state, check_weights=check_weights)
         else:
             opt.load_state_dict(state)
     vocab = mspec.param("model.embed_tokens.weight").shape[0]

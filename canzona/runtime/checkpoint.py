@@ -25,11 +25,16 @@ it belongs to; a checkpoint of another model or optimizer is refused with one li
 The sharded form (`sharded_state` / `load_sharded`) goes through `torch.distributed.checkpoint`:
 each rank writes only what it holds (the matrix states it hosts first, its pieces of shards), keyed
 so that any layout can find what it needs. At the same TP size a rank reads only the pieces that
-overlap its own; at another TP size it reads every piece of the parameters it needs.
+overlap its own; at another TP size it reads every piece of the parameters it needs. Its
+metadata holds the weights' witness (`take_witness`: a few elements of every parameter, exact, by
+global index), which `load_sharded(check_weights=True)` compares with the model's weights where the
+checkpoint has no masters to compare (`check_weights_match`), at any layout; a checkpoint of an
+older canzona has none and still loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -449,37 +454,192 @@ def _working(opt: Checkpointable) -> dict[str, Tensor]:
 
 
 WEIGHTS_FROM_ANOTHER_SAVE = (
-    "the model's weights differ from the optimizer checkpoint's fp32 master weights ({detail}): the model files "
+    "the model's weights differ from those the optimizer checkpoint was saved with ({detail}): the model files "
     "and the optimizer state come from different saves (a save killed between them, or files copied from two "
     "checkpoints); nothing of the optimizer state was loaded. Resume from a checkpoint saved whole")
 
 
-def check_weights_match(opt: Checkpointable, state: Mapping[str, dict]) -> None:
+def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
     """Collective (the default process group): the model's weights as they are now (just loaded)
-    equal the checkpoint's fp32 masters cast to the parameters' dtype on every element this rank
-    keeps a master of; otherwise one CheckpointError on every rank, before anything is loaded.
-    It holds after every step (the parameters are the masters cast, `kernels.update_target`), at
-    any layout; a checkpoint without masters (saved from an fp32 model) checks nothing."""
+    are those the checkpoint was saved with, or one CheckpointError on every rank before anything
+    is loaded. Where this optimizer keeps fp32 masters and the checkpoint has them, every element
+    this rank keeps a master of equals the master cast to the parameter's dtype (it holds after
+    every step, `kernels.update_target`); every other parameter's sampled elements this rank holds
+    equal the checkpoint's `witness` (`take_witness`; none in a checkpoint of an older canzona:
+    those parameters are not checked). Both hold at any layout."""
     from canzona.errors import CheckpointError
     from canzona.runtime.checkpoint_files import Ranks
 
     def check() -> None:
-        if not opt.master_weights:
-            return
-        masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
-        device = local_tensor(next(iter(opt.params.values()))).device
-        for part in _parts(opt):
-            weights = _working(part)
-            for name, master in _local_masters(part, _local(part, masters), device).items():
-                working = weights[name].detach().reshape(-1)
-                cast = master.reshape(-1).to(working.dtype)
-                same = (cast == working) | (cast.isnan() & working.isnan())
-                if not bool(same.all()):
-                    bad = int((~same).sum())
-                    raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
-                        detail=f"{part.global_name(name)}: {bad} of {same.numel()} elements"))
+        compared: set[str] = set()  # parameters with a master compared here
+        if opt.master_weights:
+            masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
+            device = local_tensor(next(iter(opt.params.values()))).device
+            for part in _parts(opt):
+                weights = _working(part)
+                for name, master in _local_masters(part, _local(part, masters), device).items():
+                    bad = mismatches(master, weights[name])
+                    if bad:
+                        raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
+                            detail=f"{part.global_name(name)}: {bad} of {master.numel()} elements of its fp32 "
+                                   "master weights"))
+                    compared.add(part.global_name(name).split(STACK_OPEN)[0])  # a stack's matrix: its stack
+        held = {n: h for n, h in _held(opt).items() if n not in compared}
+        detail = witness_mismatch(held, _global_shapes(opt), witness or {})
+        if detail is not None:
+            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
 
     Ranks().together(check)
+
+
+# --- the weights' witness: a few elements of every parameter, at any layout ----------------------
+
+WITNESS_KEY = "weights_witness"  # in the sharded form's metadata (`sharded_meta`)
+WITNESS_SIZE = 32  # elements of each parameter (all of a smaller one)
+
+# per parameter this rank holds: (global offset of its local tensor's box, the local tensor, shaped as the box)
+Held = Mapping[str, tuple[tuple[int, ...], Tensor]]
+
+
+def witness_indices(name: str, numel: int) -> list[int]:
+    """The elements of parameter `name` (global flat indices) its witness records: the first, the
+    last, and others picked by a hash of the name (the same in every process and at any layout)."""
+    if numel <= WITNESS_SIZE:
+        return list(range(numel))
+    picked = {0, numel - 1}
+    k = 0
+    while len(picked) < WITNESS_SIZE:
+        digest = hashlib.sha256(f"{name}#{k}".encode()).digest()
+        picked.add(int.from_bytes(digest[:8], "little") % numel)
+        k += 1
+    return sorted(picked)
+
+
+def _locate(index: list[int], shape: tuple[int, ...], start: tuple[int, ...],
+            box: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(position in `index`, flat index in the box) of the global flat indices inside the box at `start`."""
+    out = []
+    for k, flat in enumerate(index):
+        local, stride = 0, 1
+        for d in range(len(shape) - 1, -1, -1):
+            flat, coord = divmod(flat, shape[d])
+            c = coord - start[d]
+            if not 0 <= c < box[d]:
+                break
+            local += c * stride
+            stride *= box[d]
+        else:
+            out.append((k, local))
+    return out
+
+
+def _values(local: Tensor, at: list[tuple[int, int]]) -> Tensor:
+    """The elements of `local` at the box's flat indices of `at`, on the CPU."""
+    where = torch.tensor([i for _, i in at], dtype=torch.long, device=local.device)
+    return local.detach().reshape(-1)[where].cpu()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bits(values: Tensor) -> list[str]:
+    """Each value's bytes, in hex (exact, NaN payloads too)."""
+    raw = values.contiguous().view(torch.uint8).reshape(values.numel(), -1)
+    return [bytes(row.tolist()).hex() for row in raw]
+
+
+def _from_bits(bits: list[str], dtype: torch.dtype) -> Tensor:
+    return torch.frombuffer(bytearray.fromhex("".join(bits)), dtype=dtype).clone()
+
+
+def take_witness(held: Held, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Collective (the default process group; this process alone without torch.distributed): the
+    witness of the weights as they are now, identical on every rank, for the sharded form's
+    metadata: per parameter its dtype, the elements `witness_indices` picks and their values
+    (bytes in hex), each from a rank that holds it."""
+    from canzona.runtime.checkpoint_files import Ranks
+
+    def mine() -> dict[str, tuple[str, dict[int, str]]]:
+        out = {}
+        for name, (start, local) in held.items():
+            shape = shapes[name]
+            index = witness_indices(name, math.prod(shape))
+            at = _locate(index, shape, start, tuple(local.shape))
+            if at:
+                out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
+        return out
+
+    every = Ranks().together(mine)
+    witness: dict[str, Any] = {}
+    for name in sorted(shapes):
+        found = [per[name] for per in every if name in per]
+        if not found:
+            continue
+        values: dict[int, str] = {}
+        for _, got in found:
+            for i, v in got.items():
+                values.setdefault(i, v)
+        index = sorted(values)
+        witness[name] = {"dtype": found[0][0], "index": index, "bits": [values[i] for i in index]}
+    return witness
+
+
+def witness_mismatch(held: Held, shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any]) -> str | None:
+    """Where the weights this rank holds differ from the witness (None: nowhere). The witness's
+    values are cast to each parameter's dtype now (a checkpoint loaded into another dtype: the
+    weights were cast alike); NaN equals NaN."""
+    for name in sorted(held):
+        entry = witness.get(name)
+        dtype = getattr(torch, entry.get("dtype", ""), None) if isinstance(entry, Mapping) else None
+        if not isinstance(dtype, torch.dtype):
+            continue  # no witness of it (a checkpoint of an older canzona)
+        start, local = held[name]
+        index, bits = list(entry["index"]), list(entry["bits"])
+        at = _locate(index, shapes[name], start, tuple(local.shape))
+        if not at or len(bits) != len(index):
+            continue
+        saved = _from_bits([bits[k] for k, _ in at], dtype)
+        bad = mismatches(saved, _values(local, at))
+        if bad:
+            return f"{name}: {bad} of {len(at)} sampled elements here"
+    return None
+
+
+def mismatches(saved: Tensor, working: Tensor) -> int:
+    """Elements of `working` that are not `saved` cast to its dtype (NaN equals NaN)."""
+    working = working.detach().reshape(-1)
+    cast = saved.reshape(-1).to(device=working.device, dtype=working.dtype)
+    same = cast == working
+    if working.is_floating_point():
+        same |= cast.isnan() & working.isnan()
+    return int((~same).sum())
+
+
+def _held(opt: Checkpointable) -> dict[str, tuple[tuple[int, ...], Tensor]]:
+    """Every parameter this rank holds, with its box in the global tensor: its TP shard (the
+    whole parameter at TP 1), under expert parallelism a stack's experts of this EP rank."""
+    ep_rank: dict[str, int] = {}  # a stack of this EP rank's experts: that EP rank
+    if opt.experts is not None:
+        for p in opt.experts.spec.stacks:
+            first = opt.experts.global_name(stacked_matrices(p)[0].name)  # '<stack>[ep_rank x matrices]'
+            ep_rank[p.name] = int(first[first.rindex(STACK_OPEN) + 1:-len(STACK_CLOSE)]) // p.stack_size
+    tp, t = opt.mesh.size(TP), opt.mesh.rank(TP)
+    out: dict[str, tuple[tuple[int, ...], Tensor]] = {}
+    for name, p in opt.params.items():
+        local, shape = local_tensor(p), opt.spec.param(name).shape
+        start = [0] * len(shape)
+        if name in ep_rank:
+            start[0] = ep_rank[name] * local.shape[0]
+        elif tuple(local.shape) != shape:
+            dim = _tp_dim(opt, name)
+            if dim is None:
+                continue  # not a box this rank can place: not checked here
+            start[dim] = t * -(-shape[dim] // tp)  # torch.chunk's (`shard_of`)
+        if any(s + n > m for s, n, m in zip(start, local.shape, shape)) or local.dim() != len(shape):
+            continue
+        out[name] = (tuple(start), local)
+    return out
 
 
 def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: int) -> Tensor:
@@ -574,14 +734,17 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
     return field, int(t), int(tp), int(offset)
 
 
-def sharded_meta(opt: Described, prefix: str = DCP_PREFIX) -> dict[str, Any]:
-    """The small metadata entry every rank holds alike: the header and the groups' hyper-parameters
-    and members (by name: a loader checks that its groups hold the same)."""
+def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The small metadata entry every rank holds alike: the header, the groups' hyper-parameters
+    and members (by name: a loader checks that its groups hold the same), and the weights' witness
+    (`take_witness`, for `check_weights`; a loader that knows none ignores it)."""
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
     name_of = {id(p): n for n, p in opt.params.items()}
     meta = {**_header(opt), "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                                               NAMES_KEY: [name_of[id(p)] for p in g["params"]]}
                                              for g in opt.param_groups]}
+    if witness is not None:
+        meta[WITNESS_KEY] = dict(witness)
     return {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
 
 
@@ -593,8 +756,10 @@ def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str
 def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, Any]:
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
-    metadata every rank holds alike. Compose with the model's entries in one `dcp.save`."""
-    out = sharded_meta(opt, prefix)
+    metadata every rank holds alike, with the witness of the weights as they are now. Compose
+    with the model's entries in one `dcp.save`. Collective (the witness: one small all-gather
+    over the default process group), as `dcp.save` is."""
+    out = sharded_meta(opt, prefix, take_witness(_held(opt), _global_shapes(opt)))
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name
         states, masters = _saved_here(part)
@@ -616,7 +781,8 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
     at any DP x TP layout, rebuild the layout-independent form for it, and load that.
     `check_weights`: the model's weights were just loaded from the same save; refuse (collective,
-    before anything is changed) if they are not its masters cast (`check_weights_match`)."""
+    before anything is changed) if they are not its masters cast or differ from its witness
+    (`check_weights_match`)."""
     # every part's entries under the model's names
     hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
     applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
@@ -632,7 +798,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
-        check_weights_match(opt, state)
+        check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
 
 

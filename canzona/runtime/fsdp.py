@@ -613,17 +613,25 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
         only what it holds), keyed as the ZeRO-1 layout's; merge it with the model's state dict to
-        save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`."""
+        save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`.
+        Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
+        elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
+        over the default process group)."""
         return fsdp_checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
                                 check_weights: bool = False) -> None:
         """Load from a `torch.distributed.checkpoint` written by `sharded_state_dict()` under FSDP2
         at any size or under the ZeRO-1 layout (a path or a storage reader): each rank reads what
-        its pieces need. Collective (dcp.load). `check_weights` is the ZeRO-1 path's (the
-        integrations pass it alike): not checked here yet, so a model / optimizer pair from two
-        saves is not detected under FSDP2."""
-        fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix)
+        its pieces need. Collective (dcp.load).
+
+        `check_weights=True`, as on the ZeRO-1 path (the integrations pass it alike): the model's
+        weights were just loaded from the same save; weights that are not the checkpoint's fp32
+        masters cast to their dtype (where this optimizer keeps masters and the checkpoint has
+        them), or that differ from the checkpoint's witness of them (a few elements of every
+        parameter, recorded at the save), are one CheckpointError on every rank, nothing loaded:
+        model files and optimizer state from two saves, say a save killed between them."""
+        fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
     # --- what users of torch optimizers reach for ----------------------------------------------
 

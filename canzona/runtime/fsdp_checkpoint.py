@@ -24,15 +24,21 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import matrix_optimizer
 from canzona.runtime.checkpoint import (
     DCP_PREFIX,
+    WEIGHTS_FROM_ANOTHER_SAVE,
+    WITNESS_KEY,
+    _check_compatible,
     _overlaps,
     _to_cpu,
     _to_device,
     full_state,
+    mismatches,
     piece_key,
     read_sharded,
     read_state,
     restore_settings,
     sharded_meta,
+    take_witness,
+    witness_mismatch,
 )
 from canzona.runtime.fsdp_layout import Box
 
@@ -130,8 +136,10 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
     ZeRO-1 layout's (`checkpoint.sharded_state`: a checkpoint written under one layout loads under
     the other): the whole state of the matrices it owns, its pieces of AdamW state and masters
     (each the flat range of the full tensor its box is; the lowest member holding a box writes it;
-    HSDP replicas write the same entries, which dcp saves once), and the metadata."""
-    out = sharded_meta(opt, prefix)
+    HSDP replicas write the same entries, which dcp saves once), and the metadata with the
+    witness of the weights as they are now (`checkpoint.take_witness`: one small all-gather over
+    the default process group; collective, as `dcp.save` is)."""
+    out = sharded_meta(opt, prefix, take_witness(_held(opt), _shapes(opt)))
     for name, state in opt.matrix_state.items():
         for key, value in state.items():
             out[f"{prefix}/matrix/{name}/{key}"] = value
@@ -152,17 +160,68 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
     return out
 
 
-def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX) -> None:
+def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
+                 check_weights: bool = False) -> None:
     """Read what this rank needs from a checkpoint written by `sharded_state` under FSDP2 at any
     size or under the ZeRO-1 layout at any DP x TP layout: the state of the matrices it owns, every
     matrix's step count, and the pieces that overlap its boxes (every piece of a parameter written
-    at TP > 1); then load it as `load_state` does."""
+    at TP > 1); then load it as `load_state` does. `check_weights`: the model's weights were just
+    loaded from the same save; refuse (collective, before anything is changed) if they are not its
+    masters cast or differ from its witness (`check_weights_match`)."""
     needs = {}
     for name in opt.params:
         lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
         needs[name] = lambda t, tp, offset, meta, lo=lo, hi=hi: tp != 1 or _overlaps(meta, offset, lo, hi)
     header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    if check_weights:
+        _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
+        check_weights_match(opt, state, header.get(WITNESS_KEY))
     load_by_name(opt, header, header.get("param_groups", []), state)
+
+
+def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
+    """`checkpoint.check_weights_match` under FSDP2 (collective over the default process group,
+    one CheckpointError on every rank, nothing loaded): where this optimizer keeps fp32 masters
+    and the checkpoint has them, this rank's box of each equals its weights cast from it; every
+    other parameter's sampled elements in this rank's box equal the checkpoint's witness."""
+    from canzona.errors import CheckpointError
+    from canzona.runtime.checkpoint_files import Ranks
+
+    def check() -> None:
+        compared: set[str] = set()
+        if opt.master_weights:
+            for name, saved in state.items():
+                if name not in opt.params or not isinstance(saved, Mapping) or "master" not in saved:
+                    continue
+                local = opt.params[name].to_local()
+                if not local.numel():
+                    continue
+                bad = mismatches(_cut(opt, name, saved["master"], local), local)
+                if bad:
+                    raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
+                        detail=f"{name}: {bad} of {local.numel()} elements of its fp32 master weights"))
+                compared.add(name)
+        held = {n: h for n, h in _held(opt).items() if n not in compared}
+        detail = witness_mismatch(held, _shapes(opt), witness or {})
+        if detail is not None:
+            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
+
+    Ranks().together(check)
+
+
+def _shapes(opt: FsdpOptimizer) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(opt.layout[n].shape) for n in opt.params}
+
+
+def _held(opt: FsdpOptimizer) -> dict[str, tuple[tuple[int, ...], Tensor]]:
+    """Every parameter's box on this rank (its start in the global tensor) and local tensor, shaped as the box."""
+    out = {}
+    for name, p in opt.params.items():
+        box = opt.layout[name].boxes[opt.rank]
+        local = p.to_local()
+        if box.numel and local.numel() == box.numel:
+            out[name] = (tuple(box.start), local.reshape(box.shape))
+    return out
 
 
 def _flat_bounds(box: Box, shape: tuple[int, ...]) -> tuple[int, int]:

@@ -833,7 +833,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes
-        only what it owns); merge it with the model's state dict to save both in one call."""
+        only what it owns); merge it with the model's state dict to save both in one call.
+        Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
+        elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
+        over the default process group)."""
         self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
@@ -843,9 +846,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reader): each rank reads what its layout needs. Collective.
 
         `check_weights=True`: the model's weights were just loaded from the same save (the
-        integrations' `load_state` / resume); with fp32 master weights, weights that are not the
-        checkpoint's masters cast to their dtype (model files and optimizer state from two saves,
-        say a save killed between them) are one CheckpointError on every rank, nothing loaded."""
+        integrations' `load_state` / resume); weights that are not the checkpoint's fp32 masters
+        cast to their dtype (where this optimizer keeps masters and the checkpoint has them), or
+        that differ from the checkpoint's witness of them (a few elements of every parameter,
+        recorded at the save: an fp32 model, `master_weights=False`), are one CheckpointError on
+        every rank, nothing loaded: model files and optimizer state from two saves, say a save
+        killed between them. A checkpoint of an older canzona has no witness: where it has no
+        masters either, nothing is checked."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)

@@ -20,6 +20,7 @@ fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -159,8 +160,8 @@ def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str
     (default: the state dict loaded); `save`: a sharded checkpoint of the state after the steps."""
     model, opt = fsdp_model(spec, world, seed=7, hsdp=hsdp)
     load_params(model, ckpt[0])
-    if isinstance(ckpt[1], str):
-        opt.load_sharded_state_dict(ckpt[1])
+    if isinstance(ckpt[1], str):  # the weights it was saved with: not refused
+        opt.load_sharded_state_dict(ckpt[1], check_weights=True)
     else:
         opt.load_state_dict(ckpt[1])
     again = nested_equal(opt.state_dict(), like if like is not None else ckpt[1])
@@ -222,6 +223,38 @@ def refused(spec: TrainSpec, rank: int, world: int, other: dict | None = None) -
     return "loaded"
 
 
+def mixed(spec: TrainSpec, rank: int, world: int, params: dict, path: str) -> dict:
+    """A fresh model given `params`, which are not the weights the sharded checkpoint at `path`
+    was saved with, loads it with `check_weights`: the error, and the state before and after."""
+    model, opt = fsdp_model(spec, world, seed=7)
+    load_params(model, params)
+    before = opt.state_dict()
+    try:
+        opt.load_sharded_state_dict(path, check_weights=True)
+        refused = "loaded"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        refused = f"{type(e).__name__}: {e}"
+    return {"refused": refused, "unchanged": nested_equal(opt.state_dict(), before)}
+
+
+def weights_checked(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
+    """SAVE steps and a sharded checkpoint, one step more: that step's weights beside the
+    checkpoint are refused (`mixed`), the checkpoint's own load (the state it saved)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = fsdp_model(spec, world)
+    train(model, opt, spec, rank, world)
+    saved, state = full_params(model), opt.state_dict()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    train(model, opt, replace(resume_spec(spec), steps=1), rank, world)
+    out = mixed(spec, rank, world, full_params(model), path)
+    fresh_model, fresh = fsdp_model(spec, world, seed=7)
+    load_params(fresh_model, saved)
+    fresh.load_sharded_state_dict(path, check_weights=True)
+    out["whole"] = nested_equal(fresh.state_dict(), state)
+    return out
+
+
 def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out: dict[str, Any] = {}
     for name, spec in SPECS.items():
@@ -241,7 +274,12 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     params = run["ckpt"][0]
     out["sharded"] = resumed(muon, rank, world, (params, path + "-sharded"), like=run["ckpt"][1])
     out["zero1 from fsdp sharded"] = distributed_worker(rank, world, resume_spec(muon),
-                                                        {"load": (params, path + "-sharded")})["params"]
+                                                        {"load": (params, path + "-sharded"),
+                                                         "check_weights": True})["params"]
+    # the weights of RESUME steps later beside the sharded checkpoint (fp32: no masters, the
+    # witness); bf16 with fp32 masters, the weights of one step later
+    out["mix"] = mixed(muon, rank, world, run["final"], path + "-sharded")
+    out["bf16 mix"] = weights_checked(BF16, rank, world, path + "-bf16")
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
     # HSDP (every rank a replica of one shard): the FSDP checkpoint in, its sharded one out to FSDP
@@ -448,6 +486,26 @@ def test_hsdp_replicas_load_and_save_alike() -> None:
         assert compare(r["hsdp"]["final"], want)["bit_identical"], rank
         assert nested_equal(r["hsdp"]["state"], ranks[0]["hsdp"]["state"]) is None
         assert r["fsdp from hsdp"]["round trip"] is None, (rank, r["fsdp from hsdp"]["round trip"])
+
+
+WEIGHTS_MIX = "CheckpointError: the model's weights differ from those the optimizer checkpoint was saved with"
+
+
+@pytest.mark.parametrize("case, what", [("mix", "sampled elements"), ("bf16 mix", "fp32 master weights")])
+def test_weights_of_another_save_are_refused(case: str, what: str) -> None:
+    """Model weights from a later step beside a sharded checkpoint, loaded with `check_weights`: one
+    CheckpointError on every rank (fp32: the witness; bf16: the fp32 masters), the optimizer's
+    state as it was; the checkpoint beside its own weights loads (every sharded load in these runs
+    checks the weights: FSDP 2 -> 2, -> 3, -> ZeRO-1, ZeRO-1 -> FSDP, HSDP -> FSDP)."""
+    ranks = run2()
+    texts = {re.sub(r"^CheckpointError: rank \d+: ", "CheckpointError: ", r[case]["refused"]) for r in ranks}
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert text.startswith(WEIGHTS_MIX) and what in text and "different saves" in text, text
+    for rank, r in enumerate(ranks):
+        assert r[case]["unchanged"] is None, (rank, r[case]["unchanged"])
+    for rank, r in enumerate(ranks):
+        assert r["bf16 mix"]["whole"] is None, (rank, r["bf16 mix"]["whole"])
 
 
 def test_sharded_state_dict_moves_between_fsdp_and_zero1() -> None:

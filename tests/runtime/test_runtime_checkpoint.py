@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -235,16 +237,63 @@ def test_save_load_save_is_the_identity(dp, optimizer):
 
 @functools.cache
 def sharded(path: str) -> dict:
-    """DP 2 saves a sharded checkpoint per optimizer; DP 3 (another policy) loads it, round-trips
-    it and resumes from it."""
+    """DP 2 saves a sharded checkpoint per optimizer (and runs Muon's one step further); DP 3
+    (another policy) loads each with `check_weights` (the weights it was saved with), round-trips
+    it and resumes from it; it refuses Muon's beside the weights of the step after (an fp32
+    model: no masters, the witness), and loads Muon's rewritten as an older canzona wrote it (no
+    witness)."""
     saved = _run(2, [(("save", opt), save_spec(opt, RESUME_POLICY[2]), {"save_sharded": f"{path}/{opt}"})
-                     for opt in OPTIMIZERS])
+                     for opt in OPTIMIZERS]
+                 + [(("later", "muon"), replace(save_spec("muon", RESUME_POLICY[2]), steps=SAVE_STEPS + 1), {})])
+    if "error" in saved:
+        return {"saved": saved, "loaded": saved}
+    without_witness(f"{path}/muon", f"{path}/muon-older")
     jobs = []
     for opt in OPTIMIZERS:
         params = _get(saved, ("save", opt))[0]["params"]
-        jobs.append((("resume", opt), resume_spec(opt, 3), {"load": (params, f"{path}/{opt}")}))
-        jobs.append((("round trip", opt), resume_spec(opt, 3, steps=0), {"load": (params, f"{path}/{opt}")}))
+        load = {"load": (params, f"{path}/{opt}"), "check_weights": True}
+        jobs.append((("resume", opt), resume_spec(opt, 3), load))
+        jobs.append((("round trip", opt), resume_spec(opt, 3, steps=0), load))
+    params, later = (_get(saved, (k, "muon"))[0]["params"] for k in ("save", "later"))
+    jobs.append((("mix", "muon"), resume_spec("muon", 3, steps=0),
+                 {"load": (later, f"{path}/muon"), "check_weights": True, "refused": True}))
+    jobs.append((("older", "muon"), resume_spec("muon", 3, steps=0),
+                 {"load": (params, f"{path}/muon-older"), "check_weights": True}))
     return {"saved": saved, "loaded": _run(3, jobs)}
+
+
+def sharded_meta(folder: str) -> dict:
+    """The canzona metadata entry of a sharded checkpoint (read in this process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint import DCP_PREFIX
+
+    meta = {f"{DCP_PREFIX}/meta": ""}
+    with warnings.catch_warnings():  # DCP says it loads in this process alone: as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(meta, checkpoint_id=folder, no_dist=True)
+    return json.loads(meta[f"{DCP_PREFIX}/meta"])
+
+
+def without_witness(folder: str, older: str) -> None:
+    """`folder` written again at `older` as a canzona without the weights' witness wrote it: the
+    same entries, its metadata without the witness (in this process: one file)."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from canzona.runtime.checkpoint import DCP_PREFIX, WITNESS_KEY
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, f"{tmp}/whole.pt")
+        state = torch.load(f"{tmp}/whole.pt", weights_only=False)
+    meta = json.loads(state[f"{DCP_PREFIX}/meta"])
+    del meta[WITNESS_KEY]
+    state[f"{DCP_PREFIX}/meta"] = json.dumps(meta)
+    with warnings.catch_warnings():  # DCP says it saves in this process alone: as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(state, checkpoint_id=older, no_dist=True)
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +309,36 @@ def test_sharded_checkpoint_reshards_exactly(sharded_runs, optimizer):
     want = emulate(resume_spec(optimizer, 3), 3, load=(saved["params"], saved["state"]))
     for r, out in enumerate(_get(sharded_runs["loaded"], ("resume", optimizer))):
         assert compare(out["params"], want)["bit_identical"], f"rank {r}"
+
+
+WEIGHTS_MIX = "CheckpointError: the model's weights differ from those the optimizer checkpoint was saved with"
+
+
+def test_weights_of_another_save_are_refused_without_masters(sharded_runs):
+    """An fp32 model (no masters) given the weights of the step after the save, then the save's
+    optimizer state with `check_weights`: one CheckpointError on every rank (the witness), and the
+    optimizer state as it was. The same save beside its own weights loads (the resumes above)."""
+    results = _get(sharded_runs["loaded"], ("mix", "muon"))
+    texts = {re.sub(r"^CheckpointError: rank \d+: ", "CheckpointError: ", r["refused"]) for r in results}
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert text.startswith(WEIGHTS_MIX) and "sampled elements" in text and "different saves" in text, text
+    for r, out in enumerate(results):
+        nested_equal(out["state after"], out["state before"], f"rank {r}")
+
+
+def test_a_checkpoint_without_the_witness_still_loads(sharded_runs, tmp_path_factory):
+    """A sharded checkpoint of an older canzona (its metadata without the witness) loads with
+    `check_weights` (nothing to compare without masters) as the same state."""
+    from canzona.runtime.checkpoint import WITNESS_KEY
+
+    folder = next(p for p in tmp_path_factory.getbasetemp().rglob("muon") if p.is_dir())
+    witness = sharded_meta(str(folder))[WITNESS_KEY]
+    assert set(witness) == set(model_shapes()) and all(len(w["bits"]) == len(w["index"]) > 0 for w in witness.values())
+    assert WITNESS_KEY not in sharded_meta(str(folder.with_name("muon-older")))
+    saved = _get(sharded_runs["saved"], ("save", "muon"))[0]
+    for r, out in enumerate(_get(sharded_runs["loaded"], ("older", "muon"))):
+        nested_equal(out["state"]["state"], saved["state"]["state"], f"rank {r}")
 
 
 def test_each_rank_writes_only_what_it_owns(sharded_runs, tmp_path_factory):

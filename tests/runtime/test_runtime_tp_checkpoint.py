@@ -2,7 +2,9 @@
 DP 2 x TP 2 loads at DP 1 x TP 4 and one taken at DP 1 x TP 4 loads at DP 2 x TP 2, both as
 `state_dict()` (full tensors keyed by name) and through `torch.distributed.checkpoint` (each rank
 writes only what it holds); loading and saving again is the identity, and a resumed run continues
-bit for bit as the same kernels in one process continue from the checkpoint.
+bit for bit as the same kernels in one process continue from the checkpoint. The sharded loads
+check the weights (`check_weights=True`: the fp32 model's witness, its elements in other TP
+shards at the other layout) and are not refused.
 
 Two spawned groups of 4 ranks (the tiny-tp4 preset: TP 4 needs 4 KV heads): the first trains and saves
 at both layouts, the second loads each checkpoint at the other layout.
@@ -91,9 +93,10 @@ def chain(folder: str, optimizers: tuple[str, ...]) -> tuple[dict, dict]:
             params, state = full_parameters(results), results[0]["state"]
             target = OTHER[layout]
             for how, source in (("state_dict", state), ("dcp", f"{folder}/{opt}-{layout}")):
-                loads[("resume", how, opt, layout)] = (resume_spec(opt, target), {"load": (params, source)})
-                loads[("round trip", how, opt, layout)] = (resume_spec(opt, target, steps=0),
-                                                           {"load": (params, source)})
+                # the sharded one with check_weights: the weights it was saved with, at another TP size
+                load = {"load": (params, source), "check_weights": how == "dcp"}
+                loads[("resume", how, opt, layout)] = (resume_spec(opt, target), load)
+                loads[("round trip", how, opt, layout)] = (resume_spec(opt, target, steps=0), load)
     return saved, _run(loads)
 
 
