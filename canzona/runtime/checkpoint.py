@@ -553,14 +553,17 @@ def _from_bits(bits: list[str], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(bytearray.fromhex("".join(bits)), dtype=dtype).clone()
 
 
-def take_witness(held: Held, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+def take_witness(opt: Described, held: Held) -> dict[str, Any]:
     """Collective (the default process group; this process alone without torch.distributed): the
-    witness of the weights as they are now, identical on every rank, for the sharded form's
-    metadata: per parameter its dtype, the elements `witness_indices` picks and their values
-    (bytes in hex), each from a rank that holds it."""
+    witness of the weights as they are now, identical on the ranks of `opt`'s model, for the
+    sharded form's metadata: per parameter its dtype, the elements `witness_indices` picks and
+    their values (bytes in hex), each from a rank that holds it (a rank of the same model: under
+    pipeline parallelism another stage's parameters may have the same names)."""
     from canzona.runtime.checkpoint_files import Ranks
 
-    def mine() -> dict[str, tuple[str, dict[int, str]]]:
+    shapes, model = _global_shapes(opt), opt.spec.fingerprint()
+
+    def mine() -> tuple[str, dict[str, tuple[str, dict[int, str]]]]:
         out = {}
         for name, (start, local) in held.items():
             shape = shapes[name]
@@ -568,9 +571,9 @@ def take_witness(held: Held, shapes: Mapping[str, tuple[int, ...]]) -> dict[str,
             at = _locate(index, shape, start, tuple(local.shape))
             if at:
                 out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
-        return out
+        return model, out
 
-    every = Ranks().together(mine)
+    every = [values for of, values in Ranks().together(mine) if of == model]
     witness: dict[str, Any] = {}
     for name in sorted(shapes):
         found = [per[name] for per in every if name in per]
@@ -628,6 +631,8 @@ def _held(opt: Checkpointable) -> dict[str, tuple[tuple[int, ...], Tensor]]:
     out: dict[str, tuple[tuple[int, ...], Tensor]] = {}
     for name, p in opt.params.items():
         local, shape = local_tensor(p), opt.spec.param(name).shape
+        if local.dim() != len(shape):
+            continue
         start = [0] * len(shape)
         if name in ep_rank:
             start[0] = ep_rank[name] * local.shape[0]
@@ -636,8 +641,8 @@ def _held(opt: Checkpointable) -> dict[str, tuple[tuple[int, ...], Tensor]]:
             if dim is None:
                 continue  # not a box this rank can place: not checked here
             start[dim] = t * -(-shape[dim] // tp)  # torch.chunk's (`shard_of`)
-        if any(s + n > m for s, n, m in zip(start, local.shape, shape)) or local.dim() != len(shape):
-            continue
+        if any(s + n > m for s, n, m in zip(start, local.shape, shape)):
+            continue  # not a box inside the parameter: not checked here
         out[name] = (tuple(start), local)
     return out
 
@@ -759,7 +764,7 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
     metadata every rank holds alike, with the witness of the weights as they are now. Compose
     with the model's entries in one `dcp.save`. Collective (the witness: one small all-gather
     over the default process group), as `dcp.save` is."""
-    out = sharded_meta(opt, prefix, take_witness(_held(opt), _global_shapes(opt)))
+    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name
         states, masters = _saved_here(part)

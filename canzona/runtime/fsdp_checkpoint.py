@@ -139,7 +139,7 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
     HSDP replicas write the same entries, which dcp saves once), and the metadata with the
     witness of the weights as they are now (`checkpoint.take_witness`: one small all-gather over
     the default process group; collective, as `dcp.save` is)."""
-    out = sharded_meta(opt, prefix, take_witness(_held(opt), _shapes(opt)))
+    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
     for name, state in opt.matrix_state.items():
         for key, value in state.items():
             out[f"{prefix}/matrix/{name}/{key}"] = value

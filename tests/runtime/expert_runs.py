@@ -42,7 +42,8 @@ def resumed_runs(out: Mapping[str, Any], jobs: Mapping[str, TrainSpec], saved: S
         params = expert_full_parameters(out[label], jobs[label])
         later = replace(jobs[label], steps=2, data_seed=7, **changes)
         runs += [((*key, label, "full"), later, {"load": (params, out[label][0]["state"]), "state_dict": False}),
-                 ((*key, label, "sharded"), later, {"load": (params, os.path.join(folder, label)), "state_dict": False})]
+                 ((*key, label, "sharded"), later, {"load": (params, os.path.join(folder, label)), "state_dict": False,
+                                                    "check_weights": True})]  # its own weights: not refused
     resumed = run_ranks(many_specs_worker, world, [s for _, s, _ in runs], [e for _, _, e in runs],
                         deadline_s=deadline_s, collective_timeout_s=60)
     return {label: (spec, extra["load"][0], [resumed[r][i] for r in range(world)])

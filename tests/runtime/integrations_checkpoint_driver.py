@@ -11,6 +11,7 @@ reused folder, a model/optimizer mix, a damaged file, a folder of an older canzo
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import traceback
@@ -30,6 +31,7 @@ import hf_trainer as trainer_example  # noqa: E402
 
 from canzona.integrations.accelerate import canzona_optimizer  # noqa: E402
 from canzona.runtime import DistributedOptimizer, checkpoint_files  # noqa: E402
+from canzona.runtime.checkpoint import DCP_PREFIX, WITNESS_KEY  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
 
 SETUP = trainer_example.Setup()
@@ -65,8 +67,13 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def opt_state(opt: DistributedOptimizer) -> dict[str, Any]:
-    """This rank's sharded state, cloned (what a load must reproduce exactly)."""
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in opt.sharded_state_dict().items()}
+    """This rank's sharded state, cloned (what a load must reproduce exactly), its metadata without
+    the witness of the model's weights it carries (a probe's model holds other weights)."""
+    state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in opt.sharded_state_dict().items()}
+    meta = json.loads(state[f"{DCP_PREFIX}/meta"])
+    meta.pop(WITNESS_KEY)
+    state[f"{DCP_PREFIX}/meta"] = meta
+    return state
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:

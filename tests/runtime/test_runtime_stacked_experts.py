@@ -85,7 +85,7 @@ def runs() -> dict:
         params = ranks[0]["params"]
         later = replace(spec, steps=2, data_seed=7, bucket_size=None)  # another layout of the buckets
         resume += [((opt, "full"), later, {"load": (params, ranks[0]["state"])}),
-                   ((opt, "sharded"), later, {"load": (params, extra["save_sharded"])})]
+                   ((opt, "sharded"), later, {"load": (params, extra["save_sharded"]), "check_weights": True})]
     try:
         resumed = run_ranks(many_specs_worker, 1, [s for _, s, _ in resume], [e for _, _, e in resume],
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
