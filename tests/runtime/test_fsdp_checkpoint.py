@@ -12,7 +12,9 @@ fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data
   uninterrupted run); a ZeRO-1 run at DP 2 on the unsharded model resumed from the FSDP checkpoint,
   and an FSDP run resumed from a ZeRO-1 checkpoint (both bit for bit equal to the same kernels in
   one process continuing from the checkpoint); bf16 parameters with fp32 masters; a checkpoint of
-  another model refused.
+  another model refused; every sharded load with `check_weights=True` (its own weights pass at
+  every size and layout), and the weights of a later step beside a sharded checkpoint refused
+  (fp32: the weights witness; bf16: the fp32 masters).
 - FSDP 3: the FSDP 2 checkpoint resharded (state_dict() after loading it is the same checkpoint, bit
   for bit), and resumed from it and from the DCP directory.
 """

@@ -7,6 +7,9 @@ Chain of spawned groups (each cached, each running several configurations):
   DP 4 trains SAVE_STEPS steps under several policies and saves;
   DP 2 and DP 1 load the DP 4 checkpoint and train RESUME_STEPS more (DP 2 also round-trips it);
   DP 3 loads the DP 2 checkpoint and trains RESUME_STEPS more.
+Sharded (`torch.distributed.checkpoint`): DP 2 saves, DP 3 loads with `check_weights=True`, refuses
+the weights of a later step beside it (an fp32 model: the weights witness), and loads it rewritten
+without the witness (an older canzona's).
 The uninterrupted comparator is `emulate`: SAVE_STEPS steps at DP 4, then (`load=`) the remaining
 steps at the new DP size from the same parameters and optimizer state.
 """
