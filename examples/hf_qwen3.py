@@ -124,7 +124,8 @@ def main() -> None:
     if args.resume:
         holder = {"model": model.state_dict(), "step": 0}
         dcp.load(holder, checkpoint_id=args.resume)  # the model's weights, replicated
-        opt.load_sharded_state_dict(args.resume)  # only what this rank's layout needs
+        # only what this rank's layout needs; refused if the weights just loaded are not those saved with it
+        opt.load_sharded_state_dict(args.resume, check_weights=True)
         start = int(holder["step"])
         for _ in range(start):
             sched.step()

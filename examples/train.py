@@ -516,7 +516,8 @@ def train(job: Job, args: argparse.Namespace) -> None:
     if job.resume is not None:
         reader = SafeFileSystemReader(job.resume, job.manifest)
         dcp.load(weights(job, model, mesh, expert_mesh), storage_reader=reader)  # into the parameters
-        opt.load_sharded_state_dict(reader)  # the pieces this rank's layout needs
+        # the pieces this rank's layout needs; the weights just loaded must be those saved with them
+        opt.load_sharded_state_dict(reader, check_weights=True)
         for group, mine in zip(opt.param_groups, chosen):  # loading restored the checkpoint's
             group.update(mine)
         say(f"resumed from {job.resume} at step {job.start}", flush=True)

@@ -27,12 +27,12 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   by `save_checkpoint` (staging folder, manifest of sha256s, one atomic rename or swap: a step saved
   again and killed midway keeps the previous optimizer state complete) and verified before it is
   read (a damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older
-  canzona (no manifest) still loads; saving over one is refused with a `CheckpointError`
-  (`canzona.integrations.optimizer_state`).
+  canzona (no manifest) still loads; saving over one is refused with a `CheckpointError` before
+  the step's model files are written (`canzona.integrations.optimizer_state`).
 
-It overrides three private Trainer methods (`_move_model_to_device`,
-`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), checked at construction; it was
-tested with transformers 5.23.0.
+It overrides four private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
+`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and calls `_get_output_dir`,
+each checked at construction; it was tested with transformers 5.23.0.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import transformers
 from accelerate import Accelerator
 from torch import nn
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.accelerate import (
@@ -65,6 +66,8 @@ TESTED_TRANSFORMERS = "5.23.0"
 # the private Trainer methods CanzonaTrainer overrides, with the parameters it overrides them with
 PRIVATE_METHODS = {
     "_move_model_to_device": ("self", "model", "device"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_get_output_dir": ("self", "trial"),  # called, not overridden: where `_save_checkpoint` writes
     "_save_optimizer_and_scheduler": ("self", "output_dir"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
 }
@@ -182,6 +185,14 @@ class CanzonaTrainer(Trainer):
 
     # --- checkpoints -------------------------------------------------------------------------
 
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # refuse an older in-place optimizer folder where this step's checkpoint goes before the
+        # Trainer writes its model files there (the folder name is the Trainer's own rule)
+        run_dir = self._get_output_dir(trial=trial)
+        step_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        check_replaceable([os.path.join(step_dir, OPTIMIZER_DIR)])
+        super()._save_checkpoint(model, trial)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank writes its share (the Trainer saves optimizer.state_dict() from one rank, and
         # canzona's state_dict() is a collective the others would never join), complete or not at
@@ -189,7 +200,7 @@ class CanzonaTrainer(Trainer):
         folder = os.path.join(output_dir, OPTIMIZER_DIR)
         try:
             check_replaceable([folder])
-        except CheckpointError as e:  # the Trainer wrote this step's model files already
+        except CheckpointError as e:  # reached another way than `_save_checkpoint`: the model files are written
             raise CheckpointError(f"{e}; {output_dir} now holds this step's model files beside that older "
                                   "optimizer state: do not resume from it") from None
         save_optimizer(self.distributed_optimizer(), folder)

@@ -231,6 +231,14 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     result["legacy resumed exactly"] = same(params(from_legacy.model), straight)
     result["save over legacy"] = error_text(lambda: from_legacy._save_optimizer_and_scheduler(str(legacy)))
     result["legacy untouched"] = not (legacy / OPT / checkpoint_files.MANIFEST).exists()
+    # the Trainer's own save of this step into a checkpoint folder holding an older in-place
+    # optimizer folder: refused before the model files are written
+    step_dir = out / "from_legacy" / f"checkpoint-{from_legacy.state.global_step}"
+    on_rank0(lambda: shutil.copytree(legacy, step_dir))
+    stamps = {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir() if p.is_file()}
+    result["trainer save over legacy"] = error_text(lambda: from_legacy._save_checkpoint(from_legacy.model, None))
+    result["model files untouched"] = stamps == {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir()
+                                                 if p.is_file()}
     return result
 
 

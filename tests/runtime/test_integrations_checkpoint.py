@@ -88,3 +88,7 @@ def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, nam
         assert r["legacy untouched"]
     one_line(results, "save over legacy", "CheckpointError: ")
     assert "older canzona" in results[0]["save over legacy"] and "move it aside" in results[0]["save over legacy"]
+    if name == "trainer":  # the Trainer's own save refuses before it writes the step's model files
+        one_line(results, "trainer save over legacy", "CheckpointError: ")
+        assert "now holds this step's model files" not in results[0]["trainer save over legacy"]
+        assert all(r["model files untouched"] for r in results)
