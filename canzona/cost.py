@@ -90,14 +90,44 @@ def _solver(name: str, op: str, k: int, flops: float, count: float, dtype: str) 
     return Kernel(name, "solver", flops, float(DTYPE_BYTES[dtype] * 2 * k * k), dtype, count, (k,), op)
 
 
-def muon_kernels(m: int, n: int, cfg: MuonConfig) -> list[Kernel]:
-    """Momentum, Nesterov blend, normalisation, `ns_steps` quintic iterations, decay and update."""
+@dataclass(frozen=True)
+class StepDtypes:
+    """Bytes an element of what a matrix optimizer's own elementwise passes read and write, where
+    they follow the run's dtypes (the registry's `cost_kernels` take it; `MemorySetup.step_dtypes`
+    makes it from a run's):
+    - `grad`: the reduced gradient the step reads (and what Muon's Nesterov blend writes: it takes
+      the gradient's dtype);
+    - `state`: the state that follows the update (the registry's `update_dtype_state_bytes`: Muon's
+      and NorMuon's momentum);
+    - `param`: what the update is applied to: the fp32 master, or the parameter itself without one.
+    fp32 everywhere (`FP32_STEP`) is how the planner prices every step (its plan's per-matrix
+    seconds, `canzona plan` and the runtime's own plan alike), and what a run with masters keeps;
+    without masters (`DistributedOptimizer(master_weights=False)`) the three are the parameters'
+    dtype. What the kernels compute in stays theirs: Newton-Schulz in `ns_dtype`, SOAP's and
+    Shampoo's statistics, moments and projections in at least fp32 (`kernels.work_dtype`),
+    NorMuon's per-row normalisation in fp32."""
+
+    grad: int = FP32
+    state: int = FP32
+    param: int = FP32
+
+
+FP32_STEP = StepDtypes()
+
+
+def muon_kernels(m: int, n: int, cfg: MuonConfig, dtypes: StepDtypes = FP32_STEP) -> list[Kernel]:
+    """Momentum, Nesterov blend, normalisation, `ns_steps` quintic iterations, decay and update.
+
+    The momentum pass reads the momentum buffer and the gradient, writes the buffer, then the
+    Nesterov blend reads both again and writes what Newton-Schulz takes (in the gradient's dtype);
+    the normalisation reads that and writes and rescales the `ns_dtype` copy; the apply reads and
+    writes the parameter (`dtypes.param`) and reads the `ns_dtype` direction."""
     s, big = min(m, n), max(m, n)
     mn, dt = m * n, cfg.ns_dtype
     nb = DTYPE_BYTES[dt]
     ks = [
-        elementwise_kernel("momentum", mn, 4, 6 * FP32),
-        elementwise_kernel("normalize", mn, 3, FP32 + 2 * nb),
+        elementwise_kernel("momentum", mn, 4, 3 * dtypes.state + 3 * dtypes.grad),
+        elementwise_kernel("normalize", mn, 3, dtypes.grad + 2 * nb),
     ]
     for i in range(cfg.ns_steps):
         ks += [
@@ -105,7 +135,7 @@ def muon_kernels(m: int, n: int, cfg: MuonConfig) -> list[Kernel]:
             gemm_kernel(f"ns{i}.square", s, s, s, dt),  # B = bA + cA²
             gemm_kernel(f"ns{i}.update", s, big, s, dt),  # X = aX + BX
         ]
-    ks.append(elementwise_kernel("apply", mn, 4, 2 * FP32 + nb))
+    ks.append(elementwise_kernel("apply", mn, 4, 2 * dtypes.param + nb))
     return ks
 
 
@@ -114,8 +144,13 @@ def _preconditioned_sides(m: int, n: int, max_dim: int) -> list[tuple[int, int]]
     return [(k, (m * n) // k) for k in (m, n) if k <= max_dim]
 
 
-def soap_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
-    """Statistics, projections into and out of the eigenbasis, rotated Adam, amortised refresh."""
+def soap_kernels(m: int, n: int, cfg: SOAPConfig, dtypes: StepDtypes = FP32_STEP) -> list[Kernel]:
+    """Statistics, projections into and out of the eigenbasis, rotated Adam, amortised refresh.
+
+    Rotated Adam is AdamW's fused pass (the parameter read and written, the gradient read, the two
+    fp32 moments read and written) and a read of the rotated gradient: 8 elements, of which the
+    gradient's read is at `dtypes.grad` (the runtime casts it to fp32 once) and the parameter's
+    two at `dtypes.param`; the moments and the rotated gradient stay fp32."""
     dt, f = cfg.compute_dtype, cfg.precondition_frequency
     ks: list[Kernel] = []
     for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_precond_dim)):
@@ -127,12 +162,16 @@ def soap_kernels(m: int, n: int, cfg: SOAPConfig) -> list[Kernel]:
             gemm_kernel(f"side{side}.power_iter", k, k, k, dt, count=1.0 / f),
             _solver(f"side{side}.qr", "qr", k, 4.0 / 3.0 * k**3, 1.0 / f, dt),
         ]
-    ks.append(elementwise_kernel("rotated_adam", m * n, 12, 8 * FP32))
+    ks.append(elementwise_kernel("rotated_adam", m * n, 12, dtypes.grad + 2 * dtypes.param + 5 * FP32))
     return ks
 
 
-def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
-    """Statistics, two-sided preconditioning, amortised inverse roots, AdamW grafting."""
+def shampoo_kernels(m: int, n: int, cfg: ShampooConfig, dtypes: StepDtypes = FP32_STEP) -> list[Kernel]:
+    """Statistics, two-sided preconditioning, amortised inverse roots, AdamW grafting.
+
+    Grafting reads the gradient (at `dtypes.grad`: the runtime casts it to fp32 once) and seven
+    fp32 elements (the moments read and written, the preconditioned direction, the grafted one);
+    the apply reads and writes the parameter (`dtypes.param`) and reads the fp32 direction."""
     dt, f = cfg.compute_dtype, cfg.precondition_frequency
     ks: list[Kernel] = []
     for side, (k, other) in enumerate(_preconditioned_sides(m, n, cfg.max_preconditioner_dim)):
@@ -142,8 +181,8 @@ def shampoo_kernels(m: int, n: int, cfg: ShampooConfig) -> list[Kernel]:
             _solver(f"side{side}.eigh_root", "eigh", k, 9.0 * k**3, 1.0 / f, dt),
         ]
     if cfg.grafting:
-        ks.append(elementwise_kernel("adam_grafting", m * n, 12, 8 * FP32))
-    ks.append(elementwise_kernel("apply", m * n, 3, 3 * FP32))
+        ks.append(elementwise_kernel("adam_grafting", m * n, 12, dtypes.grad + 7 * FP32))
+    ks.append(elementwise_kernel("apply", m * n, 3, 2 * dtypes.param + FP32))
     return ks
 
 
@@ -153,9 +192,10 @@ def adamw_kernels(numel: int, cfg: AdamWConfig, element_bytes: int = FP32) -> li
     return [elementwise_kernel("adamw", numel, 10, 7 * element_bytes)]
 
 
-def adamw_matrix_kernels(m: int, n: int, cfg: AdamWConfig) -> list[Kernel]:
-    """AdamW as the optimizer of an m x n matrix (the elementwise baseline's registry entry)."""
-    return adamw_kernels(m * n, cfg)
+def adamw_matrix_kernels(m: int, n: int, cfg: AdamWConfig, dtypes: StepDtypes = FP32_STEP) -> list[Kernel]:
+    """AdamW as the optimizer of an m x n matrix (the elementwise baseline's registry entry): its
+    moments follow the update (`dtypes.state`), as the simulator's AdamW pass prices them."""
+    return adamw_kernels(m * n, cfg, dtypes.state)
 
 
 def adamw_state_bytes(m: int, n: int, cfg: AdamWConfig) -> int:
@@ -178,13 +218,15 @@ def gradient_norm_kernels(numel: int, clip: bool, element_bytes: int = FP32) -> 
     return out
 
 
-def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> list[Kernel]:
+def optimizer_kernels(optimizer: str, shape: tuple[int, ...], cfg: object | None = None,
+                      dtypes: StepDtypes = FP32_STEP) -> list[Kernel]:
     """Kernels of one step of `optimizer` on one full parameter of `shape` (a matrix optimizer's
-    registry entry says how: `MatrixOptimizer.cost_kernels`)."""
+    registry entry says how: `MatrixOptimizer.cost_kernels`), its elementwise passes at `dtypes`
+    (fp32 everywhere: the planner's pricing)."""
     cfg = cfg if cfg is not None else default_config(optimizer)
     if optimizer == "adamw":  # any shape: norms and biases too
-        return adamw_kernels(math.prod(shape), cfg)
-    return matrix_optimizer(optimizer).part("cost_kernels")(*_matrix_shape(optimizer, shape), cfg)
+        return adamw_kernels(math.prod(shape), cfg, dtypes.state)
+    return matrix_optimizer(optimizer).part("cost_kernels")(*_matrix_shape(optimizer, shape), cfg, dtypes)
 
 
 def _matrix_shape(optimizer: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -386,6 +428,19 @@ class DeviceRate:
         (`cfg`: the optimizer's configuration, None: its defaults)."""
         kernels = optimizer_kernels(optimizer, shape, cfg)
         return count * sum(self.kernel_seconds(k) for k in kernels) - self.batched_seconds(kernels, count)
+
+    def dtype_saving(self, optimizer: str, shape: tuple[int, ...], dtypes: StepDtypes,
+                     cfg: object | None = None) -> float:
+        """Seconds a step on one matrix of `shape` saves at a run's `dtypes` (`StepDtypes`: its
+        elementwise passes on bf16 without masters) over the planner's pricing at fp32, which the
+        plan's per-matrix seconds carry: what the simulator takes off each matrix's seconds. 0.0 at
+        `FP32_STEP` (with masters: every figure as the plan's). Only elementwise passes depend on
+        `dtypes`, and a batched kernel runs those per matrix (`batched_seconds`), so the saving
+        does not change with batching."""
+        if dtypes == FP32_STEP:
+            return 0.0
+        return sum(self.kernel_seconds(k) for k in optimizer_kernels(optimizer, shape, cfg)) \
+            - sum(self.kernel_seconds(k) for k in optimizer_kernels(optimizer, shape, cfg, dtypes))
 
 
 @functools.cache

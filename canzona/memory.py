@@ -46,7 +46,13 @@ from functools import cached_property
 from typing import Any
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import adamw_moments_bytes, state_bytes, update_dtype_state_bytes
+from canzona.cost import (
+    FP32_STEP,
+    StepDtypes,
+    adamw_moments_bytes,
+    state_bytes,
+    update_dtype_state_bytes,
+)
 from canzona.dp.layout import ceil_to, even_cuts
 from canzona.errors import SpecError
 from canzona.experts import rank_shares
@@ -479,6 +485,18 @@ class MemorySetup:
         or the parameters' own without masters where it is lower (FSDP2 casts each reduced shard to
         its parameter's dtype)."""
         return self.grad_bytes if self.has_masters else min(self.grad_bytes, self.param_bytes)
+
+    @property
+    def step_dtypes(self) -> StepDtypes:
+        """The bytes a matrix optimizer's own elementwise passes read and write an element of the
+        gradient, the state that follows the update and the parameter (`canzona.cost.StepDtypes`):
+        fp32 beside fp32 masters (the planner's pricing, which the plan's per-matrix seconds carry),
+        and for fp32 parameters; else the kept gradient shards' dtype (`shard_grad_bytes`), the
+        update-following state's (`update_state_bytes`) and the parameters' own, as
+        DistributedOptimizer(master_weights=False) and FsdpOptimizer keep them."""
+        if self.has_masters or self.param_bytes >= FP32:
+            return FP32_STEP
+        return StepDtypes(grad=self.shard_grad_bytes, state=self.update_state_bytes, param=self.param_bytes)
 
     def adamw_state_bytes(self, numel: int) -> int:
         """AdamW's two moments of `numel` elements, in the dtype they follow (`update_state_bytes`)."""

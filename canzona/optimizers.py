@@ -191,7 +191,10 @@ class MatrixOptimizer:
     runtime's kernels without importing torch, and no part imports another's module at load time.
 
     Torch-free (the planner, the simulator, the memory model):
-    - `cost_kernels(m, n, cfg) -> list[cost.Kernel]`: one step on a full m x n matrix;
+    - `cost_kernels(m, n, cfg, dtypes=cost.FP32_STEP) -> list[cost.Kernel]`: one step on a full
+      m x n matrix, its elementwise passes reading and writing the gradient, the update-following
+      state and the parameter at `dtypes` (`cost.StepDtypes`: fp32, the planner's pricing; a run's
+      without masters, the simulator's);
     - `init_kernels(m, n, cfg)`: one-off work of the first step (None: nothing);
     - `state_bytes(m, n, cfg) -> int`: optimizer state of one matrix;
     - `row_state_bytes(m, n, cfg) -> int`: the part of it that lives with the matrix's elements

@@ -34,6 +34,7 @@ import simpy
 
 from canzona.batching import shape_batches
 from canzona.cost import (
+    FP32_STEP,
     DeviceRate,
     adamw_kernels,
     cost_model_for,
@@ -345,6 +346,10 @@ class _FsdpRun:
         self.members = list(range(self.size))
         self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
+        # the dtypes the matrices' elementwise passes run at (bf16 without masters), and by shape
+        # what that takes off the plan's fp32-priced seconds (`compute_seconds`)
+        self.step_dtypes = MemorySetup.dtypes_of(self.wl).step_dtypes
+        self.dtype_savings: dict[tuple[int, ...], float] = {}
         self.copy_out_s, self.copy_in_s = copy_seconds(cfg, self.rate, self.gathered_elements())
 
     def gathered_elements(self) -> dict[int, int]:
@@ -552,8 +557,15 @@ class _FsdpRun:
     def compute_seconds(self, mats: Sequence[FsdpMatrix]) -> float:
         """One rank's compute of its matrices of a micro-group: owner policies batch same-shape
         matrices as the runtime does (`batch_kernels`, `canzona.batching`); gather-all runs each
-        alone, as `muon_fsdp2` does."""
+        alone, as `muon_fsdp2` does. Each matrix's seconds are the plan's (priced at fp32), less
+        what the run's dtypes save (`DeviceRate.dtype_saving`: bf16 passes without masters)."""
         total = sum(m.cost for m in mats)
+        if self.step_dtypes != FP32_STEP:
+            for m in mats:
+                if m.shape not in self.dtype_savings:
+                    self.dtype_savings[m.shape] = self.rate.dtype_saving(self.cfg.optimizer, tuple(m.shape),
+                                                                         self.step_dtypes, self.cfg.matrix_config)
+                total -= self.dtype_savings[m.shape]
         if self.policy.gathers_all or not self.batching:
             return total
         for batch in shape_batches(mats, True):

@@ -18,7 +18,13 @@ from functools import cached_property
 import simpy
 
 from canzona.batching import compute_windows, shape_batches
-from canzona.cost import DeviceRate, adamw_kernels, elementwise_kernel, gradient_norm_kernels
+from canzona.cost import (
+    FP32_STEP,
+    DeviceRate,
+    adamw_kernels,
+    elementwise_kernel,
+    gradient_norm_kernels,
+)
 from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.memory import MemorySetup
@@ -181,6 +187,24 @@ class Context:
 
     @cached_property
     def _batch_savings(self) -> dict[tuple[tuple[int, ...], int], float]:
+        return {}
+
+    def dtype_saving(self, tasks: Sequence[Task]) -> float:
+        """Seconds the run's dtypes (`MemorySetup.step_dtypes`: bf16 without masters) take off the
+        plan's fp32-priced seconds of these matrices (`DeviceRate.dtype_saving`; 0.0 with masters)."""
+        dtypes = self.memory.step_dtypes
+        if dtypes == FP32_STEP:
+            return 0.0
+        total = 0.0
+        for t in tasks:
+            if t.shape not in self._dtype_savings:
+                self._dtype_savings[t.shape] = self.rate.dtype_saving(self.plan.optimizer, t.shape, dtypes,
+                                                                      self.matrix_config)
+            total += self._dtype_savings[t.shape]
+        return total
+
+    @cached_property
+    def _dtype_savings(self) -> dict[tuple[int, ...], float]:
         return {}
 
     @cached_property
@@ -1085,8 +1109,10 @@ class _ScheduleRun:
                 if op.group in self.windows:  # a window's first group: what batching saves over the window
                     self.saving[r] = batching_saving(ctx, [task for g in self.windows[op.group]
                                                            for task in self.schedule.groups[g].hosted(t)])
-                seconds = max(group.loads[t] - self.saving[r], 0.0)
-                self.saving[r] -= group.loads[t] - seconds  # the rest comes off the window's next groups
+                # the plan's seconds at fp32, less what the run's dtypes save (without masters)
+                load = group.loads[t] - ctx.dtype_saving(group.hosted(t))
+                seconds = max(load - self.saving[r], 0.0)
+                self.saving[r] -= load - seconds  # the rest comes off the window's next groups
                 self.computed[op.group][r] = eng.compute(r, f"group {op.group} compute", seconds, [after[r]])
         elif op.kind == SCATTER:
             self.scattered[op.group] = _exchange(ctx, members, group.scatter, self.computed[op.group])

@@ -125,3 +125,81 @@ def test_fsdp_applies_the_updates_in_bf16_without_masters() -> None:
     cfg, bf16 = _pair(fsdp=True)
     a, b = simulate(cfg), simulate(bf16)
     assert 0 < _seconds(b, "group 0 apply") < _seconds(a, "group 0 apply")
+
+
+# Bytes an element of a matrix's step moves less without masters, counted from the runtime's kernels
+# (canzona/runtime/kernels.py, normuon.py) with bf16 parameters, gradients and update-following state:
+# Muon's momentum pass (momentum buffer read, written and read again, gradient read twice, Nesterov
+# blend written: 6 x 2 bytes), the normalisation's read of that blend (2) and the apply's read and
+# write of the parameter (2 x 2): 18; NorMuon's own passes run on the fp32 update, so 18 as Muon;
+# SOAP's rotated Adam reads the gradient (2) and reads and writes the parameter (2 x 2), its moments
+# fp32: 6; Shampoo's grafting reads the gradient (2) and its apply reads and writes the parameter
+# (2 x 2): 6.
+SAVED_BYTES = {"muon": 18, "normuon": 18, "soap": 6, "shampoo": 6}
+
+
+@pytest.mark.parametrize("optimizer", sorted(SAVED_BYTES))
+def test_a_matrix_step_moves_bf16_without_masters_and_the_plans_fp32_with(optimizer: str) -> None:
+    """The step's own elementwise passes at the run's dtypes (`MemorySetup.step_dtypes`): without
+    masters each element moves `SAVED_BYTES` fewer bytes, nothing else changes (GEMMs, solvers,
+    FLOPs); with masters (and for fp32 parameters) every kernel is the planner's."""
+    from canzona.cost import optimizer_kernels
+    from canzona.memory import MemorySetup
+
+    shape = (384, 1024)
+    planned = optimizer_kernels(optimizer, shape)
+    for fp32 in (MemorySetup(), MemorySetup(param_bytes=4, grad_bytes=4, master_weights=False)):
+        assert optimizer_kernels(optimizer, shape, dtypes=fp32.step_dtypes) == planned
+    bf16 = MemorySetup(grad_bytes=2, master_weights=False).step_dtypes
+    kernels = optimizer_kernels(optimizer, shape, dtypes=bf16)
+    assert [(k.name, k.kind, k.flops, k.count) for k in kernels] == [(k.name, k.kind, k.flops, k.count) for k in planned]
+    assert all(a.bytes == b.bytes for a, b in zip(kernels, planned) if a.kind != "elementwise")
+    saved = sum(a.bytes * a.count for a in planned) - sum(b.bytes * b.count for b in kernels)
+    assert saved == SAVED_BYTES[optimizer] * shape[0] * shape[1]
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "soap"])
+def test_zero1_prices_the_matrix_steps_kernels_at_bf16_without_masters(optimizer: str) -> None:
+    """Same plan (its per-matrix seconds are the planner's, priced at fp32 as `canzona plan` and the
+    runtime's own plan price them), but the simulated step runs each matrix's elementwise passes on
+    bf16: rank 0's matrix compute is shorter by the bytes they no longer move (`SAVED_BYTES`) at the
+    bandwidth a streaming kernel reaches, and with masters it is the plan's seconds."""
+    from canzona.hardware import load_profile
+
+    unbatched = RunOptions(batch_kernels=False)  # each matrix alone: its compute is its plan seconds
+    cfg, bf16 = _pair(optimizer=optimizer, options=unbatched)
+    a, b = simulate(cfg), simulate(bf16)
+    assert a.plan == b.plan
+    spec = resolve_model(MODEL)[0]
+    mine = [(n, c) for g in a.plan.tp_plan.groups[0] for n, c in zip(g.tasks, g.costs)]
+    gpu = load_profile(cfg.hardware).gpu
+    saved = SAVED_BYTES[optimizer] * sum(spec.param(n).numel for n, _ in mine) / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
+
+    def matrices(result) -> float:
+        return sum(s.end - s.start for s in result.spans
+                   if s.rank == 0 and s.name.startswith("group ") and s.name.endswith(" compute"))
+
+    assert matrices(a) == pytest.approx(sum(c for _, c in mine), rel=1e-9)
+    assert saved > 0 and matrices(a) - matrices(b) == pytest.approx(saved, rel=1e-9)
+
+
+def test_fsdp_prices_the_matrix_steps_kernels_at_bf16_without_masters() -> None:
+    """FsdpOptimizer's matrices too (`sim.fsdp._FsdpRun.compute_seconds`, what each owner's
+    compute of a micro-group takes): fewer seconds by Muon's `SAVED_BYTES` an element of its
+    matrices, and with masters their plan seconds."""
+    from canzona.hardware import load_profile
+    from sim.fsdp import _FsdpRun, check_fsdp
+
+    def run(cfg: SimConfig) -> _FsdpRun:
+        cluster, model, hw = cfg.checked(None)
+        return _FsdpRun(cfg, model, cluster, hw, check_fsdp(cfg, cluster, model[0]))
+
+    cfg, bf16 = _pair(fsdp=True, options=RunOptions(batch_kernels=False))
+    a, b = run(cfg), run(bf16)
+    gpu = load_profile(cfg.hardware).gpu
+    groups = a.micro_groups()
+    assert groups and [[m.name for m in g] for g in groups] == [[m.name for m in g] for g in b.micro_groups()]
+    for mats in groups:
+        saved = SAVED_BYTES["muon"] * sum(m.numel for m in mats) / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
+        assert a.compute_seconds(mats) == sum(m.cost for m in mats)
+        assert a.compute_seconds(mats) - b.compute_seconds(mats) == pytest.approx(saved, rel=1e-9)
