@@ -98,14 +98,14 @@ class StepDtypes:
     - `grad`: the reduced gradient the step reads (and what Muon's Nesterov blend writes: it takes
       the gradient's dtype);
     - `state`: the state that follows the update (the registry's `update_dtype_state_bytes`: Muon's
-      and NorMuon's momentum);
+      momentum, and its variants');
     - `param`: what the update is applied to: the fp32 master, or the parameter itself without one.
     fp32 everywhere (`FP32_STEP`) is how the planner prices every step (its plan's per-matrix
     seconds, `canzona plan` and the runtime's own plan alike), and what a run with masters keeps;
     without masters (`DistributedOptimizer(master_weights=False)`) the three are the parameters'
     dtype. What the kernels compute in stays theirs: Newton-Schulz in `ns_dtype`, SOAP's and
-    Shampoo's statistics, moments and projections in at least fp32 (`kernels.work_dtype`),
-    NorMuon's per-row normalisation in fp32."""
+    Shampoo's statistics, moments and projections in at least fp32 (`kernels.work_dtype`), a
+    registry entry's own passes on the fp32 update (its module says which)."""
 
     grad: int = FP32
     state: int = FP32
