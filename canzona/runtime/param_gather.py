@@ -4,7 +4,9 @@ waits for each bucket just before the first module that holds one of its paramet
 
 Everything documented that reads parameters waits first:
 - a module's forward (training or eval, under `no_grad` too): a forward pre-hook on every module
-  that holds one of the optimizer's parameters waits for the buckets of *its own* parameters;
+  that holds one of the optimizer's parameters waits for the buckets of *its own* parameters
+  (under `torch.compile` too: construction clears dynamo's caches, so that no forward traced
+  before the hooks existed skips them, `_forget_compiled_forwards`);
 - `module.state_dict()` (so `torch.save(model.state_dict())`, DCP's `get_model_state_dict`,
   `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
   what was loaded): pre-hooks on the same modules wait for every bucket;
@@ -26,13 +28,18 @@ what it cannot see is a stale read of a parameter whose bucket a later module's 
 from __future__ import annotations
 
 import gc
+import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from canzona.errors import CanzonaError
 from canzona.runtime.comm import PendingWork
+
+log = logging.getLogger("canzona")
 
 
 def modules_holding(params: Mapping[str, Tensor]) -> dict[nn.Module, list[str]] | None:
@@ -72,6 +79,7 @@ class ParamsInFlight:
         # so that gloo lets go of their tensors before the interpreter finalizes
         # (`canzona.runtime.comm.Handoff`; a script that returns right after its last step).
         weakref.finalize(self, _close, self._pending, self._handles)
+        _forget_compiled_forwards()
 
     @property
     def in_flight(self) -> bool:
@@ -135,3 +143,21 @@ def _wait_all_hook(me: weakref.ref[ParamsInFlight]) -> Callable[..., None]:
         if gathers is not None:
             gathers.wait_all()
     return hook
+
+
+def _forget_compiled_forwards() -> None:
+    """Code that torch.compile traced before these hooks existed (a compiled model's warm-up or
+    evaluation forward before the optimizer was built, or a compiled model an earlier optimizer's
+    hooks were traced into) does not call them: dynamo installs no guard on a module's hooks
+    (`torch._dynamo.config.skip_nnmodule_hook_guards`), and such a forward would read parameters
+    whose gather is still in flight. Its caches are cleared here, so that the next compiled
+    forward is traced again, with the hooks (a recompilation, once)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:  # nothing was ever compiled in this process
+        return
+    frames = getattr(getattr(dynamo, "convert_frame", None), "FRAME_COUNTER", 1)
+    if frames:
+        log.warning("canzona: overlap_param_gather's forward hooks are new to code torch.compile traced "
+                    "before them: cleared torch.compile's caches (torch.compiler.reset()), so that the next "
+                    "compiled forward waits for the step's parameter gathers (it recompiles once)")
+        torch.compiler.reset()

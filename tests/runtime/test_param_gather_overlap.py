@@ -1,8 +1,9 @@
 """The step's parameter all-gathers under the next forward (`overlap_param_gather`, issue 18 #1):
 `step()` returns with them in flight, and every documented path that reads the parameters waits
 for them first: a module's forward (eval under `no_grad` too), `model.state_dict()`,
-`model.load_state_dict()`, the optimizer's own methods and `opt.wait_params()`. Training is bit
-for bit the training with the gathers inside the step.
+`model.load_state_dict()`, the optimizer's own methods and `opt.wait_params()`; a forward of a
+`torch.compile`d model traced before the optimizer existed too. Training is bit for bit the
+training with the gathers inside the step.
 
 A gather that is still in flight on rank 0 is made certain: rank 1 sleeps before its step, so
 rank 1's segments cannot reach rank 0 until it wakes; whatever rank 0 reads meanwhile without
@@ -78,6 +79,13 @@ def reading_job(rank: int, world: int, how: str) -> dict:
     """Rank 1 is late to the last step: on rank 0 the gathers of rank 1's segments are in flight
     when `how` reads (or writes) the parameters."""
     model = build_model(SPEC)
+    tokens = _batches(rank, world)[0][:, :-1]
+    if how == "compiled forward":
+        # torch.compile traced the model (a warm-up or an evaluation) before the optimizer hooked it
+        torch.compiler.reset()
+        compiled = torch.compile(model, backend="eager")  # dynamo's tracing, eager kernels: bit for bit
+        with torch.no_grad():
+            compiled(tokens)
     opt = _optimizer(model)
     _train(model, opt, _batches(rank, world), late_rank=1)
     loaded = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
@@ -93,9 +101,15 @@ def reading_job(rank: int, world: int, how: str) -> dict:
     elif how == "forward":
         with torch.no_grad():
             model.loss(_batches(rank, world)[0])
+    elif how == "compiled forward":
+        with torch.no_grad():
+            seen = {"logits": compiled(tokens)}
     in_flight = opt._in_flight.in_flight
     opt.wait_params()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if how == "compiled forward":
+        with torch.no_grad():
+            seen["eager logits"] = model(tokens)
     return {"seen": seen, "final": final, "in flight": in_flight,
             "loaded kept": all(torch.equal(final[n], loaded[n]) for n in loaded)}
 
@@ -157,7 +171,7 @@ def test_no_overlap_where_nothing_is_gathered_or_no_module_could_wait(trained):
 
 
 @pytest.mark.parametrize("how", ["model.state_dict", "model.load_state_dict", "opt.state_dict", "wait_params",
-                                 "forward"])
+                                 "forward", "compiled forward"])
 def test_every_documented_read_waits_for_the_gathers(how, trained):
     rank0, rank1 = run_ranks(reading_job, DP, how, deadline_s=240.0)
     want = trained[0][False]["params"]  # the same three steps, gathered inside the step
@@ -169,3 +183,6 @@ def test_every_documented_read_waits_for_the_gathers(how, trained):
         assert compare(r["final"], want)["bit_identical"]
     if how == "model.state_dict":
         assert compare(rank0["seen"], want)["bit_identical"]
+    if how == "compiled forward":  # traced before the optimizer's hooks existed, and still waits
+        for r in (rank0, rank1):
+            assert torch.equal(r["seen"]["logits"], r["seen"]["eager logits"])
