@@ -130,6 +130,9 @@ class GradientSync:
         # set by the optimizer when its parameter all-gathers run under the next forward: raises
         # for a gradient whose parameter's gather no forward waited for (it was read stale)
         self.read_check: Callable[[str], None] | None = None
+        # set by the optimizer: a message when a module no longer holds a parameter it held at
+        # construction (replaced in the model: the step would train nothing the model uses), or None
+        self.replaced_check: Callable[[], str | None] | None = None
         # set by the optimizer: called once per step with every reduction launched, before they
         # are waited for, given `landed` (a matrix's reduced gradient, once its bucket has landed);
         # the TP schedule's prefetched gathers, or under overlap_step the whole early step
@@ -377,12 +380,15 @@ class GradientSync:
             adamw_rest.wait()
 
     def _local_problem(self) -> str | None:
-        """What is wrong on this rank alone, if anything: a parameter moved out of the buffers, or
-        a gradient dropped or replaced after it was handed to the reduction."""
+        """What is wrong on this rank alone, if anything: a parameter moved out of the buffers or
+        replaced in the model, or a gradient dropped or replaced after it was handed to the reduction."""
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
             next(self.stacks.unlinked(), None)
         if unlinked is not None:
             return self.unlinked_message(unlinked)
+        replaced = self.replaced_check() if self.replaced_check is not None else None
+        if replaced is not None:
+            return replaced
         for name, p in self.params.items():
             held = name in self._states
             zeroed = name in self._zeroed and p.grad is self._guards[name]

@@ -79,7 +79,13 @@ from canzona.runtime.groups import (
 from canzona.runtime.kernels import adamw_step_, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.options import check_step_options, optimizer_config
-from canzona.runtime.param_gather import ParamsInFlight, modules_holding
+from canzona.runtime.param_gather import (
+    Holders,
+    ParamsInFlight,
+    modules_holding,
+    param_holders,
+    replaced_parameter,
+)
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec
@@ -382,7 +388,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.master_weights:
             self.reset_master_weights()
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
-        self._in_flight = self._params_in_flight(overlap_param_gather)
+        holders = param_holders(self.params)  # the modules holding each parameter now
+        for grads in self._syncs():
+            grads.replaced_check = functools.partial(
+                replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params})
+        self._in_flight = self._params_in_flight(overlap_param_gather, holders)
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
             for grads in self._syncs():
@@ -397,13 +407,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- construction helpers ----------------------------------------------------------------
 
-    def _params_in_flight(self, overlap: bool) -> ParamsInFlight | None:
+    def _params_in_flight(self, overlap: bool, holders: Holders) -> ParamsInFlight | None:
         """The step's gathers left in flight for the next forward to wait for (None: waited inside
         `step()`, as with overlap_param_gather=False, a policy that gathers nothing, or parameters
         that no module holds, which no hook could guard)."""
         if not overlap or self.policy.param_gather == PARAMS_NONE:
             return None
-        modules = modules_holding(self.params)
+        modules = modules_holding(self.params, holders)
         if modules is None:
             log.warning("canzona: overlap_param_gather needs every parameter held by a module (its forward "
                         "waits for the parameters); some are not: the step gathers them before it returns")

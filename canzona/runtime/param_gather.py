@@ -42,21 +42,58 @@ from canzona.runtime.comm import PendingWork
 log = logging.getLogger("canzona")
 
 
-def modules_holding(params: Mapping[str, Tensor]) -> dict[nn.Module, list[str]] | None:
-    """Every live module that holds one of `params` as its own (not a child's) parameter, with the
-    names of those it holds; None when some parameter is held by no module (a bare tensor)."""
+# where a parameter is held: (the module, weakly, the attribute name) of each module holding it
+Holders = dict[str, list[tuple["weakref.ref[nn.Module]", str]]]
+
+
+def param_holders(params: Mapping[str, Tensor]) -> Holders:
+    """Each of `params` that some live module holds as its own (not a child's) parameter: every
+    such module (a weak reference) and its attribute (two for tied weights)."""
     by_id = {id(p): name for name, p in params.items()}
-    found: dict[nn.Module, list[str]] = {}
-    held: set[str] = set()
+    found: Holders = {}
     for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
         # type(), not isinstance(): that asks some objects for __class__, and deprecated proxies
         # (torch.distributed.reduce_op) warn when asked
         if issubclass(type(obj), nn.Module):
-            names = [by_id[id(p)] for p in obj._parameters.values() if p is not None and id(p) in by_id]
-            if names:
-                found[obj] = names
-                held.update(names)
-    return found if len(held) == len(by_id) else None
+            for attr, p in obj._parameters.items():
+                if p is not None and id(p) in by_id:
+                    found.setdefault(by_id[id(p)], []).append((weakref.ref(obj), attr))
+    return found
+
+
+def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None) -> dict[nn.Module, list[str]] | None:
+    """Every live module that holds one of `params` as its own (not a child's) parameter, with the
+    names of those it holds; None when some parameter is held by no module (a bare tensor).
+    `holders`: `param_holders(params)`, when already taken."""
+    holders = param_holders(params) if holders is None else holders
+    if set(holders) != set(params):
+        return None
+    found: dict[nn.Module, list[str]] = {}
+    for name, refs in holders.items():
+        for ref, _ in refs:
+            module = ref()
+            if module is not None:
+                found.setdefault(module, []).append(name)
+    return found
+
+
+def replaced_parameter(params: Mapping[str, Tensor], holders: Holders) -> str | None:
+    """A message naming a parameter that a module held at construction and holds no longer (a new
+    Parameter or module assigned in its place: `load_state_dict(assign=True)`, `tie_weights()`, a
+    new head), or None. The model then trains the new tensor, which no hook of the optimizer's
+    sees (its gradient is never reduced, it is never stepped), while the optimizer steps the old."""
+    for name, refs in holders.items():
+        p = params[name]
+        for ref, attr in refs:
+            module = ref()
+            if module is None or module._parameters.get(attr) is not p:
+                where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
+                return (f"parameter {name!r} was replaced after the optimizer was built ({where} now holds another "
+                        "tensor, or its module was replaced): the model would train a tensor this optimizer never "
+                        "steps (load_state_dict(assign=True), tie_weights(), a new module or Parameter assigned). "
+                        "Build the optimizer after such changes, and load weights with load_state_dict() without "
+                        "assign")
+    return None
 
 
 class ParamsInFlight:

@@ -8,6 +8,8 @@ one error on every rank before anything is updated; none is silently wrong.
 - torch's `get_optimizer_state_dict` / `set_optimizer_state_dict` with `dcp.save` / `dcp.load`;
 - `model.zero_grad(set_to_none=False)`, `OneCycleLR` with its defaults;
 - a NaN / Inf gradient never reaches the weights or the state (`nonfinite="raise"` or `"skip"`);
+- a parameter replaced in the model after the optimizer was built (`load_state_dict(assign=True)`,
+  an untied head) is one error, not a tensor silently never trained;
 - ranks that disagree on the clip threshold.
 """
 
@@ -328,6 +330,24 @@ def add_param_group_job(rank: int, world: int) -> dict:
     return _outcome(lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
 
 
+def replaced_parameter_job(rank: int, world: int, how: str) -> dict:
+    """A parameter replaced in the model after the optimizer was built: the model would train a
+    tensor no hook sees and the optimizer step one the model no longer uses."""
+    model = build_model(BASE)  # tied embeddings: lm_head.weight is model.embed_tokens.weight
+    opt = _optimizer(model)
+    if how == "assign one":  # load one weight with assign=True (a new Parameter in its place)
+        name = "model.layers.0.mlp.up_proj.weight"
+        model.load_state_dict({name: model.get_parameter(name).detach() * 0.5}, strict=False, assign=True)
+    elif how == "assign all":
+        model.load_state_dict({n: t.clone() for n, t in model.state_dict().items()}, assign=True)
+    else:  # untie the head: a new Parameter of its own
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    before = _params(model)
+    out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1]))
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    return out
+
+
 def dcp_job(rank: int, world: int, path: str) -> dict:
     """torch's state-dict API: save after 2 steps, load into a fresh model and optimizer, one more
     step; against three steps straight through. Also: taking the state dict changes nothing."""
@@ -392,6 +412,7 @@ def _nested_equal(a, b) -> bool:
     return a == b
 
 
+REPLACEMENTS = ("assign one", "assign all", "untied head")
 TOUCHES = ("torch clip", "torch clip value", "scale", "log norm", "zero between", "assign between", "opt zero between")
 JOBS = {
     **{f"touch {how}": ("touched_grad_job", (how,)) for how in TOUCHES},
@@ -410,6 +431,7 @@ JOBS = {
     "clip disagreement": ("clip_disagreement_job", ()),
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
+    **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
 }
@@ -571,6 +593,16 @@ def test_a_second_optimizer_on_a_model_another_holds_is_one_error_and_takes_over
 def test_parameters_cannot_be_added_after_construction(runs):
     for out in runs["add_param_group"]:
         assert out["error"] == "SpecError" and "cannot be added" in out["message"], out
+
+
+@pytest.mark.parametrize("how", REPLACEMENTS)
+def test_a_parameter_replaced_in_the_model_is_one_error_before_any_update(runs, how):
+    """Before: a parameter replaced with assign=True or untied was silently never trained (the
+    optimizer stepped the tensor the model no longer used); all of them replaced said 'call
+    backward()'."""
+    for out in runs[f"replaced {how}"]:
+        assert out["error"] == "CanzonaError" and "was replaced after the optimizer was built" in out["message"], out
+        assert "\n" not in out["message"] and out["unchanged"], out
 
 
 def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
