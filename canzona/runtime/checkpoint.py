@@ -46,7 +46,7 @@ from torch import Tensor
 
 from canzona.errors import CanzonaError, PlanError
 from canzona.optimizers import check_config, matrix_optimizer
-from canzona.runtime.kernels import adamw_state, initial_state
+from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
@@ -181,7 +181,26 @@ def _parts(opt: Checkpointable) -> list[Checkpointable]:
     return [opt] if opt.experts is None else [opt, opt.experts]
 
 
+def current_masters(opt: Checkpointable) -> None:
+    """Before the masters are saved: each is the master of the weights as they are now. Weights
+    written into the model since the last step (`model.load_state_dict`, a hand edit), or since
+    this parameter's last gradient, win over a master that no longer matches them, as the next
+    step's `kernels.update_target` would have it; saved stale, the checkpoint would resume from
+    the old weights' masters, and the model files saved beside them would fail the check that
+    they come from the same save (`check_weights_match`). An optimizer state loaded into a model
+    holding other weights so saves the masters of those weights: the ones its next step would
+    take."""
+    for part in _parts(opt):
+        if not part.master:
+            continue
+        for name, working in _working(part).items():
+            master = part.master.get(name)
+            if master is not None:
+                update_target(master, working.detach())
+
+
 def gather_state(opt: Checkpointable) -> dict[str, Any]:
+    current_masters(opt)
     mine: dict[str, Any] = {"matrix": {}, "masters": {}, "adamw": []}
     for part in _parts(opt):  # every entry under the model's name
         states, masters = _saved_here(part)
@@ -464,7 +483,8 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness:
     are those the checkpoint was saved with, or one CheckpointError on every rank before anything
     is loaded. Where this optimizer keeps fp32 masters and the checkpoint has them, every element
     this rank keeps a master of equals the master cast to the parameter's dtype (it holds after
-    every step, `kernels.update_target`); every other parameter's sampled elements this rank holds
+    every step, `kernels.update_target`, and after weights written into
+    the model since: a save takes the masters of the weights as they are, `current_masters`); every other parameter's sampled elements this rank holds
     equal the checkpoint's `witness` (`take_witness`; none in a checkpoint of an older canzona:
     those parameters are not checked). Both hold at any layout."""
     from canzona.errors import CheckpointError
@@ -764,6 +784,7 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
     metadata every rank holds alike, with the witness of the weights as they are now. Compose
     with the model's entries in one `dcp.save`. Collective (the witness: one small all-gather
     over the default process group), as `dcp.save` is."""
+    current_masters(opt)
     out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name

@@ -11,7 +11,6 @@ reused folder, a model/optimizer mix, a damaged file, a folder of an older canzo
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import traceback
@@ -31,7 +30,6 @@ import hf_trainer as trainer_example  # noqa: E402
 
 from canzona.integrations.accelerate import canzona_optimizer  # noqa: E402
 from canzona.runtime import DistributedOptimizer, checkpoint_files  # noqa: E402
-from canzona.runtime.checkpoint import DCP_PREFIX, WITNESS_KEY  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
 
 SETUP = trainer_example.Setup()
@@ -67,13 +65,9 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def opt_state(opt: DistributedOptimizer) -> dict[str, Any]:
-    """This rank's sharded state, cloned (what a load must reproduce exactly), its metadata without
-    the witness of the model's weights it carries (a probe's model holds other weights)."""
-    state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in opt.sharded_state_dict().items()}
-    meta = json.loads(state[f"{DCP_PREFIX}/meta"])
-    meta.pop(WITNESS_KEY)
-    state[f"{DCP_PREFIX}/meta"] = meta
-    return state
+    """This rank's sharded state, cloned (what a load must reproduce exactly), with the witness of
+    the model's weights and the masters of them it saves."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in opt.sharded_state_dict().items()}
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -129,7 +123,7 @@ def accelerate(out: Path) -> dict[str, Any]:
     first = out / "acc_reused"
     accelerate_step(accelerator, model, prepared, batches[0])
     accelerator.save_state(str(first))
-    state1 = opt_state(opt)
+    state1, weights1 = opt_state(opt), params(model)
     saved_manifest = checkpoint_files.read_manifest(first / f"{OPT}_0")
     accelerate_step(accelerator, model, prepared, batches[1])
     with killed_publish():
@@ -139,7 +133,11 @@ def accelerate(out: Path) -> dict[str, Any]:
     # the previous optimizer folder: complete, verified, and exactly the first step's state
     manifest = checkpoint_files.verify_checkpoint(first / f"{OPT}_0", process_group=dist.group.WORLD)
     result["same manifest"] = manifest == saved_manifest
-    probe = DistributedOptimizer(named_parameters(trainer_example.build_model(SETUP).to(torch.bfloat16)),
+    probe_model = trainer_example.build_model(SETUP).to(torch.bfloat16)
+    with torch.no_grad():  # the weights saved beside it (a save takes the masters of the model's weights)
+        for n, p in named_parameters(probe_model):
+            p.copy_(weights1[n])
+    probe = DistributedOptimizer(named_parameters(probe_model),
                                  opt.spec, "muon", {"lr": SETUP.matrix_lr}, {"lr": SETUP.adamw_lr})
     probe.load_sharded_state_dict(checkpoint_files.SafeFileSystemReader(first / f"{OPT}_0", manifest))
     result["previous intact"] = same(opt_state(probe), state1)

@@ -414,3 +414,69 @@ def _only_the_view_worker(rank: int, world: int) -> bool:
 
 def test_the_checkpoint_reads_only_its_public_view():
     assert run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S) == [True] * 4
+
+
+# --- fp32 masters saved after weights were loaded into the model ---------------------------------
+
+
+def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
+    """A bf16 model (fp32 masters): a step, then other weights loaded into the model (a rollback,
+    pretrained weights) and the model and optimizer saved in one `dcp.save`; one more step straight
+    on, against the save resumed with `check_weights=True` (as the integrations resume) and the
+    same step. Both `state_dict()` and the sharded form must save the masters of the weights as
+    they are."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime import DistributedOptimizer
+
+    spec = TrainSpec(dtype="bf16", steps=2, global_batch=4)
+    tokens = [t[: 4 // world] for t in _global_batches(spec)]
+
+    def built(seed: int = 0):
+        model = build_model(replace(spec, model_seed=seed))
+        return model, DistributedOptimizer(model.named_parameters(), model.spec())
+
+    def step(model, opt, batch) -> None:
+        opt.zero_grad()
+        model.loss(batch).backward()
+        opt.step()
+
+    model, opt = built()
+    step(model, opt, tokens[0])
+    model.load_state_dict(build_model(replace(spec, model_seed=5)).state_dict())
+    full = opt.state_dict()
+    dcp.save({**{f"model/{k}": v for k, v in model.state_dict().items()}, **opt.sharded_state_dict()},
+             checkpoint_id=path)
+    step(model, opt, tokens[1])
+    straight = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del opt
+    out = {}
+    for how in ("sharded", "state_dict"):
+        model, opt = built(seed=1)
+        weights = {f"model/{k}": v for k, v in model.state_dict().items()}
+        dcp.load(weights, checkpoint_id=path)
+        model.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+        try:
+            if how == "sharded":
+                opt.load_sharded_state_dict(path, check_weights=True)
+            else:
+                opt.load_state_dict(full)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[how] = f"{type(e).__name__}: {e}"
+            continue
+        step(model, opt, tokens[1])
+        out[how] = compare({n: p.detach().clone() for n, p in model.named_parameters()}, straight)["bit_identical"]
+        del opt
+    return out
+
+
+def _global_batches(spec: TrainSpec) -> list[torch.Tensor]:
+    from canzona.harness.training import global_batches
+
+    return global_batches(spec, 256)
+
+
+def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs(tmp_path):
+    """Before: the stale masters were saved, and the save, whole, failed its own resume check."""
+    out, = run_ranks(_loaded_then_saved_worker, 1, str(tmp_path / "ckpt"), deadline_s=DEADLINE_S)
+    assert out == {"sharded": True, "state_dict": True}, out
