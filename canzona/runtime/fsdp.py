@@ -65,6 +65,7 @@ from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
     defaults_of,
+    group_lr,
     hyper_parameters_digest,
     user_groups,
 )
@@ -288,7 +289,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def _config(self, name: str) -> tuple[Any, float]:
         g = self._group_of[name]
-        return self.group_config(g), self.param_groups[g]["lr"]
+        return self.group_config(g), group_lr(self.param_groups[g])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_configs", None) is not None:
@@ -532,7 +533,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                   math.prod(self.layout[n].shape)) for n in mine]
         for batch in batches(keyed):
             g = self._group_of[batch[0]]
-            cfg, lr = self.group_config(g), self.param_groups[g]["lr"]
+            cfg, lr = self.group_config(g), group_lr(self.param_groups[g])
             if len(batch) > 1:
                 out = self.batched([grads[n] for n in batch], [self.matrix_state[n] for n in batch], cfg, lr)
                 updates.update(zip(batch, out))
@@ -588,7 +589,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             target = update_target(self.master.get(n), local)
             grad = self._grad(n)
             adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
-                        self.param_groups[g]["lr"])
+                        group_lr(self.param_groups[g]))
             if target is not local:
                 local.copy_(target)
 

@@ -121,8 +121,22 @@ def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def group_lr(group: Mapping[str, Any]) -> Any:
+    """`group['lr']` as the kernels take it: a number, or a one-element tensor as torch's optimizers
+    take one; a NumPy scalar (a schedule computed with NumPy) as the Python number it holds."""
+    lr = group["lr"]
+    return lr.item() if _is_numpy_scalar(lr) else lr
+
+
+def _is_numpy_scalar(v: Any) -> bool:
+    return type(v).__module__ == "numpy" and getattr(v, "shape", None) == () and hasattr(v, "item")
+
+
 def _plain(v: Any) -> Any:
-    """A hyper-parameter as a config field holds it (lists as tuples, one-element tensors as numbers)."""
+    """A hyper-parameter as a config field holds it (lists as tuples, one-element tensors and NumPy
+    scalars as numbers)."""
     if isinstance(v, Tensor):  # some schedulers store tensor lrs
         return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
-    return tuple(v) if isinstance(v, list) else v
+    if _is_numpy_scalar(v):
+        return v.item()
+    return tuple(_plain(x) for x in v) if isinstance(v, (list, tuple)) else v

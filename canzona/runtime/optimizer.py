@@ -73,6 +73,7 @@ from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
     defaults_of,
+    group_lr,
     hyper_parameters_digest,
     user_groups,
 )
@@ -715,7 +716,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _matrix_config(self, name: str) -> tuple[Any, float]:
         g = self._group_of[name]
         group = self.param_groups[g]
-        return self.group_config(g), group["lr"]
+        return self.group_config(g), group_lr(group)
 
     def _target(self, name: str) -> Tensor:
         return self._master_for(name, self.tensor(name))
@@ -806,7 +807,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 data = piece.buffer.data[piece.start:piece.end]
                 target = self._master_for(name, data)
                 adamw_step_(target, piece.buffer.reduced[piece.start:piece.end], state, self.group_config(g),
-                            group["lr"])
+                            group_lr(group))
                 if self.master_weights:
                     data.copy_(target)
 

@@ -348,6 +348,23 @@ def replaced_parameter_job(rank: int, world: int, how: str) -> dict:
     return out
 
 
+def numpy_lr_job(rank: int, world: int) -> dict:
+    """Learning rates as NumPy scalars (a schedule computed with NumPy), as torch's optimizers take
+    them: the step of the same Python numbers, bit for bit."""
+    import numpy as np
+
+    def run(numpy: bool) -> dict:
+        model = build_model(BASE)
+        opt = _optimizer(model)
+        for group in opt.param_groups:
+            lr = np.float32(group["lr"] / 2)
+            group["lr"] = lr if numpy else lr.item()
+        out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:2]))
+        return {**out, "params": _params(model)}
+
+    return {numpy: run(numpy) for numpy in (True, False)}
+
+
 def dcp_job(rank: int, world: int, path: str) -> dict:
     """torch's state-dict API: save after 2 steps, load into a fresh model and optimizer, one more
     step; against three steps straight through. Also: taking the state dict changes nothing."""
@@ -431,6 +448,7 @@ JOBS = {
     "clip disagreement": ("clip_disagreement_job", ()),
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
+    "numpy lr": ("numpy_lr_job", ()),
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
@@ -603,6 +621,13 @@ def test_a_parameter_replaced_in_the_model_is_one_error_before_any_update(runs, 
     for out in runs[f"replaced {how}"]:
         assert out["error"] == "CanzonaError" and "was replaced after the optimizer was built" in out["message"], out
         assert "\n" not in out["message"] and out["unchanged"], out
+
+
+def test_numpy_learning_rates_step_as_the_numbers_they_hold(runs):
+    """Before: 'lr must be a finite number, got np.float32(...)' at the first step."""
+    for out in runs["numpy lr"]:
+        assert out[True]["error"] is None, out[True]
+        assert compare(out[True]["params"], out[False]["params"])["bit_identical"]
 
 
 def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
