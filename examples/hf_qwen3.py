@@ -10,6 +10,11 @@ optimizer (each rank writes what it owns) so that a run can resume, at any DP si
     torchrun --nproc-per-node 2 examples/hf_qwen3.py --steps 10 --save /tmp/q   # checkpoint at the end
     torchrun --nproc-per-node 3 examples/hf_qwen3.py --steps 20 --resume /tmp/q # at another DP size
     torchrun --nproc-per-node 8 examples/hf_qwen3.py --device cuda              # one GPU node, NCCL
+
+The gradients are reduce-scattered with the backend's own reductions (`--reduce-scatter native`, the
+default): they sum in the backend's order, the same as any order at DP 2 (a sum of two), within
+rounding beyond. `--reduce-scatter exact` sums in rank order, so that a run equals the same kernels
+in one process bit for bit at any DP size (`canzona.reductions`).
 """
 
 from __future__ import annotations
@@ -89,22 +94,29 @@ def param_groups(model: nn.Module, setup: Setup) -> list[dict]:
             {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, setup: Setup, sample: torch.Tensor):
+def build_optimizer(model: nn.Module, setup: Setup, sample: torch.Tensor, reduce_scatter: str | None = None):
+    from canzona.reductions import DEFAULT_REDUCE_SCATTER
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import backward_order
     from canzona.spec import ModelSpec
 
     spec = ModelSpec.from_module(model, order=backward_order(model, lambda m: loss_of(m, sample)))
     return DistributedOptimizer(param_groups(model, setup), spec, "muon", {"lr": setup.matrix_lr},
-                                {"lr": setup.adamw_lr}, policy="canzona")
+                                {"lr": setup.adamw_lr}, policy="canzona",
+                                reduce_scatter=reduce_scatter or DEFAULT_REDUCE_SCATTER)
 
 
 def main() -> None:
+    from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
+    from canzona.reductions import HELP as REDUCE_SCATTER_HELP
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=Setup.total_steps, help="train until this step")
     ap.add_argument("--save", default=None, help="save a torch.distributed.checkpoint here at the end")
     ap.add_argument("--resume", default=None, help="continue from this checkpoint (any DP size)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--reduce-scatter", default=DEFAULT_REDUCE_SCATTER, choices=REDUCE_SCATTER_IMPLS,
+                    help=f"DP gradient reduce-scatter ({REDUCE_SCATTER_HELP})")
     ap.add_argument("--out", default=None, help="rank 0 saves the final parameters here (torch.save)")
     args = ap.parse_args()
 
@@ -117,7 +129,7 @@ def main() -> None:
     setup = Setup(total_steps=max(args.steps, Setup.total_steps))
     all_batches = [b.to(device) for b in batches(setup)]
     model = build_model(setup).to(device)
-    opt = build_optimizer(model, setup, shard(all_batches[0], rank, world))
+    opt = build_optimizer(model, setup, shard(all_batches[0], rank, world), args.reduce_scatter)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(setup, s))
 
     start = 0

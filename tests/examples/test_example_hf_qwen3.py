@@ -1,6 +1,12 @@
 """`examples/hf_qwen3.py` as a user runs it (torchrun, 2 gloo ranks, a `transformers` Qwen3): it
 trains bit for bit as the same kernels in one process, and a run checkpointed and resumed (at the
-same or another DP size) continues where it stopped."""
+same or another DP size) continues where it stopped.
+
+The runs reduce the gradients with the example's default (`--reduce-scatter native`: gloo's own
+order, which at DP 2 is any order, a sum of two); the resume at DP 3 with `--reduce-scatter exact`
+(rank order, as the emulation sums): with native, gloo sums three ranks in another order than rank
+order, the gradients differ in their last bits, and Muon's bf16 Newton-Schulz turns that into
+visible differences from the first DP 3 step on (a rounding difference, not a wrong resume)."""
 
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     logs = {"straight": torchrun(tmp, 2, "--steps", str(STEPS), "--out", "straight.pt")}
     logs["first half"] = torchrun(tmp, 2, "--steps", str(STEPS // 2), "--save", "ckpt")
     logs["resumed"] = torchrun(tmp, 2, "--steps", str(STEPS), "--resume", "ckpt", "--out", "resumed.pt")
-    logs["resumed at dp 3"] = torchrun(tmp, 3, "--steps", str(STEPS), "--resume", "ckpt", "--out", "dp3.pt")
+    logs["resumed at dp 3"] = torchrun(tmp, 3, "--steps", str(STEPS), "--resume", "ckpt", "--out", "dp3.pt",
+                                       "--reduce-scatter", "exact")  # rank order: bit for bit at DP 3
     out = {name: torch.load(tmp / f"{file}.pt") for name, file in
            (("straight", "straight"), ("resumed", "resumed"), ("resumed at dp 3", "dp3"))}
     out["logs"] = logs
@@ -56,8 +63,9 @@ def runs(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
 
 def emulate(setup: example.Setup, dps: list[int]) -> dict[str, torch.Tensor]:
     """The example's run in one process, step s at DP size `dps[s]`: each rank's gradient,
-    averaged in rank order; the global norm taken over that layout's segments in the runtime's
-    order; then the runtime's kernels."""
+    averaged in rank order (the runtime's `exact` reduce-scatter, and `native`'s at DP 2); the
+    global norm taken over that layout's segments in the runtime's order; then the runtime's
+    kernels."""
     torch.set_num_threads(1)
     model = example.build_model(setup)
     batches = list(example.batches(setup))
