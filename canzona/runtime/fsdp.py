@@ -71,6 +71,7 @@ from canzona.runtime.groups import (
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
 from canzona.runtime.options import check_step_options, optimizer_config
+from canzona.runtime.param_gather import param_holders, replaced_parameter
 from canzona.runtime.shards import local_tensor
 from canzona.step_policies import get_fsdp_policy
 
@@ -91,6 +92,18 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
         return False
     ranks = {int(r) for r in max(meshes, key=lambda m: m.mesh.numel()).mesh.flatten().tolist()}
     return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
+
+
+def fsdp_params_of(params: Mapping[str, Tensor]) -> dict[str, Any]:
+    """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name: the tensor
+    FSDP2 trains in that place is its `sharded_param` (found once, at construction)."""
+    import gc
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    by_id = {id(p): name for name, p in params.items()}
+    return {by_id[id(obj.sharded_param)]: obj for obj in gc.get_objects()
+            if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id}
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
@@ -222,6 +235,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.master: dict[str, Tensor] = {}
         if self.master_weights:
             self.reset_master_weights()
+        # what FSDP2 shards in each parameter's place (its FSDPParam, which follows load_state_dict(
+        # assign=True) and the like), or else the modules holding it: a parameter replaced since
+        # is one error in the step check (`_replaced`)
+        self._fsdp_params = fsdp_params_of(self.params)
+        unsharded = {n: p for n, p in self.params.items() if n not in self._fsdp_params}
+        self._holders = param_holders(unsharded) if unsharded else {}
         self.checked: tuple[dict[str, bool], float] | None = None
         self._clip_agreed: float | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
@@ -308,9 +327,26 @@ class FsdpOptimizer(torch.optim.Optimizer):
         g = self._local_grad(name).to(self.grad_dtype)
         return g * self._grad_scale if self._grad_scale != 1.0 else g
 
+    def _replaced(self) -> str | None:
+        """A message naming a parameter that FSDP2 no longer shards (another tensor took its place
+        after construction: `model.load_state_dict(..., assign=True)`, a new module or Parameter):
+        FSDP2 then reduces gradients into the new tensor and trains it, which this optimizer never
+        steps, while the old one would be stepped with no gradient, silently."""
+        for name, fsdp_param in self._fsdp_params.items():
+            if fsdp_param.sharded_param is not self.params[name]:
+                return (f"parameter {name!r} was replaced after the optimizer was built (FSDP2 now shards another "
+                        "tensor in its place): the model would train a tensor this optimizer never steps "
+                        "(load_state_dict(assign=True), a new module or Parameter assigned). Build the optimizer "
+                        "after such changes, and load weights with load_state_dict() without assign (or DCP / "
+                        "set_model_state_dict, which load in place)")
+        return replaced_parameter(self.params, self._holders)
+
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor
 
+        replaced = self._replaced()
+        if replaced is not None:
+            return replaced
         for name, p in self.params.items():
             g = p.grad
             if g is None:

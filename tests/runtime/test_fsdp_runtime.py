@@ -190,13 +190,14 @@ def gather_rows(t) -> torch.Tensor:
 def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, nonfinite: str = "raise",
               poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
-              absent: int | None = None) -> dict:
+              absent: int | None = None, assign: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
     `clips`: per rank, its own clip threshold (None: no clip_grad_norm_ call); at step `plain_grad`
     rank 1 replaces b.weight's gradient by a plain tensor; rank 2 sleeps through step `absent`
-    (a dead peer) and returns."""
+    (a dead peer) and returns; before step `assign` every rank loads a.weight's own values with
+    `load_state_dict(strict=False, assign=True)` (FSDP2 then shards the new tensor)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -210,6 +211,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     grads, norms, error, took = [], [], None, None
     for step in range(steps):
+        if step == assign:
+            model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
         opt.zero_grad()
         model(small_batch(step, rank)).backward()
         named = dict(model.named_parameters())
@@ -276,6 +279,7 @@ SMALL_CASES = {
     "clip-disagree": {"steps": 2, "clips": {0: 0.05, 1: 0.1, 2: 0.05}},
     "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
     "local-problem": {"steps": 2, "plain_grad": 1},
+    "assign": {"steps": 3, "assign": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -417,6 +421,20 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     assert "b.weight: its gradient on rank 1 is Tensor" in results[1]["error"]
     assert all(results[r]["error"] == "rank(s) [1] found a broken step (see their error)" for r in (0, 2))
     assert all(r["took"] < 10.0 for r in results) and all(len(r["grads"]) == 1 for r in results)
+    want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_a_parameter_replaced_in_the_model_is_one_error_before_any_update() -> None:
+    """`load_state_dict(..., strict=False, assign=True)` of a.weight after the optimizer was built:
+    FSDP2 shards (and trains) the new tensor, which the optimizer never steps; it stepped the rest
+    and silently left a.weight unchanged. Now the step check fails on every rank, naming it, nothing
+    updated by that step."""
+    results = _small()["assign"]
+    for r in results:
+        assert r["error"] is not None and "parameter 'a.weight' was replaced" in r["error"], r["error"]
+        assert len(r["grads"]) == 1
     want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
     for r in results:
         assert compare(r["params"], want)["bit_identical"]
