@@ -102,8 +102,9 @@ def fsdp_params_of(params: Mapping[str, Tensor]) -> dict[str, Any]:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     by_id = {id(p): name for name, p in params.items()}
-    return {by_id[id(obj.sharded_param)]: obj for obj in gc.get_objects()
-            if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id}
+    found = {by_id[id(obj.sharded_param)]: obj for obj in gc.get_objects()
+             if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id}
+    return {n: found[n] for n in params if n in found}  # in the parameters' order
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
@@ -347,6 +348,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
         replaced = self._replaced()
         if replaced is not None:
             return replaced
+        for name, fsdp_param in self._fsdp_params.items():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
+                # the step would run without it (on a gradient of zeros after zero_grad(set_to_none=
+                # False)), and FSDP2 would add it to the next step's
+                return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {dist.get_rank()} (a backward "
+                        "under model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
+                        "model.set_requires_gradient_sync(True) before step()")
         for name, p in self.params.items():
             g = p.grad
             if g is None:

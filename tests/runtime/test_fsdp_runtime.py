@@ -190,14 +190,16 @@ def gather_rows(t) -> torch.Tensor:
 def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, nonfinite: str = "raise",
               poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
-              absent: int | None = None, assign: int | None = None) -> dict:
+              absent: int | None = None, assign: int | None = None, unsynced: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
     `clips`: per rank, its own clip threshold (None: no clip_grad_norm_ call); at step `plain_grad`
     rank 1 replaces b.weight's gradient by a plain tensor; rank 2 sleeps through step `absent`
     (a dead peer) and returns; before step `assign` every rank loads a.weight's own values with
-    `load_state_dict(strict=False, assign=True)` (FSDP2 then shards the new tensor)."""
+    `load_state_dict(strict=False, assign=True)` (FSDP2 then shards the new tensor); step `unsynced`
+    zeroes with `set_to_none=False` and runs its backward under `set_requires_gradient_sync(False)`
+    (the user forgot to turn it back on for the last micro-batch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -213,7 +215,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=step != unsynced)
+        model.set_requires_gradient_sync(step != unsynced)
         model(small_batch(step, rank)).backward()
         named = dict(model.named_parameters())
         if rank == 1 and step == poison:
@@ -280,6 +283,7 @@ SMALL_CASES = {
     "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
+    "unsynced": {"steps": 3, "unsynced": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -434,6 +438,20 @@ def test_fsdp_a_parameter_replaced_in_the_model_is_one_error_before_any_update()
     results = _small()["assign"]
     for r in results:
         assert r["error"] is not None and "parameter 'a.weight' was replaced" in r["error"], r["error"]
+        assert len(r["grads"]) == 1
+    want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_a_gradient_fsdp2_has_not_reduced_is_one_error_before_any_update() -> None:
+    """The last micro-batch's backward ran under `set_requires_gradient_sync(False)` (turning it
+    back on forgotten): FSDP2 holds the gradient unsharded and unreduced; after
+    `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
+    gradient to the next step's). Now every rank fails, naming set_requires_gradient_sync."""
+    results = _small()["unsynced"]
+    for r in results:
+        assert r["error"] is not None and "set_requires_gradient_sync(True) before step()" in r["error"], r["error"]
         assert len(r["grads"]) == 1
     want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
     for r in results:
