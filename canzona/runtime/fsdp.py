@@ -227,6 +227,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # what gradients and updates travel and are computed in (fp32 beside fp32 masters)
         self.grad_dtype = self.update_dtype = torch.float32 if self.master_weights else first.dtype
         self.device = local_tensor(first).device
+        self.param_dtype = first.dtype  # what the step's dtypes and masters were chosen for
         self.kernel, self.batched = matrix_kernels(self.optimizer, batch=self.batch_kernels,
                                                    compile=self.compile_kernels)
         self.scalars = entry.part("scalars")
@@ -348,6 +349,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
         replaced = self._replaced()
         if replaced is not None:
             return replaced
+        for name, p in self.params.items():
+            local = local_tensor(p)
+            if p.dtype != self.param_dtype or local.device != self.device:
+                # the step would fail midway (some updates applied) or step in the wrong precision
+                return (f"{name} is {p.dtype} on {local.device} on rank {dist.get_rank()}, {self.param_dtype} on "
+                        f"{self.device} when the optimizer was built: the model was cast or moved after building "
+                        "the optimizer; cast or move it first (before fully_shard), then build the optimizer")
         for name, fsdp_param in self._fsdp_params.items():
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:

@@ -190,7 +190,8 @@ def gather_rows(t) -> torch.Tensor:
 def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, nonfinite: str = "raise",
               poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
-              absent: int | None = None, assign: int | None = None, unsynced: int | None = None) -> dict:
+              absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
+              cast: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -199,7 +200,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     (a dead peer) and returns; before step `assign` every rank loads a.weight's own values with
     `load_state_dict(strict=False, assign=True)` (FSDP2 then shards the new tensor); step `unsynced`
     zeroes with `set_to_none=False` and runs its backward under `set_requires_gradient_sync(False)`
-    (the user forgot to turn it back on for the last micro-batch)."""
+    (the user forgot to turn it back on for the last micro-batch); `cast`: the model is cast to bf16
+    after the optimizer was built, before the first forward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -211,13 +213,15 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite)
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    if cast:
+        model.to(torch.bfloat16)
     grads, norms, error, took = [], [], None, None
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
         opt.zero_grad(set_to_none=step != unsynced)
         model.set_requires_gradient_sync(step != unsynced)
-        model(small_batch(step, rank)).backward()
+        model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
         named = dict(model.named_parameters())
         if rank == 1 and step == poison:
             with torch.no_grad():
@@ -284,6 +288,7 @@ SMALL_CASES = {
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
+    "cast": {"steps": 2, "cast": True},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -456,6 +461,18 @@ def test_fsdp_a_gradient_fsdp2_has_not_reduced_is_one_error_before_any_update() 
     want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
     for r in results:
         assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_a_model_cast_after_building_the_optimizer_is_one_error_before_any_update() -> None:
+    """`model.to(torch.bfloat16)` after the optimizer was built (fp32 then: no masters, fp32 state):
+    the step failed in AdamW with torch's dtype error, after applying every micro-group's updates
+    but the last's. Now every rank fails in the step check, naming the cast, nothing updated."""
+    results = _small()["cast"]
+    init = {n: p.detach().to(torch.bfloat16) for n, p in Small().named_parameters()}
+    for r in results:
+        assert r["error"] is not None and "cast or moved after building the optimizer" in r["error"], r["error"]
+        assert r["took"] < 10.0 and not r["grads"]
+        assert all(torch.equal(r["params"][n], init[n]) for n in init)
 
 
 def dead_peer_worker(rank: int, world: int) -> dict:
