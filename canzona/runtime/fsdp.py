@@ -94,17 +94,25 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
     return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
 
 
-def fsdp_params_of(params: Mapping[str, Tensor]) -> dict[str, Any]:
-    """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name: the tensor
-    FSDP2 trains in that place is its `sharded_param` (found once, at construction)."""
+def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any]]:
+    """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name (the tensor
+    FSDP2 trains in that place is its `sharded_param`), and the `FSDPParamGroup`s holding them
+    (found once, at construction)."""
     import gc
 
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     by_id = {id(p): name for name, p in params.items()}
-    found = {by_id[id(obj.sharded_param)]: obj for obj in gc.get_objects()
-             if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id}
-    return {n: found[n] for n in params if n in found}  # in the parameters' order
+    found, groups = {}, []
+    for obj in gc.get_objects():
+        if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id:
+            found[by_id[id(obj.sharded_param)]] = obj
+        elif type(obj) is FSDPParamGroup:
+            groups.append(obj)
+    ids = {id(f) for f in found.values()}
+    groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
+    return {n: found[n] for n in params if n in found}, groups  # in the parameters' order
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
@@ -240,7 +248,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # what FSDP2 shards in each parameter's place (its FSDPParam, which follows load_state_dict(
         # assign=True) and the like), or else the modules holding it: a parameter replaced since
         # is one error in the step check (`_replaced`)
-        self._fsdp_params = fsdp_params_of(self.params)
+        self._fsdp_params, self._fsdp_groups = fsdp_params_of(self.params)
         unsharded = {n: p for n, p in self.params.items() if n not in self._fsdp_params}
         self._holders = param_holders(unsharded) if unsharded else {}
         self.checked: tuple[dict[str, bool], float] | None = None
@@ -497,6 +505,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             else:
                 if self.max_grad_norm is not None:
                     self.clip_grad_norm_(self.max_grad_norm)
+                self._reshard()
                 self._step(got)
             self.comm.log.step += 1
             self.world.log.step += 1
@@ -504,6 +513,16 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.checked = None
             self._grad_scale = 1.0
         return loss
+
+    def _reshard(self) -> None:
+        """Free the unsharded parameters FSDP2 still holds (a module `fully_shard`-ed with
+        `reshard_after_forward=False`, the root by default, after a forward with no backward after
+        it, an evaluation between backward and step(), say; `set_reshard_after_backward(False)`;
+        `model.unshard()`): FSDP2's next forward would read them, the weights from before this step,
+        instead of gathering the updated shards. Local, and alike on every rank."""
+        for group in self._fsdp_groups:
+            if not group.is_sharded:
+                group.reshard()
 
     def _step(self, got: Mapping[str, bool]) -> None:
         groups = [[n for n in g if got[n]] for g in self.micro_groups]

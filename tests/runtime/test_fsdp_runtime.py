@@ -191,7 +191,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
-              cast: bool = False) -> dict:
+              cast: bool = False, evaluate: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -201,7 +201,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `load_state_dict(strict=False, assign=True)` (FSDP2 then shards the new tensor); step `unsynced`
     zeroes with `set_to_none=False` and runs its backward under `set_requires_gradient_sync(False)`
     (the user forgot to turn it back on for the last micro-batch); `cast`: the model is cast to bf16
-    after the optimizer was built, before the first forward."""
+    after the optimizer was built, before the first forward; at step `evaluate` a forward under
+    no_grad runs between backward and step() (FSDP2 keeps the root unsharded after it), and after
+    the step a forward's output is compared with the updated weights' (`stale`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -215,7 +217,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     if cast:
         model.to(torch.bfloat16)
-    grads, norms, error, took = [], [], None, None
+    grads, norms, error, took, stale = [], [], None, None, None
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
@@ -231,6 +233,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             named["b.weight"].grad = None
         if rank == 1 and step == plain_grad:
             named["b.weight"].grad = torch.zeros(named["b.weight"].shape)
+        if step == evaluate:
+            with torch.no_grad():
+                model(small_batch(step, rank))
         if rank == 2 and step == absent:
             time.sleep(3 * timeout_s)
             break
@@ -245,10 +250,16 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             break
         if step != poison:
             grads.append(full)
+        if step == evaluate:
+            with torch.no_grad():
+                fresh = Small()
+                fresh.load_state_dict({n: gather_rows(p) for n, p in opt.params.items()})
+                x = small_batch(step, rank)
+                stale = not torch.allclose(model(x), fresh(x), rtol=0, atol=1e-6)
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "local_rows": local_rows, "held": held_bytes(opt),
+            "skipped": opt.skipped_steps, "stale": stale, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
                     for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
@@ -289,6 +300,7 @@ SMALL_CASES = {
     "assign": {"steps": 3, "assign": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
     "cast": {"steps": 2, "cast": True},
+    "evaluate": {"steps": 3, "evaluate": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -473,6 +485,20 @@ def test_fsdp_a_model_cast_after_building_the_optimizer_is_one_error_before_any_
         assert r["error"] is not None and "cast or moved after building the optimizer" in r["error"], r["error"]
         assert r["took"] < 10.0 and not r["grads"]
         assert all(torch.equal(r["params"][n], init[n]) for n in init)
+
+
+def test_fsdp_a_forward_between_backward_and_step_reads_the_updated_weights() -> None:
+    """An evaluation forward under no_grad between backward and step(): FSDP2 keeps the root
+    (reshard_after_forward=False, its default there) unsharded after it, and its next forward read
+    those unsharded weights, from before the step, silently (torch's optimizers too). The step now
+    reshards what FSDP2 holds unsharded: the next forward reads the updated weights, and training
+    stays exact."""
+    results = _small()["evaluate"]
+    assert all(r["error"] is None and r["stale"] is False for r in results), [(r["error"], r["stale"]) for r in results]
+    _same_everywhere(results)
+    want = emulate_small(results[0]["grads"])
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
 
 
 def dead_peer_worker(rank: int, world: int) -> dict:
