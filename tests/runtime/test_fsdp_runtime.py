@@ -447,28 +447,22 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
         assert compare(r["params"], want)["bit_identical"]
 
 
-def test_fsdp_a_parameter_replaced_in_the_model_is_one_error_before_any_update() -> None:
-    """`load_state_dict(..., strict=False, assign=True)` of a.weight after the optimizer was built:
-    FSDP2 shards (and trains) the new tensor, which the optimizer never steps; it stepped the rest
-    and silently left a.weight unchanged. Now the step check fails on every rank, naming it, nothing
-    updated by that step."""
-    results = _small()["assign"]
+@pytest.mark.parametrize("case,named", [
+    # `load_state_dict(..., strict=False, assign=True)` of a.weight after the optimizer was built:
+    # FSDP2 shards (and trains) the new tensor, which the optimizer never steps; it stepped the
+    # rest and silently left a.weight unchanged
+    ("assign", "parameter 'a.weight' was replaced"),
+    # the last micro-batch's backward ran under `set_requires_gradient_sync(False)` (turning it
+    # back on forgotten): FSDP2 holds the gradient unsharded and unreduced; after
+    # `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
+    # gradient to the next step's)
+    ("unsynced", "set_requires_gradient_sync(True) before step()"),
+])
+def test_fsdp_a_step_the_model_no_longer_feeds_is_one_error_before_any_update(case: str, named: str) -> None:
+    """Every rank fails the step check, naming the cause, nothing updated by that step."""
+    results = _small()[case]
     for r in results:
-        assert r["error"] is not None and "parameter 'a.weight' was replaced" in r["error"], r["error"]
-        assert len(r["grads"]) == 1
-    want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
-    for r in results:
-        assert compare(r["params"], want)["bit_identical"]
-
-
-def test_fsdp_a_gradient_fsdp2_has_not_reduced_is_one_error_before_any_update() -> None:
-    """The last micro-batch's backward ran under `set_requires_gradient_sync(False)` (turning it
-    back on forgotten): FSDP2 holds the gradient unsharded and unreduced; after
-    `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
-    gradient to the next step's). Now every rank fails, naming set_requires_gradient_sync."""
-    results = _small()["unsynced"]
-    for r in results:
-        assert r["error"] is not None and "set_requires_gradient_sync(True) before step()" in r["error"], r["error"]
+        assert r["error"] is not None and named in r["error"], r["error"]
         assert len(r["grads"]) == 1
     want = emulate_small(results[0]["grads"])  # step 0 taken, step 1 not
     for r in results:
