@@ -27,6 +27,12 @@ from canzona.errors import SpecError
 from canzona.optimizers import check_config
 
 KINDS = ("matrix", "adamw")
+# torch.optim.AdamW's flags that change what its step computes, each with the value canzona's AdamW
+# runs (torch's default): an AdamW group carrying another (a hand edit of `param_groups`, a group
+# copied from torch's AdamW) is one error at the next step, not a flag silently ignored. `foreach`
+# and `fused` only choose torch's kernels: any value is accepted and canzona runs its own.
+TORCH_ADAMW_FLAGS = {"maximize": False, "amsgrad": False, "decoupled_weight_decay": True,
+                     "differentiable": False, "capturable": False}
 NamedParams = Iterable[tuple[str, Tensor]]
 
 
@@ -83,12 +89,24 @@ class GroupConfigs:
         cfg = self.base[group["kind"]]
         names = [f.name for f in fields(cfg)]
         key = tuple(_plain(_value(group, n)) for n in names)
+        if group["kind"] == "adamw":
+            key += tuple(_plain(group.get(flag, default)) for flag, default in TORCH_ADAMW_FLAGS.items())
         cached = self._cache.get(index)
         if cached is None or cached[0] != key:
+            if group["kind"] == "adamw":
+                _check_torch_flags(index, group)
             current = replace(cfg, **dict(zip(names, key)))
             cached = (key, check_config(group["optimizer"], current))
             self._cache[index] = cached
         return cached[1]
+
+
+def _check_torch_flags(index: int, group: Mapping[str, Any]) -> None:
+    """SpecError (one line) for a torch.optim.AdamW flag canzona's AdamW does not run."""
+    for flag, default in TORCH_ADAMW_FLAGS.items():
+        if flag in group and bool(_plain(group[flag])) != default:
+            raise SpecError(f"parameter group {index}: {flag}={group[flag]!r} is torch.optim.AdamW's flag; "
+                            f"canzona's AdamW runs {flag}={default} only (remove the key or set it to {default})")
 
 
 def _value(group: Mapping[str, Any], name: str) -> Any:
