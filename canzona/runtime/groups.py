@@ -84,11 +84,15 @@ class GroupConfigs:
     def __init__(self, base: Mapping[str, Any]) -> None:
         self.base = dict(base)  # kind -> default config object
         self._cache: dict[int, tuple[tuple, Any]] = {}
+        # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`_value`);
+        # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
+        # it is no AdamW hyper-parameter, and ignored, as torch.optim.AdamW ignores it
+        self.momentum_is_beta1 = "momentum" in {f.name for f in fields(self.base["matrix"])}
 
     def config(self, index: int, group: Mapping[str, Any]) -> Any:
         cfg = self.base[group["kind"]]
         names = [f.name for f in fields(cfg)]
-        key = tuple(_plain(_value(group, n)) for n in names)
+        key = tuple(_plain(_value(group, n, self.momentum_is_beta1)) for n in names)
         if group["kind"] == "adamw":
             key += tuple(_plain(group.get(flag, default)) for flag, default in TORCH_ADAMW_FLAGS.items())
         cached = self._cache.get(index)
@@ -109,12 +113,12 @@ def _check_torch_flags(index: int, group: Mapping[str, Any]) -> None:
                             f"canzona's AdamW runs {flag}={default} only (remove the key or set it to {default})")
 
 
-def _value(group: Mapping[str, Any], name: str) -> Any:
+def _value(group: Mapping[str, Any], name: str, momentum_is_beta1: bool) -> Any:
     """`group[name]`, except that a `momentum` in a group whose optimizer has `betas` instead (an
-    AdamW group beside Muon) is its beta1: momentum-cycling schedulers (OneCycleLR, CyclicLR) set
-    one key in every group, `momentum` when the optimizer's `defaults` have it, and AdamW's beta1
-    is what they cycle in torch's own AdamW."""
-    if name == "betas" and "momentum" in group:
+    AdamW group beside Muon: `momentum_is_beta1`) is its beta1: momentum-cycling schedulers
+    (OneCycleLR, CyclicLR) set one key in every group, `momentum` when the optimizer's `defaults`
+    have it, and AdamW's beta1 is what they cycle in torch's own AdamW."""
+    if name == "betas" and momentum_is_beta1 and "momentum" in group:
         betas = tuple(_plain(group["betas"]))
         return (_plain(group["momentum"]), *betas[1:])
     return group[name]

@@ -76,3 +76,17 @@ def test_torch_adamw_flags_at_their_defaults_and_kernel_choices_step_as_torch(on
         _step(mine, [opt], tokens)
         _step(theirs, torch_opts, tokens)
     assert _same(mine, theirs)
+
+
+def test_a_momentum_key_on_adamw_groups_without_muon_is_ignored_as_torch_ignores_it(one_rank):
+    """Only beside Muon (whose `momentum` the schedulers cycle in every group) is an AdamW group's
+    `momentum` its beta1; beside AdamW alone (or SOAP, Shampoo) the schedulers cycle `betas`."""
+    (mine, opt), (theirs, torch_opts) = _pair("adamw")
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for o in (opt, *torch_opts):
+        for g in o.param_groups:
+            g["momentum"] = 0.5
+    for _ in range(2):
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+    assert _same(mine, theirs)
