@@ -70,7 +70,9 @@ def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matr
             usable |= own
             values = {**asdict(cfg), **{k: v for k, v in overrides.items() if k in own}}
             check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
-            out.append({"params": members, "kind": kind, "optimizer": name, **values})
+            group = {"params": members, "kind": kind, "optimizer": name, **values}
+            beside_momentum = kind == "adamw" and any(f.name == "momentum" for f in fields(matrix_cfg))
+            out.append(BetaOneGroup(group) if beside_momentum else group)
         unknown = sorted(set(overrides) - usable)
         if unknown:
             raise SpecError(f"parameter group {i}: no optimizer of its parameters has hyper-parameter(s) "
@@ -84,15 +86,17 @@ class GroupConfigs:
     def __init__(self, base: Mapping[str, Any]) -> None:
         self.base = dict(base)  # kind -> default config object
         self._cache: dict[int, tuple[tuple, Any]] = {}
-        # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`_value`);
+        # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`BetaOneGroup`);
         # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
         # it is no AdamW hyper-parameter, and ignored, as torch.optim.AdamW ignores it
         self.momentum_is_beta1 = "momentum" in {f.name for f in fields(self.base["matrix"])}
 
     def config(self, index: int, group: Mapping[str, Any]) -> Any:
+        if self.momentum_is_beta1 and group["kind"] == "adamw" and "momentum" in group:
+            _check_beta1(index, group)
         cfg = self.base[group["kind"]]
         names = [f.name for f in fields(cfg)]
-        key = tuple(_plain(_value(group, n, self.momentum_is_beta1)) for n in names)
+        key = tuple(_plain(group[n]) for n in names)
         if group["kind"] == "adamw":
             key += tuple(_plain(group.get(flag, default)) for flag, default in TORCH_ADAMW_FLAGS.items())
         cached = self._cache.get(index)
@@ -105,23 +109,50 @@ class GroupConfigs:
         return cached[1]
 
 
+class BetaOneGroup(dict):
+    """An AdamW param group beside a momentum optimizer (Muon): `momentum`, which momentum-cycling
+    schedulers (OneCycleLR, CyclicLR) set in every group as `defaults` has it, and `betas[0]`, which
+    torch.optim.AdamW reads (a hand edit sets it), are one value, its beta1: once the group has both
+    keys, a write of either sets the other, so that the last write wins, as in torch's AdamW, whose
+    beta1 those schedulers cycle through `betas` (a scheduler's next step overrides a hand edit of
+    `betas`, as there). A save holds them agreeing; a load writes them back through here."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key == "momentum" and "betas" in self:
+            super().__setitem__("betas", (value, *tuple(self["betas"])[1:]))
+        elif key == "betas" and "momentum" in self and isinstance(value, (tuple, list)) and value:
+            super().__setitem__("momentum", value[0])  # anything else: check_config names it
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other: Any) -> BetaOneGroup:
+        self.update(other)
+        return self
+
+
+def _check_beta1(index: int, group: Mapping[str, Any]) -> None:
+    """The two beta1 keys of an AdamW group beside Muon agree (`BetaOneGroup`; a group replaced
+    by a plain dict, or written through `dict`'s own methods, may not): SpecError otherwise."""
+    momentum, betas = _plain(group["momentum"]), _plain(group["betas"])
+    if isinstance(betas, tuple) and betas and momentum != betas[0]:
+        raise SpecError(f"parameter group {index} (AdamW beside Muon): momentum ({momentum!r}) and betas[0] "
+                        f"({betas[0]!r}) are both its beta1 and disagree; set one of them (the other follows)")
+
+
 def _check_torch_flags(index: int, group: Mapping[str, Any]) -> None:
     """SpecError (one line) for a torch.optim.AdamW flag canzona's AdamW does not run."""
     for flag, default in TORCH_ADAMW_FLAGS.items():
         if flag in group and bool(_plain(group[flag])) != default:
             raise SpecError(f"parameter group {index}: {flag}={group[flag]!r} is torch.optim.AdamW's flag; "
                             f"canzona's AdamW runs {flag}={default} only (remove the key or set it to {default})")
-
-
-def _value(group: Mapping[str, Any], name: str, momentum_is_beta1: bool) -> Any:
-    """`group[name]`, except that a `momentum` in a group whose optimizer has `betas` instead (an
-    AdamW group beside Muon: `momentum_is_beta1`) is its beta1: momentum-cycling schedulers
-    (OneCycleLR, CyclicLR) set one key in every group, `momentum` when the optimizer's `defaults`
-    have it, and AdamW's beta1 is what they cycle in torch's own AdamW."""
-    if name == "betas" and momentum_is_beta1 and "momentum" in group:
-        betas = tuple(_plain(group["betas"]))
-        return (_plain(group["momentum"]), *betas[1:])
-    return group[name]
 
 
 def defaults_of(configs: Mapping[str, Any]) -> dict[str, Any]:

@@ -90,3 +90,71 @@ def test_a_momentum_key_on_adamw_groups_without_muon_is_ignored_as_torch_ignores
         _step(mine, [opt], tokens)
         _step(theirs, torch_opts, tokens)
     assert _same(mine, theirs)
+
+
+STEPS = 4
+EDITED_BETAS = (0.8, 0.99)
+
+
+def _one_cycle(opt, lr: float = 1e-3):
+    max_lr = [lr] * len(opt.param_groups)
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr if len(max_lr) > 1 else lr, total_steps=STEPS)
+
+
+def _edit_betas(opt) -> None:
+    for g in opt.param_groups:
+        if "betas" in g:
+            g["betas"] = EDITED_BETAS
+
+
+def test_a_betas_edit_of_an_adamw_group_after_momentum_cycling_steps_as_torch_adamw(one_rank):
+    """OneCycleLR beside Muon cycles `momentum` in every group (AdamW's beta1); a later hand edit of
+    an AdamW group's `betas` takes effect at the next step, as in torch.optim.AdamW under
+    OneCycleLR, until the scheduler sets momentum again; and survives a save taken before that step."""
+    (mine, opt), (theirs, torch_opts) = _pair()
+    scheds, torch_scheds = [_one_cycle(opt)], [_one_cycle(o) for o in torch_opts]
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for k in range(STEPS):
+        if k == 2:
+            _edit_betas(opt)
+            _edit_betas(torch_opts[1])
+            saved = opt.state_dict(), scheds[0].state_dict(), {n: p.detach().clone() for n, p in mine.named_parameters()}
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+        for s in (*scheds, *torch_scheds):
+            s.step()
+    assert _same(mine, theirs)
+    adamw = next(g for g in opt.param_groups if g["kind"] == "adamw")
+    assert adamw["betas"][0] == adamw["momentum"] == torch_opts[1].param_groups[0]["betas"][0]
+    # resumed from the save taken with the edit pending: the same weights
+    resumed = TinyQwen3("tiny", seed=0)
+    with torch.no_grad():
+        for n, p in resumed.named_parameters():
+            p.copy_(saved[2][n])
+    opt2 = DistributedOptimizer(resumed.named_parameters(), resumed.spec(), "muon", overlap_param_gather=False)
+    sched2 = _one_cycle(opt2)
+    opt2.load_state_dict(saved[0])
+    sched2.load_state_dict(saved[1])
+    for _ in range(2, STEPS):
+        _step(resumed, [opt2], tokens)
+        sched2.step()
+    assert _same(resumed, mine)
+
+
+def test_momentum_and_betas_written_past_each_other_are_one_error_before_any_update(one_rank):
+    """An AdamW group beside Muon keeps its two beta1 keys agreeing on every write through the
+    group; one written past that (`dict`'s own methods, a group swapped for a plain dict) that
+    leaves them disagreeing is one error, not one of them silently ignored."""
+    (model, opt), _ = _pair()
+    sched = _one_cycle(opt)
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(model, [opt], tokens)
+    sched.step()
+    g = next(i for i, g in enumerate(opt.param_groups) if g["kind"] == "adamw")
+    opt.param_groups[g] = {**opt.param_groups[g], "betas": EDITED_BETAS}  # a plain dict, momentum as it was
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model.loss(tokens).backward()
+    with pytest.raises(SpecError, match=r"momentum \(.*\) and betas\[0\] \(0.8\) are both its beta1 and disagree"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
