@@ -72,7 +72,7 @@ class MuonConfig:
     ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
     eps: float = 1e-7
     ns_steps: int = 5
-    adjust_lr_fn: str = "original"  # or "match_rms_adamw"
+    adjust_lr_fn: str = "original"  # or "match_rms_adamw"; None (torch.optim.Muon's default): "original"
     ns_dtype: str = "bf16"
     ns_coefficient_type: str = "simple"  # or "quintic", "polar_express" (NS_COEFFICIENT_SETS)
 
@@ -423,6 +423,8 @@ def check_config(name: str, cfg: Any) -> Any:
     whole: dict[str, int] = {}  # 5.0 for ns_steps means 5: kernels count with it
     if type(cfg) is not type(default):
         raise SpecError(f"{name} config must be a {type(default).__name__} or a dict, got {type(cfg).__name__}")
+    if hasattr(cfg, "adjust_lr_fn") and cfg.adjust_lr_fn is None:  # torch.optim.Muon's default, its "original"
+        cfg = replace(cfg, adjust_lr_fn="original")
     for f in fields(cfg):
         v, d = getattr(cfg, f.name), getattr(default, f.name)
         what = f"{name} {f.name}"

@@ -158,3 +158,27 @@ def test_momentum_and_betas_written_past_each_other_are_one_error_before_any_upd
     with pytest.raises(SpecError, match=r"momentum \(.*\) and betas\[0\] \(0.8\) are both its beta1 and disagree"):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_muon_adjust_lr_fn_none_is_torchs_default_original(one_rank):
+    """torch.optim.Muon's `adjust_lr_fn=None` (its default, "original"), in matrix_config and set in
+    a group mid-run, steps as torch's Muon does."""
+    mine, theirs = TinyQwen3("tiny", seed=0), TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(mine.named_parameters(), mine.spec(), "muon", {"adjust_lr_fn": None},
+                               overlap_param_gather=False)
+    matrices = {p.name for p in mine.spec().matrix_params()}
+    named = list(theirs.named_parameters())
+    torch_opts = [torch.optim.Muon([p for n, p in named if n in matrices], adjust_lr_fn=None),
+                  torch.optim.AdamW([p for n, p in named if n not in matrices])]
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    for o in (opt, torch_opts[0]):
+        o.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    for o in (opt, torch_opts[0]):
+        o.param_groups[0]["adjust_lr_fn"] = None
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    assert _same(mine, theirs)
