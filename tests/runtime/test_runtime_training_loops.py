@@ -375,7 +375,7 @@ def test_clip_grad_norm_uses_the_global_norm_of_reduced_gradients(runs):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"matrix_config": {"adjust_lr_fn": None}}, "adjust_lr_fn must be a string"),
+    ({"matrix_config": {"adjust_lr_fn": 3}}, "adjust_lr_fn must be a string"),
     ({"matrix_config": {"lr": float("nan")}}, "lr must be a finite number"),
     ({"adamw_config": {"betas": (0.9, 1.5)}}, "betas must lie in [0, 1)"),
     ({"matrix_config": {"momentum": 1.0}}, "momentum must be"),
