@@ -29,6 +29,9 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   read (a damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older
   canzona (no manifest) still loads; saving over one is refused with a `CheckpointError` before
   the step's model files are written (`canzona.integrations.optimizer_state`).
+  `resume_from_checkpoint=True` resumes from the latest whole `checkpoint-<step>` (optimizer
+  folder with its manifest, `scheduler.pt`, `trainer_state.json`), skipping those of saves killed
+  midway, which transformers would pick (and fail on, or restart at step 0 from).
 
 It overrides four private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and calls `_get_output_dir`,
@@ -38,7 +41,9 @@ each checked at construction; it was tested with transformers 5.23.0.
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +63,7 @@ from canzona.integrations.accelerate import (
 )
 from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
 from canzona.optimizers import check_matrix_optimizer
+from canzona.runtime.checkpoint_files import MANIFEST, Ranks
 from canzona.runtime.optimizer import DistributedOptimizer
 from canzona.runtime.shards import local_tensor
 from canzona.spec import ModelSpec
@@ -73,6 +79,8 @@ PRIVATE_METHODS = {
 }
 OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded optimizer state
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's own name for it, written last
+STEP_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers' get_last_checkpoint
 # DistributedOptimizer arguments that CanzonaTrainer fills in itself
 BUILT_ARGUMENTS = ("self", "params", "spec", "optimizer", "matrix_config", "adamw_config")
 
@@ -99,6 +107,41 @@ def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         raise CanzonaError(f"optimizer_kwargs: DistributedOptimizer has no argument {unknown[0]!r} "
                            f"(it takes {', '.join(sorted(known))})")
     return dict(kwargs)
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
+    model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
+    if not os.path.isfile(os.path.join(folder, OPTIMIZER_DIR, MANIFEST)):
+        return f"no {OPTIMIZER_DIR}/{MANIFEST}"
+    for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
+        if not os.path.isfile(os.path.join(folder, name)):
+            return f"no {name}"
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_FILE), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"an unreadable {TRAINER_STATE_FILE} ({type(e).__name__})"
+    return None
+
+
+def latest_checkpoint(output_dir: str) -> str:
+    """`resume_from_checkpoint=True`: the `checkpoint-<step>` of `output_dir` with the highest step
+    among the whole ones (a save killed midway leaves its folder without trainer_state.json or
+    without the optimizer state; transformers would pick it and fail, or start again at step 0)."""
+    steps = sorted(((int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+                    if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))), reverse=True)
+    skipped = []
+    for _, name in steps:
+        folder = os.path.join(output_dir, name)
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        skipped.append(f"{name} ({problem})")
+    if skipped:
+        raise CheckpointError(f"resume_from_checkpoint=True: no whole checkpoint in {output_dir}: "
+                              f"{', '.join(skipped)}; a save killed midway leaves such a folder")
+    raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
 
 
 class CanzonaTrainer(Trainer):
@@ -131,6 +174,15 @@ class CanzonaTrainer(Trainer):
         self.canzona_spec = spec
         self.optimizer_kwargs = check_optimizer_kwargs(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; `resume_from_checkpoint=True` resumes from the latest whole checkpoint of
+        `output_dir`, skipping the folders of saves killed midway (found by rank 0, the same on
+        every rank; none: one `CheckpointError` on every rank)."""
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir),
+                                                              rank0_only=True)[0]
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # --- the accelerator and the model's place ----------------------------------------------
 

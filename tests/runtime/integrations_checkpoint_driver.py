@@ -210,6 +210,22 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     resumed = trainer(out, "resumed", 2, resume=str(ckpt1))
     result["resumed exactly"] = same(params(resumed.model), final)
 
+    # resume_from_checkpoint=True after saves killed midway: checkpoint-3 killed before its
+    # optimizer folder, checkpoint-2 after it (no trainer_state.json, written last): checkpoint-1
+    latest = out / "latest"
+    on_rank0(lambda: shutil.copytree(ckpt1, latest / "checkpoint-1"))
+    on_rank0(lambda: shutil.copytree(ckpt2, latest / "checkpoint-2"))
+    on_rank0(lambda: (latest / "checkpoint-2" / "trainer_state.json").unlink())
+    on_rank0(lambda: (latest / "checkpoint-3").mkdir())
+    on_rank0(lambda: shutil.copy(ckpt2 / "model.safetensors", latest / "checkpoint-3" / "model.safetensors"))
+    from_latest = error_text(lambda: result.__setitem__("latest", trainer(out, "latest", 2, resume=True)))
+    result["latest resume"] = from_latest
+    result["latest resumed exactly"] = from_latest == "no error" and same(params(result.pop("latest").model), final)
+    # ... and where no checkpoint is whole: one error naming the folders
+    none_whole = out / "none_whole"
+    on_rank0(lambda: shutil.copytree(latest / "checkpoint-3", none_whole / "checkpoint-3"))
+    result["none whole"] = error_text(lambda: trainer(out, "none_whole", 2, resume=True))
+
     # step 2's model files beside step 1's optimizer state (a save killed between them)
     mixed = out / "mixed"
     on_rank0(lambda: shutil.copytree(ckpt1, mixed))

@@ -92,3 +92,15 @@ def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, nam
         one_line(results, "trainer save over legacy", "CheckpointError: ")
         assert "now holds this step's model files" not in results[0]["trainer save over legacy"]
         assert all(r["model files untouched"] for r in results)
+
+
+@pytest.mark.distributed
+def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
+    """`resume_from_checkpoint=True` skips the folders of saves killed midway (transformers picks
+    the highest step and fails in its model, optimizer or trainer_state.json loading); none whole:
+    one error line on every rank, naming them."""
+    results = scenario(ranks, "trainer")
+    for r in results:
+        assert r["latest resume"] == "no error" and r["latest resumed exactly"], r["latest resume"]
+    one_line(results, "none whole", "CheckpointError: resume_from_checkpoint=True: no whole checkpoint in ")
+    assert "checkpoint-3 (no canzona_optimizer/manifest.json)" in results[0]["none whole"]
