@@ -39,6 +39,9 @@ For a model whose parameters a canzona optimizer holds:
   damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older canzona
   (no manifest) still loads; saving over one is refused with a `CheckpointError` saying to move it
   aside (`canzona.integrations.optimizer_state`). Call both on every rank, as accelerate asks.
+  `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
+  are in (a `save_state` killed midway left its own without them); a folder without them is one
+  `CanzonaError` before anything is loaded.
 
 Everything else (data loaders, schedulers, other models and optimizers) is accelerate's own.
 """
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -56,8 +60,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
 
-from canzona.errors import CanzonaError
+from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
+from canzona.runtime.checkpoint_files import MANIFEST, Ranks
 from canzona.runtime.optimizer import DistributedOptimizer
 from canzona.runtime.shards import local_tensor
 
@@ -128,6 +133,27 @@ def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
             value = copies[same]
         out[key] = value
     return out
+
+
+def latest_state(checkpoints: str, count: int) -> str:
+    """`load_state()` under automatic checkpoint naming: the folder of `checkpoints` with the highest
+    number (accelerate's rule) among those holding every canzona optimizer folder, with its
+    manifest. `save_state` writes those last: a save killed midway left its folder without them."""
+    numbered = []
+    for name in os.listdir(checkpoints) if os.path.isdir(checkpoints) else []:
+        digits = re.findall(r"([0-9]+)(?=[^/]*$)", name)
+        if digits and os.path.isdir(os.path.join(checkpoints, name)):
+            numbered.append((int(digits[0]), name))
+    skipped = []
+    for _, name in sorted(numbered, reverse=True):
+        folder = os.path.join(checkpoints, name)
+        missing = [f"{OPTIMIZER_DIR}_{i}" for i in range(count)
+                   if not os.path.isfile(os.path.join(folder, f"{OPTIMIZER_DIR}_{i}", MANIFEST))]
+        if not missing:
+            return folder
+        skipped.append(f"{name} (no {missing[0]}/{MANIFEST})")
+    raise CheckpointError(f"load_state(): no whole checkpoint in {checkpoints}"
+                          + (f": {', '.join(skipped)}; a save_state killed midway leaves such a folder" if skipped else ""))
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -323,10 +349,18 @@ class CanzonaAccelerator(Accelerator):
         opts = self.canzona_optimizers()
         if not opts:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            # accelerate takes the highest number, a killed save's folder too: the latest whole one
+            checkpoints = os.path.join(self.project_dir, "checkpoints")
+            input_dir = Ranks().together(lambda: latest_state(checkpoints, len(opts)), rank0_only=True)[0]
         found: dict[str, str] = {}
 
         def in_place(models: list[nn.Module], where: str) -> None:  # a public pre-hook: sees the resolved dir
             found["dir"] = str(where)
+            for i in range(len(opts)):  # before anything is loaded
+                if not os.path.isdir(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")):
+                    raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
+                                       "CanzonaAccelerator.save_state wrote")
             for i, model in enumerate(models):
                 if self._holders(model.parameters()):
                     models[i] = _LoadInPlace(model)
@@ -340,11 +374,7 @@ class CanzonaAccelerator(Accelerator):
         finally:
             handle.remove()
         for i, opt in enumerate(opts):
-            path = os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")
-            if not os.path.isdir(path):
-                raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
-                                   "CanzonaAccelerator.save_state wrote")
-            load_optimizer(opt, path)
+            load_optimizer(opt, os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
 
     @contextlib.contextmanager
     def _without(self, opts: list[DistributedOptimizer]) -> Iterator[None]:

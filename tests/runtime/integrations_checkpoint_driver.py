@@ -97,10 +97,10 @@ def legacy_copy(opt: DistributedOptimizer, folder: Path) -> None:
 # --- accelerate -----------------------------------------------------------------------------------
 
 
-def accelerate_setup() -> tuple[Any, Any, Any, list]:
+def accelerate_setup(**accelerator_kwargs: Any) -> tuple[Any, Any, Any, list]:
     from canzona.integrations.accelerate import CanzonaAccelerator
 
-    accelerator = CanzonaAccelerator(cpu=True)
+    accelerator = CanzonaAccelerator(cpu=True, **accelerator_kwargs)
     data = trainer_example.MarkovTokens(SETUP)
     model = trainer_example.build_model(SETUP).to(torch.bfloat16)  # fp32 master weights
     opt = DistributedOptimizer(named_parameters(model), loop_example.model_spec(model, data), "muon",
@@ -177,6 +177,38 @@ def accelerate(out: Path) -> dict[str, Any]:
     result["save over legacy"] = error_text(lambda: accelerator.save_state(str(legacy)))
     result["legacy untouched"] = stamps == {p.name: p.stat().st_mtime_ns for p in legacy.iterdir() if p.is_file()} \
         and not (legacy / f"{OPT}_0" / checkpoint_files.MANIFEST).exists()
+    return result
+
+
+def accelerate_automatic(out: Path) -> dict[str, Any]:
+    """Automatic checkpoint naming (total_limit=2): a save_state killed before its optimizer folder
+    is published leaves checkpoint_2 with accelerate's files only; load_state() takes checkpoint_1."""
+    from accelerate.utils import ProjectConfiguration
+
+    def setup() -> tuple[Any, Any, Any, list]:
+        project = ProjectConfiguration(project_dir=str(out / "acc_auto"), automatic_checkpoint_naming=True,
+                                       total_limit=2)
+        return accelerate_setup(project_config=project)
+
+    accelerator, model, prepared, batches = setup()
+    for batch in batches[:2]:  # checkpoint_0 and checkpoint_1
+        accelerate_step(accelerator, model, prepared, batch)
+        accelerator.save_state()
+    state, weights = opt_state(canzona_optimizer(prepared)), params(model)
+    accelerate_step(accelerator, model, prepared, batches[2])
+    with killed_publish():
+        result = {"killed": error_text(accelerator.save_state)}
+    dist.barrier()
+    result["folders"] = sorted(p.name for p in (out / "acc_auto" / "checkpoints").iterdir())
+    fresh_acc, fresh_model, fresh_prepared, _ = setup()
+    result["latest"] = error_text(fresh_acc.load_state)
+    result["latest loaded exactly"] = same(opt_state(canzona_optimizer(fresh_prepared)), state) and \
+        same(params(fresh_model), weights)
+    # a folder without the optimizer's, named: one error before anything is loaded
+    named_acc, named_model, _, _ = setup()
+    before = params(named_model)
+    result["named"] = error_text(lambda: named_acc.load_state(str(out / "acc_auto" / "checkpoints" / "checkpoint_2")))
+    result["named changed nothing"] = same(params(named_model), before)
     return result
 
 
@@ -264,7 +296,8 @@ def main() -> None:
     PartialState(cpu=True)
     rank = dist.get_rank()
     results: dict[str, Any] = {}
-    for name, scenario in [("accelerate", accelerate), ("trainer", trainer_scenarios)]:
+    for name, scenario in [("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
+                           ("trainer", trainer_scenarios)]:
         try:
             results[name] = scenario(out)
         except Exception as e:  # noqa: BLE001 - recorded for the test

@@ -104,3 +104,16 @@ def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
         assert r["latest resume"] == "no error" and r["latest resumed exactly"], r["latest resume"]
     one_line(results, "none whole", "CheckpointError: resume_from_checkpoint=True: no whole checkpoint in ")
     assert "checkpoint-3 (no canzona_optimizer/manifest.json)" in results[0]["none whole"]
+
+
+@pytest.mark.distributed
+def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks):
+    """`load_state()` under automatic checkpoint naming after a save_state killed midway: accelerate
+    takes the highest number; the integration the latest folder whose optimizer folders are in."""
+    results = scenario(ranks, "accelerate automatic")
+    for r in results:
+        assert "killed before the rename" in r["killed"]
+        assert r["folders"] == ["checkpoint_1", "checkpoint_2"], r["folders"]  # total_limit=2 rotated checkpoint_0
+        assert r["latest"] == "no error" and r["latest loaded exactly"], r["latest"]
+        assert r["named"].startswith("CanzonaError: ") and "holds no canzona_optimizer_0/" in r["named"], r["named"]
+        assert r["named changed nothing"]
