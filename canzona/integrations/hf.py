@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from accelerate import Accelerator
 from torch import nn
@@ -217,6 +218,11 @@ class CanzonaTrainer(Trainer):
         AdamW from the TrainingArguments on the rest; weight decay as the Trainer applies it."""
         from canzona.runtime.modules import named_parameters
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CanzonaError("CanzonaTrainer needs torch.distributed initialised (the DistributedOptimizer's process "
+                               "group), and a plain `python script.py` run leaves it not: launch with torchrun "
+                               "--nproc-per-node N (1 for one process; the TrainingArguments then set the group up), or "
+                               "call torch.distributed.init_process_group('gloo') before training")
         args = self.args
         decay_names = set(self.get_decay_parameter_names(model))
         decay = {id(p) for n, p in model.named_parameters() if n in decay_names}

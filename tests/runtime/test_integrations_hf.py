@@ -282,6 +282,23 @@ def test_the_trainer_takes_canzona_optimizers_only():
     assert check_optimizer_kwargs({"policy": "sc", "reduce_scatter": "loops"}) == {"policy": "sc", "reduce_scatter": "loops"}
 
 
+def test_a_trainer_run_without_a_process_group_is_one_error_naming_torchrun(tmp_path):
+    """`python script.py` (no torchrun): the Trainer sets up no process group; building the
+    optimizer says so in one line instead of torch's 'Default process group has not been
+    initialized' traceback from deep inside the runtime."""
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    if dist.is_initialized():
+        pytest.skip("this process has a process group")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    trainer = CanzonaTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    with pytest.raises(CanzonaError, match=r"^CanzonaTrainer needs torch\.distributed initialised .* launch with "
+                                           r"torchrun --nproc-per-node N \(1 for one process") as e:
+        trainer.create_optimizer()
+    assert "\n" not in str(e.value)
+
+
 def test_a_transformers_without_the_overridden_methods_is_named_in_one_line():
     from transformers import Trainer
 
