@@ -19,7 +19,8 @@ wraps it in `DistributedDataParallel`, which would reduce the gradients a second
             opt.step(); sched.step(); opt.zero_grad()
 
 For a model whose parameters a canzona optimizer holds:
-- `prepare` neither moves it (its parameters must be on `accelerator.device` already, in any
+- `prepare` (in one call with its optimizer, or before it in another) neither moves it (its
+  parameters must be on `accelerator.device` already, in any
   spelling: `cpu` is `cpu:0`) nor wraps it in DDP; mixed-precision autocast and `torch.compile`
   still apply. fp16 (its GradScaler), DeepSpeed, FSDP, Megatron-LM, XLA and a
   `parallelism_config` are refused: each reduces or shards gradients or parameters itself;
@@ -63,7 +64,7 @@ from torch import Tensor, nn
 from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
 from canzona.runtime.checkpoint_files import MANIFEST, Ranks
-from canzona.runtime.optimizer import DistributedOptimizer
+from canzona.runtime.optimizer import DistributedOptimizer, _holder
 from canzona.runtime.shards import local_tensor
 
 TESTED_ACCELERATE = "1.15.0"
@@ -231,6 +232,9 @@ class CanzonaAccelerator(Accelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
         holders = self._holders(model.parameters())
+        if not holders:  # prepare(model) before prepare(optimizer): a live optimizer holding it counts
+            live = _holder(dict(enumerate(model.parameters())))
+            holders = [live[1]] if live is not None else []
         if not holders:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._check_supported()

@@ -94,11 +94,30 @@ def plain_trainer(out: Path) -> dict[str, Any]:
 # --- accelerate ----------------------------------------------------------------------------------
 
 
+def build_separately(accelerator: Any) -> tuple[Any, ...]:
+    """`loop_example.build`, with the model prepared in a call of its own before the rest."""
+    from canzona.runtime import DistributedOptimizer
+
+    data = trainer_example.MarkovTokens(SETUP)
+    model = trainer_example.build_model(SETUP).to(accelerator.device)
+    pairs = list(named_parameters(model))
+    groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": SETUP.weight_decay},
+              {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
+    opt = DistributedOptimizer(groups, loop_example.model_spec(model, data), "muon", {"lr": SETUP.matrix_lr},
+                               {"lr": SETUP.adamw_lr})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, loop_example.schedule(SETUP, LOOP_STEPS, accelerator.num_processes))
+    loader = torch.utils.data.DataLoader(data, batch_size=SETUP.batch, shuffle=True)
+    model = accelerator.prepare(model)
+    return (model, *accelerator.prepare(opt, loader, sched))
+
+
 def run_loop(out: Path, overlap_step: bool = False, max_norm: float = SETUP.max_grad_norm,
-             save: bool = True) -> dict[str, Any]:
-    """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way (`save`)."""
+             save: bool = True, separately: bool = False) -> dict[str, Any]:
+    """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way (`save`); the model
+    prepared before the rest in a call of its own (`separately`)."""
     accelerator = loop_example.make_accelerator(2, cpu=True)
-    model, opt, loader, sched = loop_example.build(SETUP, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
+    model, opt, loader, sched = build_separately(accelerator) if separately else \
+        loop_example.build(SETUP, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
     grads = StepGradients(model)
     grads.attach(opt)
     progress = loop_example.Progress()
@@ -191,6 +210,8 @@ def main() -> None:
         ("accelerate overlapped", lambda: run_loop(out, overlap_step=True, save=False)),
         ("accelerate unclipped", lambda: run_loop(out, max_norm=LOOSE_NORM, save=False)),
         ("accelerate unclipped overlapped", lambda: run_loop(out, overlap_step=True, max_norm=LOOSE_NORM, save=False)),
+        # accelerator.prepare(model), then accelerator.prepare(opt, loader, sched)
+        ("accelerate prepared separately", lambda: run_loop(out, save=False, separately=True)),
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),

@@ -208,6 +208,18 @@ def test_the_accelerate_loop_runs_the_overlapped_step_bit_for_bit(ranks):
 
 
 @pytest.mark.distributed
+def test_the_model_prepared_before_its_optimizer_trains_the_same(ranks):
+    """`accelerator.prepare(model)` in a call of its own, before `prepare(opt, ...)`: the live
+    optimizer holding the model's parameters keeps accelerate from wrapping it in DDP (which
+    failed at the first backward) and from moving it, and the loop trains as in one call."""
+    one_call, separately = scenario(ranks, "accelerate"), scenario(ranks, "accelerate prepared separately")
+    for a, b in zip(one_call, separately):
+        assert "error" not in b, b.get("error")
+        assert b["prepared"] == "Qwen3ForCausalLM" and b["norms"] == a["norms"]
+        assert compare(b["params"], a["params"])["bit_identical"]
+
+
+@pytest.mark.distributed
 def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
     straight, resumed = scenario(ranks, "accelerate"), scenario(ranks, "accelerate resumed")
     for a, b in zip(straight, resumed):
