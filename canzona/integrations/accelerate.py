@@ -26,7 +26,8 @@ For a model whose parameters a canzona optimizer holds:
   `parallelism_config` are refused: each reduces or shards gradients or parameters itself;
 - `no_sync(model)` and `accumulate(model)` enter `opt.no_sync()`;
 - `clip_grad_norm_(model.parameters(), max_norm)` is `opt.clip_grad_norm_(max_norm)`: clips by the
-  global norm of the reduced gradients and returns it (`max_norm=inf`: the norm only). Any other
+  global norm of the reduced gradients and returns it (`max_norm=inf`: the norm only); on a
+  micro-batch before the last (`accelerator.sync_gradients` False) it is one error. Any other
   set of parameters (a subset, or one mixing in another optimizer's) is refused, as is
   `clip_grad_value_`;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:

@@ -307,6 +307,11 @@ class GradientSync:
                 self._backward += 1
             self._states[name] = GradState.REDUCING
 
+    @property
+    def syncing(self) -> bool:
+        """False inside `no_sync()`: the backward accumulates locally, nothing is reduced."""
+        return self._sync
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         previous, self._sync = self._sync, False

@@ -587,6 +587,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
+        if any(not grads.syncing for grads in self._syncs()):
+            raise CanzonaError("clip_grad_norm_ inside no_sync() (an accumulation micro-batch, whose gradients the "
+                               "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
+                               "`if accelerator.sync_gradients:`)")
         check = self._prepare_step(float(max_norm))
         if norm_type == math.inf:
             total = self._inf_norm()

@@ -165,6 +165,27 @@ def refusals(accelerator: CanzonaAccelerator, model: torch.nn.Module) -> dict[st
     return out
 
 
+def clip_every_micro_batch() -> dict[str, Any]:
+    """accelerate's loop clipping on every micro-batch (no `if accelerator.sync_gradients:`): the
+    first one, under no_sync, is refused; the loop goes on and clips at the sync step as usual."""
+    accelerator = loop_example.make_accelerator(2, cpu=True)
+    model, opt, loader, sched = loop_example.build(SETUP, accelerator, 1)
+    out: dict[str, Any] = {"clips": []}
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            try:
+                out["clips"].append(float(accelerator.clip_grad_norm_(model.parameters(), SETUP.max_grad_norm)))
+            except Exception as e:  # noqa: BLE001 - the test reads the type and message
+                out["clips"].append(f"{type(e).__name__}: {e}")
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            return out
+    return out
+
+
 def resumed_loop(out: Path) -> dict[str, Any]:
     """A fresh model and optimizer, load_state from LOOP_SAVE_AT, on to LOOP_STEPS."""
     accelerator = loop_example.make_accelerator(2, cpu=True)
@@ -210,6 +231,7 @@ def main() -> None:
         ("accelerate overlapped", lambda: run_loop(out, overlap_step=True, save=False)),
         ("accelerate unclipped", lambda: run_loop(out, max_norm=LOOSE_NORM, save=False)),
         ("accelerate unclipped overlapped", lambda: run_loop(out, overlap_step=True, max_norm=LOOSE_NORM, save=False)),
+        ("accelerate clip every micro-batch", clip_every_micro_batch),
         # accelerator.prepare(model), then accelerator.prepare(opt, loader, sched)
         ("accelerate prepared separately", lambda: run_loop(out, save=False, separately=True)),
         # last: these fail in the middle of training, with the model wrapped in DDP

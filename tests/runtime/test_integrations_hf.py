@@ -220,6 +220,22 @@ def test_the_model_prepared_before_its_optimizer_trains_the_same(ranks):
 
 
 @pytest.mark.distributed
+def test_clipping_an_accumulation_micro_batch_is_one_error_line_at_the_clip(ranks):
+    """`accelerator.clip_grad_norm_` on a micro-batch before the last (no `if
+    accelerator.sync_gradients:`) reduced its gradients early, and the next backward failed with
+    'synchronised twice ... wrap ... in no_sync()' although it was: now one error at the clip,
+    nothing changed, and the sync step's clip returns the global norm as usual."""
+    results = scenario(ranks, "accelerate clip every micro-batch")
+    for r in results:
+        assert "error" not in r, r.get("error")
+        refused, norm = r["clips"]
+        assert refused.startswith("CanzonaError: clip_grad_norm_ inside no_sync() (an accumulation micro-batch")
+        assert "accelerator.sync_gradients" in refused and "\n" not in refused
+        assert isinstance(norm, float) and norm > 0
+    assert results[0]["clips"][1] == results[1]["clips"][1]
+
+
+@pytest.mark.distributed
 def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
     straight, resumed = scenario(ranks, "accelerate"), scenario(ranks, "accelerate resumed")
     for a, b in zip(straight, resumed):
