@@ -31,7 +31,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   the step's model files are written (`canzona.integrations.optimizer_state`).
   `resume_from_checkpoint=True` resumes from the latest whole `checkpoint-<step>` (optimizer
   folder with its manifest, `scheduler.pt`, `trainer_state.json`), skipping those of saves killed
-  midway, which transformers would pick (and fail on, or restart at step 0 from).
+  midway, which transformers would pick (and fail on, or restart at step 0 from); a named folder
+  that is not whole is one `CheckpointError` before anything is loaded.
 
 It overrides four private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and calls `_get_output_dir`,
@@ -113,7 +114,9 @@ def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
-    if not os.path.isfile(os.path.join(folder, OPTIMIZER_DIR, MANIFEST)):
+    optimizer = os.path.join(folder, OPTIMIZER_DIR)
+    # an older canzona's folder (plain dcp.save, no manifest) is whole once its .metadata is in
+    if not any(os.path.isfile(os.path.join(optimizer, name)) for name in (MANIFEST, ".metadata")):
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
@@ -124,6 +127,18 @@ def checkpoint_problem(folder: str) -> str | None:
     except (OSError, ValueError) as e:
         return f"an unreadable {TRAINER_STATE_FILE} ({type(e).__name__})"
     return None
+
+
+def check_whole(folder: str) -> None:
+    """`resume_from_checkpoint=<folder>`: one `CheckpointError` before anything is loaded if it is
+    not a whole checkpoint (a save killed midway, a `save_only_model` one)."""
+    if not os.path.isdir(folder):
+        return  # the Trainer's own error
+    problem = checkpoint_problem(folder)
+    if problem is not None:
+        raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}: a save killed midway, "
+                              "or save_only_model=True): resume from another, or resume_from_checkpoint=True for the "
+                              "latest whole one")
 
 
 def latest_checkpoint(output_dir: str) -> str:
@@ -183,6 +198,9 @@ class CanzonaTrainer(Trainer):
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir),
                                                               rank0_only=True)[0]
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.fspath(resume_from_checkpoint)
+            Ranks().together(lambda: check_whole(path), rank0_only=True)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # --- the accelerator and the model's place ----------------------------------------------

@@ -253,6 +253,8 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     from_latest = error_text(lambda: result.__setitem__("latest", trainer(out, "latest", 2, resume=True)))
     result["latest resume"] = from_latest
     result["latest resumed exactly"] = from_latest == "no error" and same(params(result.pop("latest").model), final)
+    # ... named: one error before anything is loaded (transformers: a FileNotFoundError traceback)
+    result["named partial"] = error_text(lambda: trainer(out, "from_partial", 2, resume=str(latest / "checkpoint-2")))
     # ... and where no checkpoint is whole: one error naming the folders
     none_whole = out / "none_whole"
     on_rank0(lambda: shutil.copytree(latest / "checkpoint-3", none_whole / "checkpoint-3"))
@@ -275,6 +277,10 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     straight = params(trainer(out, "from_ckpt2", 3, resume=str(ckpt2)).model)
     from_legacy = trainer(out, "from_legacy", 3, resume=str(legacy))
     result["legacy resumed exactly"] = same(params(from_legacy.model), straight)
+    legacy_latest = out / "legacy_latest"  # an older canzona's folder (no manifest) is whole
+    on_rank0(lambda: shutil.copytree(legacy, legacy_latest / "checkpoint-2"))
+    result["legacy latest resumed exactly"] = same(params(trainer(out, "legacy_latest", 3, resume=True).model),
+                                                   straight)
     result["save over legacy"] = error_text(lambda: from_legacy._save_optimizer_and_scheduler(str(legacy)))
     result["legacy untouched"] = not (legacy / OPT / checkpoint_files.MANIFEST).exists()
     # the Trainer's own save of this step into a checkpoint folder holding an older in-place

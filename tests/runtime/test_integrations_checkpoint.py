@@ -103,6 +103,9 @@ def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
     for r in results:
         assert r["latest resume"] == "no error" and r["latest resumed exactly"], r["latest resume"]
     one_line(results, "none whole", "CheckpointError: resume_from_checkpoint=True: no whole checkpoint in ")
+    one_line(results, "named partial", "CheckpointError: ")
+    assert "checkpoint-2 is not a whole CanzonaTrainer checkpoint (no trainer_state.json" in results[0]["named partial"]
+    assert all(r["legacy latest resumed exactly"] for r in results)  # an older canzona's folder counts
     assert "checkpoint-3 (no canzona_optimizer/manifest.json)" in results[0]["none whole"]
 
 
