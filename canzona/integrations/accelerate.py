@@ -149,8 +149,10 @@ def latest_state(checkpoints: str, count: int) -> str:
     skipped = []
     for _, name in sorted(numbered, reverse=True):
         folder = os.path.join(checkpoints, name)
+        # an older canzona's folder (plain dcp.save, no manifest) is whole once its .metadata is in
         missing = [f"{OPTIMIZER_DIR}_{i}" for i in range(count)
-                   if not os.path.isfile(os.path.join(folder, f"{OPTIMIZER_DIR}_{i}", MANIFEST))]
+                   if not any(os.path.isfile(os.path.join(folder, f"{OPTIMIZER_DIR}_{i}", name))
+                              for name in (MANIFEST, ".metadata"))]
         if not missing:
             return folder
         skipped.append(f"{name} (no {missing[0]}/{MANIFEST})")

@@ -204,6 +204,12 @@ def accelerate_automatic(out: Path) -> dict[str, Any]:
     result["latest"] = error_text(fresh_acc.load_state)
     result["latest loaded exactly"] = same(opt_state(canzona_optimizer(fresh_prepared)), state) and \
         same(params(fresh_model), weights)
+    # checkpoint_1's optimizer folder as an older canzona wrote it (no manifest): still taken
+    legacy_copy(canzona_optimizer(fresh_prepared), out / "acc_auto" / "checkpoints" / "checkpoint_1" / f"{OPT}_0")
+    legacy_acc, legacy_model, legacy_prepared, _ = setup()
+    result["legacy latest"] = error_text(legacy_acc.load_state)
+    result["legacy latest loaded exactly"] = same(opt_state(canzona_optimizer(legacy_prepared)), state) and \
+        same(params(legacy_model), weights)
     # a folder without the optimizer's, named: one error before anything is loaded
     named_acc, named_model, _, _ = setup()
     before = params(named_model)
