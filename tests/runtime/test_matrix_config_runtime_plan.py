@@ -7,22 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.distributed as dist
 
 from canzona.models import save_spec
 from canzona.plan import load_plan
 from canzona.runtime import DistributedOptimizer
 from reference.tiny_model import TinyQwen3
 from tests.cli_helpers import invoke
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _cli_plan(tmp_path, spec, optimizer: str, matrix_config: dict | None):

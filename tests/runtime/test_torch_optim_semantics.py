@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from canzona.errors import SpecError
 from canzona.runtime import DistributedOptimizer
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to race for
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _pair(optimizer: str = "muon"):
