@@ -62,8 +62,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
 
-from canzona.errors import CanzonaError, CheckpointError
-from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
+from canzona.errors import CanzonaError
+from canzona.integrations.optimizer_state import (
+    check_replaceable,
+    latest_whole,
+    load_optimizer,
+    save_optimizer,
+    written_whole,
+)
 from canzona.runtime.checkpoint_files import MANIFEST, Ranks
 from canzona.runtime.optimizer import DistributedOptimizer, _holder
 from canzona.runtime.shards import local_tensor
@@ -139,25 +145,20 @@ def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
 
 def latest_state(checkpoints: str, count: int) -> str:
     """`load_state()` under automatic checkpoint naming: the folder of `checkpoints` with the highest
-    number (accelerate's rule) among those holding every canzona optimizer folder, with its
-    manifest. `save_state` writes those last: a save killed midway left its folder without them."""
+    number (accelerate's rule) among those holding every canzona optimizer folder written whole.
+    `save_state` writes those last: a save killed midway left its folder without them."""
     numbered = []
     for name in os.listdir(checkpoints) if os.path.isdir(checkpoints) else []:
         digits = re.findall(r"([0-9]+)(?=[^/]*$)", name)
         if digits and os.path.isdir(os.path.join(checkpoints, name)):
             numbered.append((int(digits[0]), name))
-    skipped = []
-    for _, name in sorted(numbered, reverse=True):
-        folder = os.path.join(checkpoints, name)
-        # an older canzona's folder (plain dcp.save, no manifest) is whole once its .metadata is in
-        missing = [f"{OPTIMIZER_DIR}_{i}" for i in range(count)
-                   if not any(os.path.isfile(os.path.join(folder, f"{OPTIMIZER_DIR}_{i}", name))
-                              for name in (MANIFEST, ".metadata"))]
-        if not missing:
-            return folder
-        skipped.append(f"{name} (no {missing[0]}/{MANIFEST})")
-    raise CheckpointError(f"load_state(): no whole checkpoint in {checkpoints}"
-                          + (f": {', '.join(skipped)}; a save_state killed midway leaves such a folder" if skipped else ""))
+
+    def problem(folder: str) -> str | None:
+        missing = [i for i in range(count) if not written_whole(os.path.join(folder, f"{OPTIMIZER_DIR}_{i}"))]
+        return f"no {OPTIMIZER_DIR}_{missing[0]}/{MANIFEST}" if missing else None
+
+    return latest_whole(checkpoints, numbered, problem, asked="load_state()", killed="a save_state killed midway",
+                        none=f"load_state(): no whole checkpoint in {checkpoints}")
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:

@@ -63,7 +63,13 @@ from canzona.integrations.accelerate import (
     check_on_device,
     same_device,
 )
-from canzona.integrations.optimizer_state import check_replaceable, load_optimizer, save_optimizer
+from canzona.integrations.optimizer_state import (
+    check_replaceable,
+    latest_whole,
+    load_optimizer,
+    save_optimizer,
+    written_whole,
+)
 from canzona.optimizers import check_matrix_optimizer
 from canzona.runtime.checkpoint_files import MANIFEST, Ranks
 from canzona.runtime.optimizer import DistributedOptimizer
@@ -114,9 +120,7 @@ def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
-    optimizer = os.path.join(folder, OPTIMIZER_DIR)
-    # an older canzona's folder (plain dcp.save, no manifest) is whole once its .metadata is in
-    if not any(os.path.isfile(os.path.join(optimizer, name)) for name in (MANIFEST, ".metadata")):
+    if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
@@ -145,19 +149,11 @@ def latest_checkpoint(output_dir: str) -> str:
     """`resume_from_checkpoint=True`: the `checkpoint-<step>` of `output_dir` with the highest step
     among the whole ones (a save killed midway leaves its folder without trainer_state.json or
     without the optimizer state; transformers would pick it and fail, or start again at step 0)."""
-    steps = sorted(((int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
-                    if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))), reverse=True)
-    skipped = []
-    for _, name in steps:
-        folder = os.path.join(output_dir, name)
-        problem = checkpoint_problem(folder)
-        if problem is None:
-            return folder
-        skipped.append(f"{name} ({problem})")
-    if skipped:
-        raise CheckpointError(f"resume_from_checkpoint=True: no whole checkpoint in {output_dir}: "
-                              f"{', '.join(skipped)}; a save killed midway leaves such a folder")
-    raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
+    steps = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+             if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return latest_whole(output_dir, steps, checkpoint_problem, asked="resume_from_checkpoint=True",
+                        killed="a save killed midway",
+                        none=f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
 
 
 class CanzonaTrainer(Trainer):

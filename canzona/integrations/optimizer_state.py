@@ -28,6 +28,7 @@ could leave a mix. Move it aside or delete it (it still loads), or save to a new
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,32 @@ def is_legacy(folder: str | os.PathLike) -> bool:
     """A non-empty folder without a manifest: written in place by an older canzona (plain dcp.save)."""
     p = Path(folder)
     return p.is_dir() and not (p / MANIFEST).exists() and any(p.iterdir())
+
+
+def written_whole(folder: str | os.PathLike) -> bool:
+    """An optimizer folder whose save finished: its manifest is in (or, written in place by an older
+    canzona, its `.metadata`, which dcp.save writes last)."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in (MANIFEST, ".metadata"))
+
+
+def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Callable[[str], str | None], *,
+                 asked: str, killed: str, none: str) -> str:
+    """Of the folders of `parent` (`numbered`: each one's number and name), the highest-numbered one
+    that `problem` finds nothing wrong with (the framework's own rule takes the highest, a save
+    killed midway's folder too). None such: one `CheckpointError`, `asked` (what the user called)
+    naming each folder skipped and why, and that `killed` (a save killed midway) leaves them; `none`
+    where there is no folder at all."""
+    skipped = []
+    for _, name in sorted(numbered, reverse=True):
+        folder = os.path.join(parent, name)
+        found = problem(folder)
+        if found is None:
+            return folder
+        skipped.append(f"{name} ({found})")
+    if not skipped:
+        raise CheckpointError(none)
+    raise CheckpointError(f"{asked}: no whole checkpoint in {parent}: {', '.join(skipped)}; {killed} leaves such a "
+                          "folder")
 
 
 def legacy_message(folder: str | os.PathLike) -> str:
