@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from canzona.errors import CanzonaError, PlanError
+from canzona.errors import CanzonaError, CheckpointError, PlanError
 from canzona.optimizers import check_config, matrix_optimizer
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
@@ -483,29 +483,44 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness:
     are those the checkpoint was saved with, or one CheckpointError on every rank before anything
     is loaded. Where this optimizer keeps fp32 masters and the checkpoint has them, every element
     this rank keeps a master of equals the master cast to the parameter's dtype (it holds after
-    every step, `kernels.update_target`, and after weights written into
-    the model since: a save takes the masters of the weights as they are, `current_masters`); every other parameter's sampled elements this rank holds
-    equal the checkpoint's `witness` (`take_witness`; none in a checkpoint of an older canzona:
-    those parameters are not checked). Both hold at any layout."""
-    from canzona.errors import CheckpointError
+    every step, `kernels.update_target`, and after weights written into the model since: a save
+    takes the masters of the weights as they are, `current_masters`); every other parameter's
+    sampled elements this rank holds equal the checkpoint's `witness` (`take_witness`; none in a
+    checkpoint of an older canzona: those parameters are not checked). Both hold at any layout."""
+
+    def compare_masters() -> set[str]:
+        compared: set[str] = set()
+        masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
+        device = local_tensor(next(iter(opt.params.values()))).device
+        for part in _parts(opt):
+            weights = _working(part)
+            for name, master in _local_masters(part, _local(part, masters), device).items():
+                same_as_master(part.global_name(name), master, weights[name])
+                compared.add(part.global_name(name).split(STACK_OPEN)[0])  # a stack's matrix: its stack
+        return compared
+
+    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _global_shapes(opt), witness)
+
+
+def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
+    """`working` is `master` cast to its dtype, or the CheckpointError of weights from another save."""
+    bad = mismatches(master, working)
+    if bad:
+        raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
+            detail=f"{name}: {bad} of {master.numel()} elements of its fp32 master weights"))
+
+
+def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], Held],
+                    shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None) -> None:
+    """Collective (the default process group): `compare_masters` (each layout's: raises
+    `same_as_master`'s error, returns the parameters it compared), then every other parameter this
+    rank holds (`held`) against the witness; one CheckpointError on every rank if either finds
+    weights from another save."""
     from canzona.runtime.checkpoint_files import Ranks
 
     def check() -> None:
-        compared: set[str] = set()  # parameters with a master compared here
-        if opt.master_weights:
-            masters = {n: s["master"] for n, s in state.items() if isinstance(s, Mapping) and "master" in s}
-            device = local_tensor(next(iter(opt.params.values()))).device
-            for part in _parts(opt):
-                weights = _working(part)
-                for name, master in _local_masters(part, _local(part, masters), device).items():
-                    bad = mismatches(master, weights[name])
-                    if bad:
-                        raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
-                            detail=f"{part.global_name(name)}: {bad} of {master.numel()} elements of its fp32 "
-                                   "master weights"))
-                    compared.add(part.global_name(name).split(STACK_OPEN)[0])  # a stack's matrix: its stack
-        held = {n: h for n, h in _held(opt).items() if n not in compared}
-        detail = witness_mismatch(held, _global_shapes(opt), witness or {})
+        compared = compare_masters()
+        detail = witness_mismatch({n: h for n, h in held().items() if n not in compared}, shapes, witness or {})
         if detail is not None:
             raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
 

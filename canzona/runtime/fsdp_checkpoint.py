@@ -24,21 +24,20 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import matrix_optimizer
 from canzona.runtime.checkpoint import (
     DCP_PREFIX,
-    WEIGHTS_FROM_ANOTHER_SAVE,
     WITNESS_KEY,
     _check_compatible,
     _overlaps,
     _to_cpu,
     _to_device,
+    check_same_save,
     full_state,
-    mismatches,
     piece_key,
     read_sharded,
     read_state,
     restore_settings,
+    same_as_master,
     sharded_meta,
     take_witness,
-    witness_mismatch,
 )
 from canzona.runtime.fsdp_layout import Box
 
@@ -184,29 +183,19 @@ def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: 
     one CheckpointError on every rank, nothing loaded): where this optimizer keeps fp32 masters
     and the checkpoint has them, this rank's box of each equals its weights cast from it; every
     other parameter's sampled elements in this rank's box equal the checkpoint's witness."""
-    from canzona.errors import CheckpointError
-    from canzona.runtime.checkpoint_files import Ranks
 
-    def check() -> None:
+    def compare_masters() -> set[str]:
         compared: set[str] = set()
-        if opt.master_weights:
-            for name, saved in state.items():
-                if name not in opt.params or not isinstance(saved, Mapping) or "master" not in saved:
-                    continue
-                local = opt.params[name].to_local()
-                if not local.numel():
-                    continue
-                bad = mismatches(_cut(opt, name, saved["master"], local), local)
-                if bad:
-                    raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
-                        detail=f"{name}: {bad} of {local.numel()} elements of its fp32 master weights"))
+        for name, saved in state.items():
+            if name not in opt.params or not isinstance(saved, Mapping) or "master" not in saved:
+                continue
+            local = opt.params[name].to_local()
+            if local.numel():
+                same_as_master(name, _cut(opt, name, saved["master"], local), local)
                 compared.add(name)
-        held = {n: h for n, h in _held(opt).items() if n not in compared}
-        detail = witness_mismatch(held, _shapes(opt), witness or {})
-        if detail is not None:
-            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
+        return compared
 
-    Ranks().together(check)
+    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _shapes(opt), witness)
 
 
 def _shapes(opt: FsdpOptimizer) -> dict[str, tuple[int, ...]]:
