@@ -71,7 +71,7 @@ from canzona.runtime.groups import (
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
 from canzona.runtime.options import check_step_options, optimizer_config
-from canzona.runtime.param_gather import param_holders, replaced_parameter
+from canzona.runtime.param_gather import param_holders, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
 from canzona.step_policies import get_fsdp_policy
 
@@ -344,11 +344,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         steps, while the old one would be stepped with no gradient, silently."""
         for name, fsdp_param in self._fsdp_params.items():
             if fsdp_param.sharded_param is not self.params[name]:
-                return (f"parameter {name!r} was replaced after the optimizer was built (FSDP2 now shards another "
-                        "tensor in its place): the model would train a tensor this optimizer never steps "
-                        "(load_state_dict(assign=True), a new module or Parameter assigned). Build the optimizer "
-                        "after such changes, and load weights with load_state_dict() without assign (or DCP / "
-                        "set_model_state_dict, which load in place)")
+                return replaced_message(name, "FSDP2 now shards another tensor in its place")
         return replaced_parameter(self.params, self._holders)
 
     def _local_problem(self) -> str | None:

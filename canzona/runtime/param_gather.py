@@ -88,12 +88,17 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders) -> str | 
             module = ref()
             if module is None or module._parameters.get(attr) is not p:
                 where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
-                return (f"parameter {name!r} was replaced after the optimizer was built ({where} now holds another "
-                        "tensor, or its module was replaced): the model would train a tensor this optimizer never "
-                        "steps (load_state_dict(assign=True), tie_weights(), a new module or Parameter assigned). "
-                        "Build the optimizer after such changes, and load weights with load_state_dict() without "
-                        "assign")
+                return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
     return None
+
+
+def replaced_message(name: str, how: str) -> str:
+    """The error of a parameter replaced in the model after the optimizer was built (`how`: what
+    shows it), under ZeRO-1 (`replaced_parameter`) and FSDP2 alike."""
+    return (f"parameter {name!r} was replaced after the optimizer was built ({how}): the model would train a tensor "
+            "this optimizer never steps (load_state_dict(assign=True), tie_weights(), a new module or Parameter "
+            "assigned). Build the optimizer after such changes, and load weights in place (load_state_dict() "
+            "without assign, DCP, set_model_state_dict)")
 
 
 class ParamsInFlight:
