@@ -71,8 +71,7 @@ def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matr
             values = {**asdict(cfg), **{k: v for k, v in overrides.items() if k in own}}
             check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
             group = {"params": members, "kind": kind, "optimizer": name, **values}
-            beside_momentum = kind == "adamw" and any(f.name == "momentum" for f in fields(matrix_cfg))
-            out.append(BetaOneGroup(group) if beside_momentum else group)
+            out.append(BetaOneGroup(group) if kind == "adamw" and momentum_is_beta1(matrix_cfg) else group)
         unknown = sorted(set(overrides) - usable)
         if unknown:
             raise SpecError(f"parameter group {i}: no optimizer of its parameters has hyper-parameter(s) "
@@ -89,7 +88,7 @@ class GroupConfigs:
         # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`BetaOneGroup`);
         # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
         # it is no AdamW hyper-parameter, and ignored, as torch.optim.AdamW ignores it
-        self.momentum_is_beta1 = "momentum" in {f.name for f in fields(self.base["matrix"])}
+        self.momentum_is_beta1 = momentum_is_beta1(self.base["matrix"])
 
     def config(self, index: int, group: Mapping[str, Any]) -> Any:
         if self.momentum_is_beta1 and group["kind"] == "adamw" and "momentum" in group:
@@ -107,6 +106,12 @@ class GroupConfigs:
             cached = (key, check_config(group["optimizer"], current))
             self._cache[index] = cached
         return cached[1]
+
+
+def momentum_is_beta1(matrix_cfg: Any) -> bool:
+    """Whether an AdamW group's `momentum` is its beta1: beside a matrix optimizer whose config has
+    `momentum` (Muon, NorMuon), which momentum-cycling schedulers then set in every group."""
+    return any(f.name == "momentum" for f in fields(matrix_cfg))
 
 
 class BetaOneGroup(dict):
