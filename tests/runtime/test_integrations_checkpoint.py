@@ -20,6 +20,8 @@ pytest.importorskip("accelerate")
 from tests.launchers import driver_results, scenario  # noqa: E402
 from tests.runtime import integrations_checkpoint_driver as driver  # noqa: E402
 
+pytestmark = pytest.mark.distributed  # one torchrun of gloo ranks
+
 DP = 2
 MIX = "CheckpointError: the model's weights differ from those the optimizer checkpoint was saved with"
 
@@ -38,7 +40,6 @@ def one_line(results: list[dict], key: str, start: str) -> None:
     assert text.startswith(start) and "\n" not in text, text
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["accelerate", "trainer"])
 def test_a_killed_save_into_a_reused_folder_keeps_the_previous_optimizer_state(ranks, name):
     results = scenario(ranks, name)
@@ -53,7 +54,6 @@ def test_a_killed_save_into_a_reused_folder_keeps_the_previous_optimizer_state(r
         assert all(r["resumed exactly"] for r in results)
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["accelerate", "trainer"])
 def test_model_files_beside_another_saves_optimizer_state_are_refused(ranks, name):
     results = scenario(ranks, name)
@@ -63,14 +63,12 @@ def test_model_files_beside_another_saves_optimizer_state_are_refused(ranks, nam
         assert all(r["mix changed nothing"] for r in results)
 
 
-@pytest.mark.distributed
 def test_a_whole_save_resumes_exactly_and_is_not_refused(ranks):
     for r in scenario(ranks, "accelerate"):
         assert r["resume"] == "no error" and r["resumed exactly"]
         assert r["fresh resume"] == "no error" and r["fresh resumed exactly"]
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["accelerate", "trainer"])
 def test_a_damaged_optimizer_file_is_one_error_line(ranks, name):
     results = scenario(ranks, name)
@@ -78,7 +76,6 @@ def test_a_damaged_optimizer_file_is_one_error_line(ranks, name):
     assert "differs from the manifest" in results[0]["damaged"]
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["accelerate", "trainer"])
 def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, name):
     results = scenario(ranks, name)
@@ -94,7 +91,6 @@ def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, nam
         assert all(r["model files untouched"] for r in results)
 
 
-@pytest.mark.distributed
 def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
     """`resume_from_checkpoint=True` skips the folders of saves killed midway (transformers picks
     the highest step and fails in its model, optimizer or trainer_state.json loading); none whole:
@@ -109,7 +105,6 @@ def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
     assert "checkpoint-3 (no canzona_optimizer/manifest.json)" in results[0]["none whole"]
 
 
-@pytest.mark.distributed
 def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks):
     """`load_state()` under automatic checkpoint naming after a save_state killed midway: accelerate
     takes the highest number; the integration the latest folder whose optimizer folders are in."""
