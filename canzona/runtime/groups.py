@@ -110,7 +110,7 @@ class GroupConfigs:
 
 def momentum_is_beta1(matrix_cfg: Any) -> bool:
     """Whether an AdamW group's `momentum` is its beta1: beside a matrix optimizer whose config has
-    `momentum` (Muon, NorMuon), which momentum-cycling schedulers then set in every group."""
+    `momentum` (Muon and its kin), which momentum-cycling schedulers then set in every group."""
     return any(f.name == "momentum" for f in fields(matrix_cfg))
 
 
