@@ -34,7 +34,6 @@ import simpy
 
 from canzona.batching import shape_batches
 from canzona.cost import (
-    FP32_STEP,
     DeviceRate,
     adamw_kernels,
     cost_model_for,
@@ -94,7 +93,7 @@ from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.fp8 import fp8_setup
 from sim.fsdp_copies import FSDP2, check_fsdp_impl, copy_in_bytes, copy_out_bytes
-from sim.iteration import APPLY_PASSES
+from sim.iteration import APPLY_PASSES, DtypeSavings
 from sim.model_work import Block, MicroBatchWork, micro_batch_work
 from sim.streams import DP_COMM, EP_COMM, TP_COMM
 from sim.topology import Cluster
@@ -346,10 +345,10 @@ class _FsdpRun:
         self.members = list(range(self.size))
         self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
-        # the dtypes the matrices' elementwise passes run at (bf16 without masters), and by shape
-        # what that takes off the plan's fp32-priced seconds (`compute_seconds`)
-        self.step_dtypes = MemorySetup.dtypes_of(self.wl).step_dtypes
-        self.dtype_savings: dict[tuple[int, ...], float] = {}
+        # by shape, what the run's dtypes (bf16 without masters) take off the plan's fp32-priced
+        # seconds (`compute_seconds`)
+        self.dtype_savings = DtypeSavings(self.rate, cfg.optimizer, MemorySetup.dtypes_of(self.wl).step_dtypes,
+                                          cfg.matrix_config)
         self.copy_out_s, self.copy_in_s = copy_seconds(cfg, self.rate, self.gathered_elements())
 
     def gathered_elements(self) -> dict[int, int]:
@@ -560,12 +559,9 @@ class _FsdpRun:
         alone, as `muon_fsdp2` does. Each matrix's seconds are the plan's (priced at fp32), less
         what the run's dtypes save (`DeviceRate.dtype_saving`: bf16 passes without masters)."""
         total = sum(m.cost for m in mats)
-        if self.step_dtypes != FP32_STEP:
-            for m in mats:
-                if m.shape not in self.dtype_savings:
-                    self.dtype_savings[m.shape] = self.rate.dtype_saving(self.cfg.optimizer, tuple(m.shape),
-                                                                         self.step_dtypes, self.cfg.matrix_config)
-                total -= self.dtype_savings[m.shape]
+        if self.dtype_savings.saves:
+            for m in mats:  # one at a time, in order: the same sum to the last bit
+                total -= self.dtype_savings(m.shape)
         if self.policy.gathers_all or not self.batching:
             return total
         for batch in shape_batches(mats, True):

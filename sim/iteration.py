@@ -21,6 +21,7 @@ from canzona.batching import compute_windows, shape_batches
 from canzona.cost import (
     FP32_STEP,
     DeviceRate,
+    StepDtypes,
     adamw_kernels,
     elementwise_kernel,
     gradient_norm_kernels,
@@ -85,6 +86,24 @@ from sim.userbuffers import block_overlaps
 from sim.workload import Workload
 
 APPLY_PASSES = 3  # applying an update chunk reads the shard and the chunk and writes the shard
+
+
+class DtypeSavings:
+    """Seconds a run's step dtypes (`MemorySetup.step_dtypes`: bf16 without masters) take off one
+    matrix's fp32-priced plan seconds (`DeviceRate.dtype_saving`), by shape, each priced once: the
+    ZeRO-1 TP schedule (`Context.dtype_saving`) and the FSDP owners (`sim.fsdp`) ask for the same
+    few shapes thousands of times. Nothing to take off beside masters (`saves` False)."""
+
+    def __init__(self, rate: DeviceRate, optimizer: str, dtypes: StepDtypes, matrix_config: object | None) -> None:
+        self.rate, self.optimizer, self.dtypes, self.matrix_config = rate, optimizer, dtypes, matrix_config
+        self.saves = dtypes != FP32_STEP
+        self._by_shape: dict[tuple[int, ...], float] = {}
+
+    def __call__(self, shape: Sequence[int]) -> float:
+        key = tuple(shape)
+        if key not in self._by_shape:
+            self._by_shape[key] = self.rate.dtype_saving(self.optimizer, key, self.dtypes, self.matrix_config)
+        return self._by_shape[key]
 
 
 @dataclass
@@ -190,22 +209,19 @@ class Context:
         return {}
 
     def dtype_saving(self, tasks: Sequence[Task]) -> float:
-        """Seconds the run's dtypes (`MemorySetup.step_dtypes`: bf16 without masters) take off the
-        plan's fp32-priced seconds of these matrices (`DeviceRate.dtype_saving`; 0.0 with masters)."""
-        dtypes = self.memory.step_dtypes
-        if dtypes == FP32_STEP:
+        """Seconds the run's dtypes take off the plan's fp32-priced seconds of these matrices
+        (`DtypeSavings`; 0.0 with masters)."""
+        savings = self._dtype_savings
+        if not savings.saves:
             return 0.0
         total = 0.0
         for t in tasks:
-            if t.shape not in self._dtype_savings:
-                self._dtype_savings[t.shape] = self.rate.dtype_saving(self.plan.optimizer, t.shape, dtypes,
-                                                                      self.matrix_config)
-            total += self._dtype_savings[t.shape]
+            total += savings(t.shape)
         return total
 
     @cached_property
-    def _dtype_savings(self) -> dict[tuple[int, ...], float]:
-        return {}
+    def _dtype_savings(self) -> DtypeSavings:
+        return DtypeSavings(self.rate, self.plan.optimizer, self.memory.step_dtypes, self.matrix_config)
 
     @cached_property
     def memory(self) -> MemorySetup:
