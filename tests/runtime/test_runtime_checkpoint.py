@@ -8,8 +8,8 @@ Chain of spawned groups (each cached, each running several configurations):
   DP 2 and DP 1 load the DP 4 checkpoint and train RESUME_STEPS more (DP 2 also round-trips it);
   DP 3 loads the DP 2 checkpoint and trains RESUME_STEPS more.
 Sharded (`torch.distributed.checkpoint`): DP 2 saves, DP 3 loads with `check_weights=True`, refuses
-the weights of a later step beside it (an fp32 model: the weights witness), and loads it rewritten
-without the witness (an older canzona's).
+the weights of a later step beside it (an fp32 model, and a bf16 one with `master_weights=False`: the
+weights witness), and loads it rewritten without the witness (an older canzona's).
 The uninterrupted comparator is `emulate`: SAVE_STEPS steps at DP 4, then (`load=`) the remaining
 steps at the new DP size from the same parameters and optimizer state.
 """
@@ -238,16 +238,25 @@ def test_save_load_save_is_the_identity(dp, optimizer):
 # --- torch.distributed.checkpoint: each rank writes what it owns, any layout reads it ----------
 
 
+def bf16_spec(spec: TrainSpec) -> TrainSpec:
+    """A bf16 model without fp32 masters (`master_weights=False`): the weights check has no
+    masters to compare, only the witness."""
+    return replace(spec, dtype="bf16", master_weights=False)
+
+
 @functools.cache
 def sharded(path: str) -> dict:
-    """DP 2 saves a sharded checkpoint per optimizer (and runs Muon's one step further); DP 3
-    (another policy) loads each with `check_weights` (the weights it was saved with), round-trips
-    it and resumes from it; it refuses Muon's beside the weights of the step after (an fp32
-    model: no masters, the witness), and loads Muon's rewritten as an older canzona wrote it (no
-    witness)."""
+    """DP 2 saves a sharded checkpoint per optimizer (and runs Muon's one step further), and
+    Muon's of a bf16 model without masters (and its step further); DP 3 (another policy) loads each
+    with `check_weights` (the weights it was saved with), round-trips it and resumes from it; it
+    refuses Muon's beside the weights of the step after (an fp32 model, and the bf16 one: no
+    masters, the witness), and loads Muon's rewritten as an older canzona wrote it (no witness)."""
+    muon = save_spec("muon", RESUME_POLICY[2])
     saved = _run(2, [(("save", opt), save_spec(opt, RESUME_POLICY[2]), {"save_sharded": f"{path}/{opt}"})
                      for opt in OPTIMIZERS]
-                 + [(("later", "muon"), replace(save_spec("muon", RESUME_POLICY[2]), steps=SAVE_STEPS + 1), {})])
+                 + [(("later", "muon"), replace(muon, steps=SAVE_STEPS + 1), {}),
+                    (("save", "muon bf16"), bf16_spec(muon), {"save_sharded": f"{path}/muon-bf16"}),
+                    (("later", "muon bf16"), bf16_spec(replace(muon, steps=SAVE_STEPS + 1)), {})])
     if "error" in saved:
         return {"saved": saved, "loaded": saved}
     without_witness(f"{path}/muon", f"{path}/muon-older")
@@ -257,9 +266,14 @@ def sharded(path: str) -> dict:
         load = {"load": (params, f"{path}/{opt}"), "check_weights": True}
         jobs.append((("resume", opt), resume_spec(opt, 3), load))
         jobs.append((("round trip", opt), resume_spec(opt, 3, steps=0), load))
-    params, later = (_get(saved, (k, "muon"))[0]["params"] for k in ("save", "later"))
-    jobs.append((("mix", "muon"), resume_spec("muon", 3, steps=0),
-                 {"load": (later, f"{path}/muon"), "check_weights": True, "refused": True}))
+    for key, spec in (("muon", resume_spec("muon", 3, steps=0)), ("muon bf16", bf16_spec(resume_spec("muon", 3, steps=0)))):
+        later = _get(saved, ("later", key))[0]["params"]
+        jobs.append((("mix", key), spec, {"load": (later, f"{path}/{key.replace(' ', '-')}"), "check_weights": True,
+                                          "refused": True}))
+    params = _get(saved, ("save", "muon bf16"))[0]["params"]
+    jobs.append((("round trip", "muon bf16"), bf16_spec(resume_spec("muon", 3, steps=0)),
+                 {"load": (params, f"{path}/muon-bf16"), "check_weights": True}))
+    params = _get(saved, ("save", "muon"))[0]["params"]
     jobs.append((("older", "muon"), resume_spec("muon", 3, steps=0),
                  {"load": (params, f"{path}/muon-older"), "check_weights": True}))
     return {"saved": saved, "loaded": _run(3, jobs)}
@@ -317,17 +331,33 @@ def test_sharded_checkpoint_reshards_exactly(sharded_runs, optimizer):
 WEIGHTS_MIX = "CheckpointError: the model's weights differ from those the optimizer checkpoint was saved with"
 
 
-def test_weights_of_another_save_are_refused_without_masters(sharded_runs):
-    """An fp32 model (no masters) given the weights of the step after the save, then the save's
-    optimizer state with `check_weights`: one CheckpointError on every rank (the witness), and the
-    optimizer state as it was. The same save beside its own weights loads (the resumes above)."""
-    results = _get(sharded_runs["loaded"], ("mix", "muon"))
+@pytest.mark.parametrize("model", ["muon", "muon bf16"], ids=["fp32", "bf16-no-masters"])
+def test_weights_of_another_save_are_refused_without_masters(sharded_runs, model):
+    """A model without masters (fp32; bf16 with `master_weights=False`) given the weights of the
+    step after the save, then the save's optimizer state with `check_weights`: one
+    CheckpointError on every rank (the witness), and the optimizer state as it was. The same save
+    beside its own weights loads (the resumes above, and the bf16 round trip below)."""
+    results = _get(sharded_runs["loaded"], ("mix", model))
     texts = {re.sub(r"^CheckpointError: rank \d+: ", "CheckpointError: ", r["refused"]) for r in results}
     assert len(texts) == 1, texts
     text = texts.pop()
     assert text.startswith(WEIGHTS_MIX) and "sampled elements" in text and "different saves" in text, text
     for r, out in enumerate(results):
         nested_equal(out["state after"], out["state before"], f"rank {r}")
+
+
+def test_a_bf16_checkpoint_without_masters_loads_beside_its_weights_at_another_dp(sharded_runs, tmp_path_factory):
+    """Saved at DP 2 by a bf16 model without masters (its witness in bf16), loaded at DP 3 with
+    `check_weights` beside the weights it was saved with: the same state (nothing refused)."""
+    from canzona.runtime.checkpoint import WITNESS_KEY
+
+    folder = next(p for p in tmp_path_factory.getbasetemp().rglob("muon-bf16") if p.is_dir())
+    witness = sharded_meta(str(folder))[WITNESS_KEY]
+    assert set(witness) == set(model_shapes()) and {w["dtype"] for w in witness.values()} == {"bfloat16"}
+    saved = _get(sharded_runs["saved"], ("save", "muon bf16"))[0]
+    assert not any("master" in s for s in state_by_name(saved["state"])[2].values())  # no masters to compare
+    for r, out in enumerate(_get(sharded_runs["loaded"], ("round trip", "muon bf16"))):
+        nested_equal(out["state"]["state"], saved["state"]["state"], f"rank {r}")
 
 
 def test_a_checkpoint_without_the_witness_still_loads(sharded_runs, tmp_path_factory):
