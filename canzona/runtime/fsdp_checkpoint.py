@@ -40,13 +40,23 @@ from canzona.runtime.checkpoint import (
     take_witness,
 )
 from canzona.runtime.fsdp_layout import Box
+from canzona.runtime.kernels import update_target
 
 if TYPE_CHECKING:
     from canzona.runtime.fsdp import FsdpOptimizer
 
 
+def current_masters(opt: FsdpOptimizer) -> None:
+    """Before the masters are saved: each of this rank's is the master of its weights as they are
+    now (`checkpoint.current_masters`, why: weights written into the model since the last step win,
+    and a save of stale masters fails its own `check_weights`)."""
+    for name, master in opt.master.items():
+        update_target(master, opt.params[name].to_local().detach())
+
+
 def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
     """The whole state, identical on every rank. Collective over the exchange group."""
+    current_masters(opt)
     mine = {
         "matrix": {n: _to_cpu(s) for n, s in opt.matrix_state.items() if s},
         "adamw": {n: _to_cpu(s) for n, s in opt.adamw_state.items() if s},
@@ -134,10 +144,12 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries, keyed as the
     ZeRO-1 layout's (`checkpoint.sharded_state`: a checkpoint written under one layout loads under
     the other): the whole state of the matrices it owns, its pieces of AdamW state and masters
-    (each the flat range of the full tensor its box is; the lowest member holding a box writes it;
+    (the masters of the weights as they are now, `current_masters`; each piece the flat range of
+    the full tensor its box is; the lowest member holding a box writes it;
     HSDP replicas write the same entries, which dcp saves once), and the metadata with the
     witness of the weights as they are now (`checkpoint.take_witness`: one small all-gather over
     the default process group; collective, as `dcp.save` is)."""
+    current_masters(opt)
     out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
     for name, state in opt.matrix_state.items():
         for key, value in state.items():

@@ -14,7 +14,9 @@ fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data
   one process continuing from the checkpoint); bf16 parameters with fp32 masters; a checkpoint of
   another model refused; every sharded load with `check_weights=True` (its own weights pass at
   every size and layout), and the weights of a later step beside a sharded checkpoint refused
-  (fp32: the weights witness; bf16: the fp32 masters).
+  (fp32: the weights witness; bf16: the fp32 masters); bf16 weights loaded into the model after
+  steps, then saved (the masters of those weights, the sharded save passing its own check), and
+  the state dict beside weights of no save (the step starts from them).
 - FSDP 3: the FSDP 2 checkpoint resharded (state_dict() after loading it is the same checkpoint, bit
   for bit), and resumed from it and from the DCP directory.
 """
@@ -257,6 +259,50 @@ def weights_checked(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
     return out
 
 
+def loaded_then_saved(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
+    """bf16 (fp32 masters): SAVE steps, then weights of another source loaded into the model (a
+    rollback, pretrained weights) and the state saved, full and sharded: each holds the masters
+    of the weights as they are, and the sharded one loads beside them with `check_weights`. Then
+    the full state beside weights of no save (every tensor off its master's cast), written into
+    the model before or after `load_state_dict` (which checks no weights, as torch's): one step
+    from them, as from fresh masters of them."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = fsdp_model(spec, world)
+    train(model, opt, spec, rank, world)
+    load_params(model, build_model(replace(spec, model_seed=3)).state_dict())
+    full = opt.state_dict()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    weights = full_params(model)
+    masters = {n: s["master"] for n, s in state_by_name(full)[2].items()}
+    out: dict[str, Any] = {"stale masters": sorted(n for n, w in weights.items() if not masters[n].to(w.dtype).equal(w))}
+    fresh_model, fresh = fsdp_model(spec, world, seed=7)
+    load_params(fresh_model, weights)
+    try:
+        fresh.load_sharded_state_dict(path, check_weights=True)
+        out["sharded"] = nested_equal(fresh.state_dict(), full)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["sharded"] = f"{type(e).__name__}: {e}"
+    other = {n: w * 1.5 for n, w in weights.items()}
+
+    def beside_other(order: str) -> dict[str, torch.Tensor]:
+        model, opt = fsdp_model(spec, world, seed=7)
+        if order == "optimizer first":
+            opt.load_state_dict(full)
+        load_params(model, other)
+        if order != "optimizer first":
+            opt.load_state_dict(full)
+        if order == "fresh masters":
+            opt.reset_master_weights()
+        train(model, opt, replace(resume_spec(spec), steps=1), rank, world)
+        return full_params(model)
+
+    want = beside_other("fresh masters")
+    for order in ("model first", "optimizer first"):
+        out[f"other weights, {order}"] = compare(beside_other(order), want)["bit_identical"]
+    return out
+
+
 def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out: dict[str, Any] = {}
     for name, spec in SPECS.items():
@@ -282,6 +328,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     # witness); bf16 with fp32 masters, the weights of one step later
     out["mix"] = mixed(muon, rank, world, run["final"], path + "-sharded")
     out["bf16 mix"] = weights_checked(BF16, rank, world, path + "-bf16")
+    out["bf16 loaded then saved"] = loaded_then_saved(BF16, rank, world, path + "-bf16-loaded")
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
     # HSDP (every rank a replica of one shard): the FSDP checkpoint in, its sharded one out to FSDP
@@ -508,6 +555,26 @@ def test_weights_of_another_save_are_refused(case: str, what: str) -> None:
         assert r[case]["unchanged"] is None, (rank, r[case]["unchanged"])
     for rank, r in enumerate(ranks):
         assert r["bf16 mix"]["whole"] is None, (rank, r["bf16 mix"]["whole"])
+
+
+def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs() -> None:
+    """Weights loaded into a bf16 model after steps, then the state saved: its masters are those
+    of the weights as they are (`state_dict()` and the sharded form), and the sharded save loads
+    beside them with `check_weights`. Before: the stale masters were saved, and the save, whole,
+    failed its own check."""
+    for rank, r in enumerate(run2()):
+        run = r["bf16 loaded then saved"]
+        assert run["stale masters"] == [], (rank, run["stale masters"])
+        assert run["sharded"] is None, (rank, run["sharded"])
+
+
+def test_a_state_dict_beside_other_weights_steps_from_the_models_weights() -> None:
+    """`load_state_dict` checks no weights (as torch's): fp32 masters loaded beside weights that
+    are not their cast are not trained from; the step starts from the model's weights, whichever
+    was loaded first (`kernels.update_target`), as under ZeRO-1."""
+    for rank, r in enumerate(run2()):
+        run = r["bf16 loaded then saved"]
+        assert run["other weights, model first"] and run["other weights, optimizer first"], (rank, run)
 
 
 def test_sharded_state_dict_moves_between_fsdp_and_zero1() -> None:
