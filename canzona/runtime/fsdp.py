@@ -676,7 +676,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
-        DP x TP layout; checks it belongs to this model and optimizer. Not collective."""
+        DP x TP layout; checks it belongs to this model and optimizer, not the weights (as on the
+        ZeRO-1 path: a saved master that is not the weight cast gives way to it at the next step).
+        Not collective."""
         fsdp_checkpoint.load_state(self, state_dict)
 
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:

@@ -841,7 +841,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return checkpoint.gather_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer."""
+        """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer.
+        As torch's, it checks no weights (the model may be loaded after it): a saved fp32 master
+        that is not the model's weight cast gives way to that weight at the next step
+        (`kernels.update_target`). To refuse weights of another save: the sharded form's
+        `load_sharded_state_dict(check_weights=True)`."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_state(self, state_dict)

@@ -497,6 +497,29 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
         step(model, opt, tokens[1])
         out[how] = compare({n: p.detach().clone() for n, p in model.named_parameters()}, straight)["bit_identical"]
         del opt
+    # the state dict beside weights of no save (load_state_dict checks none, as torch's): every
+    # tensor off its saved master's cast, written into the model before or after the load; the
+    # step must start from them, as from a fresh master of each (`reset_master_weights`)
+    other = {k: v * 1.5 for k, v in build_model(replace(spec, model_seed=1)).state_dict().items()}
+
+    def beside_other(order: str) -> dict[str, torch.Tensor]:
+        model, opt = built(seed=1)
+        if order == "model first":
+            model.load_state_dict(other)
+            opt.load_state_dict(full)
+        elif order == "optimizer first":
+            opt.load_state_dict(full)
+            model.load_state_dict(other)
+        else:  # fresh masters
+            model.load_state_dict(other)
+            opt.load_state_dict(full)
+            opt.reset_master_weights()
+        step(model, opt, tokens[1])
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    want = beside_other("fresh masters")
+    for order in ("model first", "optimizer first"):
+        out[f"other weights, {order}"] = compare(beside_other(order), want)["bit_identical"]
     return out
 
 
@@ -506,7 +529,25 @@ def _global_batches(spec: TrainSpec) -> list[torch.Tensor]:
     return global_batches(spec, 256)
 
 
-def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs(tmp_path):
+@functools.cache
+def loaded_then_saved() -> dict:
+    import tempfile
+
+    out, = run_ranks(_loaded_then_saved_worker, 1, tempfile.mkdtemp(prefix="canzona-masters-") + "/ckpt",
+                     deadline_s=DEADLINE_S)
+    return out
+
+
+def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs():
     """Before: the stale masters were saved, and the save, whole, failed its own resume check."""
-    out, = run_ranks(_loaded_then_saved_worker, 1, str(tmp_path / "ckpt"), deadline_s=DEADLINE_S)
-    assert out == {"sharded": True, "state_dict": True}, out
+    out = loaded_then_saved()
+    assert (out["sharded"], out["state_dict"]) == (True, True), out
+
+
+def test_a_state_dict_beside_other_weights_steps_from_the_models_weights():
+    """`load_state_dict` checks no weights (torch's takes no such argument, and a model may be
+    loaded after its optimizer): fp32 masters loaded beside weights that are not their cast are
+    not trained from; the step starts from the model's weights, whichever was loaded first
+    (`kernels.update_target`). So the layout-independent form needs no witness."""
+    out = loaded_then_saved()
+    assert (out["other weights, model first"], out["other weights, optimizer first"]) == (True, True), out
