@@ -71,7 +71,7 @@ from canzona.runtime.groups import (
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
 from canzona.runtime.options import check_step_options, optimizer_config
-from canzona.runtime.param_gather import param_holders, replaced_message, replaced_parameter
+from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
 from canzona.step_policies import get_fsdp_policy
 
@@ -94,25 +94,28 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
     return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
 
 
-def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any]]:
+def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any], Holders]:
     """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name (the tensor
-    FSDP2 trains in that place is its `sharded_param`), and the `FSDPParamGroup`s holding them
-    (found once, at construction)."""
+    FSDP2 trains in that place is its `sharded_param`), the `FSDPParamGroup`s holding them, and
+    the modules holding each of the others (`param_holders`): one walk of `gc`, at construction."""
     import gc
 
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     by_id = {id(p): name for name, p in params.items()}
-    found, groups = {}, []
+    found, groups, holders = {}, [], {}
     for obj in gc.get_objects():
         if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id:
             found[by_id[id(obj.sharded_param)]] = obj
         elif type(obj) is FSDPParamGroup:
             groups.append(obj)
+        else:
+            add_holder(obj, by_id, holders)
     ids = {id(f) for f in found.values()}
     groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
-    return {n: found[n] for n in params if n in found}, groups  # in the parameters' order
+    # in the parameters' order; a sharded parameter's holders are FSDP2's business (its FSDPParam)
+    return {n: found[n] for n in params if n in found}, groups, {n: h for n, h in holders.items() if n not in found}
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
@@ -248,9 +251,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # what FSDP2 shards in each parameter's place (its FSDPParam, which follows load_state_dict(
         # assign=True) and the like), or else the modules holding it: a parameter replaced since
         # is one error in the step check (`_replaced`)
-        self._fsdp_params, self._fsdp_groups = fsdp_params_of(self.params)
-        unsharded = {n: p for n, p in self.params.items() if n not in self._fsdp_params}
-        self._holders = param_holders(unsharded) if unsharded else {}
+        self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
         self.checked: tuple[dict[str, bool], float] | None = None
         self._clip_agreed: float | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)

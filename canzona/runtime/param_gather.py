@@ -52,13 +52,19 @@ def param_holders(params: Mapping[str, Tensor]) -> Holders:
     by_id = {id(p): name for name, p in params.items()}
     found: Holders = {}
     for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
-        # type(), not isinstance(): that asks some objects for __class__, and deprecated proxies
-        # (torch.distributed.reduce_op) warn when asked
-        if issubclass(type(obj), nn.Module):
-            for attr, p in obj._parameters.items():
-                if p is not None and id(p) in by_id:
-                    found.setdefault(by_id[id(p)], []).append((weakref.ref(obj), attr))
+        add_holder(obj, by_id, found)
     return found
+
+
+def add_holder(obj: object, by_id: Mapping[int, str], found: Holders) -> None:
+    """`param_holders`' look at one live object: a module holding a parameter of `by_id` (id ->
+    name) as its own goes into `found` (for a walk of `gc` that looks for other objects too)."""
+    # type(), not isinstance(): that asks some objects for __class__, and deprecated proxies
+    # (torch.distributed.reduce_op) warn when asked
+    if issubclass(type(obj), nn.Module):
+        for attr, p in obj._parameters.items():
+            if p is not None and id(p) in by_id:
+                found.setdefault(by_id[id(p)], []).append((weakref.ref(obj), attr))
 
 
 def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None) -> dict[nn.Module, list[str]] | None:
