@@ -1026,8 +1026,10 @@ def verify(
 @app.command()
 def calibrate(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available, else cpu).")] = None,
-    model: Annotated[str, typer.Option(help="Time the optimizer kernels on this catalog model's matrix shapes.")] = calibration.DEFAULT_MODEL,
-    shapes: Annotated[str | None, typer.Option(help="Time the optimizer kernels on these shapes instead, e.g. 256x512,512x512.")] = None,
+    model: Annotated[str | None, typer.Option(
+        help=f"Time the optimizer kernels on this catalog model's matrix shapes (default: {calibration.DEFAULT_MODEL}).")] = None,
+    shapes: Annotated[str | None, typer.Option(
+        help="Time the optimizer kernels on these shapes instead, e.g. 256x512,512x512 (not with --model).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the measured hardware profile (.json) here.")] = None,
     world_size: Annotated[int | None, typer.Option(
         help=f"Also measure collectives on this many spawned gloo ranks (CPU; 2..{calibration.MAX_SPAWNED_RANKS}); under torchrun the launched group is used.")] = None,

@@ -141,12 +141,13 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def prepare(device: str | None = None, model: str | None = DEFAULT_MODEL, shapes: str | None = None,
+def prepare(device: str | None = None, model: str | None = None, shapes: str | None = None,
             world_size: int | None = None, base: str | None = None, quick: bool = False,
             repeats: int | None = None, name: str | None = None, command: str = "",
             threads: int | None = None) -> CalibrationSettings:
     """Check a calibration request and fill in the defaults; raises `CanzonaError` (nothing measured).
-    `device` None: cuda when available, else cpu."""
+    `device` None: cuda when available, else cpu; `model` None: `DEFAULT_MODEL`'s shapes unless `shapes`
+    gives them (both given is an error: one of them would be dropped)."""
     device = default_device() if device is None else device
     check_choice(device, DEVICES, "device", error=CanzonaError)
     if device == "cuda" and not torch.cuda.is_available():
@@ -158,8 +159,10 @@ def prepare(device: str | None = None, model: str | None = DEFAULT_MODEL, shapes
     if name is not None and not re.fullmatch(r"[\w.+-]{1,100}", name):
         raise CanzonaError("--name: use 1 to 100 letters, digits, '.', '_', '+' or '-'")
     if shapes is not None:
+        if model is not None:
+            raise CanzonaError(f"--model {model} and --shapes both choose the shapes timed, and --shapes would "
+                               "drop the model's: give one")
         chosen = parse_shapes(shapes)
-        model = None
     else:
         model = model or DEFAULT_MODEL
         chosen = tuple(sorted({tuple(p.shape) for p in get_model(model).matrix_params()}))

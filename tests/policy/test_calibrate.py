@@ -415,3 +415,18 @@ def test_a_failed_measurement_is_one_error_line_and_exit_1(monkeypatch):
 
     monkeypatch.setattr(measuring, "measure", out_of_memory)
     error_line(invoke("calibrate", "--quick", "--shapes", "8x8"), "measurement failed: CUDA out of memory", code=1)
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-0.6b", "qwen9"])
+def test_model_with_shapes_is_one_error_line_before_measuring(monkeypatch, model):
+    """`--shapes` times its shapes instead of `--model`'s: `calibrate --model qwen3-8b --shapes 64x64`
+    measured 64x64 and dropped the model without a word (an unknown one too), so the profile's
+    optimizer seconds were not the model's the user asked for. Both given is one error line, before
+    anything is measured; the catalog default named explicitly as well."""
+    from canzona.harness import calibrate as measuring
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input must be rejected before measuring")
+
+    monkeypatch.setattr(measuring, "calibrate", refuse)
+    error_line(invoke("calibrate", "--model", model, "--shapes", "64x64"), "--model", "--shapes")
