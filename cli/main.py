@@ -1101,7 +1101,7 @@ def validate(
     optimizer: Optimizer = "muon",
     policies: Annotated[str, typer.Option(help="Comma-separated step policies, or all.")] = "all",
     rounds: Annotated[int, typer.Option(help="Measured rounds per policy (after 3 warm-up rounds).")] = 10,
-    profile_out: Annotated[Path | None, typer.Option(help="Keep the calibrated profile here (.json).")] = None,
+    profile_out: Annotated[Path | None, typer.Option(help="Keep the calibrated profile here (.json; not with --hardware).")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 unless the ranking is preserved and every step error is within 30%.")] = False,
     published: Annotated[bool, typer.Option(
         "--published", help="Instead: simulate every published run of canzona/data/published_runs.json the "
@@ -1156,7 +1156,10 @@ def validate(
         if not 3 <= rounds <= 200:
             raise SpecError(f"--rounds must be in 3..200, got {rounds}")
         if profile_out is not None:
-            check_output_path(profile_out, "hardware profile", (".json",), inputs=(hardware,))
+            if hardware is not None:  # nothing is calibrated, so nothing would be written
+                raise SpecError("--profile-out keeps the profile canzona validate calibrates; with --hardware none is "
+                                "calibrated: give one of them")
+            check_output_path(profile_out, "hardware profile", (".json",))
         if hardware is not None:
             from canzona.hardware import load_profile
 

@@ -88,3 +88,18 @@ def test_validate_end_to_end_on_two_gloo_ranks(monkeypatch):
 ])
 def test_bad_input_is_one_line(args, needle):
     error_line(invoke("validate", *args), needle)
+
+
+def test_profile_out_with_a_given_hardware_is_one_line_before_measuring(monkeypatch, tmp_path):
+    """--profile-out keeps the profile `canzona validate` calibrates; with --hardware nothing is
+    calibrated, and the validation ran and wrote no file, without a word. One line, before any
+    rank is spawned."""
+    from canzona.harness import validate as runtime_validation
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input must be rejected before measuring")
+
+    monkeypatch.setattr(runtime_validation, "measure", refuse)
+    error_line(invoke("validate", "--hardware", "h100-sxm", "--profile-out", tmp_path / "p.json"),
+               "--profile-out", "--hardware")
+    assert list(tmp_path.iterdir()) == []
