@@ -1418,7 +1418,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
     if not queue and len(reasons) == 1 and counts["checks"] == len(cands):
         # every layout refused for one reason (the question's own: GPUs that fill no node, a batch
         # too large): the simulator's message, as `canzona simulate` gives it, but the batch's said of the search
-        raise SpecError(_too_many_micro_batches(q, cands, model) or next(iter(first.values())))
+        raise SpecError(_fsdp_without_shards(q, cands) or _too_many_micro_batches(q, cands, model)
+                        or next(iter(first.values())))
     if not queue:
         why = "; ".join(f"{k}... ({n})" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise SpecError(f"no layout of {q.model} on {q.gpus} GPUs passes the simulator's checks and the memory floor "
@@ -1544,6 +1545,18 @@ def _no_layout_divides(q: Question, facts: Facts, model) -> str:
     return (f"no layout of {q.model} on {q.gpus} GPUs splits the global batch {q.global_batch} over its DP ranks: "
             f"the DP sizes its layouts have (the GPUs over TP x PP x CP) are {', '.join(map(str, dps))}; give "
             f"--global-batch a multiple of one of them (the least: {dps[0]}) or fewer GPUs")
+
+
+def _fsdp_without_shards(q: Question, cands: list[Layout]) -> str | None:
+    """Where every layout of an --fsdp question leaves one data-parallel rank, which FSDP cannot shard
+    over (`canzona.fsdp_plan.check_hsdp`), why, of the search (None elsewhere): FSDP's own message
+    advises --tp, an axis the search explores and an option `canzona search` does not take."""
+    if not q.fsdp or any(c["dp"] >= 2 for c in cands):
+        return None
+    if q.gpus < 2:
+        return f"--fsdp shards over at least 2 data-parallel ranks and {q.gpus} GPU has 1: raise --gpus"
+    return (f"no layout of {q.model} on {q.gpus} GPUs leaves the 2 data-parallel ranks --fsdp shards over: a layout's "
+            f"DP divides the global batch {q.global_batch}, which only DP 1 does; give --global-batch a multiple of 2")
 
 
 def _too_many_micro_batches(q: Question, cands: list[Layout], model) -> str | None:

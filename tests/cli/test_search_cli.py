@@ -110,6 +110,19 @@ def test_a_batch_of_too_many_micro_batches_at_every_layout_says_so_of_the_search
     assert "--micro-batch" not in line
 
 
+
+@pytest.mark.parametrize("gpus, batch, needle", [(8, 3, "give --global-batch a multiple of 2"),
+                                                 (2, 1, "give --global-batch a multiple of 2"),
+                                                 (1, 8, "raise --gpus")])
+def test_fsdp_with_one_data_parallel_rank_at_every_layout_says_so_of_the_search(gpus, batch, needle):
+    """Under --fsdp every layout's DP must leave 2 ranks to shard over; where none does (the batch only
+    DP 1 divides, or one GPU), the error was FSDP's for one layout, advising --tp, an axis the search
+    explores and an option it does not take. It says so of the search, and what to change."""
+    line = error_line(invoke("search", "--fsdp", "--gpus", gpus, "--model", "qwen3-0.6b", "--global-batch", batch),
+                      "--fsdp", needle)
+    assert "--tp" not in line
+
+
 def test_every_simulated_layout_refused_by_the_run_is_one_error_line(monkeypatch):
     """Were every layout simulated refused by a rule only the run knows (`sim.search._run_task`), nothing
     fits nor fails to fit: one error line with the run's reason, not an IndexError (the workers fork,
