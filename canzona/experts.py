@@ -201,6 +201,10 @@ def rank_shares(loads: float | tuple[float, ...] | list[float], experts: int, ep
         why = (f"got {len(shares)} values" if len(shares) != experts else
                f"got {bad[0]!r}" if bad else "got all zero")
         raise SpecError(f"a router histogram gives one non-negative share per expert ({experts}), not all zero; {why}")
+    # relative to the largest: any scale is the same histogram, and a sum of large shares (1e308
+    # each) would overflow to infinity, every rank's share then NaN
+    top = max(shares)
+    shares = [x / top for x in shares]
     per_rank = experts // ep
     ranks = [sum(shares[j * per_rank:(j + 1) * per_rank]) for j in range(ep)]
     mean = sum(ranks) / ep

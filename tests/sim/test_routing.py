@@ -203,3 +203,28 @@ def test_a_router_imbalance_above_the_ep_size_is_refused():
             call(5.0, 128, 4)
     error_line(invoke("simulate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "1", "--ep", "4",
                       "--seq-len", "256", "--global-batch", "16", "--router-imbalance", "5"), "at most the EP size")
+
+
+def test_a_histogram_is_read_at_any_scale_its_sum_overflowing_or_not():
+    """A histogram's shares are "any non-negative scale", but each rank's sum was taken as given: 128
+    equal shares of 1e308 summed to infinity, every rank's share became NaN, and the run was priced
+    faster than the balanced one it is (no error, a silent wrong figure). The shares are read
+    relative to the largest, so a scale changes nothing, overflowing or subnormal."""
+    import json
+
+    from tests.sim.small_models import MOE_FOUR_LAYERS
+
+    even = rank_shares([1.0] * 128, 128, 8)
+    for scale in (1e308, 1e-320, 3.0):
+        assert rank_shares([scale] * 128, 128, 8) == even
+    skewed = [2.0] * 16 + [1.0] * 112
+    assert rank_shares([1e308 / 2 * s for s in skewed], 128, 8) == pytest.approx(rank_shares(skewed, 128, 8))
+    moe = ("simulate", "--model", MOE_FOUR_LAYERS, "--gpus", "8", "--tp", "1", "--ep", "8", "--seq-len", "128",
+           "--global-batch", "8", "--json")
+
+    def iteration(*args: str) -> float:
+        result = invoke(*moe, *args)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)["iteration_time_s"]
+
+    assert iteration("--router-imbalance", ",".join(["1e308"] * 128)) == iteration()
