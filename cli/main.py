@@ -973,7 +973,8 @@ def verify(
         help=f"canzona's TP scheduler: {', '.join(checks.TP_SCHEDULERS)} or all (the baselines run tp-sync).")] = PLAN_DEFAULTS.tp_policy,
     tp_mode: Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined, serial or all.")] = STEP_DEFAULTS.tp_mode,
     tp_style: Annotated[str, typer.Option(
-        help="How the TP model is split: megatron (explicit layers, annotated shards) or dtensor (parallelize_module).")] = "megatron",
+        help="How the TP model is split (--tp 2 or more): megatron (explicit layers, annotated shards) or dtensor "
+             "(parallelize_module).")] = "megatron",
     ep: Annotated[int, typer.Option(
         help="Expert parallelism of the mixture-of-experts preset: the dp x tp ranks form EP groups of ep "
              "consecutive ranks, each holding experts / ep of every layer; the experts are owned whole in their "

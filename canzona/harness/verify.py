@@ -148,6 +148,9 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     tp_policies = _choices(tp_policy, TP_SCHEDULERS, "TP policy")
     tp_modes = _choices(tp_mode, TP_MODES, "TP mode")
     check_choice(tp_style, TP_STYLES, "TP style")
+    if tp == 1 and tp_style != TP_STYLES[0]:  # the default names the style of no split as well
+        raise SpecError(f"--tp-style {tp_style} splits the model over TP; at --tp 1 nothing is split and the run "
+                        "would verify the plain model: give --tp 2 or more, or leave --tp-style out")
     if global_batch is None:
         global_batch = 4 * dp * accumulation
     _positive("global batch", global_batch)

@@ -248,6 +248,9 @@ def test_gather_whole_with_an_empty_shard():
     (["--tp", "2", "--tp-mode", "eager"], "unknown TP mode 'eager'"),
     (["--tp", "2", "--tp-style", "fsdp"], "unknown TP style 'fsdp'"),
     (["--tp", "2", "--tp-style", "dtensor"], "needs an untied preset"),
+    # at TP 1 no model is split: the style was accepted and the run verified the plain model
+    (["--tp-style", "dtensor", "--preset", "tiny-untied"], "--tp-style dtensor splits the model over TP"),
+    (["--fsdp", "--tp-style", "dtensor", "--preset", "tiny-untied"], "--tp-style dtensor splits the model over TP"),
     (["--tp", "4", "--dp", "1", "--preset", "small", "--steps", "1000"], "keeps each step's gradients"),
     (["--dp-policy", "nope"], "unknown DP policy"),
     (["--alpha", "1.5"], "alpha"),
