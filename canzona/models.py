@@ -483,6 +483,20 @@ def _looks_like_path(text: str) -> bool:
     return text.endswith(".json") or os.sep in text or "/" in text or os.path.exists(text)
 
 
+def _config_of_folder(path: Path) -> Path:
+    """A Hugging Face model folder's config.json; any other path itself."""
+    if os.path.isdir(path) and os.path.isfile(path / "config.json"):
+        return path / "config.json"
+    return path
+
+
+def model_file(name_or_path: str | Path) -> Path | None:
+    """The file `read_model` reads for `name_or_path` (None for a catalog name): what an output must
+    not replace."""
+    text = str(name_or_path)
+    return None if text.lower() in CATALOG else _config_of_folder(Path(text))
+
+
 def read_model(name_or_path: str | Path) -> ModelSource:
     """A catalog name (case-insensitive), else a Hugging Face `config.json` (or the model folder that
     holds it) or a canzona spec file."""
@@ -493,9 +507,7 @@ def read_model(name_or_path: str | Path) -> ModelSource:
     if not _looks_like_path(text):
         raise SpecError(f"unknown model {text!r}: not one of the catalog's ({', '.join(CATALOG)}) nor a "
                         "file; give a Hugging Face config.json or a canzona spec file")
-    path = Path(text)
-    if os.path.isdir(path) and os.path.isfile(path / "config.json"):  # a Hugging Face model folder
-        path = path / "config.json"
+    path = _config_of_folder(Path(text))
     text = str(path)
     data = parse_json(read_text(path, "model file", SpecError), text, SpecError)
     if isinstance(data, dict) and "schema" in data:

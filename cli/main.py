@@ -34,7 +34,14 @@ from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
 from canzona.hardware import DEFAULT_PROFILE
 from canzona.harness import verify as checks
-from canzona.models import read_model, resolve_model, resolve_spec, save_spec, spec_to_dict
+from canzona.models import (
+    model_file,
+    read_model,
+    resolve_model,
+    resolve_spec,
+    save_spec,
+    spec_to_dict,
+)
 from canzona.optimizers import MATRIX_REGISTRY
 from canzona.plan import (
     DEFAULT_GEOMETRY,
@@ -154,7 +161,7 @@ def spec(
     """Show a model's parameters and architecture, or write them as a spec file."""
     try:
         if out is not None:
-            check_output_path(out, "spec file", (".json",), inputs=(model,))
+            check_output_path(out, "spec file", (".json",), inputs=(model_file(model),))
         source = read_model(model)
         sizes, unknown = source.sizes(), None
         try:
@@ -207,7 +214,7 @@ def plan(
     try:
         matrix_cfg = parse_matrix_config(matrix_config, optimizer)  # before any work, as every bad input
         if out is not None:
-            check_output_path(out, "plan", (".json",), inputs=(model, hardware, cost_table))
+            check_output_path(out, "plan", (".json",), inputs=(model_file(model), hardware, cost_table))
         model_spec = resolve_spec(model, tp)
         # expert TP splits each expert matrix along the dimension that is not the hidden size
         hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
@@ -785,7 +792,7 @@ def simulate(
     try:
         config = _sim_config(shared=shared)
         if trace is not None:
-            check_output_path(trace, "trace", (".json",), inputs=(config.model, config.hardware))
+            check_output_path(trace, "trace", (".json",), inputs=(model_file(config.model), config.hardware))
             check_traceable(config)
         result = run(config)
         if trace is not None:
@@ -816,7 +823,7 @@ def compare(
     try:
         base = _sim_config(shared=shared)  # bad input fails here, before a progress bar is drawn
         if plot is not None:
-            check_output_path(plot, "plot", PLOT_SUFFIXES, inputs=(base.model, base.hardware))
+            check_output_path(plot, "plot", PLOT_SUFFIXES, inputs=(model_file(base.model), base.hardware))
         policies = compared_policies(base.optimizer, base.fsdp)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:

@@ -109,6 +109,27 @@ def test_an_output_never_replaces_the_file_the_command_reads(tmp_path, no_simula
     assert {p: p.read_bytes() for p in (model, hardware)} == kept
 
 
+
+def test_an_output_never_replaces_the_config_of_a_model_folder(tmp_path, no_simulation):
+    """A Hugging Face model folder is read through its config.json: `canzona spec folder --out
+    folder/config.json` replaced the config with a spec file (and `plan --out` then with a plan, on
+    which the next run failed), the input check comparing the output with the folder, not with the
+    file read. Refused as any other input file."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+                                  "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+                                  "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True}))
+    kept = config.read_bytes()
+    sim = ["--gpus", "8", "--tp", "1", "--seq-len", "128", "--global-batch", "8"]
+    error_line(invoke("spec", folder, "--out", config), "it is the input file")
+    error_line(invoke("plan", "--model", folder, "--dp", "8", "--tp", "1", "--out", config), "it is the input file")
+    error_line(invoke("simulate", "--model", folder, *sim, "--trace", config), "it is the input file")
+    error_line(invoke("compare", "--model", folder, *sim, "--plot", folder / "config.json"), "it is the input file")
+    assert config.read_bytes() == kept and [p.name for p in folder.iterdir()] == ["config.json"]
+
+
 def test_a_long_name_that_fits_is_written(tmp_path):
     name = "p" * 250 + ".json"
     assert invoke("plan", *PLAN, "--out", tmp_path / name, "--json").exit_code == 0
