@@ -404,11 +404,22 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> HardwareProfile:
     return profile_from_dict(data, where)
 
 
+def profile_file(name_or_path: str | Path | None) -> Path | None:
+    """The file `load_profile_data` reads for `name_or_path` (a shipped profile's own file for its
+    name): what an output must not replace. None for None."""
+    if name_or_path is None:
+        return None
+    text = str(name_or_path)
+    if text in profile_names():
+        return Path(str(resources.files("canzona") / "profiles" / f"{text}.json"))
+    return Path(text)
+
+
 def load_profile_data(name_or_path: str | Path = DEFAULT_PROFILE) -> tuple[Any, str]:
     """The parsed but unvalidated JSON of a profile (by name or path), and where it came from."""
     text = str(name_or_path)
     if text in profile_names():
-        raw = (resources.files("canzona") / "profiles" / f"{text}.json").read_text()
+        raw = profile_file(text).read_text()
         where = text
     elif text.endswith(".json") or os.path.lexists(text):
         raw = read_text(text, "hardware profile", SpecError)

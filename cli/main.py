@@ -32,7 +32,7 @@ from canzona.dp.policies import DP_REGISTRY, MATRICES_PER_RANK, PAPER_DP_POLICY
 from canzona.errors import CanzonaError, SpecError
 from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
-from canzona.hardware import DEFAULT_PROFILE
+from canzona.hardware import DEFAULT_PROFILE, profile_file
 from canzona.harness import verify as checks
 from canzona.models import (
     model_file,
@@ -214,7 +214,7 @@ def plan(
     try:
         matrix_cfg = parse_matrix_config(matrix_config, optimizer)  # before any work, as every bad input
         if out is not None:
-            check_output_path(out, "plan", (".json",), inputs=(model_file(model), hardware, cost_table))
+            check_output_path(out, "plan", (".json",), inputs=(model_file(model), profile_file(hardware), cost_table))
         model_spec = resolve_spec(model, tp)
         # expert TP splits each expert matrix along the dimension that is not the hidden size
         hidden = resolve_model(model, tp)[1].hidden if etp > 1 and ep > 1 else None
@@ -792,7 +792,7 @@ def simulate(
     try:
         config = _sim_config(shared=shared)
         if trace is not None:
-            check_output_path(trace, "trace", (".json",), inputs=(model_file(config.model), config.hardware))
+            check_output_path(trace, "trace", (".json",), inputs=(model_file(config.model), profile_file(config.hardware)))
             check_traceable(config)
         result = run(config)
         if trace is not None:
@@ -823,7 +823,7 @@ def compare(
     try:
         base = _sim_config(shared=shared)  # bad input fails here, before a progress bar is drawn
         if plot is not None:
-            check_output_path(plot, "plot", PLOT_SUFFIXES, inputs=(model_file(base.model), base.hardware))
+            check_output_path(plot, "plot", PLOT_SUFFIXES, inputs=(model_file(base.model), profile_file(base.hardware)))
         policies = compared_policies(base.optimizer, base.fsdp)
         err = Console(stderr=True)
         with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
@@ -1061,7 +1061,7 @@ def calibrate(
                                      command=" ".join(["canzona", *sys.argv[1:]]), threads=threads)
         writer = measuring.is_writer()
         if out is not None and writer:
-            check_output_path(out, "hardware profile", (".json",), inputs=(base, model))
+            check_output_path(out, "hardware profile", (".json",), inputs=(profile_file(settings.base),))
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)

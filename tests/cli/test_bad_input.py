@@ -130,6 +130,28 @@ def test_an_output_never_replaces_the_config_of_a_model_folder(tmp_path, no_simu
     assert config.read_bytes() == kept and [p.name for p in folder.iterdir()] == ["config.json"]
 
 
+def test_an_output_never_replaces_a_shipped_profile_named_by_name(tmp_path, monkeypatch, no_simulation):
+    """`--hardware h100-sxm` reads the package's own profiles/h100-sxm.json: an output at that path
+    was not recognised as the input (names were compared as paths) and would have replaced the
+    shipped profile. The package's folder is a copy here, so a failure harms no checkout."""
+    import shutil
+    from importlib import resources
+
+    import canzona.hardware as hardware
+
+    package = tmp_path / "canzona"
+    shutil.copytree(resources.files("canzona") / "profiles", package / "profiles")
+    monkeypatch.setattr(hardware.resources, "files", lambda name: package)
+    shipped = package / "profiles" / "h100-sxm.json"
+    kept = shipped.read_bytes()
+    sim = ["--model", "qwen3-0.6b", "--hardware", "h100-sxm", "--gpus", "8", "--tp", "1", "--seq-len", "128",
+           "--global-batch", "8"]
+    error_line(invoke("plan", "--model", "qwen3-0.6b", "--hardware", "h100-sxm", "--dp", "8", "--tp", "1",
+                      "--out", shipped), "it is the input file")
+    error_line(invoke("simulate", *sim, "--trace", shipped), "it is the input file")
+    assert shipped.read_bytes() == kept
+
+
 def test_a_long_name_that_fits_is_written(tmp_path):
     name = "p" * 250 + ".json"
     assert invoke("plan", *PLAN, "--out", tmp_path / name, "--json").exit_code == 0
