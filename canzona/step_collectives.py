@@ -71,7 +71,7 @@ same record, same order).
 
 Sizes come from the plan and the spec: bucket sizes and segments from the DP plan, the AdamW
 buffer (the local AdamW parameters packed end to end, padded to a multiple of `align x dp`, with
-the plan's alignment unless `adamw_align` says otherwise), the step checks (one 8-byte word per
+the plan's alignment, as the runtime pads it), the step checks (one 8-byte word per
 parameter plus five; under TP four more plus two per TP-replicated parameter), dtypes from the
 spec: gradients are reduced in fp32 when the model has bf16 / fp16 parameters and master weights
 are on (the runtime's default), otherwise in the parameters' dtype; parameters are gathered in
@@ -160,15 +160,14 @@ class Experts:
 
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
-                     master_weights: bool = True, adamw_align: int | None = None, first_step: bool = False,
+                     master_weights: bool = True, first_step: bool = False,
                      inf_norm: bool = False, overlap_step: bool = False, experts: Experts | None = None,
                      style: str = RUNTIME_STYLE) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
     of reduced gradients / of gathered parameters, for every buffer; by default derived per buffer
-    from the spec's dtypes and `master_weights` (as the runtime derives them). `adamw_align`: the
-    runtime's `align` argument, when it differs from the plan's alignment. `first_step`: include
+    from the spec's dtypes and `master_weights` (as the runtime derives them). `first_step`: include
     what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
     called before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
     (a step whose gradients clipping scales issues them again after the checks: not listed).
@@ -183,7 +182,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     params = (*spec.params, *(experts.spec.params if experts is not None else ()))
     master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
     options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
-                   adamw_align=adamw_align, overlap_step=overlap_step, style=style)
+                   overlap_step=overlap_step, style=style)
     dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm, **options)
     if experts is None:
         return dense
@@ -245,7 +244,7 @@ def backward_layers(plan: Plan, spec: ModelSpec) -> dict[int, int]:
 
 
 def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank: int, *, tp_mode: str,
-          grad_bytes: int | None, param_bytes: int | None, master: bool, adamw_align: int | None, first_step: bool,
+          grad_bytes: int | None, param_bytes: int | None, master: bool, first_step: bool,
           inf_norm: bool, overlap_step: bool, style: str) -> list[StepCollective]:
     """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one)."""
     dp, tp = plan.dp, plan.tp
@@ -258,8 +257,7 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
     grads = [_buffer(f"bucket {b.index}", [spec.param(p.name) for p in b.params], b.size, master, grad_bytes,
                      param_bytes) for b in buckets]
     adamw_params = spec.adamw_params()
-    align = plan.dp_plan.align if adamw_align is None else adamw_align
-    adamw_size = ceil_to(max(sum(p.local_numel(tp) for p in adamw_params), 1), align * dp)
+    adamw_size = ceil_to(max(sum(p.local_numel(tp) for p in adamw_params), 1), plan.dp_plan.align * dp)
     adamw = _buffer("the AdamW buffer", adamw_params, adamw_size, master, grad_bytes, param_bytes)
     adamw_cuts = even_cuts(adamw.size, dp)
     reduce_scatter = policy.grad_sync == "reduce-scatter"

@@ -686,9 +686,9 @@ def clip_(grads: Iterable[Tensor], max_norm: float) -> float:
     return norm
 
 
-def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[str], align: int = PLAN_DEFAULTS.align) -> float:
+def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[str]) -> float:
     """The global 2-norm of global gradients as the runtime takes it, to the last bit: laid out as
-    its buffers (the plan's buckets, the AdamW buffer padded to a multiple of `align x dp`), each
+    its buffers (the plan's buckets, the AdamW buffer padded to a multiple of the plan's `align x dp`), each
     DP rank's segments (its part of every bucket, its slice of the AdamW buffer) summed in order in
     fp64, the ranks' sums added in rank order."""
     from canzona.runtime.gradients import combine_norm_terms, local_norm_term
@@ -702,7 +702,7 @@ def runtime_norm(grads: Mapping[str, Tensor], plan: Plan, adamw_names: Sequence[
         for r in range(dp):
             segments[r].append(flat[b.cuts[r]:b.cuts[r + 1]])
     used = sum(grads[n].numel() for n in adamw_names)
-    flat = torch.zeros(ceil_to(max(used, 1), align * dp))
+    flat = torch.zeros(ceil_to(max(used, 1), plan.dp_plan.align * dp))
     if adamw_names:
         torch.cat([grads[n].reshape(-1) for n in adamw_names], out=flat[:used])
     cuts = even_cuts(flat.numel(), dp)

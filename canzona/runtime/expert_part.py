@@ -225,7 +225,7 @@ def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, mesh: Device
 
 
 def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
-                      comms: tuple[Comm, Comm], *, align: int, reduce_dtype: torch.dtype | None, tp_mode: str,
+                      comms: tuple[Comm, Comm], *, reduce_dtype: torch.dtype | None, tp_mode: str,
                       kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
                       device: torch.device, overlap_step: bool = False) -> ExpertPart:
     """The experts' part of an optimizer: their buffers and hooks (reduced over EDP, scaled by
@@ -233,7 +233,7 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
     group, in the order its bucket is reduced, computed as it lands)."""
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
-    grads = GradientSync(params, spec, plan, policy, edp, None, align, reduce_dtype, nonfinite="skip")
+    grads = GradientSync(params, spec, plan, policy, edp, None, reduce_dtype, nonfinite="skip")
     grads.source = ExpertReduction(edp, policy, plan, expert_scale(owner.dp, edp.size))
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,

@@ -89,7 +89,7 @@ class GradientSync:
     the optimizer reads them."""
 
     def __init__(self, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
-                 dp: Comm, tp: Comm | None, align: int, reduce_dtype: torch.dtype | None,
+                 dp: Comm, tp: Comm | None, reduce_dtype: torch.dtype | None,
                  nonfinite: str = "raise") -> None:
         self.params = params
         # the buffers hold entries: a parameter, or each matrix of a stacked one (`stacks`)
@@ -108,7 +108,10 @@ class GradientSync:
                         for b in plan.dp_plan.buckets]
         adamw_names = [p.name for p in spec.adamw_params()]
         offsets, used = packed_offsets(adamw_names, params)
-        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), align * dp.size), params, reduce_dtype)
+        # padded as the plan's buckets are aligned (the plan fixes the layout: the memory model and the
+        # collectives of a step read the same `dp_plan.align`), not by a planning setting of the caller's
+        self.adamw = FlatBuffer(adamw_names, offsets, ceil_to(max(used, 1), plan.dp_plan.align * dp.size), params,
+                                reduce_dtype)
         self.adamw_cuts = even_cuts(self.adamw.size, dp.size)
         self.buffer_of = {n: buf for buf in self.all_buffers() for n in buf.names}
         # the "got a gradient" table's position of every parameter and of every entry

@@ -350,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights and low)
         reduce_dtype = torch.float32 if self.master_weights else None
         dense = {n: p for n, p in self.params.items() if n not in self._expert_names}
-        self.grads = GradientSync(dense, self._dense_spec, self.plan, self.policy, self.comm, self.tp_comm, align,
+        self.grads = GradientSync(dense, self._dense_spec, self.plan, self.policy, self.comm, self.tp_comm,
                                   reduce_dtype, nonfinite)
         self._index = self.grads.index
         # the entries the plan places (a stack's matrices) in their parameter's group
@@ -382,7 +382,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.ep > 1:
             self.experts = build_expert_part(
                 self, {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
-                self._expert_plan, self.policy, self._expert_comms, align=align, reduce_dtype=reduce_dtype,
+                self._expert_plan, self.policy, self._expert_comms, reduce_dtype=reduce_dtype,
                 tp_mode=self.tp_mode, kernel=kernel, batched=batched, scalars=scalars, update_dtype=update_dtype,
                 device=device, overlap_step=overlap_step)
             self._group_of.update({e: self._group_of[n] for e, n in self.experts.grads.stacks.param_of.items()})

@@ -47,15 +47,23 @@ def _mesh_and_scheduler_worker(rank: int, world: int, plan_path: str | None) -> 
         sched.step()
         lrs.append([g["lr"] for g in opt.param_groups])
     saved = opt.state_dict()
-    return {"lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
+    last = [(r.op, r.group, r.name, r.bytes_per_rank) for r in opt.comm.log.for_step(2)]
+    return {"log": last, "rank": opt.rank, "lrs": lrs, "saved_lrs": [g["lr"] for g in saved["param_groups"]],
             "plan_hash": opt.plan.hash(), "params": weights(model), "layout": opt.mesh.layout,
             "calls": source.calls, "buckets": len(opt.plan.dp_plan.buckets)}
 
 
 def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
+    """A plan file laid out with an alignment other than the runtime's default (`canzona plan
+    --align 128`): the runtime lays out every buffer as the plan says, its AdamW buffer included,
+    so its collectives are the plan's (`step_collectives`). It padded the AdamW buffer to its own
+    `align` argument (a planning setting) until 2026-11-30: 64 x dp, where the plan, the memory
+    model and the simulator said 128 x dp."""
     from canzona.plan import make_plan
+    from canzona.step_collectives import step_collectives, step_records
 
-    plan = make_plan(TinyQwen3("tiny", seed=0).spec(), 2, 1, "muon", "alpha-balanced-reorder")
+    spec = TinyQwen3("tiny", seed=0).spec()
+    plan = make_plan(spec, 2, 1, "muon", "alpha-balanced-reorder", align=128)
     path = tmp_path / "plan.json"
     plan.save(path)
     results = run_ranks(_mesh_and_scheduler_worker, 2, str(path), deadline_s=120)
@@ -69,6 +77,7 @@ def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
         one_step = [("launch", b) for b in buckets] + [("launch", "adamw")] + \
             [("gather_rest", f"gradients of {b}") for b in buckets] + [("gather_rest", "adamw gradients")]
         assert r["calls"] == one_step * 3
+        assert r["log"] == step_records(step_collectives(plan, spec, "canzona", r["rank"]), "dp")
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), name
 
