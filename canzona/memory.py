@@ -73,7 +73,7 @@ from canzona.pipeline import (
     peak_layers_in_flight,
     rank_layers,
 )
-from canzona.plan import Plan, check_plan_matches
+from canzona.plan import Plan, check_plan_config, check_plan_matches
 from canzona.recompute import (
     FULL,
     RECOMPUTE_MODES,
@@ -1232,7 +1232,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
     `vp` model chunks' layers; `split`: how the layers are cut over the chunks,
     `canzona.pipeline.PipelineSplit`). `dp` is the cluster's DP size: by default the plan's; a
     replicated policy's plan may be made for one DP rank (as the simulator makes `sc`'s).
-    `matrix_config` overrides the optimizer's default configuration for the kernel workspace.
+    `matrix_config` overrides the optimizer's default configuration for the kernel workspace; the
+    plan must have been priced at it (`check_plan_config`).
     """
     setup = setup or MemorySetup()
     policy = get_step_policy(policy) if isinstance(policy, str) else policy
@@ -1259,6 +1260,7 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
 
     if matrix_config is not None and type(matrix_config) is not type(default_config(plan.optimizer)):
         raise SpecError(f"matrix_config is a {type(matrix_config).__name__}, but the plan is for {plan.optimizer}")
+    check_plan_config(plan, spec, matrix_config)  # the state counted is the plan's, priced at matrix_config
 
     pb, gb, mb, ub = setup.param_bytes, setup.grad_bytes, setup.master_bytes, setup.update_bytes
     adamw_sizes = _adamw_sizes(spec, tp)

@@ -714,6 +714,29 @@ def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: 
     _check_part(plan.experts, experts, None, None)
 
 
+def check_plan_config(plan: Plan, model: ModelSpec, matrix_config: object | None = None, *,
+                      hidden: int | None = None) -> None:
+    """The plan was priced at `matrix_config` (the runtime's option of that name: None, a mapping of
+    fields or a config object), as far as a plan can tell: it records each matrix's optimizer state
+    (what its DP policy balanced, and what every memory figure made from it counts), so a
+    configuration that keeps other state (SOAP's or Shampoo's `max_precond_dim`) is a PlanError
+    naming the first such matrix. Hyper-parameters that change only seconds (a learning rate, NS
+    steps) leave no trace in a plan. `model` as `check_plan_matches` takes it, which runs first."""
+    if plan.elementwise:  # an elementwise optimizer's plan is priced at its defaults (matrix_config_for)
+        return
+    cfg = matrix_config_for(plan.optimizer, matrix_config)
+    parts = [(plan, model)] if plan.experts is None else \
+        [(plan.dense, dense_part(model)), (plan.experts, expert_part(model, plan.ep, plan.etp, hidden))]
+    for part, spec in parts:
+        shapes = {p.name: p.shape for p in spec.matrix_params()}
+        for p in part.dp_plan.placements():
+            kept = state_bytes(plan.optimizer, shapes[p.name], cfg)
+            if p.state_bytes != kept:
+                raise PlanError(f"plan was made for another {plan.optimizer} configuration: it prices {p.name}'s "
+                                f"optimizer state at {p.state_bytes} bytes, matrix_config keeps {kept} (plan with the "
+                                "job's configuration: canzona plan --matrix-config)")
+
+
 def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) -> None:
     detail = _placement_difference(plan, model)
     if plan.fingerprint != model.fingerprint():

@@ -50,6 +50,7 @@ from canzona.plan import (
     Plan,
     PlanSettings,
     check_geometry,
+    check_plan_config,
     check_plan_matches,
     load_plan,
     plan_for,
@@ -467,6 +468,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_plan_matches(plan, self.spec, dp=self.dp, tp=self.tp, ep=self.ep)
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
+        check_plan_config(plan, self.spec, None if self.elementwise else self.matrix_cfg)
         try:
             for part in (plan, plan.experts) if plan.experts is not None else (plan,):
                 self.policy.check_dp_plan(part.dp_plan)

@@ -75,3 +75,26 @@ def test_refused_for_an_elementwise_optimizer_and_for_bad_values():
         matrix_config_for("muon", {"ns_step": 3})
     with pytest.raises(SpecError, match="MuonConfig"):
         matrix_config_for("muon", config_from_dict("soap", {}))
+
+
+def test_a_plan_is_held_to_the_configuration_whose_state_it_prices():
+    """A plan records each matrix's optimizer state, priced at its matrix_config: the memory model
+    counts that state, so a configuration that keeps other state is one PlanError (until 2026-11-30
+    the memory model counted a SOAP defaults' plan's state beside max_precond_dim 1024: 3.46 GB on
+    the 0.6B model's fullest GPU at DP 4, 2.46x the 1.41 GB that configuration keeps); one that
+    changes only seconds is not, and the plan's own configuration passes."""
+    from canzona.errors import PlanError
+    from canzona.memory import LayerDims, memory_per_gpu
+    from canzona.plan import check_plan_config
+
+    dims = LayerDims.gpt(layers=28, hidden=1024, heads=16, vocab=151936)
+    small = {"max_precond_dim": 1024}
+    default, priced = _plan("soap"), _plan("soap", small)
+    for plan, cfg in ((default, None), (priced, small), (default, {"precondition_frequency": 3})):
+        check_plan_config(plan, SPEC, cfg)
+    with pytest.raises(PlanError, match="plan was made for another soap configuration: it prices .* at "):
+        check_plan_config(default, SPEC, small)
+    with pytest.raises(PlanError, match="another soap configuration"):
+        memory_per_gpu(SPEC, default, "canzona", dims, matrix_config=config_from_dict("soap", small))
+    assert memory_per_gpu(SPEC, priced, "canzona", dims, matrix_config=config_from_dict("soap", small)).worst.matrix_state \
+        < memory_per_gpu(SPEC, default, "canzona", dims).worst.matrix_state

@@ -318,6 +318,11 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         "plan file for another dp": every({"plan": plan_file}),
         "plan for another model": every({"plan": make_plan(untied, dp, 1, "muon", "alpha-balanced")}),
         "plan for another optimizer": every({"plan": make_plan(tiny, dp, 1, "soap", "alpha-balanced")}),
+        # SOAP's defaults precondition both sides of every matrix; max_precond_dim 64 one side of the
+        # 128 x 64 ones: the plan's per-matrix state (and every figure of memory made from it) is not
+        # what the job allocates (it ran, with 606208 bytes of state per rank where the plan said 999424)
+        "plan for another configuration": every({"plan": make_plan(tiny, dp, 1, "soap", "alpha-balanced"),
+                                                 "optimizer": "soap", "matrix_config": {"max_precond_dim": 64}}),
         "plan for another policy": every({"plan": ab1, "policy": "sc"}),
     }
 
@@ -334,6 +339,7 @@ MISMATCH_WANT = {
     "plan file for another dp": f"plan is for dp=1, but the job has dp={MAIN_DP}",
     "plan for another model": "plan was made for model 'tiny-untied'",
     "plan for another optimizer": "plan is for soap",
+    "plan for another configuration": "plan was made for another soap configuration",
     "plan for another policy": "needs a whole-start plan",
 }
 
