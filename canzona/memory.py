@@ -350,7 +350,7 @@ class MemorySetup:
     # update, AdamW's moments and the kept gradient shards in the parameters' dtype (`update_state_bytes`,
     # `shard_grad_bytes`), as the runtime keeps them and a model built in bf16 under FSDP2 with
     # torch's AdamW (NeMo AutoModel's)
-    master_weights: bool = True
+    master_weights: bool = STEP_DEFAULTS.master_weights
     reduce_scatter: str = STEP_DEFAULTS.reduce_scatter  # the gradient reduce-scatter (canzona.reductions)
     recompute: str = "none"  # one of canzona.recompute.RECOMPUTE_MODES
     # under full recompute, Megatron's --recompute-method and --recompute-num-layers

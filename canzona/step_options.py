@@ -1,7 +1,7 @@
 """What the runtime does in a step, with each option's default defined once (issue 19, part 2).
 
 `DistributedOptimizer`'s keyword arguments of these names, the simulator's `RunOptions` /
-`SimConfig`, the memory model's `MemorySetup`, the harness's `TrainSpec` and the CLI's flags take
+`SimConfig` / `Workload`, the memory model's `MemorySetup`, the harness's `TrainSpec` and the CLI's flags take
 their defaults from `STEP_DEFAULTS`, so that "simulate, then deploy what you simulated" holds by
 construction: an option that changes what the runtime does has the same name and default wherever
 it appears (`tests/policy/test_registries.py` checks every consumer). The one deliberate exception is
@@ -26,6 +26,10 @@ class StepOptions:
     batch_kernels: bool = True  # same-shape matrices of a host as one batched kernel
     compile_kernels: bool = False  # Newton-Schulz through torch.compile
     max_grad_norm: float | None = None  # clip inside the step (None: measure the norm only)
+    # bf16 / fp16 parameters: fp32 masters of what a rank updates, gradients reduced and the state that
+    # follows the update kept in fp32 (False: all of it in the parameters' dtype); the memory model's
+    # `MemorySetup` and the simulator's `Workload` count what it keeps
+    master_weights: bool = True
 
 
 STEP_DEFAULTS = StepOptions()

@@ -768,7 +768,7 @@ class SimOptions:
     fp8_params: Fp8Params = False
     loss_fp32_upcast: LossFp32Upcast = True
     loss_holds_logits: LossHoldsLogits = False
-    master_weights: MasterWeights = True
+    master_weights: MasterWeights = STEP_DEFAULTS.master_weights
     apply_rope_fusion: ApplyRopeFusion = True
     bias_activation_fusion: BiasActivationFusion = True
 

@@ -8,6 +8,7 @@ from canzona.choices import check_choice
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.spec import DTYPE_BYTES, ModelSpec, Role
+from canzona.step_options import STEP_DEFAULTS
 from sim.cross_entropy import (
     DEFAULT_CROSS_ENTROPY_FUSION_IMPL,
     UNFUSED,
@@ -26,7 +27,7 @@ MAX_SEQ_LEN = 2**20
 MAX_GLOBAL_BATCH = 2**24  # sequences; with MAX_SEQ_LEN, FLOP counts stay far inside a float
 
 
-def grad_bytes_for(grad_reduce_in_fp32: bool | None, master_weights: bool = True) -> int:
+def grad_bytes_for(grad_reduce_in_fp32: bool | None, master_weights: bool = STEP_DEFAULTS.master_weights) -> int:
     """Bytes per gradient element under Megatron's DDP option `grad_reduce_in_fp32`: fp32 buffers
     and reductions (its default for bf16 training), else bf16. None: the default of a run with or
     without master weights (`Workload.master_weights`): fp32 beside fp32 masters (Megatron's,
@@ -72,7 +73,7 @@ class Workload:
     # fp32 and FSDP2 gathers bf16 copies); False, no fp32 copy: the optimizer state that follows the
     # update and the kept gradient shards in the parameters' dtype, as DistributedOptimizer(
     # master_weights=False) and a model built in bf16 under FSDP2 with torch's AdamW (NeMo AutoModel's)
-    master_weights: bool = True
+    master_weights: bool = STEP_DEFAULTS.master_weights
     # the layers' memory-bound kernels (norms, RoPE, SwiGLU, the loss): "fused" (Transformer Engine /
     # Megatron's fused kernels) or "eager" (PyTorch's eager ops, e.g. torchtitan with compile =
     # false): sim.eager_kernels

@@ -63,7 +63,7 @@ class TrainSpec:
     adamw_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
     clip_norm: float | None = None  # clip the global gradient norm to this before each update
-    master_weights: bool = True  # bf16 / fp16 models: fp32 masters, reduction and state
+    master_weights: bool = STEP_DEFAULTS.master_weights  # bf16 / fp16 models: fp32 masters, reduction and state
     zero_grad: str = "optimizer"  # or "model": `model.zero_grad()` (set_to_none), as HF Trainer does
     tp: int = 1  # ranks per TP group; the world is dp x tp
     ep: int = 1  # expert parallelism (a mixture-of-experts preset): EP groups of ep consecutive ranks of dp x tp

@@ -246,7 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout_s: float = 120.0,
         align: int = PLAN_DEFAULTS.align,
         cost_model: CostModel | None = None,
-        master_weights: bool = True,
+        master_weights: bool = STEP_DEFAULTS.master_weights,
         tp_group: dist.ProcessGroup | None = None,
         tp_policy: str = PLAN_DEFAULTS.tp_policy,
         tp_mode: str = STEP_DEFAULTS.tp_mode,

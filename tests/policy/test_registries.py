@@ -123,15 +123,16 @@ def test_every_step_option_has_one_default_wherever_it_appears():
     from cli import main as cli
     from sim.options import RunOptions
     from sim.simulate import SimConfig
+    from sim.workload import Workload
 
     consumers = {"DistributedOptimizer": defaults(DistributedOptimizer), "RunOptions": defaults(RunOptions),
-                 "SimConfig": defaults(SimConfig), "MemorySetup": defaults(MemorySetup),
+                 "SimConfig": defaults(SimConfig), "Workload": defaults(Workload), "MemorySetup": defaults(MemorySetup),
                  "TrainSpec": defaults(TrainSpec), "canzona simulate": defaults(cli.simulate),
                  "canzona compare": defaults(cli.compare), "canzona verify": defaults(cli.verify)}
     exceptions = {("TrainSpec", "reduce_scatter"): "exact"}
     for f in fields(StepOptions):
         want = getattr(STEP_DEFAULTS, f.name)
         seen = [name for name, d in consumers.items() if f.name in d]
-        assert "DistributedOptimizer" in seen and ("RunOptions" in seen or "SimConfig" in seen), f.name
+        assert "DistributedOptimizer" in seen and {"RunOptions", "SimConfig", "Workload"} & set(seen), f.name
         for name in seen:
             assert consumers[name][f.name] == exceptions.get((name, f.name), want), (name, f.name)
