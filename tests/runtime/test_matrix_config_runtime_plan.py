@@ -38,3 +38,19 @@ def test_runtime_and_cli_plan_the_same_for_a_matrix_config(one_rank, tmp_path, o
         default = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), spec, optimizer)
         assert default.plan.hash() != opt.plan.hash()
         assert [p.cost for p in default.plan.dp_plan.placements()] != [p.cost for p in opt.plan.dp_plan.placements()]
+
+
+@pytest.mark.parametrize(("optimizer", "matrix_config", "adamw_config"), [
+    ("soap", {"compute_dtype": "bf16"}, None), ("shampoo", {"compute_dtype": "fp64"}, None),
+    ("muon", None, {"compute_dtype": "bf16"}),
+])
+def test_a_compute_dtype_the_kernels_do_not_run_is_refused(one_rank, optimizer, matrix_config, adamw_config):
+    """The kernels compute SOAP's, Shampoo's and AdamW's steps in the wider of fp32 and the dtype
+    they update (`kernels.work_dtype`), whatever `compute_dtype` says: it was accepted and ignored
+    (and priced as given by the planner and the simulator) until 2026-11-30; now one SpecError at
+    construction, as `canzona plan / simulate --matrix-config` give one error line."""
+    from canzona.errors import SpecError
+
+    model = TinyQwen3("tiny", seed=0)
+    with pytest.raises(SpecError, match="compute_dtype must be fp32"):
+        DistributedOptimizer(model.named_parameters(), model.spec(), optimizer, matrix_config, adamw_config)
