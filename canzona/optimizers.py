@@ -462,11 +462,12 @@ def check_config(name: str, cfg: Any) -> Any:
     for key in ("ns_dtype", "compute_dtype"):
         if getattr(cfg, key, "fp32") not in COMPUTE_DTYPES:
             raise SpecError(f"{name} {key} must be one of {', '.join(COMPUTE_DTYPES)}, got {getattr(cfg, key)!r}")
-    # the runtime's kernels compute SOAP's, Shampoo's and AdamW's steps in the wider of fp32 and the
-    # dtype they update (`canzona.runtime.kernels.work_dtype`) whatever this field says, and the cost
-    # model prices the field: another floor (the references' option) would be priced and not run
+    # the runtime's kernels compute SOAP's, Shampoo's and AdamW's steps in the dtype of what they
+    # update (SOAP's and Shampoo's at least fp32: `canzona.runtime.kernels.work_dtype`) whatever this
+    # field says, and the cost model prices the field: another floor (the references' option) would
+    # be priced and not run
     if getattr(cfg, "compute_dtype", RUNTIME_COMPUTE_DTYPE) != RUNTIME_COMPUTE_DTYPE:
         raise SpecError(f"{name} compute_dtype must be {RUNTIME_COMPUTE_DTYPE}, got {cfg.compute_dtype!r}: the runtime "
-                        f"computes the step in the wider of {RUNTIME_COMPUTE_DTYPE} and the parameters' dtype (the "
-                        "reference optimizers take other floors)")
+                        "computes the step in the dtype of what it updates, whatever this field says (the reference "
+                        "optimizers take other floors)")
     return replace(cfg, **whole)

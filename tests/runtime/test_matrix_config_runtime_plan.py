@@ -45,8 +45,8 @@ def test_runtime_and_cli_plan_the_same_for_a_matrix_config(one_rank, tmp_path, o
     ("muon", None, {"compute_dtype": "bf16"}),
 ])
 def test_a_compute_dtype_the_kernels_do_not_run_is_refused(one_rank, optimizer, matrix_config, adamw_config):
-    """The kernels compute SOAP's, Shampoo's and AdamW's steps in the wider of fp32 and the dtype
-    they update (`kernels.work_dtype`), whatever `compute_dtype` says: it was accepted and ignored
+    """The kernels compute SOAP's, Shampoo's and AdamW's steps in the dtype of what they update (SOAP's
+    and Shampoo's at least fp32: `kernels.work_dtype`), whatever `compute_dtype` says: it was accepted and ignored
     (and priced as given by the planner and the simulator) until 2026-11-30; now one SpecError at
     construction, as `canzona plan / simulate --matrix-config` give one error line."""
     from canzona.errors import SpecError
