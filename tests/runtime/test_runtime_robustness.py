@@ -320,7 +320,7 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         "plan for another optimizer": every({"plan": make_plan(tiny, dp, 1, "soap", "alpha-balanced")}),
         # SOAP's defaults precondition both sides of every matrix; max_precond_dim 64 one side of the
         # 128 x 64 ones: the plan's per-matrix state (and every figure of memory made from it) is not
-        # what the job allocates (it ran, with 606208 bytes of state per rank where the plan said 999424)
+        # what the job allocates (it ran: at DP 2, 606208 bytes of state per rank where the plan said 999424)
         "plan for another configuration": every({"plan": make_plan(tiny, dp, 1, "soap", "alpha-balanced"),
                                                  "optimizer": "soap", "matrix_config": {"max_precond_dim": 64}}),
         "plan for another policy": every({"plan": ab1, "policy": "sc"}),
