@@ -737,6 +737,39 @@ def check_plan_config(plan: Plan, model: ModelSpec, matrix_config: object | None
                                 "job's configuration: canzona plan --matrix-config)")
 
 
+def check_plan_settings(plan: Plan, policy: StepPolicy, settings: PlanSettings,
+                        geometry: str = DEFAULT_GEOMETRY) -> None:
+    """Planning settings given beside a plan (the runtime's `plan=` with `dp_policy=`, `bucket_size=`,
+    ...) plan nothing: a setting off its default (`PLAN_DEFAULTS`) that the step policy takes and the
+    plan records otherwise is a PlanError naming both values, not a setting silently run otherwise.
+    A policy with its own DP policy (the baselines) takes neither `dp_policy` nor `geometry`, and one
+    with its own TP scheduler neither `tp_policy` nor `capacity` (as `plan_for` plans them): not
+    compared. Under "auto" geometry a plan of ZeRO-1's even segments is what any whole-matrix DP
+    policy may become."""
+    for part in (plan.dense, plan.experts) if plan.experts is not None else (plan,):
+        dpp, tpp, given = part.dp_plan, part.tp_plan, []
+        if policy.dp_policy is None:
+            even_ok = geometry == AUTO_GEOMETRY or settings.dp_policy == EVEN_GEOMETRY_POLICY
+            if dpp.policy != settings.dp_policy and not (dpp.policy == EVEN_GEOMETRY_POLICY and even_ok):
+                given.append(("dp_policy", settings.dp_policy, dpp.policy))
+            if not even_ok and dpp.policy == EVEN_GEOMETRY_POLICY:  # "whole" asked, ZeRO-1's even segments given
+                given.append(("geometry", geometry, AUTO_GEOMETRY))
+        if dpp.alpha is not None:  # a DP policy that balances by alpha
+            given.append(("alpha", settings.alpha, dpp.alpha))
+        if settings.bucket_size is not None:
+            given.append(("bucket_size", settings.bucket_size, dpp.bucket_size))
+        given += [("align", settings.align, dpp.align), ("balance_by", settings.balance_by, dpp.balance_by)]
+        if policy.tp_policy is None:
+            given.append(("tp_policy", settings.tp_policy, tpp.policy))
+            if settings.capacity is not None and tpp.capacity is not None:  # a scheduler that cuts by capacity
+                given.append(("capacity", settings.capacity, tpp.capacity))
+        for name, value, planned in given:
+            default = DEFAULT_GEOMETRY if name == "geometry" else getattr(PLAN_DEFAULTS, name)
+            if value != default and value != planned:
+                raise PlanError(f"{name}={value!r} was given with a plan made with {name}={planned!r}: a plan fixes "
+                                f"its settings (give the plan alone, or plan with {name}={value!r})")
+
+
 def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) -> None:
     detail = _placement_difference(plan, model)
     if plan.fingerprint != model.fingerprint():

@@ -52,6 +52,7 @@ from canzona.plan import (
     check_geometry,
     check_plan_config,
     check_plan_matches,
+    check_plan_settings,
     load_plan,
     plan_for,
 )
@@ -122,7 +123,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `capacity`, `balance_by` and `expert_buckets` (how buckets of stacked expert matrices are
     sized: `canzona.dp.layout.EXPERT_BUCKETS`) are `canzona.plan.PlanSettings`'s, with its defaults
     (`PLAN_DEFAULTS`), as `canzona plan` and `canzona simulate` take them; a step policy with its
-    own DP or TP policy (the baselines) overrides those two. `geometry` (`canzona.plan.GEOMETRIES`):
+    own DP or TP policy (the baselines) overrides those two. Given beside a `plan`, one off its default
+    must be what the plan was made with (`canzona.plan.check_plan_settings`: one PlanError otherwise,
+    where it was run as the plan said, silently, until 2026-11-30). `geometry` (`canzona.plan.GEOMETRIES`):
     `"auto"` (default) keeps ZeRO-1's even segments where whole matrices plan no shorter step (the
     ranks then fetch the parts of the matrices that straddle a cut, as zero1-gather's do),
     `"whole"` always whole matrices; `overlap_step` plans whole matrices. The plan is balanced for
@@ -457,6 +460,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _resolve_plan(self, plan: Plan | str | Path | None, settings: PlanSettings,
                       cost_model: CostModel | None) -> Plan:
+        given = plan is not None
         if plan is None:
             # balanced for the step this optimizer runs: its matrix_config's seconds and state, as
             # `canzona plan --matrix-config` and the simulator price it (an elementwise one has none)
@@ -469,6 +473,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if plan.optimizer != self.optimizer:
             raise PlanError(f"plan is for {plan.optimizer}, but the optimizer is {self.optimizer}")
         check_plan_config(plan, self.spec, None if self.elementwise else self.matrix_cfg)
+        if given:  # its settings, not this optimizer's planning ones (canzona.plan.check_plan_settings)
+            check_plan_settings(plan, self.policy, settings, self.geometry)
         try:
             for part in (plan, plan.experts) if plan.experts is not None else (plan,):
                 self.policy.check_dp_plan(part.dp_plan)

@@ -525,3 +525,35 @@ def test_the_runtime_mesh_holds_one_communicator_per_named_axis():
         alone.comm("ep")
     with pytest.raises(SpecError, match="dp always"):
         Mesh({"tp": tp})
+
+
+def test_planning_settings_beside_a_plan_must_be_the_plans():
+    """`check_plan_settings` (DistributedOptimizer(plan=..., dp_policy=..., ...)): settings at their
+    defaults, or the plan's own, pass; another one is a PlanError naming both values; the DP and TP
+    settings of a baseline (its own policies) are not compared; "auto" geometry accepts ZeRO-1's even
+    segments for any whole-matrix DP policy, "whole" does not."""
+    from dataclasses import replace
+
+    from canzona.models import resolve_spec
+    from canzona.plan import PlanSettings, check_plan_settings
+    from canzona.step_policies import get_step_policy
+
+    canzona, sc = get_step_policy("canzona"), get_step_policy("sc")
+    spec = resolve_spec("qwen3-0.6b", 2)
+    plan = make_plan(spec, 4, 2, "muon", "alpha-balanced", "greedy-rollback", alpha=0.5, bucket_size=2**26,
+                     align=128, capacity=Capacity(1e-3, "s"))
+    same = PlanSettings(dp_policy="alpha-balanced", tp_policy="greedy-rollback", alpha=0.5, bucket_size=2**26,
+                        align=128, capacity=Capacity(1e-3, "s"))
+    for ok in (PlanSettings(), same):
+        check_plan_settings(plan, canzona, ok)
+    for name, value in (("dp_policy", "whole-start"), ("alpha", 0.25), ("bucket_size", 2**25), ("align", 256),
+                        ("balance_by", "elements"), ("tp_policy", "tp-chunk"), ("capacity", Capacity(1.0, "s"))):
+        with pytest.raises(PlanError, match=f"^{name}=.* was given with a plan made with {name}="):
+            check_plan_settings(plan, canzona, replace(same, **{name: value}))
+        if name in ("dp_policy", "tp_policy", "capacity"):  # a baseline's own DP policy and TP scheduler
+            check_plan_settings(plan, sc, replace(same, **{name: value}))
+    even = make_plan(spec, 4, 2, "muon", "zero1-even")
+    check_plan_settings(even, canzona, PlanSettings(dp_policy="whole-start"))  # what auto geometry may make of it
+    with pytest.raises(PlanError, match="geometry='whole' was given"):
+        check_plan_settings(even, canzona, PlanSettings(), geometry="whole")
+    check_plan_settings(even, canzona, PlanSettings(dp_policy="zero1-even"), geometry="whole")

@@ -324,6 +324,10 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         "plan for another configuration": every({"plan": make_plan(tiny, dp, 1, "soap", "alpha-balanced"),
                                                  "optimizer": "soap", "matrix_config": {"max_precond_dim": 64}}),
         "plan for another policy": every({"plan": ab1, "policy": "sc"}),
+        # planning settings beside a plan that made otherwise: they were run as the plan said, silently
+        "planned bucket size beside a plan": every({"plan": ab1, "bucket_size": 4096}),
+        "whole geometry beside an even plan": every({"plan": make_plan(tiny, dp, 1, "muon", "zero1-even"),
+                                                     "geometry": "whole"}),
     }
 
 
@@ -341,6 +345,8 @@ MISMATCH_WANT = {
     "plan for another optimizer": "plan is for soap",
     "plan for another configuration": "plan was made for another soap configuration",
     "plan for another policy": "needs a whole-start plan",
+    "planned bucket size beside a plan": "bucket_size=4096 was given with a plan made with bucket_size=",
+    "whole geometry beside an even plan": "geometry='whole' was given with a plan made with geometry='auto'",
 }
 
 
