@@ -435,8 +435,8 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
     grads = _grads_done(b) if b.weights else None  # the reductions the schedule launches wait for them
     for sends in (True, False):
         if f_sends == sends:
-            with f:
-                stage.forward_end(fmb, fc)
+            with f:  # Megatron's post_forward (the send, the receives) runs before the head
+                stage.forward_end(fmb, fc, post_first=True)
         if b_sends == sends:
             with b:
                 stage.backward_end(bmb, bc, grads)

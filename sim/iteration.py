@@ -30,7 +30,7 @@ from canzona.decoder import Architecture
 from canzona.hardware import HardwareProfile
 from canzona.memory import MemorySetup
 from canzona.optimizers import default_config, matrix_optimizer
-from canzona.pipeline import EVEN_SPLIT, PipelineSplit, chunk_layers, pipeline_order
+from canzona.pipeline import EVEN_SPLIT, PipelineSplit, Slot, chunk_layers, pipeline_order
 from canzona.plan import Plan
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import (
@@ -80,6 +80,7 @@ from sim.ep_overlap import run_combined
 from sim.fp8 import FP8
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
+from sim.pipeline_p2p import Posting, posting
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
 from sim.userbuffers import block_overlaps
@@ -380,12 +381,31 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     bwd_in = [[done if v == virtual - 1 else eng.env.event() for _ in range(m)] for v in range(virtual)]
     stalls: list[float] = []
     syncs: list[simpy.Event] = []
-    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp, split) for s, ctx in enumerate(ctxs)]
+    receives = _Receives(eng.env)
+    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp, split, receives) for s, ctx in enumerate(ctxs)]
     for stage in stages:
         syncs += stage.run(m)
     return PhaseA(eng.env.all_of(syncs), stalls,
                   [{k: eng.env.all_of(evs) for k, evs in st.bucket_synced.items()} for st in stages],
                   [eng.env.all_of([st.last[r] for r in st.ranks]) for st in stages])
+
+
+class _Receives:
+    """When each pipeline receive is posted: one event per receive, (kind, virtual stage,
+    micro-batch), and position of the receiving rank in its stage, made by whichever of its sender
+    and its receiver asks first (the stages' programs are issued a stage at a time, so a send may
+    be issued before its receiver's program exists, and a receive posted before its sender's)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.events: dict[tuple[str, int, int, int], simpy.Event] = {}
+
+    def posted(self, key: tuple[str, int, int], position: int) -> simpy.Event:
+        full = (*key, position)
+        event = self.events.get(full)
+        if event is None:
+            event = self.events[full] = self.env.event()
+        return event
 
 
 class _Stage:
@@ -394,8 +414,11 @@ class _Stage:
 
     def __init__(self, ctx: Context, stage: int, ranks: list[list[int]], fwd_in: list[list[simpy.Event]],
                  bwd_in: list[list[simpy.Event]], stalls: list[float], vp: int = 1,
-                 split: PipelineSplit = EVEN_SPLIT):
+                 split: PipelineSplit = EVEN_SPLIT, receives: _Receives | None = None):
         self.ctx, self.stage, self.all_ranks, self.vp, self.split = ctx, stage, ranks, vp, split
+        self.receives = receives or _Receives(ctx.engine.env)
+        self.posting: Posting | None = None  # set by `run`: Megatron's receive posts and send waits
+        self.sent: dict[Slot, dict[int, simpy.Event]] = {}  # a pass's send, per sending rank, until waited for
         self.ranks = ranks[stage]
         self.fwd_in, self.bwd_in, self.stalls = fwd_in, bwd_in, stalls
         self.eng = ctx.engine
@@ -625,13 +648,54 @@ class _Stage:
             self.etp_costs[key] = collective_cost(op, total, self.experts.cluster.tp_geometry(), self.ctx.hw)
         return self.etp_costs[key]
 
-    def send(self, to: int, name: str, arrived: simpy.Event) -> None:
-        """Point-to-point sends of every rank's activation (gradient) slice to stage `to`."""
+    def send(self, to: int, name: str, arrived: simpy.Event, receive: tuple[str, int, int]) -> dict[int, simpy.Event]:
+        """Point-to-point sends of every rank's activation (gradient) slice to stage `to`, each a
+        rendezvous with the receive `receive` (kind, virtual stage, micro-batch) its peer posts
+        (`_Receives`, `after_pass`); when each sender's send is done."""
         stream = f"{PP_COMM} {self.stage}->{to}"
-        evs = []
-        for src, dst in zip(self.ranks, self.all_ranks[to]):
-            evs += self.eng.collective(name, [src, dst], self.p2p, stream, {src: [self.last[src]], dst: []}).values()
+        evs, sent = [], {}
+        for i, (src, dst) in enumerate(zip(self.ranks, self.all_ranks[to])):
+            done = self.eng.collective(name, [src, dst], self.p2p, stream,
+                                       {src: [self.last[src]], dst: [self.receives.posted(receive, i)]})
+            evs += done.values()
+            sent[src] = done[src]
         self.eng.env.process(_relay(self.eng.env.all_of(evs), arrived))
+        return sent
+
+    def post(self, slots: Sequence[Slot]) -> None:
+        """Each rank posts the receives of `slots` (its passes) where its stream is now."""
+        pp = len(self.all_ranks)
+        for kind, mb, c in slots:
+            key = (kind, c * pp + self.stage, mb)
+            for i, r in enumerate(self.ranks):
+                _chain(self.last[r], self.receives.posted(key, i))
+
+    def arrival(self, slot: Slot) -> simpy.Event:
+        """When the input (output gradient) of pass `slot` has arrived."""
+        kind, mb, c = slot
+        v = c * len(self.all_ranks) + self.stage
+        return self.fwd_in[v][mb] if kind == "F" else self.bwd_in[v][mb]
+
+    def after_pass(self, slot: Slot, sent: dict[int, simpy.Event] | None) -> None:
+        """Pass `slot`'s exchange once its send (`sent`; None: it sends nothing) is issued: the
+        receives it posts, the waits of a blocking exchange, an earlier send waited for
+        (`sim.pipeline_p2p`)."""
+        if self.posting is None:  # no pipeline
+            return
+        step = self.posting.after[slot]
+        if sent:
+            self.sent[slot] = sent
+        self.post(step.posts)
+        if step.blocking:
+            arrivals = [self.arrival(s) for s in step.posts]
+            for r in self.ranks:
+                waits = arrivals + ([sent[r]] if sent else [])
+                if waits:
+                    self.last[r] = self.eng.env.all_of([self.last[r], *waits])
+            self.sent.pop(slot, None)
+        self.post(step.then_posts)
+        if step.waits_for is not None and step.waits_for in self.sent:
+            self.wait_each(self.sent.pop(step.waits_for))
 
     def param_gathers(self) -> dict[int, list[simpy.Event]]:
         """Steady state: the last step's parameter all-gathers, issued as the forward needs them."""
@@ -735,7 +799,11 @@ class _Stage:
         self.chunk_list = self.chunks()
         self.micro_batches = micro_batches
         syncs: list[simpy.Event] = []
-        if ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None:
+        combined = ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None
+        if pp > 1:
+            self.posting = posting(s, pp, micro_batches, vp, combined)
+            self.post(self.posting.at_start)
+        if combined:
             # Megatron's combined 1F1B: one micro-batch(-chunk)'s forward beside another's backward
             run_combined(self, micro_batches, needed, syncs)
         else:
@@ -782,14 +850,22 @@ class _Stage:
                 self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
             self.wait(needed[layer])
 
-    def forward_end(self, mb: int, c: int) -> None:
-        """After chunk `c`'s last layer: the head (and loss), or the send to the next stage."""
+    def forward_end(self, mb: int, c: int, post_first: bool = False) -> None:
+        """After chunk `c`'s last layer: the head (and loss), or the send to the next stage; then
+        the pass's exchange (`after_pass`), before the head where `post_first` (the combined
+        schedule runs its post_forward before the head, sim.ep_overlap)."""
         v, last_head = self.virtual(c)
+        slot = ("F", mb, c)
         if last_head:
+            if post_first:
+                self.after_pass(slot, None)
             self.compute(f"mb{mb} fwd head", self.ctx.work.head_forward_s)
+            if not post_first:
+                self.after_pass(slot, None)
         else:
             pp = len(self.all_ranks)
-            self.send((self.stage + 1) % pp, f"mb{mb}{self._tag(c)} send activations", self.fwd_in[v + 1][mb])
+            self.after_pass(slot, self.send((self.stage + 1) % pp, f"mb{mb}{self._tag(c)} send activations",
+                                            self.fwd_in[v + 1][mb], ("F", v + 1, mb)))
 
     def forward_layer(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
         """Micro-batch `mb`'s forward of layer `k` (the stage's work index), after its gathers."""
@@ -836,9 +912,12 @@ class _Stage:
             self.last.update(data)
         elif self.aligned:
             self.aligned_launch(mb, c)
+        sent = None
         if v > 0:
             pp = len(self.all_ranks)
-            self.send((self.stage - 1) % pp, f"mb{mb}{self._tag(c)} send gradients", self.bwd_in[v - 1][mb])
+            sent = self.send((self.stage - 1) % pp, f"mb{mb}{self._tag(c)} send gradients", self.bwd_in[v - 1][mb],
+                             ("B", v - 1, mb))
+        self.after_pass(("B", mb, c), sent)
 
     def backward_layer(self, mb: int, k: int, micro_batches: int, syncs: list[simpy.Event]) -> None:
         """Micro-batch `mb`'s backward of layer `k`, then what its completion starts."""
@@ -879,6 +958,12 @@ def _tp_overlap_sms(b, config: str) -> TPOverlapSMs:
 def _relay(source: simpy.Event, target: simpy.Event):
     yield source
     target.succeed()
+
+
+def _chain(source: simpy.Event, target: simpy.Event) -> None:
+    """`target` fires when `source` does (`_relay` without a process: issued before the run,
+    when no event has been processed yet)."""
+    source.callbacks.append(lambda _event: target.succeed())
 
 
 # --- phase B ----------------------------------------------------------------------------------

@@ -1,0 +1,197 @@
+"""The pipeline's point-to-point as Megatron posts it (`sim.pipeline_p2p`): a transfer starts when
+its sender has produced the tensor and its receiver has posted the receive, and the warm-up's and
+cool-down's exchanges block the sender's stream until they are done."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona.pipeline import pipeline_order
+from sim.pipeline_p2p import AfterPass, needs_receive, posting
+from sim.simulate import SimConfig, simulate
+from sim.workload import Workload
+
+# PP 2 x VP 2, one GPU a stage, two micro-batches: stage 0 runs its four forwards as warm-up,
+# stage 1 two (Megatron's get_pp_rank_microbatches); 28 layers, 7 a chunk
+TINY = SimConfig(model="qwen3-0.6b", gpus=2, tp=1, pp=2, vp=2, policy="sc", workload=Workload(512, 2))
+
+
+def _span(result, rank: int, name: str, stream: str = "compute"):
+    (span,) = [s for s in result.spans if s.phase == "A" and s.rank == rank and s.name == name and s.stream == stream]
+    return span
+
+
+def _forward_end(result, rank: int, mb: int, last_layer: int) -> float:
+    """When rank's forward of micro-batch `mb` ends: its chunk's last layer's last block."""
+    return max(s.end for s in result.spans if s.phase == "A" and s.rank == rank and s.kind == "compute"
+               and s.name.startswith(f"mb{mb} fwd layer {last_layer}."))
+
+
+def test_a_receive_posted_late_delays_its_transfer_by_hand(full_rate_compute):
+    """Stage 0 posts its receive for micro-batch 0's chunk 1 (the activations stage 1's chunk 0
+    sends round to it) with the send of its own micro-batch 1 chunk 0, so that transfer waits for
+    it. Both ranks start their second forward together (stage 0 on micro-batch 1 once its first
+    send is done, stage 1 on micro-batch 0 once it has arrived: the same transfer), and run the
+    same seven layers, stage 0 the embedding first: the wrap-around send starts the embedding's
+    forward after stage 1 is done, where it started at once before."""
+    r = simulate(TINY)
+    wrap = _span(r, 1, "mb0 chunk 0 send activations", "pp-comm 1->0")
+    produced = _forward_end(r, 1, 0, 13)  # stage 1's chunk 0: layers 7..13
+    posted = _forward_end(r, 0, 1, 6)  # stage 0's micro-batch 1 chunk 0: layers 0..6
+    embedding = _span(r, 0, "mb1 fwd embedding")
+    assert wrap.start == pytest.approx(posted, abs=1e-12)
+    assert wrap.start - produced == pytest.approx(embedding.end - embedding.start, rel=1e-9)
+    assert embedding.end > embedding.start
+    assert embedding.start == pytest.approx(_span(r, 1, "mb0 fwd layer 7.0").start, abs=1e-12)
+
+
+def test_a_receive_posted_early_changes_nothing(full_rate_compute):
+    """Stage 1 posts its receive for micro-batch 1's chunk 0 when its own micro-batch 0 is done,
+    before stage 0 has produced it: the send starts when its sender's last layer ends, as before."""
+    r = simulate(TINY)
+    send = _span(r, 0, "mb1 chunk 0 send activations", "pp-comm 0->1")
+    assert _forward_end(r, 1, 0, 13) < _forward_end(r, 0, 1, 6)  # posted before it is produced
+    assert send.start == pytest.approx(_forward_end(r, 0, 1, 6), abs=1e-12)
+    first = _span(r, 0, "mb0 chunk 0 send activations", "pp-comm 0->1")  # posted before the first pass
+    assert first.start == pytest.approx(_forward_end(r, 0, 0, 6), abs=1e-12)
+
+
+def test_the_warm_up_waits_for_its_sends(full_rate_compute):
+    """Megatron's warm-up exchange blocks (`send_forward_recv_forward` waits for its requests):
+    stage 0's second forward starts when its first send is done, not when its first forward is."""
+    r = simulate(TINY)
+    send = _span(r, 0, "mb0 chunk 0 send activations", "pp-comm 0->1")
+    assert send.end > send.start
+    assert _span(r, 0, "mb1 fwd embedding").start == pytest.approx(send.end, abs=1e-12)
+
+
+def test_the_interleaved_table_by_hand():
+    """PP 2 x VP 2, two micro-batches, stage 1 (warm-up 2 of 4), read off schedules.py: each
+    receive posted with the send of the pass before it in its direction; the warm-up and
+    cool-down blocking, the steady state waiting for the previous send; stage 1 holds the last
+    virtual stage, whose backwards need no receive."""
+    p = posting(1, 2, 2, 2)
+    f = [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]
+    b = [("B", 0, 1), ("B", 1, 1), ("B", 0, 0), ("B", 1, 0)]
+    assert p.at_start == (f[0],)
+    assert p.after == {
+        f[0]: AfterPass(posts=(f[1],), blocking=True),
+        f[1]: AfterPass(posts=(f[2],), blocking=True),  # then the first backward's, not needed here
+        f[2]: AfterPass(posts=(f[3],)),
+        f[3]: AfterPass(waits_for=f[2]),
+        b[0]: AfterPass(),
+        b[1]: AfterPass(posts=(b[2],), waits_for=b[0]),
+        b[2]: AfterPass(posts=(b[3],), blocking=True),
+        b[3]: AfterPass(blocking=True),
+    }
+
+
+def test_the_plain_table_by_hand():
+    """PP 2, two micro-batches (1F1B, every exchange blocking): stage 0 posts the backward's
+    receive with its steady forward's send (`send_forward_recv_backward`), and the cool-down's
+    after the last steady send (`recv_backward`); stage 1 its next forward's with its backward's
+    send (`send_backward_recv_forward`)."""
+    f0, f1, b0, b1 = ("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)
+    first, last = posting(0, 2, 2), posting(1, 2, 2)
+    assert first.at_start == ()
+    assert first.after == {f0: AfterPass(blocking=True), f1: AfterPass(posts=(b0,), blocking=True),
+                           b0: AfterPass(blocking=True, then_posts=(b1,)), b1: AfterPass(blocking=True)}
+    assert last.at_start == (f0,)
+    assert last.after == {f0: AfterPass(blocking=True), b0: AfterPass(posts=(f1,), blocking=True),
+                          f1: AfterPass(blocking=True), b1: AfterPass(blocking=True)}
+
+
+CASES = [(2, 1, 2), (2, 1, 5), (4, 1, 3), (4, 1, 8), (2, 2, 2), (2, 2, 6), (4, 2, 4), (4, 2, 8), (3, 4, 6),
+         (8, 2, 16), (4, 5, 4), (4, 20, 32), (8, 5, 32)]
+
+
+@pytest.mark.parametrize("pp,vp,m", CASES)
+@pytest.mark.parametrize("combined", [False, True])
+def test_every_receive_is_posted_once_before_its_pass(pp, vp, m, combined):
+    if combined and vp == 1:
+        return  # the combined schedule runs inside the interleaved one only
+    for s in range(pp):
+        order = pipeline_order(s, pp, m, vp)
+        p = posting(s, pp, m, vp, combined)
+        assert set(p.after) == set(order)
+        where = {slot: -1 for slot in p.at_start}
+        for k, slot in enumerate(order):
+            for posted in p.after[slot].posts + p.after[slot].then_posts:
+                assert posted not in where, f"{posted} posted twice"
+                where[posted] = k
+        needed = {slot for slot in order if needs_receive(slot, s, pp, vp)}
+        assert set(where) == needed
+        assert all(where[slot] < order.index(slot) for slot in needed)
+
+
+@pytest.mark.parametrize("pp,vp,m", CASES)
+@pytest.mark.parametrize("combined", [False, True])
+def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
+    """Every rank's program under the tables, run in lockstep: a pass once its input has arrived,
+    a transfer once sent and posted (and the one before it on its channel is done), a blocking
+    exchange's or a waited-for send once its transfer is done. All of it finishes."""
+    if combined and vp == 1:
+        return
+    virtual = pp * vp
+    programs = []
+    for s in range(pp):
+        p = posting(s, pp, m, vp, combined)
+        prog = [("post", slot) for slot in p.at_start]
+        for slot in pipeline_order(s, pp, m, vp):
+            kind, mb, c = slot
+            v = c * pp + s
+            step = p.after[slot]
+            prog.append(("run", slot))
+            target = (kind, v + 1 if kind == "F" else v - 1, mb)
+            sends = 0 <= target[1] < virtual
+            if sends:
+                prog.append(("send", target))
+            prog += [("post", x) for x in step.posts]
+            if step.blocking:
+                prog += [("arrived", x) for x in step.posts] + ([("delivered", target)] if sends else [])
+            prog += [("post", x) for x in step.then_posts]
+            if step.waits_for is not None:
+                wk, wmb, wc = step.waits_for
+                wv = wc * pp + s
+                wt = (wk, wv + 1 if wk == "F" else wv - 1, wmb)
+                if 0 <= wt[1] < virtual:
+                    prog.append(("delivered", wt))
+        programs.append(prog)
+
+    def key(s: int, slot) -> tuple:
+        kind, mb, c = slot
+        return kind, c * pp + s, mb
+
+    sent, posted, delivered = set(), set(), set()
+    # (src stage, dst stage) -> keys in send order: the simulator's stream of the pair (at PP 2 the
+    # wrap-around activations and the gradients share one, as Megatron's one communicator there)
+    channel: dict[tuple[int, int], list] = {}
+    pos = [0] * pp
+    while any(pos[s] < len(programs[s]) for s in range(pp)):
+        moved = False
+        for ch in channel.values():  # transfers, in order on their channel
+            while ch and ch[0] in sent and ch[0] in posted:
+                delivered.add(ch.pop(0))
+                moved = True
+        for s in range(pp):
+            while pos[s] < len(programs[s]):
+                op, arg = programs[s][pos[s]]
+                if op == "run":
+                    ready = not needs_receive(arg, s, pp, vp) or key(s, arg) in delivered
+                elif op == "arrived":
+                    ready = key(s, arg) in delivered
+                elif op == "delivered":
+                    ready = arg in delivered
+                else:
+                    ready = True
+                if not ready:
+                    break
+                if op == "send":
+                    sent.add(arg)
+                    channel.setdefault((s, arg[1] % pp), []).append(arg)
+                elif op == "post":
+                    posted.add(key(s, arg))
+                pos[s] += 1
+                moved = True
+        assert moved, f"pp {pp} vp {vp} m {m}: stuck at {[programs[s][pos[s]:pos[s] + 1] for s in range(pp)]}"
+    assert delivered == sent == posted
