@@ -1,5 +1,5 @@
 """When a pipeline rank posts the receive for each of its passes' inputs, and where its stream waits
-for its sends: Megatron-LM's pipeline point-to-point (docs/design.md §9.3, "the pipeline's
+for its sends: Megatron-LM's pipeline point-to-point (docs/design.md §9.3, "The pipeline's
 point-to-point").
 
 NCCL's point-to-point is a rendezvous: a send's kernel moves its data only while the peer's receive
