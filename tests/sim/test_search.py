@@ -104,7 +104,10 @@ def test_published_layouts_floors_are_below_the_simulation(row, overlap):
     rate = DeviceRate.from_profile(hw)
     r = simulate(cfg)
     floor = time_floor(cfg, model, rate, hw)
-    assert 0.9 * r.iteration_time_s < floor <= r.iteration_time_s
+    # within 12%: the floor takes the sends as free, and the pipeline's warm-up and cool-down
+    # exchanges block (sim.pipeline_p2p), most of PP 8 x VP 5's schedule at 8 micro-batches
+    # (0.889 of its simulation with TP overlap; 0.910 before the rendezvous)
+    assert 0.88 * r.iteration_time_s < floor <= r.iteration_time_s
     assert memory_floor(cfg, model) <= r.memory.worst.total
     no_sms = time_floor(cfg, model, rate, replace(hw, gpu=replace(hw.gpu, sms=0)))
     assert (no_sms < floor) if (cfg.tp > 1 and overlap) or cfg.cp > 1 else (no_sms == floor)
