@@ -21,9 +21,8 @@ state as DTensors, each rank writing its shards, saved with `torch.distributed.c
 `canzona.runtime.checkpoint_files.save_checkpoint` (complete or invisible, with a manifest), with
 the run's settings. `--resume` (a `step_K` folder, or DIR for its latest) verifies the manifest,
 reads the checkpoint with `dcp.load` into the state dict of the model and optimizer as this run
-shards them, and hands it back with `set_state_dict`: any world size resumes it (FSDP 2 -> 4).
-Checkpoints need `FsdpOptimizer.state_dict` / `load_state_dict`; where this canzona has none yet,
-`--save` and `--resume` are refused before training.
+shards them, and hands it back with `set_state_dict` (through `FsdpOptimizer.state_dict` /
+`load_state_dict`): any world size resumes it (FSDP 2 -> 4).
 
 Bad input (a model the script cannot build, a batch that the ranks cannot split, ranks given
 different arguments, an unusable output folder, a checkpoint that is incomplete, damaged, or of

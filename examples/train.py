@@ -20,8 +20,8 @@ groups of N consecutive ranks, each holding experts / N of every layer (tokens d
 all-to-alls), and `DistributedOptimizer` steps the dense part over DP and the experts over their
 expert-data-parallel groups, as the plan's two parts say:
 
-    canzona plan --model moe/config.json --dp 4 --ep 2 --out plan.json
-    torchrun --nproc-per-node 4 examples/train.py --model moe/config.json --plan plan.json --ep 2 --steps 20
+    canzona plan --model examples/tiny_qwen3_moe/config.json --dp 4 --tp 1 --ep 2 --out plan.json
+    torchrun --nproc-per-node 4 examples/train.py --model examples/tiny_qwen3_moe/config.json --plan plan.json --ep 2 --steps 20
 
 Checkpoints hold each expert stack as a DTensor sharded over the EP ranks, so a run at another EP
 size (or none) resumes from them.
