@@ -431,7 +431,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
         if even_tp.metrics.makespan <= tpp.metrics.makespan * (1 + TIE) and \
                 fullest_state(even, even_tp) <= fullest_state(dpp, tpp):
             dpp, tpp = even, even_tp
-    return Plan(model.name, model.fingerprint(), dp, tp, optimizer, cost_model.name, dpp, tpp)
+    return Plan(model.name, model.fingerprint(tp), dp, tp, optimizer, cost_model.name, dpp, tpp)
 
 
 def evenly_cut(dp_plan: DPPlan) -> bool:
@@ -772,10 +772,11 @@ def check_plan_settings(plan: Plan, policy: StepPolicy, settings: PlanSettings,
 
 def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) -> None:
     detail = _placement_difference(plan, model)
-    if plan.fingerprint != model.fingerprint():
+    # a TP-1 plan written before its fingerprint left the TP dims out records them: the same model too
+    if plan.fingerprint not in (model.fingerprint(plan.tp), model.fingerprint()):
         why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"
         raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), not {model.name!r} "
-                        f"({model.fingerprint()}): {why}")
+                        f"({model.fingerprint(plan.tp)}): {why}")
     if dp is not None and plan.dp != dp:
         raise PlanError(f"plan is for dp={plan.dp}, but the job has dp={dp}")
     if tp is not None and plan.tp != tp:

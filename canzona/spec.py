@@ -227,15 +227,19 @@ class ModelSpec:
         for p in self.params:
             p.local_shape(tp)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, tp: int | None = None) -> str:
         """Hash of the model a plan is for: names, global shapes, roles and TP dims.
 
         Not of the order: the same model listed in another order (registration order versus a
         measured forward order) is the same model. A plan records its own order in its
         placements, whose names and sizes `check_plan_matches` checks against the model.
+        `tp`: a plan's TP size; at TP 1 nothing is split, so the TP dims are left out and a plan
+        made from a config (`canzona plan --model`, which marks the splits a TP layout would make)
+        is the plan of the unsplit module read from it (`ModelSpec.from_module`, which marks none).
         """
+        splits = tp is None or tp > 1
         # a stack's matrix shape only where there is one: a dense model's fingerprint is unchanged
-        rows = sorted([p.name, list(p.shape), p.role.value, p.tp_dim] +
+        rows = sorted([p.name, list(p.shape), p.role.value, p.tp_dim if splits else None] +
                       ([list(p.matrix_shape)] if p.matrix_shape is not None else []) for p in self.params)
         blob = json.dumps(rows, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -331,6 +331,7 @@ def test_plan_with_the_right_fingerprint_but_wrong_matrices():
     wrong_tp = make_plan(model, 4, 1)  # tp=1 shards are twice the size of tp=2 ones
     d = json.loads(wrong_tp.to_json())
     d["layout"]["tp"] = 2  # hosts are all 0, legal at tp=2: structurally valid
+    d["model"]["fingerprint"] = model.fingerprint(2)  # a TP-1 plan's leaves the TP dims out
     forged = plan_from_dict(d)
     with pytest.raises(PlanError) as err:
         check_plan_matches(forged, model)
@@ -557,3 +558,13 @@ def test_planning_settings_beside_a_plan_must_be_the_plans():
     with pytest.raises(PlanError, match="geometry='whole' was given"):
         check_plan_settings(even, canzona, PlanSettings(), geometry="whole")
     check_plan_settings(even, canzona, PlanSettings(dp_policy="zero1-even"), geometry="whole")
+
+
+def test_a_tp1_plan_recording_the_tp_dims_still_matches():
+    """A TP-1 plan's fingerprint leaves the TP dims out (TP 1 splits nothing); one written before it
+    did records them, and is the same model's plan still."""
+    model = get_model("qwen3-0.6b", 2)
+    d = json.loads(make_plan(model, 4, 1).to_json())
+    assert d["model"]["fingerprint"] == model.fingerprint(1) != model.fingerprint()
+    d["model"]["fingerprint"] = model.fingerprint()
+    check_plan_matches(plan_from_dict(d), model, dp=4, tp=1)

@@ -146,8 +146,10 @@ def test_plan_from_module_spec_matches_the_catalog_spec(hf_qwen3):
     plan = make_plan(spec, 2, 1, "muon")
     check_plan_matches(plan, catalog, dp=2, tp=1)
     check_plan_matches(make_plan(catalog, 2, 1, "muon"), spec, dp=2, tp=1)
-    with pytest.raises(PlanError):  # without the TP dims it is another model
-        check_plan_matches(plan, ModelSpec.from_module(hf_qwen3))
+    # TP 1 splits nothing: the module read without TP dims is the planned model
+    check_plan_matches(plan, ModelSpec.from_module(hf_qwen3), dp=2, tp=1)
+    with pytest.raises(PlanError, match="plan was made for model"):  # at TP 2 the splits are the model's
+        check_plan_matches(make_plan(spec, 1, 2, "muon"), ModelSpec.from_module(hf_qwen3))
 
 
 def test_reference_tiny_model_spec_from_module_is_model_spec():
