@@ -77,7 +77,7 @@ from cli.render import (
 )
 from cli.replay import Replay
 from cli.shared_options import takes_options
-from cli.units import parse_capacity, parse_matrix_config
+from cli.units import MATRIX_CONFIG_HELP, parse_capacity, parse_matrix_config
 from sim.ep_dispatch import ALLTOALL, DEEPEP_SMS, DEFAULT_HYBRIDEP_SMS, EpDispatcher
 from sim.topology import MAX_GPUS
 from sim.userbuffers import DEFAULT_UB_CONFIG
@@ -482,11 +482,7 @@ Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
 Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
 Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
-MatrixConfig = Annotated[str | None, typer.Option(
-    help="The matrix optimizer's configuration, as DistributedOptimizer's matrix_config: a JSON object of its "
-         "fields, e.g. '{\"ns_steps\": 10}' (Muon), '{\"max_precond_dim\": 4096}' (SOAP). The step is priced and "
-         "planned at it (its kernels, optimizer state and workspace); a measured cost table, timed at the "
-         "defaults, gives way to the analytic model. Default: the optimizer's defaults; not with --optimizer adamw.")]
+MatrixConfig = Annotated[str | None, typer.Option(help=MATRIX_CONFIG_HELP)]
 DpPolicy = Annotated[str | None, typer.Option(help=f"canzona's DP policy (default {PLAN_DEFAULTS.dp_policy}; {PAPER_DP_POLICY}: the paper's); the baselines use their own.")]
 TpPolicy = Annotated[str, typer.Option(help=f"canzona's TP scheduler: {', '.join(TP_POLICIES)} (the baselines run tp-sync).")]
 TpMode = Annotated[str, typer.Option(help="Order of the TP micro-groups' operations: pipelined or serial.")]

@@ -29,6 +29,15 @@ def parse_capacity(text: str | None) -> Capacity | None:
     raise SpecError(f"capacity unit {m.group(2)!r} is unknown; use s, ms, us, B, KB, MB, GB, KiB, MiB or GiB")
 
 
+# `--matrix-config`'s help: `canzona plan / simulate / search` and examples/train.py (which deploys
+# such a plan) take the same option
+MATRIX_CONFIG_HELP = (
+    "The matrix optimizer's configuration, as DistributedOptimizer's matrix_config: a JSON object of its "
+    "fields, e.g. '{\"ns_steps\": 10}' (Muon), '{\"max_precond_dim\": 4096}' (SOAP). The step is priced and "
+    "planned at it (its kernels, optimizer state and workspace); a measured cost table, timed at the "
+    "defaults, gives way to the analytic model. Default: the optimizer's defaults; not with --optimizer adamw.")
+
+
 def parse_matrix_config(text: str | None, optimizer: str) -> Any:
     """`--matrix-config`: a JSON object of the matrix optimizer's fields (`{"ns_steps": 10}`), read as
     DistributedOptimizer reads its `matrix_config` (`canzona.optimizers.matrix_config_for`, torch-free):

@@ -75,8 +75,8 @@ import torch.distributed.checkpoint as dcp
 
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
-from canzona.optimizers import MATRIX_REGISTRY
-from canzona.plan import Plan, check_plan_matches, load_plan
+from canzona.optimizers import MATRIX_REGISTRY, config_changes
+from canzona.plan import Plan, check_plan_config, check_plan_matches, load_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
 from canzona.runtime.atomic_files import check_output_file, check_output_folder, write_atomically
@@ -92,6 +92,7 @@ from canzona.runtime.comm import Comm
 from canzona.runtime.gradients import NONFINITE_POLICIES
 from canzona.spec import ModelSpec
 from canzona.step_policies import default_policy, get_step_policy
+from cli.units import MATRIX_CONFIG_HELP, parse_matrix_config
 
 # reference.tiny_model_tp gathers with all_gather_into_tensor, which torch 2.13 marks deprecated
 warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
@@ -106,6 +107,8 @@ RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
 SAME_DATA = ("seed", "batch", "seq_len")  # a resumed run must see the same data stream
 # recorded with each checkpoint; on resume the command line's values win, and differences are logged
 HYPER_FLAGS = ("steps", "lr", "adamw_lr", "weight_decay", "warmup", "clip")
+# the matrix optimizer's fields this script's own flags set (a --matrix-config value would be overridden)
+OWN_FIELDS = {"lr": "--lr", "weight_decay": "--weight-decay"}
 MAX_ERROR_BYTES = 2048  # of an error line carried to every rank
 T = TypeVar("T")
 
@@ -164,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
     ap.add_argument("--lr", type=number(float), default=None,
                     help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3, adamw --adamw-lr)")
+    ap.add_argument("--matrix-config", default=None, help=f"{MATRIX_CONFIG_HELP} As the plan was made with: "
+                    "`canzona plan --matrix-config`. --lr and --weight-decay set those two.")
     ap.add_argument("--adamw-lr", type=number(float), default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="on 2-D weights only")
     ap.add_argument("--warmup", type=non_negative_float, default=0.1,
@@ -208,6 +213,7 @@ class Job:
     manifest: Manifest | None = None  # the verified checkpoint's
     start: int = 0  # the step the run starts from (the checkpoint's)
     saved_flags: dict[str, Any] = field(default_factory=dict)  # HYPER_FLAGS of the checkpoint's run
+    matrix_cfg: Any = None  # --matrix-config's configuration (None: the optimizer's defaults)
 
     @property
     def dp(self) -> int:
@@ -285,9 +291,16 @@ def prepare(args: argparse.Namespace) -> Job:
         raise SpecError(f"{args.model}: the Qwen3-MoE model is built at tp 1 (its attention is not split), but the "
                         f"plan has tp {plan.tp}")
     spec = resolve_spec(args.model, plan.tp)  # as `canzona plan --model` read it: the same fingerprint
+    matrix_cfg = parse_matrix_config(args.matrix_config, plan.optimizer)
+    own = next((f for f in config_changes(plan.optimizer, matrix_cfg) if f in OWN_FIELDS), None) \
+        if matrix_cfg is not None else None
+    if own is not None:
+        raise SpecError(f"--matrix-config: give {own} with {OWN_FIELDS[own]}")
     try:
         # the plan's layout is the job's: what a job refuses (expert TP) is refused here, before training
         check_plan_matches(plan, spec, dp=plan.dp, tp=plan.tp, ep=plan.ep)
+        # and the configuration it was priced at (as the optimizer checks it, but before the process group)
+        check_plan_config(plan, spec, matrix_cfg)
         policy = get_step_policy(plan_policy(plan))
         for part in (plan, plan.experts) if plan.experts is not None else (plan,):
             policy.check_dp_plan(part.dp_plan)
@@ -309,7 +322,7 @@ def prepare(args: argparse.Namespace) -> Job:
         check_output_folder(args.save, "--save")
     resume = find_checkpoint(args.resume) if args.resume is not None else None
     return Job(rank=rank, world=world, local_rank=local_rank, plan=plan, spec=spec, model_cfg=model_cfg,
-               experts=experts, resume=resume)
+               experts=experts, resume=resume, matrix_cfg=matrix_cfg)
 
 
 def find_checkpoint(path: str) -> Path:
@@ -426,7 +439,9 @@ def build_optimizer(job: Job, model: torch.nn.Module, mesh, expert_mesh, args: a
     groups = [{"params": [(n, p) for n, p in pairs if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [(n, p) for n, p in pairs if p.dim() < 2], "weight_decay": 0.0}]
     # an elementwise optimizer (AdamW) steps every parameter with the AdamW settings: no matrix ones
-    matrix = None if MATRIX_REGISTRY[job.plan.optimizer].elementwise else {"lr": hyper_flags(job, args)["lr"]}
+    lr = hyper_flags(job, args)["lr"]
+    matrix = None if MATRIX_REGISTRY[job.plan.optimizer].elementwise else \
+        {"lr": lr} if job.matrix_cfg is None else replace(job.matrix_cfg, lr=lr)
     return DistributedOptimizer(groups, job.spec, job.plan.optimizer, matrix, {"lr": args.adamw_lr}, plan=job.plan,
                                 policy=plan_policy(job.plan), group=mesh,
                                 timeout_s=args.timeout, reduce_scatter=args.reduce_scatter, nonfinite=args.nonfinite,

@@ -175,6 +175,36 @@ def test_an_adamw_plan_trains_under_its_own_step_policy(tmp_path):
     assert len(steps) == STEPS and steps[STEPS] < steps[1], steps
 
 
+SOAP_CONFIG = '{"max_precond_dim": 48}'  # keeps other state than the defaults: the plan records it
+
+
+def test_a_plan_made_with_a_matrix_config_trains_at_it(tmp_path):
+    """`canzona plan --matrix-config X` deploys with `examples/train.py --matrix-config X` (the script
+    had no such option: a state-changing plan could not be run). The optimizer refuses a plan priced
+    at another configuration (check_plan_config), so a run that trains ran X."""
+    plan = make_plan(tmp_path, 1, 1, CONFIG, "--optimizer", "soap", "--matrix-config", SOAP_CONFIG)
+    steps = losses(trained(tmp_path, 1, "--plan", plan, "--steps", 2, "--matrix-config", SOAP_CONFIG))
+    assert len(steps) == 2 and all(math.isfinite(v) for v in steps.values()), steps
+
+
+@pytest.mark.parametrize(("given", "needle"), [
+    (None, "plan was made for another soap configuration"),
+    ('{"max_precond_dim": 64}', "plan was made for another soap configuration"),
+    ('{"bogus": 1}', "--matrix-config: "),
+    ('{"lr": 0.1}', "--matrix-config: give lr with --lr"),
+    ('[1]', "--matrix-config takes a JSON object"),
+])
+def test_a_matrix_config_the_plan_was_not_made_at_is_refused_before_training(given, needle, train_script, tmp_path,
+                                                                              monkeypatch):
+    plan = make_plan(tmp_path, 1, 1, CONFIG, "--optimizer", "soap", "--matrix-config", SOAP_CONFIG)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flags = [] if given is None else ["--matrix-config", given]
+    with pytest.raises(CanzonaError) as refused:
+        train_script.prepare(train_script.parse_args(["--plan", str(plan), *flags]))
+    assert needle in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
 def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
     """`--reduce-scatter loops` (one reduce per owner): at DP 2 a sum of two is the same in any
     order, so the run resumed with it ends where the exact straight run ends."""
