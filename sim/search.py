@@ -903,8 +903,10 @@ def _megatron_layout(row: dict[str, Any], q: Question | None) -> list[str]:
     if row.get("overlap_moe_expert_parallel_comm"):  # Megatron's schedule (sim.ep_overlap), not the plan's
         out.append("--overlap-moe-expert-parallel-comm" + (" --delay-wgrad-compute" if row.get("delay_wgrad_compute")
                                                            else "") + " (Megatron's)")
-    if row["fell_back_to"] == DENSE_FALLBACK:
-        out.append("canzona's experts with zero1-gather's dense part (two plans)")
+    if row["fell_back_to"] == DENSE_FALLBACK:  # docs/design.md §2.7: priced under Megatron's collectives only
+        out.append("canzona's experts with zero1-gather's dense part (two step policies, as Megatron's collectives "
+                   "price it): not this row's run when deployed, as canzona's runtime runs one step policy and this "
+                   "plan deploys canzona on both parts (priced by the row's simulate command with --no-zero1-fallback)")
     return out
 
 

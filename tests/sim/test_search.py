@@ -493,6 +493,21 @@ def test_not_in_plan_names_the_step_policy_the_plan_file_does_not():
     assert not any(x.startswith("policy=") for x in not_in_plan({**row, "policy": "zero1"}))  # AdamW's default
 
 
+def test_a_row_pairing_zero1_gathers_dense_part_with_canzonas_experts_says_it_is_not_deployed():
+    """Under EP canzona's fallback may price zero1-gather for the dense part beside canzona's experts
+    (Megatron-style collectives, two step policies); the runtime runs one policy, so the printed plan
+    command deploys canzona on both parts. The row said "(two plans)" among the launcher's settings,
+    as if a launcher could set it."""
+    from sim.simulate import DENSE_FALLBACK
+
+    row = {"pp": 1, "vp": 1, "cp": 1, "ep": 8, "micro_batch": 1, "recompute": "none",
+           "reduce_scatter": DEFAULT_REDUCE_SCATTER, "fell_back_to": DENSE_FALLBACK, "policy": "canzona"}
+    notes = [x for x in not_in_plan(row) if DENSE_FALLBACK.split(" for ")[0] in x]
+    assert len(notes) == 1 and "not this row's run" in notes[0] and "deploys canzona on both parts" in notes[0], notes
+    assert "--no-zero1-fallback" in notes[0]
+    assert not any(x.startswith("policy=") for x in not_in_plan(row))  # no policy= would deploy it either
+
+
 def _zero1_row(**changes) -> dict:
     """A simulated ZeRO-1 row's keys (`run_one`'s) at TP 1 x PP 1, micro-batch 1, no recompute."""
     row = {"tp": 1, "pp": 1, "pipeline_split": "even", "vp": 1, "cp": 1, "ep": 1, "micro_batch": 1,
