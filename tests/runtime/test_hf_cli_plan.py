@@ -1,6 +1,6 @@
 """A plan made by `canzona plan --model <a Hugging Face config.json>` deploys on
-`AutoModelForCausalLM.from_config(<that config>)` with no further argument (the spec read from the
-module, as `CanzonaTrainer` reads it), and trains a step; a plan for another model, or one whose TP
+`AutoModelForCausalLM.from_config(<that config>)` with no further argument
+(`CanzonaTrainer(optimizer_kwargs={"plan": ...})`, which reads the spec from the module), and trains a step; a plan for another model, or one whose TP
 splits the module does not hold, is still refused. A world of one gloo rank in this process."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import torch
 
 from canzona.errors import PlanError
 from canzona.plan import check_plan_matches, load_plan
-from canzona.runtime import DistributedOptimizer
-from canzona.runtime.modules import named_parameters
 from canzona.spec import ModelSpec
 from tests.cli_helpers import invoke
 
 transformers = pytest.importorskip("transformers")
+from transformers import TrainingArguments  # noqa: E402
+
+from canzona.integrations.hf import CanzonaTrainer  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = ("tiny_qwen3", "tiny_qwen3_moe")
@@ -39,7 +40,10 @@ def _hf_model(config: str) -> torch.nn.Module:
 def test_a_cli_plan_deploys_on_the_hf_model_of_its_config(one_rank, tmp_path, config):
     path = _cli_plan(tmp_path, config)
     model = _hf_model(config)
-    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", plan=str(path))
+    # as CanzonaTrainer builds it: the spec read from the module (ModelSpec.from_module), the Trainer's decay groups
+    trainer = CanzonaTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                             optimizer_kwargs={"plan": str(path)})
+    opt = trainer.build_optimizer(model)
     assert opt.plan.hash() == load_plan(path).hash()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tokens = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
