@@ -8,7 +8,8 @@ The plan fixes the layout: torchrun must start `dp x tp` ranks, which form a (`d
 mesh (TP groups are consecutive ranks). The model is built from the description the plan was made
 from (`--model`: a Qwen3 `config.json` or a catalog name, read by the same resolver as `canzona
 plan`), so its fingerprint is the plan's; the optimizer checks the plan against the model and the
-ranks against each other. The model is the project's pure-torch Qwen3 (`reference.tiny_model`),
+ranks against each other. A plan made with `canzona plan --matrix-config X` runs with
+`--matrix-config X` (the same option; a plan priced at another configuration is refused before training). The model is the project's pure-torch Qwen3 (`reference.tiny_model`),
 split Megatron-style over the TP ranks (`reference.tiny_model_tp.TinyQwen3TP`) when tp > 1. The
 data are synthetic Markov-chain tokens: step s uses the same global batch in every run and at every
 layout, DP rank r its rows `[r B / dp, (r + 1) B / dp)`.
