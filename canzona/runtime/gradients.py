@@ -160,6 +160,9 @@ class GradientSync:
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
         self._backward = 0  # gradients a backward (or an assignment) gave this step; zeroed ones are not
         self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
+        # reduced (`_finish` ran): a check that refused the step leaves the gradients reduced, and a
+        # step() called again must not reduce them once more (the reduction is in place)
+        self._reduced = False
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
 
@@ -420,7 +423,9 @@ class GradientSync:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
             return self.checked
-        self._finish()
+        if not self._reduced:
+            self._finish()
+            self._reduced = True
         problem = more_problem or self._local_problem()
         # the header is assembled on the device the check travels on: the norm term never comes to
         # the host on its own, so the table below is the step's one read of device values

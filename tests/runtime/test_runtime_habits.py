@@ -224,6 +224,27 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
+def retried_step_job(rank: int, world: int, overlap_step: bool) -> dict:
+    """A step refused by its check (rank 1 doubled its learning rate), the learning rate put back,
+    `step()` called again on the same gradients: the step of those gradients, as if the first call
+    had not happened (the error said nothing was updated)."""
+    batches = _batches(rank, world)
+    straight = build_model(BASE)
+    _train(straight, _optimizer(straight, overlap_step=overlap_step), batches[:2])
+    model = build_model(BASE)
+    opt = _optimizer(model, overlap_step=overlap_step)
+    _train(model, opt, batches[:1])
+    opt.zero_grad()
+    model.loss(batches[1]).backward()
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = lr * (2 if rank == 1 else 1)
+    refused = _outcome(opt.step)
+    opt.param_groups[0]["lr"] = lr
+    retried = _outcome(opt.step)
+    return {"refused": refused, "retried": retried,
+            "exact": compare(_params(model), _params(straight))["bit_identical"]}
+
+
 class _Branchy(torch.nn.Module):
     """A branch that some steps leave unused (its parameters get no gradient there)."""
 
@@ -445,6 +466,7 @@ JOBS = {
     "nan raise": ("nonfinite_job", ("raise", math.nan)),
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
+    **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     "clip disagreement": ("clip_disagreement_job", ()),
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
@@ -590,6 +612,15 @@ def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
     for out in runs["nan skip"]:
         assert out["error"] is None and out["skipped"] == 1, out
         assert out["unchanged"] and out["state unchanged"] and out["finite after"], out
+
+
+@pytest.mark.parametrize("overlap", ["plain", "overlapped"])
+def test_a_step_called_again_after_its_check_refused_it_steps_those_gradients_once(runs, overlap):
+    """Before: the retried step reduced the AdamW buffer a second time (the reduction is in place),
+    and stepped by a gradient no rank had: silently wrong weights."""
+    for out in runs[f"retried {overlap}"]:
+        assert out["refused"]["canzona"] and "disagree on the hyper-parameters" in out["refused"]["message"], out
+        assert out["retried"]["error"] is None and out["exact"], out
 
 
 # --- agreement ----------------------------------------------------------------------------------
