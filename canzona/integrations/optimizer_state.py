@@ -38,9 +38,8 @@ from canzona.errors import CheckpointError
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
     Ranks,
-    SafeFileSystemReader,
     save_checkpoint,
-    verify_checkpoint,
+    verified_reader,
 )
 
 CONTENT = "canzona optimizer state"  # manifest_info["content"] of every such folder
@@ -119,11 +118,4 @@ def load_optimizer(opt: Any, folder: str | os.PathLike) -> None:
     """Collective: `opt`'s state from `folder`, verified against its manifest first (every rank
     raises the same `CheckpointError` for a damaged or foreign file, and nothing is loaded); a
     folder of an older canzona (no manifest) is read as it always was."""
-    group = _group()
-    ranks = Ranks(group)
-    manifested = ranks.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
-    if not manifested:
-        opt.load_sharded_state_dict(str(folder), check_weights=True)
-        return
-    manifest = verify_checkpoint(folder, {"content": CONTENT}, process_group=group)
-    opt.load_sharded_state_dict(SafeFileSystemReader(folder, manifest), check_weights=True)
+    opt.load_sharded_state_dict(verified_reader(folder, {"content": CONTENT}, process_group=_group()), check_weights=True)

@@ -856,9 +856,10 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from canzona.runtime.checkpoint_files import SafeFileSystemReader  # runs no code from the files
+    from canzona.runtime.checkpoint_files import verified_reader  # runs no code from the files
 
-    reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else SafeFileSystemReader(checkpoint_id)
+    # a folder: checked against its manifest where it has one (every rank calls this, collective)
+    reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else verified_reader(checkpoint_id)
     entries = reader.read_metadata().state_dict_metadata
 
     def placeholder(key: str) -> Any:

@@ -357,8 +357,26 @@ def verify_checkpoint(folder: str | os.PathLike, expect: Mapping[str, Any] | Non
     folder = Path(folder)
     if process_group is None:
         return _verify_share(folder, expect, 0, 1)
-    ranks = Ranks(process_group)
+    return _verify_together(Ranks(process_group), folder, expect)
+
+
+def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | None) -> Manifest:
     return ranks.together(lambda: _verify_share(folder, expect, ranks.rank, ranks.world))[ranks.rank]
+
+
+def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None = None, *,
+                    process_group: Any = None) -> SafeFileSystemReader:
+    """Collective (over `process_group`, the default group when None): a reader of `folder`, checked
+    against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
+    a damaged file or one from another save of the same size is one `CheckpointError` on every
+    rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) is
+    read as it is: the reader still runs no code, and the sizes in its metadata are checked."""
+    ranks = Ranks(process_group)
+    # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
+    manifested = ranks.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
+    if not manifested:
+        return SafeFileSystemReader(folder)
+    return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
@@ -519,4 +537,5 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 __all__ = ["MANIFEST", "CheckpointError", "FileEntry", "Manifest", "Ranks", "SafeFileSystemReader",
-           "is_complete", "latest_checkpoint", "read_manifest", "save_checkpoint", "verify_checkpoint"]
+           "is_complete", "latest_checkpoint", "read_manifest", "save_checkpoint", "verified_reader",
+           "verify_checkpoint"]

@@ -202,10 +202,14 @@ def rewrite_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps(raw))
 
 
-def flip_a_bit(folder: Path, other: Path) -> None:
-    data = bytearray((folder / "__1_0.distcp").read_bytes())
+def flip_a_bit_in(file: Path) -> None:
+    data = bytearray(file.read_bytes())
     data[len(data) // 2] ^= 0x10
-    (folder / "__1_0.distcp").write_bytes(bytes(data))
+    file.write_bytes(bytes(data))
+
+
+def flip_a_bit(folder: Path, other: Path) -> None:
+    flip_a_bit_in(folder / "__1_0.distcp")
 
 
 TAMPERING = {
@@ -341,3 +345,42 @@ def test_the_file_system_here_swaps_atomically(tmp_path):
     (tmp_path / "a" / "from-a").touch()
     assert checkpoint_files._exchange(tmp_path / "a", tmp_path / "b")
     assert (tmp_path / "b" / "from-a").exists() and not (tmp_path / "a" / "from-a").exists()
+
+
+# --- an optimizer loading a checkpoint folder by its path --------------------------------------
+
+
+@pytest.mark.parametrize("case", ["a shard from another save", "a bit flip"])
+def test_an_optimizer_loading_a_folder_by_path_verifies_its_manifest(case, one_rank, tmp_path):
+    """`opt.load_sharded_state_dict(folder)` on a `save_checkpoint` folder. Before: the manifest was
+    not read, and the shard of the step before (the same size: the same entries) or a flipped bit
+    in a shard loaded silently, a state of no one step."""
+    from canzona.harness.training import TrainSpec, build_model
+    from canzona.runtime import DistributedOptimizer
+
+    spec = TrainSpec(steps=2, global_batch=2)
+    model = build_model(spec)
+    opt = DistributedOptimizer(list(model.named_parameters()), model.spec())
+    tokens = torch.randint(0, 256, (2, 2, 9), generator=torch.Generator().manual_seed(0))
+    for step in (1, 2):
+        opt.zero_grad()
+        model.loss(tokens[step - 1]).backward()
+        opt.step()
+        save_checkpoint(opt.sharded_state_dict(), tmp_path / f"step_{step}", manifest_info={"step": step})
+    saved = opt.state_dict()
+    fresh = DistributedOptimizer(list(build_model(spec).named_parameters()), model.spec())
+    fresh.load_sharded_state_dict(str(tmp_path / "step_2"))  # whole: loads
+    assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"], saved["state"][0]["momentum_buffer"])
+
+    folder = tmp_path / "step_2"
+    if case == "a bit flip":
+        flip_a_bit_in(folder / "__0_0.distcp")
+    else:
+        shutil.copy(tmp_path / "step_1" / "__0_0.distcp", folder)
+    assert (folder / "__0_0.distcp").stat().st_size == (tmp_path / "step_1" / "__0_0.distcp").stat().st_size
+    other = DistributedOptimizer(list(build_model(spec).named_parameters()), model.spec())
+    before = other.state_dict()
+    with pytest.raises(CheckpointError, match="__0_0.distcp differs from the manifest") as refused:
+        other.load_sharded_state_dict(str(folder))
+    assert "\n" not in str(refused.value)
+    assert torch.equal(other.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
