@@ -76,6 +76,7 @@ class Described(Protocol):
     params: dict[str, Tensor]  # this rank's parameters, by name (the tensors in `param_groups`)
     param_groups: list[dict[str, Any]]
     master_weights: bool
+    timeout_s: float  # how long its collective calls wait for the other ranks
 
     def state_dtype(self, name: str) -> torch.dtype: ...
 
@@ -499,7 +500,8 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness:
                 compared.add(part.global_name(name).split(STACK_OPEN)[0])  # a stack's matrix: its stack
         return compared
 
-    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _global_shapes(opt), witness)
+    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _global_shapes(opt), witness,
+                    opt.timeout_s)
 
 
 def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
@@ -511,7 +513,8 @@ def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
 
 
 def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], Held],
-                    shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None) -> None:
+                    shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None,
+                    timeout_s: float) -> None:
     """Collective (the default process group): `compare_masters` (each layout's: raises
     `same_as_master`'s error, returns the parameters it compared), then every other parameter this
     rank holds (`held`) against the witness; one CheckpointError on every rank if either finds
@@ -524,7 +527,7 @@ def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], 
         if detail is not None:
             raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
 
-    Ranks().together(check)
+    Ranks(timeout_s=timeout_s, call="load_sharded_state_dict()").together(check)
 
 
 # --- the weights' witness: a few elements of every parameter, at any layout ----------------------
@@ -608,7 +611,8 @@ def take_witness(opt: Described, held: Held) -> dict[str, Any]:
                 out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
         return model, out
 
-    every = [values for of, values in Ranks().together(mine) if of == model]
+    every = [values for of, values in Ranks(timeout_s=opt.timeout_s, call="sharded_state_dict()").together(mine)
+             if of == model]
     witness: dict[str, Any] = {}
     for name in sorted(shapes):
         found = [per[name] for per in every if name in per]
@@ -859,7 +863,8 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     from canzona.runtime.checkpoint_files import verified_reader  # runs no code from the files
 
     # a folder: checked against its manifest where it has one (every rank calls this, collective)
-    reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else verified_reader(checkpoint_id)
+    reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else \
+        verified_reader(checkpoint_id, timeout_s=opt.timeout_s, call="load_sharded_state_dict()")
     entries = reader.read_metadata().state_dict_metadata
 
     def placeholder(key: str) -> Any:

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from canzona.errors import CheckpointError
+from canzona.errors import CanzonaError, CheckpointError
 from canzona.runtime.atomic_files import fsync_dir
 from canzona.runtime.lifecycle import stop_if_orphaned
 
@@ -118,13 +118,20 @@ def first_line(e: BaseException) -> str:
 class Ranks:
     """The ranks of `process_group` (the default group when None), or this process alone when
     torch.distributed is not initialised. `together` runs a step on each and raises the same
-    error on every rank if any failed, so that no rank is left waiting in the next collective."""
+    error on every rank if any failed, so that no rank is left waiting in the next collective.
 
-    def __init__(self, process_group: Any = None) -> None:
+    `timeout_s`: the ranks meet within it (an optimizer's `timeout_s`), not within the process
+    group's own timeout (30 minutes by default), and `call` names the collective call a rank that
+    never came should have made (a save on rank 0 only): one `CanzonaError` line instead of a wait
+    and gloo's error."""
+
+    def __init__(self, process_group: Any = None, *, timeout_s: float | None = None, call: str = "") -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world = dist.get_world_size(process_group) if self.distributed else 1
+        self.timeout_s = timeout_s
+        self.call = call
 
     def together(self, step: Callable[[], T], *, rank0_only: bool = False) -> list[T]:
         try:
@@ -132,7 +139,14 @@ class Ranks:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             mine = (False, first_line(e))
         every = [mine]
-        if self.distributed:
+        if self.distributed and self.timeout_s is not None:
+            from canzona.runtime.comm import Comm  # bounded by timeout_s
+
+            try:
+                every = Comm(self.group, self.timeout_s, "world").all_gather_object(mine, "checkpoint step")
+            except CanzonaError as e:
+                raise CanzonaError(f"{e}; {self.call or 'this call'} is collective: call it on every rank") from None
+        elif self.distributed:
             every = [None] * self.world
             dist.all_gather_object(every, mine, group=self.group)
         failed = [(r, text) for r, (ok, text) in enumerate(every) if not ok]
@@ -365,15 +379,18 @@ def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | Non
 
 
 def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None = None, *,
-                    process_group: Any = None) -> SafeFileSystemReader:
+                    process_group: Any = None, timeout_s: float | None = None, call: str = "") -> SafeFileSystemReader:
     """Collective (over `process_group`, the default group when None): a reader of `folder`, checked
     against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
     a damaged file or one from another save of the same size is one `CheckpointError` on every
     rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) is
-    read as it is: the reader still runs no code, and the sizes in its metadata are checked."""
+    read as it is: the reader still runs no code, and the sizes in its metadata are checked.
+    `timeout_s` and `call` (`Ranks`) bound the ranks' first meeting, which they all reach at once;
+    the hashing, as long as the checkpoint is large, waits within the process group's timeout."""
     ranks = Ranks(process_group)
     # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
-    manifested = ranks.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
+    manifested = Ranks(process_group, timeout_s=timeout_s, call=call).together(
+        lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
         return SafeFileSystemReader(folder)
     return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))

@@ -174,6 +174,10 @@ class ExpertPart:
         return self._owner.matrix_cfg
 
     @property
+    def timeout_s(self) -> float:
+        return self._owner.timeout_s
+
+    @property
     def adamw_cfg(self) -> Any:
         return self._owner.adamw_cfg
 

@@ -207,7 +207,7 @@ def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: 
                 compared.add(name)
         return compared
 
-    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _shapes(opt), witness)
+    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _shapes(opt), witness, opt.timeout_s)
 
 
 def _shapes(opt: FsdpOptimizer) -> dict[str, tuple[int, ...]]:

@@ -202,7 +202,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     TP (a plan with etp > 1 is one error).
 
     Collective calls, which every rank must make together: construction, `step()`,
-    `clip_grad_norm_()` and `state_dict()`. Each waits at most `timeout_s`.
+    `clip_grad_norm_()`, `state_dict()`, `sharded_state_dict()` and `load_sharded_state_dict()`.
+    Each waits at most `timeout_s` for the other ranks.
     """
 
     def __new__(cls, params: Any = (), spec: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -274,6 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.geometry = check_geometry(geometry)
         check_expert_buckets(expert_buckets)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.timeout_s = float(timeout_s)  # what every collective call waits at most (the checkpoints' too)
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
         self.overlapped_steps = 0  # steps that applied the updates overlap_step computed early

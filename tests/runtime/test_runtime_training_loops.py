@@ -223,16 +223,27 @@ def _same(a, b) -> bool:
 
 
 def state_dict_timeout_job(rank: int, world: int) -> dict:
+    """Rank 0 alone calls each collective checkpoint call (the habit of saving on rank 0 only)."""
+    import tempfile
     import time
+
+    import torch.distributed.checkpoint as dcp
 
     model = build_model(BASE)
     opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(folder)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder[0])  # every rank: a checkpoint to load
+    calls = {"state_dict": opt.state_dict, "sharded_state_dict": opt.sharded_state_dict,
+             "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder[0])}
     if rank == 1:
-        time.sleep(3 * STEP_TIMEOUT_S)  # never joins the collective in time
+        time.sleep((len(calls) + 2) * STEP_TIMEOUT_S)  # never joins the collectives in time
         return {"error": None}
-    start = time.monotonic()
-    out = _outcome(opt.state_dict)
-    out["seconds"] = time.monotonic() - start
+    out = {}
+    for call, fn in calls.items():
+        start = time.monotonic()
+        out[call] = _outcome(fn)
+        out[call]["seconds"] = time.monotonic() - start
     return out
 
 
@@ -340,10 +351,14 @@ def test_a_checkpoint_whose_groups_hold_other_parameters_is_refused_by_every_loa
         assert out["unchanged"]
 
 
-def test_state_dict_is_bounded_by_the_optimizer_timeout(runs):
-    out = runs["state_dict timeout"][0]
+@pytest.mark.parametrize("call", ["state_dict", "sharded_state_dict", "load_sharded_state_dict"])
+def test_checkpoint_calls_are_bounded_by_the_optimizer_timeout(runs, call):
+    """Before, the sharded calls waited for the process group's timeout (30 minutes by default),
+    then raised gloo's RuntimeError (or got it at once once the peer exited)."""
+    out = runs["state_dict timeout"][0][call]
     assert out["canzona"] and "timed out" in out["message"], out
-    assert out["seconds"] < 3 * STEP_TIMEOUT_S
+    assert f"{call}() is collective: call it on every rank" in out["message"] and "\n" not in out["message"], out
+    assert out["seconds"] < 2 * STEP_TIMEOUT_S
 
 
 # --- what real loops need ----------------------------------------------------------------------
