@@ -562,6 +562,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _prepare_step(self, max_norm: float | None = None) -> StepCheck:
         self.wait_params()  # the check reads parameters (links, TP digests); the update writes them
+        try:
+            return self._check_step(max_norm)
+        except CanzonaError:
+            # a refused step: what was computed or gathered early for it (overlap_step's updates,
+            # prefetched gathers) is dropped on every rank alike, each raising here, so that a
+            # step() called again runs the plain step everywhere; a rank that kept early updates
+            # made with a learning rate since put back would drop them alone, and its TP peers
+            # would wait for collectives it never issues
+            for part in self._parts():
+                with contextlib.suppress(CanzonaError):  # a dead peer: the check's error is the one to report
+                    part.matrix_step.discard()
+            raise
+
+    def _check_step(self, max_norm: float | None) -> StepCheck:
         digest = hyper_parameters_digest(self.param_groups)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm)

@@ -202,6 +202,31 @@ def scheduler_on_one_tp_rank(rank: int) -> dict:
     return _outcome(lambda: _train_step(model, opt, mesh))
 
 
+def retried_after_the_scheduler_on_one_tp_rank(rank: int) -> dict:
+    """`scheduler_on_one_tp_rank` under overlap_step (each TP rank computed its updates before the
+    check, TP rank 0 with its halved learning rate), the learning rate put back and `step()` called
+    again: the step of those gradients, on every rank alike, as a straight run's."""
+    mesh = _mesh()
+    straight = _tp_model(mesh)
+    straight_opt = _optimizer(straight, straight.spec(), mesh, overlap_step=True)
+    for _ in range(2):
+        _train_step(straight, straight_opt, mesh)
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh, overlap_step=True)
+    _train_step(model, opt, mesh)
+    lrs = [group["lr"] for group in opt.param_groups]
+    if mesh.get_local_rank("tp") == 0:
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+    out = _outcome(lambda: _train_step(model, opt, mesh))
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    out["retried"] = _outcome(opt.step)
+    straight.state_dict(), model.state_dict()  # the step's parameter gathers are waited for
+    out["exact"] = all(torch.equal(a, b) for a, b in zip(straight.parameters(), model.parameters()))
+    return out
+
+
 def backward_without_zero_grad(rank: int) -> dict:
     from reference.data import fixed_batch
 
@@ -269,13 +294,17 @@ JOBS = {
 }
 
 
+RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
+
+
 @functools.cache
 def outcomes() -> dict:
+    names = [*JOBS, *RETRIES]
     try:
-        per_rank = run_ranks(jobs_worker, WORLD, list(JOBS), deadline_s=240, collective_timeout_s=60)
+        per_rank = run_ranks(jobs_worker, WORLD, names, deadline_s=240, collective_timeout_s=60)
     except Exception as e:  # noqa: BLE001 - replayed by every test
         return {"error": e}
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(JOBS)}
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
 
 
 @pytest.mark.parametrize("job", list(JOBS))
@@ -293,3 +322,15 @@ def test_mistake_is_one_error_on_every_rank(job):
     if not isinstance(needle, str):  # the cause is named where it was found
         assert any(needle[0] in out["message"] for out in got[job])
     assert not any("timed out" in out["message"] for out in got[job])  # nobody waited for a silent peer
+
+
+def test_a_step_called_again_after_a_refused_overlapped_step_is_the_step_of_those_gradients():
+    """Before: the TP rank whose learning rate had changed since its early updates dropped them and
+    ran the plain step while its peer committed its own: the peer's collectives timed out, the TP
+    ranks' weights apart."""
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    for rank, out in enumerate(got["retried_after_the_scheduler_on_one_tp_rank"]):
+        assert out["canzona"] and "failed" not in out["retried"]["message"], (rank, out)
+        assert out["retried"]["type"] is None and out["exact"] and out["healthy"], (rank, out)
