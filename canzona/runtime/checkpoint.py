@@ -860,7 +860,8 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from canzona.runtime.checkpoint_files import verified_reader  # runs no code from the files
+    # the reader runs no code from the files
+    from canzona.runtime.checkpoint_files import first_line, verified_reader
 
     # a folder: checked against its manifest where it has one (every rank calls this, collective)
     reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else \
@@ -899,7 +900,12 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
         for _field, t, tp, offset, key in pieces.get(name, []):
             if want(t, tp, offset, entries[key]):
                 wanted[key] = placeholder(key)
-    dcp.load(wanted, storage_reader=reader)
+    try:
+        dcp.load(wanted, storage_reader=reader)
+    except dcp.CheckpointException as e:
+        # DCP's error (the same on every rank) is a BaseException, past `except Exception`, whose
+        # message is the failing ranks' tracebacks: the lowest one's cause, on one line
+        raise CheckpointError(f"optimizer state not loaded, nothing changed: {first_line(e)}") from None
 
     state: dict[str, dict[str, Any]] = {}
     for name, keys in [*((n, full_keys.get(n, [])) for n in hosted), *scalar_fields.items()]:

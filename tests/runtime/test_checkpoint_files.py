@@ -384,3 +384,33 @@ def test_an_optimizer_loading_a_folder_by_path_verifies_its_manifest(case, one_r
         other.load_sharded_state_dict(str(folder))
     assert "\n" not in str(refused.value)
     assert torch.equal(other.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
+def test_an_entry_that_cannot_be_read_is_one_checkpoint_error(one_rank, tmp_path):
+    """A plain `dcp.save` of `sharded_state_dict()` (no manifest) whose metadata entry was
+    overwritten in place (its size kept). Before: DCP's CheckpointException, a BaseException (past
+    every `except Exception`) whose message is the ranks' tracebacks."""
+    from canzona.harness.training import TrainSpec, build_model
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.checkpoint import DCP_PREFIX
+
+    spec = TrainSpec(steps=1, global_batch=2)
+    model = build_model(spec)
+    opt = DistributedOptimizer(list(model.named_parameters()), model.spec())
+    opt.zero_grad()
+    model.loss(torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))).backward()
+    opt.step()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=str(tmp_path))
+    where = next(info for index, info in pickle.loads((tmp_path / ".metadata").read_bytes()).storage_data.items()
+                 if index.fqn == f"{DCP_PREFIX}/meta")
+    with open(tmp_path / where.relative_path, "r+b") as f:
+        f.seek(where.offset)
+        f.write(b"\0" * where.length)
+    before = opt.state_dict()
+    try:
+        opt.load_sharded_state_dict(str(tmp_path))
+    except BaseException as e:  # noqa: BLE001 - what it was is the point
+        refused = e
+    assert isinstance(refused, CheckpointError), repr(refused)[:300]
+    assert f"entry '{DCP_PREFIX}/meta' is not plain data" in str(refused) and "\n" not in str(refused)
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
