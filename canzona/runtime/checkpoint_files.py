@@ -133,6 +133,10 @@ class Ranks:
         self.timeout_s = timeout_s
         self.call = call
 
+    @property
+    def _collective(self) -> str:
+        return f"{self.call or 'this call'} is collective: call it on every rank"
+
     def together(self, step: Callable[[], T], *, rank0_only: bool = False) -> list[T]:
         try:
             mine: tuple[bool, Any] = (True, step() if self.rank == 0 or not rank0_only else None)
@@ -145,10 +149,14 @@ class Ranks:
             try:
                 every = Comm(self.group, self.timeout_s, "world").all_gather_object(mine, "checkpoint step")
             except CanzonaError as e:
-                raise CanzonaError(f"{e}; {self.call or 'this call'} is collective: call it on every rank") from None
+                raise CanzonaError(f"{e}; {self._collective}") from None
         elif self.distributed:
             every = [None] * self.world
-            dist.all_gather_object(every, mine, group=self.group)
+            try:
+                dist.all_gather_object(every, mine, group=self.group)
+            except RuntimeError as e:  # gloo's or NCCL's, at the process group's timeout or a peer's death
+                raise CheckpointError(f"the ranks did not meet ({first_line(e)}): a peer died, or {self._collective}") \
+                    from None
         failed = [(r, text) for r, (ok, text) in enumerate(every) if not ok]
         if failed:
             rank, text = failed[0]
@@ -175,7 +183,7 @@ def save_checkpoint(state_dict: dict[str, Any], folder: str | os.PathLike, *,
         json.dumps(info)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"manifest_info must be JSON: {e}") from None
-    ranks = Ranks(process_group)
+    ranks = Ranks(process_group, call="save_checkpoint()")
     token = ranks.together(lambda: _prepare_destination(folder), rank0_only=True)[0]
     staging = folder.with_name(f"{folder.name}{STAGING}{token}")
     try:
@@ -371,7 +379,7 @@ def verify_checkpoint(folder: str | os.PathLike, expect: Mapping[str, Any] | Non
     folder = Path(folder)
     if process_group is None:
         return _verify_share(folder, expect, 0, 1)
-    return _verify_together(Ranks(process_group), folder, expect)
+    return _verify_together(Ranks(process_group, call="verify_checkpoint()"), folder, expect)
 
 
 def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | None) -> Manifest:
@@ -387,7 +395,7 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     read as it is: the reader still runs no code, and the sizes in its metadata are checked.
     `timeout_s` and `call` (`Ranks`) bound the ranks' first meeting, which they all reach at once;
     the hashing, as long as the checkpoint is large, waits within the process group's timeout."""
-    ranks = Ranks(process_group)
+    ranks = Ranks(process_group, call=call)
     # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
     manifested = Ranks(process_group, timeout_s=timeout_s, call=call).together(
         lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]

@@ -414,3 +414,20 @@ def test_an_entry_that_cannot_be_read_is_one_checkpoint_error(one_rank, tmp_path
     assert isinstance(refused, CheckpointError), repr(refused)[:300]
     assert f"entry '{DCP_PREFIX}/meta' is not plain data" in str(refused) and "\n" not in str(refused)
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
+def test_a_peer_that_never_comes_is_one_checkpoint_error(one_rank, tmp_path, monkeypatch):
+    """The ranks' meeting failing as gloo fails it when a peer died or never called `save_checkpoint`
+    (after the process group's timeout). Before: gloo's RuntimeError, though every failure of a
+    save is promised as a `CheckpointError`."""
+
+    def absent_peer(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 20000ms for send "
+                           "operation to complete\nmore lines")
+
+    monkeypatch.setattr(dist, "all_gather_object", absent_peer)
+    with pytest.raises(CheckpointError) as refused:
+        save_checkpoint(state(0, 1), tmp_path / "step_1")
+    text = str(refused.value)
+    assert "Timed out waiting 20000ms" in text and "save_checkpoint() is collective: call it on every rank" in text and "\n" not in text
+    assert not (tmp_path / "step_1").exists() and latest_checkpoint(tmp_path) is None  # no checkpoint appeared
