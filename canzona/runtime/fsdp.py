@@ -255,6 +255,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.checked: tuple[dict[str, bool], float] | None = None
         self._clip_agreed: float | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
+        # the version of each gradient the kept check saw (a backward since bumps it: `check`)
+        self._versions: dict[str, int] | None = None
 
     # --- construction ------------------------------------------------------------------------
 
@@ -385,6 +387,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def check(self, max_norm: float | None = None) -> tuple[dict[str, bool], float]:
         """The step check, once per step (`clip_grad_norm_`, then `step`): ONE small all-gather over
         every rank of the mesh. Returns (got: name -> a gradient everywhere, the global norm)."""
+        if self.checked is not None and self._versions != self._grad_versions():
+            # a backward since (after clip_grad_norm_, or a refused step()) added to the gradients
+            # that check saw: taken anew, as torch's clip_grad_norm_ would measure the sum
+            if self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
+                raise CanzonaError("a backward added to gradients clip_grad_norm_() had already clipped (bf16 "
+                                   "gradients, fp32 masters): clip once, after the last backward before step()")
+            self.checked = None
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:  # a second clip, a new threshold
                 clips = self.world.all_gather_values(torch.tensor([max_norm], dtype=torch.float64),
@@ -435,6 +444,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
         self._clip_agreed = max_norm
+        self._versions = self._grad_versions()
         return self.checked
 
     @torch.no_grad()
@@ -461,6 +471,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     for n, g in got.items():
                         if g:
                             self._local_grad(n).mul_(coefficient)
+                    self._versions = self._grad_versions()  # scaled here, not by a backward
                 # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
                 self.checked = (got, norm * coefficient)
         return torch.tensor(total, dtype=torch.float32)
@@ -474,8 +485,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # --- the step ----------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.checked = None
-        self._grad_scale = 1.0
+        self.checked, self._grad_scale = None, 1.0
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
@@ -491,10 +501,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
+        # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
+        # buffers do (`check` sees a backward in between); zero_grad() forgets it
+        got, norm = self.check(self.max_grad_norm)
+        for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
+            self.group_config(g)
         try:
-            got, norm = self.check(self.max_grad_norm)
-            for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
-                self.group_config(g)
             if not math.isfinite(norm):  # nonfinite="skip": every rank skips alike
                 self.skipped_steps += 1
                 log.warning("canzona: skipped step: the global gradient norm is %s (%d skipped so far)", norm,
@@ -507,9 +520,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.comm.log.step += 1
             self.world.log.step += 1
         finally:
-            self.checked = None
-            self._grad_scale = 1.0
+            self.checked, self._grad_scale = None, 1.0
         return loss
+
+    def _grad_versions(self) -> dict[str, int]:
+        """Each gradient's version counter (a backward accumulating into it bumps it)."""
+        return {n: self._local_grad(n)._version for n, p in self.params.items() if p.grad is not None}
 
     def _reshard(self) -> None:
         """Free the unsharded parameters FSDP2 still holds (a module `fully_shard`-ed with

@@ -191,7 +191,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               poison: int | None = None, drop: int | None = None, timeout_s: float = 60.0,
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
-              cast: bool = False, evaluate: int | None = None) -> dict:
+              cast: bool = False, evaluate: int | None = None, bf16: bool = False,
+              retry: int | None = None, again: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -203,17 +204,22 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     (the user forgot to turn it back on for the last micro-batch); `cast`: the model is cast to bf16
     after the optimizer was built, before the first forward; at step `evaluate` a forward under
     no_grad runs between backward and step() (FSDP2 keeps the root unsharded after it), and after
-    the step a forward's output is compared with the updated weights' (`stale`)."""
+    the step a forward's output is compared with the updated weights' (`stale`). `bf16`: the model
+    in bf16 from the start (fp32 masters); at step `retry` every rank's learning rate is NaN at its
+    first step() (refused), then put back and step() called again (`refused`: the first error); at
+    step `again` a second backward (and clip) of the same batch comes before that step() (after the
+    refused one, with `retry`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from canzona.errors import CanzonaError
     from canzona.runtime import DistributedOptimizer
 
-    model = Small()
+    model = Small().to(torch.bfloat16) if bf16 else Small()
     mspec = small_spec()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite)
+    refused = None
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     if cast:
         model.to(torch.bfloat16)
@@ -244,6 +250,19 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             threshold = clips.get(rank) if clips is not None else clip
             if threshold is not None:
                 norms.append(float(opt.clip_grad_norm_(threshold)))
+            if step == retry:
+                lrs = [group["lr"] for group in opt.param_groups]
+                opt.param_groups[0]["lr"] = float("nan")
+                try:
+                    opt.step()
+                except CanzonaError as e:
+                    refused = str(e)
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
+            if step == again:
+                model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
+                if threshold is not None:
+                    norms.append(float(opt.clip_grad_norm_(threshold)))
             opt.step()
         except CanzonaError as e:
             error, took = str(e), time.monotonic() - start
@@ -259,7 +278,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "stale": stale, "local_rows": local_rows, "held": held_bytes(opt),
+            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
                     for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
@@ -301,6 +320,11 @@ SMALL_CASES = {
     "unsynced": {"steps": 3, "unsynced": 1},
     "cast": {"steps": 2, "cast": True},
     "evaluate": {"steps": 3, "evaluate": 1},
+    "bf16-clip": {"steps": 3, "clip": 0.05, "bf16": True},
+    "bf16-clip-retried": {"steps": 3, "clip": 0.05, "bf16": True, "retry": 1},
+    "clip-twice": {"steps": 3, "clip": 0.05, "again": 1},
+    "clip-retried-twice": {"steps": 3, "clip": 0.05, "retry": 1, "again": 1},
+    "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -426,6 +450,30 @@ def test_fsdp_missing_gradient_on_one_rank() -> None:
     error = errors.pop()
     assert "'b.weight' has a gradient on rank(s) [0, 2] and none on rank(s) [1]" in error, error
     assert all(r["took"] < 10.0 for r in results), [r["took"] for r in results]
+
+
+def test_fsdp_a_step_called_again_after_a_refused_one_keeps_its_clip() -> None:
+    """bf16 weights (fp32 masters), clip_grad_norm_, a step() refused (a NaN learning rate), the
+    learning rate put back, step() again: the clipped step, as the run without the refusal. Before:
+    the refusal forgot the clip (kept as a scale for the masters), and the step went unclipped."""
+    straight, retried = _small()["bf16-clip"], _small()["bf16-clip-retried"]
+    for a, b in zip(straight, retried):
+        assert b["error"] is None and "lr must be a finite number" in b["refused"], b["refused"]
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+
+
+def test_fsdp_a_backward_after_a_clip_is_checked_anew() -> None:
+    """clip_grad_norm_, a second backward adding to the clipped gradients (no zero_grad), clip and
+    step() (with a refused step() before that backward, or not): the second clip measures the sum,
+    as torch's does, and clips it. Before: it returned the first clip's result and did not clip.
+    With bf16 gradients (the clip kept as a scale for the masters) that backward is one error."""
+    straight, retried = _small()["clip-twice"], _small()["clip-retried-twice"]
+    for a, b in zip(straight, retried):
+        assert a["error"] is None and a["norms"][2] > 0.05 and a["norms"][2] != a["norms"][1], a["norms"]
+        assert b["error"] is None and b["refused"] is not None and b["norms"] == a["norms"], (a["norms"], b["norms"])
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+    for r in _small()["bf16-clip-twice"]:
+        assert "a backward added to gradients clip_grad_norm_() had already clipped" in r["error"], r["error"]
 
 
 @pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])
