@@ -861,12 +861,18 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     # the reader runs no code from the files
-    from canzona.runtime.checkpoint_files import first_line, verified_reader
+    from canzona.runtime.checkpoint_files import Ranks, first_line, verified_reader
 
     # a folder: checked against its manifest where it has one (every rank calls this, collective)
+    call = "load_sharded_state_dict()"
     reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else \
-        verified_reader(checkpoint_id, timeout_s=opt.timeout_s, call="load_sharded_state_dict()")
-    entries = reader.read_metadata().state_dict_metadata
+        verified_reader(checkpoint_id, timeout_s=opt.timeout_s, call=call)
+    # read by each rank, failing on every rank alike: a rank that cannot read it (a folder on
+    # node-local disk) would otherwise raise alone, its peers waiting in dcp.load until the
+    # process group's timeout
+    metadata: list[Any] = []
+    Ranks(timeout_s=opt.timeout_s, call=call).together(lambda: metadata.append(reader.read_metadata()))
+    entries = metadata[0].state_dict_metadata
 
     def placeholder(key: str) -> Any:
         m = entries[key]

@@ -245,6 +245,25 @@ def retried_step_job(rank: int, world: int, overlap_step: bool) -> dict:
             "exact": compare(_params(model), _params(straight))["bit_identical"]}
 
 
+def unseen_checkpoint_job(rank: int, world: int, path: str) -> dict:
+    """A plain `dcp.save` of `sharded_state_dict()` (no manifest) that rank 1 cannot see (node-local
+    disks, a path that differs by rank): one error on every rank, at once, nothing loaded."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, _batches(rank, world)[:1])
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}-unseen")
+    before = opt.state_dict()
+    start = time.monotonic()
+    out = _outcome(lambda: opt.load_sharded_state_dict(f"{path}-unseen" if rank == 0 else f"{path}-elsewhere"))
+    out["seconds"] = time.monotonic() - start
+    out["state unchanged"] = _nested_equal(opt.state_dict(), before)
+    return out
+
+
 class _Branchy(torch.nn.Module):
     """A branch that some steps leave unused (its parameters get no gradient there)."""
 
@@ -480,6 +499,7 @@ JOBS = {
 def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out = {name: globals()[JOBS[name][0]](rank, world, *JOBS[name][1]) for name in names}
     out["dcp"] = dcp_job(rank, world, path)
+    out["unseen checkpoint"] = unseen_checkpoint_job(rank, world, path)
     return out
 
 
@@ -487,7 +507,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
-    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp"]}
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
 
@@ -674,6 +694,14 @@ def test_torch_state_dict_api_resumes_bit_for_bit(runs):
         assert out["untouched"]  # get_optimizer_state_dict ran no step of its own
         assert out["template entries"] > 0 and not out["template stepped"]  # a fresh optimizer's template
         assert compare(out["resumed"], out["straight"])["bit_identical"]
+
+
+def test_a_checkpoint_one_rank_cannot_read_is_one_error_on_every_rank_at_once(runs):
+    """Before: rank 1 raised alone and rank 0 waited in DCP's collectives for the process group's
+    timeout (30 minutes by default), then raised DCP's CheckpointException."""
+    for out in runs["unseen checkpoint"]:
+        assert out["error"] == "CheckpointError" and "-elsewhere/.metadata: cannot read" in out["message"], out
+        assert "\n" not in out["message"] and out["seconds"] < 30 and out["state unchanged"], out
 
 
 def test_torch_state_dict_api_resumes_at_another_layout(runs):
