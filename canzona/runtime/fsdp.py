@@ -70,6 +70,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
+from canzona.runtime.mesh import TP
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
@@ -87,7 +88,10 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
     model's DTensors live on its TP mesh alone, which a DP group beside it is not inside of."""
     from torch.distributed.tensor import DTensor
 
-    meshes = [p.device_mesh for _, p in pairs if isinstance(p, DTensor)]
+    # a mesh of one dimension named `tp` is a TP group however many ranks it spans (transformers'
+    # tp_plan and parallelize_module(model, mesh["tp"]) place parameters there), never FSDP's
+    meshes = [p.device_mesh for _, p in pairs
+              if isinstance(p, DTensor) and tuple(p.device_mesh.mesh_dim_names or ()) != (TP,)]
     if not meshes:
         return False
     ranks = {int(r) for r in max(meshes, key=lambda m: m.mesh.numel()).mesh.flatten().tolist()}

@@ -1,0 +1,81 @@
+"""Hugging Face models sharded by transformers' own TP plan (`from_pretrained(...,
+distributed_config=DistributedConfig(tp_size=2))`, DTensor parameters on its `tp` mesh), read by
+`ModelSpec.from_module` and given to `DistributedOptimizer` with a plan from `canzona plan --model
+<config.json> --tp 2` (docs/design.md §2.5).
+
+In this process: two ranks of torch's `fake` backend (its test utility `FakeStore`), so the model
+holds the placements transformers gives it while no collective carries data; what is checked is
+what happens before any collective (the spec, the plan's match, the optimizer's refusals). The
+step itself on real ranks: tests/runtime/test_integrations_hf.py's TP scenario."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from canzona.errors import PlanError
+from canzona.plan import check_plan_matches, load_plan
+from canzona.spec import ModelSpec
+from tests.cli_helpers import invoke
+
+transformers = pytest.importorskip("transformers")
+from transformers.distributed.configuration_utils import DistributedConfig  # noqa: E402
+
+from canzona.runtime.modules import named_parameters  # noqa: E402
+from canzona.runtime.optimizer import DistributedOptimizer  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TP = 2
+
+
+@pytest.fixture
+def two_fake_ranks(monkeypatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(TP)}.items():
+        monkeypatch.setenv(key, value)  # transformers reads them when it builds its mesh
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def hf_tp_model(folder: Path, config: str, tp_plan: dict[str, str] | None = None) -> torch.nn.Module:
+    """The example config's model saved once, then loaded sharded by transformers' TP plan
+    (`tp_plan`: its overrides)."""
+    saved = folder / config
+    if not saved.exists():
+        torch.manual_seed(0)
+        config_ = transformers.AutoConfig.from_pretrained(EXAMPLES / config)
+        transformers.AutoModelForCausalLM.from_config(config_).save_pretrained(saved)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        saved, distributed_config=DistributedConfig(tp_size=TP, tp_plan=tp_plan or "auto"))
+
+
+def cli_plan(folder: Path, config: str) -> Path:
+    out = folder / f"{config}-tp{TP}.json"
+    result = invoke("plan", "--model", EXAMPLES / config / "config.json", "--dp", 1, "--tp", TP, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_the_cli_plan_matches_the_dense_model_as_transformers_shards_it(two_fake_ranks, tmp_path):
+    """transformers splits Qwen3's embedding over the vocabulary too (`init_parallel_plans` puts
+    `embedding_rowwise` before `base_model_tp_plan`), as the config reader marks it."""
+    model = hf_tp_model(tmp_path, "tiny_qwen3")
+    spec = ModelSpec.from_module(model)
+    assert spec.param("model.embed_tokens.weight").tp_dim == 0
+    check_plan_matches(load_plan(cli_plan(tmp_path, "tiny_qwen3")), spec, dp=1, tp=TP)
+
+
+def test_without_a_tp_group_the_optimizer_says_so(two_fake_ranks, tmp_path):
+    """DTensors on transformers' one-dimensional `tp` mesh over every rank are a TP model, not
+    FSDP2's: without the mesh the optimizer names the missing TP group (it was taken for FSDP2 and
+    refused for 'a plain tensor beside FSDP2's DTensors')."""
+    model = hf_tp_model(tmp_path, "tiny_qwen3")
+    with pytest.raises(PlanError, match="the optimizer has no TP group"):
+        DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model))
