@@ -79,6 +79,7 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
+from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.options import check_step_options, optimizer_config
@@ -316,6 +317,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.tp = len(tp_ranks) if tp_ranks else 1
         self.params = self._local_params(groups, tp_ranks)
         _check_not_held(self.params)
+        holders = param_holders(self.params)  # the modules holding each parameter now
+        check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
         self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
@@ -395,7 +398,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.master_weights:
             self.reset_master_weights()
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
-        holders = param_holders(self.params)  # the modules holding each parameter now
         for grads in self._syncs():
             grads.replaced_check = functools.partial(
                 replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params})

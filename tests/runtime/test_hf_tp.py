@@ -79,3 +79,21 @@ def test_without_a_tp_group_the_optimizer_says_so(two_fake_ranks, tmp_path):
     model = hf_tp_model(tmp_path, "tiny_qwen3")
     with pytest.raises(PlanError, match="the optimizer has no TP group"):
         DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model))
+
+
+def tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, TP), mesh_dim_names=("dp", "tp"))
+
+
+def test_norms_whose_gradients_transformers_sums_in_a_hook_are_refused(two_fake_ranks, tmp_path):
+    """Qwen3's q_norm / k_norm under transformers' plan: a plain weight whose gradient its
+    `replicated_with_grad_allreduce` hook sums over TP in `.grad` (a traceback in backward, the
+    hook meeting canzona's gradient guard): one PlanError at construction naming the way out."""
+    model = hf_tp_model(tmp_path, "tiny_qwen3")
+    with pytest.raises(PlanError, match=r"'model\.layers\.0\.self_attn\.q_norm\.weight' is sharded by transformers' "
+                                        r"TP style 'replicated_with_grad_allreduce'.*SequenceParallel\(sequence_dim=2\)"
+                                        r".*'model\.layers\.\*\.self_attn\.q_norm': 'head_norm'"):
+        DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), group=tp_mesh(),
+                             plan=cli_plan(tmp_path, "tiny_qwen3"))
