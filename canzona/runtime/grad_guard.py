@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from canzona.errors import CanzonaError
 
@@ -99,7 +100,9 @@ class GradGuard(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        guard = next(a for a in (*args, *kwargs.values()) if isinstance(a, GradGuard))
+        guard = next((a for a in (*args, *kwargs.values()) if isinstance(a, GradGuard)), None)
+        if guard is None:  # a collective takes its tensors in a list: c10d.allreduce_([grad], ...)
+            guard = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GradGuard))
         owner = guard._owner()
         if owner is None:
             raise CanzonaError(f"the gradient of {guard._name!r} belonged to a DistributedOptimizer that no longer "

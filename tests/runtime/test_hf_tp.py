@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from canzona.errors import PlanError
+from canzona.errors import CanzonaError, PlanError
 from canzona.plan import check_plan_matches, load_plan
 from canzona.spec import ModelSpec
 from tests.cli_helpers import invoke
@@ -97,3 +97,15 @@ def test_norms_whose_gradients_transformers_sums_in_a_hook_are_refused(two_fake_
                                         r".*'model\.layers\.\*\.self_attn\.q_norm': 'head_norm'"):
         DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), group=tp_mesh(),
                              plan=cli_plan(tmp_path, "tiny_qwen3"))
+
+
+def test_a_collective_on_a_guarded_gradient_is_one_error_line(one_rank):
+    """A hook that all-reduces `.grad` between backward and step() (transformers' grad all-reduce
+    style did): the guard's one CanzonaError, not a StopIteration from inside its dispatch (the
+    collective hands it the gradient inside a list)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model))
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(CanzonaError, match=r"^the gradient of '0\.weight' is being reduced .* \(allreduce_\.default\)"):
+        dist.all_reduce(model[0].weight.grad)
+    del opt
