@@ -35,7 +35,9 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
   shape is the DTensor's and `tp_size` its mesh's), Megatron's annotations (`tensor_model_parallel`
   and `partition_dim`), or `tp_plan` (fnmatch patterns over canonical names); for the last two the
   global shape multiplies the local one by `tp_size`. A `tp_plan` entry that contradicts a
-  parameter's own placement or annotation is an error;
+  parameter's own placement or annotation is an error. An expert's DTensor split over TP (transformers'
+  own TP plan for Qwen3-MoE and Mixtral splits each expert) is an error naming the plan override
+  that keeps experts whole, as canzona runs them (expert TP 1);
 - order: registration order unless `order` is given; `backward_order(model, loss_fn)` measures
   the forward order from one backward pass.
 """
@@ -43,6 +45,7 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -204,6 +207,26 @@ def _moe_parts(model: nn.Module) -> tuple[set[str], set[str]]:
     return experts, routers
 
 
+def _in_experts(module: str, experts: set[str]) -> bool:
+    """Whether the module named `module` is an `experts` module or inside one."""
+    return any(module == e or module.startswith(e + ".") for e in experts)
+
+
+def _check_whole_expert(pname: str, p: nn.Parameter, experts: set[str]) -> None:
+    """An expert's DTensor must be whole on every TP rank (expert TP 1, as `canzona plan --model`
+    reads a config): transformers' own TP plan for Qwen3-MoE and Mixtral splits each expert
+    (`packed_colwise` gate/up halves, `rowwise` down), which canzona does not run."""
+    if not (is_dtensor(p) and _in_experts(pname.rpartition(".")[0], experts)):
+        return
+    if all(placement.is_replicate() for placement in p.placements):
+        return
+    module = re.sub(r"\.\d+\.", ".*.", next(e for e in experts if pname.startswith(e + ".")))
+    raise SpecError(f"parameter {pname!r} of an experts module is split over TP ({', '.join(map(str, p.placements))}): "
+                    "canzona runs every expert whole on each TP rank (expert TP 1); under transformers' TP plan keep "
+                    f"them whole with DistributedConfig(tp_plan={{'{module}': 'replicate', '{module}.gate_up_proj': "
+                    f"'replicate', '{module}.down_proj': 'replicate'}}) (docs/design.md §2.5)")
+
+
 def _moe_role(pname: str, p: nn.Parameter, experts: set[str], routers: set[str], split_fc1: bool,
               router_optimizer: str, params: Mapping[str, nn.Parameter]) -> tuple[Role, tuple[int, int] | None] | None:
     """The role (and stack shape) of an expert's or router's parameter; None for any other."""
@@ -212,7 +235,7 @@ def _moe_role(pname: str, p: nn.Parameter, experts: set[str], routers: set[str],
         if module.rpartition(".")[2] == SHARED_EXPERT_GATE:
             return Role.VECTOR, None
         return (Role.ROUTER if router_optimizer == "adamw" else Role.MATRIX), None
-    if p.dim() < 2 or not any(module == e or module.startswith(e + ".") for e in experts):
+    if p.dim() < 2 or not _in_experts(module, experts):
         return None
     if p.dim() == 2:
         if module not in experts:
@@ -420,6 +443,8 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
         p = params[pname]
         if p.dim() == 0:
             raise SpecError(f"parameter {pname!r} is a 0-d scalar; canzona specs need at least one dimension")
+        if not fsdp:
+            _check_whole_expert(pname, p, experts)
         try:
             says, own = _own_tp_dim(pname, p, fsdp)
         except PlanError as e:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from canzona.errors import CanzonaError, PlanError
+from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.plan import check_plan_matches, load_plan
 from canzona.spec import ModelSpec
 from tests.cli_helpers import invoke
@@ -109,3 +109,29 @@ def test_a_collective_on_a_guarded_gradient_is_one_error_line(one_rank):
     with pytest.raises(CanzonaError, match=r"^the gradient of '0\.weight' is being reduced .* \(allreduce_\.default\)"):
         dist.all_reduce(model[0].weight.grad)
     del opt
+
+
+# transformers' overrides under which canzona trains its Qwen3 models (docs/design.md §2.5): the
+# per-head norms as Replicate DTensors over the heads, the experts whole on every TP rank
+HEAD_NORM = "head_norm"
+NORMS = {f"model.layers.*.self_attn.{n}": HEAD_NORM for n in ("q_norm", "k_norm")}
+WHOLE_EXPERTS = {f"model.layers.*.mlp.experts{leaf}": "replicate" for leaf in ("", ".gate_up_proj", ".down_proj")}
+
+
+def register_head_norm() -> None:
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, SequenceParallel
+
+    ALL_PARALLEL_STYLES.register(HEAD_NORM, SequenceParallel(sequence_dim=2))
+
+
+def test_experts_split_by_transformers_are_refused_naming_how_to_keep_them_whole(two_fake_ranks, tmp_path):
+    """transformers' Qwen3-MoE plan splits every expert (`packed_colwise` gate/up halves,
+    `rowwise` down): expert TP, which canzona does not run (the config reader keeps them whole).
+    One SpecError naming the override that keeps them whole; under it, the CLI plan matches."""
+    model = hf_tp_model(tmp_path, "tiny_qwen3_moe")
+    with pytest.raises(SpecError, match=r"^parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' of an experts "
+                                        r"module is split over TP .*'model\.layers\.\*\.mlp\.experts': 'replicate'"):
+        ModelSpec.from_module(model)
+    register_head_norm()
+    model = hf_tp_model(tmp_path, "tiny_qwen3_moe", NORMS | WHOLE_EXPERTS)
+    check_plan_matches(load_plan(cli_plan(tmp_path, "tiny_qwen3_moe")), ModelSpec.from_module(model), dp=1, tp=TP)
