@@ -10,6 +10,7 @@ step itself on real ranks: tests/runtime/test_integrations_hf.py's TP scenario."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,18 @@ from canzona.spec import ModelSpec
 from tests.cli_helpers import invoke
 
 transformers = pytest.importorskip("transformers")
-from transformers.distributed.configuration_utils import DistributedConfig  # noqa: E402
 
 from canzona.runtime.modules import named_parameters  # noqa: E402
 from canzona.runtime.optimizer import DistributedOptimizer  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-TP = 2
+from tests.runtime.hf_tp_setup import (  # noqa: E402
+    EXAMPLES,
+    NORMS,
+    TP,
+    WHOLE_EXPERTS,
+    load_sharded,
+    register_head_norm,
+    save_model,
+)
 
 
 @pytest.fixture
@@ -44,32 +50,39 @@ def two_fake_ranks(monkeypatch):
         dist.destroy_process_group()
 
 
-def hf_tp_model(folder: Path, config: str, tp_plan: dict[str, str] | None = None) -> torch.nn.Module:
-    """The example config's model saved once, then loaded sharded by transformers' TP plan
-    (`tp_plan`: its overrides)."""
-    saved = folder / config
-    if not saved.exists():
-        torch.manual_seed(0)
-        config_ = transformers.AutoConfig.from_pretrained(EXAMPLES / config)
-        transformers.AutoModelForCausalLM.from_config(config_).save_pretrained(saved)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        saved, distributed_config=DistributedConfig(tp_size=TP, tp_plan=tp_plan or "auto"))
+def hf_tp_model(folder: Path, config: str | Path, tp_plan: dict[str, str] | None = None) -> torch.nn.Module:
+    """The model of an example config (its name) or of a config folder, loaded sharded by transformers."""
+    return load_sharded(save_model(folder, EXAMPLES / config if isinstance(config, str) else config), tp_plan)
 
 
-def cli_plan(folder: Path, config: str) -> Path:
-    out = folder / f"{config}-tp{TP}.json"
-    result = invoke("plan", "--model", EXAMPLES / config / "config.json", "--dp", 1, "--tp", TP, "--out", out)
+def cli_plan(folder: Path, config: str | Path) -> Path:
+    config = EXAMPLES / config if isinstance(config, str) else config
+    out = folder / f"{config.name}-tp{TP}.json"
+    result = invoke("plan", "--model", config / "config.json", "--dp", 1, "--tp", TP, "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
 
-def test_the_cli_plan_matches_the_dense_model_as_transformers_shards_it(two_fake_ranks, tmp_path):
-    """transformers splits Qwen3's embedding over the vocabulary too (`init_parallel_plans` puts
-    `embedding_rowwise` before `base_model_tp_plan`), as the config reader marks it."""
-    model = hf_tp_model(tmp_path, "tiny_qwen3")
-    spec = ModelSpec.from_module(model)
+def dense_config(folder: Path, model_type: str) -> Path:
+    """The dense example's config as another model type the config reader takes."""
+    data = json.loads((EXAMPLES / "tiny_qwen3" / "config.json").read_text())
+    del data["architectures"]
+    data.update(model_type=model_type, _name_or_path=f"tiny-{model_type}")
+    out = folder / f"tiny_{model_type}"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama", "mistral"])
+def test_the_cli_plan_matches_the_dense_model_as_transformers_shards_it(two_fake_ranks, tmp_path, model_type):
+    """The config reader's splits are the ones transformers' TP plan makes: its embedding split
+    over the vocabulary too (`init_parallel_plans` puts `embedding_rowwise` before
+    `base_model_tp_plan`), column- and row-parallel projections, biases (qwen2) as Megatron's."""
+    config = EXAMPLES / "tiny_qwen3" if model_type == "qwen3" else dense_config(tmp_path, model_type)
+    spec = ModelSpec.from_module(hf_tp_model(tmp_path, config))
     assert spec.param("model.embed_tokens.weight").tp_dim == 0
-    check_plan_matches(load_plan(cli_plan(tmp_path, "tiny_qwen3")), spec, dp=1, tp=TP)
+    check_plan_matches(load_plan(cli_plan(tmp_path, config)), spec, dp=1, tp=TP)
 
 
 def test_without_a_tp_group_the_optimizer_says_so(two_fake_ranks, tmp_path):
@@ -109,19 +122,6 @@ def test_a_collective_on_a_guarded_gradient_is_one_error_line(one_rank):
     with pytest.raises(CanzonaError, match=r"^the gradient of '0\.weight' is being reduced .* \(allreduce_\.default\)"):
         dist.all_reduce(model[0].weight.grad)
     del opt
-
-
-# transformers' overrides under which canzona trains its Qwen3 models (docs/design.md §2.5): the
-# per-head norms as Replicate DTensors over the heads, the experts whole on every TP rank
-HEAD_NORM = "head_norm"
-NORMS = {f"model.layers.*.self_attn.{n}": HEAD_NORM for n in ("q_norm", "k_norm")}
-WHOLE_EXPERTS = {f"model.layers.*.mlp.experts{leaf}": "replicate" for leaf in ("", ".gate_up_proj", ".down_proj")}
-
-
-def register_head_norm() -> None:
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, SequenceParallel
-
-    ALL_PARALLEL_STYLES.register(HEAD_NORM, SequenceParallel(sequence_dim=2))
 
 
 def test_experts_split_by_transformers_are_refused_naming_how_to_keep_them_whole(two_fake_ranks, tmp_path):
