@@ -208,6 +208,50 @@ def plain_accelerator(out: Path) -> dict[str, Any]:
     return {}
 
 
+def hf_tensor_parallel(out: Path, config: str, overrides: bool = True) -> dict[str, Any]:
+    """transformers' own TP plan over both ranks (TP 2, DP 1; `overrides`: with the ones canzona
+    trains under, `tests/runtime/hf_tp_setup.py`), one step with the plan `canzona plan --model
+    <config> --dp 1 --tp 2` wrote: the full parameters before and after, this rank's local
+    gradients (as the optimizer reads them), the spec and configs, the loss and the unsharded
+    model's loss on the same tokens."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+    from tests.cli_helpers import invoke
+    from tests.runtime import hf_tp_setup as hf
+
+    folder, plan = out / f"hf-tp-{config}", out / f"hf-tp-{config}.json"
+    if dist.get_rank() == 0 and not plan.exists():
+        hf.save_model(folder, hf.EXAMPLES / config)
+        invoke("plan", "--model", hf.EXAMPLES / config / "config.json", "--dp", 1, "--tp", hf.TP, "--out", plan)
+    dist.barrier()
+    hf.register_head_norm()
+    saved = folder / f"{config}-model"
+    model = hf.load_sharded(saved, (hf.NORMS | (hf.WHOLE_EXPERTS if "moe" in config else {})) if overrides else None)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named_parameters(model)}
+
+    spec, before = ModelSpec.from_module(model), full()
+    recorder = GradientRecorder(named_parameters(model))
+    opt = DistributedOptimizer(named_parameters(model), spec, group=init_device_mesh("cpu", (1, hf.TP),
+                                                                                    mesh_dim_names=("dp", "tp")),
+                               plan=str(plan))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    grads = recorder.take()
+    opt.step()
+    opt.wait_params()
+    with torch.no_grad():
+        plain_loss = AutoModelForCausalLM.from_pretrained(saved)(input_ids=tokens, labels=tokens).loss
+    return {"before": before, "after": full(), "grads": grads, "spec": spec, "matrix": opt.matrix_cfg,
+            "adamw": opt.adamw_cfg, "loss": float(loss), "plain_loss": float(plain_loss)}
+
+
 def main() -> None:
     from accelerate import PartialState
 
@@ -234,6 +278,10 @@ def main() -> None:
         ("accelerate clip every micro-batch", clip_every_micro_batch),
         # accelerator.prepare(model), then accelerator.prepare(opt, loader, sched)
         ("accelerate prepared separately", lambda: run_loop(out, save=False, separately=True)),
+        # transformers' own TP plan over both ranks, with a plan from `canzona plan --model <config> --tp 2`
+        ("hf tp tiny_qwen3", lambda: hf_tensor_parallel(out, "tiny_qwen3")),
+        ("hf tp tiny_qwen3_moe", lambda: hf_tensor_parallel(out, "tiny_qwen3_moe")),
+        ("hf tp without overrides", lambda: hf_tensor_parallel(out, "tiny_qwen3", overrides=False)),
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),

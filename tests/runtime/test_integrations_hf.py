@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from canzona.errors import CanzonaError  # noqa: E402
-from canzona.harness.training import _flat_state, compare, runtime_norm  # noqa: E402
+from canzona.harness.training import _entries, _flat_state, compare, runtime_norm  # noqa: E402
 from canzona.integrations.accelerate import check_on_device, own_storage, same_device  # noqa: E402
 from canzona.integrations.hf import CanzonaTrainer, check_optimizer_kwargs, check_trainer  # noqa: E402
 from canzona.optimizers import AdamWConfig, MuonConfig  # noqa: E402
@@ -122,6 +122,69 @@ def assert_trained_as_emulated(results: list[dict], lrs: list[tuple[float, float
 def logged_norms(logs: list[dict], after: int = 0) -> list[float]:
     """The grad_norm the Trainer logged at each step after step `after`."""
     return [entry["grad_norm"] for entry in logs if "grad_norm" in entry and entry["step"] > after]
+
+
+# --- transformers' own TP plan ----------------------------------------------------------------------
+
+REL_TOL = 1e-5  # the reference optimizers' own arithmetic against the runtime's kernels (test_runtime_tp.py)
+
+
+def one_process_step(result: dict, grads: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """The step on the unsharded parameters fed the global gradients: the runtime's kernels in one
+    process (each matrix of a stack its own, `_entries`), and the reference optimizers."""
+    from reference import CombinedOptimizer
+
+    spec, matrix, adamw = result["spec"], result["matrix"], result["adamw"]
+    kernels = {n: t.clone() for n, t in result["before"].items()}
+    with torch.no_grad():
+        for n, w in kernels.items():
+            for _, view, g, is_matrix in _entries(spec.param(n), w, grads[n]):
+                if is_matrix:
+                    update = matrix_kernel("muon")(g.clone(), {}, matrix, matrix.lr)
+                    apply_update_(view, update.direction, update)
+                else:
+                    adamw_step_(view.view(-1), g.reshape(-1), _flat_state({}), adamw, adamw.lr)
+    params = {n: nn.Parameter(t.clone()) for n, t in result["before"].items()}
+    reference = CombinedOptimizer(params.items(), spec, "muon", matrix, adamw)
+    for n, p in params.items():
+        p.grad = grads[n].clone()
+    reference.step()
+    return kernels, {n: p.detach() for n, p in params.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_a_cli_tp_plan_steps_the_model_transformers_sharded_as_one_process(ranks, config):
+    """A model sharded by transformers' TP plan (with the overrides canzona trains under) and a
+    plan from `canzona plan --model <config> --dp 1 --tp 2`: every rank's parameters after the step
+    are the runtime's kernels' in one process on the unsharded parameters fed the global
+    gradients (the ranks' local ones joined along the spec's TP dim), bit for bit, and the
+    reference optimizers' within REL_TOL; the sharded forward is the unsharded one's."""
+    results = scenario(ranks, f"hf tp {config}")
+    spec = results[0]["spec"]
+    grads = {}
+    for n in results[0]["grads"]:
+        parts = [r["grads"][n] for r in results]
+        dim = spec.param(n).tp_dim
+        if dim is None:
+            assert torch.equal(parts[0], parts[1]), f"{n}: a replicated gradient differs between the TP ranks"
+        grads[n] = parts[0] if dim is None else torch.cat(parts, dim)
+    kernels, reference = one_process_step(results[0], grads)
+    for r in results:
+        assert compare(r["after"], kernels)["bit_identical"], compare(r["after"], kernels)
+        assert compare(r["after"], reference)["max_rel_diff"] <= REL_TOL, compare(r["after"], reference)
+        assert r["loss"] == pytest.approx(r["plain_loss"], rel=REL_TOL)
+        assert any(not torch.equal(r["after"][n], r["before"][n]) for n in r["after"])
+
+
+@pytest.mark.distributed
+def test_transformers_grad_allreduce_norms_are_one_error_on_every_rank(ranks):
+    """Without the overrides, Qwen3's q_norm / k_norm ('replicated_with_grad_allreduce'): one
+    PlanError at construction on every rank (it was a StopIteration traceback in backward)."""
+    for r in [r["hf tp without overrides"] for r in ranks]:
+        assert r["error"].startswith("PlanError: parameter 'model.layers.0.self_attn.q_norm.weight' is sharded by "
+                                     "transformers' TP style 'replicated_with_grad_allreduce'"), r["error"]
+        assert "\n" not in r["error"]
 
 
 # --- transformers' Trainer ---------------------------------------------------------------------
