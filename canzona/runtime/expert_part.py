@@ -33,7 +33,8 @@ The step's checks: the expert part's own over EDP (which expert parameters got a
 EDP rank, the EDP ranks' agreement), whose error is not raised there but carried, with this rank's
 share of the experts' gradient norm, into the dense part's check over DP (and TP), which every rank
 of the cluster passes or fails together: one verdict on soundness, finiteness and clipping for both
-parts. Every expert gradient element is counted once in the global norm: after the EDP
+parts. Whether every rank ran backward is the dense check's to say: experts that got no tokens on a
+rank (None gradients) are a zero share of the EDP sum, not an error. Every expert gradient element is counted once in the global norm: after the EDP
 reduce-scatter each lives on exactly one rank of its EDP group, the EDP groups of one EP rank's
 experts hold distinct experts, and the experts' share is added on every rank, TP ranks included
 (unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
@@ -239,6 +240,7 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, reduce_dtype, nonfinite="skip")
     grads.source = ExpertReduction(edp, policy, plan, expert_scale(owner.dp, edp.size))
+    grads.checks_backward = False  # the dense part's check says every rank ran backward
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
                            update_bytes=update_dtype.itemsize, overlap_step=overlap_step)

@@ -100,6 +100,10 @@ class GradientSync:
         self.dp = dp
         self.tp = tp
         self.nonfinite = nonfinite
+        # whether this check demands that every rank's backward reached these parameters; the
+        # experts' part under EP leaves that to the dense part's check: an EP rank's experts may get
+        # no tokens in a step (no gradient: a zero share of the EDP sum, as a zero gradient is)
+        self.checks_backward = True
         # where each buffer's reduced gradients come from: the seam a wrapper that reduces and
         # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
         self.source: GradientSource = DPReduction(dp, policy, plan)
@@ -451,10 +455,10 @@ class GradientSync:
                      f"{ranks_of(digests != digests[self.dp.rank])} differ from rank {self.dp.rank}")
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.dp.rank, "rank")
-        elif not fired.any():
+        elif self.checks_backward and not fired.any():
             error = ("step() found no gradient on any rank: call backward() before step(), on the "
                      "parameters given to the optimizer")
-        elif not fired.all():
+        elif self.checks_backward and not fired.all():
             error = (f"rank(s) {ranks_of(fired == 0)} ran no backward in this step while others did: their "
                      "zero gradients would be averaged in")
         got = flags.amax(dim=0)

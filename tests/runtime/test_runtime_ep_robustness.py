@@ -9,6 +9,10 @@ tiny mixture of experts (`reference/tiny_moe_ep.py`).
   other EDP group, so every rank stops at once with an error, instead of the healthy group waiting
   in the step's collectives until the timeout.
 - A rank that dies before step(): its peers get an error within the collective timeout, not a hang.
+- An EP rank whose experts got no tokens in a step, on one rank, in every layer (its experts
+  module skipping them, as transformers' loops over experts do): their gradients are None there,
+  which is a zero contribution to the EDP sum, as a zero gradient is; the step runs, bit for bit
+  as the same step with those gradients zeros.
 """
 
 from __future__ import annotations
@@ -112,9 +116,30 @@ def dying_job(rank: int, world: int, outdir: str) -> str:
     raise CanzonaError(out["error"] or "stepped without its peer")
 
 
+def idle_experts_job(rank: int, world: int, reads_weights: bool) -> dict:
+    """Rank SICK's experts get no tokens: their output is zeros, which reads the weights (a zero
+    gradient) or not (no gradient, as an experts module that skips an expert without tokens)."""
+    torch, model, opt, batches = _setup(rank)
+    if rank == SICK:
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            real = experts.expert
+            experts.expert = (lambda e, x, real=real: 0 * real(e, x)) if reads_weights else \
+                (lambda e, x, experts=experts: x.new_zeros(x.shape[0], experts.down_proj.shape[1]) + 0 * x[:, :1])
+    out = {}
+    for s, batch in enumerate(batches):
+        opt.zero_grad()
+        model.loss(batch).backward()
+        out[s] = _outcome(opt.step)
+    opt.wait_params()
+    out["params"] = _snapshot(model)
+    return out
+
+
 def jobs_worker(rank: int, world: int) -> dict:
     return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
-            "broken": broken_group_job(rank, world)}
+            "broken": broken_group_job(rank, world), "idle": idle_experts_job(rank, world, False),
+            "idle-zeros": idle_experts_job(rank, world, True)}
 
 
 @functools.cache
@@ -146,6 +171,14 @@ def test_a_step_broken_in_one_edp_group_stops_every_rank_at_once():
             assert "found a broken step" in o["error"]
         else:  # the healthy EDP group learns it from the dense check over DP
             assert f"rank(s) {sick_group}" in o["error"] and "broken step" in o["error"], o
+
+
+def test_experts_that_got_no_tokens_on_one_rank_are_a_zero_gradient_not_an_error():
+    import torch
+
+    for rank, (idle, zeros) in enumerate(zip((o["idle"] for o in outcomes()), (o["idle-zeros"] for o in outcomes()))):
+        assert [idle[s]["error"] for s in (0, 1)] == [None, None], (rank, idle)
+        assert all(torch.equal(idle["params"][n], zeros["params"][n]) for n in zeros["params"]), rank
 
 
 def test_a_rank_that_dies_before_step_is_an_error_on_its_peers_not_a_hang(tmp_path):
