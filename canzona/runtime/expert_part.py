@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from canzona.errors import SpecError
+from canzona.errors import PlanError, SpecError
 from canzona.experts import check_ep
 from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, Piece
@@ -58,7 +58,8 @@ from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.gradients import DPReduction, GradientSync
 from canzona.runtime.mesh import DP, Mesh
-from canzona.spec import STACK_CLOSE, STACK_OPEN, ModelSpec, stacked_matrices
+from canzona.runtime.shards import is_dtensor, local_tensor
+from canzona.spec import STACK_CLOSE, STACK_OPEN, ModelSpec, ParamSpec, stacked_matrices
 from canzona.step_policies import StepPolicy
 from canzona.step_schedule import TPSchedule, tp_schedule
 
@@ -227,6 +228,29 @@ def check_expert_layout(spec: ModelSpec, ep: int, dp: int, tp: int, mesh: Device
     if outside:
         raise SpecError(f"the expert mesh does not hold rank(s) {outside} of this rank's data- and tensor-parallel "
                         "groups: it must fold the same dp x tp ranks as the dense part's mesh")
+
+
+def check_expert_stack(name: str, p: Tensor, whole: ParamSpec, ep: int) -> None:
+    """The mistakes a stack of experts given at expert parallelism `ep` (1: none) is likely to show,
+    each one PlanError saying what to change (`whole`: the model's stack in the spec); any other
+    shape is `check_local_param`'s to refuse."""
+    if ep > 1 and is_dtensor(p):
+        raise PlanError(f"expert parameter {name!r} is a DTensor (global shape {tuple(p.shape)}): under expert_mesh "
+                        f"each rank gives its EP rank's experts as a plain tensor, the local stack of shape "
+                        f"{(whole.shape[0] // ep, *whole.shape[1:])} its experts module runs (DTensor experts, "
+                        "torchtitan's layout, are not supported)")
+    local = tuple(local_tensor(p).shape)
+    if len(local) != len(whole.shape) or local[1:] != whole.shape[1:] or local[0] < 1:
+        return
+    if ep == 1 and local[0] < whole.shape[0] and whole.shape[0] % local[0] == 0:
+        raise PlanError(f"parameter {name!r}: it has shape {local}, {local[0]} of the {whole.shape[0]} experts the "
+                        f"model spec has: an EP rank's experts (expert parallelism {whole.shape[0] // local[0]}); "
+                        "give expert_mesh (init_device_mesh(device, (dp * tp // ep, ep), mesh_dim_names=('edp', "
+                        "'ep'))) with the whole model's spec")
+    if ep > 1 and local == whole.shape:
+        raise PlanError(f"parameter {name!r}: the model spec says {whole.shape[0]} experts, what this rank holds "
+                        "(ModelSpec.from_module read the EP-sharded model); give the whole model's spec, with "
+                        f"{whole.shape[0] * ep} experts at ep {ep} (e.g. read before its experts are split)")
 
 
 def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,

@@ -68,6 +68,7 @@ from canzona.runtime.expert_part import (
     ExpertPart,
     build_expert_part,
     check_expert_layout,
+    check_expert_stack,
     expert_groups,
 )
 from canzona.runtime.gradients import GradientSync, StepCheck
@@ -92,7 +93,7 @@ from canzona.runtime.param_gather import (
 )
 from canzona.runtime.shards import check_local_param, local_tensor
 from canzona.runtime.wrappers import wrapper_message
-from canzona.spec import ModelSpec
+from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     PARAMS_BY_OWNER,
@@ -200,7 +201,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     under EP is a plan holding the experts' plan (`canzona plan --ep --out`). Checkpoints keep the
     experts under the model's names (any EP size, TP size or DP size loads them). `overlap_step`
     computes the experts' updates as their EDP buckets land, as the dense part's. Not run: expert
-    TP (a plan with etp > 1 is one error).
+    TP (a plan with etp > 1 is one error), experts held as DTensors over the EP mesh (torchtitan's
+    layout: one error asking for the plain local stack).
 
     Collective calls, which every rank must make together: construction, `step()`,
     `clip_grad_norm_()`, `state_dict()`, `sharded_state_dict()` and `load_sharded_state_dict()`.
@@ -454,6 +456,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
                                     "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
                                     "and ModelSpec.from_module skip them)")
+                whole = self.spec.param(name)
+                if whole.role is Role.EXPERT and whole.matrix_shape is not None:
+                    check_expert_stack(name, p, whole, self.ep)
                 local = self._expert_spec if self.ep > 1 and name in self._expert_names else self.spec
                 check_local_param(name, p, local.param(name), self.tp, tp_ranks)
                 params[name] = p

@@ -82,10 +82,29 @@ def refusals_worker(rank: int, world: int) -> dict[str, str]:
         model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
         return DistributedOptimizer(model.named_parameters(), model.spec(), "muon", **kw)
 
-    for label, kw in (("mesh", {"expert_mesh": wrong}),
-                      ("local shapes", {})):  # EP-local stacks given without the expert mesh
+    def dtensor_experts(**kw):  # torchtitan's layout: each stack a DTensor sharded over the EP mesh
+        from torch import nn
+        from torch.distributed.tensor import DTensor, Shard
+
+        model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
+        for layer in model.model.layers:
+            for name in ("gate_up_proj", "down_proj"):
+                local = getattr(layer.mlp.experts, name).detach()
+                setattr(layer.mlp.experts, name, nn.Parameter(DTensor.from_local(local, mesh["ep"], [Shard(0)])))
+        return DistributedOptimizer(model.named_parameters(), model.spec(), "muon", **kw)
+
+    def local_spec(**kw):  # the spec read from the EP-sharded model (its local stacks)
+        from canzona.spec import ModelSpec
+
+        model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
+        return DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(model), "muon", **kw)
+
+    for label, make, kw in (("mesh", build, {"expert_mesh": wrong}),
+                            ("local shapes", build, {}),  # EP-local stacks given without the expert mesh
+                            ("dtensor experts", dtensor_experts, {"expert_mesh": mesh}),
+                            ("local spec", local_spec, {"expert_mesh": mesh})):
         try:
-            build(**kw)
+            make(**kw)
             out[label] = "no error"
         except (CanzonaError, ValueError) as e:
             out[label] = str(e)
@@ -147,7 +166,9 @@ def test_expert_parallel_mistakes_are_one_error_each():
     refused = run("refusals")
     for messages in refused:
         assert "dimensions named 'edp' and 'ep'" in messages["mesh"]
-        assert "spec says" in messages["local shapes"] or "shape" in messages["local shapes"]
+        assert "shape (2, 32, 32)" in messages["local shapes"] and "give expert_mesh" in messages["local shapes"]
+        assert "is a DTensor" in messages["dtensor experts"] and "plain tensor" in messages["dtensor experts"]
+        assert "the whole model's spec" in messages["local spec"], messages["local spec"]
 
 
 
