@@ -162,7 +162,7 @@ class GradientSync:
         self._launched: list[PendingWork | None] = [None] * len(self.buckets)
         self._next = 0
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
-        self._backward = 0  # gradients a backward (or an assignment) gave this step; zeroed ones are not
+        self.backward = 0  # gradients a backward (or an assignment) gave this step; zeroed ones are not
         self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
         # reduced (`_finish` ran): a check that refused the step leaves the gradients reduced, and a
         # step() called again must not reduce them once more (the reduction is in place)
@@ -244,7 +244,7 @@ class GradientSync:
             self._write(name, local_grad(p))
             p.grad = guard
         self._got_grad[self.index[name]] = 1
-        self._backward += 1
+        self.backward += 1
         self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
         buckets = self.buckets_of[name]
         if not buckets or not self._sync:
@@ -314,7 +314,7 @@ class GradientSync:
                 self._write(name, local_grad(p))
                 p.grad = guard
                 self._got_grad[self.index[name]] = 1
-                self._backward += 1
+                self.backward += 1
             self._states[name] = GradState.REDUCING
 
     @property
@@ -414,7 +414,8 @@ class GradientSync:
         return None
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
-                more_norm: Tensor | None = None, more_problem: str | None = None) -> StepCheck:
+                more_norm: Tensor | None = None, more_problem: str | None = None,
+                more_backward: int = 0) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -422,7 +423,8 @@ class GradientSync:
         this rank's sum of squares of gradients held beside these buffers (the experts' under
         expert parallelism), added to its own before the ranks' are summed; `more_problem`: what
         another part's check found wrong on this rank (the experts' over EDP), which fails this
-        check on every rank as this rank's own problem would."""
+        check on every rank as this rank's own problem would; `more_backward`: the gradients
+        another part's backward gave this rank (the experts', which may be all it trains)."""
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
@@ -440,7 +442,8 @@ class GradientSync:
             term = term + more_norm.to(device)
         header = torch.cat([
             to_device(torch.cat([self._got_grad, torch.tensor(
-                [self._backward, int(problem is not None), hyper_parameters], dtype=torch.int64)]), device),
+                [self.backward + more_backward, int(problem is not None), hyper_parameters],
+                dtype=torch.int64)]), device),
             term.reshape(1).view(torch.int64),
             to_device(torch.tensor([_clip_word(max_norm)], dtype=torch.float64), device).view(torch.int64)])
         table = self.dp.all_gather_values(header, "step check")

@@ -597,7 +597,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except CanzonaError as e:
             failed = str(e)
         return self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
-                                  more_problem=failed)
+                                  more_problem=failed, more_backward=experts.backward)
 
     @property
     def nonfinite(self) -> str:

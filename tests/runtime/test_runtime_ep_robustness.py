@@ -13,6 +13,8 @@ tiny mixture of experts (`reference/tiny_moe_ep.py`).
   module skipping them, as transformers' loops over experts do): their gradients are None there,
   which is a zero contribution to the EDP sum, as a zero gradient is; the step runs, bit for bit
   as the same step with those gradients zeros.
+- Only the experts trained (the rest frozen): the step runs (every rank's backward reached its
+  experts), as with the rest given at lr 0.
 """
 
 from __future__ import annotations
@@ -136,10 +138,48 @@ def idle_experts_job(rank: int, world: int, reads_weights: bool) -> dict:
     return out
 
 
+def experts_only_job(rank: int, world: int, frozen: bool) -> dict:
+    """Only the experts train: the rest frozen (left out of the optimizer and its spec), or given
+    with lr 0, which leaves it as it is and the experts' updates the same, bit for bit."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.spec import ModelSpec, Role
+    from reference.tiny_moe import MOE_PRESETS
+    from reference.tiny_moe_ep import TinyMoeEP
+
+    mesh = init_device_mesh("cpu", (WORLD // EP, EP), mesh_dim_names=("edp", "ep"))
+    model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
+    spec = model.spec()
+    experts = {p.name for p in spec.params if p.role is Role.EXPERT}
+    named = list(model.named_parameters())
+    if frozen:
+        for name, p in named:
+            p.requires_grad_(name in experts)
+        spec = ModelSpec(spec.name, tuple(p for p in spec.params if p.name in experts))
+        groups = [(n, p) for n, p in named if n in experts]
+    else:
+        groups = [{"params": [(n, p) for n, p in named if n not in experts], "lr": 0.0},
+                  {"params": [(n, p) for n, p in named if n in experts]}]
+    opt = DistributedOptimizer(groups, spec, "muon", {"ns_dtype": "fp32"}, timeout_s=TIMEOUT_S, bucket_size=1024,
+                               expert_mesh=mesh)
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for s in range(2):
+        opt.zero_grad()
+        model.loss(torch.randint(0, 64, (2, 9), generator=gen)).backward()
+        out[s] = _outcome(opt.step)
+    opt.wait_params()
+    out["params"] = _snapshot(model)
+    return out
+
+
 def jobs_worker(rank: int, world: int) -> dict:
     return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
             "broken": broken_group_job(rank, world), "idle": idle_experts_job(rank, world, False),
-            "idle-zeros": idle_experts_job(rank, world, True)}
+            "idle-zeros": idle_experts_job(rank, world, True), "experts-only": experts_only_job(rank, world, True),
+            "dense-lr-0": experts_only_job(rank, world, False)}
 
 
 @functools.cache
@@ -179,6 +219,27 @@ def test_experts_that_got_no_tokens_on_one_rank_are_a_zero_gradient_not_an_error
     for rank, (idle, zeros) in enumerate(zip((o["idle"] for o in outcomes()), (o["idle-zeros"] for o in outcomes()))):
         assert [idle[s]["error"] for s in (0, 1)] == [None, None], (rank, idle)
         assert all(torch.equal(idle["params"][n], zeros["params"][n]) for n in zeros["params"]), rank
+
+
+def test_training_only_the_experts_under_ep_steps_them_as_with_the_rest_at_lr_0():
+    import torch
+
+    for rank, o in enumerate(outcomes()):
+        only, still = o["experts-only"], o["dense-lr-0"]
+        assert [only[s]["error"] for s in (0, 1)] == [None, None], (rank, only[0], only[1])
+        assert all(torch.equal(only["params"][n], still["params"][n]) for n in still["params"]), rank
+        assert not torch.equal(only["params"][EXPERT], _setup_free_initial(rank)[EXPERT]), rank  # they trained
+
+
+def _setup_free_initial(rank: int) -> dict:
+    """This rank's initial parameters, without a process group (EP rank `rank % EP`'s experts)."""
+    from reference.tiny_moe import MOE_PRESETS, TinyMoe
+
+    whole = dict(TinyMoe(MOE_PRESETS["tiny-moe"]).named_parameters())
+    out = {n: p.detach() for n, p in whole.items()}
+    k = out[EXPERT].shape[0] // EP
+    out[EXPERT] = out[EXPERT][rank % EP * k:(rank % EP + 1) * k]
+    return out
 
 
 def test_a_rank_that_dies_before_step_is_an_error_on_its_peers_not_a_hang(tmp_path):
