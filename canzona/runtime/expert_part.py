@@ -35,10 +35,10 @@ share of the experts' gradient norm, into the dense part's check over DP (and TP
 of the cluster passes or fails together: one verdict on soundness, finiteness and clipping for both
 parts. Whether every rank ran backward is the dense check's to say, counting both parts' gradients
 (the experts may be all a run trains): experts that got no tokens on a rank (None gradients) are a
-zero share of the EDP sum, not an error. Every expert gradient element is counted once in the global norm: after the EDP
-reduce-scatter each lives on exactly one rank of its EDP group, the EDP groups of one EP rank's
-experts hold distinct experts, and the experts' share is added on every rank, TP ranks included
-(unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
+zero share of the EDP sum, not an error. Every expert gradient element is counted once in the
+global norm: after the EDP reduce-scatter each lives on exactly one rank of its EDP group, the EDP
+groups of one EP rank's experts hold distinct experts, and the experts' share is added on every
+rank, TP ranks included (unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
 """
 from __future__ import annotations
 
