@@ -104,6 +104,10 @@ class GradientSync:
         # experts' part under EP leaves that to the dense part's check: an EP rank's experts may get
         # no tokens in a step (no gradient: a zero share of the EDP sum, as a zero gradient is)
         self.checks_backward = True
+        # whether a parameter that no rank's backward reached steps too (with its zero gradient):
+        # an EP rank's experts are part of the model's stack, one tensor, which one process steps
+        # whole whenever any of its experts got a token (the experts' part under EP)
+        self.steps_unreached = False
         # where each buffer's reduced gradients come from: the seam a wrapper that reduces and
         # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
         self.source: GradientSource = DPReduction(dp, policy, plan)
@@ -464,7 +468,7 @@ class GradientSync:
         elif self.checks_backward and not fired.all():
             error = (f"rank(s) {ranks_of(fired == 0)} ran no backward in this step while others did: their "
                      "zero gradients would be averaged in")
-        got = flags.amax(dim=0)
+        got = torch.ones_like(flags[0]) if self.steps_unreached else flags.amax(dim=0)
         total = combine_norm_terms(terms)
         if self.tp is not None:
             error, total = self._check_tp(error, got, hyper_parameters, total, max_norm)

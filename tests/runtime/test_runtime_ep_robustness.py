@@ -40,7 +40,7 @@ EXPERT = "model.layers.0.mlp.experts.down_proj"  # a stack every rank holds expe
 SICK = 3  # the rank (EDP 1, EP 1) whose expert gradient goes wrong
 
 
-def _setup(rank: int, nonfinite: str = "raise"):
+def _setup(rank: int, nonfinite: str = "raise", optimizer: str = "muon"):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,7 +50,8 @@ def _setup(rank: int, nonfinite: str = "raise"):
 
     mesh = init_device_mesh("cpu", (WORLD // EP, EP), mesh_dim_names=("edp", "ep"))
     model = TinyMoeEP(MOE_PRESETS["tiny-moe"], mesh.get_group("ep"))
-    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", {"ns_dtype": "fp32"},
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), optimizer,
+                               {"ns_dtype": "fp32"} if optimizer == "muon" else None,
                                timeout_s=TIMEOUT_S, nonfinite=nonfinite, bucket_size=1024, expert_mesh=mesh)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 64, (2, 9), generator=gen) for _ in range(2)]
@@ -118,21 +119,26 @@ def dying_job(rank: int, world: int, outdir: str) -> str:
     raise CanzonaError(out["error"] or "stepped without its peer")
 
 
-def idle_experts_job(rank: int, world: int, reads_weights: bool) -> dict:
-    """Rank SICK's experts get no tokens: their output is zeros, which reads the weights (a zero
-    gradient) or not (no gradient, as an experts module that skips an expert without tokens)."""
-    torch, model, opt, batches = _setup(rank)
-    if rank == SICK:
+def idle_experts_job(rank: int, world: int, reads_weights: bool, idle: tuple[int, ...] = (SICK,),
+                     optimizer: str = "muon") -> dict:
+    """The experts of the ranks `idle` get no tokens in the first step: their output is zeros, which
+    reads the weights (a zero gradient) or not (no gradient, as an experts module that skips an
+    expert without tokens)."""
+    torch, model, opt, batches = _setup(rank, optimizer=optimizer)
+    real = [layer.mlp.experts.expert for layer in model.model.layers]
+    if rank in idle:
         for layer in model.model.layers:
             experts = layer.mlp.experts
-            real = experts.expert
-            experts.expert = (lambda e, x, real=real: 0 * real(e, x)) if reads_weights else \
+            experts.expert = (lambda e, x, real=experts.expert: 0 * real(e, x)) if reads_weights else \
                 (lambda e, x, experts=experts: x.new_zeros(x.shape[0], experts.down_proj.shape[1]) + 0 * x[:, :1])
     out = {}
     for s, batch in enumerate(batches):
         opt.zero_grad()
         model.loss(batch).backward()
         out[s] = _outcome(opt.step)
+        for layer, forward in zip(model.model.layers, real):
+            layer.mlp.experts.expert = forward
+    out["state"] = _outcome(opt.state_dict)  # the experts' state of every EP rank under one name
     opt.wait_params()
     out["params"] = _snapshot(model)
     return out
@@ -178,7 +184,10 @@ def experts_only_job(rank: int, world: int, frozen: bool) -> dict:
 def jobs_worker(rank: int, world: int) -> dict:
     return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
             "broken": broken_group_job(rank, world), "idle": idle_experts_job(rank, world, False),
-            "idle-zeros": idle_experts_job(rank, world, True), "experts-only": experts_only_job(rank, world, True),
+            "idle-zeros": idle_experts_job(rank, world, True),
+            # every rank of EP rank 1 (its EDP group): no rank holding those experts got a gradient
+            "idle-ep-rank": idle_experts_job(rank, world, False, (1, 3), "adamw"),
+            "idle-ep-rank-zeros": idle_experts_job(rank, world, True, (1, 3), "adamw"), "experts-only": experts_only_job(rank, world, True),
             "dense-lr-0": experts_only_job(rank, world, False)}
 
 
@@ -218,6 +227,20 @@ def test_experts_that_got_no_tokens_on_one_rank_are_a_zero_gradient_not_an_error
 
     for rank, (idle, zeros) in enumerate(zip((o["idle"] for o in outcomes()), (o["idle-zeros"] for o in outcomes()))):
         assert [idle[s]["error"] for s in (0, 1)] == [None, None], (rank, idle)
+        assert all(torch.equal(idle["params"][n], zeros["params"][n]) for n in zeros["params"]), rank
+
+
+def test_experts_that_got_no_tokens_on_any_rank_of_their_ep_rank_step_as_the_whole_stack_does():
+    """A stack is one tensor of the model: one process steps all of its experts whenever any got a
+    token (the others' gradients zeros). Under EP the experts of one EP rank that no rank of its EDP
+    group gave a gradient step so too, their steps in line with the other EP ranks' (one entry per
+    stack in the state dict)."""
+    import torch
+
+    for rank, o in enumerate(outcomes()):
+        idle, zeros = o["idle-ep-rank"], o["idle-ep-rank-zeros"]
+        assert [idle[s]["error"] for s in (0, 1)] == [None, None], (rank, idle[0], idle[1])
+        assert idle["state"]["error"] is None, (rank, idle["state"])
         assert all(torch.equal(idle["params"][n], zeros["params"][n]) for n in zeros["params"]), rank
 
 
