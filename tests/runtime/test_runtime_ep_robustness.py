@@ -12,7 +12,9 @@ tiny mixture of experts (`reference/tiny_moe_ep.py`).
 - An EP rank whose experts got no tokens in a step, on one rank, in every layer (its experts
   module skipping them, as transformers' loops over experts do): their gradients are None there,
   which is a zero contribution to the EDP sum, as a zero gradient is; the step runs, bit for bit
-  as the same step with those gradients zeros.
+  as the same step with those gradients zeros. On every rank of one EP rank (no gradient in the
+  EDP group), those experts still step with zeros, as one process steps the stack whole, and the
+  state dict holds the stack as one entry (AdamW: its steps in line).
 - Only the experts trained (the rest frozen): the step runs (every rank's backward reached its
   experts), as with the rest given at lr 0.
 """
