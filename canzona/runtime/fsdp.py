@@ -119,7 +119,8 @@ def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[A
     ids = {id(f) for f in found.values()}
     groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
     # in the parameters' order; a sharded parameter's holders are FSDP2's business (its FSDPParam)
-    return {n: found[n] for n in params if n in found}, groups, {n: h for n, h in holders.items() if n not in found}
+    return ({n: found[n] for n in params if n in found}, groups,
+            {n: holders[n] for n in params if n in holders and n not in found})
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:

@@ -48,12 +48,14 @@ Holders = dict[str, list[tuple["weakref.ref[nn.Module]", str]]]
 
 def param_holders(params: Mapping[str, Tensor]) -> Holders:
     """Each of `params` that some live module holds as its own (not a child's) parameter: every
-    such module (a weak reference) and its attribute (two for tied weights)."""
+    such module (a weak reference) and its attribute (two for tied weights), in the order of
+    `params` (not gc's, which differs between processes: an error naming the first parameter
+    names the same one on every rank)."""
     by_id = {id(p): name for name, p in params.items()}
     found: Holders = {}
     for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
         add_holder(obj, by_id, found)
-    return found
+    return {n: found[n] for n in params if n in found}
 
 
 def add_holder(obj: object, by_id: Mapping[int, str], found: Holders) -> None:
