@@ -45,7 +45,7 @@ gathered all the same), the policy's gradient gathers, their step check and thei
 gathers. The two lists merge as the runtime issues them (`_with_experts`): backward's reductions
 by the layer whose backward completes each bucket (`backward_layers`; the experts' first at the
 same layer), then the experts' step collectives and check (the dense check carries their share of
-the gradient norm), the dense part's step collectives, checks and clip, the dense parameter
+the gradient norm and their got-a-gradient flags), the dense part's step collectives, checks and clip, the dense parameter
 gathers, the experts'. The EP group carries nothing of the optimizer's: the token dispatch
 all-to-alls are the model's (forward and backward), not logged. With a TP dense part (the
 experts folded over the `dp x tp` ranks) the dense list is rank (`dp_rank`, `tp_rank`)'s as
@@ -72,7 +72,9 @@ same record, same order).
 Sizes come from the plan and the spec: bucket sizes and segments from the DP plan, the AdamW
 buffer (the local AdamW parameters packed end to end, padded to a multiple of `align x dp`, with
 the plan's alignment, as the runtime pads it), the step checks (one 8-byte word per
-parameter plus five; under TP four more plus two per TP-replicated parameter), dtypes from the
+parameter plus five; under TP four more plus two per TP-replicated parameter; under EP the dense
+part's checks one more per expert stack of the EP rank: the experts' got-a-gradient flags, which
+they combine over the whole cluster, so that a stack no rank reached is skipped), dtypes from the
 spec: gradients are reduced in fp32 when the model has bf16 / fp16 parameters and master weights
 are on (the runtime's default), otherwise in the parameters' dtype; parameters are gathered in
 their own dtype.
@@ -183,7 +185,10 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
     options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
                    overlap_step=overlap_step, style=style)
-    dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm, **options)
+    # under EP the dense checks also carry the experts' got-a-gradient flags, one word per stack
+    more_flags = len(experts.spec.params) if experts is not None else 0
+    dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm,
+                  more_flags=more_flags, **options)
     if experts is None:
         return dense
     expert_policy = policy if experts.policy is None else experts.policy
@@ -195,7 +200,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                             f"part's {policy.name}")
     own = [replace(c, group=EXPERT_GROUPS[c.group])
            for c in _part(experts.plan, experts.spec, expert_policy, experts.edp_rank, experts.etp_rank,
-                          first_step=False, inf_norm=False, **options)]
+                          first_step=False, inf_norm=False, more_flags=0, **options)]
     return _with_experts(dense, own, backward_layers(plan, spec), backward_layers(experts.plan, experts.spec))
 
 
@@ -215,7 +220,7 @@ def _with_experts(dense: list[StepCollective], experts: list[StepCollective], de
     layer the experts' first: a decoder layer's MoE block follows its attention, so backward
     reaches the experts first); records of no bucket (Megatron's AdamW reduction) after them; then
     the experts' step collectives and check over EDP (the dense check carries their gradient
-    norm), the dense part's step collectives, checks and exchanges, the dense part's parameter
+    norm and got-a-gradient flags), the dense part's step collectives, checks and exchanges, the dense part's parameter
     gathers, then the experts'. Construction's agreement verdict (the first step under TP) comes
     before all of them."""
     def key(c: StepCollective, part: int, k: int) -> tuple:
@@ -245,8 +250,9 @@ def backward_layers(plan: Plan, spec: ModelSpec) -> dict[int, int]:
 
 def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank: int, *, tp_mode: str,
           grad_bytes: int | None, param_bytes: int | None, master: bool, first_step: bool,
-          inf_norm: bool, overlap_step: bool, style: str) -> list[StepCollective]:
-    """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one)."""
+          inf_norm: bool, overlap_step: bool, style: str, more_flags: int) -> list[StepCollective]:
+    """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one);
+    `more_flags`: another part's parameters whose got-a-gradient flags its checks carry."""
     dp, tp = plan.dp, plan.tp
     if not 0 <= tp_rank < tp:
         raise SpecError(f"tp rank {tp_rank} is outside 0..{tp - 1}")
@@ -308,10 +314,10 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
     else:  # the prefetched gathers, issued as their buckets land
         out += exchanges[:prefetched]
     # 3. the step checks
-    out.append(check(DP_GROUP, "step check", len(spec.params) + 5, dp))
+    out.append(check(DP_GROUP, "step check", len(spec.params) + more_flags + 5, dp))
     if tp > 1:
         replicated = sum(p.tp_dim is None for p in spec.params)
-        out.append(check(TP_GROUP, "tp step check", 4 + len(spec.params) + 2 * replicated, tp))
+        out.append(check(TP_GROUP, "tp step check", 4 + len(spec.params) + more_flags + 2 * replicated, tp))
         out.append(check(DP_GROUP, "tp verdict", 1, dp))
     # 4. clip_grad_norm_ by the inf-norm: each rank's largest magnitude over DP, then over TP
     if inf_norm:

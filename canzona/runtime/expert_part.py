@@ -35,9 +35,10 @@ share of the experts' gradient norm, into the dense part's check over DP (and TP
 of the cluster passes or fails together: one verdict on soundness, finiteness and clipping for both
 parts. Whether every rank ran backward is the dense check's to say, counting both parts' gradients
 (the experts may be all a run trains): experts that got no tokens on a rank (None gradients) are a
-zero share of the EDP sum, not an error; experts no rank of their EDP group gave a gradient step
-with zero ones, as the rest of their stack does (one tensor of the model, which one process steps
-whole whenever any of its experts got a token). Every expert gradient element is counted once in the
+zero share of the EDP sum, not an error. Which stacks step is the dense check's to say too: it
+combines every rank's got-a-gradient flags of its experts over the cluster, so that a stack (one
+tensor of the model, which one process steps whole or skips) steps whole where any rank reached it,
+experts no rank of their EDP group gave a gradient with zero ones, and is skipped where none did. Every expert gradient element is counted once in the
 global norm: after the EDP reduce-scatter each lives on exactly one rank of its EDP group, the EDP
 groups of one EP rank's experts hold distinct experts, and the experts' share is added on every
 rank, TP ranks included (unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
@@ -267,10 +268,10 @@ def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec,
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, reduce_dtype, nonfinite="skip")
     grads.source = ExpertReduction(edp, policy, plan, expert_scale(owner.dp, edp.size))
-    grads.checks_backward = False  # the dense part's check says every rank ran backward
-    # experts that got no tokens on any rank of their EDP group step with zero gradients, as the
-    # rest of their stack does on the other EP ranks (one tensor: one process steps it whole)
-    grads.steps_unreached = True
+    # the dense part's check says every rank ran backward, and which experts got a gradient: a
+    # stack that any rank of the cluster reached steps whole (zeros for experts no rank of their
+    # EDP group gave a gradient), one that none reached is skipped, as one process does
+    grads.checks_backward = False
     grad_dtype = grads.buckets[0].reduced.dtype
     schedule = tp_schedule(plan, spec, policy, edp.rank, tp_mode, grad_bytes=grad_dtype.itemsize,
                            update_bytes=update_dtype.itemsize, overlap_step=overlap_step)

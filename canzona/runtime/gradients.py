@@ -46,6 +46,9 @@ class StepCheck:
 
     got: Tensor  # per parameter (optimizer order): 1 if it got a gradient on any rank
     norm: float  # the global 2-norm of the reduced gradients, every element counted once (nan / inf: not finite)
+    # per parameter of another part (`prepare`'s `more_got`: the experts'), 1 if it got a gradient on
+    # any rank of the cluster (empty when `prepare` was given none)
+    more_got: Tensor
 
 
 class GradientSource(Protocol):
@@ -102,12 +105,11 @@ class GradientSync:
         self.nonfinite = nonfinite
         # whether this check demands that every rank's backward reached these parameters; the
         # experts' part under EP leaves that to the dense part's check: an EP rank's experts may get
-        # no tokens in a step (no gradient: a zero share of the EDP sum, as a zero gradient is)
+        # no tokens in a step (no gradient: a zero share of the EDP sum, as a zero gradient is).
+        # Which of the experts got a gradient is not this check's to say either: their stack is one
+        # tensor of the model, held by every EP rank, so the dense check decides it over the whole
+        # cluster (`more_got`), and the optimizer puts that verdict in place of this check's `got`
         self.checks_backward = True
-        # whether a parameter that no rank's backward reached steps too (with its zero gradient):
-        # an EP rank's experts are part of the model's stack, one tensor, which one process steps
-        # whole whenever any of its experts got a token (the experts' part under EP)
-        self.steps_unreached = False
         # where each buffer's reduced gradients come from: the seam a wrapper that reduces and
         # shards gradients itself plugs into (FSDP2's reduce-scatter: issue 21)
         self.source: GradientSource = DPReduction(dp, policy, plan)
@@ -196,6 +198,12 @@ class GradientSync:
         for pending in self._launched:
             if pending is not None:
                 pending.wait()
+
+    @property
+    def local_got(self) -> Tensor:
+        """Per parameter, 1 if this rank's backward gave it a gradient this step (or its `.grad` was
+        zeroed, which torch steps): what this rank's check sends; final once `prepare` has reduced."""
+        return self._got_grad
 
     def reduced(self, name: str) -> Tensor:
         """The synchronised gradient of `name`'s local tensor (valid where this rank reads it)."""
@@ -419,7 +427,7 @@ class GradientSync:
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
                 more_norm: Tensor | None = None, more_problem: str | None = None,
-                more_backward: int = 0) -> StepCheck:
+                more_backward: int = 0, more_got: Tensor | None = None) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -428,7 +436,10 @@ class GradientSync:
         expert parallelism), added to its own before the ranks' are summed; `more_problem`: what
         another part's check found wrong on this rank (the experts' over EDP), which fails this
         check on every rank as this rank's own problem would; `more_backward`: the gradients
-        another part's backward gave this rank (the experts', which may be all it trains)."""
+        another part's backward gave this rank (the experts', which may be all it trains);
+        `more_got`: this rank's got-a-gradient flags of another part's parameters (the experts',
+        whose stacks every EP rank holds a part of), combined over the whole cluster (DP, then TP)
+        into the check's `more_got` (the same length on every rank)."""
         if self.checked is not None:
             if max_norm is not None and max_norm != self._clip_agreed:
                 self._check_clip_agreement(max_norm)
@@ -444,8 +455,9 @@ class GradientSync:
         self.norm_term = term  # this rank's own share, for another part's check (`more_norm`)
         if more_norm is not None:
             term = term + more_norm.to(device)
+        sent = torch.zeros(0, dtype=torch.int64) if more_got is None else more_got.to(torch.int64)
         header = torch.cat([
-            to_device(torch.cat([self._got_grad, torch.tensor(
+            to_device(torch.cat([self._got_grad, sent, torch.tensor(
                 [self.backward + more_backward, int(problem is not None), hyper_parameters],
                 dtype=torch.int64)]), device),
             term.reshape(1).view(torch.int64),
@@ -468,10 +480,10 @@ class GradientSync:
         elif self.checks_backward and not fired.all():
             error = (f"rank(s) {ranks_of(fired == 0)} ran no backward in this step while others did: their "
                      "zero gradients would be averaged in")
-        got = torch.ones_like(flags[0]) if self.steps_unreached else flags.amax(dim=0)
+        got, more = flags.amax(dim=0).split([len(self.params), sent.numel()])
         total = combine_norm_terms(terms)
         if self.tp is not None:
-            error, total = self._check_tp(error, got, hyper_parameters, total, max_norm)
+            error, total, more = self._check_tp(error, got, more, hyper_parameters, total, max_norm)
             # a TP group's failure reaches the other DP ranks too, so that every rank in the
             # cluster stops here instead of waiting in the step's collectives
             error = self.dp.spread_failure(error, "tp verdict",
@@ -483,7 +495,7 @@ class GradientSync:
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient, from a NaN loss, an "
                                "overflow or bad data): nothing was updated. Lower the learning rate, check the "
                                "data, or pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
-        self.checked = StepCheck(got=got, norm=norm)
+        self.checked = StepCheck(got=got, norm=norm, more_got=more)
         self._clip_agreed = max_norm
         return self.checked
 
@@ -499,49 +511,53 @@ class GradientSync:
             raise CanzonaError(error)
         self._clip_agreed = max_norm
 
-    def _check_tp(self, error: str | None, got: Tensor, hyper_parameters: int, dp_total: Tensor,
-                  max_norm: float | None) -> tuple[str | None, Tensor]:
+    def _check_tp(self, error: str | None, got: Tensor, more: Tensor, hyper_parameters: int, dp_total: Tensor,
+                  max_norm: float | None) -> tuple[str | None, Tensor, Tensor]:
         """The TP ranks of one DP index must all pass, agree on the hyper-parameters, the clip
         threshold and on which parameters got a gradient, and hold the same gradient of every
         TP-replicated parameter: a model that forgets to reduce one (say, a QK norm's weight over
         the heads it was split by), or a scheduler stepped on one TP rank only, would otherwise
         train the replicas apart without a word. Returns this rank's error (the same on the TP
-        group) and the sum of squares over the whole cluster (each TP rank's DP total, in TP order)."""
+        group), the sum of squares over the whole cluster (each TP rank's DP total, in TP order)
+        and `more` (another part's flags, combined over DP) combined over TP: the TP ranks of a DP
+        rank may hold different EP ranks' experts, which need not agree."""
         device = self.tp.check_device
         digests = self._replicated_digests().to(device)
         words = torch.tensor([float(dp_total), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)
         row = torch.cat([to_device(torch.cat([torch.tensor([int(error is not None), hyper_parameters],
-                                                           dtype=torch.int64), words, got]), device),
+                                                           dtype=torch.int64), words, got, more]), device),
                          digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
         total = combine_norm_terms(table[:, 2].view(torch.float64))
+        n, m = got.numel(), more.numel()
+        more = table[:, 4 + n:4 + n + m].amax(dim=0)
         if error is not None:
-            return error, total
+            return error, total, more
         failed = table[:, 0] != 0
         if failed.any():
             return (f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed this step's check (see their "
-                    "error)"), total
+                    "error)"), total, more
         hyper = table[:, 1]
         if not torch.all(hyper == hyper[0]):
             return (f"TP ranks disagree on the hyper-parameters in param_groups: TP rank(s) "
                     f"{ranks_of(hyper != hyper[self.tp.rank])} differ from TP rank {self.tp.rank} (a scheduler "
-                    "or an edit that ran on some ranks only?)"), total
+                    "or an edit that ran on some ranks only?)"), total, more
         clips = table[:, 3].view(torch.float64)
         if not _all_same(clips):
-            return _clip_disagreement(clips, self.tp.rank, "TP rank"), total
-        got_table = table[:, 4:4 + got.numel()]
+            return _clip_disagreement(clips, self.tp.rank, "TP rank"), total, more
+        got_table = table[:, 4:4 + n]
         if not torch.all(got_table == got_table[0]):
             differs = int(torch.nonzero((got_table != got_table[0]).any(dim=0))[0])
             return (f"TP ranks disagree on whether {list(self.params)[differs]!r} got a gradient this step: "
-                    "every TP rank must run the same backward"), total
-        reps = table[:, 4 + got.numel():].view(self.tp.size, -1, 2)
+                    "every TP rank must run the same backward"), total, more
+        reps = table[:, 4 + n + m:].view(self.tp.size, -1, 2)
         bad = torch.nonzero((reps != reps[0]).any(dim=2).any(dim=0)).flatten()
         if bad.numel():
             name = self._replicated[int(bad[0])]
             return (f"the gradient of TP-replicated parameter {name!r} differs between TP ranks: the model "
                     "must reduce it over the TP group (as Megatron's finalize_model_grads or a Replicate "
-                    "DTensor does), or the replicas drift apart"), total
-        return None, total
+                    "DTensor does), or the replicas drift apart"), total, more
+        return None, total, more
 
     def _replicated_digests(self) -> Tensor:
         """Per TP-replicated parameter, (sum, position-weighted sum) in fp64 of this rank's reduced

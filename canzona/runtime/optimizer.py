@@ -596,8 +596,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             failed = None
         except CanzonaError as e:
             failed = str(e)
-        return self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
-                                  more_problem=failed, more_backward=experts.backward)
+        check = self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
+                                   more_problem=failed, more_backward=experts.backward, more_got=experts.local_got)
+        # an expert stack steps whole where any rank of the cluster reached it (its experts without
+        # tokens with zero gradients), and is skipped where none did, as one process steps the
+        # model's one tensor or skips it: the dense check combined the flags of every EP rank
+        experts.checked = replace(experts.checked, got=check.more_got)
+        return check
 
     @property
     def nonfinite(self) -> str:

@@ -172,3 +172,41 @@ def check_resumed(resumed: tuple, saved: Sequence[dict], label: str) -> None:
     for r, res in enumerate(ranks):
         cmp = compare(res["params"], held_by(want, spec, res))
         assert cmp["bit_identical"], f"{label}, rank {r}: {cmp}"
+
+
+def skipped_layer_job(rank: int, world: int, spec: TrainSpec, layer: int, skipped_steps: Sequence[int]) -> dict:
+    """`spec` trained with decoder layer `layer` skipped by every rank's forward in `skipped_steps`
+    (0-based; LayerDrop, a skipped layer): none of its parameters, its expert stacks included, gets
+    a gradient on any rank there, which one process's optimizer skips. What `check_same_kernels`
+    reads of a rank: its parameters, the gradients its own hooks saw, its place in the layout."""
+    import contextlib
+
+    from canzona.harness.training import (
+        GradientRecorder,
+        global_batches,
+        micro_batches,
+        parallel_model,
+    )
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.runtime.shards import local_tensor
+
+    model, mspec, group, expert_mesh, dp_rank = parallel_model(spec, rank, world)
+    recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
+                               spec.adamw_config, policy=spec.policy, bucket_size=spec.bucket_size, group=group,
+                               reduce_scatter=spec.reduce_scatter, expert_mesh=expert_mesh)
+    skipped = model.model.layers[layer]
+    grads = []
+    for s, tokens in enumerate(global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])):
+        if s in skipped_steps:
+            skipped.forward = lambda x, rope=None: x
+        opt.zero_grad()
+        model.loss(micro_batches(tokens, dp_rank, spec.dp_size(world), 1)[0]).backward()
+        grads.append(recorder.take())
+        opt.step()
+        with contextlib.suppress(AttributeError):
+            del skipped.forward  # the class's forward again
+    opt.wait_params()
+    return {"params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}, "grads": grads,
+            "tp_dims": {p.name: p.tp_dim if spec.tp > 1 else None for p in mspec.params},
+            "dp_rank": opt.rank, "tp_rank": opt.tp_rank, "ep_rank": expert_mesh.get_local_rank("ep")}

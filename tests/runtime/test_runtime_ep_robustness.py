@@ -15,6 +15,9 @@ tiny mixture of experts (`reference/tiny_moe_ep.py`).
   as the same step with those gradients zeros. On every rank of one EP rank (no gradient in the
   EDP group), those experts still step with zeros, as one process steps the stack whole, and the
   state dict holds the stack as one entry (AdamW: its steps in line).
+- A decoder layer that no rank's forward runs in a step (LayerDrop): its expert stacks got no
+  gradient on any rank of the cluster, and are skipped as one process skips them (AdamW: no weight
+  decay, no step counted), bit for bit the same kernels in one process.
 - Only the experts trained (the rest frozen): the step runs (every rank's backward reached its
   experts), as with the rest given at lr 0.
 """
@@ -32,6 +35,8 @@ import pytest
 
 from canzona.errors import CanzonaError
 from canzona.harness.launch import run_ranks
+from canzona.harness.training import TrainSpec
+from tests.runtime.expert_runs import check_same_kernels, skipped_layer_job
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -40,6 +45,9 @@ TIMEOUT_S = 20.0  # the optimizer's collective timeout: a failure must come well
 DEADLINE_S = 120.0
 EXPERT = "model.layers.0.mlp.experts.down_proj"  # a stack every rank holds experts of
 SICK = 3  # the rank (EDP 1, EP 1) whose expert gradient goes wrong
+# layer 1 skipped by every rank in the first step, run in the second (AdamW: a step taken with zero
+# gradients moves the weights by weight decay and counts in the bias correction)
+SKIPPED = TrainSpec(preset="tiny-moe", optimizer="adamw", ep=EP, steps=2, global_batch=8, seq_len=8, bucket_size=1024)
 
 
 def _setup(rank: int, nonfinite: str = "raise", optimizer: str = "muon"):
@@ -190,7 +198,8 @@ def jobs_worker(rank: int, world: int) -> dict:
             # every rank of EP rank 1 (its EDP group): no rank holding those experts got a gradient
             "idle-ep-rank": idle_experts_job(rank, world, False, (1, 3), "adamw"),
             "idle-ep-rank-zeros": idle_experts_job(rank, world, True, (1, 3), "adamw"), "experts-only": experts_only_job(rank, world, True),
-            "dense-lr-0": experts_only_job(rank, world, False)}
+            "dense-lr-0": experts_only_job(rank, world, False),
+            "skipped-layer": skipped_layer_job(rank, world, SKIPPED, layer=1, skipped_steps=(0,))}
 
 
 @functools.cache
@@ -244,6 +253,16 @@ def test_experts_that_got_no_tokens_on_any_rank_of_their_ep_rank_step_as_the_who
         assert [idle[s]["error"] for s in (0, 1)] == [None, None], (rank, idle[0], idle[1])
         assert idle["state"]["error"] is None, (rank, idle["state"])
         assert all(torch.equal(idle["params"][n], zeros["params"][n]) for n in zeros["params"]), rank
+
+
+def test_an_expert_stack_no_rank_reached_is_skipped_as_one_process_skips_it():
+    """Layer 1 skipped by every rank in the first step: its stacks (and its router and norm) got no
+    gradient anywhere, so one process's optimizer leaves them and their state alone, and the
+    second step is their first; the runtime does the same, bit for bit."""
+    ranks = [o["skipped-layer"] for o in outcomes()]
+    stacks = {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    assert all(not stacks & set(r["grads"][0]) and stacks <= set(r["grads"][1]) for r in ranks)  # as staged
+    check_same_kernels(SKIPPED, ranks, WORLD, "layer 1 skipped in step 1", 1e-5)
 
 
 def test_training_only_the_experts_under_ep_steps_them_as_with_the_rest_at_lr_0():

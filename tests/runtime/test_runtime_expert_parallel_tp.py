@@ -15,6 +15,8 @@ replicated, each TP rank dispatching its share of its DP rank's tokens to the ex
 - every rank's DP, TP and EDP logs are `step_collectives` of its ranks, record for record, and the
   simulator in the runtime's collectives mode plans the same two plans and issues the same records;
 - a NaN in one rank's expert gradient skips (or fails) the step on every rank, nothing updated;
+- a decoder layer no rank's forward runs in a step (LayerDrop): its expert stacks, which no rank of
+  the cluster reached, are skipped as one process skips them, bit for bit the same kernels (Muon);
 - an expert mesh that does not fold the dense mesh's ranks is one `SpecError` on every rank, and
   experts that differ within an EDP group one `PlanError` on every rank;
 - checkpoints taken at DP 2 x TP 2 x EP 2 (full and sharded) resume bit for bit at DP 4 x EP 2
@@ -50,6 +52,7 @@ from tests.runtime.expert_runs import (
     replay,
     resumed_runs,
     saving_spawn,
+    skipped_layer_job,
 )
 from tests.runtime.outcomes import outcome
 
@@ -80,6 +83,7 @@ JOBS = {
 }
 SAVED = ("muon", "soap", "adamw")  # checkpointed at DP 2 x TP 2 x EP 2
 RESUMED = ((4, 1), (2, 2))  # (world, tp) of the runs that load them, at EP 2
+SKIPPED = spec_for("muon", steps=2)  # layer 1 skipped by every rank in the first step
 
 
 def nonfinite_job(rank: int, world: int, policy: str) -> dict:
@@ -157,7 +161,8 @@ def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: lis
             "nan skip": nonfinite_job(rank, world, "skip"),
             "nan raise": nonfinite_job(rank, world, "raise"),
             "refusal": refusal_job(rank, world),
-            "disagreement": disagreement_job(rank, world)}
+            "disagreement": disagreement_job(rank, world),
+            "skipped layer": skipped_layer_job(rank, world, SKIPPED, layer=1, skipped_steps=(0,))}
 
 
 @functools.cache
@@ -166,7 +171,7 @@ def runs() -> dict:
     try:
         results, folder = saving_spawn(everything_worker, WORLD, JOBS, SAVED, "canzona-ep-tp-", DEADLINE_S)
         out = {label: [results[r]["jobs"][i] for r in range(WORLD)] for i, label in enumerate(labels)}
-        for key in ("nan skip", "nan raise", "refusal", "disagreement"):
+        for key in ("nan skip", "nan raise", "refusal", "disagreement", "skipped layer"):
             out[key] = [results[r][key] for r in range(WORLD)]
         for world, tp in RESUMED:
             out.update(resumed_runs(out, JOBS, SAVED, folder, world, (world, tp), DEADLINE_S, tp=tp))
@@ -213,6 +218,16 @@ def test_expert_parallel_training_with_a_tp_dense_part_is_the_same_kernels_in_on
     want = {torch.bfloat16} if JOBS[label].dtype == "bf16" else {torch.float32}
     assert {p.dtype for res in ranks for p in res["params"].values()} == want, label
     check_same_kernels(JOBS[label], ranks, DP, label, REL_TOL)
+
+
+def test_an_expert_stack_no_rank_reached_is_skipped_as_one_process_skips_it():
+    """Layer 1 skipped by every rank in the first step: its stacks got no gradient on any rank of
+    the cluster (which the TP ranks of a DP rank, holding different EP ranks' experts, see only
+    together), so they are skipped there, as one process skips them (Muon: no weight decay)."""
+    ranks = run("skipped layer")
+    stacks = {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    assert all(not stacks & set(r["grads"][0]) and stacks <= set(r["grads"][1]) for r in ranks)  # as staged
+    check_same_kernels(SKIPPED, ranks, DP, "layer 1 skipped in step 1", REL_TOL)
 
 
 @pytest.mark.parametrize("label", list(JOBS))
