@@ -45,8 +45,8 @@ gathered all the same), the policy's gradient gathers, their step check and thei
 gathers. The two lists merge as the runtime issues them (`_with_experts`): backward's reductions
 by the layer whose backward completes each bucket (`backward_layers`; the experts' first at the
 same layer), then the experts' step collectives and check (the dense check carries their share of
-the gradient norm and their got-a-gradient flags), the dense part's step collectives, checks and clip, the dense parameter
-gathers, the experts'. The EP group carries nothing of the optimizer's: the token dispatch
+the gradient norm and their got-a-gradient flags), the dense part's step collectives, checks and
+clip, the dense parameter gathers, the experts'. The EP group carries nothing of the optimizer's: the token dispatch
 all-to-alls are the model's (forward and backward), not logged. With a TP dense part (the
 experts folded over the `dp x tp` ranks) the dense list is rank (`dp_rank`, `tp_rank`)'s as
 without EP, TP exchanges and checks included, and construction's agreement verdict, on the first

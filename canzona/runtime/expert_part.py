@@ -38,10 +38,11 @@ parts. Whether every rank ran backward is the dense check's to say, counting bot
 zero share of the EDP sum, not an error. Which stacks step is the dense check's to say too: it
 combines every rank's got-a-gradient flags of its experts over the cluster, so that a stack (one
 tensor of the model, which one process steps whole or skips) steps whole where any rank reached it,
-experts no rank of their EDP group gave a gradient with zero ones, and is skipped where none did. Every expert gradient element is counted once in the
-global norm: after the EDP reduce-scatter each lives on exactly one rank of its EDP group, the EDP
-groups of one EP rank's experts hold distinct experts, and the experts' share is added on every
-rank, TP ranks included (unlike a TP-replicated dense parameter's, which only TP rank 0 counts).
+experts no rank of their EDP group gave a gradient with zero ones, and is skipped where none did.
+Every expert gradient element is counted once in the global norm: after the EDP reduce-scatter each
+lives on exactly one rank of its EDP group, the EDP groups of one EP rank's experts hold distinct
+experts, and the experts' share is added on every rank, TP ranks included (unlike a TP-replicated
+dense parameter's, which only TP rank 0 counts).
 """
 from __future__ import annotations
 
