@@ -221,13 +221,21 @@ class Engine:
         SMs its kernel holds (default: NCCL's, `comm_sms`; 0 for copy-engine transfers)."""
         if record is not None:
             self.records.append((tuple(ranks), record))
-        held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
-        coll = Collective(self, name, ranks, cost, held)
+        coll = self.rendezvous(name, ranks, cost, sms)
         after = after or {}
-        phase = self.phase
-        return {r: self._enqueue(r, stream, lambda prev, r=r: self._participate(coll, r, stream, prev,
-                                                                                  list(after.get(r, ())), phase))
-                for r in ranks}
+        return {r: self.join(coll, r, stream, after.get(r, ())) for r in ranks}
+
+    def rendezvous(self, name: str, ranks: Sequence[int], cost: CollectiveCost, sms: int | None = None) -> Collective:
+        """A collective over `ranks` whose members each enqueue their part with `join`, each where
+        its own program reaches it (a point-to-point transfer: the sender's kernel and the
+        receiver's, on a stream the two directions of a pair may share, sim.pipeline_p2p)."""
+        held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
+        return Collective(self, name, ranks, cost, held)
+
+    def join(self, coll: Collective, rank: int, stream: str, after: Iterable[simpy.Event] = ()) -> simpy.Event:
+        """`rank`'s part of `coll`, enqueued now on its `stream` after `after`; done with the collective."""
+        after, phase = list(after), self.phase
+        return self._enqueue(rank, stream, lambda prev: self._participate(coll, rank, stream, prev, after, phase))
 
     def _participate(self, coll: Collective, rank: int, stream: str, prev: simpy.Process | None,
                      after: list[simpy.Event], phase: str):

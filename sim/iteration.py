@@ -74,13 +74,13 @@ from sim.collectives import (
     reduce_scatter_v_cost,
 )
 from sim.comm_sms import TPOverlapSMs
-from sim.engine import Engine
+from sim.engine import Collective, Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.ep_overlap import run_combined
 from sim.fp8 import FP8
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
-from sim.pipeline_p2p import Posting, posting
+from sim.pipeline_p2p import Posting, p2p_stream, posting
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
 from sim.userbuffers import block_overlaps
@@ -351,8 +351,6 @@ class PhaseA:
     backward_done: list[simpy.Event]
 
 
-PP_COMM = "pp-comm"
-
 
 def cp_ring_cost(sent: float, cluster: Cluster, hw: HardwareProfile) -> CollectiveCost:
     """One step of a CP ring (`_Stage.core`): every rank sends `sent` bytes to the next CP rank and
@@ -381,8 +379,8 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     bwd_in = [[done if v == virtual - 1 else eng.env.event() for _ in range(m)] for v in range(virtual)]
     stalls: list[float] = []
     syncs: list[simpy.Event] = []
-    receives = _Receives(eng.env)
-    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp, split, receives) for s, ctx in enumerate(ctxs)]
+    transfers = _Transfers(eng)
+    stages = [_Stage(ctx, s, ranks, fwd_in, bwd_in, stalls, vp, split, transfers) for s, ctx in enumerate(ctxs)]
     for stage in stages:
         syncs += stage.run(m)
     return PhaseA(eng.env.all_of(syncs), stalls,
@@ -390,22 +388,24 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
                   [eng.env.all_of([st.last[r] for r in st.ranks]) for st in stages])
 
 
-class _Receives:
-    """When each pipeline receive is posted: one event per receive, (kind, virtual stage,
-    micro-batch), and position of the receiving rank in its stage, made by whichever of its sender
-    and its receiver asks first (the stages' programs are issued a stage at a time, so a send may
-    be issued before its receiver's program exists, and a receive posted before its sender's)."""
+class _Transfers:
+    """Each pipeline transfer, by its receive (kind, virtual stage, micro-batch) and the position of
+    the receiving rank in its stage: the rendezvous its sender's and its receiver's kernels join
+    (`Engine.join`, each where its own program issues it), made by whichever of the two asks first
+    (the stages' programs are issued a stage at a time, so a send may be issued before its
+    receiver's program exists, and a receive posted before its sender's)."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env = env
-        self.events: dict[tuple[str, int, int, int], simpy.Event] = {}
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.transfers: dict[tuple[str, int, int, int], Collective] = {}
 
-    def posted(self, key: tuple[str, int, int], position: int) -> simpy.Event:
+    def get(self, key: tuple[str, int, int], position: int, ranks: list[int], cost: CollectiveCost) -> Collective:
+        """The transfer of `key` to the rank at `position`; `ranks`: its sender and receiver."""
         full = (*key, position)
-        event = self.events.get(full)
-        if event is None:
-            event = self.events[full] = self.env.event()
-        return event
+        transfer = self.transfers.get(full)
+        if transfer is None:
+            transfer = self.transfers[full] = self.engine.rendezvous("", ranks, cost)  # named by its send
+        return transfer
 
 
 class _Stage:
@@ -414,9 +414,9 @@ class _Stage:
 
     def __init__(self, ctx: Context, stage: int, ranks: list[list[int]], fwd_in: list[list[simpy.Event]],
                  bwd_in: list[list[simpy.Event]], stalls: list[float], vp: int = 1,
-                 split: PipelineSplit = EVEN_SPLIT, receives: _Receives | None = None):
+                 split: PipelineSplit = EVEN_SPLIT, transfers: _Transfers | None = None):
         self.ctx, self.stage, self.all_ranks, self.vp, self.split = ctx, stage, ranks, vp, split
-        self.receives = receives or _Receives(ctx.engine.env)
+        self.transfers = transfers or _Transfers(ctx.engine)
         self.posting: Posting | None = None  # set by `run`: Megatron's receive posts and send waits
         self.sent: dict[Slot, dict[int, simpy.Event]] = {}  # a pass's send, per sending rank, until waited for
         self.ranks = ranks[stage]
@@ -457,6 +457,8 @@ class _Stage:
             self.etp_costs: dict[tuple[str, float], CollectiveCost] = {}
         done = self.eng.env.event().succeed()
         self.last: dict[int, simpy.Event] = {r: done for r in self.ranks}
+        # Megatron's combined 1F1B schedule (sim.ep_overlap): one micro-batch's forward beside another's backward
+        self.combined = ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None
 
     def collective(self, name: str, groups: list[list[int]], cost, stream: str,
                    after: dict[int, list[simpy.Event]] | None = None, sms: int | None = None) -> dict[int, simpy.Event]:
@@ -651,24 +653,28 @@ class _Stage:
     def send(self, to: int, name: str, arrived: simpy.Event, receive: tuple[str, int, int]) -> dict[int, simpy.Event]:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`, each a
         rendezvous with the receive `receive` (kind, virtual stage, micro-batch) its peer posts
-        (`_Receives`, `after_pass`); when each sender's send is done."""
-        stream = f"{PP_COMM} {self.stage}->{to}"
+        (`post`), on the stream of their communicator (`p2p_stream`); when each sender's send is done."""
+        stream = p2p_stream(self.stage, to, len(self.all_ranks), self.vp, self.combined)
         evs, sent = [], {}
         for i, (src, dst) in enumerate(zip(self.ranks, self.all_ranks[to])):
-            done = self.eng.collective(name, [src, dst], self.p2p, stream,
-                                       {src: [self.last[src]], dst: [self.receives.posted(receive, i)]})
-            evs += done.values()
-            sent[src] = done[src]
+            transfer = self.transfers.get(receive, i, [src, dst], self.p2p)
+            transfer.name = name
+            sent[src] = self.eng.join(transfer, src, stream, [self.last[src]])
+            evs += [sent[src], transfer.done]
         self.eng.env.process(_relay(self.eng.env.all_of(evs), arrived))
         return sent
 
     def post(self, slots: Sequence[Slot]) -> None:
-        """Each rank posts the receives of `slots` (its passes) where its stream is now."""
+        """Each rank posts the receives of `slots` (its passes) where its stream is now: the receive
+        kernel, on the stream of the communicator it shares with the sender (`p2p_stream`)."""
         pp = len(self.all_ranks)
         for kind, mb, c in slots:
             key = (kind, c * pp + self.stage, mb)
+            src = (self.stage - 1) % pp if kind == "F" else (self.stage + 1) % pp
+            stream = p2p_stream(src, self.stage, pp, self.vp, self.combined)
             for i, r in enumerate(self.ranks):
-                _chain(self.last[r], self.receives.posted(key, i))
+                transfer = self.transfers.get(key, i, [self.all_ranks[src][i], r], self.p2p)
+                self.eng.join(transfer, r, stream, [self.last[r]])
 
     def arrival(self, slot: Slot) -> simpy.Event:
         """When the input (output gradient) of pass `slot` has arrived."""
@@ -799,7 +805,7 @@ class _Stage:
         self.chunk_list = self.chunks()
         self.micro_batches = micro_batches
         syncs: list[simpy.Event] = []
-        combined = ctx.options.overlap_moe_expert_parallel_comm and self.experts is not None
+        combined = self.combined
         if pp > 1:
             self.posting = posting(s, pp, micro_batches, vp, combined)
             self.post(self.posting.at_start)
@@ -958,12 +964,6 @@ def _tp_overlap_sms(b, config: str) -> TPOverlapSMs:
 def _relay(source: simpy.Event, target: simpy.Event):
     yield source
     target.succeed()
-
-
-def _chain(source: simpy.Event, target: simpy.Event) -> None:
-    """`target` fires when `source` does (`_relay` without a process: issued before the run,
-    when no event has been processed yet)."""
-    source.callbacks.append(lambda _event: target.succeed())
 
 
 # --- phase B ----------------------------------------------------------------------------------

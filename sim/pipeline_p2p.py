@@ -35,6 +35,18 @@ as the rows' releases run them:
 `posting` writes this down per rank, for the simulator (`sim.iteration._Stage.after_pass`); the
 combined 1F1B schedule (`overlap_moe_expert_parallel_comm`, sim.ep_overlap) runs inside the
 interleaved one with one warm-up forward more and the same calls around its passes.
+
+Which stream each transfer's kernels run on (`p2p_stream`): PyTorch's ProcessGroupNCCL gives an
+unbatched `isend` / `irecv` a two-rank communicator keyed by the pair ("lowRank:highRank",
+`getKeySendRecv` in `pointToPoint`) and one NCCL stream per communicator, so the pair's ops run one
+after another in the order each rank issued them. Under `overlap_p2p_comm` Megatron's `_p2p_ops`
+issues them unbatched (`batch_p2p_comm` must be off with it), all on the pipeline group, so a
+stage's activations to the next stage and the gradients it receives back from it queue on one
+stream; at PP 2, where the next and the previous stage are the same peer, `_p2p_ops` puts one
+direction on the WORLD group instead (even stages send on the pipeline group and receive on WORLD),
+which leaves each direction its own communicator and stream. Plain 1F1B batches each exchange
+(`batch_isend_irecv`, one NCCL group on the pipeline group's communicator) and waits for it before
+the next, so its transfers never queue behind one another: a stream a direction gives the same times.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from canzona.pipeline import Slot, interleaved_warmup, pipeline_order
+from sim.streams import PP_COMM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +74,19 @@ class Posting:
 
     at_start: tuple[Slot, ...]
     after: Mapping[Slot, AfterPass]
+
+
+def p2p_stream(src: int, dst: int, pp: int, vp: int = 1, combined: bool = False) -> str:
+    """The stream of a transfer from stage `src` to stage `dst` (on both ranks; the module
+    docstring): the pair's under the interleaved schedule's unbatched ops past PP 2, else the
+    direction's. Not under the combined schedule (`combined`): with its one warm-up forward more,
+    the order `posting` gives its calls would deadlock a stream shared by a pair (the send of one
+    direction queued ahead of the receive of the other on both ranks; tests/sim/test_pipeline_p2p.py),
+    which Megatron's runs do not, so that order is not exactly Megatron's there and the pair's
+    directions keep a stream each."""
+    if vp > 1 and pp > 2 and not combined:
+        return f"{PP_COMM} {min(src, dst)}:{max(src, dst)}"
+    return f"{PP_COMM} {src}->{dst}"
 
 
 def needs_receive(slot: Slot, stage: int, pp: int, vp: int) -> bool:

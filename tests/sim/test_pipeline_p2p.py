@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from canzona.pipeline import pipeline_order
-from sim.pipeline_p2p import AfterPass, needs_receive, posting
+from sim.pipeline_p2p import AfterPass, needs_receive, p2p_stream, posting
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
 
@@ -63,6 +63,50 @@ def test_the_warm_up_waits_for_its_sends(full_rate_compute):
     send = _span(r, 0, "mb0 chunk 0 send activations", "pp-comm 0->1")
     assert send.end > send.start
     assert _span(r, 0, "mb1 fwd embedding").start == pytest.approx(send.end, abs=1e-12)
+
+
+# PP 3 x VP 2, one GPU a stage, three micro-batches: 36 layers, 6 a chunk
+PAIRED = SimConfig(model="qwen3-4b", gpus=3, tp=1, pp=3, vp=2, policy="sc", workload=Workload(256, 3))
+
+
+def _pair_spans(result, rank: int, stream: str):
+    return sorted((s for s in result.spans if s.phase == "A" and s.rank == rank and s.stream == stream),
+                  key=lambda s: (s.start, s.end))
+
+
+def test_a_pairs_two_directions_share_one_stream_past_pp_2():
+    """Past PP 2 the interleaved schedule's unbatched isend / irecv between two stages run on the
+    pair's NCCL communicator and its one stream (ProcessGroupNCCL's "low:high" key): stage 0's
+    activations to stage 1 (two chunks of three micro-batches) and the gradients stage 1 sends back
+    are on `pp-comm 0:1` on both ranks, and so run one at a time; the wrap-around from stage 2 to
+    stage 0 (chunk 0 into chunk 1, three micro-batches each way) on `pp-comm 0:2`."""
+    r = simulate(PAIRED)
+    for rank, stream, count in [(0, "pp-comm 0:1", 12), (1, "pp-comm 0:1", 12), (0, "pp-comm 0:2", 6), (2, "pp-comm 0:2", 6)]:
+        spans = _pair_spans(r, rank, stream)
+        assert len(spans) == count
+        assert {s.name.rsplit(" ", 1)[-1] for s in spans} == {"activations", "gradients"}
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(spans, spans[1:]))
+
+
+def test_sharing_the_pairs_stream_changes_no_time_here(monkeypatch):
+    """Megatron's order alternates a pair's two directions (a stage posts its next backward's
+    receive after its backward's send, its neighbour sends that gradient after its own backward),
+    so here no transfer waits behind the other direction's: the iteration takes what it takes with
+    a stream a direction."""
+    shared = simulate(PAIRED).iteration_time_s
+    monkeypatch.setattr("sim.iteration.p2p_stream", lambda src, dst, pp, vp=1, combined=False: f"pp-comm {src}->{dst}")
+    assert simulate(PAIRED).iteration_time_s == shared
+
+
+def test_which_stream_by_hand():
+    """The pair's past PP 2 under the interleaved schedule; a direction's at PP 2 (Megatron's
+    `_p2p_ops` puts one direction on the WORLD group there), under plain 1F1B (batched, blocking)
+    and under the combined schedule."""
+    assert p2p_stream(2, 1, 4, 2) == p2p_stream(1, 2, 4, 2) == "pp-comm 1:2"
+    assert p2p_stream(3, 0, 4, 2) == "pp-comm 0:3"
+    assert p2p_stream(1, 0, 2, 2) == "pp-comm 1->0"
+    assert p2p_stream(2, 1, 4) == "pp-comm 2->1"
+    assert p2p_stream(2, 1, 4, 2, combined=True) == "pp-comm 2->1"
 
 
 def test_the_interleaved_table_by_hand():
@@ -128,8 +172,10 @@ def test_every_receive_is_posted_once_before_its_pass(pp, vp, m, combined):
 @pytest.mark.parametrize("combined", [False, True])
 def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
     """Every rank's program under the tables, run in lockstep: a pass once its input has arrived,
-    a transfer once sent and posted (and the one before it on its channel is done), a blocking
-    exchange's or a waited-for send once its transfer is done. All of it finishes."""
+    a transfer once its send and its receive are each at the head of their rank's queue on the
+    stream of their communicator (`p2p_stream`: past PP 2 the interleaved schedule's two directions
+    between a pair share one, each rank's ops in the order it issued them), a blocking exchange's
+    or a waited-for send once its transfer is done. All of it finishes."""
     if combined and vp == 1:
         return
     virtual = pp * vp
@@ -162,16 +208,27 @@ def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
         kind, mb, c = slot
         return kind, c * pp + s, mb
 
-    sent, posted, delivered = set(), set(), set()
-    # (src stage, dst stage) -> keys in send order: the simulator's stream of the pair (at PP 2 the
-    # wrap-around activations and the gradients share one, as Megatron's one communicator there)
-    channel: dict[tuple[int, int], list] = {}
+    def ends(k: tuple) -> tuple[int, int]:
+        """The stages a transfer's receive `k` goes from and to."""
+        kind, v, _ = k
+        return (v - 1 if kind == "F" else v + 1) % pp, v % pp
+
+    delivered = set()
+    queues: dict[tuple[int, str], list] = {}  # (stage, stream) -> its ops not done, in issue order
     pos = [0] * pp
     while any(pos[s] < len(programs[s]) for s in range(pp)):
         moved = False
-        for ch in channel.values():  # transfers, in order on their channel
-            while ch and ch[0] in sent and ch[0] in posted:
-                delivered.add(ch.pop(0))
+        heads = {}
+        for (s, _), q in queues.items():
+            if q:
+                heads.setdefault(q[0][1], set()).add((s, q[0][0]))
+        for k, sides in heads.items():
+            src, dst = ends(k)
+            if {(src, "send"), (dst, "recv")} <= sides:
+                stream = p2p_stream(src, dst, pp, vp, combined)
+                queues[(src, stream)].pop(0)
+                queues[(dst, stream)].pop(0)
+                delivered.add(k)
                 moved = True
         for s in range(pp):
             while pos[s] < len(programs[s]):
@@ -186,12 +243,10 @@ def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
                     ready = True
                 if not ready:
                     break
-                if op == "send":
-                    sent.add(arg)
-                    channel.setdefault((s, arg[1] % pp), []).append(arg)
-                elif op == "post":
-                    posted.add(key(s, arg))
+                if op in ("send", "post"):
+                    k = arg if op == "send" else key(s, arg)
+                    queues.setdefault((s, p2p_stream(*ends(k), pp, vp, combined)), []).append(("send" if op == "send" else "recv", k))
                 pos[s] += 1
                 moved = True
         assert moved, f"pp {pp} vp {vp} m {m}: stuck at {[programs[s][pos[s]:pos[s] + 1] for s in range(pp)]}"
-    assert delivered == sent == posted
+    assert not any(queues.values())
