@@ -80,6 +80,8 @@ from sim.ep_overlap import run_combined
 from sim.fp8 import FP8
 from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
+from sim.param_sync import aligned as aligned_param_sync
+from sim.param_sync import chunk_issued_before
 from sim.pipeline_p2p import Posting, p2p_stream, posting
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
@@ -386,6 +388,17 @@ def forward_backward(ctxs: Sequence[Context], all_ranks: bool = False, vp: int =
     return PhaseA(eng.env.all_of(syncs), stalls,
                   [{k: eng.env.all_of(evs) for k, evs in st.bucket_synced.items()} for st in stages],
                   [eng.env.all_of([st.last[r] for r in st.ranks]) for st in stages])
+
+
+@dataclass(frozen=True, eq=False)
+class _Gather:
+    """One parameter all-gather of the steady state's forward (the dense part's over DP, the
+    expert part's over EDP, `_Stage.param_gathers`)."""
+
+    name: str
+    groups: list[list[int]]
+    cost: CollectiveCost
+    layer: int  # the layer whose first forward waits for it (the stage's first where it holds none)
 
 
 class _Transfers:
@@ -704,25 +717,79 @@ class _Stage:
             self.wait_each(self.sent.pop(step.waits_for))
 
     def param_gathers(self) -> dict[int, list[simpy.Event]]:
-        """Steady state: the last step's parameter all-gathers, issued as the forward needs them."""
-        needed: dict[int, list[simpy.Event]] = {}
+        """Steady state: the last step's parameter all-gathers under this forward, issued where
+        Megatron issues them (`sim.param_sync`): a model chunk at a time by the interleaved
+        schedule (chunks 0 and 1 now), else each a bucket ahead of the forward (`forward_start`,
+        `forward_layer_gathers`). Per layer, the gathers its first forward waits for, as issued."""
+        self.needed: dict[int, list[simpy.Event]] = {}
+        self.chains: list[list[_Gather]] = []  # the dense part's gathers in forward order, the expert part's
+        self.issued: dict[tuple[int, int], list[simpy.Event]] = {}  # (chain, position) -> its events
+        self.forwards = 0  # forwards started (the aligned dispatch counts them)
         if not self.ctx.options.overlap_param_gather:
-            return needed
+            return self.needed
+        self.chains = self._gather_chains()
+        if self.gather_mode == "prefetched":  # canzona's runtime: step() issued them all (§8.2)
+            for ci, chain in enumerate(self.chains):
+                for pos in range(len(chain)):
+                    self._issue(ci, pos, {r: [] for r in self.ranks})
+        elif self.gather_mode == "aligned":
+            for c in (0, 1):  # before the warm-up
+                self._issue_chunk(c, {r: [] for r in self.ranks})
+        return self.needed
+
+    @property
+    def gather_mode(self) -> str:
+        """How the steady state's parameter gathers are issued: "prefetched" (canzona's runtime,
+        every one at the step's end), "aligned" (Megatron's interleaved schedule, a model chunk at
+        a time) or "chained" (Megatron's pre-hooks, a bucket ahead; `sim.param_sync`)."""
+        if self.ctx.runtime_mode:
+            return "prefetched"
+        return "aligned" if aligned_param_sync(len(self.all_ranks), self.vp) else "chained"
+
+    def _gather_chains(self) -> list[list[_Gather]]:
+        """The dense part's gathers in forward order, AdamW's first (the stage's first layer waits
+        for it), and the expert part's over EDP (on the same stream), in forward order."""
+        layers = set(self.ctx.work.layer_ids)
+        first_layer = self.ctx.work.layer_ids[0] if self.ctx.work.layer_ids else 0
+
+        def at(layer: int) -> int:
+            return layer if layer in layers else first_layer
+
         gathers = param_gather_costs(self.ctx)
         order = sorted(range(1, len(gathers)), key=lambda i: self.firsts[i - 1])  # forward order
-        first_layer = self.ctx.work.layer_ids[0] if self.ctx.work.layer_ids else 0
-        for i in [0] + order if gathers else []:
-            name, cost = gathers[i]
-            evs = self.collective(name, self.dp_groups, cost, DP_COMM, {r: [] for r in self.ranks})
-            needed.setdefault(first_layer if i == 0 else self.firsts[i - 1], []).extend(evs.values())
-        if self.experts is not None:  # the expert buckets' gathers over EDP, on the same stream, in forward order
+        dense = [_Gather(gathers[i][0], self.dp_groups, gathers[i][1], first_layer if i == 0 else at(self.firsts[i - 1]))
+                 for i in ([0] + order if gathers else [])]
+        experts: list[_Gather] = []
+        if self.experts is not None:
             first = {b.index: layer for b, layer in zip(self.experts.plan.dp_plan.buckets, self.expert_firsts)}
             first[None] = first_layer  # (runtime mode) the experts' empty AdamW buffer, as the dense part's
-            for rec in sorted(self.ctx.expert_records(PARAMS), key=lambda rec: first[rec.bucket]):
-                evs = self.collective(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec), DP_COMM,
-                                      {r: [] for r in self.ranks})
-                needed.setdefault(first[rec.bucket], []).extend(evs.values())
-        return needed
+            experts = [_Gather(f"experts {rec.name}", self.edp_groups, record_cost(self.experts, rec), at(first[rec.bucket]))
+                       for rec in sorted(self.ctx.expert_records(PARAMS), key=lambda rec: first[rec.bucket])]
+        return [dense, experts]
+
+    def _issue(self, chain: int, pos: int, after: dict[int, list[simpy.Event]] | None = None) -> None:
+        """Gather `pos` of `chain` on the DP stream, after `after` (None: the compute so far)."""
+        g = self.chains[chain][pos]
+        evs = list(self.collective(g.name, g.groups, g.cost, DP_COMM, after).values())
+        self.issued[(chain, pos)] = evs
+        self.needed.setdefault(g.layer, []).extend(evs)
+
+    def _issue_chunk(self, c: int, after: dict[int, list[simpy.Event]] | None = None) -> None:
+        """Model chunk `c`'s gathers at once (`align_param_gather`): the dense part's in bucket
+        order (the chunk's last layers first; AdamW's, which the simulator keeps apart, first of
+        chunk 0), then the expert part's. A gather belongs to the chunk of the layer waiting for it."""
+        chunk_of = {self.ctx.work.layer_ids[k]: i for i, ks in enumerate(self.chunk_list) for k in ks}
+        for ci, chain in enumerate(self.chains):
+            mine = [pos for pos, g in enumerate(chain) if chunk_of.get(g.layer, 0) == c]
+            adamw = [0] if ci == 0 and 0 in mine else []
+            for pos in adamw + [p for p in reversed(mine) if p not in adamw]:
+                self._issue(ci, pos, after)
+
+    def _await(self, events: list[simpy.Event]) -> None:
+        """The compute stream waits for parameter gathers (the time stage 0 waits is reported)."""
+        if self.stage == 0 and self.ranks:
+            self.eng.env.process(self._probe(self.last[self.ranks[0]], events))
+        self.wait(events)
 
     def _probe(self, before: simpy.Event, wanted: list[simpy.Event]):
         yield before
@@ -801,8 +868,8 @@ class _Stage:
     def run(self, micro_batches: int) -> list[simpy.Event]:
         ctx, s, vp = self.ctx, self.stage, self.vp
         pp = len(self.all_ranks)
-        needed = self.param_gathers()
         self.chunk_list = self.chunks()
+        needed = self.param_gathers()
         self.micro_batches = micro_batches
         syncs: list[simpy.Event] = []
         combined = self.combined
@@ -842,19 +909,42 @@ class _Stage:
         return v, v == pp * self.vp - 1
 
     def forward_start(self, mb: int, c: int) -> None:
-        """Micro-batch `mb`'s forward of chunk `c` up to its first layer: its input, the embedding."""
+        """Micro-batch `mb`'s forward of chunk `c` up to its first layer: the parameter gathers the
+        schedule issues before it (`sim.param_sync`), its input, the embedding, whose pre-hook
+        issues the first bucket's gather where none is issued ahead."""
         v, _ = self.virtual(c)
+        mode = self.gather_mode if self.chains else None
+        if mode == "aligned":
+            chunk = chunk_issued_before(self.forwards, self.stage, len(self.all_ranks), self.vp)
+            if chunk is not None:
+                self._issue_chunk(chunk)
+        self.forwards += 1
         self.wait([self.fwd_in[v][mb]])
+        if mode == "chained" and self.chains[0] and (0, 0) not in self.issued:
+            self._issue(0, 0)
         if v == 0 and self.ctx.work.embed_forward_s:
             self.compute(f"mb{mb} fwd embedding", self.ctx.work.embed_forward_s)
 
     def forward_layer_gathers(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
-        """The first forward waits for the parameter gathers of layer `k` (the stage's work index)."""
+        """The first forward waits for the parameter gathers of layer `k` (the stage's work index);
+        where the schedule does not issue them ahead, each wait issues the next gather of its part
+        (`finish_param_sync`), and a gather not issued yet is issued first."""
         layer = self.ctx.work.layer_ids[k]
-        if mb == 0 and layer in needed:
-            if self.stage == 0 and self.ranks:
-                self.eng.env.process(self._probe(self.last[self.ranks[0]], needed[layer]))
-            self.wait(needed[layer])
+        if mb != 0:
+            return
+        if not self.chains or self.gather_mode != "chained":
+            if layer in needed:
+                self._await(needed[layer])
+            return
+        for ci, chain in enumerate(self.chains):
+            for pos, g in enumerate(chain):
+                if g.layer != layer:
+                    continue
+                if (ci, pos) not in self.issued:
+                    self._issue(ci, pos)
+                self._await(self.issued[(ci, pos)])
+                if pos + 1 < len(chain) and (ci, pos + 1) not in self.issued:
+                    self._issue(ci, pos + 1)
 
     def forward_end(self, mb: int, c: int, post_first: bool = False) -> None:
         """After chunk `c`'s last layer: the head (and loss), or the send to the next stage; then
