@@ -6,9 +6,11 @@ schedule's `param_sync_func`, the chunk's buckets in bucket order)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
+from sim.options import RunOptions
 from sim.param_sync import aligned, chunk_issued_before
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
@@ -20,8 +22,9 @@ INTERLEAVED = SimConfig(model="qwen3-4b", gpus=4, tp=1, pp=2, vp=3, policy="canz
 
 
 def _gathers(result, rank: int):
+    """Rank's parameter gathers under the forward (Megatron's names; the runtime's `parameters`)."""
     return sorted((s for s in result.spans if s.phase == "A" and s.rank == rank and s.stream == "dp-comm"
-                   and s.name.startswith("param gather")), key=lambda s: s.start)
+                   and (s.name.startswith("param gather") or "parameters" in s.name)), key=lambda s: s.start)
 
 
 def _layer_starts(result, rank: int) -> dict[str, float]:
@@ -83,3 +86,12 @@ def test_the_chunk_dispatch_table_by_hand():
         assert {k: c for k, c in got.items() if c is not None} == {4 - stage: 2, 8 - stage: 3}
         assert all(chunk_issued_before(k, stage, 4, 2) is None for k in range(16))
     assert aligned(4, 2) and not aligned(4, 1) and not aligned(1, 1)
+
+
+def test_canzonas_runtime_issues_every_gather_in_its_step():
+    """Nothing changes for canzona's runtime (runtime mode): its `step()` issues every gather, so
+    they run back to back from the forward's start, in forward order, as before."""
+    r = simulate(replace(CHAINED, options=RunOptions(collectives="runtime")))
+    gathers = _gathers(r, 0)
+    assert len(gathers) >= 6 and gathers[0].start == 0
+    assert all(b.start == pytest.approx(a.end, abs=1e-12) for a, b in zip(gathers, gathers[1:]))
