@@ -26,7 +26,10 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
    gradient norm and its clip threshold); under TP also the TP step check ("tp step check") and
    the TP verdict over DP ("tp verdict");
 4. clip, only when `clip_grad_norm_(norm_type=inf)` is called: the largest magnitude over DP, then
-   over TP ("gradient norm"; the 2-norm travels in the step check);
+   over TP ("gradient norm"; the 2-norm travels in the step check); and when `clip_grad_norm_` is
+   called at all (`clipped`), `step()` reuses its check and rechecks what may have changed since on
+   one rank (a learning rate): the hyper-parameters' digest and the threshold over DP ("step
+   recheck", two words), under TP also over TP with the DP verdict ("tp step recheck", three);
 5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order, less
    those prefetched in 2;
 6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
@@ -163,15 +166,16 @@ class Experts:
 def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_rank: int = 0, tp_rank: int = 0,
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, first_step: bool = False,
-                     inf_norm: bool = False, overlap_step: bool = False, experts: Experts | None = None,
-                     style: str = RUNTIME_STYLE) -> list[StepCollective]:
+                     inf_norm: bool = False, clipped: bool = False, overlap_step: bool = False,
+                     experts: Experts | None = None, style: str = RUNTIME_STYLE) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
     of reduced gradients / of gathered parameters, for every buffer; by default derived per buffer
     from the spec's dtypes and `master_weights` (as the runtime derives them). `first_step`: include
     what the first step's log also holds. `inf_norm`: `clip_grad_norm_(..., norm_type=inf)` is
-    called before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
+    called before `step()`; `clipped`: `clip_grad_norm_` (by the 2-norm, or by the inf-norm:
+    `inf_norm` implies it) is called once before `step()`. `overlap_step`: the TP schedule's exchanges run before the step checks
     (a step whose gradients clipping scales issues them again after the checks: not listed).
     `experts`: expert parallelism; `plan` and `spec` are then the dense part's
     (`canzona.experts.dense_part`), and the experts' collectives join them (`_with_experts`).
@@ -188,7 +192,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     # under EP the dense checks also carry the experts' got-a-gradient flags, one word per stack
     more_flags = len(experts.spec.params) if experts is not None else 0
     dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm,
-                  more_flags=more_flags, **options)
+                  clipped=clipped or inf_norm, more_flags=more_flags, **options)
     if experts is None:
         return dense
     expert_policy = policy if experts.policy is None else experts.policy
@@ -200,7 +204,7 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                             f"part's {policy.name}")
     own = [replace(c, group=EXPERT_GROUPS[c.group])
            for c in _part(experts.plan, experts.spec, expert_policy, experts.edp_rank, experts.etp_rank,
-                          first_step=False, inf_norm=False, more_flags=0, **options)]
+                          first_step=False, inf_norm=False, clipped=False, more_flags=0, **options)]
     return _with_experts(dense, own, backward_layers(plan, spec), backward_layers(experts.plan, experts.spec))
 
 
@@ -250,7 +254,7 @@ def backward_layers(plan: Plan, spec: ModelSpec) -> dict[int, int]:
 
 def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank: int, *, tp_mode: str,
           grad_bytes: int | None, param_bytes: int | None, master: bool, first_step: bool,
-          inf_norm: bool, overlap_step: bool, style: str, more_flags: int) -> list[StepCollective]:
+          inf_norm: bool, clipped: bool, overlap_step: bool, style: str, more_flags: int) -> list[StepCollective]:
     """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one);
     `more_flags`: another part's parameters whose got-a-gradient flags its checks carry."""
     dp, tp = plan.dp, plan.tp
@@ -324,6 +328,12 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
+    # step() after clip_grad_norm_: the check reused, (digest, threshold) rechecked (the experts'
+    # part rechecks nothing: the dense recheck spans every rank)
+    if clipped:
+        out.append(check(DP_GROUP, "step recheck", 2, dp))
+        if tp > 1:
+            out.append(check(TP_GROUP, "tp step recheck", 3, tp))
     # 5. the TP schedule, after the checks (unless overlapped), less the prefetched gathers
     if not overlap_step:
         out += exchanges[prefetched:]

@@ -155,7 +155,7 @@ class Context:
         return step_collectives(self.plan, self.spec, self.policy, 0, 0, tp_mode=self.tp_mode,
                                 grad_bytes=self.workload.grad_bytes, param_bytes=self.workload.param_bytes,
                                 master_weights=self.workload.master_weights, overlap_step=self.options.overlap_step, experts=experts,
-                                style=self.options.collectives)
+                                clipped=self.options.explicit_clip, style=self.options.collectives)
 
     def dp_records(self, *phases: str) -> list[StepCollective]:
         """The dense part's collectives of these phases other than the TP schedule's exchanges."""

@@ -60,6 +60,10 @@ class RunOptions:
     # DistributedOptimizer's max_grad_norm: clip the reduced gradients inside the step (one more
     # pass over each rank's share); None measures the norm only, as the runtime does every step
     max_grad_norm: float | None = STEP_DEFAULTS.max_grad_norm
+    # the training loop calls DistributedOptimizer.clip_grad_norm_ before step(): step() reuses the
+    # clip's check and rechecks its hyper-parameters and threshold (runtime collectives: one small
+    # all-gather over DP, one over TP; canzona.step_collectives `clipped`)
+    explicit_clip: bool = False
     # DistributedOptimizer's batch_kernels: same-shape matrices of a host as one kernel, each GEMM
     # one launch over the batch (canzona.batching, DeviceRate.batched_seconds)
     batch_kernels: bool = STEP_DEFAULTS.batch_kernels

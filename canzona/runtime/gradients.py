@@ -174,7 +174,6 @@ class GradientSync:
         # step() called again must not reduce them once more (the reduction is in place)
         self._reduced = False
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
-        self._clip_agreed: float | None = None  # a clip threshold the ranks were checked to share
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -427,7 +426,7 @@ class GradientSync:
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
                 more_norm: Tensor | None = None, more_problem: str | None = None,
-                more_backward: int = 0, more_got: Tensor | None = None) -> StepCheck:
+                more_backward: int = 0, more_got: Tensor | None = None, recheck: bool = True) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -439,10 +438,13 @@ class GradientSync:
         another part's backward gave this rank (the experts', which may be all it trains);
         `more_got`: this rank's got-a-gradient flags of another part's parameters (the experts',
         whose stacks every EP rank holds a part of), combined over the whole cluster (DP, then TP)
-        into the check's `more_got` (the same length on every rank)."""
+        into the check's `more_got` (the same length on every rank).
+        A call after the check (`step()` after `clip_grad_norm_()`, a second clip) reuses it, and
+        with `recheck` compares the hyper-parameters and threshold anew (`_recheck`); without, as
+        the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
         if self.checked is not None:
-            if max_norm is not None and max_norm != self._clip_agreed:
-                self._check_clip_agreement(max_norm)
+            if recheck:
+                self._recheck(hyper_parameters, max_norm)
             return self.checked
         if not self._reduced:
             self._finish()
@@ -496,20 +498,29 @@ class GradientSync:
                                "overflow or bad data): nothing was updated. Lower the learning rate, check the "
                                "data, or pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = StepCheck(got=got, norm=norm, more_got=more)
-        self._clip_agreed = max_norm
         return self.checked
 
-    def _check_clip_agreement(self, max_norm: float) -> None:
-        """A second clip in one step, with a threshold the step check did not see: one more small
-        all-gather, so that ranks can never clip by different factors."""
-        clips = self.dp.all_gather_values(torch.tensor([max_norm], dtype=torch.float64), "clip threshold")[:, 0]
-        error = None if _all_same(clips) else _clip_disagreement(clips, self.dp.rank, "rank")
+    def _recheck(self, hyper_parameters: int, max_norm: float | None) -> None:
+        """The check reused: param_groups may have changed since on some rank only (a learning rate
+        set between `clip_grad_norm_()` and `step()`), and the threshold may be new (a second clip).
+        A rank cannot tell its peers that its digest changed without a collective, so every reuse
+        (clip and step are collective calls: every rank reuses alike) costs one more small
+        all-gather of (digest, threshold) over DP, and under TP one over TP that also carries the
+        DP verdict: every rank of the grid then fails alike (a DP group that saw a difference has
+        a member in every TP group; DP groups that agree within but not with each other differ
+        in every TP group)."""
+        row = torch.cat([torch.tensor([hyper_parameters], dtype=torch.int64),
+                         torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
+        error = _recheck_error(self.dp.all_gather_values(row, "step recheck"), self.dp.rank, "rank")
         if self.tp is not None:
-            tp_clips = self.tp.all_gather_values(torch.tensor([max_norm], dtype=torch.float64), "clip threshold")[:, 0]
-            error = error or (None if _all_same(tp_clips) else _clip_disagreement(tp_clips, self.tp.rank, "TP rank"))
+            table = self.tp.all_gather_values(torch.cat([torch.tensor([int(error is not None)]), row]),
+                                              "tp step recheck")
+            failed = table[:, 0] != 0
+            if error is None and failed.any():
+                error = f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed the step's recheck (see their error)"
+            error = error or _recheck_error(table[:, 1:], self.tp.rank, "TP rank")
         if error is not None:
             raise CanzonaError(error)
-        self._clip_agreed = max_norm
 
     def _check_tp(self, error: str | None, got: Tensor, more: Tensor, hyper_parameters: int, dp_total: Tensor,
                   max_norm: float | None) -> tuple[str | None, Tensor, Tensor]:
@@ -609,6 +620,16 @@ def _clip_word(max_norm: float | None) -> float:
 
 def _all_same(values: Tensor) -> bool:
     return bool(torch.all(values == values[0])) or bool(torch.all(torch.isnan(values)))
+
+
+def _recheck_error(table: Tensor, me: int, member: str) -> str | None:
+    """What a (digest, threshold) table of a reused check says is wrong, or None."""
+    digests, clips = table[:, 0], table[:, 1].view(torch.float64)
+    if not torch.all(digests == digests[0]):
+        return (f"{member}s disagree on the hyper-parameters in param_groups: {member}(s) "
+                f"{ranks_of(digests != digests[me])} differ from {member} {me}, changed after clip_grad_norm_() "
+                "(whose check step() reuses): change them alike on every rank; nothing was updated")
+    return None if _all_same(clips) else _clip_disagreement(clips, me, member)
 
 
 def _clip_disagreement(clips: Tensor, me: int, member: str) -> str:

@@ -167,9 +167,14 @@ def test_tp_first_step_and_clipping():
     assert not tp_schedule(plan, model, STEP_POLICIES["canzona"], 1, overlap_step=True).prefetched
     clipped = step_collectives(plan, model, "canzona", 1, 1, inf_norm=True)
     at = max(k for k, c in enumerate(normal) if c.phase == CHECK) + 1
-    assert [c.logged() for c in clipped[at:at + 2]] == [("all-gather", "dp", "gradient norm", (8, 8)),
-                                                        ("all-gather", "tp", "gradient norm", (8, 8))]
-    assert clipped[:at] + clipped[at + 2:] == normal
+    # step() after the clip rechecks the digest and threshold its reused check saw (2 words over
+    # DP, 3 over TP: the DP verdict too); a clip by the 2-norm issues the recheck alone
+    recheck = [("all-gather", "dp", "step recheck", (16, 16)), ("all-gather", "tp", "tp step recheck", (24, 24))]
+    assert [c.logged() for c in clipped[at:at + 4]] == [("all-gather", "dp", "gradient norm", (8, 8)),
+                                                        ("all-gather", "tp", "gradient norm", (8, 8)), *recheck]
+    assert clipped[:at] + clipped[at + 4:] == normal
+    two_norm = step_collectives(plan, model, "canzona", 1, 1, clipped=True)
+    assert [c.logged() for c in two_norm[at:at + 2]] == recheck and two_norm[:at] + two_norm[at + 2:] == normal
     # DP 1 x TP 1 plans give no agreement verdict (it is spread over DP only under TP)
     assert step_collectives(small_plan("alpha-balanced"), SMALL, "canzona", first_step=True) == \
         step_collectives(small_plan("alpha-balanced"), SMALL, "canzona")
@@ -289,7 +294,7 @@ def test_step_collectives_on_random_models(s):
             # the phases come in the runtime's order
             codes = "".join(PHASE_CODE[c.phase] for c in got)
             first = "c" if s["first"] and tp > 1 else ""
-            assert re.fullmatch(f"{first}b+s+c+{'n+' if s['clip'] else ''}s*p*", codes), codes
+            assert re.fullmatch(f"{first}b+s+c+{'n+c+' if s['clip'] else ''}s*p*", codes), codes
             assert ("p" in codes) == policy.gathers_params
             # the DP collectives are the same on every rank of the cluster
             dp_records = [c for c in got if c.group == DP_GROUP]
@@ -370,7 +375,8 @@ def assert_logs_are_the_step_collectives(results: list[dict], train) -> None:
         for s, got in enumerate(steps):
             want = step_collectives(res["plan"], model, train.policy, res["dp_rank"], res["tp_rank"],
                                     tp_mode=train.tp_mode, master_weights=train.master_weights,
-                                    first_step=s == 0, overlap_step=train.overlap_step)
+                                    first_step=s == 0, overlap_step=train.overlap_step,
+                                    clipped=train.clip_norm is not None)
             assert got == step_records(want), (res["dp_rank"], res["tp_rank"], s)
 
 
@@ -435,8 +441,8 @@ def test_dp2xtp2_logs_are_the_step_collectives():
 
 def simulated_step(res: dict, train) -> list[tuple]:
     """What the simulator, run in the runtime's collectives mode on the run's own plan, issues on
-    that rank in one step (the simulator models neither the first step's agreement verdict nor
-    clip_grad_norm_)."""
+    that rank in one step (the simulator does not model the first step's agreement verdict; an
+    explicit `clip_grad_norm_` it models as `explicit_clip`)."""
     from canzona.spec import DTYPE_BYTES
     from reference.tiny_model import get_preset, model_spec
     from sim.engine import issued_records
@@ -452,15 +458,13 @@ def simulated_step(res: dict, train) -> list[tuple]:
     cfg = SimConfig(model=model.name, gpus=plan.dp * plan.tp, tp=plan.tp, optimizer=plan.optimizer,
                     policy=train.policy, tp_mode=train.tp_mode, workload=wl, zero1_fallback=False,
                     options=RunOptions(overlap_param_gather=False, collectives="runtime",
-                                       overlap_step=train.overlap_step))
+                                       overlap_step=train.overlap_step, explicit_clip=train.clip_norm is not None))
     result = simulate(cfg, plan=plan, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     rank = res["dp_rank"] * plan.tp + res["tp_rank"]  # TP fastest, as the simulator orders ranks
     return [tuple(r) for r in issued_records(result.collective_records, rank)]
 
 
 def assert_simulator_issues_the_logged_collectives(results: list[dict], train) -> None:
-    if train.clip_norm is not None:
-        return
     for res in results:
         logged = runtime_steps(res)[-1]  # a step after the first
         assert simulated_step(res, train) == logged, (res["dp_rank"], res["tp_rank"])

@@ -85,7 +85,7 @@ def check_logged_collectives(train: TrainSpec, ranks: Sequence[dict], label: str
         for s, got in enumerate(steps):
             want = step_collectives(res["plan"].dense, dense_part(model), train.policy, res["dp_rank"], res["tp_rank"],
                                     master_weights=train.master_weights, first_step=s == 0, experts=experts,
-                                    overlap_step=train.overlap_step)
+                                    overlap_step=train.overlap_step, clipped=train.clip_norm is not None)
             assert got == step_records(want), (label, res["dp_rank"], res["tp_rank"], s)
             assert {g for _, g, _, _ in got} == {"dp", EDP_GROUP} | ({"tp"} if train.tp > 1 else set())
 
@@ -110,7 +110,7 @@ def check_simulated_collectives(train: TrainSpec, ranks: Sequence[dict], label: 
                     policy=train.policy, workload=wl, bucket_size=train.bucket_size,
                     expert_buckets=DEFAULT_EXPERT_BUCKETS, zero1_fallback=False,
                     options=RunOptions(overlap_param_gather=False, collectives="runtime",
-                                       overlap_step=train.overlap_step),
+                                       overlap_step=train.overlap_step, explicit_clip=train.clip_norm is not None),
                     matrix_config=train.matrix_config or None)  # what the runtime planned with
     result = simulate(cfg, model=(model, arch), replicate_phase_a=False)  # every rank's own records
     # the runtime's plan: the dense part's, holding the experts' (one plan file under EP)

@@ -224,21 +224,28 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
-def retried_step_job(rank: int, world: int, overlap_step: bool) -> dict:
+def retried_step_job(rank: int, world: int, overlap_step: bool, clip: float | None = None) -> dict:
     """A step refused by its check (rank 1 doubled its learning rate), the learning rate put back,
     `step()` called again on the same gradients: the step of those gradients, as if the first call
-    had not happened (the error said nothing was updated)."""
+    had not happened (the error said nothing was updated). `clip`: every rank clips with
+    `clip_grad_norm_(clip)` after backward, and rank 1 edits its learning rate after that clip
+    (whose check step() reuses), before step()."""
     batches = _batches(rank, world)
+    between = None if clip is None else (lambda m, o: float(o.clip_grad_norm_(clip)))
     straight = build_model(BASE)
-    _train(straight, _optimizer(straight, overlap_step=overlap_step), batches[:2])
+    _train(straight, _optimizer(straight, overlap_step=overlap_step), batches[:2], between)
     model = build_model(BASE)
     opt = _optimizer(model, overlap_step=overlap_step)
-    _train(model, opt, batches[:1])
+    _train(model, opt, batches[:1], between)
     opt.zero_grad()
     model.loss(batches[1]).backward()
+    if clip is not None:
+        opt.clip_grad_norm_(clip)
+    before = _params(model)
     lr = opt.param_groups[0]["lr"]
     opt.param_groups[0]["lr"] = lr * (2 if rank == 1 else 1)
     refused = _outcome(opt.step)
+    refused["unchanged"] = compare(_params(model), before)["bit_identical"]
     opt.param_groups[0]["lr"] = lr
     retried = _outcome(opt.step)
     return {"refused": refused, "retried": retried,
@@ -486,6 +493,8 @@ JOBS = {
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
+    # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
+    **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
     "clip disagreement": ("clip_disagreement_job", ()),
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
@@ -634,12 +643,17 @@ def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
         assert out["unchanged"] and out["state unchanged"] and out["finite after"], out
 
 
-@pytest.mark.parametrize("overlap", ["plain", "overlapped"])
+@pytest.mark.parametrize("overlap", ["plain", "overlapped", "plain clipped", "overlapped clipped"])
 def test_a_step_called_again_after_its_check_refused_it_steps_those_gradients_once(runs, overlap):
     """Before: the retried step reduced the AdamW buffer a second time (the reduction is in place),
-    and stepped by a gradient no rank had: silently wrong weights."""
+    and stepped by a gradient no rank had: silently wrong weights. Clipped: a learning rate edited
+    on one rank after `clip_grad_norm_()` (whose check step() reused) went unseen, and the ranks
+    stepped with different learning rates; now step() refuses on every rank, nothing updated, and
+    the retried step takes the clipped gradients once."""
     for out in runs[f"retried {overlap}"]:
-        assert out["refused"]["canzona"] and "disagree on the hyper-parameters" in out["refused"]["message"], out
+        refused = out["refused"]
+        assert refused["canzona"] and "disagree on the hyper-parameters" in refused["message"], out
+        assert "\n" not in refused["message"] and refused["unchanged"], out
         assert out["retried"]["error"] is None and out["exact"], out
 
 

@@ -53,7 +53,8 @@ def _optimizer(model, spec, group, **kwargs):
     return DistributedOptimizer(model.named_parameters(), spec, group=group, timeout_s=20, **kwargs)
 
 
-def _train_step(model, opt, mesh, backward: bool = True) -> None:
+def _train_step(model, opt, mesh, backward: bool = True, between=None) -> None:
+    """One step; `between(opt)` runs between backward and step()."""
     from reference.data import fixed_batch
 
     tokens = fixed_batch(256, 4, 16, seed=1)
@@ -61,6 +62,8 @@ def _train_step(model, opt, mesh, backward: bool = True) -> None:
     opt.zero_grad()
     if backward:
         model.loss(tokens[2 * i:2 * i + 2]).backward()
+    if between is not None:
+        between(opt)
     opt.step()
 
 
@@ -202,6 +205,23 @@ def scheduler_on_one_tp_rank(rank: int) -> dict:
     return _outcome(lambda: _train_step(model, opt, mesh))
 
 
+def lr_edit_after_clip_on_one_rank(rank: int) -> dict:
+    """A learning rate halved on one rank of the grid after `clip_grad_norm_()`, whose check step()
+    reuses: its DP group sees the difference at step(), its TP peers learn that group failed (and
+    the other DP group from its own TP peers), before any update."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+
+    def clip_then_edit(o) -> None:
+        o.clip_grad_norm_(1.0)
+        if rank == WORLD - 1:
+            for group in o.param_groups:
+                group["lr"] *= 0.5
+    return _outcome(lambda: _train_step(model, opt, mesh, between=clip_then_edit))
+
+
 def retried_after_the_scheduler_on_one_tp_rank(rank: int) -> dict:
     """`scheduler_on_one_tp_rank` under overlap_step (each TP rank computed its updates before the
     check, TP rank 0 with its halved learning rate), the learning rate put back and `step()` called
@@ -288,6 +308,10 @@ JOBS = {
     "one_rank_another_tp_policy": (PlanError, ("ranks disagree on the plan", "ranks disagree on the data-parallel "
                                                "agreement check", "failed the agreement check")),
     "scheduler_on_one_tp_rank": (CanzonaError, "TP ranks disagree on the hyper-parameters in param_groups"),
+    # rank 3's DP group finds it; the others learn it over TP (the DP group of TP rank 1 failed)
+    "lr_edit_after_clip_on_one_rank": (CanzonaError, ("ranks disagree on the hyper-parameters in param_groups",
+                                                      "the data-parallel group of TP rank(s) [1] failed the "
+                                                      "step's recheck")),
     "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
                                                  "model.zero_grad() between steps"),
     "grad_scaler": (CanzonaError, "torch.amp.GradScaler is not supported"),
