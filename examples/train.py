@@ -36,7 +36,10 @@ never leaves a partial or mixed checkpoint. `--resume` verifies the manifest bef
 anything, reads the files without running code from them, and continues at any DP x TP layout
 (give a plan for the new layout); at the same layout and with the same flags, bit for bit. Flags
 given on resume win over the checkpoint's (`--lr`, `--adamw-lr`, `--weight-decay`, `--warmup`,
-`--clip`, `--steps`); each difference is logged.
+`--clip`, `--steps`, and `--matrix-config` where it keeps the same optimizer state); each difference
+is logged. A `--matrix-config` whose optimizer keeps other state than the checkpoint's run kept
+(SOAP's `max_precond_dim`, Shampoo's `max_preconditioner_dim`: the state a plan prices) is refused,
+as another model or data stream is: the checkpoint's state does not fit it.
 
 Bad input (a missing or malformed plan, a plan for another model, a world size that is not the
 plan's `dp x tp`, ranks given different arguments, an output path that cannot be written, a
@@ -74,9 +77,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from canzona.cost import state_bytes
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
-from canzona.optimizers import MATRIX_REGISTRY, config_changes
+from canzona.optimizers import MATRIX_REGISTRY, config_changes, matrix_config_json
 from canzona.plan import Plan, check_plan_config, check_plan_matches, load_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
@@ -214,6 +218,7 @@ class Job:
     manifest: Manifest | None = None  # the verified checkpoint's
     start: int = 0  # the step the run starts from (the checkpoint's)
     saved_flags: dict[str, Any] = field(default_factory=dict)  # HYPER_FLAGS of the checkpoint's run
+    saved_matrix_config: str | None = None  # the checkpoint's run's (`matrix_config_text`); None: not recorded
     matrix_cfg: Any = None  # --matrix-config's configuration (None: the optimizer's defaults)
 
     @property
@@ -344,8 +349,9 @@ def with_checkpoint(job: Job, args: argparse.Namespace) -> Job:
     """The job resuming from its verified checkpoint. Collective: the ranks share the hashing."""
     manifest = verify_checkpoint(job.resume, {"model": job.spec.name, "fingerprint": job.spec.fingerprint()},
                                  process_group=dist.group.WORLD)
-    run = check_checkpoint(job.resume, manifest, job.spec, job.plan, args)
-    return replace(job, manifest=manifest, start=run["step"], saved_flags=run.get("flags", {}))
+    run = check_checkpoint(job.resume, manifest, job.spec, job.plan, args, job.matrix_cfg)
+    return replace(job, manifest=manifest, start=run["step"], saved_flags=run.get("flags", {}),
+                   saved_matrix_config=run.get("matrix_config"))
 
 
 RUN_FIELDS = ("step", "model", "fingerprint", "optimizer", *SAME_DATA)
@@ -373,7 +379,7 @@ def read_run(folder: Path, manifest: Manifest, writer: str = "examples/train.py"
 
 
 def check_checkpoint(folder: Path, manifest: Manifest, spec: ModelSpec, plan: Plan,
-                     args: argparse.Namespace) -> dict[str, Any]:
+                     args: argparse.Namespace, matrix_cfg: Any = None) -> dict[str, Any]:
     run = read_run(folder, manifest)
     if run["fingerprint"] != spec.fingerprint():
         raise SpecError(f"--resume {folder}: a checkpoint of model {run['model']!r} ({run['fingerprint']}), "
@@ -388,7 +394,36 @@ def check_checkpoint(folder: Path, manifest: Manifest, spec: ModelSpec, plan: Pl
                         "settings")
     if run["step"] > args.steps:
         raise SpecError(f"--resume {folder}: the checkpoint is at step {run['step']}, past --steps {args.steps}")
+    saved = run.get("matrix_config")  # a checkpoint of an older script has none: not compared
+    if saved is not None and saved != matrix_config_text(plan.optimizer, matrix_cfg):
+        try:
+            before = parse_matrix_config(saved, plan.optimizer)
+        except SpecError as e:
+            raise SpecError(f"--resume {folder}: its run's --matrix-config {saved}: {e}") from None
+        differs = state_difference(plan.optimizer, spec, before, matrix_cfg)
+        if differs is not None:
+            raise SpecError(f"--resume {folder}: the checkpoint's run had --matrix-config {saved}, which keeps other "
+                            f"optimizer state than --matrix-config {matrix_config_text(plan.optimizer, matrix_cfg)} "
+                            f"({differs}): resume with the checkpoint's --matrix-config and a plan made at it")
     return run
+
+
+def matrix_config_text(optimizer: str, cfg: Any) -> str:
+    """A --matrix-config as the run records and logs it: its fields off the defaults, as JSON."""
+    return "{}" if cfg is None else matrix_config_json(optimizer, cfg)
+
+
+def state_difference(optimizer: str, spec: ModelSpec, before: Any, now: Any) -> str | None:
+    """The first matrix whose optimizer state differs between two configurations (as a plan prices
+    it, `canzona.plan.check_plan_config`), or None: a checkpoint's state fits the other one."""
+    if MATRIX_REGISTRY[optimizer].elementwise:
+        return None
+    for p in spec.matrix_params():
+        shape = p.matrix_shape or p.shape  # a stack's: each of its matrices'
+        there, here = state_bytes(optimizer, shape, before), state_bytes(optimizer, shape, now)
+        if there != here:
+            return f"{p.name}: {there} bytes of state there, {here} here"
+    return None
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -496,7 +531,8 @@ def weights(job: Job, model: torch.nn.Module, mesh, expert_mesh) -> dict[str, to
 def run_settings(job: Job, args: argparse.Namespace, step: int) -> str:
     return json.dumps({"step": step, "model": job.spec.name, "fingerprint": job.spec.fingerprint(),
                        "optimizer": job.plan.optimizer, "dp": job.dp, "tp": job.tp, "ep": job.ep,
-                       **{k: getattr(args, k) for k in SAME_DATA}, "flags": hyper_flags(job, args)})
+                       **{k: getattr(args, k) for k in SAME_DATA}, "flags": hyper_flags(job, args),
+                       "matrix_config": matrix_config_text(job.plan.optimizer, job.matrix_cfg)})
 
 
 def manifest_info(job: Job, step: int) -> dict[str, Any]:
@@ -539,6 +575,9 @@ def train(job: Job, args: argparse.Namespace) -> None:
         say(f"resumed from {job.resume} at step {job.start}", flush=True)
         for line in resume_changes(job.saved_flags, hyper_flags(job, args)):
             say(line, flush=True)
+        now = matrix_config_text(job.plan.optimizer, job.matrix_cfg)
+        if job.saved_matrix_config not in (None, now):  # the same state (check_checkpoint): the command line's
+            say(f"resume: --matrix-config {now} (the checkpoint's run had {job.saved_matrix_config})", flush=True)
     sched = schedule(opt, args, job.start)
 
     rows = args.batch // job.dp

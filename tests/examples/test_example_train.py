@@ -205,6 +205,26 @@ def test_a_matrix_config_the_plan_was_not_made_at_is_refused_before_training(giv
     assert needle in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
+def test_a_matrix_config_changed_on_resume_is_refused_when_it_keeps_other_state_and_logged_otherwise(tmp_path):
+    """A SOAP run at the defaults, resumed with `--matrix-config`: one that keeps other optimizer state
+    (max_precond_dim 48: identity factors where the checkpoint holds full ones) is one error line
+    before training, as another model or data stream is; one that keeps the same state (a
+    precondition frequency) wins and is logged, as a changed --lr is. Before: both resumed
+    silently, the first stepping the checkpoint's state under the other configuration."""
+    plan = make_plan(tmp_path, 1, 1, CONFIG, "--optimizer", "soap")
+    trained(tmp_path, 1, "--plan", plan, "--steps", HALF, "--save", "ckpt")
+    other = make_plan(tmp_path, 1, 1, CONFIG, "--optimizer", "soap", "--matrix-config", SOAP_CONFIG)
+    line = error_lines(torchrun(tmp_path, 1, "--plan", other, "--steps", STEPS, "--resume", "ckpt",
+                                "--matrix-config", SOAP_CONFIG), 1)
+    assert line.startswith(f"error: --resume ckpt/step_{HALF}: the checkpoint's run had --matrix-config {{}}") and \
+        SOAP_CONFIG in line and "keeps other optimizer state" in line, line
+    frequency = '{"precondition_frequency": 3}'
+    log = trained(tmp_path, 1, "--plan", plan, "--steps", STEPS, "--resume", "ckpt", "--matrix-config", frequency,
+                  "--save", "again")
+    assert f"resume: --matrix-config {frequency} (the checkpoint's run had {{}})" in log.splitlines(), log
+    assert saved_entry(tmp_path / "again" / f"step_{STEPS}", "train")["matrix_config"] == frequency
+
+
 def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
     """`--reduce-scatter loops` (one reduce per owner): at DP 2 a sum of two is the same in any
     order, so the run resumed with it ends where the exact straight run ends."""
