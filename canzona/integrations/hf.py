@@ -117,6 +117,24 @@ def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def check_not_tensor_parallel(model: Any) -> None:
+    """A model sharded by transformers' TP plan (`tp_plan="auto"`, `DistributedConfig(tp_size=N)`)
+    takes the Trainer's own tensor-parallel path, which reaches what canzona owns: the Trainer
+    builds accelerate's `ParallelismConfig` for it (which accelerate refuses on CPU and canzona's
+    accelerator refuses anywhere: its data and loss handling assume the gradients are the Trainer's
+    to reduce), all-reduces the gradients of its plain (non-DTensor) parameters in hooks of its
+    own, and clips mixed-mesh gradients on `.grad` itself. One error at construction, on every rank
+    alike (the model's own attribute), naming what runs such a model instead."""
+    tp = getattr(model, "tp_size", None) or 1
+    if tp > 1:
+        raise CanzonaError(f"CanzonaTrainer does not train a model sharded by transformers' TP plan (tp_size {tp}): "
+                           "the Trainer runs it under accelerate's ParallelismConfig, reduces its replicated "
+                           "parameters' gradients and clips its gradients itself, where the DistributedOptimizer "
+                           "does; train it with DistributedOptimizer(named_parameters(model), "
+                           "ModelSpec.from_module(model), group=<a ('dp', 'tp') DeviceMesh>, plan=...) in a loop of "
+                           "your own (docs/design.md §2.5)")
+
+
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
@@ -178,6 +196,7 @@ class CanzonaTrainer(Trainer):
         if given.get("optimizer_cls_and_kwargs") is not None:
             raise CanzonaError("CanzonaTrainer does not take optimizer_cls_and_kwargs: it builds a DistributedOptimizer "
                                "(matrix_optimizer=, matrix_config=, optimizer_kwargs=) or takes one in optimizers=")
+        check_not_tensor_parallel(given.get("model"))
         # the Trainer's constructor moves the model (_move_model_to_device) before it stores the
         # optimizer: what was given must be known by then
         self._given_optimizer = canzona_optimizer(optimizer)

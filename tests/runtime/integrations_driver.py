@@ -252,6 +252,24 @@ def hf_tensor_parallel(out: Path, config: str, overrides: bool = True) -> dict[s
             "adamw": opt.adamw_cfg, "loss": float(loss), "plain_loss": float(plain_loss)}
 
 
+def hf_tensor_parallel_trainer(out: Path) -> dict[str, Any]:
+    """CanzonaTrainer given a model sharded by transformers' TP plan, as a user would write it (the
+    optimizer's (dp, tp) mesh and the CLI's plan in optimizer_kwargs; after "hf tp tiny_qwen3",
+    which saved the model and wrote the plan): refused at construction, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.integrations.hf import CanzonaTrainer
+    from tests.runtime import hf_tp_setup as hf
+
+    hf.register_head_norm()
+    model = hf.load_sharded(out / "hf-tp-tiny_qwen3" / "tiny_qwen3-model", hf.NORMS)
+    mesh = init_device_mesh("cpu", (1, hf.TP), mesh_dim_names=("dp", "tp"))
+    args = trainer_example.training_arguments(SETUP, str(out / "hf-tp-trainer"), 2)
+    CanzonaTrainer(model=model, args=args, train_dataset=trainer_example.MarkovTokens(SETUP),
+                   optimizer_kwargs={"group": mesh, "plan": str(out / "hf-tp-tiny_qwen3.json")}).train()
+    return {}
+
+
 def main() -> None:
     from accelerate import PartialState
 
@@ -282,6 +300,7 @@ def main() -> None:
         ("hf tp tiny_qwen3", lambda: hf_tensor_parallel(out, "tiny_qwen3")),
         ("hf tp tiny_qwen3_moe", lambda: hf_tensor_parallel(out, "tiny_qwen3_moe")),
         ("hf tp without overrides", lambda: hf_tensor_parallel(out, "tiny_qwen3", overrides=False)),
+        ("trainer hf tp", lambda: hf_tensor_parallel_trainer(out)),
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),

@@ -187,6 +187,20 @@ def test_transformers_grad_allreduce_norms_are_one_error_on_every_rank(ranks):
         assert "\n" not in r["error"]
 
 
+@pytest.mark.distributed
+def test_the_trainer_refuses_a_transformers_tp_model_naming_the_optimizers_own_way(ranks):
+    """CanzonaTrainer(model=<sharded by tp_plan "auto">, optimizer_kwargs={"group": mesh, "plan": ...}):
+    one CanzonaError at construction on every rank. Before: accelerate's ValueError from inside the
+    Trainer's constructor on CPU ("ParallelismConfig is only compatible DistributedType.FSDP (version
+    2) or DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"),
+    and where accelerate allows it, canzona's accelerator refusing the parallelism_config the
+    Trainer builds itself, advising group=mesh, which the user had given."""
+    for r in [r["trainer hf tp"] for r in ranks]:
+        assert r["error"].startswith("CanzonaError: CanzonaTrainer does not train a model sharded by transformers' "
+                                     "TP plan (tp_size 2)"), r["error"]
+        assert "\n" not in r["error"]
+
+
 # --- transformers' Trainer ---------------------------------------------------------------------
 
 
