@@ -11,8 +11,10 @@ of a shard group of `shard` ranks (one replica under HSDP) issues in one step, i
    one 8-byte word per parameter and four more (a local problem, the hyper-parameters' digest,
    the rank's fp64 sum of squares, the clip threshold), at the first `clip_grad_norm_` or at
    `step()`;
-2. per `clip_grad_norm_` call (and `step()`'s own clipping, `max_grad_norm`): one "clip threshold"
-   all-gather (one word) when it brings a threshold other than the one last agreed; one
+2. per `clip_grad_norm_` call after the first, and at `step()` after any: one "step recheck"
+   all-gather (two words: the hyper-parameters' digest and the threshold), which the reused check
+   costs (a learning rate set on one rank between the clip and the step must fail every rank;
+   `step()`'s own clipping, `max_grad_norm`, right after its check, rechecks nothing); one
    "gradient norm" all-gather (one word) for `norm_type=inf`;
 3. unless the step is skipped (a non-finite norm under `nonfinite="skip"`), per micro-group that
    has a gradient, on the shard group ("fsdp"): the all-to-all of the gradients' pieces to their
@@ -43,6 +45,7 @@ FSDP_WORLD_GROUP = "fsdp-world"  # every rank of the mesh: the step check and th
 ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
 CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and threshold: float64)
 CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
+RECHECK_WORDS = 2  # a reused check's recheck: digest, clip threshold
 
 
 class Exchanged(Protocol):
@@ -104,8 +107,9 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
     `owners` and `micro_groups`: the runtime's (`FsdpOptimizer.owner`, `.micro_groups`: from
     `canzona.fsdp_plan`). `world`: the ranks of the mesh (replicas x `shard`; default `shard`).
     `clips`: the `clip_grad_norm_(max_norm, norm_type)` calls before `step()`; `max_grad_norm`:
-    the optimizer's own. `got`: the parameters with a gradient (default: all). `no_update`: the
-    matrices whose step computes no update (SOAP's first). `skipped`: the step found a
+    the optimizer's own (its clip, right after the check, issues nothing). `got`: the parameters
+    with a gradient (default: all). `no_update`: the matrices whose step computes no update (SOAP's
+    first). `skipped`: the step found a
     non-finite norm and skipped (`nonfinite="skip"`)."""
     world = shard if world is None else world
     out: list[FsdpCollective] = []
@@ -113,22 +117,21 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
     def gather(name: str, words: int) -> None:
         out.append(FsdpCollective(ALL_GATHER, FSDP_WORLD_GROUP, name, (words * CHECK_WORD_BYTES,) * world))
 
-    checked, agreed = False, None
+    checked = False
 
-    def check(max_norm: float | None) -> None:  # FsdpOptimizer.check
-        nonlocal checked, agreed
+    def check() -> None:  # FsdpOptimizer.check (the threshold changes no record)
+        nonlocal checked
         if not checked:
             gather("step check", len(spec.params) + CHECK_EXTRA_WORDS)
-            checked, agreed = True, max_norm
-        elif max_norm is not None and max_norm != agreed:
-            gather("clip threshold", 1)
-            agreed = max_norm
+            checked = True
+        else:
+            gather("step recheck", RECHECK_WORDS)
 
-    for max_norm, norm_type in clips:
-        check(max_norm)
+    for _, norm_type in clips:
+        check()
         if norm_type == math.inf:
             gather("gradient norm", 1)
-    check(max_grad_norm)
+    check()  # step()'s (its own clip, max_grad_norm, after it: no record)
     if skipped:
         return out
 

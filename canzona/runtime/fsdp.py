@@ -15,7 +15,8 @@ the matrix optimizer (norms, embeddings) take AdamW elementwise on the local sha
 One step check per step (`check`): one small all-gather over every rank of the mesh (replicas too)
 of which parameters got a gradient, a local problem, the clip threshold, the hyper-parameters'
 digest and each rank's sum of squares of the gradient pieces it sends; every rank then fails alike,
-or computes the same global norm, before anything moves.
+or computes the same global norm, before anything moves. A call that reuses it (`step()` after
+`clip_grad_norm_()`) rechecks the digest and the threshold (one more small all-gather).
 
 Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
 their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
@@ -57,6 +58,7 @@ from canzona.runtime.gradients import (
     _all_same,
     _clip_disagreement,
     _clip_word,
+    _recheck_error,
     combine_norm_terms,
     local_norm_term,
     ranks_of,
@@ -258,7 +260,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # is one error in the step check (`_replaced`)
         self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
         self.checked: tuple[dict[str, bool], float] | None = None
-        self._clip_agreed: float | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # the version of each gradient the kept check saw (a backward since bumps it: `check`)
         self._versions: dict[str, int] | None = None
@@ -389,9 +390,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
                         f"shard {tuple(p.to_local().shape)}")
         return None
 
-    def check(self, max_norm: float | None = None) -> tuple[dict[str, bool], float]:
+    def check(self, max_norm: float | None = None, recheck: bool = True) -> tuple[dict[str, bool], float]:
         """The step check, once per step (`clip_grad_norm_`, then `step`): ONE small all-gather over
-        every rank of the mesh. Returns (got: name -> a gradient everywhere, the global norm)."""
+        every rank of the mesh. Returns (got: name -> a gradient everywhere, the global norm). A call
+        that reuses it (`step()` after `clip_grad_norm_()`, a second clip) rechecks, with `recheck`,
+        what may have changed since on one rank only: the hyper-parameters (a learning rate set
+        between the clip and the step) and the threshold. A rank cannot tell its peers that its own
+        changed without a collective, so every reuse costs one more small all-gather (clip and step
+        are collective calls: every rank reuses alike); step()'s own clip (`max_grad_norm`), right
+        after its check, rechecks nothing."""
         if self.checked is not None and self._versions != self._grad_versions():
             # a backward since (after clip_grad_norm_, or a refused step()) added to the gradients
             # that check saw: taken anew, as torch's clip_grad_norm_ would measure the sum
@@ -400,12 +407,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
                                    "gradients, fp32 masters): clip once, after the last backward before step()")
             self.checked = None
         if self.checked is not None:
-            if max_norm is not None and max_norm != self._clip_agreed:  # a second clip, a new threshold
-                clips = self.world.all_gather_values(torch.tensor([max_norm], dtype=torch.float64),
-                                                     "clip threshold")[:, 0]
-                if not _all_same(clips):
-                    raise CanzonaError(_clip_disagreement(clips, self.world.rank, "rank"))
-                self._clip_agreed = max_norm
+            if recheck:
+                row = torch.cat([torch.tensor([hyper_parameters_digest(self.param_groups)], dtype=torch.int64),
+                                 torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
+                error = _recheck_error(self.world.all_gather_values(row, "step recheck"), self.world.rank, "rank")
+                if error is not None:
+                    raise CanzonaError(error)
             return self.checked
         names = [p.name for p in self.spec.params]
         problem = self._local_problem()
@@ -448,7 +455,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
-        self._clip_agreed = max_norm
         self._versions = self._grad_versions()
         return self.checked
 
@@ -462,7 +468,11 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        got, norm = self.check(float(max_norm))
+        return self._clip(float(max_norm), norm_type)
+
+    def _clip(self, max_norm: float, norm_type: float = 2.0, recheck: bool = True) -> Tensor:
+        """`clip_grad_norm_`, validated; `recheck`: as `check` takes it (step()'s own clip: False)."""
+        got, norm = self.check(max_norm, recheck)
         total = norm if norm_type == 2.0 else self._inf_norm(got)
         if math.isfinite(total):
             coefficient = min(1.0, max_norm / (total + 1e-6))
@@ -518,8 +528,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 log.warning("canzona: skipped step: the global gradient norm is %s (%d skipped so far)", norm,
                             self.skipped_steps)
             else:
-                if self.max_grad_norm is not None:
-                    self.clip_grad_norm_(self.max_grad_norm)
+                if self.max_grad_norm is not None:  # right after the check above: nothing to recheck
+                    self._clip(self.max_grad_norm, recheck=False)
                 self._reshard()
                 self._step(got)
             self.comm.log.step += 1

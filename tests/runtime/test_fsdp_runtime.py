@@ -192,7 +192,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
               cast: bool = False, evaluate: int | None = None, bf16: bool = False,
-              retry: int | None = None, again: int | None = None) -> dict:
+              retry: int | None = None, again: int | None = None, edit: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -208,7 +208,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     in bf16 from the start (fp32 masters); at step `retry` every rank's learning rate is NaN at its
     first step() (refused), then put back and step() called again (`refused`: the first error); at
     step `again` a second backward (and clip) of the same batch comes before that step() (after the
-    refused one, with `retry`)."""
+    refused one, with `retry`); at step `edit` rank 1 halves its learning rate after the clip, before
+    step() (`refused`: its error), then puts it back and calls step() again."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -259,6 +260,14 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                     refused = str(e)
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
+            if step == edit:
+                lr = opt.param_groups[0]["lr"]
+                opt.param_groups[0]["lr"] = lr * (0.5 if rank == 1 else 1)
+                try:
+                    opt.step()
+                except CanzonaError as e:
+                    refused = str(e)
+                opt.param_groups[0]["lr"] = lr
             if step == again:
                 model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
                 if threshold is not None:
@@ -324,6 +333,7 @@ SMALL_CASES = {
     "bf16-clip-retried": {"steps": 3, "clip": 0.05, "bf16": True, "retry": 1},
     "clip-twice": {"steps": 3, "clip": 0.05, "again": 1},
     "clip-retried-twice": {"steps": 3, "clip": 0.05, "retry": 1, "again": 1},
+    "clip-edit-retried": {"steps": 3, "clip": 0.05, "edit": 1},
     "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
@@ -459,6 +469,18 @@ def test_fsdp_a_step_called_again_after_a_refused_one_keeps_its_clip() -> None:
     straight, retried = _small()["bf16-clip"], _small()["bf16-clip-retried"]
     for a, b in zip(straight, retried):
         assert b["error"] is None and "lr must be a finite number" in b["refused"], b["refused"]
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+
+
+def test_fsdp_a_learning_rate_edited_on_one_rank_after_the_clip_is_refused_before_any_update() -> None:
+    """clip_grad_norm_, rank 1 halves its learning rate, step(): one error on every rank (the clip's
+    check, which step() reuses, is rechecked), nothing updated; the rate put back, step() again:
+    the clipped step, as the run without the edit. Before: step() reused the check and the ranks
+    stepped their shards with different learning rates."""
+    straight, edited = _small()["clip"], _small()["clip-edit-retried"]
+    for a, b in zip(straight, edited):
+        assert b["refused"] is not None and "disagree on the hyper-parameters" in b["refused"], b["refused"]
+        assert "\n" not in b["refused"] and b["error"] is None, b
         assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
 
 
