@@ -14,7 +14,7 @@
    - the authors' scripts (400M-element buckets, for every policy);
    - baselines at stock Megatron buckets (max(40M, 1M x dp)), canzona at the planner default.
 4. NVIDIA's published layout for Qwen3-32B: TP 8 x PP 2 with full activation recompute.
-5. Scale (docs/design.md §9.7): `canzona simulate --model qwen3-32b --tp 8 --global-batch GPUS`
+5. Scale (docs/design.md §9.8): `canzona simulate --model qwen3-32b --tp 8 --global-batch GPUS`
    from 256 to 16384 GPUs (bar: 16384 under 5 s), the optimizer step simulated once per class of
    identical ranks against every rank simulated (`by_class=False`), side by side: wall and CPU
    seconds, their ratio, how many ranks stood for how many, and whether the results are the same

@@ -1,4 +1,4 @@
-"""Phase B's classes of identical ranks (docs/design.md §9.7): how 16384 GPUs simulate in seconds.
+"""Phase B's classes of identical ranks (docs/design.md §9.8): how 16384 GPUs simulate in seconds.
 
 The optimizer step differs between DP ranks only through what each one's step does: its TP
 schedule (which matrices its TP group computes, where, and which buckets they wait for), its

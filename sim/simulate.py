@@ -669,7 +669,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     With `replicate_phase_a`, forward / backward / gradient sync runs on rank 0 only and stands for
     every rank (they are identical); without it every rank runs it, for checking that claim.
     With `by_class` (and `replicate_phase_a`), the optimizer step runs once per class of ranks
-    whose steps are the same (`sim.classes`, docs/design.md §9.7) and stands for the class; without
+    whose steps are the same (`sim.classes`, docs/design.md §9.8) and stands for the class; without
     it every rank runs it, the reference the classes are checked against (the same numbers, bit
     for bit: `tests/sim/test_sim_scale.py`).
 

@@ -20,7 +20,7 @@ class GroupGeometry:
         return self.nodes > 1
 
 
-MAX_GPUS = 16384  # a few seconds per simulated iteration (docs/design.md §9.7)
+MAX_GPUS = 16384  # a few seconds per simulated iteration (docs/design.md §9.8)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The configurations whose `simulate(...).to_dict()` (and a digest of the spans) were recorded
 before the simulator learned to simulate one representative rank per class of identical ranks
-(docs/design.md §9.7): `tests/sim/test_sim_scale.py` checks them bit for bit.
+(docs/design.md §9.8): `tests/sim/test_sim_scale.py` checks them bit for bit.
 
 Regenerate (only when a result is meant to change): PYTHONPATH=. python tests/sim/scale_configs.py
 """

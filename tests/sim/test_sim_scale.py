@@ -1,5 +1,5 @@
 """Simulating the optimizer step once per class of identical ranks (`sim.classes`, docs/design.md
-§9.7) changes no result: every configuration of `scale_configs.CONFIGS` gives, bit for bit, the
+§9.8) changes no result: every configuration of `scale_configs.CONFIGS` gives, bit for bit, the
 `to_dict()`, the spans (as a set) and the runtime-mode collective records recorded before the
 change (tests/sim/data), and others the same as with every rank simulated (`by_class=False`)."""
 
