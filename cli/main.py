@@ -1149,10 +1149,14 @@ def validate(
         return
     try:
         check_matrix_optimizer(optimizer)
-        chosen = list(STEP_POLICIES) if policies == "all" else [p.strip() for p in policies.split(",") if p.strip()]
+        # "all": the policies that run the optimizer (zero1 runs AdamW only); a named one that does not
+        # is refused here, not on a rank after calibrating
+        chosen = list(policies_running(optimizer)) if policies == "all" else \
+            [p.strip() for p in policies.split(",") if p.strip()]
         for p in chosen:
             if p not in STEP_POLICIES:
                 raise SpecError(f"unknown policy {p!r}; choose from {', '.join(STEP_POLICIES)} or all")
+            STEP_POLICIES[p].check_optimizer(optimizer)
         if not chosen:
             raise SpecError("--policies names no policy")
         if not 2 <= dp <= VALIDATE_MAX_DP:

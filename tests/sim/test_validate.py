@@ -103,3 +103,24 @@ def test_profile_out_with_a_given_hardware_is_one_line_before_measuring(monkeypa
     error_line(invoke("validate", "--hardware", "h100-sxm", "--profile-out", tmp_path / "p.json"),
                "--profile-out", "--hardware")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_all_policies_are_those_that_run_the_optimizer_and_a_policy_that_does_not_is_one_line(monkeypatch):
+    """`canzona validate` (README) measures every policy that runs the optimizer: zero1 runs AdamW
+    only, and "all" took it too, so the default command failed on a rank after calibrating
+    ('policy zero1 runs elementwise optimizers'). A policy named that cannot run the optimizer is
+    one line before anything is measured."""
+    from canzona.errors import SpecError
+    from canzona.harness import validate as runtime_validation
+
+    asked = []
+
+    def record(policies, *args, **kwargs):
+        asked.append(list(policies))
+        raise SpecError("stop after choosing")  # the command's own one-line error path; nothing spawned
+
+    monkeypatch.setattr(runtime_validation, "measure", record)
+    error_line(invoke("validate", "--hardware", "h100-sxm"), "stop after choosing", code=1)
+    assert asked == [["sc", "zero1-gather", "layerwise", "canzona"]]
+    error_line(invoke("validate", "--hardware", "h100-sxm", "--policies", "canzona,zero1"), "policy zero1 runs")
+    assert len(asked) == 1  # refused before measuring
