@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -35,7 +35,7 @@ from canzona.optimizers import (
     default_config,
     matrix_optimizer,
 )
-from canzona.spec import DTYPE_BYTES
+from canzona.spec import DTYPE_BYTES, ParamSpec
 
 FP32 = DTYPE_BYTES["fp32"]
 
@@ -267,6 +267,21 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = Non
     if optimizer == "adamw":  # any shape
         return adamw_state_bytes(1, math.prod(shape), cfg)
     return matrix_optimizer(optimizer).part("state_bytes")(*_matrix_shape(optimizer, shape), cfg)
+
+
+def state_difference(optimizer: str, params: Iterable[ParamSpec], before: object | None,
+                     now: object | None) -> str | None:
+    """The first of `params` (matrices) whose optimizer state differs between two configurations of
+    `optimizer` (`state_bytes`, as a plan prices it: `canzona.plan.check_plan_config`), or None:
+    state kept under one fits the other (they differ at most in hyper-parameters that change seconds)."""
+    if matrix_optimizer(optimizer).elementwise:  # AdamW's state has one form
+        return None
+    for p in params:
+        shape = p.matrix_shape or p.shape  # a stack's: each of its matrices'
+        there, here = state_bytes(optimizer, shape, before), state_bytes(optimizer, shape, now)
+        if there != here:
+            return f"{p.name}: {there} bytes of state there, {here} here"
+    return None
 
 
 def update_dtype_state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:

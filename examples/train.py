@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from canzona.cost import state_bytes
+from canzona.cost import state_difference
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
 from canzona.optimizers import MATRIX_REGISTRY, config_changes, matrix_config_json
@@ -400,7 +400,7 @@ def check_checkpoint(folder: Path, manifest: Manifest, spec: ModelSpec, plan: Pl
             before = parse_matrix_config(saved, plan.optimizer)
         except SpecError as e:
             raise SpecError(f"--resume {folder}: its run's --matrix-config {saved}: {e}") from None
-        differs = state_difference(plan.optimizer, spec, before, matrix_cfg)
+        differs = state_difference(plan.optimizer, spec.matrix_params(), before, matrix_cfg)
         if differs is not None:
             raise SpecError(f"--resume {folder}: the checkpoint's run had --matrix-config {saved}, which keeps other "
                             f"optimizer state than --matrix-config {matrix_config_text(plan.optimizer, matrix_cfg)} "
@@ -411,19 +411,6 @@ def check_checkpoint(folder: Path, manifest: Manifest, spec: ModelSpec, plan: Pl
 def matrix_config_text(optimizer: str, cfg: Any) -> str:
     """A --matrix-config as the run records and logs it: its fields off the defaults, as JSON."""
     return "{}" if cfg is None else matrix_config_json(optimizer, cfg)
-
-
-def state_difference(optimizer: str, spec: ModelSpec, before: Any, now: Any) -> str | None:
-    """The first matrix whose optimizer state differs between two configurations (as a plan prices
-    it, `canzona.plan.check_plan_config`), or None: a checkpoint's state fits the other one."""
-    if MATRIX_REGISTRY[optimizer].elementwise:
-        return None
-    for p in spec.matrix_params():
-        shape = p.matrix_shape or p.shape  # a stack's: each of its matrices'
-        there, here = state_bytes(optimizer, shape, before), state_bytes(optimizer, shape, now)
-        if there != here:
-            return f"{p.name}: {there} bytes of state there, {here} here"
-    return None
 
 
 # --- the run ------------------------------------------------------------------------------------

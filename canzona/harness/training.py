@@ -23,6 +23,7 @@ divided by `accumulation`. The TP ranks of one DP rank see the same rows.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -217,19 +218,18 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
             for name, p in model.named_parameters():
                 tp_dim = mspec.param(name).tp_dim if spec.tp > 1 else None
                 local_tensor(p).copy_(shard_of(params[name], tp_dim, spec.tp, opt.tp_rank))
-        if isinstance(state, str):
-            check_weights = extra.get("check_weights", False)  # the parameters are those it was saved with
-            if extra.get("refused"):  # they are not: the error, and the state before and after it
-                before = opt.state_dict()
-                try:
-                    opt.load_sharded_state_dict(state, check_weights=check_weights)
-                    outcome = "loaded"
-                except CanzonaError as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                return {"refused": outcome, "state before": before, "state after": opt.state_dict()}
-            opt.load_sharded_state_dict(state, check_weights=check_weights)
-        else:
-            opt.load_state_dict(state)
+        check_weights = extra.get("check_weights", False)  # the parameters are those it was saved with
+        load = functools.partial(opt.load_sharded_state_dict, state, check_weights=check_weights) \
+            if isinstance(state, str) else functools.partial(opt.load_state_dict, state)
+        if extra.get("refused"):  # a load that may be refused: the error, and the state before and after it
+            before = opt.state_dict()
+            try:
+                load()
+                outcome = "loaded"
+            except CanzonaError as e:
+                outcome = f"{type(e).__name__}: {e}"
+            return {"refused": outcome, "state before": before, "state after": opt.state_dict()}
+        load()
     vocab = mspec.param("model.embed_tokens.weight").shape[0]
     losses, norms, grads = train_steps(
         model, opt, spec, vocab, dp_rank, dp, lambda k, n: opt.no_sync() if k < n - 1 else contextlib.nullcontext(),

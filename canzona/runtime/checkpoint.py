@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from canzona.cost import state_difference
 from canzona.errors import CanzonaError, CheckpointError, PlanError
-from canzona.optimizers import check_config, matrix_optimizer
+from canzona.optimizers import check_config, matrix_config_json, matrix_optimizer
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
@@ -715,6 +716,23 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     my_groups = [(g["kind"], g["optimizer"]) for g in opt.param_groups]
     if saved_groups != my_groups:
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
+    _check_kept_state(opt, sd.get("matrix_config"))
+
+
+def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None) -> None:
+    """Loading restores the checkpoint's matrix_config (as torch.optim's load_state_dict restores
+    hyper-parameters): one that keeps other optimizer state (SOAP's max_precond_dim) is not what
+    this optimizer's plan priced (its memory, its step time: `check_plan_config`), so it is refused;
+    one that changes only hyper-parameters wins. `saved` None: a header without it, not compared."""
+    if saved is None:
+        return
+    there = replace(opt.matrix_cfg, **_tuples(saved))
+    differs = state_difference(opt.optimizer, opt.spec.matrix_params(), there, opt.matrix_cfg)
+    if differs is not None:
+        raise PlanError(f"checkpoint was saved with {opt.optimizer} matrix_config "
+                        f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than this "
+                        f"optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): build the "
+                        "optimizer with the checkpoint's matrix_config and a plan made for it")
 
 
 def _global_shapes(opt: Described) -> dict[str, tuple[int, ...]]:

@@ -94,7 +94,19 @@ def resumed(dp: int) -> dict:
         jobs.append((("resume", opt), resume_spec(opt, dp), {"load": ckpt}))
         if dp in (1, 2):
             jobs.append((("round trip", opt), resume_spec(opt, dp, steps=0), {"load": ckpt}))
+    if dp == 2:
+        jobs.append((("other state", "soap"), other_state(resume_spec("soap", dp, steps=0)),
+                     {"load": checkpoint_4("soap"), "refused": True}))
     return _run(dp, jobs)
+
+
+# SOAP at max_precond_dim 48 keeps one-sided factors of the 64-wide matrices, where the checkpoints'
+# configuration (the default 10000) keeps both: another state, which a plan prices (check_plan_config)
+OTHER_STATE = {"max_precond_dim": 48}
+
+
+def other_state(spec: TrainSpec) -> TrainSpec:
+    return replace(spec, matrix_config={**spec.matrix_config, **OTHER_STATE})
 
 
 def checkpoint_2(optimizer: str) -> tuple[dict, dict]:
@@ -276,6 +288,11 @@ def sharded(path: str) -> dict:
     params = _get(saved, ("save", "muon"))[0]["params"]
     jobs.append((("older", "muon"), resume_spec("muon", 3, steps=0),
                  {"load": (params, f"{path}/muon-older"), "check_weights": True}))
+    soap = {"load": (_get(saved, ("save", "soap"))[0]["params"], f"{path}/soap"), "check_weights": True,
+            "refused": True}
+    jobs.append((("other state", "soap"), other_state(resume_spec("soap", 3, steps=0)), soap))
+    jobs.append((("other frequency", "soap"),
+                 replace(resume_spec("soap", 3, steps=0), matrix_config={"precondition_frequency": 3}), soap))
     return {"saved": saved, "loaded": _run(3, jobs)}
 
 
@@ -389,6 +406,43 @@ def test_each_rank_writes_only_what_it_owns(sharded_runs, tmp_path_factory):
     owned = [set(out["owned"]) for out in saved]
     assert len(files) == 2 and sorted(map(frozenset, files.values()), key=len) == sorted(map(frozenset, owned), key=len)
     assert not set.intersection(*files.values())  # no matrix state written twice
+
+
+def refused_alike(results: list[dict], line: str) -> None:
+    """Every rank gave `line` (one line), its state as it was."""
+    assert {r["refused"] for r in results} == {line} and "\n" not in line
+    for r, out in enumerate(results):
+        nested_equal(out["state after"], out["state before"], f"rank {r}")
+
+
+OTHER_STATE_REFUSED = ('PlanError: checkpoint was saved with soap matrix_config {"precondition_frequency": 2}, which '
+                       'keeps other optimizer state than this optimizer\'s {"max_precond_dim": 48, '
+                       '"precondition_frequency": 2} (model.layers.0.self_attn.q_proj.weight: 98304 bytes of state '
+                       'there, 32768 here): build the optimizer with the checkpoint\'s matrix_config and a plan made '
+                       'for it')
+
+
+def test_a_checkpoint_of_a_configuration_keeping_other_state_is_refused(sharded_runs):
+    """SOAP saved at the default max_precond_dim, loaded by an optimizer built (and planned) at 48:
+    the checkpoint's configuration would replace the optimizer's, and its state is not what the
+    optimizer's plan priced (memory, step time: `check_plan_config`'s guarantee). One PlanError
+    naming both configurations and what to do, on every rank, the state as it was: through
+    `load_state_dict` (DP 2) and `load_sharded_state_dict` (DP 3). Before: both loaded silently
+    and stepped at max_precond_dim 10000."""
+    for results in (_get(resumed(2), ("other state", "soap")), _get(sharded_runs["loaded"], ("other state", "soap"))):
+        refused_alike(results, OTHER_STATE_REFUSED)
+
+
+def test_a_checkpoint_of_a_configuration_keeping_the_same_state_loads_with_its_hyper_parameters(sharded_runs):
+    """A configuration that changes only hyper-parameters (SOAP's precondition frequency, 2 saved,
+    3 here) keeps the same state: the checkpoint loads, and its hyper-parameters win, as
+    torch.optim's load_state_dict restores param_groups'."""
+    saved = _get(sharded_runs["saved"], ("save", "soap"))[0]["state"]
+    for r, out in enumerate(_get(sharded_runs["loaded"], ("other frequency", "soap"))):
+        assert out["refused"] == "loaded", out["refused"]
+        nested_equal(out["state after"]["state"], saved["state"], f"rank {r}")
+        groups = [g for g in out["state after"]["param_groups"] if g["kind"] == "matrix"]
+        assert groups and all(g["precondition_frequency"] == 2 for g in groups), f"rank {r}"
 
 
 # --- what the checkpoint module reads of the optimizer -----------------------------------------
