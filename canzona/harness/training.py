@@ -526,16 +526,20 @@ expert_global_gradients = global_gradients_from  # (the name the expert-parallel
 
 
 def _expert_global(results: Sequence[dict], spec: TrainSpec, s: int, name: str) -> Tensor:
-    """Step `s`'s global gradient of expert stack `name`: each EP rank's, reduced over its EDP group
-    as `canzona.runtime.expert_part.ExpertReduction` reduces it, concatenated in EP order."""
+    """Step `s`'s global gradient of expert stack `name` (some rank got one): each EP rank's, reduced
+    over its EDP group as `canzona.runtime.expert_part.ExpertReduction` reduces it, concatenated in
+    EP order; zeros for an EP rank whose whole EDP group got none, as the runtime steps the stack
+    whole with zero gradients there."""
     from canzona.runtime.expert_part import apply_scale, expert_scale
 
     edp, dp = len(results) // spec.ep, spec.dp_size(len(results))
-    parts = []
+    parts: list[Tensor | None] = []
     for j in range(spec.ep):
         holders = [r["grads"][s].get(name) for r in results if r["ep_rank"] == j]
-        parts.append(apply_scale(_mean(holders, edp), expert_scale(dp, edp)))
-    return torch.cat(parts)
+        got = any(x is not None for x in holders)
+        parts.append(apply_scale(_mean(holders, edp), expert_scale(dp, edp)) if got else None)
+    like = next(x for x in parts if x is not None)  # every EP rank holds as many experts
+    return torch.cat([x if x is not None else torch.zeros_like(like) for x in parts])
 
 
 def _stacks(spec: TrainSpec) -> set[str]:

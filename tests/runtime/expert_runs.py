@@ -174,13 +174,13 @@ def check_resumed(resumed: tuple, saved: Sequence[dict], label: str) -> None:
         assert cmp["bit_identical"], f"{label}, rank {r}: {cmp}"
 
 
-def skipped_layer_job(rank: int, world: int, spec: TrainSpec, layer: int, skipped_steps: Sequence[int]) -> dict:
-    """`spec` trained with decoder layer `layer` skipped by every rank's forward in `skipped_steps`
-    (0-based; LayerDrop, a skipped layer): none of its parameters, its expert stacks included, gets
-    a gradient on any rank there, which one process's optimizer skips. What `check_same_kernels`
-    reads of a rank: its parameters, the gradients its own hooks saw, its place in the layout."""
-    import contextlib
+Staging = Callable[[Any, int], Callable[[], None] | None]  # (model, step) -> what undoes it, or None
 
+
+def staged_job(rank: int, world: int, spec: TrainSpec, stage: Staging) -> dict:
+    """`spec` trained with `stage(model, s)` changing this rank's model before step `s`'s forward
+    (0-based), undone after the step. What `check_same_kernels` reads of a rank: its parameters,
+    the gradients its own hooks saw, its place in the layout; and its state dict's entries."""
     from canzona.harness.training import (
         GradientRecorder,
         global_batches,
@@ -195,18 +195,61 @@ def skipped_layer_job(rank: int, world: int, spec: TrainSpec, layer: int, skippe
     opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
                                spec.adamw_config, policy=spec.policy, bucket_size=spec.bucket_size, group=group,
                                reduce_scatter=spec.reduce_scatter, expert_mesh=expert_mesh)
-    skipped = model.model.layers[layer]
     grads = []
     for s, tokens in enumerate(global_batches(spec, mspec.param("model.embed_tokens.weight").shape[0])):
-        if s in skipped_steps:
-            skipped.forward = lambda x, rope=None: x
+        undo = stage(model, s)
         opt.zero_grad()
         model.loss(micro_batches(tokens, dp_rank, spec.dp_size(world), 1)[0]).backward()
         grads.append(recorder.take())
         opt.step()
-        with contextlib.suppress(AttributeError):
-            del skipped.forward  # the class's forward again
+        if undo is not None:
+            undo()
     opt.wait_params()
     return {"params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}, "grads": grads,
             "tp_dims": {p.name: p.tp_dim if spec.tp > 1 else None for p in mspec.params},
-            "dp_rank": opt.rank, "tp_rank": opt.tp_rank, "ep_rank": expert_mesh.get_local_rank("ep")}
+            "dp_rank": opt.rank, "tp_rank": opt.tp_rank, "ep_rank": expert_mesh.get_local_rank("ep"),
+            "state entries": [g["param_names"] for g in opt.state_dict()["param_groups"]]}
+
+
+def skipped_layer_job(rank: int, world: int, spec: TrainSpec, layer: int, skipped_steps: Sequence[int]) -> dict:
+    """`spec` trained with decoder layer `layer` skipped by every rank's forward in `skipped_steps`
+    (0-based; LayerDrop, a skipped layer): none of its parameters, its expert stacks included, gets
+    a gradient on any rank there, which one process's optimizer skips (`staged_job`)."""
+    import contextlib
+
+    def stage(model: Any, s: int) -> Callable[[], None] | None:
+        if s not in skipped_steps:
+            return None
+        skipped = model.model.layers[layer]
+        skipped.forward = lambda x, rope=None: x
+
+        def undo() -> None:
+            with contextlib.suppress(AttributeError):
+                del skipped.forward  # the class's forward again
+        return undo
+
+    return staged_job(rank, world, spec, stage)
+
+
+def idle_ep_rank_job(rank: int, world: int, spec: TrainSpec, idle_ep_rank: int, idle_steps: Sequence[int]) -> dict:
+    """`spec` (under EP) trained with the experts of EP rank `idle_ep_rank` given no token in
+    `idle_steps` (0-based) on every rank of that EP rank (its whole EDP group), in every layer:
+    their experts module skips them (their output zeros without reading the weights, as
+    transformers' loops over experts do), so none of those ranks' hooks sees a gradient of the
+    stacks the other EP ranks' experts got one of (`staged_job`)."""
+    def stage(model: Any, s: int) -> Callable[[], None] | None:
+        import torch.distributed as dist
+
+        modules = [layer.mlp.experts for layer in model.model.layers]
+        if s not in idle_steps or dist.get_rank(modules[0].group) != idle_ep_rank:
+            return None
+        real = [m.expert for m in modules]
+        for m in modules:
+            m.expert = lambda e, x, m=m: x.new_zeros(x.shape[0], m.down_proj.shape[1]) + 0 * x[:, :1]
+
+        def undo() -> None:
+            for m, forward in zip(modules, real):
+                m.expert = forward
+        return undo
+
+    return staged_job(rank, world, spec, stage)
