@@ -309,8 +309,8 @@ class GradientSync:
                 self._got_grad[self.index[name]] = 1
                 continue
             if p.grad is guard:
-                if self._states.get(name) is GradState.STEPPED:
-                    raise CanzonaError(STALE_GRADIENTS.format(name=name))
+                if self._states.get(name) is GradState.STEPPED:  # no backward, no zero_grad since the step
+                    raise CanzonaError(STEPPED_TWICE.format(name=name))
             elif p.grad is None:
                 self._zeroed.discard(name)  # set to None since (model.zero_grad())
                 for entry in self.stacks.members[name]:
@@ -675,6 +675,11 @@ GUARD_ADVICE = ("Clip with opt.clip_grad_norm_(max_norm) (it returns the global 
 STALE_GRADIENTS = ("backward would accumulate the gradient of {name!r} onto the last step's: call "
                    "optimizer.zero_grad() or model.zero_grad() between steps (after a step the buffers hold "
                    "reduced gradients, which a backward must not add to)")
+# the last step's gradient met at a step: nothing since cleared it or wrote into it (a backward
+# onto it is refused in the backward, STALE_GRADIENTS), so no backward ran
+STEPPED_TWICE = ("step() was called again with no backward since the last step(): the gradient of {name!r} is "
+                 "still the last step's, already applied (neither zero_grad() nor a backward reached it since): "
+                 "call zero_grad() and run a backward before each step()")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
 

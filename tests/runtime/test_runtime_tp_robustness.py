@@ -259,6 +259,15 @@ def backward_without_zero_grad(rank: int) -> dict:
     return _outcome(lambda: model.loss(tokens[2 * i:2 * i + 2]).backward())  # no zero_grad since the step
 
 
+def step_twice(rank: int) -> dict:
+    """step() called again after a completed step, with no backward (nor zero_grad) in between."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+    return _outcome(opt.step)
+
+
 def grad_scaler(rank: int) -> dict:
     mesh = _mesh()
     model = _tp_model(mesh)
@@ -315,6 +324,8 @@ JOBS = {
     "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
                                                  "model.zero_grad() between steps"),
     "grad_scaler": (CanzonaError, "torch.amp.GradScaler is not supported"),
+    # no backward ran: before, the message above ("backward would accumulate ...")
+    "step_twice": (CanzonaError, "step() was called again with no backward since the last step(): the gradient of "),
 }
 
 
