@@ -52,6 +52,8 @@ SPECS = {
     "soap": TrainSpec(optimizer="soap", matrix_config={"precondition_frequency": 2}, steps=SAVE, global_batch=6),
 }
 BF16 = replace(SPECS["muon"], dtype="bf16")
+# SOAP keeping one-sided factors of the 64-wide matrices where SPECS["soap"]'s keeps both: another state
+OTHER_SOAP_STATE = replace(SPECS["soap"], matrix_config={**SPECS["soap"].matrix_config, "max_precond_dim": 48})
 DEADLINE_S = 240.0
 
 
@@ -339,6 +341,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"])}
     out["other model"] = refused(muon, rank, world)
     out["other optimizer"] = refused(muon, rank, world, out["soap"]["straight"]["ckpt"][1])
+    out["other soap state"] = refused(OTHER_SOAP_STATE, rank, world, out["soap"]["straight"]["ckpt"][1])
     return out
 
 
@@ -461,6 +464,13 @@ def test_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line() -> No
         assert msg.startswith("PlanError: checkpoint is of model 'tiny-untied'"), msg
         assert "\n" not in msg
         assert r["other optimizer"] == "PlanError: checkpoint is for soap, this optimizer runs muon"
+        # the checkpoint's matrix_config keeps state this optimizer's plan did not price
+        msg = r["other soap state"]
+        assert msg.startswith(
+            'PlanError: checkpoint was saved with soap matrix_config {"precondition_frequency": 2}, which keeps other '
+            'optimizer state than this optimizer\'s {"max_precond_dim": 48, "precondition_frequency": 2} '), msg
+        assert msg.endswith("build the optimizer with the checkpoint's matrix_config and a plan made for it"), msg
+        assert "\n" not in msg
 
 
 # --- across layouts -----------------------------------------------------------------------------
