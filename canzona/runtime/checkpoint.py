@@ -38,7 +38,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -716,23 +716,39 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     my_groups = [(g["kind"], g["optimizer"]) for g in opt.param_groups]
     if saved_groups != my_groups:
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
-    _check_kept_state(opt, sd.get("matrix_config"))
+    _check_kept_state(opt, sd.get("matrix_config"), groups)
 
 
-def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None) -> None:
-    """Loading restores the checkpoint's matrix_config (as torch.optim's load_state_dict restores
-    hyper-parameters): one that keeps other optimizer state (SOAP's max_precond_dim) is not what
-    this optimizer's plan priced (its memory, its step time: `check_plan_config`), so it is refused;
-    one that changes only hyper-parameters wins. `saved` None: a header without it, not compared."""
-    if saved is None:
+def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None, groups: list[Mapping[str, Any]]) -> None:
+    """Loading restores the checkpoint's matrix_config and each group's hyper-parameters (as
+    torch.optim's load_state_dict restores them): a configuration that keeps other optimizer state
+    (SOAP's max_precond_dim) is not what this optimizer's plan priced (its memory, its step time:
+    `check_plan_config`), so it is refused; one that changes only hyper-parameters wins. `saved`
+    None: a header without it, not compared; a group without a field keeps this one's."""
+    if matrix_optimizer(opt.optimizer).elementwise:  # AdamW's state has one form
         return
-    there = replace(opt.matrix_cfg, **_tuples(saved))
-    differs = state_difference(opt.optimizer, opt.spec.matrix_params(), there, opt.matrix_cfg)
-    if differs is not None:
-        raise PlanError(f"checkpoint was saved with {opt.optimizer} matrix_config "
-                        f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than this "
-                        f"optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): build the "
-                        "optimizer with the checkpoint's matrix_config and a plan made for it")
+    if saved is not None:
+        there = replace(opt.matrix_cfg, **_tuples(saved))
+        differs = state_difference(opt.optimizer, opt.spec.matrix_params(), there, opt.matrix_cfg)
+        if differs is not None:
+            raise PlanError(f"checkpoint was saved with {opt.optimizer} matrix_config "
+                            f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than "
+                            f"this optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): "
+                            "build the optimizer with the checkpoint's matrix_config and a plan made for it")
+    name_of = {id(p): n for n, p in opt.params.items()}
+    matrices = {p.name: p for p in opt.spec.matrix_params()}
+    for g, (group, saved_group) in enumerate(zip(opt.param_groups, groups)):
+        if group["kind"] != "matrix":
+            continue
+        here = opt.group_config(g)
+        there = replace(here, **_tuples({f.name: saved_group[f.name] for f in fields(here) if f.name in saved_group}))
+        members = [matrices[n] for n in (name_of.get(id(p)) for p in group["params"]) if n in matrices]
+        differs = state_difference(opt.optimizer, members, there, here)
+        if differs is not None:
+            raise PlanError(f"checkpoint was saved with {opt.optimizer} param group {g} at "
+                            f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than "
+                            f"this optimizer's group {g} at {matrix_config_json(opt.optimizer, here)} ({differs}): "
+                            "build the optimizer with the checkpoint's param groups and a plan made for them")
 
 
 def _global_shapes(opt: Described) -> dict[str, tuple[int, ...]]:

@@ -54,3 +54,24 @@ def test_a_compute_dtype_the_kernels_do_not_run_is_refused(one_rank, optimizer, 
     model = TinyQwen3("tiny", seed=0)
     with pytest.raises(SpecError, match="compute_dtype must be fp32"):
         DistributedOptimizer(model.named_parameters(), model.spec(), optimizer, matrix_config, adamw_config)
+
+
+def test_a_checkpoint_whose_param_group_keeps_other_state_is_refused(one_rank):
+    """A checkpoint's param group records every hyper-parameter of its configuration, which loading
+    restores: one whose group kept other state (SOAP's max_precond_dim 48, given to the group) would
+    turn this optimizer's group (the defaults, what its plan priced) to that state. One PlanError
+    naming the group, the optimizer's groups as they were. Before: loaded silently."""
+    from canzona.errors import PlanError
+
+    model = TinyQwen3("tiny", seed=0)
+    saved = DistributedOptimizer([{"params": list(model.named_parameters()), "max_precond_dim": 48}], model.spec(),
+                                 "soap").state_dict()
+    opt = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), model.spec(), "soap")
+    before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with pytest.raises(PlanError) as refused:
+        opt.load_state_dict(saved)
+    assert str(refused.value) == (
+        'checkpoint was saved with soap param group 0 at {"max_precond_dim": 48}, which keeps other optimizer state '
+        "than this optimizer's group 0 at {} (model.layers.0.self_attn.q_proj.weight: 32768 bytes of state there, "
+        "98304 here): build the optimizer with the checkpoint's param groups and a plan made for them")
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == before
