@@ -429,17 +429,16 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
             stage.forward_layer(fmb, kf, needed)
     if delay and backward:  # the first layer's attention weight gradients: after the sends (on their streams)
         _first_layer_weights(stage, b, bmb, backward[-1], micro_batches, syncs)
-    # the sends first (post_forward, post_backward), then the head's forward and the embedding's
-    # gradient: each end is a send or a compute (`_Stage.forward_end` / `backward_end`), never both
-    f_sends, b_sends = not stage.virtual(fc)[1], stage.virtual(bc)[0] > 0
+    # the exchanges as `TransformerModelChunkSchedulePlan.run` makes them: the forward's
+    # (post_forward: its send, the next forward's receive), then the backward's (post_backward),
+    # then the head's forward and the embedding's gradient. So the last stage posts its next
+    # forward's receive before it sends its backward's gradient to the same peer: on the pair's
+    # one stream (`sim.pipeline_p2p.p2p_stream`) that peer sends its forward first, too
     grads = _grads_done(b) if b.weights else None  # the reductions the schedule launches wait for them
-    for sends in (True, False):
-        if f_sends == sends:
-            with f:  # Megatron's post_forward (the send, the receives) runs before the head
-                stage.forward_end(fmb, fc, post_first=True)
-        if b_sends == sends:
-            with b:
-                stage.backward_end(bmb, bc, grads)
+    with f:
+        stage.forward_end(fmb, fc, post_first=True)
+    with b:
+        stage.backward_end(bmb, bc, grads, post_first=True)
     done = _grads_done(b) if b.weights else b.last  # the next step's nodes wait on the compute stream
     for r in stage.ranks:  # the next step starts once both passes are issued and done
         stage.last[r] = stage.eng.env.all_of([f.last[r], done[r]])

@@ -667,7 +667,7 @@ class _Stage:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`, each a
         rendezvous with the receive `receive` (kind, virtual stage, micro-batch) its peer posts
         (`post`), on the stream of their communicator (`p2p_stream`); when each sender's send is done."""
-        stream = p2p_stream(self.stage, to, len(self.all_ranks), self.vp, self.combined)
+        stream = p2p_stream(self.stage, to, len(self.all_ranks), self.vp)
         evs, sent = [], {}
         for i, (src, dst) in enumerate(zip(self.ranks, self.all_ranks[to])):
             transfer = self.transfers.get(receive, i, [src, dst], self.p2p)
@@ -684,7 +684,7 @@ class _Stage:
         for kind, mb, c in slots:
             key = (kind, c * pp + self.stage, mb)
             src = (self.stage - 1) % pp if kind == "F" else (self.stage + 1) % pp
-            stream = p2p_stream(src, self.stage, pp, self.vp, self.combined)
+            stream = p2p_stream(src, self.stage, pp, self.vp)
             for i, r in enumerate(self.ranks):
                 transfer = self.transfers.get(key, i, [self.all_ranks[src][i], r], self.p2p)
                 self.eng.join(transfer, r, stream, [self.last[r]])
@@ -993,11 +993,17 @@ class _Stage:
         if mb == micro_batches - 1 and self.ctx.options.overlap_grad_reduce and not self.aligned:
             syncs += self.grad_syncs(self.ctx.work.layer_ids[k])
 
-    def backward_end(self, mb: int, c: int, grads: dict[int, simpy.Event] | None = None) -> None:
+    def backward_end(self, mb: int, c: int, grads: dict[int, simpy.Event] | None = None,
+                     post_first: bool = False) -> None:
         """After chunk `c`'s first layer: the embedding's gradient, the gradient reductions the
-        schedule launches there (`aligned`), the send to the stage before. `grads`: when the
-        weight gradients finish where later than `last` (delay_wgrad_compute's deferred GEMMs,
+        schedule launches there (`aligned`), the send to the stage before and the pass's exchange
+        (`after_pass`); the exchange first where `post_first` (the combined schedule's
+        post_backward runs inside its step, before the embedding's gradient, and
+        backward_step_helper_postprocess after it: sim.ep_overlap). `grads`: when the weight
+        gradients finish where later than `last` (delay_wgrad_compute's deferred GEMMs,
         sim.ep_overlap): the reductions wait for them, the send does not."""
+        if post_first:
+            self._backward_exchange(mb, c)
         v, _ = self.virtual(c)
         if v == 0 and self.ctx.work.embed_backward_s:
             self.compute(f"mb{mb} bwd embedding", self.ctx.work.embed_backward_s)
@@ -1008,6 +1014,13 @@ class _Stage:
             self.last.update(data)
         elif self.aligned:
             self.aligned_launch(mb, c)
+        if not post_first:
+            self._backward_exchange(mb, c)
+
+    def _backward_exchange(self, mb: int, c: int) -> None:
+        """The backward's send to the stage before (none from the first virtual stage) and its
+        exchange (`after_pass`)."""
+        v, _ = self.virtual(c)
         sent = None
         if v > 0:
             pp = len(self.all_ranks)

@@ -34,7 +34,13 @@ as the rows' releases run them:
 
 `posting` writes this down per rank, for the simulator (`sim.iteration._Stage.after_pass`); the
 combined 1F1B schedule (`overlap_moe_expert_parallel_comm`, sim.ep_overlap) runs inside the
-interleaved one with one warm-up forward more and the same calls around its passes.
+interleaved one with one warm-up forward more and the same calls around its passes: the
+warm-up's and cool-down's passes run alone, each followed by its blocking exchange; a steady step
+(`TransformerModelChunkSchedulePlan.run`) waits for both passes' receives (`pp_pre_forward`,
+`pp_pre_backward`) before its layers, then makes the forward's exchange (`pp_post_forward`, on
+the communication stream), then the backward's (`pp_post_backward`), both before the head's
+forward and the embedding's gradient, as the interleaved schedule's steady state makes the
+forward's before the backward's.
 
 Which stream each transfer's kernels run on (`p2p_stream`): PyTorch's ProcessGroupNCCL gives an
 unbatched `isend` / `irecv` a two-rank communicator keyed by the pair ("lowRank:highRank",
@@ -76,15 +82,11 @@ class Posting:
     after: Mapping[Slot, AfterPass]
 
 
-def p2p_stream(src: int, dst: int, pp: int, vp: int = 1, combined: bool = False) -> str:
+def p2p_stream(src: int, dst: int, pp: int, vp: int = 1) -> str:
     """The stream of a transfer from stage `src` to stage `dst` (on both ranks; the module
-    docstring): the pair's under the interleaved schedule's unbatched ops past PP 2, else the
-    direction's. Not under the combined schedule (`combined`): with its one warm-up forward more,
-    the order `posting` gives its calls would deadlock a stream shared by a pair (the send of one
-    direction queued ahead of the receive of the other on both ranks; tests/sim/test_pipeline_p2p.py),
-    which Megatron's runs do not, so that order is not exactly Megatron's there and the pair's
-    directions keep a stream each."""
-    if vp > 1 and pp > 2 and not combined:
+    docstring): the pair's under the interleaved schedule's unbatched ops past PP 2 (the combined
+    schedule's too: it makes the same calls), else the direction's."""
+    if vp > 1 and pp > 2:
         return f"{PP_COMM} {min(src, dst)}:{max(src, dst)}"
     return f"{PP_COMM} {src}->{dst}"
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.pipeline import pipeline_order
+from canzona.decoder import DecoderConfig, build_decoder
+from canzona.pipeline import combined_order, pipeline_order
+from sim.options import RunOptions
 from sim.pipeline_p2p import AfterPass, needs_receive, p2p_stream, posting
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
@@ -94,19 +96,43 @@ def test_sharing_the_pairs_stream_changes_no_time_here(monkeypatch):
     so here no transfer waits behind the other direction's: the iteration takes what it takes with
     a stream a direction."""
     shared = simulate(PAIRED).iteration_time_s
-    monkeypatch.setattr("sim.iteration.p2p_stream", lambda src, dst, pp, vp=1, combined=False: f"pp-comm {src}->{dst}")
+    monkeypatch.setattr("sim.iteration.p2p_stream", lambda src, dst, pp, vp=1: f"pp-comm {src}->{dst}")
     assert simulate(PAIRED).iteration_time_s == shared
 
 
+# a small MoE model, 8 layers, run by the combined schedule at PP 4 x VP 2 (EP 2, DP 2): four
+# micro-batches, one layer a chunk
+MOE = DecoderConfig("small-moe", 8, 1024, 8, 8, 128, 2048, 1024, False, experts=16, experts_per_token=2, moe_ffn=512)
+COMBINED = SimConfig(model="unused", gpus=8, tp=1, pp=4, vp=2, ep=2, optimizer="adamw", policy="zero1",
+                     zero1_fallback=False, workload=Workload(seq_len=512, global_batch=8), gpu_variability=0.0,
+                     options=RunOptions(overlap_moe_expert_parallel_comm=True))
+
+
+def test_the_combined_step_posts_the_forwards_receive_before_the_backwards_send():
+    """The last stage's first steady step (forward micro-batch 1 on chunk 1, the last virtual
+    stage, which sends nothing, beside the backward of micro-batch 0 on chunk 1) posts its next
+    forward's receive (`pp_post_forward`) before it sends the backward's gradient to stage 2
+    (`pp_post_backward`), on the pair's one stream: stage 2 sends that forward's input (its
+    micro-batch 2 on chunk 1, its last warm-up forward, blocking) before it posts that gradient's
+    receive, so the two transfers run in that order. The other way round, both ranks' sends are
+    at the head of the pair's stream and the iteration never ends."""
+    r = simulate(COMBINED, model=(build_decoder(MOE), MOE.architecture()))
+    pair = sorted((s for s in r.spans if s.rank == 6 and s.stream == "pp-comm 2:3" and s.phase == "A"),
+                  key=lambda s: s.start)  # stage 3's first rank
+    names = [s.name for s in pair]
+    activations, gradients = names.index("mb2 chunk 1 send activations"), names.index("mb0 chunk 1 send gradients")
+    assert activations + 1 == gradients
+    assert pair[activations].end <= pair[gradients].start + 1e-15
+
+
 def test_which_stream_by_hand():
-    """The pair's past PP 2 under the interleaved schedule; a direction's at PP 2 (Megatron's
-    `_p2p_ops` puts one direction on the WORLD group there), under plain 1F1B (batched, blocking)
-    and under the combined schedule."""
+    """The pair's past PP 2 under the interleaved schedule (and the combined one, which makes the
+    same calls); a direction's at PP 2 (Megatron's `_p2p_ops` puts one direction on the WORLD group
+    there) and under plain 1F1B (batched, blocking)."""
     assert p2p_stream(2, 1, 4, 2) == p2p_stream(1, 2, 4, 2) == "pp-comm 1:2"
     assert p2p_stream(3, 0, 4, 2) == "pp-comm 0:3"
     assert p2p_stream(1, 0, 2, 2) == "pp-comm 1->0"
     assert p2p_stream(2, 1, 4) == "pp-comm 2->1"
-    assert p2p_stream(2, 1, 4, 2, combined=True) == "pp-comm 2->1"
 
 
 def test_the_interleaved_table_by_hand():
@@ -127,6 +153,55 @@ def test_the_interleaved_table_by_hand():
         b[1]: AfterPass(posts=(b[2],), waits_for=b[0]),
         b[2]: AfterPass(posts=(b[3],), blocking=True),
         b[3]: AfterPass(blocking=True),
+    }
+
+
+def test_the_combined_tables_by_hand():
+    """PP 4 x VP 2, four micro-batches under the combined schedule, read off schedules.py
+    (`forward_backward_pipelining_with_interleaving` with `get_pp_rank_microbatches`' one warm-up
+    forward more): stage 3 runs 5 of its 8 forwards as warm-up, each exchange blocking
+    (`send_forward_recv_forward` without `overlap_p2p_comm`), then 3 steps of a forward beside a
+    backward (`pp_post_forward`, `pp_post_backward`: each posts the next receive of its direction
+    and waits for the previous send), then 5 backwards alone, blocking. It holds the last virtual
+    stage (chunk 1), whose forwards send nothing and whose backwards need no receive, and leads the
+    backward direction: its first steady steps post no receive (`recv_tensor_from_previous_stage`:
+    stage 0 has produced nothing yet). Stage 0 runs all 8 forwards as warm-up (capped, so
+    `are_all_microbatches_in_warmup`: the cool-down's `recv_backward` posts the first backward's
+    receive after the last forward's exchange); its chunk 0 needs no input."""
+    f = [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("F", 0, 1), ("F", 1, 1), ("F", 2, 1), ("F", 3, 1)]
+    b = [("B", 0, 1), ("B", 1, 1), ("B", 2, 1), ("B", 3, 1), ("B", 0, 0), ("B", 1, 0), ("B", 2, 0), ("B", 3, 0)]
+    last = posting(3, 4, 4, 2, combined=True)
+    assert last.at_start == (f[0],)  # recv_forward before the warm-up
+    assert last.after == {
+        f[0]: AfterPass(posts=(f[1],), blocking=True),
+        f[1]: AfterPass(posts=(f[2],), blocking=True),
+        f[2]: AfterPass(posts=(f[3],), blocking=True),
+        f[3]: AfterPass(posts=(f[4],), blocking=True),
+        f[4]: AfterPass(posts=(f[5],), blocking=True),  # then send_backward_recv_backward: not needed
+        f[5]: AfterPass(posts=(f[6],)),  # the first steady step: no send waited for
+        f[6]: AfterPass(posts=(f[7],), waits_for=f[5]),  # f[5] sent nothing: nothing to wait for
+        f[7]: AfterPass(waits_for=f[6]),
+        b[0]: AfterPass(),
+        b[1]: AfterPass(waits_for=b[0]),
+        b[2]: AfterPass(waits_for=b[1]),
+        b[3]: AfterPass(posts=(b[4],), blocking=True),  # the cool-down's send_backward_recv_backward
+        b[4]: AfterPass(posts=(b[5],), blocking=True),
+        b[5]: AfterPass(posts=(b[6],), blocking=True),
+        b[6]: AfterPass(posts=(b[7],), blocking=True),
+        b[7]: AfterPass(blocking=True),
+    }
+    first = posting(0, 4, 4, 2, combined=True)
+    assert first.at_start == ()
+    blocking = AfterPass(blocking=True)
+    assert first.after == {
+        f[0]: blocking, f[1]: blocking, f[2]: blocking,  # chunk 0 takes no input
+        f[3]: AfterPass(posts=(f[4],), blocking=True),
+        f[4]: AfterPass(posts=(f[5],), blocking=True),
+        f[5]: AfterPass(posts=(f[6],), blocking=True),
+        f[6]: AfterPass(posts=(f[7],), blocking=True),
+        f[7]: AfterPass(blocking=True, then_posts=(b[0],)),
+        **{x: AfterPass(posts=(y,), blocking=True) for x, y in zip(b, b[1:])},
+        b[7]: blocking,
     }
 
 
@@ -168,41 +243,56 @@ def test_every_receive_is_posted_once_before_its_pass(pp, vp, m, combined):
         assert all(where[slot] < order.index(slot) for slot in needed)
 
 
-@pytest.mark.parametrize("pp,vp,m", CASES)
-@pytest.mark.parametrize("combined", [False, True])
-def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
-    """Every rank's program under the tables, run in lockstep: a pass once its input has arrived,
-    a transfer once its send and its receive are each at the head of their rank's queue on the
-    stream of their communicator (`p2p_stream`: past PP 2 the interleaved schedule's two directions
-    between a pair share one, each rank's ops in the order it issued them), a blocking exchange's
-    or a waited-for send once its transfer is done. All of it finishes."""
-    if combined and vp == 1:
-        return
+def _programs(pp: int, vp: int, m: int, combined: bool) -> list[list[tuple]]:
+    """Every rank's pipeline calls in the order it issues them, under the tables: a pass alone
+    (the interleaved schedule's every pass; the combined schedule's warm-up and cool-down), or a
+    combined steady step (`canzona.pipeline.combined_order`), which waits for both passes' inputs
+    before its layers and then makes the forward's exchange before the backward's
+    (`TransformerModelChunkSchedulePlan.run`: `pre_forward`, `pre_backward`, the layers,
+    `post_forward`, `post_backward`). An exchange: the pass's send, the receives it posts, the
+    waits of a blocking one, the receives posted after them, the earlier send it waits for."""
     virtual = pp * vp
+
+    def sent_to(s: int, slot) -> tuple | None:
+        kind, mb, c = slot
+        v = c * pp + s
+        target = (kind, v + 1 if kind == "F" else v - 1, mb)
+        return target if 0 <= target[1] < virtual else None
+
     programs = []
     for s in range(pp):
         p = posting(s, pp, m, vp, combined)
         prog = [("post", slot) for slot in p.at_start]
-        for slot in pipeline_order(s, pp, m, vp):
-            kind, mb, c = slot
-            v = c * pp + s
-            step = p.after[slot]
-            prog.append(("run", slot))
-            target = (kind, v + 1 if kind == "F" else v - 1, mb)
-            sends = 0 <= target[1] < virtual
-            if sends:
-                prog.append(("send", target))
-            prog += [("post", x) for x in step.posts]
-            if step.blocking:
-                prog += [("arrived", x) for x in step.posts] + ([("delivered", target)] if sends else [])
-            prog += [("post", x) for x in step.then_posts]
-            if step.waits_for is not None:
-                wk, wmb, wc = step.waits_for
-                wv = wc * pp + s
-                wt = (wk, wv + 1 if wk == "F" else wv - 1, wmb)
-                if 0 <= wt[1] < virtual:
-                    prog.append(("delivered", wt))
+        steps = combined_order(s, pp, m, vp) if combined else [(slot,) for slot in pipeline_order(s, pp, m, vp)]
+        for passes in steps:
+            passes = [slot for slot in passes if slot is not None]
+            prog += [("run", slot) for slot in passes]
+            for slot in passes:
+                step, target = p.after[slot], sent_to(s, slot)
+                if target is not None:
+                    prog.append(("send", target))
+                prog += [("post", x) for x in step.posts]
+                if step.blocking:
+                    prog += [("arrived", x) for x in step.posts] + ([("delivered", target)] if target else [])
+                prog += [("post", x) for x in step.then_posts]
+                waited = sent_to(s, step.waits_for) if step.waits_for is not None else None
+                if waited is not None:
+                    prog.append(("delivered", waited))
         programs.append(prog)
+    return programs
+
+
+@pytest.mark.parametrize("pp,vp,m", CASES)
+@pytest.mark.parametrize("combined", [False, True])
+def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
+    """Every rank's program (`_programs`) run in lockstep: a pass once its input has arrived,
+    a transfer once its send and its receive are each at the head of their rank's queue on the
+    stream of their communicator (`p2p_stream`: past PP 2 the interleaved and the combined
+    schedule's two directions between a pair share one, each rank's ops in the order it issued
+    them), a blocking exchange's or a waited-for send once its transfer is done. All of it finishes."""
+    if combined and vp == 1:
+        return
+    programs = _programs(pp, vp, m, combined)
 
     def key(s: int, slot) -> tuple:
         kind, mb, c = slot
@@ -225,7 +315,7 @@ def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
         for k, sides in heads.items():
             src, dst = ends(k)
             if {(src, "send"), (dst, "recv")} <= sides:
-                stream = p2p_stream(src, dst, pp, vp, combined)
+                stream = p2p_stream(src, dst, pp, vp)
                 queues[(src, stream)].pop(0)
                 queues[(dst, stream)].pop(0)
                 delivered.add(k)
@@ -245,7 +335,7 @@ def test_the_rendezvous_cannot_deadlock(pp, vp, m, combined):
                     break
                 if op in ("send", "post"):
                     k = arg if op == "send" else key(s, arg)
-                    queues.setdefault((s, p2p_stream(*ends(k), pp, vp, combined)), []).append(("send" if op == "send" else "recv", k))
+                    queues.setdefault((s, p2p_stream(*ends(k), pp, vp)), []).append(("send" if op == "send" else "recv", k))
                 pos[s] += 1
                 moved = True
         assert moved, f"pp {pp} vp {vp} m {m}: stuck at {[programs[s][pos[s]:pos[s] + 1] for s in range(pp)]}"
