@@ -894,7 +894,9 @@ def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,
     for stage, ctx in enumerate(ctxs):
         optimizer_step(ctx, synced, EarlyStart(phase.bucket_synced[stage], phase.backward_done[stage]), classes[stage])
     t_end = engine.run()
-    assert synced.triggered
+    if not synced.triggered:  # the events ran out with a stage's gradients unsynchronised
+        raise RuntimeError("the simulated iteration deadlocked before every stage's gradients were synchronised: "
+                           "a simulator bug (two ranks' programs wait for each other); please report the command")
     t_sync = sync_times[0]
     simulated_a = [s for s in engine.spans if s.phase == "A"]  # each stage's first rank (every rank without replication)
     phase_b = [s for s in engine.spans if s.phase == "B"]
