@@ -68,6 +68,7 @@ from canzona.runtime.groups import (
     build_param_groups,
     defaults_of,
     group_lr,
+    group_matrices,
     hyper_parameters_digest,
     user_groups,
 )
@@ -195,7 +196,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if self.compile_kernels:
             check_compile(p.device.type for p in self.params.values())
         matrix_names = {p.name for p in spec.matrix_params()}
-        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
+        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg,
+                                          spec)
 
         # the mesh: replicas run alike; the exchange group's ranks tile every parameter
         first = next(iter(self.params.values()))
@@ -236,7 +238,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, {})
         self.defaults = defaults_of(configs)
         self.state = StateHeldElsewhere()  # torch's checkpoint API runs no zero-gradient step
-        self._configs = GroupConfigs(configs)
+        self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
 

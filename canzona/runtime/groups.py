@@ -11,7 +11,11 @@ how users give norms, biases and embeddings no weight decay:
     ], spec, "muon")
 
 A key applies to the parameters of the group whose optimizer has that hyper-parameter (`lr` and
-`weight_decay` to both); a key no optimizer of the group's parameters has is an error.
+`weight_decay` to both); a key no optimizer of the group's parameters has is an error. A key that
+changes what optimizer state a group's matrices keep (SOAP's `max_precond_dim`) is the plan's, not
+the group's: the plan priced every matrix's state at `matrix_config` (`canzona.plan.check_plan_config`),
+so a group giving it another value is an error at construction, and a group edited to one at the
+next step (`kept_state_change`).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import Any
 
 from torch import Tensor
 
-from canzona.errors import SpecError
+from canzona.cost import state_difference
+from canzona.errors import PlanError, SpecError
 from canzona.optimizers import check_config
+from canzona.spec import ModelSpec, ParamSpec
 
 KINDS = ("matrix", "adamw")
 # torch.optim.AdamW's flags that change what its step computes, each with the value canzona's AdamW
@@ -57,8 +63,10 @@ def user_groups(given: NamedParams | Iterable[Mapping[str, Any]]) -> list[tuple[
 
 
 def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matrix_names: set[str],
-                       optimizer: str, matrix_cfg: Any, adamw_cfg: Any) -> list[dict[str, Any]]:
-    """torch-style param_groups: per user group, one group per kind that has parameters."""
+                       optimizer: str, matrix_cfg: Any, adamw_cfg: Any, spec: ModelSpec) -> list[dict[str, Any]]:
+    """torch-style param_groups: per user group, one group per kind that has parameters. A matrix
+    group's overrides that keep other optimizer state than `matrix_cfg` (what the plan prices) are
+    a PlanError naming the group, the key and both values."""
     out = []
     for i, (pairs, overrides) in enumerate(groups):
         usable: set[str] = set()
@@ -69,7 +77,13 @@ def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matr
             own = {f.name for f in fields(cfg)}
             usable |= own
             values = {**asdict(cfg), **{k: v for k, v in overrides.items() if k in own}}
-            check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
+            mine = check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
+            if kind == "matrix":
+                change = kept_state_change(optimizer, [spec.param(n) for n, _ in pairs if n in matrix_names],
+                                           mine, matrix_cfg)
+                if change is not None:
+                    raise PlanError(f"parameter group {i} sets {change}: give the value in matrix_config, with "
+                                    "a plan made for it, or leave the key out of the group")
             group = {"params": members, "kind": kind, "optimizer": name, **values}
             out.append(BetaOneGroup(group) if kind == "adamw" and momentum_is_beta1(matrix_cfg) else group)
         unknown = sorted(set(overrides) - usable)
@@ -82,8 +96,10 @@ def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matr
 class GroupConfigs:
     """The config of each param group as it stands now, validated once per change."""
 
-    def __init__(self, base: Mapping[str, Any]) -> None:
-        self.base = dict(base)  # kind -> default config object
+    def __init__(self, base: Mapping[str, Any], matrices: Mapping[int, list[ParamSpec]] | None = None) -> None:
+        self.base = dict(base)  # kind -> default config object (the matrix one: what the plan priced)
+        # each matrix group's matrices (`group_matrices`): a group edited to keep other state is refused
+        self.matrices = dict(matrices or {})
         self._cache: dict[int, tuple[tuple, Any]] = {}
         # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`BetaOneGroup`);
         # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
@@ -102,10 +118,41 @@ class GroupConfigs:
         if cached is None or cached[0] != key:
             if group["kind"] == "adamw":
                 _check_torch_flags(index, group)
-            current = replace(cfg, **dict(zip(names, key)))
-            cached = (key, check_config(group["optimizer"], current))
+            current = check_config(group["optimizer"], replace(cfg, **dict(zip(names, key))))
+            if index in self.matrices:  # a step would run state its plan did not price (nor its executor hold)
+                change = kept_state_change(group["optimizer"], self.matrices[index], current, cfg)
+                if change is not None:
+                    raise PlanError(f"param_groups[{index}] was set to {change}: a key that keeps other state is "
+                                    "fixed at construction (set it back; to run it, build the optimizer with it in "
+                                    "matrix_config and a plan made for it)")
+            cached = (key, current)
             self._cache[index] = cached
         return cached[1]
+
+
+def group_matrices(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor],
+                   spec: ModelSpec) -> dict[int, list[ParamSpec]]:
+    """Each matrix group's matrices (a stack: its ParamSpec, whose state counts per matrix), by
+    group index; `params`: the optimizer's parameters by name (the tensors in `param_groups`)."""
+    name_of = {id(p): n for n, p in params.items()}
+    return {g: [spec.param(name_of[id(p)]) for p in group["params"]]
+            for g, group in enumerate(param_groups) if group["kind"] == "matrix"}
+
+
+def kept_state_change(optimizer: str, members: list[ParamSpec], cfg: Any, priced: Any) -> str | None:
+    """How a matrix group's config `cfg` keeps other optimizer state than `priced` (the
+    matrix_config its plan priced) for its matrices `members` (`state_difference`, which stacks
+    count per matrix): the keys that do, each with both values, and the first matrix that differs;
+    None where the two differ at most in hyper-parameters (a learning rate, a frequency)."""
+    differs = state_difference(optimizer, members, priced, cfg)
+    if differs is None:
+        return None
+    changed = [f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(priced, f.name)]
+    # the keys that change state alone; a state changed only by keys together names them all
+    keys = [k for k in changed if state_difference(
+        optimizer, members, priced, replace(priced, **{k: getattr(cfg, k)})) is not None] or changed
+    values = ", ".join(f"{k}={getattr(cfg, k)!r} (matrix_config has {getattr(priced, k)!r})" for k in keys)
+    return f"{values}, which keeps other {optimizer} optimizer state than the plan priced ({differs})"
 
 
 def momentum_is_beta1(matrix_cfg: Any) -> bool:

@@ -77,6 +77,7 @@ from canzona.runtime.groups import (
     build_param_groups,
     defaults_of,
     group_lr,
+    group_matrices,
     hyper_parameters_digest,
     user_groups,
 )
@@ -311,7 +312,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
         # (a stacked expert parameter is the matrix optimizer's: each of its matrices is one)
         matrix_names = set() if self.elementwise else {p.name for p in (*spec.matrix_params(), *spec.stacks)}
-        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg)
+        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg,
+                                          spec)
         # the parameters are checked before anything asks the process groups (which may not exist)
         axes = axis_groups(group, tp_group)
         tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
@@ -350,7 +352,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # optimizer that never stepped and run a zero-gradient step to fill it (a collective, and
         # a change of momentum); this optimizer's state lives in its own structures
         self.state = checkpoint.StateHeldElsewhere()
-        self._configs = GroupConfigs(configs)
+        self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
 

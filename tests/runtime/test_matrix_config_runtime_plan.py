@@ -60,12 +60,13 @@ def test_a_checkpoint_whose_param_group_keeps_other_state_is_refused(one_rank):
     """A checkpoint's param group records every hyper-parameter of its configuration, which loading
     restores: one whose group kept other state (SOAP's max_precond_dim 48, given to the group) would
     turn this optimizer's group (the defaults, what its plan priced) to that state. One PlanError
-    naming the group, the optimizer's groups as they were. Before: loaded silently."""
+    naming the group, the optimizer's groups as they were. Before: loaded silently. (Such a group is
+    refused at construction now: the checkpoint's group is edited, as one saved before that was.)"""
     from canzona.errors import PlanError
 
     model = TinyQwen3("tiny", seed=0)
-    saved = DistributedOptimizer([{"params": list(model.named_parameters()), "max_precond_dim": 48}], model.spec(),
-                                 "soap").state_dict()
+    saved = DistributedOptimizer(model.named_parameters(), model.spec(), "soap").state_dict()
+    saved["param_groups"][0]["max_precond_dim"] = 48
     opt = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), model.spec(), "soap")
     before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     with pytest.raises(PlanError) as refused:
@@ -75,3 +76,79 @@ def test_a_checkpoint_whose_param_group_keeps_other_state_is_refused(one_rank):
         "than this optimizer's group 0 at {} (model.layers.0.self_attn.q_proj.weight: 32768 bytes of state there, "
         "98304 here): build the optimizer with the checkpoint's param groups and a plan made for them")
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == before
+
+
+def _soap_plan():
+    """The plan an optimizer builds for the tiny model at SOAP's defaults (max_precond_dim 10000)."""
+    model = TinyQwen3("tiny", seed=0)
+    return DistributedOptimizer(model.named_parameters(), model.spec(), "soap").plan
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["plan given", "own plan"])
+def test_a_group_override_that_keeps_other_state_is_refused_at_construction(one_rank, planned):
+    """torch optimizers take per-group hyper-parameters, and so does this one; but the plan prices
+    every matrix's state at matrix_config (its own plan as well: `plan_for` takes one config), so a
+    group's max_precond_dim 48 (one-sided factors of the 64-wide matrices) would run state no plan
+    priced. One PlanError at construction naming the group, the key and both values. Before:
+    accepted silently, with or without a plan."""
+    from canzona.errors import PlanError
+
+    model = TinyQwen3("tiny", seed=0)
+    named = list(model.named_parameters())
+    groups = [{"params": named[:4]}, {"params": named[4:], "max_precond_dim": 48, "precondition_frequency": 3}]
+    with pytest.raises(PlanError) as refused:
+        DistributedOptimizer(groups, model.spec(), "soap", plan=_soap_plan() if planned else None)
+    assert str(refused.value) == (
+        "parameter group 1 sets max_precond_dim=48 (matrix_config has 10000), which keeps other soap optimizer "
+        "state than the plan priced (model.layers.0.self_attn.v_proj.weight: 57344 bytes of state there, 24576 "
+        "here): give the value in matrix_config, with a plan made for it, or leave the key out of the group")
+
+
+def test_group_overrides_that_keep_the_same_state_are_accepted(one_rank):
+    """Hyper-parameters (a frequency, a learning rate) and a state key whose value keeps the same
+    state for these matrices (every side of the tiny model is under 20000 as under 10000) stay
+    per-group settings."""
+    model = TinyQwen3("tiny", seed=0)
+    groups = [{"params": list(model.named_parameters()), "precondition_frequency": 3, "lr": 0.5,
+               "max_precond_dim": 20000}]
+    opt = DistributedOptimizer(groups, model.spec(), "soap", plan=_soap_plan())
+    matrix = next(g for g in opt.param_groups if g["kind"] == "matrix")
+    assert (matrix["precondition_frequency"], matrix["lr"], matrix["max_precond_dim"]) == (3, 0.5, 20000)
+
+
+def test_a_state_key_edited_in_param_groups_is_refused_at_the_next_step(one_rank):
+    """`param_groups` stays live for hyper-parameters (an lr edit changes the next step), but an
+    edit of a key that keeps other state (max_precond_dim 48 mid-run) is one PlanError at the next
+    step, before any update (parameters and state as they were); set back, the run goes on. Before:
+    stepped silently with the full factors the executor already held, which the new value does not
+    keep. The ranks' digest comparison runs first: a rank editing alone is that error."""
+    import torch
+
+    from canzona.errors import PlanError
+
+    model = TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "soap")
+
+    def step():
+        torch.manual_seed(1)
+        for p in opt.params.values():
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    step()
+    g = next(i for i, group in enumerate(opt.param_groups) if group["kind"] == "matrix")
+    params = {n: p.detach().clone() for n, p in opt.params.items()}
+    state = {n: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)} for n, s in opt.matrix_state.items()}
+    opt.param_groups[g]["max_precond_dim"] = 48
+    opt.param_groups[g]["lr"] = 0.5  # a hyper-parameter edit beside it is no excuse
+    with pytest.raises(PlanError) as refused:
+        step()
+    assert str(refused.value).startswith(
+        f"param_groups[{g}] was set to max_precond_dim=48 (matrix_config has 10000), which keeps other soap "
+        "optimizer state than the plan priced (model.layers.0.self_attn.q_proj.weight: 98304 bytes of state there, "
+        "32768 here): a key that keeps other state is fixed at construction (set it back")
+    assert all(torch.equal(p, params[n]) for n, p in opt.params.items())
+    assert all(torch.equal(opt.matrix_state[n][k], v) for n in state for k, v in state[n].items())
+    opt.param_groups[g]["max_precond_dim"] = 10000
+    step()  # the lr edit runs
+    assert not all(torch.equal(p, params[n]) for n, p in opt.params.items())

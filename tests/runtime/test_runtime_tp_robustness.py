@@ -205,6 +205,28 @@ def scheduler_on_one_tp_rank(rank: int) -> dict:
     return _outcome(lambda: _train_step(model, opt, mesh))
 
 
+def _state_key_edit(on_every_rank: bool) -> dict:
+    """SOAP's max_precond_dim edited in param_groups after a step (48: one-sided factors of the
+    64-wide matrices, other state than the plan priced), on every rank or on the last only."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh, optimizer="soap")
+    _train_step(model, opt, mesh)
+    if on_every_rank or dist.get_rank() == WORLD - 1:
+        for group in opt.param_groups:
+            if group["kind"] == "matrix":
+                group["max_precond_dim"] = 48
+    return _outcome(lambda: _train_step(model, opt, mesh))
+
+
+def state_key_edit_on_every_rank(rank: int) -> dict:
+    return _state_key_edit(True)
+
+
+def state_key_edit_on_one_rank(rank: int) -> dict:
+    return _state_key_edit(False)
+
+
 def lr_edit_after_clip_on_one_rank(rank: int) -> dict:
     """A learning rate halved on one rank of the grid after `clip_grad_norm_()`, whose check step()
     reuses: its DP group sees the difference at step(), its TP peers learn that group failed (and
@@ -321,6 +343,13 @@ JOBS = {
     "lr_edit_after_clip_on_one_rank": (CanzonaError, ("ranks disagree on the hyper-parameters in param_groups",
                                                       "the data-parallel group of TP rank(s) [1] failed the "
                                                       "step's recheck")),
+    # a key that keeps other state: the step's own check on every rank (before: stepped silently)
+    "state_key_edit_on_every_rank": (PlanError, "was set to max_precond_dim=48 (matrix_config has 10000), which "
+                                                "keeps other soap optimizer state than the plan priced"),
+    # edited on rank 3 alone: the ranks' digest comparison, which runs first (its DP group finds it)
+    "state_key_edit_on_one_rank": (CanzonaError, ("ranks disagree on the hyper-parameters in param_groups",
+                                                  "the data-parallel group of TP rank(s) [1] failed this step's "
+                                                  "check")),
     "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
                                                  "model.zero_grad() between steps"),
     "grad_scaler": (CanzonaError, "torch.amp.GradScaler is not supported"),
