@@ -545,7 +545,8 @@ def train(job: Job, args: argparse.Namespace) -> None:
 
     model = build_model(job, mesh, expert_mesh, args.seed, device)
     opt = build_optimizer(job, model, mesh, expert_mesh, args)
-    chosen = hyper_parameters(opt)  # the command line's, before a checkpoint's are loaded
+    # the command line's configurations and group hyper-parameters, before a checkpoint's are loaded
+    chosen, configs = hyper_parameters(opt), (opt.matrix_cfg, opt.adamw_cfg)
     params = sum(p.numel for p in job.spec.params)
     layout = f"dp {job.dp} x tp {job.tp}" + (f", ep {job.ep}" if job.ep > 1 else "")
     say(f"plan {args.plan}: {job.plan.optimizer}, {layout}, hash {job.plan.hash()[:12]}; "
@@ -557,8 +558,11 @@ def train(job: Job, args: argparse.Namespace) -> None:
         dcp.load(weights(job, model, mesh, expert_mesh), storage_reader=reader)  # into the parameters
         # the pieces this rank's layout needs; the weights just loaded must be those saved with them
         opt.load_sharded_state_dict(reader, check_weights=True)
-        for group, mine in zip(opt.param_groups, chosen):  # loading restored the checkpoint's
+        # loading restored the checkpoint's (the same state: check_checkpoint); the command line's win,
+        # in the groups and in the configurations the optimizer's next checkpoint header records
+        for group, mine in zip(opt.param_groups, chosen):
             group.update(mine)
+        opt.matrix_cfg, opt.adamw_cfg = configs
         say(f"resumed from {job.resume} at step {job.start}", flush=True)
         for line in resume_changes(job.saved_flags, hyper_flags(job, args)):
             say(line, flush=True)

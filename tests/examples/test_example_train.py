@@ -223,6 +223,11 @@ def test_a_matrix_config_changed_on_resume_is_refused_when_it_keeps_other_state_
                   "--save", "again")
     assert f"resume: --matrix-config {frequency} (the checkpoint's run had {{}})" in log.splitlines(), log
     assert saved_entry(tmp_path / "again" / f"step_{STEPS}", "train")["matrix_config"] == frequency
+    # the optimizer's own record agrees: its header's matrix_config and its groups both the command
+    # line's (before: the header kept the checkpoint's frequency, 10, beside groups at 3)
+    meta = saved_entry(tmp_path / "again" / f"step_{STEPS}", "canzona_optimizer/meta")
+    assert meta["matrix_config"]["precondition_frequency"] == 3, meta["matrix_config"]
+    assert [g["precondition_frequency"] for g in meta["param_groups"] if g["kind"] == "matrix"] == [3]
 
 
 def test_loops_reduce_scatter_resumes_bit_for_bit_at_dp_2(dp2, tmp_path):
@@ -322,6 +327,8 @@ def test_flags_given_on_resume_win_and_are_logged(dp2, tmp_path):
     meta = saved_entry(tmp_path / "ckpt" / f"step_{STEPS}", "canzona_optimizer/meta")
     decays = [g["weight_decay"] for g in meta["param_groups"]]
     assert decays == [0.05, 0.05, 0.0]  # matrices and the embedding; then the norms
+    # its header's configurations too (before: the checkpoint's, 0.02 and 0.003, beside these groups)
+    assert (meta["matrix_config"]["lr"], meta["adamw_config"]["lr"]) == (0.01, 0.001)
     for group in meta["param_groups"]:
         peak = 0.01 if group["kind"] == "matrix" else 0.001
         assert group["initial_lr"] == peak and math.isclose(group["lr"], 0.1 * peak)
