@@ -47,6 +47,7 @@ from torch import Tensor
 from canzona.cost import state_difference
 from canzona.errors import CanzonaError, CheckpointError, PlanError
 from canzona.optimizers import check_config, matrix_config_json, matrix_optimizer
+from canzona.runtime.groups import group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.shards import local_tensor, shard_of, unshard
@@ -735,15 +736,13 @@ def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None, groups: l
                             f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than "
                             f"this optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): "
                             "build the optimizer with the checkpoint's matrix_config and a plan made for it")
-    name_of = {id(p): n for n, p in opt.params.items()}
-    matrices = {p.name: p for p in opt.spec.matrix_params()}
-    for g, (group, saved_group) in enumerate(zip(opt.param_groups, groups)):
-        if group["kind"] != "matrix":
+    members = group_matrices(opt.param_groups, opt.params, opt.spec)  # a stack's matrices counted too
+    for g, saved_group in enumerate(groups):
+        if g not in members:
             continue
         here = opt.group_config(g)
         there = replace(here, **_tuples({f.name: saved_group[f.name] for f in fields(here) if f.name in saved_group}))
-        members = [matrices[n] for n in (name_of.get(id(p)) for p in group["params"]) if n in matrices]
-        differs = state_difference(opt.optimizer, members, there, here)
+        differs = state_difference(opt.optimizer, members[g], there, here)
         if differs is not None:
             raise PlanError(f"checkpoint was saved with {opt.optimizer} param group {g} at "
                             f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than "

@@ -152,3 +152,31 @@ def test_a_state_key_edited_in_param_groups_is_refused_at_the_next_step(one_rank
     opt.param_groups[g]["max_precond_dim"] = 10000
     step()  # the lr edit runs
     assert not all(torch.equal(p, params[n]) for n, p in opt.params.items())
+
+
+def test_a_group_of_stacked_experts_that_keeps_other_state_is_refused_at_construction_and_in_a_checkpoint(one_rank):
+    """A group holding only stacked experts (16 x 32 matrices): SOAP's max_precond_dim 16 keeps
+    one-sided factors, counted per matrix of the stack. Refused as a group override, and as a
+    checkpoint's group. Before: the checkpoint's group loaded silently (its members were looked up
+    among the spec's single matrices, where a stack is not)."""
+    from canzona.errors import PlanError
+    from canzona.runtime.modules import ModelSpec
+    from reference.tiny_moe import MOE_PRESETS, TinyMoe
+
+    def groups(**override):
+        named = list(TinyMoe(MOE_PRESETS["tiny-moe"], seed=0).named_parameters())
+        return [{"params": [(n, p) for n, p in named if n in stacks], **override},
+                {"params": [(n, p) for n, p in named if n not in stacks]}]
+
+    spec = ModelSpec.from_module(TinyMoe(MOE_PRESETS["tiny-moe"], seed=0))
+    stacks = {p.name for p in spec.stacks}
+    with pytest.raises(PlanError, match=r"^parameter group 0 sets max_precond_dim=16 \(matrix_config has 10000\), "
+                                        r"which keeps other soap optimizer state than the plan priced \(model\.layers"
+                                        r"\.0\.mlp\.experts\.gate_up_proj: "):
+        DistributedOptimizer(groups(max_precond_dim=16), spec, "soap")
+    opt = DistributedOptimizer(groups(), spec, "soap")
+    saved = opt.state_dict()
+    saved["param_groups"][0]["max_precond_dim"] = 16  # the stacks' group
+    with pytest.raises(PlanError, match=r"^checkpoint was saved with soap param group 0 at \{\"max_precond_dim\": 16\}"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["max_precond_dim"] == 10000
