@@ -98,8 +98,9 @@ class GroupConfigs:
 
     def __init__(self, base: Mapping[str, Any], matrices: Mapping[int, list[ParamSpec]] | None = None) -> None:
         self.base = dict(base)  # kind -> default config object (the matrix one: what the plan priced)
-        # each matrix group's matrices (`group_matrices`): a group edited to keep other state is refused
-        self.matrices = dict(matrices or {})
+        # each matrix group's matrices (`group_matrices`), one per shape (state is priced by shape, and
+        # a scheduler's change reaches the check every step): a group edited to keep other state is refused
+        self.matrices = {g: _one_per_shape(ms) for g, ms in (matrices or {}).items()}
         self._cache: dict[int, tuple[tuple, Any]] = {}
         # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`BetaOneGroup`);
         # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
@@ -128,6 +129,14 @@ class GroupConfigs:
             cached = (key, current)
             self._cache[index] = cached
         return cached[1]
+
+
+def _one_per_shape(members: list[ParamSpec]) -> list[ParamSpec]:
+    """The first of `members` of each matrix shape (a stack's: each of its matrices')."""
+    first: dict[tuple[int, ...], ParamSpec] = {}
+    for p in members:
+        first.setdefault(tuple(p.matrix_shape or p.shape), p)
+    return list(first.values())
 
 
 def group_matrices(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor],
