@@ -72,6 +72,7 @@ def test_simulate_run_options_reach_the_result():
                             "tp_comm_overlap_cfg": "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192",
                             "recompute": "full", "recompute_method": None, "recompute_num_layers": None,
                             "selective_ac_option": None, "reduce_scatter": "padded", "collectives": "megatron", "max_grad_norm": 1.0,
+                                "explicit_clip": False,
                             "batch_kernels": True, "compile_kernels": False, "overlap_step": False,
                             "attention_backend": "fused",
                             "ep_dispatcher": {"moe_token_dispatcher_type": "alltoall",
