@@ -280,7 +280,10 @@ def test_bit_for_bit_the_plain_step(runs, key):
                 plain_tp = _tp_step(plain, 1)
                 prefetched = plain_tp[:plain_tp.index("tp step check")]
                 assert prefetched and all(name.endswith("gather") for name in prefetched)
-                assert early[check:] == ["tp step check"] + prefetched + plain_tp[len(prefetched) + 1:] and check > 0
+                # step() after the clip rechecks the hyper-parameters first (`GradientSync._recheck`)
+                assert plain_tp[len(prefetched):len(prefetched) + 2] == ["tp step check", "tp step recheck"]
+                assert early[check:] == ["tp step check", "tp step recheck"] + prefetched + \
+                    plain_tp[len(prefetched) + 2:] and check > 0
 
 
 def _records(log: list[dict]) -> list[dict]:

@@ -190,7 +190,7 @@ def test_tp_collectives_are_the_schedules(layout_key):
     mspec = model_spec(get_preset(spec.preset), spec.dtype)
     for r in runs(layout, key):
         want = step_collectives(r["plan"], mspec, spec.policy, r["dp_rank"], r["tp_rank"], tp_mode=spec.tp_mode,
-                                overlap_step=spec.overlap_step)
+                                overlap_step=spec.overlap_step, clipped=spec.clip_norm is not None)
         exchanges = [(c.op, c.name, c.sent) for c in want if c.group == TP_GROUP and c.phase == STEP]
         assert exchanges == [(e.op, e.name, e.sent) for e in _schedule(r, spec).exchanges]
         for step in range(spec.steps):
