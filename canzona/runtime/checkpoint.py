@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from canzona.cost import state_difference
-from canzona.errors import CanzonaError, CheckpointError, PlanError
+from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.optimizers import check_config, matrix_config_json, matrix_optimizer
 from canzona.runtime.groups import group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
@@ -419,8 +419,8 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     _check_compatible(opt, header, groups, state)
     if groups and all(NAMES_KEY in g for g in groups):  # a sharded checkpoint's groups name their members
         _check_members(opt, [list(g[NAMES_KEY]) for g in groups])
-    opt.matrix_cfg = check_config(opt.optimizer, replace(opt.matrix_cfg, **_tuples(header["matrix_config"])))
-    opt.adamw_cfg = check_config("adamw", replace(opt.adamw_cfg, **_tuples(header["adamw_config"])))
+    opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
+    opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
     state = {n: dict(s) for n, s in state.items()}
@@ -717,19 +717,43 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     my_groups = [(g["kind"], g["optimizer"]) for g in opt.param_groups]
     if saved_groups != my_groups:
         raise PlanError(f"checkpoint has parameter groups {saved_groups}, this optimizer {my_groups}")
-    _check_kept_state(opt, sd.get("matrix_config"), groups)
+    _check_kept_state(opt, sd, groups)
 
 
-def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None, groups: list[Mapping[str, Any]]) -> None:
+def saved_config(name: str, mine: Any, saved: Mapping[str, Any] | None, what: str) -> Any:
+    """`mine` (a config of optimizer `name`) with the values a checkpoint's `what` records (None:
+    none recorded, `mine` kept), validated as construction validates them: a key this version's
+    config lacks (a checkpoint of another canzona) or a value of the wrong type or range is one
+    PlanError naming it, before the state comparison computes with it or loading changes anything."""
+    if saved is None:
+        return mine
+    unknown = sorted(set(saved) - {f.name for f in fields(mine)})
+    if unknown:
+        raise PlanError(f"checkpoint's {what} has {unknown[0]!r}, which this canzona's {name} configuration does "
+                        "not have (saved by another canzona version?)")
+    try:
+        return check_config(name, replace(mine, **_tuples(saved)))
+    except SpecError as e:
+        raise PlanError(f"checkpoint's {what} is not valid here: {e}") from None
+
+
+def _check_kept_state(opt: Described, header: Mapping[str, Any], groups: list[Mapping[str, Any]]) -> None:
     """Loading restores the checkpoint's matrix_config and each group's hyper-parameters (as
-    torch.optim's load_state_dict restores them): a configuration that keeps other optimizer state
-    (SOAP's max_precond_dim) is not what this optimizer's plan priced (its memory, its step time:
-    `check_plan_config`), so it is refused; one that changes only hyper-parameters wins. `saved`
-    None: a header without it, not compared; a group without a field keeps this one's."""
+    torch.optim's load_state_dict restores them), each validated first (`saved_config`): a
+    configuration that keeps other optimizer state (SOAP's max_precond_dim) is not what this
+    optimizer's plan priced (its memory, its step time: `check_plan_config`), so it is refused; one
+    that changes only hyper-parameters wins. A header without a config keeps this optimizer's; a
+    group without a field keeps this one's."""
+    saved = header.get("matrix_config")
+    there = saved_config(opt.optimizer, opt.matrix_cfg, saved, "matrix_config")
+    saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
+    configs = [(g, opt.group_config(g)) for g in range(min(len(groups), len(opt.param_groups)))]
+    theirs = [saved_config(opt.param_groups[g]["optimizer"], here,
+                           {f.name: groups[g][f.name] for f in fields(here) if f.name in groups[g]},
+                           f"param group {g}") for g, here in configs]
     if matrix_optimizer(opt.optimizer).elementwise:  # AdamW's state has one form
         return
     if saved is not None:
-        there = replace(opt.matrix_cfg, **_tuples(saved))
         differs = state_difference(opt.optimizer, opt.spec.matrix_params(), there, opt.matrix_cfg)
         if differs is not None:
             raise PlanError(f"checkpoint was saved with {opt.optimizer} matrix_config "
@@ -737,11 +761,9 @@ def _check_kept_state(opt: Described, saved: Mapping[str, Any] | None, groups: l
                             f"this optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): "
                             "build the optimizer with the checkpoint's matrix_config and a plan made for it")
     members = group_matrices(opt.param_groups, opt.params, opt.spec)  # a stack's matrices counted too
-    for g, saved_group in enumerate(groups):
+    for (g, here), there in zip(configs, theirs):
         if g not in members:
             continue
-        here = opt.group_config(g)
-        there = replace(here, **_tuples({f.name: saved_group[f.name] for f in fields(here) if f.name in saved_group}))
         differs = state_difference(opt.optimizer, members[g], there, here)
         if differs is not None:
             raise PlanError(f"checkpoint was saved with {opt.optimizer} param group {g} at "

@@ -180,3 +180,44 @@ def test_a_group_of_stacked_experts_that_keeps_other_state_is_refused_at_constru
     with pytest.raises(PlanError, match=r"^checkpoint was saved with soap param group 0 at \{\"max_precond_dim\": 16\}"):
         opt.load_state_dict(saved)
     assert opt.param_groups[0]["max_precond_dim"] == 10000
+
+
+@pytest.mark.parametrize("where, key, value, message", [
+    ("header", "future_key", 1, "checkpoint's matrix_config has 'future_key', which this canzona's soap "
+                                "configuration does not have (saved by another canzona version?)"),
+    ("header", "max_precond_dim", "big", "checkpoint's matrix_config is not valid here: soap max_precond_dim "
+                                         "must be a whole number, got 'big'"),
+    ("header", "max_precond_dim", -3, "checkpoint's matrix_config is not valid here: soap max_precond_dim must "
+                                      "be >= 0, got -3"),
+    ("adamw header", "future_key", 1, "checkpoint's adamw_config has 'future_key', which this canzona's adamw "
+                                      "configuration does not have (saved by another canzona version?)"),
+    ("group", "max_precond_dim", None, "checkpoint's param group 0 is not valid here: soap max_precond_dim must "
+                                       "be a whole number, got None"),
+], ids=["unknown key", "wrong type", "out of range", "adamw unknown key", "group wrong type"])
+def test_a_checkpoint_config_that_is_not_valid_here_is_one_error_before_anything_changes(one_rank, where, key,
+                                                                                        value, message):
+    """The configurations a checkpoint records are validated as construction validates them, before
+    the kept-state comparison computes with them: one PlanError naming the entry, the optimizer as
+    it was. Before: a TypeError from the comparison (SOAPConfig's unknown keyword, '<=' between int
+    and str), and a group's invalid value loaded silently before that comparison existed."""
+    import copy
+
+    from canzona.errors import PlanError
+    from canzona.runtime.checkpoint import HEADER_KEY
+
+    model = TinyQwen3("tiny", seed=0)
+    saved = copy.deepcopy(DistributedOptimizer(model.named_parameters(), model.spec(), "soap").state_dict())
+    for group in saved["param_groups"]:
+        header = json.loads(group[HEADER_KEY])
+        if where != "group":
+            header["adamw_config" if where == "adamw header" else "matrix_config"][key] = value
+        group[HEADER_KEY] = json.dumps(header)
+    if where == "group":
+        saved["param_groups"][0][key] = value
+    opt = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), model.spec(), "soap")
+    before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], opt.matrix_cfg, opt.adamw_cfg
+    with pytest.raises(PlanError) as refused:
+        opt.load_state_dict(saved)
+    assert str(refused.value) == message
+    assert ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], opt.matrix_cfg,
+            opt.adamw_cfg) == before
