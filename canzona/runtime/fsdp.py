@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -263,8 +264,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
         self.checked: tuple[dict[str, bool], float] | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
-        # the version of each gradient the kept check saw (a backward since bumps it: `check`)
-        self._versions: dict[str, int] | None = None
+        # each gradient the kept check saw, with its version: a backward since bumps the version
+        # (added to it), and one after `model.zero_grad()` leaves another tensor (`check`)
+        self._versions: dict[str, tuple[weakref.ref, int]] | None = None
 
     # --- construction ------------------------------------------------------------------------
 
@@ -401,13 +403,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
         changed without a collective, so every reuse costs one more small all-gather (clip and step
         are collective calls: every rank reuses alike); step()'s own clip (`max_grad_norm`), right
         after its check, rechecks nothing."""
-        if self.checked is not None and self._versions != self._grad_versions():
+        since = self._grads_since() if self.checked is not None else None
+        if since is not None:
             # a backward since (after clip_grad_norm_, or a refused step()) added to the gradients
-            # that check saw: taken anew, as torch's clip_grad_norm_ would measure the sum
-            if self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
+            # that check saw, or new ones replaced them (`model.zero_grad()`, then a backward): taken
+            # anew, as torch's clip_grad_norm_ would measure them
+            if since == "added" and self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
                 raise CanzonaError("a backward added to gradients clip_grad_norm_() had already clipped (bf16 "
                                    "gradients, fp32 masters): clip once, after the last backward before step()")
-            self.checked = None
+            self.checked, self._grad_scale = None, 1.0  # new gradients: the old clip's scale is not theirs
         if self.checked is not None:
             if recheck:
                 row = torch.cat([torch.tensor([hyper_parameters_digest(self.param_groups)], dtype=torch.int64),
@@ -540,9 +544,26 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.checked, self._grad_scale = None, 1.0
         return loss
 
-    def _grad_versions(self) -> dict[str, int]:
-        """Each gradient's version counter (a backward accumulating into it bumps it)."""
-        return {n: self._local_grad(n)._version for n, p in self.params.items() if p.grad is not None}
+    def _grad_versions(self) -> dict[str, tuple[weakref.ref, int]]:
+        """Each gradient (a weak reference to `.grad`: a dropped one is not kept alive) with its
+        version counter (a backward accumulating into it bumps it)."""
+        return {n: (weakref.ref(p.grad), self._local_grad(n)._version)
+                for n, p in self.params.items() if p.grad is not None}
+
+    def _grads_since(self) -> str | None:
+        """How the gradients changed since the kept check saw them: None (not at all), "added" (a
+        backward accumulated into one) or "replaced" (another tensor, or none, in `.grad`: set to
+        None by `model.zero_grad()` and written by a backward since, or assigned)."""
+        seen, how = self._versions or {}, None
+        for n, p in self.params.items():
+            entry = seen.get(n)
+            if entry is None and p.grad is None:
+                continue
+            if entry is None or p.grad is None or entry[0]() is not p.grad:
+                return "replaced"
+            if entry[1] != self._local_grad(n)._version:
+                how = "added"
+        return how
 
     def _reshard(self) -> None:
         """Free the unsharded parameters FSDP2 still holds (a module `fully_shard`-ed with

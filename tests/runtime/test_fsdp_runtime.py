@@ -192,7 +192,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               clips: dict[int, float | None] | None = None, plain_grad: int | None = None,
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
               cast: bool = False, evaluate: int | None = None, bf16: bool = False,
-              retry: int | None = None, again: int | None = None, edit: int | None = None) -> dict:
+              retry: int | None = None, again: int | None = None, edit: int | None = None,
+              discard: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -209,7 +210,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     first step() (refused), then put back and step() called again (`refused`: the first error); at
     step `again` a second backward (and clip) of the same batch comes before that step() (after the
     refused one, with `retry`); at step `edit` rank 1 halves its learning rate after the clip, before
-    step() (`refused`: its error), then puts it back and calls step() again."""
+    step() (`refused`: its error), then puts it back and calls step() again. At step `discard` a
+    batch of its own is run and its norm measured (`clip_grad_norm_(inf)`) first, then discarded
+    with `model.zero_grad()` (a loss spike a run drops) before the step's own backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -230,6 +233,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
         opt.zero_grad(set_to_none=step != unsynced)
         model.set_requires_gradient_sync(step != unsynced)
+        if step == discard:
+            (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
+            norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
+            model.zero_grad()
         model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
         named = dict(model.named_parameters())
         if rank == 1 and step == poison:
@@ -334,6 +341,7 @@ SMALL_CASES = {
     "clip-twice": {"steps": 3, "clip": 0.05, "again": 1},
     "clip-retried-twice": {"steps": 3, "clip": 0.05, "retry": 1, "again": 1},
     "clip-edit-retried": {"steps": 3, "clip": 0.05, "edit": 1},
+    "clip-discarded": {"steps": 3, "clip": 0.05, "discard": 1},
     "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
@@ -496,6 +504,19 @@ def test_fsdp_a_backward_after_a_clip_is_checked_anew() -> None:
         assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
     for r in _small()["bf16-clip-twice"]:
         assert "a backward added to gradients clip_grad_norm_() had already clipped" in r["error"], r["error"]
+
+
+def test_fsdp_a_batch_discarded_with_model_zero_grad_after_its_clip_is_not_the_next_clips() -> None:
+    """A batch's norm measured (`clip_grad_norm_(inf)`), the batch discarded with `model.zero_grad()`
+    (a spike), then the step's own batch's backward, clip and step(): that clip measures the new
+    gradients, as torch's does, and the run is the one without the discarded batch. Before: the new
+    gradients' version counters equalled the discarded ones' (one backward each, nothing scaled),
+    so the clip returned the discarded batch's norm (1.83 against 0.15) and clipped by its factor."""
+    straight, discarded = _small()["clip"], _small()["clip-discarded"]
+    for a, b in zip(straight, discarded):
+        assert b["error"] is None and b["norms"][:1] + b["norms"][2:] == a["norms"], (a["norms"], b["norms"])
+        assert b["norms"][1] > 10 * a["norms"][1], (a["norms"], b["norms"])
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
 
 
 @pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])
