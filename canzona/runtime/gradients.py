@@ -248,6 +248,11 @@ class GradientSync:
         if not self.is_linked(name):
             raise CanzonaError(self.unlinked_message(name))
         p, guard = self.params[name], self._guards[name]
+        buckets = self.buckets_of[name]
+        if p.grad is not guard and (self._reduced or any(self._launched[k] is not None for k in buckets)):
+            # its guard was dropped after its gradient went to the reduction, whose buffers this
+            # backward's gradient would overwrite under the collective or after the check read them
+            raise CanzonaError(DROPPED_MID_STEP.format(name=name))
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
@@ -257,7 +262,6 @@ class GradientSync:
         self._got_grad[self.index[name]] = 1
         self.backward += 1
         self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
-        buckets = self.buckets_of[name]
         if not buckets or not self._sync:
             return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
         if any(self._launched[k] is not None for k in buckets):
@@ -680,6 +684,10 @@ STALE_GRADIENTS = ("backward would accumulate the gradient of {name!r} onto the 
 STEPPED_TWICE = ("step() was called again with no backward since the last step(): the gradient of {name!r} is "
                  "still the last step's, already applied (neither zero_grad() nor a backward reached it since): "
                  "call zero_grad() and run a backward before each step()")
+DROPPED_MID_STEP = ("the gradient of {name!r} was set to None (model.zero_grad(), or .grad = None) after this "
+                    "step's gradients went to the reduction (a backward, clip_grad_norm_() or a refused step()), "
+                    "and a backward wrote a new one: discard a step's gradients with optimizer.zero_grad(), which "
+                    "ends their reduction too")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
 

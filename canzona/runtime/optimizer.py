@@ -858,7 +858,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         in the optimizer's buffers), as in torch: a parameter that no backward reaches before the
         next step is stepped with that zero gradient (momentum, weight decay), as torch's
         optimizers step a zero `.grad`, and skipped after set_to_none. `model.zero_grad()`, with
-        either setting, works the same."""
+        either setting, works the same between steps; within one (a batch dropped after its
+        backward or clip) only this one discards gradients already sent to the reduction."""
         for grads in self._syncs():
             grads.zero_grad(set_to_none)
         for part in self._parts():

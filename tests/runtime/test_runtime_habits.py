@@ -736,3 +736,37 @@ def test_torch_state_dict_api_resumes_at_another_layout(runs):
 def test_bad_clip_and_nonfinite_settings_fail_before_any_collective(kwargs, needle):
     with pytest.raises(SpecError, match=needle):
         _optimizer(build_model(BASE), **kwargs)
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("before", ["backward", "clip", "refused step"])
+def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad(one_rank, before):
+    """A batch dropped mid-step (a spike seen at the clip) with `model.zero_grad()`, then another
+    backward: its gradients went to the reduction, whose buffers the new backward would overwrite
+    (under the collective, or after the check read them), so it is refused with its own line that
+    says what discards them (optimizer.zero_grad(), with which the same loop runs); the buffers as
+    they were. Before: 'gradients were synchronised twice in one step: wrap ... in no_sync()'."""
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    tokens = _batches(0, 1)[0]
+    model.loss(tokens).backward()
+    if before == "clip":
+        opt.clip_grad_norm_(math.inf)
+    if before == "refused step":
+        lr, opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"], float("nan")
+        with pytest.raises(CanzonaError, match="lr must be a finite number"):
+            opt.step()
+        opt.param_groups[0]["lr"] = lr
+    model.zero_grad()
+    with pytest.raises(CanzonaError) as refused:
+        model.loss(tokens).backward()
+    assert "was set to None (model.zero_grad(), or .grad = None) after this step's gradients went to the " \
+           "reduction" in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    opt.zero_grad()  # what the error says: the loop goes on
+    model.loss(tokens).backward()
+    assert math.isfinite(float(opt.clip_grad_norm_(math.inf)))
+    opt.step()
