@@ -743,14 +743,17 @@ def _check_kept_state(opt: Described, header: Mapping[str, Any], groups: list[Ma
     configuration that keeps other optimizer state (SOAP's max_precond_dim) is not what this
     optimizer's plan priced (its memory, its step time: `check_plan_config`), so it is refused; one
     that changes only hyper-parameters wins. A header without a config keeps this optimizer's; a
-    group without a field keeps this one's."""
+    group's field it lacks is read as this optimizer's configuration has it."""
     saved = header.get("matrix_config")
     there = saved_config(opt.optimizer, opt.matrix_cfg, saved, "matrix_config")
     saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
-    configs = [(g, opt.group_config(g)) for g in range(min(len(groups), len(opt.param_groups)))]
-    theirs = [saved_config(opt.param_groups[g]["optimizer"], here,
-                           {f.name: groups[g][f.name] for f in fields(here) if f.name in groups[g]},
-                           f"param group {g}") for g, here in configs]
+    # each group's over the optimizer's configuration of its kind, not over the group as it stands:
+    # loading replaces whatever the group holds now (a NaN rate, a refused edit: what a load may be
+    # meant to undo), and every group keeps the state of that configuration (`groups.GroupConfigs`)
+    bases = {"matrix": opt.matrix_cfg, "adamw": opt.adamw_cfg}
+    theirs = [saved_config(group["optimizer"], bases[group["kind"]],
+                           {f.name: kept[f.name] for f in fields(bases[group["kind"]]) if f.name in kept},
+                           f"param group {g}") for g, (group, kept) in enumerate(zip(opt.param_groups, groups))]
     if matrix_optimizer(opt.optimizer).elementwise:  # AdamW's state has one form
         return
     if saved is not None:
@@ -761,15 +764,16 @@ def _check_kept_state(opt: Described, header: Mapping[str, Any], groups: list[Ma
                             f"this optimizer's {matrix_config_json(opt.optimizer, opt.matrix_cfg)} ({differs}): "
                             "build the optimizer with the checkpoint's matrix_config and a plan made for it")
     members = group_matrices(opt.param_groups, opt.params, opt.spec)  # a stack's matrices counted too
-    for (g, here), there in zip(configs, theirs):
+    for g, there in enumerate(theirs):
         if g not in members:
             continue
-        differs = state_difference(opt.optimizer, members[g], there, here)
+        differs = state_difference(opt.optimizer, members[g], there, opt.matrix_cfg)
         if differs is not None:
             raise PlanError(f"checkpoint was saved with {opt.optimizer} param group {g} at "
                             f"{matrix_config_json(opt.optimizer, there)}, which keeps other optimizer state than "
-                            f"this optimizer's group {g} at {matrix_config_json(opt.optimizer, here)} ({differs}): "
-                            "build the optimizer with the checkpoint's param groups and a plan made for them")
+                            f"this optimizer's group {g} at {matrix_config_json(opt.optimizer, opt.matrix_cfg)} "
+                            f"({differs}): build the optimizer with the checkpoint's param groups and a plan "
+                            "made for them")
 
 
 def _global_shapes(opt: Described) -> dict[str, tuple[int, ...]]:

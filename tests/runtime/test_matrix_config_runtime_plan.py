@@ -221,3 +221,26 @@ def test_a_checkpoint_config_that_is_not_valid_here_is_one_error_before_anything
     assert str(refused.value) == message
     assert ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], opt.matrix_cfg,
             opt.adamw_cfg) == before
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("nan")), ("max_precond_dim", 48)], ids=["nan lr", "refused edit"])
+def test_a_checkpoint_loads_over_a_group_that_holds_what_a_step_would_refuse(one_rank, key, value):
+    """Loading replaces each group's hyper-parameters, so what the group holds now is not checked:
+    a NaN learning rate or a refused state-key edit (which a load may be meant to undo) is
+    overwritten by the checkpoint's values, as torch's load_state_dict overwrites it, and the run
+    steps. Before: the kept-state comparison validated the group as it stood, and the load was
+    refused with the step's error (SpecError 'lr must be a finite number', PlanError
+    'param_groups[0] was set to max_precond_dim=48')."""
+    import torch
+
+    model = TinyQwen3("tiny", seed=0)
+    saved = DistributedOptimizer(model.named_parameters(), model.spec(), "soap").state_dict()
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "soap")
+    g = next(i for i, group in enumerate(opt.param_groups) if group["kind"] == "matrix")
+    before = opt.param_groups[g][key]
+    opt.param_groups[g][key] = value
+    opt.load_state_dict(saved)
+    assert opt.param_groups[g][key] == before
+    for p in opt.params.values():
+        p.grad = torch.ones_like(p)
+    opt.step()
