@@ -377,6 +377,11 @@ class GradientSync:
             return (f"after step() the gradient of {name!r} lives in the optimizer's buffers, reduced, and is not "
                     f"readable as .grad ({what}): read the global norm from opt.clip_grad_norm_() before step(), "
                     "and call zero_grad() before the next backward")
+        if state is GradState.REDUCING and not in_backward and what.split(".")[0] in ("zero_", "fill_"):
+            # model.zero_grad(set_to_none=False) within a step: a batch being dropped
+            return (f"the gradient of {name!r} is being reduced across ranks by the optimizer and cannot be zeroed "
+                    f"in place ({what}: model.zero_grad(set_to_none=False) within a step?): discard a step's "
+                    "gradients with optimizer.zero_grad(), which ends their reduction too")
         if in_backward:
             return (SYNCED_TWICE if state is GradState.REDUCING else
                     f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "

@@ -741,13 +741,16 @@ def test_bad_clip_and_nonfinite_settings_fail_before_any_collective(kwargs, need
 # --- one rank ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("before", ["backward", "clip", "refused step"])
-def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad(one_rank, before):
+@pytest.mark.parametrize("before, set_to_none", [("backward", True), ("clip", True), ("refused step", True),
+                                                 ("clip", False)])
+def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad(one_rank, before, set_to_none):
     """A batch dropped mid-step (a spike seen at the clip) with `model.zero_grad()`, then another
     backward: its gradients went to the reduction, whose buffers the new backward would overwrite
     (under the collective, or after the check read them), so it is refused with its own line that
     says what discards them (optimizer.zero_grad(), with which the same loop runs); the buffers as
-    they were. Before: 'gradients were synchronised twice in one step: wrap ... in no_sync()'."""
+    they were; `set_to_none=False` is refused at the zeroing, naming the same remedy. Before:
+    'gradients were synchronised twice in one step: wrap ... in no_sync()', and for the zeroing
+    'nothing may read or change .grad between backward and step() ... Clip with ...'."""
     from canzona.errors import CanzonaError
 
     model = build_model(BASE)
@@ -761,11 +764,15 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
         with pytest.raises(CanzonaError, match="lr must be a finite number"):
             opt.step()
         opt.param_groups[0]["lr"] = lr
-    model.zero_grad()
     with pytest.raises(CanzonaError) as refused:
+        model.zero_grad(set_to_none=set_to_none)
         model.loss(tokens).backward()
-    assert "was set to None (model.zero_grad(), or .grad = None) after this step's gradients went to the " \
-           "reduction" in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    said = str(refused.value)
+    assert ("was set to None (model.zero_grad(), or .grad = None) after this step's gradients went to the "
+            "reduction" if set_to_none else "cannot be zeroed in place (zero_.default: "
+            "model.zero_grad(set_to_none=False) within a step?)") in said, said
+    assert said.endswith("discard a step's gradients with optimizer.zero_grad(), which ends their reduction too")
+    assert "\n" not in said, said
     opt.zero_grad()  # what the error says: the loop goes on
     model.loss(tokens).backward()
     assert math.isfinite(float(opt.clip_grad_norm_(math.inf)))
