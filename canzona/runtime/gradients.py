@@ -313,8 +313,8 @@ class GradientSync:
                 self._got_grad[self.index[name]] = 1
                 continue
             if p.grad is guard:
-                if self._states.get(name) is GradState.STEPPED:  # no backward, no zero_grad since the step
-                    raise CanzonaError(STEPPED_TWICE.format(name=name))
+                if self._states.get(name) is GradState.STEPPED:  # no backward reached it, no zero_grad since the step
+                    raise CanzonaError((UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name))
             elif p.grad is None:
                 self._zeroed.discard(name)  # set to None since (model.zero_grad())
                 for entry in self.stacks.members[name]:
@@ -693,6 +693,10 @@ DROPPED_MID_STEP = ("the gradient of {name!r} was set to None (model.zero_grad()
                     "step's gradients went to the reduction (a backward, clip_grad_norm_() or a refused step()), "
                     "and a backward wrote a new one: discard a step's gradients with optimizer.zero_grad(), which "
                     "ends their reduction too")
+# the same, where this step's backward ran but did not reach that parameter
+UNREACHED_SINCE_STEP = ("the gradient of {name!r} is still the last step's, already applied: this step's backward "
+                        "did not reach it and no zero_grad() cleared it since (torch would apply it again): call "
+                        "zero_grad() before each step's backward")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
 

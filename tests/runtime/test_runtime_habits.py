@@ -777,3 +777,32 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     model.loss(tokens).backward()
     assert math.isfinite(float(opt.clip_grad_norm_(math.inf)))
     opt.step()
+
+
+@pytest.mark.parametrize("second", ["none", "another parameter"])
+def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_rank, second):
+    """No zero_grad() after a step whose backward reached one parameter: step() again with no
+    backward is STEPPED_TWICE ('called again with no backward'); with a backward that reached only
+    another parameter (whose gradient was None), the left gradient is refused with a line that says
+    that backward did not reach it. Before: both said no backward had run."""
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model, overlap_param_gather=False)  # the parameters read outside a forward
+    params = list(opt.params.values())
+    first, last = params[0], params[-1]
+    first.pow(2).sum().backward()
+    opt.step()
+    if second == "another parameter":
+        last.pow(2).sum().backward()
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    said = str(refused.value)
+    name = next(n for n, p in opt.params.items() if p is first)
+    if second == "none":
+        assert said.startswith(f"step() was called again with no backward since the last step(): the gradient of "
+                               f"{name!r}"), said
+    else:
+        assert said == (f"the gradient of {name!r} is still the last step's, already applied: this step's backward "
+                        "did not reach it and no zero_grad() cleared it since (torch would apply it again): call "
+                        "zero_grad() before each step's backward"), said
