@@ -12,10 +12,11 @@ of a shard group of `shard` ranks (one replica under HSDP) issues in one step, i
    the rank's fp64 sum of squares, the clip threshold), at the first `clip_grad_norm_` or at
    `step()`;
 2. per `clip_grad_norm_` call after the first, and at `step()` after any: one "step recheck"
-   all-gather (two words: the hyper-parameters' digest and the threshold), which the reused check
-   costs (a learning rate set on one rank between the clip and the step must fail every rank;
-   `step()`'s own clipping, `max_grad_norm`, right after its check, rechecks nothing); one
-   "gradient norm" all-gather (one word) for `norm_type=inf`;
+   all-gather (three words: the hyper-parameters' digest, the threshold and whether the rank's
+   gradients changed since: then every rank takes the step check of 1. anew, not counted here),
+   which the reused check costs (a learning rate set on one rank between the clip and the step
+   must fail every rank; `step()`'s own clipping, `max_grad_norm`, right after its check,
+   rechecks nothing); one "gradient norm" all-gather (one word) for `norm_type=inf`;
 3. unless the step is skipped (a non-finite norm under `nonfinite="skip"`), per micro-group that
    has a gradient, on the shard group ("fsdp"): the all-to-all of the gradients' pieces to their
    owners ("gradients of micro-group k"), and after the next micro-group's, the all-to-all of the
@@ -45,7 +46,7 @@ FSDP_WORLD_GROUP = "fsdp-world"  # every rank of the mesh: the step check and th
 ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
 CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and threshold: float64)
 CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
-RECHECK_WORDS = 2  # a reused check's recheck: digest, clip threshold
+RECHECK_WORDS = 3  # a reused check's recheck: digest, clip threshold, the gradients changed since
 
 
 class Exchanged(Protocol):

@@ -16,7 +16,8 @@ One step check per step (`check`): one small all-gather over every rank of the m
 of which parameters got a gradient, a local problem, the clip threshold, the hyper-parameters'
 digest and each rank's sum of squares of the gradient pieces it sends; every rank then fails alike,
 or computes the same global norm, before anything moves. A call that reuses it (`step()` after
-`clip_grad_norm_()`) rechecks the digest and the threshold (one more small all-gather).
+`clip_grad_norm_()`) rechecks the digest, the threshold and whether any rank's gradients changed
+since (one more small all-gather; if they did, every rank takes the check anew).
 
 Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
 their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
@@ -137,6 +138,10 @@ def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
 # DistributedOptimizer's options of the ZeRO-1 layout that FSDP2 decides instead: refused off their
 # defaults (`FsdpOptimizer`), as the simulator refuses them under --fsdp (`sim.fsdp.check_fsdp`)
 ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry")
+
+
+# how a rank's gradients changed since the kept check (`FsdpOptimizer._grads_since`), as its recheck sends it
+_SINCE = (None, "replaced", "added")
 
 
 class FsdpOptimizer(torch.optim.Optimizer):
@@ -403,22 +408,29 @@ class FsdpOptimizer(torch.optim.Optimizer):
         changed without a collective, so every reuse costs one more small all-gather (clip and step
         are collective calls: every rank reuses alike); step()'s own clip (`max_grad_norm`), right
         after its check, rechecks nothing."""
-        since = self._grads_since() if self.checked is not None else None
-        if since is not None:
-            # a backward since (after clip_grad_norm_, or a refused step()) added to the gradients
-            # that check saw, or new ones replaced them (`model.zero_grad()`, then a backward): taken
-            # anew, as torch's clip_grad_norm_ would measure them
-            if since == "added" and self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
-                raise CanzonaError("a backward added to gradients clip_grad_norm_() had already clipped (bf16 "
-                                   "gradients, fp32 masters): clip once, after the last backward before step()")
-            self.checked, self._grad_scale = None, 1.0  # new gradients: the old clip's scale is not theirs
-        if self.checked is not None:
-            if recheck:
-                row = torch.cat([torch.tensor([hyper_parameters_digest(self.param_groups)], dtype=torch.int64),
-                                 torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
-                error = _recheck_error(self.world.all_gather_values(row, "step recheck"), self.world.rank, "rank")
+        if self.checked is not None and recheck:
+            # what changed since on this rank: the hyper-parameters, the threshold, the gradients (a
+            # backward added to them, or new ones replaced them: `model.zero_grad()`, then a
+            # backward). Every rank learns every rank's, so that all take the check anew together
+            # (one rank alone would issue the step check where the others issue this recheck)
+            since = self._grads_since()
+            row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since)], dtype=torch.int64)
+            row[1] = torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)[0]
+            table = self.world.all_gather_values(row, "step recheck")
+            changed = table[:, 2]
+            if changed.any():
+                added = changed == _SINCE.index("added")
+                if added.any() and self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
+                    raise CanzonaError(f"a backward added to gradients clip_grad_norm_() had already clipped (rank(s) "
+                                       f"{ranks_of(added)}; bf16 gradients, fp32 masters): clip once, after the last "
+                                       "backward before step()")
+                # taken anew, as torch's clip_grad_norm_ would measure them; the old clip's scale is not theirs
+                self.checked, self._grad_scale = None, 1.0
+            else:
+                error = _recheck_error(table[:, :2], self.world.rank, "rank")
                 if error is not None:
                     raise CanzonaError(error)
+        if self.checked is not None:
             return self.checked
         names = [p.name for p in self.spec.params]
         problem = self._local_problem()

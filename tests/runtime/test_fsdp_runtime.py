@@ -193,7 +193,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
               cast: bool = False, evaluate: int | None = None, bf16: bool = False,
               retry: int | None = None, again: int | None = None, edit: int | None = None,
-              discard: int | None = None) -> dict:
+              discard: int | None = None, drop_after_clip: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -212,7 +212,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     refused one, with `retry`); at step `edit` rank 1 halves its learning rate after the clip, before
     step() (`refused`: its error), then puts it back and calls step() again. At step `discard` a
     batch of its own is run and its norm measured (`clip_grad_norm_(inf)`) first, then discarded
-    with `model.zero_grad()` (a loss spike a run drops) before the step's own backward."""
+    with `model.zero_grad()` (a loss spike a run drops) before the step's own backward. At step
+    `drop_after_clip` rank 1 drops b.weight's gradient between the clip and step()."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -258,6 +259,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             threshold = clips.get(rank) if clips is not None else clip
             if threshold is not None:
                 norms.append(float(opt.clip_grad_norm_(threshold)))
+            if rank == 1 and step == drop_after_clip:
+                named["b.weight"].grad = None
             if step == retry:
                 lrs = [group["lr"] for group in opt.param_groups]
                 opt.param_groups[0]["lr"] = float("nan")
@@ -342,6 +345,7 @@ SMALL_CASES = {
     "clip-retried-twice": {"steps": 3, "clip": 0.05, "retry": 1, "again": 1},
     "clip-edit-retried": {"steps": 3, "clip": 0.05, "edit": 1},
     "clip-discarded": {"steps": 3, "clip": 0.05, "discard": 1},
+    "drop-after-clip": {"steps": 3, "clip": 0.05, "drop_after_clip": 1},
     "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
@@ -517,6 +521,18 @@ def test_fsdp_a_batch_discarded_with_model_zero_grad_after_its_clip_is_not_the_n
         assert b["error"] is None and b["norms"][:1] + b["norms"][2:] == a["norms"], (a["norms"], b["norms"])
         assert b["norms"][1] > 10 * a["norms"][1], (a["norms"], b["norms"])
         assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+
+
+def test_fsdp_a_gradient_dropped_on_one_rank_after_the_clip_is_the_step_checks_error_on_every_rank() -> None:
+    """clip_grad_norm_, then rank 1 drops b.weight's gradient, step(): rank 1 alone sees its
+    gradients changed since the clip's check, and would take the step check where the others
+    recheck; the recheck carries that word, so every rank takes the check anew and fails it with
+    the same line, nothing updated past step 0. Before: rank 1's step check met the others' recheck
+    (40 bytes against 8): gloo aborted the processes (SIGABRT)."""
+    for r in _small()["drop-after-clip"]:
+        assert r["error"] == ("'b.weight' has a gradient on rank(s) [0, 2] and none on rank(s) [1]: every rank must "
+                              "run the same backward (FSDP reduces every gradient over all ranks)"), r["error"]
+        assert len(r["grads"]) == 1, len(r["grads"])
 
 
 @pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])
