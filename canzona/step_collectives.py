@@ -28,8 +28,9 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
 4. clip, only when `clip_grad_norm_(norm_type=inf)` is called: the largest magnitude over DP, then
    over TP ("gradient norm"; the 2-norm travels in the step check); and when `clip_grad_norm_` is
    called at all (`clipped`), `step()` reuses its check and rechecks what may have changed since on
-   one rank (a learning rate): the hyper-parameters' digest and the threshold over DP ("step
-   recheck", two words), under TP also over TP with the DP verdict ("tp step recheck", three);
+   one rank (a learning rate, a gradient dropped): the hyper-parameters' digest, the threshold and
+   a local problem over DP ("step recheck", three words), under TP the first two over TP with the
+   DP verdict ("tp step recheck", three);
 5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order, less
    those prefetched in 2;
 6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
@@ -328,10 +329,10 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
-    # step() after clip_grad_norm_: the check reused, (digest, threshold) rechecked (the experts'
-    # part rechecks nothing: the dense recheck spans every rank)
+    # step() after clip_grad_norm_: the check reused, (digest, threshold, local problem) rechecked
+    # (the experts' part issues nothing: the dense recheck spans every rank and carries its problem)
     if clipped:
-        out.append(check(DP_GROUP, "step recheck", 2, dp))
+        out.append(check(DP_GROUP, "step recheck", 3, dp))
         if tp > 1:
             out.append(check(TP_GROUP, "tp step recheck", 3, tp))
     # 5. the TP schedule, after the checks (unless overlapped), less the prefetched gathers

@@ -414,6 +414,10 @@ class GradientSync:
         if adamw_rest is not None:
             adamw_rest.wait()
 
+    def local_problem(self) -> str | None:
+        """What is wrong on this rank alone now (`_local_problem`), for another part's recheck."""
+        return self._local_problem()
+
     def _local_problem(self) -> str | None:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers or
         replaced in the model, or a gradient dropped or replaced after it was handed to the reduction."""
@@ -453,7 +457,7 @@ class GradientSync:
         the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
         if self.checked is not None:
             if recheck:
-                self._recheck(hyper_parameters, max_norm)
+                self._recheck(hyper_parameters, max_norm, more_problem)
             return self.checked
         if not self._reduced:
             self._finish()
@@ -509,7 +513,7 @@ class GradientSync:
         self.checked = StepCheck(got=got, norm=norm, more_got=more)
         return self.checked
 
-    def _recheck(self, hyper_parameters: int, max_norm: float | None) -> None:
+    def _recheck(self, hyper_parameters: int, max_norm: float | None, more_problem: str | None = None) -> None:
         """The check reused: param_groups may have changed since on some rank only (a learning rate
         set between `clip_grad_norm_()` and `step()`), and the threshold may be new (a second clip).
         A rank cannot tell its peers that its digest changed without a collective, so every reuse
@@ -517,10 +521,21 @@ class GradientSync:
         all-gather of (digest, threshold) over DP, and under TP one over TP that also carries the
         DP verdict: every rank of the grid then fails alike (a DP group that saw a difference has
         a member in every TP group; DP groups that agree within but not with each other differ
-        in every TP group)."""
+        in every TP group). The DP row carries a third word, this rank's local problem (`more_problem`,
+        or its own: a gradient dropped or replaced since the check, which a step would otherwise
+        apply from the buffers as the check saw it)."""
+        problem = more_problem or self._local_problem()
         row = torch.cat([torch.tensor([hyper_parameters], dtype=torch.int64),
-                         torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
-        error = _recheck_error(self.dp.all_gather_values(row, "step recheck"), self.dp.rank, "rank")
+                         torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64),
+                         torch.tensor([int(problem is not None)], dtype=torch.int64)])
+        table = self.dp.all_gather_values(row, "step recheck")
+        broken = table[:, 2]
+        if broken.any():
+            error = problem if problem is not None else \
+                f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
+        else:
+            error = _recheck_error(table[:, :2], self.dp.rank, "rank")
+        row = row[:2]
         if self.tp is not None:
             table = self.tp.all_gather_values(torch.cat([torch.tensor([int(error is not None)]), row]),
                                               "tp step recheck")

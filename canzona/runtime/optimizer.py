@@ -593,9 +593,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # EDP groups stop there with an error instead of waiting in the step's collectives until
         # the timeout
         experts = self.experts.grads
+        reused = experts.checked is not None
         try:
             experts.prepare(digest, max_norm, recheck=False)  # a reused check: the dense recheck covers every rank
-            failed = None
+            # reused: what changed since on this rank (a gradient dropped) rides in the dense recheck
+            failed = experts.local_problem() if reused else None
         except CanzonaError as e:
             failed = str(e)
         check = self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,

@@ -167,9 +167,10 @@ def test_tp_first_step_and_clipping():
     assert not tp_schedule(plan, model, STEP_POLICIES["canzona"], 1, overlap_step=True).prefetched
     clipped = step_collectives(plan, model, "canzona", 1, 1, inf_norm=True)
     at = max(k for k, c in enumerate(normal) if c.phase == CHECK) + 1
-    # step() after the clip rechecks the digest and threshold its reused check saw (2 words over
-    # DP, 3 over TP: the DP verdict too); a clip by the 2-norm issues the recheck alone
-    recheck = [("all-gather", "dp", "step recheck", (16, 16)), ("all-gather", "tp", "tp step recheck", (24, 24))]
+    # step() after the clip rechecks the digest and threshold its reused check saw, and a local
+    # problem since (3 words over DP; 3 over TP: digest, threshold and the DP verdict); a clip by
+    # the 2-norm issues the recheck alone
+    recheck = [("all-gather", "dp", "step recheck", (24, 24)), ("all-gather", "tp", "tp step recheck", (24, 24))]
     assert [c.logged() for c in clipped[at:at + 4]] == [("all-gather", "dp", "gradient norm", (8, 8)),
                                                         ("all-gather", "tp", "gradient norm", (8, 8)), *recheck]
     assert clipped[:at] + clipped[at + 4:] == normal

@@ -806,3 +806,25 @@ def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_ran
         assert said == (f"the gradient of {name!r} is still the last step's, already applied: this step's backward "
                         "did not reach it and no zero_grad() cleared it since (torch would apply it again): call "
                         "zero_grad() before each step's backward"), said
+
+
+def test_a_gradient_dropped_between_the_clip_and_the_step_is_the_rechecks_error(one_rank):
+    """clip_grad_norm_(), then `.grad = None` on one parameter, then step(): the step reuses the
+    clip's check, and its recheck carries the rank's local problem, so the drop is the same error
+    a full check gives (one line, nothing updated), not a step that applies the gradient the
+    buffers still hold (torch skips a parameter whose .grad is None). Before: the parameter was
+    updated from the reduced gradient, silently."""
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    model.loss(_batches(0, 1)[0]).backward()
+    opt.clip_grad_norm_(1.0)
+    name, p = next((n, p) for n, p in opt.params.items() if p.dim() == 2 and "embed" not in n)
+    before = {n: q.detach().clone() for n, q in opt.params.items()}
+    p.grad = None
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert str(refused.value).startswith(f"the gradient of {name!r} was dropped (zero_grad() or .grad = None) "
+                                         "between backward and step()"), str(refused.value)
+    assert all(torch.equal(q, before[n]) for n, q in opt.params.items())
