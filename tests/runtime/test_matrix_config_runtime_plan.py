@@ -150,7 +150,7 @@ def test_a_state_key_edited_in_param_groups_is_refused_at_the_next_step(one_rank
     assert all(torch.equal(p, params[n]) for n, p in opt.params.items())
     assert all(torch.equal(opt.matrix_state[n][k], v) for n in state for k, v in state[n].items())
     opt.param_groups[g]["max_precond_dim"] = 10000
-    step()  # the lr edit runs
+    opt.step()  # the refused step retried with its gradients as they were (replacing them now is refused): the lr edit runs
     assert not all(torch.equal(p, params[n]) for n, p in opt.params.items())
 
 
