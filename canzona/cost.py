@@ -276,16 +276,23 @@ def state_difference(optimizer: str, params: Iterable[ParamSpec], before: object
     state kept under one fits the other (they differ at most in hyper-parameters that change seconds)."""
     if matrix_optimizer(optimizer).elementwise:  # AdamW's state has one form
         return None
-    # one comparison per shape, the first matrix of each named: a scheduler's lr change reaches this
-    # at every step (`groups.GroupConfigs`), over models of tens of thousands of expert matrices
-    first: dict[tuple[int, ...], str] = {}
-    for p in params:
-        first.setdefault(tuple(p.matrix_shape or p.shape), p.name)  # a stack's: each of its matrices'
-    for shape, name in first.items():
+    for p in one_per_shape(params):  # state is priced by shape: one comparison each
+        shape = p.matrix_shape or p.shape
         there, here = state_bytes(optimizer, shape, before), state_bytes(optimizer, shape, now)
         if there != here:
-            return f"{name}: {there} bytes of state there, {here} here"
+            return f"{p.name}: {there} bytes of state there, {here} here"
     return None
+
+
+def one_per_shape(params: Iterable[ParamSpec]) -> list[ParamSpec]:
+    """The first of `params` of each matrix shape (a stack's: each of its matrices'), in order: what
+    `state_difference` compares. A scheduler's lr change reaches that comparison every step
+    (`groups.GroupConfigs`, which keeps its groups reduced so), over models of tens of thousands of
+    expert matrices."""
+    first: dict[tuple[int, ...], ParamSpec] = {}
+    for p in params:
+        first.setdefault(tuple(p.matrix_shape or p.shape), p)
+    return list(first.values())
 
 
 def update_dtype_state_bytes(optimizer: str, shape: tuple[int, ...], cfg: object | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor
 
-from canzona.cost import state_difference
+from canzona.cost import one_per_shape, state_difference
 from canzona.errors import PlanError, SpecError
 from canzona.optimizers import check_config
 from canzona.spec import ModelSpec, ParamSpec
@@ -100,7 +100,7 @@ class GroupConfigs:
         self.base = dict(base)  # kind -> default config object (the matrix one: what the plan priced)
         # each matrix group's matrices (`group_matrices`), one per shape (state is priced by shape, and
         # a scheduler's change reaches the check every step): a group edited to keep other state is refused
-        self.matrices = {g: _one_per_shape(ms) for g, ms in (matrices or {}).items()}
+        self.matrices = {g: one_per_shape(ms) for g, ms in (matrices or {}).items()}
         self._cache: dict[int, tuple[tuple, Any]] = {}
         # beside a momentum optimizer (Muon) an AdamW group's `momentum` is its beta1 (`BetaOneGroup`);
         # elsewhere (SOAP, Shampoo, AdamW alone: `defaults` has `betas`, which the schedulers cycle)
@@ -129,14 +129,6 @@ class GroupConfigs:
             cached = (key, current)
             self._cache[index] = cached
         return cached[1]
-
-
-def _one_per_shape(members: list[ParamSpec]) -> list[ParamSpec]:
-    """The first of `members` of each matrix shape (a stack's: each of its matrices')."""
-    first: dict[tuple[int, ...], ParamSpec] = {}
-    for p in members:
-        first.setdefault(tuple(p.matrix_shape or p.shape), p)
-    return list(first.values())
 
 
 def group_matrices(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor],
