@@ -459,7 +459,8 @@ def _run_options(*, shared: SimOptions):
                       recompute=o.recompute, recompute_method=o.recompute_method,
                       recompute_num_layers=o.recompute_num_layers, selective_ac_option=o.selective_ac_option,
                       reduce_scatter=o.reduce_scatter,
-                      collectives=o.collectives, max_grad_norm=o.max_grad_norm, batch_kernels=o.batch_kernels,
+                      collectives=o.collectives, max_grad_norm=o.max_grad_norm, explicit_clip=o.explicit_clip,
+                      batch_kernels=o.batch_kernels,
                       compile_kernels=o.compile_kernels, overlap_step=o.overlap_step,
                       attention_backend=o.attention_backend,
                       ep_dispatcher=_ep_dispatcher(o),
@@ -588,6 +589,9 @@ Fallback = Annotated[bool, typer.Option(help="Report canzona's ZeRO-1 fallback (
 MaxGradNorm = Annotated[float | None, typer.Option(
     help="Clip the reduced gradients to this global norm inside the step (DistributedOptimizer's max_grad_norm; "
          "default: measure the norm only, as the runtime does every step).")]
+ExplicitClip = Annotated[bool, typer.Option(
+    help="The training loop calls DistributedOptimizer.clip_grad_norm_ before step(): price the step's recheck of "
+         "the clip's check (one small all-gather over DP, one over TP; needs --collectives runtime).")]
 BatchKernels = Annotated[bool, typer.Option(help="Same-shape matrices of a host as one batched kernel (DistributedOptimizer's batch_kernels).")]
 CompileKernels = Annotated[bool, typer.Option(
     help="Newton-Schulz through torch.compile (DistributedOptimizer's and, under --fsdp, FsdpOptimizer's "
@@ -736,6 +740,7 @@ class SimOptions:
     balance_by: BalanceBy = PLAN_DEFAULTS.balance_by
     collectives: Collectives = "megatron"
     max_grad_norm: MaxGradNorm = STEP_DEFAULTS.max_grad_norm
+    explicit_clip: ExplicitClip = False
     batch_kernels: BatchKernels = STEP_DEFAULTS.batch_kernels
     compile_kernels: CompileKernels = STEP_DEFAULTS.compile_kernels
     overlap_step: OverlapStep = STEP_DEFAULTS.overlap_step

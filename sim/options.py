@@ -116,6 +116,12 @@ class RunOptions:
         if not isinstance(self.overlap_step, bool):
             raise SpecError(f"overlap_step must be True or False, got {self.overlap_step!r}")
         check_choice(self.collectives, COLLECTIVE_MODES, "collectives mode")
+        if not isinstance(self.explicit_clip, bool):
+            raise SpecError(f"explicit_clip must be True or False, got {self.explicit_clip!r}")
+        if self.explicit_clip and self.collectives != "runtime":
+            # Megatron clips inside its step (no separate call to price); a flag that changes nothing is refused
+            raise SpecError("--explicit-clip prices the runtime's step recheck after clip_grad_norm_: it needs "
+                            "--collectives runtime (Megatron clips inside its step)")
         if not isinstance(self.align_grad_reduce, bool):
             raise SpecError(f"align_grad_reduce must be True or False, got {self.align_grad_reduce!r}")
 

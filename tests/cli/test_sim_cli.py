@@ -131,6 +131,19 @@ def test_max_grad_norm_prices_the_clip_and_is_checked():
     assert bad.exit_code == 2 and "error: max_grad_norm must be a positive number" in bad.stderr
 
 
+def test_explicit_clip_prices_the_step_recheck():
+    """--explicit-clip (the loop calls clip_grad_norm_ before step()): the runtime's step rechecks the
+    clip's check with one small all-gather over DP and one over TP, which the optimizer step pays."""
+    steps = {}
+    for extra in ([], ["--explicit-clip"]):
+        result = run("simulate", *SMALL, "--collectives", "runtime", "--no-zero1-fallback", *extra, "--json")
+        assert result.exit_code == 0, result.stderr
+        d = json.loads(result.stdout)
+        assert d["options"]["explicit_clip"] is bool(extra)
+        steps[bool(extra)] = d["optimizer_step_s"]
+    assert steps[True] > steps[False]
+
+
 def test_simulate_table():
     result = run("simulate", *SMALL)
     assert result.exit_code == 0, result.stderr
@@ -227,6 +240,7 @@ BAD = [
       "--recompute-num-layers", "5"], ("groups of 5",)),
     (["--reduce-scatter", "ring"], ("unknown reduce_scatter 'ring'",)),
     (["--collectives", "nccl"], ("unknown collectives mode 'nccl'",)),
+    (["--explicit-clip"], ("--explicit-clip", "needs --collectives runtime")),
 ]
 
 
