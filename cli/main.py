@@ -872,6 +872,7 @@ SEARCH_LACKS: dict[str, str] = {
                     "a count per stage, not explored: the search cuts the layers evenly, or with the embedding "
                     "and the loss counted as layers"),
     "collectives": "the runtime's collectives (--collectives runtime) are a validation setting, not a layout's",
+    "explicit_clip": "the runtime's step recheck, priced under --collectives runtime only (a validation setting)",
     "overlap_step": "canzona's own step option: the refinement tries step policies that refuse it",
     "compile_kernels": "priced as eager (sim.options.RunOptions): it changes no layout's time",
 }
