@@ -17,7 +17,9 @@ of which parameters got a gradient, a local problem, the clip threshold, the hyp
 digest and each rank's sum of squares of the gradient pieces it sends; every rank then fails alike,
 or computes the same global norm, before anything moves. A call that reuses it (`step()` after
 `clip_grad_norm_()`) rechecks the digest, the threshold and whether any rank's gradients changed
-since (one more small all-gather; if they did, every rank takes the check anew).
+since (one more small all-gather; if they did, every rank takes the check anew): replaced, added to
+by a backward (version counters), or edited in place through the DTensor (torch's own
+`clip_grad_norm_`, which no counter sees: the rank's sum of squares, read again).
 
 Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
 their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
@@ -140,8 +142,13 @@ def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
 ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry")
 
 
+def _bits(term: Tensor) -> int:
+    """An fp64 scalar's bits, compared exactly (a NaN equals itself)."""
+    return int(term.reshape(1).view(torch.int64)[0])
+
+
 # how a rank's gradients changed since the kept check (`FsdpOptimizer._grads_since`), as its recheck sends it
-_SINCE = (None, "replaced", "added")
+_SINCE = (None, "replaced", "added", "edited")
 
 
 class FsdpOptimizer(torch.optim.Optimizer):
@@ -272,6 +279,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # each gradient the kept check saw, with its version: a backward since bumps the version
         # (added to it), and one after `model.zero_grad()` leaves another tensor (`check`)
         self._versions: dict[str, tuple[weakref.ref, int]] | None = None
+        # and this rank's sum of squares of them (`_local_term`, as fp64 bits): an in-place edit
+        # through the DTensor (torch's clip_grad_norm_, `grad.mul_`) moves no local version counter
+        self._term: int | None = None
 
     # --- construction ------------------------------------------------------------------------
 
@@ -419,11 +429,17 @@ class FsdpOptimizer(torch.optim.Optimizer):
             table = self.world.all_gather_values(row, "step recheck")
             changed = table[:, 2]
             if changed.any():
-                added = changed == _SINCE.index("added")
+                added, edited = changed == _SINCE.index("added"), changed == _SINCE.index("edited")
                 if added.any() and self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
                     raise CanzonaError(f"a backward added to gradients clip_grad_norm_() had already clipped (rank(s) "
                                        f"{ranks_of(added)}; bf16 gradients, fp32 masters): clip once, after the last "
                                        "backward before step()")
+                if edited.any() and self._grad_scale != 1.0:
+                    # the kept scale is not applied to the bf16 gradients themselves: whatever changed them
+                    # (torch's clip_grad_norm_) measured the unclipped values, and the scale would apply twice
+                    raise CanzonaError(f"gradients clip_grad_norm_() had already clipped were changed in place since "
+                                       f"(rank(s) {ranks_of(edited)}; bf16 gradients, fp32 masters, whose clip is a "
+                                       "scale applied at the step): clip once, with opt.clip_grad_norm_ only")
                 # taken anew, as torch's clip_grad_norm_ would measure them; the old clip's scale is not theirs
                 self.checked, self._grad_scale = None, 1.0
             else:
@@ -435,12 +451,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         names = [p.name for p in self.spec.params]
         problem = self._local_problem()
         got_here = [self.params[n].grad is not None for n in names]
-        # every gradient element once: each rank sums the pieces it sends (a box held by several
-        # ranks of the exchange group is sent, and counted, by the lowest)
-        segments = [] if problem is not None else [
-            self._local_grad(n).reshape(-1) for n, g in zip(names, got_here)
-            if g and self.layout[n].sources[self.rank]]
-        term = local_norm_term(segments).to(torch.float64).cpu()
+        term = torch.zeros((), dtype=torch.float64) if problem is not None else self._local_term()
         digest = hyper_parameters_digest(self.param_groups)
         header = torch.cat([torch.tensor(got_here + [problem is not None, digest], dtype=torch.int64),
                             term.reshape(1).view(torch.int64),
@@ -473,8 +484,16 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
-        self._versions = self._grad_versions()
+        self._versions, self._term = self._grad_versions(), _bits(term)
         return self.checked
+
+    def _local_term(self) -> Tensor:
+        """This rank's share of the global norm (fp64, on the CPU): the sum of squares of the
+        gradient pieces it sends. Every gradient element once: a box held by several ranks of the
+        exchange group is sent, and counted, by the lowest."""
+        segments = [self._local_grad(n).reshape(-1) for n, p in self.params.items()
+                    if p.grad is not None and self.layout[n].sources[self.rank]]
+        return local_norm_term(segments).to(torch.float64).cpu()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -504,7 +523,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     for n, g in got.items():
                         if g:
                             self._local_grad(n).mul_(coefficient)
-                    self._versions = self._grad_versions()  # scaled here, not by a backward
+                    # scaled here, not by a backward nor the user: the recheck compares with these
+                    self._versions, self._term = self._grad_versions(), _bits(self._local_term())
                 # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
                 self.checked = (got, norm * coefficient)
         return torch.tensor(total, dtype=torch.float32)
@@ -564,8 +584,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def _grads_since(self) -> str | None:
         """How the gradients changed since the kept check saw them: None (not at all), "added" (a
-        backward accumulated into one) or "replaced" (another tensor, or none, in `.grad`: set to
-        None by `model.zero_grad()` and written by a backward since, or assigned)."""
+        backward accumulated into one), "replaced" (another tensor, or none, in `.grad`: set to
+        None by `model.zero_grad()` and written by a backward since, or assigned) or "edited" (the
+        same tensors, other values: torch's `clip_grad_norm_`, `grad.mul_()` on the DTensor,
+        which change its local tensor below the version counter). The last costs one read of the
+        local gradients, the check's own sum of squares: the cheapest sound test, as no counter
+        sees those edits; equal sums leave the norm, the one thing kept of the values, as it was."""
         seen, how = self._versions or {}, None
         for n, p in self.params.items():
             entry = seen.get(n)
@@ -575,6 +599,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 return "replaced"
             if entry[1] != self._local_grad(n)._version:
                 how = "added"
+        if how is None and _bits(self._local_term()) != self._term:
+            how = "edited"
         return how
 
     def _reshard(self) -> None:

@@ -193,7 +193,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               absent: int | None = None, assign: int | None = None, unsynced: int | None = None,
               cast: bool = False, evaluate: int | None = None, bf16: bool = False,
               retry: int | None = None, again: int | None = None, edit: int | None = None,
-              discard: int | None = None, drop_after_clip: int | None = None) -> dict:
+              discard: int | None = None, drop_after_clip: int | None = None,
+              torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -213,7 +214,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     step() (`refused`: its error), then puts it back and calls step() again. At step `discard` a
     batch of its own is run and its norm measured (`clip_grad_norm_(inf)`) first, then discarded
     with `model.zero_grad()` (a loss spike a run drops) before the step's own backward. At step
-    `drop_after_clip` rank 1 drops b.weight's gradient between the clip and step()."""
+    `drop_after_clip` rank 1 drops b.weight's gradient between the clip and step(). At step
+    `torch_clip_after_clip` every rank runs torch's `clip_grad_norm_` (to 0.01, in place: no version
+    counter moves) after the clip, then clips again; at step `nan_after_clip` rank 1 multiplies its
+    b.weight gradient by NaN with `torch._foreach_mul_` (what torch's clip scales by) after the clip."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -261,6 +265,11 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 norms.append(float(opt.clip_grad_norm_(threshold)))
             if rank == 1 and step == drop_after_clip:
                 named["b.weight"].grad = None
+            if step == torch_clip_after_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                norms.append(float(opt.clip_grad_norm_(threshold)))
+            if rank == 1 and step == nan_after_clip:
+                torch._foreach_mul_([named["b.weight"].grad], float("nan"))
             if step == retry:
                 lrs = [group["lr"] for group in opt.param_groups]
                 opt.param_groups[0]["lr"] = float("nan")
@@ -347,6 +356,9 @@ SMALL_CASES = {
     "clip-discarded": {"steps": 3, "clip": 0.05, "discard": 1},
     "drop-after-clip": {"steps": 3, "clip": 0.05, "drop_after_clip": 1},
     "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
+    "torch-clip-after-clip": {"steps": 3, "clip": 0.05, "torch_clip_after_clip": 1},
+    "bf16-torch-clip-after-clip": {"steps": 3, "clip": 0.05, "bf16": True, "torch_clip_after_clip": 1},
+    "nan-after-clip": {"steps": 3, "clip": 0.05, "nan_after_clip": 1},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -533,6 +545,37 @@ def test_fsdp_a_gradient_dropped_on_one_rank_after_the_clip_is_the_step_checks_e
         assert r["error"] == ("'b.weight' has a gradient on rank(s) [0, 2] and none on rank(s) [1]: every rank must "
                               "run the same backward (FSDP reduces every gradient over all ranks)"), r["error"]
         assert len(r["grads"]) == 1, len(r["grads"])
+
+
+def test_fsdp_gradients_scaled_in_place_after_the_clip_are_measured_anew() -> None:
+    """clip_grad_norm_(0.05), torch's own clip_grad_norm_(0.01) on the same DTensor gradients (in
+    place, through torch._foreach_mul_: no version counter moves), clip_grad_norm_(0.05) again: the
+    second clip returns the norm the gradients have now (0.01), as torch's would, and the run stays
+    alike on every rank. Before: it returned the first clip's kept norm (0.05). With bf16 gradients
+    (the first clip kept as a scale for the fp32 masters) the in-place change is one error on every
+    rank, nothing updated by that step."""
+    for r in _small()["torch-clip-after-clip"]:
+        assert r["error"] is None, r["error"]
+        first, second = r["norms"][1:3]
+        assert first > 0.05 and second == pytest.approx(0.01, rel=1e-4), r["norms"]
+    _same_everywhere(_small()["torch-clip-after-clip"])
+    for r in _small()["bf16-torch-clip-after-clip"]:
+        assert r["error"] is not None and "changed in place" in r["error"] and "\n" not in r["error"], r["error"]
+        assert len(r["grads"]) == 1, len(r["grads"])
+
+
+def test_fsdp_a_nan_written_in_place_after_the_clip_is_the_step_checks_error_on_every_rank() -> None:
+    """clip_grad_norm_, then rank 1 multiplies its b.weight gradient by NaN in place (no version
+    counter moves), step(): the recheck sees rank 1's gradients changed, every rank takes the
+    check anew and raises the non-finite norm's error, nothing updated by that step. Before: step()
+    reused the clip's finite verdict and stepped the NaN into the weights."""
+    results = _small()["nan-after-clip"]
+    for r in results:
+        assert r["error"] is not None and "global gradient norm is nan" in r["error"], r["error"]
+        assert len(r["grads"]) == 1, len(r["grads"])
+    want = emulate_small(results[0]["grads"], 0.05)  # step 0 taken, step 1 not
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
 
 
 @pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])
