@@ -828,3 +828,20 @@ def test_a_gradient_dropped_between_the_clip_and_the_step_is_the_rechecks_error(
     assert str(refused.value).startswith(f"the gradient of {name!r} was dropped (zero_grad() or .grad = None) "
                                          "between backward and step()"), str(refused.value)
     assert all(torch.equal(q, before[n]) for n, q in opt.params.items())
+
+
+def test_torch_clip_after_the_optimizers_clip_is_refused_before_it_changes_a_gradient(one_rank):
+    """opt.clip_grad_norm_(), then torch's own clip_grad_norm_ on the same gradients (the FSDP2
+    path's in-place edit its version counters miss): on the ZeRO-1 path `.grad` is still a guard,
+    so torch's clip is one CanzonaError before any gradient changes, and the next clip returns
+    what the first left (the clipped norm), not a norm of gradients edited behind its back."""
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    model.loss(_batches(0, 1)[0]).backward()
+    first = float(opt.clip_grad_norm_(0.05))
+    with pytest.raises(CanzonaError) as refused:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    assert "nothing may read or change .grad between backward and step" in str(refused.value), str(refused.value)
+    assert first > 0.05 and float(opt.clip_grad_norm_(0.05)) == pytest.approx(0.05, rel=1e-5)
