@@ -196,7 +196,7 @@ class CanzonaTrainer(Trainer):
         if given.get("optimizer_cls_and_kwargs") is not None:
             raise CanzonaError("CanzonaTrainer does not take optimizer_cls_and_kwargs: it builds a DistributedOptimizer "
                                "(matrix_optimizer=, matrix_config=, optimizer_kwargs=) or takes one in optimizers=")
-        check_not_tensor_parallel(given.get("model"))
+        check_not_tensor_parallel(given.get("model"))  # a model_init= one: `call_model_init`
         # the Trainer's constructor moves the model (_move_model_to_device) before it stores the
         # optimizer: what was given must be known by then
         self._given_optimizer = canzona_optimizer(optimizer)
@@ -205,6 +205,14 @@ class CanzonaTrainer(Trainer):
         self.canzona_spec = spec
         self.optimizer_kwargs = check_optimizer_kwargs(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """`Trainer.call_model_init`, its model checked as a `model=` one is: the Trainer calls it
+        in its constructor and again at the start of `train()`, past the constructor's check (a
+        transformers-TP model went on into training, failing in its first step's backward)."""
+        model = super().call_model_init(trial)
+        check_not_tensor_parallel(model)
+        return model
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; `resume_from_checkpoint=True` resumes from the latest whole checkpoint of

@@ -252,22 +252,29 @@ def hf_tensor_parallel(out: Path, config: str, overrides: bool = True) -> dict[s
             "adamw": opt.adamw_cfg, "loss": float(loss), "plain_loss": float(plain_loss)}
 
 
-def hf_tensor_parallel_trainer(out: Path) -> dict[str, Any]:
+def hf_tensor_parallel_trainer(out: Path, model_init: bool = False) -> dict[str, Any]:
     """CanzonaTrainer given a model sharded by transformers' TP plan, as a user would write it (the
     optimizer's (dp, tp) mesh and the CLI's plan in optimizer_kwargs; after "hf tp tiny_qwen3",
-    which saved the model and wrote the plan): refused at construction, on every rank."""
+    which saved the model and wrote the plan), as `model=` or built by `model_init=` (which the
+    Trainer calls in its constructor and again in `train()`): refused on every rank, before any
+    training step (`steps`: the optimizer steps taken, none expected)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.integrations.hf import CanzonaTrainer
     from tests.runtime import hf_tp_setup as hf
 
     hf.register_head_norm()
-    model = hf.load_sharded(out / "hf-tp-tiny_qwen3" / "tiny_qwen3-model", hf.NORMS)
+
+    def build() -> torch.nn.Module:
+        return hf.load_sharded(out / "hf-tp-tiny_qwen3" / "tiny_qwen3-model", hf.NORMS)
+
     mesh = init_device_mesh("cpu", (1, hf.TP), mesh_dim_names=("dp", "tp"))
     args = trainer_example.training_arguments(SETUP, str(out / "hf-tp-trainer"), 2)
-    CanzonaTrainer(model=model, args=args, train_dataset=trainer_example.MarkovTokens(SETUP),
-                   optimizer_kwargs={"group": mesh, "plan": str(out / "hf-tp-tiny_qwen3.json")}).train()
-    return {}
+    given = {"model_init": build} if model_init else {"model": build()}
+    trainer = CanzonaTrainer(**given, args=args, train_dataset=trainer_example.MarkovTokens(SETUP),
+                             optimizer_kwargs={"group": mesh, "plan": str(out / "hf-tp-tiny_qwen3.json")})
+    trainer.train()
+    return {"steps": trainer.state.global_step}
 
 
 def main() -> None:
@@ -301,6 +308,7 @@ def main() -> None:
         ("hf tp tiny_qwen3_moe", lambda: hf_tensor_parallel(out, "tiny_qwen3_moe")),
         ("hf tp without overrides", lambda: hf_tensor_parallel(out, "tiny_qwen3", overrides=False)),
         ("trainer hf tp", lambda: hf_tensor_parallel_trainer(out)),
+        ("trainer hf tp model_init", lambda: hf_tensor_parallel_trainer(out, model_init=True)),
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),

@@ -201,6 +201,19 @@ def test_the_trainer_refuses_a_transformers_tp_model_naming_the_optimizers_own_w
         assert "\n" not in r["error"]
 
 
+@pytest.mark.distributed
+def test_the_trainer_refuses_a_transformers_tp_model_built_by_model_init(ranks):
+    """CanzonaTrainer(model_init=<a function returning a model sharded by tp_plan "auto">): the same
+    one CanzonaError on every rank, before any training step (the Trainer calls model_init in its
+    constructor and again in train(); CanzonaTrainer checks what each call returns). Before: the
+    check ran on `model=` only, and the model_init model went on into the Trainer."""
+    for r in [r["trainer hf tp model_init"] for r in ranks]:
+        assert "steps" not in r, r
+        assert r["error"].startswith("CanzonaError: CanzonaTrainer does not train a model sharded by transformers' "
+                                     "TP plan (tp_size 2)"), r["error"]
+        assert "\n" not in r["error"]
+
+
 # --- transformers' Trainer ---------------------------------------------------------------------
 
 
