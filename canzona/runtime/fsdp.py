@@ -523,8 +523,10 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     for n, g in got.items():
                         if g:
                             self._local_grad(n).mul_(coefficient)
-                    # scaled here, not by a backward nor the user: the recheck compares with these
-                    self._versions, self._term = self._grad_versions(), _bits(self._local_term())
+                    # scaled here, not by a backward nor the user: a recheck compares with these
+                    # (none follows step()'s own clip, whose check ends with the step: not read)
+                    self._versions = self._grad_versions()
+                    self._term = _bits(self._local_term()) if recheck else None
                 # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
                 self.checked = (got, norm * coefficient)
         return torch.tensor(total, dtype=torch.float32)
