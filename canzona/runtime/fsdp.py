@@ -142,11 +142,6 @@ def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
 ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry")
 
 
-def _bits(term: Tensor) -> int:
-    """An fp64 scalar's bits, compared exactly (a NaN equals itself)."""
-    return int(term.reshape(1).view(torch.int64)[0])
-
-
 # how a rank's gradients changed since the kept check (`FsdpOptimizer._grads_since`), as its recheck sends it
 _SINCE = (None, "replaced", "added", "edited")
 
@@ -279,9 +274,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # each gradient the kept check saw, with its version: a backward since bumps the version
         # (added to it), and one after `model.zero_grad()` leaves another tensor (`check`)
         self._versions: dict[str, tuple[weakref.ref, int]] | None = None
-        # and this rank's sum of squares of them (`_local_term`, as fp64 bits): an in-place edit
+        # and a digest of their values (`_grad_digest`), where a reuse may follow: an in-place edit
         # through the DTensor (torch's clip_grad_norm_, `grad.mul_`) moves no local version counter
-        self._term: int | None = None
+        self._digest: Tensor | None = None
 
     # --- construction ------------------------------------------------------------------------
 
@@ -451,7 +446,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
         names = [p.name for p in self.spec.params]
         problem = self._local_problem()
         got_here = [self.params[n].grad is not None for n in names]
-        term = torch.zeros((), dtype=torch.float64) if problem is not None else self._local_term()
+        # every gradient element once: each rank sums the pieces it sends (a box held by several
+        # ranks of the exchange group is sent, and counted, by the lowest)
+        segments = [] if problem is not None else [
+            self._local_grad(n).reshape(-1) for n, g in zip(names, got_here)
+            if g and self.layout[n].sources[self.rank]]
+        term = local_norm_term(segments).to(torch.float64).cpu()
         digest = hyper_parameters_digest(self.param_groups)
         header = torch.cat([torch.tensor(got_here + [problem is not None, digest], dtype=torch.int64),
                             term.reshape(1).view(torch.int64),
@@ -484,16 +484,18 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
-        self._versions, self._term = self._grad_versions(), _bits(term)
+        # the digest is taken by the calls a reuse may follow (`_clip`, a refused `step()`)
+        self._versions, self._digest = self._grad_versions(), None
         return self.checked
 
-    def _local_term(self) -> Tensor:
-        """This rank's share of the global norm (fp64, on the CPU): the sum of squares of the
-        gradient pieces it sends. Every gradient element once: a box held by several ranks of the
-        exchange group is sent, and counted, by the lowest."""
-        segments = [self._local_grad(n).reshape(-1) for n, p in self.params.items()
-                    if p.grad is not None and self.layout[n].sources[self.rank]]
-        return local_norm_term(segments).to(torch.float64).cpu()
+    def _grad_digest(self) -> Tensor:
+        """Each local gradient's 2-norm, accumulated in fp32 (a tenth of the check's fp64 sum's time
+        on CPU), as bits: equal digests leave every gradient's norm, and so the kept check's
+        global norm and verdict, as they were to fp32 rounding, and a NaN or Inf is never equal
+        to a finite value."""
+        norms = [torch.linalg.vector_norm(self._local_grad(n), dtype=torch.float32).reshape(1)
+                 for n, p in self.params.items() if p.grad is not None]
+        return torch.cat(norms).view(torch.int32) if norms else torch.empty(0, dtype=torch.int32)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -511,6 +513,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """`clip_grad_norm_`, validated; `recheck`: as `check` takes it (step()'s own clip: False)."""
         got, norm = self.check(max_norm, recheck)
         total = norm if norm_type == 2.0 else self._inf_norm(got)
+        scaled = False
         if math.isfinite(total):
             coefficient = min(1.0, max_norm / (total + 1e-6))
             if coefficient < 1.0:
@@ -523,12 +526,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     for n, g in got.items():
                         if g:
                             self._local_grad(n).mul_(coefficient)
-                    # scaled here, not by a backward nor the user: a recheck compares with these
-                    # (none follows step()'s own clip, whose check ends with the step: not read)
-                    self._versions = self._grad_versions()
-                    self._term = _bits(self._local_term()) if recheck else None
+                    self._versions, scaled = self._grad_versions(), True  # here, not by a backward
                 # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
                 self.checked = (got, norm * coefficient)
+        if recheck and (scaled or self._digest is None):
+            # a second clip or step() may reuse this check: their recheck compares with these values
+            # (none follows step()'s own clip, whose check ends with the step)
+            self._digest = self._grad_digest()
         return torch.tensor(total, dtype=torch.float32)
 
     def _inf_norm(self, got: Mapping[str, bool]) -> float:
@@ -560,8 +564,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
         got, norm = self.check(self.max_grad_norm)
-        for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
-            self.group_config(g)
+        try:
+            for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
+                self.group_config(g)
+        except Exception:
+            if self._digest is None:  # the check is kept for step() called again
+                self._digest = self._grad_digest()
+            raise
         try:
             if not math.isfinite(norm):  # nonfinite="skip": every rank skips alike
                 self.skipped_steps += 1
@@ -590,8 +599,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         None by `model.zero_grad()` and written by a backward since, or assigned) or "edited" (the
         same tensors, other values: torch's `clip_grad_norm_`, `grad.mul_()` on the DTensor,
         which change its local tensor below the version counter). The last costs one read of the
-        local gradients, the check's own sum of squares: the cheapest sound test, as no counter
-        sees those edits; equal sums leave the norm, the one thing kept of the values, as it was."""
+        local gradients (`_grad_digest`), no counter seeing those edits; the norm is all the kept
+        check holds of their values, so each gradient's norm is what is compared."""
         seen, how = self._versions or {}, None
         for n, p in self.params.items():
             entry = seen.get(n)
@@ -601,7 +610,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 return "replaced"
             if entry[1] != self._local_grad(n)._version:
                 how = "added"
-        if how is None and _bits(self._local_term()) != self._term:
+        if how is None and (self._digest is None or not torch.equal(self._grad_digest(), self._digest)):
             how = "edited"
         return how
 
