@@ -57,6 +57,7 @@ from canzona.tp import EVERY_RANK
 if TYPE_CHECKING:
     from canzona.plan import Plan
     from canzona.runtime.buffers import Piece
+    from canzona.runtime.comm import Comm
     from canzona.runtime.mesh import Mesh
     from canzona.spec import ModelSpec
     from canzona.step_policies import StepPolicy
@@ -363,7 +364,9 @@ def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | No
 
 
 def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
-    load_by_name(opt, *read_state(opt, state_dict))
+    """`state_dict()`'s form, loaded on every rank of the optimizer's DP and TP groups (collective:
+    `read_state_together`)."""
+    load_by_name(opt, *read_state_together(opt, state_dict, [opt.mesh.comm(DP), opt.mesh.comm(TP)]))
 
 
 def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
@@ -374,7 +377,127 @@ def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str,
     _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
     if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
         _check_members(opt, [list(g[NAMES_KEY]) for g in state_dict["param_groups"]])
-    return header, groups, state
+    return header, groups, checked_entries(opt, state)
+
+
+def read_state_together(opt: Described, state_dict: Mapping[str, Any], comms: list[Comm | None]) -> tuple[
+        dict[str, Any], list[dict[str, Any]], dict[str, dict]]:
+    """`read_state` on every rank of `comms` (the groups whose ranks hold the same state dict), and
+    one small all-gather in each of whether it was refused and of a digest of what was read: a
+    refusal on one rank, or ranks given different state dicts (each rank loading its own file of
+    another save, or `load_state_dict` on rank 0 alone: each rank takes only its own pieces of it,
+    so before, the optimizer's state was silently mixed), is one error on every rank before
+    anything is changed. Collective, bounded by the groups' timeouts."""
+    error: CanzonaError | None = None
+    read: Any = None
+    digest = 0
+    try:
+        read = read_state(opt, state_dict)
+        digest = int.from_bytes(_state_digest(*read)[:8], "little", signed=True)
+    except CanzonaError as e:
+        error = e
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+        # a hand-built dict of the wrong form: still one line, on every rank alike
+        error = PlanError(f"not a canzona optimizer state ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})")
+    for comm in (c for c in comms if c is not None):
+        try:
+            table = comm.all_gather_values(torch.tensor([int(error is not None), digest]), "load_state_dict check")
+        except CanzonaError as e:
+            raise CanzonaError(f"{e}; load_state_dict() is collective: call it on every rank, each with the same "
+                               "state dict") from None
+        if error is None and table[:, 0].any():
+            ranks = [int(r) for r in torch.nonzero(table[:, 0]).flatten()]
+            error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
+                                    f"{comm.name} refused it (see their error)")
+        elif error is None and not torch.all(table[:, 1] == digest):
+            ranks = [int(r) for r in torch.nonzero(table[:, 1] != digest).flatten()]
+            error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
+                                    f"{comm.name} were given another state dict than this rank: every rank must "
+                                    "load the same save (the state dict is the same on every rank)")
+    if error is not None:
+        raise error
+    return read
+
+
+def _state_digest(header: Mapping[str, Any], groups: list[Mapping[str, Any]], state: Mapping[str, dict]) -> bytes:
+    """A digest of a state read by `read_state`: the header, the groups' hyper-parameters, every
+    field's shape and dtype, every scalar, and the bytes of a few elements of every tensor (those
+    the weights' witness picks: cheap at any size; two saves differ in nearly all of them)."""
+    h = hashlib.sha256(json.dumps([header, groups], sort_keys=True, default=repr).encode())
+    for name in sorted(state):
+        for field in sorted(state[name]):
+            value = state[name][field]
+            if isinstance(value, Tensor):
+                flat = value.detach().reshape(-1)
+                picked = flat[witness_indices(f"{name}/{field}", flat.numel())]
+                h.update(f"{name}/{field} {list(value.shape)} {value.dtype} {''.join(_bits(picked))}".encode())
+            else:
+                h.update(f"{name}/{field} {value!r}".encode())
+    return h.digest()
+
+
+def _group_of(opt: Described) -> dict[str, int]:
+    """The group index of every parameter and of every matrix of a stack, by name."""
+    name_of = {id(p): n for n, p in opt.params.items()}
+    out: dict[str, int] = {}
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            out.update({m.name: g for m in stacked_matrices(opt.spec.param(name_of[id(p)]))})
+            out[name_of[id(p)]] = g
+    return out
+
+
+def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict]:
+    """Each saved entry against the state its optimizer keeps (`initial_state`'s fields, shapes
+    taken on the meta device, nothing allocated): a field missing or of another shape is one
+    PlanError naming it, before anything is loaded (a hand-edited or damaged `torch.save` file;
+    before, a wrong shape failed halfway through the load, the optimizer's state half replaced, on
+    the ranks that hold that entry alone). Floating-point fields in another dtype are cast to the
+    state's, as torch.optim's `load_state_dict` casts them to the parameter's."""
+    group_of = _group_of(opt)
+    out: dict[str, dict] = {}
+    for name, entry in state.items():
+        entry = dict(entry)
+        shape = tuple(opt.spec.param(name).shape)
+        master = entry.get("master")
+        if master is not None and (not isinstance(master, Tensor) or tuple(master.shape) != shape):
+            raise PlanError(f"optimizer state of {name!r} is damaged: its master is {_described(master)}, "
+                            f"the parameter {list(shape)}")
+        if any(k != "master" for k in entry):  # a stepped entry: every field of its state
+            template = _template_on_meta(opt, group_of[name], name)
+            for field, want in template.items():
+                entry[field] = _checked_field(name, field, want, entry)
+        out[name] = entry
+    return out
+
+
+def _template_on_meta(opt: Described, g: int, name: str) -> dict[str, Any]:
+    with torch.device("meta"):
+        return _template(opt, g, name)
+
+
+def _checked_field(name: str, field: str, want: Any, entry: Mapping[str, Any]) -> Any:
+    """The saved value of `field`, checked against the template's `want` (cast to its dtype)."""
+    got = entry.get(field)
+    if want is None:  # a field this configuration leaves unused (SOAP's one-sided preconditioner)
+        return got
+    if field not in entry:
+        raise PlanError(f"optimizer state of {name!r} is damaged: it has no {field!r}")
+    if not isinstance(want, Tensor):  # a step count
+        if not (isinstance(got, (int, float)) or (isinstance(got, Tensor) and got.numel() == 1)):
+            raise PlanError(f"optimizer state of {name!r} is damaged: its {field!r} is {_described(got)}, "
+                            "not a number")
+        return got
+    if not isinstance(got, Tensor) or got.shape != want.shape or got.is_floating_point() != want.is_floating_point():
+        raise PlanError(f"optimizer state of {name!r} is damaged: its {field!r} is {_described(got)}, this "
+                        f"optimizer keeps {_described(want)}")
+    return got if got.dtype == want.dtype else got.to(want.dtype)
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
 
 
 def _check_members(opt: Described, saved: list[list[str]]) -> None:

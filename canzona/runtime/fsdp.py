@@ -782,7 +782,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
         DP x TP layout; checks it belongs to this model and optimizer, not the weights (as on the
         ZeRO-1 path: a saved master that is not the weight cast gives way to it at the next step).
-        Not collective."""
+        Collective (every rank calls it with the same state dict, as `state_dict()` gives it): a
+        refusal on one rank, or ranks given different state dicts, is one error on every rank."""
         fsdp_checkpoint.load_state(self, state_dict)
 
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:

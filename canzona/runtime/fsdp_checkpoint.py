@@ -33,7 +33,7 @@ from canzona.runtime.checkpoint import (
     full_state,
     piece_key,
     read_sharded,
-    read_state,
+    read_state_together,
     restore_settings,
     same_as_master,
     sharded_meta,
@@ -100,8 +100,9 @@ def _stitch(opt: FsdpOptimizer, name: str, pieces: Mapping[int, Tensor]) -> Tens
 def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a layout-independent state dict (taken under FSDP2 at any size, or under ZeRO-1 at any
     DP x TP layout): checks first (a checkpoint of another model or optimizer: one PlanError),
-    then this rank's pieces. Local: no collective."""
-    load_by_name(opt, *read_state(opt, state_dict))
+    then this rank's pieces. Collective over the mesh (`read_state_together`): a refusal on one
+    rank, or ranks given different state dicts, is one error on every rank, nothing loaded."""
+    load_by_name(opt, *read_state_together(opt, state_dict, [opt.world]))
 
 
 def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],

@@ -886,7 +886,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         As torch's, it checks no weights (the model may be loaded after it): a saved fp32 master
         that is not the model's weight cast gives way to that weight at the next step
         (`kernels.update_target`). To refuse weights of another save: the sharded form's
-        `load_sharded_state_dict(check_weights=True)`."""
+        `load_sharded_state_dict(check_weights=True)`. Collective (every rank calls it with the same
+        state dict, as `state_dict()` gives it): a refusal on one rank, or ranks given different
+        state dicts, is one error on every rank, nothing loaded."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_state(self, state_dict)

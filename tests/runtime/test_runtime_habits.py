@@ -466,6 +466,60 @@ def dcp_other_layout_job(rank: int, world: int, path: str) -> dict:
     return _params(model)
 
 
+def torch_save_job(rank: int, world: int, path: str) -> dict:
+    """`torch.save(opt.state_dict(), ...)` on every rank and `torch.load` back, as users checkpoint
+    without DCP: another rank's file, `weights_only=True`, loaded twice, resumes bit for bit; files
+    of two saves (rank 0 loads step 1's, rank 1 step 2's), or a file damaged on one rank, are one
+    error on every rank with nothing changed; state saved in bf16 loads into the fp32 state."""
+    import os
+
+    folder = f"{path}-files"
+    os.makedirs(folder, exist_ok=True)
+    batches = _batches(rank, world)
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, batches[:1])
+    torch.save(opt.state_dict(), f"{folder}/a{rank}.pt")
+    _train(model, opt, batches[1:2])
+    torch.save(opt.state_dict(), f"{folder}/b{rank}.pt")
+    torch.save(model.state_dict(), f"{folder}/model{rank}.pt")
+    _train(model, opt, batches[2:])
+
+    def fresh():
+        m = build_model(replace(BASE, model_seed=7))
+        m.load_state_dict(torch.load(f"{folder}/model{rank}.pt", weights_only=True))
+        return m, _optimizer(m)
+
+    resumed, opt2 = fresh()
+    other = torch.load(f"{folder}/b{world - 1 - rank}.pt", weights_only=True)  # the other rank's file
+    opt2.load_state_dict(other)
+    opt2.load_state_dict(other)
+    _train(resumed, opt2, batches[2:])
+    out = {"resumed exact": compare(_params(resumed), _params(model))["bit_identical"]}
+
+    def refused(state_dict) -> dict:
+        m, o = fresh()
+        before = o.state_dict()
+        got = _outcome(lambda: o.load_state_dict(state_dict))
+        return {**got, "unchanged": _nested_equal(o.state_dict(), before)}
+
+    out["two saves"] = refused(torch.load(f"{folder}/{'ab'[rank]}{rank}.pt", weights_only=True))
+    damaged = torch.load(f"{folder}/b{rank}.pt", weights_only=True)
+    if rank == 1:
+        entry = damaged["state"][max(damaged["state"])]
+        field = next(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim())
+        entry[field] = entry[field].reshape(-1)[:-1]  # one element short
+    out["damaged on one rank"] = refused(damaged)
+    low = torch.load(f"{folder}/b{rank}.pt", weights_only=True)
+    for entry in low["state"].values():
+        entry.update({k: v.bfloat16() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim()})
+    m, o = fresh()
+    out["bf16 state"] = _outcome(lambda: (o.load_state_dict(low), _train(m, o, batches[2:]))[1])
+    out["bf16 state dtypes"] = sorted({str(v.dtype) for e in o.state_dict()["state"].values()
+                                       for v in e.values() if isinstance(v, torch.Tensor) and v.dim()})
+    return out
+
+
 def _nested_equal(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and set(a) == set(b) and all(_nested_equal(a[k], b[k]) for k in a)
@@ -509,6 +563,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out = {name: globals()[JOBS[name][0]](rank, world, *JOBS[name][1]) for name in names}
     out["dcp"] = dcp_job(rank, world, path)
     out["unseen checkpoint"] = unseen_checkpoint_job(rank, world, path)
+    out["torch.save"] = torch_save_job(rank, world, path)
     return out
 
 
@@ -516,7 +571,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
-    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint"]}
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
 
@@ -718,6 +773,34 @@ def test_a_checkpoint_one_rank_cannot_read_is_one_error_on_every_rank_at_once(ru
         assert "\n" not in out["message"] and out["seconds"] < 30 and out["state unchanged"], out
 
 
+def test_torch_save_files_resume_bit_for_bit_from_any_ranks_file_loaded_twice(runs):
+    for out in runs["torch.save"]:
+        assert out["resumed exact"], out
+
+
+def test_torch_save_files_of_two_saves_are_one_error_on_every_rank_nothing_loaded(runs):
+    """Before: each rank took its own pieces of its own file, silently mixing two saves' state."""
+    for out in runs["torch.save"]:
+        got = out["two saves"]
+        assert got["error"] == "CheckpointError" and "were given another state dict" in got["message"], got
+        assert "\n" not in got["message"] and got["unchanged"], got
+
+
+def test_a_state_dict_damaged_on_one_rank_is_one_error_on_every_rank_nothing_loaded(runs):
+    """Before: rank 1 failed halfway with torch's RuntimeError (its state half replaced) and rank 0,
+    which holds no piece of the damaged entry, loaded it."""
+    damaged, peer = runs["torch.save"][1]["damaged on one rank"], runs["torch.save"][0]["damaged on one rank"]
+    assert damaged["error"] == "PlanError" and "is damaged: its 'exp_avg'" in damaged["message"], damaged
+    assert peer["error"] == "CheckpointError" and "rank(s) [1] of group dp refused it" in peer["message"], peer
+    assert damaged["unchanged"] and peer["unchanged"]
+
+
+def test_a_state_dict_in_bf16_is_cast_to_the_state_dtype_as_torch_casts(runs):
+    """Before: it loaded as bf16 and the next step failed in torch ('expected dtype BFloat16')."""
+    for out in runs["torch.save"]:
+        assert out["bf16 state"]["error"] is None and out["bf16 state dtypes"] == ["torch.float32"], out
+
+
 def test_torch_state_dict_api_resumes_at_another_layout(runs):
     """DP 2's checkpoint, one more step at DP 1: that step's gradient is the same sum in another
     order, so the weights part in the last bits (README: Muon 4e-4 after 10 steps of DP 1 vs 2)."""
@@ -845,3 +928,24 @@ def test_torch_clip_after_the_optimizers_clip_is_refused_before_it_changes_a_gra
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     assert "nothing may read or change .grad between backward and step" in str(refused.value), str(refused.value)
     assert first > 0.05 and float(opt.clip_grad_norm_(0.05)) == pytest.approx(0.05, rel=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["entry not a dict", "step not a number"])
+def test_a_hand_built_state_dict_of_the_wrong_form_is_one_planerror(one_rank, damage):
+    """Before: a TypeError from deep in the load (`dict()` of a list), or a step count of two
+    elements loaded as it was; now one PlanError line, before anything is loaded."""
+    from canzona.errors import PlanError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, _batches(0, 1)[:1])
+    saved = opt.state_dict()
+    entry = next(k for k, e in saved["state"].items() if "step" in e)
+    if damage == "entry not a dict":
+        saved["state"][entry] = [v for v in saved["state"][entry].values()]
+    else:
+        saved["state"][entry]["step"] = torch.zeros(2)
+    before = opt.state_dict()
+    with pytest.raises(PlanError) as refused:
+        opt.load_state_dict(saved)
+    assert "\n" not in str(refused.value) and _nested_equal(opt.state_dict(), before), str(refused.value)
