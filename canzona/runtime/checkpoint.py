@@ -335,7 +335,7 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
         if len(keys) != len(names):
             raise PlanError(f"optimizer state: a parameter group lists {len(keys)} parameters and {len(names)} names")
         for key, name in zip(keys, names):
-            entry = state_dict["state"].get(key)
+            entry = _entry(state_dict["state"], key)
             if entry is None:
                 continue
             entry = dict(entry)
@@ -347,6 +347,18 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
                     by_name[key] = part
     hyper = [{k: v for k, v in g.items() if k not in ("params", NAMES_KEY, HEADER_KEY)} for g in groups]
     return header, hyper, by_name
+
+
+def _entry(states: Mapping[Any, Any], key: Any) -> Mapping[str, Any] | None:
+    """The state entry of parameter index `key`. `dcp.load` into a state dict keyed by int (this
+    one's, or any torch optimizer's, without torch's `get_optimizer_state_dict`) fills its tensors in
+    place but sets its non-tensor values under the key's string (`state["0"]`, the path of its
+    flattening): those are the saved values (`step`, `canzona_stepped`), over the template's."""
+    entry = states.get(key)
+    moved = None if isinstance(key, str) else states.get(str(key))
+    if not isinstance(moved, Mapping) or not isinstance(entry, Mapping):
+        return entry if entry is not None else moved
+    return {**entry, **moved}
 
 
 def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | None:
