@@ -394,41 +394,49 @@ def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str,
 
 def read_state_together(opt: Described, state_dict: Mapping[str, Any], comms: list[Comm | None]) -> tuple[
         dict[str, Any], list[dict[str, Any]], dict[str, dict]]:
-    """`read_state` on every rank of `comms` (the groups whose ranks hold the same state dict), and
-    one small all-gather in each of whether it was refused and of a digest of what was read: a
-    refusal on one rank, or ranks given different state dicts (each rank loading its own file of
-    another save, or `load_state_dict` on rank 0 alone: each rank takes only its own pieces of it,
-    so before, the optimizer's state was silently mixed), is one error on every rank before
-    anything is changed. Collective, bounded by the groups' timeouts."""
+    """`read_state` on every rank of `comms` (the groups whose ranks hold the same state dict),
+    agreed on (`agree`) with a digest of what was read: a refusal on one rank, or ranks given
+    different state dicts (each rank loading its own file of another save, or `load_state_dict` on
+    rank 0 alone: each rank takes only its own pieces of it, so before, the optimizer's state was
+    silently mixed), is one error on every rank before anything is changed."""
     error: CanzonaError | None = None
     read: Any = None
-    digest = 0
+    digest = b""
     try:
         read = read_state(opt, state_dict)
-        digest = int.from_bytes(_state_digest(*read)[:8], "little", signed=True)
+        digest = _state_digest(*read)
     except CanzonaError as e:
         error = e
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
         # a hand-built dict of the wrong form: still one line, on every rank alike
         error = PlanError(f"not a canzona optimizer state ({type(e).__name__}: {next(iter(str(e).splitlines()), '')})")
+    agree(comms, error, digest, "load_state_dict()", "were given another state dict than this rank: every rank must "
+          "load the same save (the state dict is the same on every rank)")
+    return read
+
+
+def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, call: str, differ: str) -> None:
+    """One small all-gather in each group of `comms` of whether this rank refused what it is loading
+    and of a digest of it (what every rank of the group must have alike); raise on every rank if
+    any refused (its own error there) or the digests differ (`differ` says how), else return.
+    Collective, bounded by the groups' timeouts; every rank joins every group's round, so none is
+    left waiting."""
+    word = int.from_bytes(hashlib.sha256(digest).digest()[:8], "little", signed=True)
     for comm in (c for c in comms if c is not None):
         try:
-            table = comm.all_gather_values(torch.tensor([int(error is not None), digest]), "load_state_dict check")
+            table = comm.all_gather_values(torch.tensor([int(error is not None), word]), f"{call} check")
         except CanzonaError as e:
-            raise CanzonaError(f"{e}; load_state_dict() is collective: call it on every rank, each with the same "
-                               "state dict") from None
+            raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
         if error is None and table[:, 0].any():
             ranks = [int(r) for r in torch.nonzero(table[:, 0]).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
                                     f"{comm.name} refused it (see their error)")
-        elif error is None and not torch.all(table[:, 1] == digest):
-            ranks = [int(r) for r in torch.nonzero(table[:, 1] != digest).flatten()]
+        elif error is None and not torch.all(table[:, 1] == word):
+            ranks = [int(r) for r in torch.nonzero(table[:, 1] != word).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
-                                    f"{comm.name} were given another state dict than this rank: every rank must "
-                                    "load the same save (the state dict is the same on every rank)")
+                                    f"{comm.name} {differ}")
     if error is not None:
         raise error
-    return read
 
 
 def _state_digest(header: Mapping[str, Any], groups: list[Mapping[str, Any]], state: Mapping[str, dict]) -> bytes:
@@ -1035,10 +1043,21 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
+    agree_on_save(meta, [opt.mesh.comm(DP), opt.mesh.comm(TP)])
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
+
+
+def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:
+    """The ranks of `comms` read the same save: its metadata entry (the header, the groups and the
+    weights' witness: another save's differs) alike on each. Before, ranks given folders of two
+    saves (a path that differs by rank, `latest_checkpoint` looked up on each while a save landed)
+    each loaded their own pieces of their own, silently mixing the saves."""
+    agree(comms, None, json.dumps(meta, sort_keys=True).encode(), "load_sharded_state_dict()",
+          "read another checkpoint than this rank (their optimizer metadata differ): every rank must load the "
+          "same save")
 
 
 Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset, its metadata) -> read it

@@ -383,7 +383,14 @@ def verify_checkpoint(folder: str | os.PathLike, expect: Mapping[str, Any] | Non
 
 
 def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | None) -> Manifest:
-    return ranks.together(lambda: _verify_share(folder, expect, ranks.rank, ranks.world))[ranks.rank]
+    every = ranks.together(lambda: _verify_share(folder, expect, ranks.rank, ranks.world))
+    # each rank hashed a share of its own folder: folders of two saves (a path that differs by
+    # rank) would each pass, and the ranks would load different checkpoints
+    others = [r for r, manifest in enumerate(every) if manifest != every[ranks.rank]]
+    if others:
+        raise CheckpointError(f"{folder}: rank(s) {others} were given another checkpoint (their manifest differs): "
+                              "every rank must load the same save")
+    return every[ranks.rank]
 
 
 def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None = None, *,

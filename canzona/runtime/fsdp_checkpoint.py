@@ -29,6 +29,7 @@ from canzona.runtime.checkpoint import (
     _overlaps,
     _to_cpu,
     _to_device,
+    agree_on_save,
     check_same_save,
     full_state,
     piece_key,
@@ -185,6 +186,7 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
         needs[name] = lambda t, tp, offset, meta, lo=lo, hi=hi: tp != 1 or _overlaps(meta, offset, lo, hi)
     header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    agree_on_save(header, [opt.world])
     if check_weights:
         _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, header.get(WITNESS_KEY))

@@ -271,6 +271,34 @@ def unseen_checkpoint_job(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def two_saves_sharded_job(rank: int, world: int, path: str) -> dict:
+    """`load_sharded_state_dict` of folders of two saves, rank r given step r + 1's (a path that
+    differs by rank): with manifests (`save_checkpoint`) and without (a plain `dcp.save`), and
+    `verify_checkpoint` of them. One error on every rank, nothing loaded."""
+    from functools import partial
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint_files import save_checkpoint, verify_checkpoint
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    for step in (1, 2):
+        _train(model, opt, _batches(rank, world)[step - 1:step])
+        save_checkpoint(opt.sharded_state_dict(), f"{path}-two/step_{step}")
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}-two/plain_{step}")
+    out = {}
+    for kind in ("step", "plain"):
+        fresh = _optimizer(build_model(BASE))
+        before = fresh.state_dict()
+        out[kind] = _outcome(partial(fresh.load_sharded_state_dict, f"{path}-two/{kind}_{rank + 1}"))
+        out[kind]["unchanged"] = _nested_equal(fresh.state_dict(), before)
+    out["verify"] = _outcome(lambda: verify_checkpoint(f"{path}-two/step_{rank + 1}", process_group=dist.group.WORLD)
+                             and None)
+    return out
+
+
 class _Branchy(torch.nn.Module):
     """A branch that some steps leave unused (its parameters get no gradient there)."""
 
@@ -576,6 +604,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out["dcp"] = dcp_job(rank, world, path)
     out["unseen checkpoint"] = unseen_checkpoint_job(rank, world, path)
     out["torch.save"] = torch_save_job(rank, world, path)
+    out["two saves sharded"] = two_saves_sharded_job(rank, world, path)
     return out
 
 
@@ -583,7 +612,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
-    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save"]}
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save", "two saves sharded"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
 
@@ -821,6 +850,26 @@ def test_a_state_dict_in_bf16_is_cast_to_the_state_dtype_as_torch_casts(runs):
     """Before: it loaded as bf16 and the next step failed in torch ('expected dtype BFloat16')."""
     for out in runs["torch.save"]:
         assert out["bf16 state"]["error"] is None and out["bf16 state dtypes"] == ["torch.float32"], out
+
+
+@pytest.mark.parametrize("kind", ["step", "plain"])
+def test_sharded_folders_of_two_saves_across_the_ranks_are_one_error_nothing_loaded(runs, kind):
+    """Before: each rank loaded its own pieces of its own folder, silently mixing two saves. With
+    manifests the verification refuses them (their manifests differ), without it the optimizer's
+    metadata entries differ (the weights' witness)."""
+    needle = "their manifest differs" if kind == "step" else "their optimizer metadata differ"
+    for out in runs["two saves sharded"]:
+        got = out[kind]
+        assert got["error"] == "CheckpointError" and needle in got["message"], got
+        assert "every rank must load the same save" in got["message"], got
+        assert "\n" not in got["message"] and got["unchanged"], got
+
+
+def test_verify_checkpoint_of_two_saves_across_the_ranks_is_one_error(runs):
+    """Before: each rank hashed a share of its own folder and every share passed."""
+    for out in runs["two saves sharded"]:
+        got = out["verify"]
+        assert got["error"] == "CheckpointError" and "were given another checkpoint" in got["message"], got
 
 
 def test_torch_state_dict_api_resumes_at_another_layout(runs):
