@@ -342,6 +342,8 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["other model"] = refused(muon, rank, world)
     out["other optimizer"] = refused(muon, rank, world, out["soap"]["straight"]["ckpt"][1])
     out["other soap state"] = refused(OTHER_SOAP_STATE, rank, world, out["soap"]["straight"]["ckpt"][1])
+    # rank 0 given the checkpoint, rank 1 a later state of the same run (files of two saves)
+    out["two saves"] = refused(muon, rank, world, run["ckpt"][1] if rank == 0 else out["hsdp"]["state"])
     return out
 
 
@@ -471,6 +473,15 @@ def test_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line() -> No
             'optimizer state than this optimizer\'s {"max_precond_dim": 48, "precondition_frequency": 2} '), msg
         assert msg.endswith("build the optimizer with the checkpoint's matrix_config and a plan made for it"), msg
         assert "\n" not in msg
+
+
+def test_state_dicts_of_two_saves_across_the_ranks_are_one_error_on_every_rank() -> None:
+    """Before: each rank took its own boxes of its own state dict (FSDP's load was local), silently
+    mixing two saves."""
+    for r in run2():
+        msg = r["two saves"]
+        assert msg.startswith("CheckpointError: optimizer state not loaded, nothing changed: rank(s) "), msg
+        assert "were given another state dict than this rank" in msg and "\n" not in msg, msg
 
 
 # --- across layouts -----------------------------------------------------------------------------
