@@ -850,8 +850,13 @@ class _Stage:
 
     def aligned_launch(self, mb: int, c: int) -> None:
         """After the backward of micro-batch `mb` on chunk `c` (`aligned`): the chunk whose last
-        micro-batch ran `stage` backward steps ago is launched."""
+        micro-batch ran `stage` backward steps ago is launched. The combined 1F1B schedule
+        (sim.ep_overlap) calls Megatron's `backward_step_helper_postprocess` only `if
+        b_model_chunk_id:` (`combined_1f1b_schedule_for_interleaved_pipelining`): after a backward
+        of chunk 0 the launch due then is left to the end ("any remaining grad reductions")."""
         self.backwards.append((mb, c))
+        if self.combined and c == 0:
+            return
         j = len(self.backwards) - 1 - self.stage
         if j >= 0 and self.backwards[j][0] == self.micro_batches - 1:
             self.chunk_syncs += self.chunk_grad_syncs(self.backwards[j][1])

@@ -699,3 +699,31 @@ def test_a_dense_layers_mlp_weight_gradients_follow_its_data_gradients():
     assert names[i - 1:i + 6] == ["mb2 fwd layer 3.0", "mb1 bwd layer 0.1", "mb1 bwd layer 0.1 delayed wgrad",
                                   "mb2 fwd layer 3.experts", "mb1 bwd layer 0.0", "mb1 bwd layer 0.0 delayed wgrad",
                                   "mb2 fwd head"]
+
+
+def _grad_sync_starts(r, rank: int) -> list[float]:
+    return [s.start for s in r.spans if s.rank == rank and s.phase == "A" and s.stream == "dp-comm"
+            and "grad sync bucket" in s.name]
+
+
+def test_the_combined_schedule_launches_no_aligned_reduction_after_a_chunk_0_backward():
+    """Megatron's combined 1F1B calls `backward_step_helper_postprocess` (the aligned launch of a
+    chunk's gradient reductions) only `if b_model_chunk_id:` (combined_1f1b.py,
+    `combined_1f1b_schedule_for_interleaved_pipelining`): after a backward of chunk 0 it launches
+    nothing. PP 2 x VP 2, 4 micro-batches (8 backward steps, the last 2 on chunk 0): stage 1's
+    chunk 1 (its last micro-batch at step 5) is due at step 5 + 1, a chunk-0 step, so it waits for
+    "any remaining grad reductions" after the last backward; stage 0's is launched at step 5, a
+    chunk-1 step, under its chunk-0 backwards, as it is without the overlap on both stages. Buckets
+    of 2M elements: 8 dense and 4 expert ones a chunk."""
+    combined, plain = _run_interleaved(True, bucket_size=2_000_000), _run_interleaved(False, bucket_size=2_000_000)
+    for r, stage, launched_under in ((combined, 1, False), (combined, 0, True), (plain, 1, True), (plain, 0, True)):
+        rank = stage * GPUS
+        end = _compute_end(r, rank)
+        starts = _grad_sync_starts(r, rank)
+        assert len(starts) == 24  # 16 dense and 8 expert buckets over the two chunks
+        under = [t for t in starts if t < end - 1e-12]
+        assert len(under) == (12 if launched_under else 0), (stage, r.config.options)
+
+
+def _compute_end(r, rank: int) -> float:
+    return max(s.end for s in r.spans if s.rank == rank and s.phase == "A" and s.kind == "compute")
