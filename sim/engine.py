@@ -244,6 +244,13 @@ class Engine:
         yield coll.done
         self._record(Span(rank, stream, coll.name, "comm", coll.start, self.env.now, phase))
 
+    def stream_wait(self, rank: int, stream: str, after: Iterable[simpy.Event]) -> simpy.Event:
+        """`rank`'s `stream` waits for `after` (CUDA's `cudaStreamWaitEvent`, what PyTorch's
+        `Event.wait(stream)` and `Work.wait()` enqueue): the ops enqueued on it later start once
+        those have fired. No span; the event: when the stream has reached this point."""
+        after = list(after)
+        return self._enqueue(rank, stream, lambda prev: _after(prev, after))
+
     def _record(self, span: Span) -> None:
         self.spans.append(span)
         self.end = max(self.end, span.end)

@@ -435,8 +435,8 @@ def _step(stage: _Stage, fwd: Slot, bwd: Slot, needed: dict[int, list[simpy.Even
     # forward's receive before it sends its backward's gradient to the same peer: on the pair's
     # one stream (`sim.pipeline_p2p.p2p_stream`) that peer sends its forward first, too
     grads = _grads_done(b) if b.weights else None  # the reductions the schedule launches wait for them
-    with f:
-        stage.forward_end(fmb, fc, post_first=True)
+    with f:  # post_forward on the communication stream: its kernels behind the all-to-alls, its send wait holding them
+        stage.forward_end(fmb, fc, post_first=True, on=EP_COMM)
     with b:
         stage.backward_end(bmb, bc, grads, post_first=True)
     done = _grads_done(b) if b.weights else b.last  # the next step's nodes wait on the compute stream

@@ -663,31 +663,36 @@ class _Stage:
             self.etp_costs[key] = collective_cost(op, total, self.experts.cluster.tp_geometry(), self.ctx.hw)
         return self.etp_costs[key]
 
-    def send(self, to: int, name: str, arrived: simpy.Event, receive: tuple[str, int, int]) -> dict[int, simpy.Event]:
+    def send(self, to: int, name: str, arrived: simpy.Event, receive: tuple[str, int, int],
+             at: dict[int, simpy.Event] | None = None) -> dict[int, simpy.Event]:
         """Point-to-point sends of every rank's activation (gradient) slice to stage `to`, each a
         rendezvous with the receive `receive` (kind, virtual stage, micro-batch) its peer posts
-        (`post`), on the stream of their communicator (`p2p_stream`); when each sender's send is done."""
+        (`post`), on the stream of their communicator (`p2p_stream`), issued after `at` (default:
+        what the pass has done); when each sender's send is done."""
         stream = p2p_stream(self.stage, to, len(self.all_ranks), self.vp)
+        at = at or self.last
         evs, sent = [], {}
         for i, (src, dst) in enumerate(zip(self.ranks, self.all_ranks[to])):
             transfer = self.transfers.get(receive, i, [src, dst], self.p2p)
             transfer.name = name
-            sent[src] = self.eng.join(transfer, src, stream, [self.last[src]])
+            sent[src] = self.eng.join(transfer, src, stream, [at[src]])
             evs += [sent[src], transfer.done]
         self.eng.env.process(_relay(self.eng.env.all_of(evs), arrived))
         return sent
 
-    def post(self, slots: Sequence[Slot]) -> None:
-        """Each rank posts the receives of `slots` (its passes) where its stream is now: the receive
-        kernel, on the stream of the communicator it shares with the sender (`p2p_stream`)."""
+    def post(self, slots: Sequence[Slot], at: dict[int, simpy.Event] | None = None) -> None:
+        """Each rank posts the receives of `slots` (its passes) after `at` (default: where its
+        stream is now): the receive kernel, on the stream of the communicator it shares with the
+        sender (`p2p_stream`)."""
         pp = len(self.all_ranks)
+        at = at or self.last
         for kind, mb, c in slots:
             key = (kind, c * pp + self.stage, mb)
             src = (self.stage - 1) % pp if kind == "F" else (self.stage + 1) % pp
             stream = p2p_stream(src, self.stage, pp, self.vp)
             for i, r in enumerate(self.ranks):
                 transfer = self.transfers.get(key, i, [self.all_ranks[src][i], r], self.p2p)
-                self.eng.join(transfer, r, stream, [self.last[r]])
+                self.eng.join(transfer, r, stream, [at[r]])
 
     def arrival(self, slot: Slot) -> simpy.Event:
         """When the input (output gradient) of pass `slot` has arrived."""
@@ -695,26 +700,47 @@ class _Stage:
         v = c * len(self.all_ranks) + self.stage
         return self.fwd_in[v][mb] if kind == "F" else self.bwd_in[v][mb]
 
-    def after_pass(self, slot: Slot, sent: dict[int, simpy.Event] | None) -> None:
+    def exchange_point(self, on: str | None) -> dict[int, simpy.Event] | None:
+        """Where an exchange issued on stream `on` starts, per rank: that stream waits for what the
+        pass has done (Megatron's `wait_current_stream` before the combined schedule's
+        post_forward, on its communication stream), and the exchange's kernels start once it has
+        reached that point (ProcessGroupNCCL's `syncStream`: the NCCL stream waits for the stream
+        current at the call). None (`on` None): the pass's own point, `last`."""
+        if on is None:
+            return None
+        return {r: self.eng.stream_wait(r, on, [self.last[r]]) for r in self.ranks}
+
+    def after_pass(self, slot: Slot, sent: dict[int, simpy.Event] | None, on: str | None = None,
+                   at: dict[int, simpy.Event] | None = None) -> None:
         """Pass `slot`'s exchange once its send (`sent`; None: it sends nothing) is issued: the
         receives it posts, the waits of a blocking exchange, an earlier send waited for
-        (`sim.pipeline_p2p`)."""
+        (`sim.pipeline_p2p`). `on`: the stream the exchange is issued on (`exchange_point`, `at`
+        its start), whose waits (PyTorch's `Work.wait()`: the current stream waits for the
+        kernel's end) then hold that stream, not the pass: the combined schedule's post_forward
+        (sim.ep_overlap) holds the communication stream, the next all-to-alls behind it."""
         if self.posting is None:  # no pipeline
             return
         step = self.posting.after[slot]
         if sent:
             self.sent[slot] = sent
-        self.post(step.posts)
+        self.post(step.posts, at)
+
+        def wait(events: dict[int, list[simpy.Event]]) -> dict[int, simpy.Event] | None:
+            if on is None:
+                for r, evs in events.items():
+                    if evs:
+                        self.last[r] = self.eng.env.all_of([self.last[r], *evs])
+                return None
+            return {r: self.eng.stream_wait(r, on, evs) for r, evs in events.items()}
+
         if step.blocking:
             arrivals = [self.arrival(s) for s in step.posts]
-            for r in self.ranks:
-                waits = arrivals + ([sent[r]] if sent else [])
-                if waits:
-                    self.last[r] = self.eng.env.all_of([self.last[r], *waits])
+            at = wait({r: arrivals + ([sent[r]] if sent else []) for r in self.ranks}) or at
             self.sent.pop(slot, None)
-        self.post(step.then_posts)
+        self.post(step.then_posts, at)
         if step.waits_for is not None and step.waits_for in self.sent:
-            self.wait_each(self.sent.pop(step.waits_for))
+            earlier = self.sent.pop(step.waits_for)
+            wait({r: [earlier[r]] for r in self.ranks})
 
     def param_gathers(self) -> dict[int, list[simpy.Event]]:
         """Steady state: the last step's parameter all-gathers under this forward, issued where
@@ -951,22 +977,24 @@ class _Stage:
                 if pos + 1 < len(chain) and (ci, pos + 1) not in self.issued:
                     self._issue(ci, pos + 1)
 
-    def forward_end(self, mb: int, c: int, post_first: bool = False) -> None:
+    def forward_end(self, mb: int, c: int, post_first: bool = False, on: str | None = None) -> None:
         """After chunk `c`'s last layer: the head (and loss), or the send to the next stage; then
         the pass's exchange (`after_pass`), before the head where `post_first` (the combined
-        schedule runs its post_forward before the head, sim.ep_overlap)."""
+        schedule runs its post_forward before the head, sim.ep_overlap). `on`: the stream the
+        exchange is issued on where not the pass's (`after_pass`)."""
         v, last_head = self.virtual(c)
         slot = ("F", mb, c)
         if last_head:
             if post_first:
-                self.after_pass(slot, None)
+                self.after_pass(slot, None, on, self.exchange_point(on))
             self.compute(f"mb{mb} fwd head", self.ctx.work.head_forward_s)
             if not post_first:
                 self.after_pass(slot, None)
         else:
             pp = len(self.all_ranks)
+            at = self.exchange_point(on)
             self.after_pass(slot, self.send((self.stage + 1) % pp, f"mb{mb}{self._tag(c)} send activations",
-                                            self.fwd_in[v + 1][mb], ("F", v + 1, mb)))
+                                            self.fwd_in[v + 1][mb], ("F", v + 1, mb), at), on, at)
 
     def forward_layer(self, mb: int, k: int, needed: dict[int, list[simpy.Event]]) -> None:
         """Micro-batch `mb`'s forward of layer `k` (the stage's work index), after its gathers."""

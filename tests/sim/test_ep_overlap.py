@@ -727,3 +727,62 @@ def test_the_combined_schedule_launches_no_aligned_reduction_after_a_chunk_0_bac
 
 def _compute_end(r, rank: int) -> float:
     return max(s.end for s in r.spans if s.rank == rank and s.phase == "A" and s.kind == "compute")
+
+
+def _slow_pipeline_transfers(monkeypatch, factor: float) -> None:
+    """Every pipeline point-to-point transfer priced `factor` times (`_Stage.p2p`), so that a
+    receiver has posted its receive long before the sender's forward ends."""
+    from sim import iteration
+
+    init = iteration._Stage.__init__
+
+    def slow(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.p2p = replace(self.p2p, latency_s=self.p2p.latency_s * factor, transfer_s=self.p2p.transfer_s * factor)
+
+    monkeypatch.setattr(iteration._Stage, "__init__", slow)
+
+
+def test_the_steps_forward_exchange_is_issued_on_the_communication_stream(monkeypatch):
+    """Megatron runs a steady step's post_forward on the communication stream
+    (`TransformerModelChunkSchedulePlan.run`: `with torch.cuda.stream(get_comm_stream())`,
+    `wait_current_stream`, then `send_forward_recv_forward`): its send's kernel starts behind every
+    all-to-all the rank issued before it (ProcessGroupNCCL's `syncStream`), and its wait for the
+    previous forward's send (`send_next_wait_handle.wait()`) holds that stream. Hand-checked on
+    the uneven split (the embedding and the loss counted as layers): stage 0's chunk 0 holds one
+    layer and its chunk 1 two, so a step pairing forward chunk 0 with backward chunk 1 runs the
+    backward's second layer alone after the pair, its all-to-alls after the forward's last; with
+    the transfers slow the receiver has posted long before, and the forward's send leaves only
+    once that layer's dispatch gradient is done (before: at the forward's end, those 3 of 11 sends
+    earlier). After each step's exchange the rank's next all-to-all waits for the earlier send."""
+    from canzona.pipeline import PipelineSplit, chunk_layers, combined_order
+    from sim.pipeline_p2p import p2p_stream
+
+    _slow_pipeline_transfers(monkeypatch, 20.0)
+    split = PipelineSplit(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    big = replace(SMALL, layers=6)  # 6 + 2 = 8 slots in 4 chunks of 2
+    m = 8
+    cfg = SimConfig(model="unused", gpus=GPUS * PP, tp=1, pp=PP, vp=VP, ep=EP, optimizer="adamw", policy="zero1",
+                    zero1_fallback=False, workload=Workload(seq_len=512, global_batch=8 * m), gpu_variability=0.0,
+                    pipeline_split=split, options=RunOptions(overlap_moe_expert_parallel_comm=True))
+    r = simulate(cfg, model=(build_decoder(big), big.architecture()))
+    stream = p2p_stream(0, 1, PP, VP)
+    sends = {s.name: s for s in r.spans if s.rank == 0 and s.stream == stream}
+    ep = [s for s in r.spans if s.rank == 0 and s.stream == "ep-comm" and s.phase == "A"]
+    steps = [(f, b) for f, b in combined_order(0, PP, m, VP) if f is not None and b is not None]
+    assert [len(chunk_layers(6, PP, 0, c, VP, split)) for c in range(VP)] == [1, 2]
+
+    def step_ops(fwd, bwd):
+        (_, i, c), (_, j, cb) = fwd, bwd
+        return [s for s in ep if any(s.name.startswith(f"mb{i} fwd layer {k}.") for k in chunk_layers(6, PP, 0, c, VP, split))
+                or any(s.name.startswith(f"mb{j} bwd layer {k}.") for k in chunk_layers(6, PP, 0, cb, VP, split))]
+
+    checked = 0
+    for n, (fwd, bwd) in enumerate(steps):
+        send = sends[f"mb{fwd[1]} chunk {fwd[2]} send activations"]
+        assert send.start >= max(s.end for s in step_ops(fwd, bwd)) - 1e-15, (fwd, bwd)
+        checked += fwd[2] == 0 and bwd[2] == 1
+        if 0 < n < len(steps) - 1:  # the step waits for the previous step's send: its next all-to-all after it
+            earlier = sends[f"mb{steps[n - 1][0][1]} chunk {steps[n - 1][0][2]} send activations"]
+            assert min(s.start for s in step_ops(*steps[n + 1])) >= earlier.end - 1e-15
+    assert checked == 3  # the steps pairing forward chunk 0 with backward chunk 1
