@@ -251,6 +251,19 @@ class Engine:
         after = list(after)
         return self._enqueue(rank, stream, lambda prev: _after(prev, after))
 
+    def host_sync(self, rank: int, after: Iterable[simpy.Event], delay: float) -> simpy.Event:
+        """`torch.cuda.synchronize()` called by `rank`'s host once `after` has fired: the host waits
+        until every stream it has given work to is done, then goes on issuing. The event fires
+        `delay` later, when the first kernel it then issues can start (the GPU idles while the host
+        resumes; `delay`: one launch, as `sim.ep_dispatch` prices a host synchronisation)."""
+        tails = [proc for (r, _), proc in self._tails.items() if r == rank]
+        return self.env.process(self._host_sync([*after, *tails], delay))
+
+    def _host_sync(self, events: list[simpy.Event], delay: float):
+        yield from _after(None, events)
+        if delay > 0:
+            yield self.env.timeout(delay)
+
     def _record(self, span: Span) -> None:
         self.spans.append(span)
         self.end = max(self.end, span.end)

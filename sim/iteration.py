@@ -737,10 +737,35 @@ class _Stage:
             arrivals = [self.arrival(s) for s in step.posts]
             at = wait({r: arrivals + ([sent[r]] if sent else []) for r in self.ranks}) or at
             self.sent.pop(slot, None)
+            if sent or step.posts:
+                self.batch_sync()
         self.post(step.then_posts, at)
+        if step.then_posts and self.host_syncs:  # a blocking recv_forward / recv_backward
+            self.wait([self.arrival(s) for s in step.then_posts])
+            self.batch_sync()
         if step.waits_for is not None and step.waits_for in self.sent:
             earlier = self.sent.pop(step.waits_for)
             wait({r: [earlier[r]] for r in self.ranks})
+
+    @property
+    def host_syncs(self) -> bool:
+        """Whether each of the rank's pipeline exchanges ends in `torch.cuda.synchronize()`: plain
+        1F1B batches every exchange (`batch_p2p_comm`, on where `overlap_p2p_comm` is off, which
+        it must be without a virtual pipeline), and Megatron's `_communicate`
+        (megatron/core/pipeline_parallel/p2p_communication.py) then synchronises the device under
+        `batch_p2p_sync` ("to protect against race condition when using batch_isend_irecv()"; on
+        by default in ModelParallelConfig, every stored version). The interleaved schedule runs
+        `overlap_p2p_comm` (unbatched ops, no synchronisation) and the combined one inside it."""
+        return self.posting is not None and self.vp == 1
+
+    def batch_sync(self) -> None:
+        """After an exchange this rank took part in (Megatron calls `_communicate` only where the
+        rank sends or receives something), under `host_syncs`: the host waits for every stream
+        of the GPU to be done, the first kernel it issues next one launch later."""
+        if not self.host_syncs:
+            return
+        for r in self.ranks:
+            self.last[r] = self.eng.host_sync(r, [self.last[r]], self.ctx.hw.gpu.launch_s)
 
     def param_gathers(self) -> dict[int, list[simpy.Event]]:
         """Steady state: the last step's parameter all-gathers under this forward, issued where
@@ -907,6 +932,9 @@ class _Stage:
         if pp > 1:
             self.posting = posting(s, pp, micro_batches, vp, combined)
             self.post(self.posting.at_start)
+            if self.posting.at_start and self.host_syncs:  # plain 1F1B's first recv_forward blocks
+                self.wait([self.arrival(slot) for slot in self.posting.at_start])
+                self.batch_sync()
         if combined:
             # Megatron's combined 1F1B: one micro-batch(-chunk)'s forward beside another's backward
             run_combined(self, micro_batches, needed, syncs)

@@ -30,7 +30,8 @@ as the rows' releases run them:
   previous send is done; steady state: `send_forward_recv_backward` after the forward (its output
   out, the backward's gradient in, one batch) and `send_backward_recv_forward` after the backward;
   the last steady backward's `send_backward`, then the cool-down's `recv_backward`, backward,
-  `send_backward`.
+  `send_backward`. Each call that moves something ends in `torch.cuda.synchronize()`
+  (`batch_p2p_sync`, on by default: `sim.iteration._Stage.host_syncs`).
 
 `posting` writes this down per rank, for the simulator (`sim.iteration._Stage.after_pass`); the
 combined 1F1B schedule (`overlap_moe_expert_parallel_comm`, sim.ep_overlap) runs inside the

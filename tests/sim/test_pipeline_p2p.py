@@ -67,6 +67,30 @@ def test_the_warm_up_waits_for_its_sends(full_rate_compute):
     assert _span(r, 0, "mb1 fwd embedding").start == pytest.approx(send.end, abs=1e-12)
 
 
+def test_plain_1f1b_synchronises_the_device_after_each_exchange(full_rate_compute):
+    """Plain 1F1B batches each exchange and Megatron's `_communicate` then calls
+    `torch.cuda.synchronize()` (`batch_p2p_sync`, on by default): the host issues the next pass
+    once every stream of the GPU is done, its first kernel one launch (`launch_s`) later. PP 2,
+    one GPU a stage, two micro-batches: stage 0's second forward starts one launch after its
+    first send (`send_forward`) and stage 1's first forward one launch after its first receive
+    (`recv_forward`); where a rank's exchange has nothing to move (the last stage's forward) and
+    under the interleaved schedule (the test above) the next pass starts at once."""
+    from canzona.hardware import load_profile
+
+    launch = load_profile(TINY.hardware).gpu.launch_s
+    assert launch > 0
+    r = simulate(SimConfig(model="qwen3-0.6b", gpus=2, tp=1, pp=2, policy="sc", workload=Workload(512, 2)))
+    send = _span(r, 0, "mb0 send activations", "pp-comm 0->1")
+    assert _span(r, 0, "mb1 fwd embedding").start == pytest.approx(send.end + launch, abs=1e-12)
+    received = _span(r, 1, "mb0 send activations", "pp-comm 0->1")
+    first = min((s for s in r.spans if s.phase == "A" and s.rank == 1 and s.stream == "compute"), key=lambda s: s.start)
+    assert first.name == "mb0 fwd layer 14.0"
+    assert first.start == pytest.approx(received.end + launch, abs=1e-12)
+    # the last stage's `send_forward_recv_backward` sends and receives nothing (Megatron returns
+    # without `_communicate`): its backward follows its forward at once
+    assert _span(r, 1, "mb0 bwd head").start == pytest.approx(_span(r, 1, "mb0 fwd head").end, abs=1e-12)
+
+
 # PP 3 x VP 2, one GPU a stage, three micro-batches: 36 layers, 6 a chunk
 PAIRED = SimConfig(model="qwen3-4b", gpus=3, tp=1, pp=3, vp=2, policy="sc", workload=Workload(256, 3))
 
