@@ -10,8 +10,9 @@ saying what to use instead. A guard has one of four states, kept by the optimize
 - `ACCUMULATING` (a backward under `no_sync()`): autograd's next accumulation (`grad += g`) is
   routed into the buffer; anything else is refused (the gradient is local and incomplete);
 - `REDUCING` (after the synchronising backward, until `step()`): the gradient is being reduced
-  across ranks. Reading it (torch's `clip_grad_norm_`, logging a norm, DDP's reducer, GradScaler)
-  or writing it (`clip_grad_value_`, scaling) is refused, and so is a second backward;
+  across ranks. Reading it (torch's `clip_grad_norm_`, logging a norm, DDP's reducer) or writing
+  it (`clip_grad_value_`, scaling) is refused, and so is a second backward; GradScaler's unscale
+  (`_AMP_UNSCALE`) is handed to the optimizer, which unscales the reduced gradients;
 - `STEPPED` (after `step()`): the buffer holds what the step consumed; a backward that would add
   onto it is refused;
 - `ZEROED` (after `zero_()` or `optimizer.zero_grad(set_to_none=False)`): the gradient is zero,
@@ -55,6 +56,9 @@ _ALIASES = frozenset({aten.alias.default, aten.detach.default, aten.view.default
                       aten.transpose.int, aten.as_strided.default})
 _IN_PLACE_ADDS = frozenset({aten.add_.Tensor})
 _ZEROS = frozenset({aten.zero_.default})
+# torch.amp.GradScaler's unscale (and its inf check before `scaler.step`): one foreach op over the
+# `.grad` of every parameter, which the optimizer runs on the reduced gradients instead
+_AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
 class GuardOwner(Protocol):
@@ -71,6 +75,10 @@ class GuardOwner(Protocol):
 
     def refusal(self, name: str, what: str, in_backward: bool) -> str:
         """The one-line error for using `name`'s guarded gradient with op `what`."""
+
+    def amp_unscale(self, name: str, found_inf: Tensor, inv_scale: Tensor) -> None:
+        """GradScaler's unscale of the gradients (`name`: one of them): multiply every reduced
+        gradient by `inv_scale` and set `found_inf` to 1 where any is not finite, alike on every rank."""
 
 
 class GradGuard(Tensor):
@@ -110,6 +118,9 @@ class GradGuard(Tensor):
         if func in _ALIASES:
             shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
             return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
+        if func is _AMP_UNSCALE:
+            owner.amp_unscale(guard._name, args[1], args[2])
+            return None
         state = owner.guard_state(guard._name)
         if func in _IN_PLACE_ADDS and args[0] is guard and state in (GradState.ACCUMULATING, GradState.ZEROED) \
                 and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard):

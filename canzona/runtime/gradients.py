@@ -150,6 +150,9 @@ class GradientSync:
         # are waited for, given `landed` (a matrix's reduced gradient, once its bucket has landed);
         # the TP schedule's prefetched gathers, or under overlap_step the whole early step
         self.early_work: Callable[[Callable[[str], Tensor]], None] | None = None
+        # set by the optimizer: torch.amp.GradScaler's unscale of the reduced gradients, given
+        # (found_inf, inv_scale) (`amp_unscale`); None: refused as any other use of `.grad`
+        self.unscale: Callable[[Tensor, Tensor], None] | None = None
         self._states: dict[str, GradState] = {}
         # parameters whose `.grad` torch would hold as zeros (`zero_grad(set_to_none=False)`, or
         # `zero_()` on a guard): their guard stands in `.grad`, `ZEROED`, the buffer's content
@@ -391,6 +394,12 @@ class GradientSync:
                  else "being reduced across ranks by the optimizer")
         return (f"the gradient of {name!r} is {where}: nothing may read or change .grad between backward and step() "
                 f"({what}). {GUARD_ADVICE}")
+
+    def amp_unscale(self, name: str, found_inf: Tensor, inv_scale: Tensor) -> None:
+        if self.unscale is None:
+            raise CanzonaError(self.refusal(name, "_amp_foreach_non_finite_check_and_unscale_",
+                                            torch._C._current_graph_task_id() != -1))
+        self.unscale(found_inf, inv_scale)
 
     # --- before the step ---------------------------------------------------------------------
 
@@ -694,8 +703,7 @@ def _exclude(buf: FlatBuffer, names: set[str], lo: int, hi: int) -> list[Tensor]
 GUARD_ADVICE = ("Clip with opt.clip_grad_norm_(max_norm) (it returns the global norm of the reduced gradients; "
                 "max_norm=inf only measures it) or DistributedOptimizer(max_grad_norm=...), not "
                 "torch.nn.utils.clip_grad_norm_; with Hugging Face Trainer use canzona.integrations.hf.CanzonaTrainer, "
-                "with accelerate canzona.integrations.accelerate.CanzonaAccelerator; torch.amp.GradScaler is not "
-                "supported (train in bf16)")
+                "with accelerate canzona.integrations.accelerate.CanzonaAccelerator")
 STALE_GRADIENTS = ("backward would accumulate the gradient of {name!r} onto the last step's: call "
                    "optimizer.zero_grad() or model.zero_grad() between steps (after a step the buffers hold "
                    "reduced gradients, which a backward must not add to)")

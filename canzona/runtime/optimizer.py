@@ -156,11 +156,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `clip_grad`; None: no clipping there, `clip_grad_norm_()` still clips). `nonfinite`: what a
     step whose global gradient norm is NaN or Inf does, before anything is updated: `raise` (a
     `CanzonaError` on every rank) or `skip` (every rank skips it, as `torch.amp.GradScaler`
-    skips; counted in `skipped_steps` and logged on the `canzona` logger).
+    skips; counted in `skipped_steps` and logged on the `canzona` logger). `torch.amp.GradScaler`
+    works as with torch's optimizers (`unscale_(opt)`, then `clip_grad_norm_()`; `step(opt)`;
+    `update()`): it unscales the reduced gradients and finds the same inf on every rank
+    (`_amp_unscale`), whatever `nonfinite` says.
 
     Gradients: backward hooks move each gradient into the optimizer's buffers and leave a guard
     in `.grad` until `zero_grad()` (`canzona.runtime.grad_guard`): reading or writing it between
-    backward and `step()` (torch's `clip_grad_norm_`, GradScaler, DDP) is one error on every rank.
+    backward and `step()` (torch's `clip_grad_norm_`, DDP) is one error on every rank.
 
     `overlap_param_gather` (default, Megatron's name): `step()` launches the parameter all-gathers
     and returns; the next forward waits for each bucket just before the first module holding one of
@@ -410,6 +413,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._in_flight is not None:
             for grads in self._syncs():
                 grads.read_check = self._in_flight.check_read
+        for grads in self._syncs():
+            grads.unscale = self._amp_unscale
         if overlap_step:
             self.grads.early_work = functools.partial(self._speculate, self.matrix_step)
             if self.experts is not None:  # the experts' updates as their EDP buckets land
@@ -645,14 +650,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
         remember the norm they now have, so that clipping twice does not clip twice."""
         coefficient = min(1.0, max_norm / (norm + 1e-6))
         if coefficient < 1.0:
-            # an overlapped step's updates were computed from the gradients before clipping: dropped;
-            # prefetched gradients are scaled where they arrived, as the buffers below
-            for part in self._parts():
-                part.matrix_step.clipped(coefficient)
-            for grads in self._syncs():
-                for buf in grads.all_buffers():
-                    buf.reduced.mul_(coefficient)
-            self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
+            self._scale_gradients(coefficient)
+
+    def _scale_gradients(self, coefficient: float) -> None:
+        """Multiply every reduced gradient, and the checked norm, by `coefficient` (a clip, or
+        GradScaler's unscale)."""
+        # an overlapped step's updates were computed from the gradients before: dropped; prefetched
+        # gradients are scaled where they arrived, as the buffers below
+        for part in self._parts():
+            part.matrix_step.clipped(coefficient)
+        for grads in self._syncs():
+            for buf in grads.all_buffers():
+                buf.reduced.mul_(coefficient)
+        self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
+
+    # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
+    _amp_check: StepCheck | None = None
+
+    @torch.no_grad()
+    def _amp_unscale(self, found_inf: Tensor, inv_scale: Tensor) -> None:
+        """torch.amp.GradScaler's `unscale_(opt)`, and the inf check `scaler.step(opt)` makes first
+        (`inv_scale` 1: the scale then comes to `step()` as `grad_scale`), reach the guards in `.grad`
+        as one foreach op per device and dtype: the first call reduces and checks the step (a
+        collective, as `clip_grad_norm_()` is: GradScaler calls it on every rank alike) and unscales
+        every reduced gradient; each call sets `found_inf` from the global norm, the same on every
+        rank, so that every rank's scaler skips the same steps and scales alike. A NaN / Inf norm
+        is the scaler's to skip, not an error (whatever `nonfinite` says)."""
+        if any(not grads.syncing for grads in self._syncs()):
+            raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
+                               "last micro-batch's backward reduces): unscale once, after that backward")
+        if self._amp_check is None or self._amp_check is not self.grads.checked:
+            kept = [grads.nonfinite for grads in self._syncs()]
+            try:
+                for grads in self._syncs():
+                    grads.nonfinite = "skip"
+                check = self._prepare_step()
+            finally:
+                for grads, policy in zip(self._syncs(), kept):
+                    grads.nonfinite = policy
+            coefficient = float(inv_scale)
+            if math.isfinite(check.norm) and coefficient != 1.0:
+                self._scale_gradients(coefficient)
+            self._amp_check = self.grads.checked
+        if not math.isfinite(self.grads.checked.norm):
+            found_inf.fill_(1.0)
 
     def _inf_norm(self) -> float:
         """The largest gradient magnitude in the cluster (two more small all-gathers: the step check
@@ -672,23 +713,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # the experts' part under expert parallelism (None: no EP, or not built yet)
     experts: ExpertPart | None = None
 
-    # torch.amp.GradScaler hands optimizers that say so their scaler instead of unscaling their
-    # gradients itself: here it must not touch them at all (see step)
+    # torch.amp.GradScaler's `step(opt)` checks for infs through the guards (`_amp_unscale`) and
+    # hands the scale over as `self.grad_scale` (None once `unscale_` ran) for step() to unscale by,
+    # as torch's fused optimizers take it (the unscale then runs after the check, before any clip)
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):  # noqa: D401 - torch.optim signature
-        if grad_scaler is not None:
-            raise CanzonaError("torch.amp.GradScaler is not supported: gradients are reduced from backward "
-                               "hooks, before GradScaler.unscale_ could scale them; train in bf16, or scale "
-                               "the loss and the learning rate yourself")
+    def step(self, closure=None):  # noqa: D401 - torch.optim signature
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
-        if not math.isfinite(check.norm):  # nonfinite="skip" (prepare raised otherwise)
+        if grad_scale is not None and math.isfinite(check.norm):
+            # GradScaler's own reciprocal (double, then float32), so that the product is unscale_'s
+            self._scale_gradients(float(torch.as_tensor(grad_scale).double().reciprocal().float()))
+            check = self.grads.checked
+        if not math.isfinite(check.norm):  # nonfinite="skip", or GradScaler's verdict (prepare raised otherwise)
             for part in self._parts():
                 part.matrix_step.discard()
             self.skipped_steps += 1

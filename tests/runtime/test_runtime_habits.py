@@ -224,6 +224,35 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
+def grad_scaler_job(rank: int, world: int, how: str) -> dict:
+    """torch.amp.GradScaler's loop (`scale(loss).backward()`, `unscale_`, clip, `step`, `update`),
+    scale 2**10: scaling a loss by a power of two scales every gradient exactly, so the weights
+    are the unscaled run's bit for bit. `how`: `unscale` (unscale_, then opt.clip_grad_norm_),
+    `step` (scaler.step only, clipped by max_grad_norm: the scaler hands its scale to step()),
+    `inf` (rank 1's loss is Inf at the second step: skipped on every rank, the scale halved),
+    `fp16` (an fp16 model, fp32 masters: scaler.step only; unscale_ is torch's refusal)."""
+    spec = replace(BASE, clip_norm=0.05)
+    model = build_model(replace(spec, dtype="fp16") if how == "fp16" else spec)
+    opt = _optimizer(model, max_grad_norm=0.05 if how in ("step", "fp16") else None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1 if how == "unscale" else 2000)
+    out: dict = {"scales": [], "norms": [], "changed": []}
+    for i, tokens in enumerate(_batches(rank, world, spec)):
+        before = _params(model)
+        opt.zero_grad()
+        loss = model.loss(tokens)
+        scaler.scale(loss * math.inf if how == "inf" and i == 1 and rank == 1 else loss).backward()
+        if how in ("unscale", "inf"):
+            scaler.unscale_(opt)
+            out["norms"].append(float(opt.clip_grad_norm_(0.05)))
+        scaler.step(opt)
+        scaler.update()
+        out["scales"].append(scaler.get_scale())
+        out["changed"].append(not compare(_params(model), before)["bit_identical"])
+    out["params"] = _params(model)
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
 def retried_step_job(rank: int, world: int, overlap_step: bool, clip: float | None = None) -> dict:
     """A step refused by its check (rank 1 doubled its learning rate), the learning rate put back,
     `step()` called again on the same gradients: the step of those gradients, as if the first call
@@ -586,6 +615,7 @@ JOBS = {
     "nan raise": ("nonfinite_job", ("raise", math.nan)),
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
+    **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "fp16")},
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
     **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
@@ -737,6 +767,45 @@ def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
     for out in runs["nan skip"]:
         assert out["error"] is None and out["skipped"] == 1, out
         assert out["unchanged"] and out["state unchanged"] and out["finite after"], out
+
+
+# --- torch.amp.GradScaler -----------------------------------------------------------------------
+
+
+def test_grad_scaler_unscale_clip_step_update_trains_as_the_unscaled_loop(runs):
+    """Before: scaler.unscale_ met the guard and scaler.step was refused ('GradScaler is not
+    supported'). unscale_ now unscales the reduced gradients (a collective, as the clip is); the
+    clip then sees the unscaled global norm; the scale grows as GradScaler grows it."""
+    explicit = runs["clip explicit"][0]
+    for out in runs["scaler unscale"]:
+        assert compare(out["params"], explicit["params"])["bit_identical"], out["norms"]
+        assert out["norms"] == explicit["norms"]
+        assert out["scales"] == [2.0 ** 11, 2.0 ** 12, 2.0 ** 13]
+
+
+def test_grad_scaler_step_alone_unscales_before_the_optimizers_clip(runs):
+    want = runs["clip max_grad_norm"][0]["params"]
+    for out in runs["scaler step"]:
+        assert compare(out["params"], want)["bit_identical"]
+        assert out["scales"] == [2.0 ** 10] * 3
+
+
+def test_grad_scaler_skips_an_inf_step_on_every_rank_and_backs_off(runs):
+    """Rank 1's gradients are Inf at the second step: every rank's scaler finds it (the check is
+    global) and skips that step, with the default nonfinite='raise' (GradScaler's skip is not an error)."""
+    for out in runs["scaler inf"]:
+        assert out["changed"] == [True, False, True] and out["finite"], out
+        assert out["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
+        assert not math.isfinite(out["norms"][1]) and math.isfinite(out["norms"][2])
+    a, b = runs["scaler inf"]
+    assert compare(a["params"], b["params"])["bit_identical"]
+
+
+def test_grad_scaler_steps_an_fp16_model_with_fp32_masters(runs):
+    a, b = runs["scaler fp16"]
+    for out in (a, b):
+        assert out["changed"] == [True] * 3 and out["finite"], out
+    assert compare(a["params"], b["params"])["bit_identical"]
 
 
 @pytest.mark.parametrize("overlap", ["plain", "overlapped", "plain clipped", "overlapped clipped"])

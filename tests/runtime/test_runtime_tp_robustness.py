@@ -291,22 +291,33 @@ def step_twice(rank: int) -> dict:
 
 
 def grad_scaler(rank: int) -> dict:
-    mesh = _mesh()
-    model = _tp_model(mesh)
-    opt = _optimizer(model, model.spec(), mesh)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    """torch.amp.GradScaler under TP with overlap_step (the early updates, made from the scaled
+    gradients, are dropped), scale 2**10: the unscaled step's weights bit for bit, through
+    `scaler.step` alone and through `unscale_` first. Before: 'GradScaler is not supported'."""
     from reference.data import fixed_batch
 
+    mesh = _mesh()
     i = mesh.get_local_rank("dp")
-    scaler.scale(model.loss(fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2])).backward()
+    tokens = fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2]
+    straight = _tp_model(mesh)
+    _train_step(straight, _optimizer(straight, straight.spec(), mesh, overlap_step=True), mesh)
+    exact = []
 
-    def step() -> None:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # GradScaler's note on its own API
-            scaler.step(opt)
-    return _outcome(step)
+    def scaled(unscale: bool) -> None:
+        model = _tp_model(mesh)
+        opt = _optimizer(model, model.spec(), mesh, overlap_step=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt.zero_grad()
+        scaler.scale(model.loss(tokens)).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        straight.state_dict(), model.state_dict()  # the step's parameter gathers are waited for
+        exact.append(all(torch.equal(a, b) for a, b in zip(straight.parameters(), model.parameters())))
+    out = _outcome(lambda: [scaled(unscale) for unscale in (False, True)])
+    out["exact"] = exact
+    return out
 
 
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
@@ -352,18 +363,18 @@ JOBS = {
                                                   "check")),
     "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
                                                  "model.zero_grad() between steps"),
-    "grad_scaler": (CanzonaError, "torch.amp.GradScaler is not supported"),
     # no backward ran: before, the message above ("backward would accumulate ...")
     "step_twice": (CanzonaError, "step() was called again with no backward since the last step(): the gradient of "),
 }
 
 
 RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
+WORKS = ["grad_scaler"]  # habits that must simply work
 
 
 @functools.cache
 def outcomes() -> dict:
-    names = [*JOBS, *RETRIES]
+    names = [*JOBS, *RETRIES, *WORKS]
     try:
         per_rank = run_ranks(jobs_worker, WORLD, names, deadline_s=240, collective_timeout_s=60)
     except Exception as e:  # noqa: BLE001 - replayed by every test
@@ -398,3 +409,11 @@ def test_a_step_called_again_after_a_refused_overlapped_step_is_the_step_of_thos
     for rank, out in enumerate(got["retried_after_the_scheduler_on_one_tp_rank"]):
         assert out["canzona"] and "failed" not in out["retried"]["message"], (rank, out)
         assert out["retried"]["type"] is None and out["exact"] and out["healthy"], (rank, out)
+
+
+def test_grad_scaler_steps_as_the_unscaled_step_under_tp():
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    for rank, out in enumerate(got["grad_scaler"]):
+        assert out["type"] is None and out["exact"] == [True, True] and out["healthy"], (rank, out)
