@@ -229,18 +229,19 @@ def grad_scaler_job(rank: int, world: int, how: str) -> dict:
     scale 2**10: scaling a loss by a power of two scales every gradient exactly, so the weights
     are the unscaled run's bit for bit. `how`: `unscale` (unscale_, then opt.clip_grad_norm_),
     `step` (scaler.step only, clipped by max_grad_norm: the scaler hands its scale to step()),
-    `inf` (rank 1's loss is Inf at the second step: skipped on every rank, the scale halved),
+    `inf` (rank 1's loss is Inf at the second step: skipped on every rank, the scale halved; `step
+    inf`: the same through scaler.step alone, whose step() skips it),
     `fp16` (an fp16 model, fp32 masters: scaler.step only; unscale_ is torch's refusal)."""
     spec = replace(BASE, clip_norm=0.05)
     model = build_model(replace(spec, dtype="fp16") if how == "fp16" else spec)
-    opt = _optimizer(model, max_grad_norm=0.05 if how in ("step", "fp16") else None)
+    opt = _optimizer(model, max_grad_norm=0.05 if how in ("step", "step inf", "fp16") else None)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1 if how == "unscale" else 2000)
     out: dict = {"scales": [], "norms": [], "changed": []}
     for i, tokens in enumerate(_batches(rank, world, spec)):
         before = _params(model)
         opt.zero_grad()
         loss = model.loss(tokens)
-        scaler.scale(loss * math.inf if how == "inf" and i == 1 and rank == 1 else loss).backward()
+        scaler.scale(loss * math.inf if how.endswith("inf") and i == 1 and rank == 1 else loss).backward()
         if how in ("unscale", "inf"):
             scaler.unscale_(opt)
             out["norms"].append(float(opt.clip_grad_norm_(0.05)))
@@ -250,6 +251,7 @@ def grad_scaler_job(rank: int, world: int, how: str) -> dict:
         out["changed"].append(not compare(_params(model), before)["bit_identical"])
     out["params"] = _params(model)
     out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["skipped"] = opt.skipped_steps
     return out
 
 
@@ -615,7 +617,7 @@ JOBS = {
     "nan raise": ("nonfinite_job", ("raise", math.nan)),
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
-    **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "fp16")},
+    **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "step inf", "fp16")},
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
     **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
@@ -799,6 +801,21 @@ def test_grad_scaler_skips_an_inf_step_on_every_rank_and_backs_off(runs):
         assert not math.isfinite(out["norms"][1]) and math.isfinite(out["norms"][2])
     a, b = runs["scaler inf"]
     assert compare(a["params"], b["params"])["bit_identical"]
+    for out in runs["scaler step inf"]:  # scaler.step alone: step() gets the verdict and skips
+        assert out["changed"] == [True, False, True] and out["finite"] and out["skipped"] == 1, out
+        assert out["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
+
+
+def test_grad_scaler_unscale_inside_no_sync_is_one_error(one_rank):
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with opt.no_sync():
+        scaler.scale(model.loss(_batches(0, 1)[0])).backward()
+        with pytest.raises(CanzonaError, match=r"^GradScaler.unscale_ inside no_sync\(\) .*unscale once, after"):
+            scaler.unscale_(opt)
 
 
 def test_grad_scaler_steps_an_fp16_model_with_fp32_masters(runs):
