@@ -226,9 +226,9 @@ class CanzonaAccelerator(Accelerator):
                                "gradients and shards the optimizer state itself: run accelerate's plain multi-GPU "
                                "(or multi-CPU) data parallelism")
         if self.scaler is not None:
-            raise CanzonaError("mixed_precision='fp16' needs a GradScaler, which canzona does not support (gradients "
-                               "are reduced during backward, before it could unscale them): use mixed_precision="
-                               "'bf16' or 'no'")
+            raise CanzonaError("mixed_precision='fp16' (accelerate's GradScaler) is not supported by CanzonaAccelerator: "
+                               "use mixed_precision='bf16' or 'no' (a torch.amp.GradScaler of your own works with "
+                               "the DistributedOptimizer itself)")
         if getattr(self, "parallelism_config", None) is not None:
             raise CanzonaError("accelerate's parallelism_config is not supported with a canzona DistributedOptimizer: "
                                "give the optimizer its data- and tensor-parallel groups (group=mesh) instead")
