@@ -6,7 +6,8 @@ Everything documented that reads parameters waits first:
 - a module's forward (training or eval, under `no_grad` too): a forward pre-hook on every module
   that holds one of the optimizer's parameters waits for the buckets of *its own* parameters
   (under `torch.compile` too: construction clears dynamo's caches, so that no forward traced
-  before the hooks existed skips them, `_forget_compiled_forwards`);
+  before the hooks existed skips them, `_forget_compiled_forwards`; the wait itself runs eagerly,
+  a graph break, so `fullgraph=True` is dynamo's error naming `overlap_param_gather=False`);
 - `module.state_dict()` (so `torch.save(model.state_dict())`, DCP's `get_model_state_dict`,
   `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
   what was loaded): pre-hooks on the same modules wait for every bucket;
@@ -183,8 +184,22 @@ def _before_forward(me: weakref.ref[ParamsInFlight], works: list[int]) -> Callab
     def hook(module: nn.Module, args) -> None:
         gathers = me()
         if gathers is not None and gathers._pending[0]:
-            gathers.wait(works)
+            _wait(gathers, works)
     return hook
+
+
+# what torch.compile(fullgraph=True) says when a traced forward meets gathers in flight: a wait on a
+# collective cannot be part of a graph (dynamo breaks the graph there, and fullgraph forbids breaks)
+FULLGRAPH = ("canzona: a forward compiled with fullgraph=True cannot wait for the parameter all-gathers that "
+             "step() left in flight (overlap_param_gather): build the DistributedOptimizer with "
+             "overlap_param_gather=False (step() then returns with the parameters gathered), or compile "
+             "without fullgraph (the forward then waits, eagerly, where a module needs them)")
+
+
+@torch.compiler.disable(reason=FULLGRAPH)
+def _wait(gathers: ParamsInFlight, works: list[int]) -> None:
+    """A forward's wait for its modules' gathers: always eager (torch.compile breaks its graph here)."""
+    gathers.wait(works)
 
 
 def _wait_all_hook(me: weakref.ref[ParamsInFlight]) -> Callable[..., None]:

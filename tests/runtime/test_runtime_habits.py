@@ -255,6 +255,36 @@ def grad_scaler_job(rank: int, world: int, how: str) -> dict:
     return out
 
 
+def compiled_job(rank: int, world: int, overlap: bool) -> dict:
+    """`torch.compile(model, fullgraph=True)` (dynamo's tracing, eager kernels) built after the
+    optimizer, trained through its forward with an evaluation forward under `no_grad` after each
+    step; without overlap_param_gather, the weights and losses against the same loop uncompiled."""
+    def run(compiled: bool) -> dict:
+        model = build_model(BASE)
+        opt = _optimizer(model, overlap_param_gather=overlap)
+        forward = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+
+        def loss(tokens: torch.Tensor) -> torch.Tensor:
+            logits = forward(tokens[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        evals: list[float] = []
+
+        def train() -> None:
+            for tokens in _batches(rank, world)[:2]:
+                opt.zero_grad()
+                loss(tokens).backward()
+                opt.step()
+                with torch.no_grad():
+                    evals.append(float(loss(tokens)))
+        return {**_outcome(train), "params": _params(model), "evals": evals}
+    compiled = run(True)
+    if overlap:  # refused
+        return compiled
+    eager = run(False)
+    return {**compiled, "exact": compare(compiled["params"], eager["params"])["bit_identical"]
+            and compiled["evals"] == eager["evals"]}
+
+
 def retried_step_job(rank: int, world: int, overlap_step: bool, clip: float | None = None) -> dict:
     """A step refused by its check (rank 1 doubled its learning rate), the learning rate put back,
     `step()` called again on the same gradients: the step of those gradients, as if the first call
@@ -628,6 +658,9 @@ JOBS = {
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
+    # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
+    "compiled fullgraph": ("compiled_job", (True,)),
+    "compiled fullgraph no overlap": ("compiled_job", (False,)),
 }
 
 
@@ -880,6 +913,24 @@ def test_numpy_learning_rates_step_as_the_numbers_they_hold(runs):
 def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
     for out in runs["max_grad_norm disagreement"]:
         assert out["error"] == "PlanError" and "gradient clipping" in out["message"], out
+
+
+# --- torch.compile --------------------------------------------------------------------------------
+
+
+def test_a_fullgraph_compiled_model_without_overlap_param_gather_trains_as_the_eager_one(runs):
+    """What the error below advises (a model compiled without fullgraph: test_param_gather_overlap.py)."""
+    for out in runs["compiled fullgraph no overlap"]:
+        assert out["error"] is None and out["exact"], out.get("message")
+
+
+def test_fullgraph_compile_with_gathers_in_flight_names_overlap_param_gather(runs):
+    """The second forward meets the first step's gathers in flight, which a graph cannot wait for.
+    Before: dynamo's 'Dynamo does not know how to trace method `wait` of class `Work`' alone."""
+    for out in runs["compiled fullgraph"]:
+        assert out["error"] == "Unsupported", out
+        assert "fullgraph=True cannot wait for the parameter all-gathers" in out["message"], out["message"]
+        assert "overlap_param_gather=False" in out["message"]
 
 
 # --- torch's state-dict API ---------------------------------------------------------------------
