@@ -76,7 +76,7 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import Update, adamw_step_, apply_update_, update_target
+from canzona.runtime.kernels import Update, adamw_step_, apply_update_, autocast_off, update_target
 from canzona.runtime.mesh import TP
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
@@ -498,6 +498,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         return torch.cat(norms).view(torch.int32) if norms else torch.empty(0, dtype=torch.int32)
 
     @torch.no_grad()
+    @autocast_off()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Scale the local gradient pieces so that the global gradient norm is at most `max_norm`
         (torch's rule: by max_norm / (norm + 1e-6) when below 1); return the norm before clipping.
@@ -559,7 +560,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()  # in the caller's autocast region, as its forward expects
+        with autocast_off():
+            self._checked_step()
+        return loss
+
+    def _checked_step(self) -> None:
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
@@ -585,7 +591,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self.world.log.step += 1
         finally:
             self.checked, self._grad_scale = None, 1.0
-        return loss
 
     def _grad_versions(self) -> dict[str, tuple[weakref.ref, int]]:
         """Each gradient (a weak reference to `.grad`: a dropped one is not kept alive) with its

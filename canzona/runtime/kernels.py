@@ -11,8 +11,9 @@ nothing back from the device (docs/design.md §6.3).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,21 @@ from canzona.optimizers import (
 )
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """The optimizer's arithmetic in the dtypes it chose, not the model's autocast dtype: loops often
+    call step() inside the `torch.autocast` region of forward and backward, where matmuls would run
+    in bf16 (SOAP's and Shampoo's preconditioners then fail on mixed dtypes after some updates, or
+    a kernel silently computes in lower precision). A decorator too (a fresh region per call)."""
+    accelerator = torch.accelerator.current_accelerator()
+    devices = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 State = dict[str, Any]
 

@@ -82,7 +82,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.hf_tp import check_tp_styles
-from canzona.runtime.kernels import adamw_step_, update_target
+from canzona.runtime.kernels import adamw_step_, autocast_off, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import (
@@ -620,6 +620,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._nonfinite
 
     @torch.no_grad()
+    @autocast_off()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *reduced* gradients to a global norm of at most `max_norm`; return the norm
         before clipping (for logging). `max_norm=inf` only measures it. Collective: call it on every
@@ -668,6 +669,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _amp_check: StepCheck | None = None
 
     @torch.no_grad()
+    @autocast_off()
     def _amp_unscale(self, found_inf: Tensor, inv_scale: Tensor) -> None:
         """torch.amp.GradScaler's `unscale_(opt)`, and the inf check `scaler.step(opt)` makes first
         (`inv_scale` 1: the scale then comes to `step()` as `grad_scale`), reach the guards in `.grad`
@@ -723,7 +725,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()  # in the caller's autocast region, as its forward expects
+        with autocast_off():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
@@ -755,7 +762,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comm.log.step += 1
         for grads in self._syncs():
             grads.stepped()
-        return loss
 
     def _expert_step(self) -> bool:
         """The experts' matrices this rank owns (at TP 1: computed and applied; under overlap_step

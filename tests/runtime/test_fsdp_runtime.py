@@ -72,9 +72,11 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec) -> dict:
         model.loss(mb).backward()
         named = dict(model.named_parameters())
         grads.append(({n: p.grad.full_tensor() for n, p in named.items()}, set(named)))
-        if spec.clip_norm is not None:
-            norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
-        opt.step()
+        # inside an autocast region, as loops often call them (the forward's dtype is not the step's)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if spec.clip_norm is not None:
+                norms.append(float(opt.clip_grad_norm_(spec.clip_norm)))
+            opt.step()
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     owned = sorted(opt.matrix_state)
     return {"params": params, "grads": grads, "local_rows": local_rows, "owned": owned, "norms": norms}

@@ -1157,3 +1157,28 @@ def test_a_hand_built_state_dict_of_the_wrong_form_is_one_planerror(one_rank, da
     with pytest.raises(PlanError) as refused:
         opt.load_state_dict(saved)
     assert "\n" not in str(refused.value) and _nested_equal(opt.state_dict(), before), str(refused.value)
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "shampoo", "muon"])
+def test_a_step_inside_the_loops_autocast_region_steps_as_outside_it(one_rank, optimizer):
+    """`with torch.autocast(...):` around forward, backward and step(), as many loops write it: the
+    step's own arithmetic is not the model's to cast. Before: SOAP and Shampoo failed inside step()
+    with torch's dtype errors ('expected m1 and m2 to have the same dtype'), after some updates."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    spec = replace(BASE, optimizer=optimizer)
+
+    def train(inside: bool) -> dict:
+        model = build_model(spec)
+        opt = DistributedOptimizer(list(named_parameters(model)), model.spec(), optimizer)
+        for tokens in _batches(0, 1, spec)[:2]:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model.loss(tokens).backward()
+                if inside:
+                    opt.step()
+            if not inside:
+                opt.step()
+        return _params(model)
+    assert compare(train(True), train(False))["bit_identical"]
