@@ -76,7 +76,14 @@ from canzona.runtime.groups import (
     hyper_parameters_digest,
     user_groups,
 )
-from canzona.runtime.kernels import Update, adamw_step_, apply_update_, autocast_off, update_target
+from canzona.runtime.kernels import (
+    Update,
+    adamw_step_,
+    apply_update_,
+    autocast_off,
+    eager_only,
+    update_target,
+)
 from canzona.runtime.mesh import TP
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
@@ -497,6 +504,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  for n, p in self.params.items() if p.grad is not None]
         return torch.cat(norms).view(torch.int32) if norms else torch.empty(0, dtype=torch.int32)
 
+    @eager_only
     @torch.no_grad()
     @autocast_off()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -552,6 +560,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
 
+    @eager_only
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):  # noqa: D401 - torch.optim signature
         if grad_scaler is not None:

@@ -32,6 +32,14 @@ from canzona.optimizers import (
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
+# The optimizer's entry points are collectives and host logic, not a graph: a compiled caller
+# (`torch.compile(opt.step)`, torch's recipe for compiling an optimizer) runs them eagerly, a graph
+# break, instead of dynamo failing inside them. Their kernels compile on their own (compile_kernels).
+eager_only = torch.compiler.disable(
+    reason="canzona's DistributedOptimizer step is collectives and host logic and runs eagerly; compile its "
+           "Newton-Schulz kernels with compile_kernels=True")
+
+
 @contextlib.contextmanager
 def autocast_off() -> Iterator[None]:
     """The optimizer's arithmetic in the dtypes it chose, not the model's autocast dtype: loops often

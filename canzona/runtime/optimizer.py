@@ -82,7 +82,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.hf_tp import check_tp_styles
-from canzona.runtime.kernels import adamw_step_, autocast_off, update_target
+from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import (
@@ -619,6 +619,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         as the ranks must agree on it)."""
         return self._nonfinite
 
+    @eager_only
     @torch.no_grad()
     @autocast_off()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -720,6 +721,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # as torch's fused optimizers take it (the unscale then runs after the check, before any clip)
     _step_supports_amp_scaling = True
 
+    @eager_only
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch.optim signature
         loss = None

@@ -1182,3 +1182,19 @@ def test_a_step_inside_the_loops_autocast_region_steps_as_outside_it(one_rank, o
                 opt.step()
         return _params(model)
     assert compare(train(True), train(False))["bit_identical"]
+
+
+def test_a_compiled_step_runs_eagerly_as_the_step(one_rank):
+    """`torch.compile(opt.step)` (torch's recipe for compiling an optimizer): canzona's step is
+    collectives and host logic, so dynamo runs it eagerly (its Newton-Schulz compiles with
+    compile_kernels=True). Before: dynamo's InternalTorchDynamoError tracing param_groups."""
+    def train(compiled: bool) -> dict:
+        model = build_model(BASE)
+        opt = _optimizer(model)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for tokens in _batches(0, 1)[:2]:
+            opt.zero_grad()
+            model.loss(tokens).backward()
+            step()
+        return _params(model)
+    assert compare(train(True), train(False))["bit_identical"]
