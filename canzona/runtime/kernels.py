@@ -44,8 +44,8 @@ eager_only = torch.compiler.disable(
 def autocast_off() -> Iterator[None]:
     """The optimizer's arithmetic in the dtypes it chose, not the model's autocast dtype: loops often
     call step() inside the `torch.autocast` region of forward and backward, where matmuls would run
-    in bf16 (SOAP's and Shampoo's preconditioners then fail on mixed dtypes after some updates, or
-    a kernel silently computes in lower precision). A decorator too (a fresh region per call)."""
+    in bf16 (SOAP's and Shampoo's preconditioners then fail on mixed dtypes inside the step, or a
+    kernel would silently compute in lower precision). A decorator too (a fresh region per call)."""
     accelerator = torch.accelerator.current_accelerator()
     devices = ["cpu"] + ([accelerator.type] if accelerator is not None else [])
     with contextlib.ExitStack() as stack:
@@ -53,6 +53,7 @@ def autocast_off() -> Iterator[None]:
             if torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
 
 State = dict[str, Any]
 
