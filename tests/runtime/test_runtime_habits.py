@@ -1162,8 +1162,9 @@ def test_a_hand_built_state_dict_of_the_wrong_form_is_one_planerror(one_rank, da
 @pytest.mark.parametrize("optimizer", ["soap", "shampoo", "muon"])
 def test_a_step_inside_the_loops_autocast_region_steps_as_outside_it(one_rank, optimizer):
     """`with torch.autocast(...):` around forward, backward and step(), as many loops write it: the
-    step's own arithmetic is not the model's to cast. Before: SOAP and Shampoo failed inside step()
-    with torch's dtype errors ('expected m1 and m2 to have the same dtype'), after some updates."""
+    step's own arithmetic is not the model's to cast. Before: SOAP and Shampoo failed inside their
+    first step() with torch's dtype errors ('expected m1 and m2 to have the same dtype'), no weight
+    changed but one or two matrices' state already initialised."""
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
 
