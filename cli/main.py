@@ -28,7 +28,7 @@ from canzona.dp.layout import (
     check_expert_buckets,
     check_expert_buckets_apply,
 )
-from canzona.dp.policies import DP_REGISTRY, MATRICES_PER_RANK, PAPER_DP_POLICY
+from canzona.dp.policies import DP_REGISTRY, MATRICES_PER_RANK, PAPER_DP_POLICY, check_dp_policy
 from canzona.errors import CanzonaError, SpecError
 from canzona.experts import check_ep, dense_part, expert_part
 from canzona.fileio import check_output_path, dumps_json, one_line
@@ -359,7 +359,10 @@ def _check_dp_policy_applies(policies: list[str], dp_policy: str | None, alpha: 
     the chosen step policies would use is a mistake, not a no-op: each of the others has its own DP
     policy and runs tp-sync (every TP rank the whole update: no micro-groups to order or cut). So is
     a --balance-by where no chosen policy balances anything: ZeRO-1's even segments, or a replicated
-    policy (every rank every matrix)."""
+    policy (every rank every matrix). A --dp-policy given is a DP policy's name first: an empty one
+    would otherwise read as the default where callers fill it in (`dp_policy or ...`)."""
+    if dp_policy is not None:
+        check_dp_policy(dp_policy)
     steps = [STEP_POLICIES[p] for p in policies if p in STEP_POLICIES]
     uses = "uses" if len(policies) == 1 else "use"
     balancing = [s for s in steps if s.dp_policy is None or not (s.replicated or DP_REGISTRY[s.dp_policy].splits_compute)]
@@ -1003,7 +1006,8 @@ def verify(
         optimizers = checks.OPTIMIZERS if optimizer == "all" else (optimizer,)
         chosen = list(STEP_POLICIES) if policy == "all" else [policy or default_policy(o) for o in optimizers]
         _check_dp_policy_applies(chosen, dp_policy)
-        preset = preset or ("tiny-moe" if ep > 1 else "tiny")
+        if preset is None:  # not `or`: an empty name is refused as an unknown preset, not read as the default
+            preset = "tiny-moe" if ep > 1 else "tiny"
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style, ep=ep, fsdp=fsdp, hsdp_replicate=hsdp_replicate)

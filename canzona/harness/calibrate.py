@@ -164,7 +164,7 @@ def prepare(device: str | None = None, model: str | None = None, shapes: str | N
                                "drop the model's: give one")
         chosen = parse_shapes(shapes)
     else:
-        model = model or DEFAULT_MODEL
+        model = DEFAULT_MODEL if model is None else model  # an empty name is refused, not the default
         chosen = tuple(sorted({tuple(p.shape) for p in get_model(model).matrix_params()}))
     env = launched_env()
     if env is not None:
@@ -182,7 +182,7 @@ def prepare(device: str | None = None, model: str | None = None, shapes: str | N
             raise CanzonaError("--world-size spawns gloo ranks on the CPU; for NCCL on GPUs launch under torchrun: "
                                "torchrun --nproc-per-node N -m cli.main calibrate --device cuda ...")
         world = world_size
-    base = base or DEFAULT_PROFILE
+    base = DEFAULT_PROFILE if base is None else base  # as --model: an empty name is refused
     data, where = load_profile_data(base)
     profile_from_dict(data, where)  # the base must be a valid profile
     full = 1 if quick else 0

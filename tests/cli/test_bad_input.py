@@ -313,6 +313,10 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
     (["plan", "--bucket-size", str(10**400)], "bucket size must be"),
     (["simulate", "--global-batch", str(10**307), "--micro-batch", str(10**307)], "global batch must be <="),
     (["simulate", "--policy", "sc", "--dp-policy", "whole-start"], "applies to the canzona policy only"),
+    # an empty name was taken as the default DP policy
+    (["simulate", "--dp-policy", ""], "unknown DP policy ''"),
+    (["compare", "--dp-policy", ""], "unknown DP policy ''"),
+    (["plan", "--dp-policy", ""], "unknown DP policy ''"),
     # the policies with their own DP / TP plans take no alpha or TP scheduler: a no-op given is a mistake
     (["simulate", "--policy", "sc", "--alpha", "0.3"], "--alpha applies to the canzona policy only; sc uses whole-start"),
     (["simulate", "--policy", "layerwise", "--tp-policy", "tp-chunk"], "--tp-policy applies to the canzona policy only"),

@@ -239,6 +239,9 @@ def test_gather_whole_with_an_empty_shard():
     (["--optimizer", "adam"], "unknown optimizer 'adam'"),
     (["--policy", "zero3"], "unknown policy 'zero3'"),
     (["--preset", "huge"], "unknown tiny model 'huge'"),
+    # an empty name was taken as the default and the run verified it
+    (["--preset", ""], "unknown tiny model ''"),
+    (["--dp-policy", ""], "unknown DP policy ''"),
     (["--dp", "3", "--global-batch", "8"], "not divisible by dp x accumulation"),
     (["--dp", "2", "--accumulation", "3", "--global-batch", "9"], "not divisible"),
     (["--tp", "0"], "tp must be"),

@@ -385,6 +385,9 @@ def test_malformed_new_sections_are_rejected_in_one_line(key, bad):
     (["--shapes", "0x64"], "--shapes"),
     (["--repeats", 0], "--repeats"),
     (["--base", "no-such-profile"], "unknown hardware"),
+    # an empty name was taken as the default and calibrated for a minute
+    (["--base", ""], "unknown hardware ''"),
+    (["--model", ""], "unknown model ''"),
     (["--name", "a b"], "--name"),
     (["--threads", 0], "--threads"),
 ])
