@@ -247,6 +247,11 @@ class Question:
             if self.selective_ac_option is not None:
                 raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer "
                                 "recompute, searched under --fsdp (Megatron's ZeRO-1 layouts do not run it)")
+            if not self.search_recompute_layers and self.recompute_method is not None:
+                # the block-method exploration (`search`'s `explore`) runs only without a method
+                raise SpecError(f"--no-search-recompute-layers changes nothing with --recompute-method "
+                                f"{self.recompute_method}: the search explores the block method's layers only "
+                                "without a method, and runs the one given as it is")
             return
         if self.selective_ac_option is not None and SELECTIVE_LAYER not in fsdp_recompute_modes(self.fsdp_impl):
             raise SpecError(f"--selective-ac-option {self.selective_ac_option}: torchtitan's selective-layer recompute, "

@@ -296,6 +296,9 @@ def test_the_run_settings_search_does_not_explore_reach_every_layout():
     (("--no-align-grad-reduce", "--no-overlap-grad-reduce"), "changes nothing without --overlap-grad-reduce"),
     (("--gpu-variability", "-1"), "variability"),
     (("--max-grad-norm", "0"), "max_grad_norm"),
+    # the block-method exploration runs only without a method: turning it off beside one was accepted
+    (("--no-search-recompute-layers", "--recompute-method", "block", "--recompute-num-layers", "1"),
+     "--no-search-recompute-layers changes nothing with --recompute-method block"),
 ])
 def test_a_run_setting_that_changes_nothing_or_is_bad_is_one_line(args, needle):
     error_line(invoke("search", *SMALL, *args), needle)
