@@ -141,6 +141,10 @@ ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
     ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("geometry", "--geometry", DEFAULT_GEOMETRY),
     ("tp_policy", "--tp-policy", PLAN_DEFAULTS.tp_policy), ("tp_mode", "--tp-mode", STEP_DEFAULTS.tp_mode),
     ("capacity", "--capacity", PLAN_DEFAULTS.capacity))
+# the settings that weigh how a DP group's ranks share the matrices: with one rank in every plan's
+# group (`SimConfig._check_balance_settings`) there is nothing to share, and they change nothing
+BALANCE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
+    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by))
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,23 @@ class SimConfig:
             # DeepEP's buffer has a config for some EP sizes only (`canzona.memory.DEEPEP_CONFIGS`)
             self.dispatcher_bytes(resolved[1], self.workload.seq_len)
         check_fsdp(self, cluster, resolved[0])
+        self._check_balance_settings(cluster)
         return cluster, resolved, hw
+
+    def _check_balance_settings(self, cluster: Cluster) -> None:
+        """--alpha and --balance-by off their defaults where every plan's DP group is one rank (DP x
+        CP 1, and under EP one EDP rank): that rank holds every matrix, so there is no balance to
+        weigh and the run is the default's; one SpecError, as other settings that change nothing.
+        Under FSDP `check_fsdp` has refused a one-rank DP group already."""
+        groups = [cluster.dp] + ([self.expert_cluster(cluster).dp] if self.ep > 1 else [])
+        if self.fsdp or max(groups) > 1:
+            return
+        changed = [f"{flag} {getattr(self, name)}" for name, flag, default in BALANCE_SETTINGS
+                   if getattr(self, name) != default]
+        if changed:
+            raise SpecError(f"{', '.join(changed)} change{'s' if len(changed) == 1 else ''} nothing where each plan's "
+                            "DP group is one rank "
+                            f"(dp x cp = {cluster.dp}): that rank computes every matrix, with no balance to weigh")
 
     def _check_elementwise_settings(self) -> None:
         """An elementwise optimizer's (AdamW's) run: its one step policy (zero1) plans with its own

@@ -313,6 +313,9 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
     (["plan", "--bucket-size", str(10**400)], "bucket size must be"),
     (["simulate", "--global-batch", str(10**307), "--micro-batch", str(10**307)], "global batch must be <="),
     (["simulate", "--policy", "sc", "--dp-policy", "whole-start"], "applies to the canzona policy only"),
+    # one DP rank holds every matrix (SIM: 8 GPUs at TP 8): the balance settings were accepted, the run unchanged
+    (["simulate", *SIM, "--alpha", "0.5"], "--alpha 0.5 changes nothing where each plan's DP group is one rank"),
+    (["compare", *SIM, "--balance-by", "elements"], "--balance-by elements changes nothing"),
     # an empty name was taken as the default DP policy
     (["simulate", "--dp-policy", ""], "unknown DP policy ''"),
     (["compare", "--dp-policy", ""], "unknown DP policy ''"),
