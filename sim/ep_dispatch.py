@@ -168,6 +168,9 @@ class EpDispatcher:
         if not isinstance(self.fake_balanced_gate, bool):
             raise SpecError(f"fake_balanced_gate must be true or false, got {self.fake_balanced_gate!r}")
         check_routing(self.routing)
+        if self.fake_balanced_gate and self.routing != RANDOM:  # `load_routing`: the gate's own, whatever this says
+            raise SpecError(f"--routing {self.routing} changes nothing with --fake-balanced-gate: the FakeBalancedGate "
+                            "routes every token deterministically, exactly balanced over the EP ranks")
 
     def at_ep(self, ep: int) -> EpDispatcher:
         """These settings as a layout at `ep` runs them: under EP all of them; at EP 1 the ones that act

@@ -234,8 +234,10 @@ def test_an_ep1_layout_runs_the_dispatchers_defaults_the_same_run():
     which simulate reproduces; FakeBalancedGate's, which acts at any EP, stays (it drops the router)."""
     from sim.simulate import simulate
 
+    # (the routing is reset too; beside the gate, which routes its own way, it is refused: EpDispatcher.check)
+    assert EpDispatcher(routing="balanced").at_ep(1) == EpDispatcher()
     flex = EpDispatcher(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
-                        moe_hybridep_num_sms=8, routing="balanced", fake_balanced_gate=True)
+                        moe_hybridep_num_sms=8, fake_balanced_gate=True)
     assert flex.at_ep(2) is flex
     assert flex.at_ep(1) == EpDispatcher(fake_balanced_gate=True)
     flex.at_ep(1).check_ep(1)

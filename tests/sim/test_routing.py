@@ -194,6 +194,18 @@ def test_routing_on_a_dense_model_is_refused_alike(command):
                   options=RunOptions(ep_dispatcher=EpDispatcher(routing=BALANCED))).check()
 
 
+@pytest.mark.parametrize("command", [
+    ("simulate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "1", "--ep", "8", "--seq-len", "256",
+     "--global-batch", "8"),
+    ("search", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq-len", "256", "--global-batch", "8"),
+])
+def test_routing_beside_the_fake_balanced_gate_is_refused(command):
+    """The FakeBalancedGate routes deterministically and exactly balanced whatever `--routing` says
+    (`EpDispatcher.load_routing`): `--routing balanced` beside it changed nothing and was accepted."""
+    error_line(invoke(*command, "--fake-balanced-gate", "--routing", "balanced"), "--routing balanced changes nothing",
+               "--fake-balanced-gate")
+
+
 def test_a_router_imbalance_above_the_ep_size_is_refused():
     """The busiest of `ep` ranks holds at most every pair, `ep` times the mean: a larger factor is
     impossible (`rank_shares` gave the others no pairs and the ranks a mean above 1), one error."""
