@@ -84,6 +84,7 @@ from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
+    OWNERS_BALANCED,
     FsdpStepPolicy,
     default_policy,
     get_fsdp_policy,
@@ -193,6 +194,7 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
                         "fallback to report")
     _check_zero1_step_options(cfg)
+    _check_owner_plan_settings(cfg, policy)
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
@@ -231,6 +233,38 @@ def _check_zero1_step_options(cfg) -> None:
         raise SpecError(f"--capacity sizes the ZeRO-1 layout's TP micro-groups: under --fsdp the step's micro-groups "
                         f"are each owner's matrices cut by cost into at most {MAX_OWNER_GROUPS} "
                         "(canzona.fsdp_plan.owner_micro_groups), which no capacity sizes")
+
+
+# the planning settings canzona's FSDP owners are placed with (`canzona.fsdp_plan.fsdp_matrices`:
+# the planner's placements), with their options and defaults
+OWNER_PLAN_SETTINGS: tuple[tuple[str, str, object], ...] = (
+    ("dp_policy", "--dp-policy", PLAN_DEFAULTS.dp_policy), ("alpha", "--alpha", PLAN_DEFAULTS.alpha),
+    ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by), ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
+    ("align", "--align", PLAN_DEFAULTS.align))
+
+
+def owner_plan_defaults(optimizer: str, policy: str) -> dict[str, object]:
+    """The `OWNER_PLAN_SETTINGS` at their defaults, by field, for an FSDP `policy` whose owners no
+    plan places (empty for canzona's, and for AdamW's, which has none): what `compare` runs a
+    baseline with beside canzona at the settings given (`sim.simulate.with_policy`)."""
+    step = fsdp_policy(optimizer, policy)
+    if step is None or step.owners == OWNERS_BALANCED:
+        return {}
+    return {name: default for name, _, default in OWNER_PLAN_SETTINGS}
+
+
+def _check_owner_plan_settings(cfg, policy: FsdpStepPolicy | None) -> None:
+    """The planning settings set off their defaults under an FSDP policy whose owners no plan places
+    (fsdp-owners-unbalanced: matrix i to rank i mod S; fsdp-gather-all: every rank every matrix)
+    change nothing: one SpecError naming them, as `_check_zero1_step_options`. AdamW (`policy`
+    None) has its own rule (`SimConfig._check_elementwise_settings`)."""
+    if policy is None or policy.owners == OWNERS_BALANCED:
+        return
+    changed = [f"{flag} {getattr(cfg, name)}" for name, flag, default in OWNER_PLAN_SETTINGS
+               if getattr(cfg, name) != default]
+    if changed:
+        raise SpecError(f"{', '.join(changed)}: canzona's owner plan settings change nothing under --fsdp --policy "
+                        f"{policy.name}, whose owners ({policy.owners}) no plan places")
 
 
 # --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------
@@ -828,4 +862,4 @@ def simulate_fsdp(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, 
 
 __all__ = ["FSDP_POLICIES", "FSDP_RECOMPUTE_MODES", "check_fsdp", "fsdp_checkpoint", "fsdp_forward_without_grad",
            "fsdp_memory_floor",
-           "fsdp_micro_batch_work", "fsdp_policy", "fsdp_recompute_modes", "simulate_fsdp"]
+           "fsdp_micro_batch_work", "fsdp_policy", "fsdp_recompute_modes", "owner_plan_defaults", "simulate_fsdp"]

@@ -91,7 +91,7 @@ from sim.engine import Engine, Span, cyclic_gc_paused
 from sim.ep_dispatch import DEEPEP
 from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
-from sim.fsdp import check_fsdp, fsdp_policy, simulate_fsdp
+from sim.fsdp import check_fsdp, fsdp_policy, owner_plan_defaults, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl, reshard_options
 from sim.iteration import (
     ETP_COMM,
@@ -951,8 +951,8 @@ def with_policy(cfg: SimConfig, name: str) -> SimConfig:
     """`cfg` under step policy `name`; `overlap_step` only where the policy can run it (canzona):
     the baselines' owners cannot start before every gradient is reduced and gathered. Under an
     elementwise policy (zero1) a matrix optimizer's configuration becomes the AdamW baseline's."""
-    if cfg.fsdp:
-        return replace(cfg, policy=name)
+    if cfg.fsdp:  # canzona's owner plan settings are its own: a baseline refuses them (`check_fsdp`)
+        return replace(cfg, policy=name, **owner_plan_defaults(cfg.optimizer, name))
     options = cfg.options
     if options.overlap_step and not STEP_POLICIES[name].can_overlap_step:
         options = replace(options, overlap_step=False)

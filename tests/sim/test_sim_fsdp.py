@@ -90,10 +90,27 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(tp=2, tp_mode="serial"), "--tp-mode serial orders the ZeRO-1 layout's TP micro-groups"),
     (dict(capacity=Capacity(2 ** 30, "bytes")), "--capacity sizes the ZeRO-1 layout's TP micro-groups"),
     (dict(optimizer="adamw", policy=None, tp_mode="serial"), "--tp-mode serial"),  # no owners: no TP schedule either
+    # canzona's owner plan settings under the baselines, whose owners no plan places: the run was the default's
+    (dict(policy="fsdp-gather-all", alpha=0.5), "--alpha 0.5: canzona's owner plan settings change nothing"),
+    (dict(policy="fsdp-owners-unbalanced", balance_by="elements", bucket_size=50_000_000),
+     "--balance-by elements, --bucket-size 50000000: canzona's owner plan settings change nothing"),
+    (dict(policy="fsdp-owners-unbalanced", dp_policy="whole-start"), "--dp-policy whole-start"),
 ])
 def test_bad_layouts_refused(changes, needle):
     with pytest.raises(SpecError, match=needle):
         replace(BASE, **changes).check()
+
+
+def test_compare_runs_the_baselines_without_canzonas_owner_plan_settings():
+    """`compare --fsdp --alpha 0.5`: canzona plans its owners at the settings given; the baselines,
+    which refuse them (no plan places their owners), run at the defaults, as `with_policy` runs the
+    AdamW baseline without canzona's ZeRO-1 settings."""
+    cfg = SimConfig(model="qwen3-0.6b", gpus=8, tp=1, fsdp=True, alpha=0.5, bucket_size=50_000_000,
+                    workload=Workload(seq_len=256, global_batch=8))
+    results = compare(cfg)
+    assert [r.config.policy for r in results] == list(FSDP_POLICIES)
+    assert [(r.config.alpha, r.config.bucket_size) for r in results] == \
+        [(0.5, 50_000_000)] + [(PLAN_DEFAULTS.alpha, PLAN_DEFAULTS.bucket_size)] * 2
 
 
 def test_zero1_step_options_at_their_defaults_are_accepted():
