@@ -142,8 +142,12 @@ def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig
     else:
         ffn = _hf_int(data, "intermediate_size", where)
     vocab = _hf_int(data, "vocab_size", where)
+    # where the count comes from, for the error below: a default the user never wrote is named as one
+    kv_source = ""
     if "num_key_value_heads" not in data:
         kv_heads = kind["kv_heads"] or heads
+        if kind["kv_heads"]:
+            kv_source = f" (transformers' default for {model_type}, which the config leaves out)"
     else:
         kv_heads = heads if data["num_key_value_heads"] is None else _whole(data["num_key_value_heads"],
                                                                             "num_key_value_heads", where)
@@ -155,7 +159,8 @@ def config_from_hf(data: Any, name: str, where: str = "config") -> DecoderConfig
         head_dim = hidden // heads
     head_dim = _whole(head_dim, "head_dim", where)
     if heads % kv_heads:
-        raise SpecError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise SpecError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                        f"{kv_heads}{kv_source}")
     attention_bias = kind["reads_attention_bias"] and _hf_bool(data, "attention_bias", where)
     return DecoderConfig(
         name, layers, hidden, heads, kv_heads, head_dim, ffn, vocab,

@@ -520,6 +520,9 @@ MODEL_FILES = {
     "tie not a bool": ({**LLAMA, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false", 1),
     "no head_dim": ({**LLAMA, "hidden_size": 100}, "give head_dim", 1),
     "heads not multiple of kv": ({**LLAMA, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads", 1),
+    # the count came from transformers' default for the type, which the message did not say: the user wrote no 32
+    "kv heads left out": ({**_without(LLAMA, "num_key_value_heads"), "model_type": "qwen2", "num_attention_heads": 8},
+                          "num_key_value_heads 32 (transformers' default for qwen2, which the config leaves out)", 1),
     "qwen2_moe": ({**LLAMA, "model_type": "qwen2_moe", "num_experts": 60}, "mixture-of-experts", 1),
     "deepseek_v3": ({**LLAMA, "model_type": "deepseek_v3", "n_routed_experts": 256}, "mixture-of-experts", 1),
     "experts in a llama config": ({**LLAMA, "num_local_experts": 8}, "mixture-of-experts", 1),
