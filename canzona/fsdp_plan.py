@@ -24,7 +24,7 @@ from typing import TypeVar
 from canzona.cost import CostModel, adamw_moments_bytes, row_state_bytes
 from canzona.errors import SpecError
 from canzona.optimizers import matrix_config_for
-from canzona.plan import WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
+from canzona.plan import PLAN_DEFAULTS, WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
 
@@ -96,6 +96,24 @@ def backward_order(units: Sequence[FsdpUnit]) -> list[FsdpMatrix]:
     return [m for u in reversed(units) for m in u.matrices]
 
 
+# the planning settings canzona's owner plan reads (`fsdp_matrices`: its placements give canzona's
+# owners); a policy whose owners no plan places (round-robin, every rank) reads none of them
+OWNER_PLAN_SETTINGS = ("dp_policy", "alpha", "balance_by", "bucket_size", "align")
+
+
+def check_owner_plan_settings(policy: FsdpStepPolicy, settings: PlanSettings) -> None:
+    """`settings`' `OWNER_PLAN_SETTINGS` off their defaults under a policy whose owners no plan
+    places change nothing: one SpecError naming them (the runtime's FsdpOptimizer, `canzona verify
+    --fsdp` and `canzona simulate --fsdp` alike, through `fsdp_matrices` or before it)."""
+    if policy.owners == OWNERS_BALANCED:
+        return
+    changed = [f"{name} {getattr(settings, name)}" for name in OWNER_PLAN_SETTINGS
+               if getattr(settings, name) != getattr(PLAN_DEFAULTS, name)]
+    if changed:
+        raise SpecError(f"{', '.join(changed)}: canzona's owner plan settings change nothing under FSDP policy "
+                        f"{policy.name}, whose owners ({policy.owners}) no plan places")
+
+
 def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepPolicy,
                   settings: PlanSettings | None = None,
                   cost_model: CostModel | None = None, *,
@@ -106,6 +124,7 @@ def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepP
     Round-robin owners are matrix i's rank i mod `shard`, in the spec's order. `matrix_config`: the
     optimizer's configuration (the runtime's option; None: its defaults), which the costs and the
     state are priced at."""
+    check_owner_plan_settings(policy, settings or PlanSettings())
     plan = plan_for(spec, shard, 1, optimizer, "canzona", settings or PlanSettings(), cost_model,
                     geometry=WHOLE_GEOMETRY, matrix_config=matrix_config)
     matrix_config = matrix_config_for(optimizer, matrix_config)

@@ -47,12 +47,14 @@ from canzona.experts import dense_part
 from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     MAX_OWNER_GROUPS,
+    OWNER_PLAN_SETTINGS,
     ROOT,
     FsdpMatrix,
     FsdpRankBytes,
     FsdpUnit,
     backward_order,
     check_hsdp,
+    check_owner_plan_settings,
     fsdp_matrices,
     fsdp_persistent_memory,
     fsdp_units,
@@ -235,36 +237,22 @@ def _check_zero1_step_options(cfg) -> None:
                         "(canzona.fsdp_plan.owner_micro_groups), which no capacity sizes")
 
 
-# the planning settings canzona's FSDP owners are placed with (`canzona.fsdp_plan.fsdp_matrices`:
-# the planner's placements), with their options and defaults
-OWNER_PLAN_SETTINGS: tuple[tuple[str, str, object], ...] = (
-    ("dp_policy", "--dp-policy", PLAN_DEFAULTS.dp_policy), ("alpha", "--alpha", PLAN_DEFAULTS.alpha),
-    ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by), ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
-    ("align", "--align", PLAN_DEFAULTS.align))
-
-
 def owner_plan_defaults(optimizer: str, policy: str) -> dict[str, object]:
-    """The `OWNER_PLAN_SETTINGS` at their defaults, by field, for an FSDP `policy` whose owners no
-    plan places (empty for canzona's, and for AdamW's, which has none): what `compare` runs a
-    baseline with beside canzona at the settings given (`sim.simulate.with_policy`)."""
+    """`canzona.fsdp_plan.OWNER_PLAN_SETTINGS` at their defaults, by field, for an FSDP `policy`
+    whose owners no plan places (empty for canzona's, and for AdamW's, which has none): what
+    `compare` runs a baseline with beside canzona at the settings given (`sim.simulate.with_policy`)."""
     step = fsdp_policy(optimizer, policy)
     if step is None or step.owners == OWNERS_BALANCED:
         return {}
-    return {name: default for name, _, default in OWNER_PLAN_SETTINGS}
+    return {name: getattr(PLAN_DEFAULTS, name) for name in OWNER_PLAN_SETTINGS}
 
 
 def _check_owner_plan_settings(cfg, policy: FsdpStepPolicy | None) -> None:
-    """The planning settings set off their defaults under an FSDP policy whose owners no plan places
-    (fsdp-owners-unbalanced: matrix i to rank i mod S; fsdp-gather-all: every rank every matrix)
-    change nothing: one SpecError naming them, as `_check_zero1_step_options`. AdamW (`policy`
-    None) has its own rule (`SimConfig._check_elementwise_settings`)."""
-    if policy is None or policy.owners == OWNERS_BALANCED:
-        return
-    changed = [f"{flag} {getattr(cfg, name)}" for name, flag, default in OWNER_PLAN_SETTINGS
-               if getattr(cfg, name) != default]
-    if changed:
-        raise SpecError(f"{', '.join(changed)}: canzona's owner plan settings change nothing under --fsdp --policy "
-                        f"{policy.name}, whose owners ({policy.owners}) no plan places")
+    """`canzona.fsdp_plan.check_owner_plan_settings` on `cfg`'s settings, at the check (before the
+    run plans its owners). AdamW (`policy` None) has its own rule
+    (`SimConfig._check_elementwise_settings`)."""
+    if policy is not None:
+        check_owner_plan_settings(policy, cfg.settings)
 
 
 # --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------

@@ -246,7 +246,7 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
     them off their defaults, `TrainSpec.check`)."""
     from canzona.fsdp_plan import check_hsdp, fsdp_matrices
     from canzona.harness.training import TrainSpec
-    from canzona.step_policies import get_fsdp_policy
+    from canzona.step_policies import OWNERS_BALANCED, get_fsdp_policy
 
     shard = check_hsdp(True, dp, hsdp_replicate)
     recorded = steps * sum(p.numel for p in mspec.params)
@@ -264,13 +264,18 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
     cases = []
     for opt in optimizers:
         for pol in policies:
-            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
-                             bucket_size=bucket_size, steps=steps, global_batch=global_batch, seq_len=seq_len,
+            # canzona's owner plan settings are its own: under `all` the owners no plan places run at
+            # the defaults (named alone, such a policy refuses them: `check_owner_plan_settings`)
+            own = policy != "all" or get_fsdp_policy(pol).owners == OWNERS_BALANCED
+            plan_dp, plan_alpha, plan_bucket = (dp_policy, alpha, bucket_size) if own else \
+                (PLAN_DEFAULTS.dp_policy, PLAN_DEFAULTS.alpha, PLAN_DEFAULTS.bucket_size)
+            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=plan_dp, alpha=plan_alpha,
+                             bucket_size=plan_bucket, steps=steps, global_batch=global_batch, seq_len=seq_len,
                              accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate, tp=tp,
                              tp_style="dtensor", tp_policy=tp_policy, tp_mode=tp_mode)
             spec.check(dp)
             _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), PlanSettings(
-                dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size))
+                dp_policy=plan_dp, alpha=plan_alpha, bucket_size=plan_bucket))
             cases.append(VerifyCase(spec, plan))
     return cases
 

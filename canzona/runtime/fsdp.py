@@ -42,7 +42,13 @@ from torch import Tensor
 from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP
-from canzona.fsdp_plan import backward_order, fsdp_matrices, fsdp_units, owner_micro_groups
+from canzona.fsdp_plan import (
+    backward_order,
+    check_owner_plan_settings,
+    fsdp_matrices,
+    fsdp_units,
+    owner_micro_groups,
+)
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
 from canzona.runtime import fsdp_checkpoint
@@ -196,6 +202,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if self.policy.gathers_all:
             raise SpecError(f"policy {self.policy.name!r} is a simulator baseline (every rank computes every "
                             "matrix); the runtime runs owner policies: canzona, fsdp-owners-unbalanced")
+        settings = PlanSettings(dp_policy=opts["dp_policy"], alpha=opts["alpha"], bucket_size=opts["bucket_size"],
+                                align=opts["align"], capacity=opts["capacity"], balance_by=opts["balance_by"])
+        check_owner_plan_settings(self.policy, settings)  # before any collective: every rank alike
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0
@@ -235,8 +244,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.layout: dict[str, ParamLayout] = {
             n: param_layout(n, tuple(p.shape), [b[n] for b in boxes]) for n, p in self.params.items()}
 
-        settings = PlanSettings(dp_policy=opts["dp_policy"], alpha=opts["alpha"], bucket_size=opts["bucket_size"],
-                                align=opts["align"], capacity=opts["capacity"], balance_by=opts["balance_by"])
         matrices, self.plan = fsdp_matrices(spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"],
                                             matrix_config=self.matrix_cfg)
         self.owner = {n: m.owner for n, m in matrices.items()}

@@ -273,6 +273,8 @@ def test_gather_whole_with_an_empty_shard():
     (["--fsdp", "--optimizer", "adamw"], "adamw is elementwise"),
     (["--fsdp", "--policy", "fsdp-gather-all"], "is a simulator baseline"),
     (["--fsdp", "--policy", "zero1"], "'zero1' is not an FSDP policy"),
+    # round-robin owners: no plan places them, and the run verified the default's
+    (["--fsdp", "--policy", "fsdp-owners-unbalanced", "--alpha", "0.5"], "alpha 0.5: canzona's owner plan settings"),
     (["--fsdp", "--preset", "tiny-moe"], "stacked experts are not run under FSDP2"),
     (["--hsdp-replicate", "2"], "it needs --fsdp"),
     (["--fsdp", "--dp", "4", "--hsdp-replicate", "3"], "--hsdp-replicate 3 must divide the 4"),
@@ -287,6 +289,15 @@ def test_bad_input_is_one_line_exit_2(monkeypatch, args, needle):
     monkeypatch.setattr(checks, "run", no_spawn)
     line = one_error_line(*run(*args))
     assert needle in line, line
+
+
+def test_fsdp_all_policies_run_the_round_robin_owners_at_the_default_plan_settings():
+    """`--fsdp --policy all --alpha 0.5`: canzona's owners are planned at the settings given, the
+    round-robin owners (which refuse them: no plan places them) at the defaults, as `compare --fsdp`
+    runs its baselines; named alone, fsdp-owners-unbalanced refuses them (the list above)."""
+    cases = checks.prepare(2, "muon", "all", steps=1, fsdp=True, alpha=0.5, bucket_size=10**6)
+    assert {(c.spec.policy, c.spec.alpha, c.spec.bucket_size) for c in cases} == {
+        ("canzona", 0.5, 10**6), ("fsdp-owners-unbalanced", PLAN_DEFAULTS.alpha, PLAN_DEFAULTS.bucket_size)}
 
 
 def test_default_global_batch_divides():

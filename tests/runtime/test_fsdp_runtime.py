@@ -368,6 +368,9 @@ SMALL_CASES = {
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
                                  "bucket_size": 4096}},
+    # canzona's owner plan settings under round-robin owners, which no plan places
+    "unbalanced-plan-settings": {"refuse": {"alpha": 0.5, "dp_policy": "whole-start", "align": 128},
+                                 "base": {"policy": "fsdp-owners-unbalanced"}},
 }
 
 
@@ -375,9 +378,10 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
     return {k: refusals(**kw) if "refuse" in kw else small_run(rank, world, **kw) for k, kw in cases.items()}
 
 
-def refusals(refuse: dict[str, object]) -> dict[str, str | None]:
-    """For each of `refuse`'s options set off its default, the error `DistributedOptimizer` raises
-    building its FSDP2 step on Small under fully_shard (None: it was built)."""
+def refusals(refuse: dict[str, object], base: dict[str, object] | None = None) -> dict[str, str | None]:
+    """For each of `refuse`'s options set off its default (beside `base`'s), the error
+    `DistributedOptimizer` raises building its FSDP2 step on Small under fully_shard (None: it was
+    built)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -390,7 +394,8 @@ def refusals(refuse: dict[str, object]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for option, value in refuse.items():
         try:
-            DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, **{option: value})
+            DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, **(base or {}),
+                                 **{option: value})
             out[option] = None
         except CanzonaError as e:
             out[option] = str(e)
@@ -676,6 +681,17 @@ def test_fsdp_refuses_the_zero1_layouts_options_on_every_rank() -> None:
         for option in ZERO1_ONLY:
             assert r[option] is not None and r[option].startswith(f"{option}=") and "changes nothing" in r[option]
         assert r["bucket_size"] is None
+
+
+def test_fsdp_refuses_owner_plan_settings_under_round_robin_owners_on_every_rank() -> None:
+    """fsdp-owners-unbalanced places matrix i on rank i mod S: canzona's owner plan settings change
+    nothing there (they were taken and ignored); each is one SpecError on every rank, at
+    construction, as `canzona simulate --fsdp` and `canzona verify --fsdp` refuse them."""
+    results = _small()["unbalanced-plan-settings"]
+    for r in results:
+        assert r == results[0]
+        for option, value in (("alpha", 0.5), ("dp_policy", "whole-start"), ("align", 128)):
+            assert r[option] is not None and r[option].startswith(f"{option} {value}: canzona's owner plan"), r[option]
 
 
 def test_fsdp_loads_with_the_arguments_the_integrations_pass() -> None:

@@ -91,10 +91,10 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(capacity=Capacity(2 ** 30, "bytes")), "--capacity sizes the ZeRO-1 layout's TP micro-groups"),
     (dict(optimizer="adamw", policy=None, tp_mode="serial"), "--tp-mode serial"),  # no owners: no TP schedule either
     # canzona's owner plan settings under the baselines, whose owners no plan places: the run was the default's
-    (dict(policy="fsdp-gather-all", alpha=0.5), "--alpha 0.5: canzona's owner plan settings change nothing"),
+    (dict(policy="fsdp-gather-all", alpha=0.5), "alpha 0.5: canzona's owner plan settings change nothing"),
     (dict(policy="fsdp-owners-unbalanced", balance_by="elements", bucket_size=50_000_000),
-     "--balance-by elements, --bucket-size 50000000: canzona's owner plan settings change nothing"),
-    (dict(policy="fsdp-owners-unbalanced", dp_policy="whole-start"), "--dp-policy whole-start"),
+     "balance_by elements, bucket_size 50000000: canzona's owner plan settings change nothing"),
+    (dict(policy="fsdp-owners-unbalanced", dp_policy="whole-start"), "dp_policy whole-start"),
 ])
 def test_bad_layouts_refused(changes, needle):
     with pytest.raises(SpecError, match=needle):
