@@ -645,6 +645,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             total = check.norm
         if math.isfinite(total):
             self._clip(float(max_norm), total)
+        if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
+            self._clip_check = self.grads.checked
         return torch.tensor(total, dtype=torch.float32)
 
     def _clip(self, max_norm: float, norm: float) -> None:
@@ -668,6 +670,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
     _amp_check: StepCheck | None = None
+    # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
+    _clip_check: StepCheck | None = None
 
     @torch.no_grad()
     @autocast_off()
@@ -682,6 +686,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
+        if self.grads.checked is not None and self.grads.checked is self._clip_check:
+            # torch's loop unscales, then clips; the other order clipped the scaled gradients to
+            # max_norm / scale (GradScaler.step alone, after a clip, is the same order)
+            raise CanzonaError("GradScaler's unscale after clip_grad_norm_() in the same step: the clip measured and "
+                               "clipped the scaled gradients; call scaler.unscale_(opt) first, then "
+                               "opt.clip_grad_norm_(max_norm), then scaler.step(opt)")
         if self._amp_check is None or self._amp_check is not self.grads.checked:
             kept = [grads.nonfinite for grads in self._syncs()]
             try:
@@ -728,8 +738,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # in the caller's autocast region, as its forward expects
-        with autocast_off():
-            self._step()
+        try:
+            with autocast_off():
+                self._step()
+        except BaseException:
+            # GradScaler.step deletes the scale it set here only when step() returns; left behind,
+            # its next call would unscale by the product of the two (torch's rule for a scale set)
+            for handed in ("grad_scale", "found_inf"):
+                self.__dict__.pop(handed, None)
+            raise
         return loss
 
     def _step(self) -> None:

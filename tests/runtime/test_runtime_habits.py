@@ -851,6 +851,54 @@ def test_grad_scaler_unscale_inside_no_sync_is_one_error(one_rank):
             scaler.unscale_(opt)
 
 
+@pytest.mark.parametrize("then", ["unscale_", "step"])
+def test_grad_scaler_after_a_clip_of_the_scaled_gradients_is_one_error(one_rank, then):
+    """opt.clip_grad_norm_() before scaler.unscale_ (or before scaler.step alone) measured and clipped
+    the scaled gradients (norm 1646 against 1.6 at scale 2**10): before, the step went on with
+    gradients clipped to max_norm / scale, silently. Now the scaler's unscale refuses, nothing updated."""
+    from canzona.errors import CanzonaError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before = _params(model)
+    scaler.scale(model.loss(_batches(0, 1)[0])).backward()
+    opt.clip_grad_norm_(0.05)
+    with pytest.raises(CanzonaError, match=r"^GradScaler's unscale after clip_grad_norm_\(\) .*scaler.unscale_\(opt\) first"):
+        scaler.unscale_(opt) if then == "unscale_" else scaler.step(opt)
+    assert compare(_params(model), before)["bit_identical"]
+
+
+def test_grad_scaler_step_retried_after_a_refusal_unscales_once(one_rank):
+    """scaler.step refused before any update (a negative learning rate), the learning rate put back,
+    scaler.step again: the step of those gradients unscaled once. Before: the refused call left the
+    scale GradScaler hands over (`opt.grad_scale`, deleted only when step() returns), and the next
+    call took the product of the two (torch's rule for a scale already set): gradients divided by
+    the scale twice, silently."""
+    from canzona.errors import SpecError
+
+    tokens = _batches(0, 1)[:2]
+
+    def run(refuse: bool) -> dict:
+        model = build_model(BASE)
+        opt = _optimizer(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        for i, t in enumerate(tokens):
+            opt.zero_grad()
+            scaler.scale(model.loss(t)).backward()
+            if refuse and i == 1:
+                lr = opt.param_groups[0]["lr"]
+                opt.param_groups[0]["lr"] = -1.0
+                with pytest.raises(SpecError, match="lr must be >= 0"):
+                    scaler.step(opt)
+                opt.param_groups[0]["lr"] = lr
+            scaler.step(opt)
+            scaler.update()
+        return _params(model)
+
+    assert compare(run(True), run(False))["bit_identical"]
+
+
 def test_grad_scaler_steps_an_fp16_model_with_fp32_masters(runs):
     a, b = runs["scaler fp16"]
     for out in (a, b):
