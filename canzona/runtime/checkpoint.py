@@ -442,18 +442,32 @@ def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, c
 def _state_digest(header: Mapping[str, Any], groups: list[Mapping[str, Any]], state: Mapping[str, dict]) -> bytes:
     """A digest of a state read by `read_state`: the header, the groups' hyper-parameters, every
     field's shape and dtype, every scalar, and the bytes of a few elements of every tensor (those
-    the weights' witness picks: cheap at any size; two saves differ in nearly all of them)."""
+    `_spread` picks: cheap at any size; two saves differ in nearly all of them)."""
     h = hashlib.sha256(json.dumps([header, groups], sort_keys=True, default=repr).encode())
     for name in sorted(state):
+        picks: dict[int, Tensor] = {}  # the fields of an entry share its elements' positions (a cost per entry)
         for field in sorted(state[name]):
             value = state[name][field]
             if isinstance(value, Tensor):
                 flat = value.detach().reshape(-1)
-                picked = flat[witness_indices(f"{name}/{field}", flat.numel())]
-                h.update(f"{name}/{field} {list(value.shape)} {value.dtype} {''.join(_bits(picked))}".encode())
+                if flat.numel() not in picks:
+                    picks[flat.numel()] = _spread(name, flat.numel())
+                picked = flat[picks[flat.numel()].to(flat.device)].cpu().contiguous()
+                h.update(f"{name}/{field} {list(value.shape)} {value.dtype} ".encode())
+                h.update(picked.view(torch.uint8).numpy().tobytes())  # exact bits, NaN payloads too
             else:
                 h.update(f"{name}/{field} {value!r}".encode())
     return h.digest()
+
+
+def _spread(name: str, numel: int) -> Tensor:
+    """`WITNESS_SIZE` flat positions spread evenly over `numel` elements from an offset hashed from
+    `name` (one hash: `witness_indices`' 32 per field were most of a large MoE's load check)."""
+    if numel <= WITNESS_SIZE:
+        return torch.arange(numel)
+    stride = numel // WITNESS_SIZE
+    start = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") % stride
+    return start + torch.arange(WITNESS_SIZE) * stride
 
 
 def _group_of(opt: Described) -> dict[str, int]:
@@ -475,6 +489,9 @@ def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict
     the ranks that hold that entry alone). Floating-point fields in another dtype are cast to the
     state's, as torch.optim's `load_state_dict` casts them to the parameter's."""
     group_of = _group_of(opt)
+    # the template depends on the group, shape and state dtype alone: taken once for each (the
+    # experts of a stack share one; per entry it was most of a large MoE's load time)
+    templates: dict[tuple[int, tuple[int, ...], torch.dtype], dict[str, Any]] = {}
     out: dict[str, dict] = {}
     for name, entry in state.items():
         entry = dict(entry)
@@ -484,7 +501,10 @@ def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict
             raise PlanError(f"optimizer state of {name!r} is damaged: its master is {_described(master)}, "
                             f"the parameter {list(shape)}")
         if any(k != "master" for k in entry):  # a stepped entry: every field of its state
-            template = _template_on_meta(opt, group_of[name], name)
+            key = (group_of[name], shape, opt.state_dtype(name))
+            if key not in templates:
+                templates[key] = _template_on_meta(opt, group_of[name], name)
+            template = templates[key]
             for field, want in template.items():
                 entry[field] = _checked_field(name, field, want, entry)
         out[name] = entry
