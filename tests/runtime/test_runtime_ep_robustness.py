@@ -21,6 +21,8 @@ tiny mixture of experts (`reference/tiny_moe_ep.py`).
   decay, no step counted), bit for bit the same kernels in one process.
 - Only the experts trained (the rest frozen): the step runs (every rank's backward reached its
   experts), as with the rest given at lr 0.
+- torch.amp.GradScaler: its unscale reaches the experts' buffers (the unscaled clipped loop bit for
+  bit), and an Inf in one expert's gradient on one rank is skipped by every rank's scaler alike.
 """
 
 from __future__ import annotations
@@ -106,6 +108,46 @@ def nan_job(rank: int, world: int, nonfinite: str) -> dict:
         opt.step()
         out["finite_after"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         out["changed_after"] = not _unchanged(before, model)
+    return out
+
+
+def grad_scaler_job(rank: int, world: int) -> dict:
+    """torch.amp.GradScaler (scale 2**10) over the dense and the experts' parts: `unscale_`, clip,
+    `step` against the unscaled clipped loop (bit for bit: a power-of-two scale is exact), and an
+    Inf in one expert's gradient on one rank at the second step (`scaler.step` alone, the default
+    nonfinite='raise'): skipped on every rank, the scale halved alike."""
+    torch, model, opt, batches = _setup(rank)
+    for tokens in batches:
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+    opt.wait_params()
+    want = _snapshot(model)
+    out: dict = {}
+    for how in ("unscale", "inf"):
+        _, model, opt, batches = _setup(rank)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        changed = []
+        for i, tokens in enumerate(batches * (1 if how == "unscale" else 2)):
+            before = _snapshot(model)
+            opt.zero_grad()
+            sick = how == "inf" and i == 1 and rank == SICK
+            if sick:
+                handle = dict(model.named_parameters())[EXPERT].register_hook(lambda g: torch.full_like(g, math.inf))
+            scaler.scale(model.loss(tokens)).backward()
+            if sick:
+                handle.remove()
+            if how == "unscale":
+                scaler.unscale_(opt)
+                opt.clip_grad_norm_(0.05)
+            scaler.step(opt)
+            scaler.update()
+            opt.wait_params()
+            changed.append(not _unchanged(before, model))
+        out[how] = {"changed": changed, "scale": scaler.get_scale(), "skipped": opt.skipped_steps,
+                    "exact": how == "unscale" and all(torch.equal(want[n], p.detach())
+                                                      for n, p in model.named_parameters())}
     return out
 
 
@@ -195,6 +237,7 @@ def experts_only_job(rank: int, world: int, frozen: bool) -> dict:
 def jobs_worker(rank: int, world: int) -> dict:
     return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
             "broken": broken_group_job(rank, world), "idle": idle_experts_job(rank, world, False),
+            "grad scaler": grad_scaler_job(rank, world),
             "idle-zeros": idle_experts_job(rank, world, True),
             # every rank of EP rank 1 (its EDP group): no rank holding those experts got a gradient
             "idle-ep-rank": idle_ep_rank_job(rank, world, SKIPPED, idle_ep_rank=1, idle_steps=(0,)),
@@ -218,6 +261,17 @@ def test_a_nan_expert_gradient_on_one_rank_is_skipped_on_every_rank_alike():
     got = [o["skip"] for o in outcomes()]
     assert all(o["error"] is None and o["skipped"] == 1 and o["unchanged"] for o in got), got
     assert all(o["finite_after"] and o["changed_after"] for o in got), got
+
+
+def test_grad_scaler_unscales_the_experts_and_skips_their_inf_on_every_rank():
+    """GradScaler's unscale reaches the experts' buffers too (their guards hand it to the same
+    optimizer): the unscaled loop's weights bit for bit; an Inf in one expert's gradient on one rank
+    is found by every rank's scaler (the global norm carries the experts' share), every rank skips
+    that step and halves its scale."""
+    for rank, o in enumerate(o["grad scaler"] for o in outcomes()):
+        assert o["unscale"]["exact"] and o["unscale"]["changed"] == [True, True], (rank, o)
+        assert o["inf"]["changed"] == [True, False, True, True] and o["inf"]["skipped"] == 1, (rank, o)
+        assert o["inf"]["scale"] == 2.0 ** 9, (rank, o)
 
 
 def test_a_step_broken_in_one_edp_group_stops_every_rank_at_once():
