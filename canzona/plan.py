@@ -401,10 +401,7 @@ def make_plan(model: ModelSpec, dp: int, tp: int, optimizer: str = "muon",
     optimizer): the configuration the matrices' step runs at. Its seconds (`canzona.cost.priced_with`:
     a measured table's rows are the default configuration's) and its state are what the DP policy
     balances, as the runtime runs it; the defaults given explicitly plan as none given."""
-    if not 1 <= dp <= MAX_DP:
-        raise SpecError(f"dp must be in 1..{MAX_DP}, got {dp}")
-    if not 1 <= tp <= MAX_TP:
-        raise SpecError(f"tp must be in 1..{MAX_TP}, got {tp}")
+    check_sizes(dp=dp, tp=tp)
     if not is_whole_number(align, 1, MAX_ALIGN):
         raise SpecError(f"align must be a whole number of elements in 1..{MAX_ALIGN}, got {align}")
     if bucket_size is not None and not is_whole_number(bucket_size, 1, MAX_ELEMENTS):
@@ -688,6 +685,19 @@ def _validate_tp(plan: Plan) -> None:
                     raise PlanError(f"tp_plan: DP rank {r} has host {h} outside 0..{plan.tp - 1}")
 
 
+# the largest size of each parallel axis a plan is made or checked for (EP ranks are DP x TP ranks)
+MAX_SIZES = {"dp": MAX_DP, "tp": MAX_TP, "ep": MAX_DP}
+
+
+def check_sizes(**sizes: int | None) -> None:
+    """Each given parallel size (`dp=`, `tp=`, `ep=`; None: not given) a whole number in 1..its
+    maximum (`MAX_SIZES`): a plan's, or a job's a plan is checked against (`canzona inspect --dp 0`
+    said "plan is for dp=4, but the job has dp=0")."""
+    for name, size in sizes.items():
+        if size is not None and not is_whole_number(size, 1, MAX_SIZES[name]):
+            raise SpecError(f"{name} must be in 1..{MAX_SIZES[name]}, got {size}")
+
+
 def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: int | None = None, *,
                        ep: int | None = None, hidden: int | None = None) -> None:
     """The plan was made for this model (and, if given, this layout); a mismatch says what differs.
@@ -696,6 +706,7 @@ def check_plan_matches(plan: Plan, model: ModelSpec, dp: int | None = None, tp: 
     (`plan.experts`) `model` is the whole model: its dense part is checked against the plan and one
     EP rank's experts against the expert plan (`hidden`: the model's hidden size, which an expert
     plan with expert TP needs to tell each matrix's split)."""
+    check_sizes(dp=dp, tp=tp, ep=ep)
     if ep is not None and plan.ep != ep:
         raise PlanError(f"plan is for ep={plan.ep}, but the job has ep={ep}")
     if plan.experts is None:

@@ -169,6 +169,14 @@ def test_inspect_layout_checks(good_plan):
     assert_one_error_line(*run("inspect", good_plan, "--dp", "4"), "--model")
 
 
+@pytest.mark.parametrize("flag,value,needle", [("--dp", "0", "dp must be in 1..65536, got 0"),
+                                               ("--tp", "-2", "tp must be in 1..1024, got -2"),
+                                               ("--ep", "0", "ep must be in 1..65536, got 0")])
+def test_inspect_a_size_below_one_is_named_as_such(good_plan, flag, value, needle):
+    """Before: "plan is for dp=4, but the job has dp=0", as if 0 were a layout."""
+    assert_one_error_line(*run("inspect", good_plan, "--model", "qwen3-0.6b", flag, value), needle)
+
+
 def test_inspect_plan_with_string_host(tmp_path, good_plan):
     d = json.loads(good_plan.read_text())
     d["tp_plan"]["groups"][0][0]["hosts"][0] = "0"
