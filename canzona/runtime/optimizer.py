@@ -670,6 +670,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
     _amp_check: StepCheck | None = None
+    # a GradScaler has unscaled this optimizer's gradients: from then on overlap_step computes no
+    # update early (`_speculate`), as its unscale would come after and drop every one of them
+    _amp_scaled: bool = False
     # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
     _clip_check: StepCheck | None = None
 
@@ -683,6 +686,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         every reduced gradient; each call sets `found_inf` from the global norm, the same on every
         rank, so that every rank's scaler skips the same steps and scales alike. A NaN / Inf norm
         is the scaler's to skip, not an error (whatever `nonfinite` says)."""
+        self._amp_scaled = True
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
@@ -806,7 +810,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         their buckets land, before the step check; `step()` commits them (or drops them, and runs
         the plain step, when clipping scaled the gradients or the hyper-parameters changed since).
         Hyper-parameters that fail validation are left for `step()` to report, before anything
-        changes."""
+        changes. Under a GradScaler (`_amp_scaled`) nothing is computed early: its unscale scales
+        the gradients after they landed, which would drop every early update."""
+        if self._amp_scaled:
+            return
         try:
             self._check_hyper_parameters()
         except CanzonaError:
