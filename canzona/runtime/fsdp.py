@@ -19,7 +19,8 @@ or computes the same global norm, before anything moves. A call that reuses it (
 `clip_grad_norm_()`) rechecks the digest, the threshold and whether any rank's gradients changed
 since (one more small all-gather; if they did, every rank takes the check anew): replaced, added to
 by a backward (version counters), or edited in place through the DTensor (torch's own
-`clip_grad_norm_`, which no counter sees: the rank's sum of squares, read again).
+`clip_grad_norm_`, which no counter sees: each local gradient's fp32 norm, read again and compared
+with the clip's, `_grad_digest`).
 
 Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
 their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
