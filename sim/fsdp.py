@@ -196,7 +196,8 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
                         "fallback to report")
     _check_zero1_step_options(cfg)
-    _check_owner_plan_settings(cfg, policy)
+    if policy is not None:  # AdamW's settings have their own rule (SimConfig._check_elementwise_settings)
+        check_owner_plan_settings(policy, cfg.settings)  # before the run plans its owners
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
@@ -245,14 +246,6 @@ def owner_plan_defaults(optimizer: str, policy: str) -> dict[str, object]:
     if step is None or step.owners == OWNERS_BALANCED:
         return {}
     return {name: getattr(PLAN_DEFAULTS, name) for name in OWNER_PLAN_SETTINGS}
-
-
-def _check_owner_plan_settings(cfg, policy: FsdpStepPolicy | None) -> None:
-    """`canzona.fsdp_plan.check_owner_plan_settings` on `cfg`'s settings, at the check (before the
-    run plans its owners). AdamW (`policy` None) has its own rule
-    (`SimConfig._check_elementwise_settings`)."""
-    if policy is not None:
-        check_owner_plan_settings(policy, cfg.settings)
 
 
 # --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------
