@@ -50,6 +50,7 @@ from canzona.plan import (
     PLAN_DEFAULTS,
     Plan,
     check_geometry,
+    check_one_rank_settings,
     check_plan_matches,
     load_plan,
     make_plan,
@@ -230,6 +231,11 @@ def plan(
         _check_dp_policy_applies([step.name], None if dp_policy == step.dp_policy else dp_policy, alpha,
                                  PLAN_DEFAULTS.tp_policy if tp_policy == step.tp_policy else tp_policy,
                                  geometry=geometry, capacity=capacity, balance_by=balance_by)
+        # with one DP rank (one EDP rank too under EP) the plan computes every matrix on it: the
+        # balance's settings change only their echo in the plan file
+        check_one_rank_settings([f"{flag} {value}" for flag, value, default in (
+            ("--alpha", alpha, PLAN_DEFAULTS.alpha), ("--balance-by", balance_by, PLAN_DEFAULTS.balance_by))
+            if value != default], (dp, edp) if ep > 1 else (dp,))
         dp_policy = dp_policy or step.dp_policy or PLAN_DEFAULTS.dp_policy
         tp_policy = step.tp_policy or tp_policy
         costs = cost_model_for(hardware, cost_table)

@@ -555,7 +555,12 @@ def space_of(q: Question) -> Space:
 
 
 def refine_values(q: Question, axis: Axis, facts: Facts, layout: Layout) -> list[Any]:
-    return list(axis.values(facts, layout))
+    values = list(axis.values(facts, layout))
+    if axis.name == "reduce_scatter" and max(config_of(q, layout).dp_groups()) == 1:
+        # one rank reduces nothing: every implementation is the default's run, which the simulator
+        # refuses to be told (`SimConfig._check_one_rank_settings`)
+        return values[:1]
+    return values
 
 
 def candidates(q: Question, facts: Facts | None = None, before: str | None = None) -> list[Layout]:
@@ -608,7 +613,12 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
         _options(kwargs, overlap_moe_expert_parallel_comm=True,
                  delay_wgrad_compute=q.delay_wgrad_compute and delay_wgrad_runs(tp=kwargs.get("tp", 1),
                                                                                 tp_comm_overlap=q.tp_comm_overlap))
-    return SimConfig(**kwargs)
+    cfg = SimConfig(**kwargs)
+    if not cfg.one_rank_changes()["options.overlap_grad_reduce"] and max(cfg.dp_groups()) == 1:
+        # where one rank reduces every gradient the question's overlap changes nothing: its default,
+        # the same run, which `canzona simulate` (refusing it there) reproduces
+        cfg = replace(cfg, options=replace(cfg.options, overlap_grad_reduce=RunOptions.overlap_grad_reduce))
+    return cfg
 
 
 # a simulated row's recompute method, which a layout carries where the search chose it

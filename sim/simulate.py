@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ from canzona.plan import (
     PlanSettings,
     bucket_names,
     check_geometry,
+    check_one_rank_settings,
     plan_for,
 )
 from canzona.recompute import check_method_layers, check_selective_ac_option, inside_layers
@@ -111,7 +113,7 @@ from sim.steady import (
     short_lengths,
     with_micro_batches,
 )
-from sim.topology import Cluster
+from sim.topology import Cluster, dp_size
 from sim.userbuffers import check_ub_config_applies
 from sim.workload import Workload, forward_flops
 
@@ -141,10 +143,15 @@ ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
     ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("geometry", "--geometry", DEFAULT_GEOMETRY),
     ("tp_policy", "--tp-policy", PLAN_DEFAULTS.tp_policy), ("tp_mode", "--tp-mode", STEP_DEFAULTS.tp_mode),
     ("capacity", "--capacity", PLAN_DEFAULTS.capacity))
-# the settings that weigh how a DP group's ranks share the matrices: with one rank in every plan's
-# group (`SimConfig._check_balance_settings`) there is nothing to share, and they change nothing
-BALANCE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
-    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by))
+# the settings that weigh how a DP group's ranks share the matrices, and how its gradients are
+# reduced: with one rank in every plan's group (`SimConfig._check_one_rank_settings`) there is
+# nothing to share or reduce, and they change nothing (`canzona simulate --json` the same with and
+# without each, docs/design.md §4.4). Field (under `options.` a run option's), flag, default
+ONE_RANK_SETTINGS: tuple[tuple[str, str, Any], ...] = (
+    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by),
+    ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
+    ("options.reduce_scatter", "--reduce-scatter", RunOptions.reduce_scatter),
+    ("options.overlap_grad_reduce", "--no-overlap-grad-reduce", RunOptions.overlap_grad_reduce))
 
 
 @dataclass(frozen=True)
@@ -356,23 +363,37 @@ class SimConfig:
             # DeepEP's buffer has a config for some EP sizes only (`canzona.memory.DEEPEP_CONFIGS`)
             self.dispatcher_bytes(resolved[1], self.workload.seq_len)
         check_fsdp(self, cluster, resolved[0])
-        self._check_balance_settings(cluster)
+        self._check_one_rank_settings()
         return cluster, resolved, hw
 
-    def _check_balance_settings(self, cluster: Cluster) -> None:
-        """--alpha and --balance-by off their defaults where every plan's DP group is one rank (DP x
-        CP 1, and under EP one EDP rank): that rank holds every matrix, so there is no balance to
-        weigh and the run is the default's; one SpecError, as other settings that change nothing.
-        Under FSDP `check_fsdp` has refused a one-rank DP group already."""
-        groups = [cluster.dp] + ([self.expert_cluster(cluster).dp] if self.ep > 1 else [])
-        if self.fsdp or max(groups) > 1:
+    def dp_groups(self) -> tuple[int, ...]:
+        """The ranks of each plan's DP group: the dense part's DP x CP and, under EP, the experts'
+        EDP (`Cluster.dp` of `Cluster` and of `expert_cluster`)."""
+        dense = dp_size(self.gpus, self.tp, self.pp)
+        return (dense,) if self.ep == 1 else (dense, dp_size(self.gpus, self.etp, self.pp, self.ep))
+
+    def one_rank_changes(self) -> dict[str, bool]:
+        """Of `ONE_RANK_SETTINGS`, whether each would change this run where every DP group is one
+        rank: all but two change nothing. Under EP the experts' plan is bucketed by --bucket-size
+        even at EDP 1 (its bucket count, and with --align its padding, differ); the runtime's
+        collectives (--collectives runtime) log a one-rank reduce-scatter per bucket, which
+        --no-overlap-grad-reduce moves after the backward (the step's timing differs)."""
+        return {"bucket_size": self.ep > 1, "options.overlap_grad_reduce": self.options.collectives == RUNTIME_STYLE}
+
+    def _check_one_rank_settings(self) -> None:
+        """`ONE_RANK_SETTINGS` off their defaults where every plan's DP group is one rank (DP x CP
+        1, and under EP one EDP rank) and they change nothing (`one_rank_changes`): one SpecError
+        (`canzona.plan.check_one_rank_settings`). Under FSDP `check_fsdp` has refused a one-rank
+        DP group already."""
+        if self.fsdp:
             return
-        changed = [f"{flag} {getattr(self, name)}" for name, flag, default in BALANCE_SETTINGS
-                   if getattr(self, name) != default]
-        if changed:
-            raise SpecError(f"{', '.join(changed)} change{'s' if len(changed) == 1 else ''} nothing where each plan's "
-                            "DP group is one rank "
-                            f"(dp x cp = {cluster.dp}): that rank computes every matrix, with no balance to weigh")
+        changes = self.one_rank_changes()
+        changed = []
+        for name, flag, default in ONE_RANK_SETTINGS:
+            value = attrgetter(name)(self)
+            if value != default and not changes.get(name, False):
+                changed.append(flag if isinstance(value, bool) else f"{flag} {value}")
+        check_one_rank_settings(changed, self.dp_groups())
 
     def _check_elementwise_settings(self) -> None:
         """An elementwise optimizer's (AdamW's) run: its one step policy (zero1) plans with its own

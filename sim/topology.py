@@ -23,6 +23,12 @@ class GroupGeometry:
 MAX_GPUS = 16384  # a few seconds per simulated iteration (docs/design.md §9.8)
 
 
+def dp_size(gpus: int, tp: int, pp: int, ep: int = 1) -> int:
+    """The ranks of one DP group (`Cluster.dp`): what `gpus` leave after TP (ETP in expert order),
+    EP and PP; under CP, the DP x CP ranks the gradients are reduced over."""
+    return gpus // (tp * ep * pp)
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`gpus` = dp x ep x tp x pp, ranks ordered TP fastest, then EP, then DP, then the pipeline
@@ -79,7 +85,7 @@ class Cluster:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.ep * self.pp)
+        return dp_size(self.gpus, self.tp, self.pp, self.ep)
 
     @property
     def batch_dp(self) -> int:

@@ -19,7 +19,8 @@ from canzona.fileio import parse_json, read_text, write_atomic, write_text_atomi
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from canzona.plan import load_plan
-from sim.workload import MAX_MICRO_BATCHES
+from sim.options import RunOptions
+from sim.workload import MAX_MICRO_BATCHES, Workload
 from tests.cli_helpers import error_line, help_text, invoke
 
 PLAN = ["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2"]
@@ -316,6 +317,15 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
     # one DP rank holds every matrix (SIM: 8 GPUs at TP 8): the balance settings were accepted, the run unchanged
     (["simulate", *SIM, "--alpha", "0.5"], "--alpha 0.5 changes nothing where each plan's DP group is one rank"),
     (["compare", *SIM, "--balance-by", "elements"], "--balance-by elements changes nothing"),
+    # nor do the gradients' reduction settings: that rank reduces with no other (the same --json bit for bit)
+    (["simulate", *SIM, "--no-overlap-grad-reduce"],
+     "--no-overlap-grad-reduce changes nothing where each plan's DP group is one rank"),
+    (["simulate", *SIM, "--reduce-scatter", "exact"], "--reduce-scatter exact changes nothing"),
+    (["compare", *SIM, "--bucket-size", "100000000"], "--bucket-size 100000000 changes nothing"),
+    (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--alpha", "0.5"],
+     "--alpha 0.5 changes nothing where each plan's DP group is one rank"),
+    (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--balance-by", "elements"],
+     "--balance-by elements changes nothing"),
     # an empty name was taken as the default DP policy
     (["simulate", "--dp-policy", ""], "unknown DP policy ''"),
     (["compare", "--dp-policy", ""], "unknown DP policy ''"),
@@ -331,6 +341,27 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
 ])
 def test_sizes_and_usage_errors_are_one_line(no_simulation, args, needle):
     error_line(invoke(*args), needle)
+
+
+MOE_DP1 = dict(model="qwen3-30b-a3b", gpus=4, tp=4, workload=Workload(128, 1, 1))
+
+
+@pytest.mark.parametrize("config", [
+    # DP 1, but the optimizer's DP group is DP x CP = 2
+    dict(model="qwen3-0.6b", gpus=8, tp=4, cp=2, workload=Workload(256, 1, 1), alpha=0.5, bucket_size=10**8,
+         options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact")),
+    # DP 1, but the experts' EDP group is 2 ranks
+    dict(MOE_DP1, ep=2, options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact")),
+    # EDP 1 too, but the experts' plan is bucketed by the size (its bucket count differs)
+    dict(MOE_DP1, ep=4, bucket_size=10**8),
+    # the runtime's collectives log a one-rank reduce-scatter per bucket, which the overlap moves
+    dict(model="qwen3-0.6b", gpus=8, tp=8, workload=Workload(128, 1, 1),
+         options=RunOptions(overlap_grad_reduce=False, collectives="runtime")),
+], ids=["cp2", "edp2", "ep-bucket-size", "runtime-collectives"])
+def test_a_one_rank_dp_run_takes_the_settings_that_change_it(config):
+    """The settings refused where every DP group is one rank are accepted where the simulated run
+    changes with them (`SimConfig.one_rank_changes`, measured with simulate --json)."""
+    sim.simulate.SimConfig(**config).check()
 
 
 def test_limits_are_stated_in_help():

@@ -253,6 +253,26 @@ def test_an_ep1_layout_runs_the_dispatchers_defaults_the_same_run():
         (b.iteration_time_s, b.memory.worst.total, b.optimizer_step_s)
 
 
+def test_a_one_rank_dp_layout_runs_the_gradient_reductions_defaults():
+    """Where every DP group is one rank `canzona simulate` refuses --no-overlap-grad-reduce and a
+    reduce-scatter off its default (they change nothing there: `SimConfig._check_one_rank_settings`),
+    so a search's DP 1 layout runs their defaults, the same run, and its command omits them; a
+    layout with DP > 1 keeps the question's overlap, and is refined over every reduce-scatter."""
+    from cli.main import REPLAY
+    from sim.search import refine_values
+
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, overlap_grad_reduce=False)
+    one = {"tp": 8, "pp": 1, "vp": 1, "cp": 1, "micro_batch": 1, "recompute": "none"}
+    cfg = config_of(q, one)
+    cfg.check()  # before: '--no-overlap-grad-reduce changes nothing where each plan's DP group is one rank'
+    assert cfg.options.overlap_grad_reduce and REPLAY.simulate_options(cfg).overlap_grad_reduce  # builds it again
+    assert not config_of(q, {**one, "tp": 4}).options.overlap_grad_reduce
+    axis = next(a for a in space_of(q).refine if a.name == "reduce_scatter")
+    facts = facts_of(q)
+    assert refine_values(q, axis, facts, one) == ["native"]
+    assert len(refine_values(q, axis, facts, {**one, "tp": 4})) > 1
+
+
 def test_a_configuration_no_flag_sets_is_an_error_naming_it():
     """A setting `canzona simulate` has no flag for (the parameters' gathered bytes) cannot become a
     command that silently simulates something else."""
