@@ -16,7 +16,7 @@ from typing import Any
 
 from canzona.errors import SpecError
 from canzona.fileio import is_finite_number, is_whole_number, parse_json, read_text
-from canzona.gemm_model import GemmModel, parse_gemm_model, square
+from canzona.gemm_model import MAX_TILE, GemmModel, parse_gemm_model, square
 from canzona.spec import DTYPE_BYTES
 from canzona.variability import parse_variability
 
@@ -231,6 +231,36 @@ RETIRED_FIELDS = {"gpu": frozenset({"model_flops_utilization"})}
 LOWEST, HIGHEST = 1e-9, 1e18
 
 
+# Figures bounded by what a device is, not by the float range above: within [LOWEST, HIGHEST] these
+# still simulated machines no one builds, as a figure's exponent typed one too many would. Each bound
+# is orders of magnitude above any current device (rates, bandwidths and memory need none: at
+# HIGHEST they price their work at about nothing, a finite and sensible limit)
+MAX_SMS = 2**16  # SMs of one GPU (H100 SXM 132, B200 148): the GEMM model gives each SM peak / sms,
+# so 1e18 SMs priced qwen3-0.6b's iteration on 16 GPUs at 1.7e14 s
+MAX_LATENCY_S = 1.0  # a kernel launch or an NCCL latency: microseconds on GPUs, at most milliseconds on
+# gloo over CPUs (`canzona calibrate`); at 1e18 s one swamped every other term of an iteration
+# field: (bound, unit, what it is); `gemm_tile` a CTA tile's edge as the GEMM model's (`MAX_TILE`)
+DEVICE_BOUNDS: dict[str, tuple[float, str, str]] = {
+    "gpu.sms": (MAX_SMS, "", "SMs of one GPU"),
+    "gpu.gemm_tile": (MAX_TILE, "", "a GEMM kernel's CTA tile edge"),
+    "gpu.launch_s": (MAX_LATENCY_S, " s", "a kernel launch"),
+    "nccl.base_latency_s": (MAX_LATENCY_S, " s", "an NCCL latency"),
+    "nccl.nvlink_step_latency_s": (MAX_LATENCY_S, " s", "an NCCL latency"),
+    "nccl.network_step_latency_s": (MAX_LATENCY_S, " s", "an NCCL latency"),
+}
+
+
+def _check_device_bounds(sections: dict[str, Any], where: str) -> None:
+    """`DEVICE_BOUNDS` on the parsed sections (`gpu`, `nccl`, ...): one SpecError naming the field
+    and its bound."""
+    for path, (bound, unit, what) in DEVICE_BOUNDS.items():
+        section, _, name = path.partition(".")
+        value = getattr(sections[section], name)
+        if value > bound:
+            raise SpecError(f"{where}: {path} must be at most {bound:g}{unit} ({what}; orders of magnitude above any "
+                            f"current device), got {value:g}")
+
+
 def _plausible(v: Any) -> bool:
     return is_finite_number(v) and LOWEST <= v <= HIGHEST
 
@@ -379,6 +409,8 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         raise SpecError(f"{where}: measured must be true or false, got {measured!r}")
     gpu = _section(data, "gpu", GPUSpec, where)
     node = _section(data, "node", NodeSpec, where)
+    nccl = _section(data, "nccl", NCCLSpec, where)
+    _check_device_bounds({"gpu": gpu, "nccl": nccl}, where)
     _check_gpu(gpu, node, where)
     return HardwareProfile(
         solver_seconds=_solver_table(data.get("solver_seconds", {}), where),
@@ -394,7 +426,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> HardwareProfile:
         gpu=gpu,
         node=node,
         network=_section(data, "network", NetworkSpec, where),
-        nccl=_section(data, "nccl", NCCLSpec, where),
+        nccl=nccl,
     )
 
 

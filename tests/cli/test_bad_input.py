@@ -264,6 +264,23 @@ def test_profiles_reject_non_finite_and_boolean_numbers(tmp_path, path, value):
     error_line(invoke("simulate", *SIM, "--hardware", profile))
 
 
+@pytest.mark.parametrize("path, value, needle", [
+    # finite and within [1e-9, 1e18], but no device: 1e18 SMs made each SM's share of the peak nothing
+    # (qwen3-0.6b on 16 GPUs: an iteration of 1.7e14 s), a 1e18 s launch or NCCL latency swamped
+    # every other term (8e21 s; 1e18 s exactly), a 1e6-wide tile ran a GEMM as one tile (8e4 s)
+    (("gpu", "sms"), "1e18", "gpu.sms must be at most 65536"),
+    (("gpu", "gemm_tile"), "1000000", "gpu.gemm_tile must be at most 1024"),
+    (("gpu", "launch_s"), "1e18", "gpu.launch_s must be at most 1 s"),
+    (("nccl", "base_latency_s"), "2", "nccl.base_latency_s must be at most 1 s"),
+    (("nccl", "nvlink_step_latency_s"), "1e18", "nccl.nvlink_step_latency_s must be at most 1 s"),
+    (("nccl", "network_step_latency_s"), "1e18", "nccl.network_step_latency_s must be at most 1 s"),
+])
+def test_profile_figures_beyond_any_device_name_the_field_and_its_bound(tmp_path, path, value, needle):
+    error_line(invoke("simulate", *SIM, "--hardware", _profile(tmp_path, path, value)), needle)
+    at_bound = needle.rsplit(" ", 2)[1] if needle.endswith(" s") else needle.rsplit(" ", 1)[1]
+    load_profile(_profile(tmp_path, path, at_bound))  # the bound itself is a device
+
+
 def test_profile_from_python_rejects_non_finite_numbers():
     from canzona.hardware import profile_from_dict
 
