@@ -65,6 +65,8 @@ from canzona.step_policies import (
     policies_running,
 )
 from canzona.tp import TP_POLICIES
+from cli import plain_progress
+from cli.plain_progress import PlainProgress
 from cli.plots import PLOT_SUFFIXES, compare_plot
 from cli.render import (
     calibration_tables,
@@ -935,12 +937,17 @@ def search(
                             overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                             recompute_method=recompute_method, search_recompute_layers=search_recompute_layers)
         err = Console(stderr=True)
+        # outside a terminal rich's bar hides itself: plain lines instead, --json or not (stdout stays its own)
+        plain = None if err.is_terminal else PlainProgress("search", plain_progress.EVERY_S)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as progress:
             task = progress.add_task("searching", total=None)
 
-            def tick(done: int, total: int, what: str) -> None:
-                progress.update(task, completed=done, total=total, description=f"simulated {what}")
+            def tick(done: int, total: int, what: str | None, best: float | None) -> None:
+                if what is not None:  # a simulation finished (None: the search's heartbeat, for the plain lines)
+                    progress.update(task, completed=done, total=total, description=f"simulated {what}")
+                if plain is not None:
+                    plain(done, total, best)
 
             result = run(question, workers=workers, progress=tick)
         if not result.ranked:

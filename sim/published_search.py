@@ -208,8 +208,13 @@ def rank_run(run: PublishedRun, simulated: RowResult | None = None, workers: int
         result = simulate(cfg)
         t, fits = result.iteration_time_s, result.fits
     outside = outside_space(q, layout)
+
+    def tick(done: int, total: int, what: str | None, _best: float | None) -> None:
+        if what is not None and progress is not None:  # a simulation finished (not the search's heartbeat)
+            progress(done, total, what)
+
     try:
-        found = search(q, top=TOP, refine_top=0, workers=workers, progress=progress, also_below=t, within=WITHIN)
+        found = search(q, top=TOP, refine_top=0, workers=workers, progress=tick, also_below=t, within=WITHIN)
     except SpecError as e:
         return LayoutRank(run, (), outside, t, fits, error=str(e))
     fit = found.ranked

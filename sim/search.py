@@ -1028,7 +1028,11 @@ class SearchResult:
         }
 
 
-Progress = Callable[[int, int, str], None]
+# after each simulation: (simulated, simulated + still to simulate, the layout, the fastest fitting
+# iteration so far in seconds or None); and every `HEARTBEAT_S` while none finishes, with the layout
+# None (one simulation of a large layout may take minutes: a log outside a terminal still hears)
+Progress = Callable[[int, int, str | None, float | None], None]
+HEARTBEAT_S = 1.0
 
 
 def _kinds(pp: int) -> list[int]:
@@ -1307,7 +1311,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
            progress: Progress | None = None, *, also_below: float = 0.0, within: float = 0.0,
            prune_ties: bool = True) -> SearchResult:
     """Search `q`'s layouts (module docstring): the `top` fastest that fit are exact (branch and
-    bound on `time_floor`); `progress(done, total, what)` after each simulation. With
+    bound on `time_floor`); `progress(done, total, what, best)` after each simulation (`Progress`). With
     `also_below` (seconds), so is every fitting layout faster than both `also_below` and `1 +
     within` times the best (what `sim.published_search` needs to rank a published layout: the
     bound is the larger of the two, and it only falls as results come in, so every layout below
@@ -1453,6 +1457,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
         return max(kth, min(also_below, (1 + within) * times[0])) if times else kth
 
     run_refused: list[str] = []  # the messages of the layouts the run itself refused (`_run_task`)
+    fastest = [math.inf]  # the fastest fitting iteration so far (`progress`'s best)
 
     def settle(row: dict[str, Any]) -> None:
         if "error" in row:
@@ -1463,6 +1468,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             counts["same"] += 1  # its layout's run again, found by running it (`same_run`): not listed twice
             return
         rows.append(row)
+        if row["fits"]:
+            fastest[0] = min(fastest[0], row["iteration_time_s"])
         if not row["fits"] and not row["refined"]:
             layout = layout_of(row)
             # what the run needed beyond its floor: the room the next recompute's floor must leave
@@ -1493,7 +1500,10 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     running[pool.submit(_run_task, (item.cfg, item.layout))] = item
                 if not running:
                     continue
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                finished, _ = wait(running, timeout=HEARTBEAT_S if progress else None, return_when=FIRST_COMPLETED)
+                if not finished and progress:
+                    progress(len(rows), len(rows) + len(queue) + len(running), None,
+                             fastest[0] if fastest[0] < math.inf else None)
                 for fut in finished:
                     item = running.pop(fut)
                     settle(fut.result())
@@ -1501,7 +1511,8 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
                     if progress:
                         label = " ".join([describe(item.layout), *(str(item.layout[a.name]) for a in space.refine
                                                                    if a.name in item.layout)])
-                        progress(len(rows), len(rows) + len(queue) + len(running), label)
+                        progress(len(rows), len(rows) + len(queue) + len(running), label,
+                                 fastest[0] if fastest[0] < math.inf else None)
 
         drain()
         # refinement: the best layouts under the other step policies and reduce-scatters (same bound)

@@ -302,3 +302,20 @@ def test_the_run_settings_search_does_not_explore_reach_every_layout():
 ])
 def test_a_run_setting_that_changes_nothing_or_is_bad_is_one_line(args, needle):
     error_line(invoke("search", *SMALL, *args), needle)
+
+
+def test_outside_a_terminal_the_search_reports_progress_as_plain_lines(monkeypatch):
+    """Under a pipe, a CI log or nohup rich's bar hides itself (stderr is no terminal, as here): the
+    search then says how far it is on stderr, a plain line at most every `EVERY_S` seconds (0 here:
+    one a simulation), --json keeping stdout one JSON object. Before: nothing for minutes."""
+    import cli.plain_progress
+
+    monkeypatch.setattr(cli.plain_progress, "EVERY_S", 0.0, raising=False)
+    r = invoke("search", *FAST, "--workers", 1, "--top", 1, "--json")
+    assert r.exit_code == 0, r.stderr
+    json.loads(r.stdout)
+    lines = r.stderr.splitlines()
+    assert lines and all(line.startswith("search: ") and " simulated" in line for line in lines), r.stderr
+    done = [int(line.split()[1]) for line in lines]
+    assert done == sorted(done) and done[-1] > 1
+    assert "best so far" in lines[-1] and " s " in lines[-1]

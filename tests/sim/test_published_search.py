@@ -174,6 +174,9 @@ def test_a_published_row_ranks():
     """One real row end to end (llama3.1-8b on 8 H100): ranked, with a gap to the best."""
     runs, _ = published.load()
     run = next(r for r in runs if r.id == "llama3.1-8b-8xh100-dgxc-bf16")
-    r = rank_run(run, workers=2)
+    seen: list[tuple] = []
+    r = rank_run(run, workers=2, progress=lambda *call: seen.append(call))
     assert r.published_s and r.best is not None and r.gap is not None and r.gap >= 0
+    # validate's (done, total, what) of each finished simulation: the search's heartbeats stay its own
+    assert seen and all(len(call) == 3 and isinstance(call[2], str) for call in seen)
     assert (r.rank or r.rank_at_least) >= 1

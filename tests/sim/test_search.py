@@ -595,3 +595,19 @@ def test_fsdp_launch_names_megatron_flags_for_megatron_fsdp_and_the_questions_se
     for text in ("global batch 64", "sequence 8192", "FP8", "activation_checkpoint.mode = 'full'"):
         assert text in fsdp2, (text, fsdp2)
     assert "--use-megatron-fsdp" not in fsdp2
+
+
+def test_progress_hears_a_heartbeat_while_a_simulation_runs(monkeypatch):
+    """One simulation of a large layout may take minutes: while none finishes the search calls
+    `progress` every `HEARTBEAT_S` with the layout None and the counts and best as they stand (what
+    `canzona search` prints outside a terminal); the fastest fitting time so far comes with each."""
+    import sim.search as search_mod
+
+    monkeypatch.setattr(search_mod, "HEARTBEAT_S", 1e-3)
+    seen: list[tuple] = []
+    result = search(EIGHT_LAYERS, top=1, workers=1, progress=lambda *call: seen.append(call))
+    beats = [call for call in seen if call[2] is None]
+    finished = [call for call in seen if call[2] is not None]
+    assert beats and finished
+    assert [call[0] for call in seen] == sorted(call[0] for call in seen)  # a beat repeats, never runs ahead
+    assert finished[-1][3] == result.ranked[0]["iteration_time_s"]
