@@ -59,6 +59,11 @@ _ZEROS = frozenset({aten.zero_.default})
 # torch.amp.GradScaler's unscale (and its inf check before `scaler.step`): one foreach op over the
 # `.grad` of every parameter, which the optimizer runs on the reduced gradients instead
 _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
+# torch's loop unscales, then clips; the other order clipped the scaled gradients to max_norm / scale
+# (GradScaler.step alone, after a clip, is the same order): what either optimizer then raises
+AMP_AFTER_CLIP = ("GradScaler's unscale after clip_grad_norm_() in the same step: the clip measured and clipped "
+                  "the scaled gradients; call scaler.unscale_(opt) first, then opt.clip_grad_norm_(max_norm), "
+                  "then scaler.step(opt)")
 
 
 class GuardOwner(Protocol):

@@ -71,6 +71,7 @@ from canzona.runtime.expert_part import (
     check_expert_stack,
     expert_groups,
 )
+from canzona.runtime.grad_guard import AMP_AFTER_CLIP
 from canzona.runtime.gradients import GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
@@ -691,11 +692,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
         if self.grads.checked is not None and self.grads.checked is self._clip_check:
-            # torch's loop unscales, then clips; the other order clipped the scaled gradients to
-            # max_norm / scale (GradScaler.step alone, after a clip, is the same order)
-            raise CanzonaError("GradScaler's unscale after clip_grad_norm_() in the same step: the clip measured and "
-                               "clipped the scaled gradients; call scaler.unscale_(opt) first, then "
-                               "opt.clip_grad_norm_(max_norm), then scaler.step(opt)")
+            raise CanzonaError(AMP_AFTER_CLIP)
         if self._amp_check is None or self._amp_check is not self.grads.checked:
             kept = [grads.nonfinite for grads in self._syncs()]
             try:
