@@ -22,6 +22,9 @@ by a backward (version counters), or edited in place through the DTensor (torch'
 `clip_grad_norm_`, which no counter sees: each local gradient's fp32 norm, read again and compared
 with the clip's, `_grad_digest`).
 
+torch.amp.GradScaler's unscale of these gradients comes to the optimizer (`_amp_unscale`, through
+`canzona.runtime.dtensor_amp`): the step check, the unscale, `found_inf` from the global norm.
+
 Low-precision sharded parameters (a model cast to bf16 before `fully_shard`) get fp32 masters of
 their local shards, fp32 gradients on the wire and fp32 optimizer state, as the ZeRO-1 path does;
 `MixedPrecisionPolicy` keeps fp32 sharded parameters, so nothing more is needed there.
@@ -52,7 +55,7 @@ from canzona.fsdp_plan import (
 )
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
-from canzona.runtime import fsdp_checkpoint
+from canzona.runtime import dtensor_amp, fsdp_checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere
 from canzona.runtime.comm import Comm, PendingWork
@@ -65,6 +68,7 @@ from canzona.runtime.fsdp_layout import (
     replica_dims,
     root_mesh,
 )
+from canzona.runtime.grad_guard import AMP_AFTER_CLIP
 from canzona.runtime.gradients import (
     _all_same,
     _clip_disagreement,
@@ -173,7 +177,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
     with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
     `fsdp-owners-unbalanced`)."""
 
-    _step_supports_amp_scaling = True  # GradScaler hands its scaler over; refused in step()
+    # torch.amp.GradScaler's `step(opt)` checks for infs through the gradients (`_amp_unscale`) and
+    # hands the scale over as `self.grad_scale` (None once `unscale_` ran) for step() to unscale by
+    _step_supports_amp_scaling = True
+    # the step check `_amp_unscale` last answered GradScaler for, and the one a clip with a finite
+    # threshold left (GradScaler's unscale must come before that clip)
+    _amp_check: tuple[dict[str, bool], float] | None = None
+    _clip_check: tuple[dict[str, bool], float] | None = None
 
     def __init__(self, opts: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
         """`opts`: every argument of `DistributedOptimizer(...)` by name, its defaults filled in (it
@@ -292,6 +302,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # and a digest of their values (`_grad_digest`), where a reuse may follow: an in-place edit
         # through the DTensor (torch's clip_grad_norm_, `grad.mul_`) moves no local version counter
         self._digest: Tensor | None = None
+        dtensor_amp.install(self)  # GradScaler's unscale of these gradients comes here (`_amp_unscale`)
 
     # --- construction ------------------------------------------------------------------------
 
@@ -419,7 +430,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                         f"shard {tuple(p.to_local().shape)}")
         return None
 
-    def check(self, max_norm: float | None = None, recheck: bool = True) -> tuple[dict[str, bool], float]:
+    def check(self, max_norm: float | None = None, recheck: bool = True,
+              skip_nonfinite: bool = False) -> tuple[dict[str, bool], float]:
         """The step check, once per step (`clip_grad_norm_`, then `step`): ONE small all-gather over
         every rank of the mesh. Returns (got: name -> a gradient everywhere, the global norm). A call
         that reuses it (`step()` after `clip_grad_norm_()`, a second clip) rechecks, with `recheck`,
@@ -427,7 +439,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         between the clip and the step) and the threshold. A rank cannot tell its peers that its own
         changed without a collective, so every reuse costs one more small all-gather (clip and step
         are collective calls: every rank reuses alike); step()'s own clip (`max_grad_norm`), right
-        after its check, rechecks nothing."""
+        after its check, rechecks nothing. `skip_nonfinite`: a NaN / Inf norm is returned, not raised
+        (GradScaler's unscale: the scaler skips that step, whatever `nonfinite` says)."""
         if self.checked is not None and recheck:
             # what changed since on this rank: the hyper-parameters, the threshold, the gradients (a
             # backward added to them, or new ones replaced them: `model.zero_grad()`, then a
@@ -495,7 +508,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise CanzonaError(error)
         norm = math.sqrt(float(combine_norm_terms(terms[self._members])))
-        if not math.isfinite(norm) and self._nonfinite == "raise":
+        if not math.isfinite(norm) and self._nonfinite == "raise" and not skip_nonfinite:
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
         self.checked = ({n: bool(flags[0, j]) for j, n in enumerate(names)}, norm)
@@ -524,7 +537,10 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        return self._clip(float(max_norm), norm_type)
+        total = self._clip(float(max_norm), norm_type)
+        if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
+            self._clip_check = self.checked
+        return total
 
     def _clip(self, max_norm: float, norm_type: float = 2.0, recheck: bool = True) -> Tensor:
         """`clip_grad_norm_`, validated; `recheck`: as `check` takes it (step()'s own clip: False)."""
@@ -534,26 +550,61 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if math.isfinite(total):
             coefficient = min(1.0, max_norm / (total + 1e-6))
             if coefficient < 1.0:
-                if self.master_weights:
-                    # low-precision gradients are scaled where the step widens them to fp32 (`_grad`),
-                    # as the ZeRO-1 path scales its fp32 reduced buffers: scaling the bf16 shard in
-                    # place would round once more
-                    self._grad_scale *= coefficient
-                else:
-                    for n, g in got.items():
-                        if g:
-                            self._local_grad(n).mul_(coefficient)
-                    self._versions, scaled = self._grad_versions(), True  # here, not by a backward
-                # a second call in this step sees the clipped norm (as the ZeRO-1 path's `_clip`)
-                self.checked = (got, norm * coefficient)
+                scaled = self._scale_gradients(coefficient)
         if recheck and (scaled or self._digest is None):
             # a second clip or step() may reuse this check: their recheck compares with these values
             # (none follows step()'s own clip, whose check ends with the step)
             self._digest = self._grad_digest()
         return torch.tensor(total, dtype=torch.float32)
 
+    def _scale_gradients(self, coefficient: float) -> bool:
+        """Multiply the gradients the step takes, and the kept check's norm, by `coefficient` (a
+        clip, or GradScaler's unscale); whether the gradients themselves were scaled (in place)."""
+        got, norm = self.checked
+        # a second call in this step sees the scaled norm (as the ZeRO-1 path's `_scale_gradients`)
+        self.checked = (got, norm * coefficient)
+        if self.master_weights:
+            # low-precision gradients are scaled where the step widens them to fp32 (`_grad`), as
+            # the ZeRO-1 path scales its fp32 reduced buffers: scaling the bf16 shard in place
+            # would round once more
+            self._grad_scale *= coefficient
+            return False
+        for n, g in got.items():
+            if g:
+                self._local_grad(n).mul_(coefficient)
+        self._versions = self._grad_versions()  # here, not by a backward
+        return True
+
+    @torch.no_grad()
+    @autocast_off()
+    def _amp_unscale(self, found_inf: Tensor, inv_scale: Tensor) -> None:
+        """torch.amp.GradScaler's `unscale_(opt)`, and the inf check `scaler.step(opt)` makes first
+        (`inv_scale` 1: the scale then comes to `step()` as `grad_scale`), on FSDP2's gradients
+        (`canzona.runtime.dtensor_amp` hands the op here): the first call of a step runs the step
+        check (a collective, as `clip_grad_norm_()` is: GradScaler calls it on every rank alike) and
+        unscales every gradient; each call sets `found_inf` from the global norm, the same on every
+        rank, so that every rank's scaler skips the same steps and scales alike. A NaN / Inf norm is
+        the scaler's to skip, not an error (whatever `nonfinite` says)."""
+        if self.checked is not None and self.checked is self._clip_check:
+            raise CanzonaError(AMP_AFTER_CLIP)
+        if self._amp_check is None or self._amp_check is not self.checked:
+            _, norm = self.check(skip_nonfinite=True)
+            coefficient = float(inv_scale)
+            if math.isfinite(norm) and coefficient != 1.0:
+                self._scale_gradients(coefficient)
+            # a clip or step() reusing this check compares the gradients with these values
+            self._digest, self._amp_check = self._grad_digest(), self.checked
+        if not math.isfinite(self.checked[1]):
+            found_inf.fill_(1.0)
+
+    def amp_gradients(self) -> set[int]:
+        """The ids of the parameters' `.grad` DTensors (`canzona.runtime.dtensor_amp`)."""
+        return {id(p.grad) for p in self.params.values() if p.grad is not None}
+
     def _inf_norm(self, got: Mapping[str, bool]) -> float:
-        local = max((float(self._local_grad(n).abs().max()) for n, g in got.items()
+        # the gradients' largest magnitude as the step takes them (a clip or an unscale kept as a
+        # scale for the masters included)
+        local = max((float(self._local_grad(n).abs().max()) * self._grad_scale for n, g in got.items()
                      if g and self._local_grad(n).numel()), default=0.0)
         every = self.world.all_gather_values(torch.tensor([local], dtype=torch.float64), "gradient norm")[:, 0]
         return float(every.max())
@@ -570,22 +621,27 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     @eager_only
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):  # noqa: D401 - torch.optim signature
-        if grad_scaler is not None:
-            raise CanzonaError("torch.amp.GradScaler is not supported: train in bf16, or scale the loss and the "
-                               "learning rate yourself")
+    def step(self, closure=None):  # noqa: D401 - torch.optim signature
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # in the caller's autocast region, as its forward expects
-        with autocast_off():
-            self._checked_step()
+        try:
+            with autocast_off():
+                self._checked_step()
+        except BaseException:
+            # GradScaler.step deletes the scale it set here only when step() returns; left behind,
+            # its next call would unscale by the product of the two (torch's rule for a scale set)
+            for handed in ("grad_scale", "found_inf"):
+                self.__dict__.pop(handed, None)
+            raise
         return loss
 
     def _checked_step(self) -> None:
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
         got, norm = self.check(self.max_grad_norm)
         try:
             for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
@@ -595,7 +651,11 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 self._digest = self._grad_digest()
             raise
         try:
-            if not math.isfinite(norm):  # nonfinite="skip": every rank skips alike
+            if grad_scale is not None and math.isfinite(norm):
+                # GradScaler's own reciprocal (double, then float32), so that the product is unscale_'s
+                self._scale_gradients(float(torch.as_tensor(grad_scale).double().reciprocal().float()))
+                norm = self.checked[1]
+            if not math.isfinite(norm):  # nonfinite="skip", or GradScaler's verdict: every rank skips alike
                 self.skipped_steps += 1
                 log.warning("canzona: skipped step: the global gradient norm is %s (%d skipped so far)", norm,
                             self.skipped_steps)

@@ -7,7 +7,9 @@ process on the global gradients the ranks saw (`p.grad.full_tensor()` each step)
 EMPTY shard of a 2 x 16 matrix and a 2-vector (exact, with and without clipping), and carries the
 step check's cases: a NaN in one rank's shard (skipped on every rank, or the same error on every
 rank), a gradient missing on one rank or a broken one (every rank fails at once), clip thresholds
-that differ between ranks, and a dead peer (a CanzonaError within timeout_s)."""
+that differ between ranks, and a dead peer (a CanzonaError within timeout_s); and torch.amp.GradScaler
+at 2**10 (the unscaled run bit for bit, an Inf on one rank skipped on every rank with the scale
+halved alike, the clip before the unscale one error)."""
 
 from __future__ import annotations
 
@@ -199,7 +201,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               cast: bool = False, evaluate: int | None = None, bf16: bool = False,
               retry: int | None = None, again: int | None = None, edit: int | None = None,
               discard: int | None = None, drop_after_clip: int | None = None,
-              torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None) -> dict:
+              torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
+              scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
+              norm_type: float = 2.0) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -222,7 +226,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `drop_after_clip` rank 1 drops b.weight's gradient between the clip and step(). At step
     `torch_clip_after_clip` every rank runs torch's `clip_grad_norm_` (to 0.01, in place: no version
     counter moves) after the clip, then clips again; at step `nan_after_clip` rank 1 multiplies its
-    b.weight gradient by NaN with `torch._foreach_mul_` (what torch's clip scales by) after the clip."""
+    b.weight gradient by NaN with `torch._foreach_mul_` (what torch's clip scales by) after the clip.
+    `scaler`: a torch.amp.GradScaler at 2**10 scales each loss and steps (`scaler.step`, `update`;
+    `scales`: its scale after each step), after `unscale_` then the clip (`unscale`; its scale grows
+    every step), alone (`step`: the clip is `max_grad_norm`'s), or after the clip (`clip-unscale`:
+    the clip, then `unscale_`; `clip-step`: the clip, then `scaler.step` alone). `poison_with`: what
+    rank 1 writes into its shard at step `poison`; `norm_type`: the clip's (`clip`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -232,8 +241,11 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     model = Small().to(torch.bfloat16) if bf16 else Small()
     mspec = small_spec()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite)
-    refused = None
+    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite,
+                               max_grad_norm=max_grad_norm)
+    amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
+                                                           growth_interval=1 if scaler == "unscale" else 2000)
+    refused, scales = None, []
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     if cast:
         model.to(torch.bfloat16)
@@ -247,11 +259,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
             model.zero_grad()
-        model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
+        loss = model(small_batch(step, rank).to(model.a.weight.dtype)).float()
+        (loss if amp is None else amp.scale(loss)).backward()
         named = dict(model.named_parameters())
         if rank == 1 and step == poison:
             with torch.no_grad():
-                named["b.weight"].grad.to_local()[0, 0] = float("nan")
+                named["b.weight"].grad.to_local()[0, 0] = poison_with
         full = {n: gather_rows(p.grad) for n, p in named.items()}
         if rank == 1 and step == drop:
             named["b.weight"].grad = None
@@ -266,8 +279,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         start = time.monotonic()
         try:
             threshold = clips.get(rank) if clips is not None else clip
+            if scaler == "unscale":
+                amp.unscale_(opt)
             if threshold is not None:
-                norms.append(float(opt.clip_grad_norm_(threshold)))
+                norms.append(float(opt.clip_grad_norm_(threshold, norm_type)))
+            if scaler == "clip-unscale":
+                amp.unscale_(opt)
             if rank == 1 and step == drop_after_clip:
                 named["b.weight"].grad = None
             if step == torch_clip_after_clip:
@@ -279,7 +296,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 lrs = [group["lr"] for group in opt.param_groups]
                 opt.param_groups[0]["lr"] = float("nan")
                 try:
-                    opt.step()
+                    opt.step() if amp is None else amp.step(opt)
                 except CanzonaError as e:
                     refused = str(e)
                 for group, lr in zip(opt.param_groups, lrs):
@@ -296,7 +313,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
                 if threshold is not None:
                     norms.append(float(opt.clip_grad_norm_(threshold)))
-            opt.step()
+            if amp is None:
+                opt.step()
+            else:
+                amp.step(opt)
+                amp.update()
+                scales.append(amp.get_scale())
         except CanzonaError as e:
             error, took = str(e), time.monotonic() - start
             break
@@ -308,10 +330,18 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 fresh.load_state_dict({n: gather_rows(p) for n, p in opt.params.items()})
                 x = small_batch(step, rank)
                 stale = not torch.allclose(model(x), fresh(x), rtol=0, atol=1e-6)
+    others = None
+    if scaler == "unscale":  # a DTensor no canzona optimizer steps: unscaled by torch's own handler
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        other = distribute_tensor(torch.ones(world, 2), init_device_mesh("cpu", (world,)), [Shard(0)])
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_([other], found, torch.full((), 0.5))
+        others = (float(other.to_local().sum()), float(found))
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "local_rows": local_rows, "held": held_bytes(opt),
+            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
                     for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
@@ -364,6 +394,18 @@ SMALL_CASES = {
     "torch-clip-after-clip": {"steps": 3, "clip": 0.05, "torch_clip_after_clip": 1},
     "bf16-torch-clip-after-clip": {"steps": 3, "clip": 0.05, "bf16": True, "torch_clip_after_clip": 1},
     "nan-after-clip": {"steps": 3, "clip": 0.05, "nan_after_clip": 1},
+    # torch.amp.GradScaler at 2**10: unscale_, clip, step (fp32; bf16 with fp32 masters); step alone
+    # (max_grad_norm clips); an Inf in rank 1's shard through step alone (nonfinite='raise');
+    # the clip before the unscale
+    "scaler-unscale": {"steps": 3, "clip": 0.05, "scaler": "unscale"},
+    "bf16-scaler-unscale": {"steps": 3, "clip": 0.05, "bf16": True, "scaler": "unscale"},
+    "bf16-clip-inf": {"steps": 2, "clip": 0.01, "bf16": True, "norm_type": math.inf},
+    "bf16-scaler-unscale-inf": {"steps": 2, "clip": 0.01, "bf16": True, "scaler": "unscale", "norm_type": math.inf},
+    "scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step"},
+    "scaler-step-retried": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "retry": 1},
+    "scaler-inf": {"steps": 3, "scaler": "step", "poison": 1, "poison_with": math.inf},
+    "scaler-clip-unscale": {"steps": 2, "clip": 0.05, "scaler": "clip-unscale"},
+    "scaler-clip-step": {"steps": 2, "clip": 0.05, "scaler": "clip-step"},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
@@ -586,6 +628,68 @@ def test_fsdp_a_nan_written_in_place_after_the_clip_is_the_step_checks_error_on_
     want = emulate_small(results[0]["grads"], 0.05)  # step 0 taken, step 1 not
     for r in results:
         assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_grad_scaler_unscale_clip_step_trains_as_the_unscaled_loop() -> None:
+    """torch.amp.GradScaler at 2**10 (a power of two: every gradient scaled exactly), `unscale_`,
+    `opt.clip_grad_norm_`, `scaler.step`, `update`: the clipped run without a scaler bit for bit,
+    the same norms, the scale grown alike on every rank (fp32; bf16 with fp32 masters, whose
+    unscale is a scale kept for the step, which the inf-norm clip now measures too: it measured the
+    scaled gradients, 1024 x); a DTensor no canzona optimizer steps is still unscaled by
+    torch's handler. Before: `scaler.step` was refused ('GradScaler is not supported')."""
+    for plain, scaled in (("clip", "scaler-unscale"), ("bf16-clip", "bf16-scaler-unscale"),
+                          ("bf16-clip-inf", "bf16-scaler-unscale-inf")):
+        for a, b in zip(_small()[plain], _small()[scaled]):
+            assert b["error"] is None, b["error"]
+            assert b["norms"] == a["norms"], (a["norms"], b["norms"])
+            assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+            assert b["scales"] == [2.0 ** (11 + k) for k in range(len(b["scales"]))], b["scales"]
+            assert b["others"] == (1.0, 0.0), b["others"]  # other DTensors' unscale is still torch's
+
+
+def test_fsdp_grad_scaler_step_alone_unscales_before_max_grad_norm_clips() -> None:
+    """`scaler.step(opt)` alone hands the scale to step(), which unscales before its own clip
+    (`max_grad_norm=0.05`): the run clipped by `clip_grad_norm_(0.05)` without a scaler, bit for bit."""
+    for a, b in zip(_small()["clip"], _small()["scaler-step"]):
+        assert b["error"] is None and b["skipped"] == 0, b["error"]
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+        assert b["scales"] == [2.0 ** 10] * 3, b["scales"]
+
+
+def test_fsdp_grad_scaler_step_retried_after_a_refusal_unscales_once() -> None:
+    """`scaler.step` refused before any update (a NaN learning rate), the rate put back, `scaler.step`
+    again: the step of those gradients unscaled once, as the run without the refusal (the refused
+    call drops the scale GradScaler set on the optimizer, which it deletes only when step() returns:
+    left, the next call would unscale by the product of the two)."""
+    for a, b in zip(_small()["scaler-step"], _small()["scaler-step-retried"]):
+        assert b["error"] is None and "lr must be a finite number" in b["refused"], b["refused"]
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+        assert b["scales"] == a["scales"], b["scales"]
+
+
+def test_fsdp_grad_scaler_skips_an_inf_on_one_rank_on_every_rank_and_backs_off() -> None:
+    """An Inf in rank 1's shard of b.weight's gradient at step 1, `scaler.step` alone, nonfinite='raise':
+    every rank's scaler finds it (the optimizer's global norm decides, not a rank's own unscale),
+    every rank skips that step (counted in skipped_steps) and halves its scale; the other steps are
+    the unscaled run's with that step skipped, bit for bit."""
+    results, want = _small()["scaler-inf"], _small()["skip"]
+    for r, w in zip(results, want):
+        assert r["error"] is None and r["skipped"] == 1, (r["error"], r["skipped"])
+        assert r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], r["scales"]
+        assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+@pytest.mark.parametrize("case", ["scaler-clip-unscale", "scaler-clip-step"])
+def test_fsdp_grad_scaler_after_a_clip_of_the_scaled_gradients_is_one_error(case: str) -> None:
+    """`opt.clip_grad_norm_` before `scaler.unscale_` (or before `scaler.step` alone) measured and
+    clipped the scaled gradients: one error on every rank, nothing updated. Before: torch's unscale
+    ran after the clip (gradients clipped to max_norm / scale), then `scaler.step` was refused."""
+    init = {n: p.detach() for n, p in Small().named_parameters()}
+    for r in _small()[case]:
+        assert r["error"] is not None and r["error"].startswith("GradScaler's unscale after clip_grad_norm_()"), \
+            r["error"]
+        assert "\n" not in r["error"] and not r["grads"]
+        assert all(torch.equal(r["params"][n], init[n]) for n in init)
 
 
 @pytest.mark.parametrize("case", ["clip-disagree", "clip-on-one"])

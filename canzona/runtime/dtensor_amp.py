@@ -1,0 +1,77 @@
+"""torch.amp.GradScaler's unscale of FSDP2's gradients, handed to the optimizer that steps them
+(docs/design.md §2.8).
+
+GradScaler unscales with one foreach op over the `.grad` of every parameter of the optimizer,
+`aten._amp_foreach_non_finite_check_and_unscale_` (its `unscale_`, and the inf check `step` makes
+first with an inverse scale of 1). FSDP2's gradients are DTensors, and DTensor runs that op through a
+handler of its own (`DTensor._op_dispatcher._custom_op_handlers`, torch 2.13's
+`found_inf_reduce_handler`): it unscales each rank's local pieces, then all-reduces `found_inf`
+(a max) over the first gradient's mesh, outside canzona's step check: no timeout, a rank with no
+gradient never joins it, and the unscale cannot tell a clip that came before it. `FsdpOptimizer`
+owns the step's global norm and its check, so the op on its gradients is its own: `install` puts a
+handler in DTensor's table (the mechanism torch's `loss_parallel` uses) that gives the op to the
+optimizer whose gradients it names (`FsdpOptimizer._amp_unscale`: the step check, then the unscale,
+`found_inf` from the global norm), and leaves every other DTensor's op to torch's handler.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from canzona.errors import CanzonaError
+
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+class AmpOwner(Protocol):
+    """What the handler asks of an optimizer (`FsdpOptimizer` implements it)."""
+
+    def amp_gradients(self) -> set[int]:
+        """The ids of the `.grad` tensors of its parameters, as they are now."""
+
+    def _amp_unscale(self, found_inf: Tensor, inv_scale: Tensor) -> None:
+        """Unscale its gradients by `inv_scale`; set `found_inf` to 1 where any is not finite, alike
+        on every rank."""
+
+
+# the optimizers whose gradients' unscale is theirs, oldest first (a dropped one leaves by itself)
+_OWNERS: list[weakref.ref] = []
+# torch's handler, kept where `install` found it: every other DTensor's unscale runs it
+_TORCH: list[Callable[..., Any]] = []
+
+
+def install(owner: AmpOwner) -> None:
+    """Route GradScaler's unscale of `owner`'s gradients to it (the handler goes in once)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    if handlers.get(_UNSCALE) is not _handler:
+        _TORCH[:] = [handlers[_UNSCALE]] if _UNSCALE in handlers else []
+        handlers[_UNSCALE] = _handler
+    _OWNERS[:] = [ref for ref in _OWNERS if ref() is not None] + [weakref.ref(owner)]
+
+
+def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    grads, found_inf, inv_scale = (list(args) + [kwargs.get(k) for k in ("found_inf", "inv_scale")])[:3]
+    named = {id(g) for g in grads}
+    # the newest first: an optimizer built again over the same model (a resume) while the old one
+    # is still referenced steps those gradients now
+    for ref in reversed(list(_OWNERS)):
+        owner = ref()
+        if owner is None:
+            continue
+        mine = owner.amp_gradients()
+        if named <= mine:
+            owner._amp_unscale(found_inf, inv_scale)
+            return None
+        if named & mine:  # GradScaler unscales one optimizer's gradients per call
+            raise CanzonaError("GradScaler's unscale met gradients of canzona's optimizer beside others: unscale "
+                               "them through the optimizer that steps them (scaler.unscale_(opt))")
+    if not _TORCH:
+        raise CanzonaError("this torch's DTensor has no unscale handler for canzona to leave other gradients to")
+    return _TORCH[0](op, args, kwargs)
