@@ -14,7 +14,13 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
 - torch's own `clip_grad_norm_` on the sharded model before `step()` (the step takes the
   gradients it clipped);
 - a frozen embedding, left out of the optimizer and the spec (`from_module` and
-  `canzona.runtime.modules.named_parameters` skip it): unchanged, no state.
+  `canzona.runtime.modules.named_parameters` skip it): unchanged, no state;
+- torch.amp.GradScaler under FSDP x TP (2**10; `unscale_`, the clip, `scaler.step`, `update`), the
+  norms and the tied embedding in the first param group (as "no weight decay" groups come), an Inf
+  in rank 1's TP shard of q_proj at the second step: skipped on every rank, every rank's scale
+  halved alike; the other steps the same kernels' on the unscaled gradients. GradScaler's foreach
+  list then starts with the embedding, on `mesh['dp']` alone, and torch's own DTensor unscale
+  all-reduces `found_inf` over that gradient's mesh only: ranks 0 and 2 found no Inf, 1 and 3 did.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     # torch's own clip_grad_norm_ on the sharded model (DTensor gradients) before step()
     "torch-clip": (2, replace(BASE, clip_norm=None), {"torch_clip": 0.05}),
     "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
+    "fsdp-tp-scaler": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True, "scaler": True}),
     "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
                   {"mesh": (2, 2), "names": ("replicate", "shard")}),
 }
@@ -97,27 +104,46 @@ def case_run(rank: int, world: int, spec: TrainSpec, how: dict) -> dict:
     from canzona.runtime.modules import named_parameters
 
     model, mspec = shard_model(spec, how)
-    opt = DistributedOptimizer(named_parameters(model), mspec, spec.optimizer, spec.matrix_config,
-                               spec.adamw_config)
+    params = list(named_parameters(model))
+    if how.get("scaler"):  # the norms and the embedding first, the matrices after
+        matrices = {p.name for p in mspec.params if p.uses_matrix_optimizer}
+        params = [{"params": [(n, p) for n, p in params if n not in matrices]},
+                  {"params": [(n, p) for n, p in params if n in matrices]}]
+    opt = DistributedOptimizer(params, mspec, spec.optimizer, spec.matrix_config, spec.adamw_config)
     vocab = model.model.embed_tokens.weight.shape[0]
     me, dp = data_rank(how)
-    grads, norms = [], []
-    for tokens in global_batches(spec, vocab):
+    grads, norms, scales = [], [], []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if how.get("scaler") else None
+    for step, tokens in enumerate(global_batches(spec, vocab)):
         opt.zero_grad()
         mbs = micro_batches(tokens, me, dp, spec.accumulation)
         for k, mb in enumerate(mbs):
             model.set_requires_gradient_sync(k == len(mbs) - 1)
-            (model.loss(mb) / spec.accumulation).backward()
+            loss = model.loss(mb) / spec.accumulation
+            (loss if scaler is None else scaler.scale(loss)).backward()
         if how.get("torch_clip"):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), how["torch_clip"])))
         named = dict(named_parameters(model))
-        grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
+        poisoned = scaler is not None and step == 1
+        if poisoned and rank == 1:  # rank 1's TP shard (on the dp x tp mesh) of one weight's gradient
+            with torch.no_grad():
+                named["model.layers.0.self_attn.q_proj.weight"].grad.to_local()[0, 0] = float("inf")
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if not poisoned:  # the gradients the step takes (unscaled)
+            grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
         if spec.clip_norm is not None:
             opt.clip_grad_norm_(spec.clip_norm)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     resumed = checkpoint_round_trip(model, opt, spec, how) if how.get("checkpoint") else None
     return {"resumed": resumed, "params": params, "grads": grads, "owned": sorted(opt.matrix_state), "norms": norms,
+            "scales": scales, "skipped": opt.skipped_steps,
             "exchange": opt.size, "dtypes": {str(p.dtype) for p in model.parameters()}}
 
 
@@ -207,6 +233,9 @@ def check_case(case: str, results: list[dict], world: int, spec: TrainSpec, how:
             assert r["resumed"]["difference"] is None and r["resumed"]["equal"], r["resumed"]
     if how.get("torch_clip"):  # torch's clipping really clipped, and the step took the clipped gradients
         assert all(n > how["torch_clip"] for n in results[0]["norms"])
+    if how.get("scaler"):  # the Inf step skipped on every rank, every rank's scale halved
+        for r in results:
+            assert r["skipped"] == 1 and r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], (r["skipped"], r["scales"])
     if case == "bf16-shards":
         assert results[0]["dtypes"] == {"torch.bfloat16"}
     if case == "mixed-precision":
