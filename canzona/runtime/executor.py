@@ -119,6 +119,9 @@ class _Speculation:
     groups: list[_Group]
     states: dict[str, dict[str, Any]] = field(default_factory=dict)
     configs: dict[str, tuple[Any, float]] = field(default_factory=dict)
+    # what the gradients were multiplied by before the updates were computed, which the reduced
+    # gradients have yet to be (GradScaler's unscale, expected); 1.0 once they were (`clipped`)
+    scale: float = 1.0
 
 
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -229,11 +232,16 @@ class MatrixStep:
         self._prefetched = groups
 
     def clipped(self, coefficient: float) -> None:
-        """Clipping scaled the reduced gradients by `coefficient`. An overlapped step's updates were
-        computed from them before: dropped. What the prefetched gathers brought is scaled here by
-        the same elementwise product in the same dtype, so it equals, bit for bit, what a gather
-        issued now would bring (the host's own shards are read from the scaled buffers)."""
-        if self._speculation is not None:
+        """Clipping (or GradScaler's unscale) scaled the reduced gradients by `coefficient`. An
+        overlapped step's updates were computed from them before: dropped, unless they were computed
+        from the gradients times this very `coefficient` (`speculate(scale=)`: the same elementwise
+        product, so the same values). What the prefetched gathers brought is scaled here by the
+        same elementwise product in the same dtype, so it equals, bit for bit, what a gather issued
+        now would bring (the host's own shards are read from the scaled buffers)."""
+        speculation = self._speculation
+        if speculation is not None and speculation.scale != 1.0 and speculation.scale == coefficient:
+            speculation.scale = 1.0  # the unscale they were computed for: they stand
+        elif speculation is not None:
             self.discard()
         for op in self.schedule.prefetched if self._prefetched is not None else ():
             live = self._prefetched[op.group]
@@ -260,17 +268,24 @@ class MatrixStep:
 
     # --- an overlapped step (overlap_step) ----------------------------------------------------
 
-    def speculate(self, grad: Callable[[str], Tensor], config: Callable[[str], tuple[Any, float]]) -> None:
+    def speculate(self, grad: Callable[[str], Tensor], config: Callable[[str], tuple[Any, float]],
+                  scale: float = 1.0) -> None:
         """Gather, compute and scatter every micro-group now, in the schedule's order, each as soon
         as `grad` returns its gradients (it waits for their bucket's reduce-scatter), before the step
         check: every update is computed on a copy of its state and held, and nothing is applied.
-        `commit` applies them once the check has passed; `discard` drops them."""
+        `commit` applies them once the check has passed; `discard` drops them. `scale`: compute
+        from each gradient times `scale` (GradScaler's inverse scale, which the reduced gradients
+        are expected to be multiplied by before the commit: `clipped(scale)`; else dropped)."""
         self.discard()
-        speculation = _Speculation([_Group() for _ in self.schedule.groups])
+        speculation = _Speculation([_Group() for _ in self.schedule.groups], scale=scale)
         self._speculation = speculation
+
+        def scaled(name: str) -> Tensor:  # the elementwise product the buffers will take (`clipped`)
+            return grad(name) * scale
+        read = grad if scale == 1.0 else scaled
         for op in self.schedule.ops:
             if op.kind != APPLY:  # whether a matrix got a gradient is known after the check
-                self._issue(op.kind, op.group, speculation.groups, grad, config, lambda _: True, speculation)
+                self._issue(op.kind, op.group, speculation.groups, read, config, lambda _: True, speculation)
 
     def commit(self, target: Callable[[str], Tensor], applied: Callable[[str], None],
                config: Callable[[str], tuple[Any, float]], got: Callable[[str], bool],
@@ -282,7 +297,8 @@ class MatrixStep:
         speculation = self._speculation
         if speculation is None:
             return False
-        if any(config(name) != used for name, used in speculation.configs.items()):
+        if speculation.scale != 1.0 or any(config(name) != used for name, used in speculation.configs.items()):
+            # the unscale they were computed for did not come (another scale), or hyper-parameters changed
             self.discard()
             return False
         self._speculation = None

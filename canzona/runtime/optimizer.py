@@ -177,7 +177,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     kernels, on the same stream), from a copy of its state, and held; after the step check (finite
     norm, agreement, clipping) the updates are applied and the copies adopted, bit for bit what the
     plain step computes. A step whose gradients clipping scales, or whose hyper-parameters changed
-    since, drops them and runs the plain step; a skipped step drops them. It costs a copy of the
+    since, drops them and runs the plain step; a skipped step drops them. Under torch.amp.GradScaler
+    they are computed from the gradients times its inverse scale, the product its unscale then
+    gives the reduced gradients, and kept (`_speculate`). It costs a copy of the
     state this rank hosts and every update held until the check (`canzona.memory` counts both);
     canzona's policy only (the baselines' owners need every gradient first). Without it, canzona's
     plain step still issues the TP schedule's leading gathers (`TPSchedule.prefetched`) as their
@@ -671,9 +673,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
     _amp_check: StepCheck | None = None
-    # a GradScaler has unscaled this optimizer's gradients: from then on overlap_step computes no
-    # update early (`_speculate`), as its unscale would come after and drop every one of them
-    _amp_scaled: bool = False
+    # overlap_step under GradScaler: the inverse scale the updates computed early are computed at
+    # (`_speculate`), set by `_amp_unscale` while its check runs (the buckets land inside it), and
+    # the inverse scale step() last took from GradScaler (`scaler.step` alone hands it over only
+    # after the check: the early updates are computed at the last one, kept where it still holds)
+    _early_scale: float = 1.0
+    _amp_inv: float = 1.0
     # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
     _clip_check: StepCheck | None = None
 
@@ -687,7 +692,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         every reduced gradient; each call sets `found_inf` from the global norm, the same on every
         rank, so that every rank's scaler skips the same steps and scales alike. A NaN / Inf norm
         is the scaler's to skip, not an error (whatever `nonfinite` says)."""
-        self._amp_scaled = True
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
@@ -695,14 +699,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise CanzonaError(AMP_AFTER_CLIP)
         if self._amp_check is None or self._amp_check is not self.grads.checked:
             kept = [grads.nonfinite for grads in self._syncs()]
+            coefficient = float(inv_scale)
+            # the updates overlap_step computes as the buckets land (in the check below) are computed
+            # from the gradients as this unscale leaves them (kept by `_scale_gradients`)
+            self._early_scale = coefficient if coefficient != 1.0 else self._amp_inv
             try:
                 for grads in self._syncs():
                     grads.nonfinite = "skip"
                 check = self._prepare_step()
             finally:
+                self._early_scale = 1.0
                 for grads, policy in zip(self._syncs(), kept):
                     grads.nonfinite = policy
-            coefficient = float(inv_scale)
             if math.isfinite(check.norm) and coefficient != 1.0:
                 self._scale_gradients(coefficient)
             self._amp_check = self.grads.checked
@@ -754,9 +762,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
-        if grad_scale is not None and math.isfinite(check.norm):
+        if grad_scale is not None:
             # GradScaler's own reciprocal (double, then float32), so that the product is unscale_'s
-            self._scale_gradients(float(torch.as_tensor(grad_scale).double().reciprocal().float()))
+            self._amp_inv = float(torch.as_tensor(grad_scale).double().reciprocal().float())
+        if grad_scale is not None and math.isfinite(check.norm):
+            self._scale_gradients(self._amp_inv)
             check = self.grads.checked
         if not math.isfinite(check.norm):  # nonfinite="skip", or GradScaler's verdict (prepare raised otherwise)
             for part in self._parts():
@@ -807,15 +817,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         their buckets land, before the step check; `step()` commits them (or drops them, and runs
         the plain step, when clipping scaled the gradients or the hyper-parameters changed since).
         Hyper-parameters that fail validation are left for `step()` to report, before anything
-        changes. Under a GradScaler (`_amp_scaled`) nothing is computed early: its unscale scales
-        the gradients after they landed, which would drop every early update."""
-        if self._amp_scaled:
-            return
+        changes. Under GradScaler the buckets land inside its unscale's check: the updates are
+        computed from the gradients times its inverse scale (`_early_scale`), the product its
+        unscale then applies to the buffers, and kept when it does."""
         try:
             self._check_hyper_parameters()
         except CanzonaError:
             return
-        matrix_step.speculate(grad=landed, config=self._matrix_config)
+        matrix_step.speculate(grad=landed, config=self._matrix_config, scale=self._early_scale)
 
     def _gather_params(self) -> None:
         if self._in_flight is not None:

@@ -839,29 +839,35 @@ def test_grad_scaler_skips_an_inf_step_on_every_rank_and_backs_off(runs):
         assert out["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
 
 
-def test_overlap_step_under_a_grad_scaler_computes_no_update_it_must_drop(one_rank):
-    """GradScaler unscales the gradients after overlap_step's early updates were computed from the
-    scaled ones, so each was dropped and computed again by the plain step. Once the optimizer has
-    seen a scaler's unscale it computes none early: at most the first step's (its buckets' early
-    work may run before the first unscale), not one a step; the weights bit for bit the run
-    without overlap_step."""
-    def run(overlap: bool) -> tuple[dict, int]:
+@pytest.mark.parametrize("how", ["step", "unscale_"])
+def test_overlap_step_under_a_grad_scaler_keeps_the_updates_it_computed_early(one_rank, how):
+    """overlap_step computes the updates as the buckets land, inside the first step check, which
+    GradScaler's unscale runs: `unscale_` hands its inverse scale over first, so the early updates
+    are computed from the gradients unscaled as the buffers then are (the same product), and kept:
+    every step overlapped. `scaler.step` alone brings its scale to step() only after the check: the
+    early updates are computed at the scale the last step() took, kept where it is still the scale
+    (steps 2 and 3), dropped at the first step. Before: GradScaler's unscale dropped every early
+    update (3 computed, 0 kept), then none was computed. The weights bit for bit the run without
+    overlap_step."""
+    def run(overlap: bool) -> tuple[dict, int, int]:
         model = build_model(BASE)
         opt = _optimizer(model, overlap_step=overlap)
         calls = []
         speculate = opt.matrix_step.speculate
         opt.matrix_step.speculate = lambda *a, **k: (calls.append(1), speculate(*a, **k))[1]
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-        for tokens in _batches(0, 1)[:3]:
+        for tokens in _batches(0, 1):
             opt.zero_grad()
             scaler.scale(model.loss(tokens)).backward()
+            if how == "unscale_":
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
-        assert opt.overlapped_steps == 0
-        return _params(model), len(calls)
+        return _params(model), len(calls), opt.overlapped_steps
 
-    (overlapped, speculated), (plain, _) = run(True), run(False)
-    assert speculated <= 1, speculated  # before: 3, one a step, each dropped
+    (overlapped, speculated, kept), (plain, _, _) = run(True), run(False)
+    assert speculated == 3, speculated  # before: 3 computed, 3 dropped (then at most 1)
+    assert kept == (3 if how == "unscale_" else 2), kept
     assert compare(overlapped, plain)["bit_identical"]
 
 

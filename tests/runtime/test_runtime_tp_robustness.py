@@ -291,9 +291,10 @@ def step_twice(rank: int) -> dict:
 
 
 def grad_scaler(rank: int) -> dict:
-    """torch.amp.GradScaler under TP with overlap_step (the early updates, made from the scaled
-    gradients, are dropped), scale 2**10: the unscaled step's weights bit for bit, through
-    `scaler.step` alone and through `unscale_` first. Before: 'GradScaler is not supported'."""
+    """torch.amp.GradScaler under TP with overlap_step, scale 2**10: the unscaled step's weights bit
+    for bit, through `scaler.step` alone (a first step: the early updates, made at no known scale,
+    are dropped) and through `unscale_` first (made from the gradients times its inverse scale and
+    kept: `overlapped`). Before: 'GradScaler is not supported'."""
     from reference.data import fixed_batch
 
     mesh = _mesh()
@@ -301,7 +302,7 @@ def grad_scaler(rank: int) -> dict:
     tokens = fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2]
     straight = _tp_model(mesh)
     _train_step(straight, _optimizer(straight, straight.spec(), mesh, overlap_step=True), mesh)
-    exact = []
+    exact, overlapped = [], []
 
     def scaled(unscale: bool) -> None:
         model = _tp_model(mesh)
@@ -315,8 +316,9 @@ def grad_scaler(rank: int) -> dict:
         scaler.update()
         straight.state_dict(), model.state_dict()  # the step's parameter gathers are waited for
         exact.append(all(torch.equal(a, b) for a, b in zip(straight.parameters(), model.parameters())))
+        overlapped.append(opt.overlapped_steps)
     out = _outcome(lambda: [scaled(unscale) for unscale in (False, True)])
-    out["exact"] = exact
+    out["exact"], out["overlapped"] = exact, overlapped
     return out
 
 
@@ -417,3 +419,4 @@ def test_grad_scaler_steps_as_the_unscaled_step_under_tp():
         pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
     for rank, out in enumerate(got["grad_scaler"]):
         assert out["type"] is None and out["exact"] == [True, True] and out["healthy"], (rank, out)
+        assert out["overlapped"] == [0, 1], (rank, out["overlapped"])  # before: [0, 0]
