@@ -203,7 +203,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               discard: int | None = None, drop_after_clip: int | None = None,
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
-              norm_type: float = 2.0) -> dict:
+              norm_type: float = 2.0, fp16: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -231,14 +231,15 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `scales`: its scale after each step), after `unscale_` then the clip (`unscale`; its scale grows
     every step), alone (`step`: the clip is `max_grad_norm`'s), or after the clip (`clip-unscale`:
     the clip, then `unscale_`; `clip-step`: the clip, then `scaler.step` alone). `poison_with`: what
-    rank 1 writes into its shard at step `poison`; `norm_type`: the clip's (`clip`)."""
+    rank 1 writes into its shard at step `poison`; `norm_type`: the clip's (`clip`); `fp16`: the
+    model in fp16 from the start (fp32 masters)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from canzona.errors import CanzonaError
     from canzona.runtime import DistributedOptimizer
 
-    model = Small().to(torch.bfloat16) if bf16 else Small()
+    model = Small().to(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
     mspec = small_spec()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite,
@@ -319,7 +320,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 amp.step(opt)
                 amp.update()
                 scales.append(amp.get_scale())
-        except CanzonaError as e:
+        except (CanzonaError, ValueError) as e:  # ValueError: torch's own refusals (GradScaler's fp16 unscale_)
             error, took = str(e), time.monotonic() - start
             break
         if step != poison:
@@ -404,6 +405,8 @@ SMALL_CASES = {
     "scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step"},
     "scaler-step-retried": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "retry": 1},
     "scaler-inf": {"steps": 3, "scaler": "step", "poison": 1, "poison_with": math.inf},
+    "fp16-scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "fp16": True},
+    "fp16-scaler-unscale": {"steps": 1, "scaler": "unscale", "fp16": True},
     "scaler-clip-unscale": {"steps": 2, "clip": 0.05, "scaler": "clip-unscale"},
     "scaler-clip-step": {"steps": 2, "clip": 0.05, "scaler": "clip-step"},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
@@ -677,6 +680,20 @@ def test_fsdp_grad_scaler_skips_an_inf_on_one_rank_on_every_rank_and_backs_off()
         assert r["error"] is None and r["skipped"] == 1, (r["error"], r["skipped"])
         assert r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], r["scales"]
         assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+def test_fsdp_grad_scaler_steps_an_fp16_model_with_fp32_masters() -> None:
+    """An fp16 model (fp32 masters), `scaler.step` alone with `max_grad_norm`: every step taken, the
+    weights finite and alike on every rank; `unscale_` on its fp16 gradients is torch's own
+    ValueError, as under torch's optimizers."""
+    init = {n: p.detach().half() for n, p in Small().named_parameters()}
+    results = _small()["fp16-scaler-step"]
+    for r in results:
+        assert r["error"] is None and r["skipped"] == 0 and r["scales"] == [2.0 ** 10] * 3, (r["error"], r["scales"])
+        assert all(torch.isfinite(p).all() and not torch.equal(p, init[n]) for n, p in r["params"].items())
+        assert compare(r["params"], results[0]["params"])["bit_identical"]
+    for r in _small()["fp16-scaler-unscale"]:
+        assert r["error"] == "Attempting to unscale FP16 gradients.", r["error"]
 
 
 @pytest.mark.parametrize("case", ["scaler-clip-unscale", "scaler-clip-step"])
