@@ -26,6 +26,7 @@ from torch import Tensor
 from canzona.errors import CanzonaError
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+_ARGUMENTS = ("self", "found_inf", "inv_scale")  # its schema's, in order
 
 
 class AmpOwner(Protocol):
@@ -57,8 +58,8 @@ def install(owner: AmpOwner) -> None:
 
 
 def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
-    grads, found_inf, inv_scale = (list(args) + [kwargs.get(k) for k in ("found_inf", "inv_scale")])[:3]
-    named = {id(g) for g in grads}
+    bound = {**dict(zip(_ARGUMENTS, args)), **kwargs}
+    named = {id(g) for g in bound["self"]}
     # the newest first: an optimizer built again over the same model (a resume) while the old one
     # is still referenced steps those gradients now
     for ref in reversed(list(_OWNERS)):
@@ -67,7 +68,7 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
             continue
         mine = owner.amp_gradients()
         if named <= mine:
-            owner._amp_unscale(found_inf, inv_scale)
+            owner._amp_unscale(bound["found_inf"], bound["inv_scale"])
             return None
         if named & mine:  # GradScaler unscales one optimizer's gradients per call
             raise CanzonaError("GradScaler's unscale met gradients of canzona's optimizer beside others: unscale "
