@@ -96,6 +96,7 @@ from canzona.runtime.kernels import (
     update_target,
 )
 from canzona.runtime.mesh import TP
+from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
@@ -858,7 +859,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         identical on every rank, the same form as the ZeRO-1 layout's, so that it loads under FSDP2
         at any size and into `DistributedOptimizer` on an unsharded model. Collective over the
         exchange group (every rank must call it), bounded by `timeout_s`."""
-        return fsdp_checkpoint.gather_state(self)
+        return state_dict_with_hooks(self, lambda: fsdp_checkpoint.gather_state(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
@@ -866,7 +867,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         ZeRO-1 path: a saved master that is not the weight cast gives way to it at the next step).
         Collective (every rank calls it with the same state dict, as `state_dict()` gives it): a
         refusal on one rank, or ranks given different state dicts, is one error on every rank."""
-        fsdp_checkpoint.load_state(self, state_dict)
+        load_with_hooks(self, state_dict, lambda loaded: fsdp_checkpoint.load_state(self, loaded))
 
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes

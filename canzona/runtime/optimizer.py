@@ -85,6 +85,7 @@ from canzona.runtime.groups import (
 from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
+from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import (
     Holders,
@@ -960,7 +961,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Layout-independent: per parameter name, full tensors, identical on every rank.
         Collective (every rank must call it), bounded by `timeout_s`."""
         self.wait_params()
-        return checkpoint.gather_state(self)
+        return state_dict_with_hooks(self, lambda: checkpoint.gather_state(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer.
@@ -972,7 +973,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state dicts, is one error on every rank, nothing loaded."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
-        checkpoint.load_state(self, state_dict)
+        load_with_hooks(self, state_dict, lambda loaded: checkpoint.load_state(self, loaded))
 
     def sharded_state_dict(self, prefix: str = checkpoint.DCP_PREFIX) -> dict[str, Any]:
         """This rank's share of the state for `torch.distributed.checkpoint.save` (each rank writes

@@ -621,6 +621,52 @@ def torch_save_job(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def optimizer_hooks_job(rank: int, world: int, fsdp: bool) -> dict:
+    """torch.optim.Optimizer's hooks, as libraries register them (HF's, torchtitan's), on both
+    layouts: each fires once per call, given the optimizer (and the step's args, the state dict),
+    and what a state-dict hook returns is what the call gives or loads, as on a torch optimizer."""
+    import torch.optim.optimizer as torch_optim
+
+    model = build_model(BASE)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        spec = model.spec()
+        fully_shard(model)
+        from canzona.runtime import DistributedOptimizer
+        from canzona.runtime.modules import named_parameters
+
+        opt = DistributedOptimizer(list(named_parameters(model)), spec)
+    else:
+        opt = _optimizer(model)
+    seen: list = []
+
+    def record(what):
+        return lambda o, *rest: seen.append((what, o is opt, len(rest)))
+
+    def tag(o, state_dict):  # a post hook's return value is the state dict
+        seen.append(("state_dict post", o is opt, 1))
+        return {**state_dict, "tagged": True}
+
+    def untag(o, state_dict):  # a pre hook's return value is what loads
+        seen.append(("load pre", o is opt, 1))
+        return {k: v for k, v in state_dict.items() if k != "tagged"}
+
+    handles = [opt.register_step_pre_hook(record("step pre")), opt.register_step_post_hook(record("step post")),
+               torch_optim.register_optimizer_step_post_hook(record("global step post")),
+               opt.register_state_dict_pre_hook(record("state_dict pre")), opt.register_state_dict_post_hook(tag),
+               opt.register_load_state_dict_pre_hook(untag),
+               opt.register_load_state_dict_post_hook(record("load post"))]
+    try:
+        _train(model, opt, _batches(rank, world)[:1])
+        state = opt.state_dict()
+        out = _outcome(lambda: opt.load_state_dict(state))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {**out, "seen": seen, "tagged": state.get("tagged")}
+
+
 def _nested_equal(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and set(a) == set(b) and all(_nested_equal(a[k], b[k]) for k in a)
@@ -655,6 +701,7 @@ JOBS = {
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
     "numpy lr": ("numpy_lr_job", ()),
+    **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
@@ -993,6 +1040,18 @@ def test_numpy_learning_rates_step_as_the_numbers_they_hold(runs):
 def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
     for out in runs["max_grad_norm disagreement"]:
         assert out["error"] == "PlanError" and "gradient clipping" in out["message"], out
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_torch_optimizer_hooks_fire_once_per_call_as_on_a_torch_optimizer(runs, layout):
+    """Before: the step hooks fired, the state-dict and load hooks never did (state_dict() and
+    load_state_dict() are canzona's own), silently: a hook's edit of the state dict was lost."""
+    want = [("step pre", True, 2), ("step post", True, 2), ("global step post", True, 2),
+            ("state_dict pre", True, 0), ("state_dict post", True, 1), ("load pre", True, 1),
+            ("load post", True, 0)]
+    for out in runs[f"hooks {layout}"]:
+        assert out["error"] is None, out  # the tag the post hook added was removed before loading
+        assert out["seen"] == want and out["tagged"] is True, out
 
 
 # --- torch.compile --------------------------------------------------------------------------------
