@@ -653,6 +653,7 @@ def optimizer_hooks_job(rank: int, world: int, fsdp: bool) -> dict:
         return {k: v for k, v in state_dict.items() if k != "tagged"}
 
     handles = [opt.register_step_pre_hook(record("step pre")), opt.register_step_post_hook(record("step post")),
+               torch_optim.register_optimizer_step_pre_hook(record("global step pre")),
                torch_optim.register_optimizer_step_post_hook(record("global step post")),
                opt.register_state_dict_pre_hook(record("state_dict pre")), opt.register_state_dict_post_hook(tag),
                opt.register_load_state_dict_pre_hook(untag),
@@ -665,6 +666,142 @@ def optimizer_hooks_job(rank: int, world: int, fsdp: bool) -> dict:
         for handle in handles:
             handle.remove()
     return {**out, "seen": seen, "tagged": state.get("tagged")}
+
+
+FROZEN = (False, True, True, False)  # per step: whether the branch is frozen (requires_grad_(False))
+
+
+def _freezing_steps(model, opt, rank: int, world: int) -> list[bool]:
+    """The branch frozen mid-training and unfrozen again; per frozen step, whether it stayed as it was."""
+    kept = []
+    for step, frozen in enumerate(FROZEN):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        model.branch.requires_grad_(not frozen)
+        before = _params(model)["branch.weight"]  # read after the last step's gathers landed
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[share], True), y[share]).backward()
+        opt.step()
+        if frozen:
+            kept.append(torch.equal(_params(model)["branch.weight"], before))
+    return kept
+
+
+def frozen_job(rank: int, world: int, optimizer: str) -> dict:
+    """A layer frozen after the optimizer was built (`requires_grad_(False)`), then unfrozen: while
+    frozen it gets no gradient, and is neither stepped nor decayed, as torch's optimizers skip a
+    parameter whose grad is None."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), optimizer,
+                               adamw_config={"weight_decay": 0.1})
+    out = _outcome(lambda: _freezing_steps(model, opt, rank, world))
+    return {**out, "params": _params(model)}
+
+
+def frozen_torch_reference() -> dict:
+    model = _Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _freezing_steps(model, opt, 0, 1)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class _Lora(torch.nn.Module):
+    """LoRA by hand (peft is not installed here): frozen base weights, trainable low-rank adapters
+    (B zero at the start, as LoRA initialises it), frozen before the optimizer is built."""
+
+    def __init__(self, rank: int = 4) -> None:
+        super().__init__()
+        self.base, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)
+        self.lora_a, self.lora_b = torch.nn.Linear(16, rank, bias=False), torch.nn.Linear(rank, 16, bias=False)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            self.lora_b.weight.zero_()
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.base(x) + self.lora_b(self.lora_a(x))))
+
+
+def _lora_steps(model, opt, rank: int, world: int) -> None:
+    for step in range(3):
+        g = torch.Generator().manual_seed(200 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[share]), y[share]).backward()
+        opt.step()
+
+
+def lora_job(rank: int, world: int, optimizer: str) -> dict:
+    """A LoRA-style model: the optimizer and spec take the trainable adapters only (`named_parameters`
+    and `ModelSpec.from_module` skip frozen parameters); the base weights stay as they were."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Lora()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    spec = ModelSpec.from_module(model)
+    opt = DistributedOptimizer(list(named_parameters(model)), spec, optimizer, adamw_config={"weight_decay": 0.1})
+    out = _outcome(lambda: _lora_steps(model, opt, rank, world))
+    after = _params(model)  # the frozen weights too: every parameter, once the step's gathers landed
+    return {**out, "given": sorted(p.name for p in spec.params), "matrices": sorted(p.name for p in spec.matrix_params()),
+            "base kept": all(torch.equal(after[n], t) for n, t in base.items()), "params": after}
+
+
+def lora_torch_reference() -> dict:
+    model = _Lora()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    _lora_steps(model, opt, 0, 1)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def async_save_job(rank: int, world: int, path: str) -> dict:
+    """torchtitan's async checkpointing: `dcp.async_save` of torch's helper's state dict after step 1
+    and of `opt.state_dict()` after step 2, with a process group of its own (torchtitan's), each
+    followed by a step while the background thread writes; then each loaded into a fresh optimizer.
+    (One save at a time: two in flight on one group would interleave its collectives.)"""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    batches = _batches(rank, world)
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    saves = dist.new_group(backend="gloo")
+    _train(model, opt, batches[:1])
+    at_helper = opt.state_dict()
+    pending = dcp.async_save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{path}-async-helper",
+                             process_group=saves)
+    _train(model, opt, batches[1:2])
+    pending.result()
+    given, at_plain = opt.state_dict(), opt.state_dict()
+    pending = dcp.async_save({"optim": given}, checkpoint_id=f"{path}-async-plain", process_group=saves)
+    _train(model, opt, batches[2:])
+    pending.result()
+    out = {"given kept": _nested_equal(given, at_plain), "moved on": not _nested_equal(opt.state_dict(), at_plain)}
+    fresh = build_model(BASE)
+    opt2 = _optimizer(fresh)
+    state = {"optim": get_optimizer_state_dict(fresh, opt2)}
+    dcp.load(state, checkpoint_id=f"{path}-async-helper")
+    set_optimizer_state_dict(fresh, opt2, state["optim"])
+    out["helper at save"] = _nested_equal(opt2.state_dict(), at_helper)
+    opt3 = _optimizer(build_model(BASE))
+    state = {"optim": opt3.state_dict()}
+    dcp.load(state, checkpoint_id=f"{path}-async-plain")
+    opt3.load_state_dict(state["optim"])
+    out["plain at save"] = _nested_equal(opt3.state_dict(), at_plain)
+    return out
 
 
 def _nested_equal(a, b) -> bool:
@@ -701,6 +838,8 @@ JOBS = {
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
     "numpy lr": ("numpy_lr_job", ()),
+    **{f"frozen {o}": ("frozen_job", (o,)) for o in ("adamw", "muon")},
+    **{f"lora {o}": ("lora_job", (o,)) for o in ("adamw", "muon")},
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
@@ -717,6 +856,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out["unseen checkpoint"] = unseen_checkpoint_job(rank, world, path)
     out["torch.save"] = torch_save_job(rank, world, path)
     out["two saves sharded"] = two_saves_sharded_job(rank, world, path)
+    out["async save"] = async_save_job(rank, world, path)
     return out
 
 
@@ -724,7 +864,8 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
-    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save", "two saves sharded"]}
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save", "two saves sharded",
+                                                            "async save"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
 
@@ -1046,12 +1187,59 @@ def test_ranks_with_different_max_grad_norm_fail_at_construction(runs):
 def test_torch_optimizer_hooks_fire_once_per_call_as_on_a_torch_optimizer(runs, layout):
     """Before: the step hooks fired, the state-dict and load hooks never did (state_dict() and
     load_state_dict() are canzona's own), silently: a hook's edit of the state dict was lost."""
-    want = [("step pre", True, 2), ("step post", True, 2), ("global step post", True, 2),
+    want = [("global step pre", True, 2), ("step pre", True, 2), ("step post", True, 2), ("global step post", True, 2),
             ("state_dict pre", True, 0), ("state_dict post", True, 1), ("load pre", True, 1),
             ("load post", True, 0)]
     for out in runs[f"hooks {layout}"]:
         assert out["error"] is None, out  # the tag the post hook added was removed before loading
         assert out["seen"] == want and out["tagged"] is True, out
+
+
+# --- freezing, LoRA -------------------------------------------------------------------------------
+
+
+def _one_rank_run(job, *args) -> dict:
+    """`job` at DP 1 in this process (the `one_rank` fixture's group): the single-process result."""
+    return job(0, 1, *args)
+
+
+def test_a_layer_frozen_mid_training_is_neither_stepped_nor_decayed_and_trains_again_once_unfrozen(runs):
+    want = frozen_torch_reference()
+    for out in runs["frozen adamw"]:
+        assert out["error"] is None and out["value"] == [True, True], out.get("message")
+        assert compare(out["params"], want)["max_rel_diff"] < 1e-6
+    for out in runs["frozen muon"]:  # the matrix optimizer skips it alike (its momentum too: torch's Muon does)
+        assert out["error"] is None and out["value"] == [True, True], out.get("message")
+    assert compare(runs["frozen muon"][0]["params"], runs["frozen muon"][1]["params"])["bit_identical"]
+
+
+def test_a_frozen_layer_under_the_matrix_optimizer_trains_as_in_one_process(runs, one_rank):
+    want = _one_rank_run(frozen_job, "muon")
+    for out in runs["frozen muon"]:  # the AdamW biases' DP sum rounds otherwise (4.7e-10 measured)
+        assert compare(out["params"], want["params"])["max_rel_diff"] < 1e-6
+
+
+def test_a_lora_model_trains_its_adapters_only(runs, one_rank):
+    """Frozen base weights stay out of the spec and the optimizer; the adapters train as torch's
+    AdamW trains them, or as the matrix optimizer does in one process."""
+    want = lora_torch_reference()
+    for out in runs["lora adamw"]:
+        assert out["error"] is None and out["base kept"], out.get("message")
+        assert out["given"] == ["head.bias", "head.weight", "lora_a.weight", "lora_b.weight"]
+        assert compare(out["params"], want)["max_rel_diff"] < 1e-6
+    alone = _one_rank_run(lora_job, "muon")
+    for out in runs["lora muon"]:
+        assert out["error"] is None and out["base kept"] and "lora_a.weight" in out["matrices"], out.get("message")
+        assert compare(out["params"], alone["params"])["bit_identical"]
+        assert not torch.equal(out["params"]["lora_b.weight"], torch.zeros(16, 4))  # the adapters trained
+
+
+def test_async_save_with_a_group_of_its_own_holds_the_state_at_save_time(runs):
+    """`dcp.async_save` (torchtitan's async checkpoint), the step run while it writes: the file holds
+    the state when it was called, in both forms (the state dict canzona gives is full tensors of its
+    own, which no later step writes into)."""
+    for out in runs["async save"]:
+        assert out == {"given kept": True, "moved on": True, "helper at save": True, "plain at save": True}, out
 
 
 # --- torch.compile --------------------------------------------------------------------------------
