@@ -134,3 +134,62 @@ def test_every_collective_is_let_go_of_before_its_wait_returns():
     for seen in run_ranks(_release_worker, 2, deadline_s=120):
         for route, (records, unreleased) in seen.items():
             assert records > 0 and unreleased == 0, (route, records, unreleased)
+
+
+UNWAITED_SAVE = '''
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from canzona.runtime import DistributedOptimizer
+from reference.tiny_model import TinyQwen3
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    model = TinyQwen3("tiny")
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), timeout_s=60)
+    tokens = torch.randint(0, model.cfg.vocab, (4, 2, 16), generator=torch.Generator().manual_seed(rank))
+    saves = dist.new_group(backend="gloo")  # async_save's own group (torchtitan's)
+    for step in range(4):
+        opt.zero_grad()
+        model.loss(tokens[step]).backward()
+        opt.step()
+        if step == 1:
+            state = opt.state_dict()
+            torch.save(state, f"at_save{rank}.pt")
+            dcp.async_save({"optim": state}, checkpoint_id="ckpt", process_group=saves)  # never waited for
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _load_unwaited_save(rank: int, world: int, folder: str) -> bool:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime import DistributedOptimizer
+    from reference.tiny_model import TinyQwen3
+    from tests.runtime.test_runtime_habits import _nested_equal
+
+    model = TinyQwen3("tiny")
+    opt = DistributedOptimizer(model.named_parameters(), model.spec())
+    state = {"optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=f"{folder}/ckpt")
+    opt.load_state_dict(state["optim"])
+    return _nested_equal(opt.state_dict(), torch.load(f"{folder}/at_save0.pt", weights_only=True))
+
+
+def test_an_async_save_never_waited_for_is_complete_at_exit_with_the_state_at_the_call(tmp_path):
+    """`dcp.async_save` whose future the script drops, two more steps, return: Python joins the
+    save's thread at exit, and the folder holds the state when it was called (loaded at DP 1)."""
+    script = tmp_path / "unwaited_save.py"
+    script.write_text(UNWAITED_SAVE)
+    for code, _, err in launch(script):
+        assert code == 0, err[-2000:]
+    assert run_ranks(_load_unwaited_save, 1, str(tmp_path), deadline_s=120) == [True]
