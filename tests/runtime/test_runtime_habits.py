@@ -764,8 +764,8 @@ def lora_torch_reference() -> dict:
 
 
 def async_save_job(rank: int, world: int, path: str) -> dict:
-    """torchtitan's async checkpointing: `dcp.async_save` of torch's helper's state dict after step 1
-    and of `opt.state_dict()` after step 2, with a process group of its own (torchtitan's), each
+    """torchtitan's async checkpointing: `dcp.async_save` of torch's helper's state dict after step 1,
+    of `opt.state_dict()` after step 2 and of `opt.sharded_state_dict()` after step 3, with a process group of its own (torchtitan's), each
     followed by a step while the background thread writes; then each loaded into a fresh optimizer.
     (One save at a time: two in flight on one group would interleave its collectives.)"""
     import torch.distributed as dist
@@ -787,9 +787,14 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
     pending.result()
     given, at_plain = opt.state_dict(), opt.state_dict()
     pending = dcp.async_save({"optim": given}, checkpoint_id=f"{path}-async-plain", process_group=saves)
-    _train(model, opt, batches[2:])
+    _train(model, opt, batches[2:3])
     pending.result()
-    out = {"given kept": _nested_equal(given, at_plain), "moved on": not _nested_equal(opt.state_dict(), at_plain)}
+    # canzona's own sharded form holds views of the live state: DCP's staging copies it before returning
+    at_sharded = opt.state_dict()
+    pending = dcp.async_save(opt.sharded_state_dict(), checkpoint_id=f"{path}-async-sharded", process_group=saves)
+    _train(model, opt, batches[:1])  # a fourth step (BASE has three batches)
+    pending.result()
+    out = {"given kept": _nested_equal(given, at_plain), "moved on": not _nested_equal(opt.state_dict(), at_sharded)}
     fresh = build_model(BASE)
     opt2 = _optimizer(fresh)
     state = {"optim": get_optimizer_state_dict(fresh, opt2)}
@@ -801,6 +806,9 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
     dcp.load(state, checkpoint_id=f"{path}-async-plain")
     opt3.load_state_dict(state["optim"])
     out["plain at save"] = _nested_equal(opt3.state_dict(), at_plain)
+    opt4 = _optimizer(build_model(BASE))
+    opt4.load_sharded_state_dict(f"{path}-async-sharded")
+    out["sharded at save"] = _nested_equal(opt4.state_dict(), at_sharded)
     return out
 
 
@@ -1239,7 +1247,8 @@ def test_async_save_with_a_group_of_its_own_holds_the_state_at_save_time(runs):
     the state when it was called, in both forms (the state dict canzona gives is full tensors of its
     own, which no later step writes into)."""
     for out in runs["async save"]:
-        assert out == {"given kept": True, "moved on": True, "helper at save": True, "plain at save": True}, out
+        assert out == {"given kept": True, "moved on": True, "helper at save": True, "plain at save": True,
+                       "sharded at save": True}, out
 
 
 # --- torch.compile --------------------------------------------------------------------------------
