@@ -67,6 +67,10 @@ def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_st
     model = trainer_example.build_model(SETUP)
     trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own, optimizer_kwargs=optimizer_kwargs)
     grads = StepGradients(model)
+    # the first layer's MLP's forward calls: gradient checkpointing runs the layer's forward again in
+    # backward (transformers checkpoints `forward`, so the layer's own hooks run once; its modules' again)
+    forwards = [0]
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
 
     class Attach(TrainerCallback):  # the optimizer exists once training begins
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -76,7 +80,8 @@ def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_st
     trainer.train(resume_from_checkpoint=resume)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
     return {"params": final_parameters(model), "grads": grads.steps, "logs": trainer.state.log_history,
-            "accelerator": type(trainer.accelerator).__name__, "overlapped_steps": optimizer.overlapped_steps}
+            "accelerator": type(trainer.accelerator).__name__, "overlapped_steps": optimizer.overlapped_steps,
+            "forwards": forwards[0], "checkpointing": model.is_gradient_checkpointing}
 
 
 def plain_trainer(out: Path) -> dict[str, Any]:
@@ -293,6 +298,12 @@ def main() -> None:
         # the step computed under backward's last reductions (nothing clips it: every step commits)
         ("trainer overlapped", lambda: run_trainer(out, "overlapped", 2, max_grad_norm=0.0,
                                                    optimizer_kwargs={"overlap_step": True})),
+        # HF gradient checkpointing: the forward run again inside backward, non-reentrant and reentrant
+        *[(f"trainer gradient checkpointing{' reentrant' * reentrant}",
+           lambda reentrant=reentrant: run_trainer(out, f"gc{int(reentrant)}", 2, max_grad_norm=0.0,
+                                                   gradient_checkpointing=True,
+                                                   gradient_checkpointing_kwargs={"use_reentrant": reentrant}))
+          for reentrant in (False, True)],
         ("accelerate", lambda: run_loop(out)),
         ("accelerate resumed", lambda: resumed_loop(out)),
         # overlapped: clipping scales every step of the plain loop (the early updates dropped);

@@ -267,6 +267,20 @@ def test_the_trainer_runs_the_overlapped_step_bit_for_bit(ranks):
         assert compare(overlapped["params"], plain["params"])["bit_identical"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["", " reentrant"])
+def test_the_trainer_with_gradient_checkpointing_trains_bit_for_bit(ranks, how):
+    """`TrainingArguments(gradient_checkpointing=True)`: each layer's forward runs again inside
+    backward (the gradient hooks fire once per parameter all the same), the same numbers as
+    without it."""
+    results = scenario(ranks, f"trainer gradient checkpointing{how}")
+    for plain, checkpointed in zip(scenario(ranks, "trainer unclipped"), results):
+        assert checkpointed["checkpointing"] and not plain["checkpointing"]
+        assert checkpointed["forwards"] == 2 * plain["forwards"] > 0  # recomputed in backward
+        assert compare(checkpointed["params"], plain["params"])["bit_identical"]
+        assert logged_norms(checkpointed["logs"]) == logged_norms(plain["logs"])
+
+
 # --- accelerate --------------------------------------------------------------------------------
 
 
