@@ -765,7 +765,8 @@ def lora_torch_reference() -> dict:
 
 def async_save_job(rank: int, world: int, path: str) -> dict:
     """torchtitan's async checkpointing: `dcp.async_save` of torch's helper's state dict after step 1,
-    of `opt.state_dict()` after step 2 and of `opt.sharded_state_dict()` after step 3, with a process group of its own (torchtitan's), each
+    of `opt.state_dict()` after step 2 (and after step 4 written by a process of its own) and of
+    `opt.sharded_state_dict()` after step 3, with a process group of its own (torchtitan's), each
     followed by a step while the background thread writes; then each loaded into a fresh optimizer.
     (One save at a time: two in flight on one group would interleave its collectives.)"""
     import torch.distributed as dist
@@ -774,6 +775,7 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     batches = _batches(rank, world)
     model = build_model(BASE)
@@ -789,12 +791,19 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
     pending = dcp.async_save({"optim": given}, checkpoint_id=f"{path}-async-plain", process_group=saves)
     _train(model, opt, batches[2:3])
     pending.result()
+    out = {"given kept": _nested_equal(given, at_plain)}  # no step wrote into the dict handed over
     # canzona's own sharded form holds views of the live state: DCP's staging copies it before returning
     at_sharded = opt.state_dict()
     pending = dcp.async_save(opt.sharded_state_dict(), checkpoint_id=f"{path}-async-sharded", process_group=saves)
     _train(model, opt, batches[:1])  # a fourth step (BASE has three batches)
     pending.result()
-    out = {"given kept": _nested_equal(given, at_plain), "moved on": not _nested_equal(opt.state_dict(), at_sharded)}
+    # the write in a process of its own (AsyncCheckpointerType.PROCESS), a fifth step meanwhile
+    at_process = opt.state_dict()
+    pending = dcp.async_save({"optim": opt.state_dict()}, checkpoint_id=f"{path}-async-process", process_group=saves,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    _train(model, opt, batches[1:2])
+    pending.result()
+    out["moved on"] = not _nested_equal(opt.state_dict(), at_process)
     fresh = build_model(BASE)
     opt2 = _optimizer(fresh)
     state = {"optim": get_optimizer_state_dict(fresh, opt2)}
@@ -809,6 +818,11 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
     opt4 = _optimizer(build_model(BASE))
     opt4.load_sharded_state_dict(f"{path}-async-sharded")
     out["sharded at save"] = _nested_equal(opt4.state_dict(), at_sharded)
+    opt5 = _optimizer(build_model(BASE))
+    state = {"optim": opt5.state_dict()}
+    dcp.load(state, checkpoint_id=f"{path}-async-process")
+    opt5.load_state_dict(state["optim"])
+    out["process at save"] = _nested_equal(opt5.state_dict(), at_process)
     return out
 
 
@@ -1248,7 +1262,7 @@ def test_async_save_with_a_group_of_its_own_holds_the_state_at_save_time(runs):
     own, which no later step writes into)."""
     for out in runs["async save"]:
         assert out == {"given kept": True, "moved on": True, "helper at save": True, "plain at save": True,
-                       "sharded at save": True}, out
+                       "sharded at save": True, "process at save": True}, out
 
 
 # --- torch.compile --------------------------------------------------------------------------------
