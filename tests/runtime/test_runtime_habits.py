@@ -671,6 +671,25 @@ def optimizer_hooks_job(rank: int, world: int, fsdp: bool) -> dict:
 FROZEN = (False, True, True, False)  # per step: whether the branch is frozen (requires_grad_(False))
 
 
+def _full_params(model) -> dict[str, torch.Tensor]:
+    """`_params`, an FSDP2 model's DTensors gathered whole (collective: every rank reads them)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in _params(model).items()}
+
+
+def _shard(model, fsdp: bool):
+    """The model's spec, taken before `fully_shard` when `fsdp` (the unsharded model's: global shapes)."""
+    from canzona.spec import ModelSpec
+
+    spec = ModelSpec.from_module(model)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    return spec
+
+
 def _freezing_steps(model, opt, rank: int, world: int) -> list[bool]:
     """The branch frozen mid-training and unfrozen again; per frozen step, whether it stayed as it was."""
     kept = []
@@ -679,28 +698,27 @@ def _freezing_steps(model, opt, rank: int, world: int) -> list[bool]:
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
         share = slice(rank * 8 // world, (rank + 1) * 8 // world)
         model.branch.requires_grad_(not frozen)
-        before = _params(model)["branch.weight"]  # read after the last step's gathers landed
+        before = _full_params(model)["branch.weight"]  # read after the last step's gathers landed
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[share], True), y[share]).backward()
         opt.step()
         if frozen:
-            kept.append(torch.equal(_params(model)["branch.weight"], before))
+            kept.append(torch.equal(_full_params(model)["branch.weight"], before))
     return kept
 
 
-def frozen_job(rank: int, world: int, optimizer: str) -> dict:
+def frozen_job(rank: int, world: int, optimizer: str, fsdp: bool = False) -> dict:
     """A layer frozen after the optimizer was built (`requires_grad_(False)`), then unfrozen: while
     frozen it gets no gradient, and is neither stepped nor decayed, as torch's optimizers skip a
-    parameter whose grad is None."""
+    parameter whose grad is None. `fsdp`: the model `fully_shard`ed (the FSDP step)."""
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
 
     model = _Branchy()
-    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), optimizer,
-                               adamw_config={"weight_decay": 0.1})
+    spec = _shard(model, fsdp)
+    opt = DistributedOptimizer(list(named_parameters(model)), spec, optimizer, adamw_config={"weight_decay": 0.1})
     out = _outcome(lambda: _freezing_steps(model, opt, rank, world))
-    return {**out, "params": _params(model)}
+    return {**out, "layout": type(opt).__name__, "params": _full_params(model)}
 
 
 def frozen_torch_reference() -> dict:
@@ -739,21 +757,22 @@ def _lora_steps(model, opt, rank: int, world: int) -> None:
         opt.step()
 
 
-def lora_job(rank: int, world: int, optimizer: str) -> dict:
+def lora_job(rank: int, world: int, optimizer: str, fsdp: bool = False) -> dict:
     """A LoRA-style model: the optimizer and spec take the trainable adapters only (`named_parameters`
-    and `ModelSpec.from_module` skip frozen parameters); the base weights stay as they were."""
+    and `ModelSpec.from_module` skip frozen parameters); the base weights stay as they were.
+    `fsdp`: the model `fully_shard`ed, frozen weights and adapters in one unit (the FSDP step)."""
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
 
     model = _Lora()
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    spec = ModelSpec.from_module(model)
+    spec = _shard(model, fsdp)
     opt = DistributedOptimizer(list(named_parameters(model)), spec, optimizer, adamw_config={"weight_decay": 0.1})
     out = _outcome(lambda: _lora_steps(model, opt, rank, world))
-    after = _params(model)  # the frozen weights too: every parameter, once the step's gathers landed
+    after = _full_params(model)  # the frozen weights too: every parameter, once the step's gathers landed
     return {**out, "given": sorted(p.name for p in spec.params), "matrices": sorted(p.name for p in spec.matrix_params()),
-            "base kept": all(torch.equal(after[n], t) for n, t in base.items()), "params": after}
+            "base kept": all(torch.equal(after[n], t) for n, t in base.items()), "params": after,
+            "layout": type(opt).__name__}
 
 
 def lora_torch_reference() -> dict:
@@ -862,6 +881,9 @@ JOBS = {
     "numpy lr": ("numpy_lr_job", ()),
     **{f"frozen {o}": ("frozen_job", (o,)) for o in ("adamw", "muon")},
     **{f"lora {o}": ("lora_job", (o,)) for o in ("adamw", "muon")},
+    # under FSDP2 (the matrix optimizer only: canzona refuses AdamW alone there)
+    "frozen muon fsdp": ("frozen_job", ("muon", True)),
+    "lora muon fsdp": ("lora_job", ("muon", True)),
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
@@ -1235,25 +1257,29 @@ def test_a_layer_frozen_mid_training_is_neither_stepped_nor_decayed_and_trains_a
     assert compare(runs["frozen muon"][0]["params"], runs["frozen muon"][1]["params"])["bit_identical"]
 
 
-def test_a_frozen_layer_under_the_matrix_optimizer_trains_as_in_one_process(runs, one_rank):
+@pytest.mark.parametrize("layout", ["", " fsdp"])
+def test_a_frozen_layer_under_the_matrix_optimizer_trains_as_in_one_process(runs, one_rank, layout):
     want = _one_rank_run(frozen_job, "muon")
-    for out in runs["frozen muon"]:  # the AdamW biases' DP sum rounds otherwise (4.7e-10 measured)
+    for out in runs[f"frozen muon{layout}"]:  # the AdamW biases' DP sum rounds otherwise (7e-10 measured)
+        assert out["error"] is None and out["value"] == [True, True], out.get("message")
+        assert out["layout"] == ("FsdpOptimizer" if layout else "DistributedOptimizer")
         assert compare(out["params"], want["params"])["max_rel_diff"] < 1e-6
 
 
 def test_a_lora_model_trains_its_adapters_only(runs, one_rank):
     """Frozen base weights stay out of the spec and the optimizer; the adapters train as torch's
-    AdamW trains them, or as the matrix optimizer does in one process."""
+    AdamW trains them, or as the matrix optimizer does in one process (ZeRO-1 and FSDP2 alike)."""
     want = lora_torch_reference()
     for out in runs["lora adamw"]:
         assert out["error"] is None and out["base kept"], out.get("message")
         assert out["given"] == ["head.bias", "head.weight", "lora_a.weight", "lora_b.weight"]
         assert compare(out["params"], want)["max_rel_diff"] < 1e-6
     alone = _one_rank_run(lora_job, "muon")
-    for out in runs["lora muon"]:
+    for out in runs["lora muon"] + runs["lora muon fsdp"]:
         assert out["error"] is None and out["base kept"] and "lora_a.weight" in out["matrices"], out.get("message")
         assert compare(out["params"], alone["params"])["bit_identical"]
         assert not torch.equal(out["params"]["lora_b.weight"], torch.zeros(16, 4))  # the adapters trained
+    assert [out["layout"] for out in runs["lora muon fsdp"]] == ["FsdpOptimizer"] * DP  # frozen weights in the unit
 
 
 def test_async_save_with_a_group_of_its_own_holds_the_state_at_save_time(runs):
