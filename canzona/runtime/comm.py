@@ -436,9 +436,16 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _check_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where the small check and agreement tensors travel: the CPU, unless the group's backend is
-    NCCL alone (`init_process_group("nccl")`, the usual GPU setup), which carries CUDA tensors only."""
+    """Where the small check and agreement tensors travel: the current CUDA device where the group
+    has NCCL (`init_process_group("nccl")`, or a mixed `"cpu:gloo,cuda:nccl"` group, torch's recipe for
+    `dcp.async_save` and torchtitan's with async checkpointing), else the CPU (gloo).
+
+    On a mixed group every collective of canzona's then runs on NCCL, its gradients' backend: its
+    checks never meet on gloo the collectives a background `dcp.async_save` runs there, which interleave
+    with them in no agreed order (a timeout, an abort, or two same-sized exchanges swapped), and its
+    data collectives are waited for on the stream, as under NCCL alone, not polled from the host."""
     backend = str(dist.get_backend(group)).lower()
-    if backend == "nccl" and torch.cuda.is_available():
+    nccl = backend == "nccl" or any(part.strip() == "cuda:nccl" for part in backend.split(","))
+    if nccl and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

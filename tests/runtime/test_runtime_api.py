@@ -82,10 +82,12 @@ def test_device_mesh_lr_scheduler_and_plan_file(tmp_path):
         assert torch.equal(p, results[1]["params"][name]), name
 
 
-def test_checks_travel_on_cuda_under_a_nccl_only_group(monkeypatch):
+def test_checks_travel_on_cuda_where_the_group_has_nccl(monkeypatch):
     """`init_process_group("nccl")` carries CUDA tensors only: the runtime's small check and
-    agreement tensors then go through the current CUDA device; under gloo (or "cpu:gloo,cuda:nccl")
-    they stay on the CPU."""
+    agreement tensors then go through the current CUDA device. So they do on a mixed
+    "cpu:gloo,cuda:nccl" group (torch's recipe for `dcp.async_save`), where on the CPU they would
+    meet a background save's gloo collectives in no agreed order, and the data collectives would be
+    polled from the host; under gloo alone they stay on the CPU."""
     import torch
 
     from canzona.runtime import comm
@@ -94,7 +96,11 @@ def test_checks_travel_on_cuda_under_a_nccl_only_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert comm._check_device(None) == torch.device("cuda", 3)
-    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
-    assert comm._check_device(None) == torch.device("cpu")
+    for mixed in ("cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo", "cpu:gloo, cuda:nccl"):
+        monkeypatch.setattr(comm.dist, "get_backend", lambda group=None, mixed=mixed: mixed)
+        assert comm._check_device(None) == torch.device("cuda", 3), mixed
     monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    assert comm._check_device(None) == torch.device("cpu")
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert comm._check_device(None) == torch.device("cpu")
