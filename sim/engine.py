@@ -215,21 +215,26 @@ class Engine:
 
     def collective(self, name: str, ranks: Sequence[int], cost: CollectiveCost, stream: str,
                    after: dict[int, Iterable[simpy.Event]] | None = None, record: Any = None,
-                   sms: int | None = None) -> dict[int, simpy.Event]:
+                   sms: int | None = None, members: int | None = None) -> dict[int, simpy.Event]:
         """One collective over `ranks`, enqueued on each rank's `stream`; per-rank done events.
         `record`: what a runtime log would hold for it (one tuple, or one per member); `sms`: the
-        SMs its kernel holds (default: NCCL's, `comm_sms`; 0 for copy-engine transfers)."""
+        SMs its kernel holds (default: NCCL's, `comm_sms`; 0 for copy-engine transfers);
+        `members`: the size of the group it is priced for, where `ranks` are only its simulated
+        members (`sim.classes`; default: `ranks`)."""
         if record is not None:
             self.records.append((tuple(ranks), record))
-        coll = self.rendezvous(name, ranks, cost, sms)
+        coll = self.rendezvous(name, ranks, cost, sms, members)
         after = after or {}
         return {r: self.join(coll, r, stream, after.get(r, ())) for r in ranks}
 
-    def rendezvous(self, name: str, ranks: Sequence[int], cost: CollectiveCost, sms: int | None = None) -> Collective:
+    def rendezvous(self, name: str, ranks: Sequence[int], cost: CollectiveCost, sms: int | None = None,
+                   members: int | None = None) -> Collective:
         """A collective over `ranks` whose members each enqueue their part with `join`, each where
         its own program reaches it (a point-to-point transfer: the sender's kernel and the
-        receiver's, on a stream the two directions of a pair may share, sim.pipeline_p2p)."""
-        held = 0 if not self.sms else (self.comm_sms(cost, len(ranks)) if sms is None else sms)
+        receiver's, on a stream the two directions of a pair may share, sim.pipeline_p2p).
+        `members`: as `collective`'s (a kernel's channels follow its whole group's peers)."""
+        size = len(ranks) if members is None else members
+        held = 0 if not self.sms else (self.comm_sms(cost, size) if sms is None else sms)
         return Collective(self, name, ranks, cost, held)
 
     def join(self, coll: Collective, rank: int, stream: str, after: Iterable[simpy.Event] = ()) -> simpy.Event:

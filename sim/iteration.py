@@ -328,13 +328,12 @@ def issue_records(ctx: Context, records: Sequence[StepCollective], begin: dict[i
         groups = cl.dp_groups(ctx.stage) if data else cl.tp_groups(ctx.stage)
         cost = record_cost(ctx, rec)
         stream = DP_COMM if data else ctx.tp_stream
-        for g in groups:
-            if len(done) < cl.stage_gpus:
-                g = [r for r in g if r in done]
-                if not g:
-                    continue
+        for group in groups:
+            g = group if len(done) == cl.stage_gpus else [r for r in group if r in done]
+            if not g:
+                continue
             done.update(eng.collective(rec.name, g, cost, stream, {r: [done[r]] for r in g},
-                                       record=rec.logged() if ctx.runtime_mode else None))
+                                       record=rec.logged() if ctx.runtime_mode else None, members=len(group)))
     return done
 
 

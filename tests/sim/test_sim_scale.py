@@ -43,6 +43,10 @@ REFERENCE = {  # beside the recorded ones: other optimizers, modes and layouts a
     "tp1-serial-unbatched": SimConfig(model="qwen3-0.6b", gpus=32, tp=1, tp_mode="serial",
                                       workload=Workload(seq_len=256, global_batch=32),
                                       options=RunOptions(batch_kernels=False, reduce_scatter="exact")),
+    # zero1-gather's split gathers are point-to-point over the network: their kernel's SMs follow
+    # the whole DP group's size, not the simulated members' (which once slowed the norm beside them)
+    "zero1-gather-split-p2p": SimConfig(model="qwen3-0.6b", gpus=32, tp=4, policy="zero1-gather",
+                                        workload=Workload(seq_len=256, global_batch=32)),
 }
 
 
