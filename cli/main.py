@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from dataclasses import dataclass, fields, replace
@@ -1283,9 +1284,15 @@ def _validate_published(published: bool, rows: str | None, as_json: bool, search
         console.print(published_search_table(ranks))
 
 
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so temporary files are removed, spawned ranks and a pool's
+    workers stopped (`sim.workers`), with one line (os.write: the signal may arrive mid-print)."""
+    os.write(2, f"error: stopped by {signal.Signals(signum).name}\n".encode())
+    sys.exit(128 + signum)
+
+
 def main() -> None:
-    # SIGTERM unwinds like Ctrl-C, so temporary files are removed and spawned ranks stopped
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, _stop)
     app()
 
 

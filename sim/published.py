@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from sim.fsdp_copies import FSDP2, FSDP_IMPLS
 from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.userbuffers import DEFAULT_UB_CONFIG, check_ub_config, check_ub_config_applies
+from sim.workers import stopping_pool
 from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
 DATA_DIR = Path(canzona.__file__).resolve().parent / "data"
@@ -736,7 +737,7 @@ def compare(runs: Sequence[PublishedRun], sources: Mapping[str, Mapping[str, str
                 progress(i, len(runs), run.id)
             out.append(compare_run(run))
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with stopping_pool(workers) as pool:  # SIGTERM or Ctrl-C stops it at once, not after every row
             futures = {pool.submit(compare_run, run): i for i, run in enumerate(runs)}
             done: dict[int, RowResult] = {}
             for fut in as_completed(futures):

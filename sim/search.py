@@ -32,7 +32,7 @@ import math
 import os
 import shlex
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -107,6 +107,7 @@ from sim.simulate import (
 )
 from sim.topology import MAX_GPUS, Cluster
 from sim.userbuffers import DEFAULT_UB_CONFIG
+from sim.workers import stopping_pool
 from sim.workload import MAX_MICRO_BATCHES, Workload, grad_bytes_for, loss_bytes_for
 
 # canzona's ZeRO-1 fallback simulates zero1-gather and keeps the faster: trying it again is redundant
@@ -1486,7 +1487,7 @@ def search(q: Question, top: int = 5, refine_top: int = 2, workers: int | None =
             # the next least-compute setting not yet tried: only for a layout that did not fit
             push(layout, gap)
 
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with stopping_pool(workers) as pool:  # SIGTERM or Ctrl-C: the running layouts stopped, not waited for
         running: dict[Any, _Pending] = {}
 
         def drain() -> None:

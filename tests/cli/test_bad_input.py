@@ -537,6 +537,42 @@ def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+
+def test_sigterm_stops_validate_and_its_workers_at_once():
+    """`validate --published` submits every row to its workers at once: a SIGTERM stops it in
+    seconds (the pool's rows cancelled, its workers killed) with one line and no output, rather
+    than after every row is simulated (`sim.workers.stopping_pool`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "validate", "--published", "--workers", "2", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    try:
+        deadline = time.monotonic() + 60
+        while not children.read_text().split() and time.monotonic() < deadline:  # the workers have started
+            time.sleep(0.05)
+        workers = [int(pid) for pid in children.read_text().split()]
+        assert workers, "validate started no worker within 60 s"
+        time.sleep(1.0)  # the workers are inside their first rows
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=15)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:  # the test failed: stop what it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert out == ""
+    assert err.strip().splitlines() == ["error: stopped by SIGTERM"]
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
 # --- models from files: each mistake is one line, before any planning or simulation ---------------
 
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
