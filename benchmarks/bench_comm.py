@@ -5,8 +5,9 @@ segment split like canzona's (cut points at parameter boundaries) must be built 
 2 spawned gloo ranks, for a few flat buffer sizes split unevenly (30 / 70 by default), in one run:
 
 reduce-scatter (every rank ends with the mean of its own segment)
-  a2a     `Comm.reduce_scatter_v`: one `all_to_all_single` with uneven splits, then a local sum in
-          rank order (what the runtime does by default; deterministic, so rung 3 can be bit for bit)
+  a2a     `Comm.reduce_scatter_v` with `reduce_scatter="exact"`: one `all_to_all_single` with uneven
+          splits, then a local sum in rank order (deterministic, so rung 3 can be bit for bit; the
+          runtime's default, `native`, pads a near-even split and loops over owners otherwise)
   loops   `Comm.reduce_scatter_v` with `reduce_scatter="loops"`: one reduce per owner (the runtime's
           multi-NIC option; on gloo this shows its overhead, not its NIC gain)
   padded  every segment padded to the longest, one `reduce_scatter_tensor` (SUM), divide, unpack
@@ -41,6 +42,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from canzona.harness.launch import run_ranks  # noqa: E402
+from canzona.reductions import EXACT, LOOPS  # noqa: E402
 from canzona.runtime.comm import Comm  # noqa: E402
 
 WARMUP = 2
@@ -73,7 +75,8 @@ def _timed(fn, repeats: int) -> tuple[list[float], torch.Tensor]:
 
 
 def worker(rank: int, world: int, sizes: list[int], split: float, repeats: int) -> list[dict]:
-    comm, loops = Comm(None, 120.0), Comm(None, 120.0, reduce_scatter="loops")
+    # each column on the route it names: the default (`native`) routes an uneven split to the loop
+    comm, loops = Comm(None, 120.0, reduce_scatter=EXACT), Comm(None, 120.0, reduce_scatter=LOOPS)
     return [row for n in sizes for row in _measure(comm, loops, rank, world, n, split, repeats)]
 
 
