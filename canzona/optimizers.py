@@ -262,6 +262,11 @@ class MatrixOptimizer:
     def batchable(self) -> bool:
         return self.batched is not None
 
+    @property
+    def title(self) -> str:
+        """The optimizer's name as its summary spells it (the words before the parenthesis)."""
+        return self.summary.partition(" (")[0]
+
 
 @functools.cache
 def _resolve(where: str) -> Any:

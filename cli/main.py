@@ -121,7 +121,8 @@ OPTIMIZER_HELP = "Optimizer of the matrices: " + "; ".join(f"{e.name} ({e.summar
 
 app = typer.Typer(
     cls=OneLineErrors,
-    help="Canzona: plan, simulate and verify distributed matrix optimizers (Muon, SOAP, Shampoo).",
+    help="Canzona: plan, simulate and verify distributed matrix optimizers ("
+         + ", ".join(e.title for e in MATRIX_REGISTRY.values() if not e.elementwise) + ").",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -912,7 +913,7 @@ def search(
     workers: Annotated[int | None, typer.Option(help="Simulations in parallel (default: one per core).")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Search the layouts of a model on a number of GPUs (TP, PP, VP, EP, DP, micro-batch, recompute, then step
+    """Search the layouts of a model on a number of GPUs (TP, PP, VP, CP, EP, DP, micro-batch, recompute, then step
     policy and reduce-scatter on the best; with --fsdp FSDP2 / HSDP layouts: TP, EP, HSDP replicas,
     reshard_after_forward, micro-batch, recompute (selective-layer at K 2, 3, 4 and at
     --selective-ac-option's), then the FSDP step policies): prune by the simulator's checks

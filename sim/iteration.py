@@ -1,9 +1,10 @@
 """One training iteration as SimPy programs: forward / backward with gradient sync (phase A), then
 the optimizer step of a step policy (docs/design.md §7) (phase B).
 
-Phase A is identical on every rank: micro-batches, layers, TP collectives and the DP gradient
-collectives (which finish at the same moment for all members) do not depend on the rank. It is
-simulated once, on rank 0, with each collective priced for its real group. Phase B differs between
+Phase A is identical on every rank of a pipeline stage: micro-batches, layers, TP collectives and
+the DP gradient collectives (which finish at the same moment for all members) do not depend on the
+rank. It is simulated once per stage, on the stage's first rank (rank 0 without pipeline
+parallelism), with each collective priced for its real group. Phase B differs between
 ranks (who owns which matrix, which TP rank hosts it): it is simulated once per class of ranks whose
 steps are the same (`sim.classes`), every rank when asked.
 """
