@@ -57,13 +57,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import (  # examples/train.py: the same arguments, errors, data and checkpoint checks
     DEFAULT_MODEL,
     HYPER_FLAGS,
-    MATRIX_LR,
     SAME_DATA,
     BadInput,
     Parser,
     find_checkpoint,
     launched_world,
     lr_factor,
+    matrix_lr,
     non_negative_float,
     non_negative_int,
     number,
@@ -88,7 +88,7 @@ from canzona.spec import ModelSpec
 from canzona.step_policies import FSDP_POLICIES
 
 RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
-WHOLE_MATRIX = tuple(o for o in MATRIX_OPTIMIZERS if o in MATRIX_LR)  # whole-matrix owners under FSDP2
+WHOLE_MATRIX = MATRIX_OPTIMIZERS  # whole-matrix owners under FSDP2 (FsdpOptimizer takes each)
 OWNER_POLICIES = tuple(n for n, p in FSDP_POLICIES.items() if not p.gathers_all)  # what the runtime runs
 
 
@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "reduction (--no-mixed-precision: fp32 throughout)")
     ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
     ap.add_argument("--lr", type=number(float), default=None,
-                    help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3)")
+                    help="matrix optimizer's peak learning rate (default: examples/train.py's `matrix_lr`: muon "
+                         "0.02, shampoo 3e-3, any other its config's default lr)")
     ap.add_argument("--adamw-lr", type=number(float), default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="on 2-D weights only")
     ap.add_argument("--warmup", type=non_negative_float, default=0.1,
@@ -169,7 +170,7 @@ def prepare(args: argparse.Namespace) -> Job:
 
 def hyper_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The HYPER_FLAGS of this run, as it uses them (--lr resolved to the optimizer's default)."""
-    lr = args.lr if args.lr is not None else MATRIX_LR[args.optimizer]
+    lr = args.lr if args.lr is not None else matrix_lr(args.optimizer)
     return {**{k: getattr(args, k) for k in HYPER_FLAGS}, "lr": lr}
 
 

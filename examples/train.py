@@ -80,7 +80,7 @@ import torch.distributed.checkpoint as dcp
 from canzona.cost import state_difference
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.models import read_model, resolve_spec
-from canzona.optimizers import MATRIX_REGISTRY, config_changes, matrix_config_json
+from canzona.optimizers import MATRIX_REGISTRY, config_changes, default_config, matrix_config_json
 from canzona.plan import Plan, check_plan_config, check_plan_matches, load_plan
 from canzona.reductions import DEFAULT_REDUCE_SCATTER, REDUCE_SCATTER_IMPLS
 from canzona.reductions import HELP as REDUCE_SCATTER_HELP
@@ -105,9 +105,11 @@ warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_te
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = HERE / "tiny_qwen3" / "config.json"
-# --lr when not given; an elementwise optimizer's plan (`canzona plan --optimizer adamw`, what
-# `canzona search --optimizer adamw` prints) steps its matrices at --adamw-lr
-MATRIX_LR = {"muon": 0.02, "soap": 3e-3, "shampoo": 3e-3}
+# --lr when not given, where this example departs from the optimizer's own default (its config's
+# `lr`, which every other matrix optimizer, a new one included, runs at: `matrix_lr`); an elementwise
+# optimizer's plan (`canzona plan --optimizer adamw`, what `canzona search --optimizer adamw`
+# prints) steps its matrices at --adamw-lr
+TUNED_LR = {"muon": 0.02, "shampoo": 3e-3}
 RUN_KEY = "train"  # the checkpoint's entry holding the run's settings (JSON)
 SAME_DATA = ("seed", "batch", "seq_len")  # a resumed run must see the same data stream
 # recorded with each checkpoint; on resume the command line's values win, and differences are logged
@@ -171,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cpu (gloo) or cuda (NCCL, one GPU per rank by LOCAL_RANK)")
     ap.add_argument("--steps", type=number(int), default=20, help="total steps (the LR schedule's length)")
     ap.add_argument("--lr", type=number(float), default=None,
-                    help="matrix optimizer's peak learning rate (default: muon 0.02, soap / shampoo 3e-3, adamw --adamw-lr)")
+                    help="matrix optimizer's peak learning rate (default: muon 0.02, shampoo 3e-3, any other its config's "
+                         "default lr, adamw --adamw-lr)")
     ap.add_argument("--matrix-config", default=None, help=f"{MATRIX_CONFIG_HELP} As the plan was made with: "
                     "`canzona plan --matrix-config`. --lr and --weight-decay set those two.")
     ap.add_argument("--adamw-lr", type=number(float), default=3e-3, help="AdamW's peak learning rate")
@@ -448,9 +451,15 @@ def plan_policy(plan: Plan) -> str:
     return default_policy(plan.optimizer)
 
 
+def matrix_lr(optimizer: str) -> float:
+    """A matrix optimizer's peak learning rate without --lr: `TUNED_LR`'s, else its config default."""
+    return TUNED_LR.get(optimizer, default_config(optimizer).lr)
+
+
 def hyper_flags(job: Job, args: argparse.Namespace) -> dict[str, Any]:
     """The HYPER_FLAGS of this run, as it uses them (--lr resolved to the optimizer's default)."""
-    lr = args.lr if args.lr is not None else MATRIX_LR.get(job.plan.optimizer, args.adamw_lr)  # AdamW: its own
+    elementwise = MATRIX_REGISTRY[job.plan.optimizer].elementwise  # AdamW: --adamw-lr, its own
+    lr = args.lr if args.lr is not None else args.adamw_lr if elementwise else matrix_lr(job.plan.optimizer)
     return {**{k: getattr(args, k) for k in HYPER_FLAGS}, "lr": lr}
 
 

@@ -31,6 +31,7 @@ import torch
 
 from canzona.errors import CanzonaError
 from canzona.models import resolve_spec
+from canzona.optimizers import MATRIX_REGISTRY, default_config
 from canzona.runtime.checkpoint_files import (
     MANIFEST,
     SafeFileSystemReader,
@@ -384,6 +385,18 @@ def train_script():
     finally:
         del sys.modules[spec.name]
     return module
+
+
+@pytest.mark.parametrize("optimizer", [n for n, e in MATRIX_REGISTRY.items() if not e.elementwise])
+def test_every_matrix_optimizer_has_a_default_lr_of_its_own(optimizer, train_script):
+    """Without --lr a plan's matrix optimizer steps at its own rate: the example's tuned one, else
+    its config default (`default_config`), never AdamW's --adamw-lr (a fourth optimizer missing
+    from a hand list once did)."""
+    from types import SimpleNamespace
+
+    args = train_script.parse_args(["--plan", "p.json", "--adamw-lr", "0.5"])
+    lr = train_script.hyper_flags(SimpleNamespace(plan=SimpleNamespace(optimizer=optimizer)), args)["lr"]
+    assert lr == train_script.TUNED_LR.get(optimizer, default_config(optimizer).lr) != 0.5
 
 
 @pytest.mark.parametrize("case", ["--out a symbolic link", "--out a folder", "--save a file"])
