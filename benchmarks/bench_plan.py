@@ -121,7 +121,7 @@ def main() -> int:
         quality_ok &= ok
         console.print(table)
     console.print(f"planning time bars: {verdict(time_ok)}; "
-                  f"alpha-balanced-reorder within 1% of LB (muon, soap, shampoo): {verdict(quality_ok)}")
+                  f"alpha-balanced-reorder within 1% of LB ({', '.join(OPTIMIZERS)}): {verdict(quality_ok)}")
     return 0 if time_ok and quality_ok else 1
 
 
