@@ -206,7 +206,8 @@ def main() -> int:
                       f"{lp * 1e3:.2f}" if lp else "-", f"{padded * 1e3:.2f}", f"{even * 1e3:.2f}",
                       f"{lp / a2a:.2f}x" if lp else "-", f"{padded / a2a:.2f}x", f"{a2a / even:.2f}x",
                       "yes" if same[(n, op, "padded")] else "[bold red]NO[/]")
-    t.caption = ("a2a: canzona.runtime.comm (reduce-scatter: all_to_all_single + ordered local sum; all-gather: "
+    t.caption = ("a2a: canzona.runtime.comm (reduce-scatter: reduce_scatter=\"exact\", all_to_all_single + ordered "
+                 "local sum; all-gather: "
                  "an in-place broadcast per owner); loops: reduce_scatter=\"loops\", one reduce per owner "
                  "(its gain is NIC spread across nodes, which one machine cannot show); padded: segments "
                  "padded to the longest, reduce_scatter_tensor / all_gather_into_tensor; even: the same "
