@@ -1,5 +1,5 @@
-"""torch.amp.GradScaler's unscale of FSDP2's gradients, handed to the optimizer that steps them
-(docs/design.md §2.8).
+"""torch.amp.GradScaler's unscale of DTensor gradients (FSDP2's; a DTensor TP model's guards),
+handed to the optimizer that steps them (docs/design.md §2.8, §8.3).
 
 GradScaler unscales with one foreach op over the `.grad` of every parameter of the optimizer,
 `aten._amp_foreach_non_finite_check_and_unscale_` (its `unscale_`, and the inf check `step` makes
@@ -12,6 +12,12 @@ owns the step's global norm and its check, so the op on its gradients is its own
 handler in DTensor's table (the mechanism torch's `loss_parallel` uses) that gives the op to the
 optimizer whose gradients it names (`FsdpOptimizer._amp_unscale`: the step check, then the unscale,
 `found_inf` from the global norm), and leaves every other DTensor's op to torch's handler.
+
+A TP model of DTensors on the ZeRO-1 path (`parallelize_module`) gives the op one list of guards
+(`grad_guard`: its replicated norms' `.grad`) and DTensors wrapping guards, which DTensor's dispatch
+takes and refuses ('got mixed torch.Tensor and DTensor'): `DistributedOptimizer` over DTensor
+parameters installs itself too, so the op reaches its `_amp_unscale` whichever tensor dispatches it
+(§8.3).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ _ARGUMENTS = ("self", "found_inf", "inv_scale")  # its schema's, in order
 
 
 class AmpOwner(Protocol):
-    """What the handler asks of an optimizer (`FsdpOptimizer` implements it)."""
+    """What the handler asks of an optimizer (`FsdpOptimizer` and `DistributedOptimizer` implement it)."""
 
     def amp_gradients(self) -> set[int]:
         """The ids of the `.grad` tensors of its parameters, as they are now."""

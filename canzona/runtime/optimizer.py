@@ -57,7 +57,7 @@ from canzona.plan import (
     plan_for,
 )
 from canzona.reductions import check_reduce_scatter
-from canzona.runtime import checkpoint
+from canzona.runtime import checkpoint, dtensor_amp
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
 from canzona.runtime.comm import Comm, PendingWork
@@ -94,7 +94,7 @@ from canzona.runtime.param_gather import (
     param_holders,
     replaced_parameter,
 )
-from canzona.runtime.shards import check_local_param, local_tensor
+from canzona.runtime.shards import check_local_param, is_dtensor, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
@@ -419,6 +419,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grads.read_check = self._in_flight.check_read
         for grads in self._syncs():
             grads.unscale = self._amp_unscale
+        if any(is_dtensor(p) for p in self.params.values()):
+            # GradScaler's one op over every `.grad` then mixes guards and DTensors wrapping guards,
+            # which DTensor's dispatch takes and refuses ('got mixed torch.Tensor and DTensor'):
+            # the op on these gradients comes to `_amp_unscale` through dtensor_amp's handler
+            dtensor_amp.install(self)
         if overlap_step:
             self.grads.early_work = functools.partial(self._speculate, self.matrix_step)
             if self.experts is not None:  # the experts' updates as their EDP buckets land
@@ -717,6 +722,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._amp_check = self.grads.checked
         if not math.isfinite(self.grads.checked.norm):
             found_inf.fill_(1.0)
+
+    def amp_gradients(self) -> set[int]:
+        """The ids of the parameters' `.grad` tensors (guards, or DTensors wrapping guards), for
+        `canzona.runtime.dtensor_amp`."""
+        return {id(p.grad) for p in self.params.values() if p.grad is not None}
 
     def _inf_norm(self) -> float:
         """The largest gradient magnitude in the cluster (two more small all-gathers: the step check

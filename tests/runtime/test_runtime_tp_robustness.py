@@ -8,6 +8,7 @@ all-reduce over the world still pairs up, so no rank was left inside a collectiv
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -322,6 +323,67 @@ def grad_scaler(rank: int) -> dict:
     return out
 
 
+def grad_scaler_dtensor(rank: int) -> dict:
+    """torch.amp.GradScaler on a TP model of DTensors (`parallelize_tiny`, torch's parallel styles),
+    scale 2**10, two steps: through `scaler.step` alone and through `unscale_` first, the unscaled
+    run's weights bit for bit (`exact`); an Inf in rank 1's loss at the second step skipped on every
+    rank, the scale 2**10 -> 2**9 alike (`scales`, `skipped`, `kept`); `unscale_` after a clip one
+    error (`clip`). Before: DTensor's own error at the unscale ('got mixed torch.Tensor and
+    DTensor': GradScaler's one op over guards and DTensors wrapping guards)."""
+    from canzona.runtime.grad_guard import AMP_AFTER_CLIP
+    from canzona.runtime.shards import local_tensor
+    from reference.data import fixed_batch
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = _mesh()
+    i = mesh.get_local_rank("dp")
+    batches = [fixed_batch(256, 4, 16, seed=s)[2 * i:2 * i + 2] for s in (1, 2)]
+
+    def run(how: str) -> tuple[list[torch.Tensor], list[float], int, list[bool]]:
+        model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+        opt = _optimizer(model, model.spec(), mesh)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scales, kept = [], []
+        for step, tokens in enumerate(batches):
+            before = [local_tensor(p).clone() for p in model.parameters()]
+            opt.zero_grad()
+            loss = model.loss(tokens)
+            if how == "plain":
+                loss.backward()
+                opt.step()
+                continue
+            scaler.scale(loss * math.inf if how == "inf" and step == 1 and rank == 1 else loss).backward()
+            if how != "step":
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.wait_params()
+            scales.append(scaler.get_scale())
+            kept.append(all(torch.equal(a, local_tensor(b)) for a, b in zip(before, model.parameters())))
+        opt.wait_params()
+        return [local_tensor(p).clone() for p in model.parameters()], scales, opt.skipped_steps, kept
+
+    def clipped_first() -> None:
+        model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+        opt = _optimizer(model, model.spec(), mesh)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler.scale(model.loss(batches[0])).backward()
+        opt.clip_grad_norm_(0.05)
+        scaler.unscale_(opt)
+
+    out: dict = {}
+
+    def runs() -> None:
+        plain = run("plain")[0]
+        out["exact"] = [all(torch.equal(a, b) for a, b in zip(plain, run(how)[0])) for how in ("step", "unscale")]
+        _, out["scales"], out["skipped"], out["kept"] = run("inf")
+        clip = _outcome(clipped_first)
+        out["clip"] = clip["canzona"] and clip["message"] == AMP_AFTER_CLIP
+    out.update(_outcome(runs))
+    return out
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -371,7 +433,7 @@ JOBS = {
 
 
 RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
-WORKS = ["grad_scaler"]  # habits that must simply work
+WORKS = ["grad_scaler", "grad_scaler_dtensor"]  # habits that must simply work
 
 
 @functools.cache
@@ -420,3 +482,16 @@ def test_grad_scaler_steps_as_the_unscaled_step_under_tp():
     for rank, out in enumerate(got["grad_scaler"]):
         assert out["type"] is None and out["exact"] == [True, True] and out["healthy"], (rank, out)
         assert out["overlapped"] == [0, 1], (rank, out["overlapped"])  # before: [0, 0]
+
+
+def test_grad_scaler_steps_a_dtensor_tp_model_as_the_unscaled_step():
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    for rank, out in enumerate(got["grad_scaler_dtensor"]):
+        assert out["type"] is None and out["healthy"], (rank, out)  # before: DTensor's 'got mixed ...'
+        assert out["exact"] == [True, True], (rank, out["exact"])
+        # the Inf on rank 1 alone: every rank skips the second step and halves its scale
+        assert out["scales"] == [2.0 ** 10, 2.0 ** 9] and out["skipped"] == 1, (rank, out)
+        assert out["kept"] == [False, True], (rank, out["kept"])
+        assert out["clip"], rank
