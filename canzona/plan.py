@@ -332,14 +332,16 @@ PLAN_DEFAULTS = PlanSettings()
 def check_one_rank_settings(changed: Sequence[str], groups: Sequence[int]) -> None:
     """Settings off their defaults (`changed`, each as its flag reads) that change nothing where
     every plan's DP group is one rank (`groups`: the dense part's DP x CP, and under EP the
-    experts' EDP): that rank computes every matrix and reduces its gradients with no other rank,
-    so there is no balance to weigh and nothing to reduce. One SpecError naming them, as other
-    settings that change nothing; the simulator (`sim.simulate.SimConfig`) and `canzona plan`
-    share it. What each caller passes is what it measured to change nothing there."""
+    experts' EDP): that rank computes every matrix, reduces its gradients and gathers its
+    parameters with no other rank, so there is no balance to weigh and nothing to reduce or
+    gather. One SpecError naming them, as other settings that change nothing; the simulator
+    (`sim.simulate.SimConfig`) and `canzona plan` share it. What each caller passes is what it
+    measured to change nothing there."""
     if changed and max(groups) == 1:
         raise SpecError(f"{', '.join(changed)} change{'s' if len(changed) == 1 else ''} nothing where each plan's "
                         f"DP group is one rank (dp x cp = 1{', edp = 1' if len(groups) > 1 else ''}): that rank "
-                        "computes every matrix, with no balance to weigh and no gradient to reduce with another")
+                        "computes every matrix, with no balance to weigh and no gradient to reduce or parameter to "
+                        "gather with another")
 
 
 def plan_for(model: ModelSpec, dp: int, tp: int, optimizer: str, policy: StepPolicy | str,

@@ -614,12 +614,9 @@ def config_of(q: Question, layout: Layout) -> SimConfig:
         _options(kwargs, overlap_moe_expert_parallel_comm=True,
                  delay_wgrad_compute=q.delay_wgrad_compute and delay_wgrad_runs(tp=kwargs.get("tp", 1),
                                                                                 tp_comm_overlap=q.tp_comm_overlap))
-    cfg = SimConfig(**kwargs)
-    if not cfg.one_rank_changes()["options.overlap_grad_reduce"] and max(cfg.dp_groups()) == 1:
-        # where one rank reduces every gradient the question's overlap changes nothing: its default,
-        # the same run, which `canzona simulate` (refusing it there) reproduces
-        cfg = replace(cfg, options=replace(cfg.options, overlap_grad_reduce=RunOptions.overlap_grad_reduce))
-    return cfg
+    # where one rank reduces every gradient and gathers every parameter the question's overlaps change
+    # nothing: their defaults, the same run, which `canzona simulate` (refusing them there) reproduces
+    return SimConfig(**kwargs).at_one_rank_defaults()
 
 
 # a simulated row's recompute method, which a layout carries where the search chose it

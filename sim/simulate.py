@@ -143,15 +143,18 @@ ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
     ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("geometry", "--geometry", DEFAULT_GEOMETRY),
     ("tp_policy", "--tp-policy", PLAN_DEFAULTS.tp_policy), ("tp_mode", "--tp-mode", STEP_DEFAULTS.tp_mode),
     ("capacity", "--capacity", PLAN_DEFAULTS.capacity))
-# the settings that weigh how a DP group's ranks share the matrices, and how its gradients are
-# reduced: with one rank in every plan's group (`SimConfig._check_one_rank_settings`) there is
-# nothing to share or reduce, and they change nothing (`canzona simulate --json` the same with and
-# without each, docs/design.md §4.4). Field (under `options.` a run option's), flag, default
+# the settings that weigh how a DP group's ranks share the matrices, how its gradients are reduced
+# and its updated parameters gathered: with one rank in every plan's group
+# (`SimConfig._check_one_rank_settings`) there is nothing to share, reduce or gather, and they change
+# nothing (`canzona simulate --json` the same with and without each, docs/design.md §4.4). Field
+# (under `options.` a run option's), flag, default. Not --align: it pads each parameter's start in
+# the buffers at any DP, so memory and time differ at DP 1
 ONE_RANK_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by),
     ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
     ("options.reduce_scatter", "--reduce-scatter", RunOptions.reduce_scatter),
-    ("options.overlap_grad_reduce", "--no-overlap-grad-reduce", RunOptions.overlap_grad_reduce))
+    ("options.overlap_grad_reduce", "--no-overlap-grad-reduce", RunOptions.overlap_grad_reduce),
+    ("options.overlap_param_gather", "--no-overlap-param-gather", RunOptions.overlap_param_gather))
 
 
 @dataclass(frozen=True)
@@ -377,8 +380,26 @@ class SimConfig:
         rank: all but two change nothing. Under EP the experts' plan is bucketed by --bucket-size
         even at EDP 1 (its bucket count, and with --align its padding, differ); the runtime's
         collectives (--collectives runtime) log a one-rank reduce-scatter per bucket, which
-        --no-overlap-grad-reduce moves after the backward (the step's timing differs)."""
-        return {"bucket_size": self.ep > 1, "options.overlap_grad_reduce": self.options.collectives == RUNTIME_STYLE}
+        --no-overlap-grad-reduce moves after the backward (the step's timing differs). The
+        parameter all-gathers change nothing in either collectives' style (none are issued)."""
+        return {name: False for name, _, _ in ONE_RANK_SETTINGS} | {
+            "bucket_size": self.ep > 1, "options.overlap_grad_reduce": self.options.collectives == RUNTIME_STYLE}
+
+    def at_one_rank_defaults(self) -> SimConfig:
+        """This configuration with the `ONE_RANK_SETTINGS` that would change nothing here at their
+        defaults, the same run (where some DP group has more ranks, or under FSDP, itself): what a
+        caller that sets them for every layout (`sim.search.config_of`) runs, and `canzona
+        simulate` accepts."""
+        if self.fsdp or max(self.dp_groups()) > 1:
+            return self
+        changes = self.one_rank_changes()
+        top: dict[str, Any] = {}
+        options: dict[str, Any] = {}
+        for name, _, default in ONE_RANK_SETTINGS:
+            if not changes[name]:
+                section, _, key = name.rpartition(".")
+                (options if section else top)[key] = default
+        return replace(self, options=replace(self.options, **options), **top)
 
     def _check_one_rank_settings(self) -> None:
         """`ONE_RANK_SETTINGS` off their defaults where every plan's DP group is one rank (DP x CP
@@ -391,7 +412,7 @@ class SimConfig:
         changed = []
         for name, flag, default in ONE_RANK_SETTINGS:
             value = attrgetter(name)(self)
-            if value != default and not changes.get(name, False):
+            if value != default and not changes[name]:
                 changed.append(flag if isinstance(value, bool) else f"{flag} {value}")
         check_one_rank_settings(changed, self.dp_groups())
 

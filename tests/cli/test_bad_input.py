@@ -339,6 +339,11 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
      "--no-overlap-grad-reduce changes nothing where each plan's DP group is one rank"),
     (["simulate", *SIM, "--reduce-scatter", "exact"], "--reduce-scatter exact changes nothing"),
     (["compare", *SIM, "--bucket-size", "100000000"], "--bucket-size 100000000 changes nothing"),
+    # nor does the step's parameter all-gather's overlap: one rank gathers from no other (dense, and MoE at EDP 1)
+    (["simulate", *SIM, "--no-overlap-param-gather"],
+     "--no-overlap-param-gather changes nothing where each plan's DP group is one rank"),
+    (["compare", "--model", "qwen3-30b-a3b", "--gpus", "4", "--tp", "4", "--ep", "4", "--seq-len", "128",
+      "--global-batch", "1", "--no-overlap-param-gather"], "--no-overlap-param-gather changes nothing"),
     (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--alpha", "0.5"],
      "--alpha 0.5 changes nothing where each plan's DP group is one rank"),
     (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--balance-by", "elements"],
@@ -366,15 +371,20 @@ MOE_DP1 = dict(model="qwen3-30b-a3b", gpus=4, tp=4, workload=Workload(128, 1, 1)
 @pytest.mark.parametrize("config", [
     # DP 1, but the optimizer's DP group is DP x CP = 2
     dict(model="qwen3-0.6b", gpus=8, tp=4, cp=2, workload=Workload(256, 1, 1), alpha=0.5, bucket_size=10**8,
-         options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact")),
+         options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact", overlap_param_gather=False)),
     # DP 1, but the experts' EDP group is 2 ranks
-    dict(MOE_DP1, ep=2, options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact")),
+    dict(MOE_DP1, ep=2, options=RunOptions(overlap_grad_reduce=False, reduce_scatter="exact",
+                                           overlap_param_gather=False)),
     # EDP 1 too, but the experts' plan is bucketed by the size (its bucket count differs)
     dict(MOE_DP1, ep=4, bucket_size=10**8),
     # the runtime's collectives log a one-rank reduce-scatter per bucket, which the overlap moves
     dict(model="qwen3-0.6b", gpus=8, tp=8, workload=Workload(128, 1, 1),
          options=RunOptions(overlap_grad_reduce=False, collectives="runtime")),
-], ids=["cp2", "edp2", "ep-bucket-size", "runtime-collectives"])
+    # --align pads each parameter's start in the buffers at any DP: memory and time differ at DP 1
+    # (--align 999: 298254336 -> 298697004 gradient bytes here), and at EDP 1 under EP
+    dict(model="qwen3-0.6b", gpus=8, tp=8, workload=Workload(128, 1, 1), optimizer="adamw", align=999),
+    dict(MOE_DP1, ep=4, align=1),
+], ids=["cp2", "edp2", "ep-bucket-size", "runtime-collectives", "align", "ep-align"])
 def test_a_one_rank_dp_run_takes_the_settings_that_change_it(config):
     """The settings refused where every DP group is one rank are accepted where the simulated run
     changes with them (`SimConfig.one_rank_changes`, measured with simulate --json)."""

@@ -254,19 +254,22 @@ def test_an_ep1_layout_runs_the_dispatchers_defaults_the_same_run():
 
 
 def test_a_one_rank_dp_layout_runs_the_gradient_reductions_defaults():
-    """Where every DP group is one rank `canzona simulate` refuses --no-overlap-grad-reduce and a
-    reduce-scatter off its default (they change nothing there: `SimConfig._check_one_rank_settings`),
-    so a search's DP 1 layout runs their defaults, the same run, and its command omits them; a
-    layout with DP > 1 keeps the question's overlap, and is refined over every reduce-scatter."""
+    """Where every DP group is one rank `canzona simulate` refuses --no-overlap-grad-reduce,
+    --no-overlap-param-gather and a reduce-scatter off its default (they change nothing there:
+    `SimConfig._check_one_rank_settings`), so a search's DP 1 layout runs their defaults, the same
+    run, and its command omits them; a layout with DP > 1 keeps the question's overlaps, and is
+    refined over every reduce-scatter."""
     from cli.main import REPLAY
     from sim.search import refine_values
 
-    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, overlap_grad_reduce=False)
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, overlap_grad_reduce=False,
+                 overlap_param_gather=False)
     one = {"tp": 8, "pp": 1, "vp": 1, "cp": 1, "micro_batch": 1, "recompute": "none"}
     cfg = config_of(q, one)
     cfg.check()  # before: '--no-overlap-grad-reduce changes nothing where each plan's DP group is one rank'
-    assert cfg.options.overlap_grad_reduce and REPLAY.simulate_options(cfg).overlap_grad_reduce  # builds it again
-    assert not config_of(q, {**one, "tp": 4}).options.overlap_grad_reduce
+    for name in ("overlap_grad_reduce", "overlap_param_gather"):  # REPLAY builds the command's config again
+        assert getattr(cfg.options, name) and getattr(REPLAY.simulate_options(cfg), name), name
+        assert not getattr(config_of(q, {**one, "tp": 4}).options, name), name
     axis = next(a for a in space_of(q).refine if a.name == "reduce_scatter")
     facts = facts_of(q)
     assert refine_values(q, axis, facts, one) == ["native"]

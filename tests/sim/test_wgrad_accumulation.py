@@ -12,7 +12,6 @@ from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from sim.model_work import micro_batch_work
-from sim.options import RunOptions
 from sim.simulate import SimConfig, simulate
 from sim.workload import Workload
 
@@ -69,7 +68,7 @@ def test_the_simulator_accumulates_at_the_gradient_dtype():
     the gradient reductions alone (one DP rank: no reduction at all)."""
     def iteration(grad_bytes: int) -> float:
         wl = Workload(seq_len=1024, global_batch=4, grad_bytes=grad_bytes)
-        return simulate(SimConfig(model="qwen3-1.7b", gpus=1, tp=1, optimizer="adamw", workload=wl,
-                                  options=RunOptions(overlap_param_gather=False))).iteration_time_s
+        return simulate(SimConfig(model="qwen3-1.7b", gpus=1, tp=1, optimizer="adamw",
+                                  workload=wl)).iteration_time_s
 
     assert iteration(4) > iteration(2)
