@@ -250,6 +250,23 @@ DEVICE_BOUNDS: dict[str, tuple[float, str, str]] = {
 }
 
 
+# One measured time in a profile's tables (`solver_seconds`, `optimizer_seconds`, `collectives.rows`)
+# and a cost table's rows, a day: `canzona calibrate` times each kernel or collective in 7 runs at
+# its defaults (warm-ups and repeats), so a day each is a week of calibration, not a measurement. Its
+# slowest CPU figures on a loaded 2-core machine took seconds (eigh of 512: 3.1 s; SOAP on 3072 x
+# 1024: 2.5 s), and SOAP at the largest --shapes it takes (65536 x 4096) would take about 1.3 h there
+# by its FLOPs, so an hour would refuse what a slow CPU can measure (docs/design.md §4.5). At 1e18 s
+# one eigh priced an iteration at 7.6e21 s. A collective fit's alpha is a latency: `MAX_LATENCY_S`
+MAX_MEASURED_S = 86400.0
+
+
+def check_measured_seconds(seconds: float, where: str) -> None:
+    """One measured time within `MAX_MEASURED_S`, else one SpecError naming the field (`where`)."""
+    if seconds > MAX_MEASURED_S:
+        raise SpecError(f"{where}: {seconds:g} s must be at most {MAX_MEASURED_S:g} s (a day: one measured "
+                        "kernel or collective, of which a calibration times several)")
+
+
 def _check_device_bounds(sections: dict[str, Any], where: str) -> None:
     """`DEVICE_BOUNDS` on the parsed sections (`gpu`, `nccl`, ...): one SpecError naming the field
     and its bound."""
@@ -279,6 +296,8 @@ def _solver_table(raw: Any, where: str) -> dict[str, tuple[tuple[int, float], ..
             and float(r[0]).is_integer() for r in rows)
         if not ok:
             raise SpecError(f"{where}: solver_seconds.{op} must be a non-empty list of [size, seconds] pairs")
+        for _, t in rows:
+            check_measured_seconds(t, f"{where}: solver_seconds.{op}")
         out[op] = tuple(sorted((int(k), float(t)) for k, t in rows))
     return out
 
@@ -313,6 +332,7 @@ def parse_cost_rows(rows: Any, where: str) -> dict[tuple[str, int, int, str], fl
         if not ok:
             raise SpecError(f"{where}: row {i} must be [optimizer, rows, cols, dtype, positive seconds] "
                             f"with whole sizes and a dtype of {', '.join(DTYPE_BYTES)}, got {str(row)[:80]}")
+        check_measured_seconds(row[4], f"{where}: row {i}")
         table[(row[0], row[1], row[2], row[3])] = float(row[4])
     return table
 
@@ -345,6 +365,12 @@ def _collectives(raw: Any, where: str) -> CollectiveTable:
     if not isinstance(fits, list) or not all(row_ok(r, False) for r in fits):
         raise SpecError(f"{where}: collectives.fits must be a list of [op, group size >= 2, alpha seconds, "
                         "bus bytes/s]")
+    for i, r in enumerate(rows):
+        check_measured_seconds(r[3], f"{where}: collectives.rows: row {i}")
+    for i, r in enumerate(fits):
+        if r[2] > MAX_LATENCY_S:
+            raise SpecError(f"{where}: collectives.fits: row {i}: a latency of {r[2]:g} s must be at most "
+                            f"{MAX_LATENCY_S:g} s (alpha, the fitted latency, as an NCCL latency)")
     return CollectiveTable(backend, tuple((o, int(n), int(b), float(t)) for o, n, b, t in rows),
                            tuple((o, int(n), float(a), float(bw)) for o, n, a, bw in fits))
 

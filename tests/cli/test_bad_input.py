@@ -281,6 +281,39 @@ def test_profile_figures_beyond_any_device_name_the_field_and_its_bound(tmp_path
     load_profile(_profile(tmp_path, path, at_bound))  # the bound itself is a device
 
 
+COLLECTIVE_ROW = '["all-reduce", 2, 4096, 0.001]'
+
+
+@pytest.mark.parametrize("path, value, needle", [
+    # finite and within [1e-9, 1e18], but no measurement: one 1e18 s eigh priced qwen3-0.6b's Shampoo
+    # step on 16 GPUs at 7.6e21 s, a 1e18 s Muon row 7e18 s, a 1e18 s collective row 3.2e20 s and a
+    # fit's 1e18 s latency 4e18 s
+    (("solver_seconds",), '{"eigh": [[64, 1e18]]}', "solver_seconds.eigh: 1e+18 s must be at most 86400 s"),
+    (("solver_seconds",), '{"qr": [[64, 0.1], [128, 86401]]}', "solver_seconds.qr: 86401 s must be at most 86400 s"),
+    (("optimizer_seconds",), '[["muon", 1024, 1024, "bf16", 1e18]]',
+     "optimizer_seconds: row 0: 1e+18 s must be at most 86400 s"),
+    (("collectives",), '{"backend": "gloo", "rows": [["all-reduce", 2, 4096, 1e18]]}',
+     "collectives.rows: row 0: 1e+18 s must be at most 86400 s"),
+    (("collectives",), '{"backend": "gloo", "rows": [' + COLLECTIVE_ROW + '], "fits": [["all-reduce", 2, 1e18, 1e9]]}',
+     "collectives.fits: row 0: a latency of 1e+18 s must be at most 1 s"),
+])
+def test_measured_seconds_beyond_any_measurement_name_the_field_and_its_bound(tmp_path, path, value, needle):
+    error_line(invoke("simulate", *SIM, "--hardware", _profile(tmp_path, path, value)), needle)
+    bound = needle.rsplit(" ", 2)[1]
+    at_bound = value.replace("1e18", bound).replace("86401", bound)
+    load_profile(_profile(tmp_path, path, at_bound))  # the bound itself is a measurement
+
+
+def test_a_cost_tables_seconds_are_bounded_as_a_profiles(tmp_path):
+    """`--cost-table` rows are a profile's optimizer_seconds rows (`parse_cost_rows`): 1e18 s was a
+    plan priced in exaseconds."""
+    from canzona.cost import load_cost_table
+
+    path = _file(tmp_path, '{"rows": [["muon", 1024, 1024, "bf16", 1e18]]}', "table.json")
+    error_line(invoke("plan", *PLAN, "--cost-table", path), "row 0: 1e+18 s must be at most 86400 s")
+    load_cost_table(str(_file(tmp_path, '{"rows": [["muon", 1024, 1024, "bf16", 86400]]}', "table.json")))
+
+
 def test_profile_from_python_rejects_non_finite_numbers():
     from canzona.hardware import profile_from_dict
 
