@@ -642,6 +642,11 @@ class SimResult:
             "dp_policy": self.plan.dp_plan.policy,
             "tp_policy": self.plan.tp_plan.policy,
             "tp_mode": cfg.tp_mode,
+            # the plan's settings as given, so that a run's JSON tells its plan from the default's
+            "plan_settings": {"alpha": cfg.alpha, "balance_by": cfg.balance_by, "bucket_size": cfg.bucket_size,
+                              "align": cfg.align, "geometry": cfg.geometry,
+                              "capacity": None if cfg.capacity is None else
+                              {"value": cfg.capacity.value, "unit": cfg.capacity.unit}},
             "hardware": cfg.hardware,
             "workload": asdict(cfg.workload),
             "iteration_time_s": self.iteration_time_s,

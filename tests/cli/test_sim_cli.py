@@ -418,3 +418,18 @@ def test_align_and_balance_by_reach_the_simulator():
                    "--balance-by elements", "changes nothing", policy)
     error_line(run("simulate", *SMALL, "--optimizer", "adamw", "--balance-by", "elements"), "--balance-by elements")
     assert run("simulate", *SMALL, "--policy", "layerwise", "--balance-by", "elements", "--json").exit_code == 0
+
+
+def test_simulate_json_records_the_plan_settings_it_ran():
+    """The plan's settings are in the JSON: before, `--alpha 0.5 --align 256 --bucket-size 12345678
+    --balance-by elements` gave a JSON with none of them, which could not be told from the default
+    run's."""
+    default = json.loads(run("simulate", *SMALL, "--json").stdout)["plan_settings"]
+    result = run("simulate", *SMALL, "--alpha", "0.5", "--align", "256", "--bucket-size", "12345678",
+                 "--balance-by", "elements", "--capacity", "20ms", "--json")
+    assert result.exit_code == 0, result.stderr
+    given = json.loads(result.stdout)["plan_settings"]
+    assert given == {"alpha": 0.5, "balance_by": "elements", "bucket_size": 12345678, "align": 256,
+                     "geometry": default["geometry"], "capacity": given["capacity"]}
+    assert given["capacity"] is not None and default["capacity"] is None
+    assert default["alpha"] != 0.5 and default["balance_by"] != "elements"
