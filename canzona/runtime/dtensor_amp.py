@@ -10,7 +10,7 @@ handler of its own (`DTensor._op_dispatcher._custom_op_handlers`, torch 2.13's
 gradient never joins it, and the unscale cannot tell a clip that came before it. `FsdpOptimizer`
 owns the step's global norm and its check, so the op on its gradients is its own: `install` puts a
 handler in DTensor's table (the mechanism torch's `loss_parallel` uses) that gives the op to the
-optimizer whose gradients it names (`FsdpOptimizer._amp_unscale`: the step check, then the unscale,
+optimizer GradScaler is unscaling (`FsdpOptimizer._amp_unscale`: the step check, then the unscale,
 `found_inf` from the global norm), and leaves every other DTensor's op to torch's handler.
 
 A TP model of DTensors on the ZeRO-1 path (`parallelize_module`) gives the op one list of guards
@@ -22,6 +22,7 @@ parameters installs itself too, so the op reaches its `_amp_unscale` whichever t
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -66,12 +67,16 @@ def install(owner: AmpOwner) -> None:
 def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
     bound = {**dict(zip(_ARGUMENTS, args)), **kwargs}
     named = {id(g) for g in bound["self"]}
-    # the newest first: an optimizer built again over the same model (a resume) while the old one
-    # is still referenced steps those gradients now
-    for ref in reversed(list(_OWNERS)):
-        owner = ref()
-        if owner is None:
-            continue
+    owners = [owner for owner in (ref() for ref in reversed(_OWNERS)) if owner is not None]
+    unscaled = _unscaled_optimizer()
+    if unscaled is not None:
+        # GradScaler says whose gradients these are: that optimizer's unscale, not that of another
+        # over the same gradients (a second one built over the model, never stepped, took them, and
+        # answered with its own stale check); a torch optimizer's is torch's
+        owners = [owner for owner in owners if owner is unscaled]
+    # else the newest first: an optimizer built again over the same model (a resume) while the old
+    # one is still referenced steps those gradients now
+    for owner in owners:
         mine = owner.amp_gradients()
         if named <= mine:
             owner._amp_unscale(bound["found_inf"], bound["inv_scale"])
@@ -82,3 +87,15 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
     if not _TORCH:
         raise CanzonaError("this torch's DTensor has no unscale handler for canzona to leave other gradients to")
     return _TORCH[0](op, args, kwargs)
+
+
+def _unscaled_optimizer() -> Any:
+    """The optimizer GradScaler is unscaling (the `optimizer` argument of its `_unscale_grads_`, a
+    caller of this op: GradScaler hands the op only the gradients), or None where the op came from
+    elsewhere."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_unscale_grads_" and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
+            return frame.f_locals.get("optimizer")
+        frame = frame.f_back
+    return None

@@ -203,7 +203,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               discard: int | None = None, drop_after_clip: int | None = None,
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
-              norm_type: float = 2.0, fp16: bool = False) -> dict:
+              norm_type: float = 2.0, fp16: bool = False, beside: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -232,7 +232,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     every step), alone (`step`: the clip is `max_grad_norm`'s), or after the clip (`clip-unscale`:
     the clip, then `unscale_`; `clip-step`: the clip, then `scaler.step` alone). `poison_with`: what
     rank 1 writes into its shard at step `poison`; `norm_type`: the clip's (`clip`); `fp16`: the
-    model in fp16 from the start (fp32 masters)."""
+    model in fp16 from the start (fp32 masters); `beside`: a second optimizer over the same model,
+    built after the one stepped and kept alive, never stepped (GradScaler unscales the first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -244,6 +245,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite,
                                max_grad_norm=max_grad_norm)
+    unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
     amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                            growth_interval=1 if scaler == "unscale" else 2000)
     refused, scales = None, []
@@ -400,6 +402,9 @@ SMALL_CASES = {
     # the clip before the unscale
     "scaler-unscale": {"steps": 3, "clip": 0.05, "scaler": "unscale"},
     "bf16-scaler-unscale": {"steps": 3, "clip": 0.05, "bf16": True, "scaler": "unscale"},
+    # the same beside a second optimizer over the model, newer, never stepped
+    "scaler-unscale-beside": {"steps": 3, "clip": 0.05, "scaler": "unscale", "beside": True},
+    "bf16-scaler-unscale-beside": {"steps": 3, "clip": 0.05, "bf16": True, "scaler": "unscale", "beside": True},
     "bf16-clip-inf": {"steps": 2, "clip": 0.01, "bf16": True, "norm_type": math.inf},
     "bf16-scaler-unscale-inf": {"steps": 2, "clip": 0.01, "bf16": True, "scaler": "unscale", "norm_type": math.inf},
     "scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step"},
@@ -639,9 +644,12 @@ def test_fsdp_grad_scaler_unscale_clip_step_trains_as_the_unscaled_loop() -> Non
     the same norms, the scale grown alike on every rank (fp32; bf16 with fp32 masters, whose
     unscale is a scale kept for the step, which the inf-norm clip now measures too: it measured the
     scaled gradients, 1024 x); a DTensor no canzona optimizer steps is still unscaled by
-    torch's handler. Before: `scaler.step` was refused ('GradScaler is not supported')."""
+    torch's handler. Before: `scaler.step` was refused ('GradScaler is not supported'). The same
+    beside a second optimizer over the model, built later and never stepped (`beside`): before,
+    the unscale went to that one, whose stale check left the gradients scaled (norms 2048 x)."""
     for plain, scaled in (("clip", "scaler-unscale"), ("bf16-clip", "bf16-scaler-unscale"),
-                          ("bf16-clip-inf", "bf16-scaler-unscale-inf")):
+                          ("bf16-clip-inf", "bf16-scaler-unscale-inf"), ("clip", "scaler-unscale-beside"),
+                          ("bf16-clip", "bf16-scaler-unscale-beside")):
         for a, b in zip(_small()[plain], _small()[scaled]):
             assert b["error"] is None, b["error"]
             assert b["norms"] == a["norms"], (a["norms"], b["norms"])
