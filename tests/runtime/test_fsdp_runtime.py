@@ -421,11 +421,43 @@ SMALL_CASES = {
     # canzona's owner plan settings under round-robin owners, which no plan places
     "unbalanced-plan-settings": {"refuse": {"alpha": 0.5, "dp_policy": "whole-start", "align": 128},
                                  "base": {"policy": "fsdp-owners-unbalanced"}},
+    # torch's SGD under GradScaler over a model a canzona optimizer was built on (kept alive)
+    "torch-sgd-scaler-beside": {"torch_sgd": True},
 }
 
 
 def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
-    return {k: refusals(**kw) if "refuse" in kw else small_run(rank, world, **kw) for k, kw in cases.items()}
+    def one(kw: dict) -> dict:
+        if "refuse" in kw:
+            return refusals(**kw)
+        return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
+    return {k: one(kw) for k, kw in cases.items()}
+
+
+def torch_sgd_runs(rank: int, world: int) -> dict[str, dict]:
+    """torch's SGD over Small under fully_shard, a GradScaler at 2**10 (`unscale_`, `step`, `update`),
+    3 steps: the full parameters after them (`alone`), and the same beside a canzona optimizer built
+    over that model first and kept alive, never stepped (`beside`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    out = {}
+    for how in ("alone", "beside"):
+        model = Small()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        built = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON) if how == "beside" else None
+        opt, amp = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        for step in range(3):
+            opt.zero_grad()
+            amp.scale(model(small_batch(step, rank))).backward()
+            amp.unscale_(opt)
+            amp.step(opt)
+            amp.update()
+        out[how] = {n: gather_rows(p) for n, p in model.named_parameters()}
+        del built
+    return out
 
 
 def refusals(refuse: dict[str, object], base: dict[str, object] | None = None) -> dict[str, str | None]:
@@ -656,6 +688,15 @@ def test_fsdp_grad_scaler_unscale_clip_step_trains_as_the_unscaled_loop() -> Non
             assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
             assert b["scales"] == [2.0 ** (11 + k) for k in range(len(b["scales"]))], b["scales"]
             assert b["others"] == (1.0, 0.0), b["others"]  # other DTensors' unscale is still torch's
+
+
+def test_fsdp_grad_scaler_of_a_torch_optimizer_is_torchs_beside_a_canzona_optimizer() -> None:
+    """torch's SGD under GradScaler over a model a canzona optimizer was built on (kept alive, not
+    stepped): the weights of the same run with no canzona optimizer, bit for bit. Before: the unscale
+    of SGD's gradients went to the canzona optimizer holding them, whose check ran at the first step
+    only: from the second step SGD stepped by gradients still scaled (1024 x; weights 3.9e4 off)."""
+    for r in _small()["torch-sgd-scaler-beside"]:
+        assert compare(r["beside"], r["alone"])["bit_identical"], compare(r["beside"], r["alone"])
 
 
 def test_fsdp_grad_scaler_step_alone_unscales_before_max_grad_norm_clips() -> None:
