@@ -184,6 +184,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # the step check `_amp_unscale` last answered GradScaler for, and the one a clip with a finite
     # threshold left (GradScaler's unscale must come before that clip)
     _amp_check: tuple[dict[str, bool], float] | None = None
+    # the found_inf of the GradScaler call `_amp_check` was taken for (its op's calls share it)
+    _amp_found: Tensor | None = None
     _clip_check: tuple[dict[str, bool], float] | None = None
 
     def __init__(self, opts: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
@@ -586,6 +588,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
         unscales every gradient; each call sets `found_inf` from the global norm, the same on every
         rank, so that every rank's scaler skips the same steps and scales alike. A NaN / Inf norm is
         the scaler's to skip, not an error (whatever `nonfinite` says)."""
+        if found_inf is not self._amp_found:
+            # a new unscale_ (or step's inf check: GradScaler gives each its own found_inf, and each
+            # call of the op within it the same one). A check kept from before it outlived a step the
+            # loop skipped without step() (none ended it); zeroed by model.zero_grad() and a backward
+            # since, those are other gradients: the check's recheck (collective, as this call is on
+            # every rank) takes it anew where any rank's gradients changed
+            self._amp_found = found_inf
+            if self.checked is not None:
+                self.check(skip_nonfinite=True)
         if self.checked is not None and self.checked is self._clip_check:
             raise CanzonaError(AMP_AFTER_CLIP)
         if self._amp_check is None or self._amp_check is not self.checked:

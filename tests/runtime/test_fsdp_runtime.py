@@ -203,7 +203,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               discard: int | None = None, drop_after_clip: int | None = None,
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
-              norm_type: float = 2.0, fp16: bool = False, beside: bool = False) -> dict:
+              norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -233,7 +233,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     the clip, then `unscale_`; `clip-step`: the clip, then `scaler.step` alone). `poison_with`: what
     rank 1 writes into its shard at step `poison`; `norm_type`: the clip's (`clip`); `fp16`: the
     model in fp16 from the start (fp32 masters); `beside`: a second optimizer over the same model,
-    built after the one stepped and kept alive, never stepped (GradScaler unscales the first)."""
+    built after the one stepped and kept alive, never stepped (GradScaler unscales the first);
+    `zero_model`: each step begins with `model.zero_grad()`, not the optimizer's. `scaler`
+    `unscale-skip`: `unscale_`, the clip, and a step whose clip norm is not finite skipped by the
+    loop itself (`update` only, no `scaler.step`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -256,7 +259,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
-        opt.zero_grad(set_to_none=step != unsynced)
+        model.zero_grad() if zero_model else opt.zero_grad(set_to_none=step != unsynced)
         model.set_requires_gradient_sync(step != unsynced)
         if step == discard:
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
@@ -282,10 +285,14 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         start = time.monotonic()
         try:
             threshold = clips.get(rank) if clips is not None else clip
-            if scaler == "unscale":
+            if scaler in ("unscale", "unscale-skip"):
                 amp.unscale_(opt)
             if threshold is not None:
                 norms.append(float(opt.clip_grad_norm_(threshold, norm_type)))
+            if scaler == "unscale-skip" and not math.isfinite(norms[-1]):  # the loop's own skip
+                amp.update()
+                scales.append(amp.get_scale())
+                continue
             if scaler == "clip-unscale":
                 amp.unscale_(opt)
             if rank == 1 and step == drop_after_clip:
@@ -410,6 +417,9 @@ SMALL_CASES = {
     "scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step"},
     "scaler-step-retried": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "retry": 1},
     "scaler-inf": {"steps": 3, "scaler": "step", "poison": 1, "poison_with": math.inf},
+    # the Inf step skipped by the loop (no scaler.step), gradients zeroed by model.zero_grad()
+    "scaler-inf-skipped-by-loop": {"steps": 3, "scaler": "unscale-skip", "clip": math.inf, "poison": 1,
+                                   "poison_with": math.inf, "zero_model": True},
     "fp16-scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "fp16": True},
     "fp16-scaler-unscale": {"steps": 1, "scaler": "unscale", "fp16": True},
     "scaler-clip-unscale": {"steps": 2, "clip": 0.05, "scaler": "clip-unscale"},
@@ -727,6 +737,20 @@ def test_fsdp_grad_scaler_skips_an_inf_on_one_rank_on_every_rank_and_backs_off()
     results, want = _small()["scaler-inf"], _small()["skip"]
     for r, w in zip(results, want):
         assert r["error"] is None and r["skipped"] == 1, (r["error"], r["skipped"])
+        assert r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], r["scales"]
+        assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+def test_fsdp_grad_scaler_after_a_step_the_loop_skipped_unscales_the_next() -> None:
+    """An Inf in rank 1's shard at step 1; the loop measures (`clip_grad_norm_(inf)`) after
+    `unscale_` and skips that step itself (`scaler.update()`, no `scaler.step`), zeroing with
+    `model.zero_grad()`: the next steps are unscaled, the unscaled run with that step skipped bit for
+    bit, the scale halved once. Before: the next `unscale_` reused the skipped step's check (kept:
+    no step() ended it): no unscale, `found_inf` from that Inf, the step taken on gradients 512 x
+    (clip norm 115 against 0.23 at world 2) and the scale halved again."""
+    results, want = _small()["scaler-inf-skipped-by-loop"], _small()["skip"]
+    for r, w in zip(results, want):
+        assert r["error"] is None, r["error"]
         assert r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], r["scales"]
         assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
 
