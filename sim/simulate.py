@@ -154,6 +154,9 @@ ONE_RANK_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
     ("options.reduce_scatter", "--reduce-scatter", RunOptions.reduce_scatter),
     ("options.overlap_grad_reduce", "--no-overlap-grad-reduce", RunOptions.overlap_grad_reduce),
+    # the pipeline's launch of those reductions and where the step's parameter gathers run: there
+    # are none (qwen3-0.6b, 8 GPUs, TP 4 x PP 2, Megatron's and the runtime's collectives alike)
+    ("options.align_grad_reduce", "--no-align-grad-reduce", RunOptions.align_grad_reduce),
     ("options.overlap_param_gather", "--no-overlap-param-gather", RunOptions.overlap_param_gather))
 
 

@@ -377,6 +377,11 @@ def test_infinite_capacity_is_rejected_and_plans_are_strict_json(tmp_path):
      "--no-overlap-param-gather changes nothing where each plan's DP group is one rank"),
     (["compare", "--model", "qwen3-30b-a3b", "--gpus", "4", "--tp", "4", "--ep", "4", "--seq-len", "128",
       "--global-batch", "1", "--no-overlap-param-gather"], "--no-overlap-param-gather changes nothing"),
+    # nor the pipeline's launch of those reductions, nor where the step's parameter gathers run:
+    # there are none (simulate --json the same bit for bit but the echo, with and without each)
+    (["simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--tp", "4", "--pp", "2", "--seq-len", "128",
+      "--global-batch", "2", "--no-align-grad-reduce"],
+     "--no-align-grad-reduce changes nothing where each plan's DP group is one rank"),
     (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--alpha", "0.5"],
      "--alpha 0.5 changes nothing where each plan's DP group is one rank"),
     (["plan", "--model", "qwen3-0.6b", "--dp", "1", "--tp", "8", "--balance-by", "elements"],

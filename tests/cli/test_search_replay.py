@@ -276,6 +276,25 @@ def test_a_one_rank_dp_layout_runs_the_gradient_reductions_defaults():
     assert len(refine_values(q, axis, facts, {**one, "tp": 4})) > 1
 
 
+def test_a_one_rank_dp_layout_runs_the_gradient_launch_and_parameter_gather_defaults():
+    """Nor does the pipeline's launch of the reductions (--no-align-grad-reduce) or where the step's
+    parameter gathers run (--no-overlap-param-gather) change a run whose DP groups are one rank:
+    `canzona simulate` refuses them there, so a search's DP 1 layout runs their defaults and its
+    command omits them; a layout with DP > 1 keeps the question's."""
+    from cli.main import REPLAY
+
+    q = Question(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=8, align_grad_reduce=False,
+                 overlap_param_gather=False)
+    one = {"tp": 4, "pp": 2, "vp": 1, "cp": 1, "micro_batch": 1, "recompute": "none"}
+    cfg = config_of(q, one)
+    cfg.check()  # before: '--no-align-grad-reduce, --no-overlap-param-gather change nothing where ...'
+    again = REPLAY.simulate_options(cfg)
+    assert cfg.options.align_grad_reduce and cfg.options.overlap_param_gather
+    assert again.align_grad_reduce and again.overlap_param_gather
+    two = config_of(q, {**one, "tp": 2})
+    assert not two.options.align_grad_reduce and not two.options.overlap_param_gather
+
+
 def test_a_configuration_no_flag_sets_is_an_error_naming_it():
     """A setting `canzona simulate` has no flag for (the parameters' gathered bytes) cannot become a
     command that silently simulates something else."""
