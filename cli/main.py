@@ -1285,16 +1285,30 @@ def _validate_published(published: bool, rows: str | None, as_json: bool, search
         console.print(published_search_table(ranks))
 
 
+class _Stopped(SystemExit):
+    """A signal's exit (status 128 + its number), raised where the signal arrives."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 def _stop(signum: int, frame: object) -> None:
     """SIGTERM unwinds like Ctrl-C, so temporary files are removed, spawned ranks and a pool's
-    workers stopped (`sim.workers`), with one line (os.write: the signal may arrive mid-print)."""
-    os.write(2, f"error: stopped by {signal.Signals(signum).name}\n".encode())
-    sys.exit(128 + signum)
+    workers stopped (`sim.workers`), and a progress bar closed; then `main` prints its one line."""
+    raise _Stopped(signum)
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _stop)
-    app()
+    try:
+        app()
+    except _Stopped as stopped:
+        # after the unwinding: written at the signal, the line was glued to the end of a terminal's
+        # progress bar (rich's, transient), which its close then left on screen (os.write: a print
+        # the signal interrupted may still hold the stream)
+        os.write(2, f"error: stopped by {signal.Signals(stopped.signum).name}\n".encode())
+        raise
 
 
 if __name__ == "__main__":

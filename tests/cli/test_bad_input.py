@@ -586,19 +586,24 @@ def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
 
 
 
-def test_sigterm_stops_validate_and_its_workers_at_once():
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_sigterm_stops_validate_and_its_workers_at_once(terminal):
     """`validate --published` submits every row to its workers at once: a SIGTERM stops it in
     seconds (the pool's rows cancelled, its workers killed) with one line and no output, rather
-    than after every row is simulated (`sim.workers.stopping_pool`)."""
+    than after every row is simulated (`sim.workers.stopping_pool`). On a terminal (rich's
+    TTY_COMPATIBLE: its progress bar drawn) the line comes after the bar is cleared: written at the
+    signal, it was glued to the bar's end and the bar left on screen with it."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "validate", "--published", "--workers", "2", "--json"],
+    env = {**os.environ, "TTY_COMPATIBLE": "1"} if terminal else None
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "validate", "--published", "--workers", "2",
+                             *(() if terminal else ("--json",))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[2])
+                            cwd=Path(__file__).resolve().parents[2], env=env)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     try:
         deadline = time.monotonic() + 60
@@ -617,6 +622,9 @@ def test_sigterm_stops_validate_and_its_workers_at_once():
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM
     assert out == ""
+    if terminal:
+        assert "\x1b[2K" in err  # the bar was drawn, and erased: nothing may follow the line
+        err = err.rsplit("\x1b[2K", 1)[1]
     assert err.strip().splitlines() == ["error: stopped by SIGTERM"]
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
