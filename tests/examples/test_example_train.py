@@ -14,14 +14,12 @@ be written is refused before training; the ranks stop within seconds of torchrun
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +38,7 @@ from canzona.runtime.checkpoint_files import (
 )
 from tests.cli_helpers import invoke
 from tests.launchers import torchrun_command
+from tests.scripts import load_script
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]  # torchrun spawns gloo ranks
 
@@ -377,14 +376,7 @@ def test_a_crafted_checkpoint_is_one_error_line(tmp_path):
 @pytest.fixture(scope="module")
 def train_script():
     """examples/train.py as a module (its launcher watch starts only as __main__)."""
-    spec = importlib.util.spec_from_file_location("examples_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script("examples/train.py", "examples_train")
 
 
 @pytest.mark.parametrize("optimizer", [n for n, e in MATRIX_REGISTRY.items() if not e.elementwise])

@@ -3,21 +3,16 @@ matrix optimizer (`OPTIMIZERS`), not a list written once for three."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 from rich.table import Table
 
 from canzona.optimizers import MATRIX_OPTIMIZERS
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_plan.py"
+from tests.scripts import load_script
 
 
 def test_the_verdict_names_every_optimizer_checked(monkeypatch, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("bench_plan", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_plan.py", "bench_plan")
     checked = []
     monkeypatch.setattr(bench, "make_plan", lambda *a, **k: None)  # the timed and planned work is not this test's
     monkeypatch.setattr(bench, "timing_table", lambda repeats: (Table(), True))

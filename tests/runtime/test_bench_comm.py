@@ -4,18 +4,12 @@ loop, so a column on the default Comm timed the loop twice."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from canzona.reductions import EXACT, LOOPS, bucket_route
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_comm.py"
+from tests.scripts import load_script
 
 
 def test_columns_measure_their_routes(one_rank, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_comm", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_comm.py", "bench_comm")
     seen = []
     monkeypatch.setattr(bench, "_measure", lambda comm, loops, *rest: seen.append((comm, loops)) or [])
     bench.worker(0, 1, [10], 0.3, 1)

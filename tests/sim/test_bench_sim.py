@@ -4,21 +4,15 @@ Muon was refused ("policy zero1 runs elementwise optimizers") and crashed the sc
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 from sim.simulate import SimConfig, compared_policies
 from sim.workload import Workload
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sim.py"
+from tests.scripts import load_script
 
 
 def _bench_sim():
-    spec = importlib.util.spec_from_file_location("bench_sim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_sim.py", "bench_sim")
 
 
 def test_wall_table_runs_the_compared_policies(monkeypatch) -> None:
