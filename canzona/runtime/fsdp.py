@@ -93,6 +93,7 @@ from canzona.runtime.kernels import (
     apply_update_,
     autocast_off,
     eager_only,
+    run_step,
     update_target,
 )
 from canzona.runtime.mesh import TP
@@ -634,20 +635,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     @eager_only
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch.optim signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # in the caller's autocast region, as its forward expects
-        try:
-            with autocast_off():
-                self._checked_step()
-        except BaseException:
-            # GradScaler.step deletes the scale it set here only when step() returns; left behind,
-            # its next call would unscale by the product of the two (torch's rule for a scale set)
-            for handed in ("grad_scale", "found_inf"):
-                self.__dict__.pop(handed, None)
-            raise
-        return loss
+        return run_step(self, closure, self._checked_step)
 
     def _checked_step(self) -> None:
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)

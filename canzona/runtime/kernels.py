@@ -55,6 +55,26 @@ def autocast_off() -> Iterator[None]:
         yield
 
 
+def run_step(optimizer: object, closure: Callable[[], Any] | None, body: Callable[[], None]) -> Any:
+    """torch.optim's `step(closure)` around the optimizer's own step (`body`): the closure in the
+    caller's autocast region, as its forward expects, the step outside it (`autocast_off`). A step
+    that raises drops the scale GradScaler handed over (`grad_scale`, `found_inf`): GradScaler deletes
+    them only when step() returns, and left behind its next call would unscale by the product of the
+    two (torch's rule for a scale set)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    try:
+        with autocast_off():
+            body()
+    except BaseException:
+        for handed in ("grad_scale", "found_inf"):
+            optimizer.__dict__.pop(handed, None)
+        raise
+    return loss
+
+
 State = dict[str, Any]
 
 

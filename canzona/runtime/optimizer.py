@@ -83,7 +83,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.hf_tp import check_tp_styles
-from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, update_target
+from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
@@ -754,20 +754,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @eager_only
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch.optim signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # in the caller's autocast region, as its forward expects
-        try:
-            with autocast_off():
-                self._step()
-        except BaseException:
-            # GradScaler.step deletes the scale it set here only when step() returns; left behind,
-            # its next call would unscale by the product of the two (torch's rule for a scale set)
-            for handed in ("grad_scale", "found_inf"):
-                self.__dict__.pop(handed, None)
-            raise
-        return loss
+        return run_step(self, closure, self._step)
 
     def _step(self) -> None:
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
