@@ -128,7 +128,7 @@ def test_fewer_sms_make_no_run_slower():
 def test_a_ring_exchange_reduce_scatter_runs_in_tp_chunks_on_a_one_sm_margin():
     """Megatron-Bridge's FP8 configurations at TP 8: the down projection loses one SM, not 16, and
     the reduce-scatter's last chunk, which follows it, is one of 8 (TP), not of 4 (num_splits)."""
-    tp8 = replace(CFG, tp=8)
+    tp8 = replace(CFG, tp=8).at_one_rank_defaults()  # DP 1: no parameter gather to overlap or not
 
     def spans(cfg: SimConfig):
         return {s.name: s for s in simulate(cfg).spans if s.rank == 0 and s.phase == "A"}
