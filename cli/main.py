@@ -1294,13 +1294,16 @@ class _Stopped(SystemExit):
 
 
 def _stop(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so temporary files are removed, spawned ranks and a pool's
-    workers stopped (`sim.workers`), and a progress bar closed; then `main` prints its one line."""
+    """SIGTERM and Ctrl-C unwind the CLI, so temporary files are removed, spawned ranks and a pool's
+    workers stopped (`sim.workers`, `canzona.harness.launch`), and a progress bar closed; then
+    `main` prints its one line (typer ended a KeyboardInterrupt silently, with status 130)."""
     raise _Stopped(signum)
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it (`&`)
+        signal.signal(signal.SIGINT, _stop)
     try:
         app()
     except _Stopped as stopped:

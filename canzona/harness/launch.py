@@ -8,7 +8,7 @@ Built on torch's elastic launcher, the machinery of `torchrun` and `elastic_laun
 `LocalElasticAgent` starts the ranks with the environment torchrun gives its workers, hosts the
 store through which they join the group, names each rank's error file (written as torch's `record`
 writes it: a rank's exception and traceback reach the parent), stops the ranks (SIGTERM, a grace
-period, SIGKILL) and turns a SIGTERM to the caller into stopping them. Ranks are forked from a
+period, SIGKILL), also when the caller gets SIGTERM or Ctrl-C. Ranks are forked from a
 server that has torch and the runtime imported already (start method "forkserver", with those
 modules preloaded: about 3 s of imports saved per rank, which dominate a small run); where
 forkserver is missing, they are spawned. A rank takes the caller's environment as it is at the call.
@@ -34,15 +34,19 @@ What the elastic launcher lacks is kept here and in `canzona.harness.worker`:
 - Nothing outlives the caller. Each rank watches its launcher and exits, removing the run directory,
   when it is gone, even while blocked in a collective (the agent has no such watch: torch turns its
   death into a SIGINT, which a rank blocked in a collective never acts upon); directories left by
-  callers killed outright are swept at the next run. The agent installs its SIGTERM handler for
-  good: the caller's comes back after the run, and a SIGTERM that stopped the run is passed on to
-  it once the run is cleaned up (the agent stops the run even where the caller ignores SIGTERM:
-  `run_ranks` then raises).
+  callers killed outright are swept at the next run. The agent's SIGTERM handler raises at once,
+  even while the ranks are being started, which left a rank being forked unknown to the agent (see
+  `_Interrupts`): the run has its own handler of SIGTERM and Ctrl-C instead, which waits for the
+  start to end. The caller's handlers come back after the run, and a SIGTERM that stopped the run is
+  passed on to the caller's once the run is cleaned up (the run is stopped even where the caller
+  ignores SIGTERM: `run_ranks` then raises). The agent's log of that stop is dropped: the caller
+  reports it (the CLI in one line).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -83,6 +87,10 @@ TERM_GRACE_S = 2  # after SIGTERM, before SIGKILL (SIGTERM stays pending on a st
 SETTLE_S = 5.0  # after a failure, beyond the collective timeout, for the peers to record theirs
 SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by the agent when it starts the ranks
 HOST = "127.0.0.1"
+# torch's loggers of the agent's run and of its stopping the ranks (filtered by `_Interrupts`)
+AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.agent.server.local_elastic_agent",
+                 "torch.distributed.elastic.multiprocessing.api")
 # imported once by the fork server, so that every rank starts with them (what ranks run: the runtime)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing",
            "canzona.harness.worker", "canzona.harness.launch", "canzona.runtime.optimizer",
@@ -161,6 +169,7 @@ class _Agent(LocalElasticAgent):
         super().__init__(spec, DefaultLogsSpecs(log_dir=str(watch.run_dir)), start_method=_start_method(),
                          shutdown_timeout=TERM_GRACE_S)
         self.watch = watch
+        self.interrupts: _Interrupts | None = None  # set by `_run`
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._pcontext is None:
@@ -177,6 +186,12 @@ class _Agent(LocalElasticAgent):
         # every rank has saved its result: an exit code after that (an abort at exit) changes nothing
         return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(range(len(procs))))
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self.interrupts is None:
+            return super()._start_workers(worker_group)
+        with self.interrupts.holding():  # a signal is acted upon once every rank is started
+            return super()._start_workers(worker_group)
+
     def stop(self) -> None:
         """Stop the ranks still running (SIGTERM, `TERM_GRACE_S`, then SIGKILL) and reap them all.
         The agent's own stop after a failure waits 30 s for a process that ignores SIGTERM."""
@@ -191,10 +206,23 @@ class _Agent(LocalElasticAgent):
 
 
 def _run(agent: _Agent, handler: Any, on_main: bool) -> signal.Signals | None:
-    """Run the agent, with its SIGTERM handler; return the signal that stopped it, if one did.
-    The caller's handler and environment are back afterwards, and no rank is left running."""
+    """Run the agent under `_Interrupts`; return the signal that stopped it, if one did.
+    The caller's handlers and environment are back afterwards, and no rank is left running."""
     told = os.environ.get(SIGNALS_VAR)
-    os.environ[SIGNALS_VAR] = "SIGTERM"  # alone: Ctrl-C stays a KeyboardInterrupt, which stops it too
+    # torch's agent installs a handler for each signal named here as it starts the ranks, one that
+    # raises at once, cutting the start short (see `_Interrupts`): it gets a signal that nothing
+    # sends (SIGURG: out-of-band data on a socket that asked for it), so SIGTERM stays with ours
+    os.environ[SIGNALS_VAR] = "SIGURG"
+    kept = {s: signal.getsignal(s) for s in (signal.SIGURG, signal.SIGINT)} if on_main else {}
+    interrupts = _Interrupts(kept.get(signal.SIGINT))
+    agent.interrupts = interrupts
+    if on_main:
+        signal.signal(signal.SIGTERM, interrupts)
+        if callable(kept[signal.SIGINT]):  # not where the caller ignores Ctrl-C (a background job)
+            signal.signal(signal.SIGINT, interrupts)
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(interrupts)
     try:
         agent.run()
     except SignalException as e:
@@ -206,8 +234,63 @@ def _run(agent: _Agent, handler: Any, on_main: bool) -> signal.Signals | None:
             os.environ[SIGNALS_VAR] = told
         if on_main:  # a handler set outside Python (None) cannot be put back: the default is
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
-        agent.stop()  # however the run ended (an exception in the agent's own stop included)
+            for sig, kept_handler in kept.items():
+                signal.signal(sig, signal.SIG_DFL if kept_handler is None else kept_handler)
+        try:
+            agent.stop()  # however the run ended (an exception in the agent's own stop included)
+        finally:
+            for logger in loggers:
+                logger.removeFilter(interrupts)
     return None
+
+
+class _Interrupts(logging.Filter):
+    """The run's handler of SIGTERM and Ctrl-C (SIGINT), and the filter of the agent's logs.
+
+    SIGTERM raises torch's `SignalException`, on which the agent stops the ranks and `run_ranks`
+    passes the signal on; SIGINT calls the caller's handler (Python's raises KeyboardInterrupt),
+    which the agent's stop follows as well. Either is held while the ranks are being started
+    (`holding`), and acted upon once they are: raised in the middle, the start left a rank that the
+    fork server was still forking, its pid never known and so never stopped, which found its
+    semaphores unlinked by the caller's exit and printed a traceback after the caller's last line.
+
+    Once the caller is being stopped by a signal, the agent's account of stopping the ranks (the
+    death signal received, each process closed via SIGTERM or SIGKILL) is dropped: the caller
+    reports the stop itself (the CLI in one line)."""
+
+    def __init__(self, sigint_handler: Any):
+        super().__init__()
+        self.sigint_handler = sigint_handler
+        self.starting = False
+        self.held: int | None = None
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        if self.starting:
+            self.held = self.held or signum
+            return
+        self._act(signum, frame)
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        self.starting = True
+        try:
+            yield
+        finally:
+            self.starting = False
+            if self.held is not None:
+                self._act(self.held, None)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.stopping
+
+    def _act(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and callable(self.sigint_handler):
+            self.sigint_handler(signum, frame)
+            return
+        sig = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
 def _pass_on(sig: signal.Signals, handler: Any) -> None:

@@ -629,6 +629,65 @@ def test_sigterm_stops_validate_and_its_workers_at_once(terminal):
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("sig, when", [
+    ("SIGTERM", "starting"), ("SIGTERM", "running"), ("SIGINT", "starting"),
+], ids=["SIGTERM-starting", "SIGTERM-running", "SIGINT-starting"])
+def test_a_signal_stops_a_run_on_ranks_with_one_line(sig, when):
+    """`validate` (the runtime measurement; `verify` and `calibrate` start their ranks the same
+    way, `canzona.harness.launch`) stopped by a signal while its ranks are being started (the fork
+    server still importing torch) or running ends with the CLI's one line and leaves no process
+    behind. Before: torch's agent logged its death-signal warnings, and a start cut short left a
+    rank forked after the CLI had gone, whose traceback (FileNotFoundError: its semaphores were
+    unlinked) came last."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "validate", "--dp", "2", "--rounds", "3",
+                             "--policies", "canzona,layerwise", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        # the fork server (and the resource tracker) come first, then the ranks, its children
+        deadline = time.monotonic() + 90
+        while not (kids := _descendants(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if when == "running":
+            while len(kids := _descendants(proc.pid)) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(kids) >= 4, "the ranks did not start within 90 s"  # a run's ranks last about 1 s
+        assert kids, "validate started no process within 90 s"
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)  # until every holder of stderr has closed it
+    finally:
+        if proc.poll() is None:  # the test failed: stop what it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (proc.returncode, out) == (128 + getattr(signal, sig), "")
+    assert err.strip().splitlines() == [f"error: stopped by {sig}"]
+    time.sleep(0.5)
+    left = [pid for pid in _descendants(proc.pid) + kids
+            if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+    assert left == []
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live descendants of a process (Linux: its threads' children, recursively)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    kids = []
+    for task in tasks:
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [d for k in kids for d in (k, *_descendants(k))]
+
+
 # --- models from files: each mistake is one line, before any planning or simulation ---------------
 
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
