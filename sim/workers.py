@@ -27,10 +27,17 @@ def stopping_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     except BaseException:
         # the executor keeps no public handle on its workers (Python < 3.14 has no terminate_workers)
         processes = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)  # shutdown drops the executor's handle
         pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
             p.kill()  # not SIGTERM: a worker inherits the CLI's handler, whose SystemExit its task loop would catch
         for p in processes:
             p.join(JOIN_S)
+        if manager is not None:
+            # The thread that manages the pool sees its workers gone and closes its wake-up pipe as
+            # it ends. Python 3.11 wakes that thread at exit unlocked (gh-125451, fixed in 3.12 and 3.13), so a
+            # pipe closed between its check and its write printed "Exception ignored" after the
+            # CLI's line: the thread ends here first, and the exit finds the pipe closed.
+            manager.join(JOIN_S)
         raise
     pool.shutdown(wait=True)
