@@ -190,6 +190,8 @@ class _Agent(LocalElasticAgent):
         if self.interrupts is None:
             return super()._start_workers(worker_group)
         with self.interrupts.holding():  # a signal is acted upon once every rank is started
+            if self._start_method == "forkserver":
+                _start_fork_server()
             return super()._start_workers(worker_group)
 
     def stop(self) -> None:
@@ -203,6 +205,22 @@ class _Agent(LocalElasticAgent):
     def _processes(self) -> list[Any]:
         """The ranks' processes (exit code, pid), once started: the process context offers pids only."""
         return [] if self._pcontext is None else self._pcontext._pc.processes  # noqa: SLF001
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (if it is not running) with SIGINT blocked, which it keeps across its
+    exec: it imports the preloaded modules (about 3 s) before it ignores SIGINT itself (discarding
+    one pending), and a Ctrl-C there (a terminal signals the whole process group) printed its
+    KeyboardInterrupt traceback. Its ranks unblock SIGINT (`worker.main`). Blocked in this thread
+    only, a Ctrl-C to the caller meanwhile is taken by another thread for `_Interrupts`, not lost."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: its own launch unblocks SIGINT in this thread
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _run(agent: _Agent, handler: Any, on_main: bool) -> signal.Signals | None:

@@ -19,6 +19,7 @@ import json
 import multiprocessing.util
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -72,6 +73,8 @@ def report_progress(done: int, total: int, what: str) -> None:
 def main(run_dir: str, env: dict[str, str], launcher: int, threads: int, timeout_s: float) -> None:
     """One rank: join the group, run the job in `run_dir`, leave its result or its error there."""
     _let_go_of_the_fork_server()  # a no-op in a spawned rank
+    # a forked rank has the fork server's signal mask, SIGINT blocked (`launch._start_fork_server`)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     parent = _watched(launcher)
     # first: the launcher may be gone already. A thread, so that it works while the main thread is
     # blocked in C (a gloo collective), where torch's parent-death SIGINT is never acted upon.
