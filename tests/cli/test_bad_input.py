@@ -586,13 +586,15 @@ def test_sigterm_removes_the_temporary_file_of_a_write(tmp_path, monkeypatch):
 
 
 
-@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
-def test_sigterm_stops_validate_and_its_workers_at_once(terminal):
+@pytest.mark.parametrize("terminal, sig", [(False, "SIGTERM"), (True, "SIGTERM"), (False, "SIGINT")],
+                         ids=["pipe", "terminal", "pipe-SIGINT"])
+def test_sigterm_stops_validate_and_its_workers_at_once(terminal, sig):
     """`validate --published` submits every row to its workers at once: a SIGTERM stops it in
     seconds (the pool's rows cancelled, its workers killed) with one line and no output, rather
     than after every row is simulated (`sim.workers.stopping_pool`). On a terminal (rich's
     TTY_COMPATIBLE: its progress bar drawn) the line comes after the bar is cleared: written at the
-    signal, it was glued to the bar's end and the bar left on screen with it."""
+    signal, it was glued to the bar's end and the bar left on screen with it. Ctrl-C (SIGINT) the
+    same (typer ended it silently, status 130)."""
     import os
     import signal
     import subprocess
@@ -612,7 +614,7 @@ def test_sigterm_stops_validate_and_its_workers_at_once(terminal):
         workers = [int(pid) for pid in children.read_text().split()]
         assert workers, "validate started no worker within 60 s"
         time.sleep(1.0)  # the workers are inside their first rows
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=15)
         assert time.monotonic() - t0 < 10
@@ -620,12 +622,12 @@ def test_sigterm_stops_validate_and_its_workers_at_once(terminal):
         if proc.poll() is None:  # the test failed: stop what it started
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + getattr(signal, sig)
     assert out == ""
     if terminal:
         assert "\x1b[2K" in err  # the bar was drawn, and erased: nothing may follow the line
         err = err.rsplit("\x1b[2K", 1)[1]
-    assert err.strip().splitlines() == ["error: stopped by SIGTERM"]
+    assert err.strip().splitlines() == [f"error: stopped by {sig}"]
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
