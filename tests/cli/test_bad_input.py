@@ -631,10 +631,13 @@ def test_sigterm_stops_validate_and_its_workers_at_once(terminal, sig):
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sig, when, group", [
-    ("SIGTERM", "starting", False), ("SIGTERM", "running", False), ("SIGINT", "starting", False),
-    ("SIGINT", "starting", True),
+    # CI time: the terminal's Ctrl-C (the whole group) and SIGTERM while the ranks run in every run;
+    # the other two, which take the same paths, with the slow tests
+    pytest.param("SIGTERM", "starting", False, marks=pytest.mark.slow), ("SIGTERM", "running", False),
+    pytest.param("SIGINT", "starting", False, marks=pytest.mark.slow), ("SIGINT", "starting", True),
 ], ids=["SIGTERM-starting", "SIGTERM-running", "SIGINT-starting", "SIGINT-group-starting"])
 def test_a_signal_stops_a_run_on_ranks_with_one_line(sig, when, group):
     """`validate` (the runtime measurement; `verify` and `calibrate` start their ranks the same
