@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -39,8 +39,7 @@ _ARGUMENTS = ("self", "found_inf", "inv_scale")  # its schema's, in order
 class AmpOwner(Protocol):
     """What the handler asks of an optimizer (`FsdpOptimizer` and `DistributedOptimizer` implement it)."""
 
-    def amp_gradients(self) -> set[int]:
-        """The ids of the `.grad` tensors of its parameters, as they are now."""
+    params: Mapping[str, Tensor]  # its parameters by name, whose `.grad` it steps
 
     def _amp_unscale(self, found_inf: Tensor, inv_scale: Tensor) -> None:
         """Unscale its gradients by `inv_scale`; set `found_inf` to 1 where any is not finite, alike
@@ -77,7 +76,7 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
     # else the newest first: an optimizer built again over the same model (a resume) while the old
     # one is still referenced steps those gradients now
     for owner in owners:
-        mine = owner.amp_gradients()
+        mine = {id(p.grad) for p in owner.params.values() if p.grad is not None}  # as they are now
         if named <= mine:
             owner._amp_unscale(bound["found_inf"], bound["inv_scale"])
             return None

@@ -68,7 +68,7 @@ from canzona.runtime.fsdp_layout import (
     replica_dims,
     root_mesh,
 )
-from canzona.runtime.grad_guard import AMP_AFTER_CLIP
+from canzona.runtime.grad_guard import AMP_AFTER_CLIP, handed_inverse_scale
 from canzona.runtime.gradients import (
     _all_same,
     _clip_disagreement,
@@ -610,9 +610,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if not math.isfinite(self.checked[1]):
             found_inf.fill_(1.0)
 
-    def amp_gradients(self) -> set[int]:
-        """The ids of the parameters' `.grad` DTensors (`canzona.runtime.dtensor_amp`)."""
-        return {id(p.grad) for p in self.params.values() if p.grad is not None}
 
     def _inf_norm(self, got: Mapping[str, bool]) -> float:
         # the gradients' largest magnitude as the step takes them (a clip or an unscale kept as a
@@ -641,7 +638,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        inverse = handed_inverse_scale(self)
         got, norm = self.check(self.max_grad_norm)
         try:
             for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
@@ -651,9 +648,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 self._digest = self._grad_digest()
             raise
         try:
-            if grad_scale is not None and math.isfinite(norm):
-                # GradScaler's own reciprocal (double, then float32), so that the product is unscale_'s
-                self._scale_gradients(float(torch.as_tensor(grad_scale).double().reciprocal().float()))
+            if inverse is not None and math.isfinite(norm):
+                self._scale_gradients(inverse)
                 norm = self.checked[1]
             if not math.isfinite(norm):  # nonfinite="skip", or GradScaler's verdict: every rank skips alike
                 self.skipped_steps += 1

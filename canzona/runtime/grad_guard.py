@@ -66,6 +66,15 @@ AMP_AFTER_CLIP = ("GradScaler's unscale after clip_grad_norm_() in the same step
                   "then scaler.step(opt)")
 
 
+
+def handed_inverse_scale(optimizer: object) -> float | None:
+    """The inverse of the scale `GradScaler.step(opt)` handed `optimizer` for this `step()` call
+    (`grad_scale`, set for the call only; None where none was), as GradScaler computes it (the
+    reciprocal in double, then float32), so that the product is its `unscale_`'s."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return None if scale is None else float(torch.as_tensor(scale).double().reciprocal().float())
+
+
 class GuardOwner(Protocol):
     """What a guard asks of the optimizer (`GradientSync` implements it)."""
 

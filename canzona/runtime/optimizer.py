@@ -71,7 +71,7 @@ from canzona.runtime.expert_part import (
     check_expert_stack,
     expert_groups,
 )
-from canzona.runtime.grad_guard import AMP_AFTER_CLIP
+from canzona.runtime.grad_guard import AMP_AFTER_CLIP, handed_inverse_scale
 from canzona.runtime.gradients import GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
@@ -723,10 +723,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not math.isfinite(self.grads.checked.norm):
             found_inf.fill_(1.0)
 
-    def amp_gradients(self) -> set[int]:
-        """The ids of the parameters' `.grad` tensors (guards, or DTensors wrapping guards), for
-        `canzona.runtime.dtensor_amp`."""
-        return {id(p.grad) for p in self.params.values() if p.grad is not None}
 
     def _inf_norm(self) -> float:
         """The largest gradient magnitude in the cluster (two more small all-gathers: the step check
@@ -757,13 +753,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return run_step(self, closure, self._step)
 
     def _step(self) -> None:
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        inverse = handed_inverse_scale(self)
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
-        if grad_scale is not None:
-            # GradScaler's own reciprocal (double, then float32), so that the product is unscale_'s
-            self._amp_inv = float(torch.as_tensor(grad_scale).double().reciprocal().float())
-        if grad_scale is not None and math.isfinite(check.norm):
+        if inverse is not None:
+            self._amp_inv = inverse
+        if inverse is not None and math.isfinite(check.norm):
             self._scale_gradients(self._amp_inv)
             check = self.grads.checked
         if not math.isfinite(check.norm):  # nonfinite="skip", or GradScaler's verdict (prepare raised otherwise)
