@@ -629,8 +629,7 @@ class SimResult:
                 "dp_policy": self.expert_plan.dp_plan.policy, "tp_policy": self.expert_plan.tp_plan.policy,
                 "edp": self.expert_plan.dp, "etp": self.expert_plan.tp,
                 "buckets": len(self.expert_plan.dp_plan.buckets),
-                "capacity": None if self.expert_plan.tp_plan.capacity is None else
-                {"value": self.expert_plan.tp_plan.capacity.value, "unit": self.expert_plan.tp_plan.capacity.unit},
+                "capacity": None if self.expert_plan.tp_plan.capacity is None else asdict(self.expert_plan.tp_plan.capacity),
                 "groups": self.expert_plan.tp_plan.metrics.groups},
             "router_imbalance": cfg.router_imbalance,
             **({"fsdp": {"shard": cfg.gpus // (cfg.tp * cfg.hsdp_replicate), "replicate": cfg.hsdp_replicate,
@@ -648,8 +647,7 @@ class SimResult:
             # the plan's settings as given, so that a run's JSON tells its plan from the default's
             "plan_settings": {"alpha": cfg.alpha, "balance_by": cfg.balance_by, "bucket_size": cfg.bucket_size,
                               "align": cfg.align, "geometry": cfg.geometry,
-                              "capacity": None if cfg.capacity is None else
-                              {"value": cfg.capacity.value, "unit": cfg.capacity.unit}},
+                              "capacity": None if cfg.capacity is None else asdict(cfg.capacity)},
             "hardware": cfg.hardware,
             "workload": asdict(cfg.workload),
             "iteration_time_s": self.iteration_time_s,
