@@ -329,6 +329,13 @@ def check_geometry(name: str) -> str:
 PLAN_DEFAULTS = PlanSettings()
 
 
+# the plan's settings among those (`check_one_rank_settings`): field, flag, default (the simulator
+# adds its run options, `sim.simulate.ONE_RANK_SETTINGS`)
+ONE_RANK_PLAN_SETTINGS: tuple[tuple[str, str, Any], ...] = (
+    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by),
+    ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size))
+
+
 def check_one_rank_settings(changed: Sequence[str], groups: Sequence[int]) -> None:
     """Settings off their defaults (`changed`, each as its flag reads) that change nothing where
     every plan's DP group is one rank (`groups`: the dense part's DP x CP, and under EP the

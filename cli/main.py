@@ -48,6 +48,7 @@ from canzona.plan import (
     DEFAULT_GEOMETRY,
     GEOMETRIES,
     MAX_DP,
+    ONE_RANK_PLAN_SETTINGS,
     PLAN_DEFAULTS,
     Plan,
     check_geometry,
@@ -237,9 +238,10 @@ def plan(
                                  geometry=geometry, capacity=capacity, balance_by=balance_by)
         # with one DP rank (one EDP rank too under EP) the plan computes every matrix on it: the
         # balance's settings change only their echo in the plan file
-        check_one_rank_settings([f"{flag} {value}" for flag, value, default in (
-            ("--alpha", alpha, PLAN_DEFAULTS.alpha), ("--balance-by", balance_by, PLAN_DEFAULTS.balance_by))
-            if value != default], (dp, edp) if ep > 1 else (dp,))
+        # (not --bucket-size: the plan file's buckets are cut by it at any DP)
+        given = {"alpha": alpha, "balance_by": balance_by}
+        check_one_rank_settings([f"{flag} {given[name]}" for name, flag, default in ONE_RANK_PLAN_SETTINGS
+                                 if name in given and given[name] != default], (dp, edp) if ep > 1 else (dp,))
         dp_policy = dp_policy or step.dp_policy or PLAN_DEFAULTS.dp_policy
         tp_policy = step.tp_policy or tp_policy
         costs = cost_model_for(hardware, cost_table)

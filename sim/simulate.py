@@ -63,6 +63,7 @@ from canzona.pipeline import (
 from canzona.plan import (
     BATCH_CAPACITY,
     DEFAULT_GEOMETRY,
+    ONE_RANK_PLAN_SETTINGS,
     PLAN_DEFAULTS,
     Plan,
     PlanSettings,
@@ -150,8 +151,7 @@ ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
 # (under `options.` a run option's), flag, default. Not --align: it pads each parameter's start in
 # the buffers at any DP, so memory and time differ at DP 1
 ONE_RANK_SETTINGS: tuple[tuple[str, str, Any], ...] = (
-    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("balance_by", "--balance-by", PLAN_DEFAULTS.balance_by),
-    ("bucket_size", "--bucket-size", PLAN_DEFAULTS.bucket_size),
+    *ONE_RANK_PLAN_SETTINGS,
     ("options.reduce_scatter", "--reduce-scatter", RunOptions.reduce_scatter),
     ("options.overlap_grad_reduce", "--no-overlap-grad-reduce", RunOptions.overlap_grad_reduce),
     # the pipeline's launch of those reductions and where the step's parameter gathers run: there
