@@ -114,6 +114,15 @@ def check_owner_plan_settings(policy: FsdpStepPolicy, settings: PlanSettings) ->
                         f"{policy.name}, whose owners ({policy.owners}) no plan places")
 
 
+def owner_plan_defaults(policy: FsdpStepPolicy) -> dict[str, object]:
+    """`OWNER_PLAN_SETTINGS` at their defaults, by field, for a policy whose owners no plan places
+    (empty for canzona's): what such a baseline runs with beside canzona at the settings given
+    (`canzona compare --fsdp`, `canzona verify --fsdp --policy all`)."""
+    if policy.owners == OWNERS_BALANCED:
+        return {}
+    return {name: getattr(PLAN_DEFAULTS, name) for name in OWNER_PLAN_SETTINGS}
+
+
 def fsdp_matrices(spec: ModelSpec, shard: int, optimizer: str, policy: FsdpStepPolicy,
                   settings: PlanSettings | None = None,
                   cost_model: CostModel | None = None, *,

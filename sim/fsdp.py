@@ -47,7 +47,6 @@ from canzona.experts import dense_part
 from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     MAX_OWNER_GROUPS,
-    OWNER_PLAN_SETTINGS,
     ROOT,
     FsdpMatrix,
     FsdpRankBytes,
@@ -60,6 +59,7 @@ from canzona.fsdp_plan import (
     fsdp_units,
     owner_micro_groups,
 )
+from canzona.fsdp_plan import owner_plan_defaults as policy_plan_defaults
 from canzona.hardware import HardwareProfile
 from canzona.memory import (
     LayerDims,
@@ -86,7 +86,6 @@ from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
-    OWNERS_BALANCED,
     FsdpStepPolicy,
     default_policy,
     get_fsdp_policy,
@@ -239,13 +238,11 @@ def _check_zero1_step_options(cfg) -> None:
 
 
 def owner_plan_defaults(optimizer: str, policy: str) -> dict[str, object]:
-    """`canzona.fsdp_plan.OWNER_PLAN_SETTINGS` at their defaults, by field, for an FSDP `policy`
-    whose owners no plan places (empty for canzona's, and for AdamW's, which has none): what
-    `compare` runs a baseline with beside canzona at the settings given (`sim.simulate.with_policy`)."""
+    """`canzona.fsdp_plan.owner_plan_defaults` of the FSDP `policy` by name under `optimizer` (empty
+    for AdamW's, which has no owner plan): what `compare` runs a baseline with beside canzona at the
+    settings given (`sim.simulate.with_policy`)."""
     step = fsdp_policy(optimizer, policy)
-    if step is None or step.owners == OWNERS_BALANCED:
-        return {}
-    return {name: getattr(PLAN_DEFAULTS, name) for name in OWNER_PLAN_SETTINGS}
+    return {} if step is None else policy_plan_defaults(step)
 
 
 # --- one definition each, for the run (`_FsdpRun`) and the search's floors (`sim.search`) ------------

@@ -244,9 +244,9 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
     makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group, x TP under FSDP x TP), made here
     so that bad settings fail before any spawn (`tp_policy` / `tp_mode`: the training spec refuses
     them off their defaults, `TrainSpec.check`)."""
-    from canzona.fsdp_plan import check_hsdp, fsdp_matrices
+    from canzona.fsdp_plan import check_hsdp, fsdp_matrices, owner_plan_defaults
     from canzona.harness.training import TrainSpec
-    from canzona.step_policies import OWNERS_BALANCED, get_fsdp_policy
+    from canzona.step_policies import get_fsdp_policy
 
     shard = check_hsdp(True, dp, hsdp_replicate)
     recorded = steps * sum(p.numel for p in mspec.params)
@@ -266,16 +266,16 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
         for pol in policies:
             # canzona's owner plan settings are its own: under `all` the owners no plan places run at
             # the defaults (named alone, such a policy refuses them: `check_owner_plan_settings`)
-            own = policy != "all" or get_fsdp_policy(pol).owners == OWNERS_BALANCED
-            plan_dp, plan_alpha, plan_bucket = (dp_policy, alpha, bucket_size) if own else \
-                (PLAN_DEFAULTS.dp_policy, PLAN_DEFAULTS.alpha, PLAN_DEFAULTS.bucket_size)
-            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=plan_dp, alpha=plan_alpha,
-                             bucket_size=plan_bucket, steps=steps, global_batch=global_batch, seq_len=seq_len,
-                             accumulation=accumulation, fsdp=True, hsdp_replicate=hsdp_replicate, tp=tp,
-                             tp_style="dtensor", tp_policy=tp_policy, tp_mode=tp_mode)
+            settings = PlanSettings(dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size)
+            if policy == "all":
+                settings = replace(settings, **owner_plan_defaults(get_fsdp_policy(pol)))
+            spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=settings.dp_policy,
+                             alpha=settings.alpha, bucket_size=settings.bucket_size, steps=steps,
+                             global_batch=global_batch, seq_len=seq_len, accumulation=accumulation, fsdp=True,
+                             hsdp_replicate=hsdp_replicate, tp=tp, tp_style="dtensor", tp_policy=tp_policy,
+                             tp_mode=tp_mode)
             spec.check(dp)
-            _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), PlanSettings(
-                dp_policy=plan_dp, alpha=plan_alpha, bucket_size=plan_bucket))
+            _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), settings)
             cases.append(VerifyCase(spec, plan))
     return cases
 
