@@ -829,19 +829,19 @@ def async_save_job(rank: int, world: int, path: str) -> dict:
     dcp.load(state, checkpoint_id=f"{path}-async-helper")
     set_optimizer_state_dict(fresh, opt2, state["optim"])
     out["helper at save"] = _nested_equal(opt2.state_dict(), at_helper)
-    opt3 = _optimizer(build_model(BASE))
-    state = {"optim": opt3.state_dict()}
-    dcp.load(state, checkpoint_id=f"{path}-async-plain")
-    opt3.load_state_dict(state["optim"])
-    out["plain at save"] = _nested_equal(opt3.state_dict(), at_plain)
+
+    def plain_loaded(folder: str) -> dict:  # a fresh optimizer's state dict after dcp.load of `opt.state_dict()`
+        fresh = _optimizer(build_model(BASE))
+        state = {"optim": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=folder)
+        fresh.load_state_dict(state["optim"])
+        return fresh.state_dict()
+
+    out["plain at save"] = _nested_equal(plain_loaded(f"{path}-async-plain"), at_plain)
     opt4 = _optimizer(build_model(BASE))
     opt4.load_sharded_state_dict(f"{path}-async-sharded")
     out["sharded at save"] = _nested_equal(opt4.state_dict(), at_sharded)
-    opt5 = _optimizer(build_model(BASE))
-    state = {"optim": opt5.state_dict()}
-    dcp.load(state, checkpoint_id=f"{path}-async-process")
-    opt5.load_state_dict(state["optim"])
-    out["process at save"] = _nested_equal(opt5.state_dict(), at_process)
+    out["process at save"] = _nested_equal(plain_loaded(f"{path}-async-process"), at_process)
     return out
 
 
