@@ -22,7 +22,6 @@ parameters installs itself too, so the op reaches its `_amp_unscale` whichever t
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 
 from canzona.errors import CanzonaError
+from canzona.runtime import amp_handles
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _ARGUMENTS = ("self", "found_inf", "inv_scale")  # its schema's, in order
@@ -72,7 +72,9 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
         # GradScaler says whose gradients these are: that optimizer's unscale, not that of another
         # over the same gradients (a second one built over the model, never stepped, took them, and
         # answered with its own stale check); a torch optimizer's is torch's
-        owners = [owner for owner in owners if owner is unscaled]
+        # (or a wrapper of it: accelerate's AcceleratedOptimizer, a Lightning-style or user's proxy,
+        # which is that optimizer: before, torch's handler took its gradients)
+        owners = [owner for owner in owners if amp_handles.handles(unscaled, owner)]
     # else the newest first: an optimizer built again over the same model (a resume) while the old
     # one is still referenced steps those gradients now
     for owner in owners:
@@ -90,11 +92,6 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
 
 def _unscaled_optimizer() -> Any:
     """The optimizer GradScaler is unscaling (the `optimizer` argument of its `_unscale_grads_`, a
-    caller of this op: GradScaler hands the op only the gradients), or None where the op came from
-    elsewhere."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_unscale_grads_" and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
-            return frame.f_locals.get("optimizer")
-        frame = frame.f_back
-    return None
+    caller of this op: GradScaler hands the op only the gradients; a wrapper of canzona's optimizer
+    as given), or None where the op came from elsewhere."""
+    return amp_handles.scaler_argument("_unscale_grads_")

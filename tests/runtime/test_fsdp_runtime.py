@@ -203,7 +203,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               discard: int | None = None, drop_after_clip: int | None = None,
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
-              norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False) -> dict:
+              norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
+              wrap: str | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -236,12 +237,14 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     built after the one stepped and kept alive, never stepped (GradScaler unscales the first);
     `zero_model`: each step begins with `model.zero_grad()`, not the optimizer's. `scaler`
     `unscale-skip`: `unscale_`, the clip, and a step whose clip norm is not finite skipped by the
-    loop itself (`update` only, no `scaler.step`)."""
+    loop itself (`update` only, no `scaler.step`). `wrap`: the scaler is handed that wrapper of the
+    optimizer (tests/runtime/amp_wrappers.py), not the optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from canzona.errors import CanzonaError
     from canzona.runtime import DistributedOptimizer
+    from tests.runtime.amp_wrappers import WRAPPERS
 
     model = Small().to(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
     mspec = small_spec()
@@ -251,6 +254,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
     amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                            growth_interval=1 if scaler == "unscale" else 2000)
+    given = opt if wrap is None else WRAPPERS[wrap](opt)
     refused, scales = None, []
     local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     if cast:
@@ -286,7 +290,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         try:
             threshold = clips.get(rank) if clips is not None else clip
             if scaler in ("unscale", "unscale-skip"):
-                amp.unscale_(opt)
+                amp.unscale_(given)
             if threshold is not None:
                 norms.append(float(opt.clip_grad_norm_(threshold, norm_type)))
             if scaler == "unscale-skip" and not math.isfinite(norms[-1]):  # the loop's own skip
@@ -326,7 +330,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             if amp is None:
                 opt.step()
             else:
-                amp.step(opt)
+                amp.step(given)
                 amp.update()
                 scales.append(amp.get_scale())
         except (CanzonaError, ValueError) as e:  # ValueError: torch's own refusals (GradScaler's fp16 unscale_)
@@ -423,6 +427,12 @@ SMALL_CASES = {
     "fp16-scaler-step": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "fp16": True},
     "fp16-scaler-unscale": {"steps": 1, "scaler": "unscale", "fp16": True},
     "scaler-clip-unscale": {"steps": 2, "clip": 0.05, "scaler": "clip-unscale"},
+    # the scaler handed a wrapper of the optimizer: step alone through a Lightning-style one; an
+    # Inf in rank 1's shard through unscale_ and the clip, by the optimizer and through a user's proxy
+    "scaler-step-forwarding": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "wrap": "forwarding"},
+    "scaler-unscale-inf": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1, "poison_with": math.inf},
+    "scaler-unscale-inf-proxy": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1,
+                                 "poison_with": math.inf, "wrap": "proxy"},
     "scaler-clip-step": {"steps": 2, "clip": 0.05, "scaler": "clip-step"},
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
@@ -711,8 +721,10 @@ def test_fsdp_grad_scaler_of_a_torch_optimizer_is_torchs_beside_a_canzona_optimi
 
 def test_fsdp_grad_scaler_step_alone_unscales_before_max_grad_norm_clips() -> None:
     """`scaler.step(opt)` alone hands the scale to step(), which unscales before its own clip
-    (`max_grad_norm=0.05`): the run clipped by `clip_grad_norm_(0.05)` without a scaler, bit for bit."""
-    for a, b in zip(_small()["clip"], _small()["scaler-step"]):
+    (`max_grad_norm=0.05`): the run clipped by `clip_grad_norm_(0.05)` without a scaler, bit for bit.
+    The same through a wrapper forwarding `_step_supports_amp_scaling` (Lightning-style), on which
+    GradScaler sets its scale: before, step() never saw it and stepped the scaled gradients."""
+    for a, b in zip(_small()["clip"] * 2, _small()["scaler-step"] + _small()["scaler-step-forwarding"]):
         assert b["error"] is None and b["skipped"] == 0, b["error"]
         assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
         assert b["scales"] == [2.0 ** 10] * 3, b["scales"]
@@ -738,6 +750,17 @@ def test_fsdp_grad_scaler_skips_an_inf_on_one_rank_on_every_rank_and_backs_off()
     for r, w in zip(results, want):
         assert r["error"] is None and r["skipped"] == 1, (r["error"], r["skipped"])
         assert r["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], r["scales"]
+        assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+def test_fsdp_grad_scaler_handed_a_proxy_of_the_optimizer_unscales_as_the_optimizer() -> None:
+    """`unscale_`, the clip and `scaler.step` through a user's proxy of the optimizer (forwarding
+    `param_groups`, `step`, `zero_grad`), an Inf in rank 1's shard at step 1: the run handed the
+    optimizer itself, bit for bit, the same skipped step and scales. Before: the unscale went to
+    torch's handler, the optimizer's check never saw it, and the clip raised the Inf as an error."""
+    for r, w in zip(_small()["scaler-unscale-inf-proxy"], _small()["scaler-unscale-inf"]):
+        assert r["error"] is None and w["error"] is None, (r["error"], w["error"])
+        assert r["scales"] == w["scales"] == [2.0 ** 11, 2.0 ** 10, 2.0 ** 11], (r["scales"], w["scales"])
         assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
 
 

@@ -224,18 +224,22 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
-def grad_scaler_job(rank: int, world: int, how: str) -> dict:
+def grad_scaler_job(rank: int, world: int, how: str, wrap: str | None = None) -> dict:
     """torch.amp.GradScaler's loop (`scale(loss).backward()`, `unscale_`, clip, `step`, `update`),
     scale 2**10: scaling a loss by a power of two scales every gradient exactly, so the weights
     are the unscaled run's bit for bit. `how`: `unscale` (unscale_, then opt.clip_grad_norm_),
     `step` (scaler.step only, clipped by max_grad_norm: the scaler hands its scale to step()),
     `inf` (rank 1's loss is Inf at the second step: skipped on every rank, the scale halved; `step
     inf`: the same through scaler.step alone, whose step() skips it),
-    `fp16` (an fp16 model, fp32 masters: scaler.step only; unscale_ is torch's refusal)."""
+    `fp16` (an fp16 model, fp32 masters: scaler.step only; unscale_ is torch's refusal). `wrap`: the
+    scaler is handed that wrapper of the optimizer (tests/runtime/amp_wrappers.py), not the optimizer."""
+    from tests.runtime.amp_wrappers import WRAPPERS
+
     spec = replace(BASE, clip_norm=0.05)
     model = build_model(replace(spec, dtype="fp16") if how == "fp16" else spec)
     opt = _optimizer(model, max_grad_norm=0.05 if how in ("step", "step inf", "fp16") else None)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1 if how == "unscale" else 2000)
+    given = opt if wrap is None else WRAPPERS[wrap](opt)
     out: dict = {"scales": [], "norms": [], "changed": []}
     for i, tokens in enumerate(_batches(rank, world, spec)):
         before = _params(model)
@@ -243,9 +247,9 @@ def grad_scaler_job(rank: int, world: int, how: str) -> dict:
         loss = model.loss(tokens)
         scaler.scale(loss * math.inf if how.endswith("inf") and i == 1 and rank == 1 else loss).backward()
         if how in ("unscale", "inf"):
-            scaler.unscale_(opt)
+            scaler.unscale_(given)
             out["norms"].append(float(opt.clip_grad_norm_(0.05)))
-        scaler.step(opt)
+        scaler.step(given)
         scaler.update()
         out["scales"].append(scaler.get_scale())
         out["changed"].append(not compare(_params(model), before)["bit_identical"])
@@ -872,6 +876,8 @@ JOBS = {
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
     **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "step inf", "fp16")},
+    # scaler.step alone handed a wrapper forwarding every attribute (Lightning-style)
+    "scaler step forwarding": ("grad_scaler_job", ("step", "forwarding")),
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
     **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
@@ -1051,8 +1057,10 @@ def test_grad_scaler_unscale_clip_step_update_trains_as_the_unscaled_loop(runs):
 
 
 def test_grad_scaler_step_alone_unscales_before_the_optimizers_clip(runs):
+    """The same through a wrapper forwarding `_step_supports_amp_scaling` (Lightning-style): GradScaler
+    sets its scale on the wrapper. Before: step() never saw it and stepped the scaled gradients."""
     want = runs["clip max_grad_norm"][0]["params"]
-    for out in runs["scaler step"]:
+    for out in runs["scaler step"] + runs["scaler step forwarding"]:
         assert compare(out["params"], want)["bit_identical"]
         assert out["scales"] == [2.0 ** 10] * 3
 

@@ -329,20 +329,25 @@ def grad_scaler_dtensor(rank: int) -> dict:
     run's weights bit for bit (`exact`); an Inf in rank 1's loss at the second step skipped on every
     rank, the scale 2**10 -> 2**9 alike (`scales`, `skipped`, `kept`); `unscale_` after a clip one
     error (`clip`). Before: DTensor's own error at the unscale ('got mixed torch.Tensor and
-    DTensor': GradScaler's one op over guards and DTensors wrapping guards)."""
+    DTensor': GradScaler's one op over guards and DTensors wrapping guards). The same handed a
+    wrapper of the optimizer (`wrapped`: `scaler.step` alone through a Lightning-style one, `unscale_`
+    through a user's proxy; tests/runtime/amp_wrappers.py): before, the op went to torch's handler
+    and met DTensor's error."""
     from canzona.runtime.grad_guard import AMP_AFTER_CLIP
     from canzona.runtime.shards import local_tensor
     from reference.data import fixed_batch
     from reference.tiny_model import TinyQwen3
     from reference.tiny_model_tp import parallelize_tiny
+    from tests.runtime.amp_wrappers import WRAPPERS
 
     mesh = _mesh()
     i = mesh.get_local_rank("dp")
     batches = [fixed_batch(256, 4, 16, seed=s)[2 * i:2 * i + 2] for s in (1, 2)]
 
-    def run(how: str) -> tuple[list[torch.Tensor], list[float], int, list[bool]]:
+    def run(how: str, wrap: str | None = None) -> tuple[list[torch.Tensor], list[float], int, list[bool]]:
         model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
         opt = _optimizer(model, model.spec(), mesh)
+        given = opt if wrap is None else WRAPPERS[wrap](opt)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         scales, kept = [], []
         for step, tokens in enumerate(batches):
@@ -355,8 +360,8 @@ def grad_scaler_dtensor(rank: int) -> dict:
                 continue
             scaler.scale(loss * math.inf if how == "inf" and step == 1 and rank == 1 else loss).backward()
             if how != "step":
-                scaler.unscale_(opt)
-            scaler.step(opt)
+                scaler.unscale_(given)
+            scaler.step(given)
             scaler.update()
             opt.wait_params()
             scales.append(scaler.get_scale())
@@ -377,6 +382,8 @@ def grad_scaler_dtensor(rank: int) -> dict:
     def runs() -> None:
         plain = run("plain")[0]
         out["exact"] = [all(torch.equal(a, b) for a, b in zip(plain, run(how)[0])) for how in ("step", "unscale")]
+        out["wrapped"] = [all(torch.equal(a, b) for a, b in zip(plain, run(how, wrap)[0]))
+                          for how, wrap in (("step", "forwarding"), ("unscale", "proxy"))]
         _, out["scales"], out["skipped"], out["kept"] = run("inf")
         clip = _outcome(clipped_first)
         out["clip"] = clip["canzona"] and clip["message"] == AMP_AFTER_CLIP
@@ -491,6 +498,7 @@ def test_grad_scaler_steps_a_dtensor_tp_model_as_the_unscaled_step():
     for rank, out in enumerate(got["grad_scaler_dtensor"]):
         assert out["type"] is None and out["healthy"], (rank, out)  # before: DTensor's 'got mixed ...'
         assert out["exact"] == [True, True], (rank, out["exact"])
+        assert out["wrapped"] == [True, True], (rank, out["wrapped"])
         # the Inf on rank 1 alone: every rank skips the second step and halves its scale
         assert out["scales"] == [2.0 ** 10, 2.0 ** 9] and out["skipped"] == 1, (rank, out)
         assert out["kept"] == [False, True], (rank, out["kept"])
