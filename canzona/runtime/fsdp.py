@@ -187,6 +187,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
     _amp_check: tuple[dict[str, bool], float] | None = None
     # the found_inf of the GradScaler call `_amp_check` was taken for (its op's calls share it)
     _amp_found: Tensor | None = None
+    # the step check whose gradients GradScaler's `unscale_` unscaled (followed through clips):
+    # `unscale_(wrapper)` then `step(opt)` brings the scale again, which must not unscale twice
+    _amp_unscaled: tuple[dict[str, bool], float] | None = None
     _clip_check: tuple[dict[str, bool], float] | None = None
 
     def __init__(self, opts: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
@@ -565,8 +568,11 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """Multiply the gradients the step takes, and the kept check's norm, by `coefficient` (a
         clip, or GradScaler's unscale); whether the gradients themselves were scaled (in place)."""
         got, norm = self.checked
+        unscaled = self._amp_unscaled is self.checked
         # a second call in this step sees the scaled norm (as the ZeRO-1 path's `_scale_gradients`)
         self.checked = (got, norm * coefficient)
+        if unscaled:  # a clip after GradScaler's unscale: the gradients stay unscaled
+            self._amp_unscaled = self.checked
         if self.master_weights:
             # low-precision gradients are scaled where the step widens them to fp32 (`_grad`), as
             # the ZeRO-1 path scales its fp32 reduced buffers: scaling the bf16 shard in place
@@ -598,6 +604,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self._amp_found = found_inf
             if self.checked is not None:
                 self.check(skip_nonfinite=True)
+        if self.checked is not None and self.checked is self._amp_unscaled:
+            # unscaled already in this step, through a wrapper of this optimizer (GradScaler's
+            # state for the optimizer itself is still READY): one optimizer, one unscale
+            if not math.isfinite(self.checked[1]):
+                found_inf.fill_(1.0)
+            return
         if self.checked is not None and self.checked is self._clip_check:
             raise CanzonaError(AMP_AFTER_CLIP)
         if self._amp_check is None or self._amp_check is not self.checked:
@@ -607,6 +619,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 self._scale_gradients(coefficient)
             # a clip or step() reusing this check compares the gradients with these values
             self._digest, self._amp_check = self._grad_digest(), self.checked
+            if coefficient != 1.0:
+                self._amp_unscaled = self.checked
         if not math.isfinite(self.checked[1]):
             found_inf.fill_(1.0)
 
@@ -640,6 +654,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
         inverse = handed_inverse_scale(self)
         got, norm = self.check(self.max_grad_norm)
+        if self.checked is self._amp_unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
+            inverse = None
         try:
             for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
                 self.group_config(g)

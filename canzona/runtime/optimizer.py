@@ -675,7 +675,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for grads in self._syncs():
             for buf in grads.all_buffers():
                 buf.reduced.mul_(coefficient)
+        unscaled = self._amp_unscaled is self.grads.checked
         self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
+        if unscaled:  # a clip after GradScaler's unscale: the gradients stay unscaled
+            self._amp_unscaled = self.grads.checked
 
     # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
     _amp_check: StepCheck | None = None
@@ -687,6 +690,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _amp_inv: float = 1.0
     # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
     _clip_check: StepCheck | None = None
+    # the step check whose gradients GradScaler's `unscale_` unscaled (followed through clips):
+    # GradScaler keys its state on the object it was handed, so `unscale_(wrapper)` then
+    # `step(opt)` (accelerate's step after `scaler.unscale_(accelerated_opt)`) brings the scale
+    # again, which must not unscale twice
+    _amp_unscaled: StepCheck | None = None
 
     @torch.no_grad()
     @autocast_off()
@@ -701,6 +709,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
+        if self.grads.checked is not None and self.grads.checked is self._amp_unscaled:
+            # unscaled already in this step, through a wrapper of this optimizer (GradScaler's
+            # state for the optimizer itself is still READY): one optimizer, one unscale
+            if not math.isfinite(self.grads.checked.norm):
+                found_inf.fill_(1.0)
+            return
         if self.grads.checked is not None and self.grads.checked is self._clip_check:
             raise CanzonaError(AMP_AFTER_CLIP)
         if self._amp_check is None or self._amp_check is not self.grads.checked:
@@ -720,6 +734,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if math.isfinite(check.norm) and coefficient != 1.0:
                 self._scale_gradients(coefficient)
             self._amp_check = self.grads.checked
+            if coefficient != 1.0:
+                self._amp_unscaled = self.grads.checked
         if not math.isfinite(self.grads.checked.norm):
             found_inf.fill_(1.0)
 
@@ -756,6 +772,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inverse = handed_inverse_scale(self)
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
+        if check is self._amp_unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
+            inverse = None
         if inverse is not None:
             self._amp_inv = inverse
         if inverse is not None and math.isfinite(check.norm):

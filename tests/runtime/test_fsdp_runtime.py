@@ -204,7 +204,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
-              wrap: str | None = None) -> dict:
+              wrap: str | None = None, wrap_step: bool = True) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -238,7 +238,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `zero_model`: each step begins with `model.zero_grad()`, not the optimizer's. `scaler`
     `unscale-skip`: `unscale_`, the clip, and a step whose clip norm is not finite skipped by the
     loop itself (`update` only, no `scaler.step`). `wrap`: the scaler is handed that wrapper of the
-    optimizer (tests/runtime/amp_wrappers.py), not the optimizer."""
+    optimizer (tests/runtime/amp_wrappers.py), not the optimizer (`wrap_step=False`: `scaler.step`
+    is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -330,7 +331,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             if amp is None:
                 opt.step()
             else:
-                amp.step(given)
+                amp.step(given if wrap_step else opt)
                 amp.update()
                 scales.append(amp.get_scale())
         except (CanzonaError, ValueError) as e:  # ValueError: torch's own refusals (GradScaler's fp16 unscale_)
@@ -431,6 +432,8 @@ SMALL_CASES = {
     # Inf in rank 1's shard through unscale_ and the clip, by the optimizer and through a user's proxy
     "scaler-step-forwarding": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "wrap": "forwarding"},
     "scaler-unscale-inf": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1, "poison_with": math.inf},
+    # unscale_ through a user's proxy, no clip, then scaler.step handed the optimizer itself
+    "scaler-unscale-proxy-then-optimizer": {"steps": 3, "scaler": "unscale", "wrap": "proxy", "wrap_step": False},
     "scaler-unscale-inf-proxy": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1,
                                  "poison_with": math.inf, "wrap": "proxy"},
     "scaler-clip-step": {"steps": 2, "clip": 0.05, "scaler": "clip-step"},
@@ -761,6 +764,17 @@ def test_fsdp_grad_scaler_handed_a_proxy_of_the_optimizer_unscales_as_the_optimi
     for r, w in zip(_small()["scaler-unscale-inf-proxy"], _small()["scaler-unscale-inf"]):
         assert r["error"] is None and w["error"] is None, (r["error"], w["error"])
         assert r["scales"] == w["scales"] == [2.0 ** 11, 2.0 ** 10, 2.0 ** 11], (r["scales"], w["scales"])
+        assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+def test_fsdp_grad_scaler_unscale_through_a_proxy_then_step_of_the_optimizer_unscales_once() -> None:
+    """`scaler.unscale_(proxy)`, then `scaler.step(opt)` (accelerate's step after the user's
+    `scaler.unscale_(accelerated_opt)`): GradScaler keys its state on the object, so the step of the
+    optimizer itself hands the scale again. The run without a scaler, bit for bit. Before: step()
+    unscaled the unscaled gradients again (by 2**-11, 2**-12, 2**-13), silently."""
+    for r, w in zip(_small()["scaler-unscale-proxy-then-optimizer"], _small()["plain"]):
+        assert r["error"] is None, r["error"]
+        assert r["scales"] == [2.0 ** 11, 2.0 ** 12, 2.0 ** 13], r["scales"]
         assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from canzona.errors import SpecError
+from canzona.errors import CanzonaError, SpecError
 from canzona.harness.launch import run_ranks
 from canzona.harness.training import (
     TrainSpec,
@@ -224,7 +224,7 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
     return out
 
 
-def grad_scaler_job(rank: int, world: int, how: str, wrap: str | None = None) -> dict:
+def grad_scaler_job(rank: int, world: int, how: str, wrap: str | None = None, then: str = "given") -> dict:
     """torch.amp.GradScaler's loop (`scale(loss).backward()`, `unscale_`, clip, `step`, `update`),
     scale 2**10: scaling a loss by a power of two scales every gradient exactly, so the weights
     are the unscaled run's bit for bit. `how`: `unscale` (unscale_, then opt.clip_grad_norm_),
@@ -232,7 +232,9 @@ def grad_scaler_job(rank: int, world: int, how: str, wrap: str | None = None) ->
     `inf` (rank 1's loss is Inf at the second step: skipped on every rank, the scale halved; `step
     inf`: the same through scaler.step alone, whose step() skips it),
     `fp16` (an fp16 model, fp32 masters: scaler.step only; unscale_ is torch's refusal). `wrap`: the
-    scaler is handed that wrapper of the optimizer (tests/runtime/amp_wrappers.py), not the optimizer."""
+    scaler is handed that wrapper of the optimizer (tests/runtime/amp_wrappers.py), not the optimizer;
+    `then="optimizer"`: `scaler.step` is handed the optimizer itself (accelerate's step after
+    `scaler.unscale_(accelerated_opt)`); `error`: a CanzonaError that ended the loop."""
     from tests.runtime.amp_wrappers import WRAPPERS
 
     spec = replace(BASE, clip_norm=0.05)
@@ -241,15 +243,20 @@ def grad_scaler_job(rank: int, world: int, how: str, wrap: str | None = None) ->
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1 if how == "unscale" else 2000)
     given = opt if wrap is None else WRAPPERS[wrap](opt)
     out: dict = {"scales": [], "norms": [], "changed": []}
+    out["error"] = None
     for i, tokens in enumerate(_batches(rank, world, spec)):
         before = _params(model)
         opt.zero_grad()
         loss = model.loss(tokens)
         scaler.scale(loss * math.inf if how.endswith("inf") and i == 1 and rank == 1 else loss).backward()
-        if how in ("unscale", "inf"):
-            scaler.unscale_(given)
-            out["norms"].append(float(opt.clip_grad_norm_(0.05)))
-        scaler.step(given)
+        try:
+            if how in ("unscale", "inf"):
+                scaler.unscale_(given)
+                out["norms"].append(float(opt.clip_grad_norm_(0.05)))
+            scaler.step(opt if then == "optimizer" else given)
+        except CanzonaError as e:
+            out["error"] = str(e)
+            break
         scaler.update()
         out["scales"].append(scaler.get_scale())
         out["changed"].append(not compare(_params(model), before)["bit_identical"])
@@ -878,6 +885,8 @@ JOBS = {
     **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "step inf", "fp16")},
     # scaler.step alone handed a wrapper forwarding every attribute (Lightning-style)
     "scaler step forwarding": ("grad_scaler_job", ("step", "forwarding")),
+    # unscale_ and the clip through a user's proxy, then scaler.step handed the optimizer itself
+    "scaler unscale proxy then optimizer": ("grad_scaler_job", ("unscale", "proxy", "optimizer")),
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
     **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
@@ -1050,7 +1059,11 @@ def test_grad_scaler_unscale_clip_step_update_trains_as_the_unscaled_loop(runs):
     supported'). unscale_ now unscales the reduced gradients (a collective, as the clip is); the
     clip then sees the unscaled global norm; the scale grows as GradScaler grows it."""
     explicit = runs["clip explicit"][0]
-    for out in runs["scaler unscale"]:
+    # the same with unscale_ through a proxy, then scaler.step(opt): GradScaler's state for the
+    # optimizer itself is still READY, its inf check came after the clip and its scale a second
+    # time. Before: 'GradScaler's unscale after clip_grad_norm_()' (without the clip: unscaled twice)
+    for out in runs["scaler unscale"] + runs["scaler unscale proxy then optimizer"]:
+        assert out["error"] is None, out["error"]
         assert compare(out["params"], explicit["params"])["bit_identical"], out["norms"]
         assert out["norms"] == explicit["norms"]
         assert out["scales"] == [2.0 ** 11, 2.0 ** 12, 2.0 ** 13]
