@@ -48,15 +48,38 @@ def _attribute(obj: Any, name: str) -> Any:
         return None
 
 
+def _scaler_frame(method: str) -> tuple[torch.amp.GradScaler, Any] | None:
+    """The GradScaler whose `method` this call runs under (the nearest), with that method's
+    `optimizer` argument; None where it runs under none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        scaler = frame.f_locals.get("self") if frame.f_code.co_name == method else None
+        if isinstance(scaler, torch.amp.GradScaler):
+            return scaler, frame.f_locals.get("optimizer")
+        frame = frame.f_back
+    return None
+
+
 def scaler_argument(method: str) -> Any:
     """The `optimizer` argument of the GradScaler `method` ("_unscale_grads_", "step") this call
     runs under (the nearest), or None where it runs under none."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == method and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
-            return frame.f_locals.get("optimizer")
-        frame = frame.f_back
-    return None
+    found = _scaler_frame(method)
+    return None if found is None else found[1]
+
+
+def inverse_of(scale: Any) -> float:
+    """The inverse of a GradScaler scale as GradScaler computes it (the reciprocal in double, then
+    float32), so that the product is its `unscale_`'s."""
+    return float(torch.as_tensor(scale).double().reciprocal().float())
+
+
+def inf_check_inverse() -> float | None:
+    """Under `GradScaler.step`'s inf check (`_check_inf_per_device`, which runs the unscale op at a
+    dummy inverse scale of 1): the inverse of the scale that step then hands the optimizer (its
+    `_scale`, as `grad_scale`); None under no inf check."""
+    found = _scaler_frame("_check_inf_per_device")
+    scale = None if found is None else found[0]._scale
+    return None if scale is None else inverse_of(scale)
 
 
 def handed_scale(optimizer: Any) -> Any:

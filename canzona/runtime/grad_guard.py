@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from canzona.errors import CanzonaError
-from canzona.runtime.amp_handles import handed_scale
+from canzona.runtime.amp_handles import handed_scale, inverse_of
 
 aten = torch.ops.aten
 
@@ -71,10 +71,9 @@ AMP_AFTER_CLIP = ("GradScaler's unscale after clip_grad_norm_() in the same step
 def handed_inverse_scale(optimizer: object) -> float | None:
     """The inverse of the scale `GradScaler.step(opt)` handed `optimizer` for this `step()` call
     (`grad_scale`, set for the call only, on it or on the wrapper of it GradScaler was given; None
-    where none was), as GradScaler computes it (the
-    reciprocal in double, then float32), so that the product is its `unscale_`'s."""
+    where none was), as GradScaler computes it (`amp_handles.inverse_of`)."""
     scale = handed_scale(optimizer)  # on the optimizer, or on the wrapper GradScaler was given
-    return None if scale is None else float(torch.as_tensor(scale).double().reciprocal().float())
+    return None if scale is None else inverse_of(scale)
 
 
 class GuardOwner(Protocol):

@@ -57,7 +57,7 @@ from canzona.plan import (
     plan_for,
 )
 from canzona.reductions import check_reduce_scatter
-from canzona.runtime import checkpoint, dtensor_amp
+from canzona.runtime import amp_handles, checkpoint, dtensor_amp
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
 from canzona.runtime.comm import Comm, PendingWork
@@ -683,11 +683,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
     _amp_check: StepCheck | None = None
     # overlap_step under GradScaler: the inverse scale the updates computed early are computed at
-    # (`_speculate`), set by `_amp_unscale` while its check runs (the buckets land inside it), and
-    # the inverse scale step() last took from GradScaler (`scaler.step` alone hands it over only
-    # after the check: the early updates are computed at the last one, kept where it still holds)
+    # (`_speculate`), set by `_amp_unscale` while its check runs (the buckets land inside it)
     _early_scale: float = 1.0
-    _amp_inv: float = 1.0
     # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
     _clip_check: StepCheck | None = None
     # the step check whose gradients GradScaler's `unscale_` unscaled (followed through clips):
@@ -721,8 +718,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             kept = [grads.nonfinite for grads in self._syncs()]
             coefficient = float(inv_scale)
             # the updates overlap_step computes as the buckets land (in the check below) are computed
-            # from the gradients as this unscale leaves them (kept by `_scale_gradients`)
-            self._early_scale = coefficient if coefficient != 1.0 else self._amp_inv
+            # from the gradients as this unscale leaves them (kept by `_scale_gradients`), or, under
+            # `scaler.step`'s inf check (a dummy inverse of 1), as step() will unscale them by the
+            # scale it is then handed: the first step, one after a resume and a scale of 1 alike
+            ahead = amp_handles.inf_check_inverse()
+            self._early_scale = coefficient if ahead is None else ahead
             try:
                 for grads in self._syncs():
                     grads.nonfinite = "skip"
@@ -774,10 +774,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
         if check is self._amp_unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
-        if inverse is not None:
-            self._amp_inv = inverse
-        if inverse is not None and math.isfinite(check.norm):
-            self._scale_gradients(self._amp_inv)
+        # a scale of 1 unscales nothing (x * 1.0 is x, Inf and NaN too): the early updates stand
+        if inverse is not None and inverse != 1.0 and math.isfinite(check.norm):
+            self._scale_gradients(inverse)
             check = self.grads.checked
         if not math.isfinite(check.norm):  # nonfinite="skip", or GradScaler's verdict (prepare raised otherwise)
             for part in self._parts():

@@ -1092,23 +1092,30 @@ def test_grad_scaler_skips_an_inf_step_on_every_rank_and_backs_off(runs):
         assert out["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]
 
 
-@pytest.mark.parametrize("how", ["step", "unscale_"])
+@pytest.mark.parametrize("how", ["step", "unscale_", "step at scale 1", "step after a resume"])
 def test_overlap_step_under_a_grad_scaler_keeps_the_updates_it_computed_early(one_rank, how):
     """overlap_step computes the updates as the buckets land, inside the first step check, which
     GradScaler's unscale runs: `unscale_` hands its inverse scale over first, so the early updates
     are computed from the gradients unscaled as the buffers then are (the same product), and kept:
-    every step overlapped. `scaler.step` alone brings its scale to step() only after the check: the
-    early updates are computed at the scale the last step() took, kept where it is still the scale
-    (steps 2 and 3), dropped at the first step. Before: GradScaler's unscale dropped every early
-    update (3 computed, 0 kept), then none was computed. The weights bit for bit the run without
-    overlap_step."""
+    every step overlapped. `scaler.step` alone runs the check from its inf check (a dummy inverse
+    of 1), whose GradScaler holds the scale step() is then handed: the early updates are computed
+    at its inverse and kept, the first step too, and after `scaler.load_state_dict` (a resume, here
+    at 2**6), and at a scale of exactly 1 (no unscale: multiplying by 1 is the identity). Before:
+    GradScaler's unscale dropped every early update (3 computed, 0 kept); then `scaler.step` alone
+    computed them at the scale the last step() took (the first step's, and a resumed run's first,
+    dropped: 2 kept), and at scale 1 step() multiplied by 1, which dropped every one (0 kept). The
+    weights bit for bit the run without overlap_step."""
     def run(overlap: bool) -> tuple[dict, int, int]:
         model = build_model(BASE)
         opt = _optimizer(model, overlap_step=overlap)
         calls = []
         speculate = opt.matrix_step.speculate
         opt.matrix_step.speculate = lambda *a, **k: (calls.append(1), speculate(*a, **k))[1]
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0 if how == "step at scale 1" else 2.0 ** 10)
+        if how == "step after a resume":
+            saved = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+            saved._lazy_init_scale_growth_tracker(torch.device("cpu"))
+            scaler.load_state_dict(saved.state_dict())
         for tokens in _batches(0, 1):
             opt.zero_grad()
             scaler.scale(model.loss(tokens)).backward()
@@ -1120,7 +1127,7 @@ def test_overlap_step_under_a_grad_scaler_keeps_the_updates_it_computed_early(on
 
     (overlapped, speculated, kept), (plain, _, _) = run(True), run(False)
     assert speculated == 3, speculated  # before: 3 computed, 3 dropped (then at most 1)
-    assert kept == (3 if how == "unscale_" else 2), kept
+    assert kept == 3, kept  # before: 2 through scaler.step alone (0 at scale 1)
     assert compare(overlapped, plain)["bit_identical"]
 
 

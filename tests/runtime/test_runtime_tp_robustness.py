@@ -293,9 +293,10 @@ def step_twice(rank: int) -> dict:
 
 def grad_scaler(rank: int) -> dict:
     """torch.amp.GradScaler under TP with overlap_step, scale 2**10: the unscaled step's weights bit
-    for bit, through `scaler.step` alone (a first step: the early updates, made at no known scale,
-    are dropped) and through `unscale_` first (made from the gradients times its inverse scale and
-    kept: `overlapped`). Before: 'GradScaler is not supported'."""
+    for bit, through `scaler.step` alone and through `unscale_` first, the early updates made from
+    the gradients times the inverse scale and kept either way (`overlapped`; `scaler.step` alone:
+    the scale its inf check's GradScaler holds). Before: 'GradScaler is not supported'; then the
+    first step through `scaler.step` alone dropped them (made at no known scale)."""
     from reference.data import fixed_batch
 
     mesh = _mesh()
@@ -488,7 +489,7 @@ def test_grad_scaler_steps_as_the_unscaled_step_under_tp():
         pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
     for rank, out in enumerate(got["grad_scaler"]):
         assert out["type"] is None and out["exact"] == [True, True] and out["healthy"], (rank, out)
-        assert out["overlapped"] == [0, 1], (rank, out["overlapped"])  # before: [0, 0]
+        assert out["overlapped"] == [1, 1], (rank, out["overlapped"])  # before: [0, 0], then [0, 1]
 
 
 def test_grad_scaler_steps_a_dtensor_tp_model_as_the_unscaled_step():
