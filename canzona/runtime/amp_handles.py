@@ -95,7 +95,7 @@ def handed_scale(optimizer: Any) -> Any:
         return None
     scale = vars(given).get("grad_scale") if hasattr(given, "__dict__") else None
     if scale is not None and not handles(given, optimizer):
-        raise CanzonaError(f"GradScaler.step handed its scale to a {type(given).__name__}, which canzona cannot tell "
-                           "wraps this optimizer: its gradients would be stepped scaled. Pass the optimizer itself "
-                           "to scaler.step, or expose it as the wrapper's .optimizer")
+        raise CanzonaError(f"GradScaler.step handed its scale to a wrapper ({type(given).__name__}) canzona cannot "
+                           "tell wraps this optimizer: its gradients would be stepped scaled. Pass the optimizer "
+                           "itself to scaler.step, or expose it as the wrapper's .optimizer")
     return scale

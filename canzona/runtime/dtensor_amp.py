@@ -74,7 +74,10 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
         # answered with its own stale check); a torch optimizer's is torch's
         # (or a wrapper of it: accelerate's AcceleratedOptimizer, a Lightning-style or user's proxy,
         # which is that optimizer: before, torch's handler took its gradients)
-        owners = [owner for owner in owners if amp_handles.handles(unscaled, owner)]
+        handled = [owner for owner in owners if amp_handles.handles(unscaled, owner)]
+        if not handled and not isinstance(unscaled, torch.optim.Optimizer):
+            _refuse_opaque(unscaled, named, owners)
+        owners = handled
     # else the newest first: an optimizer built again over the same model (a resume) while the old
     # one is still referenced steps those gradients now
     for owner in owners:
@@ -88,6 +91,19 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
     if not _TORCH:
         raise CanzonaError("this torch's DTensor has no unscale handler for canzona to leave other gradients to")
     return _TORCH[0](op, args, kwargs)
+
+
+def _refuse_opaque(given: Any, named: set[int], owners: list[AmpOwner]) -> None:
+    """GradScaler was handed `given`, no optimizer and no wrapper canzona can resolve (its wrapped
+    optimizer under another name, its `param_groups` a list of its own): where it unscales a canzona
+    optimizer's gradients, torch's handler would unscale them outside that optimizer's step check
+    (a clip before it unseen, `found_inf` reduced over the first gradient's mesh only, or DTensor's
+    'got mixed' error): one error instead, on every rank alike (no collective has run)."""
+    for owner in owners:
+        if named & {id(p.grad) for p in owner.params.values() if p.grad is not None}:
+            raise CanzonaError(f"GradScaler was handed a wrapper ({type(given).__name__}) that unscales the gradients of "
+                               "canzona's optimizer, but canzona cannot tell it wraps that optimizer: pass the optimizer "
+                               "itself to the scaler, or expose it as the wrapper's .optimizer")
 
 
 def _unscaled_optimizer() -> Any:

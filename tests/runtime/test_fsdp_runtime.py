@@ -432,6 +432,8 @@ SMALL_CASES = {
     # Inf in rank 1's shard through unscale_ and the clip, by the optimizer and through a user's proxy
     "scaler-step-forwarding": {"steps": 3, "max_grad_norm": 0.05, "scaler": "step", "wrap": "forwarding"},
     "scaler-unscale-inf": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1, "poison_with": math.inf},
+    # unscale_ through a proxy canzona cannot resolve (tests/runtime/amp_wrappers.Opaque)
+    "scaler-unscale-opaque": {"steps": 1, "clip": 0.05, "scaler": "unscale", "wrap": "opaque"},
     # unscale_ through a user's proxy, no clip, then scaler.step handed the optimizer itself
     "scaler-unscale-proxy-then-optimizer": {"steps": 3, "scaler": "unscale", "wrap": "proxy", "wrap_step": False},
     "scaler-unscale-inf-proxy": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1,
@@ -765,6 +767,19 @@ def test_fsdp_grad_scaler_handed_a_proxy_of_the_optimizer_unscales_as_the_optimi
         assert r["error"] is None and w["error"] is None, (r["error"], w["error"])
         assert r["scales"] == w["scales"] == [2.0 ** 11, 2.0 ** 10, 2.0 ** 11], (r["scales"], w["scales"])
         assert compare(r["params"], w["params"])["bit_identical"], compare(r["params"], w["params"])
+
+
+def test_fsdp_grad_scaler_handed_a_wrapper_canzona_cannot_resolve_is_one_error_before_any_update() -> None:
+    """`scaler.unscale_` through a proxy that hides the optimizer (another attribute name, a list
+    of its own as `param_groups`): one error on every rank, nothing stepped. Before: torch's handler
+    unscaled the gradients outside the optimizer's step check (a clip before it unseen, `found_inf`
+    over the first gradient's mesh only)."""
+    init = {n: p.detach() for n, p in Small().named_parameters()}
+    for r in _small()["scaler-unscale-opaque"]:
+        assert r["error"] is not None and r["error"].startswith("GradScaler was handed a wrapper (Opaque) that unscales"), \
+            r["error"]
+        assert "\n" not in r["error"]
+        assert compare(r["params"], init)["bit_identical"]
 
 
 def test_fsdp_grad_scaler_unscale_through_a_proxy_then_step_of_the_optimizer_unscales_once() -> None:
