@@ -367,6 +367,9 @@ class MemorySetup:
     # overlap_step: every micro-group's updates, its scatter buffers and a copy of the state they
     # advance are held until the step check commits them, while the reduce-scatters are in flight
     overlap_step: bool = STEP_DEFAULTS.overlap_step
+    # torch.amp.GradScaler around the step: under overlap_step each early update reads its landed
+    # gradient times the inverse scale (`MatrixStep.speculate(scale=)`), a product per hosted piece
+    grad_scaler: bool = False
     stream_tp_sync: bool = False  # tp-sync one matrix at a time, instead of the schedule's one group
     fixed_overhead_bytes: int = DEFAULT_FIXED_OVERHEAD
     fragmentation: float = DEFAULT_FRAGMENTATION  # fraction of the transient peak (`overhead`)
@@ -451,6 +454,8 @@ class MemorySetup:
             raise SpecError(f"bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         if not isinstance(self.ep_overlap, bool):
             raise SpecError(f"ep_overlap must be true or false, got {self.ep_overlap!r}")
+        if not isinstance(self.grad_scaler, bool):
+            raise SpecError(f"grad_scaler must be true or false, got {self.grad_scaler!r}")
         check_routing(self.routing)
         check_recompute(self.recompute)
         check_recompute_method(self.recompute, self.recompute_method, self.recompute_num_layers)
@@ -1144,6 +1149,15 @@ def _group_bytes(tasks: Sequence[Task], tp: int, me: int, gb: int, ub: int,
     return _GroupBytes(send + recv, full, updates, ws, scatter)
 
 
+def _early_product_bytes(tasks: Sequence[Task], tp: int, me: int, gb: int) -> int:
+    """overlap_step under GradScaler: the products (landed gradient x inverse scale) one micro-group
+    (or compute window) holds while it computes, as `MatrixStep._full_grads` reads them: every
+    hosted task's piece from this rank's own buffers (the whole gradient at TP 1 or unsplit, its
+    own shard of a split one), in the gradients' dtype."""
+    return gb * sum(t.shard_numel if t.tp_dim is not None and tp > 1 else t.shape[0] * t.shape[1]
+                    for t in tasks if t.hosted_on(me))
+
+
 def _tp_phase_peak(groups: Sequence[_GroupBytes], mode: str) -> int:
     """Peak of the matrix phase. A group computes with its gather buffers, full gradients, updates
     and the kernel's workspace alive (upper bound: all at once), then scatters with its updates and
@@ -1161,12 +1175,14 @@ def _tp_phase_peak(groups: Sequence[_GroupBytes], mode: str) -> int:
     return peak
 
 
-def _deferred_peak(groups: Sequence[_GroupBytes], state: int, mode: str) -> int:
+def _deferred_peak(groups: Sequence[_GroupBytes], state: int, mode: str, products: Sequence[int] = ()) -> int:
     """Peak of an overlapped step (`overlap_step`): a copy of the hosted state (advanced on the
     copy, adopted at the commit) and every group's updates and scatter buffers held until the
-    check, plus the largest group's compute buffers (and, pipelined, the next gather)."""
+    check, plus the largest group's compute buffers (and, pipelined, the next gather); under
+    GradScaler, with each group's early products (`products`, `_early_product_bytes`)."""
     held = sum(g.updates + g.scatter for g in groups)
-    computing = max((g.gather + g.full + g.workspace for g in groups), default=0)
+    products = products or [0] * len(groups)
+    computing = max((g.gather + g.full + g.workspace + p for g, p in zip(groups, products)), default=0)
     ahead = max((g.gather for g in groups), default=0) if mode == PIPELINED else 0
     return state + held + computing + ahead
 
@@ -1314,7 +1330,8 @@ def memory_per_gpu(spec: ModelSpec, plan: Plan, policy: StepPolicy | str, dims: 
         for r in range(tp):
             groups = [_group_bytes(g, tp, r, gb, ub, workspace, batching, stack) for g in tasks]
             if setup.overlap_step:  # under the reductions still in flight
-                step = max(_deferred_peak(groups, state[r], mode) + reductions[i], adamw_temps, gathered)
+                products = [_early_product_bytes(g, tp, r, gb) for g in tasks] if setup.grad_scaler else ()
+                step = max(_deferred_peak(groups, state[r], mode, products) + reductions[i], adamw_temps, gathered)
             else:
                 step = max(_tp_phase_peak(groups, mode), adamw_temps, gathered)
                 if sched.prefetched:  # the prefetched gathers' buffers, under the reductions still in flight

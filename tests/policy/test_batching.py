@@ -12,6 +12,7 @@ import pytest
 
 from canzona.batching import MAX_BATCH_NUMEL, batches, compute_windows, shape_batches
 from canzona.cost import DeviceRate, optimizer_kernels
+from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.memory import (
     LayerDims,
@@ -100,3 +101,21 @@ def test_the_memory_model_counts_a_batchs_workspace_and_stacks():
     # stacked copies and 24 updates at once
     assert off.step_buffers == ws + 2 * update
     assert on.step_buffers == 24 * (ws + stack + update)
+
+
+def test_overlap_step_under_a_grad_scaler_counts_the_early_products():
+    """overlap_step under torch.amp.GradScaler computes each early update from the landed gradient
+    times the inverse scale (`MatrixStep.speculate(scale=)`): a product per hosted gradient, which
+    a compute window holds together with its kernels' temporaries (`_full_grads` returns the
+    window's). Measured on the runtime's tiny model at one rank: 32,768 bytes, its largest matrix's
+    fp32 gradient, per call (`_full_grads` patched to sum what it returns). Before: not counted."""
+    plan = make_plan(MANY, 1, 1, "soap", "alpha-balanced", "greedy-rollback")
+    dims = LayerDims.gpt(layers=24, hidden=256, heads=4, vocab=512)
+    setup = MemorySetup(seq_len=8, fixed_overhead_bytes=0, fragmentation=0.0, overlap_step=True)
+    gradient = 256 * 256 * 4  # one fp32 gradient
+    for batched, held in ((False, 1), (True, 24)):  # per matrix, or all 24 in one window (TP 1)
+        plain = replace(setup, batch_kernels=batched)
+        scaled = memory_per_gpu(MANY, plan, "canzona", dims, replace(plain, grad_scaler=True)).worst
+        assert scaled.total - memory_per_gpu(MANY, plan, "canzona", dims, plain).worst.total == held * gradient
+    with pytest.raises(SpecError, match="^grad_scaler must be true or false"):
+        MemorySetup(grad_scaler="yes")
