@@ -24,7 +24,9 @@ For a model whose parameters a canzona optimizer holds:
   spelling: `cpu` is `cpu:0`) nor wraps it in DDP; mixed-precision autocast and `torch.compile`
   still apply. fp16 (its GradScaler), DeepSpeed, FSDP, Megatron-LM, XLA and a
   `parallelism_config` are refused: each reduces or shards gradients or parameters itself;
-- `no_sync(model)` and `accumulate(model)` enter `opt.no_sync()`;
+- `no_sync(model)` and `accumulate(model)` enter `opt.no_sync()` (`accumulate` on every micro-batch
+  before the last, `GradientAccumulationPlugin(sync_each_batch=True)` too: the optimizer reduces
+  the accumulated gradient once);
 - `clip_grad_norm_(model.parameters(), max_norm)` is `opt.clip_grad_norm_(max_norm)`: clips by the
   global norm of the reduced gradients and returns it (`max_norm=inf`: the norm only); on a
   micro-batch before the last (`accelerator.sync_gradients` False) it is one error. Any other
@@ -282,6 +284,24 @@ class CanzonaAccelerator(Accelerator):
         with contextlib.ExitStack() as stack:
             for opt in holders:
                 stack.enter_context(opt.no_sync())
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        with super().accumulate(*models), self.micro_batch(*models):
+            yield
+
+    @contextlib.contextmanager
+    def micro_batch(self, *models: nn.Module) -> Iterator[None]:
+        """A micro-batch before the last of an optimizer step (`sync_gradients` False) runs under
+        the `no_sync()` of the canzona optimizers holding `models`, whatever the accumulation
+        plugin's `sync_each_batch` says: that option has DDP reduce each micro-batch (to free
+        memory under FSDP), while a canzona optimizer reduces the accumulated gradient once, into
+        the buffers it holds anyway; reducing before the last backward would fail it."""
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for opt in self._holders(p for m in models for p in m.parameters()):
+                    stack.enter_context(opt.no_sync())
             yield
 
     def clip_grad_norm_(self, parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2) -> Any:

@@ -18,7 +18,7 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
   order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
-  accumulation micro-batches under `opt.no_sync()`, `max_grad_norm` clipping by the global norm of
+  accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
   the reduced gradients (`max_grad_norm=0`: the norm is only measured), which is the `grad_norm`
   the Trainer logs;
 - checkpoints (`save_strategy`, `resume_from_checkpoint`) the optimizer sharded: every rank writes
@@ -246,6 +246,12 @@ class CanzonaTrainer(Trainer):
         if self._given_optimizer is not None:
             check_on_device(self._given_optimizer.params.items(), device)
         super()._move_model_to_device(model, device)
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        # the Trainer runs a micro-batch outside accelerator.no_sync when the accumulation plugin
+        # says sync_each_batch: the canzona optimizer still reduces the accumulated gradient once
+        with self.accelerator.micro_batch(model):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     # --- the optimizer -----------------------------------------------------------------------
 

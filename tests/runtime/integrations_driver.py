@@ -116,11 +116,22 @@ def build_separately(accelerator: Any) -> tuple[Any, ...]:
     return (model, *accelerator.prepare(opt, loader, sched))
 
 
+def sync_each_batch_accelerator() -> CanzonaAccelerator:
+    """`loop_example.make_accelerator(2, cpu=True)`, accumulating by accelerate's plugin with
+    `sync_each_batch=True` (accelerate then runs no micro-batch under `no_sync`)."""
+    from accelerate import DataLoaderConfiguration
+    from accelerate.utils import GradientAccumulationPlugin
+
+    return CanzonaAccelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True),
+                              cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+
+
 def run_loop(out: Path, overlap_step: bool = False, max_norm: float = SETUP.max_grad_norm,
-             save: bool = True, separately: bool = False) -> dict[str, Any]:
+             save: bool = True, separately: bool = False, sync_each_batch: bool = False) -> dict[str, Any]:
     """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way (`save`); the model
-    prepared before the rest in a call of its own (`separately`)."""
-    accelerator = loop_example.make_accelerator(2, cpu=True)
+    prepared before the rest in a call of its own (`separately`); accumulating by accelerate's
+    plugin with `sync_each_batch=True` (`sync_each_batch`)."""
+    accelerator = sync_each_batch_accelerator() if sync_each_batch else loop_example.make_accelerator(2, cpu=True)
     model, opt, loader, sched = build_separately(accelerator) if separately else \
         loop_example.build(SETUP, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
     grads = StepGradients(model)
@@ -295,6 +306,10 @@ def main() -> None:
                                                 resume=str(out / "trainer" / "checkpoint-2"))),
         ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
         ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),
+        # accelerate's sync_each_batch: the Trainer runs every micro-batch outside accelerator.no_sync
+        ("trainer sync_each_batch", lambda: run_trainer(
+            out, "sync-each-batch", TRAINER_STEPS, accumulation=2,
+            accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})),
         # the step computed under backward's last reductions (nothing clips it: every step commits)
         ("trainer overlapped", lambda: run_trainer(out, "overlapped", 2, max_grad_norm=0.0,
                                                    optimizer_kwargs={"overlap_step": True})),
@@ -314,6 +329,7 @@ def main() -> None:
         ("accelerate clip every micro-batch", clip_every_micro_batch),
         # accelerator.prepare(model), then accelerator.prepare(opt, loader, sched)
         ("accelerate prepared separately", lambda: run_loop(out, save=False, separately=True)),
+        ("accelerate sync_each_batch", lambda: run_loop(out, save=False, sync_each_batch=True)),
         # transformers' own TP plan over both ranks, with a plan from `canzona plan --model <config> --tp 2`
         ("hf tp tiny_qwen3", lambda: hf_tensor_parallel(out, "tiny_qwen3")),
         ("hf tp tiny_qwen3_moe", lambda: hf_tensor_parallel(out, "tiny_qwen3_moe")),

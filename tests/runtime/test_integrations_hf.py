@@ -248,6 +248,18 @@ def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
 
 
 @pytest.mark.distributed
+def test_the_trainer_accumulates_under_sync_each_batch_as_without_it(ranks):
+    """`accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}`: the
+    Trainer runs every micro-batch outside `no_sync` (DDP then reduces each one, for the same
+    sum); the optimizer reduces the accumulated gradient once, the same numbers as without it.
+    Before: the second micro-batch's backward failed ('gradients were synchronised twice in one
+    step: wrap ... in `with optimizer.no_sync():`'), which the user's loop never called."""
+    for plain, synced in zip(scenario(ranks, "trainer"), scenario(ranks, "trainer sync_each_batch")):
+        assert compare(synced["params"], plain["params"])["bit_identical"]
+        assert logged_norms(synced["logs"]) == logged_norms(plain["logs"])
+
+
+@pytest.mark.distributed
 def test_the_trainer_without_clipping_logs_the_global_norm(ranks):
     results = scenario(ranks, "trainer unclipped")  # max_grad_norm=0: the Trainer asks for the norm with inf
     norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
@@ -321,6 +333,17 @@ def test_the_model_prepared_before_its_optimizer_trains_the_same(ranks):
         assert "error" not in b, b.get("error")
         assert b["prepared"] == "Qwen3ForCausalLM" and b["norms"] == a["norms"]
         assert compare(b["params"], a["params"])["bit_identical"]
+
+
+@pytest.mark.distributed
+def test_the_accelerate_loop_accumulates_under_sync_each_batch_as_without_it(ranks):
+    """`GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)`: `accelerator.accumulate`
+    enters no `no_sync` (DDP then reduces each micro-batch, for the same sum); the optimizer still
+    reduces the accumulated gradient once, the same numbers as the plain loop. Before: the second
+    micro-batch's backward failed ('gradients were synchronised twice in one step')."""
+    for plain, synced in zip(scenario(ranks, "accelerate"), scenario(ranks, "accelerate sync_each_batch")):
+        assert synced["norms"] == plain["norms"]
+        assert compare(synced["params"], plain["params"])["bit_identical"]
 
 
 @pytest.mark.distributed
