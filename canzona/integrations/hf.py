@@ -14,8 +14,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
 - trains with the `DistributedOptimizer` given in `optimizers=(optimizer, scheduler)`, or builds
   one in `create_optimizer` (`build_optimizer`): `matrix_optimizer` (Muon by default) with
   `matrix_config` on the 2-D weights, AdamW with the arguments' `learning_rate`, `adam_beta1`,
-  `adam_beta2` and `adam_epsilon` on the rest, `weight_decay` on the Trainer's decay parameters
-  (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
+  `adam_beta2` and `adam_epsilon` on the rest (an `optim` other than torch's AdamW, e.g. sgd or
+  adafactor, is one error), `weight_decay` on the Trainer's decay parameters (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
   order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
@@ -89,6 +89,9 @@ OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded o
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
 TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's own name for it, written last
 STEP_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers' get_last_checkpoint
+# TrainingArguments.optim values naming torch's AdamW arithmetic (fused, or a device's kernel of it):
+# the optimizer CanzonaTrainer builds steps the non-matrix parameters with it
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
 # DistributedOptimizer arguments that CanzonaTrainer fills in itself
 BUILT_ARGUMENTS = ("self", "params", "spec", "optimizer", "matrix_config", "adamw_config")
 
@@ -115,6 +118,18 @@ def check_optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         raise CanzonaError(f"optimizer_kwargs: DistributedOptimizer has no argument {unknown[0]!r} "
                            f"(it takes {', '.join(sorted(known))})")
     return dict(kwargs)
+
+
+def check_optim(optim: Any, matrix_optimizer: str) -> None:
+    """`TrainingArguments.optim` when CanzonaTrainer builds the optimizer: AdamW is what it steps
+    the non-matrix parameters with, so another choice (sgd, adafactor, lion, ...), which the plain
+    Trainer would train, is one error rather than silently AdamW."""
+    name = str(getattr(optim, "value", optim))
+    if name not in ADAMW_OPTIMS:
+        raise CanzonaError(f"TrainingArguments(optim={name!r}): CanzonaTrainer builds {matrix_optimizer} on the matrices "
+                           f"and torch's AdamW on the rest (optim={ADAMW_OPTIMS[0]!r}, the default "
+                           f"{ADAMW_OPTIMS[1]!r} alike), not {name}: leave optim at its default, or pass "
+                           "optimizers=(DistributedOptimizer, scheduler)")
 
 
 def check_not_tensor_parallel(model: Any) -> None:
@@ -205,6 +220,8 @@ class CanzonaTrainer(Trainer):
         self.canzona_spec = spec
         self.optimizer_kwargs = check_optimizer_kwargs(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
+        if self._given_optimizer is None:  # a given one: the Trainer ignores `optim` too
+            check_optim(self.args.optim, self.matrix_optimizer)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """`Trainer.call_model_init`, its model checked as a `model=` one is: the Trainer calls it

@@ -437,6 +437,34 @@ def test_the_trainer_takes_canzona_optimizers_only():
     assert check_optimizer_kwargs({"policy": "sc", "reduce_scatter": "loops"}) == {"policy": "sc", "reduce_scatter": "loops"}
 
 
+def test_an_optim_other_than_adamw_is_one_error_at_construction(tmp_path, one_rank):
+    """`TrainingArguments(optim="sgd")` (or adafactor, lion, ...): the plain Trainer trains that
+    optimizer, and CanzonaTrainer built AdamW on the non-matrix parameters all the same, silently.
+    Now one CanzonaError at construction (the arguments are alike on every rank); torch's AdamW
+    under any of its names, the default included, and a given optimizer (whose `optim` the
+    Trainer ignores too) are accepted."""
+    from transformers import TrainingArguments
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def args(**kw) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+    for optim in ("sgd", "adafactor"):
+        with pytest.raises(CanzonaError, match=rf"^TrainingArguments\(optim='{optim}'\): CanzonaTrainer builds muon on "
+                                               r"the matrices and torch's AdamW on the rest") as e:
+            CanzonaTrainer(model=model, args=args(optim=optim))
+        assert "\n" not in str(e.value)
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        CanzonaTrainer(model=model, args=args(optim=optim))
+    CanzonaTrainer(model=model)  # the default arguments
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model))
+    CanzonaTrainer(model=model, args=args(optim="sgd"), optimizers=(opt, None))
+
+
 def test_a_trainer_run_without_a_process_group_is_one_error_naming_torchrun(tmp_path):
     """`python script.py` (no torchrun): the Trainer sets up no process group; building the
     optimizer says so in one line instead of torch's 'Default process group has not been
