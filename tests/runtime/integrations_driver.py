@@ -84,6 +84,25 @@ def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_st
             "forwards": forwards[0], "checkpointing": model.is_gradient_checkpointing}
 
 
+def adamw_trainer(out: Path, stock: bool) -> dict[str, Any]:
+    """CanzonaTrainer with AdamW on every parameter (`matrix_optimizer="adamw"`), or transformers'
+    own Trainer with torch's AdamW (`stock`, DDP), on the same arguments: accumulation, a warm-up
+    and cosine schedule, the norm measured unclipped."""
+    from transformers import Trainer
+
+    from canzona.integrations.hf import CanzonaTrainer
+
+    name = "stock-adamw" if stock else "adamw"
+    args = trainer_example.training_arguments(SETUP, str(out / name), 3, accumulation=2, max_grad_norm=0.0,
+                                              optim="adamw_torch", lr_scheduler_type="cosine", warmup_steps=1)
+    model = trainer_example.build_model(SETUP)
+    data = trainer_example.MarkovTokens(SETUP)
+    trainer = Trainer(model=model, args=args, train_dataset=data) if stock else \
+        CanzonaTrainer(model=model, args=args, train_dataset=data, matrix_optimizer="adamw")
+    trainer.train()
+    return {"params": final_parameters(model), "logs": trainer.state.log_history}
+
+
 def plain_trainer(out: Path) -> dict[str, Any]:
     """transformers.Trainer itself, given a canzona optimizer: must fail loudly."""
     from transformers import Trainer
@@ -306,6 +325,9 @@ def main() -> None:
                                                 resume=str(out / "trainer" / "checkpoint-2"))),
         ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
         ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),
+        # against transformers' own Trainer and torch's AdamW
+        ("trainer adamw", lambda: adamw_trainer(out, stock=False)),
+        ("stock trainer adamw", lambda: adamw_trainer(out, stock=True)),
         # accelerate's sync_each_batch: the Trainer runs every micro-batch outside accelerator.no_sync
         ("trainer sync_each_batch", lambda: run_trainer(
             out, "sync-each-batch", TRAINER_STEPS, accumulation=2,

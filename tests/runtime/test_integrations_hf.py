@@ -260,6 +260,19 @@ def test_the_trainer_accumulates_under_sync_each_batch_as_without_it(ranks):
 
 
 @pytest.mark.distributed
+def test_the_trainer_with_adamw_everywhere_trains_as_transformers_own_trainer(ranks):
+    """`CanzonaTrainer(matrix_optimizer="adamw")` against `transformers.Trainer` with torch's
+    AdamW (DDP) on the same TrainingArguments (accumulation 2, warm-up + cosine, weight decay
+    on the Trainer's decay set): the same weights bit for bit and the same losses; the logged
+    norm the same up to its summation order."""
+    for stock, ours in zip(scenario(ranks, "stock trainer adamw"), scenario(ranks, "trainer adamw")):
+        assert compare(ours["params"], stock["params"])["bit_identical"]
+        losses = [[e["loss"] for e in r["logs"] if "loss" in e] for r in (stock, ours)]
+        assert losses[0] == losses[1] and len(losses[0]) == 3
+        assert logged_norms(ours["logs"]) == pytest.approx(logged_norms(stock["logs"]), rel=1e-6)
+
+
+@pytest.mark.distributed
 def test_the_trainer_without_clipping_logs_the_global_norm(ranks):
     results = scenario(ranks, "trainer unclipped")  # max_grad_norm=0: the Trainer asks for the norm with inf
     norms = assert_trained_as_emulated(results, trainer_schedule(2), None)
