@@ -41,6 +41,7 @@ each checked at construction; it was tested with transformers 5.23.0.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -265,9 +266,11 @@ class CanzonaTrainer(Trainer):
         super()._move_model_to_device(model, device)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        # the Trainer runs a micro-batch outside accelerator.no_sync when the accumulation plugin
-        # says sync_each_batch: the canzona optimizer still reduces the accumulated gradient once
-        with self.accelerator.micro_batch(model):
+        # the Trainer enters accelerator.no_sync itself for each micro-batch before the last, but
+        # not when the accumulation plugin says sync_each_batch: the canzona optimizer still
+        # reduces the accumulated gradient once
+        each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        with self.accelerator.micro_batch(model) if each else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
     # --- the optimizer -----------------------------------------------------------------------
