@@ -183,9 +183,12 @@ class GradientSync:
         every `.grad` that is not None zero (its guard, `ZEROED`), as torch zeroes it. Collectives
         still in flight (a backward without its step) are completed first: they read the buffers."""
         self._drain()
-        self._zeroed = set() if set_to_none else {n for n, p in self.params.items() if p.grad is not None}
-        for name, p in self.params.items():
-            p.grad = self._guards[name] if name in self._zeroed else None
+        # right after step() the parameters are marked pending (`pending_params`): without this,
+        # each `.grad` access would be a Python __torch_function__ call (about 1 us, not 0.05 us)
+        with torch._C.DisableTorchFunctionSubclass():
+            self._zeroed = set() if set_to_none else {n for n, p in self.params.items() if p.grad is not None}
+            for name, p in self.params.items():
+                p.grad = self._guards[name] if name in self._zeroed else None
         self._states.clear()
         self.reset()
 

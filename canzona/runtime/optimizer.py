@@ -170,8 +170,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `overlap_param_gather` (default, Megatron's name): `step()` launches the parameter all-gathers
     and returns; the next forward waits for each bucket just before the first module holding one of
     its parameters runs, and `state_dict()` / `load_state_dict()` of those modules, this
-    optimizer's methods and `wait_params()` wait for all (`canzona.runtime.param_gather`: what that
-    covers and the one path it does not). False: the step returns with the parameters gathered.
+    optimizer's methods and `wait_params()` wait for all, and any other read of a parameter's values
+    waits for its own (`canzona.runtime.param_gather`: what that covers and what it does not).
+    False: the step returns with the parameters gathered.
 
     `overlap_step`: each micro-group's update is computed as soon as the buckets holding its
     matrices have been reduced, under the reductions still in flight (on CUDA: after backward's
@@ -451,12 +452,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             works_of.update({name: tuple(first + k for k in grads.buckets_of[name]) or (first + len(grads.buckets),)
                              for name in grads.params})
             first += len(grads.buckets) + 1
-        return ParamsInFlight(works_of, modules)
+        return ParamsInFlight(works_of, modules, self.params)
 
     def wait_params(self) -> None:
         """Wait for the last step's parameter all-gathers (overlap_param_gather): for code that reads
-        parameter values outside a module's forward, `state_dict()` and this optimizer's methods
-        (an EMA, logging a weight, `named_parameters()` by hand). Local: no collective."""
+        the values of parameters that `step()` does not mark (another class than `nn.Parameter`: a
+        DTensor) outside a module's forward; reads of the others wait by themselves
+        (`canzona.runtime.pending_params`). Local: no collective."""
         if self._in_flight is not None:
             self._in_flight.wait_all()
 

@@ -12,22 +12,28 @@ Everything documented that reads parameters waits first:
   `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
   what was loaded): pre-hooks on the same modules wait for every bucket;
 - the optimizer itself: `step()`, `clip_grad_norm_()`, its state dicts and checkpoints;
-- `opt.wait_params()`, for code that reads `.data` directly (an EMA, logging a weight): torch's
-  `AveragedModel.update_parameters(model)` and `copy.deepcopy(model)` read the parameters so, and
-  without it silently average or copy a mix of this step's weights and the last step's.
+- `opt.wait_params()`;
+- any other read of a parameter's values (torch's EMA `AveragedModel.update_parameters(model)`,
+  `copy.deepcopy(model)`, pickling a parameter, `model.parameters()` iterated by hand, a custom
+  method such as `model.loss()`, a module whose forward reads *another* module's weight first):
+  while its gathers are in flight a parameter is marked (`pending_params`: its class is swapped to
+  a `nn.Parameter` subclass whose `__torch_function__` waits for them), and the first op that reads
+  it waits; what reads no values (`.grad`, shape, dtype: `zero_grad()`) does not.
 
-What remains, undocumented: reading a parameter's values outside those paths between `step()` and
-the next forward, e.g. `model.parameters()` / `named_parameters()` iterated by hand, a custom
-method (`model.loss()`) that reads the module's own parameters without going through `forward`, or
-a module whose forward reads *another* module's parameter (`F.linear(x, self.other.weight)`) before
-that module has run. Call `opt.wait_params()` first, or build with `overlap_param_gather=False`.
-Where such a read feeds the loss, backward catches most of it: a gradient arriving for a parameter
-whose gather no hook waited for is one `CanzonaError` before anything is updated (`check_read`);
-what it cannot see is a stale read of a parameter whose bucket a later module's hook then waited for.
+What remains: parameters of another class than `nn.Parameter` (a DTensor of a TP model, a
+Parameter subclass of the user's own) are not marked: read outside those paths between `step()` and
+the next forward, they give a mix of this step's values and the last step's; call
+`opt.wait_params()` first, or build with `overlap_param_gather=False`. Where such a read feeds the
+loss, backward catches most of it: a gradient arriving for a parameter whose gather nothing waited
+for is one `CanzonaError` before anything is updated (`check_read`); what it cannot see is a stale
+read of a parameter whose bucket a later module's hook then waited for. A `torch.compile`d forward
+that reads another module's marked weight first breaks its graph at that read (the wait runs
+eagerly, and `fullgraph=True` is the same error as the hooks'), without recompiling at later steps.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import sys
@@ -38,7 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from canzona.errors import CanzonaError
+from canzona.runtime import pending_params
 from canzona.runtime.comm import PendingWork
+from canzona.runtime.pending_params import FULLGRAPH
 
 log = logging.getLogger("canzona")
 
@@ -113,12 +121,21 @@ def replaced_message(name: str, how: str) -> str:
 class ParamsInFlight:
     """The pending all-gathers of one step and the hooks that wait for them."""
 
-    def __init__(self, works_of: Mapping[str, tuple[int, ...]], modules: Mapping[nn.Module, list[str]]) -> None:
+    def __init__(self, works_of: Mapping[str, tuple[int, ...]], modules: Mapping[nn.Module, list[str]],
+                 params: Mapping[str, Tensor]) -> None:
         # parameter name -> the gathers that write it (several for a stack spanning buckets)
         self._works_of = dict(works_of)
         self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
         self._handles: list = []
         me = weakref.ref(self)
+        # the parameters marked pending while their gathers are in flight (`pending_params`), and
+        # those each gather writes (to unmark them as it lands)
+        self._marked = {n: p for n, p in params.items() if n in self._works_of and pending_params.markable(p)}
+        self._marked_of: dict[int, list[str]] = {}
+        for name, p in self._marked.items():
+            for k in self._works_of[name]:
+                self._marked_of.setdefault(k, []).append(name)
+            pending_params.watch(p, functools.partial(_wait_param, me, self._works_of[name]))
         wait_all = _wait_all_hook(me)
         for module, names in modules.items():
             works = sorted({k for n in names for k in self._works_of[n]})
@@ -129,7 +146,7 @@ class ParamsInFlight:
         # modules may live on, under another optimizer) and gathers still in flight land first,
         # so that gloo lets go of their tensors before the interpreter finalizes
         # (`canzona.runtime.comm.Handoff`; a script that returns right after its last step).
-        weakref.finalize(self, _close, self._pending, self._handles)
+        weakref.finalize(self, _close, self._pending, self._handles, list(self._marked.values()))
         _forget_compiled_forwards()
 
     @property
@@ -140,16 +157,24 @@ class ParamsInFlight:
         """Start the gathers (after anything still pending has landed)."""
         self.wait_all()
         self._pending[0] = list(gathers())
+        pending_params.mark(self._marked.values())
 
     def wait(self, works: Iterable[int]) -> None:
         pending = self._pending[0]
+        landed = []
         for k in works:
             work = pending[k] if k < len(pending) else None
             if work is not None:
                 pending[k] = None  # first: a failed wait is not waited for again
+                landed.append(k)
                 work.wait()
         if not self.in_flight:
             self._pending[0] = []
+            pending_params.unmark(self._marked.values())
+            return
+        names = {n for k in landed for n in self._marked_of.get(k, ())}
+        pending_params.unmark(self._marked[n] for n in names
+                              if all(k >= len(pending) or pending[k] is None for k in self._works_of[n]))
 
     def wait_all(self) -> None:
         self.wait(range(len(self._pending[0])))
@@ -167,10 +192,12 @@ class ParamsInFlight:
                 "opt.wait_params() before such reads, or build the optimizer with overlap_param_gather=False")
 
 
-def _close(pending: list[list[PendingWork | None]], handles: list) -> None:
+def _close(pending: list[list[PendingWork | None]], handles: list, marked: list[Tensor]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+    pending_params.unwatch(marked)
+    pending_params.unmark(marked)
     works, pending[0] = pending[0], []
     for work in works:
         if work is not None:
@@ -188,18 +215,17 @@ def _before_forward(me: weakref.ref[ParamsInFlight], works: list[int]) -> Callab
     return hook
 
 
-# what torch.compile(fullgraph=True) says when a traced forward meets gathers in flight: a wait on a
-# collective cannot be part of a graph (dynamo breaks the graph there, and fullgraph forbids breaks)
-FULLGRAPH = ("canzona: a forward compiled with fullgraph=True cannot wait for the parameter all-gathers that "
-             "step() left in flight (overlap_param_gather): build the DistributedOptimizer with "
-             "overlap_param_gather=False (step() then returns with the parameters gathered), or compile "
-             "without fullgraph (the forward then waits, eagerly, where a module needs them)")
-
-
 @torch.compiler.disable(reason=FULLGRAPH)
 def _wait(gathers: ParamsInFlight, works: list[int]) -> None:
     """A forward's wait for its modules' gathers: always eager (torch.compile breaks its graph here)."""
     gathers.wait(works)
+
+
+def _wait_param(me: weakref.ref[ParamsInFlight], works: tuple[int, ...]) -> None:
+    """A read of a parameter marked pending (`pending_params`): wait for the gathers writing it."""
+    gathers = me()
+    if gathers is not None:
+        gathers.wait(works)
 
 
 def _wait_all_hook(me: weakref.ref[ParamsInFlight]) -> Callable[..., None]:

@@ -2,16 +2,22 @@
 `step()` returns with them in flight, and every documented path that reads the parameters waits
 for them first: a module's forward (eval under `no_grad` too), `model.state_dict()`,
 `model.load_state_dict()`, the optimizer's own methods and `opt.wait_params()`; a forward of a
-`torch.compile`d model traced before the optimizer existed too. Training is bit for bit the
-training with the gathers inside the step.
+`torch.compile`d model traced before the optimizer existed too; and any other read of a parameter's
+values (torch's EMA, `copy.deepcopy`, pickling, a hand loop, a custom method, a forward reading
+another module's weight), through the parameter's pending mark (`pending_params`). Training is bit
+for bit the training with the gathers inside the step.
 
 A gather that is still in flight on rank 0 is made certain: rank 1 sleeps before its step, so
 rank 1's segments cannot reach rank 0 until it wakes; whatever rank 0 reads meanwhile without
-waiting would be last step's values (and a load would be overwritten when they land).
+waiting would be last step's values (and a load would be overwritten when they land). Where each
+step must leave gathers in flight, rank 1 launches its gathers late instead (`_late_gathers`): the
+step's own checks are collectives, which a rank sleeping before its step holds up too.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import time
 
 import pytest
@@ -40,7 +46,8 @@ def _batches(rank: int, world: int) -> list[torch.Tensor]:
     return [micro_batches(t, rank, world, 1)[0] for t in global_batches(SPEC, 256)]
 
 
-def _train(model, opt, batches, late_rank: int | None = None) -> list[float]:
+def _train(model, opt, batches, late_rank: int | None = None, after_step=None) -> list[float]:
+    """`late_rank` sleeps before the last step; `after_step(k)` reads the parameters after step k."""
     losses = []
     for k, tokens in enumerate(batches):
         opt.zero_grad()
@@ -50,7 +57,20 @@ def _train(model, opt, batches, late_rank: int | None = None) -> list[float]:
         if late_rank == opt.rank and k == len(batches) - 1:
             time.sleep(LATE_S)
         opt.step()
+        if after_step is not None:
+            after_step(k)
     return losses
+
+
+def _late_gathers(opt) -> None:
+    """This rank launches each step's parameter gathers `LATE_S` late (its reductions on time): the
+    other ranks' gathers of its segments are in flight for that long after their `step()` returns."""
+    launch = opt._launch_gathers
+
+    def late():
+        time.sleep(LATE_S)
+        return launch()
+    opt._launch_gathers = late
 
 
 def training_job(rank: int, world: int) -> dict:
@@ -61,6 +81,8 @@ def training_job(rank: int, world: int) -> dict:
         opt = _optimizer(model, overlap_param_gather=overlap)
         losses = _train(model, opt, _batches(rank, world))
         in_flight = opt._in_flight is not None and opt._in_flight.in_flight
+        opt.zero_grad()  # reads no parameter values: the gathers stay in flight
+        in_flight = in_flight and opt._in_flight is not None and opt._in_flight.in_flight
         with torch.no_grad():
             model.eval()
             eval_loss = float(model.loss(_batches(rank, world)[0]))  # the forward waits
@@ -114,40 +136,143 @@ def reading_job(rank: int, world: int, how: str) -> dict:
             "loaded kept": all(torch.equal(final[n], loaded[n]) for n in loaded)}
 
 
-class ReadsOutsideForward(torch.nn.Module):
-    """Its loss reads its own parameters in a method of its own, never through forward."""
+HABITS = ("ema", "ema with buffers", "deepcopy", "pickle", "parameters loop")  # each the first read after one step
 
-    def __init__(self) -> None:
+
+def habits_job(rank: int, world: int) -> dict:
+    """The reads that go through no hook of the optimizer's, right after each step: torch's EMA
+    (`AveragedModel`, with and without its buffers), `copy.deepcopy(model)`, `torch.save` of the
+    parameters, and their norms by hand. Each step rank 1 launches its gathers late, and a different
+    habit reads first while rank 0's gathers of rank 1's segments are in flight; the same reads with
+    the gathers inside the step."""
+    spec = TrainSpec(steps=len(HABITS), global_batch=4 * DP)
+    batches = [micro_batches(t, rank, world, 1)[0] for t in global_batches(spec, 256)]
+    return {overlap: _habits(spec, batches, overlap, late=overlap and rank == 1) for overlap in (True, False)}
+
+
+def _habits(spec: TrainSpec, batches: list[torch.Tensor], overlap: bool, late: bool) -> dict:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = build_model(spec)
+    emas = {use: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=use) for use in (False, True)}
+    opt = _optimizer(model, overlap_param_gather=overlap)
+    if late:
+        _late_gathers(opt)
+    seen: dict = {}
+    in_flight = []
+
+    def read(how: str) -> None:
+        if how.startswith("ema"):
+            emas[how == "ema with buffers"].update_parameters(model)
+        elif how == "deepcopy":
+            seen[how] = {n: p.detach().clone() for n, p in copy.deepcopy(model).named_parameters()}
+        elif how == "pickle":  # the parameters themselves (torch.save(model) pickles the hooks, which it cannot)
+            buffer = io.BytesIO()
+            torch.save(dict(model.named_parameters()), buffer)
+            buffer.seek(0)
+            seen[how] = {n: p.detach() for n, p in torch.load(buffer).items()}
+        else:
+            seen[how] = {n: p.norm() for n, p in model.named_parameters()}
+
+    def after_step(k: int) -> None:
+        in_flight.append(opt._in_flight is not None and opt._in_flight.in_flight)
+        for how in HABITS[k:] + HABITS[:k]:  # HABITS[k] first, while the gathers are in flight
+            if how.startswith("ema") or how == HABITS[k]:
+                read(how)
+
+    _train(model, opt, batches, after_step=after_step)
+    for use, ema in emas.items():
+        seen["ema with buffers" if use else "ema"] = {n: p.detach().clone() for n, p in ema.module.named_parameters()}
+    return {"seen": seen, "in flight": in_flight}
+
+
+def test_reads_that_pass_no_hook_wait_for_the_gathers():
+    """An EMA, a deepcopy, a pickle and a hand loop over the parameters right after `step()` read this step's
+    weights, bit for bit as with the gathers inside the step, not a mix with the last step's."""
+    mixed = []
+    for rank, r in enumerate(run_ranks(habits_job, DP, deadline_s=240.0)):
+        on, off = r[True], r[False]
+        if rank == 0:  # rank 1 was late: its segments' gathers were in flight when each habit read
+            assert all(on["in flight"]), on["in flight"]
+        assert not any(off["in flight"])
+        mixed += [(rank, how) for how in HABITS if not compare(on["seen"][how], off["seen"][how])["bit_identical"]]
+    assert not mixed
+
+
+class ReadsFirst(torch.nn.Module):
+    """Its forward reads another module's weight (`first`, run after it), as a tied head may."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.mix = torch.nn.Parameter(0.3 * torch.randn(16, 16, generator=g))
+
+    def forward(self, x: torch.Tensor, first: torch.nn.Linear) -> torch.Tensor:
+        return torch.nn.functional.linear(x, first.weight) @ self.mix
+
+
+class ReadsOutsideForward(torch.nn.Module):
+    """Its loss reads its own parameters in a method of its own, never through forward, and a
+    child's forward reads another child's weight before that child runs."""
+
+    def __init__(self, param=torch.nn.Parameter) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(0.3 * torch.randn(32, 16, generator=g))
-        self.w = torch.nn.Parameter(0.3 * torch.randn(16, 16, generator=g))
+        self.embed = param(0.3 * torch.randn(32, 16, generator=g))
+        self.w = param(0.3 * torch.randn(16, 16, generator=g))
+        self.reads_first = ReadsFirst(g)
+        self.first = torch.nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.first.weight.copy_(0.3 * torch.randn(16, 16, generator=g))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        return (self.embed[tokens] @ self.w.T).square().mean()
+        h = self.embed[tokens] @ self.w.T
+        return self.first(self.reads_first(h, self.first)).square().mean()
 
     @staticmethod
     def spec() -> ModelSpec:
-        return ModelSpec("reads-outside-forward", (ParamSpec("embed", (32, 16), Role.EMBEDDING, dtype="fp32"),
-                                                   ParamSpec("w", (16, 16), Role.MATRIX, dtype="fp32")))
+        return ModelSpec("reads-outside-forward", (
+            ParamSpec("embed", (32, 16), Role.EMBEDDING, dtype="fp32"), ParamSpec("w", (16, 16), Role.MATRIX, dtype="fp32"),
+            ParamSpec("reads_first.mix", (16, 16), Role.MATRIX, dtype="fp32"),
+            ParamSpec("first.weight", (16, 16), Role.MATRIX, dtype="fp32")))
+
+
+class OwnParameter(torch.nn.Parameter):
+    """A parameter class of the user's own, which the optimizer leaves as it is."""
 
 
 def outside_forward_job(rank: int, world: int) -> dict:
+    """Reads outside the forwards of the modules holding the parameters, right after `step()`: of
+    plain parameters (they wait), with the gathers overlapped and inside the step, and of the
+    user's own parameter class (not waited for: one error in backward)."""
     from canzona.runtime import DistributedOptimizer
 
-    model = ReadsOutsideForward()
-    opt = DistributedOptimizer(list(model.named_parameters()), model.spec())
     tokens = torch.arange(8).reshape(2, 4) + 4 * rank
-    model.loss(tokens).backward()
-    opt.step()
-    opt.zero_grad()
-    return outcome(lambda: model.loss(tokens).backward())  # read before the gathers landed
+    out = {}
+    for case in ("overlap", "inside", "own class"):
+        model = ReadsOutsideForward(OwnParameter if case == "own class" else torch.nn.Parameter)
+        # a bucket per matrix: `first.weight`'s gather is not one that reads_first's hook waits for
+        opt = DistributedOptimizer(list(model.named_parameters()), model.spec(), overlap_param_gather=case != "inside",
+                                   bucket_size=256)
+        losses = []
+        for _ in range(2):
+            loss = model.loss(tokens)  # the second reads before the first step's gathers landed
+            losses.append(outcome(loss.backward) | {"loss": float(loss)})
+            if losses[-1]["error"]:
+                break
+            opt.step()
+            opt.zero_grad()
+        out[case] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
 
 
-def test_a_read_outside_any_forward_is_one_error_in_the_next_backward():
+def test_reads_outside_any_forward_wait_and_other_parameter_classes_are_one_error():
     for r in run_ranks(outside_forward_job, DP, deadline_s=120.0):
-        assert r["error"] == "CanzonaError", r
-        assert "was read before the last step's all-gather" in r["message"] and "wait_params" in r["message"]
+        on, off, own = r["overlap"], r["inside"], r["own class"]
+        assert on["losses"] == off["losses"] and not any(x["error"] for x in on["losses"]), r
+        assert compare(on["params"], off["params"])["bit_identical"]
+        error = own["losses"][-1]
+        assert error["error"] == "CanzonaError", error
+        assert "was read before the last step's all-gather" in error["message"] and "wait_params" in error["message"]
 
 
 @pytest.fixture(scope="module")
