@@ -14,8 +14,9 @@ Everything documented that reads parameters waits first:
 - the optimizer itself: `step()`, `clip_grad_norm_()`, its state dicts and checkpoints;
 - `opt.wait_params()`;
 - any other read of a parameter's values (torch's EMA `AveragedModel.update_parameters(model)`,
-  `copy.deepcopy(model)`, pickling a parameter, `model.parameters()` iterated by hand, a custom
-  method such as `model.loss()`, a module whose forward reads *another* module's weight first):
+  `copy.deepcopy(model)`, pickling a parameter or the model (the hooks pickle as no-ops, `_Hook`),
+  `model.parameters()` iterated by hand, a custom method such as `model.loss()`, a module whose
+  forward reads *another* module's weight first):
   while its gathers are in flight a parameter is marked (`pending_params`: its class is swapped to
   a `nn.Parameter` subclass whose `__torch_function__` waits for them), and the first op that reads
   it waits; what reads no values (`.grad`, shape, dtype: `zero_grad()`) does not.
@@ -139,9 +140,9 @@ class ParamsInFlight:
         wait_all = _wait_all_hook(me)
         for module, names in modules.items():
             works = sorted({k for n in names for k in self._works_of[n]})
-            self._handles.append(module.register_forward_pre_hook(_before_forward(me, works)))
-            self._handles.append(module.register_state_dict_pre_hook(wait_all))
-            self._handles.append(module.register_load_state_dict_pre_hook(wait_all))
+            self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, works))))
+            self._handles.append(module.register_state_dict_pre_hook(_Hook(wait_all)))
+            self._handles.append(module.register_load_state_dict_pre_hook(_Hook(wait_all)))
         # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
         # modules may live on, under another optimizer) and gathers still in flight land first,
         # so that gloo lets go of their tensors before the interpreter finalizes
@@ -219,6 +220,28 @@ def _before_forward(me: weakref.ref[ParamsInFlight], works: list[int]) -> Callab
 def _wait(gathers: ParamsInFlight, works: list[int]) -> None:
     """A forward's wait for its modules' gathers: always eager (torch.compile breaks its graph here)."""
     gathers.wait(works)
+
+
+class _Hook:
+    """One of these hooks, as the module holds it. A model pickled (`torch.save(model)`) or deep-copied
+    with it holds `_NoHook` in its place: a closure cannot be pickled, and the copy's parameters are
+    not the ones this optimizer gathers into."""
+
+    def __init__(self, hook: Callable[..., None]) -> None:
+        self._hook = hook
+
+    def __call__(self, *args, **kwargs) -> None:
+        return self._hook(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_NoHook, ())
+
+
+class _NoHook:
+    """What a pickled or copied model holds in place of a `_Hook`."""
+
+    def __call__(self, *args, **kwargs) -> None:
+        return None
 
 
 def _wait_param(me: weakref.ref[ParamsInFlight], works: tuple[int, ...]) -> None:

@@ -136,15 +136,15 @@ def reading_job(rank: int, world: int, how: str) -> dict:
             "loaded kept": all(torch.equal(final[n], loaded[n]) for n in loaded)}
 
 
-HABITS = ("ema", "ema with buffers", "deepcopy", "pickle", "parameters loop")  # each the first read after one step
+HABITS = ("ema", "ema with buffers", "deepcopy", "pickle", "pickle model", "parameters loop")  # each the first read after one step
 
 
 def habits_job(rank: int, world: int) -> dict:
     """The reads that go through no hook of the optimizer's, right after each step: torch's EMA
     (`AveragedModel`, with and without its buffers), `copy.deepcopy(model)`, `torch.save` of the
-    parameters, and their norms by hand. Each step rank 1 launches its gathers late, and a different
-    habit reads first while rank 0's gathers of rank 1's segments are in flight; the same reads with
-    the gathers inside the step."""
+    parameters and of the model, and their norms by hand. Each step rank 1 launches its gathers
+    late, and a different habit reads first while rank 0's gathers of rank 1's segments are in
+    flight; the same reads with the gathers inside the step."""
     spec = TrainSpec(steps=len(HABITS), global_batch=4 * DP)
     batches = [micro_batches(t, rank, world, 1)[0] for t in global_batches(spec, 256)]
     return {overlap: _habits(spec, batches, overlap, late=overlap and rank == 1) for overlap in (True, False)}
@@ -166,11 +166,16 @@ def _habits(spec: TrainSpec, batches: list[torch.Tensor], overlap: bool, late: b
             emas[how == "ema with buffers"].update_parameters(model)
         elif how == "deepcopy":
             seen[how] = {n: p.detach().clone() for n, p in copy.deepcopy(model).named_parameters()}
-        elif how == "pickle":  # the parameters themselves (torch.save(model) pickles the hooks, which it cannot)
+        elif how == "pickle":  # the parameters
             buffer = io.BytesIO()
             torch.save(dict(model.named_parameters()), buffer)
             buffer.seek(0)
             seen[how] = {n: p.detach() for n, p in torch.load(buffer).items()}
+        elif how == "pickle model":  # the whole module, with the optimizer's hooks on its modules
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            seen[how] = {n: p.detach() for n, p in torch.load(buffer, weights_only=False).named_parameters()}
         else:
             seen[how] = {n: p.norm() for n, p in model.named_parameters()}
 
