@@ -221,6 +221,17 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
         check_weights = extra.get("check_weights", False)  # the parameters are those it was saved with
         load = functools.partial(opt.load_sharded_state_dict, state, check_weights=check_weights) \
             if isinstance(state, str) else functools.partial(opt.load_state_dict, state)
+        if extra.get("refused") == "step":  # a load whose first step may be refused: the error, the weights around it
+            load()
+            before = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+            try:
+                train_steps(model, opt, spec, mspec.param("model.embed_tokens.weight").shape[0], dp_rank, dp,
+                            lambda k, n: opt.no_sync() if k < n - 1 else contextlib.nullcontext())
+                outcome = "stepped"
+            except CanzonaError as e:
+                outcome = f"{type(e).__name__}: {e}"
+            return {"refused": outcome, "params before": before,
+                    "params after": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}}
         if extra.get("refused"):  # a load that may be refused: the error, and the state before and after it
             before = opt.state_dict()
             try:

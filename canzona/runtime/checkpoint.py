@@ -29,7 +29,10 @@ overlap its own; at another TP size it reads every piece of the parameters it ne
 metadata holds the weights' witness (`take_witness`: a few elements of every parameter, exact, by
 global index), which `load_sharded(check_weights=True)` compares with the model's weights where the
 checkpoint has no masters to compare (`check_weights_match`), at any layout; a checkpoint of an
-older canzona has none and still loads.
+older canzona has none and still loads. The layout-independent form carries the same witness in
+each entry (`WITNESS_FIELD`); `load_state_dict`, and `load_sharded` without `check_weights`, leave it
+for the first step after them to check (`check_loaded_weights`: the model may be loaded after the
+optimizer, as torch's `set_state_dict` does).
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Described(Protocol):
     param_groups: list[dict[str, Any]]
     master_weights: bool
     timeout_s: float  # how long its collective calls wait for the other ranks
+    # the witness of the weights a state loaded unchecked (`load_state_dict`, `load_sharded` without
+    # `check_weights`) was saved with, checked at the next step (`check_loaded_weights`)
+    loaded_witness: dict[str, Any] | None
 
     def state_dtype(self, name: str) -> torch.dtype: ...
 
@@ -242,12 +248,14 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
                 if key in shards[0]:
                     full[key] = unshard([s[key] for s in shards], _tp_dim(opt, name))
             state[name] = full
-    return full_state(opt, state)
+    return full_state(opt, state, take_witness(opt, _held(opt), call="state_dict()"))
 
 
-def full_state(opt: Described, by_name: Mapping[str, dict]) -> dict[str, Any]:
+def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str, Any]) -> dict[str, Any]:
     """The full state by name (full tensors, masters under `master`), in torch.optim's layout
-    (see the module's docstring): what `state_dict()` returns under every layout."""
+    (see the module's docstring): what `state_dict()` returns under every layout. Each entry holds
+    its parameter's `witness` values under `WITNESS_FIELD` (a tensor: torch's tools and `dcp` carry
+    it as any state, and a template's is filled in place)."""
     header = json.dumps(_header(opt), default=_json_scalar)
     name_of = {id(p): n for n, p in opt.params.items()}
     state: dict[int, dict] = {}
@@ -257,13 +265,16 @@ def full_state(opt: Described, by_name: Mapping[str, dict]) -> dict[str, Any]:
         first = len(state)
         for name in names:
             if opt.spec.param(name).matrix_shape is not None:
-                state[len(state)] = _stacked_entry(opt, g, name, by_name)
-                continue
-            saved = dict(by_name.get(name, {}))
-            stepped = any(k != "master" for k in saved)
-            entry = {} if stepped else _template(opt, g, name)
-            entry.update(saved)
-            entry[STEPPED_KEY] = stepped
+                entry = _stacked_entry(opt, g, name, by_name)
+            else:
+                saved = dict(by_name.get(name, {}))
+                stepped = any(k != "master" for k in saved)
+                entry = {} if stepped else _template(opt, g, name)
+                entry.update(saved)
+                entry[STEPPED_KEY] = stepped
+            values = _witness_values(name, math.prod(opt.spec.param(name).shape), witness.get(name))
+            if values is not None:
+                entry[WITNESS_FIELD] = values
             state[len(state)] = entry
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(first, len(state))), NAMES_KEY: names, HEADER_KEY: header})
@@ -339,6 +350,7 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
             if entry is None:
                 continue
             entry = dict(entry)
+            entry.pop(WITNESS_FIELD, None)  # the weights', not the optimizer's (`loaded_witness`)
             stepped = entry.pop(STEPPED_KEY, True)
             for key, part in (_split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
                 if not stepped:
@@ -379,6 +391,7 @@ def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
     """`state_dict()`'s form, loaded on every rank of the optimizer's DP and TP groups (collective:
     `read_state_together`)."""
     load_by_name(opt, *read_state_together(opt, state_dict, [opt.mesh.comm(DP), opt.mesh.comm(TP)]))
+    opt.loaded_witness = saved_witness(state_dict, _global_shapes(opt))
 
 
 def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
@@ -641,7 +654,13 @@ def _working(opt: Checkpointable) -> dict[str, Tensor]:
 WEIGHTS_FROM_ANOTHER_SAVE = (
     "the model's weights differ from those the optimizer checkpoint was saved with ({detail}): the model files "
     "and the optimizer state come from different saves (a save killed between them, or files copied from two "
-    "checkpoints); nothing of the optimizer state was loaded. Resume from a checkpoint saved whole")
+    "checkpoints); {outcome}. Resume from a checkpoint saved whole")
+NOTHING_LOADED = "nothing of the optimizer state was loaded"
+# `load_state_dict` cannot check the weights: torch's `set_state_dict` loads the optimizer before
+# the model. The first step after it checks them (`check_loaded_weights`), before any update.
+NOTHING_STEPPED = ("step() refused before any update (a state loaded by load_state_dict(), or by "
+                   "load_sharded_state_dict() without check_weights, is checked against the weights at the first "
+                   "step after it)")
 
 
 def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
@@ -674,12 +693,12 @@ def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
     bad = mismatches(master, working)
     if bad:
         raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
-            detail=f"{name}: {bad} of {master.numel()} elements of its fp32 master weights"))
+            detail=f"{name}: {bad} of {master.numel()} elements of its fp32 master weights", outcome=NOTHING_LOADED))
 
 
 def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], Held],
                     shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None,
-                    timeout_s: float) -> None:
+                    timeout_s: float, *, call: str = "load_sharded_state_dict()", outcome: str = NOTHING_LOADED) -> None:
     """Collective (the default process group): `compare_masters` (each layout's: raises
     `same_as_master`'s error, returns the parameters it compared), then every other parameter this
     rank holds (`held`) against the witness; one CheckpointError on every rank if either finds
@@ -690,9 +709,25 @@ def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], 
         compared = compare_masters()
         detail = witness_mismatch({n: h for n, h in held().items() if n not in compared}, shapes, witness or {})
         if detail is not None:
-            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail))
+            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail, outcome=outcome))
 
-    Ranks(timeout_s=timeout_s, call="load_sharded_state_dict()").together(check)
+    Ranks(timeout_s=timeout_s, call=call).together(check)
+
+
+def check_loaded_weights(opt: Described, held: Callable[[], Held], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """At a step: where a load left the witness of the weights its state was saved with
+    (`loaded_witness`), the weights this rank holds (`held`) equal it, or one CheckpointError on
+    every rank before anything is updated (kept for a step called again). Collective (the default
+    process group), once after each such load; nothing to do otherwise."""
+    if not opt.loaded_witness:
+        return
+    check_same_save(set, held, shapes, opt.loaded_witness, opt.timeout_s, call="step()", outcome=NOTHING_STEPPED)
+    opt.loaded_witness = None
+
+
+def check_weights_at_step(opt: Checkpointable) -> None:
+    """`check_loaded_weights` in the ZeRO-1 layout (what `step()` calls first)."""
+    check_loaded_weights(opt, lambda: _held(opt), _global_shapes(opt))
 
 
 # --- the weights' witness: a few elements of every parameter, at any layout ----------------------
@@ -756,14 +791,18 @@ def _from_bits(bits: list[str], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(bytearray.fromhex("".join(bits)), dtype=dtype).clone()
 
 
-def take_witness(opt: Described, held: Held) -> dict[str, Any]:
+def take_witness(opt: Described, held: Held, *, call: str = "sharded_state_dict()") -> dict[str, Any]:
     """Collective (the default process group; this process alone without torch.distributed): the
-    witness of the weights as they are now, identical on the ranks of `opt`'s model, for the
-    sharded form's metadata: per parameter its dtype, the elements `witness_indices` picks and
+    witness of the weights as they are now (until a step has checked them, the one
+    `load_state_dict` left: the loaded state still belongs to those weights, so a save before that
+    step round-trips and keeps the check), identical on the ranks of `opt`'s model, for the
+    checkpoint's metadata: per parameter its dtype, the elements `witness_indices` picks and
     their values (bytes in hex), each from a rank that holds it (a rank of the same model: under
     pipeline parallelism another stage's parameters may have the same names)."""
     from canzona.runtime.checkpoint_files import Ranks
 
+    if opt.loaded_witness:  # the loaded state still belongs to those weights (no step checked them yet)
+        return dict(opt.loaded_witness)
     shapes, model = _global_shapes(opt), opt.spec.fingerprint()
 
     def mine() -> tuple[str, dict[str, tuple[str, dict[int, str]]]]:
@@ -776,7 +815,7 @@ def take_witness(opt: Described, held: Held) -> dict[str, Any]:
                 out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
         return model, out
 
-    every = [values for of, values in Ranks(timeout_s=opt.timeout_s, call="sharded_state_dict()").together(mine)
+    every = [values for of, values in Ranks(timeout_s=opt.timeout_s, call=call).together(mine)
              if of == model]
     witness: dict[str, Any] = {}
     for name in sorted(shapes):
@@ -790,6 +829,43 @@ def take_witness(opt: Described, held: Held) -> dict[str, Any]:
         index = sorted(values)
         witness[name] = {"dtype": found[0][0], "index": index, "bits": [values[i] for i in index]}
     return witness
+
+
+WITNESS_FIELD = "canzona_weights_witness"  # in each entry of the layout-independent form
+
+
+def _witness_values(name: str, numel: int, entry: Mapping[str, Any] | None) -> Tensor | None:
+    """A parameter's witness (`take_witness`'s entry) as the tensor of its values, in its dtype, at
+    `witness_indices` (None where it has no whole witness)."""
+    if entry is None or list(entry["index"]) != witness_indices(name, numel):
+        return None
+    return _from_bits(list(entry["bits"]), getattr(torch, entry["dtype"]))
+
+
+def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The witness a layout-independent state dict holds (`_witness_values` undone), in
+    `take_witness`'s form; empty for one of an older canzona (or version 2) or with the fields
+    dropped, which are not checked."""
+    out: dict[str, Any] = {}
+    if state_dict.get("format") == STATE_FORMAT:
+        return out
+    for group in state_dict["param_groups"]:
+        for key, name in zip(group.get("params", []), group[NAMES_KEY]):
+            entry = _entry(state_dict["state"], key)
+            values = entry.get(WITNESS_FIELD) if isinstance(entry, Mapping) else None
+            if isinstance(values, Tensor) and name in shapes:
+                index = witness_indices(name, math.prod(shapes[name]))
+                if values.numel() == len(index):
+                    out[name] = {"dtype": _dtype_name(values.dtype), "index": index, "bits": _bits(values.detach().reshape(-1).cpu())}
+    return out
+
+
+def without_weights_witness(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """`state_dict` (the layout-independent form) without the weights' witness: it loads beside
+    any weights unchecked, as a state dict of an older canzona (on purpose: say, another model's
+    weights under the same optimizer state). The entries are new dicts; their tensors are shared."""
+    return {**state_dict, "state": {k: {f: v for f, v in e.items() if f != WITNESS_FIELD} if isinstance(e, Mapping)
+                                    else e for k, e in state_dict["state"].items()}}
 
 
 def witness_mismatch(held: Held, shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any]) -> str | None:
@@ -814,8 +890,13 @@ def witness_mismatch(held: Held, shapes: Mapping[str, tuple[int, ...]], witness:
 
 
 def mismatches(saved: Tensor, working: Tensor) -> int:
-    """Elements of `working` that are not `saved` cast to its dtype (NaN equals NaN)."""
+    """Elements of `working` that are not `saved` cast to its dtype (NaN equals NaN); where
+    `saved` is the narrower float (a state dict cast to bf16 by hand, its witness with it),
+    `working` cast to `saved`'s."""
     working = working.detach().reshape(-1)
+    if saved.is_floating_point() and working.is_floating_point() and \
+            torch.finfo(saved.dtype).bits < torch.finfo(working.dtype).bits:
+        working = working.to(saved.dtype)
     cast = saved.reshape(-1).to(device=working.device, dtype=working.dtype)
     same = cast == working
     if working.is_floating_point():
@@ -1068,6 +1149,8 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
+    # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
+    opt.loaded_witness = None if check_weights else dict(meta.get(WITNESS_KEY) or {})
 
 
 def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:

@@ -191,6 +191,10 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # `unscale_(wrapper)` then `step(opt)` brings the scale again, which must not unscale twice
     _amp_unscaled: tuple[dict[str, bool], float] | None = None
     _clip_check: tuple[dict[str, bool], float] | None = None
+    # the witness of the weights a state loaded unchecked was saved with (load_state_dict(),
+    # load_sharded_state_dict() without check_weights): the next step checks the model's weights
+    # against it (`checkpoint.check_loaded_weights`)
+    loaded_witness: dict[str, Any] | None = None
 
     def __init__(self, opts: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
         """`opts`: every argument of `DistributedOptimizer(...)` by name, its defaults filled in (it
@@ -649,6 +653,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         return run_step(self, closure, self._checked_step)
 
     def _checked_step(self) -> None:
+        fsdp_checkpoint.check_weights_at_step(self)  # after load_state_dict(): its weights, before anything changes
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
@@ -874,8 +879,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken under FSDP2 at any size or under the ZeRO-1 layout at any
-        DP x TP layout; checks it belongs to this model and optimizer, not the weights (as on the
-        ZeRO-1 path: a saved master that is not the weight cast gives way to it at the next step).
+        DP x TP layout; checks it belongs to this model and optimizer, and at the first `step()`
+        after it the weights (as on the ZeRO-1 path: their witness; a saved master that is not the
+        weight cast gives way to it at the next step).
         Collective (every rank calls it with the same state dict, as `state_dict()` gives it): a
         refusal on one rank, or ranks given different state dicts, is one error on every rank."""
         load_with_hooks(self, state_dict, lambda loaded: fsdp_checkpoint.load_state(self, loaded))
@@ -900,7 +906,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         masters cast to their dtype (where this optimizer keeps masters and the checkpoint has
         them), or that differ from the checkpoint's witness of them (a few elements of every
         parameter, recorded at the save), are one CheckpointError on every rank, nothing loaded:
-        model files and optimizer state from two saves, say a save killed between them."""
+        model files and optimizer state from two saves, say a save killed between them. Without
+        it, the first `step()` after the load checks the witness (as after `load_state_dict`)."""
         fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
     # --- what users of torch optimizers reach for ----------------------------------------------

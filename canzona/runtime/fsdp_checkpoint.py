@@ -30,6 +30,7 @@ from canzona.runtime.checkpoint import (
     _to_cpu,
     _to_device,
     agree_on_save,
+    check_loaded_weights,
     check_same_save,
     full_state,
     piece_key,
@@ -37,6 +38,7 @@ from canzona.runtime.checkpoint import (
     read_state_together,
     restore_settings,
     same_as_master,
+    saved_witness,
     sharded_meta,
     take_witness,
 )
@@ -83,7 +85,7 @@ def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
         pieces = {m: member["master"][name] for m, member in enumerate(every) if name in member["master"]}
         if pieces:
             state.setdefault(name, {})["master"] = _stitch(opt, name, pieces)
-    return full_state(opt, state)
+    return full_state(opt, state, take_witness(opt, _held(opt), call="state_dict()"))
 
 
 def _stitch(opt: FsdpOptimizer, name: str, pieces: Mapping[int, Tensor]) -> Tensor:
@@ -104,6 +106,7 @@ def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
     then this rank's pieces. Collective over the mesh (`read_state_together`): a refusal on one
     rank, or ranks given different state dicts, is one error on every rank, nothing loaded."""
     load_by_name(opt, *read_state_together(opt, state_dict, [opt.world]))
+    opt.loaded_witness = saved_witness(state_dict, _shapes(opt))
 
 
 def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
@@ -191,6 +194,13 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, header.get(WITNESS_KEY))
     load_by_name(opt, header, header.get("param_groups", []), state)
+    # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
+    opt.loaded_witness = None if check_weights else dict(header.get(WITNESS_KEY) or {})
+
+
+def check_weights_at_step(opt: FsdpOptimizer) -> None:
+    """`checkpoint.check_loaded_weights` under FSDP2 (what `step()` calls first)."""
+    check_loaded_weights(opt, lambda: _held(opt), _shapes(opt))
 
 
 def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:

@@ -757,6 +757,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # the step's parameter all-gathers in flight (overlap_param_gather); None until construction
     # sets it, so that what construction calls (reset_master_weights) finds nothing to wait for
     _in_flight: ParamsInFlight | None = None
+    # the witness of the weights a state loaded unchecked was saved with (load_state_dict(),
+    # load_sharded_state_dict() without check_weights): the next step checks the model's weights
+    # against it (`checkpoint.check_loaded_weights`)
+    loaded_witness: dict[str, Any] | None = None
     # the experts' part under expert parallelism (None: no EP, or not built yet)
     experts: ExpertPart | None = None
 
@@ -771,6 +775,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return run_step(self, closure, self._step)
 
     def _step(self) -> None:
+        checkpoint.check_weights_at_step(self)  # after load_state_dict(): its weights, before anything changes
         inverse = handed_inverse_scale(self)
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
@@ -976,12 +981,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a `state_dict()` taken at any DP x TP layout; checks it belongs to this model and optimizer.
-        As torch's, it checks no weights (the model may be loaded after it): a saved fp32 master
-        that is not the model's weight cast gives way to that weight at the next step
-        (`kernels.update_target`). To refuse weights of another save: the sharded form's
-        `load_sharded_state_dict(check_weights=True)`. Collective (every rank calls it with the same
-        state dict, as `state_dict()` gives it): a refusal on one rank, or ranks given different
-        state dicts, is one error on every rank, nothing loaded."""
+        The weights it was saved with are checked at the first `step()` after it, not here (torch's
+        `set_state_dict` loads the model after the optimizer): another save's weights (its witness,
+        a few elements of each parameter) are one CheckpointError on every rank there, before any
+        update (`checkpoint.without_weights_witness(state_dict)`: unchecked, on purpose). A saved
+        fp32 master that is not the model's weight cast gives way to that weight at the next step
+        (`kernels.update_target`). Collective (every rank calls it with the same state dict, as
+        `state_dict()` gives it): a refusal on one rank, or ranks given different state dicts, is
+        one error on every rank, nothing loaded."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         load_with_hooks(self, state_dict, lambda loaded: checkpoint.load_state(self, loaded))
@@ -1006,8 +1013,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         that differ from the checkpoint's witness of them (a few elements of every parameter,
         recorded at the save: an fp32 model, `master_weights=False`), are one CheckpointError on
         every rank, nothing loaded: model files and optimizer state from two saves, say a save
-        killed between them. A checkpoint of an older canzona has no witness: where it has no
-        masters either, nothing is checked."""
+        killed between them. Without it, the first `step()` after the load checks the witness
+        (as after `load_state_dict`). A checkpoint of an older canzona has no witness: where it has
+        no masters either, nothing is checked."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)

@@ -41,7 +41,7 @@ from canzona.harness.training import (
     global_batches,
     micro_batches,
 )
-from canzona.runtime.checkpoint import state_by_name
+from canzona.runtime.checkpoint import state_by_name, without_weights_witness
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -243,6 +243,29 @@ def mixed(spec: TrainSpec, rank: int, world: int, params: dict, path: str) -> di
     return {"refused": refused, "unchanged": nested_equal(opt.state_dict(), before)}
 
 
+def stepped_beside(spec: TrainSpec, rank: int, world: int, params: dict, state: dict, torch_api: bool = False) -> dict:
+    """A fresh model given `params`, which are not the weights `state` (a state_dict(), or with
+    `torch_api` torch's full state dicts of model and optimizer) was saved with: `load_state_dict`
+    after the model, or torch's `set_state_dict` (the optimizer first), then one step: its error,
+    and whether the weights stayed as they were (None: they did)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model, opt = fsdp_model(spec, world, seed=7)
+    if torch_api:
+        set_state_dict(model, opt, model_state_dict={**state[0], **params}, optim_state_dict=state[1],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        load_params(model, params)
+        opt.load_state_dict(state)
+    before = full_params(model)
+    try:
+        train(model, opt, replace(resume_spec(spec), steps=1), rank, world)
+        refused = "stepped"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        refused = f"{type(e).__name__}: {e}"
+    return {"refused": refused, "unchanged": nested_equal(full_params(model), before)}
+
+
 def weights_checked(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
     """SAVE steps and a sharded checkpoint, one step more: that step's weights beside the
     checkpoint are refused (`mixed`), the checkpoint's own load (the state it saved)."""
@@ -286,6 +309,7 @@ def loaded_then_saved(spec: TrainSpec, rank: int, world: int, path: str) -> dict
     except Exception as e:  # noqa: BLE001 - the message is the result
         out["sharded"] = f"{type(e).__name__}: {e}"
     other = {n: w * 1.5 for n, w in weights.items()}
+    full = without_weights_witness(full)  # beside other weights on purpose: its first step would refuse them
 
     def beside_other(order: str) -> dict[str, torch.Tensor]:
         model, opt = fsdp_model(spec, world, seed=7)
@@ -330,6 +354,10 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     # witness); bf16 with fp32 masters, the weights of one step later
     out["mix"] = mixed(muon, rank, world, run["final"], path + "-sharded")
     out["bf16 mix"] = weights_checked(BF16, rank, world, path + "-bf16")
+    # the checkpoint's state_dict() (torch's full state dicts) beside the weights of RESUME steps
+    # later: refused at the first step, loaded after the model and before it (torch's order)
+    out["state dict mix"] = stepped_beside(muon, rank, world, run["final"], run["ckpt"][1])
+    out["torch mix"] = stepped_beside(muon, rank, world, run["final"], run["torch"], torch_api=True)
     out["bf16 loaded then saved"] = loaded_then_saved(BF16, rank, world, path + "-bf16-loaded")
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
@@ -578,6 +606,21 @@ def test_weights_of_another_save_are_refused(case: str, what: str) -> None:
         assert r["bf16 mix"]["whole"] is None, (rank, r["bf16 mix"]["whole"])
 
 
+@pytest.mark.parametrize("case", ["state dict mix", "torch mix"])
+def test_a_state_dict_beside_weights_of_another_save_is_refused_at_the_first_step(case: str) -> None:
+    """The same mix through `load_state_dict` (after the model) and torch's `set_state_dict` (the
+    optimizer first): the first step refuses it, one CheckpointError on every rank, no weight
+    updated. Before, both stepped unnoticed. The state dicts beside their own weights step on
+    (`resumed`, "torch full", "dcp": bit for bit)."""
+    ranks = run2()
+    texts = {re.sub(r"^CheckpointError: rank \d+: ", "CheckpointError: ", r[case]["refused"]) for r in ranks}
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert text.startswith(WEIGHTS_MIX) and "sampled elements" in text and "step() refused" in text, text
+    for rank, r in enumerate(ranks):
+        assert r[case]["unchanged"] is None, (rank, r[case]["unchanged"])
+
+
 def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs() -> None:
     """Weights loaded into a bf16 model after steps, then the state saved: its masters are those
     of the weights as they are (`state_dict()` and the sharded form), and the sharded save loads
@@ -590,7 +633,8 @@ def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs() -> 
 
 
 def test_a_state_dict_beside_other_weights_steps_from_the_models_weights() -> None:
-    """`load_state_dict` checks no weights (as torch's): fp32 masters loaded beside weights that
+    """A state dict without the weights' witness (`checkpoint.without_weights_witness`: loaded
+    beside other weights on purpose) checks no weights: fp32 masters loaded beside weights that
     are not their cast are not trained from; the step starts from the model's weights, whichever
     was loaded first (`kernels.update_target`), as under ZeRO-1."""
     for rank, r in enumerate(run2()):

@@ -30,6 +30,7 @@ from canzona.harness.training import TrainSpec, build_model, compare, global_bat
 from canzona.memory import MemorySetup, memory_per_gpu
 from canzona.models import resolve_model
 from canzona.plan import make_plan
+from canzona.runtime.checkpoint import without_weights_witness
 from canzona.step_policies import STEP_POLICIES
 from sim.options import RunOptions
 from sim.simulate import SimConfig, layer_dims, simulate
@@ -175,8 +176,8 @@ def mid_step_checkpoint_job(rank: int, world: int, overlap: bool) -> dict:
         if k == 1:  # cloned: a sharded state dict holds the live tensors, as torch.distributed.checkpoint reads them
             saved = opt.state_dict()
             shards = {key: v.clone() for key, v in opt.sharded_state_dict().items() if isinstance(v, torch.Tensor)}
-        if k == 2:
-            opt.load_state_dict(saved)
+        if k == 2:  # beside the weights of a step later, on purpose: without the weights' witness
+            opt.load_state_dict(without_weights_witness(saved))
         opt.step()
     return {"params": weights(model), "state": opt.state_dict(), "saved": saved, "shards": shards,
             "log": opt.comm.log.to_dicts(), "overlapped_steps": opt.overlapped_steps}
