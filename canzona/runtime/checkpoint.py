@@ -632,16 +632,23 @@ def _load_masters(opt: Checkpointable, masters: Mapping[str, Tensor], device: to
 
 
 def _local_masters(opt: Checkpointable, masters: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """This rank's fp32 masters of the entries of `masters` (full tensors, the part's own names)."""
+    """This rank's fp32 masters of the entries of `masters` (full tensors, the part's own names):
+    copies, never views of `masters` (a same-dtype, same-device `.to()` is none): the steps
+    train the masters in place, and the state dict they came from must stay as it was given."""
     out: dict[str, Tensor] = {}
     for name, _, s, e, off in opt.adamw_parts():
         if name in masters:
-            out[name] = _slice(opt, name, masters[name], off, e - s).float().to(device)
+            out[name] = _owned_fp32(_slice(opt, name, masters[name], off, e - s), device)
     for name in opt.applies:
         if name in masters:
             shard = shard_of(masters[name], _tp_dim(opt, name), opt.mesh.size(TP), opt.mesh.rank(TP))
-            out[name] = shard.float().contiguous().to(device)
+            out[name] = _owned_fp32(shard, device)
     return out
+
+
+def _owned_fp32(t: Tensor, device: torch.device) -> Tensor:
+    """A new contiguous fp32 tensor on `device` holding `t`'s values."""
+    return t.detach().to(device, torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def _working(opt: Checkpointable) -> dict[str, Tensor]:

@@ -16,6 +16,7 @@ steps at the new DP size from the same parameters and optimizer state.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -558,14 +559,18 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
     step(model, opt, tokens[1])
     straight = {n: p.detach().clone() for n, p in model.named_parameters()}
     del opt
+    kept = copy.deepcopy(full)  # what `full` must still hold after the runs that loaded it stepped
     out = {}
-    for how in ("sharded", "state_dict", "state_dict, optimizer first"):  # the last: torch's set_state_dict's order
+    # "..., optimizer first": torch's set_state_dict's order (the model's weights after the optimizer's state)
+    for how in ("sharded", "state_dict", "state_dict, optimizer first", "sharded, optimizer first"):
         model, opt = built(seed=1)
         weights = {f"model/{k}": v for k, v in model.state_dict().items()}
         dcp.load(weights, checkpoint_id=path)
         try:
             if how == "state_dict, optimizer first":
                 opt.load_state_dict(full)
+            elif how == "sharded, optimizer first":  # unchecked: the first step checks the witness
+                opt.load_sharded_state_dict(path)
             model.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
             if how == "sharded":
                 opt.load_sharded_state_dict(path, check_weights=True)
@@ -577,6 +582,8 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
             continue
         out[how] = compare({n: p.detach().clone() for n, p in model.named_parameters()}, straight)["bit_identical"]
         del opt
+    # the loads copy what they keep: the steps after them left the state dict as it was given
+    out["state dict unchanged"] = all(torch.equal(a, b) for a, b in zip(_tensors(full), _tensors(kept)))
     # the state dict beside weights of no save, on purpose (without the weights' witness, which
     # its first step would refuse): every tensor off its saved master's cast, written into the
     # model before or after the load; the step must start from them, as from a fresh master of
@@ -605,6 +612,14 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state dict, in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [t for v in values for t in _tensors(v)]
+
+
 def _global_batches(spec: TrainSpec) -> list[torch.Tensor]:
     from canzona.harness.training import global_batches
 
@@ -631,9 +646,16 @@ def test_a_state_dict_loaded_before_its_model_steps_on():
     weights at the first step after it, when the model's are in place (a check at the load would
     refuse this order)."""
     out = loaded_then_saved()
-    # stepped, not refused (a bool: bit for bit or not); under bf16 masters this order is not
-    # bit for bit today (the masters of matrices differ after the step): a separate finding
-    assert isinstance(out["state_dict, optimizer first"], bool), out
+    # bit for bit as the model loaded first, in the layout-independent and the sharded form
+    assert (out["state_dict, optimizer first"], out["sharded, optimizer first"]) == (True, True), out
+
+
+def test_steps_after_a_load_leave_the_state_dict_loaded_as_it_was():
+    """Before: `load_state_dict` kept the state dict's fp32 masters themselves (a same-device,
+    same-dtype `.to()` is no copy), so the steps after it trained them in place: a state dict kept
+    to load again (another resume of it, a rollback) held that run's masters, and the next run
+    from it diverged after one step."""
+    assert loaded_then_saved()["state dict unchanged"] is True
 
 
 def test_a_state_dict_beside_other_weights_steps_from_the_models_weights():
