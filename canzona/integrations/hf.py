@@ -15,7 +15,7 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   one in `create_optimizer` (`build_optimizer`): `matrix_optimizer` (Muon by default) with
   `matrix_config` on the 2-D weights, AdamW with the arguments' `learning_rate`, `adam_beta1`,
   `adam_beta2` and `adam_epsilon` on the rest (an `optim` other than torch's AdamW, e.g. sgd or
-  adafactor, is one error), `weight_decay` on the Trainer's decay parameters (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
+  adafactor, is one error; a subclass's own `create_optimizer` ignores it, as the plain Trainer's), `weight_decay` on the Trainer's decay parameters (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
   order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
@@ -221,7 +221,10 @@ class CanzonaTrainer(Trainer):
         self.canzona_spec = spec
         self.optimizer_kwargs = check_optimizer_kwargs(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
-        if self._given_optimizer is None:  # a given one: the Trainer ignores `optim` too
+        # early, where the optimizer will be CanzonaTrainer's own build; a given one, or a subclass's
+        # own create_optimizer / build_optimizer, ignores `optim` (as the plain Trainer's does)
+        builds = all(getattr(type(self), m) is getattr(CanzonaTrainer, m) for m in ("create_optimizer", "build_optimizer"))
+        if self._given_optimizer is None and builds:
             check_optim(self.args.optim, self.matrix_optimizer)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
@@ -285,6 +288,7 @@ class CanzonaTrainer(Trainer):
         AdamW from the TrainingArguments on the rest; weight decay as the Trainer applies it."""
         from canzona.runtime.modules import named_parameters
 
+        check_optim(self.args.optim, self.matrix_optimizer)  # also reached through a subclass's create_optimizer
         if not (dist.is_available() and dist.is_initialized()):
             raise CanzonaError("CanzonaTrainer needs torch.distributed initialised (the DistributedOptimizer's process "
                                "group), and a plain `python script.py` run leaves it not: launch with torchrun "

@@ -477,6 +477,22 @@ def test_an_optim_other_than_adamw_is_one_error_at_construction(tmp_path, one_ra
     opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model))
     CanzonaTrainer(model=model, args=args(optim="sgd"), optimizers=(opt, None))
 
+    # a create_optimizer of the user's own ignores `optim`, as the plain Trainer's override does:
+    # accepted (before: refused at construction); one that builds through CanzonaTrainer's is refused
+    class Own(CanzonaTrainer):
+        def create_optimizer(self, model=None):
+            self.optimizer = DistributedOptimizer(named_parameters(self.model), ModelSpec.from_module(self.model))
+            return self.optimizer
+
+    class Through(CanzonaTrainer):
+        def create_optimizer(self, model=None):
+            return super().create_optimizer(model)
+
+    del opt  # one optimizer per model
+    assert isinstance(Own(model=model, args=args(optim="sgd")).create_optimizer(), DistributedOptimizer)
+    with pytest.raises(CanzonaError, match=r"^TrainingArguments\(optim='sgd'\): CanzonaTrainer builds muon "):
+        Through(model=model, args=args(optim="sgd")).create_optimizer()
+
 
 def test_a_trainer_run_without_a_process_group_is_one_error_naming_torchrun(tmp_path):
     """`python script.py` (no torchrun): the Trainer sets up no process group; building the
