@@ -40,6 +40,13 @@ def handles(obj: Any, optimizer: Any) -> bool:
     return False
 
 
+def holds(obj: Any, optimizers: Any) -> bool:
+    """Whether `obj` keeps one of `optimizers` in an attribute of its own, whatever its name: a
+    wrapper of it, resolvable or not (a torch optimizer stepping its own gradients keeps none)."""
+    kept = vars(obj).values() if hasattr(obj, "__dict__") else ()
+    return any(value is opt for value in kept for opt in optimizers)
+
+
 def _attribute(obj: Any, name: str) -> Any:
     # an attribute that fails to read (a property raising) is no wrapped optimizer
     try:

@@ -75,7 +75,10 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
         # (or a wrapper of it: accelerate's AcceleratedOptimizer, a Lightning-style or user's proxy,
         # which is that optimizer: before, torch's handler took its gradients)
         handled = [owner for owner in owners if amp_handles.handles(unscaled, owner)]
-        if not handled and not isinstance(unscaled, torch.optim.Optimizer):
+        # a torch optimizer's own gradients are torch's; a torch.optim.Optimizer subclass holding
+        # canzona's optimizer under a name canzona does not follow is an opaque wrapper all the same
+        torch_own = isinstance(unscaled, torch.optim.Optimizer) and not amp_handles.holds(unscaled, owners)
+        if not handled and not torch_own:
             _refuse_opaque(unscaled, named, owners)
         owners = handled
     # else the newest first: an optimizer built again over the same model (a resume) while the old

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 class Forwarding:
     """Lightning-style (`LightningOptimizer`): the optimizer as `._optimizer`, every other attribute
@@ -47,4 +49,21 @@ class Opaque(Proxy):
         return list(self.inner.param_groups)
 
 
-WRAPPERS = {"forwarding": Forwarding, "proxy": Proxy, "opaque": Opaque}
+class TorchOpaque(torch.optim.Optimizer):
+    """A torch optimizer subclass wrapping the optimizer under a name canzona does not follow,
+    `param_groups` a list of its own (torch.optim.Optimizer.__init__ not called: it would take the
+    groups over)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.inner = optimizer
+        self.defaults, self.state = optimizer.defaults, optimizer.state
+        self.param_groups = list(optimizer.param_groups)
+
+    def step(self, closure: Any = None) -> Any:
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+
+WRAPPERS = {"forwarding": Forwarding, "proxy": Proxy, "opaque": Opaque, "torch-opaque": TorchOpaque}

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from canzona.errors import CanzonaError
-from canzona.runtime.amp_handles import handles
+from canzona.runtime.amp_handles import handles, holds
 from canzona.runtime.grad_guard import handed_inverse_scale
-from tests.runtime.amp_wrappers import Forwarding, Proxy
+from tests.runtime.amp_wrappers import Forwarding, Proxy, TorchOpaque
 
 
 class _Attr:  # accelerate-style: `.optimizer`, param_groups a list of its own
@@ -27,6 +27,9 @@ def test_a_wrapper_chain_or_a_forwarding_proxy_is_the_optimizer_and_another_opti
     assert handles(_Attr(opt), opt) and handles(Forwarding(_Attr(opt)), opt) and handles(Proxy(opt), opt)
     # torch's own optimizer over the same parameters keeps its own state: not a handle of `opt`
     assert not handles(torch.optim.SGD(opt.param_groups[0]["params"], lr=0.1), opt)
+    # `holds`: kept in any attribute (a wrapper canzona cannot resolve, e.g. amp_wrappers.TorchOpaque)
+    assert holds(TorchOpaque(opt), [opt]) and not handles(TorchOpaque(opt), opt)
+    assert not holds(torch.optim.SGD(opt.param_groups[0]["params"], lr=0.1), [opt])
     looped = _Attr(opt)
     looped.optimizer = looped  # a cycle ends
     assert not handles(looped, opt) and not handles(object(), opt)

@@ -434,6 +434,9 @@ SMALL_CASES = {
     "scaler-unscale-inf": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1, "poison_with": math.inf},
     # unscale_ through a proxy canzona cannot resolve (tests/runtime/amp_wrappers.Opaque)
     "scaler-unscale-opaque": {"steps": 1, "clip": 0.05, "scaler": "unscale", "wrap": "opaque"},
+    # the same through a torch.optim.Optimizer subclass (amp_wrappers.TorchOpaque), an Inf in rank 1's shard
+    "scaler-unscale-torch-opaque": {"steps": 1, "clip": 0.05, "scaler": "unscale", "wrap": "torch-opaque",
+                                    "poison": 0, "poison_with": math.inf},
     # unscale_ through a user's proxy, no clip, then scaler.step handed the optimizer itself
     "scaler-unscale-proxy-then-optimizer": {"steps": 3, "scaler": "unscale", "wrap": "proxy", "wrap_step": False},
     "scaler-unscale-inf-proxy": {"steps": 3, "clip": 0.05, "scaler": "unscale", "poison": 1,
@@ -773,10 +776,13 @@ def test_fsdp_grad_scaler_handed_a_wrapper_canzona_cannot_resolve_is_one_error_b
     """`scaler.unscale_` through a proxy that hides the optimizer (another attribute name, a list
     of its own as `param_groups`): one error on every rank, nothing stepped. Before: torch's handler
     unscaled the gradients outside the optimizer's step check (a clip before it unseen, `found_inf`
-    over the first gradient's mesh only)."""
+    over the first gradient's mesh only). The same through a torch.optim.Optimizer subclass holding
+    the optimizer (an Inf in rank 1's shard): before, exempt as a torch optimizer, the clip raised
+    the Inf as an error ('the global gradient norm is inf'), where GradScaler skips the step."""
     init = {n: p.detach() for n, p in Small().named_parameters()}
-    for r in _small()["scaler-unscale-opaque"]:
-        assert r["error"] is not None and r["error"].startswith("GradScaler was handed a wrapper (Opaque) that unscales"), \
+    runs = {"Opaque": _small()["scaler-unscale-opaque"], "TorchOpaque": _small()["scaler-unscale-torch-opaque"]}
+    for name, r in ((name, r) for name, rs in runs.items() for r in rs):
+        assert r["error"] is not None and r["error"].startswith(f"GradScaler was handed a wrapper ({name}) that unscales"), \
             r["error"]
         assert "\n" not in r["error"]
         assert compare(r["params"], init)["bit_identical"]
