@@ -31,6 +31,7 @@ from torch import Tensor
 
 from canzona.errors import CanzonaError
 from canzona.runtime import amp_handles
+from canzona.runtime.grad_guard import AMP_BESIDE_OTHERS
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _ARGUMENTS = ("self", "found_inf", "inv_scale")  # its schema's, in order
@@ -89,8 +90,7 @@ def _handler(op: Any, args: tuple, kwargs: dict) -> Any:
             owner._amp_unscale(bound["found_inf"], bound["inv_scale"])
             return None
         if named & mine:  # GradScaler unscales one optimizer's gradients per call
-            raise CanzonaError("GradScaler's unscale met gradients of canzona's optimizer beside others: unscale "
-                               "them through the optimizer that steps them (scaler.unscale_(opt))")
+            raise CanzonaError(AMP_BESIDE_OTHERS)
     if not _TORCH:
         raise CanzonaError("this torch's DTensor has no unscale handler for canzona to leave other gradients to")
     return _TORCH[0](op, args, kwargs)

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from canzona.errors import CanzonaError
 from canzona.runtime.amp_handles import handed_scale, inverse_of
+from canzona.runtime.shards import local_tensor
 
 aten = torch.ops.aten
 
@@ -65,6 +66,11 @@ _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 AMP_AFTER_CLIP = ("GradScaler's unscale after clip_grad_norm_() in the same step: the clip measured and clipped "
                   "the scaled gradients; call scaler.unscale_(opt) first, then opt.clip_grad_norm_(max_norm), "
                   "then scaler.step(opt)")
+# GradScaler unscales the gradients of the object it was handed in one op per device and dtype: one
+# over canzona's optimizer's and others' (a user's wrapper of two optimizers) would unscale the
+# first one's alone, the others' left scaled and unchecked
+AMP_BESIDE_OTHERS = ("GradScaler's unscale met gradients of canzona's optimizer beside others: unscale them through "
+                     "the optimizer that steps them (scaler.unscale_(opt))")
 
 
 
@@ -134,6 +140,8 @@ class GradGuard(Tensor):
             shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
             return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
         if func is _AMP_UNSCALE:
+            if any(_guard_owner(local_tensor(g)) is not owner for g in args[0]):
+                raise CanzonaError(AMP_BESIDE_OTHERS)  # alike on every rank, before any collective
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
         state = owner.guard_state(guard._name)
@@ -149,3 +157,7 @@ class GradGuard(Tensor):
         in_backward = torch._C._current_graph_task_id() != -1
         raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
 
+
+def _guard_owner(grad: Tensor) -> GuardOwner | None:
+    """The optimizer whose guard `grad` is (a DTensor's local guard included), None for any other."""
+    return grad._owner() if isinstance(grad, GradGuard) else None

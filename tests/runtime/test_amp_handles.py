@@ -71,3 +71,27 @@ def test_a_scale_handed_to_a_wrapper_is_read_and_one_canzona_cannot_resolve_is_o
         return
     scaler.step(given)
     assert opt.seen == 2.0 ** -10  # before: None through the wrapper (the scaled gradients stepped)
+
+
+@pytest.mark.parametrize("beside", ["canzona", "torch"])
+def test_an_unscale_over_canzona_gradients_beside_others_is_one_error(one_rank, beside):
+    """GradScaler handed one object over two optimizers' parameters (a user's combined wrapper, its
+    `param_groups` both lists): one op over the gradients of canzona's optimizer and of another
+    canzona optimizer (or torch's). Before: the first gradient's optimizer unscaled its own, the
+    others stayed scaled (the second optimizer's clip saw 1024x its norm, its step the scaled
+    gradients; an Inf among them raised at its step where GradScaler skips), silently."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    first = DistributedOptimizer(named_parameters(model[0]), ModelSpec.from_module(model[0]))
+    second = DistributedOptimizer(named_parameters(model[1]), ModelSpec.from_module(model[1])) if beside == "canzona" \
+        else torch.optim.SGD(model[1].parameters(), lr=0.1)
+    combined = _Attr(first)  # the first as `.optimizer`, both optimizers' groups in a list of its own
+    combined.param_groups += second.param_groups
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    with pytest.raises(CanzonaError, match=r"^GradScaler's unscale met gradients of canzona's optimizer beside others") as e:
+        scaler.unscale_(combined)
+    assert "\n" not in str(e.value)
