@@ -41,9 +41,12 @@ def handles(obj: Any, optimizer: Any) -> bool:
 
 
 def holds(obj: Any, optimizers: Any) -> bool:
-    """Whether `obj` keeps one of `optimizers` in an attribute of its own, whatever its name: a
-    wrapper of it, resolvable or not (a torch optimizer stepping its own gradients keeps none)."""
-    kept = vars(obj).values() if hasattr(obj, "__dict__") else ()
+    """Whether `obj` keeps one of `optimizers` in an attribute of its own, whatever its name, or in
+    a list, tuple or dict there (a wrapper of several): a wrapper of it, resolvable or not (a torch
+    optimizer stepping its own gradients keeps none)."""
+    kept = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    kept += [v for value in kept if isinstance(value, (list, tuple, dict))
+             for v in (value.values() if isinstance(value, dict) else value)]
     return any(value is opt for value in kept for opt in optimizers)
 
 

@@ -30,6 +30,9 @@ def test_a_wrapper_chain_or_a_forwarding_proxy_is_the_optimizer_and_another_opti
     # `holds`: kept in any attribute (a wrapper canzona cannot resolve, e.g. amp_wrappers.TorchOpaque)
     assert holds(TorchOpaque(opt), [opt]) and not handles(TorchOpaque(opt), opt)
     assert not holds(torch.optim.SGD(opt.param_groups[0]["params"], lr=0.1), [opt])
+    several = TorchOpaque(opt)
+    several.inner = [_sgd(), opt]  # a wrapper of several optimizers (before: not seen to hold it)
+    assert holds(several, [opt])
     looped = _Attr(opt)
     looped.optimizer = looped  # a cycle ends
     assert not handles(looped, opt) and not handles(object(), opt)
