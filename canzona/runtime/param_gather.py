@@ -38,6 +38,7 @@ import functools
 import gc
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 
@@ -128,6 +129,7 @@ class ParamsInFlight:
         self._works_of = dict(works_of)
         self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
         self._handles: list = []
+        self._lock = threading.RLock()
         me = weakref.ref(self)
         # the parameters marked pending while their gathers are in flight (`pending_params`), and
         # those each gather writes (to unmark them as it lands)
@@ -161,14 +163,26 @@ class ParamsInFlight:
         pending_params.mark(self._marked.values())
 
     def wait(self, works: Iterable[int]) -> None:
+        # one thread at a time: another thread's read of a parameter whose gather this one is
+        # waiting for must wait too, not find the gather taken and read last step's values
+        with self._lock:
+            self._wait(works)
+
+    def _wait(self, works: Iterable[int]) -> None:
         pending = self._pending[0]
         landed = []
         for k in works:
             work = pending[k] if k < len(pending) else None
             if work is not None:
-                pending[k] = None  # first: a failed wait is not waited for again
+                try:
+                    work.wait()
+                except Exception as e:
+                    # its parameters were not written: every later wait for it is this error
+                    # again (a read, a forward, step()), never a read of last step's values
+                    pending[k] = _Failed(e)
+                    raise
+                pending[k] = None
                 landed.append(k)
-                work.wait()
         if not self.in_flight:
             self._pending[0] = []
             pending_params.unmark(self._marked.values())
@@ -191,6 +205,17 @@ class ParamsInFlight:
                 "were read outside the forward of a module holding it (a custom method such as loss(), or "
                 "another module's forward reading it first). Run the model through module forwards, call "
                 "opt.wait_params() before such reads, or build the optimizer with overlap_param_gather=False")
+
+
+class _Failed:
+    """A gather whose wait raised, in its place among the pending ones: waiting for it raises again."""
+
+    def __init__(self, error: Exception) -> None:
+        self.message = str(error) if isinstance(error, CanzonaError) else (
+            f"the step's parameter all-gather failed: {type(error).__name__}: {error}")
+
+    def wait(self) -> None:
+        raise CanzonaError(self.message)
 
 
 def _close(pending: list[list[PendingWork | None]], handles: list, marked: list[Tensor]) -> None:

@@ -78,13 +78,12 @@ def _tensors(obj: object) -> Iterable[Tensor]:
 
 @torch.compiler.disable(reason=FULLGRAPH)
 def land(p: Tensor) -> None:
-    """Wait for `p`'s gathers; `p` is a plain `nn.Parameter` afterwards, even if the wait failed."""
-    try:
-        waiter = _WAITERS.get(id(p))
-        if waiter is not None:
-            waiter()
-    finally:
-        unmark((p,))
+    """Wait for `p`'s gathers; `p` is a plain `nn.Parameter` afterwards. If the wait raised, `p`
+    stays marked: its gather did not write it, and each later read raises that error again."""
+    waiter = _WAITERS.get(id(p))
+    if waiter is not None:
+        waiter()
+    unmark((p,))
 
 
 def markable(p: Tensor) -> bool:

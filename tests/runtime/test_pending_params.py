@@ -1,0 +1,62 @@
+"""The pending marks of `overlap_param_gather` (`pending_params`) against gathers that are slow or
+fail, in one process: each gather here is a stand-in whose `wait()` sleeps, then writes this step's
+values into the parameter's storage (as a landing all-gather does), or raises as a timed-out one does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from canzona.errors import CanzonaError
+from canzona.runtime.param_gather import ParamsInFlight
+
+SLOW_S = 0.5
+
+
+class Gather:
+    """Writes `value` into `into` when waited for, after `SLOW_S`; or raises `error`."""
+
+    def __init__(self, into: torch.Tensor, value: float, error: str | None = None) -> None:
+        self.into, self.value, self.error = into, value, error
+
+    def wait(self) -> None:
+        time.sleep(SLOW_S)
+        if self.error is not None:
+            raise CanzonaError(self.error)
+        self.into.fill_(self.value)
+
+
+def _in_flight(error: str | None = None):
+    """Two parameters of one module, in one bucket whose gather is in flight."""
+    module = torch.nn.Linear(4, 4)
+    storage = {n: p.detach() for n, p in module.named_parameters()}  # what the gather writes into
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    gathers.launch(lambda: [Gather(storage["weight"], 1.0, error)])
+    return module, gathers
+
+
+def test_a_read_from_another_thread_waits_for_the_gather_this_thread_is_waiting_for():
+    """One thread's read waits for the gather; another thread reading the same parameter meanwhile
+    sees this step's values too, not last step's (it found the gather taken and did not wait)."""
+    module, gathers = _in_flight()
+    first = threading.Thread(target=lambda: module.weight.sum())
+    first.start()
+    time.sleep(SLOW_S / 5)  # the first thread is in the gather's wait
+    seen = module.weight.detach().clone()
+    first.join()
+    assert torch.equal(seen, torch.ones(4, 4))
+
+
+def test_a_failed_gather_fails_every_later_read_of_what_it_writes():
+    """A gather that failed (a peer died: the timeout's CanzonaError) leaves its parameters unwritten:
+    the first read is that error, and so is every later read of them (the same read again, another
+    parameter of its bucket, the module's forward), not a silent read of last step's values."""
+    module, gathers = _in_flight("all-gather of bucket 0 on group dp failed or timed out after 5 s")
+    for read in (lambda: module.weight.sum(), lambda: module.weight.sum(), lambda: module.bias.sum(),
+                 lambda: module(torch.ones(4)), gathers.wait_all):
+        with pytest.raises(CanzonaError, match="failed or timed out"):
+            read()
