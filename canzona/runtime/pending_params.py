@@ -41,6 +41,9 @@ _METADATA = frozenset({
     Tensor.grad_fn.__get__, Tensor.size, Tensor.dim, Tensor.numel, Tensor.stride,
     Tensor.storage_offset, Tensor.is_contiguous, Tensor.element_size, Tensor.data_ptr, Tensor.__len__,
     Tensor.register_hook, Tensor.register_post_accumulate_grad_hook,
+    # Hugging Face's `model.dtype` / `model.device` ask the first parameter these
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.nbytes.__get__,
+    Tensor.itemsize.__get__,
 })
 
 

@@ -60,3 +60,14 @@ def test_a_failed_gather_fails_every_later_read_of_what_it_writes():
                  lambda: module(torch.ones(4)), gathers.wait_all):
         with pytest.raises(CanzonaError, match="failed or timed out"):
             read()
+
+
+def test_reads_of_metadata_do_not_wait():
+    """What reads no values of a parameter leaves its gather in flight: `.grad`, shape, and what
+    Hugging Face's `model.dtype` / `model.device` ask (`is_floating_point()`), sizes in bytes."""
+    module, gathers = _in_flight()
+    p = module.weight
+    reads = (p.grad, p.shape, p.dtype, p.device, p.is_floating_point(), p.is_complex(), p.get_device(), p.nbytes,
+             p.itemsize, p.element_size(), p.numel(), p.requires_grad, p.is_leaf)
+    assert gathers.in_flight and type(p) is not torch.nn.Parameter, reads
+    assert torch.equal(p.detach(), torch.ones(4, 4)) and not gathers.in_flight  # the first read of values waits
