@@ -174,6 +174,7 @@ class ParamsInFlight:
         for k in works:
             work = pending[k] if k < len(pending) else None
             if work is not None:
+                pending[k] = None  # first: a wait within this one (same thread) does not wait again
                 try:
                     work.wait()
                 except Exception as e:
@@ -181,7 +182,9 @@ class ParamsInFlight:
                     # again (a read, a forward, step()), never a read of last step's values
                     pending[k] = _Failed(e)
                     raise
-                pending[k] = None
+                except BaseException:  # Ctrl-C within the wait: still in flight, the next read waits
+                    pending[k] = work
+                    raise
                 landed.append(k)
         if not self.in_flight:
             self._pending[0] = []

@@ -29,6 +29,16 @@ class Gather:
         self.into.fill_(self.value)
 
 
+class Interrupted(Gather):
+    """Ctrl-C arrives during its first wait; the gather itself goes on and lands at the next."""
+
+    def wait(self) -> None:
+        if not getattr(self, "interrupted", False):
+            self.interrupted = True
+            raise KeyboardInterrupt
+        super().wait()
+
+
 def _in_flight(error: str | None = None):
     """Two parameters of one module, in one bucket whose gather is in flight."""
     module = torch.nn.Linear(4, 4)
@@ -71,3 +81,15 @@ def test_reads_of_metadata_do_not_wait():
              p.itemsize, p.element_size(), p.numel(), p.requires_grad, p.is_leaf)
     assert gathers.in_flight and type(p) is not torch.nn.Parameter, reads
     assert torch.equal(p.detach(), torch.ones(4, 4)) and not gathers.in_flight  # the first read of values waits
+
+
+def test_a_wait_interrupted_by_ctrl_c_is_waited_for_again_at_the_next_read():
+    """A notebook's Ctrl-C during the wait leaves the gather in flight: the next read waits for it
+    and sees this step's values, not last step's."""
+    module = torch.nn.Linear(4, 4)
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    gathers.launch(lambda: [Interrupted(module.weight.detach(), 1.0)])
+    with pytest.raises(KeyboardInterrupt):
+        module.weight.sum()
+    assert torch.equal(module.weight.detach(), torch.ones(4, 4)) and not gathers.in_flight
