@@ -457,8 +457,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def wait_params(self) -> None:
         """Wait for the last step's parameter all-gathers (overlap_param_gather): for code that reads
         the values of parameters that `step()` does not mark (another class than `nn.Parameter`: a
-        DTensor) outside a module's forward; reads of the others wait by themselves
-        (`canzona.runtime.pending_params`). Local: no collective."""
+        DTensor) outside a module's forward, and before a `torch.compile`d function taking the
+        parameters as arguments (it would recompile at each step); reads of the others wait by
+        themselves (`canzona.runtime.pending_params`). Local: no collective."""
         if self._in_flight is not None:
             self._in_flight.wait_all()
 

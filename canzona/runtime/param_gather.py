@@ -29,7 +29,11 @@ loss, backward catches most of it: a gradient arriving for a parameter whose gat
 for is one `CanzonaError` before anything is updated (`check_read`); what it cannot see is a stale
 read of a parameter whose bucket a later module's hook then waited for. A `torch.compile`d forward
 that reads another module's marked weight first breaks its graph at that read (the wait runs
-eagerly, and `fullgraph=True` is the same error as the hooks'), without recompiling at later steps.
+eagerly, and `fullgraph=True` is the same error as the hooks'), without recompiling at later steps;
+a compiled function that takes marked parameters as arguments (a compiled EMA) waits too, but
+recompiles at each step (its guards see the class the wait restored): `opt.wait_params()` first.
+A read from another thread waits like the rest (the waits hold a lock); a gather whose wait
+failed (the timeout's `CanzonaError`) fails every later wait for it with the same error.
 """
 
 from __future__ import annotations
