@@ -9,7 +9,10 @@ the reference takes one backward over the global batch: the gradients agree to f
 Muon (fp32 Newton-Schulz) carries that through. After STEPS steps every parameter is within
 BOUND relative (max |a - b| / max |b| per tensor) of both. Measured (2026-11-28, this CPU): at DP 2
 FSDP equals ZeRO-1 bit for bit and is 4.4e-6 from the reference; at DP 4 2.2e-6 from ZeRO-1 and
-2.0e-6 from the reference (ZeRO-1 itself 2.1e-6 from it)."""
+2.0e-6 from the reference (ZeRO-1 itself 2.1e-6 from it).
+
+The same spawn runs the differential check of the AdamW path against torch's stock stack (`habits`):
+torch's AdamW (foreach) over the same fully_shard'ed model, under torchtitan's habits; bit for bit."""
 
 from __future__ import annotations
 
@@ -78,7 +81,60 @@ def worker(rank: int, world: int) -> dict:
     train(model, opt, rank, world)
     opt.wait_params()
     zero1 = {n: p.detach().clone() for n, p in named_parameters(model)}
-    return {"fsdp": fsdp, "zero1": zero1, "kind": kind}
+    return {"fsdp": fsdp, "zero1": zero1, "kind": kind, "habits": habits(rank, world)}
+
+
+# the one matrix left to the matrix optimizer in `habits` (the owners' plan needs one), held still by
+# lr 0 and weight decay 0 under both optimizers
+HELD = "model.layers.0.self_attn.k_proj.weight"
+
+
+def habits(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The elementwise path against torch's AdamW (foreach) over the same fully_shard'ed model, with
+    torchtitan's habits together: bf16 MixedPrecisionPolicy with fp32 reduction, the root kept
+    unsharded after forward, 2 micro-batches under set_requires_gradient_sync(False) but the last,
+    torch's clip_grad_norm_ (foreach, DTensor gradients), a warm-up + cosine LambdaLR, no decay on
+    norms. Every parameter but HELD is routed to AdamW (their spec roles say vector)."""
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec, Role
+
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for who in ("canzona", "torch"):
+        model = example.build_model(SETUP)
+        spec = ModelSpec.from_module(model)  # before sharding: global shapes
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        groups = [{**g, "params": [(n, p) for n, p in g["params"] if n != HELD]}
+                  for g in example.param_groups(model, SETUP)]
+        groups.append({"params": [(n, p) for n, p in model.named_parameters() if n == HELD],
+                       "lr": 0.0, "weight_decay": 0.0})
+        if who == "canzona":
+            opt = DistributedOptimizer(groups, replace(spec, params=tuple(
+                replace(p, role=Role.VECTOR) if p.role == Role.MATRIX and p.name != HELD else p
+                for p in spec.params)), "muon", {"lr": SETUP.adamw_lr}, ADAMW)
+        else:
+            opt = torch.optim.AdamW([{**g, "params": [p for _, p in g["params"]]} for g in groups],
+                                    lr=SETUP.adamw_lr, foreach=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: example.lr_factor(SETUP, s))
+        for tokens in list(example.batches(SETUP))[:STEPS]:
+            opt.zero_grad()
+            parts = example.shard(tokens, rank, world).chunk(2)
+            for i, part in enumerate(parts):
+                model.set_requires_gradient_sync(i == len(parts) - 1)
+                (example.loss_of(model, part) / len(parts)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), SETUP.clip_norm, foreach=True)
+            opt.step()
+            sched.step()
+        out[who] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return out
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -116,3 +172,14 @@ def test_hf_model_under_fully_shard_equals_zero1_and_reference(world: int) -> No
         assert to_ref["max_rel_diff"] < BOUND, (to_ref, zero1_to_ref)
     init = dict(example.build_model(SETUP).named_parameters())
     assert not any(torch.equal(results[0]["fsdp"][n], init[n].detach()) for n in results[0]["fsdp"])
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_adamw_under_torchtitan_habits_equals_torch_adamw_bit_for_bit(world: int) -> None:
+    """`habits`: canzona's AdamW on FSDP2's local shards is torch's AdamW (foreach), bit for bit."""
+    init = dict(example.build_model(SETUP).named_parameters())
+    for r in _run(world):
+        got, want = r["habits"]["canzona"], r["habits"]["torch"]
+        assert compare(got, want)["bit_identical"], compare(got, want)
+        moved = {n for n in want if not torch.equal(want[n], init[n].detach())}
+        assert moved == set(want) - {HELD}
