@@ -42,6 +42,7 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, fields, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -129,16 +130,55 @@ class StateHeldElsewhere(dict):
     `torch.distributed.checkpoint.state_dict`'s get/set_optimizer_state_dict take an empty `state`
     for an optimizer that never stepped and run a zero-gradient step to fill it (collectives, and a
     change of momentum); the state lives in `matrix_state`, `adamw_state` and `master`, on the
-    ranks that hold it, and `state_dict()` gathers it."""
+    ranks that hold it, and `state_dict()` gathers it.
+    `state[param]` of a parameter of the optimizer's is a read-only mapping naming every field its
+    `state_dict()` entry can hold (`entry_fields`), each None: torch's
+    `flatten_optimizer_state_dict=True` (torchtitan's checkpointer) rebuilds an entry from the
+    keys `state.<name>.<field>` of exactly those fields."""
+
+    def __init__(self, owner: Described | None = None) -> None:
+        super().__init__()
+        self._owner = owner  # the optimizer (not a closure: the optimizer still pickles and copies)
 
     def __bool__(self) -> bool:
         return True
 
+    def __missing__(self, key: Any) -> Mapping[str, None]:
+        names = entry_fields(self._owner, key) if self._owner is not None and isinstance(key, Tensor) else None
+        if names is None:
+            raise KeyError(key)
+        return MappingProxyType(dict.fromkeys(names))
+
+
+def entry_fields(opt: Described, param: Tensor) -> list[str] | None:
+    """Every field `state_dict()`'s entry of `param` can hold (None: not the optimizer's): its
+    optimizer state's (`_template`), the fp32 master, and canzona's marks. An entry holds a subset
+    (no master without master weights, no stack count but for a stack); torch's unflattening
+    gives `{}` for each field a flattened state dict lacks, which loading drops (`state_by_name`)."""
+    name = next((n for n, p in opt.params.items() if p is param), None)
+    if name is None:
+        return None
+    g = next(i for i, group in enumerate(opt.param_groups) if any(p is param for p in group["params"]))
+    spec = opt.spec.param(name)
+    first = stacked_matrices(spec)[0].name if spec.matrix_shape is not None else name
+    return [*_template_on_meta(opt, g, first), "master", STEPPED_KEY, STACK_KEY, WITNESS_FIELD]
+
+
+def label_groups(opt: Described) -> None:
+    """Give the live `param_groups` the keys `state_dict()` adds to each group (the members'
+    names, canzona's header): torch's unflattening of a `flatten_optimizer_state_dict=True` state
+    dict takes from the saved groups only the keys the live groups have. The live header is a
+    placeholder (`LIVE_HEADER`), never read: `state_dict()` writes the header as it stands then."""
+    name_of = {id(p): n for n, p in opt.params.items()}
+    for group in opt.param_groups:
+        group[NAMES_KEY] = [name_of[id(p)] for p in group["params"]]
+        group[HEADER_KEY] = LIVE_HEADER
 
 STATE_FORMAT = "canzona.optimizer_state"
 STATE_VERSION = 3  # 3: torch.optim's layout (2: keyed by name, header at the top)
 READABLE_VERSIONS = (2, 3)
 HEADER_KEY = "canzona"  # in every param group: the header, as JSON
+LIVE_HEADER = "see state_dict()"  # the live groups' (`label_groups`): a slot, not a header
 NAMES_KEY = "param_names"  # torch.optim's own key for named parameters
 STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros
 STACK_KEY = "canzona_matrices"  # in a stacked parameter's entry: how many matrices its fields stack
@@ -275,7 +315,10 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
             values = _witness_values(name, math.prod(opt.spec.param(name).shape), witness.get(name))
             if values is not None:
                 entry[WITNESS_FIELD] = values
-            state[len(state)] = entry
+            # a field its configuration leaves unused (SOAP's one-sided factors) is left out, not
+            # None: torch's flattening (`flatten_optimizer_state_dict`) refuses None; loading reads
+            # an absent unused field as None (`_checked_field`)
+            state[len(state)] = {k: v for k, v in entry.items() if v is not None}
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(first, len(state))), NAMES_KEY: names, HEADER_KEY: header})
     return {"state": state, "param_groups": groups}
@@ -349,7 +392,8 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
             entry = _entry(state_dict["state"], key)
             if entry is None:
                 continue
-            entry = dict(entry)
+            # `{}`: a field torch's unflattening of a flattened state dict did not find (`entry_fields`)
+            entry = {k: v for k, v in entry.items() if not (isinstance(v, Mapping) and not v)}
             entry.pop(WITNESS_FIELD, None)  # the weights', not the optimizer's (`loaded_witness`)
             stepped = entry.pop(STEPPED_KEY, True)
             for key, part in (_split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
@@ -1094,7 +1138,7 @@ def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str,
     (`take_witness`, for `check_weights`; a loader that knows none ignores it)."""
     # JSON text: a leaf for dcp (a dict would be flattened into one entry per field)
     name_of = {id(p): n for n, p in opt.params.items()}
-    meta = {**_header(opt), "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+    meta = {**_header(opt), "param_groups": [{**{k: v for k, v in g.items() if k not in ("params", HEADER_KEY)},
                                               NAMES_KEY: [name_of[id(p)] for p in g["params"]]}
                                              for g in opt.param_groups]}
     if witness is not None:

@@ -57,7 +57,7 @@ from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
 from canzona.runtime import dtensor_amp, fsdp_checkpoint
 from canzona.runtime.batched import check_compile, matrix_kernels
-from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere
+from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere, label_groups
 from canzona.runtime.comm import Comm, PendingWork
 from canzona.runtime.fsdp_layout import (
     ParamLayout,
@@ -281,7 +281,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         configs = {"matrix": self.matrix_cfg, "adamw": self.adamw_cfg}
         super().__init__(param_groups, {})
         self.defaults = defaults_of(configs)
-        self.state = StateHeldElsewhere()  # torch's checkpoint API runs no zero-gradient step
+        # torch's checkpoint API runs no zero-gradient step; its flattened form finds the fields
+        self.state = StateHeldElsewhere(self)
+        label_groups(self)
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}

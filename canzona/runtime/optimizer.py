@@ -359,7 +359,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # torch.distributed.checkpoint's get/set_optimizer_state_dict take an empty `state` for an
         # optimizer that never stepped and run a zero-gradient step to fill it (a collective, and
         # a change of momentum); this optimizer's state lives in its own structures
-        self.state = checkpoint.StateHeldElsewhere()
+        self.state = checkpoint.StateHeldElsewhere(self)
+        checkpoint.label_groups(self)  # the keys torch's flattened state dict is rebuilt from
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from canzona.harness.launch import run_ranks
 from canzona.harness.training import (
@@ -42,6 +43,7 @@ from canzona.harness.training import (
     micro_batches,
 )
 from canzona.runtime.checkpoint import state_by_name, without_weights_witness
+from tests.runtime.outcomes import outcome
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -55,6 +57,9 @@ BF16 = replace(SPECS["muon"], dtype="bf16")
 # SOAP keeping one-sided factors of the 64-wide matrices where SPECS["soap"]'s keeps both: another state
 OTHER_SOAP_STATE = replace(SPECS["soap"], matrix_config={**SPECS["soap"].matrix_config, "max_precond_dim": 48})
 DEADLINE_S = 240.0
+# torchtitan's OptimizersContainer (torchtitan/components/optimizer.py): get/set_optimizer_state_dict
+# with this option, its checkpointer's default
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def resume_spec(spec: TrainSpec) -> TrainSpec:
@@ -150,6 +155,9 @@ def straight(spec: TrainSpec, rank: int, world: int, path: str | None = None) ->
         out["torch rank 0"] = rank0 if rank == 0 else ({}, {})
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=path)
+        # as torchtitan's OptimizersContainer saves: flattened (`state.<name>.<field>` keys)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                 checkpoint_id=path + "-flat")
         sharded = opt.sharded_state_dict()
         out["sharded keys"] = sorted(sharded)
         dcp.save(sharded, checkpoint_id=path + "-sharded")  # each rank its own pieces
@@ -188,9 +196,10 @@ def resumed(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict | str
 
 
 def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, dict] | None,
-                      path: str | None, from_rank0: bool = False) -> dict:
+                      path: str | None, from_rank0: bool = False, options: Any = None) -> dict:
     """Resumed through torch's API: set_state_dict from a full state dict (every rank's, or rank
-    0's broadcast), or dcp.load into the template get_model/optimizer_state_dict give."""
+    0's broadcast), or dcp.load into the template get_model/optimizer_state_dict give (with
+    `options`: torchtitan's FLAT, the template and the load flattened)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -211,16 +220,25 @@ def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, 
         set_state_dict(model, opt, model_state_dict=full[0], optim_state_dict=full[1],
                        options=StateDictOptions(full_state_dict=True))
     else:
-        template = get_optimizer_state_dict(model, opt)
-        out["template stepped"] = any(s["canzona_stepped"] for s in template["state"].values())
+        template = get_optimizer_state_dict(model, opt, options=options)
+        entries = template["state"].values() if "state" in template else \
+            [{"canzona_stepped": v} for k, v in template.items() if k.endswith(".canzona_stepped")]
+        out["template stepped"] = any(s["canzona_stepped"] for s in entries)
         state = {"model": get_model_state_dict(model), "optim": template}
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
+        set_optimizer_state_dict(model, opt, state["optim"], options=options)
     out["state"] = opt.state_dict()
     train(model, opt, resume_spec(spec), rank, world)
     out["final"] = full_params(model)
     return out
+
+
+def _flat_resumed(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
+    """torchtitan's flattened checkpoint, resumed as torchtitan does (`outcome`: before, torch's
+    unflattening was a raw KeyError)."""
+    got = outcome(lambda: torch_api_resumed(spec, rank, world, None, path, options=FLAT))
+    return got["value"] if got["error"] is None else got
 
 
 def refused(spec: TrainSpec, rank: int, world: int, other: dict | None = None) -> str:
@@ -344,6 +362,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["torch full"] = torch_api_resumed(muon, rank, world, run["torch"], None)
     out["torch rank 0"] = torch_api_resumed(muon, rank, world, run["torch rank 0"], None, from_rank0=True)
     out["dcp"] = torch_api_resumed(muon, rank, world, None, path)
+    out["dcp flat"] = _flat_resumed(muon, rank, world, path + "-flat")
     # FSDP -> ZeRO-1 (the unsharded model, DP 2), and ZeRO-1 -> FSDP
     out["zero1 from fsdp"] = distributed_worker(rank, world, resume_spec(muon), {"load": run["ckpt"]})["params"]
     zero1 = distributed_worker(rank, world, muon, {"save_sharded": path + "-zero1"})
@@ -488,12 +507,15 @@ def test_torch_get_set_state_dict_resumes_bit_for_bit() -> None:
     assert run2()[1]["muon"]["straight"]["torch rank 0"] == ({}, {})  # offloaded to rank 0 alone
 
 
-def test_dcp_save_load_resumes_bit_for_bit() -> None:
+@pytest.mark.parametrize("how", ["dcp", "dcp flat"])
+def test_dcp_save_load_resumes_bit_for_bit(how: str) -> None:
+    """"dcp flat": torchtitan's `flatten_optimizer_state_dict=True` (before: a raw KeyError)."""
     for rank, r in enumerate(run2()):
         want = r["muon"]["straight"]
-        assert r["dcp"]["template stepped"] is False  # a fresh optimizer's template of zeros
-        assert nested_equal(r["dcp"]["state"], want["ckpt"][1]) is None
-        exact = compare(r["dcp"]["final"], want["final"])
+        assert "error" not in r[how], r[how]
+        assert r[how]["template stepped"] is False  # a fresh optimizer's template of zeros
+        assert nested_equal(r[how]["state"], want["ckpt"][1]) is None
+        exact = compare(r[how]["final"], want["final"])
         assert exact["bit_identical"], (rank, exact)
 
 

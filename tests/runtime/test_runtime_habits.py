@@ -558,6 +558,103 @@ def dcp_job(rank: int, world: int, path: str) -> dict:
             "plain loaded": loaded, "plain resumed": _params(plain)}
 
 
+class _TorchtitanOptimizers:
+    """torchtitan's `OptimizersContainer` (torchtitan/components/optimizer.py), a Stateful its
+    checkpointer hands to dcp: `state_dict()` is `get_optimizer_state_dict` per model part with
+    `flatten_optimizer_state_dict=True`, merged; `load_state_dict` gives the merged dict to
+    `set_optimizer_state_dict` of each part with the same option."""
+
+    def __init__(self, model, opt) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        self.parts, self.options = [(model, opt)], StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {k: v for m, o in self.parts for k, v in get_optimizer_state_dict(m, o, options=self.options).items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        for m, o in self.parts:
+            set_optimizer_state_dict(m, o, optim_state_dict=state_dict, options=self.options)
+
+
+def flat_dcp_job(rank: int, world: int, path: str) -> dict:
+    """torchtitan's checkpoint of the optimizer (`_TorchtitanOptimizers`: flattened state dicts,
+    keyed `state.<name>.<field>` and `param_groups.<name>.<key>`) through dcp, against three steps
+    straight through; the flattened and nested forms given to the other's call; the flattened
+    state beside other weights (the witness survives the flattening)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    batches = _batches(rank, world)
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, batches[:2])
+    before = opt.state_dict()
+    # torchtitan's CheckpointManager: the container is a Stateful that dcp calls itself
+    out = {"saved": _outcome(lambda: bool(dcp.save({"model": get_model_state_dict(model),
+                                                     "optimizer": _TorchtitanOptimizers(model, opt)},
+                                                    checkpoint_id=f"{path}-flat")))}
+    out["untouched"] = _nested_equal(opt.state_dict(), before)
+    flat_sd = _outcome(lambda: get_optimizer_state_dict(model, opt, options=flat))
+    nested_sd = get_optimizer_state_dict(model, opt)
+    _train(model, opt, batches[2:])
+    out["straight"] = _params(model)
+
+    def resume() -> dict:
+        resumed = build_model(replace(BASE, model_seed=7))
+        opt2 = _optimizer(resumed)
+        state = {"model": get_model_state_dict(resumed), "optimizer": _TorchtitanOptimizers(resumed, opt2)}
+        dcp.load(state, checkpoint_id=f"{path}-flat")  # loads the optimizer first, then the model here
+        set_model_state_dict(resumed, state["model"])
+        loaded = _nested_equal(opt2.state_dict(), before)
+        _train(resumed, opt2, batches[2:])
+        return {"loaded": loaded, "params": _params(resumed)}
+
+    out["resumed"] = _outcome(resume)
+
+    def crossed(state: dict, options) -> bool:
+        other = build_model(replace(BASE, model_seed=7))
+        opt3 = _optimizer(other)
+        set_optimizer_state_dict(other, opt3, state, options=options)
+        return _nested_equal(opt3.state_dict(), before)
+
+    out["flat without the option"] = _outcome(lambda: crossed(flat_sd["value"], None))
+    out["nested with the option"] = _outcome(lambda: crossed(nested_sd, flat))
+
+    def beside_other_weights() -> None:
+        other = build_model(replace(BASE, model_seed=7))
+        opt3 = _optimizer(other)
+        set_optimizer_state_dict(other, opt3, flat_sd["value"], options=flat)
+        _train(other, opt3, batches[2:])
+
+    out["other weights"] = _outcome(beside_other_weights)
+
+    def one_sided_soap() -> bool:
+        """SOAP keeping one-sided factors of the 64-wide matrices (a field it leaves unused)."""
+        soap = {"optimizer": "soap", "matrix_config": {"precondition_frequency": 2, "max_precond_dim": 48}}
+        model = build_model(BASE)
+        opt = _optimizer(model, **soap)
+        _train(model, opt, batches[:1])
+        other = build_model(replace(BASE, model_seed=7))
+        opt3 = _optimizer(other, **soap)
+        set_optimizer_state_dict(other, opt3, get_optimizer_state_dict(model, opt, options=flat), options=flat)
+        return _nested_equal(opt3.state_dict(), opt.state_dict())
+
+    out["one-sided soap"] = _outcome(one_sided_soap)
+    return out
+
+
 def dcp_other_layout_job(rank: int, world: int, path: str) -> dict:
     """The DP 2 checkpoint of `dcp_job`, loaded at another DP size, one more step."""
     import torch.distributed.checkpoint as dcp
@@ -912,6 +1009,7 @@ JOBS = {
 def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out = {name: globals()[JOBS[name][0]](rank, world, *JOBS[name][1]) for name in names}
     out["dcp"] = dcp_job(rank, world, path)
+    out["dcp flat"] = flat_dcp_job(rank, world, path)
     out["unseen checkpoint"] = unseen_checkpoint_job(rank, world, path)
     out["torch.save"] = torch_save_job(rank, world, path)
     out["two saves sharded"] = two_saves_sharded_job(rank, world, path)
@@ -923,7 +1021,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
-    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "unseen checkpoint", "torch.save", "two saves sharded",
+    out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "dcp flat", "unseen checkpoint", "torch.save", "two saves sharded",
                                                             "async save"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
@@ -1345,6 +1443,31 @@ def test_torch_state_dict_api_resumes_bit_for_bit(runs):
         assert out["untouched"]  # get_optimizer_state_dict ran no step of its own
         assert out["template entries"] > 0 and not out["template stepped"]  # a fresh optimizer's template
         assert compare(out["resumed"], out["straight"])["bit_identical"]
+
+
+def test_torchtitans_flattened_optimizer_state_resumes_bit_for_bit(runs):
+    """torchtitan's checkpointer (`flatten_optimizer_state_dict=True`, its default) through dcp.
+    Before: `set_optimizer_state_dict` was a raw KeyError (torch's unflattening reads
+    `optimizer.state[param]` for the field names)."""
+    for out in runs["dcp flat"]:
+        assert out["saved"] == {"error": None, "value": True} and out["untouched"], out["saved"]
+        assert out["resumed"]["error"] is None, out["resumed"]
+        assert out["resumed"]["value"]["loaded"]  # the same state as saved, every field
+        assert compare(out["resumed"]["value"]["params"], out["straight"])["bit_identical"]
+
+
+@pytest.mark.parametrize("case", ["flat without the option", "nested with the option", "one-sided soap"])
+def test_a_flattened_or_nested_state_dict_loads_whatever_the_option(runs, case):
+    """"one-sided soap": flattened round trip of a state with fields its configuration leaves unused
+    (before: torch's flattening refused their None, NotImplementedError)."""
+    for out in runs["dcp flat"]:
+        assert out[case] == {"error": None, "value": True}, out[case]
+
+
+def test_a_flattened_state_dict_beside_other_weights_is_refused_at_the_first_step(runs):
+    for out in runs["dcp flat"]:
+        assert out["other weights"]["error"] == "CheckpointError", out["other weights"]
+        assert "\n" not in out["other weights"]["message"]
 
 
 def test_dcp_of_the_optimizers_own_state_dict_resumes_bit_for_bit(runs):
