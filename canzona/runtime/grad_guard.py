@@ -140,7 +140,8 @@ class GradGuard(Tensor):
             shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
             return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
         if func is _AMP_UNSCALE:
-            if any(_guard_owner(local_tensor(g)) is not owner for g in args[0]):
+            mine = _unscaler(owner)
+            if any(_unscaler(_guard_owner(local_tensor(g))) != mine for g in args[0]):
                 raise CanzonaError(AMP_BESIDE_OTHERS)  # alike on every rank, before any collective
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
@@ -159,5 +160,12 @@ class GradGuard(Tensor):
 
 
 def _guard_owner(grad: Tensor) -> GuardOwner | None:
-    """The optimizer whose guard `grad` is (a DTensor's local guard included), None for any other."""
+    """The gradients' owner whose guard `grad` is (a DTensor's local guard included), None for any other."""
     return grad._owner() if isinstance(grad, GradGuard) else None
+
+
+def _unscaler(owner: GuardOwner | None) -> object:
+    """What unscales an owner's gradients: its optimizer's unscale, the same for every owner of one
+    optimizer (under EP the dense part's and the experts' gradients have owners of their own, one
+    optimizer); None for a gradient no canzona optimizer owns."""
+    return None if owner is None else getattr(owner, "unscale", None)
