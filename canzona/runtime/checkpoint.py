@@ -866,7 +866,11 @@ def take_witness(opt: Described, held: Held, *, call: str = "sharded_state_dict(
                 out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
         return model, out
 
-    every = [values for of, values in Ranks(timeout_s=opt.timeout_s, call=call).together(mine)
+    ranks = Ranks(timeout_s=opt.timeout_s, call=call)
+    gathered = ranks.together(mine)
+    # this rank's values first: another model of the same architecture (a replica on its own DP
+    # group, side by side in this job) may hold other values at the same names and indices
+    every = [values for of, values in [gathered[ranks.rank], *gathered[:ranks.rank], *gathered[ranks.rank + 1:]]
              if of == model]
     witness: dict[str, Any] = {}
     for name in sorted(shapes):

@@ -472,10 +472,10 @@ def test_a_checkpoint_of_a_configuration_keeping_the_same_state_loads_with_its_h
 # --- what the checkpoint module reads of the optimizer -----------------------------------------
 
 
-def _only_the_view_worker(rank: int, world: int) -> bool:
+def _only_the_view_worker(rank: int, world: int) -> dict[str, Any]:
     """Save, load and shard the state of a DP x TP optimizer through an object that offers only
     `checkpoint.Checkpointable`'s members (anything else read or written raises): the same results
-    as through the optimizer itself."""
+    as through the optimizer itself. Then `_replicas_scenario`."""
     from canzona.runtime import DistributedOptimizer, checkpoint
 
     protocols = [c for c in checkpoint.Checkpointable.__mro__ if c.__module__ == checkpoint.__name__]  # with Described
@@ -517,11 +517,48 @@ def _only_the_view_worker(rank: int, world: int) -> bool:
     shards, mine = checkpoint.sharded_state(view), opt.sharded_state_dict()
     assert shards.keys() == mine.keys()
     nested_equal(shards, mine, "sharded state")
-    return True
+    del opt
+    return {"view": True, "replicas": _replicas_scenario(rank, world)}
+
+
+def _replicas_scenario(rank: int, world: int) -> dict[str, Any]:
+    """Two replicas of one architecture side by side, each on its own DP group of half the ranks
+    (a sweep, an ensemble), other weights each: each `state_dict()` carries the witness of its own
+    weights, and loads beside them. Before, the witness's gather over every rank took the first
+    rank's values: the second replica's state dict held the first's, and its resume was refused."""
+    from canzona.runtime import DistributedOptimizer, checkpoint
+
+    halves = [torch.distributed.new_group(list(range(h * world // 2, (h + 1) * world // 2))) for h in range(2)]
+    half = rank * 2 // world
+    model = build_model(TrainSpec(model_seed=half))
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), group=halves[half])
+    full = opt.state_dict()
+    witness = checkpoint.saved_witness(full, checkpoint._global_shapes(opt))
+    weights = dict(model.named_parameters())
+    own = all(torch.equal(checkpoint._from_bits(w["bits"], weights[n].dtype), weights[n].detach().reshape(-1)[w["index"]])
+              for n, w in witness.items())
+    del opt
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), group=halves[half])
+    opt.load_state_dict(full)
+    try:
+        checkpoint.check_weights_at_step(opt)  # what the first step() checks first
+        outcome = "stepped"
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        outcome = f"{type(e).__name__}: {e}"
+    return {"own witness": own and len(witness) == len(weights), "resume": outcome}
+
+
+@functools.cache
+def four_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S)
 
 
 def test_the_checkpoint_reads_only_its_public_view():
-    assert run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S) == [True] * 4
+    assert [r["view"] for r in four_ranks()] == [True] * 4
+
+
+def test_replicas_on_their_own_groups_save_and_resume_their_own_weights():
+    assert [r["replicas"] for r in four_ranks()] == [{"own witness": True, "resume": "stepped"}] * 4
 
 
 # --- fp32 masters saved after weights were loaded into the model ---------------------------------
