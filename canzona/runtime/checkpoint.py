@@ -705,13 +705,16 @@ def _working(opt: Checkpointable) -> dict[str, Tensor]:
 WEIGHTS_FROM_ANOTHER_SAVE = (
     "the model's weights differ from those the optimizer checkpoint was saved with ({detail}): the model files "
     "and the optimizer state come from different saves (a save killed between them, or files copied from two "
-    "checkpoints); {outcome}. Resume from a checkpoint saved whole")
+    "checkpoints); {outcome}. Resume from a checkpoint saved whole{hint}")
 NOTHING_LOADED = "nothing of the optimizer state was loaded"
 # `load_state_dict` cannot check the weights: torch's `set_state_dict` loads the optimizer before
 # the model. The first step after it checks them (`check_loaded_weights`), before any update.
 NOTHING_STEPPED = ("step() refused before any update (a state loaded by load_state_dict(), or by "
                    "load_sharded_state_dict() without check_weights, is checked against the weights at the first "
                    "step after it)")
+# the way past that refusal where the weights were changed on purpose after the save
+NOT_BY_CHANCE = ("; or, for weights changed on purpose (surgery, a merge, EMA weights), load the state dict through "
+                 "canzona.runtime.checkpoint.without_weights_witness(state_dict)")
 
 
 def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
@@ -744,12 +747,13 @@ def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
     bad = mismatches(master, working)
     if bad:
         raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(
-            detail=f"{name}: {bad} of {master.numel()} elements of its fp32 master weights", outcome=NOTHING_LOADED))
+            detail=f"{name}: {bad} of {master.numel()} elements of its fp32 master weights", outcome=NOTHING_LOADED, hint=""))
 
 
 def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], Held],
                     shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None,
-                    timeout_s: float, *, call: str = "load_sharded_state_dict()", outcome: str = NOTHING_LOADED) -> None:
+                    timeout_s: float, *, call: str = "load_sharded_state_dict()", outcome: str = NOTHING_LOADED,
+                    hint: str = "") -> None:
     """Collective (the default process group): `compare_masters` (each layout's: raises
     `same_as_master`'s error, returns the parameters it compared), then every other parameter this
     rank holds (`held`) against the witness; one CheckpointError on every rank if either finds
@@ -760,7 +764,7 @@ def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], 
         compared = compare_masters()
         detail = witness_mismatch({n: h for n, h in held().items() if n not in compared}, shapes, witness or {})
         if detail is not None:
-            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail, outcome=outcome))
+            raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail, outcome=outcome, hint=hint))
 
     Ranks(timeout_s=timeout_s, call=call).together(check)
 
@@ -772,7 +776,8 @@ def check_loaded_weights(opt: Described, held: Callable[[], Held], shapes: Mappi
     process group), once after each such load; nothing to do otherwise."""
     if not opt.loaded_witness:
         return
-    check_same_save(set, held, shapes, opt.loaded_witness, opt.timeout_s, call="step()", outcome=NOTHING_STEPPED)
+    check_same_save(set, held, shapes, opt.loaded_witness, opt.timeout_s, call="step()", outcome=NOTHING_STEPPED,
+                    hint=NOT_BY_CHANCE)
     opt.loaded_witness = None
 
 
