@@ -218,7 +218,7 @@ def distributed_worker(rank: int, world: int, spec: TrainSpec, extra: dict[str, 
             for name, p in model.named_parameters():
                 tp_dim = mspec.param(name).tp_dim if spec.tp > 1 else None
                 local_tensor(p).copy_(shard_of(params[name], tp_dim, spec.tp, opt.tp_rank))
-        check_weights = extra.get("check_weights", False)  # the parameters are those it was saved with
+        check_weights = extra.get("check_weights")  # True: the parameters are those it was saved with
         load = functools.partial(opt.load_sharded_state_dict, state, check_weights=check_weights) \
             if isinstance(state, str) else functools.partial(opt.load_state_dict, state)
         if extra.get("refused") == "step":  # a load whose first step may be refused: the error, the weights around it

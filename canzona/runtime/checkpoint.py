@@ -714,7 +714,8 @@ NOTHING_STEPPED = ("step() refused before any update (a state loaded by load_sta
                    "step after it)")
 # the way past that refusal where the weights were changed on purpose after the save
 NOT_BY_CHANCE = ("; or, for weights changed on purpose (surgery, a merge, EMA weights), load the state dict through "
-                 "canzona.runtime.checkpoint.without_weights_witness(state_dict)")
+                 "canzona.runtime.checkpoint.without_weights_witness(state_dict), or load_sharded_state_dict(..., "
+                 "check_weights=False)")
 
 
 def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
@@ -1185,12 +1186,14 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
 
 
 def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
-                 check_weights: bool = False) -> None:
+                 check_weights: bool | None = None) -> None:
     """Read what this rank needs under its own layout from a checkpoint written by `sharded_state`
     at any DP x TP layout, rebuild the layout-independent form for it, and load that.
     `check_weights`: the model's weights were just loaded from the same save; refuse (collective,
     before anything is changed) if they are not its masters cast or differ from its witness
-    (`check_weights_match`)."""
+    (`check_weights_match`). None (the default): the first step after the load checks them
+    (`check_loaded_weights`: the model may be loaded after it); False: not checked (weights
+    changed on purpose, as `without_weights_witness` for the layout-independent form)."""
     # every part's entries under the model's names
     hosted = [part.global_name(n) for part in _parts(opt) for n in part.hosted]
     applies = [part.global_name(n) for part in _parts(opt) for n in part.applies]
@@ -1210,7 +1213,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
-    opt.loaded_witness = None if check_weights else dict(meta.get(WITNESS_KEY) or {})
+    opt.loaded_witness = dict(meta.get(WITNESS_KEY) or {}) if check_weights is None else None
 
 
 def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:

@@ -898,7 +898,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         return fsdp_checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
-                                check_weights: bool = False) -> None:
+                                check_weights: bool | None = None) -> None:
         """Load from a `torch.distributed.checkpoint` written by `sharded_state_dict()` under FSDP2
         at any size or under the ZeRO-1 layout (a path or a storage reader): each rank reads what
         its pieces need. Collective (dcp.load).
@@ -909,7 +909,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         them), or that differ from the checkpoint's witness of them (a few elements of every
         parameter, recorded at the save), are one CheckpointError on every rank, nothing loaded:
         model files and optimizer state from two saves, say a save killed between them. Without
-        it, the first `step()` after the load checks the witness (as after `load_state_dict`)."""
+        it (None), the first `step()` after the load checks the witness (as after
+        `load_state_dict`); `check_weights=False`: nothing checked (weights changed on purpose)."""
         fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
     # --- what users of torch optimizers reach for ----------------------------------------------

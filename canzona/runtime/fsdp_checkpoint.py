@@ -177,13 +177,14 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
 
 
 def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
-                 check_weights: bool = False) -> None:
+                 check_weights: bool | None = None) -> None:
     """Read what this rank needs from a checkpoint written by `sharded_state` under FSDP2 at any
     size or under the ZeRO-1 layout at any DP x TP layout: the state of the matrices it owns, every
     matrix's step count, and the pieces that overlap its boxes (every piece of a parameter written
     at TP > 1); then load it as `load_state` does. `check_weights`: the model's weights were just
     loaded from the same save; refuse (collective, before anything is changed) if they are not its
-    masters cast or differ from its witness (`check_weights_match`)."""
+    masters cast or differ from its witness (`check_weights_match`); None (the default): the first
+    step checks them; False: not checked (weights changed on purpose)."""
     needs = {}
     for name in opt.params:
         lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
@@ -195,7 +196,7 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         check_weights_match(opt, state, header.get(WITNESS_KEY))
     load_by_name(opt, header, header.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
-    opt.loaded_witness = None if check_weights else dict(header.get(WITNESS_KEY) or {})
+    opt.loaded_witness = dict(header.get(WITNESS_KEY) or {}) if check_weights is None else None
 
 
 def check_weights_at_step(opt: FsdpOptimizer) -> None:

@@ -1005,7 +1005,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX, *,
-                                check_weights: bool = False) -> None:
+                                check_weights: bool | None = None) -> None:
         """Load from a `torch.distributed.checkpoint` saved at any DP x TP layout (a path or a storage
         reader): each rank reads what its layout needs. Collective.
 
@@ -1015,8 +1015,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         that differ from the checkpoint's witness of them (a few elements of every parameter,
         recorded at the save: an fp32 model, `master_weights=False`), are one CheckpointError on
         every rank, nothing loaded: model files and optimizer state from two saves, say a save
-        killed between them. Without it, the first `step()` after the load checks the witness
-        (as after `load_state_dict`). A checkpoint of an older canzona has no witness: where it has
+        killed between them. Without it (None), the first `step()` after the load checks the
+        witness (as after `load_state_dict`); `check_weights=False`: nothing checked, for weights
+        changed on purpose (surgery, a merge, EMA weights). A checkpoint of an older canzona has no witness: where it has
         no masters either, nothing is checked."""
         self.wait_params()
         self.matrix_step.discard()  # computed from the state being replaced

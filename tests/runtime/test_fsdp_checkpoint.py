@@ -267,11 +267,13 @@ def mixed(spec: TrainSpec, rank: int, world: int, params: dict, path: str) -> di
     return {"refused": refused, "unchanged": nested_equal(opt.state_dict(), before)}
 
 
-def stepped_beside(spec: TrainSpec, rank: int, world: int, params: dict, state: dict, torch_api: bool = False) -> dict:
-    """A fresh model given `params`, which are not the weights `state` (a state_dict(), or with
-    `torch_api` torch's full state dicts of model and optimizer) was saved with: `load_state_dict`
-    after the model, or torch's `set_state_dict` (the optimizer first), then one step: its error,
-    and whether the weights stayed as they were (None: they did)."""
+def stepped_beside(spec: TrainSpec, rank: int, world: int, params: dict, state: dict | str, torch_api: bool = False,
+                   check_weights: bool | None = None) -> dict:
+    """A fresh model given `params`, which are not the weights `state` (a state_dict(), a sharded
+    checkpoint's folder, or with `torch_api` torch's full state dicts of model and optimizer) was
+    saved with: `load_state_dict` (`load_sharded_state_dict(check_weights=...)`) after the model,
+    or torch's `set_state_dict` (the optimizer first), then one step: its error, and whether the
+    weights stayed as they were (None: they did)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     model, opt = fsdp_model(spec, world, seed=7)
@@ -280,7 +282,10 @@ def stepped_beside(spec: TrainSpec, rank: int, world: int, params: dict, state: 
                        options=StateDictOptions(full_state_dict=True))
     else:
         load_params(model, params)
-        opt.load_state_dict(state)
+        if isinstance(state, str):
+            opt.load_sharded_state_dict(state, check_weights=check_weights)
+        else:
+            opt.load_state_dict(state)
     before = full_params(model)
     try:
         train(model, opt, replace(resume_spec(spec), steps=1), rank, world)
@@ -383,6 +388,10 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     # later: refused at the first step, loaded after the model and before it (torch's order)
     out["state dict mix"] = stepped_beside(muon, rank, world, run["final"], run["ckpt"][1])
     out["torch mix"] = stepped_beside(muon, rank, world, run["final"], run["torch"], torch_api=True)
+    # the sharded form without check_weights (refused at the first step), and with
+    # check_weights=False (beside those weights on purpose: steps on)
+    out["unchecked mix"] = stepped_beside(muon, rank, world, run["final"], path + "-sharded")
+    out["unchecked on purpose"] = stepped_beside(muon, rank, world, run["final"], path + "-sharded", check_weights=False)
     out["bf16 loaded then saved"] = loaded_then_saved(BF16, rank, world, path + "-bf16-loaded")
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
@@ -637,7 +646,7 @@ def test_weights_of_another_save_are_refused(case: str, what: str) -> None:
         assert r["bf16 mix"]["whole"] is None, (rank, r["bf16 mix"]["whole"])
 
 
-@pytest.mark.parametrize("case", ["state dict mix", "torch mix"])
+@pytest.mark.parametrize("case", ["state dict mix", "torch mix", "unchecked mix"])
 def test_a_state_dict_beside_weights_of_another_save_is_refused_at_the_first_step(case: str) -> None:
     """The same mix through `load_state_dict` (after the model) and torch's `set_state_dict` (the
     optimizer first): the first step refuses it, one CheckpointError on every rank, no weight
@@ -648,8 +657,15 @@ def test_a_state_dict_beside_weights_of_another_save_is_refused_at_the_first_ste
     assert len(texts) == 1, texts
     text = texts.pop()
     assert text.startswith(WEIGHTS_MIX) and "sampled elements" in text and "step() refused" in text, text
+    assert "check_weights=False" in text and "without_weights_witness(" in text, text  # the ways past it
     for rank, r in enumerate(ranks):
         assert r[case]["unchanged"] is None, (rank, r[case]["unchanged"])
+
+
+def test_a_sharded_load_with_check_weights_false_steps_beside_other_weights() -> None:
+    """`load_sharded_state_dict(check_weights=False)`: weights changed on purpose step on. Before,
+    False was the default, meaning 'checked at the first step': refused, with no way past."""
+    assert [r["unchecked on purpose"]["refused"] for r in run2()] == ["stepped"] * 2
 
 
 def test_masters_saved_after_weights_were_loaded_into_the_model_are_theirs() -> None:

@@ -289,6 +289,9 @@ def sharded(path: str) -> dict:
         jobs.append((("state dict mix", key), replace(spec, steps=1), {"load": (later, state), "refused": "step"}))
         jobs.append((("unchecked mix", key), replace(spec, steps=1),
                      {"load": (later, f"{path}/{key.replace(' ', '-')}"), "refused": "step"}))
+        # `check_weights=False`: beside those weights on purpose (surgery, a merge): not checked at all
+        jobs.append((("unchecked on purpose", key), replace(spec, steps=1),
+                     {"load": (later, f"{path}/{key.replace(' ', '-')}"), "refused": "step", "check_weights": False}))
     params = _get(saved, ("save", "muon bf16"))[0]["params"]
     jobs.append((("round trip", "muon bf16"), bf16_spec(resume_spec("muon", 3, steps=0)),
                  {"load": (params, f"{path}/muon-bf16"), "check_weights": True}))
@@ -387,6 +390,14 @@ def test_a_state_dict_beside_weights_of_another_save_is_refused_at_the_first_ste
     assert "checkpoint.without_weights_witness(" in text, text
     for r, out in enumerate(results):
         nested_equal(out["params after"], out["params before"], f"rank {r}")
+
+
+@pytest.mark.parametrize("model", ["muon", "muon bf16"], ids=["fp32", "bf16-no-masters"])
+def test_a_sharded_load_with_check_weights_false_steps_beside_other_weights(sharded_runs, model):
+    """`load_sharded_state_dict(check_weights=False)` is the sharded form's way past the check
+    (as `without_weights_witness` is the state dict's): weights changed on purpose step on. Before,
+    False was the default and meant 'at the first step': refused, with no way to load anyway."""
+    assert [r["refused"] for r in _get(sharded_runs["loaded"], ("unchecked on purpose", model))] == ["stepped"] * 3
 
 
 def test_a_bf16_checkpoint_without_masters_loads_beside_its_weights_at_another_dp(sharded_runs, tmp_path_factory):
