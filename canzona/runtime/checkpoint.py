@@ -296,7 +296,9 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
     (see the module's docstring): what `state_dict()` returns under every layout. Each entry holds
     its parameter's `witness` values under `WITNESS_FIELD` (a tensor: torch's tools and `dcp` carry
     it as any state, and a template's is filled in place)."""
-    header = json.dumps(_header(opt), default=_json_scalar)
+    # WITNESS_KEY in the header: this save wrote the entries' witness. A template's witness that a
+    # partial `dcp.load` of an older save (none) left in place is then not taken for the save's
+    header = json.dumps({**_header(opt), WITNESS_KEY: True}, default=_json_scalar)
     name_of = {id(p): n for n, p in opt.params.items()}
     state: dict[int, dict] = {}
     groups = []
@@ -789,7 +791,7 @@ def check_weights_at_step(opt: Checkpointable) -> None:
 
 # --- the weights' witness: a few elements of every parameter, at any layout ----------------------
 
-WITNESS_KEY = "weights_witness"  # in the sharded form's metadata (`sharded_meta`)
+WITNESS_KEY = "weights_witness"  # in the sharded form's metadata (`sharded_meta`); True in state_dict()'s header
 WITNESS_SIZE = 32  # elements of each parameter (all of a smaller one)
 
 # per parameter this rank holds: (global offset of its local tensor's box, the local tensor, shaped as the box)
@@ -905,10 +907,11 @@ def _witness_values(name: str, numel: int, entry: Mapping[str, Any] | None) -> T
 
 def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """The witness a layout-independent state dict holds (`_witness_values` undone), in
-    `take_witness`'s form; empty for one of an older canzona (or version 2) or with the fields
-    dropped, which are not checked."""
+    `take_witness`'s form; empty for one of an older canzona (or version 2; its header does not
+    say it wrote one: a witness in it is a template's, left by a partial `dcp.load`) or with the
+    fields dropped, which are not checked."""
     out: dict[str, Any] = {}
-    if state_dict.get("format") == STATE_FORMAT:
+    if state_dict.get("format") == STATE_FORMAT or not _header_of(state_dict).get(WITNESS_KEY):
         return out
     for group in state_dict["param_groups"]:
         for key, name in zip(group.get("params", []), group[NAMES_KEY]):
@@ -919,6 +922,15 @@ def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int,
                 if values.numel() == len(index):
                     out[name] = {"dtype": _dtype_name(values.dtype), "index": index, "bits": _bits(values.detach().reshape(-1).cpu())}
     return out
+
+
+def _header_of(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The header a layout-independent state dict's groups carry (empty where none is readable)."""
+    groups = state_dict.get("param_groups") or [{}]
+    try:
+        return dict(json.loads(groups[0][HEADER_KEY]))
+    except (KeyError, TypeError, ValueError):
+        return {}
 
 
 def without_weights_witness(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -659,7 +659,38 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
     want = beside_other("fresh masters")
     for order in ("model first", "optimizer first"):
         out[f"other weights, {order}"] = compare(beside_other(order), want)["bit_identical"]
+    out["older, partial template"] = _older_into_a_template(built, step, tokens[1], kept, path)
     return out
+
+
+def _older_into_a_template(built, step, batch, full: dict, path: str) -> str:
+    """A dcp save of `state_dict()` as an older canzona wrote it (no witness), with the model,
+    loaded into a template of a fresh model and optimizer (`DefaultLoadPlanner(allow_partial_load=True)`:
+    the template's witness, which the file lacks, stays), then one step: it must step. Before, the
+    template's witness (the fresh model's weights) was checked against the loaded ones: refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from canzona.runtime.checkpoint import HEADER_KEY, without_weights_witness
+
+    older = without_weights_witness(full)
+    older["param_groups"] = [{**g, HEADER_KEY: json.dumps({k: v for k, v in json.loads(g[HEADER_KEY]).items()
+                                                           if k != "weights_witness"})} for g in older["param_groups"]]
+    model, opt = built(seed=1)
+    weights = {f"model/{k}": v for k, v in model.state_dict().items()}
+    dcp.load(weights, checkpoint_id=path)  # the save's weights
+    dcp.save({**weights, "optim": older}, checkpoint_id=path + "-older")
+    del opt
+    model, opt = built(seed=2)
+    template = {**{f"model/{k}": v for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+    dcp.load(template, checkpoint_id=path + "-older", planner=DefaultLoadPlanner(allow_partial_load=True))
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in template.items() if k != "optim"})
+    opt.load_state_dict(template["optim"])
+    try:
+        step(model, opt, batch)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return "stepped"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -706,6 +737,10 @@ def test_steps_after_a_load_leave_the_state_dict_loaded_as_it_was():
     to load again (another resume of it, a rollback) held that run's masters, and the next run
     from it diverged after one step."""
     assert loaded_then_saved()["state dict unchanged"] is True
+
+
+def test_an_older_state_dict_loaded_into_a_fresh_template_steps():
+    assert loaded_then_saved()["older, partial template"] == "stepped"
 
 
 def test_a_state_dict_beside_other_weights_steps_from_the_models_weights():
