@@ -23,10 +23,16 @@ from typing import TypeVar
 
 from canzona.cost import CostModel, adamw_moments_bytes, row_state_bytes
 from canzona.errors import SpecError
-from canzona.optimizers import matrix_config_for
+from canzona.optimizers import matrix_config_for, matrix_optimizer
 from canzona.plan import PLAN_DEFAULTS, WHOLE_GEOMETRY, Plan, PlanSettings, plan_for
 from canzona.spec import DTYPE_BYTES, ModelSpec
-from canzona.step_policies import OWNERS_BALANCED, OWNERS_ROUND_ROBIN, FsdpStepPolicy
+from canzona.step_policies import (
+    OWNERS_BALANCED,
+    OWNERS_ROUND_ROBIN,
+    FsdpStepPolicy,
+    default_policy,
+    get_fsdp_policy,
+)
 
 ROOT = -1  # the root unit's key: the parameters outside the decoder layers
 MAX_OWNER_GROUPS = 8  # owner policies' micro-groups: at most this many (`owner_micro_groups`)
@@ -101,17 +107,34 @@ def backward_order(units: Sequence[FsdpUnit]) -> list[FsdpMatrix]:
 OWNER_PLAN_SETTINGS = ("dp_policy", "alpha", "balance_by", "bucket_size", "align")
 
 
-def check_owner_plan_settings(policy: FsdpStepPolicy, settings: PlanSettings) -> None:
+def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
+    """The step policy of an FSDP layout (`policy` as `canzona.step_policies.resolve_policy` names
+    it): one of `FSDP_POLICIES` for a whole-matrix optimizer; None for an elementwise one (AdamW),
+    which each rank steps on its own shards with no owners and no exchange: its policy is its ZeRO-1
+    default (`default_policy`: each rank its shard of the state), and nothing else. One SpecError
+    (one line) otherwise. The runtime's FsdpOptimizer and `canzona simulate --fsdp` alike."""
+    if not matrix_optimizer(optimizer).elementwise:
+        return get_fsdp_policy(policy)
+    own = default_policy(optimizer)
+    if policy != own:
+        raise SpecError(f"FSDP with {optimizer}: each rank steps its own shards (FSDP2's), policy {own}; "
+                        f"got {policy!r}")
+    return None
+
+
+def check_owner_plan_settings(policy: FsdpStepPolicy | None, settings: PlanSettings) -> None:
     """`settings`' `OWNER_PLAN_SETTINGS` off their defaults under a policy whose owners no plan
     places change nothing: one SpecError naming them (the runtime's FsdpOptimizer, `canzona verify
-    --fsdp` and `canzona simulate --fsdp` alike, through `fsdp_matrices` or before it)."""
-    if policy.owners == OWNERS_BALANCED:
+    --fsdp` and `canzona simulate --fsdp` alike, through `fsdp_matrices` or before it). `policy`
+    None: an elementwise optimizer's step (`fsdp_policy`), which has no owners at all."""
+    if policy is not None and policy.owners == OWNERS_BALANCED:
         return
     changed = [f"{name} {getattr(settings, name)}" for name in OWNER_PLAN_SETTINGS
                if getattr(settings, name) != getattr(PLAN_DEFAULTS, name)]
     if changed:
-        raise SpecError(f"{', '.join(changed)}: canzona's owner plan settings change nothing under FSDP policy "
-                        f"{policy.name}, whose owners ({policy.owners}) no plan places")
+        where = "an elementwise optimizer's FSDP step, which has no owners" if policy is None else \
+            f"FSDP policy {policy.name}, whose owners ({policy.owners}) no plan places"
+        raise SpecError(f"{', '.join(changed)}: canzona's owner plan settings change nothing under {where}")
 
 
 def owner_plan_defaults(policy: FsdpStepPolicy) -> dict[str, object]:

@@ -56,6 +56,7 @@ from canzona.fsdp_plan import (
     check_owner_plan_settings,
     fsdp_matrices,
     fsdp_persistent_memory,
+    fsdp_policy,
     fsdp_units,
     owner_micro_groups,
 )
@@ -86,9 +87,6 @@ from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
-    FsdpStepPolicy,
-    default_policy,
-    get_fsdp_policy,
 )
 from sim.collectives import collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
@@ -138,20 +136,6 @@ def fsdp_forward_without_grad(cfg) -> bool:
             and forward_without_grad(cfg.options.recompute))
 
 
-def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
-    """The step policy of an FSDP layout: one of `FSDP_POLICIES` for a whole-matrix optimizer;
-    None for an elementwise one (AdamW), which FSDP2 steps on each rank's own shards with no
-    exchange: its policy is its ZeRO-1 default (`default_policy`: each rank its shard of the
-    state), and nothing else. One SpecError (one line) otherwise."""
-    if not matrix_optimizer(optimizer).elementwise:
-        return get_fsdp_policy(policy)
-    own = default_policy(optimizer)
-    if policy != own:
-        raise SpecError(f"--fsdp with {optimizer}: each rank steps its own shards (FSDP2's), policy {own}; "
-                        f"got {policy!r}")
-    return None
-
-
 def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     """The FSDP layout of `cfg` is one the simulator runs; returns the shard size S. One SpecError
     (one line) otherwise."""
@@ -174,6 +158,11 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         if cfg.router_imbalance != 1.0:
             raise SpecError("--fsdp with --ep is simulated without a persistent router skew (no --router-imbalance; "
                             "--routing prices the random routing)")
+    if policy is not None and spec.stacks:
+        # FsdpOptimizer refuses stacked parameters; priced, the step ran the matrix optimizer on
+        # every expert matrix while the memory kept AdamW's moments of the stacks
+        raise SpecError(f"--fsdp: {cfg.optimizer} over stacked experts is not run under FSDP2 ({spec.name!r} has "
+                        "them; the runtime's FsdpOptimizer refuses them): use --optimizer adamw, or the ZeRO-1 layout")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     if cfg.options.recompute not in FSDP_RECOMPUTE_MODES:
@@ -195,8 +184,9 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         raise SpecError("--no-zero1-fallback is for the ZeRO-1 layout: under --fsdp canzona's owners have no ZeRO-1 "
                         "fallback to report")
     _check_zero1_step_options(cfg)
-    if policy is not None:  # AdamW's settings have their own rule (SimConfig._check_elementwise_settings)
-        check_owner_plan_settings(policy, cfg.settings)  # before the run plans its owners
+    # before the run plans its owners; AdamW's (policy None) has none, and its other settings have
+    # their own rule (SimConfig._check_elementwise_settings)
+    check_owner_plan_settings(policy, cfg.settings)
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:

@@ -81,6 +81,8 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(pp=2), "at pp 1 for now"),  # FSDP x TP runs (issue: FSDP x TP in the simulator); FSDP x PP does not
     (dict(tp=2, options=RunOptions(overlap_step=True)), "without --overlap-step"),
     (dict(model="qwen3-30b-a3b", tp=2), "simulated for dense models"),
+    # a whole-matrix optimizer over stacked experts: FsdpOptimizer refuses the stacks (adamw runs them)
+    (dict(model="qwen3-30b-a3b", gpus=8), "muon over stacked experts is not run under FSDP2"),
     (dict(policy="zero1-gather"), "unknown policy 'zero1-gather' under --fsdp"),
     (dict(optimizer="adamw", policy="canzona"), "each rank steps its own shards"),
     # DistributedOptimizer's ZeRO-1 options that FsdpOptimizer takes and ignores (sim.fsdp._check_zero1_step_options)
@@ -95,6 +97,9 @@ def test_hsdp_prices_the_replicate_all_reduce():
     (dict(policy="fsdp-owners-unbalanced", balance_by="elements", bucket_size=50_000_000),
      "balance_by elements, bucket_size 50000000: canzona's owner plan settings change nothing"),
     (dict(policy="fsdp-owners-unbalanced", dp_policy="whole-start"), "dp_policy whole-start"),
+    # AdamW's FSDP step has no owners at all: the same settings changed nothing there either
+    (dict(optimizer="adamw", policy=None, bucket_size=50_000_000, align=256),
+     "bucket_size 50000000, align 256: canzona's owner plan settings change nothing under an elementwise"),
 ])
 def test_bad_layouts_refused(changes, needle):
     with pytest.raises(SpecError, match=needle):
