@@ -10,7 +10,10 @@ one variable-size all-to-all carries every rank's pieces of the gradients to the
 padding to even splits), the owners compute the whole updates (the state lives there only) while
 the next micro-group's all-to-all is in flight, and one all-to-all sends each rank its pieces of the
 updates, which it applies with the scalars it computes itself. Parameters the registry does not give
-the matrix optimizer (norms, embeddings) take AdamW elementwise on the local shard.
+the matrix optimizer (norms, embeddings) take AdamW elementwise on the local shard; with
+`optimizer="adamw"` (the baseline) every parameter does: no owners, no exchange, the step check,
+clip, GradScaler, non-finite steps and checkpoints as above (`canzona simulate --fsdp --optimizer
+adamw` prices that step).
 
 One step check per step (`check`): one small all-gather over every rank of the mesh (replicas too)
 of which parameters got a gradient, a local problem, the clip threshold, the hyper-parameters'
@@ -50,6 +53,7 @@ from canzona.fsdp_plan import (
     backward_order,
     check_owner_plan_settings,
     fsdp_matrices,
+    fsdp_policy,
     fsdp_units,
     owner_micro_groups,
 )
@@ -101,7 +105,7 @@ from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
-from canzona.step_policies import get_fsdp_policy
+from canzona.step_policies import resolve_policy
 
 log = logging.getLogger("canzona")
 
@@ -177,7 +181,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
     here; and those it does not run yet are refused: `plan=` (the owners are planned at
     construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
     with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
-    `fsdp-owners-unbalanced`)."""
+    `fsdp-owners-unbalanced`); under `optimizer="adamw"` its own, zero1 (`fsdp_policy`: each rank
+    its own shards, `self.policy` None), and no matrix_config or owner plan settings."""
 
     # torch.amp.GradScaler's `step(opt)` checks for infs through the gradients (`_amp_unscale`) and
     # hands the scale over as `self.grad_scale` (None once `unscale_` ran) for step() to unscale by
@@ -217,13 +222,16 @@ class FsdpOptimizer(torch.optim.Optimizer):
                             "reduce-scatter")
         self.optimizer = check_matrix_optimizer(opts["optimizer"])
         entry = matrix_optimizer(self.optimizer)
-        if entry.elementwise:
-            raise SpecError(f"under FSDP2, {self.optimizer} needs no owners: use torch's own optimizer on the "
-                            "sharded parameters (canzona runs whole-matrix optimizers there)")
-        self.policy = get_fsdp_policy(opts["policy"] or "canzona")
-        if self.policy.gathers_all:
+        # AdamW on every parameter (the baseline): each rank steps its own shards, no owners, no
+        # exchange (policy None), as `canzona simulate --fsdp --optimizer adamw` prices it
+        self.elementwise = entry.elementwise
+        self.policy = fsdp_policy(self.optimizer, resolve_policy(opts["policy"], self.optimizer))
+        if self.policy is not None and self.policy.gathers_all:
             raise SpecError(f"policy {self.policy.name!r} is a simulator baseline (every rank computes every "
                             "matrix); the runtime runs owner policies: canzona, fsdp-owners-unbalanced")
+        if self.elementwise and opts["matrix_config"] is not None:
+            raise SpecError(f"{self.optimizer} runs every parameter with adamw_config; give its hyper-parameters "
+                            "there (matrix_config is for a matrix optimizer)")
         settings = PlanSettings(dp_policy=opts["dp_policy"], alpha=opts["alpha"], bucket_size=opts["bucket_size"],
                                 align=opts["align"], capacity=opts["capacity"], balance_by=opts["balance_by"])
         check_owner_plan_settings(self.policy, settings)  # before any collective: every rank alike
@@ -233,7 +241,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.overlapped_steps = 0  # never: overlap_step is not run under FSDP2
         self.timeout_s = float(timeout_s)
         self.adamw_cfg = optimizer_config("adamw", opts["adamw_config"])
-        self.matrix_cfg = optimizer_config(self.optimizer, opts["matrix_config"])
+        self.matrix_cfg = self.adamw_cfg if self.elementwise else optimizer_config(self.optimizer, opts["matrix_config"])
         self.spec = spec
         self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
 
@@ -241,7 +249,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.params = self._checked_params(groups)
         if self.compile_kernels:
             check_compile(p.device.type for p in self.params.values())
-        matrix_names = {p.name for p in spec.matrix_params()}
+        matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
         param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg,
                                           spec)
 
@@ -266,8 +274,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.layout: dict[str, ParamLayout] = {
             n: param_layout(n, tuple(p.shape), [b[n] for b in boxes]) for n, p in self.params.items()}
 
-        matrices, self.plan = fsdp_matrices(spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"],
-                                            matrix_config=self.matrix_cfg)
+        # the owner plan (None: AdamW's step has no owners)
+        matrices, self.plan = ({}, None) if self.policy is None else fsdp_matrices(
+            spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"], matrix_config=self.matrix_cfg)
         self.owner = {n: m.owner for n, m in matrices.items()}
         # micro-groups: each owner's matrices in backward order, cut into chunks of about equal cost
         self.micro_groups = [[m.name for m in g] for g in
@@ -357,7 +366,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             "owners": owners,
-            "policy": self.policy.name,
+            "policy": self.policy.name if self.policy is not None else "each rank its own shards",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
             "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),

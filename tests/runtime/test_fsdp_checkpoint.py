@@ -56,6 +56,8 @@ SPECS = {
 BF16 = replace(SPECS["muon"], dtype="bf16")
 # SOAP keeping one-sided factors of the 64-wide matrices where SPECS["soap"]'s keeps both: another state
 OTHER_SOAP_STATE = replace(SPECS["soap"], matrix_config={**SPECS["soap"].matrix_config, "max_precond_dim": 48})
+# AdamW on every parameter (no owners: each rank steps its own shards)
+ADAMW = TrainSpec(optimizer="adamw", steps=SAVE, global_batch=6)
 DEADLINE_S = 240.0
 # torchtitan's OptimizersContainer (torchtitan/components/optimizer.py): get/set_optimizer_state_dict
 # with this option, its checkpointer's default
@@ -85,7 +87,7 @@ def fsdp_model(spec: TrainSpec, world: int, seed: int | None = None, hsdp: bool 
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+    opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
                                spec.adamw_config)
     return model, opt
 
@@ -358,8 +360,20 @@ def loaded_then_saved(spec: TrainSpec, rank: int, world: int, path: str) -> dict
     return out
 
 
+def adamw_forms(rank: int, world: int, path: str) -> dict:
+    """AdamW's FSDP2 step through every checkpoint form, each resumed by a fresh model of other
+    weights: state_dict(), the sharded form, torch's full state dict (set_state_dict), dcp of
+    get_optimizer_state_dict, and torchtitan's flattened one."""
+    run = straight(ADAMW, rank, world, path)
+    return {"straight": run, "resumed": resumed(ADAMW, rank, world, run["ckpt"]),
+            "sharded": resumed(ADAMW, rank, world, (run["ckpt"][0], path + "-sharded"), like=run["ckpt"][1]),
+            "torch full": torch_api_resumed(ADAMW, rank, world, run["torch"], None),
+            "dcp": torch_api_resumed(ADAMW, rank, world, None, path),
+            "dcp flat": _flat_resumed(ADAMW, rank, world, path + "-flat")}
+
+
 def fsdp2_worker(rank: int, world: int, path: str) -> dict:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"adamw": adamw_forms(rank, world, path + "-adamw")}
     for name, spec in SPECS.items():
         run = straight(spec, rank, world, path if name == "muon" else None)
         out[name] = {"straight": run, "resumed": resumed(spec, rank, world, run["ckpt"])}
@@ -525,6 +539,23 @@ def test_dcp_save_load_resumes_bit_for_bit(how: str) -> None:
         assert r[how]["template stepped"] is False  # a fresh optimizer's template of zeros
         assert nested_equal(r[how]["state"], want["ckpt"][1]) is None
         exact = compare(r[how]["final"], want["final"])
+        assert exact["bit_identical"], (rank, exact)
+
+
+@pytest.mark.parametrize("how", ["resumed", "sharded", "torch full", "dcp", "dcp flat"])
+def test_adamw_resumes_bit_for_bit_from_every_form(how: str) -> None:
+    """`optimizer="adamw"` under FSDP2: every parameter's AdamW state in each form (before: the
+    optimizer was refused at construction), resumed bit for bit."""
+    shapes = {n: tuple(p.shape) for n, p in build_model(ADAMW).named_parameters()}
+    for rank, r in enumerate(run2()):
+        want, got = r["adamw"]["straight"], r["adamw"][how]
+        assert "error" not in got, got
+        header, _, state = state_by_name(want["ckpt"][1])
+        assert header["optimizer"] == "adamw" and set(state) == set(shapes)
+        assert all(tuple(s["exp_avg"].shape) == shapes[n] for n, s in state.items())
+        again = got["round trip"] if "round trip" in got else nested_equal(got["state"], want["ckpt"][1])
+        assert again is None, (rank, again)
+        exact = compare(got["final"], want["final"])
         assert exact["bit_identical"], (rank, exact)
 
 

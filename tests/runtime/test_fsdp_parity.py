@@ -261,16 +261,19 @@ def test_every_ranks_logs_are_the_fsdp_step_collectives(world, hsdp, case):
 # --- empty shards, skipped steps (the small module of tests/runtime/test_fsdp_runtime.py) ---------
 
 
-@pytest.mark.parametrize("case", ["plain", "clip", "skip"])
+@pytest.mark.parametrize("case", ["plain", "clip", "skip", "adamw-clip", "adamw-skip"])
 def test_empty_shards_and_skipped_steps(case):
     """At S = 3 rank 2 holds no row of b.weight (2 x 16) nor of b.bias: no AdamW state for the
     bias, nothing sent of the matrix; a skipped step (a NaN, `nonfinite="skip"`) issues only its
-    step check. Memory and logs as the model and `fsdp_step_collectives` say."""
+    step check. Memory and logs as the model and `fsdp_step_collectives` say; under AdamW (no
+    owners: what `canzona simulate --fsdp --optimizer adamw` prices) AdamW's moments of every local
+    shard and no matrix state, the step check and the clip's threshold its only collectives."""
     from tests.runtime.test_fsdp_runtime import MUON, SMALL_CASES, SMALL_WORLD, _small, small_spec
 
     results = _small()[case]
     spec, kw = small_spec(), SMALL_CASES[case]
-    matrices, _ = fsdp_matrices(spec, SMALL_WORLD, "muon", get_fsdp_policy("canzona"), matrix_config=MUON)
+    matrices = {} if kw.get("optimizer") == "adamw" else \
+        fsdp_matrices(spec, SMALL_WORLD, "muon", get_fsdp_policy("canzona"), matrix_config=MUON)[0]
     assert {n: m.owner for n, m in matrices.items()} == results[0]["owner"]
     want = fsdp_persistent_memory(spec, SMALL_WORLD, matrices, weight_bytes=4, grad_bytes=4, master_bytes=0)
     assert shard_numel((2, 16), SMALL_WORLD, 2) == 0 and want[2].adamw_state < want[1].adamw_state

@@ -164,6 +164,7 @@ def fsdp_norm(grads: dict[str, torch.Tensor], names: list[str], world: int) -> f
 
 SMALL_WORLD = 3
 MUON = {"ns_dtype": "fp32"}
+OPTIMIZER_CONFIGS = {"muon": MUON, "adamw": None}  # each optimizer's matrix_config in the small runs
 
 
 class Small(torch.nn.Module):
@@ -204,7 +205,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
-              wrap: str | None = None, wrap_step: bool = True) -> dict:
+              wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon") -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -239,7 +240,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `unscale-skip`: `unscale_`, the clip, and a step whose clip norm is not finite skipped by the
     loop itself (`update` only, no `scaler.step`). `wrap`: the scaler is handed that wrapper of the
     optimizer (tests/runtime/amp_wrappers.py), not the optimizer (`wrap_step=False`: `scaler.step`
-    is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`)."""
+    is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`).
+    `optimizer`: "muon" (Muon's owners) or "adamw" (every parameter elementwise on its own shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -250,8 +252,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     model = Small().to(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
     mspec = small_spec()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON, timeout_s=timeout_s, nonfinite=nonfinite,
-                               max_grad_norm=max_grad_norm)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, OPTIMIZER_CONFIGS[optimizer],
+                               timeout_s=timeout_s, nonfinite=nonfinite, max_grad_norm=max_grad_norm)
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
     amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                            growth_interval=1 if scaler == "unscale" else 2000)
@@ -449,6 +451,15 @@ SMALL_CASES = {
     # canzona's owner plan settings under round-robin owners, which no plan places
     "unbalanced-plan-settings": {"refuse": {"alpha": 0.5, "dp_policy": "whole-start", "align": 128},
                                  "base": {"policy": "fsdp-owners-unbalanced"}},
+    # AdamW on every parameter under FSDP2 (no owners, no exchange): clipped, a NaN skipped, GradScaler's
+    # unscale_ then the clip, as the Muon runs above
+    "adamw-clip": {"steps": 3, "clip": 0.05, "optimizer": "adamw"},
+    "adamw-skip": {"steps": 3, "nonfinite": "skip", "poison": 1, "optimizer": "adamw"},
+    "adamw-scaler-unscale": {"steps": 3, "clip": 0.05, "scaler": "unscale", "optimizer": "adamw"},
+    # what AdamW's step refuses (it has no owners to plan or matrices to configure), and what it takes
+    "adamw-options": {"optimizer": "adamw", "refuse": {
+        "policy": "canzona", "matrix_config": {"lr": 0.1}, "bucket_size": 4096, "alpha": 0.5}},
+    "adamw-policies": {"optimizer": "adamw", "refuse": {"policy": "zero1"}},
     # torch's SGD under GradScaler over a model a canzona optimizer was built on (kept alive)
     "torch-sgd-scaler-beside": {"torch_sgd": True},
 }
@@ -488,10 +499,11 @@ def torch_sgd_runs(rank: int, world: int) -> dict[str, dict]:
     return out
 
 
-def refusals(refuse: dict[str, object], base: dict[str, object] | None = None) -> dict[str, str | None]:
+def refusals(refuse: dict[str, object], base: dict[str, object] | None = None,
+             optimizer: str = "muon") -> dict[str, str | None]:
     """For each of `refuse`'s options set off its default (beside `base`'s), the error
-    `DistributedOptimizer` raises building its FSDP2 step on Small under fully_shard (None: it was
-    built)."""
+    `DistributedOptimizer` raises building its FSDP2 step for `optimizer` on Small under fully_shard
+    (None: it was built)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -504,8 +516,8 @@ def refusals(refuse: dict[str, object], base: dict[str, object] | None = None) -
     out: dict[str, str | None] = {}
     for option, value in refuse.items():
         try:
-            DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, **(base or {}),
-                                 **{option: value})
+            kw = {"matrix_config": OPTIMIZER_CONFIGS[optimizer], **(base or {}), option: value}
+            DistributedOptimizer(model.named_parameters(), small_spec(), optimizer, **kw)
             out[option] = None
         except CanzonaError as e:
             out[option] = str(e)
@@ -518,8 +530,10 @@ def _small() -> dict[str, list[dict]]:
     return {k: [r[k] for r in per_rank] for k in SMALL_CASES}
 
 
-def emulate_small(grads: list[dict[str, torch.Tensor]], clip: float | None = None) -> dict[str, torch.Tensor]:
-    """The same kernels in one process on the global gradients (as harness.training.emulate)."""
+def emulate_small(grads: list[dict[str, torch.Tensor]], clip: float | None = None,
+                  optimizer: str = "muon") -> dict[str, torch.Tensor]:
+    """The same kernels in one process on the global gradients (as harness.training.emulate);
+    `optimizer` "adamw": AdamW on every parameter."""
     from canzona.harness.training import _flat_state, torch_threads
     from canzona.optimizers import config_from_dict, matrix_optimizer
     from canzona.runtime.kernels import adamw_step_, apply_update_
@@ -536,7 +550,7 @@ def emulate_small(grads: list[dict[str, torch.Tensor]], clip: float | None = Non
                     clip_(step_grads.values(), clip)
                 for name, p in model.named_parameters():
                     state, grad = states.setdefault(name, {}), step_grads[name]
-                    if mspec.param(name).uses_matrix_optimizer:
+                    if mspec.param(name).uses_matrix_optimizer and optimizer != "adamw":
                         update = kernel(grad, state, mcfg, mcfg.lr)
                         if update is not None:
                             apply_update_(p, update.direction, update)
@@ -944,6 +958,42 @@ def test_fsdp_refuses_owner_plan_settings_under_round_robin_owners_on_every_rank
         assert r == results[0]
         for option, value in (("alpha", 0.5), ("dp_policy", "whole-start"), ("align", 128)):
             assert r[option] is not None and r[option].startswith(f"{option} {value}: canzona's owner plan"), r[option]
+
+
+def test_fsdp_adamw_steps_every_parameter_on_its_own_shard() -> None:
+    """`optimizer="adamw"` under FSDP2 (`canzona simulate --fsdp --optimizer adamw`): no owners, no
+    all-to-all (the step check and the clip's threshold are its only collectives), every parameter
+    stepped by AdamW on its local shard, equal to the one-process AdamW on the global gradients bit
+    for bit (clipped: the same agreed norm; a NaN on one rank skipped on every rank; GradScaler's
+    unscale_ then the clip: the unscaled run bit for bit). Before: one SpecError ("adamw needs no
+    owners: use torch's own optimizer")."""
+    for case in ("adamw-clip", "adamw-skip"):
+        results = _small()[case]
+        assert all(r["error"] is None for r in results), [r["error"] for r in results]
+        _same_everywhere(results)
+        want = emulate_small(results[0]["grads"], SMALL_CASES[case].get("clip"), optimizer="adamw")
+        for r in results:
+            assert compare(r["params"], want)["bit_identical"], (case, compare(r["params"], want))
+            assert r["owner"] == {} and r["micro_groups"] == [] and r["held"]["matrix_state"] == 0
+            assert not any(op == "all-to-all" for _, op, *_ in r["log"]), r["log"]
+    assert [r["skipped"] for r in _small()["adamw-skip"]] == [1] * SMALL_WORLD
+    for a, b in zip(_small()["adamw-clip"], _small()["adamw-scaler-unscale"]):
+        assert b["error"] is None and b["norms"] == a["norms"], b["error"]
+        assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
+
+
+def test_fsdp_adamw_refuses_what_it_has_no_use_for_on_every_rank() -> None:
+    """AdamW's FSDP2 step has no owners and no matrices: an owner policy, matrix_config and canzona's
+    owner plan settings are each one SpecError on every rank, at construction (as `canzona simulate
+    --fsdp --optimizer adamw` refuses them); its own policy (zero1) is taken."""
+    for r in _small()["adamw-options"]:
+        assert r == _small()["adamw-options"][0]
+        assert "each rank steps its own shards (FSDP2's), policy zero1; got 'canzona'" in r["policy"]
+        assert r["matrix_config"].startswith("adamw runs every parameter with adamw_config")
+        for option, value in (("bucket_size", 4096), ("alpha", 0.5)):
+            assert r[option].startswith(f"{option} {value}: canzona's owner plan settings change nothing under "
+                                        "an elementwise optimizer's FSDP step"), r[option]
+    assert all(r == {"policy": None} for r in _small()["adamw-policies"])
 
 
 def test_fsdp_loads_with_the_arguments_the_integrations_pass() -> None:
