@@ -308,7 +308,7 @@ def verify_table(rows) -> Table:
         diff = r["max_rel_diff"]
         last_of_case = i + 1 == len(rows) or case(rows[i + 1]) != case(r)
         tp_cells = (r["tp_policy"], r["tp_mode"]) if tp > 1 else ()
-        plan = r["plan"] if tp > 1 else f"{r['plan']} {r['plan_hash'][:8]}"  # the hash is in --json
+        plan = r["plan"] if tp > 1 or r["plan_hash"] is None else f"{r['plan']} {r['plan_hash'][:8]}"  # the hash is in --json
         t.add_row(r["optimizer"], r["policy"], plan, *tp_cells,
                   _RUNG_LABELS.get(r["rung"], r["rung"]), r["result"],
                   "-" if diff is None else "inf" if diff == float("inf") else f"{diff:.2e}",

@@ -80,7 +80,7 @@ class VerifyCase:
     """One (optimizer, policy) to train and check, with the plan its ranks will execute."""
 
     spec: Any  # training.TrainSpec (imported lazily: torch)
-    plan: Plan
+    plan: Plan | None  # None: AdamW under --fsdp (no owners, no plan)
 
     @property
     def label(self) -> str:
@@ -168,8 +168,8 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                             "head, which cannot be both rowwise and colwise): use tiny-untied, tiny-tp4 or small")
         mspec = model_spec(cfg)
     optimizers = _choices(optimizer, OPTIMIZERS, "optimizer")
-    if fsdp:  # the whole-matrix optimizers: an elementwise one needs no owners (refused when named)
-        optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS]
+    if fsdp:  # `all`: the whole-matrix optimizers, whose owners it checks; adamw when named
+        optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS] if optimizer == "all" else optimizers
         return _fsdp_cases(mspec, dp, tp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
                            seq_len, accumulation, preset, hsdp_replicate, tp_policy, tp_mode)
     if policy is not None:
@@ -214,7 +214,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
 def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_replicate: int, fsdp: bool) -> None:
     """What `--fsdp` runs: the dense tiny presets over the DP ranks, or over DP x TP as torchtitan
     composes them (not with HSDP; expert parallelism and stacked experts are not run under FSDP2),
-    a whole-matrix optimizer, shard groups of at least 2 ranks."""
+    shard groups of at least 2 ranks."""
     from canzona.fsdp_plan import check_hsdp
     from reference.tiny_moe import HF_MOE_PRESET, MOE_PRESETS
 
@@ -231,9 +231,6 @@ def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_rep
     if preset in MOE_PRESETS or preset == HF_MOE_PRESET:
         raise SpecError(f"--fsdp runs the dense presets: the {preset} model's stacked experts are not run under "
                         "FSDP2 yet")
-    if optimizer in OPTIMIZERS and optimizer not in MATRIX_OPTIMIZERS:
-        raise SpecError(f"--fsdp verifies the whole-matrix optimizers' owners; {optimizer} is elementwise (torch's "
-                        "own optimizer runs it on FSDP2's shards)")
 
 
 def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str,
@@ -244,9 +241,15 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
     makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group, x TP under FSDP x TP), made here
     so that bad settings fail before any spawn (`tp_policy` / `tp_mode`: the training spec refuses
     them off their defaults, `TrainSpec.check`)."""
-    from canzona.fsdp_plan import check_hsdp, fsdp_matrices, owner_plan_defaults
+    from canzona.fsdp_plan import (
+        check_hsdp,
+        check_owner_plan_settings,
+        fsdp_matrices,
+        fsdp_policy,
+        owner_plan_defaults,
+    )
     from canzona.harness.training import TrainSpec
-    from canzona.step_policies import get_fsdp_policy
+    from canzona.step_policies import resolve_policy
 
     shard = check_hsdp(True, dp, hsdp_replicate)
     recorded = steps * sum(p.numel for p in mspec.params)
@@ -255,7 +258,11 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
                         f"the {preset} model are {recorded:,} values, above {MAX_RECORDED_ELEMENTS:,}; run at most "
                         f"{MAX_RECORDED_ELEMENTS // (recorded // steps)} steps")
     policies = list(FSDP_RUNTIME_POLICIES) if policy == "all" else [policy or "canzona"]
-    for pol in policies:
+    elementwise = [o for o in optimizers if o not in MATRIX_OPTIMIZERS]  # adamw named (`all` leaves it out)
+    if elementwise:  # its own policy only, no owners (`fsdp_policy`'s rule)
+        policies = [resolve_policy(None if policy == "all" else policy, elementwise[0])]
+        fsdp_policy(elementwise[0], policies[0])
+    for pol in () if elementwise else policies:
         if pol not in FSDP_RUNTIME_POLICIES:
             what = "is a simulator baseline (every rank computes every matrix)" if pol in FSDP_POLICIES else \
                 "is not an FSDP policy"
@@ -267,15 +274,17 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
             # canzona's owner plan settings are its own: under `all` the owners no plan places run at
             # the defaults (named alone, such a policy refuses them: `check_owner_plan_settings`)
             settings = PlanSettings(dp_policy=dp_policy, alpha=alpha, bucket_size=bucket_size)
-            if policy == "all":
-                settings = replace(settings, **owner_plan_defaults(get_fsdp_policy(pol)))
+            step = fsdp_policy(opt, pol)
+            if policy == "all" and step is not None:
+                settings = replace(settings, **owner_plan_defaults(step))
             spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=settings.dp_policy,
                              alpha=settings.alpha, bucket_size=settings.bucket_size, steps=steps,
                              global_batch=global_batch, seq_len=seq_len, accumulation=accumulation, fsdp=True,
                              hsdp_replicate=hsdp_replicate, tp=tp, tp_style="dtensor", tp_policy=tp_policy,
                              tp_mode=tp_mode)
             spec.check(dp)
-            _, plan = fsdp_matrices(mspec, shard * tp, opt, get_fsdp_policy(pol), settings)
+            check_owner_plan_settings(step, settings)  # AdamW's step has no owners to plan
+            plan = None if step is None else fsdp_matrices(mspec, shard * tp, opt, step, settings)[1]
             cases.append(VerifyCase(spec, plan))
     return cases
 
@@ -405,12 +414,12 @@ def check_case(case: VerifyCase, dp: int, results: Sequence[dict], emulated: dic
     base = {
         "optimizer": spec.optimizer,
         "policy": spec.policy,
-        "plan": case.plan.dp_plan.policy,
-        "plan_hash": case.plan.hash(),
+        "plan": case.plan.dp_plan.policy if case.plan is not None else None,
+        "plan_hash": case.plan.hash() if case.plan is not None else None,
         "dp": dp,
         "tp": spec.tp,
         "ep": spec.ep,
-        "tp_policy": case.plan.tp_plan.policy,
+        "tp_policy": case.plan.tp_plan.policy if case.plan is not None else spec.tp_policy,
         "tp_mode": spec.tp_mode,
         "steps": spec.steps,
         "accumulation": spec.accumulation,
@@ -472,10 +481,11 @@ def _check_fsdp_case(base: dict[str, Any], spec, results: Sequence[dict], emulat
     """`check_case` under FSDP: every rank's shards (its boxes of the whole tensors) against the
     first replica's of its shard rank (HSDP's replicas run alike) and against its boxes of the
     single-process results."""
+    from canzona.fsdp_plan import fsdp_policy
     from canzona.harness.training import piece
-    from canzona.step_policies import get_fsdp_policy
 
-    base = {**base, "plan": f"{get_fsdp_policy(spec.policy).owners} owners"}
+    step = fsdp_policy(spec.optimizer, spec.policy)
+    base = {**base, "plan": "no owners" if step is None else f"{step.owners} owners"}
     params = [r["params"] for r in results]
     first = {r["shard_rank"]: r["params"] for r in reversed(results)}
 

@@ -178,6 +178,18 @@ def test_fsdp_both_owner_policies_bit_for_bit():
 
 
 @pytest.mark.distributed
+def test_fsdp_adamw_bit_for_bit():
+    """`canzona verify --fsdp --optimizer adamw`: every parameter's AdamW on its shard, no owners,
+    equal to one process on FSDP2's reduced gradients (before: one error line, "adamw is elementwise")."""
+    result, out, err = run("--fsdp", *QUICK, "--optimizer", "adamw", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and [r["rung"] for r in report["rows"]] == ["replicas", "3a", "3b"]
+    assert all((r["optimizer"], r["policy"], r["plan"]) == ("adamw", "zero1", "no owners") for r in report["rows"])
+    assert report["rows"][1]["bit_identical"] is True
+
+
+@pytest.mark.distributed
 def test_fsdp_x_tp_bit_for_bit():
     """`--fsdp --tp 2`: torchtitan's composition (parallelize_module over tp, fully_shard over dp) on
     DP 2 x TP 2; every rank's piece (a TP shard's row block) equals the one-process kernels."""
@@ -270,7 +282,9 @@ def test_gather_whole_with_an_empty_shard():
     (["--fsdp", "--tp", "2", "--dp", "4", "--hsdp-replicate", "2"], "verified without --hsdp-replicate"),
     (["--fsdp", "--ep", "2"], "give --ep 1 (got ep 2)"),
     (["--fsdp", "--dp", "1"], "give --dp 2 or more"),
-    (["--fsdp", "--optimizer", "adamw"], "adamw is elementwise"),
+    # AdamW's FSDP2 step: its own policy, no owners to plan
+    (["--fsdp", "--optimizer", "adamw", "--policy", "canzona"], "each rank steps its own shards (FSDP2's), policy zero1"),
+    (["--fsdp", "--optimizer", "adamw", "--alpha", "0.5"], "alpha 0.5: canzona's owner plan settings change nothing"),
     (["--fsdp", "--policy", "fsdp-gather-all"], "is a simulator baseline"),
     (["--fsdp", "--policy", "zero1"], "'zero1' is not an FSDP policy"),
     # round-robin owners: no plan places them, and the run verified the default's
