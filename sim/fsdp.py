@@ -771,8 +771,8 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     local, expert_local = unit_elements(spec, tp, ep)
     total = sum(local.values())
     # the matrices `_persistent` keeps matrix state for: `fsdp_persistent_memory` reads the spec's
-    # parameters, and an expert stack (the runtime refuses one under FSDP2) keeps AdamW's state there,
-    # not its matrices' (SOAP's or Shampoo's of every expert matrix is twice the run's bytes)
+    # parameters, and an expert stack keeps AdamW's state there (only AdamW runs stacks under FSDP2:
+    # `check_fsdp` refuses a whole-matrix optimizer over them, as the runtime does)
     matrices = [p for p in spec.matrix_params() if p.stacked_in is None] \
         if fsdp_policy(cfg.optimizer, cfg.policy) is not None else ()
     matrix_state = sum(state_bytes(cfg.optimizer, tuple(p.shape), cfg.matrix_config)

@@ -347,8 +347,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 if tuple(p.shape) != tuple(pspec.shape):
                     raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "
                                     f"{tuple(pspec.shape)}")
-                if pspec.matrix_shape is not None:
-                    raise SpecError(f"parameter {name!r} stacks matrices (experts): not run under FSDP2 yet")
+                if pspec.matrix_shape is not None and not self.elementwise:  # AdamW steps a stack's rows alike
+                    raise SpecError(f"parameter {name!r} stacks matrices (experts): {self.optimizer} over them is not "
+                                    "run under FSDP2 yet (optimizer='adamw' runs them)")
                 params[name] = p
         missing = [p.name for p in self.spec.params if p.name not in params]
         if missing:
