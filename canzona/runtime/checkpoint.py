@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -288,7 +288,7 @@ def gather_state(opt: Checkpointable) -> dict[str, Any]:
                 if key in shards[0]:
                     full[key] = unshard([s[key] for s in shards], _tp_dim(opt, name))
             state[name] = full
-    return full_state(opt, state, take_witness(opt, _held(opt), call="state_dict()"))
+    return full_state(opt, state, take_witness(opt, _held(opt), own_comms(opt), call="state_dict()"))
 
 
 def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str, Any]) -> dict[str, Any]:
@@ -436,8 +436,17 @@ def _stitch(opt: Checkpointable, name: str, pieces: list) -> dict[str, Any] | No
 def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
     """`state_dict()`'s form, loaded on every rank of the optimizer's DP and TP groups (collective:
     `read_state_together`)."""
-    load_by_name(opt, *read_state_together(opt, state_dict, [opt.mesh.comm(DP), opt.mesh.comm(TP)]))
+    load_by_name(opt, *read_state_together(opt, state_dict, own_comms(opt)))
     opt.loaded_witness = saved_witness(state_dict, _global_shapes(opt))
+
+
+def own_comms(opt: Checkpointable) -> list[Comm | None]:
+    """The groups that reach every rank holding a piece of `opt`'s parameters, in turn: DP, then TP
+    (under expert parallelism the experts' EDP x EP mesh folds the same DP x TP ranks,
+    `check_expert_layout`). A checkpoint's collectives of one optimizer run over these, never over
+    the default process group, whose other ranks may train another model (a replica on its own DP
+    group, another pipeline stage) and call nothing at that moment."""
+    return [opt.mesh.comm(DP), opt.mesh.comm(TP)]
 
 
 def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]],
@@ -721,7 +730,7 @@ NOT_BY_CHANCE = ("; or, for weights changed on purpose (surgery, a merge, EMA we
 
 
 def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
-    """Collective (the default process group): the model's weights as they are now (just loaded)
+    """Collective (the optimizer's own ranks, `own_comms`): the model's weights as they are now (just loaded)
     are those the checkpoint was saved with, or one CheckpointError on every rank before anything
     is loaded. Where this optimizer keeps fp32 masters and the checkpoint has them, every element
     this rank keeps a master of equals the master cast to the parameter's dtype (it holds after
@@ -742,7 +751,7 @@ def check_weights_match(opt: Checkpointable, state: Mapping[str, dict], witness:
         return compared
 
     check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _global_shapes(opt), witness,
-                    opt.timeout_s)
+                    own_comms(opt))
 
 
 def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
@@ -755,13 +764,13 @@ def same_as_master(name: str, master: Tensor, working: Tensor) -> None:
 
 def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], Held],
                     shapes: Mapping[str, tuple[int, ...]], witness: Mapping[str, Any] | None,
-                    timeout_s: float, *, call: str = "load_sharded_state_dict()", outcome: str = NOTHING_LOADED,
-                    hint: str = "") -> None:
-    """Collective (the default process group): `compare_masters` (each layout's: raises
-    `same_as_master`'s error, returns the parameters it compared), then every other parameter this
-    rank holds (`held`) against the witness; one CheckpointError on every rank if either finds
-    weights from another save."""
-    from canzona.runtime.checkpoint_files import Ranks
+                    comms: Sequence[Comm | None], *, call: str = "load_sharded_state_dict()",
+                    outcome: str = NOTHING_LOADED, hint: str = "") -> None:
+    """Collective over `comms` (the optimizer's own groups, `together_over`): `compare_masters`
+    (each layout's: raises `same_as_master`'s error, returns the parameters it compared), then
+    every other parameter this rank holds (`held`) against the witness; one CheckpointError on
+    every rank of the optimizer if either finds weights from another save."""
+    from canzona.runtime.checkpoint_files import together_over
 
     def check() -> None:
         compared = compare_masters()
@@ -769,24 +778,25 @@ def check_same_save(compare_masters: Callable[[], set[str]], held: Callable[[], 
         if detail is not None:
             raise CheckpointError(WEIGHTS_FROM_ANOTHER_SAVE.format(detail=detail, outcome=outcome, hint=hint))
 
-    Ranks(timeout_s=timeout_s, call=call).together(check)
+    together_over(comms, check, lambda _: None, call=call)
 
 
-def check_loaded_weights(opt: Described, held: Callable[[], Held], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def check_loaded_weights(opt: Described, held: Callable[[], Held], shapes: Mapping[str, tuple[int, ...]],
+                         comms: Sequence[Comm | None]) -> None:
     """At a step: where a load left the witness of the weights its state was saved with
     (`loaded_witness`), the weights this rank holds (`held`) equal it, or one CheckpointError on
-    every rank before anything is updated (kept for a step called again). Collective (the default
-    process group), once after each such load; nothing to do otherwise."""
+    every rank before anything is updated (kept for a step called again). Collective over the
+    optimizer's own groups (`comms`), once after each such load; nothing to do otherwise."""
     if not opt.loaded_witness:
         return
-    check_same_save(set, held, shapes, opt.loaded_witness, opt.timeout_s, call="step()", outcome=NOTHING_STEPPED,
+    check_same_save(set, held, shapes, opt.loaded_witness, comms, call="step()", outcome=NOTHING_STEPPED,
                     hint=NOT_BY_CHANCE)
     opt.loaded_witness = None
 
 
 def check_weights_at_step(opt: Checkpointable) -> None:
     """`check_loaded_weights` in the ZeRO-1 layout (what `step()` calls first)."""
-    check_loaded_weights(opt, lambda: _held(opt), _global_shapes(opt))
+    check_loaded_weights(opt, lambda: _held(opt), _global_shapes(opt), own_comms(opt))
 
 
 # --- the weights' witness: a few elements of every parameter, at any layout ----------------------
@@ -850,21 +860,23 @@ def _from_bits(bits: list[str], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(bytearray.fromhex("".join(bits)), dtype=dtype).clone()
 
 
-def take_witness(opt: Described, held: Held, *, call: str = "sharded_state_dict()") -> dict[str, Any]:
-    """Collective (the default process group; this process alone without torch.distributed): the
-    witness of the weights as they are now (until a step has checked them, the one
-    `load_state_dict` left: the loaded state still belongs to those weights, so a save before that
-    step round-trips and keeps the check), identical on the ranks of `opt`'s model, for the
-    checkpoint's metadata: per parameter its dtype, the elements `witness_indices` picks and
-    their values (bytes in hex), each from a rank that holds it (a rank of the same model: under
-    pipeline parallelism another stage's parameters may have the same names)."""
-    from canzona.runtime.checkpoint_files import Ranks
+def take_witness(opt: Described, held: Held, comms: Sequence[Comm | None], *,
+                 call: str = "sharded_state_dict()") -> dict[str, Any]:
+    """Collective over the optimizer's own groups (`comms`, `together_over`; this process alone
+    without torch.distributed): the witness of the weights as they are now (until a step has
+    checked them, the one `load_state_dict` left: the loaded state still belongs to those weights,
+    so a save before that step round-trips and keeps the check), identical on the optimizer's
+    ranks, for the checkpoint's metadata: per parameter its dtype, the elements `witness_indices`
+    picks and their values (bytes in hex), each from a rank that holds it. Only the optimizer's
+    ranks: the default group's others may train another model (a replica on its own DP group,
+    another pipeline stage: other values at the same names) and call nothing at that moment."""
+    from canzona.runtime.checkpoint_files import together_over
 
     if opt.loaded_witness:  # the loaded state still belongs to those weights (no step checked them yet)
         return dict(opt.loaded_witness)
-    shapes, model = _global_shapes(opt), opt.spec.fingerprint()
+    shapes = _global_shapes(opt)
 
-    def mine() -> tuple[str, dict[str, tuple[str, dict[int, str]]]]:
+    def mine() -> dict[str, tuple[str, dict[int, str]]]:
         out = {}
         for name, (start, local) in held.items():
             shape = shapes[name]
@@ -872,26 +884,21 @@ def take_witness(opt: Described, held: Held, *, call: str = "sharded_state_dict(
             at = _locate(index, shape, start, tuple(local.shape))
             if at:
                 out[name] = (_dtype_name(local.dtype), dict(zip((index[k] for k, _ in at), _bits(_values(local, at)))))
-        return model, out
+        return out
 
-    ranks = Ranks(timeout_s=opt.timeout_s, call=call)
-    gathered = ranks.together(mine)
-    # this rank's values first: another model of the same architecture (a replica on its own DP
-    # group, side by side in this job) may hold other values at the same names and indices
-    every = [values for of, values in [gathered[ranks.rank], *gathered[:ranks.rank], *gathered[ranks.rank + 1:]]
-             if of == model]
-    witness: dict[str, Any] = {}
-    for name in sorted(shapes):
-        found = [per[name] for per in every if name in per]
-        if not found:
-            continue
-        values: dict[int, str] = {}
-        for _, got in found:
-            for i, v in got.items():
-                values.setdefault(i, v)
-        index = sorted(values)
-        witness[name] = {"dtype": found[0][0], "index": index, "bits": [values[i] for i in index]}
-    return witness
+    def merge(every: list[dict[str, tuple[str, dict[int, str]]]]) -> dict[str, tuple[str, dict[int, str]]]:
+        # each rank's elements (a TP shard's), the first holder's value of each (DP replicas alike)
+        out: dict[str, tuple[str, dict[int, str]]] = {}
+        for per in every:
+            for name, (dtype, got) in per.items():
+                values = out.setdefault(name, (dtype, {}))[1]
+                for i, v in got.items():
+                    values.setdefault(i, v)
+        return out
+
+    found = together_over(comms, mine, merge, call=call)
+    return {name: {"dtype": found[name][0], "index": sorted(found[name][1]),
+                   "bits": [found[name][1][i] for i in sorted(found[name][1])]} for name in sorted(found)}
 
 
 WITNESS_FIELD = "canzona_weights_witness"  # in each entry of the layout-independent form
@@ -1177,10 +1184,10 @@ def sharded_state(opt: Checkpointable, prefix: str = DCP_PREFIX) -> dict[str, An
     """This rank's part of the state as flat `torch.distributed.checkpoint` entries: the matrix
     states it saves (full), its shards of their master weights, its AdamW pieces, and the small
     metadata every rank holds alike, with the witness of the weights as they are now. Compose
-    with the model's entries in one `dcp.save`. Collective (the witness: one small all-gather
-    over the default process group), as `dcp.save` is."""
+    with the model's entries in one `dcp.save`. Collective (the witness: a small all-gather over
+    the optimizer's DP group, then its TP group, `own_comms`), as `dcp.save` is."""
     current_masters(opt)
-    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
+    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt), own_comms(opt)))
     for part in _parts(opt):  # every entry under the model's name
         g = part.global_name
         states, masters = _saved_here(part)
@@ -1219,7 +1226,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
-    agree_on_save(meta, [opt.mesh.comm(DP), opt.mesh.comm(TP)])
+    agree_on_save(meta, own_comms(opt))
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))

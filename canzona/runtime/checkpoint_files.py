@@ -47,10 +47,10 @@ import shutil
 import stat
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,9 @@ from torch.distributed.checkpoint.metadata import (
 from canzona.errors import CanzonaError, CheckpointError
 from canzona.runtime.atomic_files import fsync_dir
 from canzona.runtime.lifecycle import stop_if_orphaned
+
+if TYPE_CHECKING:
+    from canzona.runtime.comm import Comm
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's index of the checkpoint (a pickle)
@@ -163,6 +166,41 @@ class Ranks:
             alike = len(failed) == self.world and all(t == text for _, t in failed)
             raise CheckpointError(text if alike else f"rank {rank}: {text}")
         return [value for _, value in every]
+
+
+def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Callable[[list[T]], T], *,
+                  call: str) -> T:
+    """`step` on this rank, merged with its result on every rank that `comms` reach, in turn: an
+    optimizer's own groups (its DP group, then its TP group, reach every rank of its DP x TP mesh,
+    as `DistributedOptimizer._inf_norm`'s max does), not the default process group, whose other
+    ranks (another replica on its own DP group, another pipeline stage) are not in this call and
+    may hold other values at the same names. Each round gathers each member's merged value and
+    `merge`s them in member order: identical on every rank where `merge` depends on its argument
+    alone. One `CheckpointError` on every rank if `step` raised on any (as `Ranks.together`, with
+    global ranks); bounded by each group's timeout; not logged on the groups' own logs (no step's
+    collective)."""
+    from canzona.runtime.comm import Comm
+
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    try:
+        state: tuple[int, dict[int, str], Any] = (1, {}, step())
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        state = (1, {me: first_line(e)}, None)
+    for comm in comms:
+        if comm is None or comm.size == 1:
+            continue
+        try:
+            every = Comm(comm.group, comm.timeout.total_seconds(), comm.name).all_gather_object(state, "checkpoint step")
+        except CanzonaError as e:
+            raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
+        failed = {r: text for _, f, _ in every for r, text in f.items()}
+        state = (sum(n for n, _, _ in every), failed, None if failed else merge([v for _, _, v in every]))
+    count, failed, value = state
+    if failed:
+        rank = min(failed)
+        alike = len(failed) == count and all(text == failed[rank] for text in failed.values())
+        raise CheckpointError(failed[rank] if alike else f"rank {rank}: {failed[rank]}")
+    return value
 
 
 # --- saving -------------------------------------------------------------------------------------

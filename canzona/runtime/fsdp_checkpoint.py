@@ -85,7 +85,7 @@ def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
         pieces = {m: member["master"][name] for m, member in enumerate(every) if name in member["master"]}
         if pieces:
             state.setdefault(name, {})["master"] = _stitch(opt, name, pieces)
-    return full_state(opt, state, take_witness(opt, _held(opt), call="state_dict()"))
+    return full_state(opt, state, take_witness(opt, _held(opt), [opt.world], call="state_dict()"))
 
 
 def _stitch(opt: FsdpOptimizer, name: str, pieces: Mapping[int, Tensor]) -> Tensor:
@@ -153,9 +153,9 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
     the full tensor its box is; the lowest member holding a box writes it;
     HSDP replicas write the same entries, which dcp saves once), and the metadata with the
     witness of the weights as they are now (`checkpoint.take_witness`: one small all-gather over
-    the default process group; collective, as `dcp.save` is)."""
+    the optimizer's mesh, `opt.world`; collective, as `dcp.save` is)."""
     current_masters(opt)
-    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt)))
+    out = sharded_meta(opt, prefix, take_witness(opt, _held(opt), [opt.world]))
     for name, state in opt.matrix_state.items():
         for key, value in state.items():
             out[f"{prefix}/matrix/{name}/{key}"] = value
@@ -201,11 +201,11 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
 
 def check_weights_at_step(opt: FsdpOptimizer) -> None:
     """`checkpoint.check_loaded_weights` under FSDP2 (what `step()` calls first)."""
-    check_loaded_weights(opt, lambda: _held(opt), _shapes(opt))
+    check_loaded_weights(opt, lambda: _held(opt), _shapes(opt), [opt.world])
 
 
 def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: Mapping[str, Any] | None) -> None:
-    """`checkpoint.check_weights_match` under FSDP2 (collective over the default process group,
+    """`checkpoint.check_weights_match` under FSDP2 (collective over the optimizer's mesh, `opt.world`,
     one CheckpointError on every rank, nothing loaded): where this optimizer keeps fp32 masters
     and the checkpoint has them, this rank's box of each equals its weights cast from it; every
     other parameter's sampled elements in this rank's box equal the checkpoint's witness."""
@@ -221,7 +221,8 @@ def check_weights_match(opt: FsdpOptimizer, state: Mapping[str, dict], witness: 
                 compared.add(name)
         return compared
 
-    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _shapes(opt), witness, opt.timeout_s)
+    check_same_save(compare_masters if opt.master_weights else set, lambda: _held(opt), _shapes(opt), witness,
+                    [opt.world])
 
 
 def _shapes(opt: FsdpOptimizer) -> dict[str, tuple[int, ...]]:

@@ -531,18 +531,19 @@ def _only_the_view_worker(rank: int, world: int) -> dict[str, Any]:
     assert shards.keys() == mine.keys()
     nested_equal(shards, mine, "sharded state")
     del opt
-    return {"view": True, "replicas": _replicas_scenario(rank, world)}
+    halves = [torch.distributed.new_group(list(range(h * world // 2, (h + 1) * world // 2))) for h in range(2)]
+    half = rank * 2 // world
+    return {"view": True, "replicas": _replicas_scenario(halves, half),
+            "apart": _replicas_apart_scenario(halves, half, rank)}
 
 
-def _replicas_scenario(rank: int, world: int) -> dict[str, Any]:
+def _replicas_scenario(halves: list[Any], half: int) -> dict[str, Any]:
     """Two replicas of one architecture side by side, each on its own DP group of half the ranks
     (a sweep, an ensemble), other weights each: each `state_dict()` carries the witness of its own
     weights, and loads beside them. Before, the witness's gather over every rank took the first
     rank's values: the second replica's state dict held the first's, and its resume was refused."""
     from canzona.runtime import DistributedOptimizer, checkpoint
 
-    halves = [torch.distributed.new_group(list(range(h * world // 2, (h + 1) * world // 2))) for h in range(2)]
-    half = rank * 2 // world
     model = build_model(TrainSpec(model_seed=half))
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), group=halves[half])
     full = opt.state_dict()
@@ -561,6 +562,75 @@ def _replicas_scenario(rank: int, world: int) -> dict[str, Any]:
     return {"own witness": own and len(witness) == len(weights), "resume": outcome}
 
 
+APART_STEPS = 3
+APART_SAVES = ((1, 2), (2,))  # the steps after which each replica saves: every step, every other step
+APART_TIMEOUT_S = 20.0
+
+
+def _replicas_apart_scenario(halves: list[Any], half: int, rank: int) -> dict[str, Any]:
+    """The replicas of `_replicas_scenario` save at their own steps (`APART_SAVES`), each resumes
+    from its last save (a fresh model holding the saved weights, a fresh optimizer,
+    `load_state_dict`, the first step checking the weights) and trains to `APART_STEPS`: the same
+    weights, bit for bit, as the replica trained without a break. Each save takes the sharded form
+    too (the same witness), and the resume checks the weights against it first, as
+    `load_sharded_state_dict(check_weights=True)` does. Before, the witness's
+    collectives ran over every rank: the first replica's second save met the second's first
+    step-check and failed (a TypeError), or a save waited for the other replica until the
+    timeout."""
+    from canzona.runtime import DistributedOptimizer, checkpoint
+
+    data = torch.Generator().manual_seed(100 + rank)
+    tokens = [torch.randint(0, 64, (2, 8), generator=data) for _ in range(APART_STEPS)]
+
+    def optimizer(model):
+        return DistributedOptimizer(model.named_parameters(), model.spec(), group=halves[half],
+                                    matrix_config={"ns_steps": 1}, timeout_s=APART_TIMEOUT_S)
+
+    def train(model, opt, steps, on_step=lambda k: None):
+        for k in steps:
+            opt.zero_grad()
+            model.loss(tokens[k]).backward()
+            opt.step()
+            on_step(k + 1)
+        opt.wait_params()
+
+    try:
+        model = build_model(TrainSpec(model_seed=half))
+        opt = optimizer(model)
+        train(model, opt, range(APART_STEPS))
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        del opt
+        model = build_model(TrainSpec(model_seed=half))
+        opt = optimizer(model)
+        saved: list[tuple[int, dict, dict]] = []
+
+        def save(step: int) -> None:
+            if step in APART_SAVES[half]:
+                opt.wait_params()
+                full, meta = opt.state_dict(), json.loads(opt.sharded_state_dict()[f"{checkpoint.DCP_PREFIX}/meta"])
+                same = meta[checkpoint.WITNESS_KEY] == checkpoint.saved_witness(full, checkpoint._global_shapes(opt))
+                saved.append((step, full, {n: p.detach().clone() for n, p in model.named_parameters()},
+                              meta[checkpoint.WITNESS_KEY] if same else None))
+
+        train(model, opt, range(max(APART_SAVES[half])), save)
+        step, state, weights, witness = saved[-1]
+        if witness is None:
+            return {"error": "the sharded form's witness is not the state dict's"}
+        del opt
+        model = build_model(TrainSpec(model_seed=half))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+        opt = optimizer(model)
+        checkpoint.check_weights_match(opt, {}, witness)  # load_sharded_state_dict(check_weights=True)'s check
+        opt.load_state_dict(state)
+        train(model, opt, range(step, APART_STEPS))
+        got = dict(model.named_parameters())
+        return {"bit for bit": all(torch.equal(got[n].detach(), w) for n, w in want.items())}
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 @functools.cache
 def four_ranks() -> list[dict[str, Any]]:
     return run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S)
@@ -572,6 +642,12 @@ def test_the_checkpoint_reads_only_its_public_view():
 
 def test_replicas_on_their_own_groups_save_and_resume_their_own_weights():
     assert [r["replicas"] for r in four_ranks()] == [{"own witness": True, "resume": "stepped"}] * 4
+
+
+def test_replicas_on_their_own_groups_save_at_their_own_steps_and_resume_bit_for_bit():
+    """The witness's collectives run over each optimizer's own ranks: neither replica waits for the
+    other's saves or first step after a load."""
+    assert [r["apart"] for r in four_ranks()] == [{"bit for bit": True}] * 4
 
 
 # --- fp32 masters saved after weights were loaded into the model ---------------------------------
