@@ -904,7 +904,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         save both in one call. Under FSDP x TP (pieces that are not contiguous): `state_dict()`.
         Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
         elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
-        over the default process group)."""
+        over this optimizer's mesh, `world`: its ranks, no other)."""
         return fsdp_checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,

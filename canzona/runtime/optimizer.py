@@ -1000,7 +1000,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         only what it owns); merge it with the model's state dict to save both in one call.
         Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
         elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
-        over the default process group)."""
+        over the optimizer's DP group, then its TP group: every rank of this optimizer, no other)."""
         self.wait_params()
         return checkpoint.sharded_state(self, prefix)
 
