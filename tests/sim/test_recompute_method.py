@@ -98,7 +98,7 @@ def test_uniform_groups_must_divide_every_chunk():
         _with(replace(BASE, vp=2), recompute=FULL, recompute_method=UNIFORM, recompute_num_layers=14).check()
     _with(BASE, recompute=FULL, recompute_method=UNIFORM, recompute_num_layers=14).check()  # 14 a stage at VP 1
     with pytest.raises(SpecError, match="--fsdp"):
-        _with(replace(BASE, pp=1, fsdp=True, policy="fsdp-adamw"), recompute=FULL, recompute_method=BLOCK,
+        _with(replace(BASE, pp=1, fsdp=True, policy="zero1"), recompute=FULL, recompute_method=BLOCK,
               recompute_num_layers=2).check()
 
 
