@@ -4,12 +4,15 @@ The layout-independent form (`gather_state` / `load_state`) holds full tensors, 
 rank, in torch.optim's layout, so that torch's own tools take it (`torch.save`,
 `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` / `set_optimizer_state_dict`):
 `state` by parameter index (the order of the parameters in `param_groups`), each group with its
-hyper-parameters, `params` (the indices) and `param_names`, and canzona's header (format, model,
-optimizer and configurations, as JSON) in every group, where torch's tools carry it along. Every
-parameter has an entry, with every field its optimizer's state will have: those that never
-stepped hold zeros marked `canzona_stepped: False`, so that a state dict taken from a fresh
-optimizer is a complete template for `torch.distributed.checkpoint.load` to fill. Loading maps
-entries to parameters by position and checks the names. Version 2 (by name) still loads.
+hyper-parameters, `params` (the indices) and canzona's header (format, model, optimizer and
+configurations, as JSON: small, whatever the model), where torch's tools carry it along, and the
+groups' `param_names` once at the top (torch's tools drop it and name the members in `params`:
+`group_names`). No group key grows with the model: torch's `flatten_optimizer_state_dict` writes
+each once per parameter. Every parameter has an entry, with every field its optimizer's state
+will have: those that never stepped hold zeros marked `canzona_stepped: False`, so that a state
+dict taken from a fresh optimizer is a complete template for `torch.distributed.checkpoint.load`
+to fill. Loading maps entries to parameters by position and checks the names. Versions 2 (by
+name) and 3 (names and shapes in every group) still load.
 
 Where the full tensors come from:
 - a matrix's optimizer state is full-matrix already (it lives on the matrix's host) and is taken
@@ -54,6 +57,7 @@ from canzona.optimizers import check_config, matrix_config_json, matrix_optimize
 from canzona.runtime.groups import group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
+from canzona.runtime.modules import canonical_name
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
 from canzona.tp import EVERY_RANK
@@ -165,21 +169,23 @@ def entry_fields(opt: Described, param: Tensor) -> list[str] | None:
 
 
 def label_groups(opt: Described) -> None:
-    """Give the live `param_groups` the keys `state_dict()` adds to each group (the members'
-    names, canzona's header): torch's unflattening of a `flatten_optimizer_state_dict=True` state
-    dict takes from the saved groups only the keys the live groups have. The live header is a
-    placeholder (`LIVE_HEADER`), never read: `state_dict()` writes the header as it stands then."""
-    name_of = {id(p): n for n, p in opt.params.items()}
+    """Give the live `param_groups` the key `state_dict()` adds to each group (canzona's header):
+    torch's unflattening of a `flatten_optimizer_state_dict=True` state dict takes from the saved
+    groups only the keys the live groups have. The live header is a placeholder (`LIVE_HEADER`),
+    never read: `state_dict()` writes the header as it stands then. The members' names are no
+    group key: torch's flattening writes every group key once per member (a list of the group's
+    names in each: quadratic), and its forms name the members in `params` (`group_names`)."""
     for group in opt.param_groups:
-        group[NAMES_KEY] = [name_of[id(p)] for p in group["params"]]
         group[HEADER_KEY] = LIVE_HEADER
 
 STATE_FORMAT = "canzona.optimizer_state"
-STATE_VERSION = 3  # 3: torch.optim's layout (2: keyed by name, header at the top)
-READABLE_VERSIONS = (2, 3)
+# 4: the groups' names at the top and no shapes in the header (3: both in every group, which
+# torch's flattening wrote once per parameter); 3: torch.optim's layout (2: keyed by name, header at the top)
+STATE_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 HEADER_KEY = "canzona"  # in every param group: the header, as JSON
 LIVE_HEADER = "see state_dict()"  # the live groups' (`label_groups`): a slot, not a header
-NAMES_KEY = "param_names"  # torch.optim's own key for named parameters
+NAMES_KEY = "param_names"  # torch.optim's own key for named parameters: each group's, at the top
 STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros
 STACK_KEY = "canzona_matrices"  # in a stacked parameter's entry: how many matrices its fields stack
 SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
@@ -296,14 +302,16 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
     (see the module's docstring): what `state_dict()` returns under every layout. Each entry holds
     its parameter's `witness` values under `WITNESS_FIELD` (a tensor: torch's tools and `dcp` carry
     it as any state, and a template's is filled in place)."""
-    # WITNESS_KEY in the header: this save wrote the entries' witness. A template's witness that a
-    # partial `dcp.load` of an older save (none) left in place is then not taken for the save's
-    header = json.dumps({**_header(opt), WITNESS_KEY: True}, default=_json_scalar)
+    # small, and the same whatever the model's size: torch's flattening writes it once per parameter;
+    # WITNESS_KEY in it: this save wrote the entries' witness. A template's witness that a partial
+    # `dcp.load` of an older save (none) left in place is then not taken for the save's
+    header = json.dumps({**_header(opt, shapes=False), WITNESS_KEY: True}, default=_json_scalar)
     name_of = {id(p): n for n, p in opt.params.items()}
     state: dict[int, dict] = {}
-    groups = []
+    groups, members = [], []
     for g, group in enumerate(opt.param_groups):
         names = [name_of[id(p)] for p in group["params"]]
+        members.append(names)
         first = len(state)
         for name in names:
             if opt.spec.param(name).matrix_shape is not None:
@@ -322,8 +330,10 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
             # an absent unused field as None (`_checked_field`)
             state[len(state)] = {k: v for k, v in entry.items() if v is not None}
         groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(first, len(state))), NAMES_KEY: names, HEADER_KEY: header})
-    return {"state": state, "param_groups": groups}
+                       "params": list(range(first, len(state))), HEADER_KEY: header})
+    # the names at the top, once: torch's tools keep only `state` and `param_groups`, and name the
+    # members in `params` instead (`group_names`)
+    return {"state": state, "param_groups": groups, NAMES_KEY: members}
 
 
 def _stacked_entry(opt: Described, g: int, name: str, by_name: Mapping[str, dict]) -> dict[str, Any]:
@@ -379,15 +389,15 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
     if state_dict.get("format") == STATE_FORMAT:  # version 2: by name, header at the top
         header = {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")}
         return header, [dict(g) for g in groups], {n: dict(s) for n, s in state_dict["state"].items()}
-    if not groups or not all(isinstance(g, Mapping) and HEADER_KEY in g and NAMES_KEY in g for g in groups):
+    if not groups or not all(isinstance(g, Mapping) and HEADER_KEY in g for g in groups):
         raise PlanError("not a canzona optimizer state (format mismatch: no canzona header in param_groups)")
     try:
         header = json.loads(groups[0][HEADER_KEY])
     except (TypeError, ValueError):
         raise PlanError("not a canzona optimizer state (its header is not JSON)") from None
     by_name: dict[str, dict] = {}
-    for group in groups:
-        keys, names = list(group.get("params", [])), list(group[NAMES_KEY])
+    for group, names in zip(groups, group_names(state_dict)):
+        keys = list(group.get("params", []))
         if len(keys) != len(names):
             raise PlanError(f"optimizer state: a parameter group lists {len(keys)} parameters and {len(names)} names")
         for key, name in zip(keys, names):
@@ -405,6 +415,28 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
                     by_name[key] = part
     hyper = [{k: v for k, v in g.items() if k not in ("params", NAMES_KEY, HEADER_KEY)} for g in groups]
     return header, hyper, by_name
+
+
+def group_names(state_dict: Mapping[str, Any]) -> list[list[str]]:
+    """Each group's member names in a state dict in torch.optim's layout: `state_dict()`'s list
+    them at the top (version 4), version 3 in each group; torch's forms (`get_optimizer_state_dict`,
+    flattened or not) keep neither but key the members by name in `params` (torch's names: the
+    model's, without wrapper components, as canzona's)."""
+    groups = state_dict["param_groups"]
+    top = state_dict.get(NAMES_KEY)
+    if top is not None:
+        if len(top) != len(groups):
+            raise PlanError(f"optimizer state: {len(top)} lists of names for {len(groups)} parameter groups")
+        return [list(names) for names in top]
+    out = []
+    for group in groups:
+        if NAMES_KEY in group:
+            out.append(list(group[NAMES_KEY]))
+        elif all(isinstance(k, str) for k in group.get("params", [])):
+            out.append([canonical_name(k) for k in group.get("params", [])])
+        else:
+            raise PlanError("not a canzona optimizer state (its parameter groups list indices but no names)")
+    return out
 
 
 def _entry(states: Mapping[Any, Any], key: Any) -> Mapping[str, Any] | None:
@@ -455,8 +487,8 @@ def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str,
     of another model or optimizer, or whose groups hold other parameters); changes nothing."""
     header, groups, state = state_by_name(state_dict)
     _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
-    if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel in the groups
-        _check_members(opt, [list(g[NAMES_KEY]) for g in state_dict["param_groups"]])
+    if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel beside the groups
+        _check_members(opt, group_names(state_dict))
     return header, groups, checked_entries(opt, state)
 
 
@@ -920,8 +952,8 @@ def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int,
     out: dict[str, Any] = {}
     if state_dict.get("format") == STATE_FORMAT or not _header_of(state_dict).get(WITNESS_KEY):
         return out
-    for group in state_dict["param_groups"]:
-        for key, name in zip(group.get("params", []), group[NAMES_KEY]):
+    for group, names in zip(state_dict["param_groups"], group_names(state_dict)):
+        for key, name in zip(group.get("params", []), names):
             entry = _entry(state_dict["state"], key)
             values = entry.get(WITNESS_FIELD) if isinstance(entry, Mapping) else None
             if isinstance(values, Tensor) and name in shapes:
@@ -1029,11 +1061,14 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     if sd.get("optimizer") != opt.optimizer:
         raise PlanError(f"checkpoint is for {sd.get('optimizer')}, this optimizer runs {opt.optimizer}")
     model = sd.get("model", {})
-    shapes = {n: tuple(s) for n, s in model.get("shapes", {}).items()}
     mine = _global_shapes(opt)
-    if model.get("fingerprint") != opt.spec.fingerprint() or shapes != mine:
+    # the shapes: a sharded checkpoint's header and version 3's (for the message; the fingerprint covers them)
+    shapes = {n: tuple(s) for n, s in model["shapes"].items()} if "shapes" in model else None
+    if model.get("fingerprint") != opt.spec.fingerprint() or shapes not in (None, mine):
+        detail = _first_difference(shapes, mine) if shapes is not None else \
+            "other parameter names, shapes, roles or tensor-parallel layout"
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
-                        f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {_first_difference(shapes, mine)}")
+                        f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {detail}")
     unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})
     if unknown:
         raise PlanError(f"checkpoint has state for unknown parameter {unknown[0]!r}")
@@ -1128,13 +1163,17 @@ def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-def _header(opt: Described) -> dict[str, Any]:
-    """Everything but the tensors: what `load_state` checks and restores (identical on every rank)."""
+def _header(opt: Described, shapes: bool = True) -> dict[str, Any]:
+    """Everything but the tensors: what `load_state` checks and restores (identical on every rank).
+    `shapes`: every parameter's, which name the first difference from another model (the
+    fingerprint alone refuses it)."""
+    model = {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint()}
+    if shapes:
+        model["shapes"] = {n: list(s) for n, s in _global_shapes(opt).items()}
     return {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
-        "model": {"name": opt.spec.name, "fingerprint": opt.spec.fingerprint(),
-                  "shapes": {n: list(s) for n, s in _global_shapes(opt).items()}},
+        "model": model,
         "optimizer": opt.optimizer,
         "matrix_config": asdict(opt.matrix_cfg),
         "adamw_config": asdict(opt.adamw_cfg),

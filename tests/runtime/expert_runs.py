@@ -208,7 +208,7 @@ def staged_job(rank: int, world: int, spec: TrainSpec, stage: Staging) -> dict:
     return {"params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}, "grads": grads,
             "tp_dims": {p.name: p.tp_dim if spec.tp > 1 else None for p in mspec.params},
             "dp_rank": opt.rank, "tp_rank": opt.tp_rank, "ep_rank": expert_mesh.get_local_rank("ep"),
-            "state entries": [g["param_names"] for g in opt.state_dict()["param_groups"]]}
+            "state entries": opt.state_dict()["param_names"]}
 
 
 def skipped_layer_job(rank: int, world: int, spec: TrainSpec, layer: int, skipped_steps: Sequence[int]) -> dict:

@@ -143,7 +143,7 @@ def test_a_checkpoint_with_stacks_resumes_at_another_dp_size_bit_for_bit(optimiz
 def test_the_state_dict_holds_one_entry_per_stacked_parameter():
     spec, _, ranks = run("soap")
     state = ranks[0]["state"]
-    names = [n for g in state["param_groups"] for n in g["param_names"]]
+    names = [n for group in state["param_names"] for n in group]
     model = build_model(spec)
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # one entry per parameter
     stacks = {p.name: p for p in model.spec().stacks}

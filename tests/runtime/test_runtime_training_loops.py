@@ -168,8 +168,8 @@ def foreign_checkpoint_job(rank: int, world: int) -> dict:
         opt.step()
     state = opt_untied.state_dict()
     renamed = opt_tied.state_dict()
-    for g in renamed["param_groups"]:
-        g["param_names"] = ["model.bogus.weight" if n == "model.norm.weight" else n for n in g["param_names"]]
+    renamed["param_names"] = [["model.bogus.weight" if n == "model.norm.weight" else n for n in g]
+                              for g in renamed["param_names"]]
     other = opt_tied.state_dict()
     for g in other["param_groups"]:
         g["canzona"] = json.dumps({**json.loads(g["canzona"]), "optimizer": "soap"})
