@@ -486,9 +486,11 @@ def read_state(opt: Described, state_dict: Mapping[str, Any]) -> tuple[dict[str,
     """`state_by_name` of a state dict checked against `opt` (one PlanError line for a checkpoint
     of another model or optimizer, or whose groups hold other parameters); changes nothing."""
     header, groups, state = state_by_name(state_dict)
-    _check_compatible(opt, header, groups, state)  # another model or optimizer first: the likelier mistake
-    if state_dict.get("format") != STATE_FORMAT:  # torch's layout: the names travel beside the groups
-        _check_members(opt, group_names(state_dict))
+    names = group_names(state_dict) if state_dict.get("format") != STATE_FORMAT else None
+    # another model or optimizer first: the likelier mistake
+    _check_compatible(opt, header, groups, state, [n for group in names or [] for n in group])
+    if names is not None:  # torch's layout: the names travel beside the groups
+        _check_members(opt, names)
     return header, groups, checked_entries(opt, state)
 
 
@@ -1051,8 +1053,10 @@ def _slice(opt: Checkpointable, name: str, full: Tensor, offset: int, length: in
 
 
 def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mapping[str, Any]],
-                      state: Mapping[str, dict]) -> None:
-    """Everything a wrong checkpoint gets wrong, checked before anything is changed (`sd`: the header)."""
+                      state: Mapping[str, dict], names: list[str] | None = None) -> None:
+    """Everything a wrong checkpoint gets wrong, checked before anything is changed (`sd`: the
+    header; `names`: the checkpoint's parameters, which name the difference from another model
+    where the header has no shapes)."""
     if not isinstance(sd, Mapping) or sd.get("format") != STATE_FORMAT:
         raise PlanError("not a canzona optimizer state (format mismatch)")
     if sd.get("version") not in READABLE_VERSIONS:
@@ -1065,8 +1069,7 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     # the shapes: a sharded checkpoint's header and version 3's (for the message; the fingerprint covers them)
     shapes = {n: tuple(s) for n, s in model["shapes"].items()} if "shapes" in model else None
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes not in (None, mine):
-        detail = _first_difference(shapes, mine) if shapes is not None else \
-            "other parameter names, shapes, roles or tensor-parallel layout"
+        detail = _first_difference(shapes, mine) if shapes is not None else _first_name_difference_of_model(names or [], mine)
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {detail}")
     unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})
@@ -1149,6 +1152,16 @@ def _first_difference(saved: dict[str, tuple], mine: dict[str, tuple]) -> str:
         if saved[name] != mine[name]:
             return f"{name} is {list(saved[name])} there, {list(mine[name])} here"
     return "same parameter names and shapes, but other roles or tensor-parallel layout"
+
+
+def _first_name_difference_of_model(saved: list[str], mine: Mapping[str, tuple]) -> str:
+    """`_first_difference` where the checkpoint names its parameters but not their shapes."""
+    extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+    if extra:
+        return f"this model has no parameter {extra[0]!r}"
+    if missing and saved:
+        return f"the checkpoint has no parameter {missing[0]!r}"
+    return "other parameter shapes, roles or tensor-parallel layout"
 
 
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
