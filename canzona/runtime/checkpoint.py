@@ -135,8 +135,8 @@ class StateHeldElsewhere(dict):
     for an optimizer that never stepped and run a zero-gradient step to fill it (collectives, and a
     change of momentum); the state lives in `matrix_state`, `adamw_state` and `master`, on the
     ranks that hold it, and `state_dict()` gathers it.
-    `state[param]` of a parameter of the optimizer's is a read-only mapping naming every field its
-    `state_dict()` entry can hold (`entry_fields`), each None: torch's
+    `state[param]` of a parameter of the optimizer's is a read-only mapping naming the fields its
+    `state_dict()` entry holds (`entry_fields`), each None: torch's
     `flatten_optimizer_state_dict=True` (torchtitan's checkpointer) rebuilds an entry from the
     keys `state.<name>.<field>` of exactly those fields."""
 
@@ -155,17 +155,22 @@ class StateHeldElsewhere(dict):
 
 
 def entry_fields(opt: Described, param: Tensor) -> list[str] | None:
-    """Every field `state_dict()`'s entry of `param` can hold (None: not the optimizer's): its
-    optimizer state's (`_template`), the fp32 master, and canzona's marks. An entry holds a subset
-    (no master without master weights, no stack count but for a stack); torch's unflattening
-    gives `{}` for each field a flattened state dict lacks, which loading drops (`state_by_name`)."""
+    """The fields `state_dict()`'s entry of `param` holds (None: not the optimizer's): its
+    optimizer state's (`_template`, but those its configuration leaves unused), the fp32 master
+    under master weights, the stack count on a stack, and canzona's marks. Only those: torch's
+    unflattening scans every key of the state dict for each named field an entry lacks (quadratic
+    in the parameters) and gives `{}` for it, which loading drops (`state_by_name`: a fresh
+    optimizer's template has no master for a parameter that never stepped)."""
     name = next((n for n, p in opt.params.items() if p is param), None)
     if name is None:
         return None
     g = next(i for i, group in enumerate(opt.param_groups) if any(p is param for p in group["params"]))
     spec = opt.spec.param(name)
     first = stacked_matrices(spec)[0].name if spec.matrix_shape is not None else name
-    return [*_template_on_meta(opt, g, first), "master", STEPPED_KEY, STACK_KEY, WITNESS_FIELD]
+    stack = [STACK_KEY] if spec.matrix_shape is not None else []
+    master = ["master"] if opt.master_weights else []
+    used = [k for k, v in _template_on_meta(opt, g, first).items() if v is not None]
+    return [*used, *master, STEPPED_KEY, *stack, WITNESS_FIELD]
 
 
 def label_groups(opt: Described) -> None:
