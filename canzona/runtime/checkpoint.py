@@ -1218,6 +1218,34 @@ def _parse_piece(rest: str) -> tuple[str, int, int, int]:
     return field, int(t), int(tp), int(offset)
 
 
+def meta_key(opt: Described, prefix: str = DCP_PREFIX) -> str:
+    """The key of an optimizer's metadata entry: one per optimizer (a digest of its parameters'
+    names, alike on each of its ranks), so that optimizers of distinct parameters saved in one
+    `dcp.save` (one per pipeline stage, as torchtitan saves them) each keep theirs. Under one key,
+    dcp's planner wrote one of them: the save succeeded and the other stage's resume was refused
+    (or loaded another stage's groups). Saves before it wrote `{prefix}/meta` (`read_sharded`
+    still reads it)."""
+    digest = hashlib.sha256("\n".join(sorted(opt.params)).encode()).hexdigest()[:16]
+    return f"{prefix}/meta/{digest}"
+
+
+def _saved_meta_key(opt: Described, prefix: str, entries: Mapping[str, Any]) -> str:
+    """The metadata key of `opt`'s in a checkpoint's entries: its own (`meta_key`), the one
+    written before there was one per optimizer, or the only one there (another model's, which
+    loading refuses naming the difference)."""
+    own, older = meta_key(opt, prefix), f"{prefix}/meta"
+    if own in entries or older in entries:
+        return own if own in entries else older
+    others = sorted(k for k in entries if k.startswith(f"{older}/"))
+    if not others:
+        raise PlanError(f"no canzona optimizer state under {prefix!r} in this checkpoint")
+    if len(others) > 1:
+        raise PlanError(f"this checkpoint holds the state of {len(others)} canzona optimizers under {prefix!r}, "
+                        "none over this optimizer's parameters (names): load each with the optimizer it was saved "
+                        "with (a pipeline stage's with its stage's)")
+    return others[0]
+
+
 def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The small metadata entry every rank holds alike: the header, the groups' hyper-parameters
     and members (by name: a loader checks that its groups hold the same), and the weights' witness
@@ -1229,7 +1257,7 @@ def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str,
                                              for g in opt.param_groups]}
     if witness is not None:
         meta[WITNESS_KEY] = dict(witness)
-    return {f"{prefix}/meta": json.dumps(meta, default=_json_scalar)}
+    return {meta_key(opt, prefix): json.dumps(meta, default=_json_scalar)}
 
 
 def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str:
@@ -1335,8 +1363,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
             return torch.empty(tuple(m.size), dtype=m.properties.dtype)
         return None  # a pickled object: dcp.load replaces the entry
 
-    if f"{prefix}/meta" not in entries:
-        raise PlanError(f"no canzona optimizer state under {prefix!r} in this checkpoint")
+    meta_entry = _saved_meta_key(opt, prefix, entries)
     full_keys: dict[str, list[str]] = {}  # matrix name -> keys of its full-matrix state fields
     pieces: dict[str, list[tuple[str, int, int, int, str]]] = {}  # name -> (field, t, T, offset, key)
     for key in entries:
@@ -1348,7 +1375,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
                     pieces.setdefault(name, []).append((*_parse_piece(rest), key))
                 else:
                     full_keys.setdefault(name, []).append(key)
-    wanted: dict[str, Any] = {f"{prefix}/meta": placeholder(f"{prefix}/meta")}
+    wanted: dict[str, Any] = {meta_entry: placeholder(meta_entry)}
     for name in hosted:
         wanted.update({k: placeholder(k) for k in full_keys.get(name, [])})
     # of a matrix whose chunks this rank applies but does not host, the scalar fields (its step):
@@ -1376,7 +1403,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
         got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    return json.loads(wanted[f"{prefix}/meta"]), state
+    return json.loads(wanted[meta_entry]), state
 
 
 def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:

@@ -225,7 +225,7 @@ def test_a_matrix_config_changed_on_resume_is_refused_when_it_keeps_other_state_
     assert saved_entry(tmp_path / "again" / f"step_{STEPS}", "train")["matrix_config"] == frequency
     # the optimizer's own record agrees: its header's matrix_config and its groups both the command
     # line's (before: the header kept the checkpoint's frequency, 10, beside groups at 3)
-    meta = saved_entry(tmp_path / "again" / f"step_{STEPS}", "canzona_optimizer/meta")
+    meta = saved_meta(tmp_path / "again" / f"step_{STEPS}")
     assert meta["matrix_config"]["precondition_frequency"] == 3, meta["matrix_config"]
     assert [g["precondition_frequency"] for g in meta["param_groups"] if g["kind"] == "matrix"] == [3]
 
@@ -302,6 +302,15 @@ def saved_entry(folder: Path, key: str) -> object:
     return json.loads(holder[key])
 
 
+def saved_meta(folder: Path) -> object:
+    """The optimizer's metadata entry of a checkpoint (its one key: `checkpoint.meta_key`)."""
+    from canzona.runtime.checkpoint import DCP_PREFIX
+
+    entries = SafeFileSystemReader(folder, verify_checkpoint(folder)).read_metadata().state_dict_metadata
+    [key] = [k for k in entries if k.startswith(f"{DCP_PREFIX}/meta/")]
+    return saved_entry(folder, key)
+
+
 def dcp_load(holder: dict, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -324,7 +333,7 @@ def test_flags_given_on_resume_win_and_are_logged(dp2, tmp_path):
     lrs = {int(m[1]): float(m[2]) for m in re.finditer(r"^step +(\d+)/\d+ .* lr (\S+)", log, re.M)}
     assert lrs == {3: 0.01, 4: 0.0055}
     # what the optimizer ran with, as its state records it at the end: the new peaks and decay
-    meta = saved_entry(tmp_path / "ckpt" / f"step_{STEPS}", "canzona_optimizer/meta")
+    meta = saved_meta(tmp_path / "ckpt" / f"step_{STEPS}")
     decays = [g["weight_decay"] for g in meta["param_groups"]]
     assert decays == [0.05, 0.05, 0.0]  # matrices and the embedding; then the norms
     # its header's configurations too (before: the checkpoint's, 0.02 and 0.003, beside these groups)

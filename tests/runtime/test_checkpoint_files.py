@@ -392,7 +392,7 @@ def test_an_entry_that_cannot_be_read_is_one_checkpoint_error(one_rank, tmp_path
     every `except Exception`) whose message is the ranks' tracebacks."""
     from canzona.harness.training import TrainSpec, build_model
     from canzona.runtime import DistributedOptimizer
-    from canzona.runtime.checkpoint import DCP_PREFIX
+    from canzona.runtime.checkpoint import meta_key
 
     spec = TrainSpec(steps=1, global_batch=2)
     model = build_model(spec)
@@ -402,7 +402,7 @@ def test_an_entry_that_cannot_be_read_is_one_checkpoint_error(one_rank, tmp_path
     opt.step()
     dcp.save(opt.sharded_state_dict(), checkpoint_id=str(tmp_path))
     where = next(info for index, info in pickle.loads((tmp_path / ".metadata").read_bytes()).storage_data.items()
-                 if index.fqn == f"{DCP_PREFIX}/meta")
+                 if index.fqn == meta_key(opt))
     with open(tmp_path / where.relative_path, "r+b") as f:
         f.seek(where.offset)
         f.write(b"\0" * where.length)
@@ -412,7 +412,7 @@ def test_an_entry_that_cannot_be_read_is_one_checkpoint_error(one_rank, tmp_path
     except BaseException as e:  # noqa: BLE001 - what it was is the point
         refused = e
     assert isinstance(refused, CheckpointError), repr(refused)[:300]
-    assert f"entry '{DCP_PREFIX}/meta' is not plain data" in str(refused) and "\n" not in str(refused)
+    assert f"entry '{meta_key(opt)}' is not plain data" in str(refused) and "\n" not in str(refused)
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
 
 

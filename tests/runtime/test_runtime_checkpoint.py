@@ -314,18 +314,29 @@ def sharded_meta(folder: str) -> dict:
     """The canzona metadata entry of a sharded checkpoint (read in this process)."""
     import torch.distributed.checkpoint as dcp
 
-    from canzona.runtime.checkpoint import DCP_PREFIX
-
-    meta = {f"{DCP_PREFIX}/meta": ""}
+    key = meta_key_of(folder)
+    meta = {key: ""}
     with warnings.catch_warnings():  # DCP says it loads in this process alone: as meant
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(meta, checkpoint_id=folder, no_dist=True)
-    return json.loads(meta[f"{DCP_PREFIX}/meta"])
+    return json.loads(meta[key])
+
+
+def meta_key_of(folder: str) -> str:
+    """The key of the one optimizer's metadata entry in a sharded checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint import DCP_PREFIX
+
+    entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    [key] = [k for k in entries if k == f"{DCP_PREFIX}/meta" or k.startswith(f"{DCP_PREFIX}/meta/")]
+    return key
 
 
 def without_witness(folder: str, older: str) -> None:
     """`folder` written again at `older` as a canzona without the weights' witness wrote it: the
-    same entries, its metadata without the witness (in this process: one file)."""
+    same entries, its metadata without the witness, under the one key of every optimizer then
+    (`{DCP_PREFIX}/meta`, before `checkpoint.meta_key`) (in this process: one file)."""
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -336,7 +347,7 @@ def without_witness(folder: str, older: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(folder, f"{tmp}/whole.pt")
         state = torch.load(f"{tmp}/whole.pt", weights_only=False)
-    meta = json.loads(state[f"{DCP_PREFIX}/meta"])
+    meta = json.loads(state.pop(meta_key_of(folder)))
     del meta[WITNESS_KEY]
     state[f"{DCP_PREFIX}/meta"] = json.dumps(meta)
     with warnings.catch_warnings():  # DCP says it saves in this process alone: as meant
@@ -538,7 +549,8 @@ def _only_the_view_worker(rank: int, world: int) -> dict[str, Any]:
     halves = [torch.distributed.new_group(list(range(h * world // 2, (h + 1) * world // 2))) for h in range(2)]
     half = rank * 2 // world
     return {"view": True, "replicas": _replicas_scenario(halves, half),
-            "apart": _replicas_apart_scenario(halves, half, rank)}
+            "apart": _replicas_apart_scenario(halves, half, rank),
+            "stages": _stages_scenario(halves, half, rank)}
 
 
 def _replicas_scenario(halves: list[Any], half: int) -> dict[str, Any]:
@@ -611,7 +623,7 @@ def _replicas_apart_scenario(halves: list[Any], half: int, rank: int) -> dict[st
         def save(step: int) -> None:
             if step in APART_SAVES[half]:
                 opt.wait_params()
-                full, meta = opt.state_dict(), json.loads(opt.sharded_state_dict()[f"{checkpoint.DCP_PREFIX}/meta"])
+                full, meta = opt.state_dict(), json.loads(opt.sharded_state_dict()[checkpoint.meta_key(opt)])
                 same = meta[checkpoint.WITNESS_KEY] == checkpoint.saved_witness(full, checkpoint._global_shapes(opt))
                 saved.append((step, full, {n: p.detach().clone() for n, p in model.named_parameters()},
                               meta[checkpoint.WITNESS_KEY] if same else None))
@@ -635,6 +647,77 @@ def _replicas_apart_scenario(halves: list[Any], half: int, rank: int) -> dict[st
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+STAGE_STEPS = 3  # the save after step 2, the resume runs step 3
+
+
+def _stages_scenario(halves: list[Any], half: int, rank: int) -> dict[str, Any]:
+    """Pipeline stages (torchtitan's PP): each half of the ranks holds one stage (half of the model's
+    parameters, under the full model's names) and its own optimizer over its own DP group; every
+    stage saves in one `dcp.save` over every rank, then each stage resumes from it (a fresh model
+    and optimizer, `load_sharded_state_dict(check_weights=True)`) and steps: the same weights, bit
+    for bit, as the stage trained without a break. Before, both stages' optimizer metadata went
+    under one key, which dcp wrote once: one stage resumed the other's metadata."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime import DistributedOptimizer
+
+    folder = [tempfile.mkdtemp(prefix="canzona-stages-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    data = torch.Generator().manual_seed(200 + rank)
+    tokens = [torch.randint(0, 64, (2, 8), generator=data) for _ in range(STAGE_STEPS)]
+
+    def stage(model):
+        names = [n for n, _ in model.named_parameters()]
+        mine = set(names[:len(names) // 2] if half == 0 else names[len(names) // 2:])
+        spec = model.spec()
+        spec = replace(spec, params=tuple(p for p in spec.params if p.name in mine))
+        params = [(n, p) for n, p in model.named_parameters() if n in mine]
+        opt = DistributedOptimizer(params, spec, group=halves[half], matrix_config={"ns_steps": 1},
+                                   timeout_s=APART_TIMEOUT_S)
+        return {n: p for n, p in params}, opt
+
+    def train(model, opt, steps):
+        for k in steps:
+            opt.zero_grad()
+            model.zero_grad()
+            model.loss(tokens[k]).backward()
+            opt.step()
+        opt.wait_params()
+
+    try:
+        model = build_model(TrainSpec())
+        params, opt = stage(model)
+        train(model, opt, range(STAGE_STEPS))
+        want = {n: p.detach().clone() for n, p in params.items()}
+        del opt
+        model = build_model(TrainSpec())
+        params, opt = stage(model)
+        train(model, opt, range(STAGE_STEPS - 1))
+        dcp.save({**params, **opt.sharded_state_dict()}, checkpoint_id=folder[0])
+        del opt
+        model = build_model(TrainSpec())
+        params, opt = stage(model)
+        dcp.load(params, checkpoint_id=folder[0])
+        opt.load_sharded_state_dict(folder[0], check_weights=True)
+        train(model, opt, range(STAGE_STEPS - 1, STAGE_STEPS))
+        same = all(torch.equal(params[n].detach(), w) for n, w in want.items())
+        # an optimizer of neither stage's parameters (the whole model) is refused with one line
+        del opt
+        whole = DistributedOptimizer(model.named_parameters(), model.spec(), group=halves[half],
+                                     timeout_s=APART_TIMEOUT_S)
+        try:
+            whole.load_sharded_state_dict(folder[0])
+            refused = "loaded"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            refused = f"{type(e).__name__}: {e}"
+        return {"bit for bit": same, "whole model": refused}
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 @functools.cache
 def four_ranks() -> list[dict[str, Any]]:
     return run_ranks(_only_the_view_worker, 4, deadline_s=DEADLINE_S)
@@ -652,6 +735,14 @@ def test_replicas_on_their_own_groups_save_at_their_own_steps_and_resume_bit_for
     """The witness's collectives run over each optimizer's own ranks: neither replica waits for the
     other's saves or first step after a load."""
     assert [r["apart"] for r in four_ranks()] == [{"bit for bit": True}] * 4
+
+
+def test_pipeline_stages_saved_in_one_save_each_resume_bit_for_bit():
+    """Each stage's optimizer metadata has its own key: dcp writes both."""
+    refused = ("PlanError: this checkpoint holds the state of 2 canzona optimizers under 'canzona_optimizer', "
+               "none over this optimizer's parameters (names): load each with the optimizer it was saved with "
+               "(a pipeline stage's with its stage's)")
+    assert [r["stages"] for r in four_ranks()] == [{"bit for bit": True, "whole model": refused}] * 4
 
 
 # --- fp32 masters saved after weights were loaded into the model ---------------------------------
