@@ -160,12 +160,18 @@ class Ranks:
             except RuntimeError as e:  # gloo's or NCCL's, at the process group's timeout or a peer's death
                 raise CheckpointError(f"the ranks did not meet ({first_line(e)}): a peer died, or {self._collective}") \
                     from None
-        failed = [(r, text) for r, (ok, text) in enumerate(every) if not ok]
-        if failed:
-            rank, text = failed[0]
-            alike = len(failed) == self.world and all(t == text for _, t in failed)
-            raise CheckpointError(text if alike else f"rank {rank}: {text}")
+        raise_failures({r: text for r, (ok, text) in enumerate(every) if not ok}, self.world)
         return [value for _, value in every]
+
+
+def raise_failures(failed: Mapping[int, str], world: int) -> None:
+    """One CheckpointError, alike on every rank, where any rank's step failed (`failed`: its
+    first error line by rank): the error itself where every one of the `world` ranks failed alike,
+    else the first failed rank's, named."""
+    if failed:
+        rank = min(failed)
+        alike = len(failed) == world and all(text == failed[rank] for text in failed.values())
+        raise CheckpointError(failed[rank] if alike else f"rank {rank}: {failed[rank]}")
 
 
 def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Callable[[list[T]], T], *,
@@ -196,10 +202,7 @@ def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Ca
         failed = {r: text for _, f, _ in every for r, text in f.items()}
         state = (sum(n for n, _, _ in every), failed, None if failed else merge([v for _, _, v in every]))
     count, failed, value = state
-    if failed:
-        rank = min(failed)
-        alike = len(failed) == count and all(text == failed[rank] for text in failed.values())
-        raise CheckpointError(failed[rank] if alike else f"rank {rank}: {failed[rank]}")
+    raise_failures(failed, count)
     return value
 
 
