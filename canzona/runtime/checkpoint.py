@@ -40,6 +40,7 @@ optimizer, as torch's `set_state_dict` does).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -143,34 +144,68 @@ class StateHeldElsewhere(dict):
     def __init__(self, owner: Described | None = None) -> None:
         super().__init__()
         self._owner = owner  # the optimizer (not a closure: the optimizer still pickles and copies)
+        self._fields = FieldsIndex()  # `entry_fields` in O(1) per parameter
 
     def __bool__(self) -> bool:
         return True
 
     def __missing__(self, key: Any) -> Mapping[str, None]:
-        names = entry_fields(self._owner, key) if self._owner is not None and isinstance(key, Tensor) else None
+        names = entry_fields(self._owner, key, self._fields) if self._owner is not None and isinstance(key, Tensor) else None
         if names is None:
             raise KeyError(key)
         return MappingProxyType(dict.fromkeys(names))
 
 
-def entry_fields(opt: Described, param: Tensor) -> list[str] | None:
+class FieldsIndex:
+    """What `entry_fields` looks up, kept between its calls: torch's unflattening asks for every
+    parameter in turn, and a scan of the parameters and a template per call made a load quadratic
+    in the parameters (3.1 of 4.4 s of `set_optimizer_state_dict` at 4,000). The parameters and
+    their groups are fixed at construction (`add_param_group` is refused after it); a group's
+    hyper-parameters are not, so each template's fields are kept with the config they were taken
+    under and taken again when it changed."""
+
+    def __init__(self) -> None:
+        self.place: dict[int, tuple[str, int]] | None = None  # id(parameter) -> (name, group index)
+        self.used: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[Any, list[str]]] = {}
+
+    def locate(self, opt: Described, param: Tensor) -> tuple[str, int] | None:
+        if self.place is None:
+            name_of = {id(p): n for n, p in opt.params.items()}
+            self.place = {id(p): (name_of[id(p)], g) for g, group in enumerate(opt.param_groups)
+                          for p in group["params"] if id(p) in name_of}
+        found = self.place.get(id(param))
+        # an id outlives its tensor: the hit must still be the optimizer's parameter
+        return found if found is not None and opt.params.get(found[0]) is param else None
+
+    def used_fields(self, opt: Described, g: int, name: str) -> list[str]:
+        """The fields of `name`'s state template its group's configuration uses (not None)."""
+        config = opt.group_config(g)
+        key = (g, tuple(opt.spec.param(name).shape), opt.state_dtype(name))
+        cached = self.used.get(key)
+        if cached is None or cached[0] != config:
+            cached = (config, [k for k, v in _template_on_meta(opt, g, name).items() if v is not None])
+            self.used[key] = cached
+        return cached[1]
+
+
+def entry_fields(opt: Described, param: Tensor, index: FieldsIndex | None = None) -> list[str] | None:
     """The fields `state_dict()`'s entry of `param` holds (None: not the optimizer's): its
     optimizer state's (`_template`, but those its configuration leaves unused), the fp32 master
     under master weights, the stack count on a stack, and canzona's marks. Only those: torch's
     unflattening scans every key of the state dict for each named field an entry lacks (quadratic
     in the parameters) and gives `{}` for it, which loading drops (`state_by_name`: a fresh
-    optimizer's template has no master for a parameter that never stepped)."""
-    name = next((n for n, p in opt.params.items() if p is param), None)
-    if name is None:
+    optimizer's template has no master for a parameter that never stepped). `index`: the lookups
+    kept between calls (`StateHeldElsewhere`'s)."""
+    index = index or FieldsIndex()
+    found = index.locate(opt, param)
+    if found is None:
         return None
-    g = next(i for i, group in enumerate(opt.param_groups) if any(p is param for p in group["params"]))
+    name, g = found
     spec = opt.spec.param(name)
     first = stacked_matrices(spec)[0].name if spec.matrix_shape is not None else name
     stack = [STACK_KEY] if spec.matrix_shape is not None else []
     master = ["master"] if opt.master_weights else []
-    used = [k for k, v in _template_on_meta(opt, g, first).items() if v is not None]
-    return [*used, *master, STEPPED_KEY, *stack, WITNESS_FIELD]
+    return [*index.used_fields(opt, g, first), *master, STEPPED_KEY, *stack, WITNESS_FIELD]
 
 
 def label_groups(opt: Described) -> None:
@@ -850,15 +885,20 @@ Held = Mapping[str, tuple[tuple[int, ...], Tensor]]
 def witness_indices(name: str, numel: int) -> list[int]:
     """The elements of parameter `name` (global flat indices) its witness records: the first, the
     last, and others picked by a hash of the name (the same in every process and at any layout)."""
+    return list(_picked(name, numel))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a save and a load ask for each parameter's several times (hashes: 1 s at 4,000)
+def _picked(name: str, numel: int) -> tuple[int, ...]:
     if numel <= WITNESS_SIZE:
-        return list(range(numel))
+        return tuple(range(numel))
     picked = {0, numel - 1}
     k = 0
     while len(picked) < WITNESS_SIZE:
         digest = hashlib.sha256(f"{name}#{k}".encode()).digest()
         picked.add(int.from_bytes(digest[:8], "little") % numel)
         k += 1
-    return sorted(picked)
+    return tuple(sorted(picked))
 
 
 def _locate(index: list[int], shape: tuple[int, ...], start: tuple[int, ...],
