@@ -60,6 +60,7 @@ from canzona.fsdp_plan import (
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
 from canzona.runtime import dtensor_amp, fsdp_checkpoint
+from canzona.runtime.amp_marks import AmpMarks
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere, label_groups
 from canzona.runtime.comm import Comm, PendingWork
@@ -72,7 +73,7 @@ from canzona.runtime.fsdp_layout import (
     replica_dims,
     root_mesh,
 )
-from canzona.runtime.grad_guard import AMP_AFTER_CLIP, handed_inverse_scale
+from canzona.runtime.grad_guard import handed_inverse_scale
 from canzona.runtime.gradients import (
     _all_same,
     _clip_disagreement,
@@ -187,15 +188,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler's `step(opt)` checks for infs through the gradients (`_amp_unscale`) and
     # hands the scale over as `self.grad_scale` (None once `unscale_` ran) for step() to unscale by
     _step_supports_amp_scaling = True
-    # the step check `_amp_unscale` last answered GradScaler for, and the one a clip with a finite
-    # threshold left (GradScaler's unscale must come before that clip)
-    _amp_check: tuple[dict[str, bool], float] | None = None
-    # the found_inf of the GradScaler call `_amp_check` was taken for (its op's calls share it)
+    # the found_inf of the GradScaler call the step check was last answered for (its op's calls share it)
     _amp_found: Tensor | None = None
-    # the step check whose gradients GradScaler's `unscale_` unscaled (followed through clips):
-    # `unscale_(wrapper)` then `step(opt)` brings the scale again, which must not unscale twice
-    _amp_unscaled: tuple[dict[str, bool], float] | None = None
-    _clip_check: tuple[dict[str, bool], float] | None = None
     # the witness of the weights a state loaded unchecked was saved with (load_state_dict(),
     # load_sharded_state_dict() without check_weights): the next step checks the model's weights
     # against it (`checkpoint.check_loaded_weights`)
@@ -238,6 +232,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._nonfinite = nonfinite
         self.skipped_steps = 0
+        self._amp = AmpMarks()  # where GradScaler's unscale and the clip stand in this step
         self.overlapped_steps = 0  # never: overlap_step is not run under FSDP2
         self.timeout_s = float(timeout_s)
         self.adamw_cfg = optimizer_config("adamw", opts["adamw_config"])
@@ -562,7 +557,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         total = self._clip(float(max_norm), norm_type)
         if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
-            self._clip_check = self.checked
+            self._amp.clipped = self.checked
         return total
 
     def _clip(self, max_norm: float, norm_type: float = 2.0, recheck: bool = True) -> Tensor:
@@ -583,12 +578,11 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def _scale_gradients(self, coefficient: float) -> bool:
         """Multiply the gradients the step takes, and the kept check's norm, by `coefficient` (a
         clip, or GradScaler's unscale); whether the gradients themselves were scaled (in place)."""
-        got, norm = self.checked
-        unscaled = self._amp_unscaled is self.checked
+        before = self.checked
+        got, norm = before
         # a second call in this step sees the scaled norm (as the ZeRO-1 path's `_scale_gradients`)
         self.checked = (got, norm * coefficient)
-        if unscaled:  # a clip after GradScaler's unscale: the gradients stay unscaled
-            self._amp_unscaled = self.checked
+        self._amp.rescaled(before, self.checked)
         if self.master_weights:
             # low-precision gradients are scaled where the step widens them to fp32 (`_grad`), as
             # the ZeRO-1 path scales its fp32 reduced buffers: scaling the bf16 shard in place
@@ -620,25 +614,17 @@ class FsdpOptimizer(torch.optim.Optimizer):
             self._amp_found = found_inf
             if self.checked is not None:
                 self.check(skip_nonfinite=True)
-        if self.checked is not None and self.checked is self._amp_unscaled:
-            # unscaled already in this step, through a wrapper of this optimizer (GradScaler's
-            # state for the optimizer itself is still READY): one optimizer, one unscale
-            if not math.isfinite(self.checked[1]):
-                found_inf.fill_(1.0)
-            return
-        if self.checked is not None and self.checked is self._clip_check:
-            raise CanzonaError(AMP_AFTER_CLIP)
-        if self._amp_check is None or self._amp_check is not self.checked:
-            _, norm = self.check(skip_nonfinite=True)
-            coefficient = float(inv_scale)
-            if math.isfinite(norm) and coefficient != 1.0:
-                self._scale_gradients(coefficient)
-            # a clip or step() reusing this check compares the gradients with these values
-            self._digest, self._amp_check = self._grad_digest(), self.checked
-            if coefficient != 1.0:
-                self._amp_unscaled = self.checked
-        if not math.isfinite(self.checked[1]):
-            found_inf.fill_(1.0)
+        self._amp.unscale(lambda: self.checked, lambda check: math.isfinite(check[1]), self._amp_take,
+                          found_inf, inv_scale)
+
+    def _amp_take(self, coefficient: float) -> None:
+        """`AmpMarks.unscale`'s check: the step check with a non-finite norm the scaler's to skip, and
+        the unscale of every gradient by `coefficient`."""
+        _, norm = self.check(skip_nonfinite=True)
+        if math.isfinite(norm) and coefficient != 1.0:
+            self._scale_gradients(coefficient)
+        # a clip or step() reusing this check compares the gradients with these values
+        self._digest = self._grad_digest()
 
 
     def _inf_norm(self, got: Mapping[str, bool]) -> float:
@@ -671,7 +657,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         # buffers do (`check` sees a backward in between); zero_grad() forgets it
         inverse = handed_inverse_scale(self)
         got, norm = self.check(self.max_grad_norm)
-        if self.checked is self._amp_unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
+        if self.checked is self._amp.unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
         try:
             for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes

@@ -58,6 +58,7 @@ from canzona.plan import (
 )
 from canzona.reductions import check_reduce_scatter
 from canzona.runtime import amp_handles, checkpoint, dtensor_amp
+from canzona.runtime.amp_marks import AmpMarks
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
 from canzona.runtime.comm import Comm, PendingWork
@@ -71,7 +72,7 @@ from canzona.runtime.expert_part import (
     check_expert_stack,
     expert_groups,
 )
-from canzona.runtime.grad_guard import AMP_AFTER_CLIP, handed_inverse_scale
+from canzona.runtime.grad_guard import handed_inverse_scale
 from canzona.runtime.gradients import GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
@@ -291,6 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (nonfinite="skip")
         self.overlapped_steps = 0  # steps that applied the updates overlap_step computed early
+        self._amp = AmpMarks()  # where GradScaler's unscale and the clip stand in this step
         self.optimizer = check_matrix_optimizer(optimizer)
         # AdamW on every parameter (the baseline): each rank updates the pieces its segments hold
         self.elementwise = matrix_optimizer(self.optimizer).elementwise
@@ -659,7 +661,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if math.isfinite(total):
             self._clip(float(max_norm), total)
         if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
-            self._clip_check = self.grads.checked
+            self._amp.clipped = self.grads.checked
         return torch.tensor(total, dtype=torch.float32)
 
     def _clip(self, max_norm: float, norm: float) -> None:
@@ -679,23 +681,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for grads in self._syncs():
             for buf in grads.all_buffers():
                 buf.reduced.mul_(coefficient)
-        unscaled = self._amp_unscaled is self.grads.checked
-        self.grads.checked = replace(self.grads.checked, norm=self.grads.checked.norm * coefficient)
-        if unscaled:  # a clip after GradScaler's unscale: the gradients stay unscaled
-            self._amp_unscaled = self.grads.checked
+        before = self.grads.checked
+        self.grads.checked = replace(before, norm=before.norm * coefficient)
+        self._amp.rescaled(before, self.grads.checked)
 
-    # the step check `_amp_unscale` last answered GradScaler for (its calls within one unscale_)
-    _amp_check: StepCheck | None = None
     # overlap_step under GradScaler: the inverse scale the updates computed early are computed at
     # (`_speculate`), set by `_amp_unscale` while its check runs (the buckets land inside it)
     _early_scale: float = 1.0
-    # the step check as `clip_grad_norm_(max_norm)` with a finite max_norm left it
-    _clip_check: StepCheck | None = None
-    # the step check whose gradients GradScaler's `unscale_` unscaled (followed through clips):
-    # GradScaler keys its state on the object it was handed, so `unscale_(wrapper)` then
-    # `step(opt)` (accelerate's step after `scaler.unscale_(accelerated_opt)`) brings the scale
-    # again, which must not unscale twice
-    _amp_unscaled: StepCheck | None = None
 
     @torch.no_grad()
     @autocast_off()
@@ -710,39 +702,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("GradScaler.unscale_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): unscale once, after that backward")
-        if self.grads.checked is not None and self.grads.checked is self._amp_unscaled:
-            # unscaled already in this step, through a wrapper of this optimizer (GradScaler's
-            # state for the optimizer itself is still READY): one optimizer, one unscale
-            if not math.isfinite(self.grads.checked.norm):
-                found_inf.fill_(1.0)
-            return
-        if self.grads.checked is not None and self.grads.checked is self._clip_check:
-            raise CanzonaError(AMP_AFTER_CLIP)
-        if self._amp_check is None or self._amp_check is not self.grads.checked:
-            kept = [grads.nonfinite for grads in self._syncs()]
-            coefficient = float(inv_scale)
-            # the updates overlap_step computes as the buckets land (in the check below) are computed
-            # from the gradients as this unscale leaves them (kept by `_scale_gradients`), or, under
-            # `scaler.step`'s inf check (a dummy inverse of 1), as step() will unscale them by the
-            # scale it is then handed: the first step, one after a resume and a scale of 1 alike
-            ahead = amp_handles.inf_check_inverse()
-            self._early_scale = coefficient if ahead is None else ahead
-            try:
-                for grads in self._syncs():
-                    grads.nonfinite = "skip"
-                check = self._prepare_step()
-            finally:
-                self._early_scale = 1.0
-                for grads, policy in zip(self._syncs(), kept):
-                    grads.nonfinite = policy
-            if math.isfinite(check.norm) and coefficient != 1.0:
-                self._scale_gradients(coefficient)
-            self._amp_check = self.grads.checked
-            if coefficient != 1.0:
-                self._amp_unscaled = self.grads.checked
-        if not math.isfinite(self.grads.checked.norm):
-            found_inf.fill_(1.0)
+        self._amp.unscale(lambda: self.grads.checked, lambda check: math.isfinite(check.norm), self._amp_take,
+                          found_inf, inv_scale)
 
+    def _amp_take(self, coefficient: float) -> None:
+        """`AmpMarks.unscale`'s check: the step check with every non-finite norm the scaler's to skip,
+        and the unscale of every reduced gradient by `coefficient`."""
+        kept = [grads.nonfinite for grads in self._syncs()]
+        # the updates overlap_step computes as the buckets land (in the check below) are computed
+        # from the gradients as this unscale leaves them (kept by `_scale_gradients`), or, under
+        # `scaler.step`'s inf check (a dummy inverse of 1), as step() will unscale them by the
+        # scale it is then handed: the first step, one after a resume and a scale of 1 alike
+        ahead = amp_handles.inf_check_inverse()
+        self._early_scale = coefficient if ahead is None else ahead
+        try:
+            for grads in self._syncs():
+                grads.nonfinite = "skip"
+            check = self._prepare_step()
+        finally:
+            self._early_scale = 1.0
+            for grads, policy in zip(self._syncs(), kept):
+                grads.nonfinite = policy
+        if math.isfinite(check.norm) and coefficient != 1.0:
+            self._scale_gradients(coefficient)
 
     def _inf_norm(self) -> float:
         """The largest gradient magnitude in the cluster (two more small all-gathers: the step check
@@ -781,7 +763,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inverse = handed_inverse_scale(self)
         check = self._prepare_step(self.max_grad_norm)
         self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
-        if check is self._amp_unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
+        if check is self._amp.unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
         # a scale of 1 unscales nothing (x * 1.0 is x, Inf and NaN too): the early updates stand
         if inverse is not None and inverse != 1.0 and math.isfinite(check.norm):

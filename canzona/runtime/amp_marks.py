@@ -1,0 +1,63 @@
+"""Where torch.amp.GradScaler's unscale and the clip stand in the current step: one state machine
+for both layouts (`DistributedOptimizer`'s ZeRO-1 step check, `FsdpOptimizer`'s), each over its own
+kind of step check. A step check object stands for the gradients as they are now: taken anew after
+a backward, replaced when a clip or an unscale scales them, so the marks compare by identity and
+need no reset (docs/design.md §8.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from canzona.errors import CanzonaError
+from canzona.runtime.grad_guard import AMP_AFTER_CLIP
+
+
+@dataclass(eq=False)
+class AmpMarks:
+    """The step checks GradScaler and the clip last left their mark on."""
+
+    # the check `unscale` last answered GradScaler for (its calls within one unscale_ share it)
+    answered: Any = None
+    # the check whose gradients GradScaler's `unscale_` unscaled, followed through clips: GradScaler
+    # keys its state on the object it was handed, so `unscale_(wrapper)` then `step(opt)`
+    # (accelerate's step after `scaler.unscale_(accelerated_opt)`) brings the scale again, which
+    # must not unscale twice
+    unscaled: Any = None
+    # the check as `clip_grad_norm_(max_norm)` with a finite max_norm left it: GradScaler's unscale
+    # must come before that clip
+    clipped: Any = None
+
+    def rescaled(self, before: Any, after: Any) -> None:
+        """A clip or an unscale scaled the gradients of check `before`, now `after`: a clip after
+        GradScaler's unscale leaves them unscaled."""
+        if self.unscaled is before:
+            self.unscaled = after
+
+    def unscale(self, current: Callable[[], Any], finite: Callable[[Any], bool], take: Callable[[float], None],
+                found_inf: Tensor, inv_scale: Tensor) -> None:
+        """GradScaler's unscale op (or `scaler.step`'s inf check, `inv_scale` 1) on the layout whose
+        step check is `current()`: `take(coefficient)` runs the layout's check (a collective) and
+        scales the gradients by `coefficient` where their norm is finite; once per step check. Each
+        call sets `found_inf` from the global norm (`finite`), the same on every rank."""
+        now = current()
+        if now is not None and now is self.unscaled:
+            # unscaled already in this step, through a wrapper of this optimizer (GradScaler's state
+            # for the optimizer itself is still READY): one optimizer, one unscale
+            if not finite(now):
+                found_inf.fill_(1.0)
+            return
+        if now is not None and now is self.clipped:
+            raise CanzonaError(AMP_AFTER_CLIP)
+        if self.answered is None or self.answered is not now:
+            coefficient = float(inv_scale)
+            take(coefficient)
+            self.answered = current()
+            if coefficient != 1.0:
+                self.unscaled = self.answered
+        if not finite(current()):
+            found_inf.fill_(1.0)
