@@ -107,6 +107,14 @@ def backward_order(units: Sequence[FsdpUnit]) -> list[FsdpMatrix]:
 OWNER_PLAN_SETTINGS = ("dp_policy", "alpha", "balance_by", "bucket_size", "align")
 
 
+def stacked_experts_refusal(optimizer: str, stack: str) -> str:
+    """Why a whole-matrix optimizer over stacked experts is refused under FSDP2, by the runtime
+    (`FsdpOptimizer`) and the simulator (`--fsdp`) alike: FSDP2 shards a stack's rows, the experts'
+    matrices with them, and canzona's owners gather whole parameters, not a stack's matrices."""
+    return (f"{optimizer} over stacked experts is not run under FSDP2 yet ({stack!r} stacks matrices): use "
+            "optimizer adamw, or the ZeRO-1 layout")
+
+
 def fsdp_policy(optimizer: str, policy: str | None) -> FsdpStepPolicy | None:
     """The step policy of an FSDP layout (`policy` as `canzona.step_policies.resolve_policy` names
     it): one of `FSDP_POLICIES` for a whole-matrix optimizer; None for an elementwise one (AdamW),

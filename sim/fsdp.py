@@ -59,6 +59,7 @@ from canzona.fsdp_plan import (
     fsdp_policy,
     fsdp_units,
     owner_micro_groups,
+    stacked_experts_refusal,
 )
 from canzona.fsdp_plan import owner_plan_defaults as policy_plan_defaults
 from canzona.hardware import HardwareProfile
@@ -161,8 +162,7 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     if policy is not None and spec.stacks:
         # FsdpOptimizer refuses stacked parameters; priced, the step ran the matrix optimizer on
         # every expert matrix while the memory kept AdamW's moments of the stacks
-        raise SpecError(f"--fsdp: {cfg.optimizer} over stacked experts is not run under FSDP2 ({spec.name!r} has "
-                        "them; the runtime's FsdpOptimizer refuses them): use --optimizer adamw, or the ZeRO-1 layout")
+        raise SpecError(f"--fsdp: {stacked_experts_refusal(cfg.optimizer, spec.stacks[0].name)}")
     if cfg.options.overlap_step or cfg.options.collectives != "megatron":
         raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
     if cfg.options.recompute not in FSDP_RECOMPUTE_MODES:

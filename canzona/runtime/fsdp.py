@@ -56,6 +56,7 @@ from canzona.fsdp_plan import (
     fsdp_policy,
     fsdp_units,
     owner_micro_groups,
+    stacked_experts_refusal,
 )
 from canzona.optimizers import check_matrix_optimizer, matrix_optimizer
 from canzona.plan import PlanSettings
@@ -343,8 +344,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "
                                     f"{tuple(pspec.shape)}")
                 if pspec.matrix_shape is not None and not self.elementwise:  # AdamW steps a stack's rows alike
-                    raise SpecError(f"parameter {name!r} stacks matrices (experts): {self.optimizer} over them is not "
-                                    "run under FSDP2 yet (optimizer='adamw' runs them)")
+                    raise SpecError(stacked_experts_refusal(self.optimizer, name))
                 params[name] = p
         missing = [p.name for p in self.spec.params if p.name not in params]
         if missing:
