@@ -383,7 +383,15 @@ def _stacked_entry(opt: Described, g: int, name: str, by_name: Mapping[str, dict
     matrices = [m.name for m in stacked_matrices(opt.spec.param(name))]
     saved = [dict(by_name.get(m, {})) for m in matrices]
     stepped = any(k != "master" for s in saved for k in s)
-    parts = [{**({} if stepped else _template(opt, g, m)), **s} for m, s in zip(matrices, saved)]
+    entry = join_stack(name, [{**({} if stepped else _template(opt, g, m)), **s} for m, s in zip(matrices, saved)])
+    entry[STEPPED_KEY] = stepped
+    entry[STACK_KEY] = len(matrices)
+    return entry
+
+
+def join_stack(name: str, parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Stack `name`'s matrices' states (in memory order) as one: each tensor field stacked over
+    them (`[matrices, ...]`), each scalar field the one value they share (`split_stack` undone)."""
     entry: dict[str, Any] = {}
     for field in parts[0]:
         values = [p[field] for p in parts]
@@ -394,12 +402,10 @@ def _stacked_entry(opt: Described, g: int, name: str, by_name: Mapping[str, dict
         else:
             raise CanzonaError(f"the matrices of stack {name!r} hold different {field!r} ({values[:4]}...): "
                                "they step together, so the state cannot be saved as one entry")
-    entry[STEPPED_KEY] = stepped
-    entry[STACK_KEY] = len(matrices)
     return entry
 
 
-def _split_stack(name: str, entry: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def split_stack(name: str, entry: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """`_stacked_entry` undone: each matrix's state by its name (`'<param>[k]'`)."""
     count = entry[STACK_KEY]
     if not (isinstance(count, int) and count >= 1) or any(
@@ -448,7 +454,7 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
             entry = {k: v for k, v in entry.items() if not (isinstance(v, Mapping) and not v)}
             entry.pop(WITNESS_FIELD, None)  # the weights', not the optimizer's (`loaded_witness`)
             stepped = entry.pop(STEPPED_KEY, True)
-            for key, part in (_split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
+            for key, part in (split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
                 if not stepped:
                     part = {k: v for k, v in part.items() if k == "master"}
                 if part:

@@ -14,7 +14,8 @@ every matrix's steps from its saved state (every rank computes the update's scal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,7 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.optimizers import matrix_optimizer
 from canzona.runtime.checkpoint import (
     DCP_PREFIX,
+    STACK_KEY,
     WITNESS_KEY,
     _check_compatible,
     _overlaps,
@@ -33,6 +35,7 @@ from canzona.runtime.checkpoint import (
     check_loaded_weights,
     check_same_save,
     full_state,
+    join_stack,
     piece_key,
     read_sharded,
     read_state_together,
@@ -40,10 +43,12 @@ from canzona.runtime.checkpoint import (
     same_as_master,
     saved_witness,
     sharded_meta,
+    split_stack,
     take_witness,
 )
 from canzona.runtime.fsdp_layout import Box
 from canzona.runtime.kernels import update_target
+from canzona.spec import stacked_matrices
 
 if TYPE_CHECKING:
     from canzona.runtime.fsdp import FsdpOptimizer
@@ -73,6 +78,7 @@ def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
     state: dict[str, dict] = {}
     for member in every:
         state.update(member["matrix"])
+    stitched: dict[str, dict] = {}  # by parameter: a stack's state whole, as FSDP2's pieces are of it
     for name in opt.elementwise_names:
         pieces = {m: member["adamw"][name] for m, member in enumerate(every) if name in member["adamw"]}
         if pieces:
@@ -80,12 +86,53 @@ def gather_state(opt: FsdpOptimizer) -> dict[str, Any]:
             entry = {k: v for k, v in first.items() if not isinstance(v, Tensor)}
             for key in (k for k, v in first.items() if isinstance(v, Tensor)):
                 entry[key] = _stitch(opt, name, {m: s[key] for m, s in pieces.items()})
-            state[name] = entry
+            stitched[name] = entry
     for name in opt.params:
         pieces = {m: member["master"][name] for m, member in enumerate(every) if name in member["master"]}
         if pieces:
-            state.setdefault(name, {})["master"] = _stitch(opt, name, pieces)
+            stitched.setdefault(name, {})["master"] = _stitch(opt, name, pieces)
+    for name, entry in stitched.items():
+        for key, part in _by_matrix(opt, name, entry).items():
+            state.setdefault(key, {}).update(part)  # a matrix's master beside its owner's state
     return full_state(opt, state, take_witness(opt, _held(opt), [opt.world], call="state_dict()"))
+
+
+def _by_matrix(opt: FsdpOptimizer, name: str, entry: Mapping[str, Any]) -> dict[str, dict]:
+    """A parameter's whole state under the names the layout-independent form keys it by: a
+    stack's under its matrices' (`'<param>[k]'`, each its slice; `full_state` stacks them again
+    into the stack's entry, as the ZeRO-1 layout's), any other's under its own. Keyed by the
+    stack's name, `full_state` found no matrix's state and saved the stack as a template of zeros:
+    a resume restarted its moments."""
+    spec = opt.spec.param(name)
+    if spec.matrix_shape is None:
+        return {name: dict(entry)}
+    # the matrices lie one after another in the stack (a fused gate_up: two an expert)
+    matrices = (spec.stack_size, *spec.matrix_shape)
+    return split_stack(name, {**{k: v.reshape(matrices) if isinstance(v, Tensor) else v for k, v in entry.items()},
+                              STACK_KEY: spec.stack_size})
+
+
+def _by_stack(opt: FsdpOptimizer, by_name: Mapping[str, Any]) -> dict[str, Any]:
+    """`_by_matrix` undone for a state by name (`checkpoint.state_by_name`'s form, or a sharded
+    checkpoint's as read): each stack's matrices' entries stacked into the stack's, as FSDP2
+    shards it (a matrix this rank read nothing of: zeros, outside its box); entries keyed by a
+    stack's own name (sharded saves before stacks were written by matrix) are kept."""
+    out = dict(by_name)
+    for name in opt.params:
+        spec = opt.spec.param(name)
+        if spec.matrix_shape is None:
+            continue
+        matrices = [m.name for m in stacked_matrices(spec)]
+        parts = [out.pop(m, None) for m in matrices]
+        present = [p for p in parts if p]
+        if not present:
+            continue
+        like = {k: v for p in present for k, v in p.items()}  # every field some matrix holds
+        joined = join_stack(name, [
+            {k: (p or {}).get(k, torch.zeros_like(v) if isinstance(v, Tensor) else v) for k, v in like.items()}
+            for p in parts])
+        out[name] = {k: v.reshape(spec.shape) if isinstance(v, Tensor) else v for k, v in joined.items()}
+    return out
 
 
 def _stitch(opt: FsdpOptimizer, name: str, pieces: Mapping[int, Tensor]) -> Tensor:
@@ -113,7 +160,7 @@ def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Map
                  state: Mapping[str, dict]) -> None:
     """Load a state given by name (`checkpoint.state_by_name`'s form): checks, then this rank's
     pieces of it (full tensors, or zeros outside what this rank holds)."""
-    state, masters = restore_settings(opt, header, groups, state)
+    state, masters = restore_settings(opt, header, groups, _by_stack(opt, state))
     device = next(iter(opt.params.values())).to_local().device
     opt.matrix_state.clear()
     opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
@@ -169,11 +216,28 @@ def sharded_state(opt: FsdpOptimizer, prefix: str = DCP_PREFIX) -> dict[str, Any
             raise SpecError(f"sharded_state_dict(): {name}'s piece on this rank ({box}) is not a contiguous range "
                             f"of its {lay.shape} (FSDP x TP): save with state_dict() (full tensors)")
         kind = "matrix" if name in opt.owner else "adamw"
-        if name in opt.master:
-            out[piece_key(prefix, kind, name, "master", lo)] = opt.master[name].reshape(-1)
-        for key, value in opt.adamw_state.get(name, {}).items():
-            out[piece_key(prefix, "adamw", name, key, lo)] = value.reshape(-1) if isinstance(value, Tensor) else value
+        for entry, start, end, offset in _pieces(opt, name, lo, hi):
+            if name in opt.master:
+                out[piece_key(prefix, kind, entry, "master", offset)] = opt.master[name].reshape(-1)[start:end]
+            for key, value in opt.adamw_state.get(name, {}).items():
+                piece = value.reshape(-1)[start:end] if isinstance(value, Tensor) else value
+                out[piece_key(prefix, "adamw", entry, key, offset)] = piece
     return out
+
+
+def _pieces(opt: FsdpOptimizer, name: str, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
+    """(entry, start, end, offset): parameter `name`'s flat range [lo, hi) as the entries the
+    sharded form keys (the ZeRO-1 layout's: a stack's matrices, `'<param>[k]'`, any other
+    parameter itself), each part [start, end) of this rank's flat piece at `offset` in its entry."""
+    spec = opt.spec.param(name)
+    if spec.matrix_shape is None:
+        yield name, 0, hi - lo, lo
+        return
+    size = math.prod(spec.matrix_shape)
+    for k, matrix in enumerate(stacked_matrices(spec)):
+        first, last = max(lo, k * size), min(hi, (k + 1) * size)
+        if first < last:
+            yield matrix.name, first - lo, last - lo, first - k * size
 
 
 def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
@@ -188,8 +252,13 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
     needs = {}
     for name in opt.params:
         lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
-        needs[name] = lambda t, tp, offset, meta, lo=lo, hi=hi: tp != 1 or _overlaps(meta, offset, lo, hi)
+        # by parameter (a stack's whole, as sharded saves wrote them before stacks were written by
+        # matrix), and by each entry this rank's piece spans (`_pieces`)
+        for entry, start, end, offset in [(name, 0, hi - lo, lo), *_pieces(opt, name, lo, hi)]:
+            first, last = offset, offset + end - start
+            needs[entry] = lambda t, tp, at, meta, lo=first, hi=last: tp != 1 or _overlaps(meta, at, lo, hi)
     header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    state = _by_stack(opt, state)
     agree_on_save(header, [opt.world])
     if check_weights:
         _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
