@@ -11,7 +11,9 @@ stack was saved as a template of zeros, and a resume silently restarted its mome
   (`sharded_state_dict` + `dcp.save`, `load_sharded_state_dict`), ends bit for bit as the
   uninterrupted run, parameters and state (fp32, and bf16 with fp32 masters);
 - across layouts: the FSDP checkpoints (both forms) resume under ZeRO-1 at the same DP size bit
-  for bit as the same kernels in one process, and ZeRO-1's resume under FSDP2.
+  for bit as the same kernels in one process, and ZeRO-1's resume under FSDP2;
+- torch's API (get/set_state_dict, dcp of get_optimizer_state_dict, flattened or not) resumes bit
+  for bit; a sharded save keyed by the stack's name (as written until 2026-12-02) still loads.
 
 World 2 (two experts a rank) and 4 (one a rank; the larger variant).
 """
@@ -30,12 +32,14 @@ from canzona.harness.launch import run_ranks
 from canzona.harness.training import TrainSpec, build_model, compare, distributed_worker, emulate
 from canzona.runtime.checkpoint import STACK_KEY, state_by_name
 from tests.runtime.test_fsdp_checkpoint import (
+    _flat_resumed,
     fsdp_model,
     load_params,
     nested_equal,
     resume_spec,
     resumed,
     straight,
+    torch_api_resumed,
     train,
 )
 
@@ -72,6 +76,15 @@ def worker(rank: int, world: int, path: str) -> dict[str, Any]:
             "full": resumed(spec, rank, world, run["ckpt"]),
             "sharded": resumed(spec, rank, world, (params, f"{path}-{label}-sharded"), like=run["ckpt"][1]),
         }
+    # torch's API (get/set_state_dict with full state dicts; dcp of get_optimizer_state_dict, and
+    # torchtitan's flattened form)
+    run = out["fp32"]["straight"]
+    out["torch api"] = {"torch full": torch_api_resumed(MOE, rank, world, run["torch"], None),
+                        "dcp": torch_api_resumed(MOE, rank, world, None, f"{path}-fp32"),
+                        "dcp flat": _flat_resumed(MOE, rank, world, f"{path}-fp32-flat")}
+    # a sharded save written before stacks were saved by matrix (keyed by the stack's name)
+    out["stack-keyed"] = resumed(MOE, rank, world, (run["ckpt"][0], stack_keyed_save(rank, world, f"{path}-old")),
+                                 like=run["ckpt"][1])
     # the uninterrupted run's state at its end, to compare the resumed runs' with
     out["fp32"]["end"] = _end_state(MOE, rank, world)
     out["fp32"]["full end"] = _resumed_end_state(MOE, rank, world, out["fp32"]["straight"]["ckpt"])
@@ -87,6 +100,27 @@ def worker(rank: int, world: int, path: str) -> dict[str, Any]:
     out["fsdp from zero1 sharded"] = resumed(MOE, rank, world, (zero1["params"], f"{path}-zero1"),
                                              like=zero1["state"])
     return out
+
+
+def stack_keyed_save(rank: int, world: int, path: str) -> str:
+    """SAVE steps, then a sharded save as `sharded_state_dict()` wrote one until 2026-12-02: each
+    stack's pieces under the stack's name, at its flat offset (`_flat_bounds` of this rank's box)."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint import piece_key
+    from canzona.runtime.fsdp_checkpoint import _flat_bounds
+
+    model, opt = fsdp_model(MOE, world)
+    train(model, opt, MOE, rank, world)
+    entries = {k: v for k, v in opt.sharded_state_dict().items() if "_proj[" not in k}
+    for name in opt.params:
+        if name.endswith(STACKS) and name in opt.adamw_state:
+            lo, _ = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
+            for key, value in opt.adamw_state[name].items():
+                entries[piece_key("canzona_optimizer", "adamw", name, key, lo)] = \
+                    value.reshape(-1) if isinstance(value, torch.Tensor) else value
+    dcp.save(entries, checkpoint_id=path)
+    return path
 
 
 def _end_state(spec: TrainSpec, rank: int, world: int) -> dict:
@@ -215,3 +249,24 @@ def test_zero1_checkpoints_of_stacks_resume_under_fsdp(world: int) -> None:
             assert r[form]["round trip"] is None, (rank, form, r[form]["round trip"])
             exact = compare(r[form]["final"], want)
             assert exact["bit_identical"], (rank, form, exact)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("how", ["torch full", "dcp", "dcp flat"])
+def test_torch_api_resumes_stacks_bit_for_bit(world: int, how: str) -> None:
+    """torch's get/set_state_dict, dcp of get_optimizer_state_dict and torchtitan's flattened form."""
+    for rank, r in enumerate(runs(world)):
+        got = r["torch api"][how]
+        assert "error" not in got, (rank, how, got.get("error"))
+        assert nested_equal(got["state"], r["fp32"]["straight"]["ckpt"][1]) is None, (rank, how)
+        exact = compare(got["final"], r["fp32"]["straight"]["final"])
+        assert exact["bit_identical"], (rank, how, exact)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_sharded_save_keyed_by_stack_still_resumes_bit_for_bit(world: int) -> None:
+    for rank, r in enumerate(runs(world)):
+        got = r["stack-keyed"]
+        assert got["round trip"] is None, (rank, got["round trip"])
+        exact = compare(got["final"], r["fp32"]["straight"]["final"])
+        assert exact["bit_identical"], (rank, exact)
