@@ -15,7 +15,9 @@ stack was saved as a template of zeros, and a resume silently restarted its mome
 - torch's API (get/set_state_dict, dcp of get_optimizer_state_dict, flattened or not) resumes bit
   for bit; a sharded save keyed by the stack's name (as written until 2026-12-02) still loads.
 
-World 2 (two experts a rank) and 4 (one a rank; the larger variant).
+World 2 (two experts a rank) and 4 (one a rank; the larger variant). And memory: at 3 ranks
+(each stack's 4 experts torch.chunk'ed 2, 2, 0) every rank's bytes are what `canzona simulate
+--fsdp --optimizer adamw` reports for it.
 """
 
 from __future__ import annotations
@@ -270,3 +272,47 @@ def test_a_sharded_save_keyed_by_stack_still_resumes_bit_for_bit(world: int) -> 
         assert got["round trip"] is None, (rank, got["round trip"])
         exact = compare(got["final"], r["fp32"]["straight"]["final"])
         assert exact["bit_identical"], (rank, exact)
+
+
+# --- memory: what `canzona simulate --fsdp --optimizer adamw` reports of the stacks ----------------
+
+
+def held_worker(rank: int, world: int) -> dict[str, Any]:
+    """One step of the tiny MoE under fully_shard at `world` ranks (4 experts over 3: torch.chunk
+    gives each stack's experts as 2, 2, 0): the bytes this rank holds, by category."""
+    from canzona.runtime.shards import local_tensor
+
+    model, opt = fsdp_model(replace(MOE, steps=1), world)
+    train(model, opt, replace(MOE, steps=1, global_batch=2 * world), rank, world)
+    params = dict(model.named_parameters())
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return {"rank": opt.rank, "spec": model.spec(),
+            "weights": nbytes(local_tensor(p) for p in params.values()),
+            "grads": nbytes(local_tensor(p.grad) for p in params.values()),
+            "master_weights": nbytes(opt.master.values()), "matrix_state": 0,
+            "adamw_state": sum(nbytes(v for v in s.values() if isinstance(v, torch.Tensor))
+                               for s in opt.adamw_state.values()),
+            "experts": nbytes(local_tensor(p) for n, p in params.items() if n.endswith(STACKS))}
+
+
+def test_the_simulator_reports_each_ranks_own_piece_of_the_stacks() -> None:
+    """Per rank, every persistent category `canzona simulate --fsdp --optimizer adamw` reports of
+    the tiny MoE at 3 ranks is what the runtime holds: each rank its own torch.chunk piece of each
+    stack (the third none), not an even share."""
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+    from tests.runtime.expert_runs import moe_architecture
+
+    world = 3
+    ranks = run_ranks(held_worker, world, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    spec = ranks[0]["spec"]
+    cfg = SimConfig(model=spec.name, gpus=world, tp=1, fsdp=True, optimizer="adamw", policy="zero1",
+                    workload=Workload(global_batch=2 * world, seq_len=8, param_bytes=4))
+    sim = simulate(cfg, model=(spec, moe_architecture(spec.name, "tiny-moe"))).memory
+    assert ranks[0]["experts"] == ranks[1]["experts"] > 0 and ranks[2]["experts"] == 0  # uneven pieces
+    for got in ranks:
+        for k in ("weights", "grads", "master_weights", "matrix_state", "adamw_state"):
+            assert got[k] == getattr(sim.ranks[got["rank"]], k), (got["rank"], k, got[k])
