@@ -1356,7 +1356,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
 
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
-    meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs)
+    meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
     agree_on_save(meta, own_comms(opt))
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
@@ -1380,27 +1380,31 @@ Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset,
 
 
 def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[str], applies: list[str],
-                 needs: Mapping[str, Wants]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+                 needs: Mapping[str, Wants], comms: Sequence[Comm | None]) -> tuple[dict[str, Any],
+                                                                                 dict[str, dict[str, Any]]]:
     """(the header with the groups, the state by name) of what a rank needs, read from a checkpoint
     written by `sharded_state` (or FSDP's) at any layout: the full-matrix state of the matrices in
     `hosted`, the scalar fields (step counts) of the others in `applies`, and of each parameter in
     `needs` the pieces its predicate wants, assembled into full tensors (zeros where none was
-    read)."""
+    read). Collective over the ranks of `comms` (the optimizer's own groups, `OwnRanks`) alone:
+    each rank reads its pieces by itself (`dcp.load(no_dist=True)`; a collective `dcp.load` spans
+    the default process group, whose other ranks, another replica or pipeline stage, may be
+    loading their own checkpoint later or never), and a failure on any is one error on all."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     # the reader runs no code from the files
-    from canzona.runtime.checkpoint_files import Ranks, first_line, verified_reader
+    from canzona.runtime.checkpoint_files import OwnRanks, first_line, verified_reader
 
     # a folder: checked against its manifest where it has one (every rank calls this, collective)
     call = "load_sharded_state_dict()"
+    own = OwnRanks(comms, timeout_s=opt.timeout_s, call=call)
     reader = checkpoint_id if hasattr(checkpoint_id, "read_metadata") else \
-        verified_reader(checkpoint_id, timeout_s=opt.timeout_s, call=call)
+        verified_reader(checkpoint_id, comms=comms, timeout_s=opt.timeout_s, call=call)
     # read by each rank, failing on every rank alike: a rank that cannot read it (a folder on
-    # node-local disk) would otherwise raise alone, its peers waiting in dcp.load until the
-    # process group's timeout
+    # node-local disk) would otherwise raise alone, its peers waiting in the next collective
     metadata: list[Any] = []
-    Ranks(timeout_s=opt.timeout_s, call=call).together(lambda: metadata.append(reader.read_metadata()))
+    own.together(lambda: metadata.append(reader.read_metadata()))
     entries = metadata[0].state_dict_metadata
 
     def placeholder(key: str) -> Any:
@@ -1434,12 +1438,19 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
         for _field, t, tp, offset, key in pieces.get(name, []):
             if want(t, tp, offset, entries[key]):
                 wanted[key] = placeholder(key)
+    def load_here() -> None:
+        try:
+            dcp.load(wanted, storage_reader=reader, no_dist=True)
+        except dcp.CheckpointException as e:
+            # DCP's error is a BaseException, past `except Exception`, whose message is a
+            # traceback: its cause, on one line (this rank alone failed: no rank to name)
+            cause = min(e.failures.items(), key=lambda item: item[0])[1][0] if e.failures else e
+            raise CheckpointError(first_line(cause)) from None
+
     try:
-        dcp.load(wanted, storage_reader=reader)
-    except dcp.CheckpointException as e:
-        # DCP's error (the same on every rank) is a BaseException, past `except Exception`, whose
-        # message is the failing ranks' tracebacks: the lowest one's cause, on one line
-        raise CheckpointError(f"optimizer state not loaded, nothing changed: {first_line(e)}") from None
+        own.together(load_here)
+    except CheckpointError as e:
+        raise CheckpointError(f"optimizer state not loaded, nothing changed: {e}") from None
 
     state: dict[str, dict[str, Any]] = {}
     for name, keys in [*((n, full_keys.get(n, [])) for n in hosted), *scalar_fields.items()]:

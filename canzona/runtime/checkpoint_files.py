@@ -175,7 +175,7 @@ def raise_failures(failed: Mapping[int, str], world: int) -> None:
 
 
 def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Callable[[list[T]], T], *,
-                  call: str) -> T:
+                  call: str, timeout_s: float | None = None) -> T:
     """`step` on this rank, merged with its result on every rank that `comms` reach, in turn: an
     optimizer's own groups (its DP group, then its TP group, reach every rank of its DP x TP mesh,
     as `DistributedOptimizer._inf_norm`'s max does), not the default process group, whose other
@@ -183,8 +183,9 @@ def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Ca
     may hold other values at the same names. Each round gathers each member's merged value and
     `merge`s them in member order: identical on every rank where `merge` depends on its argument
     alone. One `CheckpointError` on every rank if `step` raised on any (as `Ranks.together`, with
-    global ranks); bounded by each group's timeout; not logged on the groups' own logs (no step's
-    collective)."""
+    global ranks); bounded by each group's timeout, or by `timeout_s` where given (hashing a large
+    checkpoint may take longer than a step's collectives wait); not logged on the groups' own logs
+    (no step's collective)."""
     from canzona.runtime.comm import Comm
 
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -196,7 +197,8 @@ def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Ca
         if comm is None or comm.size == 1:
             continue
         try:
-            every = Comm(comm.group, comm.timeout.total_seconds(), comm.name).all_gather_object(state, "checkpoint step")
+            wait_s = comm.timeout.total_seconds() if timeout_s is None else timeout_s
+            every = Comm(comm.group, wait_s, comm.name).all_gather_object(state, "checkpoint step")
         except CanzonaError as e:
             raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
         failed = {r: text for _, f, _ in every for r, text in f.items()}
@@ -204,6 +206,32 @@ def together_over(comms: Sequence[Comm | None], step: Callable[[], T], merge: Ca
     count, failed, value = state
     raise_failures(failed, count)
     return value
+
+
+class OwnRanks:
+    """The ranks of one optimizer: those its own groups reach in turn (`comms`, its DP group then
+    its TP group, or its FSDP mesh's group; `together_over`), never the default process group's
+    others (another replica, another pipeline stage), which may save, load or train on their own
+    at that moment. `Ranks`'s interface: this rank's index among them (DP rank + DP size x TP
+    rank: the groups form a grid), their number, and `together`, each step's result by index.
+    Where the optimizer's ranks are the whole job, the same steps as `Ranks` over it."""
+
+    def __init__(self, comms: Sequence[Comm | None], *, timeout_s: float | None = None, call: str = "") -> None:
+        self.comms = [c for c in comms if c is not None and c.size > 1]
+        self.rank, self.world = 0, 1
+        for comm in self.comms:
+            self.rank += comm.rank * self.world
+            self.world *= comm.size
+        self.timeout_s = timeout_s
+        self.call = call
+
+    def together(self, step: Callable[[], T], *, rank0_only: bool = False) -> list[T]:
+        def mine() -> dict[int, Any]:
+            return {self.rank: step() if self.rank == 0 or not rank0_only else None}
+
+        every = together_over(self.comms, mine, lambda parts: {i: v for part in parts for i, v in part.items()},
+                              call=self.call or "this call", timeout_s=self.timeout_s)
+        return [every[i] for i in range(self.world)]
 
 
 # --- saving -------------------------------------------------------------------------------------
@@ -423,7 +451,7 @@ def verify_checkpoint(folder: str | os.PathLike, expect: Mapping[str, Any] | Non
     return _verify_together(Ranks(process_group, call="verify_checkpoint()"), folder, expect)
 
 
-def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | None) -> Manifest:
+def _verify_together(ranks: Ranks | OwnRanks, folder: Path, expect: Mapping[str, Any] | None) -> Manifest:
     every = ranks.together(lambda: _verify_share(folder, expect, ranks.rank, ranks.world))
     # each rank hashed a share of its own folder: folders of two saves (a path that differs by
     # rank) would each pass, and the ranks would load different checkpoints
@@ -435,18 +463,25 @@ def _verify_together(ranks: Ranks, folder: Path, expect: Mapping[str, Any] | Non
 
 
 def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None = None, *,
-                    process_group: Any = None, timeout_s: float | None = None, call: str = "") -> SafeFileSystemReader:
+                    process_group: Any = None, comms: Sequence[Comm | None] | None = None,
+                    timeout_s: float | None = None, call: str = "") -> SafeFileSystemReader:
     """Collective (over `process_group`, the default group when None): a reader of `folder`, checked
     against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
     a damaged file or one from another save of the same size is one `CheckpointError` on every
     rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) is
     read as it is: the reader still runs no code, and the sizes in its metadata are checked.
     `timeout_s` and `call` (`Ranks`) bound the ranks' first meeting, which they all reach at once;
-    the hashing, as long as the checkpoint is large, waits within the process group's timeout."""
-    ranks = Ranks(process_group, call=call)
+    the hashing, as long as the checkpoint is large, waits within the process group's timeout.
+    `comms` (an optimizer's own groups, `OwnRanks`): collective over the ranks they reach alone,
+    in place of `process_group`, so that one replica or pipeline stage loads while the others do
+    anything else; the hashing waits within torch's default process group timeout."""
+    if comms is not None:
+        ranks: Ranks | OwnRanks = OwnRanks(comms, timeout_s=dist.default_pg_timeout.total_seconds(), call=call)
+        first: Ranks | OwnRanks = OwnRanks(comms, timeout_s=timeout_s, call=call)
+    else:
+        ranks, first = Ranks(process_group, call=call), Ranks(process_group, timeout_s=timeout_s, call=call)
     # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
-    manifested = Ranks(process_group, timeout_s=timeout_s, call=call).together(
-        lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
+    manifested = first.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
         return SafeFileSystemReader(folder)
     return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))
@@ -609,6 +644,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return super().read_data(plan, _PlainDataPlanner(planner, Path(self.path)))
 
 
-__all__ = ["MANIFEST", "CheckpointError", "FileEntry", "Manifest", "Ranks", "SafeFileSystemReader",
+__all__ = ["MANIFEST", "CheckpointError", "FileEntry", "Manifest", "OwnRanks", "Ranks", "SafeFileSystemReader",
            "is_complete", "latest_checkpoint", "read_manifest", "save_checkpoint", "verified_reader",
            "verify_checkpoint"]

@@ -257,7 +257,8 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         for entry, start, end, offset in [(name, 0, hi - lo, lo), *_pieces(opt, name, lo, hi)]:
             first, last = offset, offset + end - start
             needs[entry] = lambda t, tp, at, meta, lo=first, hi=last: tp != 1 or _overlaps(meta, at, lo, hi)
-    header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs)
+    header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs,
+                                 [opt.world])
     state = _by_stack(opt, state)
     agree_on_save(header, [opt.world])
     if check_weights:

@@ -745,6 +745,122 @@ def test_pipeline_stages_saved_in_one_save_each_resume_bit_for_bit():
     assert [r["stages"] for r in four_ranks()] == [{"bit for bit": True, "whole model": refused}] * 4
 
 
+# --- each optimizer loads its own checkpoint on its own ranks -------------------------------------
+
+OWN_STEPS = 3  # the save after step 2, the resume runs step 3
+OWN_TIMEOUT_S = 10.0
+OWN_WAIT_S = 90.0  # how long the second replica waits for the first to be done
+
+
+def _wait_for(path: Any, seconds: float) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path.name} never came")
+        time.sleep(0.05)
+
+
+def _own_ranks_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two replicas, each a DistributedOptimizer on its own DP group of half the ranks, each saving
+    its sharded checkpoint (`save_checkpoint` over its own group) and loading it
+    (`load_sharded_state_dict`, the manifest checked) at its own time: the second replica starts
+    only when the first has resumed and stepped (a file says so). Then the first replica's
+    checkpoint is damaged (a byte of a data file flipped) and each replica loads its own again: one
+    CheckpointError on the first replica's ranks, the second loads. Before, the load's checks and
+    `dcp.load` ran over every rank: the first replica waited for the second, which never came."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.checkpoint_files import save_checkpoint
+
+    halves = [dist.new_group(list(range(h * world // 2, (h + 1) * world // 2))) for h in range(2)]
+    half = rank * 2 // world
+    group, folder, done = halves[half], Path(root) / f"replica{half}", Path(root) / "replica0.done"
+    data = torch.Generator().manual_seed(300 + rank)
+    tokens = [torch.randint(0, 64, (2, 8), generator=data) for _ in range(OWN_STEPS)]
+
+    def fresh(weights: dict | None = None):
+        model = build_model(TrainSpec(model_seed=half))
+        if weights is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(weights[n])
+        return model, DistributedOptimizer(model.named_parameters(), model.spec(), group=group,
+                                           matrix_config={"ns_steps": 1}, timeout_s=OWN_TIMEOUT_S)
+
+    def train(model, opt, steps):
+        for k in steps:
+            opt.zero_grad()
+            model.loss(tokens[k]).backward()
+            opt.step()
+        opt.wait_params()
+
+    out: dict[str, Any] = {}
+    try:
+        if half == 1:
+            _wait_for(done, OWN_WAIT_S)
+        model, opt = fresh()
+        train(model, opt, range(OWN_STEPS))
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model, opt = fresh()
+        train(model, opt, range(OWN_STEPS - 1))
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        save_checkpoint(opt.sharded_state_dict(), folder, process_group=group)
+        model, opt = fresh(weights)
+        opt.load_sharded_state_dict(folder, check_weights=True)
+        loaded = opt.state_dict()
+        train(model, opt, range(OWN_STEPS - 1, OWN_STEPS))
+        out["resume"] = {"bit for bit": all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())}
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        loaded = None
+    finally:
+        if half == 0:
+            dist.barrier(group=group)
+            if rank == 0:
+                done.touch()
+    try:
+        if half == 0 and rank == 0:  # a byte of rank 0's data file flipped
+            data_file = folder / "__0_0.distcp"
+            raw = bytearray(data_file.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            data_file.write_bytes(bytes(raw))
+        dist.barrier(group=group)
+        model, opt = fresh(weights)
+        opt.load_sharded_state_dict(folder)
+        nested_equal(opt.state_dict(), loaded, "reloaded")
+        out["damaged"] = "loaded"
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out["damaged"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+@functools.cache
+def own_ranks_runs() -> list[dict[str, Any]]:
+    import tempfile
+
+    return run_ranks(_own_ranks_worker, 4, tempfile.mkdtemp(prefix="canzona-own-"), deadline_s=DEADLINE_S)
+
+
+def test_replicas_save_and_load_their_own_sharded_checkpoints_at_their_own_times():
+    """The load's checks and reads run over the optimizer's own ranks: a replica that loads while
+    the other is busy elsewhere (or not yet started) resumes bit for bit."""
+    assert [r["resume"] for r in own_ranks_runs()] == [{"bit for bit": True}] * 4
+
+
+def test_a_damaged_file_in_one_replicas_checkpoint_is_one_error_on_its_ranks_only():
+    runs = own_ranks_runs()
+    first = {r["damaged"] for r in runs[:2]}
+    assert len(first) == 1, first  # alike on both of its ranks
+    (line,) = first
+    assert line.startswith("CheckpointError: ") and "__0_0.distcp differs from the manifest" in line, line
+    assert [r["damaged"] for r in runs[2:]] == ["loaded"] * 2
+
+
 # --- fp32 masters saved after weights were loaded into the model ---------------------------------
 
 
