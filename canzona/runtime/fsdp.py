@@ -255,8 +255,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         me = dist.get_rank()
         self.replica_dims = replica_dims(self.params, self.device_mesh)
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
-        world_group, _ = new_groups([world_ranks], me)
-        exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me)
+        world_group, _ = new_groups([world_ranks], me, self.device_mesh)
+        exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me,
+                                                         self.device_mesh)
         # the exchange group's and every rank's communicators (their names: canzona.fsdp_collectives)
         self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)
         self.comm = Comm(exchange_group, timeout_s, FSDP_GROUP)

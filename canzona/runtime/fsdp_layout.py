@@ -125,19 +125,37 @@ def exchange_ranks(mesh, replicas: tuple[int, ...]) -> list[list[int]]:
     return [[int(r) for r in row] for row in moved]
 
 
-def new_groups(rank_lists: list[list[int]], me: int) -> tuple[dist.ProcessGroup | None, list[int]]:
-    """The process group of the list holding `me` (every rank creates every group, in the same
-    order, as `dist.new_group` requires); None when it is the whole world."""
+def new_groups(rank_lists: list[list[int]], me: int, mesh=None) -> tuple[dist.ProcessGroup | None, list[int]]:
+    """The process group of the list holding `me`: None when it is the whole world; `mesh`'s own
+    group along one of its dimensions where that holds exactly these ranks in this order (a 1-D
+    mesh, HSDP's shard dimension); else a new one (every rank creates every group, in the same
+    order, as `dist.new_group` requires). `dist.new_group` is a collective over every rank of the
+    job: a pipeline stage or replica whose optimizer is built while the others do anything else
+    (or are built at another time) waited for them, so the mesh's groups, created once by
+    `init_device_mesh` on every rank, are taken where they serve."""
     mine = next(r for r in rank_lists if me in r)
     if len(rank_lists) == 1 and sorted(mine) == list(range(dist.get_world_size())) and \
             mine == sorted(mine):
         return None, mine
+    own = mesh_group(mesh, mine) if mesh is not None else None
+    if own is not None:  # alike on every rank: the mesh's dimensions are every rank's
+        return own, mine
     group = None
     for ranks in rank_lists:
         g = dist.new_group(ranks)
         if me in ranks:
             group = g
     return group, mine
+
+
+def mesh_group(mesh, ranks: list[int]) -> dist.ProcessGroup | None:
+    """`mesh`'s group along the dimension whose ranks through this one are `ranks`, in order; None
+    where no dimension's are."""
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        if dist.get_process_group_ranks(group) == ranks:
+            return group
+    return None
 
 
 def param_layout(name: str, shape: tuple[int, ...], boxes: list[Box]) -> ParamLayout:
