@@ -44,6 +44,7 @@ import functools
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from types import MappingProxyType
@@ -1440,7 +1441,10 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
                 wanted[key] = placeholder(key)
     def load_here() -> None:
         try:
-            dcp.load(wanted, storage_reader=reader, no_dist=True)
+            with warnings.catch_warnings():
+                # that it loads in this process alone: as meant (each rank its own pieces)
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(wanted, storage_reader=reader, no_dist=True)
         except dcp.CheckpointException as e:
             # DCP's error is a BaseException, past `except Exception`, whose message is a
             # traceback: its cause, on one line (this rank alone failed: no rank to name)
