@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -1416,14 +1416,15 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
 
     meta_entry = _saved_meta_key(opt, prefix, entries)
     full_keys: dict[str, list[str]] = {}  # matrix name -> keys of its full-matrix state fields
-    pieces: dict[str, list[tuple[str, int, int, int, str]]] = {}  # name -> (field, t, T, offset, key)
+    # name -> (field, t, T, offset, key, the part of the saved piece that is this entry's: None, all of it)
+    pieces: dict[str, list[tuple[str, int, int, int, str, tuple[int, int] | None]]] = {}
     for key in entries:
         for kind in ("matrix", "adamw"):
             head = f"{prefix}/{kind}/"
             if key.startswith(head):
                 name, rest = key[len(head):].rsplit("/", 1)
                 if "@" in rest:
-                    pieces.setdefault(name, []).append((*_parse_piece(rest), key))
+                    pieces.setdefault(name, []).append((*_parse_piece(rest), key, None))
                 else:
                     full_keys.setdefault(name, []).append(key)
     wanted: dict[str, Any] = {meta_entry: placeholder(meta_entry)}
@@ -1435,9 +1436,10 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
         name: [k for k in full_keys.get(name, []) if not isinstance(entries[k], TensorStorageMetadata)]
         for name in applies if name not in hosted}
     wanted.update({k: placeholder(k) for keys in scalar_fields.values() for k in keys})
+    _stack_pieces_by_matrix(opt, pieces, entries, needs)
     for name, want in needs.items():
-        for _field, t, tp, offset, key in pieces.get(name, []):
-            if want(t, tp, offset, entries[key]):
+        for _field, t, tp, offset, key, part in pieces.get(name, []):
+            if want(t, tp, offset, entries[key] if part is None else _Extent((part[1] - part[0],))):
                 wanted[key] = placeholder(key)
     def load_here() -> None:
         try:
@@ -1461,10 +1463,48 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
         if keys:
             state[name] = {k.rsplit("/", 1)[1]: wanted[k] for k in keys}
     for name in needs:
-        got = [(f, t, tp, off, wanted[key]) for f, t, tp, off, key in pieces.get(name, []) if key in wanted]
+        got = [(f, t, tp, off, _part_of(wanted[key], part)) for f, t, tp, off, key, part in pieces.get(name, [])
+               if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
     return json.loads(wanted[meta_entry]), state
+
+
+class _Extent(NamedTuple):
+    """The size of the part of a saved piece an entry reads (`_overlaps` reads `size`)."""
+
+    size: tuple[int, ...]
+
+
+def _part_of(value: Any, part: tuple[int, int] | None) -> Any:
+    return value if part is None or not isinstance(value, Tensor) else value.reshape(-1)[part[0]:part[1]]
+
+
+def _stack_pieces_by_matrix(opt: Described, pieces: dict[str, list], entries: Mapping[str, Any],
+                            needs: Mapping[str, Wants]) -> None:
+    """A stack's pieces saved under the stack's own name (FSDP2's sharded form until 2026-12-02:
+    each rank's flat range of the whole stack) as the parts of the matrices each spans, for a
+    reader that asks for the matrices (`'<param>[k]'`: the ZeRO-1 layout's). Before, that reader
+    found no piece of them and resumed the stacks' state from zeros, silently."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for spec in opt.spec.stacks:
+        if spec.name in needs or spec.name not in pieces:  # a reader of the stack itself joins them
+            continue
+        size = math.prod(spec.matrix_shape)
+        for field, t, tp, offset, key, _ in pieces[spec.name]:
+            if tp != 1:  # FSDP2 wrote whole-stack ranges at TP 1 only
+                continue
+            meta = entries[key]
+            numel = math.prod(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+            for k, matrix in enumerate(stacked_matrices(spec)):
+                if numel is None:  # a scalar field (the step count): every matrix's
+                    pieces.setdefault(matrix.name, []).append((field, t, tp, 0, key, None))
+                    continue
+                first, last = max(offset, k * size), min(offset + numel, (k + 1) * size)
+                if first < last:
+                    pieces.setdefault(matrix.name, []).append(
+                        (field, t, tp, first - k * size, key, (first - offset, last - offset)))
 
 
 def _local_ranges(opt: Checkpointable) -> dict[str, tuple[int, int]]:
