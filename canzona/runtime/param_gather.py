@@ -7,7 +7,9 @@ Everything documented that reads parameters waits first:
   that holds one of the optimizer's parameters waits for the buckets of *its own* parameters
   (under `torch.compile` too: construction clears dynamo's caches, so that no forward traced
   before the hooks existed skips them, `_forget_compiled_forwards`; the wait itself runs eagerly,
-  a graph break, so `fullgraph=True` is dynamo's error naming `overlap_param_gather=False`);
+  a graph break, so `fullgraph=True` is dynamo's error naming `overlap_param_gather=False`; a
+  compiled forward waits for every bucket at the first hooked module it enters, the modules
+  around the holders included, `_before_forward`);
 - `module.state_dict()` (so `torch.save(model.state_dict())`, DCP's `get_model_state_dict`,
   `save_pretrained`) and `module.load_state_dict()` (a gather landing afterwards would overwrite
   what was loaded): pre-hooks on the same modules wait for every bucket;
@@ -100,6 +102,28 @@ def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None
     return found
 
 
+def enclosing_modules(holding: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every live module that holds one of `holding` as a descendant and is not one of them
+    itself (the model, its blocks, a `torch.compile` wrapper), in the order gc gives them (the
+    hooks they get do the same thing whatever the order)."""
+    parents: dict[int, list[nn.Module]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            for child in obj._modules.values():
+                if child is not None:
+                    parents.setdefault(id(child), []).append(obj)
+    seen = {id(m) for m in holding}
+    found: list[nn.Module] = []
+    todo = list(holding)
+    while todo:
+        for parent in parents.get(id(todo.pop()), ()):
+            if id(parent) not in seen:
+                seen.add(id(parent))
+                found.append(parent)
+                todo.append(parent)
+    return found
+
+
 def replaced_parameter(params: Mapping[str, Tensor], holders: Holders) -> str | None:
     """A message naming a parameter that a module held at construction and holds no longer (a new
     Parameter or module assigned in its place: `load_state_dict(assign=True)`, `tie_weights()`, a
@@ -149,6 +173,10 @@ class ParamsInFlight:
             self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, works))))
             self._handles.append(module.register_state_dict_pre_hook(_Hook(wait_all)))
             self._handles.append(module.register_load_state_dict_pre_hook(_Hook(wait_all)))
+        # the modules around them (the model itself, its blocks): a compiled forward lands every
+        # gather at the first of these it enters (`_before_forward`), a module waiting for none
+        for module in enclosing_modules(modules):
+            self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, []))))
         # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
         # modules may live on, under another optimizer) and gathers still in flight land first,
         # so that gloo lets go of their tensors before the interpreter finalizes
@@ -241,17 +269,42 @@ def _close(pending: list[list[PendingWork | None]], handles: list, marked: list[
 
 
 def _before_forward(me: weakref.ref[ParamsInFlight], works: list[int]) -> Callable[..., None]:
+    """A module's forward pre-hook: eagerly, wait for the gathers of its own parameters (`works`);
+    traced by torch.compile, wait for every gather, once, at the first hooked module the compiled
+    code enters. A graph cannot wait mid-way, so the per-module waits would break it at every
+    module (and dynamo then runs a loop of layers eagerly), and the parameters it reads would be
+    marked (`pending_params`) where dynamo checks its guards and traces: a recompilation at each
+    step, and dynamo's SpeculationLogDivergence tracing a marked parameter's `.dtype` before a
+    break. Landed first, the compiled forward sees plain parameters, each step alike."""
     def hook(module: nn.Module, args) -> None:
         gathers = me()
         if gathers is not None and gathers._pending[0]:
-            _wait(gathers, works)
+            if _compiled():
+                _wait_all(gathers)
+            elif works:
+                _wait(gathers, works)
     return hook
+
+
+def _compiled() -> bool:
+    """Whether torch.compile traces this code or runs it within a compiled region: a hook that
+    dynamo traced with nothing in flight is a frame without graph, which it runs eagerly from
+    then on, with its callback still set for the frames it calls."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 @torch.compiler.disable(reason=FULLGRAPH)
 def _wait(gathers: ParamsInFlight, works: list[int]) -> None:
     """A forward's wait for its modules' gathers: always eager (torch.compile breaks its graph here)."""
     gathers.wait(works)
+
+
+@torch.compiler.disable(reason=FULLGRAPH)
+def _wait_all(gathers: ParamsInFlight) -> None:
+    """A compiled forward's wait for every gather: eager, a break before its graph."""
+    gathers.wait_all()
 
 
 class _Hook:
