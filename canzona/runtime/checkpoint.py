@@ -144,7 +144,7 @@ class StateHeldElsewhere(dict):
 
     def __init__(self, owner: Described | None = None) -> None:
         super().__init__()
-        self._owner = owner  # the optimizer (not a closure: the optimizer still pickles and copies)
+        self._owner = owner  # the optimizer (which refuses pickling: `not_pickled`)
         self._fields = FieldsIndex()  # `entry_fields` in O(1) per parameter
 
     def __bool__(self) -> bool:

@@ -103,6 +103,7 @@ from canzona.runtime.kernels import (
     update_target,
 )
 from canzona.runtime.mesh import TP
+from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
@@ -172,7 +173,7 @@ ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_par
 _SINCE = (None, "replaced", "added", "edited")
 
 
-class FsdpOptimizer(torch.optim.Optimizer):
+class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
     """`DistributedOptimizer` over FSDP2 parameters (built by it: `DistributedOptimizer(
     model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
     describes the global model. Options are `DistributedOptimizer`'s; those of the ZeRO-1 layout

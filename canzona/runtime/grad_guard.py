@@ -126,16 +126,26 @@ class GradGuard(Tensor):
         return (f"GradGuard({self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, {state}: the "
                 "gradient lives in canzona's DistributedOptimizer)")
 
+    # `model.share_memory()` (DataLoader workers, Hogwild habits) calls `share_memory_()` on every
+    # `.grad`, which torch runs on the tensor's storage: a guard's has no memory, and torch's
+    # segfaulted. A guard holds no memory to share (the gradient lives in the optimizer's buffer,
+    # which stays where it is): a no-op, and not shared.
+    def share_memory_(self) -> GradGuard:
+        return self
+
+    def is_shared(self) -> bool:
+        return False
+
+    def _typed_storage(self) -> Any:  # torch's: a storage without memory, whose use segfaults
+        raise CanzonaError(_live_owner(self).refusal(self._name, "_typed_storage", False))
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         guard = next((a for a in (*args, *kwargs.values()) if isinstance(a, GradGuard)), None)
         if guard is None:  # a collective takes its tensors in a list: c10d.allreduce_([grad], ...)
             guard = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, GradGuard))
-        owner = guard._owner()
-        if owner is None:
-            raise CanzonaError(f"the gradient of {guard._name!r} belonged to a DistributedOptimizer that no longer "
-                               "exists: call model.zero_grad() before using the model with another optimizer")
+        owner = _live_owner(guard)
         if func in _ALIASES:
             shape = func(torch.empty(guard.shape, dtype=guard.dtype, device="meta"), *args[1:], **kwargs).shape
             return GradGuard(shape, guard.dtype, guard.device, guard._owner, guard._name)
@@ -157,6 +167,15 @@ class GradGuard(Tensor):
             return guard
         in_backward = torch._C._current_graph_task_id() != -1
         raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
+
+
+def _live_owner(guard: GradGuard) -> GuardOwner:
+    """The optimizer owning `guard`'s gradient; one error where it no longer exists."""
+    owner = guard._owner()
+    if owner is None:
+        raise CanzonaError(f"the gradient of {guard._name!r} belonged to a DistributedOptimizer that no longer "
+                           "exists: call model.zero_grad() before using the model with another optimizer")
+    return owner
 
 
 def _guard_owner(grad: Tensor) -> GuardOwner | None:

@@ -86,6 +86,7 @@ from canzona.runtime.groups import (
 from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
+from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import (
@@ -113,7 +114,7 @@ from canzona.tp import Capacity
 log = logging.getLogger("canzona")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
     """A matrix optimizer (`canzona.optimizers.MATRIX_REGISTRY`) plus AdamW, data- and tensor-parallel;
     or, with `optimizer="adamw"`, AdamW on every parameter as Megatron's distributed optimizer runs
     it (policy `zero1`: even segments, each rank updating the pieces of matrices they hold; its

@@ -1865,3 +1865,110 @@ def test_a_compiled_step_runs_eagerly_as_the_step(one_rank):
             step()
         return _params(model)
     assert compare(train(True), train(False))["bit_identical"]
+
+
+# --- torch.compile(model) with the gathers in flight; the optimizer pickled; model.share_memory() --
+
+
+@pytest.mark.parametrize("backend, when", [("eager", "before"), ("aot_eager", "after"), ("eager", "in place")])
+def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gathers_in_flight(one_rank, backend,
+                                                                                             when):
+    """`model = torch.compile(model)` (before or after the optimizer is built, or `model.compile()`),
+    trained and evaluated under `no_grad` with overlap_param_gather (the default): one graph for the
+    forward, no graph break, and each loss and weight the eager loop's. Before: dynamo's
+    SpeculationLogDivergence in the second forward, tracing the model's `self.dtype` (a read of a
+    parameter still marked pending) ahead of a module's wait, which broke the graph."""
+    from torch._dynamo.utils import counters
+
+    spec = replace(BASE, steps=4)
+
+    def train(compiled: bool) -> dict:
+        model = build_model(spec)
+        forward = torch.compile(model, backend=backend) if compiled and when == "before" else model
+        opt = _optimizer(model)
+        if compiled and when == "after":
+            forward = torch.compile(model, backend=backend)
+        elif compiled:
+            model.compile(backend=backend)
+
+        def loss(tokens: torch.Tensor) -> torch.Tensor:
+            logits = forward(tokens[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        losses = []
+        for tokens in _batches(0, 1, spec):
+            opt.zero_grad()
+            losses.append(loss(tokens))
+            losses[-1].backward()
+            opt.step()
+            with torch.no_grad():
+                losses.append(loss(tokens))
+        return {"overlap": opt.overlap_param_gather, "losses": [float(x.detach()) for x in losses], "params": _params(model)}
+    torch.compiler.reset()
+    counters.clear()
+    try:
+        compiled = train(True)
+        breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    finally:
+        torch.compiler.reset()
+    eager = train(False)
+    assert compiled["overlap"] and eager["overlap"]
+    assert compiled["losses"] == eager["losses"]
+    assert compare(compiled["params"], eager["params"])["bit_identical"]
+    # the first forward (nothing in flight) and the later ones (every gather landed before them)
+    assert breaks == 0 and graphs <= 2, (breaks, graphs)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy", "torch.save"])
+def test_pickling_or_copying_the_optimizer_is_one_checkpointerror_naming_state_dict(one_rank, tmp_path, how):
+    """`torch.save(optimizer, path)`, `pickle.dumps(optimizer)`, `copy.deepcopy(optimizer)`: its
+    state lives in flat buffers shared with the model's hooks and its process group, which no
+    pickle of the object carries. Before: each succeeded silently (a 366 kB file that loads as an
+    optimizer no rank can step)."""
+    import copy
+    import pickle
+
+    from canzona.errors import CheckpointError
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    _train(model, opt, _batches(0, 1)[:1])
+    path = tmp_path / "opt.pt"
+    act = {"pickle": lambda: pickle.dumps(opt), "deepcopy": lambda: copy.deepcopy(opt),
+           "copy": lambda: copy.copy(opt), "torch.save": lambda: torch.save(opt, path)}[how]
+    with pytest.raises(CheckpointError) as refused:
+        act()
+    message = str(refused.value)
+    assert "state_dict()" in message and "\n" not in message, message
+    assert not path.exists()  # torch.save left no partial file behind
+    _train(model, opt, _batches(0, 1)[1:2])  # the optimizer still steps
+
+
+def shared_memory_job(rank: int, world: int) -> dict:
+    """`model.share_memory()` between step() and zero_grad() (a guard in every `.grad`), then the
+    loop goes on; what a guard says of its memory."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    seen: dict = {}
+    for i, tokens in enumerate(_batches(rank, world)):
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.step()
+        if i == 0:
+            grad = next(iter(model.parameters())).grad
+            seen["guard"] = type(grad).__name__
+            seen["guard returned"] = grad.share_memory_() is grad
+            model.share_memory()
+            seen["params shared"] = all(p.is_shared() for p in model.parameters())
+            seen["grads shared"] = [p.grad.is_shared() for p in model.parameters() if p.grad is not None]
+            seen["storage"] = _outcome(grad._typed_storage)
+    return {**seen, "params": _params(model)}
+
+
+def test_model_share_memory_between_step_and_zero_grad_trains_as_torch(one_rank):
+    """Before: a segfault (`share_memory_()` of a guard's `.grad`: a storage with no memory)."""
+    out = run_ranks(shared_memory_job, 1, deadline_s=DEADLINE_S)[0]
+    assert out["guard"] == "GradGuard" and out["guard returned"] and out["params shared"]
+    # the gradient's memory is the optimizer's buffer, which share_memory() does not move
+    assert out["grads shared"] and not any(out["grads shared"])
+    assert out["storage"]["error"] == "CanzonaError" and "\n" not in out["storage"]["message"], out["storage"]
+    assert compare(out["params"], emulate(BASE, 1))["bit_identical"]
