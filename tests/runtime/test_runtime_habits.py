@@ -1972,3 +1972,31 @@ def test_model_share_memory_between_step_and_zero_grad_trains_as_torch(one_rank)
     assert out["grads shared"] and not any(out["grads shared"])
     assert out["storage"]["error"] == "CanzonaError" and "\n" not in out["storage"]["message"], out["storage"]
     assert compare(out["params"], emulate(BASE, 1))["bit_identical"]
+
+
+def fsdp_pickled_job(rank: int, world: int, path: str) -> dict:
+    """Under FSDP2 (the matrix optimizer): the optimizer saved or copied as an object after a step.
+    (`model.share_memory()` is not tried: torch's own `share_memory_()` of an FSDP2 model's DTensor
+    parameters, a storage without memory, segfaults, optimizer or not.)"""
+    import copy
+    import os
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    spec = replace(BASE, optimizer="muon")
+    model = build_model(spec)
+    model_spec = _shard(model, True)
+    opt = DistributedOptimizer(list(named_parameters(model)), model_spec, "muon")
+    _train(model, opt, _batches(rank, world, spec)[:1])
+    target = f"{path}-fsdp-opt-{rank}.pt"
+    return {"layout": type(opt).__name__, "torch.save": _outcome(lambda: torch.save(opt, target)),
+            "left behind": os.path.exists(target), "deepcopy": _outcome(lambda: copy.deepcopy(opt))}
+
+
+def test_under_fsdp2_the_optimizer_object_is_not_pickled_either(tmp_path):
+    for out in run_ranks(fsdp_pickled_job, DP, str(tmp_path / "ckpt"), deadline_s=DEADLINE_S):
+        assert out["layout"] == "FsdpOptimizer"
+        for how in ("torch.save", "deepcopy"):
+            assert out[how]["error"] == "CheckpointError" and "state_dict()" in out[how]["message"], out[how]
+        assert not out["left behind"]
