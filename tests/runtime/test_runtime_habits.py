@@ -1870,12 +1870,14 @@ def test_a_compiled_step_runs_eagerly_as_the_step(one_rank):
 # --- torch.compile(model) with the gathers in flight; the optimizer pickled; model.share_memory() --
 
 
-@pytest.mark.parametrize("backend, when", [("eager", "before"), ("aot_eager", "after"), ("eager", "in place")])
+@pytest.mark.parametrize("backend, when", [("eager", "before"), ("aot_eager", "after"), ("eager", "in place"),
+                                           ("eager", "blocks")])
 def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gathers_in_flight(one_rank, backend,
                                                                                              when):
-    """`model = torch.compile(model)` (before or after the optimizer is built, or `model.compile()`),
-    trained and evaluated under `no_grad` with overlap_param_gather (the default): one graph for the
-    forward, no graph break, and each loss and weight the eager loop's. Before: dynamo's
+    """`model = torch.compile(model)` (before or after the optimizer is built, `model.compile()`, or
+    each block's `compile()` as torchtitan does),
+    trained and evaluated under `no_grad` with overlap_param_gather (the default): two graphs at most
+    (the eval forward's grad mode), no graph break, and each loss and weight the eager loop's. Before: dynamo's
     SpeculationLogDivergence in the second forward, tracing the model's `self.dtype` (a read of a
     parameter still marked pending) ahead of a module's wait, which broke the graph."""
     from torch._dynamo.utils import counters
@@ -1888,6 +1890,9 @@ def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gat
         opt = _optimizer(model)
         if compiled and when == "after":
             forward = torch.compile(model, backend=backend)
+        elif compiled and when == "blocks":  # before: 6 graph breaks, 5 graphs
+            for block in model.model.layers:
+                block.compile(backend=backend)
         elif compiled:
             model.compile(backend=backend)
 
