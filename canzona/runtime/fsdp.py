@@ -65,6 +65,7 @@ from canzona.runtime.amp_marks import AmpMarks
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.checkpoint import DCP_PREFIX, StateHeldElsewhere, label_groups
 from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.fsdp_ep import expert_mesh_of
 from canzona.runtime.fsdp_layout import (
     ParamLayout,
     exchange_ranks,
@@ -180,9 +181,10 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
     that FSDP2 decides instead (`ZERO1_ONLY`: reduce_scatter, tp_policy, tp_mode, capacity,
     overlap_param_gather, geometry) are refused off their defaults, as `canzona simulate --fsdp`
     refuses them (`sim.fsdp.check_fsdp`): set, they would change nothing; expert_buckets, which
-    sizes buckets of expert stacks, has nothing to size without expert parallelism, which is not run
-    here; and those it does not run yet are refused: `plan=` (the owners are planned at
-    construction), `overlap_step`, `expert_mesh`. `policy`: an FSDP step policy
+    sizes ZeRO-1's buckets of expert stacks, has nothing to size here; and those it does not run yet
+    are refused: `plan=` (the owners are planned at construction), `overlap_step`. Expert
+    parallelism (torchtitan's layout, `canzona.runtime.fsdp_ep`) runs under `optimizer="adamw"`;
+    `expert_mesh` may name the experts' mesh, which their DTensors carry. `policy`: an FSDP step policy
     with owners (`canzona.step_policies.FSDP_POLICIES`: `canzona`, the default, or
     `fsdp-owners-unbalanced`); under `optimizer="adamw"` its own, zero1 (`fsdp_policy`: each rank
     its own shards, `self.policy` None), and no matrix_config or owner plan settings."""
@@ -209,10 +211,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             if opts[option] != default:
                 raise SpecError(f"{option}={opts[option]!r} is the ZeRO-1 layout's option; under FSDP2 it changes "
                                 f"nothing (leave it at its default, {default!r})")
-        for option, why in (("plan", "the owners are planned at construction from the model and the mesh"),
-                            ("expert_mesh", "expert parallelism with FSDP is not run yet")):
-            if opts[option] is not None:
-                raise SpecError(f"{option}= is not taken under FSDP2: {why}")
+        if opts["plan"] is not None:
+            raise SpecError("plan= is not taken under FSDP2: the owners are planned at construction from the "
+                            "model and the mesh")
         if opts["overlap_step"]:
             raise SpecError("overlap_step is not run under FSDP2 yet: the step starts after FSDP2's last "
                             "reduce-scatter")
@@ -243,6 +244,10 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
 
         groups = user_groups(params)
+        # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
+        # parameters (a matrix optimizer over EP-sharded stacks is refused as such)
+        self.expert_mesh = expert_mesh_of({n: p for pairs, _ in groups for n, p in pairs}, self.optimizer,
+                                          self.elementwise, opts["expert_mesh"])
         self.params = self._checked_params(groups)
         if self.compile_kernels:
             check_compile(p.device.type for p in self.params.values())
@@ -255,6 +260,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.device_mesh = root_mesh(self.params)
         me = dist.get_rank()
         self.replica_dims = replica_dims(self.params, self.device_mesh)
+        if self.expert_mesh is not None and self.replica_dims:  # HSDP's replicas of the experts' mesh
+            raise SpecError(f"every parameter is replicated over mesh dimension(s) {self.replica_dims} beside experts "
+                            "sharded over 'ep': HSDP beside expert parallelism is not run under FSDP2")
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
         world_group, _ = new_groups([world_ranks], me, self.device_mesh)
         exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me,

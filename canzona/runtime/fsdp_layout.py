@@ -75,10 +75,12 @@ def root_mesh(params: Mapping[str, Tensor]):
     for p in params.values():
         if p.device_mesh not in meshes:
             meshes.append(p.device_mesh)
-    root = max(meshes, key=lambda m: m.mesh.numel())
+    # of meshes over as many ranks, the one of most dimensions (FSDP2 with EP: the experts' (efsdp,
+    # ep) mesh, the dense part on its ranks flattened)
+    root = max(meshes, key=lambda m: (m.mesh.numel(), m.ndim))
     for name, p in params.items():
         mesh = p.device_mesh
-        if mesh == root:
+        if mesh == root or flattened(mesh, root):
             continue
         names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
         if not names or not set(names) <= set(root_names) or not _inside(mesh, root):
@@ -86,6 +88,12 @@ def root_mesh(params: Mapping[str, Tensor]):
                             "over one device mesh, or named parts of it (torchtitan's mesh['dp'] beside "
                             "mesh['dp', 'tp'])")
     return root
+
+
+def flattened(mesh, root) -> bool:
+    """`mesh` is `root`'s ranks in `root`'s order along one dimension (torchtitan's dp mesh beside
+    the experts' (efsdp, ep) mesh): a placement on it spans every dimension of `root`."""
+    return mesh.ndim == 1 and root.ndim > 1 and mesh.mesh.tolist() == root.mesh.flatten().tolist()
 
 
 def _inside(mesh, root) -> bool:
@@ -103,6 +111,8 @@ def placement_on(p: Tensor, root, d: int):
 
     if p.device_mesh == root:
         return p.placements[d]
+    if flattened(p.device_mesh, root):  # over every dimension: replicated on each, or on none
+        return p.placements[0]
     names = p.device_mesh.mesh_dim_names
     want = root.mesh_dim_names[d]
     return p.placements[names.index(want)] if want in names else Replicate()
