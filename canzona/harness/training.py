@@ -94,8 +94,11 @@ class TrainSpec:
         from canzona.fsdp_plan import check_hsdp
 
         check_hsdp(self.fsdp, dp, self.hsdp_replicate)
-        if self.fsdp and self.ep > 1:
-            raise SpecError(f"--fsdp runs dense models: give --ep 1 (got ep {self.ep})")
+        if self.fsdp and self.ep > 1 and (self.optimizer != "adamw" or self.tp > 1 or self.hsdp_replicate != 1):
+            # what the runtime runs of FSDP2 with EP (canzona.runtime.fsdp_ep)
+            raise SpecError(f"--fsdp --ep {self.ep} runs AdamW at TP 1 without HSDP replicas (torchtitan's layout: "
+                            f"the experts over ep x efsdp); got optimizer {self.optimizer}, tp {self.tp}, "
+                            f"hsdp_replicate {self.hsdp_replicate}")
         if self.fsdp and self.tp > 1 and (self.hsdp_replicate != 1 or self.tp_style != "dtensor"):
             raise SpecError("FSDP x TP runs torchtitan's composition: tp_style dtensor, no HSDP replicas")
         if self.fsdp and (self.tp_policy, self.tp_mode) != (PLAN_DEFAULTS.tp_policy, STEP_DEFAULTS.tp_mode):
@@ -372,12 +375,20 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
     spec.check(dp)
     model = build_model(spec)
     mspec = model.spec()
-    mesh = fsdp_mesh(spec, world)
-    if spec.tp > 1:
+    if spec.ep > 1:  # torchtitan's layout of the experts (reference.tiny_moe_fsdp_ep): efsdp x ep
+        from reference.tiny_model import _torch_dtype
+        from reference.tiny_moe import MOE_PRESETS
+        from reference.tiny_moe_fsdp_ep import fsdp_ep_model
+
+        model, mesh, _ = fsdp_ep_model(MOE_PRESETS[spec.preset], spec.ep, seed=spec.model_seed,
+                                       dtype=_torch_dtype(spec.dtype))
+    elif spec.tp > 1:
         from reference.tiny_model_tp import parallelize_tiny
 
+        mesh = fsdp_mesh(spec, world)
         shard_tiny(parallelize_tiny(model, mesh["tp"]), mesh["dp"])
     else:
+        mesh = fsdp_mesh(spec, world)
         shard_tiny(model, mesh)
     dp_rank = rank // spec.tp  # TP peers train on their DP rank's data
     opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config or None,
@@ -412,7 +423,7 @@ def fsdp_worker(rank: int, world: int, spec: TrainSpec, on_step: Callable[[int],
         "plan": opt.plan,
         "dp_rank": dp_rank,
         "tp_rank": rank % spec.tp,
-        "ep_rank": 0,
+        "ep_rank": mesh.get_local_rank("ep") if "ep" in mesh_names else 0,
         "tp_dims": {p.name: None for p in mspec.params},
         # the rank whose pieces a replica's must equal (FSDP x TP: every rank holds its own)
         "shard_rank": mesh.get_local_rank("shard") if "shard" in mesh_names else rank,

@@ -84,9 +84,9 @@ class VerifyCase:
 
     @property
     def label(self) -> str:
-        if self.spec.fsdp:
-            return f"{self.spec.optimizer} / {self.spec.policy} / fsdp"
         ep = f" / ep {self.spec.ep}" if self.spec.ep > 1 else ""
+        if self.spec.fsdp:
+            return f"{self.spec.optimizer} / {self.spec.policy} / fsdp{ep}"
         if self.spec.tp == 1:
             return f"{self.spec.optimizer} / {self.spec.policy}{ep}"
         return f"{self.spec.optimizer} / {self.spec.policy} / {self.plan.tp_plan.policy} {self.spec.tp_mode}{ep}"
@@ -171,7 +171,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     if fsdp:  # `all`: the whole-matrix optimizers, whose owners it checks; adamw when named
         optimizers = [o for o in optimizers if o in MATRIX_OPTIMIZERS] if optimizer == "all" else optimizers
         return _fsdp_cases(mspec, dp, tp, optimizers, policy, dp_policy, alpha, bucket_size, steps, global_batch,
-                           seq_len, accumulation, preset, hsdp_replicate, tp_policy, tp_mode)
+                           seq_len, accumulation, preset, hsdp_replicate, tp_policy, tp_mode, ep)
     if policy is not None:
         _choices(policy, POLICIES, "policy")
     recorded = steps * sum(p.local_numel(tp) for p in mspec.params)
@@ -213,14 +213,15 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
 
 def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_replicate: int, fsdp: bool) -> None:
     """What `--fsdp` runs: the dense tiny presets over the DP ranks, or over DP x TP as torchtitan
-    composes them (not with HSDP; expert parallelism and stacked experts are not run under FSDP2),
-    shard groups of at least 2 ranks."""
+    composes them (not with HSDP), the tiny MoE presets with AdamW (at `ep` > 1 in torchtitan's
+    layout, `reference.tiny_moe_fsdp_ep`: TP 1, no HSDP), shard groups of at least 2 ranks."""
     from canzona.fsdp_plan import check_hsdp
     from reference.tiny_moe import HF_MOE_PRESET, MOE_PRESETS
 
-    if fsdp and ep > 1:
-        raise SpecError(f"--fsdp runs dense models: give --ep 1 (got ep {ep}); expert parallelism under FSDP2 "
-                        "is not run yet")
+    if fsdp and ep > 1 and (optimizer != "adamw" or tp > 1 or hsdp_replicate != 1):
+        raise SpecError(f"--fsdp --ep {ep} is run with --optimizer adamw at --tp 1 without --hsdp-replicate "
+                        f"(torchtitan's layout: the experts over ep x efsdp); got optimizer {optimizer}, tp {tp}, "
+                        f"hsdp_replicate {hsdp_replicate}")
     if fsdp and tp > 1 and hsdp_replicate != 1:
         raise SpecError(f"--fsdp --tp {tp} is verified without --hsdp-replicate (a 3-D mesh)")
     if dp > MAX_DP:
@@ -228,15 +229,15 @@ def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_rep
     if fsdp and dp < 2:
         raise SpecError(f"--fsdp shards the model over the DP ranks: give --dp 2 or more, got {dp}")
     check_hsdp(fsdp, dp, hsdp_replicate)
-    if preset in MOE_PRESETS or preset == HF_MOE_PRESET:
-        raise SpecError(f"--fsdp runs the dense presets: the {preset} model's stacked experts are not run under "
-                        "FSDP2 yet")
+    if (preset in MOE_PRESETS or preset == HF_MOE_PRESET) and (optimizer != "adamw" or preset not in MOE_PRESETS):
+        raise SpecError(f"--fsdp runs the {preset} model's stacked experts with --optimizer adamw on the "
+                        f"{', '.join(MOE_PRESETS)} presets (a whole-matrix optimizer over them is not run under FSDP2)")
 
 
 def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str | None, dp_policy: str,
                 alpha: float,
                 bucket_size: int | None, steps: int, global_batch: int, seq_len: int, accumulation: int,
-                preset: str, hsdp_replicate: int, tp_policy: str, tp_mode: str) -> list[VerifyCase]:
+                preset: str, hsdp_replicate: int, tp_policy: str, tp_mode: str, ep: int = 1) -> list[VerifyCase]:
     """`prepare` under `--fsdp`: per (optimizer, FSDP owner policy), the owners' plan the runtime
     makes (`canzona.fsdp_plan.fsdp_matrices`, over the shard group, x TP under FSDP x TP), made here
     so that bad settings fail before any spawn (`tp_policy` / `tp_mode`: the training spec refuses
@@ -281,7 +282,7 @@ def _fsdp_cases(mspec, dp: int, tp: int, optimizers: Sequence[str], policy: str 
                              alpha=settings.alpha, bucket_size=settings.bucket_size, steps=steps,
                              global_batch=global_batch, seq_len=seq_len, accumulation=accumulation, fsdp=True,
                              hsdp_replicate=hsdp_replicate, tp=tp, tp_style="dtensor", tp_policy=tp_policy,
-                             tp_mode=tp_mode)
+                             tp_mode=tp_mode, ep=ep)
             spec.check(dp)
             check_owner_plan_settings(step, settings)  # AdamW's step has no owners to plan
             plan = None if step is None else fsdp_matrices(mspec, shard * tp, opt, step, settings)[1]

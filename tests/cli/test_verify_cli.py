@@ -190,6 +190,19 @@ def test_fsdp_adamw_bit_for_bit():
 
 
 @pytest.mark.distributed
+def test_fsdp_ep_adamw_bit_for_bit():
+    """`canzona verify --fsdp --dp 4 --ep 2 --optimizer adamw`: the tiny MoE in torchtitan's layout
+    (stacks Shard(0) over ep, fully_shard over efsdp, the dense part over dp), every rank's pieces
+    equal to one process on the gradients FSDP2 reduced (before: one error line, "give --ep 1")."""
+    result, out, err = run("--fsdp", "--dp", "4", "--ep", "2", "--optimizer", "adamw", "--steps", "2", "--json")
+    assert result.exit_code == 0, (out, err)
+    report = json.loads(out)
+    assert report["ok"] is True and [r["rung"] for r in report["rows"]] == ["replicas", "3a", "3b"]
+    assert all((r["fsdp"], r["dp"], r["ep"], r["optimizer"]) == (True, 4, 2, "adamw") for r in report["rows"])
+    assert report["rows"][1]["bit_identical"] is True
+
+
+@pytest.mark.distributed
 def test_fsdp_x_tp_bit_for_bit():
     """`--fsdp --tp 2`: torchtitan's composition (parallelize_module over tp, fully_shard over dp) on
     DP 2 x TP 2; every rank's piece (a TP shard's row block) equals the one-process kernels."""
@@ -280,7 +293,9 @@ def test_gather_whole_with_an_empty_shard():
     (["--dp", "8", "--ep", "8"], "ep=8 does not divide the 4 experts"),
     (["--dp", "2", "--ep", "2", "--policy", "zero1"], "zero1"),
     (["--fsdp", "--tp", "2", "--dp", "4", "--hsdp-replicate", "2"], "verified without --hsdp-replicate"),
-    (["--fsdp", "--ep", "2"], "give --ep 1 (got ep 2)"),
+    (["--fsdp", "--ep", "2"], "--fsdp --ep 2 is run with --optimizer adamw"),
+    (["--fsdp", "--dp", "4", "--ep", "2", "--optimizer", "adamw", "--hsdp-replicate", "2"],
+     "without --hsdp-replicate"),
     (["--fsdp", "--dp", "1"], "give --dp 2 or more"),
     # AdamW's FSDP2 step: its own policy, no owners to plan
     (["--fsdp", "--optimizer", "adamw", "--policy", "canzona"], "each rank steps its own shards (FSDP2's), policy zero1"),
@@ -289,7 +304,7 @@ def test_gather_whole_with_an_empty_shard():
     (["--fsdp", "--policy", "zero1"], "'zero1' is not an FSDP policy"),
     # round-robin owners: no plan places them, and the run verified the default's
     (["--fsdp", "--policy", "fsdp-owners-unbalanced", "--alpha", "0.5"], "alpha 0.5: canzona's owner plan settings"),
-    (["--fsdp", "--preset", "tiny-moe"], "stacked experts are not run under FSDP2"),
+    (["--fsdp", "--preset", "tiny-moe"], "a whole-matrix optimizer over them is not run under FSDP2"),
     (["--hsdp-replicate", "2"], "it needs --fsdp"),
     (["--fsdp", "--dp", "4", "--hsdp-replicate", "3"], "--hsdp-replicate 3 must divide the 4"),
     (["--fsdp", "--dp", "2", "--hsdp-replicate", "2"], "shard group of 1 rank"),

@@ -133,6 +133,9 @@ def worker(rank: int, world: int, path: str) -> dict[str, Any]:
     model, _ = _build("torch")
     model.loss(batches[0]).backward()
     out["torchtitan norm"] = _torch_norm(model)
+    from canzona.harness.training import gather_whole
+
+    out["grads"] = gather_whole({n: p.grad for n, p in model.named_parameters()})
 
     model, opt = _build("canzona")
     out["kind"] = type(opt).__name__
@@ -260,6 +263,20 @@ def test_adamw_under_fsdp_ep_equals_torch_adamw_with_torchtitans_clip() -> None:
         _ok(r)
         assert not _equal(r["user clip"], r["torch"]), (rank, _equal(r["user clip"], r["torch"]))
         assert any(not torch.equal(r["torch"][n], r["torch skipped"][n]) for n in r["torch"])
+
+
+def test_the_layouts_gradients_are_the_global_mean_losss() -> None:
+    """The reference layout's gradients (experts: the dispatch's sum over the EP group, scaled by
+    1 / ep, FSDP2's mean over efsdp) are the whole model's on the global batch, within 1e-5."""
+    from reference.tiny_moe import TinyMoe
+
+    model = TinyMoe(config(), seed=0)
+    model.loss(torch.cat([_batches(r, WORLD, 1)[0] for r in range(WORLD)])).backward()
+    got = runs()[0]
+    _ok(got)
+    for n, p in model.named_parameters():
+        scale = float(p.grad.abs().max())
+        assert scale > 0 and float((got["grads"][n] - p.grad).abs().max()) <= 1e-5 * scale, n
 
 
 def test_canzonas_clip_counts_every_gradient_element_once() -> None:
