@@ -43,7 +43,7 @@ from canzona.cost import (
 )
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
-from canzona.experts import dense_part
+from canzona.experts import dense_part, expert_part
 from canzona.fsdp_collectives import exchange_bytes
 from canzona.fsdp_plan import (
     MAX_OWNER_GROUPS,
@@ -714,11 +714,16 @@ class _FsdpRun:
                                           moment_bytes=setup.update_state_bytes)
             if self.ep == 1:
                 return held
-            # under EP each rank's share of its EP rank's experts (over the EDP group; AdamW's state)
-            n = -(-sum(self.expert_local.values()) // self.edp)
-            return [replace(h, weights=h.weights + n * weight_bytes, grads=h.grads + n * gb,
-                            master_weights=h.master_weights + n * mb,
-                            adamw_state=h.adamw_state + setup.adamw_state_bytes(n)) for h in held]
+            # under EP each rank's own torch.chunk piece of each of its EP rank's stacks, over the
+            # EDP group (rank r: EP rank r % ep, EDP member r // ep, as the runtime's (efsdp, ep)
+            # mesh; AdamW's state): uneven where the EP rank's experts do not divide by EDP
+            experts = fsdp_persistent_memory(expert_part(self.spec, self.ep), self.edp, {},
+                                             weight_bytes=weight_bytes, grad_bytes=gb, master_bytes=mb,
+                                             moment_bytes=setup.update_state_bytes)
+            return [replace(h, weights=h.weights + e.weights, grads=h.grads + e.grads,
+                            master_weights=h.master_weights + e.master_weights,
+                            adamw_state=h.adamw_state + e.adamw_state)
+                    for h, e in ((h, experts[r // self.ep]) for r, h in enumerate(held))]
         s, tp = self.shard, self.tp
         total = sum(self.local.values())  # one TP rank's elements (TP-sharded parameters' 1 / T)
         matrix_numel = sum(self.spec.param(m).local_numel(tp) for m in self.matrices)

@@ -148,6 +148,7 @@ def worker(rank: int, world: int, path: str) -> dict[str, Any]:
     _train(model, opt, batches)
     out["max_grad_norm"] = _full(model)
     out["end state"] = opt.state_dict()
+    out["held"] = held(model, opt)
     model, opt = _build("canzona", nonfinite="skip")
     _train(model, opt, batches, user_clip=True, poison=POISON)
     out["skip"], out["skipped"] = _full(model), opt.skipped_steps
@@ -170,6 +171,25 @@ def worker(rank: int, world: int, path: str) -> dict[str, Any]:
         out[f"resumed {form} state"] = opt.state_dict()
     out["refusals"] = refusals()
     return out
+
+
+def held(model, opt) -> dict[str, Any]:
+    """The bytes this rank holds after its steps, by `canzona.memory.RankMemory`'s persistent
+    categories, and its experts' pieces (weights)."""
+    from canzona.runtime.shards import local_tensor
+    from reference.tiny_moe_fsdp_ep import is_expert
+
+    params = dict(model.named_parameters())
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return {"rank": opt.rank, "weights": nbytes(local_tensor(p) for p in params.values()),
+            "grads": nbytes(local_tensor(p.grad) for p in params.values()),
+            "master_weights": nbytes(opt.master.values()), "matrix_state": 0,
+            "adamw_state": sum(nbytes(v for v in s.values() if isinstance(v, torch.Tensor))
+                               for s in opt.adamw_state.values()),
+            "experts": nbytes(local_tensor(p) for n, p in params.items() if is_expert(n))}
 
 
 def refusals() -> dict[str, str]:
@@ -349,3 +369,29 @@ def test_what_is_not_run_is_one_error_on_every_rank() -> None:
         assert "is not the mesh the experts live on" in got["expert_mesh"], got["expert_mesh"]
         assert "HSDP (or TP) beside expert parallelism is not run" in got["hsdp"], got["hsdp"]
         assert "expert tensor parallelism (ETP > 1) is not" in got["etp"], got["etp"]
+
+
+def test_the_simulator_reports_each_ranks_own_piece_of_its_experts() -> None:
+    """`canzona simulate --fsdp --ep 2 --optimizer adamw` of this model at 4 ranks: per rank, every
+    persistent category is what the runtime holds. Each EP rank's 3 experts a stack are torch.chunk'ed
+    2 / 1 over its efsdp pair (ranks 0, 1 hold two, ranks 2, 3 one); before, the simulator gave every
+    rank an even, rounded-up share of its EP rank's experts."""
+    from dataclasses import replace
+
+    from reference.tiny_moe import TinyMoe
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+    from tests.runtime.expert_runs import moe_architecture
+
+    spec = TinyMoe(config()).spec()
+    arch = replace(moe_architecture(spec.name, "tiny-moe"), experts=config().experts)
+    cfg = SimConfig(model=spec.name, gpus=WORLD, tp=1, ep=EP, fsdp=True, optimizer="adamw", policy="zero1",
+                    workload=Workload(global_batch=2 * WORLD, seq_len=8, param_bytes=4))
+    sim = simulate(cfg, model=(spec, arch)).memory
+    ranks = [r["held"] for r in runs()]
+    experts = [r["experts"] for r in ranks]
+    assert experts[0] == experts[1] == 2 * experts[2] == 2 * experts[3] > 0, experts  # uneven pieces
+    for got in ranks:
+        for k in ("weights", "grads", "master_weights", "matrix_state", "adamw_state"):
+            assert got[k] == getattr(sim.ranks[got["rank"]], k), (got["rank"], k, got[k],
+                                                                   getattr(sim.ranks[got["rank"]], k))
