@@ -213,6 +213,8 @@ def refusals() -> dict[str, str]:
 
     model, mesh, _ = _build_model()
     attempt("muon", lambda: DistributedOptimizer(model.named_parameters(), model.spec(), "muon"))
+    attempt("expert_mesh taken", lambda: DistributedOptimizer(model.named_parameters(), model.spec(), "adamw",
+                                                              expert_mesh=mesh))
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     attempt("expert_mesh", lambda: DistributedOptimizer(model.named_parameters(), model.spec(), "adamw",
                                                         expert_mesh=other))
@@ -367,6 +369,7 @@ def test_what_is_not_run_is_one_error_on_every_rank() -> None:
         assert got == ranks[0]["refusals"]  # every rank alike
         assert "optimizer 'muon' over experts sharded over 'ep' under FSDP2" in got["muon"], got["muon"]
         assert "is not the mesh the experts live on" in got["expert_mesh"], got["expert_mesh"]
+        assert got["expert_mesh taken"] == "no error"  # the experts' own mesh, named
         assert "HSDP (or TP) beside expert parallelism is not run" in got["hsdp"], got["hsdp"]
         assert "expert tensor parallelism (ETP > 1) is not" in got["etp"], got["etp"]
 
