@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from canzona.errors import SpecError
+from canzona.fsdp_plan import stacked_experts_refusal
 from canzona.runtime.fsdp_layout import flattened
 
 EP = "ep"  # the experts' mesh dimension, as torchtitan names it
@@ -55,9 +56,7 @@ def expert_mesh_of(params: Mapping[str, Tensor], optimizer: str, elementwise: bo
     name, first = next(iter(experts.items()))
     mesh = first.device_mesh
     if not elementwise:
-        raise SpecError(f"optimizer {optimizer!r} over experts sharded over 'ep' under FSDP2 ({name}) is not run: "
-                        "a matrix optimizer's owners would span the experts' and the dense part's meshes; "
-                        "optimizer='adamw' runs FSDP2 with expert parallelism")
+        raise SpecError(stacked_experts_refusal(optimizer, name))
     for n, p in experts.items():
         if p.device_mesh != mesh:
             raise SpecError(f"experts {name!r} and {n!r} live on different meshes ({mesh}, {p.device_mesh}): "
