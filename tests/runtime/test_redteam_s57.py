@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from canzona.harness.launch import run_ranks
 from canzona.harness.training import TrainSpec, compare, emulate
@@ -141,3 +142,132 @@ def test_a_checkpoint_of_other_expert_counts_is_one_clear_error(form: str) -> No
         assert g["untouched"] is None, (rank, form, g["untouched"])
         assert "\n" not in g["message"], (rank, form, g["message"])
     assert len({g["message"] for g in got}) == 1, [g["message"] for g in got]  # the same on every rank
+
+
+# --- damaged files, a late rank, GradScaler's skipped step then a resume (3 ranks) -----------------
+
+AMP = replace(MOE, dtype="bf16", steps=3)  # torch refuses to unscale fp16 gradients
+INF_STEP = 1  # GradScaler's step skipped (an inf in rank 0's piece of a stack's gradient)
+LATE_TIMEOUT_S = 5.0
+
+
+def _fresh(spec: TrainSpec, world: int, timeout_s: float = 120.0):
+    """`fsdp_model`'s model and an optimizer of its own `timeout_s` (seed 7: other weights)."""
+    from canzona.harness.training import build_model
+    from canzona.runtime import DistributedOptimizer
+
+    model, _ = fsdp_model(spec, world, seed=7)
+    opt = DistributedOptimizer(model.named_parameters(), build_model(spec).spec(), spec.optimizer, None,
+                               spec.adamw_config, timeout_s=timeout_s)
+    return model, opt
+
+
+def scaled_run(spec: TrainSpec, rank: int, world: int, model, opt, steps: range, amp) -> None:
+    """GradScaler: scale, backward, unscale_, clip to 1.0, scaler.step, update; at INF_STEP an inf
+    in rank 0's piece of the first stack's gradient (the step skipped on every rank)."""
+    from canzona.harness.training import global_batches, micro_batches
+
+    vocab = model.spec().param("model.embed_tokens.weight").shape[0]
+    batches = global_batches(replace(spec, steps=steps.stop), vocab)
+    for step in steps:
+        opt.zero_grad()
+        (mb,) = micro_batches(batches[step], rank, world, 1)
+        amp.scale(model.loss(mb).float()).backward()
+        if step == INF_STEP and rank == 0:
+            grad = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"].grad
+            grad.to_local().view(-1)[0] = float("inf")
+        amp.unscale_(opt)
+        opt.clip_grad_norm_(1.0)
+        amp.step(opt)
+        amp.update()
+
+
+def damaged_worker(rank: int, world: int, here: str) -> dict[str, Any]:
+    import os
+    import shutil
+    import time
+
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    # GradScaler (bf16 weights, fp32 masters): SAVE steps with a skipped one, a checkpoint, one more
+    new = functools.partial(torch.amp.GradScaler, "cpu", init_scale=2.0 ** 10)
+    model, opt = fsdp_model(AMP, world)
+    amp = new()
+    scaled_run(AMP, rank, world, model, opt, range(2), amp)
+    ckpt = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, opt.state_dict(),
+            amp.state_dict())
+    out["scale"] = amp.get_scale()
+    scaled_run(AMP, rank, world, model, opt, range(2, 3), amp)
+    out["amp straight"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    model, opt = fsdp_model(AMP, world, seed=7)
+    from tests.runtime.test_fsdp_checkpoint import load_params
+
+    load_params(model, ckpt[0])
+    opt.load_state_dict(ckpt[1])
+    amp = new()
+    amp.load_state_dict(ckpt[2])
+    scaled_run(AMP, rank, world, model, opt, range(2, 3), amp)
+    out["amp resumed"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    # a sharded save, then damaged copies: rank 1's file cut in half, the metadata cut
+    model, opt = fsdp_model(MOE, world)
+    from tests.runtime.test_fsdp_checkpoint import train
+
+    train(model, opt, MOE, rank, world)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=here + "-sharded")
+    dist.barrier()
+    if rank == 0:
+        for cut, name in (("-cut", "__1_0.distcp"), ("-meta", ".metadata")):
+            shutil.copytree(here + "-sharded", here + cut)
+            size = os.path.getsize(f"{here}{cut}/{name}")
+            os.truncate(f"{here}{cut}/{name}", size // 2)
+    dist.barrier()
+    for cut in ("-cut", "-meta"):
+        model, opt = _fresh(MOE, world)
+        before = opt.state_dict()
+        got = outcome(lambda cut=cut, opt=opt: opt.load_sharded_state_dict(here + cut))
+        got["untouched"] = nested_equal(opt.state_dict(), before)
+        out[cut] = got
+    # a late rank: rank 2 comes to the load only after the others' timeout
+    model, opt = _fresh(MOE, world, timeout_s=LATE_TIMEOUT_S)
+    dist.barrier()
+    if rank == 2:
+        time.sleep(3 * LATE_TIMEOUT_S)
+    start = time.monotonic()
+    out["late"] = outcome(lambda: opt.load_sharded_state_dict(here + "-sharded"))
+    out["late"].pop("value", None)
+    out["late"]["took"] = time.monotonic() - start
+    return out
+
+
+@functools.cache
+def damaged() -> list[dict]:
+    here = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/ckpt"
+    return run_ranks(damaged_worker, 3, here, deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+def test_gradscaler_with_a_skipped_step_then_a_resume_is_the_uninterrupted_run() -> None:
+    for rank, r in enumerate(damaged()):
+        assert r["scale"] == 2.0 ** 9, (rank, r["scale"])  # the inf step was skipped, the scale halved
+        exact = compare(r["amp resumed"], r["amp straight"])
+        assert exact["bit_identical"], (rank, exact)
+
+
+@pytest.mark.parametrize("cut", ["-cut", "-meta"])
+def test_a_truncated_dcp_file_is_one_error_on_every_rank(cut: str) -> None:
+    got = [r[cut] for r in damaged()]
+    for rank, g in enumerate(got):
+        assert g["error"] == "CheckpointError", (rank, cut, g)
+        assert g["untouched"] is None, (rank, cut, g["untouched"])
+        assert "\n" not in g["message"], (rank, cut, g["message"])
+    assert len({g["message"] for g in got}) == 1, [g["message"] for g in got]
+
+
+def test_a_late_rank_is_an_error_within_the_timeout() -> None:
+    got = [r["late"] for r in damaged()]
+    for rank, g in enumerate(got[:2]):
+        assert g["error"] is not None and g["canzona"], (rank, g)
+        assert g["took"] < 3 * LATE_TIMEOUT_S, (rank, g)
