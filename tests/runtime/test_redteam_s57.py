@@ -68,7 +68,14 @@ def other_experts(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> 
 
 
 def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, here: str) -> dict[str, Any]:
+    from canzona.harness.training import distributed_worker
+
     out: dict[str, Any] = {}
+    # FSDP 2's checkpoint under ZeRO-1 at 3 ranks (state_dict(), the sharded form)
+    out["zero1 from 2"] = {
+        "full": outcome(lambda: distributed_worker(rank, world, resume_spec(MOE), {"load": ckpt})["params"]),
+        "sharded": outcome(lambda: distributed_worker(rank, world, resume_spec(MOE), {
+            "load": (ckpt[0], path + "-sharded"), "check_weights": True})["params"])}
     # at 3 ranks: the uninterrupted run and its resumes (the third rank holds no expert row)
     for label, spec in (("fp32", MOE), ("bf16", BF16)):
         run = straight(spec, rank, world, f"{here}-{label}")
@@ -130,6 +137,17 @@ def test_a_checkpoint_of_fsdp2_resumes_at_fsdp3_bit_for_bit(form: str) -> None:
         else:
             assert got["round trip"] is None, (rank, form, got["round trip"])
         exact = compare(got["final"], want)
+        assert exact["bit_identical"], (rank, form, exact)
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_a_checkpoint_of_fsdp2_resumes_under_zero1_at_3_ranks_bit_for_bit(form: str) -> None:
+    saved, ranks = runs()
+    want = emulate(resume_spec(MOE), 3, load=saved[0]["ckpt"])
+    for rank, r in enumerate(ranks):
+        got = r["zero1 from 2"][form]
+        assert got["error"] is None, (rank, form, got)
+        exact = compare(got["value"], want)
         assert exact["bit_identical"], (rank, form, exact)
 
 
