@@ -67,6 +67,32 @@ def other_experts(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> 
     return out
 
 
+def stack_keyed_save(rank: int, world: int, path: str) -> str:
+    """BF16's SAVE steps, then a sharded save as `sharded_state_dict()` wrote one before stacks were
+    keyed by matrix: each stack's AdamW state and fp32 master under the stack's name, at its flat
+    offset."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime.checkpoint import piece_key
+    from canzona.runtime.fsdp_checkpoint import _flat_bounds
+    from tests.runtime.test_fsdp_checkpoint import train
+
+    model, opt = fsdp_model(BF16, world)
+    train(model, opt, BF16, rank, world)
+    entries = {k: v for k, v in opt.sharded_state_dict().items() if "_proj[" not in k}
+    for name in opt.params:
+        box = opt.layout[name].boxes[opt.rank]
+        if opt.spec.param(name).matrix_shape is None or not box.numel or not opt.layout[name].sources[opt.rank]:
+            continue  # as the old writer: no piece where this rank holds none (the third rank's experts)
+        lo, _ = _flat_bounds(box, opt.layout[name].shape)
+        entries[piece_key("canzona_optimizer", "adamw", name, "master", lo)] = opt.master[name].reshape(-1)
+        for key, value in opt.adamw_state.get(name, {}).items():
+            entries[piece_key("canzona_optimizer", "adamw", name, key, lo)] = \
+                value.reshape(-1) if isinstance(value, torch.Tensor) else value
+    dcp.save(entries, checkpoint_id=path)
+    return path
+
+
 def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, here: str) -> dict[str, Any]:
     from canzona.harness.training import distributed_worker
 
@@ -83,6 +109,10 @@ def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, her
                       "full": resumed(spec, rank, world, run["ckpt"]),
                       "sharded": resumed(spec, rank, world, (run["ckpt"][0], f"{here}-{label}-sharded"),
                                          like=run["ckpt"][1])}
+    # a sharded save of bf16 stacks as written before stacks were keyed by matrix: masters too
+    run = out["bf16"]["straight"]
+    out["bf16"]["stack-keyed"] = resumed(BF16, rank, world, (run["ckpt"][0], stack_keyed_save(rank, world, here + "-old")),
+                                         like=run["ckpt"][1])
     out["fp32"]["dcp"] = outcome(lambda: torch_api_resumed(MOE, rank, world, None, f"{here}-fp32"))
     # FSDP 2's checkpoint at FSDP 3: state_dict(), the sharded form, DCP of torch's API
     out["from 2"] = {"full": resumed(MOE, rank, world, ckpt, record=True),
@@ -112,6 +142,15 @@ def test_three_ranks_one_without_experts_resume_bit_for_bit(dtype: str, form: st
         assert res["round trip"] is None, (rank, dtype, form, res["round trip"])
         exact = compare(res["final"], run["final"])
         assert exact["bit_identical"], (rank, dtype, form, exact)
+
+
+def test_a_bf16_sharded_save_keyed_by_stack_still_resumes_bit_for_bit() -> None:
+    _, ranks = runs()
+    for rank, r in enumerate(ranks):
+        got = r["bf16"]["stack-keyed"]
+        assert got["round trip"] is None, (rank, got["round trip"])
+        exact = compare(got["final"], r["bf16"]["straight"]["final"])
+        assert exact["bit_identical"], (rank, exact)
 
 
 def test_three_ranks_dcp_of_torchs_api_resumes_bit_for_bit() -> None:
