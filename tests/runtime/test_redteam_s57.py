@@ -135,7 +135,22 @@ def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, her
                      "sharded": resumed(MOE, rank, world, (ckpt[0], path + "-sharded"), like=ckpt[1]),
                      "dcp": outcome(lambda: torch_api_resumed(MOE, rank, world, None, path))}
     out["other experts"] = other_experts(rank, world, ckpt, path)
+    # ZeRO-1 at 3 ranks: a sharded save, resumed at FSDP 2 (`across`)
+    zero1 = distributed_worker(rank, world, MOE, {"save_sharded": here + "-zero1"})
+    out["zero1 ckpt"] = (zero1["params"], zero1["state"])
     return out
+
+
+def across_worker(rank: int, world: int, zero1: tuple[dict, dict], fsdp3: tuple[dict, dict], here: str) -> dict:
+    """At 2 ranks: ZeRO-1's checkpoint of 3 ranks under FSDP2, FSDP 3's under ZeRO-1 (both forms)."""
+    from canzona.harness.training import distributed_worker
+
+    return {"fsdp from zero1@3": {"full": resumed(MOE, rank, world, zero1, record=True),
+                                  "sharded": resumed(MOE, rank, world, (zero1[0], here + "-zero1"), like=zero1[1])},
+            "zero1 from fsdp@3": {
+                "full": distributed_worker(rank, world, resume_spec(MOE), {"load": fsdp3})["params"],
+                "sharded": distributed_worker(rank, world, resume_spec(MOE), {
+                    "load": (fsdp3[0], here + "-fp32-sharded"), "check_weights": True})["params"]}}
 
 
 @functools.cache
@@ -145,13 +160,36 @@ def runs() -> tuple[list[dict], list[dict]]:
     ckpt = saved[0]["ckpt"]
     got = run_ranks(resume_worker, 3, ckpt, root + "/two", root + "/three", deadline_s=DEADLINE_S,
                     collective_timeout_s=60)
-    return saved, got
+    return saved, got, root + "/three"
+
+
+@functools.cache
+def across() -> list[dict]:
+    _, three, here = runs()
+    return run_ranks(across_worker, 2, three[0]["zero1 ckpt"], three[0]["fp32"]["straight"]["ckpt"], here,
+                     deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_zero1_at_3_resumes_at_fsdp2_and_fsdp3_under_zero1_at_2_bit_for_bit(form: str) -> None:
+    _, three, _ = runs()
+    ranks = across()
+    zero1 = three[0]["zero1 ckpt"]
+    want = emulate(resume_spec(MOE), 2, load=zero1, grads=ranks[0]["fsdp from zero1@3"]["full"]["grads"])
+    fsdp3 = emulate(resume_spec(MOE), 2, load=three[0]["fp32"]["straight"]["ckpt"])
+    for rank, r in enumerate(ranks):
+        got = r["fsdp from zero1@3"][form]
+        assert got["round trip"] is None, (rank, form, got["round trip"])
+        exact = compare(got["final"], want)
+        assert exact["bit_identical"], (rank, form, exact)
+        exact = compare(r["zero1 from fsdp@3"][form], fsdp3)
+        assert exact["bit_identical"], (rank, form, exact)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("form", ["full", "sharded"])
 def test_three_ranks_one_without_experts_resume_bit_for_bit(dtype: str, form: str) -> None:
-    _, ranks = runs()
+    _, ranks, _ = runs()
     for rank, r in enumerate(ranks):
         run, res = r[dtype]["straight"], r[dtype][form]
         assert run["untouched"] is None, (rank, run["untouched"])
@@ -161,7 +199,7 @@ def test_three_ranks_one_without_experts_resume_bit_for_bit(dtype: str, form: st
 
 
 def test_a_bf16_sharded_save_keyed_by_stack_still_resumes_bit_for_bit() -> None:
-    _, ranks = runs()
+    _, ranks, _ = runs()
     for rank, r in enumerate(ranks):
         got = r["bf16"]["stack-keyed"]
         assert got["round trip"] is None, (rank, got["round trip"])
@@ -170,7 +208,7 @@ def test_a_bf16_sharded_save_keyed_by_stack_still_resumes_bit_for_bit() -> None:
 
 
 def test_three_ranks_dcp_of_torchs_api_resumes_bit_for_bit() -> None:
-    _, ranks = runs()
+    _, ranks, _ = runs()
     for rank, r in enumerate(ranks):
         got = r["fp32"]["dcp"]
         assert got["error"] is None, (rank, got)
@@ -180,7 +218,7 @@ def test_three_ranks_dcp_of_torchs_api_resumes_bit_for_bit() -> None:
 
 @pytest.mark.parametrize("form", ["full", "sharded", "dcp"])
 def test_a_checkpoint_of_fsdp2_resumes_at_fsdp3_bit_for_bit(form: str) -> None:
-    saved, ranks = runs()
+    saved, ranks, _ = runs()
     ckpt = saved[0]["ckpt"]
     want = emulate(resume_spec(MOE), 3, load=ckpt, grads=ranks[0]["from 2"]["full"]["grads"])
     for rank, r in enumerate(ranks):
@@ -197,7 +235,7 @@ def test_a_checkpoint_of_fsdp2_resumes_at_fsdp3_bit_for_bit(form: str) -> None:
 
 @pytest.mark.parametrize("form", ["full", "sharded"])
 def test_a_checkpoint_of_fsdp2_resumes_under_zero1_at_3_ranks_bit_for_bit(form: str) -> None:
-    saved, ranks = runs()
+    saved, ranks, _ = runs()
     want = emulate(resume_spec(MOE), 3, load=saved[0]["ckpt"])
     for rank, r in enumerate(ranks):
         got = r["zero1 from 2"][form]
@@ -209,7 +247,7 @@ def test_a_checkpoint_of_fsdp2_resumes_under_zero1_at_3_ranks_bit_for_bit(form: 
 @pytest.mark.parametrize("form", ["full", "sharded", "sharded checked", "zero1 full", "zero1 sharded",
                                   "zero1 sharded checked", "dcp"])
 def test_a_checkpoint_of_other_expert_counts_is_one_clear_error(form: str) -> None:
-    _, ranks = runs()
+    _, ranks, _ = runs()
     got = [r["other experts"][form] for r in ranks]
     for rank, g in enumerate(got):
         assert g["error"] is not None, (rank, form, g)
