@@ -141,11 +141,28 @@ def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, her
     return out
 
 
-def across_worker(rank: int, world: int, zero1: tuple[dict, dict], fsdp3: tuple[dict, dict], here: str) -> dict:
-    """At 2 ranks: ZeRO-1's checkpoint of 3 ranks under FSDP2, FSDP 3's under ZeRO-1 (both forms)."""
+def _state_after_sharded_load(rank: int, world: int, params: dict, path: str) -> dict:
+    """A fresh FSDP model given `params` loads the sharded checkpoint at `path`: its state dict."""
+    from tests.runtime.test_fsdp_checkpoint import load_params
+
+    model, opt = fsdp_model(MOE, world, seed=7)
+    load_params(model, params)
+    opt.load_sharded_state_dict(path, check_weights=True)
+    return opt.state_dict()
+
+
+def across_worker(rank: int, world: int, zero1: tuple[dict, dict], fsdp3: tuple[dict, dict], here: str,
+                  fsdp2: tuple[dict, dict]) -> dict:
+    """At 2 ranks: ZeRO-1's checkpoint of 3 ranks under FSDP2, FSDP 3's under ZeRO-1 (both forms);
+    FSDP 2's under HSDP and back."""
     from canzona.harness.training import distributed_worker
 
-    return {"fsdp from zero1@3": {"full": resumed(MOE, rank, world, zero1, record=True),
+    two = here.removesuffix("three") + "two"
+    # HSDP (2 replicas of 1 shard) resumes FSDP 2's checkpoint, saves its state sharded (each
+    # replica the same entries), which FSDP 2 then loads
+    hsdp = resumed(MOE, rank, world, (fsdp2[0], two + "-sharded"), like=fsdp2[1], hsdp=True, save=here + "-hsdp")
+    return {"hsdp": hsdp, "fsdp from hsdp": _state_after_sharded_load(rank, world, hsdp["final"], here + "-hsdp"),
+            "fsdp from zero1@3": {"full": resumed(MOE, rank, world, zero1, record=True),
                                   "sharded": resumed(MOE, rank, world, (zero1[0], here + "-zero1"), like=zero1[1])},
             "zero1 from fsdp@3": {
                 "full": distributed_worker(rank, world, resume_spec(MOE), {"load": fsdp3})["params"],
@@ -165,9 +182,22 @@ def runs() -> tuple[list[dict], list[dict]]:
 
 @functools.cache
 def across() -> list[dict]:
-    _, three, here = runs()
+    two, three, here = runs()
     return run_ranks(across_worker, 2, three[0]["zero1 ckpt"], three[0]["fp32"]["straight"]["ckpt"], here,
+                     two[0]["ckpt"],
                      deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+def test_stacks_move_between_fsdp2_and_hsdp_bit_for_bit() -> None:
+    two, _, _ = runs()
+    ckpt = two[0]["ckpt"]
+    want = emulate(resume_spec(MOE), 2, load=ckpt)
+    for rank, r in enumerate(across()):
+        assert r["hsdp"]["round trip"] is None, (rank, r["hsdp"]["round trip"])
+        exact = compare(r["hsdp"]["final"], want)
+        assert exact["bit_identical"], (rank, exact)
+        assert nested_equal(r["fsdp from hsdp"], r["hsdp"]["state"]) is None, \
+            (rank, nested_equal(r["fsdp from hsdp"], r["hsdp"]["state"]))
 
 
 @pytest.mark.parametrize("form", ["full", "sharded"])
