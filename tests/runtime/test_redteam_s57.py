@@ -74,12 +74,12 @@ def other_experts(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> 
     return out
 
 
-def _zero1(spec: TrainSpec):
-    """`spec`'s model unsharded, under the ZeRO-1 layout over every rank."""
+def _zero1(spec: TrainSpec, model: Any = None):
+    """`spec`'s model (or `model`) unsharded, under the ZeRO-1 layout over every rank."""
     from canzona.harness.training import build_model
     from canzona.runtime import DistributedOptimizer
 
-    model = build_model(spec)
+    model = build_model(spec) if model is None else model
     return DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, None, spec.adamw_config)
 
 
@@ -309,7 +309,7 @@ def _fresh(spec: TrainSpec, world: int, timeout_s: float = 120.0):
     return model, opt
 
 
-def scaled_run(spec: TrainSpec, rank: int, world: int, model, opt, steps: range, amp) -> None:
+def scaled_run(spec: TrainSpec, rank: int, world: int, model, opt, steps: range, amp, sharded: bool = True) -> None:
     """GradScaler: scale, backward, unscale_, clip to 1.0, scaler.step, update; at INF_STEP an inf
     in rank 0's piece of the first stack's gradient (the step skipped on every rank)."""
     from canzona.harness.training import global_batches, micro_batches
@@ -319,10 +319,15 @@ def scaled_run(spec: TrainSpec, rank: int, world: int, model, opt, steps: range,
     for step in steps:
         opt.zero_grad()
         (mb,) = micro_batches(batches[step], rank, world, 1)
-        amp.scale(model.loss(mb).float()).backward()
-        if step == INF_STEP and rank == 0:
+        loss = model.loss(mb).float()
+        if step == INF_STEP and rank == 0 and not sharded:  # ZeRO-1 guards .grad until step(): an inf loss
+            loss = loss * float("inf")
+        amp.scale(loss).backward()
+        if step == INF_STEP and rank == 0 and sharded:
+            from canzona.runtime.shards import local_tensor
+
             grad = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"].grad
-            grad.to_local().view(-1)[0] = float("inf")
+            local_tensor(grad).view(-1)[0] = float("inf")
         amp.unscale_(opt)
         opt.clip_grad_norm_(1.0)
         amp.step(opt)
@@ -356,6 +361,28 @@ def damaged_worker(rank: int, world: int, here: str) -> dict[str, Any]:
     amp.load_state_dict(ckpt[2])
     scaled_run(AMP, rank, world, model, opt, range(2, 3), amp)
     out["amp resumed"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    # the same under ZeRO-1 (the model whole on every rank)
+    from canzona.harness.training import build_model
+
+    model = build_model(AMP)
+    opt = _zero1(AMP, model)
+    amp = new()
+    scaled_run(AMP, rank, world, model, opt, range(2), amp, sharded=False)
+    ckpt = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict(), amp.state_dict())
+    out["zero1 scale"] = amp.get_scale()
+    scaled_run(AMP, rank, world, model, opt, range(2, 3), amp, sharded=False)
+    out["zero1 amp straight"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = build_model(replace(AMP, model_seed=7))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(ckpt[0][n])
+    opt = _zero1(AMP, model)
+    opt.load_state_dict(ckpt[1])
+    amp = new()
+    amp.load_state_dict(ckpt[2])
+    scaled_run(AMP, rank, world, model, opt, range(2, 3), amp, sharded=False)
+    out["zero1 amp resumed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     # a sharded save, then damaged copies: rank 1's file cut in half, the metadata cut
     model, opt = fsdp_model(MOE, world)
@@ -401,6 +428,9 @@ def test_gradscaler_with_a_skipped_step_then_a_resume_is_the_uninterrupted_run()
         assert r["scale"] == 2.0 ** 9, (rank, r["scale"])  # the inf step was skipped, the scale halved
         exact = compare(r["amp resumed"], r["amp straight"])
         assert exact["bit_identical"], (rank, exact)
+        assert r["zero1 scale"] == 2.0 ** 9, (rank, r["zero1 scale"])
+        exact = compare(r["zero1 amp resumed"], r["zero1 amp straight"])
+        assert exact["bit_identical"], (rank, "zero1", exact)
 
 
 @pytest.mark.parametrize("cut", ["-cut", "-meta"])
