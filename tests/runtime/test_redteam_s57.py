@@ -161,7 +161,10 @@ def across_worker(rank: int, world: int, zero1: tuple[dict, dict], fsdp3: tuple[
     # HSDP (2 replicas of 1 shard) resumes FSDP 2's checkpoint, saves its state sharded (each
     # replica the same entries), which FSDP 2 then loads
     hsdp = resumed(MOE, rank, world, (fsdp2[0], two + "-sharded"), like=fsdp2[1], hsdp=True, save=here + "-hsdp")
-    return {"hsdp": hsdp, "fsdp from hsdp": _state_after_sharded_load(rank, world, hsdp["final"], here + "-hsdp"),
+    # FSDP 3's checkpoint (its third rank wrote no stack piece) at FSDP 2
+    fsdp_from_3 = {"full": resumed(MOE, rank, world, fsdp3, record=True),
+                   "sharded": resumed(MOE, rank, world, (fsdp3[0], here + "-fp32-sharded"), like=fsdp3[1])}
+    return {"fsdp from fsdp@3": fsdp_from_3, "hsdp": hsdp, "fsdp from hsdp": _state_after_sharded_load(rank, world, hsdp["final"], here + "-hsdp"),
             "fsdp from zero1@3": {"full": resumed(MOE, rank, world, zero1, record=True),
                                   "sharded": resumed(MOE, rank, world, (zero1[0], here + "-zero1"), like=zero1[1])},
             "zero1 from fsdp@3": {
@@ -213,6 +216,19 @@ def test_zero1_at_3_resumes_at_fsdp2_and_fsdp3_under_zero1_at_2_bit_for_bit(form
         exact = compare(got["final"], want)
         assert exact["bit_identical"], (rank, form, exact)
         exact = compare(r["zero1 from fsdp@3"][form], fsdp3)
+        assert exact["bit_identical"], (rank, form, exact)
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_fsdp3_with_a_rank_without_experts_resumes_at_fsdp2_bit_for_bit(form: str) -> None:
+    _, three, _ = runs()
+    ranks = across()
+    want = emulate(resume_spec(MOE), 2, load=three[0]["fp32"]["straight"]["ckpt"],
+                   grads=ranks[0]["fsdp from fsdp@3"]["full"]["grads"])
+    for rank, r in enumerate(ranks):
+        got = r["fsdp from fsdp@3"][form]
+        assert got["round trip"] is None, (rank, form, got["round trip"])
+        exact = compare(got["final"], want)
         assert exact["bit_identical"], (rank, form, exact)
 
 
