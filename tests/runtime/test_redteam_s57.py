@@ -415,7 +415,19 @@ def damaged_worker(rank: int, world: int, here: str) -> dict[str, Any]:
             size = os.path.getsize(f"{here}{cut}/{name}")
             os.truncate(f"{here}{cut}/{name}", size // 2)
     dist.barrier()
-    for cut in ("-cut", "-meta"):
+    # save_checkpoint's folder (a manifest of hashes): one byte of the third rank's file flipped
+    from canzona.runtime.checkpoint_files import save_checkpoint
+
+    save_checkpoint(opt.sharded_state_dict(), here + "-flip")
+    dist.barrier()
+    if rank == 0:
+        with open(f"{here}-flip/__2_0.distcp", "r+b") as f:
+            f.seek(os.path.getsize(f"{here}-flip/__2_0.distcp") // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    for cut in ("-cut", "-meta", "-flip"):
         model, opt = _fresh(MOE, world)
         before = opt.state_dict()
         got = outcome(lambda cut=cut, opt=opt: opt.load_sharded_state_dict(here + cut))
@@ -449,7 +461,7 @@ def test_gradscaler_with_a_skipped_step_then_a_resume_is_the_uninterrupted_run()
         assert exact["bit_identical"], (rank, "zero1", exact)
 
 
-@pytest.mark.parametrize("cut", ["-cut", "-meta"])
+@pytest.mark.parametrize("cut", ["-cut", "-meta", "-flip"])
 def test_a_truncated_dcp_file_is_one_error_on_every_rank(cut: str) -> None:
     got = [r[cut] for r in damaged()]
     for rank, g in enumerate(got):
