@@ -563,3 +563,50 @@ def test_stacks_sharded_along_rows_resume_bit_for_bit(dtype: str) -> None:
         assert exact["bit_identical"], (rank, dtype, exact)
         # the sharded form refuses a piece that is no contiguous range, in one line
         assert got["sharded"]["error"] is None or got["sharded"]["canzona"], (rank, got["sharded"])
+
+
+# --- a rank killed before a load: the others' error within the timeout, never a hang -------------
+
+
+def killed_worker(rank: int, world: int, root: str) -> str:
+    """Rank 2 dies (os._exit) before load_sharded_state_dict; the others write their outcome and
+    how long it took to `root`/<rank>.json (the harness reports the death)."""
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from tests.runtime.test_fsdp_checkpoint import train
+
+    model, opt = fsdp_model(MOE, world)
+    train(model, opt, MOE, rank, world)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=root + "/ckpt")
+    model, opt = _fresh(MOE, world, timeout_s=LATE_TIMEOUT_S)
+    dist.barrier()
+    if rank == 2:
+        os._exit(1)
+    start = time.monotonic()
+    got = outcome(lambda: opt.load_sharded_state_dict(root + "/ckpt"))
+    got.pop("value", None)
+    got["took"] = time.monotonic() - start
+    with open(f"{root}/{rank}.json", "w") as f:
+        json.dump(got, f)
+    return "done"
+
+
+def test_a_killed_rank_is_an_error_on_the_others_within_the_timeout() -> None:
+    import json
+    import os
+
+    root = tempfile.mkdtemp(prefix="canzona-redteam-s57-")
+    with pytest.raises(Exception, match="rank 2"):  # the harness names the dead rank
+        run_ranks(killed_worker, 3, root, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    for rank in (0, 1):
+        path = f"{root}/{rank}.json"
+        assert os.path.exists(path), (rank, "no outcome: killed by the harness while waiting (a hang)")
+        with open(path) as f:
+            got = json.load(f)
+        assert got["error"] is not None and got["canzona"], (rank, got)
+        assert got["took"] < 3 * LATE_TIMEOUT_S, (rank, got)
