@@ -610,3 +610,73 @@ def test_a_killed_rank_is_an_error_on_the_others_within_the_timeout() -> None:
             got = json.load(f)
         assert got["error"] is not None and got["canzona"], (rank, got)
         assert got["took"] < 3 * LATE_TIMEOUT_S, (rank, got)
+
+
+# --- the stacks in a param group of their own (other lr, no weight decay) ---------------------------
+
+STACK_GROUP = {"lr": 3e-3, "weight_decay": 0.0}
+
+
+def grouped(model, spec: TrainSpec):
+    """The canzona optimizer over two groups: the stacks (STACK_GROUP), the rest (defaults)."""
+    from canzona.runtime import DistributedOptimizer
+
+    named = list(model.named_parameters())
+    stacks = [(n, p) for n, p in named if p.ndim == 3]
+    groups = [{"params": [(n, p) for n, p in named if p.ndim != 3]}, {"params": stacks, **STACK_GROUP}]
+    return DistributedOptimizer(groups, model.spec(), spec.optimizer, None, spec.adamw_config)
+
+
+def grouped_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.harness.training import build_model
+    from tests.runtime.test_fsdp_checkpoint import full_params, load_params, train
+
+    out: dict[str, Any] = {}
+    for label, spec in (("fp32", MOE), ("bf16", BF16)):
+        model, _ = fsdp_model(spec, world)
+        opt = grouped(model, spec)
+        train(model, opt, spec, rank, world)
+        ckpt = (full_params(model), opt.state_dict())
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}-{label}")
+        train(model, opt, resume_spec(spec), rank, world)
+        straight_final = full_params(model)
+        res = {}
+        for form in ("full", "sharded"):
+            model, _ = fsdp_model(spec, world, seed=7)
+            opt = grouped(model, spec)
+            load_params(model, ckpt[0])
+            opt.load_state_dict(ckpt[1]) if form == "full" else \
+                opt.load_sharded_state_dict(f"{path}-{label}", check_weights=True)
+            again = nested_equal(opt.state_dict(), ckpt[1])
+            train(model, opt, resume_spec(spec), rank, world)
+            res[form] = {"round trip": again, "final": full_params(model)}
+            # the same checkpoint under ZeRO-1 (the whole model on every rank): loaded, the same state
+            whole = build_model(replace(spec, model_seed=7))
+            with torch.no_grad():
+                for n, p in whole.named_parameters():
+                    p.copy_(ckpt[0][n])
+            zero1 = grouped(whole, spec)
+            zero1.load_state_dict(ckpt[1]) if form == "full" else \
+                zero1.load_sharded_state_dict(f"{path}-{label}", check_weights=True)
+            res[f"zero1 {form}"] = nested_equal(zero1.state_dict(), ckpt[1])
+        out[label] = {"straight": straight_final, **res}
+    return out
+
+
+@functools.cache
+def grouped_runs() -> list[dict]:
+    path = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/ckpt"
+    return run_ranks(grouped_worker, 3, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_stacks_in_their_own_group_resume_bit_for_bit_and_load_under_zero1(dtype: str, form: str) -> None:
+    for rank, r in enumerate(grouped_runs()):
+        got = r[dtype]
+        assert got[form]["round trip"] is None, (rank, dtype, form, got[form]["round trip"])
+        exact = compare(got[form]["final"], got["straight"])
+        assert exact["bit_identical"], (rank, dtype, form, exact)
+        assert got[f"zero1 {form}"] is None, (rank, dtype, form, got[f"zero1 {form}"])
