@@ -1,8 +1,18 @@
 """Red team of 2026-12-02's FSDP2 checkpoints of stacked experts (the tiny MoE, `optimizer="adamw"`),
-where the earlier tests do not go: 3 ranks (torch.chunk gives each stack's 4 experts as 2, 2, 0:
-the third rank holds no expert row), a checkpoint taken at FSDP 2 resumed at FSDP 3, and a
-checkpoint loaded into a model whose stacks hold another number of experts (one clear error on
-every rank, the optimizer untouched, never a silent load of the experts whose names match).
+where the earlier tests do not go; every run compared bit for bit with the uninterrupted run,
+`emulate()` or torch's AdamW (foreach):
+- 3 ranks: torch.chunk gives each stack's 4 experts as 2, 2, 0 (the third rank holds no expert
+  row); resumes from state_dict(), the sharded form, DCP of torch's API (flattened or not), and a
+  bf16 sharded save keyed by the stack's name (as written before stacks were keyed by matrix);
+- other sizes and layouts: FSDP 2 -> FSDP 3, FSDP 3 -> FSDP 2, FSDP 2 -> ZeRO-1 at 3, ZeRO-1 at
+  3 -> FSDP 2, FSDP 3 -> ZeRO-1 at 2, FSDP 2 -> HSDP (2 x 1) -> FSDP 2;
+- a 4-expert checkpoint into a 2-expert model (whose gate_up matrices are named and shaped as the
+  first 4 of the saved 8): one canzona error alike on every rank, the state untouched;
+- damaged folders (a .distcp or the .metadata cut in half, a byte flipped under a manifest), a
+  rank late past the timeout, a rank killed: one error, within the timeout;
+- GradScaler (unscale_ -> clip -> scaler.step) with a skipped inf step then a resume, FSDP2 and
+  ZeRO-1; stacks sharded along their rows (shard_placement_fn Shard(1)); stacks in a param group
+  of their own.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from canzona.harness.launch import run_ranks
 from canzona.harness.training import TrainSpec, compare, emulate
 from tests.runtime.outcomes import outcome
 from tests.runtime.test_fsdp_checkpoint import (
+    _flat_resumed,
     fsdp_model,
     nested_equal,
     resume_spec,
@@ -130,6 +141,7 @@ def resume_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str, her
     out["bf16"]["stack-keyed"] = resumed(BF16, rank, world, (run["ckpt"][0], stack_keyed_save(rank, world, here + "-old")),
                                          like=run["ckpt"][1])
     out["fp32"]["dcp"] = outcome(lambda: torch_api_resumed(MOE, rank, world, None, f"{here}-fp32"))
+    out["fp32"]["dcp flat"] = _flat_resumed(MOE, rank, world, f"{here}-fp32-flat")  # torchtitan's form
     # FSDP 2's checkpoint at FSDP 3: state_dict(), the sharded form, DCP of torch's API
     out["from 2"] = {"full": resumed(MOE, rank, world, ckpt, record=True),
                      "sharded": resumed(MOE, rank, world, (ckpt[0], path + "-sharded"), like=ckpt[1]),
@@ -260,6 +272,10 @@ def test_three_ranks_dcp_of_torchs_api_resumes_bit_for_bit() -> None:
         assert got["error"] is None, (rank, got)
         assert nested_equal(got["value"]["state"], r["fp32"]["straight"]["ckpt"][1]) is None, rank
         assert compare(got["value"]["final"], r["fp32"]["straight"]["final"])["bit_identical"], rank
+        flat = r["fp32"]["dcp flat"]
+        assert "error" not in flat, (rank, flat)
+        assert nested_equal(flat["state"], r["fp32"]["straight"]["ckpt"][1]) is None, rank
+        assert compare(flat["final"], r["fp32"]["straight"]["final"])["bit_identical"], rank
 
 
 @pytest.mark.parametrize("form", ["full", "sharded", "dcp"])
