@@ -4,7 +4,7 @@ where the earlier tests do not go; every run compared bit for bit with the unint
 - 3 ranks: torch.chunk gives each stack's 4 experts as 2, 2, 0 (the third rank holds no expert
   row); resumes from state_dict(), the sharded form, DCP of torch's API (flattened or not), and a
   bf16 sharded save keyed by the stack's name (as written before stacks were keyed by matrix);
-- other sizes and layouts: FSDP 2 -> FSDP 3, FSDP 3 -> FSDP 2, FSDP 2 -> ZeRO-1 at 3, ZeRO-1 at
+- other sizes and layouts: FSDP 2 -> FSDP 3, FSDP 3 -> FSDP 2, FSDP 4 -> FSDP 2 (slow), FSDP 2 -> ZeRO-1 at 3, ZeRO-1 at
   3 -> FSDP 2, FSDP 3 -> ZeRO-1 at 2, FSDP 2 -> HSDP (2 x 1) -> FSDP 2;
 - a 4-expert checkpoint into a 2-expert model (whose gate_up matrices are named and shaped as the
   first 4 of the saved 8): one canzona error alike on every rank, the state untouched;
@@ -696,3 +696,42 @@ def test_stacks_in_their_own_group_resume_bit_for_bit_and_load_under_zero1(dtype
         exact = compare(got[form]["final"], got["straight"])
         assert exact["bit_identical"], (rank, dtype, form, exact)
         assert got[f"zero1 {form}"] is None, (rank, dtype, form, got[f"zero1 {form}"])
+
+
+# --- FSDP 4 -> FSDP 2 --------------------------------------------------------------------------------
+
+MOE8 = replace(MOE, global_batch=8)  # divisible by 4 and 2 ranks
+
+
+def four_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    return straight(MOE8, rank, world, path)
+
+
+def four_to_two_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str) -> dict[str, Any]:
+    return {"full": resumed(MOE8, rank, world, ckpt, record=True),
+            "sharded": resumed(MOE8, rank, world, (ckpt[0], path + "-sharded"), like=ckpt[1]),
+            "dcp": outcome(lambda: torch_api_resumed(MOE8, rank, world, None, path))}
+
+
+@functools.cache
+def four_to_two() -> tuple[tuple[dict, dict], list[dict]]:
+    path = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/four"
+    ckpt = run_ranks(four_worker, 4, path, deadline_s=DEADLINE_S, collective_timeout_s=60)[0]["ckpt"]
+    return ckpt, run_ranks(four_to_two_worker, 2, ckpt, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["full", "sharded", "dcp"])
+def test_a_checkpoint_of_fsdp4_resumes_at_fsdp2_bit_for_bit(form: str) -> None:
+    ckpt, ranks = four_to_two()
+    want = emulate(resume_spec(MOE8), 2, load=ckpt, grads=ranks[0]["full"]["grads"])
+    for rank, r in enumerate(ranks):
+        got = r[form]
+        if form == "dcp":
+            assert got["error"] is None, (rank, got)
+            assert nested_equal(got["value"]["state"], ckpt[1]) is None, rank
+            got = got["value"]
+        else:
+            assert got["round trip"] is None, (rank, form, got["round trip"])
+        exact = compare(got["final"], want)
+        assert exact["bit_identical"], (rank, form, exact)
