@@ -1,5 +1,5 @@
-"""Red team of 2026-12-02's FSDP2 checkpoints of stacked experts (the tiny MoE, `optimizer="adamw"`),
-where the earlier tests do not go; every run compared bit for bit with the uninterrupted run,
+"""FSDP2 checkpoints of stacked experts (the tiny MoE, `optimizer="adamw"`) at their edges, where
+`test_fsdp_stacked_experts.py` does not go (a red team's, 2026-12-02); every run compared bit for bit with the uninterrupted run,
 `emulate()` or torch's AdamW (foreach):
 - 3 ranks: torch.chunk gives each stack's 4 experts as 2, 2, 0 (the third rank holds no expert
   row); resumes from state_dict(), the sharded form, DCP of torch's API (flattened or not), and a
