@@ -1121,7 +1121,8 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     # the shapes: a sharded checkpoint's header and version 3's (for the message; the fingerprint covers them)
     shapes = {n: tuple(s) for n, s in model["shapes"].items()} if "shapes" in model else None
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes not in (None, mine):
-        detail = _first_difference(shapes, mine) if shapes is not None else _first_name_difference_of_model(names or [], mine)
+        detail = _first_difference(shapes, mine) if shapes is not None else \
+            _stack_difference(opt, state) or _first_name_difference_of_model(names or [], mine)
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {detail}")
     unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})
@@ -1204,6 +1205,17 @@ def _first_difference(saved: dict[str, tuple], mine: dict[str, tuple]) -> str:
         if saved[name] != mine[name]:
             return f"{name} is {list(saved[name])} there, {list(mine[name])} here"
     return "same parameter names and shapes, but other roles or tensor-parallel layout"
+
+
+def _stack_difference(opt: Described, state: Mapping[str, dict]) -> str | None:
+    """The first stack whose saved matrices (`state_by_name`'s `'<stack>[k]'` entries) number other
+    than here: a checkpoint of another number of experts, whose header names no shapes."""
+    for name in sorted(opt.params):
+        here = opt.spec.param(name).stack_size
+        there = sum(1 for key in state if key.startswith(f"{name}{STACK_OPEN}"))
+        if here and there and there != here:
+            return f"{name} stacks {there} matrices there, {here} here (another number of experts)"
+    return None
 
 
 def _first_name_difference_of_model(saved: list[str], mine: Mapping[str, tuple]) -> str:

@@ -263,3 +263,6 @@ def test_a_state_of_another_number_of_experts_is_one_error() -> None:
         assert got == ranks[0]["layouts"]["other experts"]
         for form, error in got.items():
             assert error.startswith("PlanError: checkpoint is of model 'tiny-moe'"), (form, error)
+            # the difference named: each stack's experts (gate_up_proj stacks gate and up: 2 a expert)
+            assert "model.layers.0.mlp.experts.down_proj is [4, 32, 16] there, [6, 32, 16] here" in error \
+                or "model.layers.0.mlp.experts.down_proj stacks 4 matrices there, 6 here" in error, (form, error)
