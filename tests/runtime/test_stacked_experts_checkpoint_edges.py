@@ -185,9 +185,15 @@ def across_worker(rank: int, world: int, zero1: tuple[dict, dict], fsdp3: tuple[
                     "load": (fsdp3[0], here + "-fp32-sharded"), "check_weights": True})["params"]}}
 
 
+
+def _spawned(worker, world: int) -> list[dict]:
+    """`worker` on `world` spawned ranks, writing under a fresh folder."""
+    path = tempfile.mkdtemp(prefix="canzona-stack-edges-") + "/ckpt"
+    return run_ranks(worker, world, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+
 @functools.cache
 def runs() -> tuple[list[dict], list[dict]]:
-    root = tempfile.mkdtemp(prefix="canzona-redteam-s57-")
+    root = tempfile.mkdtemp(prefix="canzona-stack-edges-")
     saved = run_ranks(save_worker, 2, root + "/two", deadline_s=DEADLINE_S, collective_timeout_s=60)
     ckpt = saved[0]["ckpt"]
     got = run_ranks(resume_worker, 3, ckpt, root + "/two", root + "/three", deadline_s=DEADLINE_S,
@@ -463,8 +469,7 @@ def damaged_worker(rank: int, world: int, here: str) -> dict[str, Any]:
 
 @functools.cache
 def damaged() -> list[dict]:
-    here = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/ckpt"
-    return run_ranks(damaged_worker, 3, here, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    return _spawned(damaged_worker, 3)
 
 
 def test_gradscaler_with_a_skipped_step_then_a_resume_is_the_uninterrupted_run() -> None:
@@ -551,8 +556,7 @@ def dim1_worker(rank: int, world: int, path: str) -> dict[str, Any]:
 
 @functools.cache
 def dim1() -> list[dict]:
-    path = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/ckpt"
-    return run_ranks(dim1_worker, 2, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    return _spawned(dim1_worker, 2)
 
 
 def test_stacks_sharded_along_rows_hold_torch_adamws_state() -> None:
@@ -616,7 +620,7 @@ def test_a_killed_rank_is_an_error_on_the_others_within_the_timeout() -> None:
     import json
     import os
 
-    root = tempfile.mkdtemp(prefix="canzona-redteam-s57-")
+    root = tempfile.mkdtemp(prefix="canzona-stack-edges-")
     with pytest.raises(Exception, match="rank 2"):  # the harness names the dead rank
         run_ranks(killed_worker, 3, root, deadline_s=DEADLINE_S, collective_timeout_s=60)
     for rank in (0, 1):
@@ -683,8 +687,7 @@ def grouped_worker(rank: int, world: int, path: str) -> dict[str, Any]:
 
 @functools.cache
 def grouped_runs() -> list[dict]:
-    path = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/ckpt"
-    return run_ranks(grouped_worker, 3, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
+    return _spawned(grouped_worker, 3)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -715,7 +718,7 @@ def four_to_two_worker(rank: int, world: int, ckpt: tuple[dict, dict], path: str
 
 @functools.cache
 def four_to_two() -> tuple[tuple[dict, dict], list[dict]]:
-    path = tempfile.mkdtemp(prefix="canzona-redteam-s57-") + "/four"
+    path = tempfile.mkdtemp(prefix="canzona-stack-edges-") + "/four"
     ckpt = run_ranks(four_worker, 4, path, deadline_s=DEADLINE_S, collective_timeout_s=60)[0]["ckpt"]
     return ckpt, run_ranks(four_to_two_worker, 2, ckpt, path, deadline_s=DEADLINE_S, collective_timeout_s=60)
 
