@@ -222,6 +222,10 @@ def _check_fsdp(dp: int, tp: int, ep: int, preset: str, optimizer: str, hsdp_rep
         raise SpecError(f"--fsdp --ep {ep} is run with --optimizer adamw at --tp 1 without --hsdp-replicate "
                         f"(torchtitan's layout: the experts over ep x efsdp); got optimizer {optimizer}, tp {tp}, "
                         f"hsdp_replicate {hsdp_replicate}")
+    if fsdp and tp > 1 and ep == 1 and (preset in MOE_PRESETS or preset == HF_MOE_PRESET):
+        # before _moe_spec's 'give --ep too', which under --fsdp the check above refuses at --tp > 1
+        raise SpecError(f"--fsdp --tp {tp} is verified on the dense presets; the {preset} model runs under --fsdp "
+                        "at --tp 1 (with --ep, torchtitan's layout)")
     if fsdp and tp > 1 and hsdp_replicate != 1:
         raise SpecError(f"--fsdp --tp {tp} is verified without --hsdp-replicate (a 3-D mesh)")
     if dp > MAX_DP:

@@ -301,6 +301,17 @@ def test_gather_whole_with_an_empty_shard():
     (["--fsdp", "--dp", "4", "--ep", "2", "--optimizer", "adamw", "--hsdp-replicate", "2"],
      "without --hsdp-replicate"),
     (["--fsdp", "--dp", "1"], "give --dp 2 or more"),
+    # the red team's --fsdp --ep inputs: each one line before any spawn
+    (["--fsdp", "--dp", "3", "--ep", "2", "--optimizer", "adamw"], "ep=2 does not divide the dp x tp = 3 x 1"),
+    (["--fsdp", "--dp", "8", "--ep", "8", "--optimizer", "adamw"], "ep=8 does not divide the 4 experts"),
+    (["--fsdp", "--dp", "2", "--ep", "2", "--optimizer", "adamw", "--preset", "tiny"],
+     "needs a mixture-of-experts preset"),
+    (["--fsdp", "--dp", "4", "--ep", "2", "--optimizer", "adamw", "--tp", "2"], "at --tp 1"),
+    (["--fsdp", "--dp", "4", "--ep", "-2", "--optimizer", "adamw"], "ep must be"),
+    (["--fsdp", "--dp", "4", "--ep", "2", "--optimizer", "adamw", "--steps", "0"], "steps must be"),
+    # --fsdp --tp of a MoE preset: before, 'give --ep too', which --fsdp --ep at --tp 2 refuses
+    (["--fsdp", "--dp", "2", "--tp", "2", "--preset", "tiny-moe", "--optimizer", "adamw"],
+     "--fsdp --tp 2 is verified on the dense presets"),
     # AdamW's FSDP2 step: its own policy, no owners to plan
     (["--fsdp", "--optimizer", "adamw", "--policy", "canzona"], "each rank steps its own shards (FSDP2's), policy zero1"),
     (["--fsdp", "--optimizer", "adamw", "--alpha", "0.5"], "alpha 0.5: canzona's owner plan settings change nothing"),
