@@ -1923,7 +1923,7 @@ def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gat
     assert breaks == 0 and graphs <= 2, (breaks, graphs)
 
 
-@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy", "torch.save"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy", "torch.save", "torch.save nested"])
 def test_pickling_or_copying_the_optimizer_is_one_checkpointerror_naming_state_dict(one_rank, tmp_path, how):
     """`torch.save(optimizer, path)`, `pickle.dumps(optimizer)`, `copy.deepcopy(optimizer)`: its
     state lives in flat buffers shared with the model's hooks and its process group, which no
@@ -1939,7 +1939,9 @@ def test_pickling_or_copying_the_optimizer_is_one_checkpointerror_naming_state_d
     _train(model, opt, _batches(0, 1)[:1])
     path = tmp_path / "opt.pt"
     act = {"pickle": lambda: pickle.dumps(opt), "deepcopy": lambda: copy.deepcopy(opt),
-           "copy": lambda: copy.copy(opt), "torch.save": lambda: torch.save(opt, path)}[how]
+           "copy": lambda: copy.copy(opt), "torch.save": lambda: torch.save(opt, path),
+           # the optimizer inside the user's checkpoint dict, beside the model's weights
+           "torch.save nested": lambda: torch.save({"model": model.state_dict(), "opt": opt}, path)}[how]
     with pytest.raises(CheckpointError) as refused:
         act()
     message = str(refused.value)
