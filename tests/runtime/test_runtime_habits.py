@@ -1923,6 +1923,34 @@ def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gat
     assert breaks == 0 and graphs <= 2, (breaks, graphs)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compiled_model_accumulating_under_no_sync_trains_as_the_eager_one(one_rank, dynamic):
+    """Two forwards of a compiled model (the first under `no_sync()`) before one step, the step's
+    gathers in flight at the next step's first forward: each weight the eager loop's, bit for bit."""
+    def train(compiled: bool) -> dict:
+        model = build_model(BASE)
+        opt = _optimizer(model)
+        forward = torch.compile(model, backend="eager", dynamic=dynamic) if compiled else model
+
+        def backward(tokens: torch.Tensor) -> None:
+            logits = forward(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        for tokens in _batches(0, 1):
+            opt.zero_grad()
+            half = tokens.shape[0] // 2
+            with opt.no_sync():
+                backward(tokens[:half])
+            backward(tokens[half:])
+            opt.step()
+        return _params(model)
+    torch.compiler.reset()
+    try:
+        compiled = train(True)
+    finally:
+        torch.compiler.reset()
+    assert compare(compiled, train(False))["bit_identical"]
+
+
 @pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy", "torch.save", "torch.save nested"])
 def test_pickling_or_copying_the_optimizer_is_one_checkpointerror_naming_state_dict(one_rank, tmp_path, how):
     """`torch.save(optimizer, path)`, `pickle.dumps(optimizer)`, `copy.deepcopy(optimizer)`: its
