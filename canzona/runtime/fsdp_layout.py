@@ -136,33 +136,36 @@ def exchange_ranks(mesh, replicas: tuple[int, ...]) -> list[list[int]]:
 
 
 def new_groups(rank_lists: list[list[int]], me: int, mesh=None) -> tuple[dist.ProcessGroup | None, list[int]]:
-    """The process group of the list holding `me`: None when it is the whole world; `mesh`'s own
-    group along one of its dimensions where that holds exactly these ranks in this order (a 1-D
-    mesh, HSDP's shard dimension); else a new one (every rank creates every group, in the same
-    order, as `dist.new_group` requires). `dist.new_group` is a collective over every rank of the
-    job: a pipeline stage or replica whose optimizer is built while the others do anything else
-    (or are built at another time) waited for them, so the mesh's groups, created once by
-    `init_device_mesh` on every rank, are taken where they serve."""
+    """The process group of the list holding `me`: None when it is the whole world; else a group
+    the mesh already has with exactly these ranks in this order (`mesh_group`: one of its
+    dimensions, or a flattening of its dimensions that `DeviceMesh._flatten` made on every rank, as
+    torchtitan makes its `dp`); else a new one over these ranks alone. Plain `dist.new_group` is a
+    collective over every rank of the job, so a pipeline stage whose optimizer is built while the
+    other stages do anything else (or build theirs over other ranks) would wait for them, or pair
+    with their group: `use_local_synchronization` makes only the members take part (each builds its
+    own list only). torch names such a group by its ranks and the number of groups this rank has,
+    so its members must have made as many groups before: they have, running the same code."""
     mine = next(r for r in rank_lists if me in r)
     if len(rank_lists) == 1 and sorted(mine) == list(range(dist.get_world_size())) and \
             mine == sorted(mine):
         return None, mine
     own = mesh_group(mesh, mine) if mesh is not None else None
-    if own is not None:  # alike on every rank: the mesh's dimensions are every rank's
+    if own is not None:
         return own, mine
-    group = None
-    for ranks in rank_lists:
-        g = dist.new_group(ranks)
-        if me in ranks:
-            group = g
-    return group, mine
+    return dist.new_group(mine, use_local_synchronization=True, sort_ranks=False), mine
 
 
 def mesh_group(mesh, ranks: list[int]) -> dist.ProcessGroup | None:
-    """`mesh`'s group along the dimension whose ranks through this one are `ranks`, in order; None
-    where no dimension's are."""
+    """`mesh`'s group along the dimension, or its root mesh's flattened dimension, whose ranks
+    through this one are `ranks`, in order; None where none's are. Only groups that exist already:
+    `DeviceMesh._flatten` would create one on every rank of the job at once."""
     for d in range(mesh.ndim):
         group = mesh.get_group(d)
+        if dist.get_process_group_ranks(group) == ranks:
+            return group
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    for flat in getattr(root, "_flatten_mapping", {}).values():
+        group = flat.get_group(0)
         if dist.get_process_group_ranks(group) == ranks:
             return group
     return None

@@ -231,7 +231,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             bound = inspect.signature(cls.__init__).bind(None, given, spec, *args, **kwargs).arguments
             group = bound.get("group")
             try:
-                axes = axis_groups(group, bound.get("tp_group"))
+                axes = _fsdp_axes(group, bound.get("tp_group"))
                 tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
                 tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
                 dp_ranks = [int(r) for r in group.mesh.flatten().tolist()] if isinstance(group, DeviceMesh) else \
@@ -1123,6 +1123,20 @@ def _check_not_held(params: Mapping[str, Tensor]) -> None:
 
 def _names(spec: ModelSpec) -> set[str]:
     return {p.name for p in spec.params}
+
+
+def _fsdp_axes(group: dist.ProcessGroup | DeviceMesh | None,
+               tp_group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup | None]:
+    """`axis_groups`, and for a mesh of several dimensions named neither 'dp' nor 'tp' (FSDP2's own
+    mesh given whole: a pipeline stage's mesh['dp_replicate', 'dp_shard']) no TP group: its ranks
+    are the data-parallel group, which only the FSDP step takes (the constructor refuses it else)."""
+    try:
+        return axis_groups(group, tp_group)
+    except SpecError:
+        if not isinstance(group, DeviceMesh) or tp_group is not None or group.ndim < 2 or \
+                {DP, TP} & set(group.mesh_dim_names or ()):
+            raise
+        return {DP: None, TP: None}
 
 
 def _is_fsdp_flat_parameter(p: Tensor) -> bool:

@@ -25,6 +25,7 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
 
 from __future__ import annotations
 
+import datetime
 import functools
 from dataclasses import replace
 
@@ -240,3 +241,67 @@ def check_case(case: str, results: list[dict], world: int, spec: TrainSpec, how:
         assert results[0]["dtypes"] == {"torch.bfloat16"}
     if case == "mixed-precision":
         assert results[0]["dtypes"] == {"torch.float32"}
+
+
+# --- pipeline stages: one optimizer per stage, each over its own multi-dimensional mesh ---------
+
+PP_SPEC = replace(BASE, steps=2)
+LAST = "model.layers.1.mlp.down_proj.weight"
+
+
+def stage_run(rank: int, world: int, pp: int) -> dict:
+    """torchtitan's PP x HSDP: a (pp, dp_replicate, dp_shard) world mesh, each stage's model (its own
+    seed and data) `fully_shard`ed over `mesh['dp_replicate', 'dp_shard']`, one optimizer per stage.
+    Stage 1 builds its optimizer only once stage 0 has trained (it waits on a store key that stage 0
+    sets), so nothing in stage 0's construction or steps may wait for stage 1's ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    mesh = init_device_mesh("cpu", (pp, 2, world // pp // 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    stage = mesh["pp"].get_local_rank()
+    sub = mesh["dp_replicate", "dp_shard"]
+    spec = replace(PP_SPEC, model_seed=stage, data_seed=1 + stage)
+    model = build_model(spec)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=sub)
+    fully_shard(model, mesh=sub)
+    store = dist.distributed_c10d._get_default_store()
+    if stage == 1:
+        store.wait(["stage 0 trained"], datetime.timedelta(seconds=100))
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config, group=sub)
+    replica, shard = sub.get_coordinate()
+    me, dp = replica * sub.size(1) + shard, sub.size()
+    vocab = model.model.embed_tokens.weight.shape[0]
+    grads = []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        model.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
+        named = dict(model.named_parameters())
+        grads.append(({n: p.grad.full_tensor() for n, p in named.items()}, set(named)))
+        opt.clip_grad_norm_(spec.clip_norm)
+        opt.step()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    dist.barrier(group=opt.world.group)  # the whole stage has trained
+    if stage == 0:
+        store.set("stage 0 trained", "1")
+    return {"stage": stage, "params": params, "grads": grads, "exchange": opt.size, "world": opt.world.size}
+
+
+def test_pipeline_stages_build_their_groups_alone() -> None:
+    """8 ranks = pp 2 x dp_replicate 2 x dp_shard 2: each stage's optimizer spans its 4 ranks (its
+    world group, over two mesh dimensions, one the DeviceMesh lacks) and exchanges over its shard
+    pairs; stage 1's built after stage 0 trained. Each stage's parameters are, bit for bit, the
+    single-process reference's fed that stage's global gradients."""
+    results = run_ranks(stage_run, 8, 2, deadline_s=150.0)
+    for stage in (0, 1):
+        mine = [r for r in results if r["stage"] == stage]
+        assert len(mine) == 4 and all(r["exchange"] == 2 and r["world"] == 4 for r in mine)
+        spec = replace(PP_SPEC, model_seed=stage, data_seed=1 + stage)
+        want = emulate(spec, 4, grads=mine[0]["grads"])
+        for r in mine:
+            exact = compare(r["params"], want)
+            assert exact["bit_identical"], (stage, exact)
+    assert not torch.equal(results[0]["params"][LAST], results[4]["params"][LAST])
