@@ -249,11 +249,12 @@ PP_SPEC = replace(BASE, steps=2)
 LAST = "model.layers.1.mlp.down_proj.weight"
 
 
-def stage_run(rank: int, world: int, pp: int) -> dict:
+def stage_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
     """torchtitan's PP x HSDP: a (pp, dp_replicate, dp_shard) world mesh, each stage's model (its own
     seed and data) `fully_shard`ed over `mesh['dp_replicate', 'dp_shard']`, one optimizer per stage.
     Stage 1 builds its optimizer only once stage 0 has trained (it waits on a store key that stage 0
-    sets), so nothing in stage 0's construction or steps may wait for stage 1's ranks."""
+    sets), so nothing in stage 0's construction or steps may wait for stage 1's ranks. `flatten`:
+    torchtitan's `dp`, flattened on every rank at the start, given as the group (its group serves)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -263,6 +264,7 @@ def stage_run(rank: int, world: int, pp: int) -> dict:
     mesh = init_device_mesh("cpu", (pp, 2, world // pp // 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
     stage = mesh["pp"].get_local_rank()
     sub = mesh["dp_replicate", "dp_shard"]
+    flat = sub._flatten("dp") if flatten else None
     spec = replace(PP_SPEC, model_seed=stage, data_seed=1 + stage)
     model = build_model(spec)
     for layer in model.model.layers:
@@ -271,7 +273,8 @@ def stage_run(rank: int, world: int, pp: int) -> dict:
     store = dist.distributed_c10d._get_default_store()
     if stage == 1:
         store.wait(["stage 0 trained"], datetime.timedelta(seconds=100))
-    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config, group=sub)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
+                               group=sub if flat is None else flat)
     replica, shard = sub.get_coordinate()
     me, dp = replica * sub.size(1) + shard, sub.size()
     vocab = model.model.embed_tokens.weight.shape[0]
@@ -287,15 +290,18 @@ def stage_run(rank: int, world: int, pp: int) -> dict:
     dist.barrier(group=opt.world.group)  # the whole stage has trained
     if stage == 0:
         store.set("stage 0 trained", "1")
-    return {"stage": stage, "params": params, "grads": grads, "exchange": opt.size, "world": opt.world.size}
+    return {"stage": stage, "params": params, "grads": grads, "exchange": opt.size, "world": opt.world.size,
+            "flat group": flat is not None and opt.world.group is flat.get_group()}
 
 
-def test_pipeline_stages_build_their_groups_alone() -> None:
+@pytest.mark.parametrize("flatten", [False, True])
+def test_pipeline_stages_build_their_groups_alone(flatten: bool) -> None:
     """8 ranks = pp 2 x dp_replicate 2 x dp_shard 2: each stage's optimizer spans its 4 ranks (its
-    world group, over two mesh dimensions, one the DeviceMesh lacks) and exchanges over its shard
+    world group, over two mesh dimensions: a group the DeviceMesh lacks unless `flatten`) and exchanges over its shard
     pairs; stage 1's built after stage 0 trained. Each stage's parameters are, bit for bit, the
     single-process reference's fed that stage's global gradients."""
-    results = run_ranks(stage_run, 8, 2, deadline_s=150.0)
+    results = run_ranks(stage_run, 8, 2, flatten, deadline_s=150.0)
+    assert all(r["flat group"] == flatten for r in results)
     for stage in (0, 1):
         mine = [r for r in results if r["stage"] == stage]
         assert len(mine) == 4 and all(r["exchange"] == 2 and r["world"] == 4 for r in mine)
