@@ -10,7 +10,10 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
 - gradient accumulation with `set_requires_gradient_sync(False)` on all but the last micro-batch;
 - `reshard_after_forward=False`;
 - FSDP x TP on a 2 x 2 mesh as torchtitan composes them (`parallelize_module` over `tp`, then
-  `fully_shard` over `dp`): each rank's piece is a TP shard's row block;
+  `fully_shard` over `dp`): each rank's piece is a TP shard's row block; and HSDP x TP on a
+  2 x 2 x 2 mesh, whose exchange groups (dp x tp, one per replica) each replica's ranks make alone;
+- pipeline stages (PP x HSDP): one optimizer per stage over its part of a 2 x 2 x 2 mesh, the
+  second stage's built after the first trained;
 - torch's own `clip_grad_norm_` on the sharded model before `step()` (the step takes the
   gradients it clipped);
 - a frozen embedding, left out of the optimizer and the spec (`from_module` and
@@ -58,6 +61,8 @@ CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     "torch-clip": (2, replace(BASE, clip_norm=None), {"torch_clip": 0.05}),
     "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
     "fsdp-tp-scaler": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True, "scaler": True}),
+    # HSDP x TP: the exchange groups (dp x tp, one per replica) are no dimension of the mesh
+    "hsdp-tp": (8, BASE, {"mesh": (2, 2, 2), "names": ("replicate", "dp", "tp"), "tp": True}),
     "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
                   {"mesh": (2, 2), "names": ("replicate", "shard")}),
 }
@@ -82,7 +87,7 @@ def shard_model(spec: TrainSpec, how: dict):
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if how.get("tp"):
         model = parallelize_tiny(model, mesh["tp"])
-        mesh = mesh["dp"]
+        mesh = mesh["replicate", "dp"] if "replicate" in how["names"] else mesh["dp"]
     if how.get("compile"):  # torchtitan's order: each block compiled (in place), then sharded
         for layer in model.model.layers:
             layer.compile()
@@ -224,7 +229,7 @@ def check_case(case: str, results: list[dict], world: int, spec: TrainSpec, how:
         assert frozen not in results[0]["grads"][0][0]
     # each matrix's state lives on one rank of each exchange group (replicas: one per replica)
     exchange = results[0]["exchange"]
-    assert exchange == (2 if how.get("names") == ("replicate", "shard") else world)
+    assert exchange == (2 if how.get("names") == ("replicate", "shard") else world // 2 if case == "hsdp-tp" else world)
     matrices = {p.name for p in build_model(spec).spec().params if p.uses_matrix_optimizer}
     replicas = world // exchange
     owned = [n for r in results for n in r["owned"]]
