@@ -61,8 +61,6 @@ CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     "torch-clip": (2, replace(BASE, clip_norm=None), {"torch_clip": 0.05}),
     "frozen-embedding": (2, BASE, {"frozen": "model.embed_tokens.weight"}),
     "fsdp-tp-scaler": (4, BASE, {"mesh": (2, 2), "names": ("dp", "tp"), "tp": True, "scaler": True}),
-    # HSDP x TP: the exchange groups (dp x tp, one per replica) are no dimension of the mesh
-    "hsdp-tp": (8, BASE, {"mesh": (2, 2, 2), "names": ("replicate", "dp", "tp"), "tp": True}),
     "soap-hsdp": (4, replace(BASE, optimizer="soap", matrix_config={"precondition_frequency": 2}),
                   {"mesh": (2, 2), "names": ("replicate", "shard")}),
 }
@@ -178,9 +176,11 @@ def checkpoint_round_trip(model, opt, spec: TrainSpec, how: dict) -> dict:
     return {"difference": same_checkpoint, "equal": a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)}
 
 
-# a larger variant (torch.compile takes about a minute per rank on a 2-core machine)
+# larger variants (torch.compile takes about a minute per rank on a 2-core machine; 8 ranks)
 SLOW_CASES: dict[str, tuple[int, TrainSpec, dict]] = {
     "compiled-blocks": (2, BASE, {"compile": True}),
+    # HSDP x TP: the exchange groups (dp x tp, one per replica) are no dimension of the mesh (8 ranks)
+    "hsdp-tp": (8, BASE, {"mesh": (2, 2, 2), "names": ("replicate", "dp", "tp"), "tp": True}),
 }
 
 
@@ -204,9 +204,9 @@ def test_fsdp_layout_exact(case: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SLOW_CASES))
-def test_fsdp_compiled_model_exact(case: str) -> None:
-    """torch.compile'd decoder blocks under fully_shard: the step is the same (the parameters the
-    optimizer holds are FSDP2's DTensors either way)."""
+def test_fsdp_slow_layout_exact(case: str) -> None:
+    """The larger layouts: torch.compile'd decoder blocks under fully_shard (the step is the same:
+    the parameters the optimizer holds are FSDP2's DTensors either way), HSDP x TP on 8 ranks."""
     world, spec, how = SLOW_CASES[case]
     results = [r[case] for r in run_ranks(cases_worker, world, [case], deadline_s=600.0)]
     check_case(case, results, world, spec, how)
@@ -299,7 +299,7 @@ def stage_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
             "flat group": flat is not None and opt.world.group is flat.get_group()}
 
 
-@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("flatten", [False, pytest.param(True, marks=pytest.mark.slow)])  # 8 ranks each
 def test_pipeline_stages_build_their_groups_alone(flatten: bool) -> None:
     """8 ranks = pp 2 x dp_replicate 2 x dp_shard 2: each stage's optimizer spans its 4 ranks (its
     world group, over two mesh dimensions: a group the DeviceMesh lacks unless `flatten`) and exchanges over its shard

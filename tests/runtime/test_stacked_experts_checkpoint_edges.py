@@ -38,7 +38,8 @@ from tests.runtime.test_fsdp_checkpoint import (
     torch_api_resumed,
 )
 
-pytestmark = pytest.mark.distributed  # spawns gloo process groups
+# spawns gloo process groups; slow: the edges beyond test_fsdp_stacked_experts.py, run by `make test-all`
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # 6 sequences a step: divisible by 2 and by 3 ranks
 MOE = TrainSpec(preset="tiny-moe", optimizer="adamw", steps=2, global_batch=6)
