@@ -115,8 +115,7 @@ def _by_matrix(opt: FsdpOptimizer, name: str, entry: Mapping[str, Any]) -> dict[
 def _by_stack(opt: FsdpOptimizer, by_name: Mapping[str, Any]) -> dict[str, Any]:
     """`_by_matrix` undone for a state by name (`checkpoint.state_by_name`'s form, or a sharded
     checkpoint's as read): each stack's matrices' entries stacked into the stack's, as FSDP2
-    shards it (a matrix this rank read nothing of: zeros, outside its box); entries keyed by a
-    stack's own name (sharded saves before stacks were written by matrix) are kept."""
+    shards it (a matrix this rank read nothing of: zeros, outside its box)."""
     out = dict(by_name)
     for name in opt.params:
         spec = opt.spec.param(name)
@@ -252,9 +251,10 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
     needs = {}
     for name in opt.params:
         lo, hi = _flat_bounds(opt.layout[name].boxes[opt.rank], opt.layout[name].shape)
-        # by parameter (a stack's whole, as sharded saves wrote them before stacks were written by
-        # matrix), and by each entry this rank's piece spans (`_pieces`)
-        for entry, start, end, offset in [(name, 0, hi - lo, lo), *_pieces(opt, name, lo, hi)]:
+        # by each entry this rank's piece spans (`_pieces`; a save that keyed a stack by its own
+        # name, as sharded saves did before stacks were written by matrix, is read by matrix too:
+        # `checkpoint._stack_pieces_by_matrix`)
+        for entry, start, end, offset in _pieces(opt, name, lo, hi):
             first, last = offset, offset + end - start
             needs[entry] = lambda t, tp, at, meta, lo=first, hi=last: tp != 1 or _overlaps(meta, at, lo, hi)
     header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs,
