@@ -143,8 +143,7 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     if not cfg.fsdp:
         return check_hsdp(False, cluster.dp, cfg.hsdp_replicate)
     if cfg.pp > 1:
-        raise SpecError(f"--fsdp is simulated at pp 1 for now (got pp {cfg.pp}): parameters are sharded over the "
-                        "DP group (x TP)")
+        _check_pipeline(cfg, cluster)
     if cfg.tp > 1 and any(p.role in (Role.EXPERT, Role.ROUTER) for p in spec.params):
         raise SpecError(f"--fsdp with --tp {cfg.tp} is simulated for dense models; {spec.name!r} has experts "
                         "(run it at --tp 1)")
@@ -192,6 +191,21 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")
     return shard
+
+
+def _check_pipeline(cfg, cluster: Cluster) -> None:
+    """FSDP2 under PP as the simulator runs it (sim.fsdp_pipeline): torchtitan's 1F1B over even
+    stages of torch's FSDP2, without a virtual pipeline, EP or HSDP; torch's `Schedule1F1B` needs
+    as many micro-batches as stages. One SpecError (one line) otherwise."""
+    if cfg.vp > 1 or cfg.ep > 1 or cfg.hsdp_replicate > 1 or not cfg.pipeline_split.even or cfg.fsdp_impl != FSDP2:
+        raise SpecError(f"--fsdp with --pp {cfg.pp} is simulated as torchtitan runs it with torch's 1F1B schedule: "
+                        f"even stages of --fsdp-impl {FSDP2}, without --vp, --ep or --hsdp-replicate (got vp {cfg.vp}, "
+                        f"ep {cfg.ep}, hsdp-replicate {cfg.hsdp_replicate}, fsdp-impl {cfg.fsdp_impl}, pipeline split "
+                        f"{cfg.pipeline_split.describe()})")
+    m = cfg.workload.micro_batches(cluster.dp)
+    if m < cfg.pp:
+        raise SpecError(f"--fsdp with --pp {cfg.pp}: {m} micro-batches per DP rank, fewer than the stages (torch's "
+                        "Schedule1F1B needs at least one a stage): raise --global-batch or lower --micro-batch")
 
 
 def _check_zero1_step_options(cfg) -> None:
@@ -287,9 +301,10 @@ def copy_seconds(cfg, rate: DeviceRate, gathered: dict[int, int]) -> tuple[dict[
 
 
 def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile,
-                          rate: DeviceRate, head_dim: int) -> MicroBatchWork:
+                          rate: DeviceRate, head_dim: int, stage: int = 0) -> MicroBatchWork:
     """One micro-batch's kernels on a rank of an FSDP layout (`micro_batch_work` at the layout's TP
-    and EP, the whole model). FP8 under FSDP: the weights are gathered again for every
+    and EP, the whole model; under PP pipeline stage `stage`'s part, `model` its stage's spec: the
+    head on the last stage only). FP8 under FSDP: the weights are gathered again for every
     micro-batch, so each is cast to FP8 for every micro-batch (no cache across them). The
     re-run of a checkpointed layer stops early under torch's checkpoint (`fsdp_checkpoint`,
     `canzona.recompute.rerun_stops_early`). `head_dim`: the attention heads' dimension (`LayerDims.head_dim`)."""
@@ -299,10 +314,10 @@ def fsdp_micro_batch_work(cfg, model: tuple[ModelSpec, Architecture], cluster: C
     fp8 = fp8_setup(wl, hw, cluster, spec)
     # torchtitan's selective-layer: every K-th layer in a checkpoint wrapper (canzona.recompute)
     inside = inside_layers(o.recompute, o.recompute_method, o.recompute_num_layers, o.selective_ac_option,
-                           cfg.chunks(arch.layers, 0))
+                           cfg.chunks(arch.layers, stage))
     return micro_batch_work(spec, cluster.tp, wl.tokens_per_micro_batch, wl.seq_len, arch.q_dim,
                             arch.hidden, arch.vocab, rate, recompute=o.recompute, checkpointed=inside,
-                            causal=wl.causal, dtype=wl.dtype, experts=arch.moe,
+                            causal=wl.causal, dtype=wl.dtype, head=stage == cfg.pp - 1, experts=arch.moe,
                             ep=cfg.ep, kv_dim=arch.kv_dim, head_dim=head_dim,
                             fp8=None if fp8 is None else replace(fp8, micro_batches=1),
                             attention_backend=cfg.options.attention_backend,
@@ -347,6 +362,9 @@ class _FsdpRun:
         self.members = list(range(self.size))
         self.exchange_geo = cluster.geometry(self.members)
         self.stalls: list[float] = []
+        # the rank phase A is simulated on: 0 (it stands for every rank); under PP each stage's first
+        # (sim.fsdp_pipeline), which share one engine
+        self.rank_a = 0
         # by shape, what the run's dtypes (bf16 without masters) take off the plan's fp32-priced
         # seconds (`compute_seconds`)
         self.dtype_savings = DtypeSavings(self.rate, cfg.optimizer, MemorySetup.dtypes_of(self.wl).step_dtypes,
@@ -366,12 +384,12 @@ class _FsdpRun:
 
     def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
         cost = collective_cost("all-gather", self.local[unit.key] * self.wl.param_bytes, self.shard_geo, self.hw)
-        done = self.engine.collective(name, [0], cost, AG_STREAM, {0: after})[0]
+        done = self.engine.collective(name, [self.rank_a], cost, AG_STREAM, {self.rank_a: after})[self.rank_a]
         if self.expert_local[unit.key] and self.edp > 1:  # the experts' own fully_shard, over the EDP group
             cost = collective_cost("all-gather", self.expert_local[unit.key] * self.wl.param_bytes, self.edp_geo,
                                    self.hw)
-            done = self.engine.env.all_of([done, self.engine.collective(f"{name} experts", [0], cost, AG_STREAM,
-                                                                        {0: after})[0]])
+            done = self.engine.env.all_of([done, self.engine.collective(f"{name} experts", [self.rank_a], cost, AG_STREAM,
+                                                                        {self.rank_a: after})[self.rank_a]])
         return done
 
     def _probe(self, before: simpy.Event, wanted: simpy.Event):
@@ -386,9 +404,9 @@ class _FsdpRun:
         `no_grad`: a forward without autograd (`_tp_block`)."""
         self.engine.env.process(self._probe(last, gathered))
         if self.tp == 1 and not any(b.ep_bytes or b.recompute for b in blocks):
-            return self.engine.compute(0, name, copy_s + sum(b.seconds for b in blocks), [last, gathered])
+            return self.engine.compute(self.rank_a, name, copy_s + sum(b.seconds for b in blocks), [last, gathered])
         if copy_s:
-            last = gathered = self.engine.compute(0, f"{name} all-gather copy-out", copy_s, [last, gathered])
+            last = gathered = self.engine.compute(self.rank_a, f"{name} all-gather copy-out", copy_s, [last, gathered])
         if self.tp == 1:  # expert parallelism: each expert block between its dispatch and combine all-to-alls
             last = self.engine.env.all_of([last, gathered])
             for b in blocks:
@@ -406,15 +424,15 @@ class _FsdpRun:
         """Block `b` on rank 0 at TP 1 after `last`: an expert block between its dispatch and
         combine (on the EP stream, as `sim.iteration._Stage.block`), any other its compute alone."""
         if not b.ep_bytes:
-            return self.engine.compute(0, label, b.seconds, [last])
+            return self.engine.compute(self.rank_a, label, b.seconds, [last])
         dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw,
                                      b.ep_meta)
         held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
-        last = self.engine.collective(f"{label} dispatch", [0], dispatch, EP_COMM, {0: [last]}, sms=held)[0]
-        last = self.engine.compute(0, label, b.seconds, [last])
+        last = self.engine.collective(f"{label} dispatch", [self.rank_a], dispatch, EP_COMM, {self.rank_a: [last]}, sms=held)[self.rank_a]
+        last = self.engine.compute(self.rank_a, label, b.seconds, [last])
         if not b.sends_output:  # a re-run stopped before its combine (torch's early stop)
             return last
-        return self.engine.collective(f"{label} combine", [0], combine, EP_COMM, {0: [last]}, sms=held)[0]
+        return self.engine.collective(f"{label} combine", [self.rank_a], combine, EP_COMM, {self.rank_a: [last]}, sms=held)[self.rank_a]
 
     def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event,
                   no_grad: bool = False) -> simpy.Event:
@@ -429,28 +447,28 @@ class _FsdpRun:
         if b.recompute is not None:  # full recompute (torchtitan's checkpoint wrapper): the forward block again first
             last = self._tp_block(f"{name} recompute", b.recompute, 1, last)
         if not b.tp_collectives:
-            return eng.compute(0, name, b.seconds, [last])
+            return eng.compute(self.rank_a, name, b.seconds, [last])
         if not self.cfg.options.tp_comm_overlap:
             for _ in range(gathers_input):
-                last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
-            last = eng.compute(0, name, b.seconds, [last])
+                last = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [last]})[self.rank_a]
+            last = eng.compute(self.rank_a, name, b.seconds, [last])
             if not b.sends_output:  # a re-run stopped before its row GEMMs (torch's early stop)
                 return last
-            return eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [last]})[0]
+            return eng.collective(f"{name} tp reduce-scatter", [self.rank_a], self.tp_rs, TP_COMM, {self.rank_a: [last]})[self.rank_a]
         if no_grad:  # TE's LayerNormLinear turns its userbuffers all-gather off without grad
             for _ in range(gathers_input):
-                last = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [last]})[0]
+                last = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [last]})[self.rank_a]
             gathers_input = 0
         gathered = last
         for _ in range(gathers_input):
-            gathered = eng.collective(f"{name} tp all-gather", [0], self.tp_ag, TP_COMM, {0: [gathered]})[0]
-        last = eng.compute(0, f"{name} first", b.first_s, [last])
-        last = eng.compute(0, f"{name} middle", b.middle_s, [last, gathered])
+            gathered = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [gathered]})[self.rank_a]
+        last = eng.compute(self.rank_a, f"{name} first", b.first_s, [last])
+        last = eng.compute(self.rank_a, f"{name} middle", b.middle_s, [last, gathered])
         if not b.sends_output:
             return last
         before_last = last
-        last = eng.compute(0, f"{name} last", b.last_s, [last])
-        scattered = eng.collective(f"{name} tp reduce-scatter", [0], self.tp_rs, TP_COMM, {0: [before_last]})[0]
+        last = eng.compute(self.rank_a, f"{name} last", b.last_s, [last])
+        scattered = eng.collective(f"{name} tp reduce-scatter", [self.rank_a], self.tp_rs, TP_COMM, {self.rank_a: [before_last]})[self.rank_a]
         return eng.env.all_of([last, scattered])
 
     def _pass(self, name: str, units: Sequence[FsdpUnit], blocks: dict[int, Sequence[Block]], last: simpy.Event,
@@ -478,17 +496,24 @@ class _FsdpRun:
                     then(unit, last)
         return last
 
+    def micro_batch_work(self, head_dim: int, stage: int = 0) -> MicroBatchWork:
+        """One micro-batch of this run's model (under PP its stage's, `stage`) on a rank
+        (`fsdp_micro_batch_work`); sets the TP collectives' costs, as sim.iteration's."""
+        wl = self.wl
+        act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes
+        self.tp_ag = collective_cost("all-gather", act, self.cluster.tp_geometry(), self.hw)
+        self.tp_rs = collective_cost("reduce-scatter", act, self.cluster.tp_geometry(), self.hw)
+        return fsdp_micro_batch_work(self.cfg, (self.spec, self.arch), self.cluster, self.hw, self.rate, head_dim,
+                                     stage)
+
     def phase_a(self, head_dim: int) -> simpy.Event:
         """Forward and backward of every micro-batch on rank 0; the event: every gradient reduced.
         `head_dim`: the attention heads' dimension (`LayerDims.head_dim`), which the fused
         attention's efficiency depends on."""
         eng, wl, cfg = self.engine, self.wl, self.cfg
-        work = fsdp_micro_batch_work(cfg, (self.spec, self.arch), self.cluster, self.hw, self.rate, head_dim)
+        work = self.micro_batch_work(head_dim)
         fwd = dict(zip(work.layer_ids, work.forward))
         bwd = dict(zip(work.layer_ids, work.backward))
-        act = wl.tokens_per_micro_batch * self.arch.hidden * wl.activation_bytes  # TP collectives, as sim.iteration's
-        self.tp_ag = collective_cost("all-gather", act, self.cluster.tp_geometry(), self.hw)
-        self.tp_rs = collective_cost("reduce-scatter", act, self.cluster.tp_geometry(), self.hw)
         layers = [u for u in self.units if u.key != ROOT]
         root = next((u for u in self.units if u.key == ROOT), None)
         m = wl.micro_batches(self.cluster.dp)
@@ -509,37 +534,37 @@ class _FsdpRun:
 
         def reduce(unit: FsdpUnit, mb: int, after: simpy.Event) -> None:
             if self.copy_in_s[unit.key]:  # on the compute stream, before the next unit's backward
-                after = eng.compute(0, f"mb{mb} reduce-scatter copy-in {_label(unit)}", self.copy_in_s[unit.key],
+                after = eng.compute(self.rank_a, f"mb{mb} reduce-scatter copy-in {_label(unit)}", self.copy_in_s[unit.key],
                                     [after])
-            done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [0], rs_cost[unit.key], RS_STREAM,
-                                  {0: [after]})[0]
+            done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [self.rank_a], rs_cost[unit.key], RS_STREAM,
+                                  {self.rank_a: [after]})[self.rank_a]
             if unit.key in expert_rs:  # the experts' gradients over the EDP group (at EDP 1 they are whole)
-                reduced.append(eng.collective(f"mb{mb} reduce-scatter {_label(unit)} experts", [0],
-                                              expert_rs[unit.key], RS_STREAM, {0: [after]})[0])
+                reduced.append(eng.collective(f"mb{mb} reduce-scatter {_label(unit)} experts", [self.rank_a],
+                                              expert_rs[unit.key], RS_STREAM, {self.rank_a: [after]})[self.rank_a])
             if cfg.hsdp_replicate > 1 and mb == m - 1:  # the replicas' all-reduce of the reduced shard
-                done = eng.collective(f"all-reduce {_label(unit)} over replicas", [0], ar_cost[unit.key], RS_STREAM,
-                                      {0: [done]})[0]
+                done = eng.collective(f"all-reduce {_label(unit)} over replicas", [self.rank_a], ar_cost[unit.key], RS_STREAM,
+                                      {self.rank_a: [done]})[self.rank_a]
             reduced.append(done)
 
         for mb in range(m):
             # the root's parameters (the embedding first) stay gathered through the micro-batch
             root_gathered = self._gather(f"mb{mb} fwd all-gather root", root, [last]) if root else last
             if root and self.copy_out_s[root.key]:
-                root_gathered = eng.compute(0, f"mb{mb} fwd all-gather copy-out root", self.copy_out_s[root.key],
+                root_gathered = eng.compute(self.rank_a, f"mb{mb} fwd all-gather copy-out root", self.copy_out_s[root.key],
                                             [last, root_gathered])
             if work.embed_forward_s:
-                root_gathered = eng.compute(0, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
+                root_gathered = eng.compute(self.rank_a, f"mb{mb} fwd embedding", work.embed_forward_s, [root_gathered])
             last = self._pass(f"mb{mb} fwd", layers, fwd, eng.env.all_of([last, root_gathered]), 1,
                               no_grad=no_grad)
-            last = eng.compute(0, f"mb{mb} fwd head", work.head_forward_s, [last])
-            last = eng.compute(0, f"mb{mb} bwd head", work.head_backward_s, [last])
+            last = eng.compute(self.rank_a, f"mb{mb} fwd head", work.head_forward_s, [last])
+            last = eng.compute(self.rank_a, f"mb{mb} bwd head", work.head_backward_s, [last])
             # backward re-gathers each block's input for the weight gradients (sequence parallel)
             # without reshard_after_forward the layers are still gathered from their forward
             last = self._pass(f"mb{mb} bwd", list(reversed(layers)), bwd, last, 2,
                               lambda unit, done, mb=mb: reduce(unit, mb, done),
                               gathered=not cfg.reshard_after_forward)
             if work.embed_backward_s:
-                last = eng.compute(0, f"mb{mb} bwd embedding", work.embed_backward_s, [last])
+                last = eng.compute(self.rank_a, f"mb{mb} bwd embedding", work.embed_backward_s, [last])
             if root:
                 reduce(root, mb, last)
         return eng.env.all_of(reduced + [last])

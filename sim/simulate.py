@@ -96,6 +96,7 @@ from sim.ep_overlap import check_delay_wgrad, check_ep_overlap
 from sim.fp8 import FP8, FP8Setup, check_fp8_device, fp8_setup
 from sim.fsdp import check_fsdp, fsdp_policy, owner_plan_defaults, simulate_fsdp
 from sim.fsdp_copies import FSDP2, check_fsdp_impl, reshard_options
+from sim.fsdp_pipeline import simulate_fsdp_pipeline
 from sim.iteration import (
     ETP_COMM,
     Context,
@@ -762,7 +763,9 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
     if cfg.fsdp:
         if plan is not None:
             raise SpecError("an explicit plan is for the ZeRO-1 layout; under --fsdp the simulator plans the owners")
-        run = simulate_fsdp(cfg, model, cluster, hw, layer_dims(model[1], model[0]))
+        # under PP torchtitan's stages, each fully_shard-ed over its own DP group (sim.fsdp_pipeline)
+        run = (simulate_fsdp_pipeline if cfg.pp > 1 else simulate_fsdp)(cfg, model, cluster, hw,
+                                                                        layer_dims(model[1], model[0]))
         return SimResult(config=cfg, plan=run.plan, memory=run.memory, memory_capacity_bytes=hw.gpu.memory_bytes,
                          iteration_time_s=run.t_end, optimizer_step_s=run.t_end - run.t_sync,
                          grad_sync_end_s=run.t_sync, param_gather_exposed_s=run.stalls,
