@@ -194,14 +194,13 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
 
 
 def _check_pipeline(cfg, cluster: Cluster) -> None:
-    """FSDP2 under PP as the simulator runs it (sim.fsdp_pipeline): torchtitan's 1F1B over even
-    stages of torch's FSDP2, without a virtual pipeline, EP or HSDP; torch's `Schedule1F1B` needs
-    as many micro-batches as stages. One SpecError (one line) otherwise."""
-    if cfg.vp > 1 or cfg.ep > 1 or cfg.hsdp_replicate > 1 or not cfg.pipeline_split.even or cfg.fsdp_impl != FSDP2:
-        raise SpecError(f"--fsdp with --pp {cfg.pp} is simulated as torchtitan runs it with torch's 1F1B schedule: "
-                        f"even stages of --fsdp-impl {FSDP2}, without --vp, --ep or --hsdp-replicate (got vp {cfg.vp}, "
-                        f"ep {cfg.ep}, hsdp-replicate {cfg.hsdp_replicate}, fsdp-impl {cfg.fsdp_impl}, pipeline split "
-                        f"{cfg.pipeline_split.describe()})")
+    """FSDP2 under PP as the simulator runs it (sim.fsdp_pipeline): torchtitan's 1F1B schedule over
+    torch's FSDP2, without a virtual pipeline, EP or HSDP; torch's `Schedule1F1B` needs as many
+    micro-batches as stages. One SpecError (one line) otherwise."""
+    if cfg.vp > 1 or cfg.ep > 1 or cfg.hsdp_replicate > 1 or cfg.fsdp_impl != FSDP2:
+        raise SpecError(f"--fsdp with --pp {cfg.pp} is simulated as torchtitan runs it with torch's 1F1B schedule, "
+                        f"under --fsdp-impl {FSDP2}, without --vp, --ep or --hsdp-replicate (got vp {cfg.vp}, "
+                        f"ep {cfg.ep}, hsdp-replicate {cfg.hsdp_replicate}, fsdp-impl {cfg.fsdp_impl})")
     m = cfg.workload.micro_batches(cluster.dp)
     if m < cfg.pp:
         raise SpecError(f"--fsdp with --pp {cfg.pp}: {m} micro-batches per DP rank, fewer than the stages (torch's "

@@ -2,7 +2,10 @@
 layout, as it runs with torch's pipelining (torch.distributed.pipelining, torch 2.13).
 
 Each pipeline stage holds its contiguous run of decoder layers (`canzona.pipeline.stage_spec`, the
-ZeRO-1 layout's split: the embedding on the first stage, the final norm and head on the last) and is
+ZeRO-1 layout's split: the embedding on the first stage, the final norm and head on the last;
+torchtitan's default split, `generate_llm_fqn_per_model_part` counting the embedding and the
+norm and head as one layer each, is `--account-for-embedding-in-pipeline-split
+--account-for-loss-in-pipeline-split` where the stages divide it evenly) and is
 `fully_shard`-ed over its own DP shard group (DP = gpus / (tp x pp)): its FSDP units (one a decoder
 layer, the root holding the stage's embedding or norm and head) shard its parameters, gradients and
 optimizer state over that group, and one FsdpOptimizer steps them over the stage's exchange group
@@ -184,7 +187,7 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
     spec, arch = model
     shard = check_fsdp(cfg, cluster, spec)
     pp = cfg.pp
-    runs = [_FsdpRun(cfg, (stage_spec(spec, pp, s, arch.layers), arch), cluster, hw, shard) for s in range(pp)]
+    runs = [_FsdpRun(cfg, (stage_spec(spec, pp, s, arch.layers, split=cfg.pipeline_split), arch), cluster, hw, shard) for s in range(pp)]
     own = [run.engine for run in runs]  # each stage's step runs on its own engine
     shared = Engine(slowdown=own[0].slowdown, sms=hw.gpu.sms)  # every stage's phase A
     for s, run in enumerate(runs):
@@ -215,7 +218,7 @@ def stage_memory(cfg, run: _FsdpRun, setup, dims: LayerDims, stage: int, cluster
     beside them, every unit's gathered parameters and unsharded gradient
     (`pipeline_in_flight_bytes`)."""
     base = run.memory(setup, dims)
-    acts = activation_bytes(dims, setup, run.tp, cfg.pp, stage)
+    acts = activation_bytes(dims, setup, run.tp, cfg.pp, stage, split=cfg.pipeline_split)
     in_flight = pipeline_in_flight_bytes(run.gathered_elements(), setup.param_bytes, setup.grad_bytes)
     ranks = tuple(replace(r, rank=stage * cluster.stage_gpus + r.rank, stage=stage, activations=acts,
                           reduction=in_flight, overhead=setup.overhead(max(acts + in_flight, r.step_buffers)))

@@ -145,7 +145,7 @@ def test_fsdp_with_ep_dispatches_and_shards_the_dense_part():
     (dict(optimizer="muon", policy="canzona"), "with an elementwise optimizer"),
     (dict(gpus=16, hsdp_replicate=2, workload=Workload(seq_len=512, global_batch=16, micro_batch=1)),
      "without HSDP"),
-    (dict(pp=2, ep=4), "at pp 1 for now"),
+    (dict(pp=2, ep=4), "without --vp, --ep or --hsdp-replicate"),
     (dict(ep=4, etp=2), "at etp 1 without HSDP"),
     (dict(router_imbalance=1.5), "without a persistent router skew"),
 ])

@@ -78,7 +78,8 @@ def test_hsdp_prices_the_replicate_all_reduce():
     # TP taking every GPU (canzona simulate's default --tp 8 on 8 GPUs): the layout's own DP, not HSDP's, is named
     (dict(gpus=8, tp=8), "leaves 1: lower --tp"),
     (dict(fsdp=False, hsdp_replicate=2), "needs --fsdp"),
-    (dict(pp=2), "at pp 1 for now"),  # FSDP x TP runs (issue: FSDP x TP in the simulator); FSDP x PP does not
+    # FSDP x TP and FSDP x PP run (sim.fsdp_pipeline: torchtitan's 1F1B); not with a virtual pipeline
+    (dict(pp=2, vp=2), "without --vp, --ep or --hsdp-replicate"),
     (dict(tp=2, options=RunOptions(overlap_step=True)), "without --overlap-step"),
     (dict(model="qwen3-30b-a3b", tp=2), "simulated for dense models"),
     # a whole-matrix optimizer over stacked experts: FsdpOptimizer refuses the stacks (adamw runs them)
@@ -276,5 +277,5 @@ def test_cli_accepts_fsdp_with_tp():
     result = invoke("compare", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--hsdp-replicate", 2,
                     "--global-batch", 16)
     assert result.exit_code == 0, result.output
-    result = invoke("simulate", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--pp", 2)
-    error_line(result, "at pp 1 for now")
+    result = invoke("simulate", "--model", "qwen3-1.7b", "--gpus", 16, "--tp", 2, "--fsdp", "--pp", 2, "--vp", 2)
+    error_line(result, "without --vp, --ep or --hsdp-replicate")
