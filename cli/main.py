@@ -617,14 +617,16 @@ OverlapStep = Annotated[bool, typer.Option(
          "runs the baselines without it).")]
 Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 / ZeRO-3 layout: parameters, gradients and state sharded over the "
                                      "DP group (torch's fully_shard; under --tp, each TP rank's shard over its DP group, "
-                                     "owners over DP x TP), gathered per layer in forward and backward (pp, ep 1); its "
+                                     "owners over DP x TP; under --pp, each stage's over its own DP group, torchtitan's 1F1B), "
+                                     "gathered per layer in forward and backward; its "
                                      "policies: canzona, fsdp-owners-unbalanced, and in the simulator fsdp-gather-all.")]
 HsdpReplicate = Annotated[int, typer.Option(help="HSDP under --fsdp: this many replicas of shard groups of DP / R ranks, "
                                                  "the reduced gradient shards all-reduced across them (1: plain FSDP).")]
 ReshardAfterForward = Annotated[bool, typer.Option(
     help="Under --fsdp, FSDP2's fully_shard(reshard_after_forward=...): free each unit's gathered parameters after "
          "its forward and gather them again for its backward (FSDP2's default); --no-reshard-after-forward keeps "
-         "them from the forward to the backward (one all-gather fewer per unit and micro-batch, every unit held).")]
+         "them from the forward to the backward (one all-gather fewer per unit and micro-batch, every unit held; "
+         "torchtitan's default under --pp).")]
 Precision = Annotated[str, typer.Option(
     help="GEMM precision of the layers' linear modules: bf16, or fp8 (Transformer Engine's FP8 GEMMs with their "
          "casts and scaling, attention and the head in bf16; needs an FP8 GPU: h100-sxm, h200).")]

@@ -478,7 +478,8 @@ REFINE_AXES: tuple[Axis, ...] = (
 # reshard_after_forward (Megatron-FSDP: resharded only), the micro-batch and the recompute modes
 # the simulator runs under FSDP (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of
 # `selective_ac_options`: the rounds of `search`); no pipeline, virtual
-# pipeline or context parallelism (one value each: the simulator runs FSDP at pp 1, cp 1). Which
+# pipeline or context parallelism (one value each: the simulator runs FSDP at cp 1, and with PP
+# (sim.fsdp_pipeline) but its floors, `fsdp_time_floor` / `fsdp_memory_floor`, are PP 1's). Which
 # combinations the simulator runs is its own checks' to say (`SimConfig.check`, `check_fsdp`).
 FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
     TP_AXIS,
