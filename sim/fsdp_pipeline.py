@@ -198,6 +198,8 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
     for s, ev in enumerate(synced):
         ev.callbacks.append(lambda _, s=s: t_sync.__setitem__(s, shared.now))
     shared.run()
+    if not all(ev.processed for ev in synced):  # a transfer no program reached: the schedule's, not the input's
+        raise RuntimeError("sim.fsdp_pipeline: a pipeline stage never finished its backward (a schedule deadlock)")
     ends = []
     for s, run in enumerate(runs):
         run.engine = own[s]

@@ -48,6 +48,17 @@ def test_bubble_shrinks_with_more_micro_batches(base):
     assert sum("activations 0->1" in n for n in sends) == 8 and sum("gradients 1->0" in n for n in sends) == 8
 
 
+def test_four_stages_each_pass_each_link():
+    # 28 layers over 4 stages (7 each), 6 micro-batches a DP rank: every stage runs every pass, and
+    # each link carries every micro-batch's activations forward and its gradients back, once
+    r = simulate(replace(BASE, gpus=8, pp=4, workload=Workload(seq_len=512, global_batch=12, micro_batch=1)))
+    assert {s.rank for s in r.spans if s.phase == "A" and s.kind == "compute"} == {0, 2, 4, 6}
+    for s in range(3):
+        for rank in (2 * s, 2 * s + 2):  # the sender's and the receiver's part of each transfer
+            assert _comm(r, f"activations {s}->{s + 1}", rank) == 6 and _comm(r, f"gradients {s + 1}->{s}", rank) == 6
+    assert _comm(r, "bwd all-gather layer", 6) == 7 * 6  # the last stage: F and B in turn from the start
+
+
 def _comm(r, needle: str, rank: int = 0) -> int:
     return sum(needle in s.name for s in r.spans if s.phase == "A" and s.rank == rank and s.kind == "comm")
 
