@@ -2,7 +2,8 @@
 logs it (docs/design.md §2.8), torch-free: one definition, two users. The runtime's logs
 (`opt.world.log` and `opt.comm.log`, merged in issue order) equal `fsdp_step_collectives` record
 for record (tests/runtime/test_fsdp_parity.py), and the simulator (`sim/fsdp.py`, phase B) prices
-the micro-groups' all-to-alls from `exchange_bytes`.
+the micro-groups' all-to-alls from `exchange_bytes` and, under `--collectives runtime`, the
+checks' all-gathers from `fsdp_step_collectives`.
 
 `fsdp_step_collectives(spec, shard, member, owners, micro_groups, ...)` lists what member `member`
 of a shard group of `shard` ranks (one replica under HSDP) issues in one step, in order:

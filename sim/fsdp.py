@@ -44,7 +44,7 @@ from canzona.cost import (
 from canzona.decoder import Architecture
 from canzona.errors import SpecError
 from canzona.experts import dense_part, expert_part
-from canzona.fsdp_collectives import exchange_bytes
+from canzona.fsdp_collectives import ALL_GATHER, exchange_bytes, fsdp_step_collectives
 from canzona.fsdp_plan import (
     MAX_OWNER_GROUPS,
     ROOT,
@@ -85,6 +85,7 @@ from canzona.recompute import (
     rerun_stops_early,
 )
 from canzona.spec import ModelSpec, Role
+from canzona.step_collectives import RUNTIME_STYLE
 from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
@@ -162,8 +163,8 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
         # FsdpOptimizer refuses stacked parameters; priced, the step ran the matrix optimizer on
         # every expert matrix while the memory kept AdamW's moments of the stacks
         raise SpecError(f"--fsdp: {stacked_experts_refusal(cfg.optimizer, spec.stacks[0].name)}")
-    if cfg.options.overlap_step or cfg.options.collectives != "megatron":
-        raise SpecError("--fsdp runs with the default --collectives megatron and without --overlap-step")
+    if cfg.options.overlap_step:
+        raise SpecError("--fsdp runs without --overlap-step")
     if cfg.options.recompute not in FSDP_RECOMPUTE_MODES:
         raise SpecError(f"--fsdp runs --recompute {' / '.join(FSDP_RECOMPUTE_MODES)}, got {cfg.options.recompute!r}")
     if cfg.options.recompute not in fsdp_recompute_modes(cfg.fsdp_impl):
@@ -614,7 +615,7 @@ class _FsdpRun:
         experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
         norm_s = sum(self.rate.kernel_seconds(k) for k in
                      gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None, ub))
-        begin = {r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks}
+        begin = self.step_check({r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks})
         local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
         elementwise = -(-(total - local_matrices) // s) + experts
         adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"), ub))
@@ -649,6 +650,30 @@ class _FsdpRun:
             # the shards and updates in fp32 beside masters, in the parameters' dtype without (as ZeRO-1's)
             apply_s = shard_numel * APPLY_PASSES * ub / self.rate.hbm_bytes_per_s + self.rate.launch_s
             done += [eng.compute(r, f"group {g} apply", apply_s, [applied_after[r]]) for r in ranks]
+
+    def step_check(self, normed: dict[int, simpy.Event]) -> dict[int, simpy.Event]:
+        """Under the runtime's collectives (`--collectives runtime`, as the ZeRO-1 layout prices its
+        own checks: `canzona.step_collectives`), `FsdpOptimizer.check`'s all-gathers over every rank
+        of the mesh (replicas and TP ranks too), from their one definition
+        (`canzona.fsdp_collectives.fsdp_step_collectives`: the step check, and after an explicit
+        `clip_grad_norm_` the step recheck), each after the rank's norm term and before its
+        exchanges and AdamW, priced as the ZeRO-1 layout's checks (`sim.iteration.record_cost`: an
+        all-gather of every member's words); recorded as the runtime logs them. Megatron-style
+        collectives (the default) run none, as the ZeRO-1 layout's."""
+        o = self.cfg.options
+        if o.collectives != RUNTIME_STYLE:
+            return normed
+        clips = [(1.0, 2.0)] if o.explicit_clip else []  # the loop's clip_grad_norm_ (its threshold: no record's)
+        world = list(self.cluster.stage_ranks(0))
+        geo = self.cluster.geometry(world)
+        done = normed
+        for c in fsdp_step_collectives(self.spec, self.shard, 0, {}, (), element_bytes=0, world=len(world),
+                                       clips=clips, max_grad_norm=o.max_grad_norm):
+            if c.op == ALL_GATHER:  # the check's (the exchanges are `phase_b`'s own)
+                cost = collective_cost(ALL_GATHER, sum(c.bytes_per_rank), geo, self.hw)
+                done = self.engine.collective(c.name, self.members, cost, DP_COMM, {r: [done[r]] for r in self.members},
+                                              record=c.logged(), members=len(world))
+        return done
 
     def _per_owner(self, mats: Sequence[FsdpMatrix], nbytes: int) -> tuple[list[float], list[float]]:
         """Per owner, the bytes of one member's pieces of the TP-sharded matrices it owns, and of

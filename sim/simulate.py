@@ -769,7 +769,7 @@ def simulate(cfg: SimConfig, plan: Plan | None = None, replicate_phase_a: bool =
         return SimResult(config=cfg, plan=run.plan, memory=run.memory, memory_capacity_bytes=hw.gpu.memory_bytes,
                          iteration_time_s=run.t_end, optimizer_step_s=run.t_end - run.t_sync,
                          grad_sync_end_s=run.t_sync, param_gather_exposed_s=run.stalls,
-                         spans=tuple(run.engine.spans),
+                         spans=tuple(run.engine.spans), collective_records=tuple(run.engine.records),
                          **timing(run.engine, cfg, model[1], model[0], hw, range(run.members), run.t_sync, run.t_end,
                                   cluster))
     # every candidate plan of the same layout, the fastest iteration kept (the first of equals):
