@@ -230,6 +230,10 @@ class FsdpRankBytes:
     matrix_state: int  # the matrix optimizer's state: of the matrices it owns (or its rows' share)
     adamw_state: int  # AdamW's moments of its shards of the other parameters
 
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master_weights + self.matrix_state + self.adamw_state
+
 
 def fsdp_persistent_memory(spec: ModelSpec, shard: int, matrices: dict[str, FsdpMatrix], *, weight_bytes: int,
                            grad_bytes: int, master_bytes: int,

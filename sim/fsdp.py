@@ -763,12 +763,8 @@ class _FsdpRun:
                                           moment_bytes=setup.update_state_bytes)
             if self.ep == 1:
                 return held
-            # under EP each rank's own torch.chunk piece of each of its EP rank's stacks, over the
-            # EDP group (rank r: EP rank r % ep, EDP member r // ep, as the runtime's (efsdp, ep)
-            # mesh; AdamW's state): uneven where the EP rank's experts do not divide by EDP
-            experts = fsdp_persistent_memory(expert_part(self.spec, self.ep), self.edp, {},
-                                             weight_bytes=weight_bytes, grad_bytes=gb, master_bytes=mb,
-                                             moment_bytes=setup.update_state_bytes)
+            # rank r: EP rank r % ep, EDP member r // ep, as the runtime's (efsdp, ep) mesh
+            experts = expert_shard_memory(self.spec, self.ep, self.edp, setup)
             return [replace(h, weights=h.weights + e.weights, grads=h.grads + e.grads,
                             master_weights=h.master_weights + e.master_weights,
                             adamw_state=h.adamw_state + e.adamw_state)
@@ -805,12 +801,24 @@ def kept_matrices(optimizer: str, matrices: dict[str, FsdpMatrix], setup: Memory
     return out
 
 
+def expert_shard_memory(spec: ModelSpec, ep: int, edp: int, setup: MemorySetup) -> list[FsdpRankBytes]:
+    """Under FSDP + EP, each EDP member's persistent bytes of its experts: its own torch.chunk piece
+    of each of its EP rank's stacks over the EDP group (`fsdp_persistent_memory` of
+    `expert_part`; AdamW's state), as the runtime holds them: uneven where the EP rank's experts do
+    not divide by EDP (3 over 2 ranks: 2 and 1), member 0 the fullest. One definition for the run
+    (`_FsdpRun._persistent`) and the search's floor (`fsdp_memory_floor`)."""
+    mb = setup.master_bytes
+    return fsdp_persistent_memory(expert_part(spec, ep), edp, {}, weight_bytes=0 if mb else setup.param_bytes,
+                                  grad_bytes=setup.shard_grad_bytes, master_bytes=mb,
+                                  moment_bytes=setup.update_state_bytes)
+
+
 def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims) -> int:
     """A lower bound of the fullest GPU's bytes of an FSDP layout (`_FsdpRun.memory`), without its
     plan or owners (for the search's pruning, `sim.search.memory_floor`): the fullest rank of the
     exchange group holds at least the group's mean of each persistent term (its shards of the
-    TP-local elements, 1 / S of them with their gradients and masters, under EP its share of its EP
-    rank's experts; AdamW's moments of the elementwise parameters' shards; the matrix optimizer's
+    TP-local elements, 1 / S of them with their gradients and masters; under EP the fullest rank's
+    piece of its EP rank's experts, `expert_shard_memory`; AdamW's moments of the elementwise parameters' shards; the matrix optimizer's
     state, which the owners, or under gather-all every rank, hold: at least 1 / (S x T) of every
     matrix's), the flex token dispatcher's buffers, the activations, the units in flight beside them (`in_flight_bytes`) and the
     allowance on that transient peak (the step's buffers, which it may exceed, only add)."""
@@ -833,9 +841,10 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
                        - state_saving_bytes(cfg.optimizer, tuple(p.shape), setup, cfg.matrix_config)
                        for p in matrices) // (shard * tp)
     elementwise = total - sum(p.local_numel(tp) for p in matrices)
-    experts = -(-sum(expert_local.values()) // edp) if ep > 1 else 0  # every rank's share of its EP rank's
-    persistent = ((total // shard + experts) * (weight_bytes + setup.shard_grad_bytes + mb) + matrix_state
-                  + setup.adamw_state_bytes(elementwise // shard + experts) + setup.dispatcher_buffers)
+    # the fullest rank's own piece of its EP rank's experts (`expert_shard_memory`, as `_persistent`)
+    experts = max((e.total for e in expert_shard_memory(spec, ep, edp, setup)), default=0) if ep > 1 else 0
+    persistent = (total // shard * (weight_bytes + setup.shard_grad_bytes + mb) + matrix_state
+                  + setup.adamw_state_bytes(elementwise // shard) + experts + setup.dispatcher_buffers)
     transient = activation_bytes(dims, setup, tp) + in_flight_bytes(
         gathered_elements(local, expert_local, edp), cfg.reshard_after_forward, pb, gb)
     return persistent + transient + setup.overhead(transient)
