@@ -408,6 +408,8 @@ def _sim_config(*, shared: SimOptions):
     from sim.workload import Workload, grad_bytes_for, loss_bytes_for
 
     o = shared
+    if o.tp is None:
+        return _default_tp_config(o)
     matrix_cfg = parse_matrix_config(o.matrix_config, o.optimizer)
     _check_dp_policy_applies([o.policy or default_policy(o.optimizer)], o.dp_policy)
     split = PipelineSplit(account_for_embedding_in_pipeline_split=o.account_for_embedding_in_pipeline_split,
@@ -439,6 +441,20 @@ def _sim_config(*, shared: SimOptions):
                              geometry=o.geometry, tp_mode=o.tp_mode, capacity=o.capacity, balance_by=o.balance_by)
     _check_zero1_fallback_applies(config, o.policy, o.zero1_fallback)
     return config
+
+
+def _default_tp_config(shared: SimOptions):
+    """`_sim_config` where --tp is not given: at the largest TP of `DEFAULT_TPS` whose layout passes
+    every check, the checks themselves deciding (KV heads, the node, FSDP's shard group, experts at
+    TP 1 under --fsdp, ...), so a default is one that runs; where none does, the error at TP 1,
+    where no TP is left to blame."""
+    error: SpecError | None = None
+    for tp in DEFAULT_TPS:
+        try:
+            return _sim_config(shared=replace(shared, tp=tp))
+        except SpecError as e:
+            error = e
+    raise error
 
 
 def _check_zero1_fallback_applies(config, policy: str | None, zero1_fallback: bool) -> None:
@@ -496,7 +512,12 @@ def _ep_dispatcher(o: SimOptions):
 
 Model = Annotated[str, typer.Option(help=MODEL_HELP)]
 Gpus = Annotated[int, typer.Option(help=f"Number of GPUs (at most {MAX_GPUS}).")]
-Tp = Annotated[int, typer.Option(help="Tensor-parallel size (inside a node).")]
+# --tp not given: the largest of these whose layout passes every check (`_sim_config`); 8 is the
+# default layout's (Qwen3-32B on 256 GPUs), bit for bit as when it was the option's default
+DEFAULT_TPS = (8, 4, 2, 1)
+Tp = Annotated[int | None, typer.Option(
+    help=f"Tensor-parallel size (inside a node; default: the largest of {', '.join(map(str, DEFAULT_TPS))} the "
+         "layout runs, 1 under --fsdp with experts).", show_default=False)]
 Optimizer = Annotated[str, typer.Option(help=OPTIMIZER_HELP)]
 MatrixConfig = Annotated[str | None, typer.Option(help=MATRIX_CONFIG_HELP)]
 DpPolicy = Annotated[str | None, typer.Option(help=f"canzona's DP policy (default {PLAN_DEFAULTS.dp_policy}; {PAPER_DP_POLICY}: the paper's); the baselines use their own.")]
@@ -717,7 +738,7 @@ class SimOptions:
 
     model: Model = DEFAULT_MODEL
     gpus: Gpus = 256
-    tp: Tp = 8
+    tp: Tp = None
     optimizer: Optimizer = "muon"
     matrix_config: MatrixConfig = None
     policy: Policy = None
