@@ -446,15 +446,16 @@ def _sim_config(*, shared: SimOptions):
 def _default_tp_config(shared: SimOptions):
     """`_sim_config` where --tp is not given: at the largest TP of `DEFAULT_TPS` whose layout passes
     every check, the checks themselves deciding (KV heads, the node, FSDP's shard group, experts at
-    TP 1 under --fsdp, ...), so a default is one that runs; where none does, the error at TP 1,
-    where no TP is left to blame."""
-    error: SpecError | None = None
+    TP 1 under --fsdp, ...), so a default is one that runs; where none does, the error at the first
+    (8, the default layout's: as when 8 was the option's default), whose other errors, a global
+    batch of more micro-batches than the simulator runs say, a smaller TP would only hide."""
+    errors: list[SpecError] = []
     for tp in DEFAULT_TPS:
         try:
             return _sim_config(shared=replace(shared, tp=tp))
         except SpecError as e:
-            error = e
-    raise error
+            errors.append(e)
+    raise errors[0]
 
 
 def _check_zero1_fallback_applies(config, policy: str | None, zero1_fallback: bool) -> None:

@@ -34,10 +34,9 @@ def test_a_typed_tp_keeps_its_error_line():
     error_line(invoke("simulate", *MOE_FSDP, "--tp", "8"), "tp=8 does not divide the 4 KV heads")
 
 
-def test_no_tp_runs_names_the_error_at_tp_1():
-    # one GPU: no TP divides it but 1, where one data-parallel rank to shard over is what is wrong
-    error_line(invoke("simulate", "--fsdp", "--gpus", "1"), "--fsdp shards over the data-parallel ranks",
-               "leaves 1")
+def test_where_no_tp_runs_the_error_is_tp_8s_as_before():
+    # at TP 8 more micro-batches than the simulator runs; at TP 1 the batch would not divide DP 256
+    error_line(invoke("simulate", "--global-batch", "100000"), "at most 1024")
 
 
 def test_simulate_runs_moe_fsdp_without_tp():
