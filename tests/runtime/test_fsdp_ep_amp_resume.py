@@ -9,6 +9,10 @@ EP 2 x EFSDP 2 (`tests.runtime.test_fsdp_ep`'s model, 6 experts, unless said):
 - torch.amp.GradScaler at 2**10 (`scale(loss).backward`, `unscale_`, `clip_grad_norm_`, `step`,
   `update`) steps as the unscaled run, bit for bit; an Inf in one rank's expert gradient skips the
   step on every rank and the scale backs off alike on all;
+- both together, and fp16 weights with fp32 masters under GradScaler (`scaler.step` alone: torch's
+  `unscale_` refuses fp16 gradients): each step torch's AdamW (foreach) on fp32 masters fed the
+  scaled gradients widened and unscaled in fp32, bit for bit; an Inf in one rank's expert gradient
+  skips the step on every rank; the optimizer and the scaler resumed mid-run end as the run;
 - across layouts (the `tiny-moe` preset, 4 experts: 1 a rank): a `state_dict()` saved under EP 2 x
   EFSDP 2 resumes under FSDP2 without EP (the experts fully_shard over all 4) and under ZeRO-1 (dp 4)
   bit for bit as the same kernels in one process fed the same gradients
@@ -60,24 +64,29 @@ def _ep(cfg=None, seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
     return model, DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", **kw)
 
 
-def _bf16_torch(batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """torch's AdamW (foreach) on fp32 masters of the bf16 DTensors, fed the bf16 gradients widened;
-    the weights are the masters cast."""
+def _bf16_torch(batches: list[torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                scales: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """torch's AdamW (foreach) on fp32 masters of the `dtype` DTensors, fed the low-precision
+    gradients widened; the weights are the masters cast. `scales`: the loss scaled by each step's
+    (GradScaler's: the gradients widened, then unscaled in fp32; an Inf scale is a skipped step)."""
     from reference.tiny_moe_fsdp_ep import fsdp_ep_model
 
-    model, _, _ = fsdp_ep_model(config(), EP, dtype=torch.bfloat16)
+    model, _, _ = fsdp_ep_model(config(), EP, dtype=dtype)
     params = list(model.parameters())
     masters = [p.detach().float() for p in params]
     opt = torch.optim.AdamW(masters, foreach=True)
-    for tokens in batches:
+    for step, tokens in enumerate(batches):
+        scale = 1.0 if scales is None else scales[step]
+        if math.isinf(scale):
+            continue
         model.zero_grad()
-        model.loss(tokens).backward()
+        (model.loss(tokens) * scale).backward()
         for m, p in zip(masters, params):
-            m.grad = p.grad.float()
+            m.grad = p.grad.float() * (1.0 / scale)
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, params):
-                p.to_local().copy_(m.to_local().to(torch.bfloat16))
+                p.to_local().copy_(m.to_local().to(dtype))
     return _full(model)
 
 
@@ -138,6 +147,67 @@ def scaled(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _scaled_steps(model, opt, amp, batches, poison: int | None = None, unscale: bool = True,
+                  saved: dict | None = None) -> list[float]:
+    """GradScaler's loop (`unscale_` unless not `unscale`, `step`, `update`); an Inf in rank 1's
+    expert gradient at step `poison`; the scales after each step. `saved` gets the weights, the
+    optimizer's and the scaler's state after SAVE steps."""
+    import torch.distributed as dist
+
+    scales = []
+    for step, tokens in enumerate(batches):
+        if saved is not None and step == SAVE:
+            saved.update(params=_full(model), state=opt.state_dict(), scaler=amp.state_dict())
+        opt.zero_grad()
+        amp.scale(model.loss(tokens)).backward()
+        if step == poison and dist.get_rank() == 1:
+            with torch.no_grad():
+                model.model.layers[0].mlp.experts.down_proj.grad.to_local()[0, 0, 0] = float("inf")
+        if unscale:
+            amp.unscale_(opt)
+        amp.step(opt)
+        amp.update()
+        scales.append(float(amp.get_scale()))
+    return scales
+
+
+# the scale each step's backward ran at, from SCALE, growing each step; an Inf at POISON (skipped,
+# the scale halved)
+POISONED_SCALES = [SCALE, math.inf, SCALE, SCALE * 2]
+
+
+def low_scaled(rank: int, world: int, bf16_torch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """bf16 weights with fp32 masters (`unscale_` then `step`), and fp16 weights with fp32 masters
+    (`step` alone: `unscale_` of fp16 gradients is torch's own ValueError) under GradScaler:
+    straight, an Inf on rank 1 at POISON, and resumed after SAVE steps (optimizer and scaler).
+    `bf16_torch`: the unscaled bf16 reference (a power-of-two scale is exact within bf16's range)."""
+    from tests.runtime.test_fsdp_checkpoint import load_params
+
+    batches = _batches(rank, world, STEPS)
+    out: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        unscale = dtype == torch.bfloat16
+        got: dict[str, Any] = {"torch skipped": _bf16_torch(batches, dtype, POISONED_SCALES)}
+        # fp16's range: the reference runs at the scales (the gradients' subnormals differ unscaled)
+        got["torch"] = bf16_torch if unscale else _bf16_torch(batches, dtype, [SCALE * 2 ** k for k in range(STEPS)])
+        saved: dict[str, Any] = {}
+        for label, poison in (("scaled", None), ("poisoned", POISON)):
+            model, opt = _ep(dtype=dtype, master_weights=True)
+            amp = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+            got[f"{label} scales"] = _scaled_steps(model, opt, amp, batches, poison, unscale,
+                                                   saved if poison is None else None)
+            got[label], got[f"{label} skipped"] = _full(model), opt.skipped_steps
+        model, opt = _ep(seed=7, dtype=dtype, master_weights=True)
+        load_params(model, saved["params"])
+        opt.load_state_dict(saved["state"])
+        amp = torch.amp.GradScaler("cpu")
+        amp.load_state_dict(saved["scaler"])
+        got["resumed scales"] = _scaled_steps(model, opt, amp, batches[SAVE:], unscale=unscale)
+        got["resumed"] = _full(model)
+        out[str(dtype).removeprefix("torch.")] = got
+    return out
+
+
 def layouts(rank: int, world: int, path: str) -> dict[str, Any]:
     """The tiny-moe preset (4 experts) under EP 2 x EFSDP 2, SAVE steps, saved; resumed under FSDP2
     without EP and under ZeRO-1; and the save loaded by a model of 6 experts."""
@@ -171,8 +241,9 @@ def layouts(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    return {"bf16": bf16(rank, world, f"{root}/bf16"), "scaled": scaled(rank, world),
-            "layouts": layouts(rank, world, f"{root}/layouts")}
+    out = {"bf16": bf16(rank, world, f"{root}/bf16"), "scaled": scaled(rank, world)}
+    out["low scaled"] = low_scaled(rank, world, out["bf16"]["torch"])
+    return out | {"layouts": layouts(rank, world, f"{root}/layouts")}
 
 
 @functools.cache
@@ -266,3 +337,30 @@ def test_a_state_of_another_number_of_experts_is_one_error() -> None:
             # the difference named: each stack's experts (gate_up_proj stacks gate and up: 2 a expert)
             assert "model.layers.0.mlp.experts.down_proj is [4, 32, 16] there, [6, 32, 16] here" in error \
                 or "model.layers.0.mlp.experts.down_proj stacks 4 matrices there, 6 here" in error, (form, error)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_weights_with_masters_under_grad_scaler_step_as_torch_adamw_on_the_masters(dtype: str) -> None:
+    for rank, r in enumerate(runs()):
+        got = r["low scaled"][dtype]
+        assert next(iter(got["scaled"].values())).dtype == getattr(torch, dtype)
+        assert got["scaled scales"] == [SCALE * 2 ** (k + 1) for k in range(STEPS)], (rank, got["scaled scales"])
+        assert not _unequal(got["scaled"], got["torch"]), (rank, _unequal(got["scaled"], got["torch"]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_an_inf_in_one_ranks_expert_gradient_skips_the_step_on_every_rank(dtype: str) -> None:
+    for rank, r in enumerate(runs()):
+        got = r["low scaled"][dtype]
+        assert got["poisoned scales"] == [SCALE * 2, SCALE, SCALE * 2, SCALE * 4], (rank, got["poisoned scales"])
+        assert got["poisoned skipped"] == 1 and got["scaled skipped"] == 0, rank
+        assert not _unequal(got["poisoned"], got["torch skipped"]), (rank, _unequal(got["poisoned"],
+                                                                                    got["torch skipped"]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_under_grad_scaler_resumes_bit_for_bit(dtype: str) -> None:
+    for rank, r in enumerate(runs()):
+        got = r["low scaled"][dtype]
+        assert got["resumed scales"] == got["scaled scales"][SAVE:], (rank, got["resumed scales"])
+        assert not _unequal(got["resumed"], got["scaled"]), (rank, _unequal(got["resumed"], got["scaled"]))
