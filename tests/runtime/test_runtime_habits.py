@@ -15,6 +15,7 @@ one error on every rank before anything is updated; none is silently wrong.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -1978,6 +1979,58 @@ def test_pickling_or_copying_the_optimizer_is_one_checkpointerror_naming_state_d
     _train(model, opt, _batches(0, 1)[1:2])  # the optimizer still steps
 
 
+def _file_objects(tmp_path) -> dict:
+    """Each kind of file object a user hands torch.save, already holding the user's own first bytes:
+    {kind: (the object, what reads back all that reached its destination)}."""
+    import io
+    import os
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    opened = open(tmp_path / "user.pt", "wb")  # noqa: SIM115 - closed by the reader
+    read_fd, write_fd = os.pipe()  # not seekable: no truncating back
+    pipe = os.fdopen(write_fd, "wb")
+
+    def read_file() -> bytes:
+        opened.close()
+        return (tmp_path / "user.pt").read_bytes()
+
+    def read_pipe() -> bytes:
+        pipe.close()
+        with os.fdopen(read_fd, "rb") as reader:
+            return reader.read()
+
+    objects = {"BytesIO": (buffer, buffer.getvalue), "file": (opened, read_file), "pipe": (pipe, read_pipe)}
+    for target, _ in objects.values():
+        target.write(b"mine:")
+    return objects
+
+
+def saved_into_file_objects(opt, tmp_path) -> dict:
+    """torch.save(opt, f) into each kind of file object (the optimizer alone and in a dict): the
+    error, and every byte that reached f (the user's before it, and after it a write of theirs)."""
+    out = {}
+    for nested in (False, True):
+        for kind, (target, read) in _file_objects(tmp_path).items():
+            obj = {"opt": opt, "t": torch.ones(2)} if nested else opt
+            error = _outcome(functools.partial(torch.save, obj, target))
+            target.write(b":after")
+            out[f"{kind}{' nested' if nested else ''}"] = {"error": error, "bytes": read()}
+    return out
+
+
+def test_torch_save_of_the_optimizer_into_a_file_object_writes_nothing(one_rank, tmp_path):
+    """`torch.save(opt, f)` with a file object the caller opened (io.BytesIO, a file, a pipe), the
+    optimizer alone or in a dict: the CheckpointError, and not a byte of torch's in f: what the user
+    wrote before and after is all it holds, the object still writes. Before: torch's zip directory
+    (674 bytes, a partial archive) stayed in it."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    for kind, got in saved_into_file_objects(opt, tmp_path).items():
+        assert got["error"]["error"] == "CheckpointError" and "state_dict()" in got["error"]["message"], (kind, got)
+        assert got["bytes"] == b"mine::after", (kind, got["bytes"][:80])
+
+
 def shared_memory_job(rank: int, world: int) -> dict:
     """`model.share_memory()` between step() and zero_grad() (a guard in every `.grad`), then the
     loop goes on; what a guard says of its memory."""
@@ -2015,6 +2068,7 @@ def fsdp_pickled_job(rank: int, world: int, path: str) -> dict:
     parameters, a storage without memory, segfaults, optimizer or not.)"""
     import copy
     import os
+    import pathlib
 
     from canzona.runtime import DistributedOptimizer
     from canzona.runtime.modules import named_parameters
@@ -2026,7 +2080,8 @@ def fsdp_pickled_job(rank: int, world: int, path: str) -> dict:
     _train(model, opt, _batches(rank, world, spec)[:1])
     target = f"{path}-fsdp-opt-{rank}.pt"
     return {"layout": type(opt).__name__, "torch.save": _outcome(lambda: torch.save(opt, target)),
-            "left behind": os.path.exists(target), "deepcopy": _outcome(lambda: copy.deepcopy(opt))}
+            "left behind": os.path.exists(target), "deepcopy": _outcome(lambda: copy.deepcopy(opt)),
+            "file objects": saved_into_file_objects(opt, pathlib.Path(f"{path}-objects-{rank}"))}
 
 
 def test_under_fsdp2_the_optimizer_object_is_not_pickled_either(tmp_path):
@@ -2035,3 +2090,5 @@ def test_under_fsdp2_the_optimizer_object_is_not_pickled_either(tmp_path):
         for how in ("torch.save", "deepcopy"):
             assert out[how]["error"] == "CheckpointError" and "state_dict()" in out[how]["message"], out[how]
         assert not out["left behind"]
+        for kind, got in out["file objects"].items():  # nothing of torch's in the caller's file objects
+            assert got["error"]["error"] == "CheckpointError" and got["bytes"] == b"mine::after", (kind, got)
