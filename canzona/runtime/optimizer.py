@@ -92,6 +92,7 @@ from canzona.runtime.options import check_step_options, optimizer_config
 from canzona.runtime.param_gather import (
     Holders,
     ParamsInFlight,
+    Parents,
     modules_holding,
     param_holders,
     replaced_parameter,
@@ -332,7 +333,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self.tp = len(tp_ranks) if tp_ranks else 1
         self.params = self._local_params(groups, tp_ranks)
         _check_not_held(self.params)
-        holders = param_holders(self.params)  # the modules holding each parameter now
+        # the modules holding each parameter now, and (the same walk of gc) the modules around them
+        parents: Parents = {}
+        holders = param_holders(self.params, parents)
         check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
         self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
@@ -417,7 +420,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         for grads in self._syncs():
             grads.replaced_check = functools.partial(
                 replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params})
-        self._in_flight = self._params_in_flight(overlap_param_gather, holders)
+        self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
+        del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
             for grads in self._syncs():
@@ -439,7 +443,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
     # --- construction helpers ----------------------------------------------------------------
 
-    def _params_in_flight(self, overlap: bool, holders: Holders) -> ParamsInFlight | None:
+    def _params_in_flight(self, overlap: bool, holders: Holders, parents: Parents) -> ParamsInFlight | None:
         """The step's gathers left in flight for the next forward to wait for (None: waited inside
         `step()`, as with overlap_param_gather=False, a policy that gathers nothing, or parameters
         that no module holds, which no hook could guard)."""
@@ -456,7 +460,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             works_of.update({name: tuple(first + k for k in grads.buckets_of[name]) or (first + len(grads.buckets),)
                              for name in grads.params})
             first += len(grads.buckets) + 1
-        return ParamsInFlight(works_of, modules, self.params)
+        return ParamsInFlight(works_of, modules, self.params, parents)
 
     def wait_params(self) -> None:
         """Wait for the last step's parameter all-gathers (overlap_param_gather): for code that reads

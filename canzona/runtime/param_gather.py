@@ -63,27 +63,37 @@ log = logging.getLogger("canzona")
 Holders = dict[str, list[tuple["weakref.ref[nn.Module]", str]]]
 
 
-def param_holders(params: Mapping[str, Tensor]) -> Holders:
+# id(module) -> the live modules holding it as a direct child (`enclosing_modules`)
+Parents = dict[int, list[nn.Module]]
+
+
+def param_holders(params: Mapping[str, Tensor], parents: Parents | None = None) -> Holders:
     """Each of `params` that some live module holds as its own (not a child's) parameter: every
     such module (a weak reference) and its attribute (two for tied weights), in the order of
     `params` (not gc's, which differs between processes: an error naming the first parameter
-    names the same one on every rank)."""
+    names the same one on every rank). `parents`, when given, gets every live module's parents
+    from the same walk (what `enclosing_modules` needs: one walk of gc, not two)."""
     by_id = {id(p): name for name, p in params.items()}
     found: Holders = {}
     for obj in gc.get_objects():  # once, at construction: modules are gc-tracked containers
-        add_holder(obj, by_id, found)
+        add_holder(obj, by_id, found, parents)
     return {n: found[n] for n in params if n in found}
 
 
-def add_holder(obj: object, by_id: Mapping[int, str], found: Holders) -> None:
+def add_holder(obj: object, by_id: Mapping[int, str], found: Holders, parents: Parents | None = None) -> None:
     """`param_holders`' look at one live object: a module holding a parameter of `by_id` (id ->
-    name) as its own goes into `found` (for a walk of `gc` that looks for other objects too)."""
+    name) as its own goes into `found` (for a walk of `gc` that looks for other objects too), and
+    into `parents` (when given) as the parent of each of its children."""
     # type(), not isinstance(): that asks some objects for __class__, and deprecated proxies
     # (torch.distributed.reduce_op) warn when asked
     if issubclass(type(obj), nn.Module):
         for attr, p in obj._parameters.items():
             if p is not None and id(p) in by_id:
                 found.setdefault(by_id[id(p)], []).append((weakref.ref(obj), attr))
+        if parents is not None:
+            for child in obj._modules.values():
+                if child is not None:
+                    parents.setdefault(id(child), []).append(obj)
 
 
 def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None) -> dict[nn.Module, list[str]] | None:
@@ -102,16 +112,14 @@ def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None
     return found
 
 
-def enclosing_modules(holding: Iterable[nn.Module]) -> list[nn.Module]:
+def enclosing_modules(holding: Iterable[nn.Module], parents: Parents | None = None) -> list[nn.Module]:
     """Every live module that holds one of `holding` as a descendant and is not one of them
     itself (the model, its blocks, a `torch.compile` wrapper), in the order gc gives them (the
-    hooks they get do the same thing whatever the order)."""
-    parents: dict[int, list[nn.Module]] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module):
-            for child in obj._modules.values():
-                if child is not None:
-                    parents.setdefault(id(child), []).append(obj)
+    hooks they get do the same thing whatever the order). `parents`: what `param_holders` filled
+    in, when already taken (else a walk of gc of its own)."""
+    if parents is None:
+        parents = {}
+        param_holders({}, parents)
     seen = {id(m) for m in holding}
     found: list[nn.Module] = []
     todo = list(holding)
@@ -152,7 +160,7 @@ class ParamsInFlight:
     """The pending all-gathers of one step and the hooks that wait for them."""
 
     def __init__(self, works_of: Mapping[str, tuple[int, ...]], modules: Mapping[nn.Module, list[str]],
-                 params: Mapping[str, Tensor]) -> None:
+                 params: Mapping[str, Tensor], parents: Parents | None = None) -> None:
         # parameter name -> the gathers that write it (several for a stack spanning buckets)
         self._works_of = dict(works_of)
         self._pending: list[list[PendingWork | None]] = [[]]  # boxed: the finalizer holds the box
@@ -175,7 +183,7 @@ class ParamsInFlight:
             self._handles.append(module.register_load_state_dict_pre_hook(_Hook(wait_all)))
         # the modules around them (the model itself, its blocks): a compiled forward lands every
         # gather at the first of these it enters (`_before_forward`), a module waiting for none
-        for module in enclosing_modules(modules):
+        for module in enclosing_modules(modules, parents):
             self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, []))))
         # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
         # modules may live on, under another optimizer) and gathers still in flight land first,
