@@ -13,6 +13,7 @@ group, and the TP group beside it), as Megatron's parallel state hands them out.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -71,6 +72,20 @@ def build_mesh(groups: Mapping[str, dist.ProcessGroup | None], timeout_s: float,
     return Mesh(comms)
 
 
+# each 'tp' mesh given alone -> the group of this rank alone (the optimizer's routing and its
+# constructor both ask: one group, not two)
+_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def alone(tp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The data-parallel group of a job whose mesh is TP alone: this rank by itself, made by this
+    rank alone (`use_local_synchronization`: `dist.new_group` is otherwise a collective over every
+    rank of the job, which a pipeline stage built while the others train would wait for)."""
+    if tp_mesh not in _ALONE:
+        _ALONE[tp_mesh] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _ALONE[tp_mesh]
+
+
 def axis_groups(group: dist.ProcessGroup | DeviceMesh | None,
                 tp_group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup | None]:
     """The process group of each axis: from a process group (plus `tp_group`), a 1-D mesh, or a
@@ -81,9 +96,8 @@ def axis_groups(group: dist.ProcessGroup | DeviceMesh | None,
     if tp_group is not None:
         raise SpecError("give the TP group either as the mesh's 'tp' dimension or as tp_group, not both")
     if group.ndim == 1:
-        if names == (TP,):
-            raise SpecError("a 1-D device mesh named 'tp' holds no data-parallel dimension: give the 2-D "
-                            "mesh with dimensions 'dp' and 'tp' (a TP-only job: dp of size 1)")
+        if names == (TP,):  # TP alone (torchtitan's PP x TP stage: its mesh has no 'dp'): DP of one rank
+            return {DP: alone(group), TP: group.get_group()}
         return {DP: group.get_group(), TP: None}
     if DP not in names:
         raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")

@@ -299,13 +299,96 @@ def stage_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
             "flat group": flat is not None and opt.world.group is flat.get_group()}
 
 
+def tp_stage_spec(stage: int) -> TrainSpec:
+    return replace(PP_SPEC, preset="tiny-untied", tp=2, tp_style="dtensor", global_batch=4, seq_len=16,
+                   model_seed=stage, data_seed=1 + stage)
+
+
+def tp_stage_run(rank: int, world: int) -> dict:
+    """torchtitan's PP x TP, no data parallelism: a (pp, tp) world mesh of TP 2, each stage's model
+    (its own seed and data) `parallelize_module`-d over `mesh['tp']` (DTensors, no fully_shard: the
+    ZeRO-1 step), one optimizer per stage given `group=mesh['tp']` (a 1-D mesh named 'tp': DP of
+    one rank). The other stages build theirs only once stage 0 has trained."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.harness.training import GradientRecorder, build_tp_model, train_steps
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.shards import local_tensor
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh["pp"].get_local_rank()
+    spec = tp_stage_spec(stage)
+    model, mspec = build_tp_model(spec, mesh)
+    recorder = GradientRecorder(model.named_parameters(), spec.master_weights)
+    store = dist.distributed_c10d._get_default_store()
+    if stage > 0:
+        store.wait(["tp stage 0 trained"], datetime.timedelta(seconds=100))
+    try:
+        opt = DistributedOptimizer(model.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+                                   group=mesh["tp"])
+        vocab = mspec.param("model.embed_tokens.weight").shape[0]
+        _, _, grads = train_steps(model, opt, spec, vocab, 0, 1, lambda k, n: contextlib.nullcontext(),
+                                  recorder.take)
+        opt.wait_params()
+        dist.barrier(group=mesh["tp"].get_group())  # the whole stage has trained
+    finally:  # (refused too: the other stages go on to their own refusal)
+        if stage == 0:
+            store.set("tp stage 0 trained", "1")
+    return {"stage": stage, "params": {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
+            "grads": grads, "dp_rank": opt.rank, "dp": opt.dp, "tp_rank": opt.tp_rank,
+            "tp_dims": {p.name: p.tp_dim for p in mspec.params}}
+
+
+def stages_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
+    """PP x HSDP's stages, then (the same spawn, unless `flatten`) PP x TP's."""
+    from canzona.errors import CanzonaError
+
+    out = {"hsdp": stage_run(rank, world, pp, flatten)}
+    if flatten:  # (the slow variant: PP x TP runs in the other)
+        return out
+    try:
+        out["tp"] = tp_stage_run(rank, world)
+    except CanzonaError as e:  # refused on every rank (before: the 1-D 'tp' mesh)
+        out["tp"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+@functools.cache
+def _stage_runs(flatten: bool) -> list[dict]:
+    return run_ranks(stages_run, 8, 2, flatten, deadline_s=200.0)
+
+
+def test_pipeline_stages_of_tensor_parallel_models_without_dp() -> None:
+    """8 ranks = pp 4 x tp 2, no DP (torchtitan's mesh has no 'dp' dimension then): each stage's
+    optimizer over `mesh['tp']` steps its DTensor TP model (Muon, clipping) bit for bit as the
+    single-process reference fed that stage's global gradients. Before: refused ('a 1-D device mesh
+    named 'tp' holds no data-parallel dimension: give the 2-D mesh with dimensions 'dp' and 'tp''),
+    a mesh torchtitan's PP x TP never builds."""
+    from canzona.harness.training import expected_shards, global_gradients_from
+
+    results = [r["tp"] for r in _stage_runs(False)]
+    assert all("error" not in r for r in results), results[0]
+    for stage in range(4):
+        mine = [r for r in results if r["stage"] == stage]
+        assert len(mine) == 2 and all(r["dp"] == 1 and r["dp_rank"] == 0 for r in mine)
+        spec = tp_stage_spec(stage)
+        want = emulate(spec, 1, grads=global_gradients_from(mine, spec))
+        for r in mine:
+            exact = compare(r["params"], expected_shards(want, r["tp_dims"], 2, r["tp_rank"]))
+            assert exact["bit_identical"], (stage, r["tp_rank"], exact)
+    assert not torch.equal(results[0]["params"][LAST], results[2]["params"][LAST])
+
+
 @pytest.mark.parametrize("flatten", [False, pytest.param(True, marks=pytest.mark.slow)])  # 8 ranks each
 def test_pipeline_stages_build_their_groups_alone(flatten: bool) -> None:
     """8 ranks = pp 2 x dp_replicate 2 x dp_shard 2: each stage's optimizer spans its 4 ranks (its
     world group, over two mesh dimensions: a group the DeviceMesh lacks unless `flatten`) and exchanges over its shard
     pairs; stage 1's built after stage 0 trained. Each stage's parameters are, bit for bit, the
     single-process reference's fed that stage's global gradients."""
-    results = run_ranks(stage_run, 8, 2, flatten, deadline_s=150.0)
+    results = [r["hsdp"] for r in _stage_runs(flatten)]
     assert all(r["flat group"] == flatten for r in results)
     for stage in (0, 1):
         mine = [r for r in results if r["stage"] == stage]
