@@ -100,6 +100,12 @@ def axis_groups(group: dist.ProcessGroup | DeviceMesh | None,
             return {DP: alone(group), TP: group.get_group()}
         return {DP: group.get_group(), TP: None}
     if DP not in names:
+        if TP in names:  # torchtitan's stage of PP x FSDP x TP: its world mesh has the flattened 'dp'
+            others = ", ".join(repr(n) for n in names if n != TP)
+            raise SpecError(f"a {group.ndim}-D device mesh needs its data-parallel dimensions as one named 'dp' "
+                            f"beside 'tp' (has {names}): flatten them on every rank at the start, as torchtitan "
+                            f"does (mesh[{others}]._flatten('dp') of the world mesh), and give "
+                            "group=mesh['dp', 'tp']")
         raise SpecError(f"a {group.ndim}-D device mesh needs a dimension named 'dp' (has {names})")
     other = [n for n in names if n not in PLAN_AXES]
     if other:
