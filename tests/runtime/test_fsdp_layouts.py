@@ -342,8 +342,43 @@ def tp_stage_run(rank: int, world: int) -> dict:
             "tp_dims": {p.name: p.tp_dim for p in mspec.params}}
 
 
+def fsdp_tp_stage_run(rank: int, world: int) -> dict:
+    """torchtitan's PP x FSDP x TP: a (pp, dp_shard, tp) world mesh with dp_shard flattened as 'dp'
+    on every rank at the start (as torchtitan's ParallelDims does), each stage's model
+    `parallelize_module`-d over `mesh['tp']` and `fully_shard`ed over `mesh['dp']`, one optimizer
+    per stage given `group=mesh['dp', 'tp']` (what the SpecError for `mesh['dp_shard', 'tp']` asks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = init_device_mesh("cpu", (2, 2, world // 4), mesh_dim_names=("pp", "dp_shard", "tp"))
+    mesh["dp_shard"]._flatten("dp")
+    stage = mesh["pp"].get_local_rank()
+    spec = replace(PP_SPEC, model_seed=stage, data_seed=1 + stage)
+    model = parallelize_tiny(build_model(spec), mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
+                               group=mesh["dp", "tp"])
+    me, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    vocab = model.model.embed_tokens.weight.shape[0]
+    grads = []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        model.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
+        named = dict(model.named_parameters())
+        grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
+        opt.clip_grad_norm_(spec.clip_norm)
+        opt.step()
+    return {"stage": stage, "grads": grads, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "kind": type(opt).__name__, "exchange": opt.size}
+
+
 def stages_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
-    """PP x HSDP's stages, then (the same spawn, unless `flatten`) PP x TP's."""
+    """PP x HSDP's stages, then (the same spawn, unless `flatten`) PP x TP's and PP x FSDP x TP's."""
     from canzona.errors import CanzonaError
 
     out = {"hsdp": stage_run(rank, world, pp, flatten)}
@@ -353,6 +388,7 @@ def stages_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
         out["tp"] = tp_stage_run(rank, world)
     except CanzonaError as e:  # refused on every rank (before: the 1-D 'tp' mesh)
         out["tp"] = {"error": f"{type(e).__name__}: {e}"}
+    out["fsdp tp"] = fsdp_tp_stage_run(rank, world)
     return out
 
 
@@ -380,6 +416,21 @@ def test_pipeline_stages_of_tensor_parallel_models_without_dp() -> None:
             exact = compare(r["params"], expected_shards(want, r["tp_dims"], 2, r["tp_rank"]))
             assert exact["bit_identical"], (stage, r["tp_rank"], exact)
     assert not torch.equal(results[0]["params"][LAST], results[2]["params"][LAST])
+
+
+def test_pipeline_stages_of_fsdp_tp_given_torchtitans_flattened_dp_beside_tp() -> None:
+    """8 ranks = pp 2 x dp_shard 2 x tp 2, `group=mesh['dp', 'tp']`: each stage bit for bit the
+    single-process reference fed its global gradients (the mesh the SpecError of
+    `mesh['dp_shard', 'tp']` names, `test_mesh_axes.py`)."""
+    results = [r["fsdp tp"] for r in _stage_runs(False)]
+    assert all(r["kind"] == "FsdpOptimizer" and r["exchange"] == 4 for r in results)
+    for stage in (0, 1):
+        mine = [r for r in results if r["stage"] == stage]
+        spec = replace(PP_SPEC, model_seed=stage, data_seed=1 + stage)
+        want = emulate(spec, 2, grads=mine[0]["grads"])
+        for r in mine:
+            exact = compare(r["params"], want)
+            assert exact["bit_identical"], (stage, exact)
 
 
 @pytest.mark.parametrize("flatten", [False, pytest.param(True, marks=pytest.mark.slow)])  # 8 ranks each
