@@ -72,18 +72,22 @@ def build_mesh(groups: Mapping[str, dist.ProcessGroup | None], timeout_s: float,
     return Mesh(comms)
 
 
-# each 'tp' mesh given alone -> the group of this rank alone (the optimizer's routing and its
-# constructor both ask: one group, not two)
-_ALONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(a 'tp' mesh given alone) -> (the mesh, weakly; the group of this rank alone): the optimizer's
+# routing and its constructor both ask, one group serves. By identity: DeviceMesh compares by ranks
+# and names, and an equal mesh of a later process group must not get a destroyed group
+_ALONE: dict[int, tuple[weakref.ref, dist.ProcessGroup]] = {}
 
 
 def alone(tp_mesh: DeviceMesh) -> dist.ProcessGroup:
     """The data-parallel group of a job whose mesh is TP alone: this rank by itself, made by this
     rank alone (`use_local_synchronization`: `dist.new_group` is otherwise a collective over every
     rank of the job, which a pipeline stage built while the others train would wait for)."""
-    if tp_mesh not in _ALONE:
-        _ALONE[tp_mesh] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _ALONE[tp_mesh]
+    key = id(tp_mesh)
+    kept = _ALONE.get(key)
+    if kept is None or kept[0]() is not tp_mesh:
+        mesh_ref = weakref.ref(tp_mesh, lambda _: _ALONE.pop(key, None))
+        kept = _ALONE[key] = (mesh_ref, dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    return kept[1]
 
 
 def axis_groups(group: dist.ProcessGroup | DeviceMesh | None,

@@ -34,3 +34,19 @@ def test_tp_beside_data_parallel_dimensions_not_named_dp_says_which_mesh_to_give
     others = ", ".join(repr(n) for n in names[:-1])
     assert f"mesh[{others}]._flatten('dp')" in message and "group=mesh['dp', 'tp']" in message, message
     assert "\n" not in message
+
+
+def test_a_tp_mesh_of_a_new_process_group_gets_a_group_of_its_own(one_rank) -> None:
+    """After destroy_process_group and a new init, an equal 'tp' mesh (DeviceMesh compares by ranks
+    and names) gets a live group, not the destroyed one kept for the old mesh (still alive here).
+    Before: the old group, which torch no longer knows (KeyError on first use)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    old = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    kept = axis_groups(old, None)[DP]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    new = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    assert new == old
+    group = axis_groups(new, None)[DP]
+    assert group is not kept and dist.get_process_group_ranks(group) == [0]
