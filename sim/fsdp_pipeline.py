@@ -184,10 +184,8 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
     slowest stage's pipeline and step, the fullest stage's memory (the module docstring). The
     outcome's engine holds phase A of every stage (stage s on its first rank, `s * dp * tp`) and
     phase B of the slowest stage, its exchange group's members numbered from 0."""
-    spec, arch = model
-    shard = check_fsdp(cfg, cluster, spec)
+    shard, runs = _stage_runs(cfg, model, cluster, hw)
     pp = cfg.pp
-    runs = [_FsdpRun(cfg, (stage_spec(spec, pp, s, arch.layers, split=cfg.pipeline_split), arch), cluster, hw, shard) for s in range(pp)]
     own = [run.engine for run in runs]  # each stage's step runs on its own engine
     shared = Engine(slowdown=own[0].slowdown, sms=hw.gpu.sms)  # every stage's phase A
     for s, run in enumerate(runs):
@@ -207,11 +205,35 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
         ends.append(own[s].run())
     slowest = max(range(pp), key=lambda s: (ends[s], -s))
     shared.spans.extend(own[slowest].spans)
-    setup = cfg.memory_setup(arch, tp_mode=STEP_DEFAULTS.tp_mode)
-    memories = [stage_memory(cfg, runs[s], setup, dims, s, cluster) for s in range(pp)]
-    memory = max(memories, key=lambda m: m.worst.total)
+    memory = max(_stage_memories(cfg, runs, model[1], dims, cluster), key=lambda m: m.worst.total)
     return FsdpOutcome(shared, runs[slowest].plan, shard, runs[slowest].size, t_sync[slowest], ends[slowest],
                        sum(runs[slowest].stalls), memory)
+
+
+def _stage_runs(cfg, model: tuple[ModelSpec, Architecture], cluster: Cluster, hw: HardwareProfile
+                ) -> tuple[int, list[_FsdpRun]]:
+    """The shard group's size and each stage's FSDP run over its parameters (`stage_spec`)."""
+    spec, arch = model
+    shard = check_fsdp(cfg, cluster, spec)
+    return shard, [_FsdpRun(cfg, (stage_spec(spec, cfg.pp, s, arch.layers, split=cfg.pipeline_split), arch),
+                            cluster, hw, shard) for s in range(cfg.pp)]
+
+
+def _stage_memories(cfg, runs: list[_FsdpRun], arch: Architecture, dims: LayerDims,
+                    cluster: Cluster) -> list[LayoutMemory]:
+    setup = cfg.memory_setup(arch, tp_mode=STEP_DEFAULTS.tp_mode)
+    return [stage_memory(cfg, run, setup, dims, s, cluster) for s, run in enumerate(runs)]
+
+
+def fsdp_stage_memories(cfg, model: tuple[ModelSpec, Architecture] | None = None) -> list[LayoutMemory]:
+    """Every stage's memory under `cfg` (a `sim.simulate.SimConfig` with `fsdp` and `pp` > 1;
+    checked), stage by stage, each rank's of its exchange group (`stage_memory`): what
+    `simulate` reports of the fullest stage, for all of them."""
+    from sim.simulate import layer_dims  # sim.simulate imports this module
+
+    cluster, model, hw = cfg.checked(model)
+    _, runs = _stage_runs(cfg, model, cluster, hw)
+    return _stage_memories(cfg, runs, model[1], layer_dims(model[1], model[0]), cluster)
 
 
 def stage_memory(cfg, run: _FsdpRun, setup, dims: LayerDims, stage: int, cluster: Cluster) -> LayoutMemory:
@@ -228,4 +250,4 @@ def stage_memory(cfg, run: _FsdpRun, setup, dims: LayerDims, stage: int, cluster
     return replace(base, pp=cfg.pp, stage=stage, ranks=ranks)
 
 
-__all__ = ["pipeline_in_flight_bytes", "simulate_fsdp_pipeline"]
+__all__ = ["fsdp_stage_memories", "pipeline_in_flight_bytes", "simulate_fsdp_pipeline"]

@@ -14,6 +14,9 @@ same kernels in one process fed the global gradients the ranks saw (`harness.tra
   2 x 2 x 2 mesh, whose exchange groups (dp x tp, one per replica) each replica's ranks make alone;
 - pipeline stages (PP x HSDP): one optimizer per stage over its part of a 2 x 2 x 2 mesh, the
   second stage's built after the first trained;
+- PP x FSDP as torchtitan runs it (pp 2 x dp 2): each stage's layers `fully_shard`-ed over its DP
+  pair, trained by torch's Schedule1F1B, one optimizer a stage (Muon, AdamW): each rank holds, by
+  category, what `sim.fsdp_pipeline.fsdp_stage_memories` reports of its stage;
 - torch's own `clip_grad_norm_` on the sharded model before `step()` (the step takes the
   gradients it clipped);
 - a frozen embedding, left out of the optimizer and the spec (`from_module` and
@@ -450,3 +453,125 @@ def test_pipeline_stages_build_their_groups_alone(flatten: bool) -> None:
             exact = compare(r["params"], want)
             assert exact["bit_identical"], (stage, exact)
     assert not torch.equal(results[0]["params"][LAST], results[4]["params"][LAST])
+
+
+# --- PP x FSDP: torch's pipelining over fully_shard-ed stages, against the simulator's memory -------
+
+PIPE_WORLD, PIPE_PP = 4, 2  # pp 2 x dp 2
+PIPE_SPEC = TrainSpec(preset="tiny-untied", steps=2, global_batch=8, seq_len=8)
+PIPE_OPTIMIZERS = {"muon": {"ns_dtype": "fp32"}, "adamw": None}
+
+
+def pipeline_stage_module(spec: TrainSpec, pp: int, stage: int):
+    """Stage `stage` of the tiny model as torchtitan cuts it (`pipeline_module_split`): its layers
+    (`canzona.pipeline.rank_layers`, kept under their global names in a ModuleDict), the embedding
+    on the first stage, the final norm and head on the last; the parameters
+    `canzona.pipeline.stage_spec` gives the stage."""
+    from torch import nn
+
+    from canzona.pipeline import rank_layers
+    from reference.tiny_model import rope_cos_sin
+
+    model = build_model(spec)
+    cfg = model.cfg
+    mine = rank_layers(cfg.layers, pp, stage)
+    model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in mine})
+    first, last = stage == 0, stage == pp - 1
+    if not first:
+        model.model.embed_tokens = None
+    if not last:
+        model.model.norm, model.lm_head = None, None
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.lm_head = model.model, model.lm_head
+
+        def forward(self, x):
+            if first:
+                x = self.model.embed_tokens(x)
+            cos, sin = rope_cos_sin(torch.arange(x.shape[1]), cfg.head_dim, cfg.rope_theta, x.dtype)
+            for layer in self.model.layers.values():
+                x = layer(x, cos, sin)
+            return self.lm_head(self.model.norm(x)) if last else x
+
+    return Stage()
+
+
+def pipeline_run(rank: int, world: int) -> dict[str, dict]:
+    """Each optimizer of PIPE_OPTIMIZERS on torchtitan's PP x FSDP: a (pp, dp) mesh, each stage
+    `fully_shard`-ed per layer and at its root over `mesh['dp']`, trained by torch's Schedule1F1B
+    (2 micro-batches a rank) and one DistributedOptimizer a stage; each rank's held bytes after
+    the steps (`held_bytes`)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from canzona.pipeline import stage_spec
+    from canzona.runtime import DistributedOptimizer
+    from tests.runtime.test_fsdp_runtime import held_bytes
+
+    mesh = init_device_mesh("cpu", (PIPE_PP, world // PIPE_PP), mesh_dim_names=("pp", "dp"))
+    stage, dp = mesh["pp"].get_local_rank(), mesh["dp"]
+    out = {}
+    for name, matrix_config in PIPE_OPTIMIZERS.items():
+        spec = replace(PIPE_SPEC, optimizer=name, matrix_config=matrix_config)
+        module = pipeline_stage_module(spec, PIPE_PP, stage)
+        for layer in module.model.layers.values():
+            fully_shard(layer, mesh=dp)
+        fully_shard(module, mesh=dp)
+        mspec = stage_spec(build_model(spec).spec(), PIPE_PP, stage)
+        opt = DistributedOptimizer(module.named_parameters(), mspec, spec.optimizer, spec.matrix_config,
+                                   spec.adamw_config, group=dp)
+        pipe = PipelineStage(module, stage, PIPE_PP, torch.device("cpu"), group=mesh["pp"].get_group())
+
+        def loss_fn(logits, target):
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+        schedule = Schedule1F1B(pipe, n_microbatches=2, loss_fn=loss_fn)
+        vocab = build_model(spec).cfg.vocab
+        for tokens in global_batches(spec, vocab):
+            opt.zero_grad()
+            (mb,) = micro_batches(tokens, dp.get_local_rank(), dp.size(), 1)
+            if stage == 0:
+                schedule.step(mb[:, :-1])
+            else:
+                schedule.step(target=mb[:, 1:])
+            opt.step()
+        out[name] = {"stage": stage, "member": opt.rank, "held": held_bytes(opt)}
+    return out
+
+
+@functools.cache
+def _pipeline_runs() -> list[dict[str, dict]]:
+    return run_ranks(pipeline_run, PIPE_WORLD, deadline_s=120.0)
+
+
+@pytest.mark.parametrize("optimizer", list(PIPE_OPTIMIZERS))
+def test_the_simulator_reports_each_pipeline_stage_ranks_holding(optimizer: str) -> None:
+    """`canzona simulate --fsdp --pp 2` of the tiny model at 4 ranks (DP 2; fp32, `param_bytes=4`):
+    per stage and rank, every persistent category (weights, gradients, masters, matrix and AdamW
+    state) is what torch's pipelining over the fully_shard-ed stage and its DistributedOptimizer
+    hold after the steps."""
+    from canzona.catalog import build_decoder
+    from canzona.models import ModelSource
+    from reference.tiny_model import PRESETS
+    from sim.fsdp_pipeline import fsdp_stage_memories
+    from sim.simulate import SimConfig, simulate
+    from sim.workload import Workload
+
+    cfg = PRESETS[PIPE_SPEC.preset].as_catalog()
+    model = (build_model(PIPE_SPEC).spec(), ModelSource(build_decoder(cfg), "catalog", cfg).architecture())
+    sim = SimConfig(model=cfg.name, gpus=PIPE_WORLD, tp=1, pp=PIPE_PP, fsdp=True, optimizer=optimizer,
+                    matrix_config=PIPE_OPTIMIZERS[optimizer],
+                    workload=Workload(global_batch=PIPE_SPEC.global_batch, seq_len=PIPE_SPEC.seq_len, param_bytes=4))
+    stages = fsdp_stage_memories(sim, model)
+    assert simulate(sim, model=model).memory in stages  # simulate reports the fullest of them
+    runs = [r[optimizer] for r in _pipeline_runs()]
+    assert [r["stage"] for r in runs] == [0, 0, 1, 1] and [r["member"] for r in runs] == [0, 1, 0, 1]
+    for r in runs:
+        want = stages[r["stage"]].ranks[r["member"]]
+        for k, v in r["held"].items():
+            assert v == getattr(want, k), (optimizer, r["stage"], r["member"], k, v, getattr(want, k))
+    assert runs[0]["held"]["weights"] != runs[2]["held"]["weights"]  # the stages hold different parts
