@@ -74,6 +74,7 @@ from canzona.memory import (
     state_saving_bytes,
 )
 from canzona.optimizers import default_config, matrix_optimizer
+from canzona.pipeline import stage_spec
 from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS, Plan, plan_for
 from canzona.recompute import (
     MEGATRON_CHECKPOINT,
@@ -283,6 +284,13 @@ def in_flight_bytes(gathered: dict[int, int], reshard_after_forward: bool, param
     largest = max(gathered.values())
     held = 2 * largest if reshard_after_forward else sum(gathered.values())
     return held * param_bytes + largest * grad_bytes
+
+
+def pipeline_in_flight_bytes(gathered: dict[int, int], param_bytes: int, grad_bytes: int) -> int:
+    """The transient bytes beside a stage's activations under torch's pipelining: every unit's
+    gathered parameters and unsharded gradient, held from the stage's first backward to the
+    reductions after its last (sim.fsdp_pipeline)."""
+    return sum(gathered.values()) * (param_bytes + grad_bytes)
 
 
 def copy_seconds(cfg, rate: DeviceRate, gathered: dict[int, int]) -> tuple[dict[int, float], dict[int, float]]:
@@ -813,7 +821,7 @@ def expert_shard_memory(spec: ModelSpec, ep: int, edp: int, setup: MemorySetup) 
                                   moment_bytes=setup.update_state_bytes)
 
 
-def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims) -> int:
+def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims, stage: int = 0) -> int:
     """A lower bound of the fullest GPU's bytes of an FSDP layout (`_FsdpRun.memory`), without its
     plan or owners (for the search's pruning, `sim.search.memory_floor`): the fullest rank of the
     exchange group holds at least the group's mean of each persistent term (its shards of the
@@ -821,10 +829,14 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     piece of its EP rank's experts, `expert_shard_memory`; AdamW's moments of the elementwise parameters' shards; the matrix optimizer's
     state, which the owners, or under gather-all every rank, hold: at least 1 / (S x T) of every
     matrix's), the flex token dispatcher's buffers, the activations, the units in flight beside them (`in_flight_bytes`) and the
-    allowance on that transient peak (the step's buffers, which it may exceed, only add)."""
+    allowance on that transient peak (the step's buffers, which it may exceed, only add). Under PP
+    pipeline stage `stage`'s (sim.fsdp_pipeline.stage_memory): its parameters (`stage_spec`) over
+    its DP group, its 1F1B activations and every unit's gathered parameters and unsharded gradient."""
     spec, arch = model
+    if cfg.pp > 1:
+        spec = stage_spec(spec, cfg.pp, stage, arch.layers, split=cfg.pipeline_split)
     tp, ep = cfg.tp, cfg.ep
-    dp = cfg.gpus // tp
+    dp = cfg.gpus // (tp * cfg.pp)
     shard = dp // cfg.hsdp_replicate
     edp = dp * tp // ep
     setup = cfg.memory_setup(arch, tp_mode=STEP_DEFAULTS.tp_mode)
@@ -845,8 +857,10 @@ def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDim
     experts = max((e.total for e in expert_shard_memory(spec, ep, edp, setup)), default=0) if ep > 1 else 0
     persistent = (total // shard * (weight_bytes + setup.shard_grad_bytes + mb) + matrix_state
                   + setup.adamw_state_bytes(elementwise // shard) + experts + setup.dispatcher_buffers)
-    transient = activation_bytes(dims, setup, tp) + in_flight_bytes(
-        gathered_elements(local, expert_local, edp), cfg.reshard_after_forward, pb, gb)
+    gathered = gathered_elements(local, expert_local, edp)
+    transient = activation_bytes(dims, setup, tp, cfg.pp, stage, split=cfg.pipeline_split) + (
+        pipeline_in_flight_bytes(gathered, pb, gb) if cfg.pp > 1 else
+        in_flight_bytes(gathered, cfg.reshard_after_forward, pb, gb))
     return persistent + transient + setup.overhead(transient)
 
 

@@ -58,16 +58,9 @@ from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
 from sim.collectives import all_to_all_cost, collective_cost
 from sim.engine import Collective, Engine
-from sim.fsdp import RS_STREAM, FsdpOutcome, _FsdpRun, check_fsdp
+from sim.fsdp import RS_STREAM, FsdpOutcome, _FsdpRun, check_fsdp, pipeline_in_flight_bytes
 from sim.pipeline_p2p import p2p_stream
 from sim.topology import Cluster
-
-
-def pipeline_in_flight_bytes(gathered: dict[int, int], param_bytes: int, grad_bytes: int) -> int:
-    """The transient bytes beside a stage's activations under torch's pipelining: every unit's
-    gathered parameters and unsharded gradient, held from the stage's first backward to the
-    reductions after its last (the module docstring)."""
-    return sum(gathered.values()) * (param_bytes + grad_bytes)
 
 
 class _Pipeline:

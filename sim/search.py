@@ -477,13 +477,13 @@ REFINE_AXES: tuple[Axis, ...] = (
 # simulator keeps a shard group of at least 2 ranks, and no HSDP under EP), FSDP2's
 # reshard_after_forward (Megatron-FSDP: resharded only), the micro-batch and the recompute modes
 # the simulator runs under FSDP (`sim.fsdp.FSDP_RECOMPUTE_MODES`, selective-layer at each K of
-# `selective_ac_options`: the rounds of `search`); no pipeline, virtual
-# pipeline or context parallelism (one value each: the simulator runs FSDP at cp 1, and with PP
-# (sim.fsdp_pipeline) but its floors, `fsdp_time_floor` / `fsdp_memory_floor`, are PP 1's). Which
-# combinations the simulator runs is its own checks' to say (`SimConfig.check`, `check_fsdp`).
+# `selective_ac_options`: the rounds of `search`); PP dividing the layers (sim.fsdp_pipeline:
+# torchtitan's stages, split evenly; no virtual pipeline); no context parallelism (the simulator runs
+# FSDP at cp 1). Which combinations the simulator runs is its own checks' to say (`SimConfig.check`,
+# `check_fsdp`: under PP no EP, no HSDP, at least a micro-batch a stage).
 FSDP_LAYOUT_AXES: tuple[Axis, ...] = (
     TP_AXIS,
-    Axis("pp", lambda f, c: [1]),
+    Axis("pp", lambda f, c: [p for p in range(1, f.layers + 1) if f.gpus % (c["tp"] * p) == 0 and f.layers % p == 0]),
     Axis("vp", lambda f, c: [1]),
     Axis("cp", lambda f, c: [1]),
     EP_AXIS,
@@ -662,8 +662,8 @@ def memory_floor(cfg: SimConfig, model) -> int:
     (`optimizer_state_floor`: the fullest holds at least the mean, whatever the plan)."""
     spec, arch = model
     dims = layer_dims(arch, spec)
-    if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp)
-        return fsdp_memory_floor(cfg, model, dims)
+    if cfg.fsdp:  # an FSDP layout's own memory model (sim.fsdp), under PP its fullest stage's
+        return max(fsdp_memory_floor(cfg, model, dims, stage) for stage in _kinds(cfg.pp))
     setup = cfg.memory_setup(arch)
     worst = 0
     for stage in _kinds(cfg.pp):
@@ -759,6 +759,9 @@ def fsdp_launch(row: dict[str, Any], q: Question | None = None) -> list[str]:
         return out + megatron + ([] if q is None else _question_launch(q, row)) + _fsdp_policy(row)
     if row["tp"] > 1:
         out.append(f"tp {row['tp']} (parallelize_module over the TP mesh dimension, then fully_shard over DP)")
+    if row["pp"] > 1:
+        out.append(f"pp {row['pp']} (torchtitan's PP: each stage's layers fully_shard-ed over its DP group, "
+                   "Schedule1F1B; one DistributedOptimizer a stage)")
     if row["ep"] > 1:
         out.append(f"ep {row['ep']}")
     if row["micro_batch"] > 1:
@@ -1285,17 +1288,34 @@ def fsdp_time_floor(cfg: SimConfig, model, rate: DeviceRate, hw: HardwareProfile
     every kernel at the simulator's factor for the slowest GPU (`stretch`)."""
     spec, arch = model
     cluster = Cluster(cfg.gpus, cfg.tp, hw.node.gpus, cfg.pp, cp=cfg.cp)
-    work = fsdp_micro_batch_work(cfg, model, cluster, hw, rate, layer_dims(arch, spec).head_dim)
-    compute = stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch,
-                          no_grad=fsdp_forward_without_grad(cfg))
-    local, expert_local = unit_elements(spec, cfg.tp, cfg.ep)
-    copy_out, copy_in = copy_seconds(cfg, rate, gathered_elements(local, expert_local,
-                                                                  cluster.dp * cfg.tp // cfg.ep))
-    # the root stays gathered through the micro-batch: one copy-out; a layer's backward copies out again
-    # when its forward resharded it
-    copies = sum(copy_out.values()) + sum(copy_in.values()) + \
-        (sum(s for k, s in copy_out.items() if k != ROOT) if cfg.reshard_after_forward else 0.0)
-    return (compute + copies * stretch) * cfg.workload.micro_batches(cluster.dp)
+    head_dim = layer_dims(arch, spec).head_dim
+    m = cfg.workload.micro_batches(cluster.dp)
+
+    def floor_of(stage: int) -> tuple[float, dict[int, float], dict[int, float]]:
+        """Pipeline stage `stage`'s (at PP 1 the model's) micro-batch kernels and its units' copies."""
+        part = stage_spec(spec, cfg.pp, stage, arch.layers, split=cfg.pipeline_split)
+        work = fsdp_micro_batch_work(cfg, (part, arch), cluster, hw, rate, head_dim, stage)
+        compute = stage_floor(work, tp_cost, cfg.options.tp_comm_overlap, expert_comm, stretch,
+                              no_grad=fsdp_forward_without_grad(cfg))
+        local, expert_local = unit_elements(part, cfg.tp, cfg.ep)
+        return compute, *copy_seconds(cfg, rate, gathered_elements(local, expert_local, cluster.dp * cfg.tp // cfg.ep))
+
+    if cfg.pp == 1:
+        compute, copy_out, copy_in = floor_of(0)
+        # the root stays gathered through the micro-batch: one copy-out; a layer's backward copies out again
+        # when its forward resharded it
+        copies = sum(copy_out.values()) + sum(copy_in.values()) + \
+            (sum(s for k, s in copy_out.items() if k != ROOT) if cfg.reshard_after_forward else 0.0)
+        return (compute + copies * stretch) * m
+    # under torch's pipelining (sim.fsdp_pipeline) each stage runs its m micro-batches on its compute
+    # stream, each unit copied out at least once (the first forward gathers it) and copied in once (its
+    # one reduce-scatter); the last stage starts after the first micro-batch's forward crossed every
+    # stage before it, and the iteration ends after the last backward crossed them back (PP divides the
+    # layers: the middle stages are alike)
+    kinds = [floor_of(stage) for stage in _kinds(cfg.pp)]
+    per_stage = [c * m + (sum(out.values()) + sum(into.values())) * stretch for c, out, into in kinds]
+    crossing = kinds[0][0] + (cfg.pp - 2) * (kinds[1][0] if cfg.pp > 2 else 0.0)
+    return max(max(per_stage), kinds[-1][0] * m + crossing)
 
 
 @dataclass(order=True)
@@ -1636,7 +1656,8 @@ def _recompute_text(row: Layout) -> str:
 def describe(layout: Layout) -> str:
     """A layout on one line (the progress bar's and the table's)."""
     fsdp = "hsdp_replicate" in layout  # an FSDP layout (FSDP_SPACE's axes)
-    parts = (["FSDP", f"TP{layout['tp']}"] if fsdp else [f"TP{layout['tp']}", f"PP{layout['pp']}"])
+    parts = (["FSDP", f"TP{layout['tp']}"] + ([f"PP{layout['pp']}"] if layout["pp"] > 1 else []) if fsdp
+             else [f"TP{layout['tp']}", f"PP{layout['pp']}"])
     parts += [f"VP{layout['vp']}"] if layout["vp"] > 1 else []
     parts += [] if layout.get("pipeline_split", "even") == "even" else [f"split {layout['pipeline_split']}"]
     parts += [f"CP{layout['cp']}"] if layout.get("cp", 1) > 1 else []

@@ -65,10 +65,13 @@ def test_fsdp_axes_are_data():
 
 
 def test_fsdp_candidates():
-    """No pipeline, virtual pipeline or context parallelism; HSDP's replicas divide DP; both
-    reshard settings; what the simulator refuses (a shard group of one rank) is its checks'."""
+    """PP dividing the layers (torchtitan's even split), no virtual pipeline or context
+    parallelism; HSDP's replicas divide DP; both reshard settings; what the simulator refuses (a
+    shard group of one rank, HSDP or too few micro-batches under PP) is its checks'."""
     layouts = candidates(SMALL)
-    assert {(c["pp"], c["vp"], c["cp"]) for c in layouts} == {(1, 1, 1)}
+    assert {(c["pp"], c["vp"], c["cp"]) for c in layouts} == {(1, 1, 1), (2, 1, 1), (4, 1, 1)}  # 28 layers
+    assert all(c["tp"] * c["pp"] * c["dp"] == SMALL.gpus for c in layouts)
+    layouts = [c for c in layouts if c["pp"] == 1]
     assert {c["tp"] for c in layouts} == {1, 2, 4, 8}
     assert {c["reshard_after_forward"] for c in layouts} == {True, False}
     for c in layouts:
@@ -130,6 +133,15 @@ FLOOR_CASES = [
     (dict(model="qwen3-30b-a3b", gpus=8, seq_len=4096, global_batch=16, optimizer="adamw"),
      dict(tp=1, ep=8, hsdp_replicate=1, reshard_after_forward=False, micro_batch=1, recompute="selective-layer"),
      None),
+    # PP x FSDP (sim.fsdp_pipeline): tied and untied heads, 2 and 4 stages, TP, both reshard settings
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=16),
+     dict(pp=2, tp=1, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
+    (dict(model="qwen3-0.6b", gpus=8, seq_len=1024, global_batch=16, optimizer="adamw"),
+     dict(pp=4, tp=1, hsdp_replicate=1, reshard_after_forward=False, micro_batch=1, recompute="full"), None),
+    (dict(model="qwen3-1.7b", gpus=16, seq_len=2048, global_batch=32),
+     dict(pp=2, tp=2, hsdp_replicate=1, reshard_after_forward=False, micro_batch=2, recompute="selective-op"), None),
+    (dict(model="qwen3-8b", gpus=16, seq_len=2048, global_batch=16),
+     dict(pp=4, tp=1, hsdp_replicate=1, reshard_after_forward=True, micro_batch=1, recompute="none"), None),
 ]
 
 
