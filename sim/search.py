@@ -6,7 +6,7 @@ and `REFINE_AXES` (step policy, reduce-scatter implementation), each an `Axis` w
 generator and the `SimConfig` field it sets. A new simulator dimension (context parallelism) is
 one more entry. Those are Megatron's ZeRO-1 layouts (`ZERO1_SPACE`); a question with `fsdp`
 searches FSDP2 / HSDP layouts instead (`FSDP_SPACE`: `FSDP_LAYOUT_AXES`, TP, EP, HSDP's replicas,
-reshard_after_forward, micro-batch, recompute, at PP = VP = CP = 1; `FSDP_REFINE_AXES`, the FSDP
+reshard_after_forward, micro-batch, recompute, PP dividing the layers, at VP = CP = 1; `FSDP_REFINE_AXES`, the FSDP
 step policies), with the same steps; its floors are FSDP's own (`fsdp_time_floor`,
 `sim.fsdp.fsdp_memory_floor`).
 

@@ -364,3 +364,18 @@ def test_megatron_fsdp_layouts_are_resharded_and_launched_in_its_terms():
     assert "fully_shard" not in launch and "parallelize_module" not in launch
     fsdp2 = " ".join(not_in_plan({**row, "fsdp_impl": "fsdp2"}))
     assert "fully_shard each decoder layer" in fsdp2 and "--use-megatron-fsdp" not in fsdp2
+
+
+def test_a_pipeline_wins_where_the_gathers_dominate():
+    """qwen3-1.7b at 16 GPUs, 4096 sequences of 64 tokens: at PP 1 each DP rank runs 32 micro-batches
+    of 8, FSDP2 gathering every unit for each (and reducing each one's gradients); under torch's
+    pipelining a stage gathers its units once and reduce-scatters once, so PP 2 (about 0.99 s) beats
+    every PP 1 layout (HSDP 8's about 1.18 s, the best before PP was searched). Its row says PP and
+    its launcher torchtitan's stages."""
+    q = Question(model="qwen3-1.7b", gpus=16, global_batch=4096, seq_len=64, fsdp=True)
+    found = search(q, top=3, refine_top=0, workers=1)
+    best = found.ranked[0]
+    assert (best["pp"], best["tp"], best["dp"]) == (2, 1, 8)
+    assert " PP2 " in describe(best) and any(x.startswith("pp 2 (torchtitan's PP") for x in not_in_plan(best))
+    pp1 = [r for r in found.ranked if r["pp"] == 1]
+    assert pp1 and min(r["iteration_time_s"] for r in pp1) > 1.15 * best["iteration_time_s"]
