@@ -160,6 +160,29 @@ def test_fsdp_floors_are_below_the_simulation(asked, layout, policy):
     assert 0 < memory_floor(cfg, model) <= r.memory.worst.total
 
 
+def test_fsdp_floors_are_below_every_pipeline_layout_of_a_small_question():
+    """Every PP > 1 candidate the simulator runs of an 8-layer model at 8 GPUs (PP 2 and 4, TP 1
+    and 2, both reshard settings, every micro-batch with at least a micro-batch a stage), each
+    under one of the recompute settings in turn: both floors below the simulation."""
+    q = replace(EIGHT_LAYERS, global_batch=16, optimizer="adamw")
+    model = resolve_model(q.model)
+    hw = load_profile(q.hardware)
+    rate = DeviceRate.from_profile(hw)
+    settings = FSDP_SPACE.recompute_variants(q)
+    ran = set()
+    for i, c in enumerate(c for c in candidates(q) if c["pp"] > 1 and c["hsdp_replicate"] == 1):
+        cfg = config_of(q, {**c, **settings[i % len(settings)]})
+        try:
+            cfg.check(model)
+        except SpecError:
+            continue
+        r = simulate(cfg)
+        assert time_floor(cfg, model, rate, hw) <= r.iteration_time_s, c
+        assert memory_floor(cfg, model) <= r.memory.worst.total, c
+        ran.add((c["pp"], c["tp"]))
+    assert ran == {(2, 1), (2, 2), (4, 1)}
+
+
 def _fastest_setting_that_fits(q: Question, layout: dict) -> float:
     """The least time of one layout over every recompute setting the FSDP space tries (selective-
     layer at every K it tries), each simulated; infinite when none fits."""
