@@ -33,3 +33,20 @@ class StepOptions:
 
 
 STEP_DEFAULTS = StepOptions()
+
+
+# `DistributedOptimizer`'s keyword arguments that are neither a step option above nor a planning
+# setting (`canzona.plan.PlanSettings`) and have no simulator option, each with why: what the
+# simulator prices (a finite step's time and memory) is the same whatever they are. Every other
+# keyword argument is a `SimConfig` field (or `sim.simulate.simulate`'s) of the same name and default
+# (tests/policy/test_registries.py fails on a new one that is neither).
+RUNTIME_ONLY: dict[str, str] = {
+    **dict.fromkeys(("params", "spec"), "the model: the simulator's --model builds both"),
+    **dict.fromkeys(("group", "tp_group", "expert_mesh"),
+                    "the process groups: the simulator's layout (--gpus, --tp, --ep, --etp, --hsdp-replicate)"),
+    "timeout_s": "how long a rank waits for its peers before one error: a step that runs is no different",
+    "nonfinite": "what a step whose gradient norm is not finite does (raise or skip): a finite step, the one "
+                 "priced, runs the same check, collectives and update either way",
+    "adamw_config": "AdamW's hyper-parameters change its numbers, not its work: the runtime runs it at fp32 "
+                    "whatever is given (canzona.optimizers.check_config), as the simulator prices it",
+}

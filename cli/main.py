@@ -118,6 +118,11 @@ class OneLineErrors(TyperGroup):
 
 # the matrix optimizers of the registry, each with its one line
 POLICY_HELP = "Step policy: " + ", ".join(STEP_POLICIES)
+# `canzona plan`'s and the simulator's (DistributedOptimizer's `cost_model`, planned the same way:
+# `canzona.cost.cost_model_for(hardware, table)`)
+CostTable = Annotated[Path | None, typer.Option(
+    help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out) the owners are planned with (the runtime's "
+         "cost_model=cost_model_for(hardware, table)); shapes it lacks use --hardware.")]
 OPTIMIZER_HELP = "Optimizer of the matrices: " + "; ".join(f"{e.name} ({e.summary})" for e in MATRIX_REGISTRY.values()) + "."
 
 app = typer.Typer(
@@ -204,7 +209,7 @@ def plan(
     geometry: Geometry = DEFAULT_GEOMETRY,
     out: Annotated[Path | None, typer.Option(help="Write the chosen plan as JSON to this file.")] = None,
     hardware: Annotated[str, typer.Option(help="Price optimizer work on this hardware profile (name or JSON path).")] = DEFAULT_PROFILE,
-    cost_table: Annotated[Path | None, typer.Option(help="Measured per-matrix seconds (benchmarks/bench_kernels.py --out); shapes it lacks use --hardware.")] = None,
+    cost_table: CostTable = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the chosen plan's summary as one JSON object.")] = False,
     ep: Annotated[int, typer.Option(help="Expert parallelism of a mixture-of-experts model: plan the dense part on "
                                          "DP x TP and one EP rank's experts over the DP x TP / (EP x ETP) ranks that "
@@ -433,7 +438,8 @@ def _sim_config(*, shared: SimOptions):
                        router_imbalance=_router_imbalance(o.router_imbalance), fsdp=o.fsdp,
                        hsdp_replicate=o.hsdp_replicate, reshard_after_forward=o.reshard_after_forward,
                        fsdp_impl=o.fsdp_impl, gpu_variability=o.gpu_variability, pipeline_split=split,
-                       matrix_config=matrix_cfg)
+                       matrix_config=matrix_cfg,
+                       cost_model=None if o.cost_table is None else cost_model_for(o.hardware, o.cost_table))
     config.check()
     config.options.ep_dispatcher.check_ep(config.ep)  # the command's layout: the search's EP 1 layouts differ
     # after the configuration's own checks (an unknown name, an elementwise optimizer's settings)
@@ -749,6 +755,7 @@ class SimOptions:
     bucket_size: BucketSize = None
     capacity: CapacityOpt = "auto"
     hardware: Hardware = DEFAULT_PROFILE
+    cost_table: CostTable = None
     seq_len: SeqLen = 4096
     global_batch: GlobalBatch = 128
     micro_batch: MicroBatch = 1
@@ -914,6 +921,7 @@ SEARCH_LACKS: dict[str, str] = {
     "explicit_clip": "the runtime's step recheck, priced under --collectives runtime only (a validation setting)",
     "overlap_step": "canzona's own step option: the refinement tries step policies that refuse it",
     "compile_kernels": "priced as eager (sim.options.RunOptions): it changes no layout's time",
+    "cost_table": "the layouts are ranked under canzona's default plan, priced on --hardware",
 }
 # the search's options of simulate's: every shared one a `Question` field of the same name, but the
 # dispatcher's, which make its `ep_dispatcher` (`_ep_dispatcher`)

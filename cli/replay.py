@@ -43,6 +43,8 @@ def _value(config: SimConfig, name: str) -> Any:
         return "auto"
     if name == "matrix_config":  # the JSON object of its fields off the defaults (SimConfig holds None for none)
         return None if config.matrix_config is None else matrix_config_json(config.optimizer, config.matrix_config)
+    if name == "cost_table":  # a cost model object: no path to read back (a given one is named as differing)
+        return None
     if name == "grad_reduce_in_fp32":  # None: the default of the run's master weights (`grad_bytes_for`)
         wl = config.workload
         return None if wl.grad_bytes == grad_bytes_for(None, wl.master_weights) else wl.grad_bytes == grad_bytes_for(True)

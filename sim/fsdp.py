@@ -36,7 +36,6 @@ from canzona.batching import shape_batches
 from canzona.cost import (
     DeviceRate,
     adamw_kernels,
-    cost_model_for,
     elementwise_kernel,
     gradient_norm_kernels,
     state_bytes,
@@ -351,11 +350,11 @@ class _FsdpRun:
         self.ep = cfg.ep
         if self.policy is None:  # no matrix has an owner; the plan reported is ZeRO-1's over the shard group
             self.matrices: dict[str, FsdpMatrix] = {}
-            self.plan = plan_for(self.spec, self.size, 1, cfg.optimizer, cfg.policy, cfg.settings, cost_model_for(hw),
+            self.plan = plan_for(self.spec, self.size, 1, cfg.optimizer, cfg.policy, cfg.settings, cfg.planning_costs(hw),
                                  ep=self.ep, hidden=self.arch.hidden, matrix_config=cfg.matrix_config)
         else:
             self.matrices, self.plan = fsdp_matrices(self.spec, self.size, cfg.optimizer, self.policy, cfg.settings,
-                                                     cost_model_for(hw), matrix_config=cfg.matrix_config)
+                                                     cfg.planning_costs(hw), matrix_config=cfg.matrix_config)
         self.units = fsdp_units(self.spec, self.matrices)
         self.local, self.expert_local = unit_elements(self.spec, self.tp, self.ep)
         self.edp = cluster.dp * self.tp // self.ep  # the DP ranks outside EP, over which the experts are sharded

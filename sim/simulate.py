@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from canzona.choices import check_choice
-from canzona.cost import DeviceRate, cost_model_for
+from canzona.cost import CostModel, DeviceRate, cost_model_for
 from canzona.decoder import Architecture
 from canzona.dp.layout import (
     AUTO_EXPERT_BUCKETS,
@@ -228,6 +228,12 @@ class SimConfig:
     # None or a config off the defaults (`canzona.optimizers.matrix_config_for`): the defaults given
     # are the same configuration as none given; refused for an elementwise optimizer (AdamW)
     matrix_config: Any = None
+    # what the planner prices each matrix's step with (DistributedOptimizer's `cost_model`, same
+    # name and default; `canzona simulate --cost-table`, as `canzona plan`'s): a measured table
+    # changes the plan the runtime runs. None: the hardware profile's (`cost_model_for(hardware)`:
+    # the runtime's None is the default profile's, `canzona.cost.default_rate`). The step itself is
+    # priced on the hardware profile either way
+    cost_model: Any = None
 
     def __post_init__(self) -> None:
         if self.policy is None or not self.fsdp:  # the runtime's resolution (zero1-gather with adamw: zero1)
@@ -241,6 +247,10 @@ class SimConfig:
         return PlanSettings(dp_policy=self.dp_policy, tp_policy=self.tp_policy, alpha=self.alpha,
                             bucket_size=self.bucket_size, align=self.align, capacity=self.capacity,
                             balance_by=self.balance_by, expert_buckets=self._sizing())
+
+    def planning_costs(self, hw: HardwareProfile) -> CostModel:
+        """The cost model the owners are planned with (`cost_model`), on the loaded profile `hw`."""
+        return cost_model_for(hw) if self.cost_model is None else self.cost_model
 
     def _sizing(self) -> str:
         """The expert bucket sizing the settings plan with (under `auto`, the default's)."""
@@ -685,7 +695,7 @@ def _plan_for(cfg: SimConfig, cluster: Cluster, spec: ModelSpec, hw: HardwarePro
     dp = 1 if policy.replicated and cfg.options.collectives != "runtime" else cluster.dp
     settings = replace(cfg.settings, **({} if capacity is None else {"capacity": capacity}),
                        **({} if expert_buckets is None else {"expert_buckets": expert_buckets}))
-    return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cost_model_for(hw),
+    return plan_for(spec, dp, cluster.tp, cfg.optimizer, policy, settings, cfg.planning_costs(hw),
                     empty_ok=empty_ok, geometry=cfg.geometry,
                     overlap_step=cfg.options.overlap_step, matrix_config=cfg.matrix_config)
 

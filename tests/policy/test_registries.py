@@ -136,3 +136,42 @@ def test_every_step_option_has_one_default_wherever_it_appears():
         assert "DistributedOptimizer" in seen and {"RunOptions", "SimConfig", "Workload"} & set(seen), f.name
         for name in seen:
             assert consumers[name][f.name] == exceptions.get((name, f.name), want), (name, f.name)
+
+
+def test_every_runtime_option_has_a_simulator_counterpart():
+    """The project's rule, enforced on `DistributedOptimizer`'s signature (which `FsdpOptimizer`
+    takes whole): each keyword argument is a step option (`StepOptions`, checked above), a planning
+    setting (`PlanSettings`, checked above), a simulator option of the same name and default
+    (`SimConfig`, `sim.simulate.simulate`, and `canzona simulate` / `compare` where the command line
+    can say it), or named in `canzona.step_options.RUNTIME_ONLY` with why the simulator has none. A
+    new runtime option that is none of these fails here."""
+    from canzona.plan import PlanSettings
+    from canzona.runtime.optimizer import DistributedOptimizer
+    from canzona.step_options import RUNTIME_ONLY, StepOptions
+    from cli import main as cli
+    from sim.simulate import SimConfig, simulate
+
+    runtime = defaults(DistributedOptimizer)
+    covered = {f.name for f in fields(StepOptions)} | {f.name for f in fields(PlanSettings)}
+    sim = {"SimConfig": defaults(SimConfig), "sim.simulate.simulate": defaults(simulate)}
+    cli_commands = {"canzona simulate": defaults(cli.simulate), "canzona compare": defaults(cli.compare)}
+    # the command line's spelling of a runtime option that takes an object (the CLI cannot)
+    cli_spelling = {"cost_model": "cost_table"}
+    # not on a command line: compare varies the policy; a plan file is what `canzona plan` writes from
+    # the settings simulate and compare take (`sim.simulate.simulate(plan=)` takes one)
+    not_flags = {("canzona compare", "policy"), ("canzona simulate", "plan"), ("canzona compare", "plan")}
+    assert not set(RUNTIME_ONLY) - set(runtime), "RUNTIME_ONLY names options the runtime no longer has"
+    assert not set(RUNTIME_ONLY) & covered
+    for name, want in runtime.items():
+        if name in covered or name in RUNTIME_ONLY:
+            continue
+        seen = [where for where, d in sim.items() if name in d]
+        assert seen, f"runtime option {name!r} has no simulator counterpart (SimConfig) nor a RUNTIME_ONLY reason"
+        for where in seen:
+            assert sim[where][name] == want, (where, name)
+        flag = cli_spelling.get(name, name)
+        for where, d in cli_commands.items():
+            if flag in d:
+                assert d[flag] == want, (where, flag)
+            else:
+                assert (where, name) in not_flags, f"{where} has no --{flag.replace('_', '-')}"
