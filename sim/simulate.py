@@ -230,9 +230,9 @@ class SimConfig:
     matrix_config: Any = None
     # what the planner prices each matrix's step with (DistributedOptimizer's `cost_model`, same
     # name and default; `canzona simulate --cost-table`, as `canzona plan`'s): a measured table
-    # changes the plan the runtime runs. None: the hardware profile's (`cost_model_for(hardware)`:
-    # the runtime's None is the default profile's, `canzona.cost.default_rate`). The step itself is
-    # priced on the hardware profile either way
+    # changes the plan the runtime runs, and the plan's seconds price the step's matrix work. None:
+    # the hardware profile's (`cost_model_for(hardware)`; the runtime's None is the default
+    # profile's, `canzona.cost.default_rate`: give it cost_model_for(hardware) on another device)
     cost_model: Any = None
 
     def __post_init__(self) -> None:
