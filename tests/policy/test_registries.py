@@ -175,3 +175,29 @@ def test_every_runtime_option_has_a_simulator_counterpart():
                 assert d[flag] == want, (where, flag)
             else:
                 assert (where, name) in not_flags, f"{where} has no --{flag.replace('_', '-')}"
+
+
+def test_every_runtime_command_flag_is_a_simulate_flag_of_the_same_default():
+    """`canzona plan` writes the plan the runtime runs and `canzona verify` runs the runtime: each of
+    their flags that changes what the runtime does is a `canzona simulate` flag of the same name and
+    default (simulate then deploy), but those below, each with why."""
+    from cli import main as cli
+
+    simulate = defaults(cli.simulate)
+    not_simulate = {
+        "canzona plan": {"dp": "the layout: simulate's --gpus / (tp x pp x cp)", "out": "where the plan is written",
+                         "tp": "the layout: simulate's default is the largest TP that runs"},
+        "canzona verify": {"dp": "the layout: simulate's --gpus / (tp x pp x cp)",
+                           "tp": "the layout: simulate's default is the largest TP that runs",
+                           "steps": "how many steps the check runs", "preset": "the verification harness's model",
+                           "accumulation": "the harness's micro-batches (simulate's --micro-batch, --global-batch)",
+                           "global_batch": "the harness's batch (None: its preset's)",
+                           "tp_style": "how the harness builds its TP model (Megatron-style layers or DTensors): the "
+                                       "optimizer's work is the same"},
+    }
+    for command, d in (("canzona plan", defaults(cli.plan)), ("canzona verify", defaults(cli.verify))):
+        for name, want in d.items():
+            if name in not_simulate[command]:
+                continue
+            assert name in simulate, f"{command} --{name.replace('_', '-')} is no canzona simulate option"
+            assert simulate[name] == want, (command, name)
