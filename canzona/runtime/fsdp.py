@@ -166,8 +166,10 @@ def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
 
 
 # DistributedOptimizer's options of the ZeRO-1 layout that FSDP2 decides instead: refused off their
-# defaults (`FsdpOptimizer`), as the simulator refuses them under --fsdp (`sim.fsdp.check_fsdp`)
-ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry")
+# defaults (`FsdpOptimizer`), as the simulator refuses them under --fsdp (`sim.fsdp.check_fsdp`);
+# expert_buckets sizes ZeRO-1's buckets of expert stacks, which FSDP2 has none of
+ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_param_gather", "geometry",
+              "expert_buckets")
 
 
 # how a rank's gradients changed since the kept check (`FsdpOptimizer._grads_since`), as its recheck sends it
@@ -179,9 +181,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
     model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
     describes the global model. Options are `DistributedOptimizer`'s; those of the ZeRO-1 layout
     that FSDP2 decides instead (`ZERO1_ONLY`: reduce_scatter, tp_policy, tp_mode, capacity,
-    overlap_param_gather, geometry) are refused off their defaults, as `canzona simulate --fsdp`
-    refuses them (`sim.fsdp.check_fsdp`): set, they would change nothing; expert_buckets, which
-    sizes ZeRO-1's buckets of expert stacks, has nothing to size here; and those it does not run yet
+    overlap_param_gather, geometry, and expert_buckets, which sizes ZeRO-1's buckets of expert stacks)
+    are refused off their defaults, as `canzona simulate --fsdp` refuses them (`sim.fsdp.check_fsdp`):
+    set, they would change nothing; and those it does not run yet
     are refused: `plan=` (the owners are planned at construction), `overlap_step`. Expert
     parallelism (torchtitan's layout, `canzona.runtime.fsdp_ep`) runs under `optimizer="adamw"`;
     `expert_mesh` may name the experts' mesh, which their DTensors carry. `policy`: an FSDP step policy

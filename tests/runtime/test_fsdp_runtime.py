@@ -448,7 +448,7 @@ SMALL_CASES = {
     # DistributedOptimizer's ZeRO-1 options off their defaults (canzona.runtime.fsdp.ZERO1_ONLY), and one at it
     "zero1-options": {"refuse": {"reduce_scatter": "exact", "tp_policy": "tp-sync", "tp_mode": "serial",
                                  "capacity": Capacity(0.02), "overlap_param_gather": False, "geometry": "whole",
-                                 "bucket_size": 4096}},
+                                 "expert_buckets": "dp-multiple", "bucket_size": 4096}},
     # canzona's owner plan settings under round-robin owners, which no plan places
     "unbalanced-plan-settings": {"refuse": {"alpha": 0.5, "dp_policy": "whole-start", "align": 128},
                                  "base": {"policy": "fsdp-owners-unbalanced"}},
