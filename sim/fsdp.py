@@ -619,14 +619,23 @@ class _FsdpRun:
         # parameters' dtype (whatever the reduction's; Workload.master_weights)
         ub = setup.update_state_bytes
         total = sum(self.local.values())  # one TP rank's elements: its shard group holds them
-        experts = -(-sum(self.expert_local.values()) // self.edp)  # its shard of its EP rank's experts
-        norm_s = sum(self.rate.kernel_seconds(k) for k in
-                     gradient_norm_kernels(-(-total // s) + experts, self.cfg.options.max_grad_norm is not None, ub))
-        begin = self.step_check({r: eng.compute(r, "gradient norm", norm_s, [start]) for r in ranks})
+        # each rank's own torch.chunk piece of its EP rank's experts (rank r: EDP member r // ep, as
+        # `_persistent`): uneven where they do not divide by EDP, the fullest rank's step the slowest
+        experts = expert_shard_elements(self.spec, self.ep, self.edp, setup) if self.ep > 1 else []
+        pieces = {r: experts[r // self.ep] if experts else 0 for r in ranks}
+        clip = self.cfg.options.max_grad_norm is not None
+
+        def norm_s(r: int) -> float:
+            return sum(self.rate.kernel_seconds(k) for k in gradient_norm_kernels(-(-total // s) + pieces[r], clip, ub))
+
+        begin = self.step_check({r: eng.compute(r, "gradient norm", norm_s(r), [start]) for r in ranks})
         local_matrices = sum(self.spec.param(m).local_numel(self.tp) for m in self.matrices)
-        elementwise = -(-(total - local_matrices) // s) + experts
-        adamw_s = sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"), ub))
-        done = [eng.compute(r, "adamw step", adamw_s, [begin[r]]) for r in ranks]
+
+        def adamw_s(r: int) -> float:
+            elementwise = -(-(total - local_matrices) // s) + pieces[r]
+            return sum(self.rate.kernel_seconds(k) for k in adamw_kernels(elementwise, default_config("adamw"), ub))
+
+        done = [eng.compute(r, "adamw step", adamw_s(r), [begin[r]]) for r in ranks]
         groups = self.micro_groups()
         nodes = [self.cluster.node_of(r) for r in ranks]
         gathered: list[dict[int, simpy.Event]] = []
@@ -813,11 +822,19 @@ def expert_shard_memory(spec: ModelSpec, ep: int, edp: int, setup: MemorySetup) 
     of each of its EP rank's stacks over the EDP group (`fsdp_persistent_memory` of
     `expert_part`; AdamW's state), as the runtime holds them: uneven where the EP rank's experts do
     not divide by EDP (3 over 2 ranks: 2 and 1), member 0 the fullest. One definition for the run
-    (`_FsdpRun._persistent`) and the search's floor (`fsdp_memory_floor`)."""
+    (`_FsdpRun._persistent`), its step (`expert_shard_elements`) and the search's floor
+    (`fsdp_memory_floor`)."""
     mb = setup.master_bytes
     return fsdp_persistent_memory(expert_part(spec, ep), edp, {}, weight_bytes=0 if mb else setup.param_bytes,
                                   grad_bytes=setup.shard_grad_bytes, master_bytes=mb,
                                   moment_bytes=setup.update_state_bytes)
+
+
+def expert_shard_elements(spec: ModelSpec, ep: int, edp: int, setup: MemorySetup) -> list[int]:
+    """Each EDP member's elements of its experts: `expert_shard_memory`'s pieces (their gradient
+    shards' bytes over an element's), which each rank's gradient norm and AdamW step cover
+    (`_FsdpRun.phase_b`)."""
+    return [e.grads // setup.shard_grad_bytes for e in expert_shard_memory(spec, ep, edp, setup)]
 
 
 def fsdp_memory_floor(cfg, model: tuple[ModelSpec, Architecture], dims: LayerDims, stage: int = 0) -> int:
