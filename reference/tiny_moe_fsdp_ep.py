@@ -94,11 +94,18 @@ def is_expert(name: str) -> bool:
 
 @torch.no_grad()
 def clip_with_ep(model: nn.Module, max_norm: float) -> float:
+    """torchtitan's clip under EP on `model`'s gradients (`clip_named_with_ep`)."""
+    return clip_named_with_ep(list(model.named_parameters()), max_norm)
+
+
+@torch.no_grad()
+def clip_named_with_ep(named: list[tuple[str, torch.Tensor]], max_norm: float) -> float:
     """torchtitan's clip under EP: sqrt(experts' squared norm over ep x efsdp + the dense part's
     over dp), each rank summing its own pieces (in fp64); the gradients scaled by torch's rule.
-    Returns the norm before clipping."""
+    `named`: (name, tensor) pairs whose `.grad` it clips (a model's parameters, or fp32 masters of
+    them under their names). Returns the norm before clipping."""
     squares = torch.zeros(2, dtype=torch.float64)
-    for name, p in model.named_parameters():
+    for name, p in named:
         if p.grad is not None:
             squares[0 if is_expert(name) else 1] += torch.linalg.vector_norm(
                 _local(p.grad), dtype=torch.float64).square()
@@ -106,5 +113,5 @@ def clip_with_ep(model: nn.Module, max_norm: float) -> float:
     norm = math.sqrt(float(squares[0]) + float(squares[1]))
     coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
-        torch._foreach_mul_([_local(p.grad) for p in model.parameters() if p.grad is not None], coefficient)
+        torch._foreach_mul_([_local(p.grad) for _, p in named if p.grad is not None], coefficient)
     return norm

@@ -65,14 +65,17 @@ def _ep(cfg=None, seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
 
 
 def _bf16_torch(batches: list[torch.Tensor], dtype: torch.dtype = torch.bfloat16,
-                scales: list[float] | None = None) -> dict[str, torch.Tensor]:
+                scales: list[float] | None = None, clip: float | None = None,
+                norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     """torch's AdamW (foreach) on fp32 masters of the `dtype` DTensors, fed the low-precision
     gradients widened; the weights are the masters cast. `scales`: the loss scaled by each step's
-    (GradScaler's: the gradients widened, then unscaled in fp32; an Inf scale is a skipped step)."""
-    from reference.tiny_moe_fsdp_ep import fsdp_ep_model
+    (GradScaler's: the gradients widened, then unscaled in fp32; an Inf scale is a skipped step).
+    `clip`: the unscaled fp32 gradients then clipped by torchtitan's EP rule (`clip_named_with_ep`),
+    each step's norm appended to `norms`."""
+    from reference.tiny_moe_fsdp_ep import clip_named_with_ep, fsdp_ep_model
 
     model, _, _ = fsdp_ep_model(config(), EP, dtype=dtype)
-    params = list(model.parameters())
+    names, params = zip(*model.named_parameters())
     masters = [p.detach().float() for p in params]
     opt = torch.optim.AdamW(masters, foreach=True)
     for step, tokens in enumerate(batches):
@@ -83,6 +86,8 @@ def _bf16_torch(batches: list[torch.Tensor], dtype: torch.dtype = torch.bfloat16
         (model.loss(tokens) * scale).backward()
         for m, p in zip(masters, params):
             m.grad = p.grad.float() * (1.0 / scale)
+        if clip is not None:
+            norms.append(clip_named_with_ep(list(zip(names, masters)), clip))
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, params):
@@ -208,6 +213,46 @@ def low_scaled(rank: int, world: int, bf16_torch: dict[str, torch.Tensor]) -> di
     return out
 
 
+def clipped(rank: int, world: int) -> dict[str, Any]:
+    """bf16 weights with fp32 masters under GradScaler with the user's clip after `unscale_`
+    (canzona's `opt.clip_grad_norm_`, or torch's `clip_grad_norm_` on the model's parameters):
+    straight, and an Inf on rank 1 at POISON; beside torch's AdamW on fp32 masters fed the
+    unscaled gradients clipped by torchtitan's EP rule."""
+    import torch.distributed as dist
+
+    batches = _batches(rank, world, STEPS)
+    out: dict[str, Any] = {}
+    for label, scales in (("torch", [SCALE * 2 ** k for k in range(STEPS)]), ("torch skipped", POISONED_SCALES)):
+        norms: list[float] = []
+        out[label] = _bf16_torch(batches, torch.bfloat16, scales, clip=CLIP, norms=norms)
+        out[f"{label} norms"] = norms
+    for how in ("canzona", "torch"):
+        for label, poison in (("clipped", None), ("poisoned", POISON)):
+            model, opt = _ep(dtype=torch.bfloat16, master_weights=True)
+            amp = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+            norms, error = [], None
+            try:
+                for step, tokens in enumerate(batches):
+                    opt.zero_grad()
+                    amp.scale(model.loss(tokens)).backward()
+                    if step == poison and dist.get_rank() == 1:
+                        with torch.no_grad():
+                            model.model.layers[0].mlp.experts.down_proj.grad.to_local()[0, 0, 0] = float("inf")
+                    amp.unscale_(opt)
+                    if how == "canzona":
+                        norm = opt.clip_grad_norm_(CLIP)
+                    else:
+                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                    norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                    amp.step(opt)
+                    amp.update()
+            except Exception as e:  # noqa: BLE001 - reported, and every rank carries on
+                error = f"{type(e).__name__}: {e}"
+            out[f"{how} {label}"] = {"weights": _full(model), "norms": norms, "skipped": opt.skipped_steps,
+                                     "error": error}
+    return out
+
+
 def layouts(rank: int, world: int, path: str) -> dict[str, Any]:
     """The tiny-moe preset (4 experts) under EP 2 x EFSDP 2, SAVE steps, saved; resumed under FSDP2
     without EP and under ZeRO-1; and the save loaded by a model of 6 experts."""
@@ -243,6 +288,7 @@ def layouts(rank: int, world: int, path: str) -> dict[str, Any]:
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {"bf16": bf16(rank, world, f"{root}/bf16"), "scaled": scaled(rank, world)}
     out["low scaled"] = low_scaled(rank, world, out["bf16"]["torch"])
+    out["clipped"] = clipped(rank, world)
     return out | {"layouts": layouts(rank, world, f"{root}/layouts")}
 
 
@@ -364,3 +410,25 @@ def test_low_precision_under_grad_scaler_resumes_bit_for_bit(dtype: str) -> None
         got = r["low scaled"][dtype]
         assert got["resumed scales"] == got["scaled scales"][SAVE:], (rank, got["resumed scales"])
         assert not _unequal(got["resumed"], got["scaled"]), (rank, _unequal(got["resumed"], got["scaled"]))
+
+
+@pytest.mark.parametrize("how", ["canzona", "torch"])
+def test_bf16_with_masters_under_grad_scaler_clipped_after_unscale_steps_as_torch_adamw(how: str) -> None:
+    """The users' AMP loop (`scale(loss).backward`, `unscale_`, `clip_grad_norm_`, `step`,
+    `update`), bf16 weights with fp32 masters: each step torch's AdamW (foreach) on the masters fed
+    the unscaled gradients clipped, bit for bit; the clip returns the unscaled gradients' norm (in
+    fp32, as clip_grad_norm_ returns it); an Inf on rank 1 skips that step on every rank."""
+    for rank, r in enumerate(runs()):
+        got = r["clipped"]
+        straight, poisoned = got[f"{how} clipped"], got[f"{how} poisoned"]
+        assert straight["error"] is None and poisoned["error"] is None, (rank, straight["error"], poisoned["error"])
+        want = [float(torch.tensor(n, dtype=torch.float32)) for n in got["torch norms"]]
+        assert len(want) == STEPS and all(n > CLIP for n in want)  # every step clipped
+        assert [float(n) for n in straight["norms"]] == want, (rank, straight["norms"], want)
+        assert not _unequal(straight["weights"], got["torch"]), (rank, _unequal(straight["weights"], got["torch"]))
+        assert straight["skipped"] == 0 and poisoned["skipped"] == 1, rank
+        assert math.isinf(float(poisoned["norms"][POISON])), (rank, poisoned["norms"])
+        kept = [float(n) for k, n in enumerate(poisoned["norms"]) if k != POISON]
+        assert kept == [float(torch.tensor(n, dtype=torch.float32)) for n in got["torch skipped norms"]], rank
+        assert not _unequal(poisoned["weights"], got["torch skipped"]), \
+            (rank, _unequal(poisoned["weights"], got["torch skipped"]))
