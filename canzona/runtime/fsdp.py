@@ -483,6 +483,14 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             changed = table[:, 2]
             if changed.any():
                 added, edited = changed == _SINCE.index("added"), changed == _SINCE.index("edited")
+                if (added | edited).any() and self._grad_scale != 1.0 and self._amp.unscaled is self.checked:
+                    # GradScaler's unscale_ kept as a scale (every rank alike): `.grad` is still scaled,
+                    # so whatever read it since (a clip of the user's own) saw values 1 / scale too large
+                    raise CanzonaError(f"gradients changed after GradScaler's unscale_ (rank(s) "
+                                       f"{ranks_of(added | edited)}; bf16 gradients, fp32 masters, whose unscale is a "
+                                       "scale applied at the step: .grad still holds the scaled values, so a clip of "
+                                       "them measured the scaled norm): clip with opt.clip_grad_norm_, which measures "
+                                       "them unscaled, and run no backward between unscale_ and step()")
                 if added.any() and self._grad_scale != 1.0:  # a clip kept as a scale cannot cover only the older part
                     raise CanzonaError(f"a backward added to gradients clip_grad_norm_() had already clipped (rank(s) "
                                        f"{ranks_of(added)}; bf16 gradients, fp32 masters): clip once, after the last "

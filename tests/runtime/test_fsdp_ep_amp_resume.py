@@ -214,11 +214,14 @@ def low_scaled(rank: int, world: int, bf16_torch: dict[str, torch.Tensor]) -> di
 
 
 def clipped(rank: int, world: int) -> dict[str, Any]:
-    """bf16 weights with fp32 masters under GradScaler with the user's clip after `unscale_`
-    (canzona's `opt.clip_grad_norm_`, or torch's `clip_grad_norm_` on the model's parameters):
-    straight, and an Inf on rank 1 at POISON; beside torch's AdamW on fp32 masters fed the
-    unscaled gradients clipped by torchtitan's EP rule."""
+    """bf16 weights with fp32 masters under GradScaler with the user's clip after `unscale_`:
+    canzona's `opt.clip_grad_norm_`, straight and with an Inf on rank 1 at POISON, beside torch's
+    AdamW on fp32 masters fed the unscaled gradients clipped by torchtitan's EP rule; and
+    torchtitan's clip itself (`clip_with_ep`, on the model's gradients) in its place."""
     import torch.distributed as dist
+
+    from canzona.errors import CanzonaError
+    from reference.tiny_moe_fsdp_ep import clip_with_ep
 
     batches = _batches(rank, world, STEPS)
     out: dict[str, Any] = {}
@@ -226,30 +229,26 @@ def clipped(rank: int, world: int) -> dict[str, Any]:
         norms: list[float] = []
         out[label] = _bf16_torch(batches, torch.bfloat16, scales, clip=CLIP, norms=norms)
         out[f"{label} norms"] = norms
-    for how in ("canzona", "torch"):
-        for label, poison in (("clipped", None), ("poisoned", POISON)):
-            model, opt = _ep(dtype=torch.bfloat16, master_weights=True)
-            amp = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
-            norms, error = [], None
-            try:
-                for step, tokens in enumerate(batches):
-                    opt.zero_grad()
-                    amp.scale(model.loss(tokens)).backward()
-                    if step == poison and dist.get_rank() == 1:
-                        with torch.no_grad():
-                            model.model.layers[0].mlp.experts.down_proj.grad.to_local()[0, 0, 0] = float("inf")
-                    amp.unscale_(opt)
-                    if how == "canzona":
-                        norm = opt.clip_grad_norm_(CLIP)
-                    else:
-                        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-                    norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                    amp.step(opt)
-                    amp.update()
-            except Exception as e:  # noqa: BLE001 - reported, and every rank carries on
-                error = f"{type(e).__name__}: {e}"
-            out[f"{how} {label}"] = {"weights": _full(model), "norms": norms, "skipped": opt.skipped_steps,
-                                     "error": error}
+    for how, label, poison in (("canzona", "clipped", None), ("canzona", "poisoned", POISON),
+                               ("torchtitan", "clipped", None)):
+        model, opt = _ep(dtype=torch.bfloat16, master_weights=True)
+        amp = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+        start, norms, error = _full(model), [], None
+        try:
+            for step, tokens in enumerate(batches):
+                opt.zero_grad()
+                amp.scale(model.loss(tokens)).backward()
+                if step == poison and dist.get_rank() == 1:
+                    with torch.no_grad():
+                        model.model.layers[0].mlp.experts.down_proj.grad.to_local()[0, 0, 0] = float("inf")
+                amp.unscale_(opt)
+                norms.append(float(opt.clip_grad_norm_(CLIP)) if how == "canzona" else clip_with_ep(model, CLIP))
+                amp.step(opt)
+                amp.update()
+        except CanzonaError as e:  # reported: every rank raises it alike
+            error = f"{type(e).__name__}: {e}"
+        out[f"{how} {label}"] = {"weights": _full(model), "start": start, "norms": norms,
+                                 "skipped": opt.skipped_steps, "error": error}
     return out
 
 
@@ -412,23 +411,41 @@ def test_low_precision_under_grad_scaler_resumes_bit_for_bit(dtype: str) -> None
         assert not _unequal(got["resumed"], got["scaled"]), (rank, _unequal(got["resumed"], got["scaled"]))
 
 
-@pytest.mark.parametrize("how", ["canzona", "torch"])
-def test_bf16_with_masters_under_grad_scaler_clipped_after_unscale_steps_as_torch_adamw(how: str) -> None:
-    """The users' AMP loop (`scale(loss).backward`, `unscale_`, `clip_grad_norm_`, `step`,
+def test_bf16_with_masters_under_grad_scaler_clipped_after_unscale_steps_as_torch_adamw() -> None:
+    """The users' AMP loop (`scale(loss).backward`, `unscale_`, `opt.clip_grad_norm_`, `step`,
     `update`), bf16 weights with fp32 masters: each step torch's AdamW (foreach) on the masters fed
     the unscaled gradients clipped, bit for bit; the clip returns the unscaled gradients' norm (in
     fp32, as clip_grad_norm_ returns it); an Inf on rank 1 skips that step on every rank."""
     for rank, r in enumerate(runs()):
         got = r["clipped"]
-        straight, poisoned = got[f"{how} clipped"], got[f"{how} poisoned"]
+        straight, poisoned = got["canzona clipped"], got["canzona poisoned"]
         assert straight["error"] is None and poisoned["error"] is None, (rank, straight["error"], poisoned["error"])
         want = [float(torch.tensor(n, dtype=torch.float32)) for n in got["torch norms"]]
         assert len(want) == STEPS and all(n > CLIP for n in want)  # every step clipped
-        assert [float(n) for n in straight["norms"]] == want, (rank, straight["norms"], want)
+        assert straight["norms"] == want, (rank, straight["norms"], want)
         assert not _unequal(straight["weights"], got["torch"]), (rank, _unequal(straight["weights"], got["torch"]))
         assert straight["skipped"] == 0 and poisoned["skipped"] == 1, rank
-        assert math.isinf(float(poisoned["norms"][POISON])), (rank, poisoned["norms"])
-        kept = [float(n) for k, n in enumerate(poisoned["norms"]) if k != POISON]
+        assert math.isinf(poisoned["norms"][POISON]), (rank, poisoned["norms"])
+        kept = [n for k, n in enumerate(poisoned["norms"]) if k != POISON]
         assert kept == [float(torch.tensor(n, dtype=torch.float32)) for n in got["torch skipped norms"]], rank
         assert not _unequal(poisoned["weights"], got["torch skipped"]), \
             (rank, _unequal(poisoned["weights"], got["torch skipped"]))
+
+
+def test_bf16_with_masters_a_clip_of_the_grads_after_unscale_is_one_error_naming_opts_clip() -> None:
+    """With fp32 masters GradScaler's unscale is a scale the step applies where the bf16 gradients
+    widen: `.grad` still holds the scaled values, which a clip of the user's own (torchtitan's EP
+    clip here; torch's `clip_grad_norm_` over FSDP2 + EP's two meshes is torch's own DTensor error)
+    measures 2**10 too large. step() is then one error on every rank naming that and
+    `opt.clip_grad_norm_`, nothing updated (before: 'a backward added to gradients
+    clip_grad_norm_() had already clipped', neither of which had happened)."""
+    ranks = runs()
+    for rank, r in enumerate(ranks):
+        got = r["clipped"]["torchtitan clipped"]
+        assert got["error"] == ranks[0]["clipped"]["torchtitan clipped"]["error"], (rank, got["error"])
+        assert got["error"].startswith("CanzonaError: gradients changed after GradScaler's unscale_"), got["error"]
+        assert "opt.clip_grad_norm_" in got["error"], got["error"]
+        # the one clip it ran measured the scaled gradients: 2**10 x the unscaled norm canzona's returns
+        unscaled = r["clipped"]["canzona clipped"]["norms"][0]
+        assert len(got["norms"]) == 1 and math.isclose(got["norms"][0], SCALE * unscaled, rel_tol=1e-6), got["norms"]
+        assert not _unequal(got["weights"], got["start"]), rank
