@@ -143,8 +143,6 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     (one line) otherwise."""
     if not cfg.fsdp:
         return check_hsdp(False, cluster.dp, cfg.hsdp_replicate)
-    if cfg.pp > 1:
-        _check_pipeline(cfg, cluster)
     if cfg.tp > 1 and any(p.role in (Role.EXPERT, Role.ROUTER) for p in spec.params):
         raise SpecError(f"--fsdp with --tp {cfg.tp} is simulated for dense models; {spec.name!r} has experts "
                         "(run it at --tp 1)")
@@ -188,6 +186,8 @@ def check_fsdp(cfg, cluster: Cluster, spec: ModelSpec) -> int:
     # their own rule (SimConfig._check_elementwise_settings)
     check_owner_plan_settings(policy, cfg.settings)
     shard = check_hsdp(True, cluster.dp, cfg.hsdp_replicate)
+    if cfg.pp > 1:  # after the shard group's check: a stage's DP of 1 is FSDP's refusal, whatever the PP
+        _check_pipeline(cfg, cluster)
     check_fsdp_impl(cfg.fsdp_impl)
     if policy is not None and len(spec.matrix_params()) < 1:
         raise SpecError(f"model {spec.name!r} has no matrices for a matrix optimizer")

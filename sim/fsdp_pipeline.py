@@ -52,7 +52,7 @@ import simpy
 from canzona.decoder import Architecture
 from canzona.fsdp_plan import ROOT
 from canzona.hardware import HardwareProfile
-from canzona.memory import LayerDims, LayoutMemory, activation_bytes
+from canzona.memory import LayerDims, LayoutMemory, activation_bytes, layer_dims
 from canzona.pipeline import one_f_one_b, stage_spec
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
@@ -222,8 +222,6 @@ def fsdp_stage_memories(cfg, model: tuple[ModelSpec, Architecture] | None = None
     """Every stage's memory under `cfg` (a `sim.simulate.SimConfig` with `fsdp` and `pp` > 1;
     checked), stage by stage, each rank's of its exchange group (`stage_memory`): what
     `simulate` reports of the fullest stage, for all of them."""
-    from sim.simulate import layer_dims  # sim.simulate imports this module
-
     cluster, model, hw = cfg.checked(model)
     _, runs = _stage_runs(cfg, model, cluster, hw)
     return _stage_memories(cfg, runs, model[1], layer_dims(model[1], model[0]), cluster)

@@ -29,17 +29,16 @@ from canzona.experts import (
     dense_part,
     expert_params,
     expert_part,
-    expert_width,
     router_imbalance,
 )
 from canzona.fileio import dumps_json, write_text_atomic
 from canzona.hardware import DEFAULT_PROFILE, HardwareProfile, load_profile
 from canzona.memory import (
-    LayerDims,
     LayoutMemory,
     MemorySetup,
     deepep_buffer_bytes,
     hybridep_buffer_bytes,
+    layer_dims,
     memory_per_gpu,
     reduce_scatter_lengths,
     userbuffer_bytes,
@@ -556,26 +555,6 @@ def model_of(cfg: SimConfig, model: tuple[ModelSpec, Architecture] | None = None
     spec.check_tp(cfg.tp)
     check_experts(spec, arch.moe)
     return spec, arch
-
-
-def layer_dims(arch: Architecture, spec: ModelSpec) -> LayerDims:
-    """What the memory model needs of the architecture: a SwiGLU decoder without dropout, with
-    per-head q/k norms when the spec has them."""
-    qk_norm = any(p.name.endswith(("q_norm.weight", "k_norm.weight")) for p in spec.params)
-    # A spec without head counts (e.g. from ModelSpec.from_module) still gives q_dim and kv_dim; the
-    # head count then only sizes flash attention's log-sum-exp (4 bytes per head and token), so
-    # 128-wide heads, the common width, are assumed.
-    head_dim = arch.head_dim or (arch.q_dim // arch.q_heads if arch.q_heads else min(128, arch.q_dim))
-    q_heads = arch.q_heads or max(1, arch.q_dim // head_dim)
-    kv_heads = arch.kv_heads or (max(1, arch.kv_dim // head_dim) if arch.kv_dim else None)
-    # a mixture-of-experts MLP holds each token's activations in each of the experts it is routed
-    # to: experts_per_token x an expert's width (Qwen3-MoE publishes that as its ffn; Mixtral's
-    # intermediate_size is one expert's)
-    ffn = round(arch.moe[1] * expert_width(spec, arch.moe, arch.hidden)) if arch.moe and expert_params(spec) \
-        else arch.require("ffn")
-    experts, per_token = arch.moe if arch.moe and expert_params(spec) else (0, 0)
-    return LayerDims(arch.layers, arch.hidden, q_heads, ffn, arch.vocab, kv_heads, head_dim,
-                     gated_mlp=True, dropout=False, qk_norm=qk_norm, experts=experts, experts_per_token=per_token)
 
 
 @dataclass(frozen=True)
