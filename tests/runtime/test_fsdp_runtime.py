@@ -631,6 +631,40 @@ def test_fsdp_empty_local_shard_exact(case: str) -> None:
             assert all(r["norms"][step] == float(torch.tensor(norm, dtype=torch.float32)) for r in results)
 
 
+# --- empty shards, skipped steps: memory and logs (here, beside `_small`'s other tests: `--dist loadfile`
+# runs a file on one worker, so its cached spawned run is made once, where a second file made it again) --
+
+
+@pytest.mark.parametrize("case", ["plain", "clip", "skip", "adamw-clip", "adamw-skip"])
+def test_empty_shards_and_skipped_steps(case):
+    """At S = 3 rank 2 holds no row of b.weight (2 x 16) nor of b.bias: no AdamW state for the
+    bias, nothing sent of the matrix; a skipped step (a NaN, `nonfinite="skip"`) issues only its
+    step check. Memory and logs as the model and `fsdp_step_collectives` say; under AdamW (no
+    owners: what `canzona simulate --fsdp --optimizer adamw` prices) AdamW's moments of every local
+    shard and no matrix state, the step check and the clip's threshold its only collectives."""
+    from canzona.fsdp_collectives import fsdp_step_collectives
+    from canzona.fsdp_plan import fsdp_matrices, fsdp_persistent_memory, shard_numel
+    from canzona.step_policies import get_fsdp_policy
+    from tests.runtime.test_fsdp_parity import CATEGORIES, CONSTRUCTION
+
+    results = _small()[case]
+    spec, kw = small_spec(), SMALL_CASES[case]
+    matrices = {} if kw.get("optimizer") == "adamw" else \
+        fsdp_matrices(spec, SMALL_WORLD, "muon", get_fsdp_policy("canzona"), matrix_config=MUON)[0]
+    assert {n: m.owner for n, m in matrices.items()} == results[0]["owner"]
+    want = fsdp_persistent_memory(spec, SMALL_WORLD, matrices, weight_bytes=4, grad_bytes=4, master_bytes=0)
+    assert shard_numel((2, 16), SMALL_WORLD, 2) == 0 and want[2].adamw_state < want[1].adamw_state
+    for rank, got in enumerate(results):
+        for k in CATEGORIES:
+            assert got["held"][k] == getattr(want[rank], k), (case, rank, k)
+        for step in range(kw["steps"]):
+            collectives = fsdp_step_collectives(spec, SMALL_WORLD, rank, got["owner"], got["micro_groups"],
+                                                element_bytes=4, clips=((kw["clip"], 2.0),) if "clip" in kw else (),
+                                                skipped=step == kw.get("poison"))
+            have = [r[1:] for r in got["log"] if r[0] == step and r[3] not in CONSTRUCTION]
+            assert have == [c.logged() for c in collectives], (case, rank, step)
+
+
 def test_fsdp_nonfinite_skip() -> None:
     """A NaN in ONE rank's shard: every rank skips that step (skipped_steps 1), the others are exact."""
     results = _small()["skip"]

@@ -1871,7 +1871,11 @@ def test_a_compiled_step_runs_eagerly_as_the_step(one_rank):
 # --- torch.compile(model) with the gathers in flight; the optimizer pickled; model.share_memory() --
 
 
-@pytest.mark.parametrize("backend, when", [("eager", "before"), ("aot_eager", "after"), ("eager", "in place"),
+# aot_eager and the in-place step are slow (make test-all): the eager compiles before the gathers and
+# per block make the same check at a third of the time (CI time)
+@pytest.mark.parametrize("backend, when", [("eager", "before"),
+                                           pytest.param("aot_eager", "after", marks=pytest.mark.slow),
+                                           pytest.param("eager", "in place", marks=pytest.mark.slow),
                                            ("eager", "blocks")])
 def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gathers_in_flight(one_rank, backend,
                                                                                              when):
@@ -1924,7 +1928,7 @@ def test_a_model_compiled_without_fullgraph_trains_as_the_eager_one_with_the_gat
     assert breaks == 0 and graphs <= 2, (breaks, graphs)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.slow)])  # dynamic: make test-all
 def test_a_compiled_model_accumulating_under_no_sync_trains_as_the_eager_one(one_rank, dynamic):
     """Two forwards of a compiled model (the first under `no_sync()`) before one step, the step's
     gathers in flight at the next step's first forward: each weight the eager loop's, bit for bit."""
