@@ -483,9 +483,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             changed = table[:, 2]
             if changed.any():
                 added, edited = changed == _SINCE.index("added"), changed == _SINCE.index("edited")
-                if (added | edited).any() and self._grad_scale != 1.0 and self._amp.unscaled is self.checked:
-                    # GradScaler's unscale_ kept as a scale (every rank alike): `.grad` is still scaled,
-                    # so whatever read it since (a clip of the user's own) saw values 1 / scale too large
+                if ((added | edited).any() and self._grad_scale != 1.0 and self._amp.unscaled is self.checked
+                        and self._amp.clipped is not self.checked):
+                    # GradScaler's unscale_ kept as a scale (every rank alike): `.grad` is still scaled, so
+                    # whatever read it since (a clip of the user's own) saw values 1 / scale too large; after
+                    # opt.clip_grad_norm_ (which measured them unscaled) a backward is the next check's error
                     raise CanzonaError(f"gradients changed after GradScaler's unscale_ (rank(s) "
                                        f"{ranks_of(added | edited)}; bf16 gradients, fp32 masters, whose unscale is a "
                                        "scale applied at the step: .grad still holds the scaled values, so a clip of "

@@ -409,6 +409,8 @@ SMALL_CASES = {
     "clip-discarded": {"steps": 3, "clip": 0.05, "discard": 1},
     "drop-after-clip": {"steps": 3, "clip": 0.05, "drop_after_clip": 1},
     "bf16-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "again": 1},
+    # the same after GradScaler's unscale_: opt.clip_grad_norm_ clipped, so the error is the backward's
+    "bf16-scaler-clip-twice": {"steps": 3, "clip": 0.05, "bf16": True, "scaler": "unscale", "again": 1},
     "torch-clip-after-clip": {"steps": 3, "clip": 0.05, "torch_clip_after_clip": 1},
     "bf16-torch-clip-after-clip": {"steps": 3, "clip": 0.05, "bf16": True, "torch_clip_after_clip": 1},
     "nan-after-clip": {"steps": 3, "clip": 0.05, "nan_after_clip": 1},
@@ -729,8 +731,9 @@ def test_fsdp_a_backward_after_a_clip_is_checked_anew() -> None:
         assert a["error"] is None and a["norms"][2] > 0.05 and a["norms"][2] != a["norms"][1], a["norms"]
         assert b["error"] is None and b["refused"] is not None and b["norms"] == a["norms"], (a["norms"], b["norms"])
         assert compare(b["params"], a["params"])["bit_identical"], compare(b["params"], a["params"])
-    for r in _small()["bf16-clip-twice"]:
-        assert "a backward added to gradients clip_grad_norm_() had already clipped" in r["error"], r["error"]
+    for case in ("bf16-clip-twice", "bf16-scaler-clip-twice"):  # under GradScaler too: not the unscale_'s error
+        for r in _small()[case]:
+            assert "a backward added to gradients clip_grad_norm_() had already clipped" in r["error"], r["error"]
 
 
 def test_fsdp_a_batch_discarded_with_model_zero_grad_after_its_clip_is_not_the_next_clips() -> None:
