@@ -257,6 +257,21 @@ PP_SPEC = replace(BASE, steps=2)
 LAST = "model.layers.1.mlp.down_proj.weight"
 
 
+def train_stage(model, opt, spec: TrainSpec, me: int, dp: int) -> list:
+    """A stage's training loop (its own batch each step, clipped): each step's full gradients (fp32)
+    and the names they were taken over."""
+    vocab = model.model.embed_tokens.weight.shape[0]
+    grads = []
+    for tokens in global_batches(spec, vocab):
+        opt.zero_grad()
+        model.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
+        named = dict(model.named_parameters())
+        grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
+        opt.clip_grad_norm_(spec.clip_norm)
+        opt.step()
+    return grads
+
+
 def stage_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
     """torchtitan's PP x HSDP: a (pp, dp_replicate, dp_shard) world mesh, each stage's model (its own
     seed and data) `fully_shard`ed over `mesh['dp_replicate', 'dp_shard']`, one optimizer per stage.
@@ -284,16 +299,7 @@ def stage_run(rank: int, world: int, pp: int, flatten: bool) -> dict:
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
                                group=sub if flat is None else flat)
     replica, shard = sub.get_coordinate()
-    me, dp = replica * sub.size(1) + shard, sub.size()
-    vocab = model.model.embed_tokens.weight.shape[0]
-    grads = []
-    for tokens in global_batches(spec, vocab):
-        opt.zero_grad()
-        model.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
-        named = dict(model.named_parameters())
-        grads.append(({n: p.grad.full_tensor() for n, p in named.items()}, set(named)))
-        opt.clip_grad_norm_(spec.clip_norm)
-        opt.step()
+    grads = train_stage(model, opt, spec, replica * sub.size(1) + shard, sub.size())
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     dist.barrier(group=opt.world.group)  # the whole stage has trained
     if stage == 0:
@@ -366,16 +372,7 @@ def fsdp_tp_stage_run(rank: int, world: int) -> dict:
     fully_shard(model, mesh=mesh["dp"])
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), spec.optimizer, spec.matrix_config,
                                group=mesh["dp", "tp"])
-    me, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    vocab = model.model.embed_tokens.weight.shape[0]
-    grads = []
-    for tokens in global_batches(spec, vocab):
-        opt.zero_grad()
-        model.loss(micro_batches(tokens, me, dp, 1)[0]).backward()
-        named = dict(model.named_parameters())
-        grads.append(({n: p.grad.full_tensor().float() for n, p in named.items()}, set(named)))
-        opt.clip_grad_norm_(spec.clip_norm)
-        opt.step()
+    grads = train_stage(model, opt, spec, mesh["dp"].get_local_rank(), mesh["dp"].size())
     return {"stage": stage, "grads": grads, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
             "kind": type(opt).__name__, "exchange": opt.size}
 
