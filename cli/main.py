@@ -449,19 +449,53 @@ def _sim_config(*, shared: SimOptions):
     return config
 
 
+# the options besides `sim.simulate.ONE_RANK_SETTINGS` and `ELEMENTWISE_IGNORED` whose refusal is
+# of the flag (it would change nothing), not of the layout: a default TP is chosen with them unset
+FLAG_ONLY_SETTINGS = ("dp_policy", "zero1_fallback", "tp_comm_overlap_cfg")
+
+
 def _default_tp_config(shared: SimOptions):
     """`_sim_config` where --tp is not given: at the largest TP of `DEFAULT_TPS` whose layout passes
     every check, the checks themselves deciding (KV heads, the node, FSDP's shard group, experts at
-    TP 1 under --fsdp, ...), so a default is one that runs; where none does, the error at the first
-    (8, the default layout's: as when 8 was the option's default), whose other errors, a global
-    batch of more micro-batches than the simulator runs say, a smaller TP would only hide."""
-    errors: list[SpecError] = []
+    TP 1 under --fsdp, ...), so a default is one that runs. The layout alone chooses: the plan and
+    step settings refused where they would change nothing (--alpha at one DP rank, say) are at
+    their defaults while choosing, so such a flag is its own one error at the chosen TP rather than
+    a silent other TP. Where no TP runs, the error says so, with one TP's (`_telling_tp`)."""
+    from sim.simulate import ELEMENTWISE_IGNORED, ONE_RANK_SETTINGS
+
+    unset = {*FLAG_ONLY_SETTINGS, *(name.rpartition(".")[2] for name, _, _ in (*ONE_RANK_SETTINGS, *ELEMENTWISE_IGNORED))}
+    layout = replace(shared, **{name: getattr(SimOptions, name) for name in unset})
+    errors: dict[int, SpecError] = {}
     for tp in DEFAULT_TPS:
         try:
-            return _sim_config(shared=replace(shared, tp=tp))
+            _sim_config(shared=replace(layout, tp=tp))
         except SpecError as e:
-            errors.append(e)
-    raise errors[0]
+            errors[tp] = e
+            continue
+        return _sim_config(shared=replace(shared, tp=tp))
+    tp = _telling_tp(shared)
+    raise SpecError(f"no --tp of {', '.join(map(str, DEFAULT_TPS))} runs this layout; at --tp {tp}: {errors[tp]}")
+
+
+def _telling_tp(o: SimOptions) -> int:
+    """Of `DEFAULT_TPS`, none of which runs `o`'s layout, the one whose error to show: the largest
+    the cluster divides that leaves more than one DP rank (a smaller TP's error, a batch of too
+    many micro-batches for more DP ranks say, would hide the one no TP fixes), else the largest
+    the cluster divides, else the first (8, the default layout's)."""
+    from canzona.hardware import load_profile
+    from sim.topology import Cluster
+
+    try:
+        per_node = load_profile(o.hardware).node.gpus
+    except CanzonaError:
+        return DEFAULT_TPS[0]
+    dps: dict[int, int] = {}
+    for tp in DEFAULT_TPS:
+        try:
+            dps[tp] = Cluster(o.gpus, tp, per_node, o.pp, cp=o.cp).dp
+        except SpecError:
+            continue
+    return next((tp for tp, dp in dps.items() if dp > 1), next(iter(dps), DEFAULT_TPS[0]))
 
 
 def _check_zero1_fallback_applies(config, policy: str | None, zero1_fallback: bool) -> None:

@@ -34,9 +34,27 @@ def test_a_typed_tp_keeps_its_error_line():
     error_line(invoke("simulate", *MOE_FSDP, "--tp", "8"), "tp=8 does not divide the 4 KV heads")
 
 
-def test_where_no_tp_runs_the_error_is_tp_8s_as_before():
+def test_where_no_tp_runs_the_error_is_the_defaults():
     # at TP 8 more micro-batches than the simulator runs; at TP 1 the batch would not divide DP 256
-    error_line(invoke("simulate", "--global-batch", "100000"), "at most 1024")
+    error_line(invoke("simulate", "--global-batch", "100000"), "no --tp of 8, 4, 2, 1 runs this layout; at --tp 8: ",
+               "at most 1024")
+
+
+def test_where_no_tp_runs_the_error_is_not_a_tp_the_cluster_refuses():
+    # TP 8 does not divide 16 GPUs over PP 4, TP 4 leaves FSDP one DP rank: the batch is the problem
+    line = error_line(invoke("simulate", "--fsdp", "--optimizer", "adamw", "--gpus", "16", "--pp", "4",
+                             "--global-batch", "4"), "no --tp of 8, 4, 2, 1 runs this layout; at --tp 2: ",
+                      "fewer than the stages")
+    assert "8 x 4" not in line
+
+
+@pytest.mark.parametrize("command", ["simulate", "compare"])
+def test_a_refused_flag_is_its_error_not_another_tp(command):
+    # TP 8 leaves one DP rank, where --alpha changes nothing: refused, not a silent TP 4 x DP 2
+    layout = ("--model", "qwen3-0.6b", "--gpus", "8", "--global-batch", "16", "--seq-len", "512")
+    assert _sim_config(shared=SimOptions(model="qwen3-0.6b", gpus=8, global_batch=16, seq_len=512)).tp == 8
+    error_line(invoke(command, *layout, "--alpha", "0.5"),
+               "--alpha 0.5 changes nothing where each plan's DP group is one rank")
 
 
 def test_simulate_runs_moe_fsdp_without_tp():
