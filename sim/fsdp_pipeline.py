@@ -176,7 +176,8 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
     """One iteration of `cfg` (`cfg.fsdp`, `cfg.pp` > 1; checked) under its FSDP policy: the
     slowest stage's pipeline and step, the fullest stage's memory (the module docstring). The
     outcome's engine holds phase A of every stage (stage s on its first rank, `s * dp * tp`) and
-    phase B of the slowest stage, its exchange group's members numbered from 0."""
+    phase B of the slowest stage (its spans and collective records), its exchange group's members
+    numbered from 0."""
     shard, runs = _stage_runs(cfg, model, cluster, hw)
     pp = cfg.pp
     own = [run.engine for run in runs]  # each stage's step runs on its own engine
@@ -198,6 +199,7 @@ def simulate_fsdp_pipeline(cfg, model: tuple[ModelSpec, Architecture], cluster: 
         ends.append(own[s].run())
     slowest = max(range(pp), key=lambda s: (ends[s], -s))
     shared.spans.extend(own[slowest].spans)
+    shared.records.extend(own[slowest].records)  # its step check's (`--collectives runtime`), as its spans
     memory = max(_stage_memories(cfg, runs, model[1], dims, cluster), key=lambda m: m.worst.total)
     return FsdpOutcome(shared, runs[slowest].plan, shard, runs[slowest].size, t_sync[slowest], ends[slowest],
                        sum(runs[slowest].stalls), memory)

@@ -64,3 +64,16 @@ def test_hsdp_checks_every_replica_and_rechecks_after_an_explicit_clip():
     check, recheck = _checks(r)
     first = min(s.start for s in r.spans if s.phase == "B" and s.rank == 0 and s.name == "group 0 gather")
     assert check.end <= recheck.start and recheck.end <= first  # before the owners' exchange
+
+
+def test_pipeline_stages_record_the_slowest_stages_check():
+    # under --pp the outcome's engine holds the slowest stage's phase B: its check recorded as at PP 1,
+    # over that stage's ranks (one FsdpOptimizer a stage), its members numbered from 0 as its spans
+    cfg = SimConfig(model="qwen3-0.6b", gpus=16, tp=1, fsdp=True, workload=SMALL, options=RUNTIME)
+    flat, piped = simulate(cfg), simulate(replace(cfg, pp=2))
+    assert len(flat.collective_records) == 1
+    [(members, record)] = piped.collective_records
+    assert members == tuple(range(8))
+    assert record[:3] == ("all-gather", FSDP_WORLD_GROUP, "step check") and len(record[3]) == 8
+    [check] = _checks(piped)
+    assert check.end > check.start
