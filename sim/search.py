@@ -751,7 +751,12 @@ def fsdp_launch(row: dict[str, Any], q: Question | None = None) -> list[str]:
            "each decoder layer an FSDP unit)")
     out = [f"{how} over a (replicate {row['hsdp_replicate']}, shard {shard}) mesh (HSDP)" if row["hsdp_replicate"] > 1
            else f"{how} over the {shard} DP ranks"]
-    if not row["reshard_after_forward"]:
+    if row["pp"] > 1 and torch_fsdp:  # torchtitan's default under PP is `not pp_enabled`: say either setting
+        reshard = row["reshard_after_forward"]
+        policy = "always" if reshard else "never"
+        out.append(f'reshard_after_forward={reshard} (torchtitan: parallelism.fsdp_reshard_after_forward = "{policy}"; '
+                   "its default under PP does not reshard)")
+    elif not row["reshard_after_forward"]:  # FSDP2's default (torchtitan's too at PP 1) reshards
         out.append("reshard_after_forward=False")
     if not torch_fsdp:  # Megatron-LM's flags, as a ZeRO-1 layout's (`not_in_plan`)
         megatron = _megatron_layout({**row, "reduce_scatter": DEFAULT_REDUCE_SCATTER, "fell_back_to": None,

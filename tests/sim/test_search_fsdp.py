@@ -402,3 +402,18 @@ def test_a_pipeline_wins_where_the_gathers_dominate():
     assert " PP2 " in describe(best) and any(x.startswith("pp 2 (torchtitan's PP") for x in not_in_plan(best))
     pp1 = [r for r in found.ranked if r["pp"] == 1]
     assert pp1 and min(r["iteration_time_s"] for r in pp1) > 1.15 * best["iteration_time_s"]
+
+
+@pytest.mark.parametrize("reshard, torch_text, titan", [
+    (True, "reshard_after_forward=True", '"always"'), (False, "reshard_after_forward=False", '"never"')])
+def test_a_pipeline_rows_reshard_setting_is_said_for_torchtitan_too(reshard, torch_text, titan):
+    """Under PP torchtitan's default (`fsdp_reshard_after_forward = "default"`) is `not pp_enabled`,
+    not FSDP2's True: a PP row says its setting either way, as fully_shard's option and as
+    torchtitan's; a PP 1 row where FSDP2's and torchtitan's default agree says only the change."""
+    row = dict(fsdp=True, fsdp_impl="fsdp2", dp=8, hsdp_replicate=1, tp=1, pp=2, ep=1, micro_batch=1,
+               recompute="none", reshard_after_forward=reshard, policy="canzona")
+    said = [x for x in not_in_plan(row) if "reshard_after_forward" in x]
+    assert len(said) == 1 and torch_text in said[0]
+    assert f"parallelism.fsdp_reshard_after_forward = {titan}" in said[0]
+    flat = [x for x in not_in_plan({**row, "pp": 1}) if "reshard_after_forward" in x]
+    assert flat == ([] if reshard else ["reshard_after_forward=False"])
