@@ -90,7 +90,7 @@ from canzona.step_options import STEP_DEFAULTS
 from canzona.step_policies import (
     FSDP_POLICIES,
 )
-from sim.collectives import collective_cost, matrix_all_to_all_cost
+from sim.collectives import CollectiveCost, collective_cost, matrix_all_to_all_cost
 from sim.engine import Engine
 from sim.ep_dispatch import dispatcher_sms, ep_costs
 from sim.fp8 import fp8_setup
@@ -389,6 +389,11 @@ class _FsdpRun:
 
     # --- phase A ----------------------------------------------------------------------------
 
+    def rs_cost(self, unit: FsdpUnit) -> CollectiveCost:
+        """The reduce-scatter of `unit`'s gradients over the shard group (phase A's, at PP 1 after each
+        micro-batch, under PP once after the stage's last backward: sim.fsdp_pipeline)."""
+        return collective_cost("reduce-scatter", self.local[unit.key] * self.wl.grad_bytes, self.shard_geo, self.hw)
+
     def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
         cost = collective_cost("all-gather", self.local[unit.key] * self.wl.param_bytes, self.shard_geo, self.hw)
         done = self.engine.collective(name, [self.rank_a], cost, AG_STREAM, {self.rank_a: after})[self.rank_a]
@@ -532,8 +537,7 @@ class _FsdpRun:
 
         last = eng.env.event().succeed()
         reduced: list[simpy.Event] = []
-        rs_cost = {u.key: collective_cost("reduce-scatter", self.local[u.key] * wl.grad_bytes, self.shard_geo,
-                                          self.hw) for u in self.units}
+        rs_cost = {u.key: self.rs_cost(u) for u in self.units}
         ar_cost = {u.key: collective_cost("all-reduce", -(-self.local[u.key] // self.shard) * wl.grad_bytes,
                                           self.replicate_geo, self.hw) for u in self.units}
         expert_rs = {u.key: collective_cost("reduce-scatter", self.expert_local[u.key] * wl.grad_bytes, self.edp_geo,

@@ -56,10 +56,9 @@ from canzona.memory import LayerDims, LayoutMemory, activation_bytes, layer_dims
 from canzona.pipeline import one_f_one_b, stage_spec
 from canzona.spec import ModelSpec
 from canzona.step_options import STEP_DEFAULTS
-from sim.collectives import all_to_all_cost, collective_cost
 from sim.engine import Collective, Engine
 from sim.fsdp import RS_STREAM, FsdpOutcome, _FsdpRun, check_fsdp, pipeline_in_flight_bytes
-from sim.pipeline_p2p import p2p_stream
+from sim.pipeline_p2p import p2p_cost, p2p_stream
 from sim.topology import Cluster
 
 
@@ -71,9 +70,7 @@ class _Pipeline:
         self.pp = len(runs)
         self.engine = runs[0].engine
         wl = cfg.workload
-        # each TP rank sends its slice of the sequence (sequence parallel), as sim.iteration's stages
-        piece = wl.tokens_per_micro_batch * runs[0].arch.hidden * wl.activation_bytes / cluster.tp
-        self.p2p = all_to_all_cost([piece, 0.0], [0.0, piece], cluster.pp_geometry(), hw)
+        self.p2p = p2p_cost(wl.tokens_per_micro_batch * runs[0].arch.hidden * wl.activation_bytes, cluster, hw)
         self.transfers: dict[tuple[str, int, int], Collective] = {}
         self.head_dim = head_dim
 
@@ -160,14 +157,14 @@ class _Pipeline:
     def reduce(self, run: _FsdpRun, last: simpy.Event) -> simpy.Event:
         """torch's `perform_reduce_grad` after the stage's last backward: each unit's gradient
         reduce-scattered (its copy-in first, on the compute stream)."""
-        eng, wl, rank = self.engine, run.wl, run.rank_a
+        eng, rank = self.engine, run.rank_a
         reduced = []
         for u in run.units:
             name = "root" if u.key == ROOT else f"layer {u.key}"
             if run.copy_in_s[u.key]:
                 last = eng.compute(rank, f"reduce-scatter copy-in {name}", run.copy_in_s[u.key], [last])
-            cost = collective_cost("reduce-scatter", run.local[u.key] * wl.grad_bytes, run.shard_geo, run.hw)
-            reduced.append(eng.collective(f"reduce-scatter {name}", [rank], cost, RS_STREAM, {rank: [last]})[rank])
+            reduced.append(eng.collective(f"reduce-scatter {name}", [rank], run.rs_cost(u), RS_STREAM,
+                                          {rank: [last]})[rank])
         return eng.env.all_of(reduced + [last])
 
 

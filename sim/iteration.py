@@ -83,7 +83,7 @@ from sim.model_work import MicroBatchWork
 from sim.options import RunOptions
 from sim.param_sync import aligned as aligned_param_sync
 from sim.param_sync import chunk_issued_before
-from sim.pipeline_p2p import Posting, p2p_stream, posting
+from sim.pipeline_p2p import Posting, p2p_cost, p2p_stream, posting
 from sim.streams import CP_COMM, DP_COMM, EP_COMM, ETP_COMM, TP_COMM
 from sim.topology import Cluster
 from sim.userbuffers import block_overlaps
@@ -443,8 +443,7 @@ class _Stage:
         # without userbuffers, NCCL's all-gathers of what the GEMMs take (`tp_gather_bytes`)
         gathered = wl.tokens_per_micro_batch // cl.cp * ctx.hidden * tp_gather_bytes(wl, ctx.options.tp_comm_overlap)
         self.nccl_ag = collective_cost("all-gather", gathered, cl.tp_geometry(), ctx.hw)
-        shard = act / ctx.tp  # sequence parallel: each TP rank sends its slice of the sequence
-        self.p2p = all_to_all_cost([shard, 0.0], [0.0, shard], cl.pp_geometry(), ctx.hw)
+        self.p2p = p2p_cost(act, cl, ctx.hw)
         self.tp_groups = _groups(self.ranks, cl.tp_groups(stage))
         self.dp_groups = _groups(self.ranks, cl.dp_groups(stage))
         self.cp_groups = _groups(self.ranks, cl.cp_groups(stage)) if cl.cp > 1 else []

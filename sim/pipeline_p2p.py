@@ -61,8 +61,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from canzona.hardware import HardwareProfile
 from canzona.pipeline import Slot, interleaved_warmup, pipeline_order
+from sim.collectives import CollectiveCost, all_to_all_cost
 from sim.streams import PP_COMM
+from sim.topology import Cluster
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,15 @@ class Posting:
 
     at_start: tuple[Slot, ...]
     after: Mapping[Slot, AfterPass]
+
+
+def p2p_cost(act: float, cluster: Cluster, hw: HardwareProfile) -> CollectiveCost:
+    """One micro-batch's transfer between neighbouring stages (activations forward, their gradient
+    back): `act` the bytes of a rank's activations of the micro-batch, of which each TP rank sends
+    its slice of the sequence (sequence parallel). Megatron's stages' (sim.iteration) and FSDP2's
+    under torch's pipelining (sim.fsdp_pipeline)."""
+    piece = act / cluster.tp
+    return all_to_all_cost([piece, 0.0], [0.0, piece], cluster.pp_geometry(), hw)
 
 
 def p2p_stream(src: int, dst: int, pp: int, vp: int = 1) -> str:
