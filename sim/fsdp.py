@@ -394,14 +394,18 @@ class _FsdpRun:
         micro-batch, under PP once after the stage's last backward: sim.fsdp_pipeline)."""
         return collective_cost("reduce-scatter", self.local[unit.key] * self.wl.grad_bytes, self.shard_geo, self.hw)
 
+    def _collective_a(self, name: str, cost: CollectiveCost, stream: str, after: list[simpy.Event],
+                      sms: int | None = None) -> simpy.Event:
+        """One collective of phase A on the rank it is simulated on (`rank_a`); its done event."""
+        return self.engine.collective(name, [self.rank_a], cost, stream, {self.rank_a: after}, sms=sms)[self.rank_a]
+
     def _gather(self, name: str, unit: FsdpUnit, after: list[simpy.Event]) -> simpy.Event:
         cost = collective_cost("all-gather", self.local[unit.key] * self.wl.param_bytes, self.shard_geo, self.hw)
-        done = self.engine.collective(name, [self.rank_a], cost, AG_STREAM, {self.rank_a: after})[self.rank_a]
+        done = self._collective_a(name, cost, AG_STREAM, after)
         if self.expert_local[unit.key] and self.edp > 1:  # the experts' own fully_shard, over the EDP group
             cost = collective_cost("all-gather", self.expert_local[unit.key] * self.wl.param_bytes, self.edp_geo,
                                    self.hw)
-            done = self.engine.env.all_of([done, self.engine.collective(f"{name} experts", [self.rank_a], cost, AG_STREAM,
-                                                                        {self.rank_a: after})[self.rank_a]])
+            done = self.engine.env.all_of([done, self._collective_a(f"{name} experts", cost, AG_STREAM, after)])
         return done
 
     def _probe(self, before: simpy.Event, wanted: simpy.Event):
@@ -440,11 +444,11 @@ class _FsdpRun:
         dispatch, combine = ep_costs(b.ep_bytes, b.ep_received, b.ep_flex, self.experts_cluster, self.hw,
                                      b.ep_meta)
         held = dispatcher_sms(b.ep_flex)  # the flex kernel's own SMs; None: NCCL's
-        last = self.engine.collective(f"{label} dispatch", [self.rank_a], dispatch, EP_COMM, {self.rank_a: [last]}, sms=held)[self.rank_a]
+        last = self._collective_a(f"{label} dispatch", dispatch, EP_COMM, [last], sms=held)
         last = self.engine.compute(self.rank_a, label, b.seconds, [last])
         if not b.sends_output:  # a re-run stopped before its combine (torch's early stop)
             return last
-        return self.engine.collective(f"{label} combine", [self.rank_a], combine, EP_COMM, {self.rank_a: [last]}, sms=held)[self.rank_a]
+        return self._collective_a(f"{label} combine", combine, EP_COMM, [last], sms=held)
 
     def _tp_block(self, name: str, b: Block, gathers_input: int, last: simpy.Event,
                   no_grad: bool = False) -> simpy.Event:
@@ -462,25 +466,25 @@ class _FsdpRun:
             return eng.compute(self.rank_a, name, b.seconds, [last])
         if not self.cfg.options.tp_comm_overlap:
             for _ in range(gathers_input):
-                last = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [last]})[self.rank_a]
+                last = self._collective_a(f"{name} tp all-gather", self.tp_ag, TP_COMM, [last])
             last = eng.compute(self.rank_a, name, b.seconds, [last])
             if not b.sends_output:  # a re-run stopped before its row GEMMs (torch's early stop)
                 return last
-            return eng.collective(f"{name} tp reduce-scatter", [self.rank_a], self.tp_rs, TP_COMM, {self.rank_a: [last]})[self.rank_a]
+            return self._collective_a(f"{name} tp reduce-scatter", self.tp_rs, TP_COMM, [last])
         if no_grad:  # TE's LayerNormLinear turns its userbuffers all-gather off without grad
             for _ in range(gathers_input):
-                last = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [last]})[self.rank_a]
+                last = self._collective_a(f"{name} tp all-gather", self.tp_ag, TP_COMM, [last])
             gathers_input = 0
         gathered = last
         for _ in range(gathers_input):
-            gathered = eng.collective(f"{name} tp all-gather", [self.rank_a], self.tp_ag, TP_COMM, {self.rank_a: [gathered]})[self.rank_a]
+            gathered = self._collective_a(f"{name} tp all-gather", self.tp_ag, TP_COMM, [gathered])
         last = eng.compute(self.rank_a, f"{name} first", b.first_s, [last])
         last = eng.compute(self.rank_a, f"{name} middle", b.middle_s, [last, gathered])
         if not b.sends_output:
             return last
         before_last = last
         last = eng.compute(self.rank_a, f"{name} last", b.last_s, [last])
-        scattered = eng.collective(f"{name} tp reduce-scatter", [self.rank_a], self.tp_rs, TP_COMM, {self.rank_a: [before_last]})[self.rank_a]
+        scattered = self._collective_a(f"{name} tp reduce-scatter", self.tp_rs, TP_COMM, [before_last])
         return eng.env.all_of([last, scattered])
 
     def _pass(self, name: str, units: Sequence[FsdpUnit], blocks: dict[int, Sequence[Block]], last: simpy.Event,
@@ -547,14 +551,11 @@ class _FsdpRun:
             if self.copy_in_s[unit.key]:  # on the compute stream, before the next unit's backward
                 after = eng.compute(self.rank_a, f"mb{mb} reduce-scatter copy-in {_label(unit)}", self.copy_in_s[unit.key],
                                     [after])
-            done = eng.collective(f"mb{mb} reduce-scatter {_label(unit)}", [self.rank_a], rs_cost[unit.key], RS_STREAM,
-                                  {self.rank_a: [after]})[self.rank_a]
+            done = self._collective_a(f"mb{mb} reduce-scatter {_label(unit)}", rs_cost[unit.key], RS_STREAM, [after])
             if unit.key in expert_rs:  # the experts' gradients over the EDP group (at EDP 1 they are whole)
-                reduced.append(eng.collective(f"mb{mb} reduce-scatter {_label(unit)} experts", [self.rank_a],
-                                              expert_rs[unit.key], RS_STREAM, {self.rank_a: [after]})[self.rank_a])
+                reduced.append(self._collective_a(f"mb{mb} reduce-scatter {_label(unit)} experts", expert_rs[unit.key], RS_STREAM, [after]))
             if cfg.hsdp_replicate > 1 and mb == m - 1:  # the replicas' all-reduce of the reduced shard
-                done = eng.collective(f"all-reduce {_label(unit)} over replicas", [self.rank_a], ar_cost[unit.key], RS_STREAM,
-                                      {self.rank_a: [done]})[self.rank_a]
+                done = self._collective_a(f"all-reduce {_label(unit)} over replicas", ar_cost[unit.key], RS_STREAM, [done])
             reduced.append(done)
 
         for mb in range(m):

@@ -163,8 +163,7 @@ class _Pipeline:
             name = "root" if u.key == ROOT else f"layer {u.key}"
             if run.copy_in_s[u.key]:
                 last = eng.compute(rank, f"reduce-scatter copy-in {name}", run.copy_in_s[u.key], [last])
-            reduced.append(eng.collective(f"reduce-scatter {name}", [rank], run.rs_cost(u), RS_STREAM,
-                                          {rank: [last]})[rank])
+            reduced.append(run._collective_a(f"reduce-scatter {name}", run.rs_cost(u), RS_STREAM, [last]))
         return eng.env.all_of(reduced + [last])
 
 
