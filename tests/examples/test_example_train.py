@@ -38,7 +38,6 @@ from canzona.runtime.checkpoint_files import (
 )
 from tests.cli_helpers import invoke
 from tests.launchers import torchrun_command
-from tests.scripts import load_script
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]  # torchrun spawns gloo ranks
 
@@ -276,18 +275,32 @@ def error_lines(done: subprocess.CompletedProcess, ranks: int, script: Path = SC
 
 def test_a_plan_for_another_layout_is_one_error_line_on_every_rank(tmp_path):
     plan = make_plan(tmp_path, 2, 2)
-    line = error_lines(torchrun(tmp_path, 2, "--plan", plan, "--steps", STEPS), 2)
+    done = torchrun(tmp_path, 2, "--plan", plan, "--steps", STEPS)
+    line = error_lines(done, 2)
     assert "dp 2 x tp 2 = 4 ranks" in line and "started 2" in line
+    assert "exitcode  : 2" in done.stderr  # bad input: refused before training
+
+
+def refused_by_prepare(train_script, monkeypatch, world: int, *argv: object) -> str:
+    """The one-line error `prepare` (every rank's local checks, no collective) raises for `argv` on
+    rank 0 of `world`: bad input the script refuses before its process group is used. That each
+    rank prints such an error as one `error:` line, without a traceback, and exits 2 is the
+    torchrun tests' (`test_a_plan_for_another_layout_is_one_error_line_on_every_rank`)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(CanzonaError) as refused:
+        train_script.prepare(train_script.parse_args([str(a) for a in argv]))
+    assert "\n" not in str(refused.value), str(refused.value)
+    return str(refused.value)
 
 
 @pytest.mark.parametrize("case", ["other model", "missing plan"])
-def test_bad_input_is_one_error_line(case, tmp_path):
+def test_bad_input_is_one_error_line(case, train_script, tmp_path, monkeypatch):
     if case == "other model":
         plan, needle = make_plan(tmp_path, 1, 1, model="qwen3-0.6b"), "plan was made for model 'qwen3-0.6b'"
     else:
         plan, needle = tmp_path / "missing.json", "cannot read plan file"
-    line = error_lines(torchrun(tmp_path, 1, "--plan", plan, "--steps", STEPS), 1)
-    assert needle in line
+    assert needle in refused_by_prepare(train_script, monkeypatch, 1, "--plan", plan, "--steps", STEPS)
 
 
 # --- issue 17: resume semantics, ranks that disagree, outputs, orphans ----------------------------
@@ -382,10 +395,6 @@ def test_a_crafted_checkpoint_is_one_error_line(tmp_path):
     assert line.startswith("error: ckpt/.metadata: not DCP metadata, not loaded (")
 
 
-@pytest.fixture(scope="module")
-def train_script():
-    """examples/train.py as a module (its launcher watch starts only as __main__)."""
-    return load_script("examples/train.py", "examples_train")
 
 
 @pytest.mark.parametrize("optimizer", [n for n, e in MATRIX_REGISTRY.items() if not e.elementwise])

@@ -4,8 +4,8 @@ file holding the dense part's plan and the experts' (`canzona.plan.Plan.experts`
 layer sparse, 8 experts) from it under torchrun: DP 2 in EP groups of 2, each rank holding 4
 experts of every layer. A run checkpointed half-way and resumed at the same layout ends bit for bit
 where the straight run ends; its checkpoint holds every expert stack whole (DTensors sharded over
-EP), which a run without expert parallelism resumes from; a `--ep` that is not the plan's is one
-error line on every rank.
+EP), which a run without expert parallelism resumes from; a `--ep` that is not the plan's, or a
+plan with expert TP, is refused before training.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from tests.cli_helpers import invoke
 from tests.examples.test_example_train import (
     ROOT,
     checkpoint_weights,
-    error_lines,
     losses,
-    torchrun,
+    refused_by_prepare,
     trained,
     worst_relative,
 )
@@ -95,17 +94,15 @@ def test_the_checkpoint_holds_whole_stacks_and_resumes_without_expert_parallelis
     assert "resumed from ckpt/step_2" in runs["logs"]["ep1"]
 
 
-def test_an_ep_that_is_not_the_plans_is_one_error_line_on_every_rank(runs):
-    done = torchrun(runs["folder"], 2, "--model", "config.json", "--plan", runs["plan"], "--ep", 1, "--steps", 2)
-    assert done.returncode != 0
-    assert "--ep 1, but" in (line := error_lines(done, 2)) and "plan-dp2-ep2.json is a plan for ep 2" in line
+def test_an_ep_that_is_not_the_plans_is_refused_before_training(train_script, tmp_path, monkeypatch):
+    plan = moe_plan(tmp_path, 2, 2)
+    line = refused_by_prepare(train_script, monkeypatch, 2, "--model", CONFIG, "--plan", plan, "--ep", 1)
+    assert "--ep 1, but" in line and "plan-dp2-ep2.json is a plan for ep 2" in line
 
 
-def test_a_plan_with_expert_tp_is_one_error_line_on_every_rank_before_training(runs):
-    folder = runs["folder"]
-    plan = folder / "plan-etp2.json"
+def test_a_plan_with_expert_tp_is_refused_before_training(train_script, tmp_path, monkeypatch):
+    plan = tmp_path / "plan-etp2.json"
     made = invoke("plan", "--model", CONFIG, "--dp", 4, "--tp", 1, "--ep", 2, "--etp", 2, "--out", plan)
     assert made.exit_code == 0, made.output
-    done = torchrun(folder, 4, "--model", "config.json", "--plan", plan, "--steps", 2)
-    assert "plan has expert TP (etp=2)" in error_lines(done, 4)
-    assert "exitcode  : 2" in done.stderr  # bad input: refused before training
+    assert "plan has expert TP (etp=2)" in refused_by_prepare(train_script, monkeypatch, 4, "--model", CONFIG,
+                                                               "--plan", plan)
