@@ -182,6 +182,24 @@ def profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
+# The shipped profile of each GPU, by the name CUDA gives it (`torch.cuda.get_device_name`), matched
+# whole: a name is one product, and another product of the same family is another GPU (the H100
+# PCIe and NVL, the H200 NVL: lower power limits and clocks; the A100 40 GB and PCIe: other HBM).
+# What is not here plans with the default profile (the runtime warns) or a profile the user names.
+DEVICE_PROFILES: dict[str, str] = {
+    "NVIDIA H100 80GB HBM3": "h100-sxm",  # H100 SXM5 80 GB
+    "NVIDIA H200": "h200",  # H200 SXM 141 GB
+    "NVIDIA A100-SXM4-80GB": "a100-sxm",  # A100 SXM4 80 GB
+}
+
+
+def profile_for_device(device_name: str) -> str | None:
+    """The shipped profile (`profile_names()`) of the GPU CUDA names `device_name`, or None where
+    none is that GPU: what `DistributedOptimizer(cost_model=None)` plans with on CUDA, as
+    `canzona plan / simulate --hardware` would for that GPU."""
+    return DEVICE_PROFILES.get(" ".join(device_name.split()))
+
+
 def _section(data: dict[str, Any], key: str, cls: type, where: str) -> Any:
     raw = data.get(key)
     if not isinstance(raw, dict):

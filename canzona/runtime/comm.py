@@ -269,8 +269,16 @@ class Comm:
             column = table[:, k]
             if not torch.all(column == column[0]):
                 ranks = [r for r in range(self.size) if column[r] != mine[k]]
+                # every member finds this column (the table is the same on all): they show each
+                # other what they hold, so that each error names both sides (a plan's cost model:
+                # the GPU profile each rank planned with)
+                held = self.all_gather_object(_shown(facts[name]), f"{name} disagreement")
+                others: dict[str, list[int]] = {}
+                for r in ranks:
+                    others.setdefault(held[r], []).append(r)
+                there = "; ".join(f"rank(s) {rs}: {value}" for value, rs in others.items())
                 return (f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) {ranks} "
-                        f"({name} {facts[name][:16]} here)")
+                        f"({name} {held[self.rank]} here; {there})")
         return None
 
     def spread_failure(self, error: str | None, name: str, failed_what: str) -> str | None:
@@ -312,6 +320,12 @@ class Comm:
         padded[:blob.numel()] = blob
         table = self.all_gather_values(padded, name)
         return [pickle.loads(table[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
+
+
+def _shown(fact: str) -> str:
+    """A fact as an agreement error shows it: whole where short (a name), else its first 16
+    characters (a digest's are enough to tell two apart)."""
+    return fact if len(fact) <= 48 else fact[:16]
 
 
 # How long `PendingWork.wait` waits for gloo to let go of a completed collective's tensors: it

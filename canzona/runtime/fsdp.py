@@ -106,7 +106,7 @@ from canzona.runtime.kernels import (
 from canzona.runtime.mesh import TP
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
-from canzona.runtime.options import check_step_options, optimizer_config
+from canzona.runtime.options import check_step_options, optimizer_config, planning_cost_model
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
 from canzona.step_policies import resolve_policy
@@ -282,9 +282,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.layout: dict[str, ParamLayout] = {
             n: param_layout(n, tuple(p.shape), [b[n] for b in boxes]) for n, p in self.params.items()}
 
-        # the owner plan (None: AdamW's step has no owners)
+        # the owner plan (None: AdamW's step has no owners), priced on the GPU's own profile where
+        # cost_model is None (`planning_cost_model`), as `canzona simulate --fsdp --hardware` prices it
         matrices, self.plan = ({}, None) if self.policy is None else fsdp_matrices(
-            spec, self.size, self.optimizer, self.policy, settings, opts["cost_model"], matrix_config=self.matrix_cfg)
+            spec, self.size, self.optimizer, self.policy, settings,
+            planning_cost_model(opts["cost_model"], local_tensor(first).device), matrix_config=self.matrix_cfg)
         self.owner = {n: m.owner for n, m in matrices.items()}
         # micro-groups: each owner's matrices in backward order, cut into chunks of about equal cost
         self.micro_groups = [[m.name for m in g] for g in
@@ -373,6 +375,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             "model fingerprint": self.spec.fingerprint(),
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
+            # before the owners: ranks planning on other GPUs' profiles (cost_model=None) say so
+            "plan's cost model": self.plan.cost_model if self.plan is not None else "none (no owners)",
             "owners": owners,
             "policy": self.policy.name if self.policy is not None else "each rank its own shards",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",

@@ -88,7 +88,7 @@ from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_s
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
-from canzona.runtime.options import check_step_options, optimizer_config
+from canzona.runtime.options import check_step_options, optimizer_config, planning_cost_model
 from canzona.runtime.param_gather import (
     Holders,
     ParamsInFlight,
@@ -500,6 +500,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if plan is None:
             # balanced for the step this optimizer runs: its matrix_config's seconds and state, as
             # `canzona plan --matrix-config` and the simulator price it (an elementwise one has none)
+            # the GPU's own profile where cost_model is None (`planning_cost_model`), as --hardware
+            cost_model = planning_cost_model(cost_model, local_tensor(next(iter(self.params.values()))).device)
             plan = plan_for(self.spec, self.dp, self.tp, self.optimizer, self.policy, settings, cost_model,
                             ep=self.ep, geometry=self.geometry, overlap_step=self.overlap_step,
                             matrix_config=None if self.elementwise else self.matrix_cfg)
@@ -527,6 +529,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             # the fingerprint ignores order, but buffers are laid out in spec order
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
+            # before the plan: ranks planning on other GPUs' profiles (cost_model=None) say so
+            "plan's cost model": self.plan.cost_model,
             "plan": self.plan.hash(),
             "policy": f"{self.policy.name} ({self.tp_mode}, reduce-scatter {self.comm.reduce_scatter_impl})",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",

@@ -12,12 +12,14 @@ from canzona.cost import DeviceRate, default_rate
 from canzona.errors import SpecError
 from canzona.hardware import (
     DEFAULT_PROFILE,
+    DEVICE_PROFILES,
     GPUSpec,
     HardwareProfile,
     NCCLSpec,
     NetworkSpec,
     NodeSpec,
     load_profile,
+    profile_for_device,
     profile_from_dict,
     profile_names,
 )
@@ -315,3 +317,21 @@ def test_an_older_profile_with_a_model_flops_utilization_still_loads():
     raw = json.loads((resources.files("canzona") / "profiles" / "h100-sxm.json").read_text())
     raw["gpu"]["model_flops_utilization"] = 0.45
     assert profile_from_dict(raw).gpu == load_profile("h100-sxm").gpu
+
+
+@pytest.mark.parametrize(("device_name", "profile"), [
+    # what torch.cuda.get_device_name gives on each shipped profile's GPU
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-sxm"),
+    (" NVIDIA  H200 ", "h200"),  # spacing aside
+    # other products of those families (other power limits, clocks or HBM) and other GPUs: none
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None), ("NVIDIA H20", None),
+    ("NVIDIA H800", None), ("NVIDIA GH200 480GB", None), ("NVIDIA A100-PCIE-40GB", None),
+    ("NVIDIA A100-SXM4-40GB", None), ("NVIDIA A100 80GB PCIe", None), ("NVIDIA GeForce RTX 4090", None),
+    ("NVIDIA B200", None), ("", None),
+])
+def test_a_device_name_matches_its_shipped_profile_and_no_other_gpu(device_name, profile):
+    assert profile_for_device(device_name) == profile
+
+
+def test_every_device_profile_is_a_shipped_one():
+    assert set(DEVICE_PROFILES.values()) == set(profile_names())

@@ -193,6 +193,22 @@ def one_rank_another_tp_policy(rank: int) -> dict:
     return out
 
 
+def ranks_plan_on_other_gpus(rank: int) -> dict:
+    """cost_model=None on rank 3 alone on an H200 (stood in: `gpu_name`), its peers on the CPU's
+    default profile: the plans differ, and the errors name the profile each side planned with."""
+    from canzona.runtime import options
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    asked = options.gpu_name
+    if rank == WORLD - 1:
+        options.gpu_name = lambda device: "NVIDIA H200"
+    try:
+        return _outcome(lambda: _optimizer(model, model.spec(), mesh))
+    finally:
+        options.gpu_name = asked
+
+
 def scheduler_on_one_tp_rank(rank: int) -> dict:
     """An LR edit on TP rank 0 only (a `if rank == 0: scheduler.step()` habit): the replicated norms
     would get different updates on the two TP ranks."""
@@ -421,6 +437,9 @@ JOBS = {
     "tp_rank_skips_backward": (CanzonaError, ("found no gradient on any rank", "failed this step's check")),
     "one_rank_another_tp_policy": (PlanError, ("ranks disagree on the plan", "ranks disagree on the data-parallel "
                                                "agreement check", "failed the agreement check")),
+    # rank 3's DP group (ranks 1, 3) and TP group (ranks 2, 3) find it; rank 0 learns it over TP
+    "ranks_plan_on_other_gpus": (PlanError, ("ranks disagree on the plan's cost model", "ranks disagree on the "
+                                             "data-parallel agreement check")),
     "scheduler_on_one_tp_rank": (CanzonaError, "TP ranks disagree on the hyper-parameters in param_groups"),
     # rank 3's DP group finds it; the others learn it over TP (the DP group of TP rank 1 failed)
     "lr_edit_after_clip_on_one_rank": (CanzonaError, ("ranks disagree on the hyper-parameters in param_groups",
@@ -469,6 +488,20 @@ def test_mistake_is_one_error_on_every_rank(job):
     if not isinstance(needle, str):  # the cause is named where it was found
         assert any(needle[0] in out["message"] for out in got[job])
     assert not any("timed out" in out["message"] for out in got[job])  # nobody waited for a silent peer
+
+
+def test_ranks_planning_on_other_gpus_profiles_name_both_profiles():
+    """Each side's error says which profile it planned with and which its peer did (before: \"ranks
+    disagree on the plan\", a digest's first 16 characters here)."""
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}")
+    messages = [out["message"] for out in got["ranks_plan_on_other_gpus"]]
+    assert messages[3] == ("ranks disagree on the plan's cost model: rank 1 differs from rank(s) [0] (plan's cost "
+                           "model analytic:h200 here; rank(s) [0]: analytic:h100-sxm)")
+    assert messages[1] == ("ranks disagree on the plan's cost model: rank 0 differs from rank(s) [1] (plan's cost "
+                           "model analytic:h100-sxm here; rank(s) [1]: analytic:h200)")
+    assert messages[2] == messages[1]  # rank 3's TP peer: the same ranks in its TP group
 
 
 def test_a_step_called_again_after_a_refused_overlapped_step_is_the_step_of_those_gradients():
