@@ -230,8 +230,9 @@ class SimConfig:
     # what the planner prices each matrix's step with (DistributedOptimizer's `cost_model`, same
     # name and default; `canzona simulate --cost-table`, as `canzona plan`'s): a measured table
     # changes the plan the runtime runs, and the plan's seconds price the step's matrix work. None:
-    # the hardware profile's (`cost_model_for(hardware)`; the runtime's None is the default
-    # profile's, `canzona.cost.default_rate`: give it cost_model_for(hardware) on another device)
+    # the hardware profile's (`cost_model_for(hardware)`; the runtime's None is the profile of the
+    # GPU it runs on, `canzona.runtime.options.planning_cost_model`, and the default profile's on the
+    # CPU or a GPU no profile is: give it cost_model_for(hardware) there)
     cost_model: Any = None
 
     def __post_init__(self) -> None:
@@ -639,6 +640,9 @@ class SimResult:
                               "align": cfg.align, "geometry": cfg.geometry,
                               "capacity": None if cfg.capacity is None else asdict(cfg.capacity)},
             "hardware": cfg.hardware,
+            # what planned the owners and priced their steps (`--cost-table`, a calibrated profile's
+            # measured seconds, else the profile's analytic model): DistributedOptimizer's cost_model
+            "cost_model": self.plan.cost_model,
             "workload": asdict(cfg.workload),
             "iteration_time_s": self.iteration_time_s,
             "optimizer_step_s": self.optimizer_step_s,

@@ -45,3 +45,18 @@ def test_the_cli_builds_it_as_canzona_plan_does(table, tmp_path):
     assert given.cost_model.name == "table:cpu-test"
     with pytest.raises(CanzonaError, match="cannot read cost table"):
         _sim_config(shared=SimOptions(**{**options.__dict__, "cost_table": tmp_path / "missing.json"}))
+
+
+def test_simulate_json_names_the_cost_model_that_planned(table):
+    """`canzona simulate --json` says what planned the owners and priced their steps (`cost_model`,
+    as a plan file's and DistributedOptimizer's `plan.cost_model`): before, a run with `--cost-table`
+    read the same as one without."""
+    from tests.cli_helpers import invoke
+
+    layout = ["--model", EIGHT_LAYERS, "--gpus", 4, "--tp", 1, "--global-batch", 4, "--seq-len", 512, "--json"]
+    default, measured = (invoke("simulate", *layout, *given) for given in ([], ["--cost-table", table]))
+    assert default.exit_code == 0 and measured.exit_code == 0, (default.output, measured.output)
+    assert json.loads(default.stdout)["cost_model"] == "analytic:h100-sxm"
+    assert json.loads(measured.stdout)["cost_model"] == "table:cpu-test"
+    a100 = invoke("simulate", *layout, "--hardware", "a100-sxm")
+    assert json.loads(a100.stdout)["cost_model"] == "analytic:a100-sxm"
