@@ -11,8 +11,13 @@ Planning settings (DP and TP policies, alpha, buckets, capacity) are `canzona.pl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from canzona.errors import SpecError
+from canzona.optimizers import matrix_optimizer
+from canzona.plan import DEFAULT_GEOMETRY, PLAN_DEFAULTS
 from canzona.reductions import DEFAULT_REDUCE_SCATTER
 from canzona.step_schedule import PIPELINED
 
@@ -33,6 +38,51 @@ class StepOptions:
 
 
 STEP_DEFAULTS = StepOptions()
+
+
+# canzona's plan settings and step options that an elementwise optimizer's (AdamW's) step does not
+# read: its one step policy (zero1) plans with its own DP and TP policies and computes no whole
+# matrix. Field and default; off its default, each is refused on a run of one
+# (`check_elementwise_options`), by the simulator and the runtime alike
+ELEMENTWISE_IGNORED: tuple[tuple[str, Any], ...] = (
+    ("alpha", PLAN_DEFAULTS.alpha), ("geometry", DEFAULT_GEOMETRY), ("tp_policy", PLAN_DEFAULTS.tp_policy),
+    ("tp_mode", STEP_DEFAULTS.tp_mode), ("capacity", PLAN_DEFAULTS.capacity))
+
+
+def spelt(name: str, value: Any, flags: bool) -> str:
+    """An option as an error names it: the CLI's flag (`--tp-mode serial`, `--no-batch-kernels`;
+    `flags`, the simulator's errors) or the keyword argument (`tp_mode='serial'`, the runtime's)."""
+    if not flags:
+        return f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return flag if name == "capacity" else f"{flag} {value}"
+
+
+def check_batch_kernels(optimizer: str, batch_kernels: bool, *, flags: bool = False) -> None:
+    """`batch_kernels=False` with an optimizer that has no batched kernel (AdamW's elementwise
+    step, any entry without `batched`: `canzona.optimizers.MatrixOptimizer.batchable`) would change nothing: one
+    SpecError (`flags`: named as `canzona simulate / search` take it, else as the runtime does)."""
+    if not batch_kernels and not matrix_optimizer(optimizer).batchable:
+        named = f"--optimizer {optimizer}" if flags else f"optimizer {optimizer!r}"
+        raise SpecError(f"{spelt('batch_kernels', False, flags)} changes nothing with {named}: it has no batched "
+                        "kernel (batch_kernels stacks a whole-matrix optimizer's same-shape matrices)")
+
+
+def check_elementwise_options(optimizer: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
+    """The options a run of `optimizer` does not read, off their defaults, as one SpecError: under
+    an elementwise optimizer `ELEMENTWISE_IGNORED`'s (named at their defaults they are accepted),
+    and `batch_kernels=False` without a batched kernel (`check_batch_kernels`). `given`: the
+    values by field name. The one check `canzona simulate` (`sim.simulate.SimConfig`) and
+    `DistributedOptimizer` make; `flags`: name them as the CLI's flags."""
+    if matrix_optimizer(optimizer).elementwise:
+        changed = [spelt(name, given[name], flags) for name, default in ELEMENTWISE_IGNORED if given[name] != default]
+        if changed:
+            named = f"--optimizer {optimizer}" if flags else f"optimizer {optimizer!r}"
+            raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing with {named} "
+                            "(elementwise: its step policy plans with its own DP and TP policies)")
+    check_batch_kernels(optimizer, given["batch_kernels"], flags=flags)
 
 
 # `DistributedOptimizer`'s keyword arguments that are neither a step option above nor a planning

@@ -9,7 +9,6 @@ from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_ba
 from canzona.choices import check_choice
 from canzona.errors import SpecError
 from canzona.memory import check_recompute
-from canzona.optimizers import matrix_optimizer
 from canzona.recompute import check_recompute_method, check_selective_ac_option
 from canzona.reductions import check_reduce_scatter
 from canzona.step_collectives import COLLECTIVE_STYLES as COLLECTIVE_MODES
@@ -146,11 +145,3 @@ def check_align_grad_reduce(options: RunOptions, *, pp: int, fsdp: bool) -> None
         raise SpecError("--no-align-grad-reduce changes nothing at --pp 1: Megatron's align_grad_reduce sets the "
                         "pipeline schedule's grad_sync_func (without pipelining the backward hooks launch every "
                         "bucket either way)")
-
-
-def check_batch_kernels(optimizer: str, batch_kernels: bool) -> None:
-    """`--no-batch-kernels` with an optimizer that has no batched kernel (AdamW's elementwise step:
-    `canzona.optimizers.MatrixOptimizer.batchable`) would change nothing: one SpecError."""
-    if not batch_kernels and not matrix_optimizer(optimizer).batchable:
-        raise SpecError(f"--no-batch-kernels changes nothing with --optimizer {optimizer}: it has no batched kernel "
-                        "(batch_kernels stacks a whole-matrix optimizer's same-shape matrices)")

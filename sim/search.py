@@ -75,6 +75,7 @@ from canzona.reductions import (
     alike_impls,
 )
 from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.step_options import check_batch_kernels
 from canzona.step_policies import FSDP_POLICIES, STEP_POLICIES, default_policy, policies_running
 from canzona.variability import check_cv
 from sim.collectives import collective_cost
@@ -96,7 +97,7 @@ from sim.fsdp import (
 from sim.fsdp_copies import FSDP2, check_fsdp_impl, reshard_options
 from sim.iteration import _tp_overlap_sms, cp_ring_cost, tp_gather_bytes
 from sim.model_work import Block, MicroBatchWork
-from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
+from sim.options import RunOptions, check_align_grad_reduce
 from sim.simulate import (
     DENSE_FALLBACK,
     SimConfig,
@@ -214,7 +215,7 @@ class Question:
         replace(self.run_options(), overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
                 delay_wgrad_compute=self.delay_wgrad_compute).check()
         check_align_grad_reduce(self.run_options(), pp=2, fsdp=False)  # a PP layout: where it acts
-        check_batch_kernels(self.optimizer, self.batch_kernels)
+        check_batch_kernels(self.optimizer, self.batch_kernels, flags=True)
         if self.gpu_variability is not None:
             check_cv(self.gpu_variability)
         self.workload()  # its checks

@@ -75,7 +75,8 @@ from canzona.recompute import check_method_layers, check_selective_ac_option, in
 from canzona.routing import RANDOM
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
-from canzona.step_options import STEP_DEFAULTS
+from canzona.step_options import ELEMENTWISE_IGNORED as CORE_ELEMENTWISE_IGNORED
+from canzona.step_options import STEP_DEFAULTS, check_elementwise_options
 from canzona.step_policies import (
     FSDP_POLICIES,
     STEP_POLICIES,
@@ -106,7 +107,7 @@ from sim.iteration import (
     step_classes,
 )
 from sim.model_work import MicroBatchWork, micro_batch_work
-from sim.options import RunOptions, check_align_grad_reduce, check_batch_kernels
+from sim.options import RunOptions, check_align_grad_reduce
 from sim.steady import (
     EXACT_MICRO_BATCHES,
     extrapolate,
@@ -137,13 +138,12 @@ DEFINITIONS = {
 }
 
 
-# canzona's plan settings that an elementwise optimizer's (AdamW's) step policy does not read (it
-# plans with its own DP and TP policies): field, flag, default. A run of one refuses them off their
-# defaults (`SimConfig._check_elementwise_settings`); `with_policy` resets them for compare's AdamW baseline
-ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = (
-    ("alpha", "--alpha", PLAN_DEFAULTS.alpha), ("geometry", "--geometry", DEFAULT_GEOMETRY),
-    ("tp_policy", "--tp-policy", PLAN_DEFAULTS.tp_policy), ("tp_mode", "--tp-mode", STEP_DEFAULTS.tp_mode),
-    ("capacity", "--capacity", PLAN_DEFAULTS.capacity))
+# canzona's plan settings that an elementwise optimizer's (AdamW's) step policy does not read
+# (`canzona.step_options.ELEMENTWISE_IGNORED`, the runtime's too): field, flag, default. A run of one
+# refuses them off their defaults (`SimConfig._check_elementwise_settings`); `with_policy` resets
+# them for compare's AdamW baseline
+ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = tuple(
+    (name, "--" + name.replace("_", "-"), default) for name, default in CORE_ELEMENTWISE_IGNORED)
 # the settings that weigh how a DP group's ranks share the matrices, how its gradients are reduced
 # and its updated parameters gathered: with one rank in every plan's group
 # (`SimConfig._check_one_rank_settings`) there is nothing to share, reduce or gather, and they change
@@ -434,16 +434,11 @@ class SimConfig:
         """An elementwise optimizer's (AdamW's) run: its one step policy (zero1) plans with its own
         DP and TP policies, whole-matrix kernels are none, so canzona's plan settings and the
         matrix optimizer's step options would change nothing: each set off its default is one
-        SpecError (named at its default it is accepted), as under --fsdp (`sim.fsdp`)."""
-        entry = matrix_optimizer(self.optimizer)
-        if not entry.elementwise:
-            return
-        why = f"with --optimizer {self.optimizer} (elementwise: its step policy plans with its own DP and TP policies)"
-        changed = [flag if flag == "--capacity" else f"{flag} {getattr(self, name)}"
-                   for name, flag, default in ELEMENTWISE_IGNORED if getattr(self, name) != default]
-        if changed:
-            raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing {why}")
-        check_batch_kernels(self.optimizer, self.options.batch_kernels)
+        SpecError (named at its default it is accepted), as under --fsdp (`sim.fsdp`); and
+        --no-batch-kernels with any optimizer without a batched kernel. The runtime's check
+        (`canzona.step_options.check_elementwise_options`), its options named as flags."""
+        given = {name: getattr(self, name) for name, _, _ in ELEMENTWISE_IGNORED}
+        check_elementwise_options(self.optimizer, {**given, "batch_kernels": self.options.batch_kernels}, flags=True)
 
     def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
         """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""

@@ -109,6 +109,7 @@ from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import check_step_options, optimizer_config, planning_cost_model
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
+from canzona.step_options import check_batch_kernels
 from canzona.step_policies import resolve_policy
 
 log = logging.getLogger("canzona")
@@ -220,6 +221,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             raise SpecError("overlap_step is not run under FSDP2 yet: the step starts after FSDP2's last "
                             "reduce-scatter")
         self.optimizer = check_matrix_optimizer(opts["optimizer"])
+        # batch_kernels=False without a batched kernel, as `canzona simulate --fsdp` refuses it (the
+        # other settings an elementwise step does not read: ZERO1_ONLY above, check_owner_plan_settings)
+        check_batch_kernels(self.optimizer, opts["batch_kernels"])
         entry = matrix_optimizer(self.optimizer)
         # AdamW on every parameter (the baseline): each rank steps its own shards, no owners, no
         # exchange (policy None), as `canzona simulate --fsdp --optimizer adamw` prices it

@@ -100,7 +100,7 @@ from canzona.runtime.param_gather import (
 from canzona.runtime.shards import check_local_param, is_dtensor, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec, Role
-from canzona.step_options import STEP_DEFAULTS
+from canzona.step_options import STEP_DEFAULTS, check_elementwise_options
 from canzona.step_policies import (
     PARAMS_BY_OWNER,
     PARAMS_BY_SEGMENT,
@@ -110,7 +110,7 @@ from canzona.step_policies import (
     resolve_policy,
 )
 from canzona.step_schedule import TPSchedule, check_tp_mode, tp_schedule
-from canzona.tp import Capacity
+from canzona.tp import Capacity, check_tp_policy
 
 log = logging.getLogger("canzona")
 
@@ -304,6 +304,12 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self.overlap_step = overlap_step
         self.tp_mode = check_tp_mode(tp_mode)
         check_reduce_scatter(reduce_scatter)
+        check_tp_policy(tp_policy)  # an unknown name is a typo, never a no-op (as the simulator's)
+        # what this optimizer's step would not read, set (AdamW's plan settings, batch_kernels=False
+        # without a batched kernel): one SpecError, as `canzona simulate` refuses the same
+        check_elementwise_options(self.optimizer, {"alpha": alpha, "geometry": geometry, "tp_policy": tp_policy,
+                                                   "tp_mode": tp_mode, "capacity": capacity,
+                                                   "batch_kernels": batch_kernels})
         if self.elementwise and matrix_config is not None:
             raise SpecError(f"{self.optimizer} runs every parameter with adamw_config; give its hyper-parameters "
                             "there (matrix_config is for a matrix optimizer)")

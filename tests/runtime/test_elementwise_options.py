@@ -1,0 +1,89 @@
+"""The options an optimizer's step does not read, refused alike by the runtime and the simulator
+(no spawned ranks): `DistributedOptimizer` refuses each at construction, before it reads a
+parameter, wherever `canzona simulate` refuses it, through the one check both make
+(`canzona.step_options.check_elementwise_options`): an elementwise optimizer's (AdamW's) plan
+settings, and `batch_kernels=False` with an optimizer that has no batched kernel (AdamW, NorMuon).
+Before: the runtime accepted each and ignored it. `compile_kernels` is refused by neither (priced as
+eager by the simulator; the runtime compiles Muon's kernels only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona.errors import SpecError
+from canzona.optimizers import OPTIMIZERS
+from canzona.runtime.optimizer import DistributedOptimizer
+from canzona.step_options import ELEMENTWISE_IGNORED
+from canzona.tp import Capacity
+from sim.options import RunOptions
+from sim.simulate import SimConfig
+from sim.workload import Workload
+from tests.sim.small_models import EIGHT_LAYERS
+
+# a value off the default of each
+OFF = {"alpha": 0.5, "geometry": "whole", "tp_policy": "tp-chunk", "tp_mode": "serial", "capacity": Capacity(0.02),
+       "batch_kernels": False}
+REFUSED = {("adamw", name) for name in OFF} | {("normuon", "batch_kernels")}
+
+
+def test_every_ignored_option_has_a_value_here():
+    assert {name for name, _ in ELEMENTWISE_IGNORED} | {"batch_kernels"} == set(OFF)
+
+
+def _runtime_refuses(optimizer: str, name: str) -> bool:
+    try:
+        DistributedOptimizer([], None, optimizer, **{name: OFF[name]})
+    except SpecError as e:
+        if str(e).startswith(f"{name}="):  # its own error, not the missing parameters' after it
+            assert f"changes nothing with optimizer '{optimizer}'" in str(e) or \
+                f"change nothing with optimizer '{optimizer}'" in str(e), str(e)
+            return True
+    except Exception:  # noqa: BLE001 - accepted: the constructor went on to the (missing) parameters
+        pass
+    return False
+
+
+def _simulator_refuses(optimizer: str, name: str) -> bool:
+    options = {"batch_kernels": OFF[name]} if name == "batch_kernels" else {}
+    config = SimConfig(model=EIGHT_LAYERS, gpus=4, tp=2, optimizer=optimizer, workload=Workload(512, 4, 1),
+                       options=RunOptions(**options), **({} if options else {name: OFF[name]}))
+    try:
+        config.check()
+    except SpecError as e:
+        assert name.replace("_", "-") in str(e) and f"nothing with --optimizer {optimizer}" in str(e), str(e)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_runtime_refuses_what_the_simulator_refuses(optimizer):
+    for name in OFF:
+        refused = (optimizer, name) in REFUSED
+        assert _simulator_refuses(optimizer, name) == refused, (optimizer, name)
+        assert _runtime_refuses(optimizer, name) == refused, (optimizer, name)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fsdp_refuses_batch_kernels_off_where_the_simulator_does(optimizer):
+    """Under FSDP2 the plan settings above are ZeRO-1's options or owner plan settings, refused
+    by their own checks (tests/runtime/test_fsdp_zero1_options.py); batch_kernels=False is the
+    step's, refused without a batched kernel as `canzona simulate --fsdp` refuses it."""
+    import inspect
+
+    from canzona.runtime.fsdp import FsdpOptimizer
+
+    refused = (optimizer, "batch_kernels") in REFUSED
+    defaults = {k: p.default for k, p in inspect.signature(DistributedOptimizer).parameters.items()}
+    with pytest.raises(Exception) as failed:  # accepted, it goes on to the (missing) parameters
+        FsdpOptimizer({**defaults, "params": [], "spec": None, "optimizer": optimizer, "batch_kernels": False},
+                      defaults)
+    assert str(failed.value).startswith("batch_kernels=False changes nothing") == refused, str(failed.value)
+    assert not refused or failed.type is SpecError
+    config = SimConfig(model=EIGHT_LAYERS, gpus=4, tp=1, fsdp=True, optimizer=optimizer,
+                       policy="zero1" if optimizer == "adamw" else None, workload=Workload(512, 4, 1),
+                       options=RunOptions(batch_kernels=False))
+    if refused:
+        with pytest.raises(SpecError, match=f"^--no-batch-kernels changes nothing with --optimizer {optimizer}"):
+            config.check()
+    else:
+        config.check()
