@@ -62,8 +62,9 @@ def spelt(name: str, value: Any, flags: bool) -> str:
 
 def check_batch_kernels(optimizer: str, batch_kernels: bool, *, flags: bool = False) -> None:
     """`batch_kernels=False` with an optimizer that has no batched kernel (AdamW's elementwise
-    step, any entry without `batched`: `canzona.optimizers.MatrixOptimizer.batchable`) would change nothing: one
-    SpecError (`flags`: named as `canzona simulate / search` take it, else as the runtime does)."""
+    step, any entry without `batched`: `canzona.optimizers.MatrixOptimizer.batchable`) would
+    change nothing: one SpecError (`flags`: named as `canzona simulate / search` take it, else as
+    the runtime does)."""
     if not batch_kernels and not matrix_optimizer(optimizer).batchable:
         named = f"--optimizer {optimizer}" if flags else f"optimizer {optimizer!r}"
         raise SpecError(f"{spelt('batch_kernels', False, flags)} changes nothing with {named}: it has no batched "

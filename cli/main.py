@@ -451,7 +451,7 @@ def _sim_config(*, shared: SimOptions):
 
 # the options besides `sim.simulate.ONE_RANK_SETTINGS` and `ELEMENTWISE_IGNORED` whose refusal is
 # of the flag (it would change nothing), not of the layout: a default TP is chosen with them unset
-FLAG_ONLY_SETTINGS = ("dp_policy", "zero1_fallback", "tp_comm_overlap_cfg")
+FLAG_ONLY_SETTINGS = ("dp_policy", "zero1_fallback", "tp_comm_overlap_cfg", "batch_kernels")
 
 
 def _default_tp_config(shared: SimOptions):

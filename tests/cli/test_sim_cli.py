@@ -378,6 +378,19 @@ def test_an_elementwise_optimizers_no_op_settings_are_one_line(args, needle):
                   "--batch-kernels", "--json").exit_code == 0
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "normuon"])
+def test_no_batch_kernels_without_a_batched_kernel_is_its_own_error_at_the_default_tp(optimizer):
+    """Without --tp the default TP is chosen with the flag unset (its refusal is of the flag, not
+    of a layout: cli.main.FLAG_ONLY_SETTINGS), so the error is the flag's own. Before: "no --tp of
+    8, 4, 2, 1 runs this layout; at --tp 4: --no-batch-kernels changes nothing ..."."""
+    from tests.cli_helpers import error_line, invoke
+
+    line = error_line(invoke("simulate", "--model", "qwen3-0.6b", "--gpus", "8", "--seq-len", "256", "--global-batch",
+                             "8", "--optimizer", optimizer, "--no-batch-kernels"),
+                      f"--no-batch-kernels changes nothing with --optimizer {optimizer}")
+    assert line.startswith("error: --no-batch-kernels"), line
+
+
 @pytest.mark.parametrize("policy", ["sc", "zero1-gather", "layerwise"])
 @pytest.mark.parametrize("args, needle", [
     (["--geometry", "whole"], "--geometry whole"),
