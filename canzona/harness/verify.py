@@ -119,7 +119,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
     """Validate the request and plan every (optimizer, policy, TP scheduler, TP mode); raise
     `CanzonaError` on bad input. `optimizer`, `policy`, `tp_policy` and `tp_mode` take `all`
     (`policy="all"`: every policy that runs the optimizer; None: its default). The baselines run
-    `tp-sync` whatever `tp_policy` says; at TP = 1 the TP choices collapse to one.
+    `tp-sync` whatever `tp_policy` says; at TP = 1 and under AdamW the TP choices collapse to one.
 
     `global_batch` defaults to `4 * dp * accumulation` (always divisible). `ep` > 1: expert
     parallelism over the DP ranks (EP groups of `ep` consecutive ranks), with a mixture-of-experts
@@ -189,8 +189,10 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
             step = get_step_policy(pol)
             step.check_optimizer(opt)
             step.check_dp_policy(dp_policy)
-            # the baselines run tp-sync; at TP = 1 the TP choices change nothing
-            if tp == 1:
+            # the baselines run tp-sync; at TP = 1, and under an elementwise optimizer (AdamW's zero1
+            # plans with its own TP policy), the TP choices change nothing: at their defaults, which
+            # the runtime takes (it refuses others there: canzona.step_options.ELEMENTWISE_IGNORED)
+            if tp == 1 or opt not in MATRIX_OPTIMIZERS:
                 schedulers, modes = [PLAN_DEFAULTS.tp_policy], [STEP_DEFAULTS.tp_mode]
             else:
                 schedulers, modes = [step.tp_policy] if step.tp_policy else tp_policies, tp_modes

@@ -87,3 +87,19 @@ def test_fsdp_refuses_batch_kernels_off_where_the_simulator_does(optimizer):
             config.check()
     else:
         config.check()
+
+
+def test_canzona_verify_runs_adamw_at_tp_2_with_the_settings_the_runtime_takes():
+    """`canzona verify --optimizer adamw --tp 2` handed its ranks zero1's own TP scheduler (tp-sync)
+    as tp_policy, which the runtime now refuses (it changes nothing there): the TP choices collapse
+    to their defaults under an elementwise optimizer, as at TP 1 (`canzona.harness.verify.prepare`),
+    and every case passes the runtime's check."""
+    from canzona.harness.verify import prepare
+    from canzona.step_options import check_elementwise_options
+
+    cases = prepare(2, "adamw", tp=2, tp_policy="all", tp_mode="all")
+    assert len(cases) == 1 and cases[0].plan.tp_plan.policy == "tp-sync"  # what zero1 runs, as before
+    spec = cases[0].spec
+    given = dict(ELEMENTWISE_IGNORED)  # what the harness's ranks pass: the spec's fields, the defaults else
+    given.update(alpha=spec.alpha, tp_policy=spec.tp_policy, tp_mode=spec.tp_mode, batch_kernels=spec.batch_kernels)
+    check_elementwise_options("adamw", given)
