@@ -39,13 +39,16 @@ def test_on_an_h200_the_runtime_plans_as_plan_hardware_h200(one_rank, on_gpu):
     assert h100.cost_model == f"analytic:{DEFAULT_PROFILE}" and h100.hash() != h200.hash()
 
 
-def test_on_the_cpu_and_with_a_cost_model_given_nothing_changes(one_rank, on_gpu):
+def test_on_the_cpu_nothing_changes(one_rank):
     model = TinyQwen3("tiny", seed=0)
-    spec = model.spec()
-    assert DistributedOptimizer(model.named_parameters(), spec).plan.cost_model == f"analytic:{DEFAULT_PROFILE}"
+    assert DistributedOptimizer(model.named_parameters(), model.spec()).plan.cost_model == \
+        f"analytic:{DEFAULT_PROFILE}"
+
+
+def test_a_cost_model_given_is_the_one_planned_with_on_any_gpu(one_rank, on_gpu):
     on_gpu("NVIDIA H200")
-    given = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), spec,
-                                 cost_model=cost_model_for("a100-sxm"))
+    model = TinyQwen3("tiny", seed=0)
+    given = DistributedOptimizer(model.named_parameters(), model.spec(), cost_model=cost_model_for("a100-sxm"))
     assert given.plan.cost_model == "analytic:a100-sxm"
 
 
