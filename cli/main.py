@@ -460,7 +460,8 @@ def _default_tp_config(shared: SimOptions):
     TP 1 under --fsdp, ...), so a default is one that runs. The layout alone chooses: the plan and
     step settings refused where they would change nothing (--alpha at one DP rank, say) are at
     their defaults while choosing, so such a flag is its own one error at the chosen TP rather than
-    a silent other TP. Where no TP runs, the error says so, with one TP's (`_telling_tp`)."""
+    a silent other TP. Where no TP runs, the error says so, with one TP's (`_telling_tp`); where
+    every TP gives the same error, no TP is the matter and it is that error alone."""
     from sim.simulate import ELEMENTWISE_IGNORED, ONE_RANK_SETTINGS
 
     unset = {*FLAG_ONLY_SETTINGS, *(name.rpartition(".")[2] for name, _, _ in (*ONE_RANK_SETTINGS, *ELEMENTWISE_IGNORED))}
@@ -473,6 +474,8 @@ def _default_tp_config(shared: SimOptions):
             errors[tp] = e
             continue
         return _sim_config(shared=replace(shared, tp=tp))
+    if len({str(e) for e in errors.values()}) == 1:  # no TP changes it: the flag's own refusal
+        raise errors[DEFAULT_TPS[0]]
     tp = _telling_tp(shared)
     raise SpecError(f"no --tp of {', '.join(map(str, DEFAULT_TPS))} runs this layout; at --tp {tp}: {errors[tp]}")
 

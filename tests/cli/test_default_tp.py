@@ -62,3 +62,13 @@ def test_simulate_runs_moe_fsdp_without_tp():
                "--gpus", "8", "--seq-len", "512", "--global-batch", "8", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["tp"] == 1
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("--fsdp", "--overlap-step"), "--fsdp runs without --overlap-step"),
+])
+def test_an_error_every_tp_gives_alike_is_the_flags_own(flags, error):
+    """A refusal no TP changes (not in `FLAG_ONLY_SETTINGS`) is its own one line, not 'no --tp of
+    8, 4, 2, 1 runs this layout; at --tp 4: ...' (before)."""
+    line = error_line(invoke("simulate", "--model", "qwen3-0.6b", "--gpus", "8", *flags), error)
+    assert "no --tp" not in line
