@@ -449,8 +449,9 @@ def _sim_config(*, shared: SimOptions):
     return config
 
 
-# the options besides `sim.simulate.ONE_RANK_SETTINGS` and `ELEMENTWISE_IGNORED` whose refusal is
-# of the flag (it would change nothing), not of the layout: a default TP is chosen with them unset
+# the options besides `sim.simulate.ONE_RANK_SETTINGS` and `canzona.step_options.ELEMENTWISE_IGNORED`
+# whose refusal is of the flag (it would change nothing), not of the layout: a default TP is chosen
+# with them unset
 FLAG_ONLY_SETTINGS = ("dp_policy", "zero1_fallback", "tp_comm_overlap_cfg", "batch_kernels")
 
 
@@ -462,9 +463,11 @@ def _default_tp_config(shared: SimOptions):
     their defaults while choosing, so such a flag is its own one error at the chosen TP rather than
     a silent other TP. Where no TP runs, the error says so, with one TP's (`_telling_tp`); where
     every TP gives the same error, no TP is the matter and it is that error alone."""
-    from sim.simulate import ELEMENTWISE_IGNORED, ONE_RANK_SETTINGS
+    from canzona.step_options import ELEMENTWISE_IGNORED
+    from sim.simulate import ONE_RANK_SETTINGS
 
-    unset = {*FLAG_ONLY_SETTINGS, *(name.rpartition(".")[2] for name, _, _ in (*ONE_RANK_SETTINGS, *ELEMENTWISE_IGNORED))}
+    unset = {*FLAG_ONLY_SETTINGS, *(name.rpartition(".")[2] for name, _, _ in ONE_RANK_SETTINGS),
+             *(name for name, _ in ELEMENTWISE_IGNORED)}
     layout = replace(shared, **{name: getattr(SimOptions, name) for name in unset})
     errors: dict[int, SpecError] = {}
     for tp in DEFAULT_TPS:

@@ -75,8 +75,7 @@ from canzona.recompute import check_method_layers, check_selective_ac_option, in
 from canzona.routing import RANDOM
 from canzona.spec import DTYPE_BYTES, ModelSpec
 from canzona.step_collectives import RUNTIME_STYLE, check_runtime_experts
-from canzona.step_options import ELEMENTWISE_IGNORED as CORE_ELEMENTWISE_IGNORED
-from canzona.step_options import STEP_DEFAULTS, check_elementwise_options
+from canzona.step_options import ELEMENTWISE_IGNORED, STEP_DEFAULTS, check_elementwise_options
 from canzona.step_policies import (
     FSDP_POLICIES,
     STEP_POLICIES,
@@ -138,12 +137,6 @@ DEFINITIONS = {
 }
 
 
-# canzona's plan settings that an elementwise optimizer's (AdamW's) step policy does not read
-# (`canzona.step_options.ELEMENTWISE_IGNORED`, the runtime's too): field, flag, default. A run of one
-# refuses them off their defaults (`SimConfig._check_elementwise_settings`); `with_policy` resets
-# them for compare's AdamW baseline
-ELEMENTWISE_IGNORED: tuple[tuple[str, str, Any], ...] = tuple(
-    (name, "--" + name.replace("_", "-"), default) for name, default in CORE_ELEMENTWISE_IGNORED)
 # the settings that weigh how a DP group's ranks share the matrices, how its gradients are reduced
 # and its updated parameters gathered: with one rank in every plan's group
 # (`SimConfig._check_one_rank_settings`) there is nothing to share, reduce or gather, and they change
@@ -437,7 +430,7 @@ class SimConfig:
         SpecError (named at its default it is accepted), as under --fsdp (`sim.fsdp`); and
         --no-batch-kernels with any optimizer without a batched kernel. The runtime's check
         (`canzona.step_options.check_elementwise_options`), its options named as flags."""
-        given = {name: getattr(self, name) for name, _, _ in ELEMENTWISE_IGNORED}
+        given = {name: getattr(self, name) for name, _ in ELEMENTWISE_IGNORED}
         check_elementwise_options(self.optimizer, {**given, "batch_kernels": self.options.batch_kernels}, flags=True)
 
     def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
@@ -1001,7 +994,7 @@ def with_policy(cfg: SimConfig, name: str) -> SimConfig:
         # defaults for it, as it runs them (a run of AdamW refuses them set: `ELEMENTWISE_IGNORED`)
         options = replace(options, batch_kernels=RunOptions.batch_kernels)
         return replace(cfg, policy=name, optimizer=optimizer, options=options, matrix_config=None,
-                       **{name: default for name, _, default in ELEMENTWISE_IGNORED})
+                       **dict(ELEMENTWISE_IGNORED))
     return replace(cfg, policy=name, optimizer=optimizer, options=options)
 
 

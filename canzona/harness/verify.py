@@ -196,9 +196,11 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                 schedulers, modes = [PLAN_DEFAULTS.tp_policy], [STEP_DEFAULTS.tp_mode]
             else:
                 schedulers, modes = [step.tp_policy] if step.tp_policy else tp_policies, tp_modes
+            # so is alpha (whole-matrix balancing) under an elementwise one (`--optimizer all --alpha`)
+            a = alpha if opt in MATRIX_OPTIMIZERS else PLAN_DEFAULTS.alpha
             for scheduler in schedulers:
                 for mode in modes:
-                    spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=alpha,
+                    spec = TrainSpec(preset=preset, optimizer=opt, policy=pol, dp_policy=dp_policy, alpha=a,
                                      bucket_size=bucket_size, steps=steps, global_batch=global_batch,
                                      seq_len=seq_len, accumulation=accumulation, tp=tp, tp_policy=scheduler,
                                      tp_mode=mode, tp_style=tp_style, ep=ep)
@@ -207,7 +209,7 @@ def prepare(dp: int, optimizer: str = "muon", policy: str | None = None, steps: 
                     # here so that bad plan settings fail before any spawn and the table names
                     # what ran
                     plan = plan_for(mspec, dp, tp, opt, step, PlanSettings(
-                        dp_policy=dp_policy, tp_policy=scheduler, alpha=alpha, bucket_size=bucket_size), ep=ep)
+                        dp_policy=dp_policy, tp_policy=scheduler, alpha=a, bucket_size=bucket_size), ep=ep)
                     step.check_dp_plan(plan.dp_plan)
                     cases.append(VerifyCase(spec, plan))
     return cases

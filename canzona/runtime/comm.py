@@ -20,7 +20,7 @@ import hashlib
 import pickle
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -249,16 +249,17 @@ class Comm:
                  for r in range(self.size) if lengths[r]]
         return PendingWork(self, works, f"all-gather of {name}", hand)
 
-    def check_agreement(self, facts: dict[str, str]) -> None:
+    def check_agreement(self, facts: dict[str, str], advice: Mapping[str, str] | None = None) -> None:
         """Every rank must run the same plan on the same model: compare digests before any other
         collective, so a mismatch is an error instead of a hang or silent corruption."""
-        error = self.agreement_error(facts)
+        error = self.agreement_error(facts, advice)
         if error is not None:
             raise PlanError(error)
 
-    def agreement_error(self, facts: dict[str, str]) -> str | None:
+    def agreement_error(self, facts: dict[str, str], advice: Mapping[str, str] | None = None) -> str | None:
         """`check_agreement`'s verdict as a message (None: every rank agrees), for callers that must
-        finish further collectives before raising."""
+        finish further collectives before raising; `advice`: what to do, by fact, where a
+        disagreement over it has a remedy the message should give."""
         names = list(facts)  # in the order given: the most telling disagreement is reported first
         digest = [hashlib.sha256(facts[k].encode()).digest()[:8] for k in names]
         mine = torch.tensor([int.from_bytes(d, "little", signed=True) for d in digest], dtype=torch.int64)
@@ -277,8 +278,9 @@ class Comm:
                 for r in ranks:
                     others.setdefault(held[r], []).append(r)
                 there = "; ".join(f"rank(s) {rs}: {value}" for value, rs in others.items())
+                remedy = f": {advice[name]}" if advice and name in advice else ""
                 return (f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) {ranks} "
-                        f"({name} {held[self.rank]} here; {there})")
+                        f"({name} {held[self.rank]} here; {there}){remedy}")
         return None
 
     def spread_failure(self, error: str | None, name: str, failed_what: str) -> str | None:

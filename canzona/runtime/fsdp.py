@@ -106,7 +106,13 @@ from canzona.runtime.kernels import (
 from canzona.runtime.mesh import TP
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
-from canzona.runtime.options import check_step_options, optimizer_config, planning_cost_model
+from canzona.runtime.options import (
+    COST_MODEL_ADVICE,
+    COST_MODEL_FACT,
+    check_step_options,
+    optimizer_config,
+    planning_cost_model,
+)
 from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
 from canzona.runtime.shards import local_tensor
 from canzona.step_options import check_batch_kernels
@@ -380,14 +386,14 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             # before the owners: ranks planning on other GPUs' profiles (cost_model=None) say so
-            "plan's cost model": self.plan.cost_model if self.plan is not None else "none (no owners)",
+            COST_MODEL_FACT: self.plan.cost_model if self.plan is not None else "none (no owners)",
             "owners": owners,
             "policy": self.policy.name if self.policy is not None else "each rank its own shards",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
             "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
             "mesh": f"{tuple(self.device_mesh.mesh.shape)} replicas over dims {self.replica_dims}",
-        })
+        }, COST_MODEL_ADVICE)
 
     @torch.no_grad()
     def reset_master_weights(self) -> None:

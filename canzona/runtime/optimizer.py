@@ -88,7 +88,13 @@ from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_s
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
-from canzona.runtime.options import check_step_options, optimizer_config, planning_cost_model
+from canzona.runtime.options import (
+    COST_MODEL_ADVICE,
+    COST_MODEL_FACT,
+    check_step_options,
+    optimizer_config,
+    planning_cost_model,
+)
 from canzona.runtime.param_gather import (
     Holders,
     ParamsInFlight,
@@ -131,14 +137,19 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
     `capacity`, `balance_by` and `expert_buckets` (how buckets of stacked expert matrices are
     sized: `canzona.dp.layout.EXPERT_BUCKETS`) are `canzona.plan.PlanSettings`'s, with its defaults
     (`PLAN_DEFAULTS`), as `canzona plan` and `canzona simulate` take them; a step policy with its
-    own DP or TP policy (the baselines) overrides those two. Given beside a `plan`, one off its default
+    own DP or TP policy (the baselines) overrides those two; under an elementwise optimizer (AdamW)
+    the settings its step does not read are refused off their defaults
+    (`canzona.step_options.check_elementwise_options`, as `canzona simulate` refuses them). Without a
+    `plan`, `cost_model` prices each matrix's step for the balance: None is the profile of the GPU the
+    parameters are on (`canzona.hardware.profile_for_device`; the default profile's on the CPU or a
+    GPU without one, as `canzona plan` without `--hardware`). Given beside a `plan`, one off its default
     must be what the plan was made with (`canzona.plan.check_plan_settings`: one PlanError otherwise,
     where it was run as the plan said, silently, until 2026-11-30). `geometry` (`canzona.plan.GEOMETRIES`):
     `"auto"` (default) keeps ZeRO-1's even segments where whole matrices plan no shorter step (the
     ranks then fetch the parts of the matrices that straddle a cut, as zero1-gather's do),
     `"whole"` always whole matrices; `overlap_step` plans whole matrices. The plan is balanced for
     the step this optimizer runs, priced at `matrix_config` (`canzona.plan.plan_for`'s option of that
-    name: `canzona plan --matrix-config` writes the same plan).
+    name: `canzona plan --matrix-config` writes the same plan, on the GPU its `--hardware` names).
 
     `group`: the data-parallel process group, or a `DeviceMesh` (1-D, or with dimensions named
     after the axes, `dp` and, for tensor parallelism, `tp`); `tp_group` gives the TP group when
@@ -536,7 +547,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             "parameter order": ",".join(p.name for p in self.spec.params),
             "optimizer configuration": repr((self.optimizer, asdict(self.matrix_cfg), asdict(self.adamw_cfg))),
             # before the plan: ranks planning on other GPUs' profiles (cost_model=None) say so
-            "plan's cost model": self.plan.cost_model,
+            COST_MODEL_FACT: self.plan.cost_model,
             "plan": self.plan.hash(),
             "policy": f"{self.policy.name} ({self.tp_mode}, reduce-scatter {self.comm.reduce_scatter_impl})",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
@@ -560,7 +571,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             dp_facts["expert parallelism"] = f"ep {self.ep}"
             dp_facts["expert-data-parallel agreement check (failed on the ranks named; see their error)"] = \
                 "failed" if error is not None else "passed"
-        dp_error = self.comm.agreement_error(dp_facts)  # every rank joins the DP round
+        dp_error = self.comm.agreement_error(dp_facts, COST_MODEL_ADVICE)  # every rank joins the DP round
         error = error or dp_error
         if self.tp_comm is None:
             if error is not None:
@@ -575,7 +586,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             **shared, "DP rank": str(self.rank),
             "initial TP-replicated parameters": _parameters_checksum(replicated),
             "data-parallel agreement check (failed on the ranks named; see their error)":
-                "failed" if error is not None else "passed"})
+                "failed" if error is not None else "passed"}, COST_MODEL_ADVICE)
         error = error or tp_error
         error = self.comm.spread_failure(error, "agreement verdict",
                                          "the TP group of DP rank(s) {ranks} failed the agreement check")

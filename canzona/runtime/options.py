@@ -45,6 +45,12 @@ def gpu_name(device: torch.device) -> str | None:
 
 _WARNED: set[str] = set()  # the GPUs warned of in this process (once each)
 
+# the agreement fact of the profile a plan was priced on, and what to do where ranks disagree on it
+# (cost_model=None on GPUs of different profiles: each plans on its own)
+COST_MODEL_FACT = "plan's cost model"
+COST_MODEL_ADVICE = {COST_MODEL_FACT: "on GPUs of different kinds give every rank the same cost_model "
+                                      "(canzona.cost.cost_model_for(...)) or the same plan (canzona plan --hardware ...)"}
+
 
 def planning_cost_model(cost_model: CostModel | None, device: torch.device) -> CostModel | None:
     """What an optimizer given `cost_model` plans its owners with, its parameters on `device`: the
@@ -63,5 +69,5 @@ def planning_cost_model(cost_model: CostModel | None, device: torch.device) -> C
         warnings.warn(f"no hardware profile is the GPU {name!r}: canzona plans the owners with the "
                       f"{DEFAULT_PROFILE} profile's costs; give cost_model=canzona.cost.cost_model_for(...) "
                       "(a profile's name or a `canzona calibrate` profile's path, as --hardware takes) or a plan "
-                      "from `canzona plan --hardware ...`", stacklevel=3)
+                      "from `canzona plan --hardware ...`", stacklevel=4)
     return None

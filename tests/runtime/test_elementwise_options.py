@@ -99,7 +99,11 @@ def test_canzona_verify_runs_adamw_at_tp_2_with_the_settings_the_runtime_takes()
 
     cases = prepare(2, "adamw", tp=2, tp_policy="all", tp_mode="all")
     assert len(cases) == 1 and cases[0].plan.tp_plan.policy == "tp-sync"  # what zero1 runs, as before
-    spec = cases[0].spec
-    given = dict(ELEMENTWISE_IGNORED)  # what the harness's ranks pass: the spec's fields, the defaults else
-    given.update(alpha=spec.alpha, tp_policy=spec.tp_policy, tp_mode=spec.tp_mode, batch_kernels=spec.batch_kernels)
-    check_elementwise_options("adamw", given)
+    # and `--optimizer all --alpha 0.5`: the matrix optimizers' cases at it, AdamW's at the default
+    # (its ranks were handed alpha=0.5, which the runtime refuses there)
+    every = prepare(2, "all", tp=2, alpha=0.5, tp_policy="all", tp_mode="all")
+    assert {c.spec.alpha for c in every if c.spec.optimizer != "adamw"} == {0.5}
+    for spec in [c.spec for c in (*cases, *every)]:
+        given = dict(ELEMENTWISE_IGNORED)  # what the harness's ranks pass: the spec's fields, the defaults else
+        given.update(alpha=spec.alpha, tp_policy=spec.tp_policy, tp_mode=spec.tp_mode, batch_kernels=spec.batch_kernels)
+        check_elementwise_options(spec.optimizer, given)

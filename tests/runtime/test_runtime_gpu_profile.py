@@ -57,8 +57,9 @@ def test_a_gpu_without_a_profile_plans_with_the_default_and_warns_once(one_rank,
     spec = TinyQwen3("tiny", seed=0).spec()
     with pytest.warns(UserWarning, match=r"no hardware profile is the GPU 'NVIDIA H100 PCIe': canzona plans the "
                                          r"owners with the h100-sxm profile's costs; give cost_model=canzona\.cost\."
-                                         r"cost_model_for"):
+                                         r"cost_model_for") as said:
         opt = DistributedOptimizer(TinyQwen3("tiny", seed=0).named_parameters(), spec)
+    assert said[0].filename == __file__  # the user's line, not canzona's
     assert opt.plan.cost_model == f"analytic:{DEFAULT_PROFILE}"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once a process

@@ -496,11 +496,14 @@ def test_ranks_planning_on_other_gpus_profiles_name_both_profiles():
     got = outcomes()
     if "error" in got:
         pytest.fail(f"the spawned group failed: {got['error']}")
+    from canzona.runtime.options import COST_MODEL_ADVICE, COST_MODEL_FACT
+
     messages = [out["message"] for out in got["ranks_plan_on_other_gpus"]]
+    remedy = f": {COST_MODEL_ADVICE[COST_MODEL_FACT]}"  # and what to do about it
     assert messages[3] == ("ranks disagree on the plan's cost model: rank 1 differs from rank(s) [0] (plan's cost "
-                           "model analytic:h200 here; rank(s) [0]: analytic:h100-sxm)")
+                           "model analytic:h200 here; rank(s) [0]: analytic:h100-sxm)" + remedy)
     assert messages[1] == ("ranks disagree on the plan's cost model: rank 0 differs from rank(s) [1] (plan's cost "
-                           "model analytic:h100-sxm here; rank(s) [1]: analytic:h200)")
+                           "model analytic:h100-sxm here; rank(s) [1]: analytic:h200)" + remedy)
     assert messages[2] == messages[1]  # rank 3's TP peer: the same ranks in its TP group
 
 
