@@ -97,7 +97,9 @@ class GradientSync:
         self.params = params
         # the buffers hold entries: a parameter, or each matrix of a stacked one (`stacks`)
         self.stacks = Stacks(spec, params, plan.dp_plan.buckets)
-        tensors = self.stacks.tensors()
+        # a parameter's entry is the parameter itself (a DTensor's link to its buffer needs to know it
+        # is one: `shards.link_data`), a stack's matrices their views of it
+        tensors = {entry: params.get(entry, t) for entry, t in self.stacks.tensors().items()}
         self.plan = plan
         self.policy = policy
         self.dp = dp

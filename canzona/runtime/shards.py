@@ -47,7 +47,15 @@ def local_tensor(p: Tensor) -> Tensor:
 
 
 def link_data(p: Tensor, view: Tensor) -> None:
-    """Make `p`'s local values live in `view` (which already holds them)."""
+    """Make `p`'s local values live in `view` (which already holds them).
+
+    A DTensor's local tensor gets an alias of `view` that starts its own storage (offset 0, the
+    same memory; DLPack's view of it keeps the buffer alive): torch 2.13's DTensor copies its local
+    tensor's storage offset into the wrapper, and pickling a wrapper at a nonzero offset reads the
+    wrapper's storage (an error), so `torch.save(model.state_dict())` and `copy.deepcopy(model)`
+    failed for every DTensor parameter past the start of a buffer."""
+    if is_dtensor(p) and view.storage_offset() != 0:
+        view = torch.from_dlpack(view.detach())
     local_tensor(p).data = view
 
 

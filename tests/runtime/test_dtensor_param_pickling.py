@@ -1,0 +1,65 @@
+"""A model whose parameters are DTensors (tensor parallelism through `parallelize_module`, or FSDP2's
+`fully_shard` on a one-rank mesh, which takes the ZeRO-1 step) pickles as it does beside a torch
+optimizer after canzona's optimizer has laid the parameters' local values into its buffers:
+`torch.save(model.state_dict())` and `copy.deepcopy(model)` (an EMA copy) work and hold the
+weights. torch 2.13's DTensor carries its local tensor's storage offset, and its pickling then
+reads the data pointer of the wrapper's storage (an error), so a local value at a nonzero offset
+of a buffer could not be saved (`canzona.runtime.shards.link_data`). One gloo rank in this process."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from canzona.runtime import DistributedOptimizer
+from canzona.spec import ModelSpec
+from tests.runtime.test_fsdp_runtime import Small, small_batch
+
+
+def _sharded(how: str) -> tuple[torch.nn.Module, dict]:
+    model = Small()
+    if how == "tp":
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+        return model, {"group": mesh}
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return model, {}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("how", ["tp", "fsdp2"])
+def test_a_dtensor_model_saves_and_deep_copies_after_steps(one_rank, how):
+    model, kwargs = _sharded(how)
+    opt = DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(Small()), "muon", **kwargs)
+    for k in range(2):
+        opt.zero_grad()
+        model(small_batch(k, 0)).backward()
+        opt.step()
+    opt.wait_params()
+    want = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    assert {n: _full(t) for n, t in saved.items()}.keys() == want.keys()
+    assert all(torch.equal(_full(saved[n]), w) for n, w in want.items())
+    if how == "fsdp2":
+        return  # torch's FSDP2 refuses copy.deepcopy of its modules
+    opt.zero_grad()  # the gradients live in the optimizer's buffers until then (grad_guard)
+    ema = copy.deepcopy(model)
+    assert all(torch.equal(_full(p).detach(), want[n]) for n, p in ema.named_parameters())
+    # the copy is the copy's: the next step moves the model's weights, not the copy's
+    model(small_batch(2, 0)).backward()
+    opt.step()
+    opt.wait_params()
+    assert all(torch.equal(_full(p).detach(), want[n]) for n, p in ema.named_parameters())
+    assert not all(torch.equal(_full(p).detach(), want[n]) for n, p in model.named_parameters())
