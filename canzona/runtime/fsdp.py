@@ -91,7 +91,9 @@ from canzona.runtime.groups import (
     defaults_of,
     group_lr,
     group_matrices,
+    group_members,
     hyper_parameters_digest,
+    members_changed,
     user_groups,
 )
 from canzona.runtime.kernels import (
@@ -316,6 +318,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
+        self._group_members = group_members(self.param_groups)  # what the step runs, group by group
 
         low = {p.dtype for p in self.params.values()} & set(LOW_PRECISION)
         self.master_weights = bool(opts["master_weights"] and low)
@@ -443,7 +446,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor
 
-        replaced = self._replaced()
+        replaced = members_changed(self.param_groups, self._group_members) or self._replaced()
         if replaced is not None:
             return replaced
         for name, p in self.params.items():
@@ -696,6 +699,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if self.checked is self._amp.unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
         try:
+            changed = members_changed(self.param_groups, self._group_members)  # since the check (a clip's)
+            if changed is not None:
+                raise CanzonaError(changed)
             for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
                 self.group_config(g)
         except Exception:

@@ -220,6 +220,29 @@ def defaults_of(configs: Mapping[str, Any]) -> dict[str, Any]:
     return {**adamw, **matrix}
 
 
+def group_members(param_groups: list[dict[str, Any]]) -> list[tuple[int, ...]]:
+    """Which tensors each group holds (by id, in order): what `members_changed` compares against."""
+    return [tuple(map(id, g["params"])) for g in param_groups]
+
+
+def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, ...]]) -> str | None:
+    """What is wrong when `param_groups` no longer hold the parameters the optimizer was built with
+    (`built`: `group_members` at construction), None when they do. torch.optim steps whatever a
+    group's `params` holds at each step; the plan lays out the parameters given at construction and
+    the step runs each in the group it was built in, so an edit there would be silently ignored."""
+    if len(param_groups) != len(built):
+        return (f"param_groups has {len(param_groups)} groups, the optimizer was built with {len(built)}: groups "
+                "cannot be added or removed after construction (its plan lays out every parameter; "
+                "add_param_group is refused too): build the optimizer with all of them")
+    for i, (group, ids) in enumerate(zip(param_groups, built)):
+        if tuple(map(id, group["params"])) != ids:
+            return (f"param_groups[{i}]['params'] was changed after construction (a parameter removed, added or "
+                    "moved to another group), which the step would ignore (its plan lays out the parameters it "
+                    "was built with): put it back; freeze a parameter with requires_grad_(False), and give a "
+                    "group other hyper-parameters through its keys")
+    return None
+
+
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
     """A signed 64-bit digest of every group's hyper-parameters: ranks compare it each step."""
     rows = [sorted((k, repr(_plain(v))) for k, v in g.items() if k != "params") for g in param_groups]

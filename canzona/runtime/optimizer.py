@@ -80,7 +80,9 @@ from canzona.runtime.groups import (
     defaults_of,
     group_lr,
     group_matrices,
+    group_members,
     hyper_parameters_digest,
+    members_changed,
     user_groups,
 )
 from canzona.runtime.hf_tp import check_tp_styles
@@ -387,6 +389,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of = {n: group_of[id(p)] for n, p in self.params.items()}
+        self._group_members = group_members(self.param_groups)  # what the step runs, group by group
 
         # bf16 / fp16 models: fp32 master weights, gradients reduced in fp32 and fp32 optimizer
         # state (as Megatron's distributed optimizer); master_weights=False keeps all of it in the
@@ -435,8 +438,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             self.reset_master_weights()
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         for grads in self._syncs():
-            grads.replaced_check = functools.partial(
-                replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params})
+            grads.replaced_check = functools.partial(self._changed, functools.partial(
+                replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params}))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
@@ -905,8 +908,18 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         """The optimizer config of param group `g` as its hyper-parameters say now (validated)."""
         return self._configs.config(g, self.param_groups[g])
 
+    def _changed(self, replaced: Callable[[], str | None]) -> str | None:
+        """What changed on this rank since construction that a step cannot follow (the step check's
+        local problem, so that every rank fails alike): `param_groups` holding other parameters,
+        or a parameter `replaced` in the model."""
+        return members_changed(self.param_groups, self._group_members) or replaced()
+
     def _check_hyper_parameters(self) -> None:
-        """Every param group's hyper-parameters valid now (one CanzonaError otherwise)."""
+        """Every param group's hyper-parameters valid now, over the parameters it was built with
+        (one CanzonaError otherwise)."""
+        changed = members_changed(self.param_groups, self._group_members)
+        if changed is not None:
+            raise CanzonaError(changed)
         for g in range(len(self.param_groups)):
             self.group_config(g)
 

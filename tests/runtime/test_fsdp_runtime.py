@@ -206,7 +206,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               torch_clip_after_clip: int | None = None, nan_after_clip: int | None = None,
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
-              wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon") -> dict:
+              wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
+              regroup: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -242,7 +243,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     loop itself (`update` only, no `scaler.step`). `wrap`: the scaler is handed that wrapper of the
     optimizer (tests/runtime/amp_wrappers.py), not the optimizer (`wrap_step=False`: `scaler.step`
     is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`).
-    `optimizer`: "muon" (Muon's owners) or "adamw" (every parameter elementwise on its own shard)."""
+    `optimizer`: "muon" (Muon's owners) or "adamw" (every parameter elementwise on its own shard).
+    At step `regroup` every rank removes the last parameter of the last param group before step()
+    (torch.optim would stop stepping it; the optimizer's plan cannot follow)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -287,6 +290,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         if step == evaluate:
             with torch.no_grad():
                 model(small_batch(step, rank))
+        if step == regroup:
+            opt.param_groups[-1]["params"].pop()
         if rank == 2 and step == absent:
             time.sleep(3 * timeout_s)
             break
@@ -400,6 +405,7 @@ SMALL_CASES = {
     "assign": {"steps": 3, "assign": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
     "cast": {"steps": 2, "cast": True},
+    "regroup": {"steps": 2, "regroup": 1},
     "evaluate": {"steps": 3, "evaluate": 1},
     "bf16-clip": {"steps": 3, "clip": 0.05, "bf16": True},
     "bf16-clip-retried": {"steps": 3, "clip": 0.05, "bf16": True, "retry": 1},
@@ -963,6 +969,9 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
     # gradient to the next step's)
     ("unsynced", "set_requires_gradient_sync(True) before step()"),
+    # a parameter removed from its param group, which torch.optim would stop stepping: the step
+    # ran every parameter as built, silently
+    ("regroup", "['params'] was changed after construction"),
 ])
 def test_fsdp_a_step_the_model_no_longer_feeds_is_one_error_before_any_update(case: str, named: str) -> None:
     """Every rank fails the step check, naming the cause, nothing updated by that step."""

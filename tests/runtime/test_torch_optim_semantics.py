@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona.errors import SpecError
+from canzona.errors import CanzonaError, SpecError
 from canzona.runtime import DistributedOptimizer
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
@@ -172,3 +172,44 @@ def test_muon_adjust_lr_fn_none_is_torchs_default_original(one_rank):
     _step(mine, [opt], tokens)
     _step(theirs, torch_opts, tokens)
     assert _same(mine, theirs)
+
+
+def _pop_last(opt) -> None:
+    opt.param_groups[-1]["params"].pop()  # "stop training this one", as torch.optim follows it
+
+
+def _move_one(opt) -> None:
+    """A parameter moved from one AdamW group into another (its hyper-parameters would change)."""
+    first, second = [g for g in opt.param_groups if g["kind"] == "adamw"][:2]
+    second["params"].append(first["params"].pop())
+
+
+def _append_group(opt) -> None:
+    opt.param_groups.append({**opt.param_groups[-1], "params": [torch.nn.Parameter(torch.ones(3))]})
+
+
+def _drop_group(opt) -> None:
+    opt.param_groups.pop()
+
+
+@pytest.mark.parametrize("edit", [_pop_last, _move_one, _append_group, _drop_group],
+                         ids=["param-removed", "param-moved", "group-appended", "group-removed"])
+def test_param_groups_membership_edited_after_construction_is_one_error_before_any_update(one_rank, edit):
+    """torch.optim steps what `param_groups[i]['params']` holds at each step; canzona's plan lays out
+    the parameters given at construction, so a parameter removed from, added to or moved between
+    groups (or a group appended or dropped past `add_param_group`) would be ignored: one error at
+    the next step, before any update, never a step that silently differs from torch's."""
+    model = TinyQwen3("tiny", seed=0)
+    d = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    nd = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
+    opt = DistributedOptimizer([{"params": d}, {"params": nd, "weight_decay": 0.0}], model.spec(), "muon",
+                               overlap_param_gather=False)
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(model, [opt], tokens)
+    edit(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model.loss(tokens).backward()
+    with pytest.raises(CanzonaError, match=r"param_groups.* after construction"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
