@@ -63,3 +63,26 @@ def test_a_dtensor_model_saves_and_deep_copies_after_steps(one_rank, how):
     opt.wait_params()
     assert all(torch.equal(_full(p).detach(), want[n]) for n, p in ema.named_parameters())
     assert not all(torch.equal(_full(p).detach(), want[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("how", ["tp", "fsdp2"])
+def test_a_one_rank_dtensor_model_trains_as_torch_optimizers_train_it(one_rank, how):
+    """FSDP2 on one rank (nothing to shard) and TP 1 take the ZeRO-1 step over the DTensors' local
+    values: bit for bit torch.optim.Muon on the matrices and AdamW on the rest, as the README says."""
+    model, kwargs = _sharded(how)
+    spec = ModelSpec.from_module(Small())
+    opt = DistributedOptimizer(model.named_parameters(), spec, "muon", **kwargs)
+    plain = Small()
+    matrices = {p.name for p in spec.matrix_params()}
+    named = list(plain.named_parameters())
+    torch_opts = [torch.optim.Muon([p for n, p in named if n in matrices]),
+                  torch.optim.AdamW([p for n, p in named if n not in matrices])]
+    for k in range(3):
+        for o in (opt, *torch_opts):
+            o.zero_grad()
+        model(small_batch(k, 0)).backward()
+        plain(small_batch(k, 0)).backward()
+        for o in (opt, *torch_opts):
+            o.step()
+    opt.wait_params()
+    assert all(torch.equal(_full(p).detach(), q) for (_, p), (_, q) in zip(model.named_parameters(), named))
