@@ -131,6 +131,41 @@ class Checkpointable(Described, Protocol):
     def reset_master_weights(self) -> None: ...
 
 
+class StateNotHereError(CheckpointError, AttributeError):
+    """A value of `opt.state[param]` used as a tensor. An AttributeError too, so that code probing
+    attributes (`hasattr`, `getattr(..., default)`, `copy`) sees none, as on any object."""
+
+
+class HeldElsewhere:
+    """The value of each field of `opt.state[param]`: the state lives sharded in the optimizer's own
+    structures, so any use of it as a tensor (`.norm()`, `torch.norm(...)`, `.item()`) is one
+    error naming where the values are, not an AttributeError of a None."""
+
+    __slots__ = ("field",)
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __repr__(self) -> str:
+        return f"<{self.field}: held sharded by the optimizer; read it from opt.state_dict()['state']>"
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr == "field":  # protocol probes (copy, pickle), a copy not yet filled
+            raise AttributeError(attr)
+        raise StateNotHereError(_held_elsewhere(repr(self.field)))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise StateNotHereError(_held_elsewhere("a field"))
+
+
+def _held_elsewhere(field: str) -> str:
+    return (f"opt.state[param] names the fields of a parameter's state only ({field} of it here): canzona keeps "
+            "the values sharded across the ranks, each on the rank that computes it; read them from "
+            "opt.state_dict()['state'] (a collective: every rank calls it), which holds each parameter's "
+            "full values by its position in param_groups, as torch's optimizers do")
+
+
 class StateHeldElsewhere(dict):
     """torch.optim's `state` of a canzona optimizer: empty, and always true.
     `torch.distributed.checkpoint.state_dict`'s get/set_optimizer_state_dict take an empty `state`
@@ -138,7 +173,8 @@ class StateHeldElsewhere(dict):
     change of momentum); the state lives in `matrix_state`, `adamw_state` and `master`, on the
     ranks that hold it, and `state_dict()` gathers it.
     `state[param]` of a parameter of the optimizer's is a read-only mapping naming the fields its
-    `state_dict()` entry holds (`entry_fields`), each None: torch's
+    `state_dict()` entry holds (`entry_fields`), each a `HeldElsewhere` (any use of it as a
+    tensor is one error naming `state_dict()`): torch's
     `flatten_optimizer_state_dict=True` (torchtitan's checkpointer) rebuilds an entry from the
     keys `state.<name>.<field>` of exactly those fields."""
 
@@ -154,7 +190,7 @@ class StateHeldElsewhere(dict):
         names = entry_fields(self._owner, key, self._fields) if self._owner is not None and isinstance(key, Tensor) else None
         if names is None:
             raise KeyError(key)
-        return MappingProxyType(dict.fromkeys(names))
+        return MappingProxyType({name: HeldElsewhere(name) for name in names})
 
 
 class FieldsIndex:

@@ -213,3 +213,34 @@ def test_param_groups_membership_edited_after_construction_is_one_error_before_a
     with pytest.raises(CanzonaError, match=r"param_groups.* after construction"):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_reading_a_state_value_through_opt_state_is_one_error_naming_state_dict(one_rank):
+    """`opt.state[p]` names the fields of p's state (what torch's flattened checkpoints read), but the
+    state lives sharded in the optimizer's own structures: code that reads a value there as from
+    torch's optimizers (logging `exp_avg`'s norm) gets one error naming where the values are, not
+    an AttributeError of a None."""
+    (model, opt), _ = _pair("adamw")
+    _step(model, [opt], fixed_batch(256, 2, 16, seed=3))
+    p = next(iter(model.parameters()))
+    fields = opt.state[p]
+    assert "exp_avg" in fields and "step" in fields
+    for read in (lambda: fields["exp_avg"].norm(), lambda: torch.norm(fields["exp_avg"]),
+                 lambda: fields["step"].item()):
+        with pytest.raises(CanzonaError, match=r"opt\.state_dict\(\)\['state'\]"):
+            read()
+    index = [id(q) for g in opt.param_groups for q in g["params"]].index(id(p))
+    assert opt.state_dict()["state"][index]["exp_avg"].shape == p.shape  # where the values are
+
+
+def test_a_state_fields_values_answer_attribute_probes_as_any_object_does(one_rank):
+    """`hasattr`, `getattr(..., default)` and copies of `opt.state[p]`'s values work (an attribute
+    probe sees none), so tools that walk what they find keep working."""
+    import copy
+
+    (model, opt), _ = _pair("adamw")
+    fields = dict(opt.state[next(iter(model.parameters()))])
+    assert not hasattr(fields["exp_avg"], "device")
+    assert getattr(fields["exp_avg"], "shape", None) is None
+    assert set(copy.deepcopy(fields)) == set(fields)
+    assert "opt.state_dict()" in repr(fields["exp_avg"])
