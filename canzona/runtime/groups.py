@@ -220,12 +220,13 @@ def defaults_of(configs: Mapping[str, Any]) -> dict[str, Any]:
     return {**adamw, **matrix}
 
 
-def group_members(param_groups: list[dict[str, Any]]) -> list[tuple[int, ...]]:
-    """Which tensors each group holds (by id, in order): what `members_changed` compares against."""
-    return [tuple(map(id, g["params"])) for g in param_groups]
+def group_members(param_groups: list[dict[str, Any]]) -> list[tuple[int, frozenset[int]]]:
+    """Which tensors each group holds (how many, and which by id; in any order, which the step and
+    the checkpoints follow): what `members_changed` compares against."""
+    return [(len(g["params"]), frozenset(map(id, g["params"]))) for g in param_groups]
 
 
-def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, ...]]) -> str | None:
+def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]]) -> str | None:
     """What is wrong when `param_groups` no longer hold the parameters the optimizer was built with
     (`built`: `group_members` at construction), None when they do. torch.optim steps whatever a
     group's `params` holds at each step; the plan lays out the parameters given at construction and
@@ -234,8 +235,8 @@ def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, .
         return (f"param_groups has {len(param_groups)} groups, the optimizer was built with {len(built)}: groups "
                 "cannot be added or removed after construction (its plan lays out every parameter; "
                 "add_param_group is refused too): build the optimizer with all of them")
-    for i, (group, ids) in enumerate(zip(param_groups, built)):
-        if tuple(map(id, group["params"])) != ids:
+    for i, (group, members) in enumerate(zip(param_groups, built)):
+        if (len(group["params"]), frozenset(map(id, group["params"]))) != members:
             return (f"param_groups[{i}]['params'] was changed after construction (a parameter removed, added or "
                     "moved to another group), which the step would ignore (its plan lays out the parameters it "
                     "was built with): put it back; freeze a parameter with requires_grad_(False), and give a "

@@ -244,3 +244,17 @@ def test_a_state_fields_values_answer_attribute_probes_as_any_object_does(one_ra
     assert getattr(fields["exp_avg"], "shape", None) is None
     assert set(copy.deepcopy(fields)) == set(fields)
     assert "opt.state_dict()" in repr(fields["exp_avg"])
+
+
+def test_param_groups_reordered_in_place_step_as_torch(one_rank):
+    """A group's parameters put in another order (sorted by name for a log) hold the same
+    parameters: the step runs, as torch's does (not the membership check's error)."""
+    (mine, opt), (theirs, torch_opts) = _pair()
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    for g in opt.param_groups:
+        g["params"].reverse()
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    assert _same(mine, theirs)
