@@ -46,6 +46,9 @@ def local_tensor(p: Tensor) -> Tensor:
     return p._local_tensor if is_dtensor(p) else p  # type: ignore[attr-defined]
 
 
+_DLPACK_DEVICES = ("cpu", "cuda")  # where torch's DLPack export runs (elsewhere the plain view is linked)
+
+
 def link_data(p: Tensor, view: Tensor) -> None:
     """Make `p`'s local values live in `view` (which already holds them).
 
@@ -54,7 +57,7 @@ def link_data(p: Tensor, view: Tensor) -> None:
     tensor's storage offset into the wrapper, and pickling a wrapper at a nonzero offset reads the
     wrapper's storage (an error), so `torch.save(model.state_dict())` and `copy.deepcopy(model)`
     failed for every DTensor parameter past the start of a buffer."""
-    if is_dtensor(p) and view.storage_offset() != 0:
+    if is_dtensor(p) and view.storage_offset() != 0 and view.device.type in _DLPACK_DEVICES:
         view = torch.from_dlpack(view.detach())
     local_tensor(p).data = view
 
