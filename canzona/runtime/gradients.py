@@ -390,6 +390,9 @@ class GradientSync:
             return (f"the gradient of {name!r} is being reduced across ranks by the optimizer and cannot be zeroed "
                     f"in place ({what}: model.zero_grad(set_to_none=False) within a step?): discard a step's "
                     "gradients with optimizer.zero_grad(), which ends their reduction too")
+        if in_backward and what.split(".")[0] not in ("add", "add_"):
+            # not autograd's accumulation: a gradient hook registered after the optimizer's own
+            return HOOKED_AFTER.format(name=name, what=what)
         if in_backward:
             return (SYNCED_TWICE if state is GradState.REDUCING else
                     f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "
@@ -727,6 +730,10 @@ UNREACHED_SINCE_STEP = ("the gradient of {name!r} is still the last step's, alre
                         "zero_grad() before each step's backward")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
+HOOKED_AFTER = ("a gradient hook used the gradient of {name!r} ({what}) after the optimizer took it into its "
+                "buffers: a hook registered with register_post_accumulate_grad_hook after building the optimizer "
+                "runs after the optimizer's own; register it before building the optimizer, or transform the "
+                "gradient with p.register_hook(fn), which runs before it is accumulated")
 
 
 def unlinked_message(name: str | None) -> str:

@@ -258,3 +258,37 @@ def test_param_groups_reordered_in_place_step_as_torch(one_rank):
     _step(mine, [opt], tokens)
     _step(theirs, torch_opts, tokens)
     assert _same(mine, theirs)
+
+
+@pytest.mark.parametrize("hook", [lambda p: p.grad.mul_(0.5), lambda p: p.grad.norm()],
+                         ids=["scales-in-place", "reads-the-norm"])
+def test_a_gradient_hook_registered_after_the_optimizer_is_named_not_taken_for_accumulation(one_rank, hook):
+    """A `register_post_accumulate_grad_hook` registered after the optimizer runs after the
+    optimizer's own, which took the gradient: one error naming the hook and the ways that work
+    (before: 'gradients were synchronised twice ... no_sync()', about accumulation the loop never did)."""
+    (model, opt), _ = _pair()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    with pytest.raises(CanzonaError, match=r"register_post_accumulate_grad_hook.*before building the optimizer"):
+        model.loss(fixed_batch(256, 2, 16, seed=3)).backward()
+
+
+def test_a_gradient_hook_registered_before_the_optimizer_steps_as_torch(one_rank):
+    """Registered before the optimizer, a post-accumulate-grad hook runs before the optimizer's own
+    and changes what it steps, as with torch's optimizers."""
+    def halve(p) -> None:
+        p.grad.mul_(0.5)
+
+    mine, theirs = TinyQwen3("tiny", seed=0), TinyQwen3("tiny", seed=0)
+    for p in (*mine.parameters(), *theirs.parameters()):
+        p.register_post_accumulate_grad_hook(halve)
+    opt = DistributedOptimizer(mine.named_parameters(), mine.spec(), "muon", overlap_param_gather=False)
+    matrices = {p.name for p in mine.spec().matrix_params()}
+    named = list(theirs.named_parameters())
+    torch_opts = [torch.optim.Muon([p for n, p in named if n in matrices]),
+                  torch.optim.AdamW([p for n, p in named if n not in matrices])]
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for _ in range(2):
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+    assert _same(mine, theirs)
