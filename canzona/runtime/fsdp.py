@@ -88,6 +88,7 @@ from canzona.runtime.gradients import (
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
+    check_members,
     defaults_of,
     group_lr,
     group_matrices,
@@ -915,6 +916,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         identical on every rank, the same form as the ZeRO-1 layout's, so that it loads under FSDP2
         at any size and into `DistributedOptimizer` on an unsharded model. Collective over the
         exchange group (every rank must call it), bounded by `timeout_s`."""
+        check_members(self.param_groups, self._group_members)  # what the save would leave out
         return state_dict_with_hooks(self, lambda: fsdp_checkpoint.gather_state(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -924,6 +926,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         weight cast gives way to it at the next step).
         Collective (every rank calls it with the same state dict, as `state_dict()` gives it): a
         refusal on one rank, or ranks given different state dicts, is one error on every rank."""
+        check_members(self.param_groups, self._group_members)
         load_with_hooks(self, state_dict, lambda loaded: fsdp_checkpoint.load_state(self, loaded))
 
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
@@ -933,6 +936,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
         elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
         over this optimizer's mesh, `world`: its ranks, no other)."""
+        check_members(self.param_groups, self._group_members)
         return fsdp_checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
@@ -949,6 +953,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         model files and optimizer state from two saves, say a save killed between them. Without
         it (None), the first `step()` after the load checks the witness (as after
         `load_state_dict`); `check_weights=False`: nothing checked (weights changed on purpose)."""
+        check_members(self.param_groups, self._group_members)
         fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
     # --- what users of torch optimizers reach for ----------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from canzona.cost import one_per_shape, state_difference
-from canzona.errors import PlanError, SpecError
+from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.optimizers import check_config
 from canzona.spec import ModelSpec, ParamSpec
 
@@ -242,6 +242,13 @@ def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, f
                     "was built with): put it back; freeze a parameter with requires_grad_(False), and give a "
                     "group other hyper-parameters through its keys")
     return None
+
+
+def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]]) -> None:
+    """`members_changed` as one CanzonaError (a save or load after such an edit, before any collective)."""
+    changed = members_changed(param_groups, built)
+    if changed is not None:
+        raise CanzonaError(changed)
 
 
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:

@@ -245,7 +245,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`).
     `optimizer`: "muon" (Muon's owners) or "adamw" (every parameter elementwise on its own shard).
     At step `regroup` every rank removes the last parameter of the last param group before step()
-    (torch.optim would stop stepping it; the optimizer's plan cannot follow)."""
+    (torch.optim would stop stepping it; the optimizer's plan cannot follow), then saves
+    (`regroup_save`: its error)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -353,6 +354,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 fresh.load_state_dict({n: gather_rows(p) for n, p in opt.params.items()})
                 x = small_batch(step, rank)
                 stale = not torch.allclose(model(x), fresh(x), rtol=0, atol=1e-6)
+    regroup_save = None
+    if regroup is not None:  # a save after the edit: the step's error, before any collective
+        try:
+            opt.state_dict()
+        except CanzonaError as e:
+            regroup_save = str(e)
     others = None
     if scaler == "unscale":  # a DTensor no canzona optimizer steps: unscaled by torch's own handler
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -364,7 +371,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
+            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "regroup_save": regroup_save, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
                     for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
@@ -1109,3 +1116,10 @@ def test_fsdp_loads_with_the_arguments_the_integrations_pass() -> None:
     fsdp = inspect.signature(FsdpOptimizer.load_sharded_state_dict).parameters
     assert list(fsdp) == list(zero1)
     assert all(fsdp[k].kind == zero1[k].kind and fsdp[k].default == zero1[k].default for k in zero1)
+
+
+def test_fsdp_a_save_after_a_param_group_was_edited_is_the_steps_error_on_every_rank() -> None:
+    """Before: `state_dict()` wrote a checkpoint without the removed parameter, which no optimizer
+    of the model loads."""
+    for r in _small()["regroup"]:
+        assert r["regroup_save"] is not None and "['params'] was changed after construction" in r["regroup_save"]

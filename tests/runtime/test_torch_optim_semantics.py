@@ -292,3 +292,21 @@ def test_a_gradient_hook_registered_before_the_optimizer_steps_as_torch(one_rank
         _step(mine, [opt], tokens)
         _step(theirs, torch_opts, tokens)
     assert _same(mine, theirs)
+
+
+@pytest.mark.parametrize("save", ["state_dict", "sharded_state_dict"])
+@pytest.mark.parametrize("edit", [_pop_last, _move_one, _append_group, _drop_group],
+                         ids=["param-removed", "param-moved", "group-appended", "group-removed"])
+def test_a_save_after_param_groups_membership_was_edited_is_the_same_one_error(one_rank, edit, save):
+    """A save after such an edit wrote a checkpoint missing parameters, which no optimizer of the
+    model loads (or, after a group appended, failed with a KeyError of an id): the step's error,
+    before any collective."""
+    model = TinyQwen3("tiny", seed=0)
+    d = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    nd = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
+    opt = DistributedOptimizer([{"params": d}, {"params": nd, "weight_decay": 0.0}], model.spec(), "muon",
+                               overlap_param_gather=False)
+    _step(model, [opt], fixed_batch(256, 2, 16, seed=3))
+    edit(opt)
+    with pytest.raises(CanzonaError, match=r"param_groups.* after construction"):
+        getattr(opt, save)()
