@@ -1,4 +1,6 @@
-"""One rank of `tests/runtime/test_integrations_checkpoint.py`, under torchrun (2 gloo ranks).
+"""The optimizer-folder scenarios of `tests/runtime/test_integrations_hf.py`, run by
+`tests/runtime/integrations_driver.py` in that file's one torchrun launch (2 gloo ranks; each
+scenario's folders under `OUT/checkpoints`), or by this script's own `main` alone.
 
 The integrations' optimizer folders (`CanzonaAccelerator.save_state` / `load_state`,
 `CanzonaTrainer`'s checkpoints) on a bf16 model (fp32 master weights): a save killed midway into a
@@ -300,6 +302,10 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     return result
 
 
+SCENARIOS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+    ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic), ("trainer", trainer_scenarios)]
+
+
 def main() -> None:
     from accelerate import PartialState
 
@@ -308,8 +314,7 @@ def main() -> None:
     PartialState(cpu=True)
     rank = dist.get_rank()
     results: dict[str, Any] = {}
-    for name, scenario in [("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
-                           ("trainer", trainer_scenarios)]:
+    for name, scenario in SCENARIOS:
         try:
             results[name] = scenario(out)
         except Exception as e:  # noqa: BLE001 - recorded for the test

@@ -7,7 +7,9 @@ hooks of its own, as autograd accumulated them over micro-batches), or the error
 A failure is recorded and the next scenario runs; failures that the tests expect happen alike on
 every rank, before any collective could be left waiting.
 
-    torchrun --nproc-per-node 2 tests/runtime/integrations_driver.py OUT
+With them, the optimizer folders' scenarios of `integrations_checkpoint_driver.py`.
+
+    torchrun --nproc-per-node 2 tests/runtime/integrations_driver.py OUT   (this checkout on PYTHONPATH)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hf_trainer as trainer_example  # noqa: E402
 from canzona.harness.training import GradientRecorder  # noqa: E402
 from canzona.integrations.accelerate import CanzonaAccelerator, canzona_optimizer  # noqa: E402
 from canzona.runtime.modules import named_parameters  # noqa: E402
+from tests.runtime import integrations_checkpoint_driver as checkpoints  # noqa: E402
 
 SETUP = trainer_example.Setup()
 TRAINER_STEPS = 4  # accumulation 2, checkpoints at steps 2 and 4
@@ -312,6 +315,17 @@ def hf_tensor_parallel_trainer(out: Path, model_init: bool = False) -> dict[str,
     return {"steps": trainer.state.global_step}
 
 
+def checkpoint_scenario(run: Callable[[Path], dict[str, Any]], out: Path) -> dict[str, Any]:
+    """One of integrations_checkpoint_driver's scenarios, in a folder of its own (its names are
+    other scenarios' too), the ranks meeting after it as that driver's `main` has them meet."""
+    folder = out / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    try:
+        return run(folder)
+    finally:
+        dist.barrier()
+
+
 def main() -> None:
     from accelerate import PartialState
 
@@ -358,6 +372,9 @@ def main() -> None:
         ("hf tp without overrides", lambda: hf_tensor_parallel(out, "tiny_qwen3", overrides=False)),
         ("trainer hf tp", lambda: hf_tensor_parallel_trainer(out)),
         ("trainer hf tp model_init", lambda: hf_tensor_parallel_trainer(out, model_init=True)),
+        # the optimizer folders' scenarios (integrations_checkpoint_driver.py), in this launch: one
+        # torchrun of 2 ranks importing transformers and accelerate (about 10 s of CPU) fewer
+        *[(f"checkpoint {name}", lambda run=run: checkpoint_scenario(run, out)) for name, run in checkpoints.SCENARIOS],
         # last: these fail in the middle of training, with the model wrapped in DDP
         ("plain trainer", lambda: plain_trainer(out)),
         ("plain accelerate", lambda: plain_accelerator(out)),
