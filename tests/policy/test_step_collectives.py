@@ -12,10 +12,12 @@ runtime's collective logs must equal record for record.
   `step_collectives(...)` on every rank and every step: DP 2 for every step policy (and DP policy
   of canzona), with accumulation and with an idle owner; DP 2 x TP 2 (Megatron-style and DTensor
   models) for canzona with every TP scheduler, pipelined and serial, the baselines, accumulation,
-  bf16 weights and clipping. No ranks are spawned here: the runs are those of the rung-3 groups of
+  bf16 weights and clipping. The checks are defined here (`check_dp2_logs_are_the_step_collectives`,
+  `check_dp2xtp2_logs_are_the_step_collectives`) and run by tests of
   `tests/runtime/test_runtime_equivalence.py` (DP 2) and `tests/runtime/test_runtime_tp.py`
-  (DP 2 x TP 2), whose cached results already hold the logs; run alone, this file spawns those two
-  groups.
+  (DP 2 x TP 2) on those files' cached rung-3 runs, whose results hold the logs: `make test` hands
+  each file to one worker (`--dist loadfile`), so tests here reused those runs only where the same
+  worker had run that file, and otherwise spawned both groups again.
 """
 
 from __future__ import annotations
@@ -383,8 +385,8 @@ def assert_logs_are_the_step_collectives(results: list[dict], train) -> None:
 
 def _import(name: str):
     """A runtime test module (they import torch, so only inside the distributed tests): the module
-    pytest imported (by its basename, `tests/runtime/` on sys.path) when it collected
-    `tests/runtime/` too, whose spawned runs are cached; else imported here from the package."""
+    pytest imported (by its basename, `tests/runtime/` on sys.path) when it collected it, whose
+    spawned runs are cached (the checks below run from its tests); else imported from the package."""
     import importlib
 
     try:
@@ -396,8 +398,7 @@ def _import(name: str):
 TP_LAYOUT = "dp2xtp2"
 
 
-@pytest.mark.distributed
-def test_dp2_logs_are_the_step_collectives():
+def check_dp2_logs_are_the_step_collectives() -> None:
     """Every step policy and DP policy of canzona (each with Muon, SOAP and Shampoo), accumulation
     over two micro-batches, a plan with an idle owner: both ranks' logs, step by step; and what the
     simulator issues on the same plan in the runtime's collectives mode (the structure half of
@@ -414,8 +415,7 @@ def test_dp2_logs_are_the_step_collectives():
             raise AssertionError(f"{label}: {e}") from None
 
 
-@pytest.mark.distributed
-def test_dp2xtp2_logs_are_the_step_collectives():
+def check_dp2xtp2_logs_are_the_step_collectives() -> None:
     """Every rank of DP 2 x TP 2, DP and TP collectives interleaved as the step issues them:
     canzona with every TP scheduler, pipelined and serial, the baselines, capacity extremes, the
     DTensor model, accumulation, bf16 weights and clipping."""

@@ -334,3 +334,12 @@ def test_canzona_runs_the_even_segments_its_planner_keeps(optimizer):
     assert [sorted(r["owned"]) for r in ranks] == [sorted(names) for names in owners_of(plan)]
     assert_ranks_agree(ranks)
     assert_bit_identical(ranks, emulated(optimizer, 4))
+
+
+def test_dp2_logs_are_the_step_collectives():
+    """The DP 2 group's collective logs, step by step on both ranks, are `step_collectives(...)`,
+    and the simulator issues them on the same plan (tests/policy/test_step_collectives.py's check,
+    run here on this file's cached DP 2 group: from that file, a worker without it spawned it again)."""
+    from tests.policy.test_step_collectives import check_dp2_logs_are_the_step_collectives
+
+    check_dp2_logs_are_the_step_collectives()

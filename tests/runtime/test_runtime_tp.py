@@ -233,6 +233,16 @@ def test_each_matrix_is_computed_once_and_state_bytes_match_the_plan(layout_key)
         assert len(where) == len(dps) * (spec.tp if tp_sync else 1), name
 
 
+def test_dp2xtp2_logs_are_the_step_collectives():
+    """Every rank's DP and TP logs of the DP 2 x TP 2 group, interleaved as the step issues them,
+    are `step_collectives(...)`, and the simulator issues them (tests/policy/test_step_collectives.py's
+    check, run here on this file's cached DP 2 x TP 2 group: from that file, a worker without it
+    spawned it again)."""
+    from tests.policy.test_step_collectives import check_dp2xtp2_logs_are_the_step_collectives
+
+    check_dp2xtp2_logs_are_the_step_collectives()
+
+
 def test_canzona_even_geometry_really_ran_split_under_tp():
     """The "even geometry" case ran the plan canzona's geometry makes: ZeRO-1's even segments, some
     matrix split between the two DP ranks (each computes it, on a host of its own TP group)."""
