@@ -53,16 +53,18 @@ _DLPACK_DEVICES = ("cpu", "cuda")  # where torch's DLPack export runs (elsewhere
 def link_data(p: Tensor, view: Tensor) -> None:
     """Make `p`'s local values live in `view` (which already holds them).
 
-    The parameter gets an alias of `view` that is its own storage (offset 0, its own length, the
-    same memory; DLPack's view of it keeps the buffer alive), so that a save or a copy of the model
-    holds each parameter's values, as beside a torch optimizer: a view shares its buffer's storage,
-    which `torch.save(model.state_dict())` and `copy.deepcopy(model)` write whole (a buffer's other
-    parameters again, where some of them are DTensors, which pickle their own). And torch 2.13's
-    DTensor copies its local tensor's storage offset into the wrapper, and pickling a wrapper at a
-    nonzero offset reads the wrapper's storage (an error): every DTensor parameter past the start of
-    a buffer failed to save. DLPack exports a CUDA tensor from the current device only: the export
-    runs on the view's."""
-    if view.device.type in _DLPACK_DEVICES:
+    A DTensor's local tensor gets an alias of `view` that is its own storage (offset 0, its own
+    length, the same memory; DLPack's view of it keeps the buffer alive): torch 2.13's DTensor
+    copies its local tensor's storage offset into the wrapper, and pickling a wrapper at a nonzero
+    offset reads the wrapper's storage (an error), so `torch.save(model.state_dict())` and
+    `copy.deepcopy(model)` failed for every DTensor parameter past the start of a buffer; and the
+    one at its start carried the whole buffer into a save or a copy. A plain parameter stays a view
+    sharing its buffer's storage, which `model.share_memory()` then moves whole, in place (its own
+    storage would be copied out of the buffer); a save writes that storage once, whole: the
+    buffer's DTensors' bytes again where a buffer mixes both (a TP model's norms beside its
+    DTensors), a larger file holding the same values. DLPack exports a CUDA tensor from the current
+    device only: the export runs on the view's."""
+    if is_dtensor(p) and view.device.type in _DLPACK_DEVICES:
         with torch.cuda.device(view.device) if view.device.type == "cuda" else contextlib.nullcontext():
             view = torch.from_dlpack(view.detach())
     local_tensor(p).data = view
