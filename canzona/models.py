@@ -273,9 +273,10 @@ def _row(raw: Any, i: int, where: str) -> ParamSpec:
     if unknown:
         raise SpecError(f"{at}: unknown field {unknown[0]!r}; a parameter has {', '.join(PARAM_FIELDS)}")
     shape = raw.get("shape")
-    if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_NDIM
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM  # [] is a 0-d scalar (a logit scale, a gate)
             or not all(is_whole_number(d, 1, MAX_PARAM_DIM) for d in shape)):
-        raise SpecError(f"{at}: shape must be a list of 1 to {MAX_NDIM} positive whole numbers, got {shape!r}")
+        raise SpecError(f"{at}: shape must be a list of at most {MAX_NDIM} positive whole numbers ([]: a 0-d "
+                        f"scalar), got {shape!r}")
     numel = 1
     for d in shape:
         numel *= d

@@ -69,7 +69,7 @@ class ParamSpec:
     stacked_in: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
-        if not self.shape or any(int(d) <= 0 for d in self.shape):
+        if any(int(d) <= 0 for d in self.shape):  # () is a 0-d scalar: one element
             raise SpecError(f"parameter {self.name!r} has an invalid shape {self.shape}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
             raise SpecError(f"parameter {self.name!r}: tp_dim {self.tp_dim} is outside shape {self.shape}")

@@ -182,8 +182,8 @@ def _owner_roles(model: nn.Module) -> dict[int, Role]:
 
 
 def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
-    if p.dim() == 1:
-        return Role.VECTOR  # a head's or an embedding's bias is a vector like any other
+    if p.dim() <= 1:
+        return Role.VECTOR  # a head's or an embedding's bias is a vector like any other; a 0-d scalar one element of one
     return owner_role or Role.MATRIX
 
 
@@ -441,8 +441,6 @@ def spec_from_module(model: nn.Module, tp_plan: Mapping[str, int] | None = None,
     specs = []
     for pname in _ordered(list(params), order):
         p = params[pname]
-        if p.dim() == 0:
-            raise SpecError(f"parameter {pname!r} is a 0-d scalar; canzona specs need at least one dimension")
         if not fsdp:
             _check_whole_expert(pname, p, experts)
         try:

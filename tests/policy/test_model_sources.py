@@ -371,6 +371,32 @@ def test_from_module_spec_is_saved_loaded_and_simulated(tmp_path):
     assert len(flops.per_layer) == 3 and flops.head == 2.0 * 64 * 256 * 128
 
 
+def test_a_0d_scalar_parameter_is_saved_loaded_planned_and_simulated(tmp_path):
+    """A 0-d parameter (CLIP's logit_scale, a ReZero gate) is one element AdamW steps: `"shape": []`
+    in a spec file, in the fingerprint, planned, and in the simulator's memory and time."""
+    from sim.simulate import SimConfig, simulate
+
+    base, arch = resolve_model("qwen3-0.6b")
+    spec = ModelSpec(base.name, (*base.params, ParamSpec("logit_scale", (), Role.VECTOR),
+                                 ParamSpec("model.layers.3.gate", (), Role.VECTOR, 3)))
+    path = tmp_path / "scalars.json"
+    save_spec(spec, path, arch)
+    assert json.loads(path.read_text())["params"][-1]["shape"] == []
+    loaded, loaded_arch = resolve_model(path)
+    assert loaded == spec and loaded_arch == arch and loaded.fingerprint(2) != base.fingerprint(2)
+    assert loaded.numel == base.numel + 2 and {"logit_scale", "model.layers.3.gate"} <= \
+        {p.name for p in loaded.adamw_params()}
+    assert invoke("plan", "--model", path, "--dp", "4", "--tp", "2", "--json").exit_code == 0
+    runs = [simulate(SimConfig(model=m, gpus=16, tp=2, workload=Workload(512, 16))) for m in (str(path), "qwen3-0.6b")]
+    assert runs[0].iteration_time_s > 0 and runs[0].memory.worst.total >= runs[1].memory.worst.total
+    with pytest.raises(SpecError, match="tp_dim 0 is outside shape"):
+        ParamSpec("logit_scale", (), Role.VECTOR, None, 0)  # a scalar is never split: replicated
+    row = spec_to_dict(spec)["params"][-1] | {"tp_dim": 0}
+    bad = write_json(tmp_path / "bad.json", {"schema": "canzona.model", "version": 1, "name": "m", "params": [row]})
+    with pytest.raises(SpecError, match=r"tp_dim must be null or a dimension of shape \[\]"):
+        load_spec(bad)
+
+
 def test_architecture_block_fills_and_overrides_inference(tmp_path):
     spec = get_model("qwen3-0.6b")
     sizes = infer_sizes(spec)

@@ -311,11 +311,26 @@ def test_dtypes():
     with pytest.raises(SpecError) as err:
         ModelSpec.from_module(model)
     assert "'scale'" in one_line(err) and "complex64" in str(err.value)
-    model = TitanToy()
-    model.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def test_a_0d_scalar_parameter_is_a_vector_adamw_steps_never_tp_split():
+    """CLIP's logit_scale, a learnable temperature, a ReZero gate: one element, AdamW's, replicated
+    under TP (a tp_plan or Megatron annotation splitting it is one SpecError naming it)."""
+    model = MegatronToy()
+    model.logit_scale = nn.Parameter(torch.tensor(2.5))
+    model.decoder.layers[1].gate = nn.Parameter(torch.tensor(0.0))
+    spec = ModelSpec.from_module(model, tp_plan={"*linear_qkv.weight": 0}, tp_size=2)
+    for name, layer in (("logit_scale", None), ("decoder.layers.1.gate", 1)):
+        p = spec.param(name)
+        assert (p.shape, p.numel, p.role, p.layer, p.tp_dim, p.local_shape(2)) == ((), 1, Role.VECTOR, layer, None, ())
+        assert p in spec.adamw_params() and not p.uses_matrix_optimizer
     with pytest.raises(SpecError) as err:
-        ModelSpec.from_module(model)
-    assert "'temperature'" in one_line(err)
+        ModelSpec.from_module(model, tp_plan={"logit_scale": 0}, tp_size=2)
+    assert "'logit_scale'" in one_line(err) and "outside shape ()" in str(err.value)
+    model.logit_scale.tensor_model_parallel, model.logit_scale.partition_dim = True, 0
+    with pytest.raises(SpecError) as err:
+        ModelSpec.from_module(model, tp_size=2)
+    assert "partition_dim 0" in one_line(err) and "0-D shape" in str(err.value)
 
 
 def test_not_a_module():
