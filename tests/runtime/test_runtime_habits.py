@@ -32,6 +32,7 @@ from canzona.harness.training import (
     global_batches,
     micro_batches,
 )
+from tests.runtime import scalars
 from tests.runtime.outcomes import outcome as _outcome
 from tests.runtime.outcomes import weights
 
@@ -428,6 +429,37 @@ def branchy_torch_reference(zero: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     _branchy_steps(model, opt, BRANCHY_ZEROS[zero], 0, 1)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def scalars_job(rank: int, world: int, path: str) -> dict:
+    """A model with 0-d parameters (`tests.runtime.scalars`): three steps, its full state, then one
+    more step straight on and from its full and its sharded checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            opt.zero_grad()
+            scalars.backward(model, step, rank, world)
+            opt.step()
+
+    model = scalars.Scaled()
+    opt = scalars.canzona_optimizer(model)
+    train(model, opt, range(3))
+    out = {"three": _params(model), "full": opt.state_dict()}
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}-scalars")
+    for form in ("full", "sharded"):
+        resumed = scalars.Scaled()
+        resumed.load_state_dict(model.state_dict())
+        again = scalars.canzona_optimizer(resumed)
+        if form == "full":
+            again.load_state_dict(out["full"])
+        else:
+            again.load_sharded_state_dict(f"{path}-scalars")
+        train(resumed, again, [3])
+        out[f"resumed {form}"] = _params(resumed)
+    train(model, opt, [3])
+    out["four"] = _params(model)
+    return out
 
 
 def second_optimizer_job(rank: int, world: int) -> dict:
@@ -1015,6 +1047,7 @@ def jobs_worker(rank: int, world: int, names: list[str], path: str) -> dict:
     out["torch.save"] = torch_save_job(rank, world, path)
     out["two saves sharded"] = two_saves_sharded_job(rank, world, path)
     out["async save"] = async_save_job(rank, world, path)
+    out["scalars"] = scalars_job(rank, world, path)
     return out
 
 
@@ -1023,7 +1056,7 @@ def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
     ranks = run_ranks(jobs_worker, DP, list(JOBS), path, deadline_s=DEADLINE_S, collective_timeout_s=60)
     out = {name: [ranks[r][name] for r in range(DP)] for name in [*JOBS, "dcp", "dcp flat", "unseen checkpoint", "torch.save", "two saves sharded",
-                                                            "async save"]}
+                                                            "async save", "scalars"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
 
@@ -1088,6 +1121,25 @@ def test_an_unused_parameter_steps_as_torch_steps_it_after_either_zero_grad(runs
         assert compare(out, want)["max_rel_diff"] < 1e-6, zero
     kept, dropped = branchy_torch_reference("opt set_to_none=False"), branchy_torch_reference("opt")
     assert not torch.equal(kept["branch.weight"], dropped["branch.weight"])  # the habit matters
+
+
+def test_0d_parameters_train_and_resume_under_dp_as_torch(runs):
+    """0-d parameters under DP 2: AdamW's, bit for bit torch's optimizers (the single-process
+    reference fed the reduced gradients), their full state torch's (shape ()), and resumed exactly
+    from the full and the sharded checkpoint."""
+    want, opts = scalars.torch_reference(3, DP)
+    for out in runs["scalars"]:
+        assert compare(out["three"], weights(want))["bit_identical"]
+        saved = scalars.by_name(out["full"])
+        for name in ("gate", "logit_scale"):
+            state = scalars.adamw_state(opts, want, name)
+            assert saved[name]["step"] == int(state["step"])
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert saved[name][field].shape == () and torch.equal(saved[name][field], state[field]), name
+    scalars.torch_step(want, opts, 3, DP)
+    for out in runs["scalars"]:
+        for form in ("four", "resumed full", "resumed sharded"):
+            assert compare(out[form], weights(want))["bit_identical"], form
 
 
 def test_zeroing_between_micro_batches_drops_the_accumulated_gradient_as_torch_does(runs):

@@ -13,6 +13,7 @@ from canzona.errors import CanzonaError, SpecError
 from canzona.runtime import DistributedOptimizer
 from reference.data import fixed_batch
 from reference.tiny_model import TinyQwen3
+from tests.runtime import scalars
 
 
 def _pair(optimizer: str = "muon"):
@@ -314,72 +315,40 @@ def test_a_save_after_param_groups_membership_was_edited_is_the_same_one_error(o
         getattr(opt, save)()
 
 
-class _Scaled(torch.nn.Module):
-    """Two linears and two 0-d parameters: a ReZero gate and CLIP's logit_scale."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
-        self.gate, self.logit_scale = torch.nn.Parameter(torch.tensor(0.0)), torch.nn.Parameter(torch.tensor(0.5))
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in (self.a.weight, self.a.bias, self.b.weight, self.b.bias):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        return self.b(h + self.gate * torch.tanh(h)) * self.logit_scale.exp()
-
-
-def _scaled_step(model, opts, step: int) -> float:
-    """One step; the gradients' norm, as canzona's clip (by inf: it only measures) or torch's measures it."""
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
-    for o in opts:
-        o.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    if isinstance(opts[0], DistributedOptimizer):
-        norm = float(opts[0].clip_grad_norm_(math.inf))
-    else:
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-    for o in opts:
-        o.step()
+def _scaled_step(model, opt, step: int) -> float:
+    """One step; the gradients' norm as canzona's clip measures it (by inf: it only measures)."""
+    opt.zero_grad()
+    scalars.backward(model, step)
+    norm = float(opt.clip_grad_norm_(math.inf))
+    opt.step()
     return norm
-
-
-def _scaled_canzona(model):
-    from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
-
-    return DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "muon",
-                                adamw_config={"weight_decay": 0.1})
 
 
 def test_0d_parameters_step_and_checkpoint_as_torch_adamw_beside_muon(one_rank, tmp_path):
     """0-d parameters are AdamW's, bit for bit torch.optim.AdamW (foreach) beside torch.optim.Muon
-    on the matrices; the clip's norm counts them (as torch's, to the order of its sum); the full state dict holds their state as torch's AdamW does
-    (tensors of shape ()), and the full, sharded and torch-DCP checkpoints resume them exactly."""
+    on the matrices; the clip's norm counts them (as torch's, to the order of its sum); the full
+    state dict holds their state as torch's AdamW does (tensors of shape ()), and the full, sharded
+    and torch-DCP checkpoints resume them exactly."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
 
-    mine, theirs = _Scaled(), _Scaled()
-    opt = _scaled_canzona(mine)
-    named = list(theirs.named_parameters())
-    torch_opts = [torch.optim.Muon([p for n, p in named if p.ndim == 2]),
-                  torch.optim.AdamW([p for n, p in named if p.ndim < 2], weight_decay=0.1, foreach=True)]
+    mine = scalars.Scaled()
+    opt = scalars.canzona_optimizer(mine)
+    theirs = scalars.Scaled()
+    torch_opts = scalars.torch_optimizers(theirs)
     for step in range(3):
-        norm = _scaled_step(mine, [opt], step)
-        assert norm == pytest.approx(_scaled_step(theirs, torch_opts, step), rel=1e-6)  # the scalars' in it
+        norm = _scaled_step(mine, opt, step)
+        scalars.torch_step(theirs, torch_opts, step)
+        want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters()])
+        assert norm == pytest.approx(float(want), rel=1e-6)
     assert _same(mine, theirs) and mine.gate.item() != 0.0
     full = opt.state_dict()
-    by_name = {n: full["state"][i] for g, names in zip(full["param_groups"], full["param_names"])
-               for i, n in zip(g["params"], names)}
     for name in ("gate", "logit_scale"):
-        want = torch_opts[1].state[getattr(theirs, name)]
-        have = by_name[name]
+        have, want = scalars.by_name(full)[name], scalars.adamw_state(torch_opts, theirs, name)
         assert have["step"] == int(want["step"])
         for field in ("exp_avg", "exp_avg_sq"):
             assert have[field].shape == () and torch.equal(have[field], want[field]), (name, field)
@@ -387,9 +356,9 @@ def test_0d_parameters_step_and_checkpoint_as_torch_adamw_beside_muon(one_rank, 
     dcp.save({"optim": get_optimizer_state_dict(mine, opt)}, checkpoint_id=tmp_path / "dcp")
     resumed = {}
     for form in ("full", "sharded", "dcp"):
-        model = _Scaled()
+        model = scalars.Scaled()
         model.load_state_dict(mine.state_dict())
-        again = _scaled_canzona(model)
+        again = scalars.canzona_optimizer(model)
         if form == "full":
             again.load_state_dict(full)
         elif form == "sharded":
@@ -400,8 +369,8 @@ def test_0d_parameters_step_and_checkpoint_as_torch_adamw_beside_muon(one_rank, 
             set_optimizer_state_dict(model, again, state["optim"])
         resumed[form] = (model, again)
     for step in range(3, 5):
-        _scaled_step(theirs, torch_opts, step)
+        scalars.torch_step(theirs, torch_opts, step)
         for model, again in resumed.values():
-            _scaled_step(model, [again], step)
+            _scaled_step(model, again, step)
     for form, (model, _) in resumed.items():
         assert _same(model, theirs), form
