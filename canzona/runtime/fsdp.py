@@ -365,8 +365,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                                     "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "
                                     "and ModelSpec.from_module skip them)")
                 if not isinstance(p, DTensor):
-                    raise SpecError(f"parameter {name!r} is a plain tensor beside FSDP2's DTensors: shard the "
-                                    "whole model with fully_shard (at least its root)")
+                    # a 0-d one cannot be sharded: torch's fully_shard refuses it
+                    what = "a 0-d scalar, which fully_shard does not shard: store it as a one-element vector " \
+                        "(shape (1,)) and" if p.dim() == 0 else "a plain tensor beside FSDP2's DTensors:"
+                    raise SpecError(f"parameter {name!r} is {what} shard the whole model with fully_shard (at least "
+                                    "its root)")
                 pspec = self.spec.param(name)
                 if tuple(p.shape) != tuple(pspec.shape):
                     raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "

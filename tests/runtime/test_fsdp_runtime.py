@@ -480,6 +480,9 @@ SMALL_CASES = {
     "adamw-moe": {"moe_adamw": True},
     # torch's SGD under GradScaler over a model a canzona optimizer was built on (kept alive)
     "torch-sgd-scaler-beside": {"torch_sgd": True},
+    # 0-d parameters, which fully_shard refuses: canzona's refusal of them left beside its DTensors,
+    # and the same model with one-element vectors instead, against torch's AdamW
+    "scalars": {"scalars": True},
 }
 
 
@@ -489,6 +492,8 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
             return refusals(**kw)
         if "moe_adamw" in kw:
             return moe_adamw_runs(rank, world)
+        if "scalars" in kw:
+            return scalars_runs(world)
         return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
     return {k: one(kw) for k, kw in cases.items()}
 
@@ -554,6 +559,51 @@ def moe_adamw_runs(rank: int, world: int) -> dict[str, dict]:
             opt.step()
         out[who] = {n: p.full_tensor() for n, p in model.named_parameters()}
     out["error"] = None
+    return out
+
+
+def scalars_runs(world: int) -> dict[str, Any]:
+    """`tests.runtime.scalars.Scaled` (a 0-d gate and logit_scale) under FSDP2: torch's fully_shard
+    of the root (`torch`: its error); the linears sharded, the scalars left plain beside them
+    (`canzona`: DistributedOptimizer's error); the scalars as one-element vectors, the root
+    sharded, 3 steps by canzona's AdamW and by torch's (foreach), the full parameters after them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+    from tests.runtime import scalars
+
+    out: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        fully_shard(scalars.Scaled(), mesh=mesh)
+        out["torch"] = None
+    except ValueError as e:
+        out["torch"] = str(e)
+    model = scalars.Scaled()
+    spec = ModelSpec.from_module(model)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    try:
+        DistributedOptimizer(model.named_parameters(), spec, "adamw")
+        out["canzona"] = None
+    except CanzonaError as e:
+        out["canzona"] = str(e)
+    for who in ("canzona", "torch"):
+        model = scalars.Scaled()
+        with torch.no_grad():
+            model.gate, model.logit_scale = (torch.nn.Parameter(p.reshape(1)) for p in (model.gate, model.logit_scale))
+        spec = ModelSpec.from_module(model)
+        fully_shard(model, mesh=mesh)
+        opt = DistributedOptimizer(model.named_parameters(), spec, "adamw") if who == "canzona" else \
+            torch.optim.AdamW(model.parameters(), foreach=True)
+        for step in range(3):
+            opt.zero_grad()
+            scalars.backward(model, step, torch.distributed.get_rank(), world)
+            opt.step()
+        out[f"vectors {who}"] = {n: gather_rows(p) for n, p in model.named_parameters()}
     return out
 
 
@@ -1123,3 +1173,13 @@ def test_fsdp_a_save_after_a_param_group_was_edited_is_the_steps_error_on_every_
     of the model loads."""
     for r in _small()["regroup"]:
         assert r["regroup_save"] is not None and "['params'] was changed after construction" in r["regroup_save"]
+
+
+def test_fsdp_0d_parameters_are_refused_naming_the_one_element_vector_they_can_be() -> None:
+    """torch's fully_shard refuses a 0-d parameter; one left beside FSDP2's DTensors is one
+    SpecError at construction on every rank, naming what to do: a one-element vector, which FSDP2
+    shards and canzona's AdamW steps bit for bit as torch's (at S = 3 two ranks hold none of it)."""
+    for r in _small()["scalars"]:
+        assert "scalar" in r["torch"] and "'gate'" in r["canzona"], r
+        assert "0-d" in r["canzona"] and "one-element" in r["canzona"] and "\n" not in r["canzona"], r["canzona"]
+        assert compare(r["vectors canzona"], r["vectors torch"])["bit_identical"]
