@@ -23,8 +23,10 @@ class Scaled(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        return self.b(h + self.gate * torch.tanh(h)) * self.logit_scale.exp()
+        # the scalars act on b's whole output: under TP (a column-, b row-parallel) every TP rank
+        # computes the same gradient of them, as a replicated parameter's must be
+        z = self.b(torch.tanh(self.a(x)))
+        return (z + self.gate * torch.tanh(z)) * self.logit_scale.exp()
 
 
 def backward(model: nn.Module, step: int, rank: int = 0, world: int = 1) -> None:

@@ -408,6 +408,40 @@ def grad_scaler_dtensor(rank: int) -> dict:
     return out
 
 
+def scalars_under_tp(rank: int) -> dict:
+    """`tests.runtime.scalars.Scaled` split by DTensor TP (a column-, b row-parallel), its 0-d gate
+    and logit_scale left plain (replicated): three steps; the spec's TP dims, the full parameters
+    and the scalars' full state."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from canzona.spec import ModelSpec
+    from tests.runtime import scalars
+
+    mesh = _mesh()
+    got: dict = {}
+
+    def train() -> None:
+        model = scalars.Scaled()
+        parallelize_module(model, mesh["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+        spec = ModelSpec.from_module(model)
+        got["tp_dims"] = {p.name: p.tp_dim for p in spec.params}
+        opt = _optimizer(model, spec, mesh, adamw_config={"weight_decay": scalars.WEIGHT_DECAY})
+        for step in range(3):
+            opt.zero_grad()
+            scalars.backward(model, step, mesh.get_local_rank("dp"), DP)
+            opt.step()
+        model.state_dict()  # waits for the last step's parameter gathers
+        got["params"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                         for n, p in model.named_parameters()}
+        got["state"] = {n: s for n, s in scalars.by_name(opt.state_dict()).items() if n in ("gate", "logit_scale")}
+
+    return {**_outcome(train), **got}
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -460,7 +494,7 @@ JOBS = {
 
 
 RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
-WORKS = ["grad_scaler", "grad_scaler_dtensor"]  # habits that must simply work
+WORKS = ["grad_scaler", "grad_scaler_dtensor", "scalars_under_tp"]  # habits that must simply work
 
 
 @functools.cache
@@ -540,3 +574,26 @@ def test_grad_scaler_steps_a_dtensor_tp_model_as_the_unscaled_step():
         assert out["scales"] == [2.0 ** 10, 2.0 ** 9] and out["skipped"] == 1, (rank, out)
         assert out["kept"] == [False, True], (rank, out["kept"])
         assert out["clip"], rank
+
+
+def test_0d_parameters_are_replicated_under_dtensor_tp_and_train_as_torch():
+    """0-d parameters beside DTensor TP: replicated (no TP dim), the same on every rank, AdamW's
+    state of shape (), and the model within 1e-6 of torch's optimizers in one process (TP's split
+    matrix products sum in another order)."""
+    from canzona.harness.training import compare
+    from tests.runtime import scalars
+
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    want, opts = scalars.torch_reference(3, DP)
+    ours = got["scalars_under_tp"]
+    for rank, out in enumerate(ours):
+        assert out["type"] is None and out["healthy"], (rank, out)
+        assert out["tp_dims"] == {"gate": None, "logit_scale": None, "a.weight": 0, "a.bias": 0, "b.weight": 1,
+                                  "b.bias": None}
+        assert compare(out["params"], ours[0]["params"])["bit_identical"], rank
+        assert compare(out["params"], {n: p.detach() for n, p in want.named_parameters()})["max_rel_diff"] < 1e-6
+        for name, state in out["state"].items():
+            assert state["step"] == 3 and state["exp_avg"].shape == state["exp_avg_sq"].shape == (), name
+            assert torch.allclose(state["exp_avg"], scalars.adamw_state(opts, want, name)["exp_avg"], rtol=1e-6)
