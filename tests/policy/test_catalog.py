@@ -295,7 +295,7 @@ def test_param_spec_validation():
     with pytest.raises(SpecError):
         ParamSpec("w", (4, 0), Role.MATRIX)
     with pytest.raises(SpecError):
-        ParamSpec("w", (), Role.MATRIX)
+        ParamSpec("w", (), Role.VECTOR, tp_dim=0)  # a 0-d scalar (one element, AdamW's) is never split
     with pytest.raises(SpecError):
         ParamSpec("w", (4, 4), Role.MATRIX, tp_dim=2)
     with pytest.raises(SpecError):

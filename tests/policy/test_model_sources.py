@@ -387,6 +387,7 @@ def test_a_0d_scalar_parameter_is_saved_loaded_planned_and_simulated(tmp_path):
     assert loaded.numel == base.numel + 2 and {"logit_scale", "model.layers.3.gate"} <= \
         {p.name for p in loaded.adamw_params()}
     assert invoke("plan", "--model", path, "--dp", "4", "--tp", "2", "--json").exit_code == 0
+    assert invoke("simulate", "--model", path, "--fsdp", *SIM).exit_code == 0  # FSDP2's pricing too
     runs = [simulate(SimConfig(model=m, gpus=16, tp=2, workload=Workload(512, 16))) for m in (str(path), "qwen3-0.6b")]
     assert runs[0].iteration_time_s > 0 and runs[0].memory.worst.total >= runs[1].memory.worst.total
     with pytest.raises(SpecError, match="tp_dim 0 is outside shape"):

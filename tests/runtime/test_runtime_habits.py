@@ -436,16 +436,19 @@ def scalars_job(rank: int, world: int, path: str) -> dict:
     more step straight on and from its full and its sharded checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    def train(model, opt, steps) -> None:
+    def train(model, opt, steps) -> list[float]:
+        norms = []
         for step in steps:
             opt.zero_grad()
             scalars.backward(model, step, rank, world)
+            norms.append(float(opt.clip_grad_norm_(math.inf)))  # by inf: it only measures
             opt.step()
+        return norms
 
     model = scalars.Scaled()
     opt = scalars.canzona_optimizer(model)
-    train(model, opt, range(3))
-    out = {"three": _params(model), "full": opt.state_dict()}
+    norms = train(model, opt, range(3))
+    out = {"three": _params(model), "full": opt.state_dict(), "norms": norms}
     dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{path}-scalars")
     for form in ("full", "sharded"):
         resumed = scalars.Scaled()
@@ -1125,11 +1128,17 @@ def test_an_unused_parameter_steps_as_torch_steps_it_after_either_zero_grad(runs
 
 def test_0d_parameters_train_and_resume_under_dp_as_torch(runs):
     """0-d parameters under DP 2: AdamW's, bit for bit torch's optimizers (the single-process
-    reference fed the reduced gradients), their full state torch's (shape ()), and resumed exactly
-    from the full and the sharded checkpoint."""
-    want, opts = scalars.torch_reference(3, DP)
+    reference fed the reduced gradients), in the clip's norm as in torch's (to the order of its
+    sum), their full state torch's (shape ()), and resumed exactly from the full and the sharded
+    checkpoint."""
+    want = scalars.Scaled()
+    opts, norms = scalars.torch_optimizers(want), []
+    for step in range(3):
+        scalars.torch_step(want, opts, step, DP)
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in want.parameters()])))
     for out in runs["scalars"]:
         assert compare(out["three"], weights(want))["bit_identical"]
+        assert out["norms"] == pytest.approx(norms, rel=1e-6)  # the clip's norm counts the scalars
         saved = scalars.by_name(out["full"])
         for name in ("gate", "logit_scale"):
             state = scalars.adamw_state(opts, want, name)
