@@ -305,7 +305,7 @@ def _own_tp_dim(name: str, p: nn.Parameter, fsdp: bool = False) -> tuple[bool, i
         return True, placement.dim if hasattr(placement, "dim") else None
     if is_dtensor(p):
         return True, dtensor_tp_dim(name, p)
-    dim = megatron_tp_dim(p)
+    dim = megatron_tp_dim(name, p)
     return dim is not None, dim
 
 

@@ -81,13 +81,13 @@ def local_grad(p: Tensor) -> Tensor | None:
     return g.to_local()
 
 
-def megatron_tp_dim(p: Tensor) -> int | None:
+def megatron_tp_dim(name: str, p: Tensor) -> int | None:
     """The split dimension Megatron's annotations give `p` (None: not annotated as parallel)."""
     if not getattr(p, MEGATRON_PARALLEL, False):
         return None
     dim = getattr(p, MEGATRON_DIM, None)
     if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < p.dim():
-        raise PlanError(f"parameter annotated tensor_model_parallel has partition_dim {dim!r}, "
+        raise PlanError(f"parameter {name!r} is annotated tensor_model_parallel with partition_dim {dim!r}, "
                         f"not a dimension of its {p.dim()}-D shape")
     return dim
 
@@ -131,7 +131,7 @@ def check_local_param(name: str, p: Tensor, spec: ParamSpec, tp: int, tp_ranks: 
             raise PlanError(f"parameter {name!r} is placed {p.placements[0]}, but the model spec splits "
                             f"{'no dimension' if spec.tp_dim is None else f'dimension {spec.tp_dim}'}")
     else:
-        annotated = megatron_tp_dim(p)
+        annotated = megatron_tp_dim(name, p)
         if annotated is not None and tp > 1 and annotated != spec.tp_dim:
             raise PlanError(f"parameter {name!r} is annotated partition_dim={annotated}, but the model spec "
                             f"splits {'no dimension' if spec.tp_dim is None else f'dimension {spec.tp_dim}'}")

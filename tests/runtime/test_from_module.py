@@ -330,7 +330,7 @@ def test_a_0d_scalar_parameter_is_a_vector_adamw_steps_never_tp_split():
     model.logit_scale.tensor_model_parallel, model.logit_scale.partition_dim = True, 0
     with pytest.raises(SpecError) as err:
         ModelSpec.from_module(model, tp_size=2)
-    assert "partition_dim 0" in one_line(err) and "0-D shape" in str(err.value)
+    assert "'logit_scale'" in one_line(err) and "partition_dim 0" in str(err.value) and "0-D shape" in str(err.value)
 
 
 def test_not_a_module():
