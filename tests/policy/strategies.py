@@ -122,6 +122,8 @@ def models(draw) -> tuple[ModelSpec, int]:
     params = [ParamSpec("embed", (tp * draw(st.integers(1, 40)), hidden), Role.EMBEDDING, None, tp_dim=0)]
     for i in range(layers):
         params.append(ParamSpec(f"l{i}.norm", (hidden,), Role.VECTOR, i))
+        if draw(st.booleans()):  # a 0-d scalar (a ReZero gate): one element, AdamW's, never split
+            params.append(ParamSpec(f"l{i}.gate", (), Role.VECTOR, i))
         for k in range(draw(st.integers(1, 4))):
             col = draw(st.booleans())
             rows = tp * draw(st.integers(1, 48)) if col else draw(st.integers(1, 64))
