@@ -116,7 +116,11 @@ from canzona.runtime.options import (
     optimizer_config,
     planning_cost_model,
 )
-from canzona.runtime.param_gather import Holders, add_holder, replaced_message, replaced_parameter
+from canzona.runtime.param_gather import (
+    fsdp_params_of,
+    replaced_message,
+    replaced_parameter,
+)
 from canzona.runtime.shards import local_tensor
 from canzona.step_options import check_batch_kernels
 from canzona.step_policies import resolve_policy
@@ -141,31 +145,6 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
         return False
     ranks = {int(r) for r in max(meshes, key=lambda m: m.mesh.numel()).mesh.flatten().tolist()}
     return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
-
-
-def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any], Holders]:
-    """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name (the tensor
-    FSDP2 trains in that place is its `sharded_param`), the `FSDPParamGroup`s holding them, and
-    the modules holding each of the others (`param_holders`): one walk of `gc`, at construction."""
-    import gc
-
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    by_id = {id(p): name for name, p in params.items()}
-    found, groups, holders = {}, [], {}
-    for obj in gc.get_objects():
-        if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id:
-            found[by_id[id(obj.sharded_param)]] = obj
-        elif type(obj) is FSDPParamGroup:
-            groups.append(obj)
-        else:
-            add_holder(obj, by_id, holders)
-    ids = {id(f) for f in found.values()}
-    groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
-    # in the parameters' order; a sharded parameter's holders are FSDP2's business (its FSDPParam)
-    return ({n: found[n] for n in params if n in found}, groups,
-            {n: holders[n] for n in params if n in holders and n not in found})
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:

@@ -31,6 +31,7 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
+from canzona.runtime.param_gather import fsdp_reads, point_fsdp_at
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
 from canzona.runtime.stacks import Stacks
 from canzona.runtime.wrappers import wrapper_holding, wrapper_message
@@ -126,6 +127,9 @@ class GradientSync:
                                 reduce_dtype)
         self.adamw_cuts = even_cuts(self.adamw.size, dp.size)
         self.buffer_of = {n: buf for buf in self.all_buffers() for n in buf.names}
+        # FSDP2's record of each parameter it holds (FSDP2 on one rank takes this step), pointed at
+        # the buffers just linked: else a model that ran a forward first gathers its old memory
+        self._fsdp = point_fsdp_at(params)
         # the "got a gradient" table's position of every parameter and of every entry
         self.index = {n: i for i, n in enumerate(params)}
         self.index.update({e: self.index[n] for e, n in self.stacks.param_of.items()})
@@ -289,7 +293,10 @@ class GradientSync:
                 buffer.write(entry, part)
 
     def is_linked(self, name: str) -> bool:
-        """Parameter `name` still lives in the optimizer's storage."""
+        """Parameter `name` still lives in the optimizer's storage (and FSDP2, where it holds it,
+        gathers it from there)."""
+        if name in self._fsdp and not fsdp_reads(self._fsdp[name], self.params[name]):
+            return False
         if name in self.stacks.storage:
             return self.stacks.is_linked(name)
         return self.buffer_of[name].is_linked(name)
@@ -439,7 +446,8 @@ class GradientSync:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers or
         replaced in the model, or a gradient dropped or replaced after it was handed to the reduction."""
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
-            next(self.stacks.unlinked(), None)
+            next(self.stacks.unlinked(), None) or \
+            next((n for n, record in self._fsdp.items() if not fsdp_reads(record, self.params[n])), None)
         if unlinked is not None:
             return self.unlinked_message(unlinked)
         replaced = self.replaced_check() if self.replaced_check is not None else None

@@ -47,6 +47,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +95,59 @@ def add_holder(obj: object, by_id: Mapping[int, str], found: Holders, parents: P
             for child in obj._modules.values():
                 if child is not None:
                     parents.setdefault(id(child), []).append(obj)
+
+
+def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any], Holders]:
+    """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name (the tensor
+    FSDP2 trains in that place is its `sharded_param`), the `FSDPParamGroup`s holding them, and
+    the modules holding each of the others (`param_holders`): one walk of `gc`, at construction."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    by_id = {id(p): name for name, p in params.items()}
+    found, groups, holders = {}, [], {}
+    for obj in gc.get_objects():
+        if type(obj) is FSDPParam and id(getattr(obj, "sharded_param", None)) in by_id:
+            found[by_id[id(obj.sharded_param)]] = obj
+        elif type(obj) is FSDPParamGroup:
+            groups.append(obj)
+        else:
+            add_holder(obj, by_id, holders)
+    ids = {id(f) for f in found.values()}
+    groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
+    # in the parameters' order; a sharded parameter's holders are FSDP2's business (its FSDPParam)
+    return ({n: found[n] for n in params if n in found}, groups,
+            {n: holders[n] for n in params if n in holders and n not in found})
+
+
+def point_fsdp_at(params: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Make FSDP2 all-gather each of `params` it holds from the parameter's local tensor as it is now
+    (after `shards.link_data` laid it into the optimizer's buffers), and return FSDP2's record of
+    each (`fsdp_params_of`): FSDP2 gathers from its own `_sharded_param_data`, which it points at
+    the local tensor at `fully_shard` and again at its lazy init (the first forward) only. Built
+    after a forward, the optimizer would step memory that no forward reads (the model kept its
+    initial weights). Only the ZeRO-1 step relinks an FSDP2 model's parameters: FSDP2 on one rank."""
+    if "torch.distributed.fsdp" not in sys.modules or not any(hasattr(p, "_local_tensor") for p in params.values()):
+        return {}
+    found, _, _ = fsdp_params_of(params)
+    with torch.no_grad():
+        for name, record in found.items():
+            held = getattr(record._module_info.module, record._module_info.param_name, None)
+            if held is not record.sharded_param:
+                raise CanzonaError(f"parameter {name!r} is FSDP2's unsharded one just now (a forward ran "
+                                   "and the model was not resharded): call model.reshard() before building the optimizer")
+            record.reset_sharded_param()  # FSDP2's own repointing (load_state_dict, nn.Module._apply use it)
+            if not fsdp_reads(record, params[name]):
+                raise CanzonaError(f"FSDP2 keeps its own copy of parameter {name!r} (padded or pinned), which "
+                                   "canzona's one-rank step cannot update: shard the model over more than one "
+                                   "rank (the FSDP step) or train it without fully_shard")
+    return found
+
+
+def fsdp_reads(record: Any, p: Tensor) -> bool:
+    """FSDP2's record `record` of parameter `p` gathers from `p`'s local values (their memory)."""
+    local = p._local_tensor
+    return record._sharded_param_data.data_ptr() == local.data_ptr() and record.sharded_param is p
 
 
 def modules_holding(params: Mapping[str, Tensor], holders: Holders | None = None) -> dict[nn.Module, list[str]] | None:

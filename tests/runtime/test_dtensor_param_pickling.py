@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from canzona.errors import CanzonaError
 from canzona.runtime import DistributedOptimizer
 from canzona.spec import ModelSpec
 from tests.runtime.test_fsdp_runtime import Small, small_batch
@@ -70,11 +71,18 @@ def test_a_dtensor_model_saves_and_deep_copies_after_steps(one_rank, how):
     assert not all(torch.equal(_full(p).detach(), want[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("how", ["tp", "fsdp2"])
-def test_a_one_rank_dtensor_model_trains_as_torch_optimizers_train_it(one_rank, how):
+@pytest.mark.parametrize("how,forward_first", [("tp", False), ("fsdp2", False), ("fsdp2", True)])
+def test_a_one_rank_dtensor_model_trains_as_torch_optimizers_train_it(one_rank, how, forward_first):
     """FSDP2 on one rank (nothing to shard) and TP 1 take the ZeRO-1 step over the DTensors' local
-    values: bit for bit torch.optim.Muon on the matrices and AdamW on the rest, as the README says."""
+    values: bit for bit torch.optim.Muon on the matrices and AdamW on the rest, as the README says.
+    `forward_first`: a forward (an eval, a sanity check) ran before the optimizer was built, so
+    FSDP2's lazy init had pointed its all-gather source at the parameters' old memory; the
+    optimizer must make FSDP2 read the buffers it steps (else every forward used the initial weights)."""
     model, kwargs = _sharded(how)
+    if forward_first:
+        with torch.no_grad():
+            model(small_batch(9, 0))
+        model.reshard()
     spec = ModelSpec.from_module(Small())
     opt = DistributedOptimizer(model.named_parameters(), spec, "muon", **kwargs)
     plain = Small()
@@ -91,3 +99,29 @@ def test_a_one_rank_dtensor_model_trains_as_torch_optimizers_train_it(one_rank, 
             o.step()
     opt.wait_params()
     assert all(torch.equal(_full(p).detach(), q) for (_, p), (_, q) in zip(model.named_parameters(), named))
+
+
+def test_fsdp2_gathering_elsewhere_than_the_buffers_is_an_error_not_a_silent_stale_model(one_rank):
+    """Were FSDP2 to gather a parameter from memory other than the optimizer's buffers again (its
+    `_sharded_param_data` repointed), the step would update weights no forward reads: the unlinked
+    check says so at the next backward instead."""
+    model, _ = _sharded("fsdp2")
+    model(small_batch(9, 0))  # FSDP2's lazy init (which repoints it once more) is behind
+    model.reshard()
+    opt = DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(Small()), "muon")
+    record = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+    record._sharded_param_data = record._sharded_param_data.clone()
+    opt.zero_grad()
+    with pytest.raises(CanzonaError, match="no longer lives in the optimizer's buffers"):
+        model(small_batch(0, 0)).backward()
+
+
+def test_fsdp2_parameters_unsharded_at_construction_are_refused(one_rank):
+    """The sharded parameters, given while the model holds FSDP2's unsharded ones (a forward and no
+    reshard): one error naming the fix, not a model FSDP2 would swap back under the optimizer."""
+    model, _ = _sharded("fsdp2")
+    params = list(model.named_parameters())
+    with torch.no_grad():
+        model(small_batch(9, 0))
+    with pytest.raises(CanzonaError, match=r"call model.reshard\(\) before building the optimizer"):
+        DistributedOptimizer(params, ModelSpec.from_module(Small()), "muon")

@@ -1,4 +1,4 @@
-"""`canzona.runtime.fsdp.fsdp_params_of`: one walk of `gc` at FSDP2 construction finds FSDP2's
+"""`canzona.runtime.param_gather.fsdp_params_of`: one walk of `gc` at FSDP2 construction finds FSDP2's
 records of the parameters it shards and, for every other parameter, the modules holding it (what
 `param_gather.param_holders`' own walk finds). In this process, no process group: a model FSDP2
 never touched, so every parameter is of the second kind."""
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from canzona.runtime.fsdp import fsdp_params_of
-from canzona.runtime.param_gather import Holders, param_holders
+from canzona.runtime.param_gather import Holders, fsdp_params_of, param_holders
 
 
 def _held_by(holders: Holders) -> dict[str, set[tuple[int, str]]]:
