@@ -183,6 +183,7 @@ class GradientSync:
         # step() called again must not reduce them once more (the reduction is in place)
         self._reduced = False
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
+        self._accumulated: set[str] = set()  # autograd accumulated into its guard, not arrived yet (`accumulate`)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -257,6 +258,7 @@ class GradientSync:
         """`name`'s gradient of this backward is complete (post-accumulate-grad hook)."""
         if self.read_check is not None:
             self.read_check(name)
+        self._accumulated.discard(name)
         if not self.is_linked(name):
             raise CanzonaError(self.unlinked_message(name))
         p, guard = self.params[name], self._guards[name]
@@ -369,6 +371,9 @@ class GradientSync:
         return self._states.get(name, GradState.STEPPED)
 
     def accumulate(self, name: str, grad: Tensor) -> None:
+        # autograd accumulated this backward's gradient into the guard; the optimizer's own hook
+        # (`_arrive`) has yet to run: a hook running now runs before it (`refusal`)
+        self._accumulated.add(name)
         zeroed = self.guard_state(name) is GradState.ZEROED
         if zeroed:  # onto zeros: the buffer's stale content is replaced
             self._zeroed.discard(name)
@@ -398,8 +403,10 @@ class GradientSync:
                     f"in place ({what}: model.zero_grad(set_to_none=False) within a step?): discard a step's "
                     "gradients with optimizer.zero_grad(), which ends their reduction too")
         if in_backward and what.split(".")[0] not in ("add", "add_"):
-            # not autograd's accumulation: a gradient hook registered after the optimizer's own
-            return HOOKED_AFTER.format(name=name, what=what)
+            # not autograd's accumulation: a gradient hook, registered after the optimizer's own
+            # (which took the gradient), or before it where the guard was in `.grad` already
+            # (zeroed gradients, or a no_sync() accumulation: autograd accumulated into the guard)
+            return (HOOKED_ON_GUARD if name in self._accumulated else HOOKED_AFTER).format(name=name, what=what)
         if in_backward:
             return (SYNCED_TWICE if state is GradState.REDUCING else
                     f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "
@@ -742,6 +749,13 @@ HOOKED_AFTER = ("a gradient hook used the gradient of {name!r} ({what}) after th
                 "buffers: a hook registered with register_post_accumulate_grad_hook after building the optimizer "
                 "runs after the optimizer's own; register it before building the optimizer, or transform the "
                 "gradient with p.register_hook(fn), which runs before it is accumulated")
+
+HOOKED_ON_GUARD = ("a gradient hook used the gradient of {name!r} ({what}) while .grad was the optimizer's guard: "
+                   "after zero_grad(set_to_none=False), and in each backward of a no_sync() accumulation after "
+                   "its first, autograd accumulates each gradient straight into the optimizer's buffers, and .grad "
+                   "holds no values during backward (a register_post_accumulate_grad_hook works in a backward after "
+                   "zero_grad() with set_to_none=True, no accumulation); transform or read each backward's own "
+                   "gradient with p.register_hook(fn), which runs before it is accumulated")
 
 
 def unlinked_message(name: str | None) -> str:

@@ -297,6 +297,35 @@ def test_a_gradient_hook_registered_before_the_optimizer_steps_as_torch(one_rank
     assert _same(mine, theirs)
 
 
+@pytest.mark.parametrize("habit", ["zeroed-grads", "no_sync"])
+def test_a_gradient_hook_registered_before_the_optimizer_under_accumulation_is_not_blamed_on_its_order(
+        one_rank, habit):
+    """Registered BEFORE the optimizer, a post-accumulate-grad hook under `zero_grad(set_to_none=
+    False)` or a `no_sync()` accumulation finds `.grad` already the optimizer's guard (autograd
+    accumulated into it): the error says so and names p.register_hook, not 'register it before
+    building the optimizer' (what the user did)."""
+    def halve(p) -> None:
+        p.grad.mul_(0.5)
+
+    model = TinyQwen3("tiny", seed=0)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(halve)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", overlap_param_gather=False)
+    opt.zero_grad(set_to_none=habit != "zeroed-grads")
+    if habit == "zeroed-grads":  # a first step, then its zeroed gradients
+        model.loss(fixed_batch(256, 2, 16, seed=3)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    else:
+        with opt.no_sync():
+            model.loss(fixed_batch(256, 2, 16, seed=3)).backward()
+    with pytest.raises(CanzonaError) as raised:
+        model.loss(fixed_batch(256, 2, 16, seed=4)).backward()
+    message = str(raised.value)
+    assert "p.register_hook" in message and "accumulat" in message, message
+    assert "register it before building the optimizer" not in message, message
+
+
 @pytest.mark.parametrize("save", ["state_dict", "sharded_state_dict"])
 @pytest.mark.parametrize("edit", [_pop_last, _move_one, _append_group, _drop_group],
                          ids=["param-removed", "param-moved", "group-appended", "group-removed"])
