@@ -47,7 +47,7 @@ FSDP_WORLD_GROUP = "fsdp-world"  # every rank of the mesh: the step check and th
 ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
 CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and threshold: float64)
 CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
-RECHECK_WORDS = 3  # a reused check's recheck: digest, clip threshold, the gradients changed since
+RECHECK_WORDS = 4  # a reused check's recheck: digest, clip threshold, the gradients changed since, a local problem
 
 
 class Exchanged(Protocol):

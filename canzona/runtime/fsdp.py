@@ -48,7 +48,7 @@ from torch import Tensor
 
 from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
-from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP
+from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP, RECHECK_WORDS
 from canzona.fsdp_plan import (
     backward_order,
     check_owner_plan_settings,
@@ -476,11 +476,18 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # backward added to them, or new ones replaced them: `model.zero_grad()`, then a
             # backward). Every rank learns every rank's, so that all take the check anew together
             # (one rank alone would issue the step check where the others issue this recheck)
-            since = self._grads_since()
-            row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since)], dtype=torch.int64)
+            # and this rank's local problem (param_groups' membership edited since, on this rank alone
+            # maybe): every rank fails alike, none goes on into the step's collectives alone
+            since, problem = self._grads_since(), self._local_problem()
+            row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
+                                int(problem is not None)], dtype=torch.int64)
+            assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
             row[1] = torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)[0]
             table = self.world.all_gather_values(row, "step recheck")
-            changed = table[:, 2]
+            changed, broken = table[:, 2], table[:, 3]
+            if broken.any():
+                raise CanzonaError(problem if problem is not None else
+                                   f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)")
             if changed.any():
                 added, edited = changed == _SINCE.index("added"), changed == _SINCE.index("edited")
                 if ((added | edited).any() and self._grad_scale != 1.0 and self._amp.unscaled is self.checked
@@ -898,7 +905,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         identical on every rank, the same form as the ZeRO-1 layout's, so that it loads under FSDP2
         at any size and into `DistributedOptimizer` on an unsharded model. Collective over the
         exchange group (every rank must call it), bounded by `timeout_s`."""
-        check_members(self.param_groups, self._group_members)  # what the save would leave out
+        check_members(self.param_groups, self._group_members, [self.world], "state_dict()")
         return state_dict_with_hooks(self, lambda: fsdp_checkpoint.gather_state(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -908,7 +915,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         weight cast gives way to it at the next step).
         Collective (every rank calls it with the same state dict, as `state_dict()` gives it): a
         refusal on one rank, or ranks given different state dicts, is one error on every rank."""
-        check_members(self.param_groups, self._group_members)
+        check_members(self.param_groups, self._group_members, [self.world], "load_state_dict()")
         load_with_hooks(self, state_dict, lambda loaded: fsdp_checkpoint.load_state(self, loaded))
 
     def sharded_state_dict(self, prefix: str = DCP_PREFIX) -> dict[str, Any]:
@@ -918,7 +925,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
         elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
         over this optimizer's mesh, `world`: its ranks, no other)."""
-        check_members(self.param_groups, self._group_members)
+        check_members(self.param_groups, self._group_members, [self.world], "sharded_state_dict()")
         return fsdp_checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = DCP_PREFIX, *,
@@ -935,7 +942,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         model files and optimizer state from two saves, say a save killed between them. Without
         it (None), the first `step()` after the load checks the witness (as after
         `load_state_dict`); `check_weights=False`: nothing checked (weights changed on purpose)."""
-        check_members(self.param_groups, self._group_members)
+        check_members(self.param_groups, self._group_members, [self.world], "load_sharded_state_dict()")
         fsdp_checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 
     # --- what users of torch optimizers reach for ----------------------------------------------

@@ -21,9 +21,9 @@ next step (`kept_state_change`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -31,6 +31,9 @@ from canzona.cost import one_per_shape, state_difference
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.optimizers import check_config
 from canzona.spec import ModelSpec, ParamSpec
+
+if TYPE_CHECKING:
+    from canzona.runtime.comm import Comm
 
 KINDS = ("matrix", "adamw")
 # torch.optim.AdamW's flags that change what its step computes, each with the value canzona's AdamW
@@ -244,11 +247,25 @@ def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, f
     return None
 
 
-def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]]) -> None:
-    """`members_changed` as one CanzonaError (a save or load after such an edit, before any collective)."""
+def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]],
+                  comms: Sequence[Comm | None], call: str) -> None:
+    """`members_changed` on any rank of `comms` (a save or load after such an edit), as the same
+    CanzonaError on every rank, before the call's own collectives: an edit made on some ranks only
+    (a rank's own code path) would otherwise fail there alone, and the others would wait out
+    `timeout_s` in the call's collectives, then blame a rank that did not call it. Collective: one
+    small all-gather in each group of `comms` (this process alone without torch.distributed)."""
+    import torch.distributed as dist
+
     changed = members_changed(param_groups, built)
-    if changed is not None:
-        raise CanzonaError(changed)
+    found = None if changed is None else (dist.get_rank() if dist.is_initialized() else 0, changed)
+    for comm in (c for c in comms if c is not None):
+        try:
+            every = comm.all_gather_object(found, f"{call} param_groups check")
+        except CanzonaError as e:
+            raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
+        found = next((f for f in every if f is not None), None)  # the same on every rank of the group
+    if found is not None:
+        raise CanzonaError(f"rank {found[0]}: {found[1]}")
 
 
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:

@@ -1000,8 +1000,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent: per parameter name, full tensors, identical on every rank.
         Collective (every rank must call it), bounded by `timeout_s`."""
-        check_members(self.param_groups, self._group_members)  # what the save would leave out
         self.wait_params()
+        check_members(self.param_groups, self._group_members, checkpoint.own_comms(self), "state_dict()")
         return state_dict_with_hooks(self, lambda: checkpoint.gather_state(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -1014,8 +1014,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         (`kernels.update_target`). Collective (every rank calls it with the same state dict, as
         `state_dict()` gives it): a refusal on one rank, or ranks given different state dicts, is
         one error on every rank, nothing loaded."""
-        check_members(self.param_groups, self._group_members)
         self.wait_params()
+        check_members(self.param_groups, self._group_members, checkpoint.own_comms(self), "load_state_dict()")
         self.matrix_step.discard()  # computed from the state being replaced
         load_with_hooks(self, state_dict, lambda loaded: checkpoint.load_state(self, loaded))
 
@@ -1025,8 +1025,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         Collective, as `dcp.save` is: every rank calls it (its witness of the weights, a few
         elements of each parameter for `load_sharded_state_dict(check_weights=True)`, is gathered
         over the optimizer's DP group, then its TP group: every rank of this optimizer, no other)."""
-        check_members(self.param_groups, self._group_members)
         self.wait_params()
+        check_members(self.param_groups, self._group_members, checkpoint.own_comms(self), "sharded_state_dict()")
         return checkpoint.sharded_state(self, prefix)
 
     def load_sharded_state_dict(self, checkpoint_id: Any, prefix: str = checkpoint.DCP_PREFIX, *,
@@ -1044,8 +1044,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         witness (as after `load_state_dict`); `check_weights=False`: nothing checked, for weights
         changed on purpose (surgery, a merge, EMA weights). A checkpoint of an older canzona has no witness: where it has
         no masters either, nothing is checked."""
-        check_members(self.param_groups, self._group_members)
         self.wait_params()
+        check_members(self.param_groups, self._group_members, checkpoint.own_comms(self), "load_sharded_state_dict()")
         self.matrix_step.discard()  # computed from the state being replaced
         checkpoint.load_sharded(self, checkpoint_id, prefix, check_weights=check_weights)
 

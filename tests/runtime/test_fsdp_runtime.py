@@ -207,7 +207,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
-              regroup: int | None = None) -> dict:
+              regroup: int | None = None, regroup_rank: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -245,8 +245,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     is handed the optimizer itself, as accelerate's step after `scaler.unscale_(accelerated_opt)`).
     `optimizer`: "muon" (Muon's owners) or "adamw" (every parameter elementwise on its own shard).
     At step `regroup` every rank removes the last parameter of the last param group before step()
-    (torch.optim would stop stepping it; the optimizer's plan cannot follow), then saves
-    (`regroup_save`: its error)."""
+    (torch.optim would stop stepping it; the optimizer's plan cannot follow), then saves and loads
+    the state saved before the edit (`regroup_save`, `regroup_load`: their errors, and how long each
+    took); `regroup_rank`: that rank alone edits its groups."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -292,7 +293,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             with torch.no_grad():
                 model(small_batch(step, rank))
         if step == regroup:
-            opt.param_groups[-1]["params"].pop()
+            regroup_state = opt.state_dict()
+            if regroup_rank in (None, rank):
+                opt.param_groups[-1]["params"].pop()
         if rank == 2 and step == absent:
             time.sleep(3 * timeout_s)
             break
@@ -354,12 +357,15 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 fresh.load_state_dict({n: gather_rows(p) for n, p in opt.params.items()})
                 x = small_batch(step, rank)
                 stale = not torch.allclose(model(x), fresh(x), rtol=0, atol=1e-6)
-    regroup_save = None
-    if regroup is not None:  # a save after the edit: the step's error, before any collective
-        try:
-            opt.state_dict()
-        except CanzonaError as e:
-            regroup_save = str(e)
+    regroup_save = regroup_load = None
+    if regroup is not None:  # a save and a load after the edit: the step's error, on every rank
+        regroup_save, regroup_load = [], []
+        for call, out in ((opt.state_dict, regroup_save), (lambda: opt.load_state_dict(regroup_state), regroup_load)):
+            start = time.monotonic()
+            try:
+                call()
+            except CanzonaError as e:
+                out += [str(e), time.monotonic() - start]
     others = None
     if scaler == "unscale":  # a DTensor no canzona optimizer steps: unscaled by torch's own handler
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -371,7 +377,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
     return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
-            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "regroup_save": regroup_save, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
+            "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "regroup_save": regroup_save, "regroup_load": regroup_load, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
                     for r in sorted(opt.world.log.records + opt.comm.log.records, key=lambda r: r.seq)]}
@@ -413,6 +419,7 @@ SMALL_CASES = {
     "unsynced": {"steps": 3, "unsynced": 1},
     "cast": {"steps": 2, "cast": True},
     "regroup": {"steps": 2, "regroup": 1},
+    "regroup-one-after-clip": {"steps": 2, "regroup": 1, "regroup_rank": 1, "clip": 0.05, "timeout_s": 8.0},
     "evaluate": {"steps": 3, "evaluate": 1},
     "bf16-clip": {"steps": 3, "clip": 0.05, "bf16": True},
     "bf16-clip-retried": {"steps": 3, "clip": 0.05, "bf16": True, "retry": 1},
@@ -1172,7 +1179,28 @@ def test_fsdp_a_save_after_a_param_group_was_edited_is_the_steps_error_on_every_
     """Before: `state_dict()` wrote a checkpoint without the removed parameter, which no optimizer
     of the model loads."""
     for r in _small()["regroup"]:
-        assert r["regroup_save"] is not None and "['params'] was changed after construction" in r["regroup_save"]
+        assert r["regroup_save"] and "['params'] was changed after construction" in r["regroup_save"][0]
+
+
+def test_fsdp_one_rank_editing_its_param_groups_is_one_error_on_every_rank_at_once() -> None:
+    """Rank 1 alone removed a parameter from its groups between the clip and step(): before,
+    rank 1 raised after the clip's check while its peers went on into the step's all-to-all and
+    waited out timeout_s ("all-to-all of gradients ... timed out"); a save or load after it raised
+    on rank 1 before the collective, and the peers timed out blaming a rank that did not call it.
+    Now the step's recheck, the save and the load carry it: every rank, the same error, at once."""
+    results = _small()["regroup-one-after-clip"]
+    for r in results:
+        assert r["error"] is not None and ("['params'] was changed after construction" in r["error"]
+                                           or "rank(s) [1] found a broken step" in r["error"]), r["error"]
+        assert r["took"] < 8.0 and len(r["grads"]) == 1  # not the collectives' timeout_s (8 s)
+        for message, took in (r["regroup_save"], r["regroup_load"]):
+            assert "['params'] was changed after construction" in message and "timed out" not in message
+            assert took < 8.0
+    assert "['params'] was changed after construction" in results[1]["error"]
+    assert len({r["regroup_save"][0] for r in results}) == 1 and len({r["regroup_load"][0] for r in results}) == 1
+    want = emulate_small(results[0]["grads"], clip=0.05)  # step 0 taken, step 1 not
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"]
 
 
 def test_fsdp_0d_parameters_are_refused_naming_the_one_element_vector_they_can_be() -> None:

@@ -247,6 +247,37 @@ def state_dict_timeout_job(rank: int, world: int) -> dict:
     return out
 
 
+def one_rank_regroups_job(rank: int, world: int) -> dict:
+    """Rank 1 alone removes a parameter from its last param group after a step, then every rank
+    calls each collective checkpoint call (the peers used to wait out `timeout_s`, then blame a
+    rank that did not call it)."""
+    import tempfile
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    opt.zero_grad()
+    model.loss(_batch(rank, world)).backward()
+    opt.step()
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(folder)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder[0])
+    saved = opt.state_dict()
+    if rank == 1:
+        opt.param_groups[-1]["params"].pop()
+    calls = {"state_dict": opt.state_dict, "load_state_dict": lambda: opt.load_state_dict(saved),
+             "sharded_state_dict": opt.sharded_state_dict,
+             "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder[0])}
+    out = {}
+    for call, fn in calls.items():
+        start = time.monotonic()
+        out[call] = _outcome(fn)
+        out[call]["seconds"] = time.monotonic() - start
+    return out
+
+
 JOBS = {
     "model zero_grad": ("train_job", (replace(BASE, zero_grad="model"),)),
     "model zero_grad sc": ("train_job", (replace(BASE, zero_grad="model", policy="sc"),)),
@@ -263,6 +294,7 @@ JOBS = {
     "live groups": ("live_hyper_parameters_job", (BASE,)),
     "foreign checkpoint": ("foreign_checkpoint_job", ()),
     "regrouped checkpoint": ("regrouped_checkpoint_job", ()),
+    "one rank regroups": ("one_rank_regroups_job", ()),
     "state_dict timeout": ("state_dict_timeout_job", ()),
 }
 
@@ -424,3 +456,15 @@ def test_bad_parameter_groups_fail_before_any_collective():
         _optimizer_groups(model, [{"params": [p for _, p in pairs]}])
     with pytest.raises(PlanError, match="not given"):
         _optimizer_groups(model, [{"params": pairs[1:]}])
+
+
+def test_a_checkpoint_call_after_one_rank_edited_its_param_groups_is_one_error_on_every_rank(runs):
+    """Rank 1 alone edited param_groups' membership: every rank's save or load is the same one
+    error at once. Before: rank 1 raised before the collective, and its peer waited out timeout_s,
+    then said state_dict() is collective / the load check timed out."""
+    for call in ("state_dict", "load_state_dict", "sharded_state_dict", "load_sharded_state_dict"):
+        got = [runs["one rank regroups"][r][call] for r in range(DP)]
+        assert all(o["canzona"] and "['params'] was changed after construction" in o["message"] for o in got), got
+        assert got[0]["message"] == got[1]["message"]
+        assert all("timed out" not in o["message"] for o in got)
+        assert all(o["seconds"] < STEP_TIMEOUT_S for o in got), got
