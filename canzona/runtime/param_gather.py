@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from canzona.errors import CanzonaError
 from canzona.runtime import pending_params
 from canzona.runtime.comm import PendingWork
+from canzona.runtime.mesh import TP
 from canzona.runtime.pending_params import FULLGRAPH
 
 log = logging.getLogger("canzona")
@@ -127,7 +128,10 @@ def point_fsdp_at(params: Mapping[str, Tensor]) -> dict[str, Any]:
     the local tensor at `fully_shard` and again at its lazy init (the first forward) only. Built
     after a forward, the optimizer would step memory that no forward reads (the model kept its
     initial weights). Only the ZeRO-1 step relinks an FSDP2 model's parameters: FSDP2 on one rank."""
-    if "torch.distributed.fsdp" not in sys.modules or not any(hasattr(p, "_local_tensor") for p in params.values()):
+    # FSDP2's parameters are DTensors on a mesh other than a TP one (`fsdp.is_fsdp_sharded`): a
+    # model without any walks no `gc`
+    if "torch.distributed.fsdp" not in sys.modules or not any(
+            hasattr(p, "_local_tensor") and tuple(p.device_mesh.mesh_dim_names or ()) != (TP,) for p in params.values()):
         return {}
     found, _, _ = fsdp_params_of(params)
     with torch.no_grad():
