@@ -71,6 +71,11 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if any(int(d) <= 0 for d in self.shape):  # () is a 0-d scalar: one element
             raise SpecError(f"parameter {self.name!r} has an invalid shape {self.shape}")
+        if not self.shape and self.role is not Role.VECTOR:
+            # a scalar is AdamW's, as a vector is (a logit scale, a gate); an expert's or a router's
+            # count is its first dimension, an embedding's rows, a matrix's two
+            raise SpecError(f"parameter {self.name!r}: a 0-d scalar is a vector (stepped by AdamW), not "
+                            f"{self.role.value}: give it role 'vector', or its dimensions")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
             raise SpecError(f"parameter {self.name!r}: tp_dim {self.tp_dim} is outside shape {self.shape}")
         if self.dtype not in DTYPE_BYTES:

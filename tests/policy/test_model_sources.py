@@ -398,6 +398,16 @@ def test_a_0d_scalar_parameter_is_saved_loaded_planned_and_simulated(tmp_path):
         load_spec(bad)
 
 
+@pytest.mark.parametrize("role", [r for r in Role if r is not Role.VECTOR])
+def test_a_0d_scalar_of_another_role_than_vector_is_one_error(role, tmp_path):
+    """An expert's or a router's count is its first dimension (`canzona.experts`): a spec file's 0-d
+    router was an IndexError there; a 0-d embedding, head or matrix passed as AdamW's unnoticed."""
+    row = {"name": "model.layers.0.mlp.router_scale", "shape": [], "role": role.value, "layer": 0}
+    bad = write_json(tmp_path / "bad.json", {"schema": "canzona.model", "version": 1, "name": "m", "params": [row]})
+    with pytest.raises(SpecError, match=f"a 0-d scalar is a vector \\(stepped by AdamW\\), not {role.value}"):
+        load_spec(bad)
+
+
 def test_architecture_block_fills_and_overrides_inference(tmp_path):
     spec = get_model("qwen3-0.6b")
     sizes = infer_sizes(spec)
