@@ -476,9 +476,12 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # backward added to them, or new ones replaced them: `model.zero_grad()`, then a
             # backward). Every rank learns every rank's, so that all take the check anew together
             # (one rank alone would issue the step check where the others issue this recheck)
-            # and this rank's local problem (param_groups' membership edited since, on this rank alone
-            # maybe): every rank fails alike, none goes on into the step's collectives alone
-            since, problem = self._grads_since(), self._local_problem()
+            # and what may have broken since on this rank alone: param_groups' membership edited, a
+            # parameter replaced (every rank fails alike, none goes on into the step's collectives
+            # alone); the rest of `_local_problem` (dtypes, gradients' placements) is the full
+            # check's, which new gradients (`since`) take anew, and is not paid twice a clipped step
+            since = self._grads_since()
+            problem = members_changed(self.param_groups, self._group_members) or self._replaced()
             row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
                                 int(problem is not None)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
