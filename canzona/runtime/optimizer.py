@@ -102,6 +102,7 @@ from canzona.runtime.param_gather import (
     Holders,
     ParamsInFlight,
     Parents,
+    check_not_unsharded,
     modules_holding,
     param_holders,
     replaced_parameter,
@@ -356,6 +357,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # the modules holding each parameter now, and (the same walk of gc) the modules around them
         parents: Parents = {}
         holders = param_holders(self.params, parents)
+        check_not_unsharded(self.params, holders, parents)  # FSDP2's full parameters after a forward
         check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
         self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)

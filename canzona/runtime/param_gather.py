@@ -121,6 +121,37 @@ def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[A
             {n: holders[n] for n in params if n in holders and n not in found})
 
 
+RESHARD_FIRST = "a forward ran and the model was not resharded: call model.reshard() before building the optimizer"
+
+
+def check_not_unsharded(params: Mapping[str, Tensor], holders: Holders, parents: Parents) -> None:
+    """None of `params` is FSDP2's unsharded parameter: after a forward that left an FSDP2 model
+    unsharded (one rank, no `model.reshard()`), `model.named_parameters()` hands out FSDP2's
+    full-size plain parameters, which FSDP2 swaps back for its sharded ones: the optimizer would
+    own tensors no later forward reads (and its hooks would meet FSDP2's own reads as a user's).
+    `holders` / `parents`: the construction's walk of `gc` (`param_holders`)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, refs in holders.items():
+        p = params[name]
+        if hasattr(p, "_local_tensor"):  # FSDP2's unsharded parameters are plain ones
+            continue
+        around = [m for m in (ref() for ref, _ in refs) if m is not None]
+        seen: set[int] = set()
+        while around:  # the holding modules and every module enclosing them
+            module = around.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None and any(getattr(f, "_unsharded_param", None) is p for f in group.fsdp_params):
+                    raise CanzonaError(f"parameter {name!r} is FSDP2's unsharded one just now ({RESHARD_FIRST})")
+            around.extend(parents.get(id(module), []))
+
+
 def point_fsdp_at(params: Mapping[str, Tensor]) -> dict[str, Any]:
     """Make FSDP2 all-gather each of `params` it holds from the parameter's local tensor as it is now
     (after `shards.link_data` laid it into the optimizer's buffers), and return FSDP2's record of
@@ -138,8 +169,7 @@ def point_fsdp_at(params: Mapping[str, Tensor]) -> dict[str, Any]:
         for name, record in found.items():
             held = getattr(record._module_info.module, record._module_info.param_name, None)
             if held is not record.sharded_param:
-                raise CanzonaError(f"parameter {name!r} is FSDP2's unsharded one just now (a forward ran "
-                                   "and the model was not resharded): call model.reshard() before building the optimizer")
+                raise CanzonaError(f"parameter {name!r} is FSDP2's unsharded one just now ({RESHARD_FIRST})")
             record.reset_sharded_param()  # FSDP2's own repointing (load_state_dict, nn.Module._apply use it)
             if not fsdp_reads(record, params[name]):
                 raise CanzonaError(f"FSDP2 keeps its own copy of parameter {name!r} (padded or pinned), which "

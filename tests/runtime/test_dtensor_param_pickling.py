@@ -125,3 +125,7 @@ def test_fsdp2_parameters_unsharded_at_construction_are_refused(one_rank):
         model(small_batch(9, 0))
     with pytest.raises(CanzonaError, match=r"call model.reshard\(\) before building the optimizer"):
         DistributedOptimizer(params, ModelSpec.from_module(Small()), "muon")
+    # the model's parameters named now: FSDP2's plain unsharded ones (before: accepted, and the first
+    # backward blamed FSDP2's own read of a gradient on a user's hook)
+    with pytest.raises(CanzonaError, match=r"'a.weight' is FSDP2's unsharded one just now .*model.reshard\(\)"):
+        DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(Small()), "muon")
