@@ -224,21 +224,35 @@ def _same(a, b) -> bool:
 
 def state_dict_timeout_job(rank: int, world: int) -> dict:
     """Rank 0 alone calls each collective checkpoint call (the habit of saving on rank 0 only)."""
-    import tempfile
     import time
-
-    import torch.distributed.checkpoint as dcp
 
     model = build_model(BASE)
     opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    torch.distributed.broadcast_object_list(folder)
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder[0])  # every rank: a checkpoint to load
+    folder = _saved_together(opt, rank)
     calls = {"state_dict": opt.state_dict, "sharded_state_dict": opt.sharded_state_dict,
-             "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder[0])}
+             "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder)}
     if rank == 1:
         time.sleep((len(calls) + 2) * STEP_TIMEOUT_S)  # never joins the collectives in time
         return {"error": None}
+    return _timed(calls)
+
+
+def _saved_together(opt, rank: int) -> str:
+    """A sharded checkpoint every rank saved into one folder (rank 0's), for the calls to load."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(folder)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder[0])
+    return folder[0]
+
+
+def _timed(calls: dict) -> dict:
+    """Each call's outcome (`_outcome`) and how long it took, in order."""
+    import time
+
     out = {}
     for call, fn in calls.items():
         start = time.monotonic()
@@ -251,31 +265,18 @@ def one_rank_regroups_job(rank: int, world: int) -> dict:
     """Rank 1 alone removes a parameter from its last param group after a step, then every rank
     calls each collective checkpoint call (the peers used to wait out `timeout_s`, then blame a
     rank that did not call it)."""
-    import tempfile
-    import time
-
-    import torch.distributed.checkpoint as dcp
-
     model = build_model(BASE)
     opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
     opt.zero_grad()
     model.loss(_batch(rank, world)).backward()
     opt.step()
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    torch.distributed.broadcast_object_list(folder)
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder[0])
+    folder = _saved_together(opt, rank)
     saved = opt.state_dict()
     if rank == 1:
         opt.param_groups[-1]["params"].pop()
-    calls = {"state_dict": opt.state_dict, "load_state_dict": lambda: opt.load_state_dict(saved),
-             "sharded_state_dict": opt.sharded_state_dict,
-             "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder[0])}
-    out = {}
-    for call, fn in calls.items():
-        start = time.monotonic()
-        out[call] = _outcome(fn)
-        out[call]["seconds"] = time.monotonic() - start
-    return out
+    return _timed({"state_dict": opt.state_dict, "load_state_dict": lambda: opt.load_state_dict(saved),
+                   "sharded_state_dict": opt.sharded_state_dict,
+                   "load_sharded_state_dict": lambda: opt.load_sharded_state_dict(folder)})
 
 
 JOBS = {
