@@ -88,6 +88,7 @@ from canzona.runtime.gradients import (
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
+    check_groups_now,
     check_members,
     defaults_of,
     group_lr,
@@ -426,10 +427,15 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 return replaced_message(name, "FSDP2 now shards another tensor in its place")
         return replaced_parameter(self.params, self._holders)
 
+    def _changed(self) -> str | None:
+        """What changed on this rank since construction that a step cannot follow: `param_groups`
+        holding other parameters, or a parameter replaced in the model (`_replaced`)."""
+        return members_changed(self.param_groups, self._group_members) or self._replaced()
+
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor
 
-        replaced = members_changed(self.param_groups, self._group_members) or self._replaced()
+        replaced = self._changed()
         if replaced is not None:
             return replaced
         for name, p in self.params.items():
@@ -481,7 +487,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # alone); the rest of `_local_problem` (dtypes, gradients' placements) is the full
             # check's, which new gradients (`since`) take anew, and is not paid twice a clipped step
             since = self._grads_since()
-            problem = members_changed(self.param_groups, self._group_members) or self._replaced()
+            problem = self._changed()
             row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
                                 int(problem is not None)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
@@ -692,11 +698,9 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if self.checked is self._amp.unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
         try:
-            changed = members_changed(self.param_groups, self._group_members)  # since the check (a clip's)
-            if changed is not None:
-                raise CanzonaError(changed)
-            for g in range(len(self.param_groups)):  # every hyper-parameter valid before anything changes
-                self.group_config(g)
+            # the groups' members (since the check: a clip's) and every hyper-parameter valid before
+            # anything changes
+            check_groups_now(self.param_groups, self._group_members, self.group_config)
         except Exception:
             if self._digest is None:  # the check is kept for step() called again
                 self._digest = self._grad_digest()

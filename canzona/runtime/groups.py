@@ -21,7 +21,7 @@ next step (`kept_state_change`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -238,13 +238,25 @@ def members_changed(param_groups: list[dict[str, Any]], built: list[tuple[int, f
         return (f"param_groups has {len(param_groups)} groups, the optimizer was built with {len(built)}: groups "
                 "cannot be added or removed after construction (its plan lays out every parameter; "
                 "add_param_group is refused too): build the optimizer with all of them")
-    for i, (group, members) in enumerate(zip(param_groups, built)):
-        if (len(group["params"]), frozenset(map(id, group["params"]))) != members:
+    for i, (now, members) in enumerate(zip(group_members(param_groups), built)):
+        if now != members:
             return (f"param_groups[{i}]['params'] was changed after construction (a parameter removed, added or "
                     "moved to another group), which the step would ignore (its plan lays out the parameters it "
                     "was built with): put it back; freeze a parameter with requires_grad_(False), and give a "
                     "group other hyper-parameters through its keys")
     return None
+
+
+def check_groups_now(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]],
+                     group_config: Callable[[int], Any]) -> None:
+    """Every param group valid now, before a step changes anything: over the parameters it was built
+    with (`members_changed`), its hyper-parameters (`group_config(g)` validates group `g`'s). One
+    CanzonaError otherwise."""
+    changed = members_changed(param_groups, built)
+    if changed is not None:
+        raise CanzonaError(changed)
+    for g in range(len(param_groups)):
+        group_config(g)
 
 
 def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, frozenset[int]]],

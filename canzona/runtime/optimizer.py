@@ -77,6 +77,7 @@ from canzona.runtime.gradients import GradientSync, StepCheck
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
+    check_groups_now,
     check_members,
     defaults_of,
     group_lr,
@@ -920,11 +921,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
     def _check_hyper_parameters(self) -> None:
         """Every param group's hyper-parameters valid now, over the parameters it was built with
         (one CanzonaError otherwise)."""
-        changed = members_changed(self.param_groups, self._group_members)
-        if changed is not None:
-            raise CanzonaError(changed)
-        for g in range(len(self.param_groups)):
-            self.group_config(g)
+        check_groups_now(self.param_groups, self._group_members, self.group_config)
 
     def state_dtype(self, name: str) -> torch.dtype:
         """The dtype `name`'s optimizer state is kept in: its reduced gradient's (an expert matrix
