@@ -1100,7 +1100,9 @@ def verify(
         cases = checks.prepare(dp, optimizer, policy, steps, dp_policy or PLAN_DEFAULTS.dp_policy, accumulation, preset,
                                global_batch, tp, alpha, bucket_size, tp_policy=tp_policy, tp_mode=tp_mode,
                                tp_style=tp_style, ep=ep, fsdp=fsdp, hsdp_replicate=hsdp_replicate)
-        _check_dp_policy_applies(chosen, None, alpha, tp_policy)  # after prepare's own checks of the values
+        # after prepare's own checks of the values; a TP choice no chosen policy reads (AdamW's zero1
+        # runs tp-sync) is refused, as `simulate` and the runtime refuse it, not dropped
+        _check_dp_policy_applies(chosen, None, alpha, tp_policy, tp_mode=tp_mode)
     except CanzonaError as e:
         fail(str(e))
     err = Console(stderr=True)

@@ -445,6 +445,10 @@ def test_limits_are_stated_in_help():
     (["--dp-policy", "zero1-even", "--policy", "all"], "zero1-even does not"),
     (["--policy", "layerwise", "--dp-policy", "alpha-balanced"], "applies to the canzona policy only"),
     (["--policy", "sc", "--alpha", "0.5"], "--alpha applies to the canzona policy only"),
+    # AdamW's zero1 runs tp-sync: its TP choices were dropped, the run verified what was not asked
+    (["--optimizer", "adamw", "--tp", "2", "--tp-mode", "serial"], "--tp-mode serial applies to the canzona policy"),
+    (["--optimizer", "adamw", "--tp", "2", "--tp-mode", "all"], "--tp-mode all applies to the canzona policy"),
+    (["--optimizer", "adamw", "--tp", "2", "--tp-policy", "tp-chunk"], "--tp-policy applies to the canzona policy"),
 ])
 def test_verify_rejects_before_spawning(monkeypatch, args, needle):
     from canzona.harness import verify as checks
