@@ -71,10 +71,21 @@ def check_batch_kernels(optimizer: str, batch_kernels: bool, *, flags: bool = Fa
                         "kernel (batch_kernels stacks a whole-matrix optimizer's same-shape matrices)")
 
 
+def check_compile_kernels(optimizer: str, compile_kernels: bool, *, flags: bool = False) -> None:
+    """`compile_kernels=True` with an optimizer whose entry has no compiled form (every one but
+    Muon: SOAP's and Shampoo's steps are GEMMs, eigh and QR, which inductor would call as they are;
+    AdamW's is elementwise) would change nothing: one SpecError, as `check_batch_kernels`."""
+    if compile_kernels and matrix_optimizer(optimizer).compiled is None:
+        named = f"--optimizer {optimizer}" if flags else f"optimizer {optimizer!r}"
+        raise SpecError(f"{spelt('compile_kernels', True, flags)} changes nothing with {named}: it has no compiled "
+                        "kernel (compile_kernels runs Muon's Newton-Schulz iterations through torch.compile)")
+
+
 def check_elementwise_options(optimizer: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
     """The options a run of `optimizer` does not read, off their defaults, as one SpecError: under
     an elementwise optimizer `ELEMENTWISE_IGNORED`'s (named at their defaults they are accepted),
-    and `batch_kernels=False` without a batched kernel (`check_batch_kernels`). `given`: the
+    `batch_kernels=False` without a batched kernel (`check_batch_kernels`) and `compile_kernels=True`
+    without a compiled one (`check_compile_kernels`). `given`: the
     values by field name. The one check `canzona simulate` (`sim.simulate.SimConfig`) and
     `DistributedOptimizer` make; `flags`: name them as the CLI's flags."""
     if matrix_optimizer(optimizer).elementwise:
@@ -84,6 +95,7 @@ def check_elementwise_options(optimizer: str, given: Mapping[str, Any], *, flags
             raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing with {named} "
                             "(elementwise: its step policy plans with its own DP and TP policies)")
     check_batch_kernels(optimizer, given["batch_kernels"], flags=flags)
+    check_compile_kernels(optimizer, given["compile_kernels"], flags=flags)
 
 
 # `DistributedOptimizer`'s keyword arguments that are neither a step option above nor a planning

@@ -431,7 +431,8 @@ class SimConfig:
         --no-batch-kernels with any optimizer without a batched kernel. The runtime's check
         (`canzona.step_options.check_elementwise_options`), its options named as flags."""
         given = {name: getattr(self, name) for name, _ in ELEMENTWISE_IGNORED}
-        check_elementwise_options(self.optimizer, {**given, "batch_kernels": self.options.batch_kernels}, flags=True)
+        check_elementwise_options(self.optimizer, {**given, "batch_kernels": self.options.batch_kernels,
+                                                   "compile_kernels": self.options.compile_kernels}, flags=True)
 
     def slowdown(self, hw: HardwareProfile, gpus: int) -> float:
         """The factor on phase A's compute: the expected slowest of `gpus` GPUs over the median."""

@@ -123,7 +123,7 @@ from canzona.runtime.param_gather import (
     replaced_parameter,
 )
 from canzona.runtime.shards import local_tensor
-from canzona.step_options import check_batch_kernels
+from canzona.step_options import check_batch_kernels, check_compile_kernels
 from canzona.step_policies import resolve_policy
 
 log = logging.getLogger("canzona")
@@ -210,9 +210,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             raise SpecError("overlap_step is not run under FSDP2 yet: the step starts after FSDP2's last "
                             "reduce-scatter")
         self.optimizer = check_matrix_optimizer(opts["optimizer"])
-        # batch_kernels=False without a batched kernel, as `canzona simulate --fsdp` refuses it (the
-        # other settings an elementwise step does not read: ZERO1_ONLY above, check_owner_plan_settings)
+        # batch_kernels=False without a batched kernel, compile_kernels=True without a compiled one, as
+        # `canzona simulate --fsdp` refuses them (the other settings an elementwise step does not
+        # read: ZERO1_ONLY above, check_owner_plan_settings)
         check_batch_kernels(self.optimizer, opts["batch_kernels"])
+        check_compile_kernels(self.optimizer, opts["compile_kernels"])
         entry = matrix_optimizer(self.optimizer)
         # AdamW on every parameter (the baseline): each rank steps its own shards, no owners, no
         # exchange (policy None), as `canzona simulate --fsdp --optimizer adamw` prices it

@@ -212,7 +212,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
     the result is the per-matrix kernel's bit for bit (`canzona.runtime.batched`: how, and what
     stays per matrix). `compile_kernels`: Muon's Newton-Schulz iterations through `torch.compile`
     (inductor: a C++ compiler on CPU, Triton on CUDA, checked here); close to the eager result,
-    not bit-identical (inductor reorders arithmetic), so keep it the same on every rank.
+    not bit-identical (inductor reorders arithmetic), so keep it the same on every rank; with an
+    optimizer without a compiled form (all but Muon) it is refused (`check_compile_kernels`).
 
     `expert_mesh`: expert parallelism for a mixture-of-experts model (`canzona.runtime.expert_part`):
     a 2-D `DeviceMesh` with dimensions named `edp` and `ep` folding the dense part's `dp x tp`
@@ -325,7 +326,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # without a batched kernel): one SpecError, as `canzona simulate` refuses the same
         check_elementwise_options(self.optimizer, {"alpha": alpha, "geometry": geometry, "tp_policy": tp_policy,
                                                    "tp_mode": tp_mode, "capacity": capacity,
-                                                   "batch_kernels": batch_kernels})
+                                                   "batch_kernels": batch_kernels,
+                                                   "compile_kernels": compile_kernels})
         if self.elementwise and matrix_config is not None:
             raise SpecError(f"{self.optimizer} runs every parameter with adamw_config; give its hyper-parameters "
                             "there (matrix_config is for a matrix optimizer)")

@@ -3,8 +3,9 @@
 parameter, wherever `canzona simulate` refuses it, through the one check both make
 (`canzona.step_options.check_elementwise_options`): an elementwise optimizer's (AdamW's) plan
 settings, and `batch_kernels=False` with an optimizer that has no batched kernel (AdamW, NorMuon).
-Before: the runtime accepted each and ignored it. `compile_kernels` is refused by neither (priced as
-eager by the simulator; the runtime compiles Muon's kernels only)."""
+and `compile_kernels=True` with one that has no compiled form (every one but Muon). Before: the
+runtime accepted each and ignored it (and both sides accepted compile_kernels=True with SOAP,
+Shampoo, NorMuon and AdamW, compiling nothing)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from tests.sim.small_models import EIGHT_LAYERS
 
 # a value off the default of each
 OFF = {"alpha": 0.5, "geometry": "whole", "tp_policy": "tp-chunk", "tp_mode": "serial", "capacity": Capacity(0.02),
-       "batch_kernels": False}
-REFUSED = {("adamw", name) for name in OFF} | {("normuon", "batch_kernels")}
+       "batch_kernels": False, "compile_kernels": True}
+STEP_OPTIONS = ("batch_kernels", "compile_kernels")  # RunOptions' fields, the others SimConfig's
+REFUSED = {("adamw", name) for name in OFF} | {("normuon", "batch_kernels")} | \
+    {(o, "compile_kernels") for o in OPTIMIZERS if o != "muon"}
 
 
 def test_every_ignored_option_has_a_value_here():
-    assert {name for name, _ in ELEMENTWISE_IGNORED} | {"batch_kernels"} == set(OFF)
+    assert {name for name, _ in ELEMENTWISE_IGNORED} | set(STEP_OPTIONS) == set(OFF)
 
 
 def _runtime_refuses(optimizer: str, name: str) -> bool:
@@ -44,7 +47,7 @@ def _runtime_refuses(optimizer: str, name: str) -> bool:
 
 
 def _simulator_refuses(optimizer: str, name: str) -> bool:
-    options = {"batch_kernels": OFF[name]} if name == "batch_kernels" else {}
+    options = {name: OFF[name]} if name in STEP_OPTIONS else {}
     config = SimConfig(model=EIGHT_LAYERS, gpus=4, tp=2, optimizer=optimizer, workload=Workload(512, 4, 1),
                        options=RunOptions(**options), **({} if options else {name: OFF[name]}))
     try:
@@ -63,27 +66,30 @@ def test_the_runtime_refuses_what_the_simulator_refuses(optimizer):
         assert _runtime_refuses(optimizer, name) == refused, (optimizer, name)
 
 
+@pytest.mark.parametrize("name", STEP_OPTIONS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_fsdp_refuses_batch_kernels_off_where_the_simulator_does(optimizer):
+def test_fsdp_refuses_kernel_options_where_the_simulator_does(optimizer, name):
     """Under FSDP2 the plan settings above are ZeRO-1's options or owner plan settings, refused
-    by their own checks (tests/runtime/test_fsdp_zero1_options.py); batch_kernels=False is the
-    step's, refused without a batched kernel as `canzona simulate --fsdp` refuses it."""
+    by their own checks (tests/runtime/test_fsdp_zero1_options.py); batch_kernels=False and
+    compile_kernels=True are the step's, refused without a batched / compiled kernel as `canzona
+    simulate --fsdp` refuses them."""
     import inspect
 
     from canzona.runtime.fsdp import FsdpOptimizer
 
-    refused = (optimizer, "batch_kernels") in REFUSED
+    refused = (optimizer, name) in REFUSED
     defaults = {k: p.default for k, p in inspect.signature(DistributedOptimizer).parameters.items()}
     with pytest.raises(Exception) as failed:  # accepted, it goes on to the (missing) parameters
-        FsdpOptimizer({**defaults, "params": [], "spec": None, "optimizer": optimizer, "batch_kernels": False},
+        FsdpOptimizer({**defaults, "params": [], "spec": None, "optimizer": optimizer, name: OFF[name]},
                       defaults)
-    assert str(failed.value).startswith("batch_kernels=False changes nothing") == refused, str(failed.value)
+    assert str(failed.value).startswith(f"{name}={OFF[name]!r} changes nothing") == refused, str(failed.value)
     assert not refused or failed.type is SpecError
     config = SimConfig(model=EIGHT_LAYERS, gpus=4, tp=1, fsdp=True, optimizer=optimizer,
                        policy="zero1" if optimizer == "adamw" else None, workload=Workload(512, 4, 1),
-                       options=RunOptions(batch_kernels=False))
+                       options=RunOptions(**{name: OFF[name]}))
     if refused:
-        with pytest.raises(SpecError, match=f"^--no-batch-kernels changes nothing with --optimizer {optimizer}"):
+        flag = "--no-batch-kernels" if name == "batch_kernels" else "--compile-kernels"
+        with pytest.raises(SpecError, match=f"^{flag} changes nothing with --optimizer {optimizer}"):
             config.check()
     else:
         config.check()
@@ -105,5 +111,6 @@ def test_canzona_verify_runs_adamw_at_tp_2_with_the_settings_the_runtime_takes()
     assert {c.spec.alpha for c in every if c.spec.optimizer != "adamw"} == {0.5}
     for spec in [c.spec for c in (*cases, *every)]:
         given = dict(ELEMENTWISE_IGNORED)  # what the harness's ranks pass: the spec's fields, the defaults else
-        given.update(alpha=spec.alpha, tp_policy=spec.tp_policy, tp_mode=spec.tp_mode, batch_kernels=spec.batch_kernels)
+        given.update(alpha=spec.alpha, tp_policy=spec.tp_policy, tp_mode=spec.tp_mode, batch_kernels=spec.batch_kernels,
+                     compile_kernels=spec.compile_kernels)
         check_elementwise_options(spec.optimizer, given)
