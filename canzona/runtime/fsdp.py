@@ -455,6 +455,15 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {dist.get_rank()} (a backward "
                         "under model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
                         "model.set_requires_gradient_sync(True) before step()")
+        for group in self._fsdp_groups:
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                # HSDP: reduce-scattered, not all-reduced over the replicas nor written to `.grad`; the
+                # step would run without it (on zeros after zero_grad(set_to_none=False)), and FSDP2
+                # would add it to the next step's
+                name = next(n for n, f in self._fsdp_params.items() if f in group.fsdp_params)
+                return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank "
+                        f"{dist.get_rank()} (an HSDP backward under model.set_requires_all_reduce(False)): run the "
+                        "last micro-batch's backward with model.set_requires_all_reduce(True) before step()")
         for name, p in self.params.items():
             g = p.grad
             if g is None:

@@ -188,9 +188,12 @@ def small_batch(step: int, rank: int) -> torch.Tensor:
 
 
 def gather_rows(t) -> torch.Tensor:
-    """A Shard(0) DTensor whole (DTensor.full_tensor's gloo all-gather fails on an empty shard)."""
+    """A Shard(0) DTensor whole (DTensor.full_tensor's gloo all-gather fails on an empty shard);
+    under HSDP (a 2-D mesh, `small_run`'s `unreduced`: no empty shard) DTensor's own."""
     import torch.distributed as dist
 
+    if t.device_mesh.ndim > 1:  # a copy: full_tensor() of a replicated piece may be that piece itself
+        return t.full_tensor().detach().clone()
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, t.to_local().detach().clone())
     return torch.cat(parts)
@@ -207,7 +210,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
-              regroup: int | None = None, regroup_rank: int | None = None) -> dict:
+              regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -247,7 +250,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     At step `regroup` every rank removes the last parameter of the last param group before step()
     (torch.optim would stop stepping it; the optimizer's plan cannot follow), then saves and loads
     the state saved before the edit (`regroup_save`, `regroup_load`: their errors, and how long each
-    took); `regroup_rank`: that rank alone edits its groups."""
+    took); `regroup_rank`: that rank alone edits its groups. `unreduced`: HSDP (every rank a replica,
+    a shard group of one), step `unreduced` zeroes with `set_to_none=False` and runs its backward
+    under `set_requires_all_reduce(False)` (HSDP's accumulation, not turned back on for the last
+    micro-batch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -257,7 +263,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
 
     model = Small().to(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
     mspec = small_spec()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,)) if unreduced is None else \
+        init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, OPTIMIZER_CONFIGS[optimizer],
                                timeout_s=timeout_s, nonfinite=nonfinite, max_grad_norm=max_grad_norm)
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
@@ -272,8 +280,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
-        model.zero_grad() if zero_model else opt.zero_grad(set_to_none=step != unsynced)
+        model.zero_grad() if zero_model else opt.zero_grad(set_to_none=step not in (unsynced, unreduced))
         model.set_requires_gradient_sync(step != unsynced)
+        if unreduced is not None:
+            model.set_requires_all_reduce(step != unreduced)
         if step == discard:
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
@@ -417,6 +427,7 @@ SMALL_CASES = {
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
+    "unreduced": {"steps": 3, "unreduced": 1},
     "cast": {"steps": 2, "cast": True},
     "regroup": {"steps": 2, "regroup": 1},
     "regroup-one-after-clip": {"steps": 2, "regroup": 1, "regroup_rank": 1, "clip": 0.05, "timeout_s": 8.0},
@@ -1033,6 +1044,11 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
     # gradient to the next step's)
     ("unsynced", "set_requires_gradient_sync(True) before step()"),
+    # HSDP's accumulation: the last micro-batch's backward ran under `set_requires_all_reduce(False)`:
+    # FSDP2 holds its reduce-scattered gradient, not all-reduced over the replicas nor written to
+    # `.grad`; after `zero_grad(set_to_none=False)` the step silently ran on zeros (torch's optimizers
+    # too), and FSDP2 added the held gradient to the next step's
+    ("unreduced", "set_requires_all_reduce(True) before step()"),
     # a parameter removed from its param group, which torch.optim would stop stepping: the step
     # ran every parameter as built, silently
     ("regroup", "['params'] was changed after construction"),
