@@ -240,7 +240,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.spec = spec
         self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
 
-        groups = user_groups(params)
+        groups = user_groups(params, spec)
         # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
         # parameters (a matrix optimizer over EP-sharded stacks is refused as such)
         self.expert_mesh = expert_mesh_of({n: p for pairs, _ in groups for n, p in pairs}, self.optimizer,

@@ -45,8 +45,15 @@ TORCH_ADAMW_FLAGS = {"maximize": False, "amsgrad": False, "decoupled_weight_deca
 NamedParams = Iterable[tuple[str, Tensor]]
 
 
-def user_groups(given: NamedParams | Iterable[Mapping[str, Any]]) -> list[tuple[list[tuple[str, Tensor]], dict]]:
-    """(named parameters, overrides) per user group; a plain iterable of pairs is one group."""
+def user_groups(given: NamedParams | Iterable[Mapping[str, Any]],
+                spec: ModelSpec) -> list[tuple[list[tuple[str, Tensor]], dict]]:
+    """(named parameters, overrides) per user group; a plain iterable of pairs is one group. A name
+    that reaches the parameter through a wrapper (`model.named_parameters()` of a model with
+    torch.compile'd or activation-checkpointed blocks), which the spec names without it, is one
+    error naming `canzona.runtime.modules.named_parameters(model)`."""
+    from canzona.runtime.modules import canonical_name
+
+    known = {p.name for p in spec.params}
     items = list(given)
     if not items:
         raise SpecError("the optimizer got no parameters")
@@ -61,6 +68,12 @@ def user_groups(given: NamedParams | Iterable[Mapping[str, Any]]) -> list[tuple[
                     and isinstance(pair[1], Tensor)):
                 raise SpecError("give parameters as (name, parameter) pairs, e.g. model.named_parameters(): "
                                 "the plan refers to parameters by name")
+            name = pair[0]
+            if name not in known and canonical_name(name) in known:
+                raise SpecError(f"parameter {name!r} is named through a wrapper (torch.compile's _orig_mod, "
+                                "activation checkpointing's _checkpoint_wrapped_module); the model spec names it "
+                                f"{canonical_name(name)!r}: give the optimizer canzona.runtime.modules."
+                                "named_parameters(model), which names every parameter as the spec does")
         out.append((pairs, group))
     return out
 

@@ -341,7 +341,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._dense_spec = dense_part(spec) if self.ep > 1 else spec
         self._expert_spec = expert_part(spec, self.ep) if self.ep > 1 else None
         self._expert_names = _names(self._expert_spec) if self._expert_spec is not None else set()
-        groups = user_groups(params)
+        groups = user_groups(params, spec)
         if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
             check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
         self.batch_kernels, self.compile_kernels = batch_kernels, compile_kernels

@@ -286,6 +286,23 @@ def test_wrapper_components_are_removed():
     assert [n for n, _ in named_parameters(wrapped)] == [p.name for p in spec.params]
 
 
+def test_the_optimizer_given_names_through_a_wrapper_names_named_parameters():
+    """torchtitan's per-block activation checkpointing and torch.compile rename the parameters
+    (`layers.0._checkpoint_wrapped_module.w`); `model.named_parameters()` then gives the optimizer
+    names the spec (canonical) never has: the error names the way out, on every path (ZeRO-1 and
+    FSDP2 both take the user's groups through `user_groups`), where it named the parameter alone."""
+    from canzona.runtime.groups import user_groups
+
+    inner = TitanToy()
+    spec = ModelSpec.from_module(inner)
+    inner.layers["0"] = Wrapper("_checkpoint_wrapped_module", inner.layers["0"])
+    with pytest.raises(SpecError, match=r"_checkpoint_wrapped_module.*named_parameters\(model\)"):
+        user_groups(inner.named_parameters(), spec)
+    with pytest.raises(SpecError, match=r"named_parameters\(model\)"):
+        user_groups([{"params": list(inner.named_parameters()), "weight_decay": 0.1}], spec)
+    assert [n for n, _ in user_groups(named_parameters(inner), spec)[0][0]] == [p.name for p in spec.params]
+
+
 def test_frozen_parameters_are_skipped():
     model = TitanToy()
     model.tok_embeddings.weight.requires_grad_(False)
