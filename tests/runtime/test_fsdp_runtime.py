@@ -501,6 +501,8 @@ SMALL_CASES = {
     # 0-d parameters, which fully_shard refuses: canzona's refusal of them left beside its DTensors,
     # and the same model with one-element vectors instead, against torch's AdamW
     "scalars": {"scalars": True},
+    # the optimizer built over a model still on the meta device (torchtitan's init, out of order)
+    "meta": {"meta": True},
 }
 
 
@@ -512,6 +514,8 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
             return moe_adamw_runs(rank, world)
         if "scalars" in kw:
             return scalars_runs(world)
+        if "meta" in kw:
+            return meta_refusal(world)
         return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
     return {k: one(kw) for k, kw in cases.items()}
 
@@ -623,6 +627,25 @@ def scalars_runs(world: int) -> dict[str, Any]:
             opt.step()
         out[f"vectors {who}"] = {n: gather_rows(p) for n, p in model.named_parameters()}
     return out
+
+
+def meta_refusal(world: int) -> str | None:
+    """Small built under torch.device("meta") and fully_shard-ed, the optimizer built before
+    `model.to_empty()`: the error construction raises (None: it was built)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+
+    with torch.device("meta"):
+        model = Small()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON)
+    except CanzonaError as e:
+        return str(e)
+    return None
 
 
 def refusals(refuse: dict[str, object], base: dict[str, object] | None = None,
@@ -1074,6 +1097,15 @@ def test_fsdp_a_model_cast_after_building_the_optimizer_is_one_error_before_any_
         assert r["error"] is not None and "cast or moved after building the optimizer" in r["error"], r["error"]
         assert r["took"] < 10.0 and not r["grads"]
         assert all(torch.equal(r["params"][n], init[n]) for n in init)
+
+
+def test_fsdp_an_optimizer_built_over_a_meta_model_is_one_error_at_construction() -> None:
+    """torchtitan builds the model under torch.device("meta"), shards it, then `to_empty()` and
+    `init_weights()`; an optimizer built before `to_empty()` was accepted, and its first step blamed
+    a cast or move "before fully_shard" (bf16: masters of meta tensors). Now construction refuses
+    it on every rank, naming to_empty()."""
+    for error in _small()["meta"]:
+        assert error is not None and "meta device" in error and "to_empty" in error, error
 
 
 def test_fsdp_a_forward_between_backward_and_step_reads_the_updated_weights() -> None:
