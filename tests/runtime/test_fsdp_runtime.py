@@ -251,9 +251,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     (torch.optim would stop stepping it; the optimizer's plan cannot follow), then saves and loads
     the state saved before the edit (`regroup_save`, `regroup_load`: their errors, and how long each
     took); `regroup_rank`: that rank alone edits its groups. `unreduced`: HSDP (every rank a replica,
-    a shard group of one), step `unreduced` zeroes with `set_to_none=False` and runs its backward
-    under `set_requires_all_reduce(False)` (HSDP's accumulation, not turned back on for the last
-    micro-batch)."""
+    a shard group of one), each step a micro-batch under `set_requires_all_reduce(False)` first (HSDP's
+    accumulation), and step `unreduced` zeroes with `set_to_none=False` and runs its last backward
+    under it too (not turned back on for the last micro-batch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -282,7 +282,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
         model.zero_grad() if zero_model else opt.zero_grad(set_to_none=step not in (unsynced, unreduced))
         model.set_requires_gradient_sync(step != unsynced)
-        if unreduced is not None:
+        if unreduced is not None:  # HSDP's accumulation: a first micro-batch reduce-scattered only
+            model.set_requires_all_reduce(False)
+            model(small_batch(50 + step, rank)).backward()
             model.set_requires_all_reduce(step != unreduced)
         if step == discard:
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
