@@ -440,12 +440,35 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         holding other parameters, or a parameter replaced in the model (`_replaced`)."""
         return members_changed(self.param_groups, self._group_members) or self._replaced()
 
+    def _held_by_fsdp(self) -> str | None:
+        """A gradient FSDP2 still holds unreduced on this rank (the last backward run under
+        `set_requires_gradient_sync(False)` or, under HSDP, `set_requires_all_reduce(False)`, or such
+        a backward after a clip): `.grad` does not have it, so the step would run without it (on
+        zeros after `zero_grad(set_to_none=False)`), and FSDP2 would add it to the next step's."""
+        for name, fsdp_param in self._fsdp_params.items():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
+                return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {dist.get_rank()} (a backward "
+                        "under model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
+                        "model.set_requires_gradient_sync(True) before step()")
+        for group in self._fsdp_groups:
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                # HSDP: reduce-scattered, its all-reduce over the replicas held back
+                name = next(n for n, f in self._fsdp_params.items() if f in group.fsdp_params)
+                return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank "
+                        f"{dist.get_rank()} (an HSDP backward under model.set_requires_all_reduce(False)): run the "
+                        "last micro-batch's backward with model.set_requires_all_reduce(True) before step()")
+        return None
+
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor
 
         replaced = self._changed()
         if replaced is not None:
             return replaced
+        held = self._held_by_fsdp()
+        if held is not None:
+            return held
         for name, p in self.params.items():
             local = local_tensor(p)
             if p.dtype != self.param_dtype or local.device != self.device:
@@ -453,23 +476,6 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 return (f"{name} is {p.dtype} on {local.device} on rank {dist.get_rank()}, {self.param_dtype} on "
                         f"{self.device} when the optimizer was built: the model was cast or moved after building "
                         "the optimizer; cast or move it first (before fully_shard), then build the optimizer")
-        for name, fsdp_param in self._fsdp_params.items():
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
-                # the step would run without it (on a gradient of zeros after zero_grad(set_to_none=
-                # False)), and FSDP2 would add it to the next step's
-                return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {dist.get_rank()} (a backward "
-                        "under model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
-                        "model.set_requires_gradient_sync(True) before step()")
-        for group in self._fsdp_groups:
-            if getattr(group, "_partial_reduce_output", None) is not None:
-                # HSDP: reduce-scattered, not all-reduced over the replicas nor written to `.grad`; the
-                # step would run without it (on zeros after zero_grad(set_to_none=False)), and FSDP2
-                # would add it to the next step's
-                name = next(n for n, f in self._fsdp_params.items() if f in group.fsdp_params)
-                return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank "
-                        f"{dist.get_rank()} (an HSDP backward under model.set_requires_all_reduce(False)): run the "
-                        "last micro-batch's backward with model.set_requires_all_reduce(True) before step()")
         for name, p in self.params.items():
             g = p.grad
             if g is None:
@@ -504,7 +510,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # alone); the rest of `_local_problem` (dtypes, gradients' placements) is the full
             # check's, which new gradients (`since`) take anew, and is not paid twice a clipped step
             since = self._grads_since()
-            problem = self._changed()
+            problem = self._changed() or self._held_by_fsdp()  # a backward since may leave `.grad` alone
             row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
                                 int(problem is not None)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather

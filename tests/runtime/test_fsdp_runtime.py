@@ -210,7 +210,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               scaler: str | None = None, max_grad_norm: float | None = None, poison_with: float = math.nan,
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
-              regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None) -> dict:
+              regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
+              unsynced_after_clip: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -253,7 +254,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     took); `regroup_rank`: that rank alone edits its groups. `unreduced`: HSDP (every rank a replica,
     a shard group of one), each step a micro-batch under `set_requires_all_reduce(False)` first (HSDP's
     accumulation), and step `unreduced` zeroes with `set_to_none=False` and runs its last backward
-    under it too (not turned back on for the last micro-batch)."""
+    under it too (not turned back on for the last micro-batch). At step `unsynced_after_clip` a
+    backward under `set_requires_gradient_sync(False)` comes between the clip and step()."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -352,6 +354,10 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 model(small_batch(step, rank).to(model.a.weight.dtype)).float().backward()
                 if threshold is not None:
                     norms.append(float(opt.clip_grad_norm_(threshold)))
+            if step == unsynced_after_clip:
+                model.set_requires_gradient_sync(False)
+                model(small_batch(60 + step, rank)).backward()
+                model.set_requires_gradient_sync(True)
             if amp is None:
                 opt.step()
             else:
@@ -430,6 +436,7 @@ SMALL_CASES = {
     "assign": {"steps": 3, "assign": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
+    "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
     "cast": {"steps": 2, "cast": True},
     "regroup": {"steps": 2, "regroup": 1},
     "regroup-one-after-clip": {"steps": 2, "regroup": 1, "regroup_rank": 1, "clip": 0.05, "timeout_s": 8.0},
@@ -1074,6 +1081,9 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # `.grad`; after `zero_grad(set_to_none=False)` the step silently ran on zeros (torch's optimizers
     # too), and FSDP2 added the held gradient to the next step's
     ("unreduced", "set_requires_all_reduce(True) before step()"),
+    # the same held gradient from a backward between the clip and step() (whose recheck found the
+    # gradients unchanged: FSDP2 left `.grad` alone), the clipped step run without it
+    ("unsynced-after-clip", "set_requires_gradient_sync(True) before step()"),
     # a parameter removed from its param group, which torch.optim would stop stepping: the step
     # ran every parameter as built, silently
     ("regroup", "['params'] was changed after construction"),
