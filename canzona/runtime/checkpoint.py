@@ -56,7 +56,7 @@ from torch import Tensor
 from canzona.cost import state_difference
 from canzona.errors import CanzonaError, CheckpointError, PlanError, SpecError
 from canzona.optimizers import check_config, matrix_config_json, matrix_optimizer
-from canzona.runtime.groups import group_matrices
+from canzona.runtime.groups import config_value, group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.modules import canonical_name
@@ -1183,7 +1183,9 @@ def saved_config(name: str, mine: Any, saved: Mapping[str, Any] | None, what: st
         raise PlanError(f"checkpoint's {what} has {unknown[0]!r}, which this canzona's {name} configuration does "
                         "not have (saved by another canzona version?)")
     try:
-        return check_config(name, replace(mine, **_tuples(saved)))
+        # as a group's values are read at a step (`groups.config_value`): lists as tuples, a tensor
+        # or NumPy learning rate (torch keeps a tensor lr in the groups it saves) as its number
+        return check_config(name, replace(mine, **{k: config_value(v) for k, v in saved.items()}))
     except SpecError as e:
         raise PlanError(f"checkpoint's {what} is not valid here: {e}") from None
 
@@ -1270,10 +1272,6 @@ def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _to_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.detach().to(device, copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
-
-
-def _tuples(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 def _header(opt: Described, shapes: bool = True) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def build_param_groups(groups: list[tuple[list[tuple[str, Tensor]], dict]], matr
             own = {f.name for f in fields(cfg)}
             usable |= own
             values = {**asdict(cfg), **{k: v for k, v in overrides.items() if k in own}}
-            mine = check_config(name, replace(cfg, **{k: _plain(v) for k, v in values.items()}))
+            mine = check_config(name, replace(cfg, **{k: config_value(v) for k, v in values.items()}))
             if kind == "matrix":
                 change = kept_state_change(optimizer, [spec.param(n) for n, _ in pairs if n in matrix_names],
                                            mine, matrix_cfg)
@@ -128,9 +128,9 @@ class GroupConfigs:
             _check_beta1(index, group)
         cfg = self.base[group["kind"]]
         names = [f.name for f in fields(cfg)]
-        key = tuple(_plain(group[n]) for n in names)
+        key = tuple(config_value(group[n]) for n in names)
         if group["kind"] == "adamw":
-            key += tuple(_plain(group.get(flag, default)) for flag, default in TORCH_ADAMW_FLAGS.items())
+            key += tuple(config_value(group.get(flag, default)) for flag, default in TORCH_ADAMW_FLAGS.items())
         cached = self._cache.get(index)
         if cached is None or cached[0] != key:
             if group["kind"] == "adamw":
@@ -210,7 +210,7 @@ class BetaOneGroup(dict):
 def _check_beta1(index: int, group: Mapping[str, Any]) -> None:
     """The two beta1 keys of an AdamW group beside Muon agree (`BetaOneGroup`; a group replaced
     by a plain dict, or written through `dict`'s own methods, may not): SpecError otherwise."""
-    momentum, betas = _plain(group["momentum"]), _plain(group["betas"])
+    momentum, betas = config_value(group["momentum"]), config_value(group["betas"])
     if isinstance(betas, tuple) and betas and momentum != betas[0]:
         raise SpecError(f"parameter group {index} (AdamW beside Muon): momentum ({momentum!r}) and betas[0] "
                         f"({betas[0]!r}) are both its beta1 and disagree; set one of them (the other follows)")
@@ -219,7 +219,7 @@ def _check_beta1(index: int, group: Mapping[str, Any]) -> None:
 def _check_torch_flags(index: int, group: Mapping[str, Any]) -> None:
     """SpecError (one line) for a torch.optim.AdamW flag canzona's AdamW does not run."""
     for flag, default in TORCH_ADAMW_FLAGS.items():
-        if flag in group and bool(_plain(group[flag])) != default:
+        if flag in group and bool(config_value(group[flag])) != default:
             raise SpecError(f"parameter group {index}: {flag}={group[flag]!r} is torch.optim.AdamW's flag; "
                             f"canzona's AdamW runs {flag}={default} only (remove the key or set it to {default})")
 
@@ -295,7 +295,7 @@ def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, fro
 
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
     """A signed 64-bit digest of every group's hyper-parameters: ranks compare it each step."""
-    rows = [sorted((k, repr(_plain(v))) for k, v in g.items() if k != "params") for g in param_groups]
+    rows = [sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params") for g in param_groups]
     digest = hashlib.sha256(repr(rows).encode()).digest()[:8]
     return int.from_bytes(digest, "little", signed=True)
 
@@ -311,11 +311,11 @@ def _is_numpy_scalar(v: Any) -> bool:
     return type(v).__module__ == "numpy" and getattr(v, "shape", None) == () and hasattr(v, "item")
 
 
-def _plain(v: Any) -> Any:
+def config_value(v: Any) -> Any:
     """A hyper-parameter as a config field holds it (lists as tuples, one-element tensors and NumPy
     scalars as numbers)."""
     if isinstance(v, Tensor):  # some schedulers store tensor lrs
         return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
     if _is_numpy_scalar(v):
         return v.item()
-    return tuple(_plain(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple(config_value(x) for x in v) if isinstance(v, (list, tuple)) else v

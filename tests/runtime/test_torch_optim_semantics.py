@@ -403,3 +403,29 @@ def test_0d_parameters_step_and_checkpoint_as_torch_adamw_beside_muon(one_rank, 
             _scaled_step(model, again, step)
     for form, (model, _) in resumed.items():
         assert _same(model, theirs), form
+
+
+def test_a_state_dict_saved_with_tensor_learning_rates_resumes_as_torch(one_rank):
+    """A one-element tensor `lr` in `param_groups` (torch's advice for compiled optimizers; what a
+    scheduler then fills in place) steps as the number it holds, and the state dict taken with it
+    loads, keeping it a tensor as torch's load_state_dict does (before: one PlanError at the load,
+    'lr must be a finite number, got tensor(0.0100)': a run that could not resume)."""
+    (mine, opt), (theirs, torch_opts) = _pair()
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for o in (opt, *torch_opts):
+        for g in o.param_groups:
+            g["lr"] = torch.tensor(0.01)
+    _step(mine, [opt], tokens)
+    _step(theirs, torch_opts, tokens)
+    saved, weights = opt.state_dict(), {n: p.detach().clone() for n, p in mine.named_parameters()}
+    del opt
+    resumed = TinyQwen3("tiny", seed=0)
+    with torch.no_grad():
+        for n, p in resumed.named_parameters():
+            p.copy_(weights[n])
+    again = DistributedOptimizer(resumed.named_parameters(), resumed.spec(), "muon", overlap_param_gather=False)
+    again.load_state_dict(saved)
+    assert all(isinstance(g["lr"], torch.Tensor) and g["lr"].item() == pytest.approx(0.01) for g in again.param_groups)
+    _step(resumed, [again], tokens)
+    _step(theirs, torch_opts, tokens)
+    assert _same(resumed, theirs)
