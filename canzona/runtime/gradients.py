@@ -287,6 +287,10 @@ class GradientSync:
     def _write(self, name: str, grad: Tensor, add: bool = False) -> None:
         """Parameter `name`'s local gradient into its entries' buffers (added to what they hold
         with `add`)."""
+        if grad.layout != torch.strided:  # the buffers are dense; torch.optim.AdamW refuses them too
+            raise CanzonaError(f"parameter {name!r} got a sparse gradient ({grad.layout}: nn.Embedding or "
+                               "nn.EmbeddingBag built with sparse=True), which the optimizer's dense gradient "
+                               "buffers cannot take: build the module with sparse=False")
         for entry, part in self.stacks.parts(name, grad):
             buffer = self.buffer_of[entry]
             if add:

@@ -429,3 +429,28 @@ def test_a_state_dict_saved_with_tensor_learning_rates_resumes_as_torch(one_rank
     _step(resumed, [again], tokens)
     _step(theirs, torch_opts, tokens)
     assert _same(resumed, theirs)
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens)).sum()
+
+
+def test_a_sparse_gradient_is_one_error_naming_the_module_option(one_rank):
+    """`nn.Embedding(sparse=True)` hands backward a sparse gradient, which torch.optim.AdamW refuses
+    at its step; the optimizer's buffers are dense: one CanzonaError naming the parameter and
+    `sparse=False` (before: torch's 'copy_() between dense and sparse Tensors is not implemented'
+    from inside the optimizer's gradient hook)."""
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _SparseEmbedding()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw",
+                               overlap_param_gather=False)
+    with pytest.raises(CanzonaError, match=r"'embed\.weight' got a sparse gradient.*sparse=False"):
+        model(torch.tensor([1, 2, 3])).backward()
+    del opt  # alive through the backward: its hooks act only while it is
