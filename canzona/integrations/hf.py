@@ -15,7 +15,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   one in `create_optimizer` (`build_optimizer`): `matrix_optimizer` (Muon by default) with
   `matrix_config` on the 2-D weights, AdamW with the arguments' `learning_rate`, `adam_beta1`,
   `adam_beta2` and `adam_epsilon` on the rest (an `optim` other than torch's AdamW, e.g. sgd or
-  adafactor, is one error; a subclass's own `create_optimizer` ignores it, as the plain Trainer's), `weight_decay` on the Trainer's decay parameters (not on norms and biases), the spec read from the module (`spec=` to give one, e.g. in backward
+  adafactor, is one error; a subclass's own `create_optimizer` ignores it, as the plain Trainer's), `weight_decay` on the Trainer's decay parameters (not on norms and biases; a `weight_decay`
+  in `matrix_config` is the matrices' own), the spec read from the module (`spec=` to give one, e.g. in backward
   order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
@@ -190,6 +191,14 @@ def latest_checkpoint(output_dir: str) -> str:
                         none=f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
 
 
+def _gives_weight_decay(matrix_config: Any) -> bool:
+    """Whether `matrix_config` states the matrices' weight decay: a mapping with the key, or a
+    config object (which states every field)."""
+    if matrix_config is None:
+        return False
+    return "weight_decay" in matrix_config if isinstance(matrix_config, Mapping) else True
+
+
 class CanzonaTrainer(Trainer):
     """`transformers.Trainer` whose optimizer is a canzona `DistributedOptimizer` (see the
     module's docstring). Takes every `Trainer` argument, plus:
@@ -301,6 +310,11 @@ class CanzonaTrainer(Trainer):
         groups = [{"params": [(n, p) for n, p in pairs if id(p) in decay], "weight_decay": args.weight_decay},
                   {"params": [(n, p) for n, p in pairs if id(p) not in decay], "weight_decay": 0.0}]
         adamw = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+        if _gives_weight_decay(self.matrix_config):
+            # the matrices decay as matrix_config says, which a group override would replace (for
+            # both kinds): the Trainer's weight decay goes to the other decay parameters by AdamW's config
+            del groups[0]["weight_decay"]
+            adamw["weight_decay"] = args.weight_decay
         spec = self.canzona_spec if self.canzona_spec is not None else ModelSpec.from_module(model)
         return DistributedOptimizer([g for g in groups if g["params"]], spec, self.matrix_optimizer,
                                     self.matrix_config, adamw, **self.optimizer_kwargs)

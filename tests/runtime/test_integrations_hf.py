@@ -633,3 +633,27 @@ def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks
         assert r["legacy latest"] == "no error" and r["legacy latest loaded exactly"], r["legacy latest"]
         assert r["named"].startswith("CanzonaError: ") and "holds no canzona_optimizer_0/" in r["named"], r["named"]
         assert r["named changed nothing"]
+
+
+@pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
+    (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
+    ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
+    ({"lr": 0.02, "weight_decay": 0.1}, 0.05, (0.1, 0.05, 0.0)),
+])
+def test_a_weight_decay_in_matrix_config_is_the_matrices_own(tmp_path, one_rank, matrix_config, weight_decay, want):
+    """`CanzonaTrainer(matrix_config={"weight_decay": 0.1})`: the matrices decay at 0.1, the
+    Trainer's other decay parameters (the embedding) at `TrainingArguments.weight_decay`, norms
+    and biases not at all (before: the TrainingArguments' 0.0 default replaced the 0.1 given,
+    silently, on the matrices too)."""
+    from transformers import TrainingArguments
+
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], weight_decay=weight_decay)
+    opt = CanzonaTrainer(model=model, args=args, matrix_config=matrix_config).create_optimizer()
+    groups: dict[tuple, set[int]] = {}
+    for g in opt.param_groups:
+        groups.setdefault((g["kind"], g["weight_decay"]), set()).update(id(p) for p in g["params"])
+    matrices, embedding, norm = want
+    assert groups[("matrix", matrices)] == {id(model[1].weight), id(model[3].weight)}
+    assert id(model[0].weight) in groups[("adamw", embedding)]
+    assert id(model[2].weight) in groups[("adamw", norm)]
