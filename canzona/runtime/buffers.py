@@ -47,7 +47,10 @@ class FlatBuffer:
             if params[name].dtype != ref.dtype or local_tensor(params[name]).device != ref.device:
                 raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is "
                                 f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
-                                f"{ref.dtype} on {ref.device}")
+                                f"{ref.dtype} on {ref.device}: cast the model to one dtype "
+                                f"(model.to({params[name].dtype if ref.dtype == torch.float32 else ref.dtype})) "
+                                "before building the optimizer (a bf16 or fp16 model gets fp32 master weights), "
+                                "on one device")
         given = data is not None
         self.data = data if given else torch.zeros(size, dtype=ref.dtype, device=ref.device)
         # the gradients, accumulated over micro-batches, reduced across ranks and read by the

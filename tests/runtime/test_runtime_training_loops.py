@@ -469,3 +469,14 @@ def test_a_checkpoint_call_after_one_rank_edited_its_param_groups_is_one_error_o
         assert got[0]["message"] == got[1]["message"]
         assert all("timed out" not in o["message"] for o in got)
         assert all(o["seconds"] < STEP_TIMEOUT_S for o in got), got
+
+
+def test_a_model_of_mixed_dtypes_is_one_error_naming_the_cast(one_rank):
+    """A layer kept in another dtype (an fp32 norm in a bf16 model, as transformers'
+    `_keep_in_fp32_modules` leaves it): the buffers hold one dtype; the error names both
+    parameters and the way out."""
+    model = build_model(BASE)
+    model.model.norm.to(torch.bfloat16)
+    with pytest.raises(SpecError, match=r"model\.norm\.weight is torch\.bfloat16 .* cast the model to one dtype "
+                                        r"\(model\.to\(torch\.bfloat16\)\) before building the optimizer"):
+        _optimizer(model)
