@@ -473,7 +473,10 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
         header = {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")}
         return header, [dict(g) for g in groups], {n: dict(s) for n, s in state_dict["state"].items()}
     if not groups or not all(isinstance(g, Mapping) and HEADER_KEY in g for g in groups):
-        raise PlanError("not a canzona optimizer state (format mismatch: no canzona header in param_groups)")
+        raise PlanError("not a canzona optimizer state (format mismatch: no canzona header in param_groups); a "
+                        "torch.optim optimizer's state dict (torch.optim.AdamW's, say), whose state torch keeps by "
+                        "parameter index in its own groups, does not load into a DistributedOptimizer: load that "
+                        "run's weights with model.load_state_dict() and go on with this optimizer's fresh state")
     try:
         header = json.loads(groups[0][HEADER_KEY])
     except (TypeError, ValueError):
@@ -552,7 +555,10 @@ def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
     """`state_dict()`'s form, loaded on every rank of the optimizer's DP and TP groups (collective:
     `read_state_together`)."""
     load_by_name(opt, *read_state_together(opt, state_dict, own_comms(opt)))
-    opt.loaded_witness = saved_witness(state_dict, _global_shapes(opt))
+    # an entry that never stepped (a fresh optimizer's zeros, loaded to reset the state) holds
+    # nothing of the weights it was taken beside: any weights go on from it, as from a new
+    # optimizer (its fp32 master, if any, gives way to them: `kernels.update_target`)
+    opt.loaded_witness = saved_witness(state_dict, _global_shapes(opt), stepped_only=True)
 
 
 def own_comms(opt: Checkpointable) -> list[Comm | None]:
@@ -1034,11 +1040,13 @@ def _witness_values(name: str, numel: int, entry: Mapping[str, Any] | None) -> T
     return _from_bits(list(entry["bits"]), getattr(torch, entry["dtype"]))
 
 
-def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *,
+                  stepped_only: bool = False) -> dict[str, Any]:
     """The witness a layout-independent state dict holds (`_witness_values` undone), in
     `take_witness`'s form; empty for one of an older canzona (or version 2; its header does not
     say it wrote one: a witness in it is a template's, left by a partial `dcp.load`) or with the
-    fields dropped, which are not checked."""
+    fields dropped, which are not checked. `stepped_only`: without the entries that never stepped
+    (what a load checks)."""
     out: dict[str, Any] = {}
     if state_dict.get("format") == STATE_FORMAT or not _header_of(state_dict).get(WITNESS_KEY):
         return out
@@ -1046,6 +1054,8 @@ def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int,
         for key, name in zip(group.get("params", []), names):
             entry = _entry(state_dict["state"], key)
             values = entry.get(WITNESS_FIELD) if isinstance(entry, Mapping) else None
+            if stepped_only and isinstance(entry, Mapping) and entry.get(STEPPED_KEY) is False:
+                continue
             if isinstance(values, Tensor) and name in shapes:
                 index = witness_indices(name, math.prod(shapes[name]))
                 if values.numel() == len(index):

@@ -454,3 +454,43 @@ def test_a_sparse_gradient_is_one_error_naming_the_module_option(one_rank):
     with pytest.raises(CanzonaError, match=r"'embed\.weight' got a sparse gradient.*sparse=False"):
         model(torch.tensor([1, 2, 3])).backward()
     del opt  # alive through the backward: its hooks act only while it is
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_the_state_dict_of_a_fresh_optimizer_loaded_later_resets_the_state_as_torch(one_rank, optimizer):
+    """`opt.load_state_dict(initial)`, `initial` taken before any step (resetting the optimizer after
+    a loss spike, between tasks): the state starts again from zero, as torch's optimizers do with
+    their empty state. Its entries never stepped, so whatever weights the model now holds are not
+    another save's (before: one CheckpointError at the next step, 'the model's weights differ from
+    those the optimizer checkpoint was saved with')."""
+    (mine, opt), (theirs, torch_opts) = _pair(optimizer)
+    initial, torch_initial = opt.state_dict(), [o.state_dict() for o in torch_opts]
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for _ in range(2):
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+    opt.load_state_dict(initial)
+    for o, state in zip(torch_opts, torch_initial):
+        o.load_state_dict(state)
+    for _ in range(2):
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+    assert _same(mine, theirs)
+
+
+def test_a_torch_optimizers_state_dict_is_one_error_naming_the_way_to_migrate(one_rank):
+    """A run moving to canzona from torch.optim.AdamW loads its old checkpoint's optimizer state:
+    one PlanError that says what it is and what to do, nothing loaded (before: 'format mismatch:
+    no canzona header in param_groups', and no way out)."""
+    from canzona.errors import PlanError
+
+    (mine, opt), (theirs, torch_opts) = _pair("adamw")
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(theirs, torch_opts, tokens)
+    with pytest.raises(PlanError, match=r"torch\.optim optimizer's state dict .* model\.load_state_dict\(\) "
+                                        r"and go on with this optimizer's fresh state"):
+        opt.load_state_dict(torch_opts[0].state_dict())
+    fresh = TinyQwen3("tiny", seed=0)
+    _step(mine, [opt], tokens)  # nothing loaded: the first step is a fresh optimizer's
+    _step(fresh, [torch.optim.AdamW(fresh.parameters())], tokens)
+    assert _same(mine, fresh)
