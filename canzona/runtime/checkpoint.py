@@ -40,6 +40,7 @@ optimizer, as torch's `set_state_dict` does).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -776,7 +777,9 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
+        # copies, as torch's load copies the groups: a tensor lr the scheduler fills in place is the
+        # optimizer's own, not the state dict's (which may be loaded again, or into another optimizer)
+        group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
     state = {n: dict(s) for n, s in state.items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     return state, masters

@@ -494,3 +494,18 @@ def test_a_torch_optimizers_state_dict_is_one_error_naming_the_way_to_migrate(on
     _step(mine, [opt], tokens)  # nothing loaded: the first step is a fresh optimizer's
     _step(fresh, [torch.optim.AdamW(fresh.parameters())], tokens)
     assert _same(mine, fresh)
+
+
+def test_a_loaded_tensor_learning_rate_is_the_optimizers_own_not_the_state_dicts(one_rank):
+    """A scheduler fills a tensor `lr` in place; after `load_state_dict(sd)` that tensor is the
+    optimizer's own, as torch's load copies the groups: `sd` stays as it was (loaded again, or
+    into a second optimizer, it holds the saved rate). Before: the group held `sd`'s tensor itself."""
+    (model, opt), _ = _pair()
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.01)
+    _step(model, [opt], fixed_batch(256, 2, 16, seed=3))
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    for g in opt.param_groups:
+        g["lr"].fill_(0.5)  # what LRScheduler.step() does to a tensor lr
+    assert all(g["lr"].item() == pytest.approx(0.01) for g in saved["param_groups"])
