@@ -119,6 +119,7 @@ from canzona.runtime.options import (
 )
 from canzona.runtime.param_gather import (
     fsdp_params_of,
+    held_by_fsdp,
     replaced_message,
     replaced_parameter,
 )
@@ -441,24 +442,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         return members_changed(self.param_groups, self._group_members) or self._replaced()
 
     def _held_by_fsdp(self) -> str | None:
-        """A gradient FSDP2 still holds unreduced on this rank (the last backward run under
-        `set_requires_gradient_sync(False)` or, under HSDP, `set_requires_all_reduce(False)`, or such
-        a backward after a clip): `.grad` does not have it, so the step would run without it (on
-        zeros after `zero_grad(set_to_none=False)`), and FSDP2 would add it to the next step's."""
-        for name, fsdp_param in self._fsdp_params.items():
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if fsdp_param.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
-                return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {dist.get_rank()} (a backward "
-                        "under model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
-                        "model.set_requires_gradient_sync(True) before step()")
-        for group in self._fsdp_groups:
-            if getattr(group, "_partial_reduce_output", None) is not None:
-                # HSDP: reduce-scattered, its all-reduce over the replicas held back
-                name = next(n for n, f in self._fsdp_params.items() if f in group.fsdp_params)
-                return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank "
-                        f"{dist.get_rank()} (an HSDP backward under model.set_requires_all_reduce(False)): run the "
-                        "last micro-batch's backward with model.set_requires_all_reduce(True) before step()")
-        return None
+        """A gradient FSDP2 still holds unreduced on this rank (`param_gather.held_by_fsdp`)."""
+        return held_by_fsdp(self._fsdp_params, self._fsdp_groups)
 
     def _local_problem(self) -> str | None:
         from torch.distributed.tensor import DTensor

@@ -31,7 +31,7 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
-from canzona.runtime.param_gather import fsdp_reads, point_fsdp_at
+from canzona.runtime.param_gather import fsdp_reads, held_by_fsdp, point_fsdp_at
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
 from canzona.runtime.stacks import Stacks
 from canzona.runtime.wrappers import wrapper_holding, wrapper_message
@@ -464,6 +464,9 @@ class GradientSync:
         replaced = self.replaced_check() if self.replaced_check is not None else None
         if replaced is not None:
             return replaced
+        held = held_by_fsdp(self._fsdp)  # an FSDP2 model on one rank: no HSDP replicas there
+        if held is not None:
+            return held
         for name, p in self.params.items():
             held = name in self._states
             zeroed = name in self._zeroed and p.grad is self._guards[name]

@@ -51,7 +51,7 @@ def user_groups(given: NamedParams | Iterable[Mapping[str, Any]],
     that reaches the parameter through a wrapper (`model.named_parameters()` of a model with
     torch.compile'd or activation-checkpointed blocks), which the spec names without it, is one
     error naming `canzona.runtime.modules.named_parameters(model)`."""
-    from canzona.runtime.modules import canonical_name
+    from canzona.runtime.modules import WRAPPER_INSERTED_BY, canonical_name
 
     known = {p.name for p in spec.params}
     items = list(given)
@@ -70,8 +70,10 @@ def user_groups(given: NamedParams | Iterable[Mapping[str, Any]],
                                 "the plan refers to parameters by name")
             name = pair[0]
             if name not in known and canonical_name(name) in known:
-                raise SpecError(f"parameter {name!r} is named through a wrapper (torch.compile's _orig_mod, "
-                                "activation checkpointing's _checkpoint_wrapped_module); the model spec names it "
+                # the wrappers actually in the name: a DDP model's `module.` is not torch.compile's
+                inserted = dict.fromkeys(WRAPPER_INSERTED_BY[p] for p in name.split(".") if p in WRAPPER_INSERTED_BY)
+                raise SpecError(f"parameter {name!r} is named through a wrapper ({', '.join(inserted)}); the model "
+                                "spec names it "
                                 f"{canonical_name(name)!r}: give the optimizer canzona.runtime.modules."
                                 "named_parameters(model), which names every parameter as the spec does")
         out.append((pairs, group))

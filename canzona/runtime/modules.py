@@ -59,16 +59,23 @@ from canzona.spec import ROUTER_OPTIMIZERS, ModelSpec, ParamSpec, Role
 
 __all__ = [
     "WRAPPER_COMPONENTS",
+    "WRAPPER_INSERTED_BY",
     "backward_order",
     "canonical_name",
     "named_parameters",
     "spec_from_module",
 ]
 
-# Attribute names that wrappers insert between a model and its parameters: Megatron's Float16Module (and
-# DDP / DataParallel, whose models the optimizer refuses: canzona.runtime.wrappers),
-# torch.compile, FSDP (v1, refused too), activation checkpointing.
-WRAPPER_COMPONENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+# Attribute names that wrappers insert between a model and its parameters, each with who inserts it:
+# Megatron's Float16Module (and DDP / DataParallel, whose models the optimizer refuses:
+# canzona.runtime.wrappers), torch.compile, FSDP (v1, refused too), activation checkpointing.
+WRAPPER_INSERTED_BY = {
+    "module": "DDP / DataParallel / Megatron's Float16Module (module)",
+    "_orig_mod": "torch.compile (_orig_mod)",
+    "_fsdp_wrapped_module": "FSDP1 (_fsdp_wrapped_module)",
+    "_checkpoint_wrapped_module": "activation checkpointing (_checkpoint_wrapped_module)",
+}
+WRAPPER_COMPONENTS = frozenset(WRAPPER_INSERTED_BY)
 LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks"})
 # HF Llama/Qwen, torchtitan, Megatron, GPT-2 (token and position embeddings)
 EMBEDDING_MODULE_NAMES = frozenset({"embed_tokens", "tok_embeddings", "word_embeddings", "wte", "wpe"})

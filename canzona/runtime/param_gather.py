@@ -178,6 +178,33 @@ def point_fsdp_at(params: Mapping[str, Tensor]) -> dict[str, Any]:
     return found
 
 
+def held_by_fsdp(records: Mapping[str, Any], groups: Iterable[Any] = ()) -> str | None:
+    """A gradient FSDP2 still holds unreduced on this rank, by its records of the optimizer's
+    parameters (`fsdp_params_of`) and their param groups: the last backward run under
+    `set_requires_gradient_sync(False)` or, under HSDP, `set_requires_all_reduce(False)` (or such a
+    backward after a clip). `.grad` does not have it, so the step would run without it (on zeros
+    after `zero_grad(set_to_none=False)`), and FSDP2 would add it to the next step's. The FSDP
+    step's check and the ZeRO-1 step's over an FSDP2 model on one rank (`point_fsdp_at`)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, record in records.items():
+        unsharded = getattr(record, "_unsharded_param", None)
+        if record.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
+            return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {rank} (a backward under "
+                    "model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
+                    "model.set_requires_gradient_sync(True) before step(), through every module that held one")
+    for group in groups:
+        if getattr(group, "_partial_reduce_output", None) is not None:
+            # HSDP: reduce-scattered, its all-reduce over the replicas held back
+            name = next(n for n, f in records.items() if f in group.fsdp_params)
+            return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank {rank} (an "
+                    "HSDP backward under model.set_requires_all_reduce(False)): run the last micro-batch's backward "
+                    "with model.set_requires_all_reduce(True) before step(), through every module that held one (a "
+                    "module the last backward does not reach keeps what the earlier ones held back)")
+    return None
+
+
 def fsdp_reads(record: Any, p: Tensor) -> bool:
     """FSDP2's record `record` of parameter `p` gathers from `p`'s local values (their memory)."""
     local = p._local_tensor

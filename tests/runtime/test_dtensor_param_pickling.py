@@ -129,3 +129,26 @@ def test_fsdp2_parameters_unsharded_at_construction_are_refused(one_rank):
     # backward blamed FSDP2's own read of a gradient on a user's hook)
     with pytest.raises(CanzonaError, match=r"'a.weight' is FSDP2's unsharded one just now .*model.reshard\(\)"):
         DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(Small()), "muon")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_fsdp2_on_one_rank_a_gradient_fsdp2_still_holds_is_one_error_before_any_update(one_rank, clip):
+    """The ZeRO-1 step over an FSDP2 model on one rank, the last backward left under
+    `set_requires_gradient_sync(False)` (after a synced one, or after a clip): FSDP2 keeps that
+    gradient out of `.grad`, so the step ran on the first backward's alone and FSDP2 added the held
+    one to the next step's, silently. Now the error the FSDP step gives (`param_gather.held_by_fsdp`),
+    and nothing is updated. Found by the review of the FSDP step's check."""
+    model, kwargs = _sharded("fsdp2")
+    opt = DistributedOptimizer(model.named_parameters(), ModelSpec.from_module(Small()), "muon", **kwargs)
+    before = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    model(small_batch(0, 0)).backward()
+    if clip:
+        opt.clip_grad_norm_(1.0)
+    model.set_requires_gradient_sync(False)
+    model(small_batch(1, 0)).backward()
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(CanzonaError, match=r"FSDP2 holds a gradient it has not reduced.*"
+                                           r"set_requires_gradient_sync\(True\) before step\(\)"):
+        opt.step()
+    assert all(torch.equal(_full(p).detach(), before[n]) for n, p in model.named_parameters())

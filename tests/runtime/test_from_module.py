@@ -301,6 +301,10 @@ def test_the_optimizer_given_names_through_a_wrapper_names_named_parameters():
     with pytest.raises(SpecError, match=r"named_parameters\(model\)"):
         user_groups([{"params": list(inner.named_parameters()), "weight_decay": 0.1}], spec)
     assert [n for n, _ in user_groups(named_parameters(inner), spec)[0][0]] == [p.name for p in spec.params]
+    # the error names the wrappers in the name, not torch.compile's for a DDP-style `module.` (review)
+    outer = Wrapper("module", TitanToy())
+    with pytest.raises(SpecError, match=r"wrapper \(DDP / DataParallel / Megatron's Float16Module \(module\)\);"):
+        user_groups(outer.named_parameters(), ModelSpec.from_module(outer))
 
 
 def test_frozen_parameters_are_skipped():
