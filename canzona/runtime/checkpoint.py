@@ -679,7 +679,8 @@ def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict
     PlanError naming it, before anything is loaded (a hand-edited or damaged `torch.save` file;
     before, a wrong shape failed halfway through the load, the optimizer's state half replaced, on
     the ranks that hold that entry alone). Floating-point fields in another dtype are cast to the
-    state's, as torch.optim's `load_state_dict` casts them to the parameter's."""
+    state's, as torch.optim's `load_state_dict` casts them to the parameter's; a field the state
+    does not keep is dropped."""
     group_of = _group_of(opt)
     # the template depends on the group, shape and state dtype alone: taken once for each (the
     # experts of a stack share one; per entry it was most of a large MoE's load time)
@@ -696,9 +697,12 @@ def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict
             key = (group_of[name], shape, opt.state_dtype(name))
             if key not in templates:
                 templates[key] = _template_on_meta(opt, group_of[name], name)
-            template = templates[key]
-            for field, want in template.items():
-                entry[field] = _checked_field(name, field, want, entry)
+            # the template's fields only: a field this optimizer does not keep (a hand edit, a
+            # converter's extra) is dropped, as the ZeRO-1 layout's AdamW slices dropped it; before,
+            # FSDP2's loader cut it like the state's own, a RuntimeError halfway through the load
+            # (the matrices' state already replaced), and the ZeRO-1 layout saved it again
+            entry = {**({"master": master} if "master" in entry else {}),
+                     **{field: _checked_field(name, field, want, entry) for field, want in templates[key].items()}}
         out[name] = entry
     return out
 
