@@ -236,6 +236,18 @@ def torch_api_resumed(spec: TrainSpec, rank: int, world: int, full: tuple[dict, 
     return out
 
 
+def rank0_full_state(spec: TrainSpec, rank: int, world: int, ckpt: tuple[dict, dict]) -> tuple[dict, dict]:
+    """Torch's full state dicts of a model and optimizer given the checkpoint, on rank 0 only
+    (`full_state_dict=True, cpu_offload=True`: as torchtune saves, to broadcast them on resume)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = fsdp_model(spec, world, seed=7)
+    load_params(model, ckpt[0])
+    opt.load_state_dict(ckpt[1])
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if rank == 0 else ({}, {})
+
+
 def _flat_resumed(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
     """torchtitan's flattened checkpoint, resumed as torchtitan does (`outcome`: before, torch's
     unflattening was a raw KeyError)."""
@@ -428,6 +440,12 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["bf16"] = {"straight": bf16, "resumed": resumed(BF16, rank, world, bf16["ckpt"]),
                    # the same state dict again (the run before must have left it as it was)
                    "optimizer first": resumed(BF16, rank, world, bf16["ckpt"], optimizer_first=True)}
+    # SOAP's eigenbases through rank 0's broadcast (torch's `_broadcast_tensors` sends a tensor's
+    # storage as it lies: a transposed one arrived transposed)
+    soap = SPECS["soap"]
+    full = rank0_full_state(soap, rank, world, out["soap"]["straight"]["ckpt"])
+    got = outcome(lambda: torch_api_resumed(soap, rank, world, full, None, from_rank0=True))
+    out["soap torch rank 0"] = got["value"] if got["error"] is None else got
     out["other model"] = refused(muon, rank, world)
     out["extra field"] = with_a_field_of_no_optimizer(muon, rank, world, run["ckpt"])
     out["other optimizer"] = refused(muon, rank, world, out["soap"]["straight"]["ckpt"][1])
@@ -630,6 +648,20 @@ def test_torch_get_set_state_dict_resumes_bit_for_bit() -> None:
             exact = compare(r[how]["final"], want["final"])
             assert exact["bit_identical"], (rank, how, exact)
     assert run2()[1]["muon"]["straight"]["torch rank 0"] == ({}, {})  # offloaded to rank 0 alone
+
+
+def test_soaps_state_broadcast_from_rank_0_resumes_bit_for_bit() -> None:
+    """torchtune's resume: rank 0's full state dicts (`cpu_offload=True`) handed to `set_model_state_dict`
+    / `set_optimizer_state_dict` with `broadcast_from_rank0=True`. Before: SOAP's eigenbases were
+    transposed views (`state_dict()` kept eigh's column-major layout), which torch's broadcast sent
+    as they lie in memory, so the other ranks received them transposed: 'rank(s) [0] ... were given
+    another state dict than this rank' on every rank, nothing loaded."""
+    for rank, r in enumerate(run2()):
+        got, want = r["soap torch rank 0"], r["soap"]["straight"]
+        assert "error" not in got, (rank, got)
+        assert nested_equal(got["state"], want["ckpt"][1]) is None, rank
+        exact = compare(got["final"], want["final"])
+        assert exact["bit_identical"], (rank, exact)
 
 
 @pytest.mark.parametrize("how", ["dcp", "dcp flat"])
