@@ -1613,6 +1613,9 @@ def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
 
 
 def _json_scalar(value: Any) -> Any:
-    if isinstance(value, Tensor) and value.numel() == 1:  # a scheduler's tensor learning rate
-        return value.item()
+    """A one-element tensor (a scheduler's tensor learning rate) or a NumPy scalar (a schedule
+    computed with NumPy; before, a TypeError) as the number it holds, as a step reads it."""
+    plain = config_value(value)
+    if isinstance(plain, (bool, int, float)):
+        return plain
     raise TypeError(f"cannot store {type(value).__name__} in the checkpoint's metadata")

@@ -509,3 +509,42 @@ def test_a_loaded_tensor_learning_rate_is_the_optimizers_own_not_the_state_dicts
     for g in opt.param_groups:
         g["lr"].fill_(0.5)  # what LRScheduler.step() does to a tensor lr
     assert all(g["lr"].item() == pytest.approx(0.01) for g in saved["param_groups"])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_a_state_holding_learning_rates_of_a_schedules_type_resumes_bit_for_bit(one_rank, tmp_path, kind):
+    """A learning rate kept as a one-element tensor or a NumPy scalar (which the step takes, as
+    torch's optimizers take them) travels in state_dict() as it is, in the sharded form as its
+    number, and the optimizer loads either back: the resumed step is the uninterrupted one (the
+    sharded form's tensor rate within rounding).
+    Before: load_state_dict refused its own checkpoint ('checkpoint's param group 0 is not valid
+    here: muon lr must be a finite number, got tensor(0.0005)'), and sharded_state_dict() refused
+    a NumPy rate (a TypeError, 'cannot store float32 in the checkpoint's metadata')."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    as_kind = torch.tensor if kind == "tensor" else np.float32
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    model = TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "muon", overlap_param_gather=False)
+    for group in opt.param_groups:
+        group["lr"] = as_kind(group["lr"] / 2)
+    _step(model, [opt], tokens)
+    weights, saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=tmp_path / "sharded")
+    _step(model, [opt], tokens)
+    for form in ("full", "sharded"):
+        again = TinyQwen3("tiny", seed=1)
+        again.load_state_dict(weights)
+        resumed = DistributedOptimizer(again.named_parameters(), again.spec(), "muon", overlap_param_gather=False)
+        if form == "full":
+            resumed.load_state_dict(saved)
+            assert [type(g["lr"]) for g in resumed.param_groups] == [type(g["lr"]) for g in opt.param_groups]
+        else:
+            resumed.load_sharded_state_dict(tmp_path / "sharded")
+        _step(again, [resumed], tokens)
+        # the sharded form keeps a rate's number (JSON): a tensor rate comes back a float, which
+        # the kernels apply in double rather than the tensor's float32, within rounding
+        assert _same(model, again) if (form, kind) != ("sharded", "tensor") else \
+            all(torch.allclose(x, y, rtol=1e-5, atol=1e-8) for x, y in zip(model.parameters(), again.parameters())), form
+        del resumed  # one optimizer at a time holds the weights' buffers
