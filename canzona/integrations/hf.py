@@ -43,6 +43,7 @@ each checked at construction; it was tested with transformers 5.23.0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -193,10 +194,16 @@ def latest_checkpoint(output_dir: str) -> str:
 
 def _gives_weight_decay(matrix_config: Any) -> bool:
     """Whether `matrix_config` states the matrices' weight decay: a mapping with the key, or a
-    config object (which states every field)."""
+    config object whose `weight_decay` is off its class's default. An object states every field, so
+    its default cannot tell a decay the user chose from one left alone: there the Trainer's
+    `weight_decay` decides, as for a mapping without the key (`MuonConfig(lr=0.02)` beside
+    `TrainingArguments(weight_decay=0.0)` would otherwise decay the matrices at MuonConfig's 0.1)."""
     if matrix_config is None:
         return False
-    return "weight_decay" in matrix_config if isinstance(matrix_config, Mapping) else True
+    if isinstance(matrix_config, Mapping):
+        return "weight_decay" in matrix_config
+    default = next((f.default for f in dataclasses.fields(matrix_config) if f.name == "weight_decay"), None)
+    return getattr(matrix_config, "weight_decay", default) != default
 
 
 class CanzonaTrainer(Trainer):

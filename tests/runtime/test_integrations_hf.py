@@ -639,6 +639,10 @@ def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
     ({"lr": 0.02, "weight_decay": 0.1}, 0.05, (0.1, 0.05, 0.0)),
+    # a config object states every field: its weight decay counts only off its class's default
+    # (review: MuonConfig(lr=0.02) decayed the matrices at MuonConfig's 0.1 beside the Trainer's 0.0)
+    (MuonConfig(lr=0.02), 0.0, (0.0, 0.0, 0.0)),
+    (MuonConfig(lr=0.02, weight_decay=0.05), 0.0, (0.05, 0.0, 0.0)),
 ])
 def test_a_weight_decay_in_matrix_config_is_the_matrices_own(tmp_path, one_rank, matrix_config, weight_decay, want):
     """`CanzonaTrainer(matrix_config={"weight_decay": 0.1})`: the matrices decay at 0.1, the
