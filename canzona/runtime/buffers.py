@@ -44,13 +44,15 @@ class FlatBuffer:
         self.size = size
         ref = local_tensor(params[self.names[0]]) if self.names else torch.zeros(0)
         for name in self.names:
-            if params[name].dtype != ref.dtype or local_tensor(params[name]).device != ref.device:
-                raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is "
-                                f"{params[name].dtype} on {local_tensor(params[name]).device}, {self.names[0]} is "
-                                f"{ref.dtype} on {ref.device}: cast the model to one dtype "
-                                f"(model.to({params[name].dtype if ref.dtype == torch.float32 else ref.dtype})) "
-                                "before building the optimizer (a bf16 or fp16 model gets fp32 master weights), "
-                                "on one device")
+            dtype, device = params[name].dtype, local_tensor(params[name]).device
+            if dtype != ref.dtype or device != ref.device:
+                # the advice for what differs: a cast where the dtypes do, a move where the devices do
+                fixes = ([f"cast the model to one dtype (model.to({dtype if ref.dtype == torch.float32 else ref.dtype})) "
+                          "before building the optimizer (a bf16 or fp16 model gets fp32 master weights)"]
+                         if dtype != ref.dtype else []) + \
+                    (["move the model to one device before building the optimizer"] if device != ref.device else [])
+                raise SpecError(f"parameters sharing a buffer must share dtype and device: {name} is {dtype} on "
+                                f"{device}, {self.names[0]} is {ref.dtype} on {ref.device}: {'; '.join(fixes)}")
         given = data is not None
         self.data = data if given else torch.zeros(size, dtype=ref.dtype, device=ref.device)
         # the gradients, accumulated over micro-batches, reduced across ranks and read by the

@@ -783,12 +783,16 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     _check_compatible(opt, header, groups, state)
     if groups and all(NAMES_KEY in g for g in groups):  # a sharded checkpoint's groups name their members
         _check_members(opt, [list(g[NAMES_KEY]) for g in groups])
+    # copies, as torch's load copies the groups: a tensor lr the scheduler fills in place is the
+    # optimizer's own, not the state dict's (which may be loaded again, or into another optimizer).
+    # One deepcopy of every group's values, as torch's one of the list: a tensor the groups shared
+    # (a user group's, split by kind) stays shared; and taken before anything changes
+    values = copy.deepcopy([{k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)}
+                            for saved in groups])
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
-    for group, saved in zip(opt.param_groups, groups):
-        # copies, as torch's load copies the groups: a tensor lr the scheduler fills in place is the
-        # optimizer's own, not the state dict's (which may be loaded again, or into another optimizer)
-        group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)})
+    for group, saved in zip(opt.param_groups, values):
+        group.update(saved)
     state = {n: dict(s) for n, s in state.items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     return state, masters

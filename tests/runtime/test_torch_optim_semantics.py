@@ -509,6 +509,15 @@ def test_a_loaded_tensor_learning_rate_is_the_optimizers_own_not_the_state_dicts
     for g in opt.param_groups:
         g["lr"].fill_(0.5)  # what LRScheduler.step() does to a tensor lr
     assert all(g["lr"].item() == pytest.approx(0.01) for g in saved["param_groups"])
+    # one tensor the groups share (a user group's rate, split by kind; torch's defaults share one
+    # too) stays one after the load, as torch's one deepcopy of the groups keeps it (review: each
+    # value copied alone split it, and a scheduler's fill then reached one group only)
+    shared = torch.tensor(0.02)
+    for g in opt.param_groups:
+        g["lr"] = shared
+    opt.load_state_dict(opt.state_dict())
+    loaded = {id(g["lr"]) for g in opt.param_groups}
+    assert len(loaded) == 1 and id(shared) not in loaded
 
 
 @pytest.mark.parametrize("kind", ["tensor", "numpy"])
