@@ -35,7 +35,8 @@ checkpoint has no masters to compare (`check_weights_match`), at any layout; a c
 older canzona has none and still loads. The layout-independent form carries the same witness in
 each entry (`WITNESS_FIELD`); `load_state_dict`, and `load_sharded` without `check_weights`, leave it
 for the first step after them to check (`check_loaded_weights`: the model may be loaded after the
-optimizer, as torch's `set_state_dict` does).
+optimizer, as torch's `set_state_dict` does), of the parameters whose state stepped alone
+(`witness_to_check`: a fresh optimizer's state, loaded to reset it, goes with any weights).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -264,9 +265,28 @@ READABLE_VERSIONS = (2, 3, 4)
 HEADER_KEY = "canzona"  # in every param group: the header, as JSON
 LIVE_HEADER = "see state_dict()"  # the live groups' (`label_groups`): a slot, not a header
 NAMES_KEY = "param_names"  # torch.optim's own key for named parameters: each group's, at the top
-STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros
+STEPPED_KEY = "canzona_stepped"  # in every state entry: False for a template of zeros (`stepped`)
 STACK_KEY = "canzona_matrices"  # in a stacked parameter's entry: how many matrices its fields stack
 SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
+
+
+def stepped(fields: Iterable[str]) -> bool:
+    """Whether a parameter's saved state (its fields' names) is that of one that stepped: any
+    field but its fp32 master, which a fresh optimizer keeps too (its weights' own). The one
+    definition of `STEPPED_KEY` (the layout-independent form) and of what the sharded form's
+    pieces say (`read_sharded`)."""
+    return any(f != "master" for f in fields)
+
+
+def witness_to_check(witness: Mapping[str, Any] | None, stepped_names: Container[str]) -> dict[str, Any]:
+    """What a load leaves for its first step to check (`loaded_witness`), under every layout and
+    form: the save's weights' witness of the parameters whose state stepped. One that never
+    stepped (a fresh optimizer's state, loaded to reset it after a loss spike or between tasks,
+    as torch's optimizers reset with their initial, empty state dict) holds nothing of the weights
+    it was saved beside: any weights go on from it, as from a new optimizer (its fp32 master, if
+    any, gives way to them: `kernels.update_target`). Stepped state beside weights of another
+    save is what the check is for."""
+    return {n: w for n, w in (witness or {}).items() if n in stepped_names}
 
 
 # --- who holds what ---------------------------------------------------------------------------
@@ -396,10 +416,9 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
                 entry = _stacked_entry(opt, g, name, by_name)
             else:
                 saved = dict(by_name.get(name, {}))
-                stepped = any(k != "master" for k in saved)
-                entry = {} if stepped else _template(opt, g, name)
+                entry = {} if (did := stepped(saved)) else _template(opt, g, name)
                 entry.update(saved)
-                entry[STEPPED_KEY] = stepped
+                entry[STEPPED_KEY] = did
             values = _witness_values(name, math.prod(opt.spec.param(name).shape), witness.get(name))
             if values is not None:
                 entry[WITNESS_FIELD] = values
@@ -425,9 +444,9 @@ def _stacked_entry(opt: Described, g: int, name: str, by_name: Mapping[str, dict
     share (the matrices of a stack step together), and `STACK_KEY` saying how many there are."""
     matrices = [m.name for m in stacked_matrices(opt.spec.param(name))]
     saved = [dict(by_name.get(m, {})) for m in matrices]
-    stepped = any(k != "master" for s in saved for k in s)
-    entry = join_stack(name, [{**({} if stepped else _template(opt, g, m)), **s} for m, s in zip(matrices, saved)])
-    entry[STEPPED_KEY] = stepped
+    any_stepped = stepped(k for s in saved for k in s)
+    entry = join_stack(name, [{**({} if any_stepped else _template(opt, g, m)), **s} for m, s in zip(matrices, saved)])
+    entry[STEPPED_KEY] = any_stepped
     entry[STACK_KEY] = len(matrices)
     return entry
 
@@ -561,10 +580,7 @@ def load_state(opt: Checkpointable, state_dict: Mapping[str, Any]) -> None:
     """`state_dict()`'s form, loaded on every rank of the optimizer's DP and TP groups (collective:
     `read_state_together`)."""
     load_by_name(opt, *read_state_together(opt, state_dict, own_comms(opt)))
-    # an entry that never stepped (a fresh optimizer's zeros, loaded to reset the state) holds
-    # nothing of the weights it was taken beside: any weights go on from it, as from a new
-    # optimizer (its fp32 master, if any, gives way to them: `kernels.update_target`)
-    opt.loaded_witness = saved_witness(state_dict, _global_shapes(opt), stepped_only=True)
+    opt.loaded_witness = state_dict_witness_to_check(state_dict, _global_shapes(opt))
 
 
 def own_comms(opt: Checkpointable) -> list[Comm | None]:
@@ -1056,13 +1072,27 @@ def _witness_values(name: str, numel: int, entry: Mapping[str, Any] | None) -> T
     return _from_bits(list(entry["bits"]), getattr(torch, entry["dtype"]))
 
 
-def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *,
-                  stepped_only: bool = False) -> dict[str, Any]:
+def state_dict_witness_to_check(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """What `load_state_dict` of the layout-independent form leaves for the first step to check,
+    under either layout: `witness_to_check` of the entries that stepped (`STEPPED_KEY`; one
+    without it, of an older canzona, did)."""
+    witness = saved_witness(state_dict, shapes)
+    if not witness:
+        return witness
+    stepped_names = set()
+    for group, names in zip(state_dict["param_groups"], group_names(state_dict)):
+        for key, name in zip(group.get("params", []), names):
+            entry = _entry(state_dict["state"], key)
+            if not isinstance(entry, Mapping) or entry.get(STEPPED_KEY, True) is not False:
+                stepped_names.add(name)
+    return witness_to_check(witness, stepped_names)
+
+
+def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """The witness a layout-independent state dict holds (`_witness_values` undone), in
     `take_witness`'s form; empty for one of an older canzona (or version 2; its header does not
     say it wrote one: a witness in it is a template's, left by a partial `dcp.load`) or with the
-    fields dropped, which are not checked. `stepped_only`: without the entries that never stepped
-    (what a load checks)."""
+    fields dropped, which are not checked."""
     out: dict[str, Any] = {}
     if state_dict.get("format") == STATE_FORMAT or not _header_of(state_dict).get(WITNESS_KEY):
         return out
@@ -1070,8 +1100,6 @@ def saved_witness(state_dict: Mapping[str, Any], shapes: Mapping[str, tuple[int,
         for key, name in zip(group.get("params", []), names):
             entry = _entry(state_dict["state"], key)
             values = entry.get(WITNESS_FIELD) if isinstance(entry, Mapping) else None
-            if stepped_only and isinstance(entry, Mapping) and entry.get(STEPPED_KEY) is False:
-                continue
             if isinstance(values, Tensor) and name in shapes:
                 index = witness_indices(name, math.prod(shapes[name]))
                 if values.numel() == len(index):
@@ -1429,14 +1457,14 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
 
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
-    meta, state = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
+    meta, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
     agree_on_save(meta, own_comms(opt))
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
-    opt.loaded_witness = dict(meta.get(WITNESS_KEY) or {}) if check_weights is None else None
+    opt.loaded_witness = witness_to_check(meta.get(WITNESS_KEY), stepped_names) if check_weights is None else None
 
 
 def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:
@@ -1454,8 +1482,10 @@ Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset,
 
 def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[str], applies: list[str],
                  needs: Mapping[str, Wants], comms: Sequence[Comm | None]) -> tuple[dict[str, Any],
-                                                                                 dict[str, dict[str, Any]]]:
-    """(the header with the groups, the state by name) of what a rank needs, read from a checkpoint
+                                                                                 dict[str, dict[str, Any]], set[str]]:
+    """(the header with the groups, the state by name, the parameters whose saved state stepped:
+    `stepped`, alike on every rank, from the checkpoint's entries, a rank reading only its own
+    pieces) of what a rank needs, read from a checkpoint
     written by `sharded_state` (or FSDP's) at any layout: the full-matrix state of the matrices in
     `hosted`, the scalar fields (step counts) of the others in `applies`, and of each parameter in
     `needs` the pieces its predicate wants, assembled into full tensors (zeros where none was
@@ -1490,11 +1520,13 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     full_keys: dict[str, list[str]] = {}  # matrix name -> keys of its full-matrix state fields
     # name -> (field, t, T, offset, key, the part of the saved piece that is this entry's: None, all of it)
     pieces: dict[str, list[tuple[str, int, int, int, str, tuple[int, int] | None]]] = {}
+    saved_fields: dict[str, set[str]] = {}  # parameter (a stack's matrices: the stack) -> its saved fields
     for key in entries:
         for kind in ("matrix", "adamw"):
             head = f"{prefix}/{kind}/"
             if key.startswith(head):
                 name, rest = key[len(head):].rsplit("/", 1)
+                saved_fields.setdefault(name.split(STACK_OPEN)[0], set()).add(rest.split("@", 1)[0])
                 if "@" in rest:
                     pieces.setdefault(name, []).append((*_parse_piece(rest), key, None))
                 else:
@@ -1539,7 +1571,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
                if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    return json.loads(wanted[meta_entry]), state
+    return json.loads(wanted[meta_entry]), state, {n for n, f in saved_fields.items() if stepped(f)}
 
 
 class _Extent(NamedTuple):

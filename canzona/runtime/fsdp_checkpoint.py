@@ -41,10 +41,11 @@ from canzona.runtime.checkpoint import (
     read_state_together,
     restore_settings,
     same_as_master,
-    saved_witness,
     sharded_meta,
     split_stack,
+    state_dict_witness_to_check,
     take_witness,
+    witness_to_check,
 )
 from canzona.runtime.fsdp_layout import Box
 from canzona.runtime.kernels import update_target
@@ -152,7 +153,7 @@ def load_state(opt: FsdpOptimizer, state_dict: Mapping[str, Any]) -> None:
     then this rank's pieces. Collective over the mesh (`read_state_together`): a refusal on one
     rank, or ranks given different state dicts, is one error on every rank, nothing loaded."""
     load_by_name(opt, *read_state_together(opt, state_dict, [opt.world]))
-    opt.loaded_witness = saved_witness(state_dict, _shapes(opt))
+    opt.loaded_witness = state_dict_witness_to_check(state_dict, _shapes(opt))
 
 
 def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Mapping[str, Any]],
@@ -257,8 +258,8 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         for entry, start, end, offset in _pieces(opt, name, lo, hi):
             first, last = offset, offset + end - start
             needs[entry] = lambda t, tp, at, meta, lo=first, hi=last: tp != 1 or _overlaps(meta, at, lo, hi)
-    header, state = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices), needs,
-                                 [opt.world])
+    header, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices),
+                                                needs, [opt.world])
     state = _by_stack(opt, state)
     agree_on_save(header, [opt.world])
     if check_weights:
@@ -266,7 +267,7 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
         check_weights_match(opt, state, header.get(WITNESS_KEY))
     load_by_name(opt, header, header.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
-    opt.loaded_witness = dict(header.get(WITNESS_KEY) or {}) if check_weights is None else None
+    opt.loaded_witness = witness_to_check(header.get(WITNESS_KEY), stepped_names) if check_weights is None else None
 
 
 def check_weights_at_step(opt: FsdpOptimizer) -> None:

@@ -383,6 +383,38 @@ def loaded_then_saved(spec: TrainSpec, rank: int, world: int, path: str) -> dict
     return out
 
 
+def reset(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
+    """torch.optim's reset (`opt.load_state_dict(initial)`, `initial` taken before the first step:
+    after a loss spike, between tasks): the optimizer's state_dict() and its sharded form (saved
+    at `path`) taken before any step, SAVE steps, then each loaded back into it and RESUME steps
+    on (the weights set back between the two), against a fresh optimizer beside the same weights
+    (torch's empty state: moments from zero, step counts from 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = fsdp_model(spec, world)
+    initial = opt.state_dict()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    train(model, opt, spec, rank, world)
+    weights = full_params(model)
+    fresh_model, fresh = fsdp_model(spec, world, seed=7)
+    load_params(fresh_model, weights)
+    train(fresh_model, fresh, resume_spec(spec), rank, world)
+    want = full_params(fresh_model)
+    out: dict[str, Any] = {}
+    for how in ("state_dict", "sharded"):
+        load_params(model, weights)
+        try:
+            if how == "state_dict":
+                opt.load_state_dict(initial)
+            else:
+                opt.load_sharded_state_dict(path)
+            train(model, opt, resume_spec(spec), rank, world)
+            out[how] = compare(full_params(model), want)["bit_identical"]
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[how] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def adamw_forms(rank: int, world: int, path: str) -> dict:
     """AdamW's FSDP2 step through every checkpoint form, each resumed by a fresh model of other
     weights: state_dict(), the sharded form, torch's full state dict (set_state_dict), dcp of
@@ -430,6 +462,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["unchecked mix"] = stepped_beside(muon, rank, world, run["final"], path + "-sharded")
     out["unchecked on purpose"] = stepped_beside(muon, rank, world, run["final"], path + "-sharded", check_weights=False)
     out["bf16 loaded then saved"] = loaded_then_saved(BF16, rank, world, path + "-bf16-loaded")
+    out["reset"] = reset(muon, rank, world, path + "-initial")
     out["fsdp from zero1 sharded"] = resumed(muon, rank, world, (zero1["params"], path + "-zero1"),
                                              like=zero1["state"])
     # HSDP (every rank a replica of one shard): the FSDP checkpoint in, its sharded one out to FSDP
@@ -834,6 +867,17 @@ def test_a_state_dict_beside_weights_of_another_save_is_refused_at_the_first_ste
     assert "check_weights=False" in text and "without_weights_witness(" in text, text  # the ways past it
     for rank, r in enumerate(ranks):
         assert r[case]["unchanged"] is None, (rank, r[case]["unchanged"])
+
+
+@pytest.mark.parametrize("how", ["state_dict", "sharded"])
+def test_a_fresh_optimizers_state_loaded_later_resets_the_state_as_torch(how: str) -> None:
+    """`load_state_dict(initial)` / `load_sharded_state_dict()` of the state taken before the first
+    step resets the optimizer, as torch's optimizers reset with their initial (empty) state dict:
+    bit for bit a fresh optimizer beside the weights as they are. Its entries never stepped: the
+    weights beside it are not another save's (stepped state beside them still is: the mixes
+    above). Before: the first step refused them, 'the model's weights differ from those the
+    optimizer checkpoint was saved with'."""
+    assert [r["reset"][how] for r in run2()] == [True] * 2
 
 
 def test_a_sharded_load_with_check_weights_false_steps_beside_other_weights() -> None:

@@ -947,7 +947,35 @@ def _loaded_then_saved_worker(rank: int, world: int, path: str) -> dict:
     for order in ("model first", "optimizer first"):
         out[f"other weights, {order}"] = compare(beside_other(order), want)["bit_identical"]
     out["older, partial template"] = _older_into_a_template(built, step, tokens[1], kept, path)
+    out["sharded reset"] = _sharded_reset(built, step, tokens, path + "-initial")
     return out
+
+
+def _sharded_reset(built, step, tokens: list[torch.Tensor], path: str) -> Any:
+    """torch.optim's reset (`opt.load_state_dict(initial)`, `initial` taken before the first step:
+    after a loss spike, between tasks) in the sharded form: a fresh optimizer's sharded_state_dict()
+    saved, two steps, then loaded back into it (`check_weights` left to the first step). Two steps
+    on must be those of a fresh optimizer beside the weights as they are (torch's empty state:
+    moments from zero, step counts from 1; the fp32 masters of those weights). Before: the first
+    step refused the weights, as of another save than the initial state's."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = built()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    step(model, opt, tokens[0])
+    step(model, opt, tokens[1])
+    weights = model.state_dict()
+    fresh_model, fresh = built(seed=1)
+    fresh_model.load_state_dict(weights)
+    try:
+        opt.load_sharded_state_dict(path)
+        for batch in (tokens[1], tokens[0]):
+            step(model, opt, batch)
+            step(fresh_model, fresh, batch)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return compare({n: p.detach().clone() for n, p in model.named_parameters()},
+                   {n: p.detach().clone() for n, p in fresh_model.named_parameters()})["bit_identical"]
 
 
 def _older_into_a_template(built, step, batch, full: dict, path: str) -> str:
@@ -1037,3 +1065,11 @@ def test_a_state_dict_beside_other_weights_steps_from_the_models_weights():
     loaded first (`kernels.update_target`)."""
     out = loaded_then_saved()
     assert (out["other weights, model first"], out["other weights, optimizer first"]) == (True, True), out
+
+
+def test_a_fresh_optimizers_sharded_state_loaded_later_resets_the_state_as_torch():
+    """`load_sharded_state_dict()` of a state saved before the first step resets the optimizer, as
+    torch's optimizers reset with their initial (empty) state dict: bit for bit a fresh optimizer
+    beside the weights as they are. Its entries never stepped: the weights beside it are not
+    another save's (stepped state beside them still is: `..._refused_at_the_first_step`)."""
+    assert loaded_then_saved()["sharded reset"] is True
