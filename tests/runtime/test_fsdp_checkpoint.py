@@ -16,7 +16,8 @@ fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data
   every size and layout), and the weights of a later step beside a sharded checkpoint refused
   (fp32: the weights witness; bf16: the fp32 masters); bf16 weights loaded into the model after
   steps, then saved (the masters of those weights, the sharded save passing its own check), and
-  the state dict beside weights of no save (the step starts from them).
+  the state dict beside weights of no save (the step starts from them); a fresh optimizer's
+  state_dict() and sharded form loaded back after steps (torch's reset: a fresh optimizer's run).
 - FSDP 3: the FSDP 2 checkpoint resharded (state_dict() after loading it is the same checkpoint, bit
   for bit), and resumed from it and from the DCP directory.
 """
