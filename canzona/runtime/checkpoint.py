@@ -270,6 +270,13 @@ STACK_KEY = "canzona_matrices"  # in a stacked parameter's entry: how many matri
 SLICED = ("exp_avg", "exp_avg_sq", "master")  # AdamW fields kept as per-rank slices of the flat buffer
 
 
+def entry_stepped(entry: Mapping[str, Any]) -> bool:
+    """A state-dict entry's `STEPPED_KEY` as every load reads it: as a bool (a converter may leave
+    `tensor(False)` or `np.False_`), absent as stepped (an older canzona wrote none). One reading, so
+    that the state an entry loads and the weights checked beside it agree."""
+    return bool(entry.get(STEPPED_KEY, True))
+
+
 def stepped(fields: Iterable[str]) -> bool:
     """Whether a parameter's saved state (its fields' names) is that of one that stepped: any
     field but its fp32 master, which a fresh optimizer keeps too (its weights' own). The one
@@ -518,7 +525,8 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
             # `{}`: a field torch's unflattening of a flattened state dict did not find (`entry_fields`)
             entry = {k: v for k, v in entry.items() if not (isinstance(v, Mapping) and not v)}
             entry.pop(WITNESS_FIELD, None)  # the weights', not the optimizer's (`loaded_witness`)
-            stepped = entry.pop(STEPPED_KEY, True)
+            stepped = entry_stepped(entry)
+            entry.pop(STEPPED_KEY, None)
             for key, part in (split_stack(name, entry) if STACK_KEY in entry else {name: entry}).items():
                 if not stepped:
                     part = {k: v for k, v in part.items() if k == "master"}
@@ -1083,7 +1091,7 @@ def state_dict_witness_to_check(state_dict: Mapping[str, Any], shapes: Mapping[s
     for group, names in zip(state_dict["param_groups"], group_names(state_dict)):
         for key, name in zip(group.get("params", []), names):
             entry = _entry(state_dict["state"], key)
-            if not isinstance(entry, Mapping) or entry.get(STEPPED_KEY, True) is not False:
+            if not isinstance(entry, Mapping) or entry_stepped(entry):
                 stepped_names.add(name)
     return witness_to_check(witness, stepped_names)
 
