@@ -247,6 +247,10 @@ class MatrixOptimizer:
     # (DistributedOptimizer(master_weights=False)); None: every part is computed in at least fp32
     # (`canzona.runtime.kernels.work_dtype`: SOAP's and Shampoo's statistics and moments)
     update_dtype_state_bytes: str | None = None
+    # the state's matrix fields the kernel keeps column-major, as eigh and QR leave them (SOAP's
+    # eigenbases): state dicts save every tensor contiguous, and a load restores this layout, since
+    # the kernel's products round by their operands' layout (resumed bit for bit, not within rounding)
+    column_major_state: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.elementwise and self.scalars is None:
@@ -284,6 +288,7 @@ MATRIX_REGISTRY: dict[str, MatrixOptimizer] = {
         reference="reference.muon:Muon", update_dtype_state_bytes="canzona.cost:muon_state_bytes"),
     "soap": MatrixOptimizer(
         name="soap", config=SOAPConfig, summary="SOAP (Adam in Shampoo's eigenbasis)",
+        column_major_state=("Q_L", "Q_R"),
         cost_kernels="canzona.cost:soap_kernels", init_kernels="canzona.cost:soap_init_kernels",
         state_bytes="canzona.cost:soap_state_bytes", row_state_bytes="canzona.cost:soap_row_state_bytes",
         workspace_bytes="canzona.memory:soap_workspace_bytes",

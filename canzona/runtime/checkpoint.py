@@ -436,6 +436,8 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
             # `set_optimizer_state_dict(broadcast_from_rank0=True)` broadcasts rank 0's tensors'
             # memory as it lies, so the other ranks received them transposed (refused: the ranks'
             # state dicts differed)
+            # (copied contiguous by `_to_cpu`; a load restores the kernel's layout,
+            # `matrix_state_to_device`)
             state[len(state)] = {k: v.contiguous() if isinstance(v, Tensor) else v
                                  for k, v in entry.items() if v is not None}
         groups.append({**{k: v for k, v in group.items() if k != "params"},
@@ -830,7 +832,8 @@ def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:
 
 def _load_part(opt: Checkpointable, state: Mapping[str, dict], device: torch.device) -> None:
     opt.matrix_state.clear()  # the executor holds this dict: fill it in place
-    opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
+    opt.matrix_state.update({n: matrix_state_to_device(opt.optimizer, state[n], device) if n in state else {}
+                             for n in opt.hosted})
     # every TP rank that applies a matrix's chunks counts its steps from the same saved state (the
     # host's own state must agree, which the executor checks each step): the scalars it applies
     # them with depend on it (SOAP's bias correction, its first step without an update)
@@ -1329,11 +1332,27 @@ def _first_name_difference_of_model(saved: list[str], mine: Mapping[str, tuple])
 
 
 def _to_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
+    """CPU copies, contiguous in the one copy (what `full_state` saves: no second copy of a
+    column-major field there)."""
+    return {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True) if isinstance(v, Tensor) else v
+            for k, v in state.items()}
 
 
 def _to_device(state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.detach().to(device, copy=True) if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def matrix_state_to_device(optimizer: str, state: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A loaded matrix state on `device`, in the layout its kernel keeps
+    (`MatrixOptimizer.column_major_state`: SOAP's eigenbases column-major, as eigh and QR leave
+    them): saved contiguous, they would load row-major, and the resumed kernel's products would
+    round otherwise than the uninterrupted run's. Every layout's load places its state through it."""
+    out = _to_device(state, device)
+    for key in matrix_optimizer(optimizer).column_major_state:
+        t = out.get(key)
+        if isinstance(t, Tensor) and t.dim() >= 2:
+            out[key] = t.mT.contiguous().mT
+    return out
 
 
 def _header(opt: Described, shapes: bool = True) -> dict[str, Any]:

@@ -30,12 +30,12 @@ from canzona.runtime.checkpoint import (
     _check_compatible,
     _overlaps,
     _to_cpu,
-    _to_device,
     agree_on_save,
     check_loaded_weights,
     check_same_save,
     full_state,
     join_stack,
+    matrix_state_to_device,
     piece_key,
     read_sharded,
     read_state_together,
@@ -163,7 +163,8 @@ def load_by_name(opt: FsdpOptimizer, header: Mapping[str, Any], groups: list[Map
     state, masters = restore_settings(opt, header, groups, _by_stack(opt, state))
     device = next(iter(opt.params.values())).to_local().device
     opt.matrix_state.clear()
-    opt.matrix_state.update({n: _to_device(state[n], device) if n in state else {} for n in opt.hosted})
+    opt.matrix_state.update({n: matrix_state_to_device(opt.optimizer, state[n], device) if n in state else {}
+                             for n in opt.hosted})
     # every rank applies every matrix's update with scalars from its step count
     taken = matrix_optimizer(opt.optimizer).part("steps_taken")
     opt.matrix_steps.clear()
