@@ -512,7 +512,7 @@ def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[d
                         "parameter index in its own groups, does not load into a DistributedOptimizer: load that "
                         "run's weights with model.load_state_dict() and go on with this optimizer's fresh state")
     try:
-        header = json.loads(groups[0][HEADER_KEY])
+        header = json_load(groups[0][HEADER_KEY])
     except (TypeError, ValueError):
         raise PlanError("not a canzona optimizer state (its header is not JSON)") from None
     by_name: dict[str, dict] = {}
@@ -1122,7 +1122,7 @@ def _header_of(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The header a layout-independent state dict's groups carry (empty where none is readable)."""
     groups = state_dict.get("param_groups") or [{}]
     try:
-        return dict(json.loads(groups[0][HEADER_KEY]))
+        return dict(json_load(groups[0][HEADER_KEY]))
     except (KeyError, TypeError, ValueError):
         return {}
 
@@ -1499,7 +1499,7 @@ def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:
     weights' witness: another save's differs) alike on each. Before, ranks given folders of two
     saves (a path that differs by rank, `latest_checkpoint` looked up on each while a save landed)
     each loaded their own pieces of their own, silently mixing the saves."""
-    agree(comms, None, json.dumps(meta, sort_keys=True).encode(), "load_sharded_state_dict()",
+    agree(comms, None, json.dumps(meta, sort_keys=True, default=_json_scalar).encode(), "load_sharded_state_dict()",
           "read another checkpoint than this rank (their optimizer metadata differ): every rank must load the "
           "same save")
 
@@ -1598,7 +1598,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
                if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    return json.loads(wanted[meta_entry]), state, {n for n, f in saved_fields.items() if stepped(f)}
+    return json_load(wanted[meta_entry]), state, {n for n, f in saved_fields.items() if stepped(f)}
 
 
 class _Extent(NamedTuple):
@@ -1675,10 +1675,31 @@ def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
     return out
 
 
+# a one-element tensor in the JSON metadata: its number, dtype and shape (`_json_scalar`)
+TENSOR_VALUE_KEY = "canzona_tensor"
+
+
 def _json_scalar(value: Any) -> Any:
-    """A one-element tensor (a scheduler's tensor learning rate) or a NumPy scalar (a schedule
-    computed with NumPy; before, a TypeError) as the number it holds, as a step reads it."""
+    """A one-element tensor (a scheduler's tensor learning rate) as its number, dtype and shape,
+    which `json_load` makes a tensor again (the step computes with a tensor rate in its dtype: a
+    float in its place would resume within rounding only), or a NumPy scalar (a schedule computed
+    with NumPy; before, a TypeError) as the number it holds, as a step reads it."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return {TENSOR_VALUE_KEY: value.item(), "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape)}
     plain = config_value(value)
     if isinstance(plain, (bool, int, float)):
         return plain
     raise TypeError(f"cannot store {type(value).__name__} in the checkpoint's metadata")
+
+
+def _json_tensor(obj: dict[str, Any]) -> Any:
+    if TENSOR_VALUE_KEY in obj and isinstance(getattr(torch, str(obj.get("dtype")), None), torch.dtype):
+        return torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"])).reshape(obj.get("shape", []))
+    return obj
+
+
+def json_load(text: str) -> Any:
+    """The metadata `json.dumps(..., default=_json_scalar)` wrote, its tensors tensors again (on the
+    CPU, as a scheduler makes them)."""
+    return json.loads(text, object_hook=_json_tensor)
