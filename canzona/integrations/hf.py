@@ -202,6 +202,8 @@ def _gives_weight_decay(matrix_config: Any) -> bool:
         return False
     if isinstance(matrix_config, Mapping):
         return "weight_decay" in matrix_config
+    if not dataclasses.is_dataclass(matrix_config):
+        return False  # not a config: the optimizer's own check says so
     default = next((f.default for f in dataclasses.fields(matrix_config) if f.name == "weight_decay"), None)
     return getattr(matrix_config, "weight_decay", default) != default
 

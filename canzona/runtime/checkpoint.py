@@ -274,7 +274,10 @@ def entry_stepped(entry: Mapping[str, Any]) -> bool:
     """A state-dict entry's `STEPPED_KEY` as every load reads it: as a bool (a converter may leave
     `tensor(False)` or `np.False_`), absent as stepped (an older canzona wrote none). One reading, so
     that the state an entry loads and the weights checked beside it agree."""
-    return bool(entry.get(STEPPED_KEY, True))
+    flag = entry.get(STEPPED_KEY, True)
+    # `{}`: torch's unflattening of a flattened state dict writes it for a field it did not find,
+    # read as absent (as `state_by_name` drops such fields before it reads the flag)
+    return True if isinstance(flag, Mapping) and not flag else bool(flag)
 
 
 def stepped(fields: Iterable[str]) -> bool:
@@ -666,7 +669,7 @@ def _state_digest(header: Mapping[str, Any], groups: list[Mapping[str, Any]], st
     """A digest of a state read by `read_state`: the header, the groups' hyper-parameters, every
     field's shape and dtype, every scalar, and the bytes of a few elements of every tensor (those
     `_spread` picks: cheap at any size; two saves differ in nearly all of them)."""
-    h = hashlib.sha256(json.dumps([header, groups], sort_keys=True, default=repr).encode())
+    h = hashlib.sha256(json.dumps([header, groups], sort_keys=True, default=_digest_value).encode())
     for name in sorted(state):
         picks: dict[int, Tensor] = {}  # the fields of an entry share its elements' positions (a cost per entry)
         for field in sorted(state[name]):
@@ -1431,7 +1434,7 @@ def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str,
                                              for g in opt.param_groups]}
     if witness is not None:
         meta[WITNESS_KEY] = dict(witness)
-    return {meta_key(opt, prefix): json.dumps(meta, default=_json_scalar)}
+    return {meta_key(opt, prefix): json.dumps(meta, default=_shared_tensors_json())}
 
 
 def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str:
@@ -1693,13 +1696,39 @@ def _json_scalar(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in the checkpoint's metadata")
 
 
-def _json_tensor(obj: dict[str, Any]) -> Any:
-    if TENSOR_VALUE_KEY in obj and isinstance(getattr(torch, str(obj.get("dtype")), None), torch.dtype):
-        return torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"])).reshape(obj.get("shape", []))
-    return obj
+def _digest_value(value: Any) -> Any:
+    """A value the ranks' state dicts are compared by: a tensor hyper-parameter by its number, dtype
+    and shape (its repr names its device, which differs by rank on GPUs, and rounds to 4 digits)."""
+    try:
+        return _json_scalar(value)
+    except TypeError:
+        return repr(value)
+
+
+def _shared_tensors_json() -> Callable[[Any], Any]:
+    """`_json_scalar` numbering each tensor (`ref`), so that `json_load` gives the groups that held
+    one tensor one tensor again (a user group's rate, split by kind, as torch's defaults share one)."""
+    refs: dict[int, int] = {}
+
+    def encode(value: Any) -> Any:
+        out = _json_scalar(value)
+        if isinstance(value, Tensor):
+            out["ref"] = refs.setdefault(id(value), len(refs))
+        return out
+    return encode
 
 
 def json_load(text: str) -> Any:
     """The metadata `json.dumps(..., default=_json_scalar)` wrote, its tensors tensors again (on the
-    CPU, as a scheduler makes them)."""
-    return json.loads(text, object_hook=_json_tensor)
+    CPU, as a scheduler makes them; one tensor for each `ref`)."""
+    made: dict[Any, Tensor] = {}
+
+    def tensor(obj: dict[str, Any]) -> Any:
+        if set(obj) - {"ref"} != {TENSOR_VALUE_KEY, "dtype", "shape"} or \
+                not isinstance(getattr(torch, str(obj["dtype"]), None), torch.dtype):
+            return obj
+        ref = obj.get("ref", object())
+        if ref not in made:
+            made[ref] = torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"])).reshape(obj["shape"])
+        return made[ref]
+    return json.loads(text, object_hook=tensor)

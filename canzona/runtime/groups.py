@@ -306,6 +306,8 @@ def group_lr(group: Mapping[str, Any]) -> Any:
     """`group['lr']` as the kernels take it: a number, or a one-element tensor as torch's optimizers
     take one; a NumPy scalar (a schedule computed with NumPy) as the Python number it holds."""
     lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.dim() > 0 and lr.numel() == 1:
+        return lr.reshape(())  # a `[1]` rate, as torch's `_to_scalar` takes it: `add_(alpha=)` takes 0-d only
     return lr.item() if _is_numpy_scalar(lr) else lr
 
 
