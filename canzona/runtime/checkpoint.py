@@ -434,13 +434,11 @@ def full_state(opt: Described, by_name: Mapping[str, dict], witness: Mapping[str
                 entry[WITNESS_FIELD] = values
             # a field its configuration leaves unused (SOAP's one-sided factors) is left out, not
             # None: torch's flattening (`flatten_optimizer_state_dict`) refuses None; loading reads
-            # an absent unused field as None (`_checked_field`). Each tensor contiguous: SOAP's
-            # eigenbases are eigh's column-major (transposed) views, and torch's
-            # `set_optimizer_state_dict(broadcast_from_rank0=True)` broadcasts rank 0's tensors'
-            # memory as it lies, so the other ranks received them transposed (refused: the ranks'
-            # state dicts differed)
-            # (copied contiguous by `_to_cpu`; a load restores the kernel's layout,
-            # `matrix_state_to_device`)
+            # an absent unused field as None (`_checked_field`). Each tensor contiguous (gathered ones
+            # are already, `_to_cpu`: then a no-op): torch's `set_optimizer_state_dict(
+            # broadcast_from_rank0=True)` broadcasts rank 0's memory as it lies, so SOAP's column-major
+            # eigenbases reached the other ranks transposed; a load restores the kernel's layout
+            # (`matrix_state_to_device`)
             state[len(state)] = {k: v.contiguous() if isinstance(v, Tensor) else v
                                  for k, v in entry.items() if v is not None}
         groups.append({**{k: v for k, v in group.items() if k != "params"},

@@ -185,24 +185,29 @@ def held_by_fsdp(records: Mapping[str, Any], groups: Iterable[Any] = ()) -> str 
     backward after a clip). `.grad` does not have it, so the step would run without it (on zeros
     after `zero_grad(set_to_none=False)`), and FSDP2 would add it to the next step's. The FSDP
     step's check and the ZeRO-1 step's over an FSDP2 model on one rank (`point_fsdp_at`)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
     for name, record in records.items():
         unsharded = getattr(record, "_unsharded_param", None)
         if record.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) is not None:
-            return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {rank} (a backward under "
+            return (f"{name}: FSDP2 holds a gradient it has not reduced on rank {_rank()} (a backward under "
                     "model.set_requires_gradient_sync(False)): run the last micro-batch's backward with "
                     "model.set_requires_gradient_sync(True) before step(), through every module that held one")
     for group in groups:
         if getattr(group, "_partial_reduce_output", None) is not None:
             # HSDP: reduce-scattered, its all-reduce over the replicas held back
             name = next(n for n, f in records.items() if f in group.fsdp_params)
-            return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank {rank} (an "
+            return (f"{name}: FSDP2 holds a gradient it has not all-reduced over the replicas on rank {_rank()} (an "
                     "HSDP backward under model.set_requires_all_reduce(False)): run the last micro-batch's backward "
                     "with model.set_requires_all_reduce(True) before step(), through every module that held one (a "
                     "module the last backward does not reach keeps what the earlier ones held back)")
     return None
+
+
+def _rank() -> int:
+    """This process's rank for a message (0 without torch.distributed): read where a message is
+    made, not on every step's check."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def fsdp_reads(record: Any, p: Tensor) -> bool:
