@@ -50,6 +50,9 @@ class StepCheck:
     # per parameter of another part (`prepare`'s `more_got`: the experts'), 1 if it got a gradient on
     # any rank of the cluster (empty when `prepare` was given none)
     more_got: Tensor
+    # whether the model's weights were loaded (`Module.load_state_dict`) on any rank of the cluster
+    # since the last check that compared them (`prepare`'s `loaded`)
+    model_loaded: bool = False
 
 
 class GradientSource(Protocol):
@@ -478,7 +481,8 @@ class GradientSync:
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
                 more_norm: Tensor | None = None, more_problem: str | None = None,
-                more_backward: int = 0, more_got: Tensor | None = None, recheck: bool = True) -> StepCheck:
+                more_backward: int = 0, more_got: Tensor | None = None, recheck: bool = True,
+                loaded: bool = False) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -490,7 +494,9 @@ class GradientSync:
         another part's backward gave this rank (the experts', which may be all it trains);
         `more_got`: this rank's got-a-gradient flags of another part's parameters (the experts',
         whose stacks every EP rank holds a part of), combined over the whole cluster (DP, then TP)
-        into the check's `more_got` (the same length on every rank).
+        into the check's `more_got` (the same length on every rank); `loaded`: whether this rank's
+        model had its weights loaded since they were last compared, combined over the cluster as
+        `more_got` is into the check's `model_loaded`.
         A call after the check (`step()` after `clip_grad_norm_()`, a second clip) reuses it, and
         with `recheck` compares the hyper-parameters and threshold anew (`_recheck`); without, as
         the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
@@ -510,6 +516,7 @@ class GradientSync:
         if more_norm is not None:
             term = term + more_norm.to(device)
         sent = torch.zeros(0, dtype=torch.int64) if more_got is None else more_got.to(torch.int64)
+        sent = torch.cat([sent, torch.tensor([int(loaded)], dtype=torch.int64)])  # `loaded` rides last
         header = torch.cat([
             to_device(torch.cat([self._got_grad, sent, torch.tensor(
                 [self.backward + more_backward, int(problem is not None), hyper_parameters],
@@ -549,7 +556,7 @@ class GradientSync:
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient, from a NaN loss, an "
                                "overflow or bad data): nothing was updated. Lower the learning rate, check the "
                                "data, or pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
-        self.checked = StepCheck(got=got, norm=norm, more_got=more)
+        self.checked = StepCheck(got=got, norm=norm, more_got=more[:-1], model_loaded=bool(more[-1]))
         return self.checked
 
     def _recheck(self, hyper_parameters: int, max_norm: float | None, more_problem: str | None = None) -> None:

@@ -90,6 +90,7 @@ from canzona.runtime.groups import (
 from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
+from canzona.runtime.model_loads import LOADED_ADVICE, watch_loads
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import (
@@ -447,6 +448,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             grads.replaced_check = functools.partial(self._changed, functools.partial(
                 replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params}))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
+        # the model's weights loaded on some ranks only from now on: the next step compares them
+        # (`canzona.runtime.model_loads`)
+        self._model_loaded = False
+        watch_loads((m for refs in holders.values() for ref, _ in refs if (m := ref()) is not None), self,
+                    _mark_model_loaded)
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
@@ -547,9 +553,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             raise PlanError(str(e)) from None
         return plan
 
-    def _check_agreement(self, param_groups: list[dict[str, Any]]) -> None:
+    def _check_agreement(self, param_groups: list[dict[str, Any]], weights: str = "initial") -> None:
         """Every rank runs the same plan on the same model: DP peers compare everything, TP peers
-        everything but the sharded weights (which differ by design)."""
+        everything but the sharded weights (which differ by design). `weights`: which weights the
+        facts name ("initial" at construction; "loaded" at the first step after a model load,
+        `_check_model_loads`, whose disagreement advises loading on every rank)."""
         shared = {
             "model fingerprint": self.spec.fingerprint(),
             # the fingerprint ignores order, but buffers are laid out in spec order
@@ -566,7 +574,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
         dense = [p for n, p in self.params.items() if n not in self._expert_names]
-        dp_facts = {**shared, "TP rank": str(self.tp_rank), "initial parameters": _parameters_checksum(dense)}
+        dp_facts = {**shared, "TP rank": str(self.tp_rank), f"{weights} parameters": _parameters_checksum(dense)}
+        advice = {**COST_MODEL_ADVICE, **{f"{weights} {what}parameters": LOADED_ADVICE
+                                          for what in ("", "TP-replicated ", "expert ")}} \
+            if weights == "loaded" else COST_MODEL_ADVICE
         error = None
         if self._expert_plan is not None:
             # the EDP ranks of each EP rank first: the same experts, the same expert plan; their
@@ -574,13 +585,14 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             # that every rank of the cluster fails together
             error = self._expert_comms[0].agreement_error({
                 "expert plan": self._expert_plan.hash(),
-                "initial expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))})
+                f"{weights} expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))},
+                advice)
             if error is not None:
                 error = f"the expert-data-parallel group: {error}"
             dp_facts["expert parallelism"] = f"ep {self.ep}"
             dp_facts["expert-data-parallel agreement check (failed on the ranks named; see their error)"] = \
                 "failed" if error is not None else "passed"
-        dp_error = self.comm.agreement_error(dp_facts, COST_MODEL_ADVICE)  # every rank joins the DP round
+        dp_error = self.comm.agreement_error(dp_facts, advice)  # every rank joins the DP round
         error = error or dp_error
         if self.tp_comm is None:
             if error is not None:
@@ -593,9 +605,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                       if p.tp_dim is None and p.name not in self._expert_names]
         tp_error = self.tp_comm.agreement_error({
             **shared, "DP rank": str(self.rank),
-            "initial TP-replicated parameters": _parameters_checksum(replicated),
+            f"{weights} TP-replicated parameters": _parameters_checksum(replicated),
             "data-parallel agreement check (failed on the ranks named; see their error)":
-                "failed" if error is not None else "passed"}, COST_MODEL_ADVICE)
+                "failed" if error is not None else "passed"}, advice)
         error = error or tp_error
         error = self.comm.spread_failure(error, "agreement verdict",
                                          "the TP group of DP rank(s) {ranks} failed the agreement check")
@@ -640,9 +652,17 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             raise
 
     def _check_step(self, max_norm: float | None) -> StepCheck:
+        check = self._checked_gradients(max_norm)
+        if check.model_loaded:  # on some rank since the last step: every rank compares its weights
+            self._check_agreement(self.param_groups, weights="loaded")
+            self._model_loaded = False
+            self.grads.checked = check = replace(check, model_loaded=False)  # a reuse of the check: compared
+        return check
+
+    def _checked_gradients(self, max_norm: float | None) -> StepCheck:
         digest = hyper_parameters_digest(self.param_groups)
         if self.experts is None:
-            return self.grads.prepare(digest, max_norm)
+            return self.grads.prepare(digest, max_norm, loaded=self._model_loaded)
         # the experts' checks over EDP first, then one global verdict over DP (and TP) carrying
         # their norm; an EDP group whose check failed fails the DP check too, so that the other
         # EDP groups stop there with an error instead of waiting in the step's collectives until
@@ -656,7 +676,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         except CanzonaError as e:
             failed = str(e)
         check = self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
-                                   more_problem=failed, more_backward=experts.backward, more_got=experts.local_got)
+                                   more_problem=failed, more_backward=experts.backward, more_got=experts.local_got,
+                                   loaded=self._model_loaded)
         # an expert stack steps whole where any rank of the cluster reached it (its experts without
         # tokens with zero gradients), and is skipped where none did, as one process steps the
         # model's one tensor or skips it: the dense check combined the flags of every EP rank
@@ -1132,6 +1153,10 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()
+
+
+def _mark_model_loaded(opt: DistributedOptimizer) -> None:
+    opt._model_loaded = True
 
 
 # every DistributedOptimizer built and not yet collected: the storage of its parameters is its own

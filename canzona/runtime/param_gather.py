@@ -16,7 +16,7 @@ Everything documented that reads parameters waits first:
 - the optimizer itself: `step()`, `clip_grad_norm_()`, its state dicts and checkpoints;
 - `opt.wait_params()`;
 - any other read of a parameter's values (torch's EMA `AveragedModel.update_parameters(model)`,
-  `copy.deepcopy(model)`, pickling a parameter or the model (the hooks pickle as no-ops, `_Hook`),
+  `copy.deepcopy(model)`, pickling a parameter or the model (the hooks pickle as no-ops, `Hook`),
   `model.parameters()` iterated by hand, a custom method such as `model.loss()`, a module whose
   forward reads *another* module's weight first):
   while its gathers are in flight a parameter is marked (`pending_params`: its class is swapped to
@@ -298,13 +298,13 @@ class ParamsInFlight:
         wait_all = _wait_all_hook(me)
         for module, names in modules.items():
             works = sorted({k for n in names for k in self._works_of[n]})
-            self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, works))))
-            self._handles.append(module.register_state_dict_pre_hook(_Hook(wait_all)))
-            self._handles.append(module.register_load_state_dict_pre_hook(_Hook(wait_all)))
+            self._handles.append(module.register_forward_pre_hook(Hook(_before_forward(me, works))))
+            self._handles.append(module.register_state_dict_pre_hook(Hook(wait_all)))
+            self._handles.append(module.register_load_state_dict_pre_hook(Hook(wait_all)))
         # the modules around them (the model itself, its blocks): a compiled forward lands every
         # gather at the first of these it enters (`_before_forward`), a module waiting for none
         for module in enclosing_modules(modules, parents):
-            self._handles.append(module.register_forward_pre_hook(_Hook(_before_forward(me, []))))
+            self._handles.append(module.register_forward_pre_hook(Hook(_before_forward(me, []))))
         # When the optimizer is dropped, or at interpreter exit with it alive: its hooks go (the
         # modules may live on, under another optimizer) and gathers still in flight land first,
         # so that gloo lets go of their tensors before the interpreter finalizes
@@ -435,7 +435,7 @@ def _wait_all(gathers: ParamsInFlight) -> None:
     gathers.wait_all()
 
 
-class _Hook:
+class Hook:
     """One of these hooks, as the module holds it. A model pickled (`torch.save(model)`) or deep-copied
     with it holds `_NoHook` in its place: a closure cannot be pickled, and the copy's parameters are
     not the ones this optimizer gathers into."""
@@ -451,7 +451,7 @@ class _Hook:
 
 
 class _NoHook:
-    """What a pickled or copied model holds in place of a `_Hook`."""
+    """What a pickled or copied model holds in place of a `Hook`."""
 
     def __call__(self, *args, **kwargs) -> None:
         return None

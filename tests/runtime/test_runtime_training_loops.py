@@ -119,6 +119,30 @@ def different_init_job(rank: int, world: int) -> dict:
     return _outcome(lambda: _optimizer(model))
 
 
+def rank_zero_load_job(rank: int, world: int) -> dict:
+    """The model's weights loaded on rank 0 alone after the optimizer was built (a resume written
+    `if rank == 0: model.load_state_dict(...)`), then on every rank."""
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    loaded = build_model(replace(BASE, model_seed=1)).state_dict()
+
+    def step(model, opt) -> None:
+        opt.zero_grad()
+        model.loss(_batch(rank, world)).backward()
+        opt.step()
+    if rank == 0:
+        model.load_state_dict(loaded)
+    before = weights(model)
+    one_rank = _outcome(lambda: step(model, opt))
+    untouched = _same(before, weights(model))
+    model.load_state_dict(loaded)  # every rank: the step compares, agrees and trains the loaded weights
+    every_rank = _outcome(lambda: step(model, opt))
+    fresh = build_model(replace(BASE, model_seed=1))
+    step(fresh, _optimizer(fresh))
+    return {"one rank": one_rank, "untouched": untouched, "every rank": every_rank,
+            "as if built from them": _same(weights(model), weights(fresh))}
+
+
 def group_disagreement_job(rank: int, world: int) -> dict:
     model = build_model(BASE)
     opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
@@ -293,6 +317,7 @@ JOBS = {
     "different init": ("different_init_job", ()),
     "group disagreement": ("group_disagreement_job", ()),
     "live groups": ("live_hyper_parameters_job", (BASE,)),
+    "rank zero load": ("rank_zero_load_job", ()),
     "foreign checkpoint": ("foreign_checkpoint_job", ()),
     "regrouped checkpoint": ("regrouped_checkpoint_job", ()),
     "one rank regroups": ("one_rank_regroups_job", ()),
@@ -359,6 +384,15 @@ def test_a_rank_that_skips_backward_is_named_on_every_rank(runs):
 def test_ranks_with_different_initial_weights_are_caught_at_construction(runs):
     for out in runs["different init"]:
         assert out["canzona"] and "disagree on the initial parameters" in out["message"], out
+
+
+def test_weights_loaded_on_one_rank_after_building_are_one_error_on_every_rank_before_any_update(runs):
+    for r, out in enumerate(runs["rank zero load"]):
+        one = out["one rank"]
+        assert one["canzona"] and "disagree on the loaded parameters" in one["message"], one
+        assert "broadcast_from_rank0" in one["message"] and out["untouched"], (r, out)
+        # loaded on every rank: one step from the loaded weights, as a model built from them takes
+        assert out["every rank"]["error"] is None and out["as if built from them"], (r, out)
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
