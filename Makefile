@@ -16,10 +16,10 @@ lint:
 # loadfile`); their ranks meet on ports a listening socket holds (tests/launchers.py: no free port
 # picked, closed and handed over, which the other worker's ranks could take first); their
 # wall-clock checks pass beside two busy-looping processes, a heavier load than the other worker's.
-# `slow`: larger variants of checks made already.
+# `slow`: larger variants of checks made already. `--durations`: the slowest items, for keeping CI short.
 test: install lint
-	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto --nbmake notebooks tests
-	$(PYTHON) -m pytest -m "distributed and not slow" -n 2 --dist loadfile
+	$(PYTHON) -m pytest -m "not distributed and not slow" -n auto --durations=15 --nbmake notebooks tests
+	$(PYTHON) -m pytest -m "distributed and not slow" -n 2 --dist loadfile --durations=15
 
 # Everything, the slow variants included.
 test-all: install lint
