@@ -48,6 +48,7 @@ import inspect
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -208,6 +209,23 @@ def _gives_weight_decay(matrix_config: Any) -> bool:
     return getattr(matrix_config, "weight_decay", default) != default
 
 
+def _unread_decay_warning(matrix_config: Any, trainer_decay: float) -> str | None:
+    """What a config object whose `weight_decay` is its class's default, beside the Trainer's other
+    `weight_decay`, is told (None: nothing to tell): that default reads as unset
+    (`_gives_weight_decay`), so a user who set it on purpose would see their matrices decay at the
+    Trainer's value, silently."""
+    if not dataclasses.is_dataclass(matrix_config) or not hasattr(matrix_config, "weight_decay") or \
+            _gives_weight_decay(matrix_config):
+        return None
+    default = matrix_config.weight_decay
+    if default == trainer_decay:
+        return None
+    name = type(matrix_config).__name__
+    return (f"matrix_config's weight_decay {default} is {name}'s default, which CanzonaTrainer takes as unset: the "
+            f"matrices decay at TrainingArguments.weight_decay {trainer_decay}; to decay them at {default}, give "
+            f"matrix_config as a mapping with 'weight_decay' (or set TrainingArguments.weight_decay)")
+
+
 class CanzonaTrainer(Trainer):
     """`transformers.Trainer` whose optimizer is a canzona `DistributedOptimizer` (see the
     module's docstring). Takes every `Trainer` argument, plus:
@@ -319,6 +337,9 @@ class CanzonaTrainer(Trainer):
         groups = [{"params": [(n, p) for n, p in pairs if id(p) in decay], "weight_decay": args.weight_decay},
                   {"params": [(n, p) for n, p in pairs if id(p) not in decay], "weight_decay": 0.0}]
         adamw = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+        unread = _unread_decay_warning(self.matrix_config, args.weight_decay)
+        if unread is not None:
+            warnings.warn(unread, stacklevel=2)
         if _gives_weight_decay(self.matrix_config):
             # the matrices decay as matrix_config says, which a group override would replace (for
             # both kinds): the Trainer's weight decay goes to the other decay parameters by AdamW's config

@@ -635,6 +635,28 @@ def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks
         assert r["named changed nothing"]
 
 
+def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_warned_of(tmp_path, one_rank):
+    """`MuonConfig(lr=0.02, weight_decay=0.1)` (MuonConfig's default) beside the Trainer's 0.0: the
+    default reads as unset, so the matrices decay at 0.0 (above), which a user who set 0.1 on purpose
+    was not told. Now one warning names both values; none where they are equal or a mapping gives it."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    def built(matrix_config, weight_decay: float) -> list[str]:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], weight_decay=weight_decay)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            CanzonaTrainer(model=model, args=args, matrix_config=matrix_config).create_optimizer()
+        return [str(w.message) for w in caught if "matrix_config's weight_decay" in str(w.message)]
+
+    (message,) = built(MuonConfig(lr=0.02, weight_decay=0.1), 0.0)
+    assert "weight_decay 0.1 is MuonConfig's default" in message and "weight_decay 0.0" in message, message
+    assert built(MuonConfig(lr=0.02), 0.1) == []
+    assert built({"lr": 0.02, "weight_decay": 0.1}, 0.0) == []
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
