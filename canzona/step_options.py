@@ -81,11 +81,20 @@ def check_compile_kernels(optimizer: str, compile_kernels: bool, *, flags: bool 
                         "kernel (compile_kernels runs Muon's Newton-Schulz iterations through torch.compile)")
 
 
+def check_kernel_options(optimizer: str, batch_kernels: bool, compile_kernels: bool, *, flags: bool = False) -> None:
+    """The kernel options `optimizer` has no use for, off their defaults (`check_batch_kernels`,
+    `check_compile_kernels`): the check both layouts make, ZeRO-1's through
+    `check_elementwise_options`, FSDP2's directly (its other options are `ZERO1_ONLY`'s and
+    `check_owner_plan_settings`'s)."""
+    check_batch_kernels(optimizer, batch_kernels, flags=flags)
+    check_compile_kernels(optimizer, compile_kernels, flags=flags)
+
+
 def check_elementwise_options(optimizer: str, given: Mapping[str, Any], *, flags: bool = False) -> None:
     """The options a run of `optimizer` does not read, off their defaults, as one SpecError: under
     an elementwise optimizer `ELEMENTWISE_IGNORED`'s (named at their defaults they are accepted),
-    `batch_kernels=False` without a batched kernel (`check_batch_kernels`) and `compile_kernels=True`
-    without a compiled one (`check_compile_kernels`). `given`: the
+    `batch_kernels=False` without a batched kernel and `compile_kernels=True` without a compiled one
+    (`check_kernel_options`). `given`: the
     values by field name. The one check `canzona simulate` (`sim.simulate.SimConfig`) and
     `DistributedOptimizer` make; `flags`: name them as the CLI's flags."""
     if matrix_optimizer(optimizer).elementwise:
@@ -94,8 +103,7 @@ def check_elementwise_options(optimizer: str, given: Mapping[str, Any], *, flags
             named = f"--optimizer {optimizer}" if flags else f"optimizer {optimizer!r}"
             raise SpecError(f"{', '.join(changed)}: canzona's plan settings change nothing with {named} "
                             "(elementwise: its step policy plans with its own DP and TP policies)")
-    check_batch_kernels(optimizer, given["batch_kernels"], flags=flags)
-    check_compile_kernels(optimizer, given["compile_kernels"], flags=flags)
+    check_kernel_options(optimizer, given["batch_kernels"], given["compile_kernels"], flags=flags)
 
 
 # `DistributedOptimizer`'s keyword arguments that are neither a step option above nor a planning
