@@ -28,7 +28,7 @@ An all-to-all's record is the bytes this member sends to each member, itself inc
 piece is copied, not sent: the simulator prices the other members' only). Each member's piece is
 its `torch.chunk` row block (`canzona.fsdp_plan.shard_numel`); one element size for gradients and
 updates (the runtime's: fp32 under master weights, else the parameters' dtype). Construction's
-own all-gathers (the layout's boxes) are not listed. FSDP x TP (pieces that are TP shards' row
+own all-gathers (the parameters' verdict, the layout's boxes) are not listed. FSDP x TP (pieces that are TP shards' row
 blocks) is not covered.
 """
 
@@ -47,6 +47,8 @@ FSDP_WORLD_GROUP = "fsdp-world"  # every rank of the mesh: the step check and th
 ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
 CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and threshold: float64)
 CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
+# construction's first collective, over every rank of the mesh: whether any rank refused its parameters
+PARAMETERS_VERDICT = "parameters verdict"
 RECHECK_WORDS = 4  # a reused check's recheck: digest, clip threshold, the gradients changed since, a local problem
 
 

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from canzona.batching import batches
 from canzona.errors import CanzonaError, PlanError, SpecError
-from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP, RECHECK_WORDS
+from canzona.fsdp_collectives import FSDP_GROUP, FSDP_WORLD_GROUP, PARAMETERS_VERDICT, RECHECK_WORDS
 from canzona.fsdp_plan import (
     backward_order,
     check_owner_plan_settings,
@@ -124,7 +124,7 @@ from canzona.runtime.param_gather import (
     replaced_parameter,
 )
 from canzona.runtime.shards import local_tensor
-from canzona.step_options import check_batch_kernels, check_compile_kernels
+from canzona.step_options import check_kernel_options
 from canzona.step_policies import resolve_policy
 
 log = logging.getLogger("canzona")
@@ -147,6 +147,16 @@ def is_fsdp_sharded(pairs: Iterable[tuple[str, Tensor]], dp_ranks: Sequence[int]
         return False
     ranks = {int(r) for r in max(meshes, key=lambda m: m.mesh.numel()).mesh.flatten().tolist()}
     return len(ranks) > 1 and set(dp_ranks) <= ranks and (tp_ranks is None or ranks != set(tp_ranks))
+
+
+def _dtensors(given: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The DTensors among the given parameters; one SpecError where there is none."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = {n: p for n, p in given.items() if isinstance(p, DTensor)}
+    if not dtensors:
+        raise SpecError("no parameter is a DTensor: shard the model with fully_shard (at least its root)")
+    return dtensors
 
 
 def _flat_pairs(given: Any) -> list[tuple[str, Tensor]]:
@@ -214,8 +224,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # batch_kernels=False without a batched kernel, compile_kernels=True without a compiled one, as
         # `canzona simulate --fsdp` refuses them (the other settings an elementwise step does not
         # read: ZERO1_ONLY above, check_owner_plan_settings)
-        check_batch_kernels(self.optimizer, opts["batch_kernels"])
-        check_compile_kernels(self.optimizer, opts["compile_kernels"])
+        check_kernel_options(self.optimizer, opts["batch_kernels"], opts["compile_kernels"])
         entry = matrix_optimizer(self.optimizer)
         # AdamW on every parameter (the baseline): each rank steps its own shards, no owners, no
         # exchange (policy None), as `canzona simulate --fsdp --optimizer adamw` prices it
@@ -242,32 +251,49 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.batch_kernels, self.compile_kernels = opts["batch_kernels"], opts["compile_kernels"]
 
         groups = user_groups(params, spec)
-        # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
-        # parameters (a matrix optimizer over EP-sharded stacks is refused as such)
-        self.expert_mesh = expert_mesh_of({n: p for pairs, _ in groups for n, p in pairs}, self.optimizer,
-                                          self.elementwise, opts["expert_mesh"])
-        self.params = self._checked_params(groups)
-        if self.compile_kernels:
-            check_compile(p.device.type for p in self.params.values())
-        matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
-        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg,
-                                          spec)
-
-        # the mesh: replicas run alike; the exchange group's ranks tile every parameter
-        first = next(iter(self.params.values()))
-        self.device_mesh = root_mesh(self.params)
+        given = {n: p for pairs, _ in groups for n, p in pairs}
+        # the mesh first, and every rank's group over it: the parameters' refusals below are a rank's
+        # own (a model materialized with to_empty() on some ranks only), and travel on that group.
+        # What decides the mesh is refused before it exists, on the rank that finds it alone: that
+        # no parameter is a DTensor (DistributedOptimizer builds this class only where this rank's
+        # are, so the other ranks took the ZeRO-1 layout's construction anyway) and meshes that do
+        # not nest (root_mesh): both are the code that sharded the model, the same on every rank
+        self.device_mesh = root_mesh(_dtensors(given))
         me = dist.get_rank()
+        world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
+        world_group, _ = new_groups([world_ranks], me, self.device_mesh)
+        self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)  # every rank's (canzona.fsdp_collectives)
+        refusal: CanzonaError | None = None
+        try:
+            # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
+            # parameters (a matrix optimizer over EP-sharded stacks is refused as such)
+            self.expert_mesh = expert_mesh_of(given, self.optimizer, self.elementwise, opts["expert_mesh"])
+            self.params = self._checked_params(groups)
+            if self.compile_kernels:
+                check_compile(p.device.type for p in self.params.values())
+            matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
+            param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg,
+                                              self.adamw_cfg, spec)
+        except CanzonaError as e:
+            refusal = e
+        # one small all-gather: the ranks that passed raise at once too, not at the layout's gather
+        # after timeout_s (`Comm.spread_failure`, as DistributedOptimizer's agreement verdict)
+        verdict = self.world.spread_failure(None if refusal is None else str(refusal), PARAMETERS_VERDICT,
+                                            "rank(s) {ranks} of the mesh refused their parameters")
+        if refusal is not None:
+            raise refusal
+        if verdict is not None:
+            raise SpecError(verdict)
+
+        # replicas run alike; the exchange group's ranks tile every parameter
+        first = next(iter(self.params.values()))
         self.replica_dims = replica_dims(self.params, self.device_mesh)
         if self.expert_mesh is not None and self.replica_dims:  # HSDP's replicas of the experts' mesh
             raise SpecError(f"every parameter is replicated over mesh dimension(s) {self.replica_dims} beside experts "
                             "sharded over 'ep': HSDP beside expert parallelism is not run under FSDP2")
-        world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
-        world_group, _ = new_groups([world_ranks], me, self.device_mesh)
         exchange_group, self.exchange_ranks = new_groups(exchange_ranks(self.device_mesh, self.replica_dims), me,
                                                          self.device_mesh)
-        # the exchange group's and every rank's communicators (their names: canzona.fsdp_collectives)
-        self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)
-        self.comm = Comm(exchange_group, timeout_s, FSDP_GROUP)
+        self.comm = Comm(exchange_group, timeout_s, FSDP_GROUP)  # the exchange group's
         self.comm.log.clock = self.world.log.clock  # one issue order over both logs
         self.rank, self.size = self.comm.rank, self.comm.size
         self.dp = self.size  # the ranks a matrix's pieces come from (canzona.memory's and the logs' DP)

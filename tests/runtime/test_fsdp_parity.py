@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.fsdp_collectives import fsdp_step_collectives
+from canzona.fsdp_collectives import PARAMETERS_VERDICT, fsdp_step_collectives
 from canzona.fsdp_plan import (
     backward_order,
     fsdp_matrices,
@@ -177,7 +177,8 @@ def runtime_memory(run: dict, how: dict) -> dict[str, int]:
             "matrix_state": run["matrix_state"], "adamw_state": run["adamw_state"]}
 
 
-CONSTRUCTION = ("fsdp layout sizes", "fsdp layout")  # the layout's gathers at construction (step 0's log)
+# construction's gathers (step 0's log): the parameters' verdict, the layout's
+CONSTRUCTION = (PARAMETERS_VERDICT, "fsdp layout sizes", "fsdp layout")
 CATEGORIES = ("weights", "grads", "master_weights", "matrix_state", "adamw_state")
 ALL = [(2, False, n) for n in CASES] + [(3, False, n) for n in CASES] + [(4, True, n) for n in HSDP_CASES]
 

@@ -512,6 +512,9 @@ SMALL_CASES = {
     "scalars": {"scalars": True},
     # the optimizer built over a model still on the meta device (torchtitan's init, out of order)
     "meta": {"meta": True},
+    # the same on rank 1 alone, the other ranks' model materialized (to_empty): a short timeout_s,
+    # which the ranks that passed waited out in the layout's gather before
+    "meta-on-one-rank": {"meta": True, "only": 1},
 }
 
 
@@ -524,7 +527,7 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
         if "scalars" in kw:
             return scalars_runs(world)
         if "meta" in kw:
-            return meta_refusal(world)
+            return meta_refusal(world, rank, kw.get("only"))
         return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
     return {k: one(kw) for k, kw in cases.items()}
 
@@ -638,9 +641,10 @@ def scalars_runs(world: int) -> dict[str, Any]:
     return out
 
 
-def meta_refusal(world: int) -> str | None:
+def meta_refusal(world: int, rank: int, only: int | None = None) -> dict:
     """Small built under torch.device("meta") and fully_shard-ed, the optimizer built before
-    `model.to_empty()`: the error construction raises (None: it was built)."""
+    `model.to_empty()` (`only`: on that rank alone; the others' model materialized first, within a
+    timeout_s of 5 s): the error construction raises (None: it was built) and the seconds it took."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -650,11 +654,14 @@ def meta_refusal(world: int) -> str | None:
     with torch.device("meta"):
         model = Small()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    if only is not None and rank != only:
+        model.to_empty(device="cpu")
+    error, start = None, time.perf_counter()
     try:
-        DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON)
+        DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, timeout_s=5.0)
     except CanzonaError as e:
-        return str(e)
-    return None
+        error = str(e)
+    return {"error": error, "took": time.perf_counter() - start}
 
 
 def refusals(refuse: dict[str, object], base: dict[str, object] | None = None,
@@ -1116,8 +1123,21 @@ def test_fsdp_an_optimizer_built_over_a_meta_model_is_one_error_at_construction(
     `init_weights()`; an optimizer built before `to_empty()` was accepted, and its first step blamed
     a cast or move "before fully_shard" (bf16: masters of meta tensors). Now construction refuses
     it on every rank, naming to_empty()."""
-    for error in _small()["meta"]:
-        assert error is not None and "meta device" in error and "to_empty" in error, error
+    for r in _small()["meta"]:
+        assert r["error"] is not None and "meta device" in r["error"] and "to_empty" in r["error"], r["error"]
+
+
+def test_fsdp_a_model_on_the_meta_device_on_one_rank_only_is_one_error_on_every_rank_at_once() -> None:
+    """Rank 1's model was not materialized (to_empty() on the others only): rank 1's construction
+    refused it, and the others waited in the layout's gather until timeout_s (5 s here), then
+    raised a timeout naming no cause. Now every rank raises at once: rank 1 its own error, the
+    others one naming rank 1."""
+    results = _small()["meta-on-one-rank"]
+    assert "meta device" in results[1]["error"], results[1]["error"]
+    for rank in (0, 2):
+        error = results[rank]["error"]
+        assert error is not None and "rank(s) [1]" in error and "see their error" in error, error
+    assert all(r["took"] < 4.0 for r in results), [r["took"] for r in results]
 
 
 def test_fsdp_a_forward_between_backward_and_step_reads_the_updated_weights() -> None:
