@@ -808,7 +808,8 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     restores alike (the configurations, each group's hyper-parameters); return (the state by name
     without masters, the fp32 masters by name) for the layout to cut to what its rank holds."""
     _check_compatible(opt, header, groups, state)
-    if groups and all(NAMES_KEY in g for g in groups):  # a sharded checkpoint's groups name their members
+    sharded = bool(groups) and all(NAMES_KEY in g for g in groups)  # a sharded checkpoint's groups name their members
+    if sharded:
         _check_members(opt, [list(g[NAMES_KEY]) for g in groups])
     # copies, as torch's load copies the groups: a tensor lr the scheduler fills in place is the
     # optimizer's own, not the state dict's (which may be loaded again, or into another optimizer).
@@ -816,6 +817,8 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     # (a user group's, split by kind) stays shared; and taken before anything changes
     values = copy.deepcopy([{k: v for k, v in saved.items() if k not in ("params", NAMES_KEY, HEADER_KEY)}
                             for saved in groups])
+    if sharded:  # the full form keeps the device saved, as torch's load does
+        _onto_held_devices(opt.param_groups, values)
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, values):
@@ -1599,7 +1602,11 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
                if key in wanted]
         if got:
             state.setdefault(name, {}).update(_assemble(opt, name, got))
-    return json_load(wanted[meta_entry]), state, {n for n, f in saved_fields.items() if stepped(f)}
+    # tensor hyper-parameters on this rank's device of the type saved (`restore_settings` then
+    # moves them to the group's own tensor's device, once the ranks agree on what they read)
+    own = local_tensor(next(iter(opt.params.values()))).device
+    meta = json_load(wanted[meta_entry], functools.partial(saved_tensor_device, own=own))
+    return meta, state, {n for n, f in saved_fields.items() if stepped(f)}
 
 
 class _Extent(NamedTuple):
@@ -1705,28 +1712,55 @@ def _digest_value(value: Any) -> Any:
 
 def _shared_tensors_json() -> Callable[[Any], Any]:
     """`_json_scalar` numbering each tensor (`ref`), so that `json_load` gives the groups that held
-    one tensor one tensor again (a user group's rate, split by kind, as torch's defaults share one)."""
+    one tensor one tensor again (a user group's rate, split by kind, as torch's defaults share one),
+    with its device's type (`device`: the metadata is alike on every rank, so not the index; only
+    here, not in what the ranks compare, where a placement is no difference)."""
     refs: dict[int, int] = {}
 
     def encode(value: Any) -> Any:
         out = _json_scalar(value)
         if isinstance(value, Tensor):
             out["ref"] = refs.setdefault(id(value), len(refs))
+            out["device"] = value.device.type
         return out
     return encode
 
 
-def json_load(text: str) -> Any:
-    """The metadata `json.dumps(..., default=_json_scalar)` wrote, its tensors tensors again (on the
-    CPU, as a scheduler makes them; one tensor for each `ref`)."""
+def saved_tensor_device(saved_type: str | None, own: torch.device) -> torch.device:
+    """Where a tensor hyper-parameter of the sharded form is read to: this rank's device (`own`,
+    the parameters') where it was saved from one of that type (a CUDA save onto this rank's GPU);
+    else the CPU, as a scheduler makes them (a save that recorded no type, before there was one,
+    or a type this rank does not run on). A group that holds a tensor under the key then takes it
+    on that tensor's device (`_onto_held_devices`); the full form keeps the tensor it saved, device
+    and all, as torch's load does."""
+    return own if saved_type is not None and saved_type == own.type else torch.device("cpu")
+
+
+def json_load(text: str, device_of: Callable[[str | None], torch.device] | None = None) -> Any:
+    """The metadata `json.dumps(..., default=_json_scalar)` wrote, its tensors tensors again (one
+    tensor for each `ref`), on `device_of(the type saved, or None)`, by default the CPU."""
     made: dict[Any, Tensor] = {}
 
     def tensor(obj: dict[str, Any]) -> Any:
-        if set(obj) - {"ref"} != {TENSOR_VALUE_KEY, "dtype", "shape"} or \
+        if set(obj) - {"ref", "device"} != {TENSOR_VALUE_KEY, "dtype", "shape"} or \
                 not isinstance(getattr(torch, str(obj["dtype"]), None), torch.dtype):
             return obj
         ref = obj.get("ref", object())
         if ref not in made:
-            made[ref] = torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"])).reshape(obj["shape"])
+            device = device_of(obj.get("device")) if device_of is not None else torch.device("cpu")
+            made[ref] = torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"]),
+                                     device=device).reshape(obj["shape"])
         return made[ref]
     return json.loads(text, object_hook=tensor)
+
+
+def _onto_held_devices(groups: Sequence[Mapping[str, Any]], values: list[dict[str, Any]]) -> None:
+    """The sharded form's tensor hyper-parameters `values` (by group) moved to the device of the
+    tensor each group holds now under the key (what the resumed run built it with, on the device its
+    scheduler and kernels use), once each: shared stays shared."""
+    moved: dict[int, Tensor] = {}
+    for group, saved in zip(groups, values):
+        for key, value in saved.items():
+            held = group.get(key)
+            if isinstance(value, Tensor) and isinstance(held, Tensor):
+                saved[key] = moved.setdefault(id(value), value.to(held.device))

@@ -539,6 +539,50 @@ def test_a_tensor_rate_the_groups_share_stays_shared_through_the_sharded_form(on
     assert len(loaded) == 1 and id(shared) not in loaded and opt.param_groups[0]["lr"].item() == pytest.approx(0.02)
 
 
+def test_a_tensor_rate_loads_from_the_sharded_form_on_the_device_of_the_groups_own(one_rank, tmp_path):
+    """The sharded form's metadata held a tensor rate's number, dtype and shape, and it loaded on
+    the CPU whatever device the run holds its rates on (a CUDA rate came back a CPU one). Now it
+    loads on the device of the tensor the group holds (the "meta" device stands in for a GPU here),
+    in the saved dtype; a group holding a float takes it where it was saved (the CPU here)."""
+    import torch.distributed.checkpoint as dcp
+
+    (model, opt), _ = _pair()
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.02, dtype=torch.float64)
+    _step(model, [opt], fixed_batch(256, 2, 16, seed=3))
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=tmp_path)
+    held = torch.tensor(0.5, device="meta")
+    opt.param_groups[0]["lr"] = held
+    for g in opt.param_groups[1:]:
+        g["lr"] = 0.5
+    opt.load_sharded_state_dict(tmp_path)
+    first, *others = [g["lr"] for g in opt.param_groups]
+    assert first is not held and first.device.type == "meta" and first.dtype == torch.float64
+    assert others and all(lr.device.type == "cpu" and lr.item() == 0.02 for lr in others)
+
+
+def test_a_tensor_rate_saved_from_a_device_of_a_type_this_rank_runs_loads_there() -> None:
+    """The sharded form records a tensor rate's device type (the metadata is alike on every rank:
+    not its index): a group holding no tensor takes the rate on this rank's device of that type
+    ("meta" standing in for CUDA), else on the CPU, as a save that recorded none (before there was
+    one) loads."""
+    import functools
+    import json
+
+    from canzona.runtime.checkpoint import _shared_tensors_json, json_load, saved_tensor_device
+
+    saved = json.loads(json.dumps({"lr": torch.tensor(0.02, dtype=torch.float64)}, default=_shared_tensors_json()))
+    assert saved["lr"]["device"] == "cpu"
+    saved["lr"]["device"] = "meta"  # as a save from a GPU records "cuda"
+    text = json.dumps(saved)
+    here, cpu = torch.device("meta"), torch.device("cpu")
+    for own, want in ((here, here), (cpu, cpu)):
+        loaded = json_load(text, functools.partial(saved_tensor_device, own=own))["lr"]
+        assert loaded.device == want and loaded.dtype == torch.float64
+    older = json.dumps({"lr": {"canzona_tensor": 0.02, "dtype": "float64", "shape": []}})
+    assert json_load(older, functools.partial(saved_tensor_device, own=here))["lr"].device == cpu
+
+
 def test_a_stepped_flag_torch_left_empty_reads_as_absent_for_the_state_and_the_weights_check(one_rank):
     """torch's unflattening writes `{}` for a field it did not find: the state's reading and the
     weights check's read it alike, as absent (stepped), so the state that loads is checked against
