@@ -283,23 +283,25 @@ class Comm:
                         f"({name} {held[self.rank]} here; {there}){remedy}")
         return None
 
-    def spread_failure(self, error: str | None, name: str, failed_what: str) -> str | None:
+    def spread_failure(self, error: str | None, name: str, failed_what: str, logged: bool = True) -> str | None:
         """Every member learns whether any member has an error (one small all-gather, logged as
-        `name`): returns this rank's own error, or one naming the members that failed
+        `name` unless not `logged`: construction's before its agreement check, which is not logged
+        either): returns this rank's own error, or one naming the members that failed
         (`failed_what` says what they are), or None."""
-        failed = self.all_gather_values(torch.tensor([int(error is not None)]), name)[:, 0]
+        failed = self.all_gather_values(torch.tensor([int(error is not None)]), name, logged)[:, 0]
         if error is None and failed.any():
             ranks = [int(r) for r in torch.nonzero(failed).flatten()]
             return f"{failed_what.format(ranks=ranks)} (see their error)"
         return error
 
-    def all_gather_values(self, values: Tensor, name: str) -> Tensor:
+    def all_gather_values(self, values: Tensor, name: str, logged: bool = True) -> Tensor:
         """Every rank's copy of a small 1-D tensor, as a (ranks, n) table (identical on every rank),
         on the CPU. The values cross the group on the device its backend carries (a CUDA device
         under a NCCL-only group, which cannot carry CPU tensors)."""
         values = values.to(self.check_device)
         every = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)
-        self.log.add("all-gather", self.name, name, [values.numel() * values.element_size()] * self.size)
+        if logged:
+            self.log.add("all-gather", self.name, name, [values.numel() * values.element_size()] * self.size)
         self._gather_single(every, values, name)
         return every.view(self.size, -1).cpu()
 

@@ -39,6 +39,7 @@ from canzona.cost import CostModel
 from canzona.dp.layout import BucketPlan, check_expert_buckets
 from canzona.errors import CanzonaError, PlanError, SpecError
 from canzona.experts import dense_part, expert_part
+from canzona.fsdp_collectives import PARAMETERS_VERDICT
 from canzona.optimizers import (
     AdamWConfig,
     check_matrix_optimizer,
@@ -343,43 +344,58 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._expert_spec = expert_part(spec, self.ep) if self.ep > 1 else None
         self._expert_names = _names(self._expert_spec) if self._expert_spec is not None else set()
         groups = user_groups(params, spec)
-        if compile_kernels:  # before any collective: a missing compiler fails construction, not a step
-            check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
         self.batch_kernels, self.compile_kernels = batch_kernels, compile_kernels
-        # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
-        # (a stacked expert parameter is the matrix optimizer's: each of its matrices is one)
-        matrix_names = set() if self.elementwise else {p.name for p in (*spec.matrix_params(), *spec.stacks)}
-        param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg, self.adamw_cfg,
-                                          spec)
-        # the parameters are checked before anything asks the process groups (which may not exist)
+        # what this rank alone may refuse (its parameters, its compiler, a plan file on its disk):
+        # spread over the groups below (`_spread_refusal`); the parameters are checked before
+        # anything asks the process groups, which may not exist (one line without them, then)
         axes = axis_groups(group, tp_group)
         tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
         tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
         self.tp = len(tp_ranks) if tp_ranks else 1
-        self.params = self._local_params(groups, tp_ranks)
-        _check_not_held(self.params)
-        # the modules holding each parameter now, and (the same walk of gc) the modules around them
-        parents: Parents = {}
-        holders = param_holders(self.params, parents)
-        check_not_unsharded(self.params, holders, parents)  # FSDP2's full parameters after a forward
-        check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
+        refusal: CanzonaError | None = None
+        try:
+            if compile_kernels:  # a missing compiler fails construction, not a step
+                check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
+            # which parameters the matrix optimizer's groups hold (none: every one is on AdamW)
+            # (a stacked expert parameter is the matrix optimizer's: each of its matrices is one)
+            matrix_names = set() if self.elementwise else {p.name for p in (*spec.matrix_params(), *spec.stacks)}
+            param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg,
+                                              self.adamw_cfg, spec)
+            self.params = self._local_params(groups, tp_ranks)
+            _check_not_held(self.params)
+            # the modules holding each parameter now, and (the same walk of gc) the modules around them
+            parents: Parents = {}
+            holders = param_holders(self.params, parents)
+            check_not_unsharded(self.params, holders, parents)  # FSDP2's full parameters after a forward
+            check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
+        except CanzonaError as e:
+            if not dist.is_initialized():
+                raise  # no group to tell
+            refusal = e
         self.mesh = build_mesh(axes, timeout_s, reduce_scatter)
         self.comm, self.tp_comm = self.mesh.comm(DP), self.mesh.comm(TP)
         self.dp, self.rank = self.comm.size, self.comm.rank
         self.tp_rank = self.tp_comm.rank if self.tp_comm else 0
         self._expert_comms: tuple[Comm, Comm] | None = None  # (EDP, EP)
-        if self.ep > 1:
-            dp_ranks = dist.get_process_group_ranks(axes[DP]) if axes[DP] is not None else \
-                range(dist.get_world_size())
-            check_expert_layout(spec, self.ep, self.dp, self.tp, expert_mesh, [*dp_ranks, *(tp_ranks or ())])
-            self._expert_comms = (Comm(expert_pgs[0], timeout_s, EDP, reduce_scatter=reduce_scatter),
-                                  Comm(expert_pgs[1], timeout_s, EP))
-            for comm in self._expert_comms:  # one issue order over every log (CollectiveRecord.seq)
-                comm.log.clock = self.comm.log.clock
-        settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha, bucket_size=bucket_size,
-                                align=align, capacity=capacity, balance_by=balance_by, expert_buckets=expert_buckets)
-        # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
-        self.plan = self._resolve_plan(plan, settings, cost_model)
+        if refusal is None:
+            try:
+                if self.ep > 1:
+                    dp_ranks = dist.get_process_group_ranks(axes[DP]) if axes[DP] is not None else \
+                        range(dist.get_world_size())
+                    check_expert_layout(spec, self.ep, self.dp, self.tp, expert_mesh,
+                                        [*dp_ranks, *(tp_ranks or ())])
+                    self._expert_comms = (Comm(expert_pgs[0], timeout_s, EDP, reduce_scatter=reduce_scatter),
+                                          Comm(expert_pgs[1], timeout_s, EP))
+                    for comm in self._expert_comms:  # one issue order over every log (CollectiveRecord.seq)
+                        comm.log.clock = self.comm.log.clock
+                settings = PlanSettings(dp_policy=dp_policy, tp_policy=tp_policy, alpha=alpha,
+                                        bucket_size=bucket_size, align=align, capacity=capacity,
+                                        balance_by=balance_by, expert_buckets=expert_buckets)
+                # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
+                self.plan = self._resolve_plan(plan, settings, cost_model)
+            except CanzonaError as e:
+                refusal = e
+        self._spread_refusal(refusal)
         self._expert_plan = self.plan.experts
         self._check_agreement(param_groups)
 
@@ -553,11 +569,29 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             raise PlanError(str(e)) from None
         return plan
 
+    def _spread_refusal(self, refusal: CanzonaError | None) -> None:
+        """Every rank learns whether any refused what it alone checks, and raises at once: the
+        refusing rank its own error, the others one naming it (before, they waited in the agreement
+        check until timeout_s). Over DP, then TP: every TP group meets every DP group, so that
+        reaches every rank (the experts' ranks are the dense part's, folded). Not logged, as the
+        agreement check it precedes."""
+        error = None if refusal is None else str(refusal)
+        error = self.comm.spread_failure(error, PARAMETERS_VERDICT, "DP rank(s) {ranks} refused this optimizer",
+                                         logged=False)
+        if self.tp_comm is not None:
+            error = self.tp_comm.spread_failure(error, PARAMETERS_VERDICT,
+                                                "TP rank(s) {ranks} refused this optimizer or heard of a refusal",
+                                                logged=False)
+        if refusal is not None:
+            raise refusal
+        if error is not None:
+            raise SpecError(error)
+
     def _check_agreement(self, param_groups: list[dict[str, Any]], weights: str = "initial") -> None:
         """Every rank runs the same plan on the same model: DP peers compare everything, TP peers
         everything but the sharded weights (which differ by design). `weights`: which weights the
         facts name ("initial" at construction; "loaded" at the first step after a model load,
-        `_check_model_loads`, whose disagreement advises loading on every rank)."""
+        `_check_step`, whose disagreement advises loading on every rank)."""
         shared = {
             "model fingerprint": self.spec.fingerprint(),
             # the fingerprint ignores order, but buffers are laid out in spec order

@@ -313,6 +313,10 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         "optimizer config": one_rank_differs({}, {"matrix_config": {"lr": 0.5}}),
         "reduce-scatter": one_rank_differs({}, {"reduce_scatter": "loops"}),
         "model": one_rank_differs({}, {"preset": "tiny-untied"}),
+        # one rank's own refusal (a plan for another DP size, as a plan file on its disk alone
+        # can be): before, the others waited in the agreement check until timeout_s (5 s here)
+        "plan for another dp on one rank": one_rank_differs(
+            {"timeout_s": 5.0}, {"timeout_s": 5.0, "plan": make_plan(tiny, dp * 2, 1, "muon", "alpha-balanced")}),
         # every rank has the same wrong plan: a local PlanError
         "plan for another dp": every({"plan": make_plan(tiny, dp * 2, 1, "muon", "alpha-balanced")}),
         "plan file for another dp": every({"plan": plan_file}),
@@ -395,6 +399,18 @@ def test_disagreement_names_the_differing_rank(group):
     outs = group[("mismatch", "plan alpha")]
     assert "rank(s) [1]" in outs[0]["message"]
     assert "rank(s) [0" in outs[1]["message"]
+
+
+def test_a_refusal_on_one_rank_is_one_error_on_every_rank_at_once(group):
+    """Rank 1 refuses its plan (for another DP size) at construction: it raises its own error, the
+    others one naming it, and every rank issued the same collectives (a fresh one pairs up). Before,
+    they waited in the agreement check until timeout_s and raised a timeout naming no cause."""
+    outs = group[("mismatch", "plan for another dp on one rank")]
+    assert outs[1]["is_plan_error"] and f"plan is for dp={MAIN_DP * 2}" in outs[1]["message"], outs[1]
+    for r in (0, 2, 3):
+        message = outs[r]["message"]
+        assert outs[r]["is_canzona"] and "DP rank(s) [1] refused" in message and "see their error" in message, message
+    assert all(out["healthy"] for out in outs)
 
 
 def test_synchronising_twice_without_no_sync_is_an_error(group):
