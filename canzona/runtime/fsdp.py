@@ -254,10 +254,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         given = {n: p for pairs, _ in groups for n, p in pairs}
         # the mesh first, and every rank's group over it: the parameters' refusals below are a rank's
         # own (a model materialized with to_empty() on some ranks only), and travel on that group.
-        # What decides the mesh is refused before it exists, on the rank that finds it alone: that
-        # no parameter is a DTensor (DistributedOptimizer builds this class only where this rank's
-        # are, so the other ranks took the ZeRO-1 layout's construction anyway) and meshes that do
-        # not nest (root_mesh): both are the code that sharded the model, the same on every rank
+        # Only what decides the mesh is refused before that group exists, raised by each rank that
+        # finds it: no parameter a DTensor (DistributedOptimizer builds this class only where this
+        # rank's are: a rank without any takes the ZeRO-1 layout's construction anyway) and meshes
+        # that do not nest (root_mesh); both come from the code that sharded the model, the same on
+        # every rank in practice
         self.device_mesh = root_mesh(_dtensors(given))
         me = dist.get_rank()
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
