@@ -252,13 +252,17 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
 
         groups = user_groups(params, spec)
         given = {n: p for pairs, _ in groups for n, p in pairs}
+        # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
+        # parameters (a matrix optimizer over EP-sharded stacks is refused as such) and the mesh
+        # (its refusals of meshes are the more telling), from the DTensors' meshes and placements
+        self.expert_mesh = expert_mesh_of(given, self.optimizer, self.elementwise, opts["expert_mesh"])
         # the mesh first, and every rank's group over it: the parameters' refusals below are a rank's
         # own (a model materialized with to_empty() on some ranks only), and travel on that group.
         # Only what decides the mesh is refused before that group exists, raised by each rank that
         # finds it: no parameter a DTensor (DistributedOptimizer builds this class only where this
-        # rank's are: a rank without any takes the ZeRO-1 layout's construction anyway) and meshes
-        # that do not nest (root_mesh); both come from the code that sharded the model, the same on
-        # every rank in practice
+        # rank's are: a rank without any takes the ZeRO-1 layout's construction anyway), the experts'
+        # mesh (above) and meshes that do not nest (root_mesh); all come from the code that sharded
+        # the model, the same on every rank in practice
         self.device_mesh = root_mesh(_dtensors(given))
         me = dist.get_rank()
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
@@ -266,9 +270,6 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)  # every rank's (canzona.fsdp_collectives)
         refusal: CanzonaError | None = None
         try:
-            # expert parallelism (torchtitan's layout, canzona.runtime.fsdp_ep): checked before the
-            # parameters (a matrix optimizer over EP-sharded stacks is refused as such)
-            self.expert_mesh = expert_mesh_of(given, self.optimizer, self.elementwise, opts["expert_mesh"])
             self.params = self._checked_params(groups)
             if self.compile_kernels:
                 check_compile(p.device.type for p in self.params.values())
