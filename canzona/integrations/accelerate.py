@@ -23,7 +23,8 @@ For a model whose parameters a canzona optimizer holds:
   parameters must be on `accelerator.device` already, in any
   spelling: `cpu` is `cpu:0`) nor wraps it in DDP; mixed-precision autocast and `torch.compile`
   still apply. fp16 (its GradScaler), DeepSpeed, FSDP, Megatron-LM, XLA and a
-  `parallelism_config` are refused: each reduces or shards gradients or parameters itself;
+  `parallelism_config` are refused: each reduces or shards gradients or parameters itself; so is
+  canzona's FSDP2 layout (`FsdpOptimizer`, a `fully_shard`ed model's): the ZeRO-1 layout only;
 - `no_sync(model)` and `accumulate(model)` enter `opt.no_sync()` (`accumulate` on every micro-batch
   before the last, `GradientAccumulationPlugin(sync_each_batch=True)` too: the optimizer reduces
   the accumulated gradient once);
@@ -73,6 +74,7 @@ from canzona.integrations.optimizer_state import (
     written_whole,
 )
 from canzona.runtime.checkpoint_files import MANIFEST, Ranks
+from canzona.runtime.fsdp import FsdpOptimizer
 from canzona.runtime.optimizer import DistributedOptimizer, _holder
 from canzona.runtime.shards import local_tensor
 
@@ -88,6 +90,13 @@ REFUSED_TYPES = {
 DDP_REFUSED = ("the model is wrapped in DistributedDataParallel, which would reduce the gradients a second "
                "time: give the plain model and its canzona optimizer to one accelerator.prepare(model, optimizer, "
                "...) call")
+# an FSDP2 model's optimizer (`DistributedOptimizer` on a `fully_shard`ed model returns this layout):
+# its accumulation, clipping and checkpoints are not what these integrations drive
+FSDP_LAYOUT_REFUSED = ("the optimizer is canzona's FSDP2 layout (FsdpOptimizer: DistributedOptimizer on a model "
+                       "sharded by fully_shard), whose accumulation, clipping and checkpoints CanzonaAccelerator and "
+                       "CanzonaTrainer do not drive: give them the model "
+                       "unsharded (the ZeRO-1 layout), or train the FSDP2 model in a loop of your own "
+                       "(examples/fsdp2_train.py: opt.no_sync(), opt.clip_grad_norm_, sharded_state_dict)")
 CLIP_VALUE_REFUSED = ("clip_grad_value_ is not supported with a canzona DistributedOptimizer (each rank holds only "
                       "its share of the reduced gradients): clip by the global norm with "
                       "accelerator.clip_grad_norm_(model.parameters(), max_norm)")
@@ -95,10 +104,14 @@ CLIP_VALUE_REFUSED = ("clip_grad_value_ is not supported with a canzona Distribu
 
 def canzona_optimizer(optimizer: Any) -> DistributedOptimizer | None:
     """The canzona optimizer `optimizer` is or wraps (accelerate's `AcceleratedOptimizer` keeps
-    the wrapped one in `.optimizer`), else None."""
+    the wrapped one in `.optimizer`), else None. The FSDP2 layout is one `CanzonaError` (on every
+    rank alike: each built the same layout): it is not a `DistributedOptimizer` subclass, and
+    passed over as a foreign optimizer it was wrapped for DDP or checkpointed by accelerate."""
     for _ in range(8):  # a wrapper of a wrapper at most, in practice
         if optimizer is None or isinstance(optimizer, DistributedOptimizer):
             return optimizer
+        if isinstance(optimizer, FsdpOptimizer):
+            raise CanzonaError(FSDP_LAYOUT_REFUSED)
         optimizer = getattr(optimizer, "optimizer", None)
     return None
 

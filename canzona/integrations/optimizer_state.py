@@ -13,8 +13,7 @@ hashing) and reads it with `SafeFileSystemReader`: a damaged, truncated or forei
 
 The framework writes the model's files before the optimizer folder, so a save killed between them
 leaves this step's weights beside the previous step's optimizer state (and, for the Trainer, its
-scheduler and step count). The load checks the weights just loaded (`check_weights=True`, under
-the ZeRO-1 layout and FSDP2): with fp32 master weights (a bf16 / fp16 model) that they are the
+scheduler and step count). The load checks the weights just loaded (`check_weights=True`): with fp32 master weights (a bf16 / fp16 model) that they are the
 checkpoint's masters cast to their dtype, which holds after every step; without (an fp32 model,
 `master_weights=False`) that they equal the checkpoint's witness of them (a few elements of every
 parameter, recorded at the save). A mismatch is one `CheckpointError` on every rank, nothing

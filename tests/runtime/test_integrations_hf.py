@@ -683,3 +683,28 @@ def test_a_weight_decay_in_matrix_config_is_the_matrices_own(tmp_path, one_rank,
     assert groups[("matrix", matrices)] == {id(model[1].weight), id(model[3].weight)}
     assert id(model[0].weight) in groups[("adamw", embedding)]
     assert id(model[2].weight) in groups[("adamw", norm)]
+
+
+def test_the_fsdp2_layout_is_one_error_naming_its_own_loop():
+    """`DistributedOptimizer(...)` on a `fully_shard`ed model is the FSDP2 layout (`FsdpOptimizer`,
+    not a `DistributedOptimizer` subclass). Before: `CanzonaTrainer(optimizers=(it, sched))` said it
+    wanted "a canzona DistributedOptimizer, but optimizers= holds a FsdpOptimizer" (what the user
+    had built), and `CanzonaAccelerator.prepare` took it for a foreign optimizer (accelerate's DDP
+    wrapping, accumulation and checkpoints). Now one CanzonaError naming the layout and the loop
+    that trains it, whatever wraps it. (The layout's type is all the integrations look at: an
+    instance without construction stands for one here; building one takes 2 ranks.)"""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from canzona.integrations.accelerate import canzona_optimizer
+    from canzona.runtime.fsdp import FsdpOptimizer
+
+    fsdp = object.__new__(FsdpOptimizer)
+    wrapped = object.__new__(AcceleratedOptimizer)
+    wrapped.optimizer = fsdp
+    want = r"^the optimizer is canzona's FSDP2 layout \(FsdpOptimizer: .*examples/fsdp2_train\.py"
+    for given in (fsdp, wrapped):
+        with pytest.raises(CanzonaError, match=want) as e:
+            canzona_optimizer(given)
+        assert "\n" not in str(e.value)
+    with pytest.raises(CanzonaError, match=want):
+        CanzonaTrainer(model=nn.Linear(2, 2), optimizers=(fsdp, None))
