@@ -91,6 +91,7 @@ PRIVATE_METHODS = {
 }
 OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded optimizer state
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+TORCH_OPTIMIZER_FILE = "optimizer.pt"  # what transformers' own Trainer saves a torch optimizer's state as
 TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's own name for it, written last
 STEP_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers' get_last_checkpoint
 # TrainingArguments.optim values naming torch's AdamW arithmetic (fused, or a device's kernel of it):
@@ -158,6 +159,8 @@ def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
+        if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
+            return f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer"
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
@@ -176,10 +179,16 @@ def check_whole(folder: str) -> None:
     if not os.path.isdir(folder):
         return  # the Trainer's own error
     problem = checkpoint_problem(folder)
-    if problem is not None:
-        raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}: a save killed midway, "
-                              "or save_only_model=True): resume from another, or resume_from_checkpoint=True for the "
-                              "latest whole one")
+    if problem is None:
+        return
+    if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
+        # (not a save killed midway: a torch optimizer's state, which canzona's cannot take)
+        raise CheckpointError(f"{folder} is not a CanzonaTrainer checkpoint ({problem} with a torch optimizer, whose "
+                              "state a canzona optimizer cannot resume from): to start from its weights, load the "
+                              "model from it (from_pretrained) and train without resume_from_checkpoint")
+    raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}: a save killed midway, "
+                          "or save_only_model=True): resume from another, or resume_from_checkpoint=True for the "
+                          "latest whole one")
 
 
 def latest_checkpoint(output_dir: str) -> str:

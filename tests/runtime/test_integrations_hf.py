@@ -708,3 +708,30 @@ def test_the_fsdp2_layout_is_one_error_naming_its_own_loop():
         assert "\n" not in str(e.value)
     with pytest.raises(CanzonaError, match=want):
         CanzonaTrainer(model=nn.Linear(2, 2), optimizers=(fsdp, None))
+
+
+def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path):
+    """`CanzonaTrainer.train(resume_from_checkpoint=<a checkpoint of transformers' own Trainer>)`
+    (its optimizer.pt: a torch optimizer's state). Before: "not a whole CanzonaTrainer checkpoint
+    (...: a save killed midway, or save_only_model=True)", neither of which it was. Now one
+    CheckpointError naming what it is and how to start from its weights; in
+    `resume_from_checkpoint=True`'s list of the folders skipped, the same."""
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import check_whole, latest_checkpoint
+
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        (folder / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"is not a CanzonaTrainer checkpoint \(no canzona_optimizer/ but "
+                                              r"optimizer\.pt: saved by transformers' own Trainer with a torch "
+                                              r"optimizer, .* load the model from it \(from_pretrained\)") as e:
+        check_whole(str(folder))
+    assert "killed" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 \(no canzona_optimizer/ but optimizer\.pt: saved by "
+                                              r"transformers' own Trainer\)"):
+        latest_checkpoint(str(tmp_path))
+    (folder / "optimizer.pt").unlink()  # a save killed before its optimizer state: as before
+    with pytest.raises(CheckpointError, match=r"\(no canzona_optimizer/manifest\.json: a save killed midway, or "
+                                              r"save_only_model=True\)"):
+        check_whole(str(folder))
