@@ -64,6 +64,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from canzona.errors import CanzonaError
 from canzona.integrations.optimizer_state import (
@@ -145,17 +146,33 @@ def check_on_device(params: Iterable[tuple[str, Tensor]], device: torch.device |
 
 def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """`state` with every tensor copied into storage of its own; entries that were one tensor
-    (tied weights) stay one copy, so that safetensors writers drop the duplicate as usual."""
+    (tied weights) stay one copy, so that safetensors writers drop the duplicate as usual. A DTensor
+    (a TP model's parameter, or one `fully_shard` over one rank) is gathered whole: the files hold
+    plain tensors (safetensors cannot take a DTensor). That is a collective over its mesh, in the
+    state's order on every rank, as accelerate's `get_state_dict` is called (`save_state`,
+    `save_model`, and the load's own look at the model)."""
     copies: dict[tuple, Tensor] = {}
     out: OrderedDict[str, Any] = OrderedDict()  # accelerate's writer cleans aliases of OrderedDicts only
     for key, value in state.items():
         if isinstance(value, Tensor):
-            same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+            local = local_tensor(value)
+            same = (local.device, local.dtype, local.data_ptr(), tuple(value.shape), tuple(local.stride()))
             if same not in copies:
-                copies[same] = value.detach().clone()
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                copies[same] = whole.detach().clone()  # (full_tensor over one rank may be the local view)
             value = copies[same]
         out[key] = value
     return out
+
+
+def placed_like(target: Any, value: Any) -> Any:
+    """`value`, a whole tensor read from a file, as `target` (a model's DTensor parameter) is laid
+    out: this rank's part cut locally (every rank read the whole file), so that loading it copies
+    into the parameter in place; anything else as it is."""
+    if isinstance(target, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.to(local_tensor(target).device), target.device_mesh, target.placements,
+                                 src_data_rank=None)
+    return value
 
 
 def latest_state(checkpoints: str, count: int) -> str:
@@ -201,7 +218,9 @@ class _LoadInPlace(nn.Module):
         if assign:
             raise CanzonaError("load_state_dict(assign=True) would take the parameters out of the canzona "
                                "optimizer's buffers: load without assign")
-        return self._model[0].load_state_dict(state_dict, strict=strict)
+        model = self._model[0]
+        own = model.state_dict()  # (the model's DTensors take the file's whole tensors cut to their layout)
+        return model.load_state_dict({k: placed_like(own.get(k), v) for k, v in state_dict.items()}, strict=strict)
 
 
 class CanzonaAccelerator(Accelerator):
