@@ -35,7 +35,9 @@ For a model whose parameters a canzona optimizer holds:
   `clip_grad_value_`;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
   accelerate's safetensors writer drops every tensor that shares storage with another, and all the
-  parameters share the optimizer's buffers;
+  parameters share the optimizer's buffers; a DTensor parameter (a TP model's) is gathered whole
+  (a collective: every rank calls them, as accelerate asks), and `load_state` cuts it back to the
+  parameter's layout in place;
 - `save_state` / `load_state` write and read the optimizer with `torch.distributed.checkpoint`
   (`canzona_optimizer_<i>/` beside accelerate's files): each rank writes what it holds and any DP
   size reads it back. Each folder is written by `save_checkpoint` (a staging folder, a manifest of
