@@ -158,9 +158,13 @@ def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
     for key, value in state.items():
         if isinstance(value, Tensor):
             local = local_tensor(value)
-            same = (local.device, local.dtype, local.data_ptr(), tuple(value.shape), tuple(local.stride()))
+            # (an empty part has no address of its own: not taken for another entry's)
+            same = (local.device, local.dtype, local.data_ptr(), tuple(value.shape), tuple(local.stride())) \
+                if local.numel() else (id(value),)
+            # every DTensor entry is gathered, tied or not: the same collectives on every rank, where
+            # whether two entries are one tensor cannot be told on a rank whose part is empty
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
             if same not in copies:
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
                 copies[same] = whole.detach().clone()  # (full_tensor over one rank may be the local view)
             value = copies[same]
         out[key] = value
