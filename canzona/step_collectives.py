@@ -76,7 +76,8 @@ same record, same order).
 Sizes come from the plan and the spec: bucket sizes and segments from the DP plan, the AdamW
 buffer (the local AdamW parameters packed end to end, padded to a multiple of `align x dp`, with
 the plan's alignment, as the runtime pads it), the step checks (one 8-byte word per
-parameter plus five; under TP four more plus two per TP-replicated parameter; under EP the dense
+parameter plus six, one of them the mark of a model loaded since the last step; under TP four
+more plus two per TP-replicated parameter; under EP the dense
 part's checks one more per expert stack of the EP rank: the experts' got-a-gradient flags, which
 they combine over the whole cluster, so that a stack no rank reached is skipped), dtypes from the
 spec: gradients are reduced in fp32 when the model has bf16 / fp16 parameters and master weights
@@ -319,10 +320,13 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
     else:  # the prefetched gathers, issued as their buckets land
         out += exchanges[:prefetched]
     # 3. the step checks
-    out.append(check(DP_GROUP, "step check", len(spec.params) + more_flags + 5, dp))
+    # after another part's flags, each check's word of the model loaded since the last step
+    # (`GradientSync.prepare`'s `loaded`, canzona.runtime.model_loads)
+    flags = len(spec.params) + more_flags + 1
+    out.append(check(DP_GROUP, "step check", flags + 5, dp))
     if tp > 1:
         replicated = sum(p.tp_dim is None for p in spec.params)
-        out.append(check(TP_GROUP, "tp step check", 4 + len(spec.params) + more_flags + 2 * replicated, tp))
+        out.append(check(TP_GROUP, "tp step check", 4 + flags + 2 * replicated, tp))
         out.append(check(DP_GROUP, "tp verdict", 1, dp))
     # 4. clip_grad_norm_ by the inf-norm: each rank's largest magnitude over DP, then over TP
     if inf_norm:

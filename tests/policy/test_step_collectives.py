@@ -68,10 +68,10 @@ def small_plan(dp_policy: str):
 
 def test_known_answers_on_a_small_model():
     """Bucket: 192 fp32 elements, 768 bytes. AdamW buffer: 128 + 8 elements padded to 144 (576
-    bytes), even halves of 288. Step check: 4 parameters + 5 more 8-byte words = 72 bytes."""
+    bytes), even halves of 288. Step check: 4 parameters + 6 more 8-byte words = 80 bytes."""
     bucket = ("reduce-scatter-v", "dp", "bucket 0", (768, 768))
     adamw = ("reduce-scatter-v", "dp", "adamw", (576, 576))
-    check = ("all-gather", "dp", "step check", (72, 72))
+    check = ("all-gather", "dp", "step check", (80, 80))
     adamw_params = ("all-gather-v", "dp", "adamw parameters", (288, 288))
     # canzona on alpha-balanced: w2 on rank 0 ([0, 64)), w1 on rank 1 ([64, 192))
     plan = small_plan("alpha-balanced")
@@ -150,10 +150,11 @@ def test_tp_first_step_and_clipping():
     normal = step_collectives(plan, model, "canzona", 1, 1)
     first = step_collectives(plan, model, "canzona", 1, 1, first_step=True)
     assert first[0].logged() == ("all-gather", "dp", "agreement verdict", (8, 8)) and first[1:] == normal
-    # checks: DP step check (4 parameters, 3 flags, norm and clip threshold); TP step check with 2
-    # flags, norm and clip threshold, 4 parameters and 2 words per replicated one
+    # checks: DP step check (4 parameters, the model-loaded mark, 3 flags, norm and clip threshold);
+    # TP step check with 2 flags, norm and clip threshold, 4 parameters, the mark and 2 words per
+    # replicated one
     checks = [c.logged() for c in normal if c.phase == CHECK]
-    assert checks == [("all-gather", "dp", "step check", (72, 72)), ("all-gather", "tp", "tp step check", (80, 80)),
+    assert checks == [("all-gather", "dp", "step check", (80, 80)), ("all-gather", "tp", "tp step check", (88, 88)),
                       ("all-gather", "dp", "tp verdict", (8, 8))]
     # the TP schedule's prefetched gathers (the ones ahead of its first compute) come before the
     # checks, as their buckets land; the rest of its exchanges after them
@@ -230,10 +231,10 @@ def test_expert_parallelism_known_answers():
         (EDP_GROUP, "bucket 2"), (EDP_GROUP, "bucket 3"), ("dp", "bucket 1")]  # layer 0
     assert step_records([c for c in got if c.phase != BACKWARD]) == [
         ("reduce-scatter-v", "edp", "adamw", (64, 64)),  # 8 x 2 fp32 elements
-        ("all-gather", "edp", "step check", (56, 56)),  # 2 expert stacks + 5 words
+        ("all-gather", "edp", "step check", (64, 64)),  # 2 expert stacks + 6 words
         ("reduce-scatter-v", "dp", "adamw", (768, 768, 768, 768)),
-        # 5 dense parameters + the 2 expert stacks' flags (combined over the cluster) + 5 words
-        ("all-gather", "dp", "step check", (96, 96, 96, 96)),
+        # 5 dense parameters + the 2 expert stacks' flags (combined over the cluster) + 6 words
+        ("all-gather", "dp", "step check", (104, 104, 104, 104)),
         ("all-gather-v", "dp", "parameters of bucket 0", (128, 0, 0, 0)),
         ("all-gather-v", "dp", "parameters of bucket 1", (0, 128, 0, 0)),
         ("all-gather-v", "dp", "adamw parameters", (96, 96, 96, 96)),
@@ -335,10 +336,10 @@ def test_step_collectives_on_random_models(s):
                         assert sum(c.bytes_per_rank) == sum(p.numel for p in b.params) * pbytes
                     else:
                         assert c.bytes_per_rank == tuple(pbytes * (y - x) for x, y in zip(b.cuts, b.cuts[1:]))
-            # the step check carries one int64 per parameter and five more words (three flags, the
-            # rank's share of the gradient norm, its clip threshold)
+            # the step check carries one int64 per parameter and six more words (the model-loaded
+            # mark, three flags, the rank's share of the gradient norm, its clip threshold)
             (check,) = [c for c in got if c.name == "step check"]
-            assert check.bytes_per_rank == (8 * (len(model.params) + 5),) * dp
+            assert check.bytes_per_rank == (8 * (len(model.params) + 6),) * dp
             # the TP records are the schedule's, in its order; an all-to-all logs the row this rank sends
             tp_records = [c for c in got if c.group == TP_GROUP and c.phase == STEP]
             sched = tp_schedule(plan, model, policy, i, mode, gbytes, 4 if s["master"] and low else gbytes)
