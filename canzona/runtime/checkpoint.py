@@ -62,6 +62,7 @@ from canzona.runtime.groups import config_value, group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.modules import canonical_name
+from canzona.runtime.nonfinite import nonfinite_state_error
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
 from canzona.tp import EVERY_RANK
@@ -646,15 +647,20 @@ def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, c
     Collective, bounded by the groups' timeouts; every rank joins every group's round, so none is
     left waiting."""
     word = int.from_bytes(hashlib.sha256(digest).digest()[:8], "little", signed=True)
+    cause = None if error is None else str(error)  # what the first refusal said, carried to every rank
     for comm in (c for c in comms if c is not None):
         try:
             table = comm.all_gather_values(torch.tensor([int(error is not None), word]), f"{call} check")
         except CanzonaError as e:
             raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
+        if table[:, 0].any():
+            # a refusal: its reason to every rank (one more small all-gather, on this path only), so
+            # that a rank that read nothing wrong (a sharded load reads its own pieces) names it too
+            cause = next(c for c in comm.all_gather_object(cause, f"{call} refusal") if c is not None)
         if error is None and table[:, 0].any():
             ranks = [int(r) for r in torch.nonzero(table[:, 0]).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
-                                    f"{comm.name} refused it (see their error)")
+                                    f"{comm.name} refused it: {cause}")
         elif error is None and not torch.all(table[:, 1] == word):
             ranks = [int(r) for r in torch.nonzero(table[:, 1] != word).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
@@ -736,6 +742,11 @@ def checked_entries(opt: Described, state: Mapping[str, dict]) -> dict[str, dict
             entry = {**({"master": master} if "master" in entry else {}),
                      **{field: _checked_field(name, field, want, entry) for field, want in templates[key].items()}}
         out[name] = entry
+    # a NaN / Inf anywhere (one reduction per tensor): torch's load takes it, and the next step
+    # writes it into the weights, whose NaN the step after blames on the data
+    error = nonfinite_state_error(out.items())
+    if error is not None:
+        raise CheckpointError(error)
     return out
 
 
@@ -1489,7 +1500,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
-    agree_on_save(meta, own_comms(opt))
+    agree_on_save(meta, own_comms(opt), state)
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
@@ -1498,12 +1509,15 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     opt.loaded_witness = witness_to_check(meta.get(WITNESS_KEY), stepped_names) if check_weights is None else None
 
 
-def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None]) -> None:
+def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapping[str, dict]) -> None:
     """The ranks of `comms` read the same save: its metadata entry (the header, the groups and the
     weights' witness: another save's differs) alike on each. Before, ranks given folders of two
     saves (a path that differs by rank, `latest_checkpoint` looked up on each while a save landed)
-    each loaded their own pieces of their own, silently mixing the saves."""
-    agree(comms, None, json.dumps(meta, sort_keys=True, default=_json_scalar).encode(), "load_sharded_state_dict()",
+    each loaded their own pieces of their own, silently mixing the saves. And none read a NaN or
+    Inf in what it read of the state (`state`, its own pieces), which every rank then refuses."""
+    refused = nonfinite_state_error(state.items())
+    agree(comms, None if refused is None else CheckpointError(refused),
+          json.dumps(meta, sort_keys=True, default=_json_scalar).encode(), "load_sharded_state_dict()",
           "read another checkpoint than this rank (their optimizer metadata differ): every rank must load the "
           "same save")
 

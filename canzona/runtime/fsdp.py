@@ -108,6 +108,7 @@ from canzona.runtime.kernels import (
     update_target,
 )
 from canzona.runtime.mesh import TP
+from canzona.runtime.nonfinite import nonfinite_weights_error
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import (
@@ -600,6 +601,12 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if error is not None:
             raise CanzonaError(error)
         norm = math.sqrt(float(combine_norm_terms(terms[self._members])))
+        if not math.isfinite(norm):
+            # NaN weights make every later gradient NaN: named as such (not the data), under "skip"
+            # and GradScaler too (no step could recover); read on this failure path only
+            error = nonfinite_weights_error(((n, p.to_local()) for n, p in self.params.items()), norm, [self.world])
+            if error is not None:
+                raise CanzonaError(error)
         if not math.isfinite(norm) and self._nonfinite == "raise" and not skip_nonfinite:
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient): nothing was updated. "
                                "Pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +31,7 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
+from canzona.runtime.nonfinite import nonfinite_weights_error
 from canzona.runtime.param_gather import fsdp_reads, held_by_fsdp, point_fsdp_at
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
 from canzona.runtime.stacks import Stacks
@@ -162,6 +163,10 @@ class GradientSync:
         # set by the optimizer: torch.amp.GradScaler's unscale of the reduced gradients, given
         # (found_inf, inv_scale) (`amp_unscale`); None: refused as any other use of `.grad`
         self.unscale: Callable[[Tensor, Tensor], None] | None = None
+        # set by the optimizer on the part whose check is global (the dense one): every local weight
+        # tensor of this rank by parameter name, read when the gradient norm is not finite (None:
+        # not read; the experts' part, whose weights the dense check reads)
+        self.weights: Callable[[], Iterable[tuple[str, Tensor]]] | None = None
         self._states: dict[str, GradState] = {}
         # parameters whose `.grad` torch would hold as zeros (`zero_grad(set_to_none=False)`, or
         # `zero_()` on a guard): their guard stands in `.grad`, `ZEROED`, the buffer's content
@@ -552,6 +557,12 @@ class GradientSync:
         if error is not None:
             raise CanzonaError(error)
         norm = math.sqrt(float(total))
+        if not math.isfinite(norm) and self.weights is not None:
+            # NaN weights make every later gradient NaN: named as such (not the data), under "skip"
+            # too (no step could recover); read on this failure path only, alike on every rank
+            error = nonfinite_weights_error(self.weights(), norm, [self.dp, self.tp])
+            if error is not None:
+                raise CanzonaError(error)
         if not math.isfinite(norm) and self.nonfinite == "raise":
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient, from a NaN loss, an "
                                "overflow or bad data): nothing was updated. Lower the learning rate, check the "

@@ -1,0 +1,75 @@
+"""Non-finite values outside the gradients (docs/design.md §8.3): NaN / Inf in a loaded optimizer
+state or fp32 master, refused at the load, and in the weights, named when the step check finds a
+non-finite gradient norm. torch's optimizers take both silently: a loaded NaN moment writes NaN
+into the weights at the next step, and the step after that fails at the gradient norm as if the
+data were bad (under `nonfinite="skip"`, every later step is skipped: nothing recovers from NaN
+weights)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from canzona.runtime.comm import Comm
+
+K = TypeVar("K")
+
+
+def first_nonfinite(named: Iterable[tuple[K, Tensor]]) -> K | None:
+    """The key of the first floating tensor of `named` that holds a NaN or an Inf, or None: one
+    reduction per tensor (`isfinite().all()`), read by the host once per device, not per tensor."""
+    found: dict[torch.device, tuple[list[K], list[Tensor]]] = {}
+    for key, t in named:
+        if t.is_floating_point() and t.numel():
+            keys, flags = found.setdefault(t.device, ([], []))
+            keys.append(key)
+            flags.append(torch.isfinite(t.detach()).all())
+    for keys, flags in found.values():
+        finite = torch.stack(flags).cpu()
+        if not bool(finite.all()):
+            return keys[int(torch.nonzero(~finite)[0])]
+    return None
+
+
+def nonfinite_weights_error(weights: Iterable[tuple[str, Tensor]], norm: float,
+                            comms: Sequence[Comm | None]) -> str | None:
+    """After a step check found the global gradient norm `norm` not finite (every rank of `comms`
+    alike): whether any rank holds weights (`weights`: this rank's local tensors by parameter name)
+    that are not finite, as one message naming the parameter, the same on every rank of `comms`
+    (two small all-gathers in each, on this failure path only), or None (a gradient's own NaN: the
+    data, an overflow). Collective: every rank of `comms` calls it."""
+    bad = first_nonfinite(weights)
+    for comm in (c for c in comms if c is not None):
+        # each rank's finding (a name or None) in rank order: every member takes the first
+        bad = next((b for b in comm.all_gather_object(bad, "non-finite weights") if b is not None), None)
+    if bad is None:
+        return None
+    return (f"the weights of {bad!r} are not finite (NaN or Inf), and so is the global gradient norm ({norm}): "
+            "the weights, not the data, are NaN / Inf, put there by the last step (a NaN or Inf in the optimizer "
+            "state, a degenerate preconditioner), a loaded checkpoint or an edit; nothing was updated, and "
+            "skipping steps (nonfinite='skip') cannot recover them. Resume from a checkpoint saved before they "
+            "went non-finite")
+
+
+def nonfinite_state_error(state: Iterable[tuple[str, dict]]) -> str | None:
+    """A message naming the first parameter and field of an optimizer state by name (its entries,
+    fp32 masters included) whose floating value (tensor or number) is not finite, or None."""
+    tensors: list[tuple[tuple[str, str], Tensor]] = []
+    bad: tuple[str, str] | None = None
+    for name, entry in state:
+        for field, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors.append(((name, field), value))
+            elif isinstance(value, float) and not math.isfinite(value):  # a step count as a float
+                bad = bad or (name, field)
+    bad = bad or first_nonfinite(tensors)
+    if bad is None:
+        return None
+    return (f"optimizer state of {bad[0]!r} is damaged: its {bad[1]!r} holds NaN or Inf (a damaged or hand-edited "
+            "checkpoint; torch's optimizers load it silently, and the next step writes NaN into the weights): "
+            "nothing was loaded")

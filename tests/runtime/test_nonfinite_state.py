@@ -1,0 +1,146 @@
+"""NaN / Inf outside the gradients (docs/design.md §8.3), in one process (a one-rank gloo group), under
+both layouts: a NaN in a loaded optimizer state or fp32 master (`load_state_dict`, torch's
+`set_optimizer_state_dict`, the sharded form) is one CheckpointError naming the parameter and the
+field, nothing loaded; NaN weights met by the step check (a non-finite gradient norm) are one error
+naming the weights, not the data, under nonfinite="raise" and "skip" alike, nothing updated.
+Before: the load took the NaN, the next step wrote it into the weights, and the step after failed
+at the gradient norm blaming the data (under "skip", every later step was skipped, silently).
+The spread of both to every rank of a spawned group: test_runtime_habits.py ("nan weight") and
+test_fsdp_runtime.py ("nan-weight")."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from canzona.errors import CanzonaError, CheckpointError
+from canzona.harness.training import build_model
+
+pytestmark = pytest.mark.distributed  # a one-rank gloo group in this process
+
+
+def _zero1(bf16: bool = False, **kwargs):
+    from tests.runtime.test_runtime_habits import BASE, _batches, _optimizer, _train
+
+    model = build_model(replace(BASE, dtype="bf16") if bf16 else BASE)
+    opt = _optimizer(model, **kwargs)
+    _train(model, opt, _batches(0, 1)[:1])
+    return model, opt, lambda: _train(model, opt, _batches(0, 1)[1:2])
+
+
+def _fsdp(bf16: bool = False, **kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+    from tests.runtime.test_fsdp_runtime import MUON, Small, small_batch, small_spec
+
+    model = Small().to(torch.bfloat16 if bf16 else torch.float32)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, **kwargs)
+
+    def step(k: int = 0) -> None:
+        opt.zero_grad()
+        model(small_batch(k, 0).to(model.a.weight.dtype)).float().backward()
+        opt.step()
+
+    step()
+    return model, opt, lambda: step(1)
+
+
+LAYOUTS = {"zero1": _zero1, "fsdp2": _fsdp}
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    from canzona.runtime.shards import local_tensor
+
+    return {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        # NaN equal to NaN: a witness or weight that was NaN before is NaN after
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and (
+            torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    return a == b
+
+
+def _damaged(saved: dict, field: str, value: float) -> tuple[dict, str]:
+    """`saved` with `value` in one element of the first entry's `field`, and that entry's name."""
+    saved = copy.deepcopy(saved)
+    names = [n for group in saved["param_names"] for n in group]
+    key = next(k for k, e in saved["state"].items() if field in e)
+    saved["state"][key][field].view(-1)[1] = value
+    return saved, names[key]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("field, bf16, how", [
+    ("momentum_buffer", False, "load_state_dict"), ("master", True, "load_state_dict"),
+    ("momentum_buffer", False, "set_optimizer_state_dict")])
+def test_a_nan_in_a_loaded_state_is_refused_naming_the_parameter_and_field(one_rank, layout, field, bf16, how):
+    """Before: loaded; the next step wrote NaN into the weights (torch's optimizers load it alike)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    model, opt, step = LAYOUTS[layout](bf16)
+    for value in (math.nan, math.inf):
+        damaged, name = _damaged(opt.state_dict(), field, value)
+        before, weights = opt.state_dict(), _weights(model)
+        with pytest.raises(CheckpointError) as refused:
+            opt.load_state_dict(damaged) if how == "load_state_dict" else set_optimizer_state_dict(model, opt, damaged)
+        message = str(refused.value)
+        assert f"optimizer state of {name!r} is damaged: its {field!r} holds NaN or Inf" in message, message
+        assert "\n" not in message and _same(opt.state_dict(), before) and _same(_weights(model), weights)
+    step()  # the optimizer goes on as it was
+    assert all(bool(torch.isfinite(w).all()) for w in _weights(model).values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bf16", [False, True], ids=["state", "master"])
+def test_a_nan_in_a_sharded_checkpoint_is_refused_naming_the_parameter_and_field(one_rank, tmp_path, layout, bf16):
+    """The sharded form (`sharded_state_dict` / `dcp.save` / `load_sharded_state_dict`): before, loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = LAYOUTS[layout](bf16)
+    sharded = opt.sharded_state_dict()
+    field = "master" if bf16 else "momentum_buffer"
+    key = next(k for k, v in sharded.items() if isinstance(v, torch.Tensor) and f"/{field}" in k and v.numel() > 1)
+    sharded[key] = sharded[key].clone()
+    sharded[key].view(-1)[0] = math.nan
+    dcp.save(sharded, checkpoint_id=str(tmp_path))
+    before, weights = opt.state_dict(), _weights(model)
+    with pytest.raises(CheckpointError) as refused:
+        opt.load_sharded_state_dict(str(tmp_path))
+    message = str(refused.value)
+    assert f"is damaged: its {field!r} holds NaN or Inf" in message and "\n" not in message, message
+    assert _same(opt.state_dict(), before) and _same(_weights(model), weights)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-masters"])
+def test_nan_weights_are_named_at_the_step_check_not_the_data(one_rank, layout, nonfinite, bf16):
+    """A NaN written into a weight (an edit; or a NaN state's step): the next step's gradient norm is
+    NaN, and the error names the weights, under "skip" too (no step recovers NaN weights), nothing
+    updated. Before: 'a NaN loss, an overflow or bad data', or under "skip" every step skipped."""
+    from canzona.runtime.shards import local_tensor
+
+    model, opt, step = LAYOUTS[layout](bf16, nonfinite=nonfinite)
+    name, p = next((n, p) for n, p in model.named_parameters() if p.ndim == 2 and local_tensor(p).numel())
+    with torch.no_grad():
+        local_tensor(p).view(-1)[0] = math.nan
+    before, weights = opt.state_dict(), _weights(model)
+    with pytest.raises(CanzonaError) as refused:
+        step()
+    message = str(refused.value)
+    assert message.startswith(f"the weights of {name!r} are not finite (NaN or Inf)"), message
+    assert "the weights, not the data" in message and "cannot recover" in message and "\n" not in message
+    assert opt.skipped_steps == 0 and _same(opt.state_dict(), before) and _same(_weights(model), weights)
