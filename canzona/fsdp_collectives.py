@@ -18,7 +18,9 @@ of a shard group of `shard` ranks (one replica under HSDP) issues in one step, i
    which the reused check costs (a learning rate set on one rank between the clip and the step
    must fail every rank; `step()`'s own clipping, `max_grad_norm`, right after its check,
    rechecks nothing); one "gradient norm" all-gather (one word) for `norm_type=inf`;
-3. unless the step is skipped (a non-finite norm under `nonfinite="skip"`), per micro-group that
+3. where the norm is not finite (the step skipped under `nonfinite="skip"`), one "non-finite weights"
+   all-gather (one word: the position of a parameter whose weights on this rank are NaN / Inf,
+   which fails the step on every rank, naming them); else per micro-group that
    has a gradient, on the shard group ("fsdp"): the all-to-all of the gradients' pieces to their
    owners ("gradients of micro-group k"), and after the next micro-group's, the all-to-all of the
    updates' pieces back ("updates of micro-group k"), issued even where it carries nothing (SOAP's
@@ -49,6 +51,9 @@ CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and thre
 CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
 # construction's first collective, over every rank of the mesh: whether any rank refused its parameters
 PARAMETERS_VERDICT = "parameters verdict"
+# where a step's norm is not finite, the all-gather of whether a rank's weights are (one word;
+# `runtime.nonfinite`, under both layouts)
+WEIGHTS_CHECK = "non-finite weights"
 RECHECK_WORDS = 4  # a reused check's recheck: digest, clip threshold, the gradients changed since, a local problem
 
 
@@ -113,8 +118,8 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
     `clips`: the `clip_grad_norm_(max_norm, norm_type)` calls before `step()`; `max_grad_norm`:
     the optimizer's own (its clip, right after the check, issues nothing). `got`: the parameters
     with a gradient (default: all). `no_update`: the matrices whose step computes no update (SOAP's
-    first). `skipped`: the step found a
-    non-finite norm and skipped (`nonfinite="skip"`)."""
+    first). `skipped`: the step found a non-finite norm (and finite weights) and skipped
+    (`nonfinite="skip"`)."""
     world = shard if world is None else world
     out: list[FsdpCollective] = []
 
@@ -136,7 +141,8 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
         if norm_type == math.inf:
             gather("gradient norm", 1)
     check()  # step()'s (its own clip, max_grad_norm, after it: no record)
-    if skipped:
+    if skipped:  # the weights looked at (`runtime.nonfinite.nonfinite_weights_error`): finite, so skipped
+        gather(WEIGHTS_CHECK, 1)
         return out
 
     shapes = {p.name: tuple(p.shape) for p in spec.params}

@@ -604,7 +604,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if not math.isfinite(norm):
             # NaN weights make every later gradient NaN: named as such (not the data), under "skip"
             # and GradScaler too (no step could recover); read on this failure path only
-            error = nonfinite_weights_error(((n, p.to_local()) for n, p in self.params.items()), norm, [self.world])
+            error = nonfinite_weights_error([(n, self.params[n].to_local()) for n in names], norm, [self.world])
             if error is not None:
                 raise CanzonaError(error)
         if not math.isfinite(norm) and self._nonfinite == "raise" and not skip_nonfinite:

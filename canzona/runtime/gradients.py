@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -164,9 +164,10 @@ class GradientSync:
         # (found_inf, inv_scale) (`amp_unscale`); None: refused as any other use of `.grad`
         self.unscale: Callable[[Tensor, Tensor], None] | None = None
         # set by the optimizer on the part whose check is global (the dense one): every local weight
-        # tensor of this rank by parameter name, read when the gradient norm is not finite (None:
-        # not read; the experts' part, whose weights the dense check reads)
-        self.weights: Callable[[], Iterable[tuple[str, Tensor]]] | None = None
+        # tensor of this rank by parameter name, in the optimizer's order (the same on every rank),
+        # read when the gradient norm is not finite (None: not read; the experts' part, whose
+        # weights the dense check reads)
+        self.weights: Callable[[], Sequence[tuple[str, Tensor]]] | None = None
         self._states: dict[str, GradState] = {}
         # parameters whose `.grad` torch would hold as zeros (`zero_grad(set_to_none=False)`, or
         # `zero_()` on a guard): their guard stands in `.grad`, `ZEROED`, the buffer's content

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor
 
+from canzona.fsdp_collectives import WEIGHTS_CHECK
+
 if TYPE_CHECKING:
     from canzona.runtime.comm import Comm
 
@@ -36,24 +38,28 @@ def first_nonfinite(named: Iterable[tuple[K, Tensor]]) -> K | None:
     return None
 
 
-def nonfinite_weights_error(weights: Iterable[tuple[str, Tensor]], norm: float,
+def nonfinite_weights_error(weights: Sequence[tuple[str, Tensor]], norm: float,
                             comms: Sequence[Comm | None]) -> str | None:
     """After a step check found the global gradient norm `norm` not finite (every rank of `comms`
-    alike): whether any rank holds weights (`weights`: this rank's local tensors by parameter name)
-    that are not finite, as one message naming the parameter, the same on every rank of `comms`
-    (two small all-gathers in each, on this failure path only), or None (a gradient's own NaN: the
-    data, an overflow). Collective: every rank of `comms` calls it."""
-    bad = first_nonfinite(weights)
+    alike): whether any rank holds weights that are not finite, as one message naming the
+    parameter, the same on every rank of `comms`, or None (a gradient's own NaN: the data, an
+    overflow). `weights`: this rank's local tensors by parameter name, in an order the same on
+    every rank (the optimizer's, as the step check's table of who got a gradient): each rank sends
+    the position of its first non-finite one (-1: none), one word in one small all-gather in each
+    group of `comms` (this failure path only); every rank takes the first rank's. Collective."""
+    bad = first_nonfinite((i, t) for i, (_, t) in enumerate(weights))
+    index = -1 if bad is None else bad
     for comm in (c for c in comms if c is not None):
-        # each rank's finding (a name or None) in rank order: every member takes the first
-        bad = next((b for b in comm.all_gather_object(bad, "non-finite weights") if b is not None), None)
-    if bad is None:
+        table = comm.all_gather_values(torch.tensor([index], dtype=torch.int64), WEIGHTS_CHECK)[:, 0]
+        found = table[table >= 0]
+        index = int(found[0]) if found.numel() else -1
+    if index < 0:
         return None
-    return (f"the weights of {bad!r} are not finite (NaN or Inf), and so is the global gradient norm ({norm}): "
-            "the weights, not the data, are NaN / Inf, put there by the last step (a NaN or Inf in the optimizer "
-            "state, a degenerate preconditioner), a loaded checkpoint or an edit; nothing was updated, and "
-            "skipping steps (nonfinite='skip') cannot recover them. Resume from a checkpoint saved before they "
-            "went non-finite")
+    return (f"the weights of {weights[index][0]!r} are not finite (NaN or Inf), and so is the global gradient "
+            f"norm ({norm}): the weights, not the data, are NaN / Inf, put there by the last step (a NaN or Inf "
+            "in the optimizer state, a degenerate preconditioner), a loaded checkpoint or an edit; nothing was "
+            "updated, and skipping steps (nonfinite='skip') cannot recover them. Resume from a checkpoint saved "
+            "before they went non-finite")
 
 
 def nonfinite_state_error(state: Iterable[tuple[str, dict]]) -> str | None:

@@ -477,7 +477,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         for grads in self._syncs():
             grads.unscale = self._amp_unscale
         # the dense check is global (under EP it carries the experts' norm): it reads every weight
-        self.grads.weights = lambda: ((n, local_tensor(p)) for n, p in self.params.items())
+        self.grads.weights = lambda: [(n, local_tensor(p)) for n, p in self.params.items()]
         if any(is_dtensor(p) for p in self.params.values()):
             # GradScaler's one op over every `.grad` then mixes guards and DTensors wrapping guards,
             # which DTensor's dispatch takes and refuses ('got mixed torch.Tensor and DTensor'):

@@ -211,7 +211,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
-              unsynced_after_clip: int | None = None) -> dict:
+              unsynced_after_clip: int | None = None, nan_weight: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -255,7 +255,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     a shard group of one), each step a micro-batch under `set_requires_all_reduce(False)` first (HSDP's
     accumulation), and step `unreduced` zeroes with `set_to_none=False` and runs its last backward
     under it too (not turned back on for the last micro-batch). At step `unsynced_after_clip` a
-    backward under `set_requires_gradient_sync(False)` comes between the clip and step()."""
+    backward under `set_requires_gradient_sync(False)` comes between the clip and step(). Before step
+    `nan_weight`'s forward rank 1 writes a NaN into its shard of b.weight (the weights, not a gradient)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -292,6 +293,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
             model.zero_grad()
+        if rank == 1 and step == nan_weight:
+            with torch.no_grad():
+                model.b.weight.to_local()[0, 0] = math.nan
         loss = model(small_batch(step, rank).to(model.a.weight.dtype)).float()
         (loss if amp is None else amp.scale(loss)).backward()
         named = dict(model.named_parameters())
@@ -428,6 +432,8 @@ SMALL_CASES = {
     "plain": {"steps": 3},
     "clip": {"steps": 3, "clip": 0.05},
     "skip": {"steps": 3, "nonfinite": "skip", "poison": 1},
+    # NaN weights on rank 1 alone (rank 2 holds no row of b.weight): every rank names them, under skip too
+    "nan-weight": {"steps": 2, "nonfinite": "skip", "nan_weight": 1},
     "raise": {"steps": 3, "poison": 1},
     "drop": {"steps": 3, "drop": 1, "timeout_s": 60.0},
     "clip-disagree": {"steps": 2, "clips": {0: 0.05, 1: 0.1, 2: 0.05}},
@@ -806,6 +812,18 @@ def test_fsdp_nonfinite_raise() -> None:
     want = emulate_small(results[0]["grads"])  # step 0 only
     for r in results:
         assert compare(r["params"], want)["bit_identical"]
+
+
+def test_fsdp_nan_weights_on_one_rank_are_named_on_every_rank_under_skip() -> None:
+    """Rank 1's shard of b.weight NaN: every rank's gradient is NaN, and every rank raises the same
+    error naming b.weight's weights (the others hold finite ones: the check's agreement), not the
+    data; no step skipped. Before: skipped, and every later step with it, silently."""
+    results = _small()["nan-weight"]
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith("the weights of 'b.weight' are not finite") and "not the data" in error, error
+    assert [r["skipped"] for r in results] == [0] * SMALL_WORLD
 
 
 def test_fsdp_missing_gradient_on_one_rank() -> None:

@@ -206,16 +206,20 @@ def fsdp1_job(rank: int, world: int) -> dict:
             "optimizer": _outcome(lambda: DistributedOptimizer(list(fsdp.named_parameters()), spec))}
 
 
-def nonfinite_job(rank: int, world: int, policy: str, what: float) -> dict:
-    """Rank 1's loss is NaN / Inf at the second step."""
+def nonfinite_job(rank: int, world: int, policy: str, what: float, weight: bool = False) -> dict:
+    """Rank 1's loss is NaN / Inf at the second step; with `weight`, rank 1's copy of one weight is,
+    before that step's forward (the loss is rank 1's only; the other ranks' weights are finite)."""
     model = build_model(BASE)
     opt = _optimizer(model, nonfinite=policy)
     batches = _batches(rank, world)
     _train(model, opt, batches[:1])
+    if weight and rank == 1:
+        with torch.no_grad():
+            model.get_parameter(NAN_WEIGHT)[0, 0] = what
     before, state = _params(model), opt.state_dict()
     opt.zero_grad()
     loss = model.loss(batches[1])
-    (loss * what if rank == 1 else loss).backward()
+    (loss * what if rank == 1 and not weight else loss).backward()
     out = _outcome(opt.step)
     out["unchanged"] = compare(_params(model), before)["bit_identical"]
     out["state unchanged"] = _nested_equal(opt.state_dict(), state)
@@ -755,6 +759,10 @@ def torch_save_job(rank: int, world: int, path: str) -> dict:
         field = next(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim())
         entry[field] = entry[field].reshape(-1)[:-1]  # one element short
     out["damaged on one rank"] = refused(damaged)
+    poisoned = torch.load(f"{folder}/b{rank}.pt", weights_only=True)
+    if rank == 1:  # a NaN in rank 1's copy of one moment
+        poisoned["state"][max(poisoned["state"])]["exp_avg"].view(-1)[3] = math.nan
+    out["nan on one rank"] = refused(poisoned)
     low = torch.load(f"{folder}/b{rank}.pt", weights_only=True)
     for entry in low["state"].values():
         entry.update({k: v.bfloat16() for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim()})
@@ -1015,6 +1023,7 @@ JOBS = {
     "nan raise": ("nonfinite_job", ("raise", math.nan)),
     "inf raise": ("nonfinite_job", ("raise", math.inf)),
     "nan skip": ("nonfinite_job", ("skip", math.nan)),
+    "nan weight skip": ("nonfinite_job", ("skip", math.nan, True)),
     **{f"scaler {how}": ("grad_scaler_job", (how,)) for how in ("unscale", "step", "inf", "step inf", "fp16")},
     # scaler.step alone handed a wrapper forwarding every attribute (Lightning-style)
     "scaler step forwarding": ("grad_scaler_job", ("step", "forwarding")),
@@ -1203,6 +1212,20 @@ def test_a_nonfinite_gradient_on_one_rank_is_an_error_on_every_rank_before_any_u
     for out in runs[case]:
         assert out["canzona"] and "global gradient norm is" in out["message"], out
         assert out["unchanged"] and out["state unchanged"], out
+
+
+NAN_WEIGHT = "model.layers.0.mlp.up_proj.weight"  # `nonfinite_job`'s weight made NaN on rank 1
+
+
+def test_nan_weights_on_one_rank_are_named_on_every_rank_under_skip(runs):
+    """Rank 1's copy of one weight NaN: the global norm is NaN, and every rank raises the same error
+    naming those weights (rank 0's are finite: the check's agreement), not the data, nothing
+    updated, no step skipped. Before: skipped, and every step after it (rank 1's NaN loss each time)."""
+    for out in runs["nan weight skip"]:
+        assert out["canzona"] and out["message"].startswith(f"the weights of {NAN_WEIGHT!r} are not finite"), out
+        assert "not the data" in out["message"] and out["skipped"] == 0, out
+        assert out["unchanged"] and out["state unchanged"], out
+    assert runs["nan weight skip"][0]["message"] == runs["nan weight skip"][1]["message"]
 
 
 def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
@@ -1708,7 +1731,18 @@ def test_a_state_dict_damaged_on_one_rank_is_one_error_on_every_rank_nothing_loa
     damaged, peer = runs["torch.save"][1]["damaged on one rank"], runs["torch.save"][0]["damaged on one rank"]
     assert damaged["error"] == "PlanError" and "is damaged: its 'exp_avg'" in damaged["message"], damaged
     assert peer["error"] == "CheckpointError" and "rank(s) [1] of group dp refused it" in peer["message"], peer
+    # the refusing rank's reason too (before: '(see their error)', the reason on rank 1 only)
+    assert peer["message"].endswith(damaged["message"]), peer
     assert damaged["unchanged"] and peer["unchanged"]
+
+
+def test_a_nan_in_one_ranks_state_dict_is_one_error_on_every_rank_naming_it_nothing_loaded(runs):
+    """Before: loaded (rank 1 took the NaN, rank 0 its own finite copy), and the next step wrote it
+    into the weights; torch's optimizers load it alike."""
+    nan, peer = runs["torch.save"][1]["nan on one rank"], runs["torch.save"][0]["nan on one rank"]
+    assert nan["error"] == "CheckpointError" and "is damaged: its 'exp_avg' holds NaN or Inf" in nan["message"], nan
+    assert peer["error"] == "CheckpointError" and peer["message"].endswith(nan["message"]), peer
+    assert nan["unchanged"] and peer["unchanged"]
 
 
 def test_a_state_dict_in_bf16_is_cast_to_the_state_dtype_as_torch_casts(runs):
