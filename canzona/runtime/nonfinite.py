@@ -32,12 +32,18 @@ def first_nonfinite(named: Iterable[tuple[K, Tensor]]) -> K | None:
         if t.is_floating_point() and t.numel():
             keys, ends = found.setdefault(t.device, ([], []))
             keys.append(key)
-            ends.append(torch.stack(torch.aminmax(t.detach().reshape(-1))).double())
+            ends.append(torch.stack(torch.aminmax(_row_major(t.detach()))).double())
     for keys, ends in found.values():
         finite = torch.isfinite(torch.stack(ends)).all(dim=1).cpu()
         if not bool(finite.all()):
             return keys[int(torch.nonzero(~finite)[0])]
     return None
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """`t`, or its transpose where that is contiguous (SOAP's column-major eigenbases): the same
+    elements, which a reduction over all of them reads ten times faster in memory order."""
+    return t.mT if t.ndim >= 2 and not t.is_contiguous() and t.mT.is_contiguous() else t
 
 
 def nonfinite_weights_error(weights: Sequence[tuple[str, Tensor]], norm: float,
