@@ -29,8 +29,8 @@ them (DP and TP interleaved), the collectives of rank (dp_rank, tp_rank) in a no
    over TP ("gradient norm"; the 2-norm travels in the step check); and when `clip_grad_norm_` is
    called at all (`clipped`), `step()` reuses its check and rechecks what may have changed since on
    one rank (a learning rate, a gradient dropped): the hyper-parameters' digest, the threshold and
-   a local problem over DP ("step recheck", three words), under TP the first two over TP with the
-   DP verdict ("tp step recheck", three);
+   a local problem over DP with the model-loaded mark ("step recheck", four words), under TP the
+   first two over TP with the DP verdict and the mark ("tp step recheck", four);
 5. step: the TP schedule's exchanges on the TP group, in its (pipelined or serial) order, less
    those prefetched in 2;
 6. params: the parameter all-gather of the policy over DP, per bucket in bucket order ("parameters
@@ -333,12 +333,13 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
         if tp > 1:
             out.append(check(TP_GROUP, "gradient norm", 1, tp, CLIP))
-    # step() after clip_grad_norm_: the check reused, (digest, threshold, local problem) rechecked
+    # step() after clip_grad_norm_: the check reused, (digest, threshold, local problem, the
+    # model-loaded mark) rechecked
     # (the experts' part issues nothing: the dense recheck spans every rank and carries its problem)
     if clipped:
-        out.append(check(DP_GROUP, "step recheck", 3, dp))
+        out.append(check(DP_GROUP, "step recheck", 4, dp))
         if tp > 1:
-            out.append(check(TP_GROUP, "tp step recheck", 3, tp))
+            out.append(check(TP_GROUP, "tp step recheck", 4, tp))
     # 5. the TP schedule, after the checks (unless overlapped), less the prefetched gathers
     if not overlap_step:
         out += exchanges[prefetched:]

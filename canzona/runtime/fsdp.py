@@ -124,7 +124,7 @@ from canzona.runtime.param_gather import (
     replaced_message,
     replaced_parameter,
 )
-from canzona.runtime.shards import local_tensor
+from canzona.runtime.shards import check_not_meta, local_tensor
 from canzona.step_options import check_kernel_options
 from canzona.step_policies import resolve_policy
 
@@ -382,12 +382,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                         "(shape (1,)) and" if p.dim() == 0 else "a plain tensor beside FSDP2's DTensors:"
                     raise SpecError(f"parameter {name!r} is {what} shard the whole model with fully_shard (at least "
                                     "its root)")
-                if p.is_meta:
-                    # torchtitan's meta-device init, out of order: masters, layout and state would be
-                    # of tensors with no values, and to_empty() moves the parameters after them
-                    raise SpecError(f"parameter {name!r} is on the meta device (the model was built under "
-                                    "torch.device('meta') and not materialized yet): build the optimizer after "
-                                    "model.to_empty(device=...) and the weights' init")
+                check_not_meta(name, p)
                 pspec = self.spec.param(name)
                 if tuple(p.shape) != tuple(pspec.shape):
                     raise SpecError(f"parameter {name!r} has global shape {tuple(p.shape)}, the model spec says "

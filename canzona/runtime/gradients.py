@@ -19,7 +19,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -507,8 +507,9 @@ class GradientSync:
         with `recheck` compares the hyper-parameters and threshold anew (`_recheck`); without, as
         the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
         if self.checked is not None:
-            if recheck:
-                self._recheck(hyper_parameters, max_norm, more_problem)
+            if recheck and self._recheck(hyper_parameters, max_norm, more_problem, loaded):
+                # loaded after the check (between clip_grad_norm_() and step()): compared before the update
+                self.checked = replace(self.checked, model_loaded=True)
             return self.checked
         if not self._reduced:
             self._finish()
@@ -571,7 +572,8 @@ class GradientSync:
         self.checked = StepCheck(got=got, norm=norm, more_got=more[:-1], model_loaded=bool(more[-1]))
         return self.checked
 
-    def _recheck(self, hyper_parameters: int, max_norm: float | None, more_problem: str | None = None) -> None:
+    def _recheck(self, hyper_parameters: int, max_norm: float | None, more_problem: str | None = None,
+                 loaded: bool = False) -> bool:
         """The check reused: param_groups may have changed since on some rank only (a learning rate
         set between `clip_grad_norm_()` and `step()`), and the threshold may be new (a second clip).
         A rank cannot tell its peers that its digest changed without a collective, so every reuse
@@ -581,12 +583,14 @@ class GradientSync:
         a member in every TP group; DP groups that agree within but not with each other differ
         in every TP group). The DP row carries a third word, this rank's local problem (`more_problem`,
         or its own: a gradient dropped or replaced since the check, which a step would otherwise
-        apply from the buffers as the check saw it)."""
+        apply from the buffers as the check saw it), and a fourth, `loaded` (`prepare`'s); returns
+        whether any rank of the cluster set it (combined over DP, then TP)."""
         problem = more_problem or self._local_problem()
         row = torch.cat([torch.tensor([hyper_parameters], dtype=torch.int64),
                          torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64),
-                         torch.tensor([int(problem is not None)], dtype=torch.int64)])
+                         torch.tensor([int(problem is not None), int(loaded)], dtype=torch.int64)])
         table = self.dp.all_gather_values(row, "step recheck")
+        any_loaded = int(table[:, 3].amax())
         broken = table[:, 2]
         if broken.any():
             error = problem if problem is not None else \
@@ -595,14 +599,16 @@ class GradientSync:
             error = _recheck_error(table[:, :2], self.dp.rank, "rank")
         row = row[:2]
         if self.tp is not None:
-            table = self.tp.all_gather_values(torch.cat([torch.tensor([int(error is not None)]), row]),
-                                              "tp step recheck")
+            table = self.tp.all_gather_values(torch.cat([torch.tensor([int(error is not None)]), row,
+                                                         torch.tensor([any_loaded])]), "tp step recheck")
+            any_loaded = int(table[:, 3].amax())
             failed = table[:, 0] != 0
             if error is None and failed.any():
                 error = f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed the step's recheck (see their error)"
-            error = error or _recheck_error(table[:, 1:], self.tp.rank, "TP rank")
+            error = error or _recheck_error(table[:, 1:3], self.tp.rank, "TP rank")
         if error is not None:
             raise CanzonaError(error)
+        return bool(any_loaded)
 
     def _check_tp(self, error: str | None, got: Tensor, more: Tensor, hyper_parameters: int, dp_total: Tensor,
                   max_norm: float | None) -> tuple[str | None, Tensor, Tensor]:

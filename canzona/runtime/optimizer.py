@@ -110,7 +110,7 @@ from canzona.runtime.param_gather import (
     param_holders,
     replaced_parameter,
 )
-from canzona.runtime.shards import check_local_param, is_dtensor, local_tensor
+from canzona.runtime.shards import check_local_param, check_not_meta, is_dtensor, local_tensor
 from canzona.runtime.wrappers import wrapper_message
 from canzona.spec import ModelSpec, Role
 from canzona.step_options import STEP_DEFAULTS, check_elementwise_options
@@ -529,6 +529,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                     raise SpecError(f"parameter {name!r} is given twice")
                 if _is_fsdp_flat_parameter(p):
                     raise SpecError(wrapper_message("FSDP (FullyShardedDataParallel)"))
+                check_not_meta(name, p)
                 if not p.requires_grad:
                     raise SpecError(f"parameter {name!r} does not require gradients: leave frozen parameters "
                                     "out of the optimizer and the spec (canzona.runtime.modules.named_parameters "

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from canzona.errors import PlanError
+from canzona.errors import PlanError, SpecError
 from canzona.spec import ParamSpec
 
 try:  # torch >= 2.4; the import fails only on builds without distributed support
@@ -104,6 +104,16 @@ def dtensor_tp_dim(name: str, p: Tensor) -> int | None:
     if isinstance(placement, Replicate):
         return None
     raise PlanError(f"parameter {name!r} has placement {placement}; a parameter is Shard(d) or Replicate()")
+
+
+def check_not_meta(name: str, p: Tensor) -> None:
+    """A parameter on the meta device (torchtitan's meta-device init, out of order) is refused:
+    masters, layout and state would be of tensors with no values, and `to_empty()` moves the
+    parameters after them."""
+    if p.is_meta:
+        raise SpecError(f"parameter {name!r} is on the meta device (the model was built under "
+                        "torch.device('meta') and not materialized yet): build the optimizer after "
+                        "model.to_empty(device=...) and the weights' init")
 
 
 def check_local_param(name: str, p: Tensor, spec: ParamSpec, tp: int, tp_ranks: Sequence[int] | None) -> None:

@@ -171,9 +171,10 @@ def test_tp_first_step_and_clipping():
     clipped = step_collectives(plan, model, "canzona", 1, 1, inf_norm=True)
     at = max(k for k, c in enumerate(normal) if c.phase == CHECK) + 1
     # step() after the clip rechecks the digest and threshold its reused check saw, and a local
-    # problem since (3 words over DP; 3 over TP: digest, threshold and the DP verdict); a clip by
+    # problem since, and the model-loaded mark (4 words over DP; 4 over TP: digest, threshold, the
+    # DP verdict and the mark); a clip by
     # the 2-norm issues the recheck alone
-    recheck = [("all-gather", "dp", "step recheck", (24, 24)), ("all-gather", "tp", "tp step recheck", (24, 24))]
+    recheck = [("all-gather", "dp", "step recheck", (32, 32)), ("all-gather", "tp", "tp step recheck", (32, 32))]
     assert [c.logged() for c in clipped[at:at + 4]] == [("all-gather", "dp", "gradient norm", (8, 8)),
                                                         ("all-gather", "tp", "gradient norm", (8, 8)), *recheck]
     assert clipped[:at] + clipped[at + 4:] == normal
