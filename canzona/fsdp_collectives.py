@@ -48,13 +48,14 @@ FSDP_GROUP = "fsdp"  # the exchange group's name in the runtime's logs
 FSDP_WORLD_GROUP = "fsdp-world"  # every rank of the mesh: the step check and the agreement check
 ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
 CHECK_WORD_BYTES = 8  # the step check's words are int64 (the norm term and threshold: float64)
-CHECK_EXTRA_WORDS = 4  # beyond one per parameter: problem, digest, norm term, clip threshold
+CHECK_EXTRA_WORDS = 5  # beyond one per parameter: problem, digest, model loaded, norm term, clip threshold
 # construction's first collective, over every rank of the mesh: whether any rank refused its parameters
 PARAMETERS_VERDICT = "parameters verdict"
 # where a step's norm is not finite, the all-gather of whether a rank's weights are (one word;
 # `runtime.nonfinite`, under both layouts)
 WEIGHTS_CHECK = "non-finite weights"
-RECHECK_WORDS = 4  # a reused check's recheck: digest, clip threshold, the gradients changed since, a local problem
+# a reused check's recheck: digest, clip threshold, the gradients changed since, a local problem, model loaded
+RECHECK_WORDS = 5
 
 
 class Exchanged(Protocol):

@@ -1446,7 +1446,11 @@ def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str,
                                              for g in opt.param_groups]}
     if witness is not None:
         meta[WITNESS_KEY] = dict(witness)
-    return {meta_key(opt, prefix): json.dumps(meta, default=_shared_tensors_json())}
+    encode = _SharedTensors()
+    text = json.dumps(meta, default=encode)
+    if encode.devices:  # beside the tensors, not in them: an older loader takes them and ignores the key
+        text = json.dumps({**json.loads(text), TENSOR_DEVICES_KEY: encode.devices})
+    return {meta_key(opt, prefix): text}
 
 
 def piece_key(prefix: str, kind: str, name: str, field: str, offset: int) -> str:
@@ -1724,20 +1728,28 @@ def _digest_value(value: Any) -> Any:
         return repr(value)
 
 
-def _shared_tensors_json() -> Callable[[Any], Any]:
+# the sharded metadata's map of each tensor's `ref` to its device's type (`_SharedTensors`)
+TENSOR_DEVICES_KEY = "tensor_devices"
+
+
+class _SharedTensors:
     """`_json_scalar` numbering each tensor (`ref`), so that `json_load` gives the groups that held
     one tensor one tensor again (a user group's rate, split by kind, as torch's defaults share one),
-    with its device's type (`device`: the metadata is alike on every rank, so not the index; only
-    here, not in what the ranks compare, where a placement is no difference)."""
-    refs: dict[int, int] = {}
+    and keeping its device's type by ref (`devices`, for `TENSOR_DEVICES_KEY`: the metadata is alike
+    on every rank, so not the index; kept beside the tensor's own object, whose exact keys a loader
+    of canzona before 2026-12-02 checks; only here, not in what the ranks compare, where a
+    placement is no difference)."""
 
-    def encode(value: Any) -> Any:
+    def __init__(self) -> None:
+        self.refs: dict[int, int] = {}
+        self.devices: dict[str, str] = {}
+
+    def __call__(self, value: Any) -> Any:
         out = _json_scalar(value)
         if isinstance(value, Tensor):
-            out["ref"] = refs.setdefault(id(value), len(refs))
-            out["device"] = value.device.type
+            out["ref"] = self.refs.setdefault(id(value), len(self.refs))
+            self.devices[str(out["ref"])] = value.device.type
         return out
-    return encode
 
 
 def saved_tensor_device(saved_type: str | None, own: torch.device) -> torch.device:
@@ -1752,16 +1764,19 @@ def saved_tensor_device(saved_type: str | None, own: torch.device) -> torch.devi
 
 def json_load(text: str, device_of: Callable[[str | None], torch.device] | None = None) -> Any:
     """The metadata `json.dumps(..., default=_json_scalar)` wrote, its tensors tensors again (one
-    tensor for each `ref`), on `device_of(the type saved, or None)`, by default the CPU."""
+    tensor for each `ref`), on `device_of(the type saved, or None)` (`TENSOR_DEVICES_KEY`), by
+    default the CPU."""
     made: dict[Any, Tensor] = {}
+    devices = json.loads(text).get(TENSOR_DEVICES_KEY, {}) if TENSOR_DEVICES_KEY in text else {}
 
     def tensor(obj: dict[str, Any]) -> Any:
-        if set(obj) - {"ref", "device"} != {TENSOR_VALUE_KEY, "dtype", "shape"} or \
+        if set(obj) - {"ref"} != {TENSOR_VALUE_KEY, "dtype", "shape"} or \
                 not isinstance(getattr(torch, str(obj["dtype"]), None), torch.dtype):
             return obj
         ref = obj.get("ref", object())
         if ref not in made:
-            device = device_of(obj.get("device")) if device_of is not None else torch.device("cpu")
+            saved = devices.get(str(ref)) if "ref" in obj else None
+            device = device_of(saved) if device_of is not None else torch.device("cpu")
             made[ref] = torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"]),
                                      device=device).reshape(obj["shape"])
         return made[ref]

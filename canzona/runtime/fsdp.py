@@ -108,6 +108,7 @@ from canzona.runtime.kernels import (
     update_target,
 )
 from canzona.runtime.mesh import TP
+from canzona.runtime.model_loads import loaded_on_some_ranks, mark_loaded, watch_loads
 from canzona.runtime.nonfinite import nonfinite_weights_error
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
@@ -352,6 +353,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # assign=True) and the like), or else the modules holding it: a parameter replaced since
         # is one error in the step check (`_replaced`)
         self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
+        # a model load on some ranks only: each holds its own shards (`canzona.runtime.model_loads`)
+        self._model_loaded = False
+        watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
+                     *(m for refs in self._holders.values() for ref, _ in refs if (m := ref()) is not None)],
+                    self, mark_loaded)
         self.checked: tuple[dict[str, bool], float] | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # each gradient the kept check saw, with its version: a backward since bumps the version
@@ -521,7 +527,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             since = self._grads_since()
             problem = self._changed() or self._held_by_fsdp()  # a backward since may leave `.grad` alone
             row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
-                                int(problem is not None)], dtype=torch.int64)
+                                int(problem is not None), int(self._model_loaded)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
             row[1] = torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)[0]
             table = self.world.all_gather_values(row, "step recheck")
@@ -529,6 +535,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             if broken.any():
                 raise CanzonaError(problem if problem is not None else
                                    f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)")
+            self._check_loads(table[:, 4])  # loaded between clip_grad_norm_() and step()
             if changed.any():
                 added, edited = changed == _SINCE.index("added"), changed == _SINCE.index("edited")
                 if ((added | edited).any() and self._grad_scale != 1.0 and self._amp.unscaled is self.checked
@@ -569,12 +576,15 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             if g and self.layout[n].sources[self.rank]]
         term = local_norm_term(segments).to(torch.float64).cpu()
         digest = hyper_parameters_digest(self.param_groups)
-        header = torch.cat([torch.tensor(got_here + [problem is not None, digest], dtype=torch.int64),
+        header = torch.cat([torch.tensor(got_here + [problem is not None, digest, self._model_loaded],
+                                         dtype=torch.int64),
                             term.reshape(1).view(torch.int64),
                             torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)])
         table = self.world.all_gather_values(header, "step check")
         k = len(names)
         flags, broken, digests = table[:, :k], table[:, k], table[:, k + 1]
+        if not broken.any():
+            self._check_loads(table[:, k + 2])
         terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
         error = None
         if broken.any():
@@ -609,6 +619,13 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # the digest is taken by the calls a reuse may follow (`_clip`, a refused `step()`)
         self._versions, self._digest = self._grad_versions(), None
         return self.checked
+
+    def _check_loads(self, loaded: Tensor) -> None:
+        """The ranks' marks of a model load since the last step (`canzona.runtime.model_loads`): on
+        some ranks and not the others, one error on every rank; taken (cleared) otherwise."""
+        if loaded.any() and not loaded.all():
+            raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0)))
+        self._model_loaded = False
 
     def _grad_digest(self) -> Tensor:
         """Each local gradient's 2-norm, accumulated in fp32 (a tenth of the check's fp64 sum's time

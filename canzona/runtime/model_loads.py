@@ -10,7 +10,9 @@ instead, and trains the replicas apart.) Construction compares the ranks' weight
 parameter gets a `load_state_dict` post-hook (torch runs it for each module the load walks), which
 marks the optimizer, and the next step check carries the mark to every rank of the cluster
 (`GradientSync.prepare`'s `loaded`), where the ranks compare their weights again before anything
-is updated. What writes weights without `load_state_dict` (`p.copy_(...)`) is not seen.
+is updated. Under FSDP2 each rank holds its own shards, so their checksums cannot be compared: a
+load that marks some ranks and not the others is refused (`loaded_on_some_ranks`). What writes
+weights without `load_state_dict` (`p.copy_(...)`) is not seen.
 """
 
 from __future__ import annotations
@@ -23,9 +25,24 @@ from torch import nn
 from canzona.runtime.param_gather import Hook
 
 LOADED_ADVICE = ("the model's weights were loaded (load_state_dict) on some ranks since the last step, or differ "
-                 "between the ranks: load them on every rank, or broadcast rank 0's (torch.distributed.checkpoint."
-                 "state_dict.set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, "
-                 "broadcast_from_rank0=True)))")
+                 "between the ranks: load them on every rank (under TP each rank its own shards), or, for whole or "
+                 "DTensor parameters, broadcast rank 0's (torch.distributed.checkpoint.state_dict.set_model_state_dict("
+                 "model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))")
+
+
+def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
+    """FSDP2's refusal of a load that reached some ranks only: each holds its own shards, so the
+    model would train a mix of two sets of weights, and no checksum of the ranks' weights can say
+    so (they differ by design)."""
+    return (f"the model's weights were loaded (load_state_dict) since the last step on rank(s) {loaded} and not on "
+            f"rank(s) {others}: each rank holds its own shards of them, so the model now mixes two sets of weights. "
+            "Load them on every rank (torch.distributed.checkpoint.state_dict.set_model_state_dict, with "
+            "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
+
+
+def mark_loaded(owner: object) -> None:
+    """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check."""
+    owner._model_loaded = True
 
 
 def watch_loads(modules: Iterable[nn.Module], owner: object, mark: Callable[[object], None]) -> None:
@@ -49,4 +66,4 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-__all__ = ["LOADED_ADVICE", "watch_loads"]
+__all__ = ["LOADED_ADVICE", "loaded_on_some_ranks", "mark_loaded", "watch_loads"]

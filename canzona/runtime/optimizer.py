@@ -91,7 +91,7 @@ from canzona.runtime.groups import (
 from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
-from canzona.runtime.model_loads import LOADED_ADVICE, watch_loads
+from canzona.runtime.model_loads import LOADED_ADVICE, mark_loaded, watch_loads
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import (
@@ -468,7 +468,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # (`canzona.runtime.model_loads`)
         self._model_loaded = False
         watch_loads((m for refs in holders.values() for ref, _ in refs if (m := ref()) is not None), self,
-                    _mark_model_loaded)
+                    mark_loaded)
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
@@ -646,8 +646,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             "data-parallel agreement check (failed on the ranks named; see their error)":
                 "failed" if error is not None else "passed"}, advice)
         error = error or tp_error
+        # logged at construction (the first step's record, `step_collectives`), not at a step's
+        # comparison after a model load (`_check_step`), which no plan of a step's collectives has
         error = self.comm.spread_failure(error, "agreement verdict",
-                                         "the TP group of DP rank(s) {ranks} failed the agreement check")
+                                         "the TP group of DP rank(s) {ranks} failed the agreement check",
+                                         logged=weights == "initial")
         if error is not None:
             raise PlanError(error)
 
@@ -1190,10 +1193,6 @@ def _parameters_checksum(params: Iterable[Tensor]) -> str:
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()
-
-
-def _mark_model_loaded(opt: DistributedOptimizer) -> None:
-    opt._model_loaded = True
 
 
 # every DistributedOptimizer built and not yet collected: the storage of its parameters is its own

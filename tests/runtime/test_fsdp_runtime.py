@@ -521,6 +521,8 @@ SMALL_CASES = {
     # the same on rank 1 alone, the other ranks' model materialized (to_empty): a short timeout_s,
     # which the ranks that passed waited out in the layout's gather before
     "meta-on-one-rank": {"meta": True, "only": 1},
+    # the model's weights loaded on rank 0 alone after the optimizer was built, then on every rank
+    "load-on-one-rank": {"load_on": 0},
 }
 
 
@@ -534,6 +536,8 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
             return scalars_runs(world)
         if "meta" in kw:
             return meta_refusal(world, rank, kw.get("only"))
+        if "load_on" in kw:
+            return load_refusal(world, rank, kw["load_on"])
         return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
     return {k: one(kw) for k, kw in cases.items()}
 
@@ -668,6 +672,52 @@ def meta_refusal(world: int, rank: int, only: int | None = None) -> dict:
     except CanzonaError as e:
         error = str(e)
     return {"error": error, "took": time.perf_counter() - start}
+
+
+def load_refusal(world: int, rank: int, only: int) -> dict:
+    """Small under fully_shard with its optimizer; another Small's weights (their sharded state
+    dict) loaded by `model.load_state_dict` on rank `only` alone, then a step (`one rank`, its
+    outcome, and whether this rank's shards stayed as they were before the step), with and without
+    clip_grad_norm_ between the load and the step (`after clip`); then loaded on every rank and
+    a step (`every rank`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+    from tests.runtime.outcomes import outcome
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, other = Small(), Small()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    fully_shard(model, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    opt = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON, timeout_s=10.0)
+
+    def step(clip: bool) -> None:
+        opt.zero_grad()
+        model(small_batch(0, rank)).backward()
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        if rank == only:
+            model.load_state_dict(other.state_dict())
+        opt.step()
+
+    def shards() -> dict[str, torch.Tensor]:
+        return {n: p.to_local().clone() for n, p in model.named_parameters()}
+    out = {}
+    for how, clip in (("one rank", False), ("after clip", True)):
+        before = shards()
+        out[how] = outcome(lambda clip=clip: step(clip))
+        out[f"{how} untouched"] = rank == only or all(torch.equal(before[n], t) for n, t in shards().items())
+        model.load_state_dict(model.state_dict())  # every rank loads (its own weights): the marks agree again
+        opt.zero_grad()
+    model.load_state_dict(other.state_dict())
+    opt.zero_grad()
+    model(small_batch(0, rank)).backward()
+    out["every rank"] = outcome(opt.step)
+    return out
 
 
 def refusals(refuse: dict[str, object], base: dict[str, object] | None = None,
@@ -1143,6 +1193,20 @@ def test_fsdp_an_optimizer_built_over_a_meta_model_is_one_error_at_construction(
     it on every rank, naming to_empty()."""
     for r in _small()["meta"]:
         assert r["error"] is not None and "meta device" in r["error"] and "to_empty" in r["error"], r["error"]
+
+
+def test_fsdp_weights_loaded_on_one_rank_only_are_one_error_on_every_rank_before_any_update() -> None:
+    """Each rank holds its own shards, so a load (model.load_state_dict) on rank 0 alone would train
+    a mix of two sets of weights: the next step check (or step()'s recheck after clip_grad_norm_)
+    refuses it on every rank, nothing updated; loaded on every rank, the step runs. Before, the
+    step ran silently."""
+    for r, out in enumerate(_small()["load-on-one-rank"]):
+        for how in ("one rank", "after clip"):
+            error = out[how]
+            assert error["canzona"] and "loaded (load_state_dict) since the last step on rank(s) [0] and not on " \
+                "rank(s) [1, 2]" in error["message"], (r, how, error)
+            assert out[f"{how} untouched"], (r, how)
+        assert out["every rank"]["error"] is None, (r, out["every rank"])
 
 
 def test_fsdp_a_model_on_the_meta_device_on_one_rank_only_is_one_error_on_every_rank_at_once() -> None:

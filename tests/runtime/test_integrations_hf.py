@@ -653,6 +653,10 @@ def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_w
 
     (message,) = built(MuonConfig(lr=0.02, weight_decay=0.1), 0.0)
     assert "weight_decay 0.1 is MuonConfig's default" in message and "weight_decay 0.0" in message, message
+    # the commonest case, MuonConfig's decay left alone beside TrainingArguments' default 0.0, is told
+    # too, on purpose: an object cannot say whether its default was chosen, and a Muon user who built
+    # MuonConfig may expect its 0.1 (review: decided, not an accident of the rule)
+    assert built(MuonConfig(lr=0.02), 0.0) == [message]
     assert built(MuonConfig(lr=0.02), 0.1) == []
     assert built({"lr": 0.02, "weight_decay": 0.1}, 0.0) == []
 

@@ -139,8 +139,19 @@ def rank_zero_load_job(rank: int, world: int) -> dict:
     every_rank = _outcome(lambda: step(model, opt))
     fresh = build_model(replace(BASE, model_seed=1))
     step(fresh, _optimizer(fresh))
-    return {"one rank": one_rank, "untouched": untouched, "every rank": every_rank,
-            "as if built from them": _same(weights(model), weights(fresh))}
+    as_built = _same(weights(model), weights(fresh))
+
+    def clipped() -> None:  # loaded between clip_grad_norm_() and step(), which reuses the clip's check
+        opt.zero_grad()
+        model.loss(_batch(rank, world)).backward()
+        opt.clip_grad_norm_(1.0)
+        if rank == 0:
+            model.load_state_dict(build_model(replace(BASE, model_seed=2)).state_dict())
+        opt.step()
+    before = weights(model)
+    after_clip = _outcome(clipped)
+    return {"one rank": one_rank, "untouched": untouched, "every rank": every_rank, "as if built from them": as_built,
+            "after clip": after_clip, "untouched after clip": _same(before, weights(model))}
 
 
 def group_disagreement_job(rank: int, world: int) -> dict:
@@ -393,6 +404,10 @@ def test_weights_loaded_on_one_rank_after_building_are_one_error_on_every_rank_b
         assert "broadcast_from_rank0" in one["message"] and out["untouched"], (r, out)
         # loaded on every rank: one step from the loaded weights, as a model built from them takes
         assert out["every rank"]["error"] is None and out["as if built from them"], (r, out)
+        # between clip_grad_norm_() and step(): step()'s recheck carries the mark
+        clipped = out["after clip"]
+        assert clipped["canzona"] and "disagree on the loaded parameters" in clipped["message"], clipped
+        assert out["untouched after clip"] or r == 0, (r, out)
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
@@ -477,6 +492,14 @@ def test_frozen_parameter_given_to_the_optimizer_is_one_error_before_any_collect
     model = build_model(BASE)
     model.model.norm.weight.requires_grad_(False)  # frozen, but still in model.named_parameters()
     with pytest.raises(SpecError, match="'model.norm.weight' does not require gradients: leave frozen"):
+        _optimizer(model)
+
+
+def test_a_model_on_the_meta_device_is_one_error_naming_to_empty_before_any_collective():
+    # torchtitan's meta-device init, the optimizer built before to_empty(): before, the weights'
+    # checksum raised NotImplementedError (a traceback), and one rank alone left its peers waiting
+    model = build_model(BASE).to("meta")
+    with pytest.raises(SpecError, match="is on the meta device .* model.to_empty"):
         _optimizer(model)
 
 

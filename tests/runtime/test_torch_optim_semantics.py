@@ -563,17 +563,24 @@ def test_a_tensor_rate_loads_from_the_sharded_form_on_the_device_of_the_groups_o
 
 def test_a_tensor_rate_saved_from_a_device_of_a_type_this_rank_runs_loads_there() -> None:
     """The sharded form records a tensor rate's device type (the metadata is alike on every rank:
-    not its index): a group holding no tensor takes the rate on this rank's device of that type
-    ("meta" standing in for CUDA), else on the CPU, as a save that recorded none (before there was
-    one) loads."""
+    not its index), beside the tensor's own object: a group holding no tensor takes the rate on this
+    rank's device of that type ("meta" standing in for CUDA), else on the CPU, as a save that
+    recorded none (before there was one) loads. The tensor's object keeps the exact keys canzona
+    before 2026-12-02 reads (review: a "device" key in it made that loader take the rate for a dict)."""
     import functools
     import json
 
-    from canzona.runtime.checkpoint import _shared_tensors_json, json_load, saved_tensor_device
+    from canzona.runtime.checkpoint import (
+        TENSOR_DEVICES_KEY,
+        _SharedTensors,
+        json_load,
+        saved_tensor_device,
+    )
 
-    saved = json.loads(json.dumps({"lr": torch.tensor(0.02, dtype=torch.float64)}, default=_shared_tensors_json()))
-    assert saved["lr"]["device"] == "cpu"
-    saved["lr"]["device"] = "meta"  # as a save from a GPU records "cuda"
+    encode = _SharedTensors()
+    saved = json.loads(json.dumps({"lr": torch.tensor(0.02, dtype=torch.float64)}, default=encode))
+    assert set(saved["lr"]) == {"canzona_tensor", "dtype", "shape", "ref"} and encode.devices == {"0": "cpu"}
+    saved[TENSOR_DEVICES_KEY] = {"0": "meta"}  # as a save from a GPU records "cuda"
     text = json.dumps(saved)
     here, cpu = torch.device("meta"), torch.device("cpu")
     for own, want in ((here, here), (cpu, cpu)):
