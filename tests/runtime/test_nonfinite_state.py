@@ -19,6 +19,7 @@ import torch
 
 from canzona.errors import CanzonaError, CheckpointError
 from canzona.harness.training import build_model
+from tests.runtime.outcomes import same
 
 pytestmark = pytest.mark.distributed  # a one-rank gloo group in this process
 
@@ -62,15 +63,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        # NaN equal to NaN: a witness or weight that was NaN before is NaN after
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and (
-            torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
-    return a == b
+    return same(a, b, nan_equal=True)  # a weight or witness that was NaN before is NaN after
 
 
 def _damaged(saved: dict, field: str, value: float) -> tuple[dict, str]:

@@ -32,7 +32,7 @@ from canzona.harness.training import (
 )
 from canzona.runtime.checkpoint import state_by_name
 from tests.runtime.outcomes import outcome as _outcome
-from tests.runtime.outcomes import weights
+from tests.runtime.outcomes import same, weights
 
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
@@ -248,13 +248,7 @@ def regrouped_checkpoint_job(rank: int, world: int) -> dict:
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
+    return same(a, b)
 
 
 def state_dict_timeout_job(rank: int, world: int) -> dict:
