@@ -99,7 +99,9 @@ FSDP_LAYOUT_REFUSED = ("the optimizer is canzona's FSDP2 layout (FsdpOptimizer: 
                        "sharded by fully_shard), whose accumulation, clipping and checkpoints CanzonaAccelerator and "
                        "CanzonaTrainer do not drive: give them the model "
                        "unsharded (the ZeRO-1 layout), or train the FSDP2 model in a loop of your own "
-                       "(examples/fsdp2_train.py: opt.no_sync(), opt.clip_grad_norm_, sharded_state_dict)")
+                       "(examples/fsdp2_train.py: opt.clip_grad_norm_, torch's get_state_dict(model, opt) / "
+                       "set_state_dict with torch.distributed.checkpoint; accumulate under "
+                       "model.set_requires_gradient_sync(False))")
 CLIP_VALUE_REFUSED = ("clip_grad_value_ is not supported with a canzona DistributedOptimizer (each rank holds only "
                       "its share of the reduced gradients): clip by the global norm with "
                       "accelerator.clip_grad_norm_(model.parameters(), max_norm)")

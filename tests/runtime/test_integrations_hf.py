@@ -710,6 +710,10 @@ def test_the_fsdp2_layout_is_one_error_naming_its_own_loop():
         with pytest.raises(CanzonaError, match=want) as e:
             canzona_optimizer(given)
         assert "\n" not in str(e.value)
+        # the advice is what the example does (before: opt.no_sync(), which FsdpOptimizer refuses, and
+        # sharded_state_dict, which the example does not save with)
+        assert "get_state_dict(model, opt)" in str(e.value) and "set_requires_gradient_sync(False)" in str(e.value)
+        assert "no_sync" not in str(e.value) and "sharded_state_dict" not in str(e.value)
     with pytest.raises(CanzonaError, match=want):
         CanzonaTrainer(model=nn.Linear(2, 2), optimizers=(fsdp, None))
 
