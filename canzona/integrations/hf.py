@@ -181,8 +181,10 @@ def check_whole(folder: str) -> None:
     problem = checkpoint_problem(folder)
     if problem is None:
         return
-    if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
-        # (not a save killed midway: a torch optimizer's state, which canzona's cannot take)
+    if not written_whole(os.path.join(folder, OPTIMIZER_DIR)) and \
+            os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
+        # (not a save killed midway: a torch optimizer's state, which canzona's cannot take; beside
+        # a whole canzona_optimizer/, optimizer.pt is an earlier plain Trainer's, and the save killed)
         raise CheckpointError(f"{folder} is not a CanzonaTrainer checkpoint ({problem} with a torch optimizer, whose "
                               "state a canzona optimizer cannot resume from): to start from its weights, load the "
                               "model from it (from_pretrained) and train without resume_from_checkpoint")

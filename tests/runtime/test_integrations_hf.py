@@ -14,6 +14,7 @@ at the end of this file).
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -718,12 +719,14 @@ def test_the_fsdp2_layout_is_one_error_naming_its_own_loop():
         CanzonaTrainer(model=nn.Linear(2, 2), optimizers=(fsdp, None))
 
 
-def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path):
+def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path, one_rank):
     """`CanzonaTrainer.train(resume_from_checkpoint=<a checkpoint of transformers' own Trainer>)`
     (its optimizer.pt: a torch optimizer's state). Before: "not a whole CanzonaTrainer checkpoint
     (...: a save killed midway, or save_only_model=True)", neither of which it was. Now one
     CheckpointError naming what it is and how to start from its weights; in
-    `resume_from_checkpoint=True`'s list of the folders skipped, the same."""
+    `resume_from_checkpoint=True`'s list of the folders skipped, the same. Beside a whole
+    canzona_optimizer/ (a CanzonaTrainer save killed before trainer_state.json, into a folder a plain
+    Trainer's run left optimizer.pt in) it is a killed save (before: named transformers' own)."""
     from canzona.errors import CheckpointError
     from canzona.integrations.hf import check_whole, latest_checkpoint
 
@@ -739,6 +742,20 @@ def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint-2 \(no canzona_optimizer/ but optimizer\.pt: saved by "
                                               r"transformers' own Trainer\)"):
         latest_checkpoint(str(tmp_path))
+    # a CanzonaTrainer save killed before trainer_state.json into a folder a plain Trainer's run left
+    # (its optimizer.pt beside a whole canzona_optimizer/): a killed save, not transformers' own
+    (folder / "trainer_state.json").unlink()
+    from canzona.integrations.optimizer_state import save_optimizer
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    save_optimizer(DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon"),
+                   str(folder / "canzona_optimizer"))
+    with pytest.raises(CheckpointError, match=r"is not a whole CanzonaTrainer checkpoint \(no trainer_state\.json: "
+                                              r"a save killed midway"):
+        check_whole(str(folder))
+    shutil.rmtree(folder / "canzona_optimizer")
     (folder / "optimizer.pt").unlink()  # a save killed before its optimizer state: as before
     with pytest.raises(CheckpointError, match=r"\(no canzona_optimizer/manifest\.json: a save killed midway, or "
                                               r"save_only_model=True\)"):
