@@ -35,9 +35,11 @@ For a model whose parameters a canzona optimizer holds:
   `clip_grad_value_`;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
   accelerate's safetensors writer drops every tensor that shares storage with another, and all the
-  parameters share the optimizer's buffers; a DTensor parameter (a TP model's) is gathered whole
-  (a collective: every rank calls them, as accelerate asks), and `load_state` cuts it back to the
-  parameter's layout in place;
+  parameters share the optimizer's buffers. The copies are on the CPU, and only on the ranks that
+  write the files (the main process; each node's with `save_on_each_node`): elsewhere the state is
+  empty, as accelerate's FSDP2 state dict is off rank 0. A DTensor parameter (a TP model's) is
+  gathered whole, one at a time (a collective: every rank calls them, as accelerate asks), and
+  `load_state` cuts this rank's part of the file's tensor and copies it in place, with no gather;
 - `save_state` / `load_state` write and read the optimizer with `torch.distributed.checkpoint`
   (`canzona_optimizer_<i>/` beside accelerate's files): each rank writes what it holds and any DP
   size reads it back. Each folder is written by `save_checkpoint` (a staging folder, a manifest of
@@ -66,7 +68,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from canzona.errors import CanzonaError
 from canzona.integrations.optimizer_state import (
@@ -78,6 +80,7 @@ from canzona.integrations.optimizer_state import (
 )
 from canzona.runtime.checkpoint_files import MANIFEST, Ranks
 from canzona.runtime.fsdp import FsdpOptimizer
+from canzona.runtime.fsdp_layout import local_box
 from canzona.runtime.optimizer import DistributedOptimizer, _holder
 from canzona.runtime.shards import local_tensor
 
@@ -148,38 +151,63 @@ def check_on_device(params: Iterable[tuple[str, Tensor]], device: torch.device |
                                "parameters out of the optimizer's buffers)")
 
 
-def own_storage(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
-    """`state` with every tensor copied into storage of its own; entries that were one tensor
-    (tied weights) stay one copy, so that safetensors writers drop the duplicate as usual. A DTensor
-    (a TP model's parameter, or one `fully_shard` over one rank) is gathered whole: the files hold
-    plain tensors (safetensors cannot take a DTensor). That is a collective over its mesh, in the
-    state's order on every rank, as accelerate's `get_state_dict` is called (`save_state`,
-    `save_model`, and the load's own look at the model)."""
+def _same_key(value: Tensor) -> tuple:
+    """What tells one state entry's tensor from another's on this rank: its local data's address
+    and layout (tied weights: one key). An empty part has no address of its own: never taken for
+    another entry's."""
+    local = local_tensor(value)
+    if not local.numel():
+        return (id(value),)
+    return (local.device, local.dtype, local.data_ptr(), tuple(value.shape), tuple(local.stride()))
+
+
+def own_storage(state: Mapping[str, Any], keep: bool = True) -> OrderedDict[str, Any]:
+    """`state` with every tensor copied to the CPU, into storage of its own; entries that were one
+    tensor (tied weights) stay one copy, so that safetensors writers drop the duplicate as usual. A
+    DTensor (a TP model's parameter, or one `fully_shard` over one rank) is gathered whole: the files
+    hold plain tensors (safetensors cannot take a DTensor). That is a collective over its mesh, in
+    the state's order on every rank, as accelerate's `get_state_dict` is called (`save_state`,
+    `save_model`). Each whole tensor goes to the CPU as soon as it is gathered (the device holds one
+    at a time), and only where `keep` (the ranks that write the files): elsewhere it is dropped at
+    once and the result is empty, as torch's full state dict with `cpu_offload` is off rank 0."""
     copies: dict[tuple, Tensor] = {}
     out: OrderedDict[str, Any] = OrderedDict()  # accelerate's writer cleans aliases of OrderedDicts only
     for key, value in state.items():
         if isinstance(value, Tensor):
-            local = local_tensor(value)
-            # (an empty part has no address of its own: not taken for another entry's)
-            same = (local.device, local.dtype, local.data_ptr(), tuple(value.shape), tuple(local.stride())) \
-                if local.numel() else (id(value),)
+            same = _same_key(value)
             # every DTensor entry is gathered, tied or not: the same collectives on every rank, where
             # whether two entries are one tensor cannot be told on a rank whose part is empty
             whole = value.full_tensor() if isinstance(value, DTensor) else value
-            if same not in copies:
-                copies[same] = whole.detach().clone()  # (full_tensor over one rank may be the local view)
+            if not keep:
+                continue
+            if same not in copies:  # (full_tensor over one rank may be the local view: copy=True)
+                copies[same] = whole.detach().to("cpu", copy=True)
             value = copies[same]
-        out[key] = value
+        if keep:
+            out[key] = value
     return out
+
+
+def stand_ins(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """`state` for a look at its names and which entries are one tensor (safetensors' `load_model`
+    takes no more from the model's `state_dict()`): each tensor a one-element CPU tensor of its own,
+    tied entries one object (keyed as `own_storage` keys them). No copy and no collective: a
+    DTensor is not gathered."""
+    made: dict[tuple, Tensor] = {}
+    return OrderedDict((key, made.setdefault(_same_key(v), torch.empty(1, dtype=v.dtype)))
+                       if isinstance(v, Tensor) else (key, v) for key, v in state.items())
 
 
 def placed_like(target: Any, value: Any) -> Any:
     """`value`, a whole tensor read from a file, as `target` (a model's DTensor parameter) is laid
-    out: this rank's part cut locally (every rank read the whole file), so that loading it copies
-    into the parameter in place; anything else as it is."""
+    out: this rank's box of it (DTensor's own offset rule) cut where the file was read, and only
+    that part moved to the parameter's device, so that loading it copies into the parameter in
+    place with no collective; anything else as it is."""
     if isinstance(target, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value.to(local_tensor(target).device), target.device_mesh, target.placements,
-                                 src_data_rank=None)
+        box = local_box(target)
+        part = value[tuple(slice(start, start + size) for start, size in zip(box.start, box.shape))]
+        return DTensor.from_local(part.to(local_tensor(target).device), target.device_mesh, target.placements,
+                                  run_check=False, shape=target.shape, stride=target.stride())
     return value
 
 
@@ -212,15 +240,16 @@ def _ids(opt: DistributedOptimizer) -> set[int]:
 class _LoadInPlace(nn.Module):
     """What `load_state` hands accelerate in place of a model whose parameters a canzona optimizer
     holds. safetensors' `load_model` refuses a model whose tensors are views of a larger storage
-    (it looks for one covering the whole storage to keep); this stand-in shows it the values in
-    storage of their own and loads into the real parameters in place (no `assign`)."""
+    (it looks for one covering the whole storage to keep); this stand-in shows it `stand_ins` of the
+    model's state (names and ties only: no copy, no gather) and loads into the real parameters in
+    place (no `assign`)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self._model = [model]  # a list, so that the model is not registered as a submodule
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return own_storage(self._model[0].state_dict(*args, **kwargs))
+        return stand_ins(self._model[0].state_dict(*args, **kwargs))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         if assign:
@@ -387,7 +416,9 @@ class CanzonaAccelerator(Accelerator):
         state = super().get_state_dict(model, unwrap=unwrap)
         if state is None or not self._holders(model.parameters()):
             return state
-        return own_storage(state)
+        # only the ranks that write the files keep the whole tensors (accelerate's `save` rule)
+        writes = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
+        return own_storage(state, keep=writes)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Any:
@@ -413,7 +444,8 @@ class CanzonaAccelerator(Accelerator):
                    **load_model_func_kwargs: Any) -> None:
         """accelerate's `load_state`; each canzona optimizer reads what its layout needs from
         `<dir>/canzona_optimizer_<i>` (saved at any DP size), and the models whose parameters
-        they hold are loaded in place. Every rank."""
+        they hold are loaded in place, from files read to the CPU unless `map_location` says
+        otherwise. Every rank."""
         opts = self.canzona_optimizers()
         if not opts:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
@@ -435,6 +467,9 @@ class CanzonaAccelerator(Accelerator):
 
         for opt in opts:  # a pending parameter all-gather must not land on the weights loaded now
             opt.wait_params()
+        # the model files read to the CPU, not whole onto every rank's device (accelerate's default
+        # with several devices): the load copies each rank's part into its parameters in place
+        load_model_func_kwargs.setdefault("map_location", "cpu")
         handle = self.register_load_state_pre_hook(in_place)
         try:
             with self._without(opts):

@@ -220,6 +220,68 @@ def accelerate_automatic(out: Path) -> dict[str, Any]:
     return result
 
 
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def accelerate_dtensors(out: Path) -> dict[str, Any]:
+    """A TP model (ColwiseParallel then RowwiseParallel over both ranks: Shard(0), Shard(1) and a
+    Replicate bias) through save_state / load_state: what each rank's get_state_dict keeps, the
+    gathers the load makes, and every local shard after a perturbation and the load."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime.shards import local_tensor
+    from canzona.spec import ModelSpec
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _TwoLinears()
+    parallelize_module(model, mesh["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
+                               {"lr": 0.01}, group=mesh)
+    accelerator = CanzonaAccelerator(cpu=True)
+    model, prepared = accelerator.prepare(model, opt)
+    model(torch.randn(4, 16)).sum().backward()
+    prepared.step()
+    result: dict[str, Any] = {"placements": {n: str(p.placements) for n, p in model.named_parameters()}}
+    saved = {n: local_tensor(p).detach().clone() for n, p in named_parameters(model)}
+    whole = {n: p.full_tensor() for n, p in model.named_parameters()}
+    state = accelerator.get_state_dict(model)  # what this rank keeps of the gathered model
+    result["kept"] = {k: (tuple(v.shape), v.device.type, torch.equal(v, whole[k])) for k, v in state.items()}
+    del state
+    accelerator.save_state(str(out / "acc_dtensors"))
+    with torch.no_grad():  # every local shard moved off its value
+        for p in model.parameters():
+            local_tensor(p).add_(1.0)
+    gathers = []
+    kept = DTensor.full_tensor
+
+    def counted(self: DTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        gathers.append(1)
+        return kept(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted
+    try:
+        result["load"] = error_text(lambda: accelerator.load_state(str(out / "acc_dtensors")))
+    finally:
+        DTensor.full_tensor = kept
+    result["load gathers"] = len(gathers)
+    result["differ"] = [n for n, p in named_parameters(model) if not torch.equal(local_tensor(p), saved[n])]
+    return result
+
+
 # --- transformers' Trainer ------------------------------------------------------------------------
 
 
@@ -303,7 +365,8 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
 
 
 SCENARIOS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
-    ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic), ("trainer", trainer_scenarios)]
+    ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
+    ("accelerate dtensors", accelerate_dtensors), ("trainer", trainer_scenarios)]
 
 
 def main() -> None:

@@ -440,6 +440,7 @@ def test_state_dicts_get_storage_of_their_own_and_keep_tied_weights_tied():
     assert out["a"] is out["tied"]  # one copy, as the tied weights were one tensor
     assert out["a"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()
     assert out["a"].untyped_storage().nbytes() == 16 and torch.equal(out["b"], buffer[4:])
+    assert own_storage(state, keep=False) == {}  # a rank that writes no file keeps nothing
 
 
 def test_the_trainer_takes_canzona_optimizers_only():
@@ -636,6 +637,24 @@ def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks
         assert r["named changed nothing"]
 
 
+@pytest.mark.distributed
+def test_a_tp_models_save_state_keeps_it_whole_on_the_writer_only_and_load_state_cuts_each_shard(ranks):
+    """A TP model over both ranks (ColwiseParallel then RowwiseParallel: Shard(0), Shard(1) and a
+    Replicate bias) through CanzonaAccelerator.save_state, every local shard moved, load_state.
+    get_state_dict keeps the gathered weights on the CPU of the rank that writes the files only
+    (before: every rank kept the whole model, on its device); the load gathers nothing (before: one
+    full_tensor per DTensor, for safetensors' look at the names) and puts every rank's own part back
+    bit for bit (a cut from another rank's box fails here; on the one-rank mesh below it could not)."""
+    results = scenario(ranks, "checkpoint accelerate dtensors")
+    assert results[0]["placements"] == {"a.weight": "(Shard(dim=0),)", "a.bias": "(Shard(dim=0),)",
+                                        "b.weight": "(Shard(dim=1),)", "b.bias": "(Replicate(),)"}
+    assert results[0]["kept"] == {"a.weight": ((32, 16), "cpu", True), "a.bias": ((32,), "cpu", True),
+                                  "b.weight": ((8, 32), "cpu", True), "b.bias": ((8,), "cpu", True)}
+    assert results[1]["kept"] == {}
+    for r in results:
+        assert r["load"] == "no error" and r["load gathers"] == 0 and r["differ"] == [], (r["load"], r["differ"])
+
+
 def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_warned_of(tmp_path, one_rank):
     """`MuonConfig(lr=0.02, weight_decay=0.1)` (MuonConfig's default) beside the Trainer's 0.0: the
     default reads as unset, so the matrices decay at 0.0 (above), which a user who set 0.1 on purpose
@@ -772,6 +791,7 @@ def test_save_state_and_load_state_of_a_model_of_dtensors(tmp_path, one_rank):
     from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     from canzona.integrations.accelerate import CanzonaAccelerator
     from canzona.runtime import DistributedOptimizer
@@ -794,6 +814,11 @@ def test_save_state_and_load_state_of_a_model_of_dtensors(tmp_path, one_rank):
     with torch.no_grad():
         for p in model.parameters():
             local_tensor(p).zero_()
-    accelerator.load_state(str(tmp_path / "state"))
+    gathered = []
+    kept = DTensor.full_tensor
+    with pytest.MonkeyPatch.context() as patch:  # the load gathers nothing (before: once per DTensor)
+        patch.setattr(DTensor, "full_tensor", lambda self, *a, **k: gathered.append(self.shape) or kept(self, *a, **k))
+        accelerator.load_state(str(tmp_path / "state"))
+    assert gathered == []
     for n, p in named_parameters(model):
         assert torch.equal(local_tensor(p), saved[n]), n
