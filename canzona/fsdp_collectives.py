@@ -9,18 +9,21 @@ checks' all-gathers from `fsdp_step_collectives`.
 of a shard group of `shard` ranks (one replica under HSDP) issues in one step, in order:
 
 1. the step check: one all-gather over every rank of the mesh (group "fsdp-world", replicas too) of
-   one 8-byte word per parameter and four more (a local problem, the hyper-parameters' digest,
-   the rank's fp64 sum of squares, the clip threshold), at the first `clip_grad_norm_` or at
-   `step()`;
+   one 8-byte word per parameter and five more (a local problem, the hyper-parameters' digest,
+   the mark of a model loaded since the last step, the rank's fp64 sum of squares, the clip
+   threshold), at the first `clip_grad_norm_` or at `step()`; where the norm it finds is not
+   finite, right after it one "non-finite weights" all-gather (one word: the position of a
+   parameter whose weights on this rank are NaN / Inf, which fails the step on every rank, naming
+   them);
 2. per `clip_grad_norm_` call after the first, and at `step()` after any: one "step recheck"
-   all-gather (three words: the hyper-parameters' digest, the threshold and whether the rank's
-   gradients changed since: then every rank takes the step check of 1. anew, not counted here),
+   all-gather (five words: the hyper-parameters' digest, the threshold, whether the rank's
+   gradients changed since (then every rank takes the step check of 1. anew, not counted here),
+   a local problem and the model-loaded mark),
    which the reused check costs (a learning rate set on one rank between the clip and the step
    must fail every rank; `step()`'s own clipping, `max_grad_norm`, right after its check,
    rechecks nothing); one "gradient norm" all-gather (one word) for `norm_type=inf`;
-3. where the norm is not finite (the step skipped under `nonfinite="skip"`), one "non-finite weights"
-   all-gather (one word: the position of a parameter whose weights on this rank are NaN / Inf,
-   which fails the step on every rank, naming them); else per micro-group that
+3. where the norm is not finite (the step skipped under `nonfinite="skip"`), nothing more; else per
+   micro-group that
    has a gradient, on the shard group ("fsdp"): the all-to-all of the gradients' pieces to their
    owners ("gradients of micro-group k"), and after the next micro-group's, the all-to-all of the
    updates' pieces back ("updates of micro-group k"), issued even where it carries nothing (SOAP's
@@ -133,6 +136,8 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
         nonlocal checked
         if not checked:
             gather("step check", len(spec.params) + CHECK_EXTRA_WORDS)
+            if skipped:  # the weights looked at inside it (`runtime.nonfinite.nonfinite_weights_error`)
+                gather(WEIGHTS_CHECK, 1)
             checked = True
         else:
             gather("step recheck", RECHECK_WORDS)
@@ -142,8 +147,7 @@ def fsdp_step_collectives(spec: ModelSpec, shard: int, member: int, owners: Mapp
         if norm_type == math.inf:
             gather("gradient norm", 1)
     check()  # step()'s (its own clip, max_grad_norm, after it: no record)
-    if skipped:  # the weights looked at (`runtime.nonfinite.nonfinite_weights_error`): finite, so skipped
-        gather(WEIGHTS_CHECK, 1)
+    if skipped:  # the weights were finite (looked at in the first check): skipped
         return out
 
     shapes = {p.name: tuple(p.shape) for p in spec.params}

@@ -654,9 +654,12 @@ def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, c
         except CanzonaError as e:
             raise CanzonaError(f"{e}; {call} is collective: call it on every rank") from None
         if table[:, 0].any():
-            # a refusal: its reason to every rank (one more small all-gather, on this path only), so
-            # that a rank that read nothing wrong (a sharded load reads its own pieces) names it too
-            cause = next(c for c in comm.all_gather_object(cause, f"{call} refusal") if c is not None)
+            # a refusal: its reason to every rank (one more small all-gather of an object, its sizes
+            # then its bytes, on this path only), so that a rank that read nothing wrong (a sharded
+            # load reads its own pieces) names it too; a refusal an earlier group's round made (the
+            # digests differed there) is carried as its message
+            said = [c for c in comm.all_gather_object(cause, f"{call} refusal") if c is not None]
+            cause = said[0] if said else "see their error"
         if error is None and table[:, 0].any():
             ranks = [int(r) for r in torch.nonzero(table[:, 0]).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
@@ -665,6 +668,8 @@ def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, c
             ranks = [int(r) for r in torch.nonzero(table[:, 1] != word).flatten()]
             error = CheckpointError(f"optimizer state not loaded, nothing changed: rank(s) {ranks} of group "
                                     f"{comm.name} {differ}")
+        if error is not None and cause is None:
+            cause = str(error)  # what the next group's round carries to its ranks
     if error is not None:
         raise error
 

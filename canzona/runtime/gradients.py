@@ -19,7 +19,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,9 +51,6 @@ class StepCheck:
     # per parameter of another part (`prepare`'s `more_got`: the experts'), 1 if it got a gradient on
     # any rank of the cluster (empty when `prepare` was given none)
     more_got: Tensor
-    # whether the model's weights were loaded (`Module.load_state_dict`) on any rank of the cluster
-    # since the last check that compared them (`prepare`'s `loaded`)
-    model_loaded: bool = False
 
 
 class GradientSource(Protocol):
@@ -188,6 +185,11 @@ class GradientSync:
         self._got_grad = torch.zeros(len(self.params), dtype=torch.int64)
         self.backward = 0  # gradients a backward (or an assignment) gave this step; zeroed ones are not
         self.checked: StepCheck | None = None  # reduced and checked (by clip_grad_norm_ or step)
+        # whether the model's weights were loaded (`Module.load_state_dict`) on any rank of the
+        # cluster since they were last compared (`prepare`'s `loaded`), until the optimizer compares
+        # them and clears it: beside the check, not in it (GradScaler's marks know the check by
+        # identity, `AmpMarks`: a replaced check was unscaled twice)
+        self.model_loaded = False
         # reduced (`_finish` ran): a check that refused the step leaves the gradients reduced, and a
         # step() called again must not reduce them once more (the reduction is in place)
         self._reduced = False
@@ -502,14 +504,14 @@ class GradientSync:
         whose stacks every EP rank holds a part of), combined over the whole cluster (DP, then TP)
         into the check's `more_got` (the same length on every rank); `loaded`: whether this rank's
         model had its weights loaded since they were last compared, combined over the cluster as
-        `more_got` is into the check's `model_loaded`.
+        `more_got` is, into `model_loaded`.
         A call after the check (`step()` after `clip_grad_norm_()`, a second clip) reuses it, and
         with `recheck` compares the hyper-parameters and threshold anew (`_recheck`); without, as
         the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
         if self.checked is not None:
             if recheck and self._recheck(hyper_parameters, max_norm, more_problem, loaded):
                 # loaded after the check (between clip_grad_norm_() and step()): compared before the update
-                self.checked = replace(self.checked, model_loaded=True)
+                self.model_loaded = True
             return self.checked
         if not self._reduced:
             self._finish()
@@ -569,7 +571,8 @@ class GradientSync:
             raise CanzonaError(f"the global gradient norm is {norm} (a NaN or Inf gradient, from a NaN loss, an "
                                "overflow or bad data): nothing was updated. Lower the learning rate, check the "
                                "data, or pass nonfinite='skip' to skip such steps (counted in opt.skipped_steps)")
-        self.checked = StepCheck(got=got, norm=norm, more_got=more[:-1], model_loaded=bool(more[-1]))
+        self.model_loaded = bool(more[-1])
+        self.checked = StepCheck(got=got, norm=norm, more_got=more[:-1])
         return self.checked
 
     def _recheck(self, hyper_parameters: int, max_norm: float | None, more_problem: str | None = None,

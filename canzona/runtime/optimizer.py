@@ -693,10 +693,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
     def _check_step(self, max_norm: float | None) -> StepCheck:
         check = self._checked_gradients(max_norm)
-        if check.model_loaded:  # on some rank since the last step: every rank compares its weights
+        if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
-            self._model_loaded = False
-            self.grads.checked = check = replace(check, model_loaded=False)  # a reuse of the check: compared
+            self._model_loaded = self.grads.model_loaded = False  # compared: a reuse of the check does not again
         return check
 
     def _checked_gradients(self, max_norm: float | None) -> StepCheck:

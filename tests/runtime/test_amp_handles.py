@@ -98,3 +98,33 @@ def test_an_unscale_over_canzona_gradients_beside_others_is_one_error(one_rank, 
     with pytest.raises(CanzonaError, match=r"^GradScaler's unscale met gradients of canzona's optimizer beside others") as e:
         scaler.unscale_(combined)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("wrap", "clip"), [("proxy", False), ("forwarding", True)])
+def test_a_model_load_between_a_wrapped_unscale_and_the_step_unscales_once(one_rank, wrap, clip):
+    """GradScaler's `unscale_` through a wrapper, then `model.load_state_dict` (every rank, the
+    same weights: the step compares them), then `step`: the same weights as without the load.
+    Review: the load's mark replaced the step check, which GradScaler's marks know by identity, so
+    the step applied the handed inverse scale a second time, silently."""
+    from canzona.runtime import DistributedOptimizer
+    from tests.runtime.amp_wrappers import WRAPPERS
+    from tests.runtime.test_fsdp_runtime import Small, small_batch, small_spec
+
+    def run(load: bool) -> dict[str, torch.Tensor]:
+        model = Small()
+        opt = DistributedOptimizer(model.named_parameters(), small_spec(), "adamw", None)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        given = WRAPPERS[wrap](opt)
+        for step in range(2):
+            opt.zero_grad()
+            scaler.scale(model(small_batch(step, 0))).backward()
+            scaler.unscale_(given)
+            if clip:
+                opt.clip_grad_norm_(1e9)
+            if load and step == 1:
+                model.load_state_dict(model.state_dict())
+            scaler.step(opt)
+            scaler.update()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain, loaded = run(False), run(True)
+    assert all(torch.equal(plain[n], loaded[n]) for n in plain)

@@ -432,6 +432,8 @@ SMALL_CASES = {
     "plain": {"steps": 3},
     "clip": {"steps": 3, "clip": 0.05},
     "skip": {"steps": 3, "nonfinite": "skip", "poison": 1},
+    # the same after clip_grad_norm_: the look at the weights is inside the clip's check (review)
+    "clip-skip": {"steps": 3, "nonfinite": "skip", "poison": 1, "clip": 0.05},
     # NaN weights on rank 1 alone (rank 2 holds no row of b.weight): every rank names them, under skip too
     "nan-weight": {"steps": 2, "nonfinite": "skip", "nan_weight": 1},
     "raise": {"steps": 3, "poison": 1},
@@ -813,11 +815,12 @@ def test_fsdp_empty_local_shard_exact(case: str) -> None:
 # runs a file on one worker, so its cached spawned run is made once, where a second file made it again) --
 
 
-@pytest.mark.parametrize("case", ["plain", "clip", "skip", "adamw-clip", "adamw-skip"])
+@pytest.mark.parametrize("case", ["plain", "clip", "skip", "clip-skip", "adamw-clip", "adamw-skip"])
 def test_empty_shards_and_skipped_steps(case):
     """At S = 3 rank 2 holds no row of b.weight (2 x 16) nor of b.bias: no AdamW state for the
     bias, nothing sent of the matrix; a skipped step (a NaN, `nonfinite="skip"`) issues only its
-    step check. Memory and logs as the model and `fsdp_step_collectives` say; under AdamW (no
+    step check, the look at the weights right after it (inside the clip's check where a clip
+    comes first) and its recheck. Memory and logs as the model and `fsdp_step_collectives` say; under AdamW (no
     owners: what `canzona simulate --fsdp --optimizer adamw` prices) AdamW's moments of every local
     shard and no matrix state, the step check and the clip's threshold its only collectives."""
     from canzona.fsdp_collectives import fsdp_step_collectives

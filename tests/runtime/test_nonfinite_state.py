@@ -137,3 +137,29 @@ def test_nan_weights_are_named_at_the_step_check_not_the_data(one_rank, layout, 
     assert message.startswith(f"the weights of {name!r} are not finite (NaN or Inf)"), message
     assert "the weights, not the data" in message and "cannot recover" in message and "\n" not in message
     assert opt.skipped_steps == 0 and _same(opt.state_dict(), before) and _same(_weights(model), weights)
+
+
+def test_a_digest_disagreement_in_one_group_reaches_the_next_groups_ranks_as_a_checkpoint_error():
+    """`checkpoint.agree` over DP then TP: a rank whose DP round found the ranks' state dicts differ
+    refuses in the TP round, and its TP peers (which read nothing wrong) name it with that message.
+    Review: they raised a bare StopIteration, the refusal's reason being None. Stub groups stand in
+    for the two process groups (this rank is member 0 of each)."""
+    import hashlib
+
+    from canzona.runtime.checkpoint import agree
+
+    class Group:
+        def __init__(self, name: str, table: torch.Tensor) -> None:
+            self.name, self.table = name, table
+
+        def all_gather_values(self, values: torch.Tensor, name: str) -> torch.Tensor:
+            return self.table
+
+        def all_gather_object(self, obj: object, name: str) -> list:
+            return [obj, None]
+
+    word = int.from_bytes(hashlib.sha256(b"mine").digest()[:8], "little", signed=True)
+    dp = Group("dp", torch.tensor([[0, word], [0, word + 1]]))  # the DP peer read another save
+    tp = Group("tp", torch.tensor([[1, word], [0, word]]))  # this rank refuses in the TP round
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] of group dp were given another"):
+        agree([dp, tp], None, b"mine", "load_state_dict()", "were given another state dict than this rank")
