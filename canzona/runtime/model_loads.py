@@ -1,5 +1,5 @@
 """Weights loaded into the model on some ranks only, after the optimizer was built (docs/design.md
-§8.4, "Weights loaded on some ranks").
+§8.3, "Never guess").
 
 Under ZeRO-1 every DP rank holds the whole model, and the step's all-gather sends each rank's
 updated shards to the others: where rank 0 alone ran `model.load_state_dict(...)` (a resume or a
