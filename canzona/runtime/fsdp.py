@@ -270,7 +270,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         world_ranks = [int(r) for r in self.device_mesh.mesh.flatten().tolist()]
         world_group, _ = new_groups([world_ranks], me, self.device_mesh)
         self.world = Comm(world_group, timeout_s, FSDP_WORLD_GROUP)  # every rank's (canzona.fsdp_collectives)
-        refusal: CanzonaError | None = None
+        refusal: Exception | None = None  # an unexpected failure on one rank (a bug, an OOM) too
         try:
             self.params = self._checked_params(groups)
             if self.compile_kernels:
@@ -278,7 +278,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             matrix_names = set() if self.elementwise else {p.name for p in spec.matrix_params()}
             param_groups = build_param_groups(groups, matrix_names, self.optimizer, self.matrix_cfg,
                                               self.adamw_cfg, spec)
-        except CanzonaError as e:
+        except Exception as e:
             refusal = e
         # one small all-gather: the ranks that passed raise at once too, not at the layout's gather
         # after timeout_s (`Comm.spread_failure`, as DistributedOptimizer's agreement verdict)

@@ -352,7 +352,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         tp_pg = axes[TP] if axes[TP] is not None and dist.get_world_size(axes[TP]) > 1 else None
         tp_ranks = dist.get_process_group_ranks(tp_pg) if tp_pg is not None else None
         self.tp = len(tp_ranks) if tp_ranks else 1
-        refusal: CanzonaError | None = None
+        # any exception, not only a refusal: an unexpected failure on one rank (an out-of-memory, a
+        # bug) must not leave the others waiting in the agreement check either
+        refusal: Exception | None = None
         try:
             if compile_kernels:  # a missing compiler fails construction, not a step
                 check_compile(local_tensor(p).device.type for pairs, _ in groups for _, p in pairs)
@@ -368,7 +370,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             holders = param_holders(self.params, parents)
             check_not_unsharded(self.params, holders, parents)  # FSDP2's full parameters after a forward
             check_tp_styles(holders)  # transformers' TP styles whose gradient hooks canzona cannot run
-        except CanzonaError as e:
+        except Exception as e:
             if not dist.is_initialized():
                 raise  # no group to tell
             refusal = e
@@ -393,7 +395,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                                         balance_by=balance_by, expert_buckets=expert_buckets)
                 # under EP the dense part's plan, holding the experts' of this EP rank over EDP (TP 1)
                 self.plan = self._resolve_plan(plan, settings, cost_model)
-            except CanzonaError as e:
+            except Exception as e:
                 refusal = e
         self._spread_refusal(refusal)
         self._expert_plan = self.plan.experts
@@ -572,7 +574,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             raise PlanError(str(e)) from None
         return plan
 
-    def _spread_refusal(self, refusal: CanzonaError | None) -> None:
+    def _spread_refusal(self, refusal: Exception | None) -> None:
         """Every rank learns whether any refused what it alone checks, and raises at once: the
         refusing rank its own error, the others one naming it (before, they waited in the agreement
         check until timeout_s). Over DP, then TP: every TP group meets every DP group, so that

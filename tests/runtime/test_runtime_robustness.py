@@ -317,6 +317,9 @@ def mismatch_cases(dp: int, plan_file: str) -> dict[str, list[dict]]:
         # can be): before, the others waited in the agreement check until timeout_s (5 s here)
         "plan for another dp on one rank": one_rank_differs(
             {"timeout_s": 5.0}, {"timeout_s": 5.0, "plan": make_plan(tiny, dp * 2, 1, "muon", "alpha-balanced")}),
+        # an unexpected failure on one rank at construction (a cost model of no known kind stands in
+        # for an out-of-memory or a bug: an AttributeError, not a refusal): spread as a refusal is
+        "unexpected failure on one rank": one_rank_differs({"timeout_s": 5.0}, {"timeout_s": 5.0, "cost_model": 12345}),
         # every rank has the same wrong plan: a local PlanError
         "plan for another dp": every({"plan": make_plan(tiny, dp * 2, 1, "muon", "alpha-balanced")}),
         "plan file for another dp": every({"plan": plan_file}),
@@ -410,6 +413,18 @@ def test_a_refusal_on_one_rank_is_one_error_on_every_rank_at_once(group):
     for r in (0, 2, 3):
         message = outs[r]["message"]
         assert outs[r]["is_canzona"] and "DP rank(s) [1] refused" in message and "see their error" in message, message
+    assert all(out["healthy"] for out in outs)
+
+
+def test_an_unexpected_failure_on_one_rank_at_construction_is_one_error_on_every_rank_at_once(group):
+    """Rank 1 fails at construction with an exception that is not a refusal (here an
+    AttributeError from a cost model of no known kind): it raises it, the others one error naming
+    it, at once. Before, only refusals were spread: the others waited until timeout_s."""
+    outs = group[("mismatch", "unexpected failure on one rank")]
+    assert outs[1]["type"] is not None and not outs[1]["is_canzona"], outs[1]
+    for r in (0, 2, 3):
+        message = outs[r]["message"]
+        assert outs[r]["is_canzona"] and "DP rank(s) [1] refused" in message, message
     assert all(out["healthy"] for out in outs)
 
 
