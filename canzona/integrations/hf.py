@@ -18,6 +18,11 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   adafactor, is one error; a subclass's own `create_optimizer` ignores it, as the plain Trainer's), `weight_decay` on the Trainer's decay parameters (not on norms and biases; a `weight_decay`
   in `matrix_config` is the matrices' own), the spec read from the module (`spec=` to give one, e.g. in backward
   order), and `optimizer_kwargs` for the rest (`policy`, `plan`, `reduce_scatter`, ...);
+- builds the Trainer's schedule (`lr_scheduler_type`) with one factor for every group; an absolute
+  floor (`min_lr` of `cosine_with_min_lr` / `cosine_warmup_with_min_lr`, `lr_end` of `polynomial`)
+  is measured against the AdamW rate (`learning_rate`), not the matrix rate transformers would read
+  from `optimizer.defaults["lr"]`: the AdamW groups end at `min_lr`, the matrices at
+  `matrix lr * min_lr / learning_rate` (`create_scheduler`);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
   the reduced gradients (`max_grad_norm=0`: the norm is only measured), which is the `grad_norm`
@@ -359,6 +364,28 @@ class CanzonaTrainer(Trainer):
         spec = self.canzona_spec if self.canzona_spec is not None else ModelSpec.from_module(model)
         return DistributedOptimizer([g for g in groups if g["params"]], spec, self.matrix_optimizer,
                                     self.matrix_config, adamw, **self.optimizer_kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """`Trainer.create_scheduler`, with a schedule's absolute floor measured against the AdamW
+        rate. transformers' `cosine_with_min_lr` and `cosine_warmup_with_min_lr` (`min_lr`) and
+        `polynomial` (`lr_end`) turn it into a ratio of `optimizer.defaults["lr"]`, which for a
+        canzona optimizer is the matrix rate: the AdamW groups would bottom out at
+        `learning_rate * min_lr / matrix lr`. Here the ratio is taken of the optimizer's AdamW rate
+        (the `learning_rate` it was built with; a given optimizer's own `adamw_config` lr), so the
+        AdamW groups follow, bit for bit, what the plain Trainer gives torch's AdamW at that rate
+        (floor `min_lr`), and the matrix groups the same factor of their rate (floor
+        `matrix lr * min_lr / learning_rate`). One factor for every group keeps the matrix rate's
+        ratio to the AdamW rate, which is what the two rates were tuned as; the `min_lr` named in
+        the arguments is a rate of `learning_rate`, whose parameters the plain Trainer would step."""
+        opt = canzona_optimizer(self.optimizer if optimizer is None else optimizer)
+        if self.lr_scheduler is not None or opt is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        kept = opt.defaults["lr"]
+        opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
+        try:
+            return super().create_scheduler(num_training_steps, optimizer)
+        finally:
+            opt.defaults["lr"] = kept
 
     def distributed_optimizer(self) -> DistributedOptimizer:
         """The canzona optimizer trained with (the Trainer's `optimizer` wraps it)."""

@@ -681,6 +681,47 @@ def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_w
     assert built({"lr": 0.02, "weight_decay": 0.1}, 0.0) == []
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_schedules_absolute_floor_is_the_adamw_rates(tmp_path, one_rank):
+    """transformers' `cosine_with_min_lr`, `cosine_warmup_with_min_lr` (`min_lr`) and `polynomial`
+    (`lr_end`) turn their absolute floor into a ratio of `optimizer.defaults["lr"]`, which for a
+    canzona optimizer is the matrix rate (0.02): the AdamW groups bottomed out at 3e-3 * 1e-4 / 0.02
+    = 1.5e-5, not at the 1e-4 asked for. Now the ratio is of the AdamW rate (`learning_rate`): the
+    AdamW groups' rate at every step is, bit for bit, what the schedule gives torch's AdamW at
+    `learning_rate` under transformers' own Trainer (its floor exactly 1e-4), and the matrix groups'
+    is the same factor of 0.02 (floor 0.02 * 1e-4 / 3e-3)."""
+    from transformers import TrainingArguments, get_scheduler
+
+    lr, matrix_lr, floor, steps = 3e-3, 0.02, 1e-4, 6
+    for kind, kwargs in (("cosine_with_min_lr", {"min_lr": floor}), ("cosine_warmup_with_min_lr", {"min_lr": floor}),
+                         ("polynomial", {"lr_end": floor})):
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=lr,
+                                 lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, warmup_steps=1)
+        trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": matrix_lr})
+        opt = trainer.create_optimizer()
+        kept = dict(opt.defaults)
+        scheduler = trainer.create_scheduler(steps, opt)
+        assert opt.defaults == kept  # the matrix rate is restored once the schedule is built
+        plain = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)  # transformers' own Trainer's
+        reference = get_scheduler(kind, plain, num_warmup_steps=1, num_training_steps=steps,
+                                  scheduler_specific_kwargs=kwargs)
+        kinds = [g["kind"] for g in opt.param_groups]
+        seen = []
+        for step in range(steps + 1):
+            factor = reference.lr_lambdas[0](step)
+            for g in opt.param_groups:
+                want = plain.param_groups[0]["lr"] if g["kind"] == "adamw" else matrix_lr * factor
+                assert g["lr"] == want, (kind, step, g["kind"], g["lr"], want)
+            seen.append({k: g["lr"] for k, g in zip(kinds, opt.param_groups)})
+            scheduler.step()
+            reference.step()
+        decay = seen[1:]  # (past the warm-up step, which starts at 0)
+        assert min(s["adamw"] for s in decay) == floor, (kind, seen)
+        assert min(s["matrix"] for s in decay) == pytest.approx(matrix_lr * floor / lr, rel=1e-15), (kind, seen)
+        del trainer, opt, scheduler  # one optimizer per model
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
