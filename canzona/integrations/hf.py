@@ -23,6 +23,9 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   is measured against the AdamW rate (`learning_rate`), not the matrix rate transformers would read
   from `optimizer.defaults["lr"]`: the AdamW groups end at `min_lr`, the matrices at
   `matrix lr * min_lr / learning_rate` (`create_scheduler`);
+- logs `learning_rate` as transformers does (the first group's rate: the matrices' where the first
+  group holds any) and the AdamW groups' rate beside it as `learning_rate_adamw`, taken at the
+  same moment;
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
   the reduced gradients (`max_grad_norm=0`: the norm is only measured), which is the `grad_norm`
@@ -40,8 +43,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   midway, which transformers would pick (and fail on, or restart at step 0 from); a named folder
   that is not whole is one `CheckpointError` before anything is loaded.
 
-It overrides four private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
-`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and calls `_get_output_dir`,
+It overrides five private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
+`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`, `_get_learning_rate`) and calls `_get_output_dir`,
 each checked at construction; it was tested with transformers 5.23.0.
 """
 
@@ -64,6 +67,11 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+try:  # the schedulers whose rates transformers reads from the groups, not get_last_lr()
+    from transformers.optimization import GreedyLR
+except ImportError:  # an older transformers
+    GreedyLR = None
 
 from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.accelerate import (
@@ -93,7 +101,9 @@ PRIVATE_METHODS = {
     "_get_output_dir": ("self", "trial"),  # called, not overridden: where `_save_checkpoint` writes
     "_save_optimizer_and_scheduler": ("self", "output_dir"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_get_learning_rate": ("self",),  # also records the AdamW groups' rate, logged beside it
 }
+ADAMW_RATE_KEY = "learning_rate_adamw"  # logged beside transformers' learning_rate (the first group's)
 OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded optimizer state
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
 TORCH_OPTIMIZER_FILE = "optimizer.pt"  # what transformers' own Trainer saves a torch optimizer's state as
@@ -386,6 +396,43 @@ class CanzonaTrainer(Trainer):
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
             opt.defaults["lr"] = kept
+
+    # --- the logged learning rates --------------------------------------------------------------
+
+    def _get_learning_rate(self) -> float:
+        """`Trainer._get_learning_rate` (the first group's rate, which transformers logs as
+        `learning_rate`), recording the AdamW groups' rate at the same moment: the training loop
+        takes it before the scheduler steps, so the pair logged belongs to one step."""
+        rate = super()._get_learning_rate()
+        self._adamw_rate = self._group_rate("adamw")
+        return rate
+
+    def _group_rate(self, kind: str) -> float | None:
+        """The rate of the canzona optimizer's first group of `kind`, read as transformers reads the
+        first group's (the scheduler's last rates; a plateau scheduler's group itself); None where
+        there is no such group."""
+        opt = canzona_optimizer(self.optimizer)
+        index = None if opt is None else next((i for i, g in enumerate(opt.param_groups) if g.get("kind") == kind), None)
+        if index is None:
+            return None
+        plateau = tuple(t for t in (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR) if t is not None)
+        if self.lr_scheduler is None or isinstance(self.lr_scheduler, plateau):
+            rate = opt.param_groups[index]["lr"]
+        else:
+            rate = self.lr_scheduler.get_last_lr()[index]
+        return rate.item() if torch.is_tensor(rate) else rate
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """`Trainer.log`, with `learning_rate_adamw` right after transformers' `learning_rate` (the
+        AdamW rate recorded with it; once: a later `learning_rate` of the user's gets none)."""
+        adamw = getattr(self, "_adamw_rate", None)
+        if "learning_rate" in logs and adamw is not None and ADAMW_RATE_KEY not in logs:
+            items = list(logs.items())
+            at = [k for k, _ in items].index("learning_rate") + 1
+            logs.clear()
+            logs.update(items[:at] + [(ADAMW_RATE_KEY, adamw)] + items[at:])
+            self._adamw_rate = None
+        super().log(logs, *args, **kwargs)
 
     def distributed_optimizer(self) -> DistributedOptimizer:
         """The canzona optimizer trained with (the Trainer's `optimizer` wraps it)."""

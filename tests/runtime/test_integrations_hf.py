@@ -128,6 +128,13 @@ def logged_norms(logs: list[dict], after: int = 0) -> list[float]:
     return [entry["grad_norm"] for entry in logs if "grad_norm" in entry and entry["step"] > after]
 
 
+def logged_rates(logs: list[dict]) -> list[tuple[float, float]]:
+    """The (learning_rate, learning_rate_adamw) the Trainer logged at each step: transformers' own
+    key (the first group's rate, here the matrices') and the AdamW groups' beside it. Before, the
+    AdamW rate was not logged at all."""
+    return [(e["learning_rate"], e.get("learning_rate_adamw")) for e in logs if "learning_rate" in e]
+
+
 # --- transformers' own TP plan ----------------------------------------------------------------------
 
 REL_TOL = 1e-5  # the reference optimizers' own arithmetic against the runtime's kernels (test_runtime_tp.py)
@@ -225,9 +232,11 @@ def test_the_trainer_refuses_a_transformers_tp_model_built_by_model_init(ranks):
 def test_the_trainer_trains_as_one_process_with_accumulation_and_clipping(ranks):
     results = scenario(ranks, "trainer")
     assert results[0]["accelerator"] == "CanzonaAccelerator"
-    norms = assert_trained_as_emulated(results, trainer_schedule(driver.TRAINER_STEPS), SETUP.max_grad_norm)
+    lrs = trainer_schedule(driver.TRAINER_STEPS)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
     for r in results:  # the grad_norm the Trainer logs is the global norm of the averaged gradients
         assert logged_norms(r["logs"]) == norms
+        assert logged_rates(r["logs"]) == lrs
     assert max(norms) > SETUP.max_grad_norm  # the clip was active
 
 
@@ -249,6 +258,7 @@ def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
                          steps)
     norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
     assert logged_norms(results[0]["logs"]) == norms
+    assert logged_rates(results[0]["logs"]) == lrs
 
 
 @pytest.mark.distributed
