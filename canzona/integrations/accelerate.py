@@ -47,7 +47,11 @@ For a model whose parameters a canzona optimizer holds:
   previous optimizer state complete, and `load_state` verifies the folder before reading it (a
   damaged or foreign file: one `CheckpointError`, nothing loaded). A folder of an older canzona
   (no manifest) still loads; saving over one is refused with a `CheckpointError` saying to move it
-  aside (`canzona.integrations.optimizer_state`). Call both on every rank, as accelerate asks.
+  aside (`canzona.integrations.optimizer_state`). Each optimizer reads the folder whose manifest
+  records its model's fingerprint (names, shapes, roles), so several canzona optimizers may be
+  prepared in another order at the load than at the save (optimizers of models of one
+  architecture, and folders of an older canzona, in order; accelerate matches its own model and
+  optimizer files by order). Call both on every rank, as accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
   are in (a `save_state` killed midway left its own without them); a folder without them is one
   `CanzonaError` before anything is loaded.
@@ -70,15 +74,16 @@ from accelerate.utils import DistributedType
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from canzona.errors import CanzonaError
+from canzona.errors import CanzonaError, CheckpointError
 from canzona.integrations.optimizer_state import (
     check_replaceable,
+    fingerprint,
     latest_whole,
     load_optimizer,
     save_optimizer,
     written_whole,
 )
-from canzona.runtime.checkpoint_files import MANIFEST, Ranks
+from canzona.runtime.checkpoint_files import MANIFEST, Ranks, read_manifest
 from canzona.runtime.fsdp import FsdpOptimizer
 from canzona.runtime.fsdp_layout import local_box
 from canzona.runtime.optimizer import DistributedOptimizer, _holder
@@ -227,6 +232,33 @@ def latest_state(checkpoints: str, count: int) -> str:
 
     return latest_whole(checkpoints, numbered, problem, asked="load_state()", killed="a save_state killed midway",
                         none=f"load_state(): no whole checkpoint in {checkpoints}")
+
+
+def saved_fingerprint(folder: str) -> str | None:
+    """The model fingerprint an optimizer folder's manifest records (`optimizer_info`), or None: a
+    folder of an older canzona (no manifest, or none recorded), or one the load's own verification
+    will refuse (an unreadable manifest)."""
+    try:
+        found = read_manifest(folder).info.get("fingerprint")
+    except CheckpointError:
+        return None
+    return found if isinstance(found, str) else None
+
+
+def match_folders(mine: list[str | None], saved: list[str | None]) -> list[int]:
+    """Which saved optimizer folder each optimizer reads (`mine`: each optimizer's model
+    fingerprint; `saved`: each folder's, in folder order): the folder of the same fingerprint,
+    optimizers of equal fingerprints (two models of one architecture) taking those folders in
+    order. Where a fingerprint is missing or has no folder (a folder of an older canzona, another
+    model), every optimizer takes its folder by order, as before fingerprints were saved, and
+    the load's own checks say what is wrong."""
+    taken: list[int] = []
+    for print_ in mine:
+        found = next((i for i, s in enumerate(saved) if print_ is not None and s == print_ and i not in taken), None)
+        if found is None:
+            return list(range(len(mine)))
+        taken.append(found)
+    return taken
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -443,7 +475,8 @@ class CanzonaAccelerator(Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
         """accelerate's `load_state`; each canzona optimizer reads what its layout needs from
-        `<dir>/canzona_optimizer_<i>` (saved at any DP size), and the models whose parameters
+        the `<dir>/canzona_optimizer_<i>` saved for its model (found by the fingerprint in its
+        manifest; by order where none is; saved at any DP size), and the models whose parameters
         they hold are loaded in place, from files read to the CPU unless `map_location` says
         otherwise. Every rank."""
         opts = self.canzona_optimizers()
@@ -453,7 +486,7 @@ class CanzonaAccelerator(Accelerator):
             # accelerate takes the highest number, a killed save's folder too: the latest whole one
             checkpoints = os.path.join(self.project_dir, "checkpoints")
             input_dir = Ranks().together(lambda: latest_state(checkpoints, len(opts)), rank0_only=True)[0]
-        found: dict[str, str] = {}
+        found: dict[str, Any] = {}
 
         def in_place(models: list[nn.Module], where: str) -> None:  # a public pre-hook: sees the resolved dir
             found["dir"] = str(where)
@@ -461,6 +494,11 @@ class CanzonaAccelerator(Accelerator):
                 if not os.path.isdir(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")):
                     raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
                                        "CanzonaAccelerator.save_state wrote")
+            # each optimizer's folder by its model's fingerprint (prepared in another order than at
+            # the save), as rank 0 reads the manifests: the same choice on every rank
+            saved = Ranks().together(lambda: [saved_fingerprint(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
+                                              for i in range(len(opts))], rank0_only=True)[0]
+            found["folders"] = match_folders([fingerprint(o) for o in opts], saved)
             for i, model in enumerate(models):
                 if self._holders(model.parameters()):
                     models[i] = _LoadInPlace(model)
@@ -476,7 +514,7 @@ class CanzonaAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         finally:
             handle.remove()
-        for i, opt in enumerate(opts):
+        for i, opt in zip(found["folders"], opts):
             load_optimizer(opt, os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
 
     @contextlib.contextmanager

@@ -48,13 +48,20 @@ def _group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def optimizer_info(opt: Any) -> dict[str, Any]:
-    """What an optimizer folder's manifest says it holds."""
-    info: dict[str, Any] = {"content": CONTENT, "optimizer": str(getattr(opt, "optimizer", ""))}
+def fingerprint(opt: Any) -> str | None:
+    """The fingerprint of the model `opt` steps (its spec's: names, shapes, roles, TP dims), or None."""
     spec = getattr(opt, "spec", None)
-    if spec is not None and hasattr(spec, "fingerprint"):
-        info["fingerprint"] = spec.fingerprint()
-        info["model"] = getattr(spec, "name", "")
+    return spec.fingerprint() if spec is not None and hasattr(spec, "fingerprint") else None
+
+
+def optimizer_info(opt: Any) -> dict[str, Any]:
+    """What an optimizer folder's manifest says it holds (the model's fingerprint: what
+    `CanzonaAccelerator.load_state` matches each optimizer's folder by)."""
+    info: dict[str, Any] = {"content": CONTENT, "optimizer": str(getattr(opt, "optimizer", ""))}
+    found = fingerprint(opt)
+    if found is not None:
+        info["fingerprint"] = found
+        info["model"] = getattr(opt.spec, "name", "")
     return info
 
 

@@ -282,6 +282,47 @@ def accelerate_dtensors(out: Path) -> dict[str, Any]:
     return result
 
 
+def two_optimizers(out: Path) -> dict[str, Any]:
+    """Two models, each with its canzona optimizer (fp32: the weights checked against the save's
+    witness), prepared (a, b, opt_a, opt_b) for save_state and, fresh, with the optimizers in the
+    other order (a, b, opt_b, opt_a) for load_state (the models in the same order: accelerate
+    matches its model files by order): whether every optimizer's state and both models' weights
+    come back bit for bit. And what `get_state_dict` of a plain (ZeRO-1, no DTensor) model gives on
+    every rank, outside save_state and inside it."""
+    from canzona.integrations import accelerate as integration
+    from canzona.spec import ModelSpec
+
+    def setup(order: tuple[int, ...]) -> tuple[Any, list, list]:
+        torch.manual_seed(0)
+        models = [_TwoLinears(), torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 4))]
+        opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": 0.02}, {"lr": 0.01})
+                for m in models]
+        accelerator = integration.CanzonaAccelerator(cpu=True)
+        prepared = accelerator.prepare(*models, *[opts[i] for i in order])
+        return accelerator, list(prepared[:2]), opts
+
+    accelerator, models, opts = setup((0, 1))
+    for model, opt, width in zip(models, opts, (16, 8)):
+        model(torch.randn(4, width, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+        opt.step()
+    states, weights = [opt_state(o) for o in opts], [params(m) for m in models]
+    whole = accelerator.get_state_dict(models[0])  # every rank, as a user calls it
+    result: dict[str, Any] = {"state dict": {k: torch.equal(v, models[0].state_dict()[k]) for k, v in whole.items()}}
+    kept = integration.own_storage
+    keeps: list[bool] = []
+    integration.own_storage = lambda state, keep=True: keeps.append(keep) or kept(state, keep)
+    try:
+        accelerator.save_state(str(out / "two_optimizers"))
+    finally:
+        integration.own_storage = kept
+    result["save_state keeps"] = keeps  # what each get_state_dict of the save kept on this rank
+    fresh, fresh_models, fresh_opts = setup((1, 0))
+    result["swapped"] = error_text(lambda: fresh.load_state(str(out / "two_optimizers")))
+    result["swapped exactly"] = [same(opt_state(o), st) and same(params(m), w)
+                                 for o, m, st, w in zip(fresh_opts, fresh_models, states, weights)]
+    return result
+
+
 # --- transformers' Trainer ------------------------------------------------------------------------
 
 
@@ -366,7 +407,8 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
 
 SCENARIOS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
-    ("accelerate dtensors", accelerate_dtensors), ("trainer", trainer_scenarios)]
+    ("accelerate dtensors", accelerate_dtensors), ("accelerate two optimizers", two_optimizers),
+    ("trainer", trainer_scenarios)]
 
 
 def main() -> None:

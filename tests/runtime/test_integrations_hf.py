@@ -429,6 +429,19 @@ def test_the_plain_frameworks_name_the_integration(ranks, name):
 # --- without processes -------------------------------------------------------------------------
 
 
+def test_optimizer_folders_are_matched_by_the_models_fingerprint():
+    """`load_state`'s choice of each optimizer's folder: by fingerprint, equal ones in order; a
+    folder without one (an older canzona's) or a model without a folder: every one by order."""
+    from canzona.integrations.accelerate import match_folders
+
+    assert match_folders(["a", "b"], ["b", "a"]) == [1, 0]
+    assert match_folders(["a", "b", "a"], ["a", "b", "a"]) == [0, 1, 2]
+    assert match_folders(["b", "a", "a"], ["a", "a", "b"]) == [2, 0, 1]
+    assert match_folders(["a", "b"], ["b", None]) == [0, 1]  # an older folder: order
+    assert match_folders(["a", "c"], ["c", "b"]) == [0, 1]  # another model: order, and the load says so
+    assert match_folders([None, "b"], ["b", "a"]) == [0, 1]
+
+
 def test_devices_are_the_same_memory_however_spelled():
     assert same_device("cpu", "cpu:0") and same_device(torch.device("cpu", 3), "cpu")
     assert not same_device("cpu", "meta")
@@ -663,6 +676,17 @@ def test_a_tp_models_save_state_keeps_it_whole_on_the_writer_only_and_load_state
     assert results[1]["kept"] == {}
     for r in results:
         assert r["load"] == "no error" and r["load gathers"] == 0 and r["differ"] == [], (r["load"], r["differ"])
+
+
+@pytest.mark.distributed
+def test_two_optimizers_prepared_in_another_order_resume_exactly(ranks):
+    """Two canzona optimizers (on two models) prepared in one order for save_state and in the other
+    for load_state: each optimizer reads its own folder, found by the model's fingerprint saved in
+    the folder's manifest, and the state and weights come back bit for bit. Before: the folders
+    were taken in order, and each optimizer was refused another model's state ("PlanError:
+    checkpoint is of model '_TwoLinears' ..., not 'Sequential'")."""
+    for r in scenario(ranks, "checkpoint accelerate two optimizers"):
+        assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
 
 
 def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_warned_of(tmp_path, one_rank):
