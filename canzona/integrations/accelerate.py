@@ -35,10 +35,12 @@ For a model whose parameters a canzona optimizer holds:
   `clip_grad_value_`;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
   accelerate's safetensors writer drops every tensor that shares storage with another, and all the
-  parameters share the optimizer's buffers. The copies are on the CPU, and only on the ranks that
-  write the files (the main process; each node's with `save_on_each_node`): elsewhere the state is
-  empty, as accelerate's FSDP2 state dict is off rank 0. A DTensor parameter (a TP model's) is
-  gathered whole, one at a time (a collective: every rank calls them, as accelerate asks), and
+  parameters share the optimizer's buffers. The copies are on the CPU; a model of plain tensors
+  (each rank holds every parameter) gets the whole state on every rank, as under DDP. A DTensor
+  parameter (a TP model's) is gathered whole, one at a time (a collective: every rank calls them,
+  as accelerate asks), and kept only on the ranks that write the files (the main process; each
+  node's with `save_on_each_node`): elsewhere the state is empty, as accelerate's FSDP2 state dict
+  is off rank 0; within `save_state` and `save_model` the other ranks copy nothing either.
   `load_state` cuts this rank's part of the file's tensor and copies it in place, with no gather;
 - `save_state` / `load_state` write and read the optimizer with `torch.distributed.checkpoint`
   (`canzona_optimizer_<i>/` beside accelerate's files): each rank writes what it holds and any DP
@@ -445,12 +447,31 @@ class CanzonaAccelerator(Accelerator):
     # --- checkpoints -------------------------------------------------------------------------
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Any:
+        """accelerate's `get_state_dict`, each tensor a CPU copy of its own (see the module's
+        docstring): the whole state on every rank for a model of plain tensors (ZeRO-1: each rank
+        holds every parameter, as under DDP); for a model of DTensors (gathered), and inside
+        `save_state` / `save_model`, only on the ranks that write the files."""
         state = super().get_state_dict(model, unwrap=unwrap)
         if state is None or not self._holders(model.parameters()):
             return state
-        # only the ranks that write the files keep the whole tensors (accelerate's `save` rule)
+        # only the ranks that write the files keep gathered tensors, or copies for a save (accelerate's `save` rule)
         writes = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
-        return own_storage(state, keep=writes)
+        gathered = any(isinstance(v, DTensor) for v in state.values())
+        return own_storage(state, keep=writes or not (gathered or getattr(self, "_canzona_saving", False)))
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        """accelerate's writers call `get_state_dict` on every rank and write from some: the others
+        copy nothing meanwhile."""
+        kept, self._canzona_saving = getattr(self, "_canzona_saving", False), True
+        try:
+            yield
+        finally:
+            self._canzona_saving = kept
+
+    def save_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with self._saving():
+            return super().save_model(model, *args, **kwargs)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Any:
@@ -466,7 +487,7 @@ class CanzonaAccelerator(Accelerator):
             opt.wait_params()  # the model files hold the step's weights, as the optimizer state does
         if output_dir is not None:  # (with automatic naming, accelerate picks a new folder)
             check_replaceable([os.path.join(str(output_dir), f"{OPTIMIZER_DIR}_{i}") for i in range(len(opts))])
-        with self._without(opts):
+        with self._without(opts), self._saving():
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         for i, opt in enumerate(opts):
             save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"))

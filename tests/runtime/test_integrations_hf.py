@@ -689,6 +689,19 @@ def test_two_optimizers_prepared_in_another_order_resume_exactly(ranks):
         assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
 
 
+@pytest.mark.distributed
+def test_get_state_dict_of_a_plain_model_is_whole_on_every_rank(ranks):
+    """`accelerator.get_state_dict(model)` of a ZeRO-1 model of plain tensors, called on every rank
+    as with DDP: the whole state on each (CPU copies of their own). Before: empty off the main
+    process, as accelerate's FSDP2 state dict. Inside save_state, where only the main process
+    writes, the other ranks still copy nothing; a TP model's (DTensor) state stays on the writer
+    only (above)."""
+    results = scenario(ranks, "checkpoint accelerate two optimizers")
+    for rank, r in enumerate(results):
+        assert r["state dict"] == {"a.weight": True, "a.bias": True, "b.weight": True, "b.bias": True}, rank
+        assert r["save_state keeps"] == [rank == 0] * 2, (rank, r["save_state keeps"])
+
+
 def test_a_config_objects_default_weight_decay_beside_another_trainer_decay_is_warned_of(tmp_path, one_rank):
     """`MuonConfig(lr=0.02, weight_decay=0.1)` (MuonConfig's default) beside the Trainer's 0.0: the
     default reads as unset, so the matrices decay at 0.0 (above), which a user who set 0.1 on purpose
