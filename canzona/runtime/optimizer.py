@@ -91,7 +91,13 @@ from canzona.runtime.groups import (
 from canzona.runtime.hf_tp import check_tp_styles
 from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
-from canzona.runtime.model_loads import LOADED_ADVICE, mark_loaded, watch_loads
+from canzona.runtime.model_loads import (
+    LOADED_ADVICE,
+    WeightVersions,
+    mark_loaded,
+    note_writes,
+    watch_loads,
+)
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
 from canzona.runtime.options import (
@@ -471,6 +477,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._model_loaded = False
         watch_loads((m for refs in holders.values() for ref, _ in refs if (m := ref()) is not None), self,
                     mark_loaded)
+        self._weight_versions = WeightVersions(self.params.values())  # and written in place (`note_writes`)
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
@@ -698,9 +705,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
             self._model_loaded = self.grads.model_loaded = False  # compared: a reuse of the check does not again
+            self._weight_versions.record()
         return check
 
     def _checked_gradients(self, max_norm: float | None) -> StepCheck:
+        note_writes(self)  # weights written in place since the last step mark it as a load does
         digest = hyper_parameters_digest(self.param_groups)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm, loaded=self._model_loaded)
@@ -890,6 +899,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             comm.log.step += 1
         for grads in self._syncs():
             grads.stepped()
+        self._weight_versions.record()  # the step's own writes (its gathers in flight stay so)
 
     def _expert_step(self) -> bool:
         """The experts' matrices this rank owns (at TP 1: computed and applied; under overlap_step

@@ -8,7 +8,7 @@ The mark is the parameter's class: `step()` swaps each `nn.Parameter` it gathers
 `__torch_function__` waits for the gathers of a pending argument, swaps it back and runs the op.
 Once a bucket has landed (a forward's pre-hook, `wait_params()`), its parameters are plain
 `nn.Parameter`s again: the forward's own ops, and everything with `overlap_param_gather=False`, never
-reach this class. What reads no values (`.grad`, shape, dtype, `requires_grad`, hooks: `zero_grad()`
+reach this class. What reads no values (`.grad`, shape, dtype, `requires_grad`, hooks, `_version`: `zero_grad()`
 right after `step()`) runs at once and keeps the gathers in flight.
 
 Only the exact class `nn.Parameter` is marked: a DTensor or a parameter class of the user's own is
@@ -44,6 +44,8 @@ _METADATA = frozenset({
     # Hugging Face's `model.dtype` / `model.device` ask the first parameter these
     Tensor.is_floating_point, Tensor.is_complex, Tensor.get_device, Tensor.nbytes.__get__,
     Tensor.itemsize.__get__,
+    # the optimizer's record of in-place writes (`model_loads.WeightVersions`), read after step()
+    Tensor._version.__get__,
 })
 
 

@@ -83,6 +83,27 @@ def test_reads_of_metadata_do_not_wait():
     assert torch.equal(p.detach(), torch.ones(4, 4)) and not gathers.in_flight  # the first read of values waits
 
 
+def test_the_optimizers_record_of_in_place_writes_does_not_wait():
+    """`step()` ends by recording the parameters' version counters (`WeightVersions`), its gathers
+    in flight: reading them lands nothing, and the gather's own landing (below the counters, as
+    the step's all-gathers write) is not taken for a write of the user's."""
+    from canzona.runtime.model_loads import WeightVersions
+
+    module = torch.nn.Linear(4, 4)
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    # into the flat buffer the parameter is linked to (its own version counter, as `link_data` leaves it)
+    gathers.launch(lambda: [Gather(module.weight.data, 1.0)])
+    versions = WeightVersions(module.parameters())
+    assert module.weight._version >= 0 and not versions.written()
+    assert gathers.in_flight and type(module.weight) is not torch.nn.Parameter
+    gathers.wait_all()
+    assert not versions.written()
+    with torch.no_grad():
+        module.weight.copy_(torch.zeros(4, 4))  # a write of the user's, through the parameter
+    assert versions.written() and not versions.written()  # seen once: each read takes the record anew
+
+
 def test_a_wait_interrupted_by_ctrl_c_is_waited_for_again_at_the_next_read():
     """A notebook's Ctrl-C during the wait leaves the gather in flight: the next read waits for it
     and sees this step's values, not last step's."""

@@ -150,8 +150,43 @@ def rank_zero_load_job(rank: int, world: int) -> dict:
         opt.step()
     before = weights(model)
     after_clip = _outcome(clipped)
+    untouched_after_clip = _same(before, weights(model))
+
+    # written in place without load_state_dict (a resume of the user's own, an EMA swap), into a model
+    # whose optimizer has not stepped yet: seen by the parameters' version counters (`WeightVersions`),
+    # compared as a load is
+    model = build_model(BASE)
+    opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+    other = build_model(replace(BASE, model_seed=3)).state_dict()
+
+    def write() -> None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(other[n])
+    compared = []
+    check = opt._check_agreement
+    opt._check_agreement = lambda *a, **k: (compared.append(k.get("weights")), check(*a, **k))[1]
+    if rank == 0:
+        write()
+    before = weights(model)
+    written_one = _outcome(lambda: step(model, opt))
+    untouched_written = _same(before, weights(model))
+    write()  # on every rank: one comparison, and the step trains the written weights
+    written_every = _outcome(lambda: step(model, opt))
+    fresh = build_model(replace(BASE, model_seed=3))
+    step(fresh, _optimizer(fresh))
+    as_written = _same(weights(model), weights(fresh))
+    comparisons = list(compared)
+    plain = [_outcome(lambda: step(model, opt)) for _ in range(2)]  # the optimizer's own writes: no comparison
+    opt.zero_grad()
+    model.loss(_batch(rank, world)).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()  # a clip, then the step: no comparison either
     return {"one rank": one_rank, "untouched": untouched, "every rank": every_rank, "as if built from them": as_built,
-            "after clip": after_clip, "untouched after clip": _same(before, weights(model))}
+            "after clip": after_clip, "untouched after clip": untouched_after_clip,
+            "written on one rank": written_one, "untouched when written": untouched_written,
+            "written on every rank": written_every, "as if built from the written": as_written,
+            "compared": comparisons, "plain steps": plain, "compared in plain steps": compared[len(comparisons):]}
 
 
 def group_disagreement_job(rank: int, world: int) -> dict:
@@ -402,6 +437,20 @@ def test_weights_loaded_on_one_rank_after_building_are_one_error_on_every_rank_b
         clipped = out["after clip"]
         assert clipped["canzona"] and "disagree on the loaded parameters" in clipped["message"], clipped
         assert out["untouched after clip"] or r == 0, (r, out)
+
+
+def test_weights_written_in_place_on_one_rank_are_one_error_on_every_rank_before_any_update(runs):
+    """`p.copy_(...)` without load_state_dict (a resume of the user's own, an EMA swap) on rank 0
+    alone: its version counters mark the step as a load does, and the ranks compare their weights.
+    Written on every rank alike: one comparison, and the step trains the written weights exactly.
+    The optimizer's own writes (steps, a clip) compare nothing."""
+    for r, out in enumerate(runs["rank zero load"]):
+        assert all(o["error"] is None for o in out["plain steps"]) and out["compared in plain steps"] == [], (r, out)
+        one = out["written on one rank"]
+        assert one["canzona"] and "disagree on the loaded parameters" in one["message"], one
+        assert "written in place" in one["message"] and out["untouched when written"], (r, out)
+        assert out["written on every rank"]["error"] is None and out["as if built from the written"], (r, out)
+        assert out["compared"] == ["loaded", "loaded"], (r, out)
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
