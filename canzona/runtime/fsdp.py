@@ -108,7 +108,13 @@ from canzona.runtime.kernels import (
     update_target,
 )
 from canzona.runtime.mesh import TP
-from canzona.runtime.model_loads import loaded_on_some_ranks, mark_loaded, watch_loads
+from canzona.runtime.model_loads import (
+    WeightVersions,
+    loaded_on_some_ranks,
+    mark_loaded,
+    note_writes,
+    watch_loads,
+)
 from canzona.runtime.nonfinite import nonfinite_weights_error
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
@@ -358,6 +364,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
                      *(m for refs in self._holders.values() for ref, _ in refs if (m := ref()) is not None)],
                     self, mark_loaded)
+        self._weight_versions = WeightVersions(self.params.values())  # and written in place (`note_writes`)
         self.checked: tuple[dict[str, bool], float] | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # each gradient the kept check saw, with its version: a backward since bumps the version
@@ -515,6 +522,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         are collective calls: every rank reuses alike); step()'s own clip (`max_grad_norm`), right
         after its check, rechecks nothing. `skip_nonfinite`: a NaN / Inf norm is returned, not raised
         (GradScaler's unscale: the scaler skips that step, whatever `nonfinite` says)."""
+        note_writes(self)  # weights written in place since the last step mark it as a load does
         if self.checked is not None and recheck:
             # what changed since on this rank: the hyper-parameters, the threshold, the gradients (a
             # backward added to them, or new ones replaced them: `model.zero_grad()`, then a
@@ -626,6 +634,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if loaded.any() and not loaded.all():
             raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0)))
         self._model_loaded = False
+        self._weight_versions.record()
 
     def _grad_digest(self) -> Tensor:
         """Each local gradient's 2-norm, accumulated in fp32 (a tenth of the check's fp64 sum's time
@@ -775,6 +784,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 self._step(got)
             self.comm.log.step += 1
             self.world.log.step += 1
+            self._weight_versions.record()  # the step's own writes
         finally:
             self.checked, self._grad_scale = None, 1.0
 

@@ -719,6 +719,28 @@ def load_refusal(world: int, rank: int, only: int) -> dict:
     opt.zero_grad()
     model(small_batch(0, rank)).backward()
     out["every rank"] = outcome(opt.step)
+
+    # written in place, without load_state_dict (the parameters' version counters): through the
+    # DTensor, or into its local shard; on rank `only` alone, then on every rank
+    def write(p: torch.Tensor, q: torch.Tensor, local: bool) -> None:
+        if local:
+            p.to_local().copy_(q.to_local())
+        else:
+            p.copy_(q)
+
+    def written(ranks: tuple[int, ...], local: bool) -> dict:
+        opt.zero_grad()
+        model(small_batch(0, rank)).backward()
+        if rank in ranks:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), other.parameters()):
+                    write(p, q, local)
+        return outcome(opt.step)
+    for how, local in (("written on one rank", False), ("written locally on one rank", True)):
+        before = shards()
+        out[how] = written((only,), local)
+        out[f"{how} untouched"] = rank == only or all(torch.equal(before[n], t) for n, t in shards().items())
+        out[f"{how}, then on every rank"] = written(tuple(range(world)), local)
     return out
 
 
@@ -1206,10 +1228,24 @@ def test_fsdp_weights_loaded_on_one_rank_only_are_one_error_on_every_rank_before
     for r, out in enumerate(_small()["load-on-one-rank"]):
         for how in ("one rank", "after clip"):
             error = out[how]
-            assert error["canzona"] and "loaded (load_state_dict) since the last step on rank(s) [0] and not on " \
-                "rank(s) [1, 2]" in error["message"], (r, how, error)
+            assert error["canzona"] and "loaded (load_state_dict) or written in place since the last step on " \
+                "rank(s) [0] and not on rank(s) [1, 2]" in error["message"], (r, how, error)
             assert out[f"{how} untouched"], (r, how)
         assert out["every rank"]["error"] is None, (r, out["every rank"])
+
+
+def test_fsdp_weights_written_in_place_on_one_rank_only_are_one_error_on_every_rank_before_any_update() -> None:
+    """`p.copy_(...)` without load_state_dict on rank 0 alone, through the DTensor or into its local
+    shard (`p.to_local().copy_`): its version counters mark it as a load does, and the next step
+    refuses it on every rank, nothing updated. Written on every rank, the step runs. Before, the
+    step trained a mix of two sets of weights silently."""
+    for r, out in enumerate(_small()["load-on-one-rank"]):
+        for how in ("written on one rank", "written locally on one rank"):
+            error = out[how]
+            assert error["canzona"] and "written in place since the last step on rank(s) [0] and not on " \
+                "rank(s) [1, 2]" in error["message"], (r, how, error)
+            assert out[f"{how} untouched"], (r, how)
+            assert out[f"{how}, then on every rank"]["error"] is None, (r, how, out)
 
 
 def test_fsdp_a_model_on_the_meta_device_on_one_rank_only_is_one_error_on_every_rank_at_once() -> None:
