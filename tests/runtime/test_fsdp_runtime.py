@@ -256,7 +256,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     accumulation), and step `unreduced` zeroes with `set_to_none=False` and runs its last backward
     under it too (not turned back on for the last micro-batch). At step `unsynced_after_clip` a
     backward under `set_requires_gradient_sync(False)` comes between the clip and step(). Before step
-    `nan_weight`'s forward rank 1 writes a NaN into its shard of b.weight (the weights, not a gradient)."""
+    `nan_weight`'s forward rank 1 writes a NaN into its shard of b.weight (the weights, not a gradient;
+    through `.data`, unseen by the version counters)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -294,8 +295,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
             model.zero_grad()
         if rank == 1 and step == nan_weight:
-            with torch.no_grad():
-                model.b.weight.to_local()[0, 0] = math.nan
+            # below the version counters, as a faulty kernel or device would (a write of the user's,
+            # through the parameter, is a write on one rank only: `WeightVersions`, its own error)
+            model.b.weight.to_local().data[0, 0] = math.nan
         loss = model(small_batch(step, rank).to(model.a.weight.dtype)).float()
         (loss if amp is None else amp.scale(loss)).backward()
         named = dict(model.named_parameters())
