@@ -622,7 +622,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         dense = [p for n, p in self.params.items() if n not in self._expert_names]
         dp_facts = {**shared, "TP rank": str(self.tp_rank), f"{weights} parameters": _parameters_checksum(dense)}
         advice = {**COST_MODEL_ADVICE, **{f"{weights} {what}parameters": LOADED_ADVICE
-                                          for what in ("", "TP-replicated ", "expert ")}} \
+                                          for what in ("", "TP-replicated ", "expert ")},
+                  LOADED_MARK: LOADED_ADVICE} \
             if weights == "loaded" else COST_MODEL_ADVICE
         error = None
         if self._expert_plan is not None:
@@ -652,6 +653,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         tp_error = self.tp_comm.agreement_error({
             **shared, "DP rank": str(self.rank),
             f"{weights} TP-replicated parameters": _parameters_checksum(replicated),
+            # a load of TP-sharded weights on some TP ranks only (on every DP replica of them alike)
+            # leaves every checksum the TP ranks could compare equal: their marks are compared instead
+            **({LOADED_MARK: "yes" if self._model_loaded else "no"} if weights == "loaded" else {}),
             "data-parallel agreement check (failed on the ranks named; see their error)":
                 "failed" if error is not None else "passed"}, advice)
         error = error or tp_error
@@ -1189,6 +1193,11 @@ PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = 
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+# the TP round's fact at a comparison after a model load (`_check_agreement`): whether this rank's
+# weights were loaded or written in place since the last step (`model_loads`)
+LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on this rank since the last step"
 
 
 @torch.no_grad()

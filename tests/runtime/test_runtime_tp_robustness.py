@@ -222,6 +222,41 @@ def scheduler_on_one_tp_rank(rank: int) -> dict:
     return _outcome(lambda: _train_step(model, opt, mesh))
 
 
+def _sharded_weights_changed_on_one_tp_rank(load: bool) -> dict:
+    """A DTensor TP model's TP-sharded weights changed after a step on TP rank 0 only, alike on its
+    two DP replicas (`load`: by `model.load_state_dict` of those weights, strict=False; else written
+    in place into their local shards): every checksum the ranks compare stays equal (the DP
+    replicas of TP rank 0 hold the same new shards, the TP-replicated weights are untouched), and
+    the step trained TP rank 0's new shards with TP rank 1's old ones silently."""
+    from canzona.runtime.shards import is_dtensor
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = _mesh()
+    model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+    sharded = {n: p for n, p in model.named_parameters()
+               if is_dtensor(p) and any(pl.is_shard() for pl in p.placements)}
+    if mesh.get_local_rank("tp") == 0:
+        with torch.no_grad():
+            if load:
+                model.load_state_dict({n: p.detach() + 1.0 for n, p in sharded.items()}, strict=False)
+            else:
+                opt.wait_params()  # the step's gathers land first (a DTensor is not marked pending)
+                for p in sharded.values():
+                    p.to_local().add_(1.0)
+    return _outcome(lambda: _train_step(model, opt, mesh))
+
+
+def sharded_load_on_one_tp_rank(rank: int) -> dict:
+    return _sharded_weights_changed_on_one_tp_rank(load=True)
+
+
+def sharded_write_on_one_tp_rank(rank: int) -> dict:
+    return _sharded_weights_changed_on_one_tp_rank(load=False)
+
+
 def _state_key_edit(on_every_rank: bool) -> dict:
     """SOAP's max_precond_dim edited in param_groups after a step (48: one-sided factors of the
     64-wide matrices, other state than the plan priced), on every rank or on the last only."""
@@ -489,6 +524,12 @@ JOBS = {
     "backward_without_zero_grad": (CanzonaError, "onto the last step's: call optimizer.zero_grad() or "
                                                  "model.zero_grad() between steps"),
     # no backward ran: before, the message above ("backward would accumulate ...")
+    # TP rank 0's sharded weights loaded (or written in place) on both its DP replicas alike: the TP
+    # ranks' marks disagree (before: trained silently)
+    "sharded_load_on_one_tp_rank": (PlanError, "ranks disagree on the mark of weights loaded (load_state_dict) or "
+                                               "written in place on this rank since the last step"),
+    "sharded_write_on_one_tp_rank": (PlanError, "ranks disagree on the mark of weights loaded (load_state_dict) or "
+                                                "written in place on this rank since the last step"),
     "step_twice": (CanzonaError, "step() was called again with no backward since the last step(): the gradient of "),
 }
 
