@@ -74,3 +74,24 @@ def test_the_optimizers_own_writes_mark_nothing_and_a_write_is_one_comparison(on
     step()
     assert not opt._model_loaded and compared == (["loaded"] if layout == "zero1" else [])
     assert not all(torch.equal(a, b) for a, b in zip(written.values(), _weights(model).values()))
+
+
+def test_grad_scaler_and_clips_mark_nothing(one_rank):
+    """GradScaler's unscale_ and step, and opt.clip_grad_norm_, touch the gradients only: no
+    comparison under ZeRO-1 (a false mark would cost one at every step)."""
+    from tests.runtime.test_runtime_habits import _batches
+
+    model, opt, _ = LAYOUTS["zero1"]()
+    compared = []
+    check = opt._check_agreement
+    opt._check_agreement = lambda *a, **k: (compared.append(k.get("weights")), check(*a, **k))[1]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for k, tokens in enumerate(_batches(0, 1)[:2]):
+        opt.zero_grad()
+        scaler.scale(model.loss(tokens)).backward()
+        if k:
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(1e-3)
+        scaler.step(opt)
+        scaler.update()
+    assert compared == [] and not opt._model_loaded and scaler.get_scale() == 2.0 ** 4
