@@ -11,9 +11,10 @@ parameter gets a `load_state_dict` post-hook (torch runs it for each module the 
 marks the optimizer, and the next step check carries the mark to every rank of the cluster
 (`GradientSync.prepare`'s `loaded`), where the ranks compare their weights again before anything
 is updated. Under FSDP2 each rank holds its own shards, so their checksums cannot be compared: a
-load that marks some ranks and not the others is refused (`loaded_on_some_ranks`). Under TP, each TP rank's sharded weights are compared
-across its DP replicas, and the TP ranks of a DP rank must agree on whether they were marked: a load
-of TP-sharded weights on some TP ranks only cannot be seen in any checksum they could compare.
+load that marks some ranks and not the others is refused (`loaded_on_some_ranks`). Under ZeRO-1
+with TP, each TP rank's sharded weights are compared across its DP replicas, and the TP ranks of a
+DP rank must agree on whether they were marked: a load of TP-sharded weights on some TP ranks only
+(alike on their DP replicas) leaves every checksum they could compare equal.
 
 Weights written in place without `load_state_dict` (`with torch.no_grad(): p.copy_(t)` on rank 0
 only: a resume of the user's own, an EMA swap) are seen by their version counters
@@ -37,9 +38,8 @@ from canzona.runtime.param_gather import Hook
 from canzona.runtime.shards import is_dtensor
 
 LOADED_ADVICE = ("the model's weights were loaded (load_state_dict) or written in place on some ranks since the last "
-                 "step, or differ "
-                 "between the ranks: load them on every rank (under TP each rank its own shards), or, for whole or "
-                 "DTensor parameters, broadcast rank 0's (torch.distributed.checkpoint.state_dict.set_model_state_dict("
+                 "step, or differ between the ranks: load them on every rank (under TP each rank its own shards), "
+                 "or, for whole or DTensor parameters, broadcast rank 0's (torch.distributed.checkpoint.state_dict.set_model_state_dict("
                  "model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))")
 
 
@@ -48,8 +48,8 @@ def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
     model would train a mix of two sets of weights, and no checksum of the ranks' weights can say
     so (they differ by design)."""
     return (f"the model's weights were loaded (load_state_dict) or written in place since the last step on rank(s) "
-            f"{loaded} and not on "
-            f"rank(s) {others}: each rank holds its own shards of them, so the model now mixes two sets of weights. "
+            f"{loaded} and not on rank(s) {others}: each rank holds its own shards of them, so the model now mixes "
+            "two sets of weights. "
             "Load them on every rank (torch.distributed.checkpoint.state_dict.set_model_state_dict, with "
             "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
 
@@ -61,9 +61,9 @@ def mark_loaded(owner: object) -> None:
 
 class WeightVersions:
     """The parameters' version counters, summed: one integer that any in-place write through a
-    parameter (or a view of it, a DTensor's local tensor) moves. About 60 ns a parameter (a DTensor: 160), read
-    at each step check and after each step; reading `_version` keeps a pending parameter's gathers in
-    flight (`pending_params._METADATA`).
+    parameter (or a view of it, a DTensor's local tensor) moves. About 60 ns a parameter on CPU (a
+    DTensor's ~160), read at each step check and after each step; reading `_version` keeps a
+    pending parameter's gathers in flight (`pending_params._METADATA`).
 
     A DTensor's in-place op moves the wrapper's counter, a write into `to_local()` its local
     tensor's: both are summed. FSDP2 may put another local tensor in place (re-padded at its lazy
