@@ -35,8 +35,9 @@ For a model whose parameters a canzona optimizer holds:
   `clip_grad_value_`;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
   accelerate's safetensors writer drops every tensor that shares storage with another, and all the
-  parameters share the optimizer's buffers. The copies are on the CPU; a model of plain tensors
-  (each rank holds every parameter) gets the whole state on every rank, as under DDP. A DTensor
+  parameters share the optimizer's buffers. The copies are on the CPU, on the ranks that write
+  the files; a model of plain tensors (each rank holds every parameter) gets its parameters
+  themselves on the other ranks, as accelerate gives under DDP (no host copy per rank). A DTensor
   parameter (a TP model's) is gathered whole, one at a time (a collective: every rank calls them,
   as accelerate asks), and kept only on the ranks that write the files (the main process; each
   node's with `save_on_each_node`): elsewhere the state is empty, as accelerate's FSDP2 state dict
@@ -447,17 +448,23 @@ class CanzonaAccelerator(Accelerator):
     # --- checkpoints -------------------------------------------------------------------------
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Any:
-        """accelerate's `get_state_dict`, each tensor a CPU copy of its own (see the module's
-        docstring): the whole state on every rank for a model of plain tensors (ZeRO-1: each rank
-        holds every parameter, as under DDP); for a model of DTensors (gathered), and inside
-        `save_state` / `save_model`, only on the ranks that write the files."""
+        """accelerate's `get_state_dict` (see the module's docstring): on the ranks that write the
+        files, each tensor a CPU copy of its own; elsewhere, for a model of plain tensors (ZeRO-1:
+        each rank holds every parameter) the parameters themselves, as accelerate gives under DDP
+        (no host copy of the whole model on every rank of a node), and for a model of DTensors
+        (gathered), or inside `save_state` / `save_model`, nothing."""
+        holders = self._holders(model.parameters())
+        for opt in holders:  # the step's weights, not an all-gather still landing in them
+            opt.wait_params()
         state = super().get_state_dict(model, unwrap=unwrap)
-        if state is None or not self._holders(model.parameters()):
+        if state is None or not holders:
             return state
         # only the ranks that write the files keep gathered tensors, or copies for a save (accelerate's `save` rule)
         writes = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
         gathered = any(isinstance(v, DTensor) for v in state.values())
-        return own_storage(state, keep=writes or not (gathered or getattr(self, "_canzona_saving", False)))
+        if not (writes or gathered or getattr(self, "_canzona_saving", False)):
+            return state
+        return own_storage(state, keep=writes)
 
     @contextlib.contextmanager
     def _saving(self) -> Iterator[None]:
@@ -511,15 +518,20 @@ class CanzonaAccelerator(Accelerator):
 
         def in_place(models: list[nn.Module], where: str) -> None:  # a public pre-hook: sees the resolved dir
             found["dir"] = str(where)
-            for i in range(len(opts)):  # before anything is loaded
-                if not os.path.isdir(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")):
-                    raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
-                                       "CanzonaAccelerator.save_state wrote")
+
+            def folders_there() -> None:  # before anything is loaded; a rank that lacks one fails every rank
+                for i in range(len(opts)):
+                    if not os.path.isdir(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}")):
+                        raise CanzonaError(f"{found['dir']} holds no {OPTIMIZER_DIR}_{i}/: load a checkpoint that "
+                                           "CanzonaAccelerator.save_state wrote")
+
+            Ranks().together(folders_there)
             # each optimizer's folder by its model's fingerprint (prepared in another order than at
             # the save), as rank 0 reads the manifests: the same choice on every rank
             saved = Ranks().together(lambda: [saved_fingerprint(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
                                               for i in range(len(opts))], rank0_only=True)[0]
             found["folders"] = match_folders([fingerprint(o) for o in opts], saved)
+            self._check_schedulers_follow(found["folders"], opts)
             for i, model in enumerate(models):
                 if self._holders(model.parameters()):
                     models[i] = _LoadInPlace(model)
@@ -537,6 +549,24 @@ class CanzonaAccelerator(Accelerator):
             handle.remove()
         for i, opt in zip(found["folders"], opts):
             load_optimizer(opt, os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
+
+    def _check_schedulers_follow(self, folders: list[int], opts: list[DistributedOptimizer]) -> None:
+        """accelerate loads `scheduler_<i>.bin` by prepare order: where the canzona optimizers take
+        their folders in another order than they were prepared in (`folders`), a scheduler of one
+        of them would take another optimizer's schedule (its base rates, its step count) silently.
+        Refused, alike on every rank (`folders` is rank 0's choice), before anything is loaded."""
+        if folders == list(range(len(opts))):
+            return
+        ids = {id(o) for o in opts}
+        for sched in getattr(self, "_schedulers", []):
+            inner = getattr(sched, "scheduler", sched)
+            wrapped = [getattr(inner, "optimizer", None), *getattr(sched, "optimizers", [])]
+            if any(id(canzona_optimizer(o)) in ids for o in wrapped if o is not None):
+                raise CanzonaError(
+                    f"the canzona optimizers were prepared in another order than at the save (they read the "
+                    f"folders {OPTIMIZER_DIR}_{folders}), and accelerate loads the learning-rate schedulers by "
+                    "prepare order, so a scheduler would take another optimizer's schedule: prepare the "
+                    "optimizers and their schedulers in the order of the save")
 
     @contextlib.contextmanager
     def _without(self, opts: list[DistributedOptimizer]) -> Iterator[None]:

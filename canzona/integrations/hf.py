@@ -388,7 +388,8 @@ class CanzonaTrainer(Trainer):
         ratio to the AdamW rate, which is what the two rates were tuned as; the `min_lr` named in
         the arguments is a rate of `learning_rate`, whose parameters the plain Trainer would step."""
         opt = canzona_optimizer(self.optimizer if optimizer is None else optimizer)
-        if self.lr_scheduler is not None or opt is None:
+        if self.lr_scheduler is not None or opt is None or self._group_index(opt, "adamw") is None:
+            # (no AdamW group: the rate that would set the floor steps nothing; the matrix rate does)
             return super().create_scheduler(num_training_steps, optimizer)
         kept = opt.defaults["lr"]
         opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
@@ -407,12 +408,17 @@ class CanzonaTrainer(Trainer):
         self._adamw_rate = self._group_rate("adamw")
         return rate
 
+    @staticmethod
+    def _group_index(opt: DistributedOptimizer, kind: str) -> int | None:
+        """The index of `opt`'s first group of `kind`; None where it has none."""
+        return next((i for i, g in enumerate(opt.param_groups) if g.get("kind") == kind), None)
+
     def _group_rate(self, kind: str) -> float | None:
         """The rate of the canzona optimizer's first group of `kind`, read as transformers reads the
         first group's (the scheduler's last rates; a plateau scheduler's group itself); None where
         there is no such group."""
         opt = canzona_optimizer(self.optimizer)
-        index = None if opt is None else next((i for i, g in enumerate(opt.param_groups) if g.get("kind") == kind), None)
+        index = None if opt is None else self._group_index(opt, kind)
         if index is None:
             return None
         plateau = tuple(t for t in (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR) if t is not None)

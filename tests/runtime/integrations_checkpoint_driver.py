@@ -292,13 +292,14 @@ def two_optimizers(out: Path) -> dict[str, Any]:
     from canzona.integrations import accelerate as integration
     from canzona.spec import ModelSpec
 
-    def setup(order: tuple[int, ...]) -> tuple[Any, list, list]:
+    def setup(order: tuple[int, ...], schedulers: bool = False) -> tuple[Any, list, list]:
         torch.manual_seed(0)
         models = [_TwoLinears(), torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 4))]
         opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": 0.02}, {"lr": 0.01})
                 for m in models]
         accelerator = integration.CanzonaAccelerator(cpu=True)
-        prepared = accelerator.prepare(*models, *[opts[i] for i in order])
+        scheds = [torch.optim.lr_scheduler.LambdaLR(opts[i], lambda step: 1.0) for i in order] if schedulers else []
+        prepared = accelerator.prepare(*models, *[opts[i] for i in order], *scheds)
         return accelerator, list(prepared[:2]), opts
 
     accelerator, models, opts = setup((0, 1))
@@ -308,6 +309,8 @@ def two_optimizers(out: Path) -> dict[str, Any]:
     states, weights = [opt_state(o) for o in opts], [params(m) for m in models]
     whole = accelerator.get_state_dict(models[0])  # every rank, as a user calls it
     result: dict[str, Any] = {"state dict": {k: torch.equal(v, models[0].state_dict()[k]) for k, v in whole.items()}}
+    ptrs = {p.data_ptr() for p in models[0].parameters()}
+    result["state dict copied"] = [v.data_ptr() not in ptrs for v in whole.values()]
     kept = integration.own_storage
     keeps: list[bool] = []
     integration.own_storage = lambda state, keep=True: keeps.append(keep) or kept(state, keep)
@@ -320,6 +323,11 @@ def two_optimizers(out: Path) -> dict[str, Any]:
     result["swapped"] = error_text(lambda: fresh.load_state(str(out / "two_optimizers")))
     result["swapped exactly"] = [same(opt_state(o), st) and same(params(m), w)
                                  for o, m, st, w in zip(fresh_opts, fresh_models, states, weights)]
+    # accelerate loads schedulers by prepare order: swapped optimizers with schedulers are refused
+    scheduled, scheduled_models, _ = setup((1, 0), schedulers=True)
+    before = params(scheduled_models[0])
+    result["swapped with schedulers"] = error_text(lambda: scheduled.load_state(str(out / "two_optimizers")))
+    result["swapped with schedulers untouched"] = same(params(scheduled_models[0]), before)
     return result
 
 

@@ -687,18 +687,25 @@ def test_two_optimizers_prepared_in_another_order_resume_exactly(ranks):
     checkpoint is of model '_TwoLinears' ..., not 'Sequential'")."""
     for r in scenario(ranks, "checkpoint accelerate two optimizers"):
         assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
+        # with their schedulers, which accelerate loads by prepare order: each scheduler would take
+        # the other optimizer's schedule silently (found by the review), so one error before any load
+        assert "prepared in another order than at the save" in r["swapped with schedulers"], r["swapped with schedulers"]
+        assert r["swapped with schedulers untouched"]
 
 
 @pytest.mark.distributed
 def test_get_state_dict_of_a_plain_model_is_whole_on_every_rank(ranks):
     """`accelerator.get_state_dict(model)` of a ZeRO-1 model of plain tensors, called on every rank
-    as with DDP: the whole state on each (CPU copies of their own). Before: empty off the main
-    process, as accelerate's FSDP2 state dict. Inside save_state, where only the main process
-    writes, the other ranks still copy nothing; a TP model's (DTensor) state stays on the writer
-    only (above)."""
+    as with DDP: the whole state on each. Before: empty off the main process, as accelerate's FSDP2
+    state dict. The writing rank gets CPU copies of their own (safetensors drops tensors that share
+    storage); the others the parameters themselves, as accelerate gives under DDP, not one host copy
+    of the model per rank (found by the review). Inside save_state, where only the main process
+    writes, the other ranks copy nothing; a TP model's (DTensor) state stays on the writer only
+    (above)."""
     results = scenario(ranks, "checkpoint accelerate two optimizers")
     for rank, r in enumerate(results):
         assert r["state dict"] == {"a.weight": True, "a.bias": True, "b.weight": True, "b.bias": True}, rank
+        assert r["state dict copied"] == [rank == 0] * 4, (rank, r["state dict copied"])
         assert r["save_state keeps"] == [rank == 0] * 2, (rank, r["save_state keeps"])
 
 
@@ -767,6 +774,18 @@ def test_a_schedules_absolute_floor_is_the_adamw_rates(tmp_path, one_rank):
         assert min(s["adamw"] for s in decay) == floor, (kind, seen)
         assert min(s["matrix"] for s in decay) == pytest.approx(matrix_lr * floor / lr, rel=1e-15), (kind, seen)
         del trainer, opt, scheduler  # one optimizer per model
+    # no AdamW group (bias-free matrices only): the floor is the matrix rate's, as the plain Trainer
+    # would take it of the only rate that steps. Before (review): of the unused learning_rate, 5e-5,
+    # so polynomial refused lr_end 1e-4 as "must be smaller than initial lr" beside a 0.02 rate
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=5e-5,
+                             lr_scheduler_type="polynomial", lr_scheduler_kwargs={"lr_end": floor}, warmup_steps=1)
+    opt = CanzonaTrainer(model=model, args=args, matrix_config={"lr": matrix_lr}).create_optimizer()
+    assert {g["kind"] for g in opt.param_groups} == {"matrix"}
+    scheduler = CanzonaTrainer(model=model, args=args, optimizers=(opt, None)).create_scheduler(steps, opt)
+    for _ in range(steps + 1):
+        scheduler.step()
+    assert {g["lr"] for g in opt.param_groups} == {floor}
 
 
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
