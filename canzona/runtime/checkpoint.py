@@ -640,14 +640,17 @@ def read_state_together(opt: Described, state_dict: Mapping[str, Any], comms: li
     return read
 
 
-def agree(comms: list[Comm | None], error: CanzonaError | None, digest: bytes, call: str, differ: str) -> None:
+def agree(comms: list[Comm | None], error: Exception | None, digest: bytes, call: str, differ: str) -> None:
     """One small all-gather in each group of `comms` of whether this rank refused what it is loading
     and of a digest of it (what every rank of the group must have alike); raise on every rank if
-    any refused (its own error there) or the digests differ (`differ` says how), else return.
-    Collective, bounded by the groups' timeouts; every rank joins every group's round, so none is
-    left waiting."""
+    any refused (its own error there: a refusal, or an unexpected exception in its checks, which
+    the others name by its type and first line) or the digests differ (`differ` says how), else
+    return. Collective, bounded by the groups' timeouts; every rank joins every group's round, so
+    none is left waiting."""
     word = int.from_bytes(hashlib.sha256(digest).digest()[:8], "little", signed=True)
-    cause = None if error is None else str(error)  # what the first refusal said, carried to every rank
+    # what the first refusal said, carried to every rank
+    cause = None if error is None else str(error) if isinstance(error, CanzonaError) else \
+        f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
     for comm in (c for c in comms if c is not None):
         try:
             table = comm.all_gather_values(torch.tensor([int(error is not None), word]), f"{call} check")
@@ -1523,10 +1526,19 @@ def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapp
     weights' witness: another save's differs) alike on each. Before, ranks given folders of two
     saves (a path that differs by rank, `latest_checkpoint` looked up on each while a save landed)
     each loaded their own pieces of their own, silently mixing the saves. And none read a NaN or
-    Inf in what it read of the state (`state`, its own pieces), which every rank then refuses."""
-    refused = nonfinite_state_error(state.items())
-    agree(comms, None if refused is None else CheckpointError(refused),
-          json.dumps(meta, sort_keys=True, default=_json_scalar).encode(), "load_sharded_state_dict()",
+    Inf in what it read of the state (`state`, its own pieces), which every rank then refuses. An
+    exception in those checks on one rank (a bug, a dtype the reduction cannot read) is raised
+    there and named on the others at once, in the same round (before, it was raised outside it:
+    the others waited in it until timeout_s, and the group broke)."""
+    error: Exception | None = None
+    digest = b""
+    try:
+        refused = nonfinite_state_error(state.items())
+        error = None if refused is None else CheckpointError(refused)
+        digest = json.dumps(meta, sort_keys=True, default=_json_scalar).encode()
+    except Exception as e:  # noqa: BLE001 - spread to every rank by `agree`, raised here as it is
+        error = e
+    agree(comms, error, digest, "load_sharded_state_dict()",
           "read another checkpoint than this rank (their optimizer metadata differ): every rank must load the "
           "same save")
 

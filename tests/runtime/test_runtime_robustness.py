@@ -104,6 +104,36 @@ def double_sync_job(rank: int, world: int) -> dict:
     return out
 
 
+def load_failure_job(rank: int, world: int, folder: str) -> dict:
+    """Every rank saves a sharded checkpoint and loads it back, rank 1's finiteness check of the
+    state it read failing (a RuntimeError standing in for a bug, or a dtype it cannot reduce)."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime import checkpoint
+
+    spec = TrainSpec(global_batch=2 * world)
+    model = build_model(spec)
+    opt = _optimizer(model, timeout_s=5.0)
+    model.loss(micro_batches(global_batches(spec, 256)[0], rank, world, 1)[0]).backward()
+    opt.step()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=folder)
+
+    def broken(state):
+        raise RuntimeError("the finiteness check failed on rank 1")
+
+    real = checkpoint.nonfinite_state_error
+    if rank == 1:
+        checkpoint.nonfinite_state_error = broken
+    start = time.monotonic()
+    try:
+        out = _outcome(lambda: opt.load_sharded_state_dict(folder))
+    finally:
+        checkpoint.nonfinite_state_error = real
+    out["elapsed_s"] = time.monotonic() - start
+    out["healthy"] = _group_is_healthy(world)
+    return out
+
+
 # --- failures: a rank that dies or never joins -----------------------------------------------
 
 
@@ -367,6 +397,7 @@ def main_group(plan_file: str) -> dict:
     jobs += [(("branchy", p), "branchy_job", (p,)) for p in BRANCHY_POLICIES]
     jobs += [(("log",) + key, "log_job", (spec,)) for key, spec in LOG_SPECS.items()]
     jobs += [(("spy", acc), "launch_spy_job", (acc,)) for acc in (1, 2)]
+    jobs += [(("load failure",), "load_failure_job", (str(Path(plan_file).parent / "load-failure"),))]
     try:
         results = run_ranks(jobs_worker, MAIN_DP, [(fn, args) for _, fn, args in jobs],
                             deadline_s=DEADLINE_S, collective_timeout_s=60)
@@ -425,6 +456,20 @@ def test_an_unexpected_failure_on_one_rank_at_construction_is_one_error_on_every
     for r in (0, 2, 3):
         message = outs[r]["message"]
         assert outs[r]["is_canzona"] and "DP rank(s) [1] refused" in message, message
+    assert all(out["healthy"] for out in outs)
+
+
+def test_an_unexpected_failure_in_the_sharded_loads_checks_on_one_rank_is_one_error_on_every_rank_at_once(group):
+    """`load_sharded_state_dict`, rank 1's finiteness check of what it read raising (not a
+    refusal): it raises its own error, the others one naming it, at once (the load's timeout_s is
+    5 s), and every rank issued the same collectives. Before, the check and the digest ran outside
+    the agreement's try: rank 1 raised alone, the others waited in the agreement until timeout_s."""
+    outs = group[("load failure",)]
+    assert outs[1]["type"] == "RuntimeError" and "failed on rank 1" in outs[1]["message"], outs[1]
+    for r in (0, 2, 3):
+        message = outs[r]["message"]
+        assert outs[r]["is_canzona"] and "rank(s) [1]" in message and "failed on rank 1" in message, message
+    assert all(out["elapsed_s"] < 2.0 for out in outs), [out["elapsed_s"] for out in outs]
     assert all(out["healthy"] for out in outs)
 
 
