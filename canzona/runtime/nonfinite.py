@@ -8,7 +8,7 @@ weights)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -21,18 +21,31 @@ if TYPE_CHECKING:
 
 K = TypeVar("K")
 
+# The state fields that may hold +Inf (never NaN or -Inf): second moments whose step takes it as
+# torch's AdamW does, sqrt(+Inf) in the denominator making that element's update 0, finite.
+# torch.optim.AdamW keeps such an exp_avg_sq (a pure-fp16 state, `master_weights=False`, whose
+# (1 - beta2) g^2 overflowed), and canzona's AdamW steps on from it bit for bit as torch's
+# (tests/runtime/test_nonfinite_state.py); SOAP's (rotated) and Shampoo's grafting `exp_avg_sq`
+# stay finite and equal their references alike (tests/reference/test_kernels_reference.py). Not
+# NorMuon's `second_moment`: its `lerp_` turns +Inf into NaN (inf + w (x - inf)), refused as any
+# other field's non-finite value.
+SECOND_MOMENTS = frozenset({"exp_avg_sq"})
 
-def first_nonfinite(named: Iterable[tuple[K, Tensor]]) -> K | None:
-    """The key of the first floating tensor of `named` that holds a NaN or an Inf, or None: one
-    reduction per tensor, its least and greatest element (`aminmax`, which propagates NaN; a
-    twentieth of `isfinite(t).all()`'s time on the CPU, which writes a mask of the tensor first),
-    in fp64 (no overflow), read by the host once per device, not per tensor."""
+
+def first_nonfinite(named: Iterable[tuple[K, Tensor]], plus_inf: Callable[[K], bool] = lambda key: False) -> K | None:
+    """The key of the first floating tensor of `named` that holds a NaN or an Inf (of a key for
+    which `plus_inf` is true: a NaN or -Inf), or None: one reduction per tensor, its least and
+    greatest element (`aminmax`, which propagates NaN; a twentieth of `isfinite(t).all()`'s time
+    on the CPU, which writes a mask of the tensor first), in fp64 (no overflow), read by the host
+    once per device, not per tensor."""
     found: dict[torch.device, tuple[list[K], list[Tensor]]] = {}
     for key, t in named:
         if t.is_floating_point() and t.numel():
             keys, ends = found.setdefault(t.device, ([], []))
             keys.append(key)
-            ends.append(torch.stack(torch.aminmax(_row_major(t.detach()))).double())
+            least, greatest = torch.aminmax(_row_major(t.detach()))
+            # +Inf allowed: the least element alone (a NaN anywhere makes it NaN, -Inf is -Inf)
+            ends.append(torch.stack((least, least if plus_inf(key) else greatest)).double())
     for keys, ends in found.values():
         finite = torch.isfinite(torch.stack(ends)).all(dim=1).cpu()
         if not bool(finite.all()):
@@ -72,7 +85,8 @@ def nonfinite_weights_error(weights: Sequence[tuple[str, Tensor]], norm: float,
 
 def nonfinite_state_error(state: Iterable[tuple[str, dict]]) -> str | None:
     """A message naming the first parameter and field of an optimizer state by name (its entries,
-    fp32 masters included) whose floating value (tensor or number) is not finite, or None."""
+    fp32 masters included) whose floating value (tensor or number) is not finite (a second
+    moment's, `SECOND_MOMENTS`: NaN or -Inf; +Inf is its legitimate overflow), or None."""
     tensors: list[tuple[tuple[str, str], Tensor]] = []
     bad: tuple[str, str] | None = None
     for name, entry in state:
@@ -81,9 +95,11 @@ def nonfinite_state_error(state: Iterable[tuple[str, dict]]) -> str | None:
                 tensors.append(((name, field), value))
             elif isinstance(value, float) and not math.isfinite(value):  # a step count as a float
                 bad = bad or (name, field)
-    bad = bad or first_nonfinite(tensors)
+    bad = bad or first_nonfinite(tensors, lambda key: key[1] in SECOND_MOMENTS)
     if bad is None:
         return None
-    return (f"optimizer state of {bad[0]!r} is damaged: its {bad[1]!r} holds NaN or Inf (a damaged or hand-edited "
+    # a second moment may hold +Inf (`SECOND_MOMENTS`)
+    held = "NaN or -Inf" if bad[1] in SECOND_MOMENTS else "NaN or Inf"
+    return (f"optimizer state of {bad[0]!r} is damaged: its {bad[1]!r} holds {held} (a damaged or hand-edited "
             "checkpoint; torch's optimizers load it silently, and the next step writes NaN into the weights): "
             "nothing was loaded")

@@ -96,6 +96,100 @@ def test_a_nan_in_a_loaded_state_is_refused_naming_the_parameter_and_field(one_r
     assert all(bool(torch.isfinite(w).all()) for w in _weights(model).values())
 
 
+@pytest.mark.parametrize("field, value", [("exp_avg_sq", math.nan), ("exp_avg_sq", -math.inf),
+                                          ("exp_avg", math.inf)], ids=["nan-second", "minus-inf-second", "inf-first"])
+def test_a_second_moment_may_hold_plus_inf_alone_every_other_non_finite_value_is_refused(one_rank, field, value):
+    """+Inf is a second moment's value that torch's AdamW keeps (an overflowed g^2 in a pure-fp16
+    state; `nonfinite.SECOND_MOMENTS`); NaN or -Inf there, or +Inf in a first moment, are refused
+    as before, nothing loaded."""
+    model, opt, step = _zero1()
+    damaged, name = _damaged(opt.state_dict(), field, value)
+    before, weights = opt.state_dict(), _weights(model)
+    with pytest.raises(CheckpointError) as refused:
+        opt.load_state_dict(damaged)
+    message = str(refused.value)
+    assert f"optimizer state of {name!r} is damaged: its {field!r} holds NaN or" in message, message
+    assert _same(opt.state_dict(), before) and _same(_weights(model), weights)
+
+
+def test_the_non_finite_values_each_field_may_hold():
+    """`nonfinite_state_error` alone: +Inf in `exp_avg_sq` (AdamW's, SOAP's, Shampoo's grafting
+    one: their steps stay finite and equal the references, tests/reference/test_kernels_reference.py)
+    is accepted; NorMuon's `second_moment`, whose `lerp_` turns +Inf into NaN, refuses it as every
+    other field does."""
+    from canzona.runtime.nonfinite import nonfinite_state_error
+
+    inf = torch.tensor([1.0, math.inf])
+    assert nonfinite_state_error([("w", {"exp_avg_sq": inf, "exp_avg": torch.ones(2), "step": 3})]) is None
+    for field in ("second_moment", "exp_avg", "momentum_buffer", "master", "GG_L"):
+        refused = nonfinite_state_error([("w", {field: inf})])
+        assert refused is not None and f"its {field!r} holds NaN or Inf" in refused, (field, refused)
+    for bad in (math.nan, -math.inf):
+        refused = nonfinite_state_error([("w", {"exp_avg_sq": torch.tensor([1.0, bad])})])
+        assert refused is not None and "its 'exp_avg_sq' holds NaN or -Inf" in refused, refused
+
+
+def _fp16_pair():
+    """(canzona's pure-fp16 AdamW model and optimizer, torch's, a step function for both): two
+    steps each, the second with a loss scaled so that some g^2 overflow fp16 in exp_avg_sq."""
+    from torch import nn
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)).half()
+
+    def make(m):  # eps 1e-4: fp16 cannot hold torch's 1e-8
+        return DistributedOptimizer(m.named_parameters(), ModelSpec.from_module(m), "adamw", master_weights=False,
+                                    overlap_param_gather=False, adamw_config={"eps": 1e-4})
+
+    def step(m, o, k: int, scale: float = 1.0) -> None:
+        o.zero_grad()
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k)).half()
+        (m(x).float().square().sum() * scale).backward()
+        o.step()
+
+    mine, theirs = model(), model()
+    opt, ref = make(mine), torch.optim.AdamW(theirs.parameters(), eps=1e-4)
+    for k, scale in ((0, 1.0), (1, 3000.0)):
+        step(mine, opt, k, scale)
+        step(theirs, ref, k, scale)
+    return (model, make, step), (mine, opt), (theirs, ref)
+
+
+@pytest.mark.parametrize("form", ["load_state_dict", "sharded"])
+def test_a_pure_fp16_state_whose_second_moment_overflowed_resumes_bit_for_bit_as_torch_adamw(one_rank, tmp_path,
+                                                                                             form):
+    """torch.optim.AdamW on fp16 parameters keeps an overflowed exp_avg_sq (+Inf: its element's
+    update is then exp_avg / (sqrt(inf) + eps) = 0, finite). A checkpoint of canzona's alike
+    (`master_weights=False`) resumes, and steps bit for bit as torch's. Before: refused as damaged,
+    so the run could not be resumed."""
+    import torch.distributed.checkpoint as dcp
+
+    (model, make, step), (mine, opt), (theirs, ref) = _fp16_pair()
+    assert any(bool(torch.isinf(ref.state[p]["exp_avg_sq"]).any()) for p in theirs.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), theirs.parameters()))
+    resumed = model()
+    resumed.load_state_dict(mine.state_dict())
+    again = make(resumed)
+    if form == "load_state_dict":
+        again.load_state_dict(opt.state_dict())
+    else:
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=str(tmp_path))
+        again.load_sharded_state_dict(str(tmp_path))
+    for k in (2, 3):
+        step(resumed, again, k)
+        step(theirs, ref, k)
+    for (name, a), b in zip(resumed.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all()), name
+    saved, params = again.state_dict(), dict(theirs.named_parameters())
+    names = [n for group in saved["param_names"] for n in group]
+    for key, entry in saved["state"].items():  # the overflowed elements stay +Inf, as torch's
+        assert torch.equal(entry["exp_avg_sq"], ref.state[params[names[key]]]["exp_avg_sq"]), names[key]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bf16", [False, True], ids=["state", "master"])
 def test_a_nan_in_a_sharded_checkpoint_is_refused_naming_the_parameter_and_field(one_rank, tmp_path, layout, bf16):
