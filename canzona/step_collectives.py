@@ -68,7 +68,10 @@ these records, in either style (`sim.iteration`).
 
 Differences between steps: the first step's DP log also holds, at its start, the agreement verdict
 that construction spreads over DP under TP (`first_step=True`); construction's agreement
-all-gathers of digests are not logged. Gradient accumulation changes nothing: `no_sync()`
+all-gathers of digests are not logged. A skipped step (`skipped=True`: a non-finite gradient
+norm, finite weights, `nonfinite="skip"` or GradScaler's verdict) sends after the checks the
+weights' finiteness ("non-finite weights": one word over DP, then over TP), and nothing after
+them (no exchange still to run, no parameter gather); regular steps are as listed above. Gradient accumulation changes nothing: `no_sync()`
 micro-batches launch no collective and the synchronising backward launches each bucket once (a
 bucket whose gradients did not all arrive in it is launched at the start of `step()` instead,
 same record, same order).
@@ -94,6 +97,7 @@ from dataclasses import dataclass, replace
 from canzona.choices import check_choice
 from canzona.dp.layout import BucketPlan, ceil_to, even_cuts
 from canzona.errors import SpecError
+from canzona.fsdp_collectives import WEIGHTS_CHECK
 from canzona.plan import Plan, check_plan_matches
 from canzona.spec import DTYPE_BYTES, ModelSpec, ParamSpec
 from canzona.step_policies import PARAMS_BY_OWNER, PARAMS_NONE, StepPolicy, get_step_policy
@@ -169,7 +173,8 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
                      *, tp_mode: str = PIPELINED, grad_bytes: int | None = None, param_bytes: int | None = None,
                      master_weights: bool = True, first_step: bool = False,
                      inf_norm: bool = False, clipped: bool = False, overlap_step: bool = False,
-                     experts: Experts | None = None, style: str = RUNTIME_STYLE) -> list[StepCollective]:
+                     experts: Experts | None = None, style: str = RUNTIME_STYLE,
+                     skipped: bool = False) -> list[StepCollective]:
     """Every collective rank (`dp_rank`, `tp_rank`) issues in one training step, in issue order.
 
     `spec`: the global model the plan was made for. `grad_bytes` / `param_bytes`: bytes per element
@@ -181,16 +186,24 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     (a step whose gradients clipping scales issues them again after the checks: not listed).
     `experts`: expert parallelism; `plan` and `spec` are then the dense part's
     (`canzona.experts.dense_part`), and the experts' collectives join them (`_with_experts`).
+    `skipped`: the step check found a non-finite gradient norm and finite weights, and the step
+    was skipped (`nonfinite="skip"`, or torch.amp.GradScaler's verdict): the weights' finiteness
+    after the checks (`WEIGHTS_CHECK`, one word over DP, then TP: the runtime's
+    `nonfinite.nonfinite_weights_error`), and nothing after the checks (the exchanges still to run,
+    the parameter gathers; FSDP2's alike: `fsdp_collectives`). Runtime style only.
     `style="megatron"`: the collectives each policy runs under Megatron-LM instead (`_megatron`),
     which the simulator prices by default; only the runtime's are logged."""
     check_choice(style, COLLECTIVE_STYLES, "collectives style")
+    if skipped and style != RUNTIME_STYLE:
+        raise SpecError("a skipped step's collectives are the runtime's (style='runtime'): Megatron-LM's checks "
+                        "are not listed")
     if isinstance(policy, str):
         policy = get_step_policy(policy)
     # masters when any parameter is low-precision (the runtime decides once, for both parts)
     params = (*spec.params, *(experts.spec.params if experts is not None else ()))
     master = master_weights and any(p.dtype in LOW_PRECISION for p in params)
     options = dict(tp_mode=tp_mode, grad_bytes=grad_bytes, param_bytes=param_bytes, master=master,
-                   overlap_step=overlap_step, style=style)
+                   overlap_step=overlap_step, style=style, skipped=skipped)
     # under EP the dense checks also carry the experts' got-a-gradient flags, one word per stack
     more_flags = len(experts.spec.params) if experts is not None else 0
     dense = _part(plan, spec, policy, dp_rank, tp_rank, first_step=first_step, inf_norm=inf_norm,
@@ -204,9 +217,12 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
         if expert_policy != policy:
             raise SpecError(f"the runtime runs one step policy: the experts' {expert_policy.name} is not the dense "
                             f"part's {policy.name}")
+    # skipped: the experts' check looks at no weights (the dense one looks at every rank's), and
+    # their parameter gathers are skipped as the dense part's
     own = [replace(c, group=EXPERT_GROUPS[c.group])
            for c in _part(experts.plan, experts.spec, expert_policy, experts.edp_rank, experts.etp_rank,
-                          first_step=False, inf_norm=False, clipped=False, more_flags=0, **options)]
+                          first_step=False, inf_norm=False, clipped=False, more_flags=0,
+                          **{**options, "skipped": False}) if not (skipped and c.phase == PARAMS)]
     return _with_experts(dense, own, backward_layers(plan, spec), backward_layers(experts.plan, experts.spec))
 
 
@@ -256,9 +272,11 @@ def backward_layers(plan: Plan, spec: ModelSpec) -> dict[int, int]:
 
 def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank: int, *, tp_mode: str,
           grad_bytes: int | None, param_bytes: int | None, master: bool, first_step: bool,
-          inf_norm: bool, clipped: bool, overlap_step: bool, style: str, more_flags: int) -> list[StepCollective]:
+          inf_norm: bool, clipped: bool, overlap_step: bool, style: str, more_flags: int,
+          skipped: bool = False) -> list[StepCollective]:
     """`step_collectives` of one plan (a dense model, or one part of an expert-parallel one);
-    `more_flags`: another part's parameters whose got-a-gradient flags its checks carry."""
+    `more_flags`: another part's parameters whose got-a-gradient flags its checks carry;
+    `skipped`: the step was skipped (`step_collectives`)."""
     dp, tp = plan.dp, plan.tp
     if not 0 <= tp_rank < tp:
         raise SpecError(f"tp rank {tp_rank} is outside 0..{tp - 1}")
@@ -328,6 +346,10 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
         replicated = sum(p.tp_dim is None for p in spec.params)
         out.append(check(TP_GROUP, "tp step check", 4 + flags + 2 * replicated, tp))
         out.append(check(DP_GROUP, "tp verdict", 1, dp))
+    if skipped:  # a non-finite norm: the weights' finiteness, over DP then TP (one word each)
+        out.append(check(DP_GROUP, WEIGHTS_CHECK, 1, dp))
+        if tp > 1:
+            out.append(check(TP_GROUP, WEIGHTS_CHECK, 1, tp))
     # 4. clip_grad_norm_ by the inf-norm: each rank's largest magnitude over DP, then over TP
     if inf_norm:
         out.append(check(DP_GROUP, "gradient norm", 1, dp, CLIP))
@@ -340,6 +362,8 @@ def _part(plan: Plan, spec: ModelSpec, policy: StepPolicy, dp_rank: int, tp_rank
         out.append(check(DP_GROUP, "step recheck", 4, dp))
         if tp > 1:
             out.append(check(TP_GROUP, "tp step recheck", 4, tp))
+    if skipped:  # nothing more: no update is exchanged or gathered
+        return out
     # 5. the TP schedule, after the checks (unless overlapped), less the prefetched gathers
     if not overlap_step:
         out += exchanges[prefetched:]

@@ -185,6 +185,33 @@ def test_tp_first_step_and_clipping():
         step_collectives(small_plan("alpha-balanced"), SMALL, "canzona")
 
 
+def test_a_skipped_step_looks_at_the_weights_and_sends_nothing_after_the_checks():
+    """`skipped=True` (a non-finite norm, finite weights: the step skipped): after the checks the
+    weights' finiteness, one word over DP then over TP (the runtime's `nonfinite_weights_error`),
+    before a clip's records; nothing after the checks (the TP exchanges still to run, the
+    parameter gathers); what came before them as in a regular step. The runtime's log of a
+    skipped step: tests/runtime/test_runtime_habits.py."""
+    model = ModelSpec("small-tp", (ParamSpec("embed", (16, 8), Role.EMBEDDING, tp_dim=0, dtype="fp32"),
+                                   ParamSpec("w1", (8, 16), Role.MATRIX, 0, tp_dim=0, dtype="fp32"),
+                                   ParamSpec("w2", (8, 8), Role.MATRIX, 0, tp_dim=1, dtype="fp32"),
+                                   ParamSpec("norm", (8,), Role.VECTOR, 0, dtype="fp32")))
+    plan = make_plan(model, 2, 2, "muon", "alpha-balanced", align=8)
+    weights = [("all-gather", "dp", "non-finite weights", (8, 8)), ("all-gather", "tp", "non-finite weights", (8, 8))]
+    for options in ({}, {"inf_norm": True}, {"overlap_step": True}, {"first_step": True}):
+        normal = step_collectives(plan, model, "canzona", 1, 1, **options)
+        skipped = step_collectives(plan, model, "canzona", 1, 1, skipped=True, **options)
+        at = max(k for k, c in enumerate(normal) if c.phase == CHECK and not c.name.endswith("recheck")) + 1
+        clip = [c for c in normal[at:] if c.phase == CLIP or c.name.endswith("recheck")]
+        assert skipped == normal[:at] + [c for c in skipped[at:at + 2]] + clip, options
+        assert [c.logged() for c in skipped[at:at + 2]] == weights and all(c.phase == CHECK for c in skipped[at:at + 2])
+    # DP alone: one word over DP; the Megatron style lists no checks
+    plan = small_plan("alpha-balanced")
+    assert [c.logged() for c in step_collectives(plan, SMALL, "canzona", skipped=True) if c.phase == CHECK][-1] == \
+        ("all-gather", "dp", "non-finite weights", (8, 8))
+    with pytest.raises(SpecError, match="skipped step's collectives are the runtime's"):
+        step_collectives(plan, SMALL, "canzona", skipped=True, style="megatron")
+
+
 def test_bad_arguments():
     plan = small_plan("alpha-balanced")
     with pytest.raises(SpecError, match="tp rank 1 is outside"):

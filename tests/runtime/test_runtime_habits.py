@@ -217,18 +217,27 @@ def nonfinite_job(rank: int, world: int, policy: str, what: float, weight: bool 
         with torch.no_grad():
             model.get_parameter(NAN_WEIGHT)[0, 0] = what
     before, state = _params(model), opt.state_dict()
+    records = opt.comm.log.records
+    logs = [[r for r in records if r.step == 0]]  # each step's records alone (not the state dicts')
+    start = len(records)
     opt.zero_grad()
     loss = model.loss(batches[1])
     (loss * what if rank == 1 and not weight else loss).backward()
     out = _outcome(opt.step)
+    logs.append(records[start:])
     # NaN weights equal to themselves
     out["unchanged"] = _nested_equal(_params(model), before) if weight else \
         compare(_params(model), before)["bit_identical"]
     out["state unchanged"] = _nested_equal(opt.state_dict(), state)
     out["skipped"] = opt.skipped_steps
     if out["error"] is None:  # skipped: training goes on
-        _train(model, opt, batches[2:])
+        start = len(records)
+        _train(model, opt, batches[2:3])
+        logs.append(records[start:])
         out["finite after"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        # what each step sent (the second skipped), for `step_collectives(skipped=...)`
+        out["log"] = [[(r.op, r.group, r.name, tuple(r.bytes_per_rank)) for r in log] for log in logs]
+        out["plan"], out["policy"] = opt.plan, opt.policy.name
     return out
 
 
@@ -1235,6 +1244,24 @@ def test_a_nonfinite_step_can_be_skipped_on_every_rank(runs):
     for out in runs["nan skip"]:
         assert out["error"] is None and out["skipped"] == 1, out
         assert out["unchanged"] and out["state unchanged"] and out["finite after"], out
+
+
+def test_a_skipped_steps_collectives_are_step_collectives_skipped(runs):
+    """The skipped step (rank 1's loss NaN) sends what `step_collectives(skipped=True)` lists, the
+    simulator's definition: the step check, then the weights' finiteness (one word over DP, the
+    runtime's `nonfinite_weights_error`), and nothing after (no parameter gathers); the steps
+    around it what a regular step lists. Before, step_collectives had no skipped step: the
+    weights check, which FSDP2's plan lists (`fsdp_collectives`), was missing from it."""
+    from canzona.step_collectives import step_collectives, step_records
+
+    for r, out in enumerate(runs["nan skip"]):
+        spec = build_model(BASE).spec()
+        regular = step_records(step_collectives(out["plan"], spec, out["policy"], dp_rank=r))
+        skipped = step_records(step_collectives(out["plan"], spec, out["policy"], dp_rank=r, skipped=True))
+        assert len(out["log"]) == 3
+        assert out["log"][1] == skipped, f"rank {r}"
+        assert out["log"][0] == out["log"][2] == regular, f"rank {r}"
+        assert skipped != regular
 
 
 # --- torch.amp.GradScaler -----------------------------------------------------------------------
