@@ -43,7 +43,10 @@ def first_nonfinite(named: Iterable[tuple[K, Tensor]], plus_inf: Callable[[K], b
         if t.is_floating_point() and t.numel():
             keys, ends = found.setdefault(t.device, ([], []))
             keys.append(key)
-            least, greatest = torch.aminmax(_row_major(t.detach()))
+            t = t.detach()
+            if t.element_size() == 1:  # float8, which `aminmax` cannot read: fp32 holds every value exactly
+                t = t.float()
+            least, greatest = torch.aminmax(_row_major(t))
             # +Inf allowed: the least element alone (a NaN anywhere makes it NaN, -Inf is -Inf)
             ends.append(torch.stack((least, least if plus_inf(key) else greatest)).double())
     for keys, ends in found.values():

@@ -129,6 +129,25 @@ def test_the_non_finite_values_each_field_may_hold():
         assert refused is not None and "its 'exp_avg_sq' holds NaN or -Inf" in refused, refused
 
 
+def test_a_nan_in_a_float8_field_of_a_sharded_checkpoint_is_refused_naming_it(one_rank, tmp_path):
+    """A field saved in float8 (a converter's): its finiteness checked in fp32 (exact), a NaN
+    refused naming it, nothing loaded. Before: the check's `aminmax` raised NotImplementedError
+    (float8) on each rank, naming nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = _zero1()
+    sharded = opt.sharded_state_dict()
+    key = next(k for k, v in sharded.items() if isinstance(v, torch.Tensor) and "/momentum_buffer" in k
+               and v.numel() > 1)
+    sharded[key] = sharded[key].to(torch.float8_e4m3fn)
+    sharded[key].view(-1)[0] = math.nan
+    dcp.save(sharded, checkpoint_id=str(tmp_path))
+    before = opt.state_dict()
+    with pytest.raises(CheckpointError, match="its 'momentum_buffer' holds NaN or Inf"):
+        opt.load_sharded_state_dict(str(tmp_path))
+    assert _same(opt.state_dict(), before)
+
+
 def _fp16_pair():
     """(canzona's pure-fp16 AdamW model and optimizer, torch's, a step function for both): two
     steps each, the second with a loss scaled so that some g^2 overflow fp16 in exp_avg_sq."""
