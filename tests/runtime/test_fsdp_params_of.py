@@ -23,3 +23,32 @@ def test_one_walk_finds_the_modules_holding_the_parameters_fsdp2_does_not_shard(
     assert _held_by(holders) == _held_by(param_holders(params))
     assert _held_by(holders)["0.weight"] == {(id(model[0]), "weight"), (id(model[1]), "weight")}
     assert set(holders) == {"0.weight", "0.bias", "1.bias"}
+
+
+def test_the_walk_keeps_every_module_and_the_types_asked_for_in_gcs_order():
+    """`live_modules` keeps what a look at each of gc's objects keeps (an instance of an `nn.Module`
+    subclass, a lazy module among them, or of one of the exact types asked for, not of their
+    subclasses), in gc's order; it looks at each type once instead (about 0.2 s of CPU less an
+    FSDP2 optimizer's construction in a rank), asking no object for its `__class__`."""
+    import gc
+    import warnings
+
+    from canzona.runtime.param_gather import live_modules
+
+    class Record:
+        pass
+
+    class Derived(Record):
+        pass
+
+    alive = [nn.Sequential(nn.Linear(2, 2)), nn.LazyLinear(3), Record(), Derived()]
+    gc.disable()  # no collection between the two walks: gc's order stays
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # lazy modules and deprecated proxies warn when asked for __class__
+            got = live_modules(Record)
+        want = [o for o in gc.get_objects() if issubclass(type(o), nn.Module) or type(o) is Record]
+    finally:
+        gc.enable()
+    assert [id(o) for o in got] == [id(o) for o in want]
+    assert {id(o) for o in (*alive[:3], *alive[0])} <= {id(o) for o in got} and id(alive[3]) not in map(id, got)
