@@ -1512,7 +1512,6 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
-    state = as_state_dtypes(opt, state)
     agree_on_save(meta, own_comms(opt), state)
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
@@ -1520,41 +1519,6 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     load_by_name(opt, meta, meta.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
     opt.loaded_witness = witness_to_check(meta.get(WITNESS_KEY), stepped_names) if check_weights is None else None
-
-
-def as_state_dtypes(opt: Described, state: Mapping[str, dict]) -> dict[str, dict]:
-    """A sharded checkpoint's state (`read_sharded`'s, by parameter or matrix name) with every
-    floating field saved in another dtype cast to the one the state keeps it in (a template's, as
-    `checked_entries` casts the full form's, and torch.optim's load to the parameter's); masters
-    are cast to fp32 where they are placed. Before, kept as saved: a bf16 momentum in an fp32
-    state failed the next step (lerp_ of an fp32 gradient into it, mid-step), a float8 one the
-    next state_dict()."""
-    group_of = _group_of(opt)
-    specs = {m.name: m for p in opt.spec.params for m in (p, *stacked_matrices(p))}
-    templates: dict[tuple[int, tuple[int, ...], torch.dtype], dict[str, Any]] = {}
-    out: dict[str, dict] = {}
-    for name, entry in state.items():
-        floating = {f for f, v in entry.items() if f != "master" and isinstance(v, Tensor) and v.is_floating_point()}
-        spec = specs.get(name)
-        if not floating or spec is None or name not in group_of:
-            out[name] = dict(entry)
-            continue
-        g = group_of[name]
-        try:  # a parameter no buffer of this rank holds (another EP rank's experts): placed nowhere here
-            dtype = opt.state_dtype(spec.stacked_in[0] if spec.stacked_in else name)
-        except (AttributeError, KeyError):
-            out[name] = dict(entry)
-            continue
-        key = (g, tuple(spec.shape), dtype)
-        if key not in templates:
-            with torch.device("meta"):
-                like = torch.zeros(key[1], dtype=key[2])
-                templates[key] = adamw_state(like) if opt.param_groups[g]["kind"] == "adamw" else \
-                    initial_state(opt.optimizer, like, opt.group_config(g))
-        want = templates[key]
-        out[name] = {f: v.to(want[f].dtype) if f in floating and isinstance(want.get(f), Tensor)
-                     and want[f].is_floating_point() and want[f].dtype != v.dtype else v for f, v in entry.items()}
-    return out
 
 
 def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapping[str, dict]) -> None:

@@ -31,7 +31,6 @@ from canzona.runtime.checkpoint import (
     _overlaps,
     _to_cpu,
     agree_on_save,
-    as_state_dtypes,
     check_loaded_weights,
     check_same_save,
     full_state,
@@ -262,7 +261,7 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
             needs[entry] = lambda t, tp, at, meta, lo=first, hi=last: tp != 1 or _overlaps(meta, at, lo, hi)
     header, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices),
                                                 needs, [opt.world])
-    state = as_state_dtypes(opt, _by_stack(opt, state))
+    state = _by_stack(opt, state)
     agree_on_save(header, [opt.world], state)
     if check_weights:
         _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
