@@ -190,7 +190,8 @@ def step_collectives(plan: Plan, spec: ModelSpec, policy: StepPolicy | str, dp_r
     was skipped (`nonfinite="skip"`, or torch.amp.GradScaler's verdict): the weights' finiteness
     after the checks (`WEIGHTS_CHECK`, one word over DP, then TP: the runtime's
     `nonfinite.nonfinite_weights_error`), and nothing after the checks (the exchanges still to run,
-    the parameter gathers; FSDP2's alike: `fsdp_collectives`). Runtime style only.
+    the parameter gathers; FSDP2's alike: `fsdp_collectives`). Runtime style only. A GradScaler
+    step, skipped or not, also holds the step's recheck: list it with `clipped=True`.
     `style="megatron"`: the collectives each policy runs under Megatron-LM instead (`_megatron`),
     which the simulator prices by default; only the runtime's are logged."""
     check_choice(style, COLLECTIVE_STYLES, "collectives style")

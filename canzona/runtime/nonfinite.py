@@ -26,9 +26,9 @@ K = TypeVar("K")
 # torch.optim.AdamW keeps such an exp_avg_sq (a pure-fp16 state, `master_weights=False`, whose
 # (1 - beta2) g^2 overflowed), and canzona's AdamW steps on from it bit for bit as torch's
 # (tests/runtime/test_nonfinite_state.py); SOAP's (rotated) and Shampoo's grafting `exp_avg_sq`
-# stay finite and equal their references alike (tests/reference/test_kernels_reference.py). Not
-# NorMuon's `second_moment`: its `lerp_` turns +Inf into NaN (inf + w (x - inf)), refused as any
-# other field's non-finite value.
+# stay finite and equal their references alike (tests/reference/test_kernels_reference.py). Not a
+# second moment that a `lerp_` updates (`second_moment`): inf + w (x - inf) is NaN, so +Inf there
+# is refused as any other field's non-finite value.
 SECOND_MOMENTS = frozenset({"exp_avg_sq"})
 
 
@@ -47,8 +47,11 @@ def first_nonfinite(named: Iterable[tuple[K, Tensor]], plus_inf: Callable[[K], b
             if t.element_size() == 1:  # float8, which `aminmax` cannot read: fp32 holds every value exactly
                 t = t.float()
             least, greatest = torch.aminmax(_row_major(t))
-            # +Inf allowed: the least element alone (a NaN anywhere makes it NaN, -Inf is -Inf)
-            ends.append(torch.stack((least, least if plus_inf(key) else greatest)).double())
+            if plus_inf(key):  # +Inf allowed: the least element alone (a NaN anywhere makes it
+                # NaN, -Inf is -Inf), +Inf there (every element +Inf: a one-element bias's) counted finite
+                least = torch.where(least == math.inf, torch.zeros_like(least), least)
+                greatest = least
+            ends.append(torch.stack((least, greatest)).double())
     for keys, ends in found.values():
         finite = torch.isfinite(torch.stack(ends)).all(dim=1).cpu()
         if not bool(finite.all()):

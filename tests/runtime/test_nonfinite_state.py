@@ -121,6 +121,12 @@ def test_the_non_finite_values_each_field_may_hold():
 
     inf = torch.tensor([1.0, math.inf])
     assert nonfinite_state_error([("w", {"exp_avg_sq": inf, "exp_avg": torch.ones(2), "step": 3})]) is None
+    # every element +Inf (a one-element bias whose g^2 overflowed; found by the review: its least
+    # element is +Inf too, and it was refused as "NaN or -Inf")
+    for every in (torch.tensor([math.inf]), torch.full((4,), math.inf, dtype=torch.float16)):
+        assert nonfinite_state_error([("b", {"exp_avg_sq": every, "exp_avg": torch.zeros_like(every)})]) is None
+    for bad in ([math.inf, math.nan], [math.inf, -math.inf]):
+        assert nonfinite_state_error([("b", {"exp_avg_sq": torch.tensor(bad)})]) is not None, bad
     for field in ("second_moment", "exp_avg", "momentum_buffer", "master", "GG_L"):
         refused = nonfinite_state_error([("w", {field: inf})])
         assert refused is not None and f"its {field!r} holds NaN or Inf" in refused, (field, refused)
