@@ -113,6 +113,8 @@ from canzona.runtime.model_loads import (
     loaded_on_some_ranks,
     mark_loaded,
     note_writes,
+    record_writes,
+    renormed_in_forward,
     watch_loads,
 )
 from canzona.runtime.nonfinite import nonfinite_weights_error
@@ -364,7 +366,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
                      *(m for refs in self._holders.values() for ref, _ in refs if (m := ref()) is not None)],
                     self, mark_loaded)
-        self._weight_versions = WeightVersions(self.params.values())  # and written in place (`note_writes`)
+        # and written in place (`note_writes`), but for an embedding's weight that its forward renormalises (max_norm)
+        unwatched = renormed_in_forward({
+            **{n: [fp._module_info.module] for n, fp in self._fsdp_params.items()},
+            **{n: [ref() for ref, _ in refs] for n, refs in self._holders.items()}})
+        self._weight_versions = WeightVersions(p for n, p in self.params.items() if n not in unwatched)
         self.checked: tuple[dict[str, bool], float] | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # each gradient the kept check saw, with its version: a backward since bumps the version
@@ -634,7 +640,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         if loaded.any() and not loaded.all():
             raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0)))
         self._model_loaded = False
-        self._weight_versions.record()
+        record_writes(self)
 
     def _grad_digest(self) -> Tensor:
         """Each local gradient's 2-norm, accumulated in fp32 (a tenth of the check's fp64 sum's time
@@ -784,7 +790,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 self._step(got)
             self.comm.log.step += 1
             self.world.log.step += 1
-            self._weight_versions.record()  # the step's own writes
+            record_writes(self)  # the step's own writes
         finally:
             self.checked, self._grad_scale = None, 1.0
 

@@ -29,7 +29,7 @@ the counters and are not seen.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -54,9 +54,40 @@ def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
             "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
 
 
-def mark_loaded(owner: object) -> None:
-    """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check."""
+def mark_loaded(owner: object, dense: bool = True) -> None:
+    """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check; and,
+    unless the write reached expert parameters only (`dense=False`), `_dense_loaded`, the mark that
+    the TP ranks of a DP rank compare (under EP they may hold different EP ranks' experts, which a
+    load on one EP rank's EDP replicas changes on some of them only, rightly)."""
     owner._model_loaded = True
+    if dense:
+        owner._dense_loaded = True
+
+
+def renormed_in_forward(holders: Mapping[str, Iterable[nn.Module | None]]) -> set[str]:
+    """The parameters (by name; `holders`: the modules holding each) that their module writes in
+    place in its forward: the weight of an `nn.Embedding` / `nn.EmbeddingBag` with `max_norm`,
+    whose looked-up rows `torch.embedding_renorm_` rescales under no_grad. The rows differ between
+    ranks (their tokens do), so the version counters would mark every step on every rank, and the
+    comparison would find the ranks' weights apart at each: such a weight is left out of
+    `WeightVersions`. Under ZeRO-1 the step's all-gather puts each row's owner's values back on
+    every rank, as before; a load of it alone (not through load_state_dict) on some ranks is not
+    seen. The module's `max_norm` is read at construction."""
+    renormed = set()
+    for name, modules in holders.items():
+        for m in modules:
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None \
+                    and getattr(m, "weight", None) is not None:
+                renormed.add(name)
+    return renormed
+
+
+def record_writes(owner: object) -> None:
+    """The weights as they are now are `owner`'s own (after its step's writes, a comparison): both
+    records (`_weight_versions`, and `_expert_versions` where it keeps one)."""
+    owner._weight_versions.record()
+    if getattr(owner, "_expert_versions", None) is not None:
+        owner._expert_versions.record()
 
 
 class WeightVersions:
@@ -75,17 +106,17 @@ class WeightVersions:
         self._dtensors = [p for p in params if is_dtensor(p)]
         self._seen = self._now()
 
-    def _now(self) -> tuple[int, int]:
+    def _now(self) -> tuple[int, tuple[int, ...]]:
         # below `__torch_function__`: a parameter marked pending (`pending_params`, after step())
         # is read as a plain one, not through its handler (ten times the cost)
         with torch._C.DisableTorchFunctionSubclass():
             total = sum(p._version for p in self._plain)
-            locals_ = 0
+            locals_ = []
             for p in self._dtensors:
                 local = p._local_tensor
                 total += p._version + local._version
-                locals_ += id(local)
-        return total, locals_
+                locals_.append(id(local))  # each in its place: a sum of ids could collide
+        return total, tuple(locals_)
 
     def record(self) -> None:
         """The weights as they are now are this rank's own (after a step's writes, a comparison)."""
@@ -100,9 +131,13 @@ class WeightVersions:
 
 def note_writes(owner: object) -> None:
     """Mark `owner` (`mark_loaded`) where its parameters were written in place since its last record
-    (`owner._weight_versions`, a `WeightVersions`)."""
+    (`owner._weight_versions`, a `WeightVersions`; and `owner._expert_versions`, where it keeps one
+    of the expert parameters apart: a write there marks `dense=False`)."""
     if owner._weight_versions.written():
         mark_loaded(owner)
+    experts = getattr(owner, "_expert_versions", None)
+    if experts is not None and experts.written():
+        mark_loaded(owner, dense=False)
 
 
 def watch_loads(modules: Iterable[nn.Module], owner: object, mark: Callable[[object], None]) -> None:
@@ -126,4 +161,5 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-__all__ = ["LOADED_ADVICE", "WeightVersions", "loaded_on_some_ranks", "mark_loaded", "note_writes", "watch_loads"]
+__all__ = ["LOADED_ADVICE", "WeightVersions", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
+           "renormed_in_forward", "watch_loads"]

@@ -96,6 +96,8 @@ from canzona.runtime.model_loads import (
     WeightVersions,
     mark_loaded,
     note_writes,
+    record_writes,
+    renormed_in_forward,
     watch_loads,
 )
 from canzona.runtime.not_pickled import NotPickled
@@ -474,10 +476,22 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)
-        self._model_loaded = False
-        watch_loads((m for refs in holders.values() for ref, _ in refs if (m := ref()) is not None), self,
+        # (`_dense_loaded`: a load or write of dense weights, the mark the TP ranks compare)
+        self._model_loaded = self._dense_loaded = False
+        modules = {n: [ref() for ref, _ in refs] for n, refs in holders.items()}
+        experts_only = {m for n, ms in modules.items() if n in self._expert_names for m in ms} - \
+            {m for n, ms in modules.items() if n not in self._expert_names for m in ms}
+        watch_loads((m for ms in modules.values() for m in ms if m is not None and m not in experts_only), self,
                     mark_loaded)
-        self._weight_versions = WeightVersions(self.params.values())  # and written in place (`note_writes`)
+        watch_loads((m for m in experts_only if m is not None), self, functools.partial(mark_loaded, dense=False))
+        # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
+        # that renormalises its rows in its forward (max_norm) writes its weight at every step
+        unwatched = renormed_in_forward(modules)
+        self._weight_versions = WeightVersions(p for n, p in self.params.items()
+                                               if n not in unwatched and n not in self._expert_names)
+        self._expert_versions = WeightVersions(p for n, p in self.params.items()
+                                               if n not in unwatched and n in self._expert_names)
+        del modules, experts_only
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:
@@ -655,7 +669,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             f"{weights} TP-replicated parameters": _parameters_checksum(replicated),
             # a load of TP-sharded weights on some TP ranks only (on every DP replica of them alike)
             # leaves every checksum the TP ranks could compare equal: their marks are compared instead
-            **({LOADED_MARK: "yes" if self._model_loaded else "no"} if weights == "loaded" else {}),
+            # (of the dense weights only: the TP ranks of a DP rank may hold different EP ranks' experts)
+            **({LOADED_MARK: "yes" if self._dense_loaded else "no"} if weights == "loaded" else {}),
             "data-parallel agreement check (failed on the ranks named; see their error)":
                 "failed" if error is not None else "passed"}, advice)
         error = error or tp_error
@@ -708,8 +723,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         check = self._checked_gradients(max_norm)
         if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
-            self._model_loaded = self.grads.model_loaded = False  # compared: a reuse of the check does not again
-            self._weight_versions.record()
+            # compared: a reuse of the check does not again
+            self._model_loaded = self._dense_loaded = self.grads.model_loaded = False
+            record_writes(self)
         return check
 
     def _checked_gradients(self, max_norm: float | None) -> StepCheck:
@@ -903,7 +919,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             comm.log.step += 1
         for grads in self._syncs():
             grads.stepped()
-        self._weight_versions.record()  # the step's own writes (its gathers in flight stay so)
+        record_writes(self)  # the step's own writes (its gathers in flight stay so)
 
     def _expert_step(self) -> bool:
         """The experts' matrices this rank owns (at TP 1: computed and applied; under overlap_step

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona.runtime.model_loads import WeightVersions
+from canzona.runtime.model_loads import (
+    WeightVersions,
+    mark_loaded,
+    note_writes,
+    renormed_in_forward,
+)
 from tests.runtime.test_nonfinite_state import LAYOUTS, _weights
 
 pytestmark = pytest.mark.distributed  # a one-rank gloo group in this process (DTensor, the optimizers)
@@ -51,6 +56,22 @@ def test_a_dtensor_is_seen_written_through_itself_or_its_local_tensor(one_rank):
     assert not versions.written()
     assert not versions.written()
 
+
+def test_local_tensors_put_in_each_others_place_are_a_replacement_not_a_write(one_rank):
+    """The record keeps the local tensors' ids in order: their sum (before) was unchanged by two
+    local tensors swapped, and a write into one of them then read as a write of the weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    p, q = (torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])) for _ in range(2))
+    versions = WeightVersions([p, q])
+    p._local_tensor, q._local_tensor = q._local_tensor, p._local_tensor
+    q._local_tensor.add_(0.0)  # written before it was put in place (FSDP2 re-padding it), the same values
+    assert not versions.written()
+    with torch.no_grad():
+        p.to_local().add_(1.0)
+    assert versions.written()
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_optimizers_own_writes_mark_nothing_and_a_write_is_one_comparison(one_rank, layout):
@@ -95,3 +116,81 @@ def test_grad_scaler_and_clips_mark_nothing(one_rank):
         scaler.step(opt)
         scaler.update()
     assert compared == [] and not opt._model_loaded and scaler.get_scale() == 2.0 ** 4
+
+
+class Renormed(torch.nn.Module):
+    """An embedding with `max_norm` (its forward rescales the looked-up rows in place, under
+    no_grad: `torch.embedding_renorm_`), then a linear head."""
+
+    def __init__(self, max_norm: float | None = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8, max_norm=max_norm)  # rows of norm ~2.8: rescaled
+        self.head = torch.nn.Linear(8, 4)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).square().mean()
+
+    def spec(self):
+        from canzona.spec import ModelSpec
+
+        return ModelSpec.from_module(self)
+
+
+def test_an_embedding_renormalised_in_its_forward_is_left_out_of_the_versions():
+    bag = torch.nn.EmbeddingBag(4, 2, max_norm=2.0)
+    holders = {"embed.weight": [Renormed().embed], "plain.weight": [torch.nn.Embedding(4, 2)],
+               "bag.weight": [bag], "head.weight": [torch.nn.Linear(2, 2)], "gone": [None]}
+    assert renormed_in_forward(holders) == {"embed.weight", "bag.weight"}
+    model = Renormed()
+    versions = WeightVersions([model.embed.weight])
+    model.loss(torch.arange(4))
+    assert versions.written()  # what the optimizers leave out: the forward writes the weight
+
+
+def test_a_forward_that_renormalises_an_embedding_marks_nothing_and_other_writes_still_do(one_rank):
+    """Before: every forward of an `nn.Embedding(max_norm=...)` moved its weight's version counter,
+    so every step compared the weights (and over DP, whose ranks look up other rows, failed with
+    'ranks disagree on the loaded parameters')."""
+    from canzona.runtime import DistributedOptimizer
+
+    model = Renormed()
+    opt = DistributedOptimizer(model.named_parameters(), model.spec())
+    compared = []
+    check = opt._check_agreement
+    opt._check_agreement = lambda *a, **k: (compared.append(k.get("weights")), check(*a, **k))[1]
+
+    def step(k: int) -> None:
+        opt.zero_grad()
+        model.loss(torch.arange(k, k + 6)).backward()
+        opt.step()
+    step(0)
+    step(1)
+    assert compared == [] and not opt._model_loaded
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+    step(2)
+    assert compared == ["loaded"]
+
+
+def test_a_write_of_expert_weights_only_leaves_the_tp_mark_unset():
+    """Under EP x TP the TP ranks of a DP rank may hold different EP ranks' experts: a write of one
+    EP rank's experts (alike on its EDP replicas) marks a comparison, but not the mark the TP ranks
+    compare (`_dense_loaded`), which would differ between them."""
+    dense, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+
+    class Owner:
+        _model_loaded = _dense_loaded = False
+        _weight_versions, _expert_versions = WeightVersions([dense]), WeightVersions([expert])
+    owner = Owner()
+    with torch.no_grad():
+        expert.add_(1.0)
+    note_writes(owner)
+    assert owner._model_loaded and not owner._dense_loaded
+    with torch.no_grad():
+        dense.add_(1.0)
+    note_writes(owner)
+    assert owner._model_loaded and owner._dense_loaded
+    loaded = Owner()
+    mark_loaded(loaded, dense=False)  # a load_state_dict into modules holding experts only
+    assert loaded._model_loaded and not loaded._dense_loaded

@@ -189,6 +189,33 @@ def rank_zero_load_job(rank: int, world: int) -> dict:
             "compared": comparisons, "plain steps": plain, "compared in plain steps": compared[len(comparisons):]}
 
 
+def renormed_embedding_job(rank: int, world: int) -> dict:
+    """An `nn.Embedding(max_norm=...)`, whose forward rescales the rows it looks up in place (other
+    rows on each rank: their tokens differ), trained two steps; and the same with the optimizer's
+    record of in-place writes emptied (as before it kept one)."""
+    from canzona.runtime.model_loads import WeightVersions
+    from tests.runtime.test_model_loads import Renormed
+
+    def train(before: bool) -> dict:
+        model = Renormed()
+        opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
+        if before:
+            opt._weight_versions = opt._expert_versions = WeightVersions([])
+        compared = []
+        check = opt._check_agreement
+        opt._check_agreement = lambda *a, **k: (compared.append(k.get("weights")), check(*a, **k))[1]
+
+        def steps() -> None:
+            for k in range(2):
+                opt.zero_grad()
+                model.loss(torch.arange(6) + 8 * rank + k).backward()
+                opt.step()
+        return {"outcome": _outcome(steps), "compared": compared, "weights": weights(model)}
+    now, before = train(False), train(True)
+    return {"outcome": now["outcome"], "compared": now["compared"], "weights": now["weights"],
+            "as before": _same(now["weights"], before["weights"]), "before": before["outcome"]}
+
+
 def group_disagreement_job(rank: int, world: int) -> dict:
     model = build_model(BASE)
     opt = _optimizer(model, timeout_s=STEP_TIMEOUT_S)
@@ -358,6 +385,7 @@ JOBS = {
     "group disagreement": ("group_disagreement_job", ()),
     "live groups": ("live_hyper_parameters_job", (BASE,)),
     "rank zero load": ("rank_zero_load_job", ()),
+    "renormed embedding": ("renormed_embedding_job", ()),
     "foreign checkpoint": ("foreign_checkpoint_job", ()),
     "regrouped checkpoint": ("regrouped_checkpoint_job", ()),
     "one rank regroups": ("one_rank_regroups_job", ()),
@@ -451,6 +479,19 @@ def test_weights_written_in_place_on_one_rank_are_one_error_on_every_rank_before
         assert "written in place" in one["message"] and out["untouched when written"], (r, out)
         assert out["written on every rank"]["error"] is None and out["as if built from the written"], (r, out)
         assert out["compared"] == ["loaded", "loaded"], (r, out)
+
+
+def test_an_embedding_renormalised_in_its_forward_trains_as_before_without_a_comparison(runs):
+    """`nn.Embedding(max_norm=...)` writes the rows each rank looks up in its forward (under no_grad):
+    not a load. Before: every step compared the weights, which differ there, and raised 'ranks
+    disagree on the loaded parameters'. Now: no comparison, and the weights bit for bit those of
+    the same steps without the record of in-place writes (the step's all-gather puts each row's
+    owner's values back), alike on both ranks."""
+    outs = runs["renormed embedding"]
+    for r, out in enumerate(outs):
+        assert out["outcome"]["error"] is None and out["compared"] == [], (r, out["outcome"])
+        assert out["before"]["error"] is None and out["as before"], r
+    assert _same(outs[0]["weights"], outs[1]["weights"])
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
