@@ -273,14 +273,24 @@ class Comm:
                 # every member finds this column (the table is the same on all): they show each
                 # other what they hold, so that each error names both sides (a plan's cost model:
                 # the GPU profile each rank planned with)
-                held = self.all_gather_object(_shown(facts[name]), f"{name} disagreement")
+                # a digest of named parts (`PartsDigest`: the weights, by parameter) also shows its
+                # parts, so that the error names the first that differs
+                parts = getattr(facts[name], "parts", None)
+                held = self.all_gather_object(_shown(facts[name]) if parts is None else (_shown(facts[name]), parts),
+                                              f"{name} disagreement")
+                first = ""
+                if parts is not None:
+                    theirs = dict(held[ranks[0]][1])
+                    differs = next((n for n, d in parts if theirs.get(n) != d), None)
+                    first = f"; the first that differs: {differs!r}" if differs is not None else ""
+                    held = [h[0] for h in held]
                 others: dict[str, list[int]] = {}
                 for r in ranks:
                     others.setdefault(held[r], []).append(r)
                 there = "; ".join(f"rank(s) {rs}: {value}" for value, rs in others.items())
                 remedy = f": {advice[name]}" if advice and name in advice else ""
                 return (f"ranks disagree on the {name}: rank {self.rank} differs from rank(s) {ranks} "
-                        f"({name} {held[self.rank]} here; {there}){remedy}")
+                        f"({name} {held[self.rank]} here; {there}{first}){remedy}")
         return None
 
     def spread_failure(self, error: str | None, name: str, failed_what: str, logged: bool = True) -> str | None:
@@ -324,6 +334,13 @@ class Comm:
         padded[:blob.numel()] = blob
         table = self.all_gather_values(padded, name)
         return [pickle.loads(table[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.size)]
+
+
+class PartsDigest(str):
+    """A fact that digests named parts (a checksum of the weights), with each part's own digest
+    (`parts`: (name, digest) pairs): `Comm.agreement_error` names the first part that differs."""
+
+    parts: tuple[tuple[str, str], ...] = ()
 
 
 def _shown(fact: str) -> str:

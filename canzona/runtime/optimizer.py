@@ -62,7 +62,7 @@ from canzona.runtime import amp_handles, checkpoint, dtensor_amp
 from canzona.runtime.amp_marks import AmpMarks
 from canzona.runtime.batched import check_compile, matrix_kernels
 from canzona.runtime.buffers import FlatBuffer, Piece, pieces_of
-from canzona.runtime.comm import Comm, PendingWork
+from canzona.runtime.comm import Comm, PartsDigest, PendingWork
 from canzona.runtime.executor import MatrixStep
 from canzona.runtime.expert_part import (
     EDP,
@@ -486,7 +486,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         watch_loads((m for m in experts_only if m is not None), self, functools.partial(mark_loaded, dense=False))
         # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
         # that renormalises its rows in its forward (max_norm) writes its weight at every step
-        unwatched = renormed_in_forward(modules)
+        unwatched = self._renormed = renormed_in_forward(modules)
         self._weight_versions = WeightVersions(p for n, p in self.params.items()
                                                if n not in unwatched and n not in self._expert_names)
         self._expert_versions = WeightVersions(p for n, p in self.params.items()
@@ -633,7 +633,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             "overlapped step": f"overlap_step {self.overlap_step}",
             "parameter groups": str(hyper_parameters_digest(param_groups)),
         }
-        dense = [p for n, p in self.params.items() if n not in self._expert_names]
+        # after a load, the weights an embedding renormalises in its forward (max_norm) differ between
+        # the ranks (the rows their tokens looked up): left out of that comparison
+        skip = self._renormed if weights == "loaded" else set()
+        dense = {n: p for n, p in self.params.items() if n not in self._expert_names and n not in skip}
         dp_facts = {**shared, "TP rank": str(self.tp_rank), f"{weights} parameters": _parameters_checksum(dense)}
         advice = {**COST_MODEL_ADVICE, **{f"{weights} {what}parameters": LOADED_ADVICE
                                           for what in ("", "TP-replicated ", "expert ")},
@@ -646,7 +649,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             # that every rank of the cluster fails together
             error = self._expert_comms[0].agreement_error({
                 "expert plan": self._expert_plan.hash(),
-                f"{weights} expert parameters": _parameters_checksum(self.params[n] for n in sorted(self._expert_names))},
+                f"{weights} expert parameters": _parameters_checksum(
+                    {n: self.params[n] for n in sorted(self._expert_names) if n not in skip})},
                 advice)
             if error is not None:
                 error = f"the expert-data-parallel group: {error}"
@@ -662,8 +666,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # three rounds, so that every rank of the cluster ends with an error when any group fails
         # (a DP group that failed alone would leave its TP peers waiting in the TP check); the
         # experts are not TP-replicated: the TP ranks of a DP rank may hold different EP ranks'
-        replicated = [self.params[p.name] for p in self.spec.params
-                      if p.tp_dim is None and p.name not in self._expert_names]
+        replicated = {p.name: self.params[p.name] for p in self.spec.params
+                      if p.tp_dim is None and p.name not in self._expert_names and p.name not in skip}
         tp_error = self.tp_comm.agreement_error({
             **shared, "DP rank": str(self.rank),
             f"{weights} TP-replicated parameters": _parameters_checksum(replicated),
@@ -1217,18 +1221,21 @@ LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on t
 
 
 @torch.no_grad()
-def _parameters_checksum(params: Iterable[Tensor]) -> str:
+def _parameters_checksum(params: Mapping[str, Tensor]) -> PartsDigest:
     """Cheap and position-aware: per parameter, its sum and its row sums weighted by row index,
-    reduced on the parameter's device (no copy of the weights to the host)."""
+    reduced on the parameter's device (no copy of the weights to the host); each parameter's pair
+    is kept by name (`PartsDigest.parts`), for a disagreement to name the first that differs."""
     parts = []
-    for p in params:
+    for p in params.values():
         p = local_tensor(p).detach()
         rows = p.reshape(p.shape[0], -1) if p.dim() > 1 else p.reshape(1, -1)
         sums = rows.sum(dim=1, dtype=torch.float64)
         weights = torch.arange(1, sums.numel() + 1, dtype=torch.float64, device=sums.device)
         parts.append(torch.stack([sums.sum(), (sums * weights).sum()]))
     blob = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
-    return hashlib.sha256(blob).hexdigest()
+    digest = PartsDigest(hashlib.sha256(blob).hexdigest())
+    digest.parts = tuple((n, blob[16 * i:16 * i + 16].hex()) for i, n in enumerate(params))
+    return digest
 
 
 # every DistributedOptimizer built and not yet collected: the storage of its parameters is its own

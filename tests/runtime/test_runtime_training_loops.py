@@ -210,10 +210,25 @@ def renormed_embedding_job(rank: int, world: int) -> dict:
                 opt.zero_grad()
                 model.loss(torch.arange(6) + 8 * rank + k).backward()
                 opt.step()
-        return {"outcome": _outcome(steps), "compared": compared, "weights": weights(model)}
+        outcome = _outcome(steps)
+        return {"outcome": outcome, "compared": list(compared), "weights": weights(model), "model": model,
+                "opt": opt}
     now, before = train(False), train(True)
+    model, opt = now["model"], now["opt"]
+
+    def step() -> None:
+        opt.zero_grad()
+        model.loss(torch.arange(6) + 8 * rank).backward()
+        opt.step()
+    model.load_state_dict(Renormed().state_dict())  # on every rank: one comparison, which the forward's rows leave equal
+    loaded = _outcome(step)
+    if rank == 0:
+        with torch.no_grad():
+            model.head.bias.add_(1.0)
+    written = _outcome(step)
     return {"outcome": now["outcome"], "compared": now["compared"], "weights": now["weights"],
-            "as before": _same(now["weights"], before["weights"]), "before": before["outcome"]}
+            "as before": _same(now["weights"], before["weights"]), "before": before["outcome"],
+            "loaded on every rank": loaded, "written on one rank": written}
 
 
 def group_disagreement_job(rank: int, world: int) -> dict:
@@ -492,6 +507,14 @@ def test_an_embedding_renormalised_in_its_forward_trains_as_before_without_a_com
         assert out["outcome"]["error"] is None and out["compared"] == [], (r, out["outcome"])
         assert out["before"]["error"] is None and out["as before"], r
     assert _same(outs[0]["weights"], outs[1]["weights"])
+    for r, out in enumerate(outs):
+        # loaded on every rank: the comparison leaves the renormalised weight out (before: it
+        # differed by the forward's rows, 'ranks disagree on the loaded parameters')
+        assert out["loaded on every rank"]["error"] is None, (r, out["loaded on every rank"])
+        # written on one rank: one error on every rank, naming the parameter
+        one = out["written on one rank"]
+        assert one["canzona"] and "disagree on the loaded parameters" in one["message"], (r, one)
+        assert "the first that differs: 'head.bias'" in one["message"], (r, one)
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
