@@ -21,9 +21,18 @@ only: a resume of the user's own, an EMA swap) are seen by their version counter
 (`WeightVersions`): the sum of the parameters' `_version`s (a DTensor's and its local tensor's),
 recorded at construction and after each step's own writes, read at each step check (and at the
 recheck of `step()` after `clip_grad_norm_()`); a change marks the optimizer as a load does. A write
-on every rank alike (a load on all ranks, a reset) costs one comparison, and training goes on.
-Writes through `p.data` (or any tensor sharing the storage under another version counter) bypass
-the counters and are not seen.
+on every rank alike (a load on all ranks, a reset) costs one comparison, and training goes on; a
+write on every rank at every step (nGPT's normalisation, clamping, Lookahead's sync) costs one
+comparison a step (an fp64 checksum pass over the weights and the agreement all-gathers). Under
+EP the expert weights are recorded apart: the mark the TP ranks compare counts the dense weights
+only (`mark_loaded`'s `dense`).
+
+Not seen: writes through `p.data` (the common `p.data.copy_(t)` included) or any tensor sharing
+the storage under another version counter; c10d collectives into the parameters
+(`dist.broadcast(p, 0)` moves no version counter); `dcp.load` into a DTensor model's `state_dict()`
+(the detached DTensor's local tensor has a counter of its own; DCP is collective, so in practice
+every rank loads alike). Left out on purpose: the weight of an embedding with `max_norm`, which its
+forward writes at every step (`renormed_in_forward`).
 """
 
 from __future__ import annotations
