@@ -156,12 +156,44 @@ def disagreement_job(rank: int, world: int) -> dict:
                                                 expert_mesh=expert_mesh))
 
 
+def expert_write_job(rank: int, world: int) -> dict:
+    """EP rank 0's experts written in place after a step, alike on both its EDP replicas (ranks 0
+    and 2): a legitimate write (one comparison, which agrees). The TP ranks of DP rank 0 (ranks 0
+    and 1) hold EP ranks 0 and 1's experts, so a TP mark counting expert writes would differ."""
+    from canzona.harness.training import micro_batches, parallel_model
+    from canzona.runtime.optimizer import DistributedOptimizer
+
+    spec = JOBS["muon"]
+    model, mspec, group, expert_mesh, dp_rank = parallel_model(spec, rank, world)
+    opt = DistributedOptimizer(model.named_parameters(), mspec, "muon", spec.matrix_config, group=group,
+                               expert_mesh=expert_mesh, reduce_scatter=spec.reduce_scatter,
+                               bucket_size=spec.bucket_size)
+    batches = [micro_batches(t, dp_rank, spec.dp_size(world), 1)[0] for t in global_batches(spec, 64)]
+    compared = []
+    check = opt._check_agreement
+    opt._check_agreement = lambda *a, **k: (compared.append(k.get("weights")), check(*a, **k))[1]
+
+    def step(tokens: torch.Tensor) -> None:
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        opt.step()
+        opt.wait_params()
+    step(batches[0])
+    if expert_mesh.get_local_rank("ep") == 0:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.down_proj.mul_(0.5)
+    out = outcome(lambda: step(batches[1]))
+    out["compared"] = compared
+    return out
+
+
 def everything_worker(rank: int, world: int, specs: list[TrainSpec], extras: list[dict]) -> dict:
     return {"jobs": many_specs_worker(rank, world, specs, extras),
             "nan skip": nonfinite_job(rank, world, "skip"),
             "nan raise": nonfinite_job(rank, world, "raise"),
             "refusal": refusal_job(rank, world),
             "disagreement": disagreement_job(rank, world),
+            "expert write": expert_write_job(rank, world),
             "skipped layer": skipped_layer_job(rank, world, SKIPPED, layer=1, skipped_steps=(0,))}
 
 
@@ -171,7 +203,7 @@ def runs() -> dict:
     try:
         results, folder = saving_spawn(everything_worker, WORLD, JOBS, SAVED, "canzona-ep-tp-", DEADLINE_S)
         out = {label: [results[r]["jobs"][i] for r in range(WORLD)] for i, label in enumerate(labels)}
-        for key in ("nan skip", "nan raise", "refusal", "disagreement", "skipped layer"):
+        for key in ("nan skip", "nan raise", "refusal", "disagreement", "expert write", "skipped layer"):
             out[key] = [results[r][key] for r in range(WORLD)]
         for world, tp in RESUMED:
             out.update(resumed_runs(out, JOBS, SAVED, folder, world, (world, tp), DEADLINE_S, tp=tp))
@@ -276,6 +308,14 @@ def test_experts_that_differ_within_an_edp_group_fail_construction_on_every_rank
     for out in outs:
         assert out["error"] == "PlanError", out
     assert "initial expert parameters" in outs[-1]["message"]
+
+
+def test_experts_written_alike_on_their_edp_replicas_are_one_comparison_not_a_tp_disagreement():
+    """The TP mark counts writes of the dense weights only: before, EP rank 0's experts written on
+    both its EDP replicas set the mark on TP rank 0 of each DP rank and not on TP rank 1 (which
+    holds EP rank 1's experts): 'ranks disagree on the mark of weights loaded ...' on every rank."""
+    for r, out in enumerate(run("expert write")):
+        assert out["error"] is None and out["compared"] == ["loaded"], (r, out)
 
 
 @pytest.mark.parametrize("form", ["full", "sharded"])
