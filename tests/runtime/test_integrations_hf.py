@@ -656,7 +656,9 @@ def test_accelerate_load_state_takes_the_latest_whole_automatic_checkpoint(ranks
         assert r["folders"] == ["checkpoint_1", "checkpoint_2"], r["folders"]  # total_limit=2 rotated checkpoint_0
         assert r["latest"] == "no error" and r["latest loaded exactly"], r["latest"]
         assert r["legacy latest"] == "no error" and r["legacy latest loaded exactly"], r["legacy latest"]
-        assert r["named"].startswith("CanzonaError: ") and "holds no canzona_optimizer_0/" in r["named"], r["named"]
+        # (a CheckpointError, a CanzonaError: the folder check is one round on every rank, so a rank
+        # whose disk lacks the folder fails every rank rather than hang the others)
+        assert r["named"].startswith("CheckpointError: ") and "holds no canzona_optimizer_0/" in r["named"], r["named"]
         assert r["named changed nothing"]
 
 
