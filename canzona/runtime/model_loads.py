@@ -63,12 +63,14 @@ def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
             "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
 
 
-def mark_loaded(owner: object, dense: bool = True) -> None:
+def mark_loaded(owner: object, dense: bool = True, renormed: bool = False) -> None:
     """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check; and,
     unless the write reached expert parameters only (`dense=False`), `_dense_loaded`, the mark that
     the TP ranks of a DP rank compare (under EP they may hold different EP ranks' experts, which a
     load on one EP rank's EDP replicas changes on some of them only, rightly)."""
     owner._model_loaded = True
+    if renormed:  # a module holding a weight `renormed_in_forward`: its load is compared by this mark
+        owner._renormed_loaded = True
     if dense:
         owner._dense_loaded = True
 
@@ -80,8 +82,9 @@ def renormed_in_forward(holders: Mapping[str, Iterable[nn.Module | None]]) -> se
     ranks (their tokens do), so the version counters would mark every step on every rank, and the
     comparison would find the ranks' weights apart at each: such a weight is left out of
     `WeightVersions`. Under ZeRO-1 the step's all-gather puts each row's owner's values back on
-    every rank, as before; a load of it alone (not through load_state_dict) on some ranks is not
-    seen. The module's `max_norm` is read at construction."""
+    every rank, as before. Its `load_state_dict` on some ranks only is one error on every rank by a
+    mark of its own that the ranks compare (`mark_loaded(renormed=True)`); a write of it alone in
+    place on some ranks is not seen. The module's `max_norm` is read at construction."""
     renormed = set()
     for name, modules in holders.items():
         for m in modules:

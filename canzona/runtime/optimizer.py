@@ -477,16 +477,20 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)
         # (`_dense_loaded`: a load or write of dense weights, the mark the TP ranks compare)
-        self._model_loaded = self._dense_loaded = False
+        # (`_renormed_loaded`: a load reached a weight an embedding renormalises in its forward,
+        # max_norm, which the comparison after a load cannot read: the ranks compare this mark)
+        self._model_loaded = self._dense_loaded = self._renormed_loaded = False
         modules = {n: [ref() for ref, _ in refs] for n, refs in holders.items()}
-        experts_only = {m for n, ms in modules.items() if n in self._expert_names for m in ms} - \
-            {m for n, ms in modules.items() if n not in self._expert_names for m in ms}
-        watch_loads((m for ms in modules.values() for m in ms if m is not None and m not in experts_only), self,
-                    mark_loaded)
-        watch_loads((m for m in experts_only if m is not None), self, functools.partial(mark_loaded, dense=False))
         # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
         # that renormalises its rows in its forward (max_norm) writes its weight at every step
         unwatched = self._renormed = renormed_in_forward(modules)
+        renorming = {m for n in unwatched for m in modules.get(n, ())}
+        experts_only = {m for n, ms in modules.items() if n in self._expert_names for m in ms} - \
+            {m for n, ms in modules.items() if n not in self._expert_names for m in ms}
+        watch_loads((m for ms in modules.values() for m in ms
+                     if m is not None and m not in experts_only and m not in renorming), self, mark_loaded)
+        watch_loads((m for m in renorming if m is not None), self, functools.partial(mark_loaded, renormed=True))
+        watch_loads((m for m in experts_only if m is not None), self, functools.partial(mark_loaded, dense=False))
         self._weight_versions = WeightVersions(p for n, p in self.params.items()
                                                if n not in unwatched and n not in self._expert_names)
         self._expert_versions = WeightVersions(p for n, p in self.params.items()
@@ -638,9 +642,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         skip = self._renormed if weights == "loaded" else set()
         dense = {n: p for n, p in self.params.items() if n not in self._expert_names and n not in skip}
         dp_facts = {**shared, "TP rank": str(self.tp_rank), f"{weights} parameters": _parameters_checksum(dense)}
+        if weights == "loaded" and self._renormed:  # those weights' load on some ranks only: the marks differ
+            dp_facts[RENORMED_LOADED_MARK] = "yes" if self._renormed_loaded else "no"
         advice = {**COST_MODEL_ADVICE, **{f"{weights} {what}parameters": LOADED_ADVICE
                                           for what in ("", "TP-replicated ", "expert ")},
-                  LOADED_MARK: LOADED_ADVICE} \
+                  LOADED_MARK: LOADED_ADVICE, RENORMED_LOADED_MARK: LOADED_ADVICE} \
             if weights == "loaded" else COST_MODEL_ADVICE
         error = None
         if self._expert_plan is not None:
@@ -728,7 +734,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
             # compared: a reuse of the check does not again
-            self._model_loaded = self._dense_loaded = self.grads.model_loaded = False
+            self._model_loaded = self._dense_loaded = self._renormed_loaded = self.grads.model_loaded = False
             record_writes(self)
         return check
 
@@ -1217,6 +1223,8 @@ PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = 
 
 # the TP round's fact at a comparison after a model load (`_check_agreement`): whether this rank's
 # weights were loaded or written in place since the last step (`model_loads`)
+RENORMED_LOADED_MARK = ("mark of weights an embedding renormalises in its forward (max_norm) loaded "
+                        "(load_state_dict) on this rank since the last step")
 LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on this rank since the last step"
 
 

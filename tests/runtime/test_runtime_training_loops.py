@@ -226,9 +226,17 @@ def renormed_embedding_job(rank: int, world: int) -> dict:
         with torch.no_grad():
             model.head.bias.add_(1.0)
     written = _outcome(step)
+    # the embedding alone loaded on rank 0 only (pretrained vectors): the comparison cannot read its
+    # weight, so the ranks compare its load mark (review: before, no error, and the step's all-gather
+    # trained a row-wise mix of the loaded and the old vectors)
+    fresh = train(False)
+    model, opt = fresh["model"], fresh["opt"]
+    if rank == 0:
+        model.embed.load_state_dict({"weight": torch.full_like(model.embed.weight, 0.1)})
+    embed_on_one = _outcome(step)
     return {"outcome": now["outcome"], "compared": now["compared"], "weights": now["weights"],
             "as before": _same(now["weights"], before["weights"]), "before": before["outcome"],
-            "loaded on every rank": loaded, "written on one rank": written}
+            "loaded on every rank": loaded, "written on one rank": written, "embedding loaded on one rank": embed_on_one}
 
 
 def group_disagreement_job(rank: int, world: int) -> dict:
@@ -515,6 +523,9 @@ def test_an_embedding_renormalised_in_its_forward_trains_as_before_without_a_com
         one = out["written on one rank"]
         assert one["canzona"] and "disagree on the loaded parameters" in one["message"], (r, one)
         assert "the first that differs: 'head.bias'" in one["message"], (r, one)
+        # the renormalised embedding alone loaded on one rank: one error on every rank, by its mark
+        embed = out["embedding loaded on one rank"]
+        assert embed["canzona"] and "max_norm" in embed["message"], (r, embed)
 
 
 def test_ranks_disagreeing_on_hyper_parameters_fail_before_updating(runs):
