@@ -63,7 +63,7 @@ def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
             "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
 
 
-def mark_loaded(owner: object, dense: bool = True, renormed: bool = False) -> None:
+def mark_loaded(owner: object, dense: bool = True, renormed: bool = False, experts: bool = False) -> None:
     """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check; and,
     unless the write reached expert parameters only (`dense=False`), `_dense_loaded`, the mark that
     the TP ranks of a DP rank compare (under EP they may hold different EP ranks' experts, which a
@@ -71,6 +71,8 @@ def mark_loaded(owner: object, dense: bool = True, renormed: bool = False) -> No
     owner._model_loaded = True
     if renormed:  # a module holding a weight `renormed_in_forward`: its load is compared by this mark
         owner._renormed_loaded = True
+    if experts:  # a load of experts only (not a write): the DP ranks, every EP rank's, compare this mark
+        owner._experts_loaded = True
     if dense:
         owner._dense_loaded = True
 

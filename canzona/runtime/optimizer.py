@@ -479,7 +479,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # (`_dense_loaded`: a load or write of dense weights, the mark the TP ranks compare)
         # (`_renormed_loaded`: a load reached a weight an embedding renormalises in its forward,
         # max_norm, which the comparison after a load cannot read: the ranks compare this mark)
-        self._model_loaded = self._dense_loaded = self._renormed_loaded = False
+        # (`_experts_loaded`: a load_state_dict of experts only, which the DP ranks compare: a load on
+        # some EP ranks' replicas only leaves every checksum the ranks compare equal)
+        self._model_loaded = self._dense_loaded = self._renormed_loaded = self._experts_loaded = False
         modules = {n: [ref() for ref, _ in refs] for n, refs in holders.items()}
         # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
         # that renormalises its rows in its forward (max_norm) writes its weight at every step
@@ -490,7 +492,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         watch_loads((m for ms in modules.values() for m in ms
                      if m is not None and m not in experts_only and m not in renorming), self, mark_loaded)
         watch_loads((m for m in renorming if m is not None), self, functools.partial(mark_loaded, renormed=True))
-        watch_loads((m for m in experts_only if m is not None), self, functools.partial(mark_loaded, dense=False))
+        watch_loads((m for m in experts_only if m is not None), self,
+                    functools.partial(mark_loaded, dense=False, experts=True))
         self._weight_versions = WeightVersions(p for n, p in self.params.items()
                                                if n not in unwatched and n not in self._expert_names)
         self._expert_versions = WeightVersions(p for n, p in self.params.items()
@@ -644,9 +647,13 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         dp_facts = {**shared, "TP rank": str(self.tp_rank), f"{weights} parameters": _parameters_checksum(dense)}
         if weights == "loaded" and self._renormed:  # those weights' load on some ranks only: the marks differ
             dp_facts[RENORMED_LOADED_MARK] = "yes" if self._renormed_loaded else "no"
+        # experts loaded on some EP ranks only (compared over DP and TP: EP spans either)
+        if weights == "loaded" and self._expert_plan is not None:
+            dp_facts[EXPERTS_LOADED_MARK] = "yes" if self._experts_loaded else "no"
         advice = {**COST_MODEL_ADVICE, **{f"{weights} {what}parameters": LOADED_ADVICE
                                           for what in ("", "TP-replicated ", "expert ")},
-                  LOADED_MARK: LOADED_ADVICE, RENORMED_LOADED_MARK: LOADED_ADVICE} \
+                  LOADED_MARK: LOADED_ADVICE, RENORMED_LOADED_MARK: LOADED_ADVICE,
+                  EXPERTS_LOADED_MARK: LOADED_ADVICE} \
             if weights == "loaded" else COST_MODEL_ADVICE
         error = None
         if self._expert_plan is not None:
@@ -681,6 +688,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             # leaves every checksum the TP ranks could compare equal: their marks are compared instead
             # (of the dense weights only: the TP ranks of a DP rank may hold different EP ranks' experts)
             **({LOADED_MARK: "yes" if self._dense_loaded else "no"} if weights == "loaded" else {}),
+            # (and a load of experts only: the TP ranks of a DP rank may hold different EP ranks')
+            **({EXPERTS_LOADED_MARK: dp_facts[EXPERTS_LOADED_MARK]} if EXPERTS_LOADED_MARK in dp_facts else {}),
             "data-parallel agreement check (failed on the ranks named; see their error)":
                 "failed" if error is not None else "passed"}, advice)
         error = error or tp_error
@@ -734,7 +743,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
             # compared: a reuse of the check does not again
-            self._model_loaded = self._dense_loaded = self._renormed_loaded = self.grads.model_loaded = False
+            self._model_loaded = self._dense_loaded = self._renormed_loaded = self._experts_loaded = False
+            self.grads.model_loaded = False
             record_writes(self)
         return check
 
@@ -1223,6 +1233,7 @@ PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = 
 
 # the TP round's fact at a comparison after a model load (`_check_agreement`): whether this rank's
 # weights were loaded or written in place since the last step (`model_loads`)
+EXPERTS_LOADED_MARK = "mark of experts loaded (load_state_dict of experts only) on this rank since the last step"
 RENORMED_LOADED_MARK = ("mark of weights an embedding renormalises in its forward (max_norm) loaded "
                         "(load_state_dict) on this rank since the last step")
 LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on this rank since the last step"
