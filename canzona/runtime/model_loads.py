@@ -164,9 +164,19 @@ def watch_loads(modules: Iterable[nn.Module], owner: object, mark: Callable[[obj
         if held is not None:
             mark(held)
 
+    def before(*args: object) -> None:
+        # the step's parameter all-gathers land first (`wait_params`): a DTensor parameter is not
+        # marked pending, so a gather still in flight would write the old weights over the loaded ones
+        held = ref()
+        if held is not None and hasattr(held, "wait_params"):
+            held.wait_params()
+
     # a model pickled or deep-copied holds a no-op in its place (`Hook`): a load into the copy is not
     # a load into the model this optimizer steps
-    handles = [m.register_load_state_dict_post_hook(Hook(hook)) for m in dict.fromkeys(modules)]
+    handles = []
+    for m in dict.fromkeys(modules):
+        handles.append(m.register_load_state_dict_pre_hook(Hook(before)))
+        handles.append(m.register_load_state_dict_post_hook(Hook(hook)))
     weakref.finalize(owner, _remove, handles)
 
 

@@ -194,3 +194,19 @@ def test_a_write_of_expert_weights_only_leaves_the_tp_mark_unset():
     loaded = Owner()
     mark_loaded(loaded, dense=False)  # a load_state_dict into modules holding experts only
     assert loaded._model_loaded and not loaded._dense_loaded
+
+
+def test_a_load_waits_for_the_steps_parameter_gathers_before_it_copies(one_rank):
+    """A `load_state_dict` into a module the optimizer steps waits for the last step's parameter
+    all-gathers first (a pre-hook: `wait_params`). A DTensor parameter is not marked pending, so
+    before, a gather still in flight could land after the load and write the old weights over the
+    loaded ones (CI saw DP replicas of a TP model disagree after such a load)."""
+    from canzona.runtime import DistributedOptimizer
+
+    model = Renormed(max_norm=None)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec())
+    order = []
+    opt.wait_params = lambda: order.append("wait")
+    model.head.register_load_state_dict_post_hook(lambda *a: order.append("copied"))
+    model.load_state_dict(model.state_dict())
+    assert order[:1] == ["wait"] and "copied" in order, order

@@ -239,11 +239,14 @@ def _sharded_weights_changed_on_one_tp_rank(load: bool) -> dict:
     sharded = {n: p for n, p in model.named_parameters()
                if is_dtensor(p) and any(pl.is_shard() for pl in p.placements)}
     if mesh.get_local_rank("tp") == 0:
+        # the step's gathers land first: a DTensor is not marked pending, so new values read while a
+        # gather is still landing would differ between the DP replicas (CI saw it once), and a load
+        # it landed after would be overwritten (`load_state_dict` now waits by itself: its pre-hook)
+        opt.wait_params()
         with torch.no_grad():
             if load:
                 model.load_state_dict({n: p.detach() + 1.0 for n, p in sharded.items()}, strict=False)
             else:
-                opt.wait_params()  # the step's gathers land first (a DTensor is not marked pending)
                 for p in sharded.values():
                     p.to_local().add_(1.0)
     return _outcome(lambda: _train_step(model, opt, mesh))
