@@ -647,10 +647,12 @@ def agree(comms: list[Comm | None], error: Exception | None, digest: bytes, call
     the others name by its type and first line) or the digests differ (`differ` says how), else
     return. Collective, bounded by the groups' timeouts; every rank joins every group's round, so
     none is left waiting."""
+    from canzona.runtime.checkpoint_files import first_line
+
     word = int.from_bytes(hashlib.sha256(digest).digest()[:8], "little", signed=True)
     # what the first refusal said, carried to every rank
     cause = None if error is None else str(error) if isinstance(error, CanzonaError) else \
-        f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+        f"{type(error).__name__}: {first_line(error)}"
     for comm in (c for c in comms if c is not None):
         try:
             table = comm.all_gather_values(torch.tensor([int(error is not None), word]), f"{call} check")

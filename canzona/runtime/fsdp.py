@@ -110,6 +110,7 @@ from canzona.runtime.kernels import (
 from canzona.runtime.mesh import TP
 from canzona.runtime.model_loads import (
     WeightVersions,
+    clear_marks,
     loaded_on_some_ranks,
     mark_loaded,
     note_writes,
@@ -362,7 +363,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # is one error in the step check (`_replaced`)
         self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
         # a model load on some ranks only: each holds its own shards (`canzona.runtime.model_loads`)
-        self._model_loaded = False
+        clear_marks(self)
         watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
                      *(m for refs in self._holders.values() for ref, _ in refs if (m := ref()) is not None)],
                     self, mark_loaded)
@@ -639,7 +640,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         some ranks and not the others, one error on every rank; taken (cleared) otherwise."""
         if loaded.any() and not loaded.all():
             raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0)))
-        self._model_loaded = False
+        clear_marks(self)
         record_writes(self)
 
     def _grad_digest(self) -> Tensor:

@@ -67,7 +67,9 @@ def mark_loaded(owner: object, dense: bool = True, renormed: bool = False, exper
     """What the hooks of an optimizer do: mark it (`_model_loaded`), for its next step check; and,
     unless the write reached expert parameters only (`dense=False`), `_dense_loaded`, the mark that
     the TP ranks of a DP rank compare (under EP they may hold different EP ranks' experts, which a
-    load on one EP rank's EDP replicas changes on some of them only, rightly)."""
+    load on one EP rank's EDP replicas changes on some of them only, rightly); `renormed`: a load
+    of a weight `renormed_in_forward` (`_renormed_loaded`); `experts`: a load of experts only
+    (`_experts_loaded`). `clear_marks` clears them all."""
     owner._model_loaded = True
     if renormed:  # a module holding a weight `renormed_in_forward`: its load is compared by this mark
         owner._renormed_loaded = True
@@ -75,6 +77,11 @@ def mark_loaded(owner: object, dense: bool = True, renormed: bool = False, exper
         owner._experts_loaded = True
     if dense:
         owner._dense_loaded = True
+
+
+def clear_marks(owner: object) -> None:
+    """`owner` unmarked (every mark `mark_loaded` sets): at construction, and once its ranks compared."""
+    owner._model_loaded = owner._dense_loaded = owner._renormed_loaded = owner._experts_loaded = False
 
 
 def renormed_in_forward(holders: Mapping[str, Iterable[nn.Module | None]]) -> set[str]:
@@ -168,7 +175,7 @@ def watch_loads(modules: Iterable[nn.Module], owner: object, mark: Callable[[obj
         # the step's parameter all-gathers land first (`wait_params`): a DTensor parameter is not
         # marked pending, so a gather still in flight would write the old weights over the loaded ones
         held = ref()
-        if held is not None and hasattr(held, "wait_params"):
+        if held is not None:
             held.wait_params()
 
     # a model pickled or deep-copied holds a no-op in its place (`Hook`): a load into the copy is not
@@ -185,5 +192,5 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-__all__ = ["LOADED_ADVICE", "WeightVersions", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
+__all__ = ["LOADED_ADVICE", "WeightVersions", "clear_marks", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
            "renormed_in_forward", "watch_loads"]

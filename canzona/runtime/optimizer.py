@@ -94,6 +94,7 @@ from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.model_loads import (
     LOADED_ADVICE,
     WeightVersions,
+    clear_marks,
     mark_loaded,
     note_writes,
     record_writes,
@@ -481,7 +482,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # max_norm, which the comparison after a load cannot read: the ranks compare this mark)
         # (`_experts_loaded`: a load_state_dict of experts only, which the DP ranks compare: a load on
         # some EP ranks' replicas only leaves every checksum the ranks compare equal)
-        self._model_loaded = self._dense_loaded = self._renormed_loaded = self._experts_loaded = False
+        clear_marks(self)
         modules = {n: [ref() for ref, _ in refs] for n, refs in holders.items()}
         # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
         # that renormalises its rows in its forward (max_norm) writes its weight at every step
@@ -743,7 +744,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if self.grads.model_loaded:  # on some rank since the last step: every rank compares its weights
             self._check_agreement(self.param_groups, weights="loaded")
             # compared: a reuse of the check does not again
-            self._model_loaded = self._dense_loaded = self._renormed_loaded = self._experts_loaded = False
+            clear_marks(self)
             self.grads.model_loaded = False
             record_writes(self)
         return check
@@ -1231,12 +1232,14 @@ PARAM_GATHERS: dict[str, Callable[[DistributedOptimizer], list[PendingWork]]] = 
 # --- helpers ----------------------------------------------------------------------------------
 
 
-# the TP round's fact at a comparison after a model load (`_check_agreement`): whether this rank's
-# weights were loaded or written in place since the last step (`model_loads`)
-EXPERTS_LOADED_MARK = "mark of experts loaded (load_state_dict of experts only) on this rank since the last step"
+# the facts of a comparison after a model load (`_check_agreement`), each rank's marks
+# (`model_loads.mark_loaded`): the TP round's, whether this rank's dense weights were loaded or
+# written in place since the last step; the DP round's, whether a max_norm embedding's weight was
+# loaded (which the weights' checksum leaves out); both rounds', whether experts alone were loaded
+LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on this rank since the last step"
 RENORMED_LOADED_MARK = ("mark of weights an embedding renormalises in its forward (max_norm) loaded "
                         "(load_state_dict) on this rank since the last step")
-LOADED_MARK = "mark of weights loaded (load_state_dict) or written in place on this rank since the last step"
+EXPERTS_LOADED_MARK = "mark of experts loaded (load_state_dict of experts only) on this rank since the last step"
 
 
 @torch.no_grad()
