@@ -52,9 +52,15 @@ For a model whose parameters a canzona optimizer holds:
   (no manifest) still loads; saving over one is refused with a `CheckpointError` saying to move it
   aside (`canzona.integrations.optimizer_state`). Each optimizer reads the folder whose manifest
   records its model's fingerprint (names, shapes, roles), so several canzona optimizers may be
-  prepared in another order at the load than at the save (optimizers of models of one
-  architecture, and folders of an older canzona, in order; accelerate matches its own model and
-  optimizer files by order). Call both on every rank, as accelerate asks.
+  prepared in another order at the load than at the save; among models of one architecture (one
+  fingerprint) the folder saved for the prepared model it steps (its index among accelerate's
+  models, which accelerate loads by order: models prepared in another order get each other's
+  weights, and their optimizers follow those weights). The manifest records too which
+  `scheduler_<k>.bin` the schedulers wrapping the optimizer wrote: accelerate loads its schedulers
+  by prepare order, and the load hands each scheduler of a canzona optimizer the file saved with
+  that optimizer's folder. A save without these records (an older canzona's) takes folders of one
+  fingerprint in order, and with schedulers in another order is one `CanzonaError` before anything
+  is loaded. Call both on every rank, as accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
   are in (a `save_state` killed midway left its own without them); a folder without them is one
   `CanzonaError` before anything is loaded.
@@ -94,6 +100,8 @@ from canzona.runtime.shards import local_tensor
 
 TESTED_ACCELERATE = "1.15.0"
 OPTIMIZER_DIR = "canzona_optimizer"  # save_state writes canzona optimizer i to <dir>/canzona_optimizer_<i>
+# what an optimizer folder's manifest records of its save (`saved_links`)
+FINGERPRINT, MODEL_LINK, SCHEDULER_LINKS = "fingerprint", "prepared_model", "schedulers"
 # Distributed types that reduce or shard gradients or parameters themselves
 REFUSED_TYPES = {
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -237,31 +245,77 @@ def latest_state(checkpoints: str, count: int) -> str:
                         none=f"load_state(): no whole checkpoint in {checkpoints}")
 
 
-def saved_fingerprint(folder: str) -> str | None:
-    """The model fingerprint an optimizer folder's manifest records (`optimizer_info`), or None: a
-    folder of an older canzona (no manifest, or none recorded), or one the load's own verification
-    will refuse (an unreadable manifest)."""
+def saved_links(folder: str) -> dict[str, Any]:
+    """What an optimizer folder's manifest records of its save (`save_state`): `fingerprint`, the
+    fingerprint of the model the optimizer stepped (`optimizer_info`); `model`, that model's index
+    among the prepared models; `schedulers`, the indices of the schedulers (`scheduler_<k>.bin`)
+    that wrapped the optimizer. Each None where not recorded: a folder of an older canzona (no
+    manifest, or none of these in it), or one the load's own verification will refuse (an
+    unreadable manifest)."""
     try:
-        found = read_manifest(folder).info.get("fingerprint")
+        info = read_manifest(folder).info
     except CheckpointError:
-        return None
-    return found if isinstance(found, str) else None
+        info = {}
+    found, model, schedulers = info.get(FINGERPRINT), info.get(MODEL_LINK), info.get(SCHEDULER_LINKS)
+    return {"fingerprint": found if isinstance(found, str) else None,
+            "model": model if type(model) is int else None,
+            "schedulers": schedulers if isinstance(schedulers, list) and all(type(k) is int for k in schedulers)
+            else None}
 
 
-def match_folders(mine: list[str | None], saved: list[str | None]) -> list[int]:
+def match_folders(mine: list[str | None], saved: list[str | None], my_models: list[int | None] | None = None,
+                  saved_models: list[int | None] | None = None) -> list[int]:
     """Which saved optimizer folder each optimizer reads (`mine`: each optimizer's model
-    fingerprint; `saved`: each folder's, in folder order): the folder of the same fingerprint,
-    optimizers of equal fingerprints (two models of one architecture) taking those folders in
-    order. Where a fingerprint is missing or has no folder (a folder of an older canzona, another
-    model), every optimizer takes its folder by order, as before fingerprints were saved, and
-    the load's own checks say what is wrong."""
-    taken: list[int] = []
-    for print_ in mine:
-        found = next((i for i, s in enumerate(saved) if print_ is not None and s == print_ and i not in taken), None)
+    fingerprint; `saved`: each folder's, in folder order): the folder of the same fingerprint.
+    Among optimizers of equal fingerprints (two models of one architecture), each first takes the
+    folder saved for the same prepared model (`my_models`: the index of the model each optimizer
+    steps among the prepared models; `saved_models`: each folder's, recorded at the save), the rest
+    those folders in order. Where a fingerprint is missing or has no folder (a folder of an older
+    canzona, another model), every optimizer takes its folder by order, as before fingerprints
+    were saved, and the load's own checks say what is wrong."""
+    my_models = my_models or [None] * len(mine)
+    saved_models = saved_models or [None] * len(saved)
+    taken: dict[int, int] = {}
+    for k, (print_, model) in enumerate(zip(mine, my_models)):  # fingerprint and model link both agree
+        found = next((i for i, (s, m) in enumerate(zip(saved, saved_models)) if print_ is not None and s == print_
+                      and model is not None and m == model and i not in taken.values()), None)
+        if found is not None:
+            taken[k] = found
+    for k, print_ in enumerate(mine):
+        if k in taken:
+            continue
+        found = next((i for i, s in enumerate(saved) if print_ is not None and s == print_
+                      and i not in taken.values()), None)
         if found is None:
             return list(range(len(mine)))
-        taken.append(found)
-    return taken
+        taken[k] = found
+    return [taken[k] for k in range(len(mine))]
+
+
+def scheduler_order(wraps: list[int | None], folders: list[int],
+                    saved: list[list[int] | None]) -> list[int] | None:
+    """Which prepared scheduler takes each saved `scheduler_<k>.bin` (accelerate loads them by
+    prepare order): `wraps[j]`, the canzona optimizer (its prepare position) scheduler j wraps, or
+    None; `folders[p]`, the folder optimizer p reads; `saved[f]`, the schedulers recorded in folder
+    f's manifest as wrapping its optimizer at the save (None: not recorded, an older save). A
+    scheduler of a canzona optimizer takes a file saved with that optimizer's folder (several: in
+    order), any other scheduler its own position's. Returns the schedulers in file order, or None
+    where the record cannot tell (none, or the schedulers are not those of the save)."""
+    target: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for j, p in enumerate(wraps):
+        if p is None:
+            target[j] = j
+            continue
+        recorded = saved[folders[p]]
+        nth = used.get(folders[p], 0)
+        if recorded is None or nth >= len(recorded):
+            return None
+        used[folders[p]] = nth + 1
+        target[j] = recorded[nth]
+    if sorted(target.values()) != list(range(len(wraps))):
+        return None
+    return sorted(target, key=target.__getitem__)
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -483,7 +537,8 @@ class CanzonaAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Any:
         """accelerate's `save_state`, with each canzona optimizer written sharded (every rank its
-        share) to `<dir>/canzona_optimizer_<i>` by `save_checkpoint`: complete (with a manifest) or
+        share) to `<dir>/canzona_optimizer_<i>` by `save_checkpoint`: complete (with a manifest
+        recording the model's fingerprint, the prepared model it steps and its schedulers' files) or
         not at all, the previous folder of that name kept until the new one is in. An optimizer
         folder of an older canzona there (no manifest) is refused before anything is written
         (`canzona.integrations.optimizer_state`). Every rank."""
@@ -496,17 +551,23 @@ class CanzonaAccelerator(Accelerator):
             check_replaceable([os.path.join(str(output_dir), f"{OPTIMIZER_DIR}_{i}") for i in range(len(opts))])
         with self._without(opts), self._saving():
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        # which prepared model each optimizer steps and which schedulers wrap it: what tells the load
+        # which folder each takes (models of one architecture) and which scheduler file each scheduler
+        models, wraps = self._model_links(opts), self._scheduler_links(opts)
         for i, opt in enumerate(opts):
-            save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"))
+            links = {MODEL_LINK: models[i], SCHEDULER_LINKS: [k for k, p in enumerate(wraps) if p == i]}
+            save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"),
+                           {k: v for k, v in links.items() if v is not None})
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
         """accelerate's `load_state`; each canzona optimizer reads what its layout needs from
         the `<dir>/canzona_optimizer_<i>` saved for its model (found by the fingerprint in its
-        manifest; by order where none is; saved at any DP size), and the models whose parameters
-        they hold are loaded in place, from files read to the CPU unless `map_location` says
-        otherwise. Every rank."""
+        manifest, ties by the prepared model it steps; by order where none is; saved at any DP
+        size), each scheduler of one the `scheduler_<k>.bin` saved with that folder, and the models
+        whose parameters they hold are loaded in place, from files read to the CPU unless
+        `map_location` says otherwise. Every rank."""
         opts = self.canzona_optimizers()
         if not opts:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
@@ -527,11 +588,20 @@ class CanzonaAccelerator(Accelerator):
 
             Ranks().together(folders_there)
             # each optimizer's folder by its model's fingerprint (prepared in another order than at
-            # the save), as rank 0 reads the manifests: the same choice on every rank
-            saved = Ranks().together(lambda: [saved_fingerprint(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
+            # the save), ties by the prepared model it steps, as rank 0 reads the manifests: the same
+            # choice on every rank
+            saved = Ranks().together(lambda: [saved_links(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
                                               for i in range(len(opts))], rank0_only=True)[0]
-            found["folders"] = match_folders([fingerprint(o) for o in opts], saved)
-            self._check_schedulers_follow(found["folders"], opts)
+            found["folders"] = match_folders([fingerprint(o) for o in opts], [s["fingerprint"] for s in saved],
+                                             self._model_links(opts), [s["model"] for s in saved])
+            # each scheduler of a canzona optimizer the file saved with that optimizer's folder:
+            # accelerate loads scheduler_<k>.bin into its k-th scheduler, so they are put in that order
+            order = scheduler_order(self._scheduler_links(opts), found["folders"], [s["schedulers"] for s in saved])
+            if order is None:
+                self._check_schedulers_follow(found["folders"], opts)
+            elif order != sorted(order):
+                found["schedulers"] = list(self._schedulers)
+                self._schedulers[:] = [found["schedulers"][j] for j in order]  # the list accelerate loads
             for i, model in enumerate(models):
                 if self._holders(model.parameters()):
                     models[i] = _LoadInPlace(model)
@@ -547,26 +617,43 @@ class CanzonaAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         finally:
             handle.remove()
+            if "schedulers" in found:
+                self._schedulers[:] = found["schedulers"]
         for i, opt in zip(found["folders"], opts):
             load_optimizer(opt, os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
 
-    def _check_schedulers_follow(self, folders: list[int], opts: list[DistributedOptimizer]) -> None:
-        """accelerate loads `scheduler_<i>.bin` by prepare order: where the canzona optimizers take
-        their folders in another order than they were prepared in (`folders`), a scheduler of one
-        of them would take another optimizer's schedule (its base rates, its step count) silently.
-        Refused, alike on every rank (`folders` is rank 0's choice), before anything is loaded."""
-        if folders == list(range(len(opts))):
-            return
-        ids = {id(o) for o in opts}
+    def _model_links(self, opts: list[DistributedOptimizer]) -> list[int | None]:
+        """For each of `opts`, the index among the prepared models (`_models`, accelerate's model file
+        order) of the first one holding its parameters, or None."""
+        models = getattr(self, "_models", [])
+        return [next((m for m, model in enumerate(models) if any(id(p) in ids for p in model.parameters())), None)
+                for ids in map(_ids, opts)]
+
+    def _scheduler_links(self, opts: list[DistributedOptimizer]) -> list[int | None]:
+        """For each prepared scheduler (accelerate's scheduler file order), the index in `opts` of
+        the canzona optimizer it wraps, or None."""
+        out: list[int | None] = []
         for sched in getattr(self, "_schedulers", []):
             inner = getattr(sched, "scheduler", sched)
-            wrapped = [getattr(inner, "optimizer", None), *getattr(sched, "optimizers", [])]
-            if any(id(canzona_optimizer(o)) in ids for o in wrapped if o is not None):
-                raise CanzonaError(
-                    f"the canzona optimizers were prepared in another order than at the save (they read the "
-                    f"folders {OPTIMIZER_DIR}_{folders}), and accelerate loads the learning-rate schedulers by "
-                    "prepare order, so a scheduler would take another optimizer's schedule: prepare the "
-                    "optimizers and their schedulers in the order of the save")
+            wrapped = [canzona_optimizer(o) for o in [getattr(inner, "optimizer", None),
+                                                      *getattr(sched, "optimizers", [])] if o is not None]
+            out.append(next((i for i, o in enumerate(opts) if any(w is o for w in wrapped)), None))
+        return out
+
+    def _check_schedulers_follow(self, folders: list[int], opts: list[DistributedOptimizer]) -> None:
+        """accelerate loads `scheduler_<i>.bin` by prepare order: where the canzona optimizers take
+        their folders in another order than they were prepared in (`folders`) and the save recorded
+        no scheduler of each (an older canzona's save), a scheduler of one of them would take
+        another optimizer's schedule (its base rates, its step count) silently. Refused, alike on
+        every rank (`folders` is rank 0's choice), before anything is loaded."""
+        if folders == list(range(len(opts))) or all(p is None for p in self._scheduler_links(opts)):
+            return
+        raise CanzonaError(
+            f"the canzona optimizers were prepared in another order than at the save (they read the folders "
+            f"{OPTIMIZER_DIR}_{folders}), and accelerate loads the learning-rate schedulers by prepare order, so a "
+            "scheduler would take another optimizer's schedule (this save records no scheduler of each optimizer: "
+            "an older canzona's, or other schedulers than the save's): prepare the optimizers and their schedulers "
+            "in the order of the save")
 
     @contextlib.contextmanager
     def _without(self, opts: list[DistributedOptimizer]) -> Iterator[None]:

@@ -115,9 +115,11 @@ def check_replaceable(folders: list[str | os.PathLike]) -> None:
     Ranks(_group()).together(check, rank0_only=True)
 
 
-def save_optimizer(opt: Any, folder: str | os.PathLike) -> None:
-    """Collective: `opt`'s sharded state into `folder`, complete or not at all (`save_checkpoint`)."""
-    save_checkpoint(opt.sharded_state_dict(), folder, manifest_info=optimizer_info(opt), process_group=_group())
+def save_optimizer(opt: Any, folder: str | os.PathLike, info: dict[str, Any] | None = None) -> None:
+    """Collective: `opt`'s sharded state into `folder`, complete or not at all (`save_checkpoint`);
+    `info` (JSON) recorded in its manifest beside `optimizer_info`."""
+    save_checkpoint(opt.sharded_state_dict(), folder, manifest_info={**optimizer_info(opt), **(info or {})},
+                    process_group=_group())
 
 
 def load_optimizer(opt: Any, folder: str | os.PathLike) -> None:

@@ -13,6 +13,7 @@ reused folder, a model/optimizer mix, a damaged file, a folder of an older canzo
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import traceback
@@ -292,17 +293,21 @@ def two_optimizers(out: Path) -> dict[str, Any]:
     from canzona.integrations import accelerate as integration
     from canzona.spec import ModelSpec
 
+    made: list[list] = []  # each setup's schedulers, in model order
+
     def setup(order: tuple[int, ...], schedulers: bool = False) -> tuple[Any, list, list]:
         torch.manual_seed(0)
         models = [_TwoLinears(), torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 4))]
-        opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": 0.02}, {"lr": 0.01})
-                for m in models]
+        opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": mr}, {"lr": ar})
+                for m, (mr, ar) in zip(models, ((0.02, 0.01), (0.03, 0.004)))]
         accelerator = integration.CanzonaAccelerator(cpu=True)
-        scheds = [torch.optim.lr_scheduler.LambdaLR(opts[i], lambda step: 1.0) for i in order] if schedulers else []
-        prepared = accelerator.prepare(*models, *[opts[i] for i in order], *scheds)
+        made.append([torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in opts] if schedulers else [])
+        prepared = accelerator.prepare(*models, *[opts[i] for i in order], *[made[-1][i] for i in order
+                                                                              if schedulers])
         return accelerator, list(prepared[:2]), opts
 
-    accelerator, models, opts = setup((0, 1))
+    accelerator, models, opts = setup((0, 1), schedulers=True)
+    made[0][0].base_lrs = [0.5 * r for r in made[0][0].base_lrs]  # what each scheduler saves is its own
     for model, opt, width in zip(models, opts, (16, 8)):
         model(torch.randn(4, width, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
         opt.step()
@@ -323,11 +328,85 @@ def two_optimizers(out: Path) -> dict[str, Any]:
     result["swapped"] = error_text(lambda: fresh.load_state(str(out / "two_optimizers")))
     result["swapped exactly"] = [same(opt_state(o), st) and same(params(m), w)
                                  for o, m, st, w in zip(fresh_opts, fresh_models, states, weights)]
-    # accelerate loads schedulers by prepare order: swapped optimizers with schedulers are refused
-    scheduled, scheduled_models, _ = setup((1, 0), schedulers=True)
-    before = params(scheduled_models[0])
+    # accelerate loads schedulers by prepare order: the save records each optimizer's schedulers
+    scheduled, scheduled_models, scheduled_opts = setup((1, 0), schedulers=True)
     result["swapped with schedulers"] = error_text(lambda: scheduled.load_state(str(out / "two_optimizers")))
-    result["swapped with schedulers untouched"] = same(params(scheduled_models[0]), before)
+    result["swapped with schedulers exactly"] = [same(opt_state(o), st) and same(params(m), w) for o, m, st, w
+                                                 in zip(scheduled_opts, scheduled_models, states, weights)]
+    result["schedulers' own rates"] = [s.base_lrs == want.base_lrs for s, want in zip(made[-1], made[0])]
+
+    def unlinked() -> None:  # the manifests as an older canzona wrote them: no model or scheduler links
+        for i in range(2):
+            path = out / "two_optimizers" / f"{OPT}_{i}" / "manifest.json"
+            raw = json.loads(path.read_text())
+            raw["info"] = {k: v for k, v in raw["info"].items() if k not in ("prepared_model", "schedulers")}
+            path.write_text(json.dumps(raw))
+
+    on_rank0(unlinked)  # without the record, swapped optimizers with schedulers are refused
+    older, older_models, _ = setup((1, 0), schedulers=True)
+    before = params(older_models[0])
+    result["older swapped with schedulers"] = error_text(lambda: older.load_state(str(out / "two_optimizers")))
+    result["older swapped with schedulers untouched"] = same(params(older_models[0]), before)
+    return result
+
+
+def one_architecture(out: Path) -> dict[str, Any]:
+    """Two models of one architecture (one fingerprint; different weights and rates), each with its
+    canzona optimizer and a LambdaLR, prepared (a, b, opt_a, opt_b, sched_a, sched_b): two steps,
+    save_state, two more (the straight run). Fresh, with the optimizers (and schedulers) prepared in
+    the other order, load_state: whether each optimizer gets its own model's state (without
+    schedulers) and whether the two steps after it (with schedulers) give the straight run's state,
+    weights and rates bit for bit."""
+    from canzona.integrations import accelerate as integration
+    from canzona.spec import ModelSpec
+
+    def setup(order: tuple[int, ...], schedulers: bool = True) -> tuple[Any, list, list, list, list]:
+        models = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            models.append(_TwoLinears())
+        opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": mr}, {"lr": ar})
+                for m, (mr, ar) in zip(models, ((0.02, 0.01), (0.03, 0.004)))]
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in opts]
+        accelerator = integration.CanzonaAccelerator(cpu=True)
+        prepared = accelerator.prepare(*models, *[opts[i] for i in order],
+                                       *([scheds[i] for i in order] if schedulers else []))
+        mine, theirs = [None, None], [None, None]
+        for at, i in enumerate(order):
+            mine[i] = prepared[2 + at]
+            theirs[i] = prepared[4 + at] if schedulers else None
+        return accelerator, list(prepared[:2]), opts, mine, theirs
+
+    def steps(accelerator: Any, models: list, opts: list, scheds: list, first: int, last: int) -> None:
+        for n in range(first, last):
+            for k, (model, opt, sched) in enumerate(zip(models, opts, scheds)):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * n + 10 * k + dist.get_rank()))
+                accelerator.backward(model(x).square().mean())
+                opt.step()
+                if sched is not None:
+                    sched.step()
+                opt.zero_grad()
+
+    def rates(opts: list) -> list:
+        return [[g["lr"] for g in o.param_groups] for o in opts]
+
+    folder = out / "one_architecture"
+    accelerator, models, opts, prepared, scheds = setup((0, 1))
+    steps(accelerator, models, prepared, scheds, 0, 2)
+    saved = [opt_state(o) for o in opts]
+    accelerator.save_state(str(folder))
+    steps(accelerator, models, prepared, scheds, 2, 4)
+    straight = [(opt_state(o), params(m)) for o, m in zip(opts, models)]
+    result: dict[str, Any] = {"rates differ": rates(opts)[0] != rates(opts)[1]}
+    fresh, _, fresh_opts, _, _ = setup((1, 0), schedulers=False)
+    result["swapped"] = error_text(lambda: fresh.load_state(str(folder)))
+    result["swapped exactly"] = [same(opt_state(o), st) for o, st in zip(fresh_opts, saved)]
+    again, again_models, again_opts, again_prepared, again_scheds = setup((1, 0))
+    result["resumed"] = error_text(lambda: again.load_state(str(folder)))
+    steps(again, again_models, again_prepared, again_scheds, 2, 4)
+    result["resumed exactly"] = [same(opt_state(o), st) and same(params(m), w) and r == want
+                                 for o, m, (st, w), r, want in zip(again_opts, again_models, straight,
+                                                                   rates(again_opts), rates(opts))]
     return result
 
 
@@ -416,7 +495,7 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
 SCENARIOS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
     ("accelerate dtensors", accelerate_dtensors), ("accelerate two optimizers", two_optimizers),
-    ("trainer", trainer_scenarios)]
+    ("accelerate one architecture", one_architecture), ("trainer", trainer_scenarios)]
 
 
 def main() -> None:

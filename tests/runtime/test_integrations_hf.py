@@ -440,6 +440,26 @@ def test_optimizer_folders_are_matched_by_the_models_fingerprint():
     assert match_folders(["a", "b"], ["b", None]) == [0, 1]  # an older folder: order
     assert match_folders(["a", "c"], ["c", "b"]) == [0, 1]  # another model: order, and the load says so
     assert match_folders([None, "b"], ["b", "a"]) == [0, 1]
+    # equal fingerprints: each takes the folder saved for the prepared model it steps, the rest in order
+    assert match_folders(["a", "a"], ["a", "a"], [0, 1], [1, 0]) == [1, 0]
+    assert match_folders(["a", "a", "b"], ["b", "a", "a"], [None, 0, 2], [2, 1, 0]) == [1, 2, 0]
+    assert match_folders(["a", "b"], ["b", "a"], [0, 1], [0, 1]) == [1, 0]  # fingerprints first
+
+
+def test_each_scheduler_takes_the_file_saved_with_its_optimizers_folder():
+    """Which prepared scheduler takes each `scheduler_<k>.bin`: a canzona optimizer's scheduler the
+    one recorded in its folder's manifest (several in order), others their own position's; None
+    where the record cannot tell (an older save, other schedulers than the save's)."""
+    from canzona.integrations.accelerate import scheduler_order
+
+    assert scheduler_order([0, 1], [1, 0], [[0], [1]]) == [1, 0]
+    assert scheduler_order([0, 1], [0, 1], [[1], [0]]) == [1, 0]  # schedulers alone prepared swapped
+    assert scheduler_order([None, 1, 0], [1, 0], [[1], [2]]) == [0, 1, 2]
+    assert scheduler_order([0, 0, None], [0], [[1, 0]]) == [1, 0, 2]
+    assert scheduler_order([], [1, 0], [None, None]) == []
+    assert scheduler_order([0, 1], [1, 0], [None, None]) is None  # an older save
+    assert scheduler_order([0, 1], [1, 0], [[], []]) is None  # saved without schedulers
+    assert scheduler_order([0, None], [0], [[1]]) is None  # not a permutation of the files
 
 
 def test_devices_are_the_same_memory_however_spelled():
@@ -689,10 +709,29 @@ def test_two_optimizers_prepared_in_another_order_resume_exactly(ranks):
     checkpoint is of model '_TwoLinears' ..., not 'Sequential'")."""
     for r in scenario(ranks, "checkpoint accelerate two optimizers"):
         assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
-        # with their schedulers, which accelerate loads by prepare order: each scheduler would take
-        # the other optimizer's schedule silently (found by the review), so one error before any load
-        assert "prepared in another order than at the save" in r["swapped with schedulers"], r["swapped with schedulers"]
-        assert r["swapped with schedulers untouched"]
+        # with their schedulers, which accelerate loads by prepare order: the save records which
+        # scheduler file each optimizer's scheduler wrote, and the load hands each its own (before:
+        # refused, since each would take the other optimizer's schedule)
+        assert r["swapped with schedulers"] == "no error", r["swapped with schedulers"]
+        assert r["swapped with schedulers exactly"] == [True, True] and r["schedulers' own rates"] == [True, True]
+        # a save without that record (an older canzona's): still refused, before anything is loaded
+        assert "prepared in another order than at the save" in r["older swapped with schedulers"], \
+            r["older swapped with schedulers"]
+        assert r["older swapped with schedulers untouched"]
+
+
+@pytest.mark.distributed
+def test_optimizers_of_one_architecture_prepared_in_another_order_resume_as_the_straight_run(ranks):
+    """Two models of one architecture (one fingerprint), each with its optimizer and LambdaLR (other
+    rates), their optimizers and schedulers prepared in the other order for load_state: each
+    optimizer takes the folder saved for the prepared model it steps (recorded in the manifest) and
+    each scheduler the file of its optimizer's scheduler, so two steps after the load give the
+    straight run's state, weights and rates bit for bit. Before: the folders were taken by order,
+    and the load refused with a CheckpointError blaming the files ("come from different saves")."""
+    for r in scenario(ranks, "checkpoint accelerate one architecture"):
+        assert r["rates differ"]
+        assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
+        assert r["resumed"] == "no error" and r["resumed exactly"] == [True, True], r["resumed"]
 
 
 @pytest.mark.distributed
