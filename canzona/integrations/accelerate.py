@@ -65,14 +65,24 @@ For a model whose parameters a canzona optimizer holds:
   are in (a `save_state` killed midway left its own without them); a folder without them is one
   `CanzonaError` before anything is loaded.
 
+- a transformers schedule with a floor (`get_scheduler("cosine_with_min_lr", opt,
+  scheduler_specific_kwargs={"min_lr": x})`, `cosine_warmup_with_min_lr`, `polynomial`'s `lr_end`)
+  over a canzona optimizer whose matrix and AdamW rates differ is one warning at `prepare` naming
+  the floor each kind of group ends at: transformers divides the floor by
+  `optimizer.defaults["lr"]`, the matrix rate, so the matrices end at `x` and the AdamW groups at
+  `adamw lr * x / matrix lr`. The schedule is left as built (`prepare_scheduler` says why);
+  `min_lr_rate=F / adamw lr` ends the AdamW groups at `F`.
+
 Everything else (data loaders, schedulers, other models and optimizers) is accelerate's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -318,6 +328,45 @@ def scheduler_order(wraps: list[int | None], folders: list[int],
     return sorted(target, key=target.__getitem__)
 
 
+def floor_ratio(scheduler: Any) -> float | None:
+    """The ratio of each group's rate a transformers schedule with a floor ends at (a `LambdaLR`
+    of `get_scheduler`'s `cosine_with_min_lr`, `cosine_warmup_with_min_lr`: `min_lr_rate`, which an
+    absolute `min_lr` was turned into by dividing it by `optimizer.defaults["lr"]`; `polynomial`:
+    `lr_end / lr_init`, `lr_init` being that rate), or None: another schedule, or no floor."""
+    lambdas = getattr(scheduler, "lr_lambdas", None) or [None]
+    fn = lambdas[0]
+    if not isinstance(fn, functools.partial) or getattr(fn.func, "__module__", "") != "transformers.optimization":
+        return None
+    kw = fn.keywords
+    ratio = kw.get("min_lr_rate") if "min_lr_rate" in kw else (
+        kw["lr_end"] / kw["lr_init"] if "lr_end" in kw and kw.get("lr_init") else None)
+    return float(ratio) if ratio else None
+
+
+def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
+    """What `prepare` warns of for a transformers schedule with a floor (`floor_ratio`) over a
+    canzona optimizer whose matrix and AdamW rates differ: the floors each kind of group ends at,
+    and how to set the AdamW groups' own. None where there is nothing to tell."""
+    ratio = floor_ratio(scheduler)
+    base = getattr(scheduler, "base_lrs", None)
+    if ratio is None or not base or len(base) != len(opt.param_groups):
+        return None
+    rates = {}
+    for g, group in enumerate(opt.param_groups):
+        rates.setdefault(group.get("kind"), float(base[g]))
+    matrix, adamw = rates.get("matrix"), rates.get("adamw")
+    if matrix is None or adamw is None or matrix == adamw:
+        return None
+    defaults = float(opt.defaults.get("lr", matrix))
+    return (f"this transformers schedule ends every group at {ratio:g} of its own rate: the matrix groups at "
+            f"{matrix * ratio:g}, the AdamW groups at {adamw * ratio:g}. transformers makes that ratio of an "
+            f"absolute floor (min_lr, lr_end) by dividing it by optimizer.defaults['lr'], which for a canzona "
+            f"optimizer is the matrix rate ({defaults:g}), not the AdamW rate ({adamw:g}). To end the AdamW groups "
+            f"at a floor F (with the matrices at the same ratio of theirs), pass min_lr_rate=F/{adamw:g} (cosine "
+            f"schedules) or lr_end=F*{defaults / adamw:g} (polynomial); CanzonaTrainer measures min_lr against the "
+            "AdamW rate (learning_rate) itself")
+
+
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return [parameters] if isinstance(parameters, Tensor) else list(parameters)
 
@@ -416,6 +465,22 @@ class CanzonaAccelerator(Accelerator):
         # the optimizer reduces the gradients (DDP would reduce them again) and holds the parameters
         # (a move would copy them out): autocast and torch.compile are all accelerate adds here
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """accelerate's `prepare_scheduler`; a transformers schedule with a floor (`min_lr`, `lr_end`)
+        over a canzona optimizer whose matrix and AdamW rates differ is warned of, naming the floor
+        each kind of group ends at (`floor_warning`). It is left as built: the schedule holds one
+        ratio for every group (an absolute `min_lr` divided by `optimizer.defaults["lr"]`, canzona's
+        matrix rate, which cannot be told from a `min_lr_rate` given as such), and the accelerate
+        path has no `learning_rate` saying which rate an absolute floor was meant against, so the
+        matrix groups end at the `min_lr` given, as transformers documents, and the AdamW groups at
+        the same ratio of theirs. (CanzonaTrainer, whose `learning_rate` is the AdamW rate, builds
+        its schedule with the floor measured against that rate.)"""
+        inner = canzona_optimizer(getattr(scheduler, "optimizer", None))
+        told = floor_warning(scheduler, inner) if inner is not None else None
+        if told is not None:
+            warnings.warn(told, stacklevel=3)
+        return super().prepare_scheduler(scheduler)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         inner = canzona_optimizer(optimizer)

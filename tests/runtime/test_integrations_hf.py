@@ -829,6 +829,49 @@ def test_a_schedules_absolute_floor_is_the_adamw_rates(tmp_path, one_rank):
     assert {g["lr"] for g in opt.param_groups} == {floor}
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_transformers_schedules_floor_on_the_accelerate_path_is_warned_of_with_the_floors_it_gives(one_rank):
+    """`get_scheduler("cosine_with_min_lr", opt, scheduler_specific_kwargs={"min_lr": 1e-4})` (and
+    `cosine_warmup_with_min_lr`, `polynomial`'s `lr_end`) given to `CanzonaAccelerator.prepare`:
+    transformers divides the floor by `optimizer.defaults["lr"]`, canzona's matrix rate (0.02), so the
+    AdamW groups (3e-3) end at 1.5e-5, not 1e-4. Left as built (see `prepare_scheduler`); before,
+    silently. Now one warning at prepare names both floors, which are where the rates end; none for
+    a schedule without a floor, or equal matrix and AdamW rates."""
+    import warnings
+
+    from transformers import get_scheduler
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    floor, matrix_lr, steps = 1e-4, 0.02, 6
+
+    def prepared(kind: str, kwargs: dict, adamw_lr: float = 3e-3) -> tuple[list[str], dict]:
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": matrix_lr},
+                                   {"lr": adamw_lr})
+        sched = get_scheduler(kind, opt, num_warmup_steps=1, num_training_steps=steps, scheduler_specific_kwargs=kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            CanzonaAccelerator(cpu=True).prepare(model, opt, sched)
+        ends = {g["kind"]: float("inf") for g in opt.param_groups}
+        for _ in range(steps):  # the lowest rate after the warmup, where the cosine bottoms out
+            sched.step()
+            ends = {g["kind"]: min(g["lr"], ends[g["kind"]]) for g in opt.param_groups}
+        return [str(w.message) for w in caught if "transformers schedule" in str(w.message)], ends
+
+    for kind, kwargs in (("cosine_with_min_lr", {"min_lr": floor}), ("cosine_warmup_with_min_lr", {"min_lr": floor}),
+                         ("polynomial", {"lr_end": floor})):
+        (message,), ends = prepared(kind, kwargs)
+        assert ends["matrix"] == pytest.approx(floor, rel=1e-9), (kind, ends)
+        assert ends["adamw"] == pytest.approx(3e-3 * floor / matrix_lr, rel=1e-9), (kind, ends)
+        assert f"the matrix groups at {ends['matrix']:g}, the AdamW groups at {ends['adamw']:g}" in message, message
+        assert "defaults['lr']" in message and f"min_lr_rate=F/{3e-3:g}" in message, message
+    assert prepared("cosine", {})[0] == []
+    assert prepared("cosine_with_min_lr", {"min_lr": floor}, adamw_lr=matrix_lr)[0] == []
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
