@@ -62,7 +62,7 @@ from canzona.runtime.groups import config_value, group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.modules import canonical_name
-from canzona.runtime.nonfinite import nonfinite_state_error
+from canzona.runtime.nonfinite import SECOND_MOMENTS, nonfinite_state_error
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
 from canzona.tp import EVERY_RANK
@@ -780,7 +780,57 @@ def _checked_field(name: str, field: str, want: Any, entry: Mapping[str, Any]) -
     if not isinstance(got, Tensor) or got.shape != want.shape or got.is_floating_point() != want.is_floating_point():
         raise PlanError(f"optimizer state of {name!r} is damaged: its {field!r} is {_described(got)}, this "
                         f"optimizer keeps {_described(want)}")
-    return got if got.dtype == want.dtype else got.to(want.dtype)
+    return cast_field(name, field, got, want.dtype)
+
+
+def cast_field(name: str, field: str, got: Tensor, dtype: torch.dtype) -> Tensor:
+    """A saved floating field in the state's `dtype` (torch.optim's `load_state_dict` casts alike,
+    to the parameter's). A finite value the cast overflows (fp32 above 65504 into an fp16 state)
+    is one CheckpointError naming the field, the value and the dtype's largest: the Inf it becomes
+    would be refused as damaged, naming nothing of the cause, or written into the weights. Not in
+    a second moment (`SECOND_MOMENTS`): there +Inf is what torch's load makes of it too, and the
+    value its AdamW steps on from (that element's update 0)."""
+    if got.dtype == dtype:
+        return got
+    cast = got.to(dtype)
+    if field not in SECOND_MOMENTS and torch.finfo(dtype).max < torch.finfo(got.dtype).max and got.element_size() > 1:
+        over = torch.isinf(cast) & torch.isfinite(got)
+        if bool(over.any()):
+            value = float(got[over].reshape(-1)[0])
+            raise CheckpointError(
+                f"optimizer state of {name!r} does not fit this optimizer's state dtype: its {field!r} holds "
+                f"{value:g} (saved as {_dtype_name(got.dtype)}), beyond {_dtype_name(dtype)}'s largest finite value "
+                f"{torch.finfo(dtype).max:g}, the dtype this configuration keeps it in, so the cast would make it "
+                "Inf: nothing was loaded. Resume it with a state dtype that holds it (fp32: master weights, or an "
+                "fp32 or bf16 model)")
+    return cast
+
+
+def cast_to_live(opt: Described, state: Mapping[str, dict]) -> dict[str, dict]:
+    """A state read by a sharded load (`read_sharded`, by entry: a stack's matrices by theirs,
+    `'<param>[k]'`; FSDP2's AdamW stacks by the stack's name), each floating field cast
+    (`cast_field`) to the dtype the live configuration keeps it in: its template's
+    (`initial_state` of the matrix optimizer for a matrix, AdamW's for the rest), taken from the
+    entry's name alone (`state_dtype`, the base configurations), never from the param groups'
+    values, which the load may be about to replace. The full form casts alike
+    (`checked_entries`). Before, a field saved in another dtype (a bf16 state resumed with an fp32
+    one, a converted shard) loaded as saved, and the next step failed mid-step in the kernels.
+    The fp32 masters and the fields the template does not hold are left as read."""
+    matrices = {p.name for p in opt.spec.matrix_params()}
+    templates: dict[tuple[bool, tuple[int, ...], torch.dtype], dict[str, Any]] = {}
+    out: dict[str, dict] = {}
+    for name, entry in state.items():
+        shape = tuple(opt.spec.param(name).shape)
+        key = (name in matrices, shape, opt.state_dtype(name))
+        if key not in templates:
+            with torch.device("meta"):
+                like = torch.zeros(shape, dtype=key[2])
+                templates[key] = initial_state(opt.optimizer, like, opt.matrix_cfg) if key[0] else adamw_state(like)
+        want = templates[key]
+        out[name] = {field: cast_field(name, field, value, want[field].dtype)
+                     if isinstance(value, Tensor) and value.is_floating_point() and isinstance(want.get(field), Tensor)
+                     and want[field].is_floating_point() else value for field, value in entry.items()}
+    return out
 
 
 def _described(value: Any) -> str:
@@ -1514,7 +1564,7 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
-    agree_on_save(meta, own_comms(opt), state)
+    state = agree_on_save(opt, meta, own_comms(opt), state)
     if check_weights:
         _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
@@ -1523,7 +1573,8 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     opt.loaded_witness = witness_to_check(meta.get(WITNESS_KEY), stepped_names) if check_weights is None else None
 
 
-def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapping[str, dict]) -> None:
+def agree_on_save(opt: Described, meta: Mapping[str, Any], comms: list[Comm | None],
+                  state: Mapping[str, dict]) -> dict[str, dict]:
     """The ranks of `comms` read the same save: its metadata entry (the header, the groups and the
     weights' witness: another save's differs) alike on each. Before, ranks given folders of two
     saves (a path that differs by rank, `latest_checkpoint` looked up on each while a save landed)
@@ -1531,10 +1582,13 @@ def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapp
     Inf in what it read of the state (`state`, its own pieces), which every rank then refuses. An
     exception in those checks on one rank (a bug, a dtype the reduction cannot read) is raised
     there and named on the others at once, in the same round (before, it was raised outside it:
-    the others waited in it until timeout_s, and the group broke)."""
+    the others waited in it until timeout_s, and the group broke). Returns `state` with each
+    floating field in the dtype the live configuration keeps it in (`cast_to_live`, in the same
+    round: a refusal of the cast, a value it overflows, is one error on every rank too)."""
     error: Exception | None = None
     digest = b""
     try:
+        state = cast_to_live(opt, state)
         refused = nonfinite_state_error(state.items())
         error = None if refused is None else CheckpointError(refused)
         digest = json.dumps(meta, sort_keys=True, default=_json_scalar).encode()
@@ -1543,6 +1597,7 @@ def agree_on_save(meta: Mapping[str, Any], comms: list[Comm | None], state: Mapp
     agree(comms, error, digest, "load_sharded_state_dict()",
           "read another checkpoint than this rank (their optimizer metadata differ): every rank must load the "
           "same save")
+    return dict(state)
 
 
 Wants = Callable[[int, int, int, Any], bool]  # (saved TP rank, TP size, offset, its metadata) -> read it

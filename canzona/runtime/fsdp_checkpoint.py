@@ -262,7 +262,7 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
     header, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices),
                                                 needs, [opt.world])
     state = _by_stack(opt, state)
-    agree_on_save(header, [opt.world], state)
+    state = agree_on_save(opt, header, [opt.world], state)
     if check_weights:
         _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, header.get(WITNESS_KEY))

@@ -121,15 +121,25 @@ def load_failure_job(rank: int, world: int, folder: str) -> dict:
     def broken(state):
         raise RuntimeError("the finiteness check failed on rank 1")
 
-    real = checkpoint.nonfinite_state_error
-    if rank == 1:
-        checkpoint.nonfinite_state_error = broken
-    start = time.monotonic()
-    try:
-        out = _outcome(lambda: opt.load_sharded_state_dict(folder))
-    finally:
-        checkpoint.nonfinite_state_error = real
-    out["elapsed_s"] = time.monotonic() - start
+    def load_with(attr: str, fails) -> dict:
+        real = getattr(checkpoint, attr)
+        if rank == 1:
+            setattr(checkpoint, attr, fails)
+        start = time.monotonic()
+        try:
+            out = _outcome(lambda: opt.load_sharded_state_dict(folder))
+        finally:
+            setattr(checkpoint, attr, real)
+        out["elapsed_s"] = time.monotonic() - start
+        return out
+
+    out = load_with("nonfinite_state_error", broken)
+
+    def cast_fails(opt, state):
+        raise RuntimeError("the cast to the live state dtype failed on rank 1")
+
+    # the cast of what a rank read to the live state's dtypes (`cast_to_live`), in the same round
+    out["cast"] = load_with("cast_to_live", cast_fails)
     out["healthy"] = _group_is_healthy(world)
     return out
 
@@ -463,14 +473,16 @@ def test_an_unexpected_failure_in_the_sharded_loads_checks_on_one_rank_is_one_er
     """`load_sharded_state_dict`, rank 1's finiteness check of what it read raising (not a
     refusal): it raises its own error, the others one naming it, at once (the load's timeout_s is
     5 s), and every rank issued the same collectives. Before, the check and the digest ran outside
-    the agreement's try: rank 1 raised alone, the others waited in the agreement until timeout_s."""
-    outs = group[("load failure",)]
-    assert outs[1]["type"] == "RuntimeError" and "failed on rank 1" in outs[1]["message"], outs[1]
-    for r in (0, 2, 3):
-        message = outs[r]["message"]
-        assert outs[r]["is_canzona"] and "rank(s) [1]" in message and "failed on rank 1" in message, message
-    assert all(out["elapsed_s"] < 2.0 for out in outs), [out["elapsed_s"] for out in outs]
-    assert all(out["healthy"] for out in outs)
+    the agreement's try: rank 1 raised alone, the others waited in the agreement until timeout_s.
+    Likewise the cast of what each rank read to the live state's dtypes (`cast_to_live`)."""
+    every = group[("load failure",)]
+    for outs in (every, [out["cast"] for out in every]):
+        assert outs[1]["type"] == "RuntimeError" and "failed on rank 1" in outs[1]["message"], outs[1]
+        for r in (0, 2, 3):
+            message = outs[r]["message"]
+            assert outs[r]["is_canzona"] and "rank(s) [1]" in message and "failed on rank 1" in message, message
+        assert all(out["elapsed_s"] < 2.0 for out in outs), [out["elapsed_s"] for out in outs]
+    assert all(out["healthy"] for out in every)
 
 
 def test_synchronising_twice_without_no_sync_is_an_error(group):

@@ -1,0 +1,166 @@
+"""A sharded load (`load_sharded_state_dict`, both layouts) of a state whose floating fields were
+saved in another dtype than the live state keeps them in (a run saved with a bf16 state resumed
+with an fp32 one, or the reverse; a user's own conversion of the shards): each field is cast to
+the dtype the live configuration gives it, as the full form (`checkpoint.checked_entries`) and
+torch's `Optimizer.load_state_dict` cast, and the resume steps bit for bit as one from a save in
+the live dtype holding those values. Before: it loaded, and the next step failed mid-step (a dtype
+mismatch in the kernels). A value the cast overflows (fp32 above 65504 into an fp16 state) is one
+error naming the field and the dtype's largest value, nothing loaded; in `exp_avg_sq` it becomes
++Inf, as torch's load makes it, the value torch's AdamW steps on from. In one process (a one-rank
+gloo group); the spread of a refusal to every rank is `agree_on_save`'s (test_runtime_robustness)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from canzona.errors import CheckpointError
+from tests.runtime.outcomes import same
+from tests.runtime.test_nonfinite_state import LAYOUTS, _weights
+
+pytestmark = pytest.mark.distributed  # a one-rank gloo group in this process
+
+
+def _converted(sharded: dict, dtype: torch.dtype) -> dict:
+    """The optimizer's floating state shards (not the fp32 masters) in `dtype`."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and "/master" not in k else v
+            for k, v in sharded.items()}
+
+
+def _resume(model, opt, step, path) -> tuple[dict, dict]:
+    """Load the sharded save at `path` into `opt` (the model's weights as saved), step once, and
+    return (the weights, the state) after it."""
+    opt.load_sharded_state_dict(str(path))
+    step()
+    model.state_dict()  # the step's parameter all-gathers waited for
+    return _weights(model), opt.state_dict()
+
+
+def _restore(model, weights: dict) -> None:
+    """The model's weights set back to `weights` (`_weights`' copy), in place."""
+    from canzona.runtime.shards import local_tensor
+
+    model.state_dict()  # the last step's parameter all-gathers waited for
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local_tensor(p).copy_(weights[name])
+
+
+def _stacked():
+    """ZeRO-1 over a model of stacked experts (`'<param>[k]'` entries), Muon, one step taken."""
+    from canzona.harness.training import TrainSpec, build_model, global_batches
+    from tests.runtime.test_runtime_habits import _optimizer, _train
+
+    spec = TrainSpec(preset="tiny-moe", optimizer="muon", steps=2, global_batch=4, seq_len=8)
+    model = build_model(spec)
+    opt = _optimizer(model)
+    assert model.spec().stacks
+    batches = list(global_batches(spec, model.spec().param("model.embed_tokens.weight").shape[0]))
+    _train(model, opt, batches[:1])
+    return model, opt, lambda: _train(model, opt, batches[1:2])
+
+
+MAKERS = {**LAYOUTS, "zero1-stacked": lambda bf16, **kw: _stacked()}
+
+
+@pytest.mark.parametrize("layout, saved, live", [
+    ("zero1", torch.bfloat16, "fp32"), ("fsdp2", torch.bfloat16, "fp32"), ("zero1-stacked", torch.bfloat16, "fp32"),
+    ("zero1", torch.float32, "bf16"), ("fsdp2", torch.float32, "bf16")])
+def test_a_sharded_state_saved_in_another_dtype_resumes_as_one_saved_in_the_live_dtype(one_rank, tmp_path, layout,
+                                                                                       saved, live):
+    import torch.distributed.checkpoint as dcp
+
+    bf16 = live == "bf16"
+    model, opt, step = MAKERS[layout](bf16, **({"master_weights": False} if bf16 else {}))
+    sharded = opt.sharded_state_dict()
+    # the stacks' matrices are entries of their own (`'<param>[k]'`), their state among them
+    assert layout != "zero1-stacked" or any("]/momentum_buffer" in k for k in sharded)
+    live_dtype = torch.bfloat16 if bf16 else torch.float32
+    # the reference: the same values in the live dtype (a bf16 save upcast, or the live bf16 save)
+    reference = _converted(_converted(sharded, saved), live_dtype)
+    dcp.save(_converted(sharded, saved), checkpoint_id=str(tmp_path / "other"))
+    dcp.save(reference, checkpoint_id=str(tmp_path / "live"))
+    weights = _weights(model)
+    want = _resume(model, opt, step, tmp_path / "live")
+    _restore(model, weights)
+    got = _resume(model, opt, step, tmp_path / "other")
+    assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+@pytest.mark.parametrize("lr", ["nan", "tensor"])
+def test_the_cast_reads_no_live_group_values_the_load_replaces(one_rank, tmp_path, lr):
+    """The live groups hold a rate the checkpoint undoes (NaN; a tensor rate, on the meta device
+    where the templates are taken): the dtype of each field comes from the base configuration, so
+    the load casts, restores the saved rates, and steps as from a save in the live dtype."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, step = LAYOUTS["zero1"](False)
+    sharded = opt.sharded_state_dict()
+    dcp.save(_converted(sharded, torch.bfloat16), checkpoint_id=str(tmp_path / "other"))
+    dcp.save(_converted(_converted(sharded, torch.bfloat16), torch.float32), checkpoint_id=str(tmp_path / "live"))
+    weights = _weights(model)
+    want = _resume(model, opt, step, tmp_path / "live")
+    _restore(model, weights)
+    for group in opt.param_groups:
+        group["lr"] = math.nan if lr == "nan" else torch.tensor(math.nan)
+    got = _resume(model, opt, step, tmp_path / "other")
+    assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+def _fp16_saved_as_fp32(tmp_path, field: str, value: float):
+    """canzona's pure-fp16 AdamW (its state fp16) and torch's alike, two steps each; the sharded
+    save converted to fp32, one element of the first `field` set to `value`, written to `tmp_path`."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.runtime.test_nonfinite_state import _fp16_pair
+
+    (model, make, step), (mine, opt), (theirs, ref) = _fp16_pair()
+    sharded = _converted(opt.sharded_state_dict(), torch.float32)
+    key = next(k for k in sorted(sharded) if k.rsplit("/", 1)[1].split("@")[0] == field)
+    sharded[key].view(-1)[0] = value
+    dcp.save(sharded, checkpoint_id=str(tmp_path))
+    return mine, opt, key
+
+
+@pytest.mark.parametrize("form", ["sharded", "load_state_dict"])
+def test_a_value_the_cast_overflows_is_refused_naming_the_field_and_the_dtypes_largest(one_rank, tmp_path, form):
+    """fp32 100000 into an fp16 `exp_avg`: one CheckpointError naming the parameter, the field,
+    the value and float16's largest (65504), nothing loaded. Before: cast to +Inf, then refused as
+    'damaged: holds NaN or Inf', naming nothing of the cause."""
+    model, opt, key = _fp16_saved_as_fp32(tmp_path, "exp_avg", 1e5)
+    before, weights = opt.state_dict(), _weights(model)
+    name = key.split("/adamw/", 1)[1].rsplit("/", 1)[0]
+    with pytest.raises(CheckpointError) as refused:
+        if form == "sharded":
+            opt.load_sharded_state_dict(str(tmp_path))
+        else:  # the full form of the same values
+            full = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                    for k, v in before["state"][0].items()}
+            full["exp_avg"].view(-1)[0] = 1e5
+            name = before["param_names"][0][0]
+            opt.load_state_dict({**before, "state": {**before["state"], 0: full}})
+    message = str(refused.value)
+    assert f"optimizer state of {name!r} does not fit" in message, message
+    assert "its 'exp_avg' holds 100000" in message and "float16's largest finite value 65504" in message, message
+    assert "\n" not in message and same(opt.state_dict(), before) and same(_weights(model), weights)
+
+
+def test_a_second_moment_the_cast_overflows_becomes_plus_inf_as_torch_loads_it(one_rank, tmp_path):
+    """fp32 100000 into an fp16 `exp_avg_sq`: +Inf, as torch's `load_state_dict` casts it (to the
+    fp16 parameter's dtype), the value its AdamW keeps for an overflowed g^2; loaded."""
+    model, opt, key = _fp16_saved_as_fp32(tmp_path, "exp_avg_sq", 1e5)
+    opt.load_sharded_state_dict(str(tmp_path))
+    name = key.split("/adamw/", 1)[1].rsplit("/", 1)[0]
+    saved = opt.state_dict()
+    names = [n for group in saved["param_names"] for n in group]
+    entry = saved["state"][names.index(name)]
+    assert entry["exp_avg_sq"].dtype == torch.float16 and entry["exp_avg_sq"].view(-1)[0] == math.inf
+    # torch's own load of the same value
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    ref = torch.optim.AdamW([p])
+    ref.load_state_dict({"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                                       "exp_avg_sq": torch.tensor([1e5, 0.0, 0.0])}},
+                         "param_groups": [{**ref.param_groups[0], "params": [0]}]})
+    assert ref.state[p]["exp_avg_sq"][0] == math.inf
