@@ -29,6 +29,13 @@ def _converted(sharded: dict, dtype: torch.dtype) -> dict:
             for k, v in sharded.items()}
 
 
+def _round_tripped(sharded: dict, dtype: torch.dtype) -> dict:
+    """`_converted` to `dtype` and back, each shard to the dtype it has live: the same values as
+    a save in another dtype holds, saved in the live dtypes."""
+    return {k: v.to(dtype).to(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and "/master" not in k
+            else v for k, v in sharded.items()}
+
+
 def _resume(model, opt, step, path) -> tuple[dict, dict]:
     """Load the sharded save at `path` into `opt` (the model's weights as saved), step once, and
     return (the weights, the state) after it."""
@@ -62,12 +69,14 @@ def _stacked():
     return model, opt, lambda: _train(model, opt, batches[1:2])
 
 
-MAKERS = {**LAYOUTS, "zero1-stacked": lambda bf16, **kw: _stacked()}
+MAKERS = {**LAYOUTS, "zero1-stacked": lambda bf16, **kw: _stacked(),
+          # SOAP keeps its moments and statistics in fp32 under a bf16 state (`work_dtype`)
+          "zero1-soap": lambda bf16, **kw: LAYOUTS["zero1"](bf16, optimizer="soap", **kw)}
 
 
 @pytest.mark.parametrize("layout, saved, live", [
     ("zero1", torch.bfloat16, "fp32"), ("fsdp2", torch.bfloat16, "fp32"), ("zero1-stacked", torch.bfloat16, "fp32"),
-    ("zero1", torch.float32, "bf16"), ("fsdp2", torch.float32, "bf16")])
+    ("zero1", torch.float32, "bf16"), ("fsdp2", torch.float32, "bf16"), ("zero1-soap", torch.bfloat16, "bf16")])
 def test_a_sharded_state_saved_in_another_dtype_resumes_as_one_saved_in_the_live_dtype(one_rank, tmp_path, layout,
                                                                                        saved, live):
     import torch.distributed.checkpoint as dcp
@@ -77,9 +86,10 @@ def test_a_sharded_state_saved_in_another_dtype_resumes_as_one_saved_in_the_live
     sharded = opt.sharded_state_dict()
     # the stacks' matrices are entries of their own (`'<param>[k]'`), their state among them
     assert layout != "zero1-stacked" or any("]/momentum_buffer" in k for k in sharded)
-    live_dtype = torch.bfloat16 if bf16 else torch.float32
-    # the reference: the same values in the live dtype (a bf16 save upcast, or the live bf16 save)
-    reference = _converted(_converted(sharded, saved), live_dtype)
+    assert layout != "zero1-soap" or {v.dtype for v in sharded.values() if isinstance(v, torch.Tensor)} >= {
+        torch.bfloat16, torch.float32}
+    # the reference: the same values in the live dtypes (a bf16 save upcast; the live bf16 save)
+    reference = _round_tripped(sharded, saved)
     dcp.save(_converted(sharded, saved), checkpoint_id=str(tmp_path / "other"))
     dcp.save(reference, checkpoint_id=str(tmp_path / "live"))
     weights = _weights(model)
@@ -99,7 +109,7 @@ def test_the_cast_reads_no_live_group_values_the_load_replaces(one_rank, tmp_pat
     model, opt, step = LAYOUTS["zero1"](False)
     sharded = opt.sharded_state_dict()
     dcp.save(_converted(sharded, torch.bfloat16), checkpoint_id=str(tmp_path / "other"))
-    dcp.save(_converted(_converted(sharded, torch.bfloat16), torch.float32), checkpoint_id=str(tmp_path / "live"))
+    dcp.save(_round_tripped(sharded, torch.bfloat16), checkpoint_id=str(tmp_path / "live"))
     weights = _weights(model)
     want = _resume(model, opt, step, tmp_path / "live")
     _restore(model, weights)
