@@ -18,6 +18,9 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
   (`canzona.spec.routes_to_matrix_optimizer`) sends only *2-D* matrices and stacks of them to the
   matrix optimizer, so they go to AdamW while still saying what they are, a weight rather than a
   vector;
+- parametrized modules (`register_parametrization`: weight_norm, spectral_norm, ...) own their
+  originals (`parametrizations.weight.original`, or `original0`, ...): an embedding's or a head's keep
+  its role; weight_norm's magnitude (`original0`, the old hook's `weight_g`, `(out, 1)`) is a vector;
 - experts (docs/design.md §2.6): a parameter inside a module named `experts` is an expert's. One
   of 3 or more dimensions is a stack of matrices over its first dimension (transformers 5's fused
   experts, torchtitan's grouped-GEMM weights), each `shape[-2] x shape[-1]`, except a fused
@@ -50,6 +53,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _WeightNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from canzona.errors import PlanError, SpecError
 from canzona.runtime.kernels import TORCH_DTYPES
@@ -169,9 +175,39 @@ def _is_embedding_module(module_name: str, module: nn.Module) -> bool:
         module_name.split(".")[-1] in EMBEDDING_MODULE_NAMES
 
 
+def _owned_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters `module` owns: its own, and those its parametrizations keep for it
+    (`register_parametrization` moves `weight` into the child `parametrizations.weight` as
+    `original`, or `original0`, `original1`, ...)."""
+    yield from module.parameters(recurse=False)
+    if parametrize.is_parametrized(module):
+        for originals in module.parametrizations.values():
+            yield from originals.parameters(recurse=False)
+
+
+def _weight_norm_magnitudes(model: nn.Module) -> set[int]:
+    """The ids of weight_norm's magnitudes (`original0` of `parametrizations.weight_norm`, `*_g` of
+    the deprecated `torch.nn.utils.weight_norm` hook): a gain per output row kept `(out, 1)`, a
+    vector however it is stored, beside its direction (`original1` / `*_v`, a matrix)."""
+    found: set[int] = set()
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for originals in module.parametrizations.values():
+                if len(originals) == 1 and isinstance(originals[0], _WeightNorm) and \
+                        isinstance(getattr(originals, "original0", None), nn.Parameter):
+                    found.add(id(originals.original0))
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm):
+                g = module._parameters.get(f"{hook.name}_g")
+                if g is not None:
+                    found.add(id(g))
+    return found
+
+
 def _owner_roles(model: nn.Module) -> dict[int, Role]:
-    """Role by the modules that own each Parameter (by id); a tied weight is owned by both the
-    embedding and the head, and is an embedding."""
+    """Role by the modules that own each Parameter (by id, a parametrized module's originals
+    included); a tied weight is owned by both the embedding and the head, and is an embedding.
+    weight_norm's magnitudes are vectors, whatever module holds them."""
     declared = _declared_head(model)
     roles: dict[int, Role] = {}
     for raw, module in model.named_modules():
@@ -182,14 +218,15 @@ def _owner_roles(model: nn.Module) -> dict[int, Role]:
             role = Role.HEAD
         else:
             continue
-        for p in module.parameters(recurse=False):
+        for p in _owned_parameters(module):
             if roles.get(id(p)) is not Role.EMBEDDING:
                 roles[id(p)] = role
+    roles.update(dict.fromkeys(_weight_norm_magnitudes(model), Role.VECTOR))
     return roles
 
 
 def _role(p: nn.Parameter, owner_role: Role | None) -> Role:
-    if p.dim() <= 1:
+    if p.dim() <= 1 or owner_role is Role.VECTOR:
         return Role.VECTOR  # a head's or an embedding's bias is a vector like any other; a 0-d scalar one element of one
     return owner_role or Role.MATRIX
 

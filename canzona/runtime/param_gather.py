@@ -284,7 +284,8 @@ def replaced_message(name: str, how: str) -> str:
     """The error of a parameter replaced in the model after the optimizer was built (`how`: what
     shows it), under ZeRO-1 (`replaced_parameter`) and FSDP2 alike."""
     return (f"parameter {name!r} was replaced after the optimizer was built ({how}): the model would train a tensor "
-            "this optimizer never steps (load_state_dict(assign=True), tie_weights(), a new module or Parameter "
+            "this optimizer never steps (load_state_dict(assign=True), tie_weights(), register_parametrization or "
+            "weight_norm, a new module or Parameter "
             "assigned). Build the optimizer after such changes, and load weights in place (load_state_dict() "
             "without assign, DCP, set_model_state_dict)")
 

@@ -8,6 +8,7 @@ order-free fingerprint, `describe_difference`, `order`, `tp_plan` and plans made
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -323,6 +324,34 @@ def test_parameters_of_more_than_two_dims_go_to_adamw():
     for name in ("experts", "conv.weight"):
         assert spec.param(name).role is Role.MATRIX  # a weight, but not 2-D: the rule says AdamW
         assert spec.param(name) in spec.adamw_params()
+
+
+def test_a_parametrized_embedding_or_head_keeps_its_role_and_weight_norms_magnitude_is_a_vector():
+    """`register_parametrization` (weight_norm, spectral_norm, orthogonal) before building the
+    optimizer moves a weight to `module.parametrizations.weight.original` (or `original0` and
+    `original1`), a child of the module: the embedding and the head keep their roles (AdamW), and
+    weight_norm's magnitude, `(out, 1)` beside its direction, is a vector like a norm's gain, as is
+    the old hook's `weight_g`. Before: the embedding and the head went to the matrix optimizer,
+    and so did every magnitude (a Muon step of an `(out, 1)` column is its gradient's direction)."""
+    from torch.nn.utils import parametrizations
+
+    model = TitanToy()
+    parametrizations.weight_norm(model.tok_embeddings)
+    parametrizations.spectral_norm(model.output)
+    parametrizations.weight_norm(model.layers["0"].attention.wq)
+    with warnings.catch_warnings():  # torch's FutureWarning: the hook is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model.layers["1"].attention.wq)  # the old hook: weight_g, weight_v
+    spec = ModelSpec.from_module(model)
+    emb, out = "tok_embeddings.parametrizations.weight.original", "output.parametrizations.weight.original"
+    wq0, wq1 = "layers.0.attention.wq.parametrizations.weight.original", "layers.1.attention.wq.weight"
+    assert (spec.param(f"{emb}0").role, spec.param(f"{emb}1").role, spec.param(out).role) == \
+        (Role.VECTOR, Role.EMBEDDING, Role.HEAD)
+    assert (spec.param(f"{wq0}0").role, spec.param(f"{wq0}1").role) == (Role.VECTOR, Role.MATRIX)
+    assert (spec.param(f"{wq1}_g").role, spec.param(f"{wq1}_v").role) == (Role.VECTOR, Role.MATRIX)
+    assert {p.name for p in spec.matrix_params()} == \
+        {p.name for p in ModelSpec.from_module(TitanToy()).matrix_params()} - \
+        {"layers.0.attention.wq.weight", "layers.1.attention.wq.weight"} | {f"{wq0}1", f"{wq1}_v"}
 
 
 def test_dtypes():
