@@ -115,6 +115,7 @@ from canzona.runtime.param_gather import (
     ParamsInFlight,
     Parents,
     check_not_unsharded,
+    module_links,
     modules_holding,
     param_holders,
     replaced_parameter,
@@ -472,8 +473,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             self.reset_master_weights()
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         for grads in self._syncs():
+            held = {n: h for n, h in holders.items() if n in grads.params}
             grads.replaced_check = functools.partial(self._changed, functools.partial(
-                replaced_parameter, grads.params, {n: h for n, h in holders.items() if n in grads.params}))
+                replaced_parameter, grads.params, held, module_links(held, parents)))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)

@@ -265,11 +265,40 @@ def enclosing_modules(holding: Iterable[nn.Module], parents: Parents | None = No
     return found
 
 
-def replaced_parameter(params: Mapping[str, Tensor], holders: Holders) -> str | None:
+# (parent, attribute, child, a parameter below): `parent._modules[attribute]` was `child` at
+# construction, and `child` holds the parameter or has a descendant that does (`module_links`)
+Links = list[tuple["weakref.ref[nn.Module]", str, "weakref.ref[nn.Module]", str]]
+
+
+def module_links(holders: Holders, parents: Parents) -> Links:
+    """Every link from a live module to its child on the way down to the modules holding the
+    parameters (`param_holders`' `parents`), each once, with the first parameter (in `holders`'
+    order) below it, for `replaced_parameter` to see a module replaced while the old one lives on."""
+    links: Links = []
+    seen: set[int] = set()
+    for name, refs in holders.items():
+        todo = [m for ref, _ in refs if (m := ref()) is not None]
+        while todo:
+            child = todo.pop()
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            for parent in parents.get(id(child), ()):
+                links.extend((weakref.ref(parent), attr, weakref.ref(child), name)
+                             for attr, m in parent._modules.items() if m is child)
+                todo.append(parent)
+    return links
+
+
+def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Links = ()) -> str | None:
     """A message naming a parameter that a module held at construction and holds no longer (a new
     Parameter or module assigned in its place: `load_state_dict(assign=True)`, `tie_weights()`, a
     new head), or None. The model then trains the new tensor, which no hook of the optimizer's
-    sees (its gradient is never reduced, it is never stepped), while the optimizer steps the old."""
+    sees (its gradient is never reduced, it is never stepped), while the optimizer steps the old.
+    `links` (`module_links`) catch a module replaced in a live parent while the old one lives on (a
+    reference cycle gc has not collected yet, a reference of the user's), where the old module
+    still holds the parameter; a child wrapped in place (an activation checkpoint wrapper holding
+    it) is no replacement."""
     for name, refs in holders.items():
         p = params[name]
         for ref, attr in refs:
@@ -277,6 +306,13 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders) -> str | 
             if module is None or module._parameters.get(attr) is not p:
                 where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
                 return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
+    for parent_ref, attr, child_ref, name in links:
+        parent, child = parent_ref(), child_ref()
+        if parent is None or child is None:
+            continue  # a parent gone (a container that held it for a while); a child gone: the loop above
+        now = parent._modules.get(attr)
+        if now is not child and not (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
+            return replaced_message(name, f"{type(parent).__name__}.{attr} now holds another module, or none")
     return None
 
 

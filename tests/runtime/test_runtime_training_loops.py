@@ -655,3 +655,53 @@ def test_a_model_of_mixed_dtypes_is_one_error_naming_the_cast(one_rank):
     with pytest.raises(SpecError, match=r"model\.norm\.weight is torch\.bfloat16 .* cast the model to one dtype "
                                         r"\(model\.to\(torch\.bfloat16\)\) before building the optimizer"):
         _optimizer(model)
+
+
+@pytest.mark.parametrize("how", ["head", "block"])
+def test_a_module_replaced_while_the_old_one_lives_on_is_one_error_before_any_update(one_rank, how):
+    """A module swapped for a new one after building the optimizer (a new head, a block replaced),
+    the old one kept alive, by a reference cycle (gc has not run yet) or a reference of the
+    user's: the old module still holds the parameters the optimizer steps, but the model trains the
+    new one's. One error naming the link, nothing updated; before, it trained silently (the new
+    module's parameters never stepped), and was one error only when the old module was freed at
+    once. A module wrapped in place (activation checkpointing after building) still trains."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    class Wrapped(nn.Module):  # stands in for a checkpoint wrapper
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self._checkpoint_wrapped_module = inner
+
+        def forward(self, x):
+            return self._checkpoint_wrapped_module(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 4))
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    x = torch.randn(3, 8)
+    model[0] = Wrapped(model[0])  # wrapped in place: nothing replaced
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    old = model[1] if how == "head" else model[0]
+    old.cycle = [old]  # freed by gc's next collection only
+    model[1 if how == "head" else 0] = nn.Linear(8, 4) if how == "head" else nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    del old
+    gc.disable()
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        with pytest.raises(CanzonaError, match=r"was replaced after the optimizer was built \(Sequential\.(1|0) now holds "
+                                               r"another module"):
+            opt.step()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
