@@ -355,6 +355,10 @@ class GradientSync:
                 self._states.pop(name, None)
                 continue
             else:
+                if not self.is_linked(name):
+                    # a gradient no hook of ours took: the parameter swapped out of the buffers with
+                    # its hooks (a cast under torch's swap_module_params_on_conversion)
+                    raise CanzonaError(self.unlinked_message(name))
                 # every entry of the parameter, in this buffer and in those launched after it (a
                 # stack spanning buckets: this is the first of them to launch, as the guard
                 # now stands in `.grad`)

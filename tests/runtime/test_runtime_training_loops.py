@@ -705,3 +705,32 @@ def test_a_module_replaced_while_the_old_one_lives_on_is_one_error_before_any_up
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     finally:
         gc.enable()
+
+
+def test_a_cast_under_torchs_swap_flag_is_one_error_naming_the_cast(one_rank):
+    """`model.to(torch.bfloat16)` after building the optimizer under
+    `torch.__future__.set_swap_module_params_on_conversion(True)` (torch swaps each Parameter's
+    contents, its gradient hooks with them: the optimizer's never run): one CanzonaError naming
+    the cast at `step()`, nothing updated (before: torch's RuntimeError 'attempting to assign a
+    gradient with dtype float to a tensor with grad_dtype BFloat16' from inside the step)."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.bfloat16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    with pytest.raises(CanzonaError, match=r"no longer lives in the optimizer's buffers: the model was moved, cast"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
