@@ -111,6 +111,7 @@ from canzona.runtime.mesh import TP
 from canzona.runtime.model_loads import (
     WeightVersions,
     clear_marks,
+    first_written_apart,
     loaded_on_some_ranks,
     mark_loaded,
     note_writes,
@@ -371,7 +372,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         unwatched = renormed_in_forward({
             **{n: [fp._module_info.module] for n, fp in self._fsdp_params.items()},
             **{n: [ref() for ref, _ in refs] for n, refs in self._holders.items()}})
-        self._weight_versions = WeightVersions(p for n, p in self.params.items() if n not in unwatched)
+        self._weight_versions = WeightVersions({n: p for n, p in self.params.items() if n not in unwatched})
         self.checked: tuple[dict[str, bool], float] | None = None
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # each gradient the kept check saw, with its version: a backward since bumps the version
@@ -639,7 +640,11 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         """The ranks' marks of a model load since the last step (`canzona.runtime.model_loads`): on
         some ranks and not the others, one error on every rank; taken (cleared) otherwise."""
         if loaded.any() and not loaded.all():
-            raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0)))
+            # on this failure path only (every rank takes it: the table is the same on all), the ranks
+            # show each other which parameters they wrote since the last step, for the error to name the first
+            written = self.world.all_gather_object(self._weight_versions.written_since_record(), "load disagreement")
+            raise CanzonaError(loaded_on_some_ranks(ranks_of(loaded != 0), ranks_of(loaded == 0),
+                                                    first_written_apart(self.params, written)))
         clear_marks(self)
         record_writes(self)
 

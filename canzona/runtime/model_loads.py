@@ -11,7 +11,8 @@ parameter gets a `load_state_dict` post-hook (torch runs it for each module the 
 marks the optimizer, and the next step check carries the mark to every rank of the cluster
 (`GradientSync.prepare`'s `loaded`), where the ranks compare their weights again before anything
 is updated. Under FSDP2 each rank holds its own shards, so their checksums cannot be compared: a
-load that marks some ranks and not the others is refused (`loaded_on_some_ranks`). Under ZeRO-1
+load that marks some ranks and not the others is refused (`loaded_on_some_ranks`), naming the first
+parameter written on some ranks only (`first_written_apart`). Under ZeRO-1
 with TP, each TP rank's sharded weights are compared across its DP replicas, and the TP ranks of a
 DP rank must agree on whether they were marked: a load of TP-sharded weights on some TP ranks only
 (alike on their DP replicas) leaves every checksum they could compare equal.
@@ -52,12 +53,14 @@ LOADED_ADVICE = ("the model's weights were loaded (load_state_dict) or written i
                  "model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))")
 
 
-def loaded_on_some_ranks(loaded: list[int], others: list[int]) -> str:
+def loaded_on_some_ranks(loaded: list[int], others: list[int], first: str | None = None) -> str:
     """FSDP2's refusal of a load that reached some ranks only: each holds its own shards, so the
     model would train a mix of two sets of weights, and no checksum of the ranks' weights can say
-    so (they differ by design)."""
+    so (they differ by design). `first`: the first parameter written on some ranks and not the
+    others (`first_written_apart`), where one is known."""
+    named = f" (the first that differs: {first!r})" if first is not None else ""
     return (f"the model's weights were loaded (load_state_dict) or written in place since the last step on rank(s) "
-            f"{loaded} and not on rank(s) {others}: each rank holds its own shards of them, so the model now mixes "
+            f"{loaded} and not on rank(s) {others}{named}: each rank holds its own shards of them, so the model now mixes "
             "two sets of weights. "
             "Load them on every rank (torch.distributed.checkpoint.state_dict.set_model_state_dict, with "
             "broadcast_from_rank0=True for a full state dict held by rank 0); nothing was updated")
@@ -121,33 +124,51 @@ class WeightVersions:
     tensor's: both are summed. FSDP2 may put another local tensor in place (re-padded at its lazy
     init, the same values): a local tensor replaced resets the record rather than marking a write."""
 
-    def __init__(self, params: Iterable[Tensor]) -> None:
-        params = list(params)
-        self._plain = [p for p in params if not is_dtensor(p)]
-        self._dtensors = [p for p in params if is_dtensor(p)]
-        self._seen = self._now()
+    def __init__(self, params: Iterable[Tensor] | Mapping[str, Tensor]) -> None:
+        named = list(params.items()) if isinstance(params, Mapping) else [(str(k), p) for k, p in enumerate(params)]
+        self._plain = [p for _, p in named if not is_dtensor(p)]
+        self._dtensors = [p for _, p in named if is_dtensor(p)]
+        # the names, in the order `_now` reads the counters (plain parameters first): `written_since_record`
+        self._names = [n for n, p in named if not is_dtensor(p)] + [n for n, p in named if is_dtensor(p)]
+        self._seen = self._recorded = self._now()
 
-    def _now(self) -> tuple[int, tuple[int, ...]]:
+    def _now(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         # below `__torch_function__`: a parameter marked pending (`pending_params`, after step())
         # is read as a plain one, not through its handler (ten times the cost)
         with torch._C.DisableTorchFunctionSubclass():
-            total = sum(p._version for p in self._plain)
+            versions = [p._version for p in self._plain]
             locals_ = []
             for p in self._dtensors:
                 local = p._local_tensor
-                total += p._version + local._version
+                versions.append(p._version + local._version)
                 locals_.append(id(local))  # each in its place: a sum of ids could collide
-        return total, tuple(locals_)
+        return sum(versions), tuple(locals_), tuple(versions)
 
     def record(self) -> None:
         """The weights as they are now are this rank's own (after a step's writes, a comparison)."""
-        self._seen = self._now()
+        self._seen = self._recorded = self._now()
 
     def written(self) -> bool:
         """Whether a parameter was written in place since the last record (which this takes anew)."""
         now, seen = self._now(), self._seen
         self._seen = now
         return now[0] != seen[0] and now[1] == seen[1]
+
+    def written_since_record(self) -> list[str]:
+        """The parameters (by name, as given) written in place since the last `record` (not since the
+        last `written`): a disagreement's error names the first (read on that failure path only). A
+        DTensor whose local tensor was put in place since is not counted."""
+        _, ids, versions = self._now()
+        _, ids0, versions0 = self._recorded
+        same = [True] * len(self._plain) + [a == b for a, b in zip(ids, ids0)]
+        return [n for n, v, v0, s in zip(self._names, versions, versions0, same) if s and v != v0]
+
+
+def first_written_apart(order: Iterable[str], written: list[list[str]]) -> str | None:
+    """The first parameter of `order` that some ranks wrote (`written`: each rank's
+    `WeightVersions.written_since_record`) and the others did not; None where none is."""
+    sets = [set(w) for w in written]
+    return next((n for n in order if len({n in s for s in sets}) > 1), None)
 
 
 def note_writes(owner: object) -> None:
@@ -192,5 +213,5 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-__all__ = ["LOADED_ADVICE", "WeightVersions", "clear_marks", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
+__all__ = ["LOADED_ADVICE", "WeightVersions", "clear_marks", "first_written_apart", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
            "renormed_in_forward", "watch_loads"]

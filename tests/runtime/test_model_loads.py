@@ -11,6 +11,7 @@ import torch
 
 from canzona.runtime.model_loads import (
     WeightVersions,
+    first_written_apart,
     mark_loaded,
     note_writes,
     renormed_in_forward,
@@ -55,6 +56,29 @@ def test_a_dtensor_is_seen_written_through_itself_or_its_local_tensor(one_rank):
     p._local_tensor = p._local_tensor.clone().add_(0.0)  # another tensor, written before it was put in place
     assert not versions.written()
     assert not versions.written()
+
+
+def test_the_parameters_written_since_the_record_are_named_in_order(one_rank):
+    """What FSDP2's refusal of a write on some ranks only names (`written_since_record`, compared
+    between the ranks by `first_written_apart`): the parameters written since the last `record`,
+    whatever `written()` took since; a DTensor whose local tensor was put in place is not one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    d, e = (torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])) for _ in range(2))
+    versions = WeightVersions({"d": d, "a": a, "e": e, "b": b})
+    with torch.no_grad():
+        b.add_(1.0)
+        d.to_local().add_(1.0)
+    e._local_tensor = e._local_tensor.clone().add_(0.0)
+    assert versions.written() is False  # a local tensor replaced resets the record of written()
+    assert versions.written_since_record() == ["b", "d"]  # plain parameters first, then the DTensors
+    assert first_written_apart(["d", "a", "e", "b"], [["b", "d"], ["b"]]) == "d"
+    assert first_written_apart(["a", "b"], [["b"], ["b"]]) is None
+    versions.record()
+    assert versions.written_since_record() == []
 
 
 def test_local_tensors_put_in_each_others_place_are_a_replacement_not_a_write(one_rank):
