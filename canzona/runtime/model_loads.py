@@ -26,7 +26,9 @@ on every rank alike (a load on all ranks, a reset) costs one comparison, and tra
 write on every rank at every step (nGPT's normalisation, clamping, Lookahead's sync) costs one
 comparison a step (an fp64 checksum pass over the weights and the agreement all-gathers). Under
 EP the expert weights are recorded apart: the mark the TP ranks compare counts the dense weights
-only (`mark_loaded`'s `dense`).
+only (`mark_loaded`'s `dense`); a load marks by the parameters it wrote (the state dict's keys:
+`watch_model_loads`), so that one of experts alone into a module holding dense weights too sets
+no dense mark.
 
 Not seen: writes through `p.data` (the common `p.data.copy_(t)` included) or any tensor sharing
 the storage under another version counter; c10d collectives into the parameters
@@ -182,30 +184,72 @@ def note_writes(owner: object) -> None:
         mark_loaded(owner, dense=False)
 
 
-def watch_loads(modules: Iterable[nn.Module], owner: object, mark: Callable[[object], None]) -> None:
+def watch_loads(modules: Iterable[nn.Module] | Mapping[nn.Module, Mapping[str, Mapping[str, bool]]], owner: object,
+                mark: Callable[..., None]) -> None:
     """Call `mark(owner)` after each `load_state_dict` that reaches one of `modules`, while `owner`
-    lives: the hooks hold it weakly, and are removed when it is collected."""
+    lives: the hooks hold it weakly, and are removed when it is collected. `modules` given as a
+    mapping (each module: its own parameters' attribute names, each with the keyword arguments
+    `mark` takes for it): by what the load wrote, `mark(owner, **kw)` for each of the module's
+    parameters the state dict held a key for (none: no mark), so that a load of a module's
+    experts alone (strict=False) marks what `mark_loaded(dense=False, experts=True)` marks, not a
+    load of its dense weights too. A module whose own `_load_from_state_dict` ran no pre-hook is
+    marked for every parameter it holds."""
     ref = weakref.ref(owner)
+    attrs_of = modules if isinstance(modules, Mapping) else dict.fromkeys(modules)
 
-    def hook(module: nn.Module, incompatible_keys: object) -> None:
-        held = ref()
-        if held is not None:
-            mark(held)
+    def watch(attrs: Mapping[str, Mapping[str, bool]] | None) -> tuple[Callable[..., None], Callable[..., None]]:
+        keyed: list[list[Mapping[str, bool]]] = []  # what the pre-hook found in the state dict, for the post-hook
 
-    def before(*args: object) -> None:
-        # the step's parameter all-gathers land first (`wait_params`): a DTensor parameter is not
-        # marked pending, so a gather still in flight would write the old weights over the loaded ones
-        held = ref()
-        if held is not None:
-            held.wait_params()
+        def before(module: nn.Module, state_dict: Mapping[str, object], prefix: str, *args: object) -> None:
+            # the step's parameter all-gathers land first (`wait_params`): a DTensor parameter is not
+            # marked pending, so a gather still in flight would write the old weights over the loaded ones
+            held = ref()
+            if held is not None:
+                held.wait_params()
+            if attrs is not None:
+                keyed[:] = [[kw for attr, kw in attrs.items() if prefix + attr in state_dict]]
+
+        def hook(module: nn.Module, incompatible_keys: object) -> None:
+            held = ref()
+            found = keyed.pop() if keyed else None
+            if held is None:
+                return
+            if attrs is None:
+                mark(held)
+                return
+            for kw in (list(attrs.values()) if found is None else found):
+                mark(held, **kw)
+        return before, hook
 
     # a model pickled or deep-copied holds a no-op in its place (`Hook`): a load into the copy is not
     # a load into the model this optimizer steps
     handles = []
-    for m in dict.fromkeys(modules):
+    for m, attrs in attrs_of.items():
+        if m is None:
+            continue
+        before, hook = watch(attrs)
         handles.append(m.register_load_state_dict_pre_hook(Hook(before)))
         handles.append(m.register_load_state_dict_post_hook(Hook(hook)))
     weakref.finalize(owner, _remove, handles)
+
+
+def watch_model_loads(owner: object, holders: Mapping[str, Iterable[tuple[Callable[[], nn.Module | None], str]]],
+                      renormed: set[str], expert_names: set[str]) -> None:
+    """The load hooks of a ZeRO-1 optimizer (`owner`) on every module holding one of its parameters
+    (`holders`: name -> (weak reference to a module, its attribute)): each load marks by the
+    parameters it wrote (the state dict's keys, `watch_loads`), a weight `renormed_in_forward`
+    (`renormed`) as such, an expert (`expert_names`) with `dense=False, experts=True`, a dense weight
+    plainly. So a module holding experts and dense weights (an MoE block's router beside its
+    stacked experts) loaded with its experts alone (strict=False) sets no dense mark, the mark the
+    TP ranks compare (under EP they may hold different EP ranks' experts)."""
+    kinds: dict[nn.Module, dict[str, dict[str, bool]]] = {}
+    for name, refs in holders.items():
+        kw = {"renormed": True} if name in renormed else \
+            {"dense": False, "experts": True} if name in expert_names else {}
+        for held, attr in refs:
+            if (m := held()) is not None:
+                kinds.setdefault(m, {})[attr] = kw
+    watch_loads(kinds, owner, mark_loaded)
 
 
 def _remove(handles: list) -> None:
@@ -214,4 +258,4 @@ def _remove(handles: list) -> None:
 
 
 __all__ = ["LOADED_ADVICE", "WeightVersions", "clear_marks", "first_written_apart", "loaded_on_some_ranks", "mark_loaded", "note_writes", "record_writes",
-           "renormed_in_forward", "watch_loads"]
+           "renormed_in_forward", "watch_loads", "watch_model_loads"]

@@ -95,11 +95,10 @@ from canzona.runtime.model_loads import (
     LOADED_ADVICE,
     WeightVersions,
     clear_marks,
-    mark_loaded,
     note_writes,
     record_writes,
     renormed_in_forward,
-    watch_loads,
+    watch_model_loads,
 )
 from canzona.runtime.not_pickled import NotPickled
 from canzona.runtime.optim_hooks import load_with_hooks, state_dict_with_hooks
@@ -489,19 +488,12 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # and written in place (`note_writes`): the dense weights and the experts' apart; an embedding
         # that renormalises its rows in its forward (max_norm) writes its weight at every step
         unwatched = self._renormed = renormed_in_forward(modules)
-        renorming = {m for n in unwatched for m in modules.get(n, ())}
-        experts_only = {m for n, ms in modules.items() if n in self._expert_names for m in ms} - \
-            {m for n, ms in modules.items() if n not in self._expert_names for m in ms}
-        watch_loads((m for ms in modules.values() for m in ms
-                     if m is not None and m not in experts_only and m not in renorming), self, mark_loaded)
-        watch_loads((m for m in renorming if m is not None), self, functools.partial(mark_loaded, renormed=True))
-        watch_loads((m for m in experts_only if m is not None), self,
-                    functools.partial(mark_loaded, dense=False, experts=True))
+        watch_model_loads(self, holders, unwatched, self._expert_names)
         self._weight_versions = WeightVersions(p for n, p in self.params.items()
                                                if n not in unwatched and n not in self._expert_names)
         self._expert_versions = WeightVersions(p for n, p in self.params.items()
                                                if n not in unwatched and n in self._expert_names)
-        del modules, experts_only
+        del modules
         del parents  # strong references to every live module: not kept
         self.overlap_param_gather = self._in_flight is not None
         if self._in_flight is not None:

@@ -11,10 +11,12 @@ import torch
 
 from canzona.runtime.model_loads import (
     WeightVersions,
+    clear_marks,
     first_written_apart,
     mark_loaded,
     note_writes,
     renormed_in_forward,
+    watch_model_loads,
 )
 from tests.runtime.test_nonfinite_state import LAYOUTS, _weights
 
@@ -218,6 +220,46 @@ def test_a_write_of_expert_weights_only_leaves_the_tp_mark_unset():
     loaded = Owner()
     mark_loaded(loaded, dense=False)  # a load_state_dict into modules holding experts only
     assert loaded._model_loaded and not loaded._dense_loaded
+
+
+class MoEBlock(torch.nn.Module):
+    """A router (dense) beside its stacked experts, held by the one module, with a dense child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Parameter(torch.zeros(4, 8))
+        self.experts = torch.nn.Parameter(torch.zeros(4, 8, 8))
+        self.norm = torch.nn.LayerNorm(8)
+
+
+def test_a_load_marks_by_the_parameters_it_wrote_in_a_module_holding_experts_and_dense_weights():
+    """An experts-only `load_state_dict(..., strict=False)` into a module holding both (an MoE
+    block's router beside its experts) marks the experts' load, not the dense mark the TP ranks
+    compare (`_dense_loaded`): under EP x TP the TP ranks of a DP rank hold different EP ranks'
+    experts, so a load of one EP rank's experts on its EDP replicas set it on some TP ranks only,
+    a false 'ranks disagree on the mark of weights loaded ...'. Before, any load reaching such a
+    module set the dense mark (from the model's root, even of its dense children)."""
+    from canzona.runtime.param_gather import param_holders
+
+    block = MoEBlock()
+    params = dict(block.named_parameters())
+
+    class Owner:
+        def wait_params(self) -> None:
+            pass
+    owner = Owner()
+    watch_model_loads(owner, param_holders(params), set(), {"experts"})
+
+    def marks(state: dict) -> tuple[bool, bool, bool]:
+        clear_marks(owner)
+        block.load_state_dict(state, strict=False)
+        return owner._model_loaded, owner._dense_loaded, owner._experts_loaded
+    full = block.state_dict()
+    assert marks({"experts": full["experts"]}) == (True, False, True)
+    assert marks({"router": full["router"]}) == (True, True, False)
+    assert marks({"norm.weight": full["norm.weight"]}) == (True, True, False)
+    assert marks(full) == (True, True, True)
+    assert marks({}) == (False, False, False)  # nothing written: nothing marked
 
 
 def test_a_load_waits_for_the_steps_parameter_gathers_before_it_copies(one_rank):
