@@ -201,8 +201,9 @@ def watch_loads(modules: Iterable[nn.Module] | Mapping[nn.Module, Mapping[str, M
         keyed: list[list[Mapping[str, bool]]] = []  # what the pre-hook found in the state dict, for the post-hook
 
         def before(module: nn.Module, state_dict: Mapping[str, object], prefix: str, *args: object) -> None:
-            # the step's parameter all-gathers land first (`wait_params`): a DTensor parameter is not
-            # marked pending, so a gather still in flight would write the old weights over the loaded ones
+            # the step's parameter all-gathers land first (`wait_params`): a gather still in flight would
+            # write the old weights over the loaded ones (a load through `.data`, or a parameter class
+            # `pending_params` leaves unmarked, would not wait for it otherwise)
             held = ref()
             if held is not None:
                 held.wait_params()

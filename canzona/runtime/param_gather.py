@@ -20,11 +20,12 @@ Everything documented that reads parameters waits first:
   `model.parameters()` iterated by hand, a custom method such as `model.loss()`, a module whose
   forward reads *another* module's weight first):
   while its gathers are in flight a parameter is marked (`pending_params`: its class is swapped to
-  a `nn.Parameter` subclass whose `__torch_function__` waits for them), and the first op that reads
-  it waits; what reads no values (`.grad`, shape, dtype: `zero_grad()`) does not.
+  a `nn.Parameter` subclass whose `__torch_function__` waits for them; a DTensor's, a TP model's,
+  to a DTensor subclass, and its local tensor's too), and the first op that reads it waits; what
+  reads no values (`.grad`, shape, dtype: `zero_grad()`) does not.
 
-What remains: parameters of another class than `nn.Parameter` (a DTensor of a TP model, a
-Parameter subclass of the user's own) are not marked: read outside those paths between `step()` and
+What remains: parameters of another class than `nn.Parameter` or DTensor (a Parameter subclass of
+the user's own, a DTensor whose local tensor is a subclass) are not marked: read outside those paths between `step()` and
 the next forward, they give a mix of this step's values and the last step's; call
 `opt.wait_params()` first, or build with `overlap_param_gather=False`. Where such a read feeds the
 loss, backward catches most of it: a gradient arriving for a parameter whose gather nothing waited

@@ -11,8 +11,15 @@ Once a bucket has landed (a forward's pre-hook, `wait_params()`), its parameters
 reach this class. What reads no values (`.grad`, shape, dtype, `requires_grad`, hooks, `_version`: `zero_grad()`
 right after `step()`) runs at once and keeps the gathers in flight.
 
-Only the exact class `nn.Parameter` is marked: a DTensor or a parameter class of the user's own is
-left as it is (its reads outside the forwards are `ParamsInFlight.check_read`'s error, or silent).
+A DTensor parameter (a TP model's under ZeRO-1) is marked twice: the wrapper's class swapped to
+`PendingDTensor` (DTensor's own `__torch_function__` is disabled; its ops run below it, in
+`__torch_dispatch__`, where no torch function of the local tensor is called) and its local
+tensor's to `PendingLocal` (what `to_local()` and `_local_tensor` hand out). Either read waits
+for the gathers and unmarks both. The cost is two class swaps a DTensor parameter a step (about
+what a plain parameter's one costs twice), and nothing once landed: the forward's own ops reach
+neither class. A parameter class of the user's own, or a DTensor whose local tensor is itself a
+subclass, is left as it is (its reads outside the forwards are `ParamsInFlight.check_read`'s
+error, or silent).
 """
 
 from __future__ import annotations
@@ -49,24 +56,69 @@ _METADATA = frozenset({
 })
 
 
+def _pending_torch_function(func, args, kwargs):
+    """What a pending tensor's `__torch_function__` does: metadata at once, else land first."""
+    kwargs = kwargs or {}
+    if func in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    for t in _tensors((args, kwargs)):
+        if type(t) in _PENDING:
+            land(t)
+    return func(*args, **kwargs)  # every pending argument is unmarked now
+
+
 class PendingParameter(nn.Parameter):
     """An `nn.Parameter` whose step all-gather is in flight (the class only while it is)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        for t in _tensors((args, kwargs)):
-            if type(t) is PendingParameter:
-                land(t)
-        return func(*args, **kwargs)  # every pending argument is a plain parameter now
+        return _pending_torch_function(func, args, kwargs)
 
     # Parameter's own would build the copy with type(self) (this class) before reading `.data`
     def __deepcopy__(self, memo):
         land(self)
         return self.__deepcopy__(memo)
+
+
+class PendingLocal(Tensor):
+    """The local tensor of a DTensor parameter whose step all-gather is in flight."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _pending_torch_function(func, args, kwargs)
+
+
+def _pending_dtensor_class() -> type | None:
+    """`PendingDTensor`, made at the first use (torch.distributed.tensor imported then only)."""
+    global _PENDING_DTENSOR
+    if _PENDING_DTENSOR is None:
+        from torch.distributed.tensor import DTensor
+
+        class PendingDTensor(DTensor):
+            """A DTensor parameter whose step all-gather is in flight (the class only while it is)."""
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                return _pending_torch_function(func, args, kwargs)
+        _PENDING_DTENSOR = PendingDTensor
+        _PENDING.add(PendingDTensor)
+    return _PENDING_DTENSOR
+
+
+_PENDING_DTENSOR: type | None = None
+_PENDING: set[type] = {PendingParameter, PendingLocal}
+# id(a pending DTensor's local tensor) -> id(the DTensor), for `land` to find its waiter
+_OWNER: dict[int, int] = {}
+
+
+def _dtensor_class() -> type | None:
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
 
 
 def _tensors(obj: object) -> Iterable[Tensor]:
@@ -85,14 +137,20 @@ def _tensors(obj: object) -> Iterable[Tensor]:
 def land(p: Tensor) -> None:
     """Wait for `p`'s gathers; `p` is a plain `nn.Parameter` afterwards. If the wait raised, `p`
     stays marked: its gather did not write it, and each later read raises that error again."""
-    waiter = _WAITERS.get(id(p))
+    waiter = _WAITERS.get(_OWNER.get(id(p), id(p)))
     if waiter is not None:
         waiter()
+    if type(p) is PendingLocal:  # no waiter unmarked it (its DTensor was unwatched)
+        _OWNER.pop(id(p), None)
+        p.__class__ = Tensor
     unmark((p,))
 
 
 def markable(p: Tensor) -> bool:
-    return type(p) is nn.Parameter
+    if type(p) is nn.Parameter:
+        return True
+    dtensor = _dtensor_class()
+    return dtensor is not None and type(p) is dtensor and type(p._local_tensor) is Tensor
 
 
 def watch(p: Tensor, waiter: Callable[[], None]) -> None:
@@ -107,10 +165,21 @@ def unwatch(params: Iterable[Tensor]) -> None:
 
 def mark(params: Iterable[Tensor]) -> None:
     for p in params:
-        p.__class__ = PendingParameter
+        if type(p) is nn.Parameter:
+            p.__class__ = PendingParameter
+        elif type(local := p._local_tensor) is Tensor:  # a DTensor (`markable`): the wrapper and its local tensor
+            p.__class__ = _pending_dtensor_class()
+            local.__class__ = PendingLocal
+            _OWNER[id(local)] = id(p)
 
 
 def unmark(params: Iterable[Tensor]) -> None:
     for p in params:
         if type(p) is PendingParameter:
             p.__class__ = nn.Parameter
+        elif type(p) is _PENDING_DTENSOR:
+            p.__class__ = p.__class__.__bases__[0]
+            local = p._local_tensor
+            if type(local) is PendingLocal:
+                _OWNER.pop(id(local), None)
+                local.__class__ = Tensor

@@ -114,3 +114,62 @@ def test_a_wait_interrupted_by_ctrl_c_is_waited_for_again_at_the_next_read():
     with pytest.raises(KeyboardInterrupt):
         module.weight.sum()
     assert torch.equal(module.weight.detach(), torch.ones(4, 4)) and not gathers.in_flight
+
+
+
+def _dtensor_in_flight():
+    """A module holding a DTensor parameter (a TP model's, on a one-rank mesh) whose gather, into
+    its local tensor's storage, is in flight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)]))
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    # into the flat buffer the local tensor is linked to (a version counter of its own, as `link_data` leaves it)
+    gathers.launch(lambda: [Gather(module.w._local_tensor.data, 1.0)])
+    return module.w, gathers
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("read", ["op", "to_local", "local tensor", "in-place write", "full_tensor", "deepcopy"])
+def test_a_dtensor_parameter_is_marked_pending_and_a_read_of_its_values_waits(one_rank, read):
+    """A DTensor parameter's read outside a forward while its gather is in flight (an op on it, its
+    `to_local()`, its local tensor, an in-place write, `full_tensor()`, a deep copy) waits for the
+    gather: the wrapper and its local tensor are both marked. Before, neither was: the read saw last
+    step's values, and a write landed under the gather."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    p, gathers = _dtensor_in_flight()
+    reads = {"op": lambda: (p * 1).to_local(), "to_local": lambda: p.to_local().clone(),
+             "local tensor": lambda: p._local_tensor + 0, "full_tensor": lambda: p.full_tensor(),
+             "deepcopy": lambda: copy.deepcopy(p).to_local()}
+    if read == "in-place write":
+        with torch.no_grad():
+            p.add_(1.0)
+        gathers.wait_all()
+        assert torch.equal(p.to_local(), torch.full((4, 4), 2.0))  # the write is over the landed values
+    else:
+        assert torch.equal(reads[read](), torch.ones(4, 4))
+        assert not gathers.in_flight
+    assert type(p) is DTensor and type(p._local_tensor) is torch.Tensor and isinstance(p, torch.nn.Parameter)
+
+
+@pytest.mark.distributed
+def test_reads_of_a_pending_dtensors_metadata_do_not_wait(one_rank):
+    """`.grad`, shape, placements, the optimizer's record of in-place writes: the gather stays in
+    flight, and its landing is not taken for a write of the user's."""
+    from torch.distributed.tensor import DTensor
+
+    from canzona.runtime.model_loads import WeightVersions
+
+    p, gathers = _dtensor_in_flight()
+    versions = WeightVersions([p])
+    reads = (p.grad, p.shape, p.dtype, p.device, p.placements, p.device_mesh, p.requires_grad, p.numel(),
+             p._local_tensor.shape, versions.written())
+    assert gathers.in_flight and type(p) is not DTensor and isinstance(p, DTensor), reads
+    gathers.wait_all()
+    assert type(p) is DTensor and not versions.written()
