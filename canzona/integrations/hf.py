@@ -22,7 +22,10 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   floor (`min_lr` of `cosine_with_min_lr` / `cosine_warmup_with_min_lr`, `lr_end` of `polynomial`)
   is measured against the AdamW rate (`learning_rate`), not the matrix rate transformers would read
   from `optimizer.defaults["lr"]`: the AdamW groups end at `min_lr`, the matrices at
-  `matrix lr * min_lr / learning_rate` (`create_scheduler`);
+  `matrix lr * min_lr / learning_rate` (`create_scheduler`); the absolute bounds of
+  `reduce_lr_on_plateau` (`min_lr`) and `greedy` (`min_lr`, `max_lr`, their defaults too), which
+  torch and transformers apply to every group alike, likewise: one per group, the given one times
+  the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given);
 - logs `learning_rate` as transformers does (the first group's rate: the matrices' where the first
   group holds any) and the AdamW groups' rate beside it as `learning_rate_adamw`, taken at the
   same moment;
@@ -168,6 +171,34 @@ def check_not_tensor_parallel(model: Any) -> None:
                            "does; train it with DistributedOptimizer(named_parameters(model), "
                            "ModelSpec.from_module(model), group=<a ('dp', 'tp') DeviceMesh>, plan=...) in a loop of "
                            "your own (docs/design.md §2.5)")
+
+
+def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer) -> Any:
+    """`lr_scheduler_kwargs` for a schedule that bounds each group's rate by an absolute rate
+    (`reduce_lr_on_plateau`: torch's ReduceLROnPlateau `min_lr`; `greedy`: GreedyLR's `min_lr`
+    and `max_lr`), with each bound measured against the AdamW rate as `CanzonaTrainer.create_scheduler`
+    measures the cosine and polynomial floors: a bound `x` becomes one per group, `x` times the
+    group's initial rate over the AdamW rate (the AdamW groups at that rate: `x` itself; the
+    matrices: `x * matrix lr / learning_rate`; a group of its own rate: by its own). A bound left
+    out is its class's default, scaled alike where it is not 0 (GreedyLR's `min_lr` 1e-3 and
+    `max_lr` 1.0), so that every group moves by one factor between bounds where the plain Trainer
+    would bound torch's AdamW. A list (one per group) is the user's own and kept; other schedules,
+    and an AdamW rate of 0, leave `kwargs` as given."""
+    kind = str(getattr(kind, "value", kind))
+    cls = {"reduce_lr_on_plateau": torch.optim.lr_scheduler.ReduceLROnPlateau, "greedy": GreedyLR}.get(kind)
+    adamw_lr = float(opt.adamw_cfg.lr)
+    if cls is None or adamw_lr == 0.0 or not isinstance(kwargs or {}, Mapping):
+        return kwargs
+    out = dict(kwargs or {})
+    defaults = inspect.signature(cls).parameters
+    for key in ("min_lr", "max_lr"):
+        if key not in defaults:
+            continue
+        bound = out.get(key, defaults[key].default)
+        if isinstance(bound, (list, tuple)) or bound in (None, inspect.Parameter.empty) or bound == 0:
+            continue
+        out[key] = [bound * (float(g.get("initial_lr", g["lr"])) / adamw_lr) for g in opt.param_groups]
+    return out
 
 
 def checkpoint_problem(folder: str) -> str | None:
@@ -386,17 +417,21 @@ class CanzonaTrainer(Trainer):
         (floor `min_lr`), and the matrix groups the same factor of their rate (floor
         `matrix lr * min_lr / learning_rate`). One factor for every group keeps the matrix rate's
         ratio to the AdamW rate, which is what the two rates were tuned as; the `min_lr` named in
-        the arguments is a rate of `learning_rate`, whose parameters the plain Trainer would step."""
+        the arguments is a rate of `learning_rate`, whose parameters the plain Trainer would step. The
+        plateau schedules' absolute bounds (`reduce_lr_on_plateau`, `greedy`) become one per group
+        by the same rule (`per_group_bounds`)."""
         opt = canzona_optimizer(self.optimizer if optimizer is None else optimizer)
         if self.lr_scheduler is not None or opt is None or self._group_index(opt, "adamw") is None:
             # (no AdamW group: the rate that would set the floor steps nothing; the matrix rate does)
             return super().create_scheduler(num_training_steps, optimizer)
-        kept = opt.defaults["lr"]
+        kept, kept_kwargs = opt.defaults["lr"], self.args.lr_scheduler_kwargs
         opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
+        self.args.lr_scheduler_kwargs = per_group_bounds(self.args.lr_scheduler_type, kept_kwargs, opt)
         try:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
             opt.defaults["lr"] = kept
+            self.args.lr_scheduler_kwargs = kept_kwargs
 
     # --- the logged learning rates --------------------------------------------------------------
 

@@ -829,6 +829,78 @@ def test_a_schedules_absolute_floor_is_the_adamw_rates(tmp_path, one_rank):
     assert {g["lr"] for g in opt.param_groups} == {floor}
 
 
+@pytest.mark.parametrize("kind", ["reduce_lr_on_plateau", "greedy"])
+def test_a_plateau_schedules_floor_is_the_adamw_rates(tmp_path, one_rank, kind):
+    """transformers' `reduce_lr_on_plateau` (torch's ReduceLROnPlateau) and `greedy` (GreedyLR)
+    take `lr_scheduler_kwargs={"min_lr": x}` as one absolute floor for every group: the matrix
+    groups (0.02) and the AdamW groups (3e-3) both ended at x, their ratio lost. Now x is measured
+    against the AdamW rate (`learning_rate`), as the cosine / polynomial floors are: each group's
+    floor is x times its initial rate over the AdamW rate (a list, which both take), so the AdamW
+    groups step, bit for bit, as torch's AdamW at `learning_rate` under the plain Trainer (floor x),
+    the matrices by the same factor (floor 0.02 * x / 3e-3); a group with its own rate (1e-3) by
+    its own. GreedyLR's ceiling `max_lr` (given or its default 1.0) is scaled alike; a list given
+    per group is the user's own and kept."""
+    import inspect
+
+    from transformers import TrainingArguments, get_scheduler
+    from transformers.optimization import GreedyLR  # (pinned transformers 5.23.0 has it)
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    lr, matrix_lr, own_lr, floor = 3e-3, 0.02, 1e-3, 1e-4
+    kwargs = {"min_lr": floor, "factor": 0.5, "patience": 0}
+    if kind == "greedy":
+        kwargs.update(threshold_mode="abs", threshold=0.0, max_lr=5e-3)
+
+    def plateau(trainer_kwargs: dict, given: bool):
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=lr,
+                                 lr_scheduler_type=kind, lr_scheduler_kwargs=trainer_kwargs, eval_strategy="steps")
+        if given:  # the first Linear in a group of its own rate
+            pairs = list(named_parameters(model))
+            opt = DistributedOptimizer([{"params": pairs[:2], "lr": own_lr}, {"params": pairs[2:]}],
+                                       ModelSpec.from_module(model), "muon", {"lr": matrix_lr}, {"lr": lr})
+            trainer = CanzonaTrainer(model=model, args=args, optimizers=(opt, None), eval_dataset=[{}])
+        else:
+            trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": matrix_lr}, eval_dataset=[{}])
+            opt = trainer.create_optimizer()
+        return opt, trainer.create_scheduler(10, opt)
+
+    plain = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)  # transformers' own Trainer's
+    reference = get_scheduler(kind, plain, scheduler_specific_kwargs=kwargs)
+    for given in (False, True):
+        opt, scheduler = plateau(kwargs, given)
+        reference.load_state_dict(get_scheduler(kind, plain, scheduler_specific_kwargs=kwargs).state_dict())
+        plain.param_groups[0]["lr"] = lr
+        initial = [g["lr"] for g in opt.param_groups]
+        ratios = [r / lr for r in initial]
+        assert ratios.count(1.0) >= 1 and (given or set(ratios) == {1.0, matrix_lr / lr})
+        metrics = [1.0] * 12 if kind == "reduce_lr_on_plateau" else [1.0] * 12 + [1.0 - k for k in range(1, 40)]
+        for metric in metrics:
+            scheduler.step(metric)
+            reference.step(metric)
+            for g, r in zip(opt.param_groups, ratios):
+                want = plain.param_groups[0]["lr"]
+                assert g["lr"] == (want if r == 1.0 else pytest.approx(want * r, rel=1e-12)), (given, g["kind"], g["lr"])
+            if metric == 1.0:
+                lows = [g["lr"] for g in opt.param_groups]
+        assert lows == [floor if r == 1.0 else pytest.approx(floor * r, rel=1e-15) for r in ratios], (given, lows)
+        if kind == "greedy":  # back up to the ceiling 5e-3, each group by its own rate
+            assert [g["lr"] for g in opt.param_groups] == [5e-3 if r == 1.0 else pytest.approx(5e-3 * r, rel=1e-15)
+                                                            for r in ratios]
+        del opt, scheduler
+    # a list per group: the user's own floors, kept
+    opt, scheduler = plateau({**kwargs, "min_lr": [floor] * 2}, False)
+    assert len(opt.param_groups) == 2 and scheduler.min_lrs == [floor] * 2
+    if kind == "greedy":  # the default ceiling (1.0) is scaled too: the AdamW groups' stays 1.0
+        opt, scheduler = plateau({k: v for k, v in kwargs.items() if k != "max_lr"}, False)
+        default = inspect.signature(GreedyLR).parameters["max_lr"].default
+        assert [m for m, g in zip(scheduler.max_lrs, opt.param_groups) if g["kind"] == "adamw"] == [default]
+        assert {m for m, g in zip(scheduler.max_lrs, opt.param_groups) if g["kind"] == "matrix"} == \
+            {default * (matrix_lr / lr)}
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_a_transformers_schedules_floor_on_the_accelerate_path_is_warned_of_with_the_floors_it_gives(one_rank):
     """`get_scheduler("cosine_with_min_lr", opt, scheduler_specific_kwargs={"min_lr": 1e-4})` (and
