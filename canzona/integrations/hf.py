@@ -28,7 +28,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given);
 - logs `learning_rate` as transformers does (the first group's rate: the matrices' where the first
   group holds any) and the AdamW groups' rate beside it as `learning_rate_adamw`, taken at the
-  same moment;
+  same moment; an AdamW group at another base rate than every earlier one (a group of its own
+  `lr`) as `learning_rate_adamw_<its index in param_groups>` after it (`_adamw_keys`);
 - runs on `CanzonaAccelerator` (`canzona.integrations.accelerate`): no DDP, no copying move,
   accumulation micro-batches under `opt.no_sync()` (with `sync_each_batch` too), `max_grad_norm` clipping by the global norm of
   the reduced gradients (`max_grad_norm=0`: the norm is only measured), which is the `grad_norm`
@@ -437,25 +438,47 @@ class CanzonaTrainer(Trainer):
 
     def _get_learning_rate(self) -> float:
         """`Trainer._get_learning_rate` (the first group's rate, which transformers logs as
-        `learning_rate`), recording the AdamW groups' rate at the same moment: the training loop
-        takes it before the scheduler steps, so the pair logged belongs to one step."""
+        `learning_rate`), recording the AdamW groups' rates at the same moment: the training loop
+        takes it before the scheduler steps, so the rates logged belong to one step."""
         rate = super()._get_learning_rate()
-        self._adamw_rate = self._group_rate("adamw")
+        self._adamw_rates = [(key, self._group_rate(index)) for key, index in self._adamw_keys()]
         return rate
+
+    def _adamw_keys(self) -> list[tuple[str, int]]:
+        """The logged key of each AdamW group that has one: the first AdamW group's rate is
+        `learning_rate_adamw`; each later one at a base rate no earlier AdamW group has (a group of
+        its own `lr`) `learning_rate_adamw_<its index in param_groups>` (canzona's groups carry no
+        names); groups at an earlier one's rate (the Trainer's no-decay group) add none. Fixed per
+        optimizer by the base rates (`initial_lr`, which a schedule sets, else the rate as first
+        read), so that every step logs the same keys, a warm-up's 0 included."""
+        opt = canzona_optimizer(self.optimizer)
+        if opt is None:
+            return []
+        cached = getattr(self, "_adamw_keys_of", None)
+        if cached is not None and cached[0] is opt:
+            return cached[1]
+        keys, seen = [], []
+        for index, g in enumerate(opt.param_groups):
+            if g.get("kind") != "adamw":
+                continue
+            base = g.get("initial_lr", g["lr"])
+            base = float(base.item() if torch.is_tensor(base) else base)
+            if base in seen:
+                continue
+            keys.append((ADAMW_RATE_KEY if not seen else f"{ADAMW_RATE_KEY}_{index}", index))
+            seen.append(base)
+        self._adamw_keys_of = (opt, keys)
+        return keys
 
     @staticmethod
     def _group_index(opt: DistributedOptimizer, kind: str) -> int | None:
         """The index of `opt`'s first group of `kind`; None where it has none."""
         return next((i for i, g in enumerate(opt.param_groups) if g.get("kind") == kind), None)
 
-    def _group_rate(self, kind: str) -> float | None:
-        """The rate of the canzona optimizer's first group of `kind`, read as transformers reads the
-        first group's (the scheduler's last rates; a plateau scheduler's group itself); None where
-        there is no such group."""
+    def _group_rate(self, index: int) -> float:
+        """The rate of the canzona optimizer's group `index`, read as transformers reads the first
+        group's (the scheduler's last rates; a plateau scheduler's group itself)."""
         opt = canzona_optimizer(self.optimizer)
-        index = None if opt is None else self._group_index(opt, kind)
-        if index is None:
-            return None
         plateau = tuple(t for t in (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR) if t is not None)
         if self.lr_scheduler is None or isinstance(self.lr_scheduler, plateau):
             rate = opt.param_groups[index]["lr"]
@@ -464,15 +487,16 @@ class CanzonaTrainer(Trainer):
         return rate.item() if torch.is_tensor(rate) else rate
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """`Trainer.log`, with `learning_rate_adamw` right after transformers' `learning_rate` (the
-        AdamW rate recorded with it; once: a later `learning_rate` of the user's gets none)."""
-        adamw = getattr(self, "_adamw_rate", None)
-        if "learning_rate" in logs and adamw is not None and ADAMW_RATE_KEY not in logs:
+        """`Trainer.log`, with the AdamW rates recorded with transformers' `learning_rate` right
+        after it (`learning_rate_adamw`, then any `learning_rate_adamw_<index>`; once: a later
+        `learning_rate` of the user's gets none)."""
+        adamw = [(k, v) for k, v in getattr(self, "_adamw_rates", None) or () if k not in logs]
+        if "learning_rate" in logs and adamw:
             items = list(logs.items())
             at = [k for k, _ in items].index("learning_rate") + 1
             logs.clear()
-            logs.update(items[:at] + [(ADAMW_RATE_KEY, adamw)] + items[at:])
-            self._adamw_rate = None
+            logs.update(items[:at] + adamw + items[at:])
+            self._adamw_rates = None
         super().log(logs, *args, **kwargs)
 
     def distributed_optimizer(self) -> DistributedOptimizer:

@@ -902,6 +902,43 @@ def test_a_plateau_schedules_floor_is_the_adamw_rates(tmp_path, one_rank, kind):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_adamw_groups_of_other_rates_are_logged_each_under_a_key_of_its_own(tmp_path, one_rank):
+    """`learning_rate_adamw` is the first AdamW group's rate; an AdamW group at another rate (a
+    group of its own `lr`) was not logged at all. Now each AdamW group whose base rate differs from
+    the first's is logged as `learning_rate_adamw_<group index>` (canzona's groups carry no names),
+    right after `learning_rate_adamw`, at the same moment; groups at the first's rate (the Trainer's
+    no-weight-decay group) add no key, and the keys are fixed by the base rates, the same every step
+    (a warm-up at 0 does not merge them)."""
+    from transformers import TrainingArguments
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    lr, own_lr, steps = 3e-3, 1e-3, 4
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 2))
+    pairs = list(named_parameters(model))  # 0.weight 0.bias | 1.weight 1.bias | 2.* | 3.*
+    opt = DistributedOptimizer([{"params": pairs[:2], "lr": own_lr}, {"params": pairs[2:4], "weight_decay": 0.0},
+                                {"params": pairs[4:]}], ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": lr})
+    adamw = [i for i, g in enumerate(opt.param_groups) if g["kind"] == "adamw"]
+    assert [opt.param_groups[i]["lr"] for i in adamw] == [own_lr, lr, lr]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=lr,
+                             lr_scheduler_type="linear", warmup_steps=1)
+    trainer = CanzonaTrainer(model=model, args=args, optimizers=(opt, None))
+    trainer.create_scheduler(steps, opt)
+    for step in range(steps):
+        first = trainer._get_learning_rate()
+        trainer.log({"loss": 1.0, "learning_rate": first, "grad_norm": 0.5})
+        logged = trainer.state.log_history[-1]
+        rates = [g["lr"] for g in opt.param_groups]
+        assert list(logged)[:5] == ["loss", "learning_rate", "learning_rate_adamw", f"learning_rate_adamw_{adamw[1]}",
+                                    "grad_norm"], (step, logged)
+        assert logged["learning_rate_adamw"] == rates[adamw[0]] and logged[f"learning_rate_adamw_{adamw[1]}"] == \
+            rates[adamw[1]], (step, logged, rates)
+        assert step > 0 or rates[adamw[1]] == 0.0  # the warm-up's first step: every rate 0, the keys kept
+        trainer.lr_scheduler.step()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_a_transformers_schedules_floor_on_the_accelerate_path_is_warned_of_with_the_floors_it_gives(one_rank):
     """`get_scheduler("cosine_with_min_lr", opt, scheduler_specific_kwargs={"min_lr": 1e-4})` (and
     `cosine_warmup_with_min_lr`, `polynomial`'s `lr_end`) given to `CanzonaAccelerator.prepare`:
