@@ -11,7 +11,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
     trainer.train()                    # under torchrun, on CPU (gloo) or GPUs (NCCL) alike
 
 `CanzonaTrainer`:
-- trains with the `DistributedOptimizer` given in `optimizers=(optimizer, scheduler)`, or builds
+- trains with the `DistributedOptimizer` given in `optimizers=(optimizer, scheduler)` (a scheduler
+  over another optimizer, as any in `(None, scheduler)`, is one error at construction), or builds
   one in `create_optimizer` (`build_optimizer`): `matrix_optimizer` (Muon by default) with
   `matrix_config` on the 2-D weights, AdamW with the arguments' `learning_rate`, `adam_beta1`,
   `adam_beta2` and `adam_epsilon` on the rest (an `optim` other than torch's AdamW, e.g. sgd or
@@ -202,6 +203,28 @@ def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer) -> Any:
     return out
 
 
+def check_given_scheduler(optimizer: Any, scheduler: Any) -> None:
+    """`optimizers=(optimizer, scheduler)`: the scheduler must step the optimizer trained with. One
+    over another optimizer (always so for `(None, scheduler)`: the one CanzonaTrainer builds does
+    not exist yet) would move that one's rates while the model trains at constant ones, and the
+    logged rates would be read from its list by this optimizer's group indices. One error at
+    construction (on every rank alike: each is given its own pair); a scheduler that names no
+    optimizer (not torch's or transformers' kind) is the user's to vouch for."""
+    stepped = getattr(scheduler, "optimizer", None)
+    if scheduler is None or stepped is None:
+        return
+    mine = canzona_optimizer(optimizer) if optimizer is not None else None
+    if mine is not None and canzona_optimizer(stepped) is mine:
+        return
+    pair = f"optimizers=({type(optimizer).__name__ if optimizer is not None else None}, {type(scheduler).__name__})"
+    if mine is None:
+        raise CanzonaError(f"{pair}: the scheduler steps a {type(stepped).__name__}, not the DistributedOptimizer "
+                           "CanzonaTrainer trains with (it builds that one when training starts): give no scheduler "
+                           "(lr_scheduler_type builds one over it), or pass (DistributedOptimizer, a scheduler of it)")
+    raise CanzonaError(f"{pair}: the scheduler steps another optimizer ({type(stepped).__name__}) than the "
+                       "DistributedOptimizer given: build the scheduler over that DistributedOptimizer")
+
+
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
@@ -298,11 +321,12 @@ class CanzonaTrainer(Trainer):
                  **kwargs: Any) -> None:
         check_trainer()
         given = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
-        optimizer = (given.get("optimizers") or (None, None))[0]
+        optimizer, scheduler = given.get("optimizers") or (None, None)
         if optimizer is not None and canzona_optimizer(optimizer) is None:
             raise CanzonaError(f"CanzonaTrainer trains with a canzona DistributedOptimizer, but optimizers= holds a "
                                f"{type(optimizer).__name__}: pass (DistributedOptimizer, scheduler), or no optimizer to "
                                "have one built from the TrainingArguments")
+        check_given_scheduler(optimizer, scheduler)
         if given.get("optimizer_cls_and_kwargs") is not None:
             raise CanzonaError("CanzonaTrainer does not take optimizer_cls_and_kwargs: it builds a DistributedOptimizer "
                                "(matrix_optimizer=, matrix_config=, optimizer_kwargs=) or takes one in optimizers=")

@@ -498,6 +498,32 @@ def test_the_trainer_takes_canzona_optimizers_only():
     assert check_optimizer_kwargs({"policy": "sc", "reduce_scatter": "loops"}) == {"policy": "sc", "reduce_scatter": "loops"}
 
 
+def test_a_given_scheduler_of_another_optimizer_is_one_error_at_construction(tmp_path, one_rank):
+    """`CanzonaTrainer(optimizers=(None, scheduler))`: the scheduler was built over another optimizer
+    than the one CanzonaTrainer builds (it cannot be over that one), so it stepped that other
+    optimizer's rates while the model trained at constant ones, and the AdamW rate was read from
+    its last rates by this optimizer's group index (an IndexError in the first log, or another
+    group's rate). Likewise `(opt, scheduler over another optimizer)`. Now one CanzonaError at
+    construction; a scheduler of the given optimizer is taken as before."""
+    from transformers import TrainingArguments, get_scheduler
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CanzonaError, match=r"^optimizers=\(None, LambdaLR\): the scheduler steps a SGD, not the "
+                                           "DistributedOptimizer CanzonaTrainer trains with"):
+        CanzonaTrainer(model=model, args=args, optimizers=(None, get_scheduler("linear", sgd, 0, 10)))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": 3e-3})
+    with pytest.raises(CanzonaError, match=r"^optimizers=\(DistributedOptimizer, LambdaLR\): the scheduler steps "
+                                           "another optimizer"):
+        CanzonaTrainer(model=model, args=args, optimizers=(opt, get_scheduler("linear", sgd, 0, 10)))
+    own = get_scheduler("linear", opt, 0, 10)
+    assert CanzonaTrainer(model=model, args=args, optimizers=(opt, own)).lr_scheduler is own
+
+
 def test_an_optim_other_than_adamw_is_one_error_at_construction(tmp_path, one_rank):
     """`TrainingArguments(optim="sgd")` (or adafactor, lion, ...): the plain Trainer trains that
     optimizer, and CanzonaTrainer built AdamW on the non-matrix parameters all the same, silently.
