@@ -26,7 +26,9 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   `matrix lr * min_lr / learning_rate` (`create_scheduler`); the absolute bounds of
   `reduce_lr_on_plateau` (`min_lr`) and `greedy` (`min_lr`, `max_lr`, their defaults too), which
   torch and transformers apply to every group alike, likewise: one per group, the given one times
-  the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given);
+  the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given); a
+  schedule given in `optimizers=` is left as built, with `CanzonaAccelerator.prepare`'s warning
+  where its floor was read of the matrix rate;
 - logs `learning_rate` as transformers does (the first group's rate: the matrices' where the first
   group holds any) and the AdamW groups' rate beside it as `learning_rate_adamw`, taken at the
   same moment; an AdamW group at another base rate than every earlier one (a group of its own
@@ -83,6 +85,7 @@ from canzona.integrations.accelerate import (
     CanzonaAccelerator,
     canzona_optimizer,
     check_on_device,
+    floor_warning,
     same_device,
 )
 from canzona.integrations.optimizer_state import (
@@ -327,6 +330,12 @@ class CanzonaTrainer(Trainer):
                                f"{type(optimizer).__name__}: pass (DistributedOptimizer, scheduler), or no optimizer to "
                                "have one built from the TrainingArguments")
         check_given_scheduler(optimizer, scheduler)
+        if scheduler is not None and canzona_optimizer(optimizer) is not None:
+            # the Trainer does not `prepare` a given scheduler: the accelerate path's warning, here
+            told = floor_warning(scheduler, canzona_optimizer(optimizer))
+            if told is not None:
+                warnings.warn(f"the scheduler given in optimizers=: {told} when it builds the schedule "
+                              "(lr_scheduler_type, lr_scheduler_kwargs)", stacklevel=2)
         if given.get("optimizer_cls_and_kwargs") is not None:
             raise CanzonaError("CanzonaTrainer does not take optimizer_cls_and_kwargs: it builds a DistributedOptimizer "
                                "(matrix_optimizer=, matrix_config=, optimizer_kwargs=) or takes one in optimizers=")
