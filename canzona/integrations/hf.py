@@ -178,7 +178,7 @@ def check_not_tensor_parallel(model: Any) -> None:
                            "your own (docs/design.md §2.5)")
 
 
-def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer) -> Any:
+def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer, base: list[float] | None = None) -> Any:
     """`lr_scheduler_kwargs` for a schedule that bounds each group's rate by an absolute rate
     (`reduce_lr_on_plateau`: torch's ReduceLROnPlateau `min_lr`; `greedy`: GreedyLR's `min_lr`
     and `max_lr`), with each bound measured against the AdamW rate as `CanzonaTrainer.create_scheduler`
@@ -188,7 +188,9 @@ def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer) -> Any:
     out is its class's default, scaled alike where it is not 0 (GreedyLR's `min_lr` 1e-3 and
     `max_lr` 1.0), so that every group moves by one factor between bounds where the plain Trainer
     would bound torch's AdamW. A list (one per group) is the user's own and kept; other schedules,
-    and an AdamW rate of 0, leave `kwargs` as given."""
+    and an AdamW rate of 0, leave `kwargs` as given. `base`: each group's initial rate (default:
+    its `initial_lr`, else its rate now), which a schedule built again over rates the first one
+    reduced (a second `train()`) must be given."""
     kind = str(getattr(kind, "value", kind))
     cls = {"reduce_lr_on_plateau": torch.optim.lr_scheduler.ReduceLROnPlateau, "greedy": GreedyLR}.get(kind)
     adamw_lr = float(opt.adamw_cfg.lr)
@@ -202,7 +204,8 @@ def per_group_bounds(kind: Any, kwargs: Any, opt: DistributedOptimizer) -> Any:
         bound = out.get(key, defaults[key].default)
         if isinstance(bound, (list, tuple)) or bound in (None, inspect.Parameter.empty) or bound == 0:
             continue
-        out[key] = [bound * (float(g.get("initial_lr", g["lr"])) / adamw_lr) for g in opt.param_groups]
+        rates = base if base is not None else [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
+        out[key] = [bound * (rate / adamw_lr) for rate in rates]
     return out
 
 
@@ -460,7 +463,10 @@ class CanzonaTrainer(Trainer):
             return super().create_scheduler(num_training_steps, optimizer)
         kept, kept_kwargs = opt.defaults["lr"], self.args.lr_scheduler_kwargs
         opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
-        self.args.lr_scheduler_kwargs = per_group_bounds(self.args.lr_scheduler_type, kept_kwargs, opt)
+        cached = getattr(self, "_base_rates_of", None)
+        if cached is None or cached[0] is not opt:  # each group's rate before any schedule of this trainer's
+            cached = self._base_rates_of = (opt, [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups])
+        self.args.lr_scheduler_kwargs = per_group_bounds(self.args.lr_scheduler_type, kept_kwargs, opt, cached[1])
         try:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:

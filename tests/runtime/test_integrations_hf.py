@@ -947,6 +947,21 @@ def test_a_plateau_schedules_floor_is_the_adamw_rates(tmp_path, one_rank, kind):
             assert [g["lr"] for g in opt.param_groups] == [5e-3 if r == 1.0 else pytest.approx(5e-3 * r, rel=1e-15)
                                                             for r in ratios]
         del opt, scheduler
+    # a second train() builds the schedule again (transformers drops the one it built) over rates
+    # the first reduced: the bounds stay of the initial rates (before: of the reduced ones, so the
+    # AdamW groups' floor fell to x times the reduction)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=lr,
+                             lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, eval_strategy="steps")
+    trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": matrix_lr}, eval_dataset=[{}])
+    opt = trainer.create_optimizer()
+    first = trainer.create_scheduler(10, opt).min_lrs
+    for metric in [1.0] * 3:
+        trainer.lr_scheduler.step(metric)
+    assert opt.param_groups[0]["lr"] < matrix_lr
+    trainer.lr_scheduler = None
+    assert trainer.create_scheduler(10, opt).min_lrs == first
+    del trainer, opt
     # a list per group: the user's own floors, kept
     opt, scheduler = plateau({**kwargs, "min_lr": [floor] * 2}, False)
     assert len(opt.param_groups) == 2 and scheduler.min_lrs == [floor] * 2
