@@ -28,7 +28,10 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   torch and transformers apply to every group alike, likewise: one per group, the given one times
   the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given); a
   schedule given in `optimizers=` is left as built, with `CanzonaAccelerator.prepare`'s warning
-  where its floor was read of the matrix rate;
+  where its floor was read of the matrix rate, as is one a subclass's own `create_scheduler`
+  builds without calling this one (not warned of); a callback that sets the groups' rates acts
+  as under the plain Trainer (a `LambdaLR` schedule writes them again at its next step, and the
+  logged rates are the schedule's; a plateau schedule's bounds stay those computed at its build);
 - logs `learning_rate` as transformers does (the first group's rate: the matrices' where the first
   group holds any) and the AdamW groups' rate beside it as `learning_rate_adamw`, taken at the
   same moment; an AdamW group at another base rate than every earlier one (a group of its own
