@@ -58,7 +58,10 @@ For a model whose parameters a canzona optimizer holds:
   weights, and their optimizers follow those weights). The manifest records too which
   `scheduler_<k>.bin` the schedulers wrapping the optimizer wrote: accelerate loads its schedulers
   by prepare order, and the load hands each scheduler of a canzona optimizer the file saved with
-  that optimizer's folder. A save without these records (an older canzona's) takes folders of one
+  that optimizer's folder (the optimizer its own `optimizer` is or wraps: one built on the
+  `AcceleratedOptimizer` prepare returned too), and each other scheduler the files no folder
+  recorded, in order; schedulers that are not those of the save (one without a file of its own)
+  are one `CanzonaError` before anything is loaded. A save without these records (an older canzona's) takes folders of one
   fingerprint in order, and with schedulers in another order is one `CanzonaError` before anything
   is loaded. Call both on every rank, as accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
@@ -309,22 +312,31 @@ def scheduler_order(wraps: list[int | None], folders: list[int],
     None; `folders[p]`, the folder optimizer p reads; `saved[f]`, the schedulers recorded in folder
     f's manifest as wrapping its optimizer at the save (None: not recorded, an older save). A
     scheduler of a canzona optimizer takes a file saved with that optimizer's folder (several: in
-    order), any other scheduler its own position's. Returns the schedulers in file order, or None
-    where the record cannot tell (none, or the schedulers are not those of the save)."""
+    order), any other scheduler the files no folder recorded, in order. Returns the schedulers in
+    file order, or None where the save has no record (an older canzona's); where it has one and
+    the schedulers are not those of the save (no file for one, or files left over that accelerate
+    would load by position), one `CanzonaError`."""
+    if any(s is None for s in saved):
+        return None
+    recorded = {k for s in saved for k in s}  # type: ignore[union-attr]
+    free = iter(k for k in range(len(wraps)) if k not in recorded)
     target: dict[int, int] = {}
     used: dict[int, int] = {}
     for j, p in enumerate(wraps):
         if p is None:
-            target[j] = j
+            target[j] = next(free, -1)
             continue
-        recorded = saved[folders[p]]
+        mine: list[int] = saved[folders[p]]  # type: ignore[assignment]
         nth = used.get(folders[p], 0)
-        if recorded is None or nth >= len(recorded):
-            return None
         used[folders[p]] = nth + 1
-        target[j] = recorded[nth]
+        target[j] = mine[nth] if nth < len(mine) else -1
     if sorted(target.values()) != list(range(len(wraps))):
-        return None
+        raise CanzonaError(
+            f"load_state(): the {len(wraps)} learning-rate scheduler(s) prepared are not those of the save (whose "
+            f"optimizer folders {OPTIMIZER_DIR}_<i> record the scheduler files of their optimizers: {list(saved)}; "
+            f"now over the canzona optimizers: {['-' if p is None else p for p in wraps]}), and accelerate loads "
+            "scheduler_<k>.bin into its k-th scheduler, so a scheduler would take another's schedule: prepare the "
+            "schedulers of the save, each over its own optimizer")
     return sorted(target, key=target.__getitem__)
 
 
@@ -696,13 +708,19 @@ class CanzonaAccelerator(Accelerator):
 
     def _scheduler_links(self, opts: list[DistributedOptimizer]) -> list[int | None]:
         """For each prepared scheduler (accelerate's scheduler file order), the index in `opts` of
-        the canzona optimizer it wraps, or None."""
+        the canzona optimizer it wraps, or None: the one its scheduler's own `optimizer` is or wraps
+        (the optimizer given, or the `AcceleratedOptimizer` prepare returned); the one accelerate
+        linked it to only where the scheduler names none and accelerate linked exactly one (built
+        on the prepared optimizer, or prepared before it, accelerate links every optimizer)."""
         out: list[int | None] = []
         for sched in getattr(self, "_schedulers", []):
             inner = getattr(sched, "scheduler", sched)
-            wrapped = [canzona_optimizer(o) for o in [getattr(inner, "optimizer", None),
-                                                      *getattr(sched, "optimizers", [])] if o is not None]
-            out.append(next((i for i, o in enumerate(opts) if any(w is o for w in wrapped)), None))
+            given = getattr(inner, "optimizer", None)
+            if given is None:
+                linked = getattr(sched, "optimizers", [])
+                given = linked[0] if len(linked) == 1 else None
+            own = canzona_optimizer(given)
+            out.append(next((i for i, o in enumerate(opts) if o is own), None) if own is not None else None)
         return out
 
     def _check_schedulers_follow(self, folders: list[int], opts: list[DistributedOptimizer]) -> None:

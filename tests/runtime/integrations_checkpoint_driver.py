@@ -360,21 +360,33 @@ def one_architecture(out: Path) -> dict[str, Any]:
     from canzona.integrations import accelerate as integration
     from canzona.spec import ModelSpec
 
-    def setup(order: tuple[int, ...], schedulers: bool = True) -> tuple[Any, list, list, list, list]:
+    def setup(order: tuple[int, ...], schedulers: bool = True, sched_order: tuple[int, ...] | None = None,
+              on_prepared: bool = False, extra: tuple[tuple[int, str], ...] = ()) -> tuple[Any, list, list, list, list]:
+        """The schedulers built on the optimizers (`on_prepared`: on those prepare returned, the usual
+        pattern) and prepared after them in `sched_order`, with `extra` ones inserted at their
+        positions: "plain", a LambdaLR over a plain torch SGD; "again", a second one over model 0's."""
         models = []
         for seed in (0, 1):
             torch.manual_seed(seed)
             models.append(_TwoLinears())
         opts = [DistributedOptimizer(named_parameters(m), ModelSpec.from_module(m), "muon", {"lr": mr}, {"lr": ar})
                 for m, (mr, ar) in zip(models, ((0.02, 0.01), (0.03, 0.004)))]
-        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in opts]
         accelerator = integration.CanzonaAccelerator(cpu=True)
-        prepared = accelerator.prepare(*models, *[opts[i] for i in order],
-                                       *([scheds[i] for i in order] if schedulers else []))
+        prepared = accelerator.prepare(*models, *[opts[i] for i in order])
         mine, theirs = [None, None], [None, None]
         for at, i in enumerate(order):
             mine[i] = prepared[2 + at]
-            theirs[i] = prepared[4 + at] if schedulers else None
+        if schedulers:
+            scheds = [torch.optim.lr_scheduler.LambdaLR(mine[i] if on_prepared else opts[i],
+                                                        lambda step: 1.0 / (1 + step)) for i in range(2)]
+            listed: list = [scheds[i] for i in (sched_order or order)]
+            for at, kind in extra:
+                over = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5) if kind == "plain" else opts[0]
+                listed.insert(at, torch.optim.lr_scheduler.LambdaLR(over, lambda step: 0.5 ** step))
+            done = accelerator.prepare(*listed)
+            for i in range(2):
+                theirs[i] = done[listed.index(scheds[i])]
+            result["extra schedulers"] = [done[at] for at, _ in extra]
         return accelerator, list(prepared[:2]), opts, mine, theirs
 
     def steps(accelerator: Any, models: list, opts: list, scheds: list, first: int, last: int) -> None:
@@ -390,23 +402,48 @@ def one_architecture(out: Path) -> dict[str, Any]:
     def rates(opts: list) -> list:
         return [[g["lr"] for g in o.param_groups] for o in opts]
 
+    def own(scheds: list) -> list:  # what a scheduler saves and a load must give it back
+        return [(s.scheduler.base_lrs, s.scheduler.last_epoch, s.scheduler._last_lr) for s in scheds]
+
     folder = out / "one_architecture"
-    accelerator, models, opts, prepared, scheds = setup((0, 1))
+    result: dict[str, Any] = {}
+    # the schedulers built on the optimizers prepare returned (accelerate links them to every
+    # optimizer), with a plain torch one last
+    accelerator, models, opts, prepared, scheds = setup((0, 1), on_prepared=True, extra=((2, "plain"),))
     steps(accelerator, models, prepared, scheds, 0, 2)
     saved = [opt_state(o) for o in opts]
     accelerator.save_state(str(folder))
+    saved_scheds = own([*scheds, *result.pop("extra schedulers")])
     steps(accelerator, models, prepared, scheds, 2, 4)
     straight = [(opt_state(o), params(m)) for o, m in zip(opts, models)]
-    result: dict[str, Any] = {"rates differ": rates(opts)[0] != rates(opts)[1]}
+    result["rates differ"] = rates(opts)[0] != rates(opts)[1]
     fresh, _, fresh_opts, _, _ = setup((1, 0), schedulers=False)
     result["swapped"] = error_text(lambda: fresh.load_state(str(folder)))
     result["swapped exactly"] = [same(opt_state(o), st) for o, st in zip(fresh_opts, saved)]
-    again, again_models, again_opts, again_prepared, again_scheds = setup((1, 0))
-    result["resumed"] = error_text(lambda: again.load_state(str(folder)))
-    steps(again, again_models, again_prepared, again_scheds, 2, 4)
-    result["resumed exactly"] = [same(opt_state(o), st) and same(params(m), w) and r == want
-                                 for o, m, (st, w), r, want in zip(again_opts, again_models, straight,
-                                                                   rates(again_opts), rates(opts))]
+
+    def resumed(name: str, order: tuple[int, ...], **kwargs: Any) -> None:
+        """load_state into a fresh setup, then each scheduler's own state and two steps: the straight run's."""
+        again, again_models, again_opts, again_prepared, again_scheds = setup(order, **kwargs)
+        result[name] = error_text(lambda: again.load_state(str(folder)))
+        extra = result.pop("extra schedulers")
+        result[f"{name} schedulers"] = own([*again_scheds, *extra]) == saved_scheds[:2 + len(extra)]
+        stepped = error_text(lambda: steps(again, again_models, again_prepared, again_scheds, 2, 4))
+        result[f"{name} exactly"] = stepped if stepped != "no error" else \
+            [same(opt_state(o), st) and same(params(m), w) and r == want
+             for o, m, (st, w), r, want in zip(again_opts, again_models, straight, rates(again_opts), rates(opts))]
+
+    resumed("resumed", (1, 0))  # optimizers and schedulers prepared in the other order
+    # the schedulers alone swapped, built on the prepared optimizers (before: both linked to the first
+    # optimizer at the save and the load, so each took the other's file silently)
+    resumed("resumed on prepared", (0, 1), sched_order=(1, 0), on_prepared=True)
+    # a plain torch scheduler first, the canzona ones after it (before: each took its position's file)
+    resumed("resumed plain first", (0, 1), extra=((0, "plain"),))
+    # a second scheduler over one optimizer, which the save did not have: no file of its own
+    again, again_models, _, _, _ = setup((0, 1), extra=((1, "again"),))
+    result.pop("extra schedulers")
+    before = params(again_models[0])
+    result["another scheduler"] = error_text(lambda: again.load_state(str(folder)))
+    result["another scheduler untouched"] = same(params(again_models[0]), before)
     return result
 
 

@@ -456,10 +456,19 @@ def test_each_scheduler_takes_the_file_saved_with_its_optimizers_folder():
     assert scheduler_order([0, 1], [0, 1], [[1], [0]]) == [1, 0]  # schedulers alone prepared swapped
     assert scheduler_order([None, 1, 0], [1, 0], [[1], [2]]) == [0, 1, 2]
     assert scheduler_order([0, 0, None], [0], [[1, 0]]) == [1, 0, 2]
-    assert scheduler_order([], [1, 0], [None, None]) == []
+    assert scheduler_order([], [1, 0], [[], []]) == []
     assert scheduler_order([0, 1], [1, 0], [None, None]) is None  # an older save
-    assert scheduler_order([0, 1], [1, 0], [[], []]) is None  # saved without schedulers
-    assert scheduler_order([0, None], [0], [[1]]) is None  # not a permutation of the files
+    # a plain scheduler takes the files no folder recorded, in order (before: its own position's, so
+    # swapped with a canzona one each took the other's file)
+    assert scheduler_order([None, 0], [0], [[0]]) == [1, 0]
+    assert scheduler_order([0, None], [0], [[1]]) == [1, 0]
+    assert scheduler_order([None, 1, None, 0], [1, 0], [[3], [1]]) == [0, 3, 2, 1]
+    # not those of the save: one error, whether or not the optimizers moved (before: None, and the
+    # load went on by position where they had not)
+    for wraps, folders, saved in (([0, 1], [1, 0], [[], []]), ([0, 0, 1], [0, 1], [[0], [1]]),
+                                  ([0, None], [0], [[0, 1]]), ([0, 1], [0, 1], [[0], [2]])):
+        with pytest.raises(CanzonaError, match=r"scheduler\(s\) prepared are not those of the save"):
+            scheduler_order(wraps, folders, saved)
 
 
 def test_devices_are_the_same_memory_however_spelled():
@@ -789,6 +798,17 @@ def test_optimizers_of_one_architecture_prepared_in_another_order_resume_as_the_
         assert r["rates differ"]
         assert r["swapped"] == "no error" and r["swapped exactly"] == [True, True], r["swapped"]
         assert r["resumed"] == "no error" and r["resumed exactly"] == [True, True], r["resumed"]
+        # saved with the schedulers built on the prepared optimizers, and a plain torch one (before:
+        # accelerate links such a scheduler to every optimizer, and the save recorded both as the
+        # first optimizer's): each scheduler its own base rates, step count and last rates, and the
+        # straight run's two steps, with the schedulers alone swapped, and a plain scheduler first
+        # (before: each took its position's file)
+        for case in ("resumed", "resumed on prepared", "resumed plain first"):
+            assert r[case] == "no error" and r[f"{case} schedulers"], (case, r[case])
+            assert r[f"{case} exactly"] == [True, True], (case, r[f"{case} exactly"])
+        # a scheduler the save did not have: one error before anything is loaded (before: by position)
+        assert "prepared are not those of the save" in r["another scheduler"], r["another scheduler"]
+        assert r["another scheduler untouched"]
 
 
 @pytest.mark.distributed
