@@ -69,8 +69,9 @@ For a model whose parameters a canzona optimizer holds:
   `CanzonaError` before anything is loaded.
 
 - a transformers schedule with a floor (`get_scheduler("cosine_with_min_lr", opt,
-  scheduler_specific_kwargs={"min_lr": x})`, `cosine_warmup_with_min_lr`, `polynomial`'s `lr_end`)
-  over a canzona optimizer whose matrix and AdamW rates differ is one warning at `prepare` naming
+  scheduler_specific_kwargs={"min_lr": x})`, `cosine_warmup_with_min_lr`, `polynomial`'s `lr_end`
+  other than transformers' default 1e-7) over a canzona optimizer whose rates differ (any group's)
+  is one warning at `prepare` (the main process's, once per scheduler, at the caller's line) naming
   the floor each kind of group ends at: transformers divides the floor by
   `optimizer.defaults["lr"]`, the matrix rate, so the matrices end at `x` and the AdamW groups at
   `adamw lr * x / matrix lr`. The schedule is left as built (`prepare_scheduler` says why);
@@ -85,6 +86,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
@@ -340,43 +342,72 @@ def scheduler_order(wraps: list[int | None], folders: list[int],
     return sorted(target, key=target.__getitem__)
 
 
+POLYNOMIAL_LR_END = 1e-7  # transformers' default lr_end: every polynomial schedule carries one
+
+
 def floor_ratio(scheduler: Any) -> float | None:
     """The ratio of each group's rate a transformers schedule with a floor ends at (a `LambdaLR`
     of `get_scheduler`'s `cosine_with_min_lr`, `cosine_warmup_with_min_lr`: `min_lr_rate`, which an
     absolute `min_lr` was turned into by dividing it by `optimizer.defaults["lr"]`; `polynomial`:
-    `lr_end / lr_init`, `lr_init` being that rate), or None: another schedule, or no floor."""
+    `lr_end / lr_init`, `lr_init` being that rate), or None: another schedule, no floor, or
+    polynomial's default `lr_end` (1e-7, which every polynomial schedule carries: one given equal to
+    it cannot be told from it)."""
     lambdas = getattr(scheduler, "lr_lambdas", None) or [None]
     fn = lambdas[0]
     if not isinstance(fn, functools.partial) or getattr(fn.func, "__module__", "") != "transformers.optimization":
         return None
     kw = fn.keywords
-    ratio = kw.get("min_lr_rate") if "min_lr_rate" in kw else (
-        kw["lr_end"] / kw["lr_init"] if "lr_end" in kw and kw.get("lr_init") else None)
+    if "min_lr_rate" in kw:
+        ratio = kw["min_lr_rate"]
+    elif "lr_end" in kw and kw.get("lr_init") and kw["lr_end"] != POLYNOMIAL_LR_END:
+        ratio = kw["lr_end"] / kw["lr_init"]
+    else:
+        ratio = None
     return float(ratio) if ratio else None
 
 
 def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     """What `prepare` warns of for a transformers schedule with a floor (`floor_ratio`) over a
-    canzona optimizer whose matrix and AdamW rates differ: the floors each kind of group ends at,
-    and how to set the AdamW groups' own. None where there is nothing to tell."""
+    canzona optimizer whose rates differ (every group's: the matrix and AdamW rates): the floors each
+    kind of group ends at, and how to set the AdamW groups' own. None where there is nothing to tell."""
     ratio = floor_ratio(scheduler)
     base = getattr(scheduler, "base_lrs", None)
     if ratio is None or not base or len(base) != len(opt.param_groups):
         return None
-    rates = {}
+    rates: dict[Any, list[float]] = {}
     for g, group in enumerate(opt.param_groups):
-        rates.setdefault(group.get("kind"), float(base[g]))
+        if float(base[g]) not in rates.setdefault(group.get("kind"), []):
+            rates[group.get("kind")].append(float(base[g]))
     matrix, adamw = rates.get("matrix"), rates.get("adamw")
-    if matrix is None or adamw is None or matrix == adamw:
+    if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
         return None
-    defaults = float(opt.defaults.get("lr", matrix))
+
+    def floors(kind: list[float]) -> str:
+        return ", ".join(f"{r * ratio:g}" for r in kind)
+
+    defaults = float(opt.defaults.get("lr", matrix[0]))
+    named = ", ".join(f"{r:g}" for r in adamw)
     return (f"this transformers schedule ends every group at {ratio:g} of its own rate: the matrix groups at "
-            f"{matrix * ratio:g}, the AdamW groups at {adamw * ratio:g}. transformers makes that ratio of an "
+            f"{floors(matrix)}, the AdamW groups at {floors(adamw)}. transformers makes that ratio of an "
             f"absolute floor (min_lr, lr_end) by dividing it by optimizer.defaults['lr'], which for a canzona "
-            f"optimizer is the matrix rate ({defaults:g}), not the AdamW rate ({adamw:g}). To end the AdamW groups "
-            f"at a floor F (with the matrices at the same ratio of theirs), pass min_lr_rate=F/{adamw:g} (cosine "
-            f"schedules) or lr_end=F*{defaults / adamw:g} (polynomial); CanzonaTrainer measures min_lr against the "
-            "AdamW rate (learning_rate) itself")
+            f"optimizer is the matrix rate ({defaults:g}), not the AdamW rate ({named}). To end the AdamW groups "
+            f"at a floor F (with the matrices at the same ratio of theirs), pass min_lr_rate=F/{adamw[0]:g} (cosine "
+            f"schedules) or lr_end=F*{defaults / adamw[0]:g} (polynomial)"
+            + (" for the first AdamW rate (one ratio serves every group)" if len(adamw) > 1 else "")
+            + "; CanzonaTrainer measures min_lr against the AdamW rate (learning_rate) itself")
+
+
+def _outside_frame() -> int:
+    """The `stacklevel` of a warning raised by the caller that points at the first frame outside
+    this module and accelerate (the user's `prepare` call)."""
+    import accelerate
+
+    inside = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(accelerate.__file__)) + os.sep)
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (os.path.abspath(frame.f_code.co_filename) == inside[0]
+                                        or os.path.abspath(frame.f_code.co_filename).startswith(inside[1])):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -489,9 +520,13 @@ class CanzonaAccelerator(Accelerator):
         the same ratio of theirs. (CanzonaTrainer, whose `learning_rate` is the AdamW rate, builds
         its schedule with the floor measured against that rate.)"""
         inner = canzona_optimizer(getattr(scheduler, "optimizer", None))
-        told = floor_warning(scheduler, inner) if inner is not None else None
+        again = getattr(scheduler, "_is_accelerate_prepared", False) or getattr(scheduler, "_canzona_floor_told", False)
+        told = floor_warning(scheduler, inner) if inner is not None and not again else None
         if told is not None:
-            warnings.warn(told, stacklevel=3)
+            with contextlib.suppress(AttributeError):
+                scheduler._canzona_floor_told = True  # prepared again: told once
+            if self.is_main_process:
+                warnings.warn(told, stacklevel=_outside_frame())
         return super().prepare_scheduler(scheduler)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:

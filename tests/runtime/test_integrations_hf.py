@@ -1073,6 +1073,61 @@ def test_a_transformers_schedules_floor_on_the_accelerate_path_is_warned_of_with
     assert prepared("cosine_with_min_lr", {"min_lr": floor}, adamw_lr=matrix_lr)[0] == []
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_the_floor_warning_is_once_on_the_main_process_at_the_users_line_and_not_for_polynomials_default(
+        one_rank, monkeypatch):
+    """The floor warning of `CanzonaAccelerator.prepare` (see the test above): `polynomial` without an
+    `lr_end` of the user's carries transformers' default 1e-7, which is not warned of (before: every
+    polynomial schedule over differing rates warned); a scheduler prepared again is not warned of
+    again (before: twice); only the main process warns (before: every rank); the warning points at
+    the user's line (before: inside accelerate)."""
+    import warnings
+
+    from transformers import get_scheduler
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def caught(kind: str, kwargs: dict, twice: bool = False) -> list:
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
+                                   {"lr": 3e-3})
+        sched = get_scheduler(kind, opt, num_warmup_steps=1, num_training_steps=6, scheduler_specific_kwargs=kwargs)
+        accelerator = CanzonaAccelerator(cpu=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            accelerator.prepare(model, opt, sched)
+            if twice:
+                accelerator.prepare(sched)
+        return [w for w in seen if "transformers schedule" in str(w.message)]
+
+    assert caught("polynomial", {}) == []  # lr_end: transformers' default
+    assert len(caught("polynomial", {"lr_end": 1e-4})) == 1
+    (once,) = caught("cosine_with_min_lr", {"min_lr": 1e-4}, twice=True)
+    assert once.filename == __file__, once.filename  # the user's line, not accelerate's
+    monkeypatch.setattr(CanzonaAccelerator, "is_main_process", property(lambda self: False))
+    assert caught("cosine_with_min_lr", {"min_lr": 1e-4}) == []
+
+
+def test_the_floor_warning_reads_every_group_of_a_kind():
+    """Every group's rate, not the first of each kind: AdamW groups at the matrix rate and at another
+    (before: the first AdamW group's equal to the matrix rate, nothing was said)."""
+    from types import SimpleNamespace
+
+    from transformers import get_scheduler
+
+    from canzona.integrations.accelerate import floor_warning
+
+    rates = [("matrix", 0.02), ("adamw", 0.02), ("adamw", 3e-3)]
+    sgd = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": lr} for _, lr in rates], lr=0.02)
+    sched = get_scheduler("cosine_with_min_lr", sgd, num_warmup_steps=1, num_training_steps=6,
+                          scheduler_specific_kwargs={"min_lr": 1e-4})
+    opt = SimpleNamespace(param_groups=[{"kind": k, "lr": lr} for k, lr in rates], defaults={"lr": 0.02})
+    told = floor_warning(sched, opt)
+    assert told is not None and f"the AdamW groups at {1e-4:g}, {3e-3 * 1e-4 / 0.02:g}" in told, told
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
