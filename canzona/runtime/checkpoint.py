@@ -62,7 +62,7 @@ from canzona.runtime.groups import config_value, group_matrices
 from canzona.runtime.kernels import adamw_state, initial_state, update_target
 from canzona.runtime.mesh import DP, TP
 from canzona.runtime.modules import canonical_name
-from canzona.runtime.nonfinite import SECOND_MOMENTS, nonfinite_state_error
+from canzona.runtime.nonfinite import nonfinite_state_error
 from canzona.runtime.shards import local_tensor, shard_of, unshard
 from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
 from canzona.tp import EVERY_RANK
@@ -787,22 +787,31 @@ def cast_field(name: str, field: str, got: Tensor, dtype: torch.dtype) -> Tensor
     """A saved floating field in the state's `dtype` (torch.optim's `load_state_dict` casts alike,
     to the parameter's). A finite value the cast overflows (fp32 above 65504 into an fp16 state)
     is one CheckpointError naming the field, the value and the dtype's largest: the Inf it becomes
-    would be refused as damaged, naming nothing of the cause, or written into the weights. Not in
-    a second moment (`SECOND_MOMENTS`): there +Inf is what torch's load makes of it too, and the
-    value its AdamW steps on from (that element's update 0)."""
+    would be refused as damaged, naming nothing of the cause, or written into the weights. In a
+    second moment too (`SECOND_MOMENTS`): before, it loaded there as +Inf (as torch's load makes
+    it), which froze the element, one of those with the largest gradients, for the rest of the run
+    (its update exactly 0), silently. A +Inf already in the saved second moment (an overflowed g^2
+    of a pure-fp16 run) is no overflow of the cast: it loads, as `nonfinite_state_error` allows.
+    The check is one `aminmax` of the cast (no Inf: done); the masks that find the value are
+    built only when it holds an Inf (before, on every cast: 7x the cast's own time)."""
     if got.dtype == dtype:
         return got
     cast = got.to(dtype)
-    if field not in SECOND_MOMENTS and torch.finfo(dtype).max < torch.finfo(got.dtype).max and got.element_size() > 1:
-        over = torch.isinf(cast) & torch.isfinite(got)
-        if bool(over.any()):
-            value = float(got[over].reshape(-1)[0])
-            raise CheckpointError(
-                f"optimizer state of {name!r} does not fit this optimizer's state dtype: its {field!r} holds "
-                f"{value:g} (saved as {_dtype_name(got.dtype)}), beyond {_dtype_name(dtype)}'s largest finite value "
-                f"{torch.finfo(dtype).max:g}, the dtype this configuration keeps it in, so the cast would make it "
-                "Inf: nothing was loaded. Resume it with a state dtype that holds it (fp32: master weights, or an "
-                "fp32 or bf16 model)")
+    largest = torch.finfo(dtype).max
+    if largest < torch.finfo(got.dtype).max and got.element_size() > 1 and cast.numel():
+        lo, hi = torch.aminmax(cast)  # a NaN makes both NaN: refused as damaged after the cast
+        if bool((hi == math.inf) | (lo == -math.inf)):
+            over = torch.isinf(cast) & torch.isfinite(got)
+            if bool(over.any()):
+                value = float(got[over].reshape(-1)[0])
+                wider = " or ".join(n for n, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                                    if torch.finfo(d).max > largest)
+                raise CheckpointError(
+                    f"optimizer state of {name!r} does not fit this optimizer's state dtype: its {field!r} holds "
+                    f"{value:g} (saved as {_dtype_name(got.dtype)}), beyond {_dtype_name(dtype)}'s largest finite "
+                    f"value {largest:g}, the dtype this configuration keeps it in, so the cast would make it Inf: "
+                    "nothing was loaded. Resume it with a state dtype that holds it"
+                    + (f" (fp32: master weights, or an {wider} model)" if wider else ""))
     return cast
 
 

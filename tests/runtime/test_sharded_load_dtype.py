@@ -5,8 +5,8 @@ the dtype the live configuration gives it, as the full form (`checkpoint.checked
 torch's `Optimizer.load_state_dict` cast, and the resume steps bit for bit as one from a save in
 the live dtype holding those values. Before: it loaded, and the next step failed mid-step (a dtype
 mismatch in the kernels). A value the cast overflows (fp32 above 65504 into an fp16 state) is one
-error naming the field and the dtype's largest value, nothing loaded; in `exp_avg_sq` it becomes
-+Inf, as torch's load makes it, the value torch's AdamW steps on from. In one process (a one-rank
+error naming the field and the dtype's largest value, nothing loaded, in `exp_avg_sq` too (before,
+there it became +Inf and froze the element); a +Inf already in the saved `exp_avg_sq` loads. In one process (a one-rank
 gloo group); the spread of a refusal to every rank is `agree_on_save`'s (test_runtime_robustness)."""
 
 from __future__ import annotations
@@ -134,12 +134,16 @@ def _fp16_saved_as_fp32(tmp_path, field: str, value: float):
     return mine, opt, key
 
 
+@pytest.mark.parametrize("field", ["exp_avg", "exp_avg_sq"])
 @pytest.mark.parametrize("form", ["sharded", "load_state_dict"])
-def test_a_value_the_cast_overflows_is_refused_naming_the_field_and_the_dtypes_largest(one_rank, tmp_path, form):
-    """fp32 100000 into an fp16 `exp_avg`: one CheckpointError naming the parameter, the field,
-    the value and float16's largest (65504), nothing loaded. Before: cast to +Inf, then refused as
-    'damaged: holds NaN or Inf', naming nothing of the cause."""
-    model, opt, key = _fp16_saved_as_fp32(tmp_path, "exp_avg", 1e5)
+def test_a_value_the_cast_overflows_is_refused_naming_the_field_and_the_dtypes_largest(one_rank, tmp_path, form,
+                                                                                      field):
+    """fp32 100000 into an fp16 `exp_avg` or `exp_avg_sq` (a save of an fp32 state resumed with
+    `master_weights=False`): one CheckpointError naming the parameter, the field, the value and
+    float16's largest (65504), nothing loaded. Before: in `exp_avg` cast to +Inf, then refused as
+    'damaged: holds NaN or Inf', naming nothing of the cause; in `exp_avg_sq` loaded as +Inf, which
+    froze the element (its update exactly 0) for the rest of the run, silently."""
+    model, opt, key = _fp16_saved_as_fp32(tmp_path, field, 1e5)
     before, weights = opt.state_dict(), _weights(model)
     name = key.split("/adamw/", 1)[1].rsplit("/", 1)[0]
     with pytest.raises(CheckpointError) as refused:
@@ -148,29 +152,81 @@ def test_a_value_the_cast_overflows_is_refused_naming_the_field_and_the_dtypes_l
         else:  # the full form of the same values
             full = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                     for k, v in before["state"][0].items()}
-            full["exp_avg"].view(-1)[0] = 1e5
+            full[field].view(-1)[0] = 1e5
             name = before["param_names"][0][0]
             opt.load_state_dict({**before, "state": {**before["state"], 0: full}})
     message = str(refused.value)
     assert f"optimizer state of {name!r} does not fit" in message, message
-    assert "its 'exp_avg' holds 100000" in message and "float16's largest finite value 65504" in message, message
+    assert f"its {field!r} holds 100000" in message and "float16's largest finite value 65504" in message, message
+    assert "an fp32 or bf16 model" in message, message  # bf16 holds it
     assert "\n" not in message and same(opt.state_dict(), before) and same(_weights(model), weights)
 
 
-def test_a_second_moment_the_cast_overflows_becomes_plus_inf_as_torch_loads_it(one_rank, tmp_path):
-    """fp32 100000 into an fp16 `exp_avg_sq`: +Inf, as torch's `load_state_dict` casts it (to the
-    fp16 parameter's dtype), the value its AdamW keeps for an overflowed g^2; loaded."""
-    model, opt, key = _fp16_saved_as_fp32(tmp_path, "exp_avg_sq", 1e5)
-    opt.load_sharded_state_dict(str(tmp_path))
-    name = key.split("/adamw/", 1)[1].rsplit("/", 1)[0]
+@pytest.mark.parametrize("form", ["sharded", "load_state_dict"])
+def test_a_plus_inf_already_saved_in_a_second_moment_loads_through_the_cast(one_rank, tmp_path, form):
+    """A pure-fp16 state whose `exp_avg_sq` overflowed (+Inf, torch's AdamW keeps it), saved
+    converted to fp32: the +Inf was in the save, not made by the cast, so it loads (as
+    `nonfinite_state_error` allows it), every value as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.runtime.test_nonfinite_state import _fp16_pair
+
+    (model, make, step), (mine, opt), _ = _fp16_pair()
     saved = opt.state_dict()
-    names = [n for group in saved["param_names"] for n in group]
-    entry = saved["state"][names.index(name)]
-    assert entry["exp_avg_sq"].dtype == torch.float16 and entry["exp_avg_sq"].view(-1)[0] == math.inf
-    # torch's own load of the same value
-    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
-    ref = torch.optim.AdamW([p])
-    ref.load_state_dict({"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
-                                       "exp_avg_sq": torch.tensor([1e5, 0.0, 0.0])}},
-                         "param_groups": [{**ref.param_groups[0], "params": [0]}]})
-    assert ref.state[p]["exp_avg_sq"][0] == math.inf
+    assert any(bool(torch.isinf(e["exp_avg_sq"]).any()) for e in saved["state"].values())
+    resumed = model()
+    resumed.load_state_dict(mine.state_dict())  # the weights as saved
+    again = make(resumed)
+    if form == "sharded":
+        dcp.save(_converted(opt.sharded_state_dict(), torch.float32), checkpoint_id=str(tmp_path))
+        again.load_sharded_state_dict(str(tmp_path))
+    else:
+        again.load_state_dict({**saved, "state": {k: {f: v.to(torch.float32) if f in ("exp_avg", "exp_avg_sq") else v
+                                                      for f, v in e.items()} for k, e in saved["state"].items()}})
+    got = again.state_dict()["state"]
+    for key, entry in saved["state"].items():  # +Inf where it was saved, every other value as saved
+        for field, value in entry.items():
+            assert (torch.equal(got[key][field], value) and got[key][field].dtype == value.dtype
+                    if isinstance(value, torch.Tensor) else got[key][field] == value), (key, field)
+
+
+def test_the_overflow_message_of_a_bf16_state_advises_fp32_alone():
+    """A bf16 target holds no more than bf16: the advice names fp32 only."""
+    from canzona.runtime.checkpoint import cast_field
+
+    with pytest.raises(CheckpointError) as refused:
+        cast_field("w", "exp_avg", torch.tensor([1.0, 3.4e38]), torch.bfloat16)
+    message = str(refused.value)
+    assert "its 'exp_avg' holds 3.4e+38" in message and "bfloat16's largest finite value" in message, message
+    assert "bf16 model" not in message and "fp32" in message, message
+
+
+def test_a_finite_value_that_rounds_to_the_largest_is_no_overflow():
+    """fp32 65519 rounds to fp16's 65504 (not Inf): cast, not refused; -1e5 is refused too."""
+    from canzona.runtime.checkpoint import cast_field
+
+    got = cast_field("w", "exp_avg_sq", torch.tensor([65519.0, math.inf, 0.0]), torch.float16)
+    assert got.tolist() == [65504.0, math.inf, 0.0]
+    with pytest.raises(CheckpointError, match="holds -100000"):
+        cast_field("w", "exp_avg", torch.tensor([0.0, -1e5]), torch.float16)
+
+
+def test_the_fsdp2_load_refuses_a_value_the_cast_overflows(one_rank, tmp_path):
+    """FSDP2, a bf16 state (`master_weights=False`) from a save in fp32 holding 3.4e38 (beyond
+    bf16's largest) in one field: one CheckpointError naming it, nothing loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, step = LAYOUTS["fsdp2"](True, master_weights=False)
+    sharded = _converted(opt.sharded_state_dict(), torch.float32)
+    key = next(k for k in sorted(sharded) if isinstance(sharded[k], torch.Tensor)
+               and sharded[k].is_floating_point() and "/master" not in k and sharded[k].numel() > 1)
+    field = key.rsplit("/", 1)[1].split("@")[0]
+    sharded[key].view(-1)[1] = 3.4e38
+    dcp.save(sharded, checkpoint_id=str(tmp_path))
+    before, weights = opt.state_dict(), _weights(model)
+    with pytest.raises(CheckpointError) as refused:
+        opt.load_sharded_state_dict(str(tmp_path))
+    message = str(refused.value)
+    assert f"its {field!r} holds 3.4e+38" in message and "bfloat16's largest finite value" in message, message
+    assert "bf16 model" not in message, message
+    assert same(opt.state_dict(), before) and same(_weights(model), weights)
