@@ -1573,9 +1573,8 @@ def load_sharded(opt: Checkpointable, checkpoint_id: Any, prefix: str = DCP_PREF
     needs = {part.global_name(n): wants(part.global_name(n), *r) for part in _parts(opt)
              for n, r in _local_ranges(part).items()}
     meta, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, hosted, applies, needs, own_comms(opt))
-    state = agree_on_save(opt, meta, own_comms(opt), state)
+    state = agree_on_save(opt, meta, own_comms(opt), state)  # checks compatibility first
     if check_weights:
-        _check_compatible(opt, meta, meta.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, meta.get(WITNESS_KEY))
     load_by_name(opt, meta, meta.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)
@@ -1593,10 +1592,14 @@ def agree_on_save(opt: Described, meta: Mapping[str, Any], comms: list[Comm | No
     there and named on the others at once, in the same round (before, it was raised outside it:
     the others waited in it until timeout_s, and the group broke). Returns `state` with each
     floating field in the dtype the live configuration keeps it in (`cast_to_live`, in the same
-    round: a refusal of the cast, a value it overflows, is one error on every rank too)."""
+    round: a refusal of the cast, a value it overflows, is one error on every rank too). Before
+    the cast, the save is checked to be of this model and configuration (`_check_compatible`, as
+    the full form's `read_state` checks first): before, a save of another model into an fp16
+    state was refused naming a value the cast overflows, not the other model."""
     error: Exception | None = None
     digest = b""
     try:
+        _check_compatible(opt, meta, meta.get("param_groups", []), state)  # the likelier mistake first
         state = cast_to_live(opt, state)
         refused = nonfinite_state_error(state.items())
         error = None if refused is None else CheckpointError(refused)

@@ -27,7 +27,6 @@ from canzona.runtime.checkpoint import (
     DCP_PREFIX,
     STACK_KEY,
     WITNESS_KEY,
-    _check_compatible,
     _overlaps,
     _to_cpu,
     agree_on_save,
@@ -262,9 +261,8 @@ def load_sharded(opt: FsdpOptimizer, checkpoint_id: Any, prefix: str = DCP_PREFI
     header, state, stepped_names = read_sharded(opt, checkpoint_id, prefix, list(opt.hosted), list(opt.matrices),
                                                 needs, [opt.world])
     state = _by_stack(opt, state)
-    state = agree_on_save(opt, header, [opt.world], state)
+    state = agree_on_save(opt, header, [opt.world], state)  # checks compatibility first
     if check_weights:
-        _check_compatible(opt, header, header.get("param_groups", []), state)  # its own error first
         check_weights_match(opt, state, header.get(WITNESS_KEY))
     load_by_name(opt, header, header.get("param_groups", []), state)
     # unchecked here (the model may be loaded after it): the first step checks (`check_loaded_weights`)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from canzona.errors import CheckpointError
+from canzona.errors import CanzonaError, CheckpointError
 from tests.runtime.outcomes import same
 from tests.runtime.test_nonfinite_state import LAYOUTS, _weights
 
@@ -119,9 +119,20 @@ def test_the_cast_reads_no_live_group_values_the_load_replaces(one_rank, tmp_pat
     assert same(got[0], want[0]) and same(got[1], want[1])
 
 
-def _fp16_saved_as_fp32(tmp_path, field: str, value: float):
+def _edited(sharded: dict, edit) -> dict:
+    """`sharded` with its metadata entry's JSON edited by `edit` (None: as it is)."""
+    import json
+
+    if edit is not None:
+        meta = next(k for k in sharded if "/meta" in k)
+        sharded[meta] = json.dumps(edit(json.loads(sharded[meta])))
+    return sharded
+
+
+def _fp16_saved_as_fp32(tmp_path, field: str, value: float, edit=None):
     """canzona's pure-fp16 AdamW (its state fp16) and torch's alike, two steps each; the sharded
-    save converted to fp32, one element of the first `field` set to `value`, written to `tmp_path`."""
+    save converted to fp32, one element of the first `field` set to `value`, the metadata edited
+    by `edit`, written to `tmp_path`."""
     import torch.distributed.checkpoint as dcp
 
     from tests.runtime.test_nonfinite_state import _fp16_pair
@@ -130,7 +141,7 @@ def _fp16_saved_as_fp32(tmp_path, field: str, value: float):
     sharded = _converted(opt.sharded_state_dict(), torch.float32)
     key = next(k for k in sorted(sharded) if k.rsplit("/", 1)[1].split("@")[0] == field)
     sharded[key].view(-1)[0] = value
-    dcp.save(sharded, checkpoint_id=str(tmp_path))
+    dcp.save(_edited(sharded, edit), checkpoint_id=str(tmp_path))
     return mine, opt, key
 
 
@@ -211,22 +222,55 @@ def test_a_finite_value_that_rounds_to_the_largest_is_no_overflow():
         cast_field("w", "exp_avg", torch.tensor([0.0, -1e5]), torch.float16)
 
 
-def test_the_fsdp2_load_refuses_a_value_the_cast_overflows(one_rank, tmp_path):
-    """FSDP2, a bf16 state (`master_weights=False`) from a save in fp32 holding 3.4e38 (beyond
-    bf16's largest) in one field: one CheckpointError naming it, nothing loaded."""
+def _fsdp2_saved_as_fp32(tmp_path, value: float, edit=None):
+    """FSDP2 with a bf16 state (`master_weights=False`), its sharded save converted to fp32, one
+    element of the first floating field set to `value`, the metadata entry's JSON edited by `edit`."""
     import torch.distributed.checkpoint as dcp
 
     model, opt, step = LAYOUTS["fsdp2"](True, master_weights=False)
     sharded = _converted(opt.sharded_state_dict(), torch.float32)
     key = next(k for k in sorted(sharded) if isinstance(sharded[k], torch.Tensor)
                and sharded[k].is_floating_point() and "/master" not in k and sharded[k].numel() > 1)
+    sharded[key].view(-1)[1] = value
+    dcp.save(_edited(sharded, edit), checkpoint_id=str(tmp_path))
+    return model, opt, key
+
+
+def test_the_fsdp2_load_refuses_a_value_the_cast_overflows(one_rank, tmp_path):
+    """FSDP2, a bf16 state (`master_weights=False`) from a save in fp32 holding 3.4e38 (beyond
+    bf16's largest) in one field: one CheckpointError naming it, nothing loaded."""
+    model, opt, key = _fsdp2_saved_as_fp32(tmp_path, 3.4e38)
     field = key.rsplit("/", 1)[1].split("@")[0]
-    sharded[key].view(-1)[1] = 3.4e38
-    dcp.save(sharded, checkpoint_id=str(tmp_path))
     before, weights = opt.state_dict(), _weights(model)
     with pytest.raises(CheckpointError) as refused:
         opt.load_sharded_state_dict(str(tmp_path))
     message = str(refused.value)
     assert f"its {field!r} holds 3.4e+38" in message and "bfloat16's largest finite value" in message, message
     assert "bf16 model" not in message, message
+    assert same(opt.state_dict(), before) and same(_weights(model), weights)
+
+
+def _other_model(meta: dict) -> dict:
+    """The metadata of a save of another model: one shape and the fingerprint differ."""
+    shapes = meta["model"]["shapes"]
+    name = sorted(shapes)[0]
+    shapes[name] = [*shapes[name][:-1], shapes[name][-1] + 1]
+    meta["model"]["fingerprint"] = "0123456789abcdef"
+    return meta
+
+
+@pytest.mark.parametrize("layout", ["zero1", "fsdp2"])
+def test_a_save_of_another_model_is_refused_as_such_before_the_cast(one_rank, tmp_path, layout):
+    """A save of another model whose state the cast would overflow: refused naming the other
+    model (as the full form's `read_state` checks first), not the overflow, nothing loaded.
+    Before: the cast ran first, and the error named a value beyond the dtype's largest."""
+    if layout == "zero1":
+        model, opt, key = _fp16_saved_as_fp32(tmp_path, "exp_avg", 1e5, _other_model)
+    else:
+        model, opt, key = _fsdp2_saved_as_fp32(tmp_path, 3.4e38, _other_model)
+    before, weights = opt.state_dict(), _weights(model)
+    with pytest.raises(CanzonaError) as refused:
+        opt.load_sharded_state_dict(str(tmp_path))
+    message = str(refused.value)
+    assert "checkpoint is of model" in message and "does not fit" not in message, message
     assert same(opt.state_dict(), before) and same(_weights(model), weights)
