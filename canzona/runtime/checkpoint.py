@@ -1766,10 +1766,17 @@ def _overlaps(meta: Any, offset: int, lo: int, hi: int) -> bool:
 
 def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
     """A parameter's pieces in the layout-independent form: full tensors (zeros where no piece was
-    read, outside what this rank loads) and the scalars."""
+    read, outside what this rank loads) and the scalars. A field's pieces saved in several dtypes
+    (one DP rank's slices converted) are assembled in their promoted dtype, each exactly, and cast
+    once to the live one (`cast_to_live`); before, in the dtype of the piece read first, which
+    rounded the others twice, by read order."""
     spec = opt.spec.param(name)
     out: dict[str, Any] = {}
     shards: dict[str, dict[int, Tensor]] = {}  # field -> saved TP rank -> its flat shard
+    dtypes: dict[str, torch.dtype] = {}  # field -> the promoted dtype of its pieces
+    for field, _, _, _, value in got:
+        if isinstance(value, Tensor):
+            dtypes[field] = torch.promote_types(dtypes.get(field, value.dtype), value.dtype)
     saved_tp = 1
     for field, t, tp, offset, value in got:
         if not isinstance(value, Tensor):
@@ -1777,7 +1784,7 @@ def _assemble(opt: Described, name: str, got: list) -> dict[str, Any]:
             continue
         saved_tp = tp
         numel = math.prod(spec.local_shape(tp))
-        flat = shards.setdefault(field, {}).setdefault(t, torch.zeros(numel, dtype=value.dtype))
+        flat = shards.setdefault(field, {}).setdefault(t, torch.zeros(numel, dtype=dtypes[field]))
         flat[offset:offset + value.numel()] = value.reshape(-1)
     shape = spec.local_shape(saved_tp)
     for field, by_rank in shards.items():

@@ -274,3 +274,31 @@ def test_a_save_of_another_model_is_refused_as_such_before_the_cast(one_rank, tm
     message = str(refused.value)
     assert "checkpoint is of model" in message and "does not fit" not in message, message
     assert same(opt.state_dict(), before) and same(_weights(model), weights)
+
+
+@pytest.mark.parametrize("bf16_piece", [0, 1], ids=["bf16-then-fp32", "fp32-then-bf16"])
+def test_pieces_saved_in_mixed_dtypes_are_each_cast_once(one_rank, tmp_path, bf16_piece):
+    """One field's slices saved in two dtypes (one DP rank's converted to bf16, the other's fp32),
+    resumed with an fp32 state: each slice loads as saved, the fp32 one exactly. Before: the
+    field was assembled in the dtype of the piece read first, so a bf16 piece first rounded the
+    fp32 one to bf16 (a double rounding that depended on the read order)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, step = LAYOUTS["zero1"](False)
+    sharded = opt.sharded_state_dict()
+    key = next(k for k in sorted(sharded) if "/adamw/" in k and k.rsplit("/", 1)[1].startswith("exp_avg@")
+               and sharded[k].dim() == 1 and sharded[k].numel() >= 4)
+    head, offset = key.rsplit(":", 1)
+    flat = sharded.pop(key)
+    half = flat.numel() // 2
+    mixed, reference = dict(sharded), dict(sharded)
+    for i, (piece, at) in enumerate(((flat[:half], int(offset)), (flat[half:], int(offset) + half))):
+        assert not torch.equal(piece.to(torch.bfloat16).float(), piece)  # bf16 rounds it
+        mixed[f"{head}:{at}"] = piece.to(torch.bfloat16) if i == bf16_piece else piece.clone()
+        reference[f"{head}:{at}"] = piece.to(torch.bfloat16).float() if i == bf16_piece else piece.clone()
+    dcp.save(mixed, checkpoint_id=str(tmp_path / "mixed"))
+    dcp.save(reference, checkpoint_id=str(tmp_path / "live"))
+    opt.load_sharded_state_dict(str(tmp_path / "live"))
+    want = opt.state_dict()
+    opt.load_sharded_state_dict(str(tmp_path / "mixed"))
+    assert same(opt.state_dict(), want)
