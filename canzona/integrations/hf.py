@@ -67,6 +67,7 @@ import json
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -465,11 +466,15 @@ class CanzonaTrainer(Trainer):
             # (no AdamW group: the rate that would set the floor steps nothing; the matrix rate does)
             return super().create_scheduler(num_training_steps, optimizer)
         kept, kept_kwargs = opt.defaults["lr"], self.args.lr_scheduler_kwargs
-        opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
         cached = getattr(self, "_base_rates_of", None)
-        if cached is None or cached[0] is not opt:  # each group's rate before any schedule of this trainer's
-            cached = self._base_rates_of = (opt, [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups])
-        self.args.lr_scheduler_kwargs = per_group_bounds(self.args.lr_scheduler_type, kept_kwargs, opt, cached[1])
+        if cached is None or cached[0]() is not opt:  # each group's rate before any schedule of this trainer's
+            # (a weak reference: an optimizer transformers drops, as between hyperparameter_search
+            # trials, is freed with its state and the previous model's parameters)
+            cached = self._base_rates_of = (weakref.ref(opt), [float(g.get("initial_lr", g["lr"]))
+                                                                for g in opt.param_groups])
+        bounds = per_group_bounds(self.args.lr_scheduler_type, kept_kwargs, opt, cached[1])  # before the swap
+        opt.defaults["lr"] = opt.adamw_cfg.lr  # read while transformers builds the schedule only
+        self.args.lr_scheduler_kwargs = bounds
         try:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
@@ -497,7 +502,7 @@ class CanzonaTrainer(Trainer):
         if opt is None:
             return []
         cached = getattr(self, "_adamw_keys_of", None)
-        if cached is not None and cached[0] is opt:
+        if cached is not None and cached[0]() is opt:
             return cached[1]
         keys, seen = [], []
         for index, g in enumerate(opt.param_groups):
@@ -509,7 +514,7 @@ class CanzonaTrainer(Trainer):
                 continue
             keys.append((ADAMW_RATE_KEY if not seen else f"{ADAMW_RATE_KEY}_{index}", index))
             seen.append(base)
-        self._adamw_keys_of = (opt, keys)
+        self._adamw_keys_of = (weakref.ref(opt), keys)  # (weak: see create_scheduler)
         return keys
 
     @staticmethod

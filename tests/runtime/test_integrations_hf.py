@@ -1269,3 +1269,54 @@ def test_save_state_and_load_state_of_a_model_of_dtensors(tmp_path, one_rank):
     assert gathered == []
     for n, p in named_parameters(model):
         assert torch.equal(local_tensor(p), saved[n]), n
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_an_optimizer_the_trainer_dropped_is_freed(tmp_path, one_rank):
+    """`hyperparameter_search` (and a second `train()` of a new model) sets `self.optimizer` and
+    `self.lr_scheduler` to None and builds them again: the optimizer dropped must be freed (its
+    state, buffers and the previous model's parameters). Before (review): the base rates of the
+    plateau bounds and the logged AdamW keys were cached as `(optimizer, ...)` on the trainer,
+    keeping the dropped optimizer alive until the next one replaced the cache."""
+    import gc
+    import weakref
+
+    from transformers import TrainingArguments
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=3e-3,
+                             lr_scheduler_type="reduce_lr_on_plateau", lr_scheduler_kwargs={"min_lr": 1e-4},
+                             eval_strategy="steps")
+    trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": 0.02}, eval_dataset=[{}])
+    opt = trainer.create_optimizer()
+    trainer.create_scheduler(10, opt)
+    trainer._get_learning_rate()  # (the logged AdamW keys)
+    dropped = weakref.ref(opt)
+    del opt
+    trainer.optimizer = trainer.lr_scheduler = None  # as transformers drops them for the next trial
+    gc.collect()
+    assert dropped() is None, [type(r).__name__ for r in gc.get_referrers(dropped())]
+    # the next optimizer gets bounds and keys of its own
+    opt = trainer.create_optimizer()
+    assert trainer.create_scheduler(10, opt).min_lrs[0] == pytest.approx(1e-4 * 0.02 / 3e-3, rel=1e-15)
+    trainer._get_learning_rate()
+    assert [k for k, _ in trainer._adamw_rates] == ["learning_rate_adamw"]
+
+
+def test_a_bad_plateau_bound_leaves_the_optimizers_defaults_as_they_were(tmp_path, one_rank):
+    """`create_scheduler` reads the AdamW rate into `optimizer.defaults["lr"]` while transformers
+    builds the schedule. Before (review): the plateau bounds were computed after that swap and
+    outside its `try`, so a bound that is not a number (`{"min_lr": "1e-5"}`: a TypeError) left
+    `defaults["lr"]` at the AdamW rate for good. Now the error leaves the matrix rate there."""
+    from transformers import TrainingArguments
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=3e-3,
+                             lr_scheduler_type="reduce_lr_on_plateau", lr_scheduler_kwargs={"min_lr": "1e-5"},
+                             eval_strategy="steps")
+    trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": 0.02}, eval_dataset=[{}])
+    opt = trainer.create_optimizer()
+    kept = dict(opt.defaults)
+    with pytest.raises(TypeError):
+        trainer.create_scheduler(10, opt)
+    assert opt.defaults == kept and trainer.args.lr_scheduler_kwargs == {"min_lr": "1e-5"}
