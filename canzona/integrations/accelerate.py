@@ -388,13 +388,14 @@ def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     defaults = float(opt.defaults.get("lr", matrix[0]))
     named = ", ".join(f"{r:g}" for r in adamw)
     return (f"this transformers schedule ends every group at {ratio:g} of its own rate: the matrix groups at "
-            f"{floors(matrix)}, the AdamW groups at {floors(adamw)}. transformers makes that ratio of an "
-            f"absolute floor (min_lr, lr_end) by dividing it by optimizer.defaults['lr'], which for a canzona "
-            f"optimizer is the matrix rate ({defaults:g}), not the AdamW rate ({named}). To end the AdamW groups "
+            f"{floors(matrix)}, the AdamW groups at {floors(adamw)}. If that ratio was made of an absolute floor "
+            f"(min_lr, lr_end), transformers divided it by optimizer.defaults['lr'], which for a canzona "
+            f"optimizer is the matrix rate ({defaults:g}), not the AdamW rate ({named}): to end the AdamW groups "
             f"at a floor F (with the matrices at the same ratio of theirs), pass min_lr_rate=F/{adamw[0]:g} (cosine "
             f"schedules) or lr_end=F*{defaults / adamw[0]:g} (polynomial)"
             + (" for the first AdamW rate (one ratio serves every group)" if len(adamw) > 1 else "")
-            + "; CanzonaTrainer measures min_lr against the AdamW rate (learning_rate) itself")
+            + "; a min_lr_rate given as advised ends them at the floors above, as meant. CanzonaTrainer measures "
+            "min_lr against the AdamW rate (learning_rate) itself")
 
 
 def _outside_frame() -> int:

@@ -1320,3 +1320,36 @@ def test_a_bad_plateau_bound_leaves_the_optimizers_defaults_as_they_were(tmp_pat
     with pytest.raises(TypeError):
         trainer.create_scheduler(10, opt)
     assert opt.defaults == kept and trainer.args.lr_scheduler_kwargs == {"min_lr": "1e-5"}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_given_schedules_floor_warning_is_not_noise(tmp_path, one_rank):
+    """The warning of a given schedule's floor (`test_a_given_schedules_floor_is_warned_of_as_on_the_accelerate_path`):
+    none for `polynomial` without an `lr_end` of the user's (transformers' default 1e-7, which every
+    polynomial schedule carries); and, since a schedule built as the warning advises
+    (`min_lr_rate=F/adamw_lr`) cannot be told from one of an absolute `min_lr`, the warning says
+    the divided floor conditionally (before, review: it said transformers had divided an absolute
+    floor, also of a schedule built with the advised `min_lr_rate`)."""
+    import warnings
+
+    from transformers import TrainingArguments, get_scheduler
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": 3e-3})
+
+    def told(kind: str, kwargs: dict) -> list[str]:
+        scheduler = get_scheduler(kind, opt, 1, 6, scheduler_specific_kwargs=kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            CanzonaTrainer(model=model, args=args, optimizers=(opt, scheduler))
+        return [str(w.message) for w in caught if "transformers schedule" in str(w.message)]
+
+    assert told("polynomial", {}) == []  # lr_end: transformers' default
+    (message,) = told("cosine_with_min_lr", {"min_lr_rate": 1e-4 / 3e-3})  # as advised
+    assert f"the AdamW groups at {3e-3 * (1e-4 / 3e-3):g}" in message, message
+    assert "If that ratio was made of an absolute floor (min_lr, lr_end)" in message, message
+    assert "a min_lr_rate given as advised" in message, message
