@@ -496,19 +496,27 @@ class CanzonaTrainer(Trainer):
         `learning_rate_adamw`; each later one at a base rate no earlier AdamW group has (a group of
         its own `lr`) `learning_rate_adamw_<its index in param_groups>` (canzona's groups carry no
         names); groups at an earlier one's rate (the Trainer's no-decay group) add none. Fixed per
-        optimizer by the base rates (`initial_lr`, which a schedule sets, else the rate as first
-        read), so that every step logs the same keys, a warm-up's 0 included."""
+        optimizer by the base rates (those `create_scheduler` built the schedule over, a given
+        GreedyLR's initial ones, else `initial_lr`, which a schedule sets, else the rate as first
+        read), so that every step logs the same keys, a warm-up's 0 and a resume's loaded rates included."""
         opt = canzona_optimizer(self.optimizer)
         if opt is None:
             return []
         cached = getattr(self, "_adamw_keys_of", None)
         if cached is not None and cached[0]() is opt:
             return cached[1]
+        # the rates the schedule was built over: a resume loads the reached rates after the build,
+        # and a plateau schedule sets no initial_lr (this trainer's: the base rates create_scheduler
+        # kept; a given GreedyLR: its _init_lrs)
+        built = getattr(self, "_base_rates_of", None)
+        built = built[1] if built is not None and built[0]() is opt else getattr(self.lr_scheduler, "_init_lrs", None)
+        if not isinstance(built, list) or len(built) != len(opt.param_groups):
+            built = None
         keys, seen = [], []
         for index, g in enumerate(opt.param_groups):
             if g.get("kind") != "adamw":
                 continue
-            base = g.get("initial_lr", g["lr"])
+            base = built[index] if built is not None else g.get("initial_lr", g["lr"])
             base = float(base.item() if torch.is_tensor(base) else base)
             if base in seen:
                 continue

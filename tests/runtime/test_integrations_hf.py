@@ -1353,3 +1353,39 @@ def test_a_given_schedules_floor_warning_is_not_noise(tmp_path, one_rank):
     assert f"the AdamW groups at {3e-3 * (1e-4 / 3e-3):g}" in message, message
     assert "If that ratio was made of an absolute floor (min_lr, lr_end)" in message, message
     assert "a min_lr_rate given as advised" in message, message
+
+
+@pytest.mark.parametrize("kind", ["reduce_lr_on_plateau", "greedy"])
+def test_the_logged_adamw_keys_are_those_of_the_initial_rates_after_a_resume(tmp_path, one_rank, kind):
+    """A resume builds the schedule over the new optimizer, then loads the rates the run had
+    reached. A plateau schedule sets no `initial_lr`, so the logged AdamW keys (`_adamw_keys`,
+    fixed at the first log) were read of the loaded rates: two AdamW groups of their own rates
+    (1e-3, 3e-3) both at a floor of the user's (`min_lr=[1e-4, ...]`) merged into one key, and the
+    resumed run logged other keys than the run it continues. Now the keys are of the rates the
+    schedule was built over (GreedyLR's `_init_lrs` for a given one)."""
+    from transformers import TrainingArguments, get_scheduler
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    lr, own_lr = 3e-3, 1e-3
+    for given in (False, True):
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        pairs = list(named_parameters(model))
+        opt = DistributedOptimizer([{"params": pairs[:2], "lr": own_lr}, {"params": pairs[2:]}],
+                                   ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": lr})
+        kwargs = {"min_lr": [1e-4] * len(opt.param_groups)}
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=lr,
+                                 lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, eval_strategy="steps")
+        if given and kind == "reduce_lr_on_plateau":
+            continue  # (a given ReduceLROnPlateau keeps no initial rates: nothing to read them from)
+        scheduler = get_scheduler(kind, opt, scheduler_specific_kwargs=kwargs) if given else None
+        trainer = CanzonaTrainer(model=model, args=args, optimizers=(opt, scheduler), eval_dataset=[{}])
+        if not given:
+            trainer.create_scheduler(10, opt)
+        straight = [k for k, _ in trainer._adamw_keys()]
+        assert len(straight) == 2, straight
+        trainer._adamw_keys_of = None  # a resumed run's trainer: keys not read yet ...
+        for g in opt.param_groups:  # ... over the rates load_optimizer restored (every group at the floor)
+            g["lr"] = 1e-4
+        assert [k for k, _ in trainer._adamw_keys()] == straight, (given, kind)
