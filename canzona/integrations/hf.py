@@ -26,7 +26,9 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   `matrix lr * min_lr / learning_rate` (`create_scheduler`); the absolute bounds of
   `reduce_lr_on_plateau` (`min_lr`) and `greedy` (`min_lr`, `max_lr`, their defaults too), which
   torch and transformers apply to every group alike, likewise: one per group, the given one times
-  the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given); a
+  the group's initial rate over `learning_rate` (`per_group_bounds`; a list is kept as given; a
+  checkpoint saved before canzona did so resumes with the uniform bounds in its `scheduler.pt`,
+  which ReduceLROnPlateau's and GreedyLR's `load_state_dict` restore: `min_lrs`, `max_lrs`); a
   schedule given in `optimizers=` is left as built, with `CanzonaAccelerator.prepare`'s warning
   where its floor was read of the matrix rate, as is one a subclass's own `create_scheduler`
   builds without calling this one (not warned of); a callback that sets the groups' rates acts
