@@ -342,7 +342,8 @@ class CanzonaTrainer(Trainer):
         if scheduler is not None and canzona_optimizer(optimizer) is not None:
             # the Trainer does not `prepare` a given scheduler: the accelerate path's warning, here
             told = floor_warning(scheduler, canzona_optimizer(optimizer))
-            if told is not None:
+            # once a job, as accelerate's prepare warns (its main process: global rank 0)
+            if told is not None and (not dist.is_initialized() or dist.get_rank() == 0):
                 warnings.warn(f"the scheduler given in optimizers=: {told} when it builds the schedule "
                               "(lr_scheduler_type, lr_scheduler_kwargs)", stacklevel=2)
         if given.get("optimizer_cls_and_kwargs") is not None:

@@ -562,6 +562,14 @@ def test_a_given_schedules_floor_is_warned_of_as_on_the_accelerate_path(tmp_path
     (message,) = told("cosine_with_min_lr", {"min_lr": 1e-4})
     assert f"the AdamW groups at {3e-3 * 1e-4 / 0.02:g}" in message and "min_lr_rate=F/0.003" in message, message
     assert told("cosine", {}) == []
+    # once a job: not on the other ranks (before: every rank warned)
+    import canzona.integrations.hf as hf
+    original = hf.dist.get_rank
+    hf.dist.get_rank = lambda *a, **k: 1
+    try:
+        assert told("cosine_with_min_lr", {"min_lr": 1e-4}) == []
+    finally:
+        hf.dist.get_rank = original
 
 
 def test_an_optim_other_than_adamw_is_one_error_at_construction(tmp_path, one_rank):
