@@ -3,7 +3,9 @@ the garbage collector's objects (`param_gather.param_holders`, which also gives
 `enclosing_modules` the modules' parents: one walk), in one process (a one-rank gloo group).
 
 The model: `blocks` blocks of LayerNorm(8) + Linear(8, 8) (3 modules each: 3,001 at the default
-1,000). CPU time (`time.process_time`), as the machine may be shared: the least of `--repeat`.
+1,000). Also the ZeRO-1 step's check of the links down to the parameters' holders
+(`param_gather.ModuleLinks`): their construction, a step's check (a walk only after a module was
+registered), and a walk. CPU time (`time.process_time`), as the machine may be shared: the least of `--repeat`.
 
     PYTHONPATH=. python3 benchmarks/bench_construction_walk.py [--blocks 1000] [--repeat 5]
 """
@@ -62,6 +64,16 @@ def main() -> None:
         print(f"modules {sum(1 for _ in model.modules())}, gc objects {len(gc.get_objects())}: "
               f"walk {least_ms(walk, args.repeat):.1f} ms, construction {least_ms(construct, args.repeat):.1f} ms "
               "(CPU, least)")
+        parents = {}
+        holders = param_gather.param_holders(params, parents)
+        links = param_gather.ModuleLinks(param_gather.module_links(holders, parents))
+        links.changed(params)
+        steps = 100
+        print(f"module links {len(links.links)}: built in "
+              f"{least_ms(lambda: param_gather.module_links(holders, parents), args.repeat):.1f} ms; a step's check "
+              f"{least_ms(lambda: [links.changed(params) for _ in range(steps)], args.repeat) / steps * 1e3:.2f} us "
+              f"(walked: {least_ms(lambda: param_gather.links_changed(links.links, params), args.repeat) * 1e3:.0f} "
+              "us, only after a module was registered)")
     finally:
         dist.destroy_process_group()
 

@@ -111,6 +111,7 @@ from canzona.runtime.options import (
 )
 from canzona.runtime.param_gather import (
     Holders,
+    ModuleLinks,
     ParamsInFlight,
     Parents,
     check_not_unsharded,
@@ -474,7 +475,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         for grads in self._syncs():
             held = {n: h for n, h in holders.items() if n in grads.params}
             grads.replaced_check = functools.partial(self._changed, functools.partial(
-                replaced_parameter, grads.params, held, module_links(held, parents)))
+                replaced_parameter, grads.params, held, ModuleLinks(module_links(held, parents))))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)

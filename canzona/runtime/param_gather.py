@@ -270,6 +270,27 @@ def enclosing_modules(holding: Iterable[nn.Module], parents: Parents | None = No
 # construction, and `child` holds the parameter or has a descendant that does (`module_links`)
 Links = list[tuple["weakref.ref[nn.Module]", str, "weakref.ref[nn.Module]", str]]
 
+# modules registered in any module (assigned, added, a container's item set) since the first
+# `ModuleLinks`: bumped by one process-wide hook (`_watch_registrations`), never one an optimizer
+_registrations = [0]
+_registration_hook: list[Any] = []
+
+
+def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> bool:
+    """The process-wide module registration hook in place (registered once, whatever the number
+    of optimizers: nothing of theirs lives in it); False on a torch without one (the links are then
+    walked every step)."""
+    if not _registration_hook:
+        register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
+        if register is None:
+            return False
+        _registration_hook.append(register(_count_registration))
+    return True
+
 
 def module_links(holders: Holders, parents: Parents) -> Links:
     """Every link from a live module to its child on the way down to the modules holding the
@@ -277,6 +298,7 @@ def module_links(holders: Holders, parents: Parents) -> Links:
     order) below it, for `replaced_parameter` to see a module replaced while the old one lives on."""
     links: Links = []
     seen: set[int] = set()
+    attrs_of: dict[int, dict[int, list[str]]] = {}  # a parent's children by id, built once per parent
     for name, refs in holders.items():
         todo = [m for ref, _ in refs if (m := ref()) is not None]
         while todo:
@@ -285,21 +307,90 @@ def module_links(holders: Holders, parents: Parents) -> Links:
                 continue
             seen.add(id(child))
             for parent in parents.get(id(child), ()):
-                links.extend((weakref.ref(parent), attr, weakref.ref(child), name)
-                             for attr, m in parent._modules.items() if m is child)
+                attrs = attrs_of.get(id(parent))
+                if attrs is None:
+                    attrs = attrs_of[id(parent)] = {}
+                    for attr, m in parent._modules.items():
+                        attrs.setdefault(id(m), []).append(attr)
+                links.extend((weakref.ref(parent), attr, weakref.ref(child), name) for attr in attrs.get(id(child), ()))
                 todo.append(parent)
     return links
 
 
-def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Links = ()) -> str | None:
+class ModuleLinks:
+    """`module_links`, walked by `changed` only when a module was registered somewhere since
+    the last walk that found nothing (the process-wide hook's count): a step of a model whose
+    modules stay put costs one comparison, not a walk of every link. A link set by writing a
+    parent's `_modules` directly, or a child deleted, goes unseen until the next registration."""
+
+    __slots__ = ("links", "_walked")
+
+    def __init__(self, links: Links) -> None:
+        self.links = links
+        self._walked = -1  # the count at the last walk that found nothing
+        _watch_registrations()
+
+    def changed(self, params: Mapping[str, Tensor]) -> str | None:
+        count = _registrations[0]
+        if count == self._walked and _registration_hook:
+            return None
+        problem = links_changed(self.links, params)
+        if problem is None:
+            self._walked = count
+        return problem
+
+
+def links_changed(links: Links, params: Mapping[str, Tensor]) -> str | None:
+    """A message for a link of `links` whose parent now holds a module (or none) in place of the
+    child it held, the optimizer's parameters below that child not all in the model now (from the
+    roots of the links, as the same objects), or None. A module moved (two layers swapped, a
+    container rebuilt from the old one's modules) or replaced by one holding the same Parameters
+    (torchao's `Float8Linear.from_float`) still trains them; a child wrapped in place too."""
+    reachable: set[int] | None = None
+    for parent_ref, attr, child_ref, _ in links:
+        parent, child = parent_ref(), child_ref()
+        if parent is None or child is None:
+            continue  # a parent gone (a container that held it for a while); a child gone: the holders' check
+        now = parent._modules.get(attr)
+        if now is child or (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
+            continue
+        # the failure path: are the parameters below the old child still in the model?
+        if reachable is None:
+            reachable = _reachable(links)
+        mine = {id(p): n for n, p in params.items()}
+        lost = next((mine[id(p)] for p in child.parameters() if id(p) in mine and id(p) not in reachable), None)
+        if lost is None:
+            continue
+        where = f"{type(parent).__name__}.{attr}"
+        known = {id(c) for _, _, ref, _ in links if (c := ref()) is not None}
+        if now is None:
+            return dropped_message(lost, f"{where} holds no module now")
+        if id(now) in known:
+            return dropped_message(lost, f"{where} now holds another of its modules")
+        return replaced_message(lost, f"{where} now holds another module")
+    return None
+
+
+def _reachable(links: Links) -> set[int]:
+    """The ids of every parameter in the model now: below the links' live roots (a parent that is
+    no live link's child)."""
+    parents = {id(p): p for ref, _, _, _ in links if (p := ref()) is not None}
+    for _, _, ref, _ in links:
+        child = ref()
+        if child is not None:
+            parents.pop(id(child), None)
+    return {id(p) for root in parents.values() for p in root.parameters()}
+
+
+def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: ModuleLinks | None = None) -> str | None:
     """A message naming a parameter that a module held at construction and holds no longer (a new
     Parameter or module assigned in its place: `load_state_dict(assign=True)`, `tie_weights()`, a
     new head), or None. The model then trains the new tensor, which no hook of the optimizer's
     sees (its gradient is never reduced, it is never stepped), while the optimizer steps the old.
-    `links` (`module_links`) catch a module replaced in a live parent while the old one lives on (a
+    `links` (`ModuleLinks`) catch a module replaced in a live parent while the old one lives on (a
     reference cycle gc has not collected yet, a reference of the user's), where the old module
     still holds the parameter; a child wrapped in place (an activation checkpoint wrapper holding
-    it) is no replacement."""
+    it) or moved with its parameters is no replacement (`links_changed`)."""
     for name, refs in holders.items():
         p = params[name]
         for ref, attr in refs:
@@ -307,14 +398,15 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Li
             if module is None or module._parameters.get(attr) is not p:
                 where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
                 return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
-    for parent_ref, attr, child_ref, name in links:
-        parent, child = parent_ref(), child_ref()
-        if parent is None or child is None:
-            continue  # a parent gone (a container that held it for a while); a child gone: the loop above
-        now = parent._modules.get(attr)
-        if now is not child and not (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
-            return replaced_message(name, f"{type(parent).__name__}.{attr} now holds another module, or none")
-    return None
+    return links.changed(params) if links is not None else None
+
+
+def dropped_message(name: str, how: str) -> str:
+    """The error of a parameter the model holds no longer, its module moved off (`how`) after the
+    optimizer was built (`links_changed`)."""
+    return (f"parameter {name!r} is no longer in the model ({how}), after the optimizer was built: the optimizer "
+            "would step a tensor the model no longer trains. Put the module back, or build the optimizer after "
+            "such changes")
 
 
 def replaced_message(name: str, how: str) -> str:

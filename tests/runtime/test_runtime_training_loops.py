@@ -734,3 +734,106 @@ def test_a_cast_under_torchs_swap_flag_is_one_error_naming_the_cast(one_rank):
     with pytest.raises(CanzonaError, match=r"no longer lives in the optimizer's buffers: the model was moved, cast"):
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self, k: int = 3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(k))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def _layers_optimizer():
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = _Layers()
+    return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+
+
+@pytest.mark.parametrize("how", ["list rebuilt", "layers swapped", "same parameters in a new module"])
+def test_modules_moved_or_rewrapped_with_their_parameters_still_train(one_rank, how):
+    """Modules kept but their places changed after building the optimizer, the old places still
+    alive: a ModuleList rebuilt from the old one (kept referenced), two layers swapped, a module
+    replaced by a new one holding the same Parameter objects (torchao's Float8Linear.from_float)
+    while the old one lives. Every parameter still trains, so the step runs and updates them all
+    (before: 'now holds another module' although nothing was lost)."""
+    from torch import nn
+
+    model, opt = _layers_optimizer()
+    keep = []
+    if how == "list rebuilt":
+        old = model.layers
+        model.layers = nn.ModuleList(list(old))
+        keep.append(old)
+    elif how == "layers swapped":
+        model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
+    else:
+        old = model.layers[1]
+        new = nn.Linear(8, 8)
+        new.weight, new.bias = old.weight, old.bias
+        model.layers[1] = new
+        keep.append(old)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_layer_put_in_anothers_place_is_one_error_saying_its_parameters_left_the_model(one_rank):
+    """`layers[0] = layers[1]` after building the optimizer, the old layer 0 kept: layer 0's
+    parameters are in the model no longer. One error saying so (not 'was replaced'), nothing
+    updated."""
+    from canzona.errors import CanzonaError
+
+    model, opt = _layers_optimizer()
+    old = model.layers[0]
+    model.layers[0] = model.layers[1]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    with pytest.raises(CanzonaError, match=r"parameter 'layers\.0\.(weight|bias)' is no longer in the model "
+                                           r"\(ModuleList\.0 now holds another of its modules\)"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    del old
+
+
+def test_the_module_links_are_walked_only_after_a_module_was_registered(one_rank, monkeypatch):
+    """The links from the model down to the parameters' holders are walked at a step only when a
+    module was registered somewhere since the last walk (one process-wide hook's count); a step of
+    a model whose modules stay put walks none. One layer swapped for a new one is still caught."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import param_gather
+
+    walks = []
+    walk = param_gather.links_changed
+    monkeypatch.setattr(param_gather, "links_changed", lambda *a: walks.append(1) or walk(*a))
+    model, opt = _layers_optimizer()
+    handles = len(param_gather._registration_hook)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+    assert len(walks) == 1  # the first step's
+    _layers_optimizer()
+    assert len(param_gather._registration_hook) == handles == 1  # one hook, whatever the optimizers
+    old = model.layers[2]
+    model.layers[2] = nn.Linear(8, 8)
+    opt.zero_grad()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    with pytest.raises(CanzonaError, match=r"ModuleList\.2 now holds another module"):
+        opt.step()
+    assert len(walks) == 2
+    del old
