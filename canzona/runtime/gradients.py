@@ -357,8 +357,11 @@ class GradientSync:
             else:
                 if not self.is_linked(name):
                     # a gradient no hook of ours took: the parameter swapped out of the buffers with
-                    # its hooks (a cast under torch's swap_module_params_on_conversion)
-                    raise CanzonaError(self.unlinked_message(name))
+                    # its hooks (a cast under torch's swap_module_params_on_conversion). Left as it
+                    # is: the step's check (`_local_problem`) reports it on every rank together;
+                    # raising here, before a launch (in backward, or on one rank), would leave the
+                    # peers waiting in the collective
+                    continue
                 # every entry of the parameter, in this buffer and in those launched after it (a
                 # stack spanning buckets: this is the first of them to launch, as the guard
                 # now stands in `.grad`)

@@ -837,3 +837,41 @@ def test_the_module_links_are_walked_only_after_a_module_was_registered(one_rank
         opt.step()
     assert len(walks) == 2
     del old
+
+
+@pytest.mark.parametrize("how", ["cast under the swap flag", "data moved, gradient set by hand"])
+def test_a_parameter_out_of_the_buffers_is_reported_by_the_step_check_not_at_a_buckets_launch(one_rank, how):
+    """A parameter no longer in the optimizer's buffers with a gradient no hook of ours took (the
+    swap flag's cast; `.data` assigned, then `.grad` set by hand): the error comes from the step's
+    check, which every rank runs together, not from taking the gradients in before a bucket's
+    launch (one rank raising there left its peers waiting in the collective until the timeout).
+    One CanzonaError, nothing updated."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    dtype = torch.float32
+    opt.zero_grad()
+    if how == "cast under the swap flag":
+        dtype = torch.bfloat16
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(dtype)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        model(torch.randn(3, 8, dtype=dtype)).float().pow(2).mean().backward()
+    else:
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        model[0].weight.data = model[0].weight.detach().clone()
+        model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=r"no longer lives in the optimizer's buffers") as raised:
+        opt.step()
+    assert not any(entry.name == "_take_all" for entry in raised.traceback)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
