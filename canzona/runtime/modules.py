@@ -48,20 +48,25 @@ torch-free (docs/architecture.md §4.1). What is read from the module, and how:
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _WeightNorm
-from torch.nn.utils.weight_norm import WeightNorm
+from torch.nn.utils import parametrizations, parametrize
 
 from canzona.errors import PlanError, SpecError
 from canzona.runtime.kernels import TORCH_DTYPES
 from canzona.runtime.shards import dtensor_tp_dim, is_dtensor, megatron_tp_dim
 from canzona.runtime.wrappers import module_wrapper, wrapper_message
 from canzona.spec import ROUTER_OPTIMIZERS, ModelSpec, ParamSpec, Role
+
+# weight_norm's parametrization and its deprecated hook, by their (private) classes: () where a
+# torch has neither, and no magnitude is then told apart from a matrix
+_WEIGHT_NORMS = tuple(c for c in (getattr(parametrizations, "_WeightNorm", None),) if isinstance(c, type))
+_WEIGHT_NORM_HOOKS = tuple(c for c in (getattr(importlib.import_module("torch.nn.utils.weight_norm"), "WeightNorm", None),)
+                           if isinstance(c, type))
 
 __all__ = [
     "WRAPPER_COMPONENTS",
@@ -182,7 +187,7 @@ def _owned_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
     yield from module.parameters(recurse=False)
     if parametrize.is_parametrized(module):
         for originals in module.parametrizations.values():
-            yield from originals.parameters(recurse=False)
+            yield from _owned_parameters(originals)  # an original parametrized in turn: its own originals
 
 
 def _weight_norm_magnitudes(model: nn.Module) -> set[int]:
@@ -193,11 +198,12 @@ def _weight_norm_magnitudes(model: nn.Module) -> set[int]:
     for module in model.modules():
         if parametrize.is_parametrized(module):
             for originals in module.parametrizations.values():
-                if len(originals) == 1 and isinstance(originals[0], _WeightNorm) and \
-                        isinstance(getattr(originals, "original0", None), nn.Parameter):
+                # the first parametrization makes the originals (a second one on the tensor adds none)
+                if isinstance(originals[0], _WEIGHT_NORMS) and \
+                        isinstance(originals._parameters.get("original0"), nn.Parameter):
                     found.add(id(originals.original0))
         for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, WeightNorm):
+            if isinstance(hook, _WEIGHT_NORM_HOOKS):
                 g = module._parameters.get(f"{hook.name}_g")
                 if g is not None:
                     found.add(id(g))

@@ -505,3 +505,28 @@ def test_tp_plan_errors():
         with pytest.raises(SpecError) as err:
             ModelSpec.from_module(model, tp_plan=tp_plan, **extra)
         assert want in one_line(err)
+
+
+def test_weight_norm_beside_another_parametrization_and_a_nested_one_keep_their_routes():
+    """weight_norm with a second parametrization on the same tensor (its magnitude still
+    `original0`, a vector), and an embedding whose original is parametrized in turn
+    (`parametrizations.weight.parametrizations.original.original`, still the embedding's own). Before:
+    the magnitude went to the matrix optimizer (only a lone weight_norm was looked at), the nested
+    original lost the embedding's role."""
+    from torch import nn
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    model = TitanToy()
+    parametrizations.weight_norm(model.layers["0"].attention.wq)
+    parametrize.register_parametrization(model.layers["0"].attention.wq, "weight", Scale())
+    parametrize.register_parametrization(model.tok_embeddings, "weight", Scale())
+    parametrize.register_parametrization(model.tok_embeddings.parametrizations.weight, "original", Scale())
+    spec = ModelSpec.from_module(model)
+    wq = "layers.0.attention.wq.parametrizations.weight.original"
+    assert (spec.param(f"{wq}0").role, spec.param(f"{wq}1").role) == (Role.VECTOR, Role.MATRIX)
+    assert spec.param("tok_embeddings.parametrizations.weight.parametrizations.original.original").role is \
+        Role.EMBEDDING
