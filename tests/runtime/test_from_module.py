@@ -530,3 +530,25 @@ def test_weight_norm_beside_another_parametrization_and_a_nested_one_keep_their_
     assert (spec.param(f"{wq}0").role, spec.param(f"{wq}1").role) == (Role.VECTOR, Role.MATRIX)
     assert spec.param("tok_embeddings.parametrizations.weight.parametrizations.original.original").role is \
         Role.EMBEDDING
+
+
+def test_a_plan_made_before_parametrized_originals_were_routed_is_refused_in_one_line_naming_the_cause():
+    """A plan saved before weight_norm's magnitudes and a parametrized embedding's or head's
+    originals were routed as their weight (they went to the matrix optimizer then) no longer
+    matches the model's spec: one PlanError line that says so and what to do (plan again)."""
+    from dataclasses import replace
+
+    from torch.nn.utils import parametrizations
+
+    from canzona.errors import PlanError
+
+    model = TitanToy()
+    parametrizations.weight_norm(model.layers["0"].attention.wq)
+    spec = ModelSpec.from_module(model)
+    magnitude = "layers.0.attention.wq.parametrizations.weight.original0"
+    before = ModelSpec(spec.name, tuple(replace(p, role=Role.MATRIX) if p.name == magnitude else p for p in spec.params))
+    with pytest.raises(PlanError) as raised:
+        check_plan_matches(make_plan(before, 2, 1, "muon"), spec, dp=2, tp=1)
+    message = str(raised.value)
+    assert "\n" not in message and magnitude in message
+    assert re.search(r"parametrized weights' originals.* routed as the weight since .*: make the plan again", message)
