@@ -43,7 +43,7 @@ from canzona.fileio import (
     write_text_atomic,
 )
 from canzona.optimizers import check_matrix_optimizer, matrix_config_for, matrix_optimizer
-from canzona.spec import DTYPE_BYTES, ModelSpec
+from canzona.spec import DTYPE_BYTES, ModelSpec, parametrized_routing
 from canzona.step_policies import StepPolicy, get_step_policy
 from canzona.tp import (
     DEFAULT_TP_POLICY,
@@ -804,21 +804,12 @@ def check_plan_settings(plan: Plan, policy: StepPolicy, settings: PlanSettings,
                                 f"its settings (give the plan alone, or plan with {name}={value!r})")
 
 
-# a parametrized weight's originals (`register_parametrization`: `<module>.parametrizations.weight.original`)
-PARAMETRIZED = ".parametrizations."
-PARAMETRIZED_ROUTING = ("parametrized weights' originals, weight_norm's magnitudes and a parametrized embedding's or "
-                        "head's, are routed as the weight since 2026-12-03, and a plan made before for such a model is "
-                        "refused: make the plan again")
-
-
 def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) -> None:
     detail = _placement_difference(plan, model)
     # a TP-1 plan written before its fingerprint left the TP dims out records them: the same model too
     if plan.fingerprint not in (model.fingerprint(plan.tp), model.fingerprint()):
         why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"
-        names = {p.name for p in model.params}
-        if any(PARAMETRIZED in n or (n.endswith("_g") and n[:-2] + "_v" in names) for n in names):
-            why += f" ({PARAMETRIZED_ROUTING})"
+        why += parametrized_routing(model, "a plan", "make the plan again")
         raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), not {model.name!r} "
                         f"({model.fingerprint(plan.tp)}): {why}")
     if dp is not None and plan.dp != dp:

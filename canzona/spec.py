@@ -301,3 +301,15 @@ def _spec_labels(a: ModelSpec, b: ModelSpec) -> tuple[str, str]:
     if a.name != b.name:
         return repr(a.name), repr(b.name)
     return "this spec", "the other spec"
+
+
+def parametrized_routing(model: ModelSpec, saved: str, remedy: str) -> str:
+    """' (why)' for a fingerprint mismatch of `model` that the routing of parametrized weights'
+    originals (2026-12-03: weight_norm's magnitudes, a parametrized embedding's or head's, to
+    AdamW) may explain, '' where `model` has none; `saved`: what was refused, `remedy`: what to do."""
+    names = {p.name for p in model.params}
+    if not any(".parametrizations." in n or (n.endswith("_g") and n[:-2] + "_v" in names) for n in names):
+        return ""
+    return (f" (parametrized weights' originals, weight_norm's magnitudes and a parametrized embedding's or head's, "
+            f"are routed as the weight since 2026-12-03, and {saved} saved before for such a model is refused: "
+            f"{remedy})")

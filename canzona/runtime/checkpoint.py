@@ -64,7 +64,7 @@ from canzona.runtime.mesh import DP, TP
 from canzona.runtime.modules import canonical_name
 from canzona.runtime.nonfinite import nonfinite_state_error
 from canzona.runtime.shards import local_tensor, shard_of, unshard
-from canzona.spec import STACK_CLOSE, STACK_OPEN, stacked_matrices
+from canzona.spec import STACK_CLOSE, STACK_OPEN, parametrized_routing, stacked_matrices
 from canzona.tp import EVERY_RANK
 
 if TYPE_CHECKING:
@@ -1308,6 +1308,9 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
     if model.get("fingerprint") != opt.spec.fingerprint() or shapes not in (None, mine):
         detail = _first_difference(shapes, mine) if shapes is not None else \
             _stack_difference(opt, state) or _first_name_difference_of_model(names or [], mine)
+        if model.get("fingerprint") != opt.spec.fingerprint():
+            detail += parametrized_routing(opt.spec, "an optimizer state",
+                                           "load the model's weights, and start the optimizer's state afresh")
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {detail}")
     unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})

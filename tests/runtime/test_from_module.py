@@ -552,3 +552,30 @@ def test_a_plan_made_before_parametrized_originals_were_routed_is_refused_in_one
     message = str(raised.value)
     assert "\n" not in message and magnitude in message
     assert re.search(r"parametrized weights' originals.* routed as the weight since .*: make the plan again", message)
+
+
+def test_a_checkpoint_saved_before_parametrized_originals_were_routed_is_refused_in_one_line_naming_the_cause(one_rank):
+    """The optimizer state saved for a weight_norm model before its magnitude was routed as a
+    vector: loading it is one PlanError line naming the routing change and what to do."""
+    from dataclasses import replace
+
+    from torch import nn
+    from torch.nn.utils import parametrizations
+
+    from canzona.errors import PlanError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 8)), nn.Linear(8, 4))
+    spec = ModelSpec.from_module(model)
+    magnitude = "0.parametrizations.weight.original0"
+    before = ModelSpec(spec.name, tuple(replace(p, role=Role.MATRIX) if p.name == magnitude else p for p in spec.params))
+    opt = DistributedOptimizer(list(named_parameters(model)), before, "adamw")
+    saved = opt.state_dict()
+    del opt
+    opt = DistributedOptimizer(list(named_parameters(model)), spec, "adamw")
+    with pytest.raises(PlanError) as raised:
+        opt.load_state_dict(saved)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.search(r"parametrized weights' originals.* routed as the weight since .*, and an optimizer state saved before .*: load the model.s weights", message)
