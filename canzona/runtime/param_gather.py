@@ -334,32 +334,41 @@ class ModuleLinks:
         count = _registrations[0]
         if count == self._walked and _registration_hook:
             return None
-        problem = links_changed(self.links, params)
+        moved: list[bool] = []
+        problem = links_changed(self.links, params, moved)
         if problem is None:
+            if moved:  # the links follow what moved (or went): from the model's roots down, as now
+                self.links = relinked(self.links, params)
             self._walked = count
         return problem
 
 
-def links_changed(links: Links, params: Mapping[str, Tensor]) -> str | None:
+def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None) -> str | None:
     """A message for a link of `links` whose parent now holds a module (or none) in place of the
     child it held, the optimizer's parameters below that child not all in the model now (from the
     roots of the links, as the same objects), or None. A module moved (two layers swapped, a
     container rebuilt from the old one's modules) or replaced by one holding the same Parameters
-    (torchao's `Float8Linear.from_float`) still trains them; a child wrapped in place too."""
+    (torchao's `Float8Linear.from_float`) still trains them; a child wrapped in place too. `moved`
+    gets an item where a link no longer stands as built (accepted, or an end of it gone)."""
     reachable: set[int] | None = None
     for parent_ref, attr, child_ref, _ in links:
         parent, child = parent_ref(), child_ref()
         if parent is None or child is None:
-            continue  # a parent gone (a container that held it for a while); a child gone: the holders' check
+            # a parent gone (a container that held it for a while); a child gone: the holders' check
+            if moved is not None and (parent is not None or child is not None):
+                moved.append(True)
+            continue
         now = parent._modules.get(attr)
         if now is child or (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
             continue
         # the failure path: are the parameters below the old child still in the model?
         if reachable is None:
-            reachable = _reachable(links)
+            reachable = {id(p) for root in _roots(links) for p in root.parameters()}
         mine = {id(p): n for n, p in params.items()}
         lost = next((mine[id(p)] for p in child.parameters() if id(p) in mine and id(p) not in reachable), None)
         if lost is None:
+            if moved is not None:
+                moved.append(True)
             continue
         where = f"{type(parent).__name__}.{attr}"
         known = {id(c) for _, _, ref, _ in links if (c := ref()) is not None}
@@ -371,15 +380,46 @@ def links_changed(links: Links, params: Mapping[str, Tensor]) -> str | None:
     return None
 
 
-def _reachable(links: Links) -> set[int]:
-    """The ids of every parameter in the model now: below the links' live roots (a parent that is
-    no live link's child)."""
+def _roots(links: Links) -> list[nn.Module]:
+    """The live roots of the links: a live parent that is no live link's child (the model, a
+    `torch.compile` wrapper of it)."""
     parents = {id(p): p for ref, _, _, _ in links if (p := ref()) is not None}
     for _, _, ref, _ in links:
         child = ref()
         if child is not None:
             parents.pop(id(child), None)
-    return {id(p) for root in parents.values() for p in root.parameters()}
+    return list(parents.values())
+
+
+def relinked(links: Links, params: Mapping[str, Tensor]) -> Links:
+    """The links as the model stands now: from the live roots of `links` down to every module
+    with one of `params` below it (the first by module order named), each once."""
+    mine = {id(p): n for n, p in params.items()}
+    first: dict[int, str | None] = {}  # a module's first parameter of `params` below it, by id
+
+    def below(module: nn.Module) -> str | None:
+        if id(module) not in first:
+            first[id(module)] = None  # a cycle of modules stops here
+            name = next((mine[id(p)] for p in module._parameters.values() if p is not None and id(p) in mine), None)
+            for child in module._modules.values():
+                if child is not None and (found := below(child)) is not None and name is None:
+                    name = found
+            first[id(module)] = name
+        return first[id(module)]
+
+    out: Links = []
+    done: set[int] = set()
+    todo = _roots(links)
+    while todo:
+        module = todo.pop()
+        if id(module) in done:
+            continue
+        done.add(id(module))
+        for attr, child in module._modules.items():
+            if child is not None and below(child) is not None:
+                out.append((weakref.ref(module), attr, weakref.ref(child), first[id(child)]))
+                todo.append(child)
+    return out
 
 
 def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: ModuleLinks | None = None) -> str | None:

@@ -875,3 +875,33 @@ def test_a_parameter_out_of_the_buffers_is_reported_by_the_step_check_not_at_a_b
         opt.step()
     assert not any(entry.name == "_take_all" for entry in raised.traceback)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_layer_replaced_in_a_rebuilt_list_after_the_old_list_is_freed_is_one_error(one_rank):
+    """The links follow a module moved with its parameters: a ModuleList rebuilt from the old one
+    (accepted at the next step), the old list freed, then a layer of the new list replaced while
+    the old layer lives: one error, nothing updated (before: the links still ran through the
+    freed list, and the new layer trained silently, never stepped)."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _layers_optimizer()
+    model.layers = nn.ModuleList(list(model.layers))
+    gc.collect()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+    old = model.layers[1]
+    model.layers[1] = nn.Linear(8, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    with pytest.raises(CanzonaError, match=r"parameter 'layers\.1\.(weight|bias)' was replaced .*ModuleList\.1 now holds "
+                                           r"another module"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    del old
