@@ -60,10 +60,21 @@ For a model whose parameters a canzona optimizer holds:
   by prepare order, and the load hands each scheduler of a canzona optimizer the file saved with
   that optimizer's folder (the optimizer its own `optimizer` is or wraps: one built on the
   `AcceleratedOptimizer` prepare returned too), and each other scheduler the files no folder
-  recorded, in order; schedulers that are not those of the save (one without a file of its own)
-  are one `CanzonaError` before anything is loaded. A save without these records (an older canzona's) takes folders of one
-  fingerprint in order, and with schedulers in another order is one `CanzonaError` before anything
-  is loaded. Call both on every rank, as accelerate asks.
+  recorded, in order (the manifests record how many folders and scheduler files the save wrote,
+  and the folders of optimizers not prepared now are read too: their files are no other
+  scheduler's). accelerate reads the first files, one per scheduler in order (fewer schedulers than
+  files leave the last unread): schedulers that cannot take exactly those (one without a file of
+  its own, one needing a file past those read or one the save did not write) are one
+  `CanzonaError` on every rank before anything is loaded. A save without these records (an older
+  canzona's) takes folders of one fingerprint in order and its scheduler files by position: where
+  the optimizers take their folders in another order than they were prepared in, a scheduler over
+  one of them is one `CanzonaError` before anything is loaded; schedulers prepared in another order
+  than at the save while the optimizers keep theirs (a plain one and a canzona one swapped) are not
+  detected, and each takes its position's file. Objects given to
+  `accelerator.register_for_checkpointing` (a scheduler too) are accelerate's own
+  `custom_checkpoint_<i>.pkl`, loaded by registration order whatever folders the optimizers take
+  (nothing checks them): register them in the order of the save. Call both on every rank, as
+  accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
   are in (a `save_state` killed midway left its own without them); a folder without them is one
   `CanzonaError` before anything is loaded.
@@ -117,6 +128,8 @@ TESTED_ACCELERATE = "1.15.0"
 OPTIMIZER_DIR = "canzona_optimizer"  # save_state writes canzona optimizer i to <dir>/canzona_optimizer_<i>
 # what an optimizer folder's manifest records of its save (`saved_links`)
 FINGERPRINT, MODEL_LINK, SCHEDULER_LINKS = "fingerprint", "prepared_model", "schedulers"
+# and of the whole save: how many optimizer folders and scheduler files it wrote
+FOLDER_COUNT, SCHEDULER_COUNT = "optimizer_folders", "scheduler_files"
 # Distributed types that reduce or shard gradients or parameters themselves
 REFUSED_TYPES = {
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -264,16 +277,20 @@ def saved_links(folder: str) -> dict[str, Any]:
     """What an optimizer folder's manifest records of its save (`save_state`): `fingerprint`, the
     fingerprint of the model the optimizer stepped (`optimizer_info`); `model`, that model's index
     among the prepared models; `schedulers`, the indices of the schedulers (`scheduler_<k>.bin`)
-    that wrapped the optimizer. Each None where not recorded: a folder of an older canzona (no
-    manifest, or none of these in it), or one the load's own verification will refuse (an
-    unreadable manifest)."""
+    that wrapped the optimizer; `folders` and `scheduler_files`, how many optimizer folders and
+    `scheduler_<k>.bin` the whole save wrote. Each None where not recorded: a folder of an older
+    canzona (no manifest, or none of these in it), or one the load's own verification will refuse
+    (an unreadable manifest)."""
     try:
         info = read_manifest(folder).info
     except CheckpointError:
         info = {}
     found, model, schedulers = info.get(FINGERPRINT), info.get(MODEL_LINK), info.get(SCHEDULER_LINKS)
+    folders, files = info.get(FOLDER_COUNT), info.get(SCHEDULER_COUNT)
     return {"fingerprint": found if isinstance(found, str) else None,
             "model": model if type(model) is int else None,
+            "folders": folders if type(folders) is int else None,
+            "scheduler_files": files if type(files) is int else None,
             "schedulers": schedulers if isinstance(schedulers, list) and all(type(k) is int for k in schedulers)
             else None}
 
@@ -307,21 +324,41 @@ def match_folders(mine: list[str | None], saved: list[str | None], my_models: li
     return [taken[k] for k in range(len(mine))]
 
 
+def saved_records(where: str, count: int) -> list[dict[str, Any]]:
+    """Rank 0's reading of `saved_links` of every optimizer folder the save in `where` wrote: the
+    `count` that the optimizers prepared now read, and those beyond them where fewer are prepared than
+    were saved (the manifests record how many the save wrote; an older save's: the `count` alone),
+    whose scheduler files are no plain scheduler's. A folder the save wrote without its record is
+    one `CanzonaError`."""
+    saved = [saved_links(os.path.join(where, f"{OPTIMIZER_DIR}_{i}")) for i in range(count)]
+    for i in range(count, saved[0]["folders"] or 0):
+        saved.append(saved_links(os.path.join(where, f"{OPTIMIZER_DIR}_{i}")))
+        if saved[-1]["schedulers"] is None:
+            raise CanzonaError(f"{where}: the save wrote {saved[0]['folders']} canzona optimizer folders, and "
+                               f"{OPTIMIZER_DIR}_{i}/ records none of its schedulers: load a checkpoint that "
+                               "CanzonaAccelerator.save_state wrote whole")
+    return saved
+
+
 def scheduler_order(wraps: list[int | None], folders: list[int],
-                    saved: list[list[int] | None]) -> list[int] | None:
+                    saved: list[list[int] | None], files: int | None = None) -> list[int] | None:
     """Which prepared scheduler takes each saved `scheduler_<k>.bin` (accelerate loads them by
     prepare order): `wraps[j]`, the canzona optimizer (its prepare position) scheduler j wraps, or
     None; `folders[p]`, the folder optimizer p reads; `saved[f]`, the schedulers recorded in folder
-    f's manifest as wrapping its optimizer at the save (None: not recorded, an older save). A
-    scheduler of a canzona optimizer takes a file saved with that optimizer's folder (several: in
-    order), any other scheduler the files no folder recorded, in order. Returns the schedulers in
-    file order, or None where the save has no record (an older canzona's); where it has one and
-    the schedulers are not those of the save (no file for one, or files left over that accelerate
-    would load by position), one `CanzonaError`."""
+    f's manifest as wrapping its optimizer at the save (None: not recorded, an older save), every
+    folder the save wrote, those no optimizer reads now too; `files`, how many scheduler files the
+    save wrote (None: not recorded). A scheduler of a canzona optimizer takes a file saved with that
+    optimizer's folder (several: in order), any other scheduler the files no folder recorded, in
+    order. accelerate loads the first `len(wraps)` files, so the schedulers must take exactly those:
+    fewer schedulers than files is a load where the files left unread are the last (a dropped
+    optimizer's, a plain scheduler's at the end). Returns the schedulers in file order, or None
+    where the save has no record (an older canzona's); where it has one and no such assignment
+    exists (no file for a scheduler, a scheduler that would need a file past those accelerate
+    reads, or a file the save did not write), one `CanzonaError`."""
     if any(s is None for s in saved):
         return None
     recorded = {k for s in saved for k in s}  # type: ignore[union-attr]
-    free = iter(k for k in range(len(wraps)) if k not in recorded)
+    free = iter(k for k in range(len(wraps) if files is None else files) if k not in recorded)
     target: dict[int, int] = {}
     used: dict[int, int] = {}
     for j, p in enumerate(wraps):
@@ -335,7 +372,8 @@ def scheduler_order(wraps: list[int | None], folders: list[int],
     if sorted(target.values()) != list(range(len(wraps))):
         raise CanzonaError(
             f"load_state(): the {len(wraps)} learning-rate scheduler(s) prepared are not those of the save (whose "
-            f"optimizer folders {OPTIMIZER_DIR}_<i> record the scheduler files of their optimizers: {list(saved)}; "
+            f"optimizer folders {OPTIMIZER_DIR}_<i> record the scheduler files of their optimizers: {list(saved)}"
+            f"{'' if files is None else f' of the {files} it wrote'}; "
             f"now over the canzona optimizers: {['-' if p is None else p for p in wraps]}), and accelerate loads "
             "scheduler_<k>.bin into its k-th scheduler, so a scheduler would take another's schedule: prepare the "
             "schedulers of the save, each over its own optimizer")
@@ -668,7 +706,8 @@ class CanzonaAccelerator(Accelerator):
         # which folder each takes (models of one architecture) and which scheduler file each scheduler
         models, wraps = self._model_links(opts), self._scheduler_links(opts)
         for i, opt in enumerate(opts):
-            links = {MODEL_LINK: models[i], SCHEDULER_LINKS: [k for k, p in enumerate(wraps) if p == i]}
+            links = {MODEL_LINK: models[i], SCHEDULER_LINKS: [k for k, p in enumerate(wraps) if p == i],
+                     FOLDER_COUNT: len(opts), SCHEDULER_COUNT: len(wraps)}
             save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"),
                            {k: v for k, v in links.items() if v is not None})
         return location
@@ -702,14 +741,17 @@ class CanzonaAccelerator(Accelerator):
             Ranks().together(folders_there)
             # each optimizer's folder by its model's fingerprint (prepared in another order than at
             # the save), ties by the prepared model it steps, as rank 0 reads the manifests: the same
-            # choice on every rank
-            saved = Ranks().together(lambda: [saved_links(os.path.join(found["dir"], f"{OPTIMIZER_DIR}_{i}"))
-                                              for i in range(len(opts))], rank0_only=True)[0]
-            found["folders"] = match_folders([fingerprint(o) for o in opts], [s["fingerprint"] for s in saved],
-                                             self._model_links(opts), [s["model"] for s in saved])
+            # choice on every rank (among the folders this load checked; `saved` holds every folder the
+            # save wrote, fewer optimizers prepared now than then too)
+            saved = Ranks().together(lambda: saved_records(found["dir"], len(opts)), rank0_only=True)[0]
+            mine = saved[:len(opts)]
+            found["folders"] = match_folders([fingerprint(o) for o in opts], [s["fingerprint"] for s in mine],
+                                             self._model_links(opts), [s["model"] for s in mine])
             # each scheduler of a canzona optimizer the file saved with that optimizer's folder:
-            # accelerate loads scheduler_<k>.bin into its k-th scheduler, so they are put in that order
-            order = scheduler_order(self._scheduler_links(opts), found["folders"], [s["schedulers"] for s in saved])
+            # accelerate loads scheduler_<k>.bin into its k-th scheduler, so they are put in that order;
+            # the files of a folder no optimizer reads now are no other scheduler's
+            order = scheduler_order(self._scheduler_links(opts), found["folders"], [s["schedulers"] for s in saved],
+                                    saved[0]["scheduler_files"])
             if order is None:
                 self._check_schedulers_follow(found["folders"], opts)
             elif order != sorted(order):
@@ -764,7 +806,9 @@ class CanzonaAccelerator(Accelerator):
         their folders in another order than they were prepared in (`folders`) and the save recorded
         no scheduler of each (an older canzona's save), a scheduler of one of them would take
         another optimizer's schedule (its base rates, its step count) silently. Refused, alike on
-        every rank (`folders` is rank 0's choice), before anything is loaded."""
+        every rank (`folders` is rank 0's choice), before anything is loaded. Not detected: the
+        schedulers alone prepared in another order (the optimizers' folders in order), which load
+        by position as accelerate loads them; the save records nothing that tells them apart."""
         if folders == list(range(len(opts))) or all(p is None for p in self._scheduler_links(opts)):
             return
         raise CanzonaError(

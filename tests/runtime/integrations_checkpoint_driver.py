@@ -444,6 +444,30 @@ def one_architecture(out: Path) -> dict[str, Any]:
     before = params(again_models[0])
     result["another scheduler"] = error_text(lambda: again.load_state(str(folder)))
     result["another scheduler untouched"] = same(params(again_models[0]), before)
+    # fewer canzona optimizers than at the save: model 0 and its optimizer alone, its scheduler and
+    # plain ones (before: a plain one took the dropped optimizer's scheduler file silently), as many
+    # as make the save's count of schedulers or one fewer
+    for name, plains in (("fewer optimizers", 1), ("fewer optimizers as many schedulers", 2)):
+        torch.manual_seed(0)
+        lone_model = _TwoLinears()
+        lone_opt = DistributedOptimizer(named_parameters(lone_model), ModelSpec.from_module(lone_model), "muon",
+                                        {"lr": 0.02}, {"lr": 0.01})
+        lone = integration.CanzonaAccelerator(cpu=True)
+        lone_model, _ = lone.prepare(lone_model, lone_opt)
+        plain = [torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5),
+                                                   lambda step: 0.5 ** step) for _ in range(plains)]
+        lone_scheds = lone.prepare(torch.optim.lr_scheduler.LambdaLR(lone_opt, lambda step: 1.0 / (1 + step)), *plain)
+        before = params(lone_model)
+        result[name] = error_text(lambda lone=lone: lone.load_state(str(folder)))
+        result[f"{name} untouched"] = same(params(lone_model), before) and \
+            [s.scheduler.last_epoch for s in lone_scheds] == [0] * (1 + plains)
+    # a plain scheduler more than the save wrote files for (before: it was given scheduler_3.bin,
+    # which accelerate failed to find after loading the models)
+    again, again_models, _, _, _ = setup((0, 1), extra=((2, "plain"), (3, "plain")))
+    result.pop("extra schedulers")
+    before = params(again_models[0])
+    result["more schedulers"] = error_text(lambda: again.load_state(str(folder)))
+    result["more schedulers untouched"] = same(params(again_models[0]), before)
     return result
 
 

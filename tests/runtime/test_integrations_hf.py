@@ -471,6 +471,26 @@ def test_each_scheduler_takes_the_file_saved_with_its_optimizers_folder():
             scheduler_order(wraps, folders, saved)
 
 
+def test_a_plain_scheduler_takes_no_dropped_optimizers_file_nor_one_the_save_did_not_write():
+    """`saved` holds every folder the save wrote, those of optimizers not prepared now too, and
+    `files` how many scheduler files it wrote: a plain scheduler takes only a file no folder
+    recorded and the save wrote, among those accelerate reads (the first `len(wraps)`), or the load
+    is one error. Before: the load passed the records of the prepared optimizers' folders alone, and
+    files past the save's counted as free, so a plain scheduler took a dropped optimizer's file
+    silently, or a file that was never written."""
+    from canzona.integrations.accelerate import scheduler_order
+
+    for wraps, folders, saved, files in (([0, None], [0], [[0], [1]], 3),  # would need file 2: unread
+                                         ([0, None, None], [0], [[0], [1]], 3),
+                                         ([0, 1, None, None], [0, 1], [[0], [1]], 3)):  # no file 3
+        with pytest.raises(CanzonaError, match=r"prepared are not those of the save"):
+            scheduler_order(wraps, folders, saved, files)
+    assert scheduler_order([0], [0], [[0], [1]], 3) == [0]  # the files left unread are the last
+    assert scheduler_order([0, None], [0], [[0], []], 2) == [0, 1]  # the dropped optimizer had none
+    assert scheduler_order([None, 0], [1], [[], [0]], 2) == [1, 0]
+    assert scheduler_order([0, None], [0], [[0], [2]], 3) == [0, 1]
+
+
 def test_devices_are_the_same_memory_however_spelled():
     assert same_device("cpu", "cpu:0") and same_device(torch.device("cpu", 3), "cpu")
     assert not same_device("cpu", "meta")
@@ -817,6 +837,14 @@ def test_optimizers_of_one_architecture_prepared_in_another_order_resume_as_the_
         # a scheduler the save did not have: one error before anything is loaded (before: by position)
         assert "prepared are not those of the save" in r["another scheduler"], r["another scheduler"]
         assert r["another scheduler untouched"]
+        # fewer optimizers than at the save, plain schedulers beside the one left (before: a plain one
+        # took the dropped optimizer's scheduler file, its base rates and step count, silently), and
+        # a plain scheduler more than the save wrote files for (before: given a file never written,
+        # which accelerate failed to find after loading the models): one error before anything is
+        # loaded, on every rank
+        for case in ("fewer optimizers", "fewer optimizers as many schedulers", "more schedulers"):
+            assert "prepared are not those of the save" in r[case], (case, r[case])
+            assert r[f"{case} untouched"], case
 
 
 @pytest.mark.distributed
