@@ -62,10 +62,18 @@ def _pending_torch_function(func, args, kwargs):
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    for t in _tensors((args, kwargs)):
+    # a copy's memo (`Tensor.__deepcopy__(self, memo)`) holds everything copied so far: not its arguments
+    for t in (args[:1] if func is Tensor.__deepcopy__ else _tensors((args, kwargs), set())):
         if type(t) in _PENDING:
             land(t)
     return func(*args, **kwargs)  # every pending argument is unmarked now
+
+
+def _land_and_copy(self: Tensor, memo: dict) -> Tensor:
+    """A pending tensor's `__deepcopy__`: land it, then copy it as its own class would (torch's
+    would hand the memo to `__torch_function__` as an argument, which is not walked for tensors)."""
+    land(self)
+    return self.__deepcopy__(memo)
 
 
 class PendingParameter(nn.Parameter):
@@ -76,9 +84,7 @@ class PendingParameter(nn.Parameter):
         return _pending_torch_function(func, args, kwargs)
 
     # Parameter's own would build the copy with type(self) (this class) before reading `.data`
-    def __deepcopy__(self, memo):
-        land(self)
-        return self.__deepcopy__(memo)
+    __deepcopy__ = _land_and_copy
 
 
 class PendingLocal(Tensor):
@@ -87,6 +93,8 @@ class PendingLocal(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _pending_torch_function(func, args, kwargs)
+
+    __deepcopy__ = _land_and_copy
 
 
 def _pending_dtensor_class() -> type | None:
@@ -101,6 +109,8 @@ def _pending_dtensor_class() -> type | None:
             @classmethod
             def __torch_function__(cls, func, types, args=(), kwargs=None):
                 return _pending_torch_function(func, args, kwargs)
+
+            __deepcopy__ = _land_and_copy
         _PENDING_DTENSOR = PendingDTensor
         _PENDING.add(PendingDTensor)
     return _PENDING_DTENSOR
@@ -121,16 +131,15 @@ def _dtensor_class() -> type | None:
     return DTensor
 
 
-def _tensors(obj: object) -> Iterable[Tensor]:
-    """The tensors of a torch function's arguments (lists of them: `torch.cat`, the foreach ops)."""
+def _tensors(obj: object, seen: set[int]) -> Iterable[Tensor]:
+    """The tensors of a torch function's arguments (lists of them: `torch.cat`, the foreach ops);
+    each container once (`seen`: one that holds itself)."""
     if isinstance(obj, Tensor):
         yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
+    elif isinstance(obj, (list, tuple, dict)) and id(obj) not in seen:
+        seen.add(id(obj))
+        for item in (obj.values() if isinstance(obj, dict) else obj):
+            yield from _tensors(item, seen)
 
 
 @torch.compiler.disable(reason=FULLGRAPH)

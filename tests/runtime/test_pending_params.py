@@ -173,3 +173,47 @@ def test_reads_of_a_pending_dtensors_metadata_do_not_wait(one_rank):
     assert gathers.in_flight and type(p) is not DTensor and isinstance(p, DTensor), reads
     gathers.wait_all()
     assert type(p) is DTensor and not versions.written()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["parameter", "dtensor", "local tensors"])
+def test_a_deep_copy_of_a_model_with_a_self_referencing_attribute_lands_each_bucket_once(one_rank, kind):
+    """`copy.deepcopy(model)` with two buckets in flight (children `a`, `b`), `a` holding a dict that
+    holds itself: each pending parameter lands as the copy reaches it, and the copy holds this step's
+    values. Before, a DTensor's copy went through its `__torch_function__` with deepcopy's memo as an
+    argument, whose every container (the dict holding itself, deepcopy's keep-alive list) was
+    walked for pending tensors: RecursionError. The same for a copy of the DTensors' local tensors
+    (`local tensors`: a dict holding them after the self-referencing one)."""
+    import copy
+
+    root = torch.nn.Module()
+    root.a, root.b = torch.nn.Module(), torch.nn.Module()
+    if kind != "parameter":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        for child in (root.a, root.b):
+            child.w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))
+    else:
+        root.a.w, root.b.w = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4, 4))
+    root.a.cfg = {}
+    root.a.cfg["self"] = root.a.cfg
+    params = dict(root.named_parameters())
+    gathers = ParamsInFlight({"a.w": (0,), "b.w": (1,)}, {root.a: ["a.w"], root.b: ["b.w"]}, params)
+
+    def local(p):
+        return p if kind == "parameter" else p._local_tensor
+
+    gathers.launch(lambda: [Gather(local(root.a.w).data, 1.0), Gather(local(root.b.w).data, 2.0)])
+    if kind == "local tensors":
+        copied = copy.deepcopy({"cfg": root.a.cfg, "a": root.a.w._local_tensor, "b": root.b.w._local_tensor})
+        assert not gathers.in_flight and copied["cfg"]["self"] is copied["cfg"]
+        assert type(copied["a"]) is torch.Tensor and torch.equal(copied["a"], torch.ones(4, 4))
+        assert torch.equal(copied["b"], torch.full((4, 4), 2.0))
+        return
+    copied = copy.deepcopy(root)
+    assert not gathers.in_flight
+    assert torch.equal(local(copied.a.w).detach(), torch.ones(4, 4))
+    assert torch.equal(local(copied.b.w).detach(), torch.full((4, 4), 2.0))
+    assert copied.a.cfg["self"] is copied.a.cfg
