@@ -173,13 +173,16 @@ def unwatch(params: Iterable[Tensor]) -> None:
 
 
 def mark(params: Iterable[Tensor]) -> None:
+    dtensor = _dtensor_class()
     for p in params:
         if type(p) is nn.Parameter:
             p.__class__ = PendingParameter
-        elif type(local := p._local_tensor) is Tensor:  # a DTensor (`markable`): the wrapper and its local tensor
+        elif dtensor is not None and type(p) is dtensor and type(local := p._local_tensor) is Tensor:
+            # the wrapper and its local tensor; the owner first: a read of the local tensor (another
+            # thread's) once it is marked finds the gathers to wait for, never none
+            _OWNER[id(local)] = id(p)
             p.__class__ = _pending_dtensor_class()
             local.__class__ = PendingLocal
-            _OWNER[id(local)] = id(p)
 
 
 def unmark(params: Iterable[Tensor]) -> None:

@@ -217,3 +217,36 @@ def test_a_deep_copy_of_a_model_with_a_self_referencing_attribute_lands_each_buc
     assert torch.equal(local(copied.a.w).detach(), torch.ones(4, 4))
     assert torch.equal(local(copied.b.w).detach(), torch.full((4, 4), 2.0))
     assert copied.a.cfg["self"] is copied.a.cfg
+
+
+@pytest.mark.distributed
+def test_a_read_of_the_local_tensor_while_step_marks_it_waits_for_the_gather(one_rank):
+    """A read of a DTensor parameter's local tensor from another thread at any point of `mark`
+    (here: at each line `mark` runs, as a tracer sees it) finds the gather to wait for once the
+    local tensor is marked. Before, its class was swapped before its owner was recorded: a read in
+    that gap found no gather, unmarked it and saw last step's values."""
+    import sys
+
+    from canzona.runtime import pending_params
+
+    p, gathers = _dtensor_in_flight()
+    local = p._local_tensor
+    pending_params.unmark([p])  # `launch` marked it: mark it again, under the tracer
+    seen = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not pending_params.mark.__code__:
+            return None
+        if not seen and type(local) is pending_params.PendingLocal:
+            seen.append((local + 0).clone())  # the other thread's read, in this state of `mark`
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        pending_params.mark([p])
+    finally:
+        sys.settrace(None)
+    assert seen and torch.equal(seen[0], torch.ones(4, 4)) and not gathers.in_flight
+    p.to_local()  # unmarked, whatever order `mark` swaps the classes in
+    from torch.distributed.tensor import DTensor
+    assert type(p) is DTensor and type(p._local_tensor) is torch.Tensor
