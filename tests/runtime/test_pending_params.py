@@ -161,7 +161,10 @@ def test_a_dtensor_parameter_is_marked_pending_and_a_read_of_its_values_waits(on
 @pytest.mark.distributed
 def test_reads_of_a_pending_dtensors_metadata_do_not_wait(one_rank):
     """`.grad`, shape, placements, the optimizer's record of in-place writes: the gather stays in
-    flight, and its landing is not taken for a write of the user's."""
+    flight. A write of the user's into the pending local tensor waits for the gather and is seen
+    by that record (once: each read takes the record anew). (The gather's own landing writes the
+    flat buffer, whose version counter is its own, as `link_data` leaves it: it moves no counter the
+    record reads, here as in a run.)"""
     from torch.distributed.tensor import DTensor
 
     from canzona.runtime.model_loads import WeightVersions
@@ -171,8 +174,10 @@ def test_reads_of_a_pending_dtensors_metadata_do_not_wait(one_rank):
     reads = (p.grad, p.shape, p.dtype, p.device, p.placements, p.device_mesh, p.requires_grad, p.numel(),
              p._local_tensor.shape, versions.written())
     assert gathers.in_flight and type(p) is not DTensor and isinstance(p, DTensor), reads
-    gathers.wait_all()
-    assert type(p) is DTensor and not versions.written()
+    with torch.no_grad():
+        p.to_local().add_(1.0)  # lands first: the write is over this step's values
+    assert type(p) is DTensor and not gathers.in_flight and torch.equal(p.to_local(), torch.full((4, 4), 2.0))
+    assert versions.written() and not versions.written()
 
 
 @pytest.mark.distributed
