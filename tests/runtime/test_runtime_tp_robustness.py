@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from canzona.harness.launch import run_ranks
 pytestmark = pytest.mark.distributed  # spawns gloo process groups
 
 WORLD, DP, TP = 4, 2, 2
+LATE_S = 0.5  # DP index 1's delay launching its parameter gathers (dtensor_read_with_gathers_in_flight)
 
 
 def _outcome(fn) -> dict:
@@ -480,6 +482,44 @@ def scalars_under_tp(rank: int) -> dict:
     return {**_outcome(train), **got}
 
 
+def _late(launch):
+    time.sleep(LATE_S)
+    return launch()
+
+
+def dtensor_read_with_gathers_in_flight(rank: int) -> dict:
+    """A DTensor TP model's step under overlap_param_gather (the default), DP index 1 launching its
+    parameter all-gathers `LATE_S` late: on DP index 0 its segments' gathers are in flight when
+    step() returns. Every DTensor parameter is marked pending then (`pending`: the wrapper's class and
+    its local tensor's), and `p.to_local().clone()` read then waits: each parameter bit for bit the
+    step with the gathers inside it (`exact`). Before DTensors were marked, the read saw last
+    step's values of the late rank's segments."""
+    from canzona.runtime.shards import is_dtensor
+    from reference.tiny_model import TinyQwen3
+    from reference.tiny_model_tp import parallelize_tiny
+
+    mesh = _mesh()
+    got: dict = {}
+
+    def run() -> None:
+        reads = {}
+        for overlap in (False, True):
+            model = parallelize_tiny(TinyQwen3("tiny-untied"), mesh["tp"])
+            opt = _optimizer(model, model.spec(), mesh, overlap_param_gather=overlap)
+            if overlap and mesh.get_local_rank("dp") == 1:
+                opt._launch_gathers = functools.partial(_late, opt._launch_gathers)
+            _train_step(model, opt, mesh)
+            dtensors = {n: p for n, p in model.named_parameters() if is_dtensor(p)}
+            if overlap:
+                got["in flight"] = opt._in_flight.in_flight
+                got["pending"] = bool(dtensors) and all(  # pending_params' classes
+                    (type(p).__name__, type(p._local_tensor).__name__) == ("PendingDTensor", "PendingLocal")
+                    for p in dtensors.values())
+            reads[overlap] = {n: p.to_local().clone() for n, p in dtensors.items()}
+        got["exact"] = all(torch.equal(reads[True][n], t) for n, t in reads[False].items())
+    return {**_outcome(run), **got}
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -538,7 +578,7 @@ JOBS = {
 
 
 RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
-WORKS = ["grad_scaler", "grad_scaler_dtensor", "scalars_under_tp"]  # habits that must simply work
+WORKS = ["grad_scaler", "grad_scaler_dtensor", "scalars_under_tp", "dtensor_read_with_gathers_in_flight"]  # habits that must simply work
 
 
 @functools.cache
@@ -641,3 +681,15 @@ def test_0d_parameters_are_replicated_under_dtensor_tp_and_train_as_torch():
         for name, state in out["state"].items():
             assert state["step"] == 3 and state["exp_avg"].shape == state["exp_avg_sq"].shape == (), name
             assert torch.allclose(state["exp_avg"], scalars.adamw_state(opts, want, name)["exp_avg"], rtol=1e-6)
+
+
+def test_a_dtensor_parameter_read_with_its_gathers_in_flight_is_pending_and_reads_the_gathered_values():
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    outs = got["dtensor_read_with_gathers_in_flight"]
+    for rank, out in enumerate(outs):
+        assert out["type"] is None and out["healthy"], (rank, out)
+        assert out["pending"], rank  # before: plain DTensors
+        assert out["exact"], rank  # before: last step's values of the late rank's segments
+    assert outs[0]["in flight"] and outs[1]["in flight"]  # step() returned with DP index 0's gathers in flight
