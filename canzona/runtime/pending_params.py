@@ -1,7 +1,14 @@
-"""Parameters whose step all-gather is still in flight (`overlap_param_gather`), marked so that any
-read of their values waits for it first, whoever reads them: torch's EMA
+"""Parameters whose step all-gather is still in flight (`overlap_param_gather`), marked so that a
+read of their values through torch's Python API waits for it first, whoever reads them: torch's EMA
 (`AveragedModel.update_parameters`), `copy.deepcopy(model)`, pickling a parameter,
 `model.parameters()` iterated by hand, a module's forward reading another module's weight.
+Not every read: what reaches the storage below `__torch_function__` does not wait and sees last
+step's values (or half-landed ones): a reader by `data_ptr()` alone (metadata here, kept in
+flight: ctypes, a C extension handed the pointer). torch.distributed's collectives and
+safetensors' `save` handed a pending tensor do wait (torch 2.13, safetensors 0.8), but only
+because they call a torch function on it first (safetensors: `untyped_storage()`), a detail
+of theirs that later versions need not keep; `p.to_local()` itself waits. For such readers call
+`opt.wait_params()` first (`model.state_dict()` waits by itself).
 
 The mark is the parameter's class: `step()` swaps each `nn.Parameter` it gathers to
 `PendingParameter` (as torch's own `UninitializedParameter.materialize` swaps `__class__`), whose

@@ -241,9 +241,9 @@ def _sharded_weights_changed_on_one_tp_rank(load: bool) -> dict:
     sharded = {n: p for n, p in model.named_parameters()
                if is_dtensor(p) and any(pl.is_shard() for pl in p.placements)}
     if mesh.get_local_rank("tp") == 0:
-        # the step's gathers land first: a DTensor is not marked pending, so new values read while a
-        # gather is still landing would differ between the DP replicas (CI saw it once), and a load
-        # it landed after would be overwritten (`load_state_dict` now waits by itself: its pre-hook)
+        # the step's gathers land first (the reads and the load below wait by themselves now: a
+        # DTensor is marked pending, `load_state_dict` has its pre-hook; before, new values read while
+        # a gather was still landing differed between the DP replicas, CI saw it once)
         opt.wait_params()
         with torch.no_grad():
             if load:
