@@ -190,15 +190,18 @@ def watch_loads(modules: Iterable[nn.Module] | Mapping[nn.Module, Mapping[str, M
     lives: the hooks hold it weakly, and are removed when it is collected. `modules` given as a
     mapping (each module: its own parameters' attribute names, each with the keyword arguments
     `mark` takes for it): by what the load wrote, `mark(owner, **kw)` for each of the module's
-    parameters the state dict held a key for (none: no mark), so that a load of a module's
-    experts alone (strict=False) marks what `mark_loaded(dense=False, experts=True)` marks, not a
+    parameters the load wrote (none: no mark; read in the post-hook, from the load's missing keys:
+    a key-renaming pre-hook of the user's registered after this one counts), so that a load of a
+    module's experts alone (strict=False) marks what `mark_loaded(dense=False, experts=True)` marks, not a
     load of its dense weights too. A module whose own `_load_from_state_dict` ran no pre-hook is
     marked for every parameter it holds."""
     ref = weakref.ref(owner)
     attrs_of = modules if isinstance(modules, Mapping) else dict.fromkeys(modules)
 
     def watch(attrs: Mapping[str, Mapping[str, bool]] | None) -> tuple[Callable[..., None], Callable[..., None]]:
-        keyed: list[list[Mapping[str, bool]]] = []  # what the pre-hook found in the state dict, for the post-hook
+        # for the post-hook: the keys the load will report missing (from where they start), or what
+        # the pre-hook found in the state dict
+        keyed: list[tuple[str, list[str], int] | list[Mapping[str, bool]]] = []
 
         def before(module: nn.Module, state_dict: Mapping[str, object], prefix: str, *args: object) -> None:
             # the step's parameter all-gathers land first (`wait_params`): a gather still in flight would
@@ -207,7 +210,15 @@ def watch_loads(modules: Iterable[nn.Module] | Mapping[nn.Module, Mapping[str, M
             held = ref()
             if held is not None:
                 held.wait_params()
-            if attrs is not None:
+            if attrs is None:
+                return
+            # (local_metadata, strict, missing_keys, ...): `load_state_dict` passes strict=True
+            # below, so each key of the module's the state dict lacks once the pre-hooks ran (a
+            # user's, registered after this one, renaming old keys) is listed missing: read in the
+            # post-hook, after them all
+            if len(args) >= 3 and args[1] is True and isinstance(args[2], list):
+                keyed[:] = [(prefix, args[2], len(args[2]))]
+            else:
                 keyed[:] = [[kw for attr, kw in attrs.items() if prefix + attr in state_dict]]
 
         def hook(module: nn.Module, incompatible_keys: object) -> None:
@@ -218,6 +229,10 @@ def watch_loads(modules: Iterable[nn.Module] | Mapping[nn.Module, Mapping[str, M
             if attrs is None:
                 mark(held)
                 return
+            if isinstance(found, tuple):
+                prefix, missing, start = found
+                skipped = set(missing[start:])
+                found = [kw for attr, kw in attrs.items() if prefix + attr not in skipped]
             for kw in (list(attrs.values()) if found is None else found):
                 mark(held, **kw)
         return before, hook

@@ -276,3 +276,37 @@ def test_a_load_waits_for_the_steps_parameter_gathers_before_it_copies(one_rank)
     model.head.register_load_state_dict_post_hook(lambda *a: order.append("copied"))
     model.load_state_dict(model.state_dict())
     assert order[:1] == ["wait"] and "copied" in order, order
+
+
+def test_a_load_marks_what_it_wrote_after_a_key_renaming_pre_hook_registered_after_the_optimizer():
+    """A load pre-hook of the user's registered after the optimizer's (a checkpoint's old names
+    renamed, as Hugging Face's do) runs after it: the keys the load writes are read as it wrote
+    them (its missing keys), not from the state dict before the renaming. Before, the optimizer's
+    pre-hook found none of the module's keys under the old names and marked nothing: a load
+    on some ranks only went unseen."""
+    from canzona.runtime.param_gather import param_holders
+
+    block = MoEBlock()
+    params = dict(block.named_parameters())
+
+    class Owner:
+        def wait_params(self) -> None:
+            pass
+    owner = Owner()
+    watch_model_loads(owner, param_holders(params), set(), {"experts"})
+
+    def rename(module, state_dict, prefix, *args):
+        for old, new in (("gate", "router"), ("moe", "experts")):
+            if prefix + old in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+    block.register_load_state_dict_pre_hook(rename)
+
+    def marks(state: dict) -> tuple[bool, bool, bool]:
+        clear_marks(owner)
+        block.load_state_dict(state, strict=False)
+        return owner._model_loaded, owner._dense_loaded, owner._experts_loaded
+    full = block.state_dict()
+    assert marks({"moe": full["experts"]}) == (True, False, True)
+    assert marks({"gate": full["router"]}) == (True, True, False)
+    assert marks({"experts": full["experts"]}) == (True, False, True)  # the new names too
+    assert marks({}) == (False, False, False)
