@@ -130,8 +130,12 @@ from canzona.runtime.options import (
     planning_cost_model,
 )
 from canzona.runtime.param_gather import (
+    ModuleLinks,
+    Parents,
+    fsdp_holders,
     fsdp_params_of,
     held_by_fsdp,
+    module_links,
     replaced_message,
     replaced_parameter,
 )
@@ -362,7 +366,12 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # what FSDP2 shards in each parameter's place (its FSDPParam, which follows load_state_dict(
         # assign=True) and the like), or else the modules holding it: a parameter replaced since
         # is one error in the step check (`_replaced`)
-        self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params)
+        parents: Parents = {}
+        self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params, parents)
+        # and the links from the model down to the modules holding them: a module replaced in its
+        # parent lives on in FSDP2's record (its FSDPParam holds it), so no holder above changed,
+        # while the new module's parameters train unstepped (`param_gather.ModuleLinks`)
+        self._links = ModuleLinks(module_links({**fsdp_holders(self._fsdp_params), **self._holders}, parents))
         # a model load on some ranks only: each holds its own shards (`canzona.runtime.model_loads`)
         clear_marks(self)
         watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
@@ -479,7 +488,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         for name, fsdp_param in self._fsdp_params.items():
             if fsdp_param.sharded_param is not self.params[name]:
                 return replaced_message(name, "FSDP2 now shards another tensor in its place")
-        return replaced_parameter(self.params, self._holders)
+        return replaced_parameter(self.params, self._holders, self._links)
 
     def _changed(self) -> str | None:
         """What changed on this rank since construction that a step cannot follow: `param_groups`

@@ -112,10 +112,12 @@ def add_holder(obj: object, by_id: Mapping[int, str], found: Holders, parents: P
                     parents.setdefault(id(child), []).append(obj)
 
 
-def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[Any], Holders]:
+def fsdp_params_of(params: Mapping[str, Tensor],
+                   parents: Parents | None = None) -> tuple[dict[str, Any], list[Any], Holders]:
     """FSDP2's record (its `FSDPParam`) of each of `params` that it shards, by name (the tensor
     FSDP2 trains in that place is its `sharded_param`), the `FSDPParamGroup`s holding them, and
-    the modules holding each of the others (`param_holders`): one walk of `gc`, at construction."""
+    the modules holding each of the others (`param_holders`): one walk of `gc`, at construction.
+    `parents`, when given, gets every live module's parents from the same walk (`module_links`)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -127,12 +129,21 @@ def fsdp_params_of(params: Mapping[str, Tensor]) -> tuple[dict[str, Any], list[A
         elif type(obj) is FSDPParamGroup:
             groups.append(obj)
         else:
-            add_holder(obj, by_id, holders)
+            add_holder(obj, by_id, holders, parents)
     ids = {id(f) for f in found.values()}
     groups = [g for g in groups if any(id(f) in ids for f in g.fsdp_params)]
     # in the parameters' order; a sharded parameter's holders are FSDP2's business (its FSDPParam)
     return ({n: found[n] for n in params if n in found}, groups,
             {n: holders[n] for n in params if n in holders and n not in found})
+
+
+def fsdp_holders(fsdp_params: Mapping[str, Any]) -> Holders:
+    """The modules FSDP2 sets each of its parameters on (its `FSDPParam`'s module, and a tied
+    weight's other modules), for `module_links`: FSDP2's record holds the module, so a module
+    replaced in the model lives on in it, still holding the parameter, whoever else lets it go."""
+    return {n: [(weakref.ref(info.module), info.param_name)
+                for info in (fp._module_info, *getattr(fp, "_shared_module_infos", ()))]
+            for n, fp in fsdp_params.items()}
 
 
 RESHARD_FIRST = "a forward ran and the model was not resharded: call model.reshard() before building the optimizer"

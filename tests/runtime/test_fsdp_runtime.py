@@ -211,7 +211,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               norm_type: float = 2.0, fp16: bool = False, beside: bool = False, zero_model: bool = False,
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
-              unsynced_after_clip: int | None = None, nan_weight: int | None = None) -> dict:
+              unsynced_after_clip: int | None = None, nan_weight: int | None = None,
+              replace: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -257,7 +258,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     under it too (not turned back on for the last micro-batch). At step `unsynced_after_clip` a
     backward under `set_requires_gradient_sync(False)` comes between the clip and step(). Before step
     `nan_weight`'s forward rank 1 writes a NaN into its shard of b.weight (the weights, not a gradient;
-    through `.data`, unseen by the version counters)."""
+    through `.data`, unseen by the version counters). Before step `replace`'s forward every rank puts
+    a new `fully_shard` Linear in `model.a`'s place (a.weight's current values): the old module
+    lives on in FSDP2's record of its parameter, no reference of the user's needed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -294,6 +297,12 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
             model.zero_grad()
+        if step == replace:
+            new = torch.nn.Linear(16, 16, bias=False)
+            with torch.no_grad():
+                new.weight.copy_(gather_rows(model.a.weight))
+            fully_shard(new, mesh=mesh)
+            model.a = new
         if rank == 1 and step == nan_weight:
             # below the version counters, as a faulty kernel or device would (a write of the user's,
             # through the parameter, is a write on one rank only: `WeightVersions`, its own error)
@@ -444,6 +453,7 @@ SMALL_CASES = {
     "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
+    "replace": {"steps": 3, "replace": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
     "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
@@ -1174,6 +1184,10 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # FSDP2 shards (and trains) the new tensor, which the optimizer never steps; it stepped the
     # rest and silently left a.weight unchanged
     ("assign", "parameter 'a.weight' was replaced"),
+    # a new (fully_shard) module put in model.a's place: FSDP2's record of the old a.weight keeps the
+    # old module alive, so no holder of the optimizer's changed; the step ran without the new
+    # module's gradient (FSDP2 reduced it, nothing stepped it) and its weights never trained
+    ("replace", "parameter 'a.weight' was replaced after the optimizer was built (FSDPSmall.a now holds another module)"),
     # the last micro-batch's backward ran under `set_requires_gradient_sync(False)` (turning it
     # back on forgotten): FSDP2 holds the gradient unsharded and unreduced; after
     # `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
