@@ -271,7 +271,11 @@ class GradientSync:
             self.read_check(name)
         self._accumulated.discard(name)
         if not self.is_linked(name):
-            raise CanzonaError(self.unlinked_message(name))
+            # out of the buffers (`.data` assigned, a cast): its gradient stays in `.grad`, unwritten,
+            # and its bucket waits (no launch with a stale entry in backward); `_take_all` leaves it
+            # too and the step's check (`_local_problem`) reports it on every rank together. A raise
+            # here, inside backward on one rank, would leave the peers waiting in the collective
+            return
         p, guard = self.params[name], self._guards[name]
         buckets = self.buckets_of[name]
         if p.grad is not guard and (self._reduced or any(self._launched[k] is not None for k in buckets)):

@@ -104,7 +104,8 @@ def test_a_one_rank_dtensor_model_trains_as_torch_optimizers_train_it(one_rank, 
 def test_fsdp2_gathering_elsewhere_than_the_buffers_is_an_error_not_a_silent_stale_model(one_rank):
     """Were FSDP2 to gather a parameter from memory other than the optimizer's buffers again (its
     `_sharded_param_data` repointed), the step would update weights no forward reads: the unlinked
-    check says so at the next backward instead."""
+    check says so at the next step instead (the step's check, on every rank together: not from
+    inside backward, which on one rank would leave its peers waiting in a collective)."""
     model, _ = _sharded("fsdp2")
     model(small_batch(9, 0))  # FSDP2's lazy init (which repoints it once more) is behind
     model.reshard()
@@ -112,8 +113,11 @@ def test_fsdp2_gathering_elsewhere_than_the_buffers_is_an_error_not_a_silent_sta
     record = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
     record._sharded_param_data = record._sharded_param_data.clone()
     opt.zero_grad()
+    model(small_batch(0, 0)).backward()
+    before = [_full(p).detach().clone() for p in model.parameters()]
     with pytest.raises(CanzonaError, match="no longer lives in the optimizer's buffers"):
-        model(small_batch(0, 0)).backward()
+        opt.step()
+    assert all(torch.equal(_full(p).detach(), q) for p, q in zip(model.parameters(), before))
 
 
 def test_fsdp2_parameters_unsharded_at_construction_are_refused(one_rank):

@@ -905,3 +905,28 @@ def test_a_layer_replaced_in_a_rebuilt_list_after_the_old_list_is_freed_is_one_e
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     del old
+
+
+def test_a_parameter_out_of_the_buffers_with_its_hook_is_reported_by_the_step_check_not_in_backward(one_rank):
+    """`.data` assigned after the optimizer was built: the parameter keeps the optimizer's hook but
+    no longer lives in its buffers. The hook (`_arrive`) no longer raises inside backward (one rank
+    raising there left its peers waiting in the collective until the timeout): backward finishes,
+    launching no reduction of that parameter's bucket, and the step's check, which every rank runs
+    together, is the one CanzonaError, nothing updated."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    opt.zero_grad()
+    model[0].weight.data = model[0].weight.detach().clone()
+    model(torch.randn(3, 8)).pow(2).mean().backward()  # raised here before
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=r"no longer lives in the optimizer's buffers"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
