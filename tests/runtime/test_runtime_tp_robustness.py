@@ -520,6 +520,53 @@ def dtensor_read_with_gathers_in_flight(rank: int) -> dict:
     return {**_outcome(run), **got}
 
 
+def skipped_step_collectives(rank: int) -> dict:
+    """Three steps under nonfinite="skip", rank 3's loss NaN at the second (the step skipped on
+    every rank), under canzona's default policy (Muon) and zero1 (AdamW): each step's collectives, DP and TP
+    interleaved in issue order, for `step_collectives(..., skipped=True)`."""
+    from reference.data import fixed_batch
+
+    mesh = _mesh()
+    i = mesh.get_local_rank("dp")
+    tokens = fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2]
+    got: dict = {"runs": []}
+
+    def run(policy: str | None) -> None:
+        model = _tp_model(mesh)
+        opt = _optimizer(model, model.spec(), mesh, nonfinite="skip", policy=policy,
+                         optimizer="adamw" if policy == "zero1" else "muon")
+        for s in range(3):
+            opt.zero_grad()
+            loss = model.loss(tokens)
+            (loss * math.nan if s == 1 and rank == 3 else loss).backward()
+            opt.step()
+        records = sorted(opt.comm.log.records + opt.tp_comm.log.records, key=lambda r: r.seq)
+        got["runs"].append({
+            "log": [[(r.op, r.group, r.name, tuple(r.bytes_per_rank)) for r in records if r.step == s]
+                    for s in range(3)],
+            "plan": opt.plan, "policy": opt.policy.name, "tp_mode": opt.tp_mode, "spec": model.spec(),
+            "skipped": opt.skipped_steps})
+        got["dp_rank"], got["tp_rank"] = i, mesh.get_local_rank("tp")
+    return {**_outcome(lambda: [run(policy) for policy in (None, "zero1")]), **got}
+
+
+def unlinked_on_one_rank(rank: int) -> dict:
+    """Rank 3's copy of one weight assigned through `.data` after the optimizer was built (it keeps
+    the optimizer's gradient hook, out of its buffers): backward runs on, and the step's check
+    names it on every rank, nothing updated. Before: rank 3 raised inside backward (`_arrive`), its
+    peers waiting in the step's collectives until the timeout."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    p = model.get_parameter("model.layers.0.mlp.down_proj.weight")
+    if rank == 3:
+        p.data = p.detach().clone()
+    before = [q.detach().clone() for q in model.parameters()]
+    out = _outcome(lambda: _train_step(model, opt, mesh))
+    out["unchanged"] = all(torch.equal(q, b) for q, b in zip(model.parameters(), before))
+    return out
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -574,11 +621,15 @@ JOBS = {
     "sharded_write_on_one_tp_rank": (PlanError, "ranks disagree on the mark of weights loaded (load_state_dict) or "
                                                 "written in place on this rank since the last step"),
     "step_twice": (CanzonaError, "step() was called again with no backward since the last step(): the gradient of "),
+    # rank 3 names it; its DP peer and the other TP rank learn it (a hang before: rank 3 raised
+    # inside backward)
+    "unlinked_on_one_rank": (CanzonaError, ("no longer lives in the optimizer's buffers",
+                                            "found a broken step", "failed this step's check")),
 }
 
 
 RETRIES = ["retried_after_the_scheduler_on_one_tp_rank"]  # a mistake, then the step made right
-WORKS = ["grad_scaler", "grad_scaler_dtensor", "scalars_under_tp", "dtensor_read_with_gathers_in_flight"]  # habits that must simply work
+WORKS = ["skipped_step_collectives", "grad_scaler", "grad_scaler_dtensor", "scalars_under_tp", "dtensor_read_with_gathers_in_flight"]  # habits that must simply work
 
 
 @functools.cache
@@ -693,3 +744,35 @@ def test_a_dtensor_parameter_read_with_its_gathers_in_flight_is_pending_and_read
         assert out["pending"], rank  # before: plain DTensors
         assert out["exact"], rank  # before: last step's values of the late rank's segments
     assert outs[0]["in flight"] and outs[1]["in flight"]  # step() returned with DP index 0's gathers in flight
+
+
+def test_a_skipped_steps_collectives_are_step_collectives_skipped_at_dp2xtp2():
+    """The skipped step (rank 3's loss NaN, nonfinite="skip") sends on every rank of DP 2 x TP 2
+    what `step_collectives(skipped=True)` lists (the step checks, then the weights' finiteness: one
+    word over DP, then TP, and nothing after); the steps around it what a regular step lists.
+    Before, a skipped step's collectives were checked against the runtime at TP 1 only
+    (test_runtime_habits), at TP 2 by known answers (tests/policy/test_step_collectives.py)."""
+    from canzona.fsdp_collectives import WEIGHTS_CHECK
+    from canzona.step_collectives import step_collectives, step_records
+
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    for rank, out in enumerate(got["skipped_step_collectives"]):
+        assert out["type"] is None and out["healthy"], (rank, out)
+        assert [run["policy"] for run in out["runs"]] == ["canzona", "zero1"]
+        for run in out["runs"]:
+            assert run["skipped"] == 1, (rank, run["policy"])
+            want = {skipped: step_records(step_collectives(run["plan"], run["spec"], run["policy"], out["dp_rank"],
+                                                           out["tp_rank"], tp_mode=run["tp_mode"], skipped=skipped))
+                    for skipped in (False, True)}
+            assert run["log"][1] == want[True], (rank, run["policy"])
+            assert run["log"][2] == want[False], (rank, run["policy"])
+            assert [r[1] for r in want[True] if r[2] == WEIGHTS_CHECK] == ["dp", "tp"]
+
+
+def test_a_weight_out_of_the_buffers_on_one_rank_is_refused_before_any_update():
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    assert all(out["unchanged"] for out in got["unlinked_on_one_rank"])
