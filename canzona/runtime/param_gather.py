@@ -328,39 +328,116 @@ def module_links(holders: Holders, parents: Parents) -> Links:
     return links
 
 
+# a root the optimizer's names were given from, at construction: (the module, weakly, the prefix to
+# drop from an optimizer's name, the prefix to add): `name` is `add + name[len(drop):]` from the
+# root, wrapper components left out (`canonical_name`: a `torch.compile` wrapper's `_orig_mod.`)
+Roots = list[tuple["weakref.ref[nn.Module]", str, str]]
+
+
 class ModuleLinks:
     """`module_links`, walked by `changed` only when a module was registered somewhere since
-    the last walk that found nothing (the process-wide hook's count): a step of a model whose
-    modules stay put costs one comparison, not a walk of every link. A link set by writing a
-    parent's `_modules` directly, or a child deleted, goes unseen until the next registration."""
+    the last walk that found nothing (the process-wide hook's count), or when one of the
+    optimizer's parameters got no gradient this step (`missed`: a module replaced by writing a
+    parent's `_modules` directly, `ModuleList.insert`, `del model.head`, registers nothing, but
+    the old module's parameters then get no gradient): a step of a model whose modules stay put
+    and train costs two comparisons, not a walk of every link. `roots`: where the optimizer's
+    names were taken from (`construction_roots`), against which a mismatched link is judged."""
 
-    __slots__ = ("links", "_walked")
+    __slots__ = ("links", "roots", "_walked")
 
-    def __init__(self, links: Links) -> None:
+    def __init__(self, links: Links, params: Mapping[str, Tensor] | None = None) -> None:
         self.links = links
+        self.roots = construction_roots(links, params) if params else []
         self._walked = -1  # the count at the last walk that found nothing
         _watch_registrations()
 
-    def changed(self, params: Mapping[str, Tensor]) -> str | None:
+    def changed(self, params: Mapping[str, Tensor], missed: Callable[[], bool] | None = None) -> str | None:
         count = _registrations[0]
-        if count == self._walked and _registration_hook:
+        if count == self._walked and _registration_hook and not (missed is not None and missed()):
             return None
         moved: list[bool] = []
-        problem = links_changed(self.links, params, moved)
+        problem = links_changed(self.links, params, moved, self.roots)
         if problem is None:
             if moved:  # the links follow what moved (or went): from the model's roots down, as now
-                self.links = relinked(self.links, params)
+                self.links = relinked(self.links, params, self.roots)
             self._walked = count
         return problem
 
 
-def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None) -> str | None:
+def _canonical_params(root: nn.Module) -> dict[str, Tensor]:
+    """Every parameter under `root` by its canonical name (each name of a tied one)."""
+    from canzona.runtime.modules import canonical_name
+
+    return {canonical_name(raw): p for raw, p in root.named_parameters(remove_duplicate=False)}
+
+
+def _resolves(root: nn.Module, drop: str, add: str, params: Mapping[str, Tensor]) -> str | None:
+    """The first of `params` whose name (`drop` dropped, `add` added) does not lead from `root` to
+    that same Parameter now, or None."""
+    names = _canonical_params(root)
+    return next((n for n, p in params.items() if names.get(add + n[len(drop):]) is not p), None)
+
+
+def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
+    """The live modules from which every one of `params` is found by its name (the one given to
+    the optimizer), up to one prefix dropped or added: the model, a wrapper of it (torch.compile's,
+    DDP's `module.`). A module that holds some of them only (a backup `ModuleList` of the layers, a
+    teacher sharing a block) is none."""
+    if not params:
+        return []
+    first, p0 = next(iter(params.items()))
+    out: Roots = []
+    todo = _roots(links)
+    seen: set[int] = set()
+    mine = {id(p) for p in params.values()}
+    while todo:
+        root = todo.pop()
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        names = _canonical_params(root)
+        if not mine <= {id(p) for p in names.values()}:
+            continue
+        for m in (m for m, p in names.items() if p is p0):
+            drop, add = ("", m[:len(m) - len(first)]) if m.endswith(first) else \
+                (first[:len(first) - len(m)], "") if first.endswith(m) else (None, None)
+            if drop is not None and _resolves(root, drop, add, params) is None:
+                out.append((weakref.ref(root), drop, add))
+                break
+        # a wrapper's one child holding them all (the model under a compile or DDP wrapper), in case
+        # the wrapper goes while the model stays
+        holding = [c for c in root._modules.values() if c is not None and next(c.parameters(), None) is not None]
+        if len(holding) == 1 and not any(id(p) in mine for p in root._parameters.values()):
+            todo.append(holding[0])
+    return out
+
+
+def _lost(roots: Roots, params: Mapping[str, Tensor], below: nn.Module) -> tuple[str | None, bool]:
+    """(the first of `params` not found from a live root of `roots` by its construction name,
+    those below `below` first, or None; whether any root lives)."""
+    live = [(r, d, a) for ref, d, a in roots if (r := ref()) is not None]
+    if not live:
+        return None, False
+    under = {id(p) for p in below.parameters()}
+    ordered = {**{n: p for n, p in params.items() if id(p) in under}, **params}
+    for root, drop, add in live:
+        lost = _resolves(root, drop, add, ordered)
+        if lost is not None:
+            return lost, True
+    return None, True
+
+
+def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
+                  roots: Roots | None = None) -> str | None:
     """A message for a link of `links` whose parent now holds a module (or none) in place of the
-    child it held, the optimizer's parameters below that child not all in the model now (from the
-    roots of the links, as the same objects), or None. A module moved (two layers swapped, a
-    container rebuilt from the old one's modules) or replaced by one holding the same Parameters
-    (torchao's `Float8Linear.from_float`) still trains them; a child wrapped in place too. `moved`
-    gets an item where a link no longer stands as built (accepted, or an end of it gone)."""
+    child it held, unless every one of `params` is still found from the construction `roots`
+    under its name, as the same Parameter (a ModuleList rebuilt with the same modules in the same
+    places; a module replaced by one holding the same Parameters at the same path, torchao's
+    `Float8Linear.from_float`); a child wrapped in place too. Two layers swapped is the error: the
+    optimizer's state (and its checkpoints) is keyed by the names at construction. Without a live
+    root, the parameters below the old child must be in the model (from the links' roots, as the
+    same objects). `moved` gets an item where a link no longer stands as built (accepted, or an
+    end of it gone)."""
     reachable: set[int] | None = None
     for parent_ref, attr, child_ref, _ in links:
         parent, child = parent_ref(), child_ref()
@@ -372,11 +449,13 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
         now = parent._modules.get(attr)
         if now is child or (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
             continue
-        # the failure path: are the parameters below the old child still in the model?
-        if reachable is None:
-            reachable = {id(p) for root in _roots(links) for p in root.parameters()}
-        mine = {id(p): n for n, p in params.items()}
-        lost = next((mine[id(p)] for p in child.parameters() if id(p) in mine and id(p) not in reachable), None)
+        # the failure path: is every parameter still where its name says?
+        lost, rooted = _lost(roots or [], params, child)
+        if not rooted:
+            if reachable is None:
+                reachable = {id(p) for root in _roots(links) for p in root.parameters()}
+            mine = {id(p): n for n, p in params.items()}
+            lost = next((mine[id(p)] for p in child.parameters() if id(p) in mine and id(p) not in reachable), None)
         if lost is None:
             if moved is not None:
                 moved.append(True)
@@ -386,6 +465,9 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
         if now is None:
             return dropped_message(lost, f"{where} holds no module now")
         if id(now) in known:
+            if rooted and any(m is child for root, _, _ in roots or [] if (r := root()) is not None
+                              for m in r.modules()):
+                return moved_message(lost, f"{where} now holds another of its modules")
             return dropped_message(lost, f"{where} now holds another of its modules")
         return replaced_message(lost, f"{where} now holds another module")
     return None
@@ -402,9 +484,10 @@ def _roots(links: Links) -> list[nn.Module]:
     return list(parents.values())
 
 
-def relinked(links: Links, params: Mapping[str, Tensor]) -> Links:
-    """The links as the model stands now: from the live roots of `links` down to every module
-    with one of `params` below it (the first by module order named), each once."""
+def relinked(links: Links, params: Mapping[str, Tensor], roots: Roots | None = None) -> Links:
+    """The links as the model stands now: from the live construction `roots` (else the live roots
+    of `links`) down to every module with one of `params` below it (the first by module order
+    named), each once."""
     mine = {id(p): n for n, p in params.items()}
     first: dict[int, str | None] = {}  # a module's first parameter of `params` below it, by id
 
@@ -420,7 +503,7 @@ def relinked(links: Links, params: Mapping[str, Tensor]) -> Links:
 
     out: Links = []
     done: set[int] = set()
-    todo = _roots(links)
+    todo = [r for ref, _, _ in roots or [] if (r := ref()) is not None] or _roots(links)
     while todo:
         module = todo.pop()
         if id(module) in done:
@@ -433,7 +516,8 @@ def relinked(links: Links, params: Mapping[str, Tensor]) -> Links:
     return out
 
 
-def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: ModuleLinks | None = None) -> str | None:
+def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: ModuleLinks | None = None,
+                       missed: Callable[[], bool] | None = None) -> str | None:
     """A message naming a parameter that a module held at construction and holds no longer (a new
     Parameter or module assigned in its place: `load_state_dict(assign=True)`, `tie_weights()`, a
     new head), or None. The model then trains the new tensor, which no hook of the optimizer's
@@ -449,7 +533,7 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
             if module is None or module._parameters.get(attr) is not p:
                 where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
                 return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
-    return links.changed(params) if links is not None else None
+    return links.changed(params, missed) if links is not None else None
 
 
 def dropped_message(name: str, how: str) -> str:
@@ -458,6 +542,14 @@ def dropped_message(name: str, how: str) -> str:
     return (f"parameter {name!r} is no longer in the model ({how}), after the optimizer was built: the optimizer "
             "would step a tensor the model no longer trains. Put the module back, or build the optimizer after "
             "such changes")
+
+
+def moved_message(name: str, how: str) -> str:
+    """The error of a parameter still in the model but under another name than the optimizer was
+    given (two layers swapped) (`links_changed`)."""
+    return (f"parameter {name!r} moved in the model after the optimizer was built ({how}): its optimizer state, "
+            "and a checkpoint's, is keyed by the name it had then, so a resume would pair other weights with it. "
+            "Put the modules back in their places, or build the optimizer after such changes")
 
 
 def replaced_message(name: str, how: str) -> str:

@@ -758,13 +758,14 @@ def _layers_optimizer():
     return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
 
 
-@pytest.mark.parametrize("how", ["list rebuilt", "layers swapped", "same parameters in a new module"])
+@pytest.mark.parametrize("how", ["list rebuilt", "same parameters in a new module"])
 def test_modules_moved_or_rewrapped_with_their_parameters_still_train(one_rank, how):
-    """Modules kept but their places changed after building the optimizer, the old places still
-    alive: a ModuleList rebuilt from the old one (kept referenced), two layers swapped, a module
-    replaced by a new one holding the same Parameter objects (torchao's Float8Linear.from_float)
-    while the old one lives. Every parameter still trains, so the step runs and updates them all
-    (before: 'now holds another module' although nothing was lost)."""
+    """Modules kept in their places under new parents after building the optimizer, the old
+    parents still alive: a ModuleList rebuilt from the old one (kept referenced), a module
+    replaced by a new one holding the same Parameter objects at the same path (torchao's
+    Float8Linear.from_float) while the old one lives. Every parameter is still found by its name,
+    so the step runs and updates them all (before: 'now holds another module' although nothing
+    was lost)."""
     from torch import nn
 
     model, opt = _layers_optimizer()
@@ -773,8 +774,6 @@ def test_modules_moved_or_rewrapped_with_their_parameters_still_train(one_rank, 
         old = model.layers
         model.layers = nn.ModuleList(list(old))
         keep.append(old)
-    elif how == "layers swapped":
-        model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
     else:
         old = model.layers[1]
         new = nn.Linear(8, 8)
@@ -806,6 +805,86 @@ def test_a_layer_put_in_anothers_place_is_one_error_saying_its_parameters_left_t
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     del old
+
+
+def _one_step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    opt.step()
+
+
+def test_two_layers_swapped_are_one_error_saying_they_moved(one_rank):
+    """Two layers swapped after building the optimizer: every parameter still trains, but under
+    another name than the optimizer's state (and its checkpoints) is keyed by, so a resume would
+    pair layer 1's moments with layer 0's weights. One error saying the parameter moved, nothing
+    updated (before: accepted, and a checkpoint's state silently mismatched on resume)."""
+    from canzona.errors import CanzonaError
+
+    model, opt = _layers_optimizer()
+    model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=r"parameter 'layers\.0\.weight' moved in the model after the optimizer "
+                                           r"was built \(ModuleList\.0 now holds another of its modules\): its "
+                                           r"optimizer state"):
+        _one_step(model, opt)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("how", ["del and insert", "_modules written"])
+def test_a_module_replaced_without_a_registration_is_one_error(one_rank, how):
+    """A module replaced by a path that registers no module (`ModuleList.insert` and `del`,
+    `model._modules[...] = new`), after a
+    clean step, the old module kept: its parameters get no gradient, which sends the check to walk
+    the links. One error, nothing updated (before: the walk waited for a registration, and the
+    new module trained silently, never stepped)."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _layers_optimizer()
+    _one_step(model, opt)
+    if how == "del and insert":
+        old = model.layers[1]
+        del model.layers[1]
+        model.layers.insert(1, nn.Linear(8, 8))
+        where = r"'layers\.1\.weight' was replaced .*ModuleList\.1 now holds another module"
+    else:
+        old = model.head
+        model._modules["head"] = nn.Linear(8, 4)
+        where = r"'head\.weight' was replaced .*_Layers\.head now holds another module"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=where):
+        _one_step(model, opt)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    del old
+
+
+@pytest.mark.parametrize("keeper", ["backup list", "teacher sharing a block"])
+def test_a_layer_replaced_while_another_live_module_holds_the_old_one_is_one_error(one_rank, keeper):
+    """A live module outside the model holding the old layer from before construction (a backup
+    `ModuleList` of the layers, a teacher model sharing a block), then the layer replaced in the
+    model: the old layer's parameters are still in *a* module tree, but not where the optimizer's
+    names say. One error, nothing updated (before: accepted, the backup counted as a root of the
+    model, and the new layer never stepped)."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = _Layers()
+    keep = nn.ModuleList(list(model.layers)) if keeper == "backup list" else \
+        nn.Sequential(nn.Linear(8, 8), model.layers[1])
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    _one_step(model, opt)
+    model.layers[1] = nn.Linear(8, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=r"'layers\.1\.weight' was replaced .*ModuleList\.1 now holds another module"):
+        _one_step(model, opt)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    del keep
 
 
 def test_the_module_links_are_walked_only_after_a_module_was_registered(one_rank, monkeypatch):
