@@ -809,7 +809,7 @@ def _check_part(plan: Plan, model: ModelSpec, dp: int | None, tp: int | None) ->
     # a TP-1 plan written before its fingerprint left the TP dims out records them: the same model too
     if plan.fingerprint not in (model.fingerprint(plan.tp), model.fingerprint()):
         why = detail or "the same matrices, but other AdamW parameters, roles or tensor-parallel dims"
-        why += parametrized_routing(model, "a plan", "make the plan again")
+        why += parametrized_routing(model, "a plan", "make the plan again", plan.fingerprint, plan.tp)
         raise PlanError(f"plan was made for model {plan.model!r} ({plan.fingerprint}), not {model.name!r} "
                         f"({model.fingerprint(plan.tp)}): {why}")
     if dp is not None and plan.dp != dp:

@@ -303,12 +303,27 @@ def _spec_labels(a: ModelSpec, b: ModelSpec) -> tuple[str, str]:
     return "this spec", "the other spec"
 
 
-def parametrized_routing(model: ModelSpec, saved: str, remedy: str) -> str:
+def parametrized_routing(model: ModelSpec, saved: str, remedy: str, fingerprint: object = None,
+                         tp: int | None = None) -> str:
     """' (why)' for a fingerprint mismatch of `model` that the routing of parametrized weights'
     originals (2026-12-03: weight_norm's magnitudes, a parametrized embedding's or head's, to
-    AdamW) may explain, '' where `model` has none; `saved`: what was refused, `remedy`: what to do."""
+    AdamW) explains: the saved `fingerprint` (of a plan made at TP `tp`, or an optimizer state's) is
+    `model`'s with those originals routed as before (every original of two dims or more to the
+    matrix optimizer); '' otherwise (a model of another size, other parameters). `saved`: what was
+    refused, `remedy`: what to do."""
+    import dataclasses
+
     names = {p.name for p in model.params}
-    if not any(".parametrizations." in n or (n.endswith("_g") and n[:-2] + "_v" in names) for n in names):
+    originals = {n for n in names if ".parametrizations." in n or (n.endswith("_g") and n[:-2] + "_v" in names)}
+    if not originals:
+        return ""
+    try:
+        before = dataclasses.replace(model, params=tuple(
+            dataclasses.replace(p, role=Role.MATRIX) if p.name in originals and len(p.shape) >= 2 else p
+            for p in model.params))
+    except SpecError:
+        return ""
+    if before.fingerprint() == model.fingerprint() or fingerprint not in (before.fingerprint(tp), before.fingerprint()):
         return ""
     return (f" (parametrized weights' originals, weight_norm's magnitudes and a parametrized embedding's or head's, "
             f"are routed as the weight since 2026-12-03, and {saved} saved before for such a model is refused: "

@@ -1310,7 +1310,8 @@ def _check_compatible(opt: Described, sd: Mapping[str, Any], groups: list[Mappin
             _stack_difference(opt, state) or _first_name_difference_of_model(names or [], mine)
         if model.get("fingerprint") != opt.spec.fingerprint():
             detail += parametrized_routing(opt.spec, "an optimizer state",
-                                           "load the model's weights, and start the optimizer's state afresh")
+                                           "load the model's weights, and start the optimizer's state afresh",
+                                           model.get("fingerprint"))
         raise PlanError(f"checkpoint is of model {model.get('name')!r} ({model.get('fingerprint')}), not "
                         f"{opt.spec.name!r} ({opt.spec.fingerprint()}): {detail}")
     unknown = sorted(set(state) - set(mine) - {m.name for m in opt.spec.matrix_params()})

@@ -554,6 +554,30 @@ def test_a_plan_made_before_parametrized_originals_were_routed_is_refused_in_one
     assert re.search(r"parametrized weights' originals.* routed as the weight since .*: make the plan again", message)
 
 
+def test_the_parametrized_routing_hint_is_given_only_where_the_routing_explains_the_mismatch(one_rank):
+    """A plan or an optimizer state of another model (another width) refused for a weight_norm
+    model: the error does not claim it was saved before parametrized originals were routed as
+    their weight (before: the hint was appended to any mismatch of a model with parametrizations)."""
+    from torch.nn.utils import parametrizations
+
+    from canzona.runtime import DistributedOptimizer
+
+    def model_of(width):
+        torch.manual_seed(0)
+        return nn.Sequential(parametrizations.weight_norm(nn.Linear(width, width)), nn.Linear(width, 4))
+
+    small, big = model_of(8), model_of(16)
+    spec, other = ModelSpec.from_module(small), ModelSpec.from_module(big)
+    with pytest.raises(PlanError) as raised:
+        check_plan_matches(make_plan(other, 2, 1, "muon"), spec, dp=2, tp=1)
+    assert "parametrized weights' originals" not in str(raised.value)
+    saved = DistributedOptimizer(list(named_parameters(big)), other, "adamw").state_dict()
+    opt = DistributedOptimizer(list(named_parameters(small)), spec, "adamw")
+    with pytest.raises(PlanError, match="checkpoint is of model") as raised:
+        opt.load_state_dict(saved)
+    assert "parametrized weights' originals" not in str(raised.value)
+
+
 def test_a_checkpoint_saved_before_parametrized_originals_were_routed_is_refused_in_one_line_naming_the_cause(one_rank):
     """The optimizer state saved for a weight_norm model before its magnitude was routed as a
     vector: loading it is one PlanError line naming the routing change and what to do."""
