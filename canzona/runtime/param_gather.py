@@ -371,10 +371,12 @@ def _canonical_params(root: nn.Module) -> dict[str, Tensor]:
     return {canonical_name(raw): p for raw, p in root.named_parameters(remove_duplicate=False)}
 
 
-def _resolves(root: nn.Module, drop: str, add: str, params: Mapping[str, Tensor]) -> str | None:
+def _resolves(root: nn.Module, drop: str, add: str, params: Mapping[str, Tensor],
+              names: Mapping[str, Tensor] | None = None) -> str | None:
     """The first of `params` whose name (`drop` dropped, `add` added) does not lead from `root` to
-    that same Parameter now, or None."""
-    names = _canonical_params(root)
+    that same Parameter now, or None (`names`: `root`'s, where already taken)."""
+    if names is None:
+        names = _canonical_params(root)
     return next((n for n, p in params.items() if names.get(add + n[len(drop):]) is not p), None)
 
 
@@ -401,7 +403,7 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
         for m in (m for m, p in names.items() if p is p0):
             drop, add = ("", m[:len(m) - len(first)]) if m.endswith(first) else \
                 (first[:len(first) - len(m)], "") if first.endswith(m) else (None, None)
-            if drop is not None and _resolves(root, drop, add, params) is None:
+            if drop is not None and _resolves(root, drop, add, params, names) is None:
                 out.append((weakref.ref(root), drop, add))
                 break
         # a wrapper's one child holding them all (the model under a compile or DDP wrapper), in case
