@@ -370,8 +370,12 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self._fsdp_params, self._fsdp_groups, self._holders = fsdp_params_of(self.params, parents)
         # and the links from the model down to the modules holding them: a module replaced in its
         # parent lives on in FSDP2's record (its FSDPParam holds it), so no holder above changed,
-        # while the new module's parameters train unstepped (`param_gather.ModuleLinks`)
-        self._links = ModuleLinks(module_links({**fsdp_holders(self._fsdp_params), **self._holders}, parents))
+        # while the new module's parameters train unstepped (`param_gather.ModuleLinks`); a mismatched
+        # link is judged by the construction names: every parameter (the DTensor the model holds) must
+        # resolve by its name from the model to the same Parameter (a backup list holding the old
+        # module is no root; two layers swapped are 'moved')
+        self._links = ModuleLinks(module_links({**fsdp_holders(self._fsdp_params), **self._holders}, parents),
+                                  self._registered())
         # a model load on some ranks only: each holds its own shards (`canzona.runtime.model_loads`)
         clear_marks(self)
         watch_loads([*(fp._module_info.module for fp in self._fsdp_params.values()),
@@ -488,7 +492,26 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         for name, fsdp_param in self._fsdp_params.items():
             if fsdp_param.sharded_param is not self.params[name]:
                 return replaced_message(name, "FSDP2 now shards another tensor in its place")
-        return replaced_parameter(self.params, self._holders, self._links)
+        return replaced_parameter(self.params, self._holders) or \
+            self._links.changed(self._registered, self._missed_gradient)
+
+    def _registered(self) -> dict[str, Tensor]:
+        """Each parameter as its module holds it now (FSDP2 registers the unsharded tensor in the
+        sharded DTensor's place while a module is unsharded: the root after a forward under no_grad),
+        what the links' construction names resolve to (`ModuleLinks`)."""
+        out = dict(self.params)
+        for name, fp in self._fsdp_params.items():
+            info = fp._module_info
+            out[name] = info.module._parameters.get(info.param_name, out[name])
+        return out
+
+    def _missed_gradient(self) -> bool:
+        """Whether one of the parameters holds no gradient at the check (after a backward): a module
+        replaced without a registration (`ModuleList.insert`, `_modules` written, `del`) leaves its
+        old parameters none, which sends `ModuleLinks` to walk its links. A gradient zeroed in place
+        (`zero_grad(set_to_none=False)`) stays a tensor: such a replacement is then seen at the next
+        module registration only."""
+        return any(p.grad is None for p in self.params.values())
 
     def _changed(self) -> str | None:
         """What changed on this rank since construction that a step cannot follow: `param_groups`

@@ -351,10 +351,16 @@ class ModuleLinks:
         self._walked = -1  # the count at the last walk that found nothing
         _watch_registrations()
 
-    def changed(self, params: Mapping[str, Tensor], missed: Callable[[], bool] | None = None) -> str | None:
+    def changed(self, params: Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]],
+                missed: Callable[[], bool] | None = None) -> str | None:
+        """`params`: by name, each parameter as the model holds it, or a call that returns them
+        (taken only when the links are walked: FSDP2's, whose modules hold the unsharded tensors
+        while unsharded)."""
         count = _registrations[0]
         if count == self._walked and _registration_hook and not (missed is not None and missed()):
             return None
+        if callable(params):
+            params = params()
         moved: list[bool] = []
         problem = links_changed(self.links, params, moved, self.roots)
         if problem is None:

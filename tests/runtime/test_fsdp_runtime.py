@@ -212,7 +212,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
               unsynced_after_clip: int | None = None, nan_weight: int | None = None,
-              replace: int | None = None) -> dict:
+              replace: int | None = None, replace_how: str = "attr") -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -260,7 +260,11 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `nan_weight`'s forward rank 1 writes a NaN into its shard of b.weight (the weights, not a gradient;
     through `.data`, unseen by the version counters). Before step `replace`'s forward every rank puts
     a new `fully_shard` Linear in `model.a`'s place (a.weight's current values): the old module
-    lives on in FSDP2's record of its parameter, no reference of the user's needed."""
+    lives on in FSDP2's record of its parameter, no reference of the user's needed. `replace_how`:
+    "attr" (`model.a = new`), "backup" (the same while a ModuleList of the user's, made before the
+    optimizer, holds the old `model.a`), "insert" (`model._modules["a"] = new`, which registers no module, as
+    `ModuleList.insert` and `del` do not: the old a.weight gets no gradient), "swap" (no new module:
+    `model.a` and `model.c` swapped after that step's backward, swapped back after the step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -273,6 +277,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     mesh = init_device_mesh("cpu", (world,)) if unreduced is None else \
         init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     fully_shard(model, mesh=mesh)
+    backup = torch.nn.ModuleList([model.a]) if replace_how == "backup" else None  # noqa: F841
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, OPTIMIZER_CONFIGS[optimizer],
                                timeout_s=timeout_s, nonfinite=nonfinite, max_grad_norm=max_grad_norm)
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
@@ -297,12 +302,15 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             (model(small_batch(99, rank).to(model.a.weight.dtype)).float() * 10).backward()
             norms.append(float(opt.clip_grad_norm_(math.inf)))  # measured only: nothing scaled
             model.zero_grad()
-        if step == replace:
+        if step == replace and replace_how != "swap":
             new = torch.nn.Linear(16, 16, bias=False)
             with torch.no_grad():
                 new.weight.copy_(gather_rows(model.a.weight))
             fully_shard(new, mesh=mesh)
-            model.a = new
+            if replace_how == "insert":
+                model._modules["a"] = new
+            else:
+                model.a = new
         if rank == 1 and step == nan_weight:
             # below the version counters, as a faulty kernel or device would (a write of the user's,
             # through the parameter, is a write on one rank only: `WeightVersions`, its own error)
@@ -313,7 +321,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         if rank == 1 and step == poison:
             with torch.no_grad():
                 named["b.weight"].grad.to_local()[0, 0] = poison_with
-        full = {n: gather_rows(p.grad) for n, p in named.items()}
+        full = {n: gather_rows(p.grad) for n, p in named.items() if p.grad is not None}
+        if step == replace and replace_how == "swap":
+            model.a, model.c = model.c, model.a
         if rank == 1 and step == drop:
             named["b.weight"].grad = None
         if rank == 1 and step == plain_grad:
@@ -382,6 +392,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         except (CanzonaError, ValueError) as e:  # ValueError: torch's own refusals (GradScaler's fp16 unscale_)
             error, took = str(e), time.monotonic() - start
             break
+        if step == replace and replace_how == "swap":
+            model.a, model.c = model.c, model.a
         if step != poison:
             grads.append(full)
         if step == evaluate:
@@ -390,6 +402,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
                 fresh.load_state_dict({n: gather_rows(p) for n, p in opt.params.items()})
                 x = small_batch(step, rank)
                 stale = not torch.allclose(model(x), fresh(x), rtol=0, atol=1e-6)
+    if error is not None and step == replace and replace_how == "swap":
+        model.a, model.c = model.c, model.a  # back in their places, for the weights' names
     regroup_save = regroup_load = None
     if regroup is not None:  # a save and a load after the edit: the step's error, on every rank
         regroup_save, regroup_load = [], []
@@ -454,6 +468,9 @@ SMALL_CASES = {
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
     "replace": {"steps": 3, "replace": 1},
+    "replace-backup": {"steps": 3, "replace": 1, "replace_how": "backup"},
+    "replace-insert": {"steps": 3, "replace": 1, "replace_how": "insert"},
+    "replace-swap": {"steps": 3, "replace": 1, "replace_how": "swap"},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
     "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
@@ -1188,6 +1205,15 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # old module alive, so no holder of the optimizer's changed; the step ran without the new
     # module's gradient (FSDP2 reduced it, nothing stepped it) and its weights never trained
     ("replace", "parameter 'a.weight' was replaced after the optimizer was built (FSDPSmall.a now holds another module)"),
+    # the same while a ModuleList of the user's (a backup) holds the old module: a live module
+    # still holding a.weight is no root of the model's (the gc walk's acceptance took it for one)
+    ("replace-backup", "parameter 'a.weight' was replaced after the optimizer was built"),
+    # `model._modules["a"] = new` (as `ModuleList.insert`, `del`): no module registered, so only
+    # the old a.weight's missing gradient sends the check to walk the links
+    ("replace-insert", "parameter 'a.weight' was replaced after the optimizer was built"),
+    # two modules swapped between the backward and step(): every parameter still in the model,
+    # under another name than the optimizer's state is keyed by (a resume would pair other weights)
+    ("replace-swap", "moved in the model after the optimizer was built"),
     # the last micro-batch's backward ran under `set_requires_gradient_sync(False)` (turning it
     # back on forgotten): FSDP2 holds the gradient unsharded and unreduced; after
     # `zero_grad(set_to_none=False)` the step silently ran on zeros (and FSDP2 would add the held
