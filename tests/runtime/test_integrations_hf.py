@@ -553,14 +553,9 @@ def test_a_given_scheduler_of_another_optimizer_is_one_error_at_construction(tmp
     assert CanzonaTrainer(model=model, args=args, optimizers=(opt, own)).lr_scheduler is own
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
-def test_a_given_schedules_floor_is_warned_of_as_on_the_accelerate_path(tmp_path, one_rank):
-    """`CanzonaTrainer(optimizers=(opt, get_scheduler("cosine_with_min_lr", opt, ..., {"min_lr": 1e-4})))`:
-    a schedule the user built keeps transformers' reading of the floor (of the matrix rate), as on
-    the accelerate path, but the Trainer does not `prepare` a given scheduler, so the warning
-    `CanzonaAccelerator.prepare` gives was never given (silently: the AdamW groups end at
-    3e-3 * 1e-4 / 0.02). Now the same warning at construction; none for a schedule built by the
-    Trainer (its floor is measured against the AdamW rate) or without a floor."""
+def given_schedule_warnings(tmp_path):
+    """`told(kind, kwargs)`: the floor warnings of `CanzonaTrainer(optimizers=(opt, get_scheduler(kind,
+    opt, ...)))` over a canzona optimizer of matrix rate 0.02 and AdamW rate 3e-3."""
     import warnings
 
     from transformers import TrainingArguments, get_scheduler
@@ -578,7 +573,19 @@ def test_a_given_schedules_floor_is_warned_of_as_on_the_accelerate_path(tmp_path
             warnings.simplefilter("always")
             CanzonaTrainer(model=model, args=args, optimizers=(opt, scheduler))
         return [str(w.message) for w in caught if "transformers schedule" in str(w.message)]
+    return told
 
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_given_schedules_floor_is_warned_of_as_on_the_accelerate_path(tmp_path, one_rank):
+    """`CanzonaTrainer(optimizers=(opt, get_scheduler("cosine_with_min_lr", opt, ..., {"min_lr": 1e-4})))`:
+    a schedule the user built keeps transformers' reading of the floor (of the matrix rate), as on
+    the accelerate path, but the Trainer does not `prepare` a given scheduler, so the warning
+    `CanzonaAccelerator.prepare` gives was never given (silently: the AdamW groups end at
+    3e-3 * 1e-4 / 0.02). Now the same warning at construction; none for a schedule built by the
+    Trainer (its floor is measured against the AdamW rate) or without a floor."""
+
+    told = given_schedule_warnings(tmp_path)
     (message,) = told("cosine_with_min_lr", {"min_lr": 1e-4})
     assert f"the AdamW groups at {3e-3 * 1e-4 / 0.02:g}" in message and "min_lr_rate=F/0.003" in message, message
     assert told("cosine", {}) == []
@@ -1366,24 +1373,8 @@ def test_a_given_schedules_floor_warning_is_not_noise(tmp_path, one_rank):
     (`min_lr_rate=F/adamw_lr`) cannot be told from one of an absolute `min_lr`, the warning says
     the divided floor conditionally (before, review: it said transformers had divided an absolute
     floor, also of a schedule built with the advised `min_lr_rate`)."""
-    import warnings
 
-    from transformers import TrainingArguments, get_scheduler
-
-    from canzona.runtime import DistributedOptimizer
-    from canzona.spec import ModelSpec
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": 3e-3})
-
-    def told(kind: str, kwargs: dict) -> list[str]:
-        scheduler = get_scheduler(kind, opt, 1, 6, scheduler_specific_kwargs=kwargs)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            CanzonaTrainer(model=model, args=args, optimizers=(opt, scheduler))
-        return [str(w.message) for w in caught if "transformers schedule" in str(w.message)]
-
+    told = given_schedule_warnings(tmp_path)
     assert told("polynomial", {}) == []  # lr_end: transformers' default
     (message,) = told("cosine_with_min_lr", {"min_lr_rate": 1e-4 / 3e-3})  # as advised
     assert f"the AdamW groups at {3e-3 * (1e-4 / 3e-3):g}" in message, message

@@ -232,6 +232,22 @@ class MoEBlock(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(8)
 
 
+class LoadOwner:
+    """What `watch_model_loads` needs of an optimizer: its marks and `wait_params`."""
+
+    def wait_params(self) -> None:
+        pass
+
+
+def watched_moe_block() -> tuple[MoEBlock, LoadOwner]:
+    """An `MoEBlock` whose loads `watch_model_loads` marks on a `LoadOwner` (its `experts` the experts)."""
+    from canzona.runtime.param_gather import param_holders
+
+    block, owner = MoEBlock(), LoadOwner()
+    watch_model_loads(owner, param_holders(dict(block.named_parameters())), set(), {"experts"})
+    return block, owner
+
+
 def test_a_load_marks_by_the_parameters_it_wrote_in_a_module_holding_experts_and_dense_weights():
     """An experts-only `load_state_dict(..., strict=False)` into a module holding both (an MoE
     block's router beside its experts) marks the experts' load, not the dense mark the TP ranks
@@ -239,16 +255,7 @@ def test_a_load_marks_by_the_parameters_it_wrote_in_a_module_holding_experts_and
     experts, so a load of one EP rank's experts on its EDP replicas set it on some TP ranks only,
     a false 'ranks disagree on the mark of weights loaded ...'. Before, any load reaching such a
     module set the dense mark (from the model's root, even of its dense children)."""
-    from canzona.runtime.param_gather import param_holders
-
-    block = MoEBlock()
-    params = dict(block.named_parameters())
-
-    class Owner:
-        def wait_params(self) -> None:
-            pass
-    owner = Owner()
-    watch_model_loads(owner, param_holders(params), set(), {"experts"})
+    block, owner = watched_moe_block()
 
     def marks(state: dict) -> tuple[bool, bool, bool]:
         clear_marks(owner)
@@ -284,16 +291,7 @@ def test_a_load_marks_what_it_wrote_after_a_key_renaming_pre_hook_registered_aft
     them (its missing keys), not from the state dict before the renaming. Before, the optimizer's
     pre-hook found none of the module's keys under the old names and marked nothing: a load
     on some ranks only went unseen."""
-    from canzona.runtime.param_gather import param_holders
-
-    block = MoEBlock()
-    params = dict(block.named_parameters())
-
-    class Owner:
-        def wait_params(self) -> None:
-            pass
-    owner = Owner()
-    watch_model_loads(owner, param_holders(params), set(), {"experts"})
+    block, owner = watched_moe_block()
 
     def rename(module, state_dict, prefix, *args):
         for old, new in (("gate", "router"), ("moe", "experts")):
