@@ -420,65 +420,92 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
     return out
 
 
-def _lost(roots: Roots, params: Mapping[str, Tensor], below: nn.Module) -> tuple[str | None, bool]:
-    """(the first of `params` not found from a live root of `roots` by its construction name,
-    those below `below` first, or None; whether any root lives)."""
+def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool]:
+    """(the first of `params` not found from a live root of `roots` by its construction name, or
+    None; whether all of `params` are still under a live root, by any name (then it moved); whether
+    any root lives). Each root's names are read once."""
     live = [(r, d, a) for ref, d, a in roots if (r := ref()) is not None]
     if not live:
-        return None, False
-    under = {id(p) for p in below.parameters()}
-    ordered = {**{n: p for n, p in params.items() if id(p) in under}, **params}
+        return None, True, False
+    wrong: str | None = None
+    held: set[int] = set()
     for root, drop, add in live:
-        lost = _resolves(root, drop, add, ordered)
-        if lost is not None:
-            return lost, True
-    return None, True
+        names = _canonical_params(root)
+        held.update(id(p) for p in names.values())
+        if wrong is None:
+            wrong = _resolves(root, drop, add, params, names)
+    if wrong is None:
+        return None, True, True
+    # a parameter under no root at all first (replaced, dropped), else the first under another name
+    gone = next((n for n, p in params.items() if id(p) not in held), None)
+    return gone or wrong, gone is None, True
 
 
 def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
                   roots: Roots | None = None) -> str | None:
-    """A message for a link of `links` whose parent now holds a module (or none) in place of the
-    child it held, unless every one of `params` is still found from the construction `roots`
-    under its name, as the same Parameter (a ModuleList rebuilt with the same modules in the same
-    places; a module replaced by one holding the same Parameters at the same path, torchao's
-    `Float8Linear.from_float`); a child wrapped in place too. Two layers swapped is the error: the
-    optimizer's state (and its checkpoints) is keyed by the names at construction. Without a live
-    root, the parameters below the old child must be in the model (from the links' roots, as the
-    same objects). `moved` gets an item where a link no longer stands as built (accepted, or an
-    end of it gone)."""
-    reachable: set[int] | None = None
+    """A message for the links of `links` no longer standing as built (a parent that now holds
+    another module, or none, or a child wrapped in place, or a child gone), unless every one of
+    `params` is still found from the construction `roots` under its name (`canonical_name`: a
+    checkpoint or compile wrapper's component is no rename), as the same Parameter (a ModuleList
+    rebuilt with the same modules in the same places; a module replaced by one holding the same
+    Parameters at the same path, torchao's `Float8Linear.from_float`; a checkpoint wrapper put
+    around a layer). The verdict is the names', whether the old child lives on or was freed. Two
+    layers swapped, or a wrapper that renames (`.inner`), is the error: the optimizer's state (and
+    its checkpoints) is keyed by the names at construction. Without a live root, the parameters
+    below an old child that lives must be in the model (from the links' roots, as the same
+    objects). `moved` gets an item where a link no longer stands as built and was accepted."""
+    changed: list[tuple[nn.Module | None, str, nn.Module | None, Any]] = []  # (parent, attr, old child, now)
     for parent_ref, attr, child_ref, _ in links:
         parent, child = parent_ref(), child_ref()
-        if parent is None or child is None:
-            # a parent gone (a container that held it for a while); a child gone: the holders' check
-            if moved is not None and (parent is not None or child is not None):
-                moved.append(True)
+        if parent is None and child is None:
+            continue
+        if parent is None:  # a parent gone (a container that held it for a while)
+            changed.append((None, attr, child, None))
             continue
         now = parent._modules.get(attr)
-        if now is child or (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
-            continue
-        # the failure path: is every parameter still where its name says?
-        lost, rooted = _lost(roots or [], params, child)
-        if not rooted:
-            if reachable is None:
-                reachable = {id(p) for root in _roots(links) for p in root.parameters()}
-            mine = {id(p): n for n, p in params.items()}
+        if now is not child:  # child None: gone, so not what the parent holds
+            changed.append((parent, attr, child, now))
+    if not changed:
+        return None
+    lost, kept, rooted = _lost(roots or [], params)
+    if not rooted:  # no live root: an old child that lives must have its parameters in the model
+        reachable = {id(p) for root in _roots(links) for p in root.parameters()}
+        mine = {id(p): n for n, p in params.items()}
+        for parent, attr, child, now in changed:
+            if parent is None or child is None or (isinstance(now, nn.Module) and any(m is child for m in now.modules())):
+                continue
             lost = next((mine[id(p)] for p in child.parameters() if id(p) in mine and id(p) not in reachable), None)
-        if lost is None:
-            if moved is not None:
-                moved.append(True)
-            continue
-        where = f"{type(parent).__name__}.{attr}"
-        known = {id(c) for _, _, ref, _ in links if (c := ref()) is not None}
-        if now is None:
-            return dropped_message(lost, f"{where} holds no module now")
-        if id(now) in known:
-            if rooted and any(m is child for root, _, _ in roots or [] if (r := root()) is not None
-                              for m in r.modules()):
-                return moved_message(lost, f"{where} now holds another of its modules")
-            return dropped_message(lost, f"{where} now holds another of its modules")
-        return replaced_message(lost, f"{where} now holds another module")
-    return None
+            if lost is not None:
+                return _link_message(links, parent, attr, now, lost, False)
+        lost = None
+    if lost is None:
+        if moved is not None:
+            moved.append(True)
+        return None
+    # the link to name: the first whose old child holds the parameter (as its own, else below it), else the
+    # first with a parent
+    p = params[lost]
+    named = [c for c in changed if c[0] is not None]
+    parent, attr, _, now = next((c for c in named if c[2] is not None and any(q is p for q in c[2]._parameters.values())),
+                                None) or next((c for c in named if c[2] is not None and any(q is p for q in c[2].parameters())),
+                                              named[0] if named else changed[0])
+    if parent is None:
+        return moved_message(lost, "its module's parent left the model") if kept else \
+            dropped_message(lost, "its module's parent left the model")
+    return _link_message(links, parent, attr, now, lost, kept)
+
+
+def _link_message(links: Links, parent: nn.Module, attr: str, now: Any, lost: str, kept: bool) -> str:
+    """The message of a link `parent._modules[attr]` that holds `now` in place of the child it
+    held, for parameter `lost` (`kept`: every parameter still in the model, under other names)."""
+    where = f"{type(parent).__name__}.{attr}"
+    known = {id(c) for _, _, ref, _ in links if (c := ref()) is not None}
+    if now is None:
+        return dropped_message(lost, f"{where} holds no module now")
+    how = f"{where} now holds another of its modules" if id(now) in known else f"{where} now holds another module"
+    if kept:
+        return moved_message(lost, how)
+    return dropped_message(lost, how) if id(now) in known else replaced_message(lost, how)
 
 
 def _roots(links: Links) -> list[nn.Module]:

@@ -1009,3 +1009,77 @@ def test_a_parameter_out_of_the_buffers_with_its_hook_is_reported_by_the_step_ch
     with pytest.raises(CanzonaError, match=r"no longer lives in the optimizer's buffers"):
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class _Inner(torch.nn.Module):
+    """A wrapper keeping its module under `.inner`: not a recognised wrapper component, so the
+    parameters' names change (`layers.0.inner.weight`)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Checkpointed(_Inner):
+    """A wrapper under the checkpoint wrapper's component: the canonical names stay."""
+
+    def __init__(self, inner: torch.nn.Module):
+        torch.nn.Module.__init__(self)
+        self._checkpoint_wrapped_module = inner
+
+    def forward(self, x):
+        return self._checkpoint_wrapped_module(x)
+
+
+@pytest.mark.parametrize("wrapper", ["renaming", "checkpoint"])
+@pytest.mark.parametrize("how", ["rebuilt, old list kept", "rebuilt, old list in a cycle", "rebuilt, old list freed",
+                                 "in place"])
+def test_layers_wrapped_after_construction_get_one_verdict_whatever_gc_did(one_rank, how, wrapper):
+    """Every layer wrapped after building the optimizer, in a rebuilt ModuleList (the old list kept
+    by the user, in a reference cycle gc has not collected, or freed) or in place: the verdict is the
+    construction names' whatever became of the old list. A wrapper that renames the parameters
+    (`.inner`) is one error saying they moved (the optimizer state is keyed by the construction
+    names), nothing updated; the checkpoint wrapper's component is no rename, and they train.
+    Before: a rebuild with the old list freed, and any in-place wrap, was accepted (the renamed
+    model trained on); with the old list alive it was 'was replaced'."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _layers_optimizer()
+    _one_step(model, opt)
+    wrap = _Inner if wrapper == "renaming" else _Checkpointed
+    keep = []
+    gc.disable()
+    try:
+        if how == "in place":
+            for i in range(len(model.layers)):
+                model.layers[i] = wrap(model.layers[i])
+        else:
+            old = model.layers
+            model.layers = nn.ModuleList([wrap(layer) for layer in old])
+            if how == "rebuilt, old list kept":
+                keep.append(old)
+            elif how == "rebuilt, old list in a cycle":
+                old.cycle = [old]
+            del old
+            if how == "rebuilt, old list freed":
+                gc.collect()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if wrapper == "checkpoint":
+            for _ in range(2):
+                _one_step(model, opt)
+            assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+            return
+        where = r"ModuleList\.0" if how == "in place" else r"_Layers\.layers"
+        with pytest.raises(CanzonaError, match=rf"parameter 'layers\.0\.weight' moved in the model after the optimizer "
+                                               rf"was built \({where} now holds another module\): its optimizer state"):
+            _one_step(model, opt)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
