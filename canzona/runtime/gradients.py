@@ -195,6 +195,9 @@ class GradientSync:
         self._reduced = False
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._accumulated: set[str] = set()  # autograd accumulated into its guard, not arrived yet (`accumulate`)
+        # the last step's gradient met at a bucket's launch (`_take_all`): STEPPED_TWICE or
+        # UNREACHED_SINCE_STEP, which the step's check reports (`_local_problem`)
+        self._left: str | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -350,7 +353,17 @@ class GradientSync:
                 continue
             if p.grad is guard:
                 if self._states.get(name) is GradState.STEPPED:  # no backward reached it, no zero_grad since the step
-                    raise CanzonaError((UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name))
+                    # recorded, not raised: this runs before a bucket's launch, and may hold on one
+                    # rank only (its loop skipped a backward and zero_grad()), its peers then waiting
+                    # in the collective. The step's check (`_local_problem`) reports it on every rank
+                    # together; the bucket launches with zeros in its place, and the check refuses
+                    # the step, so nothing reduced is used
+                    if self._left is None:
+                        self._left = (UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name)
+                    for entry in self.stacks.members[name]:
+                        if self.buffer_of[entry] is buffer:
+                            buffer.zero(entry)
+                    continue
             elif p.grad is None:
                 self._zeroed.discard(name)  # set to None since (model.zero_grad())
                 for entry in self.stacks.members[name]:
@@ -477,7 +490,11 @@ class GradientSync:
 
     def _local_problem(self) -> str | None:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers or
-        replaced in the model, or a gradient dropped or replaced after it was handed to the reduction."""
+        replaced in the model, a gradient left from the last step (no backward reached it, no zero_grad()
+        since: met at a bucket's launch), or a gradient dropped or replaced after it was handed to the
+        reduction."""
+        if self._left is not None:
+            return self._left
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
             next(self.stacks.unlinked(), None) or \
             next((n for n, record in self._fsdp.items() if not fsdp_reads(record, self.params[n])), None)

@@ -1867,7 +1867,10 @@ def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_ran
     """No zero_grad() after a step whose backward reached one parameter: step() again with no
     backward is STEPPED_TWICE ('called again with no backward'); with a backward that reached only
     another parameter (whose gradient was None), the left gradient is refused with a line that says
-    that backward did not reach it. Before: both said no backward had run."""
+    that backward did not reach it. Before: both said no backward had run. Both come from the step's
+    check, which every rank runs together, not from taking the gradients in before a bucket's launch
+    (`_take_all`: one rank raising there, its loop having skipped a backward and zero_grad(), left
+    its peers waiting in the collective); nothing is updated."""
     from canzona.errors import CanzonaError
 
     model = build_model(BASE)
@@ -1878,8 +1881,11 @@ def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_ran
     opt.step()
     if second == "another parameter":
         last.pow(2).sum().backward()
+    before = [p.detach().clone() for p in params]
     with pytest.raises(CanzonaError) as refused:
         opt.step()
+    assert not any(entry.name == "_take_all" for entry in refused.traceback)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
     said = str(refused.value)
     name = next(n for n, p in opt.params.items() if p is first)
     if second == "none":
