@@ -567,6 +567,23 @@ def unlinked_on_one_rank(rank: int) -> dict:
     return out
 
 
+def stepped_again_on_one_rank(rank: int) -> dict:
+    """After a step on every rank, DP index 1 (ranks 2 and 3: its TP group, which must run the
+    model's forward together) skips a batch's zero_grad() and backward (a branch taken on that DP
+    rank only) and calls step() again, DP index 0 stepping a fresh backward: the step's check names
+    the left gradient on DP index 1 and fails on every rank, nothing updated. Before: DP index 1
+    raised before its first bucket's reduction (`_take_all`), its DP peers waiting in it until the
+    timeout."""
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    _train_step(model, opt, mesh)
+    before = [q.detach().clone() for q in model.parameters()]
+    out = _outcome(opt.step if mesh.get_local_rank("dp") == 1 else lambda: _train_step(model, opt, mesh))
+    out["unchanged"] = all(torch.equal(q, b) for q, b in zip(model.parameters(), before))
+    return out
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -625,6 +642,10 @@ JOBS = {
     # inside backward)
     "unlinked_on_one_rank": (CanzonaError, ("no longer lives in the optimizer's buffers",
                                             "found a broken step", "failed this step's check")),
+    # DP index 1 names it; DP index 0 learns it (a hang before: DP index 1 raised before its first
+    # bucket's reduction)
+    "stepped_again_on_one_rank": (CanzonaError, ("step() was called again with no backward since the last step()",
+                                                 "found a broken step")),
 }
 
 
@@ -776,3 +797,10 @@ def test_a_weight_out_of_the_buffers_on_one_rank_is_refused_before_any_update():
     if "error" in got:
         pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
     assert all(out["unchanged"] for out in got["unlinked_on_one_rank"])
+
+
+def test_a_step_again_without_backward_on_one_rank_is_refused_before_any_update():
+    got = outcomes()
+    if "error" in got:
+        pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
+    assert all(out["unchanged"] for out in got["stepped_again_on_one_rank"])
