@@ -195,8 +195,10 @@ class GradientSync:
         self._reduced = False
         self.norm_term: Tensor | None = None  # this rank's sum of squares, once checked
         self._accumulated: set[str] = set()  # autograd accumulated into its guard, not arrived yet (`accumulate`)
-        # the last step's gradient met at a bucket's launch (`_take_all`): STEPPED_TWICE or
-        # UNREACHED_SINCE_STEP, which the step's check reports (`_local_problem`)
+        # a problem met where a raise would run on one rank only, in backward or before a bucket's
+        # launch, which the step's check reports on every rank (`_local_problem`): a gradient left
+        # from the last step at a launch (`_take_all`: STEPPED_TWICE, UNREACHED_SINCE_STEP), one
+        # dropped mid-step and written anew by a backward (`_arrive`: DROPPED_MID_STEP)
         self._left: str | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -283,8 +285,13 @@ class GradientSync:
         buckets = self.buckets_of[name]
         if p.grad is not guard and (self._reduced or any(self._launched[k] is not None for k in buckets)):
             # its guard was dropped after its gradient went to the reduction, whose buffers this
-            # backward's gradient would overwrite under the collective or after the check read them
-            raise CanzonaError(DROPPED_MID_STEP.format(name=name))
+            # backward's gradient would overwrite under the collective or after the check read them:
+            # left in `.grad`, unwritten, and recorded for the step's check (`_local_problem`), which
+            # reports it on every rank together; a raise here, inside backward on one rank (its loop
+            # dropped a batch), would leave the peers waiting in the step's collectives
+            if self._left is None:
+                self._left = DROPPED_MID_STEP.format(name=name)
+            return
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
@@ -492,7 +499,7 @@ class GradientSync:
         """What is wrong on this rank alone, if anything: a parameter moved out of the buffers or
         replaced in the model, a gradient left from the last step (no backward reached it, no zero_grad()
         since: met at a bucket's launch), or a gradient dropped or replaced after it was handed to the
-        reduction."""
+        reduction (dropped, then written anew by a backward: met in that backward)."""
         if self._left is not None:
             return self._left
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \

@@ -1833,7 +1833,10 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     says what discards them (optimizer.zero_grad(), with which the same loop runs); the buffers as
     they were; `set_to_none=False` is refused at the zeroing, naming the same remedy. Before:
     'gradients were synchronised twice in one step: wrap ... in no_sync()', and for the zeroing
-    'nothing may read or change .grad between backward and step() ... Clip with ...'."""
+    'nothing may read or change .grad between backward and step() ... Clip with ...'. The dropped
+    gradient written anew is refused by the step's check, which every rank runs together, not inside
+    that backward (one rank raising there, its loop having dropped a batch, left its peers waiting in
+    the step's collectives), nothing updated."""
     from canzona.errors import CanzonaError
 
     model = build_model(BASE)
@@ -1850,6 +1853,11 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     with pytest.raises(CanzonaError) as refused:
         model.zero_grad(set_to_none=set_to_none)
         model.loss(tokens).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+    if set_to_none:
+        assert refused.traceback[-1].name != "_arrive" and any(e.name == "_step" for e in refused.traceback)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     said = str(refused.value)
     assert ("was set to None (model.zero_grad(), or .grad = None) after this step's gradients went to the "
             "reduction" if set_to_none else "cannot be zeroed in place (zero_.default: "

@@ -584,6 +584,34 @@ def stepped_again_on_one_rank(rank: int) -> dict:
     return out
 
 
+def dropped_mid_step_on_one_rank(rank: int) -> dict:
+    """DP index 1 (ranks 2 and 3, its TP group) drops its batch after backward with model.zero_grad()
+    and runs another backward, DP index 0 stepping its one backward: the step's check names the
+    dropped gradient on DP index 1 and fails on every rank, nothing updated. Before: DP index 1
+    raised inside its second backward (`_arrive`), DP index 0 waiting in the step's collectives
+    until the timeout."""
+    from reference.data import fixed_batch
+
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    opt = _optimizer(model, model.spec(), mesh)
+    i = mesh.get_local_rank("dp")
+    tokens = fixed_batch(256, 4, 16, seed=1)[2 * i:2 * i + 2]
+    before = [q.detach().clone() for q in model.parameters()]
+
+    def step() -> None:
+        opt.zero_grad()
+        model.loss(tokens).backward()
+        if i == 1:
+            model.zero_grad()
+            model.loss(tokens).backward()
+        opt.step()
+
+    out = _outcome(step)
+    out["unchanged"] = all(torch.equal(q, b) for q, b in zip(model.parameters(), before))
+    return out
+
+
 def jobs_worker(rank: int, world: int, jobs: list[str]) -> list[dict]:
     out = []
     for name in jobs:
@@ -646,6 +674,9 @@ JOBS = {
     # bucket's reduction)
     "stepped_again_on_one_rank": (CanzonaError, ("step() was called again with no backward since the last step()",
                                                  "found a broken step")),
+    # DP index 1 names it; DP index 0 learns it (before: DP index 0 timed out in the step's reduction)
+    "dropped_mid_step_on_one_rank": (CanzonaError, ("was set to None (model.zero_grad(), or .grad = None) after this "
+                                                    "step's gradients went to the reduction", "found a broken step")),
 }
 
 
@@ -799,8 +830,9 @@ def test_a_weight_out_of_the_buffers_on_one_rank_is_refused_before_any_update():
     assert all(out["unchanged"] for out in got["unlinked_on_one_rank"])
 
 
-def test_a_step_again_without_backward_on_one_rank_is_refused_before_any_update():
+def test_a_step_again_without_backward_or_a_batch_dropped_on_one_rank_is_refused_before_any_update():
     got = outcomes()
     if "error" in got:
         pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
     assert all(out["unchanged"] for out in got["stepped_again_on_one_rank"])
+    assert all(out["unchanged"] for out in got["dropped_mid_step_on_one_rank"])
