@@ -372,6 +372,12 @@ class GradientSync:
                             buffer.zero(entry)
                     continue
             elif p.grad is None:
+                if name in self._states and self._launched_any(name):
+                    # a stack spanning buckets, its gradient taken by an earlier bucket, now under its
+                    # reduction, then set to None: zeros here would tear it (part of it reduced, part
+                    # zero). Refused by the step's check on every rank together, nothing updated
+                    self._leave(buffer, name, handed_message(name, "dropped (zero_grad() or .grad = None)"))
+                    continue
                 self._zeroed.discard(name)  # set to None since (model.zero_grad())
                 for entry in self.stacks.members[name]:
                     if self.buffer_of[entry] is buffer:
@@ -386,6 +392,15 @@ class GradientSync:
                     # raising here, before a launch (in backward, or on one rank), would leave the
                     # peers waiting in the collective
                     continue
+                if self._launched_any(name):
+                    # a stack spanning buckets, changed after an earlier of its buckets launched (its
+                    # `.grad` assigned by hand, or dropped and written anew by a backward: `_arrive`
+                    # recorded that): writing it in whole would write the launched buckets' entries
+                    # under their reduction, and the step would read a torn gradient. Left in `.grad`,
+                    # this bucket's entries zero; the step's check refuses the step on every rank
+                    # together, nothing updated
+                    self._leave(buffer, name, handed_message(name, "replaced"))
+                    continue
                 # every entry of the parameter, in this buffer and in those launched after it (a
                 # stack spanning buckets: this is the first of them to launch, as the guard
                 # now stands in `.grad`)
@@ -394,6 +409,19 @@ class GradientSync:
                 self._got_grad[self.index[name]] = 1
                 self.backward += 1
             self._states[name] = GradState.REDUCING
+
+    def _launched_any(self, name: str) -> bool:
+        """Some bucket of `name` (a stack may span several) went to its reduction this step."""
+        return any(self._launched[k] is not None for k in self.buckets_of[name])
+
+    def _leave(self, buffer: FlatBuffer, name: str, problem: str) -> None:
+        """`name`'s entries in `buffer` zero, and `problem` recorded for the step's check
+        (`_local_problem`), unless one was already."""
+        if self._left is None:
+            self._left = problem
+        for entry in self.stacks.members[name]:
+            if self.buffer_of[entry] is buffer:
+                buffer.zero(entry)
 
     @property
     def syncing(self) -> bool:
@@ -517,9 +545,7 @@ class GradientSync:
             held = name in self._states
             zeroed = name in self._zeroed and p.grad is self._guards[name]
             if (p.grad is not self._guards[name]) if held else (p.grad is not None and not zeroed):
-                change = "dropped (zero_grad() or .grad = None)" if p.grad is None else "replaced"
-                return (f"the gradient of {name!r} was {change} between backward and step(), after backward had "
-                        f"handed it to the reduction: zero gradients before backward, not after. {GUARD_ADVICE}")
+                return handed_message(name, "dropped (zero_grad() or .grad = None)" if p.grad is None else "replaced")
         return None
 
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
@@ -797,6 +823,12 @@ GUARD_ADVICE = ("Clip with opt.clip_grad_norm_(max_norm) (it returns the global 
                 "max_norm=inf only measures it) or DistributedOptimizer(max_grad_norm=...), not "
                 "torch.nn.utils.clip_grad_norm_; with Hugging Face Trainer use canzona.integrations.hf.CanzonaTrainer, "
                 "with accelerate canzona.integrations.accelerate.CanzonaAccelerator")
+def handed_message(name: str, change: str) -> str:
+    """A gradient `change`d ("replaced", "dropped ...") after backward handed it to the reduction."""
+    return (f"the gradient of {name!r} was {change} between backward and step(), after backward had "
+            f"handed it to the reduction: zero gradients before backward, not after. {GUARD_ADVICE}")
+
+
 STALE_GRADIENTS = ("backward would accumulate the gradient of {name!r} onto the last step's: call "
                    "optimizer.zero_grad() or model.zero_grad() between steps (after a step the buffers hold "
                    "reduced gradients, which a backward must not add to)")

@@ -1905,6 +1905,41 @@ def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_ran
                         "zero_grad() before each step's backward"), said
 
 
+@pytest.mark.parametrize("change", ["assigned", "set to None", "dropped, then a backward"])
+def test_a_stack_spanning_buckets_changed_after_its_first_bucket_launched_is_refused(one_rank, change):
+    """A stacked parameter whose matrices span two buckets (tiny-moe, 1536-element buckets: layer
+    1's down_proj lies in buckets 0 and 1, bucket 1 shared with gate_up_proj). Its backward
+    launches bucket 0; then its `.grad` is assigned by hand, set to None, or set to None and
+    written anew by a backward (a batch dropped with model.zero_grad() on one rank), and bucket 1
+    launches at step(). Before: bucket 1's launch took the new `.grad` in whole, over bucket 0's
+    entries under their reduction, or (None) zeroed bucket 1's entries only; assigned or None, the
+    step went ahead with a torn gradient, silently. Now the step is refused from its check (on
+    every rank together), nothing updated, and the loop goes on after optimizer.zero_grad()."""
+    model = build_model(replace(BASE, preset="tiny-moe"))
+    opt = _optimizer(model, bucket_size=1536, overlap_param_gather=False)
+    name = "model.layers.1.mlp.experts.down_proj"
+    stack = opt.params[name]
+    assert opt.grads.buckets_of[name] == [0, 1]
+    stack.pow(2).sum().backward()
+    assert opt.grads._launched[0] is not None and opt.grads._launched[1] is None
+    if change == "assigned":
+        stack.grad = torch.ones_like(stack)
+    else:
+        stack.grad = None
+        if change == "dropped, then a backward":
+            stack.pow(3).sum().backward()
+    before = {n: q.detach().clone() for n, q in opt.params.items()}
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert all(torch.equal(q, before[n]) for n, q in opt.params.items())
+    said = str(refused.value)
+    assert f"the gradient of {name!r}" in said and "\n" not in said, said
+    opt.zero_grad()  # what the error says: the loop goes on
+    stack.pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(stack.detach(), before[name])
+
+
 def test_a_gradient_dropped_between_the_clip_and_the_step_is_the_rechecks_error(one_rank):
     """clip_grad_norm_(), then `.grad = None` on one parameter, then step(): the step reuses the
     clip's check, and its recheck carries the rank's local problem, so the drop is the same error
