@@ -198,7 +198,8 @@ class GradientSync:
         # a problem met where a raise would run on one rank only, in backward or before a bucket's
         # launch, which the step's check reports on every rank (`_local_problem`): a gradient left
         # from the last step at a launch (`_take_all`: STEPPED_TWICE, UNREACHED_SINCE_STEP), one
-        # dropped mid-step and written anew by a backward (`_arrive`: DROPPED_MID_STEP)
+        # dropped mid-step and written anew by a backward (`_arrive`: DROPPED_MID_STEP), a stack's
+        # `.grad` changed after an earlier of its buckets launched (`_take_all`: `handed_message`)
         self._left: str | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
