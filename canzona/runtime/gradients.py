@@ -290,8 +290,7 @@ class GradientSync:
             # left in `.grad`, unwritten, and recorded for the step's check (`_local_problem`), which
             # reports it on every rank together; a raise here, inside backward on one rank (its loop
             # dropped a batch), would leave the peers waiting in the step's collectives
-            if self._left is None:
-                self._left = DROPPED_MID_STEP.format(name=name)
+            self._record(DROPPED_MID_STEP.format(name=name))
             return
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
@@ -366,11 +365,7 @@ class GradientSync:
                     # in the collective. The step's check (`_local_problem`) reports it on every rank
                     # together; the bucket launches with zeros in its place, and the check refuses
                     # the step, so nothing reduced is used
-                    if self._left is None:
-                        self._left = (UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name)
-                    for entry in self.stacks.members[name]:
-                        if self.buffer_of[entry] is buffer:
-                            buffer.zero(entry)
+                    self._leave(buffer, name, (UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name))
                     continue
             elif p.grad is None:
                 if name in self._states and self._launched_any(name):
@@ -415,11 +410,21 @@ class GradientSync:
         """Some bucket of `name` (a stack may span several) went to its reduction this step."""
         return any(self._launched[k] is not None for k in self.buckets_of[name])
 
-    def _leave(self, buffer: FlatBuffer, name: str, problem: str) -> None:
-        """`name`'s entries in `buffer` zero, and `problem` recorded for the step's check
-        (`_local_problem`), unless one was already."""
+    def _record(self, problem: str) -> None:
+        """`problem` recorded for the step's check (`_local_problem`), unless one was already."""
         if self._left is None:
             self._left = problem
+
+    def missed_gradient(self) -> bool:
+        """Whether a parameter got no gradient this step (checked after the gradients were taken in:
+        the names holding one are those with a state): a module replaced without a registration
+        (`ModuleList.insert`, `_modules` written, `del model.head`) leaves its old parameters none,
+        which sends `param_gather.ModuleLinks` to walk its links."""
+        return len(self._states) < len(self.params)
+
+    def _leave(self, buffer: FlatBuffer, name: str, problem: str) -> None:
+        """`name`'s entries in `buffer` zero, and `problem` recorded (`_record`)."""
+        self._record(problem)
         for entry in self.stacks.members[name]:
             if self.buffer_of[entry] is buffer:
                 buffer.zero(entry)
@@ -824,6 +829,8 @@ GUARD_ADVICE = ("Clip with opt.clip_grad_norm_(max_norm) (it returns the global 
                 "max_norm=inf only measures it) or DistributedOptimizer(max_grad_norm=...), not "
                 "torch.nn.utils.clip_grad_norm_; with Hugging Face Trainer use canzona.integrations.hf.CanzonaTrainer, "
                 "with accelerate canzona.integrations.accelerate.CanzonaAccelerator")
+
+
 def handed_message(name: str, change: str) -> str:
     """A gradient `change`d ("replaced", "dropped ...") after backward handed it to the reduction."""
     return (f"the gradient of {name!r} was {change} between backward and step(), after backward had "

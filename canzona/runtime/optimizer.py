@@ -477,7 +477,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             grads.replaced_check = functools.partial(self._changed, functools.partial(
                 replaced_parameter, grads.params, held, ModuleLinks(module_links(held, parents),
                                                                     {n: grads.params[n] for n in held}),
-                missed=functools.partial(_missed_gradient, grads)))
+                missed=grads.missed_gradient))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)
@@ -1168,14 +1168,6 @@ DistributedOptimizer.__signature__ = inspect.signature(DistributedOptimizer.__in
 
 
 # --- the parameter all-gather after the step, one per step policy (docs/design.md §7) ---------
-
-
-def _missed_gradient(grads: Any) -> bool:
-    """Whether one of `grads`' parameters got no gradient this step (checked after the gradients
-    were taken in: the names holding one are those with a state): a module replaced without a
-    registration (`ModuleList.insert`, `_modules` written, `del model.head`) leaves its old
-    parameters none, which sends `ModuleLinks` to walk its links."""
-    return len(grads._states) < len(grads.params)
 
 
 def _no_matrices(shape: tuple[int, ...], cfg: Any, lr: float, steps: int) -> None:
