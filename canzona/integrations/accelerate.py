@@ -86,7 +86,15 @@ For a model whose parameters a canzona optimizer holds:
   the floor each kind of group ends at: transformers divides the floor by
   `optimizer.defaults["lr"]`, the matrix rate, so the matrices end at `x` and the AdamW groups at
   `adamw lr * x / matrix lr`. The schedule is left as built (`prepare_scheduler` says why);
-  `min_lr_rate=F / adamw lr` ends the AdamW groups at `F`.
+  `min_lr_rate=F / adamw lr` ends the AdamW groups at `F`. Likewise a plateau scheduler the user
+  built with one absolute bound for every group (torch's `ReduceLROnPlateau(opt, min_lr=x)`,
+  transformers' `GreedyLR`, whose defaults `min_lr=1e-3`, `max_lr=1.0` are such bounds; GreedyLR is
+  no `LRScheduler`, which accelerate passes through, and is warned of all the same): one warning
+  naming where each kind of group stops (a `min_lr` at or above the AdamW rate: never reduced) and
+  the per-group `min_lr=[...]` lists (both take one) measured against either rate
+  (`bound_warning`). Their `eps`, absolute too, stops a reduction only below about
+  `eps / (1 - factor)` (1.1e-8 at torch's defaults: far under an AdamW rate of 3e-4) and is named
+  only where a group starts there.
 
 Everything else (data loaders, schedulers, other models and optimizers) is accelerate's own.
 """
@@ -404,10 +412,82 @@ def floor_ratio(scheduler: Any) -> float | None:
     return float(ratio) if ratio else None
 
 
+def _uniform_bound(scheduler: Any, key: str) -> float | None:
+    """The one absolute bound (`min_lrs` / `max_lrs`) a plateau scheduler applies to every group, or
+    None: bounds per group, or a floor of 0. ReduceLROnPlateau records whether `min_lr` was one number
+    (`default_min_lr`); GreedyLR does not: a list of equal bounds reads as one."""
+    if key == "min_lrs" and hasattr(scheduler, "default_min_lr"):
+        one = scheduler.default_min_lr
+    else:
+        bounds = getattr(scheduler, key, None)
+        one = bounds[0] if isinstance(bounds, list) and bounds and len(set(map(float, bounds))) == 1 else None
+    return float(one) if one else None
+
+
+def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
+    """What `prepare` warns of for a plateau scheduler built by the user (torch's ReduceLROnPlateau,
+    transformers' GreedyLR) that bounds every group by one absolute rate (`min_lr`; GreedyLR's
+    `max_lr`, their defaults too) over a canzona optimizer whose rates differ: the rate each kind of
+    group stops at, and the per-group lists (which both take) that bound every group at one ratio
+    of its own rate. Its `eps` (the smallest change applied, absolute too) stops a reduction only at
+    rates below about `eps / (1 - factor)` (1.1e-8 for ReduceLROnPlateau's defaults, 2e-7 for
+    GreedyLR's): named only where a group starts there (never reduced at all). None where there is
+    nothing to tell."""
+    name = type(scheduler).__name__
+    low, high = _uniform_bound(scheduler, "min_lrs"), _uniform_bound(scheduler, "max_lrs")
+    if low is None and high is None:
+        return None
+    base = getattr(scheduler, "_init_lrs", None)
+    if not isinstance(base, list) or len(base) != len(opt.param_groups):
+        base = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+    base = [float(r) for r in base]
+    rates: dict[Any, list[float]] = {}
+    for r, group in zip(base, opt.param_groups):
+        if r not in rates.setdefault(group.get("kind"), []):
+            rates[group.get("kind")].append(r)
+    matrix, adamw = rates.get("matrix"), rates.get("adamw")
+    if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
+        return None
+
+    def stops(kind: list[float], theirs: str) -> str:
+        if low is None:
+            return f"(rate {', '.join(f'{r:g}' for r in kind)}) have no floor"
+        parts = [f"(rate {r:g}) are never reduced (min_lr is not below their rate)" if low >= r
+                 else f"(rate {r:g}) stop at {low:g} ({low / r:.3g} of {theirs})" for r in kind]
+        return ", ".join(parts)
+
+    bounds = " and ".join(f"{k} {v:g}" for k, v in (("min_lr", low), ("max_lr", high)) if v is not None)
+    told = (f"this {name} bounds every group's rate by one absolute {bounds}, alike whatever the group's rate: "
+            f"the matrix groups {stops(matrix, 'their rate')}, the AdamW groups {stops(adamw, 'theirs').replace(' stop at', ' at')}")
+    if high is not None:
+        told += f"; max_lr {high:g} is {high / max(matrix):.3g} times the matrix rate, {high / max(adamw):.3g} times the AdamW rate"
+
+    def lists(against: float) -> str:
+        return " and ".join(f"{k}=[{', '.join(f'{v * r / against:g}' for r in base)}]"
+                            for k, v in (("min_lr", low), ("max_lr", high)) if v is not None)
+
+    told += (f". To bound every group at one ratio of its own rate, pass one bound per param group (torch and "
+             f"transformers take a list): measured against the AdamW rate ({adamw[0]:g}), {lists(adamw[0])}; "
+             f"against the matrix rate ({matrix[0]:g}), {lists(matrix[0])}")
+    eps, factor = getattr(scheduler, "eps", None), getattr(scheduler, "factor", None)
+    if eps and factor is not None and factor < 1:
+        stuck = [(kind, r) for kind, kind_rates in (("matrix", matrix), ("AdamW", adamw)) for r in kind_rates
+                 if r * (1 - factor) <= eps]
+        if stuck:
+            told += (f". Its eps {eps:g} (the smallest change applied, absolute too) leaves the "
+                     + ", ".join(f"{kind} groups at {r:g}" for kind, r in stuck)
+                     + f" never reduced (a reduction by factor {factor:g} changes them by no more than eps): give "
+                     "an eps below the smallest rate's change")
+    return told + ". CanzonaTrainer makes these bounds one per group, measured against the AdamW rate " \
+        "(learning_rate), itself"
+
+
 def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     """What `prepare` warns of for a transformers schedule with a floor (`floor_ratio`) over a
     canzona optimizer whose rates differ (every group's: the matrix and AdamW rates): the floors each
     kind of group ends at, and how to set the AdamW groups' own. None where there is nothing to tell."""
+    if _uniform_bound(scheduler, "min_lrs") is not None or _uniform_bound(scheduler, "max_lrs") is not None:
+        return bound_warning(scheduler, opt)
     ratio = floor_ratio(scheduler)
     base = getattr(scheduler, "base_lrs", None)
     if ratio is None or not base or len(base) != len(opt.param_groups):
@@ -489,6 +569,9 @@ class CanzonaAccelerator(Accelerator):
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         given = [o for o in map(canzona_optimizer, args) if o is not None]
+        for obj in args:  # a scheduler accelerate does not prepare (transformers' GreedyLR: no LRScheduler)
+            if not isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and hasattr(obj, "min_lrs"):
+                self._warn_schedule(obj)
         # prepare_model may run before prepare_optimizer (argument order): it looks here too
         self._canzona_given = given
         try:
@@ -558,6 +641,11 @@ class CanzonaAccelerator(Accelerator):
         matrix groups end at the `min_lr` given, as transformers documents, and the AdamW groups at
         the same ratio of theirs. (CanzonaTrainer, whose `learning_rate` is the AdamW rate, builds
         its schedule with the floor measured against that rate.)"""
+        self._warn_schedule(scheduler)
+        return super().prepare_scheduler(scheduler)
+
+    def _warn_schedule(self, scheduler: Any) -> None:
+        """`floor_warning` of `scheduler`, once, on the main process, at the user's line."""
         inner = canzona_optimizer(getattr(scheduler, "optimizer", None))
         again = getattr(scheduler, "_is_accelerate_prepared", False) or getattr(scheduler, "_canzona_floor_told", False)
         told = floor_warning(scheduler, inner) if inner is not None and not again else None
@@ -566,7 +654,6 @@ class CanzonaAccelerator(Accelerator):
                 scheduler._canzona_floor_told = True  # prepared again: told once
             if self.is_main_process:
                 warnings.warn(told, stacklevel=_outside_frame())
-        return super().prepare_scheduler(scheduler)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         inner = canzona_optimizer(optimizer)

@@ -30,7 +30,7 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   checkpoint saved before canzona did so resumes with the uniform bounds in its `scheduler.pt`,
   which ReduceLROnPlateau's and GreedyLR's `load_state_dict` restore: `min_lrs`, `max_lrs`); a
   schedule given in `optimizers=` is left as built, with `CanzonaAccelerator.prepare`'s warning
-  where its floor was read of the matrix rate, as is one a subclass's own `create_scheduler`
+  where its floor was read of the matrix rate (or, a plateau schedule's, is one absolute bound), as is one a subclass's own `create_scheduler`
   builds without calling this one (not warned of); a callback that sets the groups' rates acts
   as under the plain Trainer (a `LambdaLR` schedule writes them again at its next step, and the
   logged rates are the schedule's; a plateau schedule's bounds stay those computed at its build);

@@ -1171,6 +1171,65 @@ def test_the_floor_warning_reads_every_group_of_a_kind():
     assert told is not None and f"the AdamW groups at {1e-4:g}, {3e-3 * 1e-4 / 0.02:g}" in told, told
 
 
+def test_a_plateau_schedules_one_absolute_bound_on_the_accelerate_path_is_warned_of(one_rank, monkeypatch):
+    """`ReduceLROnPlateau(opt, min_lr=x)` and transformers' `GreedyLR(opt)` built by the user over a
+    canzona optimizer of matrix rate 0.02 and AdamW rate 3e-4, given to `CanzonaAccelerator.prepare`:
+    torch and transformers floor every group at the one absolute `min_lr` (GreedyLR: its default
+    1e-3 too, and caps at `max_lr`), so the matrices may fall to 5e-4 of their rate while the AdamW
+    groups fall to 1/30 of theirs, or (`min_lr` above their rate) are never reduced. Before,
+    silently. Now one warning on the main process naming where each kind of group stops and the
+    per-group lists to pass; none for per-group lists, `min_lr=0` (ReduceLROnPlateau's default) or
+    equal rates. `eps` (1e-8, absolute too) stops a reduction only below about eps / (1 - factor), far
+    under 3e-4: not mentioned here; it is where a group starts that low (checked below)."""
+    import warnings
+
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+    from transformers.optimization import GreedyLR
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def told(make, adamw_lr: float = 3e-4) -> tuple[list[str], dict]:
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
+                                   {"lr": adamw_lr})
+        sched = make(opt)
+        accelerator = CanzonaAccelerator(cpu=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            accelerator.prepare(model, opt, sched)
+            accelerator.prepare(sched)  # prepared again: told once
+        rates = [g["lr"] for g in opt.param_groups]
+        for _ in range(200):  # a plateau all along: where the rates stop
+            (sched.scheduler if hasattr(sched, "scheduler") else sched).step(1.0)
+        ends = {g["kind"]: g["lr"] for g in opt.param_groups}
+        return [str(w.message) for w in caught if "bound" in str(w.message)], ends | {"rates": rates}
+
+    (message,), ends = told(lambda o: ReduceLROnPlateau(o, factor=0.5, patience=0, min_lr=1e-4))
+    assert (ends["matrix"], ends["adamw"]) == (1e-4, 1e-4), ends  # what is warned of: one floor for both
+    assert "ReduceLROnPlateau" in message and "min_lr 0.0001" in message, message
+    assert "the matrix groups (rate 0.02) stop at 0.0001 (0.005 of their rate)" in message, message
+    assert "the AdamW groups (rate 0.0003) at 0.0001 (0.333 of theirs)" in message, message
+    against_adamw = ", ".join(f"{1e-4 * r / 3e-4:g}" for r in ends["rates"])
+    assert f"measured against the AdamW rate (0.0003), min_lr=[{against_adamw}]" in message, message
+    assert "eps" not in message, message
+    (message,), ends = told(lambda o: ReduceLROnPlateau(o, factor=0.5, patience=0, min_lr=1e-3))
+    assert (ends["matrix"], ends["adamw"]) == (1e-3, 3e-4), ends
+    assert "the AdamW groups (rate 0.0003) are never reduced (min_lr is not below their rate)" in message, message
+    (message,), _ = told(lambda o: GreedyLR(o, patience=0))  # its defaults: min_lr 1e-3, max_lr 1.0
+    assert "GreedyLR" in message and "min_lr 0.001" in message and "max_lr 1" in message, message
+    # a group starting where eps stops every reduction: said
+    (message,), _ = told(lambda o: ReduceLROnPlateau(o, min_lr=1e-10, eps=5e-4))
+    assert "eps 0.0005" in message and "AdamW groups at 0.0003 never reduced" in message, message
+    # nothing to tell: per-group bounds, no floor, equal rates; and not off the main process
+    assert told(lambda o: ReduceLROnPlateau(o, min_lr=[1e-4 * g["lr"] / 3e-4 for g in o.param_groups]))[0] == []
+    assert told(lambda o: ReduceLROnPlateau(o))[0] == []
+    assert told(lambda o: ReduceLROnPlateau(o, min_lr=1e-4), adamw_lr=0.02)[0] == []
+    monkeypatch.setattr(CanzonaAccelerator, "is_main_process", property(lambda self: False))
+    assert told(lambda o: ReduceLROnPlateau(o, min_lr=1e-4))[0] == []
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
