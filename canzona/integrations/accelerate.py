@@ -72,8 +72,11 @@ For a model whose parameters a canzona optimizer holds:
   than at the save while the optimizers keep theirs (a plain one and a canzona one swapped) are not
   detected, and each takes its position's file. Objects given to
   `accelerator.register_for_checkpointing` (a scheduler too) are accelerate's own
-  `custom_checkpoint_<i>.pkl`, loaded by registration order whatever folders the optimizers take
-  (nothing checks them): register them in the order of the save. Call both on every rank, as
+  `custom_checkpoint_<i>.pkl`, loaded by registration order: the manifest records what each was
+  (its type; a scheduler's optimizer, a canzona one by its folder, another by its type and group
+  count: `registered_object`), and objects registered in another order or not the save's are one
+  `CanzonaError` before anything is loaded (not told apart: two schedulers of one type over plain
+  optimizers of one type and group count; a save of an older canzona is not checked). Call both on every rank, as
   accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
   are in (a `save_state` killed midway left its own without them); a folder without them is one
@@ -138,6 +141,8 @@ OPTIMIZER_DIR = "canzona_optimizer"  # save_state writes canzona optimizer i to 
 FINGERPRINT, MODEL_LINK, SCHEDULER_LINKS = "fingerprint", "prepared_model", "schedulers"
 # and of the whole save: how many optimizer folders and scheduler files it wrote
 FOLDER_COUNT, SCHEDULER_COUNT = "optimizer_folders", "scheduler_files"
+# and what each object given to register_for_checkpointing was (`registered_object`), in order
+REGISTERED = "registered_objects"
 # Distributed types that reduce or shard gradients or parameters themselves
 REFUSED_TYPES = {
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -286,7 +291,8 @@ def saved_links(folder: str) -> dict[str, Any]:
     fingerprint of the model the optimizer stepped (`optimizer_info`); `model`, that model's index
     among the prepared models; `schedulers`, the indices of the schedulers (`scheduler_<k>.bin`)
     that wrapped the optimizer; `folders` and `scheduler_files`, how many optimizer folders and
-    `scheduler_<k>.bin` the whole save wrote. Each None where not recorded: a folder of an older
+    `scheduler_<k>.bin` the whole save wrote; `registered`, what each object given to
+    `register_for_checkpointing` was (`registered_object`). Each None where not recorded: a folder of an older
     canzona (no manifest, or none of these in it), or one the load's own verification will refuse
     (an unreadable manifest)."""
     try:
@@ -294,13 +300,44 @@ def saved_links(folder: str) -> dict[str, Any]:
     except CheckpointError:
         info = {}
     found, model, schedulers = info.get(FINGERPRINT), info.get(MODEL_LINK), info.get(SCHEDULER_LINKS)
-    folders, files = info.get(FOLDER_COUNT), info.get(SCHEDULER_COUNT)
+    folders, files, registered = info.get(FOLDER_COUNT), info.get(SCHEDULER_COUNT), info.get(REGISTERED)
     return {"fingerprint": found if isinstance(found, str) else None,
+            "registered": registered if isinstance(registered, list) and all(isinstance(r, str) for r in registered)
+            else None,
             "model": model if type(model) is int else None,
             "folders": folders if type(folders) is int else None,
             "scheduler_files": files if type(files) is int else None,
             "schedulers": schedulers if isinstance(schedulers, list) and all(type(k) is int for k in schedulers)
             else None}
+
+
+def registered_object(obj: Any, opts: list[DistributedOptimizer], folders: list[int] | None = None) -> str:
+    """What `save_state` records of an object given to `register_for_checkpointing` (accelerate's
+    `custom_checkpoint_<i>.pkl`, loaded by registration order), and `load_state` compares: its type,
+    and for a scheduler the optimizer it steps, a canzona one by its folder (`folders[p]`: the folder
+    `opts[p]` reads; at the save its own index) and any other by its type and group count. Two
+    schedulers of one type over plain optimizers of one type and group count read the same."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if isinstance(obj, AcceleratedScheduler):
+        obj = obj.scheduler
+    own = canzona_optimizer(obj) if isinstance(obj, (DistributedOptimizer, AcceleratedOptimizer)) else None
+    if own is None and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+        stepped = obj.optimizer
+        own = canzona_optimizer(stepped)
+        if own is None:
+            while isinstance(stepped, AcceleratedOptimizer):
+                stepped = stepped.optimizer
+            return f"{type(obj).__name__} over {type(stepped).__name__} ({len(stepped.param_groups)} group(s))"
+        over = " over"
+    else:
+        over = ""
+    if own is None:
+        return type(obj).__name__
+    p = next((i for i, o in enumerate(opts) if o is own), None)
+    where = "not saved" if p is None else f"{OPTIMIZER_DIR}_{p if folders is None else folders[p]}/"
+    return f"{type(obj).__name__ + ' over the' if over else 'the'} canzona optimizer ({where})"
 
 
 def match_folders(mine: list[str | None], saved: list[str | None], my_models: list[int | None] | None = None,
@@ -792,9 +829,10 @@ class CanzonaAccelerator(Accelerator):
         # which prepared model each optimizer steps and which schedulers wrap it: what tells the load
         # which folder each takes (models of one architecture) and which scheduler file each scheduler
         models, wraps = self._model_links(opts), self._scheduler_links(opts)
+        registered = [registered_object(o, opts) for o in getattr(self, "_custom_objects", [])]
         for i, opt in enumerate(opts):
             links = {MODEL_LINK: models[i], SCHEDULER_LINKS: [k for k, p in enumerate(wraps) if p == i],
-                     FOLDER_COUNT: len(opts), SCHEDULER_COUNT: len(wraps)}
+                     FOLDER_COUNT: len(opts), SCHEDULER_COUNT: len(wraps), REGISTERED: registered}
             save_optimizer(opt, os.path.join(str(location), f"{OPTIMIZER_DIR}_{i}"),
                            {k: v for k, v in links.items() if v is not None})
         return location
@@ -839,6 +877,7 @@ class CanzonaAccelerator(Accelerator):
             # the files of a folder no optimizer reads now are no other scheduler's
             order = scheduler_order(self._scheduler_links(opts), found["folders"], [s["schedulers"] for s in saved],
                                     saved[0]["scheduler_files"])
+            Ranks().together(lambda: self._check_registered(saved[0]["registered"], found["folders"], opts))
             if order is None:
                 self._check_schedulers_follow(found["folders"], opts)
             elif order != sorted(order):
@@ -887,6 +926,23 @@ class CanzonaAccelerator(Accelerator):
             own = canzona_optimizer(given)
             out.append(next((i for i, o in enumerate(opts) if o is own), None) if own is not None else None)
         return out
+
+    def _check_registered(self, saved: list[str] | None, folders: list[int], opts: list[DistributedOptimizer]) -> None:
+        """accelerate loads `custom_checkpoint_<i>.pkl` into the i-th object given to
+        `register_for_checkpointing`: objects registered now that are not the save's, in its order
+        (`saved`, recorded by `save_state`; None: an older canzona's save, not checked), would each
+        take another's state (a scheduler another's base rates and step count, silently). One
+        `CanzonaError` before anything is loaded."""
+        now = [registered_object(o, opts, folders) for o in getattr(self, "_custom_objects", [])]
+        if saved is None or now == saved:
+            return
+        swapped = sorted(now) == sorted(saved)
+        raise CanzonaError(
+            f"load_state(): the objects given to accelerator.register_for_checkpointing are "
+            f"{'those of the save in another order' if swapped else 'not those of the save'} (saved: "
+            f"{'; '.join(saved) or 'none'}; registered now: {'; '.join(now) or 'none'}), and accelerate loads "
+            "custom_checkpoint_<i>.pkl into the i-th registered object, so each would take another's state: "
+            "register the objects of the save, in the order of the save")
 
     def _check_schedulers_follow(self, folders: list[int], opts: list[DistributedOptimizer]) -> None:
         """accelerate loads `scheduler_<i>.bin` by prepare order: where the canzona optimizers take

@@ -1373,6 +1373,56 @@ def test_save_state_and_load_state_of_a_model_of_dtensors(tmp_path, one_rank):
         assert torch.equal(local_tensor(p), saved[n]), n
 
 
+def test_schedulers_registered_for_checkpointing_in_another_order_are_one_error(tmp_path, one_rank):
+    """`accelerator.register_for_checkpointing(plain_sched, canzona_sched)` at the save and
+    `(canzona_sched, plain_sched)` at the load: accelerate loads `custom_checkpoint_<i>.pkl` by
+    registration order, so each scheduler took the other's state (before, silently, both optimizers
+    of two groups: after the load and one step the canzona groups were at 0.03125 and 0.00625, the
+    SGD's base rates on the canzona schedule, instead of 0.00125 and 1.875e-4, and the SGD's at
+    0.004 instead of 0.1; of other group counts, a ValueError from torch's zip at the next
+    `step()`). Now the save's manifest
+    records what each registered object is (type, and the optimizer a scheduler steps: a canzona
+    one by its folder), and the load is one `CanzonaError` before anything is loaded when the
+    registered objects differ from the save's; the same order loads."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model, other = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)), nn.Linear(2, 2)
+        opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
+                                   {"lr": 3e-3})
+        sgd = torch.optim.SGD([{"params": [other.weight]}, {"params": [other.bias], "lr": 0.1}], lr=0.5)
+        plain, mine = LambdaLR(sgd, lambda s: 1.0 / (s + 1)), LambdaLR(opt, lambda s: 0.5 ** s)
+        accelerator = CanzonaAccelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        return accelerator, model, opt, plain, mine
+
+    accelerator, model, opt, plain, mine = build()
+    accelerator.register_for_checkpointing(plain, mine)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        plain.step()
+        mine.step()
+        opt.zero_grad()
+    accelerator.save_state(str(tmp_path / "state"))
+    want = [g["lr"] for g in opt.param_groups]
+    accelerator, model, opt, plain, mine = build()
+    accelerator.register_for_checkpointing(mine, plain)  # swapped
+    with pytest.raises(CanzonaError, match="register_for_checkpointing are those of the save in another order") as e:
+        accelerator.load_state(str(tmp_path / "state"))
+    assert "\n" not in str(e.value), str(e.value)
+    assert mine.last_epoch == 0 and plain.last_epoch == 0  # nothing loaded
+    accelerator, model, opt, plain, mine = build()
+    accelerator.register_for_checkpointing(plain, mine)  # the order of the save
+    accelerator.load_state(str(tmp_path / "state"))
+    assert mine.last_epoch == 3 and [g["lr"] for g in opt.param_groups] == want
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_an_optimizer_the_trainer_dropped_is_freed(tmp_path, one_rank):
     """`hyperparameter_search` (and a second `train()` of a new model) sets `self.optimizer` and
