@@ -79,7 +79,8 @@ For a model whose parameters a canzona optimizer holds:
   optimizers of one type and group count; a save of an older canzona is not checked). Call both on every rank, as
   accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
-  are in (a `save_state` killed midway left its own without them); a folder without them is one
+  are in (a `save_state` killed midway left its own without them; one warning names those
+  skipped); a folder without them is one
   `CanzonaError` before anything is loaded.
 
 - a transformers schedule with a floor (`get_scheduler("cosine_with_min_lr", opt,

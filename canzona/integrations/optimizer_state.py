@@ -27,6 +27,7 @@ could leave a mix. Move it aside or delete it (it still loads), or save to a new
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Call
                  asked: str, killed: str, none: str) -> str:
     """Of the folders of `parent` (`numbered`: each one's number and name), the highest-numbered one
     that `problem` finds nothing wrong with (the framework's own rule takes the highest, a save
-    killed midway's folder too). None such: one `CheckpointError`, `asked` (what the user called)
+    killed midway's folder too); one warning naming the folders skipped, if any. None such: one `CheckpointError`, `asked` (what the user called)
     naming each folder skipped and why, and that `killed` (a save killed midway) leaves them; `none`
     where there is no folder at all."""
     skipped = []
@@ -89,6 +90,9 @@ def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Call
         folder = os.path.join(parent, name)
         found = problem(folder)
         if found is None:
+            if skipped:  # steps behind the latest save: said, once (the search runs on rank 0)
+                warnings.warn(f"{asked}: resuming from {name}, skipping {', '.join(skipped)}: {killed} leaves such "
+                              "a folder", stacklevel=2)
             return folder
         skipped.append(f"{name} ({found})")
     if not skipped:

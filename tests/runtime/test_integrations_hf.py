@@ -1287,6 +1287,40 @@ def test_the_fsdp2_layout_is_one_error_naming_its_own_loop():
         CanzonaTrainer(model=nn.Linear(2, 2), optimizers=(fsdp, None))
 
 
+def test_resuming_from_the_latest_whole_checkpoint_says_which_it_skipped(tmp_path, one_rank):
+    """`resume_from_checkpoint=True` (and accelerate's `load_state()` under automatic naming) skips
+    the folders of saves killed midway and resumes from an older whole one, steps of training
+    behind. Before, silently: a run whose checkpoint-2 lost its optimizer folder resumed from
+    checkpoint-1 with not a word. Now one warning (rank 0's: the search runs there) naming the
+    folder taken and each skipped, and why; none where the latest is whole."""
+    import warnings
+
+    from canzona.integrations.hf import latest_checkpoint
+    from canzona.integrations.optimizer_state import save_optimizer
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon")
+    for step in (1, 2):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        for name in ("model.safetensors", "scheduler.pt", "trainer_state.json"):
+            (folder / name).write_text("{}")
+        save_optimizer(opt, str(folder / "canzona_optimizer"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert [w for w in caught if "skipping" in str(w.message)] == []
+    shutil.rmtree(tmp_path / "checkpoint-2" / "canzona_optimizer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    (told,) = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    assert told.startswith("resume_from_checkpoint=True: resuming from checkpoint-1, skipping checkpoint-2 (no "
+                           "canzona_optimizer/manifest.json)"), told
+
+
 def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path, one_rank):
     """`CanzonaTrainer.train(resume_from_checkpoint=<a checkpoint of transformers' own Trainer>)`
     (its optimizer.pt: a torch optimizer's state). Before: "not a whole CanzonaTrainer checkpoint
