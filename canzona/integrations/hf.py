@@ -244,6 +244,10 @@ def checkpoint_problem(folder: str) -> str | None:
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
         if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
             return f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer"
+        if not os.path.exists(os.path.join(folder, OPTIMIZER_DIR)) and \
+                os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):  # written last: no killed save
+            return (f"no {OPTIMIZER_DIR}/ beside {TRAINER_STATE_FILE}: saved with save_only_model=True, which keeps "
+                    "no optimizer state to resume from")
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
@@ -271,9 +275,9 @@ def check_whole(folder: str) -> None:
         raise CheckpointError(f"{folder} is not a CanzonaTrainer checkpoint ({problem} with a torch optimizer, whose "
                               "state a canzona optimizer cannot resume from): to start from its weights, load the "
                               "model from it (from_pretrained) and train without resume_from_checkpoint")
-    raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}: a save killed midway, "
-                          "or save_only_model=True): resume from another, or resume_from_checkpoint=True for the "
-                          "latest whole one")
+    why = "" if "save_only_model" in problem else ": a save killed midway, or save_only_model=True"
+    raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}{why}): resume from another, "
+                          "or resume_from_checkpoint=True for the latest whole one")
 
 
 def latest_checkpoint(output_dir: str) -> str:

@@ -1312,13 +1312,36 @@ def test_resuming_from_the_latest_whole_checkpoint_says_which_it_skipped(tmp_pat
         warnings.simplefilter("always")
         assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert [w for w in caught if "skipping" in str(w.message)] == []
-    shutil.rmtree(tmp_path / "checkpoint-2" / "canzona_optimizer")
+    shutil.rmtree(tmp_path / "checkpoint-2" / "canzona_optimizer")  # killed before it (and trainer_state.json)
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
     (told,) = [str(w.message) for w in caught if "skipping" in str(w.message)]
     assert told.startswith("resume_from_checkpoint=True: resuming from checkpoint-1, skipping checkpoint-2 (no "
                            "canzona_optimizer/manifest.json)"), told
+
+
+def test_resuming_from_save_only_model_checkpoints_says_so():
+    """`save_only_model=True` checkpoints (model files and trainer_state.json, no optimizer state),
+    then `resume_from_checkpoint=True`: one CheckpointError (transformers documents such a
+    checkpoint as not resumable). Before, it said only that "a save killed midway leaves such a
+    folder" (a killed save writes trainer_state.json last, so this is none); now it names
+    save_only_model. (`resume_from_checkpoint=<folder>` named it already.)"""
+    import tempfile
+
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import latest_checkpoint
+
+    with tempfile.TemporaryDirectory() as root:
+        for step in (1, 2):
+            folder = Path(root) / f"checkpoint-{step}"
+            folder.mkdir()
+            for name in ("model.safetensors", "trainer_state.json", "training_args.bin"):
+                (folder / name).write_text("{}")
+        with pytest.raises(CheckpointError, match=r"checkpoint-2 \(no canzona_optimizer/ beside trainer_state\.json: "
+                                                  r"saved with save_only_model=True, which keeps no optimizer state"):
+            latest_checkpoint(root)
 
 
 def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path, one_rank):
