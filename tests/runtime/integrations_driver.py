@@ -61,14 +61,22 @@ def final_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --- transformers' Trainer -----------------------------------------------------------------------
 
 
-def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_steps: int = 0, own: bool = False,
+def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_steps: int = 0, own: bool | str = False,
                 resume: str | None = None, optimizer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
+    """`own`: True, `optimizers=(DistributedOptimizer, scheduler)`; "alone", `(DistributedOptimizer, None)`
+    (the Trainer builds its schedule over the given optimizer)."""
     from transformers import TrainerCallback
+
+    from canzona.integrations.hf import CanzonaTrainer
 
     args = trainer_example.training_arguments(SETUP, str(out / name), steps, accumulation, save_steps, **overrides)
     data = trainer_example.MarkovTokens(SETUP)
     model = trainer_example.build_model(SETUP)
-    trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own, optimizer_kwargs=optimizer_kwargs)
+    if own == "alone":
+        trainer = CanzonaTrainer(model=model, args=args, train_dataset=data,
+                                 optimizers=(trainer_example.own_optimizer(SETUP, model, args, data)[0], None))
+    else:
+        trainer = trainer_example.build_trainer(SETUP, model, args, data, own=own, optimizer_kwargs=optimizer_kwargs)
     grads = StepGradients(model)
     # the first layer's MLP's forward calls: gradient checkpointing runs the layer's forward again in
     # backward (transformers checkpoints `forward`, so the layer's own hooks run once; its modules' again)
@@ -338,6 +346,9 @@ def main() -> None:
         ("trainer resumed", lambda: run_trainer(out, "resumed", TRAINER_STEPS, accumulation=2,
                                                 resume=str(out / "trainer" / "checkpoint-2"))),
         ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
+        # optimizers=(opt, None): the Trainer's own schedule over the given optimizer, with accumulation
+        ("trainer given optimizer alone", lambda: run_trainer(out, "given-alone", GIVEN_STEPS, accumulation=2,
+                                                              own="alone")),
         ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),
         # against transformers' own Trainer and torch's AdamW
         ("trainer adamw", lambda: adamw_trainer(out, stock=False)),

@@ -262,6 +262,19 @@ def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
 
 
 @pytest.mark.distributed
+def test_the_trainer_trains_a_given_optimizer_without_a_scheduler_on_its_own_schedule(ranks):
+    """`optimizers=(DistributedOptimizer, None)` with accumulation and clipping: the Trainer builds
+    its linear schedule over the given optimizer's groups, each at its own rate, and trains as one
+    process (found so; no change needed)."""
+    results = scenario(ranks, "trainer given optimizer alone")
+    lrs = trainer_schedule(driver.GIVEN_STEPS)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
+    for r in results:
+        assert logged_norms(r["logs"]) == norms and logged_rates(r["logs"]) == lrs
+    assert max(norms) > SETUP.max_grad_norm  # the clip was active
+
+
+@pytest.mark.distributed
 def test_the_trainer_accumulates_under_sync_each_batch_as_without_it(ranks):
     """`accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}`: the
     Trainer runs every micro-batch outside `no_sync` (DDP then reduces each one, for the same
