@@ -14,6 +14,7 @@ With them, the optimizer folders' scenarios of `integrations_checkpoint_driver.p
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import traceback
 from collections.abc import Callable
@@ -62,15 +63,17 @@ def final_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_trainer(out: Path, name: str, steps: int, accumulation: int = 1, save_steps: int = 0, own: bool | str = False,
-                resume: str | None = None, optimizer_kwargs: dict | None = None, **overrides: Any) -> dict[str, Any]:
+                resume: str | None = None, optimizer_kwargs: dict | None = None, samples: int | None = None,
+                **overrides: Any) -> dict[str, Any]:
     """`own`: True, `optimizers=(DistributedOptimizer, scheduler)`; "alone", `(DistributedOptimizer, None)`
-    (the Trainer builds its schedule over the given optimizer)."""
+    (the Trainer builds its schedule over the given optimizer). `samples`: a data set of that many
+    (the model and rates as SETUP's)."""
     from transformers import TrainerCallback
 
     from canzona.integrations.hf import CanzonaTrainer
 
     args = trainer_example.training_arguments(SETUP, str(out / name), steps, accumulation, save_steps, **overrides)
-    data = trainer_example.MarkovTokens(SETUP)
+    data = trainer_example.MarkovTokens(SETUP if samples is None else dataclasses.replace(SETUP, samples=samples))
     model = trainer_example.build_model(SETUP)
     if own == "alone":
         trainer = CanzonaTrainer(model=model, args=args, train_dataset=data,
@@ -347,6 +350,9 @@ def main() -> None:
                                                 resume=str(out / "trainer" / "checkpoint-2"))),
         ("trainer given optimizer", lambda: run_trainer(out, "given", GIVEN_STEPS, own=True)),
         # optimizers=(opt, None): the Trainer's own schedule over the given optimizer, with accumulation
+        # an epoch of 3 batches per rank (10 samples each, the last batch of 2) accumulated by 2: every
+        # epoch ends in a group of one micro-batch
+        ("trainer partial accumulation", lambda: run_trainer(out, "partial", 4, accumulation=2, samples=20)),
         ("trainer given optimizer alone", lambda: run_trainer(out, "given-alone", GIVEN_STEPS, accumulation=2,
                                                               own="alone")),
         ("trainer unclipped", lambda: run_trainer(out, "unclipped", 2, max_grad_norm=0.0)),

@@ -262,6 +262,20 @@ def test_the_trainer_trains_a_given_optimizer_and_scheduler(ranks):
 
 
 @pytest.mark.distributed
+def test_the_trainer_accumulating_an_epochs_last_partial_group_trains_as_one_process(ranks):
+    """gradient_accumulation_steps=2 over epochs of 3 batches per rank (the last of 2 samples): each
+    epoch's second update accumulates one micro-batch, which the Trainer syncs as its last; with
+    max_grad_norm, as one process (found so; no change needed)."""
+    results = scenario(ranks, "trainer partial accumulation")
+    lrs = trainer_schedule(4)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
+    epochs = [entry["epoch"] for entry in results[0]["logs"] if "loss" in entry]
+    assert epochs == pytest.approx([2 / 3, 1.0, 5 / 3, 2.0])  # groups of 2 and 1 micro-batches, twice
+    for r in results:
+        assert logged_norms(r["logs"]) == norms and logged_rates(r["logs"]) == lrs
+
+
+@pytest.mark.distributed
 def test_the_trainer_trains_a_given_optimizer_without_a_scheduler_on_its_own_schedule(ranks):
     """`optimizers=(DistributedOptimizer, None)` with accumulation and clipping: the Trainer builds
     its linear schedule over the given optimizer's groups, each at its own rate, and trains as one
