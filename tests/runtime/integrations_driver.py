@@ -160,13 +160,16 @@ def sync_each_batch_accelerator() -> CanzonaAccelerator:
 
 
 def run_loop(out: Path, overlap_step: bool = False, max_norm: float = SETUP.max_grad_norm,
-             save: bool = True, separately: bool = False, sync_each_batch: bool = False) -> dict[str, Any]:
+             save: bool = True, separately: bool = False, sync_each_batch: bool = False,
+             samples: int | None = None) -> dict[str, Any]:
     """The loop to LOOP_STEPS, saving its state at LOOP_SAVE_AT on the way (`save`); the model
     prepared before the rest in a call of its own (`separately`); accumulating by accelerate's
-    plugin with `sync_each_batch=True` (`sync_each_batch`)."""
+    plugin with `sync_each_batch=True` (`sync_each_batch`); on a data set of `samples` (one pass
+    at most)."""
     accelerator = sync_each_batch_accelerator() if sync_each_batch else loop_example.make_accelerator(2, cpu=True)
+    setup = SETUP if samples is None else dataclasses.replace(SETUP, samples=samples)
     model, opt, loader, sched = build_separately(accelerator) if separately else \
-        loop_example.build(SETUP, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
+        loop_example.build(setup, accelerator, LOOP_STEPS, {"overlap_step": overlap_step})
     grads = StepGradients(model)
     grads.attach(opt)
     progress = loop_example.Progress()
@@ -383,6 +386,8 @@ def main() -> None:
         # accelerator.prepare(model), then accelerator.prepare(opt, loader, sched)
         ("accelerate prepared separately", lambda: run_loop(out, save=False, separately=True)),
         ("accelerate sync_each_batch", lambda: run_loop(out, save=False, sync_each_batch=True)),
+        # one pass of 3 batches per rank accumulated by 2: the last step a group of one micro-batch
+        ("accelerate partial accumulation", lambda: run_loop(out, save=False, samples=20)),
         # transformers' own TP plan over both ranks, with a plan from `canzona plan --model <config> --tp 2`
         ("hf tp tiny_qwen3", lambda: hf_tensor_parallel(out, "tiny_qwen3")),
         ("hf tp tiny_qwen3_moe", lambda: hf_tensor_parallel(out, "tiny_qwen3_moe")),

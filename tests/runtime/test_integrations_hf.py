@@ -363,6 +363,19 @@ def test_the_accelerate_loop_trains_as_one_process_with_accumulation_and_clippin
 
 
 @pytest.mark.distributed
+def test_the_accelerate_loop_accumulating_a_last_partial_group_trains_as_one_process(ranks):
+    """`accelerator.accumulate(model)` and `clip_grad_norm_` over 3 batches per rank accumulated by
+    2: the last step accumulates the one batch left, synced at the loader's end; as one process
+    (found so; no change needed)."""
+    results = scenario(ranks, "accelerate partial accumulation")
+    lrs = learning_rates(lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, loop_example.schedule(SETUP, driver.LOOP_STEPS, DP)), 2, per_step=DP)
+    norms = assert_trained_as_emulated(results, lrs, SETUP.max_grad_norm)
+    for r in results:
+        assert r["norms"] == norms
+
+
+@pytest.mark.distributed
 def test_the_accelerate_loop_runs_the_overlapped_step_bit_for_bit(ranks):
     """`overlap_step=True` under accelerate's loop: steps whose gradients clipping scales drop
     their early updates and run the plain step, the others commit them; the same numbers as the
