@@ -487,16 +487,17 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
         return None
 
-    def stops(kind: list[float], theirs: str) -> str:
+    def stops(kind: list[float], verb: str, theirs: str) -> str:
         if low is None:
-            return f"(rate {', '.join(f'{r:g}' for r in kind)}) have no floor"
+            return f"(rate {', '.join(f'{r:g}' for r in kind)}) keep the floors given per group"
         parts = [f"(rate {r:g}) are never reduced (min_lr is not below their rate)" if low >= r
-                 else f"(rate {r:g}) stop at {low:g} ({low / r:.3g} of {theirs})" for r in kind]
+                 else f"(rate {r:g}) {verb}{low:g} ({low / r:.3g} of {theirs})" for r in kind]
         return ", ".join(parts)
 
     bounds = " and ".join(f"{k} {v:g}" for k, v in (("min_lr", low), ("max_lr", high)) if v is not None)
     told = (f"this {name} bounds every group's rate by one absolute {bounds}, alike whatever the group's rate: "
-            f"the matrix groups {stops(matrix, 'their rate')}, the AdamW groups {stops(adamw, 'theirs').replace(' stop at', ' at')}")
+            f"the matrix groups {stops(matrix, 'stop at ', 'their rate')}, "
+            f"the AdamW groups {stops(adamw, 'at ', 'theirs')}")
     if high is not None:
         told += f"; max_lr {high:g} is {high / max(matrix):.3g} times the matrix rate, {high / max(adamw):.3g} times the AdamW rate"
 
