@@ -14,13 +14,20 @@ saying what to use instead. A guard has one of four states, kept by the optimize
   it (`clip_grad_value_`, scaling) is refused, and so is a second backward; GradScaler's unscale
   (`_AMP_UNSCALE`) is handed to the optimizer, which unscales the reduced gradients;
 - `STEPPED` (after `step()`): the buffer holds what the step consumed; a backward that would add
-  onto it is refused;
+  onto it is refused (by the step's check, on every rank: see below);
 - `ZEROED` (after `zero_()` or `optimizer.zero_grad(set_to_none=False)`): the gradient is zero,
   as torch leaves it; the next backward's accumulation is routed into the buffer, replacing what
   it held, and a step that no backward reached steps a zero gradient, as torch's optimizers do.
 
 `zero_()` (what `model.zero_grad(set_to_none=False)` calls) zeroes an accumulating or stepped
 gradient; a gradient being reduced cannot be zeroed.
+
+Three of these refusals may come on one rank alone, its loop having taken a branch its peers did
+not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a second backward onto a
+`REDUCING` one (no `no_sync()`), zeroing a `REDUCING` one. A raise there would leave the peers
+waiting in the step's collectives until the timeout, so they are recorded instead (`refused`): the
+gradient is not taken, the rank issues the same collectives as its peers, and the step's check
+fails on every rank together, naming the mistake, before anything is updated.
 
 `model.zero_grad()` (set_to_none) replaces a guard by None, which the optimizer sees. Metadata
 (`.shape`, `.dtype`, `is not None`) works, and so do aliases (`.detach()`, `.data`): DTensor
@@ -97,6 +104,10 @@ class GuardOwner(Protocol):
     def refusal(self, name: str, what: str, in_backward: bool) -> str:
         """The one-line error for using `name`'s guarded gradient with op `what`."""
 
+    def refused(self, name: str, what: str, in_backward: bool) -> None:
+        """`refusal`'s error, recorded for the step's check (which fails on every rank together)
+        instead of raised; `name`'s gradient is not taken."""
+
     def amp_unscale(self, name: str, found_inf: Tensor, inv_scale: Tensor) -> None:
         """GradScaler's unscale of the gradients (`name`: one of them): multiply every reduced
         gradient by `inv_scale` and set `found_inf` to 1 where any is not finite, alike on every rank."""
@@ -156,8 +167,9 @@ class GradGuard(Tensor):
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
         state = owner.guard_state(guard._name)
-        if func in _IN_PLACE_ADDS and args[0] is guard and state in (GradState.ACCUMULATING, GradState.ZEROED) \
-                and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard):
+        accumulation = func in _IN_PLACE_ADDS and args[0] is guard and kwargs.get("alpha", 1) == 1 \
+            and not isinstance(args[1], GradGuard)
+        if accumulation and state in (GradState.ACCUMULATING, GradState.ZEROED):
             owner.accumulate(guard._name, args[1])  # autograd's accumulation (under no_sync(), or onto zeros)
             return guard
         if func in _ZEROS and state is not GradState.REDUCING:
@@ -166,6 +178,15 @@ class GradGuard(Tensor):
             owner.dropped(guard._name)
             return guard
         in_backward = torch._C._current_graph_task_id() != -1
+        if (accumulation and in_backward and state in (GradState.STEPPED, GradState.REDUCING)) or \
+                (func in _ZEROS and not in_backward):
+            # a backward onto the last step's gradient (no zero_grad() since) or onto one being
+            # reduced (a second backward without no_sync()), or zeroing one being reduced: recorded
+            # for the step's check, which fails on every rank together, the gradient not taken.
+            # Raising here, inside backward or between backward and step() on one rank (its loop
+            # took a branch its peers did not), would leave its peers waiting in the collectives
+            owner.refused(guard._name, func.__name__, in_backward)
+            return guard
         raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
 
 

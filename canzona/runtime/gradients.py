@@ -274,7 +274,14 @@ class GradientSync:
     def _arrive(self, name: str) -> None:
         """`name`'s gradient of this backward is complete (post-accumulate-grad hook)."""
         if self.read_check is not None:
-            self.read_check(name)
+            try:
+                self.read_check(name)
+            except CanzonaError as e:
+                # its parameter was read before the last step's gather landed: recorded for the
+                # step's check, which fails on every rank together (a raise here, inside backward
+                # on one rank, would leave the peers waiting in the collectives); the gradient goes
+                # on to the reduction, so that this rank issues the same collectives as its peers
+                self._record(str(e))
         self._accumulated.discard(name)
         if not self.is_linked(name):
             # out of the buffers (`.data` assigned, a cast): its gradient stays in `.grad`, unwritten,
@@ -304,7 +311,10 @@ class GradientSync:
         if not buckets or not self._sync:
             return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
         if any(self._launched[k] is not None for k in buckets):
-            raise CanzonaError(SYNCED_TWICE)
+            # a second synchronising backward (its accumulation into the guard was recorded and not
+            # taken, `refused`): its bucket launched already, and is not launched again
+            self._record(SYNCED_TWICE)
+            return
         for entry in self.stacks.members[name]:
             self._arrived[self._bucket_of[entry]].add(entry)
         self._launch_ready_buckets()
@@ -339,8 +349,9 @@ class GradientSync:
             self._next += 1
 
     def _launch(self, k: int) -> None:
-        if self._launched[k] is not None:
-            raise CanzonaError(SYNCED_TWICE)
+        if self._launched[k] is not None:  # not launched twice: every rank launches each bucket once a step
+            self._record(SYNCED_TWICE)
+            return
         b = self.buckets[k]
         self._take_all(b)
         self._launched[k] = self.source.launch(b, self.grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
@@ -459,6 +470,20 @@ class GradientSync:
             self._zeroed.discard(name)
             self._states[name] = GradState.ACCUMULATING
         self._write(name, grad, add=not zeroed)
+
+    def refused(self, name: str, what: str, in_backward: bool) -> None:
+        """A backward onto the last step's gradient (STALE_GRADIENTS), onto one being reduced
+        (SYNCED_TWICE), or zeroing one being reduced, met on this rank: recorded (`_record`) for the
+        step's check (`_local_problem`), which fails on every rank together, nothing updated; the
+        gradient it would add is not taken. The last step's gradient is zeroed in the buffers not
+        under a reduction (its bucket then launches with zeros, as its peers' launches); one being
+        reduced is left as it is, under its collective."""
+        if self.guard_state(name) is GradState.STEPPED:
+            for entry in self.stacks.members[name]:
+                k = self._bucket_of.get(entry)
+                if k is None or self._launched[k] is None:
+                    self.buffer_of[entry].zero(entry)
+        self._record(self.refusal(name, what, in_backward))
 
     def dropped(self, name: str) -> None:
         """`zero_()` on the guard: torch keeps a zero `.grad` (see `_zeroed`)."""

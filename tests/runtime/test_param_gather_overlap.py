@@ -17,6 +17,7 @@ step's own checks are collectives, which a rank sleeping before its step holds u
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import time
 
@@ -248,32 +249,41 @@ class OwnParameter(torch.nn.Parameter):
 def outside_forward_job(rank: int, world: int) -> dict:
     """Reads outside the forwards of the modules holding the parameters, right after `step()`: of
     plain parameters (they wait), with the gathers overlapped (eager and compiled) and inside the
-    step, and of the user's own parameter class (not waited for: one error in backward)."""
+    step, and of the user's own parameter class (not waited for: one error at the step, on every
+    rank, nothing updated; "own class on rank 1": that rank's model alone holds it)."""
     from canzona.runtime import DistributedOptimizer
 
     tokens = torch.arange(8).reshape(2, 4) + 4 * rank
     out = {}
-    for case in ("overlap", "inside", "own class", "compiled"):
-        model = ReadsOutsideForward(OwnParameter if case == "own class" else torch.nn.Parameter)
+    for case in ("overlap", "inside", "own class", "compiled", "own class on rank 1"):
+        own = case == "own class" or (case == "own class on rank 1" and rank == 1)
+        model = ReadsOutsideForward(OwnParameter if own else torch.nn.Parameter)
         # a bucket per matrix: `first.weight`'s gather is not one that reads_first's hook waits for
         opt = DistributedOptimizer(list(model.named_parameters()), model.spec(), overlap_param_gather=case != "inside",
                                    bucket_size=256)
         # dynamo's tracing, eager kernels: bit for bit (not fullgraph: the waits break the graph)
         loss_of = torch.compile(model.loss, backend="eager") if case == "compiled" else model.loss
-        losses = []
+        losses, after = [], []
         for _ in range(3):
             loss = loss_of(tokens)  # the later ones read before the last step's gathers landed
-            losses.append(outcome(loss.backward) | {"loss": float(loss)})
+            losses.append(outcome(lambda loss=loss, opt=opt: (loss.backward(), opt.step())) | {"loss": float(loss)})
             if losses[-1]["error"]:
                 break
-            opt.step()
             opt.zero_grad()
-        out[case] = {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            if case == "inside":  # no gathers in flight after step(): read as they are
+                after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        out[case] = {"losses": losses, "after": after,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return out
 
 
+@functools.cache
+def _outside_forward() -> list[dict]:
+    return run_ranks(outside_forward_job, DP, deadline_s=120.0, collective_timeout_s=20)
+
+
 def test_reads_outside_any_forward_wait_and_other_parameter_classes_are_one_error():
-    for r in run_ranks(outside_forward_job, DP, deadline_s=120.0):
+    for r in _outside_forward():
         off, own = r["inside"], r["own class"]
         for on in (r["overlap"], r["compiled"]):
             assert on["losses"] == off["losses"] and not any(x["error"] for x in on["losses"]), r
@@ -281,6 +291,23 @@ def test_reads_outside_any_forward_wait_and_other_parameter_classes_are_one_erro
         error = own["losses"][-1]
         assert error["error"] == "CanzonaError", error
         assert "was read before the last step's all-gather" in error["message"] and "wait_params" in error["message"]
+        # the failed step updated nothing: the weights of the steps before it
+        assert compare(own["params"], off["after"][len(own["losses"]) - 2])["bit_identical"]
+
+
+def test_a_read_before_its_gather_landed_on_one_rank_alone_is_one_error_on_every_rank_nothing_updated():
+    """Rank 1's model alone holds a parameter class of the user's own, read before the last step's
+    gather landed: rank 1 records it as the gradient arrives (`check_read`, inside backward) and
+    issues the same collectives as rank 0; step()'s check fails on both, rank 1 naming the read and
+    rank 0 naming rank 1, nothing updated. Before: rank 1 raised inside backward, alone, and rank 0
+    waited in the step's collectives."""
+    peer, mistaken = (r["own class on rank 1"] for r in _outside_forward())
+    off = _outside_forward()[0]["inside"]
+    assert "was read before the last step's all-gather" in mistaken["losses"][-1]["message"], mistaken["losses"]
+    assert peer["losses"][-1]["message"] == "rank(s) [1] found a broken step (see their error)", peer["losses"]
+    assert len(peer["losses"]) == len(mistaken["losses"]) == 2
+    for out in (peer, mistaken):
+        assert compare(out["params"], off["after"][0])["bit_identical"]
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,46 @@ def touched_grad_job(rank: int, world: int, how: str) -> dict:
     return out
 
 
+# a mistake of one step made on rank 1 alone (its loop took a branch its peers did not): what rank 1's
+# error says; its peers' names rank 1
+ONE_RANK_MISTAKES = {
+    # a backward after step() with no zero_grad() since
+    "stale": "backward would accumulate the gradient of ",
+    # a second backward without no_sync()
+    "synced twice": "gradients were synchronised twice in one step: wrap the backward of accumulation micro-batches",
+    # model.zero_grad(set_to_none=False) between backward and step()
+    "zeroed in place": "cannot be zeroed in place (zero_.default: model.zero_grad(set_to_none=False) within a step?)",
+}
+
+
+def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
+    """After a sound step on both ranks, rank 1 alone makes `how`'s mistake in the next: step()'s
+    check fails on every rank, nothing updated, rank 1 naming its mistake; then opt.zero_grad() and
+    a sound step go on alike on both."""
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    batches = _batches(rank, world)
+    _train(model, opt, batches[:1])
+    before = _params(model)
+    mistaken = rank == 1
+
+    def step() -> None:
+        if not (mistaken and how == "stale"):
+            opt.zero_grad()
+        model.loss(batches[1]).backward()
+        if mistaken and how == "synced twice":
+            model.loss(batches[1]).backward()
+        if mistaken and how == "zeroed in place":
+            model.zero_grad(set_to_none=False)
+        opt.step()
+
+    out = _outcome(step)
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    out["then"] = _outcome(lambda: _train(model, opt, batches[2:3]))
+    out["params"] = _params(model)
+    return out
+
+
 def clip_job(rank: int, world: int, how: str) -> dict:
     spec = replace(BASE, clip_norm=0.05)
     model = build_model(spec)
@@ -1057,6 +1097,7 @@ JOBS = {
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
+    **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
     # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
     "compiled fullgraph": ("compiled_job", (True,)),
     "compiled fullgraph no overlap": ("compiled_job", (False,)),
@@ -1083,6 +1124,23 @@ def runs(tmp_path_factory) -> dict:
                                                             "async save", "scalars"]}
     out["dcp other layout"] = run_ranks(dcp_other_layout_job, 1, path, deadline_s=DEADLINE_S)
     return out
+
+
+@pytest.mark.parametrize("how", list(ONE_RANK_MISTAKES))
+def test_a_mistake_on_one_rank_alone_is_one_error_on_every_rank_at_the_step_nothing_updated(runs, how):
+    """A backward after step() without zero_grad(), a second backward without no_sync(), or
+    model.zero_grad(set_to_none=False) between backward and step(), on rank 1 alone: rank 1 records
+    it (inside backward, or at the zeroing) and issues the same collectives as rank 0; step()'s check
+    then fails on both ranks, rank 1 naming the mistake and rank 0 naming rank 1, every weight
+    unchanged bit for bit; opt.zero_grad() and the next step go on alike on both. Before: rank 1
+    raised there, alone, and rank 0 waited in the step's collectives until the timeout."""
+    mistaken, peer = runs[f"one rank {how}"][1], runs[f"one rank {how}"][0]
+    assert mistaken["canzona"] and ONE_RANK_MISTAKES[how] in mistaken["message"], mistaken
+    assert peer["canzona"] and peer["message"] == "rank(s) [1] found a broken step (see their error)", peer
+    for out in (mistaken, peer):
+        assert "\n" not in out["message"] and out["unchanged"], out
+        assert out["then"]["error"] is None, out["then"]
+    assert compare(mistaken["params"], peer["params"])["bit_identical"]
 
 
 # --- reading or writing .grad between backward and step ------------------------------------------
@@ -1836,7 +1894,8 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     'nothing may read or change .grad between backward and step() ... Clip with ...'. The dropped
     gradient written anew is refused by the step's check, which every rank runs together, not inside
     that backward (one rank raising there, its loop having dropped a batch, left its peers waiting in
-    the step's collectives), nothing updated."""
+    the step's collectives), nothing updated; so is the zeroing in place (before: raised at
+    `model.zero_grad(set_to_none=False)`, on one rank alone too)."""
     from canzona.errors import CanzonaError
 
     model = build_model(BASE)
@@ -1855,9 +1914,8 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
         model.loss(tokens).backward()
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
-    if set_to_none:
-        assert refused.traceback[-1].name != "_arrive" and any(e.name == "_step" for e in refused.traceback)
-        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert refused.traceback[-1].name != "_arrive" and any(e.name == "_step" for e in refused.traceback)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     said = str(refused.value)
     assert ("was set to None (model.zero_grad(), or .grad = None) after this step's gradients went to the "
             "reduction" if set_to_none else "cannot be zeroed in place (zero_.default: "

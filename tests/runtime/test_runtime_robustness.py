@@ -89,17 +89,18 @@ def mismatch_job(rank: int, world: int, per_rank: list[dict]) -> dict:
 
 
 def double_sync_job(rank: int, world: int) -> dict:
-    """Two backward passes without `no_sync()` synchronise the same buckets twice: an error."""
+    """Two backward passes without `no_sync()` synchronise the same buckets twice: one error, from
+    step()'s check (before: inside the second backward), nothing updated."""
     spec = TrainSpec(global_batch=4 * world)
     model = build_model(spec)
     opt = _optimizer(model, bucket_size=BUCKET)
     tokens = global_batches(spec, 256)[0]
     mbs = micro_batches(tokens, rank, world, 2)
+    before = [p.detach().clone() for p in model.parameters()]
     model.loss(mbs[0]).backward()
-    out = _outcome(lambda: model.loss(mbs[1]).backward())
-    for pending in opt.grads._launched:  # let the first backward's reduce-scatters complete
-        if pending is not None:
-            pending.wait()
+    model.loss(mbs[1]).backward()
+    out = _outcome(opt.step)
+    out["unchanged"] = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     out["healthy"] = _group_is_healthy(world)
     return out
 
@@ -489,7 +490,7 @@ def test_synchronising_twice_without_no_sync_is_an_error(group):
     for r, out in enumerate(group[("double sync",)]):
         assert out["is_canzona"], f"rank {r}: {out}"
         assert "no_sync" in out["message"]
-        assert out["healthy"]
+        assert out["healthy"] and out["unchanged"]
 
 
 # --- tests: failures turn into errors in bounded time ----------------------------------------

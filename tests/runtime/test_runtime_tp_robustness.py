@@ -335,7 +335,15 @@ def backward_without_zero_grad(rank: int) -> dict:
     _train_step(model, opt, mesh)
     i = mesh.get_local_rank("dp")
     tokens = fixed_batch(256, 4, 16, seed=2)
-    return _outcome(lambda: model.loss(tokens[2 * i:2 * i + 2]).backward())  # no zero_grad since the step
+    before = [q.detach().clone() for q in model.parameters()]
+
+    def step() -> None:  # no zero_grad since the step: refused by the step's check (before: in the backward)
+        model.loss(tokens[2 * i:2 * i + 2]).backward()
+        opt.step()
+
+    out = _outcome(step)
+    out["unchanged"] = all(torch.equal(q, b) for q, b in zip(model.parameters(), before))
+    return out
 
 
 def step_twice(rank: int) -> dict:
@@ -836,3 +844,4 @@ def test_a_step_again_without_backward_or_a_batch_dropped_on_one_rank_is_refused
         pytest.fail(f"the spawned group failed: {got['error']}\n{getattr(got['error'], 'trace', '')}")
     assert all(out["unchanged"] for out in got["stepped_again_on_one_rank"])
     assert all(out["unchanged"] for out in got["dropped_mid_step_on_one_rank"])
+    assert all(out["unchanged"] for out in got["backward_without_zero_grad"])
