@@ -299,6 +299,13 @@ class GradientSync:
             # dropped a batch), would leave the peers waiting in the step's collectives
             self._record(DROPPED_MID_STEP.format(name=name))
             return
+        if p.grad is guard and self._states.get(name) is GradState.REDUCING:
+            # a second backward onto a gradient handed to the reduction (no no_sync() around the
+            # first): its accumulation into the guard was recorded, not taken (`refused`); the
+            # gradient stays as the first backward handed it over, in the same state (an
+            # accumulating one would take the next backward's into a buffer under its collective)
+            self._record(SYNCED_TWICE)
+            return
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
@@ -483,7 +490,8 @@ class GradientSync:
                 k = self._bucket_of.get(entry)
                 if k is None or self._launched[k] is None:
                     self.buffer_of[entry].zero(entry)
-        self._record(self.refusal(name, what, in_backward))
+        if self._left is None:  # the first problem is the one reported (`refusal` may walk the live objects)
+            self._record(self.refusal(name, what, in_backward))
 
     def dropped(self, name: str) -> None:
         """`zero_()` on the guard: torch keeps a zero `.grad` (see `_zeroed`)."""

@@ -1928,6 +1928,35 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     opt.step()
 
 
+def test_a_no_sync_backward_after_the_synchronising_one_leaves_the_gradients_under_their_reduction(one_rank):
+    """A synchronising backward, then a backward under no_sync() (accumulation in the wrong order),
+    then another: the no_sync() one is recorded as a second synchronisation (not taken) and its
+    gradients stay `REDUCING`, so the next backward's accumulation is not written into buffers
+    under their collective either; step() refuses with SYNCED_TWICE, nothing updated, and
+    opt.zero_grad() lets the loop go on. Before the record (this session): that backward raised;
+    with the record alone, the gradients turned `ACCUMULATING` and the next backward added into
+    the launched buckets' buffers."""
+    from canzona.runtime.grad_guard import GradState
+
+    model = build_model(BASE)
+    opt = _optimizer(model)
+    tokens = _batches(0, 1)[0]
+    model.loss(tokens).backward()
+    with opt.no_sync():
+        model.loss(tokens).backward()
+    assert {opt.grads.guard_state(n) for n in opt.grads.params} == {GradState.REDUCING}
+    held = [b.grad.clone() for b in opt.grads.buckets]
+    model.loss(tokens).backward()
+    assert all(torch.equal(b.grad, h) for b, h in zip(opt.grads.buckets, held))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CanzonaError, match="gradients were synchronised twice in one step"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    model.loss(tokens).backward()
+    opt.step()
+
+
 @pytest.mark.parametrize("second", ["none", "another parameter"])
 def test_a_gradient_left_from_the_last_step_names_whether_a_backward_ran(one_rank, second):
     """No zero_grad() after a step whose backward reached one parameter: step() again with no
