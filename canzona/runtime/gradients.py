@@ -199,7 +199,10 @@ class GradientSync:
         # launch, which the step's check reports on every rank (`_local_problem`): a gradient left
         # from the last step at a launch (`_take_all`: STEPPED_TWICE, UNREACHED_SINCE_STEP), one
         # dropped mid-step and written anew by a backward (`_arrive`: DROPPED_MID_STEP), a stack's
-        # `.grad` changed after an earlier of its buckets launched (`_take_all`: `handed_message`)
+        # `.grad` changed after an earlier of its buckets launched (`_take_all`: `handed_message`),
+        # a backward onto the last step's gradient or onto one being reduced, or zeroing one being
+        # reduced (the guard's `refused`: STALE_GRADIENTS, SYNCED_TWICE, the zeroing's line), a
+        # parameter read before its gather landed (`_arrive`: `read_check`)
         self._left: str | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
