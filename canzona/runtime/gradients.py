@@ -640,8 +640,7 @@ class GradientSync:
         terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
         error = None
         if broken.any():
-            error = problem if problem is not None else \
-                f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
+            error = self._broken(problem, broken)
         elif not torch.all(digests == digests[0]):
             error = (f"ranks disagree on the hyper-parameters in param_groups: rank(s) "
                      f"{ranks_of(digests != digests[self.dp.rank])} differ from rank {self.dp.rank}")
@@ -699,8 +698,7 @@ class GradientSync:
         any_loaded = int(table[:, 3].amax())
         broken = table[:, 2]
         if broken.any():
-            error = problem if problem is not None else \
-                f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
+            error = self._broken(problem, broken)
         else:
             error = _recheck_error(table[:, :2], self.dp.rank, "rank")
         row = row[:2]
@@ -715,6 +713,18 @@ class GradientSync:
         if error is not None:
             raise CanzonaError(error)
         return bool(any_loaded)
+
+    def _broken(self, problem: str | None, broken: Tensor) -> str:
+        """The error of a check whose table says that some rank found a broken step (`broken`: per DP
+        rank, nonzero where it did): this rank's own problem, or one naming those ranks and the
+        first one's problem, so that every rank's error says what went wrong. Every rank of the DP
+        group calls it together (the table is the same on every rank): one more exchange, of the
+        problems, on this failure path only."""
+        problems = self.dp.all_gather_object(problem, "step problems")
+        if problem is not None:
+            return problem
+        first = next(p for p in problems if p is not None)
+        return f"rank(s) {ranks_of(broken != 0)} found a broken step: {first}"
 
     def _check_tp(self, error: str | None, got: Tensor, more: Tensor, hyper_parameters: int, dp_total: Tensor,
                   max_norm: float | None) -> tuple[str | None, Tensor, Tensor]:

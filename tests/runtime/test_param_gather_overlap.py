@@ -299,12 +299,13 @@ def test_a_read_before_its_gather_landed_on_one_rank_alone_is_one_error_on_every
     """Rank 1's model alone holds a parameter class of the user's own, read before the last step's
     gather landed: rank 1 records it as the gradient arrives (`check_read`, inside backward) and
     issues the same collectives as rank 0; step()'s check fails on both, rank 1 naming the read and
-    rank 0 naming rank 1, nothing updated. Before: rank 1 raised inside backward, alone, and rank 0
+    rank 0 naming rank 1 and its error, nothing updated. Before: rank 1 raised inside backward, alone, and rank 0
     waited in the step's collectives."""
     peer, mistaken = (r["own class on rank 1"] for r in _outside_forward())
     off = _outside_forward()[0]["inside"]
     assert "was read before the last step's all-gather" in mistaken["losses"][-1]["message"], mistaken["losses"]
-    assert peer["losses"][-1]["message"] == "rank(s) [1] found a broken step (see their error)", peer["losses"]
+    said = mistaken["losses"][-1]["message"]
+    assert peer["losses"][-1]["message"] == f"rank(s) [1] found a broken step: {said}", peer["losses"]
     assert len(peer["losses"]) == len(mistaken["losses"]) == 2
     for out in (peer, mistaken):
         assert compare(out["params"], off["after"][0])["bit_identical"]

@@ -1131,12 +1131,13 @@ def test_a_mistake_on_one_rank_alone_is_one_error_on_every_rank_at_the_step_noth
     """A backward after step() without zero_grad(), a second backward without no_sync(), or
     model.zero_grad(set_to_none=False) between backward and step(), on rank 1 alone: rank 1 records
     it (inside backward, or at the zeroing) and issues the same collectives as rank 0; step()'s check
-    then fails on both ranks, rank 1 naming the mistake and rank 0 naming rank 1, every weight
+    then fails on both ranks, rank 1 naming the mistake and rank 0 naming rank 1 and its line, every weight
     unchanged bit for bit; opt.zero_grad() and the next step go on alike on both. Before: rank 1
     raised there, alone, and rank 0 waited in the step's collectives until the timeout."""
     mistaken, peer = runs[f"one rank {how}"][1], runs[f"one rank {how}"][0]
     assert mistaken["canzona"] and ONE_RANK_MISTAKES[how] in mistaken["message"], mistaken
-    assert peer["canzona"] and peer["message"] == "rank(s) [1] found a broken step (see their error)", peer
+    # rank 1's line on rank 0 too (before this session: '(see their error)', the reason on rank 1 only)
+    assert peer["canzona"] and peer["message"] == f"rank(s) [1] found a broken step: {mistaken['message']}", peer
     for out in (mistaken, peer):
         assert "\n" not in out["message"] and out["unchanged"], out
         assert out["then"]["error"] is None, out["then"]
