@@ -639,7 +639,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             error = problem if problem is not None else \
                 f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
         elif not _all_same(digests):
-            error = (f"ranks disagree on the hyper-parameters of param_groups (rank(s) "
+            error = (f"ranks disagree on the hyper-parameters of param_groups or on which parameters are frozen "
+                     f"(requires_grad; rank(s) "
                      f"{ranks_of(digests != digests[0])} differ from rank 0): change them alike on every rank")
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.world.rank, "rank")

@@ -642,7 +642,8 @@ class GradientSync:
         if broken.any():
             error = self._broken(problem, broken)
         elif not torch.all(digests == digests[0]):
-            error = (f"ranks disagree on the hyper-parameters in param_groups: rank(s) "
+            error = (f"ranks disagree on the hyper-parameters in param_groups or on which parameters are frozen "
+                     f"(requires_grad): rank(s) "
                      f"{ranks_of(digests != digests[self.dp.rank])} differ from rank {self.dp.rank}")
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.dp.rank, "rank")
@@ -754,7 +755,8 @@ class GradientSync:
                     "error)"), total, more
         hyper = table[:, 1]
         if not torch.all(hyper == hyper[0]):
-            return (f"TP ranks disagree on the hyper-parameters in param_groups: TP rank(s) "
+            return (f"TP ranks disagree on the hyper-parameters in param_groups or on which parameters are "
+                    f"frozen (requires_grad): TP rank(s) "
                     f"{ranks_of(hyper != hyper[self.tp.rank])} differ from TP rank {self.tp.rank} (a scheduler "
                     "or an edit that ran on some ranks only?)"), total, more
         clips = table[:, 3].view(torch.float64)
@@ -830,7 +832,8 @@ def _recheck_error(table: Tensor, me: int, member: str) -> str | None:
     """What a (digest, threshold) table of a reused check says is wrong, or None."""
     digests, clips = table[:, 0], table[:, 1].view(torch.float64)
     if not torch.all(digests == digests[0]):
-        return (f"{member}s disagree on the hyper-parameters in param_groups: {member}(s) "
+        return (f"{member}s disagree on the hyper-parameters in param_groups or on which parameters are frozen "
+                f"(requires_grad): {member}(s) "
                 f"{ranks_of(digests != digests[me])} differ from {member} {me}, changed after clip_grad_norm_() "
                 "(whose check step() reuses): change them alike on every rank; nothing was updated")
     return None if _all_same(clips) else _clip_disagreement(clips, me, member)

@@ -296,10 +296,21 @@ def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, fro
 
 
 def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
-    """A signed 64-bit digest of every group's hyper-parameters: ranks compare it each step."""
-    rows = [sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params") for g in param_groups]
+    """A signed 64-bit digest of every group's hyper-parameters and of which of its parameters are
+    frozen (`requires_grad_(False)` after construction): ranks compare it each step. A parameter
+    frozen on some ranks only would be stepped on every rank from the others' gradients alone."""
+    rows = [[*sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params"), _frozen(g.get("params"))]
+            for g in param_groups]
     digest = hashlib.sha256(repr(rows).encode()).digest()[:8]
     return int.from_bytes(digest, "little", signed=True)
+
+
+def _frozen(params: Any) -> list[int]:
+    """The positions of a group's frozen parameters (a membership edited by hand is `check_members`'
+    to name: what is not a list of tensors reads as none frozen, a generator is not consumed)."""
+    if not isinstance(params, (list, tuple)):
+        return []
+    return [i for i, p in enumerate(params) if not getattr(p, "requires_grad", True)]
 
 
 def group_lr(group: Mapping[str, Any]) -> Any:

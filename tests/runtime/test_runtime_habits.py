@@ -931,6 +931,34 @@ def frozen_torch_reference() -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def frozen_on_one_rank_job(rank: int, world: int) -> dict:
+    """The branch frozen on rank 0 only (a schedule of unfreezing kept per rank): the ranks would
+    step it from the others' gradients alone, the frozen rank's copy too. One error on every rank
+    at the first step that differs, nothing updated. (Under FSDP2 torch's own reduce-scatter in
+    backward fails first, its sizes differing across the ranks, as beside torch's optimizers.)"""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), _shard(model, False), "muon", adamw_config={"weight_decay": 0.1})
+    seen = {}
+
+    def steps() -> None:
+        for step, frozen in enumerate(FROZEN):
+            g = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+            share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            if rank == 0:
+                model.branch.requires_grad_(not frozen)
+            seen["step"], seen["before"] = step, _full_params(model)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[share], True), y[share]).backward()
+            opt.step()
+
+    out = _outcome(steps)
+    return {**out, "step": seen["step"], "unchanged": compare(_full_params(model), seen["before"])["bit_identical"]}
+
+
 class _Lora(torch.nn.Module):
     """LoRA by hand (peft is not installed here): frozen base weights, trainable low-rank adapters
     (B zero at the start, as LoRA initialises it), frozen before the optimizer is built."""
@@ -1093,6 +1121,7 @@ JOBS = {
     # under FSDP2 (the matrix optimizer only: canzona refuses AdamW alone there)
     "frozen muon fsdp": ("frozen_job", ("muon", True)),
     "lora muon fsdp": ("lora_job", ("muon", True)),
+    "frozen on one rank": ("frozen_on_one_rank_job", ()),
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
@@ -1564,6 +1593,15 @@ def test_a_frozen_layer_under_the_matrix_optimizer_trains_as_in_one_process(runs
         assert out["error"] is None and out["value"] == [True, True], out.get("message")
         assert out["layout"] == ("FsdpOptimizer" if layout else "DistributedOptimizer")
         assert compare(out["params"], want["params"])["max_rel_diff"] < 1e-6
+
+
+def test_a_layer_frozen_on_one_rank_only_is_one_error_on_every_rank_before_any_update(runs):
+    """Before: the step took the frozen rank's missing gradient for a branch unused there, and
+    stepped the layer on every rank (the frozen rank's copy too) from the others' gradients alone."""
+    for out in runs["frozen on one rank"]:
+        assert out["error"] == "CanzonaError" and out["step"] == 1, out
+        assert "requires_grad" in out["message"] and "\n" not in out["message"], out["message"]
+        assert out["unchanged"], out
 
 
 def test_a_lora_model_trains_its_adapters_only(runs, one_rank):
