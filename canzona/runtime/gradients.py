@@ -815,7 +815,10 @@ def _on_grad_ready(owner: Callable[[], GradientSync | None], name: str) -> Calla
     def hook(_: Tensor) -> None:
         sync = owner()
         if sync is not None:  # the optimizer is gone: its hooks do nothing
-            sync._arrive(name)
+            # the gradient's values: under `backward(create_graph=True)` it carries a graph, which
+            # the buffers (leaves of no graph) do not take, as torch's optimizers step by values
+            with torch.no_grad():
+                sync._arrive(name)
     return hook
 
 

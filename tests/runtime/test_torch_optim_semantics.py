@@ -733,3 +733,25 @@ def test_a_learning_rate_of_shape_1_steps_as_its_0d_form(one_rank):
         _step(mine, [opt], tokens)
         _step(ref, [ref_opt], tokens)
     assert _same(mine, ref)
+
+
+def test_a_backward_with_create_graph_steps_as_torch(one_rank):
+    """`loss.backward(create_graph=True)` (a second-order habit: the gradient carries a graph) steps
+    by the gradient's values, as torch's optimizers do (before: torch's RuntimeError on 'a leaf
+    Variable that requires grad' from inside the optimizer's gradient hook). Accumulating a second
+    such backward stays one CanzonaError naming create_graph."""
+    (mine, opt), (theirs, torch_opts) = _pair()
+    for k in range(2):
+        tokens = fixed_batch(256, 2, 16, seed=3 + k)
+        for model, opts in ((mine, [opt]), (theirs, torch_opts)):
+            for o in opts:
+                o.zero_grad()
+            model.loss(tokens).backward(create_graph=True)
+            for o in opts:
+                o.step()
+    assert _same(mine, theirs)
+    opt.zero_grad()
+    with opt.no_sync():
+        mine.loss(tokens).backward(create_graph=True)
+    with pytest.raises(CanzonaError, match="with create_graph=True"):
+        mine.loss(tokens).backward(create_graph=True)
