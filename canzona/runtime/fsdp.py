@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -191,6 +191,16 @@ ZERO1_ONLY = ("reduce_scatter", "tp_policy", "tp_mode", "capacity", "overlap_par
 
 # how a rank's gradients changed since the kept check (`FsdpOptimizer._grads_since`), as its recheck sends it
 _SINCE = (None, "replaced", "added", "edited")
+
+
+def _note_arrival(owner: weakref.ref, name: str) -> Callable[[Tensor], None]:
+    """A sharded parameter's post-accumulate-grad hook, which FSDP2 runs once it wrote the
+    parameter's reduced gradient: `name` noted in the optimizer's `_arrived`."""
+    def arrived(_: Tensor) -> None:
+        opt = owner()
+        if opt is not None:
+            opt._arrived.add(name)
+    return arrived
 
 
 class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
@@ -394,6 +404,14 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # and a digest of their values (`_grad_digest`), where a reuse may follow: an in-place edit
         # through the DTensor (torch's clip_grad_norm_, `grad.mul_`) moves no local version counter
         self._digest: Tensor | None = None
+        # the parameters FSDP2 wrote a reduced gradient for since the last step (or zero_grad()):
+        # FSDP2 runs a sharded parameter's post-accumulate-grad hooks after writing it
+        # (`_missed_gradients`); a torch that runs none leaves every parameter missed, each step's
+        # check then reading every link (`ModuleLinks`: no replacement missed, a walk's cost)
+        self._arrived: set[str] = set()
+        owner = weakref.ref(self)  # the hooks must not keep the optimizer alive
+        self._arrival_hooks = [p.register_post_accumulate_grad_hook(_note_arrival(owner, n))
+                               for n, p in self.params.items()]
         dtensor_amp.install(self)  # GradScaler's unscale of these gradients comes here (`_amp_unscale`)
 
     # --- construction ------------------------------------------------------------------------
@@ -493,7 +511,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             if fsdp_param.sharded_param is not self.params[name]:
                 return replaced_message(name, "FSDP2 now shards another tensor in its place")
         return replaced_parameter(self.params, self._holders) or \
-            self._links.changed(self._registered, self._missed_gradient)
+            self._links.changed(self._registered, self._missed_gradients)
 
     def _registered(self) -> dict[str, Tensor]:
         """Each parameter as its module holds it now (FSDP2 registers the unsharded tensor in the
@@ -505,13 +523,17 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             out[name] = info.module._parameters.get(info.param_name, out[name])
         return out
 
-    def _missed_gradient(self) -> bool:
-        """Whether one of the parameters holds no gradient at the check (after a backward): a module
+    def _missed_gradients(self) -> list[str]:
+        """The parameters that got no gradient from a backward since the last step: a module
         replaced without a registration (`ModuleList.insert`, `_modules` written, `del`) leaves its
-        old parameters none, which sends `ModuleLinks` to walk its links. A gradient zeroed in place
-        (`zero_grad(set_to_none=False)`) stays a tensor: such a replacement is then seen at the next
-        module registration only."""
-        return any(p.grad is None for p in self.params.values())
+        old parameters none, which sends `ModuleLinks` to walk its links. None in `.grad`, or no
+        reduced gradient written by FSDP2 since (`_arrived`): one zeroed in place
+        (`zero_grad(set_to_none=False)`, the optimizer's or the model's) stays a zero tensor, and
+        FSDP2's reduced gradients share one version counter per reduction (views of its output),
+        so neither the tensor nor its counter tells. FSDP2's
+        `reduce_scatter_unused_params` gives every unused parameter a zero gradient: none missed."""
+        arrived = self._arrived
+        return [n for n, p in self.params.items() if n not in arrived or p.grad is None]
 
     def _changed(self) -> str | None:
         """What changed on this rank since construction that a step cannot follow: `param_groups`
@@ -791,6 +813,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+        self._arrived.clear()
 
     @eager_only
     @torch.no_grad()
@@ -830,6 +853,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             self.comm.log.step += 1
             self.world.log.step += 1
             record_writes(self)  # the step's own writes
+            self._arrived.clear()
         finally:
             self.checked, self._grad_scale = None, 1.0
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -436,12 +436,13 @@ class GradientSync:
         if self._left is None:
             self._left = problem
 
-    def missed_gradient(self) -> bool:
-        """Whether a parameter got no gradient this step (checked after the gradients were taken in:
-        the names holding one are those with a state): a module replaced without a registration
+    def missed_gradients(self) -> Collection[str]:
+        """The parameters that got no gradient this step (checked after the gradients were taken
+        in: the names holding one are those with a state; one zeroed, `zero_grad(set_to_none=False)`,
+        and reached by no backward has none): a module replaced without a registration
         (`ModuleList.insert`, `_modules` written, `del model.head`) leaves its old parameters none,
         which sends `param_gather.ModuleLinks` to walk its links."""
-        return len(self._states) < len(self.params)
+        return self.params.keys() - self._states.keys() if len(self._states) < len(self.params) else ()
 
     def _leave(self, buffer: FlatBuffer, name: str, problem: str) -> None:
         """`name`'s entries in `buffer` zero, and `problem` recorded (`_record`)."""

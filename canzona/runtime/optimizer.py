@@ -477,7 +477,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             grads.replaced_check = functools.partial(self._changed, functools.partial(
                 replaced_parameter, grads.params, held, ModuleLinks(module_links(held, parents),
                                                                     {n: grads.params[n] for n in held}),
-                missed=grads.missed_gradient))
+                missed=grads.missed_gradients))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)

@@ -47,7 +47,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from itertools import compress
 from typing import Any
 
@@ -352,10 +352,10 @@ class ModuleLinks:
         _watch_registrations()
 
     def changed(self, params: Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]],
-                missed: Callable[[], bool] | None = None) -> str | None:
+                missed: Callable[[], Collection[str]] | None = None) -> str | None:
         """`params`: by name, each parameter as the model holds it, or a call that returns them
         (taken only when the links are walked: FSDP2's, whose modules hold the unsharded tensors
-        while unsharded)."""
+        while unsharded). `missed`: the names of the parameters that got no gradient this step."""
         count = _registrations[0]
         if count == self._walked and _registration_hook and not (missed is not None and missed()):
             return None

@@ -212,7 +212,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
               unsynced_after_clip: int | None = None, nan_weight: int | None = None,
-              replace: int | None = None, replace_how: str = "attr") -> dict:
+              replace: int | None = None, replace_how: str = "attr", kept: str | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -264,7 +264,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     "attr" (`model.a = new`), "backup" (the same while a ModuleList of the user's, made before the
     optimizer, holds the old `model.a`), "insert" (`model._modules["a"] = new`, which registers no module, as
     `ModuleList.insert` and `del` do not: the old a.weight gets no gradient), "swap" (no new module:
-    `model.a` and `model.c` swapped after that step's backward, swapped back after the step)."""
+    `model.a` and `model.c` swapped after that step's backward, swapped back after the step). `kept`:
+    every step zeroes the gradients in place, "opt" (`opt.zero_grad(set_to_none=False)`) or "model"
+    (`model.zero_grad(set_to_none=False)`): a gradient no backward reached stays a zero tensor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -292,7 +294,11 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
-        model.zero_grad() if zero_model else opt.zero_grad(set_to_none=step not in (unsynced, unreduced))
+        if kept == "model":
+            model.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad() if zero_model else \
+                opt.zero_grad(set_to_none=kept is None and step not in (unsynced, unreduced))
         model.set_requires_gradient_sync(step != unsynced)
         if unreduced is not None:  # HSDP's accumulation: a first micro-batch reduce-scattered only
             model.set_requires_all_reduce(False)
@@ -471,6 +477,8 @@ SMALL_CASES = {
     "replace-backup": {"steps": 3, "replace": 1, "replace_how": "backup"},
     "replace-insert": {"steps": 3, "replace": 1, "replace_how": "insert"},
     "replace-swap": {"steps": 3, "replace": 1, "replace_how": "swap"},
+    "replace-insert-zeroed": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "opt"},
+    "replace-insert-model-zeroed": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model"},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
     "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
@@ -1211,6 +1219,12 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # `model._modules["a"] = new` (as `ModuleList.insert`, `del`): no module registered, so only
     # the old a.weight's missing gradient sends the check to walk the links
     ("replace-insert", "parameter 'a.weight' was replaced after the optimizer was built"),
+    # the same with every step's gradients zeroed in place (the optimizer's or the model's
+    # `zero_grad(set_to_none=False)`): the old a.weight's gradient stays a zero tensor, which no
+    # backward reached (its local version as the last step left it). Before: no error, the new
+    # module trained unstepped until some module was registered
+    ("replace-insert-zeroed", "parameter 'a.weight' was replaced after the optimizer was built"),
+    ("replace-insert-model-zeroed", "parameter 'a.weight' was replaced after the optimizer was built"),
     # two modules swapped between the backward and step(): every parameter still in the model,
     # under another name than the optimizer's state is keyed by (a resume would pair other weights)
     ("replace-swap", "moved in the model after the optimizer was built"),
