@@ -918,6 +918,58 @@ def test_the_module_links_are_walked_only_after_a_module_was_registered(one_rank
     del old
 
 
+class _Spare(_Layers):
+    """`_Layers` with a module the forward never calls: its parameters, kept in the optimizer,
+    never get a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize("replaced", ["a trained layer", "the unused module"])
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_a_parameter_that_never_gets_a_gradient_walks_the_links_once(one_rank, monkeypatch, replaced, zeroed):
+    """A parameter kept in the optimizer that never gets a gradient (an unused module's): the
+    links are walked at the first step only, not at every step (before: every step, 0.24 ms at
+    80 layers), since the parameters without a gradient stay those of that walk. A module then
+    replaced by a path that registers nothing (`_modules` written) is one error, nothing updated:
+    a trained layer (its parameters then get none too), or the unused module (a link down to
+    parameters that got none is checked each step). With `zeroed`, every step zeroes in place
+    (`zero_grad(set_to_none=False)`)."""
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer, param_gather
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    walks = []
+    walk = param_gather.links_changed
+    monkeypatch.setattr(param_gather, "links_changed", lambda *a: walks.append(1) or walk(*a))
+    torch.manual_seed(0)
+    model = _Spare()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+
+    def step():
+        opt.zero_grad(set_to_none=not zeroed)
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    assert len(walks) == 1
+    where = model.layers if replaced == "a trained layer" else model
+    attr = "1" if replaced == "a trained layer" else "spare"
+    old = where._modules[attr]
+    where._modules[attr] = nn.Linear(8, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CanzonaError, match=r"was replaced .*now holds another module"):
+        step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    del old
+
+
 @pytest.mark.parametrize("how", ["cast under the swap flag", "data moved, gradient set by hand"])
 def test_a_parameter_out_of_the_buffers_is_reported_by_the_step_check_not_at_a_buckets_launch(one_rank, how):
     """A parameter no longer in the optimizer's buffers with a gradient no hook of ours took (the
