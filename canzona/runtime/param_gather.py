@@ -24,8 +24,8 @@ Everything documented that reads parameters waits first:
   to a DTensor subclass, and its local tensor's too), and the first op that reads it waits; what
   reads no values (`.grad`, shape, dtype: `zero_grad()`) does not.
 
-What remains: parameters of another class than `nn.Parameter` or DTensor (a Parameter subclass of
-the user's own, a DTensor whose local tensor is a subclass) are not marked: read outside those paths between `step()` and
+What remains: parameters of another class than `nn.Parameter` (or a subclass of it: a Parameter
+class of the user's own is marked too) or DTensor (a DTensor whose local tensor is a subclass) are not marked: read outside those paths between `step()` and
 the next forward, they give a mix of this step's values and the last step's; call
 `opt.wait_params()` first, or build with `overlap_param_gather=False`. Where such a read feeds the
 loss, backward catches most of it: a gradient arriving for a parameter whose gather nothing waited

@@ -24,9 +24,12 @@ A DTensor parameter (a TP model's under ZeRO-1) is marked twice: the wrapper's c
 tensor's to `PendingLocal` (what `to_local()` and `_local_tensor` hand out). Either read waits
 for the gathers and unmarks both. The cost is two class swaps a DTensor parameter a step (about
 what a plain parameter's one costs twice), and nothing once landed: the forward's own ops reach
-neither class. A parameter class of the user's own, or a DTensor whose local tensor is itself a
-subclass, is left as it is (its reads outside the forwards are `ParamsInFlight.check_read`'s
-error, or silent).
+neither class. A `nn.Parameter` subclass of the user's own (a quantisation library's) is marked
+by a pending subclass of its class, made at its first use (`_pending_parameter_class`; before
+2026-12-03 it was left unmarked, and a read outside the forwards saw last step's values,
+silently). A DTensor whose local tensor is itself a subclass, a DTensor subclass, or a Parameter
+class that takes no subclass is left as it is (its reads outside the forwards are
+`ParamsInFlight.check_read`'s error, or silent).
 """
 
 from __future__ import annotations
@@ -104,6 +107,24 @@ class PendingLocal(Tensor):
     __deepcopy__ = _land_and_copy
 
 
+def _pending_parameter_class(cls: type) -> type:
+    """The pending class of `cls`, an `nn.Parameter` subclass of the user's own (a quantisation
+    library's): a subclass of it, made at its first mark, whose `__torch_function__` waits as
+    `PendingParameter`'s does; no slots of its own, so that an instance's class can be swapped."""
+    pending = _PENDING_OF.get(cls)
+    if pending is None:
+        pending = type(f"Pending{cls.__name__}", (cls,), {
+            "__slots__": (), "__module__": __name__,
+            "__doc__": f"A `{cls.__qualname__}` whose step all-gather is in flight (the class only while it is).",
+            "__torch_function__": classmethod(lambda c, func, types, args=(), kwargs=None:
+                                              _pending_torch_function(func, args, kwargs)),
+            "__deepcopy__": _land_and_copy})
+        _PENDING_OF[cls] = pending
+        _BASE_OF[pending] = cls
+        _PENDING.add(pending)
+    return pending
+
+
 def _pending_dtensor_class() -> type | None:
     """`PendingDTensor`, made at the first use (torch.distributed.tensor imported then only)."""
     global _PENDING_DTENSOR
@@ -125,6 +146,9 @@ def _pending_dtensor_class() -> type | None:
 
 _PENDING_DTENSOR: type | None = None
 _PENDING: set[type] = {PendingParameter, PendingLocal}
+# a Parameter class -> its pending class, and back (`_pending_parameter_class`)
+_PENDING_OF: dict[type, type] = {nn.Parameter: PendingParameter}
+_BASE_OF: dict[type, type] = {PendingParameter: nn.Parameter}
 # id(a pending DTensor's local tensor) -> id(the DTensor), for `land` to find its waiter
 _OWNER: dict[int, int] = {}
 
@@ -162,8 +186,22 @@ def land(p: Tensor) -> None:
     unmark((p,))
 
 
+def _parameter_class(cls: type) -> bool:
+    """`nn.Parameter`, or a subclass of the user's own: not a pending class, nor a lazy module's
+    `UninitializedParameter` (which swaps its own class when materialised)."""
+    return issubclass(cls, nn.Parameter) and cls not in _PENDING and \
+        not issubclass(cls, nn.parameter.UninitializedTensorMixin)
+
+
 def markable(p: Tensor) -> bool:
     if type(p) is nn.Parameter:
+        return True
+    if _parameter_class(cls := type(p)):
+        try:  # a class that takes no subclass, or whose instances' class cannot be swapped: left as it is
+            p.__class__ = _pending_parameter_class(cls)
+            p.__class__ = cls
+        except TypeError:
+            return False
         return True
     dtensor = _dtensor_class()
     return dtensor is not None and type(p) is dtensor and type(p._local_tensor) is Tensor
@@ -190,12 +228,14 @@ def mark(params: Iterable[Tensor]) -> None:
             _OWNER[id(local)] = id(p)
             p.__class__ = _pending_dtensor_class()
             local.__class__ = PendingLocal
+        elif (pending := _PENDING_OF.get(type(p))) is not None:  # of the user's own class (`markable`)
+            p.__class__ = pending
 
 
 def unmark(params: Iterable[Tensor]) -> None:
     for p in params:
-        if type(p) is PendingParameter:
-            p.__class__ = nn.Parameter
+        if (base := _BASE_OF.get(type(p))) is not None:
+            p.__class__ = base
         elif type(p) is _PENDING_DTENSOR:
             p.__class__ = p.__class__.__bases__[0]
             local = p._local_tensor

@@ -255,3 +255,41 @@ def test_a_read_of_the_local_tensor_while_step_marks_it_waits_for_the_gather(one
     p.to_local()  # unmarked, whatever order `mark` swaps the classes in
     from torch.distributed.tensor import DTensor
     assert type(p) is DTensor and type(p._local_tensor) is torch.Tensor
+
+
+class UserParameter(torch.nn.Parameter):
+    """A Parameter class of the user's own (as quantisation libraries define), with an attribute."""
+
+
+@pytest.mark.parametrize("read", ["op", "detach", "in-place write", "deepcopy", "metadata"])
+def test_a_parameter_of_a_users_own_class_is_marked_pending_and_a_read_of_its_values_waits(read):
+    """A `nn.Parameter` subclass of the user's own, read outside a forward while its gather is in
+    flight (an op, `detach()` as torch's EMA reads it, an in-place write, a deep copy) waits for the
+    gather; metadata (`.grad`, shape) does not. Before, only `nn.Parameter` itself was marked: the
+    read saw last step's values, silently, and a write landed under the gather. Unmarked, it is
+    of its own class again, its attributes kept."""
+    import copy
+
+    module = torch.nn.Linear(4, 4)
+    module.weight = UserParameter(torch.zeros(4, 4))
+    module.weight.tag = "mine"
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    gathers.launch(lambda: [Gather(module.weight.detach(), 1.0)])
+    p = module.weight
+    marked = type(p) is not UserParameter
+    if read == "metadata":
+        assert p.grad is None and p.shape == (4, 4) and p.dtype == torch.float32 and gathers.in_flight and marked
+        return
+    if read == "in-place write":
+        with torch.no_grad():
+            p.add_(1.0)
+        gathers.wait_all()
+        assert torch.equal(p.detach(), torch.full((4, 4), 2.0))  # the write is over the landed values
+    else:
+        reads = {"op": lambda: p * 1, "detach": lambda: p.detach().clone(), "deepcopy": lambda: copy.deepcopy(p)}
+        got = reads[read]()
+        assert torch.equal(got.detach(), torch.ones(4, 4)) and not gathers.in_flight
+        if read == "deepcopy":
+            assert type(got) is UserParameter  # (torch's Parameter.__deepcopy__ copies no attributes)
+    assert marked and type(p) is UserParameter and p.tag == "mine"
