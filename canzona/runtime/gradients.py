@@ -441,7 +441,12 @@ class GradientSync:
         in: the names holding one are those with a state; one zeroed, `zero_grad(set_to_none=False)`,
         and reached by no backward has none): a module replaced without a registration
         (`ModuleList.insert`, `_modules` written, `del model.head`) leaves its old parameters none,
-        which sends `param_gather.ModuleLinks` to walk its links."""
+        which sends `param_gather.ModuleLinks` to walk its links. One still holding the last
+        step's (`STEPPED`: `model.zero_grad(set_to_none=False)` no longer reaches the old module's
+        gradients) got none either: the step's check refuses it (`_left`), naming the replacement
+        where there is one."""
+        if self._left is not None:
+            return [n for n in self.params if self._states.get(n, GradState.STEPPED) is GradState.STEPPED]
         return self.params.keys() - self._states.keys() if len(self._states) < len(self.params) else ()
 
     def _leave(self, buffer: FlatBuffer, name: str, problem: str) -> None:
@@ -572,7 +577,10 @@ class GradientSync:
         since: met at a bucket's launch), or a gradient dropped or replaced after it was handed to the
         reduction (dropped, then written anew by a backward: met in that backward)."""
         if self._left is not None:
-            return self._left
+            # a module replaced in the model (its old parameters' gradients left unreached: 'still the
+            # last step's') is the cause to name
+            replaced = self.replaced_check() if self.replaced_check is not None else None
+            return replaced or self._left
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
             next(self.stacks.unlinked(), None) or \
             next((n for n, record in self._fsdp.items() if not fsdp_reads(record, self.params[n])), None)

@@ -830,18 +830,31 @@ def test_two_layers_swapped_are_one_error_saying_they_moved(one_rank):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("zeroing", ["opt.zero_grad()", "model.zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("how", ["del and insert", "_modules written"])
-def test_a_module_replaced_without_a_registration_is_one_error(one_rank, how):
+def test_a_module_replaced_without_a_registration_is_one_error(one_rank, how, zeroing):
     """A module replaced by a path that registers no module (`ModuleList.insert` and `del`,
     `model._modules[...] = new`), after a
     clean step, the old module kept: its parameters get no gradient, which sends the check to walk
     the links. One error, nothing updated (before: the walk waited for a registration, and the
-    new module trained silently, never stepped)."""
+    new module trained silently, never stepped). Each step zeroing with `model.zero_grad(
+    set_to_none=False)`, which no longer reaches the old module's gradients, the error is still
+    the replacement (before 2026-12-03: 'still the last step's', which it blamed on a missing
+    zero_grad())."""
     from torch import nn
 
     from canzona.errors import CanzonaError
 
     model, opt = _layers_optimizer()
+
+    def _one_step(model, opt):
+        if zeroing == "opt.zero_grad()":
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=False)
+        model(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+
     _one_step(model, opt)
     if how == "del and insert":
         old = model.layers[1]
