@@ -200,13 +200,14 @@ class FieldsIndex:
     """What `entry_fields` looks up, kept between its calls: torch's unflattening asks for every
     parameter in turn, and a scan of the parameters and a template per call made a load quadratic
     in the parameters (3.1 of 4.4 s of `set_optimizer_state_dict` at 4,000). The parameters and
-    their groups are fixed at construction (`add_param_group` is refused after it); a group's
-    hyper-parameters are not, so each template's fields are kept with the config they were taken
-    under and taken again when it changed."""
+    their groups are fixed at construction (`add_param_group` is refused after it); so are the fields
+    of their state: a template is taken from the configuration of its kind, not from the group's
+    hyper-parameters (`_template`), which change (and may hold, before a load undoes it, what a
+    step refuses)."""
 
     def __init__(self) -> None:
         self.place: dict[int, tuple[str, int]] | None = None  # id(parameter) -> (name, group index)
-        self.used: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[Any, list[str]]] = {}
+        self.used: dict[tuple[int, tuple[int, ...], torch.dtype], list[str]] = {}
 
     def locate(self, opt: Described, param: Tensor) -> tuple[str, int] | None:
         if self.place is None:
@@ -218,14 +219,13 @@ class FieldsIndex:
         return found if found is not None and opt.params.get(found[0]) is param else None
 
     def used_fields(self, opt: Described, g: int, name: str) -> list[str]:
-        """The fields of `name`'s state template its group's configuration uses (not None)."""
-        config = opt.group_config(g)
+        """The fields of `name`'s state template its group's configuration uses (not None): the
+        configuration of its kind (`_template`), whatever the group's values hold now."""
         key = (g, tuple(opt.spec.param(name).shape), opt.state_dtype(name))
         cached = self.used.get(key)
-        if cached is None or cached[0] != config:
-            cached = (config, [k for k, v in _template_on_meta(opt, g, name).items() if v is not None])
-            self.used[key] = cached
-        return cached[1]
+        if cached is None:
+            cached = self.used[key] = [k for k, v in _template_on_meta(opt, g, name).items() if v is not None]
+        return cached
 
 
 def entry_fields(opt: Described, param: Tensor, index: FieldsIndex | None = None) -> list[str] | None:
@@ -490,13 +490,18 @@ def split_stack(name: str, entry: Mapping[str, Any]) -> dict[str, dict[str, Any]
 
 
 def _template(opt: Described, g: int, name: str) -> dict[str, Any]:
-    """Zeros in the shape and dtype of every field `name`'s optimizer state will have."""
+    """Zeros in the shape and dtype of every field `name`'s optimizer state will have. Taken from
+    the configuration of the group's kind (`matrix_cfg`), never from the group's values as they
+    stand: every group keeps that configuration's state (`groups.GroupConfigs` refuses an edit
+    that keeps other), and a load replaces the values (a NaN rate, a hand edit out of range, which
+    a step refuses and the load of a good checkpoint undoes; before, such a group made
+    `load_state_dict` of a stepped checkpoint, and torch's flattened forms, raise the step's error)."""
     shape = opt.spec.param(name).shape
     like = torch.zeros(shape, dtype=opt.state_dtype(name))
     group = opt.param_groups[g]
     if group["kind"] == "adamw":
         return adamw_state(like)
-    return initial_state(opt.optimizer, like, opt.group_config(g))
+    return initial_state(opt.optimizer, like, opt.matrix_cfg)
 
 
 def state_by_name(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict]]:
@@ -899,6 +904,7 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
                             for saved in groups])
     if sharded:  # the full form keeps the device saved, as torch's load does
         _onto_held_devices(opt.param_groups, values)
+        _tuples_again(opt, values)
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, values):
@@ -906,6 +912,19 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     state = {n: dict(s) for n, s in state.items()}
     masters = {n: s.pop("master") for n, s in state.items() if "master" in s}
     return state, masters
+
+
+def _tuples_again(opt: Described, values: list[dict[str, Any]]) -> None:
+    """A sharded checkpoint's groups (JSON) give lists where the groups held tuples: a
+    configuration's tuple field (AdamW's `betas`, Muon's `ns_coefficients`) a tuple again, in
+    place, as the groups hold it from construction and torch's load of the full form restores it
+    (before, `betas` came back a list: equal to nothing the loop compared it with, silently)."""
+    bases = {"matrix": opt.matrix_cfg, "adamw": opt.adamw_cfg}
+    for group, saved in zip(opt.param_groups, values):
+        base = bases.get(group.get("kind"))
+        for key, value in saved.items():
+            if isinstance(value, list) and isinstance(getattr(base, key, None), tuple):
+                saved[key] = tuple(value)
 
 
 def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:

@@ -282,3 +282,76 @@ def test_a_digest_disagreement_in_one_group_reaches_the_next_groups_ranks_as_a_c
     tp = Group("tp", torch.tensor([[1, word], [0, word]]))  # this rank refuses in the TP round
     with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] of group dp were given another"):
         agree([dp, tp], None, b"mine", "load_state_dict()", "were given another state dict than this rank")
+
+
+# what a run's groups may hold when a good checkpoint is loaded to recover it, by the form loaded:
+# {group: {key: value}} (group 0 Muon's, 1 AdamW's; a scheduler's NaN or Inf rate, a hand edit out
+# of range), each of which the next step refuses
+BROKEN_GROUPS = {"load_state_dict": {0: {"lr": math.nan}, 1: {"betas": (1.5, 0.999)}},
+                 "sharded": {0: {"lr": -1.0}, 1: {"lr": math.inf}},
+                 "dcp": {0: {"momentum": -0.5}, 1: {"lr": math.nan}},
+                 "dcp flat": {0: {"lr": math.inf}, 1: {"lr": -1.0, "betas": (0.9, -0.5)}}}
+
+
+def _load_form(form: str, model, opt, folder) -> None:
+    """Load the checkpoint `_save_forms` wrote in `folder` in `form`, as a user recovering a run does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if form == "load_state_dict":
+        opt.load_state_dict(torch.load(folder / "full.pt", weights_only=True))
+    elif form == "sharded":
+        opt.load_sharded_state_dict(str(folder / "sharded"))
+    else:  # torch's DCP: a template from the live optimizer, filled by dcp.load, set back
+        options = StateDictOptions(flatten_optimizer_state_dict=form == "dcp flat")
+        template = get_optimizer_state_dict(model, opt, options=options)
+        dcp.load(template, checkpoint_id=str(folder / form))
+        set_optimizer_state_dict(model, opt, template, options=options)
+
+
+def _save_forms(model, opt, folder) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.save(opt.state_dict(), folder / "full.pt")
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=str(folder / "sharded"))
+    for flat in (False, True):
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        dcp.save(get_optimizer_state_dict(model, opt, options=options),
+                 checkpoint_id=str(folder / ("dcp flat" if flat else "dcp")))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_good_checkpoint_loaded_over_groups_a_step_refuses_resumes_bit_for_bit(one_rank, tmp_path, layout):
+    """A run whose group holds what a step refuses (a NaN or Inf rate from a scheduler's bug, a
+    negative rate, betas or momentum out of range from a hand edit) is recovered by loading the last
+    good (stepped) checkpoint, in every form: `load_state_dict(torch.load(...))`, the sharded form,
+    and torch's DCP (`get_optimizer_state_dict` as the template `dcp.load` fills, nested and
+    flattened, then `set_optimizer_state_dict`). Each restores the saved groups and steps on bit for
+    bit as the run that went on from the save. Before: the full form's entry templates and the
+    flattened form's field names took the group's configuration as it stood, so a stepped checkpoint
+    was refused with the step's error (SpecError 'muon lr must be a finite number, got nan'); the
+    flattened form refused an AdamW group's too; the sharded form loaded, but its JSON gave `betas`
+    back a list)."""
+    from tests.runtime.test_sharded_load_dtype import _restore
+
+    model, opt, step = LAYOUTS[layout]()
+    _save_forms(model, opt, tmp_path)
+    weights, groups = _weights(model), [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    step()
+    step()
+    want = _weights(model), opt.state_dict()
+    for form, broken in BROKEN_GROUPS.items():
+        _restore(model, weights)
+        for g, values in broken.items():
+            opt.param_groups[g].update(values)
+        _load_form(form, model, opt, tmp_path)
+        got = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        assert got == groups, (form, got)
+        step()
+        step()
+        assert same(_weights(model), want[0]) and same(opt.state_dict(), want[1]), form
