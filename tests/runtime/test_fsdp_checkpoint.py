@@ -17,7 +17,8 @@ fp32 Newton-Schulz and SOAP; SAVE steps, a checkpoint, RESUME more on fresh data
   (fp32: the weights witness; bf16: the fp32 masters); bf16 weights loaded into the model after
   steps, then saved (the masters of those weights, the sharded save passing its own check), and
   the state dict beside weights of no save (the step starts from them); a fresh optimizer's
-  state_dict() and sharded form loaded back after steps (torch's reset: a fresh optimizer's run).
+  state_dict() and sharded form loaded back after steps (torch's reset: a fresh optimizer's run);
+  `dcp.async_save` of the model and both forms, its files written after RESUME more steps.
 - FSDP 3: the FSDP 2 checkpoint resharded (state_dict() after loading it is the same checkpoint, bit
   for bit), and resumed from it and from the DCP directory.
 """
@@ -256,6 +257,67 @@ def _flat_resumed(spec: TrainSpec, rank: int, world: int, path: str) -> dict:
     return got["value"] if got["error"] is None else got
 
 
+class _HeldWriter:
+    """DCP's file writer whose write waits until `release` is set (the training loop stepped):
+    then the files hold what the stager kept at `async_save`, whatever the step wrote since."""
+
+    def __new__(cls, path: str, release: Any):
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        class Held(FileSystemWriter):
+            def write_data(self, plan, planner):
+                release.wait(60)
+                return super().write_data(plan, planner)
+
+        return Held(path)
+
+
+def async_saved(spec: TrainSpec, rank: int, world: int, path: str, stager: Any = None) -> dict:
+    """torchtitan's async checkpoint under FSDP2: `straight`'s SAVE steps, then one `dcp.async_save`
+    of the model's state dict (DTensors over the live shards), torch's optimizer state dict and
+    canzona's sharded form (views of the live state) on a gloo group of its own, RESUME steps while
+    it writes (its files written only after them: `_HeldWriter`), then the wait; each form resumed
+    by a fresh model. `stager`: DCP's `async_stager` (default: the one `async_save` builds without
+    one, `DefaultStager` with every option off, which copies the tensors before it returns)."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+
+    model, opt = fsdp_model(spec, world)
+    train(model, opt, spec, rank, world)
+    saves = dist.new_group(backend="gloo")
+    at_save = opt.state_dict()
+    stepped = threading.Event()
+    stager = stager or DefaultStager(StagingOptions(False, False, False, False))
+    pending = dcp.async_save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+                              **opt.sharded_state_dict()}, storage_writer=_HeldWriter(path, stepped),
+                             process_group=saves, async_stager=stager)
+    train(model, opt, resume_spec(spec), rank, world)  # RESUME steps while the save waits to write
+    stepped.set()
+    pending.result()
+    stager.close()
+    moved_on = nested_equal(opt.state_dict(), at_save) is not None
+    out = {"moved on": moved_on, "final": full_params(model), "at save": at_save,
+           "dcp": torch_api_resumed(spec, rank, world, None, path)}
+    # the model from the save, canzona's sharded form beside it (checked against its weights)
+    model, opt = fsdp_model(spec, world, seed=7)
+    weights = {"model": get_model_state_dict(model)}
+    dcp.load(weights, checkpoint_id=path)
+    set_model_state_dict(model, weights["model"])
+    opt.load_sharded_state_dict(path, check_weights=True)
+    out["sharded"] = {"round trip": nested_equal(opt.state_dict(), at_save)}
+    train(model, opt, resume_spec(spec), rank, world)
+    out["sharded"]["final"] = full_params(model)
+    return out
+
+
 def refused(spec: TrainSpec, rank: int, world: int, other: dict | None = None) -> str:
     """The error loading `other` (default: a checkpoint of another model) raises."""
     if other is None:
@@ -438,6 +500,7 @@ def fsdp2_worker(rank: int, world: int, path: str) -> dict:
     out["torch rank 0"] = torch_api_resumed(muon, rank, world, run["torch rank 0"], None, from_rank0=True)
     out["dcp"] = torch_api_resumed(muon, rank, world, None, path)
     out["dcp flat"] = _flat_resumed(muon, rank, world, path + "-flat")
+    out["async"] = async_saved(muon, rank, world, path + "-async")
     # FSDP -> ZeRO-1 (the unsharded model, DP 2), and ZeRO-1 -> FSDP
     out["zero1 from fsdp"] = distributed_worker(rank, world, resume_spec(muon), {"load": run["ckpt"]})["params"]
     zero1 = distributed_worker(rank, world, muon, {"save_sharded": path + "-zero1"})
@@ -708,6 +771,25 @@ def test_dcp_save_load_resumes_bit_for_bit(how: str) -> None:
         assert nested_equal(r[how]["state"], want["ckpt"][1]) is None
         exact = compare(r[how]["final"], want["final"])
         assert exact["bit_identical"], (rank, exact)
+
+
+def test_an_async_save_holds_the_state_at_the_call_while_the_loop_steps_on() -> None:
+    """`dcp.async_save` of the model and the optimizer (torch's form and canzona's sharded one, in
+    one save, on a gloo group of its own, CPU tensors), its files written only after the loop took
+    RESUME more steps: each form resumes bit for bit as the synchronous save taken at that point
+    (`straight`'s), the state loaded equal to the state at the call. DCP's staging copies the
+    tensors before `async_save` returns, on the CPU too (found so; a stager that copies nothing, in
+    place of torch's, writes the weights of two steps later and the resume is refused at its first
+    step by the weights' witness)."""
+    for rank, r in enumerate(run2()):
+        want, got = r["muon"]["straight"], r["async"]
+        assert got["moved on"] and compare(got["final"], want["final"])["bit_identical"], rank
+        assert nested_equal(got["at save"], want["ckpt"][1]) is None, rank  # the state the sync save holds
+        assert nested_equal(got["dcp"]["state"], r["dcp"]["state"]) is None, rank
+        assert got["sharded"]["round trip"] is None, (rank, got["sharded"]["round trip"])
+        for how in ("dcp", "sharded"):
+            exact = compare(got[how]["final"], want["final"])
+            assert exact["bit_identical"], (rank, how, exact)
 
 
 @pytest.mark.parametrize("how", ["resumed", "sharded", "torch full", "dcp", "dcp flat"])
