@@ -450,6 +450,17 @@ def floor_ratio(scheduler: Any) -> float | None:
     return float(ratio) if ratio else None
 
 
+def _kind_rates(base: list[float], opt: DistributedOptimizer) -> tuple[list[float], list[float]]:
+    """The distinct rates (`base`: each group's) of the matrix groups and of the AdamW groups, in
+    group order, those of 0 left out: a frozen group stays at 0 whatever a schedule's bound or
+    floor (0 times any factor), so it is nothing to tell of."""
+    rates: dict[Any, list[float]] = {"matrix": [], "adamw": []}
+    for r, group in zip(base, opt.param_groups):
+        if r > 0 and r not in rates.setdefault(group.get("kind"), []):
+            rates[group.get("kind")].append(r)
+    return rates["matrix"], rates["adamw"]
+
+
 def _uniform_bound(scheduler: Any, key: str) -> float | None:
     """The one absolute bound (`min_lrs` / `max_lrs`) a plateau scheduler applies to every group, or
     None: bounds per group, or a floor of 0. ReduceLROnPlateau records whether `min_lr` was one number
@@ -479,11 +490,7 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     if not isinstance(base, list) or len(base) != len(opt.param_groups):
         base = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
     base = [float(r) for r in base]
-    rates: dict[Any, list[float]] = {}
-    for r, group in zip(base, opt.param_groups):
-        if r not in rates.setdefault(group.get("kind"), []):
-            rates[group.get("kind")].append(r)
-    matrix, adamw = rates.get("matrix"), rates.get("adamw")
+    matrix, adamw = _kind_rates(base, opt)
     if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
         return None
 
@@ -531,11 +538,7 @@ def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     base = getattr(scheduler, "base_lrs", None)
     if ratio is None or not base or len(base) != len(opt.param_groups):
         return None
-    rates: dict[Any, list[float]] = {}
-    for g, group in enumerate(opt.param_groups):
-        if float(base[g]) not in rates.setdefault(group.get("kind"), []):
-            rates[group.get("kind")].append(float(base[g]))
-    matrix, adamw = rates.get("matrix"), rates.get("adamw")
+    matrix, adamw = _kind_rates([float(r) for r in base], opt)
     if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
         return None
 

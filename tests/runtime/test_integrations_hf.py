@@ -1277,6 +1277,55 @@ def test_a_plateau_schedules_one_absolute_bound_on_the_accelerate_path_is_warned
     assert told(lambda o: ReduceLROnPlateau(o, min_lr=1e-4))[0] == []
 
 
+def _kinds(rates: list[tuple[str, float]]) -> tuple:
+    """An SGD of one group per `(kind, rate)` for a scheduler to step, and a stand-in for the canzona
+    optimizer `floor_warning` reads (its groups' kinds and rates; the matrix rate its defaults')."""
+    from types import SimpleNamespace
+
+    sgd = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": lr} for _, lr in rates], lr=0.02)
+    return sgd, SimpleNamespace(param_groups=[{"kind": k, "lr": lr} for k, lr in rates], defaults={"lr": 0.02})
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_a_bound_beside_a_frozen_rate_of_0_is_told_of_the_other_groups(tmp_path, one_rank):
+    """A canzona optimizer whose AdamW (or matrix) rate is 0 (frozen) under a plateau scheduler with
+    one absolute bound, or a transformers schedule with a floor. Before (review): a
+    ZeroDivisionError out of `prepare` and `CanzonaTrainer(optimizers=...)` (the warning divided by
+    each rate). A group at 0 stays there whatever the bound (0 times any factor; GreedyLR's raise
+    too): now it is left out of what is told, so one kind of group moving is nothing to tell, and
+    beside another AdamW group the warning is that group's, with a bound of 0 for the frozen one
+    in the per-group lists."""
+    import warnings
+
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+    from transformers import TrainingArguments, get_scheduler
+    from transformers.optimization import GreedyLR
+
+    from canzona.integrations.accelerate import CanzonaAccelerator, floor_warning
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    makers = (lambda o: ReduceLROnPlateau(o, min_lr=1e-5), GreedyLR,
+              lambda o: get_scheduler("cosine_with_min_lr", o, 1, 6, scheduler_specific_kwargs={"min_lr": 1e-5}))
+    for rates in ([("matrix", 0.02), ("adamw", 0.0)], [("matrix", 0.0), ("adamw", 3e-4)]):
+        for make in makers:
+            sgd, opt = _kinds(rates)
+            assert floor_warning(make(sgd), opt) is None, rates
+    sgd, opt = _kinds([("matrix", 0.02), ("adamw", 0.0), ("adamw", 3e-4)])
+    told = floor_warning(ReduceLROnPlateau(sgd, min_lr=1e-5), opt)
+    assert "the AdamW groups (rate 0.0003) at 1e-05 (0.0333 of theirs)" in told and "rate 0)" not in told, told
+    assert f"measured against the AdamW rate (0.0003), min_lr=[{0.02 * 1e-5 / 3e-4:g}, 0, 1e-05]" in told, told
+    # through prepare and the Trainer: no error, nothing told
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02}, {"lr": 0.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CanzonaAccelerator(cpu=True).prepare(model, opt, GreedyLR(opt))
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        CanzonaTrainer(model=model, args=args, optimizers=(opt, ReduceLROnPlateau(opt, min_lr=1e-5)))
+    assert [str(w.message) for w in caught if "bound" in str(w.message)] == []
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
