@@ -461,6 +461,16 @@ def _kind_rates(base: list[float], opt: DistributedOptimizer) -> tuple[list[floa
     return rates["matrix"], rates["adamw"]
 
 
+def _plateau(scheduler: Any) -> bool:
+    """Whether `scheduler` is torch's ReduceLROnPlateau or transformers' GreedyLR, the plateau
+    schedulers whose `min_lrs` / `max_lrs` are absolute bounds (others keep such lists too: torch's
+    CyclicLR its `max_lrs`). GreedyLR by type where transformers is imported: a GreedyLR comes
+    from there, so none exists where it is not."""
+    greedy = getattr(sys.modules.get("transformers.optimization"), "GreedyLR", None)
+    return isinstance(scheduler, tuple(t for t in (torch.optim.lr_scheduler.ReduceLROnPlateau, greedy)
+                                       if isinstance(t, type)))
+
+
 def _uniform_bound(scheduler: Any, key: str) -> float | None:
     """The one absolute bound (`min_lrs` / `max_lrs`) a plateau scheduler applies to every group, or
     None: bounds per group, or a floor of 0. ReduceLROnPlateau records whether `min_lr` was one number
@@ -482,6 +492,8 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     rates below about `eps / (1 - factor)` (1.1e-8 for ReduceLROnPlateau's defaults, 2e-7 for
     GreedyLR's): named only where a group starts there (never reduced at all). None where there is
     nothing to tell."""
+    if not _plateau(scheduler):
+        return None
     name = type(scheduler).__name__
     low, high = _uniform_bound(scheduler, "min_lrs"), _uniform_bound(scheduler, "max_lrs")
     if low is None and high is None:
@@ -532,7 +544,7 @@ def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     """What `prepare` warns of for a transformers schedule with a floor (`floor_ratio`) over a
     canzona optimizer whose rates differ (every group's: the matrix and AdamW rates): the floors each
     kind of group ends at, and how to set the AdamW groups' own. None where there is nothing to tell."""
-    if _uniform_bound(scheduler, "min_lrs") is not None or _uniform_bound(scheduler, "max_lrs") is not None:
+    if _plateau(scheduler):
         return bound_warning(scheduler, opt)
     ratio = floor_ratio(scheduler)
     base = getattr(scheduler, "base_lrs", None)

@@ -1326,6 +1326,20 @@ def test_a_bound_beside_a_frozen_rate_of_0_is_told_of_the_other_groups(tmp_path,
     assert [str(w.message) for w in caught if "bound" in str(w.message)] == []
 
 
+def test_a_cyclic_schedules_max_lr_is_no_plateau_bound():
+    """torch's `CyclicLR(opt, base_lr=[...per group], max_lr=x)` keeps `max_lrs`, one per group, as
+    GreedyLR does. Before (review): read as a plateau scheduler's uniform bound and warned of in
+    plateau words ("keep the floors given per group", per-group `max_lr` lists "measured against the
+    AdamW rate"). Now only torch's ReduceLROnPlateau and transformers' GreedyLR are read for such
+    bounds (by type)."""
+    from torch.optim.lr_scheduler import CyclicLR
+
+    from canzona.integrations.accelerate import floor_warning
+
+    sgd, opt = _kinds([("matrix", 0.02), ("adamw", 3e-4)])
+    assert floor_warning(CyclicLR(sgd, base_lr=[0.02, 3e-4], max_lr=0.1, cycle_momentum=False), opt) is None
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
