@@ -473,13 +473,11 @@ def _plateau(scheduler: Any) -> bool:
 
 def _uniform_bound(scheduler: Any, key: str) -> float | None:
     """The one absolute bound (`min_lrs` / `max_lrs`) a plateau scheduler applies to every group, or
-    None: bounds per group, or a floor of 0. ReduceLROnPlateau records whether `min_lr` was one number
-    (`default_min_lr`); GreedyLR does not: a list of equal bounds reads as one."""
-    if key == "min_lrs" and hasattr(scheduler, "default_min_lr"):
-        one = scheduler.default_min_lr
-    else:
-        bounds = getattr(scheduler, key, None)
-        one = bounds[0] if isinstance(bounds, list) and bounds and len(set(map(float, bounds))) == 1 else None
+    None: bounds that differ per group, or a floor of 0. A list of equal bounds reads as one, for both
+    schedulers: GreedyLR keeps no record of whether one number or a list was given (ReduceLROnPlateau
+    does, `default_min_lr`, not read, so that both say the same of the same bounds)."""
+    bounds = getattr(scheduler, key, None)
+    one = bounds[0] if isinstance(bounds, list) and bounds and len(set(map(float, bounds))) == 1 else None
     return float(one) if one else None
 
 

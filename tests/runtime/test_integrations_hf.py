@@ -1340,6 +1340,29 @@ def test_a_cyclic_schedules_max_lr_is_no_plateau_bound():
     assert floor_warning(CyclicLR(sgd, base_lr=[0.02, 3e-4], max_lr=0.1, cycle_momentum=False), opt) is None
 
 
+def test_a_list_of_equal_plateau_bounds_is_told_of_alike_by_both_schedulers():
+    """`min_lr=[1e-4, 1e-4]` over a matrix group at 0.02 and an AdamW group at 3e-4: every group
+    bounded at one absolute rate, as by `min_lr=1e-4`. Before (review): warned of for transformers'
+    GreedyLR but not for torch's ReduceLROnPlateau (which records whether `min_lr` was one number;
+    GreedyLR keeps no such record, so a list of equal bounds and one number cannot be told apart
+    there). Now a list of equal bounds reads as one for both: the same words as for one number."""
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+    from transformers.optimization import GreedyLR
+
+    from canzona.integrations.accelerate import floor_warning
+
+    def told(make) -> str | None:
+        sgd, opt = _kinds([("matrix", 0.02), ("adamw", 3e-4)])
+        return floor_warning(make(sgd), opt)
+
+    one = told(lambda o: ReduceLROnPlateau(o, min_lr=1e-4))
+    assert one is not None and told(lambda o: ReduceLROnPlateau(o, min_lr=[1e-4, 1e-4])) == one
+    greedy = told(lambda o: GreedyLR(o, min_lr=[1e-4, 1e-4]))
+    assert greedy is not None and told(lambda o: GreedyLR(o, min_lr=1e-4)) == greedy
+    stops = "the matrix groups (rate 0.02) stop at 0.0001 (0.005 of their rate)"
+    assert stops in one and stops in greedy, (one, greedy)
+
+
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
     (None, 0.05, (0.05, 0.05, 0.0)),                                # the Trainer's decay on every decay parameter
     ({"lr": 0.02, "weight_decay": 0.1}, 0.0, (0.1, 0.0, 0.0)),       # the matrices' own, given
