@@ -91,8 +91,9 @@ For a model whose parameters a canzona optimizer holds:
   `optimizer.defaults["lr"]`, the matrix rate, so the matrices end at `x` and the AdamW groups at
   `adamw lr * x / matrix lr`. The schedule is left as built (`prepare_scheduler` says why);
   `min_lr_rate=F / adamw lr` ends the AdamW groups at `F`. Likewise a plateau scheduler the user
-  built with one absolute bound for every group (torch's `ReduceLROnPlateau(opt, min_lr=x)`,
-  transformers' `GreedyLR`, whose defaults `min_lr=1e-3`, `max_lr=1.0` are such bounds; GreedyLR is
+  built with one absolute bound for every group (torch's `ReduceLROnPlateau(opt, min_lr=x)` or a
+  list of equal values, transformers' `GreedyLR`, whose default `min_lr=1e-3` is such a bound, its
+  default `max_lr=1.0` only where not above every rate; GreedyLR is
   no `LRScheduler`, which accelerate passes through, and is warned of all the same): one warning
   naming where each kind of group stops (a `min_lr` at or above the AdamW rate: never reduced) and
   the per-group `min_lr=[...]` lists (both take one) measured against either rate
@@ -107,6 +108,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
 import sys
@@ -483,8 +485,9 @@ def _uniform_bound(scheduler: Any, key: str) -> float | None:
 
 def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     """What `prepare` warns of for a plateau scheduler built by the user (torch's ReduceLROnPlateau,
-    transformers' GreedyLR) that bounds every group by one absolute rate (`min_lr`; GreedyLR's
-    `max_lr`, their defaults too) over a canzona optimizer whose rates differ: the rate each kind of
+    transformers' GreedyLR) that bounds every group by one absolute rate (`min_lr`, its default too;
+    GreedyLR's `max_lr`, its default 1.0 only where not above every rate) over a canzona optimizer
+    whose rates differ (groups at 0 left out: `_kind_rates`): the rate each kind of
     group stops at, and the per-group lists (which both take) that bound every group at one ratio
     of its own rate. Its `eps` (the smallest change applied, absolute too) stops a reduction only at
     rates below about `eps / (1 - factor)` (1.1e-8 for ReduceLROnPlateau's defaults, 2e-7 for
@@ -494,21 +497,29 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
         return None
     name = type(scheduler).__name__
     low, high = _uniform_bound(scheduler, "min_lrs"), _uniform_bound(scheduler, "max_lrs")
-    if low is None and high is None:
-        return None
     base = getattr(scheduler, "_init_lrs", None)
     if not isinstance(base, list) or len(base) != len(opt.param_groups):
         base = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
     base = [float(r) for r in base]
+    default = inspect.signature(type(scheduler)).parameters.get("max_lr")
+    if high is not None and default is not None and high == default.default and high > max(base):
+        high = None  # GreedyLR's default cap (1.0), above every rate: no bound of the user's to tell of
+    if low is None and high is None:
+        return None
     matrix, adamw = _kind_rates(base, opt)
     if not matrix or not adamw or len(set(matrix) | set(adamw)) == 1:
         return None
 
+    # a group whose rate min_lr is not below: ReduceLROnPlateau only reduces; GreedyLR raises too
+    never = ("are never reduced below their rate (min_lr is not below it): GreedyLR's increases raise them, and "
+             f"its reductions bring them back no lower than {low or 0:g}" if hasattr(scheduler, "max_lrs")
+             else "are never reduced (min_lr is not below their rate)")
+
     def stops(kind: list[float], verb: str, theirs: str) -> str:
         if low is None:
             return f"(rate {', '.join(f'{r:g}' for r in kind)}) keep the floors given per group"
-        parts = [f"(rate {r:g}) are never reduced (min_lr is not below their rate)" if low >= r
-                 else f"(rate {r:g}) {verb}{low:g} ({low / r:.3g} of {theirs})" for r in kind]
+        parts = [(f"(rate {r:g}) {never}" if low >= r else f"(rate {r:g}) {verb}{low:g} ({low / r:.3g} of {theirs})")
+                 for r in kind]
         return ", ".join(parts)
 
     bounds = " and ".join(f"{k} {v:g}" for k, v in (("min_lr", low), ("max_lr", high)) if v is not None)

@@ -1264,8 +1264,8 @@ def test_a_plateau_schedules_one_absolute_bound_on_the_accelerate_path_is_warned
     (message,), ends = told(lambda o: ReduceLROnPlateau(o, factor=0.5, patience=0, min_lr=1e-3))
     assert (ends["matrix"], ends["adamw"]) == (1e-3, 3e-4), ends
     assert "the AdamW groups (rate 0.0003) are never reduced (min_lr is not below their rate)" in message, message
-    (message,), _ = told(lambda o: GreedyLR(o, patience=0))  # its defaults: min_lr 1e-3, max_lr 1.0
-    assert "GreedyLR" in message and "min_lr 0.001" in message and "max_lr 1" in message, message
+    (message,), _ = told(lambda o: GreedyLR(o, patience=0))  # its defaults: min_lr 1e-3, max_lr 1.0 (not told of:
+    assert "GreedyLR" in message and "min_lr 0.001" in message and "max_lr" not in message, message  # above every rate)
     # a group starting where eps stops every reduction: said
     (message,), _ = told(lambda o: ReduceLROnPlateau(o, min_lr=1e-10, eps=5e-4))
     assert "eps 0.0005" in message and "AdamW groups at 0.0003 never reduced" in message, message
@@ -1361,6 +1361,43 @@ def test_a_list_of_equal_plateau_bounds_is_told_of_alike_by_both_schedulers():
     assert greedy is not None and told(lambda o: GreedyLR(o, min_lr=1e-4)) == greedy
     stops = "the matrix groups (rate 0.02) stop at 0.0001 (0.005 of their rate)"
     assert stops in one and stops in greedy, (one, greedy)
+
+
+def test_greedy_lrs_default_cap_above_every_rate_is_not_told_of():
+    """transformers' GreedyLR caps every group at `max_lr`, by default 1.0: 50 times a matrix rate of
+    0.02, far above the rates a group trains at. Before (review): that default counted as a
+    uniform bound, so `GreedyLR(opt, min_lr=[one per group])` was still warned of ("keep the floors
+    given per group"), and the AdamW groups under the default `min_lr` 1e-3, above their rate 3e-4,
+    were said to be "never reduced", where GreedyLR's increases raise them and its reductions then
+    bring them back to 1e-3 (checked below). Now the default `max_lr` is named only where it is
+    not above every group's rate (a `max_lr` given equal to it cannot be told from it); one of the
+    user's is named as before; the AdamW groups' words say what GreedyLR does."""
+    from transformers.optimization import GreedyLR
+
+    from canzona.integrations.accelerate import floor_warning
+
+    def told(**kwargs) -> tuple[str | None, torch.optim.Optimizer]:
+        sgd, opt = _kinds([("matrix", 0.02), ("adamw", 3e-4)])
+        sched = GreedyLR(sgd, patience=0, **kwargs)
+        return floor_warning(sched, opt), sched
+
+    assert told(min_lr=[2e-4, 3e-6])[0] is None
+    message, _ = told(min_lr=[2e-4, 3e-6], max_lr=0.5)
+    assert "one absolute max_lr 0.5" in message and "keep the floors given per group" in message, message
+    message, sched = told()
+    assert "min_lr 0.001" in message and "max_lr" not in message, message
+    assert ("the AdamW groups (rate 0.0003) are never reduced below their rate (min_lr is not below it): GreedyLR's "
+            "increases raise them, and its reductions bring them back no lower than 0.001") in message, message
+    adamw = sched.optimizer.param_groups[1]
+    for loss in [1.0] * 4:  # the first step an improvement (over inf), then a plateau: not reduced
+        sched.step(loss)
+    assert adamw["lr"] == 3e-4 / 0.95
+    for k in range(30):  # improving: raised past min_lr ...
+        sched.step(0.5 - k / 100)
+    assert adamw["lr"] > 1e-3
+    for _ in range(40):  # ... then a plateau: back to min_lr, above their rate
+        sched.step(1.0)
+    assert adamw["lr"] == 1e-3
 
 
 @pytest.mark.parametrize(("matrix_config", "weight_decay", "want"), [
