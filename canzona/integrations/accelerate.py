@@ -957,16 +957,22 @@ class CanzonaAccelerator(Accelerator):
         """accelerate loads `custom_checkpoint_<i>.pkl` into the i-th object given to
         `register_for_checkpointing`: objects registered now that are not the save's, in its order
         (`saved`, recorded by `save_state`; None: an older canzona's save, not checked), would each
-        take another's state (a scheduler another's base rates and step count, silently). One
-        `CanzonaError` before anything is loaded."""
+        take another's state (a scheduler another's base rates and step count, silently); fewer or more
+        than the save's, the error names the counts. One `CanzonaError` before anything is loaded."""
         now = [registered_object(o, opts, folders) for o in getattr(self, "_custom_objects", [])]
         if saved is None or now == saved:
             return
+        listed = f"(saved: {'; '.join(saved) or 'none'}; registered now: {'; '.join(now) or 'none'})"
+        if len(now) != len(saved):
+            raise CanzonaError(
+                f"load_state(): {len(now)} object{' is' if len(now) == 1 else 's are'} given to accelerator."
+                f"register_for_checkpointing, the save registered {len(saved) or 'none'} {listed}, and accelerate "
+                "loads custom_checkpoint_<i>.pkl into the i-th registered object: register the objects of the "
+                "save, in the order of the save")
         swapped = sorted(now) == sorted(saved)
         raise CanzonaError(
             f"load_state(): the objects given to accelerator.register_for_checkpointing are "
-            f"{'those of the save in another order' if swapped else 'not those of the save'} (saved: "
-            f"{'; '.join(saved) or 'none'}; registered now: {'; '.join(now) or 'none'}), and accelerate loads "
+            f"{'those of the save in another order' if swapped else 'not those of the save'} {listed}, and accelerate loads "
             "custom_checkpoint_<i>.pkl into the i-th registered object, so each would take another's state: "
             "register the objects of the save, in the order of the save")
 

@@ -1651,6 +1651,31 @@ def test_schedulers_registered_for_checkpointing_in_another_order_are_one_error(
     assert mine.last_epoch == 3 and [g["lr"] for g in opt.param_groups] == want
 
 
+def test_fewer_or_more_objects_registered_for_checkpointing_than_saved_is_a_count_error():
+    """`register_for_checkpointing` given fewer (or more) objects at the load than at the save. Before
+    (review): the error said "each would take another's state", which is the words for another
+    order; now it names the counts (accelerate reads `custom_checkpoint_<i>.pkl` by position, and
+    would leave the save's last unread, or find none for the last registered)."""
+    from canzona.integrations.accelerate import CanzonaAccelerator
+
+    class Counter:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    accelerator = CanzonaAccelerator(cpu=True)
+    accelerator.register_for_checkpointing(Counter())
+    with pytest.raises(CanzonaError, match=r"^load_state\(\): 1 object is given to accelerator\."
+                                           r"register_for_checkpointing, the save registered 2 \(saved: Counter; "
+                                           r"Counter; registered now: Counter\)") as e:
+        accelerator._check_registered(["Counter", "Counter"], [], [])
+    assert "another's state" not in str(e.value), str(e.value)
+    with pytest.raises(CanzonaError, match=r"1 object is given .* the save registered none \(saved: none;"):
+        accelerator._check_registered([], [], [])
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_an_optimizer_the_trainer_dropped_is_freed(tmp_path, one_rank):
     """`hyperparameter_search` (and a second `train()` of a new model) sets `self.optimizer` and
