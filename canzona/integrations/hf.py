@@ -96,6 +96,7 @@ from canzona.integrations.accelerate import (
     same_device,
 )
 from canzona.integrations.optimizer_state import (
+    Named,
     check_replaceable,
     latest_whole,
     load_optimizer,
@@ -243,11 +244,11 @@ def checkpoint_problem(folder: str) -> str | None:
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
         if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
-            return f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer"
+            return Named(f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer")
         if not os.path.exists(os.path.join(folder, OPTIMIZER_DIR)) and \
                 os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):  # written last: no killed save
-            return (f"no {OPTIMIZER_DIR}/ beside {TRAINER_STATE_FILE}: saved with save_only_model=True, which keeps "
-                    "no optimizer state to resume from")
+            return Named(f"no {OPTIMIZER_DIR}/ beside {TRAINER_STATE_FILE}: saved with save_only_model=True, which "
+                         "keeps no optimizer state to resume from")
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):

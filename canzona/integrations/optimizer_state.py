@@ -78,27 +78,43 @@ def written_whole(folder: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in (MANIFEST, ".metadata"))
 
 
+class Named(str):
+    """A reason `latest_whole` is given for skipping a folder that names what wrote it (a
+    `save_only_model` save, another framework's): not a save killed midway, said of the others."""
+
+
 def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Callable[[str], str | None], *,
                  asked: str, killed: str, none: str) -> str:
     """Of the folders of `parent` (`numbered`: each one's number and name), the highest-numbered one
     that `problem` finds nothing wrong with (the framework's own rule takes the highest, a save
-    killed midway's folder too); one warning naming the folders skipped, if any. None such: one `CheckpointError`, `asked` (what the user called)
-    naming each folder skipped and why, and that `killed` (a save killed midway) leaves them; `none`
-    where there is no folder at all."""
-    skipped = []
+    killed midway's folder too); one warning naming the folders skipped, if any. None such: one
+    `CheckpointError`, `asked` (what the user called) naming each folder skipped and why, and that
+    `killed` (a save killed midway) leaves those whose reason is no `Named` one; `none` where there
+    is no folder at all."""
+    skipped, unnamed = [], []
     for _, name in sorted(numbered, reverse=True):
         folder = os.path.join(parent, name)
         found = problem(folder)
         if found is None:
             if skipped:  # steps behind the latest save: said, once (the search runs on rank 0)
-                warnings.warn(f"{asked}: resuming from {name}, skipping {', '.join(skipped)}: {killed} leaves such "
-                              "a folder", stacklevel=2)
+                warnings.warn(f"{asked}: resuming from {name}, skipping {', '.join(skipped)}"
+                              f"{_left(killed, unnamed, skipped, ': ')}", stacklevel=2)
             return folder
         skipped.append(f"{name} ({found})")
+        if not isinstance(found, Named):
+            unnamed.append(name)
     if not skipped:
         raise CheckpointError(none)
-    raise CheckpointError(f"{asked}: no whole checkpoint in {parent}: {', '.join(skipped)}; {killed} leaves such a "
-                          "folder")
+    raise CheckpointError(f"{asked}: no whole checkpoint in {parent}: {', '.join(skipped)}"
+                          f"{_left(killed, unnamed, skipped, '; ')}")
+
+
+def _left(killed: str, unnamed: list[str], skipped: list[str], sep: str) -> str:
+    """`latest_whole`'s tail: that `killed` leaves the folders skipped for no `Named` reason."""
+    if not unnamed:
+        return ""
+    like = "such a folder" if len(unnamed) == len(skipped) else f"a folder like {', '.join(unnamed)}"
+    return f"{sep}{killed} leaves {like}"
 
 
 def legacy_message(folder: str | os.PathLike) -> str:

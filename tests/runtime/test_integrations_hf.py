@@ -1497,21 +1497,33 @@ def test_resuming_from_save_only_model_checkpoints_says_so():
     then `resume_from_checkpoint=True`: one CheckpointError (transformers documents such a
     checkpoint as not resumable). Before, it said only that "a save killed midway leaves such a
     folder" (a killed save writes trainer_state.json last, so this is none); now it names
-    save_only_model. (`resume_from_checkpoint=<folder>` named it already.)"""
+    save_only_model. (`resume_from_checkpoint=<folder>` named it already.) Then (review) the
+    message still ended "a save killed midway leaves such a folder"; now that tail is only for the
+    folders no other reason names (beside such a folder: naming those)."""
     import tempfile
 
     from canzona.errors import CheckpointError
     from canzona.integrations.hf import latest_checkpoint
 
+    only = ("no canzona_optimizer/ beside trainer_state.json: saved with save_only_model=True, which keeps no "
+            "optimizer state to resume from")
     with tempfile.TemporaryDirectory() as root:
-        for step in (1, 2):
+        for step in (1, 2, 3):
             folder = Path(root) / f"checkpoint-{step}"
             folder.mkdir()
             for name in ("model.safetensors", "trainer_state.json", "training_args.bin"):
                 (folder / name).write_text("{}")
-        with pytest.raises(CheckpointError, match=r"checkpoint-2 \(no canzona_optimizer/ beside trainer_state\.json: "
-                                                  r"saved with save_only_model=True, which keeps no optimizer state"):
+        (Path(root) / "checkpoint-3" / "trainer_state.json").unlink()  # (a save killed midway)
+        with pytest.raises(CheckpointError) as e:
             latest_checkpoint(root)
+        assert str(e.value) == (f"resume_from_checkpoint=True: no whole checkpoint in {root}: checkpoint-3 (no "
+                                f"canzona_optimizer/manifest.json), checkpoint-2 ({only}), checkpoint-1 ({only}); a save "
+                                "killed midway leaves a folder like checkpoint-3"), str(e.value)
+        shutil.rmtree(Path(root) / "checkpoint-3")
+        with pytest.raises(CheckpointError) as e:
+            latest_checkpoint(root)
+        assert str(e.value) == (f"resume_from_checkpoint=True: no whole checkpoint in {root}: checkpoint-2 ({only}), "
+                                f"checkpoint-1 ({only})"), str(e.value)
 
 
 def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path, one_rank):
