@@ -239,16 +239,37 @@ def check_given_scheduler(optimizer: Any, scheduler: Any) -> None:
                        "DistributedOptimizer given: build the scheduler over that DistributedOptimizer")
 
 
+def other_backend(folder: str) -> tuple[str, str] | None:
+    """The optimizer state another backend of transformers' Trainer saved in `folder`, as `(its
+    file or folder, the backend)`: accelerate's FSDP (`optimizer.bin`, `optimizer_<i>.bin`, or a
+    sharded `optimizer_<i>/`), DeepSpeed (`global_step<N>/`); None where there is none."""
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if re.fullmatch(r"optimizer(_[0-9]+)?\.bin", name):
+            return name, "FSDP"
+        if os.path.isdir(os.path.join(folder, name)):
+            if re.fullmatch(r"optimizer_[0-9]+", name):
+                return f"{name}/", "FSDP"
+            if re.fullmatch(r"global_step[0-9]+", name):
+                return f"{name}/", "DeepSpeed"
+    return None
+
+
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
-    model files, then the optimizer folder and the scheduler, and `trainer_state.json` last."""
+    model files, then the optimizer folder and the scheduler, and `trainer_state.json` last. A
+    folder without canzona's optimizer state but another's (`optimizer.pt`, `other_backend`) is
+    named as that one's; with none at all beside `trainer_state.json`, as likely a
+    `save_only_model` one (`Named`: no save killed midway)."""
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
         if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
             return Named(f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer")
+        other = other_backend(folder)
+        if other is not None:
+            return Named(f"no {OPTIMIZER_DIR}/ but {other[0]}: saved by another optimizer/backend ({other[1]})")
         if not os.path.exists(os.path.join(folder, OPTIMIZER_DIR)) and \
                 os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):  # written last: no killed save
-            return Named(f"no {OPTIMIZER_DIR}/ beside {TRAINER_STATE_FILE}: saved with save_only_model=True, which "
-                         "keeps no optimizer state to resume from")
+            return Named(f"no {OPTIMIZER_DIR}/ beside {TRAINER_STATE_FILE}: likely saved with save_only_model=True, "
+                         "which keeps no optimizer state to resume from")
         return f"no {OPTIMIZER_DIR}/{MANIFEST}"
     for name in (SCHEDULER_FILE, TRAINER_STATE_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
@@ -276,7 +297,10 @@ def check_whole(folder: str) -> None:
         raise CheckpointError(f"{folder} is not a CanzonaTrainer checkpoint ({problem} with a torch optimizer, whose "
                               "state a canzona optimizer cannot resume from): to start from its weights, load the "
                               "model from it (from_pretrained) and train without resume_from_checkpoint")
-    why = "" if "save_only_model" in problem else ": a save killed midway, or save_only_model=True"
+    if not written_whole(os.path.join(folder, OPTIMIZER_DIR)) and other_backend(folder) is not None:
+        raise CheckpointError(f"{folder} is not a CanzonaTrainer checkpoint ({problem}, whose optimizer state a "
+                              "canzona optimizer cannot resume from): train without resume_from_checkpoint")
+    why = "" if isinstance(problem, Named) else ": a save killed midway, or save_only_model=True"
     raise CheckpointError(f"{folder} is not a whole CanzonaTrainer checkpoint ({problem}{why}): resume from another, "
                           "or resume_from_checkpoint=True for the latest whole one")
 

@@ -1505,8 +1505,8 @@ def test_resuming_from_save_only_model_checkpoints_says_so():
     from canzona.errors import CheckpointError
     from canzona.integrations.hf import latest_checkpoint
 
-    only = ("no canzona_optimizer/ beside trainer_state.json: saved with save_only_model=True, which keeps no "
-            "optimizer state to resume from")
+    only = ("no canzona_optimizer/ beside trainer_state.json: likely saved with save_only_model=True, which keeps "
+            "no optimizer state to resume from")
     with tempfile.TemporaryDirectory() as root:
         for step in (1, 2, 3):
             folder = Path(root) / f"checkpoint-{step}"
@@ -1524,6 +1524,39 @@ def test_resuming_from_save_only_model_checkpoints_says_so():
             latest_checkpoint(root)
         assert str(e.value) == (f"resume_from_checkpoint=True: no whole checkpoint in {root}: checkpoint-2 ({only}), "
                                 f"checkpoint-1 ({only})"), str(e.value)
+
+
+def test_another_backends_checkpoint_is_named_as_such_not_save_only_model(tmp_path):
+    """A checkpoint-<step> of transformers' Trainer under FSDP (`optimizer_0/`, `pytorch_model_fsdp_0/`;
+    or a whole `optimizer.bin`) or DeepSpeed (`global_step<N>/`) beside trainer_state.json. Before
+    (review): named "saved with save_only_model=True", definitively, which it was not. Now named as
+    saved by another optimizer/backend; a folder with no optimizer files at all stays
+    save_only_model's, worded "likely"; `resume_from_checkpoint=<folder>` says it is not a
+    CanzonaTrainer checkpoint (not a killed save)."""
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import check_whole, checkpoint_problem
+
+    cases = {"fsdp": (["optimizer_0", "pytorch_model_fsdp_0"], [], "optimizer_0/", "FSDP"),
+             "fsdp_full": ([], ["optimizer.bin", "pytorch_model_fsdp.bin"], "optimizer.bin", "FSDP"),
+             "deepspeed": (["global_step4"], ["latest"], "global_step4/", "DeepSpeed")}
+    for case, (folders, files, marker, backend) in cases.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        for name in folders:
+            (folder / name).mkdir()
+        for name in [*files, "trainer_state.json"]:
+            (folder / name).write_text("{}")
+        assert checkpoint_problem(str(folder)) == (f"no canzona_optimizer/ but {marker}: saved by another "
+                                                   f"optimizer/backend ({backend})"), case
+        with pytest.raises(CheckpointError, match=r"is not a CanzonaTrainer checkpoint \(no canzona_optimizer/ but "
+                                                  + re.escape(marker)) as e:
+            check_whole(str(folder))
+        assert "killed" not in str(e.value) and "save_only_model" not in str(e.value), str(e.value)
+    folder = tmp_path / "only"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    assert checkpoint_problem(str(folder)) == ("no canzona_optimizer/ beside trainer_state.json: likely saved with "
+                                               "save_only_model=True, which keeps no optimizer state to resume from")
 
 
 def test_resuming_from_transformers_own_checkpoint_says_so(tmp_path, one_rank):
