@@ -129,6 +129,7 @@ from canzona.integrations.optimizer_state import (
     fingerprint,
     latest_whole,
     load_optimizer,
+    outside_level,
     save_optimizer,
     written_whole,
 )
@@ -581,15 +582,8 @@ def floor_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
 
 def _outside_frame() -> int:
     """The `stacklevel` of a warning raised by the caller that points at the first frame outside
-    this module and accelerate (the user's `prepare` call)."""
-    import accelerate
-
-    inside = (os.path.abspath(__file__), os.path.dirname(os.path.abspath(accelerate.__file__)) + os.sep)
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and (os.path.abspath(frame.f_code.co_filename) == inside[0]
-                                        or os.path.abspath(frame.f_code.co_filename).startswith(inside[1])):
-        frame, level = frame.f_back, level + 1
-    return level
+    canzona, accelerate and transformers (the user's `prepare` call): `outside_level`."""
+    return outside_level(2)
 
 
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:

@@ -27,6 +27,7 @@ could leave a mix. Move it aside or delete it (it still loads), or save to a new
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -78,6 +79,19 @@ def written_whole(folder: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in (MANIFEST, ".metadata"))
 
 
+def outside_level(depth: int = 1) -> int:
+    """The `stacklevel` of a warning raised by the function `depth` frames up from this one's caller
+    (1: the caller itself) that points at the first frame outside canzona, accelerate and
+    transformers: the user's call (`prepare`, `train`, `load_state`), not canzona's own line."""
+    inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                   for m in (sys.modules.get(n) for n in ("canzona", "accelerate", "transformers"))
+                   if getattr(m, "__file__", None))
+    frame, level = sys._getframe(depth), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class Named(str):
     """A reason `latest_whole` is given for skipping a folder that names what wrote it (a
     `save_only_model` save, another framework's): not a save killed midway, said of the others."""
@@ -98,7 +112,7 @@ def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Call
         if found is None:
             if skipped:  # steps behind the latest save: said, once (the search runs on rank 0)
                 warnings.warn(f"{asked}: resuming from {name}, skipping {', '.join(skipped)}"
-                              f"{_left(killed, unnamed, skipped, ': ')}", stacklevel=2)
+                              f"{_left(killed, unnamed, skipped, ': ')}", stacklevel=outside_level())
             return folder
         skipped.append(f"{name} ({found})")
         if not isinstance(found, Named):

@@ -1487,9 +1487,21 @@ def test_resuming_from_the_latest_whole_checkpoint_says_which_it_skipped(tmp_pat
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
-    (told,) = [str(w.message) for w in caught if "skipping" in str(w.message)]
-    assert told.startswith("resume_from_checkpoint=True: resuming from checkpoint-1, skipping checkpoint-2 (no "
-                           "canzona_optimizer/manifest.json)"), told
+    (told,) = [w for w in caught if "skipping" in str(w.message)]
+    assert str(told.message).startswith("resume_from_checkpoint=True: resuming from checkpoint-1, skipping "
+                                        "checkpoint-2 (no canzona_optimizer/manifest.json)"), str(told.message)
+    # at the caller's line (before, review: canzona's own, hf.py's and accelerate.py's), accelerate's too
+    assert told.filename == __file__, (told.filename, told.lineno)
+    from canzona.integrations.accelerate import latest_state
+
+    for step in (0, 1):
+        (tmp_path / "acc" / f"checkpoint_{step}" / "canzona_optimizer_0").mkdir(parents=True)
+    (tmp_path / "acc" / "checkpoint_0" / "canzona_optimizer_0" / "manifest.json").write_text("{}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_state(str(tmp_path / "acc"), 1) == str(tmp_path / "acc" / "checkpoint_0")
+    (told,) = [w for w in caught if "skipping" in str(w.message)]
+    assert told.filename == __file__, (told.filename, told.lineno)
 
 
 def test_resuming_from_save_only_model_checkpoints_says_so():
