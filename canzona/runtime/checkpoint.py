@@ -917,13 +917,15 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
 def _tuples_again(opt: Described, values: list[dict[str, Any]]) -> None:
     """A sharded checkpoint's groups (JSON) give lists where the groups held tuples: a
     configuration's tuple field (AdamW's `betas`, Muon's `ns_coefficients`) a tuple again, in
-    place, as the groups hold it from construction and torch's load of the full form restores it
-    (before, `betas` came back a list: equal to nothing the loop compared it with, silently)."""
+    place, where the live group holds a tuple (or, not holding the key, its configuration does),
+    as torch's load of the full form restores it (before, `betas` came back a list: equal to
+    nothing the loop compared it with, silently); a list the user's group held stays a list."""
     bases = {"matrix": opt.matrix_cfg, "adamw": opt.adamw_cfg}
     for group, saved in zip(opt.param_groups, values):
         base = bases.get(group.get("kind"))
         for key, value in saved.items():
-            if isinstance(value, list) and isinstance(getattr(base, key, None), tuple):
+            held = group[key] if key in group else getattr(base, key, None)
+            if isinstance(value, list) and isinstance(held, tuple):
                 saved[key] = tuple(value)
 
 

@@ -355,3 +355,28 @@ def test_a_good_checkpoint_loaded_over_groups_a_step_refuses_resumes_bit_for_bit
         step()
         step()
         assert same(_weights(model), want[0]) and same(opt.state_dict(), want[1]), form
+
+
+def test_a_sharded_load_gives_the_groups_tuples_or_lists_as_they_held_them(one_rank, tmp_path):
+    """The sharded form's JSON gives lists: a configuration's tuple field comes back a tuple where
+    the group held one (the default), and a list where the user's group was built with one, as the
+    full form's load leaves it (before the review: a user's list came back a tuple, the sharded
+    form alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from tests.runtime.test_runtime_habits import BASE, _batches, _train
+
+    def kinds(opt):
+        return [(type(g.get("betas")), type(g.get("ns_coefficients"))) for g in opt.param_groups]
+
+    for given in ({}, {"betas": [0.9, 0.95], "ns_coefficients": [3.4445, -4.7750, 2.0315]}):
+        model = build_model(BASE)
+        opt = DistributedOptimizer([{"params": list(named_parameters(model)), **given}], model.spec())
+        _train(model, opt, _batches(0, 1)[:1])
+        held = kinds(opt)
+        path = str(tmp_path / f"sharded{len(given)}")
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        opt.load_sharded_state_dict(path)
+        assert kinds(opt) == held, (given, kinds(opt), held)
