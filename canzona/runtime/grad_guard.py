@@ -27,7 +27,9 @@ not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a s
 `REDUCING` one (no `no_sync()`), zeroing a `REDUCING` one. A raise there would leave the peers
 waiting in the step's collectives until the timeout, so they are recorded instead (`refused`): the
 gradient is not taken, the rank issues the same collectives as its peers, and the step's check
-fails on every rank together, naming the mistake, before anything is updated.
+fails on every rank together, naming the mistake, before anything is updated. That step is then
+abandoned on every rank (its gradients left `STEPPED`, as a step leaves them): `model.zero_grad()`
+or `optimizer.zero_grad()` and a backward go on as after a step.
 
 `model.zero_grad()` (set_to_none) replaces a guard by None, which the optimizer sees. Metadata
 (`.shape`, `.dtype`, `is not None`) works, and so do aliases (`.detach()`, `.data`): DTensor

@@ -172,6 +172,7 @@ class GradientSync:
         # optimizers step a zero `.grad`, and a backward writes into the buffer as onto zeros
         self._zeroed: set[str] = set()
         self.reset()
+        self._refused_line: str | None = None  # `abandon`'s
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
 
     def all_buffers(self) -> tuple[FlatBuffer, ...]:
@@ -204,6 +205,9 @@ class GradientSync:
         # reduced (the guard's `refused`: STALE_GRADIENTS, SYNCED_TWICE, the zeroing's line), a
         # parameter read before its gather landed (`_arrive`: `read_check`)
         self._left: str | None = None
+        # set by a check that found some rank's step broken (`_broken`, carried over TP), on every
+        # rank of the cluster alike: the optimizer then abandons the step (`abandon`)
+        self.broken_refusal = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -218,6 +222,19 @@ class GradientSync:
                 p.grad = self._guards[name] if name in self._zeroed else None
         self._states.clear()
         self.reset()
+        self._refused_line = None
+
+    def abandon(self, error: str) -> None:
+        """A step some rank found broken was refused on every rank (`broken_refusal`): its gradients
+        are as consumed as a step's, so that `model.zero_grad()` (either setting) and a backward
+        start the next step afresh, as after `step()`; without one, a backward onto them is
+        STALE_GRADIENTS and a `step()` with no backward names the refused step (`_refused_line`).
+        The collectives are completed and this step's progress forgotten: nothing of the refused
+        step's buffers enters a later reduction (a backward writes each gradient anew, a gradient
+        that none reached is zero or refused at its launch)."""
+        self._drain()
+        self.stepped()
+        self._refused_line = error
 
     def stepped(self) -> None:
         """The step consumed the gradients: the guards say so, so that a backward cannot add onto
@@ -225,6 +242,7 @@ class GradientSync:
         for name in self._states:
             self._states[name] = GradState.STEPPED
         self.reset()
+        self._refused_line = None
 
     def _drain(self) -> None:
         for pending in self._launched:
@@ -386,7 +404,9 @@ class GradientSync:
                     # in the collective. The step's check (`_local_problem`) reports it on every rank
                     # together; the bucket launches with zeros in its place, and the check refuses
                     # the step, so nothing reduced is used
-                    self._leave(buffer, name, (UNREACHED_SINCE_STEP if self.backward else STEPPED_TWICE).format(name=name))
+                    self._leave(buffer, name, UNREACHED_SINCE_STEP.format(name=name) if self.backward else
+                                STEPPED_TWICE.format(name=name) if self._refused_line is None else
+                                REFUSED_AGAIN.format(name=name, error=self._refused_line))
                     continue
             elif p.grad is None:
                 if name in self._states and self._launched_any(name):
@@ -713,10 +733,11 @@ class GradientSync:
             error = _recheck_error(table[:, :2], self.dp.rank, "rank")
         row = row[:2]
         if self.tp is not None:
-            table = self.tp.all_gather_values(torch.cat([torch.tensor([int(error is not None)]), row,
+            table = self.tp.all_gather_values(torch.cat([torch.tensor([self._failure_word(error)]), row,
                                                          torch.tensor([any_loaded])]), "tp step recheck")
             any_loaded = int(table[:, 3].amax())
             failed = table[:, 0] != 0
+            self.broken_refusal = bool((table[:, 0] == 2).any())
             if error is None and failed.any():
                 error = f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed the step's recheck (see their error)"
             error = error or _recheck_error(table[:, 1:3], self.tp.rank, "TP rank")
@@ -730,11 +751,18 @@ class GradientSync:
         first one's problem, so that every rank's error says what went wrong. Every rank of the DP
         group calls it together (the table is the same on every rank): one more exchange, of the
         problems, on this failure path only."""
+        self.broken_refusal = True
         problems = self.dp.all_gather_object(problem, "step problems")
         if problem is not None:
             return problem
         first = next(p for p in problems if p is not None)
         return f"rank(s) {ranks_of(broken != 0)} found a broken step: {first}"
+
+    def _failure_word(self, error: str | None) -> int:
+        """What a TP check's row says of this rank's DP verdict: 0 passed, 1 failed, 2 failed as
+        broken (`broken_refusal`): a DP group that found a broken step has a member in every TP
+        group, so every rank of the grid learns it, and abandons the step alike."""
+        return 0 if error is None else 2 if self.broken_refusal else 1
 
     def _check_tp(self, error: str | None, got: Tensor, more: Tensor, hyper_parameters: int, dp_total: Tensor,
                   max_norm: float | None) -> tuple[str | None, Tensor, Tensor]:
@@ -749,10 +777,11 @@ class GradientSync:
         device = self.tp.check_device
         digests = self._replicated_digests().to(device)
         words = torch.tensor([float(dp_total), _clip_word(max_norm)], dtype=torch.float64).view(torch.int64)
-        row = torch.cat([to_device(torch.cat([torch.tensor([int(error is not None), hyper_parameters],
+        row = torch.cat([to_device(torch.cat([torch.tensor([self._failure_word(error), hyper_parameters],
                                                            dtype=torch.int64), words, got, more]), device),
                          digests.view(torch.int64)])
         table = self.tp.all_gather_values(row, "tp step check")
+        self.broken_refusal = bool((table[:, 0] == 2).any())
         total = combine_norm_terms(table[:, 2].view(torch.float64))
         n, m = got.numel(), more.numel()
         more = table[:, 4 + n:4 + n + m].amax(dim=0)
@@ -911,6 +940,10 @@ DROPPED_MID_STEP = ("the gradient of {name!r} was set to None (model.zero_grad()
                     "and a backward wrote a new one: discard a step's gradients with optimizer.zero_grad(), which "
                     "ends their reduction too")
 # the same, where this step's backward ran but did not reach that parameter
+# the same after a step refused on every rank (`abandon`), which left its gradients as a step does
+REFUSED_AGAIN = ("step() was called again with no backward since the last step() was refused ({error}): the "
+                 "refused step's gradients are dropped, as a step's are: call zero_grad() (the optimizer's or the "
+                 "model's) and run the step's backward again before step(); nothing was updated")
 UNREACHED_SINCE_STEP = ("the gradient of {name!r} is still the last step's, already applied: this step's backward "
                         "did not reach it and no zero_grad() cleared it since (torch would apply it again): call "
                         "zero_grad() before each step's backward")

@@ -725,7 +725,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self.wait_params()  # the check reads parameters (links, TP digests); the update writes them
         try:
             return self._check_step(max_norm)
-        except CanzonaError:
+        except CanzonaError as e:
             # a refused step: what was computed or gathered early for it (overlap_step's updates,
             # prefetched gathers) is dropped on every rank alike, each raising here, so that a
             # step() called again runs the plain step everywhere; a rank that kept early updates
@@ -734,6 +734,14 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             for part in self._parts():
                 with contextlib.suppress(CanzonaError):  # a dead peer: the check's error is the one to report
                     part.matrix_step.discard()
+            if self.grads.broken_refusal:
+                # some rank found the step broken (a mistake of its loop's: no zero_grad(), a second
+                # synchronising backward, ...), which no step() called again can mend: its gradients
+                # are dropped on every rank alike (`GradientSync.abandon`), so that model.zero_grad()
+                # and a backward start the next step afresh, as opt.zero_grad() does
+                for grads in self._syncs():
+                    with contextlib.suppress(CanzonaError):
+                        grads.abandon(str(e))
             raise
 
     def _check_step(self, max_norm: float | None) -> StepCheck:

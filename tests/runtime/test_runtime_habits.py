@@ -107,10 +107,18 @@ ONE_RANK_MISTAKES = {
 }
 
 
+# what a loop may call after a refused step before its next backward (each recovers)
+RECOVERIES = {"opt.zero_grad()": lambda model, opt: opt.zero_grad(),
+              "model.zero_grad()": lambda model, opt: model.zero_grad(),
+              "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False)}
+
+
 def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
     """After a sound step on both ranks, rank 1 alone makes `how`'s mistake in the next: step()'s
     check fails on every rank, nothing updated, rank 1 naming its mistake; then opt.zero_grad() and
-    a sound step go on alike on both."""
+    a sound step go on alike on both. The same mistake twice more, each followed by a recovery of
+    RECOVERIES' and a sound step (`again`); the weights against a reference that trained the sound
+    steps alone (`reference`)."""
     model = build_model(BASE)
     opt = _optimizer(model)
     batches = _batches(rank, world)
@@ -131,7 +139,20 @@ def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
     out = _outcome(step)
     out["unchanged"] = compare(_params(model), before)["bit_identical"]
     out["then"] = _outcome(lambda: _train(model, opt, batches[2:3]))
+    out["again"] = {}
+    for k, (name, recover) in enumerate(RECOVERIES.items()):
+        refused = _outcome(step)
+
+        def recovered(recover=recover, tokens=batches[k]) -> None:
+            recover(model, opt)
+            model.loss(tokens).backward()
+            opt.step()
+
+        out["again"][name] = (refused.get("message"), _outcome(recovered))
     out["params"] = _params(model)
+    reference = build_model(BASE)
+    _train(reference, _optimizer(reference), [batches[0], batches[2], *batches[:len(RECOVERIES)]])
+    out["reference"] = compare(out["params"], _params(reference))["bit_identical"]
     return out
 
 
@@ -1170,6 +1191,12 @@ def test_a_mistake_on_one_rank_alone_is_one_error_on_every_rank_at_the_step_noth
     for out in (mistaken, peer):
         assert "\n" not in out["message"] and out["unchanged"], out
         assert out["then"]["error"] is None, out["then"]
+        # the mistake again, then each recovery a loop may use: the same refusal, then a sound step
+        # (before: after model.zero_grad(), either setting, every later step repeated the refusal)
+        for name, (message, recovered) in out["again"].items():
+            assert message == out["message"] and recovered["error"] is None, (name, message, recovered)
+        # the refused steps left nothing behind: the weights of the sound steps alone, bit for bit
+        assert out["reference"], out
     assert compare(mistaken["params"], peer["params"])["bit_identical"]
 
 
@@ -1965,6 +1992,48 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     model.loss(tokens).backward()
     assert math.isfinite(float(opt.clip_grad_norm_(math.inf)))
     opt.step()
+
+
+@pytest.mark.parametrize("recover", list(RECOVERIES))
+def test_after_a_step_refused_as_broken_a_zero_grad_and_a_backward_go_on_as_after_a_step(one_rank, recover):
+    """A backward after step() without zero_grad() (STALE_GRADIENTS) refuses the step; step() again
+    with no backward names that refused step (not 'already applied'); then `recover` and a backward:
+    the step goes on, the weights bit for bit those of a run without the refused step. Before: after
+    model.zero_grad() (either setting) every later step repeated STALE_GRADIENTS, whose line advises
+    model.zero_grad()."""
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    def build():
+        model = _Branchy()
+        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
+
+    def loss(model, k: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(k)
+        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
+
+    def sound(model, opt, k: int) -> None:
+        opt.zero_grad()
+        loss(model, k).backward()
+        opt.step()
+
+    (model, opt), (reference, ropt) = build(), build()
+    sound(model, opt, 0)
+    loss(model, 1).backward()  # no zero_grad() since the step
+    with pytest.raises(CanzonaError, match="^backward would accumulate the gradient of .* onto the last step's"):
+        opt.step()
+    with pytest.raises(CanzonaError) as again:
+        opt.step()
+    assert str(again.value).startswith("step() was called again with no backward since the last step() was "
+                                       "refused (backward would accumulate the gradient of "), again.value
+    RECOVERIES[recover](model, opt)
+    loss(model, 2).backward()
+    opt.step()
+    sound(reference, ropt, 0)
+    sound(reference, ropt, 2)
+    assert compare(_params(model), _params(reference))["bit_identical"]
 
 
 def test_a_no_sync_backward_after_the_synchronising_one_leaves_the_gradients_under_their_reduction(one_rank):
