@@ -320,6 +320,8 @@ class GradientSync:
             # dropped a batch), would leave the peers waiting in the step's collectives
             self._record(DROPPED_MID_STEP.format(name=name))
             return
+        if p.grad is guard and name not in self._states and name in self._zeroed and self._taken_as_zero(name):
+            return  # a zeroed gradient taken to the reduction as zero, reached since: recorded, not taken
         if p.grad is guard and self._states.get(name) is GradState.REDUCING:
             # a second backward onto a gradient handed to the reduction (no no_sync() around the
             # first): its accumulation into the guard was recorded, not taken (`refused`); the
@@ -447,6 +449,18 @@ class GradientSync:
                 self.backward += 1
             self._states[name] = GradState.REDUCING
 
+    def _taken_as_zero(self, name: str) -> bool:
+        """Whether zeroed `name` (`ZEROED`, no backward since) went to the reduction as a zero
+        gradient this step (its bucket launched: clip_grad_norm_(), GradScaler's unscale or a refused
+        step() ran `_finish`, before a backward reached it): if so, recorded (TAKEN_AS_ZERO) for the
+        step's check, which fails on every rank together. Before: a backward after that (under
+        no_sync(), whose arrival takes nothing to the reduction) wrote its local, unreduced gradient
+        over the reduced one in the buffer, and the step applied it silently."""
+        if not (self._reduced or self._launched_any(name)):
+            return False
+        self._record(TAKEN_AS_ZERO.format(name=name))
+        return True
+
     def _launched_any(self, name: str) -> bool:
         """Some bucket of `name` (a stack may span several) went to its reduction this step."""
         return any(self._launched[k] is not None for k in self.buckets_of[name])
@@ -502,6 +516,8 @@ class GradientSync:
         # (`_arrive`) has yet to run: a hook running now runs before it (`refusal`)
         self._accumulated.add(name)
         zeroed = self.guard_state(name) is GradState.ZEROED
+        if zeroed and self._taken_as_zero(name):
+            return  # not written: its buffer holds its reduced gradient (recorded, `_taken_as_zero`)
         if zeroed:  # onto zeros: the buffer's stale content is replaced
             self._zeroed.discard(name)
             self._states[name] = GradState.ACCUMULATING
@@ -947,6 +963,11 @@ REFUSED_AGAIN = ("step() was called again with no backward since the last step()
 UNREACHED_SINCE_STEP = ("the gradient of {name!r} is still the last step's, already applied: this step's backward "
                         "did not reach it and no zero_grad() cleared it since (torch would apply it again): call "
                         "zero_grad() before each step's backward")
+# a backward reaching a zeroed gradient that went to the reduction as zero (`_taken_as_zero`)
+TAKEN_AS_ZERO = ("a backward reached the gradient of {name!r} after clip_grad_norm_(), GradScaler's unscale_() or a "
+                 "refused step() had taken it to the reduction as zero (zero_grad(set_to_none=False), no backward "
+                 "had reached it yet): its reduced gradient is not replaced by a local one; run every backward of "
+                 "a step (no_sync() micro-batches included) before clip_grad_norm_() and unscale_()")
 SYNCED_TWICE = ("gradients were synchronised twice in one step: wrap the backward of accumulation "
                 "micro-batches in `with optimizer.no_sync():`")
 HOOKED_AFTER = ("a gradient hook used the gradient of {name!r} ({what}) after the optimizer took it into its "

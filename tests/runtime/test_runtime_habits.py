@@ -500,6 +500,42 @@ def branchy_zero_job(rank: int, world: int, zero: str) -> dict:
     return _params(model)
 
 
+def zeroed_taken_as_zero_job(rank: int, world: int) -> dict:
+    """zero_grad(set_to_none=False), a backward that leaves the branch unused, clip_grad_norm_()
+    (which takes the branch's gradient to the reduction as zero), then a no_sync() backward that
+    reaches the branch and nothing the first reached, then step(); then opt.zero_grad() and a sound
+    step."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+
+    def loss(use: bool) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(x, use), y)
+
+    opt.zero_grad()
+    loss(True).backward()
+    opt.step()
+    before = _params(model)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss(False).backward()
+        opt.clip_grad_norm_(1e9)
+        with opt.no_sync():  # a backward reaching the branch alone (an auxiliary loss on it)
+            model.branch(torch.tanh(model.a(x)).detach()).square().mean().backward()
+        opt.step()
+
+    out = _outcome(step)
+    out["unchanged"] = compare(_params(model), before)["bit_identical"]
+    out["then"] = _outcome(lambda: (opt.zero_grad(), loss(True).backward(), opt.step()) and None)
+    return out
+
+
 def branchy_torch_reference(zero: str) -> dict:
     model = _Branchy()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -1148,6 +1184,7 @@ JOBS = {
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
     "second optimizer": ("second_optimizer_job", ()),
     **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
+    "zeroed taken as zero": ("zeroed_taken_as_zero_job", ()),
     # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
     "compiled fullgraph": ("compiled_job", (True,)),
     "compiled fullgraph no overlap": ("compiled_job", (False,)),
@@ -1198,6 +1235,19 @@ def test_a_mistake_on_one_rank_alone_is_one_error_on_every_rank_at_the_step_noth
         # the refused steps left nothing behind: the weights of the sound steps alone, bit for bit
         assert out["reference"], out
     assert compare(mistaken["params"], peer["params"])["bit_identical"]
+
+
+def test_a_backward_onto_a_zeroed_gradient_the_clip_reduced_as_zero_is_one_error_before_any_update(runs):
+    """zero_grad(set_to_none=False), a backward that leaves a branch unused, clip_grad_norm_() (the
+    branch's gradient goes to the reduction as zero), then a no_sync() backward reaching the branch:
+    step() is one error on every rank, nothing updated, and opt.zero_grad() recovers. Before: that
+    backward wrote its local, unreduced gradient over the reduced one in the buffer, and step()
+    applied it, silently."""
+    for out in runs["zeroed taken as zero"]:
+        assert out["canzona"] and out["unchanged"], out
+        assert out["message"].startswith("a backward reached the gradient of 'branch.") and \
+            "taken it to the reduction as zero" in out["message"] and "\n" not in out["message"], out
+        assert out["then"]["error"] is None, out["then"]
 
 
 # --- reading or writing .grad between backward and step ------------------------------------------
