@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -769,10 +770,18 @@ class GradientSync:
         problems, on this failure path only."""
         self.broken_refusal = True
         problems = self.dp.all_gather_object(problem, "step problems")
-        if problem is not None:
+        # a problem relayed from another group's check (under EP the experts' over EDP, whose peers
+        # of the failing rank say 'rank(s) [<EDP rank>] found a broken step: ...') is not its
+        # rank's own: the ranks named are those whose own problem it is (they are DP ranks too),
+        # each line said once, not nested
+        own = [p is not None and _relayed(p) is None for p in problems]
+        if problem is not None and _relayed(problem) is None:
             return problem
+        if any(own):
+            ranks = [r for r, o in enumerate(own) if o]
+            return f"rank(s) {ranks} found a broken step: {problems[ranks[0]]}"
         first = next(p for p in problems if p is not None)
-        return f"rank(s) {ranks_of(broken != 0)} found a broken step: {first}"
+        return f"rank(s) {ranks_of(broken != 0)} found a broken step: {_relayed(first) or first}"
 
     def _failure_word(self, error: str | None) -> int:
         """What a TP check's row says of this rank's DP verdict: 0 passed, 1 failed, 2 failed as
@@ -874,6 +883,15 @@ def _on_grad_ready(owner: Callable[[], GradientSync | None], name: str) -> Calla
             with torch.no_grad():
                 sync._arrive(name)
     return hook
+
+
+_RELAYED = re.compile(r"rank\(s\) \[[0-9, ]*\] found a broken step: (.*)", re.DOTALL)
+
+
+def _relayed(problem: str) -> str | None:
+    """The line a relayed problem (`_broken`'s, of another group) carries, or None for a rank's own."""
+    match = _RELAYED.fullmatch(problem)
+    return match.group(1) if match else None
 
 
 def _clip_word(max_norm: float | None) -> float:
