@@ -82,6 +82,7 @@ from canzona.runtime.gradients import (
     _clip_word,
     _recheck_error,
     combine_norm_terms,
+    digests_apart,
     local_norm_term,
     ranks_of,
 )
@@ -463,7 +464,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             "policy": self.policy.name if self.policy is not None else "each rank its own shards",
             "gradient clipping and non-finite steps": f"max_grad_norm {self.max_grad_norm}, nonfinite {self._nonfinite}",
             "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
-            "parameter groups": str(hyper_parameters_digest(param_groups)),
+            "parameter groups": str(hyper_parameters_digest(param_groups, self.params)),
             "mesh": f"{tuple(self.device_mesh.mesh.shape)} replicas over dims {self.replica_dims}",
         }, COST_MODEL_ADVICE)
 
@@ -596,7 +597,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # check's, which new gradients (`since`) take anew, and is not paid twice a clipped step
             since = self._grads_since()
             problem = self._changed() or self._held_by_fsdp()  # a backward since may leave `.grad` alone
-            row = torch.tensor([hyper_parameters_digest(self.param_groups), 0, _SINCE.index(since),
+            digest = hyper_parameters_digest(self.param_groups, self.params)
+            row = torch.tensor([digest, 0, _SINCE.index(since),
                                 int(problem is not None), int(self._model_loaded)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
             row[1] = torch.tensor([_clip_word(max_norm)], dtype=torch.float64).view(torch.int64)[0]
@@ -631,7 +633,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 # taken anew, as torch's clip_grad_norm_ would measure them; the old clip's scale is not theirs
                 self.checked, self._grad_scale = None, 1.0
             else:
-                error = _recheck_error(table[:, :2], self.world.rank, "rank")
+                error = _recheck_error(table[:, :2], self.world, digest, "rank")
                 if error is not None:
                     raise CanzonaError(error)
         if self.checked is not None:
@@ -645,7 +647,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             self._local_grad(n).reshape(-1) for n, g in zip(names, got_here)
             if g and self.layout[n].sources[self.rank]]
         term = local_norm_term(segments).to(torch.float64).cpu()
-        digest = hyper_parameters_digest(self.param_groups)
+        digest = hyper_parameters_digest(self.param_groups, self.params)
         header = torch.cat([torch.tensor(got_here + [problem is not None, digest, self._model_loaded],
                                          dtype=torch.int64),
                             term.reshape(1).view(torch.int64),
@@ -661,9 +663,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             error = problem if problem is not None else \
                 f"rank(s) {ranks_of(broken != 0)} found a broken step (see their error)"
         elif not _all_same(digests):
-            error = (f"ranks disagree on the hyper-parameters of param_groups or on which parameters are frozen "
-                     f"(requires_grad; rank(s) "
-                     f"{ranks_of(digests != digests[0])} differ from rank 0): change them alike on every rank")
+            error = f"{digests_apart(self.world, digest, 'rank')}: change them alike on every rank"
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.world.rank, "rank")
         elif not flags.any():

@@ -32,6 +32,7 @@ from canzona.plan import Plan
 from canzona.runtime.buffers import FlatBuffer, packed_offsets
 from canzona.runtime.comm import Comm, PendingWork, to_device
 from canzona.runtime.grad_guard import GradGuard, GradState
+from canzona.runtime.groups import groups_apart
 from canzona.runtime.nonfinite import nonfinite_weights_error
 from canzona.runtime.param_gather import fsdp_reads, held_by_fsdp, point_fsdp_at
 from canzona.runtime.shards import is_dtensor, local_grad, local_tensor
@@ -688,9 +689,7 @@ class GradientSync:
         if broken.any():
             error = self._broken(problem, broken)
         elif not torch.all(digests == digests[0]):
-            error = (f"ranks disagree on the hyper-parameters in param_groups or on which parameters are frozen "
-                     f"(requires_grad): rank(s) "
-                     f"{ranks_of(digests != digests[self.dp.rank])} differ from rank {self.dp.rank}")
+            error = f"{digests_apart(self.dp, hyper_parameters, 'rank')}: change them alike on every rank"
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.dp.rank, "rank")
         elif self.checks_backward and not fired.any():
@@ -747,7 +746,7 @@ class GradientSync:
         if broken.any():
             error = self._broken(problem, broken)
         else:
-            error = _recheck_error(table[:, :2], self.dp.rank, "rank")
+            error = _recheck_error(table[:, :2], self.dp, hyper_parameters, "rank")
         row = row[:2]
         if self.tp is not None:
             table = self.tp.all_gather_values(torch.cat([torch.tensor([self._failure_word(error)]), row,
@@ -757,7 +756,7 @@ class GradientSync:
             self.broken_refusal = bool((table[:, 0] == 2).any())
             if error is None and failed.any():
                 error = f"the data-parallel group of TP rank(s) {ranks_of(failed)} failed the step's recheck (see their error)"
-            error = error or _recheck_error(table[:, 1:3], self.tp.rank, "TP rank")
+            error = error or _recheck_error(table[:, 1:3], self.tp, hyper_parameters, "TP rank")
         if error is not None:
             raise CanzonaError(error)
         return bool(any_loaded)
@@ -818,10 +817,8 @@ class GradientSync:
                     "error)"), total, more
         hyper = table[:, 1]
         if not torch.all(hyper == hyper[0]):
-            return (f"TP ranks disagree on the hyper-parameters in param_groups or on which parameters are "
-                    f"frozen (requires_grad): TP rank(s) "
-                    f"{ranks_of(hyper != hyper[self.tp.rank])} differ from TP rank {self.tp.rank} (a scheduler "
-                    "or an edit that ran on some ranks only?)"), total, more
+            return (f"{digests_apart(self.tp, hyper_parameters, 'TP rank')} (a scheduler or an edit that ran on some "
+                    "ranks only?)"), total, more
         clips = table[:, 3].view(torch.float64)
         if not _all_same(clips):
             return _clip_disagreement(clips, self.tp.rank, "TP rank"), total, more
@@ -903,15 +900,22 @@ def _all_same(values: Tensor) -> bool:
     return bool(torch.all(values == values[0])) or bool(torch.all(torch.isnan(values)))
 
 
-def _recheck_error(table: Tensor, me: int, member: str) -> str | None:
-    """What a (digest, threshold) table of a reused check says is wrong, or None."""
+def digests_apart(comm: Comm, digest: int, member: str) -> str:
+    """What differs between the param_groups digests of `comm`'s ranks (`groups.groups_apart`):
+    one more exchange, of what each digested (`GroupsDigest.rows`), on the failure path only, which
+    every rank of `comm` takes together (they all read the same table)."""
+    every = comm.all_gather_object(getattr(digest, "rows", None), "param_groups disagreement")
+    return groups_apart(every, member)
+
+
+def _recheck_error(table: Tensor, comm: Comm, digest: int, member: str) -> str | None:
+    """What a (digest, threshold) table of a reused check says is wrong, or None (`digest`: this
+    rank's, whose rows a disagreement's error shows the others over `comm`)."""
     digests, clips = table[:, 0], table[:, 1].view(torch.float64)
     if not torch.all(digests == digests[0]):
-        return (f"{member}s disagree on the hyper-parameters in param_groups or on which parameters are frozen "
-                f"(requires_grad): {member}(s) "
-                f"{ranks_of(digests != digests[me])} differ from {member} {me}, changed after clip_grad_norm_() "
-                "(whose check step() reuses): change them alike on every rank; nothing was updated")
-    return None if _all_same(clips) else _clip_disagreement(clips, me, member)
+        return (f"{digests_apart(comm, digest, member)}, changed after clip_grad_norm_() (whose check step() "
+                "reuses): change them alike on every rank; nothing was updated")
+    return None if _all_same(clips) else _clip_disagreement(clips, comm.rank, member)
 
 
 def _clip_disagreement(clips: Tensor, me: int, member: str) -> str:

@@ -295,22 +295,55 @@ def check_members(param_groups: list[dict[str, Any]], built: list[tuple[int, fro
         raise CanzonaError(f"rank {found[0]}: {found[1]}")
 
 
-def hyper_parameters_digest(param_groups: list[dict[str, Any]]) -> int:
-    """A signed 64-bit digest of every group's hyper-parameters and of which of its parameters are
-    frozen (`requires_grad_(False)` after construction): ranks compare it each step. A parameter
-    frozen on some ranks only would be stepped on every rank from the others' gradients alone."""
-    rows = [[*sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params"), _frozen(g.get("params"))]
-            for g in param_groups]
-    digest = hashlib.sha256(repr(rows).encode()).digest()[:8]
-    return int.from_bytes(digest, "little", signed=True)
+class GroupsDigest(int):
+    """`hyper_parameters_digest`'s value, with what it digests (`rows`: per group its sorted
+    (key, repr) pairs, then the sorted names of the frozen parameters), for a disagreement to name
+    what differs (`groups_apart`, on that failure path only)."""
+
+    rows: tuple = ()
 
 
-def _frozen(params: Any) -> list[int]:
-    """The positions of a group's frozen parameters (a membership edited by hand is `check_members`'
-    to name: what is not a list of tensors reads as none frozen, a generator is not consumed)."""
-    if not isinstance(params, (list, tuple)):
-        return []
-    return [i for i, p in enumerate(params) if not getattr(p, "requires_grad", True)]
+def hyper_parameters_digest(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor]) -> GroupsDigest:
+    """A signed 64-bit digest of every group's hyper-parameters and of which parameters are frozen
+    (`requires_grad_(False)` after construction; `params`: the optimizer's, by name): ranks compare
+    it each step. A parameter frozen on some ranks only would be stepped on every rank from the
+    others' gradients alone. The frozen ones by name, not by position in a group: a group's
+    `params` may be reordered on one rank (`group_members` takes them in any order)."""
+    groups = tuple(tuple(sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params"))
+                   for g in param_groups)
+    rows = (groups, tuple(sorted(n for n, p in params.items() if not p.requires_grad)))
+    digest = GroupsDigest(int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:8], "little", signed=True))
+    digest.rows = rows
+    return digest
+
+
+def groups_apart(every: Sequence[Any], member: str = "rank") -> str:
+    """What differs between the ranks' `GroupsDigest.rows` (`every`: one per rank, in rank order;
+    `member`: how a rank is called), from `{member}s disagree`: the frozen parameters (the first,
+    by name, frozen on some ranks and not the others) before the hyper-parameters (the first group
+    and key that differ)."""
+    ranks = range(len(every))
+    if any(not isinstance(r, tuple) or len(r) != 2 for r in every):  # not a digest's rows: the generic words
+        return (f"{member}s disagree on the hyper-parameters in param_groups or on which parameters are frozen "
+                "(requires_grad)")
+    frozen = [set(r[1]) for r in every]
+    name = next((n for n in sorted(set().union(*frozen)) if len({n in f for f in frozen}) > 1), None)
+    if name is not None:
+        on = [r for r in ranks if name in frozen[r]]
+        return (f"{member}s disagree on which parameters are frozen (requires_grad_(False)): {name!r} is frozen on "
+                f"{member}(s) {on} and not on {member}(s) {[r for r in ranks if r not in on]}")
+    groups = [r[0] for r in every]
+    if len({len(g) for g in groups}) > 1:
+        return (f"{member}s disagree on the hyper-parameters in param_groups: the number of groups "
+                f"({[len(g) for g in groups]})")
+    for i in range(len(groups[0])):
+        values = [dict(g[i]) for g in groups]
+        key = next((k for k in sorted(set().union(*values)) if len({v.get(k) for v in values}) > 1), None)
+        if key is not None:
+            held = [v.get(key, "(no such key)") for v in values]
+            return (f"{member}s disagree on the hyper-parameters in param_groups: param_groups[{i}][{key!r}] is "
+                    + ", ".join(f"{h} on {member}(s) {[r for r in ranks if held[r] == h]}" for h in dict.fromkeys(held)))
+    return f"{member}s disagree on the hyper-parameters in param_groups"
 
 
 def group_lr(group: Mapping[str, Any]) -> Any:

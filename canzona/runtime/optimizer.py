@@ -636,7 +636,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             # compiled kernels round otherwise: tp-sync ranks computing one matrix must agree
             "matrix kernels": f"batch_kernels {self.batch_kernels}, compile_kernels {self.compile_kernels}",
             "overlapped step": f"overlap_step {self.overlap_step}",
-            "parameter groups": str(hyper_parameters_digest(param_groups)),
+            "parameter groups": str(hyper_parameters_digest(param_groups, self.params)),
         }
         # after a load, the weights an embedding renormalises in its forward (max_norm) differ between
         # the ranks (the rows their tokens looked up): left out of that comparison
@@ -756,7 +756,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
     def _checked_gradients(self, max_norm: float | None) -> StepCheck:
         note_writes(self)  # weights written in place since the last step mark it as a load does
-        digest = hyper_parameters_digest(self.param_groups)
+        digest = hyper_parameters_digest(self.param_groups, self.params)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm, loaded=self._model_loaded)
         # the experts' checks over EDP first, then one global verdict over DP (and TP) carrying

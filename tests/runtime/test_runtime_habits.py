@@ -1016,6 +1016,22 @@ def frozen_on_one_rank_job(rank: int, world: int) -> dict:
     return {**out, "step": seen["step"], "unchanged": compare(_full_params(model), seen["before"])["bit_identical"]}
 
 
+def frozen_reordered_job(rank: int, world: int) -> dict:
+    """`frozen_job` (muon), rank 1 rotating each group's `params` after construction (accepted: a
+    group's members in any order; the branch's weight and bias move from second to first) before
+    freezing the branch on every rank alike."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), _shard(model, False), "muon", adamw_config={"weight_decay": 0.1})
+    if rank == 1:
+        for group in opt.param_groups:
+            group["params"].append(group["params"].pop(0))
+    out = _outcome(lambda: _freezing_steps(model, opt, rank, world))
+    return {**out, "params": _full_params(model)}
+
+
 class _Lora(torch.nn.Module):
     """LoRA by hand (peft is not installed here): frozen base weights, trainable low-rank adapters
     (B zero at the start, as LoRA initialises it), frozen before the optimizer is built."""
@@ -1179,6 +1195,7 @@ JOBS = {
     "frozen muon fsdp": ("frozen_job", ("muon", True)),
     "lora muon fsdp": ("lora_job", ("muon", True)),
     "frozen on one rank": ("frozen_on_one_rank_job", ()),
+    "frozen reordered": ("frozen_reordered_job", ()),
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
@@ -1585,7 +1602,9 @@ def test_a_step_called_again_after_its_check_refused_it_steps_those_gradients_on
     the retried step takes the clipped gradients once."""
     for out in runs[f"retried {overlap}"]:
         refused = out["refused"]
-        assert refused["canzona"] and "disagree on the hyper-parameters" in refused["message"], out
+        # the key that differs named (before: 'rank(s) [1] differ from rank 0')
+        assert refused["canzona"] and refused["message"].startswith(
+            "ranks disagree on the hyper-parameters in param_groups: param_groups[0]['lr'] is "), out
         assert "\n" not in refused["message"] and refused["unchanged"], out
         assert out["retried"]["error"] is None and out["exact"], out
 
@@ -1677,8 +1696,43 @@ def test_a_layer_frozen_on_one_rank_only_is_one_error_on_every_rank_before_any_u
     stepped the layer on every rank (the frozen rank's copy too) from the others' gradients alone."""
     for out in runs["frozen on one rank"]:
         assert out["error"] == "CanzonaError" and out["step"] == 1, out
-        assert "requires_grad" in out["message"] and "\n" not in out["message"], out["message"]
+        # the frozen set named as what differs, and its first parameter (before: 'the hyper-parameters
+        # in param_groups or which parameters are frozen', no name)
+        assert out["message"].startswith("ranks disagree on which parameters are frozen (requires_grad_(False)): "
+                                          "'branch.bias' is frozen on rank(s) [0] and not on rank(s) [1]"), out["message"]
+        assert "\n" not in out["message"], out["message"]
         assert out["unchanged"], out
+
+
+def test_a_group_reordered_on_one_rank_then_frozen_on_every_rank_trains_as_in_order(runs):
+    """Before: the digest recorded the frozen parameters by position in their group, so a group
+    whose `params` one rank had rotated (accepted: in any order) disagreed once a parameter was
+    frozen on every rank alike: 'ranks disagree ... frozen' on every rank. Now by name."""
+    for out in runs["frozen reordered"]:
+        assert out["error"] is None, out.get("message")
+        assert compare(out["params"], runs["frozen muon"][0]["params"])["bit_identical"]
+
+
+def test_the_groups_digest_names_frozen_parameters_whatever_their_order_in_a_group():
+    from canzona.runtime.groups import groups_apart, hyper_parameters_digest
+
+    params = {n: torch.nn.Parameter(torch.zeros(2)) for n in "abcd"}
+    params["c"].requires_grad_(False)
+    groups = [{"params": list(params.values()), "lr": 0.1}]
+    reordered = [{"params": list(params.values())[::-1], "lr": 0.1}]
+    assert hyper_parameters_digest(groups, params) == hyper_parameters_digest(reordered, params)
+    mine = hyper_parameters_digest(groups, params)
+    params["a"].requires_grad_(False)
+    theirs = hyper_parameters_digest(groups, params)
+    assert mine != theirs
+    assert groups_apart([mine.rows, theirs.rows]) == ("ranks disagree on which parameters are frozen "
+                                                      "(requires_grad_(False)): 'a' is frozen on rank(s) [1] and not "
+                                                      "on rank(s) [0]")
+    params["a"].requires_grad_(True)
+    groups[0]["lr"] = 0.2
+    assert groups_apart([mine.rows, hyper_parameters_digest(groups, params).rows], "TP rank") == \
+        "TP ranks disagree on the hyper-parameters in param_groups: param_groups[0]['lr'] is 0.1 on TP rank(s) [0], " \
+        "0.2 on TP rank(s) [1]"
 
 
 def test_a_lora_model_trains_its_adapters_only(runs, one_rank):
