@@ -398,6 +398,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             **{n: [ref() for ref, _ in refs] for n, refs in self._holders.items()}})
         self._weight_versions = WeightVersions({n: p for n, p in self.params.items() if n not in unwatched})
         self.checked: tuple[dict[str, bool], float] | None = None
+        self._ungraded: list[str] | None = None  # the last check's parameters that got no gradient here
         self._grad_scale = 1.0  # clipping's factor, applied where low-precision gradients widen (`_grad`)
         # each gradient the kept check saw, with its version: a backward since bumps the version
         # (added to it), and one after `model.zero_grad()` leaves another tensor (`check`)
@@ -597,7 +598,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             # check's, which new gradients (`since`) take anew, and is not paid twice a clipped step
             since = self._grads_since()
             problem = self._changed() or self._held_by_fsdp()  # a backward since may leave `.grad` alone
-            digest = hyper_parameters_digest(self.param_groups, self.params)
+            digest = hyper_parameters_digest(self.param_groups, self.params, self._ungraded)
             row = torch.tensor([digest, 0, _SINCE.index(since),
                                 int(problem is not None), int(self._model_loaded)], dtype=torch.int64)
             assert row.numel() == RECHECK_WORDS  # the simulator's record of this all-gather
@@ -647,7 +648,10 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             self._local_grad(n).reshape(-1) for n, g in zip(names, got_here)
             if g and self.layout[n].sources[self.rank]]
         term = local_norm_term(segments).to(torch.float64).cpu()
-        digest = hyper_parameters_digest(self.param_groups, self.params)
+        # whether the parameters that got no gradient here are frozen (one that got one was trainable
+        # then); the recheck looks at the same ones
+        self._ungraded = [n for n, g in zip(names, got_here) if not g]
+        digest = hyper_parameters_digest(self.param_groups, self.params, self._ungraded)
         header = torch.cat([torch.tensor(got_here + [problem is not None, digest, self._model_loaded],
                                          dtype=torch.int64),
                             term.reshape(1).view(torch.int64),

@@ -135,6 +135,7 @@ class GradientSync:
         self._fsdp = point_fsdp_at(params)
         # the "got a gradient" table's position of every parameter and of every entry
         self.index = {n: i for i, n in enumerate(params)}
+        self._names = list(params)
         self.index.update({e: self.index[n] for e, n in self.stacks.param_of.items()})
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
         # each parameter's buckets (a stack may span several), in bucket order
@@ -471,6 +472,13 @@ class GradientSync:
         """`problem` recorded for the step's check (`_local_problem`), unless one was already."""
         if self._left is None:
             self._left = problem
+
+    def ungraded(self) -> list[str]:
+        """The parameters no gradient reached on this rank this step (before the check takes them
+        in, one assigned to `.grad` by hand too): read from the got-a-gradient flags in one pass,
+        names made of those alone."""
+        names = self._names
+        return [names[i] for i in torch.nonzero(self._got_grad == 0).flatten().tolist()]
 
     def missed_gradients(self) -> Collection[str]:
         """The parameters that got no gradient this step (checked after the gradients were taken

@@ -303,15 +303,21 @@ class GroupsDigest(int):
     rows: tuple = ()
 
 
-def hyper_parameters_digest(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor]) -> GroupsDigest:
+def hyper_parameters_digest(param_groups: list[dict[str, Any]], params: Mapping[str, Tensor],
+                            ungraded: Iterable[str] | None = None) -> GroupsDigest:
     """A signed 64-bit digest of every group's hyper-parameters and of which parameters are frozen
     (`requires_grad_(False)` after construction; `params`: the optimizer's, by name): ranks compare
-    it each step. A parameter frozen on some ranks only would be stepped on every rank from the
-    others' gradients alone. The frozen ones by name, not by position in a group: a group's
-    `params` may be reordered on one rank (`group_members` takes them in any order)."""
+    it each step. A parameter frozen on some ranks only gets no gradient there, which the step would
+    take for a branch unused there and step it on every rank from the others' gradients alone. By
+    name, not by position in a group: a group's `params` may be reordered on one rank
+    (`group_members` takes them in any order). `ungraded`: the parameters no gradient reached on
+    this rank (the step's check: the others were trainable at their backward, and step as torch
+    steps a parameter holding a gradient, whatever its requires_grad since), so that a step reads
+    `requires_grad` (about 0.1 us a tensor) of those alone; None: of every parameter."""
     groups = tuple(tuple(sorted((k, repr(config_value(v))) for k, v in g.items() if k != "params"))
                    for g in param_groups)
-    rows = (groups, tuple(sorted(n for n, p in params.items() if not p.requires_grad)))
+    rows = (groups, tuple(sorted(n for n in (params if ungraded is None else ungraded)
+                                 if not params[n].requires_grad)))
     digest = GroupsDigest(int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:8], "little", signed=True))
     digest.rows = rows
     return digest

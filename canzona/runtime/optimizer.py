@@ -756,7 +756,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
     def _checked_gradients(self, max_norm: float | None) -> StepCheck:
         note_writes(self)  # weights written in place since the last step mark it as a load does
-        digest = hyper_parameters_digest(self.param_groups, self.params)
+        # whether the parameters that got no gradient here are frozen (one that got one was trainable then)
+        ungraded = self.grads.ungraded() + (self.experts.grads.ungraded() if self.experts is not None else [])
+        digest = hyper_parameters_digest(self.param_groups, self.params, ungraded)
         if self.experts is None:
             return self.grads.prepare(digest, max_norm, loaded=self._model_loaded)
         # the experts' checks over EDP first, then one global verdict over DP (and TP) carrying

@@ -1032,6 +1032,33 @@ def frozen_reordered_job(rank: int, world: int) -> dict:
     return {**out, "params": _full_params(model)}
 
 
+def frozen_after_backward_job(rank: int, world: int) -> dict:
+    """The branch frozen on rank 0 alone between backward and step() (it holds its gradient there,
+    as on rank 1): stepped on both, as torch's optimizers step a parameter holding a gradient."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), _shard(model, False), "muon", adamw_config={"weight_decay": 0.1})
+    stepped = []
+
+    def steps() -> None:
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+            share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            before = model.branch.weight.detach().clone()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[share], True), y[share]).backward()
+            if rank == 0 and step == 1:
+                model.branch.requires_grad_(False)
+            opt.step()
+            stepped.append(not torch.equal(model.branch.weight, before))
+
+    out = _outcome(steps)
+    return {**out, "stepped": stepped, "params": _full_params(model)}
+
+
 class _Lora(torch.nn.Module):
     """LoRA by hand (peft is not installed here): frozen base weights, trainable low-rank adapters
     (B zero at the start, as LoRA initialises it), frozen before the optimizer is built."""
@@ -1196,6 +1223,7 @@ JOBS = {
     "lora muon fsdp": ("lora_job", ("muon", True)),
     "frozen on one rank": ("frozen_on_one_rank_job", ()),
     "frozen reordered": ("frozen_reordered_job", ()),
+    "frozen after backward on one rank": ("frozen_after_backward_job", ()),
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
@@ -1711,6 +1739,16 @@ def test_a_group_reordered_on_one_rank_then_frozen_on_every_rank_trains_as_in_or
     for out in runs["frozen reordered"]:
         assert out["error"] is None, out.get("message")
         assert compare(out["params"], runs["frozen muon"][0]["params"])["bit_identical"]
+
+
+def test_a_layer_frozen_between_backward_and_step_on_one_rank_is_stepped_as_torch_steps_it(runs):
+    """It holds its gradient on every rank (reduced in that backward): torch's optimizers step it,
+    whatever its requires_grad since. Before (review): 'ranks disagree ... frozen' on every rank
+    (the step's digest read every parameter's requires_grad; now those no gradient reached alone)."""
+    rank0, rank1 = runs["frozen after backward on one rank"]
+    for out in (rank0, rank1):
+        assert out["error"] is None and out["stepped"] == [True, True], out
+    assert compare(rank0["params"], rank1["params"])["bit_identical"]
 
 
 def test_the_groups_digest_names_frozen_parameters_whatever_their_order_in_a_group():

@@ -755,3 +755,26 @@ def test_a_backward_with_create_graph_steps_as_torch(one_rank):
         mine.loss(tokens).backward(create_graph=True)
     with pytest.raises(CanzonaError, match="with create_graph=True"):
         mine.loss(tokens).backward(create_graph=True)
+
+
+def test_the_step_reads_requires_grad_of_the_parameters_without_a_gradient_only(one_rank, monkeypatch):
+    """Each step's param_groups digest (which the ranks compare) says which parameters are frozen.
+    Before (review): it read every parameter's requires_grad in Python (about 0.1 us a tensor: 1.4 ms
+    a step at 10,000 parameters, up to twice a step); now those of the parameters no gradient reached
+    on this rank alone (one that got one was trainable at its backward), from the got-a-gradient flags."""
+    import canzona.runtime.optimizer as optimizer
+
+    (model, opt), _ = _pair()
+    real, seen = optimizer.hyper_parameters_digest, []
+
+    def digest(groups, params, ungraded=None):
+        seen.append(None if ungraded is None else sorted(ungraded))
+        return real(groups, params, ungraded)
+
+    monkeypatch.setattr(optimizer, "hyper_parameters_digest", digest)
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    _step(model, [opt], tokens)
+    frozen = "model.norm.weight"
+    dict(model.named_parameters())[frozen].requires_grad_(False)
+    _step(model, [opt], tokens)
+    assert seen == [[], [frozen]]
