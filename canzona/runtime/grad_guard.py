@@ -7,8 +7,10 @@ default), the hook moves it into the buffer and leaves a `GradGuard` in its plac
 the gradient's shape, dtype and device but no storage, whose every use is refused with one line
 saying what to use instead. A guard has one of four states, kept by the optimizer:
 
-- `ACCUMULATING` (a backward under `no_sync()`): autograd's next accumulation (`grad += g`) is
-  routed into the buffer; anything else is refused (the gradient is local and incomplete);
+- `ACCUMULATING` (a backward under `no_sync()`): autograd's next accumulation (`grad += g`; under
+  `backward(create_graph=True)` `grad + g`, whose sum is another guard of the gradient, which the
+  optimizer's hook puts back by the guard itself: `.grad` keeps no graph) is routed into the
+  buffer; anything else is refused (the gradient is local and incomplete);
 - `REDUCING` (after the synchronising backward, until `step()`): the gradient is being reduced
   across ranks. Reading it (torch's `clip_grad_norm_`, logging a norm, DDP's reducer) or writing
   it (`clip_grad_value_`, scaling) is refused, and so is a second backward; GradScaler's unscale
@@ -66,6 +68,8 @@ _ALIASES = frozenset({aten.alias.default, aten.detach.default, aten.view.default
                       aten.reshape.default, aten.view_as.default, aten.expand.default, aten.t.default,
                       aten.transpose.int, aten.as_strided.default})
 _IN_PLACE_ADDS = frozenset({aten.add_.Tensor})
+# autograd's accumulation under `backward(create_graph=True)`: `.grad + g`, out of place, its sum the new `.grad`
+_OUT_OF_PLACE_ADDS = frozenset({aten.add.Tensor})
 _ZEROS = frozenset({aten.zero_.default})
 # torch.amp.GradScaler's unscale (and its inf check before `scaler.step`): one foreach op over the
 # `.grad` of every parameter, which the optimizer runs on the reduced gradients instead
@@ -169,11 +173,19 @@ class GradGuard(Tensor):
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
         state = owner.guard_state(guard._name)
-        accumulation = func in _IN_PLACE_ADDS and args[0] is guard and kwargs.get("alpha", 1) == 1 \
-            and not isinstance(args[1], GradGuard)
+        adds = func in _IN_PLACE_ADDS or func in _OUT_OF_PLACE_ADDS
+        accumulation = adds and args[0] is guard and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard)
+        if func in _OUT_OF_PLACE_ADDS:
+            # `backward(create_graph=True)`'s accumulation (`.grad + g`; not a backward: a use of `.grad`)
+            accumulation = accumulation and torch._C._current_graph_task_id() != -1
+            # its sum is a fresh guard of the same gradient (autograd gives it the graph), which the
+            # optimizer's hook puts back by the guard itself
+            result = GradGuard(guard.shape, guard.dtype, guard.device, guard._owner, guard._name)
+        else:
+            result = guard
         if accumulation and state in (GradState.ACCUMULATING, GradState.ZEROED):
             owner.accumulate(guard._name, args[1])  # autograd's accumulation (under no_sync(), or onto zeros)
-            return guard
+            return result
         if func in _ZEROS and state is not GradState.REDUCING:
             # model.zero_grad(set_to_none=False) after a step, or between micro-batches: the
             # gradient is zero (`ZEROED`), as torch's is
@@ -188,7 +200,7 @@ class GradGuard(Tensor):
             # Raising here, inside backward or between backward and step() on one rank (its loop
             # took a branch its peers did not), would leave its peers waiting in the collectives
             owner.refused(guard._name, func.__name__, in_backward)
-            return guard
+            return result if accumulation else guard
         raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
 
 

@@ -174,6 +174,9 @@ class GradientSync:
         # stale; a step with no backward reaching them steps them with a zero gradient, as torch's
         # optimizers step a zero `.grad`, and a backward writes into the buffer as onto zeros
         self._zeroed: set[str] = set()
+        # parameters whose gradient came with a graph (`backward(create_graph=True)`): a use of
+        # `.grad` between backward and step() is refused naming it (`refusal`)
+        self._graphed: set[str] = set()
         self.reset()
         self._refused_line: str | None = None  # `abandon`'s
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -314,6 +317,11 @@ class GradientSync:
             # here, inside backward on one rank, would leave the peers waiting in the collective
             return
         p, guard = self.params[name], self._guards[name]
+        if p.grad is not guard and p.grad is not None and self._is_own_guard(local_tensor(p.grad), name):
+            # `backward(create_graph=True)` accumulated out of place (`.grad + g`: the guard's sum,
+            # a guard of the same gradient carrying autograd's graph), its values taken in
+            # (`accumulate`) or refused: the guard itself back in `.grad`, which keeps no graph
+            p.grad = guard
         buckets = self.buckets_of[name]
         if p.grad is not guard and (self._reduced or any(self._launched[k] is not None for k in buckets)):
             # its guard was dropped after its gradient went to the reduction, whose buffers this
@@ -336,8 +344,10 @@ class GradientSync:
         if p.grad is not guard:
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
             # backward), or the user assigned one: it replaces what the buffer held, as in torch
-            self._write(name, local_grad(p))
+            grad = local_grad(p)
+            self._write(name, grad)
             p.grad = guard
+            (self._graphed.add if grad.requires_grad else self._graphed.discard)(name)
         self._got_grad[self.index[name]] = 1
         self.backward += 1
         self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
@@ -531,7 +541,15 @@ class GradientSync:
         if zeroed:  # onto zeros: the buffer's stale content is replaced
             self._zeroed.discard(name)
             self._states[name] = GradState.ACCUMULATING
-        self._write(name, grad, add=not zeroed)
+            self._graphed.discard(name)
+        if grad.requires_grad:  # `backward(create_graph=True)`'s (autograd's sum out of place): its values
+            self._graphed.add(name)
+        with torch.no_grad():
+            self._write(name, grad, add=not zeroed)
+
+    def _is_own_guard(self, grad: Tensor, name: str) -> bool:
+        """`grad` is a guard of `name`'s gradient held by this optimizer (an alias of its own)."""
+        return isinstance(grad, GradGuard) and grad._name == name and grad._owner() is self
 
     def refused(self, name: str, what: str, in_backward: bool) -> None:
         """A backward onto the last step's gradient (STALE_GRADIENTS), onto one being reduced
@@ -577,8 +595,13 @@ class GradientSync:
             return (HOOKED_ON_GUARD if name in self._accumulated else HOOKED_AFTER).format(name=name, what=what)
         if in_backward:
             return (SYNCED_TWICE if state is GradState.REDUCING else
-                    f"backward cannot accumulate into the gradient of {name!r} with create_graph=True ({what}): "
-                    "double backward is not supported by canzona's DistributedOptimizer")
+                    f"backward cannot add into the gradient of {name!r} held by canzona's DistributedOptimizer "
+                    f"this way ({what}: not autograd's accumulation)")
+        if name in self._graphed:
+            return (f"the gradient of {name!r} came from backward(create_graph=True): the optimizer takes its values "
+                    f"and steps by them, and .grad keeps no graph ({what} between backward and step()): for a "
+                    "gradient penalty take the gradients with torch.autograd.grad(loss, params, create_graph=True), "
+                    "add the penalty to the loss and call backward() on the sum")
         where = ("accumulating in the optimizer's buffers (under no_sync())" if state is GradState.ACCUMULATING
                  else "zero, held by the optimizer" if state is GradState.ZEROED
                  else "being reduced across ranks by the optimizer")

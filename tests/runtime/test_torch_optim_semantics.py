@@ -4,6 +4,7 @@ rank in this process (no processes spawned), against torch's optimizers in the s
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -738,8 +739,9 @@ def test_a_learning_rate_of_shape_1_steps_as_its_0d_form(one_rank):
 def test_a_backward_with_create_graph_steps_as_torch(one_rank):
     """`loss.backward(create_graph=True)` (a second-order habit: the gradient carries a graph) steps
     by the gradient's values, as torch's optimizers do (before: torch's RuntimeError on 'a leaf
-    Variable that requires grad' from inside the optimizer's gradient hook). Accumulating a second
-    such backward stays one CanzonaError naming create_graph."""
+    Variable that requires grad' from inside the optimizer's gradient hook). A second such backward
+    accumulating onto it (under no_sync()) too, bit for bit torch's out-of-place sum (before
+    (review): 'double backward is not supported')."""
     (mine, opt), (theirs, torch_opts) = _pair()
     for k in range(2):
         tokens = fixed_batch(256, 2, 16, seed=3 + k)
@@ -750,11 +752,46 @@ def test_a_backward_with_create_graph_steps_as_torch(one_rank):
             for o in opts:
                 o.step()
     assert _same(mine, theirs)
+    for model, opts in ((mine, [opt]), (theirs, torch_opts)):
+        for o in opts:
+            o.zero_grad()
+        with opt.no_sync() if model is mine else contextlib.nullcontext():
+            model.loss(tokens).backward(create_graph=True)
+        model.loss(fixed_batch(256, 2, 16, seed=9)).backward(create_graph=True)
+        for o in opts:
+            o.step()
+    assert _same(mine, theirs)
+
+
+def test_a_backward_with_create_graph_after_zeroed_gradients_steps_as_torch(one_rank):
+    """After `zero_grad(set_to_none=False)` autograd accumulates a create_graph backward out of
+    place onto the zero `.grad` (`.grad + g`): taken into the buffers as onto zeros, bit for bit
+    torch's, `.grad` the optimizer's guard again, with no graph. Before (review): 'backward cannot
+    accumulate ... with create_graph=True: double backward is not supported'."""
+    (mine, opt), (theirs, torch_opts) = _pair()
+    for k in range(2):
+        tokens = fixed_batch(256, 2, 16, seed=3 + k)
+        for model, opts in ((mine, [opt]), (theirs, torch_opts)):
+            for o in opts:
+                o.zero_grad(set_to_none=False)
+            model.loss(tokens).backward(create_graph=True)
+            for o in opts:
+                o.step()
+    assert _same(mine, theirs)
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in mine.parameters())
+
+
+def test_a_gradient_penalty_on_dot_grad_after_create_graph_is_refused_naming_autograd_grad(one_rank):
+    """`gp = sum((p.grad ** 2).sum() ...); gp.backward()` after `backward(create_graph=True)` (a
+    gradient penalty through `.grad`): the optimizer steps by the gradient's values and `.grad`
+    keeps no graph, so one CanzonaError naming create_graph and torch.autograd.grad. Before
+    (review): the generic 'nothing may read or change .grad between backward and step()'."""
+    (model, opt), _ = _pair()
     opt.zero_grad()
-    with opt.no_sync():
-        mine.loss(tokens).backward(create_graph=True)
-    with pytest.raises(CanzonaError, match="with create_graph=True"):
-        mine.loss(tokens).backward(create_graph=True)
+    model.loss(fixed_batch(256, 2, 16, seed=3)).backward(create_graph=True)
+    with pytest.raises(CanzonaError, match=r"came from backward\(create_graph=True\).*keeps no graph.*"
+                                           r"torch\.autograd\.grad\(loss, params, create_graph=True\)"):
+        sum((p.grad ** 2).sum() for p in model.parameters())
 
 
 def test_the_step_reads_requires_grad_of_the_parameters_without_a_gradient_only(one_rank, monkeypatch):
