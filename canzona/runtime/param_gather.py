@@ -280,8 +280,6 @@ def enclosing_modules(holding: Iterable[nn.Module], parents: Parents | None = No
 # (parent, attribute, child, a parameter below): `parent._modules[attribute]` was `child` at
 # construction, and `child` holds the parameter or has a descendant that does (`module_links`)
 Links = list[tuple["weakref.ref[nn.Module]", str, "weakref.ref[nn.Module]", str]]
-# (parent, attribute, child) of a link whose replacement changes no parameter's gradient (`quiet_links`)
-Quiet = list[tuple["weakref.ref[nn.Module]", str, "weakref.ref[nn.Module]"]]
 
 # modules registered in any module (assigned, added, a container's item set) since the first
 # `ModuleLinks`: bumped by one process-wide hook (`_watch_registrations`), never one an optimizer
@@ -338,26 +336,23 @@ Roots = list[tuple["weakref.ref[nn.Module]", str, str]]
 
 class ModuleLinks:
     """`module_links`, walked by `changed` only when a module was registered somewhere since
-    the last walk that found nothing (the process-wide hook's count), or when the optimizer's
-    parameters that got no gradient this step (`missed`: a module replaced by writing a parent's
-    `_modules` directly, `ModuleList.insert`, `del model.head`, registers nothing, but the old
-    module's parameters then get no gradient) are not those of that walk, or a link down to
-    modules holding only such parameters (`_quiet`: their replacement changes no parameter's
-    gradient) no longer stands: a step of a model whose modules stay put costs two comparisons,
-    not a walk of every link, also where a parameter never gets a gradient (unused, kept in the
-    optimizer). `roots`: where the optimizer's names were taken from (`construction_roots`),
-    against which a mismatched link is judged."""
+    the last walk that found nothing (the process-wide hook's count), or when one of the
+    optimizer's parameters got no gradient this step (`missed`: a module replaced by writing a
+    parent's `_modules` directly, `del layers[i]` and `ModuleList.insert`, `del model.head`,
+    registers nothing, but the old module's parameters then get no gradient; a model with a
+    parameter that never gets one walks every step): a step of a model whose modules stay put
+    and train costs two comparisons, not a walk of every link. Not seen before the next
+    registration: a change that registers nothing and leaves every parameter its gradient where
+    every parameter gets one (two modules swapped through `_modules`, `ModuleList.insert` of a
+    module without submodules, nothing removed). `roots`: where the optimizer's names were
+    taken from (`construction_roots`), against which a mismatched link is judged."""
 
-    __slots__ = ("links", "roots", "_walked", "_missed", "_quiet")
+    __slots__ = ("links", "roots", "_walked")
 
     def __init__(self, links: Links, params: Mapping[str, Tensor] | None = None) -> None:
         self.links = links
         self.roots = construction_roots(links, params) if params else []
         self._walked = -1  # the count at the last walk that found nothing
-        self._missed: frozenset[str] = frozenset()  # the parameters without a gradient at that walk
-        # (parent, attribute, child) of the links whose child holds, below it, only parameters of
-        # `_missed`: checked at each step that sees the same parameters without a gradient
-        self._quiet: Quiet = []
         _watch_registrations()
 
     def changed(self, params: Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]],
@@ -366,8 +361,7 @@ class ModuleLinks:
         (taken only when the links are walked: FSDP2's, whose modules hold the unsharded tensors
         while unsharded). `missed`: the names of the parameters that got no gradient this step."""
         count = _registrations[0]
-        gone = missed() if missed is not None else ()
-        if count == self._walked and _registration_hook and (not gone or self._as_walked(gone)):
+        if count == self._walked and _registration_hook and not (missed is not None and missed()):
             return None
         if callable(params):
             params = params()
@@ -377,40 +371,7 @@ class ModuleLinks:
             if moved:  # the links follow what moved (or went): from the model's roots down, as now
                 self.links = relinked(self.links, params, self.roots)
             self._walked = count
-            self._missed = frozenset(gone)
-            self._quiet = quiet_links(self.links, params, self._missed) if gone else []
         return problem
-
-    def _as_walked(self, gone: Collection[str]) -> bool:
-        """`gone` (the parameters without a gradient now) are those of the last clean walk, and
-        every link down to modules holding only such parameters still holds its child. A module
-        replaced (by any path) whose parameters got a gradient at that walk leaves them none,
-        so `gone` differs; one holding only parameters that got none is a quiet link's child."""
-        if len(gone) != len(self._missed) or not self._missed.issuperset(gone):
-            return False
-        for parent_ref, attr, child_ref in self._quiet:
-            parent, child = parent_ref(), child_ref()
-            if parent is None or child is None or parent._modules.get(attr) is not child:
-                return False
-        return True
-
-
-def quiet_links(links: Links, params: Mapping[str, Tensor], missed: Collection[str]) -> Quiet:
-    """(parent, attribute, child) of each of `links` whose child holds, as its own or below it,
-    no parameter of `params` but those named in `missed` (which got no gradient): a replacement
-    of such a child leaves every parameter's gradient as it was."""
-    fed = {id(p) for n, p in params.items() if n not in missed}
-    feeds: dict[int, bool] = {}  # a module's verdict, by id
-
-    def feeding(module: nn.Module) -> bool:
-        if id(module) not in feeds:
-            feeds[id(module)] = False  # a cycle of modules stops here
-            feeds[id(module)] = any(p is not None and id(p) in fed for p in module._parameters.values()) or \
-                any(c is not None and feeding(c) for c in module._modules.values())
-        return feeds[id(module)]
-
-    return [(parent_ref, attr, child_ref) for parent_ref, attr, child_ref, _ in links
-            if (child := child_ref()) is not None and not feeding(child)]
 
 
 def _canonical_params(root: nn.Module) -> dict[str, Tensor]:
