@@ -196,10 +196,18 @@ _SINCE = (None, "replaced", "added", "edited")
 
 def _note_arrival(owner: weakref.ref, name: str) -> Callable[[Tensor], None]:
     """A sharded parameter's post-accumulate-grad hook, which FSDP2 runs once it wrote the
-    parameter's reduced gradient: `name` noted in the optimizer's `_arrived`."""
+    parameter's reduced gradient: `name` noted in the optimizer's `_arrived`. An arrival from
+    another backward than the last noted (autograd's graph task id, unique per backward, set
+    in FSDP2's post-backward callback too) forgets the arrivals before it: those of a batch
+    discarded by `model.zero_grad(set_to_none=False)` without a step, or of an earlier
+    micro-batch (a parameter the last backward did not reach is then missed: a walk, no error)."""
     def arrived(_: Tensor) -> None:
         opt = owner()
         if opt is not None:
+            task = torch._C._current_graph_task_id()
+            if task != opt._arrival_task:
+                opt._arrived.clear()
+                opt._arrival_task = task
             opt._arrived.add(name)
     return arrived
 
@@ -411,6 +419,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         # (`_missed_gradients`); a torch that runs none leaves every parameter missed, each step's
         # check then reading every link (`ModuleLinks`: no replacement missed, a walk's cost)
         self._arrived: set[str] = set()
+        self._arrival_task = -1  # the backward (graph task) `_arrived` came from
         owner = weakref.ref(self)  # the hooks must not keep the optimizer alive
         self._arrival_hooks = [p.register_post_accumulate_grad_hook(_note_arrival(owner, n))
                                for n, p in self.params.items()]
@@ -825,6 +834,12 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         return run_step(self, closure, self._checked_step)
 
     def _checked_step(self) -> None:
+        try:
+            self._checked_step_now()
+        finally:  # taken or refused: the arrivals were this step's (a backward after reaches anew)
+            self._arrived.clear()
+
+    def _checked_step_now(self) -> None:
         fsdp_checkpoint.check_weights_at_step(self)  # after load_state_dict(): its weights, before anything changes
         # refused by either, nothing changed: a clip already taken (the checked norm, `_grad_scale`)
         # stays for a step() called again once the cause is fixed, as the ZeRO-1 layout's scaled
@@ -857,7 +872,6 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             self.comm.log.step += 1
             self.world.log.step += 1
             record_writes(self)  # the step's own writes
-            self._arrived.clear()
         finally:
             self.checked, self._grad_scale = None, 1.0
 

@@ -212,7 +212,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               wrap: str | None = None, wrap_step: bool = True, optimizer: str = "muon",
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
               unsynced_after_clip: int | None = None, nan_weight: int | None = None,
-              replace: int | None = None, replace_how: str = "attr", kept: str | None = None) -> dict:
+              replace: int | None = None, replace_how: str = "attr", kept: str | None = None,
+              discarded: int | None = None) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -266,7 +267,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `ModuleList.insert` and `del` do not: the old a.weight gets no gradient), "swap" (no new module:
     `model.a` and `model.c` swapped after that step's backward, swapped back after the step). `kept`:
     every step zeroes the gradients in place, "opt" (`opt.zero_grad(set_to_none=False)`) or "model"
-    (`model.zero_grad(set_to_none=False)`): a gradient no backward reached stays a zero tensor."""
+    (`model.zero_grad(set_to_none=False)`): a gradient no backward reached stays a zero tensor. At
+    step `discarded` a batch's backward runs first, discarded by that step's zeroing (no step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -294,6 +296,8 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     for step in range(steps):
         if step == assign:
             model.load_state_dict({"a.weight": model.a.weight.detach().clone()}, strict=False, assign=True)
+        if step == discarded:
+            model(small_batch(70 + step, rank)).backward()
         if kept == "model":
             model.zero_grad(set_to_none=False)
         else:
@@ -479,6 +483,8 @@ SMALL_CASES = {
     "replace-swap": {"steps": 3, "replace": 1, "replace_how": "swap"},
     "replace-insert-zeroed": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "opt"},
     "replace-insert-model-zeroed": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model"},
+    "replace-insert-model-discarded": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model",
+                                       "discarded": 1},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
     "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
@@ -1225,6 +1231,10 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # module trained unstepped until some module was registered
     ("replace-insert-zeroed", "parameter 'a.weight' was replaced after the optimizer was built"),
     ("replace-insert-model-zeroed", "parameter 'a.weight' was replaced after the optimizer was built"),
+    # the same after a batch's backward discarded by `model.zero_grad(set_to_none=False)` (no step)
+    # just before the replacement: that backward's arrivals are not this step's. Before: the new
+    # module trained one step unstepped, the error at the next
+    ("replace-insert-model-discarded", "parameter 'a.weight' was replaced after the optimizer was built"),
     # two modules swapped between the backward and step(): every parameter still in the model,
     # under another name than the optimizer's state is keyed by (a resume would pair other weights)
     ("replace-swap", "moved in the model after the optimizer was built"),
