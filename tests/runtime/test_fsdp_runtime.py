@@ -213,7 +213,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
               unsynced_after_clip: int | None = None, nan_weight: int | None = None,
               replace: int | None = None, replace_how: str = "attr", kept: str | None = None,
-              discarded: int | None = None) -> dict:
+              discarded: int | None = None, offload: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -268,22 +268,27 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     `model.a` and `model.c` swapped after that step's backward, swapped back after the step). `kept`:
     every step zeroes the gradients in place, "opt" (`opt.zero_grad(set_to_none=False)`) or "model"
     (`model.zero_grad(set_to_none=False)`): a gradient no backward reached stays a zero tensor. At
-    step `discarded` a batch's backward runs first, discarded by that step's zeroing (no step)."""
+    step `discarded` a batch's backward runs first, discarded by that step's zeroing (no step).
+    `offload`: FSDP2's CPU offload (`CPUOffloadPolicy(pin_memory=False)`), the replacement's too;
+    `hooks`: the post-accumulate-grad hooks on each parameter after the optimizer's construction."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from canzona.errors import CanzonaError
     from canzona.runtime import DistributedOptimizer
     from tests.runtime.amp_wrappers import WRAPPERS
 
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+
     model = Small().to(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
     mspec = small_spec()
     mesh = init_device_mesh("cpu", (world,)) if unreduced is None else \
         init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **policy)
     backup = torch.nn.ModuleList([model.a]) if replace_how == "backup" else None  # noqa: F841
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, OPTIMIZER_CONFIGS[optimizer],
                                timeout_s=timeout_s, nonfinite=nonfinite, max_grad_norm=max_grad_norm)
+    hooks = {n: len(p._post_accumulate_grad_hooks or {}) for n, p in model.named_parameters()}
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
     amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
                                                            growth_interval=1 if scaler == "unscale" else 2000)
@@ -316,7 +321,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
             new = torch.nn.Linear(16, 16, bias=False)
             with torch.no_grad():
                 new.weight.copy_(gather_rows(model.a.weight))
-            fully_shard(new, mesh=mesh)
+            fully_shard(new, mesh=mesh, **policy)
             if replace_how == "insert":
                 model._modules["a"] = new
             else:
@@ -433,7 +438,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
         others = (float(other.to_local().sum()), float(found))
     # after a dead peer, no more collectives (the survivors' timed-out all-gather is still on the wire)
     params = {} if absent is not None else {n: gather_rows(p) for n, p in model.named_parameters()}
-    return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took,
+    return {"params": params, "grads": grads, "norms": norms, "error": error, "took": took, "hooks": hooks,
             "skipped": opt.skipped_steps, "stale": stale, "refused": refused, "regroup_save": regroup_save, "regroup_load": regroup_load, "scales": scales, "others": others, "local_rows": local_rows, "held": held_bytes(opt),
             "owner": dict(opt.owner), "micro_groups": [list(g) for g in opt.micro_groups],
             "log": [(r.step, r.op, r.group, r.name, r.bytes_per_rank)
@@ -485,6 +490,14 @@ SMALL_CASES = {
     "replace-insert-model-zeroed": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model"},
     "replace-insert-model-discarded": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model",
                                        "discarded": 1},
+    # under FSDP2's CPU offload, where the optimizer registers no arrival hook
+    "offload": {"steps": 3, "offload": True},
+    "offload-model-zeroed": {"steps": 3, "offload": True, "kept": "model"},
+    "replace-insert-offload": {"steps": 3, "replace": 1, "replace_how": "insert", "offload": True},
+    "replace-insert-model-zeroed-offload": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model",
+                                            "offload": True},
+    "replace-insert-model-discarded-offload": {"steps": 3, "replace": 1, "replace_how": "insert",
+                                               "kept": "model", "discarded": 1, "offload": True},
     "unsynced": {"steps": 3, "unsynced": 1},
     "unreduced": {"steps": 3, "unreduced": 1},
     "unsynced-after-clip": {"steps": 3, "clip": 1e9, "unsynced_after_clip": 1},
@@ -1235,6 +1248,11 @@ def test_fsdp_local_problem_fails_every_rank() -> None:
     # just before the replacement: that backward's arrivals are not this step's. Before: the new
     # module trained one step unstepped, the error at the next
     ("replace-insert-model-discarded", "parameter 'a.weight' was replaced after the optimizer was built"),
+    # the same three under FSDP2's CPU offload, which the optimizer hooks no parameter of (a hook
+    # would make FSDP2's device-to-host copy blocking): the gradients' values tell
+    ("replace-insert-offload", "parameter 'a.weight' was replaced after the optimizer was built"),
+    ("replace-insert-model-zeroed-offload", "parameter 'a.weight' was replaced after the optimizer was built"),
+    ("replace-insert-model-discarded-offload", "parameter 'a.weight' was replaced after the optimizer was built"),
     # two modules swapped between the backward and step(): every parameter still in the model,
     # under another name than the optimizer's state is keyed by (a resume would pair other weights)
     ("replace-swap", "moved in the model after the optimizer was built"),
@@ -1265,6 +1283,21 @@ def test_fsdp_a_step_the_model_no_longer_feeds_is_one_error_before_any_update(ca
     for r in results:
         assert compare(r["params"], want)["bit_identical"]
 
+
+@pytest.mark.parametrize("case", ["offload", "offload-model-zeroed"])
+def test_fsdp_cpu_offload_trains_as_without_and_gets_no_arrival_hook(case: str) -> None:
+    """FSDP2's CPU offload (`CPUOffloadPolicy`): the optimizer registers no post-accumulate-grad
+    hook on its parameters (one turns FSDP2's device-to-host copy of the reduced gradient
+    blocking, torch 2.13), and 3 steps, zeroed to None or in place by the model, train bit for bit
+    as the same kernels on the global gradients (no false replacement: every gradient counts as
+    reached). Before: one hook per parameter."""
+    for r in _small()[case]:
+        assert r["error"] is None, r["error"]
+        assert set(r["hooks"].values()) == {0}, r["hooks"]
+        assert len(r["grads"]) == 3
+    want = emulate_small(_small()[case][0]["grads"])
+    for r in _small()[case]:
+        assert compare(r["params"], want)["bit_identical"]
 
 def test_fsdp_a_model_cast_after_building_the_optimizer_is_one_error_before_any_update() -> None:
     """`model.to(torch.bfloat16)` after the optimizer was built (fp32 then: no masters, fp32 state):
