@@ -212,6 +212,11 @@ def _note_arrival(owner: weakref.ref, name: str) -> Callable[[Tensor], None]:
     return arrived
 
 
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
     """`DistributedOptimizer` over FSDP2 parameters (built by it: `DistributedOptimizer(
     model.named_parameters(), spec, ...)` on a `fully_shard` model returns one of these). `spec`
@@ -428,6 +433,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         owner = weakref.ref(self)  # the hooks must not keep the optimizer alive
         self._arrival_hooks = [p.register_post_accumulate_grad_hook(_note_arrival(owner, n))
                                for n, p in self.params.items() if n not in self._offloaded]
+        # removed when the optimizer dies: a dropped one leaves none on the model's parameters
+        weakref.finalize(self, _remove_hooks, self._arrival_hooks)
         dtensor_amp.install(self)  # GradScaler's unscale of these gradients comes here (`_amp_unscale`)
 
     # --- construction ------------------------------------------------------------------------

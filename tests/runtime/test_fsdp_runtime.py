@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -492,6 +493,7 @@ SMALL_CASES = {
                                        "discarded": 1},
     # under FSDP2's CPU offload, where the optimizer registers no arrival hook
     "offload": {"steps": 3, "offload": True},
+    "rebuilt": {"rebuilt": True},
     "offload-model-zeroed": {"steps": 3, "offload": True, "kept": "model"},
     "replace-insert-offload": {"steps": 3, "replace": 1, "replace_how": "insert", "offload": True},
     "replace-insert-model-zeroed-offload": {"steps": 3, "replace": 1, "replace_how": "insert", "kept": "model",
@@ -596,8 +598,40 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
             return meta_refusal(world, rank, kw.get("only"))
         if "load_on" in kw:
             return load_refusal(world, rank, kw["load_on"])
+        if "rebuilt" in kw:
+            return rebuilt_hooks(world)
         return torch_sgd_runs(rank, world) if "torch_sgd" in kw else small_run(rank, world, **kw)
     return {k: one(kw) for k, kw in cases.items()}
+
+
+def rebuilt_hooks(world: int) -> dict[str, Any]:
+    """Small under fully_shard: an optimizer built, stepped once and dropped (`del`, gc), then
+    another built on the same model: the post-accumulate-grad hooks on each parameter after each
+    build and after the drop, and whether the first optimizer is gone."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from canzona.runtime import DistributedOptimizer
+
+    def hooks() -> list[int]:
+        return [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+
+    model = Small()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON)
+    out: dict[str, Any] = {"built": hooks()}
+    model(small_batch(0, torch.distributed.get_rank())).backward()
+    opt.step()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    out["dropped"], out["gone"] = hooks(), gone() is None
+    again = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON)
+    out["rebuilt"] = hooks()
+    del again
+    return out
 
 
 def torch_sgd_runs(rank: int, world: int) -> dict[str, dict]:
@@ -1298,6 +1332,16 @@ def test_fsdp_cpu_offload_trains_as_without_and_gets_no_arrival_hook(case: str) 
     want = emulate_small(_small()[case][0]["grads"])
     for r in _small()[case]:
         assert compare(r["params"], want)["bit_identical"]
+
+def test_fsdp_an_optimizer_dropped_takes_its_arrival_hooks_with_it() -> None:
+    """An optimizer built, stepped, dropped (`del`, gc), then another built on the same model: one
+    post-accumulate-grad hook per parameter after each build, none between. Before: the dropped
+    optimizer's hooks stayed on the parameters (two after the second build), each run by every
+    backward after."""
+    for r in _small()["rebuilt"]:
+        assert r["gone"]
+        assert r["built"] == r["rebuilt"] == [1] * 6 and r["dropped"] == [0] * 6, r
+
 
 def test_fsdp_a_model_cast_after_building_the_optimizer_is_one_error_before_any_update() -> None:
     """`model.to(torch.bfloat16)` after the optimizer was built (fp32 then: no masters, fp32 state):
