@@ -27,13 +27,16 @@ what a plain parameter's one costs twice), and nothing once landed: the forward'
 neither class. A `nn.Parameter` subclass of the user's own (a quantisation library's) is marked
 by a pending subclass of its class, made at its first use (`_pending_parameter_class`; before
 2026-12-03 it was left unmarked, and a read outside the forwards saw last step's values,
-silently). A DTensor whose local tensor is itself a subclass, a DTensor subclass, or a Parameter
-class that takes no subclass is left as it is (its reads outside the forwards are
+silently); its copies and pickles (`__deepcopy__`, `__copy__`, `__reduce_ex__`) land first and
+are made as the user's class makes them. A DTensor whose local tensor is itself a subclass, a
+DTensor subclass, or a Parameter class that takes no subclass (its `__init_subclass__` raising
+included) is left as it is (its reads outside the forwards are
 `ParamsInFlight.check_read`'s error, or silent).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 
 import torch
@@ -86,6 +89,20 @@ def _land_and_copy(self: Tensor, memo: dict) -> Tensor:
     return self.__deepcopy__(memo)
 
 
+def _land_and_reduce(self: Tensor, proto: int) -> object:
+    """A pending user class's `__reduce_ex__` (pickling, `torch.save`): land it, then reduce it as
+    its own class would (one capturing `self.__class__` would capture the pending class)."""
+    land(self)
+    return self.__reduce_ex__(proto)
+
+
+def _land_and_shallow_copy(self: Tensor) -> Tensor:
+    """A pending user class's `__copy__`: land it, then copy it as its own class would (one
+    building with `type(self).__new__` would build the pending class)."""
+    land(self)
+    return copy.copy(self)
+
+
 class PendingParameter(nn.Parameter):
     """An `nn.Parameter` whose step all-gather is in flight (the class only while it is)."""
 
@@ -118,7 +135,8 @@ def _pending_parameter_class(cls: type) -> type:
             "__doc__": f"A `{cls.__qualname__}` whose step all-gather is in flight (the class only while it is).",
             "__torch_function__": classmethod(lambda c, func, types, args=(), kwargs=None:
                                               _pending_torch_function(func, args, kwargs)),
-            "__deepcopy__": _land_and_copy})
+            "__deepcopy__": _land_and_copy, "__copy__": _land_and_shallow_copy,
+            "__reduce_ex__": _land_and_reduce})
         _PENDING_OF[cls] = pending
         _BASE_OF[pending] = cls
         _PENDING.add(pending)
@@ -200,7 +218,7 @@ def markable(p: Tensor) -> bool:
         try:  # a class that takes no subclass, or whose instances' class cannot be swapped: left as it is
             p.__class__ = _pending_parameter_class(cls)
             p.__class__ = cls
-        except TypeError:
+        except Exception:  # noqa: BLE001 - a TypeError, or what its __init_subclass__ raises (a registry's rule)
             return False
         return True
     dtensor = _dtensor_class()

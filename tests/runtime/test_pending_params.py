@@ -293,3 +293,70 @@ def test_a_parameter_of_a_users_own_class_is_marked_pending_and_a_read_of_its_va
         if read == "deepcopy":
             assert type(got) is UserParameter  # (torch's Parameter.__deepcopy__ copies no attributes)
     assert marked and type(p) is UserParameter and p.tag == "mine"
+
+
+class RefusesSubclasses(torch.nn.Parameter):
+    """A Parameter class of a library whose registry refuses subclasses it did not name."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        raise ValueError(f"only the registry's own subclasses: {cls.__name__}")
+
+
+def test_a_parameter_class_that_refuses_a_subclass_is_left_unmarked():
+    """A user's Parameter class whose `__init_subclass__` raises (a ValueError: a registry's
+    rule) takes no pending class: left unmarked, as a class that takes no subclass is (before:
+    its ValueError out of `markable`, the optimizer's construction)."""
+    from canzona.runtime import pending_params
+
+    p = RefusesSubclasses(torch.zeros(2, 2))
+    assert not pending_params.markable(p) and type(p) is RefusesSubclasses
+
+
+class Reducing(torch.nn.Parameter):
+    """A Parameter class whose `__reduce_ex__` rebuilds it from `self.__class__`."""
+
+    def __reduce_ex__(self, proto):
+        return _rebuild_reducing, (self.__class__, self.detach().clone())
+
+
+def _rebuild_reducing(cls, data):
+    return cls(data)
+
+
+class Copying(torch.nn.Parameter):
+    """A Parameter class whose `__copy__` makes the copy with `type(self).__new__`."""
+
+    def __copy__(self):
+        new = type(self).__new__(type(self), self.detach().clone())
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+class QuickGather(Gather):
+    def wait(self) -> None:
+        time.sleep(0.05)
+        self.into.fill_(self.value)
+
+
+@pytest.mark.parametrize("how", ["pickle (__reduce_ex__ of self.__class__)", "copy.copy (__copy__ of type(self))"])
+def test_a_pending_parameter_of_a_users_class_is_pickled_and_copied_as_its_class(how):
+    """A user's Parameter class whose `__reduce_ex__` captures `self.__class__` (pickling,
+    `torch.save`) or whose `__copy__` builds with `type(self).__new__`, read while its gather is
+    in flight: the gather lands first and the copy is of the user's class with the landed values,
+    the parameter unmarked. Before: the pending class leaked into them (pickle: 'Can't pickle
+    PendingReducing', copy.copy: a PendingCopying copy of last step's values)."""
+    import copy
+    import pickle
+
+    cls = Reducing if how.startswith("pickle") else Copying
+    module = torch.nn.Linear(4, 4)
+    module.weight = cls(torch.zeros(4, 4))
+    params = dict(module.named_parameters())
+    gathers = ParamsInFlight({n: (0,) for n in params}, {module: list(params)}, params)
+    gathers.launch(lambda: [QuickGather(module.weight.detach(), 1.0)])
+    p = module.weight
+    assert type(p) is not cls
+    got = pickle.loads(pickle.dumps(p)) if cls is Reducing else copy.copy(p)
+    assert type(got) is cls and torch.equal(got.detach(), torch.ones(4, 4))
+    assert type(p) is cls and not gathers.in_flight
