@@ -426,10 +426,8 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         self._arrived: set[str] = set()
         self._arrival_task = -1  # the backward (graph task) `_arrived` came from
         # no hook on a parameter under FSDP2's CPU offload: one would turn its device-to-host copy of
-        # the reduced gradient blocking (torch 2.13); its gradient tells instead (`_offload_missed`)
+        # the reduced gradient blocking (torch 2.13); it counts as missed every step (`_missed_gradients`)
         self._offloaded = frozenset(n for n, fp in self._fsdp_params.items() if getattr(fp, "offload_to_cpu", False))
-        # each offloaded gradient as the last step left it (a weak reference, the sum of its values)
-        self._offload_stepped: dict[str, tuple[weakref.ref, float]] = {}
         owner = weakref.ref(self)  # the hooks must not keep the optimizer alive
         self._arrival_hooks = [p.register_post_accumulate_grad_hook(_note_arrival(owner, n))
                                for n, p in self.params.items() if n not in self._offloaded]
@@ -556,31 +554,10 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         so neither the tensor nor its counter tells. FSDP2's
         `reduce_scatter_unused_params` gives every unused parameter a zero gradient: none missed."""
         arrived, offloaded = self._arrived, self._offloaded
-        return [n for n, p in self.params.items()
-                if p.grad is None or (self._offload_missed(n, p.grad) if n in offloaded else n not in arrived)]
-
-    def _offload_missed(self, name: str, grad: Tensor) -> bool:
-        """A gradient under FSDP2's CPU offload (no arrival hook: `_offloaded`) no backward reached
-        since the last step: the tensor the step left with the same sum of its local values (the
-        last step's, which `model.zero_grad()` no longer reaches once its module was replaced; a
-        version counter would not tell, where FSDP2's gradients are views of one output), or all
-        zeros (zeroed in place, by either zero_grad, a discarded batch's included). A gradient
-        whose values a backward left so is missed too: a walk, no error. Its cost: this sum (and
-        the step's, `_offload_sums`), two reads of this rank's CPU gradient shard a step (12 ms a
-        read of 64 MiB of fp32 on one CPU thread here, where FSDP2's own accumulation into it,
-        under `zero_grad(set_to_none=False)`, takes 13 ms)."""
-        local = local_tensor(grad)
-        total = float(local.sum())
-        kept = self._offload_stepped.get(name)
-        if kept is not None and kept[0]() is grad and (kept[1] == total or math.isnan(kept[1]) and math.isnan(total)):
-            return True
-        return total == 0.0 and local.numel() > 0 and not bool(local.any())
-
-    def _offload_sums(self) -> dict[str, tuple[weakref.ref, float]]:
-        """Each gradient under FSDP2's CPU offload as a step leaves it: a weak reference, the sum of
-        its local values (`_offload_missed`)."""
-        return {n: (weakref.ref(g), float(local_tensor(g).sum()))
-                for n in self._offloaded if (g := self.params[n].grad) is not None}
+        # a gradient under CPU offload (no arrival hook) counts as missed every step: the links are
+        # walked every step (0.02 ms at 80 layers, 0.31 ms at 1,000), where telling it by its
+        # values would read every offloaded gradient twice a step (12 ms per 64 MiB of fp32 here)
+        return [n for n, p in self.params.items() if p.grad is None or n in offloaded or n not in arrived]
 
     def _changed(self) -> str | None:
         """What changed on this rank since construction that a step cannot follow: `param_groups`
@@ -874,8 +851,6 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             self._checked_step_now()
         finally:  # taken or refused: the arrivals were this step's (a backward after reaches anew)
             self._arrived.clear()
-            if self._offloaded:
-                self._offload_stepped = self._offload_sums()
 
     def _checked_step_now(self) -> None:
         fsdp_checkpoint.check_weights_at_step(self)  # after load_state_dict(): its weights, before anything changes
