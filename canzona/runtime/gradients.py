@@ -671,7 +671,7 @@ class GradientSync:
     def prepare(self, hyper_parameters: int, max_norm: float | None = None,
                 more_norm: Tensor | None = None, more_problem: str | None = None,
                 more_backward: int = 0, more_got: Tensor | None = None, recheck: bool = True,
-                loaded: bool = False) -> StepCheck:
+                loaded: bool = False, more_broken: bool = True) -> StepCheck:
         """Reduce the gradients and check, on every rank alike, that the step is sound; return
         which parameters got a gradient on any rank and the global gradient norm. Once per step
         (clip_grad_norm_, then step). `hyper_parameters`: this rank's digest of its param_groups;
@@ -679,7 +679,9 @@ class GradientSync:
         this rank's sum of squares of gradients held beside these buffers (the experts' under
         expert parallelism), added to its own before the ranks' are summed; `more_problem`: what
         another part's check found wrong on this rank (the experts' over EDP), which fails this
-        check on every rank as this rank's own problem would; `more_backward`: the gradients
+        check on every rank as this rank's own problem would, as a broken step if `more_broken`
+        (the experts' check found one), else as a refusal that keeps the gradients for a retry (a
+        disagreement, a NaN norm: the other ranks name it, the step is not abandoned); `more_backward`: the gradients
         another part's backward gave this rank (the experts', which may be all it trains);
         `more_got`: this rank's got-a-gradient flags of another part's parameters (the experts',
         whose stacks every EP rank holds a part of), combined over the whole cluster (DP, then TP)
@@ -698,6 +700,9 @@ class GradientSync:
             self._finish()
             self._reduced = True
         problem = more_problem or self._local_problem()
+        # 2: a broken step on this rank (abandoned on every rank); 1: another part's refusal that
+        # is not one (`more_broken` False), reported on every rank, the gradients kept for a retry
+        word = 0 if problem is None else 1 if more_problem is not None and not more_broken else 2
         # the header is assembled on the device the check travels on: the norm term never comes to
         # the host on its own, so the table below is the step's one read of device values
         device = self.dp.check_device
@@ -709,7 +714,7 @@ class GradientSync:
         sent = torch.cat([sent, torch.tensor([int(loaded)], dtype=torch.int64)])  # `loaded` rides last
         header = torch.cat([
             to_device(torch.cat([self._got_grad, sent, torch.tensor(
-                [self.backward + more_backward, int(problem is not None), hyper_parameters],
+                [self.backward + more_backward, word, hyper_parameters],
                 dtype=torch.int64)]), device),
             term.reshape(1).view(torch.int64),
             to_device(torch.tensor([_clip_word(max_norm)], dtype=torch.float64), device).view(torch.int64)])
@@ -717,12 +722,14 @@ class GradientSync:
         flags, fired, broken, digests = table[:, :-5], table[:, -5], table[:, -4], table[:, -3]
         terms, clips = table[:, -2].view(torch.float64), table[:, -1].view(torch.float64)
         error = None
-        if broken.any():
-            error = self._broken(problem, broken)
+        if (broken == 2).any():
+            error = self._broken(problem if word == 2 else None, broken == 2)
         elif not torch.all(digests == digests[0]):
             error = f"{digests_apart(self.dp, hyper_parameters, 'rank')}: change them alike on every rank"
         elif not _all_same(clips):
             error = _clip_disagreement(clips, self.dp.rank, "rank")
+        elif broken.any():
+            error = self._refused_elsewhere(problem if word == 1 else None, broken == 1)
         elif self.checks_backward and not fired.any():
             error = ("step() found no gradient on any rank: call backward() before step(), on the "
                      "parameters given to the optimizer")
@@ -812,6 +819,19 @@ class GradientSync:
             return f"rank(s) {ranks} found a broken step: {problems[ranks[0]]}"
         first = next(p for p in problems if p is not None)
         return f"rank(s) {ranks_of(broken != 0)} found a broken step: {_relayed(first) or first}"
+
+    def _refused_elsewhere(self, problem: str | None, failed: Tensor) -> str:
+        """The error of a check whose table says that another part's check (the experts' over EDP)
+        refused this step on some ranks without finding it broken (a NaN norm, ...; a disagreement
+        of the hyper-parameters or the clip threshold is this check's own, named over DP): this
+        rank's own line, or one naming those ranks and the first one's line. The gradients stay
+        for a retried step(), as after this check's own refusal. One more exchange, of the lines,
+        on this failure path only."""
+        problems = self.dp.all_gather_object(problem, "step problems")
+        if problem is not None:
+            return problem
+        first = next(p for p in problems if p is not None)
+        return f"the experts' step check failed on rank(s) {ranks_of(failed)}: {first}"
 
     def _failure_word(self, error: str | None) -> int:
         """What a TP check's row says of this rank's DP verdict: 0 passed, 1 failed, 2 failed as

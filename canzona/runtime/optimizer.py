@@ -770,12 +770,14 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         try:
             experts.prepare(digest, max_norm, recheck=False)  # a reused check: the dense recheck covers every rank
             # reused: what changed since on this rank (a gradient dropped) rides in the dense recheck
-            failed = experts.local_problem() if reused else None
+            failed, broken = (experts.local_problem() if reused else None), True
         except CanzonaError as e:
-            failed = str(e)
+            # a broken step there is one here (abandoned on every rank); a disagreement or a NaN
+            # norm is a refusal that keeps the gradients for a retried step(), as the dense one's
+            failed, broken = str(e), experts.broken_refusal
         check = self.grads.prepare(digest, max_norm, more_norm=None if failed else experts.norm_term,
                                    more_problem=failed, more_backward=experts.backward, more_got=experts.local_got,
-                                   loaded=self._model_loaded)
+                                   loaded=self._model_loaded, more_broken=broken)
         # an expert stack steps whole where any rank of the cluster reached it (its experts without
         # tokens with zero gradients), and is skipped where none did, as one process steps the
         # model's one tensor or skips it: the dense check combined the flags of every EP rank

@@ -162,6 +162,28 @@ def broken_group_job(rank: int, world: int) -> dict:
     return out
 
 
+def disagreement_job(rank: int, world: int) -> dict:
+    """A learning rate set on rank 0 alone, then a clip threshold that differs on rank 0: refused on
+    every rank as a disagreement, not a broken step; the gradients stay for a retry (the lr put
+    back; the clip called again alike), which steps."""
+    torch, model, opt, batches = _setup(rank)
+    model.loss(batches[0]).backward()
+    lr = opt.param_groups[0]["lr"]
+    if rank == 0:
+        opt.param_groups[0]["lr"] = lr * 2
+    out = {"lr": _outcome(opt.step)}
+    opt.param_groups[0]["lr"] = lr
+    before = _snapshot(model)
+    out["retry"] = _outcome(opt.step)
+    out["changed"] = not _unchanged(before, model)
+    opt.zero_grad()
+    model.loss(batches[1]).backward()
+    out["clip"] = _outcome(lambda: opt.clip_grad_norm_(1.0 if rank == 0 else 2.0))
+    out["clip again"] = _outcome(lambda: opt.clip_grad_norm_(1.0))
+    out["clipped step"] = _outcome(opt.step)
+    return out
+
+
 def dying_job(rank: int, world: int, outdir: str) -> str:
     torch, model, opt, batches = _setup(rank)
     model.loss(batches[0]).backward()
@@ -236,7 +258,8 @@ def experts_only_job(rank: int, world: int, frozen: bool) -> dict:
 
 def jobs_worker(rank: int, world: int) -> dict:
     return {"raise": nan_job(rank, world, "raise"), "skip": nan_job(rank, world, "skip"),
-            "broken": broken_group_job(rank, world), "idle": idle_experts_job(rank, world, False),
+            "broken": broken_group_job(rank, world), "disagree": disagreement_job(rank, world),
+            "idle": idle_experts_job(rank, world, False),
             "grad scaler": grad_scaler_job(rank, world),
             "idle-zeros": idle_experts_job(rank, world, True),
             # every rank of EP rank 1 (its EDP group): no rank holding those experts got a gradient
@@ -287,6 +310,18 @@ def test_a_step_broken_in_one_edp_group_stops_every_rank_at_once():
             # line. Before: the EDP peer's 'rank(s) [1] found a broken step: ...' (1: an EDP rank)
             # nested in 'rank(s) [1, 3] found a broken step: ...' on the healthy group
             assert o["error"] == f"rank(s) [{SICK}] found a broken step: {got[SICK]['error']}", (rank, o)
+
+
+def test_a_disagreement_seen_by_the_experts_check_is_refused_alike_and_a_retry_steps():
+    """The experts' check over EDP fails on one EDP group only (lr or threshold differs on rank 0):
+    every rank says the disagreement over DP, none that a step is broken, and the gradients stay
+    for a retry. Before: the experts' failure counted as a broken step ('rank(s) [0, 2] found a
+    broken step: ranks disagree ...'), the step was dropped, and the retry was refused."""
+    for rank, o in enumerate(o["disagree"] for o in outcomes()):
+        assert "param_groups[0]['lr'] is" in o["lr"]["error"] and "broken" not in o["lr"]["error"], (rank, o)
+        assert o["retry"]["error"] is None and o["changed"], (rank, o)
+        assert "clip threshold" in o["clip"]["error"] and "broken" not in o["clip"]["error"], (rank, o)
+        assert o["clip again"]["error"] is None and o["clipped step"]["error"] is None, (rank, o)
 
 
 def test_experts_that_got_no_tokens_on_one_rank_are_a_zero_gradient_not_an_error():
