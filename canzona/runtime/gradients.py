@@ -237,10 +237,19 @@ class GradientSync:
         STALE_GRADIENTS and a `step()` with no backward names the refused step (`_refused_line`).
         The collectives are completed and this step's progress forgotten: nothing of the refused
         step's buffers enters a later reduction (a backward writes each gradient anew, a gradient
-        that none reached is zero or refused at its launch)."""
+        that none reached is zero or refused at its launch). A `.grad` holding a plain tensor (a
+        backward wrote a new one after a model.zero_grad() mid-step: DROPPED_MID_STEP) gets its
+        guard back, so that a backward onto it is STALE_GRADIENTS, as onto any other. A refusal
+        of step() called again (REFUSED_AGAIN) keeps the line of the step first refused."""
         self._drain()
+        with torch._C.DisableTorchFunctionSubclass():
+            for name in self._states:
+                p, guard = self.params[name], self._guards[name]
+                if p.grad is not None and p.grad is not guard:
+                    p.grad = guard
+        line = self._refused_line
         self.stepped()
-        self._refused_line = error
+        self._refused_line = line if line is not None and REFUSED_AGAIN.split("(")[0] in error else error
 
     def stepped(self) -> None:
         """The step consumed the gradients: the guards say so, so that a backward cannot add onto

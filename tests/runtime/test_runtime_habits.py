@@ -2178,6 +2178,57 @@ def test_after_a_step_refused_as_broken_a_zero_grad_and_a_backward_go_on_as_afte
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
+def test_after_a_step_refused_as_dropped_mid_step_a_backward_without_zero_grad_is_refused(one_rank):
+    """backward; model.zero_grad(); backward; step() is refused (DROPPED_MID_STEP, broken): step()
+    again names that refusal, the same line however often (not nested); a backward with no
+    zero_grad() since is STALE_GRADIENTS, nothing updated; model.zero_grad() and a backward then
+    train as a run without the refused step, bit for bit. Before: the refused step's `.grad` stayed
+    plain tensors, so that backward added onto them and step() applied the sum silently; each
+    step() again nested 'step() was called again ... (step() was called again ... (...))'."""
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    def build():
+        model = _Branchy()
+        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
+
+    def loss(model, k: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(k)
+        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
+
+    def sound(model, opt, k: int) -> None:
+        opt.zero_grad()
+        loss(model, k).backward()
+        opt.step()
+
+    (model, opt), (reference, ropt) = build(), build()
+    sound(model, opt, 0)
+    opt.zero_grad()
+    loss(model, 1).backward()
+    model.zero_grad()
+    loss(model, 2).backward()
+    with pytest.raises(CanzonaError, match="was set to None .* and a backward wrote a new one") as refused:
+        opt.step()
+    again = "step() was called again with no backward since the last step() was refused ("
+    for _ in range(2):
+        with pytest.raises(CanzonaError) as e:
+            opt.step()
+        assert str(e.value).startswith(again + str(refused.value) + "): "), e.value
+    before = _params(model)
+    loss(model, 3).backward()  # no zero_grad() since the refused step
+    with pytest.raises(CanzonaError, match="^backward would accumulate the gradient of .* onto the last step's"):
+        opt.step()
+    assert compare(_params(model), before)["bit_identical"]
+    model.zero_grad()
+    loss(model, 4).backward()
+    opt.step()
+    sound(reference, ropt, 0)
+    sound(reference, ropt, 4)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
 def test_a_no_sync_backward_after_the_synchronising_one_leaves_the_gradients_under_their_reduction(one_rank):
     """A synchronising backward, then a backward under no_sync() (accumulation in the wrong order),
     then another: the no_sync() one is recorded as a second synchronisation (not taken) and its
